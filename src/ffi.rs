@@ -1,0 +1,175 @@
+//! The CUDA driver, loaded at run time through `cudarc::driver::sys` (no link-time `libcuda`).
+//!
+//! Owns: the one check that the driver library is present (cudarc panics on first use when it is
+//! not, so every entry point calls [`driver_api`] first), the conversion of `CUresult` into
+//! [`CudaError`], and the error-name lookups. Nothing above this module calls `sys` without having
+//! gone through [`driver_api`].
+
+use crate::error::{CudaError, Error, Result};
+pub(crate) use cudarc::driver::sys;
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+/// Proof that the driver library was loaded and `cuInit(0)` succeeded in this process.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DriverApi(());
+
+/// Loads the driver (once per process) and runs `cuInit(0)`.
+///
+/// # Errors
+/// [`Error::DriverNotFound`] when no candidate library loads; [`Error::Cuda`] when `cuInit` fails
+/// (e.g. `CUDA_ERROR_NO_DEVICE`).
+pub(crate) fn driver_api() -> Result<DriverApi> {
+    static INIT: OnceLock<std::result::Result<(), InitFailure>> = OnceLock::new();
+    let r = INIT.get_or_init(|| {
+        // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names and drops the handle;
+        // it has no preconditions.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(InitFailure::NotFound(driver_candidates().join(", ")));
+        }
+        // SAFETY: the library is present (checked just above), so cudarc's lazy loader will not
+        // panic; `cuInit` takes a flags word that must be 0.
+        let code = unsafe { sys::cuInit(0) };
+        check("cuInit", code).map_err(InitFailure::Cuda)
+    });
+    match r {
+        Ok(()) => Ok(DriverApi(())),
+        Err(InitFailure::NotFound(s)) => Err(Error::DriverNotFound {
+            searched: s.clone(),
+        }),
+        Err(InitFailure::Cuda(e)) => Err(Error::Cuda(*e)),
+    }
+}
+
+#[derive(Debug)]
+enum InitFailure {
+    NotFound(String),
+    Cuda(CudaError),
+}
+
+/// The file names cudarc tries for the driver, in order.
+pub(crate) fn driver_candidates() -> Vec<String> {
+    cudarc::get_lib_name_candidates("cuda")
+}
+
+/// Turns a `CUresult` into `Ok(())` or a [`CudaError`] naming `call`.
+#[inline]
+pub(crate) fn check(call: &'static str, code: sys::CUresult) -> std::result::Result<(), CudaError> {
+    if code == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaError {
+            call,
+            code: code as u32,
+        })
+    }
+}
+
+/// `cuGetErrorName` for a raw code; `None` without a driver or for an unknown code.
+pub(crate) fn error_name(code: u32) -> Option<String> {
+    lookup(code, true)
+}
+
+/// `cuGetErrorString` for a raw code; `None` without a driver or for an unknown code.
+pub(crate) fn error_string(code: u32) -> Option<String> {
+    lookup(code, false)
+}
+
+fn lookup(code: u32, name: bool) -> Option<String> {
+    driver_api().ok()?;
+    // A code newer than the bindings has no enum variant; transmuting it would be undefined, so
+    // only codes the bindings know are passed to the driver.
+    let known = known_result(code)?;
+    let mut out: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the driver is loaded (`driver_api` above); `out` is a valid place for one pointer;
+    // the driver writes a pointer to a static NUL-terminated string or returns an error.
+    let r = unsafe {
+        if name {
+            sys::cuGetErrorName(known, &mut out)
+        } else {
+            sys::cuGetErrorString(known, &mut out)
+        }
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || out.is_null() {
+        return None;
+    }
+    // SAFETY: on success `out` points to a static NUL-terminated string owned by the driver.
+    Some(unsafe { CStr::from_ptr(out) }.to_string_lossy().into_owned())
+}
+
+/// The `CUresult` variant with this value, if the bindings have one.
+fn known_result(code: u32) -> Option<sys::CUresult> {
+    use sys::CUresult as R;
+    // The variants the bindings define, as a table; anything else stays a raw number.
+    const ALL: &[R] = &[
+        R::CUDA_SUCCESS,
+        R::CUDA_ERROR_INVALID_VALUE,
+        R::CUDA_ERROR_OUT_OF_MEMORY,
+        R::CUDA_ERROR_NOT_INITIALIZED,
+        R::CUDA_ERROR_DEINITIALIZED,
+        R::CUDA_ERROR_NO_DEVICE,
+        R::CUDA_ERROR_INVALID_DEVICE,
+        R::CUDA_ERROR_INVALID_IMAGE,
+        R::CUDA_ERROR_INVALID_CONTEXT,
+        R::CUDA_ERROR_MAP_FAILED,
+        R::CUDA_ERROR_UNMAP_FAILED,
+        R::CUDA_ERROR_ALREADY_MAPPED,
+        R::CUDA_ERROR_NO_BINARY_FOR_GPU,
+        R::CUDA_ERROR_NOT_MAPPED,
+        R::CUDA_ERROR_UNSUPPORTED_LIMIT,
+        R::CUDA_ERROR_CONTEXT_ALREADY_IN_USE,
+        R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+        R::CUDA_ERROR_INVALID_PTX,
+        R::CUDA_ERROR_INVALID_SOURCE,
+        R::CUDA_ERROR_FILE_NOT_FOUND,
+        R::CUDA_ERROR_SHARED_OBJECT_INIT_FAILED,
+        R::CUDA_ERROR_OPERATING_SYSTEM,
+        R::CUDA_ERROR_INVALID_HANDLE,
+        R::CUDA_ERROR_ILLEGAL_STATE,
+        R::CUDA_ERROR_NOT_FOUND,
+        R::CUDA_ERROR_NOT_READY,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS,
+        R::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
+        R::CUDA_ERROR_LAUNCH_TIMEOUT,
+        R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+        R::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+        R::CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE,
+        R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+        R::CUDA_ERROR_ASSERT,
+        R::CUDA_ERROR_LAUNCH_FAILED,
+        R::CUDA_ERROR_NOT_PERMITTED,
+        R::CUDA_ERROR_NOT_SUPPORTED,
+        R::CUDA_ERROR_SYSTEM_NOT_READY,
+        R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,
+        R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE,
+        R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        R::CUDA_ERROR_UNKNOWN,
+    ];
+    ALL.iter().copied().find(|r| *r as u32 == code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_display_names_call_and_keeps_raw_code_without_driver() {
+        let e = CudaError {
+            call: "cuIpcOpenMemHandle_v2",
+            code: 201,
+        };
+        let s = e.to_string();
+        assert!(s.starts_with("cuIpcOpenMemHandle_v2 failed: "), "{s}");
+        // Without a driver the name falls back to the raw number; with one it is the driver's name.
+        assert!(
+            s.contains("CUDA_ERROR_201") || s.contains("CUDA_ERROR_INVALID_CONTEXT"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn unknown_codes_are_not_transmuted() {
+        assert!(known_result(123_456).is_none());
+        assert_eq!(known_result(0), Some(sys::CUresult::CUDA_SUCCESS));
+    }
+}

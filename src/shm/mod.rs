@@ -1,0 +1,1 @@
+//! Named POSIX shared-memory segments, shared futex words. Never calls CUDA.
