@@ -6,6 +6,7 @@ pub(crate) mod ffi;
 pub mod driver;
 pub mod identity;
 pub mod ipc;
+pub mod kernels;
 pub mod probe;
 pub mod registry;
 pub mod shm;

@@ -1,1 +1,244 @@
-//! (in progress)
+//! Tokens: the fixed, versioned byte record that names an exported buffer or event.
+//!
+//! Owns: the token's wire layout ([`TOKEN_LEN`] bytes, little-endian), its encoding and its
+//! validation. A token is what the registry stores and what a user may send over their own channel
+//! (a pipe, a socket, argv in hex). Decoding never trusts its input: garbage, truncated, corrupted or
+//! newer-version bytes give [`Error::InvalidToken`], never a panic. Nothing here calls CUDA.
+//!
+//! Layout (all integers little-endian, offsets in bytes):
+//!
+//! | offset | size | field |
+//! | --- | --- | --- |
+//! | 0 | 4 | magic `CIPT` (`0x54504943`) |
+//! | 4 | 2 | layout version ([`TOKEN_VERSION`]) |
+//! | 6 | 2 | kind: 1 legacy memory, 2 legacy event, 3 VMM memory, 4 pool memory |
+//! | 8 | 64 | handle bytes (`CUipcMemHandle`, `CUipcEventHandle`, or zero for fd-based kinds) |
+//! | 72 | 8 | offset of the shared range from the base allocation, bytes |
+//! | 80 | 8 | length of the shared range, bytes (0 for events) |
+//! | 88 | 16 | device UUID |
+//! | 104 | 4 | exporter pid |
+//! | 108 | 4 | reserved, zero |
+//! | 112 | 8 | exporter start time, clock ticks since boot |
+//! | 120 | 16 | exporter boot id |
+//! | 136 | 4 | CRC-32 (IEEE) of bytes 0..136 |
+//! | 140 | 4 | reserved, zero |
+
+use crate::driver::Uuid;
+use crate::error::{Error, Result};
+use crate::identity::ProcessIdentity;
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+/// Size of an encoded token in bytes.
+pub const TOKEN_LEN: usize = 144;
+/// The token layout version this crate writes. It reads this version only; a newer one is refused
+/// with both versions named.
+pub const TOKEN_VERSION: u16 = 1;
+const TOKEN_MAGIC: u32 = u32::from_le_bytes(*b"CIPT");
+const CRC_OFFSET: usize = 136;
+
+/// What a token names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
+pub enum TokenKind {
+    /// A range of `cuMemAlloc` memory, shared through an `IpcMemHandle` (`cuIpcGetMemHandle`).
+    LegacyMemory,
+    /// An interprocess event, shared through an `IpcEventHandle` (`cuIpcGetEventHandle`).
+    LegacyEvent,
+    /// A VMM allocation (`cuMemCreate`) shared as a POSIX file descriptor.
+    VmmMemory,
+    /// An allocation from an exportable stream-ordered memory pool.
+    PoolMemory,
+}
+
+impl TokenKind {
+    fn to_wire(self) -> u16 {
+        match self {
+            TokenKind::LegacyMemory => 1,
+            TokenKind::LegacyEvent => 2,
+            TokenKind::VmmMemory => 3,
+            TokenKind::PoolMemory => 4,
+        }
+    }
+    fn from_wire(v: u16) -> Option<Self> {
+        Some(match v {
+            1 => TokenKind::LegacyMemory,
+            2 => TokenKind::LegacyEvent,
+            3 => TokenKind::VmmMemory,
+            4 => TokenKind::PoolMemory,
+            _ => return None,
+        })
+    }
+}
+
+/// A decoded token: what was exported, where, and by whom.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Token {
+    /// What the handle names.
+    pub kind: TokenKind,
+    /// The driver's 64 handle bytes (zero for fd-based kinds).
+    #[cfg_attr(feature = "serde", serde(with = "handle_bytes"))]
+    pub handle: [u8; 64],
+    /// Offset of the shared range from the base allocation, in bytes.
+    pub offset: u64,
+    /// Length of the shared range in bytes (0 for events).
+    pub len: u64,
+    /// UUID of the device that holds the memory or event.
+    pub device: Uuid,
+    /// The exporting process.
+    pub exporter: ProcessIdentity,
+}
+
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+struct Wire {
+    magic: U32,
+    version: U16,
+    kind: U16,
+    handle: [u8; 64],
+    offset: U64,
+    len: U64,
+    device: [u8; 16],
+    pid: U32,
+    _reserved0: U32,
+    start_time: U64,
+    boot_id: [u8; 16],
+    crc: U32,
+    _reserved1: U32,
+}
+
+const _: () = assert!(size_of::<Wire>() == TOKEN_LEN);
+const _: () = assert!(std::mem::offset_of!(Wire, handle) == 8);
+const _: () = assert!(std::mem::offset_of!(Wire, offset) == 72);
+const _: () = assert!(std::mem::offset_of!(Wire, device) == 88);
+const _: () = assert!(std::mem::offset_of!(Wire, pid) == 104);
+const _: () = assert!(std::mem::offset_of!(Wire, start_time) == 112);
+const _: () = assert!(std::mem::offset_of!(Wire, boot_id) == 120);
+const _: () = assert!(std::mem::offset_of!(Wire, crc) == CRC_OFFSET);
+
+impl Token {
+    /// Encodes the token into its [`TOKEN_LEN`]-byte wire form.
+    pub fn to_bytes(&self) -> [u8; TOKEN_LEN] {
+        let w = Wire {
+            magic: TOKEN_MAGIC.into(),
+            version: TOKEN_VERSION.into(),
+            kind: self.kind.to_wire().into(),
+            handle: self.handle,
+            offset: self.offset.into(),
+            len: self.len.into(),
+            device: self.device.0,
+            pid: self.exporter.pid.into(),
+            _reserved0: 0.into(),
+            start_time: self.exporter.start_time.into(),
+            boot_id: self.exporter.boot_id,
+            crc: 0.into(),
+            _reserved1: 0.into(),
+        };
+        let mut out = [0u8; TOKEN_LEN];
+        out.copy_from_slice(w.as_bytes());
+        let crc = crc32fast::hash(&out[..CRC_OFFSET]);
+        out[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decodes and validates a token.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] when `bytes` is not exactly [`TOKEN_LEN`] long, the magic is wrong
+    /// (not a token), the version is newer than [`TOKEN_VERSION`] (both named), the checksum does not
+    /// match (corrupted), the kind is unknown, reserved bytes are set, or `offset + len` overflows.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Token> {
+        let bad = |m: String| Error::InvalidToken(m);
+        if bytes.len() != TOKEN_LEN {
+            return Err(bad(format!(
+                "expected {TOKEN_LEN} bytes, got {}",
+                bytes.len()
+            )));
+        }
+        let w = Wire::read_from_bytes(bytes)
+            .map_err(|_| bad("could not read the token layout".into()))?;
+        if w.magic.get() != TOKEN_MAGIC {
+            return Err(bad(format!(
+                "bad magic {:#010x} (not a cuda-ipc token)",
+                w.magic.get()
+            )));
+        }
+        let v = w.version.get();
+        if v != TOKEN_VERSION {
+            return Err(bad(format!(
+                "token layout version {v}, this build reads version {TOKEN_VERSION}{}",
+                if v > TOKEN_VERSION {
+                    " (written by a newer cuda-ipc)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let crc = crc32fast::hash(&bytes[..CRC_OFFSET]);
+        if crc != w.crc.get() {
+            return Err(bad(format!(
+                "checksum mismatch (stored {:#010x}, computed {crc:#010x}): corrupted",
+                w.crc.get()
+            )));
+        }
+        let kind = TokenKind::from_wire(w.kind.get())
+            .ok_or_else(|| bad(format!("unknown kind {}", w.kind.get())))?;
+        if w._reserved0.get() != 0 || w._reserved1.get() != 0 {
+            return Err(bad("reserved bytes are not zero".into()));
+        }
+        if w.offset.get().checked_add(w.len.get()).is_none() {
+            return Err(bad("offset + len overflows".into()));
+        }
+        Ok(Token {
+            kind,
+            handle: w.handle,
+            offset: w.offset.get(),
+            len: w.len.get(),
+            device: Uuid(w.device),
+            exporter: ProcessIdentity {
+                pid: w.pid.get(),
+                start_time: w.start_time.get(),
+                boot_id: w.boot_id,
+            },
+        })
+    }
+
+    /// The token as lowercase hex (2 × [`TOKEN_LEN`] characters), for argv or text channels.
+    pub fn to_hex(&self) -> String {
+        self.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Decodes the hex form written by [`Token::to_hex`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] for non-hex text or any error of [`Token::from_bytes`].
+    pub fn from_hex(s: &str) -> Result<Token> {
+        let s = s.trim();
+        if s.len() % 2 != 0 || !s.is_ascii() {
+            return Err(Error::InvalidToken(
+                "hex text of odd length or not ASCII".into(),
+            ));
+        }
+        let bytes: std::result::Result<Vec<u8>, _> = (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16))
+            .collect();
+        let bytes = bytes.map_err(|e| Error::InvalidToken(format!("not hex: {e}")))?;
+        Token::from_bytes(&bytes)
+    }
+}
+
+#[cfg(feature = "serde")]
+mod handle_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+    pub fn serialize<S: Serializer>(h: &[u8; 64], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(h)
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 64], D::Error> {
+        let v: Vec<u8> = Vec::deserialize(d)?;
+        v.try_into()
+            .map_err(|_| serde::de::Error::custom("handle must be 64 bytes"))
+    }
+}

@@ -1,12 +1,26 @@
-//! Safe CUDA objects. (in progress)
+//! Safe CUDA driver objects: [`Device`], [`Context`], [`DeviceBuffer`], [`Stream`], [`Event`],
+//! [`Module`] / [`Function`].
+//!
+//! Owns: the lifetime of every driver object this crate creates, and the rule that each holds the
+//! [`Context`] it was made in (an `Arc<Context>`), so the context outlives everything made from it.
+//! Every method binds its context to the calling thread (`cuCtxSetCurrent`) before calling the
+//! driver, so objects can be used from any thread. Must not touch shared memory, the registry or IPC
+//! handles (that is `ipc`'s job).
+//!
+//! NVIDIA documentation: <https://docs.nvidia.com/cuda/cuda-driver-api/>.
 
-/// A device UUID (16 bytes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Uuid(pub [u8; 16]);
-impl std::fmt::Display for Uuid {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let b = &self.0;
-        write!(f, "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
-            b[0],b[1],b[2],b[3],b[4],b[5],b[6],b[7],b[8],b[9],b[10],b[11],b[12],b[13],b[14],b[15])
-    }
-}
+mod context;
+mod device;
+mod event;
+mod memory;
+mod module;
+mod stream;
+
+pub use context::Context;
+pub use device::{ComputeMode, Device, DeviceCapabilities, Uuid, driver_version};
+pub use event::Event;
+pub use memory::{DeviceBuffer, DeviceMemory};
+pub(crate) use memory::Allocation;
+pub(crate) use memory::check_range as memory_check_range;
+pub use module::{Function, LaunchConfig, Module};
+pub use stream::Stream;

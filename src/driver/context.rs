@@ -1,0 +1,130 @@
+use super::Device;
+use crate::error::{Error, Result};
+use crate::ffi::{check, sys};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+/// A device's primary context, retained for as long as this value lives (`cuDevicePrimaryCtxRetain`,
+/// released with `cuDevicePrimaryCtxRelease_v2` on drop).
+///
+/// A context and every pointer in it belong to one process: two processes cannot share a context.
+/// What they share is memory and events (see [`crate::ipc`]). Every object made in a context holds an
+/// `Arc<Context>`, so the context outlives them. Methods bind the context to the calling thread
+/// (`cuCtxSetCurrent`) themselves; [`Context::bind`] does it for the user's own driver calls.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html>.
+#[derive(Debug)]
+pub struct Context {
+    device: Device,
+    raw: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext is a process-wide driver handle, usable from any thread once bound with
+// cuCtxSetCurrent (every method binds first); the driver synchronises its own state.
+unsafe impl Send for Context {}
+// SAFETY: as for Send; `&Context` only exposes driver calls that the driver makes thread-safe.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Retains `device`'s primary context.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuDevicePrimaryCtxRetain` when it fails.
+    #[doc(alias = "cuDevicePrimaryCtxRetain")]
+    pub fn primary(device: Device) -> Result<Arc<Context>> {
+        crate::ffi::driver_api()?;
+        let mut raw = MaybeUninit::<sys::CUcontext>::uninit();
+        // SAFETY: driver loaded; `device` came from `cuDeviceGet`; `raw` is a valid out-pointer.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(raw.as_mut_ptr(), device.raw())
+        })?;
+        // SAFETY: written on success.
+        let raw = unsafe { raw.assume_init() };
+        let ctx = Arc::new(Context { device, raw });
+        ctx.bind()?;
+        Ok(ctx)
+    }
+
+    /// The primary context of the device with ordinal 0 in this process.
+    ///
+    /// # Errors
+    /// As [`Device::get`] and [`Context::primary`].
+    pub fn default_device() -> Result<Arc<Context>> {
+        Self::primary(Device::get(0)?)
+    }
+
+    /// The device this context belongs to.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The raw `CUcontext`, for the user's own driver calls (bind it first).
+    pub fn as_raw(&self) -> sys::CUcontext {
+        self.raw
+    }
+
+    /// Makes this context current on the calling thread (`cuCtxSetCurrent`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses.
+    #[doc(alias = "cuCtxSetCurrent")]
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: `raw` is a retained primary context, valid until drop.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw) })?;
+        Ok(())
+    }
+
+    /// Waits for all work in this context to finish (`cuCtxSynchronize`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when earlier asynchronous work failed.
+    #[doc(alias = "cuCtxSynchronize")]
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: context bound above.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        Ok(())
+    }
+
+    /// Free and total device memory in bytes, as the driver sees it (`cuMemGetInfo_v2`).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the call fails.
+    #[doc(alias = "cuMemGetInfo")]
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let mut free = MaybeUninit::<usize>::uninit();
+        let mut total = MaybeUninit::<usize>::uninit();
+        // SAFETY: context bound; both out-pointers valid.
+        check("cuMemGetInfo_v2", unsafe {
+            sys::cuMemGetInfo_v2(free.as_mut_ptr(), total.as_mut_ptr())
+        })?;
+        // SAFETY: written on success.
+        Ok(unsafe { (free.assume_init(), total.assume_init()) })
+    }
+
+    /// Checks that `other` is this same context (objects from different contexts cannot be mixed).
+    pub(crate) fn same_as(&self, other: &Context) -> Result<()> {
+        if self.raw == other.raw {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "objects from different contexts mixed (devices {} and {})",
+                self.device.uuid(),
+                other.device.uuid()
+            )))
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the device's primary context was retained once by this value.
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device.raw()) };
+        if let Err(e) = check("cuDevicePrimaryCtxRelease_v2", r) {
+            // Nothing to recover: the retain count stays one too high, which only delays the
+            // context's teardown to process exit.
+            tracing::warn!("{e}; the primary context stays retained until exit");
+        }
+    }
+}

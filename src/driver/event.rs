@@ -1,0 +1,123 @@
+use super::{Context, Stream};
+use crate::error::Result;
+use crate::ffi::{check, sys};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+/// A CUDA event (`cuEventCreate`), destroyed on drop.
+///
+/// Interprocess events (the flags `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`) are made by
+/// [`crate::ipc::IpcEvent`], which wraps this type.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html>.
+#[derive(Debug)]
+pub struct Event {
+    // Drop order: the event is destroyed (in Drop) before `ctx` is released.
+    raw: sys::CUevent,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread with its context bound (every method
+// binds first); the driver synchronises record/query/wait.
+unsafe impl Send for Event {}
+// SAFETY: as for Send.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event with timing disabled (`CU_EVENT_DISABLE_TIMING`, the cheapest kind).
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] naming `cuEventCreate`.
+    #[doc(alias = "cuEventCreate")]
+    pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+    }
+
+    pub(crate) fn with_flags(ctx: &Arc<Context>, flags: u32) -> Result<Event> {
+        ctx.bind()?;
+        let mut raw = MaybeUninit::<sys::CUevent>::uninit();
+        // SAFETY: context bound; `raw` a valid out-pointer; `flags` a combination of CUevent_flags.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(raw.as_mut_ptr(), flags) })?;
+        Ok(Event {
+            // SAFETY: written on success.
+            raw: unsafe { raw.assume_init() },
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// Wraps an event handle this value will own and destroy.
+    ///
+    /// # Safety
+    /// 1. `raw` is a valid event in `ctx`, and nothing else destroys it.
+    pub(crate) unsafe fn from_raw(ctx: &Arc<Context>, raw: sys::CUevent) -> Event {
+        Event {
+            raw,
+            ctx: ctx.clone(),
+        }
+    }
+
+    /// The context the event belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// The raw `CUevent`.
+    pub fn as_raw(&self) -> sys::CUevent {
+        self.raw
+    }
+
+    /// Captures the work queued so far on `stream` (`cuEventRecord`). Queries and waits then refer
+    /// to this record.
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] naming `cuEventRecord`.
+    #[doc(alias = "cuEventRecord")]
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; event and stream valid for the call.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, stream.as_raw()) })?;
+        Ok(())
+    }
+
+    /// Whether the last record has completed (`cuEventQuery`); true for a never-recorded event.
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] for codes other than success and `CUDA_ERROR_NOT_READY`.
+    #[doc(alias = "cuEventQuery")]
+    pub fn is_complete(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; event valid.
+        let r = unsafe { sys::cuEventQuery(self.raw) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuEventQuery", r)?;
+        Ok(true)
+    }
+
+    /// Blocks the calling thread until the last record completes (`cuEventSynchronize`).
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] when the recorded work failed.
+    #[doc(alias = "cuEventSynchronize")]
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; event valid.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.raw) })?;
+        Ok(())
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let r = self.ctx.bind().and_then(|()| {
+            // SAFETY: context bound; this value owns the event and destroys it once. Destroying an
+            // event with a pending record is allowed (the driver releases it on completion).
+            check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(self.raw) })
+                .map_err(Into::into)
+        });
+        if let Err(e) = r {
+            tracing::warn!("{e}; the event leaks until the context is torn down");
+        }
+    }
+}

@@ -1,0 +1,115 @@
+use super::{Context, Event};
+use crate::error::Result;
+use crate::ffi::{check, sys};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+/// A non-blocking stream (`cuStreamCreate` with `CU_STREAM_NON_BLOCKING`), destroyed on drop.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html>.
+#[derive(Debug)]
+pub struct Stream {
+    // Drop order: the stream is destroyed (in Drop) before `ctx` is released.
+    raw: sys::CUstream,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: a CUstream is a driver handle usable from any thread with its context bound (every method
+// binds); the driver serialises work submitted to one stream.
+unsafe impl Send for Stream {}
+// SAFETY: as for Send.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a non-blocking stream in `ctx`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] naming `cuStreamCreate`.
+    #[doc(alias = "cuStreamCreate")]
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
+        ctx.bind()?;
+        let mut raw = MaybeUninit::<sys::CUstream>::uninit();
+        // SAFETY: context bound; `raw` a valid out-pointer; flag is a defined stream flag.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(
+                raw.as_mut_ptr(),
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        Ok(Stream {
+            // SAFETY: written on success.
+            raw: unsafe { raw.assume_init() },
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The context the stream belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// The raw `CUstream` for the user's own launches.
+    pub fn as_raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// Blocks the calling thread until all work on the stream is done (`cuStreamSynchronize`).
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] when queued work failed.
+    #[doc(alias = "cuStreamSynchronize")]
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; stream valid until drop.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.raw) })?;
+        Ok(())
+    }
+
+    /// Whether all work on the stream is done (`cuStreamQuery`), without blocking.
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] for codes other than success and `CUDA_ERROR_NOT_READY`.
+    #[doc(alias = "cuStreamQuery")]
+    pub fn is_idle(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; stream valid.
+        let r = unsafe { sys::cuStreamQuery(self.raw) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuStreamQuery", r)?;
+        Ok(true)
+    }
+
+    /// Makes later work on this stream wait until `event`'s last record completes
+    /// (`cuStreamWaitEvent`). The calling thread does not block.
+    ///
+    /// `event` may belong to another context or, for an event opened from an `IpcEventHandle`,
+    /// have been recorded in another process.
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] naming `cuStreamWaitEvent`.
+    #[doc(alias = "cuStreamWaitEvent")]
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; stream and event valid for the duration of the call.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.raw, event.as_raw(), 0)
+        })?;
+        Ok(())
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let r = self.ctx.bind().and_then(|()| {
+            // SAFETY: context bound; the stream was created by this value and is destroyed once.
+            // The driver lets queued work finish before releasing the stream's resources.
+            check("cuStreamDestroy_v2", unsafe { sys::cuStreamDestroy_v2(self.raw) })
+                .map_err(Into::into)
+        });
+        if let Err(e) = r {
+            tracing::warn!("{e}; the stream leaks until the context is torn down");
+        }
+    }
+}

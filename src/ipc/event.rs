@@ -1,0 +1,167 @@
+use super::cache::lock;
+use super::handle::{IpcEventHandle, to_raw_event};
+use crate::driver::{Context, Device, Event, Stream};
+use crate::error::{Error, Result};
+use crate::ffi::{check, sys};
+use crate::identity::ProcessIdentity;
+use crate::token::{Token, TokenKind};
+use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, Weak};
+
+/// Exports of this process: event handle bytes → event.
+static LOCAL_EVENTS: Mutex<BTreeMap<[u8; 64], Weak<Event>>> = Mutex::new(BTreeMap::new());
+
+/// An interprocess event: created here with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`, or
+/// opened from another process's [`IpcEventHandle`].
+///
+/// Record it on a stream after the work to hand off ([`Event::record`]); the other side makes its
+/// stream wait on it ([`Stream::wait_event`]) without blocking any host thread. Cloning shares the
+/// same event. Derefs to [`Event`] for `record`, `is_complete` and `synchronize`.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html> and `cuIpcGetEventHandle`.
+#[derive(Debug, Clone)]
+pub struct IpcEvent {
+    event: Arc<Event>,
+    handle: IpcEventHandle,
+    imported: bool,
+}
+
+impl IpcEvent {
+    /// Creates an interprocess event in `ctx` and takes its handle (`cuEventCreate`,
+    /// `cuIpcGetEventHandle`).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the device has no IPC events; [`Error::Cuda`] from either call.
+    #[doc(alias = "cuIpcGetEventHandle")]
+    pub fn new(ctx: &Arc<Context>) -> Result<IpcEvent> {
+        crate::probe::require_ipc_events(&ctx.device())?;
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let event = Arc::new(Event::with_flags(ctx, flags)?);
+        let mut h = MaybeUninit::<sys::CUipcEventHandle>::uninit();
+        // SAFETY: context bound by `with_flags`; the event was created with CU_EVENT_INTERPROCESS;
+        // `h` a valid out-pointer.
+        check("cuIpcGetEventHandle", unsafe {
+            sys::cuIpcGetEventHandle(h.as_mut_ptr(), event.as_raw())
+        })?;
+        // SAFETY: written on success.
+        let h = unsafe { h.assume_init() };
+        let handle = IpcEventHandle(h.reserved.map(|b| b as u8));
+        let mut local = lock(&LOCAL_EVENTS);
+        local.retain(|_, w| w.strong_count() > 0);
+        local.insert(handle.0, Arc::downgrade(&event));
+        Ok(IpcEvent {
+            event,
+            handle,
+            imported: false,
+        })
+    }
+
+    /// The event's handle, to send to another process.
+    pub fn ipc_handle(&self) -> IpcEventHandle {
+        self.handle
+    }
+
+    /// A token for this event (kind [`TokenKind::LegacyEvent`], length 0).
+    ///
+    /// # Errors
+    /// [`Error::Os`] when this process's identity cannot be read from `/proc`.
+    pub fn export(&self) -> Result<Token> {
+        Ok(Token {
+            kind: TokenKind::LegacyEvent,
+            handle: self.handle.0,
+            offset: 0,
+            len: 0,
+            device: self.event.context().device().uuid(),
+            exporter: ProcessIdentity::current()?,
+        })
+    }
+
+    /// Opens an event token on the device it names, in that device's primary context.
+    ///
+    /// # Errors
+    /// As [`IpcEvent::open_in`], and [`Error::DeviceNotFound`].
+    pub fn open(token: &Token) -> Result<IpcEvent> {
+        let ctx = Device::by_uuid(token.device)?.primary_context()?;
+        Self::open_in(&ctx, token)
+    }
+
+    /// Opens an event token in `ctx` (`cuIpcOpenEventHandle`). A token this process exported returns
+    /// its own event.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] when the token's kind is not [`TokenKind::LegacyEvent`]; as
+    /// [`IpcEventHandle::open`].
+    pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<IpcEvent> {
+        if token.kind != TokenKind::LegacyEvent {
+            return Err(Error::InvalidToken(format!(
+                "expected an event token, got {:?}",
+                token.kind
+            )));
+        }
+        IpcEventHandle(token.handle).open(ctx)
+    }
+
+    /// Whether this event was opened from another process's handle.
+    pub fn is_imported(&self) -> bool {
+        self.imported
+    }
+
+    /// Records the event on `stream` (`cuEventRecord`); alias of [`Event::record`].
+    ///
+    /// # Errors
+    /// As [`Event::record`].
+    pub fn record_on(&self, stream: &Stream) -> Result<()> {
+        self.event.record(stream)
+    }
+}
+
+impl IpcEventHandle {
+    /// Opens the event this handle names in `ctx` (`cuIpcOpenEventHandle`). A handle this process
+    /// exported returns its own event (the driver refuses those).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when it names an event this process exported and has dropped;
+    /// [`Error::Cuda`] naming `cuIpcOpenEventHandle` for a garbage or stale handle.
+    #[doc(alias = "cuIpcOpenEventHandle")]
+    pub fn open(&self, ctx: &Arc<Context>) -> Result<IpcEvent> {
+        match lock(&LOCAL_EVENTS).get(&self.0).map(Weak::upgrade) {
+            Some(Some(event)) => {
+                return Ok(IpcEvent {
+                    event,
+                    handle: *self,
+                    imported: false,
+                });
+            }
+            Some(None) => {
+                return Err(Error::InvalidArgument(
+                    "the handle names an event this process exported and has since dropped".into(),
+                ));
+            }
+            None => {}
+        }
+        ctx.bind()?;
+        let mut raw = MaybeUninit::<sys::CUevent>::uninit();
+        // SAFETY: context bound; `raw` a valid out-pointer; the driver validates the handle bytes.
+        check("cuIpcOpenEventHandle", unsafe {
+            sys::cuIpcOpenEventHandle(raw.as_mut_ptr(), to_raw_event(self))
+        })?;
+        // SAFETY: written on success; the opened event is owned by the new `Event` and destroyed
+        // once by its Drop (`cuEventDestroy` is how an opened IPC event is released).
+        let event = unsafe { Event::from_raw(ctx, raw.assume_init()) };
+        Ok(IpcEvent {
+            event: Arc::new(event),
+            handle: *self,
+            imported: true,
+        })
+    }
+}
+
+impl Deref for IpcEvent {
+    type Target = Event;
+    fn deref(&self) -> &Event {
+        &self.event
+    }
+}

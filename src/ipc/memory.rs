@@ -1,0 +1,259 @@
+use super::cache::{self, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, lock};
+use super::handle::{IpcMemHandle, to_raw_mem};
+use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory};
+use crate::error::{Error, Result};
+use crate::ffi::{check, sys};
+use crate::identity::ProcessIdentity;
+use crate::token::{Token, TokenKind};
+use std::mem::MaybeUninit;
+use std::sync::{Arc, Weak};
+
+impl DeviceBuffer {
+    /// The `IpcMemHandle` of this allocation (`cuIpcGetMemHandle`), and registers it in this
+    /// process's export table so that importing it here returns this allocation.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the platform cannot do legacy IPC (see [`crate::probe`]);
+    /// [`Error::Cuda`] naming `cuIpcGetMemHandle`.
+    #[doc(alias = "cuIpcGetMemHandle")]
+    pub fn ipc_handle(&self) -> Result<IpcMemHandle> {
+        crate::probe::require_legacy_ipc(&self.context().device())?;
+        self.context().bind()?;
+        let mut h = MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: context bound; the pointer is the base of a live cuMemAlloc allocation; `h` is a
+        // valid out-pointer.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(h.as_mut_ptr(), self.device_ptr())
+        })?;
+        // SAFETY: written on success.
+        let h = unsafe { h.assume_init() };
+        let handle = IpcMemHandle(h.reserved.map(|b| b as u8));
+        let mut local = lock(&LOCAL_MEM);
+        local.retain(|_, w| w.strong_count() > 0);
+        local.insert(handle.0, Arc::downgrade(&self.alloc));
+        Ok(handle)
+    }
+
+    /// A token for the whole buffer. See [`DeviceBuffer::export_range`].
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::export_range`].
+    pub fn export(&self) -> Result<Token> {
+        self.export_range(0, self.len())
+    }
+
+    /// A token for bytes `offset..offset + len` of this buffer: (handle, offset from the base
+    /// allocation, length), the device's UUID and this process's identity.
+    ///
+    /// The importer's mapping covers the whole allocation: allocate what you share apart from
+    /// private data.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the range leaves the buffer; as [`DeviceBuffer::ipc_handle`].
+    pub fn export_range(&self, offset: usize, len: usize) -> Result<Token> {
+        crate::driver::memory_check_range(offset, len, self.len())?;
+        let handle = self.ipc_handle()?;
+        Ok(Token {
+            kind: TokenKind::LegacyMemory,
+            handle: handle.0,
+            offset: offset as u64,
+            len: len as u64,
+            device: self.context().device().uuid(),
+            exporter: ProcessIdentity::current()?,
+        })
+    }
+}
+
+/// A range of device memory imported from another process (or from this one), valid in the
+/// importing [`Context`]. `len` in bytes.
+///
+/// Importing goes through the process-wide cache: importing the same handle again (from any
+/// token naming it) shares one mapping, and the mapping is closed (`cuIpcCloseMemHandle`) once,
+/// when the last `ImportedBuffer` on it drops, after the context's queued work finished. Importing a
+/// handle this process exported returns its own allocation.
+///
+/// The exporter must keep the memory allocated until every importer dropped its buffers: the driver
+/// leaves a mapping's contents undefined once the exporter frees it or exits.
+#[derive(Debug, Clone)]
+pub struct ImportedBuffer {
+    mapping: Arc<Mapping>,
+    offset: u64,
+    len: u64,
+}
+
+impl ImportedBuffer {
+    /// Imports a memory token on the device it names (by UUID, whatever the ordinal here), in that
+    /// device's primary context.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] when the token is not memory; [`Error::DeviceNotFound`] when no
+    /// visible device has its UUID; as [`ImportedBuffer::open_in`].
+    pub fn open(token: &Token) -> Result<ImportedBuffer> {
+        let ctx = Device::by_uuid(token.device)?.primary_context()?;
+        Self::open_in(&ctx, token)
+    }
+
+    /// Imports a memory token into `ctx` (which may be on another device than the exporter's, with
+    /// peer access; `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` is passed).
+    ///
+    /// # Errors
+    /// - [`Error::InvalidToken`] when the token's kind is not [`TokenKind::LegacyMemory`], or its range
+    ///   lies outside the allocation the handle names;
+    /// - [`Error::InvalidArgument`] when it names this process's own export and that buffer was
+    ///   freed;
+    /// - [`Error::Cuda`] naming `cuIpcOpenMemHandle_v2` for a garbage or stale handle
+    ///   (`CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_INVALID_HANDLE`...), or `CUDA_ERROR_TOO_MANY_PEERS`.
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<ImportedBuffer> {
+        if token.kind != TokenKind::LegacyMemory {
+            return Err(Error::InvalidToken(format!(
+                "expected a legacy memory token, got {:?}",
+                token.kind
+            )));
+        }
+        let is_self = token.exporter == ProcessIdentity::current()?;
+        let mapping = open_mapping(ctx, &IpcMemHandle(token.handle), is_self)?;
+        let in_range = token
+            .offset
+            .checked_add(token.len)
+            .is_some_and(|end| end <= mapping.size as u64);
+        if !in_range {
+            return Err(Error::InvalidToken(format!(
+                "range {}+{} lies outside the {}-byte allocation the handle names",
+                token.offset, token.len, mapping.size
+            )));
+        }
+        Ok(ImportedBuffer {
+            mapping,
+            offset: token.offset,
+            len: token.len,
+        })
+    }
+
+    /// Whether this import is served by this process's own allocation (a self-import).
+    pub fn is_local(&self) -> bool {
+        matches!(self.mapping.origin, Origin::Local(_))
+    }
+
+    /// Base address of the whole mapped allocation (the range starts `offset` bytes later).
+    pub fn allocation_base(&self) -> u64 {
+        self.mapping.base
+    }
+}
+
+impl IpcMemHandle {
+    /// Imports the whole allocation this handle names into `ctx`, through the cache (see
+    /// [`ImportedBuffer`]). A handle exported by this process returns the local allocation.
+    ///
+    /// # Errors
+    /// As [`ImportedBuffer::open_in`].
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    pub fn open(&self, ctx: &Arc<Context>) -> Result<ImportedBuffer> {
+        let mapping = open_mapping(ctx, self, true)?;
+        let len = mapping.size as u64;
+        Ok(ImportedBuffer {
+            mapping,
+            offset: 0,
+            len,
+        })
+    }
+}
+
+fn open_mapping(ctx: &Arc<Context>, handle: &IpcMemHandle, maybe_self: bool) -> Result<Arc<Mapping>> {
+    let key = MappingKey {
+        handle: handle.0,
+        ctx: ctx.as_raw() as usize,
+    };
+    // The table lock is held across the driver call so that two threads importing the same handle
+    // get one mapping (opens are rare: the cache serves the rest).
+    let mut map = lock(&MAPPINGS);
+    if let Some(m) = map.get(&key).and_then(Weak::upgrade) {
+        cache::count_hit();
+        return Ok(m);
+    }
+    let local = if maybe_self {
+        lock(&LOCAL_MEM).get(&handle.0).map(|w| w.upgrade())
+    } else {
+        None
+    };
+    let mapping = match local {
+        Some(Some(alloc)) => {
+            cache::count_self_import();
+            Mapping {
+                key,
+                base: alloc.ptr,
+                size: alloc.len,
+                ctx: ctx.clone(),
+                origin: Origin::Local(alloc),
+            }
+        }
+        Some(None) => {
+            return Err(Error::InvalidArgument(
+                "the handle names a buffer this process exported and has since freed".into(),
+            ));
+        }
+        None => {
+            ctx.bind()?;
+            let mut base = MaybeUninit::<sys::CUdeviceptr>::uninit();
+            // SAFETY: context bound; `base` a valid out-pointer; the handle is passed by value and
+            // the driver validates it (garbage bytes give an error code, checked below).
+            check("cuIpcOpenMemHandle_v2", unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    base.as_mut_ptr(),
+                    to_raw_mem(handle),
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            })?;
+            cache::count_open();
+            // SAFETY: written on success.
+            let base = unsafe { base.assume_init() };
+            let size = match allocation_size(base) {
+                Ok(size) => size,
+                Err(e) => {
+                    // Not wrapped in a Mapping yet (its Drop takes the table lock held here).
+                    // SAFETY: `base` was opened just above in the bound context; closed once.
+                    let r = unsafe { sys::cuIpcCloseMemHandle(base) };
+                    if let Err(c) = check("cuIpcCloseMemHandle", r) {
+                        tracing::warn!("{c}; a mapping stays until the process exits");
+                    }
+                    return Err(e);
+                }
+            };
+            Mapping {
+                key,
+                base,
+                size,
+                ctx: ctx.clone(),
+                origin: Origin::Driver,
+            }
+        }
+    };
+    let m = Arc::new(mapping);
+    map.insert(key, Arc::downgrade(&m));
+    Ok(m)
+}
+
+/// Size in bytes of the allocation starting at `base` (`cuMemGetAddressRange_v2`); the caller has
+/// bound the context.
+fn allocation_size(base: u64) -> Result<usize> {
+    let mut start = MaybeUninit::<sys::CUdeviceptr>::uninit();
+    let mut size = MaybeUninit::<usize>::uninit();
+    // SAFETY: context bound by the caller; `base` is a mapped address; both out-pointers valid.
+    check("cuMemGetAddressRange_v2", unsafe {
+        sys::cuMemGetAddressRange_v2(start.as_mut_ptr(), size.as_mut_ptr(), base)
+    })?;
+    // SAFETY: written on success.
+    Ok(unsafe { size.assume_init() })
+}
+
+impl DeviceMemory for ImportedBuffer {
+    fn device_ptr(&self) -> u64 {
+        self.mapping.base + self.offset
+    }
+    fn len(&self) -> usize {
+        self.len as usize
+    }
+    fn context(&self) -> &Arc<Context> {
+        &self.mapping.ctx
+    }
+}
