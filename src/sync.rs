@@ -5,4 +5,5 @@
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 #[cfg(not(loom))]
+#[allow(unused_imports)]
 pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};

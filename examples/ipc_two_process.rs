@@ -1,0 +1,130 @@
+//! Two processes, one buffer: A exports a device buffer and an interprocess event, B imports both,
+//! waits on A's work on its own stream, checks every element, and writes a reply that A verifies.
+//! Each process has its own CUDA context; no byte crosses through the host.
+//!
+//! ```text
+//! cargo run --release --example ipc_two_process [-- --mib 64]
+//! ```
+//! A re-executes this binary as B (CUDA does not survive `fork()` without exec) and sends B the two
+//! tokens as hex lines on its stdin.
+
+use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
+use cuda_ipc::ipc::{ImportedBuffer, IpcEvent};
+use cuda_ipc::kernels::Kernels;
+use cuda_ipc::token::Token;
+use std::error::Error;
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+const SEED: u32 = 0xA11CE;
+const REPLY: u32 = 0xB0B;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("ipc_two_process: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--consumer") {
+        return consumer();
+    }
+    let mib: usize = match args.iter().position(|a| a == "--mib") {
+        Some(i) => args.get(i + 1).ok_or("--mib needs a value")?.parse()?,
+        None => 64,
+    };
+    producer(mib << 20)
+}
+
+fn read_counter(c: &DeviceBuffer) -> Result<u64, Box<dyn Error>> {
+    let mut b = [0u8; 8];
+    c.copy_to_host(0, &mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
+    let ctx = Context::default_device()?;
+    let dev = ctx.device();
+    println!("A (pid {}): {} {} , own context", std::process::id(), dev.name()?, dev.uuid());
+    let kernels = Kernels::load(&ctx)?;
+    let stream = Stream::new(&ctx)?;
+    let buf = DeviceBuffer::new(&ctx, bytes)?;
+    let ready = IpcEvent::new(&ctx)?;
+
+    // Queue 50 ms of GPU work before the fill, so the fill is still running when B starts waiting.
+    kernels.spin(50_000_000, &stream)?;
+    kernels.fill_pattern(&buf, SEED, &stream)?;
+    ready.record(&stream)?;
+    let t0 = Instant::now();
+
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("--consumer")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut to_b = child.stdin.take().ok_or("no stdin")?;
+    writeln!(to_b, "{}", buf.export()?.to_hex())?;
+    writeln!(to_b, "{}", ready.export()?.to_hex())?;
+    to_b.flush()?;
+    println!("A: sent buffer token ({bytes} bytes) and event token; fill still in flight: {}", !ready.is_complete()?);
+
+    let out = child.stdout.take().ok_or("no stdout")?;
+    let mut verdict = String::new();
+    for line in std::io::BufReader::new(out).lines() {
+        let line = line?;
+        println!("  {line}");
+        if line.starts_with("B: replied") {
+            verdict = line;
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() || verdict.is_empty() {
+        return Err(format!("B failed ({status})").into());
+    }
+    // B wrote pattern(REPLY) and synchronised before it replied; check it here.
+    let counter = DeviceBuffer::new(&ctx, 8)?;
+    counter.copy_from_host(0, &[0; 8])?;
+    kernels.check_pattern(&buf, REPLY, &counter, &stream)?;
+    stream.synchronize()?;
+    let bad = read_counter(&counter)?;
+    println!("A: B's reply checked, {bad} mismatched words of {}; round trip {:.1} ms", bytes / 4, t0.elapsed().as_secs_f64() * 1e3);
+    if bad != 0 {
+        return Err("reply mismatch".into());
+    }
+    println!("OK");
+    Ok(())
+}
+
+fn consumer() -> Result<(), Box<dyn Error>> {
+    let mut lines = std::io::stdin().lock().lines();
+    let mut next = || -> Result<Token, Box<dyn Error>> {
+        Ok(Token::from_hex(&lines.next().ok_or("A closed the pipe")??)?)
+    };
+    let (buf_tok, ev_tok) = (next()?, next()?);
+    let t = Instant::now();
+    // Import on the device A named, by UUID, in this process's own context.
+    let buf = ImportedBuffer::open(&buf_tok)?;
+    let ready = IpcEvent::open(&ev_tok)?;
+    let ctx = buf.context().clone();
+    let import_ms = t.elapsed().as_secs_f64() * 1e3;
+    let kernels = Kernels::load(&ctx)?;
+    let stream = Stream::new(&ctx)?;
+    let in_flight = !ready.is_complete()?;
+    stream.wait_event(&ready)?; // no host wait: B's stream waits for A's fill
+    let counter = DeviceBuffer::new(&ctx, 8)?;
+    counter.copy_from_host(0, &[0; 8])?;
+    kernels.check_pattern(&buf, SEED, &counter, &stream)?;
+    kernels.fill_pattern(&buf, REPLY, &stream)?;
+    stream.synchronize()?;
+    let bad = read_counter(&counter)?;
+    println!("B (pid {}): imported {} bytes + event in {import_ms:.2} ms; A's fill in flight when B waited: {in_flight}", std::process::id(), buf.len());
+    println!("B: checked {} words, {bad} mismatched", buf.len() / 4);
+    if bad != 0 {
+        return Err(format!("{bad} words did not match A's pattern").into());
+    }
+    println!("B: replied with pattern {REPLY:#x}");
+    Ok(())
+}
