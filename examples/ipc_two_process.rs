@@ -54,26 +54,31 @@ fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
     let buf = DeviceBuffer::new(&ctx, bytes)?;
     let ready = IpcEvent::new(&ctx)?;
 
-    // Queue 50 ms of GPU work before the fill, so the fill is still running when B starts waiting.
-    kernels.spin(50_000_000, &stream)?;
-    kernels.fill_pattern(&buf, SEED, &stream)?;
-    ready.record(&stream)?;
-    let t0 = Instant::now();
-
     let mut child = Command::new(std::env::current_exe()?)
         .arg("--consumer")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
     let mut to_b = child.stdin.take().ok_or("no stdin")?;
+    let mut from_b = std::io::BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
     writeln!(to_b, "{}", buf.export()?.to_hex())?;
     writeln!(to_b, "{}", ready.export()?.to_hex())?;
     to_b.flush()?;
-    println!("A: sent buffer token ({bytes} bytes) and event token; fill still in flight: {}", !ready.is_complete()?);
+    println!("A: sent buffer token ({bytes} bytes) and event token");
+    // Wait until B has imported both, then queue the work: 20 ms of GPU time before the fill, so
+    // the fill is still running when B's stream starts waiting on the event.
+    let line = from_b.next().ok_or("B exited before it was ready")??;
+    println!("  {line}");
+    kernels.spin(20_000_000, &stream)?;
+    kernels.fill_pattern(&buf, SEED, &stream)?;
+    ready.record(&stream)?;
+    let t0 = Instant::now();
+    writeln!(to_b, "go")?;
+    to_b.flush()?;
+    println!("A: fill queued and event recorded; still in flight: {}", !ready.is_complete()?);
 
-    let out = child.stdout.take().ok_or("no stdout")?;
     let mut verdict = String::new();
-    for line in std::io::BufReader::new(out).lines() {
+    for line in from_b {
         let line = line?;
         println!("  {line}");
         if line.starts_with("B: replied") {
@@ -99,11 +104,15 @@ fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
 }
 
 fn consumer() -> Result<(), Box<dyn Error>> {
-    let mut lines = std::io::stdin().lock().lines();
-    let mut next = || -> Result<Token, Box<dyn Error>> {
-        Ok(Token::from_hex(&lines.next().ok_or("A closed the pipe")??)?)
+    let stdin = std::io::stdin();
+    let next_line = || -> Result<String, Box<dyn Error>> {
+        let mut l = String::new();
+        if stdin.lock().read_line(&mut l)? == 0 {
+            return Err("A closed the pipe".into());
+        }
+        Ok(l)
     };
-    let (buf_tok, ev_tok) = (next()?, next()?);
+    let (buf_tok, ev_tok) = (Token::from_hex(&next_line()?)?, Token::from_hex(&next_line()?)?);
     let t = Instant::now();
     // Import on the device A named, by UUID, in this process's own context.
     let buf = ImportedBuffer::open(&buf_tok)?;
@@ -112,6 +121,11 @@ fn consumer() -> Result<(), Box<dyn Error>> {
     let import_ms = t.elapsed().as_secs_f64() * 1e3;
     let kernels = Kernels::load(&ctx)?;
     let stream = Stream::new(&ctx)?;
+    println!("B (pid {}): imported {} bytes and the event in {import_ms:.2} ms, own context; ready", std::process::id(), buf.len());
+    std::io::stdout().flush()?;
+    if next_line()?.trim() != "go" {
+        return Err("expected go from A".into());
+    }
     let in_flight = !ready.is_complete()?;
     stream.wait_event(&ready)?; // no host wait: B's stream waits for A's fill
     let counter = DeviceBuffer::new(&ctx, 8)?;
@@ -120,7 +134,7 @@ fn consumer() -> Result<(), Box<dyn Error>> {
     kernels.fill_pattern(&buf, REPLY, &stream)?;
     stream.synchronize()?;
     let bad = read_counter(&counter)?;
-    println!("B (pid {}): imported {} bytes + event in {import_ms:.2} ms; A's fill in flight when B waited: {in_flight}", std::process::id(), buf.len());
+    println!("B: A's fill was in flight when B's stream started waiting: {in_flight}");
     println!("B: checked {} words, {bad} mismatched", buf.len() / 4);
     if bad != 0 {
         return Err(format!("{bad} words did not match A's pattern").into());

@@ -41,8 +41,10 @@ impl Peer {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("@@ ") {
-                    if tx.send(rest.to_string()).is_err() {
+                // libtest prints "test NAME ... " without a newline before the test body runs, so
+                // a message may follow other text on its line.
+                if let Some(at) = line.find("@@ ") {
+                    if tx.send(line[at + 3..].to_string()).is_err() {
                         break;
                     }
                 } else {
@@ -110,6 +112,6 @@ pub fn parent_lines() -> impl Iterator<Item = String> {
 /// In a child: sends one line to the parent.
 pub fn tell(line: impl std::fmt::Display) {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "@@ {line}").unwrap();
+    writeln!(out, "\n@@ {line}").unwrap();
     out.flush().unwrap();
 }
