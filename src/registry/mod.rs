@@ -2,11 +2,6 @@
 //! sequence numbers and the liveness of every participant. It stores handles as bytes and never calls
 //! CUDA.
 
-/// Errors of the registry and of the shared-memory segments under it.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RegistryError {
-    /// Placeholder until the registry lands.
-    #[error("registry not implemented")]
-    NotImplemented,
-}
+mod error;
+
+pub use error::RegistryError;
