@@ -446,8 +446,9 @@ fn writer_crashing_between_any_two_stores_leaves_the_registry_usable() {
         poke_u64(&seg, base, DEAD); // writer lock taken by the doomed writer
         if stop_after >= 1 {
             poke_u64(&seg, base + 8, s0 + 1); // write opened
-            for k in 0..(stop_after - 1).min(layout::PAYLOAD_WORDS) {
-                poke_u64(&seg, base + 16 + 8 * k, new_words[k]);
+            let n = (stop_after - 1).min(layout::PAYLOAD_WORDS);
+            for (k, w) in new_words.iter().enumerate().take(n) {
+                poke_u64(&seg, base + 16 + 8 * k, *w);
             }
         }
         if stop_after == layout::PAYLOAD_WORDS + 2 {
