@@ -57,7 +57,7 @@ fn whole(r: &Record) -> bool {
 }
 
 fn writer_child(reg: &Registry, id: u32, until: Instant) {
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(id) * 0x1234_5678_9abc;
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (u64::from(id) * 0x1234_5678_9abc);
     let mut last: HashMap<&str, u64> = HashMap::new();
     let mut writes = 0u64;
     let mut v = u64::from(id) << 40;
