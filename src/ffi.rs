@@ -94,7 +94,11 @@ fn lookup(code: u32, name: bool) -> Option<String> {
         return None;
     }
     // SAFETY: on success `out` points to a static NUL-terminated string owned by the driver.
-    Some(unsafe { CStr::from_ptr(out) }.to_string_lossy().into_owned())
+    Some(
+        unsafe { CStr::from_ptr(out) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 /// The `CUresult` variant with this value, if the bindings have one.

@@ -1,9 +1,9 @@
 //! Zero-copy sharing of CUDA device buffers and events between processes, each with its own context.
 #![doc = include_str!("../docs/crate-doc.md")]
 
+pub mod driver;
 pub mod error;
 pub(crate) mod ffi;
-pub mod driver;
 pub mod identity;
 pub mod ipc;
 pub mod kernels;

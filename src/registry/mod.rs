@@ -1,12 +1,1236 @@
 //! The registry: a named POSIX shared-memory segment of fixed-layout slots carrying published handles,
 //! sequence numbers and the liveness of every participant. It stores handles as bytes and never calls
 //! CUDA.
+//!
+//! Owns: [`Registry`] (create / open / publish / get / wait / list / remove / reclaim), [`Record`],
+//! [`RegistryError`] and the byte layout in [`layout`] (described for C and Python readers in
+//! docs/registry-layout.md). Built on [`crate::shm`]; must not touch `ipc`, `driver` or tokens'
+//! contents.
+//!
+//! How it stays sound when peers misbehave or die:
+//! - each record sits in one slot under a seqlock whose payload words are atomics: readers copy and
+//!   validate, so a torn record is never returned;
+//! - a slot's writer lock word holds the writer's owner token (pid and low bits of its start time);
+//!   a lock held by a dead process is taken over, and a write it left open is dropped (slot freed);
+//! - sequence numbers come from one registry-wide counter, taken under the slot lock, so the
+//!   numbers of a name only increase, across removals and recoveries too;
+//! - waiters sleep on one shared futex word that every change bumps, always with a timeout.
 
-/// Errors of the registry and of the shared-memory segments under it.
-#[derive(Debug, thiserror::Error)]
+mod error;
+pub mod layout;
+mod slot;
+
+pub use error::RegistryError;
+
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::{Segment, SegmentOptions, futex};
+use crate::sync::Ordering;
+use layout::*;
+use slot::{SlotView, Taken};
+use std::time::{Duration, Instant};
+
+/// Seqlock read attempts per slot before the reader checks on the writer.
+const READ_RETRIES: u32 = 256;
+
+/// How a [`Registry`] is created or opened.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::registry::RegistryOptions;
+/// use std::time::Duration;
+/// let opts = RegistryOptions::new().capacity(16).init_timeout(Duration::from_millis(200));
+/// assert_eq!(opts.slots(), 16);
+/// ```
+#[derive(Clone, Debug)]
 #[non_exhaustive]
-pub enum RegistryError {
-    /// Placeholder until the registry lands.
-    #[error("registry not implemented")]
-    NotImplemented,
+pub struct RegistryOptions {
+    slots: u32,
+    participants: u32,
+    group_access: bool,
+    init_timeout: Duration,
+    lock_timeout: Duration,
+}
+
+impl Default for RegistryOptions {
+    fn default() -> Self {
+        Self {
+            slots: 64,
+            participants: 64,
+            group_access: false,
+            init_timeout: Duration::from_secs(1),
+            lock_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl RegistryOptions {
+    /// 64 slots, 64 participant entries, mode `0600`, 1 s initialisation wait, 2 s lock wait.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Number of slots (records) when creating: 1 to 65536.
+    pub fn capacity(mut self, slots: u32) -> Self {
+        self.slots = slots;
+        self
+    }
+    /// Number of participant entries when creating: 1 to 4096.
+    pub fn participants(mut self, n: u32) -> Self {
+        self.participants = n;
+        self
+    }
+    /// `true`: create with mode `0660` (the creator's group may open it).
+    pub fn group_access(mut self, on: bool) -> Self {
+        self.group_access = on;
+        self
+    }
+    /// How long `open` waits for a creator that is still initialising the segment.
+    pub fn init_timeout(mut self, t: Duration) -> Self {
+        self.init_timeout = t;
+        self
+    }
+    /// How long an operation waits for a live writer that holds a slot or the table lock.
+    pub fn lock_timeout(mut self, t: Duration) -> Self {
+        self.lock_timeout = t;
+        self
+    }
+    /// The configured number of slots.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+}
+
+/// One published record, as copied out of its slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// The record's name (1 to 64 bytes of UTF-8).
+    pub name: String,
+    /// A caller-defined kind tag; the registry does not interpret it.
+    pub kind: u32,
+    /// The token bytes (at most 256), stored opaquely.
+    pub token: Vec<u8>,
+    /// User metadata (at most 128 bytes), stored opaquely.
+    pub metadata: Vec<u8>,
+    /// The process that published this version of the record.
+    pub owner: ProcessIdentity,
+    /// The record's sequence number: greater than every earlier number of this name.
+    pub seq: u64,
+    /// The slot index it sits in.
+    pub slot: u32,
+}
+
+impl Record {
+    /// Whether the publishing process still runs (see [`ProcessIdentity::liveness`]).
+    pub fn owner_liveness(&self) -> Liveness {
+        self.owner.liveness()
+    }
+}
+
+/// What [`Registry::reclaim_dead`] freed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReclaimReport {
+    /// Published records whose owner is dead, removed.
+    pub records: u32,
+    /// Half-written records of dead writers (or corrupt slots), dropped.
+    pub half_written: u32,
+    /// Participant entries of dead processes, freed.
+    pub participants: u32,
+}
+
+/// A handle on a named registry segment.
+///
+/// Cheap to share between threads (`&Registry` suffices for every operation). Each handle holds one
+/// participant entry, released on drop.
+#[derive(Debug)]
+pub struct Registry {
+    seg: Segment,
+    slots: u32,
+    participants: u32,
+    me: ProcessIdentity,
+    token: u64,
+    participant: u32,
+    lock_timeout: Duration,
+}
+
+/// The owner token of a process: pid in the high 32 bits, the low 32 bits of its start time below.
+/// Never 0 (pids start at 1).
+pub fn owner_token(id: &ProcessIdentity) -> u64 {
+    (u64::from(id.pid) << 32) | (id.start_time & 0xffff_ffff)
+}
+
+/// Whether the process a token names is gone (no such pid, or a different start time). Unknown
+/// (e.g. `/proc` hidden) counts as alive.
+pub(crate) fn token_is_dead(token: u64) -> bool {
+    let pid = (token >> 32) as u32;
+    if pid == 0 || pid > i32::MAX as u32 {
+        return true;
+    }
+    match crate::identity::start_time_of(pid) {
+        Ok(Some(t)) => (t & 0xffff_ffff) != (token & 0xffff_ffff),
+        Ok(None) => true,
+        Err(_) => false,
+    }
+}
+
+fn corrupt(name: &str, what: String) -> Error {
+    RegistryError::Corrupt {
+        name: name.to_string(),
+        what,
+    }
+    .into()
+}
+
+/// Checks a record name: 1 to 64 bytes of UTF-8 without control characters.
+fn validate_record_name(name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(RegistryError::InvalidName {
+            name: String::new(),
+            reason: "empty record name",
+        }
+        .into());
+    }
+    if name.len() > RECORD_NAME_MAX {
+        return Err(RegistryError::TooLarge {
+            what: "record name",
+            len: name.len(),
+            max: RECORD_NAME_MAX,
+        }
+        .into());
+    }
+    if name.chars().any(char::is_control) {
+        return Err(RegistryError::InvalidName {
+            name: name.to_string(),
+            reason: "control characters are not allowed in a record name",
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn pack_bytes(words: &mut [u64], bytes: &[u8]) {
+    for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        *w = u64::from_le_bytes(b);
+    }
+}
+
+fn unpack_bytes(words: &[u64], len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(words.len() * 8);
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Decodes a consistent payload copy: `Ok(None)` for a free slot, an error text for bad bytes.
+fn decode(words: &[u64; PAYLOAD_WORDS], slot: u32) -> std::result::Result<Option<Record>, String> {
+    let state = words[W_STATE] as u32;
+    match state {
+        STATE_FREE => return Ok(None),
+        STATE_PUBLISHED => {}
+        s => return Err(format!("slot {slot}: unknown state {s}")),
+    }
+    let kl = words[W_KIND_LENS];
+    let kind = kl as u32;
+    let name_len = ((kl >> 32) & 0xffff) as usize;
+    let token_len = (kl >> 48) as usize;
+    let mp = words[W_META_PID];
+    let meta_len = (mp & 0xffff) as usize;
+    let pid = (mp >> 32) as u32;
+    if name_len == 0 || name_len > RECORD_NAME_MAX {
+        return Err(format!(
+            "slot {slot}: record name length {name_len} (1 to {RECORD_NAME_MAX})"
+        ));
+    }
+    if token_len > TOKEN_MAX {
+        return Err(format!(
+            "slot {slot}: token length {token_len} (at most {TOKEN_MAX})"
+        ));
+    }
+    if meta_len > METADATA_MAX {
+        return Err(format!(
+            "slot {slot}: metadata length {meta_len} (at most {METADATA_MAX})"
+        ));
+    }
+    let name = String::from_utf8(unpack_bytes(&words[W_NAME..W_TOKEN], name_len))
+        .map_err(|_| format!("slot {slot}: record name is not UTF-8"))?;
+    let boot = unpack_bytes(&words[W_BOOT..W_NAME], 16);
+    let mut boot_id = [0u8; 16];
+    boot_id.copy_from_slice(&boot);
+    Ok(Some(Record {
+        name,
+        kind,
+        token: unpack_bytes(&words[W_TOKEN..W_META], token_len),
+        metadata: unpack_bytes(&words[W_META..W_RESERVED], meta_len),
+        owner: ProcessIdentity {
+            pid,
+            start_time: words[W_START],
+            boot_id,
+        },
+        seq: words[W_SEQ],
+        slot,
+    }))
+}
+
+fn encode(
+    name: &str,
+    kind: u32,
+    token: &[u8],
+    metadata: &[u8],
+    owner: &ProcessIdentity,
+    seq: u64,
+) -> [u64; PAYLOAD_WORDS] {
+    let mut w = [0u64; PAYLOAD_WORDS];
+    w[W_STATE] = u64::from(STATE_PUBLISHED);
+    w[W_SEQ] = seq;
+    w[W_KIND_LENS] = u64::from(kind) | ((name.len() as u64) << 32) | ((token.len() as u64) << 48);
+    w[W_META_PID] = (metadata.len() as u64) | (u64::from(owner.pid) << 32);
+    w[W_START] = owner.start_time;
+    pack_bytes(&mut w[W_BOOT..W_NAME], &owner.boot_id);
+    pack_bytes(&mut w[W_NAME..W_TOKEN], name.as_bytes());
+    pack_bytes(&mut w[W_TOKEN..W_META], token);
+    pack_bytes(&mut w[W_META..W_RESERVED], metadata);
+    w
+}
+
+/// Small pause in lock loops: spin first, then yield, then sleep briefly.
+fn pause(i: u32) {
+    if i < 16 {
+        std::hint::spin_loop();
+    } else if i < 256 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+impl Registry {
+    /// Creates the registry segment `name` with `opts`' capacity and mode, initialises it, and
+    /// joins it as a participant.
+    ///
+    /// The pages are reserved up front (a full `/dev/shm` fails here). The header's init stamp is
+    /// stored last, so openers never use a half-initialised segment.
+    ///
+    /// # Errors
+    /// [`RegistryError::InvalidName`], [`RegistryError::AlreadyExists`], [`RegistryError::NoSpace`],
+    /// [`Error::InvalidArgument`] for a capacity out of range, [`Error::Os`] for failed calls.
+    ///
+    /// # Examples
+    /// ```
+    /// use cuda_ipc::registry::{Registry, RegistryOptions};
+    /// let name = format!("cuda-ipc-doc-reg-{}", std::process::id());
+    /// let reg = Registry::create(&name, &RegistryOptions::new().capacity(8))?;
+    /// let seq = reg.publish("frames", 1, b"token bytes", b"meta")?;
+    /// let rec = reg.get("frames")?.unwrap();
+    /// assert_eq!((rec.seq, &rec.token[..]), (seq, &b"token bytes"[..]));
+    /// Registry::unlink(&name)?;
+    /// # Ok::<(), cuda_ipc::Error>(())
+    /// ```
+    pub fn create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
+        if opts.slots == 0 || opts.slots > MAX_SLOTS {
+            return Err(Error::InvalidArgument(format!(
+                "registry capacity {} (1 to {MAX_SLOTS})",
+                opts.slots
+            )));
+        }
+        if opts.participants == 0 || opts.participants > MAX_PARTICIPANTS {
+            return Err(Error::InvalidArgument(format!(
+                "registry participants {} (1 to {MAX_PARTICIPANTS})",
+                opts.participants
+            )));
+        }
+        let me = ProcessIdentity::current()?;
+        let total = total_size(opts.participants, opts.slots);
+        let seg = Segment::create(
+            name,
+            total,
+            &SegmentOptions::new().group_access(opts.group_access),
+        )?;
+        let hdr = Self::header_of(&seg);
+        // Relaxed stores: all published by the Release store of init_stamp below. The creator's
+        // identity goes first so a stale, half-initialised segment can be told from a slow creator.
+        hdr.creator_pid.store(me.pid, Ordering::Relaxed);
+        hdr.creator_start_time
+            .store(me.start_time, Ordering::Relaxed);
+        hdr.magic.store(MAGIC, Ordering::Relaxed);
+        hdr.layout_version.store(LAYOUT_VERSION, Ordering::Relaxed);
+        hdr.header_size.store(HEADER_SIZE as u32, Ordering::Relaxed);
+        hdr.total_size.store(total as u64, Ordering::Relaxed);
+        hdr.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
+        hdr.slot_count.store(opts.slots, Ordering::Relaxed);
+        hdr.participant_size
+            .store(PARTICIPANT_SIZE as u32, Ordering::Relaxed);
+        hdr.participant_count
+            .store(opts.participants, Ordering::Relaxed);
+        hdr.record_name_max
+            .store(RECORD_NAME_MAX as u32, Ordering::Relaxed);
+        hdr.token_max.store(TOKEN_MAX as u32, Ordering::Relaxed);
+        hdr.metadata_max
+            .store(METADATA_MAX as u32, Ordering::Relaxed);
+        // Slots and participant entries are zero from ftruncate: free.
+        // Release: pairs with the Acquire load of init_stamp in `open`; everything above is visible
+        // to an opener that sees the stamp.
+        hdr.init_stamp.store(INIT_STAMP, Ordering::Release);
+        Self::attach(seg, opts.slots, opts.participants, me, opts)
+    }
+
+    /// Opens the existing registry `name`, validating everything it reads, and joins it.
+    ///
+    /// Waits up to `opts.init_timeout` for a creator that is still initialising. Dead participants'
+    /// entries are freed on the way in.
+    ///
+    /// # Errors
+    /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment;
+    /// - [`RegistryError::TooSmall`] for a zero-size or truncated segment;
+    /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
+    ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
+    /// - [`RegistryError::Uninitialised`] when the init stamp did not appear in time;
+    /// - [`RegistryError::TooManyParticipants`] when every entry is held by a live process.
+    pub fn open(name: &str, opts: &RegistryOptions) -> Result<Registry> {
+        let start = Instant::now();
+        loop {
+            match Self::try_open(name) {
+                Ok((seg, slots, participants)) => {
+                    let me = ProcessIdentity::current()?;
+                    return Self::attach(seg, slots, participants, me, opts);
+                }
+                Err(Retry::Fatal(e)) => return Err(e),
+                Err(Retry::NotReady(e)) => {
+                    if start.elapsed() >= opts.init_timeout {
+                        return Err(e);
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+        }
+    }
+
+    /// Opens the registry `name`, or creates it when there is none.
+    ///
+    /// A segment left half-initialised by a creator that died (its recorded creator is dead, or no
+    /// init stamp appeared within `opts.init_timeout`) is unlinked and created anew, so a restart
+    /// after a crash is never blocked. A fully initialised segment whose participants all died is
+    /// simply opened: their entries and locks are reclaimed as met.
+    ///
+    /// # Errors
+    /// As [`Registry::create`] and [`Registry::open`]; a foreign, other-version or corrupt segment is
+    /// reported, never replaced.
+    pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
+        for _ in 0..4 {
+            match Self::create(name, opts) {
+                Err(Error::Registry(RegistryError::AlreadyExists { .. })) => {}
+                other => return other,
+            }
+            match Self::open(name, opts) {
+                Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                Err(Error::Registry(
+                    e @ (RegistryError::Uninitialised { .. } | RegistryError::TooSmall { .. }),
+                )) => {
+                    if Self::remove_if_stale(name)? {
+                        tracing::warn!(segment = name, error = %e, "removed a stale registry segment left by a crashed creator");
+                        continue;
+                    }
+                    return Err(e.into());
+                }
+                other => return other,
+            }
+        }
+        Err(Error::Timeout {
+            what: "registry segment creation (it kept disappearing or reappearing)",
+            after: opts.init_timeout * 4,
+        })
+    }
+
+    /// Unlinks a segment that never got its init stamp and whose creator is dead or unknown.
+    /// Checks the inode again just before unlinking, so a fresh segment of the same name made in
+    /// between is left alone (best effort: the name is only checked, not locked).
+    fn remove_if_stale(name: &str) -> Result<bool> {
+        let seg = match Segment::open(name) {
+            Ok(s) => s,
+            Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(true),
+            // Zero size: the creator died between shm_open and ftruncate, or is just there.
+            Err(Error::Registry(RegistryError::TooSmall { .. })) => {
+                return Self::unlink_same(name, None);
+            }
+            Err(e) => return Err(e),
+        };
+        seg.check_owner()?;
+        if seg.len() >= HEADER_SIZE {
+            let hdr = Self::header_of(&seg);
+            // Acquire: pairs with the creator's Release store of the stamp.
+            if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
+                return Ok(false);
+            }
+            // Relaxed: written once by the creator before anything else.
+            let pid = hdr.creator_pid.load(Ordering::Relaxed);
+            let st = hdr.creator_start_time.load(Ordering::Relaxed);
+            if pid != 0 && !token_is_dead((u64::from(pid) << 32) | (st & 0xffff_ffff)) {
+                return Ok(false);
+            }
+        }
+        let ino = seg.inode()?;
+        drop(seg);
+        Self::unlink_same(name, Some(ino))
+    }
+
+    fn unlink_same(name: &str, ino: Option<u64>) -> Result<bool> {
+        if let Some(ino) = ino {
+            match Segment::open(name) {
+                Ok(s) if s.inode()? != ino => return Ok(true),
+                Ok(_) => {}
+                Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(true),
+                Err(Error::Registry(RegistryError::TooSmall { .. })) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        match Segment::unlink(name) {
+            Ok(()) | Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes the registry's name (`shm_unlink`); handles already open keep working.
+    ///
+    /// # Errors
+    /// As [`Segment::unlink`].
+    pub fn unlink(name: &str) -> Result<()> {
+        Segment::unlink(name)
+    }
+
+    fn try_open(name: &str) -> std::result::Result<(Segment, u32, u32), Retry> {
+        let seg = match Segment::open(name) {
+            Ok(s) => s,
+            Err(e @ Error::Registry(RegistryError::TooSmall { .. })) => {
+                return Err(Retry::NotReady(e));
+            }
+            Err(e) => return Err(Retry::Fatal(e)),
+        };
+        seg.check_owner().map_err(Retry::Fatal)?;
+        let len = seg.len();
+        if len < HEADER_SIZE {
+            return Err(Retry::NotReady(
+                RegistryError::TooSmall {
+                    name: name.to_string(),
+                    len: len as u64,
+                    min: HEADER_SIZE as u64,
+                }
+                .into(),
+            ));
+        }
+        let hdr = Self::header_of(&seg);
+        // Acquire: pairs with the creator's Release store of the stamp; the fields read below are
+        // then the creator's.
+        let stamp = hdr.init_stamp.load(Ordering::Acquire);
+        // Relaxed: ordered by the Acquire above when the stamp is set; otherwise only diagnostic.
+        let magic = hdr.magic.load(Ordering::Relaxed);
+        if magic != MAGIC && !(magic == 0 && stamp == 0) {
+            return Err(Retry::Fatal(
+                RegistryError::ForeignSegment {
+                    name: name.to_string(),
+                    found: magic,
+                }
+                .into(),
+            ));
+        }
+        if stamp != INIT_STAMP {
+            if stamp != 0 {
+                return Err(Retry::Fatal(corrupt(
+                    name,
+                    format!("init stamp {stamp:#018x}, expected {INIT_STAMP:#018x} or 0"),
+                )));
+            }
+            return Err(Retry::NotReady(
+                RegistryError::Uninitialised {
+                    name: name.to_string(),
+                    waited: Duration::ZERO,
+                }
+                .into(),
+            ));
+        }
+        let version = hdr.layout_version.load(Ordering::Relaxed);
+        if version != LAYOUT_VERSION {
+            return Err(Retry::Fatal(
+                RegistryError::VersionMismatch {
+                    name: name.to_string(),
+                    found: version,
+                    supported: LAYOUT_VERSION,
+                }
+                .into(),
+            ));
+        }
+        let check = |what: &str, found: u64, expected: u64| {
+            if found == expected {
+                Ok(())
+            } else {
+                Err(Retry::Fatal(corrupt(
+                    name,
+                    format!("{what} is {found}, this layout has {expected}"),
+                )))
+            }
+        };
+        check(
+            "header size",
+            hdr.header_size.load(Ordering::Relaxed).into(),
+            HEADER_SIZE as u64,
+        )?;
+        check(
+            "slot size",
+            hdr.slot_size.load(Ordering::Relaxed).into(),
+            SLOT_SIZE as u64,
+        )?;
+        check(
+            "participant entry size",
+            hdr.participant_size.load(Ordering::Relaxed).into(),
+            PARTICIPANT_SIZE as u64,
+        )?;
+        check(
+            "record name maximum",
+            hdr.record_name_max.load(Ordering::Relaxed).into(),
+            RECORD_NAME_MAX as u64,
+        )?;
+        check(
+            "token maximum",
+            hdr.token_max.load(Ordering::Relaxed).into(),
+            TOKEN_MAX as u64,
+        )?;
+        check(
+            "metadata maximum",
+            hdr.metadata_max.load(Ordering::Relaxed).into(),
+            METADATA_MAX as u64,
+        )?;
+        let slots = hdr.slot_count.load(Ordering::Relaxed);
+        let participants = hdr.participant_count.load(Ordering::Relaxed);
+        if slots == 0 || slots > MAX_SLOTS {
+            return Err(Retry::Fatal(corrupt(
+                name,
+                format!("slot count {slots} (1 to {MAX_SLOTS})"),
+            )));
+        }
+        if participants == 0 || participants > MAX_PARTICIPANTS {
+            return Err(Retry::Fatal(corrupt(
+                name,
+                format!("participant count {participants} (1 to {MAX_PARTICIPANTS})"),
+            )));
+        }
+        let need = total_size(participants, slots) as u64;
+        check(
+            "total size in the header",
+            hdr.total_size.load(Ordering::Relaxed),
+            need,
+        )?;
+        if (len as u64) < need {
+            return Err(Retry::Fatal(
+                RegistryError::TooSmall {
+                    name: name.to_string(),
+                    len: len as u64,
+                    min: need,
+                }
+                .into(),
+            ));
+        }
+        Ok((seg, slots, participants))
+    }
+
+    fn attach(
+        seg: Segment,
+        slots: u32,
+        participants: u32,
+        me: ProcessIdentity,
+        opts: &RegistryOptions,
+    ) -> Result<Registry> {
+        let token = owner_token(&me);
+        let mut reg = Registry {
+            seg,
+            slots,
+            participants,
+            me,
+            token,
+            participant: u32::MAX,
+            lock_timeout: opts.lock_timeout,
+        };
+        reg.participant = match reg.claim_participant() {
+            Some(i) => i,
+            None => {
+                reg.reclaim_participants();
+                reg.claim_participant().ok_or_else(|| {
+                    Error::from(RegistryError::TooManyParticipants {
+                        name: reg.seg.name().to_string(),
+                        capacity: participants,
+                    })
+                })?
+            }
+        };
+        Ok(reg)
+    }
+
+    fn claim_participant(&self) -> Option<u32> {
+        for i in 0..self.participants {
+            let p = self.participant_at(i);
+            // Acquire on success: pairs with the Release that freed the entry.
+            if p.token
+                .compare_exchange(0, self.token, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                // Relaxed: readers check these against the token and skip an entry being filled.
+                p.pid.store(self.me.pid, Ordering::Relaxed);
+                p.start_time.store(self.me.start_time, Ordering::Relaxed);
+                let b = self.me.boot_id;
+                let lo = u64::from_le_bytes(b[..8].try_into().unwrap_or_default());
+                let hi = u64::from_le_bytes(b[8..].try_into().unwrap_or_default());
+                p.boot_id[0].store(lo, Ordering::Relaxed);
+                p.boot_id[1].store(hi, Ordering::Relaxed);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    fn reclaim_participants(&self) -> u32 {
+        let mut n = 0;
+        for i in 0..self.participants {
+            let p = self.participant_at(i);
+            // Relaxed: the compare-exchange below decides.
+            let t = p.token.load(Ordering::Relaxed);
+            if t != 0 && t != self.token && token_is_dead(t) {
+                // Release: pairs with the next claimer's Acquire.
+                if p.token
+                    .compare_exchange(t, 0, Ordering::Release, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    fn header_of(seg: &Segment) -> &Header {
+        debug_assert!(seg.len() >= HEADER_SIZE);
+        // SAFETY: (1) the mapping is at least HEADER_SIZE bytes (checked by every caller) and lives
+        // as long as `seg`, which the returned reference borrows; (2) the mapping is page-aligned, so
+        // the Header's 8-byte alignment holds; (3) Header consists only of atomics, so a shared
+        // reference to it permits the concurrent writes of other processes (interior mutability) and
+        // no plain byte is ever referenced; (4) every bit pattern is a valid atomic integer.
+        unsafe { &*(seg.as_ptr() as *const Header) }
+    }
+
+    fn header(&self) -> &Header {
+        Self::header_of(&self.seg)
+    }
+
+    fn participant_at(&self, i: u32) -> &Participant {
+        assert!(i < self.participants);
+        // SAFETY: (1) `i < participants`, and the segment was checked at open/create to hold
+        // total_size(participants, slots) bytes, so the entry is in bounds for the mapping, which
+        // `self` keeps alive; (2) offset 128 + 64 i is 8-byte aligned; (3) Participant is all
+        // atomics (see `header_of`); (4) any bit pattern is valid.
+        unsafe {
+            &*(self
+                .seg
+                .as_ptr()
+                .add(PARTICIPANTS_OFFSET + i as usize * PARTICIPANT_SIZE)
+                as *const Participant)
+        }
+    }
+
+    fn slot_at(&self, i: u32) -> &Slot {
+        assert!(i < self.slots);
+        // SAFETY: (1) `i < slots` and the mapping holds total_size(participants, slots) bytes
+        // (checked at open/create), so the slot is in bounds and lives as long as `self`; (2) its
+        // offset is a multiple of 64; (3) Slot is all atomics (see `header_of`); (4) any bit pattern
+        // is valid.
+        unsafe {
+            &*(self
+                .seg
+                .as_ptr()
+                .add(slots_offset(self.participants) + i as usize * SLOT_SIZE)
+                as *const Slot)
+        }
+    }
+
+    fn view(&self, i: u32) -> SlotView<'_> {
+        let s = self.slot_at(i);
+        SlotView {
+            writer: &s.writer,
+            lock: crate::shm::SeqLock::new(&s.seq, &s.payload),
+        }
+    }
+
+    /// The segment name (without `/`).
+    pub fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// The number of slots (most records at once).
+    pub fn capacity(&self) -> u32 {
+        self.slots
+    }
+
+    /// The identity this handle publishes under.
+    pub fn identity(&self) -> ProcessIdentity {
+        self.me
+    }
+
+    /// The participant entry index this handle holds.
+    pub fn participant_index(&self) -> u32 {
+        self.participant
+    }
+
+    /// The underlying segment (for diagnostics and tests).
+    pub fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
+    fn notify(&self) {
+        let w = &self.header().notify;
+        // Release: pairs with the Acquire load in `wait_for`; a waiter that sees the new value also
+        // sees the slot changes made before it.
+        w.fetch_add(1, Ordering::Release);
+        futex::wake_all(w);
+    }
+
+    /// Takes a slot's writer lock, taking it over from a dead holder. Bounded by the lock timeout.
+    fn lock_slot(&self, i: u32) -> Result<Taken> {
+        let v = self.view(i);
+        let deadline = Instant::now() + self.lock_timeout;
+        let dead = |t: u64| token_is_dead(t);
+        let never = |_: u64| false;
+        for n in 0u32.. {
+            // Check liveness only now and then: it reads /proc.
+            let check: &dyn Fn(u64) -> bool = if n % 64 == 63 { &dead } else { &never };
+            if let Some(t) = v.try_lock(self.token, check) {
+                if matches!(t, Taken::Recovered { .. }) {
+                    self.notify();
+                }
+                return Ok(t);
+            }
+            if n % 64 == 63 && Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: "a registry slot's writer lock",
+                    after: self.lock_timeout,
+                });
+            }
+            pause(n);
+        }
+        unreachable!("the loop returns")
+    }
+
+    fn lock_table(&self) -> Result<()> {
+        let w = &self.header().table_lock;
+        let deadline = Instant::now() + self.lock_timeout;
+        for n in 0u32.. {
+            // Relaxed: a hint for the compare-exchange.
+            let cur = w.load(Ordering::Relaxed);
+            let take_from = if cur == 0 {
+                Some(0)
+            } else if n % 64 == 63 && cur != self.token && token_is_dead(cur) {
+                Some(cur)
+            } else {
+                None
+            };
+            if let Some(from) = take_from {
+                // Acquire: pairs with the Release in `unlock_table` by the previous holder.
+                if w.compare_exchange(from, self.token, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Ok(());
+                }
+            }
+            if n % 64 == 63 && Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: "the registry's table lock",
+                    after: self.lock_timeout,
+                });
+            }
+            pause(n);
+        }
+        unreachable!("the loop returns")
+    }
+
+    fn unlock_table(&self) {
+        // Release: pairs with the next locker's Acquire compare-exchange.
+        let _ = self.header().table_lock.compare_exchange(
+            self.token,
+            0,
+            Ordering::Release,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Reads slot `i` consistently. A write left open by a dead writer is recovered (the slot is
+    /// freed, `Ok(None)`); a live writer is waited for up to the lock timeout.
+    fn read_slot(&self, i: u32) -> Result<Option<Record>> {
+        let v = self.view(i);
+        let mut buf = [0u64; PAYLOAD_WORDS];
+        let deadline = Instant::now() + self.lock_timeout;
+        loop {
+            match v.read(&mut buf, READ_RETRIES) {
+                Ok(_) => {
+                    return decode(&buf, i).map_err(|what| corrupt(self.name(), what));
+                }
+                Err(stalled) => {
+                    let holder = v.holder();
+                    if (holder == 0 || (holder != self.token && token_is_dead(holder)))
+                        && let Some(t) = v.try_lock(self.token, &token_is_dead)
+                    {
+                        v.unlock(self.token);
+                        if matches!(t, Taken::Recovered { .. }) {
+                            self.notify();
+                        }
+                        continue;
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(stalled.into());
+                    }
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+    }
+
+    fn home(&self, name: &str) -> u32 {
+        // FNV-1a: where a name's search starts; any slot may hold it.
+        let mut h: u32 = 0x811c_9dc5;
+        for b in name.bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+        h % self.slots
+    }
+
+    fn find(&self, name: &str) -> Result<Option<Record>> {
+        let h = self.home(name);
+        for k in 0..self.slots {
+            let i = (h + k) % self.slots;
+            if let Some(r) = self.read_slot(i)?
+                && r.name == name
+            {
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Publishes a new version of record `name`: `kind`, `token` (at most 256 bytes) and `metadata`
+    /// (at most 128 bytes), owned by this process. Returns its sequence number, greater than every
+    /// earlier number of this name. Wakes every waiter.
+    ///
+    /// # Errors
+    /// [`RegistryError::InvalidName`] / [`RegistryError::TooLarge`] for bad arguments,
+    /// [`RegistryError::Full`] when the name is new and no slot is free, [`Error::Timeout`] when a
+    /// live process holds the lock longer than the lock timeout, [`RegistryError::Corrupt`] when a
+    /// slot's bytes make no sense.
+    pub fn publish(&self, name: &str, kind: u32, token: &[u8], metadata: &[u8]) -> Result<u64> {
+        validate_record_name(name)?;
+        if token.len() > TOKEN_MAX {
+            return Err(RegistryError::TooLarge {
+                what: "token",
+                len: token.len(),
+                max: TOKEN_MAX,
+            }
+            .into());
+        }
+        if metadata.len() > METADATA_MAX {
+            return Err(RegistryError::TooLarge {
+                what: "metadata",
+                len: metadata.len(),
+                max: METADATA_MAX,
+            }
+            .into());
+        }
+        loop {
+            // Fast path: the name has a slot; update it under its lock.
+            if let Some(r) = self.find(name)? {
+                if let Some(seq) = self.update_slot(r.slot, name, false, kind, token, metadata)? {
+                    return Ok(seq);
+                }
+                continue;
+            }
+            // New name: under the table lock, look again, then take a free slot.
+            self.lock_table()?;
+            let res = self.create_record(name, kind, token, metadata);
+            self.unlock_table();
+            match res? {
+                Some(seq) => return Ok(seq),
+                None => continue,
+            }
+        }
+    }
+
+    /// Under the table lock: `Some(seq)` once published, `None` when the name appeared meanwhile.
+    fn create_record(
+        &self,
+        name: &str,
+        kind: u32,
+        token: &[u8],
+        metadata: &[u8],
+    ) -> Result<Option<u64>> {
+        if self.find(name)?.is_some() {
+            return Ok(None);
+        }
+        let h = self.home(name);
+        for k in 0..self.slots {
+            let i = (h + k) % self.slots;
+            if self.read_slot(i)?.is_some() {
+                continue;
+            }
+            if let Some(seq) = self.update_slot(i, name, true, kind, token, metadata)? {
+                return Ok(Some(seq));
+            }
+        }
+        Err(RegistryError::Full {
+            name: self.name().to_string(),
+            capacity: self.slots,
+        }
+        .into())
+    }
+
+    /// Locks slot `i`, checks it is free (`new`) or still holds `name` (not `new`), and writes the
+    /// record. `Ok(None)` when the check failed (the caller looks again).
+    fn update_slot(
+        &self,
+        i: u32,
+        name: &str,
+        new: bool,
+        kind: u32,
+        token: &[u8],
+        metadata: &[u8],
+    ) -> Result<Option<u64>> {
+        self.lock_slot(i)?;
+        let v = self.view(i);
+        let mut buf = [0u64; PAYLOAD_WORDS];
+        // We hold the lock and any write left open was repaired while taking it, so the first
+        // attempt succeeds unless the bytes are corrupt.
+        let cur = v
+            .read(&mut buf, 4)
+            .map_err(Error::from)
+            .and_then(|_| decode(&buf, i).map_err(|what| corrupt(self.name(), what)));
+        let fits = match &cur {
+            Ok(None) => new,
+            Ok(Some(r)) => !new && r.name == name,
+            Err(_) => false,
+        };
+        if !fits {
+            v.unlock(self.token);
+            return cur.map(|_| None);
+        }
+        // Relaxed: a read-modify-write of one location is totally ordered, and it runs under the
+        // slot lock, so successive writers of a slot take increasing numbers.
+        let seq = self.header().next_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let words = encode(name, kind, token, metadata, &self.me, seq);
+        match v.lock.try_write() {
+            Some(w) => {
+                for (k, x) in words.iter().enumerate() {
+                    w.store(k, *x);
+                }
+                w.finish();
+            }
+            None => {
+                v.unlock(self.token);
+                return Err(corrupt(
+                    self.name(),
+                    format!("slot {i}: sequence odd under its writer lock"),
+                ));
+            }
+        }
+        v.unlock(self.token);
+        self.notify();
+        Ok(Some(seq))
+    }
+
+    /// The current record `name`, or `None` when there is none. Never returns a torn record.
+    ///
+    /// # Errors
+    /// [`RegistryError::InvalidName`] / [`RegistryError::TooLarge`] for a bad name,
+    /// [`RegistryError::WriterStalled`] when a live writer held a slot open for the whole lock
+    /// timeout, [`RegistryError::Corrupt`] for nonsensical slot bytes.
+    pub fn get(&self, name: &str) -> Result<Option<Record>> {
+        validate_record_name(name)?;
+        self.find(name)
+    }
+
+    /// Waits until record `name` has a sequence number greater than `after_seq`, at most `timeout`.
+    ///
+    /// Sleeps on the registry's shared futex word, re-checking after every wake-up and at least
+    /// every 100 ms (a publisher may die between publishing and waking). `after_seq = 0` waits for
+    /// any record of that name.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when nothing newer arrived in time; the errors of [`Registry::get`].
+    pub fn wait_for(&self, name: &str, after_seq: u64, timeout: Duration) -> Result<Record> {
+        validate_record_name(name)?;
+        let deadline = Instant::now() + timeout;
+        let word = &self.header().notify;
+        loop {
+            // Acquire: pairs with the publisher's Release fetch_add in `notify`.
+            let v = word.load(Ordering::Acquire);
+            if let Some(r) = self.find(name)?
+                && r.seq > after_seq
+            {
+                return Ok(r);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: "a newer registry record",
+                    after: timeout,
+                });
+            }
+            futex::wait(word, v, (deadline - now).min(Duration::from_millis(100)));
+        }
+    }
+
+    /// Every published record, in slot order. Never returns a torn record.
+    ///
+    /// # Errors
+    /// As [`Registry::get`].
+    pub fn list(&self) -> Result<Vec<Record>> {
+        let mut out = Vec::new();
+        for i in 0..self.slots {
+            if let Some(r) = self.read_slot(i)? {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes record `name`; `true` when there was one. Its sequence numbers are not reused.
+    ///
+    /// # Errors
+    /// As [`Registry::get`], and [`Error::Timeout`] when a live process holds the slot's lock.
+    pub fn remove(&self, name: &str) -> Result<bool> {
+        validate_record_name(name)?;
+        loop {
+            let Some(r) = self.find(name)? else {
+                return Ok(false);
+            };
+            if self.free_slot_if(r.slot, |cur| cur.name == name, false)? {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Locks slot `i`; when it holds a record for which `pred` is true (or corrupt bytes and
+    /// `free_corrupt`), frees it. Returns whether it freed it.
+    fn free_slot_if(
+        &self,
+        i: u32,
+        pred: impl Fn(&Record) -> bool,
+        free_corrupt: bool,
+    ) -> Result<bool> {
+        self.lock_slot(i)?;
+        let v = self.view(i);
+        let mut buf = [0u64; PAYLOAD_WORDS];
+        let cur = v
+            .read(&mut buf, 4)
+            .map_err(Error::from)
+            .and_then(|_| decode(&buf, i).map_err(|what| corrupt(self.name(), what)));
+        let doit = matches!(&cur, Ok(Some(r)) if pred(r)) || (cur.is_err() && free_corrupt);
+        if doit && let Some(w) = v.lock.try_write() {
+            for k in 0..PAYLOAD_WORDS {
+                w.store(k, 0);
+            }
+            w.finish();
+        }
+        v.unlock(self.token);
+        if doit {
+            self.notify();
+        }
+        match cur {
+            Err(e) if !doit => Err(e),
+            _ => Ok(doit),
+        }
+    }
+
+    /// Frees what dead processes left: their published records, writes they left open, slots whose
+    /// bytes are corrupt, and their participant entries.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when a live process holds a slot's lock for the whole lock timeout.
+    pub fn reclaim_dead(&self) -> Result<ReclaimReport> {
+        let mut rep = ReclaimReport {
+            participants: self.reclaim_participants(),
+            ..Default::default()
+        };
+        for i in 0..self.slots {
+            let v = self.view(i);
+            let holder = v.holder();
+            if holder != 0 && holder != self.token && token_is_dead(holder) {
+                if let Some(Taken::Recovered { dropped_record }) =
+                    v.try_lock(self.token, &token_is_dead)
+                {
+                    v.unlock(self.token);
+                    if dropped_record {
+                        rep.half_written += 1;
+                    }
+                    self.notify();
+                }
+            }
+            match self.read_slot(i) {
+                Ok(Some(r)) if r.owner.liveness() == Liveness::Dead => {
+                    if self.free_slot_if(i, |cur| cur.seq == r.seq, false)? {
+                        rep.records += 1;
+                    }
+                }
+                Ok(_) => {}
+                Err(Error::Registry(RegistryError::Corrupt { .. })) => {
+                    if self.free_slot_if(i, |_| false, true)? {
+                        rep.half_written += 1;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(rep)
+    }
+
+    /// Live participants (processes with this registry open), from the participant table.
+    pub fn participants(&self) -> Vec<ProcessIdentity> {
+        let mut out = Vec::new();
+        for i in 0..self.participants {
+            let p = self.participant_at(i);
+            // Acquire: pairs with the claimer's Acquire CAS only loosely; fields are checked below.
+            let t = p.token.load(Ordering::Acquire);
+            if t == 0 {
+                continue;
+            }
+            // Relaxed: checked against the token; an entry being filled is skipped.
+            let pid = p.pid.load(Ordering::Relaxed);
+            let start_time = p.start_time.load(Ordering::Relaxed);
+            if u64::from(pid) != t >> 32 || start_time & 0xffff_ffff != t & 0xffff_ffff {
+                continue;
+            }
+            let mut boot_id = [0u8; 16];
+            boot_id[..8].copy_from_slice(&p.boot_id[0].load(Ordering::Relaxed).to_le_bytes());
+            boot_id[8..].copy_from_slice(&p.boot_id[1].load(Ordering::Relaxed).to_le_bytes());
+            let id = ProcessIdentity {
+                pid,
+                start_time,
+                boot_id,
+            };
+            if id.liveness() != Liveness::Dead && !out.contains(&id) {
+                out.push(id);
+            }
+        }
+        out
+    }
+}
+
+/// Whether `open` should wait and try again.
+enum Retry {
+    NotReady(Error),
+    Fatal(Error),
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        if self.participant < self.participants {
+            let p = self.participant_at(self.participant);
+            // Release: pairs with the next claimer's Acquire compare-exchange.
+            let _ = p
+                .token
+                .compare_exchange(self.token, 0, Ordering::Release, Ordering::Relaxed);
+        }
+    }
 }

@@ -1,0 +1,134 @@
+//! [`RegistryError`]: what the registry and the shared-memory segments under it report.
+
+use std::time::Duration;
+
+/// Errors of the registry and of the shared-memory segments under it.
+///
+/// Each variant names the segment (without the leading `/`) and what was wrong with it; bad bytes
+/// from another process always end here, never in a panic.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// A segment or record name is not acceptable.
+    #[error("invalid name {name:?}: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// `create` found a segment of that name already there (`shm_open` returned `EEXIST`).
+    #[error("shared-memory segment /{name} already exists")]
+    AlreadyExists {
+        /// The segment name.
+        name: String,
+    },
+    /// `open` found no segment of that name (`shm_open` returned `ENOENT`).
+    #[error("shared-memory segment /{name} does not exist")]
+    NotFound {
+        /// The segment name.
+        name: String,
+    },
+    /// `/dev/shm` has no room for the segment's pages (reserved at creation).
+    #[error(
+        "no space in /dev/shm for segment /{name} of {len} bytes; free space there or enlarge the tmpfs"
+    )]
+    NoSpace {
+        /// The segment name.
+        name: String,
+        /// The size asked for, in bytes.
+        len: u64,
+    },
+    /// The segment is smaller than its layout needs (zero-size, truncated, or still being created).
+    #[error("shared-memory segment /{name} is {len} bytes, smaller than the {min} bytes it needs")]
+    TooSmall {
+        /// The segment name.
+        name: String,
+        /// Its size in bytes.
+        len: u64,
+        /// The size needed, in bytes.
+        min: u64,
+    },
+    /// The segment belongs to another user; the registry only trusts segments of its own user.
+    #[error(
+        "shared-memory segment /{name} is owned by uid {owner}, not by this process's uid {ours}"
+    )]
+    WrongOwner {
+        /// The segment name.
+        name: String,
+        /// The owner's uid.
+        owner: u32,
+        /// This process's effective uid.
+        ours: u32,
+    },
+    /// The segment does not start with the registry's magic: something else made it.
+    #[error("shared-memory segment /{name} is not a cuda-ipc registry (magic {found:#018x})")]
+    ForeignSegment {
+        /// The segment name.
+        name: String,
+        /// The first eight bytes found, as a little-endian number.
+        found: u64,
+    },
+    /// The segment's layout version is not the one this build reads.
+    #[error(
+        "shared-memory segment /{name} has layout version {found}, this build reads version {supported}"
+    )]
+    VersionMismatch {
+        /// The segment name.
+        name: String,
+        /// The version in the segment.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// A header field disagrees with this build or with the segment's size.
+    #[error("shared-memory segment /{name} is corrupt: {what}")]
+    Corrupt {
+        /// The segment name.
+        name: String,
+        /// What disagrees, with both values.
+        what: String,
+    },
+    /// The creator has not finished initialising the segment within the wait.
+    #[error("shared-memory segment /{name} was not initialised within {waited:?}")]
+    Uninitialised {
+        /// The segment name.
+        name: String,
+        /// How long was waited.
+        waited: Duration,
+    },
+    /// A seqlock stayed odd (a writer inside its critical section) for all the allowed retries.
+    #[error("a record stayed mid-write for {retries} read attempts")]
+    WriterStalled {
+        /// How many read attempts were made.
+        retries: u32,
+    },
+    /// Every slot holds a record; remove one or create the registry with more capacity.
+    #[error("registry /{name} is full: all {capacity} slots hold records")]
+    Full {
+        /// The segment name.
+        name: String,
+        /// Its number of slots.
+        capacity: u32,
+    },
+    /// Every participant entry is held by a live process.
+    #[error(
+        "registry /{name} has no free participant entry (all {capacity} are held by live processes)"
+    )]
+    TooManyParticipants {
+        /// The segment name.
+        name: String,
+        /// Its number of participant entries.
+        capacity: u32,
+    },
+    /// A record field is longer than the layout allows.
+    #[error("{what} is {len} bytes, more than the {max} bytes a record holds")]
+    TooLarge {
+        /// Which field (`"record name"`, `"token"`, `"metadata"`).
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The maximum in bytes.
+        max: usize,
+    },
+}

@@ -1,0 +1,350 @@
+//! [`Segment`]: one named POSIX shared-memory object, sized, its pages reserved, mapped with
+//! [`memmap2::MmapRaw`].
+
+use crate::error::{OsError, Result};
+use crate::registry::RegistryError;
+use memmap2::{MmapOptions, MmapRaw};
+use rustix::fd::OwnedFd;
+use rustix::fs::{FallocateFlags, Mode};
+use rustix::io::Errno;
+use rustix::shm::OFlags;
+
+/// The longest segment name accepted, in bytes, without the leading `/` (Linux allows 255 for a file
+/// name in `/dev/shm`; we keep room for suffixes).
+pub const MAX_SEGMENT_NAME: usize = 200;
+
+/// How a [`Segment`] is created.
+///
+/// The default is mode `0600`: only the creating user can open it.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::shm::SegmentOptions;
+/// let opts = SegmentOptions::new().group_access(true);
+/// assert_eq!(opts.mode(), 0o660);
+/// ```
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct SegmentOptions {
+    group_access: bool,
+}
+
+impl SegmentOptions {
+    /// Mode `0600`, no group access.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `true`: mode `0660`, so members of the creator's group may open the segment too.
+    pub fn group_access(mut self, on: bool) -> Self {
+        self.group_access = on;
+        self
+    }
+
+    /// The file mode the segment is created with (`0600` or `0660`), set exactly, whatever the umask.
+    pub fn mode(&self) -> u32 {
+        if self.group_access { 0o660 } else { 0o600 }
+    }
+}
+
+/// A named POSIX shared-memory object (`shm_open`), mapped read-write and shared.
+///
+/// The mapping is a [`MmapRaw`]: this type hands out a raw pointer and never a Rust reference to the
+/// bytes, because other processes write them at any time. Callers access the bytes through atomics
+/// (see [`crate::shm::seqlock`]) or raw-pointer reads of bytes they know nobody writes.
+///
+/// Dropping a `Segment` unmaps it and closes its descriptor; it does not unlink the name (see
+/// [`Segment::unlink`]).
+///
+/// A process with write access to the object can shrink it with `ftruncate` while others have it
+/// mapped; accesses beyond the new end then raise `SIGBUS`. The segment is therefore only shared
+/// between processes of one user (or one group, by option) that run this crate.
+#[derive(Debug)]
+pub struct Segment {
+    // Drop order: the mapping first, then the descriptor it was made from.
+    map: MmapRaw,
+    fd: OwnedFd,
+    name: String,
+}
+
+impl Segment {
+    /// Creates the segment `name` (`shm_open` with `O_CREAT | O_EXCL`), sizes it to `len` bytes
+    /// (`ftruncate`), reserves its pages (`fallocate`) and maps it.
+    ///
+    /// `name` is given without the leading `/`; see [`validate_name`] for what is accepted. The
+    /// bytes start zeroed. The mode is exactly [`SegmentOptions::mode`] (set with `fchmod`, so the
+    /// umask does not change it).
+    ///
+    /// # Errors
+    /// - [`RegistryError::InvalidName`] for a bad name, [`crate::Error::InvalidArgument`] for `len == 0`;
+    /// - [`RegistryError::AlreadyExists`] when the name is taken;
+    /// - [`RegistryError::NoSpace`] when `/dev/shm` cannot hold `len` bytes;
+    /// - [`crate::Error::Os`] for any other failed call.
+    ///
+    /// On any error after the object was made, the name is unlinked again.
+    ///
+    /// # Examples
+    /// ```
+    /// use cuda_ipc::shm::{Segment, SegmentOptions};
+    /// let name = format!("cuda-ipc-doc-create-{}", std::process::id());
+    /// let seg = Segment::create(&name, 4096, &SegmentOptions::new())?;
+    /// assert_eq!(seg.len(), 4096);
+    /// Segment::unlink(&name)?;
+    /// # Ok::<(), cuda_ipc::Error>(())
+    /// ```
+    #[doc(alias = "shm_open")]
+    pub fn create(name: &str, len: usize, opts: &SegmentOptions) -> Result<Segment> {
+        validate_name(name)?;
+        if len == 0 {
+            return Err(crate::Error::InvalidArgument(format!(
+                "segment /{name}: a length of 0 bytes"
+            )));
+        }
+        let path = format!("/{name}");
+        let mode = Mode::from_raw_mode(opts.mode());
+        let fd = match rustix::shm::open(
+            path.as_str(),
+            OFlags::CREATE | OFlags::EXCL | OFlags::RDWR,
+            mode,
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::EXIST) => {
+                return Err(RegistryError::AlreadyExists {
+                    name: name.to_string(),
+                }
+                .into());
+            }
+            Err(e) => return Err(OsError::new("shm_open", path, e).into()),
+        };
+        match Self::size_and_map(fd, name, len, mode) {
+            Ok(seg) => Ok(seg),
+            Err(e) => {
+                // We made the object: take the name away again so a retry is not blocked.
+                if let Err(u) = rustix::shm::unlink(path.as_str()) {
+                    tracing::warn!(segment = %path, error = %u, "could not unlink a half-made segment");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn size_and_map(fd: OwnedFd, name: &str, len: usize, mode: Mode) -> Result<Segment> {
+        let path = format!("/{name}");
+        rustix::fs::fchmod(&fd, mode).map_err(|e| OsError::new("fchmod", path.as_str(), e))?;
+        let len64 = len as u64;
+        rustix::fs::ftruncate(&fd, len64).map_err(|e| match e {
+            Errno::NOSPC | Errno::FBIG => RegistryError::NoSpace {
+                name: name.to_string(),
+                len: len64,
+            }
+            .into(),
+            e => crate::Error::from(OsError::new("ftruncate", path.as_str(), e)),
+        })?;
+        // Reserve the pages now, so a full /dev/shm is an error here and not a SIGBUS at first touch.
+        match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len64) {
+            Ok(()) => {}
+            Err(Errno::NOSPC) => {
+                return Err(RegistryError::NoSpace {
+                    name: name.to_string(),
+                    len: len64,
+                }
+                .into());
+            }
+            Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
+                tracing::debug!(segment = %path, "fallocate unsupported; pages not reserved up front");
+            }
+            Err(e) => return Err(OsError::new("fallocate", path.as_str(), e).into()),
+        }
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&fd)
+            .map_err(|e| OsError::io("mmap", path.as_str(), e))?;
+        Ok(Segment {
+            map,
+            fd,
+            name: name.to_string(),
+        })
+    }
+
+    /// Opens the existing segment `name` and maps all of it; its size comes from `fstat`.
+    ///
+    /// Same as [`Segment::open_with_min_len`] with a minimum of one byte.
+    ///
+    /// # Errors
+    /// As [`Segment::open_with_min_len`].
+    #[doc(alias = "shm_open")]
+    pub fn open(name: &str) -> Result<Segment> {
+        Self::open_with_min_len(name, 1)
+    }
+
+    /// Opens the existing segment `name`, checks it holds at least `min_len` bytes, and maps all of it.
+    ///
+    /// # Errors
+    /// - [`RegistryError::InvalidName`] for a bad name;
+    /// - [`RegistryError::NotFound`] when there is no such segment;
+    /// - [`RegistryError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
+    ///   so a short segment is an error and not a fault);
+    /// - [`crate::Error::Os`] for a failed call (`EACCES` when the mode forbids us).
+    pub fn open_with_min_len(name: &str, min_len: usize) -> Result<Segment> {
+        validate_name(name)?;
+        let path = format!("/{name}");
+        let fd = match rustix::shm::open(path.as_str(), OFlags::RDWR, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => {
+                return Err(RegistryError::NotFound {
+                    name: name.to_string(),
+                }
+                .into());
+            }
+            Err(e) => return Err(OsError::new("shm_open", path, e).into()),
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
+        let size = u64::try_from(st.st_size).unwrap_or(0);
+        let min = min_len.max(1) as u64;
+        if size < min || usize::try_from(size).is_err() {
+            return Err(RegistryError::TooSmall {
+                name: name.to_string(),
+                len: size,
+                min,
+            }
+            .into());
+        }
+        let map = MmapOptions::new()
+            .len(size as usize)
+            .map_raw(&fd)
+            .map_err(|e| OsError::io("mmap", path.as_str(), e))?;
+        Ok(Segment {
+            map,
+            fd,
+            name: name.to_string(),
+        })
+    }
+
+    /// Removes the name `name` (`shm_unlink`). Mappings that exist stay valid until unmapped.
+    ///
+    /// # Errors
+    /// [`RegistryError::InvalidName`], [`RegistryError::NotFound`] when no such name exists, and
+    /// [`crate::Error::Os`] for other failures.
+    #[doc(alias = "shm_unlink")]
+    pub fn unlink(name: &str) -> Result<()> {
+        validate_name(name)?;
+        let path = format!("/{name}");
+        match rustix::shm::unlink(path.as_str()) {
+            Ok(()) => Ok(()),
+            Err(Errno::NOENT) => Err(RegistryError::NotFound {
+                name: name.to_string(),
+            }
+            .into()),
+            Err(e) => Err(OsError::new("shm_unlink", path, e).into()),
+        }
+    }
+
+    /// The first byte of the mapping. Valid for [`Segment::len`] bytes while `self` lives.
+    ///
+    /// Other processes may write any of these bytes at any time: read and write them only through
+    /// atomics or raw-pointer accesses, never through a `&[u8]` or `&mut [u8]`.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// The mapped length in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Always `false`: a segment is at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// The name, without the leading `/`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The segment's current size according to `fstat`, in bytes (another process may have changed
+    /// it since mapping).
+    ///
+    /// # Errors
+    /// [`crate::Error::Os`] when `fstat` fails.
+    pub fn current_size(&self) -> Result<u64> {
+        let st = rustix::fs::fstat(&self.fd)
+            .map_err(|e| OsError::new("fstat", format!("/{}", self.name), e))?;
+        Ok(u64::try_from(st.st_size).unwrap_or(0))
+    }
+
+    /// The uid that owns the segment (`fstat`'s `st_uid`).
+    ///
+    /// # Errors
+    /// [`crate::Error::Os`] when `fstat` fails.
+    pub fn owner_uid(&self) -> Result<u32> {
+        let st = rustix::fs::fstat(&self.fd)
+            .map_err(|e| OsError::new("fstat", format!("/{}", self.name), e))?;
+        Ok(st.st_uid)
+    }
+
+    /// The inode number (`fstat`'s `st_ino`), to tell two objects that had the same name apart.
+    ///
+    /// # Errors
+    /// [`crate::Error::Os`] when `fstat` fails.
+    pub fn inode(&self) -> Result<u64> {
+        let st = rustix::fs::fstat(&self.fd)
+            .map_err(|e| OsError::new("fstat", format!("/{}", self.name), e))?;
+        Ok(st.st_ino)
+    }
+
+    /// Checks that the segment belongs to this process's effective uid.
+    ///
+    /// # Errors
+    /// [`RegistryError::WrongOwner`] naming both uids; [`crate::Error::Os`] when `fstat` fails.
+    pub fn check_owner(&self) -> Result<()> {
+        let owner = self.owner_uid()?;
+        let ours = rustix::process::geteuid().as_raw();
+        if owner != ours {
+            return Err(RegistryError::WrongOwner {
+                name: self.name.clone(),
+                owner,
+                ours,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The descriptor of the shared-memory object (for `fchown`, `flock`, passing it on, ...).
+    pub fn fd(&self) -> rustix::fd::BorrowedFd<'_> {
+        use rustix::fd::AsFd;
+        self.fd.as_fd()
+    }
+}
+
+/// Checks a segment name: 1 to [`MAX_SEGMENT_NAME`] bytes of `[A-Za-z0-9._-]`, not `.` or `..`,
+/// given without the leading `/` (it is added here).
+///
+/// # Errors
+/// [`RegistryError::InvalidName`] saying what is wrong.
+pub fn validate_name(name: &str) -> Result<()> {
+    let bad = |reason| {
+        Err(RegistryError::InvalidName {
+            name: name.chars().take(MAX_SEGMENT_NAME + 8).collect(),
+            reason,
+        }
+        .into())
+    };
+    if name.is_empty() {
+        return bad("empty");
+    }
+    if name.len() > MAX_SEGMENT_NAME {
+        return bad("longer than 200 bytes");
+    }
+    if name == "." || name == ".." {
+        return bad("`.` and `..` are not names");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return bad("only ASCII letters, digits, `.`, `_` and `-` are allowed (no leading `/`)");
+    }
+    Ok(())
+}
