@@ -55,6 +55,18 @@ pub enum Error {
     /// The shared-memory registry or its protocol reported an error.
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
+    /// The channel's producer process died (found by pid + start time); no more frames will come.
+    #[error("the producer (pid {pid}) is gone")]
+    ProducerGone {
+        /// The producer's pid.
+        pid: u32,
+    },
+    /// The producer closed the channel and every frame it published was delivered.
+    #[error("the channel was closed by its producer")]
+    ChannelClosed,
+    /// A channel could not be created, attached or used.
+    #[error(transparent)]
+    Channel(#[from] crate::channel::ChannelError),
     /// A bounded wait ran out.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

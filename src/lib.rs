@@ -1,6 +1,7 @@
 //! Zero-copy sharing of CUDA device buffers and events between processes, each with its own context.
 #![doc = include_str!("../docs/crate-doc.md")]
 
+pub mod channel;
 pub mod driver;
 pub mod error;
 pub(crate) mod ffi;

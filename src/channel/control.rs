@@ -1,0 +1,1172 @@
+//! The channel's control block: a POSIX shared-memory segment holding the pool's tokens, each
+//! buffer's state and holders, each consumer's cursor and release events, and two futex words.
+//!
+//! This is the whole protocol, and it never calls CUDA: the producer and consumer types wrap it with
+//! the GPU side (export, import, events). Tests drive it across processes on machines without a GPU.
+//!
+//! Layout (all integers little-endian, `#[repr(C)]`, offsets in bytes; see docs/ARCHITECTURE.md):
+//! a [`Header`] at 0, then `buffers` × [`BufferSlot`], then `consumers` × [`ConsumerSlot`].
+//!
+//! Holding a buffer is a Dekker pair: the consumer sets its bit in `hold_mask` and then re-reads
+//! `seq`; the producer swaps `seq` to [`WRITING`] and then re-reads `hold_mask`. Both sides use
+//! `SeqCst`, so at least one of them sees the other and backs off: a buffer is never written while a
+//! consumer holds it.
+
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::{Segment, SegmentOptions, futex};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::token::TOKEN_LEN;
+use std::time::{Duration, Instant};
+
+/// Magic at offset 0: `CIPCCHAN`.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
+/// Layout version; an opener refuses any other, naming both.
+pub(crate) const VERSION: u32 = 1;
+const STAMP_READY: u32 = 0x5245_4459; // "READY"
+/// Most buffers in a pool.
+pub const MAX_BUFFERS: usize = 16;
+/// Most consumers attached at once (one bit each in a 64-bit hold mask).
+pub const MAX_CONSUMERS: usize = 64;
+/// Bytes of user metadata per frame.
+pub const META_BYTES: usize = 256;
+const META_WORDS: usize = META_BYTES / 8;
+/// `BufferSlot::seq` while the producer writes the buffer.
+pub(crate) const WRITING: u64 = u64::MAX;
+
+/// Consumer slot states.
+const FREE: u32 = 0;
+const CLAIMING: u32 = 1;
+const ACTIVE: u32 = 2;
+
+const CLOSED: u32 = 1;
+
+#[repr(C)]
+pub(crate) struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    /// Written last at creation (Release); openers Acquire-load it before reading anything else.
+    stamp: AtomicU32,
+    buffers: AtomicU32,
+    consumers: AtomicU32,
+    buffer_bytes: AtomicU64,
+    segment_bytes: AtomicU64,
+    producer_pid: AtomicU32,
+    producer_state: AtomicU32,
+    producer_start_time: AtomicU64,
+    producer_boot_id: [AtomicU64; 2],
+    /// Sequence number of the latest published frame (0: none yet).
+    head: AtomicU64,
+    /// Bumped on every publish and on close; consumers sleep on it.
+    publish_futex: AtomicU32,
+    /// Bumped on every release, cursor move and detach; the producer sleeps on it.
+    release_futex: AtomicU32,
+    published: AtomicU64,
+    forced_releases: AtomicU64,
+    _reserved: [AtomicU64; 4],
+}
+
+#[repr(C)]
+pub(crate) struct BufferSlot {
+    /// Sequence number of the frame in the buffer; 0 empty; [`WRITING`] while the producer owns it.
+    seq: AtomicU64,
+    /// Consumers (bit = slot index) holding the frame now.
+    hold_mask: AtomicU64,
+    /// Consumers that held the buffer since the producer last wrote it: the producer's next write
+    /// waits on their release events.
+    used_mask: AtomicU64,
+    meta_len: AtomicU32,
+    _pad: AtomicU32,
+    meta: [AtomicU64; META_WORDS],
+    /// Token of the buffer memory, then of the producer's event for it (immutable after creation).
+    tokens: [u8; 2 * TOKEN_LEN],
+}
+
+#[repr(C)]
+pub(crate) struct ConsumerSlot {
+    state: AtomicU32,
+    policy: AtomicU32,
+    /// Bumped each time the slot is claimed, so the producer can tell a reused slot apart.
+    generation: AtomicU64,
+    pid: AtomicU32,
+    _pad: AtomicU32,
+    start_time: AtomicU64,
+    boot_id: [AtomicU64; 2],
+    /// Last sequence number received (or skipped).
+    cursor: AtomicU64,
+    received: AtomicU64,
+    dropped: AtomicU64,
+    /// The consumer's release-event tokens, one per buffer, written while claiming.
+    tokens: [u8; MAX_BUFFERS * TOKEN_LEN],
+}
+
+const _: () = assert!(size_of::<Header>() == 136);
+const _: () = assert!(size_of::<BufferSlot>() == 32 + META_BYTES + 2 * TOKEN_LEN);
+const _: () = assert!(size_of::<ConsumerSlot>() == 72 + MAX_BUFFERS * TOKEN_LEN);
+const _: () = assert!(std::mem::offset_of!(Header, head) == 72);
+const _: () = assert!(std::mem::offset_of!(BufferSlot, meta) == 32);
+const _: () = assert!(std::mem::offset_of!(ConsumerSlot, cursor) == 48);
+const _: () = assert!(size_of::<BufferSlot>() % 8 == 0 && size_of::<ConsumerSlot>() % 8 == 0);
+
+/// Delivery policy of one consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Delivery {
+    /// Every frame, in order; the producer waits (back-pressure) until this consumer received it.
+    #[default]
+    EveryFrame,
+    /// Only the newest frame; older unreceived frames are skipped and counted as dropped.
+    LatestOnly,
+}
+
+/// How a thread waits for a condition on a futex word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitStrategy {
+    /// Sleep on the futex at once (lowest CPU use; wake-up ≈ 10–20 µs).
+    Block,
+    /// Spin for the given time, then sleep on the futex (the default: 50 µs).
+    SpinThenBlock(Duration),
+    /// Spin until the timeout (lowest latency, one core busy; wake-up well under 1 µs).
+    Spin,
+}
+
+impl Default for WaitStrategy {
+    fn default() -> Self {
+        WaitStrategy::SpinThenBlock(Duration::from_micros(50))
+    }
+}
+
+/// Liveness is re-checked at least this often while waiting.
+const LIVENESS_EVERY: Duration = Duration::from_millis(20);
+
+/// Counters of one consumer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// Consumer slot index.
+    pub index: usize,
+    /// Its process.
+    pub pid: u32,
+    /// Frames received.
+    pub received: u64,
+    /// Frames skipped (latest-only delivery, or published before it could take them).
+    pub dropped: u64,
+    /// Frames it holds now.
+    pub in_flight: u32,
+    /// Frames published that it has not received or skipped: `head - cursor`.
+    pub lag: u64,
+}
+
+/// Counters of a channel.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChannelStats {
+    /// Frames published.
+    pub published: u64,
+    /// Sequence number of the latest frame.
+    pub head: u64,
+    /// Holds released by the producer on behalf of dead consumers or at shutdown.
+    pub forced_releases: u64,
+    /// One entry per attached consumer.
+    pub consumers: Vec<ConsumerStats>,
+}
+
+/// The mapped control segment.
+pub(crate) struct Control {
+    seg: Segment,
+    buffers: usize,
+    consumers: usize,
+}
+
+// SAFETY: all shared state is accessed through atomics or raw-pointer copies; the mapping itself is
+// process-wide and stays valid while `seg` lives.
+unsafe impl Send for Control {}
+// SAFETY: as for Send: methods take `&self` and touch shared memory only through atomics.
+unsafe impl Sync for Control {}
+
+fn layout_len(buffers: usize, consumers: usize) -> usize {
+    size_of::<Header>() + buffers * size_of::<BufferSlot>() + consumers * size_of::<ConsumerSlot>()
+}
+
+/// The segment name of a channel.
+pub(crate) fn segment_name(channel: &str) -> String {
+    format!("cuda-ipc.ch.{channel}")
+}
+
+fn boot_words(id: &ProcessIdentity) -> [u64; 2] {
+    [
+        u64::from_le_bytes(id.boot_id[..8].try_into().unwrap_or_default()),
+        u64::from_le_bytes(id.boot_id[8..].try_into().unwrap_or_default()),
+    ]
+}
+
+fn boot_bytes(w: [u64; 2]) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&w[0].to_le_bytes());
+    b[8..].copy_from_slice(&w[1].to_le_bytes());
+    b
+}
+
+fn bad(msg: String) -> Error {
+    Error::Channel(super::ChannelError::BadSegment(msg))
+}
+
+impl Control {
+    /// Creates the control segment of `channel` with `buffers` buffers of `buffer_bytes` bytes and
+    /// room for `consumers` consumers; `tokens[i]` = (memory token, event token) of buffer `i`.
+    /// A segment left by a dead producer is replaced; one of a live producer is an error.
+    pub(crate) fn create(
+        channel: &str,
+        buffer_bytes: u64,
+        consumers: usize,
+        tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])],
+        opts: &SegmentOptions,
+    ) -> Result<Control> {
+        let buffers = tokens.len();
+        if buffers == 0 || buffers > MAX_BUFFERS {
+            return Err(Error::InvalidArgument(format!(
+                "a pool needs 1 to {MAX_BUFFERS} buffers, got {buffers}"
+            )));
+        }
+        if consumers == 0 || consumers > MAX_CONSUMERS {
+            return Err(Error::InvalidArgument(format!(
+                "a channel takes 1 to {MAX_CONSUMERS} consumers, got {consumers}"
+            )));
+        }
+        let name = segment_name(channel);
+        let len = layout_len(buffers, consumers);
+        let seg = match Segment::create(&name, len, opts) {
+            Ok(s) => s,
+            Err(Error::Registry(crate::registry::RegistryError::AlreadyExists { .. })) => {
+                // A stale segment from a crashed producer must not block a restart.
+                match Control::open(channel) {
+                    Ok(old) if old.producer().liveness() != Liveness::Dead => {
+                        return Err(Error::Channel(super::ChannelError::AlreadyExists {
+                            channel: channel.to_string(),
+                            pid: old.producer().pid,
+                        }));
+                    }
+                    _ => {
+                        tracing::warn!("replacing the stale channel segment {name}");
+                        Segment::unlink(&name)?;
+                        Segment::create(&name, len, opts)?
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let c = Control {
+            seg,
+            buffers,
+            consumers,
+        };
+        let me = ProcessIdentity::current()?;
+        let h = c.header();
+        // Relaxed stores: nobody reads them before the stamp below is published with Release.
+        h.magic.store(MAGIC, Ordering::Relaxed);
+        h.version.store(VERSION, Ordering::Relaxed);
+        h.buffers.store(buffers as u32, Ordering::Relaxed);
+        h.consumers.store(consumers as u32, Ordering::Relaxed);
+        h.buffer_bytes.store(buffer_bytes, Ordering::Relaxed);
+        h.segment_bytes.store(len as u64, Ordering::Relaxed);
+        h.producer_pid.store(me.pid, Ordering::Relaxed);
+        h.producer_start_time.store(me.start_time, Ordering::Relaxed);
+        let bw = boot_words(&me);
+        h.producer_boot_id[0].store(bw[0], Ordering::Relaxed);
+        h.producer_boot_id[1].store(bw[1], Ordering::Relaxed);
+        for (i, (mem, ev)) in tokens.iter().enumerate() {
+            let p = c.buffer_ptr(i);
+            // SAFETY: `p` points to buffer slot `i` inside the mapping (i < buffers); the token
+            // area is written only here, before the stamp, by the creator alone.
+            unsafe {
+                let dst = std::ptr::addr_of_mut!((*p).tokens).cast::<u8>();
+                std::ptr::copy_nonoverlapping(mem.as_ptr(), dst, TOKEN_LEN);
+                std::ptr::copy_nonoverlapping(ev.as_ptr(), dst.add(TOKEN_LEN), TOKEN_LEN);
+            }
+        }
+        // Release: pairs with the Acquire load of `stamp` in `open`; everything above is visible
+        // to an opener that sees READY.
+        h.stamp.store(STAMP_READY, Ordering::Release);
+        Ok(c)
+    }
+
+    /// Opens and validates the control segment of `channel`.
+    pub(crate) fn open(channel: &str) -> Result<Control> {
+        let name = segment_name(channel);
+        let seg = match Segment::open_with_min_len(&name, size_of::<Header>()) {
+            Ok(s) => s,
+            Err(Error::Registry(crate::registry::RegistryError::NotFound { .. })) => {
+                return Err(Error::Channel(super::ChannelError::NotFound(
+                    channel.to_string(),
+                )));
+            }
+            Err(e) => return Err(e),
+        };
+        seg.check_owner()?;
+        let c = Control {
+            seg,
+            buffers: 0,
+            consumers: 0,
+        };
+        let h = c.header();
+        // A creator may still be writing: wait (bounded) for the stamp.
+        let start = Instant::now();
+        // Acquire: pairs with the Release store of the stamp in `create`.
+        while h.stamp.load(Ordering::Acquire) != STAMP_READY {
+            if start.elapsed() > Duration::from_secs(2) {
+                return Err(bad(format!(
+                    "{name} was never finished by its creator (no init stamp after 2 s)"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let magic = h.magic.load(Ordering::Relaxed);
+        if magic != MAGIC {
+            return Err(bad(format!("{name} is not a cuda-ipc channel (magic {magic:#018x})")));
+        }
+        let v = h.version.load(Ordering::Relaxed);
+        if v != VERSION {
+            return Err(bad(format!(
+                "{name} has channel layout version {v}; this build reads version {VERSION}"
+            )));
+        }
+        let buffers = h.buffers.load(Ordering::Relaxed) as usize;
+        let consumers = h.consumers.load(Ordering::Relaxed) as usize;
+        if !(1..=MAX_BUFFERS).contains(&buffers) || !(1..=MAX_CONSUMERS).contains(&consumers) {
+            return Err(bad(format!(
+                "{name} claims {buffers} buffers and {consumers} consumers: corrupted"
+            )));
+        }
+        let need = layout_len(buffers, consumers);
+        if c.seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
+            return Err(bad(format!(
+                "{name} holds {} bytes but its header needs {need}: truncated or corrupted",
+                c.seg.len()
+            )));
+        }
+        Ok(Control {
+            seg: c.seg,
+            buffers,
+            consumers,
+        })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping holds at least a Header (checked at create/open), is page aligned,
+        // and Header is only atomics, so a shared reference to it is sound even though other
+        // processes write it.
+        unsafe { &*self.seg.as_ptr().cast::<Header>() }
+    }
+
+    fn buffer_ptr(&self, i: usize) -> *mut BufferSlot {
+        debug_assert!(i < self.buffers.max(1));
+        // SAFETY: the offset stays inside the mapping: i < buffers and the length was checked.
+        unsafe {
+            self.seg
+                .as_ptr()
+                .add(size_of::<Header>() + i * size_of::<BufferSlot>())
+                .cast()
+        }
+    }
+
+    fn buffer(&self, i: usize) -> &BufferSlot {
+        // SAFETY: in bounds (see buffer_ptr), 8-byte aligned (sizes are multiples of 8 after a
+        // page-aligned base); only the atomic fields are read through this reference, the token
+        // bytes through raw-pointer copies.
+        unsafe { &*self.buffer_ptr(i) }
+    }
+
+    fn consumer_ptr(&self, c: usize) -> *mut ConsumerSlot {
+        // SAFETY: in bounds: c < consumers and the length was checked.
+        unsafe {
+            self.seg
+                .as_ptr()
+                .add(
+                    size_of::<Header>()
+                        + self.buffers * size_of::<BufferSlot>()
+                        + c * size_of::<ConsumerSlot>(),
+                )
+                .cast()
+        }
+    }
+
+    fn consumer(&self, c: usize) -> &ConsumerSlot {
+        // SAFETY: as for `buffer`.
+        unsafe { &*self.consumer_ptr(c) }
+    }
+
+    pub(crate) fn buffers(&self) -> usize {
+        self.buffers
+    }
+
+    pub(crate) fn consumer_capacity(&self) -> usize {
+        self.consumers
+    }
+
+    pub(crate) fn buffer_bytes(&self) -> u64 {
+        self.header().buffer_bytes.load(Ordering::Relaxed)
+    }
+
+    /// The tokens of buffer `i`: (memory, producer event).
+    pub(crate) fn buffer_tokens(&self, i: usize) -> ([u8; TOKEN_LEN], [u8; TOKEN_LEN]) {
+        let mut mem = [0u8; TOKEN_LEN];
+        let mut ev = [0u8; TOKEN_LEN];
+        let p = self.buffer_ptr(i);
+        // SAFETY: the token area of slot i is inside the mapping and immutable after the stamp
+        // (read after `open` Acquire-loaded it); copied out byte-wise, never referenced.
+        unsafe {
+            let src = std::ptr::addr_of!((*p).tokens).cast::<u8>();
+            std::ptr::copy_nonoverlapping(src, mem.as_mut_ptr(), TOKEN_LEN);
+            std::ptr::copy_nonoverlapping(src.add(TOKEN_LEN), ev.as_mut_ptr(), TOKEN_LEN);
+        }
+        (mem, ev)
+    }
+
+    pub(crate) fn producer(&self) -> ProcessIdentity {
+        let h = self.header();
+        ProcessIdentity {
+            pid: h.producer_pid.load(Ordering::Relaxed),
+            start_time: h.producer_start_time.load(Ordering::Relaxed),
+            boot_id: boot_bytes([
+                h.producer_boot_id[0].load(Ordering::Relaxed),
+                h.producer_boot_id[1].load(Ordering::Relaxed),
+            ]),
+        }
+    }
+
+    pub(crate) fn head(&self) -> u64 {
+        // Acquire: pairs with the Release store in `publish`; a reader that sees head = s sees the
+        // buffer slot's seq and metadata of frame s.
+        self.header().head.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        // Acquire: pairs with the Release store in `close`.
+        self.header().producer_state.load(Ordering::Acquire) == CLOSED
+    }
+
+    fn bump(word: &AtomicU32) {
+        // Release: pairs with the Acquire load of the word before a futex wait; a woken waiter
+        // re-checks its condition and sees the change made before this bump.
+        word.fetch_add(1, Ordering::Release);
+        futex::wake(word, u32::MAX);
+    }
+
+    /// Waits on `word` until `ready()` returns `Some`, the timeout runs out (`Ok(None)`), or
+    /// `gone()` reports an error (checked every [`LIVENESS_EVERY`]).
+    fn wait_until<T>(
+        word: &AtomicU32,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+        mut ready: impl FnMut() -> Result<Option<T>>,
+        mut gone: impl FnMut() -> Result<()>,
+    ) -> Result<Option<T>> {
+        let start = Instant::now();
+        let mut last_check = start;
+        let spin_for = match strategy {
+            WaitStrategy::Block => Duration::ZERO,
+            WaitStrategy::SpinThenBlock(d) => d,
+            WaitStrategy::Spin => Duration::MAX,
+        };
+        loop {
+            // Acquire: pairs with the Release bump; read before the condition so a change made
+            // after the check is seen as a changed word by the futex wait.
+            let seen = word.load(Ordering::Acquire);
+            if let Some(v) = ready()? {
+                return Ok(Some(v));
+            }
+            let now = Instant::now();
+            let waited = now - start;
+            if timeout.is_some_and(|t| waited >= t) {
+                return Ok(None);
+            }
+            if now - last_check >= LIVENESS_EVERY {
+                gone()?;
+                last_check = now;
+            }
+            if waited < spin_for {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut slice = LIVENESS_EVERY;
+            if let Some(t) = timeout {
+                slice = slice.min(t.saturating_sub(waited));
+            }
+            futex::wait(word, seen, slice);
+        }
+    }
+
+    // ---------------------------------------------------------------- producer side
+
+    /// Takes a free buffer for writing: one no consumer holds and every every-frame consumer has
+    /// received (or that holds the oldest frame). Returns (index, consumers whose release events the
+    /// write must wait on). Reclaims dead consumers' holds while waiting.
+    pub(crate) fn acquire(
+        &self,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+    ) -> Result<Option<(usize, u64)>> {
+        let h = self.header();
+        Self::wait_until(
+            &h.release_futex,
+            strategy,
+            timeout,
+            || Ok(self.try_acquire()),
+            || {
+                self.reclaim_dead_consumers();
+                Ok(())
+            },
+        )
+    }
+
+    fn min_lossless_cursor(&self) -> u64 {
+        let mut min = u64::MAX;
+        for c in 0..self.consumers {
+            let s = self.consumer(c);
+            // Acquire: pairs with the Release store of ACTIVE in `attach`: its policy and cursor
+            // are visible.
+            if s.state.load(Ordering::Acquire) == ACTIVE
+                && s.policy.load(Ordering::Relaxed) == 0
+            {
+                min = min.min(s.cursor.load(Ordering::Acquire));
+            }
+        }
+        min
+    }
+
+    pub(crate) fn try_acquire(&self) -> Option<(usize, u64)> {
+        let min_cursor = self.min_lossless_cursor();
+        let head = self.head();
+        // Oldest first, so the newest frame stays available to latest-only consumers.
+        let mut order: Vec<(u64, usize)> = (0..self.buffers)
+            .map(|i| (self.buffer(i).seq.load(Ordering::Acquire), i))
+            .filter(|&(seq, _)| seq != WRITING && seq <= min_cursor)
+            .collect();
+        order.sort_unstable();
+        for (seq, i) in order {
+            if seq == head && seq != 0 && self.buffers > 1 && order_has_other(self, i, min_cursor) {
+                // Keep the newest frame while an older buffer is free.
+                continue;
+            }
+            let b = self.buffer(i);
+            if b.hold_mask.load(Ordering::SeqCst) != 0 {
+                continue;
+            }
+            // SeqCst: one half of the Dekker pair with `hold` (consumer sets its bit, then
+            // re-reads seq). After this swap, a consumer that sets its bit later sees WRITING.
+            if b.seq
+                .compare_exchange(seq, WRITING, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                continue;
+            }
+            // SeqCst: the other half; a hold set before our swap is seen here.
+            if b.hold_mask.load(Ordering::SeqCst) != 0 {
+                // Give it back unchanged (Release pairs with readers' Acquire of seq).
+                b.seq.store(seq, Ordering::Release);
+                continue;
+            }
+            let used = b.used_mask.swap(0, Ordering::AcqRel);
+            return Some((i, used));
+        }
+        None
+    }
+
+    /// Publishes the frame in buffer `i` (acquired before) with `meta`; returns its sequence number.
+    pub(crate) fn publish(&self, i: usize, meta: &[u8]) -> Result<u64> {
+        if meta.len() > META_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "metadata is {} bytes; at most {META_BYTES}",
+                meta.len()
+            )));
+        }
+        let h = self.header();
+        let b = self.buffer(i);
+        if b.seq.load(Ordering::Relaxed) != WRITING {
+            return Err(Error::InvalidArgument(format!(
+                "buffer {i} was not acquired"
+            )));
+        }
+        let mut words = [0u64; META_WORDS];
+        for (k, chunk) in meta.chunks(8).enumerate() {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            words[k] = u64::from_le_bytes(w);
+        }
+        // Relaxed: the buffer is WRITING, so no consumer reads these until the Release store of
+        // its seq below.
+        for (k, w) in words.iter().enumerate() {
+            b.meta[k].store(*w, Ordering::Relaxed);
+        }
+        b.meta_len.store(meta.len() as u32, Ordering::Relaxed);
+        // Only this producer writes head, so load + store is race-free.
+        let seq = h.head.load(Ordering::Relaxed) + 1;
+        // Release: pairs with consumers' Acquire of seq in `take`; metadata is visible with it.
+        b.seq.store(seq, Ordering::Release);
+        // Release: pairs with `head()`'s Acquire.
+        h.head.store(seq, Ordering::Release);
+        h.published.fetch_add(1, Ordering::Relaxed);
+        Self::bump(&h.publish_futex);
+        Ok(seq)
+    }
+
+    /// Gives an acquired buffer back without publishing (its previous frame is gone: seq 0).
+    pub(crate) fn abandon(&self, i: usize) {
+        // Release: pairs with `try_acquire`/`take` Acquire loads of seq.
+        self.buffer(i).seq.store(0, Ordering::Release);
+        Self::bump(&self.header().release_futex);
+    }
+
+    /// Consumers (bit mask) whose slots hold live state, with generation numbers, for the producer to
+    /// import their release events.
+    pub(crate) fn consumer_release_tokens(&self, c: usize) -> Option<(u64, Vec<[u8; TOKEN_LEN]>)> {
+        let s = self.consumer(c);
+        // Acquire: pairs with the Release store of ACTIVE in `attach` (tokens written before it).
+        let g0 = s.generation.load(Ordering::Acquire);
+        if s.state.load(Ordering::Acquire) != ACTIVE {
+            return None;
+        }
+        let p = self.consumer_ptr(c);
+        let mut out = Vec::with_capacity(self.buffers);
+        for i in 0..self.buffers {
+            let mut t = [0u8; TOKEN_LEN];
+            // SAFETY: inside slot c's token area in the mapping; copied byte-wise. A concurrent
+            // re-claim is detected by the generation re-check below (and the tokens' checksum).
+            unsafe {
+                let src = std::ptr::addr_of!((*p).tokens).cast::<u8>().add(i * TOKEN_LEN);
+                std::ptr::copy_nonoverlapping(src, t.as_mut_ptr(), TOKEN_LEN);
+            }
+            out.push(t);
+        }
+        // Acquire fence, then re-check: the copy above belongs to generation g0 only if unchanged.
+        crate::sync::fence(Ordering::Acquire);
+        (s.generation.load(Ordering::Relaxed) == g0).then_some((g0, out))
+    }
+
+    /// Releases the holds of consumers whose process died; returns how many holds were forced.
+    pub(crate) fn reclaim_dead_consumers(&self) -> u64 {
+        let mut forced = 0;
+        for c in 0..self.consumers {
+            let s = self.consumer(c);
+            let st = s.state.load(Ordering::Acquire);
+            if st == FREE {
+                continue;
+            }
+            let id = ProcessIdentity {
+                pid: s.pid.load(Ordering::Relaxed),
+                start_time: s.start_time.load(Ordering::Relaxed),
+                boot_id: boot_bytes([
+                    s.boot_id[0].load(Ordering::Relaxed),
+                    s.boot_id[1].load(Ordering::Relaxed),
+                ]),
+            };
+            if id.liveness() != Liveness::Dead {
+                continue;
+            }
+            forced += self.free_consumer_slot(c, st);
+        }
+        if forced > 0 {
+            self.header()
+                .forced_releases
+                .fetch_add(forced, Ordering::Relaxed);
+        }
+        forced
+    }
+
+    fn free_consumer_slot(&self, c: usize, expected_state: u32) -> u64 {
+        let s = self.consumer(c);
+        let bit = 1u64 << c;
+        let mut forced = 0;
+        for i in 0..self.buffers {
+            let b = self.buffer(i);
+            // AcqRel: pairs with the consumer's hold/release on the same word.
+            if b.hold_mask.fetch_and(!bit, Ordering::AcqRel) & bit != 0 {
+                forced += 1;
+            }
+            // Its release events die with it: the producer must not wait on them.
+            b.used_mask.fetch_and(!bit, Ordering::AcqRel);
+        }
+        // Release: pairs with `attach`'s CAS (Acquire) when the slot is claimed again.
+        let _ = s
+            .state
+            .compare_exchange(expected_state, FREE, Ordering::AcqRel, Ordering::Relaxed);
+        Self::bump(&self.header().release_futex);
+        forced
+    }
+
+    /// Marks the channel closed and wakes every consumer.
+    pub(crate) fn close(&self) {
+        // Release: pairs with `is_closed`'s Acquire.
+        self.header().producer_state.store(CLOSED, Ordering::Release);
+        Self::bump(&self.header().publish_futex);
+    }
+
+    /// Holds outstanding now, over all buffers.
+    pub(crate) fn outstanding_holds(&self) -> u32 {
+        (0..self.buffers)
+            .map(|i| self.buffer(i).hold_mask.load(Ordering::Acquire).count_ones())
+            .sum()
+    }
+
+    /// Waits (bounded) until no consumer holds a buffer; then forces the rest. Returns the number
+    /// of holds forced.
+    pub(crate) fn drain(&self, timeout: Duration) -> u64 {
+        let h = self.header();
+        let _ = Self::wait_until(
+            &h.release_futex,
+            WaitStrategy::Block,
+            Some(timeout),
+            || Ok((self.outstanding_holds() == 0).then_some(())),
+            || {
+                self.reclaim_dead_consumers();
+                Ok(())
+            },
+        );
+        let mut forced = 0;
+        for i in 0..self.buffers {
+            forced += self.buffer(i).hold_mask.swap(0, Ordering::AcqRel).count_ones() as u64;
+        }
+        if forced > 0 {
+            h.forced_releases.fetch_add(forced, Ordering::Relaxed);
+        }
+        forced
+    }
+
+    // ---------------------------------------------------------------- consumer side
+
+    /// Claims a consumer slot; `release_tokens[i]` is the consumer's event token for buffer `i`.
+    /// Starts at the current head (frames published before attaching are not delivered).
+    pub(crate) fn attach(
+        &self,
+        policy: Delivery,
+        release_tokens: &[[u8; TOKEN_LEN]],
+    ) -> Result<usize> {
+        if release_tokens.len() != self.buffers {
+            return Err(Error::InvalidArgument(format!(
+                "{} release tokens for {} buffers",
+                release_tokens.len(),
+                self.buffers
+            )));
+        }
+        self.reclaim_dead_consumers();
+        let me = ProcessIdentity::current()?;
+        for c in 0..self.consumers {
+            let s = self.consumer(c);
+            // Acquire on success: pairs with the Release that freed the slot.
+            if s.state
+                .compare_exchange(FREE, CLAIMING, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            s.generation.fetch_add(1, Ordering::Relaxed);
+            s.pid.store(me.pid, Ordering::Relaxed);
+            s.start_time.store(me.start_time, Ordering::Relaxed);
+            let bw = boot_words(&me);
+            s.boot_id[0].store(bw[0], Ordering::Relaxed);
+            s.boot_id[1].store(bw[1], Ordering::Relaxed);
+            s.policy.store(
+                match policy {
+                    Delivery::EveryFrame => 0,
+                    Delivery::LatestOnly => 1,
+                },
+                Ordering::Relaxed,
+            );
+            s.received.store(0, Ordering::Relaxed);
+            s.dropped.store(0, Ordering::Relaxed);
+            let p = self.consumer_ptr(c);
+            for (i, t) in release_tokens.iter().enumerate() {
+                // SAFETY: inside slot c's token area; this process owns the slot (CLAIMING), and
+                // the producer reads the area only when ACTIVE with a generation re-check.
+                unsafe {
+                    let dst = std::ptr::addr_of_mut!((*p).tokens).cast::<u8>().add(i * TOKEN_LEN);
+                    std::ptr::copy_nonoverlapping(t.as_ptr(), dst, TOKEN_LEN);
+                }
+            }
+            s.cursor.store(self.head(), Ordering::Relaxed);
+            // Release: pairs with the producer's Acquire of state; all of the above is visible.
+            s.state.store(ACTIVE, Ordering::Release);
+            return Ok(c);
+        }
+        Err(Error::Channel(super::ChannelError::NoConsumerSlot(
+            self.consumers,
+        )))
+    }
+
+    /// Leaves the channel: drops any holds and frees the slot.
+    pub(crate) fn detach(&self, c: usize) {
+        self.free_consumer_slot(c, ACTIVE);
+    }
+
+    /// Whether the producer is gone: closed, or its process dead.
+    pub(crate) fn producer_gone(&self) -> Result<()> {
+        let p = self.producer();
+        if p.liveness() == Liveness::Dead {
+            return Err(Error::ProducerGone { pid: p.pid });
+        }
+        Ok(())
+    }
+
+    /// Takes the next frame for consumer `c` (by its policy), holding its buffer. Returns
+    /// (buffer index, sequence number, metadata) or `None` at the timeout.
+    ///
+    /// # Errors
+    /// [`Error::ProducerGone`] when the producer died; [`Error::ChannelClosed`] when it closed and
+    /// no frame is left for this consumer.
+    pub(crate) fn take(
+        &self,
+        c: usize,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+    ) -> Result<Option<(usize, u64, Vec<u8>)>> {
+        let h = self.header();
+        Self::wait_until(
+            &h.publish_futex,
+            strategy,
+            timeout,
+            || {
+                if let Some(got) = self.try_take(c)? {
+                    return Ok(Some(got));
+                }
+                if self.is_closed() {
+                    return Err(Error::ChannelClosed);
+                }
+                Ok(None)
+            },
+            || self.producer_gone(),
+        )
+    }
+
+    pub(crate) fn try_take(&self, c: usize) -> Result<Option<(usize, u64, Vec<u8>)>> {
+        let s = self.consumer(c);
+        if s.state.load(Ordering::Acquire) != ACTIVE {
+            return Err(Error::Channel(super::ChannelError::Detached));
+        }
+        let latest = s.policy.load(Ordering::Relaxed) == 1;
+        let bit = 1u64 << c;
+        loop {
+            let head = self.head();
+            let cursor = s.cursor.load(Ordering::Relaxed);
+            if head <= cursor {
+                return Ok(None);
+            }
+            // Every-frame: the next one; if it is gone (only possible before this consumer was
+            // counted, at attach), the oldest still present. Latest-only: the newest.
+            let want = if latest { head } else { cursor + 1 };
+            let mut found = None;
+            let mut oldest: Option<(u64, usize)> = None;
+            for i in 0..self.buffers {
+                let seq = self.buffer(i).seq.load(Ordering::Acquire);
+                if seq == want {
+                    found = Some(i);
+                }
+                if seq != WRITING && seq > cursor && oldest.is_none_or(|(o, _)| seq < o) {
+                    oldest = Some((seq, i));
+                }
+            }
+            let (seq, i) = match (found, oldest) {
+                (Some(i), _) => (want, i),
+                (None, Some(o)) if !latest => o,
+                // The wanted frame is being overwritten (a pool of one buffer) or not visible
+                // yet: nothing to take now; the caller waits for the next publish.
+                _ => return Ok(None),
+            };
+            let b = self.buffer(i);
+            // SeqCst: the consumer half of the Dekker pair with `try_acquire`.
+            b.hold_mask.fetch_or(bit, Ordering::SeqCst);
+            if b.seq.load(Ordering::SeqCst) != seq {
+                // The producer took it meanwhile: undo and look again.
+                b.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+                Self::bump(&self.header().release_futex);
+                continue;
+            }
+            b.used_mask.fetch_or(bit, Ordering::AcqRel);
+            let len = (b.meta_len.load(Ordering::Relaxed) as usize).min(META_BYTES);
+            let mut meta = Vec::with_capacity(META_BYTES);
+            for k in 0..META_WORDS {
+                meta.extend_from_slice(&b.meta[k].load(Ordering::Relaxed).to_le_bytes());
+            }
+            meta.truncate(len);
+            s.dropped.fetch_add(seq - cursor - 1, Ordering::Relaxed);
+            s.received.fetch_add(1, Ordering::Relaxed);
+            // Release: pairs with the producer's Acquire of cursors in `min_lossless_cursor`.
+            s.cursor.store(seq, Ordering::Release);
+            Self::bump(&self.header().release_futex);
+            return Ok(Some((i, seq, meta)));
+        }
+    }
+
+    /// Ends consumer `c`'s hold on buffer `i` (after its release event was recorded).
+    pub(crate) fn release(&self, c: usize, i: usize) {
+        // Release: the release event was recorded before this; pairs with the producer's SeqCst
+        // read of hold_mask in `try_acquire`.
+        self.buffer(i)
+            .hold_mask
+            .fetch_and(!(1u64 << c), Ordering::SeqCst);
+        Self::bump(&self.header().release_futex);
+    }
+
+    /// Counters of the channel.
+    pub(crate) fn stats(&self) -> ChannelStats {
+        let h = self.header();
+        let head = self.head();
+        let mut consumers = Vec::new();
+        for c in 0..self.consumers {
+            let s = self.consumer(c);
+            if s.state.load(Ordering::Acquire) != ACTIVE {
+                continue;
+            }
+            let bit = 1u64 << c;
+            consumers.push(ConsumerStats {
+                index: c,
+                pid: s.pid.load(Ordering::Relaxed),
+                received: s.received.load(Ordering::Relaxed),
+                dropped: s.dropped.load(Ordering::Relaxed),
+                in_flight: (0..self.buffers)
+                    .filter(|&i| self.buffer(i).hold_mask.load(Ordering::Relaxed) & bit != 0)
+                    .count() as u32,
+                lag: head.saturating_sub(s.cursor.load(Ordering::Relaxed)),
+            });
+        }
+        ChannelStats {
+            published: h.published.load(Ordering::Relaxed),
+            head,
+            forced_releases: h.forced_releases.load(Ordering::Relaxed),
+            consumers,
+        }
+    }
+
+    /// Unlinks the segment name (the mapping stays valid for processes that have it open).
+    pub(crate) fn unlink(&self) {
+        if let Err(e) = Segment::unlink(self.seg.name()) {
+            tracing::warn!("unlinking {}: {e}", self.seg.name());
+        }
+    }
+}
+
+/// Whether some buffer other than `i` could take the write (free and consumed).
+fn order_has_other(c: &Control, i: usize, min_cursor: u64) -> bool {
+    (0..c.buffers).any(|j| {
+        j != i && {
+            let b = c.buffer(j);
+            let seq = b.seq.load(Ordering::Acquire);
+            seq != WRITING && seq <= min_cursor && b.hold_mask.load(Ordering::Acquire) == 0
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::{Token, TokenKind};
+    use std::sync::atomic::AtomicU32 as StdAtomicU32;
+
+    fn fake_token(i: u8) -> [u8; TOKEN_LEN] {
+        Token {
+            kind: TokenKind::LegacyMemory,
+            handle: [i; 64],
+            offset: 0,
+            len: 64,
+            device: crate::driver::Uuid([1; 16]),
+            exporter: ProcessIdentity::current().unwrap(),
+        }
+        .to_bytes()
+    }
+
+    fn channel(buffers: usize) -> (Control, String) {
+        static N: StdAtomicU32 = StdAtomicU32::new(0);
+        let name = format!(
+            "test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let tokens: Vec<_> = (0..buffers as u8)
+            .map(|i| (fake_token(i), fake_token(100 + i)))
+            .collect();
+        let c = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new()).unwrap();
+        (c, name)
+    }
+
+    fn rel_tokens(n: usize) -> Vec<[u8; TOKEN_LEN]> {
+        (0..n as u8).map(|i| fake_token(200 + i)).collect()
+    }
+
+    #[test]
+    fn every_frame_consumer_gets_every_frame_in_order_and_back_pressure_holds_the_producer() {
+        let (p, name) = channel(2);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        // Two frames fill the pool; a third must wait for the consumer.
+        for k in 1..=2u64 {
+            let (i, _) = p.try_acquire().expect("free buffer");
+            assert_eq!(p.publish(i, &k.to_le_bytes()).unwrap(), k);
+        }
+        assert!(p.try_acquire().is_none(), "overwrote a frame the consumer had not received");
+        let (i1, s1, m1) = c.try_take(me).unwrap().unwrap();
+        assert_eq!((s1, m1), (1, 1u64.to_le_bytes().to_vec()));
+        // Received but still held: the buffer is not free yet.
+        assert!(p.try_acquire().is_none(), "overwrote a held buffer");
+        c.release(me, i1);
+        let (i, used) = p.try_acquire().expect("released buffer");
+        assert_eq!(i, i1);
+        assert_eq!(used, 1 << me, "the write must wait on this consumer's release event");
+        p.publish(i, b"3").unwrap();
+        let (_, s2, _) = c.try_take(me).unwrap().unwrap();
+        assert_eq!(s2, 2);
+        let st = p.stats();
+        assert_eq!(st.published, 3);
+        assert_eq!(st.consumers[0].received, 2);
+        assert_eq!(st.consumers[0].in_flight, 1);
+        assert_eq!(st.consumers[0].lag, 1);
+        p.unlink();
+    }
+
+    #[test]
+    fn latest_only_consumer_skips_and_counts_dropped_frames_without_holding_the_producer_back() {
+        let (p, name) = channel(3);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::LatestOnly, &rel_tokens(3)).unwrap();
+        for k in 1..=10u64 {
+            let (i, _) = p.try_acquire().expect("latest-only must never block the producer");
+            p.publish(i, &[]).unwrap();
+            assert_eq!(k, p.head());
+        }
+        let (i, seq, _) = c.try_take(me).unwrap().unwrap();
+        assert_eq!(seq, 10);
+        assert_eq!(p.stats().consumers[0].dropped, 9);
+        // While held, the producer keeps going with the other buffers, never this one.
+        for _ in 0..10 {
+            let (j, _) = p.try_acquire().unwrap();
+            assert_ne!(j, i);
+            p.publish(j, &[]).unwrap();
+        }
+        c.release(me, i);
+        assert!(c.try_take(me).unwrap().unwrap().1 == 20);
+        p.unlink();
+    }
+
+    #[test]
+    fn broadcast_waits_for_the_slowest_every_frame_consumer() {
+        let (p, name) = channel(2);
+        let c = Control::open(&name).unwrap();
+        let a = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let b = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        assert_ne!(a, b);
+        let (i, _) = p.try_acquire().unwrap();
+        p.publish(i, &[]).unwrap();
+        let (i, _) = p.try_acquire().unwrap();
+        p.publish(i, &[]).unwrap();
+        let (ia, _, _) = c.try_take(a).unwrap().unwrap();
+        c.release(a, ia);
+        assert!(p.try_acquire().is_none(), "b has not received frame 1");
+        let (ib, _, _) = c.try_take(b).unwrap().unwrap();
+        c.release(b, ib);
+        let (_, used) = p.try_acquire().unwrap();
+        assert_eq!(used, (1 << a) | (1 << b));
+        p.unlink();
+    }
+
+    #[test]
+    fn dead_consumer_holds_are_released_and_its_slot_reused() {
+        let (p, name) = channel(1);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
+        let (i, _) = p.try_acquire().unwrap();
+        p.publish(i, &[]).unwrap();
+        c.try_take(me).unwrap().unwrap();
+        assert!(p.try_acquire().is_none());
+        // Make the slot's owner a process that has exited.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let st = crate::identity::start_time_of(pid).unwrap().unwrap_or(1);
+        child.wait().unwrap();
+        let s = c.consumer(me);
+        s.pid.store(pid, Ordering::Relaxed);
+        s.start_time.store(st, Ordering::Relaxed);
+        assert_eq!(p.reclaim_dead_consumers(), 1);
+        let (_, used) = p.try_acquire().expect("the dead consumer's hold was released");
+        assert_eq!(used, 0, "no waiting on a dead consumer's events");
+        assert_eq!(p.stats().forced_releases, 1);
+        assert!(matches!(c.try_take(me), Err(Error::Channel(super::super::ChannelError::Detached))));
+        let again = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
+        assert_eq!(again, me);
+        p.unlink();
+    }
+
+    #[test]
+    fn dead_producer_is_reported_and_a_restart_replaces_its_segment() {
+        let (p, name) = channel(1);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        p.header().producer_pid.store(pid, Ordering::Relaxed);
+        let t = Instant::now();
+        let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(5)));
+        assert!(matches!(r, Err(Error::ProducerGone { pid: x }) if x == pid), "{:?}", r.map(|_| ()));
+        assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
+        // A new producer replaces the dead one's segment.
+        let tokens = [(fake_token(1), fake_token(2))];
+        let p2 = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new()).unwrap();
+        // A live producer's segment is not replaced.
+        let e = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new());
+        assert!(matches!(e, Err(Error::Channel(super::super::ChannelError::AlreadyExists { .. }))));
+        p2.unlink();
+    }
+
+    #[test]
+    fn closed_channel_delivers_what_was_published_then_reports_closed() {
+        let (p, name) = channel(2);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let (i, _) = p.try_acquire().unwrap();
+        p.publish(i, &[]).unwrap();
+        p.close();
+        let (i, _, _) = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1))).unwrap().unwrap();
+        let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
+        assert!(matches!(r, Err(Error::ChannelClosed)));
+        // A hold still out is forced at the drain deadline and counted.
+        assert_eq!(p.drain(Duration::from_millis(50)), 1);
+        c.release(me, i);
+        p.unlink();
+    }
+
+    #[test]
+    fn a_waiting_consumer_is_woken_by_a_publish_from_another_thread() {
+        let (p, name) = channel(2);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                let (i, _) = p.try_acquire().unwrap();
+                p.publish(i, b"x").unwrap();
+            });
+            for w in [WaitStrategy::Block] {
+                let got = c.take(me, w, Some(Duration::from_secs(5))).unwrap().unwrap();
+                assert_eq!(got.2, b"x");
+            }
+        });
+        assert!(c.take(me, WaitStrategy::Spin, Some(Duration::from_millis(10))).unwrap().is_none());
+        p.unlink();
+    }
+
+    #[test]
+    fn foreign_truncated_and_newer_segments_are_refused() {
+        let (p, name) = channel(1);
+        p.header().version.store(VERSION + 1, Ordering::Relaxed);
+        let e = Control::open(&name).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains(&format!("version {}", VERSION + 1)) && e.contains(&format!("reads version {VERSION}")), "{e}");
+        p.header().version.store(VERSION, Ordering::Relaxed);
+        p.header().magic.store(7, Ordering::Relaxed);
+        assert!(Control::open(&name).map(|_| ()).unwrap_err().to_string().contains("not a cuda-ipc channel"));
+        p.header().magic.store(MAGIC, Ordering::Relaxed);
+        p.header().buffers.store(999, Ordering::Relaxed);
+        assert!(Control::open(&name).map(|_| ()).unwrap_err().to_string().contains("corrupted"));
+        p.header().buffers.store(1, Ordering::Relaxed);
+        p.header().segment_bytes.store(1 << 40, Ordering::Relaxed);
+        assert!(Control::open(&name).map(|_| ()).unwrap_err().to_string().contains("truncated"));
+        p.unlink();
+        assert!(matches!(Control::open(&name), Err(Error::Channel(super::super::ChannelError::NotFound(_)))));
+    }
+}

@@ -1,0 +1,633 @@
+//! Producer/consumer GPU pipelines: a [`Producer`] hands frames from a pool of exportable device
+//! buffers to one or more [`Consumer`] processes with zero copies, each in its own CUDA context.
+//!
+//! Owns: the pool, the hand-off protocol (control segment, holds, releases, delivery policies,
+//! dead-peer recovery) and its GPU side (stream-ordered hand-off and release through IPC events).
+//! Built on [`crate::ipc`], [`crate::driver`] and [`crate::shm`]; it never changes those layers.
+//!
+//! One hand-off:
+//! 1. the producer [`acquires`](Producer::acquire) a free buffer: its stream waits on the release
+//!    events of the consumers that last read it, so the write cannot overtake their kernels;
+//! 2. it enqueues its GPU work on [`Producer::stream`] and [`publishes`](WriteFrame::publish) with up
+//!    to [`META_BYTES`] of metadata: the buffer's IPC event is recorded and the sequence number bumped;
+//! 3. a consumer's [`recv`](Consumer::recv) returns a [`Frame`] whose event its stream already waits
+//!    on (no host synchronisation); it enqueues its own kernels on [`Consumer::stream`];
+//! 4. dropping the frame records the consumer's release event and ends its hold.
+//!
+//! A consumer that dies has its holds released by the producer within about 20 ms of the producer
+//! needing the buffer; consumers of a producer that dies get [`Error::ProducerGone`] within about
+//! 20 ms; [`Producer::close`] waits (bounded) for outstanding holds and reports the ones it forced.
+
+mod control;
+
+pub use control::{
+    ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, WaitStrategy,
+};
+
+use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Stream};
+use crate::error::{Error, Result};
+use crate::ipc::{ImportedBuffer, IpcEvent};
+use crate::shm::SegmentOptions;
+use crate::token::{TOKEN_LEN, Token};
+use control::Control;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Errors of the channel layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// No channel of this name exists (no producer created it, or it was closed).
+    #[error("no channel named {0:?} (start its producer first)")]
+    NotFound(String),
+    /// A live producer already serves this channel name.
+    #[error("channel {channel:?} already has a live producer (pid {pid})")]
+    AlreadyExists {
+        /// The channel name.
+        channel: String,
+        /// The live producer's pid.
+        pid: u32,
+    },
+    /// Every consumer slot is taken.
+    #[error("all {0} consumer slots of the channel are taken")]
+    NoConsumerSlot(usize),
+    /// The control segment is foreign, of another version, truncated or corrupted.
+    #[error("bad channel segment: {0}")]
+    BadSegment(String),
+    /// This consumer's slot was taken back (the producer judged it dead, or it detached).
+    #[error("this consumer was detached from the channel")]
+    Detached,
+    /// The pool would exceed the memory quota the user set.
+    #[error("a pool of {buffers} × {buffer_bytes} bytes exceeds the quota of {quota} bytes")]
+    OverQuota {
+        /// Buffers asked for.
+        buffers: usize,
+        /// Bytes per buffer.
+        buffer_bytes: usize,
+        /// The quota in bytes.
+        quota: u64,
+    },
+}
+
+/// How a channel is created.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ChannelOptions {
+    /// Buffers in the pool (1 to [`MAX_BUFFERS`]); default 4.
+    pub buffers: usize,
+    /// Bytes per buffer.
+    pub buffer_bytes: usize,
+    /// Most consumers attached at once (1 to [`MAX_CONSUMERS`]); default 8.
+    pub max_consumers: usize,
+    /// Upper bound on the pool's device memory in bytes; `None` for no bound.
+    pub quota_bytes: Option<u64>,
+    /// How the producer waits in [`Producer::acquire`].
+    pub wait: WaitStrategy,
+    /// Give the control segment mode 0660 instead of 0600.
+    pub group_access: bool,
+}
+
+impl ChannelOptions {
+    /// A pool of 4 buffers of `buffer_bytes` bytes, 8 consumers, default waiting.
+    pub fn new(buffer_bytes: usize) -> Self {
+        ChannelOptions {
+            buffers: 4,
+            buffer_bytes,
+            max_consumers: 8,
+            quota_bytes: None,
+            wait: WaitStrategy::default(),
+            group_access: false,
+        }
+    }
+    /// Sets the number of buffers.
+    pub fn buffers(mut self, n: usize) -> Self {
+        self.buffers = n;
+        self
+    }
+    /// Sets the most consumers.
+    pub fn max_consumers(mut self, n: usize) -> Self {
+        self.max_consumers = n;
+        self
+    }
+    /// Sets the pool's memory quota in bytes.
+    pub fn quota_bytes(mut self, q: u64) -> Self {
+        self.quota_bytes = Some(q);
+        self
+    }
+    /// Sets the producer's wait strategy.
+    pub fn wait(mut self, w: WaitStrategy) -> Self {
+        self.wait = w;
+        self
+    }
+}
+
+/// Why [`Producer::close`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Holds still outstanding at the deadline, released by force. The pool is freed right after,
+    /// so a consumer that still held one of them reads undefined data from then on.
+    pub forced_holds: u64,
+}
+
+/// The producing end of a channel: owns the pool and the control segment.
+///
+/// # Examples
+/// ```no_run
+/// use cuda_ipc::channel::{ChannelOptions, Producer};
+/// use cuda_ipc::driver::Context;
+/// let ctx = Context::default_device()?;
+/// let mut tx = Producer::create(&ctx, "frames", &ChannelOptions::new(3840 * 2160 * 4))?;
+/// let frame = tx.acquire(None)?;
+/// // ... enqueue kernels writing frame.buffer() on frame.stream() ...
+/// frame.publish(b"frame 0")?;
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub struct Producer {
+    // Drop order: the control segment is closed and drained (in Drop) before the buffers and
+    // events are freed, and those before the stream and context.
+    control: Control,
+    name: String,
+    events: Vec<IpcEvent>,
+    buffers: Vec<DeviceBuffer>,
+    consumer_events: Vec<Option<(u64, Vec<IpcEvent>)>>,
+    stream: Stream,
+    ctx: Arc<Context>,
+    wait: WaitStrategy,
+    closed: bool,
+}
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+impl Producer {
+    /// Creates channel `name` in `ctx`: allocates the pool (`cuMemAlloc`, exported), one IPC event
+    /// per buffer, and the control segment `/dev/shm/cuda-ipc.ch.NAME`. A segment left by a dead
+    /// producer is replaced.
+    ///
+    /// # Errors
+    /// [`ChannelError::OverQuota`]; [`ChannelError::AlreadyExists`] when a live producer serves
+    /// `name`; [`Error::InvalidArgument`] for zero-size buffers or counts out of range; CUDA errors
+    /// from allocation and export; shared-memory errors (a full /dev/shm, a bad name).
+    pub fn create(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
+        if let Some(q) = opts.quota_bytes {
+            if (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q {
+                return Err(ChannelError::OverQuota {
+                    buffers: opts.buffers,
+                    buffer_bytes: opts.buffer_bytes,
+                    quota: q,
+                }
+                .into());
+            }
+        }
+        if opts.buffers == 0 || opts.buffers > MAX_BUFFERS {
+            return Err(Error::InvalidArgument(format!(
+                "a pool needs 1 to {MAX_BUFFERS} buffers, got {}",
+                opts.buffers
+            )));
+        }
+        let stream = Stream::new(ctx)?;
+        let mut buffers = Vec::with_capacity(opts.buffers);
+        let mut events = Vec::with_capacity(opts.buffers);
+        let mut tokens = Vec::with_capacity(opts.buffers);
+        for _ in 0..opts.buffers {
+            // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
+            let b = DeviceBuffer::new(ctx, opts.buffer_bytes)?;
+            let e = IpcEvent::new(ctx)?;
+            tokens.push((b.export()?.to_bytes(), e.export()?.to_bytes()));
+            buffers.push(b);
+            events.push(e);
+        }
+        let seg_opts = SegmentOptions::new().group_access(opts.group_access);
+        let control = Control::create(
+            name,
+            opts.buffer_bytes as u64,
+            opts.max_consumers,
+            &tokens,
+            &seg_opts,
+        )?;
+        Ok(Producer {
+            consumer_events: (0..control.consumer_capacity()).map(|_| None).collect(),
+            control,
+            name: name.to_string(),
+            events,
+            buffers,
+            stream,
+            ctx: ctx.clone(),
+            wait: opts.wait,
+            closed: false,
+        })
+    }
+
+    /// The producer's stream: enqueue the work that fills a frame here.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The producer's context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// The channel name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Takes a free buffer to write, waiting up to `timeout` (`None`: forever) while consumers still
+    /// hold every buffer or every-frame consumers have not received them. The producer's stream is
+    /// made to wait on the release events of the consumers that last read the buffer.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when no buffer freed up in time; CUDA errors from the stream wait.
+    pub fn acquire(&mut self, timeout: Option<Duration>) -> Result<WriteFrame<'_>> {
+        match self.control.acquire(self.wait, timeout)? {
+            Some((i, used)) => self.start_write(i, used),
+            None => Err(Error::Timeout {
+                what: "a free buffer",
+                after: timeout.unwrap_or_default(),
+            }),
+        }
+    }
+
+    /// Takes a free buffer if one is free now.
+    ///
+    /// # Errors
+    /// CUDA errors from the stream wait.
+    pub fn try_acquire(&mut self) -> Result<Option<WriteFrame<'_>>> {
+        match self.control.try_acquire() {
+            Some((i, used)) => self.start_write(i, used).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn start_write(&mut self, i: usize, used: u64) -> Result<WriteFrame<'_>> {
+        let mut bits = used;
+        while bits != 0 {
+            let c = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Err(e) = self.wait_for_consumer(c, i) {
+                // A consumer whose events cannot be opened has exited; its GPU work ended with
+                // its context, so there is nothing left to wait for.
+                tracing::debug!("consumer {c}'s release event for buffer {i}: {e}");
+            }
+        }
+        Ok(WriteFrame {
+            producer: self,
+            index: i,
+            done: false,
+        })
+    }
+
+    fn wait_for_consumer(&mut self, c: usize, i: usize) -> Result<()> {
+        let current = self.control.consumer_release_tokens(c);
+        let Some((generation, tokens)) = current else {
+            return Ok(());
+        };
+        let stale = !matches!(&self.consumer_events[c], Some((g, _)) if *g == generation);
+        if stale {
+            let evs = tokens
+                .iter()
+                .map(|t| IpcEvent::open_in(&self.ctx, &Token::from_bytes(t)?))
+                .collect::<Result<Vec<_>>>()?;
+            self.consumer_events[c] = Some((generation, evs));
+        }
+        if let Some((_, evs)) = &self.consumer_events[c] {
+            self.stream.wait_event(&evs[i])?;
+        }
+        Ok(())
+    }
+
+    /// Counters of the channel and its consumers.
+    pub fn stats(&self) -> ChannelStats {
+        self.control.stats()
+    }
+
+    /// Closes the channel: consumers get [`Error::ChannelClosed`] once they received what was
+    /// published; waits up to `timeout` for their outstanding holds, forces the rest, then frees the
+    /// pool and removes the control segment.
+    ///
+    /// # Errors
+    /// CUDA errors from synchronising the producer's stream.
+    pub fn close(mut self, timeout: Duration) -> Result<ShutdownReport> {
+        self.closed = true;
+        self.shutdown(timeout)
+    }
+
+    fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {
+        self.control.close();
+        let forced = self.control.drain(timeout);
+        if forced > 0 {
+            tracing::warn!(
+                "channel {}: {forced} holds were still outstanding after {timeout:?} and were forced",
+                self.name
+            );
+        }
+        self.control.unlink();
+        self.stream.synchronize()?;
+        Ok(ShutdownReport {
+            forced_holds: forced,
+        })
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        if !self.closed {
+            if let Err(e) = self.shutdown(Duration::from_secs(5)) {
+                tracing::warn!("closing channel {}: {e}", self.name);
+            }
+        }
+    }
+}
+
+/// A buffer the producer is writing. Publish it, or drop it to give it back unpublished.
+pub struct WriteFrame<'a> {
+    producer: &'a mut Producer,
+    index: usize,
+    done: bool,
+}
+
+impl WriteFrame<'_> {
+    /// The device buffer to write (the whole pool buffer).
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.producer.buffers[self.index]
+    }
+
+    /// Index of the buffer in the pool.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The producer's stream, on which the write must be enqueued.
+    pub fn stream(&self) -> &Stream {
+        &self.producer.stream
+    }
+
+    /// Records the buffer's IPC event after the work enqueued so far on the producer's stream, and
+    /// publishes the frame with `metadata` (at most [`META_BYTES`] bytes). Returns its sequence
+    /// number (1, 2, ...). Wakes waiting consumers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for metadata over [`META_BYTES`] (the buffer is given back
+    /// unpublished); CUDA errors from the event record.
+    pub fn publish(mut self, metadata: &[u8]) -> Result<u64> {
+        if metadata.len() > META_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "metadata is {} bytes; at most {META_BYTES}",
+                metadata.len()
+            )));
+        }
+        let p = &*self.producer;
+        p.events[self.index].record(&p.stream)?;
+        let seq = p.control.publish(self.index, metadata)?;
+        self.done = true;
+        Ok(seq)
+    }
+}
+
+impl Drop for WriteFrame<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.producer.control.abandon(self.index);
+        }
+    }
+}
+
+/// How a consumer attaches.
+#[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
+pub struct ConsumerOptions {
+    /// Every frame (back-pressure) or the latest only.
+    pub delivery: Delivery,
+    /// How [`Consumer::recv`] waits.
+    pub wait: WaitStrategy,
+}
+
+impl ConsumerOptions {
+    /// Every frame, default waiting.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets the delivery policy.
+    pub fn delivery(mut self, d: Delivery) -> Self {
+        self.delivery = d;
+        self
+    }
+    /// Sets the wait strategy.
+    pub fn wait(mut self, w: WaitStrategy) -> Self {
+        self.wait = w;
+        self
+    }
+}
+
+/// The consuming end of a channel: imports the pool once and receives frames.
+pub struct Consumer {
+    // Drop order: the slot is freed (in Drop) first; events and imports go before the stream and
+    // context.
+    control: Control,
+    slot: usize,
+    release_events: Vec<IpcEvent>,
+    producer_events: Vec<IpcEvent>,
+    buffers: Vec<ImportedBuffer>,
+    stream: Stream,
+    ctx: Arc<Context>,
+    wait: WaitStrategy,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer").field("slot", &self.slot).finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// Attaches to channel `name` on the device that holds its pool (found by UUID), in that
+    /// device's primary context. Receives frames published from now on.
+    ///
+    /// # Errors
+    /// [`ChannelError::NotFound`], [`ChannelError::BadSegment`], [`ChannelError::NoConsumerSlot`];
+    /// [`Error::ProducerGone`] when the producer is dead; CUDA errors from imports.
+    pub fn attach(name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
+        let control = Control::open(name)?;
+        let (mem, _) = control.buffer_tokens(0);
+        let device = Device::by_uuid(Token::from_bytes(&mem)?.device)?;
+        Self::attach_with(control, &device.primary_context()?, opts)
+    }
+
+    /// Attaches to channel `name` in `ctx` (which may be on another device than the pool's).
+    ///
+    /// # Errors
+    /// As [`Consumer::attach`].
+    pub fn attach_in(ctx: &Arc<Context>, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
+        Self::attach_with(Control::open(name)?, ctx, opts)
+    }
+
+    fn attach_with(control: Control, ctx: &Arc<Context>, opts: &ConsumerOptions) -> Result<Consumer> {
+        control.producer_gone()?;
+        let stream = Stream::new(ctx)?;
+        let mut buffers = Vec::new();
+        let mut producer_events = Vec::new();
+        let mut release_events = Vec::new();
+        let mut release_tokens: Vec<[u8; TOKEN_LEN]> = Vec::new();
+        for i in 0..control.buffers() {
+            let (mem, ev) = control.buffer_tokens(i);
+            let b = ImportedBuffer::open_in(ctx, &Token::from_bytes(&mem)?)?;
+            if b.len() as u64 != control.buffer_bytes() {
+                return Err(ChannelError::BadSegment(format!(
+                    "buffer {i} holds {} bytes, the header says {}",
+                    b.len(),
+                    control.buffer_bytes()
+                ))
+                .into());
+            }
+            buffers.push(b);
+            producer_events.push(IpcEvent::open_in(ctx, &Token::from_bytes(&ev)?)?);
+            let r = IpcEvent::new(ctx)?;
+            release_tokens.push(r.export()?.to_bytes());
+            release_events.push(r);
+        }
+        let slot = control.attach(opts.delivery, &release_tokens)?;
+        Ok(Consumer {
+            control,
+            slot,
+            release_events,
+            producer_events,
+            buffers,
+            stream,
+            ctx: ctx.clone(),
+            wait: opts.wait,
+        })
+    }
+
+    /// The consumer's stream: frames are ready on it, enqueue the work that reads them here.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The consumer's context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Waits for the next frame (by the delivery policy), without a timeout; still returns
+    /// [`Error::ProducerGone`] promptly when the producer dies.
+    ///
+    /// # Errors
+    /// As [`Consumer::recv_timeout`].
+    pub fn recv(&self) -> Result<Frame<'_>> {
+        self.recv_inner(None)?.ok_or(Error::Timeout {
+            what: "a frame",
+            after: Duration::MAX,
+        })
+    }
+
+    /// Waits up to `timeout` for the next frame.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; [`Error::ProducerGone`] when the producer died; [`Error::ChannelClosed`]
+    /// when it closed and everything was received; [`ChannelError::Detached`]; CUDA errors from the
+    /// stream wait.
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Frame<'_>> {
+        self.recv_inner(Some(timeout))?.ok_or(Error::Timeout {
+            what: "a frame",
+            after: timeout,
+        })
+    }
+
+    /// The next frame if one is ready now.
+    ///
+    /// # Errors
+    /// As [`Consumer::recv_timeout`], except the timeout.
+    pub fn try_recv(&self) -> Result<Option<Frame<'_>>> {
+        match self.control.try_take(self.slot)? {
+            Some((i, seq, meta)) => self.deliver(i, seq, meta).map(Some),
+            None => {
+                if self.control.is_closed() {
+                    return Err(Error::ChannelClosed);
+                }
+                self.control.producer_gone()?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn recv_inner(&self, timeout: Option<Duration>) -> Result<Option<Frame<'_>>> {
+        match self.control.take(self.slot, self.wait, timeout)? {
+            Some((i, seq, meta)) => self.deliver(i, seq, meta).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn deliver(&self, i: usize, seq: u64, metadata: Vec<u8>) -> Result<Frame<'_>> {
+        let frame = Frame {
+            consumer: self,
+            index: i,
+            seq,
+            metadata,
+        };
+        // If this fails the frame's Drop still releases the hold.
+        self.stream.wait_event(&self.producer_events[i])?;
+        Ok(frame)
+    }
+
+    /// Counters of the channel and its consumers.
+    pub fn stats(&self) -> ChannelStats {
+        self.control.stats()
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        self.control.detach(self.slot);
+    }
+}
+
+/// A received frame: its buffer is ready on the consumer's stream; dropping it releases it, ordered
+/// after the work enqueued on the consumer's stream so far.
+pub struct Frame<'a> {
+    consumer: &'a Consumer,
+    index: usize,
+    seq: u64,
+    metadata: Vec<u8>,
+}
+
+impl Frame<'_> {
+    /// The frame's buffer, mapped in the consumer's context.
+    pub fn buffer(&self) -> &ImportedBuffer {
+        &self.consumer.buffers[self.index]
+    }
+    /// Its sequence number (1, 2, ... per channel).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// The producer's metadata for it.
+    pub fn metadata(&self) -> &[u8] {
+        &self.metadata
+    }
+    /// Index of the buffer in the pool.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// The consumer's stream.
+    pub fn stream(&self) -> &Stream {
+        &self.consumer.stream
+    }
+}
+
+impl Drop for Frame<'_> {
+    fn drop(&mut self) {
+        let c = self.consumer;
+        if let Err(e) = c.release_events[self.index].record(&c.stream) {
+            // Without the event the producer could overwrite the buffer under our kernels: wait
+            // for them on the host instead.
+            tracing::warn!("recording the release event failed ({e}); synchronising instead");
+            if let Err(e) = c.stream.synchronize() {
+                tracing::warn!("synchronising the consumer stream failed: {e}");
+            }
+        }
+        c.control.release(c.slot, self.index);
+    }
+}
