@@ -609,6 +609,12 @@ impl Control {
         Ok(seq)
     }
 
+    /// Consumers that held buffer `i` since the producer last wrote it (and clears the mask).
+    pub(crate) fn take_used(&self, i: usize) -> u64 {
+        // AcqRel: pairs with the consumers' fetch_or in `try_take`.
+        self.buffer(i).used_mask.swap(0, Ordering::AcqRel)
+    }
+
     /// Gives an acquired buffer back without publishing (its previous frame is gone: seq 0).
     pub(crate) fn abandon(&self, i: usize) {
         // Release: pairs with `try_acquire`/`take` Acquire loads of seq.

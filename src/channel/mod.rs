@@ -326,6 +326,18 @@ impl Producer {
             );
         }
         self.control.unlink();
+        // The pool is freed after this: first let the consumers' last kernels on each buffer
+        // finish (their release events), then our own work.
+        for i in 0..self.buffers.len() {
+            let mut bits = self.control.take_used(i);
+            while bits != 0 {
+                let c = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if let Err(e) = self.wait_for_consumer(c, i) {
+                    tracing::debug!("consumer {c}'s release event for buffer {i}: {e}");
+                }
+            }
+        }
         self.stream.synchronize()?;
         Ok(ShutdownReport {
             forced_holds: forced,
