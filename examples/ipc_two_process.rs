@@ -48,7 +48,12 @@ fn read_counter(c: &DeviceBuffer) -> Result<u64, Box<dyn Error>> {
 fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
     let ctx = Context::default_device()?;
     let dev = ctx.device();
-    println!("A (pid {}): {} {} , own context", std::process::id(), dev.name()?, dev.uuid());
+    println!(
+        "A (pid {}): {} {} , own context",
+        std::process::id(),
+        dev.name()?,
+        dev.uuid()
+    );
     let kernels = Kernels::load(&ctx)?;
     let stream = Stream::new(&ctx)?;
     let buf = DeviceBuffer::new(&ctx, bytes)?;
@@ -75,7 +80,10 @@ fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
     let t0 = Instant::now();
     writeln!(to_b, "go")?;
     to_b.flush()?;
-    println!("A: fill queued and event recorded; still in flight: {}", !ready.is_complete()?);
+    println!(
+        "A: fill queued and event recorded; still in flight: {}",
+        !ready.is_complete()?
+    );
 
     let mut verdict = String::new();
     for line in from_b {
@@ -95,7 +103,11 @@ fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
     kernels.check_pattern(&buf, REPLY, &counter, &stream)?;
     stream.synchronize()?;
     let bad = read_counter(&counter)?;
-    println!("A: B's reply checked, {bad} mismatched words of {}; round trip {:.1} ms", bytes / 4, t0.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "A: B's reply checked, {bad} mismatched words of {}; round trip {:.1} ms",
+        bytes / 4,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
     if bad != 0 {
         return Err("reply mismatch".into());
     }
@@ -112,7 +124,10 @@ fn consumer() -> Result<(), Box<dyn Error>> {
         }
         Ok(l)
     };
-    let (buf_tok, ev_tok) = (Token::from_hex(&next_line()?)?, Token::from_hex(&next_line()?)?);
+    let (buf_tok, ev_tok) = (
+        Token::from_hex(&next_line()?)?,
+        Token::from_hex(&next_line()?)?,
+    );
     let t = Instant::now();
     // Import on the device A named, by UUID, in this process's own context.
     let buf = ImportedBuffer::open(&buf_tok)?;
@@ -121,7 +136,11 @@ fn consumer() -> Result<(), Box<dyn Error>> {
     let import_ms = t.elapsed().as_secs_f64() * 1e3;
     let kernels = Kernels::load(&ctx)?;
     let stream = Stream::new(&ctx)?;
-    println!("B (pid {}): imported {} bytes and the event in {import_ms:.2} ms, own context; ready", std::process::id(), buf.len());
+    println!(
+        "B (pid {}): imported {} bytes and the event in {import_ms:.2} ms, own context; ready",
+        std::process::id(),
+        buf.len()
+    );
     std::io::stdout().flush()?;
     if next_line()?.trim() != "go" {
         return Err("expected go from A".into());

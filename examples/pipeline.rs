@@ -9,12 +9,12 @@
 //!     [--delivery every|latest] [--wait spin-then-block|spin|block]
 //! ```
 
+use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{
     ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer, WaitStrategy,
 };
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
 use cuda_ipc::kernels::Kernels;
-use cuda_ipc::Error as IpcError;
 use std::error::Error;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -131,7 +131,14 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
     for k in 0..a.consumers {
         let mut cmd = Command::new(&exe);
         cmd.args(["--consumer-of", &name, &k.to_string()]);
-        cmd.args(["--delivery", if a.delivery == Delivery::LatestOnly { "latest" } else { "every" }]);
+        cmd.args([
+            "--delivery",
+            if a.delivery == Delivery::LatestOnly {
+                "latest"
+            } else {
+                "every"
+            },
+        ]);
         cmd.args(["--wait", &a.wait_name]);
         children.push(cmd.stdout(Stdio::piped()).spawn()?);
     }
@@ -190,12 +197,18 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
 }
 
 fn consumer(a: &Args, channel: &str, idx: &str) -> Result<(), Box<dyn Error>> {
-    let rx = Consumer::attach(channel, &ConsumerOptions::new().delivery(a.delivery).wait(a.wait))?;
+    let rx = Consumer::attach(
+        channel,
+        &ConsumerOptions::new().delivery(a.delivery).wait(a.wait),
+    )?;
     let ctx = rx.context().clone();
     let kernels = Kernels::load(&ctx)?;
     let counter = DeviceBuffer::new(&ctx, 8)?;
     counter.copy_from_host(0, &[0; 8])?;
-    println!("consumer {idx} (pid {}): attached, own context", std::process::id());
+    println!(
+        "consumer {idx} (pid {}): attached, own context",
+        std::process::id()
+    );
     let mut lat = Vec::with_capacity(a.frames as usize);
     let mut received = 0u64;
     let mut last = None::<u64>;
@@ -214,7 +227,9 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Result<(), Box<dyn Error>> {
         if w != WIDTH || h != HEIGHT || frame.buffer().len() != FRAME_BYTES {
             return Err("wrong frame shape in metadata".into());
         }
-        if last.is_some_and(|l| index <= l) || (a.delivery == Delivery::EveryFrame && index != last.map_or(index, |l| l + 1)) {
+        if last.is_some_and(|l| index <= l)
+            || (a.delivery == Delivery::EveryFrame && index != last.map_or(index, |l| l + 1))
+        {
             out_of_order += 1;
         }
         last = Some(index);
@@ -228,9 +243,18 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Result<(), Box<dyn Error>> {
     counter.copy_to_host(0, &mut b)?;
     let bad = u64::from_le_bytes(b);
     lat.sort_unstable();
-    let pct = |p: f64| lat.get(((lat.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0) as f64 / 1e3;
+    let pct = |p: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+            / 1e3
+    };
     let stats = rx.stats();
-    let dropped = stats.consumers.iter().find(|c| c.pid == std::process::id()).map_or(0, |c| c.dropped);
+    let dropped = stats
+        .consumers
+        .iter()
+        .find(|c| c.pid == std::process::id())
+        .map_or(0, |c| c.dropped);
     let ok = bad == 0 && out_of_order == 0 && received > 0;
     println!(
         "consumer {idx}: {} received {received} frames ({:.0}/s), skipped {dropped}, mismatched words {bad}, out of order {out_of_order}; hand-off publish->ready p50 {:.1} us, p99 {:.1} us, max {:.1} us",

@@ -80,7 +80,13 @@ impl Kernels {
         // SAFETY: parameters match `fill_pattern(unsigned*, unsigned long long, unsigned)`; `p`
         // addresses `n` words of `mem`, valid in the stream's context while the caller keeps `mem`
         // (the hand-off protocol keeps buffers alive until their streams are done).
-        unsafe { self.fill.launch(LaunchConfig::for_elements(n), stream, &mut args!(p, n, seed)) }
+        unsafe {
+            self.fill.launch(
+                LaunchConfig::for_elements(n),
+                stream,
+                &mut args!(p, n, seed),
+            )
+        }
     }
 
     /// Enqueues a count of words with `mem[i] != pattern(seed, i)`, added to the `u64` at
@@ -99,7 +105,13 @@ impl Kernels {
         let (p, c) = (mem.device_ptr(), counter_ptr(counter)?);
         // SAFETY: parameters match `check_pattern(const unsigned*, ull, unsigned, ull*)`; both
         // pointers valid in the stream's context for the kernel's duration (caller keeps them).
-        unsafe { self.check.launch(LaunchConfig::for_elements(n), stream, &mut args!(p, n, seed, c)) }
+        unsafe {
+            self.check.launch(
+                LaunchConfig::for_elements(n),
+                stream,
+                &mut args!(p, n, seed, c),
+            )
+        }
     }
 
     /// Enqueues `dst[i] = src[i] ^ key` (in place when both are the same memory).
@@ -120,7 +132,13 @@ impl Kernels {
         let (s, d) = (src.device_ptr(), dst.device_ptr());
         // SAFETY: parameters match `xor_u32(const unsigned*, unsigned*, ull, unsigned)`; both
         // ranges hold `n` words valid in the stream's context while the caller keeps them.
-        unsafe { self.xor.launch(LaunchConfig::for_elements(n), stream, &mut args!(s, d, n, key)) }
+        unsafe {
+            self.xor.launch(
+                LaunchConfig::for_elements(n),
+                stream,
+                &mut args!(s, d, n, key),
+            )
+        }
     }
 
     /// Enqueues a count of words with `mem[i] != pattern(seed, i) ^ key` into `counter`.
@@ -140,7 +158,11 @@ impl Kernels {
         // SAFETY: parameters match `check_pattern_xor(const unsigned*, ull, unsigned, unsigned,
         // ull*)`; pointers valid as for `check_pattern`.
         unsafe {
-            self.check_xor.launch(LaunchConfig::for_elements(n), stream, &mut args!(p, n, seed, key, c))
+            self.check_xor.launch(
+                LaunchConfig::for_elements(n),
+                stream,
+                &mut args!(p, n, seed, key, c),
+            )
         }
     }
 
@@ -177,11 +199,19 @@ impl Kernels {
     ///
     /// # Errors
     /// As [`Kernels::check_pattern`].
-    pub fn sum(&self, mem: &impl DeviceMemory, counter: &impl DeviceMemory, stream: &Stream) -> Result<()> {
+    pub fn sum(
+        &self,
+        mem: &impl DeviceMemory,
+        counter: &impl DeviceMemory,
+        stream: &Stream,
+    ) -> Result<()> {
         let n = words(mem)?;
         let (p, c) = (mem.device_ptr(), counter_ptr(counter)?);
         // SAFETY: parameters match `sum_u32(const unsigned*, ull, ull*)`; pointers valid as above.
-        unsafe { self.sum.launch(LaunchConfig::for_elements(n), stream, &mut args!(p, n, c)) }
+        unsafe {
+            self.sum
+                .launch(LaunchConfig::for_elements(n), stream, &mut args!(p, n, c))
+        }
     }
 
     /// Enqueues the conversion of `npix` RGBA8 pixels in `rgba` into three f32 planes (R, G, B,
@@ -206,7 +236,11 @@ impl Kernels {
         let (i, o) = (rgba.device_ptr(), planes.device_ptr());
         // SAFETY: parameters match `rgba_to_planar_f32(const uchar*, float*, ull)`; sizes checked.
         unsafe {
-            self.rgba_planar.launch(LaunchConfig::for_elements(npix), stream, &mut args!(i, o, npix))
+            self.rgba_planar.launch(
+                LaunchConfig::for_elements(npix),
+                stream,
+                &mut args!(i, o, npix),
+            )
         }
     }
 }

@@ -77,8 +77,7 @@ pub fn is_wsl() -> bool {
 }
 
 fn is_mig(name: &str) -> bool {
-    name.contains("MIG")
-        || std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| v.contains("MIG-"))
+    name.contains("MIG") || std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| v.contains("MIG-"))
 }
 
 fn common_verdict(what: &'static str, name: &str, caps: &DeviceCapabilities) -> Result<()> {
@@ -92,7 +91,8 @@ fn common_verdict(what: &'static str, name: &str, caps: &DeviceCapabilities) -> 
     match caps.compute_mode {
         ComputeMode::ExclusiveProcess => {
             return Err(unsupported(
-                "the device is in EXCLUSIVE_PROCESS compute mode, so only one process can use it".into(),
+                "the device is in EXCLUSIVE_PROCESS compute mode, so only one process can use it"
+                    .into(),
                 "set the default mode with `nvidia-smi -c DEFAULT` (needs root), or run all stages in one process",
             ));
         }
@@ -215,8 +215,13 @@ mod tests {
     fn exclusive_process_mode_is_refused_with_the_fix() {
         let mut c = caps();
         c.compute_mode = ComputeMode::ExclusiveProcess;
-        let e = legacy_ipc_verdict("NVIDIA H200", &c).unwrap_err().to_string();
-        assert!(e.contains("EXCLUSIVE_PROCESS") && e.contains("nvidia-smi -c DEFAULT"), "{e}");
+        let e = legacy_ipc_verdict("NVIDIA H200", &c)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("EXCLUSIVE_PROCESS") && e.contains("nvidia-smi -c DEFAULT"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -224,7 +229,12 @@ mod tests {
         assert!(legacy_ipc_verdict("NVIDIA A100 MIG 1g.10gb", &caps()).is_err());
         let mut c = caps();
         c.integrated = true;
-        assert!(legacy_ipc_verdict("Orin", &c).unwrap_err().to_string().contains("Tegra"));
+        assert!(
+            legacy_ipc_verdict("Orin", &c)
+                .unwrap_err()
+                .to_string()
+                .contains("Tegra")
+        );
         let mut c = caps();
         c.ipc_events = false;
         assert!(events_verdict("GPU", &c).is_err());

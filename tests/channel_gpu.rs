@@ -55,7 +55,8 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
             };
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
             k.spin(300_000, f.stream()).unwrap();
-            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream()).unwrap();
+            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+                .unwrap();
             n += 1;
         }
         rx.stream().synchronize().unwrap();
@@ -77,13 +78,21 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
     let report = tx.close(T).unwrap();
     let done = c.expect("done", T);
     c.finish(T);
-    println!("race: {done} (frames received, mismatched words); forced holds {}", report.forced_holds);
+    println!(
+        "race: {done} (frames received, mismatched words); forced holds {}",
+        report.forced_holds
+    );
     let mut it = done.split(' ').map(|x| x.parse::<u64>().unwrap());
     assert_eq!(it.next().unwrap(), FRAMES, "every frame delivered");
-    assert_eq!(it.next().unwrap(), 0, "a consumer read a buffer the producer was overwriting");
+    assert_eq!(
+        it.next().unwrap(),
+        0,
+        "a consumer read a buffer the producer was overwriting"
+    );
 }
 
-const KILL_CONSUMER: &str = "a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on";
+const KILL_CONSUMER: &str =
+    "a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on";
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
@@ -102,22 +111,37 @@ fn a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on() {
     let k = Kernels::load(&ctx).unwrap();
     let name = format!("killc-{}", std::process::id());
     let mut tx = Producer::create(&ctx, &name, &ChannelOptions::new(1 << 20).buffers(1)).unwrap();
-    let mut c = Peer::spawn(KILL_CONSUMER, "consumer", &[("CUDA_IPC_TEST_CHANNEL", &name)]);
+    let mut c = Peer::spawn(
+        KILL_CONSUMER,
+        "consumer",
+        &[("CUDA_IPC_TEST_CHANNEL", &name)],
+    );
     c.expect("ready", T);
     let f = tx.acquire(Some(T)).unwrap();
     k.fill_pattern(f.buffer(), 1, f.stream()).unwrap();
     f.publish(&[]).unwrap();
     c.expect("holding", T);
-    assert!(matches!(tx.acquire(Some(Duration::from_millis(100))), Err(Error::Timeout { .. })), "the hold must block the only buffer");
+    assert!(
+        matches!(
+            tx.acquire(Some(Duration::from_millis(100))),
+            Err(Error::Timeout { .. })
+        ),
+        "the hold must block the only buffer"
+    );
     c.child.kill().unwrap();
     c.child.wait().unwrap();
     let t = Instant::now();
-    let f = tx.acquire(Some(Duration::from_secs(5))).expect("the dead consumer's hold must be released");
+    let f = tx
+        .acquire(Some(Duration::from_secs(5)))
+        .expect("the dead consumer's hold must be released");
     let took = t.elapsed();
     k.fill_pattern(f.buffer(), 2, f.stream()).unwrap();
     f.publish(&[]).unwrap();
     let st = tx.stats();
-    println!("kill -9 consumer: producer got the buffer back {took:?} after the kill; forced releases {}", st.forced_releases);
+    println!(
+        "kill -9 consumer: producer got the buffer back {took:?} after the kill; forced releases {}",
+        st.forced_releases
+    );
     assert_eq!(st.forced_releases, 1);
     assert!(st.consumers.is_empty());
     assert!(took < Duration::from_secs(1));
@@ -132,8 +156,12 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
     if role().as_deref() == Some("producer") {
         let ctx = ctx();
         let k = Kernels::load(&ctx).unwrap();
-        let mut tx =
-            Producer::create(&ctx, &channel_env(), &ChannelOptions::new(1 << 20).buffers(2)).unwrap();
+        let mut tx = Producer::create(
+            &ctx,
+            &channel_env(),
+            &ChannelOptions::new(1 << 20).buffers(2),
+        )
+        .unwrap();
         tell("ready");
         for i in 0u64.. {
             let f = tx.acquire(None).unwrap();
@@ -145,7 +173,11 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
     let ctx = ctx();
     let (free0, _) = ctx.memory_info().unwrap();
     let name = format!("killp-{}", std::process::id());
-    let mut p = Peer::spawn(KILL_PRODUCER, "producer", &[("CUDA_IPC_TEST_CHANNEL", &name)]);
+    let mut p = Peer::spawn(
+        KILL_PRODUCER,
+        "producer",
+        &[("CUDA_IPC_TEST_CHANNEL", &name)],
+    );
     p.expect("ready", T);
     let pid = p.child.id();
     {
@@ -155,7 +187,8 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
         for _ in 0..200 {
             let f = rx.recv_timeout(T).unwrap();
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
-            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream()).unwrap();
+            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+                .unwrap();
         }
         rx.stream().synchronize().unwrap();
         assert_eq!(read(&bad), 0);
@@ -170,7 +203,10 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
         };
         let took = t.elapsed();
         println!("kill -9 producer: consumer got `{e}` {took:?} after the kill");
-        assert!(matches!(e, Error::ProducerGone { pid: x } if x == pid), "{e}");
+        assert!(
+            matches!(e, Error::ProducerGone { pid: x } if x == pid),
+            "{e}"
+        );
         assert!(took < Duration::from_secs(1));
     }
     // A restarted producer replaces the dead one's segment.

@@ -137,17 +137,30 @@ fn sub_range_export_lands_at_the_right_offset() {
     buf.copy_from_host(0, &vec![0xAA; TOTAL]).unwrap();
     let tok = buf.export_range(OFF, LEN).unwrap();
     assert_eq!((tok.offset, tok.len), (OFF as u64, LEN as u64));
-    assert!(buf.export_range(TOTAL - 4, 8).is_err(), "a range past the end must be refused");
+    assert!(
+        buf.export_range(TOTAL - 4, 8).is_err(),
+        "a range past the end must be refused"
+    );
     let mut b = Peer::spawn(SUBRANGE, "writer", &[]);
     b.send(&tok.to_hex());
     b.expect("written", T);
     b.finish(T);
     let mut host = vec![0u8; TOTAL];
     buf.copy_to_host(0, &mut host).unwrap();
-    assert!(host[..OFF].iter().all(|&x| x == 0xAA), "bytes before the range changed");
-    assert!(host[OFF + LEN..].iter().all(|&x| x == 0xAA), "bytes after the range changed");
+    assert!(
+        host[..OFF].iter().all(|&x| x == 0xAA),
+        "bytes before the range changed"
+    );
+    assert!(
+        host[OFF + LEN..].iter().all(|&x| x == 0xAA),
+        "bytes after the range changed"
+    );
     for (i, w) in host[OFF..OFF + LEN].chunks(4).enumerate() {
-        assert_eq!(u32::from_le_bytes(w.try_into().unwrap()), pattern(7, i as u64), "word {i}");
+        assert_eq!(
+            u32::from_le_bytes(w.try_into().unwrap()),
+            pattern(7, i as u64),
+            "word {i}"
+        );
     }
 }
 
@@ -170,11 +183,19 @@ fn double_import_returns_one_mapping_and_closes_once() {
         let s1 = cache_stats();
         assert_eq!(a.device_ptr(), b.device_ptr());
         assert_eq!(c.device_ptr(), a.device_ptr() + 4096);
-        assert_eq!(s1.driver_opens - s0.driver_opens, 1, "one driver open for three imports");
+        assert_eq!(
+            s1.driver_opens - s0.driver_opens,
+            1,
+            "one driver open for three imports"
+        );
         assert_eq!(s1.hits - s0.hits, 2);
         drop(a);
         drop(c);
-        assert_eq!(cache_stats().driver_closes, s0.driver_closes, "closed while still imported");
+        assert_eq!(
+            cache_stats().driver_closes,
+            s0.driver_closes,
+            "closed while still imported"
+        );
         // Still readable through the remaining import.
         let mut w = [0u8; 4];
         b.copy_to_host(0, &mut w).unwrap();
@@ -192,7 +213,8 @@ fn double_import_returns_one_mapping_and_closes_once() {
     }
     let ctx = ctx();
     let buf = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
-    buf.copy_from_host(0, &0x1234_5678u32.to_le_bytes()).unwrap();
+    buf.copy_from_host(0, &0x1234_5678u32.to_le_bytes())
+        .unwrap();
     let mut b = Peer::spawn(DOUBLE, "importer", &[]);
     b.send(&buf.export().unwrap().to_hex());
     b.send(&buf.export_range(4096, 4096).unwrap().to_hex());
@@ -244,7 +266,11 @@ fn garbage_handles_give_errors() {
                 kind,
                 handle: [fill; 64],
                 offset: 0,
-                len: if kind == TokenKind::LegacyMemory { 64 } else { 0 },
+                len: if kind == TokenKind::LegacyMemory {
+                    64
+                } else {
+                    0
+                },
                 device: ctx.device().uuid(),
                 exporter: other,
             };
@@ -261,15 +287,24 @@ fn garbage_handles_give_errors() {
     let buf = DeviceBuffer::new(&ctx, 4096).unwrap();
     let mut tok = buf.export().unwrap();
     tok.kind = TokenKind::LegacyEvent;
-    assert!(matches!(ImportedBuffer::open_in(&ctx, &tok), Err(Error::InvalidToken(_))));
+    assert!(matches!(
+        ImportedBuffer::open_in(&ctx, &tok),
+        Err(Error::InvalidToken(_))
+    ));
     // A range past the allocation is refused after opening, and nothing leaks.
     let mut tok = buf.export().unwrap();
     tok.len = 1 << 30;
-    assert!(matches!(ImportedBuffer::open_in(&ctx, &tok), Err(Error::InvalidToken(_))));
+    assert!(matches!(
+        ImportedBuffer::open_in(&ctx, &tok),
+        Err(Error::InvalidToken(_))
+    ));
     // An unknown device UUID.
     let mut tok = buf.export().unwrap();
     tok.device.0[0] ^= 0xFF;
-    assert!(matches!(ImportedBuffer::open(&tok), Err(Error::DeviceNotFound(_))));
+    assert!(matches!(
+        ImportedBuffer::open(&tok),
+        Err(Error::DeviceNotFound(_))
+    ));
 }
 
 const BASELINE: &str = "device_memory_returns_to_baseline_after_the_importer_drops_everything";
@@ -312,14 +347,21 @@ fn device_memory_returns_to_baseline_after_the_importer_drops_everything() {
         let mut b = Peer::spawn(BASELINE, "importer", &[]);
         b.send(&buf.export().unwrap().to_hex());
         let diff: i64 = b.expect("dropped", T).parse().unwrap();
-        println!("importer: device memory in use after dropping everything differs by {diff} bytes");
-        assert!(diff.abs() <= 2 << 20, "importer kept {diff} bytes after dropping everything");
+        println!(
+            "importer: device memory in use after dropping everything differs by {diff} bytes"
+        );
+        assert!(
+            diff.abs() <= 2 << 20,
+            "importer kept {diff} bytes after dropping everything"
+        );
         b.send("exit");
         b.finish(T);
     }
     let (after, _) = ctx.memory_info().unwrap();
     let diff = base as i64 - after as i64;
-    println!("exporter: device memory in use after the importer exited and the buffer dropped differs by {diff} bytes");
+    println!(
+        "exporter: device memory in use after the importer exited and the buffer dropped differs by {diff} bytes"
+    );
     assert!(diff.abs() <= 2 << 20, "{diff} bytes not returned");
 }
 
@@ -328,5 +370,8 @@ fn device_memory_returns_to_baseline_after_the_importer_drops_everything() {
 fn gpu_tests_fail_without_a_gpu_rather_than_pass() {
     // The guard every GPU test relies on: without a driver, `ctx()` panics with a clear message.
     let r = std::panic::catch_unwind(ctx);
-    assert!(r.is_ok(), "no usable CUDA GPU here: GPU tests must fail, not pass");
+    assert!(
+        r.is_ok(),
+        "no usable CUDA GPU here: GPU tests must fail, not pass"
+    );
 }

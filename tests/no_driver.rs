@@ -38,5 +38,8 @@ fn every_entry_point_reports_driver_not_found_without_a_driver() {
     check(cuda_ipc::driver::driver_version().map(|_| ()));
     check(cuda_ipc::probe::report().map(|_| ()));
     let e = Device::count().unwrap_err().to_string();
-    assert!(e.starts_with("CUDA driver not found") && e.contains("LD_LIBRARY_PATH"), "{e}");
+    assert!(
+        e.starts_with("CUDA driver not found") && e.contains("LD_LIBRARY_PATH"),
+        "{e}"
+    );
 }

@@ -32,7 +32,11 @@ fn crc32(data: &[u8]) -> u32 {
     for &b in data {
         crc ^= b as u32;
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     !crc
@@ -51,7 +55,11 @@ fn token_round_trips_through_bytes_and_hex() {
     assert_eq!(Token::from_bytes(&t.to_bytes()).unwrap(), t);
     assert_eq!(Token::from_hex(&t.to_hex()).unwrap(), t);
     assert_eq!(t.to_bytes().len(), TOKEN_LEN);
-    for kind in [TokenKind::LegacyEvent, TokenKind::VmmMemory, TokenKind::PoolMemory] {
+    for kind in [
+        TokenKind::LegacyEvent,
+        TokenKind::VmmMemory,
+        TokenKind::PoolMemory,
+    ] {
         let t = Token { kind, ..sample() };
         assert_eq!(Token::from_bytes(&t.to_bytes()).unwrap(), t);
     }
@@ -71,7 +79,10 @@ fn token_layout_matches_the_documented_offsets() {
     assert_eq!(u32::from_le_bytes(b[104..108].try_into().unwrap()), 4242);
     assert_eq!(u64::from_le_bytes(b[112..120].try_into().unwrap()), 123_456);
     assert_eq!(b[120..136], [7; 16]);
-    assert_eq!(u32::from_le_bytes(b[136..140].try_into().unwrap()), crc32(&b[..136]));
+    assert_eq!(
+        u32::from_le_bytes(b[136..140].try_into().unwrap()),
+        crc32(&b[..136])
+    );
 }
 
 #[test]
@@ -97,7 +108,10 @@ fn newer_version_is_refused_naming_both_versions() {
     b[4..6].copy_from_slice(&(TOKEN_VERSION + 1).to_le_bytes());
     reseal(&mut b);
     let m = err(&b);
-    assert!(m.contains(&format!("version {}", TOKEN_VERSION + 1)) && m.contains("newer"), "{m}");
+    assert!(
+        m.contains(&format!("version {}", TOKEN_VERSION + 1)) && m.contains("newer"),
+        "{m}"
+    );
     assert!(m.contains(&format!("reads version {TOKEN_VERSION}")), "{m}");
 }
 
@@ -121,7 +135,11 @@ fn unknown_kind_reserved_bytes_and_overflowing_ranges_are_refused() {
     b[108] = 1;
     reseal(&mut b);
     assert!(err(&b).contains("reserved"));
-    let t = Token { offset: u64::MAX, len: 2, ..sample() };
+    let t = Token {
+        offset: u64::MAX,
+        len: 2,
+        ..sample()
+    };
     assert!(err(&t.to_bytes()).contains("overflows"));
 }
 

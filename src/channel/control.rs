@@ -269,7 +269,8 @@ impl Control {
         h.buffer_bytes.store(buffer_bytes, Ordering::Relaxed);
         h.segment_bytes.store(len as u64, Ordering::Relaxed);
         h.producer_pid.store(me.pid, Ordering::Relaxed);
-        h.producer_start_time.store(me.start_time, Ordering::Relaxed);
+        h.producer_start_time
+            .store(me.start_time, Ordering::Relaxed);
         let bw = boot_words(&me);
         h.producer_boot_id[0].store(bw[0], Ordering::Relaxed);
         h.producer_boot_id[1].store(bw[1], Ordering::Relaxed);
@@ -321,7 +322,9 @@ impl Control {
         }
         let magic = h.magic.load(Ordering::Relaxed);
         if magic != MAGIC {
-            return Err(bad(format!("{name} is not a cuda-ipc channel (magic {magic:#018x})")));
+            return Err(bad(format!(
+                "{name} is not a cuda-ipc channel (magic {magic:#018x})"
+            )));
         }
         let v = h.version.load(Ordering::Relaxed);
         if v != VERSION {
@@ -524,9 +527,7 @@ impl Control {
             let s = self.consumer(c);
             // Acquire: pairs with the Release store of ACTIVE in `attach`: its policy and cursor
             // are visible.
-            if s.state.load(Ordering::Acquire) == ACTIVE
-                && s.policy.load(Ordering::Relaxed) == 0
-            {
+            if s.state.load(Ordering::Acquire) == ACTIVE && s.policy.load(Ordering::Relaxed) == 0 {
                 min = min.min(s.cursor.load(Ordering::Acquire));
             }
         }
@@ -638,7 +639,9 @@ impl Control {
             // SAFETY: inside slot c's token area in the mapping; copied byte-wise. A concurrent
             // re-claim is detected by the generation re-check below (and the tokens' checksum).
             unsafe {
-                let src = std::ptr::addr_of!((*p).tokens).cast::<u8>().add(i * TOKEN_LEN);
+                let src = std::ptr::addr_of!((*p).tokens)
+                    .cast::<u8>()
+                    .add(i * TOKEN_LEN);
                 std::ptr::copy_nonoverlapping(src, t.as_mut_ptr(), TOKEN_LEN);
             }
             out.push(t);
@@ -702,14 +705,21 @@ impl Control {
     /// Marks the channel closed and wakes every consumer.
     pub(crate) fn close(&self) {
         // Release: pairs with `is_closed`'s Acquire.
-        self.header().producer_state.store(CLOSED, Ordering::Release);
+        self.header()
+            .producer_state
+            .store(CLOSED, Ordering::Release);
         Self::bump(&self.header().publish_futex);
     }
 
     /// Holds outstanding now, over all buffers.
     pub(crate) fn outstanding_holds(&self) -> u32 {
         (0..self.buffers)
-            .map(|i| self.buffer(i).hold_mask.load(Ordering::Acquire).count_ones())
+            .map(|i| {
+                self.buffer(i)
+                    .hold_mask
+                    .load(Ordering::Acquire)
+                    .count_ones()
+            })
             .sum()
     }
 
@@ -729,7 +739,11 @@ impl Control {
         );
         let mut forced = 0;
         for i in 0..self.buffers {
-            forced += self.buffer(i).hold_mask.swap(0, Ordering::AcqRel).count_ones() as u64;
+            forced += self
+                .buffer(i)
+                .hold_mask
+                .swap(0, Ordering::AcqRel)
+                .count_ones() as u64;
         }
         if forced > 0 {
             h.forced_releases.fetch_add(forced, Ordering::Relaxed);
@@ -784,7 +798,9 @@ impl Control {
                 // SAFETY: inside slot c's token area; this process owns the slot (CLAIMING), and
                 // the producer reads the area only when ACTIVE with a generation re-check.
                 unsafe {
-                    let dst = std::ptr::addr_of_mut!((*p).tokens).cast::<u8>().add(i * TOKEN_LEN);
+                    let dst = std::ptr::addr_of_mut!((*p).tokens)
+                        .cast::<u8>()
+                        .add(i * TOKEN_LEN);
                     std::ptr::copy_nonoverlapping(t.as_ptr(), dst, TOKEN_LEN);
                 }
             }
@@ -1006,7 +1022,10 @@ mod tests {
             let (i, _) = p.try_acquire().expect("free buffer");
             assert_eq!(p.publish(i, &k.to_le_bytes()).unwrap(), k);
         }
-        assert!(p.try_acquire().is_none(), "overwrote a frame the consumer had not received");
+        assert!(
+            p.try_acquire().is_none(),
+            "overwrote a frame the consumer had not received"
+        );
         let (i1, s1, m1) = c.try_take(me).unwrap().unwrap();
         assert_eq!((s1, m1), (1, 1u64.to_le_bytes().to_vec()));
         // Received but still held: the buffer is not free yet.
@@ -1014,7 +1033,11 @@ mod tests {
         c.release(me, i1);
         let (i, used) = p.try_acquire().expect("released buffer");
         assert_eq!(i, i1);
-        assert_eq!(used, 1 << me, "the write must wait on this consumer's release event");
+        assert_eq!(
+            used,
+            1 << me,
+            "the write must wait on this consumer's release event"
+        );
         p.publish(i, b"3").unwrap();
         let (_, s2, _) = c.try_take(me).unwrap().unwrap();
         assert_eq!(s2, 2);
@@ -1032,7 +1055,9 @@ mod tests {
         let c = Control::open(&name).unwrap();
         let me = c.attach(Delivery::LatestOnly, &rel_tokens(3)).unwrap();
         for k in 1..=10u64 {
-            let (i, _) = p.try_acquire().expect("latest-only must never block the producer");
+            let (i, _) = p
+                .try_acquire()
+                .expect("latest-only must never block the producer");
             p.publish(i, &[]).unwrap();
             assert_eq!(k, p.head());
         }
@@ -1089,10 +1114,15 @@ mod tests {
         s.pid.store(pid, Ordering::Relaxed);
         s.start_time.store(st, Ordering::Relaxed);
         assert_eq!(p.reclaim_dead_consumers(), 1);
-        let (_, used) = p.try_acquire().expect("the dead consumer's hold was released");
+        let (_, used) = p
+            .try_acquire()
+            .expect("the dead consumer's hold was released");
         assert_eq!(used, 0, "no waiting on a dead consumer's events");
         assert_eq!(p.stats().forced_releases, 1);
-        assert!(matches!(c.try_take(me), Err(Error::Channel(super::super::ChannelError::Detached))));
+        assert!(matches!(
+            c.try_take(me),
+            Err(Error::Channel(super::super::ChannelError::Detached))
+        ));
         let again = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
         assert_eq!(again, me);
         p.unlink();
@@ -1109,14 +1139,27 @@ mod tests {
         p.header().producer_pid.store(pid, Ordering::Relaxed);
         let t = Instant::now();
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(5)));
-        assert!(matches!(r, Err(Error::ProducerGone { pid: x }) if x == pid), "{:?}", r.map(|_| ()));
-        assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
+        assert!(
+            matches!(r, Err(Error::ProducerGone { pid: x }) if x == pid),
+            "{:?}",
+            r.map(|_| ())
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t.elapsed()
+        );
         // A new producer replaces the dead one's segment.
         let tokens = [(fake_token(1), fake_token(2))];
         let p2 = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new()).unwrap();
         // A live producer's segment is not replaced.
         let e = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new());
-        assert!(matches!(e, Err(Error::Channel(super::super::ChannelError::AlreadyExists { .. }))));
+        assert!(matches!(
+            e,
+            Err(Error::Channel(
+                super::super::ChannelError::AlreadyExists { .. }
+            ))
+        ));
         p2.unlink();
     }
 
@@ -1128,7 +1171,10 @@ mod tests {
         let (i, _) = p.try_acquire().unwrap();
         p.publish(i, &[]).unwrap();
         p.close();
-        let (i, _, _) = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1))).unwrap().unwrap();
+        let (i, _, _) = c
+            .take(me, WaitStrategy::Block, Some(Duration::from_secs(1)))
+            .unwrap()
+            .unwrap();
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
         assert!(matches!(r, Err(Error::ChannelClosed)));
         // A hold still out is forced at the drain deadline and counted.
@@ -1148,12 +1194,17 @@ mod tests {
                 let (i, _) = p.try_acquire().unwrap();
                 p.publish(i, b"x").unwrap();
             });
-            for w in [WaitStrategy::Block] {
-                let got = c.take(me, w, Some(Duration::from_secs(5))).unwrap().unwrap();
-                assert_eq!(got.2, b"x");
-            }
+            let got = c
+                .take(me, WaitStrategy::Block, Some(Duration::from_secs(5)))
+                .unwrap()
+                .unwrap();
+            assert_eq!(got.2, b"x");
         });
-        assert!(c.take(me, WaitStrategy::Spin, Some(Duration::from_millis(10))).unwrap().is_none());
+        assert!(
+            c.take(me, WaitStrategy::Spin, Some(Duration::from_millis(10)))
+                .unwrap()
+                .is_none()
+        );
         p.unlink();
     }
 
@@ -1162,17 +1213,42 @@ mod tests {
         let (p, name) = channel(1);
         p.header().version.store(VERSION + 1, Ordering::Relaxed);
         let e = Control::open(&name).map(|_| ()).unwrap_err().to_string();
-        assert!(e.contains(&format!("version {}", VERSION + 1)) && e.contains(&format!("reads version {VERSION}")), "{e}");
+        assert!(
+            e.contains(&format!("version {}", VERSION + 1))
+                && e.contains(&format!("reads version {VERSION}")),
+            "{e}"
+        );
         p.header().version.store(VERSION, Ordering::Relaxed);
         p.header().magic.store(7, Ordering::Relaxed);
-        assert!(Control::open(&name).map(|_| ()).unwrap_err().to_string().contains("not a cuda-ipc channel"));
+        assert!(
+            Control::open(&name)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+                .contains("not a cuda-ipc channel")
+        );
         p.header().magic.store(MAGIC, Ordering::Relaxed);
         p.header().buffers.store(999, Ordering::Relaxed);
-        assert!(Control::open(&name).map(|_| ()).unwrap_err().to_string().contains("corrupted"));
+        assert!(
+            Control::open(&name)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+                .contains("corrupted")
+        );
         p.header().buffers.store(1, Ordering::Relaxed);
         p.header().segment_bytes.store(1 << 40, Ordering::Relaxed);
-        assert!(Control::open(&name).map(|_| ()).unwrap_err().to_string().contains("truncated"));
+        assert!(
+            Control::open(&name)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+                .contains("truncated")
+        );
         p.unlink();
-        assert!(matches!(Control::open(&name), Err(Error::Channel(super::super::ChannelError::NotFound(_)))));
+        assert!(matches!(
+            Control::open(&name),
+            Err(Error::Channel(super::super::ChannelError::NotFound(_)))
+        ));
     }
 }

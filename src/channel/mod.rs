@@ -158,7 +158,9 @@ pub struct Producer {
 
 impl std::fmt::Debug for Producer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Producer").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("Producer")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -451,7 +453,9 @@ pub struct Consumer {
 
 impl std::fmt::Debug for Consumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer").field("slot", &self.slot).finish_non_exhaustive()
+        f.debug_struct("Consumer")
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
     }
 }
 
@@ -477,7 +481,11 @@ impl Consumer {
         Self::attach_with(Control::open(name)?, ctx, opts)
     }
 
-    fn attach_with(control: Control, ctx: &Arc<Context>, opts: &ConsumerOptions) -> Result<Consumer> {
+    fn attach_with(
+        control: Control,
+        ctx: &Arc<Context>,
+        opts: &ConsumerOptions,
+    ) -> Result<Consumer> {
         control.producer_gone()?;
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();

@@ -107,7 +107,9 @@ pub fn driver_version() -> Result<i32> {
     ffi::driver_api()?;
     let mut v = MaybeUninit::<i32>::uninit();
     // SAFETY: driver loaded (`driver_api`); `v` is a valid out-pointer for one int.
-    check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(v.as_mut_ptr()) })?;
+    check("cuDriverGetVersion", unsafe {
+        sys::cuDriverGetVersion(v.as_mut_ptr())
+    })?;
     // SAFETY: written by the driver on success.
     Ok(unsafe { v.assume_init() })
 }
@@ -123,7 +125,9 @@ impl Device {
         ffi::driver_api()?;
         let mut n = MaybeUninit::<i32>::uninit();
         // SAFETY: driver loaded; `n` is a valid out-pointer.
-        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(n.as_mut_ptr()) })?;
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(n.as_mut_ptr())
+        })?;
         // SAFETY: written on success.
         Ok(unsafe { n.assume_init() }.max(0) as usize)
     }
@@ -140,12 +144,16 @@ impl Device {
             .map_err(|_| Error::InvalidArgument(format!("device ordinal {ordinal} too large")))?;
         let mut raw = MaybeUninit::<sys::CUdevice>::uninit();
         // SAFETY: driver loaded; `raw` is a valid out-pointer.
-        check("cuDeviceGet", unsafe { sys::cuDeviceGet(raw.as_mut_ptr(), ordinal) })?;
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(raw.as_mut_ptr(), ordinal)
+        })?;
         // SAFETY: written on success.
         let raw = unsafe { raw.assume_init() };
         let mut u = MaybeUninit::<sys::CUuuid>::uninit();
         // SAFETY: `raw` is a valid device from `cuDeviceGet`; `u` is a valid out-pointer.
-        check("cuDeviceGetUuid_v2", unsafe { sys::cuDeviceGetUuid_v2(u.as_mut_ptr(), raw) })?;
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(u.as_mut_ptr(), raw)
+        })?;
         // SAFETY: written on success.
         let u = unsafe { u.assume_init() };
         Ok(Device {
@@ -200,7 +208,9 @@ impl Device {
             sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.raw)
         })?;
         // SAFETY: NUL-terminated within `buf` (the driver truncates to the given length).
-        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
     }
 
     /// One raw attribute (`cuDeviceGetAttribute`).
@@ -250,8 +260,11 @@ impl Device {
             integrated: flag(A::CU_DEVICE_ATTRIBUTE_INTEGRATED)?,
             ipc_events: flag(A::CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED)?,
             vmm: flag(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED)?,
-            posix_fd_handles: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)?,
-            fabric_handles: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED).unwrap_or(false),
+            posix_fd_handles: flag(
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )?,
+            fabric_handles: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)
+                .unwrap_or(false),
             memory_pools: flag(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?,
             unified_addressing: flag(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)?,
             mps_enabled: flag(A::CU_DEVICE_ATTRIBUTE_MPS_ENABLED).unwrap_or(false),

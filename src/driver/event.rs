@@ -37,7 +37,9 @@ impl Event {
         ctx.bind()?;
         let mut raw = MaybeUninit::<sys::CUevent>::uninit();
         // SAFETY: context bound; `raw` a valid out-pointer; `flags` a combination of CUevent_flags.
-        check("cuEventCreate", unsafe { sys::cuEventCreate(raw.as_mut_ptr(), flags) })?;
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(raw.as_mut_ptr(), flags)
+        })?;
         Ok(Event {
             // SAFETY: written on success.
             raw: unsafe { raw.assume_init() },
@@ -75,7 +77,9 @@ impl Event {
     pub fn record(&self, stream: &Stream) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: context bound; event and stream valid for the call.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, stream.as_raw()) })?;
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream.as_raw())
+        })?;
         Ok(())
     }
 
@@ -103,7 +107,9 @@ impl Event {
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: context bound; event valid.
-        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.raw) })?;
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(self.raw)
+        })?;
         Ok(())
     }
 }
@@ -113,8 +119,10 @@ impl Drop for Event {
         let r = self.ctx.bind().and_then(|()| {
             // SAFETY: context bound; this value owns the event and destroys it once. Destroying an
             // event with a pending record is allowed (the driver releases it on completion).
-            check("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(self.raw) })
-                .map_err(Into::into)
+            check("cuEventDestroy_v2", unsafe {
+                sys::cuEventDestroy_v2(self.raw)
+            })
+            .map_err(Into::into)
         });
         if let Err(e) = r {
             tracing::warn!("{e}; the event leaks until the context is torn down");

@@ -148,7 +148,9 @@ impl DeviceBuffer {
         ctx.bind()?;
         let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
         // SAFETY: context bound; `ptr` a valid out-pointer.
-        check("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(ptr.as_mut_ptr(), len) })?;
+        check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(ptr.as_mut_ptr(), len)
+        })?;
         Ok(DeviceBuffer {
             alloc: Arc::new(Allocation {
                 // SAFETY: written on success.

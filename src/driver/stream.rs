@@ -61,7 +61,9 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: context bound; stream valid until drop.
-        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.raw) })?;
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.raw)
+        })?;
         Ok(())
     }
 
@@ -105,8 +107,10 @@ impl Drop for Stream {
         let r = self.ctx.bind().and_then(|()| {
             // SAFETY: context bound; the stream was created by this value and is destroyed once.
             // The driver lets queued work finish before releasing the stream's resources.
-            check("cuStreamDestroy_v2", unsafe { sys::cuStreamDestroy_v2(self.raw) })
-                .map_err(Into::into)
+            check("cuStreamDestroy_v2", unsafe {
+                sys::cuStreamDestroy_v2(self.raw)
+            })
+            .map_err(Into::into)
         });
         if let Err(e) = r {
             tracing::warn!("{e}; the stream leaks until the context is torn down");

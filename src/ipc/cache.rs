@@ -115,7 +115,9 @@ impl Drop for Mapping {
                 check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
                 // SAFETY: `base` came from cuIpcOpenMemHandle_v2 in this context and is closed
                 // exactly once, by the last holder.
-                check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(self.base) })?;
+                check("cuIpcCloseMemHandle", unsafe {
+                    sys::cuIpcCloseMemHandle(self.base)
+                })?;
                 Ok(())
             });
             match r {

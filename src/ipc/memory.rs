@@ -159,7 +159,11 @@ impl IpcMemHandle {
     }
 }
 
-fn open_mapping(ctx: &Arc<Context>, handle: &IpcMemHandle, maybe_self: bool) -> Result<Arc<Mapping>> {
+fn open_mapping(
+    ctx: &Arc<Context>,
+    handle: &IpcMemHandle,
+    maybe_self: bool,
+) -> Result<Arc<Mapping>> {
     let key = MappingKey {
         handle: handle.0,
         ctx: ctx.as_raw() as usize,

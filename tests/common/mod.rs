@@ -28,11 +28,17 @@ impl Peer {
     pub fn spawn(test: &str, role: &str, env: &[(&str, &str)]) -> Peer {
         let exe = std::env::current_exe().expect("current_exe");
         let mut cmd = Command::new(exe);
-        cmd.args([test, "--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
-            .env(ROLE, role)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        cmd.args([
+            test,
+            "--exact",
+            "--nocapture",
+            "--include-ignored",
+            "--test-threads=1",
+        ])
+        .env(ROLE, role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -54,7 +60,11 @@ impl Peer {
             }
         });
         let stdin = child.stdin.take();
-        Peer { child, stdin, lines: rx }
+        Peer {
+            child,
+            stdin,
+            lines: rx,
+        }
     }
 
     /// Sends one line to the child.
@@ -116,8 +126,6 @@ pub fn tell(line: impl std::fmt::Display) {
     writeln!(out, "\n@@ {line}").unwrap();
     out.flush().unwrap();
 }
-
-
 
 /// The environment variable carrying the registry name to a child.
 pub const REG: &str = "CUDA_IPC_TEST_REGISTRY";
