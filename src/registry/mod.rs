@@ -1017,7 +1017,16 @@ impl Registry {
         }
         // Relaxed: a read-modify-write of one location is totally ordered, and it runs under the
         // slot lock, so successive writers of a slot take increasing numbers.
-        let seq = self.header().next_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let prev = self.header().next_seq.fetch_add(1, Ordering::Relaxed);
+        if prev >= u64::MAX / 2 {
+            // No registry counts this far (2^63 publishes); only corrupt bytes get here.
+            v.unlock(self.token);
+            return Err(corrupt(
+                self.name(),
+                format!("sequence counter at {prev}, beyond any real count"),
+            ));
+        }
+        let seq = prev + 1;
         let words = encode(name, kind, token, metadata, &self.me, seq);
         match v.lock.try_write() {
             Some(w) => {
