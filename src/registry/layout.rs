@@ -71,7 +71,7 @@ pub(crate) struct Header {
     pub next_seq: AtomicU64,
     pub table_lock: AtomicU64,
     pub creator_pid: AtomicU32,
-    pub _reserved0: AtomicU32,
+    pub waiters: AtomicU32,
     pub creator_start_time: AtomicU64,
     pub _reserved1: [AtomicU64; 4],
 }
@@ -140,7 +140,7 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, next_seq) == 64);
     const _: () = assert!(offset_of!(Header, table_lock) == 72);
     const _: () = assert!(offset_of!(Header, creator_pid) == 80);
-    const _: () = assert!(offset_of!(Header, _reserved0) == 84);
+    const _: () = assert!(offset_of!(Header, waiters) == 84);
     const _: () = assert!(offset_of!(Header, creator_start_time) == 88);
     const _: () = assert!(offset_of!(Header, _reserved1) == 96);
 

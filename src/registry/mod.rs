@@ -25,7 +25,7 @@ pub use error::RegistryError;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::{Segment, SegmentOptions, futex};
-use crate::sync::Ordering;
+use crate::sync::{Ordering, fence};
 use layout::*;
 use slot::{SlotView, Taken};
 use std::time::{Duration, Instant};
@@ -784,11 +784,18 @@ impl Registry {
     }
 
     fn notify(&self) {
-        let w = &self.header().notify;
+        let h = self.header();
         // Release: pairs with the Acquire load in `wait_for`; a waiter that sees the new value also
         // sees the slot changes made before it.
-        w.fetch_add(1, Ordering::Release);
-        futex::wake_all(w);
+        h.notify.fetch_add(1, Ordering::Release);
+        // SeqCst fence: pairs with the waiter's SeqCst fence between its `waiters` increment and its
+        // `notify` load (a store-load handshake): either we see its increment and wake it, or it sees
+        // our new `notify` value and does not sleep. Skips the wake syscall when nobody waits.
+        fence(Ordering::SeqCst);
+        // Relaxed: ordered by the fence above.
+        if h.waiters.load(Ordering::Relaxed) != 0 {
+            futex::wake_all(&h.notify);
+        }
     }
 
     /// Takes a slot's writer lock, taking it over from a dead holder. Bounded by the lock timeout.
@@ -1017,7 +1024,16 @@ impl Registry {
         }
         // Relaxed: a read-modify-write of one location is totally ordered, and it runs under the
         // slot lock, so successive writers of a slot take increasing numbers.
-        let seq = self.header().next_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let prev = self.header().next_seq.fetch_add(1, Ordering::Relaxed);
+        if prev >= u64::MAX / 2 {
+            // No registry counts this far (2^63 publishes); only corrupt bytes get here.
+            v.unlock(self.token);
+            return Err(corrupt(
+                self.name(),
+                format!("sequence counter at {prev}, beyond any real count"),
+            ));
+        }
+        let seq = prev + 1;
         let words = encode(name, kind, token, metadata, &self.me, seq);
         match v.lock.try_write() {
             Some(w) => {
@@ -1077,7 +1093,17 @@ impl Registry {
                     after: timeout,
                 });
             }
-            futex::wait(word, v, (deadline - now).min(Duration::from_millis(100)));
+            let waiters = &self.header().waiters;
+            // Relaxed increment, then a SeqCst fence: pairs with the publisher's SeqCst fence in
+            // `notify`. A waiter that died asleep leaves the count high, which only costs publishers
+            // a wake call.
+            waiters.fetch_add(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            // Relaxed: ordered after the increment by the fence; the kernel compares it again.
+            if word.load(Ordering::Relaxed) == v {
+                futex::wait(word, v, (deadline - now).min(Duration::from_millis(100)));
+            }
+            waiters.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

@@ -73,7 +73,7 @@ impl<'a> SlotView<'a> {
             return false;
         }
         if let Some(w) = self.lock.try_write() {
-            for i in 0..PAYLOAD_WORDS {
+            for i in 0..self.lock.len() {
                 w.store(i, 0);
             }
             w.store(W_STATE, u64::from(STATE_FREE));
@@ -168,7 +168,7 @@ mod loom_model {
     #[test]
     fn loom_two_writers_and_a_reader_never_tear() {
         let mut b = loom::model::Builder::new();
-        b.preemption_bound = Some(2);
+        b.preemption_bound = Some(3);
         b.check(|| {
             let m = Mem::new();
             let m1 = m.clone();
@@ -188,7 +188,7 @@ mod loom_model {
     #[test]
     fn loom_writer_dying_mid_write_is_recovered_and_never_read() {
         let mut b = loom::model::Builder::new();
-        b.preemption_bound = Some(2);
+        b.preemption_bound = Some(3);
         b.check(|| {
             let m = Mem::new();
             let m1 = m.clone();
