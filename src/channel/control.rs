@@ -100,12 +100,19 @@ pub(crate) struct ConsumerSlot {
     tokens: [u8; MAX_BUFFERS * TOKEN_LEN],
 }
 
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(size_of::<Header>() == 136);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(size_of::<BufferSlot>() == 32 + META_BYTES + 2 * TOKEN_LEN);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(size_of::<ConsumerSlot>() == 72 + MAX_BUFFERS * TOKEN_LEN);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(std::mem::offset_of!(Header, head) == 72);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(std::mem::offset_of!(BufferSlot, meta) == 32);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(std::mem::offset_of!(ConsumerSlot, cursor) == 48);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
 const _: () = assert!(size_of::<BufferSlot>() % 8 == 0 && size_of::<ConsumerSlot>() % 8 == 0);
 
 /// Delivery policy of one consumer.
