@@ -79,7 +79,8 @@ impl RegistryOptions {
         self.participants = n;
         self
     }
-    /// `true`: create with mode `0660` (the creator's group may open it).
+    /// `true`: create with mode `0660`, and when opening accept a segment of another user of one of
+    /// our groups whose mode is `0660` or stricter.
     pub fn group_access(mut self, on: bool) -> Self {
         self.group_access = on;
         self
@@ -382,7 +383,9 @@ impl Registry {
     /// entries are freed on the way in.
     ///
     /// # Errors
-    /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment;
+    /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment
+    ///   (unless `group_access` and a shared group); [`RegistryError::InsecureMode`] for a segment
+    ///   others may open;
     /// - [`RegistryError::TooSmall`] for a zero-size or truncated segment;
     /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
     ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
@@ -391,7 +394,7 @@ impl Registry {
     pub fn open(name: &str, opts: &RegistryOptions) -> Result<Registry> {
         let start = Instant::now();
         loop {
-            match Self::try_open(name) {
+            match Self::try_open(name, opts.group_access) {
                 Ok((seg, slots, participants)) => {
                     let me = ProcessIdentity::current()?;
                     return Self::attach(seg, slots, participants, me, opts);
@@ -499,7 +502,7 @@ impl Registry {
         Segment::unlink(name)
     }
 
-    fn try_open(name: &str) -> std::result::Result<(Segment, u32, u32), Retry> {
+    fn try_open(name: &str, allow_group: bool) -> std::result::Result<(Segment, u32, u32), Retry> {
         let seg = match Segment::open(name) {
             Ok(s) => s,
             Err(e @ Error::Registry(RegistryError::TooSmall { .. })) => {
@@ -507,7 +510,7 @@ impl Registry {
             }
             Err(e) => return Err(Retry::Fatal(e)),
         };
-        seg.check_owner().map_err(Retry::Fatal)?;
+        seg.check_access(allow_group).map_err(Retry::Fatal)?;
         let len = seg.len();
         if len < HEADER_SIZE {
             return Err(Retry::NotReady(
