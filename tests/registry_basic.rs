@@ -584,3 +584,19 @@ fn group_access_accepts_a_group_members_segment_and_open_to_all_is_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn huge_timeouts_are_accepted_without_overflow() {
+    let name = unique("hugetimeout");
+    let _u = Unlink(name.clone());
+    let reg = Registry::create(&name, &opts().lock_timeout(Duration::MAX)).unwrap();
+    let s = reg.publish("h", 0, b"", b"").unwrap();
+    assert_eq!(reg.wait_for("h", 0, Duration::MAX).unwrap().seq, s);
+}
+
+#[test]
+fn registry_handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Registry>();
+    check::<Segment>();
+}

@@ -296,6 +296,14 @@ fn encode(
     w
 }
 
+/// `now + d`, saturating at about 136 years for timeouts too large for `Instant`.
+fn deadline_after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX))))
+        .unwrap_or(now)
+}
+
 /// Small pause in lock loops: spin first, then yield, then sleep briefly.
 fn pause(i: u32) {
     if i < 16 {
@@ -804,7 +812,7 @@ impl Registry {
     /// Takes a slot's writer lock, taking it over from a dead holder. Bounded by the lock timeout.
     fn lock_slot(&self, i: u32) -> Result<Taken> {
         let v = self.view(i);
-        let deadline = Instant::now() + self.lock_timeout;
+        let deadline = deadline_after(self.lock_timeout);
         let dead = |t: u64| token_is_dead(t);
         let never = |_: u64| false;
         for n in 0u32.. {
@@ -829,7 +837,7 @@ impl Registry {
 
     fn lock_table(&self) -> Result<()> {
         let w = &self.header().table_lock;
-        let deadline = Instant::now() + self.lock_timeout;
+        let deadline = deadline_after(self.lock_timeout);
         for n in 0u32.. {
             // Relaxed: a hint for the compare-exchange.
             let cur = w.load(Ordering::Relaxed);
@@ -874,7 +882,7 @@ impl Registry {
     fn read_slot(&self, i: u32) -> Result<Option<Record>> {
         let v = self.view(i);
         let mut buf = [0u64; PAYLOAD_WORDS];
-        let deadline = Instant::now() + self.lock_timeout;
+        let deadline = deadline_after(self.lock_timeout);
         loop {
             match v.read(&mut buf, READ_RETRIES) {
                 Ok(_) => {
@@ -1079,7 +1087,7 @@ impl Registry {
     /// [`Error::Timeout`] when nothing newer arrived in time; the errors of [`Registry::get`].
     pub fn wait_for(&self, name: &str, after_seq: u64, timeout: Duration) -> Result<Record> {
         validate_record_name(name)?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let word = &self.header().notify;
         loop {
             // Acquire: pairs with the publisher's Release fetch_add in `notify`.
