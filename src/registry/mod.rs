@@ -159,17 +159,30 @@ pub fn owner_token(id: &ProcessIdentity) -> u64 {
     (u64::from(id.pid) << 32) | (id.start_time & 0xffff_ffff)
 }
 
-/// Whether the process a token names is gone (no such pid, or a different start time). Unknown
-/// (e.g. `/proc` hidden) counts as alive.
+/// Whether the process a token names is gone: no such pid, a different start time (the pid was
+/// reused), or a zombie (killed, not yet reaped: it will never release anything). Unknown (e.g.
+/// `/proc` hidden) counts as alive.
 pub(crate) fn token_is_dead(token: u64) -> bool {
     let pid = (token >> 32) as u32;
     if pid == 0 || pid > i32::MAX as u32 {
         return true;
     }
-    match crate::identity::start_time_of(pid) {
-        Ok(Some(t)) => (t & 0xffff_ffff) != (token & 0xffff_ffff),
-        Ok(None) => true,
-        Err(_) => false,
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return true,
+        Err(_) => return false,
+    };
+    // Field 3 (state) is the first field after the command name's closing parenthesis.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_ascii_whitespace().next());
+    if matches!(state, Some("Z" | "X" | "x")) {
+        return true;
+    }
+    match crate::identity::parse_start_time(&stat) {
+        Some(t) => (t & 0xffff_ffff) != (token & 0xffff_ffff),
+        None => false,
     }
 }
 
@@ -1227,8 +1240,9 @@ impl Registry {
         let mut out = Vec::new();
         for i in 0..self.participants {
             let p = self.participant_at(i);
-            // Acquire: pairs with the claimer's Acquire CAS only loosely; fields are checked below.
-            let t = p.token.load(Ordering::Acquire);
+            // Relaxed: nothing is published through the token; the fields are checked against it
+            // below and an entry still being filled in is skipped.
+            let t = p.token.load(Ordering::Relaxed);
             if t == 0 {
                 continue;
             }
