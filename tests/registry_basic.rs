@@ -558,3 +558,45 @@ fn open_or_create_reports_a_foreign_segment_instead_of_replacing_it() {
     assert!(matches!(e, RegistryError::ForeignSegment { .. }), "{e}");
     assert!(Segment::open(&name).is_ok());
 }
+
+#[test]
+fn group_access_accepts_a_group_members_segment_and_open_to_all_is_refused() {
+    let name = unique("group");
+    let _u = Unlink(name.clone());
+    let reg = Registry::create(&name, &opts().group_access(true)).unwrap();
+    if rustix::process::geteuid().as_raw() == 0 {
+        // Another user of our group made it.
+        let gid = rustix::process::getegid();
+        rustix::fs::fchown(
+            reg.segment().fd(),
+            Some(rustix::process::Uid::from_raw(4242)),
+            Some(gid),
+        )
+        .unwrap();
+        let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
+        assert!(matches!(e, RegistryError::WrongOwner { .. }), "{e}");
+        Registry::open(&name, &opts().group_access(true)).unwrap();
+    }
+    rustix::fs::fchmod(reg.segment().fd(), rustix::fs::Mode::from_raw_mode(0o666)).unwrap();
+    let e = registry_err(Registry::open(&name, &opts().group_access(true)).unwrap_err());
+    assert!(
+        matches!(e, RegistryError::InsecureMode { mode: 0o666, .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn huge_timeouts_are_accepted_without_overflow() {
+    let name = unique("hugetimeout");
+    let _u = Unlink(name.clone());
+    let reg = Registry::create(&name, &opts().lock_timeout(Duration::MAX)).unwrap();
+    let s = reg.publish("h", 0, b"", b"").unwrap();
+    assert_eq!(reg.wait_for("h", 0, Duration::MAX).unwrap().seq, s);
+}
+
+#[test]
+fn registry_handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Registry>();
+    check::<Segment>();
+}

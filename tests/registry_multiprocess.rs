@@ -294,3 +294,36 @@ fn shared_futex_wakes_a_waiter_in_another_process() {
     let out = finish(child);
     assert!(value(&out, "waited_ms") < 4000, "{out}");
 }
+
+#[test]
+fn lock_held_by_a_killed_but_unreaped_writer_is_taken_over() {
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let name = unique("zombie");
+    let _u = Unlink(name.clone());
+    let reg = Registry::create(&name, &opts()).unwrap();
+    let test = "lock_held_by_a_killed_but_unreaped_writer_is_taken_over";
+    let mut w = spawn_child(
+        test,
+        "writer",
+        &name,
+        &[("ID", "1".into()), ("RUN_MS", "10000".into())],
+    );
+    std::thread::sleep(Duration::from_millis(150));
+    // SIGKILL without reaping: the writer stays a zombie while we keep using the registry.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&w),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    for n in NAMES {
+        let (token, meta) = make(1, 99);
+        reg.publish(n, 99, &token, &meta).unwrap();
+    }
+    assert!(reg.list().unwrap().iter().all(whole));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    w.wait().unwrap();
+}

@@ -61,6 +61,16 @@ pub enum RegistryError {
         /// This process's effective uid.
         ours: u32,
     },
+    /// The segment can be opened by users other than its owner and group (mode bits `0o007`).
+    #[error(
+        "shared-memory segment /{name} has mode {mode:#o}, open to other users; refusing to trust it"
+    )]
+    InsecureMode {
+        /// The segment name.
+        name: String,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// The segment does not start with the registry's magic: something else made it.
     #[error("shared-memory segment /{name} is not a cuda-ipc registry (magic {found:#018x})")]
     ForeignSegment {

@@ -79,7 +79,8 @@ impl RegistryOptions {
         self.participants = n;
         self
     }
-    /// `true`: create with mode `0660` (the creator's group may open it).
+    /// `true`: create with mode `0660`, and when opening accept a segment of another user of one of
+    /// our groups whose mode is `0660` or stricter.
     pub fn group_access(mut self, on: bool) -> Self {
         self.group_access = on;
         self
@@ -158,17 +159,30 @@ pub fn owner_token(id: &ProcessIdentity) -> u64 {
     (u64::from(id.pid) << 32) | (id.start_time & 0xffff_ffff)
 }
 
-/// Whether the process a token names is gone (no such pid, or a different start time). Unknown
-/// (e.g. `/proc` hidden) counts as alive.
+/// Whether the process a token names is gone: no such pid, a different start time (the pid was
+/// reused), or a zombie (killed, not yet reaped: it will never release anything). Unknown (e.g.
+/// `/proc` hidden) counts as alive.
 pub(crate) fn token_is_dead(token: u64) -> bool {
     let pid = (token >> 32) as u32;
     if pid == 0 || pid > i32::MAX as u32 {
         return true;
     }
-    match crate::identity::start_time_of(pid) {
-        Ok(Some(t)) => (t & 0xffff_ffff) != (token & 0xffff_ffff),
-        Ok(None) => true,
-        Err(_) => false,
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return true,
+        Err(_) => return false,
+    };
+    // Field 3 (state) is the first field after the command name's closing parenthesis.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_ascii_whitespace().next());
+    if matches!(state, Some("Z" | "X" | "x")) {
+        return true;
+    }
+    match crate::identity::parse_start_time(&stat) {
+        Some(t) => (t & 0xffff_ffff) != (token & 0xffff_ffff),
+        None => false,
     }
 }
 
@@ -295,6 +309,14 @@ fn encode(
     w
 }
 
+/// `now + d`, saturating at about 136 years for timeouts too large for `Instant`.
+fn deadline_after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX))))
+        .unwrap_or(now)
+}
+
 /// Small pause in lock loops: spin first, then yield, then sleep briefly.
 fn pause(i: u32) {
     if i < 16 {
@@ -382,7 +404,9 @@ impl Registry {
     /// entries are freed on the way in.
     ///
     /// # Errors
-    /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment;
+    /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment
+    ///   (unless `group_access` and a shared group); [`RegistryError::InsecureMode`] for a segment
+    ///   others may open;
     /// - [`RegistryError::TooSmall`] for a zero-size or truncated segment;
     /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
     ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
@@ -391,7 +415,7 @@ impl Registry {
     pub fn open(name: &str, opts: &RegistryOptions) -> Result<Registry> {
         let start = Instant::now();
         loop {
-            match Self::try_open(name) {
+            match Self::try_open(name, opts.group_access) {
                 Ok((seg, slots, participants)) => {
                     let me = ProcessIdentity::current()?;
                     return Self::attach(seg, slots, participants, me, opts);
@@ -499,7 +523,7 @@ impl Registry {
         Segment::unlink(name)
     }
 
-    fn try_open(name: &str) -> std::result::Result<(Segment, u32, u32), Retry> {
+    fn try_open(name: &str, allow_group: bool) -> std::result::Result<(Segment, u32, u32), Retry> {
         let seg = match Segment::open(name) {
             Ok(s) => s,
             Err(e @ Error::Registry(RegistryError::TooSmall { .. })) => {
@@ -507,7 +531,7 @@ impl Registry {
             }
             Err(e) => return Err(Retry::Fatal(e)),
         };
-        seg.check_owner().map_err(Retry::Fatal)?;
+        seg.check_access(allow_group).map_err(Retry::Fatal)?;
         let len = seg.len();
         if len < HEADER_SIZE {
             return Err(Retry::NotReady(
@@ -801,7 +825,7 @@ impl Registry {
     /// Takes a slot's writer lock, taking it over from a dead holder. Bounded by the lock timeout.
     fn lock_slot(&self, i: u32) -> Result<Taken> {
         let v = self.view(i);
-        let deadline = Instant::now() + self.lock_timeout;
+        let deadline = deadline_after(self.lock_timeout);
         let dead = |t: u64| token_is_dead(t);
         let never = |_: u64| false;
         for n in 0u32.. {
@@ -826,7 +850,7 @@ impl Registry {
 
     fn lock_table(&self) -> Result<()> {
         let w = &self.header().table_lock;
-        let deadline = Instant::now() + self.lock_timeout;
+        let deadline = deadline_after(self.lock_timeout);
         for n in 0u32.. {
             // Relaxed: a hint for the compare-exchange.
             let cur = w.load(Ordering::Relaxed);
@@ -871,7 +895,7 @@ impl Registry {
     fn read_slot(&self, i: u32) -> Result<Option<Record>> {
         let v = self.view(i);
         let mut buf = [0u64; PAYLOAD_WORDS];
-        let deadline = Instant::now() + self.lock_timeout;
+        let deadline = deadline_after(self.lock_timeout);
         loop {
             match v.read(&mut buf, READ_RETRIES) {
                 Ok(_) => {
@@ -1076,7 +1100,7 @@ impl Registry {
     /// [`Error::Timeout`] when nothing newer arrived in time; the errors of [`Registry::get`].
     pub fn wait_for(&self, name: &str, after_seq: u64, timeout: Duration) -> Result<Record> {
         validate_record_name(name)?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let word = &self.header().notify;
         loop {
             // Acquire: pairs with the publisher's Release fetch_add in `notify`.
@@ -1216,8 +1240,9 @@ impl Registry {
         let mut out = Vec::new();
         for i in 0..self.participants {
             let p = self.participant_at(i);
-            // Acquire: pairs with the claimer's Acquire CAS only loosely; fields are checked below.
-            let t = p.token.load(Ordering::Acquire);
+            // Relaxed: nothing is published through the token; the fields are checked against it
+            // below and an entry still being filled in is skipped.
+            let t = p.token.load(Ordering::Relaxed);
             if t == 0 {
                 continue;
             }

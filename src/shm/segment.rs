@@ -293,6 +293,53 @@ impl Segment {
         Ok(st.st_ino)
     }
 
+    /// The owner's uid and gid and the permission bits (`st_mode & 0o7777`), from `fstat`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Os`] when `fstat` fails.
+    pub fn owner(&self) -> Result<(u32, u32, u32)> {
+        let st = rustix::fs::fstat(&self.fd)
+            .map_err(|e| OsError::new("fstat", format!("/{}", self.name), e))?;
+        Ok((st.st_uid, st.st_gid, st.st_mode & 0o7777))
+    }
+
+    /// Checks who may have written the segment: it must belong to this process's effective uid, or,
+    /// with `allow_group`, have mode `0660` or stricter and belong to one of this process's groups.
+    /// A segment that others (not owner, not group) may access is refused either way.
+    ///
+    /// # Errors
+    /// [`RegistryError::WrongOwner`] naming both uids; [`crate::Error::Os`] when a call fails.
+    pub fn check_access(&self, allow_group: bool) -> Result<()> {
+        let (uid, gid, mode) = self.owner()?;
+        let ours = rustix::process::geteuid().as_raw();
+        let wrong = || {
+            Err(RegistryError::WrongOwner {
+                name: self.name.clone(),
+                owner: uid,
+                ours,
+            }
+            .into())
+        };
+        if mode & 0o007 != 0 {
+            return Err(RegistryError::InsecureMode {
+                name: self.name.clone(),
+                mode,
+            }
+            .into());
+        }
+        if uid == ours {
+            return Ok(());
+        }
+        if !allow_group {
+            return wrong();
+        }
+        let in_group = rustix::process::getegid().as_raw() == gid
+            || rustix::process::getgroups()
+                .map(|gs| gs.iter().any(|g| g.as_raw() == gid))
+                .unwrap_or(false);
+        if in_group { Ok(()) } else { wrong() }
+    }
+
     /// Checks that the segment belongs to this process's effective uid.
     ///
     /// # Errors
