@@ -49,7 +49,11 @@ enum InitFailure {
 
 /// The file names cudarc tries for the driver, in order.
 pub(crate) fn driver_candidates() -> Vec<String> {
-    cudarc::get_lib_name_candidates("cuda")
+    let mut names = cudarc::get_lib_name_candidates("cuda");
+    // The list repeats some names; report each once, in the order tried.
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
+    names
 }
 
 /// Turns a `CUresult` into `Ok(())` or a [`CudaError`] naming `call`.
