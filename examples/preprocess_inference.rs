@@ -251,6 +251,11 @@ impl Stage {
         })
     }
 
+    /// Whether the stage has already exited (it must not before its channel closes).
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)) | Err(_))
+    }
+
     /// Waits up to `timeout` for the child to exit (then kills it); returns whether it succeeded
     /// and the lines it printed since the last [`Stage::line`].
     fn finish(&mut self, timeout: Duration) -> Res<(bool, Vec<String>)> {
@@ -324,6 +329,13 @@ fn preprocess(frames: u64) -> Res<()> {
 
     let start = Instant::now();
     for i in 0..frames {
+        // The inference process exited early: stop now rather than run into acquire timeouts.
+        if i % 16 == 0 && child.exited() {
+            return Err(format!(
+                "the inference process exited after {i} frames (its error is above)"
+            )
+            .into());
+        }
         let wf = tx.acquire(Some(ACQUIRE_TIMEOUT))?;
         kernels.fill_pattern(&staging, i as u32, wf.stream())?;
         kernels.rgba_to_planar(&staging, wf.buffer(), NPIX, wf.stream())?;

@@ -185,6 +185,11 @@ impl Stage {
         })
     }
 
+    /// Whether the stage has already exited (it must not before its channel closes).
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)) | Err(_))
+    }
+
     /// Waits up to `timeout` for the stage to exit (then kills it); returns whether it succeeded
     /// and the lines it printed since the last [`Stage::line`].
     fn finish(&mut self, timeout: Duration) -> Res<(bool, Vec<String>)> {
@@ -250,6 +255,10 @@ fn filter(frames: u64) -> Res<()> {
 
     let start = Instant::now();
     for i in 0..frames {
+        // A stage that exited early: stop now rather than run into acquire timeouts.
+        if i % 16 == 0 && (transform.exited() || analysis.exited()) {
+            return Err(format!("a stage exited after {i} frames (its error is above)").into());
+        }
         let wf = tx.acquire(Some(ACQUIRE_TIMEOUT))?;
         kernels.fill_pattern(wf.buffer(), i as u32, wf.stream())?;
         wf.publish(&meta(i))?;

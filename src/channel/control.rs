@@ -730,15 +730,20 @@ impl Control {
             .sum()
     }
 
-    /// Waits (bounded) until no consumer holds a buffer; then forces the rest. Returns the number
-    /// of holds forced.
+    /// Waits (bounded) until every every-frame consumer received every published frame and no
+    /// consumer holds a buffer; then withdraws every buffer (no consumer can take a frame after
+    /// this) and forces the holds left. Returns the number of holds forced.
     pub(crate) fn drain(&self, timeout: Duration) -> u64 {
         let h = self.header();
         let _ = Self::wait_until(
             &h.release_futex,
             WaitStrategy::Block,
             Some(timeout),
-            || Ok((self.outstanding_holds() == 0).then_some(())),
+            || {
+                let done =
+                    self.outstanding_holds() == 0 && self.min_lossless_cursor() >= self.head();
+                Ok(done.then_some(()))
+            },
             || {
                 self.reclaim_dead_consumers();
                 Ok(())
@@ -746,11 +751,11 @@ impl Control {
         );
         let mut forced = 0;
         for i in 0..self.buffers {
-            forced += self
-                .buffer(i)
-                .hold_mask
-                .swap(0, Ordering::AcqRel)
-                .count_ones() as u64;
+            let b = self.buffer(i);
+            // SeqCst: the producer half of the Dekker pair with `try_take`; a consumer that sets its
+            // hold bit after this sees WRITING and backs off, one that set it before is counted.
+            b.seq.store(WRITING, Ordering::SeqCst);
+            forced += b.hold_mask.swap(0, Ordering::SeqCst).count_ones() as u64;
         }
         if forced > 0 {
             h.forced_releases.fetch_add(forced, Ordering::Relaxed);
@@ -1257,5 +1262,43 @@ mod tests {
             Control::open(&name),
             Err(Error::Channel(super::super::ChannelError::NotFound(_)))
         ));
+    }
+    #[test]
+    fn close_waits_for_frames_published_but_not_yet_received_then_withdraws_them() {
+        let (p, name) = channel(2);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        for _ in 0..2 {
+            let (i, _) = p.try_acquire().unwrap();
+            p.publish(i, &[]).unwrap();
+        }
+        p.close();
+        std::thread::scope(|s| {
+            let drained = s.spawn(|| p.drain(Duration::from_secs(5)));
+            for want in 1..=2 {
+                std::thread::sleep(Duration::from_millis(20));
+                let (i, seq, _) = c
+                    .take(me, WaitStrategy::Block, Some(Duration::from_secs(1)))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(seq, want);
+                c.release(me, i);
+            }
+            assert_eq!(drained.join().unwrap(), 0, "the consumer got both frames");
+        });
+        let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
+        assert!(matches!(r, Err(Error::ChannelClosed)));
+        p.unlink();
+        // After a drain that timed out, frames left are withdrawn, never delivered from freed memory.
+        let (p, name) = channel(2);
+        let c = Control::open(&name).unwrap();
+        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let (i, _) = p.try_acquire().unwrap();
+        p.publish(i, &[]).unwrap();
+        p.close();
+        assert_eq!(p.drain(Duration::from_millis(30)), 0);
+        let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
+        assert!(matches!(r, Err(Error::ChannelClosed)));
+        p.unlink();
     }
 }
