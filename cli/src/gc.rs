@@ -2,12 +2,14 @@
 //!
 //! Registries: records and participant entries of dead processes, locks of dead writers and corrupt
 //! slots, freed by [`Registry::reclaim_dead`] (the registry's own recovery). Channels: the control
-//! segment of a channel whose producer died ([`channel_inspect::remove_stale`]). A registry segment
-//! itself is never removed: a live process may open it at any moment.
+//! segment of a channel whose producer died ([`channel_inspect::remove_stale`]), and on a live
+//! producer's channel the slots and holds of dead consumers
+//! ([`channel_inspect::release_dead_consumers`], what the producer itself does when it next needs a
+//! buffer). A registry segment itself is never removed: a live process may open it at any moment.
 
 use crate::Outcome;
 use crate::ls::{liveness, targets};
-use cuda_ipc::channel::inspect as channel_inspect;
+use cuda_ipc::channel::inspect::{self as channel_inspect, ConsumerSnapshot};
 use cuda_ipc::identity::Liveness;
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use cuda_ipc::registry::{Registry, RegistryOptions};
@@ -122,13 +124,38 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             }
         };
         if snap.producer_liveness != Liveness::Dead {
-            for x in &snap.consumers {
-                if x.liveness == Liveness::Dead {
-                    println!(
-                        "kept channel {c}: consumer slot {} of dead pid {} is released by its live producer (pid {}) when it next needs a buffer",
-                        x.index, x.identity.pid, snap.producer.pid
-                    );
+            // A live producer: only the slots (and holds) of dead consumers go.
+            let dead = |x: &ConsumerSnapshot| {
+                format!(
+                    "channel {c}: consumer slot {} of dead pid {}{}",
+                    x.index,
+                    x.identity.pid,
+                    if x.holds.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" and its holds on buffers {:?}", x.holds)
+                    }
+                )
+            };
+            if dry_run {
+                for x in snap
+                    .consumers
+                    .iter()
+                    .filter(|x| x.liveness == Liveness::Dead)
+                {
+                    println!("{verb} {}", dead(x));
+                    removed += 1;
                 }
+                continue;
+            }
+            match channel_inspect::release_dead_consumers(c) {
+                Ok(freed) => {
+                    for x in &freed {
+                        println!("{verb} {}", dead(x));
+                    }
+                    removed += freed.len();
+                }
+                Err(e) => fail(format!("channel {c}: cannot release dead consumers: {e}")),
             }
             continue;
         }

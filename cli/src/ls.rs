@@ -563,7 +563,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
         if c.producer == "dead" {
             out.push_str("  problem: the producer is dead; `cuda-ipc gc` removes this segment\n");
         } else if c.leftovers {
-            out.push_str("  problem: dead consumers are attached; the producer releases their holds when it next needs a buffer\n");
+            out.push_str("  problem: dead consumers are attached; `cuda-ipc gc` frees their slots and holds\n");
         }
     }
     for e in &l.errors {

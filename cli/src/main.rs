@@ -63,8 +63,8 @@ enum Command {
         json: bool,
     },
     /// Remove what dead processes left: registry records and participant entries of dead
-    /// processes, and segments of channels whose producer died. Never touches what a live process
-    /// holds.
+    /// processes, segments of channels whose producer died, and consumer slots and holds of dead
+    /// consumers. Never touches what a live process holds.
     #[command(after_help = EXIT_STATUS)]
     Gc {
         /// Only this registry or channel.

@@ -19,7 +19,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// Environment variable naming a child's role (`registry-orphan`, `registry-live`,
-/// `channel-orphan`) and the segment it works on (`CUDA_IPC_CLI_TEST_NAME`).
+/// `channel-orphan`, `channel-consumer-orphan`) and the segment it works on (`CUDA_IPC_CLI_TEST_NAME`).
 const ROLE: &str = "CUDA_IPC_CLI_TEST_ROLE";
 const NAME: &str = "CUDA_IPC_CLI_TEST_NAME";
 
@@ -50,7 +50,6 @@ fn bin() -> PathBuf {
 fn cuda_ipc(args: &[&str]) -> Output {
     Command::new(bin())
         .args(args)
-        .env_remove("CUDA_VISIBLE_DEVICES")
         .output()
         .expect("run cuda-ipc")
 }
@@ -175,6 +174,16 @@ fn child() {
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"last words").unwrap();
             println!("@@ ready");
+            std::process::exit(0);
+        }
+        // Attaches to a channel, takes the next frame (holding its buffer), and exits without
+        // releasing or detaching.
+        "channel-consumer-orphan" => {
+            let rx = ControlConsumer::attach(&name, Delivery::EveryFrame, &[token(9), token(10)])
+                .unwrap();
+            println!("@@ ready");
+            // Nothing more on stdout: the parent stopped reading it.
+            rx.take(Some(Duration::from_secs(10))).unwrap().unwrap();
             std::process::exit(0);
         }
         other => panic!("unknown role {other}"),
@@ -495,6 +504,76 @@ fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
 }
 
 #[test]
+fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
+    let name = unique("gc-consumer");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    let tx = ControlProducer::create(
+        &name,
+        4096,
+        4,
+        &[(token(1), token(2)), (token(3), token(4))],
+    )
+    .unwrap();
+    let live = ControlConsumer::attach(&name, Delivery::LatestOnly, &[token(5), token(6)]).unwrap();
+    let child = ChildRole::start("channel-consumer-orphan", &name);
+    let (i, _) = tx.try_acquire().unwrap();
+    tx.publish(i, b"").unwrap();
+    child.wait();
+    // The dead consumer holds frame 1's buffer.
+    let v = json(&cuda_ipc(&["ls", &name, "--json"]));
+    let cons = v["channels"][0]["consumers"].as_array().unwrap().clone();
+    assert_eq!(cons.len(), 2);
+    let dead = cons
+        .iter()
+        .find(|c| c["process"] == "dead")
+        .expect("dead consumer listed");
+    assert_eq!(dead["holds"], serde_json::json!([i]));
+    assert_eq!(v["channels"][0]["leftovers"], true);
+    let o = cuda_ipc(&["ls", &name]);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(
+        text(&o).contains("dead consumers are attached"),
+        "{}",
+        text(&o)
+    );
+
+    let o = cuda_ipc(&["gc", &name, "--dry-run"]);
+    let t = text(&o);
+    assert!(
+        t.contains(&format!("would remove channel {name}: consumer slot")),
+        "{t}"
+    );
+    assert_eq!(inspect_consumers(&name), 2, "dry run changed the channel");
+
+    let o = cuda_ipc(&["gc", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(
+        t.contains(&format!(
+            "removed channel {name}: consumer slot {}",
+            dead["index"]
+        )),
+        "{t}"
+    );
+    assert!(t.contains(&format!("holds on buffers [{i}]")), "{t}");
+    let s = cuda_ipc::channel::inspect::inspect(&name).unwrap();
+    assert_eq!(s.consumers.len(), 1, "the live consumer stays");
+    assert_eq!(s.consumers[0].index, live.slot());
+    assert_eq!(s.forced_releases, 1);
+    assert!(s.buffers.iter().all(|b| b.hold_mask == 0));
+    assert_eq!(code(&cuda_ipc(&["ls", &name])), 0);
+    drop(live);
+    tx.unlink();
+}
+
+fn inspect_consumers(name: &str) -> usize {
+    cuda_ipc::channel::inspect::inspect(name)
+        .unwrap()
+        .consumers
+        .len()
+}
+
+#[test]
 fn a_corrupt_channel_segment_is_reported_and_never_removed() {
     let name = unique("corrupt");
     let seg_name = format!("cuda-ipc.ch.{name}");
@@ -627,13 +706,17 @@ fn doctor_on_a_gpu_machine_lists_every_gpu_with_its_uuid_and_capabilities() {
     let t = text(&o);
     println!("{t}");
     assert_eq!(code(&o), 0, "{t}");
-    assert!(t.lines().next().unwrap().starts_with("ok    driver"), "{t}");
-    let gpus: Vec<&str> = t
-        .lines()
-        .filter(|l| l.contains(" GPU ") || l.starts_with("ok    GPU"))
-        .collect();
+    // Lines are `STATUS LABEL DETAIL` with the label in columns 6 to 26.
+    let label = |l: &str| l.get(6..26).unwrap_or("").trim().to_string();
+    let first = t.lines().next().unwrap();
+    assert!(first.starts_with("ok") && label(first) == "driver", "{t}");
+    let gpus: Vec<&str> = t.lines().filter(|l| label(l).starts_with("GPU ")).collect();
     assert!(!gpus.is_empty(), "{t}");
-    assert!(gpus.iter().all(|l| l.contains(", GPU-")), "{t}");
+    assert!(
+        gpus.iter()
+            .all(|l| l.starts_with("ok") && l.contains(", GPU-")),
+        "{t}"
+    );
     for want in [
         "IPC memory",
         "IPC events",
@@ -644,6 +727,7 @@ fn doctor_on_a_gpu_machine_lists_every_gpu_with_its_uuid_and_capabilities() {
         "compute mode",
         "MIG",
     ] {
-        assert_eq!(t.matches(want).count(), gpus.len(), "{want}: {t}");
+        let n = t.lines().filter(|l| label(l) == want).count();
+        assert_eq!(n, gpus.len(), "{want}: {t}");
     }
 }

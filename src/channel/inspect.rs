@@ -1,10 +1,11 @@
 //! Read-only inspection of channel control segments, for tools (`cuda-ipc ls`, `watch`, `gc`).
 //!
 //! Owns: finding channels in `/dev/shm` ([`list_channels`]), copying out the state of one
-//! ([`inspect`]) and removing the segment of a channel whose producer died ([`remove_stale`]).
+//! ([`inspect`]), and, for `gc`, removing the segment of a channel whose producer died
+//! ([`remove_stale`]) and freeing the slots of dead consumers ([`release_dead_consumers`]).
 //! Inspecting opens and validates the segment like a consumer does (magic, layout version, sizes,
 //! owner) but never attaches, holds, releases or wakes: it only loads, so it cannot disturb the
-//! protocol. Never calls CUDA.
+//! protocol. The two `gc` functions change only what dead processes left. Never calls CUDA.
 
 use super::Delivery;
 use super::control::{self, Control};
@@ -241,6 +242,40 @@ pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
     }
 }
 
+/// Releases the holds and frees the slots of consumers of `channel` whose process is dead, as the
+/// producer does when it next needs a buffer (and as a consumer does when it attaches), and returns
+/// the slots freed, as they were. Live consumers and the producer are not touched.
+///
+/// Useful when a producer is idle (it reclaims only while waiting for a buffer): a dead consumer's
+/// slot would otherwise stay taken. The producer is woken so it sees the freed buffers.
+///
+/// # Errors
+/// As [`inspect`].
+pub fn release_dead_consumers(channel: &str) -> Result<Vec<ConsumerSnapshot>> {
+    let c = Control::open(channel)?;
+    let before = snapshot(channel, &c);
+    if before
+        .consumers
+        .iter()
+        .all(|x| x.liveness != Liveness::Dead)
+    {
+        return Ok(Vec::new());
+    }
+    c.reclaim_dead_consumers();
+    let after = snapshot(channel, &c);
+    Ok(before
+        .consumers
+        .into_iter()
+        .filter(|x| {
+            x.liveness == Liveness::Dead
+                && !after
+                    .consumers
+                    .iter()
+                    .any(|y| y.index == x.index && y.generation == x.generation)
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,6 +341,24 @@ mod tests {
         assert!(inspect(&n).is_ok());
         tx.unlink();
         assert!(!list_channels().unwrap().contains(&n));
+    }
+
+    #[test]
+    fn release_dead_consumers_leaves_live_ones_alone() {
+        let n = name("release");
+        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
+        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let (i, _) = tx.try_acquire().unwrap();
+        tx.publish(i, b"").unwrap();
+        let (held, _, _) = rx.take(None).unwrap().unwrap();
+        // The consumer is alive: nothing to release, its hold stays.
+        assert!(release_dead_consumers(&n).unwrap().is_empty());
+        let s = inspect(&n).unwrap();
+        assert_eq!(s.consumers[0].holds, [held]);
+        assert_eq!(s.consumers[0].liveness, Liveness::Alive);
+        rx.release(held);
+        drop(rx);
+        tx.unlink();
     }
 
     #[test]
