@@ -129,14 +129,22 @@ impl ChannelSnapshot {
     }
 }
 
-/// Names of the channels whose control segments are in `/dev/shm` (files `cuda-ipc.ch.NAME`),
-/// sorted. Whether each is valid, and whose, is for [`inspect`] to say.
+/// Names of the channels whose control segments are in `/dev/shm` (files `cuda-ipc.ch.NAME`) and
+/// belong to this process's effective user (only those can be opened: see [`inspect`]), sorted.
+/// Whether each is valid is for [`inspect`] to say.
 ///
 /// # Errors
 /// [`Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_channels() -> Result<Vec<String>> {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
     Ok(crate::shm::list_segments()?
         .into_iter()
+        .filter(|s| {
+            // A segment that vanished meanwhile, or another user's, is left out.
+            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
+                .is_ok_and(|m| m.uid() == me)
+        })
         .filter_map(|s| s.strip_prefix(SEGMENT_PREFIX).map(str::to_string))
         .filter(|n| !n.is_empty())
         .collect())
