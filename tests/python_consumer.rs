@@ -359,7 +359,7 @@ fn python_consumer_reports_a_dead_producer_promptly() {
     let killed = Instant::now();
     assert_eq!(c.expect("gone", T), producer_pid.to_string());
     assert!(
-        killed.elapsed() < Duration::from_secs(1),
+        killed.elapsed() < Duration::from_secs(2),
         "ProducerGone came {:?} after the kill",
         killed.elapsed()
     );
@@ -530,4 +530,44 @@ fn python_reference_pattern_matches_the_kernels_pattern() {
         .flat_map(|&s| idx.iter().map(move |&i| cuda_ipc::kernels::pattern(s, i)))
         .collect();
     assert_eq!(got, want);
+}
+
+/// Producer and Python consumer at full speed on a pool of 2: every frame arrives once, in order,
+/// with its own metadata (a frame taken while being overwritten would show another's); latest-only
+/// frames come in increasing order without tearing.
+#[test]
+fn python_consumer_keeps_up_with_a_full_speed_producer_without_torn_frames() {
+    for (delivery, frames) in [("every", 2000u64), ("latest", 20_000)] {
+        let ch = Channel::new("speed", 2, 4, TokenKind::LegacyMemory);
+        let mut c = py();
+        attach(&mut c, &ch.name, delivery);
+        c.send("until_closed 10");
+        for seq in 1..=frames {
+            // (`try_acquire` may miss a buffer freed during its scan; `acquire` retries.)
+            let (i, _) = ch.p.acquire(Some(T)).unwrap().expect("a free buffer");
+            assert_eq!(ch.p.publish(i, &meta(seq)).unwrap(), seq);
+        }
+        ch.p.close();
+        let r = c.expect("received", T);
+        let mut w = r.split_whitespace().map(|x| x.parse::<u64>().unwrap());
+        let (count, last) = (w.next().unwrap(), w.next().unwrap());
+        assert_eq!(ch.p.drain(Duration::from_secs(5)), 0);
+        let me = ch.p.stats().consumers[0];
+        assert_eq!(me.received, count);
+        assert_eq!(
+            me.received + me.dropped,
+            last,
+            "{delivery}: every frame counted once"
+        );
+        assert_eq!(
+            last, frames,
+            "{delivery}: the last frame is always delivered"
+        );
+        if delivery == "every" {
+            assert_eq!(count, frames);
+        }
+        println!("{delivery}: {count} of {frames} frames received");
+        c.send("exit");
+        c.finish(T);
+    }
 }

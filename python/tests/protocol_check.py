@@ -10,6 +10,9 @@ same code path without the CUDA calls), and answers each command with one line s
     check N TIMEOUT_S             -> receives N frames, checks each one's metadata against
                                      expected_metadata(seq) and that seq goes up by one, releases
                                      each, then: @@ checked N LAST_SEQ
+    until_closed TIMEOUT_S        -> receives until the channel closes, checking each frame's
+                                     metadata and that seq goes up, releasing each, then:
+                                     @@ received COUNT LAST_SEQ
     stats                         -> @@ stats RECEIVED DROPPED IN_FLIGHT LAG
     close                         -> @@ detached
     exit                          -> the process exits 0
@@ -84,6 +87,22 @@ def main() -> int:
                             raise AssertionError(f"frame {f.seq}: ptr {f.ptr}, {f.nbytes} bytes")
                         last = f.seq
                 say("checked", n, last)
+            elif op == "until_closed":
+                timeout = float(cmd[1])
+                count, last = 0, 0
+                while True:
+                    try:
+                        f = rx.recv(timeout=timeout)
+                    except cic.ChannelClosed:
+                        break
+                    with f:
+                        if f.seq <= last or f.metadata != expected_metadata(f.seq):
+                            raise AssertionError(
+                                f"frame {f.seq} after {last}, metadata {f.metadata.hex()}"
+                            )
+                        last = f.seq
+                        count += 1
+                say("received", count, last)
             elif op == "stats":
                 me = [c for c in rx.stats()["consumers"] if c["index"] == rx.slot][0]
                 say("stats", me["received"], me["dropped"], me["in_flight"], me["lag"])
