@@ -35,14 +35,21 @@ impl Peer {
             "--include-ignored",
             "--test-threads=1",
         ])
-        .env(ROLE, role)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .env(ROLE, role);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().expect("spawn child");
+        Peer::from_command(cmd)
+    }
+
+    /// Starts any program as a peer that speaks the same `@@ ` line protocol.
+    pub fn from_command(mut cmd: Command) -> Peer {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
         let stdout: ChildStdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {

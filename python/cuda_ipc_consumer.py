@@ -1,0 +1,1616 @@
+"""Attach to a cuda-ipc channel as a consumer from Python and hand each frame to PyTorch or CuPy
+without copying.
+
+A pure-Python twin of the Rust ``cuda_ipc::channel::Consumer``: it maps the channel's control
+segment ``/dev/shm/cuda-ipc.ch.NAME`` (channel layout version 1, token layout version 1), claims a
+consumer slot under this process's identity (pid, start time, boot id), takes frames with the same
+hold protocol and memory orderings as the Rust consumer, and does the GPU side through the CUDA
+driver API (``libcuda.so.1``, loaded with ctypes): it imports the pool (``cuIpcOpenMemHandle_v2``),
+makes its stream wait on the producer's IPC event for each frame (``cuStreamWaitEvent``) and records
+its own IPC release event before it gives a frame back (``cuEventRecord``). No compiled code; it
+needs ``libatomic.so.1`` for atomic operations on shared memory, and nothing else outside the
+standard library. PyTorch and CuPy are imported only when a frame is turned into a tensor or array.
+
+    from cuda_ipc_consumer import Consumer, ChannelClosed
+    import torch
+
+    with Consumer.attach("frames") as rx:          # every frame, PyTorch's current stream
+        while True:
+            try:
+                frame = rx.recv(timeout=10.0)
+            except ChannelClosed:
+                break
+            with frame:                            # released (stream-ordered) at the end
+                t = frame.as_tensor((2160, 3840, 4), torch.uint8)
+                ...                                # enqueue work on the current stream
+
+Layout, protocol and orderings: docs/ARCHITECTURE.md ("Channel protocol") and
+``src/channel/control.rs`` of the cuda-ipc repository; usage: python/README.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import importlib
+import os
+import platform
+import stat
+import struct
+import sys
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from typing import Callable, NamedTuple, Optional, TypeVar
+
+__all__ = [
+    "Consumer",
+    "Frame",
+    "Token",
+    "ProcessIdentity",
+    "CudaIpcError",
+    "ChannelNotFound",
+    "BadSegment",
+    "NoConsumerSlot",
+    "ProducerGone",
+    "ChannelClosed",
+    "Detached",
+    "Timeout",
+    "InvalidToken",
+    "NotSupported",
+    "AtomicsUnavailable",
+    "CudaUnavailable",
+    "CudaError",
+    "LAYOUT_VERSION",
+    "TOKEN_VERSION",
+]
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class CudaIpcError(Exception):
+    """Base class of every error this module raises."""
+
+
+class ChannelNotFound(CudaIpcError):
+    """No channel of this name exists (no producer created it, or it was closed)."""
+
+
+class BadSegment(CudaIpcError):
+    """The control segment is foreign, of another layout version, truncated, corrupted, or owned by
+    another user."""
+
+
+class NoConsumerSlot(CudaIpcError):
+    """Every consumer slot of the channel is taken."""
+
+
+class ProducerGone(CudaIpcError):
+    """The producer process died (pid, start time and boot id no longer name a live process)."""
+
+    def __init__(self, pid: int):
+        super().__init__(f"the producer (pid {pid}) is gone")
+        self.pid = pid
+
+
+class ChannelClosed(CudaIpcError):
+    """The producer closed the channel and every frame it published was delivered."""
+
+
+class Detached(CudaIpcError):
+    """This consumer's slot was taken back (the producer judged it dead, or it was closed)."""
+
+
+class Timeout(CudaIpcError, TimeoutError):
+    """A bounded wait ran out."""
+
+
+class InvalidToken(CudaIpcError):
+    """A 144-byte token in the segment is garbage, corrupted, or of another layout version."""
+
+
+class NotSupported(CudaIpcError):
+    """A feature this module does not implement yet (VMM or memory-pool tokens), or that the device
+    lacks (IPC events)."""
+
+
+class AtomicsUnavailable(CudaIpcError):
+    """``libatomic.so.1`` could not be loaded: Python has no atomic operations on shared memory of
+    its own, so the channel cannot be used without it."""
+
+
+class CudaUnavailable(CudaIpcError):
+    """The CUDA driver library (``libcuda.so.1``) could not be loaded, or no device matches."""
+
+
+class CudaError(CudaIpcError):
+    """A CUDA driver call failed; ``call`` names it, ``code`` is the ``CUresult``."""
+
+    def __init__(self, call: str, code: int, name: str, text: str):
+        super().__init__(f"{call} failed: {name} ({text})")
+        self.call = call
+        self.code = code
+        self.name = name
+
+
+# ---------------------------------------------------------------------------------------- layout
+
+#: Channel layout version this module reads (``VERSION`` in src/channel/control.rs).
+LAYOUT_VERSION = 1
+#: Token layout version this module reads and writes (``TOKEN_VERSION`` in src/token.rs).
+TOKEN_VERSION = 1
+
+_MAGIC = int.from_bytes(b"CIPCCHAN", "little")
+_STAMP_READY = 0x52454459
+_MAX_BUFFERS = 16
+_MAX_CONSUMERS = 64
+META_BYTES = 256
+_WRITING = (1 << 64) - 1
+_U64 = (1 << 64) - 1
+_SEGMENT_PREFIX = "cuda-ipc.ch."
+_MAX_SEGMENT_NAME = 200
+_LIVENESS_EVERY = 0.020  # seconds, as LIVENESS_EVERY in control.rs
+_STAMP_WAIT = 2.0  # seconds an opener waits for the creator's READY stamp
+
+# Header (136 bytes)
+_H_MAGIC, _H_VERSION, _H_STAMP, _H_BUFFERS, _H_CONSUMERS = 0, 8, 12, 16, 20
+_H_BUFFER_BYTES, _H_SEGMENT_BYTES, _H_PRODUCER_PID, _H_PRODUCER_STATE = 24, 32, 40, 44
+_H_PRODUCER_START, _H_PRODUCER_BOOT, _H_HEAD = 48, 56, 72
+_H_PUBLISH_FUTEX, _H_RELEASE_FUTEX, _H_PUBLISHED, _H_FORCED = 80, 84, 88, 96
+_HEADER_BYTES = 136
+# BufferSlot (576 bytes)
+_B_SEQ, _B_HOLD, _B_USED, _B_META_LEN, _B_META, _B_TOKENS = 0, 8, 16, 24, 32, 288
+_TOKEN_LEN = 144
+_BUFFER_SLOT_BYTES = _B_TOKENS + 2 * _TOKEN_LEN
+# ConsumerSlot (2376 bytes)
+_C_STATE, _C_POLICY, _C_GENERATION, _C_PID, _C_START, _C_BOOT = 0, 4, 8, 16, 24, 32
+_C_CURSOR, _C_RECEIVED, _C_DROPPED, _C_TOKENS = 48, 56, 64, 72
+_CONSUMER_SLOT_BYTES = _C_TOKENS + _MAX_BUFFERS * _TOKEN_LEN
+assert _BUFFER_SLOT_BYTES == 576 and _CONSUMER_SLOT_BYTES == 2376
+
+# Consumer slot states, policies, producer state.
+_FREE, _CLAIMING, _ACTIVE = 0, 1, 2
+_EVERY, _LATEST = 0, 1
+_CLOSED = 1
+
+# C11 memory orders, as libatomic takes them.
+_RELAXED, _CONSUME, _ACQUIRE, _RELEASE, _ACQ_REL, _SEQ_CST = 0, 1, 2, 3, 4, 5
+
+
+_T = TypeVar("_T")
+
+
+def _layout_len(buffers: int, consumers: int) -> int:
+    return _HEADER_BYTES + buffers * _BUFFER_SLOT_BYTES + consumers * _CONSUMER_SLOT_BYTES
+
+
+# ---------------------------------------------------------------------------------------- atomics
+
+
+class _Atomics:
+    """Sequentially consistent / acquire / release atomics on raw addresses, from libatomic.
+
+    The functions are the ones GCC and Clang call for ``__atomic_*`` builtins they do not inline;
+    on x86-64 and AArch64 they are lock-free for aligned 4- and 8-byte words, so they interoperate
+    with Rust's ``AtomicU32``/``AtomicU64`` in another process. Loaded through ``ctypes.PyDLL`` (the
+    calls never block, so the GIL is kept: cheaper than releasing it).
+    """
+
+    _instance: Optional["_Atomics"] = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "_Atomics":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        candidates = [p for p in (ctypes.util.find_library("atomic"), "libatomic.so.1") if p]
+        lib = None
+        errors = []
+        for path in candidates:
+            try:
+                lib = ctypes.PyDLL(path)
+                break
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+        if lib is None:
+            raise AtomicsUnavailable(
+                "libatomic.so.1 not found (" + "; ".join(errors) + "): the channel's shared memory "
+                "needs atomic operations that Python lacks; install it (Debian/Ubuntu: "
+                "apt-get install libatomic1, Fedora/RHEL: dnf install libatomic)"
+            )
+        u64, u32, vp, ci = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
+
+        def f(name, res, *args):
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as e:
+                raise AtomicsUnavailable(f"libatomic lacks {name}: {e}") from None
+            fn.restype = res
+            fn.argtypes = list(args)
+            return fn
+
+        self.load64 = f("__atomic_load_8", u64, vp, ci)
+        self.load32 = f("__atomic_load_4", u32, vp, ci)
+        self.store64 = f("__atomic_store_8", None, vp, u64, ci)
+        self.store32 = f("__atomic_store_4", None, vp, u32, ci)
+        self.fetch_or64 = f("__atomic_fetch_or_8", u64, vp, u64, ci)
+        self.fetch_and64 = f("__atomic_fetch_and_8", u64, vp, u64, ci)
+        self.fetch_add64 = f("__atomic_fetch_add_8", u64, vp, u64, ci)
+        self.fetch_add32 = f("__atomic_fetch_add_4", u32, vp, u32, ci)
+        self._cas32 = f("__atomic_compare_exchange_4", ctypes.c_bool, vp, vp, u32, ci, ci)
+
+    def cas32(self, addr: int, expected: int, desired: int, success: int, failure: int) -> bool:
+        """Compare-and-swap of the 32-bit word at ``addr``; True when it held ``expected``."""
+        exp = ctypes.c_uint32(expected)
+        return bool(self._cas32(addr, ctypes.addressof(exp), desired, success, failure))
+
+
+# ---------------------------------------------------------------------------------------- futex
+
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared: no FUTEX_PRIVATE_FLAG
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Futex:
+    """Shared ``FUTEX_WAIT``/``FUTEX_WAKE`` through ``syscall(2)`` (the kernel keys a shared futex
+    on the page, so a waker in another process finds the sleeper)."""
+
+    _instance: Optional["_Futex"] = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "_Futex":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        machine = platform.machine().lower()
+        if not sys.platform.startswith("linux") or machine not in _SYS_FUTEX:
+            raise NotSupported(f"futex on {sys.platform}/{machine}: only Linux x86-64 and AArch64")
+        self._nr = _SYS_FUTEX[machine]
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self._syscall = libc.syscall
+        self._syscall.restype = ctypes.c_long
+
+    def wait(self, addr: int, expected: int, timeout_s: float) -> None:
+        """Sleeps while the word at ``addr`` holds ``expected``, at most ``timeout_s`` seconds.
+        Every outcome (woken, changed, timed out, interrupted) returns: callers re-check."""
+        t = max(0.0, timeout_s)
+        ts = _Timespec(int(t), int((t - int(t)) * 1e9))
+        r = self._syscall(
+            ctypes.c_long(self._nr),
+            ctypes.c_void_p(addr),
+            ctypes.c_long(_FUTEX_WAIT),
+            ctypes.c_long(expected),
+            ctypes.byref(ts),
+            ctypes.c_void_p(0),
+            ctypes.c_long(0),
+        )
+        if r == -1:
+            e = ctypes.get_errno()
+            if e not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+                time.sleep(min(t, 0.001))  # as futex::wait: never spin on a failing call
+
+    def wake(self, addr: int, n: int = 0x7FFFFFFF) -> None:
+        """Wakes up to ``n`` sleepers on the word at ``addr``."""
+        self._syscall(
+            ctypes.c_long(self._nr),
+            ctypes.c_void_p(addr),
+            ctypes.c_long(_FUTEX_WAKE),
+            ctypes.c_long(n),
+            ctypes.c_void_p(0),
+            ctypes.c_void_p(0),
+            ctypes.c_long(0),
+        )
+
+
+# ---------------------------------------------------------------------------------------- identity
+
+
+class ProcessIdentity(NamedTuple):
+    """Who a process is: pid, start time (clock ticks since boot, field 22 of ``/proc/PID/stat``)
+    and the kernel's boot id (16 bytes), as ``cuda_ipc::identity::ProcessIdentity``."""
+
+    pid: int
+    start_time: int
+    boot_id: bytes
+
+    @staticmethod
+    def current() -> "ProcessIdentity":
+        """This process's identity. Raises ``OSError`` when ``/proc`` cannot be read."""
+        pid = os.getpid()
+        st = _start_time_of(pid)
+        if st is None:
+            raise OSError(errno.ENOENT, f"/proc/{pid}/stat has no start time")
+        return ProcessIdentity(pid, st, _boot_id())
+
+    def liveness(self) -> Optional[bool]:
+        """True: running; False: gone (no such pid, another start time, another boot); None: could
+        not be told (callers treat it as alive)."""
+        try:
+            if _boot_id() != self.boot_id:
+                return False
+        except OSError:
+            return None
+        if self.pid == 0 or self.pid > 0x7FFFFFFF:
+            return False
+        try:
+            t = _start_time_of(self.pid)
+        except OSError:
+            return None
+        return t is not None and t == self.start_time
+
+
+def _parse_start_time(text: str) -> Optional[int]:
+    # The command name (field 2) may hold spaces and parentheses: count fields after the last ')'.
+    at = text.rfind(")")
+    if at < 0:
+        return None
+    fields = text[at + 1 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _start_time_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return _parse_start_time(text)
+
+
+_BOOT_ID: Optional[bytes] = None
+
+
+def _boot_id() -> bytes:
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        path = "/proc/sys/kernel/random/boot_id"
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+        raw = text.replace("-", "")
+        try:
+            b = bytes.fromhex(raw)
+        except ValueError:
+            b = b""
+        if len(b) != 16:
+            raise OSError(errno.EINVAL, f"{path}: not a UUID: {text!r}")
+        _BOOT_ID = b
+    return _BOOT_ID
+
+
+# ---------------------------------------------------------------------------------------- tokens
+
+_TOKEN_MAGIC = int.from_bytes(b"CIPT", "little")
+_KIND_MEMORY, _KIND_EVENT, _KIND_VMM, _KIND_POOL = 1, 2, 3, 4
+_KIND_NAMES = {1: "legacy memory", 2: "legacy event", 3: "VMM memory", 4: "pool memory"}
+# magic, version, kind, handle, offset, len, device, pid, reserved, start time, boot id
+_TOKEN_HEAD = struct.Struct("<IHH64sQQ16sII Q16s")
+assert _TOKEN_HEAD.size == 136
+
+
+class Token(NamedTuple):
+    """A decoded 144-byte token (src/token.rs): what was exported, where, and by whom."""
+
+    kind: int
+    handle: bytes
+    offset: int
+    len: int
+    device: bytes
+    exporter: ProcessIdentity
+
+    @staticmethod
+    def from_bytes(b: bytes) -> "Token":
+        """Decodes and validates a token; raises ``InvalidToken`` for a wrong length, magic,
+        version (both named), checksum (CRC-32 IEEE of bytes 0..136), kind, reserved bytes, or an
+        overflowing range."""
+        if len(b) != _TOKEN_LEN:
+            raise InvalidToken(f"expected {_TOKEN_LEN} bytes, got {len(b)}")
+        magic, version, kind, handle, offset, length, device, pid, res0, start, boot = (
+            _TOKEN_HEAD.unpack_from(b)
+        )
+        if magic != _TOKEN_MAGIC:
+            raise InvalidToken(f"bad magic {magic:#010x} (not a cuda-ipc token)")
+        if version != TOKEN_VERSION:
+            newer = " (written by a newer cuda-ipc)" if version > TOKEN_VERSION else ""
+            raise InvalidToken(
+                f"token layout version {version}, this module reads version {TOKEN_VERSION}{newer}"
+            )
+        crc, res1 = struct.unpack_from("<II", b, 136)
+        computed = zlib.crc32(b[:136]) & 0xFFFFFFFF
+        if crc != computed:
+            raise InvalidToken(
+                f"checksum mismatch (stored {crc:#010x}, computed {computed:#010x}): corrupted"
+            )
+        if kind not in _KIND_NAMES:
+            raise InvalidToken(f"unknown kind {kind}")
+        if res0 != 0 or res1 != 0:
+            raise InvalidToken("reserved bytes are not zero")
+        if offset + length > _U64:
+            raise InvalidToken("offset + len overflows")
+        return Token(kind, handle, offset, length, device, ProcessIdentity(pid, start, boot))
+
+    def to_bytes(self) -> bytes:
+        """Encodes the token with its checksum."""
+        e = self.exporter
+        head = _TOKEN_HEAD.pack(
+            _TOKEN_MAGIC, TOKEN_VERSION, self.kind, self.handle, self.offset, self.len,
+            self.device, e.pid, 0, e.start_time, e.boot_id,
+        )
+        return head + struct.pack("<II", zlib.crc32(head) & 0xFFFFFFFF, 0)
+
+
+def _uuid_text(u: bytes) -> str:
+    h = u.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+# ---------------------------------------------------------------------------------------- segment
+
+_libc = None
+
+
+def _libc_mm():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_long,
+        ]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = lib
+    return _libc
+
+
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED = 0x01
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _validate_channel_name(name: str) -> str:
+    seg = _SEGMENT_PREFIX + name
+    ok = all(c.isascii() and (c.isalnum() or c in "._-") for c in name)
+    if not name or not ok or len(seg) > _MAX_SEGMENT_NAME:
+        raise ValueError(
+            f"bad channel name {name!r}: 1 to {_MAX_SEGMENT_NAME - len(_SEGMENT_PREFIX)} "
+            "characters of [A-Za-z0-9._-]"
+        )
+    return seg
+
+
+class _Control:
+    """The mapped control segment and the consumer side of the protocol (src/channel/control.rs).
+
+    Every word another process writes is read and written through libatomic with the ordering the
+    Rust code uses; each ordering names what it pairs with, as in control.rs."""
+
+    def __init__(self, channel: str):
+        self.a = _Atomics.get()
+        self.futex = _Futex.get()
+        seg = _validate_channel_name(channel)
+        self.name = seg
+        path = "/dev/shm/" + seg
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ChannelNotFound(f"no channel named {channel!r} (start its producer first)") from None
+        self.addr = 0
+        self.len = 0
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadSegment(f"{seg} is not a shared-memory object")
+            if st.st_uid != os.geteuid():
+                raise BadSegment(
+                    f"{seg} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}"
+                )
+            if st.st_size < _HEADER_BYTES:
+                raise BadSegment(
+                    f"{seg} holds {st.st_size} bytes, less than a {_HEADER_BYTES}-byte header: "
+                    "truncated or not a channel"
+                )
+            libc = _libc_mm()
+            addr = libc.mmap(None, st.st_size, _PROT_RW, _MAP_SHARED, fd, 0)
+            if addr is None or addr == _MAP_FAILED:
+                e = ctypes.get_errno()
+                raise OSError(e, f"mmap {path}: {os.strerror(e)}")
+            self.addr, self.len = addr, st.st_size
+        finally:
+            os.close(fd)  # the mapping stays valid without the descriptor
+        try:
+            self._validate(seg)
+        except BaseException:
+            self.unmap()
+            raise
+
+    def _validate(self, seg: str) -> None:
+        a, base = self.a, self.addr
+        deadline = time.monotonic() + _STAMP_WAIT
+        # Acquire: pairs with the Release store of the stamp in Control::create.
+        while a.load32(base + _H_STAMP, _ACQUIRE) != _STAMP_READY:
+            if time.monotonic() > deadline:
+                raise BadSegment(f"{seg} was never finished by its creator (no init stamp after 2 s)")
+            time.sleep(0.001)
+        magic = a.load64(base + _H_MAGIC, _RELAXED)
+        if magic != _MAGIC:
+            raise BadSegment(f"{seg} is not a cuda-ipc channel (magic {magic:#018x})")
+        v = a.load32(base + _H_VERSION, _RELAXED)
+        if v != LAYOUT_VERSION:
+            raise BadSegment(
+                f"{seg} has channel layout version {v}; this module reads version {LAYOUT_VERSION}"
+            )
+        self.buffers = a.load32(base + _H_BUFFERS, _RELAXED)
+        self.consumers = a.load32(base + _H_CONSUMERS, _RELAXED)
+        if not (1 <= self.buffers <= _MAX_BUFFERS and 1 <= self.consumers <= _MAX_CONSUMERS):
+            raise BadSegment(
+                f"{seg} claims {self.buffers} buffers and {self.consumers} consumers: corrupted"
+            )
+        need = _layout_len(self.buffers, self.consumers)
+        if self.len < need or a.load64(base + _H_SEGMENT_BYTES, _RELAXED) != need:
+            raise BadSegment(
+                f"{seg} holds {self.len} bytes but its header needs {need}: truncated or corrupted"
+            )
+        self.buffer_bytes = a.load64(base + _H_BUFFER_BYTES, _RELAXED)
+
+    def unmap(self) -> None:
+        if self.addr:
+            _libc_mm().munmap(self.addr, self.len)
+            self.addr = 0
+
+    # -- addresses
+    def _b(self, i: int) -> int:
+        return self.addr + _HEADER_BYTES + i * _BUFFER_SLOT_BYTES
+
+    def _c(self, c: int) -> int:
+        return (
+            self.addr + _HEADER_BYTES + self.buffers * _BUFFER_SLOT_BYTES + c * _CONSUMER_SLOT_BYTES
+        )
+
+    # -- reads
+    def buffer_tokens(self, i: int) -> tuple:
+        """(memory token, producer event token) bytes of buffer ``i``; immutable after the stamp,
+        which ``_validate`` Acquire-loaded."""
+        t = self._b(i) + _B_TOKENS
+        return ctypes.string_at(t, _TOKEN_LEN), ctypes.string_at(t + _TOKEN_LEN, _TOKEN_LEN)
+
+    def producer(self) -> ProcessIdentity:
+        a, h = self.a, self.addr
+        boot = struct.pack(
+            "<QQ", a.load64(h + _H_PRODUCER_BOOT, _RELAXED), a.load64(h + _H_PRODUCER_BOOT + 8, _RELAXED)
+        )
+        return ProcessIdentity(
+            a.load32(h + _H_PRODUCER_PID, _RELAXED), a.load64(h + _H_PRODUCER_START, _RELAXED), boot
+        )
+
+    def head(self) -> int:
+        # Acquire: pairs with the Release store of head in publish.
+        return self.a.load64(self.addr + _H_HEAD, _ACQUIRE)
+
+    def is_closed(self) -> bool:
+        # Acquire: pairs with the Release store in close.
+        return self.a.load32(self.addr + _H_PRODUCER_STATE, _ACQUIRE) == _CLOSED
+
+    def producer_gone(self) -> None:
+        p = self.producer()
+        if p.liveness() is False:
+            raise ProducerGone(p.pid)
+
+    def _bump(self, off: int) -> None:
+        # Release: pairs with the Acquire load of the word before a futex wait.
+        self.a.fetch_add32(self.addr + off, 1, _RELEASE)
+        self.futex.wake(self.addr + off)
+
+    def wait_until(
+        self,
+        off: int,
+        spin_s: float,
+        timeout: Optional[float],
+        ready: Callable[[], Optional[_T]],
+        gone: Callable[[], None],
+    ) -> Optional[_T]:
+        """As Control::wait_until: re-checks ``ready`` after each futex wake-up, calls ``gone``
+        every 20 ms, returns None at the timeout (seconds; None waits forever)."""
+        word = self.addr + off
+        start = last_check = time.monotonic()
+        while True:
+            # Acquire: pairs with the Release bump; read before the condition, so a change made
+            # after the check shows as a changed word to FUTEX_WAIT.
+            seen = self.a.load32(word, _ACQUIRE)
+            v = ready()
+            if v is not None:
+                return v
+            now = time.monotonic()
+            waited = now - start
+            if timeout is not None and waited >= timeout:
+                return None
+            if now - last_check >= _LIVENESS_EVERY:
+                gone()
+                last_check = now
+            if waited < spin_s:
+                continue
+            slice_s = _LIVENESS_EVERY
+            if timeout is not None:
+                slice_s = min(slice_s, timeout - waited)
+            self.futex.wait(word, seen, slice_s)
+
+    # -- consumer slots
+    def reclaim_dead_consumers(self) -> int:
+        """Frees the slots (and holds) of consumers whose process died; returns holds forced."""
+        a = self.a
+        forced = 0
+        for c in range(self.consumers):
+            s = self._c(c)
+            st = a.load32(s + _C_STATE, _ACQUIRE)
+            if st == _FREE:
+                continue
+            boot = struct.pack(
+                "<QQ", a.load64(s + _C_BOOT, _RELAXED), a.load64(s + _C_BOOT + 8, _RELAXED)
+            )
+            ident = ProcessIdentity(
+                a.load32(s + _C_PID, _RELAXED), a.load64(s + _C_START, _RELAXED), boot
+            )
+            if ident.liveness() is not False:
+                continue
+            forced += self.free_consumer_slot(c, st)
+        if forced:
+            a.fetch_add64(self.addr + _H_FORCED, forced, _RELAXED)
+        return forced
+
+    def free_consumer_slot(self, c: int, expected_state: int) -> int:
+        a = self.a
+        bit = 1 << c
+        forced = 0
+        for i in range(self.buffers):
+            b = self._b(i)
+            # AcqRel: pairs with the consumer's hold/release on the same word.
+            if a.fetch_and64(b + _B_HOLD, ~bit & _U64, _ACQ_REL) & bit:
+                forced += 1
+            a.fetch_and64(b + _B_USED, ~bit & _U64, _ACQ_REL)
+        # Release (AcqRel): pairs with attach's CAS when the slot is claimed again.
+        a.cas32(self._c(c) + _C_STATE, expected_state, _FREE, _ACQ_REL, _RELAXED)
+        self._bump(_H_RELEASE_FUTEX)
+        return forced
+
+    def attach(self, policy: int, release_tokens: list, me: ProcessIdentity) -> int:
+        """Claims a consumer slot; ``release_tokens[i]`` is this consumer's event token for buffer
+        ``i``. Starts at the current head."""
+        if len(release_tokens) != self.buffers:
+            raise ValueError(f"{len(release_tokens)} release tokens for {self.buffers} buffers")
+        self.reclaim_dead_consumers()
+        a = self.a
+        boot0, boot1 = struct.unpack("<QQ", me.boot_id)
+        for c in range(self.consumers):
+            s = self._c(c)
+            # Acquire on success: pairs with the Release that freed the slot.
+            if not a.cas32(s + _C_STATE, _FREE, _CLAIMING, _ACQUIRE, _RELAXED):
+                continue
+            a.fetch_add64(s + _C_GENERATION, 1, _RELAXED)
+            a.store32(s + _C_PID, me.pid, _RELAXED)
+            a.store64(s + _C_START, me.start_time, _RELAXED)
+            a.store64(s + _C_BOOT, boot0, _RELAXED)
+            a.store64(s + _C_BOOT + 8, boot1, _RELAXED)
+            a.store32(s + _C_POLICY, policy, _RELAXED)
+            a.store64(s + _C_RECEIVED, 0, _RELAXED)
+            a.store64(s + _C_DROPPED, 0, _RELAXED)
+            for i, t in enumerate(release_tokens):
+                # This process owns the slot (CLAIMING); the producer reads the tokens only when
+                # ACTIVE, with a generation re-check.
+                ctypes.memmove(s + _C_TOKENS + i * _TOKEN_LEN, t, _TOKEN_LEN)
+            a.store64(s + _C_CURSOR, self.head(), _RELAXED)
+            # Release: pairs with the producer's Acquire of state; all of the above is visible.
+            a.store32(s + _C_STATE, _ACTIVE, _RELEASE)
+            return c
+        raise NoConsumerSlot(f"all {self.consumers} consumer slots of the channel are taken")
+
+    def try_take(self, c: int) -> Optional[tuple]:
+        """The next frame for consumer ``c`` by its policy, held: (index, seq, metadata) or None."""
+        a = self.a
+        s = self._c(c)
+        if a.load32(s + _C_STATE, _ACQUIRE) != _ACTIVE:
+            raise Detached("this consumer was detached from the channel")
+        latest = a.load32(s + _C_POLICY, _RELAXED) == _LATEST
+        bit = 1 << c
+        while True:
+            head = self.head()
+            cursor = a.load64(s + _C_CURSOR, _RELAXED)
+            if head <= cursor:
+                return None
+            want = head if latest else cursor + 1
+            found = None
+            oldest = None
+            for i in range(self.buffers):
+                # Acquire: pairs with the Release store of seq in publish (metadata visible).
+                seq = a.load64(self._b(i) + _B_SEQ, _ACQUIRE)
+                if seq == want:
+                    found = i
+                if seq != _WRITING and seq > cursor and (oldest is None or seq < oldest[0]):
+                    oldest = (seq, i)
+            if found is not None:
+                seq, i = want, found
+            elif oldest is not None and not latest:
+                seq, i = oldest
+            else:
+                return None
+            b = self._b(i)
+            # SeqCst: the consumer half of the Dekker pair with the producer's try_acquire.
+            a.fetch_or64(b + _B_HOLD, bit, _SEQ_CST)
+            if a.load64(b + _B_SEQ, _SEQ_CST) != seq:
+                # The producer took it meanwhile: undo and look again.
+                a.fetch_and64(b + _B_HOLD, ~bit & _U64, _SEQ_CST)
+                self._bump(_H_RELEASE_FUTEX)
+                continue
+            # AcqRel: pairs with the producer's swap of used_mask in try_acquire / take_used.
+            a.fetch_or64(b + _B_USED, bit, _ACQ_REL)
+            n = min(a.load32(b + _B_META_LEN, _RELAXED), META_BYTES)
+            words = [a.load64(b + _B_META + 8 * k, _RELAXED) for k in range((n + 7) // 8)]
+            meta = struct.pack(f"<{len(words)}Q", *words)[:n]
+            a.fetch_add64(s + _C_DROPPED, seq - cursor - 1, _RELAXED)
+            a.fetch_add64(s + _C_RECEIVED, 1, _RELAXED)
+            # Release: pairs with the producer's Acquire of cursors in min_lossless_cursor.
+            a.store64(s + _C_CURSOR, seq, _RELEASE)
+            self._bump(_H_RELEASE_FUTEX)
+            return i, seq, meta
+
+    def take(self, c: int, spin_s: float, timeout: Optional[float]) -> Optional[tuple]:
+        def ready():
+            got = self.try_take(c)
+            if got is not None:
+                return got
+            if self.is_closed():
+                raise ChannelClosed("the producer closed the channel and every frame was received")
+            return None
+
+        return self.wait_until(_H_PUBLISH_FUTEX, spin_s, timeout, ready, self.producer_gone)
+
+    def release(self, c: int, i: int) -> None:
+        # SeqCst: after the release event was recorded; pairs with the producer's SeqCst read of
+        # hold_mask in try_acquire.
+        self.a.fetch_and64(self._b(i) + _B_HOLD, ~(1 << c) & _U64, _SEQ_CST)
+        self._bump(_H_RELEASE_FUTEX)
+
+    def detach(self, c: int) -> None:
+        self.free_consumer_slot(c, _ACTIVE)
+
+    def stats(self) -> dict:
+        """Counters of the channel, as ChannelStats (a dict)."""
+        a, h = self.a, self.addr
+        head = self.head()
+        consumers = []
+        for c in range(self.consumers):
+            s = self._c(c)
+            if a.load32(s + _C_STATE, _ACQUIRE) != _ACTIVE:
+                continue
+            bit = 1 << c
+            consumers.append(
+                {
+                    "index": c,
+                    "pid": a.load32(s + _C_PID, _RELAXED),
+                    "received": a.load64(s + _C_RECEIVED, _RELAXED),
+                    "dropped": a.load64(s + _C_DROPPED, _RELAXED),
+                    "in_flight": sum(
+                        1
+                        for i in range(self.buffers)
+                        if a.load64(self._b(i) + _B_HOLD, _RELAXED) & bit
+                    ),
+                    "lag": max(0, head - a.load64(s + _C_CURSOR, _RELAXED)),
+                }
+            )
+        return {
+            "published": a.load64(h + _H_PUBLISHED, _RELAXED),
+            "head": head,
+            "forced_releases": a.load64(h + _H_FORCED, _RELAXED),
+            "consumers": consumers,
+        }
+
+
+# ---------------------------------------------------------------------------------------- CUDA
+
+
+class _IpcHandle(ctypes.Structure):
+    # CUipcMemHandle / CUipcEventHandle: 64 opaque bytes, passed by value.
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    @staticmethod
+    def of(b: bytes) -> "_IpcHandle":
+        h = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(h), b, 64)
+        return h
+
+
+class _CUuuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * 16)]
+
+
+_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+_CU_EVENT_DISABLE_TIMING = 2
+_CU_EVENT_INTERPROCESS = 4
+_CU_STREAM_NON_BLOCKING = 1
+_CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED = 125
+
+
+class _Driver:
+    """The CUDA driver API through ctypes (``libcuda.so.1``), initialised once per process."""
+
+    _instance: Optional["_Driver"] = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "_Driver":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        lib = None
+        errors = []
+        for name in ("libcuda.so.1", "libcuda.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError as e:
+                errors.append(f"{name}: {e}")
+        if lib is None:
+            raise CudaUnavailable(
+                "CUDA driver not found (" + "; ".join(errors) + "): install the NVIDIA driver, or "
+                "attach with cuda=False for the protocol only"
+            )
+        self.lib = lib
+        P, c_int, c_uint, vp, u64 = (
+            ctypes.POINTER, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint64,
+        )
+
+        def f(name, *args, fallback=None):
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                if fallback is None:
+                    raise CudaUnavailable(f"the CUDA driver lacks {name} (too old?)") from None
+                fn = getattr(lib, fallback)
+            fn.restype = c_int
+            fn.argtypes = list(args)
+            return fn
+
+        self.cuGetErrorName = f("cuGetErrorName", c_int, P(ctypes.c_char_p))
+        self.cuGetErrorString = f("cuGetErrorString", c_int, P(ctypes.c_char_p))
+        self.cuInit = f("cuInit", c_uint)
+        self.cuDriverGetVersion = f("cuDriverGetVersion", P(c_int))
+        self.cuDeviceGetCount = f("cuDeviceGetCount", P(c_int))
+        self.cuDeviceGet = f("cuDeviceGet", P(c_int), c_int)
+        self.cuDeviceGetUuid = f("cuDeviceGetUuid_v2", P(_CUuuid), c_int, fallback="cuDeviceGetUuid")
+        self.cuDeviceGetAttribute = f("cuDeviceGetAttribute", P(c_int), c_int, c_int)
+        self.cuDevicePrimaryCtxRetain = f("cuDevicePrimaryCtxRetain", P(vp), c_int)
+        self.cuDevicePrimaryCtxRelease = f("cuDevicePrimaryCtxRelease_v2", c_int)
+        self.cuCtxPushCurrent = f("cuCtxPushCurrent_v2", vp)
+        self.cuCtxPopCurrent = f("cuCtxPopCurrent_v2", P(vp))
+        self.cuIpcOpenMemHandle = f("cuIpcOpenMemHandle_v2", P(u64), _IpcHandle, c_uint)
+        self.cuIpcCloseMemHandle = f("cuIpcCloseMemHandle", u64)
+        self.cuMemGetAddressRange = f("cuMemGetAddressRange_v2", P(u64), P(ctypes.c_size_t), u64)
+        self.cuIpcOpenEventHandle = f("cuIpcOpenEventHandle", P(vp), _IpcHandle)
+        self.cuIpcGetEventHandle = f("cuIpcGetEventHandle", P(_IpcHandle), vp)
+        self.cuEventCreate = f("cuEventCreate", P(vp), c_uint)
+        self.cuEventDestroy = f("cuEventDestroy_v2", vp)
+        self.cuEventRecord = f("cuEventRecord", vp, vp)
+        self.cuEventSynchronize = f("cuEventSynchronize", vp)
+        self.cuStreamWaitEvent = f("cuStreamWaitEvent", vp, vp, c_uint)
+        self.cuStreamCreate = f("cuStreamCreate", P(vp), c_uint)
+        self.cuStreamDestroy = f("cuStreamDestroy_v2", vp)
+        self.cuStreamSynchronize = f("cuStreamSynchronize", vp)
+        self.check("cuInit", self.cuInit(0))
+        # (context, handle bytes) -> [base, size, references]: one mapping per allocation and
+        # context, as the Rust import cache (a second cuIpcOpenMemHandle of one handle fails).
+        self.mappings: dict = {}
+        self.mappings_lock = threading.Lock()
+
+    def check(self, call: str, rc: int) -> None:
+        if rc == 0:
+            return
+        name = ctypes.c_char_p()
+        text = ctypes.c_char_p()
+        n = name.value.decode() if self.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value else f"CUresult {rc}"
+        t = text.value.decode() if self.cuGetErrorString(rc, ctypes.byref(text)) == 0 and text.value else "unknown error"
+        raise CudaError(call, rc, n, t)
+
+    def device_by_uuid(self, uuid: bytes) -> int:
+        """Ordinal of the visible device with this UUID (``cuDeviceGetUuid_v2``)."""
+        n = ctypes.c_int()
+        self.check("cuDeviceGetCount", self.cuDeviceGetCount(ctypes.byref(n)))
+        seen = []
+        for k in range(n.value):
+            d = ctypes.c_int()
+            self.check("cuDeviceGet", self.cuDeviceGet(ctypes.byref(d), k))
+            u = _CUuuid()
+            self.check("cuDeviceGetUuid_v2", self.cuDeviceGetUuid(ctypes.byref(u), d.value))
+            raw = ctypes.string_at(ctypes.addressof(u), 16)
+            if raw == uuid:
+                return d.value
+            seen.append(_uuid_text(raw))
+        raise CudaUnavailable(
+            f"the channel's pool is on {_uuid_text(uuid)}, which this process cannot see "
+            f"(visible: {', '.join(seen) or 'none'}; check CUDA_VISIBLE_DEVICES)"
+        )
+
+    def open_mapping(self, ctx: int, handle: bytes) -> tuple:
+        with self.mappings_lock:
+            m = self.mappings.get((ctx, handle))
+            if m is not None:
+                m[2] += 1
+                return m[0], m[1]
+            base = ctypes.c_uint64()
+            self.check(
+                "cuIpcOpenMemHandle_v2",
+                self.cuIpcOpenMemHandle(
+                    ctypes.byref(base), _IpcHandle.of(handle), _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                ),
+            )
+            start, size = ctypes.c_uint64(), ctypes.c_size_t()
+            rc = self.cuMemGetAddressRange(ctypes.byref(start), ctypes.byref(size), base.value)
+            if rc != 0:
+                self.cuIpcCloseMemHandle(base.value)
+                self.check("cuMemGetAddressRange_v2", rc)
+            self.mappings[(ctx, handle)] = [base.value, size.value, 1]
+            return base.value, size.value
+
+    def close_mapping(self, ctx: int, handle: bytes) -> None:
+        with self.mappings_lock:
+            m = self.mappings.get((ctx, handle))
+            if m is None:
+                return
+            m[2] -= 1
+            if m[2] == 0:
+                del self.mappings[(ctx, handle)]
+                self.check("cuIpcCloseMemHandle", self.cuIpcCloseMemHandle(m[0]))
+
+
+class _Bound:
+    """Makes a context current on this thread for a block (``cuCtxPushCurrent_v2`` /
+    ``cuCtxPopCurrent_v2``), leaving the thread's context as it was: PyTorch's and CuPy's current
+    device are not changed."""
+
+    __slots__ = ("d", "ctx")
+
+    def __init__(self, d: _Driver, ctx: int):
+        self.d, self.ctx = d, ctx
+
+    def __enter__(self):
+        self.d.check("cuCtxPushCurrent_v2", self.d.cuCtxPushCurrent(self.ctx))
+
+    def __exit__(self, *exc):
+        out = ctypes.c_void_p()
+        self.d.cuCtxPopCurrent(ctypes.byref(out))
+        return False
+
+
+class _Gpu:
+    """The GPU side of one consumer: the pool imported, the producer's events opened, this
+    consumer's release events created and exported, in the primary context of the pool's device."""
+
+    def __init__(self, control: _Control, me: ProcessIdentity):
+        self.d = d = _Driver.get()
+        self.ctx = None
+        self.mapped = []  # handle bytes of each import, for close
+        self.buffers = []  # device pointer of each buffer
+        self.producer_events = []
+        self.release_events = []
+        self.recorded = set()  # buffer indices whose release event was recorded
+        self.own_stream = None
+        self.uuid = _buffer_tokens(control, 0)[0].device
+        self.ordinal = d.device_by_uuid(self.uuid)
+        v = ctypes.c_int()
+        d.check(
+            "cuDeviceGetAttribute",
+            d.cuDeviceGetAttribute(
+                ctypes.byref(v), _CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED, self.ordinal
+            ),
+        )
+        if not v.value:
+            raise NotSupported(f"device {_uuid_text(self.uuid)} has no IPC events")
+        ctx = ctypes.c_void_p()
+        d.check("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.ordinal))
+        self.ctx = ctx.value
+        self.release_tokens = []
+        try:
+            with self.bound():
+                for i in range(control.buffers):
+                    mem, ev = _buffer_tokens(control, i)
+                    base, size = d.open_mapping(self.ctx, mem.handle)
+                    self.mapped.append(mem.handle)
+                    if mem.offset + mem.len > size:
+                        raise InvalidToken(
+                            f"buffer {i}: range {mem.offset}+{mem.len} lies outside the "
+                            f"{size}-byte allocation the handle names"
+                        )
+                    if mem.len != control.buffer_bytes:
+                        raise BadSegment(
+                            f"buffer {i} holds {mem.len} bytes, the header says {control.buffer_bytes}"
+                        )
+                    self.buffers.append(base + mem.offset)
+                    pe = ctypes.c_void_p()
+                    d.check(
+                        "cuIpcOpenEventHandle",
+                        d.cuIpcOpenEventHandle(ctypes.byref(pe), _IpcHandle.of(ev.handle)),
+                    )
+                    self.producer_events.append(pe.value)
+                    re = ctypes.c_void_p()
+                    d.check(
+                        "cuEventCreate",
+                        d.cuEventCreate(
+                            ctypes.byref(re), _CU_EVENT_INTERPROCESS | _CU_EVENT_DISABLE_TIMING
+                        ),
+                    )
+                    self.release_events.append(re.value)
+                    h = _IpcHandle()
+                    d.check("cuIpcGetEventHandle", d.cuIpcGetEventHandle(ctypes.byref(h), re.value))
+                    handle = ctypes.string_at(ctypes.addressof(h), 64)
+                    self.release_tokens.append(
+                        Token(_KIND_EVENT, handle, 0, 0, self.uuid, me).to_bytes()
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    def bound(self) -> _Bound:
+        return _Bound(self.d, self.ctx)
+
+    def stream_for_own(self) -> int:
+        if self.own_stream is None:
+            s = ctypes.c_void_p()
+            with self.bound():
+                self.d.check("cuStreamCreate", self.d.cuStreamCreate(ctypes.byref(s), _CU_STREAM_NON_BLOCKING))
+            self.own_stream = s.value or 0
+        return self.own_stream
+
+    def wait_producer(self, i: int, stream: int) -> None:
+        with self.bound():
+            self.d.check("cuStreamWaitEvent", self.d.cuStreamWaitEvent(stream, self.producer_events[i], 0))
+
+    def record_release(self, i: int, stream: int) -> None:
+        """Records buffer ``i``'s release event on ``stream``; on failure synchronises the stream
+        instead (the producer must not overwrite the buffer under our kernels)."""
+        with self.bound():
+            rc = self.d.cuEventRecord(self.release_events[i], stream)
+            if rc == 0:
+                self.recorded.add(i)
+                return
+            try:
+                self.d.check("cuEventRecord", rc)
+            except CudaError as e:
+                warnings.warn(f"recording the release event failed ({e}); synchronising instead")
+            self.d.check("cuStreamSynchronize", self.d.cuStreamSynchronize(stream))
+
+    def finish_reads(self) -> None:
+        """Waits on the host for every release event recorded, so the work that read the pool is
+        done before the slot is freed (a freed slot's events are no longer waited on)."""
+        with self.bound():
+            for i in sorted(self.recorded):
+                self.d.check("cuEventSynchronize", self.d.cuEventSynchronize(self.release_events[i]))
+
+    def close(self) -> None:
+        d = self.d
+        if self.ctx is None:
+            return
+        problems = []
+        with self.bound():
+            for e in self.producer_events + self.release_events:
+                rc = d.cuEventDestroy(e)
+                if rc:
+                    problems.append(f"cuEventDestroy_v2: CUresult {rc}")
+            self.producer_events, self.release_events = [], []
+            for h in self.mapped:
+                try:
+                    d.close_mapping(self.ctx, h)
+                except CudaError as e:
+                    problems.append(str(e))
+            self.mapped = []
+            if self.own_stream:
+                rc = d.cuStreamDestroy(self.own_stream)
+                if rc:
+                    problems.append(f"cuStreamDestroy_v2: CUresult {rc}")
+                self.own_stream = None
+        d.cuDevicePrimaryCtxRelease(self.ordinal)
+        self.ctx = None
+        if problems:
+            warnings.warn("closing the consumer's CUDA resources: " + "; ".join(problems))
+
+
+def _buffer_tokens(control: _Control, i: int) -> tuple:
+    """The decoded (memory, producer event) tokens of buffer ``i``, kinds checked."""
+    mem_b, ev_b = control.buffer_tokens(i)
+    try:
+        mem, ev = Token.from_bytes(mem_b), Token.from_bytes(ev_b)
+    except InvalidToken as e:
+        raise InvalidToken(f"buffer {i}: {e}") from None
+    if mem.kind in (_KIND_VMM, _KIND_POOL):
+        raise NotSupported(
+            f"buffer {i} is shared as a {_KIND_NAMES[mem.kind]} token; the Python consumer "
+            "supports legacy memory tokens (kind 1) only, not yet VMM (3) or pool (4) memory"
+        )
+    if mem.kind != _KIND_MEMORY:
+        raise InvalidToken(f"buffer {i}: expected a memory token, got {_KIND_NAMES[mem.kind]}")
+    if ev.kind != _KIND_EVENT:
+        raise InvalidToken(f"buffer {i}: expected an event token, got {_KIND_NAMES[ev.kind]}")
+    return mem, ev
+
+
+# ---------------------------------------------------------------------------------------- API
+
+_DELIVERY = {"every": _EVERY, "latest": _LATEST}
+
+# dtype name -> (CUDA array interface typestr, item size in bytes)
+_TYPESTR = {
+    "bool": "|b1", "uint8": "|u1", "int8": "|i1", "uint16": "<u2", "int16": "<i2",
+    "uint32": "<u4", "int32": "<i4", "uint64": "<u8", "int64": "<i8",
+    "float16": "<f2", "float32": "<f4", "float64": "<f8",
+    "complex64": "<c8", "complex128": "<c16",
+}
+_TYPESTR_NAMES = {v: k for k, v in _TYPESTR.items()}
+# dtypes the array interface cannot name, read as an integer of the same size and then viewed.
+_VIEW_AS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def _dtype_name(dtype) -> str:
+    """A dtype name from a torch dtype, a NumPy/CuPy dtype or type, or a string."""
+    if dtype is None:
+        return "uint8"
+    s = getattr(dtype, "str", None)  # numpy dtype: '<u4'
+    if isinstance(s, str) and s.replace("=", "<") in _TYPESTR_NAMES:
+        return _TYPESTR_NAMES[s.replace("=", "<")]
+    name = getattr(dtype, "__name__", None) or str(dtype)
+    name = name.replace("torch.", "")  # str(torch.int32) == "torch.int32"
+    if name in _TYPESTR or name in _VIEW_AS:
+        return name
+    if name in _TYPESTR_NAMES:
+        return _TYPESTR_NAMES[name]
+    raise TypeError(f"unsupported dtype {dtype!r}")
+
+
+class _CudaArray:
+    """A CUDA array interface (v3) view of part of a frame; keeps the frame alive while a tensor or
+    array made from it lives."""
+
+    def __init__(self, frame: "Frame", ptr: int, shape: tuple, typestr: str, stream: Optional[int]):
+        self._frame = frame
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": stream,
+        }
+
+
+class Frame:
+    """A received frame: ``nbytes`` bytes at device address ``ptr`` (in this process), ready on
+    ``stream`` (which waits on the producer's event). Release it (``release()``, a ``with`` block,
+    or by dropping the last reference) after enqueuing the work that reads it: the release is
+    stream-ordered after that work.
+
+    ``seq``: sequence number (1, 2, ... per channel); ``index``: buffer index in the pool;
+    ``metadata``: the producer's bytes (at most 256); ``stream``: the raw ``CUstream`` (int)."""
+
+    def __init__(self, consumer: "Consumer", index: int, seq: int, metadata: bytes, stream: Optional[int]):
+        self._consumer = consumer
+        self.index = index
+        self.seq = seq
+        self.metadata = metadata
+        self.stream = stream
+        self._released = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the frame's buffer."""
+        return self._consumer.buffer_bytes
+
+    @property
+    def ptr(self) -> Optional[int]:
+        """Device address of the buffer in this process (None in protocol-only mode)."""
+        g = self._consumer._gpu
+        return None if g is None else g.buffers[self.index]
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _view(self, shape, name: str, offset: int, stream: Optional[int]) -> _CudaArray:
+        if self._released:
+            raise ValueError(f"frame {self.seq} was released")
+        if self.ptr is None:
+            raise NotSupported("a protocol-only consumer (cuda=False) has no device memory")
+        typestr = _TYPESTR[name]
+        item = int(typestr[2:])
+        avail = self.nbytes - offset
+        if offset < 0 or offset % item or avail < 0:
+            raise ValueError(f"offset {offset} must be a multiple of {item} within {self.nbytes} bytes")
+        if shape is None:
+            shape = (avail // item,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        count = 1
+        for n in shape:
+            if int(n) < 0:
+                raise ValueError(f"negative dimension in {shape}")
+            count *= int(n)
+        if count * item > avail:
+            raise ValueError(
+                f"shape {tuple(shape)} of {name} needs {count * item} bytes; the frame has {avail} "
+                f"from offset {offset}"
+            )
+        return _CudaArray(self, self.ptr + offset, tuple(int(n) for n in shape), typestr, stream)
+
+    def as_tensor(self, shape=None, dtype=None, offset: int = 0):
+        """The frame as a PyTorch CUDA tensor, zero-copy (``torch.as_tensor`` over the CUDA array
+        interface). ``shape``: a tuple (default: 1-D over the whole buffer); ``dtype``: a torch
+        dtype or name (default ``torch.uint8``); ``offset`` in bytes. The data is ready on
+        ``frame.stream``: by default that is PyTorch's current stream at ``recv`` time, so work
+        enqueued on the current stream is ordered after the producer's write. The tensor must not
+        be used after the frame is released. Raises ``ValueError`` when the shape does not fit."""
+        torch = importlib.import_module("torch")
+        name = _dtype_name(dtype)
+        base = _VIEW_AS.get(name, name)
+        arr = self._view(shape, base, offset, _cai_stream(self.stream))
+        t = torch.as_tensor(arr, device=torch.device("cuda", self._consumer.device_ordinal))
+        if base != name:
+            t = t.view(getattr(torch, name))
+        return t
+
+    def as_cupy(self, shape=None, dtype=None, offset: int = 0):
+        """The frame as a CuPy array, zero-copy (``cupy.asarray`` over the CUDA array interface);
+        arguments as ``as_tensor`` (dtype: a NumPy/CuPy dtype or name). When ``frame.stream`` is
+        not CuPy's current stream, the array interface names it and CuPy synchronises on it."""
+        cupy = importlib.import_module("cupy")
+        name = _dtype_name(dtype)
+        if name in _VIEW_AS:
+            raise TypeError(f"CuPy has no {name}")
+        with cupy.cuda.Device(self._consumer.device_ordinal):
+            current = cupy.cuda.get_current_stream().ptr
+            stream = None if current == self.stream else _cai_stream(self.stream)
+            return cupy.asarray(self._view(shape, name, offset, stream))
+
+    def release(self, stream: Optional[int] = None) -> None:
+        """Gives the frame back: records this consumer's release event for the buffer on
+        ``stream`` (default ``frame.stream``; pass the raw ``CUstream`` of another stream if the
+        reading work ran there), then clears the hold and wakes the producer. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        c = self._consumer
+        c._frame_released(self, self.stream if stream is None else int(stream))
+
+    def __enter__(self) -> "Frame":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # never raise from a finaliser (e.g. at interpreter exit)
+            pass
+
+    def __repr__(self) -> str:
+        return f"Frame(seq={self.seq}, index={self.index}, nbytes={self.nbytes}, metadata={len(self.metadata)} bytes)"
+
+
+def _cai_stream(stream: Optional[int]) -> Optional[int]:
+    # The array interface forbids 0; 1 names the legacy default stream.
+    if stream is None:
+        return None
+    return 1 if stream == 0 else stream
+
+
+class Consumer:
+    """The consuming end of a channel, like ``cuda_ipc::channel::Consumer``. Make one with
+    ``Consumer.attach``; close it with ``close()``, a ``with`` block, or by dropping it."""
+
+    def __init__(self, *_a, **_k):
+        raise TypeError("use Consumer.attach(name, ...)")
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        delivery: str = "every",
+        stream=None,
+        cuda: bool = True,
+        spin: float = 0.0,
+    ) -> "Consumer":
+        """Attaches to channel ``name`` (segment ``/dev/shm/cuda-ipc.ch.NAME``) and receives frames
+        published from now on.
+
+        ``delivery``: ``"every"`` (every frame in order; the producer waits for this consumer) or
+        ``"latest"`` (only the newest; skipped frames are counted as dropped).
+        ``stream``: where frames are made ready and releases recorded: None picks, at each ``recv``,
+        PyTorch's current stream when torch is imported, else CuPy's current stream when cupy is
+        imported, else a stream of the consumer's own; or a raw ``CUstream`` (int), or an object
+        with ``.cuda_stream`` (torch) or ``.ptr`` (CuPy), or ``"own"``.
+        ``cuda``: False attaches for the protocol only (no CUDA calls: frames carry no memory, the
+        release tokens name no event); for tools and tests.
+        ``spin``: seconds to poll before sleeping on the futex in ``recv`` (default 0).
+
+        Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``;
+        ``InvalidToken``; ``NotSupported`` for VMM or pool tokens; ``NoConsumerSlot``;
+        ``ProducerGone`` when the producer is dead; ``AtomicsUnavailable``; ``CudaUnavailable`` or
+        ``CudaError`` from the imports (``cuIpcOpenMemHandle_v2``, ``cuIpcOpenEventHandle``...).
+        """
+        if delivery not in _DELIVERY:
+            raise ValueError(f"unknown delivery {delivery!r} (every|latest)")
+        self = object.__new__(cls)
+        self._closed = True
+        self._gpu = None
+        self._control = None
+        # Re-entrant: a frame's finaliser may run (and release) while this thread holds the lock.
+        self._lock = threading.RLock()
+        # One taker at a time: the slot's cursor is advanced by a load and a store.
+        self._recv_lock = threading.Lock()
+        # buffer index -> (seq, stream, weak reference to the Frame) of each frame held now
+        self._held: dict = {}
+        self._spin = float(spin)
+        self._stream = _resolve_stream_arg(stream)
+        control = _Control(name)
+        self._control = control
+        try:
+            control.producer_gone()
+            me = ProcessIdentity.current()
+            if cuda:
+                self._gpu = _Gpu(control, me)
+                tokens = self._gpu.release_tokens
+            else:
+                tokens = []
+                for i in range(control.buffers):
+                    mem, _ = _buffer_tokens(control, i)
+                    tokens.append(Token(_KIND_EVENT, bytes(64), 0, 0, mem.device, me).to_bytes())
+            self._slot = control.attach(_DELIVERY[delivery], tokens, me)
+        except BaseException:
+            if self._gpu is not None:
+                self._gpu.close()
+                self._gpu = None
+            control.unmap()
+            raise
+        self._closed = False
+        self.name = name
+        self.delivery = delivery
+        return self
+
+    # -- properties
+    @property
+    def slot(self) -> int:
+        """This consumer's slot index in the segment."""
+        return self._slot
+
+    @property
+    def buffers(self) -> int:
+        """Buffers in the pool."""
+        return self._control.buffers
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes per buffer."""
+        return self._control.buffer_bytes
+
+    @property
+    def device_ordinal(self) -> Optional[int]:
+        """Ordinal (in this process) of the device holding the pool; None without CUDA."""
+        return None if self._gpu is None else self._gpu.ordinal
+
+    @property
+    def producer(self) -> ProcessIdentity:
+        """The producer's identity as the segment records it."""
+        return self._control.producer()
+
+    def stats(self) -> dict:
+        """Counters: ``published``, ``head``, ``forced_releases``, and per consumer ``index``,
+        ``pid``, ``received``, ``dropped``, ``in_flight``, ``lag``."""
+        self._check_open()
+        return self._control.stats()
+
+    # -- receiving
+    def recv(self, timeout: Optional[float] = None) -> Frame:
+        """Waits up to ``timeout`` seconds (None: forever) for the next frame by the delivery
+        policy, holds it, and makes the frame's stream wait on the producer's event
+        (``cuStreamWaitEvent``; no host synchronisation).
+
+        Raises ``Timeout``; ``ProducerGone`` within about 20 ms of the producer dying;
+        ``ChannelClosed`` once the producer closed and every frame was received; ``Detached``;
+        ``CudaError`` from the stream wait (the hold is released first)."""
+        self._check_open()
+        with self._recv_lock:
+            got = self._control.take(self._slot, self._spin, timeout)
+        if got is None:
+            raise Timeout(f"no frame within {timeout} s")
+        return self._deliver(*got)
+
+    def try_recv(self) -> Optional[Frame]:
+        """The next frame if one is ready now, else None. Raises as ``recv`` except ``Timeout``."""
+        self._check_open()
+        with self._recv_lock:
+            got = self._control.try_take(self._slot)
+        if got is None:
+            if self._control.is_closed():
+                raise ChannelClosed("the producer closed the channel and every frame was received")
+            self._control.producer_gone()
+            return None
+        return self._deliver(*got)
+
+    def __iter__(self):
+        """Frames until the channel closes (``ChannelClosed`` ends the iteration)."""
+        while True:
+            try:
+                yield self.recv()
+            except ChannelClosed:
+                return
+
+    def _current_stream(self) -> Optional[int]:
+        g = self._gpu
+        if g is None:
+            return None
+        if isinstance(self._stream, int):
+            return self._stream
+        if self._stream is None:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                return int(torch.cuda.current_stream(g.ordinal).cuda_stream)
+            cupy = sys.modules.get("cupy")
+            if cupy is not None:
+                with cupy.cuda.Device(g.ordinal):
+                    return int(cupy.cuda.get_current_stream().ptr)
+        return g.stream_for_own()
+
+    def _deliver(self, i: int, seq: int, meta: bytes) -> Frame:
+        try:
+            stream = self._current_stream()
+        except BaseException:
+            self._control.release(self._slot, i)
+            raise
+        frame = Frame(self, i, seq, meta, stream)
+        with self._lock:
+            self._held[i] = (seq, stream, weakref.ref(frame))
+        if self._gpu is not None:
+            try:
+                self._gpu.wait_producer(i, stream)
+            except BaseException:
+                frame.release()
+                raise
+        return frame
+
+    def _frame_released(self, frame: Frame, stream: Optional[int]) -> None:
+        with self._lock:
+            held = self._held.get(frame.index)
+            if self._closed or held is None or held[0] != frame.seq:
+                return  # closed meanwhile: the slot and its holds are gone
+            del self._held[frame.index]
+        try:
+            if self._gpu is not None:
+                self._gpu.record_release(frame.index, stream)
+        finally:
+            self._control.release(self._slot, frame.index)
+
+    # -- closing
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the consumer is closed")
+
+    def close(self) -> None:
+        """Detaches: records release events for frames still held (tensors made from them must not
+        be used afterwards), waits on the host until every release event recorded has completed
+        (the producer no longer waits on this consumer's events once the slot is free), frees the
+        slot and its holds, then closes the imports and events (``cuIpcCloseMemHandle``,
+        ``cuEventDestroy_v2``) and unmaps the segment. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            held = list(self._held.items())
+            self._held.clear()
+            self._closed = True
+        g = self._gpu
+        try:
+            for i, (_seq, stream, ref) in held:
+                f = ref()
+                if f is not None:
+                    f._released = True
+                if g is not None:
+                    g.record_release(i, stream)
+            if g is not None:
+                g.finish_reads()
+        except CudaError as e:
+            warnings.warn(f"waiting for this consumer's last reads failed: {e}")
+        finally:
+            self._control.detach(self._slot)
+            try:
+                if g is not None:
+                    g.close()
+            finally:
+                self._gpu = None
+                self._control.unmap()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # never raise from a finaliser (e.g. at interpreter exit)
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"slot {self._slot}"
+        return f"Consumer({getattr(self, 'name', '?')!r}, {state})"
+
+
+def _resolve_stream_arg(stream):
+    if stream is None or stream == "own":
+        return stream
+    if isinstance(stream, int):
+        if stream < 0:
+            raise ValueError(f"bad stream handle {stream}")
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    raise TypeError(
+        f"stream must be None, 'own', a raw CUstream (int), or a torch/CuPy stream, not {stream!r}"
+    )
+
+
+def _main(argv: list) -> int:
+    """``python3 cuda_ipc_consumer.py CHANNEL [--frames N] [--latest] [--no-cuda]``: receives
+    frames and prints their sequence numbers and metadata (hex) until the channel closes."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=_main.__doc__)
+    p.add_argument("channel")
+    p.add_argument("--frames", type=int, default=0, help="stop after N frames (0: until closed)")
+    p.add_argument("--latest", action="store_true", help="latest-only delivery")
+    p.add_argument("--no-cuda", action="store_true", help="protocol only, no CUDA calls")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait for each frame")
+    a = p.parse_args(argv)
+    n = 0
+    with Consumer.attach(
+        a.channel, delivery="latest" if a.latest else "every", cuda=not a.no_cuda
+    ) as rx:
+        print(f"attached to {a.channel} as consumer {rx.slot}: {rx.buffers} buffers of {rx.buffer_bytes} bytes")
+        while a.frames == 0 or n < a.frames:
+            try:
+                f = rx.recv(a.timeout)
+            except ChannelClosed:
+                break
+            with f:
+                print(f"frame {f.seq} buffer {f.index} metadata {f.metadata.hex()}", flush=True)
+            n += 1
+        print(f"received {n} frames; stats {rx.stats()}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_main(sys.argv[1:]))
+    except CudaIpcError as e:
+        print(f"cuda_ipc_consumer: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)

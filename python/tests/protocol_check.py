@@ -1,0 +1,126 @@
+"""A consumer process driven line by line over stdin, for the Rust test tests/python_consumer.rs.
+
+It uses cuda_ipc_consumer as any program would, in its protocol-only mode (``cuda=False``: the
+same code path without the CUDA calls), and answers each command with one line starting ``@@ ``:
+
+    attach NAME every|latest      -> @@ attached SLOT PID
+    recv TIMEOUT_S                -> @@ frame SEQ INDEX METAHEX | @@ timeout SECONDS
+    try_recv                      -> @@ frame ... | @@ none
+    release SEQ                   -> @@ released SEQ
+    check N TIMEOUT_S             -> receives N frames, checks each one's metadata against
+                                     expected_metadata(seq) and that seq goes up by one, releases
+                                     each, then: @@ checked N LAST_SEQ
+    until_closed TIMEOUT_S        -> receives until the channel closes, checking each frame's
+                                     metadata and that seq goes up, releasing each, then:
+                                     @@ received COUNT LAST_SEQ
+    stats                         -> @@ stats RECEIVED DROPPED IN_FLIGHT LAG
+    close                         -> @@ detached
+    exit                          -> the process exits 0
+Any exception becomes ``@@ error CLASS MESSAGE`` (``@@ gone PID`` for ProducerGone, ``@@ closed``
+for ChannelClosed), and the process goes on reading commands.
+"""
+
+import os
+import sys
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import cuda_ipc_consumer as cic  # noqa: E402
+
+
+def expected_metadata(seq: int) -> bytes:
+    """The metadata the Rust test publishes with frame ``seq``: 0 to 256 bytes."""
+    n = (seq * 37) % 257
+    return bytes((seq * 13 + k) & 0xFF for k in range(n))
+
+
+def say(*words) -> None:
+    print("@@", *words, flush=True)
+
+
+def main() -> int:
+    rx = None
+    frames = {}
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        try:
+            op = cmd[0]
+            if op == "attach":
+                rx = cic.Consumer.attach(cmd[1], delivery=cmd[2], cuda=False)
+                say("attached", rx.slot, os.getpid())
+            elif op == "recv":
+                t0 = time.monotonic()
+                try:
+                    f = rx.recv(timeout=float(cmd[1]))
+                except cic.Timeout:
+                    say("timeout", f"{time.monotonic() - t0:.3f}")
+                    continue
+                frames[f.seq] = f
+                say("frame", f.seq, f.index, f.metadata.hex() or "-")
+            elif op == "try_recv":
+                f = rx.try_recv()
+                if f is None:
+                    say("none")
+                else:
+                    frames[f.seq] = f
+                    say("frame", f.seq, f.index, f.metadata.hex() or "-")
+            elif op == "release":
+                frames.pop(int(cmd[1])).release()
+                say("released", cmd[1])
+            elif op == "check":
+                n, timeout = int(cmd[1]), float(cmd[2])
+                last = None
+                for _ in range(n):
+                    with rx.recv(timeout=timeout) as f:
+                        if last is not None and f.seq != last + 1:
+                            raise AssertionError(f"frame {f.seq} after {last}")
+                        if f.metadata != expected_metadata(f.seq):
+                            raise AssertionError(
+                                f"frame {f.seq}: metadata {f.metadata.hex()} != "
+                                f"{expected_metadata(f.seq).hex()}"
+                            )
+                        if f.ptr is not None or f.nbytes != rx.buffer_bytes:
+                            raise AssertionError(f"frame {f.seq}: ptr {f.ptr}, {f.nbytes} bytes")
+                        last = f.seq
+                say("checked", n, last)
+            elif op == "until_closed":
+                timeout = float(cmd[1])
+                count, last = 0, 0
+                while True:
+                    try:
+                        f = rx.recv(timeout=timeout)
+                    except cic.ChannelClosed:
+                        break
+                    with f:
+                        if f.seq <= last or f.metadata != expected_metadata(f.seq):
+                            raise AssertionError(
+                                f"frame {f.seq} after {last}, metadata {f.metadata.hex()}"
+                            )
+                        last = f.seq
+                        count += 1
+                say("received", count, last)
+            elif op == "stats":
+                me = [c for c in rx.stats()["consumers"] if c["index"] == rx.slot][0]
+                say("stats", me["received"], me["dropped"], me["in_flight"], me["lag"])
+            elif op == "close":
+                rx.close()
+                say("detached")
+            elif op == "exit":
+                return 0
+            else:
+                say("error", "BadCommand", line.strip())
+        except cic.ProducerGone as e:
+            say("gone", e.pid)
+        except cic.ChannelClosed:
+            say("closed")
+        except Exception as e:  # reported to the test, which decides
+            say("error", type(e).__name__, str(e).replace("\n", " "))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
