@@ -602,6 +602,11 @@ impl Consumer {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
+        // Detaching clears this consumer's bits in the buffers' used masks, after which the producer
+        // no longer waits on its release events: let the work that reads the buffers finish first.
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!("synchronising the consumer stream before detaching failed: {e}");
+        }
         self.control.detach(self.slot);
     }
 }
