@@ -14,6 +14,7 @@
 
 mod cache;
 mod event;
+pub mod fdpass;
 mod handle;
 mod memory;
 
