@@ -274,12 +274,23 @@ fn peer_allowed(peer: u32, ours: u32) -> bool {
     peer == ours || peer == 0
 }
 
-/// Answers one client: reads its request (bounded by [`SERVER_IO_TIMEOUT`]), checks its uid, sends
+/// Answers one client: checks its uid, reads its request (bounded by [`SERVER_IO_TIMEOUT`]), sends
 /// the statuses and fds. Errors mean the client misbehaved or left; the caller only logs them.
 fn serve_one(conn: &OwnedFd, our_uid: u32) -> std::result::Result<(), Errno> {
     sockopt::set_socket_timeout(conn, Timeout::Recv, Some(SERVER_IO_TIMEOUT))?;
     sockopt::set_socket_timeout(conn, Timeout::Send, Some(SERVER_IO_TIMEOUT))?;
     let peer = sockopt::socket_peercred(conn)?;
+    if !peer_allowed(peer.uid.as_raw(), our_uid) {
+        // Refused before reading, so other users cannot hold the server with stalled requests.
+        // Closing with the request unread makes the client's next receive fail once with
+        // ECONNRESET, then return this reply: the client retries once.
+        tracing::debug!(
+            pid = peer.pid.as_raw_nonzero().get(),
+            uid = peer.uid.as_raw(),
+            "fd server: refused a client of another user"
+        );
+        return send_reply(conn, REQUEST_REFUSED, &[], &[]);
+    }
     let mut buf = vec![0u8; MAX_REQUEST_BYTES + 1];
     // Plain `recv`: any fds a client attaches are discarded (and closed) by the kernel.
     let (n, _) = loop {
@@ -290,14 +301,6 @@ fn serve_one(conn: &OwnedFd, our_uid: u32) -> std::result::Result<(), Errno> {
     };
     if n == 0 {
         return Ok(()); // the client left without asking
-    }
-    if !peer_allowed(peer.uid.as_raw(), our_uid) {
-        tracing::debug!(
-            pid = peer.pid.as_raw_nonzero().get(),
-            uid = peer.uid.as_raw(),
-            "fd server: refused a client of another user"
-        );
-        return send_reply(conn, REQUEST_REFUSED, &[], &[]);
     }
     let ids = match decode_request(&buf[..n]) {
         Ok(ids) => ids,
@@ -839,6 +842,8 @@ fn fetch_socket_once(
                 deadline.remaining(WAIT_WHAT)?;
                 continue;
             }
+            // The server answered without reading (a refusal) and closed: its reply is queued.
+            Err(Errno::PIPE | Errno::CONNRESET) => break,
             Err(e) => return Err(gone_or(exporter, os("send", e))),
         }
     }
@@ -848,6 +853,7 @@ fn fetch_socket_once(
     let mut space =
         vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_MESSAGE))];
     let mut answered = 0usize;
+    let mut reset_seen = false;
     while answered < ids.len() {
         sockopt::set_socket_timeout(&sock, Timeout::Recv, Some(deadline.remaining(WAIT_WHAT)?))
             .map_err(|e| os("setsockopt", e))?;
@@ -874,6 +880,12 @@ fn fetch_socket_once(
                     return Err(Error::PeerGone { pid: exporter.pid });
                 }
                 deadline.remaining(WAIT_WHAT)?;
+                continue;
+            }
+            // A server that refuses closes without reading our request; the kernel then reports a
+            // reset once (and clears it) before the reply it queued.
+            Err(Errno::CONNRESET) if !reset_seen => {
+                reset_seen = true;
                 continue;
             }
             Err(e) => return Err(gone_or(exporter, os("recvmsg", e))),
