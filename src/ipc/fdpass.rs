@@ -123,6 +123,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// Owns the exporter's copy of the fd: dropping the `FdExport` withdraws the id (later requests get
 /// [`Error::FdNotOffered`]) and closes the copy. Copies already fetched by importers stay valid.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::identity::ProcessIdentity;
+/// use cuda_ipc::ipc::fdpass::{self, FdExport, FdTransport};
+/// use std::time::Duration;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let export = FdExport::new(std::fs::File::open("/dev/null")?.into())?;
+/// // The importer gets (exporter identity, id, fd number) in a message; here it is this process.
+/// let me = ProcessIdentity::current()?;
+/// let timeout = Duration::from_secs(5);
+/// let fd = fdpass::fetch(&me, export.id(), export.raw_fd(), FdTransport::Socket, timeout)?;
+/// drop(fd); // the importer's own copy: it closes it
+/// drop(export); // withdrawn: later fetches of this id fail
+/// # Ok(())
+/// # }
+/// ```
 pub struct FdExport {
     /// Never reused within the process.
     id: u32,
@@ -496,7 +514,9 @@ fn le_u16(b: &[u8], at: usize) -> Option<u16> {
 /// - [`Error::Os`] for other failed system calls (`socket`, `connect`, `sendmsg`, `recvmsg`,
 ///   `pidfd_open`, `pidfd_getfd`) and for a malformed reply.
 ///
-/// See `unix(7)` (`SCM_RIGHTS`) and `pidfd_getfd(2)`.
+/// See `unix(7)` (`SCM_RIGHTS`) and `pidfd_getfd(2)`; example on [`FdExport`].
+#[doc(alias = "SCM_RIGHTS")]
+#[doc(alias = "pidfd_getfd")]
 pub fn fetch(
     exporter: &ProcessIdentity,
     id: u32,
@@ -518,6 +538,8 @@ pub fn fetch(
 /// in several requests. An empty `ids` returns an empty list without contacting the exporter.
 ///
 /// Ownership and errors as [`fetch`]; [`Error::FdNotOffered`] names the first id not offered.
+#[doc(alias = "SCM_RIGHTS")]
+#[doc(alias = "pidfd_getfd")]
 pub fn fetch_many(
     exporter: &ProcessIdentity,
     ids: &[(u32, i32)],
