@@ -61,6 +61,25 @@ pub enum Error {
         /// The producer's pid.
         pid: u32,
     },
+    /// The process that exported a file descriptor is gone (by pid + start time + boot id, or it is
+    /// a zombie), so nothing more can be fetched from it (`crate::ipc::fdpass`). Fds fetched before
+    /// stay valid.
+    #[error("the exporting process (pid {pid}) is gone")]
+    PeerGone {
+        /// The exporter's pid.
+        pid: u32,
+    },
+    /// A running process does not offer the file descriptor asked for (`crate::ipc::fdpass`): the
+    /// export was withdrawn or never made, or the process serves no fds at all.
+    #[error("process {pid} does not offer fd export {id}: {reason}")]
+    FdNotOffered {
+        /// The exporter's pid.
+        pid: u32,
+        /// The export id asked for.
+        id: u32,
+        /// Why, in words.
+        reason: &'static str,
+    },
     /// The producer closed the channel and every frame it published was delivered.
     #[error("the channel was closed by its producer")]
     ChannelClosed,

@@ -11,9 +11,13 @@
 //! base, length) and the importer sees only that range through [`ImportedBuffer`], but the mapping
 //! covers the whole allocation. See
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html> (`cuIpc*`).
+//!
+//! [`fdpass`] moves file descriptors (VMM and memory-pool exports) between processes of one user
+//! over a Unix socket, with `pidfd_getfd` as an optional fast path; it does not call CUDA.
 
 mod cache;
 mod event;
+pub mod fdpass;
 mod handle;
 mod memory;
 

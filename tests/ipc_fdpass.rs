@@ -1,0 +1,811 @@
+//! File-descriptor passing between processes (`cuda_ipc::ipc::fdpass`), without a GPU: memfds with
+//! known content stand in for VMM exports. The exporter and (where fd counts matter) the importer
+//! are this test binary re-executed as children, driven line by line over stdin/stdout.
+
+mod common;
+
+use common::{Peer, parent_lines, role, tell};
+use cuda_ipc::Error;
+use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::ipc::fdpass::{self, FdExport, FdTransport};
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+/// How long a parent waits for a child's answer.
+const ANSWER: Duration = Duration::from_secs(30);
+/// Exporter child: how many memfds to export.
+const EXPORTS: &str = "FDPASS_EXPORTS";
+/// Exporter child: make the process non-dumpable (so `pidfd_getfd` needs `CAP_SYS_PTRACE`).
+const NONDUMPABLE: &str = "FDPASS_NONDUMPABLE";
+/// Importer child: drop `CAP_SYS_PTRACE` first.
+const DROP_PTRACE: &str = "FDPASS_DROP_PTRACE";
+/// Importer child: switch to this uid (and gid) first; needs root.
+const SETUID: &str = "FDPASS_SETUID";
+
+// ---------------------------------------------------------------------------------------------
+// Children
+
+fn child_main(role: &str) {
+    match role {
+        "exporter" => exporter_main(),
+        "importer" => importer_main(),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// The content of export number `i` of an exporter child.
+fn expected_content(i: usize) -> String {
+    format!("export-{i}")
+}
+
+/// A memfd holding `content`.
+fn memfd(content: &str) -> OwnedFd {
+    let fd = rustix::fs::memfd_create("fdpass-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    let file = std::fs::File::from(fd);
+    file.write_all_at(content.as_bytes(), 0).unwrap();
+    file.into()
+}
+
+/// The whole content of a memfd, read at offset 0 (the file offset is shared with the exporter).
+fn read_content(fd: &OwnedFd) -> String {
+    let file = std::fs::File::from(fd.try_clone().unwrap());
+    let len = file.metadata().unwrap().len() as usize;
+    let mut buf = vec![0u8; len];
+    file.read_exact_at(&mut buf, 0).unwrap();
+    String::from_utf8(buf).unwrap()
+}
+
+/// Open fds of this process (entries of /proc/self/fd, less the one reading it).
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count() - 1
+}
+
+/// `open_fds` once it has not changed for 50 ms (a server thread may be closing a connection).
+fn settled_fds() -> usize {
+    let mut last = open_fds();
+    for _ in 0..40 {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = open_fds();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex16(s: &str) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
+    }
+    out
+}
+
+fn exporter_main() {
+    if std::env::var(NONDUMPABLE).is_ok() {
+        rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+            .unwrap();
+    }
+    let n: usize = std::env::var(EXPORTS).unwrap().parse().unwrap();
+    let mut exports: BTreeMap<u32, FdExport> = BTreeMap::new();
+    let mut list = Vec::new();
+    for i in 0..n {
+        let e = FdExport::new(memfd(&expected_content(i))).unwrap();
+        list.push(format!("{}:{}", e.id(), e.raw_fd()));
+        exports.insert(e.id(), e);
+    }
+    let me = ProcessIdentity::current().unwrap();
+    tell(format!(
+        "ready {} {} {} {}",
+        me.pid,
+        me.start_time,
+        hex(&me.boot_id),
+        if list.is_empty() {
+            "-".to_string()
+        } else {
+            list.join(",")
+        }
+    ));
+    for line in parent_lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["withdraw", id] => {
+                let id: u32 = id.parse().unwrap();
+                assert!(exports.remove(&id).is_some(), "no export {id}");
+                tell("withdrawn");
+            }
+            ["fds"] => tell(format!("fds {}", settled_fds())),
+            ["exit"] => break,
+            other => panic!("exporter: unknown command {other:?}"),
+        }
+    }
+}
+
+/// Removes `CAP_SYS_PTRACE` from this thread's effective and permitted sets (capabilities are per
+/// thread; the fetches run on this thread).
+fn drop_cap_sys_ptrace() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_PTRACE: u32 = 19;
+    let mut header = Header {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: version 3 of capget reads one header and writes two `Data` records; both pointers are
+    // valid for the call and the layouts match `struct __user_cap_header_struct` / `_data_struct`.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut Header,
+            data.as_mut_ptr(),
+        )
+    };
+    assert_eq!(r, 0, "capget: {}", std::io::Error::last_os_error());
+    data[0].effective &= !(1 << CAP_SYS_PTRACE);
+    data[0].permitted &= !(1 << CAP_SYS_PTRACE);
+    // SAFETY: as above; capset only reads both records.
+    let r = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
+    assert_eq!(r, 0, "capset: {}", std::io::Error::last_os_error());
+}
+
+/// Switches the whole process to `uid` (and the same gid), dropping supplementary groups.
+fn become_user(uid: u32) {
+    // SAFETY: plain system calls without pointers (setgroups with a null list of length 0).
+    unsafe {
+        assert_eq!(libc::setgroups(0, std::ptr::null()), 0);
+        assert_eq!(libc::setgid(uid), 0);
+        assert_eq!(libc::setuid(uid), 0);
+    }
+}
+
+fn parse_transport(s: &str) -> FdTransport {
+    match s {
+        "socket" => FdTransport::Socket,
+        "pidfd-then-socket" => FdTransport::PidfdThenSocket,
+        "pidfd-only" => FdTransport::PidfdOnly,
+        other => panic!("unknown transport {other}"),
+    }
+}
+
+fn error_kind(e: &Error) -> &'static str {
+    match e {
+        Error::PeerGone { .. } => "gone",
+        Error::FdNotOffered { .. } => "notoffered",
+        Error::Unsupported { .. } => "unsupported",
+        Error::Timeout { .. } => "timeout",
+        Error::InvalidArgument(_) => "invalid",
+        _ => "other",
+    }
+}
+
+fn parse_ids(s: &str) -> Vec<(u32, i32)> {
+    s.split(',')
+        .map(|p| {
+            let (id, fd) = p.split_once(':').unwrap();
+            (id.parse().unwrap(), fd.parse().unwrap())
+        })
+        .collect()
+}
+
+fn importer_main() {
+    if std::env::var(DROP_PTRACE).is_ok() {
+        drop_cap_sys_ptrace();
+    }
+    if let Ok(uid) = std::env::var(SETUID) {
+        become_user(uid.parse().unwrap());
+    }
+    let mut target: Option<ProcessIdentity> = None;
+    for line in parent_lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["target", pid, start, boot] => {
+                target = Some(ProcessIdentity {
+                    pid: pid.parse().unwrap(),
+                    start_time: start.parse().unwrap(),
+                    boot_id: unhex16(boot),
+                });
+                tell("ok");
+            }
+            ["fetch", transport, timeout_ms, ids] => {
+                let t = Instant::now();
+                let r = fdpass::fetch_many(
+                    target.as_ref().unwrap(),
+                    &parse_ids(ids),
+                    parse_transport(transport),
+                    Duration::from_millis(timeout_ms.parse().unwrap()),
+                );
+                let ms = t.elapsed().as_millis();
+                match r {
+                    Ok(fds) => {
+                        let texts: Vec<String> = fds.iter().map(read_content).collect();
+                        tell(format!("ok {ms} {}", texts.join("|")));
+                    }
+                    Err(e) => tell(format!("err {ms} {} {e}", error_kind(&e))),
+                }
+            }
+            ["avail"] => match fdpass::pidfd_getfd_available(target.as_ref().unwrap().pid) {
+                Ok(()) => tell("avail ok"),
+                Err(reason) => tell(format!("avail err {reason}")),
+            },
+            ["fds"] => tell(format!("fds {}", settled_fds())),
+            ["exit"] => break,
+            other => panic!("importer: unknown command {other:?}"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parent-side helpers
+
+/// An exporter child and what it exported: (id, fd number) of export `i` at index `i`.
+struct Exporter {
+    peer: Peer,
+    identity: ProcessIdentity,
+    exports: Vec<(u32, i32)>,
+}
+
+impl Exporter {
+    fn spawn(test: &str, n: usize, env: &[(&str, &str)]) -> Exporter {
+        let n_text = n.to_string();
+        let mut all = vec![(EXPORTS, n_text.as_str())];
+        all.extend_from_slice(env);
+        let mut peer = Peer::spawn(test, "exporter", &all);
+        let ready = peer.expect("ready", ANSWER);
+        let w: Vec<&str> = ready.split_whitespace().collect();
+        let identity = ProcessIdentity {
+            pid: w[0].parse().unwrap(),
+            start_time: w[1].parse().unwrap(),
+            boot_id: unhex16(w[2]),
+        };
+        let exports = if w[3] == "-" {
+            Vec::new()
+        } else {
+            parse_ids(w[3])
+        };
+        assert_eq!(exports.len(), n);
+        Exporter {
+            peer,
+            identity,
+            exports,
+        }
+    }
+
+    /// "id:fd,id:fd" for the exports with these indices.
+    fn ids(&self, which: &[usize]) -> String {
+        which
+            .iter()
+            .map(|&i| format!("{}:{}", self.exports[i].0, self.exports[i].1))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn fds(&mut self) -> usize {
+        self.peer.send("fds");
+        self.peer.expect("fds", ANSWER).parse().unwrap()
+    }
+
+    fn withdraw(&mut self, i: usize) {
+        self.peer.send(&format!("withdraw {}", self.exports[i].0));
+        self.peer.expect("withdrawn", ANSWER);
+    }
+
+    fn finish(mut self) {
+        self.peer.send("exit");
+        self.peer.finish(ANSWER);
+    }
+}
+
+/// An importer child aimed at one exporter.
+struct Importer {
+    peer: Peer,
+}
+
+/// A fetch's outcome as the importer child reports it.
+#[derive(Debug)]
+enum Fetched {
+    Ok { contents: Vec<String> },
+    Err { ms: u64, kind: String, text: String },
+}
+
+impl Fetched {
+    fn contents(&self) -> &[String] {
+        match self {
+            Fetched::Ok { contents, .. } => contents,
+            other => panic!("expected a successful fetch, got {other:?}"),
+        }
+    }
+
+    /// The error's kind and text; panics on success.
+    fn error(&self) -> (&str, &str, u64) {
+        match self {
+            Fetched::Err { kind, text, ms } => (kind, text, *ms),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+}
+
+impl Importer {
+    fn spawn(test: &str, exporter: &ProcessIdentity, env: &[(&str, &str)]) -> Importer {
+        let mut peer = Peer::spawn(test, "importer", env);
+        peer.send(&format!(
+            "target {} {} {}",
+            exporter.pid,
+            exporter.start_time,
+            hex(&exporter.boot_id)
+        ));
+        peer.expect("ok", ANSWER);
+        Importer { peer }
+    }
+
+    fn fetch(&mut self, transport: &str, timeout_ms: u64, ids: &str) -> Fetched {
+        self.peer
+            .send(&format!("fetch {transport} {timeout_ms} {ids}"));
+        let line = self.peer.recv(ANSWER);
+        let mut w = line.splitn(4, ' ');
+        match (w.next(), w.next(), w.next(), w.next()) {
+            (Some("ok"), Some(_ms), rest, None) => Fetched::Ok {
+                contents: rest.unwrap_or("").split('|').map(str::to_string).collect(),
+            },
+            (Some("err"), Some(ms), Some(kind), text) => Fetched::Err {
+                ms: ms.parse().unwrap(),
+                kind: kind.to_string(),
+                text: text.unwrap_or("").to_string(),
+            },
+            _ => panic!("importer answered {line:?}"),
+        }
+    }
+
+    fn avail(&mut self) -> Result<(), String> {
+        self.peer.send("avail");
+        let a = self.peer.expect("avail", ANSWER);
+        match a.strip_prefix("err ") {
+            Some(reason) => Err(reason.to_string()),
+            None if a == "ok" => Ok(()),
+            None => panic!("importer answered avail {a:?}"),
+        }
+    }
+
+    fn fds(&mut self) -> usize {
+        self.peer.send("fds");
+        self.peer.expect("fds", ANSWER).parse().unwrap()
+    }
+
+    fn finish(mut self) {
+        self.peer.send("exit");
+        self.peer.finish(ANSWER);
+    }
+}
+
+fn contents(range: impl IntoIterator<Item = usize>) -> Vec<String> {
+    range.into_iter().map(expected_content).collect()
+}
+
+fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[test]
+fn a_child_fetches_exported_fds_by_id_and_nothing_leaks() {
+    const NAME: &str = "a_child_fetches_exported_fds_by_id_and_nothing_leaks";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut ex = Exporter::spawn(NAME, 3, &[]);
+    let ex_fds = ex.fds();
+    let mut im = Importer::spawn(NAME, &ex.identity, &[]);
+    let before = im.fds();
+    for i in 0..3 {
+        let got = im.fetch("socket", 5000, &ex.ids(&[i]));
+        assert_eq!(got.contents(), contents([i]));
+    }
+    // Several in one round trip, in the order asked for, with repeats.
+    let got = im.fetch("socket", 5000, &ex.ids(&[2, 0, 1, 0]));
+    assert_eq!(got.contents(), contents([2, 0, 1, 0]));
+    let got = im.fetch("pidfd-then-socket", 5000, &ex.ids(&[1, 2]));
+    assert_eq!(got.contents(), contents([1, 2]));
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    assert_eq!(ex.fds(), ex_fds, "the exporter leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+#[test]
+fn fetch_many_passes_more_fds_than_one_message_holds() {
+    const NAME: &str = "fetch_many_passes_more_fds_than_one_message_holds";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    // 253 fds per SCM_RIGHTS message: 600 take three replies.
+    let n = 600;
+    let mut ex = Exporter::spawn(NAME, n, &[]);
+    let mut im = Importer::spawn(NAME, &ex.identity, &[]);
+    let before = im.fds();
+    let all: Vec<usize> = (0..n).collect();
+    let got = im.fetch("socket", 10_000, &ex.ids(&all));
+    assert_eq!(got.contents(), contents(0..n));
+    // One id not offered among many: refused, and none of the others stay open.
+    ex.withdraw(400);
+    let f = im.fetch("socket", 10_000, &ex.ids(&all));
+    let (kind, text, _) = f.error();
+    assert_eq!(kind, "notoffered", "{text}");
+    assert!(
+        text.contains(&format!("export {}", ex.exports[400].0)),
+        "{text}"
+    );
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+#[test]
+fn a_withdrawn_id_is_refused_and_nothing_leaks() {
+    const NAME: &str = "a_withdrawn_id_is_refused_and_nothing_leaks";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut ex = Exporter::spawn(NAME, 3, &[]);
+    let mut im = Importer::spawn(NAME, &ex.identity, &[]);
+    let before = im.fds();
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[1])).contents(),
+        contents([1])
+    );
+
+    let ex_fds = ex.fds();
+    ex.withdraw(1);
+    assert_eq!(
+        ex.fds(),
+        ex_fds - 1,
+        "withdrawing did not close the exporter's copy"
+    );
+
+    let id = ex.exports[1].0;
+    let f = im.fetch("socket", 5000, &ex.ids(&[1]));
+    let (kind, text, _) = f.error();
+    assert_eq!(kind, "notoffered", "{text}");
+    assert!(text.contains(&format!("export {id}")), "{text}");
+    let f = im.fetch("socket", 5000, &ex.ids(&[0, 1, 2]));
+    assert_eq!(f.error().0, "notoffered");
+    // pidfd_getfd goes by fd number, which the exporter may have reused by now (the documented
+    // caveat): it finds the number closed, is not available, or returns another file, but never
+    // the withdrawn one (that file is closed).
+    for transport in ["pidfd-then-socket", "pidfd-only"] {
+        match im.fetch(transport, 5000, &ex.ids(&[1])) {
+            Fetched::Ok { contents } => assert_ne!(contents, self::contents([1])),
+            f => assert!(matches!(f.error().0, "notoffered" | "unsupported"), "{f:?}"),
+        }
+    }
+    let f = im.fetch("socket", 5000, "999999:3");
+    assert_eq!(f.error().0, "notoffered");
+    // The others are still served.
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[2, 0])).contents(),
+        contents([2, 0])
+    );
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+#[test]
+fn a_dead_exporter_gives_peer_gone_promptly() {
+    const NAME: &str = "a_dead_exporter_gives_peer_gone_promptly";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut ex = Exporter::spawn(NAME, 2, &[]);
+    let mut im = Importer::spawn(NAME, &ex.identity, &[]);
+    let before = im.fds();
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[0])).contents(),
+        contents([0])
+    );
+
+    // SIGKILL, not reaped yet: a zombie still listed in /proc with its start time.
+    ex.peer.child.kill().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let ids = ex.ids(&[0, 1]);
+    for transport in ["socket", "pidfd-then-socket", "pidfd-only"] {
+        let f = im.fetch(transport, 20_000, &ids);
+        let (kind, text, ms) = f.error();
+        assert_eq!(kind, "gone", "zombie, {transport}: {text}");
+        assert!(ms < 2000, "zombie, {transport}: took {ms} ms");
+    }
+    // Reaped: the pid is gone (or reused with another start time).
+    ex.peer.child.wait().unwrap();
+    for transport in ["socket", "pidfd-then-socket", "pidfd-only"] {
+        let f = im.fetch(transport, 20_000, &ids);
+        let (kind, text, ms) = f.error();
+        assert_eq!(kind, "gone", "reaped, {transport}: {text}");
+        assert!(ms < 2000, "reaped, {transport}: took {ms} ms");
+    }
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+}
+
+#[test]
+fn a_process_that_exported_nothing_serves_no_fds() {
+    const NAME: &str = "a_process_that_exported_nothing_serves_no_fds";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let ex = Exporter::spawn(NAME, 0, &[]);
+    let t = Instant::now();
+    let e = fdpass::fetch(
+        &ex.identity,
+        1,
+        3,
+        FdTransport::Socket,
+        Duration::from_secs(20),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, Error::FdNotOffered { id: 1, .. }),
+        "unexpected error: {e}"
+    );
+    assert!(e.to_string().contains("serves no fds"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2));
+    ex.finish();
+}
+
+#[test]
+fn pidfd_getfd_fetches_an_fd_when_the_kernel_allows_it() {
+    const NAME: &str = "pidfd_getfd_fetches_an_fd_when_the_kernel_allows_it";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    // This process is the exporter's parent, so even yama ptrace_scope 1 allows it.
+    let ex = Exporter::spawn(NAME, 2, &[]);
+    let (id, raw) = ex.exports[1];
+    let t = Duration::from_secs(10);
+    match fdpass::pidfd_getfd_available(ex.identity.pid) {
+        Ok(()) => {
+            let fd = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdOnly, t).unwrap();
+            assert_eq!(read_content(&fd), expected_content(1));
+        }
+        Err(reason) => {
+            eprintln!("pidfd_getfd is not available here: {reason}");
+            let e = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdOnly, t).unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+            assert!(e.to_string().contains(&reason), "{e} does not say {reason}");
+        }
+    }
+    let fd = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdThenSocket, t).unwrap();
+    assert_eq!(read_content(&fd), expected_content(1));
+    ex.finish();
+}
+
+#[test]
+fn refused_pidfd_getfd_falls_back_to_the_socket_or_fails_with_the_reason() {
+    const NAME: &str = "refused_pidfd_getfd_falls_back_to_the_socket_or_fails_with_the_reason";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    // A non-dumpable exporter may be attached (so pidfd_getfd'd) only with CAP_SYS_PTRACE, which
+    // the importer drops: the kernel answers EPERM.
+    let ex = Exporter::spawn(NAME, 2, &[(NONDUMPABLE, "1")]);
+    let mut im = Importer::spawn(NAME, &ex.identity, &[(DROP_PTRACE, "1")]);
+    let before = im.fds();
+    let reason = im.avail().expect_err("pidfd_getfd should be refused");
+    eprintln!("refused as expected: {reason}");
+    assert!(
+        reason.contains("EPERM") || reason.contains("no pidfd"),
+        "{reason}"
+    );
+    let ids = ex.ids(&[1, 0]);
+    assert_eq!(
+        im.fetch("pidfd-then-socket", 5000, &ids).contents(),
+        contents([1, 0])
+    );
+    let f = im.fetch("pidfd-only", 5000, &ids);
+    let (kind, text, _) = f.error();
+    assert_eq!(kind, "unsupported", "{text}");
+    assert!(text.contains("FdTransport::Socket"), "no fix in {text}");
+    assert!(text.contains(&reason), "{text} does not say {reason}");
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    ex.finish();
+
+    // Without privileges, a process of another user (pid 1 is root's) is refused too.
+    if !is_root() {
+        let init_uid = std::fs::read_to_string("/proc/1/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .and_then(|l| l.split_whitespace().next()?.parse::<u32>().ok())
+            });
+        if init_uid.is_some_and(|u| u != rustix::process::geteuid().as_raw()) {
+            assert!(fdpass::pidfd_getfd_available(1).is_err());
+        }
+    }
+}
+
+#[test]
+fn another_user_is_refused_by_the_socket() {
+    const NAME: &str = "another_user_is_refused_by_the_socket";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !is_root() {
+        // Switching users needs root; the uid rule itself is unit-tested in src/ipc/fdpass.rs.
+        eprintln!("not run: needs root to start an importer of another user");
+        return;
+    }
+    let mut ex = Exporter::spawn(NAME, 1, &[]);
+    let ex_fds = ex.fds();
+    let mut im = Importer::spawn(NAME, &ex.identity, &[(SETUID, "65534")]);
+    let before = im.fds();
+    for transport in ["socket", "pidfd-then-socket"] {
+        let f = im.fetch(transport, 5000, &ex.ids(&[0]));
+        let (kind, text, _) = f.error();
+        assert_eq!(kind, "unsupported", "{transport}: {text}");
+        assert!(text.contains("own user"), "{text}");
+    }
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    assert_eq!(ex.fds(), ex_fds, "the exporter leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+/// A raw client of the exporter's fd server.
+fn raw_client(exporter: &ProcessIdentity) -> OwnedFd {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let name = format!("cuda-ipc.fd.{}.{}", exporter.pid, exporter.start_time);
+    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap();
+    rustix::net::connect(&sock, &addr).unwrap();
+    rustix::net::sockopt::set_socket_timeout(
+        &sock,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(Duration::from_secs(10)),
+    )
+    .unwrap();
+    sock
+}
+
+/// Sends `bytes` on `sock` and returns the request status of the reply (bytes 6..8), or `None`
+/// when the server closed the connection without a reply.
+fn raw_exchange(sock: &OwnedFd, bytes: &[u8]) -> Option<u16> {
+    rustix::net::send(sock, bytes, rustix::net::SendFlags::NOSIGNAL).unwrap();
+    let mut buf = [0u8; 4096];
+    let (n, _) = rustix::net::recv(sock, &mut buf[..], rustix::net::RecvFlags::empty()).unwrap();
+    (n >= 8).then(|| u16::from_le_bytes([buf[6], buf[7]]))
+}
+
+/// A request in the wire format (magic `CIFQ`, version, count, ids).
+fn raw_request(version: u16, count: u16, ids: &[u32]) -> Vec<u8> {
+    let mut v = b"CIFQ".to_vec();
+    v.extend_from_slice(&version.to_le_bytes());
+    v.extend_from_slice(&count.to_le_bytes());
+    for id in ids {
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    v
+}
+
+#[test]
+fn bad_clients_do_not_break_the_server() {
+    const NAME: &str = "bad_clients_do_not_break_the_server";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut ex = Exporter::spawn(NAME, 2, &[]);
+    let ex_fds = ex.fds();
+    let who = ex.identity;
+    let (id0, _) = ex.exports[0];
+
+    // Connects and leaves at once.
+    drop(raw_client(&who));
+    // Garbage, a count that does not match the length, another protocol version: error statuses.
+    assert_eq!(raw_exchange(&raw_client(&who), b"hello, server"), Some(2));
+    assert_eq!(
+        raw_exchange(&raw_client(&who), &raw_request(1, 100, &[id0])),
+        Some(2)
+    );
+    assert_eq!(
+        raw_exchange(&raw_client(&who), &raw_request(1, 0, &[])),
+        Some(2)
+    );
+    assert_eq!(
+        raw_exchange(&raw_client(&who), &raw_request(77, 1, &[id0])),
+        Some(3)
+    );
+    // A valid request with an fd attached (the server must close it), then gone before the reply.
+    {
+        let sock = raw_client(&who);
+        let extra = memfd("unwanted");
+        let fds = [extra.as_fd()];
+        let mut space =
+            vec![std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
+        let req = raw_request(1, 1, &[id0]);
+        rustix::net::sendmsg(
+            &sock,
+            &[std::io::IoSlice::new(&req)],
+            &mut control,
+            rustix::net::SendFlags::NOSIGNAL,
+        )
+        .unwrap();
+    }
+    // A stalled client that never sends: the next client waits at most the server's 1 s timeout.
+    let stalled = raw_client(&who);
+    let t = Instant::now();
+    let fd = fdpass::fetch(&who, id0, -1, FdTransport::Socket, Duration::from_secs(10)).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(read_content(&fd), expected_content(0));
+    drop(fd);
+    drop(stalled);
+    // Many requests in a row still work, and the exporter is back to its fds.
+    for _ in 0..20 {
+        let fds = fdpass::fetch_many(
+            &who,
+            &ex.exports,
+            FdTransport::Socket,
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        assert_eq!(fds.len(), 2);
+    }
+    assert_eq!(ex.fds(), ex_fds, "the exporter leaked fds");
+    ex.finish();
+}
+
+#[test]
+fn a_short_timeout_is_honoured() {
+    const NAME: &str = "a_short_timeout_is_honoured";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let ex = Exporter::spawn(NAME, 1, &[]);
+    let (id, raw) = ex.exports[0];
+    // A stalled client holds the single-threaded server for up to 1 s; a 200 ms fetch times out.
+    let stalled = raw_client(&ex.identity);
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    let e = fdpass::fetch(
+        &ex.identity,
+        id,
+        raw,
+        FdTransport::Socket,
+        Duration::from_millis(200),
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(stalled);
+    ex.finish();
+}
