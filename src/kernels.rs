@@ -74,7 +74,12 @@ impl Kernels {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a length not a multiple of 4; launch errors.
-    pub fn fill_pattern(&self, mem: &(impl DeviceMemory + ?Sized), seed: u32, stream: &Stream) -> Result<()> {
+    pub fn fill_pattern(
+        &self,
+        mem: &(impl DeviceMemory + ?Sized),
+        seed: u32,
+        stream: &Stream,
+    ) -> Result<()> {
         let n = words(mem)?;
         let p = mem.device_ptr();
         // SAFETY: parameters match `fill_pattern(unsigned*, unsigned long long, unsigned)`; `p`

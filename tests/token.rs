@@ -68,7 +68,10 @@ fn token_round_trips_through_bytes_and_hex() {
             ..sample()
         };
         assert_eq!(Token::from_bytes(&t.to_bytes()).unwrap(), t);
-        assert_eq!(u32::from_le_bytes(t.to_bytes()[108..112].try_into().unwrap()), 7);
+        assert_eq!(
+            u32::from_le_bytes(t.to_bytes()[108..112].try_into().unwrap()),
+            7
+        );
     }
 }
 

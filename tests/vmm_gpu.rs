@@ -5,9 +5,7 @@ mod common;
 
 use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::Error;
-use cuda_ipc::channel::{
-    ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer,
-};
+use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, MemPool, VmmBuffer, cache_stats};
 use cuda_ipc::kernels::Kernels;
@@ -110,10 +108,15 @@ fn two_process(test: &str, buf: &dyn DeviceMemory, token: Token, s: &Stream, k: 
     }
     let done = c.expect("done", T);
     c.finish(T);
-    println!("{test}: importer reports (mismatches, fds at start, after drop, after a second import, driver opens, live mappings) = {done}");
+    println!(
+        "{test}: importer reports (mismatches, fds at start, after drop, after a second import, driver opens, live mappings) = {done}"
+    );
     let v: Vec<u64> = done.split(' ').map(|x| x.parse().unwrap()).collect();
     assert_eq!(v[0], 0, "the importer saw a stale or partial pattern");
-    assert_eq!(v[2], v[3], "a second import/drop cycle leaked file descriptors");
+    assert_eq!(
+        v[2], v[3],
+        "a second import/drop cycle leaked file descriptors"
+    );
     assert!(v[2] <= v[1], "the import leaked file descriptors");
     assert_eq!(v[4], 2, "one driver import per cycle");
     assert_eq!(v[5], 0, "mappings left open");
@@ -139,7 +142,10 @@ fn a_vmm_buffer_crosses_processes_through_the_registry() {
         // Not a multiple of the granularity: rounded up, and the token says the asked length.
         let buf = VmmBuffer::new(&ctx, (3 << 20) + 4096).unwrap();
         assert!(buf.allocation_size() >= buf.len());
-        assert_eq!(buf.allocation_size() % cuda_ipc::ipc::vmm_granularity(&ctx.device()).unwrap(), 0);
+        assert_eq!(
+            buf.allocation_size() % cuda_ipc::ipc::vmm_granularity(&ctx.device()).unwrap(),
+            0
+        );
         let tok = buf.export().unwrap();
         assert_eq!(tok.len, (3 << 20) + 4096);
         // A self-import is served by the local allocation.
@@ -149,7 +155,10 @@ fn a_vmm_buffer_crosses_processes_through_the_registry() {
     s.synchronize().unwrap();
     let (free1, _) = ctx.memory_info().unwrap();
     let fds1 = open_fds();
-    println!("exporter: fds {fds0} -> {fds1}; device memory in use differs by {} bytes", free0 as i64 - free1 as i64);
+    println!(
+        "exporter: fds {fds0} -> {fds1}; device memory in use differs by {} bytes",
+        free0 as i64 - free1 as i64
+    );
     assert_eq!(fds0, fds1, "the exporter leaked file descriptors");
     assert!((free0 as i64 - free1 as i64).abs() <= 2 << 20);
 }
@@ -219,14 +228,20 @@ fn a_vmm_import_stays_valid_after_its_exporter_is_killed() {
         k.fill_pattern(&buf, 8, &s).unwrap();
         k.check_pattern(&buf, 8, &bad, &s).unwrap();
         s.synchronize().unwrap();
-        assert_eq!(read(&bad), 0, "the import lost its data when the exporter died");
+        assert_eq!(
+            read(&bad),
+            0,
+            "the import lost its data when the exporter died"
+        );
     }
     s.synchronize().unwrap();
     let st = cache_stats();
     assert_eq!(st.live_mappings, 0);
     let (free1, _) = ctx.memory_info().unwrap();
     let diff = free0 as i64 - free1 as i64;
-    println!("exporter killed: the import read and wrote valid data after the kill; device memory in use after release differs by {diff} bytes");
+    println!(
+        "exporter killed: the import read and wrote valid data after the kill; device memory in use after release differs by {diff} bytes"
+    );
     assert!(diff.abs() <= 4 << 20, "{diff} bytes not returned");
 }
 
@@ -281,7 +296,8 @@ fn a_vmm_channel_delivers_every_frame_intact() {
     assert_eq!(done, format!("{FRAMES} 0"));
 }
 
-const HOLD_KILL: &str = "a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed";
+const HOLD_KILL: &str =
+    "a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed";
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
@@ -325,7 +341,11 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
             k.check_pattern(f.buffer(), 5, &bad, f.stream()).unwrap();
         }
         f.stream().synchronize().unwrap();
-        assert_eq!(read(&bad), 0, "the held frame changed after the producer died");
+        assert_eq!(
+            read(&bad),
+            0,
+            "the held frame changed after the producer died"
+        );
         drop(f);
         let e = rx.recv_timeout(Duration::from_secs(5)).unwrap_err();
         println!("after the kill: held frame intact (10 checks), released; next recv: {e}");

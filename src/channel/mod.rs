@@ -270,7 +270,9 @@ impl Producer {
             MemoryKind::Auto => match crate::probe::require_legacy_ipc(&ctx.device()) {
                 Ok(()) => MemoryKind::Legacy,
                 Err(e) => {
-                    tracing::info!("channel {name}: legacy IPC unavailable ({e}); using VMM memory");
+                    tracing::info!(
+                        "channel {name}: legacy IPC unavailable ({e}); using VMM memory"
+                    );
                     MemoryKind::Vmm
                 }
             },

@@ -8,8 +8,8 @@
 
 use super::vmm::{ImportedPool, PoolAllocation, VmmAllocation, VmmMap};
 use crate::driver::{Allocation, Context};
-use crate::token::{Token, TokenKind};
 use crate::ffi::{check, sys};
+use crate::token::{Token, TokenKind};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};

@@ -18,7 +18,9 @@
 //! See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html> and
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
 
-use super::cache::{self, IMPORTED_POOLS, LOCAL_POOL, LOCAL_VMM, Mapping, MappingKey, Origin, lock};
+use super::cache::{
+    self, IMPORTED_POOLS, LOCAL_POOL, LOCAL_VMM, Mapping, MappingKey, Origin, lock,
+};
 use super::fdpass::{self, FdExport, FdTransport};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
@@ -192,7 +194,9 @@ impl Drop for VmmMap {
         if self.mapped {
             // SAFETY: context bound; [ptr, ptr + size) is mapped by this struct alone, and every
             // user of it (buffers, imports) is gone, since they hold this map.
-            if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(self.ptr, self.size) }) {
+            if let Err(e) = check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(self.ptr, self.size)
+            }) {
                 tracing::warn!("{e}; a VMM mapping of {} bytes stays until exit", self.size);
                 return;
             }
@@ -384,7 +388,10 @@ fn require_peer(ctx: &Arc<Context>, owner: crate::driver::Uuid) -> Result<()> {
     if ok == 0 {
         return Err(Error::Unsupported {
             what: "importing memory of another GPU",
-            reason: format!("device {} cannot access device {owner} (no peer access)", here.uuid()),
+            reason: format!(
+                "device {} cannot access device {owner} (no peer access)",
+                here.uuid()
+            ),
             fix: "import on the device that holds the memory",
         });
     }
@@ -446,7 +453,8 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
             }
             Some(Some(_)) => {
                 return Err(Error::InvalidArgument(
-                    "a VMM buffer of this process can only be self-imported in its own context".into(),
+                    "a VMM buffer of this process can only be self-imported in its own context"
+                        .into(),
                 ));
             }
             _ => {
@@ -488,9 +496,15 @@ impl ImportedBuffer {
     /// `cuMemImportFromShareableHandle` for a descriptor that is not a CUDA allocation, or `cuMemMap`
     /// when `size` exceeds the allocation. Nothing is leaked on failure.
     #[doc(alias = "cuMemImportFromShareableHandle")]
-    pub fn from_vmm_fd(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Result<ImportedBuffer> {
+    pub fn from_vmm_fd(
+        ctx: &Arc<Context>,
+        fd: BorrowedFd<'_>,
+        size: usize,
+    ) -> Result<ImportedBuffer> {
         if size == 0 {
-            return Err(Error::InvalidArgument("a VMM import needs at least 1 byte".into()));
+            return Err(Error::InvalidArgument(
+                "a VMM import needs at least 1 byte".into(),
+            ));
         }
         let vm = import_vmm_handle(ctx, fd, size)?;
         let key = MappingKey::unique();
@@ -526,7 +540,10 @@ impl Drop for PoolInner {
         let r = self.ctx.bind().and_then(|()| {
             // SAFETY: context bound; the pool was created here and is destroyed once; every
             // allocation from it holds this struct, so none is left.
-            check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(self.pool) }).map_err(Into::into)
+            check("cuMemPoolDestroy", unsafe {
+                sys::cuMemPoolDestroy(self.pool)
+            })
+            .map_err(Into::into)
         });
         if let Err(e) = r {
             tracing::warn!("{e}; a memory pool stays until exit");
@@ -758,7 +775,10 @@ impl Drop for ImportedPool {
         let r = self.ctx.bind().and_then(|()| {
             // SAFETY: context bound; the imported pool is destroyed once, after every pointer
             // imported from it was freed (each holds this struct).
-            check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(self.pool) }).map_err(Into::into)
+            check("cuMemPoolDestroy", unsafe {
+                sys::cuMemPoolDestroy(self.pool)
+            })
+            .map_err(Into::into)
         });
         if let Err(e) = r {
             tracing::warn!("{e}; an imported memory pool stays until exit");
@@ -839,7 +859,8 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
             }
             _ => {
                 return Err(Error::InvalidArgument(
-                    "the token names a pool buffer this process exported and has since freed".into(),
+                    "the token names a pool buffer this process exported and has since freed"
+                        .into(),
                 ));
             }
         }
@@ -897,8 +918,10 @@ pub fn fabric_handles(dev: &Device) -> std::result::Result<(), String> {
     let g = unsafe { g.assume_init() }.max(1);
     let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
     // SAFETY: context bound; `prop` fully initialised; `g` the granularity.
-    check("cuMemCreate", unsafe { sys::cuMemCreate(h.as_mut_ptr(), g, &prop, 0) })
-        .map_err(|e| format!("{e} (FABRIC handles need an IMEX daemon and channel)"))?;
+    check("cuMemCreate", unsafe {
+        sys::cuMemCreate(h.as_mut_ptr(), g, &prop, 0)
+    })
+    .map_err(|e| format!("{e} (FABRIC handles need an IMEX daemon and channel)"))?;
     // SAFETY: written on success.
     let h = unsafe { h.assume_init() };
     let mut out = [0u8; 64];
