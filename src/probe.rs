@@ -25,6 +25,9 @@ pub struct DeviceReport {
     pub legacy_ipc: std::result::Result<(), String>,
     /// `Ok` when interprocess events can work.
     pub ipc_events: std::result::Result<(), String>,
+    /// True when the device is a MIG instance (its name says so, or `CUDA_VISIBLE_DEVICES` names
+    /// `MIG-...` instances): no CUDA IPC there.
+    pub mig: bool,
 }
 
 /// What the probe found about the machine.
@@ -55,6 +58,7 @@ pub fn report() -> Result<Report> {
         devices.push(DeviceReport {
             legacy_ipc: legacy_ipc_verdict(&name, &capabilities).map_err(|e| e.to_string()),
             ipc_events: events_verdict(&name, &capabilities).map_err(|e| e.to_string()),
+            mig: is_mig(&name),
             device,
             name,
             capabilities,
@@ -74,6 +78,60 @@ pub fn is_wsl() -> bool {
         || std::fs::read_to_string("/proc/version")
             .map(|v| v.to_ascii_lowercase().contains("microsoft"))
             .unwrap_or(false)
+}
+
+/// The Yama LSM's ptrace rule (`/proc/sys/kernel/yama/ptrace_scope`), which also governs
+/// `pidfd_getfd` (taking another process's file descriptor needs ptrace rights over it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PtraceScope {
+    /// No Yama LSM (the file is absent): classic rules, a process may take the descriptors of
+    /// any process of the same user.
+    NoYama,
+    /// 0: classic rules, as without Yama.
+    Classic,
+    /// 1: only descendants, or processes that allowed it with `PR_SET_PTRACER`, unless the caller
+    /// has `CAP_SYS_PTRACE`.
+    Restricted,
+    /// 2: only with `CAP_SYS_PTRACE`.
+    AdminOnly,
+    /// 3: never, until reboot.
+    NoAttach,
+    /// A value this crate does not know, or a file that could not be read.
+    Other(i64),
+}
+
+/// Reads the ptrace rule that decides whether `pidfd_getfd` can take a peer's descriptors.
+///
+/// `pidfd_getfd` is an optional fast path for passing VMM file descriptors; passing them over a
+/// Unix socket (`SCM_RIGHTS`) works whatever this says.
+pub fn ptrace_scope() -> PtraceScope {
+    match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => PtraceScope::NoYama,
+        Err(_) => PtraceScope::Other(-1),
+        Ok(t) => match t.trim().parse::<i64>() {
+            Ok(0) => PtraceScope::Classic,
+            Ok(1) => PtraceScope::Restricted,
+            Ok(2) => PtraceScope::AdminOnly,
+            Ok(3) => PtraceScope::NoAttach,
+            Ok(v) => PtraceScope::Other(v),
+            Err(_) => PtraceScope::Other(-1),
+        },
+    }
+}
+
+/// Size and free space of the file system holding POSIX shared memory (`statvfs` of `/dev/shm`),
+/// in bytes: `(total, available to this user)`.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `statvfs` fails (e.g. no `/dev/shm` in a minimal container).
+pub fn shm_space() -> Result<(u64, u64)> {
+    let st = rustix::fs::statvfs(crate::shm::SHM_DIR)
+        .map_err(|e| crate::error::OsError::new("statvfs", crate::shm::SHM_DIR, e))?;
+    Ok((
+        st.f_blocks.saturating_mul(st.f_frsize),
+        st.f_bavail.saturating_mul(st.f_frsize),
+    ))
 }
 
 fn is_mig(name: &str) -> bool {
@@ -204,6 +262,7 @@ mod tests {
             posix_fd_handles: true,
             fabric_handles: true,
             memory_pools: true,
+            mempool_handle_types: crate::driver::MEMPOOL_HANDLE_POSIX_FD,
             unified_addressing: true,
             mps_enabled: false,
             total_memory: 1 << 30,
@@ -241,6 +300,16 @@ mod tests {
         if !is_wsl() {
             assert!(legacy_ipc_verdict("NVIDIA H200", &caps()).is_ok());
         }
+    }
+
+    #[test]
+    fn host_checks_read_dev_shm_and_the_ptrace_rule() {
+        let (total, free) = shm_space().unwrap();
+        assert!(total > 0 && free <= total);
+        let scope = ptrace_scope();
+        let present = std::path::Path::new("/proc/sys/kernel/yama/ptrace_scope").exists();
+        assert_eq!(scope == PtraceScope::NoYama, !present, "{scope:?}");
+        assert!(!matches!(scope, PtraceScope::Other(_)), "{scope:?}");
     }
 
     #[test]

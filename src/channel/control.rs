@@ -975,6 +975,70 @@ impl Control {
             tracing::warn!("unlinking {}: {e}", self.seg.name());
         }
     }
+
+    // ---------------------------------------------------------------- inspection (loads only)
+
+    /// The mapped segment (name, size, inode), for inspection tools.
+    pub(crate) fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
+    /// Buffer `i` as it is now, read with loads only (see `channel::inspect`).
+    pub(crate) fn inspect_buffer(&self, i: usize) -> super::inspect::BufferSnapshot {
+        let b = self.buffer(i);
+        // Acquire: pairs with the Release store of seq in `publish`, as in `try_take`.
+        let seq = b.seq.load(Ordering::Acquire);
+        let (mem, _) = self.buffer_tokens(i);
+        super::inspect::BufferSnapshot {
+            index: i,
+            state: match seq {
+                0 => super::inspect::BufferState::Empty,
+                WRITING => super::inspect::BufferState::Writing,
+                s => super::inspect::BufferState::Frame(s),
+            },
+            // Relaxed: diagnostic copies; nothing is read through them.
+            hold_mask: b.hold_mask.load(Ordering::Relaxed),
+            used_mask: b.used_mask.load(Ordering::Relaxed),
+            meta_len: b.meta_len.load(Ordering::Relaxed).min(META_BYTES as u32),
+            memory: crate::token::Token::from_bytes(&mem).ok(),
+        }
+    }
+
+    /// Consumer slot `c` as it is now, `None` when free, read with loads only.
+    pub(crate) fn inspect_consumer(&self, c: usize) -> Option<super::inspect::ConsumerSnapshot> {
+        let s = self.consumer(c);
+        // Acquire: pairs with the Release store of ACTIVE in `attach`: the fields below are whole.
+        let state = s.state.load(Ordering::Acquire);
+        if state == FREE {
+            return None;
+        }
+        // Relaxed: diagnostic copies of a slot that may change at any time.
+        let identity = ProcessIdentity {
+            pid: s.pid.load(Ordering::Relaxed),
+            start_time: s.start_time.load(Ordering::Relaxed),
+            boot_id: boot_bytes([
+                s.boot_id[0].load(Ordering::Relaxed),
+                s.boot_id[1].load(Ordering::Relaxed),
+            ]),
+        };
+        Some(super::inspect::ConsumerSnapshot {
+            index: c,
+            attached: state == ACTIVE,
+            delivery: if s.policy.load(Ordering::Relaxed) == 1 {
+                Delivery::LatestOnly
+            } else {
+                Delivery::EveryFrame
+            },
+            generation: s.generation.load(Ordering::Relaxed),
+            liveness: identity.liveness(),
+            identity,
+            cursor: s.cursor.load(Ordering::Relaxed),
+            received: s.received.load(Ordering::Relaxed),
+            dropped: s.dropped.load(Ordering::Relaxed),
+            holds: Vec::new(),
+            lag: 0,
+        })
+    }
 }
 
 /// Whether some buffer other than `i` could take the write (free and consumed).

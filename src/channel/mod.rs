@@ -19,6 +19,7 @@
 //! 20 ms; [`Producer::close`] waits (bounded) for outstanding holds and reports the ones it forced.
 
 mod control;
+pub mod inspect;
 
 pub use control::{
     ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, WaitStrategy,

@@ -80,6 +80,10 @@ pub struct DeviceCapabilities {
     pub fabric_handles: bool,
     /// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` (stream-ordered allocator).
     pub memory_pools: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES`: the `CUmemAllocationHandleType` bits a
+    /// memory pool can export (see the `MEMPOOL_HANDLE_*` constants); 0 when none, or when the
+    /// driver does not know the attribute.
+    pub mempool_handle_types: u32,
     /// `CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING`.
     pub unified_addressing: bool,
     /// `CU_DEVICE_ATTRIBUTE_MPS_ENABLED`: an MPS server serves this device.
@@ -89,6 +93,17 @@ pub struct DeviceCapabilities {
     /// PCI bus id, e.g. `0000:18:00.0` (`cuDeviceGetPCIBusId`).
     pub pci_bus_id: String,
 }
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a bit of
+/// [`DeviceCapabilities::mempool_handle_types`] (pools can export file descriptors).
+pub const MEMPOOL_HANDLE_POSIX_FD: u32 = 0x1;
+/// `CU_MEM_HANDLE_TYPE_WIN32`: a bit of [`DeviceCapabilities::mempool_handle_types`].
+pub const MEMPOOL_HANDLE_WIN32: u32 = 0x2;
+/// `CU_MEM_HANDLE_TYPE_WIN32_KMT`: a bit of [`DeviceCapabilities::mempool_handle_types`].
+pub const MEMPOOL_HANDLE_WIN32_KMT: u32 = 0x4;
+/// `CU_MEM_HANDLE_TYPE_FABRIC`: a bit of [`DeviceCapabilities::mempool_handle_types`] (pools can
+/// export fabric handles, across nodes with IMEX).
+pub const MEMPOOL_HANDLE_FABRIC: u32 = 0x8;
 
 /// A CUDA device visible to this process (`CUdevice`): its ordinal here and its UUID everywhere.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -266,6 +281,10 @@ impl Device {
             fabric_handles: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)
                 .unwrap_or(false),
             memory_pools: flag(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?,
+            mempool_handle_types: self
+                .attribute(A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)
+                .map(|v| v as u32)
+                .unwrap_or(0),
             unified_addressing: flag(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)?,
             mps_enabled: flag(A::CU_DEVICE_ATTRIBUTE_MPS_ENABLED).unwrap_or(false),
             // SAFETY: written on success.

@@ -17,7 +17,10 @@ mod module;
 mod stream;
 
 pub use context::Context;
-pub use device::{ComputeMode, Device, DeviceCapabilities, Uuid, driver_version};
+pub use device::{
+    ComputeMode, Device, DeviceCapabilities, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD,
+    MEMPOOL_HANDLE_WIN32, MEMPOOL_HANDLE_WIN32_KMT, Uuid, driver_version,
+};
 pub use event::Event;
 pub(crate) use memory::Allocation;
 pub(crate) use memory::check_range as memory_check_range;

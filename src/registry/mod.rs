@@ -17,6 +17,7 @@
 //! - waiters sleep on one shared futex word that every change bumps, always with a timeout.
 
 mod error;
+pub mod inspect;
 pub mod layout;
 mod slot;
 

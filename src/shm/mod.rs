@@ -14,5 +14,7 @@ mod segment;
 pub mod seqlock;
 
 pub use futex::WaitResult;
-pub use segment::{MAX_SEGMENT_NAME, Segment, SegmentOptions, validate_name};
+pub use segment::{
+    MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentOptions, list_segments, validate_name,
+};
 pub use seqlock::{SeqLock, SeqWriter};

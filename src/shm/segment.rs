@@ -395,3 +395,32 @@ pub fn validate_name(name: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// The folder where Linux (glibc and musl) keeps POSIX shared-memory objects: `shm_open("/NAME")`
+/// makes the file `/dev/shm/NAME`.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// Names of the shared-memory objects in [`SHM_DIR`] that could be segments of this crate: regular
+/// files whose names pass [`validate_name`], sorted. Whose they are and what they hold is not
+/// checked here.
+///
+/// # Errors
+/// [`crate::Error::Os`] when the folder cannot be read.
+pub fn list_segments() -> Result<Vec<String>> {
+    let dir = std::fs::read_dir(SHM_DIR).map_err(|e| OsError::io("read_dir", SHM_DIR, e))?;
+    let mut out = Vec::new();
+    for entry in dir {
+        let entry = entry.map_err(|e| OsError::io("read_dir", SHM_DIR, e))?;
+        // The entry's own type (no symlink is followed): only plain files are segments.
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        if let Some(name) = entry.file_name().to_str()
+            && validate_name(name).is_ok()
+        {
+            out.push(name.to_string());
+        }
+    }
+    out.sort();
+    Ok(out)
+}

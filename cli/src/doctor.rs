@@ -1,0 +1,341 @@
+//! `doctor`: can this machine share CUDA memory and events between processes? One line per check,
+//! with the fix where something is missing.
+
+use crate::Outcome;
+use crate::ls::bytes;
+use cuda_ipc::Error;
+use cuda_ipc::driver::{ComputeMode, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD};
+use cuda_ipc::probe::{self, PtraceScope};
+use std::error::Error as StdError;
+
+/// How a check came out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    /// Works.
+    Ok,
+    /// Not needed for the main path, or a slower path is used instead.
+    Warn,
+    /// Facts without a verdict.
+    Info,
+    /// Sharing cannot work until this is fixed (exit status 1).
+    Fail,
+}
+
+struct Report {
+    failed: bool,
+}
+
+impl Report {
+    fn line(&mut self, status: Status, what: &str, detail: impl AsRef<str>) {
+        let tag = match status {
+            Status::Ok => "ok",
+            Status::Warn => "warn",
+            Status::Info => "info",
+            Status::Fail => "FAIL",
+        };
+        if status == Status::Fail {
+            self.failed = true;
+        }
+        println!("{tag:<5} {what:<20} {}", detail.as_ref());
+    }
+}
+
+/// The kernel module's version (`/proc/driver/nvidia/version`: `NVRM version: ... Kernel Module
+/// 580.159.04 ...`).
+fn kernel_module_version() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = text.lines().next()?;
+    let after = line.split("Kernel Module").nth(1)?;
+    after.split_whitespace().next().map(str::to_string)
+}
+
+/// A field of `/proc/self/status` (`Uid:`, `CapEff:`).
+fn status_field(key: &str) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .map(|v| v.trim().to_string())
+}
+
+/// Whether this process has `CAP_SYS_PTRACE` (bit 19 of the effective capability set).
+fn has_cap_sys_ptrace() -> bool {
+    status_field("CapEff:")
+        .and_then(|v| u64::from_str_radix(&v, 16).ok())
+        .is_some_and(|caps| caps & (1 << 19) != 0)
+}
+
+/// The running kernel's (major, minor) version from `/proc/sys/kernel/osrelease`.
+fn kernel_version() -> Option<(u32, u32)> {
+    let text = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    let mut it = text.trim().split(['.', '-']);
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+fn yes(b: bool) -> Status {
+    if b { Status::Ok } else { Status::Warn }
+}
+
+fn devices(r: &mut Report) {
+    let rep = match probe::report() {
+        Ok(rep) => rep,
+        Err(e @ Error::DriverNotFound { .. }) => {
+            r.line(Status::Fail, "driver", e.to_string());
+            return;
+        }
+        Err(Error::Cuda(e)) if e.code == 100 => {
+            r.line(
+                Status::Fail,
+                "devices",
+                format!("the driver sees no GPU ({e}); fix: check `nvidia-smi`, and that CUDA_VISIBLE_DEVICES does not hide every device"),
+            );
+            return;
+        }
+        Err(e) => {
+            r.line(
+                Status::Fail,
+                "driver",
+                format!("cannot query the driver: {e}"),
+            );
+            return;
+        }
+    };
+    let v = rep.driver_version;
+    r.line(
+        Status::Ok,
+        "driver",
+        format!(
+            "CUDA {}.{} (cuDriverGetVersion {v}){}",
+            v / 1000,
+            (v % 1000) / 10,
+            kernel_module_version()
+                .map(|k| format!(", kernel module {k}"))
+                .unwrap_or_default()
+        ),
+    );
+    if let Some(vis) = &rep.visible_devices {
+        r.line(Status::Info, "CUDA_VISIBLE_DEVICES", vis);
+    }
+    if rep.devices.is_empty() {
+        r.line(
+            Status::Fail,
+            "devices",
+            "no GPU is visible; fix: check `nvidia-smi` and CUDA_VISIBLE_DEVICES",
+        );
+    }
+    for d in &rep.devices {
+        let c = &d.capabilities;
+        let gpu = format!("GPU {}", d.device.ordinal());
+        r.line(
+            Status::Ok,
+            &gpu,
+            format!(
+                "{}, {}, compute {}.{}, {}, PCI {}",
+                d.name,
+                d.device.uuid(),
+                c.compute_capability.0,
+                c.compute_capability.1,
+                bytes(c.total_memory as u64),
+                c.pci_bus_id
+            ),
+        );
+        let sub = |s: &str| format!("  {s}");
+        match &d.legacy_ipc {
+            Ok(()) => r.line(
+                Status::Ok,
+                &sub("IPC memory"),
+                "cuIpcGetMemHandle works here",
+            ),
+            Err(why) => r.line(Status::Fail, &sub("IPC memory"), why),
+        }
+        match &d.ipc_events {
+            Ok(()) => r.line(Status::Ok, &sub("IPC events"), "supported"),
+            Err(why) => r.line(Status::Fail, &sub("IPC events"), why),
+        }
+        r.line(
+            yes(c.vmm),
+            &sub("VMM"),
+            if c.vmm {
+                "supported (cuMemCreate / cuMemMap)"
+            } else {
+                "not supported; legacy IPC handles are used instead"
+            },
+        );
+        r.line(
+            yes(c.posix_fd_handles),
+            &sub("POSIX-fd handles"),
+            if c.posix_fd_handles {
+                "supported (VMM memory can be exported as a file descriptor)"
+            } else {
+                "not supported; fix: a driver of CUDA 10.2 or newer on Linux"
+            },
+        );
+        r.line(
+            if c.fabric_handles {
+                Status::Ok
+            } else {
+                Status::Info
+            },
+            &sub("fabric handles"),
+            if c.fabric_handles {
+                "supported (exporting also needs the IMEX daemon; only used across nodes)"
+            } else {
+                "not supported (only needed to share across nodes over NVLink)"
+            },
+        );
+        let mut kinds = Vec::new();
+        if c.mempool_handle_types & MEMPOOL_HANDLE_POSIX_FD != 0 {
+            kinds.push("POSIX fd");
+        }
+        if c.mempool_handle_types & MEMPOOL_HANDLE_FABRIC != 0 {
+            kinds.push("fabric");
+        }
+        r.line(
+            yes(c.memory_pools),
+            &sub("memory pools"),
+            match (c.memory_pools, kinds.is_empty()) {
+                (true, false) => format!("supported; pools export {}", kinds.join(", ")),
+                (true, true) => "supported; pools cannot be exported".to_string(),
+                (false, _) => "not supported (stream-ordered allocation cannot be shared)".into(),
+            },
+        );
+        let (st, mode) = match c.compute_mode {
+            ComputeMode::Default => (Status::Ok, "DEFAULT".to_string()),
+            ComputeMode::ExclusiveProcess => (
+                Status::Fail,
+                "EXCLUSIVE_PROCESS: one process at a time; fix: `nvidia-smi -c DEFAULT` (root)"
+                    .to_string(),
+            ),
+            ComputeMode::Prohibited => (
+                Status::Fail,
+                "PROHIBITED; fix: `nvidia-smi -c DEFAULT` (root)".to_string(),
+            ),
+            other => (Status::Warn, format!("{other:?}")),
+        };
+        r.line(st, &sub("compute mode"), mode);
+        if d.mig {
+            r.line(
+                Status::Fail,
+                &sub("MIG"),
+                "a MIG instance: no CUDA IPC; fix: use a full GPU (MIG disabled) for the processes that share memory",
+            );
+        } else {
+            r.line(Status::Ok, &sub("MIG"), "not a MIG instance");
+        }
+        if c.mps_enabled {
+            r.line(
+                Status::Info,
+                &sub("MPS"),
+                "an MPS server serves this device (each client still has its own address space)",
+            );
+        }
+    }
+}
+
+fn host(r: &mut Report) {
+    if probe::is_wsl() {
+        r.line(
+            Status::Fail,
+            "WSL",
+            "running under WSL2, whose CUDA driver has no IPC; fix: run on native Linux",
+        );
+    } else {
+        r.line(Status::Ok, "WSL", "native Linux");
+    }
+    match probe::shm_space() {
+        Ok((total, free)) => {
+            let detail = format!("{} total, {} free", bytes(total), bytes(free));
+            if free < 16 << 20 {
+                r.line(
+                    Status::Warn,
+                    "/dev/shm",
+                    format!("{detail}; registries and channels need a little room; fix: `mount -o remount,size=1G /dev/shm`, or `--shm-size=1g` for a container"),
+                );
+            } else {
+                r.line(Status::Ok, "/dev/shm", detail);
+            }
+        }
+        Err(e) => r.line(
+            Status::Fail,
+            "/dev/shm",
+            format!("{e}; fix: mount a tmpfs on /dev/shm (POSIX shared memory lives there)"),
+        ),
+    }
+    let root = status_field("Uid:")
+        .and_then(|v| v.split_whitespace().nth(1).map(|e| e == "0"))
+        .unwrap_or(false);
+    let privileged = root || has_cap_sys_ptrace();
+    let fd_passing = "file descriptors still pass over Unix sockets (SCM_RIGHTS)";
+    let (st, detail) = match probe::ptrace_scope() {
+        PtraceScope::NoYama => (
+            Status::Ok,
+            "no Yama: pidfd_getfd works between processes of one user".to_string(),
+        ),
+        PtraceScope::Classic => (
+            Status::Ok,
+            "ptrace_scope 0: pidfd_getfd works between processes of one user".to_string(),
+        ),
+        PtraceScope::Restricted if privileged => (
+            Status::Ok,
+            "ptrace_scope 1, and this process has CAP_SYS_PTRACE: pidfd_getfd works".to_string(),
+        ),
+        PtraceScope::Restricted => (
+            Status::Warn,
+            format!(
+                "ptrace_scope 1: pidfd_getfd only on descendants; {fd_passing}; fix: `sysctl kernel.yama.ptrace_scope=0` or give the processes CAP_SYS_PTRACE"
+            ),
+        ),
+        PtraceScope::AdminOnly if privileged => (
+            Status::Ok,
+            "ptrace_scope 2, and this process has CAP_SYS_PTRACE: pidfd_getfd works".to_string(),
+        ),
+        PtraceScope::AdminOnly => (
+            Status::Warn,
+            format!(
+                "ptrace_scope 2: pidfd_getfd needs CAP_SYS_PTRACE; {fd_passing}; fix: give the processes CAP_SYS_PTRACE"
+            ),
+        ),
+        PtraceScope::NoAttach => (
+            Status::Warn,
+            format!("ptrace_scope 3: pidfd_getfd never works (until reboot); {fd_passing}"),
+        ),
+        other => (
+            Status::Warn,
+            format!("cannot read /proc/sys/kernel/yama/ptrace_scope ({other:?}); {fd_passing}"),
+        ),
+    };
+    r.line(st, "ptrace", detail);
+    match kernel_version() {
+        Some(v) if v < (5, 6) => r.line(
+            Status::Warn,
+            "kernel",
+            format!(
+                "Linux {}.{}: no pidfd_getfd before 5.6; {fd_passing}",
+                v.0, v.1
+            ),
+        ),
+        Some(v) => r.line(
+            Status::Ok,
+            "kernel",
+            format!("Linux {}.{} (pidfd_getfd since 5.6)", v.0, v.1),
+        ),
+        None => r.line(
+            Status::Warn,
+            "kernel",
+            "cannot read /proc/sys/kernel/osrelease",
+        ),
+    }
+}
+
+/// `cuda-ipc doctor`.
+pub fn run() -> Result<Outcome, Box<dyn StdError>> {
+    let mut r = Report { failed: false };
+    devices(&mut r);
+    host(&mut r);
+    if r.failed {
+        println!("problems found: CUDA IPC cannot work here until the FAIL lines are fixed");
+        Ok(Outcome::Problems)
+    } else {
+        println!("no problems found");
+        Ok(Outcome::Ok)
+    }
+}

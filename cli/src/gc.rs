@@ -1,0 +1,203 @@
+//! `gc`: remove what dead processes left, never what a live one holds.
+//!
+//! Registries: records and participant entries of dead processes, locks of dead writers and corrupt
+//! slots, freed by [`Registry::reclaim_dead`] (the registry's own recovery). Channels: the control
+//! segment of a channel whose producer died ([`channel_inspect::remove_stale`]), and on a live
+//! producer's channel the slots and holds of dead consumers
+//! ([`channel_inspect::release_dead_consumers`], what the producer itself does when it next needs a
+//! buffer). A registry segment itself is never removed: a live process may open it at any moment.
+
+use crate::Outcome;
+use crate::ls::{liveness, targets};
+use cuda_ipc::channel::inspect::{self as channel_inspect, ConsumerSnapshot};
+use cuda_ipc::identity::Liveness;
+use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
+use cuda_ipc::registry::{Registry, RegistryOptions};
+use std::error::Error;
+
+/// What dead processes left in a registry, one line each.
+fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
+    let mut out = Vec::new();
+    for r in &s.records {
+        if r.owner_liveness == Liveness::Dead {
+            out.push(format!(
+                "record {:?} (seq {}, slot {}) of dead pid {}",
+                r.record.name, r.record.seq, r.record.slot, r.record.owner.pid
+            ));
+        }
+    }
+    for l in &s.locked_slots {
+        if l.writer_dead {
+            out.push(format!(
+                "slot {} lock of dead pid {}{}",
+                l.slot,
+                l.writer_pid,
+                if l.writing {
+                    " and its half-written record"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    for (slot, why) in &s.corrupt_slots {
+        out.push(format!("corrupt slot {slot} ({why})"));
+    }
+    for p in &s.participants {
+        if p.dead {
+            out.push(format!(
+                "participant entry {} of dead pid {}",
+                p.index, p.identity.pid
+            ));
+        }
+    }
+    out
+}
+
+/// `cuda-ipc gc [NAME] [--dry-run]`.
+pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>> {
+    let t = targets(name)?;
+    let verb = if dry_run { "would remove" } else { "removed" };
+    let mut removed = 0usize;
+    let mut failed = false;
+    let mut fail = |what: String| {
+        eprintln!("cuda-ipc: {what}");
+        failed = true;
+    };
+    for r in &t.registries {
+        let before = match registry_inspect::inspect(r) {
+            Ok(s) => s,
+            Err(e) => {
+                fail(format!("registry {r}: cannot read: {e}"));
+                continue;
+            }
+        };
+        let lines = registry_leftovers(&before);
+        if lines.is_empty() {
+            continue;
+        }
+        if dry_run {
+            for l in &lines {
+                println!("{verb} registry {r}: {l}");
+            }
+            removed += lines.len();
+            continue;
+        }
+        // Joining the registry (one participant entry, freed again on drop) to run its own
+        // recovery: it frees only what dead processes hold.
+        let rep =
+            match Registry::open(r, &RegistryOptions::new()).and_then(|reg| reg.reclaim_dead()) {
+                Ok(rep) => rep,
+                Err(e) => {
+                    fail(format!("registry {r}: cannot reclaim: {e}"));
+                    continue;
+                }
+            };
+        let after = registry_inspect::inspect(r).ok();
+        // Report each leftover that is gone now (the same record, slot or entry may have been
+        // reused by a live process meanwhile: compare the whole identity).
+        let gone_lines = match &after {
+            Some(a) => registry_leftovers(&before)
+                .into_iter()
+                .filter(|l| !registry_leftovers(a).contains(l))
+                .collect::<Vec<_>>(),
+            None => lines,
+        };
+        for l in &gone_lines {
+            println!("{verb} registry {r}: {l}");
+        }
+        removed += gone_lines.len();
+        tracing::info!(
+            registry = %r,
+            records = rep.records,
+            half_written = rep.half_written,
+            participants = rep.participants,
+            "reclaimed"
+        );
+    }
+    for c in &t.channels {
+        let snap = match channel_inspect::inspect(c) {
+            Ok(s) => s,
+            Err(e) => {
+                fail(format!("channel {c}: cannot read: {e}"));
+                continue;
+            }
+        };
+        if snap.producer_liveness != Liveness::Dead {
+            // A live producer: only the slots (and holds) of dead consumers go.
+            let dead = |x: &ConsumerSnapshot| {
+                format!(
+                    "channel {c}: consumer slot {} of dead pid {}{}",
+                    x.index,
+                    x.identity.pid,
+                    if x.holds.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" and its holds on buffers {:?}", x.holds)
+                    }
+                )
+            };
+            if dry_run {
+                for x in snap
+                    .consumers
+                    .iter()
+                    .filter(|x| x.liveness == Liveness::Dead)
+                {
+                    println!("{verb} {}", dead(x));
+                    removed += 1;
+                }
+                continue;
+            }
+            match channel_inspect::release_dead_consumers(c) {
+                Ok(freed) => {
+                    for x in &freed {
+                        println!("{verb} {}", dead(x));
+                    }
+                    removed += freed.len();
+                }
+                Err(e) => fail(format!("channel {c}: cannot release dead consumers: {e}")),
+            }
+            continue;
+        }
+        let what = format!(
+            "channel {c}: segment /dev/shm/{} ({} bytes) of dead producer pid {}, {} consumers {}",
+            snap.segment,
+            snap.segment_bytes,
+            snap.producer.pid,
+            snap.consumers.len(),
+            if snap.consumers.is_empty() {
+                "attached".to_string()
+            } else {
+                format!(
+                    "attached ({})",
+                    snap.consumers
+                        .iter()
+                        .map(|x| format!("pid {} {}", x.identity.pid, liveness(x.liveness)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        );
+        if dry_run {
+            println!("{verb} {what}");
+            removed += 1;
+            continue;
+        }
+        match channel_inspect::remove_stale(c) {
+            Ok(Some(_)) => {
+                println!("{verb} {what}");
+                removed += 1;
+            }
+            Ok(None) => println!("kept channel {c}: a new producer took it over meanwhile"),
+            Err(e) => fail(format!("channel {c}: cannot remove: {e}")),
+        }
+    }
+    if removed == 0 {
+        println!("nothing to remove");
+    }
+    Ok(if failed {
+        Outcome::Problems
+    } else {
+        Outcome::Ok
+    })
+}

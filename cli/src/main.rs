@@ -1,0 +1,134 @@
+//! `cuda-ipc`: see whether this machine can share CUDA memory between processes, what registries
+//! and channels exist in `/dev/shm`, and clean up what dead processes left.
+//!
+//! Everything here goes through the `cuda-ipc` library: the probe (`doctor`), the read-only
+//! inspection of registries and channels (`ls`, `watch`), and the registry's reclaim and the
+//! channel's stale-segment removal (`gc`).
+
+mod doctor;
+mod gc;
+mod ls;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  ok
+  1  problems found (doctor: something sharing needs is missing; ls, watch: leftovers of dead
+     processes, a segment that cannot be read, or NAME not found; gc: something could not be read
+     or removed), or an error
+  2  usage error";
+
+/// Tools for cuda-ipc: check the machine, list and watch registries and channels, clean up.
+#[derive(Parser, Debug)]
+#[command(name = "cuda-ipc", version, after_help = EXIT_STATUS)]
+struct Cli {
+    /// More log output on stderr (-v: info, -vv: debug, -vvv: trace).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Check the driver, each GPU, WSL, /dev/shm and the ptrace rules, with the fix for what is
+    /// missing.
+    #[command(after_help = EXIT_STATUS)]
+    Doctor,
+    /// List registries and channels in /dev/shm: records, sequence numbers, owners and whether
+    /// they are alive, sizes, consumers with their holds and cursors.
+    #[command(after_help = EXIT_STATUS)]
+    Ls {
+        /// Only this registry (segment name) or channel (channel name, or `cuda-ipc.ch.NAME`).
+        name: Option<String>,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Like `ls`, refreshed every interval, with rates (publishes/s, frames/s, received/s).
+    #[command(after_help = EXIT_STATUS)]
+    Watch {
+        /// Only this registry or channel.
+        name: Option<String>,
+        /// Time between refreshes, in milliseconds.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
+        interval: u64,
+        /// Stop after this many refreshes (default: until interrupted).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Print one JSON object per refresh (one per line) instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove what dead processes left: registry records and participant entries of dead
+    /// processes, segments of channels whose producer died, and consumer slots and holds of dead
+    /// consumers. Never touches what a live process holds.
+    #[command(after_help = EXIT_STATUS)]
+    Gc {
+        /// Only this registry or channel.
+        name: Option<String>,
+        /// Only say what would be removed.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+fn init_logging(verbose: u8) {
+    let level = match verbose {
+        0 => tracing_subscriber::filter::LevelFilter::WARN,
+        1 => tracing_subscriber::filter::LevelFilter::INFO,
+        2 => tracing_subscriber::filter::LevelFilter::DEBUG,
+        _ => tracing_subscriber::filter::LevelFilter::TRACE,
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+/// What a subcommand found: `Ok` with no problems, `Problems` when it ran but found some.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Nothing wrong.
+    Ok,
+    /// It ran and found problems (exit status 1).
+    Problems,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let r = match cli.command {
+        Command::Doctor => doctor::run(),
+        Command::Ls { name, json } => ls::run_ls(name.as_deref(), json),
+        Command::Watch {
+            name,
+            interval,
+            count,
+            json,
+        } => ls::run_watch(name.as_deref(), interval, count, json),
+        Command::Gc { name, dry_run } => gc::run(name.as_deref(), dry_run),
+    };
+    match r {
+        Ok(Outcome::Ok) => ExitCode::SUCCESS,
+        Ok(Outcome::Problems) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("cuda-ipc: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

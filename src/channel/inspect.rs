@@ -1,0 +1,403 @@
+//! Read-only inspection of channel control segments, for tools (`cuda-ipc ls`, `watch`, `gc`).
+//!
+//! Owns: finding channels in `/dev/shm` ([`list_channels`]), copying out the state of one
+//! ([`inspect`]), and, for `gc`, removing the segment of a channel whose producer died
+//! ([`remove_stale`]) and freeing the slots of dead consumers ([`release_dead_consumers`]).
+//! Inspecting opens and validates the segment like a consumer does (magic, layout version, sizes,
+//! owner) but never attaches, holds, releases or wakes: it only loads, so it cannot disturb the
+//! protocol. The two `gc` functions change only what dead processes left. Never calls CUDA.
+
+use super::Delivery;
+use super::control::{self, Control};
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::registry::RegistryError;
+use crate::shm::Segment;
+use crate::token::Token;
+
+/// The prefix of every channel's segment name: channel `NAME` lives in `/dev/shm/cuda-ipc.ch.NAME`.
+pub const SEGMENT_PREFIX: &str = "cuda-ipc.ch.";
+
+/// The segment name of channel `channel` (`cuda-ipc.ch.` followed by the channel name).
+pub fn segment_name(channel: &str) -> String {
+    control::segment_name(channel)
+}
+
+/// What a buffer of the pool holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BufferState {
+    /// Nothing published in it yet (or its frame was given up unpublished).
+    Empty,
+    /// The producer is writing it (or withdrew it at close).
+    Writing,
+    /// The frame with this sequence number.
+    Frame(u64),
+}
+
+/// One buffer of the pool, as it was when copied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BufferSnapshot {
+    /// The buffer index in the pool.
+    pub index: usize,
+    /// What it holds.
+    pub state: BufferState,
+    /// Consumers (bit = consumer slot index) holding its frame now.
+    pub hold_mask: u64,
+    /// Consumers that read it since the producer last wrote it (the next write waits on their
+    /// release events).
+    pub used_mask: u64,
+    /// Bytes of user metadata stored with its frame (at most [`super::META_BYTES`]).
+    pub meta_len: u32,
+    /// Its memory token, decoded (device UUID, range, exporter); `None` when the bytes do not
+    /// decode.
+    pub memory: Option<Token>,
+}
+
+/// One consumer slot in use, as it was when copied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerSnapshot {
+    /// The consumer slot index (its bit in the hold masks).
+    pub index: usize,
+    /// `true` once attached; `false` while a consumer is still claiming the slot (its fields may be
+    /// incomplete).
+    pub attached: bool,
+    /// Its delivery policy.
+    pub delivery: Delivery,
+    /// How many times the slot was claimed.
+    pub generation: u64,
+    /// Its process.
+    pub identity: ProcessIdentity,
+    /// Whether its process still runs; a dead consumer's holds are released by the producer.
+    pub liveness: Liveness,
+    /// The last sequence number it received or skipped.
+    pub cursor: u64,
+    /// Frames received.
+    pub received: u64,
+    /// Frames skipped.
+    pub dropped: u64,
+    /// Buffers (pool indices) whose frames it holds now.
+    pub holds: Vec<usize>,
+    /// Frames published that it has not received or skipped yet: `head - cursor`.
+    pub lag: u64,
+}
+
+/// The state of a channel, copied from its control segment.
+///
+/// Fields are read one by one with atomic loads: on a busy channel they may belong to slightly
+/// different moments (a frame counted as published may not show as held yet).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChannelSnapshot {
+    /// The channel name.
+    pub name: String,
+    /// The segment name (`cuda-ipc.ch.NAME`, in `/dev/shm`).
+    pub segment: String,
+    /// The segment's size in bytes.
+    pub segment_bytes: u64,
+    /// Bytes per buffer of the pool.
+    pub buffer_bytes: u64,
+    /// The most consumers that can attach at once.
+    pub consumer_capacity: usize,
+    /// The producer process.
+    pub producer: ProcessIdentity,
+    /// Whether the producer still runs.
+    pub producer_liveness: Liveness,
+    /// Whether the producer closed the channel.
+    pub closed: bool,
+    /// Sequence number of the latest frame (0: none yet).
+    pub head: u64,
+    /// Frames published.
+    pub published: u64,
+    /// Holds the producer released on behalf of dead consumers or at shutdown.
+    pub forced_releases: u64,
+    /// The pool, in index order.
+    pub buffers: Vec<BufferSnapshot>,
+    /// Consumer slots in use, in index order.
+    pub consumers: Vec<ConsumerSnapshot>,
+}
+
+impl ChannelSnapshot {
+    /// Whether dead processes left something here: a dead producer (the segment is garbage, see
+    /// [`remove_stale`]) or dead consumers (the producer releases their holds when it next needs a
+    /// buffer).
+    pub fn has_leftovers(&self) -> bool {
+        self.producer_liveness == Liveness::Dead
+            || self.consumers.iter().any(|c| c.liveness == Liveness::Dead)
+    }
+}
+
+/// Names of the channels whose control segments are in `/dev/shm` (files `cuda-ipc.ch.NAME`) and
+/// belong to this process's effective user (only those can be opened: see [`inspect`]), sorted.
+/// Whether each is valid is for [`inspect`] to say.
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
+pub fn list_channels() -> Result<Vec<String>> {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
+    Ok(crate::shm::list_segments()?
+        .into_iter()
+        .filter(|s| {
+            // A segment that vanished meanwhile, or another user's, is left out.
+            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
+                .is_ok_and(|m| m.uid() == me)
+        })
+        .filter_map(|s| s.strip_prefix(SEGMENT_PREFIX).map(str::to_string))
+        .filter(|n| !n.is_empty())
+        .collect())
+}
+
+/// Copies the state of channel `channel` from its control segment, without attaching.
+///
+/// Validates the segment as a consumer does: waits up to 2 s for a creator that is still writing
+/// it, then checks owner, magic, layout version and sizes.
+///
+/// # Errors
+/// - [`super::ChannelError::NotFound`] when there is no such segment;
+/// - [`super::ChannelError::BadSegment`] for a foreign, other-version, truncated or corrupted
+///   segment, or one its creator never finished;
+/// - [`RegistryError::WrongOwner`] for another user's segment, [`RegistryError::InvalidName`] for
+///   a name that cannot be a segment name, [`RegistryError::TooSmall`] for one shorter than a
+///   header;
+/// - [`Error::Os`] when a call fails.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::channel::inspect;
+/// use cuda_ipc::channel::testing::ControlProducer;
+/// let name = format!("doc-inspect-{}", std::process::id());
+/// let tokens = [([0u8; cuda_ipc::token::TOKEN_LEN], [0u8; cuda_ipc::token::TOKEN_LEN])];
+/// let tx = ControlProducer::create(&name, 4096, 2, &tokens)?;
+/// let (i, _) = tx.try_acquire().unwrap();
+/// tx.publish(i, b"frame 1")?;
+/// let snap = inspect::inspect(&name)?;
+/// assert_eq!((snap.head, snap.buffers[0].state), (1, inspect::BufferState::Frame(1)));
+/// tx.unlink();
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
+    let c = Control::open(channel)?;
+    Ok(snapshot(channel, &c))
+}
+
+fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
+    let stats = c.stats();
+    let producer = c.producer();
+    let head = c.head();
+    let buffers: Vec<BufferSnapshot> = (0..c.buffers()).map(|i| c.inspect_buffer(i)).collect();
+    let consumers = (0..c.consumer_capacity())
+        .filter_map(|k| c.inspect_consumer(k))
+        .map(|mut s| {
+            let bit = 1u64 << s.index;
+            s.holds = buffers
+                .iter()
+                .filter(|b| b.hold_mask & bit != 0)
+                .map(|b| b.index)
+                .collect();
+            s.lag = head.saturating_sub(s.cursor);
+            s
+        })
+        .collect();
+    ChannelSnapshot {
+        name: channel.to_string(),
+        segment: c.segment().name().to_string(),
+        segment_bytes: c.segment().len() as u64,
+        buffer_bytes: c.buffer_bytes(),
+        consumer_capacity: c.consumer_capacity(),
+        producer_liveness: producer.liveness(),
+        producer,
+        closed: c.is_closed(),
+        head,
+        published: stats.published,
+        forced_releases: stats.forced_releases,
+        buffers,
+        consumers,
+    }
+}
+
+/// Removes the control segment of `channel` when its producer process is dead, and returns what it
+/// held; `Ok(None)` (nothing touched) when the producer runs or its liveness cannot be told.
+///
+/// Consumers that still have the segment mapped keep their mapping (they get
+/// [`Error::ProducerGone`] as before); only the name goes. The segment's inode is checked again
+/// just before unlinking, so a new producer that replaced the segment meanwhile keeps its own
+/// (best effort: the name is checked, not locked).
+///
+/// # Errors
+/// As [`inspect`]; [`Error::Os`] when the unlink fails.
+pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
+    let c = Control::open(channel)?;
+    let snap = snapshot(channel, &c);
+    if snap.producer_liveness != Liveness::Dead {
+        return Ok(None);
+    }
+    let ino = c.segment().inode()?;
+    drop(c);
+    let name = segment_name(channel);
+    match Segment::open(&name) {
+        Ok(s) if s.inode()? == ino => {}
+        Ok(_) => return Ok(None),
+        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    match Segment::unlink(&name) {
+        Ok(()) => Ok(Some(snap)),
+        Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Releases the holds and frees the slots of consumers of `channel` whose process is dead, as the
+/// producer does when it next needs a buffer (and as a consumer does when it attaches), and returns
+/// the slots freed, as they were. Live consumers and the producer are not touched.
+///
+/// Useful when a producer is idle (it reclaims only while waiting for a buffer): a dead consumer's
+/// slot would otherwise stay taken. The producer is woken so it sees the freed buffers.
+///
+/// # Errors
+/// As [`inspect`].
+pub fn release_dead_consumers(channel: &str) -> Result<Vec<ConsumerSnapshot>> {
+    let c = Control::open(channel)?;
+    let before = snapshot(channel, &c);
+    if before
+        .consumers
+        .iter()
+        .all(|x| x.liveness != Liveness::Dead)
+    {
+        return Ok(Vec::new());
+    }
+    c.reclaim_dead_consumers();
+    let after = snapshot(channel, &c);
+    Ok(before
+        .consumers
+        .into_iter()
+        .filter(|x| {
+            x.liveness == Liveness::Dead
+                && !after
+                    .consumers
+                    .iter()
+                    .any(|y| y.index == x.index && y.generation == x.generation)
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::channel::testing::{ControlConsumer, ControlProducer};
+    use crate::token::{TOKEN_LEN, TokenKind};
+
+    fn token(i: u8) -> [u8; TOKEN_LEN] {
+        Token {
+            kind: TokenKind::LegacyMemory,
+            handle: [i; 64],
+            offset: 0,
+            len: 4096,
+            device: crate::driver::Uuid([7; 16]),
+            exporter: ProcessIdentity::current().unwrap(),
+            export_id: 0,
+        }
+        .to_bytes()
+    }
+
+    fn name(tag: &str) -> String {
+        format!("inspect-{tag}-{}", std::process::id())
+    }
+
+    #[test]
+    fn snapshot_shows_frames_holds_cursors_and_consumers_without_attaching() {
+        let n = name("state");
+        let tx =
+            ControlProducer::create(&n, 4096, 4, &[(token(1), token(2)), (token(3), token(4))])
+                .unwrap();
+        let rx = ControlConsumer::attach(&n, Delivery::EveryFrame, &[token(5), token(6)]).unwrap();
+        for _ in 0..2 {
+            let (i, _) = tx.try_acquire().unwrap();
+            tx.publish(i, b"meta").unwrap();
+        }
+        let (held, seq, _) = rx.take(None).unwrap().unwrap();
+        assert_eq!(seq, 1);
+        let s = inspect(&n).unwrap();
+        assert_eq!(s.segment, format!("cuda-ipc.ch.{n}"));
+        assert_eq!((s.head, s.published, s.buffer_bytes), (2, 2, 4096));
+        assert_eq!(s.producer.pid, std::process::id());
+        assert_eq!(s.producer_liveness, Liveness::Alive);
+        assert!(!s.closed && !s.has_leftovers());
+        let mut states: Vec<_> = s.buffers.iter().map(|b| b.state).collect();
+        states.sort_by_key(|st| format!("{st:?}"));
+        assert_eq!(states, [BufferState::Frame(1), BufferState::Frame(2)]);
+        assert_eq!(s.buffers[held].hold_mask, 1 << rx.slot());
+        assert_eq!(s.buffers[held].meta_len, 4);
+        assert_eq!(s.buffers[0].memory.unwrap().device.0, [7; 16]);
+        assert_eq!(s.consumers.len(), 1);
+        let c = &s.consumers[0];
+        assert!(c.attached);
+        assert_eq!((c.cursor, c.received, c.lag), (1, 1, 1));
+        assert_eq!(c.holds, [held]);
+        // Inspecting changed nothing: the next snapshot is identical.
+        assert_eq!(inspect(&n).unwrap(), s);
+        rx.release(held);
+        drop(rx);
+        assert!(inspect(&n).unwrap().consumers.is_empty());
+        tx.close();
+        assert!(inspect(&n).unwrap().closed);
+        assert!(list_channels().unwrap().contains(&n));
+        // A live producer's segment is never removed.
+        assert_eq!(remove_stale(&n).unwrap(), None);
+        assert!(inspect(&n).is_ok());
+        tx.unlink();
+        assert!(!list_channels().unwrap().contains(&n));
+    }
+
+    #[test]
+    fn release_dead_consumers_leaves_live_ones_alone() {
+        let n = name("release");
+        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
+        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let (i, _) = tx.try_acquire().unwrap();
+        tx.publish(i, b"").unwrap();
+        let (held, _, _) = rx.take(None).unwrap().unwrap();
+        // The consumer is alive: nothing to release, its hold stays.
+        assert!(release_dead_consumers(&n).unwrap().is_empty());
+        let s = inspect(&n).unwrap();
+        assert_eq!(s.consumers[0].holds, [held]);
+        assert_eq!(s.consumers[0].liveness, Liveness::Alive);
+        rx.release(held);
+        drop(rx);
+        tx.unlink();
+    }
+
+    #[test]
+    fn foreign_and_truncated_segments_are_refused_with_a_clear_error() {
+        let n = name("bad");
+        let seg_name = segment_name(&n);
+        let seg = Segment::create(&seg_name, 4096, &crate::shm::SegmentOptions::new()).unwrap();
+        // SAFETY: the mapping is 4096 bytes, so its first 8 (page-aligned) are in bounds; nobody
+        // else knows this segment.
+        unsafe { (seg.as_ptr() as *mut u64).write_volatile(u64::from_le_bytes(*b"NOTCHANL")) };
+        // Stamp (offset 12) READY so the opener does not wait for a creator.
+        // SAFETY: as above, offset 12 is in bounds and 4-byte aligned.
+        unsafe { (seg.as_ptr().add(12) as *mut u32).write_volatile(0x5245_4459) };
+        let e = inspect(&n).unwrap_err().to_string();
+        assert!(e.contains("not a cuda-ipc channel"), "{e}");
+        assert!(
+            remove_stale(&n).is_err(),
+            "a foreign segment is never removed"
+        );
+        Segment::unlink(&seg_name).unwrap();
+        drop(seg);
+        let seg = Segment::create(&seg_name, 16, &crate::shm::SegmentOptions::new()).unwrap();
+        let e = inspect(&n).unwrap_err().to_string();
+        assert!(e.contains("smaller than"), "{e}");
+        Segment::unlink(&seg_name).unwrap();
+        drop(seg);
+        assert!(matches!(
+            inspect(&n),
+            Err(Error::Channel(super::super::ChannelError::NotFound(_)))
+        ));
+        assert!(inspect("no/slashes").is_err());
+    }
+}

@@ -1,0 +1,361 @@
+//! Read-only inspection of registry segments, for tools (`cuda-ipc ls`, `watch`, `gc --dry-run`).
+//!
+//! Owns: finding registry segments in `/dev/shm` ([`list_registries`]) and copying out what one
+//! holds without joining it ([`inspect`]): no participant entry is claimed, no lock is taken, no
+//! abandoned write is repaired. Everything is read with the same atomic loads and seqlock copies a
+//! participant uses, so inspecting never disturbs the protocol; freeing what dead processes left is
+//! [`Registry::reclaim_dead`]'s job.
+
+use super::layout::*;
+use super::{READ_RETRIES, Registry, Retry, decode, owner_token, token_is_dead};
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::registry::{Record, RegistryError};
+use crate::sync::Ordering;
+use std::io::Read;
+use std::time::Duration;
+
+/// One published record and whether its owner still runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecordSnapshot {
+    /// The record, as [`Registry::list`] would return it.
+    pub record: Record,
+    /// Whether the publishing process still runs ([`ProcessIdentity::liveness`]); a dead owner's
+    /// record is freed by [`Registry::reclaim_dead`].
+    pub owner_liveness: Liveness,
+}
+
+/// A slot whose writer lock is held: a write in progress, or one left by a dead writer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockedSlot {
+    /// The slot index.
+    pub slot: u32,
+    /// The pid of the lock holder (from its owner token).
+    pub writer_pid: u32,
+    /// Whether the holder is gone (no such pid, another start time, or a zombie): the next writer
+    /// or [`Registry::reclaim_dead`] takes the lock over.
+    pub writer_dead: bool,
+    /// Whether the holder opened the seqlock write (a half-written record would be dropped).
+    pub writing: bool,
+}
+
+/// One participant entry: a process that has the registry open (or had, if it died).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ParticipantSnapshot {
+    /// The entry index.
+    pub index: u32,
+    /// The process.
+    pub identity: ProcessIdentity,
+    /// Whether it is gone (the same test [`Registry::reclaim_dead`] uses to free the entry).
+    pub dead: bool,
+}
+
+/// What a registry segment holds, copied without joining it.
+///
+/// Fields are read one by one: on a busy registry they may belong to slightly different moments,
+/// but each record is whole (copied under its seqlock).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RegistrySnapshot {
+    /// The segment name (without `/`); the file is `/dev/shm/NAME`.
+    pub name: String,
+    /// The segment's size in bytes.
+    pub segment_bytes: u64,
+    /// Number of slots (most records at once).
+    pub capacity: u32,
+    /// Number of participant entries.
+    pub participant_capacity: u32,
+    /// The registry-wide sequence counter: the number of the latest publish (0: none yet). The
+    /// difference between two snapshots is the number of publishes in between.
+    pub last_seq: u64,
+    /// The process that created the segment (pid and start time; its boot id is not recorded).
+    pub creator_pid: u32,
+    /// Threads sleeping in [`Registry::wait_for`] now (waiters that died asleep stay counted).
+    pub waiters: u32,
+    /// Published records, in slot order.
+    pub records: Vec<RecordSnapshot>,
+    /// Slots whose writer lock is held now.
+    pub locked_slots: Vec<LockedSlot>,
+    /// Slots whose bytes make no sense, with the reason ([`Registry::reclaim_dead`] frees them).
+    pub corrupt_slots: Vec<(u32, String)>,
+    /// Participant entries in use, dead ones included.
+    pub participants: Vec<ParticipantSnapshot>,
+}
+
+impl RegistrySnapshot {
+    /// Whether [`Registry::reclaim_dead`] would free something now: records of dead owners, locks
+    /// of dead writers, corrupt slots, or participant entries of dead processes.
+    pub fn has_leftovers(&self) -> bool {
+        self.records
+            .iter()
+            .any(|r| r.owner_liveness == Liveness::Dead)
+            || self.locked_slots.iter().any(|l| l.writer_dead)
+            || !self.corrupt_slots.is_empty()
+            || self.participants.iter().any(|p| p.dead)
+    }
+}
+
+/// Names of the registry segments in `/dev/shm` this process can read: the files whose first eight
+/// bytes are the registry magic `CUIPCREG`, sorted. Files of other users that we may not read, and
+/// segments still being initialised (magic not written yet), are left out.
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::registry::{Registry, RegistryOptions, inspect};
+/// let name = format!("cuda-ipc-doc-list-{}", std::process::id());
+/// let reg = Registry::create(&name, &RegistryOptions::new().capacity(4))?;
+/// assert!(inspect::list_registries()?.contains(&name));
+/// Registry::unlink(&name)?;
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn list_registries() -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for name in crate::shm::list_segments()? {
+        let path = format!("{}/{name}", crate::shm::SHM_DIR);
+        let Ok(mut f) = std::fs::File::open(&path) else {
+            continue;
+        };
+        let mut magic = [0u8; 8];
+        // A read into our own buffer: the kernel copies, so a concurrent writer is harmless.
+        if f.read_exact(&mut magic).is_ok() && u64::from_le_bytes(magic) == MAGIC {
+            out.push(name);
+        }
+    }
+    Ok(out)
+}
+
+/// Copies what the registry segment `name` holds, without joining it or changing a byte.
+///
+/// The segment is validated like [`Registry::open`] does (owner, mode, magic, version, sizes), but
+/// without waiting for a creator that is still initialising. Each slot is copied under its seqlock;
+/// a slot whose write stays open for the read attempts is reported in
+/// [`RegistrySnapshot::locked_slots`] instead of being waited for or repaired.
+///
+/// # Errors
+/// - [`RegistryError::NotFound`], [`RegistryError::WrongOwner`] (a segment of a user outside our
+///   groups), [`RegistryError::InsecureMode`];
+/// - [`RegistryError::TooSmall`], [`RegistryError::ForeignSegment`],
+///   [`RegistryError::VersionMismatch`], [`RegistryError::Corrupt`] for a segment that is not a
+///   registry of this layout;
+/// - [`RegistryError::Uninitialised`] while its creator has not finished it;
+/// - [`Error::Os`] when a call fails.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::registry::{Registry, RegistryOptions, inspect};
+/// let name = format!("cuda-ipc-doc-inspect-{}", std::process::id());
+/// let reg = Registry::create(&name, &RegistryOptions::new().capacity(4))?;
+/// reg.publish("frames", 7, b"token", b"meta")?;
+/// let snap = inspect::inspect(&name)?;
+/// assert_eq!(snap.records[0].record.name, "frames");
+/// assert_eq!(snap.participants.len(), 1); // `reg`; inspecting did not join
+/// Registry::unlink(&name)?;
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
+    let (seg, slots, participants) = match Registry::try_open(name, true) {
+        Ok(t) => t,
+        Err(Retry::Fatal(e)) => return Err(e),
+        Err(Retry::NotReady(Error::Registry(RegistryError::Uninitialised { .. }))) => {
+            return Err(RegistryError::Uninitialised {
+                name: name.to_string(),
+                waited: Duration::ZERO,
+            }
+            .into());
+        }
+        Err(Retry::NotReady(e)) => return Err(e),
+    };
+    let segment_bytes = seg.len() as u64;
+    let me = ProcessIdentity::current()?;
+    // An observer handle: `participant` out of range, so it holds no entry and its drop frees none.
+    // Only the read-only helpers below are called on it.
+    let reg = Registry {
+        seg,
+        slots,
+        participants,
+        me,
+        token: owner_token(&me),
+        participant: u32::MAX,
+        lock_timeout: Duration::ZERO,
+    };
+    let hdr = reg.header();
+    let mut snap = RegistrySnapshot {
+        name: name.to_string(),
+        segment_bytes,
+        capacity: slots,
+        participant_capacity: participants,
+        // Relaxed: diagnostic values; nothing else is read through them.
+        last_seq: hdr.next_seq.load(Ordering::Relaxed),
+        creator_pid: hdr.creator_pid.load(Ordering::Relaxed),
+        waiters: hdr.waiters.load(Ordering::Relaxed),
+        records: Vec::new(),
+        locked_slots: Vec::new(),
+        corrupt_slots: Vec::new(),
+        participants: Vec::new(),
+    };
+    let mut buf = [0u64; PAYLOAD_WORDS];
+    for i in 0..slots {
+        let v = reg.view(i);
+        let holder = v.holder();
+        let read = v.read(&mut buf, READ_RETRIES);
+        if holder != 0 {
+            snap.locked_slots.push(LockedSlot {
+                slot: i,
+                writer_pid: (holder >> 32) as u32,
+                writer_dead: token_is_dead(holder),
+                writing: read.is_err() || v.lock.sequence() & 1 == 1,
+            });
+        }
+        match read {
+            Ok(_) => match decode(&buf, i) {
+                Ok(Some(record)) => snap.records.push(RecordSnapshot {
+                    owner_liveness: record.owner.liveness(),
+                    record,
+                }),
+                Ok(None) => {}
+                Err(what) => snap.corrupt_slots.push((i, what)),
+            },
+            // An odd sequence with no holder cannot come from a live writer.
+            Err(_) if holder == 0 => snap
+                .corrupt_slots
+                .push((i, format!("slot {i}: write left open with no writer"))),
+            Err(_) => {}
+        }
+    }
+    for i in 0..participants {
+        let p = reg.participant_at(i);
+        // Relaxed: checked against the token below; an entry being filled in is skipped (as in
+        // `Registry::participants`).
+        let t = p.token.load(Ordering::Relaxed);
+        if t == 0 {
+            continue;
+        }
+        let pid = p.pid.load(Ordering::Relaxed);
+        let start_time = p.start_time.load(Ordering::Relaxed);
+        let mut boot_id = [0u8; 16];
+        boot_id[..8].copy_from_slice(&p.boot_id[0].load(Ordering::Relaxed).to_le_bytes());
+        boot_id[8..].copy_from_slice(&p.boot_id[1].load(Ordering::Relaxed).to_le_bytes());
+        let identity = if u64::from(pid) == t >> 32 && start_time & 0xffff_ffff == t & 0xffff_ffff {
+            ProcessIdentity {
+                pid,
+                start_time,
+                boot_id,
+            }
+        } else {
+            // Being filled in (or left half-filled by a process that died claiming it): the token
+            // is what counts.
+            ProcessIdentity {
+                pid: (t >> 32) as u32,
+                start_time: t & 0xffff_ffff,
+                boot_id,
+            }
+        };
+        snap.participants.push(ParticipantSnapshot {
+            index: i,
+            identity,
+            dead: token_is_dead(t),
+        });
+    }
+    Ok(snap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::RegistryOptions;
+    use crate::shm::Segment;
+
+    /// The identity of a process that has exited (and was reaped).
+    fn dead_identity() -> ProcessIdentity {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start_time = crate::identity::start_time_of(pid).unwrap().unwrap_or(1);
+        child.wait().unwrap();
+        ProcessIdentity {
+            pid,
+            start_time,
+            ..ProcessIdentity::current().unwrap()
+        }
+    }
+
+    #[test]
+    fn inspect_lists_records_and_participants_without_joining() {
+        let name = format!("cuda-ipc-test-inspect-{}", std::process::id());
+        let reg =
+            Registry::create(&name, &RegistryOptions::new().capacity(4).participants(4)).unwrap();
+        reg.publish("a", 1, b"tok", b"m").unwrap();
+        reg.publish("b", 2, b"", b"").unwrap();
+        let s = inspect(&name).unwrap();
+        assert_eq!((s.capacity, s.participant_capacity, s.last_seq), (4, 4, 2));
+        assert_eq!(s.creator_pid, std::process::id());
+        let names: Vec<_> = s.records.iter().map(|r| r.record.name.as_str()).collect();
+        assert_eq!(names.len(), 2);
+        assert!(names.contains(&"a") && names.contains(&"b"));
+        assert!(
+            s.records
+                .iter()
+                .all(|r| r.owner_liveness == Liveness::Alive)
+        );
+        assert_eq!(s.participants.len(), 1, "inspecting must not join");
+        assert!(!s.participants[0].dead);
+        assert!(s.locked_slots.is_empty() && s.corrupt_slots.is_empty());
+        assert!(!s.has_leftovers());
+        assert_eq!(inspect(&name).unwrap(), s, "inspecting changed nothing");
+        assert!(list_registries().unwrap().contains(&name));
+        Registry::unlink(&name).unwrap();
+        assert!(!list_registries().unwrap().contains(&name));
+        assert!(matches!(
+            inspect(&name),
+            Err(Error::Registry(RegistryError::NotFound { .. }))
+        ));
+    }
+
+    #[test]
+    fn leftovers_of_a_dead_process_are_shown_and_match_what_reclaim_frees() {
+        let name = format!("cuda-ipc-test-inspect-dead-{}", std::process::id());
+        let opts = RegistryOptions::new().capacity(4).participants(4);
+        let live = Registry::create(&name, &opts).unwrap();
+        live.publish("live", 1, b"", b"").unwrap();
+        // A handle that publishes as a process that has exited.
+        let (seg, slots, parts) = match Registry::try_open(&name, false) {
+            Ok(t) => t,
+            Err(_) => panic!("open"),
+        };
+        let dead = Registry::attach(seg, slots, parts, dead_identity(), &opts).unwrap();
+        dead.publish("orphan", 1, b"", b"").unwrap();
+        let s = inspect(&name).unwrap();
+        let orphan = s
+            .records
+            .iter()
+            .find(|r| r.record.name == "orphan")
+            .unwrap();
+        assert_eq!(orphan.owner_liveness, Liveness::Dead);
+        assert_eq!(s.participants.iter().filter(|p| p.dead).count(), 1);
+        assert!(s.has_leftovers());
+        std::mem::forget(dead); // its entry stays, as a dead process's would
+        let rep = live.reclaim_dead().unwrap();
+        assert_eq!((rep.records, rep.participants), (1, 1));
+        let after = inspect(&name).unwrap();
+        assert!(!after.has_leftovers());
+        assert_eq!(after.records.len(), 1);
+        Registry::unlink(&name).unwrap();
+    }
+
+    #[test]
+    fn foreign_segments_are_refused() {
+        let name = format!("cuda-ipc-test-inspect-foreign-{}", std::process::id());
+        let seg = Segment::create(&name, 4096, &crate::shm::SegmentOptions::new()).unwrap();
+        // SAFETY: 4096-byte mapping, page aligned; nobody else knows this segment.
+        unsafe { (seg.as_ptr() as *mut u64).write_volatile(42) };
+        let e = inspect(&name).unwrap_err().to_string();
+        assert!(e.contains("not a cuda-ipc registry"), "{e}");
+        assert!(!list_registries().unwrap().contains(&name));
+        Segment::unlink(&name).unwrap();
+    }
+}
