@@ -400,7 +400,7 @@ def _boot_id() -> bytes:
 _TOKEN_MAGIC = int.from_bytes(b"CIPT", "little")
 _KIND_MEMORY, _KIND_EVENT, _KIND_VMM, _KIND_POOL = 1, 2, 3, 4
 _KIND_NAMES = {1: "legacy memory", 2: "legacy event", 3: "VMM memory", 4: "pool memory"}
-# magic, version, kind, handle, offset, len, device, pid, reserved, start time, boot id
+# magic, version, kind, handle, offset, len, device, pid, fd export id, start time, boot id
 _TOKEN_HEAD = struct.Struct("<IHH64sQQ16sII Q16s")
 assert _TOKEN_HEAD.size == 136
 
@@ -414,12 +414,14 @@ class Token(NamedTuple):
     len: int
     device: bytes
     exporter: ProcessIdentity
+    export_id: int = 0
 
     @staticmethod
     def from_bytes(b: bytes) -> "Token":
         """Decodes and validates a token; raises ``InvalidToken`` for a wrong length, magic,
-        version (both named), checksum (CRC-32 IEEE of bytes 0..136), kind, reserved bytes, or an
-        overflowing range."""
+        version (both named), checksum (CRC-32 IEEE of bytes 0..136), kind, reserved bytes, an fd
+        export id missing from a VMM or pool token (or set on another kind), or an overflowing
+        range."""
         if len(b) != _TOKEN_LEN:
             raise InvalidToken(f"expected {_TOKEN_LEN} bytes, got {len(b)}")
         magic, version, kind, handle, offset, length, device, pid, res0, start, boot = (
@@ -440,18 +442,20 @@ class Token(NamedTuple):
             )
         if kind not in _KIND_NAMES:
             raise InvalidToken(f"unknown kind {kind}")
-        if res0 != 0 or res1 != 0:
+        if res1 != 0:
             raise InvalidToken("reserved bytes are not zero")
+        if (kind in (_KIND_VMM, _KIND_POOL)) != (res0 != 0):
+            raise InvalidToken(f"fd export id {res0} does not fit a {_KIND_NAMES[kind]} token")
         if offset + length > _U64:
             raise InvalidToken("offset + len overflows")
-        return Token(kind, handle, offset, length, device, ProcessIdentity(pid, start, boot))
+        return Token(kind, handle, offset, length, device, ProcessIdentity(pid, start, boot), res0)
 
     def to_bytes(self) -> bytes:
         """Encodes the token with its checksum."""
         e = self.exporter
         head = _TOKEN_HEAD.pack(
             _TOKEN_MAGIC, TOKEN_VERSION, self.kind, self.handle, self.offset, self.len,
-            self.device, e.pid, 0, e.start_time, e.boot_id,
+            self.device, e.pid, self.export_id, e.start_time, e.boot_id,
         )
         return head + struct.pack("<II", zlib.crc32(head) & 0xFFFFFFFF, 0)
 

@@ -37,7 +37,7 @@ pub struct Kernels {
     rgba_planar: Function,
 }
 
-fn words(mem: &impl DeviceMemory) -> Result<u64> {
+fn words(mem: &(impl DeviceMemory + ?Sized)) -> Result<u64> {
     if mem.len() % 4 != 0 {
         return Err(Error::InvalidArgument(format!(
             "pattern kernels work on 32-bit words; length {} is not a multiple of 4",
@@ -74,7 +74,12 @@ impl Kernels {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a length not a multiple of 4; launch errors.
-    pub fn fill_pattern(&self, mem: &impl DeviceMemory, seed: u32, stream: &Stream) -> Result<()> {
+    pub fn fill_pattern(
+        &self,
+        mem: &(impl DeviceMemory + ?Sized),
+        seed: u32,
+        stream: &Stream,
+    ) -> Result<()> {
         let n = words(mem)?;
         let p = mem.device_ptr();
         // SAFETY: parameters match `fill_pattern(unsigned*, unsigned long long, unsigned)`; `p`
@@ -96,9 +101,9 @@ impl Kernels {
     /// As [`Kernels::fill_pattern`]; [`Error::InvalidArgument`] when `counter` is under 8 bytes.
     pub fn check_pattern(
         &self,
-        mem: &impl DeviceMemory,
+        mem: &(impl DeviceMemory + ?Sized),
         seed: u32,
-        counter: &impl DeviceMemory,
+        counter: &(impl DeviceMemory + ?Sized),
         stream: &Stream,
     ) -> Result<()> {
         let n = words(mem)?;
@@ -120,8 +125,8 @@ impl Kernels {
     /// [`Error::InvalidArgument`] when the lengths differ or are not multiples of 4; launch errors.
     pub fn xor(
         &self,
-        src: &impl DeviceMemory,
-        dst: &impl DeviceMemory,
+        src: &(impl DeviceMemory + ?Sized),
+        dst: &(impl DeviceMemory + ?Sized),
         key: u32,
         stream: &Stream,
     ) -> Result<()> {
@@ -147,10 +152,10 @@ impl Kernels {
     /// As [`Kernels::check_pattern`].
     pub fn check_pattern_xor(
         &self,
-        mem: &impl DeviceMemory,
+        mem: &(impl DeviceMemory + ?Sized),
         seed: u32,
         key: u32,
-        counter: &impl DeviceMemory,
+        counter: &(impl DeviceMemory + ?Sized),
         stream: &Stream,
     ) -> Result<()> {
         let n = words(mem)?;
@@ -184,7 +189,7 @@ impl Kernels {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `out` is under 8 bytes; launch errors.
-    pub fn stamp(&self, out: &impl DeviceMemory, stream: &Stream) -> Result<()> {
+    pub fn stamp(&self, out: &(impl DeviceMemory + ?Sized), stream: &Stream) -> Result<()> {
         let p = counter_ptr(out)?;
         let cfg = LaunchConfig {
             grid: (1, 1, 1),
@@ -201,8 +206,8 @@ impl Kernels {
     /// As [`Kernels::check_pattern`].
     pub fn sum(
         &self,
-        mem: &impl DeviceMemory,
-        counter: &impl DeviceMemory,
+        mem: &(impl DeviceMemory + ?Sized),
+        counter: &(impl DeviceMemory + ?Sized),
         stream: &Stream,
     ) -> Result<()> {
         let n = words(mem)?;
@@ -221,8 +226,8 @@ impl Kernels {
     /// [`Error::InvalidArgument`] when the buffers are too small; launch errors.
     pub fn rgba_to_planar(
         &self,
-        rgba: &impl DeviceMemory,
-        planes: &impl DeviceMemory,
+        rgba: &(impl DeviceMemory + ?Sized),
+        planes: &(impl DeviceMemory + ?Sized),
         npix: u64,
         stream: &Stream,
     ) -> Result<()> {
@@ -245,7 +250,7 @@ impl Kernels {
     }
 }
 
-fn counter_ptr(counter: &impl DeviceMemory) -> Result<u64> {
+fn counter_ptr(counter: &(impl DeviceMemory + ?Sized)) -> Result<u64> {
     if counter.len() < 8 {
         return Err(Error::InvalidArgument(
             "a counter needs at least 8 bytes of device memory".into(),

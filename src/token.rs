@@ -12,12 +12,12 @@
 //! | 0 | 4 | magic `CIPT` (`0x54504943`) |
 //! | 4 | 2 | layout version ([`TOKEN_VERSION`]) |
 //! | 6 | 2 | kind: 1 legacy memory, 2 legacy event, 3 VMM memory, 4 pool memory |
-//! | 8 | 64 | handle bytes (`CUipcMemHandle`, `CUipcEventHandle`, or zero for fd-based kinds) |
+//! | 8 | 64 | handle bytes: `CUipcMemHandle` or `CUipcEventHandle`; for VMM memory the exporter's fd number (i32) at 0 and the allocation's size (u64) at 8; for pool memory the `CUmemPoolPtrExportData` |
 //! | 72 | 8 | offset of the shared range from the base allocation, bytes |
 //! | 80 | 8 | length of the shared range, bytes (0 for events) |
 //! | 88 | 16 | device UUID |
 //! | 104 | 4 | exporter pid |
-//! | 108 | 4 | reserved, zero |
+//! | 108 | 4 | fd export id: the id under which the exporter serves the file descriptor ([`crate::ipc::fdpass`]) for VMM and pool memory; zero for other kinds |
 //! | 112 | 8 | exporter start time, clock ticks since boot |
 //! | 120 | 16 | exporter boot id |
 //! | 136 | 4 | CRC-32 (IEEE) of bytes 0..136 |
@@ -89,6 +89,9 @@ pub struct Token {
     pub device: Uuid,
     /// The exporting process.
     pub exporter: ProcessIdentity,
+    /// For VMM and pool memory: the id under which the exporter serves the file descriptor
+    /// ([`crate::ipc::fdpass`]), never zero; zero for the other kinds.
+    pub export_id: u32,
 }
 
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable)]
@@ -102,7 +105,7 @@ struct Wire {
     len: U64,
     device: [u8; 16],
     pid: U32,
-    _reserved0: U32,
+    export_id: U32,
     start_time: U64,
     boot_id: [u8; 16],
     crc: U32,
@@ -130,7 +133,7 @@ impl Token {
             len: self.len.into(),
             device: self.device.0,
             pid: self.exporter.pid.into(),
-            _reserved0: 0.into(),
+            export_id: self.export_id.into(),
             start_time: self.exporter.start_time.into(),
             boot_id: self.exporter.boot_id,
             crc: 0.into(),
@@ -148,7 +151,8 @@ impl Token {
     /// # Errors
     /// [`Error::InvalidToken`] when `bytes` is not exactly [`TOKEN_LEN`] long, the magic is wrong
     /// (not a token), the version is newer than [`TOKEN_VERSION`] (both named), the checksum does not
-    /// match (corrupted), the kind is unknown, reserved bytes are set, or `offset + len` overflows.
+    /// match (corrupted), the kind is unknown, reserved bytes are set, the fd export id is missing
+    /// from an fd-based kind (or set on another), or `offset + len` overflows.
     pub fn from_bytes(bytes: &[u8]) -> Result<Token> {
         let bad = |m: String| Error::InvalidToken(m);
         if bytes.len() != TOKEN_LEN {
@@ -185,8 +189,15 @@ impl Token {
         }
         let kind = TokenKind::from_wire(w.kind.get())
             .ok_or_else(|| bad(format!("unknown kind {}", w.kind.get())))?;
-        if w._reserved0.get() != 0 || w._reserved1.get() != 0 {
+        if w._reserved1.get() != 0 {
             return Err(bad("reserved bytes are not zero".into()));
+        }
+        let fd_kind = matches!(kind, TokenKind::VmmMemory | TokenKind::PoolMemory);
+        if fd_kind != (w.export_id.get() != 0) {
+            return Err(bad(format!(
+                "fd export id {} does not fit a {kind:?} token",
+                w.export_id.get()
+            )));
         }
         if w.offset.get().checked_add(w.len.get()).is_none() {
             return Err(bad("offset + len overflows".into()));
@@ -202,6 +213,7 @@ impl Token {
                 start_time: w.start_time.get(),
                 boot_id: w.boot_id,
             },
+            export_id: w.export_id.get(),
         })
     }
 

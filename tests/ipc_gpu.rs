@@ -273,6 +273,7 @@ fn garbage_handles_give_errors() {
                 },
                 device: ctx.device().uuid(),
                 exporter: other,
+                export_id: 0,
             };
             let e = if kind == TokenKind::LegacyMemory {
                 ImportedBuffer::open_in(&ctx, &tok).map(|_| ()).unwrap_err()

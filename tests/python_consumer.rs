@@ -76,6 +76,7 @@ fn token(kind: TokenKind, i: u8, len: u64) -> [u8; TOKEN_LEN] {
         len,
         device: device(),
         exporter: ProcessIdentity::current().unwrap(),
+        export_id: u32::from(matches!(kind, TokenKind::VmmMemory | TokenKind::PoolMemory)),
     }
     .to_bytes()
 }

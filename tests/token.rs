@@ -18,6 +18,7 @@ fn sample() -> Token {
             start_time: 123_456,
             boot_id: [7; 16],
         },
+        export_id: 0,
     }
 }
 
@@ -55,13 +56,22 @@ fn token_round_trips_through_bytes_and_hex() {
     assert_eq!(Token::from_bytes(&t.to_bytes()).unwrap(), t);
     assert_eq!(Token::from_hex(&t.to_hex()).unwrap(), t);
     assert_eq!(t.to_bytes().len(), TOKEN_LEN);
-    for kind in [
-        TokenKind::LegacyEvent,
-        TokenKind::VmmMemory,
-        TokenKind::PoolMemory,
-    ] {
-        let t = Token { kind, ..sample() };
+    let t = Token {
+        kind: TokenKind::LegacyEvent,
+        ..sample()
+    };
+    assert_eq!(Token::from_bytes(&t.to_bytes()).unwrap(), t);
+    for kind in [TokenKind::VmmMemory, TokenKind::PoolMemory] {
+        let t = Token {
+            kind,
+            export_id: 7,
+            ..sample()
+        };
         assert_eq!(Token::from_bytes(&t.to_bytes()).unwrap(), t);
+        assert_eq!(
+            u32::from_le_bytes(t.to_bytes()[108..112].try_into().unwrap()),
+            7
+        );
     }
 }
 
@@ -132,9 +142,18 @@ fn unknown_kind_reserved_bytes_and_overflowing_ranges_are_refused() {
     reseal(&mut b);
     assert!(err(&b).contains("unknown kind 99"));
     let mut b = sample().to_bytes();
+    b[140] = 1;
+    assert!(err(&b).contains("reserved"));
+    // An fd export id on a legacy token, or none on an fd-based one, is refused.
+    let mut b = sample().to_bytes();
     b[108] = 1;
     reseal(&mut b);
-    assert!(err(&b).contains("reserved"));
+    assert!(err(&b).contains("fd export id"));
+    let t = Token {
+        kind: TokenKind::VmmMemory,
+        ..sample()
+    };
+    assert!(err(&t.to_bytes()).contains("fd export id"));
     let t = Token {
         offset: u64::MAX,
         len: 2,

@@ -91,6 +91,7 @@ fn token(i: u8) -> [u8; TOKEN_LEN] {
         offset: 0,
         len: 1 << 20,
         device: cuda_ipc::driver::Uuid([0xab; 16]),
+        export_id: 0,
         exporter: ProcessIdentity::current().unwrap(),
     }
     .to_bytes()

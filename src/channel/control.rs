@@ -1066,6 +1066,7 @@ mod tests {
             len: 64,
             device: crate::driver::Uuid([1; 16]),
             exporter: ProcessIdentity::current().unwrap(),
+            export_id: 0,
         }
         .to_bytes()
     }

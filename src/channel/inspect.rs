@@ -298,6 +298,7 @@ mod tests {
             len: 4096,
             device: crate::driver::Uuid([7; 16]),
             exporter: ProcessIdentity::current().unwrap(),
+            export_id: 0,
         }
         .to_bytes()
     }

@@ -27,7 +27,7 @@ pub use control::{
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::{ImportedBuffer, IpcEvent};
+use crate::ipc::{ImportedBuffer, IpcEvent, VmmBuffer};
 use crate::shm::SegmentOptions;
 use crate::token::{TOKEN_LEN, Token};
 use control::Control;
@@ -86,6 +86,75 @@ pub struct ChannelOptions {
     pub wait: WaitStrategy,
     /// Give the control segment mode 0660 instead of 0600.
     pub group_access: bool,
+    /// Which kind of exportable memory the pool is made of; default [`MemoryKind::Auto`].
+    pub memory: MemoryKind,
+}
+
+/// The kind of exportable memory a channel's pool is made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Legacy IPC ([`MemoryKind::Legacy`]) where the platform supports it, else VMM.
+    #[default]
+    Auto,
+    /// `cuMemAlloc` buffers shared through `IpcMemHandle`s.
+    Legacy,
+    /// `cuMemCreate` buffers shared as POSIX file descriptors ([`VmmBuffer`]): each consumer holds
+    /// its own reference to the memory, so its mappings stay valid if the producer dies.
+    Vmm,
+}
+
+/// One buffer of a producer's pool: legacy or VMM memory. Use it through [`DeviceMemory`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PoolMemory {
+    /// A `cuMemAlloc` buffer.
+    Legacy(DeviceBuffer),
+    /// A `cuMemCreate` buffer.
+    Vmm(VmmBuffer),
+}
+
+impl PoolMemory {
+    fn new(ctx: &Arc<Context>, kind: MemoryKind, len: usize) -> Result<PoolMemory> {
+        Ok(match kind {
+            MemoryKind::Vmm => PoolMemory::Vmm(VmmBuffer::new(ctx, len)?),
+            _ => PoolMemory::Legacy(DeviceBuffer::new(ctx, len)?),
+        })
+    }
+    fn export(&self) -> Result<Token> {
+        match self {
+            PoolMemory::Legacy(b) => b.export(),
+            PoolMemory::Vmm(b) => b.export(),
+        }
+    }
+    /// The kind of memory.
+    pub fn kind(&self) -> MemoryKind {
+        match self {
+            PoolMemory::Legacy(_) => MemoryKind::Legacy,
+            PoolMemory::Vmm(_) => MemoryKind::Vmm,
+        }
+    }
+}
+
+impl DeviceMemory for PoolMemory {
+    fn device_ptr(&self) -> u64 {
+        match self {
+            PoolMemory::Legacy(b) => b.device_ptr(),
+            PoolMemory::Vmm(b) => b.device_ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            PoolMemory::Legacy(b) => b.len(),
+            PoolMemory::Vmm(b) => b.len(),
+        }
+    }
+    fn context(&self) -> &Arc<Context> {
+        match self {
+            PoolMemory::Legacy(b) => b.context(),
+            PoolMemory::Vmm(b) => b.context(),
+        }
+    }
 }
 
 impl ChannelOptions {
@@ -98,7 +167,13 @@ impl ChannelOptions {
             quota_bytes: None,
             wait: WaitStrategy::default(),
             group_access: false,
+            memory: MemoryKind::Auto,
         }
+    }
+    /// Sets the kind of pool memory.
+    pub fn memory(mut self, kind: MemoryKind) -> Self {
+        self.memory = kind;
+        self
     }
     /// Sets the number of buffers.
     pub fn buffers(mut self, n: usize) -> Self {
@@ -149,11 +224,12 @@ pub struct Producer {
     control: Control,
     name: String,
     events: Vec<IpcEvent>,
-    buffers: Vec<DeviceBuffer>,
+    buffers: Vec<PoolMemory>,
     consumer_events: Vec<Option<(u64, Vec<IpcEvent>)>>,
     stream: Stream,
     ctx: Arc<Context>,
     wait: WaitStrategy,
+    memory: MemoryKind,
     closed: bool,
 }
 
@@ -166,9 +242,9 @@ impl std::fmt::Debug for Producer {
 }
 
 impl Producer {
-    /// Creates channel `name` in `ctx`: allocates the pool (`cuMemAlloc`, exported), one IPC event
-    /// per buffer, and the control segment `/dev/shm/cuda-ipc.ch.NAME`. A segment left by a dead
-    /// producer is replaced.
+    /// Creates channel `name` in `ctx`: allocates the pool (`cuMemAlloc` or `cuMemCreate` by
+    /// [`ChannelOptions::memory`], exported), one IPC event per buffer, and the control segment
+    /// `/dev/shm/cuda-ipc.ch.NAME`. A segment left by a dead producer is replaced.
     ///
     /// # Errors
     /// [`ChannelError::OverQuota`]; [`ChannelError::AlreadyExists`] when a live producer serves
@@ -191,13 +267,25 @@ impl Producer {
                 opts.buffers
             )));
         }
+        let kind = match opts.memory {
+            MemoryKind::Auto => match crate::probe::require_legacy_ipc(&ctx.device()) {
+                Ok(()) => MemoryKind::Legacy,
+                Err(e) => {
+                    tracing::info!(
+                        "channel {name}: legacy IPC unavailable ({e}); using VMM memory"
+                    );
+                    MemoryKind::Vmm
+                }
+            },
+            k => k,
+        };
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::with_capacity(opts.buffers);
         let mut events = Vec::with_capacity(opts.buffers);
         let mut tokens = Vec::with_capacity(opts.buffers);
         for _ in 0..opts.buffers {
             // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
-            let b = DeviceBuffer::new(ctx, opts.buffer_bytes)?;
+            let b = PoolMemory::new(ctx, kind, opts.buffer_bytes)?;
             let e = IpcEvent::new(ctx)?;
             tokens.push((b.export()?.to_bytes(), e.export()?.to_bytes()));
             buffers.push(b);
@@ -220,6 +308,7 @@ impl Producer {
             stream,
             ctx: ctx.clone(),
             wait: opts.wait,
+            memory: kind,
             closed: false,
         })
     }
@@ -237,6 +326,12 @@ impl Producer {
     /// The channel name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The kind of memory the pool is made of ([`MemoryKind::Legacy`] or [`MemoryKind::Vmm`]; an
+    /// `Auto` request resolved).
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.memory
     }
 
     /// Takes a free buffer to write, waiting up to `timeout` (`None`: forever) while consumers still
@@ -367,7 +462,7 @@ pub struct WriteFrame<'a> {
 
 impl WriteFrame<'_> {
     /// The device buffer to write (the whole pool buffer).
-    pub fn buffer(&self) -> &DeviceBuffer {
+    pub fn buffer(&self) -> &PoolMemory {
         &self.producer.buffers[self.index]
     }
 
@@ -618,6 +713,16 @@ pub struct Frame<'a> {
     index: usize,
     seq: u64,
     metadata: Vec<u8>,
+}
+
+impl std::fmt::Debug for Frame<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frame")
+            .field("seq", &self.seq)
+            .field("index", &self.index)
+            .field("metadata_len", &self.metadata.len())
+            .finish()
+    }
 }
 
 impl Frame<'_> {

@@ -76,6 +76,7 @@ impl IpcEvent {
             len: 0,
             device: self.event.context().device().uuid(),
             exporter: ProcessIdentity::current()?,
+            export_id: 0,
         })
     }
 

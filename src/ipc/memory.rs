@@ -60,6 +60,7 @@ impl DeviceBuffer {
             len: len as u64,
             device: self.context().device().uuid(),
             exporter: ProcessIdentity::current()?,
+            export_id: 0,
         })
     }
 }
@@ -105,14 +106,19 @@ impl ImportedBuffer {
     ///   (`CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_INVALID_HANDLE`...), or `CUDA_ERROR_TOO_MANY_PEERS`.
     #[doc(alias = "cuIpcOpenMemHandle")]
     pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<ImportedBuffer> {
-        if token.kind != TokenKind::LegacyMemory {
-            return Err(Error::InvalidToken(format!(
-                "expected a legacy memory token, got {:?}",
-                token.kind
-            )));
-        }
-        let is_self = token.exporter == ProcessIdentity::current()?;
-        let mapping = open_mapping(ctx, &IpcMemHandle(token.handle), is_self)?;
+        let mapping = match token.kind {
+            TokenKind::LegacyMemory => {
+                let is_self = token.exporter == ProcessIdentity::current()?;
+                open_mapping(ctx, &IpcMemHandle(token.handle), is_self)?
+            }
+            TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token)?,
+            TokenKind::PoolMemory => super::vmm::open_pool(ctx, token)?,
+            other => {
+                return Err(Error::InvalidToken(format!(
+                    "expected a memory token, got {other:?}"
+                )));
+            }
+        };
         let in_range = token
             .offset
             .checked_add(token.len)
@@ -132,7 +138,15 @@ impl ImportedBuffer {
 
     /// Whether this import is served by this process's own allocation (a self-import).
     pub fn is_local(&self) -> bool {
-        matches!(self.mapping.origin, Origin::Local(_))
+        self.mapping.origin.is_local()
+    }
+
+    pub(crate) fn from_mapping(mapping: Arc<Mapping>, offset: u64, len: u64) -> ImportedBuffer {
+        ImportedBuffer {
+            mapping,
+            offset,
+            len,
+        }
     }
 
     /// Base address of the whole mapped allocation (the range starts `offset` bytes later).
@@ -166,6 +180,7 @@ fn open_mapping(
 ) -> Result<Arc<Mapping>> {
     let key = MappingKey {
         handle: handle.0,
+        exporter: (0, 0, 0),
         ctx: ctx.as_raw() as usize,
     };
     // The table lock is held across the driver call so that two threads importing the same handle

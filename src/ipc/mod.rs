@@ -20,8 +20,13 @@ mod event;
 pub mod fdpass;
 mod handle;
 mod memory;
+mod vmm;
 
 pub use cache::{CacheStats, cache_stats};
 pub use event::IpcEvent;
+pub use fdpass::FdTransport;
 pub use handle::{IpcEventHandle, IpcMemHandle};
 pub use memory::ImportedBuffer;
+pub use vmm::{
+    MemPool, PoolBuffer, VmmBuffer, fabric_handles, fd_transport, set_fd_transport, vmm_granularity,
+};
