@@ -153,20 +153,78 @@ pub struct GpuClock {
 }
 
 impl GpuClock {
-    /// Prepares the pinned word (or the fallback) and a stream of its own.
+    /// Prepares the pinned word and a stream of its own; falls back to the synchronise bracket
+    /// when pinned, mapped memory cannot be had or a stamp never shows up in it.
     pub fn new(ctx: &Arc<Context>, kernels: &Kernels) -> Res<GpuClock> {
-        let (pinned, fallback_reason) = match Pinned::new(ctx, 64) {
-            Ok(p) => (Some(p), None),
-            Err(e) => (None, Some(e.to_string())),
-        };
-        Ok(GpuClock {
-            pinned,
+        let mut clock = GpuClock {
+            pinned: None,
             scratch: cuda_ipc::driver::DeviceBuffer::new(ctx, 8)?,
             stream: Stream::new(ctx)?,
             kernels: kernels.clone(),
             ctx: ctx.clone(),
-            fallback_reason,
-        })
+            fallback_reason: None,
+        };
+        match Pinned::new(ctx, 64) {
+            Ok(p) => match clock.sample(Some(&p)) {
+                Ok(_) => clock.pinned = Some(p),
+                Err(e) => {
+                    // A stamp may still be in flight: let it land before the memory goes.
+                    let _ = clock.stream.synchronize();
+                    clock.fallback_reason = Some(e.to_string());
+                }
+            },
+            Err(e) => clock.fallback_reason = Some(e.to_string()),
+        }
+        Ok(clock)
+    }
+
+    /// One sample: (host time before the launch, the stamp, the upper host time): the time the
+    /// stamp was seen in pinned memory, or the time `cuStreamSynchronize` returned.
+    fn sample(&self, pinned: Option<&Pinned>) -> Res<(u64, u64, u64)> {
+        match pinned {
+            Some(p) => {
+                let w = p.word();
+                // SAFETY: `w` is the first 8 bytes of a live pinned allocation, 8-aligned; no
+                // kernel writes it now (every earlier sample was synchronised).
+                unsafe { std::ptr::write_volatile(w, 0) };
+                let view = View {
+                    ptr: p.dev,
+                    len: 8,
+                    ctx: self.ctx.clone(),
+                };
+                let t0 = now_ns();
+                self.kernels.stamp(&view, &self.stream)?;
+                let seen = loop {
+                    // SAFETY: as above; the GPU writes the word once, a volatile read sees either
+                    // 0 or the stamp.
+                    let v = unsafe { std::ptr::read_volatile(w) };
+                    if v != 0 {
+                        break now_ns();
+                    }
+                    if now_ns() - t0 > 100_000_000 {
+                        return Err(
+                            "the stamp kernel's write to pinned host memory did not show \
+                                    up within 100 ms"
+                                .into(),
+                        );
+                    }
+                    std::hint::spin_loop();
+                };
+                self.stream.synchronize()?;
+                // SAFETY: as above; the kernel has finished.
+                let g = unsafe { std::ptr::read_volatile(w) };
+                Ok((t0, g, seen))
+            }
+            None => {
+                let t0 = now_ns();
+                self.kernels.stamp(&self.scratch, &self.stream)?;
+                self.stream.synchronize()?;
+                let t1 = now_ns();
+                let mut b = [0u8; 8];
+                self.scratch.copy_to_host(0, &mut b)?;
+                Ok((t0, u64::from_le_bytes(b), t1))
+            }
+        }
     }
 
     /// Takes `n` samples (after a few discarded ones) and returns the bracket of θ.
@@ -176,49 +234,10 @@ impl GpuClock {
         let mut stamps = Vec::with_capacity(n);
         let (first, mut last) = (now_ns(), 0);
         for k in 0..n + 8 {
-            let (t0, g, upper_t) = match &self.pinned {
-                Some(p) => {
-                    let w = p.word();
-                    // SAFETY: `w` is the first 8 bytes of a live pinned allocation, 8-aligned;
-                    // no kernel writes it now (the previous sample was synchronised).
-                    unsafe { std::ptr::write_volatile(w, 0) };
-                    let view = View {
-                        ptr: p.dev,
-                        len: 8,
-                        ctx: self.ctx.clone(),
-                    };
-                    let t0 = now_ns();
-                    self.kernels.stamp(&view, &self.stream)?;
-                    let seen = loop {
-                        // SAFETY: as above; the GPU writes the word once, a volatile read sees
-                        // either 0 or the stamp.
-                        let v = unsafe { std::ptr::read_volatile(w) };
-                        if v != 0 {
-                            break now_ns();
-                        }
-                        if now_ns() - t0 > 1_000_000_000 {
-                            return Err("the stamp kernel did not write host memory in 1 s".into());
-                        }
-                        std::hint::spin_loop();
-                    };
-                    self.stream.synchronize()?;
-                    // SAFETY: as above; the kernel has finished.
-                    let g = unsafe { std::ptr::read_volatile(w) };
-                    (t0, g, seen)
-                }
-                None => {
-                    let t0 = now_ns();
-                    self.kernels.stamp(&self.scratch, &self.stream)?;
-                    self.stream.synchronize()?;
-                    let t1 = now_ns();
-                    let mut b = [0u8; 8];
-                    self.scratch.copy_to_host(0, &mut b)?;
-                    (t0, u64::from_le_bytes(b), t1)
-                }
-            };
+            let (t0, g, upper_t) = self.sample(self.pinned.as_ref())?;
             last = upper_t;
             if k < 8 {
-                continue; // warm-up: first launches pay for module loading
+                continue; // warm-up
             }
             lo = lo.max(g as i128 - upper_t as i128);
             hi = hi.min(g as i128 - t0 as i128);
@@ -268,4 +287,38 @@ pub fn describe(a: &Calibration, b: &Calibration) -> Value {
         "globaltimer_resolution_ns": a.resolution_ns.min(b.resolution_ns),
         "samples": a.samples + b.samples,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cal(at_ns: u64, theta: i128) -> Calibration {
+        Calibration {
+            at_ns,
+            theta,
+            lo: theta,
+            hi: theta + 100,
+            samples: 1,
+            resolution_ns: 32,
+            pinned: true,
+        }
+    }
+
+    #[test]
+    fn stamps_convert_with_the_interpolated_offset() {
+        // The GPU clock runs 1,000 ns ahead at t = 1 s and 3,000 ns ahead at t = 3 s.
+        let (a, b) = (cal(1_000_000_000, 1_000), cal(3_000_000_000, 3_000));
+        assert_eq!(to_host(1_000_001_000, &a, &b), 1_000_000_000);
+        assert_eq!(to_host(2_000_002_000, &a, &b), 2_000_000_000);
+        assert_eq!(to_host(3_000_003_000, &a, &b), 3_000_000_000);
+        // One calibration only (or both at once): a constant offset.
+        assert_eq!(to_host(5_000, &a, &a), 4_000);
+    }
+
+    #[test]
+    fn gcd_gives_the_timer_resolution() {
+        assert_eq!([32u64, 96, 64].iter().fold(0, |g, &x| gcd(g, x)), 32);
+        assert_eq!(gcd(0, 1000), 1000);
+    }
 }

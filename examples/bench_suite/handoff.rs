@@ -2,17 +2,19 @@
 //! lower layers, with the same wait strategy, the same pacing and the same clocks.
 //!
 //! One frame, paced so that it is the hand-off and not queueing that is measured:
-//! 1. the producer fills a pool buffer with a kernel and waits for it (`cuStreamSynchronize`), so
-//!    no GPU work of its own is pending;
-//! 2. it waits until the consumer has finished the previous frame (the `ack` word), then for the
-//!    gap (`gap_us`), so the consumer is idle in its wait;
+//! 1. the producer waits until the consumer has finished the previous frame, its GPU work included
+//!    (the `ack` word);
+//! 2. it fills a pool buffer with a kernel and waits for it (`cuStreamSynchronize`), so no GPU work
+//!    of its own is pending, then waits until `gap_us` after the ack, so the consumer is idle in its
+//!    wait (`fill=false`, used with the short gap, skips the fill so the frame surely comes within
+//!    the default 50 µs spin window);
 //! 3. `t0` = CLOCK_MONOTONIC, then `publish` (channel: record the buffer's IPC event, write the
 //!    metadata and the sequence number, wake; floor: record an IPC event, store `t0` and a sequence
 //!    number in shared memory, `FUTEX_WAKE` unless spinning). `t0` travels in the metadata;
 //! 4. the consumer returns from its wait with the stream wait enqueued (`recv` / `cuStreamWaitEvent`):
 //!    **ready** = now − `t0`; it launches the `stamp` kernel, whose `%globaltimer` converted to host
 //!    time (see `clock`) gives **kernel start** − `t0`;
-//! 5. it releases the frame (timed: **release call**) and stores the ack.
+//! 5. it releases the frame (timed: **release call**), waits for its stream and stores the ack.
 //!
 //! With `cost=true` (the zero-copy case) every odd frame is instead taken only once its `publish`
 //! has returned (the `published` word), so `recv` does not wait: **consumer cost** = that `recv`
@@ -37,13 +39,13 @@ use std::time::{Duration, Instant};
 /// How long any single wait of a case may take before it counts as a hang.
 pub const STEP: Duration = Duration::from_secs(10);
 
-/// Sleeps or spins for `gap_us` µs: sleeping above 200 µs (the consumer is idle either way),
-/// spinning below (a sleep would overshoot).
-pub fn pace(gap_us: u64) {
+/// Waits until `gap_us` µs after `since`: sleeping for gaps of 200 µs and more (the consumer is
+/// idle either way), spinning below (a sleep would overshoot).
+fn pace(since: Instant, gap_us: u64) {
+    let end = since + Duration::from_micros(gap_us);
     if gap_us >= 200 {
-        std::thread::sleep(Duration::from_micros(gap_us));
+        std::thread::sleep(end.saturating_duration_since(Instant::now()));
     } else {
-        let end = Instant::now() + Duration::from_micros(gap_us);
         while Instant::now() < end {
             std::hint::spin_loop();
         }
@@ -60,11 +62,14 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
     let gap_us: u64 = kv.get("gap_us")?;
     let bytes: usize = kv.get("bytes")?;
     let cost: bool = kv.get_or("cost", false)?;
+    let fill: bool = kv.get_or("fill", true)?;
     let key = Key::new(
         &kv.str("bench")?,
         &imp,
         &kv.str("scenario")?,
-        format!("wait={wait_name} frames={frames} warmup={warmup} gap_us={gap_us} bytes={bytes}"),
+        format!(
+            "wait={wait_name} frames={frames} warmup={warmup} gap_us={gap_us} bytes={bytes} fill={fill}"
+        ),
     );
     let total = warmup + frames;
     let ctx = Context::default_device()?;
@@ -88,11 +93,14 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             let mut peer = Peer::spawn("consumer", "handoff-consumer", &args)?;
             peer.expect("READY", Duration::from_secs(60))?;
             for i in 0..total {
-                let frame = tx.acquire(Some(STEP))?;
-                kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
-                frame.stream().synchronize()?;
                 wait_ack(&shared, i, &mut peer)?;
-                pace(gap_us);
+                let idle_since = Instant::now();
+                let frame = tx.acquire(Some(STEP))?;
+                if fill {
+                    kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
+                }
+                frame.stream().synchronize()?;
+                pace(idle_since, gap_us);
                 let t0 = now_ns();
                 frame.publish(&meta(i, t0))?;
                 let t1 = now_ns();
@@ -117,10 +125,13 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             peer.expect("READY", Duration::from_secs(60))?;
             let spin = matches!(wait, WaitStrategy::Spin);
             for i in 0..total {
-                kernels.fill_pattern(&buf, i as u32, &stream)?;
-                stream.synchronize()?;
                 wait_ack(&shared, i, &mut peer)?;
-                pace(gap_us);
+                let idle_since = Instant::now();
+                if fill {
+                    kernels.fill_pattern(&buf, i as u32, &stream)?;
+                }
+                stream.synchronize()?;
+                pace(idle_since, gap_us);
                 let t0 = now_ns();
                 // Relaxed: published by the Release store of seq below.
                 shared.stamp().store(t0, Ordering::Relaxed);
@@ -161,7 +172,7 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
         "records": records,
         "info": {
             "impl": imp, "wait": wait_name, "frames": frames, "warmup": warmup, "gap_us": gap_us,
-            "bytes": bytes, "cost_mode": cost,
+            "bytes": bytes, "cost_mode": cost, "fill": fill,
             "clock": consumer_result.get("clock").cloned().unwrap_or(Value::Null),
             "out_of_order": consumer_result.get("out_of_order").cloned().unwrap_or(Value::Null),
         },
@@ -285,6 +296,9 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                     }
                 }
                 t0s.push(m.stamp_ns);
+                // Our kernel finishes before the producer's next GPU work can start (without MPS,
+                // kernels of two processes do not overlap: it would delay the next stamp).
+                rx.stream().synchronize()?;
                 // Release: pairs with the producer's Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
@@ -307,6 +321,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                     measured.push(k);
                 }
                 t0s.push(t0);
+                stream.synchronize()?; // as in the channel branch
                 // Release: pairs with the producer's Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }

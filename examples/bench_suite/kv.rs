@@ -67,3 +67,25 @@ pub fn parse_wait(s: &str) -> Res<WaitStrategy> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_parse_and_bad_ones_are_named() {
+        let kv = Kv::parse(&["frames=10".into(), "wait=spin".into()]).unwrap();
+        assert_eq!(kv.get::<u64>("frames").unwrap(), 10);
+        assert_eq!(kv.get_or::<u64>("gap_us", 7).unwrap(), 7);
+        assert!(
+            kv.get::<u64>("wait")
+                .unwrap_err()
+                .to_string()
+                .contains("wait=spin")
+        );
+        assert!(kv.str("bytes").unwrap_err().to_string().contains("bytes"));
+        assert!(Kv::parse(&["oops".into()]).is_err());
+        assert!(parse_wait("sometimes").is_err());
+        assert!(matches!(parse_wait("spin").unwrap(), WaitStrategy::Spin));
+    }
+}

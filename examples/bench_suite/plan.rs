@@ -161,35 +161,37 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
     );
     // Hand-off with an idle consumer: floor and channel side by side for each wait strategy, then
     // the default strategy with a gap short enough that the consumer is still spinning.
-    let handoff = |imp: &str, wait: &str, scenario: &str, gap_us: u64| -> (String, Kind, u64) {
-        let frames = s.handoff_frames;
-        let est_s = (frames + s.handoff_warmup) * (gap_us + 2000) / 1_000_000;
-        (
-            format!("handoff/{imp}/{wait}/{scenario}"),
-            Kind::Child {
-                role: "handoff".into(),
-                args: kv(&[
-                    ("bench", "handoff".into()),
-                    ("impl", imp.into()),
-                    ("wait", wait.into()),
-                    ("scenario", format!("{wait}.{scenario}")),
-                    ("frames", frames.to_string()),
-                    ("warmup", s.handoff_warmup.to_string()),
-                    ("gap_us", gap_us.to_string()),
-                    ("bytes", FRAME_BYTES.to_string()),
-                ]),
-            },
-            90 + 2 * est_s,
-        )
-    };
+    let handoff =
+        |imp: &str, wait: &str, scenario: &str, gap_us: u64, fill: bool| -> (String, Kind, u64) {
+            let frames = s.handoff_frames;
+            let est_s = (frames + s.handoff_warmup) * (gap_us + 2000) / 1_000_000;
+            (
+                format!("handoff/{imp}/{wait}/{scenario}"),
+                Kind::Child {
+                    role: "handoff".into(),
+                    args: kv(&[
+                        ("bench", "handoff".into()),
+                        ("impl", imp.into()),
+                        ("wait", wait.into()),
+                        ("scenario", format!("{wait}.{scenario}")),
+                        ("frames", frames.to_string()),
+                        ("warmup", s.handoff_warmup.to_string()),
+                        ("gap_us", gap_us.to_string()),
+                        ("bytes", FRAME_BYTES.to_string()),
+                        ("fill", fill.to_string()),
+                    ]),
+                },
+                90 + 2 * est_s,
+            )
+        };
     for wait in WAITS {
         for imp in ["floor", "channel"] {
-            let (id, kind, t) = handoff(imp, wait, "idle", s.idle_gap_us);
+            let (id, kind, t) = handoff(imp, wait, "idle", s.idle_gap_us, true);
             push(id, "handoff", kind, t);
         }
     }
     for imp in ["floor", "channel"] {
-        let (id, kind, t) = handoff(imp, WAITS[0], "spinning", s.spinning_gap_us);
+        let (id, kind, t) = handoff(imp, WAITS[0], "spinning", s.spinning_gap_us, false);
         push(id, "handoff", kind, t);
     }
     // Zero copy: the consumer's per-frame cost and hand-off latency across frame sizes.

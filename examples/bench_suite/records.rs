@@ -171,4 +171,25 @@ mod tests {
         assert_eq!(percentile(&v, 1.0), 100.0);
         assert_eq!(percentile(&v, 0.0), 1.0);
     }
+
+    #[test]
+    fn csv_quotes_cells_that_need_it() {
+        let k = Key::new("b", "i", "s", "a=1, b=\"2\"");
+        let csv = to_csv(&[k.rec("m", "p50", 1.5, "us", 3)]);
+        let line = csv.lines().nth(1).unwrap();
+        assert_eq!(
+            line,
+            "b.i.s.m.p50,b,i,s,m,p50,1.5,us,3,\"a=1, b=\"\"2\"\"\""
+        );
+    }
+
+    #[test]
+    fn dates_are_iso_utc() {
+        let d = utc_now();
+        assert_eq!(d.len(), 20, "{d}");
+        assert!(
+            d.starts_with("20") && d.ends_with('Z') && &d[10..11] == "T",
+            "{d}"
+        );
+    }
 }
