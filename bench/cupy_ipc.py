@@ -36,7 +36,7 @@ class IpcHandler:
 
     def take(self, i, idx, handle):
         cp = self.cp
-        ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+        ptr = cp.cuda.runtime.ipcOpenMemHandle(handle)  # flags: cudaIpcMemLazyEnablePeerAccess
         mem = cp.cuda.UnownedMemory(ptr, common.FRAME_BYTES, None, 0)
         a = cp.ndarray((self.n,), dtype=cp.int32, memptr=cp.cuda.MemoryPointer(mem, 0))
         return (ptr, a)
