@@ -5,6 +5,8 @@ and every output file is written. Run: python3 bench/test_report.py"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -61,6 +63,12 @@ def write(d: str, name: str, records: list, extra: dict | None = None) -> None:
         json.dump(doc, f)
 
 
+def run_report(d: str) -> int:
+    """report.main with its console output kept out of the test's."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return report.main(["--out", d])
+
+
 def by_name(tg: list) -> dict:
     return {t["name"]: t for t in tg}
 
@@ -69,7 +77,7 @@ def test_targets_from_full_results() -> None:
     with tempfile.TemporaryDirectory() as d:
         write(d, "bench_suite", suite_records(), {"date_utc": "2026-01-01T00:00:00Z", "commit": "abc"})
         write(d, "torch_queue", torch_records())
-        assert report.main(["--out", d]) == 0
+        assert run_report(d) == 0
         with open(os.path.join(d, "results.json")) as f:
             res = json.load(f)
         t = by_name(res["targets"])
@@ -95,12 +103,12 @@ def test_targets_from_full_results() -> None:
 def test_missing_inputs_are_not_measured() -> None:
     with tempfile.TemporaryDirectory() as d:
         write(d, "bench_suite", [])
-        assert report.main(["--out", d]) == 0
+        assert run_report(d) == 0
         with open(os.path.join(d, "results.json")) as f:
             res = json.load(f)
         assert all(t["pass"] is None for t in res["targets"] if t["name"] != "zero_mismatches")
     with tempfile.TemporaryDirectory() as d:
-        assert report.main(["--out", d]) == 2  # no Rust suite result at all
+        assert run_report(d) == 2  # no Rust suite result at all
 
 
 if __name__ == "__main__":
