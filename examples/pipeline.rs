@@ -9,6 +9,9 @@
 //!     [--delivery every|latest] [--wait spin-then-block|spin|block]
 //! ```
 
+mod common;
+
+use common::{FrameMeta, now_ns};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{
     ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer, WaitStrategy,
@@ -87,24 +90,14 @@ fn main() {
     }
 }
 
-/// CLOCK_MONOTONIC in ns: the same clock in every process of the machine.
-fn now_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
-
-/// Frame metadata: index, width, height, publish time (ns, CLOCK_MONOTONIC).
-fn meta(index: u64, stamp: u64) -> [u8; 32] {
-    let mut m = [0u8; 32];
-    m[..8].copy_from_slice(&index.to_le_bytes());
-    m[8..16].copy_from_slice(&WIDTH.to_le_bytes());
-    m[16..24].copy_from_slice(&HEIGHT.to_le_bytes());
-    m[24..].copy_from_slice(&stamp.to_le_bytes());
-    m
-}
-
-fn word(m: &[u8], i: usize) -> u64 {
-    u64::from_le_bytes(m[i * 8..i * 8 + 8].try_into().unwrap_or_default())
+fn meta(index: u64, stamp_ns: u64) -> [u8; FrameMeta::LEN] {
+    FrameMeta {
+        index,
+        width: WIDTH,
+        height: HEIGHT,
+        stamp_ns,
+    }
+    .encode()
 }
 
 fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
@@ -221,10 +214,10 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Result<(), Box<dyn Error>> {
             Err(e) => return Err(e.into()),
         };
         let ready = now_ns();
-        let m = frame.metadata();
-        let (index, w, h, stamp) = (word(m, 0), word(m, 1), word(m, 2), word(m, 3));
-        lat.push(ready.saturating_sub(stamp));
-        if w != WIDTH || h != HEIGHT || frame.buffer().len() != FRAME_BYTES {
+        let m = FrameMeta::decode(frame.metadata()).ok_or("short frame metadata")?;
+        let index = m.index;
+        lat.push(ready.saturating_sub(m.stamp_ns));
+        if m.width != WIDTH || m.height != HEIGHT || frame.buffer().len() != FRAME_BYTES {
             return Err("wrong frame shape in metadata".into());
         }
         if last.is_some_and(|l| index <= l)

@@ -1,0 +1,258 @@
+//! Which cases run, with how many frames, in which order, and each one's deadline.
+
+use crate::FRAME_BYTES;
+use crate::kv::WAITS;
+
+/// The groups `--only` accepts.
+pub const GROUPS: [&str; 7] = [
+    "env",
+    "registry",
+    "limits",
+    "handoff",
+    "zerocopy",
+    "throughput",
+    "import",
+];
+
+/// The frame sizes of the zero-copy case and of the device-to-device copies: label and bytes.
+pub const SIZES: [(&str, usize); 3] = [
+    ("1MiB", 1 << 20),
+    ("33MB", FRAME_BYTES),
+    ("256MiB", 256 << 20),
+];
+
+/// How a case runs.
+pub enum Kind {
+    /// In a child process: `--role ROLE key=value...`.
+    Child {
+        role: String,
+        args: Vec<(String, String)>,
+    },
+    /// The registry's publish/get, in the orchestrating process (no GPU).
+    Registry { iters: usize },
+    /// A cross-process ping-pong driven from the orchestrating process (no GPU).
+    PingPong { mode: String, iters: usize },
+}
+
+/// One case.
+pub struct Case {
+    /// Stable name, e.g. `handoff/channel/spin/idle`.
+    pub id: String,
+    /// Its group (for `--only`).
+    pub group: &'static str,
+    pub kind: Kind,
+    /// Deadline of the whole case in seconds, past which its process is killed.
+    pub timeout_s: u64,
+}
+
+struct Scale {
+    handoff_frames: u64,
+    handoff_warmup: u64,
+    idle_gap_us: u64,
+    spinning_gap_us: u64,
+    tput_frames: u64,
+    tput_warmup: u64,
+    tput_all_waits: bool,
+    zc_frames: u64,
+    zc_gap_us: u64,
+    import_handles: usize,
+    cached_iters: usize,
+    registry_iters: usize,
+    futex_iters: usize,
+    spin_iters: usize,
+    d2d_iters: usize,
+}
+
+const FULL: Scale = Scale {
+    handoff_frames: 5000,
+    handoff_warmup: 100,
+    idle_gap_us: 1000,
+    spinning_gap_us: 10,
+    tput_frames: 8000,
+    tput_warmup: 200,
+    tput_all_waits: true,
+    zc_frames: 1000,
+    zc_gap_us: 300,
+    import_handles: 64,
+    cached_iters: 100_000,
+    registry_iters: 200_000,
+    futex_iters: 20_000,
+    spin_iters: 200_000,
+    d2d_iters: 50,
+};
+
+const QUICK: Scale = Scale {
+    handoff_frames: 300,
+    handoff_warmup: 20,
+    idle_gap_us: 500,
+    spinning_gap_us: 10,
+    tput_frames: 600,
+    tput_warmup: 50,
+    tput_all_waits: false,
+    zc_frames: 200,
+    zc_gap_us: 300,
+    import_handles: 8,
+    cached_iters: 10_000,
+    registry_iters: 20_000,
+    futex_iters: 2_000,
+    spin_iters: 20_000,
+    d2d_iters: 10,
+};
+
+fn kv(pairs: &[(&str, String)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+}
+
+/// The cases of a run, in order, restricted to the groups in `only` (all when empty).
+pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
+    let s = if quick { &QUICK } else { &FULL };
+    let mut cases = Vec::new();
+    let mut push = |id: String, group: &'static str, kind: Kind, timeout_s: u64| {
+        cases.push(Case {
+            id,
+            group,
+            kind,
+            timeout_s,
+        })
+    };
+    push(
+        "env".into(),
+        "env",
+        Kind::Child {
+            role: "env".into(),
+            args: Vec::new(),
+        },
+        60,
+    );
+    push(
+        "registry".into(),
+        "registry",
+        Kind::Registry {
+            iters: s.registry_iters,
+        },
+        60,
+    );
+    for (mode, iters) in [("futex", s.futex_iters), ("spin", s.spin_iters)] {
+        push(
+            format!("limits/{mode}_pingpong"),
+            "limits",
+            Kind::PingPong {
+                mode: mode.into(),
+                iters,
+            },
+            60,
+        );
+    }
+    let sizes: Vec<String> = SIZES.iter().map(|(l, b)| format!("{l}:{b}")).collect();
+    push(
+        "limits/d2d_copy".into(),
+        "limits",
+        Kind::Child {
+            role: "d2d".into(),
+            args: kv(&[
+                ("iters", s.d2d_iters.to_string()),
+                ("sizes", sizes.join(",")),
+            ]),
+        },
+        120,
+    );
+    // Hand-off with an idle consumer: floor and channel side by side for each wait strategy, then
+    // the default strategy with a gap short enough that the consumer is still spinning.
+    let handoff =
+        |imp: &str, wait: &str, scenario: &str, gap_us: u64, fill: bool| -> (String, Kind, u64) {
+            let frames = s.handoff_frames;
+            let est_s = (frames + s.handoff_warmup) * (gap_us + 2000) / 1_000_000;
+            (
+                format!("handoff/{imp}/{wait}/{scenario}"),
+                Kind::Child {
+                    role: "handoff".into(),
+                    args: kv(&[
+                        ("bench", "handoff".into()),
+                        ("impl", imp.into()),
+                        ("wait", wait.into()),
+                        ("scenario", format!("{wait}.{scenario}")),
+                        ("frames", frames.to_string()),
+                        ("warmup", s.handoff_warmup.to_string()),
+                        ("gap_us", gap_us.to_string()),
+                        ("bytes", FRAME_BYTES.to_string()),
+                        ("fill", fill.to_string()),
+                    ]),
+                },
+                90 + 2 * est_s,
+            )
+        };
+    for wait in WAITS {
+        for imp in ["floor", "channel"] {
+            let (id, kind, t) = handoff(imp, wait, "idle", s.idle_gap_us, true);
+            push(id, "handoff", kind, t);
+        }
+    }
+    for imp in ["floor", "channel"] {
+        let (id, kind, t) = handoff(imp, WAITS[0], "spinning", s.spinning_gap_us, false);
+        push(id, "handoff", kind, t);
+    }
+    // Zero copy: the consumer's per-frame cost and hand-off latency across frame sizes.
+    for (label, bytes) in SIZES {
+        push(
+            format!("zerocopy/{label}"),
+            "zerocopy",
+            Kind::Child {
+                role: "handoff".into(),
+                args: kv(&[
+                    ("bench", "zerocopy".into()),
+                    ("impl", "channel".into()),
+                    ("wait", "spin".into()),
+                    ("scenario", label.into()),
+                    ("frames", s.zc_frames.to_string()),
+                    ("warmup", s.handoff_warmup.to_string()),
+                    ("gap_us", s.zc_gap_us.to_string()),
+                    ("bytes", bytes.to_string()),
+                    ("cost", "true".into()),
+                ]),
+            },
+            120,
+        );
+    }
+    // Saturated throughput (and the saturated hand-off latency): 1 consumer per wait strategy,
+    // then 4 consumers with the default.
+    let mut tput = vec![(1usize, WAITS[0])];
+    if s.tput_all_waits {
+        tput.extend([(1, WAITS[1]), (1, WAITS[2])]);
+    }
+    tput.push((4, WAITS[0]));
+    for (consumers, wait) in tput {
+        push(
+            format!("throughput/c{consumers}/{wait}"),
+            "throughput",
+            Kind::Child {
+                role: "throughput".into(),
+                args: kv(&[
+                    ("consumers", consumers.to_string()),
+                    ("wait", wait.into()),
+                    ("frames", s.tput_frames.to_string()),
+                    ("warmup", s.tput_warmup.to_string()),
+                    ("bytes", FRAME_BYTES.to_string()),
+                ]),
+            },
+            120,
+        );
+    }
+    push(
+        "import".into(),
+        "import",
+        Kind::Child {
+            role: "import".into(),
+            args: kv(&[
+                ("handles", s.import_handles.to_string()),
+                ("bytes", (2usize << 20).to_string()),
+                ("cached_iters", s.cached_iters.to_string()),
+            ]),
+        },
+        120,
+    );
+    cases.retain(|c| only.is_empty() || only.iter().any(|g| g == c.group));
+    cases
+}
