@@ -68,8 +68,9 @@ impl ProcessIdentity {
 
     /// Whether the process this identity names is still running.
     ///
-    /// Compares the boot id, then the start time in `/proc/PID/stat`; a missing pid or a different
-    /// start time means the process is dead (its pid may have been reused).
+    /// Compares the boot id, then the start time in `/proc/PID/stat`; a missing pid, a different
+    /// start time (the pid was reused) or a zombie (it exited and its parent has not reaped it yet)
+    /// means the process is dead.
     pub fn liveness(&self) -> Liveness {
         match boot_id() {
             Ok(b) if b != self.boot_id => return Liveness::Dead,
@@ -79,8 +80,10 @@ impl ProcessIdentity {
         if self.pid == 0 || self.pid > i32::MAX as u32 {
             return Liveness::Dead;
         }
-        match start_time_of(self.pid) {
-            Ok(Some(t)) if t == self.start_time => Liveness::Alive,
+        match stat_of(self.pid) {
+            Ok(Some((state, t))) if t == self.start_time && !matches!(state, 'Z' | 'X') => {
+                Liveness::Alive
+            }
             Ok(Some(_)) | Ok(None) => Liveness::Dead,
             Err(_) => Liveness::Unknown,
         }
@@ -94,6 +97,12 @@ impl ProcessIdentity {
 
 /// The start time of `pid` in clock ticks since boot, `Ok(None)` when no such process exists.
 pub(crate) fn start_time_of(pid: u32) -> Result<Option<u64>> {
+    Ok(stat_of(pid)?.map(|(_, t)| t))
+}
+
+/// The state letter (field 3: `R`, `S`, `Z` for a zombie, ...) and start time of `pid`, `Ok(None)`
+/// when no such process exists or its stat line cannot be parsed.
+fn stat_of(pid: u32) -> Result<Option<(char, u64)>> {
     let path = format!("/proc/{pid}/stat");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
@@ -102,7 +111,16 @@ pub(crate) fn start_time_of(pid: u32) -> Result<Option<u64>> {
         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
         Err(e) => return Err(OsError::io("read", path, e).into()),
     };
-    Ok(parse_start_time(&text))
+    Ok(parse_state(&text).zip(parse_start_time(&text)))
+}
+
+/// Field 3 (the state letter) of a `/proc/PID/stat` line.
+fn parse_state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..]
+        .split_ascii_whitespace()
+        .next()?
+        .chars()
+        .next()
 }
 
 /// Field 22 of a `/proc/PID/stat` line. The command name (field 2) is in parentheses and may hold
@@ -185,9 +203,30 @@ mod tests {
     }
 
     #[test]
+    fn an_unreaped_zombie_is_dead() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start = start_time_of(pid).unwrap().unwrap();
+        let id = ProcessIdentity {
+            pid,
+            start_time: start,
+            boot_id: boot_id().unwrap(),
+        };
+        // Not reaped yet: wait until the kernel shows it as a zombie.
+        let t = std::time::Instant::now();
+        while stat_of(pid).unwrap().map(|(s, _)| s) != Some('Z') {
+            assert!(t.elapsed() < std::time::Duration::from_secs(5));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(id.liveness(), Liveness::Dead);
+        child.wait().unwrap();
+    }
+
+    #[test]
     fn stat_parsing_survives_odd_command_names() {
         let line = "42 (a) b (c) R 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
         assert_eq!(parse_start_time(line), Some(98765));
+        assert_eq!(parse_state(line), Some('R'));
         assert_eq!(parse_start_time("garbage"), None);
     }
 }

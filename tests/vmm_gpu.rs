@@ -37,6 +37,19 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// Open file descriptors once they settle at or below `target` (a child's pipes close on a reader
+/// thread shortly after it exits), waiting at most 2 s.
+fn settled_fds(target: usize) -> usize {
+    let t = Instant::now();
+    loop {
+        let n = open_fds();
+        if n <= target || t.elapsed() > Duration::from_secs(2) {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn env(k: &str) -> String {
     std::env::var(k).unwrap()
 }
@@ -133,34 +146,33 @@ fn a_vmm_buffer_crosses_processes_through_the_registry() {
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
     let s = Stream::new(&ctx).unwrap();
-    // Starts the fd server, so the counts below see only the test buffer's descriptors.
-    let warm = VmmBuffer::new(&ctx, 1).unwrap();
-    warm.export().unwrap();
-    let fds0 = open_fds();
     let (free0, _) = ctx.memory_info().unwrap();
-    {
-        // Not a multiple of the granularity: rounded up, and the token says the asked length.
-        let buf = VmmBuffer::new(&ctx, (3 << 20) + 4096).unwrap();
-        assert!(buf.allocation_size() >= buf.len());
-        assert_eq!(
-            buf.allocation_size() % cuda_ipc::ipc::vmm_granularity(&ctx.device()).unwrap(),
-            0
-        );
-        let tok = buf.export().unwrap();
-        assert_eq!(tok.len, (3 << 20) + 4096);
-        // A self-import is served by the local allocation.
-        assert!(ImportedBuffer::open(&tok).unwrap().is_local());
-        two_process(VMM_TWO, &buf, tok, &s, &k);
+    // Two full rounds (allocate, export, hand to a child, free): the second must end with exactly
+    // the descriptors the first ended with (the first may open the driver's and the fd server's own).
+    let mut fds = Vec::new();
+    for _ in 0..2 {
+        {
+            // Not a multiple of the granularity: rounded up; the token says the asked length.
+            let buf = VmmBuffer::new(&ctx, (3 << 20) + 4096).unwrap();
+            assert!(buf.allocation_size() >= buf.len());
+            let g = cuda_ipc::ipc::vmm_granularity(&ctx.device()).unwrap();
+            assert_eq!(buf.allocation_size() % g, 0);
+            let tok = buf.export().unwrap();
+            assert_eq!(tok.len, (3 << 20) + 4096);
+            // A self-import is served by the local allocation.
+            assert!(ImportedBuffer::open(&tok).unwrap().is_local());
+            two_process(VMM_TWO, &buf, tok, &s, &k);
+        }
+        s.synchronize().unwrap();
+        fds.push(settled_fds(fds.last().copied().unwrap_or(0)));
     }
-    s.synchronize().unwrap();
     let (free1, _) = ctx.memory_info().unwrap();
-    let fds1 = open_fds();
+    let diff = free0 as i64 - free1 as i64;
     println!(
-        "exporter: fds {fds0} -> {fds1}; device memory in use differs by {} bytes",
-        free0 as i64 - free1 as i64
+        "exporter: open fds after each round {fds:?}; device memory in use differs by {diff} bytes"
     );
-    assert_eq!(fds0, fds1, "the exporter leaked file descriptors");
-    assert!((free0 as i64 - free1 as i64).abs() <= 2 << 20);
+    assert_eq!(fds[0], fds[1], "the exporter leaked file descriptors");
+    assert!(diff.abs() <= 2 << 20);
 }
 
 const POOL_TWO: &str = "a_pool_allocation_crosses_processes_through_the_registry";
@@ -174,20 +186,20 @@ fn a_pool_allocation_crosses_processes_through_the_registry() {
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
     let s = Stream::new(&ctx).unwrap();
-    let warm = VmmBuffer::new(&ctx, 1).unwrap();
-    warm.export().unwrap();
-    let fds0 = open_fds();
-    {
-        let pool = MemPool::exportable(&ctx).unwrap();
-        let buf = pool.alloc(5 << 20, &s).unwrap();
-        let tok = buf.export().unwrap();
-        assert_eq!(tok.len, 5 << 20);
-        assert!(ImportedBuffer::open(&tok).unwrap().is_local());
-        two_process(POOL_TWO, &buf, tok, &s, &k);
+    let mut fds = Vec::new();
+    for _ in 0..2 {
+        {
+            let pool = MemPool::exportable(&ctx).unwrap();
+            let buf = pool.alloc(5 << 20, &s).unwrap();
+            let tok = buf.export().unwrap();
+            assert_eq!(tok.len, 5 << 20);
+            assert!(ImportedBuffer::open(&tok).unwrap().is_local());
+            two_process(POOL_TWO, &buf, tok, &s, &k);
+        }
+        fds.push(settled_fds(fds.last().copied().unwrap_or(0)));
     }
-    let fds1 = open_fds();
-    println!("exporter: fds {fds0} -> {fds1}");
-    assert_eq!(fds0, fds1, "the exporter leaked file descriptors");
+    println!("exporter: open fds after each round {fds:?}");
+    assert_eq!(fds[0], fds[1], "the exporter leaked file descriptors");
 }
 
 const OUTLIVES: &str = "a_vmm_import_stays_valid_after_its_exporter_is_killed";

@@ -658,6 +658,25 @@ impl Control {
         (s.generation.load(Ordering::Relaxed) == g0).then_some((g0, out))
     }
 
+    /// The identity recorded in consumer slot `c` (whatever its state).
+    pub(crate) fn consumer_identity(&self, c: usize) -> ProcessIdentity {
+        let s = self.consumer(c);
+        ProcessIdentity {
+            pid: s.pid.load(Ordering::Relaxed),
+            start_time: s.start_time.load(Ordering::Relaxed),
+            boot_id: boot_bytes([
+                s.boot_id[0].load(Ordering::Relaxed),
+                s.boot_id[1].load(Ordering::Relaxed),
+            ]),
+        }
+    }
+
+    /// Puts back consumer bits taken from buffer `i`'s used mask (the write did not happen).
+    pub(crate) fn restore_used(&self, i: usize, bits: u64) {
+        // AcqRel: as `take_used`.
+        self.buffer(i).used_mask.fetch_or(bits, Ordering::AcqRel);
+    }
+
     /// Releases the holds of consumers whose process died; returns how many holds were forced.
     pub(crate) fn reclaim_dead_consumers(&self) -> u64 {
         let mut forced = 0;

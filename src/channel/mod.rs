@@ -6,8 +6,9 @@
 //! Built on [`crate::ipc`], [`crate::driver`] and [`crate::shm`]; it never changes those layers.
 //!
 //! One hand-off:
-//! 1. the producer [`acquires`](Producer::acquire) a free buffer: its stream waits on the release
-//!    events of the consumers that last read it, so the write cannot overtake their kernels;
+//! 1. the producer [`acquires`](Producer::acquire) a free buffer once the release events of the
+//!    consumers that last read it completed, so the write cannot overtake their kernels (checked on
+//!    the host: a stream wait on another process's event would block for good if that process died);
 //! 2. it enqueues its GPU work on [`Producer::stream`] and [`publishes`](WriteFrame::publish) with up
 //!    to [`META_BYTES`] of metadata: the buffer's IPC event is recorded and the sequence number bumped;
 //! 3. a consumer's [`recv`](Consumer::recv) returns a [`Frame`] whose event its stream already waits
@@ -27,12 +28,18 @@ pub use control::{
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Stream};
 use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::{ImportedBuffer, IpcEvent, VmmBuffer};
 use crate::shm::SegmentOptions;
 use crate::token::{TOKEN_LEN, Token};
 use control::Control;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How often a producer waiting for a consumer's GPU work checks that the consumer still lives.
+const LIVENESS_CHECK: Duration = Duration::from_millis(20);
+/// How long it polls the consumer's release event before sleeping between polls.
+const SPIN: Duration = Duration::from_micros(50);
 
 /// Errors of the channel layer.
 #[derive(Debug, thiserror::Error)]
@@ -225,7 +232,8 @@ pub struct Producer {
     name: String,
     events: Vec<IpcEvent>,
     buffers: Vec<PoolMemory>,
-    consumer_events: Vec<Option<(u64, Vec<IpcEvent>)>>,
+    /// Per consumer slot: (generation, identity, release events) of the consumer last seen there.
+    consumer_events: Vec<Option<(u64, ProcessIdentity, Vec<IpcEvent>)>>,
     stream: Stream,
     ctx: Arc<Context>,
     wait: WaitStrategy,
@@ -335,14 +343,17 @@ impl Producer {
     }
 
     /// Takes a free buffer to write, waiting up to `timeout` (`None`: forever) while consumers still
-    /// hold every buffer or every-frame consumers have not received them. The producer's stream is
-    /// made to wait on the release events of the consumers that last read the buffer.
+    /// hold every buffer or every-frame consumers have not received them, and then until the GPU
+    /// work of the consumers that last read the buffer finished (their release events, checked on the
+    /// host; a consumer that died is not waited for).
     ///
     /// # Errors
-    /// [`Error::Timeout`] when no buffer freed up in time; CUDA errors from the stream wait.
+    /// [`Error::Timeout`] when no buffer freed up in time, or its readers' GPU work did not finish in
+    /// time (the buffer is given back); CUDA errors from querying the release events.
     pub fn acquire(&mut self, timeout: Option<Duration>) -> Result<WriteFrame<'_>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
         match self.control.acquire(self.wait, timeout)? {
-            Some((i, used)) => self.start_write(i, used),
+            Some((i, used)) => self.start_write(i, used, deadline, timeout),
             None => Err(Error::Timeout {
                 what: "a free buffer",
                 after: timeout.unwrap_or_default(),
@@ -350,27 +361,44 @@ impl Producer {
         }
     }
 
-    /// Takes a free buffer if one is free now.
+    /// Takes a free buffer if one is free now, and its last readers' GPU work on it has finished
+    /// (waiting for that work without a bound, as [`Producer::acquire`] with no timeout).
     ///
     /// # Errors
-    /// CUDA errors from the stream wait.
+    /// CUDA errors from querying the consumers' release events.
     pub fn try_acquire(&mut self) -> Result<Option<WriteFrame<'_>>> {
         match self.control.try_acquire() {
-            Some((i, used)) => self.start_write(i, used).map(Some),
+            Some((i, used)) => self.start_write(i, used, None, None).map(Some),
             None => Ok(None),
         }
     }
 
-    fn start_write(&mut self, i: usize, used: u64) -> Result<WriteFrame<'_>> {
+    fn start_write(
+        &mut self,
+        i: usize,
+        used: u64,
+        deadline: Option<Instant>,
+        timeout: Option<Duration>,
+    ) -> Result<WriteFrame<'_>> {
         let mut bits = used;
         while bits != 0 {
             let c = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            if let Err(e) = self.wait_for_consumer(c, i) {
-                // A consumer whose events cannot be opened has exited; its GPU work ended with
-                // its context, so there is nothing left to wait for.
-                tracing::debug!("consumer {c}'s release event for buffer {i}: {e}");
+            match self.wait_for_consumer(c, i, deadline) {
+                Ok(()) => {}
+                Err(Error::Timeout { what, .. }) => {
+                    // Give the buffer back with the readers it still has to wait for.
+                    self.control.restore_used(i, bits);
+                    self.control.abandon(i);
+                    return Err(Error::Timeout {
+                        what,
+                        after: timeout.unwrap_or_default(),
+                    });
+                }
+                // A consumer whose events cannot be opened has exited; its GPU work ended with its
+                // context, so there is nothing left to wait for.
+                Err(e) => tracing::debug!("consumer {c}'s release event for buffer {i}: {e}"),
             }
+            bits &= bits - 1;
         }
         Ok(WriteFrame {
             producer: self,
@@ -379,23 +407,64 @@ impl Producer {
         })
     }
 
-    fn wait_for_consumer(&mut self, c: usize, i: usize) -> Result<()> {
+    /// Waits until consumer `c`'s GPU work on buffer `i` (its release event) has finished, or the
+    /// consumer died, or `deadline` passed ([`Error::Timeout`]).
+    ///
+    /// This waits on the host rather than making the producer's stream wait on the event
+    /// (`cuStreamWaitEvent`): the driver never completes an interprocess event whose recording
+    /// process died before the recorded work finished, so a stream wait on a dead consumer's event
+    /// would block the producer's stream for good (tests/peer_death_gpu.rs shows it). The buffer
+    /// acquired is the oldest one, whose readers have almost always finished: then this is one
+    /// `cuEventQuery`.
+    fn wait_for_consumer(&mut self, c: usize, i: usize, deadline: Option<Instant>) -> Result<()> {
         let current = self.control.consumer_release_tokens(c);
         let Some((generation, tokens)) = current else {
+            // Detached (its stream drained first) or reclaimed after its death.
             return Ok(());
         };
-        let stale = !matches!(&self.consumer_events[c], Some((g, _)) if *g == generation);
+        let stale = !matches!(&self.consumer_events[c], Some((g, _, _)) if *g == generation);
         if stale {
             let evs = tokens
                 .iter()
                 .map(|t| IpcEvent::open_in(&self.ctx, &Token::from_bytes(t)?))
                 .collect::<Result<Vec<_>>>()?;
-            self.consumer_events[c] = Some((generation, evs));
+            let who = self.control.consumer_identity(c);
+            self.consumer_events[c] = Some((generation, who, evs));
         }
-        if let Some((_, evs)) = &self.consumer_events[c] {
-            self.stream.wait_event(&evs[i])?;
+        let Some((_, who, evs)) = &self.consumer_events[c] else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let mut next_check = start + LIVENESS_CHECK;
+        let mut nap = Duration::from_micros(10);
+        loop {
+            if evs[i].is_complete()? {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= next_check {
+                if who.liveness() == Liveness::Dead {
+                    tracing::debug!(
+                        "consumer {c} (pid {}) died with work on buffer {i} pending",
+                        who.pid
+                    );
+                    return Ok(());
+                }
+                next_check = now + LIVENESS_CHECK;
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(Error::Timeout {
+                    what: "a consumer's GPU work on the buffer",
+                    after: now - start,
+                });
+            }
+            if now - start < SPIN {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
         }
-        Ok(())
     }
 
     /// Counters of the channel and its consumers.
@@ -424,6 +493,7 @@ impl Producer {
             );
         }
         self.control.unlink();
+        let deadline = Instant::now() + timeout;
         // The pool is freed after this: first let the consumers' last kernels on each buffer
         // finish (their release events), then our own work.
         for i in 0..self.buffers.len() {
@@ -431,8 +501,8 @@ impl Producer {
             while bits != 0 {
                 let c = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                if let Err(e) = self.wait_for_consumer(c, i) {
-                    tracing::debug!("consumer {c}'s release event for buffer {i}: {e}");
+                if let Err(e) = self.wait_for_consumer(c, i, Some(deadline)) {
+                    tracing::warn!("consumer {c}'s release event for buffer {i}: {e}");
                 }
             }
         }
