@@ -5,7 +5,8 @@
 //! the GPU side (export, import, events). Tests drive it across processes on machines without a GPU.
 //!
 //! Layout (all integers little-endian, `#[repr(C)]`, offsets in bytes; see docs/ARCHITECTURE.md):
-//! a [`Header`] at 0, then `buffers` × [`BufferSlot`], then `consumers` × [`ConsumerSlot`].
+//! a [`Header`] at 0, then `buffers` × [`BufferSlot`], then `consumers` × [`ConsumerSlot`], then,
+//! at the next 4096-byte boundary, the ready page (one `u32` per buffer, see [`Control::ready_page`]).
 //!
 //! Holding a buffer is a Dekker pair: the consumer sets its bit in `hold_mask` and then re-reads
 //! `seq`; the producer swaps `seq` to [`WRITING`] and then re-reads `hold_mask`. Both sides use
@@ -21,8 +22,11 @@ use std::time::{Duration, Instant};
 
 /// Magic at offset 0: `CIPCCHAN`.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
-/// Layout version; an opener refuses any other, naming both.
-pub(crate) const VERSION: u32 = 1;
+/// Layout version; an opener refuses any other, naming both. Version 2 added the ready page.
+pub(crate) const VERSION: u32 = 2;
+/// Size of the ready page at the end of the segment: one `u32` ready word per buffer, on a page of
+/// its own so that it can be registered with the driver (`cuMemHostRegister`).
+pub(crate) const READY_PAGE: usize = 4096;
 const STAMP_READY: u32 = 0x5245_4459; // "READY"
 /// Most buffers in a pool.
 pub const MAX_BUFFERS: usize = 16;
@@ -190,8 +194,16 @@ unsafe impl Send for Control {}
 // SAFETY: as for Send: methods take `&self` and touch shared memory only through atomics.
 unsafe impl Sync for Control {}
 
+/// Offset of the ready page: the end of the consumer slots, rounded up to a page.
+fn ready_offset(buffers: usize, consumers: usize) -> usize {
+    (size_of::<Header>()
+        + buffers * size_of::<BufferSlot>()
+        + consumers * size_of::<ConsumerSlot>())
+    .next_multiple_of(READY_PAGE)
+}
+
 fn layout_len(buffers: usize, consumers: usize) -> usize {
-    size_of::<Header>() + buffers * size_of::<BufferSlot>() + consumers * size_of::<ConsumerSlot>()
+    ready_offset(buffers, consumers) + READY_PAGE
 }
 
 /// The segment name of a channel.
@@ -615,6 +627,57 @@ impl Control {
         h.published.fetch_add(1, Ordering::Relaxed);
         Self::bump(&h.publish_futex);
         Ok(seq)
+    }
+
+    /// The sequence number the next [`Control::publish`] will give (only the producer calls this).
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.header().head.load(Ordering::Relaxed) + 1
+    }
+
+    /// The ready page: its address in this mapping (page aligned) and its length in bytes. Word
+    /// `i` (a `u32` at byte `4 * i`) holds the low 32 bits of the sequence number of the last frame
+    /// whose write in buffer `i` finished on the producer's GPU stream (`cuStreamWriteValue32`);
+    /// consumers' streams wait on it (`cuStreamWaitValue32`, `GEQ`, which compares with
+    /// wrap-around).
+    pub(crate) fn ready_page(&self) -> (*mut u8, usize) {
+        let off = ready_offset(self.buffers, self.consumers);
+        // SAFETY: the segment is at least `layout_len` long (checked at create/open), so the page
+        // lies inside the mapping.
+        (unsafe { self.seg.as_ptr().add(off) }, READY_PAGE)
+    }
+
+    fn ready_word(&self, i: usize) -> &AtomicU32 {
+        assert!(i < self.buffers);
+        // SAFETY: in bounds (i < buffers <= MAX_BUFFERS, 4 bytes each, inside the page) and
+        // 4-byte aligned (the page is page aligned).
+        unsafe { &*self.ready_page().0.add(4 * i).cast::<AtomicU32>() }
+    }
+
+    /// Marks every published frame ready, as if its producer's write had finished: for a consumer
+    /// whose producer died, so that its stream, waiting for a write that will never finish, drains
+    /// (the driver never completes a dead process's work). The frames may hold partial data.
+    pub(crate) fn force_ready(&self) {
+        for i in 0..self.buffers {
+            let seq = self.buffer(i).seq.load(Ordering::Acquire);
+            if seq == 0 || seq == WRITING {
+                continue;
+            }
+            let want = seq as u32;
+            let w = self.ready_word(i);
+            let mut cur = w.load(Ordering::Relaxed);
+            // Raise only (the word compares with wrap-around): never lower what a live producer set.
+            while (want.wrapping_sub(cur) as i32) > 0 {
+                match w.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Relaxed) {
+                    Ok(_) => break,
+                    Err(c) => cur = c,
+                }
+            }
+        }
+    }
+
+    /// The ready word of buffer `i` as it is now (for tests and tools).
+    pub(crate) fn ready_value(&self, i: usize) -> u32 {
+        self.ready_word(i).load(Ordering::Acquire)
     }
 
     /// Consumers that held buffer `i` since the producer last wrote it (and clears the mask).
@@ -1106,6 +1169,33 @@ mod tests {
 
     fn rel_tokens(n: usize) -> Vec<[u8; TOKEN_LEN]> {
         (0..n as u8).map(|i| fake_token(200 + i)).collect()
+    }
+
+    #[test]
+    fn the_ready_page_is_page_aligned_and_force_ready_only_raises_published_words() {
+        let (c, _name) = channel(3);
+        let (p, len) = c.ready_page();
+        assert_eq!(p as usize % READY_PAGE, 0);
+        assert_eq!(len, READY_PAGE);
+        assert_eq!(c.seg.len(), ready_offset(3, 4) + READY_PAGE);
+        // Buffer 0 published as frame 1, buffer 1 being written, buffer 2 never used.
+        let (i, _) = c.try_acquire().unwrap();
+        assert_eq!(c.next_seq(), 1);
+        assert_eq!(c.publish(i, b"").unwrap(), 1);
+        let (j, _) = c.try_acquire().unwrap();
+        assert_ne!(i, j);
+        c.force_ready();
+        assert_eq!(c.ready_value(i), 1);
+        assert_eq!(c.ready_value(j), 0, "a buffer being written is not forced");
+        // A word ahead of the published seq (wrap-around order) is never lowered.
+        c.ready_word(i).store(5, Ordering::Relaxed);
+        c.force_ready();
+        assert_eq!(c.ready_value(i), 5);
+        // Wrap-around: u32::MAX is behind 1.
+        c.ready_word(i).store(u32::MAX, Ordering::Relaxed);
+        c.force_ready();
+        assert_eq!(c.ready_value(i), 1);
+        c.unlink();
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub use control::{
     ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, WaitStrategy,
 };
 
-use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Stream};
+use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, HostRegistration, Stream};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::{ImportedBuffer, IpcEvent, VmmBuffer};
@@ -226,8 +226,10 @@ pub struct ShutdownReport {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub struct Producer {
-    // Drop order: the control segment is closed and drained (in Drop) before the buffers and
-    // events are freed, and those before the stream and context.
+    // Drop order: the control segment is closed and drained (in Drop, which also drains the stream)
+    // before the ready page is unregistered, then the segment unmapped, then the buffers and events
+    // freed, and those before the stream and context.
+    ready: HostRegistration,
     control: Control,
     name: String,
     events: Vec<IpcEvent>,
@@ -307,8 +309,13 @@ impl Producer {
             &tokens,
             &seg_opts,
         )?;
+        let (page, len) = control.ready_page();
+        // SAFETY: the ready page lies in the control segment's mapping, which `control` keeps until
+        // the registration drops (field order above).
+        let ready = unsafe { HostRegistration::new(ctx, page, len)? };
         Ok(Producer {
             consumer_events: (0..control.consumer_capacity()).map(|_| None).collect(),
+            ready,
             control,
             name: name.to_string(),
             events,
@@ -561,8 +568,16 @@ impl WriteFrame<'_> {
             )));
         }
         let p = &*self.producer;
+        let seq = p.control.next_seq();
+        // SAFETY: the word lies in the registered ready page (index < buffers), which stays
+        // registered and mapped until the producer's stream has drained (Drop order of Producer).
+        unsafe {
+            p.stream
+                .write_value_u32(p.ready.device_ptr + 4 * self.index as u64, seq as u32)?;
+        }
         p.events[self.index].record(&p.stream)?;
-        let seq = p.control.publish(self.index, metadata)?;
+        let published = p.control.publish(self.index, metadata)?;
+        debug_assert_eq!(published, seq);
         self.done = true;
         Ok(seq)
     }
@@ -605,12 +620,12 @@ impl ConsumerOptions {
 
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
-    // Drop order: the slot is freed (in Drop) first; events and imports go before the stream and
-    // context.
+    // Drop order: the stream is drained and the slot freed (in Drop) first; then the ready page is
+    // unregistered and the segment unmapped; events and imports go before the stream and context.
+    ready: HostRegistration,
     control: Control,
     slot: usize,
     release_events: Vec<IpcEvent>,
-    producer_events: Vec<IpcEvent>,
     buffers: Vec<ImportedBuffer>,
     stream: Stream,
     ctx: Arc<Context>,
@@ -655,11 +670,10 @@ impl Consumer {
         control.producer_gone()?;
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
-        let mut producer_events = Vec::new();
         let mut release_events = Vec::new();
         let mut release_tokens: Vec<[u8; TOKEN_LEN]> = Vec::new();
         for i in 0..control.buffers() {
-            let (mem, ev) = control.buffer_tokens(i);
+            let (mem, _) = control.buffer_tokens(i);
             let b = ImportedBuffer::open_in(ctx, &Token::from_bytes(&mem)?)?;
             if b.len() as u64 != control.buffer_bytes() {
                 return Err(ChannelError::BadSegment(format!(
@@ -670,17 +684,20 @@ impl Consumer {
                 .into());
             }
             buffers.push(b);
-            producer_events.push(IpcEvent::open_in(ctx, &Token::from_bytes(&ev)?)?);
             let r = IpcEvent::new(ctx)?;
             release_tokens.push(r.export()?.to_bytes());
             release_events.push(r);
         }
+        let (page, len) = control.ready_page();
+        // SAFETY: the ready page lies in the control segment's mapping, which `control` keeps until
+        // the registration drops (field order above).
+        let ready = unsafe { HostRegistration::new(ctx, page, len)? };
         let slot = control.attach(opts.delivery, &release_tokens)?;
         Ok(Consumer {
+            ready,
             control,
             slot,
             release_events,
-            producer_events,
             buffers,
             stream,
             ctx: ctx.clone(),
@@ -728,23 +745,37 @@ impl Consumer {
     /// # Errors
     /// As [`Consumer::recv_timeout`], except the timeout.
     pub fn try_recv(&self) -> Result<Option<Frame<'_>>> {
-        match self.control.try_take(self.slot)? {
+        match self
+            .control
+            .try_take(self.slot)
+            .map_err(|e| self.on_error(e))?
+        {
             Some((i, seq, meta)) => self.deliver(i, seq, meta).map(Some),
             None => {
                 if self.control.is_closed() {
                     return Err(Error::ChannelClosed);
                 }
-                self.control.producer_gone()?;
+                self.control.producer_gone().map_err(|e| self.on_error(e))?;
                 Ok(None)
             }
         }
     }
 
     fn recv_inner(&self, timeout: Option<Duration>) -> Result<Option<Frame<'_>>> {
-        match self.control.take(self.slot, self.wait, timeout)? {
-            Some((i, seq, meta)) => self.deliver(i, seq, meta).map(Some),
-            None => Ok(None),
+        match self.control.take(self.slot, self.wait, timeout) {
+            Ok(Some((i, seq, meta))) => self.deliver(i, seq, meta).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) => Err(self.on_error(e)),
         }
+    }
+
+    /// When the producer died, frames it published may still wait for a write that will never
+    /// finish: mark them ready so this consumer's stream drains.
+    fn on_error(&self, e: Error) -> Error {
+        if matches!(e, Error::ProducerGone { .. }) {
+            self.control.force_ready();
+        }
+        e
     }
 
     fn deliver(&self, i: usize, seq: u64, metadata: Vec<u8>) -> Result<Frame<'_>> {
@@ -754,8 +785,16 @@ impl Consumer {
             seq,
             metadata,
         };
-        // If this fails the frame's Drop still releases the hold.
-        self.stream.wait_event(&self.producer_events[i])?;
+        // If this fails the frame's Drop still releases the hold. The stream waits on the
+        // buffer's ready word rather than the producer's IPC event: if the producer dies before its
+        // write finished, the driver never completes its event, but a consumer can still mark the
+        // word ready itself (`Control::force_ready`) and so drain its stream.
+        // SAFETY: the word lies in the registered ready page (i < buffers), which stays registered
+        // and mapped until this consumer's stream has drained (Drop of Consumer).
+        unsafe {
+            self.stream
+                .wait_value_u32(self.ready.device_ptr + 4 * i as u64, seq as u32)?;
+        }
         Ok(frame)
     }
 
@@ -767,6 +806,9 @@ impl Consumer {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
+        if self.control.producer_gone().is_err() {
+            self.control.force_ready();
+        }
         // Detaching clears this consumer's bits in the buffers' used masks, after which the producer
         // no longer waits on its release events: let the work that reads the buffers finish first.
         if let Err(e) = self.stream.synchronize() {
@@ -914,6 +956,23 @@ pub mod testing {
         /// Counters.
         pub fn stats(&self) -> ChannelStats {
             self.0.stats()
+        }
+        /// The sequence number the next publish gives.
+        pub fn next_seq(&self) -> u64 {
+            self.0.next_seq()
+        }
+        /// Sets buffer `i`'s ready word, as the producer's GPU stream does after its write.
+        pub fn set_ready(&self, i: usize, value: u32) {
+            let (p, _) = self.0.ready_page();
+            assert!(i < self.0.buffers());
+            // SAFETY: word `i` of the ready page lies in the mapping and is 4-byte aligned; shared
+            // words are only accessed atomically.
+            let w = unsafe { &*p.add(4 * i).cast::<std::sync::atomic::AtomicU32>() };
+            w.store(value, std::sync::atomic::Ordering::Release);
+        }
+        /// Buffer `i`'s ready word.
+        pub fn ready_value(&self, i: usize) -> u32 {
+            self.0.ready_value(i)
         }
     }
 

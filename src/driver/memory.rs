@@ -185,3 +185,64 @@ mod tests {
         assert!(check_range(usize::MAX, 2, 10).is_err());
     }
 }
+
+/// Host memory page-locked and mapped for the device (`cuMemHostRegister_v2` with
+/// `PORTABLE | DEVICEMAP`), unregistered on drop. The memory itself belongs to the caller, who must
+/// keep it mapped until this drops and every GPU operation on it has run.
+#[derive(Debug)]
+pub(crate) struct HostRegistration {
+    ctx: Arc<Context>,
+    ptr: *mut u8,
+    /// The device address of `ptr` in `ctx` (`cuMemHostGetDevicePointer_v2`).
+    pub(crate) device_ptr: u64,
+}
+
+// SAFETY: the registration is process-wide driver state; the raw pointer is only passed back to
+// the driver.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as for Send.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers `len` bytes at `ptr` (both page aligned).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be mapped memory that stays mapped until the registration drops.
+    pub(crate) unsafe fn new(ctx: &Arc<Context>, ptr: *mut u8, len: usize) -> Result<Self> {
+        ctx.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: context bound; the caller guarantees the range is mapped.
+        check("cuMemHostRegister_v2", unsafe {
+            sys::cuMemHostRegister_v2(ptr.cast(), len, flags)
+        })?;
+        // Unregisters on drop if the query below fails.
+        let mut reg = HostRegistration {
+            ctx: ctx.clone(),
+            ptr,
+            device_ptr: 0,
+        };
+        let mut d = MaybeUninit::<sys::CUdeviceptr>::uninit();
+        // SAFETY: context bound; `ptr` was registered with DEVICEMAP just above.
+        check("cuMemHostGetDevicePointer_v2", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(d.as_mut_ptr(), ptr.cast(), 0)
+        })?;
+        // SAFETY: written on success.
+        reg.device_ptr = unsafe { d.assume_init() };
+        Ok(reg)
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let r = self.ctx.bind().and_then(|()| {
+            // SAFETY: context bound; `ptr` was registered by this value and is unregistered once.
+            check("cuMemHostUnregister", unsafe {
+                sys::cuMemHostUnregister(self.ptr.cast())
+            })
+            .map_err(Into::into)
+        });
+        if let Err(e) = r {
+            tracing::warn!("{e}; a host page stays locked until exit");
+        }
+    }
+}

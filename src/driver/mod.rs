@@ -22,8 +22,8 @@ pub use device::{
     MEMPOOL_HANDLE_WIN32, MEMPOOL_HANDLE_WIN32_KMT, Uuid, driver_version,
 };
 pub use event::Event;
-pub(crate) use memory::Allocation;
 pub(crate) use memory::check_range as memory_check_range;
+pub(crate) use memory::{Allocation, HostRegistration};
 pub use memory::{DeviceBuffer, DeviceMemory};
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;

@@ -117,3 +117,45 @@ impl Drop for Stream {
         }
     }
 }
+
+impl Stream {
+    /// Enqueues a write of `value` to the 32-bit word at device address `addr`, after the work
+    /// enqueued so far (`cuStreamWriteValue32_v2`, with a memory barrier).
+    ///
+    /// # Safety
+    /// `addr` must be a 4-byte aligned device address of a word valid in this stream's context until
+    /// the write has run (device memory, or host memory registered with the driver and mapped).
+    pub(crate) unsafe fn write_value_u32(&self, addr: u64, value: u32) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; the caller guarantees `addr`.
+        check("cuStreamWriteValue32_v2", unsafe {
+            sys::cuStreamWriteValue32_v2(
+                self.raw,
+                addr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Makes later work on this stream wait until the 32-bit word at `addr` is at or after `value`
+    /// in wrap-around order (`(int32)(*addr - value) >= 0`; `cuStreamWaitValue32_v2` with
+    /// `CU_STREAM_WAIT_VALUE_GEQ`). The calling thread does not block.
+    ///
+    /// # Safety
+    /// As [`Stream::write_value_u32`], for as long as the wait may run.
+    pub(crate) unsafe fn wait_value_u32(&self, addr: u64, value: u32) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: context bound; the caller guarantees `addr`.
+        check("cuStreamWaitValue32_v2", unsafe {
+            sys::cuStreamWaitValue32_v2(
+                self.raw,
+                addr,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        })?;
+        Ok(())
+    }
+}
