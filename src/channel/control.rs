@@ -675,6 +675,12 @@ impl Control {
         }
     }
 
+    /// Sets buffer `i`'s ready word from the host (the producer, when it could not enqueue the
+    /// GPU-side write after publishing `seq`).
+    pub(crate) fn set_ready(&self, i: usize, seq: u64) {
+        self.ready_word(i).store(seq as u32, Ordering::Release);
+    }
+
     /// The ready word of buffer `i` as it is now (for tests and tools).
     pub(crate) fn ready_value(&self, i: usize) -> u32 {
         self.ready_word(i).load(Ordering::Acquire)

@@ -2,7 +2,7 @@
 //! buffers to one or more [`Consumer`] processes with zero copies, each in its own CUDA context.
 //!
 //! Owns: the pool, the hand-off protocol (control segment, holds, releases, delivery policies,
-//! dead-peer recovery) and its GPU side (stream-ordered hand-off and release through IPC events).
+//! dead-peer recovery) and its GPU side (stream-ordered hand-off through ready words, release through IPC events).
 //! Built on [`crate::ipc`], [`crate::driver`] and [`crate::shm`]; it never changes those layers.
 //!
 //! One hand-off:
@@ -10,9 +10,13 @@
 //!    consumers that last read it completed, so the write cannot overtake their kernels (checked on
 //!    the host: a stream wait on another process's event would block for good if that process died);
 //! 2. it enqueues its GPU work on [`Producer::stream`] and [`publishes`](WriteFrame::publish) with up
-//!    to [`META_BYTES`] of metadata: the buffer's IPC event is recorded and the sequence number bumped;
-//! 3. a consumer's [`recv`](Consumer::recv) returns a [`Frame`] whose event its stream already waits
-//!    on (no host synchronisation); it enqueues its own kernels on [`Consumer::stream`];
+//!    to [`META_BYTES`] of metadata: the sequence number is bumped and the producer's stream then
+//!    writes the buffer's ready word, a `u32` in the control segment's page registered with the
+//!    driver;
+//! 3. a consumer's [`recv`](Consumer::recv) returns a [`Frame`] whose ready word its stream already
+//!    waits for (`cuStreamWaitValue32`, no host synchronisation); it enqueues its own kernels on
+//!    [`Consumer::stream`]. If the producer dies before its write finished, the consumer marks the
+//!    word ready itself so its stream drains (a wait on a dead process's IPC event never ends);
 //! 4. dropping the frame records the consumer's release event and ends its hold.
 //!
 //! A consumer that dies has its holds released by the producer within about 20 ms of the producer
@@ -232,7 +236,6 @@ pub struct Producer {
     ready: HostRegistration,
     control: Control,
     name: String,
-    events: Vec<IpcEvent>,
     buffers: Vec<PoolMemory>,
     /// Per consumer slot: (generation, identity, release events) of the consumer last seen there.
     consumer_events: Vec<Option<(u64, ProcessIdentity, Vec<IpcEvent>)>>,
@@ -291,15 +294,14 @@ impl Producer {
         };
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::with_capacity(opts.buffers);
-        let mut events = Vec::with_capacity(opts.buffers);
         let mut tokens = Vec::with_capacity(opts.buffers);
         for _ in 0..opts.buffers {
             // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
             let b = PoolMemory::new(ctx, kind, opts.buffer_bytes)?;
-            let e = IpcEvent::new(ctx)?;
-            tokens.push((b.export()?.to_bytes(), e.export()?.to_bytes()));
+            // The second token (the producer's event in layout version 1) stays zero: readiness
+            // travels through the ready page.
+            tokens.push((b.export()?.to_bytes(), [0u8; TOKEN_LEN]));
             buffers.push(b);
-            events.push(e);
         }
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
         let control = Control::create(
@@ -318,7 +320,6 @@ impl Producer {
             ready,
             control,
             name: name.to_string(),
-            events,
             buffers,
             stream,
             ctx: ctx.clone(),
@@ -553,13 +554,15 @@ impl WriteFrame<'_> {
         &self.producer.stream
     }
 
-    /// Records the buffer's IPC event after the work enqueued so far on the producer's stream, and
-    /// publishes the frame with `metadata` (at most [`META_BYTES`] bytes). Returns its sequence
-    /// number (1, 2, ...). Wakes waiting consumers.
+    /// Publishes the frame with `metadata` (at most [`META_BYTES`] bytes) and wakes waiting
+    /// consumers, then enqueues on the producer's stream, after the work enqueued so far, the write
+    /// of the buffer's ready word (`cuStreamWriteValue32`) that consumers' streams wait for.
+    /// Returns its sequence number (1, 2, ...).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for metadata over [`META_BYTES`] (the buffer is given back
-    /// unpublished); CUDA errors from the event record.
+    /// unpublished); CUDA errors from enqueuing the ready word's write (the frame is published
+    /// and marked ready from the host once the producer's stream has drained).
     pub fn publish(mut self, metadata: &[u8]) -> Result<u64> {
         if metadata.len() > META_BYTES {
             return Err(Error::InvalidArgument(format!(
@@ -568,16 +571,21 @@ impl WriteFrame<'_> {
             )));
         }
         let p = &*self.producer;
-        let seq = p.control.next_seq();
+        // Publish first, then enqueue the ready word's write: consumers may see the frame before
+        // the write is enqueued, which is correct (their streams wait for the word on the GPU) and
+        // takes the enqueue off the hand-off's path.
+        let seq = p.control.publish(self.index, metadata)?;
+        let word = p.ready.device_ptr + 4 * self.index as u64;
         // SAFETY: the word lies in the registered ready page (index < buffers), which stays
         // registered and mapped until the producer's stream has drained (Drop order of Producer).
-        unsafe {
-            p.stream
-                .write_value_u32(p.ready.device_ptr + 4 * self.index as u64, seq as u32)?;
+        if let Err(e) = unsafe { p.stream.write_value_u32(word, seq as u32) } {
+            // Consumers already wait for this word: set it from the host once our work on the
+            // buffer is done (or failed), so they never wait for good.
+            let _ = p.stream.synchronize();
+            p.control.set_ready(self.index, seq);
+            self.done = true;
+            return Err(e);
         }
-        p.events[self.index].record(&p.stream)?;
-        let published = p.control.publish(self.index, metadata)?;
-        debug_assert_eq!(published, seq);
         self.done = true;
         Ok(seq)
     }
