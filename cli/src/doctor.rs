@@ -43,10 +43,18 @@ impl Report {
 /// The kernel module's version (`/proc/driver/nvidia/version`: `NVRM version: ... Kernel Module
 /// 580.159.04 ...`).
 fn kernel_module_version() -> Option<String> {
-    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    module_version_of(&std::fs::read_to_string("/proc/driver/nvidia/version").ok()?)
+}
+
+fn module_version_of(text: &str) -> Option<String> {
     let line = text.lines().next()?;
     let after = line.split("Kernel Module").nth(1)?;
-    after.split_whitespace().next().map(str::to_string)
+    // "... Open Kernel Module for x86_64  580.159.04  Release Build ...": the first word that is a
+    // dotted number.
+    after
+        .split_whitespace()
+        .find(|w| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
 }
 
 /// A field of `/proc/self/status` (`Uid:`, `CapEff:`).
@@ -169,19 +177,26 @@ fn devices(r: &mut Report) {
                 "not supported; fix: a driver of CUDA 10.2 or newer on Linux"
             },
         );
-        r.line(
-            if c.fabric_handles {
-                Status::Ok
-            } else {
-                Status::Info
-            },
-            &sub("fabric handles"),
-            if c.fabric_handles {
-                "supported (exporting also needs the IMEX daemon; only used across nodes)"
-            } else {
-                "not supported (only needed to share across nodes over NVLink)"
-            },
-        );
+        // The attribute says the hardware could; exporting also needs an IMEX channel, so try it.
+        match (c.fabric_handles, cuda_ipc::ipc::fabric_handles(&d.device)) {
+            (true, Ok(())) => r.line(
+                Status::Ok,
+                &sub("fabric handles"),
+                "supported and exportable (only needed to share across nodes)",
+            ),
+            (true, Err(why)) => r.line(
+                Status::Info,
+                &sub("fabric handles"),
+                format!(
+                    "refused: {why}; not needed on one host (POSIX fds are used); across nodes: run the IMEX daemon"
+                ),
+            ),
+            (false, _) => r.line(
+                Status::Info,
+                &sub("fabric handles"),
+                "not supported (only needed to share across nodes over NVLink)",
+            ),
+        }
         let mut kinds = Vec::new();
         if c.mempool_handle_types & MEMPOOL_HANDLE_POSIX_FD != 0 {
             kinds.push("POSIX fd");
@@ -337,5 +352,19 @@ pub fn run() -> Result<Outcome, Box<dyn StdError>> {
     } else {
         println!("no problems found");
         Ok(Outcome::Ok)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::module_version_of;
+
+    #[test]
+    fn the_module_version_is_the_dotted_number_after_kernel_module() {
+        let open = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22)  Thu Oct  2 2025\nGCC version: gcc 12";
+        assert_eq!(module_version_of(open).as_deref(), Some("580.159.04"));
+        let closed = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 2024";
+        assert_eq!(module_version_of(closed).as_deref(), Some("550.54.15"));
+        assert_eq!(module_version_of("garbage"), None);
     }
 }
