@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo run --release --example pipeline -- [--frames 10000] [--consumers 2]
-//!     [--delivery every|latest] [--wait spin-then-block|spin|block]
+//!     [--delivery every|latest] [--wait spin-then-block|spin|block] [--memory auto|legacy|vmm]
 //! ```
 
 mod common;
@@ -14,7 +14,7 @@ mod common;
 use common::{FrameMeta, now_ns};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{
-    ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer, WaitStrategy,
+    ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer, WaitStrategy,
 };
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
 use cuda_ipc::kernels::Kernels;
@@ -33,6 +33,7 @@ struct Args {
     delivery: Delivery,
     wait: WaitStrategy,
     wait_name: String,
+    memory: MemoryKind,
     role: Option<(String, String)>,
 }
 
@@ -43,6 +44,7 @@ fn parse() -> Result<Args, Box<dyn Error>> {
         delivery: Delivery::EveryFrame,
         wait: WaitStrategy::default(),
         wait_name: "spin-then-block".into(),
+        memory: MemoryKind::Auto,
         role: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -68,6 +70,14 @@ fn parse() -> Result<Args, Box<dyn Error>> {
                     x => return Err(format!("unknown wait {x:?}").into()),
                 };
                 a.wait_name = w;
+            }
+            "--memory" => {
+                a.memory = match v()?.as_str() {
+                    "auto" => MemoryKind::Auto,
+                    "legacy" => MemoryKind::Legacy,
+                    "vmm" => MemoryKind::Vmm,
+                    x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm)").into()),
+                }
             }
             "--consumer-of" => {
                 let ch = v()?.clone();
@@ -117,8 +127,12 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
     );
     let kernels = Kernels::load(&ctx)?;
     let name = format!("pipeline-{}", std::process::id());
-    let opts = ChannelOptions::new(FRAME_BYTES).buffers(4).wait(a.wait);
+    let opts = ChannelOptions::new(FRAME_BYTES)
+        .buffers(4)
+        .wait(a.wait)
+        .memory(a.memory);
     let mut tx = Producer::create(&ctx, &name, &opts)?;
+    println!("producer: pool memory {:?}", tx.memory_kind());
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
     for k in 0..a.consumers {
