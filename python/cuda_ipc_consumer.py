@@ -2,14 +2,18 @@
 without copying.
 
 A pure-Python twin of the Rust ``cuda_ipc::channel::Consumer``: it maps the channel's control
-segment ``/dev/shm/cuda-ipc.ch.NAME`` (channel layout version 1, token layout version 1), claims a
+segment ``/dev/shm/cuda-ipc.ch.NAME`` (channel layout version 2, token layout version 1), claims a
 consumer slot under this process's identity (pid, start time, boot id), takes frames with the same
 hold protocol and memory orderings as the Rust consumer, and does the GPU side through the CUDA
 driver API (``libcuda.so.1``, loaded with ctypes): it imports the pool (``cuIpcOpenMemHandle_v2``),
-makes its stream wait on the producer's IPC event for each frame (``cuStreamWaitEvent``) and records
-its own IPC release event before it gives a frame back (``cuEventRecord``). No compiled code; it
-needs ``libatomic.so.1`` for atomic operations on shared memory, and nothing else outside the
-standard library. PyTorch and CuPy are imported only when a frame is turned into a tensor or array.
+registers the segment's ready page (``cuMemHostRegister_v2``), makes its stream wait for each
+frame on the buffer's ready word, which the producer's stream writes after its work
+(``cuStreamWaitValue32_v2``), and records its own IPC release event before it gives a frame back
+(``cuEventRecord``). When the producer dies it marks published frames ready itself, so its stream
+never waits for a write that will never finish (the frames may then hold partial data). No compiled
+code; it needs ``libatomic.so.1`` for atomic operations on shared memory, and nothing else outside
+the standard library. PyTorch and CuPy are imported only when a frame is turned into a tensor or
+array.
 
     from cuda_ipc_consumer import Consumer, ChannelClosed
     import torch
@@ -139,7 +143,7 @@ class CudaError(CudaIpcError):
 # ---------------------------------------------------------------------------------------- layout
 
 #: Channel layout version this module reads (``VERSION`` in src/channel/control.rs).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 #: Token layout version this module reads and writes (``TOKEN_VERSION`` in src/token.rs).
 TOKEN_VERSION = 1
 
@@ -170,6 +174,11 @@ _C_STATE, _C_POLICY, _C_GENERATION, _C_PID, _C_START, _C_BOOT = 0, 4, 8, 16, 24,
 _C_CURSOR, _C_RECEIVED, _C_DROPPED, _C_TOKENS = 48, 56, 64, 72
 _CONSUMER_SLOT_BYTES = _C_TOKENS + _MAX_BUFFERS * _TOKEN_LEN
 assert _BUFFER_SLOT_BYTES == 576 and _CONSUMER_SLOT_BYTES == 2376
+# Ready page (``READY_PAGE`` in control.rs): at the next 4096-byte boundary after the consumer
+# slots, one u32 per buffer: the low 32 bits of the seq of the last frame whose write in that buffer
+# finished on the producer's stream (``cuStreamWriteValue32``). It ends the segment.
+_READY_PAGE = 4096
+_U32 = (1 << 32) - 1
 
 # Consumer slot states, policies, producer state.
 _FREE, _CLAIMING, _ACTIVE = 0, 1, 2
@@ -183,8 +192,20 @@ _RELAXED, _CONSUME, _ACQUIRE, _RELEASE, _ACQ_REL, _SEQ_CST = 0, 1, 2, 3, 4, 5
 _T = TypeVar("_T")
 
 
+def _ready_offset(buffers: int, consumers: int) -> int:
+    """Offset of the ready page: the end of the consumer slots rounded up to 4096 bytes."""
+    end = _HEADER_BYTES + buffers * _BUFFER_SLOT_BYTES + consumers * _CONSUMER_SLOT_BYTES
+    return -(-end // _READY_PAGE) * _READY_PAGE
+
+
 def _layout_len(buffers: int, consumers: int) -> int:
-    return _HEADER_BYTES + buffers * _BUFFER_SLOT_BYTES + consumers * _CONSUMER_SLOT_BYTES
+    return _ready_offset(buffers, consumers) + _READY_PAGE
+
+
+def _seq_ahead(want: int, cur: int) -> bool:
+    """Whether the 32-bit ready value ``want`` is after ``cur`` in wrap-around order
+    (``(int32)(want - cur) > 0``, the order ``CU_STREAM_WAIT_VALUE_GEQ`` compares in)."""
+    return 0 < ((want - cur) & _U32) < 0x80000000
 
 
 # ---------------------------------------------------------------------------------------- atomics
@@ -248,8 +269,16 @@ class _Atomics:
 
     def cas32(self, addr: int, expected: int, desired: int, success: int, failure: int) -> bool:
         """Compare-and-swap of the 32-bit word at ``addr``; True when it held ``expected``."""
+        return self.compare_exchange32(addr, expected, desired, success, failure)[0]
+
+    def compare_exchange32(
+        self, addr: int, expected: int, desired: int, success: int, failure: int
+    ) -> tuple:
+        """Compare-and-swap of the 32-bit word at ``addr`` (strong): (True, ``expected``) when it
+        held ``expected`` and now holds ``desired``, else (False, the value it held)."""
         exp = ctypes.c_uint32(expected)
-        return bool(self._cas32(addr, ctypes.addressof(exp), desired, success, failure))
+        ok = bool(self._cas32(addr, ctypes.addressof(exp), desired, success, failure))
+        return ok, exp.value
 
 
 # ---------------------------------------------------------------------------------------- futex
@@ -574,6 +603,8 @@ class _Control:
                 f"{seg} holds {self.len} bytes but its header needs {need}: truncated or corrupted"
             )
         self.buffer_bytes = a.load64(base + _H_BUFFER_BYTES, _RELAXED)
+        # Page aligned: mmap returns a page-aligned address and the offset is a multiple of 4096.
+        self.ready = base + _ready_offset(self.buffers, self.consumers)
 
     def unmap(self) -> None:
         if self.addr:
@@ -617,6 +648,48 @@ class _Control:
         p = self.producer()
         if p.liveness() is False:
             raise ProducerGone(p.pid)
+
+    # -- ready page
+    def ready_page(self) -> tuple:
+        """(address in this mapping, length in bytes) of the ready page, page aligned."""
+        return self.ready, _READY_PAGE
+
+    def _ready_word(self, i: int) -> int:
+        if not 0 <= i < self.buffers:
+            raise IndexError(f"buffer {i} of {self.buffers}")
+        return self.ready + 4 * i
+
+    def ready_value(self, i: int) -> int:
+        """Buffer ``i``'s ready word as it is now."""
+        # Acquire: pairs with force_ready's CAS in other consumers (the producer's GPU write is
+        # not a CPU atomic; it shows up eventually).
+        return self.a.load32(self._ready_word(i), _ACQUIRE)
+
+    def force_ready(self) -> int:
+        """As Control::force_ready: marks every published frame ready, as if its producer's write
+        had finished, so that streams waiting for a write that will never finish (the producer
+        died) drain. Raises a word to the low 32 bits of its buffer's ``seq`` only when that is
+        ahead in wrap-around order: never lowers what a live producer set. Buffers empty (seq 0)
+        or being written (WRITING) are left alone. Returns the words raised."""
+        a = self.a
+        raised = 0
+        for i in range(self.buffers):
+            # Acquire: pairs with the Release store of seq in publish, which the producer makes
+            # after enqueuing the ready word's write.
+            seq = a.load64(self._b(i) + _B_SEQ, _ACQUIRE)
+            if seq == 0 or seq == _WRITING:
+                continue
+            want = seq & _U32
+            w = self._ready_word(i)
+            cur = a.load32(w, _RELAXED)
+            while _seq_ahead(want, cur):
+                # AcqRel: other consumers of a dead producer raise the same words; a failed CAS
+                # re-reads the word and re-checks the order.
+                ok, cur = a.compare_exchange32(w, cur, want, _ACQ_REL, _RELAXED)
+                if ok:
+                    raised += 1
+                    break
+        return raised
 
     def _bump(self, off: int) -> None:
         # Release: pairs with the Acquire load of the word before a futex wait.
@@ -849,6 +922,10 @@ _CU_EVENT_DISABLE_TIMING = 2
 _CU_EVENT_INTERPROCESS = 4
 _CU_STREAM_NON_BLOCKING = 1
 _CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED = 125
+_CU_MEMHOSTREGISTER_PORTABLE = 1
+_CU_MEMHOSTREGISTER_DEVICEMAP = 2
+_CU_STREAM_WAIT_VALUE_GEQ = 0
+_CUDA_ERROR_NOT_READY = 600
 
 
 class _Driver:
@@ -909,13 +986,15 @@ class _Driver:
         self.cuIpcOpenMemHandle = f("cuIpcOpenMemHandle_v2", P(u64), _IpcHandle, c_uint)
         self.cuIpcCloseMemHandle = f("cuIpcCloseMemHandle", u64)
         self.cuMemGetAddressRange = f("cuMemGetAddressRange_v2", P(u64), P(ctypes.c_size_t), u64)
-        self.cuIpcOpenEventHandle = f("cuIpcOpenEventHandle", P(vp), _IpcHandle)
         self.cuIpcGetEventHandle = f("cuIpcGetEventHandle", P(_IpcHandle), vp)
         self.cuEventCreate = f("cuEventCreate", P(vp), c_uint)
         self.cuEventDestroy = f("cuEventDestroy_v2", vp)
         self.cuEventRecord = f("cuEventRecord", vp, vp)
-        self.cuEventSynchronize = f("cuEventSynchronize", vp)
-        self.cuStreamWaitEvent = f("cuStreamWaitEvent", vp, vp, c_uint)
+        self.cuEventQuery = f("cuEventQuery", vp)
+        self.cuMemHostRegister = f("cuMemHostRegister_v2", vp, ctypes.c_size_t, c_uint)
+        self.cuMemHostGetDevicePointer = f("cuMemHostGetDevicePointer_v2", P(u64), vp, c_uint)
+        self.cuMemHostUnregister = f("cuMemHostUnregister", vp)
+        self.cuStreamWaitValue32 = f("cuStreamWaitValue32_v2", vp, u64, ctypes.c_uint32, c_uint)
         self.cuStreamCreate = f("cuStreamCreate", P(vp), c_uint)
         self.cuStreamDestroy = f("cuStreamDestroy_v2", vp)
         self.cuStreamSynchronize = f("cuStreamSynchronize", vp)
@@ -1005,17 +1084,27 @@ class _Bound:
 
 
 class _Gpu:
-    """The GPU side of one consumer: the pool imported, the producer's events opened, this
-    consumer's release events created and exported, in the primary context of the pool's device."""
+    """The GPU side of one consumer: the pool imported, the control segment's ready page
+    registered, this consumer's release events created and exported, in the primary context of
+    the pool's device."""
+
+    #: Streams remembered (with an event recorded after their last ready wait) before completed
+    #: ones are forgotten.
+    _WAITED_STREAMS = 16
 
     def __init__(self, control: _Control, me: ProcessIdentity):
         self.d = d = _Driver.get()
+        self.control = control
         self.ctx = None
         self.mapped = []  # handle bytes of each import, for close
         self.buffers = []  # device pointer of each buffer
-        self.producer_events = []
         self.release_events = []
         self.recorded = set()  # buffer indices whose release event was recorded
+        # stream -> event recorded after the last ready wait enqueued there: close waits for them
+        # before unregistering the ready page (the stream may be another library's, or gone).
+        self.waited: dict = {}
+        self.ready_host = None  # the registered ready page (host address), once registered
+        self.ready_dev = 0  # its device address (cuMemHostGetDevicePointer_v2)
         self.own_stream = None
         self.uuid = _buffer_tokens(control, 0)[0].device
         self.ordinal = d.device_by_uuid(self.uuid)
@@ -1035,7 +1124,9 @@ class _Gpu:
         try:
             with self.bound():
                 for i in range(control.buffers):
-                    mem, ev = _buffer_tokens(control, i)
+                    # The producer's event token is validated but not opened: streams wait on the
+                    # ready words instead.
+                    mem, _ev = _buffer_tokens(control, i)
                     base, size = d.open_mapping(self.ctx, mem.handle)
                     self.mapped.append(mem.handle)
                     if mem.offset + mem.len > size:
@@ -1048,12 +1139,6 @@ class _Gpu:
                             f"buffer {i} holds {mem.len} bytes, the header says {control.buffer_bytes}"
                         )
                     self.buffers.append(base + mem.offset)
-                    pe = ctypes.c_void_p()
-                    d.check(
-                        "cuIpcOpenEventHandle",
-                        d.cuIpcOpenEventHandle(ctypes.byref(pe), _IpcHandle.of(ev.handle)),
-                    )
-                    self.producer_events.append(pe.value)
                     re = ctypes.c_void_p()
                     d.check(
                         "cuEventCreate",
@@ -1068,6 +1153,22 @@ class _Gpu:
                     self.release_tokens.append(
                         Token(_KIND_EVENT, handle, 0, 0, self.uuid, me).to_bytes()
                     )
+                # The ready page lies in the control segment's mapping, which stays mapped until
+                # close() has unregistered it (Consumer.close unmaps last).
+                page, length = control.ready_page()
+                d.check(
+                    "cuMemHostRegister_v2",
+                    d.cuMemHostRegister(
+                        page, length, _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP
+                    ),
+                )
+                self.ready_host = page
+                dptr = ctypes.c_uint64()
+                d.check(
+                    "cuMemHostGetDevicePointer_v2",
+                    d.cuMemHostGetDevicePointer(ctypes.byref(dptr), page, 0),
+                )
+                self.ready_dev = dptr.value
         except BaseException:
             self.close()
             raise
@@ -1083,9 +1184,33 @@ class _Gpu:
             self.own_stream = s.value or 0
         return self.own_stream
 
-    def wait_producer(self, i: int, stream: int) -> None:
+    def wait_ready(self, i: int, seq: int, stream: int) -> None:
+        """Makes ``stream`` wait until buffer ``i``'s ready word is at or after ``seq``'s low 32
+        bits in wrap-around order (``cuStreamWaitValue32_v2``, ``CU_STREAM_WAIT_VALUE_GEQ``), then
+        records this consumer's event for that stream, so that close can wait for the wait."""
+        d = self.d
         with self.bound():
-            self.d.check("cuStreamWaitEvent", self.d.cuStreamWaitEvent(stream, self.producer_events[i], 0))
+            d.check(
+                "cuStreamWaitValue32_v2",
+                d.cuStreamWaitValue32(
+                    stream, self.ready_dev + 4 * i, seq & _U32, _CU_STREAM_WAIT_VALUE_GEQ
+                ),
+            )
+            ev = self.waited.get(stream)
+            if ev is None:
+                if len(self.waited) >= self._WAITED_STREAMS:
+                    self._forget_finished_waits()
+                e = ctypes.c_void_p()
+                d.check("cuEventCreate", d.cuEventCreate(ctypes.byref(e), _CU_EVENT_DISABLE_TIMING))
+                ev = self.waited[stream] = e.value
+            d.check("cuEventRecord", d.cuEventRecord(ev, stream))
+
+    def _forget_finished_waits(self) -> None:
+        # Context bound by the caller.
+        for s, ev in list(self.waited.items()):
+            if self.d.cuEventQuery(ev) == 0:
+                del self.waited[s]
+                self.d.cuEventDestroy(ev)
 
     def record_release(self, i: int, stream: int) -> None:
         """Records buffer ``i``'s release event on ``stream``; on failure synchronises the stream
@@ -1101,24 +1226,53 @@ class _Gpu:
                 warnings.warn(f"recording the release event failed ({e}); synchronising instead")
             self.d.check("cuStreamSynchronize", self.d.cuStreamSynchronize(stream))
 
-    def finish_reads(self) -> None:
-        """Waits on the host for every release event recorded, so the work that read the pool is
-        done before the slot is freed (a freed slot's events are no longer waited on)."""
+    def finish(self) -> None:
+        """Waits on the host until every release event recorded and every ready wait enqueued has
+        completed: the work that read the pool is done before the slot is freed (a freed slot's
+        events are no longer waited on), and no stream still reads the ready page when close()
+        unregisters it. Polls (``cuEventQuery``) rather than blocking in ``cuEventSynchronize``:
+        every 20 ms it checks the producer, and if it died marks its frames ready (force_ready),
+        since a stream waiting for the dead producer's write would never drain."""
+        d = self.d
+        events = [self.release_events[i] for i in sorted(self.recorded)]
+        events += list(self.waited.values())
         with self.bound():
-            for i in sorted(self.recorded):
-                self.d.check("cuEventSynchronize", self.d.cuEventSynchronize(self.release_events[i]))
+            for ev in events:
+                pause = 50e-6
+                last_check = time.monotonic()
+                while True:
+                    rc = d.cuEventQuery(ev)
+                    if rc == 0:
+                        break
+                    if rc != _CUDA_ERROR_NOT_READY:
+                        d.check("cuEventQuery", rc)
+                    now = time.monotonic()
+                    if now - last_check >= _LIVENESS_EVERY:
+                        last_check = now
+                        if self.control.producer().liveness() is False:
+                            self.control.force_ready()
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.001)
 
     def close(self) -> None:
+        """Destroys the events, unregisters the ready page (``cuMemHostUnregister``; callers wait
+        for the streams first, see ``finish``), closes the imports and the own stream, and releases
+        the primary context. Idempotent."""
         d = self.d
         if self.ctx is None:
             return
         problems = []
         with self.bound():
-            for e in self.producer_events + self.release_events:
+            for e in self.release_events + list(self.waited.values()):
                 rc = d.cuEventDestroy(e)
                 if rc:
                     problems.append(f"cuEventDestroy_v2: CUresult {rc}")
-            self.producer_events, self.release_events = [], []
+            self.release_events, self.waited = [], {}
+            if self.ready_host is not None:
+                rc = d.cuMemHostUnregister(self.ready_host)
+                if rc:
+                    problems.append(f"cuMemHostUnregister: CUresult {rc}")
+                self.ready_host, self.ready_dev = None, 0
             for h in self.mapped:
                 try:
                     d.close_mapping(self.ctx, h)
@@ -1205,8 +1359,8 @@ class _CudaArray:
 
 class Frame:
     """A received frame: ``nbytes`` bytes at device address ``ptr`` (in this process), ready on
-    ``stream`` (which waits on the producer's event). Release it (``release()``, a ``with`` block,
-    or by dropping the last reference) after enqueuing the work that reads it: the release is
+    ``stream`` (which waits on the buffer's ready word). Release it (``release()``, a ``with``
+    block, or by dropping the last reference) after enqueuing the work that reads it: the release is
     stream-ordered after that work.
 
     ``seq``: sequence number (1, 2, ... per channel); ``index``: buffer index in the pool;
@@ -1356,7 +1510,8 @@ class Consumer:
         Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``;
         ``InvalidToken``; ``NotSupported`` for VMM or pool tokens; ``NoConsumerSlot``;
         ``ProducerGone`` when the producer is dead; ``AtomicsUnavailable``; ``CudaUnavailable`` or
-        ``CudaError`` from the imports (``cuIpcOpenMemHandle_v2``, ``cuIpcOpenEventHandle``...).
+        ``CudaError`` from the imports and the ready page's registration
+        (``cuIpcOpenMemHandle_v2``, ``cuEventCreate``, ``cuMemHostRegister_v2``...).
         """
         if delivery not in _DELIVERY:
             raise ValueError(f"unknown delivery {delivery!r} (every|latest)")
@@ -1432,15 +1587,20 @@ class Consumer:
     # -- receiving
     def recv(self, timeout: Optional[float] = None) -> Frame:
         """Waits up to ``timeout`` seconds (None: forever) for the next frame by the delivery
-        policy, holds it, and makes the frame's stream wait on the producer's event
-        (``cuStreamWaitEvent``; no host synchronisation).
+        policy, holds it, and makes the frame's stream wait until the buffer's ready word shows
+        the producer's write finished (``cuStreamWaitValue32_v2``; no host synchronisation).
 
-        Raises ``Timeout``; ``ProducerGone`` within about 20 ms of the producer dying;
-        ``ChannelClosed`` once the producer closed and every frame was received; ``Detached``;
-        ``CudaError`` from the stream wait (the hold is released first)."""
+        Raises ``Timeout``; ``ProducerGone`` within about 20 ms of the producer dying, after
+        marking the frames it published ready (so streams waiting on them drain; their data may
+        be partial); ``ChannelClosed`` once the producer closed and every frame was received;
+        ``Detached``; ``CudaError`` from the stream wait (the hold is released first)."""
         self._check_open()
         with self._recv_lock:
-            got = self._control.take(self._slot, self._spin, timeout)
+            try:
+                got = self._control.take(self._slot, self._spin, timeout)
+            except ProducerGone:
+                self._control.force_ready()
+                raise
         if got is None:
             raise Timeout(f"no frame within {timeout} s")
         return self._deliver(*got)
@@ -1453,7 +1613,11 @@ class Consumer:
         if got is None:
             if self._control.is_closed():
                 raise ChannelClosed("the producer closed the channel and every frame was received")
-            self._control.producer_gone()
+            try:
+                self._control.producer_gone()
+            except ProducerGone:
+                self._control.force_ready()
+                raise
             return None
         return self._deliver(*got)
 
@@ -1492,7 +1656,7 @@ class Consumer:
             self._held[i] = (seq, stream, weakref.ref(frame))
         if self._gpu is not None:
             try:
-                self._gpu.wait_producer(i, stream)
+                self._gpu.wait_ready(i, seq, stream)
             except BaseException:
                 frame.release()
                 raise
@@ -1516,11 +1680,15 @@ class Consumer:
             raise ValueError("the consumer is closed")
 
     def close(self) -> None:
-        """Detaches: records release events for frames still held (tensors made from them must not
-        be used afterwards), waits on the host until every release event recorded has completed
-        (the producer no longer waits on this consumer's events once the slot is free), frees the
-        slot and its holds, then closes the imports and events (``cuIpcCloseMemHandle``,
-        ``cuEventDestroy_v2``) and unmaps the segment. Idempotent."""
+        """Detaches: if the producer is dead, marks the frames it published ready (as ``recv``
+        does on ``ProducerGone``); records release events for frames still held (tensors made
+        from them must not be used afterwards); waits on the host until every release event
+        recorded and every ready wait enqueued has completed (the producer no longer waits on this
+        consumer's events once the slot is free, and the ready page must not be read after it is
+        unregistered), marking frames ready if the producer dies meanwhile; frees the slot and its
+        holds; then unregisters the ready page (``cuMemHostUnregister``), closes the imports and
+        events (``cuIpcCloseMemHandle``, ``cuEventDestroy_v2``) and unmaps the segment.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -1529,6 +1697,8 @@ class Consumer:
             self._closed = True
         g = self._gpu
         try:
+            if self._control.producer().liveness() is False:
+                self._control.force_ready()
             for i, (_seq, stream, ref) in held:
                 f = ref()
                 if f is not None:
@@ -1536,7 +1706,7 @@ class Consumer:
                 if g is not None:
                     g.record_release(i, stream)
             if g is not None:
-                g.finish_reads()
+                g.finish()
         except CudaError as e:
             warnings.warn(f"waiting for this consumer's last reads failed: {e}")
         finally:

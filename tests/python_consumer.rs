@@ -2,7 +2,8 @@
 //! protocol, without a GPU: a `ControlProducer` here, the module in its protocol-only mode in a
 //! `python3` child (`python/tests/protocol_check.py`, driven line by line). Checks frames, metadata,
 //! holds, cursors, release tokens and identities as the producer sees them, back-pressure,
-//! latest-only delivery, dead peers on both sides, a closed channel, and garbage segments.
+//! latest-only delivery, dead peers on both sides (a consumer marks a dead producer's frames ready
+//! in the ready page), a closed channel, and garbage segments.
 //!
 //! Needs `python3` (or the interpreter named by `PYTHON`) with `libatomic.so.1`; without them the
 //! tests fail with a message saying so.
@@ -375,6 +376,147 @@ fn python_consumer_reports_a_dead_producer_promptly() {
     d.finish(T);
 }
 
+/// The ready words as the Python consumer reads them.
+fn py_ready(c: &mut Peer) -> Vec<u32> {
+    c.send("ready");
+    let r = c.expect("ready", T);
+    r.split_whitespace().map(|w| w.parse().unwrap()).collect()
+}
+
+/// A Python consumer that finds the producer dead marks every published frame ready, as
+/// `Control::force_ready` (on `recv`, on `try_recv` and at close), so that streams waiting for a
+/// write that will never finish drain; it never lowers a word set ahead (wrap-around order) and
+/// leaves a buffer being written alone.
+#[test]
+fn python_consumer_marks_a_dead_producers_frames_ready_and_never_lowers_a_word() {
+    let ch = Channel::new("force", 4, 2, TokenKind::LegacyMemory);
+    // Frames 1 to 3 in three buffers; the fourth is being written.
+    let mut b = Vec::new();
+    for seq in 1..=3 {
+        assert_eq!(ch.p.next_seq(), seq);
+        let (i, _) = ch.p.try_acquire().expect("a free buffer");
+        assert_eq!(ch.p.publish(i, &meta(seq)).unwrap(), seq);
+        b.push(i);
+    }
+    let (writing, _) = ch.p.try_acquire().expect("the fourth buffer");
+    let ahead = ch.p.next_seq() as u32 + 5;
+    // Frame 1: behind in wrap-around order (u32::MAX is before 1); frame 2: never written;
+    // frame 3: ahead of its seq (a later write finished); the buffer being written: a word that
+    // the low bits of its seq (WRITING, u64::MAX) would be ahead of.
+    ch.p.set_ready(b[0], u32::MAX);
+    ch.p.set_ready(b[2], ahead);
+    ch.p.set_ready(writing, 0x8000_0000);
+    let mut c = py();
+    attach(&mut c, &ch.name, "every"); // at the head: nothing new to receive
+    let mut want = vec![0u32; 4];
+    want[b[0]] = u32::MAX;
+    want[b[2]] = ahead;
+    want[writing] = 0x8000_0000;
+    assert_eq!(
+        py_ready(&mut c),
+        want,
+        "Python finds the ready page where Rust put it"
+    );
+
+    // The producer dies: its pid now names a process that has exited.
+    let mut gone = Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    ch.poke(40, &dead.to_le_bytes());
+    let forced = |ch: &Channel| (0..4).map(|i| ch.p.ready_value(i)).collect::<Vec<_>>();
+    let mut want = vec![0u32; 4];
+    want[b[0]] = 1;
+    want[b[1]] = 2;
+    want[b[2]] = ahead;
+    want[writing] = 0x8000_0000;
+    c.send("recv 5");
+    assert_eq!(c.expect("gone", T), dead.to_string());
+    assert_eq!(
+        forced(&ch),
+        want,
+        "recv: published frames forced ready, none lowered"
+    );
+    assert_eq!(py_ready(&mut c), want);
+
+    ch.p.set_ready(b[1], 0);
+    c.send("try_recv");
+    assert_eq!(c.expect("gone", T), dead.to_string());
+    assert_eq!(forced(&ch), want, "try_recv forces too");
+
+    ch.p.set_ready(b[0], 0);
+    ch.p.set_ready(b[1], 1);
+    c.send("close");
+    c.expect("detached", T);
+    assert_eq!(forced(&ch), want, "close forces too");
+    c.send("exit");
+    c.finish(T);
+}
+
+const GPU_PRODUCER_DIES: &str =
+    "a_python_consumer_whose_producer_dies_with_its_write_pending_drains_its_stream";
+
+/// On a GPU: a Rust producer enqueues 2 s of GPU work before a frame's write and publishes it; the
+/// Python consumer (CUDA mode, its own stream) receives it, so its stream waits on the buffer's
+/// ready word, and the producer is killed before its stream writes that word. The consumer must
+/// get `ProducerGone`, mark the frame ready, and its stream must drain; then it closes cleanly.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_python_consumer_whose_producer_dies_with_its_write_pending_drains_its_stream() {
+    use cuda_ipc::channel::{ChannelOptions, Producer};
+    use cuda_ipc::driver::Context;
+    use cuda_ipc::kernels::Kernels;
+    if role().as_deref() == Some("producer") {
+        let ctx = Context::default_device().expect("a CUDA GPU is needed for this test");
+        let k = Kernels::load(&ctx).unwrap();
+        let name = std::env::var("CUDA_IPC_TEST_CHANNEL").unwrap();
+        let mut tx = Producer::create(&ctx, &name, &ChannelOptions::new(1 << 20)).unwrap();
+        tell("ready");
+        let mut lines = parent_lines();
+        assert_eq!(lines.next().as_deref(), Some("go"));
+        let f = tx.acquire(Some(T)).unwrap();
+        k.spin(2_000_000_000, f.stream()).unwrap();
+        k.fill_pattern(f.buffer(), 3, f.stream()).unwrap();
+        f.publish(&[]).unwrap();
+        tell("published");
+        std::thread::sleep(T);
+        return;
+    }
+    let name = unique("gpudeadp");
+    let mut p = Peer::spawn(
+        GPU_PRODUCER_DIES,
+        "producer",
+        &[("CUDA_IPC_TEST_CHANNEL", &name)],
+    );
+    p.expect("ready", T);
+    let mut c = py();
+    c.send(&format!("attach {name} every gpu"));
+    c.expect("attached", T);
+    p.send("go");
+    p.expect("published", T);
+    c.send("recv 30");
+    assert_eq!(frame_seq(&mut c), 1);
+    let pid = p.child.id();
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    c.send("release 1");
+    c.expect("released", T);
+    c.send("recv 5");
+    assert_eq!(c.expect("gone", T), pid.to_string());
+    c.send("drain 10");
+    let r = c.recv(T);
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{name}"));
+    if !r.starts_with("drained") {
+        // Closing would wait on the wedged stream: leave the child to be killed.
+        c.child.kill().unwrap();
+        panic!("the Python consumer's stream is wedged on the dead producer's ready word: {r}");
+    }
+    println!("producer killed with its write pending: the Python consumer's stream {r} s");
+    c.send("close");
+    c.expect("detached", T);
+    c.send("exit");
+    c.finish(T);
+}
+
 /// Expects `@@ error CLASS MESSAGE` with every `needle` in it.
 fn expect_error(c: &mut Peer, class: &str, needles: &[&str]) {
     let r = c.expect("error", T);
@@ -404,9 +546,15 @@ fn garbage_segments_and_tokens_are_refused_with_a_clear_error() {
     );
     refuse(
         8,
-        &2u32.to_le_bytes(),
+        &1u32.to_le_bytes(),
         "BadSegment",
-        &["layout version 2", "reads version 1"],
+        &["layout version 1", "reads version 2"],
+    );
+    refuse(
+        8,
+        &3u32.to_le_bytes(),
+        "BadSegment",
+        &["layout version 3", "reads version 2"],
     );
     refuse(
         16,
@@ -473,7 +621,7 @@ fn the_python_module_imports_neither_torch_nor_cupy_and_needs_the_driver_for_gpu
     let dir = repo_file("python");
     let code = "import sys, cuda_ipc_consumer as c\n\
                 assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n\
-                assert c.LAYOUT_VERSION == 1 and c.TOKEN_VERSION == 1\n\
+                assert c.LAYOUT_VERSION == 2 and c.TOKEN_VERSION == 1\n\
                 try:\n    c.Consumer.attach(sys.argv[1])\n    print('attached')\n\
                 except c.CudaUnavailable as e:\n    print('ok', e)";
     let out = Command::new(python())

@@ -1,9 +1,10 @@
 """A consumer process driven line by line over stdin, for the Rust test tests/python_consumer.rs.
 
 It uses cuda_ipc_consumer as any program would, in its protocol-only mode (``cuda=False``: the
-same code path without the CUDA calls), and answers each command with one line starting ``@@ ``:
+same code path without the CUDA calls) unless ``gpu`` is given, and answers each command with one
+line starting ``@@ ``:
 
-    attach NAME every|latest      -> @@ attached SLOT PID
+    attach NAME every|latest [gpu] -> @@ attached SLOT PID
     recv TIMEOUT_S                -> @@ frame SEQ INDEX METAHEX | @@ timeout SECONDS
     try_recv                      -> @@ frame ... | @@ none
     release SEQ                   -> @@ released SEQ
@@ -14,12 +15,17 @@ same code path without the CUDA calls), and answers each command with one line s
                                      metadata and that seq goes up, releasing each, then:
                                      @@ received COUNT LAST_SEQ
     stats                         -> @@ stats RECEIVED DROPPED IN_FLIGHT LAG
+    drain TIMEOUT_S               -> polls the stream of the last frame received (cuStreamQuery)
+                                     until it is idle: @@ drained SECONDS | @@ wedged (gpu only)
+    ready                         -> @@ ready WORD0 WORD1 ... (each buffer's ready word, as this
+                                     module reads it from the segment's ready page)
     close                         -> @@ detached
     exit                          -> the process exits 0
 Any exception becomes ``@@ error CLASS MESSAGE`` (``@@ gone PID`` for ProducerGone, ``@@ closed``
 for ChannelClosed), and the process goes on reading commands.
 """
 
+import ctypes
 import os
 import sys
 import time
@@ -40,9 +46,25 @@ def say(*words) -> None:
     print("@@", *words, flush=True)
 
 
+def stream_idle_within(rx, stream: int, timeout: float):
+    """Seconds until ``stream`` had no work left, or None if it still had after ``timeout``."""
+    d = rx._gpu.d
+    t0 = time.monotonic()
+    with rx._gpu.bound():
+        while time.monotonic() - t0 < timeout:
+            rc = d.lib.cuStreamQuery(ctypes.c_void_p(stream))
+            if rc == 0:
+                return time.monotonic() - t0
+            if rc != 600:  # CUDA_ERROR_NOT_READY
+                d.check("cuStreamQuery", rc)
+            time.sleep(0.005)
+    return None
+
+
 def main() -> int:
     rx = None
     frames = {}
+    last_stream = None
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
@@ -50,7 +72,8 @@ def main() -> int:
         try:
             op = cmd[0]
             if op == "attach":
-                rx = cic.Consumer.attach(cmd[1], delivery=cmd[2], cuda=False)
+                gpu = cmd[3:] == ["gpu"]
+                rx = cic.Consumer.attach(cmd[1], delivery=cmd[2], cuda=gpu)
                 say("attached", rx.slot, os.getpid())
             elif op == "recv":
                 t0 = time.monotonic()
@@ -60,6 +83,7 @@ def main() -> int:
                     say("timeout", f"{time.monotonic() - t0:.3f}")
                     continue
                 frames[f.seq] = f
+                last_stream = f.stream
                 say("frame", f.seq, f.index, f.metadata.hex() or "-")
             elif op == "try_recv":
                 f = rx.try_recv()
@@ -106,6 +130,15 @@ def main() -> int:
             elif op == "stats":
                 me = [c for c in rx.stats()["consumers"] if c["index"] == rx.slot][0]
                 say("stats", me["received"], me["dropped"], me["in_flight"], me["lag"])
+            elif op == "drain":
+                took = stream_idle_within(rx, last_stream, float(cmd[1]))
+                if took is None:
+                    say("wedged")
+                else:
+                    say("drained", f"{took:.3f}")
+            elif op == "ready":
+                # Introspection for the test: where the module finds the ready page.
+                say("ready", *(rx._control.ready_value(i) for i in range(rx.buffers)))
             elif op == "close":
                 rx.close()
                 say("detached")
