@@ -1124,9 +1124,8 @@ class _Gpu:
         try:
             with self.bound():
                 for i in range(control.buffers):
-                    # The producer's event token is validated but not opened: streams wait on the
-                    # ready words instead.
-                    mem, _ev = _buffer_tokens(control, i)
+                    # Streams wait on the ready words, not on a producer event.
+                    mem, _ = _buffer_tokens(control, i)
                     base, size = d.open_mapping(self.ctx, mem.handle)
                     self.mapped.append(mem.handle)
                     if mem.offset + mem.len > size:
@@ -1291,10 +1290,11 @@ class _Gpu:
 
 
 def _buffer_tokens(control: _Control, i: int) -> tuple:
-    """The decoded (memory, producer event) tokens of buffer ``i``, kinds checked."""
-    mem_b, ev_b = control.buffer_tokens(i)
+    """The decoded memory token of buffer ``i``, kind checked, and ``None``: since layout version 2
+    the second token area is zero (readiness travels through the ready page)."""
+    mem_b, _ev_b = control.buffer_tokens(i)
     try:
-        mem, ev = Token.from_bytes(mem_b), Token.from_bytes(ev_b)
+        mem = Token.from_bytes(mem_b)
     except InvalidToken as e:
         raise InvalidToken(f"buffer {i}: {e}") from None
     if mem.kind in (_KIND_VMM, _KIND_POOL):
@@ -1304,9 +1304,7 @@ def _buffer_tokens(control: _Control, i: int) -> tuple:
         )
     if mem.kind != _KIND_MEMORY:
         raise InvalidToken(f"buffer {i}: expected a memory token, got {_KIND_NAMES[mem.kind]}")
-    if ev.kind != _KIND_EVENT:
-        raise InvalidToken(f"buffer {i}: expected an event token, got {_KIND_NAMES[ev.kind]}")
-    return mem, ev
+    return mem, None
 
 
 # ---------------------------------------------------------------------------------------- API

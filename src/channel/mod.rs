@@ -628,10 +628,12 @@ impl ConsumerOptions {
 
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
-    // Drop order: the stream is drained and the slot freed (in Drop) first; then the ready page is
-    // unregistered and the segment unmapped; events and imports go before the stream and context.
+    // Drop order: the stream is drained and the slot freed (in Drop) first; then the watchdog stops,
+    // the ready page is unregistered and the segment unmapped (the watchdog holds it too); events
+    // and imports go before the stream and context.
+    _watchdog: Watchdog,
     ready: HostRegistration,
-    control: Control,
+    control: Arc<Control>,
     slot: usize,
     release_events: Vec<IpcEvent>,
     buffers: Vec<ImportedBuffer>,
@@ -701,7 +703,9 @@ impl Consumer {
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
         let slot = control.attach(opts.delivery, &release_tokens)?;
+        let control = Arc::new(control);
         Ok(Consumer {
+            _watchdog: Watchdog::start(control.clone()),
             ready,
             control,
             slot,
@@ -814,15 +818,80 @@ impl Consumer {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
-        if self.control.producer_gone().is_err() {
-            self.control.force_ready();
-        }
         // Detaching clears this consumer's bits in the buffers' used masks, after which the producer
         // no longer waits on its release events: let the work that reads the buffers finish first.
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!("synchronising the consumer stream before detaching failed: {e}");
+        // Poll rather than block: if the producer dies meanwhile, its frames must be marked ready
+        // for the stream to drain (the watchdog does it too; this does not rely on it).
+        let mut next_check = Instant::now();
+        loop {
+            match self.stream.is_idle() {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!("querying the consumer stream before detaching failed: {e}");
+                    break;
+                }
+            }
+            if Instant::now() >= next_check {
+                if self.control.producer_gone().is_err() {
+                    self.control.force_ready();
+                }
+                next_check = Instant::now() + LIVENESS_CHECK;
+            }
+            std::thread::sleep(Duration::from_micros(100));
         }
         self.control.detach(self.slot);
+    }
+}
+
+/// A thread that marks a dead producer's frames ready (`Control::force_ready`) within about 20 ms
+/// of its death, so a consumer stream waiting for a write that will never finish drains even when
+/// the consumer's own thread is blocked in it (say, synchronising that stream) and never calls
+/// `recv` again.
+struct Watchdog {
+    stop: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    fn start(control: Arc<Control>) -> Watchdog {
+        let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("cuda-ipc-watchdog".into())
+            .spawn(move || {
+                let (lock, cv) = &*s;
+                let mut stopped = lock.lock().unwrap_or_else(|p| p.into_inner());
+                while !*stopped {
+                    stopped = cv
+                        .wait_timeout(stopped, LIVENESS_CHECK)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    if !*stopped && control.producer_gone().is_err() {
+                        control.force_ready();
+                        return;
+                    }
+                }
+            });
+        let thread = match thread {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!("no producer watchdog ({e}): a dead producer is noticed at recv");
+                None
+            }
+        };
+        Watchdog { stop, thread }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.stop;
+        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
