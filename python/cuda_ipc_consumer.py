@@ -1289,6 +1289,18 @@ class _Gpu:
             warnings.warn("closing the consumer's CUDA resources: " + "; ".join(problems))
 
 
+def _watchdog(control: "_Control", stop: threading.Event) -> None:
+    """Checks the producer every 20 ms until ``stop`` is set; once it is dead, marks its frames
+    ready (``force_ready``) and ends."""
+    while not stop.wait(0.02):
+        try:
+            if control.producer().liveness() is False:
+                control.force_ready()
+                return
+        except Exception:  # the consumer is closing; never raise from this thread
+            return
+
+
 def _buffer_tokens(control: _Control, i: int) -> tuple:
     """The decoded memory token of buffer ``i``, kind checked, and ``None``: since layout version 2
     the second token area is zero (readiness travels through the ready page)."""
@@ -1548,6 +1560,14 @@ class Consumer:
         self._closed = False
         self.name = name
         self.delivery = delivery
+        # As the Rust consumer's watchdog: marks a dead producer's frames ready within about 20 ms,
+        # so a stream waiting for them drains even if this process never calls recv again (say,
+        # it is blocked synchronising that stream). Stopped and joined before the unmap in close.
+        self._watch_stop = threading.Event()
+        self._watch = threading.Thread(
+            target=_watchdog, args=(control, self._watch_stop), name="cuda-ipc-watchdog", daemon=True
+        )
+        self._watch.start()
         return self
 
     # -- properties
@@ -1709,6 +1729,11 @@ class Consumer:
             warnings.warn(f"waiting for this consumer's last reads failed: {e}")
         finally:
             self._control.detach(self._slot)
+            watch = getattr(self, "_watch", None)
+            if watch is not None:
+                self._watch_stop.set()
+                if watch is not threading.current_thread():
+                    watch.join()
             try:
                 if g is not None:
                     g.close()
