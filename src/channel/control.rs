@@ -82,7 +82,7 @@ pub(crate) struct BufferSlot {
     meta_len: AtomicU32,
     _pad: AtomicU32,
     meta: [AtomicU64; META_WORDS],
-    /// Token of the buffer memory, then of the producer's event for it (immutable after creation).
+    /// Token of the buffer memory, then a second token area, zero since layout version 2 (immutable after creation).
     tokens: [u8; 2 * TOKEN_LEN],
 }
 
