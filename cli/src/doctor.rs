@@ -36,7 +36,7 @@ impl Report {
         if status == Status::Fail {
             self.failed = true;
         }
-        println!("{tag:<5} {what:<20} {}", detail.as_ref());
+        out!("{tag:<5} {what:<20} {}", detail.as_ref());
     }
 }
 
@@ -347,10 +347,10 @@ pub fn run() -> Result<Outcome, Box<dyn StdError>> {
     devices(&mut r);
     host(&mut r);
     if r.failed {
-        println!("problems found: CUDA IPC cannot work here until the FAIL lines are fixed");
+        out!("problems found: CUDA IPC cannot work here until the FAIL lines are fixed");
         Ok(Outcome::Problems)
     } else {
-        println!("no problems found");
+        out!("no problems found");
         Ok(Outcome::Ok)
     }
 }

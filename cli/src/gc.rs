@@ -78,7 +78,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         }
         if dry_run {
             for l in &lines {
-                println!("{verb} registry {r}: {l}");
+                out!("{verb} registry {r}: {l}");
             }
             removed += lines.len();
             continue;
@@ -104,7 +104,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             None => lines,
         };
         for l in &gone_lines {
-            println!("{verb} registry {r}: {l}");
+            out!("{verb} registry {r}: {l}");
         }
         removed += gone_lines.len();
         tracing::info!(
@@ -143,7 +143,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
                     .iter()
                     .filter(|x| x.liveness == Liveness::Dead)
                 {
-                    println!("{verb} {}", dead(x));
+                    out!("{verb} {}", dead(x));
                     removed += 1;
                 }
                 continue;
@@ -151,7 +151,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             match channel_inspect::release_dead_consumers(c) {
                 Ok(freed) => {
                     for x in &freed {
-                        println!("{verb} {}", dead(x));
+                        out!("{verb} {}", dead(x));
                     }
                     removed += freed.len();
                 }
@@ -179,21 +179,21 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             }
         );
         if dry_run {
-            println!("{verb} {what}");
+            out!("{verb} {what}");
             removed += 1;
             continue;
         }
         match channel_inspect::remove_stale(c) {
             Ok(Some(_)) => {
-                println!("{verb} {what}");
+                out!("{verb} {what}");
                 removed += 1;
             }
-            Ok(None) => println!("kept channel {c}: a new producer took it over meanwhile"),
+            Ok(None) => out!("kept channel {c}: a new producer took it over meanwhile"),
             Err(e) => fail(format!("channel {c}: cannot remove: {e}")),
         }
     }
     if removed == 0 {
-        println!("nothing to remove");
+        out!("nothing to remove");
     }
     Ok(if failed {
         Outcome::Problems

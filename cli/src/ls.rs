@@ -587,9 +587,9 @@ fn outcome(l: &Listing) -> Outcome {
 pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let l = collect(&targets(name)?);
     if json {
-        println!("{}", serde_json::to_string_pretty(&l)?);
+        out!("{}", serde_json::to_string_pretty(&l)?);
     } else {
-        print!("{}", render(&l, false));
+        out_nonl!("{}", render(&l, false));
     }
     Ok(outcome(&l))
 }

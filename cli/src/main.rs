@@ -5,6 +5,39 @@
 //! inspection of registries and channels (`ls`, `watch`), and the registry's reclaim and the
 //! channel's stale-segment removal (`gc`).
 
+/// `println!` that ends the process quietly (status 141) when stdout's reader went away
+/// (`cuda-ipc ls | head`) instead of panicking, and with status 1 on other write errors.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($t)*) {
+            $crate::stdout_failed(e);
+        }
+    }};
+}
+
+/// `print!` with the same handling as [`out!`].
+macro_rules! out_nonl {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let mut o = std::io::stdout().lock();
+        if let Err(e) = write!(o, $($t)*).and_then(|()| o.flush()) {
+            $crate::stdout_failed(e);
+        }
+    }};
+}
+
+/// Ends the process after a failed write to stdout: quietly with status 141 (128 + SIGPIPE, what a
+/// shell reports for a program killed by the signal) when the reader closed the pipe, else with the
+/// error and status 1.
+fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    eprintln!("cuda-ipc: writing to stdout: {e}");
+    std::process::exit(1);
+}
+
 mod doctor;
 mod gc;
 mod ls;
@@ -18,7 +51,8 @@ Exit status:
   1  problems found (doctor: something sharing needs is missing; ls, watch: leftovers of dead
      processes, a segment that cannot be read, or NAME not found; gc: something could not be read
      or removed), or an error
-  2  usage error";
+  2  usage error
+  141  the reader of stdout went away (as `| head` does); nothing else is wrong";
 
 /// Tools for cuda-ipc: check the machine, list and watch registries and channels, clean up.
 #[derive(Parser, Debug)]

@@ -701,6 +701,22 @@ fn doctor_without_a_driver_says_so_plainly_and_exits_1() {
 }
 
 #[test]
+fn a_closed_stdout_ends_the_command_quietly_with_status_141() {
+    // `cuda-ipc doctor | head -1`: the reader goes away before the command is done writing.
+    let mut child = std::process::Command::new(bin())
+        .arg("doctor")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(o.status.code(), Some(141), "{err}");
+}
+
+#[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
 fn doctor_on_a_gpu_machine_lists_every_gpu_with_its_uuid_and_capabilities() {
     let o = cuda_ipc(&["doctor"]);
