@@ -702,15 +702,16 @@ fn doctor_without_a_driver_says_so_plainly_and_exits_1() {
 
 #[test]
 fn a_closed_stdout_ends_the_command_quietly_with_status_141() {
-    // `cuda-ipc doctor | head -1`: the reader goes away before the command is done writing.
-    let mut child = std::process::Command::new(bin())
+    // `cuda-ipc doctor | head -c0`: the reader is gone before the command writes (closed before
+    // the command even starts, so the outcome does not depend on timing).
+    let (r, w) = rustix::pipe::pipe().unwrap();
+    drop(r);
+    let o = std::process::Command::new(bin())
         .arg("doctor")
-        .stdout(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::from(w))
         .stderr(std::process::Stdio::piped())
-        .spawn()
+        .output()
         .unwrap();
-    drop(child.stdout.take());
-    let o = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(o.status.code(), Some(141), "{err}");
