@@ -109,7 +109,7 @@ fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_th
 const PRODUCER_DIES: &str = "a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer";
 
 /// The producer enqueues 2 s of GPU work before a frame's write and publishes it; the consumer
-/// receives it (its stream waits on the producer's event) and the producer is killed. The consumer
+/// receives it (its stream waits for the producer's write) and the producer is killed. The consumer
 /// must get `ProducerGone` and its stream must drain, so it can drop everything and go on.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
