@@ -3,30 +3,13 @@
 
 mod common;
 
-use common::{Peer, role, tell};
+use common::{Peer, ctx, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
 use cuda_ipc::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(60);
-
-fn ctx() -> std::sync::Arc<Context> {
-    Context::default_device().expect("a CUDA GPU is needed for this test")
-}
-
-fn counter(ctx: &std::sync::Arc<Context>) -> DeviceBuffer {
-    let c = DeviceBuffer::new(ctx, 8).unwrap();
-    c.copy_from_host(0, &[0; 8]).unwrap();
-    c
-}
-
-fn read(c: &DeviceBuffer) -> u64 {
-    let mut b = [0u8; 8];
-    c.copy_to_host(0, &mut b).unwrap();
-    u64::from_le_bytes(b)
-}
 
 fn channel_env() -> String {
     std::env::var("CUDA_IPC_TEST_CHANNEL").unwrap()
@@ -44,7 +27,7 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&channel_env(), &ConsumerOptions::new()).unwrap();
         let k = Kernels::load(rx.context()).unwrap();
-        let bad = counter(rx.context());
+        let bad = zeroed_counter(rx.context());
         tell("ready");
         let mut n = 0u64;
         loop {
@@ -60,7 +43,7 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
             n += 1;
         }
         rx.stream().synchronize().unwrap();
-        tell(format!("done {n} {}", read(&bad)));
+        tell(format!("done {n} {}", read_u64(&bad)));
         return;
     }
     let ctx = ctx();
@@ -183,7 +166,7 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
     {
         let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
         let k = Kernels::load(rx.context()).unwrap();
-        let bad = counter(rx.context());
+        let bad = zeroed_counter(rx.context());
         for _ in 0..200 {
             let f = rx.recv_timeout(T).unwrap();
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
@@ -191,7 +174,7 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
                 .unwrap();
         }
         rx.stream().synchronize().unwrap();
-        assert_eq!(read(&bad), 0);
+        assert_eq!(read_u64(&bad), 0);
         p.child.kill().unwrap();
         p.child.wait().unwrap();
         let t = Instant::now();

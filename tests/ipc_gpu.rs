@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{Peer, parent_lines, role, tell};
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
+use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
+use cuda_ipc::driver::{DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, cache_stats};
 use cuda_ipc::kernels::{Kernels, pattern};
 use cuda_ipc::token::{Token, TokenKind};
@@ -13,22 +13,6 @@ use cuda_ipc::{Error, identity::ProcessIdentity};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
-
-fn ctx() -> std::sync::Arc<Context> {
-    Context::default_device().expect("a CUDA GPU is needed for this test")
-}
-
-fn read_u64(buf: &impl DeviceMemory) -> u64 {
-    let mut b = [0u8; 8];
-    buf.copy_to_host(0, &mut b).unwrap();
-    u64::from_le_bytes(b)
-}
-
-fn zeroed_counter(ctx: &std::sync::Arc<Context>) -> DeviceBuffer {
-    let c = DeviceBuffer::new(ctx, 8).unwrap();
-    c.copy_from_host(0, &[0u8; 8]).unwrap();
-    c
-}
 
 const HANDOFF: &str = "handoff_is_correct_over_1000_iterations_with_writes_in_flight";
 

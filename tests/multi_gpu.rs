@@ -5,10 +5,10 @@
 
 mod common;
 
-use common::{Peer, role, tell};
+use common::{Peer, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
-use cuda_ipc::driver::{Device, DeviceBuffer, DeviceMemory, Uuid};
+use cuda_ipc::driver::{Device, DeviceMemory, Uuid};
 use cuda_ipc::kernels::Kernels;
 use std::time::{Duration, Instant};
 
@@ -33,8 +33,7 @@ fn consumer() {
     let ctx = dev.primary_context().unwrap();
     let rx = Consumer::attach_in(&ctx, &name, &ConsumerOptions::new()).unwrap();
     let k = Kernels::load(&ctx).unwrap();
-    let bad = DeviceBuffer::new(&ctx, 8).unwrap();
-    bad.copy_from_host(0, &[0; 8]).unwrap();
+    let bad = zeroed_counter(&ctx);
     tell(format!(
         "ready {} {} {producer_ordinal}",
         dev.uuid(),
@@ -54,9 +53,7 @@ fn consumer() {
         n += 1;
     }
     rx.stream().synchronize().unwrap();
-    let mut b = [0u8; 8];
-    bad.copy_to_host(0, &mut b).unwrap();
-    tell(format!("done {n} {}", u64::from_le_bytes(b)));
+    tell(format!("done {n} {}", read_u64(&bad)));
 }
 
 fn run(kind: MemoryKind, reversed: bool) {

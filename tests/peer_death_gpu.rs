@@ -4,21 +4,16 @@
 
 mod common;
 
-use common::{Peer, parent_lines, role, tell};
+use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
+use cuda_ipc::driver::{DeviceBuffer, Stream};
 use cuda_ipc::kernels::Kernels;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(60);
 /// GPU work the victim leaves running when it is killed.
 const PENDING_NS: u64 = 2_000_000_000;
-
-fn ctx() -> Arc<Context> {
-    Context::default_device().expect("a CUDA GPU is needed for this test")
-}
 
 /// Polls `s` until idle; `None` when it is still busy after `limit` (never blocks on it).
 fn drains_within(s: &Stream, limit: Duration) -> Option<Duration> {
@@ -34,18 +29,6 @@ fn drains_within(s: &Stream, limit: Duration) -> Option<Duration> {
 
 fn env(k: &str) -> String {
     std::env::var(k).unwrap()
-}
-
-fn zeroed(ctx: &Arc<Context>) -> DeviceBuffer {
-    let c = DeviceBuffer::new(ctx, 8).unwrap();
-    c.copy_from_host(0, &[0; 8]).unwrap();
-    c
-}
-
-fn read(c: &DeviceBuffer) -> u64 {
-    let mut b = [0u8; 8];
-    c.copy_to_host(0, &mut b).unwrap();
-    u64::from_le_bytes(b)
 }
 
 const CONSUMER_DIES: &str =
@@ -144,7 +127,7 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     p.expect("ready", T);
     let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
     let k = Kernels::load(rx.context()).unwrap();
-    let bad = zeroed(&ctx);
+    let bad = zeroed_counter(&ctx);
     p.send("go");
     p.expect("published", T);
     let f = rx.recv_timeout(T).unwrap();
@@ -169,13 +152,13 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     // Whatever the GPU did with the dead producer's half-written frame, this context still works.
     let s = Stream::new(&ctx).unwrap();
     let buf = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
-    let bad2 = zeroed(&ctx);
+    let bad2 = zeroed_counter(&ctx);
     k.fill_pattern(&buf, 9, &s).unwrap();
     k.check_pattern(&buf, 9, &bad2, &s).unwrap();
     s.synchronize().unwrap();
-    assert_eq!(read(&bad2), 0);
+    assert_eq!(read_u64(&bad2), 0);
     println!(
         "the consumer's context works after the producer's death (pattern check: 0 mismatches; the dead producer's frame had {} mismatched words)",
-        read(&bad)
+        read_u64(&bad)
     );
 }

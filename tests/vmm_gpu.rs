@@ -3,34 +3,17 @@
 
 mod common;
 
-use common::{Peer, parent_lines, role, tell};
+use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
+use cuda_ipc::driver::{DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, MemPool, VmmBuffer, cache_stats};
 use cuda_ipc::kernels::Kernels;
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use cuda_ipc::token::Token;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(60);
-
-fn ctx() -> Arc<Context> {
-    Context::default_device().expect("a CUDA GPU is needed for this test")
-}
-
-fn counter(ctx: &Arc<Context>) -> DeviceBuffer {
-    let c = DeviceBuffer::new(ctx, 8).unwrap();
-    c.copy_from_host(0, &[0; 8]).unwrap();
-    c
-}
-
-fn read(c: &DeviceBuffer) -> u64 {
-    let mut b = [0u8; 8];
-    c.copy_to_host(0, &mut b).unwrap();
-    u64::from_le_bytes(b)
-}
 
 /// Open file descriptors of this process.
 fn open_fds() -> usize {
@@ -63,7 +46,7 @@ fn importer() {
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
     let s = Stream::new(&ctx).unwrap();
-    let bad = counter(&ctx);
+    let bad = zeroed_counter(&ctx);
     let reg = Registry::open(&env("CUDA_IPC_TEST_REGISTRY"), &RegistryOptions::new()).unwrap();
     let tok = Token::from_bytes(&reg.get("buf").unwrap().unwrap().token).unwrap();
     let ev_tok = Token::from_bytes(&reg.get("evt").unwrap().unwrap().token).unwrap();
@@ -93,7 +76,7 @@ fn importer() {
     let st = cache_stats();
     tell(format!(
         "done {} {fds_start} {fds_mid} {fds_end} {} {}",
-        read(&bad),
+        read_u64(&bad),
         st.driver_opens,
         st.live_mappings
     ));
@@ -222,7 +205,7 @@ fn a_vmm_import_stays_valid_after_its_exporter_is_killed() {
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
     let s = Stream::new(&ctx).unwrap();
-    let bad = counter(&ctx);
+    let bad = zeroed_counter(&ctx);
     s.synchronize().unwrap();
     let (free0, _) = ctx.memory_info().unwrap();
     let mut p = Peer::spawn(OUTLIVES, "exporter", &[]);
@@ -231,7 +214,7 @@ fn a_vmm_import_stays_valid_after_its_exporter_is_killed() {
         let buf = ImportedBuffer::open(&tok).unwrap();
         k.check_pattern(&buf, 7, &bad, &s).unwrap();
         s.synchronize().unwrap();
-        assert_eq!(read(&bad), 0, "pattern wrong before the kill");
+        assert_eq!(read_u64(&bad), 0, "pattern wrong before the kill");
         p.child.kill().unwrap();
         p.child.wait().unwrap();
         std::thread::sleep(Duration::from_millis(200));
@@ -241,7 +224,7 @@ fn a_vmm_import_stays_valid_after_its_exporter_is_killed() {
         k.check_pattern(&buf, 8, &bad, &s).unwrap();
         s.synchronize().unwrap();
         assert_eq!(
-            read(&bad),
+            read_u64(&bad),
             0,
             "the import lost its data when the exporter died"
         );
@@ -266,7 +249,7 @@ fn a_vmm_channel_delivers_every_frame_intact() {
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
         let k = Kernels::load(rx.context()).unwrap();
-        let bad = counter(rx.context());
+        let bad = zeroed_counter(rx.context());
         tell("ready");
         let mut n = 0u64;
         loop {
@@ -281,7 +264,7 @@ fn a_vmm_channel_delivers_every_frame_intact() {
             n += 1;
         }
         rx.stream().synchronize().unwrap();
-        tell(format!("done {n} {}", read(&bad)));
+        tell(format!("done {n} {}", read_u64(&bad)));
         return;
     }
     let ctx = ctx();
@@ -339,13 +322,13 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
     {
         let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
         let k = Kernels::load(rx.context()).unwrap();
-        let bad = counter(rx.context());
+        let bad = zeroed_counter(rx.context());
         p.send("go");
         p.expect("published", T);
         let f = rx.recv_timeout(T).unwrap();
         k.check_pattern(f.buffer(), 5, &bad, f.stream()).unwrap();
         f.stream().synchronize().unwrap();
-        assert_eq!(read(&bad), 0);
+        assert_eq!(read_u64(&bad), 0);
         p.child.kill().unwrap();
         p.child.wait().unwrap();
         std::thread::sleep(Duration::from_millis(200));
@@ -354,7 +337,7 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
         }
         f.stream().synchronize().unwrap();
         assert_eq!(
-            read(&bad),
+            read_u64(&bad),
             0,
             "the held frame changed after the producer died"
         );

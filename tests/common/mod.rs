@@ -192,3 +192,25 @@ pub fn value(out: &str, key: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {key}= in child output:\n{out}"))
 }
+
+/// The default device's primary context; fails the test plainly without a GPU.
+pub fn ctx() -> std::sync::Arc<cuda_ipc::driver::Context> {
+    cuda_ipc::driver::Context::default_device().expect("a CUDA GPU is needed for this test")
+}
+
+/// An 8-byte device counter set to zero (for the kernels' mismatch counts).
+pub fn zeroed_counter(
+    ctx: &std::sync::Arc<cuda_ipc::driver::Context>,
+) -> cuda_ipc::driver::DeviceBuffer {
+    use cuda_ipc::driver::DeviceMemory;
+    let c = cuda_ipc::driver::DeviceBuffer::new(ctx, 8).unwrap();
+    c.copy_from_host(0, &[0u8; 8]).unwrap();
+    c
+}
+
+/// The first 8 bytes of `buf` as a little-endian `u64` (synchronous copy).
+pub fn read_u64(buf: &impl cuda_ipc::driver::DeviceMemory) -> u64 {
+    let mut b = [0u8; 8];
+    buf.copy_to_host(0, &mut b).unwrap();
+    u64::from_le_bytes(b)
+}
