@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo run --release --example pipeline -- [--frames 10000] [--consumers 2]
-//!     [--delivery every|latest] [--wait spin-then-block|spin|block] [--memory auto|legacy|vmm]
+//!     [--delivery every|latest] [--wait spin-then-block|spin|block] [--memory auto|legacy|vmm|pool]
 //! ```
 
 mod common;
@@ -76,7 +76,8 @@ fn parse() -> Result<Args, Box<dyn Error>> {
                     "auto" => MemoryKind::Auto,
                     "legacy" => MemoryKind::Legacy,
                     "vmm" => MemoryKind::Vmm,
-                    x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm)").into()),
+                    "pool" => MemoryKind::Pool,
+                    x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm|pool)").into()),
                 }
             }
             "--consumer-of" => {

@@ -240,11 +240,8 @@ fn a_vmm_import_stays_valid_after_its_exporter_is_killed() {
     assert!(diff.abs() <= 4 << 20, "{diff} bytes not returned");
 }
 
-const VMM_CHANNEL: &str = "a_vmm_channel_delivers_every_frame_intact";
-
-#[test]
-#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
-fn a_vmm_channel_delivers_every_frame_intact() {
+/// A channel whose pool is of `kind` delivers 2,000 frames of 8 MiB, every word checked.
+fn channel_delivers_every_frame(test: &str, kind: MemoryKind) {
     const FRAMES: u64 = 2000;
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
@@ -269,15 +266,16 @@ fn a_vmm_channel_delivers_every_frame_intact() {
     }
     let ctx = ctx();
     let k = Kernels::load(&ctx).unwrap();
-    let name = format!("vmmch-{}", std::process::id());
-    let opts = ChannelOptions::new(8 << 20).memory(MemoryKind::Vmm);
+    let name = format!("{kind:?}ch-{}", std::process::id());
+    let opts = ChannelOptions::new(8 << 20).memory(kind);
     let mut tx = Producer::create(&ctx, &name, &opts).unwrap();
-    assert_eq!(tx.memory_kind(), MemoryKind::Vmm);
-    let mut c = Peer::spawn(VMM_CHANNEL, "consumer", &[("CUDA_IPC_TEST_CHANNEL", &name)]);
+    assert_eq!(tx.memory_kind(), kind);
+    let mut c = Peer::spawn(test, "consumer", &[("CUDA_IPC_TEST_CHANNEL", &name)]);
     c.expect("ready", T);
     let t = Instant::now();
     for i in 0..FRAMES {
         let f = tx.acquire(Some(T)).unwrap();
+        assert_eq!(f.buffer().kind(), kind);
         k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
         f.publish(&i.to_le_bytes()).unwrap();
     }
@@ -285,10 +283,25 @@ fn a_vmm_channel_delivers_every_frame_intact() {
     let done = c.expect("done", T);
     c.finish(T);
     println!(
-        "VMM channel: {FRAMES} frames of 8 MiB in {:?}; consumer (received, mismatched words) = {done}",
+        "{kind:?} channel: {FRAMES} frames of 8 MiB in {:?}; consumer (received, mismatched words) = {done}",
         t.elapsed()
     );
     assert_eq!(done, format!("{FRAMES} 0"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_vmm_channel_delivers_every_frame_intact() {
+    channel_delivers_every_frame("a_vmm_channel_delivers_every_frame_intact", MemoryKind::Vmm);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_memory_pool_channel_delivers_every_frame_intact() {
+    channel_delivers_every_frame(
+        "a_memory_pool_channel_delivers_every_frame_intact",
+        MemoryKind::Pool,
+    );
 }
 
 const HOLD_KILL: &str =

@@ -33,7 +33,7 @@ pub use control::{
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, HostRegistration, Stream};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::ipc::{ImportedBuffer, IpcEvent, VmmBuffer};
+use crate::ipc::{ImportedBuffer, IpcEvent, MemPool, PoolBuffer, VmmBuffer};
 use crate::shm::SegmentOptions;
 use crate::token::{TOKEN_LEN, Token};
 use control::Control;
@@ -113,57 +113,75 @@ pub enum MemoryKind {
     /// `cuMemCreate` buffers shared as POSIX file descriptors ([`VmmBuffer`]): each consumer holds
     /// its own reference to the memory, so its mappings stay valid if the producer dies.
     Vmm,
+    /// Allocations from an exportable stream-ordered memory pool ([`MemPool`], one per producer),
+    /// shared through the pool's file descriptor and each pointer's export data. As with legacy
+    /// memory, the driver wants consumers to drop their imports before the producer frees the pool.
+    Pool,
 }
 
-/// One buffer of a producer's pool: legacy or VMM memory. Use it through [`DeviceMemory`].
+/// One buffer of a producer's pool: legacy, VMM or memory-pool memory. Use it through
+/// [`DeviceMemory`].
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum PoolMemory {
+pub enum ChannelBuffer {
     /// A `cuMemAlloc` buffer.
     Legacy(DeviceBuffer),
     /// A `cuMemCreate` buffer.
     Vmm(VmmBuffer),
+    /// An allocation from the producer's exportable [`MemPool`].
+    Pool(PoolBuffer),
 }
 
-impl PoolMemory {
-    fn new(ctx: &Arc<Context>, kind: MemoryKind, len: usize) -> Result<PoolMemory> {
-        Ok(match kind {
-            MemoryKind::Vmm => PoolMemory::Vmm(VmmBuffer::new(ctx, len)?),
-            _ => PoolMemory::Legacy(DeviceBuffer::new(ctx, len)?),
+impl ChannelBuffer {
+    fn new(
+        ctx: &Arc<Context>,
+        kind: MemoryKind,
+        len: usize,
+        pool: Option<&(MemPool, Stream)>,
+    ) -> Result<ChannelBuffer> {
+        Ok(match (kind, pool) {
+            (MemoryKind::Vmm, _) => ChannelBuffer::Vmm(VmmBuffer::new(ctx, len)?),
+            (MemoryKind::Pool, Some((p, s))) => ChannelBuffer::Pool(p.alloc(len, s)?),
+            _ => ChannelBuffer::Legacy(DeviceBuffer::new(ctx, len)?),
         })
     }
     fn export(&self) -> Result<Token> {
         match self {
-            PoolMemory::Legacy(b) => b.export(),
-            PoolMemory::Vmm(b) => b.export(),
+            ChannelBuffer::Legacy(b) => b.export(),
+            ChannelBuffer::Vmm(b) => b.export(),
+            ChannelBuffer::Pool(b) => b.export(),
         }
     }
     /// The kind of memory.
     pub fn kind(&self) -> MemoryKind {
         match self {
-            PoolMemory::Legacy(_) => MemoryKind::Legacy,
-            PoolMemory::Vmm(_) => MemoryKind::Vmm,
+            ChannelBuffer::Legacy(_) => MemoryKind::Legacy,
+            ChannelBuffer::Vmm(_) => MemoryKind::Vmm,
+            ChannelBuffer::Pool(_) => MemoryKind::Pool,
         }
     }
 }
 
-impl DeviceMemory for PoolMemory {
+impl DeviceMemory for ChannelBuffer {
     fn device_ptr(&self) -> u64 {
         match self {
-            PoolMemory::Legacy(b) => b.device_ptr(),
-            PoolMemory::Vmm(b) => b.device_ptr(),
+            ChannelBuffer::Legacy(b) => b.device_ptr(),
+            ChannelBuffer::Vmm(b) => b.device_ptr(),
+            ChannelBuffer::Pool(b) => b.device_ptr(),
         }
     }
     fn len(&self) -> usize {
         match self {
-            PoolMemory::Legacy(b) => b.len(),
-            PoolMemory::Vmm(b) => b.len(),
+            ChannelBuffer::Legacy(b) => b.len(),
+            ChannelBuffer::Vmm(b) => b.len(),
+            ChannelBuffer::Pool(b) => b.len(),
         }
     }
     fn context(&self) -> &Arc<Context> {
         match self {
-            PoolMemory::Legacy(b) => b.context(),
-            PoolMemory::Vmm(b) => b.context(),
+            ChannelBuffer::Legacy(b) => b.context(),
+            ChannelBuffer::Vmm(b) => b.context(),
+            ChannelBuffer::Pool(b) => b.context(),
         }
     }
 }
@@ -236,7 +254,7 @@ pub struct Producer {
     ready: HostRegistration,
     control: Control,
     name: String,
-    buffers: Vec<PoolMemory>,
+    buffers: Vec<ChannelBuffer>,
     /// Per consumer slot: (generation, identity, release events) of the consumer last seen there.
     consumer_events: Vec<Option<(u64, ProcessIdentity, Vec<IpcEvent>)>>,
     stream: Stream,
@@ -293,11 +311,15 @@ impl Producer {
             k => k,
         };
         let stream = Stream::new(ctx)?;
+        let pool = match kind {
+            MemoryKind::Pool => Some((MemPool::exportable(ctx)?, Stream::new(ctx)?)),
+            _ => None,
+        };
         let mut buffers = Vec::with_capacity(opts.buffers);
         let mut tokens = Vec::with_capacity(opts.buffers);
         for _ in 0..opts.buffers {
             // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
-            let b = PoolMemory::new(ctx, kind, opts.buffer_bytes)?;
+            let b = ChannelBuffer::new(ctx, kind, opts.buffer_bytes, pool.as_ref())?;
             // The second token (the producer's event in layout version 1) stays zero: readiness
             // travels through the ready page.
             tokens.push((b.export()?.to_bytes(), [0u8; TOKEN_LEN]));
@@ -344,8 +366,8 @@ impl Producer {
         &self.name
     }
 
-    /// The kind of memory the pool is made of ([`MemoryKind::Legacy`] or [`MemoryKind::Vmm`]; an
-    /// `Auto` request resolved).
+    /// The kind of memory the pool is made of (`Legacy`, `Vmm` or `Pool`; an `Auto` request
+    /// resolved).
     pub fn memory_kind(&self) -> MemoryKind {
         self.memory
     }
@@ -540,7 +562,7 @@ pub struct WriteFrame<'a> {
 
 impl WriteFrame<'_> {
     /// The device buffer to write (the whole pool buffer).
-    pub fn buffer(&self) -> &PoolMemory {
+    pub fn buffer(&self) -> &ChannelBuffer {
         &self.producer.buffers[self.index]
     }
 
