@@ -296,7 +296,7 @@ impl Device {
         })
     }
 
-    /// The device's primary context, retained (`cuDevicePrimaryCtxRetain`); see [`Context`].
+    /// The device's primary context, retained (`cuDevicePrimaryCtxRetain`); see [`Context`](crate::driver::Context).
     ///
     /// # Errors
     /// [`Error::Cuda`] when the retain fails (e.g. `CUDA_ERROR_DEVICE_UNAVAILABLE` in exclusive
