@@ -8,10 +8,13 @@
 //! ```text
 //! cargo run --release --example python_producer -- --channel NAME [--frames 2000]
 //!     [--consumers 1] [--width 3840] [--height 2160] [--attach-timeout 120]
+//!     [--memory auto|legacy|vmm|pool]
 //! ```
+//! `--memory` picks the kind of exportable memory the pool is made of (`ChannelOptions::memory`;
+//! the Python consumer imports VMM and pool buffers through fds fetched from this process).
 //! `scripts/python-consumer-demo.sh` runs it with the Python consumer.
 
-use cuda_ipc::channel::{ChannelOptions, Producer};
+use cuda_ipc::channel::{ChannelOptions, MemoryKind, Producer};
 use cuda_ipc::driver::Context;
 use cuda_ipc::kernels::Kernels;
 use std::error::Error;
@@ -24,6 +27,7 @@ struct Args {
     width: u64,
     height: u64,
     attach_timeout: Duration,
+    memory: MemoryKind,
 }
 
 fn parse() -> Result<Args, Box<dyn Error>> {
@@ -34,6 +38,7 @@ fn parse() -> Result<Args, Box<dyn Error>> {
         width: 3840,
         height: 2160,
         attach_timeout: Duration::from_secs(120),
+        memory: MemoryKind::Auto,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut it = argv.iter();
@@ -46,6 +51,15 @@ fn parse() -> Result<Args, Box<dyn Error>> {
             "--width" => a.width = v()?.parse()?,
             "--height" => a.height = v()?.parse()?,
             "--attach-timeout" => a.attach_timeout = Duration::from_secs(v()?.parse()?),
+            "--memory" => {
+                a.memory = match v()?.as_str() {
+                    "auto" => MemoryKind::Auto,
+                    "legacy" => MemoryKind::Legacy,
+                    "vmm" => MemoryKind::Vmm,
+                    "pool" => MemoryKind::Pool,
+                    x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm|pool)").into()),
+                }
+            }
             x => return Err(format!("unknown argument {x:?}").into()),
         }
     }
@@ -83,10 +97,10 @@ fn run(a: &Args) -> Result<(), Box<dyn Error>> {
     let frame_bytes = usize::try_from(a.width * a.height * 4)?;
     let ctx = Context::default_device()?;
     let kernels = Kernels::load(&ctx)?;
-    let opts = ChannelOptions::new(frame_bytes).buffers(4);
+    let opts = ChannelOptions::new(frame_bytes).buffers(4).memory(a.memory);
     let mut tx = Producer::create(&ctx, &a.channel, &opts)?;
     println!(
-        "producer (pid {}): {} {}; channel {}: {} frames of {}x{} RGBA ({frame_bytes} bytes), pool of 4; waiting for {} consumer(s)",
+        "producer (pid {}): {} {}; channel {}: {} frames of {}x{} RGBA ({frame_bytes} bytes), pool of 4 ({:?} memory); waiting for {} consumer(s)",
         std::process::id(),
         ctx.device().name()?,
         ctx.device().uuid(),
@@ -94,6 +108,7 @@ fn run(a: &Args) -> Result<(), Box<dyn Error>> {
         a.frames,
         a.width,
         a.height,
+        tx.memory_kind(),
         a.consumers
     );
     let waited = Instant::now();

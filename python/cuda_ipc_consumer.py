@@ -5,8 +5,9 @@ A pure-Python twin of the Rust ``cuda_ipc::channel::Consumer``: it maps the chan
 segment ``/dev/shm/cuda-ipc.ch.NAME`` (channel layout version 2, token layout version 1), claims a
 consumer slot under this process's identity (pid, start time, boot id), takes frames with the same
 hold protocol and memory orderings as the Rust consumer, and does the GPU side through the CUDA
-driver API (``libcuda.so.1``, loaded with ctypes): it imports the pool (``cuIpcOpenMemHandle_v2``),
-registers the segment's ready page (``cuMemHostRegister_v2``), makes its stream wait for each
+driver API (``libcuda.so.1``, loaded with ctypes): it imports the pool (legacy IPC memory with
+``cuIpcOpenMemHandle_v2``; VMM allocations and memory-pool allocations through POSIX fds fetched
+from the producer's fd server over a Unix socket, ``fetch_fds``), registers the segment's ready page (``cuMemHostRegister_v2``), makes its stream wait for each
 frame on the buffer's ready word, which the producer's stream writes after its work
 (``cuStreamWaitValue32_v2``), and records its own IPC release event before it gives a frame back
 (``cuEventRecord``). When the producer dies it marks published frames ready itself, so its stream
@@ -65,6 +66,9 @@ __all__ = [
     "Timeout",
     "InvalidToken",
     "NotSupported",
+    "FdNotOffered",
+    "FdPassingError",
+    "fetch_fds",
     "AtomicsUnavailable",
     "CudaUnavailable",
     "CudaError",
@@ -117,8 +121,23 @@ class InvalidToken(CudaIpcError):
 
 
 class NotSupported(CudaIpcError):
-    """A feature this module does not implement yet (VMM or memory-pool tokens), or that the device
-    lacks (IPC events)."""
+    """A feature the device or the platform lacks (IPC events, VMM), or an fd exporter that
+    refuses this process (another user) or speaks another protocol version."""
+
+
+class FdNotOffered(CudaIpcError):
+    """The exporter runs but does not offer this fd export id (withdrawn or never made), or serves
+    no fds at all."""
+
+    def __init__(self, pid: int, export_id: int, reason: str):
+        super().__init__(f"process {pid} does not offer fd export {export_id}: {reason}")
+        self.pid = pid
+        self.export_id = export_id
+
+
+class FdPassingError(CudaIpcError):
+    """Fetching fds from the exporter's fd server failed: a system call failed or the reply was
+    malformed."""
 
 
 class AtomicsUnavailable(CudaIpcError):
@@ -492,6 +511,255 @@ class Token(NamedTuple):
 def _uuid_text(u: bytes) -> str:
     h = u.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+# ---------------------------------------------------------------------------------------- fd passing
+
+# The client side of the exporter's fd server (src/ipc/fdpass.rs, docs/ARCHITECTURE.md "IPC layer:
+# fd passing"): VMM and memory-pool exports travel as POSIX fds over the abstract Unix socket
+# ``cuda-ipc.fd.<pid>.<start time>`` (SOCK_SEQPACKET). Request: ``CIFQ``, version u16, count u16
+# (1..=1024), ids u32; reply messages: ``CIFR``, version u16, request status u16, count u32, then
+# (id u32, status u32) per id, the ok ones' fds attached in order (SCM_RIGHTS, at most 253 each).
+_FD_REQUEST_MAGIC = b"CIFQ"
+_FD_REPLY_MAGIC = b"CIFR"
+_FD_PROTOCOL_VERSION = 1
+_FD_REQUEST_HEADER = struct.Struct("<4sHH")
+_FD_REPLY_HEADER = struct.Struct("<4sHHI")
+_FD_REPLY_ENTRY = struct.Struct("<II")
+_FD_MAX_IDS = 1024
+_FD_MAX_PER_MESSAGE = 253
+_FD_MAX_REPLY = _FD_REPLY_HEADER.size + _FD_REPLY_ENTRY.size * _FD_MAX_PER_MESSAGE
+_FD_REQUEST_OK, _FD_REQUEST_REFUSED, _FD_REQUEST_MALFORMED, _FD_REQUEST_VERSION = 0, 1, 2, 3
+_FD_ENTRY_OK = 0
+#: Seconds an import waits for the exporter's fd server in all (``FETCH_TIMEOUT`` in ipc/vmm.rs).
+FD_FETCH_TIMEOUT = 5.0
+
+
+def _fd_socket_name(exporter: ProcessIdentity) -> str:
+    return f"cuda-ipc.fd.{exporter.pid}.{exporter.start_time}"
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``/proc/PID/stat`` shows state Z (zombie) or X (dead): such a process keeps its
+    start time but serves nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    fields = text[text.rfind(")") + 1 :].split()
+    return bool(fields) and fields[0] in ("Z", "X")
+
+
+def _exporter_gone(exporter: ProcessIdentity) -> bool:
+    return exporter.liveness() is False or _is_zombie(exporter.pid)
+
+
+def _close_fds(fds: list) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
+def fetch_fds(exporter: ProcessIdentity, ids, timeout: float = FD_FETCH_TIMEOUT) -> list:
+    """Fetches the fds that ``exporter`` offers under export ``ids`` (``fdpass::FdExport`` ids,
+    byte 108 of a VMM or pool token) from its fd server, in one round trip per 1024 ids; returns
+    them (ints) in the order of ``ids``. Waits at most ``timeout`` seconds in all.
+
+    The caller owns the fds (close-on-exec): each is a reference of this process's own to the
+    exporter's open file, valid after the exporter withdraws it or exits; close them with
+    ``os.close`` when done (``cuMemImportFromShareableHandle`` does not take them). All or nothing:
+    on an error no fd received is left open. An empty ``ids`` returns ``[]`` without contacting
+    the exporter.
+
+    Raises ``ProducerGone`` when the exporter no longer runs (pid with another start time, gone,
+    or a zombie), checked before connecting and when the connection breaks; ``FdNotOffered`` when
+    it runs but does not offer an id (withdrawn or never made; or it serves no fds at all);
+    ``NotSupported`` when it refuses this process (another user) or speaks another protocol
+    version, or another process holds its socket name; ``Timeout``; ``FdPassingError`` for a
+    malformed reply or a failed system call."""
+    ids = [int(i) for i in ids]
+    for i in ids:
+        if not 0 <= i <= _U32:
+            raise ValueError(f"export id {i} is not a u32")
+    if not ids:
+        return []
+    deadline = time.monotonic() + max(0.0, float(timeout))
+    if _exporter_gone(exporter):
+        raise ProducerGone(exporter.pid)
+    out: list = []
+    try:
+        for at in range(0, len(ids), _FD_MAX_IDS):
+            out.extend(_fetch_fds_once(exporter, ids[at : at + _FD_MAX_IDS], deadline, timeout))
+    except BaseException:
+        _close_fds(out)
+        raise
+    return out
+
+
+def _fetch_fds_once(exporter: ProcessIdentity, ids: list, deadline: float, timeout: float) -> list:
+    import socket
+
+    name = _fd_socket_name(exporter)
+    target = "@" + name
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"the exporter's fd server ({target}) did not answer within {timeout} s")
+        return left
+
+    def gone_or(err: BaseException) -> BaseException:
+        return ProducerGone(exporter.pid) if _exporter_gone(exporter) else err
+
+    def malformed(why: str) -> FdPassingError:
+        return FdPassingError(f"{target}: malformed fd-server reply: {why}")
+
+    out: list = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        # Connect, bounded: a Unix-socket connect waits for room in the backlog.
+        while True:
+            sock.settimeout(remaining())
+            try:
+                sock.connect("\0" + name)
+                break
+            except InterruptedError:
+                continue
+            except (ConnectionRefusedError, FileNotFoundError):
+                raise gone_or(
+                    FdNotOffered(exporter.pid, ids[0], "the process serves no fds (it has exported none)")
+                ) from None
+            except (BlockingIOError, socket.timeout):
+                if _exporter_gone(exporter):
+                    raise ProducerGone(exporter.pid) from None
+                remaining()
+                time.sleep(0.001)
+            except OSError as e:
+                raise gone_or(FdPassingError(f"connect {target}: {e}")) from None
+
+        # Who listens there? The listener's credentials (pid, uid, gid), taken at listen().
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        server_pid, server_uid, _gid = struct.unpack("3i", cred)
+        if server_pid != exporter.pid:
+            raise NotSupported(
+                f"fd passing: the socket {target} of pid {exporter.pid} is held by pid {server_pid} "
+                "(another process squats on the exporter's socket name; find it with `ss -xlp`; "
+                "the processes must also share a pid namespace)"
+            )
+
+        request = _FD_REQUEST_HEADER.pack(
+            _FD_REQUEST_MAGIC, _FD_PROTOCOL_VERSION, len(ids)
+        ) + struct.pack(f"<{len(ids)}I", *ids)
+        while True:
+            sock.settimeout(remaining())
+            try:
+                n = sock.send(request, socket.MSG_NOSIGNAL)
+            except InterruptedError:
+                continue
+            except socket.timeout:
+                continue  # remaining() raises Timeout once time is up
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server answered without reading (a refusal): its reply is queued
+            except OSError as e:
+                raise gone_or(FdPassingError(f"send to {target}: {e}")) from None
+            if n != len(request):
+                raise FdPassingError(f"send to {target}: {n} of {len(request)} bytes sent")
+            break
+
+        answered = 0
+        reset_seen = False
+        ancillary = socket.CMSG_SPACE(_FD_MAX_PER_MESSAGE * 4)
+        while answered < len(ids):
+            sock.settimeout(min(remaining(), _LIVENESS_EVERY * 10))
+            try:
+                data, anc, flags, _addr = sock.recvmsg(
+                    _FD_MAX_REPLY + 1, ancillary, socket.MSG_CMSG_CLOEXEC
+                )
+            except InterruptedError:
+                continue
+            except socket.timeout:
+                if _exporter_gone(exporter):
+                    raise ProducerGone(exporter.pid) from None
+                continue
+            except ConnectionResetError:
+                # A server that refuses closes without reading the request; the kernel reports a
+                # reset once before the reply it queued.
+                if reset_seen:
+                    raise gone_or(FdPassingError(f"recvmsg from {target}: connection reset")) from None
+                reset_seen = True
+                continue
+            except OSError as e:
+                raise gone_or(FdPassingError(f"recvmsg from {target}: {e}")) from None
+            # Take ownership of whatever fds arrived before anything else, so every exit closes
+            # them.
+            fds = []
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    whole = len(payload) - len(payload) % 4
+                    fds.extend(struct.unpack(f"{whole // 4}i", payload[:whole]))
+            out.extend(fds)
+            if not data:
+                raise gone_or(
+                    FdPassingError(
+                        f"recvmsg from {target}: the exporter closed the connection before "
+                        "answering every id"
+                    )
+                )
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise malformed("truncated message")
+            if len(data) < 6:
+                raise malformed(f"a reply of {len(data)} bytes is too short")
+            magic, version = struct.unpack_from("<4sH", data)
+            if magic != _FD_REPLY_MAGIC:
+                raise malformed(f"bad reply magic {magic!r}")
+            if version != _FD_PROTOCOL_VERSION:
+                status = _FD_REQUEST_VERSION
+                entries = []
+            else:
+                if len(data) < _FD_REPLY_HEADER.size:
+                    raise malformed(f"a reply of {len(data)} bytes is too short")
+                _m, _v, status, count = _FD_REPLY_HEADER.unpack_from(data)
+                need = _FD_REPLY_HEADER.size + _FD_REPLY_ENTRY.size * count
+                if count > _FD_MAX_PER_MESSAGE or len(data) != need:
+                    raise malformed(f"a reply of {len(data)} bytes claims {count} entries")
+                entries = [
+                    _FD_REPLY_ENTRY.unpack_from(data, _FD_REPLY_HEADER.size + _FD_REPLY_ENTRY.size * k)
+                    for k in range(count)
+                ]
+            if status == _FD_REQUEST_REFUSED:
+                raise NotSupported(
+                    f"fd passing: process {exporter.pid} (uid {server_uid}) serves its fds only to "
+                    f"its own user and root, and this process runs as uid {os.geteuid()}: run the "
+                    "producer and the consumer as the same user"
+                )
+            if status == _FD_REQUEST_VERSION or (
+                status == _FD_REQUEST_OK and version != _FD_PROTOCOL_VERSION
+            ):
+                raise NotSupported(
+                    f"fd passing: the exporter speaks fd-passing protocol version {version}, this "
+                    f"module {_FD_PROTOCOL_VERSION}: use matching cuda-ipc versions"
+                )
+            if status != _FD_REQUEST_OK:
+                raise malformed(f"the server answered status {status}")
+            expected = ids[answered : answered + len(entries)]
+            if not entries or [e[0] for e in entries] != expected:
+                raise malformed("the entries do not match the ids asked for")
+            for eid, st in entries:
+                if st != _FD_ENTRY_OK:
+                    raise FdNotOffered(exporter.pid, eid, "withdrawn, or never exported")
+            if len(fds) != len(entries):
+                raise malformed(f"{len(fds)} fds attached for {len(entries)} ids")
+            answered += len(entries)
+        return out
+    except BaseException:
+        _close_fds(out)
+        raise
+    finally:
+        sock.close()
 
 
 # ---------------------------------------------------------------------------------------- segment
@@ -917,6 +1185,28 @@ class _CUuuid(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_char * 16)]
 
 
+class _CUmemLocation(ctypes.Structure):
+    # CUmemLocation (CUDA 12 and 13): CUmemLocationType type; int id (a union of int-sized
+    # members from CUDA 13.2 on; the same 8 bytes).
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemAccessDesc(ctypes.Structure):
+    # CUmemAccessDesc: CUmemLocation location; CUmemAccess_flags flags.
+    _fields_ = [("location", _CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class _CUmemPoolPtrExportData(ctypes.Structure):
+    # CUmemPoolPtrExportData: 64 opaque bytes (cuMemPoolExportPointer's output).
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    @staticmethod
+    def of(b: bytes) -> "_CUmemPoolPtrExportData":
+        d = _CUmemPoolPtrExportData()
+        ctypes.memmove(ctypes.addressof(d), b, 64)
+        return d
+
+
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _CU_EVENT_DISABLE_TIMING = 2
 _CU_EVENT_INTERPROCESS = 4
@@ -926,6 +1216,9 @@ _CU_MEMHOSTREGISTER_PORTABLE = 1
 _CU_MEMHOSTREGISTER_DEVICEMAP = 2
 _CU_STREAM_WAIT_VALUE_GEQ = 0
 _CUDA_ERROR_NOT_READY = 600
+_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 
 
 class _Driver:
@@ -960,10 +1253,12 @@ class _Driver:
             ctypes.POINTER, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint64,
         )
 
-        def f(name, *args, fallback=None):
+        def f(name, *args, fallback=None, optional=False):
             try:
                 fn = getattr(lib, name)
             except AttributeError:
+                if optional:
+                    return None
                 if fallback is None:
                     raise CudaUnavailable(f"the CUDA driver lacks {name} (too old?)") from None
                 fn = getattr(lib, fallback)
@@ -998,11 +1293,38 @@ class _Driver:
         self.cuStreamCreate = f("cuStreamCreate", P(vp), c_uint)
         self.cuStreamDestroy = f("cuStreamDestroy_v2", vp)
         self.cuStreamSynchronize = f("cuStreamSynchronize", vp)
+        # VMM and memory-pool imports (CUDA 11.2+); looked up here, required only when a channel
+        # uses them (``require``).
+        sz, ull = ctypes.c_size_t, ctypes.c_ulonglong
+        acc = P(_CUmemAccessDesc)
+        for name, args in (
+            ("cuMemImportFromShareableHandle", (P(u64), vp, c_int)),
+            ("cuMemAddressReserve", (P(u64), sz, sz, u64, ull)),
+            ("cuMemMap", (u64, sz, sz, u64, ull)),
+            ("cuMemSetAccess", (u64, sz, acc, sz)),
+            ("cuMemUnmap", (u64, sz)),
+            ("cuMemAddressFree", (u64, sz)),
+            ("cuMemRelease", (u64,)),
+            ("cuMemPoolImportFromShareableHandle", (P(vp), vp, c_int, ull)),
+            ("cuMemPoolSetAccess", (vp, acc, sz)),
+            ("cuMemPoolImportPointer", (P(u64), vp, P(_CUmemPoolPtrExportData))),
+            ("cuMemPoolDestroy", (vp,)),
+        ):
+            setattr(self, name, f(name, *args, optional=True))
+        self.cuMemFree = f("cuMemFree_v2", u64, optional=True)
         self.check("cuInit", self.cuInit(0))
         # (context, handle bytes) -> [base, size, references]: one mapping per allocation and
         # context, as the Rust import cache (a second cuIpcOpenMemHandle of one handle fails).
         self.mappings: dict = {}
         self.mappings_lock = threading.Lock()
+
+    def require(self, what: str, *names: str) -> None:
+        """Raises ``CudaUnavailable`` when the driver lacks one of the entry points ``names``."""
+        missing = [n for n in names if getattr(self, n, None) is None]
+        if missing:
+            raise CudaUnavailable(
+                f"{what} needs {', '.join(missing)}, which this CUDA driver lacks (too old?)"
+            )
 
     def check(self, call: str, rc: int) -> None:
         if rc == 0:
@@ -1096,7 +1418,11 @@ class _Gpu:
         self.d = d = _Driver.get()
         self.control = control
         self.ctx = None
-        self.mapped = []  # handle bytes of each import, for close
+        self.mapped = []  # handle bytes of each legacy import, for close
+        self.vmm = []  # (address, size, allocation handle) of each VMM import, for close
+        self.vmm_by_export: dict = {}  # (exporter, export id) -> (address, size)
+        self.pool_ptrs = []  # each pointer imported from a pool, for close
+        self.pools: dict = {}  # (exporter, export id) -> imported CUmemoryPool, for close
         self.buffers = []  # device pointer of each buffer
         self.release_events = []
         self.recorded = set()  # buffer indices whose release event was recorded
@@ -1121,13 +1447,21 @@ class _Gpu:
         d.check("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.ordinal))
         self.ctx = ctx.value
         self.release_tokens = []
+        fds: dict = {}
         try:
+            # Streams wait on the ready words, not on a producer event.
+            mems = [_buffer_tokens(control, i)[0] for i in range(control.buffers)]
+            # The fds of VMM allocations and pools, in one request per exporter.
+            fds = _fetch_token_fds(mems)
             with self.bound():
-                for i in range(control.buffers):
-                    # Streams wait on the ready words, not on a producer event.
-                    mem, _ = _buffer_tokens(control, i)
-                    base, size = d.open_mapping(self.ctx, mem.handle)
-                    self.mapped.append(mem.handle)
+                for i, mem in enumerate(mems):
+                    if mem.kind == _KIND_VMM:
+                        base, size = self._import_vmm(i, mem, fds)
+                    elif mem.kind == _KIND_POOL:
+                        base, size = self._import_pool(i, mem, fds)
+                    else:
+                        base, size = d.open_mapping(self.ctx, mem.handle)
+                        self.mapped.append(mem.handle)
                     if mem.offset + mem.len > size:
                         raise InvalidToken(
                             f"buffer {i}: range {mem.offset}+{mem.len} lies outside the "
@@ -1171,6 +1505,100 @@ class _Gpu:
         except BaseException:
             self.close()
             raise
+        finally:
+            _close_fds(list(fds.values()))  # those not used (each import closes its own)
+
+    def _import_vmm(self, i: int, mem: "Token", fds: dict) -> tuple:
+        """Maps the VMM allocation ``mem`` names (once per allocation), as ipc/vmm.rs does:
+        ``cuMemImportFromShareableHandle`` of its fd (closed right after, on success and on
+        failure), ``cuMemAddressReserve``, ``cuMemMap``, ``cuMemSetAccess`` (read/write for this
+        device). Returns (address, size in bytes). Context bound by the caller."""
+        d = self.d
+        key = (mem.exporter, mem.export_id)
+        got = self.vmm_by_export.get(key)
+        if got is not None:
+            return got
+        d.require(
+            "importing VMM memory", "cuMemImportFromShareableHandle", "cuMemAddressReserve",
+            "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease",
+        )
+        size = struct.unpack_from("<Q", mem.handle, 8)[0]
+        if size == 0 or size > _U64 >> 1:
+            raise InvalidToken(f"buffer {i}: VMM allocation size {size}")
+        fd = fds.pop(key)
+        h = ctypes.c_uint64()
+        try:
+            rc = d.cuMemImportFromShareableHandle(
+                ctypes.byref(h), ctypes.c_void_p(fd), _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            )
+        finally:
+            os.close(fd)  # the driver does not take ownership of a POSIX fd handle
+        d.check("cuMemImportFromShareableHandle", rc)
+        ptr = ctypes.c_uint64()
+        rc = d.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0)
+        if rc:
+            d.cuMemRelease(h.value)
+            d.check("cuMemAddressReserve", rc)
+        rc = d.cuMemMap(ptr.value, size, 0, h.value, 0)
+        if rc:
+            d.cuMemAddressFree(ptr.value, size)
+            d.cuMemRelease(h.value)
+            d.check("cuMemMap", rc)
+        desc = _CUmemAccessDesc(
+            _CUmemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
+            _CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        )
+        rc = d.cuMemSetAccess(ptr.value, size, ctypes.byref(desc), 1)
+        if rc:
+            d.cuMemUnmap(ptr.value, size)
+            d.cuMemAddressFree(ptr.value, size)
+            d.cuMemRelease(h.value)
+            d.check("cuMemSetAccess", rc)
+        self.vmm.append((ptr.value, size, h.value))
+        self.vmm_by_export[key] = (ptr.value, size)
+        return ptr.value, size
+
+    def _import_pool(self, i: int, mem: "Token", fds: dict) -> tuple:
+        """Imports the pool ``mem`` names (once per pool: ``cuMemPoolImportFromShareableHandle`` of
+        its fd, closed right after; ``cuMemPoolSetAccess`` only when the pool is on another
+        device) and the pointer (``cuMemPoolImportPointer`` of the token's 64 export bytes), as
+        ipc/vmm.rs does. Returns (address, size in bytes). Context bound by the caller."""
+        d = self.d
+        d.require(
+            "importing memory-pool memory", "cuMemPoolImportFromShareableHandle",
+            "cuMemPoolSetAccess", "cuMemPoolImportPointer", "cuMemPoolDestroy", "cuMemFree",
+        )
+        if mem.offset != 0:
+            raise InvalidToken(f"buffer {i}: a pool token names a whole allocation; offset {mem.offset}")
+        if mem.len == 0:
+            raise InvalidToken(f"buffer {i}: pool allocation size 0")
+        key = (mem.exporter, mem.export_id)
+        pool = self.pools.get(key)
+        if pool is None:
+            fd = fds.pop(key)
+            p = ctypes.c_void_p()
+            try:
+                rc = d.cuMemPoolImportFromShareableHandle(
+                    ctypes.byref(p), ctypes.c_void_p(fd), _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                )
+            finally:
+                os.close(fd)  # the driver does not take ownership of a POSIX fd handle
+            d.check("cuMemPoolImportFromShareableHandle", rc)
+            pool = self.pools[key] = p.value
+            if mem.device != self.uuid:
+                desc = _CUmemAccessDesc(
+                    _CUmemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
+                    _CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                )
+                d.check("cuMemPoolSetAccess", d.cuMemPoolSetAccess(pool, ctypes.byref(desc), 1))
+        data = _CUmemPoolPtrExportData.of(mem.handle)
+        ptr = ctypes.c_uint64()
+        d.check(
+            "cuMemPoolImportPointer",
+            d.cuMemPoolImportPointer(ctypes.byref(ptr), ctypes.c_void_p(pool), ctypes.byref(data)),
+        )
+        self.pool_ptrs.append(ptr.value)
+        return ptr.value, mem.len
 
     def bound(self) -> _Bound:
         return _Bound(self.d, self.ctx)
@@ -1255,8 +1683,10 @@ class _Gpu:
 
     def close(self) -> None:
         """Destroys the events, unregisters the ready page (``cuMemHostUnregister``; callers wait
-        for the streams first, see ``finish``), closes the imports and the own stream, and releases
-        the primary context. Idempotent."""
+        for the streams first, see ``finish``), closes the imports (legacy: ``cuIpcCloseMemHandle``;
+        VMM: ``cuMemUnmap``, ``cuMemAddressFree``, ``cuMemRelease``; pools: ``cuMemFree_v2`` of each
+        pointer, then ``cuMemPoolDestroy``) and the own stream, and only then releases the primary
+        context. Idempotent."""
         d = self.d
         if self.ctx is None:
             return
@@ -1278,6 +1708,27 @@ class _Gpu:
                 except CudaError as e:
                     problems.append(str(e))
             self.mapped = []
+            # VMM: unmap, free the address range, release the handle (VmmMap's drop in vmm.rs).
+            for ptr, size, h in self.vmm:
+                for call, rc in (
+                    ("cuMemUnmap", d.cuMemUnmap(ptr, size)),
+                    ("cuMemAddressFree", d.cuMemAddressFree(ptr, size)),
+                    ("cuMemRelease", d.cuMemRelease(h)),
+                ):
+                    if rc:
+                        problems.append(f"{call}: CUresult {rc}")
+            self.vmm, self.vmm_by_export = [], {}
+            # Pools: every imported pointer freed before its pool is destroyed.
+            for ptr in self.pool_ptrs:
+                rc = d.cuMemFree(ptr)
+                if rc:
+                    problems.append(f"cuMemFree_v2: CUresult {rc}")
+            self.pool_ptrs = []
+            for pool in self.pools.values():
+                rc = d.cuMemPoolDestroy(ctypes.c_void_p(pool))
+                if rc:
+                    problems.append(f"cuMemPoolDestroy: CUresult {rc}")
+            self.pools = {}
             if self.own_stream:
                 rc = d.cuStreamDestroy(self.own_stream)
                 if rc:
@@ -1301,20 +1752,36 @@ def _watchdog(control: "_Control", stop: threading.Event) -> None:
             return
 
 
+def _fetch_token_fds(mems: list) -> dict:
+    """The fds that the VMM and pool tokens among ``mems`` need, fetched from their exporters
+    (``fetch_fds``, one request per exporter): (exporter, export id) -> fd, owned by the caller."""
+    wanted: dict = {}
+    for mem in mems:
+        if mem.kind in (_KIND_VMM, _KIND_POOL):
+            ids = wanted.setdefault(mem.exporter, [])
+            if mem.export_id not in ids:
+                ids.append(mem.export_id)
+    out: dict = {}
+    try:
+        for exporter, ids in wanted.items():
+            for eid, fd in zip(ids, fetch_fds(exporter, ids)):
+                out[(exporter, eid)] = fd
+    except BaseException:
+        _close_fds(list(out.values()))
+        raise
+    return out
+
+
 def _buffer_tokens(control: _Control, i: int) -> tuple:
-    """The decoded memory token of buffer ``i``, kind checked, and ``None``: since layout version 2
-    the second token area is zero (readiness travels through the ready page)."""
+    """The decoded memory token of buffer ``i``, kind checked (legacy, VMM or pool memory), and
+    ``None``: since layout version 2 the second token area is zero (readiness travels through the
+    ready page)."""
     mem_b, _ev_b = control.buffer_tokens(i)
     try:
         mem = Token.from_bytes(mem_b)
     except InvalidToken as e:
         raise InvalidToken(f"buffer {i}: {e}") from None
-    if mem.kind in (_KIND_VMM, _KIND_POOL):
-        raise NotSupported(
-            f"buffer {i} is shared as a {_KIND_NAMES[mem.kind]} token; the Python consumer "
-            "supports legacy memory tokens (kind 1) only, not yet VMM (3) or pool (4) memory"
-        )
-    if mem.kind != _KIND_MEMORY:
+    if mem.kind not in (_KIND_MEMORY, _KIND_VMM, _KIND_POOL):
         raise InvalidToken(f"buffer {i}: expected a memory token, got {_KIND_NAMES[mem.kind]}")
     return mem, None
 
@@ -1518,10 +1985,12 @@ class Consumer:
         ``spin``: seconds to poll before sleeping on the futex in ``recv`` (default 0).
 
         Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``;
-        ``InvalidToken``; ``NotSupported`` for VMM or pool tokens; ``NoConsumerSlot``;
-        ``ProducerGone`` when the producer is dead; ``AtomicsUnavailable``; ``CudaUnavailable`` or
-        ``CudaError`` from the imports and the ready page's registration
-        (``cuIpcOpenMemHandle_v2``, ``cuEventCreate``, ``cuMemHostRegister_v2``...).
+        ``InvalidToken``; ``NoConsumerSlot``; ``ProducerGone`` when the producer is dead (also
+        when it dies while its VMM or pool fds are fetched); ``FdNotOffered``, ``NotSupported``,
+        ``Timeout`` or ``FdPassingError`` from fetching those fds (``fetch_fds``);
+        ``AtomicsUnavailable``; ``CudaUnavailable`` or ``CudaError`` from the imports and the
+        ready page's registration (``cuIpcOpenMemHandle_v2``, ``cuMemImportFromShareableHandle``,
+        ``cuMemMap``, ``cuMemPoolImportPointer``, ``cuEventCreate``, ``cuMemHostRegister_v2``...).
         """
         if delivery not in _DELIVERY:
             raise ValueError(f"unknown delivery {delivery!r} (every|latest)")
@@ -1704,8 +2173,10 @@ class Consumer:
         recorded and every ready wait enqueued has completed (the producer no longer waits on this
         consumer's events once the slot is free, and the ready page must not be read after it is
         unregistered), marking frames ready if the producer dies meanwhile; frees the slot and its
-        holds; then unregisters the ready page (``cuMemHostUnregister``), closes the imports and
-        events (``cuIpcCloseMemHandle``, ``cuEventDestroy_v2``) and unmaps the segment.
+        holds; then unregisters the ready page (``cuMemHostUnregister``), closes the imports
+        (``cuIpcCloseMemHandle``; VMM: ``cuMemUnmap``, ``cuMemAddressFree``, ``cuMemRelease``;
+        pools: ``cuMemFree_v2`` of each pointer, then ``cuMemPoolDestroy``) and events
+        (``cuEventDestroy_v2``), releases the primary context and unmaps the segment.
         Idempotent."""
         with self._lock:
             if self._closed:

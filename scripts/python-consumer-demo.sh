@@ -6,6 +6,8 @@
 #
 #   scripts/python-consumer-demo.sh [FRAMES]        # default 2000 frames of 3840x2160x4 bytes
 #   VIA="torch" scripts/python-consumer-demo.sh     # only the PyTorch run
+#   MEMORY=vmm scripts/python-consumer-demo.sh      # pool of VMM memory (auto|legacy|vmm|pool;
+#                                                   # default auto), passed as --memory
 #
 # The producer binary is taken from target/gpu-bundle/examples (a bundle built elsewhere), else
 # target/release/examples, else built with cargo. Output is also appended to
@@ -14,6 +16,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 frames=${1:-2000}
 via_list=${VIA:-"torch cupy"}
+memory=${MEMORY:-auto}
+case "$memory" in
+  auto|legacy|vmm|pool) ;;
+  *) echo "MEMORY must be auto, legacy, vmm or pool, not '$memory'" >&2; exit 2 ;;
+esac
 py=${PYTHON:-python3}
 log=${GPU_LOG_DIR:-/tmp}/gpu-log.txt
 
@@ -26,7 +33,7 @@ if [ -z "$bin" ]; then
   bin=target/release/examples/python_producer
 fi
 
-{ echo "== $(date -u +%FT%TZ) python consumer demo: $frames frames, via $via_list"
+{ echo "== $(date -u +%FT%TZ) python consumer demo: $frames frames, via $via_list, memory $memory"
   nvidia-smi --query-gpu=name,driver_version,uuid --format=csv,noheader 2>/dev/null
   "$py" -c 'import sys; print("python", sys.version.split()[0])'
 } | tee -a "$log"
@@ -34,7 +41,7 @@ fi
 rc=0
 for via in $via_list; do
   name="pydemo-$$-$via"
-  "$bin" --channel "$name" --frames "$frames" --consumers 1 > >(tee -a "$log") 2>&1 &
+  "$bin" --channel "$name" --frames "$frames" --consumers 1 --memory "$memory" > >(tee -a "$log") 2>&1 &
   producer=$!
   "$py" python/examples/torch_consumer.py "$name" --via "$via" --frames "$frames" > >(tee -a "$log") 2>&1 &
   consumer=$!

@@ -3,7 +3,9 @@
 //! `python3` child (`python/tests/protocol_check.py`, driven line by line). Checks frames, metadata,
 //! holds, cursors, release tokens and identities as the producer sees them, back-pressure,
 //! latest-only delivery, dead peers on both sides (a consumer marks a dead producer's frames ready
-//! in the ready page), a closed channel, and garbage segments.
+//! in the ready page), a closed channel, and garbage segments; and the module's fd-passing client
+//! (`fetch_fds`, used for VMM and memory-pool channels) against a Rust `FdExport` exporter serving
+//! memfds.
 //!
 //! Needs `python3` (or the interpreter named by `PYTHON`) with `libatomic.so.1`; without them the
 //! tests fail with a message saying so.
@@ -586,13 +588,17 @@ fn garbage_segments_and_tokens_are_refused_with_a_clear_error() {
     c.send(&attach_cmd);
     expect_error(&mut c, "NoConsumerSlot", &["all 1 consumer slots"]);
 
-    // VMM and pool memory tokens are not supported yet, and say so.
-    let vmm = Channel::new("vmm", 1, 1, TokenKind::VmmMemory);
-    c.send(&format!("attach {} every", vmm.name));
-    expect_error(&mut c, "NotSupported", &["VMM memory", "not yet"]);
-    let pool = Channel::new("pool", 1, 1, TokenKind::PoolMemory);
-    c.send(&format!("attach {} every", pool.name));
-    expect_error(&mut c, "NotSupported", &["pool memory", "not yet"]);
+    // VMM and pool memory tokens are accepted (protocol only: no fds are fetched without CUDA).
+    for kind in [TokenKind::VmmMemory, TokenKind::PoolMemory] {
+        let other = Channel::new("fdkind", 1, 1, kind);
+        let mut d = py();
+        attach(&mut d, &other.name, "every");
+        assert_eq!(other.p.stats().consumers.len(), 1, "{kind:?}");
+        d.send("close");
+        d.expect("detached", T);
+        d.send("exit");
+        d.finish(T);
+    }
 
     // No such channel; a name that is not one; a file too small to be a channel.
     c.send(&format!("attach {} every", unique("nosuch")));
@@ -718,5 +724,177 @@ fn python_consumer_keeps_up_with_a_full_speed_producer_without_torn_frames() {
         println!("{delivery}: {count} of {frames} frames received");
         c.send("exit");
         c.finish(T);
+    }
+}
+
+const FD_EXPORTER: &str = "python_fetches_memfds_from_a_rust_fd_exporter_and_leaks_none";
+
+/// The content of export `i` of the fd exporter child.
+fn fd_content(i: usize) -> String {
+    format!("memfd-content-{i}")
+}
+
+/// The Python fd-passing client (`cuda_ipc_consumer.fetch_fds`, what VMM and pool imports use)
+/// against a Rust exporter child serving memfds through `FdExport`: several ids in one request (in
+/// any order, one twice), each fd's content read back; an unknown or withdrawn id and a process
+/// that serves no fds refused with `FdNotOffered`; a stale identity, a zombie exporter and a
+/// reaped one refused promptly with `ProducerGone`; and the Python process holds exactly as many
+/// fds afterwards as before.
+#[test]
+fn python_fetches_memfds_from_a_rust_fd_exporter_and_leaks_none() {
+    use cuda_ipc::ipc::fdpass::FdExport;
+    use std::collections::BTreeMap;
+    if role().as_deref() == Some("fd-exporter") {
+        let mut exports = BTreeMap::new();
+        for i in 0..3 {
+            let fd =
+                rustix::fs::memfd_create("py-fdpass", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+            let file = std::fs::File::from(fd);
+            file.write_all_at(fd_content(i).as_bytes(), 0).unwrap();
+            let e = FdExport::new(file.into()).unwrap();
+            exports.insert(e.id(), e);
+        }
+        let me = ProcessIdentity::current().unwrap();
+        let ids: Vec<String> = exports.keys().map(|id| id.to_string()).collect();
+        tell(format!(
+            "exports {} {} {}",
+            me.pid,
+            me.start_time,
+            ids.join(" ")
+        ));
+        for line in parent_lines() {
+            if let Some(id) = line.strip_prefix("withdraw ") {
+                exports.remove(&id.parse::<u32>().unwrap());
+                tell("withdrawn");
+            }
+        }
+        return;
+    }
+    let mut x = Peer::spawn(FD_EXPORTER, "fd-exporter", &[]);
+    let r = x.expect("exports", T);
+    let w: Vec<u64> = r.split_whitespace().map(|v| v.parse().unwrap()).collect();
+    let (pid, start, ids) = (w[0], w[1], &w[2..]);
+    assert_eq!(ids.len(), 3);
+    let mut c = py();
+    let fetch = |c: &mut Peer, start: u64, want: &[u64]| {
+        let list: Vec<String> = want.iter().map(|v| v.to_string()).collect();
+        c.send(&format!("fetch {pid} {start} 10 {}", list.join(" ")));
+    };
+    c.send("nfds");
+    let before = c.expect("nfds", T);
+
+    // Several ids in one request, in any order, one of them twice: each fd is the export's file.
+    fetch(&mut c, start, &[ids[2], ids[0], ids[1], ids[0]]);
+    assert_eq!(
+        c.expect("fetched", T),
+        [2, 0, 1, 0].map(fd_content).join(" ")
+    );
+    // An unknown id among known ones: refused, naming it; the fds sent with it are closed.
+    fetch(&mut c, start, &[ids[0], 999_999, ids[1]]);
+    expect_error(
+        &mut c,
+        "FdNotOffered",
+        &[&format!("process {pid}"), "export 999999", "never exported"],
+    );
+    // A withdrawn id.
+    x.send(&format!("withdraw {}", ids[1]));
+    x.expect("withdrawn", T);
+    fetch(&mut c, start, &[ids[0], ids[1]]);
+    expect_error(&mut c, "FdNotOffered", &[&format!("export {}", ids[1])]);
+    fetch(&mut c, start, &[ids[2]]);
+    assert_eq!(c.expect("fetched", T), fd_content(2));
+    // A live process that exported nothing (the Python process itself).
+    c.send("fetch self 0 10 1");
+    expect_error(&mut c, "FdNotOffered", &["serves no fds"]);
+    // The exporter's pid with another start time: a reused pid, gone without connecting.
+    fetch(&mut c, start + 1, &[ids[0]]);
+    assert_eq!(c.expect("gone", T), pid.to_string());
+
+    // Killed: a zombie (not reaped yet) and then a reaped exporter are reported gone promptly.
+    x.child.kill().unwrap();
+    let zombie = Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next();
+        if state == Some("Z") {
+            break;
+        }
+        assert!(
+            zombie.elapsed() < T,
+            "the killed exporter never became a zombie"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for reaped in [false, true] {
+        if reaped {
+            x.child.wait().unwrap();
+        }
+        let t = Instant::now();
+        fetch(&mut c, start, &[ids[0]]);
+        assert_eq!(c.expect("gone", T), pid.to_string(), "reaped {reaped}");
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "reaped {reaped}: ProducerGone took {:?}",
+            t.elapsed()
+        );
+    }
+    c.send("nfds");
+    assert_eq!(c.expect("nfds", T), before, "the Python process leaked fds");
+    c.send("exit");
+    c.finish(T);
+}
+
+/// On a GPU: a Rust producer whose pool is VMM memory, then one whose pool is memory-pool memory,
+/// each hands 200 frames of 1 MiB (every word written by the `fill_pattern` kernel, seeded by the
+/// frame index in the metadata) to a Python consumer in CUDA mode, which imports the buffers
+/// through fds fetched from the producer's fd server and checks every word on the GPU (PyTorch,
+/// else CuPy). Fails on any mismatched word, a frame out of order or missing, or a forced hold.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_python_consumer_checks_every_frame_of_vmm_and_pool_channels() {
+    use cuda_ipc::channel::{ChannelOptions, MemoryKind, Producer};
+    use cuda_ipc::kernels::Kernels;
+    const FRAMES: u64 = 200;
+    // Importing PyTorch and starting CUDA in the child may take a while on a cold machine.
+    const SLOW: Duration = Duration::from_secs(120);
+    let ctx = common::ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let mut results = Vec::new();
+    for (kind, word) in [(MemoryKind::Vmm, "VMM"), (MemoryKind::Pool, "pool")] {
+        let name = unique(&format!("gpu{word}"));
+        let opts = ChannelOptions::new(1 << 20).memory(kind);
+        let mut tx = Producer::create(&ctx, &name, &opts).unwrap();
+        assert_eq!(tx.memory_kind(), kind);
+        let mut c = py();
+        c.send(&format!("attach {name} every gpu"));
+        c.expect("attached", SLOW);
+        c.send(&format!("verify {FRAMES} 60"));
+        let t = Instant::now();
+        for i in 0..FRAMES {
+            let f = tx.acquire(Some(SLOW)).unwrap();
+            k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+            f.publish(&i.to_le_bytes()).unwrap();
+        }
+        let got = c.expect("verified", SLOW);
+        // The consumer frees its imports before the producer frees the pool, as the driver wants.
+        c.send("close");
+        c.expect("detached", T);
+        c.send("exit");
+        c.finish(T);
+        let report = tx.close(T).unwrap();
+        println!(
+            "{word} channel: {FRAMES} frames of 1 MiB to a Python consumer in {:?}; (received, mismatched words, kind) = {got}",
+            t.elapsed()
+        );
+        results.push((word, got, report.forced_holds));
+    }
+    for (word, got, forced) in results {
+        assert_eq!(got, format!("{FRAMES} 0 {word}"), "{word} channel");
+        assert_eq!(forced, 0, "{word} channel: holds forced at close");
     }
 }

@@ -19,6 +19,16 @@ line starting ``@@ ``:
                                      until it is idle: @@ drained SECONDS | @@ wedged (gpu only)
     ready                         -> @@ ready WORD0 WORD1 ... (each buffer's ready word, as this
                                      module reads it from the segment's ready page)
+    verify N TIMEOUT_S            -> (gpu) receives N frames, checks every 32-bit word of each
+                                     on the GPU against the kernels' pattern, seeded by the first
+                                     u64 of the metadata (PyTorch, else CuPy), and that seq goes
+                                     up by one: @@ verified COUNT MISMATCHED_WORDS KIND
+    fetch PID START TIMEOUT_S ID...
+                                  -> fetches fds of exporter (PID, START, this boot) by export id
+                                     (cuda_ipc_consumer.fetch_fds), reads each one's content from
+                                     offset 0 and closes it: @@ fetched CONTENT... ("self" as
+                                     PID: this process)
+    nfds                          -> @@ nfds N (entries of /proc/self/fd)
     close                         -> @@ detached
     exit                          -> the process exits 0
 Any exception becomes ``@@ error CLASS MESSAGE`` (``@@ gone PID`` for ProducerGone, ``@@ closed``
@@ -59,6 +69,56 @@ def stream_idle_within(rx, stream: int, timeout: float):
                 d.check("cuStreamQuery", rc)
             time.sleep(0.005)
     return None
+
+
+def open_fds() -> int:
+    """Entries of /proc/self/fd, less the one listing it."""
+    return len(os.listdir("/proc/self/fd")) - 1
+
+
+def fd_content(fd: int) -> str:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0).decode()
+
+
+def fetch(cmd) -> list:
+    if cmd[1] == "self":
+        exporter = cic.ProcessIdentity.current()
+    else:
+        exporter = cic.ProcessIdentity(int(cmd[1]), int(cmd[2]), cic._boot_id())
+    fds = cic.fetch_fds(exporter, [int(i) for i in cmd[4:]], timeout=float(cmd[3]))
+    try:
+        return [fd_content(fd) for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def verify(rx, n: int, timeout: float) -> tuple:
+    """Checks ``n`` frames on the GPU (see the module docstring): (count, mismatched words)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import torch_consumer as tc
+
+    words = rx.buffer_bytes // 4
+    try:
+        import torch
+
+        checker = tc.TorchCheck(torch.device("cuda", rx.device_ordinal), words)
+    except ImportError:
+        checker = tc.CupyCheck(rx.device_ordinal, words)
+    checker.self_test()
+    count, last = 0, None
+    for _ in range(n):
+        with rx.recv(timeout=timeout) as f:
+            if last is not None and f.seq != last + 1:
+                raise AssertionError(f"frame {f.seq} after {last}")
+            if f.ptr is None or f.nbytes != rx.buffer_bytes:
+                raise AssertionError(f"frame {f.seq}: ptr {f.ptr}, {f.nbytes} bytes")
+            seed = int.from_bytes(f.metadata[:8], "little")
+            checker.check(f, seed & 0xFFFFFFFF)  # on the frame's stream, released after it
+            last = f.seq
+            count += 1
+    return count, checker.mismatches()
 
 
 def main() -> int:
@@ -139,6 +199,14 @@ def main() -> int:
             elif op == "ready":
                 # Introspection for the test: where the module finds the ready page.
                 say("ready", *(rx._control.ready_value(i) for i in range(rx.buffers)))
+            elif op == "verify":
+                count, bad = verify(rx, int(cmd[1]), float(cmd[2]))
+                kinds = {cic._buffer_tokens(rx._control, i)[0].kind for i in range(rx.buffers)}
+                say("verified", count, bad, ",".join(cic._KIND_NAMES[k].split()[0] for k in sorted(kinds)))
+            elif op == "fetch":
+                say("fetched", *fetch(cmd))
+            elif op == "nfds":
+                say("nfds", open_fds())
             elif op == "close":
                 rx.close()
                 say("detached")
