@@ -1115,16 +1115,23 @@ class _Control:
             self._bump(_H_RELEASE_FUTEX)
             return i, seq, meta
 
-    def take(self, c: int, spin_s: float, timeout: Optional[float]) -> Optional[tuple]:
-        def ready():
-            got = self.try_take(c)
-            if got is not None:
-                return got
-            if self.is_closed():
-                raise ChannelClosed("the producer closed the channel and every frame was received")
-            return None
+    def take_or_closed(self, c: int) -> Optional[tuple]:
+        """As Control::take_or_closed: ``try_take``, or ``ChannelClosed`` when nothing is left and
+        the producer closed. Seeing the channel closed after an empty ``try_take`` is not enough
+        (the producer may have published and closed in between); seeing ``closed`` (Acquire, after
+        the last publish) makes every publish visible, so one more look is conclusive."""
+        got = self.try_take(c)
+        if got is not None or not self.is_closed():
+            return got
+        got = self.try_take(c)
+        if got is None:
+            raise ChannelClosed("the producer closed the channel and every frame was received")
+        return got
 
-        return self.wait_until(_H_PUBLISH_FUTEX, spin_s, timeout, ready, self.producer_gone)
+    def take(self, c: int, spin_s: float, timeout: Optional[float]) -> Optional[tuple]:
+        return self.wait_until(
+            _H_PUBLISH_FUTEX, spin_s, timeout, lambda: self.take_or_closed(c), self.producer_gone
+        )
 
     def release(self, c: int, i: int) -> None:
         # SeqCst: after the release event was recorded; pairs with the producer's SeqCst read of
@@ -2096,10 +2103,8 @@ class Consumer:
         """The next frame if one is ready now, else None. Raises as ``recv`` except ``Timeout``."""
         self._check_open()
         with self._recv_lock:
-            got = self._control.try_take(self._slot)
+            got = self._control.take_or_closed(self._slot)
         if got is None:
-            if self._control.is_closed():
-                raise ChannelClosed("the producer closed the channel and every frame was received")
             try:
                 self._control.producer_gone()
             except ProducerGone:

@@ -945,15 +945,7 @@ impl Control {
             &h.publish_futex,
             strategy,
             timeout,
-            || {
-                if let Some(got) = self.try_take(c)? {
-                    return Ok(Some(got));
-                }
-                if self.is_closed() {
-                    return Err(Error::ChannelClosed);
-                }
-                Ok(None)
-            },
+            || self.take_or_closed(c),
             || self.producer_gone(),
         )
     }
@@ -1014,6 +1006,26 @@ impl Control {
             s.cursor.store(seq, Ordering::Release);
             Self::bump(&self.header().release_futex);
             return Ok(Some((i, seq, meta)));
+        }
+    }
+
+    /// [`Control::try_take`], or [`Error::ChannelClosed`] when nothing is left for consumer `c` and
+    /// the producer closed the channel.
+    ///
+    /// A `None` from `try_take` followed by seeing the channel closed is not enough: the producer
+    /// may have published more frames and closed between the two. Seeing `closed` (Acquire, paired
+    /// with the Release store in `close`, which follows the last publish) makes every publish
+    /// visible, so one more look is conclusive.
+    pub(crate) fn take_or_closed(&self, c: usize) -> Result<Option<(usize, u64, Vec<u8>)>> {
+        if let Some(got) = self.try_take(c)? {
+            return Ok(Some(got));
+        }
+        if !self.is_closed() {
+            return Ok(None);
+        }
+        match self.try_take(c)? {
+            Some(got) => Ok(Some(got)),
+            None => Err(Error::ChannelClosed),
         }
     }
 
@@ -1175,6 +1187,66 @@ mod tests {
 
     fn rel_tokens(n: usize) -> Vec<[u8; TOKEN_LEN]> {
         (0..n as u8).map(|i| fake_token(200 + i)).collect()
+    }
+
+    #[test]
+    fn frames_published_just_before_close_are_still_delivered() {
+        // The interleaving that lost frames: the consumer finds nothing new, then the producer
+        // publishes and closes, then the consumer sees the channel closed.
+        for policy in [Delivery::EveryFrame, Delivery::LatestOnly] {
+            let (c, _name) = channel(2);
+            let slot = c.attach(policy, &rel_tokens(2)).unwrap();
+            assert!(c.try_take(slot).unwrap().is_none());
+            let (i, _) = c.try_acquire().unwrap();
+            c.publish(i, b"last").unwrap();
+            c.close();
+            let (_, seq, meta) = c.take_or_closed(slot).unwrap().expect("the last frame");
+            assert_eq!((seq, meta.as_slice()), (1, &b"last"[..]));
+            c.release(slot, i);
+            assert!(matches!(c.take_or_closed(slot), Err(Error::ChannelClosed)));
+            c.unlink();
+        }
+    }
+
+    #[test]
+    fn a_consumer_racing_the_producers_close_always_gets_the_last_frame() {
+        // Full speed on a pool of 2, both policies, many short runs: the close lands at every
+        // point of the consumer's take.
+        for policy in [Delivery::EveryFrame, Delivery::LatestOnly] {
+            for _ in 0..300 {
+                let (c, _name) = channel(2);
+                let slot = c.attach(policy, &rel_tokens(2)).unwrap();
+                const N: u64 = 40;
+                let last = std::thread::scope(|sc| {
+                    let consumer = sc.spawn(|| {
+                        let mut last = 0;
+                        loop {
+                            match c.take(slot, WaitStrategy::Spin, Some(Duration::from_secs(10))) {
+                                Ok(Some((i, seq, _))) => {
+                                    assert!(seq > last);
+                                    last = seq;
+                                    c.release(slot, i);
+                                }
+                                Ok(None) => panic!("timed out"),
+                                Err(Error::ChannelClosed) => return last,
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                    });
+                    for _ in 0..N {
+                        let (i, _) = c
+                            .acquire(WaitStrategy::Spin, Some(Duration::from_secs(10)))
+                            .unwrap()
+                            .unwrap();
+                        c.publish(i, b"").unwrap();
+                    }
+                    c.close();
+                    consumer.join().unwrap()
+                });
+                assert_eq!(last, N, "{policy:?}: the last frame was lost to the close");
+                c.unlink();
+            }
+        }
     }
 
     #[test]

@@ -781,14 +781,11 @@ impl Consumer {
     pub fn try_recv(&self) -> Result<Option<Frame<'_>>> {
         match self
             .control
-            .try_take(self.slot)
+            .take_or_closed(self.slot)
             .map_err(|e| self.on_error(e))?
         {
             Some((i, seq, meta)) => self.deliver(i, seq, meta).map(Some),
             None => {
-                if self.control.is_closed() {
-                    return Err(Error::ChannelClosed);
-                }
                 self.control.producer_gone().map_err(|e| self.on_error(e))?;
                 Ok(None)
             }
