@@ -703,8 +703,9 @@ fn doctor_without_a_driver_says_so_plainly_and_exits_1() {
 #[test]
 fn a_closed_stdout_ends_the_command_quietly_with_status_141() {
     // `cuda-ipc doctor | head -c0`: the reader is gone before the command writes (closed before
-    // the command even starts, so the outcome does not depend on timing).
-    let (r, w) = rustix::pipe::pipe().unwrap();
+    // the command even starts, so the outcome does not depend on timing). Close-on-exec, so a child
+    // that another test spawns meanwhile does not inherit the read end and keep the pipe open.
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
     drop(r);
     let o = std::process::Command::new(bin())
         .arg("doctor")
