@@ -580,6 +580,11 @@ class _Control:
         deadline = time.monotonic() + _STAMP_WAIT
         # Acquire: pairs with the Release store of the stamp in Control::create.
         while a.load32(base + _H_STAMP, _ACQUIRE) != _STAMP_READY:
+            # A segment being created reads zero until its creator stores the magic (one atomic
+            # store): any other value is a foreign segment, refused without waiting.
+            magic = a.load64(base + _H_MAGIC, _RELAXED)
+            if magic not in (0, _MAGIC):
+                raise BadSegment(f"{seg} is not a cuda-ipc channel (magic {magic:#018x})")
             if time.monotonic() > deadline:
                 raise BadSegment(f"{seg} was never finished by its creator (no init stamp after 2 s)")
             time.sleep(0.001)

@@ -569,6 +569,17 @@ fn garbage_segments_and_tokens_are_refused_with_a_clear_error() {
         &["truncated"],
     );
     refuse(12, &0u32.to_le_bytes(), "BadSegment", &["never finished"]);
+    // A foreign magic with no init stamp: refused at once, not after the 2 s wait for a creator.
+    let mut foreign = 7u64.to_le_bytes().to_vec();
+    foreign.extend_from_slice(&2u32.to_le_bytes());
+    foreign.extend_from_slice(&0u32.to_le_bytes());
+    let t0 = Instant::now();
+    refuse(0, &foreign, "BadSegment", &["not a cuda-ipc channel"]);
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "a foreign segment took {:?} to refuse",
+        t0.elapsed()
+    );
     // The buffer's memory token (after the 136-byte header and 288 bytes of slot): a flipped bit.
     let tok = 136 + 288;
     let b = ch.peek(tok + 80, 1)[0] ^ 1;
