@@ -1813,6 +1813,6 @@ def _main(argv: list) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(_main(sys.argv[1:]))
-    except CudaIpcError as e:
+    except (CudaIpcError, ValueError) as e:  # ValueError: a bad channel name
         print(f"cuda_ipc_consumer: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

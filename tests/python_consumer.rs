@@ -731,3 +731,32 @@ fn python_consumer_keeps_up_with_a_full_speed_producer_without_torn_frames() {
         c.finish(T);
     }
 }
+
+/// The module's command line: a bad channel name, or one that does not exist, ends with status 1
+/// and a one-line error, never a traceback.
+#[test]
+fn the_python_command_line_reports_bad_and_missing_channels_in_one_line() {
+    require_python();
+    let long = "x".repeat(300);
+    let missing = unique("missing");
+    for (name, want) in [
+        ("../etc", "bad channel name"),
+        ("", "bad channel name"),
+        (long.as_str(), "bad channel name"),
+        (missing.as_str(), "ChannelNotFound"),
+    ] {
+        let o = Command::new(python())
+            .arg(repo_file("python/cuda_ipc_consumer.py"))
+            .args([name, "--no-cuda", "--timeout", "1"])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{name:?}: {err}");
+        assert!(
+            err.starts_with("cuda_ipc_consumer: ") && err.contains(want),
+            "{name:?}: {err}"
+        );
+        assert!(!err.contains("Traceback"), "{name:?}: {err}");
+    }
+}
