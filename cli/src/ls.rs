@@ -9,7 +9,7 @@ use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::error::Error;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// Everything `ls` found.
@@ -660,24 +660,24 @@ pub fn run_watch(
         };
         add_rates(&mut l, &mut prev, now);
         let last = outcome(&l);
-        let mut out = std::io::stdout().lock();
+        // Through `out_nonl!`, so a reader that went away (`watch | head`) ends the command with
+        // status 141, as for `ls`.
         if json {
-            writeln!(out, "{}", serde_json::to_string(&l)?)?;
+            out_nonl!("{}\n", serde_json::to_string(&l)?);
         } else {
-            if clear {
-                write!(out, "\x1b[2J\x1b[H")?;
+            let sep = if clear {
+                "\x1b[2J\x1b[H"
             } else if n > 0 {
-                writeln!(out)?;
-            }
-            write!(
-                out,
-                "every {interval_ms} ms, refresh {}\n{}",
+                "\n"
+            } else {
+                ""
+            };
+            out_nonl!(
+                "{sep}every {interval_ms} ms, refresh {}\n{}",
                 n + 1,
                 render(&l, true)
-            )?;
+            );
         }
-        out.flush()?;
-        drop(out);
         n += 1;
         if count.is_some_and(|c| n >= c) {
             return Ok(last);

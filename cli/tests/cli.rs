@@ -705,17 +705,30 @@ fn a_closed_stdout_ends_the_command_quietly_with_status_141() {
     // `cuda-ipc doctor | head -c0`: the reader is gone before the command writes (closed before
     // the command even starts, so the outcome does not depend on timing). Close-on-exec, so a child
     // that another test spawns meanwhile does not inherit the read end and keep the pipe open.
-    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-    drop(r);
-    let o = std::process::Command::new(bin())
-        .arg("doctor")
-        .stdout(std::process::Stdio::from(w))
-        .stderr(std::process::Stdio::piped())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(o.status.code(), Some(141), "{err}");
+    for args in [
+        &["doctor"][..],
+        &["watch", "--interval", "10", "--count", "3"],
+        &["watch", "--json", "--interval", "10", "--count", "3"],
+    ] {
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        drop(r);
+        let o = std::process::Command::new(bin())
+            .args(args)
+            .stdout(std::process::Stdio::from(w))
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {err}");
+        assert!(!err.contains("Broken pipe"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn watch_count_must_be_at_least_one() {
+    let o = cuda_ipc(&["watch", "--count", "0"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
 }
 
 #[test]
