@@ -343,6 +343,20 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         let chan = n.strip_prefix(channel_inspect::SEGMENT_PREFIX).unwrap_or(n);
         registries.retain(|r| r == n);
         channels.retain(|c| c == chan);
+        // A segment that exists but was not listed (another user's, or not a registry): inspected
+        // anyway, so the error says why (owner, magic) instead of "no such name".
+        let exists = |seg: &str| {
+            !seg.contains('/')
+                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::shm::SHM_DIR))
+                    .is_ok_and(|m| m.is_file())
+        };
+        if registries.is_empty() && channels.is_empty() {
+            if exists(&channel_inspect::segment_name(chan)) {
+                channels.push(chan.to_string());
+            } else if n == chan && exists(n) {
+                registries.push(n.to_string());
+            }
+        }
         if registries.is_empty() && channels.is_empty() {
             return Err(format!(
                 "no registry or channel named {n:?} in {}",

@@ -375,6 +375,31 @@ fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
 }
 
 #[test]
+fn ls_of_a_name_that_exists_but_is_no_registry_or_channel_says_what_is_wrong() {
+    // A file of another program, named like a registry, then like a channel's segment.
+    let name = unique("not-a-registry");
+    let _u = Unlink(name.clone());
+    let _c = Unlink(format!("cuda-ipc.ch.{name}"));
+    for seg in [name.clone(), format!("cuda-ipc.ch.{name}")] {
+        let path = format!("/dev/shm/{seg}");
+        std::fs::write(&path, b"hello").unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        for args in [&["ls", &name][..], &["gc", &name, "--dry-run"]] {
+            let o = cuda_ipc(args);
+            let t = text(&o);
+            assert_eq!(code(&o), 1, "{args:?}: {t}");
+            assert!(!t.contains("no registry or channel named"), "{args:?}: {t}");
+            assert!(
+                t.contains("cannot read") && t.contains("5 bytes"),
+                "{args:?}: {t}"
+            );
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+}
+
+#[test]
 fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
     let name = unique("gc-reg");
     let _u = Unlink(name.clone());
