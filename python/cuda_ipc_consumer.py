@@ -543,9 +543,14 @@ class _Control:
         self.name = seg
         path = "/dev/shm/" + seg
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            # O_NOFOLLOW, as shm_open: a symbolic link planted in /dev/shm is never followed.
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise ChannelNotFound(f"no channel named {channel!r} (start its producer first)") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise BadSegment(f"{path} is a symbolic link; a segment is never opened through one") from None
+            raise BadSegment(f"{path} cannot be opened: {e.strerror}") from None
         self.addr = 0
         self.len = 0
         try:

@@ -760,3 +760,33 @@ fn the_python_command_line_reports_bad_and_missing_channels_in_one_line() {
         assert!(!err.contains("Traceback"), "{name:?}: {err}");
     }
 }
+
+/// The Python consumer never follows a symbolic link planted in /dev/shm under a channel's name, and
+/// reports a directory there as a bad segment, not a traceback.
+#[test]
+fn the_python_consumer_refuses_a_symbolic_link_or_a_directory_as_a_channel() {
+    require_python();
+    let ch = Channel::new("link-target", 1, 1, TokenKind::LegacyMemory);
+    let link = unique("link");
+    let dir = unique("dir");
+    std::os::unix::fs::symlink(ch.path(), format!("/dev/shm/cuda-ipc.ch.{link}")).unwrap();
+    std::fs::create_dir(format!("/dev/shm/cuda-ipc.ch.{dir}")).unwrap();
+    let run = |name: &str| {
+        Command::new(python())
+            .arg(repo_file("python/cuda_ipc_consumer.py"))
+            .args([name, "--no-cuda", "--timeout", "1"])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .unwrap()
+    };
+    let (l, d) = (run(&link), run(&dir));
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{link}"));
+    let _ = std::fs::remove_dir(format!("/dev/shm/cuda-ipc.ch.{dir}"));
+    for (o, want) in [(l, "is a symbolic link"), (d, "cannot be opened")] {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("BadSegment") && err.contains(want), "{err}");
+    }
+    // The channel itself was not attached to through the link.
+    assert!(ch.p.consumer_release_tokens(0).is_none());
+}
