@@ -76,5 +76,10 @@ step host_staging "${b[3]}" "$py" bench/host_staging.py --out "$out" $quick
 step cupy_ipc "${b[4]}" "$py" bench/cupy_ipc.py --out "$out" $quick
 step report "${b[5]}" "$py" bench/report.py --out "$out"
 
-echo "== results in $out: results.json results.csv targets.csv benchmarks.png benchmarks.md (logs/ has each step's output)"
+# The files the report wrote (no benchmarks.png without matplotlib, nothing when the report failed).
+made=""
+for f in results.json results.csv targets.csv benchmarks.png benchmarks.md; do
+  [ -e "$out/$f" ] && made="$made $f"
+done
+echo "== results in $out:${made:- (no report files)} (logs/ has each step's output)"
 exit $status

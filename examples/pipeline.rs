@@ -23,6 +23,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+const USAGE: &str = "usage: pipeline [--frames 10000] [--consumers 2] [--delivery every|latest]
+    [--wait spin-then-block|spin|block] [--memory auto|legacy|vmm]";
+
 const WIDTH: u64 = 3840;
 const HEIGHT: u64 = 2160;
 const FRAME_BYTES: usize = (WIDTH * HEIGHT * 4) as usize;
@@ -84,7 +87,11 @@ fn parse() -> Result<Args, Box<dyn Error>> {
                 let ch = v()?.clone();
                 a.role = Some((ch, it.next().ok_or("missing index")?.clone()));
             }
-            x => return Err(format!("unknown argument {x:?}").into()),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            x => return Err(format!("unknown argument {x:?}\n{USAGE}").into()),
         }
     }
     Ok(a)

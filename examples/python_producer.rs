@@ -20,6 +20,9 @@ use cuda_ipc::kernels::Kernels;
 use std::error::Error;
 use std::time::{Duration, Instant};
 
+const USAGE: &str = "usage: python_producer --channel NAME [--frames 2000] [--consumers 1]
+    [--width 3840] [--height 2160] [--attach-timeout 120] (seconds) [--memory auto|legacy|vmm|pool]";
+
 struct Args {
     channel: String,
     frames: u64,
@@ -60,11 +63,15 @@ fn parse() -> Result<Args, Box<dyn Error>> {
                     x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm|pool)").into()),
                 }
             }
-            x => return Err(format!("unknown argument {x:?}").into()),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            x => return Err(format!("unknown argument {x:?}\n{USAGE}").into()),
         }
     }
     if a.channel.is_empty() {
-        return Err("--channel NAME is needed".into());
+        return Err(format!("--channel NAME is needed\n{USAGE}").into());
     }
     if a.width == 0 || a.height == 0 {
         return Err("--width and --height must be positive".into());

@@ -811,9 +811,14 @@ class _Control:
         self.name = seg
         path = "/dev/shm/" + seg
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            # O_NOFOLLOW, as shm_open: a symbolic link planted in /dev/shm is never followed.
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise ChannelNotFound(f"no channel named {channel!r} (start its producer first)") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise BadSegment(f"{path} is a symbolic link; a segment is never opened through one") from None
+            raise BadSegment(f"{path} cannot be opened: {e.strerror}") from None
         self.addr = 0
         self.len = 0
         try:
@@ -848,6 +853,11 @@ class _Control:
         deadline = time.monotonic() + _STAMP_WAIT
         # Acquire: pairs with the Release store of the stamp in Control::create.
         while a.load32(base + _H_STAMP, _ACQUIRE) != _STAMP_READY:
+            # A segment being created reads zero until its creator stores the magic (one atomic
+            # store): any other value is a foreign segment, refused without waiting.
+            magic = a.load64(base + _H_MAGIC, _RELAXED)
+            if magic not in (0, _MAGIC):
+                raise BadSegment(f"{seg} is not a cuda-ipc channel (magic {magic:#018x})")
             if time.monotonic() > deadline:
                 raise BadSegment(f"{seg} was never finished by its creator (no init stamp after 2 s)")
             time.sleep(0.001)
@@ -2284,6 +2294,6 @@ def _main(argv: list) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(_main(sys.argv[1:]))
-    except CudaIpcError as e:
+    except (CudaIpcError, ValueError) as e:  # ValueError: a bad channel name
         print(f"cuda_ipc_consumer: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

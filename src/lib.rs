@@ -15,3 +15,8 @@ pub(crate) mod sync;
 pub mod token;
 
 pub use error::{CudaError, Error, OsError, Result};
+
+/// The README's Rust code, compiled as a doctest so that it stays in step with the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

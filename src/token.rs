@@ -224,14 +224,22 @@ impl Token {
 
     /// Decodes the hex form written by [`Token::to_hex`].
     ///
+    /// Surrounding whitespace is ignored; anything else but the digits `0-9a-fA-F` is refused.
+    ///
     /// # Errors
-    /// [`Error::InvalidToken`] for non-hex text or any error of [`Token::from_bytes`].
+    /// [`Error::InvalidToken`] for non-hex text (the first bad character and its byte position
+    /// named), text of odd length, or any error of [`Token::from_bytes`].
     pub fn from_hex(s: &str) -> Result<Token> {
         let s = s.trim();
-        if s.len() % 2 != 0 || !s.is_ascii() {
-            return Err(Error::InvalidToken(
-                "hex text of odd length or not ASCII".into(),
-            ));
+        // Checked digit by digit: `u8::from_str_radix` alone would accept a sign (`"+f"`).
+        if let Some((at, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_hexdigit()) {
+            return Err(Error::InvalidToken(format!("not hex: {c:?} at byte {at}")));
+        }
+        if s.len() % 2 != 0 {
+            return Err(Error::InvalidToken(format!(
+                "hex text of odd length {}",
+                s.len()
+            )));
         }
         let bytes: std::result::Result<Vec<u8>, _> = (0..s.len())
             .step_by(2)

@@ -571,6 +571,17 @@ fn garbage_segments_and_tokens_are_refused_with_a_clear_error() {
         &["truncated"],
     );
     refuse(12, &0u32.to_le_bytes(), "BadSegment", &["never finished"]);
+    // A foreign magic with no init stamp: refused at once, not after the 2 s wait for a creator.
+    let mut foreign = 7u64.to_le_bytes().to_vec();
+    foreign.extend_from_slice(&2u32.to_le_bytes());
+    foreign.extend_from_slice(&0u32.to_le_bytes());
+    let t0 = Instant::now();
+    refuse(0, &foreign, "BadSegment", &["not a cuda-ipc channel"]);
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "a foreign segment took {:?} to refuse",
+        t0.elapsed()
+    );
     // The buffer's memory token (after the 136-byte header and 288 bytes of slot): a flipped bit.
     let tok = 136 + 288;
     let b = ch.peek(tok + 80, 1)[0] ^ 1;
@@ -897,4 +908,63 @@ fn a_python_consumer_checks_every_frame_of_vmm_and_pool_channels() {
         assert_eq!(got, format!("{FRAMES} 0 {word}"), "{word} channel");
         assert_eq!(forced, 0, "{word} channel: holds forced at close");
     }
+}
+
+/// The module's command line: a bad channel name, or one that does not exist, ends with status 1
+/// and a one-line error, never a traceback.
+#[test]
+fn the_python_command_line_reports_bad_and_missing_channels_in_one_line() {
+    require_python();
+    let long = "x".repeat(300);
+    let missing = unique("missing");
+    for (name, want) in [
+        ("../etc", "bad channel name"),
+        ("", "bad channel name"),
+        (long.as_str(), "bad channel name"),
+        (missing.as_str(), "ChannelNotFound"),
+    ] {
+        let o = Command::new(python())
+            .arg(repo_file("python/cuda_ipc_consumer.py"))
+            .args([name, "--no-cuda", "--timeout", "1"])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{name:?}: {err}");
+        assert!(
+            err.starts_with("cuda_ipc_consumer: ") && err.contains(want),
+            "{name:?}: {err}"
+        );
+        assert!(!err.contains("Traceback"), "{name:?}: {err}");
+    }
+}
+
+/// The Python consumer never follows a symbolic link planted in /dev/shm under a channel's name, and
+/// reports a directory there as a bad segment, not a traceback.
+#[test]
+fn the_python_consumer_refuses_a_symbolic_link_or_a_directory_as_a_channel() {
+    require_python();
+    let ch = Channel::new("link-target", 1, 1, TokenKind::LegacyMemory);
+    let link = unique("link");
+    let dir = unique("dir");
+    std::os::unix::fs::symlink(ch.path(), format!("/dev/shm/cuda-ipc.ch.{link}")).unwrap();
+    std::fs::create_dir(format!("/dev/shm/cuda-ipc.ch.{dir}")).unwrap();
+    let run = |name: &str| {
+        Command::new(python())
+            .arg(repo_file("python/cuda_ipc_consumer.py"))
+            .args([name, "--no-cuda", "--timeout", "1"])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .unwrap()
+    };
+    let (l, d) = (run(&link), run(&dir));
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{link}"));
+    let _ = std::fs::remove_dir(format!("/dev/shm/cuda-ipc.ch.{dir}"));
+    for (o, want) in [(l, "is a symbolic link"), (d, "cannot be opened")] {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("BadSegment") && err.contains(want), "{err}");
+    }
+    // The channel itself was not attached to through the link.
+    assert!(ch.p.consumer_release_tokens(0).is_none());
 }

@@ -5,7 +5,7 @@ mod common;
 use common::{Unlink, unique};
 use cuda_ipc::Error;
 use cuda_ipc::registry::layout::{self, HEADER_SIZE, PARTICIPANT_SIZE, SLOT_SIZE};
-use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions};
+use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions, inspect};
 use cuda_ipc::shm::{Segment, SegmentOptions};
 use std::time::{Duration, Instant};
 
@@ -329,6 +329,19 @@ fn open_of_segment_whose_creator_never_finished_fails_with_uninitialised() {
     let (name, _u) = raw_segment("uninit", &img);
     let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
     assert!(matches!(e, RegistryError::Uninitialised { .. }), "{e}");
+    // The error says how long it waited (the options' 100 ms), not zero.
+    let RegistryError::Uninitialised { waited, .. } = &e else {
+        unreachable!()
+    };
+    assert!(*waited >= Duration::from_millis(100), "{waited:?}");
+    assert!(e.to_string().contains("after waiting"), "{e}");
+    // Inspecting does not wait, and says what the state means.
+    let e = registry_err(inspect::inspect(&name).unwrap_err());
+    assert!(
+        e.to_string()
+            .contains("not initialised: its creator has not finished it"),
+        "{e}"
+    );
 }
 
 #[test]

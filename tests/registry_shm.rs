@@ -270,3 +270,35 @@ fn seqlock_under_concurrent_writers_and_readers_never_tears() {
         assert!(ok > 0);
     });
 }
+
+/// A symbolic link in /dev/shm under a segment's name (anyone can make one there) is never
+/// followed: opening it as a segment, a registry or a channel fails and says why, and the file it
+/// points to is left alone.
+#[test]
+fn a_symbolic_link_named_like_a_segment_is_never_followed() {
+    use cuda_ipc::registry::{Registry, RegistryOptions};
+    let target = unique("symlink-target");
+    let seg = Segment::create(&target, 4096, &SegmentOptions::new()).unwrap();
+    let link = unique("symlink");
+    let chan_link = format!("cuda-ipc.ch.{link}");
+    for l in [&link, &chan_link] {
+        std::os::unix::fs::symlink(format!("/dev/shm/{target}"), format!("/dev/shm/{l}")).unwrap();
+    }
+    let results = [
+        Segment::open(&link).map(|_| ()),
+        Registry::open(&link, &RegistryOptions::new()).map(|_| ()),
+        cuda_ipc::registry::inspect::inspect(&link).map(|_| ()),
+        cuda_ipc::channel::inspect::inspect(&link).map(|_| ()),
+    ];
+    // Removed before any assertion, so a failure leaves nothing behind.
+    for l in [&link, &chan_link] {
+        std::fs::remove_file(format!("/dev/shm/{l}")).unwrap();
+    }
+    let _ = Segment::unlink(&target);
+    for r in results {
+        let e = r.expect_err("opened through a symbolic link");
+        assert!(e.to_string().contains("is a symbolic link"), "{e}");
+    }
+    // The target was left alone: still the size it was made with.
+    assert_eq!(seg.len(), 4096);
+}

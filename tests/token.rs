@@ -167,6 +167,21 @@ fn bad_hex_is_refused() {
     assert!(Token::from_hex("abc").is_err());
     assert!(Token::from_hex(&"zz".repeat(TOKEN_LEN)).is_err());
     assert!(Token::from_hex("é").is_err());
+    // `u8::from_str_radix` takes a sign: "+0" would read as a byte. Only hex digits are a byte.
+    let hex = sample().to_hex();
+    let signed: String = hex
+        .char_indices()
+        .map(|(i, c)| if i % 2 == 0 && c == '0' { '+' } else { c })
+        .collect();
+    assert_ne!(signed, hex);
+    let m = match Token::from_hex(&signed) {
+        Err(Error::InvalidToken(m)) => m,
+        other => panic!("a signed digit pair was accepted: {other:?}"),
+    };
+    assert!(m.contains("'+'") && m.contains("at byte"), "{m}");
+    // Surrounding whitespace is fine; whitespace inside is not.
+    assert_eq!(Token::from_hex(&format!(" {hex}\n")).unwrap(), sample());
+    assert!(Token::from_hex(&format!("{} {}", &hex[..2], &hex[2..])).is_err());
     let uuid: Result<Uuid, _> = "GPU-123".parse();
     assert!(uuid.is_err());
 }

@@ -9,7 +9,7 @@ use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::error::Error;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// Everything `ls` found.
@@ -343,6 +343,20 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         let chan = n.strip_prefix(channel_inspect::SEGMENT_PREFIX).unwrap_or(n);
         registries.retain(|r| r == n);
         channels.retain(|c| c == chan);
+        // A segment that exists but was not listed (another user's, or not a registry): inspected
+        // anyway, so the error says why (owner, magic) instead of "no such name".
+        let exists = |seg: &str| {
+            !seg.contains('/')
+                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::shm::SHM_DIR))
+                    .is_ok_and(|m| m.is_file())
+        };
+        if registries.is_empty() && channels.is_empty() {
+            if exists(&channel_inspect::segment_name(chan)) {
+                channels.push(chan.to_string());
+            } else if n == chan && exists(n) {
+                registries.push(n.to_string());
+            }
+        }
         if registries.is_empty() && channels.is_empty() {
             return Err(format!(
                 "no registry or channel named {n:?} in {}",
@@ -660,24 +674,24 @@ pub fn run_watch(
         };
         add_rates(&mut l, &mut prev, now);
         let last = outcome(&l);
-        let mut out = std::io::stdout().lock();
+        // Through `out_nonl!`, so a reader that went away (`watch | head`) ends the command with
+        // status 141, as for `ls`.
         if json {
-            writeln!(out, "{}", serde_json::to_string(&l)?)?;
+            out_nonl!("{}\n", serde_json::to_string(&l)?);
         } else {
-            if clear {
-                write!(out, "\x1b[2J\x1b[H")?;
+            let sep = if clear {
+                "\x1b[2J\x1b[H"
             } else if n > 0 {
-                writeln!(out)?;
-            }
-            write!(
-                out,
-                "every {interval_ms} ms, refresh {}\n{}",
+                "\n"
+            } else {
+                ""
+            };
+            out_nonl!(
+                "{sep}every {interval_ms} ms, refresh {}\n{}",
                 n + 1,
                 render(&l, true)
-            )?;
+            );
         }
-        out.flush()?;
-        drop(out);
         n += 1;
         if count.is_some_and(|c| n >= c) {
             return Ok(last);

@@ -89,8 +89,8 @@ enum Command {
         /// Time between refreshes, in milliseconds.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
         interval: u64,
-        /// Stop after this many refreshes (default: until interrupted).
-        #[arg(long)]
+        /// Stop after this many refreshes, at least 1 (default: until interrupted).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
         /// Print one JSON object per refresh (one per line) instead of tables.
         #[arg(long)]

@@ -375,6 +375,31 @@ fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
 }
 
 #[test]
+fn ls_of_a_name_that_exists_but_is_no_registry_or_channel_says_what_is_wrong() {
+    // A file of another program, named like a registry, then like a channel's segment.
+    let name = unique("not-a-registry");
+    let _u = Unlink(name.clone());
+    let _c = Unlink(format!("cuda-ipc.ch.{name}"));
+    for seg in [name.clone(), format!("cuda-ipc.ch.{name}")] {
+        let path = format!("/dev/shm/{seg}");
+        std::fs::write(&path, b"hello").unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        for args in [&["ls", &name][..], &["gc", &name, "--dry-run"]] {
+            let o = cuda_ipc(args);
+            let t = text(&o);
+            assert_eq!(code(&o), 1, "{args:?}: {t}");
+            assert!(!t.contains("no registry or channel named"), "{args:?}: {t}");
+            assert!(
+                t.contains("cannot read") && t.contains("5 bytes"),
+                "{args:?}: {t}"
+            );
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+}
+
+#[test]
 fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
     let name = unique("gc-reg");
     let _u = Unlink(name.clone());
@@ -703,18 +728,32 @@ fn doctor_without_a_driver_says_so_plainly_and_exits_1() {
 #[test]
 fn a_closed_stdout_ends_the_command_quietly_with_status_141() {
     // `cuda-ipc doctor | head -c0`: the reader is gone before the command writes (closed before
-    // the command even starts, so the outcome does not depend on timing).
-    let (r, w) = rustix::pipe::pipe().unwrap();
-    drop(r);
-    let o = std::process::Command::new(bin())
-        .arg("doctor")
-        .stdout(std::process::Stdio::from(w))
-        .stderr(std::process::Stdio::piped())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(o.status.code(), Some(141), "{err}");
+    // the command even starts, so the outcome does not depend on timing). Close-on-exec, so a child
+    // that another test spawns meanwhile does not inherit the read end and keep the pipe open.
+    for args in [
+        &["doctor"][..],
+        &["watch", "--interval", "10", "--count", "3"],
+        &["watch", "--json", "--interval", "10", "--count", "3"],
+    ] {
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        drop(r);
+        let o = std::process::Command::new(bin())
+            .args(args)
+            .stdout(std::process::Stdio::from(w))
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {err}");
+        assert!(!err.contains("Broken pipe"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn watch_count_must_be_at_least_one() {
+    let o = cuda_ipc(&["watch", "--count", "0"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
 }
 
 #[test]

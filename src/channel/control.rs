@@ -332,6 +332,14 @@ impl Control {
         let start = Instant::now();
         // Acquire: pairs with the Release store of the stamp in `create`.
         while h.stamp.load(Ordering::Acquire) != STAMP_READY {
+            // A segment being created reads zero (`ftruncate`) until its creator stores the magic,
+            // in one atomic store: any other value is a foreign segment, refused without waiting.
+            let magic = h.magic.load(Ordering::Relaxed);
+            if magic != 0 && magic != MAGIC {
+                return Err(bad(format!(
+                    "{name} is not a cuda-ipc channel (magic {magic:#018x})"
+                )));
+            }
             if start.elapsed() > Duration::from_secs(2) {
                 return Err(bad(format!(
                     "{name} was never finished by its creator (no init stamp after 2 s)"

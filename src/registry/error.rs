@@ -100,7 +100,11 @@ pub enum RegistryError {
         what: String,
     },
     /// The creator has not finished initialising the segment within the wait.
-    #[error("shared-memory segment /{name} was not initialised within {waited:?}")]
+    #[error(
+        "shared-memory segment /{name} is not initialised{}: its creator has not finished it, or \
+         died while creating it",
+        waited_text(.waited)
+    )]
     Uninitialised {
         /// The segment name.
         name: String,
@@ -141,4 +145,13 @@ pub enum RegistryError {
         /// The maximum in bytes.
         max: usize,
     },
+}
+
+/// `" after waiting 1.0s"`, or nothing when the opener did not wait (an inspection).
+fn waited_text(waited: &Duration) -> String {
+    if waited.is_zero() {
+        String::new()
+    } else {
+        format!(" after waiting {waited:?}")
+    }
 }

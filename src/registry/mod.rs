@@ -423,8 +423,14 @@ impl Registry {
                 }
                 Err(Retry::Fatal(e)) => return Err(e),
                 Err(Retry::NotReady(e)) => {
-                    if start.elapsed() >= opts.init_timeout {
-                        return Err(e);
+                    let waited = start.elapsed();
+                    if waited >= opts.init_timeout {
+                        return Err(match e {
+                            Error::Registry(RegistryError::Uninitialised { name, .. }) => {
+                                RegistryError::Uninitialised { name, waited }.into()
+                            }
+                            e => e,
+                        });
                     }
                     std::thread::sleep(Duration::from_millis(2));
                 }

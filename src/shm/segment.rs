@@ -184,17 +184,27 @@ impl Segment {
     /// - [`RegistryError::NotFound`] when there is no such segment;
     /// - [`RegistryError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
     ///   so a short segment is an error and not a fault);
+    /// - [`crate::Error::InvalidArgument`] when the name is a symbolic link (never followed);
     /// - [`crate::Error::Os`] for a failed call (`EACCES` when the mode forbids us).
     pub fn open_with_min_len(name: &str, min_len: usize) -> Result<Segment> {
         validate_name(name)?;
         let path = format!("/{name}");
-        let fd = match rustix::shm::open(path.as_str(), OFlags::RDWR, Mode::empty()) {
+        // O_NOFOLLOW, as glibc's shm_open passes it (rustix's own shm_open does not): /dev/shm is
+        // writable by everyone, so a symbolic link planted under a segment's name must not make us
+        // map, and then write, the file it points to.
+        let nofollow = OFlags::from_bits_retain(rustix::fs::OFlags::NOFOLLOW.bits());
+        let fd = match rustix::shm::open(path.as_str(), OFlags::RDWR | nofollow, Mode::empty()) {
             Ok(fd) => fd,
             Err(Errno::NOENT) => {
                 return Err(RegistryError::NotFound {
                     name: name.to_string(),
                 }
                 .into());
+            }
+            Err(Errno::LOOP) => {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "{SHM_DIR}/{name} is a symbolic link; a segment is never opened through one"
+                )));
             }
             Err(e) => return Err(OsError::new("shm_open", path, e).into()),
         };

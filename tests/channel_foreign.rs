@@ -1,0 +1,102 @@
+//! Files in /dev/shm named like a channel's control segment but holding something else: opening one
+//! (as a consumer or an inspector) fails with a clear error, at once when the bytes cannot be a
+//! segment being created. Runs without a GPU.
+
+use cuda_ipc::channel::Delivery;
+use cuda_ipc::channel::inspect;
+use cuda_ipc::channel::testing::ControlConsumer;
+use std::time::{Duration, Instant};
+
+/// A file `/dev/shm/cuda-ipc.ch.NAME` with `bytes`, removed on drop.
+struct Garbage(String);
+
+impl Garbage {
+    fn new(tag: &str, bytes: &[u8]) -> Garbage {
+        let name = format!("foreign-{tag}-{}", std::process::id());
+        std::fs::write(Garbage::path(&name), bytes).unwrap();
+        Garbage(name)
+    }
+    fn path(name: &str) -> String {
+        format!("/dev/shm/{}", inspect::segment_name(name))
+    }
+}
+
+impl Drop for Garbage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(Garbage::path(&self.0));
+    }
+}
+
+/// (error text of inspect, error text of attach, time both took).
+fn open_both(name: &str) -> (String, String, Duration) {
+    let t = Instant::now();
+    let i = inspect::inspect(name).map(|_| ()).unwrap_err().to_string();
+    let a = ControlConsumer::attach(name, Delivery::EveryFrame, &[])
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    (i, a, t.elapsed())
+}
+
+#[test]
+fn a_foreign_file_is_refused_at_once_naming_its_magic() {
+    // Pseudo-random bytes: a non-zero first word that is not the channel magic.
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let bytes: Vec<u8> = (0..65536)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let g = Garbage::new("random", &bytes);
+    let (i, a, took) = open_both(&g.0);
+    for e in [&i, &a] {
+        assert!(
+            e.contains("not a cuda-ipc channel") && e.contains("magic"),
+            "{e}"
+        );
+    }
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+
+    // Text, long enough to hold a header.
+    let g = Garbage::new(
+        "text",
+        "this is a text file, not a channel\n"
+            .repeat(100)
+            .as_bytes(),
+    );
+    let (i, a, took) = open_both(&g.0);
+    for e in [&i, &a] {
+        assert!(e.contains("not a cuda-ipc channel"), "{e}");
+    }
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+}
+
+#[test]
+fn zeros_are_waited_for_as_a_creator_still_writing_then_refused() {
+    // All zeros is what a segment looks like before its creator writes the header: the opener
+    // waits for the init stamp, bounded, then says so.
+    let g = Garbage::new("zeros", &[0u8; 8192]);
+    let t = Instant::now();
+    let e = inspect::inspect(&g.0).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("never finished"), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn truncated_and_empty_files_are_refused_as_too_small() {
+    for (tag, bytes) in [("empty", &b""[..]), ("short", &b"CIPCCHAN"[..])] {
+        let g = Garbage::new(tag, bytes);
+        let (i, a, took) = open_both(&g.0);
+        for e in [&i, &a] {
+            assert!(e.contains("smaller than"), "{tag}: {e}");
+        }
+        assert!(took < Duration::from_secs(1), "{tag}: took {took:?}");
+    }
+}
