@@ -311,6 +311,12 @@ impl Control {
 
     /// Opens and validates the control segment of `channel`.
     pub(crate) fn open(channel: &str) -> Result<Control> {
+        Self::open_with(channel, false)
+    }
+
+    /// Opens the control segment of `channel`; with `allow_group`, also one of another user of
+    /// this process's groups whose mode is 0660 (the producer's `group_access`).
+    pub(crate) fn open_with(channel: &str, allow_group: bool) -> Result<Control> {
         let name = segment_name(channel);
         let seg = match Segment::open_with_min_len(&name, size_of::<Header>()) {
             Ok(s) => s,
@@ -321,7 +327,7 @@ impl Control {
             }
             Err(e) => return Err(e),
         };
-        seg.check_owner()?;
+        seg.check_access(allow_group)?;
         let c = Control {
             seg,
             buffers: 0,

@@ -95,7 +95,9 @@ pub struct ChannelOptions {
     pub quota_bytes: Option<u64>,
     /// How the producer waits in [`Producer::acquire`].
     pub wait: WaitStrategy,
-    /// Give the control segment mode 0660 instead of 0600.
+    /// Give the control segment mode 0660 instead of 0600, so consumers of other users in the
+    /// segment's group can attach (with [`ConsumerOptions::group_access`]). Legacy pools only: the
+    /// file descriptors of VMM and memory-pool buffers are served to the same user alone.
     pub group_access: bool,
     /// Which kind of exportable memory the pool is made of; default [`MemoryKind::Auto`].
     pub memory: MemoryKind,
@@ -198,6 +200,11 @@ impl ChannelOptions {
             group_access: false,
             memory: MemoryKind::Auto,
         }
+    }
+    /// Gives the control segment group access (see [`ChannelOptions::group_access`]).
+    pub fn group_access(mut self, on: bool) -> Self {
+        self.group_access = on;
+        self
     }
     /// Sets the kind of pool memory.
     pub fn memory(mut self, kind: MemoryKind) -> Self {
@@ -629,6 +636,10 @@ pub struct ConsumerOptions {
     pub delivery: Delivery,
     /// How [`Consumer::recv`] waits.
     pub wait: WaitStrategy,
+    /// Also attach to a channel of another user of one of this process's groups, when its
+    /// producer gave the segment group access (mode 0660). Off by default: a channel of another
+    /// user is refused as `WrongOwner`.
+    pub group_access: bool,
 }
 
 impl ConsumerOptions {
@@ -644,6 +655,11 @@ impl ConsumerOptions {
     /// Sets the wait strategy.
     pub fn wait(mut self, w: WaitStrategy) -> Self {
         self.wait = w;
+        self
+    }
+    /// Accepts a group-shared channel of another user (see [`ConsumerOptions::group_access`]).
+    pub fn group_access(mut self, on: bool) -> Self {
+        self.group_access = on;
         self
     }
 }
@@ -680,7 +696,7 @@ impl Consumer {
     /// [`ChannelError::NotFound`], [`ChannelError::BadSegment`], [`ChannelError::NoConsumerSlot`];
     /// [`Error::ProducerGone`] when the producer is dead; CUDA errors from imports.
     pub fn attach(name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
-        let control = Control::open(name)?;
+        let control = Control::open_with(name, opts.group_access)?;
         let (mem, _) = control.buffer_tokens(0);
         let device = Device::by_uuid(Token::from_bytes(&mem)?.device)?;
         Self::attach_with(control, &device.primary_context()?, opts)
@@ -691,7 +707,7 @@ impl Consumer {
     /// # Errors
     /// As [`Consumer::attach`].
     pub fn attach_in(ctx: &Arc<Context>, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
-        Self::attach_with(Control::open(name)?, ctx, opts)
+        Self::attach_with(Control::open_with(name, opts.group_access)?, ctx, opts)
     }
 
     fn attach_with(
