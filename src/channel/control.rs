@@ -211,6 +211,22 @@ pub(crate) fn segment_name(channel: &str) -> String {
     format!("cuda-ipc.ch.{channel}")
 }
 
+/// Longest channel name in bytes: the segment name `cuda-ipc.ch.NAME` must fit
+/// [`crate::shm::MAX_SEGMENT_NAME`].
+pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - "cuda-ipc.ch.".len();
+
+/// Checks a channel name: 1 to [`MAX_CHANNEL_NAME`] bytes of `[A-Za-z0-9._-]`.
+fn validate_channel_name(channel: &str) -> Result<()> {
+    if channel.len() > MAX_CHANNEL_NAME {
+        return Err(Error::InvalidArgument(format!(
+            "channel name {:?}... is {} bytes; at most {MAX_CHANNEL_NAME}",
+            channel.chars().take(32).collect::<String>(),
+            channel.len()
+        )));
+    }
+    crate::shm::validate_name(channel)
+}
+
 fn boot_words(id: &ProcessIdentity) -> [u64; 2] {
     [
         u64::from_le_bytes(id.boot_id[..8].try_into().unwrap_or_default()),
@@ -240,6 +256,7 @@ impl Control {
         tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])],
         opts: &SegmentOptions,
     ) -> Result<Control> {
+        validate_channel_name(channel)?;
         let buffers = tokens.len();
         if buffers == 0 || buffers > MAX_BUFFERS {
             return Err(Error::InvalidArgument(format!(
@@ -317,6 +334,7 @@ impl Control {
     /// Opens the control segment of `channel`; with `allow_group`, also one of another user of
     /// this process's groups whose mode is 0660 (the producer's `group_access`).
     pub(crate) fn open_with(channel: &str, allow_group: bool) -> Result<Control> {
+        validate_channel_name(channel)?;
         let name = segment_name(channel);
         let seg = match Segment::open_with_min_len(&name, size_of::<Header>()) {
             Ok(s) => s,
@@ -1201,6 +1219,27 @@ mod tests {
 
     fn rel_tokens(n: usize) -> Vec<[u8; TOKEN_LEN]> {
         (0..n as u8).map(|i| fake_token(200 + i)).collect()
+    }
+
+    #[test]
+    fn channel_names_are_checked_against_the_channel_limit() {
+        let long = "c".repeat(MAX_CHANNEL_NAME + 1);
+        let e = Control::open(&long).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains(&format!("at most {MAX_CHANNEL_NAME}")), "{e}");
+        assert!(!e.contains("cuda-ipc.ch."), "{e}");
+        let e = Control::create(
+            &long,
+            64,
+            1,
+            &[([0; TOKEN_LEN], [0; TOKEN_LEN])],
+            &SegmentOptions::new(),
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(&format!("at most {MAX_CHANNEL_NAME}")), "{e}");
+        assert!(Control::open("a/b").is_err());
+        assert!(Control::open("").is_err());
     }
 
     #[test]

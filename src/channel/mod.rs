@@ -27,7 +27,8 @@ mod control;
 pub mod inspect;
 
 pub use control::{
-    ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, WaitStrategy,
+    ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CHANNEL_NAME, MAX_CONSUMERS,
+    META_BYTES, WaitStrategy,
 };
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, HostRegistration, Stream};
