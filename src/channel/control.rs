@@ -345,7 +345,11 @@ impl Control {
             }
             Err(e) => return Err(e),
         };
-        seg.check_access(allow_group)?;
+        if allow_group {
+            seg.check_access(true)?;
+        } else {
+            seg.check_owner()?;
+        }
         let c = Control {
             seg,
             buffers: 0,
