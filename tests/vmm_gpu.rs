@@ -367,3 +367,45 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
     println!("device memory in use after release differs by {diff} bytes");
     assert!(diff.abs() <= 4 << 20, "{diff} bytes not returned");
 }
+
+/// `VmmBuffer::export_fd` and `ImportedBuffer::from_vmm_fd`, for users with a transport of their own:
+/// the import (a second mapping of the same memory) sees what the buffer holds, the descriptor stays
+/// the caller's, and a descriptor that is not a CUDA allocation is refused with a clear error.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_vmm_fd_from_your_own_transport_imports_and_stays_yours() {
+    use std::os::fd::AsFd;
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let s = Stream::new(&ctx).unwrap();
+    let bad = zeroed_counter(&ctx);
+    let buf = VmmBuffer::new(&ctx, 4 << 20).unwrap();
+    k.fill_pattern(&buf, 11, &s).unwrap();
+    s.synchronize().unwrap();
+    let fd = buf.export_fd().unwrap();
+    let fds_before = open_fds();
+    {
+        let imp = ImportedBuffer::from_vmm_fd(&ctx, fd.as_fd(), buf.allocation_size()).unwrap();
+        assert_ne!(imp.device_ptr(), buf.device_ptr(), "a second mapping");
+        k.check_pattern(&imp, 11, &bad, &s).unwrap();
+        s.synchronize().unwrap();
+    }
+    assert_eq!(read_u64(&bad), 0);
+    assert_eq!(
+        open_fds(),
+        fds_before,
+        "the import closed or leaked a descriptor"
+    );
+    // The descriptor is still ours and still valid: import it again.
+    let again = ImportedBuffer::from_vmm_fd(&ctx, fd.as_fd(), buf.allocation_size()).unwrap();
+    drop(again);
+    drop(fd);
+    // Not a CUDA allocation: refused, nothing leaked.
+    let file = std::fs::File::open("/dev/null").unwrap();
+    let e = ImportedBuffer::from_vmm_fd(&ctx, file.as_fd(), 1 << 20).unwrap_err();
+    println!("from_vmm_fd: 0 mismatches through a second mapping; /dev/null refused with `{e}`");
+    assert!(
+        e.to_string().contains("cuMemImportFromShareableHandle"),
+        "{e}"
+    );
+}
