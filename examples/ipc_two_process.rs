@@ -8,11 +8,13 @@
 //! A re-executes this binary as B (CUDA does not survive `fork()` without exec) and sends B the two
 //! tokens as hex lines on its stdin.
 
+mod common;
+
+use common::{Res, read_u64, zeroed_counter};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent};
 use cuda_ipc::kernels::Kernels;
 use cuda_ipc::token::Token;
-use std::error::Error;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -27,7 +29,7 @@ fn main() {
     }
 }
 
-fn run() -> Result<(), Box<dyn Error>> {
+fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--consumer") {
         return consumer();
@@ -39,13 +41,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     producer(mib << 20)
 }
 
-fn read_counter(c: &DeviceBuffer) -> Result<u64, Box<dyn Error>> {
-    let mut b = [0u8; 8];
-    c.copy_to_host(0, &mut b)?;
-    Ok(u64::from_le_bytes(b))
-}
-
-fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
+fn producer(bytes: usize) -> Res<()> {
     let ctx = Context::default_device()?;
     let dev = ctx.device();
     println!(
@@ -98,11 +94,10 @@ fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
         return Err(format!("B failed ({status})").into());
     }
     // B wrote pattern(REPLY) and synchronised before it replied; check it here.
-    let counter = DeviceBuffer::new(&ctx, 8)?;
-    counter.copy_from_host(0, &[0; 8])?;
+    let counter = zeroed_counter(&ctx)?;
     kernels.check_pattern(&buf, REPLY, &counter, &stream)?;
     stream.synchronize()?;
-    let bad = read_counter(&counter)?;
+    let bad = read_u64(&counter)?;
     println!(
         "A: B's reply checked, {bad} mismatched words of {}; round trip {:.1} ms",
         bytes / 4,
@@ -115,9 +110,9 @@ fn producer(bytes: usize) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-fn consumer() -> Result<(), Box<dyn Error>> {
+fn consumer() -> Res<()> {
     let stdin = std::io::stdin();
-    let next_line = || -> Result<String, Box<dyn Error>> {
+    let next_line = || -> Res<String> {
         let mut l = String::new();
         if stdin.lock().read_line(&mut l)? == 0 {
             return Err("A closed the pipe".into());
@@ -136,6 +131,8 @@ fn consumer() -> Result<(), Box<dyn Error>> {
     let import_ms = t.elapsed().as_secs_f64() * 1e3;
     let kernels = Kernels::load(&ctx)?;
     let stream = Stream::new(&ctx)?;
+    // Zeroed before B waits on A's event: the zeroing waits for the whole context.
+    let counter = zeroed_counter(&ctx)?;
     println!(
         "B (pid {}): imported {} bytes and the event in {import_ms:.2} ms, own context; ready",
         std::process::id(),
@@ -147,12 +144,10 @@ fn consumer() -> Result<(), Box<dyn Error>> {
     }
     let in_flight = !ready.is_complete()?;
     stream.wait_event(&ready)?; // no host wait: B's stream waits for A's fill
-    let counter = DeviceBuffer::new(&ctx, 8)?;
-    counter.copy_from_host(0, &[0; 8])?;
     kernels.check_pattern(&buf, SEED, &counter, &stream)?;
     kernels.fill_pattern(&buf, REPLY, &stream)?;
     stream.synchronize()?;
-    let bad = read_counter(&counter)?;
+    let bad = read_u64(&counter)?;
     println!("B: A's fill was in flight when B's stream started waiting: {in_flight}");
     println!("B: checked {} words, {bad} mismatched", buf.len() / 4);
     if bad != 0 {

@@ -11,16 +11,15 @@
 
 mod common;
 
-use common::{FrameMeta, now_ns};
+use common::args::{Argv, memory_kind};
+use common::child::Child;
+use common::{FrameMeta, Res, now_ns, percentile_us, read_u64, zeroed_counter};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{
     ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer, WaitStrategy,
 };
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
+use cuda_ipc::driver::{Context, DeviceMemory};
 use cuda_ipc::kernels::Kernels;
-use std::error::Error;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: pipeline [--frames 10000] [--consumers 2] [--delivery every|latest]
@@ -40,7 +39,7 @@ struct Args {
     role: Option<(String, String)>,
 }
 
-fn parse() -> Result<Args, Box<dyn Error>> {
+fn parse() -> Res<Args> {
     let mut a = Args {
         frames: 10_000,
         consumers: 2,
@@ -50,22 +49,20 @@ fn parse() -> Result<Args, Box<dyn Error>> {
         memory: MemoryKind::Auto,
         role: None,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    while let Some(k) = it.next() {
-        let mut v = || it.next().ok_or_else(|| format!("{k} needs a value"));
+    let mut args = Argv::from_env();
+    while let Some(k) = args.flag() {
         match k.as_str() {
-            "--frames" => a.frames = v()?.parse()?,
-            "--consumers" => a.consumers = v()?.parse()?,
+            "--frames" => a.frames = args.parse(&k)?,
+            "--consumers" => a.consumers = args.parse(&k)?,
             "--delivery" => {
-                a.delivery = match v()?.as_str() {
+                a.delivery = match args.value(&k)?.as_str() {
                     "every" => Delivery::EveryFrame,
                     "latest" => Delivery::LatestOnly,
                     x => return Err(format!("unknown delivery {x:?} (every|latest)").into()),
                 }
             }
             "--wait" => {
-                let w = v()?.clone();
+                let w = args.value(&k)?;
                 a.wait = match w.as_str() {
                     "spin-then-block" => WaitStrategy::default(),
                     "spin" => WaitStrategy::Spin,
@@ -74,18 +71,10 @@ fn parse() -> Result<Args, Box<dyn Error>> {
                 };
                 a.wait_name = w;
             }
-            "--memory" => {
-                a.memory = match v()?.as_str() {
-                    "auto" => MemoryKind::Auto,
-                    "legacy" => MemoryKind::Legacy,
-                    "vmm" => MemoryKind::Vmm,
-                    "pool" => MemoryKind::Pool,
-                    x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm|pool)").into()),
-                }
-            }
+            "--memory" => a.memory = memory_kind(&args.value(&k)?)?,
             "--consumer-of" => {
-                let ch = v()?.clone();
-                a.role = Some((ch, it.next().ok_or("missing index")?.clone()));
+                let ch = args.value(&k)?;
+                a.role = Some((ch, args.value_or("missing index")?));
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -108,17 +97,7 @@ fn main() {
     }
 }
 
-fn meta(index: u64, stamp_ns: u64) -> [u8; FrameMeta::LEN] {
-    FrameMeta {
-        index,
-        width: WIDTH,
-        height: HEIGHT,
-        stamp_ns,
-    }
-    .encode()
-}
-
-fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
+fn producer(a: &Args) -> Res<()> {
     let ctx = Context::default_device()?;
     println!(
         "producer (pid {}): {} {}; {} frames of {}x{} RGBA ({} bytes), pool of 4, {} consumers, delivery {:?}, wait {}",
@@ -141,35 +120,27 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
         .memory(a.memory);
     let mut tx = Producer::create(&ctx, &name, &opts)?;
     println!("producer: pool memory {:?}", tx.memory_kind());
-    let exe = std::env::current_exe()?;
+    let delivery = if a.delivery == Delivery::LatestOnly {
+        "latest"
+    } else {
+        "every"
+    };
     let mut children = Vec::new();
     for k in 0..a.consumers {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["--consumer-of", &name, &k.to_string()]);
-        cmd.args([
+        let index = k.to_string();
+        let args = [
+            "--consumer-of",
+            &name,
+            &index,
             "--delivery",
-            if a.delivery == Delivery::LatestOnly {
-                "latest"
-            } else {
-                "every"
-            },
-        ]);
-        cmd.args(["--wait", &a.wait_name]);
-        children.push(cmd.stdout(Stdio::piped()).spawn()?);
+            delivery,
+            "--wait",
+            &a.wait_name,
+        ];
+        children.push(Child::spawn(&format!("consumer {k}"), &args)?);
     }
-    let mut readers = Vec::new();
-    for c in &mut children {
-        let out = c.stdout.take().ok_or("no stdout")?;
-        let (tx_line, rx_line) = std::sync::mpsc::channel::<String>();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx_line.send(l);
-            }
-        });
-        readers.push(rx_line);
-    }
-    for r in &readers {
-        let l = r.recv_timeout(Duration::from_secs(60))?;
+    for c in &children {
+        let l = c.recv(Duration::from_secs(60))?;
         println!("  {l}");
     }
     let start = Instant::now();
@@ -179,7 +150,7 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
         let frame = tx.acquire(Some(Duration::from_secs(10)))?;
         acquire_wait += t.elapsed();
         kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
-        frame.publish(&meta(i, now_ns()))?;
+        frame.publish(&FrameMeta::now(i, WIDTH, HEIGHT).encode())?;
     }
     tx.stream().synchronize()?;
     let secs = start.elapsed().as_secs_f64();
@@ -194,15 +165,15 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
         report.forced_holds
     );
     let mut failed = false;
-    for (c, r) in children.iter_mut().zip(&readers) {
-        let st = c.wait()?;
-        while let Ok(l) = r.recv_timeout(Duration::from_millis(200)) {
+    for c in &mut children {
+        let (ok, lines) = c.wait()?;
+        for l in lines {
             println!("  {l}");
             if l.contains("FAIL") {
                 failed = true;
             }
         }
-        failed |= !st.success();
+        failed |= !ok;
     }
     if failed {
         return Err("a consumer failed".into());
@@ -211,15 +182,14 @@ fn producer(a: &Args) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-fn consumer(a: &Args, channel: &str, idx: &str) -> Result<(), Box<dyn Error>> {
+fn consumer(a: &Args, channel: &str, idx: &str) -> Res<()> {
     let rx = Consumer::attach(
         channel,
         &ConsumerOptions::new().delivery(a.delivery).wait(a.wait),
     )?;
     let ctx = rx.context().clone();
     let kernels = Kernels::load(&ctx)?;
-    let counter = DeviceBuffer::new(&ctx, 8)?;
-    counter.copy_from_host(0, &[0; 8])?;
+    let counter = zeroed_counter(&ctx)?;
     println!(
         "consumer {idx} (pid {}): attached, own context",
         std::process::id()
@@ -254,16 +224,9 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Result<(), Box<dyn Error>> {
     }
     rx.stream().synchronize()?;
     let secs = start.elapsed().as_secs_f64();
-    let mut b = [0u8; 8];
-    counter.copy_to_host(0, &mut b)?;
-    let bad = u64::from_le_bytes(b);
+    let bad = read_u64(&counter)?;
     lat.sort_unstable();
-    let pct = |p: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * p) as usize)
-            .copied()
-            .unwrap_or(0) as f64
-            / 1e3
-    };
+    let pct = |p: f64| percentile_us(&lat, p);
     let stats = rx.stats();
     let dropped = stats
         .consumers

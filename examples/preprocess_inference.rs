@@ -29,14 +29,15 @@
 //! cargo run --release --example preprocess_inference -- [--frames 1000]
 //! ```
 
+mod common;
+
+use common::args::Argv;
+use common::child::Child;
+use common::{Arrivals, Res, field, field_u64, wait_drained};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
 use cuda_ipc::kernels::{Kernels, pattern};
-use std::error::Error;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 const WIDTH: u64 = 1920;
@@ -68,8 +69,6 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the producer waits for the inference process to exit after the channel closed.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(60);
 
-type Res<T> = Result<T, Box<dyn Error>>;
-
 struct Args {
     frames: u64,
     /// `--inference CHANNEL`: run as the inference process.
@@ -81,17 +80,11 @@ fn parse() -> Res<Args> {
         frames: 1000,
         inference: None,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    while let Some(k) = it.next() {
-        let mut v = || {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{k} needs a value"))
-        };
+    let mut args = Argv::from_env();
+    while let Some(k) = args.flag() {
         match k.as_str() {
-            "--frames" => a.frames = v()?.parse()?,
-            "--inference" => a.inference = Some(v()?),
+            "--frames" => a.frames = args.parse(&k)?,
+            "--inference" => a.inference = Some(args.value(&k)?),
             x => return Err(format!("unknown argument {x:?} (--frames N)").into()),
         }
     }
@@ -208,107 +201,6 @@ fn run_start(index: u64, r: u64) -> u64 {
     r * part + (index.wrapping_mul(7919) + r * 104_729) % (part - RUN)
 }
 
-/// The value of `key=value` in a summary line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key))
-        .map(|v| v.trim_end_matches([',', ';']))
-}
-
-/// The inference process: this binary re-executed (CUDA does not survive `fork()`), its stdout
-/// read line by line on a thread. Dropping it kills the child if it still runs.
-struct Stage {
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Stage {
-    fn spawn(args: &[&str]) -> Res<Stage> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Stage { child, lines })
-    }
-
-    fn line(&self, timeout: Duration) -> Res<String> {
-        self.lines.recv_timeout(timeout).map_err(|e| match e {
-            RecvTimeoutError::Timeout => {
-                format!("the inference process printed nothing within {timeout:?}").into()
-            }
-            RecvTimeoutError::Disconnected => {
-                "the inference process exited early (its error is above)".into()
-            }
-        })
-    }
-
-    /// Whether the stage has already exited (it must not before its channel closes).
-    fn exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)) | Err(_))
-    }
-
-    /// Waits up to `timeout` for the child to exit (then kills it); returns whether it succeeded
-    /// and the lines it printed since the last [`Stage::line`].
-    fn finish(&mut self, timeout: Duration) -> Res<(bool, Vec<String>)> {
-        let deadline = Instant::now() + timeout;
-        let mut rest = Vec::new();
-        let ok = loop {
-            if let Some(st) = self.child.try_wait()? {
-                break st.success();
-            }
-            if Instant::now() >= deadline {
-                self.child.kill()?;
-                self.child.wait()?;
-                rest.push(format!(
-                    "inference: FAIL did not exit within {timeout:?}; killed"
-                ));
-                break false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        // The child has exited, so its stdout reaches end of file and the reader ends.
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
-            rest.push(l);
-        }
-        Ok((ok, rest))
-    }
-}
-
-impl Drop for Stage {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// Waits (bounded) until every consumer of `tx` has taken every published frame and released it.
-/// `Producer::close` only waits for frames consumers hold, not for those they have yet to take, and
-/// frees the pool right after; so a producer that ends calls this first. Returns false on timeout.
-fn wait_drained(tx: &Producer, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let s = tx.stats();
-        if s.consumers.iter().all(|c| c.lag == 0 && c.in_flight == 0) {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 fn preprocess(frames: u64) -> Res<()> {
     let ctx = Context::default_device()?;
     let kernels = Kernels::load(&ctx)?;
@@ -324,7 +216,8 @@ fn preprocess(frames: u64) -> Res<()> {
         ctx.device().uuid(),
     );
     let n = frames.to_string();
-    let mut child = Stage::spawn(&["--inference", &name, "--frames", &n])?;
+    let mut child = Child::spawn("inference", &["--inference", &name, "--frames", &n])?
+        .called("the inference process");
     println!("  {}", child.line(READY_TIMEOUT)?);
 
     let start = Instant::now();
@@ -370,12 +263,8 @@ fn preprocess(frames: u64) -> Res<()> {
         return Err("the inference process failed".into());
     }
     let summary = summary.ok_or("the inference process printed no summary")?;
-    let received: u64 = field(&summary, "received=")
-        .ok_or("no received=")?
-        .parse()?;
-    let mismatches: u64 = field(&summary, "mismatches=")
-        .ok_or("no mismatches=")?
-        .parse()?;
+    let received = field_u64(&summary, "received=")?;
+    let mismatches = field_u64(&summary, "mismatches=")?;
     if received != frames || mismatches != 0 {
         return Err(format!(
             "inference received {received} of {frames} frames with {mismatches} mismatched values"
@@ -396,31 +285,20 @@ fn inference(frames: u64, channel: &str) -> Res<()> {
     )?;
     println!("inference (pid {}): attached", std::process::id());
     let mut host = vec![0u8; (RUN * 4) as usize];
-    let mut received = 0u64;
     let mut mismatches = 0u64;
     let mut first_mismatch = None::<String>;
-    let mut out_of_order = 0u64;
-    let mut next = 0u64;
-    let mut start = None::<Instant>;
+    let mut arrivals = Arrivals::default();
     loop {
-        let timeout = if start.is_none() {
-            FIRST_FRAME_TIMEOUT
-        } else {
-            FRAME_TIMEOUT
-        };
+        let timeout = arrivals.timeout(FIRST_FRAME_TIMEOUT, FRAME_TIMEOUT);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
             Err(IpcError::ChannelClosed) => break,
             Err(e) => return Err(e.into()),
         };
-        start.get_or_insert_with(Instant::now);
         let header = TensorHeader::decode(frame.metadata())?;
         header.validate(frame.buffer().len())?;
         let index = header.index;
-        if index != next {
-            out_of_order += 1;
-        }
-        next = index + 1;
+        arrivals.arrived(index);
         // "Inference": the frame is ready on our stream; copies to the host are ordered after the
         // legacy default stream only, so wait for our stream first.
         frame.stream().synchronize()?;
@@ -442,10 +320,14 @@ fn inference(frames: u64, channel: &str) -> Res<()> {
                 }
             }
         }
-        received += 1;
         drop(frame); // the copies were synchronous: release it
     }
-    let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    let secs = arrivals.secs();
+    let Arrivals {
+        received,
+        out_of_order,
+        ..
+    } = arrivals;
     let ok = mismatches == 0 && received == frames && out_of_order == 0;
     println!(
         "inference: {} received={received} of {frames} frames, {:.0} frames/s; mismatches={mismatches} of {} values checked; out of order {out_of_order}{}",

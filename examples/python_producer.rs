@@ -14,10 +14,13 @@
 //! the Python consumer imports VMM and pool buffers through fds fetched from this process).
 //! `scripts/python-consumer-demo.sh` runs it with the Python consumer.
 
+mod common;
+
+use common::args::{Argv, memory_kind};
+use common::{FrameMeta, Res};
 use cuda_ipc::channel::{ChannelOptions, MemoryKind, Producer};
 use cuda_ipc::driver::Context;
 use cuda_ipc::kernels::Kernels;
-use std::error::Error;
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: python_producer --channel NAME [--frames 2000] [--consumers 1]
@@ -33,7 +36,7 @@ struct Args {
     memory: MemoryKind,
 }
 
-fn parse() -> Result<Args, Box<dyn Error>> {
+fn parse() -> Res<Args> {
     let mut a = Args {
         channel: String::new(),
         frames: 2000,
@@ -43,26 +46,16 @@ fn parse() -> Result<Args, Box<dyn Error>> {
         attach_timeout: Duration::from_secs(120),
         memory: MemoryKind::Auto,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    while let Some(k) = it.next() {
-        let mut v = || it.next().ok_or_else(|| format!("{k} needs a value"));
+    let mut args = Argv::from_env();
+    while let Some(k) = args.flag() {
         match k.as_str() {
-            "--channel" => a.channel = v()?.clone(),
-            "--frames" => a.frames = v()?.parse()?,
-            "--consumers" => a.consumers = v()?.parse()?,
-            "--width" => a.width = v()?.parse()?,
-            "--height" => a.height = v()?.parse()?,
-            "--attach-timeout" => a.attach_timeout = Duration::from_secs(v()?.parse()?),
-            "--memory" => {
-                a.memory = match v()?.as_str() {
-                    "auto" => MemoryKind::Auto,
-                    "legacy" => MemoryKind::Legacy,
-                    "vmm" => MemoryKind::Vmm,
-                    "pool" => MemoryKind::Pool,
-                    x => return Err(format!("unknown memory {x:?} (auto|legacy|vmm|pool)").into()),
-                }
-            }
+            "--channel" => a.channel = args.value(&k)?,
+            "--frames" => a.frames = args.parse(&k)?,
+            "--consumers" => a.consumers = args.parse(&k)?,
+            "--width" => a.width = args.parse(&k)?,
+            "--height" => a.height = args.parse(&k)?,
+            "--attach-timeout" => a.attach_timeout = Duration::from_secs(args.parse(&k)?),
+            "--memory" => a.memory = memory_kind(&args.value(&k)?)?,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -86,21 +79,7 @@ fn main() {
     }
 }
 
-/// CLOCK_MONOTONIC in ns: the clock Python's `time.clock_gettime_ns(CLOCK_MONOTONIC)` reads.
-fn now_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
-
-fn meta(index: u64, width: u64, height: u64, stamp: u64) -> [u8; 32] {
-    let mut m = [0u8; 32];
-    for (k, w) in [index, width, height, stamp].into_iter().enumerate() {
-        m[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
-    }
-    m
-}
-
-fn run(a: &Args) -> Result<(), Box<dyn Error>> {
+fn run(a: &Args) -> Res<()> {
     let frame_bytes = usize::try_from(a.width * a.height * 4)?;
     let ctx = Context::default_device()?;
     let kernels = Kernels::load(&ctx)?;
@@ -143,7 +122,8 @@ fn run(a: &Args) -> Result<(), Box<dyn Error>> {
         let frame = tx.acquire(Some(Duration::from_secs(30)))?;
         acquire_wait += t.elapsed();
         kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
-        frame.publish(&meta(i, a.width, a.height, now_ns()))?;
+        // Stamped in ns of CLOCK_MONOTONIC, the clock `time.clock_gettime_ns` reads in Python.
+        frame.publish(&FrameMeta::now(i, a.width, a.height).encode())?;
     }
     tx.stream().synchronize()?;
     let secs = start.elapsed().as_secs_f64();

@@ -21,22 +21,21 @@
 //! cargo run --release --example shared_dataset -- [--mib 1024] [--sims 4] [--rounds 10]
 //! ```
 
+mod common;
+
+use common::args::Argv;
+use common::child::Child;
+use common::{Res, field, read_u64, zeroed_counter};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::ImportedBuffer;
 use cuda_ipc::kernels::Kernels;
 use cuda_ipc::token::Token;
-use std::error::Error;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 /// The dataset's pattern seed.
 const SEED: u32 = 42;
 /// How long each simulation may run, start-up (CUDA init, PTX JIT, import) included.
 const SIM_TIMEOUT: Duration = Duration::from_secs(300);
-
-type Res<T> = Result<T, Box<dyn Error>>;
 
 struct Args {
     mib: usize,
@@ -53,21 +52,15 @@ fn parse() -> Res<Args> {
         rounds: 10,
         sim: None,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    while let Some(k) = it.next() {
-        let mut v = || {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{k} needs a value"))
-        };
+    let mut args = Argv::from_env();
+    while let Some(k) = args.flag() {
         match k.as_str() {
-            "--mib" => a.mib = v()?.parse()?,
-            "--sims" => a.sims = v()?.parse()?,
-            "--rounds" => a.rounds = v()?.parse()?,
+            "--mib" => a.mib = args.parse(&k)?,
+            "--sims" => a.sims = args.parse(&k)?,
+            "--rounds" => a.rounds = args.parse(&k)?,
             "--sim" => {
-                let k = v()?.parse()?;
-                a.sim = Some((k, v()?));
+                let index = args.parse(&k)?;
+                a.sim = Some((index, args.value(&k)?));
             }
             x => {
                 return Err(
@@ -90,95 +83,6 @@ fn main() {
     if let Err(e) = r {
         eprintln!("shared_dataset: {e}");
         std::process::exit(1);
-    }
-}
-
-/// Reads the `u64` at the start of `counter` (the caller synchronised the stream that wrote it).
-fn read_u64(counter: &impl DeviceMemory) -> Res<u64> {
-    let mut b = [0u8; 8];
-    counter.copy_to_host(0, &mut b)?;
-    Ok(u64::from_le_bytes(b))
-}
-
-/// A zeroed 8-byte device counter. The zeroing copy runs on the legacy default stream, which our
-/// non-blocking streams do not wait for, so wait for it here.
-fn zeroed_counter(ctx: &std::sync::Arc<Context>) -> Res<DeviceBuffer> {
-    let c = DeviceBuffer::new(ctx, 8)?;
-    c.copy_from_host(0, &[0; 8])?;
-    ctx.synchronize()?;
-    Ok(c)
-}
-
-/// The value of `key=value` in a summary line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key))
-        .map(|v| v.trim_end_matches([',', ';']))
-}
-
-/// A simulation this process started: this binary re-executed (CUDA does not survive `fork()`),
-/// its stdout read line by line on a thread. Dropping it kills the child if it still runs.
-struct Sim {
-    index: usize,
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Sim {
-    fn spawn(index: usize, args: &[&str]) -> Res<Sim> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Sim {
-            index,
-            child,
-            lines,
-        })
-    }
-
-    /// Waits until `deadline` for the simulation to exit (then kills it); returns whether it
-    /// exited successfully and the lines it printed.
-    fn finish(&mut self, deadline: Instant) -> Res<(bool, Vec<String>)> {
-        let mut lines = Vec::new();
-        let ok = loop {
-            if let Some(st) = self.child.try_wait()? {
-                break st.success();
-            }
-            if Instant::now() >= deadline {
-                self.child.kill()?;
-                self.child.wait()?;
-                lines.push(format!(
-                    "sim {}: FAIL did not exit within {SIM_TIMEOUT:?}; killed",
-                    self.index
-                ));
-                break false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        // The child has exited, so its stdout reaches end of file and the reader ends.
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
-            lines.push(l);
-        }
-        Ok((ok, lines))
-    }
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }
 
@@ -209,12 +113,13 @@ fn owner(a: &Args) -> Res<()> {
     let mut sims = Vec::with_capacity(a.sims);
     for k in 0..a.sims {
         let id = k.to_string();
-        sims.push(Sim::spawn(k, &["--sim", &id, &token, "--rounds", &rounds])?);
+        let args = ["--sim", &id, &token, "--rounds", &rounds];
+        sims.push(Child::spawn(&format!("sim {k}"), &args)?);
     }
     let deadline = Instant::now() + SIM_TIMEOUT;
     let mut failures = Vec::new();
-    for s in &mut sims {
-        let (ok, lines) = s.finish(deadline)?;
+    for (k, s) in sims.iter_mut().enumerate() {
+        let (ok, lines) = s.finish_by(deadline, SIM_TIMEOUT)?;
         let mut checked = false;
         for l in &lines {
             println!("  {l}");
@@ -225,7 +130,7 @@ fn owner(a: &Args) -> Res<()> {
             }
         }
         if !ok || !checked {
-            failures.push(s.index.to_string());
+            failures.push(k.to_string());
         }
     }
     // Every simulation has exited: only now may the dataset be freed.

@@ -23,14 +23,15 @@
 //! cargo run --release --example video_chain -- [--frames 2000]
 //! ```
 
+mod common;
+
+use common::args::Argv;
+use common::child::Child;
+use common::{Arrivals, FrameMeta, Res, field, field_u64, read_u64, wait_drained, zeroed_counter};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer};
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Event};
+use cuda_ipc::driver::{Context, Event};
 use cuda_ipc::kernels::Kernels;
-use std::error::Error;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 const WIDTH: u64 = 3840;
@@ -54,8 +55,6 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the filter waits for each stage to exit once it closed channel A.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
 
-type Res<T> = Result<T, Box<dyn Error>>;
-
 enum Role {
     Filter,
     Transform { a: String, b: String },
@@ -72,22 +71,16 @@ fn parse() -> Res<Args> {
         frames: 2000,
         role: Role::Filter,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = argv.iter();
-    while let Some(k) = it.next() {
-        let mut v = || {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{k} needs a value"))
-        };
+    let mut args = Argv::from_env();
+    while let Some(k) = args.flag() {
         match k.as_str() {
-            "--frames" => a.frames = v()?.parse()?,
+            "--frames" => a.frames = args.parse(&k)?,
             // The roles the filter starts its children in.
             "--transform" => {
-                let (from, to) = (v()?, v()?);
+                let (from, to) = (args.value(&k)?, args.value(&k)?);
                 a.role = Role::Transform { a: from, b: to };
             }
-            "--analysis" => a.role = Role::Analysis { b: v()? },
+            "--analysis" => a.role = Role::Analysis { b: args.value(&k)? },
             x => return Err(format!("unknown argument {x:?} (--frames N)").into()),
         }
     }
@@ -109,122 +102,9 @@ fn main() {
     }
 }
 
-/// Frame metadata: the frame index, little-endian.
+/// Frame metadata: the frame index, little-endian (read back with `FrameMeta::index_of`).
 fn meta(index: u64) -> [u8; 8] {
     index.to_le_bytes()
-}
-
-fn meta_index(m: &[u8]) -> Res<u64> {
-    let b: [u8; 8] = m
-        .get(..8)
-        .and_then(|s| s.try_into().ok())
-        .ok_or_else(|| format!("metadata of {} bytes has no frame index", m.len()))?;
-    Ok(u64::from_le_bytes(b))
-}
-
-/// Waits (bounded) until every consumer of `tx` has taken every published frame and released it.
-/// `Producer::close` only waits for frames consumers hold, not for those they have yet to take, and
-/// frees the pool right after; so a producer that ends calls this first. Returns false on timeout.
-fn wait_drained(tx: &Producer, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let s = tx.stats();
-        if s.consumers.iter().all(|c| c.lag == 0 && c.in_flight == 0) {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// The value of `key=value` in a summary line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key))
-        .map(|v| v.trim_end_matches([',', ';']))
-}
-
-/// A stage this process started: this binary re-executed (CUDA does not survive `fork()`), with
-/// its stdout read line by line on a thread. Dropping it kills the child if it still runs, so an
-/// early error of the filter leaves no stage behind.
-struct Stage {
-    name: &'static str,
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Stage {
-    fn spawn(name: &'static str, args: &[&str]) -> Res<Stage> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Stage { name, child, lines })
-    }
-
-    /// The next line the stage prints, waiting at most `timeout`.
-    fn line(&self, timeout: Duration) -> Res<String> {
-        self.lines.recv_timeout(timeout).map_err(|e| match e {
-            RecvTimeoutError::Timeout => {
-                format!("{} printed nothing within {timeout:?}", self.name).into()
-            }
-            RecvTimeoutError::Disconnected => {
-                format!("{} exited early (its error is above)", self.name).into()
-            }
-        })
-    }
-
-    /// Whether the stage has already exited (it must not before its channel closes).
-    fn exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)) | Err(_))
-    }
-
-    /// Waits up to `timeout` for the stage to exit (then kills it); returns whether it succeeded
-    /// and the lines it printed since the last [`Stage::line`].
-    fn finish(&mut self, timeout: Duration) -> Res<(bool, Vec<String>)> {
-        let deadline = Instant::now() + timeout;
-        let mut rest = Vec::new();
-        let ok = loop {
-            if let Some(st) = self.child.try_wait()? {
-                break st.success();
-            }
-            if Instant::now() >= deadline {
-                self.child.kill()?;
-                self.child.wait()?;
-                rest.push(format!(
-                    "{}: FAIL did not exit within {timeout:?}; killed",
-                    self.name
-                ));
-                break false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        // The child has exited, so its stdout reaches end of file: the reader ends.
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
-            rest.push(l);
-        }
-        Ok((ok && !rest.iter().any(|l| l.contains("FAIL")), rest))
-    }
-}
-
-impl Drop for Stage {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }
 
 /// Stage 1 and the top process: produces channel A, starts the other two stages.
@@ -245,12 +125,14 @@ fn filter(frames: u64) -> Res<()> {
     let n = frames.to_string();
     // Start order matters: B exists once the transform is ready, and the analysis must be attached
     // to B before the first frame enters the chain (consumers get frames published after attach).
-    let mut transform = Stage::spawn(
+    // Each stage is this binary re-executed (CUDA does not survive `fork()`); a `Child` is killed
+    // when dropped, so an early error of the filter leaves no stage behind.
+    let mut transform = Child::spawn(
         "transform",
         &["--transform", &name_a, &name_b, "--frames", &n],
     )?;
     println!("  {}", transform.line(READY_TIMEOUT)?);
-    let mut analysis = Stage::spawn("analysis", &["--analysis", &name_b, "--frames", &n])?;
+    let mut analysis = Child::spawn("analysis", &["--analysis", &name_b, "--frames", &n])?;
     println!("  {}", analysis.line(READY_TIMEOUT)?);
 
     let start = Instant::now();
@@ -279,9 +161,10 @@ fn filter(frames: u64) -> Res<()> {
     let mut analysis_summary = None;
     for stage in [&mut transform, &mut analysis] {
         let (ok, lines) = stage.finish(EXIT_TIMEOUT)?;
+        let ok = ok && !lines.iter().any(|l| l.contains("FAIL"));
         for l in &lines {
             println!("  {l}");
-            if stage.name == "analysis"
+            if stage.name() == "analysis"
                 && l.starts_with("analysis")
                 && field(l, "mismatches=").is_some()
             {
@@ -289,7 +172,7 @@ fn filter(frames: u64) -> Res<()> {
             }
         }
         if !ok {
-            failed.push(stage.name);
+            failed.push(stage.name().to_string());
         }
     }
     if !drained {
@@ -299,12 +182,8 @@ fn filter(frames: u64) -> Res<()> {
         return Err(format!("stage(s) failed: {}", failed.join(", ")).into());
     }
     let summary = analysis_summary.ok_or("the analysis printed no summary")?;
-    let received: u64 = field(&summary, "received=")
-        .ok_or("no received=")?
-        .parse()?;
-    let mismatches: u64 = field(&summary, "mismatches=")
-        .ok_or("no mismatches=")?
-        .parse()?;
+    let received = field_u64(&summary, "received=")?;
+    let mismatches = field_u64(&summary, "mismatches=")?;
     if received != frames || mismatches != 0 {
         return Err(format!(
             "analysis received {received} of {frames} frames with {mismatches} mismatched words"
@@ -334,28 +213,16 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
         "transform (pid {}): attached to A, created B, one context for both",
         std::process::id()
     );
-    let mut received = 0u64;
-    let mut out_of_order = 0u64;
-    let mut next = 0u64;
-    let mut start = None::<Instant>;
+    let mut arrivals = Arrivals::default();
     loop {
-        let timeout = if start.is_none() {
-            FIRST_FRAME_TIMEOUT
-        } else {
-            FRAME_TIMEOUT
-        };
+        let timeout = arrivals.timeout(FIRST_FRAME_TIMEOUT, FRAME_TIMEOUT);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
             Err(IpcError::ChannelClosed) => break,
             Err(e) => return Err(e.into()),
         };
-        start.get_or_insert_with(Instant::now);
         let m = frame.metadata().to_vec();
-        let index = meta_index(&m)?;
-        if index != next {
-            out_of_order += 1;
-        }
-        next = index + 1;
+        arrivals.arrived(FrameMeta::index_of(&m)?);
         // The acquire made B's producer stream wait until the analysis released this B buffer.
         let wf = tx.acquire(Some(ACQUIRE_TIMEOUT))?;
         // ...and now also until A's frame is ready (the consumer stream waits on A's event).
@@ -368,10 +235,14 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
         drop(frame);
         // B's event is recorded on the producer stream, after the XOR.
         wf.publish(&m)?;
-        received += 1;
     }
     tx.stream().synchronize()?;
-    let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    let secs = arrivals.secs();
+    let Arrivals {
+        received,
+        out_of_order,
+        ..
+    } = arrivals;
     let drained = wait_drained(&tx, DRAIN_TIMEOUT);
     let report = tx.close(CLOSE_TIMEOUT)?;
     rx.stream().synchronize()?;
@@ -397,41 +268,29 @@ fn analysis(frames: u64, name_b: &str) -> Res<()> {
     )?;
     let ctx = rx.context().clone();
     let kernels = Kernels::load(&ctx)?;
-    let counter = DeviceBuffer::new(&ctx, 8)?;
-    counter.copy_from_host(0, &[0; 8])?;
-    // The zeroing copy runs on the legacy default stream; our stream is non-blocking: wait for it.
-    ctx.synchronize()?;
+    let counter = zeroed_counter(&ctx)?;
     println!("analysis (pid {}): attached to B", std::process::id());
-    let mut received = 0u64;
-    let mut out_of_order = 0u64;
-    let mut next = 0u64;
-    let mut start = None::<Instant>;
+    let mut arrivals = Arrivals::default();
     loop {
-        let timeout = if start.is_none() {
-            FIRST_FRAME_TIMEOUT
-        } else {
-            FRAME_TIMEOUT
-        };
+        let timeout = arrivals.timeout(FIRST_FRAME_TIMEOUT, FRAME_TIMEOUT);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
             Err(IpcError::ChannelClosed) => break,
             Err(e) => return Err(e.into()),
         };
-        start.get_or_insert_with(Instant::now);
-        let index = meta_index(frame.metadata())?;
-        if index != next {
-            out_of_order += 1;
-        }
-        next = index + 1;
+        let index = FrameMeta::index_of(frame.metadata())?;
+        arrivals.arrived(index);
         kernels.check_pattern_xor(frame.buffer(), index as u32, KEY, &counter, frame.stream())?;
-        received += 1;
         drop(frame); // released after the check, on our stream
     }
     rx.stream().synchronize()?;
-    let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
-    let mut b = [0u8; 8];
-    counter.copy_to_host(0, &mut b)?;
-    let bad = u64::from_le_bytes(b);
+    let secs = arrivals.secs();
+    let Arrivals {
+        received,
+        out_of_order,
+        ..
+    } = arrivals;
+    let bad = read_u64(&counter)?;
     let ok = bad == 0 && received == frames && out_of_order == 0;
     println!(
         "analysis: {} received={received} of {frames} frames, {:.0} frames/s, {:.1} GB/s checked; mismatches={bad} words; out of order {out_of_order}",
