@@ -85,6 +85,10 @@ fn parse() -> Res<Args> {
         match k.as_str() {
             "--frames" => a.frames = args.parse(&k)?,
             "--inference" => a.inference = Some(args.value(&k)?),
+            "-h" | "--help" => {
+                println!("usage: preprocess_inference [--frames N]");
+                std::process::exit(0);
+            }
             x => return Err(format!("unknown argument {x:?} (--frames N)").into()),
         }
     }

@@ -62,6 +62,10 @@ fn parse() -> Res<Args> {
                 let index = args.parse(&k)?;
                 a.sim = Some((index, args.value(&k)?));
             }
+            "-h" | "--help" => {
+                println!("usage: shared_dataset [--mib M] [--sims S] [--rounds R]");
+                std::process::exit(0);
+            }
             x => {
                 return Err(
                     format!("unknown argument {x:?} (--mib M, --sims S, --rounds R)").into(),

@@ -81,6 +81,10 @@ fn parse() -> Res<Args> {
                 a.role = Role::Transform { a: from, b: to };
             }
             "--analysis" => a.role = Role::Analysis { b: args.value(&k)? },
+            "-h" | "--help" => {
+                println!("usage: video_chain [--frames N]");
+                std::process::exit(0);
+            }
             x => return Err(format!("unknown argument {x:?} (--frames N)").into()),
         }
     }
