@@ -273,10 +273,10 @@ impl Shared {
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off % 8 == 0 && off + 8 <= Self::LEN);
-        // SAFETY: the mapping is page-aligned and at least LEN bytes (checked at open), so `off`
-        // (a multiple of 8 below LEN - 8) is an aligned 8-byte word inside it; every process only
-        // accesses these words atomically; the reference lives no longer than `self`, which keeps
-        // the mapping.
+        // The mapping is page-aligned and at least LEN bytes (checked at open), so `off` (a
+        // multiple of 8 below LEN - 8) is an aligned 8-byte word inside it.
+        // SAFETY: in bounds and aligned (above); every process accesses these words atomically
+        // only; the reference lives no longer than `self`, which keeps the mapping.
         unsafe { &*(self.seg.as_ptr().add(off) as *const AtomicU64) }
     }
 

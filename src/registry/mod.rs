@@ -739,11 +739,11 @@ impl Registry {
 
     fn header_of(seg: &Segment) -> &Header {
         debug_assert!(seg.len() >= HEADER_SIZE);
-        // SAFETY: (1) the mapping is at least HEADER_SIZE bytes (checked by every caller) and lives
-        // as long as `seg`, which the returned reference borrows; (2) the mapping is page-aligned, so
-        // the Header's 8-byte alignment holds; (3) Header consists only of atomics, so a shared
-        // reference to it permits the concurrent writes of other processes (interior mutability) and
-        // no plain byte is ever referenced; (4) every bit pattern is a valid atomic integer.
+        // (1) The mapping is at least HEADER_SIZE bytes (checked by every caller) and lives as long
+        // as `seg`, which the returned reference borrows; (2) it is page-aligned, so the Header's
+        // 8-byte alignment holds; (3) Header consists only of atomics, so a shared reference to it
+        // permits the concurrent writes of other processes and no plain byte is ever referenced.
+        // SAFETY: (1)-(3) above; (4) every bit pattern is a valid atomic integer.
         unsafe { &*(seg.as_ptr() as *const Header) }
     }
 
@@ -753,10 +753,11 @@ impl Registry {
 
     fn participant_at(&self, i: u32) -> &Participant {
         assert!(i < self.participants);
-        // SAFETY: (1) `i < participants`, and the segment was checked at open/create to hold
+        // (1) `i < participants`, and the segment was checked at open/create to hold
         // total_size(participants, slots) bytes, so the entry is in bounds for the mapping, which
-        // `self` keeps alive; (2) offset 128 + 64 i is 8-byte aligned; (3) Participant is all
-        // atomics (see `header_of`); (4) any bit pattern is valid.
+        // `self` keeps alive; (2) offset 128 + 64 i is 8-byte aligned.
+        // SAFETY: (1), (2) above; (3) Participant is all atomics (see `header_of`); (4) any bit
+        // pattern is valid.
         unsafe {
             &*(self
                 .seg
@@ -768,9 +769,10 @@ impl Registry {
 
     fn slot_at(&self, i: u32) -> &Slot {
         assert!(i < self.slots);
-        // SAFETY: (1) `i < slots` and the mapping holds total_size(participants, slots) bytes
-        // (checked at open/create), so the slot is in bounds and lives as long as `self`; (2) its
-        // offset is a multiple of 64; (3) Slot is all atomics (see `header_of`); (4) any bit pattern
+        // (1) `i < slots` and the mapping holds total_size(participants, slots) bytes (checked at
+        // open/create), so the slot is in bounds and lives as long as `self`; (2) its offset is a
+        // multiple of 64.
+        // SAFETY: (1), (2) above; (3) Slot is all atomics (see `header_of`); (4) any bit pattern
         // is valid.
         unsafe {
             &*(self
