@@ -735,6 +735,15 @@ impl Control {
         Self::bump(&self.header().release_futex);
     }
 
+    /// The generation of consumer slot `c` when it is active: a cheap check, per acquire, of whether
+    /// the consumer there is the one whose release events the producer already opened.
+    pub(crate) fn consumer_generation(&self, c: usize) -> Option<u64> {
+        let s = self.consumer(c);
+        // Acquire: pairs with the Release store of ACTIVE in `attach`.
+        let g = s.generation.load(Ordering::Acquire);
+        (s.state.load(Ordering::Acquire) == ACTIVE).then_some(g)
+    }
+
     /// Consumers (bit mask) whose slots hold live state, with generation numbers, for the producer to
     /// import their release events.
     pub(crate) fn consumer_release_tokens(&self, c: usize) -> Option<(u64, Vec<[u8; TOKEN_LEN]>)> {

@@ -455,13 +455,16 @@ impl Producer {
     /// acquired is the oldest one, whose readers have almost always finished: then this is one
     /// `cuEventQuery`.
     fn wait_for_consumer(&mut self, c: usize, i: usize, deadline: Option<Instant>) -> Result<()> {
-        let current = self.control.consumer_release_tokens(c);
-        let Some((generation, tokens)) = current else {
+        let Some(generation) = self.control.consumer_generation(c) else {
             // Detached (its stream drained first) or reclaimed after its death.
             return Ok(());
         };
         let stale = !matches!(&self.consumer_events[c], Some((g, _, _)) if *g == generation);
         if stale {
+            // A consumer new to this slot: read and open its release events once.
+            let Some((generation, tokens)) = self.control.consumer_release_tokens(c) else {
+                return Ok(());
+            };
             let evs = tokens
                 .iter()
                 .map(|t| IpcEvent::open_in(&self.ctx, &Token::from_bytes(t)?))
