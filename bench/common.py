@@ -132,6 +132,22 @@ def write_result(out_dir: str, name: str, records: list, info: dict, errors: lis
 
 # ----------------------------------------------------------------------------- consumer side
 
+class TorchCheck:
+    """The check, release and mismatch count that the PyTorch-based consumers share. A subclass's
+    `start` sets `self.torch` (the module, imported there) and `self.bad` (a device int64 zero)."""
+
+    def check(self, frame, i):
+        self.bad += (frame != seed(i)).sum()
+
+    def done(self, frame, idx):
+        self.torch.cuda.current_stream().synchronize()
+
+    def mismatches(self):
+        n = int(self.bad.item())
+        self.bad.zero_()
+        return n
+
+
 def consumer_loop(q, ack, res, c: int, ppid: int, handler) -> None:
     """Runs in a consumer process. `handler` has:
     take(i, idx, payload) -> frame   (returns once the frame is usable on this process's GPU)

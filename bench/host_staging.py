@@ -34,7 +34,7 @@ def host_register(torch, buf) -> None:
         raise RuntimeError(f"cudaHostRegister failed: {err}")
 
 
-class StagingHandler:
+class StagingHandler(common.TorchCheck):
     def __init__(self, cfg):
         self.cfg = cfg
 
@@ -58,16 +58,6 @@ class StagingHandler:
         self.torch.cuda.current_stream().synchronize()
         return d
 
-    def check(self, d, i):
-        self.bad += (d != common.seed(i)).sum()
-
-    def done(self, d, idx):
-        self.torch.cuda.current_stream().synchronize()
-
-    def mismatches(self):
-        n = int(self.bad.item())
-        self.bad.zero_()
-        return n
 
 
 def consumer_proc(q, ack, res, c, ppid, cfg):

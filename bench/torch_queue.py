@@ -24,7 +24,7 @@ import common  # noqa: E402
 NAME = "torch_queue"
 
 
-class TorchHandler:
+class TorchHandler(common.TorchCheck):
     """Consumer side: the tensor arrives through the queue; check it, synchronise, let it go."""
 
     def __init__(self, cfg):
@@ -39,16 +39,6 @@ class TorchHandler:
     def take(self, i, idx, payload):
         return payload  # rebuilding the tensor (the storage cache, the IPC open) happened in get()
 
-    def check(self, t, i):
-        self.bad += (t != common.seed(i)).sum()
-
-    def done(self, t, idx):
-        self.torch.cuda.current_stream().synchronize()
-
-    def mismatches(self):
-        n = int(self.bad.item())
-        self.bad.zero_()
-        return n
 
 
 def consumer_proc(q, ack, res, c, ppid, cfg):

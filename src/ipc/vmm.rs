@@ -447,7 +447,7 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
     let origin = if token.exporter == ProcessIdentity::current()? {
         let local = lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade);
         match local {
-            Some(Some(a)) if Arc::ptr_eq(&a.map.ctx, ctx) || a.map.ctx.as_raw() == ctx.as_raw() => {
+            Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
                 cache::count_self_import();
                 Origin::LocalVmm(a)
             }
