@@ -1,76 +1,139 @@
-//! Process identity: who exported a handle or holds a registry entry, in a form that survives pid reuse.
+//! Process identity: who exported a handle or holds a registry entry, in a form that survives pid
+//! reuse and is right across pid namespaces.
 //!
-//! Owns: [`ProcessIdentity`] (pid + process start time + boot id) and the liveness check. It reads
-//! `/proc` and `/proc/sys/kernel/random/boot_id`; it never touches CUDA or shared memory.
+//! Owns: [`ProcessIdentity`] (pid + process start time + boot id + pid namespace), the liveness
+//! lock every process holds while it runs, and the liveness check. It reads `/proc` and
+//! `/proc/sys/kernel/random/boot_id` and keeps one file in `/dev/shm`; it never touches CUDA or the
+//! segments' contents.
+//!
+//! # Liveness across pid namespaces
+//! Containers of one pod share `/dev/shm` but not pid numbers, so a pid written by one namespace
+//! means nothing in another's `/proc`. Every process that takes its identity
+//! ([`ProcessIdentity::current`]) therefore creates the liveness file
+//! `/dev/shm/cuda-ipc.live.<pid ns>.<pid>.<start time>` (mode 0644, empty) and holds an
+//! open-file-description lock (`F_OFD_SETLK`, write lock on byte 0) on it for as long as it runs.
+//! The kernel drops the lock when the last descriptor of that open file description closes, i.e.
+//! when the process exits or is killed. Any process that can see the file (any namespace sharing
+//! `/dev/shm`) asks with `F_OFD_GETLK` whether the lock is still held:
+//! - held → [`Liveness::Alive`]; free → [`Liveness::Dead`];
+//! - no file: the process exited normally (it removes its file at exit) or `cuda-ipc gc` removed a
+//!   dead one's file → [`Liveness::Dead`], except in this process's own pid namespace, where
+//!   `/proc` decides (an identity of a process that never used this crate);
+//! - the file cannot be opened (permissions) → `/proc` in the same namespace, else
+//!   [`Liveness::Unknown`], which every caller treats as alive.
+//!
+//! The descriptor is opened `O_CLOEXEC`, so an `exec`ed program does not inherit the lock. A child
+//! made with `fork()` without `exec` would inherit the descriptor and keep its parent "alive": a
+//! `pthread_atfork` child handler closes the child's copy (the parent's lock stays, since the parent
+//! still holds the open file description), and the child takes an identity and a file of its own
+//! the first time it asks.
 
 use crate::error::{OsError, Result};
-use std::sync::OnceLock;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, OnceLock};
 
-/// Who a process is: pid, start time and boot id.
+/// Where the liveness files live (the directory of POSIX shared memory).
+const LIVE_DIR: &str = "/dev/shm";
+/// Prefix of a liveness file's name.
+pub const LIVE_PREFIX: &str = "cuda-ipc.live.";
+
+/// Who a process is: pid, start time, boot id and pid namespace.
 ///
 /// A pid alone is reused by the kernel; the start time (field 22 of `/proc/PID/stat`, in clock ticks
 /// since boot) tells a reused pid apart, and the boot id (`/proc/sys/kernel/random/boot_id`, 16 bytes)
-/// tells a record written before a reboot (e.g. in a persisted token) apart from a live process.
+/// tells a record written before a reboot (e.g. in a persisted token) apart from a live process. The
+/// pid namespace (the inode number of `/proc/PID/ns/pid`) says which namespace the pid is counted
+/// in: two containers each have a pid 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ProcessIdentity {
-    /// Process id, as the kernel reports it in this pid namespace.
+    /// Process id, as the kernel reports it in the process's own pid namespace (`getpid()`).
     pub pid: u32,
-    /// Process start time in clock ticks since boot (`/proc/PID/stat` field 22).
+    /// Process start time in clock ticks since boot (`/proc/PID/stat` field 22); the same number in
+    /// every pid namespace.
     pub start_time: u64,
     /// The kernel's boot id, as 16 raw bytes.
     pub boot_id: [u8; 16],
+    /// Inode number of the process's pid namespace (`stat /proc/self/ns/pid`); 0 when unknown.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub pid_ns: u32,
 }
 
 /// What [`ProcessIdentity::liveness`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Liveness {
-    /// The process runs: same pid, same start time, same boot.
+    /// The process runs: its liveness lock is held (or, in this pid namespace, `/proc` shows the
+    /// same pid with the same start time).
     Alive,
-    /// The process is gone: no such pid, a different start time (pid reused), or another boot.
+    /// The process is gone: its liveness lock is free or its file removed, no such pid, a different
+    /// start time (pid reused), a zombie, or another boot.
     Dead,
-    /// It could not be told (e.g. `/proc` hidden by `hidepid`); callers treat this as alive.
+    /// It could not be told (e.g. another namespace's liveness file that this user may not open, or
+    /// `/proc` hidden by `hidepid`); callers treat this as alive.
     Unknown,
 }
 
-impl ProcessIdentity {
-    /// The identity of the calling process, computed once and cached.
-    ///
-    /// # Errors
-    /// [`crate::Error::Os`] when `/proc/self/stat` or the boot id cannot be read.
-    pub fn current() -> Result<Self> {
-        static CURRENT: OnceLock<std::result::Result<ProcessIdentity, String>> = OnceLock::new();
-        // The pid changes across fork(); fork without exec is not supported with CUDA, but a forked
-        // registry-only child must not reuse its parent's identity.
-        let pid = std::process::id();
-        let cached = CURRENT.get_or_init(|| Self::read(pid).map_err(|e| e.to_string()));
-        match cached {
-            Ok(id) if id.pid == pid => Ok(*id),
-            Ok(_) => Self::read(pid),
-            Err(_) => Self::read(pid),
+impl std::fmt::Display for ProcessIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.pid_ns != 0 && self.pid_ns != own_pid_ns() {
+            write!(f, "pid {} in pid namespace {}", self.pid, self.pid_ns)
+        } else {
+            write!(f, "pid {}", self.pid)
         }
     }
+}
 
-    fn read(pid: u32) -> Result<Self> {
+impl ProcessIdentity {
+    /// The identity of the calling process, computed once and cached; the first call also creates
+    /// and locks this process's liveness file (see the [module docs](self)).
+    ///
+    /// # Errors
+    /// [`crate::Error::Os`] when `/proc/self/stat` or the boot id cannot be read, or when the
+    /// liveness file cannot be made and locked (`/dev/shm` missing or out of inodes, or a file of
+    /// that name owned by another user or not a regular file).
+    pub fn current() -> Result<Self> {
+        // The pid changes across fork(); fork without exec is not supported with CUDA, but a forked
+        // registry-only child must not reuse its parent's identity (or its liveness lock).
+        let pid = std::process::id();
+        let mut cached = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = *cached
+            && id.pid == pid
+            && LOCK_FD.load(Ordering::Acquire) >= 0
+        {
+            return Ok(id);
+        }
+        let id = Self::read_self()?;
+        hold_liveness_lock(&id)?;
+        *cached = Some(id);
+        Ok(id)
+    }
+
+    fn read_self() -> Result<Self> {
+        let path = "/proc/self/stat";
+        let text = std::fs::read_to_string(path).map_err(|e| OsError::io("read", path, e))?;
+        let start_time = parse_start_time(&text).ok_or_else(|| {
+            OsError::io(
+                "read",
+                path,
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "no start time field"),
+            )
+        })?;
         Ok(Self {
-            pid,
-            start_time: start_time_of(pid)?.ok_or_else(|| {
-                OsError::io(
-                    "read",
-                    format!("/proc/{pid}/stat"),
-                    std::io::Error::from(std::io::ErrorKind::NotFound),
-                )
-            })?,
+            pid: std::process::id(),
+            start_time,
             boot_id: boot_id()?,
+            pid_ns: own_pid_ns(),
         })
     }
 
-    /// Whether the process this identity names is still running.
+    /// Whether the process this identity names is still running; see the [module docs](self) for
+    /// how (the liveness lock first, `/proc` in this pid namespace where there is no lock file).
     ///
-    /// Compares the boot id, then the start time in `/proc/PID/stat`; a missing pid, a different
-    /// start time (the pid was reused) or a zombie (it exited and its parent has not reaped it yet)
-    /// means the process is dead.
+    /// Costs a few system calls (open, `fcntl`, close): callers check on slow paths only (a wait
+    /// that sleeps or timed out), never per frame.
     pub fn liveness(&self) -> Liveness {
         match boot_id() {
             Ok(b) if b != self.boot_id => return Liveness::Dead,
@@ -80,6 +143,36 @@ impl ProcessIdentity {
         if self.pid == 0 || self.pid > i32::MAX as u32 {
             return Liveness::Dead;
         }
+        match probe_lock(self) {
+            LockState::Held => Liveness::Alive,
+            LockState::Free => Liveness::Dead,
+            LockState::Missing if self.proc_answers() => self.proc_liveness(),
+            LockState::Missing => Liveness::Dead,
+            LockState::Unreadable if self.proc_answers() => self.proc_liveness(),
+            LockState::Unreadable => Liveness::Unknown,
+        }
+    }
+
+    /// `liveness() != Dead`: the conservative answer (unknown counts as alive).
+    pub fn is_alive(&self) -> bool {
+        self.liveness() != Liveness::Dead
+    }
+
+    /// Whether this identity's pid is counted in the caller's pid namespace (so `/proc/PID`,
+    /// `pidfd_open(PID)` and `SO_PEERCRED` pids mean the same process). `false` when either
+    /// namespace is unknown.
+    pub fn in_own_pid_namespace(&self) -> bool {
+        self.pid_ns != 0 && self.pid_ns == own_pid_ns()
+    }
+
+    /// Whether `/proc` of the caller can answer for this identity: same pid namespace, and `/proc`
+    /// mounted for that namespace (after `unshare --pid` without `--mount-proc`, `/proc` still shows
+    /// the parent namespace's numbers).
+    fn proc_answers(&self) -> bool {
+        self.in_own_pid_namespace() && proc_is_own_namespace()
+    }
+
+    fn proc_liveness(&self) -> Liveness {
         match stat_of(self.pid) {
             Ok(Some((state, t))) if t == self.start_time && !matches!(state, 'Z' | 'X') => {
                 Liveness::Alive
@@ -89,13 +182,341 @@ impl ProcessIdentity {
         }
     }
 
-    /// `liveness() != Dead`: the conservative answer (unknown counts as alive).
-    pub fn is_alive(&self) -> bool {
-        self.liveness() != Liveness::Dead
+    /// The path of this process's liveness file:
+    /// `/dev/shm/cuda-ipc.live.<pid ns>.<pid>.<start time>`.
+    pub fn liveness_path(&self) -> String {
+        format!("{LIVE_DIR}/{}", self.liveness_name())
+    }
+
+    /// The file name (in `/dev/shm`) of this process's liveness file.
+    pub fn liveness_name(&self) -> String {
+        format!(
+            "{LIVE_PREFIX}{}.{}.{}",
+            self.pid_ns, self.pid, self.start_time
+        )
+    }
+
+    /// The identity as four 64-bit words, the form every shared-memory layout of this crate stores:
+    /// `[pid | pid_ns << 32, start_time, boot_id[0..8] LE, boot_id[8..16] LE]`.
+    pub fn to_words(&self) -> [u64; 4] {
+        let (lo, hi) = self.boot_id.split_at(8);
+        [
+            u64::from(self.pid) | (u64::from(self.pid_ns) << 32),
+            self.start_time,
+            u64::from_le_bytes(lo.try_into().unwrap_or_default()),
+            u64::from_le_bytes(hi.try_into().unwrap_or_default()),
+        ]
+    }
+
+    /// The inverse of [`ProcessIdentity::to_words`].
+    pub fn from_words(w: [u64; 4]) -> Self {
+        let mut boot_id = [0u8; 16];
+        boot_id[..8].copy_from_slice(&w[2].to_le_bytes());
+        boot_id[8..].copy_from_slice(&w[3].to_le_bytes());
+        Self {
+            pid: w[0] as u32,
+            pid_ns: (w[0] >> 32) as u32,
+            start_time: w[1],
+            boot_id,
+        }
     }
 }
 
+/// The cached identity of this process (reset in a forked child by the pid check in `current`).
+static CURRENT: Mutex<Option<ProcessIdentity>> = Mutex::new(None);
+/// The descriptor holding this process's liveness lock; -1 when none.
+// Release store in `hold_liveness_lock` after the lock is taken; Acquire load in `current`.
+static LOCK_FD: AtomicI32 = AtomicI32::new(-1);
+/// The pid that made the liveness file (the atexit handler removes it only in that process).
+static LOCK_OWNER: AtomicI32 = AtomicI32::new(0);
+/// The liveness file's path, for the atexit handler.
+static LOCK_PATH: Mutex<Option<CString>> = Mutex::new(None);
+
+/// Creates (or, after an `exec` that kept pid and start time, reuses) this process's liveness
+/// file and takes its lock.
+fn hold_liveness_lock(id: &ProcessIdentity) -> Result<()> {
+    let path = id.liveness_path();
+    let fd = open_live_file(&path, true).map_err(|e| OsError::io("open", path.as_str(), e))?;
+    // The file must be ours and a plain file: another user could have made one under our name.
+    let st = rustix::fs::fstat(&fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
+    let euid = rustix::process::geteuid().as_raw();
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+        || st.st_uid != euid
+    {
+        return Err(OsError::io(
+            "open",
+            path,
+            std::io::Error::other(format!(
+                "the liveness file exists and is not a regular file of uid {euid} (owner uid {})",
+                st.st_uid
+            )),
+        )
+        .into());
+    }
+    // Readable by everyone, so processes of other users (root's `cuda-ipc gc`, a group-shared
+    // channel's consumers) can test the lock; the file holds no data.
+    let _ = rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(0o644));
+    set_lock(&fd).map_err(|e| OsError::io("fcntl(F_OFD_SETLK)", path.as_str(), e))?;
+    let raw = fd.as_raw_fd();
+    std::mem::forget(fd); // kept open for the life of the process: it holds the lock
+    let old = LOCK_FD.swap(raw, Ordering::AcqRel);
+    if old >= 0 && old != raw {
+        // SAFETY: `old` was this module's own descriptor (a stale one left by a fork: the child's
+        // copy); nothing else uses it once `LOCK_FD` no longer names it.
+        drop(unsafe { OwnedFd::from_raw_fd(old) });
+    }
+    LOCK_OWNER.store(id.pid as i32, Ordering::Relaxed);
+    if let Ok(c) = CString::new(path) {
+        *LOCK_PATH.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
+    }
+    register_process_hooks();
+    Ok(())
+}
+
+fn register_process_hooks() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: both handlers are `extern "C"` functions with no arguments that only touch
+        // atomics and make async-signal-safe calls (`close`, `getpid`, `unlink`); registering them
+        // has no other precondition.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(after_fork_in_child));
+            libc::atexit(remove_liveness_file_at_exit);
+        }
+    });
+}
+
+/// In a child made by `fork()`: close the inherited lock descriptor, so the lock dies with the
+/// parent, not with the last of its children. The parent's open file description (and lock) stays.
+extern "C" fn after_fork_in_child() {
+    let fd = LOCK_FD.swap(-1, Ordering::AcqRel);
+    if fd >= 0 {
+        // SAFETY: `fd` is the inherited copy of this module's lock descriptor; closing it is
+        // async-signal-safe and leaves the parent's open file description untouched.
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// At normal exit: remove the liveness file, so no file is left per process. (A killed process
+/// leaves its file; its lock is free, so it reads as dead, and `cuda-ipc gc` removes it.)
+extern "C" fn remove_liveness_file_at_exit() {
+    // SAFETY: getpid has no preconditions.
+    if unsafe { libc::getpid() } != LOCK_OWNER.load(Ordering::Relaxed) {
+        return; // a forked child exiting: the file is its parent's
+    }
+    if let Ok(g) = LOCK_PATH.try_lock()
+        && let Some(p) = g.as_ref()
+    {
+        // SAFETY: `p` is a NUL-terminated path owned by the static for the whole process.
+        unsafe { libc::unlink(p.as_ptr()) };
+    }
+}
+
+/// What the lock of a liveness file says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LockState {
+    Held,
+    Free,
+    Missing,
+    Unreadable,
+}
+
+fn probe_lock(id: &ProcessIdentity) -> LockState {
+    let path = id.liveness_path();
+    let fd = match open_live_file(&path, false) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return LockState::Missing,
+        Err(_) => return LockState::Unreadable,
+    };
+    match rustix::fs::fstat(&fd) {
+        Ok(st)
+            if rustix::fs::FileType::from_raw_mode(st.st_mode)
+                == rustix::fs::FileType::RegularFile => {}
+        _ => return LockState::Unreadable,
+    }
+    match test_lock(&fd) {
+        Ok(true) => LockState::Held,
+        Ok(false) => LockState::Free,
+        Err(_) => LockState::Unreadable,
+    }
+}
+
+/// Opens a liveness file: never through a symbolic link, never blocking (a FIFO planted under the
+/// name), close-on-exec; `create` makes it (read-write) when missing.
+fn open_live_file(path: &str, create: bool) -> std::io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC);
+    if create {
+        o.write(true).create(true).mode(0o644);
+    }
+    Ok(OwnedFd::from(o.open(path)?))
+}
+
+fn lock_request(kind: libc::c_short) -> libc::flock {
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = kind;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = 0;
+    l.l_len = 1;
+    l.l_pid = 0; // required to be 0 for open-file-description locks
+    l
+}
+
+fn set_lock(fd: &OwnedFd) -> std::io::Result<()> {
+    let l = lock_request(libc::F_WRLCK as libc::c_short);
+    // SAFETY: `fd` is an open descriptor; `l` is a valid, initialised `flock` that outlives the call.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    if r == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `true` when another open file description holds a lock on byte 0.
+fn test_lock(fd: &OwnedFd) -> std::io::Result<bool> {
+    let mut l = lock_request(libc::F_WRLCK as libc::c_short);
+    // SAFETY: `fd` is an open descriptor; `l` is a valid `flock` the kernel overwrites in place.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+    if r == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(l.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// The inode number of the caller's pid namespace, 0 when `/proc/self/ns/pid` cannot be read.
+pub fn own_pid_ns() -> u32 {
+    std::fs::metadata("/proc/self/ns/pid")
+        .ok()
+        .and_then(|m| u32::try_from(std::os::unix::fs::MetadataExt::ino(&m)).ok())
+        .unwrap_or(0)
+}
+
+/// Whether `/proc` counts pids as the caller's own pid namespace does (its `self` entry has the
+/// pid `getpid()` returns). Cached per process id.
+fn proc_is_own_namespace() -> bool {
+    static CACHE: Mutex<Option<(u32, bool)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut c = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((p, v)) = *c
+        && p == pid
+    {
+        return v;
+    }
+    let v = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| s.split_ascii_whitespace().next()?.parse::<u32>().ok())
+        == Some(pid);
+    *c = Some((pid, v));
+    v
+}
+
+/// A liveness file found in `/dev/shm` by [`stale_liveness_files`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LivenessFile {
+    /// The file's name in `/dev/shm`.
+    pub name: String,
+    /// The identity it stands for (boot id: this boot's).
+    pub identity: ProcessIdentity,
+    /// Owner uid of the file.
+    pub uid: u32,
+}
+
+/// The liveness files in `/dev/shm` whose lock is free: their processes were killed (a normal exit
+/// removes the file). Files that are not regular files, or whose lock cannot be tested, are left
+/// out. For `cuda-ipc gc`; nothing is removed here.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
+pub fn stale_liveness_files() -> Result<Vec<LivenessFile>> {
+    let boot = boot_id()?;
+    let dir = std::fs::read_dir(LIVE_DIR).map_err(|e| OsError::io("opendir", LIVE_DIR, e))?;
+    let mut out = Vec::new();
+    for ent in dir.flatten() {
+        let Some(name) = ent.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let Some(identity) = parse_liveness_name(&name, boot) else {
+            continue;
+        };
+        let path = format!("{LIVE_DIR}/{name}");
+        let Ok(fd) = open_live_file(&path, false) else {
+            continue;
+        };
+        let Ok(st) = rustix::fs::fstat(&fd) else {
+            continue;
+        };
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            continue;
+        }
+        if matches!(test_lock(&fd), Ok(false)) {
+            out.push(LivenessFile {
+                name,
+                identity,
+                uid: st.st_uid,
+            });
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Removes a stale liveness file (see [`stale_liveness_files`]) after testing its lock once more.
+/// Returns `false` when it was not removed: it is gone already, its lock is held again (never, for
+/// a dead process; a guard against a mistaken name) or it is no longer a regular file.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `unlink` fails for a reason other than the file being gone.
+pub fn remove_stale_liveness_file(file: &LivenessFile) -> Result<bool> {
+    let path = format!("{LIVE_DIR}/{}", file.name);
+    let Ok(fd) = open_live_file(&path, false) else {
+        return Ok(false);
+    };
+    match rustix::fs::fstat(&fd) {
+        Ok(st)
+            if rustix::fs::FileType::from_raw_mode(st.st_mode)
+                == rustix::fs::FileType::RegularFile => {}
+        _ => return Ok(false),
+    }
+    if !matches!(test_lock(&fd), Ok(false)) {
+        return Ok(false);
+    }
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(OsError::io("unlink", path, e).into()),
+    }
+}
+
+/// Parses `cuda-ipc.live.<ns>.<pid>.<start>` into an identity of boot `boot`.
+fn parse_liveness_name(name: &str, boot: [u8; 16]) -> Option<ProcessIdentity> {
+    let rest = name.strip_prefix(LIVE_PREFIX)?;
+    let mut it = rest.split('.');
+    let pid_ns = it.next()?.parse().ok()?;
+    let pid = it.next()?.parse().ok()?;
+    let start_time = it.next()?.parse().ok()?;
+    if it.next().is_some() {
+        return None;
+    }
+    Some(ProcessIdentity {
+        pid,
+        start_time,
+        boot_id: boot,
+        pid_ns,
+    })
+}
+
+/// The raw descriptor of this process's liveness lock, if it holds one (for tests).
+#[doc(hidden)]
+pub fn liveness_lock_fd() -> Option<RawFd> {
+    let fd = LOCK_FD.load(Ordering::Acquire);
+    (fd >= 0).then_some(fd)
+}
+
 /// The start time of `pid` in clock ticks since boot, `Ok(None)` when no such process exists.
+#[cfg(test)]
 pub(crate) fn start_time_of(pid: u32) -> Result<Option<u64>> {
     Ok(stat_of(pid)?.map(|(_, t)| t))
 }
@@ -198,6 +619,7 @@ mod tests {
             pid,
             start_time: start.unwrap_or(1),
             boot_id: boot_id().unwrap(),
+            pid_ns: own_pid_ns(),
         };
         assert_eq!(id.liveness(), Liveness::Dead);
     }
@@ -211,6 +633,7 @@ mod tests {
             pid,
             start_time: start,
             boot_id: boot_id().unwrap(),
+            pid_ns: own_pid_ns(),
         };
         // Not reaped yet: wait until the kernel shows it as a zombie.
         let t = std::time::Instant::now();
@@ -220,6 +643,76 @@ mod tests {
         }
         assert_eq!(id.liveness(), Liveness::Dead);
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn the_current_process_holds_its_liveness_lock() {
+        let me = ProcessIdentity::current().unwrap();
+        let path = me.liveness_path();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.file_type().is_file());
+        assert!(liveness_lock_fd().is_some());
+        assert_eq!(probe_lock(&me), LockState::Held);
+        assert_eq!(me.pid_ns, own_pid_ns());
+        assert_ne!(me.pid_ns, 0);
+    }
+
+    #[test]
+    fn an_identity_of_another_namespace_without_a_liveness_file_is_dead() {
+        // Same pid and start time as this process, counted in a namespace that is not ours: /proc
+        // cannot answer for it, and no process holds a lock under that name.
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(1);
+        assert!(!other.in_own_pid_namespace());
+        assert_eq!(other.liveness(), Liveness::Dead);
+    }
+
+    #[test]
+    fn a_free_lock_reads_as_dead_and_a_held_one_as_alive_in_any_namespace() {
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(7);
+        other.start_time = other.start_time.wrapping_add(12345);
+        let path = other.liveness_path();
+        let _ = std::fs::remove_file(&path);
+        // A file nobody locks: the process was killed.
+        let fd = open_live_file(&path, true).unwrap();
+        assert_eq!(other.liveness(), Liveness::Dead);
+        let stale = stale_liveness_files().unwrap();
+        assert!(stale.iter().any(|f| f.identity == other), "{stale:?}");
+        // Held (by this test, standing in for a process of that namespace): alive.
+        set_lock(&fd).unwrap();
+        assert_eq!(other.liveness(), Liveness::Alive);
+        let file = LivenessFile {
+            name: other.liveness_name(),
+            identity: other,
+            uid: 0,
+        };
+        assert!(!remove_stale_liveness_file(&file).unwrap(), "held: kept");
+        drop(fd);
+        assert_eq!(other.liveness(), Liveness::Dead);
+        assert!(remove_stale_liveness_file(&file).unwrap());
+        assert!(std::fs::symlink_metadata(&path).is_err());
+        assert_eq!(other.liveness(), Liveness::Dead, "no file: dead");
+    }
+
+    #[test]
+    fn a_fifo_under_a_liveness_name_is_unknown_not_a_hang() {
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(9);
+        other.start_time = other.start_time.wrapping_add(777);
+        let path = other.liveness_path();
+        let _ = std::fs::remove_file(&path);
+        let c = CString::new(path.clone()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert_eq!(other.liveness(), Liveness::Unknown);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn words_round_trip() {
+        let me = ProcessIdentity::current().unwrap();
+        assert_eq!(ProcessIdentity::from_words(me.to_words()), me);
     }
 
     #[test]

@@ -20,8 +20,11 @@
 //! | 108 | 4 | fd export id: the id under which the exporter serves the file descriptor ([`crate::ipc::fdpass`]) for VMM and pool memory; zero for other kinds |
 //! | 112 | 8 | exporter start time, clock ticks since boot |
 //! | 120 | 16 | exporter boot id |
-//! | 136 | 4 | CRC-32 (IEEE) of bytes 0..136 |
-//! | 140 | 4 | reserved, zero |
+//! | 136 | 4 | exporter pid namespace (inode number of `/proc/PID/ns/pid`; 0 unknown) |
+//! | 140 | 4 | CRC-32 (IEEE) of bytes 0..140 |
+//!
+//! Version 2 added the pid namespace (bytes 136..140, reserved in version 1) and moved the CRC to
+//! 140: the exporter's pid means something only in its own namespace ([`crate::identity`]).
 
 use crate::driver::Uuid;
 use crate::error::{Error, Result};
@@ -33,9 +36,9 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 pub const TOKEN_LEN: usize = 144;
 /// The token layout version this crate writes. It reads this version only; a newer one is refused
 /// with both versions named.
-pub const TOKEN_VERSION: u16 = 1;
+pub const TOKEN_VERSION: u16 = 2;
 const TOKEN_MAGIC: u32 = u32::from_le_bytes(*b"CIPT");
-const CRC_OFFSET: usize = 136;
+const CRC_OFFSET: usize = 140;
 
 /// What a token names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -108,8 +111,8 @@ struct Wire {
     export_id: U32,
     start_time: U64,
     boot_id: [u8; 16],
+    pid_ns: U32,
     crc: U32,
-    _reserved1: U32,
 }
 
 const _: () = assert!(size_of::<Wire>() == TOKEN_LEN);
@@ -136,8 +139,8 @@ impl Token {
             export_id: self.export_id.into(),
             start_time: self.exporter.start_time.into(),
             boot_id: self.exporter.boot_id,
+            pid_ns: self.exporter.pid_ns.into(),
             crc: 0.into(),
-            _reserved1: 0.into(),
         };
         let mut out = [0u8; TOKEN_LEN];
         out.copy_from_slice(w.as_bytes());
@@ -151,7 +154,7 @@ impl Token {
     /// # Errors
     /// [`Error::InvalidToken`] when `bytes` is not exactly [`TOKEN_LEN`] long, the magic is wrong
     /// (not a token), the version is newer than [`TOKEN_VERSION`] (both named), the checksum does not
-    /// match (corrupted), the kind is unknown, reserved bytes are set, the fd export id is missing
+    /// match (corrupted), the kind is unknown, the fd export id is missing
     /// from an fd-based kind (or set on another), or `offset + len` overflows.
     pub fn from_bytes(bytes: &[u8]) -> Result<Token> {
         let bad = |m: String| Error::InvalidToken(m);
@@ -189,9 +192,6 @@ impl Token {
         }
         let kind = TokenKind::from_wire(w.kind.get())
             .ok_or_else(|| bad(format!("unknown kind {}", w.kind.get())))?;
-        if w._reserved1.get() != 0 {
-            return Err(bad("reserved bytes are not zero".into()));
-        }
         let fd_kind = matches!(kind, TokenKind::VmmMemory | TokenKind::PoolMemory);
         if fd_kind != (w.export_id.get() != 0) {
             return Err(bad(format!(
@@ -212,6 +212,7 @@ impl Token {
                 pid: w.pid.get(),
                 start_time: w.start_time.get(),
                 boot_id: w.boot_id,
+                pid_ns: w.pid_ns.get(),
             },
             export_id: w.export_id.get(),
         })

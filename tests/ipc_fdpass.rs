@@ -222,6 +222,7 @@ fn importer_main() {
                     pid: pid.parse().unwrap(),
                     start_time: start.parse().unwrap(),
                     boot_id: unhex16(boot),
+                    pid_ns: cuda_ipc::identity::own_pid_ns(),
                 });
                 tell("ok");
             }
@@ -275,6 +276,7 @@ impl Exporter {
             pid: w[0].parse().unwrap(),
             start_time: w[1].parse().unwrap(),
             boot_id: unhex16(w[2]),
+            pid_ns: cuda_ipc::identity::own_pid_ns(),
         };
         let exports = if w[3] == "-" {
             Vec::new()

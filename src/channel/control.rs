@@ -15,15 +15,16 @@
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::{Segment, SegmentOptions, futex};
+use crate::shm::{Segment, SegmentOptions, futex, new_generation};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::token::TOKEN_LEN;
 use std::time::{Duration, Instant};
 
 /// Magic at offset 0: `CIPCCHAN`.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
-/// Layout version; an opener refuses any other, naming both. Version 2 added the ready page.
-pub(crate) const VERSION: u32 = 2;
+/// Layout version; an opener refuses any other, naming both. Version 2 added the ready page;
+/// version 3 the pid namespaces of producer and consumers and the creation generation.
+pub(crate) const VERSION: u32 = 3;
 /// Size of the ready page at the end of the segment: one `u32` ready word per buffer, on a page of
 /// its own so that it can be registered with the driver (`cuMemHostRegister`).
 pub(crate) const READY_PAGE: usize = 4096;
@@ -67,7 +68,13 @@ pub(crate) struct Header {
     release_futex: AtomicU32,
     published: AtomicU64,
     forced_releases: AtomicU64,
-    _reserved: [AtomicU64; 4],
+    /// The producer's pid namespace (inode number), so its pid is read in the right namespace.
+    producer_pid_ns: AtomicU32,
+    _pad: AtomicU32,
+    /// Random, nonzero, written once at creation: tells a segment recreated under the same name
+    /// apart from the one a process mapped.
+    generation: AtomicU64,
+    _reserved: [AtomicU64; 2],
 }
 
 #[repr(C)]
@@ -93,7 +100,8 @@ pub(crate) struct ConsumerSlot {
     /// Bumped each time the slot is claimed, so the producer can tell a reused slot apart.
     generation: AtomicU64,
     pid: AtomicU32,
-    _pad: AtomicU32,
+    /// The consumer's pid namespace (inode number).
+    pid_ns: AtomicU32,
     start_time: AtomicU64,
     boot_id: [AtomicU64; 2],
     /// Last sequence number received (or skipped).
@@ -310,6 +318,8 @@ impl Control {
         let bw = boot_words(&me);
         h.producer_boot_id[0].store(bw[0], Ordering::Relaxed);
         h.producer_boot_id[1].store(bw[1], Ordering::Relaxed);
+        h.producer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
+        h.generation.store(new_generation(), Ordering::Relaxed);
         for (i, (mem, ev)) in tokens.iter().enumerate() {
             let p = c.buffer_ptr(i);
             // SAFETY: `p` points to buffer slot `i` inside the mapping (i < buffers); the token
@@ -488,6 +498,7 @@ impl Control {
                 h.producer_boot_id[0].load(Ordering::Relaxed),
                 h.producer_boot_id[1].load(Ordering::Relaxed),
             ]),
+            pid_ns: h.producer_pid_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -782,6 +793,7 @@ impl Control {
                 s.boot_id[0].load(Ordering::Relaxed),
                 s.boot_id[1].load(Ordering::Relaxed),
             ]),
+            pid_ns: s.pid_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -807,6 +819,7 @@ impl Control {
                     s.boot_id[0].load(Ordering::Relaxed),
                     s.boot_id[1].load(Ordering::Relaxed),
                 ]),
+                pid_ns: s.pid_ns.load(Ordering::Relaxed),
             };
             if id.liveness() != Liveness::Dead {
                 continue;
@@ -929,6 +942,7 @@ impl Control {
             let bw = boot_words(&me);
             s.boot_id[0].store(bw[0], Ordering::Relaxed);
             s.boot_id[1].store(bw[1], Ordering::Relaxed);
+            s.pid_ns.store(me.pid_ns, Ordering::Relaxed);
             s.policy.store(
                 match policy {
                     Delivery::EveryFrame => 0,
@@ -1165,6 +1179,7 @@ impl Control {
                 s.boot_id[0].load(Ordering::Relaxed),
                 s.boot_id[1].load(Ordering::Relaxed),
             ]),
+            pid_ns: s.pid_ns.load(Ordering::Relaxed),
         };
         Some(super::inspect::ConsumerSnapshot {
             index: c,

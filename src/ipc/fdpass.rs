@@ -1090,6 +1090,7 @@ mod tests {
             pid: 12,
             start_time: 345,
             boot_id: [0; 16],
+            pid_ns: 0,
         };
         assert_eq!(socket_name(&id), "cuda-ipc.fd.12.345");
     }

@@ -246,6 +246,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
                 pid,
                 start_time,
                 boot_id,
+                pid_ns: p._reserved0.load(Ordering::Relaxed),
             }
         } else {
             // Being filled in (or left half-filled by a process that died claiming it): the token
@@ -254,6 +255,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
                 pid: (t >> 32) as u32,
                 start_time: t & 0xffff_ffff,
                 boot_id,
+                pid_ns: p._reserved0.load(Ordering::Relaxed),
             }
         };
         snap.participants.push(ParticipantSnapshot {

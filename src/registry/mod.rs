@@ -283,6 +283,7 @@ fn decode(words: &[u64; PAYLOAD_WORDS], slot: u32) -> std::result::Result<Option
             pid,
             start_time: words[W_START],
             boot_id,
+            pid_ns: words[W_RESERVED] as u32,
         },
         seq: words[W_SEQ],
         slot,
@@ -307,6 +308,7 @@ fn encode(
     pack_bytes(&mut w[W_NAME..W_TOKEN], name.as_bytes());
     pack_bytes(&mut w[W_TOKEN..W_META], token);
     pack_bytes(&mut w[W_META..W_RESERVED], metadata);
+    w[W_RESERVED] = u64::from(owner.pid_ns);
     w
 }
 
@@ -712,6 +714,7 @@ impl Registry {
                 let hi = u64::from_le_bytes(b[8..].try_into().unwrap_or_default());
                 p.boot_id[0].store(lo, Ordering::Relaxed);
                 p.boot_id[1].store(hi, Ordering::Relaxed);
+                p._reserved0.store(self.me.pid_ns, Ordering::Relaxed);
                 return Some(i);
             }
         }
@@ -1268,6 +1271,7 @@ impl Registry {
                 pid,
                 start_time,
                 boot_id,
+                pid_ns: p._reserved0.load(Ordering::Relaxed),
             };
             if id.liveness() != Liveness::Dead && !out.contains(&id) {
                 out.push(id);

@@ -18,3 +18,29 @@ pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentOptions, list_segments, validate_name,
 };
 pub use seqlock::{SeqLock, SeqWriter};
+
+/// A new creation generation for a segment header: 64 random bits from the kernel (`getrandom`),
+/// never 0 (0 means "no generation" in a header). Two creations under one name get different
+/// generations with probability 1 − 2⁻⁶⁴, so a reader that finds another generation behind the
+/// name knows its mapping was superseded.
+pub fn new_generation() -> u64 {
+    let mut b = [0u8; 8];
+    let mut filled = 0;
+    while filled < b.len() {
+        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => break,
+        }
+    }
+    let mut g = u64::from_le_bytes(b);
+    if filled < b.len() {
+        // No getrandom (a seccomp filter): time and pid still differ between two creations.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        g ^= t ^ (u64::from(std::process::id()) << 40);
+    }
+    if g == 0 { 1 } else { g }
+}
