@@ -135,6 +135,39 @@ pub enum RegistryError {
         /// Its number of participant entries.
         capacity: u32,
     },
+    /// The name in `/dev/shm` is not a plain file (a FIFO, a directory, a socket, a device): nothing
+    /// of this crate made it, and it is neither read nor removed.
+    #[error("/dev/shm/{name} is a {kind}, not a shared-memory segment; it is left as it is")]
+    NotASegment {
+        /// The segment name.
+        name: String,
+        /// What it is: `"FIFO"`, `"directory"`, `"socket"`, `"character device"`, ...
+        kind: &'static str,
+    },
+    /// Pages the segment needs are not backed: the file is sparse (its creator died between
+    /// `ftruncate` and `fallocate`, or another program sized it with `truncate`). Touching such a
+    /// page in a full `/dev/shm` raises `SIGBUS`, so the segment is not mapped.
+    #[error(
+        "shared-memory segment /{name} is sparse: {backed} of its {len} bytes are backed by memory;          it was not fully created"
+    )]
+    Sparse {
+        /// The segment name.
+        name: String,
+        /// Its size in bytes.
+        len: u64,
+        /// Bytes backed by pages (`st_blocks` × 512).
+        backed: u64,
+    },
+    /// The name now stands for another segment than the one this handle mapped: it was removed
+    /// and made again (its creation generation or inode differs). The mapping still works but
+    /// nobody else sees it; open the name again.
+    #[error(
+        "shared-memory segment /{name} was superseded: the name was removed and made again; open it again"
+    )]
+    Superseded {
+        /// The segment name.
+        name: String,
+    },
     /// A record field is longer than the layout allows.
     #[error("{what} is {len} bytes, more than the {max} bytes a record holds")]
     TooLarge {
