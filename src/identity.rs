@@ -257,6 +257,19 @@ fn hold_liveness_lock(id: &ProcessIdentity) -> Result<()> {
     // channel's consumers) can test the lock; the file holds no data.
     let _ = rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(0o644));
     set_lock(&fd).map_err(|e| OsError::io("fcntl(F_OFD_SETLK)", path.as_str(), e))?;
+    // The name must still stand for the file we locked (nobody removed it in between: `cuda-ipc
+    // gc` leaves files younger than 5 s alone, and the sticky /dev/shm lets only us and root
+    // remove ours).
+    let now =
+        rustix::fs::lstat(path.as_str()).map_err(|e| OsError::new("lstat", path.as_str(), e))?;
+    if now.st_ino != st.st_ino || now.st_dev != st.st_dev {
+        return Err(OsError::io(
+            "lstat",
+            path,
+            std::io::Error::other("the liveness file was replaced while it was being locked"),
+        )
+        .into());
+    }
     let raw = fd.as_raw_fd();
     std::mem::forget(fd); // kept open for the life of the process: it holds the lock
     let old = LOCK_FD.swap(raw, Ordering::AcqRel);
@@ -425,7 +438,8 @@ pub struct LivenessFile {
 }
 
 /// The liveness files in `/dev/shm` whose lock is free: their processes were killed (a normal exit
-/// removes the file). Files that are not regular files, or whose lock cannot be tested, are left
+/// removes the file). Files that are not regular files, whose lock cannot be tested, or that were
+/// made less than 5 s ago (a process starting up locks its file right after making it) are left
 /// out. For `cuda-ipc gc`; nothing is removed here.
 ///
 /// # Errors
@@ -448,7 +462,9 @@ pub fn stale_liveness_files() -> Result<Vec<LivenessFile>> {
         let Ok(st) = rustix::fs::fstat(&fd) else {
             continue;
         };
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+            || !old_enough(&st)
+        {
             continue;
         }
         if matches!(test_lock(&fd), Ok(false)) {
@@ -477,7 +493,8 @@ pub fn remove_stale_liveness_file(file: &LivenessFile) -> Result<bool> {
     match rustix::fs::fstat(&fd) {
         Ok(st)
             if rustix::fs::FileType::from_raw_mode(st.st_mode)
-                == rustix::fs::FileType::RegularFile => {}
+                == rustix::fs::FileType::RegularFile
+                && old_enough(&st) => {}
         _ => return Ok(false),
     }
     if !matches!(test_lock(&fd), Ok(false)) {
@@ -488,6 +505,22 @@ pub fn remove_stale_liveness_file(file: &LivenessFile) -> Result<bool> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(OsError::io("unlink", path, e).into()),
     }
+}
+
+/// A liveness file is taken for stale only this long after it was made (`st_ctime`): between
+/// creating the file and locking it (microseconds), a starting process's lock is free too.
+#[cfg(not(test))]
+const STALE_AFTER_SECS: i64 = 5;
+#[cfg(test)] // the unit tests wait for it
+const STALE_AFTER_SECS: i64 = 1;
+
+fn old_enough(st: &rustix::fs::Stat) -> bool {
+    let now_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i128)
+        .unwrap_or(i128::MAX);
+    let ctime_ns = i128::from(st.st_ctime) * 1_000_000_000 + i128::from(st.st_ctime_nsec);
+    now_ns - ctime_ns >= i128::from(STALE_AFTER_SECS) * 1_000_000_000
 }
 
 /// Parses `cuda-ipc.live.<ns>.<pid>.<start>` into an identity of boot `boot`.
@@ -677,6 +710,10 @@ mod tests {
         // A file nobody locks: the process was killed.
         let fd = open_live_file(&path, true).unwrap();
         assert_eq!(other.liveness(), Liveness::Dead);
+        // Just made: not stale yet (a starting process locks its file right after making it).
+        let stale = stale_liveness_files().unwrap();
+        assert!(!stale.iter().any(|f| f.identity == other), "{stale:?}");
+        std::thread::sleep(std::time::Duration::from_millis(2100));
         let stale = stale_liveness_files().unwrap();
         assert!(stale.iter().any(|f| f.identity == other), "{stale:?}");
         // Held (by this test, standing in for a process of that namespace): alive.

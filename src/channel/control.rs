@@ -158,6 +158,34 @@ impl Default for WaitStrategy {
 
 /// Liveness is re-checked at least this often while waiting.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
+/// How often a waiting producer or consumer looks whether its channel's name was superseded: a
+/// `Superseded` error comes within this (plus one liveness period) of the change.
+const SUPERSEDED_EVERY: Duration = Duration::from_millis(500);
+
+/// A timer for checks that run on a slower cadence than the liveness check.
+struct Every {
+    period: Duration,
+    next: Instant,
+}
+
+impl Every {
+    fn new(period: Duration) -> Every {
+        Every {
+            period,
+            next: Instant::now() + period,
+        }
+    }
+    /// `true` at most once per period.
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        if now >= self.next {
+            self.next = now + self.period;
+            true
+        } else {
+            false
+        }
+    }
+}
 
 /// Counters of one consumer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -281,20 +309,16 @@ impl Control {
         let seg = match Segment::create(&name, len, opts) {
             Ok(s) => s,
             Err(Error::Registry(crate::registry::RegistryError::AlreadyExists { .. })) => {
-                // A stale segment from a crashed producer must not block a restart.
-                match Control::open(channel) {
-                    Ok(old) if old.producer().liveness() != Liveness::Dead => {
-                        return Err(Error::Channel(super::ChannelError::AlreadyExists {
-                            channel: channel.to_string(),
-                            pid: old.producer().pid,
-                        }));
-                    }
-                    _ => {
-                        tracing::warn!("replacing the stale channel segment {name}");
-                        Segment::unlink(&name)?;
-                        Segment::create(&name, len, opts)?
-                    }
+                // A stale segment from a crashed producer must not block a restart; anything
+                // else under the name is left alone and named in the error.
+                let why = Self::replaceable(channel, &name)?;
+                tracing::warn!("replacing the channel segment {name}: {why}");
+                match Segment::unlink(&name) {
+                    Ok(())
+                    | Err(Error::Registry(crate::registry::RegistryError::NotFound { .. })) => {}
+                    Err(e) => return Err(e),
                 }
+                Segment::create(&name, len, opts)?
             }
             Err(e) => return Err(e),
         };
@@ -334,6 +358,69 @@ impl Control {
         // to an opener that sees READY.
         h.stamp.store(STAMP_READY, Ordering::Release);
         Ok(c)
+    }
+
+    /// Decides whether the segment `name` that blocks creating `channel` may be replaced, and
+    /// says why; otherwise the typed error that names what is there. Only this user's own
+    /// segments are ever replaced, and of those only: a channel of this layout version whose
+    /// producer is dead, or a creation abandoned half-way (short, sparse or never stamped, and at
+    /// least 2 s old, with no live creator recorded). Another user's segment, a live producer's
+    /// segment of any version, a foreign file, a FIFO or a directory are never touched.
+    fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
+        use crate::registry::RegistryError;
+        const ABANDONED_AFTER_SECS: u64 = 2;
+        let info = Segment::stat(name)?;
+        let ours = rustix::process::geteuid().as_raw();
+        if info.uid != ours {
+            return Err(RegistryError::WrongOwner {
+                name: name.to_string(),
+                owner: info.uid,
+                ours,
+            }
+            .into());
+        }
+        if info.len < size_of::<Header>() as u64 || info.sparse {
+            // Never read: a sparse file may SIGBUS. A live creator fills it within microseconds.
+            if info.age_secs >= ABANDONED_AFTER_SECS {
+                return Ok("a creation abandoned before its pages were reserved");
+            }
+            return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                channel.to_string(),
+            )));
+        }
+        match Control::open(channel) {
+            Ok(old) => {
+                let p = old.producer();
+                if p.liveness() == Liveness::Dead {
+                    Ok("its producer is dead")
+                } else {
+                    Err(Error::Channel(super::ChannelError::AlreadyExists {
+                        channel: channel.to_string(),
+                        pid: p.pid,
+                    }))
+                }
+            }
+            Err(Error::Channel(super::ChannelError::BadSegment(m)))
+                if m.contains("never finished") =>
+            {
+                // Our magic (or none yet) but no init stamp after the open's wait: a creator died
+                // half-way, unless one is recorded and still runs.
+                let seg = Segment::open_with_min_len(name, size_of::<Header>())?;
+                let c = Control {
+                    seg,
+                    buffers: 0,
+                    consumers: 0,
+                };
+                let p = c.producer();
+                if p.pid != 0 && p.liveness() != Liveness::Dead {
+                    return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                        channel.to_string(),
+                    )));
+                }
+                Ok("a creation abandoned before it was finished")
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Opens and validates the control segment of `channel`.
@@ -393,9 +480,11 @@ impl Control {
         }
         let v = h.version.load(Ordering::Relaxed);
         if v != VERSION {
-            return Err(bad(format!(
-                "{name} has channel layout version {v}; this build reads version {VERSION}"
-            )));
+            return Err(Error::Channel(super::ChannelError::VersionMismatch {
+                channel: channel.to_string(),
+                found: v,
+                supported: VERSION,
+            }));
         }
         let buffers = h.buffers.load(Ordering::Relaxed) as usize;
         let consumers = h.consumers.load(Ordering::Relaxed) as usize;
@@ -580,9 +669,15 @@ impl Control {
             strategy,
             timeout,
             || Ok(self.try_acquire()),
-            || {
-                self.reclaim_dead_consumers();
-                Ok(())
+            {
+                let mut every = Every::new(SUPERSEDED_EVERY);
+                move || {
+                    self.reclaim_dead_consumers();
+                    if every.due() {
+                        self.check_superseded()?;
+                    }
+                    Ok(())
+                }
             },
         )
     }
@@ -1005,8 +1100,37 @@ impl Control {
             strategy,
             timeout,
             || self.take_or_closed(c),
-            || self.producer_gone(),
+            {
+                let mut every = Every::new(SUPERSEDED_EVERY);
+                move || {
+                    self.producer_gone()?;
+                    if every.due() {
+                        self.check_superseded()?;
+                    }
+                    Ok(())
+                }
+            },
         )
+    }
+
+    /// [`super::ChannelError::Superseded`] when the channel's name now stands for another segment
+    /// (removed and made again): one `stat`, on the slow path of a wait only.
+    pub(crate) fn check_superseded(&self) -> Result<()> {
+        if self.seg.name_is_still_this() {
+            return Ok(());
+        }
+        let name = self.seg.name();
+        Err(Error::Channel(super::ChannelError::Superseded(
+            name.strip_prefix(super::inspect::SEGMENT_PREFIX)
+                .unwrap_or(name)
+                .to_string(),
+        )))
+    }
+
+    /// The creation generation written in the header (random, nonzero).
+    pub(crate) fn generation(&self) -> u64 {
+        // Relaxed: written once before the stamp, which the opener Acquire-loaded.
+        self.header().generation.load(Ordering::Relaxed)
     }
 
     pub(crate) fn try_take(&self, c: usize) -> Result<Option<(usize, u64, Vec<u8>)>> {

@@ -97,6 +97,9 @@ pub struct ChannelSnapshot {
     pub segment: String,
     /// The segment's size in bytes.
     pub segment_bytes: u64,
+    /// The segment's creation generation (random, nonzero; another value behind the same name
+    /// means the channel was made again).
+    pub generation: u64,
     /// Bytes per buffer of the pool.
     pub buffer_bytes: u64,
     /// The most consumers that can attach at once.
@@ -205,6 +208,7 @@ fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
         name: channel.to_string(),
         segment: c.segment().name().to_string(),
         segment_bytes: c.segment().len() as u64,
+        generation: c.generation(),
         buffer_bytes: c.buffer_bytes(),
         consumer_capacity: c.consumer_capacity(),
         producer_liveness: producer.liveness(),

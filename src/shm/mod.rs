@@ -15,7 +15,7 @@ pub mod seqlock;
 
 pub use futex::WaitResult;
 pub use segment::{
-    MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentOptions, list_segments, validate_name,
+    MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, list_segments, validate_name,
 };
 pub use seqlock::{SeqLock, SeqWriter};
 

@@ -179,43 +179,42 @@ impl Segment {
 
     /// Opens the existing segment `name`, checks it holds at least `min_len` bytes, and maps all of it.
     ///
+    /// Before anything is mapped or read, the descriptor is checked (`fstat`): it must be a regular
+    /// file (a FIFO, directory, socket or device planted under the name is refused, and opening
+    /// never blocks: `O_NONBLOCK`), at least `min_len` bytes long, and fully backed by memory (no
+    /// holes: `SEEK_HOLE`), so that touching its pages can never raise `SIGBUS` in a full
+    /// `/dev/shm`.
+    ///
     /// # Errors
     /// - [`RegistryError::InvalidName`] for a bad name;
     /// - [`RegistryError::NotFound`] when there is no such segment;
+    /// - [`RegistryError::NotASegment`] when the name is a FIFO, directory, socket or device;
     /// - [`RegistryError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
     ///   so a short segment is an error and not a fault);
+    /// - [`RegistryError::Sparse`] when some of its pages are not backed (a creator that died
+    ///   between `ftruncate` and `fallocate`, or a file sized with `truncate`);
     /// - [`crate::Error::InvalidArgument`] when the name is a symbolic link (never followed);
     /// - [`crate::Error::Os`] for a failed call (`EACCES` when the mode forbids us).
     pub fn open_with_min_len(name: &str, min_len: usize) -> Result<Segment> {
         validate_name(name)?;
         let path = format!("/{name}");
-        // O_NOFOLLOW, as glibc's shm_open passes it (rustix's own shm_open does not): /dev/shm is
-        // writable by everyone, so a symbolic link planted under a segment's name must not make us
-        // map, and then write, the file it points to.
-        let nofollow = OFlags::from_bits_retain(rustix::fs::OFlags::NOFOLLOW.bits());
-        let fd = match rustix::shm::open(path.as_str(), OFlags::RDWR | nofollow, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT) => {
-                return Err(RegistryError::NotFound {
-                    name: name.to_string(),
-                }
-                .into());
-            }
-            Err(Errno::LOOP) => {
-                return Err(crate::Error::InvalidArgument(format!(
-                    "{SHM_DIR}/{name} is a symbolic link; a segment is never opened through one"
-                )));
-            }
-            Err(e) => return Err(OsError::new("shm_open", path, e).into()),
-        };
-        let st = rustix::fs::fstat(&fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
-        let size = u64::try_from(st.st_size).unwrap_or(0);
+        let fd = open_checked(name, true)?;
+        let info = SegmentInfo::of(name, &fd)?;
+        let size = info.len;
         let min = min_len.max(1) as u64;
         if size < min || usize::try_from(size).is_err() {
             return Err(RegistryError::TooSmall {
                 name: name.to_string(),
                 len: size,
                 min,
+            }
+            .into());
+        }
+        if info.sparse {
+            return Err(RegistryError::Sparse {
+                name: name.to_string(),
+                len: size,
+                backed: info.backed,
             }
             .into());
         }
@@ -228,6 +227,35 @@ impl Segment {
             fd,
             name: name.to_string(),
         })
+    }
+
+    /// What is behind the name `name`, without mapping or reading it: opened read-only with
+    /// `O_NOFOLLOW | O_NONBLOCK`, then `fstat` and `SEEK_HOLE`. For tools and for creators that
+    /// find a name taken and must decide whether the old segment is theirs to replace.
+    ///
+    /// # Errors
+    /// [`RegistryError::InvalidName`], [`RegistryError::NotFound`],
+    /// [`RegistryError::NotASegment`] (a FIFO, directory, socket or device),
+    /// [`crate::Error::InvalidArgument`] for a symbolic link, [`crate::Error::Os`] otherwise.
+    pub fn stat(name: &str) -> Result<SegmentInfo> {
+        validate_name(name)?;
+        let fd = open_checked(name, false)?;
+        SegmentInfo::of(name, &fd)
+    }
+
+    /// Whether the name `name` still stands for this mapping's object: `false` when it was removed
+    /// and made again (another inode behind the name) — the mapping is then superseded. `true` also
+    /// when the name is gone (nothing replaced it) or cannot be looked at.
+    ///
+    /// One `stat` call: for slow paths (a wait that timed out), never per operation.
+    pub fn name_is_still_this(&self) -> bool {
+        let Ok(mine) = rustix::fs::fstat(&self.fd) else {
+            return true;
+        };
+        match rustix::fs::lstat(format!("{SHM_DIR}/{}", self.name).as_str()) {
+            Ok(now) => now.st_ino == mine.st_ino && now.st_dev == mine.st_dev,
+            Err(_) => true,
+        }
     }
 
     /// Removes the name `name` (`shm_unlink`). Mappings that exist stay valid until unmapped.
@@ -372,6 +400,118 @@ impl Segment {
     pub fn fd(&self) -> rustix::fd::BorrowedFd<'_> {
         use rustix::fd::AsFd;
         self.fd.as_fd()
+    }
+}
+
+/// What [`Segment::stat`] found behind a name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SegmentInfo {
+    /// Size in bytes (`st_size`).
+    pub len: u64,
+    /// Bytes backed by memory (`st_blocks` × 512).
+    pub backed: u64,
+    /// Whether some byte below `len` lies in a hole (`SEEK_HOLE` < `len`, or, where `SEEK_HOLE`
+    /// is not supported, fewer backed bytes than the size needs).
+    pub sparse: bool,
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner gid.
+    pub gid: u32,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Inode number.
+    pub inode: u64,
+    /// Seconds since the last status change (`st_ctime`: creation, `ftruncate`, `fchmod`).
+    pub age_secs: u64,
+}
+
+impl SegmentInfo {
+    fn of(name: &str, fd: &OwnedFd) -> Result<SegmentInfo> {
+        let path = format!("{SHM_DIR}/{name}");
+        let st = rustix::fs::fstat(fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
+        let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        if ft != rustix::fs::FileType::RegularFile {
+            return Err(RegistryError::NotASegment {
+                name: name.to_string(),
+                kind: file_kind(ft),
+            }
+            .into());
+        }
+        let len = u64::try_from(st.st_size).unwrap_or(0);
+        let backed = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
+        let sparse = if len == 0 {
+            false
+        } else {
+            match rustix::fs::seek(fd, rustix::fs::SeekFrom::Hole(0)) {
+                Ok(hole) => hole < len,
+                // No SEEK_HOLE here: count the backed bytes against the pages the size needs.
+                Err(_) => backed < len.div_ceil(4096) * 4096,
+            }
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Ok(SegmentInfo {
+            len,
+            backed,
+            sparse,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            mode: st.st_mode & 0o7777,
+            inode: st.st_ino,
+            age_secs: now.saturating_sub(u64::try_from(st.st_ctime).unwrap_or(0)),
+        })
+    }
+}
+
+fn file_kind(ft: rustix::fs::FileType) -> &'static str {
+    use rustix::fs::FileType as T;
+    match ft {
+        T::RegularFile => "regular file",
+        T::Directory => "directory",
+        T::Symlink => "symbolic link",
+        T::Fifo => "FIFO",
+        T::Socket => "socket",
+        T::CharacterDevice => "character device",
+        T::BlockDevice => "block device",
+        _ => "special file",
+    }
+}
+
+/// Opens `/dev/shm/NAME` for a segment: never through a symbolic link (`O_NOFOLLOW`, as glibc's
+/// shm_open passes it: /dev/shm is writable by everyone, so a link planted under a segment's name
+/// must not make us map, and then write, the file it points to), never blocking on a FIFO
+/// (`O_NONBLOCK`), close-on-exec; read-write or read-only.
+fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
+    let path = format!("/{name}");
+    let extra = OFlags::from_bits_retain(
+        (rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY)
+            .bits(),
+    );
+    let access = if write { OFlags::RDWR } else { OFlags::RDONLY };
+    match rustix::shm::open(path.as_str(), access | extra, Mode::empty()) {
+        Ok(fd) => Ok(fd),
+        Err(Errno::NOENT) => Err(RegistryError::NotFound {
+            name: name.to_string(),
+        }
+        .into()),
+        Err(Errno::LOOP) => Err(crate::Error::InvalidArgument(format!(
+            "{SHM_DIR}/{name} is a symbolic link; a segment is never opened through one"
+        ))),
+        Err(Errno::ISDIR) => Err(RegistryError::NotASegment {
+            name: name.to_string(),
+            kind: "directory",
+        }
+        .into()),
+        // A socket (or a device without a driver) cannot be opened at all.
+        Err(Errno::NXIO) => Err(RegistryError::NotASegment {
+            name: name.to_string(),
+            kind: "socket",
+        }
+        .into()),
+        Err(e) => Err(OsError::new("shm_open", path, e).into()),
     }
 }
 
