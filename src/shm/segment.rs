@@ -181,8 +181,8 @@ impl Segment {
     ///
     /// Before anything is mapped or read, the descriptor is checked (`fstat`): it must be a regular
     /// file (a FIFO, directory, socket or device planted under the name is refused, and opening
-    /// never blocks: `O_NONBLOCK`), at least `min_len` bytes long, and fully backed by memory (no
-    /// holes: `SEEK_HOLE`), so that touching its pages can never raise `SIGBUS` in a full
+    /// never blocks: `O_NONBLOCK`), at least `min_len` bytes long, and fully backed by memory
+    /// (`st_blocks` covers every page), so that touching its pages can never raise `SIGBUS` in a full
     /// `/dev/shm`.
     ///
     /// # Errors
@@ -230,7 +230,7 @@ impl Segment {
     }
 
     /// What is behind the name `name`, without mapping or reading it: opened read-only with
-    /// `O_NOFOLLOW | O_NONBLOCK`, then `fstat` and `SEEK_HOLE`. For tools and for creators that
+    /// `O_NOFOLLOW | O_NONBLOCK`, then `fstat`. For tools and for creators that
     /// find a name taken and must decide whether the old segment is theirs to replace.
     ///
     /// # Errors
@@ -411,8 +411,8 @@ pub struct SegmentInfo {
     pub len: u64,
     /// Bytes backed by memory (`st_blocks` × 512).
     pub backed: u64,
-    /// Whether some byte below `len` lies in a hole (`SEEK_HOLE` < `len`, or, where `SEEK_HOLE`
-    /// is not supported, fewer backed bytes than the size needs).
+    /// Whether fewer bytes are backed than the size needs (rounded up to 4096-byte pages): some
+    /// page lies in a hole and would have to be allocated at first touch.
     pub sparse: bool,
     /// Owner uid.
     pub uid: u32,
@@ -440,15 +440,9 @@ impl SegmentInfo {
         }
         let len = u64::try_from(st.st_size).unwrap_or(0);
         let backed = u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512);
-        let sparse = if len == 0 {
-            false
-        } else {
-            match rustix::fs::seek(fd, rustix::fs::SeekFrom::Hole(0)) {
-                Ok(hole) => hole < len,
-                // No SEEK_HOLE here: count the backed bytes against the pages the size needs.
-                Err(_) => backed < len.div_ceil(4096) * 4096,
-            }
-        };
+        // Counted in pages actually allocated (`st_blocks`), not with `SEEK_HOLE`: tmpfs reports
+        // pages reserved by `fallocate` but never written as holes, though they are backed.
+        let sparse = backed < len.div_ceil(4096) * 4096;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
