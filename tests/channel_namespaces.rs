@@ -63,9 +63,8 @@ fn spawn_in_new_pid_namespace(test: &str, role: &str, env: &[(&str, &str)]) -> P
 fn namespace_init(wrapper: u32) -> u32 {
     let t = Instant::now();
     loop {
-        let children =
-            std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children"))
-                .unwrap_or_default();
+        let children = std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children"))
+            .unwrap_or_default();
         if let Some(p) = children.split_whitespace().next() {
             return p.parse().unwrap();
         }
@@ -112,10 +111,7 @@ fn run_role(role: &str) {
                 match w.as_slice() {
                     ["publish", n] => {
                         for k in 0..n.parse::<u32>().unwrap() {
-                            let (i, _) = p
-                                .acquire(Some(ANSWER))
-                                .unwrap()
-                                .expect("a free buffer");
+                            let (i, _) = p.acquire(Some(ANSWER)).unwrap().expect("a free buffer");
                             p.publish(i, format!("frame {k}").as_bytes()).unwrap();
                         }
                         tell("published");
@@ -130,7 +126,8 @@ fn run_role(role: &str) {
             p.unlink();
         }
         "consumer" => {
-            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2]).unwrap();
+            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2])
+                .unwrap();
             let me = ProcessIdentity::current().unwrap();
             tell(format!("attached {} {}", me.pid, me.pid_ns));
             for line in parent_lines() {
@@ -275,7 +272,8 @@ fn a_consumer_in_another_namespace_of_a_producer_here_is_served_and_reclaimed_wh
     if !namespaces_work() {
         return;
     }
-    let test = "a_consumer_in_another_namespace_of_a_producer_here_is_served_and_reclaimed_when_killed";
+    let test =
+        "a_consumer_in_another_namespace_of_a_producer_here_is_served_and_reclaimed_when_killed";
     let channel = channel_name("here");
     let env = [(CHANNEL, channel.as_str())];
     let p = ControlProducer::create(&channel, 4096, 4, &tokens()).unwrap();

@@ -1,0 +1,294 @@
+//! Hostile or broken files under a channel's segment name: a FIFO, a directory, a symbolic link, a
+//! socket, a sparse file, another user's segment. Every Rust opener (consumer attach, inspection,
+//! gc's removal, producer create) answers with a typed error naming what is there, never blocks,
+//! never raises SIGBUS (also in a full /dev/shm), and never removes what is not its own.
+//! Runs without a GPU; the full-/dev/shm case and the other-user case need root (CI runs as root)
+//! and say so when skipped.
+
+mod common;
+
+use cuda_ipc::Error;
+use cuda_ipc::channel::inspect;
+use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::channel::{ChannelError, Delivery};
+use cuda_ipc::registry::RegistryError;
+use cuda_ipc::token::TOKEN_LEN;
+use std::ffi::CString;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn path(channel: &str) -> String {
+    format!("/dev/shm/{}", inspect::segment_name(channel))
+}
+
+fn name(tag: &str) -> String {
+    format!("hostile-{tag}-{}", std::process::id())
+}
+
+/// Removes whatever is at the channel's path when dropped.
+struct Planted(String);
+impl Drop for Planted {
+    fn drop(&mut self) {
+        let p = path(&self.0);
+        let _ = std::fs::remove_dir(&p);
+        let _ = std::fs::remove_file(&p);
+    }
+}
+
+fn mkfifo(p: &str) {
+    let c = CString::new(p).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {p}");
+}
+
+fn tokens() -> Vec<([u8; TOKEN_LEN], [u8; TOKEN_LEN])> {
+    vec![([0u8; TOKEN_LEN], [0u8; TOKEN_LEN]); 2]
+}
+
+/// Every opener on `channel`, each bounded: (attach, inspect, remove_stale, create) error texts.
+fn every_opener(channel: &str) -> [(String, Error); 4] {
+    let t = Instant::now();
+    let a = ControlConsumer::attach(channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2])
+        .map(|_| ())
+        .unwrap_err();
+    let i = inspect::inspect(channel).map(|_| ()).unwrap_err();
+    let r = inspect::remove_stale(channel).map(|_| ()).unwrap_err();
+    let c = ControlProducer::create(channel, 4096, 2, &tokens())
+        .map(|p| p.unlink())
+        .unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "openers took {:?}",
+        t.elapsed()
+    );
+    [
+        ("attach".into(), a),
+        ("inspect".into(), i),
+        ("remove_stale".into(), r),
+        ("create".into(), c),
+    ]
+}
+
+fn assert_not_a_segment(channel: &str, kind: &str) {
+    for (who, e) in every_opener(channel) {
+        assert!(
+            matches!(&e, Error::Registry(RegistryError::NotASegment { kind: k, .. }) if *k == kind),
+            "{who} on a {kind}: {e:?}"
+        );
+        assert!(e.to_string().contains(kind), "{who}: {e}");
+    }
+}
+
+#[test]
+fn a_fifo_under_a_channel_name_is_refused_by_every_opener_without_blocking_and_kept() {
+    let n = name("fifo");
+    let _g = Planted(n.clone());
+    mkfifo(&path(&n));
+    assert_not_a_segment(&n, "FIFO");
+    let meta = std::fs::symlink_metadata(path(&n)).unwrap();
+    assert!(meta.file_type().is_fifo(), "the FIFO was left where it was");
+}
+
+#[test]
+fn a_directory_under_a_channel_name_is_refused_by_every_opener_and_kept() {
+    let n = name("dir");
+    let _g = Planted(n.clone());
+    std::fs::create_dir(path(&n)).unwrap();
+    assert_not_a_segment(&n, "directory");
+    assert!(std::fs::symlink_metadata(path(&n)).unwrap().is_dir());
+}
+
+#[test]
+fn a_socket_under_a_channel_name_is_refused_by_every_opener_and_kept() {
+    let n = name("sock");
+    let _g = Planted(n.clone());
+    let _l = std::os::unix::net::UnixListener::bind(path(&n)).unwrap();
+    assert_not_a_segment(&n, "socket");
+    assert!(
+        std::fs::symlink_metadata(path(&n))
+            .unwrap()
+            .file_type()
+            .is_socket()
+    );
+}
+
+#[test]
+fn a_symbolic_link_under_a_channel_name_is_never_followed_or_removed() {
+    let n = name("link");
+    let _g = Planted(n.clone());
+    let target = format!("/dev/shm/hostile-target-{}", std::process::id());
+    std::fs::write(&target, vec![0u8; 65536]).unwrap();
+    std::os::unix::fs::symlink(&target, path(&n)).unwrap();
+    for (who, e) in every_opener(&n) {
+        assert!(e.to_string().contains("symbolic link"), "{who}: {e}");
+    }
+    assert!(
+        std::fs::symlink_metadata(path(&n))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(std::fs::read(&target).unwrap(), vec![0u8; 65536]);
+    std::fs::remove_file(&target).unwrap();
+}
+
+#[test]
+fn a_sparse_file_is_reported_as_sparse_and_replaced_only_when_it_is_ours_and_old() {
+    let n = name("sparse");
+    let _g = Planted(n.clone());
+    let f = std::fs::File::create(path(&n)).unwrap();
+    f.set_len(1 << 20).unwrap(); // what `truncate -s 1M` makes: no page backed
+    drop(f);
+    let [(_, a), (_, i), (_, r), (_, c)] = every_opener(&n);
+    for (who, e) in [("attach", a), ("inspect", i), ("remove_stale", r)] {
+        assert!(
+            matches!(
+                e,
+                Error::Registry(RegistryError::Sparse { len: 1048576, .. })
+            ),
+            "{who}: {e:?}"
+        );
+    }
+    // Young: maybe a producer creating it right now. Not replaced.
+    assert!(
+        matches!(c, Error::Channel(ChannelError::CreationInProgress(_))),
+        "{c:?}"
+    );
+    assert_eq!(std::fs::metadata(path(&n)).unwrap().len(), 1 << 20);
+    // Older than 2 s and ours: an abandoned creation, replaced by a new producer.
+    std::thread::sleep(Duration::from_millis(2100));
+    let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
+    let c = ControlConsumer::attach(&n, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2]).unwrap();
+    let (i, _) = p.try_acquire().unwrap();
+    p.publish(i, b"after").unwrap();
+    assert!(c.take(Some(Duration::from_secs(1))).unwrap().is_some());
+    drop(c);
+    p.unlink();
+}
+
+#[test]
+fn a_live_producers_channel_and_one_of_another_layout_version_are_never_replaced() {
+    let n = name("live");
+    let _g = Planted(n.clone());
+    let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
+    let e = ControlProducer::create(&n, 4096, 2, &tokens())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Channel(ChannelError::AlreadyExists { pid, .. }) if pid == std::process::id()),
+        "{e:?}"
+    );
+    assert!(
+        inspect::inspect(&n).is_ok(),
+        "the live channel is still there"
+    );
+    // The same segment claiming another layout version (a producer of another cuda-ipc build):
+    // refused by name and version, and left in place.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path(&n))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_at(&f, &99u32.to_le_bytes(), 8).unwrap();
+    for (who, e) in every_opener(&n) {
+        assert!(
+            matches!(
+                e,
+                Error::Channel(ChannelError::VersionMismatch {
+                    found: 99,
+                    supported: 3,
+                    ..
+                })
+            ),
+            "{who}: {e:?}"
+        );
+    }
+    assert!(std::fs::metadata(path(&n)).is_ok(), "never unlinked");
+    drop(p);
+}
+
+/// Whether the test may make a user and a mount namespace (root, with useradd and unshare).
+fn root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+#[test]
+fn another_users_segment_is_refused_by_name_and_owner_and_never_removed_even_by_root() {
+    if !root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    let n = name("other-user");
+    let _g = Planted(n.clone());
+    // A real channel, then handed to another uid: as if that user's producer made it.
+    let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
+    let other = 54321u32;
+    rustix::fs::chown(
+        path(&n).as_str(),
+        Some(rustix::process::Uid::from_raw(other)),
+        None,
+    )
+    .unwrap();
+    for (who, e) in every_opener(&n) {
+        assert!(
+            matches!(e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if owner == other),
+            "{who}: {e:?}"
+        );
+    }
+    assert_eq!(std::fs::metadata(path(&n)).unwrap().uid(), other);
+    drop(p);
+}
+
+const FULL_ROLE: &str = "CUDA_IPC_TEST_FULL_SHM";
+
+#[test]
+fn opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus() {
+    if let Ok(n) = std::env::var(FULL_ROLE) {
+        // In a mount namespace with a 256 KiB /dev/shm: a 128 KiB sparse segment, and the rest of
+        // the tmpfs filled, so its first touch could not get a page.
+        let f = std::fs::File::create(path(&n)).unwrap();
+        f.set_len(128 << 10).unwrap();
+        drop(f);
+        let mut filler = std::fs::File::create("/dev/shm/filler").unwrap();
+        let _ = std::io::Write::write_all(&mut filler, &vec![1u8; 1 << 20]);
+        drop(filler);
+        for (who, e) in every_opener(&n) {
+            assert!(
+                matches!(e, Error::Registry(RegistryError::Sparse { .. }))
+                    || (who == "create"
+                        && matches!(e, Error::Channel(ChannelError::CreationInProgress(_)))),
+                "{who}: {e:?}"
+            );
+        }
+        println!("@@ survived");
+        return;
+    }
+    if !root() {
+        println!("skipped: needs root for a mount namespace with a small /dev/shm");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=256k tmpfs /dev/shm && exec {} opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus --exact --nocapture --test-threads=1",
+        exe.display()
+    );
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .env(FULL_ROLE, name("full"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() && !text.contains("running 1 test") {
+        println!(
+            "skipped: cannot make a mount namespace with a small tmpfs: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    assert!(
+        out.status.success() && text.contains("@@ survived"),
+        "child: {:?}\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
