@@ -189,6 +189,8 @@ impl Segment {
     /// - [`RegistryError::InvalidName`] for a bad name;
     /// - [`RegistryError::NotFound`] when there is no such segment;
     /// - [`RegistryError::NotASegment`] when the name is a FIFO, directory, socket or device;
+    /// - [`RegistryError::WrongOwner`] when another user's segment may not be opened by us
+    ///   (`EACCES`), naming both uids;
     /// - [`RegistryError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
     ///   so a short segment is an error and not a fault);
     /// - [`RegistryError::Sparse`] when some of its pages are not backed (a creator that died
@@ -505,6 +507,18 @@ fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
             kind: "socket",
         }
         .into()),
+        // Not ours to open: name the owner when the name can be looked at.
+        Err(Errno::ACCESS) => match rustix::fs::lstat(format!("{SHM_DIR}/{name}").as_str()) {
+            Ok(st) if st.st_uid != rustix::process::geteuid().as_raw() => {
+                Err(RegistryError::WrongOwner {
+                    name: name.to_string(),
+                    owner: st.st_uid,
+                    ours: rustix::process::geteuid().as_raw(),
+                }
+                .into())
+            }
+            _ => Err(OsError::new("shm_open", path, Errno::ACCESS).into()),
+        },
         Err(e) => Err(OsError::new("shm_open", path, e).into()),
     }
 }

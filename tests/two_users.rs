@@ -1,0 +1,250 @@
+//! Two users on one machine: a channel of one is never opened, replaced or removed by the other,
+//! root included, and each gets an error naming the owner; a process of another user is judged
+//! alive or dead correctly through its liveness file. The second user is made here with `useradd`
+//! and runs a copy of this test binary it can read and execute. Needs root (CI runs as root); where
+//! that is impossible the test prints why and skips.
+
+mod common;
+
+use common::{Peer, parent_lines, role, tell};
+use cuda_ipc::Error;
+use cuda_ipc::channel::Delivery;
+use cuda_ipc::channel::inspect;
+use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::identity::{Liveness, ProcessIdentity};
+use cuda_ipc::registry::RegistryError;
+use cuda_ipc::token::TOKEN_LEN;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const ANSWER: Duration = Duration::from_secs(20);
+const USER: &str = "cuda-ipc-test";
+const CHANNEL: &str = "CUDA_IPC_TEST_CHANNEL";
+
+fn tokens() -> Vec<([u8; TOKEN_LEN], [u8; TOKEN_LEN])> {
+    vec![([0u8; TOKEN_LEN], [0u8; TOKEN_LEN]); 2]
+}
+
+/// The test user's (uid, gid), made with `useradd` when missing; `None` (with the reason printed)
+/// when this process is not root or the user cannot be made.
+fn test_user() -> Option<(u32, u32)> {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to make a second user");
+        return None;
+    }
+    let id = |flag: &str| -> Option<u32> {
+        let o = Command::new("id").args([flag, USER]).output().ok()?;
+        String::from_utf8_lossy(&o.stdout).trim().parse().ok()
+    };
+    if id("-u").is_none() {
+        let made = Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/bin/false",
+                USER,
+            ])
+            .status();
+        // Two tests may race to make it; the loser finds it made.
+        if !matches!(made, Ok(s) if s.success()) && id("-u").is_none() {
+            println!("skipped: useradd {USER} failed: {made:?}");
+            return None;
+        }
+    }
+    Some((id("-u")?, id("-g")?))
+}
+
+/// A copy of this test binary that the test user can read and execute (the build folder may not
+/// be reachable for other users), in a folder of its own that is removed on drop.
+struct BinaryForOthers(std::path::PathBuf);
+
+impl BinaryForOthers {
+    fn new(tag: &str) -> BinaryForOthers {
+        let dir =
+            std::env::temp_dir().join(format!("cuda-ipc-two-users-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = dir.join("test-binary");
+        std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        BinaryForOthers(dir)
+    }
+    fn exe(&self) -> std::path::PathBuf {
+        self.0.join("test-binary")
+    }
+}
+
+impl Drop for BinaryForOthers {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `test` of this binary as the test user with `role`.
+fn spawn_as(
+    bin: &BinaryForOthers,
+    uid: u32,
+    gid: u32,
+    test: &str,
+    role: &str,
+    channel: &str,
+) -> Peer {
+    let mut cmd = Command::new(bin.exe());
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(common::ROLE, role)
+        .env(CHANNEL, channel)
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid); // std clears root's supplementary groups when it drops to `uid`
+    Peer::from_command(cmd)
+}
+
+fn run_role(role: &str) {
+    let channel = std::env::var(CHANNEL).unwrap();
+    match role {
+        "producer" => {
+            let p = ControlProducer::create(&channel, 4096, 2, &tokens()).unwrap();
+            let me = ProcessIdentity::current().unwrap();
+            tell(format!(
+                "ready {} {} {}",
+                me.pid,
+                me.start_time,
+                me.liveness_name()
+            ));
+            for line in parent_lines() {
+                if line == "quit" {
+                    break;
+                }
+            }
+            p.close();
+            p.unlink();
+        }
+        "intruder" => {
+            // Everything another user may try on a channel that is not theirs.
+            let a = ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2])
+                .map(|_| ())
+                .unwrap_err();
+            tell(format!("attach {a:?}"));
+            let c = ControlProducer::create(&channel, 4096, 2, &tokens())
+                .map(|_| ())
+                .unwrap_err();
+            tell(format!("create {c:?}"));
+            let r = inspect::remove_stale(&channel).map(|_| ()).unwrap_err();
+            tell(format!("remove {r:?}"));
+        }
+        _ => panic!("unknown role {role}"),
+    }
+}
+
+#[test]
+fn another_user_can_neither_open_nor_replace_nor_remove_roots_channel() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let channel = format!("two-users-root-{}", std::process::id());
+    let p = ControlProducer::create(&channel, 4096, 2, &tokens()).unwrap();
+    let bin = BinaryForOthers::new(&channel);
+    let mut b = spawn_as(
+        &bin,
+        uid,
+        gid,
+        "another_user_can_neither_open_nor_replace_nor_remove_roots_channel",
+        "intruder",
+        &channel,
+    );
+    for verb in ["attach", "create", "remove"] {
+        let e = b.expect(verb, ANSWER);
+        assert!(
+            e.contains("WrongOwner")
+                && e.contains("owner: 0")
+                && e.contains(&format!("ours: {uid}")),
+            "{verb}: {e}"
+        );
+    }
+    b.finish(ANSWER);
+    // Still ours and intact.
+    let s = inspect::inspect(&channel).unwrap();
+    assert_eq!(s.producer.pid, std::process::id());
+    p.close();
+    p.unlink();
+}
+
+#[test]
+fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_liveness() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let channel = format!("two-users-theirs-{}", std::process::id());
+    let path = format!("/dev/shm/{}", inspect::segment_name(&channel));
+    let bin = BinaryForOthers::new(&channel);
+    let mut b = spawn_as(
+        &bin,
+        uid,
+        gid,
+        "root_never_replaces_or_removes_another_users_live_channel_and_sees_its_liveness",
+        "producer",
+        &channel,
+    );
+    let ready = b.expect("ready", ANSWER);
+    let w: Vec<&str> = ready.split_whitespace().collect();
+    let their = ProcessIdentity {
+        pid: w[0].parse().unwrap(),
+        start_time: w[1].parse().unwrap(),
+        ..ProcessIdentity::current().unwrap()
+    };
+    assert_eq!(their.liveness_name(), w[2]);
+    assert_eq!(std::fs::metadata(&path).unwrap().uid(), uid);
+
+    // Root creating a channel of that name: refused, naming the owner; nothing unlinked.
+    let e = ControlProducer::create(&channel, 4096, 2, &tokens())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if *owner == uid),
+        "{e:?}"
+    );
+    // Inspection and gc's removal refuse it too (only one's own channels are trusted).
+    for e in [
+        inspect::inspect(&channel).map(|_| ()).unwrap_err(),
+        inspect::remove_stale(&channel).map(|_| ()).unwrap_err(),
+    ] {
+        assert!(
+            matches!(&e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if *owner == uid),
+            "{e:?}"
+        );
+    }
+    assert_eq!(std::fs::metadata(&path).unwrap().uid(), uid, "still there");
+    // Their process is alive by its lock (the liveness file is readable by all), then dead when
+    // killed; only then may their channel be replaced, and by them alone.
+    assert_eq!(their.liveness(), Liveness::Alive);
+    let _ = b.child.kill();
+    let _ = b.child.wait();
+    let t = Instant::now();
+    while their.liveness() != Liveness::Dead {
+        assert!(t.elapsed() < Duration::from_secs(1), "still alive");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let e = ControlProducer::create(&channel, 4096, 2, &tokens())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Registry(RegistryError::WrongOwner { .. })),
+        "a dead user's channel is still theirs: {e:?}"
+    );
+    assert!(matches!(
+        ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2]),
+        Err(Error::Registry(RegistryError::WrongOwner { .. }))
+    ));
+    // Clean up what the killed process left (as root, by hand: this is the test's own debris).
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(format!("/dev/shm/{}", their.liveness_name()));
+}
