@@ -10,7 +10,7 @@
 use crate::Outcome;
 use crate::ls::{liveness, targets};
 use cuda_ipc::channel::inspect::{self as channel_inspect, ConsumerSnapshot};
-use cuda_ipc::identity::Liveness;
+use cuda_ipc::identity::{self, Liveness};
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use std::error::Error;
@@ -52,6 +52,40 @@ fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
         }
     }
     out
+}
+
+/// The liveness files (`/dev/shm/cuda-ipc.live.*`) of killed processes: their lock is free (a
+/// process that exits normally removes its own). This user's only, or everyone's for root.
+fn liveness_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
+    let files = match identity::stale_liveness_files() {
+        Ok(f) => f,
+        Err(e) => {
+            fail(format!("liveness files: cannot list: {e}"));
+            return 0;
+        }
+    };
+    let euid = rustix::process::geteuid();
+    let mut n = 0;
+    for f in files
+        .iter()
+        .filter(|f| euid.is_root() || f.uid == euid.as_raw())
+    {
+        let what = format!("liveness file /dev/shm/{} of dead {}", f.name, f.identity);
+        if dry_run {
+            out!("{verb} {what}");
+            n += 1;
+            continue;
+        }
+        match identity::remove_stale_liveness_file(f) {
+            Ok(true) => {
+                out!("{verb} {what}");
+                n += 1;
+            }
+            Ok(false) => {}
+            Err(e) => fail(format!("{what}: cannot remove: {e}")),
+        }
+    }
+    n
 }
 
 /// `cuda-ipc gc [NAME] [--dry-run]`.
@@ -123,6 +157,24 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
                 continue;
             }
         };
+        if snap.producer_liveness == Liveness::Unknown {
+            out!(
+                "kept channel {c}: whether its producer ({}) runs cannot be told from here (its \
+                 liveness file cannot be read and its pid is not of this pid namespace)",
+                snap.producer
+            );
+        }
+        for x in snap
+            .consumers
+            .iter()
+            .filter(|x| x.liveness == Liveness::Unknown)
+        {
+            out!(
+                "kept channel {c}: consumer slot {} ({}): whether it runs cannot be told from here",
+                x.index,
+                x.identity
+            );
+        }
         if snap.producer_liveness != Liveness::Dead {
             // A live producer: only the slots (and holds) of dead consumers go.
             let dead = |x: &ConsumerSnapshot| {
@@ -191,6 +243,9 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             Ok(None) => out!("kept channel {c}: a new producer took it over meanwhile"),
             Err(e) => fail(format!("channel {c}: cannot remove: {e}")),
         }
+    }
+    if name.is_none() {
+        removed += liveness_files(dry_run, verb, &mut fail);
     }
     if removed == 0 {
         out!("nothing to remove");

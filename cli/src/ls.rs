@@ -347,8 +347,9 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         // anyway, so the error says why (owner, magic) instead of "no such name".
         let exists = |seg: &str| {
             !seg.contains('/')
-                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::shm::SHM_DIR))
-                    .is_ok_and(|m| m.is_file())
+                // Whatever it is (a FIFO, a directory): inspection names it without opening it
+                // in a way that could block.
+                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::shm::SHM_DIR)).is_ok()
         };
         if registries.is_empty() && channels.is_empty() {
             if exists(&channel_inspect::segment_name(chan)) {

@@ -187,6 +187,15 @@ fn child() {
             rx.take(Some(Duration::from_secs(10))).unwrap().unwrap();
             std::process::exit(0);
         }
+        // Creates a channel, publishes one frame, and stays until killed.
+        "channel-live" => {
+            let tx = ControlProducer::create(&name, 1 << 20, 4, &[(token(1), token(2))]).unwrap();
+            let (i, _) = tx.try_acquire().unwrap();
+            tx.publish(i, b"alive").unwrap();
+            println!("@@ ready");
+            std::thread::sleep(Duration::from_secs(120));
+            drop(tx);
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -787,4 +796,200 @@ fn doctor_on_a_gpu_machine_lists_every_gpu_with_its_uuid_and_capabilities() {
         let n = t.lines().filter(|l| label(l) == want).count();
         assert_eq!(n, gpus.len(), "{want}: {t}");
     }
+}
+
+/// Runs `cuda-ipc args` (optionally under `unshare --pid --fork --mount-proc`), failing the test
+/// when it runs longer than 20 s: a hang is a bug.
+fn cuda_ipc_bounded(args: &[&str], other_pid_namespace: bool) -> Output {
+    let mut cmd = if other_pid_namespace {
+        let mut c = Command::new("unshare");
+        c.args(["--pid", "--fork", "--mount-proc"]).arg(bin());
+        c
+    } else {
+        Command::new(bin())
+    };
+    let mut child = cmd
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run cuda-ipc");
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("cuda-ipc {args:?} hung (killed after 20 s)");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn unshare_works() -> bool {
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        println!("skipped: `unshare --pid --fork --mount-proc` is not allowed here (needs root)");
+    }
+    ok
+}
+
+/// Something that is not a segment, planted under a name in /dev/shm and removed on drop.
+struct Planted(String);
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        let p = format!("/dev/shm/{}", self.0);
+        let _ = std::fs::remove_dir(&p);
+        let _ = std::fs::remove_file(&p);
+    }
+}
+
+#[test]
+fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_keep_them() {
+    let base = unique("hostile");
+    let fifo = format!("cuda-ipc.ch.{base}-fifo");
+    let dir = format!("cuda-ipc.ch.{base}-dir");
+    let link = format!("cuda-ipc.ch.{base}-link");
+    let sparse = format!("cuda-ipc.ch.{base}-sparse");
+    let reg_fifo = format!("{base}-registry-fifo");
+    let reg_sparse = format!("{base}-registry-sparse");
+    let planted: Vec<Planted> = [&fifo, &dir, &link, &sparse, &reg_fifo, &reg_sparse]
+        .iter()
+        .map(|n| Planted(n.to_string()))
+        .collect();
+    let path = |n: &str| format!("/dev/shm/{n}");
+    for f in [&fifo, &reg_fifo] {
+        let st = Command::new("mkfifo").arg(path(f)).status().unwrap();
+        assert!(st.success());
+    }
+    std::fs::create_dir(path(&dir)).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", path(&link)).unwrap();
+    for f in [&sparse, &reg_sparse] {
+        std::fs::File::create(path(f))
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+    }
+    // Every command, over everything and over each name.
+    let mut runs: Vec<Vec<String>> = vec![
+        vec!["ls".into()],
+        vec!["ls".into(), "--json".into()],
+        vec!["watch".into(), "--count".into(), "1".into()],
+        vec!["gc".into(), "--dry-run".into()],
+        vec!["gc".into()],
+    ];
+    for n in [&fifo, &dir, &link, &sparse, &reg_fifo, &reg_sparse] {
+        runs.push(vec!["ls".into(), n.to_string()]);
+        runs.push(vec!["gc".into(), n.to_string()]);
+    }
+    for args in &runs {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = cuda_ipc_bounded(&a, false);
+        // Not a crash: an exit status of ours (0, 1), never a signal.
+        assert!(
+            matches!(o.status.code(), Some(0 | 1)),
+            "{a:?}: {:?}\n{}",
+            o.status,
+            text(&o)
+        );
+    }
+    // Named, each is reported for what it is.
+    let o = cuda_ipc_bounded(&["ls", &fifo], false);
+    assert!(text(&o).contains("FIFO"), "{}", text(&o));
+    let o = cuda_ipc_bounded(&["ls", &dir], false);
+    assert!(text(&o).contains("directory"), "{}", text(&o));
+    let o = cuda_ipc_bounded(&["ls", &sparse], false);
+    assert!(text(&o).contains("sparse"), "{}", text(&o));
+    // And all of it is still there.
+    for p in &planted {
+        assert!(
+            std::fs::symlink_metadata(path(&p.0)).is_ok(),
+            "{} was removed",
+            p.0
+        );
+    }
+}
+
+#[test]
+fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_once_killed() {
+    if !unshare_works() {
+        return;
+    }
+    let name = unique("gc-ns");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    // The producer runs in a pid namespace of its own (a container of the same pod).
+    let mut producer = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "channel-live")
+        .env(NAME, &name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let out = producer.stdout.take().unwrap();
+    let mut lines = BufReader::new(out).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l.ends_with("@@ ready") => break,
+            Some(Ok(_)) => continue,
+            _ => panic!("producer ended before it was ready"),
+        }
+    }
+    let snap = cuda_ipc::channel::inspect::inspect(&name).unwrap();
+    assert_ne!(snap.producer.pid_ns, cuda_ipc::identity::own_pid_ns());
+    // From here, and from a third namespace: alive, nothing removed.
+    for other in [false, true] {
+        let o = cuda_ipc_bounded(&["ls", &name], other);
+        assert!(text(&o).contains("alive"), "{}", text(&o));
+        let o = cuda_ipc_bounded(&["gc", &name], other);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(text(&o).contains("nothing to remove"), "{}", text(&o));
+        assert!(cuda_ipc::channel::inspect::inspect(&name).is_ok());
+    }
+    // Killed (the namespace's init, which takes the producer with it): gc from another namespace
+    // removes the segment, and a later gc the killed process's liveness file.
+    let wrapper = producer.id();
+    let init: u32 = std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &init.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let _ = producer.wait();
+    let o = cuda_ipc_bounded(&["gc", &name], true);
+    assert!(
+        text(&o).contains(&format!("removed channel {name}")),
+        "{}",
+        text(&o)
+    );
+    let live_file = format!("/dev/shm/{}", snap.producer.liveness_name());
+    assert!(
+        std::fs::symlink_metadata(&live_file).is_ok(),
+        "left by the kill"
+    );
+    // Liveness files younger than 5 s are never taken for stale.
+    if let Some(rest) = Duration::from_millis(5200).checked_sub(started.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    let o = cuda_ipc_bounded(&["gc"], false);
+    assert!(
+        text(&o).contains(&snap.producer.liveness_name()),
+        "{}",
+        text(&o)
+    );
+    assert!(std::fs::symlink_metadata(&live_file).is_err(), "removed");
 }
