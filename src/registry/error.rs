@@ -148,7 +148,7 @@ pub enum RegistryError {
     /// `ftruncate` and `fallocate`, or another program sized it with `truncate`). Touching such a
     /// page in a full `/dev/shm` raises `SIGBUS`, so the segment is not mapped.
     #[error(
-        "shared-memory segment /{name} is sparse: {backed} of its {len} bytes are backed by memory;          it was not fully created"
+        "shared-memory segment /{name} is sparse: {backed} of its {len} bytes are backed by memory; it was not fully created"
     )]
     Sparse {
         /// The segment name.
