@@ -548,15 +548,15 @@ fn garbage_segments_and_tokens_are_refused_with_a_clear_error() {
     );
     refuse(
         8,
-        &1u32.to_le_bytes(),
+        &2u32.to_le_bytes(),
         "BadSegment",
-        &["layout version 1", "reads version 2"],
+        &["layout version 2", "reads version 3"],
     );
     refuse(
         8,
-        &3u32.to_le_bytes(),
+        &4u32.to_le_bytes(),
         "BadSegment",
-        &["layout version 3", "reads version 2"],
+        &["layout version 4", "reads version 3"],
     );
     refuse(
         16,
@@ -638,7 +638,7 @@ fn the_python_module_imports_neither_torch_nor_cupy_and_needs_the_driver_for_gpu
     let dir = repo_file("python");
     let code = "import sys, cuda_ipc_consumer as c\n\
                 assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n\
-                assert c.LAYOUT_VERSION == 2 and c.TOKEN_VERSION == 1\n\
+                assert c.LAYOUT_VERSION == 3 and c.TOKEN_VERSION == 2\n\
                 try:\n    c.Consumer.attach(sys.argv[1])\n    print('attached')\n\
                 except c.CudaUnavailable as e:\n    print('ok', e)";
     let out = Command::new(python())
@@ -960,7 +960,7 @@ fn the_python_consumer_refuses_a_symbolic_link_or_a_directory_as_a_channel() {
     let (l, d) = (run(&link), run(&dir));
     let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{link}"));
     let _ = std::fs::remove_dir(format!("/dev/shm/cuda-ipc.ch.{dir}"));
-    for (o, want) in [(l, "is a symbolic link"), (d, "cannot be opened")] {
+    for (o, want) in [(l, "is a symbolic link"), (d, "is a directory")] {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{err}");
         assert!(err.contains("BadSegment") && err.contains(want), "{err}");

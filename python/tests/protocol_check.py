@@ -85,7 +85,7 @@ def fetch(cmd) -> list:
     if cmd[1] == "self":
         exporter = cic.ProcessIdentity.current()
     else:
-        exporter = cic.ProcessIdentity(int(cmd[1]), int(cmd[2]), cic._boot_id())
+        exporter = cic.ProcessIdentity(int(cmd[1]), int(cmd[2]), cic._boot_id(), cic._own_pid_ns())
     fds = cic.fetch_fds(exporter, [int(i) for i in cmd[4:]], timeout=float(cmd[3]))
     try:
         return [fd_content(fd) for fd in fds]
@@ -122,6 +122,9 @@ def verify(rx, n: int, timeout: float) -> tuple:
 
 
 def main() -> int:
+    # Take this process's identity (and its liveness lock, one fd held for the life of the
+    # process) first, as any consumer does at attach: fd counts compare like with like.
+    cic.ProcessIdentity.current()
     rx = None
     frames = {}
     last_stream = None
