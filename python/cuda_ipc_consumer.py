@@ -123,7 +123,7 @@ class Superseded(CudaIpcError):
 
     def __init__(self, channel: str):
         super().__init__(
-            f"channel {channel!r} was superseded: its segment was removed and made again; attach again"
+            f'channel "{channel}" was superseded: its segment was removed and made again; attach again'
         )
         self.channel = channel
 

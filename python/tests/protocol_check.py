@@ -29,6 +29,8 @@ line starting ``@@ ``:
                                      offset 0 and closes it: @@ fetched CONTENT... ("self" as
                                      PID: this process)
     nfds                          -> @@ nfds N (entries of /proc/self/fd)
+    whoami                        -> @@ me PID START_TIME PID_NS (this process's identity, as
+                                     its liveness file and consumer slot name it)
     close                         -> @@ detached
     exit                          -> the process exits 0
 Any exception becomes ``@@ error CLASS MESSAGE`` (``@@ gone PID`` for ProducerGone, ``@@ closed``
@@ -210,6 +212,9 @@ def main() -> int:
                 say("fetched", *fetch(cmd))
             elif op == "nfds":
                 say("nfds", open_fds())
+            elif op == "whoami":
+                me = cic.ProcessIdentity.current()
+                say("me", me.pid, me.start_time, me.pid_ns)
             elif op == "close":
                 rx.close()
                 say("detached")
