@@ -311,6 +311,7 @@ fn python_latest_only_consumer_gets_the_newest_frame_and_counts_the_skipped_ones
 fn a_killed_python_consumer_has_its_holds_reclaimed_by_the_producer() {
     let ch = Channel::new("killed", 1, 4, TokenKind::LegacyMemory);
     let mut c = py();
+    let me = py_identity(&mut c);
     attach(&mut c, &ch.name, "every");
     ch.publish(1);
     c.send("recv 5");
@@ -319,7 +320,14 @@ fn a_killed_python_consumer_has_its_holds_reclaimed_by_the_producer() {
     assert_eq!(ch.p.reclaim_dead_consumers(), 0, "it is alive");
     c.child.kill().unwrap();
     c.child.wait().unwrap(); // a zombie still shows its start time in /proc
+    assert_eq!(
+        me.liveness(),
+        Liveness::Dead,
+        "its liveness lock died with it"
+    );
     assert_eq!(ch.p.reclaim_dead_consumers(), 1, "its one hold was forced");
+    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    let _ = std::fs::remove_file(me.liveness_path());
     let st = ch.p.stats();
     assert_eq!(st.forced_releases, 1);
     assert!(st.consumers.is_empty(), "its slot was freed");
@@ -342,7 +350,10 @@ fn python_consumer_reports_a_dead_producer_promptly() {
             token(TokenKind::LegacyEvent, 2, 0),
         )];
         let _p = ControlProducer::create(&name, BUFFER_BYTES, 4, &tokens).unwrap();
-        tell("ready");
+        tell(format!(
+            "ready {}",
+            ProcessIdentity::current().unwrap().liveness_path()
+        ));
         for _ in parent_lines() {} // until killed
         return;
     }
@@ -352,7 +363,7 @@ fn python_consumer_reports_a_dead_producer_promptly() {
         "producer",
         &[("CUDA_IPC_TEST_CHANNEL", &name)],
     );
-    producer.expect("ready", T);
+    let producer_live = producer.expect("ready", T);
     let producer_pid = producer.child.id();
     let mut c = py();
     attach(&mut c, &name, "every");
@@ -372,6 +383,8 @@ fn python_consumer_reports_a_dead_producer_promptly() {
     d.send(&format!("attach {name} every"));
     assert_eq!(d.expect("gone", T), producer_pid.to_string());
     let _ = cuda_ipc::shm::Segment::unlink(&format!("cuda-ipc.ch.{name}"));
+    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    let _ = std::fs::remove_file(producer_live);
     c.send("exit");
     c.finish(T);
     d.send("exit");
@@ -858,6 +871,8 @@ fn python_fetches_memfds_from_a_rust_fd_exporter_and_leaks_none() {
     assert_eq!(c.expect("nfds", T), before, "the Python process leaked fds");
     c.send("exit");
     c.finish(T);
+    let ns = cuda_ipc::identity::own_pid_ns();
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.live.{ns}.{pid}.{start}"));
 }
 
 /// On a GPU: a Rust producer whose pool is VMM memory, then one whose pool is memory-pool memory,
@@ -1146,7 +1161,10 @@ fn a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock() {
             })
             .collect();
         let p = ControlProducer::create(&name, BUFFER_BYTES, 4, &tokens).unwrap();
-        tell("ready");
+        tell(format!(
+            "ready {}",
+            ProcessIdentity::current().unwrap().liveness_path()
+        ));
         for line in parent_lines() {
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.as_slice() {
@@ -1174,7 +1192,7 @@ fn a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock() {
     let own_ns = cuda_ipc::identity::own_pid_ns();
     let name = unique("pidns");
     let mut p = Peer::spawn(NS_PRODUCER, "producer", &[("CUDA_IPC_TEST_CHANNEL", &name)]);
-    p.expect("ready", T);
+    let producer_live = p.expect("ready", T);
     let producer_pid = p.child.id();
 
     let me = py_identity(&mut c);
@@ -1192,7 +1210,7 @@ fn a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock() {
     assert!(live.file_type().is_file());
     assert_eq!(me.liveness(), Liveness::Alive, "its liveness lock is held");
 
-    let (slot, pid) = attach(&mut c, &name, "every");
+    let (_, pid) = attach(&mut c, &name, "every");
     assert_eq!(pid, me.pid);
     // Not reclaimed while it lives, however often the producer looks.
     for _ in 0..3 {
@@ -1227,7 +1245,8 @@ fn a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock() {
     let _ = cuda_ipc::shm::Segment::unlink(&format!("cuda-ipc.ch.{name}"));
     c.send("close");
     c.expect("detached", T);
-    let _ = slot;
+    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    let _ = std::fs::remove_file(producer_live);
 
     // The consumer is killed holding a frame: the producer (this process) reclaims it.
     let ch = Channel::new("pidns-reclaim", 1, 4, TokenKind::LegacyMemory);
@@ -1250,7 +1269,106 @@ fn a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock() {
     }
     assert_eq!(ch.p.reclaim_dead_consumers(), 1, "its one hold was forced");
     assert!(ch.p.stats().consumers.is_empty(), "its slot was freed");
-    assert_eq!(ch.p.try_acquire().map(|(i, used)| (i, used)), Some((0, 0)));
-    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    assert_eq!(ch.p.try_acquire(), Some((0, 0)));
     let _ = std::fs::remove_file(me.liveness_path());
+}
+
+/// The fd-passing client over the exporter's socket file in /dev/shm
+/// (`cuda_ipc_consumer._fd_socket_path`), against a stand-in server in another Python process
+/// (`serve` in protocol_check.py): from this pid namespace (the listener's pid checked with
+/// `SO_PEERCRED`) and from another one (its pid means nothing there: the listener's uid and the
+/// socket file's owner are checked instead). A FIFO or a plain file under an exporter's socket
+/// name is refused at once with `NotSupported` naming it, never a hang; an exporter in another
+/// namespace with no socket file serves no fds; a killed exporter is reported gone; no fd leaks.
+#[test]
+fn python_fetches_fds_over_the_socket_file_from_this_and_another_pid_namespace() {
+    let mut s = py();
+    s.send("serve 2");
+    let r = s.expect("serving", T);
+    let w: Vec<u64> = r.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    let (pid, start, ns) = (w[0], w[1], w[2]);
+    let sock = format!("/dev/shm/cuda-ipc.fd.{ns}.{pid}.{start}");
+    let meta = std::fs::symlink_metadata(&sock).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()));
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+        0o600
+    );
+
+    // The same pid namespace.
+    let mut a = py();
+    a.send("nfds");
+    let a_fds = a.expect("nfds", T);
+    a.send(&format!("fetch {pid} {start} 5 2 1 2"));
+    assert_eq!(a.expect("fetched", T), "py-memfd-1 py-memfd-0 py-memfd-1");
+    a.send(&format!("fetch {pid} {start} 5 1 7"));
+    expect_error(&mut a, "FdNotOffered", &["export 7"]);
+
+    // Something else under an exporter's socket name (the live Python process `a`, which serves
+    // nothing): refused at once, naming what it is.
+    let me = py_identity(&mut a);
+    let squat = format!(
+        "/dev/shm/cuda-ipc.fd.{}.{}.{}",
+        me.pid_ns, me.pid, me.start_time
+    );
+    let st = Command::new("mkfifo").arg(&squat).status().unwrap();
+    assert!(st.success());
+    for (kind, make) in [("FIFO", false), ("regular file", true)] {
+        if make {
+            std::fs::remove_file(&squat).unwrap();
+            std::fs::write(&squat, b"not a socket").unwrap();
+        }
+        let t = Instant::now();
+        a.send("fetch self 0 5 1");
+        expect_error(&mut a, "NotSupported", &[&squat, &format!("is a {kind}")]);
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{kind}: took {:?}",
+            t.elapsed()
+        );
+    }
+    std::fs::remove_file(&squat).unwrap();
+    a.send("fetch self 0 5 1");
+    expect_error(&mut a, "FdNotOffered", &["serves no fds"]);
+    a.send("nfds");
+    assert_eq!(a.expect("nfds", T), a_fds, "the Python process leaked fds");
+
+    // Another pid namespace.
+    if let Some(mut b) = py_in_new_pid_namespace() {
+        b.send("nfds");
+        let b_fds = b.expect("nfds", T);
+        b.send(&format!("fetch_ns {pid} {start} {ns} 5 1 2"));
+        assert_eq!(b.expect("fetched", T), "py-memfd-0 py-memfd-1");
+        // A live exporter there with no socket file (`a`, which exported nothing).
+        b.send(&format!(
+            "fetch_ns {} {} {} 5 1",
+            me.pid, me.start_time, me.pid_ns
+        ));
+        expect_error(&mut b, "FdNotOffered", &["serves no fds"]);
+        // The server is killed (its socket file stays behind): gone, without a connect.
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+        let t = Instant::now();
+        b.send(&format!("fetch_ns {pid} {start} {ns} 5 1"));
+        assert_eq!(b.expect("gone", T), pid.to_string());
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t.elapsed()
+        );
+        b.send("nfds");
+        assert_eq!(b.expect("nfds", T), b_fds, "the Python process leaked fds");
+        b.send("exit");
+        b.finish(T);
+    } else {
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+    }
+    a.send(&format!("fetch {pid} {start} 5 1"));
+    assert_eq!(a.expect("gone", T), pid.to_string());
+    // The killed server's files stay behind (`cuda-ipc gc` removes them).
+    let _ = std::fs::remove_file(&sock);
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.live.{ns}.{pid}.{start}"));
+    a.send("exit");
+    a.finish(T);
 }
