@@ -814,12 +814,17 @@ def fetch_fds(exporter: ProcessIdentity, ids, timeout: float = FD_FETCH_TIMEOUT)
     on an error no fd received is left open. An empty ``ids`` returns ``[]`` without contacting
     the exporter.
 
-    Raises ``ProducerGone`` when the exporter no longer runs (pid with another start time, gone,
-    or a zombie), checked before connecting and when the connection breaks; ``FdNotOffered`` when
-    it runs but does not offer an id (withdrawn or never made; or it serves no fds at all);
+    The exporter's socket is the file ``_fd_socket_path(exporter)``; the exporter may run in
+    another pid namespace (its identity's ``pid_ns``) if it shares /dev/shm and this user.
+
+    Raises ``ProducerGone`` when the exporter no longer runs (``ProcessIdentity.liveness``: its
+    liveness lock free, or, without a liveness file, no such process of its start time, or a
+    zombie), checked before connecting and when the connection breaks; ``FdNotOffered`` when it
+    runs but does not offer an id (withdrawn or never made; or it serves no fds at all: no socket);
     ``NotSupported`` when it refuses this process (another user) or speaks another protocol
-    version, or another process holds its socket name; ``Timeout``; ``FdPassingError`` for a
-    malformed reply or a failed system call."""
+    version, or something else holds its socket name (a FIFO or file, checked with ``lstat``
+    before connecting; a socket of another process or user); ``Timeout``; ``FdPassingError`` for
+    a malformed reply or a failed system call."""
     ids = [int(i) for i in ids]
     for i in ids:
         if not 0 <= i <= _U32:
@@ -2336,7 +2341,13 @@ class Consumer:
         release tokens name no event); for tools and tests.
         ``spin``: seconds to poll before sleeping on the futex in ``recv`` (default 0).
 
-        Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``;
+        Before claiming the slot it takes this process's identity (``ProcessIdentity.current``),
+        which creates and locks its liveness file: that is how the producer, in any pid
+        namespace, tells whether this consumer still runs.
+
+        Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``
+        (also for a sparse segment, or a symbolic link, directory, FIFO, socket or device under
+        the name: never mapped, never blocking); ``OSError`` when the liveness file cannot be made;
         ``InvalidToken``; ``NoConsumerSlot``; ``ProducerGone`` when the producer is dead (also
         when it dies while its VMM or pool fds are fetched); ``FdNotOffered``, ``NotSupported``,
         ``Timeout`` or ``FdPassingError`` from fetching those fds (``fetch_fds``);
@@ -2432,7 +2443,9 @@ class Consumer:
         Raises ``Timeout``; ``ProducerGone`` within about 20 ms of the producer dying, after
         marking the frames it published ready (so streams waiting on them drain; their data may
         be partial); ``ChannelClosed`` once the producer closed and every frame was received;
-        ``Detached``; ``CudaError`` from the stream wait (the hold is released first)."""
+        ``Superseded`` when the channel's name was removed and made again while waiting (looked
+        at every 500 ms of a wait, never per frame: attach again); ``Detached``; ``CudaError``
+        from the stream wait (the hold is released first)."""
         self._check_open()
         with self._recv_lock:
             try:
