@@ -2,13 +2,16 @@
 without copying.
 
 A pure-Python twin of the Rust ``cuda_ipc::channel::Consumer``: it maps the channel's control
-segment ``/dev/shm/cuda-ipc.ch.NAME`` (channel layout version 2, token layout version 1), claims a
-consumer slot under this process's identity (pid, start time, boot id), takes frames with the same
-hold protocol and memory orderings as the Rust consumer, and does the GPU side through the CUDA
-driver API (``libcuda.so.1``, loaded with ctypes): it imports the pool (legacy IPC memory with
+segment ``/dev/shm/cuda-ipc.ch.NAME`` (channel layout version 3, token layout version 2), claims a
+consumer slot under this process's identity (pid, start time, boot id, pid namespace; like every
+process of cuda-ipc it holds a liveness lock on ``/dev/shm/cuda-ipc.live.*``, which tells other
+processes in any pid namespace whether it runs), takes frames with the same hold protocol and
+memory orderings as the Rust consumer, and does the GPU side through the CUDA driver API
+(``libcuda.so.1``, loaded with ctypes): it imports the pool (legacy IPC memory with
 ``cuIpcOpenMemHandle_v2``; VMM allocations and memory-pool allocations through POSIX fds fetched
-from the producer's fd server over a Unix socket, ``fetch_fds``), registers the segment's ready page (``cuMemHostRegister_v2``), makes its stream wait for each
-frame on the buffer's ready word, which the producer's stream writes after its work
+from the producer's fd server over a Unix socket, ``fetch_fds``), registers the segment's ready
+page (``cuMemHostRegister_v2``), makes its stream wait for each frame on the buffer's ready word,
+which the producer's stream writes after its work
 (``cuStreamWaitValue32_v2``), and records its own IPC release event before it gives a frame back
 (``cuEventRecord``). When the producer dies it marks published frames ready itself, so its stream
 never waits for a write that will never finish (the frames may then hold partial data). No compiled
@@ -35,9 +38,11 @@ Layout, protocol and orderings: docs/ARCHITECTURE.md ("Channel protocol") and
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import importlib
 import os
 import platform
@@ -63,6 +68,7 @@ __all__ = [
     "ProducerGone",
     "ChannelClosed",
     "Detached",
+    "Superseded",
     "Timeout",
     "InvalidToken",
     "NotSupported",
@@ -88,8 +94,9 @@ class ChannelNotFound(CudaIpcError):
 
 
 class BadSegment(CudaIpcError):
-    """The control segment is foreign, of another layout version, truncated, corrupted, or owned by
-    another user."""
+    """The control segment is foreign, of another layout version, truncated, corrupted, owned by
+    another user, not fully created (sparse), or not a segment at all (a FIFO, directory, socket,
+    device or symbolic link under its name)."""
 
 
 class NoConsumerSlot(CudaIpcError):
@@ -97,15 +104,28 @@ class NoConsumerSlot(CudaIpcError):
 
 
 class ProducerGone(CudaIpcError):
-    """The producer process died (pid, start time and boot id no longer name a live process)."""
+    """The producer process died: its liveness lock is free or its liveness file gone (in any pid
+    namespace), or, in this pid namespace without a liveness file, its pid names no process of its
+    start time."""
 
-    def __init__(self, pid: int):
-        super().__init__(f"the producer (pid {pid}) is gone")
+    def __init__(self, pid: int, who: Optional[str] = None):
+        super().__init__(f"the producer ({who or f'pid {pid}'}) is gone")
         self.pid = pid
 
 
 class ChannelClosed(CudaIpcError):
     """The producer closed the channel and every frame it published was delivered."""
+
+
+class Superseded(CudaIpcError):
+    """The channel's name now stands for another segment than the one this consumer attached to (it
+    was removed and made again, e.g. by a restarted producer): attach again."""
+
+    def __init__(self, channel: str):
+        super().__init__(
+            f'channel "{channel}" was superseded: its segment was removed and made again; attach again'
+        )
+        self.channel = channel
 
 
 class Detached(CudaIpcError):
@@ -162,9 +182,9 @@ class CudaError(CudaIpcError):
 # ---------------------------------------------------------------------------------------- layout
 
 #: Channel layout version this module reads (``VERSION`` in src/channel/control.rs).
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 #: Token layout version this module reads and writes (``TOKEN_VERSION`` in src/token.rs).
-TOKEN_VERSION = 1
+TOKEN_VERSION = 2
 
 _MAGIC = int.from_bytes(b"CIPCCHAN", "little")
 _STAMP_READY = 0x52454459
@@ -177,19 +197,21 @@ _SEGMENT_PREFIX = "cuda-ipc.ch."
 _MAX_SEGMENT_NAME = 200
 _LIVENESS_EVERY = 0.020  # seconds, as LIVENESS_EVERY in control.rs
 _STAMP_WAIT = 2.0  # seconds an opener waits for the creator's READY stamp
+_SUPERSEDED_EVERY = 0.5  # seconds between looks at the channel's name in a wait (control.rs)
 
 # Header (136 bytes)
 _H_MAGIC, _H_VERSION, _H_STAMP, _H_BUFFERS, _H_CONSUMERS = 0, 8, 12, 16, 20
 _H_BUFFER_BYTES, _H_SEGMENT_BYTES, _H_PRODUCER_PID, _H_PRODUCER_STATE = 24, 32, 40, 44
 _H_PRODUCER_START, _H_PRODUCER_BOOT, _H_HEAD = 48, 56, 72
 _H_PUBLISH_FUTEX, _H_RELEASE_FUTEX, _H_PUBLISHED, _H_FORCED = 80, 84, 88, 96
+_H_PRODUCER_PID_NS, _H_GENERATION = 104, 112  # then a u32 of padding at 108; 2 reserved u64
 _HEADER_BYTES = 136
 # BufferSlot (576 bytes)
 _B_SEQ, _B_HOLD, _B_USED, _B_META_LEN, _B_META, _B_TOKENS = 0, 8, 16, 24, 32, 288
 _TOKEN_LEN = 144
 _BUFFER_SLOT_BYTES = _B_TOKENS + 2 * _TOKEN_LEN
 # ConsumerSlot (2376 bytes)
-_C_STATE, _C_POLICY, _C_GENERATION, _C_PID, _C_START, _C_BOOT = 0, 4, 8, 16, 24, 32
+_C_STATE, _C_POLICY, _C_GENERATION, _C_PID, _C_PID_NS, _C_START, _C_BOOT = 0, 4, 8, 16, 20, 24, 32
 _C_CURSOR, _C_RECEIVED, _C_DROPPED, _C_TOKENS = 48, 56, 64, 72
 _CONSUMER_SLOT_BYTES = _C_TOKENS + _MAX_BUFFERS * _TOKEN_LEN
 assert _BUFFER_SLOT_BYTES == 576 and _CONSUMER_SLOT_BYTES == 2376
@@ -367,27 +389,52 @@ class _Futex:
 
 # ---------------------------------------------------------------------------------------- identity
 
+# Liveness across pid namespaces (src/identity.rs, module docs). Containers of one pod share
+# /dev/shm but not pid numbers, so every process of cuda-ipc creates the liveness file
+# /dev/shm/cuda-ipc.live.<pid ns>.<pid>.<start time> (mode 0644, empty) and holds an
+# open-file-description write lock (F_OFD_SETLK, byte 0, length 1) on it for as long as it runs.
+# The kernel drops the lock when the process exits or is killed; any process that sees the file
+# asks with F_OFD_GETLK whether it is still held.
+_LIVE_DIR = "/dev/shm"
+_LIVE_PREFIX = "cuda-ipc.live."
+# The Linux numbers (asm-generic/fcntl.h, the same on x86-64 and AArch64), for Pythons before 3.9.
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+# struct flock on 64-bit Linux: short l_type, short l_whence, (4 pad), off_t l_start, off_t l_len,
+# pid_t l_pid, (4 pad): 32 bytes (checked against the C layout on x86-64 and AArch64).
+_FLOCK = struct.Struct("=hhxxxxqqixxxx")
+assert _FLOCK.size == 32
+# What the lock of a liveness file says (LockState in identity.rs).
+_HELD, _FREE_LOCK, _MISSING, _UNREADABLE = "held", "free", "missing", "unreadable"
+
 
 class ProcessIdentity(NamedTuple):
-    """Who a process is: pid, start time (clock ticks since boot, field 22 of ``/proc/PID/stat``)
-    and the kernel's boot id (16 bytes), as ``cuda_ipc::identity::ProcessIdentity``."""
+    """Who a process is: pid (as ``getpid()`` counts it in its own pid namespace), start time
+    (clock ticks since boot, field 22 of ``/proc/self/stat``, the same in every namespace), the
+    kernel's boot id (16 bytes) and the pid namespace (inode number of ``/proc/self/ns/pid``; 0
+    unknown), as ``cuda_ipc::identity::ProcessIdentity``."""
 
     pid: int
     start_time: int
     boot_id: bytes
+    pid_ns: int = 0
 
     @staticmethod
     def current() -> "ProcessIdentity":
-        """This process's identity. Raises ``OSError`` when ``/proc`` cannot be read."""
-        pid = os.getpid()
-        st = _start_time_of(pid)
-        if st is None:
-            raise OSError(errno.ENOENT, f"/proc/{pid}/stat has no start time")
-        return ProcessIdentity(pid, st, _boot_id())
+        """This process's identity, cached; the first call in a process (and in each child made
+        by ``fork()``) also creates and locks its liveness file, which it holds until it exits
+        (removed at a normal exit). Raises ``OSError`` when ``/proc`` cannot be read, or when the
+        liveness file cannot be made and locked (``/dev/shm`` missing or full, or a file of that
+        name that is not a regular file of this user)."""
+        return _current_identity()
 
     def liveness(self) -> Optional[bool]:
-        """True: running; False: gone (no such pid, another start time, another boot); None: could
-        not be told (callers treat it as alive)."""
+        """True: running; False: gone; None: could not be told (callers treat it as alive). As
+        ``ProcessIdentity::liveness``: another boot, or pid 0, is gone; then the liveness lock
+        decides (held: running, free: gone); without a liveness file, ``/proc`` decides if it
+        counts pids in this identity's namespace (same start time and not a zombie: running),
+        else gone; a file that cannot be opened or tested leaves ``/proc`` to decide in the same
+        namespace, else None. A few system calls: for slow paths only."""
         try:
             if _boot_id() != self.boot_id:
                 return False
@@ -395,32 +442,213 @@ class ProcessIdentity(NamedTuple):
             return None
         if self.pid == 0 or self.pid > 0x7FFFFFFF:
             return False
+        state = _probe_lock(self.liveness_path())
+        if state == _HELD:
+            return True
+        if state == _FREE_LOCK:
+            return False
+        if self.in_own_pid_namespace() and _proc_is_own_namespace():
+            return self._proc_liveness()
+        return False if state == _MISSING else None
+
+    def _proc_liveness(self) -> Optional[bool]:
         try:
-            t = _start_time_of(self.pid)
+            got = _stat_of(self.pid)
         except OSError:
             return None
-        return t is not None and t == self.start_time
+        return got is not None and got[1] == self.start_time and got[0] not in ("Z", "X")
+
+    def in_own_pid_namespace(self) -> bool:
+        """Whether this identity's pid is counted in the caller's pid namespace (so ``/proc/PID``
+        and ``SO_PEERCRED`` pids mean this process); False when either namespace is unknown."""
+        return self.pid_ns != 0 and self.pid_ns == _own_pid_ns()
+
+    def liveness_path(self) -> str:
+        """``/dev/shm/cuda-ipc.live.<pid ns>.<pid>.<start time>``."""
+        return f"{_LIVE_DIR}/{_LIVE_PREFIX}{self.pid_ns}.{self.pid}.{self.start_time}"
+
+    def describe(self) -> str:
+        """``pid N``, or ``pid N in pid namespace M`` for another namespace (as Rust's Display)."""
+        if self.pid_ns and self.pid_ns != _own_pid_ns():
+            return f"pid {self.pid} in pid namespace {self.pid_ns}"
+        return f"pid {self.pid}"
 
 
-def _parse_start_time(text: str) -> Optional[int]:
-    # The command name (field 2) may hold spaces and parentheses: count fields after the last ')'.
+def _parse_stat(text: str) -> Optional[tuple]:
+    """(state letter, start time) of a ``/proc/PID/stat`` line. The command name (field 2) may hold
+    spaces and parentheses: fields are counted after the last ')'."""
     at = text.rfind(")")
     if at < 0:
         return None
     fields = text[at + 1 :].split()
     try:
-        return int(fields[19])
+        return fields[0], int(fields[19])
     except (IndexError, ValueError):
         return None
 
 
-def _start_time_of(pid: int) -> Optional[int]:
+def _stat_of(pid) -> Optional[tuple]:
+    """(state, start time) of ``/proc/PID/stat`` (``pid`` may be ``"self"``), None when there is no
+    such process. Raises ``OSError`` for other failures."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             text = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return _parse_start_time(text)
+    return _parse_stat(text)
+
+
+def _own_pid_ns() -> int:
+    """The inode number of this process's pid namespace; 0 when it cannot be read (or does not fit
+    the 32 bits every layout stores)."""
+    try:
+        ino = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+    return ino if 0 < ino <= _U32 else 0
+
+
+_PROC_OWN: Optional[tuple] = None  # (pid, answer) of _proc_is_own_namespace
+
+
+def _proc_is_own_namespace() -> bool:
+    """Whether ``/proc`` counts pids as this process's namespace does (its ``self`` entry has the
+    pid ``getpid()`` returns): not so after ``unshare --pid`` without ``--mount-proc``."""
+    global _PROC_OWN
+    pid = os.getpid()
+    if _PROC_OWN is None or _PROC_OWN[0] != pid:
+        try:
+            with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
+                first = f.read().split(None, 1)[0]
+            ok = first == str(pid)
+        except (OSError, IndexError):
+            ok = False
+        _PROC_OWN = (pid, ok)
+    return _PROC_OWN[1]
+
+
+def _lock_request(kind: int) -> bytes:
+    # l_pid must be 0 for open-file-description locks.
+    return _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0)
+
+
+def _probe_lock(path: str) -> str:
+    """What the liveness file ``path`` says: opened read-only, never through a symbolic link, never
+    blocking (a FIFO planted under the name), then ``F_OFD_GETLK``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return _MISSING
+    except OSError:
+        return _UNREADABLE
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return _UNREADABLE
+        got = fcntl.fcntl(fd, _F_OFD_GETLK, _lock_request(fcntl.F_WRLCK))
+        return _FREE_LOCK if _FLOCK.unpack(got)[0] == fcntl.F_UNLCK else _HELD
+    except OSError:
+        return _UNREADABLE
+    finally:
+        os.close(fd)
+
+
+class _Me:
+    """This process's identity and the descriptor holding its liveness lock (-1: none)."""
+
+    lock = threading.Lock()
+    identity: Optional[ProcessIdentity] = None
+    fd = -1
+    owner = 0  # the pid that made the file: only it removes the file at exit
+    path: Optional[str] = None
+    hooks = False
+
+
+def _current_identity() -> ProcessIdentity:
+    pid = os.getpid()
+    with _Me.lock:
+        me = _Me.identity
+        if me is not None and me.pid == pid and _Me.fd >= 0:
+            return me
+        got = _stat_of("self")
+        if got is None:
+            raise OSError(errno.ENOENT, "/proc/self/stat has no start time")
+        me = ProcessIdentity(pid, got[1], _boot_id(), _own_pid_ns())
+        _hold_liveness_lock(me)
+        _Me.identity = me
+        return me
+
+
+def _hold_liveness_lock(me: ProcessIdentity) -> None:
+    """Creates (or, after an ``exec`` that kept pid and start time, reuses) this process's liveness
+    file and takes its lock, as ``hold_liveness_lock`` in identity.rs. Caller holds ``_Me.lock``."""
+    path = me.liveness_path()
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise OSError(e.errno, f"open {path} (this process's liveness file): {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        # Ours and a plain file: another user could have made one under our name.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(
+                errno.EEXIST,
+                f"open {path}: the liveness file exists and is not a regular file of uid "
+                f"{os.geteuid()} (owner uid {st.st_uid})",
+            )
+        try:
+            # Readable by everyone, so processes of other users can test the lock.
+            os.fchmod(fd, 0o644)
+        except OSError:
+            pass
+        try:
+            fcntl.fcntl(fd, _F_OFD_SETLK, _lock_request(fcntl.F_WRLCK))
+        except OSError as e:
+            raise OSError(e.errno, f"fcntl(F_OFD_SETLK) {path}: {e.strerror}") from None
+        # The name must still stand for the file we locked (nobody removed it in between).
+        now = os.lstat(path)
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            raise OSError(
+                errno.ESTALE, f"lstat {path}: the liveness file was replaced while it was being locked"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    old, _Me.fd = _Me.fd, fd  # kept open for the life of the process: it holds the lock
+    if old >= 0 and old != fd:
+        try:
+            os.close(old)
+        except OSError:
+            pass
+    _Me.owner, _Me.path = me.pid, path
+    if not _Me.hooks:
+        _Me.hooks = True
+        atexit.register(_remove_liveness_file_at_exit)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _after_fork_in_child() -> None:
+    """In a child made by ``fork()``: close the inherited lock descriptor, so the lock dies with the
+    parent, not with the last of its children (the parent's open file description and lock stay).
+    The child takes an identity and a liveness file of its own the first time it asks."""
+    _Me.lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    fd, _Me.fd, _Me.identity = _Me.fd, -1, None
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _remove_liveness_file_at_exit() -> None:
+    """At a normal exit, in the process that made it: remove the liveness file (a killed process
+    leaves its file with a free lock: it reads as gone, and ``cuda-ipc gc`` removes it)."""
+    if os.getpid() == _Me.owner and _Me.path is not None:
+        try:
+            os.unlink(_Me.path)
+        except OSError:
+            pass
 
 
 _BOOT_ID: Optional[bytes] = None
@@ -448,9 +676,10 @@ def _boot_id() -> bytes:
 _TOKEN_MAGIC = int.from_bytes(b"CIPT", "little")
 _KIND_MEMORY, _KIND_EVENT, _KIND_VMM, _KIND_POOL = 1, 2, 3, 4
 _KIND_NAMES = {1: "legacy memory", 2: "legacy event", 3: "VMM memory", 4: "pool memory"}
-# magic, version, kind, handle, offset, len, device, pid, fd export id, start time, boot id
-_TOKEN_HEAD = struct.Struct("<IHH64sQQ16sII Q16s")
-assert _TOKEN_HEAD.size == 136
+# magic, version, kind, handle, offset, len, device, pid, fd export id, start time, boot id,
+# pid namespace; then the CRC-32 (IEEE) of bytes 0..140 at 140 (token layout version 2).
+_TOKEN_HEAD = struct.Struct("<IHH64sQQ16sIIQ16sI")
+assert _TOKEN_HEAD.size == 140
 
 
 class Token(NamedTuple):
@@ -467,12 +696,11 @@ class Token(NamedTuple):
     @staticmethod
     def from_bytes(b: bytes) -> "Token":
         """Decodes and validates a token; raises ``InvalidToken`` for a wrong length, magic,
-        version (both named), checksum (CRC-32 IEEE of bytes 0..136), kind, reserved bytes, an fd
-        export id missing from a VMM or pool token (or set on another kind), or an overflowing
-        range."""
+        version (both named), checksum (CRC-32 IEEE of bytes 0..140), kind, an fd export id
+        missing from a VMM or pool token (or set on another kind), or an overflowing range."""
         if len(b) != _TOKEN_LEN:
             raise InvalidToken(f"expected {_TOKEN_LEN} bytes, got {len(b)}")
-        magic, version, kind, handle, offset, length, device, pid, res0, start, boot = (
+        magic, version, kind, handle, offset, length, device, pid, eid, start, boot, pid_ns = (
             _TOKEN_HEAD.unpack_from(b)
         )
         if magic != _TOKEN_MAGIC:
@@ -482,30 +710,29 @@ class Token(NamedTuple):
             raise InvalidToken(
                 f"token layout version {version}, this module reads version {TOKEN_VERSION}{newer}"
             )
-        crc, res1 = struct.unpack_from("<II", b, 136)
-        computed = zlib.crc32(b[:136]) & 0xFFFFFFFF
+        (crc,) = struct.unpack_from("<I", b, _TOKEN_HEAD.size)
+        computed = zlib.crc32(b[: _TOKEN_HEAD.size]) & 0xFFFFFFFF
         if crc != computed:
             raise InvalidToken(
                 f"checksum mismatch (stored {crc:#010x}, computed {computed:#010x}): corrupted"
             )
         if kind not in _KIND_NAMES:
             raise InvalidToken(f"unknown kind {kind}")
-        if res1 != 0:
-            raise InvalidToken("reserved bytes are not zero")
-        if (kind in (_KIND_VMM, _KIND_POOL)) != (res0 != 0):
-            raise InvalidToken(f"fd export id {res0} does not fit a {_KIND_NAMES[kind]} token")
+        if (kind in (_KIND_VMM, _KIND_POOL)) != (eid != 0):
+            raise InvalidToken(f"fd export id {eid} does not fit a {_KIND_NAMES[kind]} token")
         if offset + length > _U64:
             raise InvalidToken("offset + len overflows")
-        return Token(kind, handle, offset, length, device, ProcessIdentity(pid, start, boot), res0)
+        exporter = ProcessIdentity(pid, start, boot, pid_ns)
+        return Token(kind, handle, offset, length, device, exporter, eid)
 
     def to_bytes(self) -> bytes:
         """Encodes the token with its checksum."""
         e = self.exporter
         head = _TOKEN_HEAD.pack(
             _TOKEN_MAGIC, TOKEN_VERSION, self.kind, self.handle, self.offset, self.len,
-            self.device, e.pid, self.export_id, e.start_time, e.boot_id,
+            self.device, e.pid, self.export_id, e.start_time, e.boot_id, e.pid_ns,
         )
-        return head + struct.pack("<II", zlib.crc32(head) & 0xFFFFFFFF, 0)
+        return head + struct.pack("<I", zlib.crc32(head) & 0xFFFFFFFF)
 
 
 def _uuid_text(u: bytes) -> str:
@@ -516,8 +743,8 @@ def _uuid_text(u: bytes) -> str:
 # ---------------------------------------------------------------------------------------- fd passing
 
 # The client side of the exporter's fd server (src/ipc/fdpass.rs, docs/ARCHITECTURE.md "IPC layer:
-# fd passing"): VMM and memory-pool exports travel as POSIX fds over the abstract Unix socket
-# ``cuda-ipc.fd.<pid>.<start time>`` (SOCK_SEQPACKET). Request: ``CIFQ``, version u16, count u16
+# fd passing"): VMM and memory-pool exports travel as POSIX fds over the exporter's Unix socket
+# (SOCK_SEQPACKET; its path: _fd_socket_path). Request: ``CIFQ``, version u16, count u16
 # (1..=1024), ids u32; reply messages: ``CIFR``, version u16, request status u16, count u32, then
 # (id u32, status u32) per id, the ok ones' fds attached in order (SCM_RIGHTS, at most 253 each).
 _FD_REQUEST_MAGIC = b"CIFQ"
@@ -535,24 +762,36 @@ _FD_ENTRY_OK = 0
 FD_FETCH_TIMEOUT = 5.0
 
 
-def _fd_socket_name(exporter: ProcessIdentity) -> str:
+def _fd_socket_path(exporter: ProcessIdentity) -> str:
+    """The path of ``exporter``'s fd server socket (mode 0600, made by the exporter):
+    ``/dev/shm/cuda-ipc.fd.<pid ns>.<pid>.<start time>``, as in src/ipc/fdpass.rs. A file in the
+    shared /dev/shm, not an abstract name: containers that share /dev/shm but not a network
+    namespace reach it too."""
+    return f"/dev/shm/cuda-ipc.fd.{exporter.pid_ns}.{exporter.pid}.{exporter.start_time}"
+
+
+def _fd_legacy_abstract_name(exporter: ProcessIdentity) -> str:
+    """The abstract socket name (without the leading NUL) that cuda-ipc builds before the
+    filesystem socket served on: tried only when there is no socket file and the exporter counts
+    pids in this pid namespace (where ``SO_PEERCRED`` can tell a squatter apart)."""
     return f"cuda-ipc.fd.{exporter.pid}.{exporter.start_time}"
 
 
-def _is_zombie(pid: int) -> bool:
-    """Whether ``/proc/PID/stat`` shows state Z (zombie) or X (dead): such a process keeps its
-    start time but serves nothing."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return False
-    fields = text[text.rfind(")") + 1 :].split()
-    return bool(fields) and fields[0] in ("Z", "X")
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+        (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def _exporter_gone(exporter: ProcessIdentity) -> bool:
-    return exporter.liveness() is False or _is_zombie(exporter.pid)
+    # A zombie reads as gone too: it released its liveness lock when its files were closed, and
+    # /proc shows it as Z where /proc decides.
+    return exporter.liveness() is False
 
 
 def _close_fds(fds: list) -> None:
@@ -575,12 +814,17 @@ def fetch_fds(exporter: ProcessIdentity, ids, timeout: float = FD_FETCH_TIMEOUT)
     on an error no fd received is left open. An empty ``ids`` returns ``[]`` without contacting
     the exporter.
 
-    Raises ``ProducerGone`` when the exporter no longer runs (pid with another start time, gone,
-    or a zombie), checked before connecting and when the connection breaks; ``FdNotOffered`` when
-    it runs but does not offer an id (withdrawn or never made; or it serves no fds at all);
+    The exporter's socket is the file ``_fd_socket_path(exporter)``; the exporter may run in
+    another pid namespace (its identity's ``pid_ns``) if it shares /dev/shm and this user.
+
+    Raises ``ProducerGone`` when the exporter no longer runs (``ProcessIdentity.liveness``: its
+    liveness lock free, or, without a liveness file, no such process of its start time, or a
+    zombie), checked before connecting and when the connection breaks; ``FdNotOffered`` when it
+    runs but does not offer an id (withdrawn or never made; or it serves no fds at all: no socket);
     ``NotSupported`` when it refuses this process (another user) or speaks another protocol
-    version, or another process holds its socket name; ``Timeout``; ``FdPassingError`` for a
-    malformed reply or a failed system call."""
+    version, or something else holds its socket name (a FIFO or file, checked with ``lstat``
+    before connecting; a socket of another process or user); ``Timeout``; ``FdPassingError`` for
+    a malformed reply or a failed system call."""
     ids = [int(i) for i in ids]
     for i in ids:
         if not 0 <= i <= _U32:
@@ -603,17 +847,38 @@ def fetch_fds(exporter: ProcessIdentity, ids, timeout: float = FD_FETCH_TIMEOUT)
 def _fetch_fds_once(exporter: ProcessIdentity, ids: list, deadline: float, timeout: float) -> list:
     import socket
 
-    name = _fd_socket_name(exporter)
-    target = "@" + name
+    not_served = "the process serves no fds (it has exported none)"
+
+    def gone_or(err: BaseException) -> BaseException:
+        return ProducerGone(exporter.pid) if _exporter_gone(exporter) else err
+
+    # Where the exporter listens. lstat first: connect() follows symbolic links, and a FIFO or a
+    # regular file planted under the name gets a clear error here, never a hang.
+    path = _fd_socket_path(exporter)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise gone_or(FdPassingError(f"lstat {path}: {e.strerror}")) from None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise NotSupported(
+                f"fd passing: {path} is a {_file_kind(st.st_mode)}, not the fd server socket of "
+                f"{exporter.describe()} (something else holds its name; remove it)"
+            )
+        address, target, file_uid = path, path, st.st_uid
+    elif exporter.in_own_pid_namespace():
+        legacy = _fd_legacy_abstract_name(exporter)
+        address, target, file_uid = "\0" + legacy, "@" + legacy, None
+    else:
+        raise gone_or(FdNotOffered(exporter.pid, ids[0], not_served))
 
     def remaining() -> float:
         left = deadline - time.monotonic()
         if left <= 0:
             raise Timeout(f"the exporter's fd server ({target}) did not answer within {timeout} s")
         return left
-
-    def gone_or(err: BaseException) -> BaseException:
-        return ProducerGone(exporter.pid) if _exporter_gone(exporter) else err
 
     def malformed(why: str) -> FdPassingError:
         return FdPassingError(f"{target}: malformed fd-server reply: {why}")
@@ -625,14 +890,13 @@ def _fetch_fds_once(exporter: ProcessIdentity, ids: list, deadline: float, timeo
         while True:
             sock.settimeout(remaining())
             try:
-                sock.connect("\0" + name)
+                sock.connect(address)
                 break
             except InterruptedError:
                 continue
             except (ConnectionRefusedError, FileNotFoundError):
-                raise gone_or(
-                    FdNotOffered(exporter.pid, ids[0], "the process serves no fds (it has exported none)")
-                ) from None
+                # No listener (a killed exporter's socket file), or the file went away.
+                raise gone_or(FdNotOffered(exporter.pid, ids[0], not_served)) from None
             except (BlockingIOError, socket.timeout):
                 if _exporter_gone(exporter):
                     raise ProducerGone(exporter.pid) from None
@@ -641,14 +905,25 @@ def _fetch_fds_once(exporter: ProcessIdentity, ids: list, deadline: float, timeo
             except OSError as e:
                 raise gone_or(FdPassingError(f"connect {target}: {e}")) from None
 
-        # Who listens there? The listener's credentials (pid, uid, gid), taken at listen().
+        # Who listens there? The listener's credentials (pid, uid, gid), taken at listen(). A pid
+        # means the exporter only when it counts pids in our namespace; across namespaces the
+        # listener must be our user (or root) and own the socket file.
         cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         server_pid, server_uid, _gid = struct.unpack("3i", cred)
-        if server_pid != exporter.pid:
+        euid = os.geteuid()
+        if exporter.in_own_pid_namespace():
+            if server_pid != exporter.pid:
+                raise NotSupported(
+                    f"fd passing: the socket {target} of pid {exporter.pid} is held by pid "
+                    f"{server_pid} (another process squats on the exporter's socket name; find it "
+                    "with `ss -xlp`)"
+                )
+        elif server_uid not in (euid, 0) or file_uid != server_uid:
             raise NotSupported(
-                f"fd passing: the socket {target} of pid {exporter.pid} is held by pid {server_pid} "
-                "(another process squats on the exporter's socket name; find it with `ss -xlp`; "
-                "the processes must also share a pid namespace)"
+                f"fd passing: the socket {target} of {exporter.describe()} is held by uid "
+                f"{server_uid} and its file owned by uid {file_uid}; this process runs as uid {euid} "
+                "(another user squats on the exporter's socket name, or the producer and the "
+                "consumer run as different users)"
             )
 
         request = _FD_REQUEST_HEADER.pack(
@@ -798,6 +1073,24 @@ def _validate_channel_name(name: str) -> str:
     return seg
 
 
+def _is_sparse(fd: int, st: os.stat_result) -> bool:
+    """Whether pages of the file are not backed by memory (a ``truncate -s`` file, or a creator that
+    died between ``ftruncate`` and ``fallocate``): fewer backed bytes (``st_blocks`` x 512) than its
+    4096-byte pages need, with ``SEEK_HOLE`` (where supported) finding a hole before the end.
+
+    ``SEEK_HOLE`` alone is not enough: recent kernels report the fallocated but never written
+    pages of a tmpfs file (every channel segment, as created) as holes, though they are backed and
+    cannot raise SIGBUS; ``st_blocks`` counts them."""
+    if st.st_size == 0:
+        return False
+    if st.st_blocks * 512 >= -(-st.st_size // 4096) * 4096:
+        return False
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) < st.st_size
+    except (OSError, AttributeError):
+        return True
+
+
 class _Control:
     """The mapped control segment and the consumer side of the protocol (src/channel/control.rs).
 
@@ -809,22 +1102,31 @@ class _Control:
         self.futex = _Futex.get()
         seg = _validate_channel_name(channel)
         self.name = seg
+        self.channel = channel
         path = "/dev/shm/" + seg
+        self.path = path
         try:
             # O_NOFOLLOW, as shm_open: a symbolic link planted in /dev/shm is never followed.
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted under the name never blocks the open.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ChannelNotFound(f"no channel named {channel!r} (start its producer first)") from None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise BadSegment(f"{path} is a symbolic link; a segment is never opened through one") from None
+            if e.errno in (errno.EISDIR, errno.ENXIO):  # ENXIO: a socket cannot be opened
+                kind = "directory" if e.errno == errno.EISDIR else "socket"
+                raise BadSegment(f"{path} is a {kind}, not a shared-memory segment") from None
             raise BadSegment(f"{path} cannot be opened: {e.strerror}") from None
         self.addr = 0
         self.len = 0
         try:
+            # Checked before anything is mapped or read (Segment::open_with_min_len).
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise BadSegment(f"{seg} is not a shared-memory object")
+                raise BadSegment(
+                    f"{path} is a {_file_kind(st.st_mode)}, not a shared-memory segment"
+                )
             if st.st_uid != os.geteuid():
                 raise BadSegment(
                     f"{seg} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}"
@@ -834,12 +1136,20 @@ class _Control:
                     f"{seg} holds {st.st_size} bytes, less than a {_HEADER_BYTES}-byte header: "
                     "truncated or not a channel"
                 )
+            # Never map a sparse file: touching a hole in a full /dev/shm raises SIGBUS.
+            if _is_sparse(fd, st):
+                raise BadSegment(
+                    f"{seg} is sparse: {st.st_blocks * 512} of its {st.st_size} bytes are backed "
+                    "by memory; it was not fully created"
+                )
             libc = _libc_mm()
             addr = libc.mmap(None, st.st_size, _PROT_RW, _MAP_SHARED, fd, 0)
             if addr is None or addr == _MAP_FAILED:
                 e = ctypes.get_errno()
                 raise OSError(e, f"mmap {path}: {os.strerror(e)}")
             self.addr, self.len = addr, st.st_size
+            # What the name stood for when mapped, for check_superseded.
+            self.inode = (st.st_dev, st.st_ino)
         finally:
             os.close(fd)  # the mapping stays valid without the descriptor
         try:
@@ -847,6 +1157,17 @@ class _Control:
         except BaseException:
             self.unmap()
             raise
+
+    def check_superseded(self) -> None:
+        """Raises ``Superseded`` when the channel's name now stands for another segment than the
+        one mapped (removed and made again): one ``lstat``, for the slow path of a wait only. A
+        name that is gone (nothing replaced it) or cannot be looked at is not superseded."""
+        try:
+            now = os.lstat(self.path)
+        except OSError:
+            return
+        if (now.st_dev, now.st_ino) != self.inode:
+            raise Superseded(self.channel)
 
     def _validate(self, seg: str) -> None:
         a, base = self.a, self.addr
@@ -867,7 +1188,9 @@ class _Control:
         v = a.load32(base + _H_VERSION, _RELAXED)
         if v != LAYOUT_VERSION:
             raise BadSegment(
-                f"{seg} has channel layout version {v}; this module reads version {LAYOUT_VERSION}"
+                f"{seg} has channel layout version {v}; this module reads version {LAYOUT_VERSION} "
+                f"(a producer of another cuda-ipc version: stop it, or remove /dev/shm/{seg} if it "
+                "is gone)"
             )
         self.buffers = a.load32(base + _H_BUFFERS, _RELAXED)
         self.consumers = a.load32(base + _H_CONSUMERS, _RELAXED)
@@ -911,7 +1234,10 @@ class _Control:
             "<QQ", a.load64(h + _H_PRODUCER_BOOT, _RELAXED), a.load64(h + _H_PRODUCER_BOOT + 8, _RELAXED)
         )
         return ProcessIdentity(
-            a.load32(h + _H_PRODUCER_PID, _RELAXED), a.load64(h + _H_PRODUCER_START, _RELAXED), boot
+            a.load32(h + _H_PRODUCER_PID, _RELAXED),
+            a.load64(h + _H_PRODUCER_START, _RELAXED),
+            boot,
+            a.load32(h + _H_PRODUCER_PID_NS, _RELAXED),
         )
 
     def head(self) -> int:
@@ -925,7 +1251,7 @@ class _Control:
     def producer_gone(self) -> None:
         p = self.producer()
         if p.liveness() is False:
-            raise ProducerGone(p.pid)
+            raise ProducerGone(p.pid, p.describe())
 
     # -- ready page
     def ready_page(self) -> tuple:
@@ -1021,7 +1347,10 @@ class _Control:
                 "<QQ", a.load64(s + _C_BOOT, _RELAXED), a.load64(s + _C_BOOT + 8, _RELAXED)
             )
             ident = ProcessIdentity(
-                a.load32(s + _C_PID, _RELAXED), a.load64(s + _C_START, _RELAXED), boot
+                a.load32(s + _C_PID, _RELAXED),
+                a.load64(s + _C_START, _RELAXED),
+                boot,
+                a.load32(s + _C_PID_NS, _RELAXED),
             )
             if ident.liveness() is not False:
                 continue
@@ -1063,6 +1392,7 @@ class _Control:
             a.store64(s + _C_START, me.start_time, _RELAXED)
             a.store64(s + _C_BOOT, boot0, _RELAXED)
             a.store64(s + _C_BOOT + 8, boot1, _RELAXED)
+            a.store32(s + _C_PID_NS, me.pid_ns, _RELAXED)
             a.store32(s + _C_POLICY, policy, _RELAXED)
             a.store64(s + _C_RECEIVED, 0, _RELAXED)
             a.store64(s + _C_DROPPED, 0, _RELAXED)
@@ -1139,8 +1469,18 @@ class _Control:
         return got
 
     def take(self, c: int, spin_s: float, timeout: Optional[float]) -> Optional[tuple]:
+        next_look = [time.monotonic() + _SUPERSEDED_EVERY]
+
+        def gone() -> None:
+            # Every 20 ms the producer's liveness; every 500 ms whether the name was superseded.
+            self.producer_gone()
+            now = time.monotonic()
+            if now >= next_look[0]:
+                next_look[0] = now + _SUPERSEDED_EVERY
+                self.check_superseded()
+
         return self.wait_until(
-            _H_PUBLISH_FUTEX, spin_s, timeout, lambda: self.take_or_closed(c), self.producer_gone
+            _H_PUBLISH_FUTEX, spin_s, timeout, lambda: self.take_or_closed(c), gone
         )
 
     def release(self, c: int, i: int) -> None:
@@ -2001,7 +2341,13 @@ class Consumer:
         release tokens name no event); for tools and tests.
         ``spin``: seconds to poll before sleeping on the futex in ``recv`` (default 0).
 
-        Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``;
+        Before claiming the slot it takes this process's identity (``ProcessIdentity.current``),
+        which creates and locks its liveness file: that is how the producer, in any pid
+        namespace, tells whether this consumer still runs.
+
+        Raises ``ValueError`` for a bad name or delivery; ``ChannelNotFound``; ``BadSegment``
+        (also for a sparse segment, or a symbolic link, directory, FIFO, socket or device under
+        the name: never mapped, never blocking); ``OSError`` when the liveness file cannot be made;
         ``InvalidToken``; ``NoConsumerSlot``; ``ProducerGone`` when the producer is dead (also
         when it dies while its VMM or pool fds are fetched); ``FdNotOffered``, ``NotSupported``,
         ``Timeout`` or ``FdPassingError`` from fetching those fds (``fetch_fds``);
@@ -2097,7 +2443,9 @@ class Consumer:
         Raises ``Timeout``; ``ProducerGone`` within about 20 ms of the producer dying, after
         marking the frames it published ready (so streams waiting on them drain; their data may
         be partial); ``ChannelClosed`` once the producer closed and every frame was received;
-        ``Detached``; ``CudaError`` from the stream wait (the hold is released first)."""
+        ``Superseded`` when the channel's name was removed and made again while waiting (looked
+        at every 500 ms of a wait, never per frame: attach again); ``Detached``; ``CudaError``
+        from the stream wait (the hold is released first)."""
         self._check_open()
         with self._recv_lock:
             try:
@@ -2294,6 +2642,6 @@ def _main(argv: list) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(_main(sys.argv[1:]))
-    except (CudaIpcError, ValueError) as e:  # ValueError: a bad channel name
+    except (CudaIpcError, ValueError, OSError) as e:  # ValueError: a bad channel name
         print(f"cuda_ipc_consumer: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

@@ -311,6 +311,7 @@ fn python_latest_only_consumer_gets_the_newest_frame_and_counts_the_skipped_ones
 fn a_killed_python_consumer_has_its_holds_reclaimed_by_the_producer() {
     let ch = Channel::new("killed", 1, 4, TokenKind::LegacyMemory);
     let mut c = py();
+    let me = py_identity(&mut c);
     attach(&mut c, &ch.name, "every");
     ch.publish(1);
     c.send("recv 5");
@@ -319,7 +320,14 @@ fn a_killed_python_consumer_has_its_holds_reclaimed_by_the_producer() {
     assert_eq!(ch.p.reclaim_dead_consumers(), 0, "it is alive");
     c.child.kill().unwrap();
     c.child.wait().unwrap(); // a zombie still shows its start time in /proc
+    assert_eq!(
+        me.liveness(),
+        Liveness::Dead,
+        "its liveness lock died with it"
+    );
     assert_eq!(ch.p.reclaim_dead_consumers(), 1, "its one hold was forced");
+    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    let _ = std::fs::remove_file(me.liveness_path());
     let st = ch.p.stats();
     assert_eq!(st.forced_releases, 1);
     assert!(st.consumers.is_empty(), "its slot was freed");
@@ -342,7 +350,10 @@ fn python_consumer_reports_a_dead_producer_promptly() {
             token(TokenKind::LegacyEvent, 2, 0),
         )];
         let _p = ControlProducer::create(&name, BUFFER_BYTES, 4, &tokens).unwrap();
-        tell("ready");
+        tell(format!(
+            "ready {}",
+            ProcessIdentity::current().unwrap().liveness_path()
+        ));
         for _ in parent_lines() {} // until killed
         return;
     }
@@ -352,7 +363,7 @@ fn python_consumer_reports_a_dead_producer_promptly() {
         "producer",
         &[("CUDA_IPC_TEST_CHANNEL", &name)],
     );
-    producer.expect("ready", T);
+    let producer_live = producer.expect("ready", T);
     let producer_pid = producer.child.id();
     let mut c = py();
     attach(&mut c, &name, "every");
@@ -372,6 +383,8 @@ fn python_consumer_reports_a_dead_producer_promptly() {
     d.send(&format!("attach {name} every"));
     assert_eq!(d.expect("gone", T), producer_pid.to_string());
     let _ = cuda_ipc::shm::Segment::unlink(&format!("cuda-ipc.ch.{name}"));
+    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    let _ = std::fs::remove_file(producer_live);
     c.send("exit");
     c.finish(T);
     d.send("exit");
@@ -548,15 +561,15 @@ fn garbage_segments_and_tokens_are_refused_with_a_clear_error() {
     );
     refuse(
         8,
-        &1u32.to_le_bytes(),
+        &2u32.to_le_bytes(),
         "BadSegment",
-        &["layout version 1", "reads version 2"],
+        &["layout version 2", "reads version 3"],
     );
     refuse(
         8,
-        &3u32.to_le_bytes(),
+        &4u32.to_le_bytes(),
         "BadSegment",
-        &["layout version 3", "reads version 2"],
+        &["layout version 4", "reads version 3"],
     );
     refuse(
         16,
@@ -638,7 +651,7 @@ fn the_python_module_imports_neither_torch_nor_cupy_and_needs_the_driver_for_gpu
     let dir = repo_file("python");
     let code = "import sys, cuda_ipc_consumer as c\n\
                 assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n\
-                assert c.LAYOUT_VERSION == 2 and c.TOKEN_VERSION == 1\n\
+                assert c.LAYOUT_VERSION == 3 and c.TOKEN_VERSION == 2\n\
                 try:\n    c.Consumer.attach(sys.argv[1])\n    print('attached')\n\
                 except c.CudaUnavailable as e:\n    print('ok', e)";
     let out = Command::new(python())
@@ -858,6 +871,8 @@ fn python_fetches_memfds_from_a_rust_fd_exporter_and_leaks_none() {
     assert_eq!(c.expect("nfds", T), before, "the Python process leaked fds");
     c.send("exit");
     c.finish(T);
+    let ns = cuda_ipc::identity::own_pid_ns();
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.live.{ns}.{pid}.{start}"));
 }
 
 /// On a GPU: a Rust producer whose pool is VMM memory, then one whose pool is memory-pool memory,
@@ -939,32 +954,421 @@ fn the_python_command_line_reports_bad_and_missing_channels_in_one_line() {
     }
 }
 
-/// The Python consumer never follows a symbolic link planted in /dev/shm under a channel's name, and
-/// reports a directory there as a bad segment, not a traceback.
+/// Runs `cmd` with a time limit; kills it (and fails the test) when it runs past `limit`.
+fn output_within(mut cmd: Command, limit: Duration) -> std::process::Output {
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} ran past {limit:?}: it hung");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Whatever sits under a channel's segment name that is not a fully created segment (a symbolic
+/// link, which is never followed; a directory; a FIFO, whose open must not block; a socket; a
+/// sparse file, sized with `ftruncate` as `truncate -s` does, which must never be mapped: touching
+/// a hole in a full /dev/shm raises SIGBUS) is refused with a `BadSegment` naming what it is:
+/// status 1 and one line, within a time limit, never a hang, a signal or a traceback.
 #[test]
-fn the_python_consumer_refuses_a_symbolic_link_or_a_directory_as_a_channel() {
+fn the_python_consumer_refuses_links_directories_fifos_sockets_and_sparse_files_as_channels() {
     require_python();
     let ch = Channel::new("link-target", 1, 1, TokenKind::LegacyMemory);
-    let link = unique("link");
-    let dir = unique("dir");
-    std::os::unix::fs::symlink(ch.path(), format!("/dev/shm/cuda-ipc.ch.{link}")).unwrap();
-    std::fs::create_dir(format!("/dev/shm/cuda-ipc.ch.{dir}")).unwrap();
-    let run = |name: &str| {
-        Command::new(python())
-            .arg(repo_file("python/cuda_ipc_consumer.py"))
+    let path = |name: &str| format!("/dev/shm/cuda-ipc.ch.{name}");
+    let (link, dir, fifo, sock, sparse, sparse_header) = (
+        unique("link"),
+        unique("dir"),
+        unique("fifo"),
+        unique("sock"),
+        unique("sparse"),
+        unique("sparsehdr"),
+    );
+    std::os::unix::fs::symlink(ch.path(), path(&link)).unwrap();
+    std::fs::create_dir(path(&dir)).unwrap();
+    let st = Command::new("mkfifo").arg(path(&fifo)).status().unwrap();
+    assert!(st.success(), "mkfifo failed");
+    let _listener = std::os::unix::net::UnixListener::bind(path(&sock)).unwrap();
+    // `truncate -s 1M`: a file of a plausible size and no backed page at all.
+    std::fs::File::create(path(&sparse))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    // A real channel's first page (a valid, stamped header) and holes after it: only the sparse
+    // check stands between this and a mapping whose slots are holes.
+    let len = std::fs::metadata(ch.path()).unwrap().len();
+    let f = std::fs::File::create(path(&sparse_header)).unwrap();
+    f.set_len(len).unwrap();
+    f.write_all_at(&ch.peek(0, 4096), 0).unwrap();
+    drop(f);
+    let cases = [
+        (link.as_str(), "is a symbolic link"),
+        (dir.as_str(), "is a directory"),
+        (fifo.as_str(), "is a FIFO"),
+        (sock.as_str(), "is a socket"),
+        (sparse.as_str(), "is sparse"),
+        (sparse_header.as_str(), "is sparse"),
+    ];
+    let mut results = Vec::new();
+    for (name, want) in cases {
+        let mut cmd = Command::new(python());
+        cmd.arg(repo_file("python/cuda_ipc_consumer.py"))
             .args([name, "--no-cuda", "--timeout", "1"])
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .output()
-            .unwrap()
-    };
-    let (l, d) = (run(&link), run(&dir));
-    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{link}"));
-    let _ = std::fs::remove_dir(format!("/dev/shm/cuda-ipc.ch.{dir}"));
-    for (o, want) in [(l, "is a symbolic link"), (d, "cannot be opened")] {
+            .env("PYTHONDONTWRITEBYTECODE", "1");
+        let t = Instant::now();
+        let o = output_within(cmd, Duration::from_secs(10));
+        results.push((name, want, o, t.elapsed()));
+    }
+    for name in [&link, &fifo, &sock, &sparse, &sparse_header] {
+        let _ = std::fs::remove_file(path(name));
+    }
+    let _ = std::fs::remove_dir(path(&dir));
+    for (name, want, o, took) in results {
         let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{err}");
-        assert!(err.contains("BadSegment") && err.contains(want), "{err}");
+        assert_eq!(o.status.code(), Some(1), "{name}: {:?} {err}", o.status);
+        assert!(
+            err.starts_with("cuda_ipc_consumer: BadSegment: ") && err.contains(want),
+            "{name}: {err}"
+        );
+        if want == "is sparse" {
+            assert!(err.contains("not fully created"), "{name}: {err}");
+        }
+        assert!(!err.contains("Traceback"), "{name}: {err}");
+        assert!(took < Duration::from_secs(5), "{name}: took {took:?}");
     }
     // The channel itself was not attached to through the link.
     assert!(ch.p.consumer_release_tokens(0).is_none());
+}
+
+/// A channel removed and made again under the same name while a Python consumer waits in `recv`:
+/// the consumer raises `Superseded` (naming the channel, saying to attach again) within about a
+/// second, not at its timeout, and a new attach reaches the new channel.
+#[test]
+fn a_python_consumer_waiting_on_a_superseded_channel_is_told_to_attach_again() {
+    let old = Channel::new("superseded", 2, 4, TokenKind::LegacyMemory);
+    let name = old.name.clone();
+    let mut c = py();
+    attach(&mut c, &name, "every");
+    c.send("recv 30");
+    std::thread::sleep(Duration::from_millis(300));
+    drop(old); // unlinks the name; the consumer's mapping stays
+    let tokens: Vec<_> = (0..2)
+        .map(|i| {
+            (
+                token(TokenKind::LegacyMemory, i, BUFFER_BYTES),
+                token(TokenKind::LegacyEvent, 100 + i, 0),
+            )
+        })
+        .collect();
+    let p = ControlProducer::create(&name, BUFFER_BYTES, 4, &tokens).unwrap();
+    let new = Channel { p, name };
+    let t = Instant::now();
+    expect_error(
+        &mut c,
+        "Superseded",
+        &[&format!("{:?}", new.name), "attach again"],
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "Superseded came {:?} after the channel was made again",
+        t.elapsed()
+    );
+    c.send("close");
+    c.expect("detached", T);
+    let (slot, _) = attach(&mut c, &new.name, "every");
+    assert_eq!(new.p.stats().consumers[0].index, slot);
+    new.publish(1);
+    c.send("recv 5");
+    assert_eq!(frame_seq(&mut c), 1);
+    c.send("exit");
+    c.finish(T);
+}
+
+/// A `protocol_check.py` child in a pid namespace of its own (`unshare --pid --fork --mount-proc`;
+/// `--kill-child`, so killing the peer kills the Python process too), or `None`, with the reason
+/// printed, when this machine does not let us make one (EPERM: not root, or user namespaces off).
+fn py_in_new_pid_namespace() -> Option<Peer> {
+    require_python();
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child", "true"])
+        .output();
+    match probe {
+        Err(e) => panic!("unshare (util-linux) is needed for the pid-namespace tests: {e}"),
+        Ok(o) if !o.status.success() => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            if err.contains("Operation not permitted") {
+                println!(
+                    "skipped: unshare --pid is not permitted here ({})",
+                    err.trim()
+                );
+                return None;
+            }
+            panic!(
+                "unshare --pid --fork --mount-proc failed: {:?} {err}",
+                o.status
+            );
+        }
+        Ok(_) => {}
+    }
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+        .arg(python())
+        .arg(repo_file("python/tests/protocol_check.py"))
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    Some(Peer::from_command(cmd))
+}
+
+/// The identity a `protocol_check.py` child reports (`whoami`), with this boot's id.
+fn py_identity(c: &mut Peer) -> ProcessIdentity {
+    c.send("whoami");
+    let r = c.expect("me", T);
+    let w: Vec<u64> = r.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    ProcessIdentity {
+        pid: w[0] as u32,
+        start_time: w[1],
+        boot_id: ProcessIdentity::current().unwrap().boot_id,
+        pid_ns: w[2] as u32,
+    }
+}
+
+const NS_PRODUCER: &str =
+    "a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock";
+
+/// A Python consumer in a pid namespace of its own, attached to Rust producers in this one: its
+/// pid means nothing here (it is 1 or 2 there), so only its liveness lock tells whether it runs.
+/// While it lives, the producer never reclaims it, and it receives every frame; it sees the
+/// producer (whose pid means nothing to it) die within a second of the kill; and when it is
+/// killed itself, the producer reclaims its slot and holds.
+#[test]
+fn a_python_consumer_in_another_pid_namespace_is_judged_by_its_liveness_lock() {
+    if role().as_deref() == Some("producer") {
+        let name = std::env::var("CUDA_IPC_TEST_CHANNEL").unwrap();
+        let tokens: Vec<_> = (0..2)
+            .map(|i| {
+                (
+                    token(TokenKind::LegacyMemory, i, BUFFER_BYTES),
+                    token(TokenKind::LegacyEvent, 100 + i, 0),
+                )
+            })
+            .collect();
+        let p = ControlProducer::create(&name, BUFFER_BYTES, 4, &tokens).unwrap();
+        tell(format!(
+            "ready {}",
+            ProcessIdentity::current().unwrap().liveness_path()
+        ));
+        for line in parent_lines() {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.as_slice() {
+                ["publish", n] => {
+                    for _ in 0..n.parse::<u64>().unwrap() {
+                        let (i, _) = p.acquire(Some(T)).unwrap().expect("a free buffer");
+                        let seq = p.next_seq();
+                        p.publish(i, &meta(seq)).unwrap();
+                    }
+                    tell("published");
+                }
+                ["reclaim"] => tell(format!(
+                    "reclaimed {} {}",
+                    p.reclaim_dead_consumers(),
+                    p.stats().consumers.len()
+                )),
+                _ => panic!("unknown command {line:?}"),
+            }
+        }
+        return;
+    }
+    let Some(mut c) = py_in_new_pid_namespace() else {
+        return;
+    };
+    let own_ns = cuda_ipc::identity::own_pid_ns();
+    let name = unique("pidns");
+    let mut p = Peer::spawn(NS_PRODUCER, "producer", &[("CUDA_IPC_TEST_CHANNEL", &name)]);
+    let producer_live = p.expect("ready", T);
+    let producer_pid = p.child.id();
+
+    let me = py_identity(&mut c);
+    assert_ne!(
+        me.pid_ns, own_ns,
+        "the Python consumer runs in a pid namespace of its own"
+    );
+    assert_ne!(
+        me.pid,
+        c.child.id(),
+        "its pid is counted in its own namespace"
+    );
+    let live = std::fs::symlink_metadata(me.liveness_path())
+        .unwrap_or_else(|e| panic!("no liveness file {}: {e}", me.liveness_path()));
+    assert!(live.file_type().is_file());
+    assert_eq!(me.liveness(), Liveness::Alive, "its liveness lock is held");
+
+    let (_, pid) = attach(&mut c, &name, "every");
+    assert_eq!(pid, me.pid);
+    // Not reclaimed while it lives, however often the producer looks.
+    for _ in 0..3 {
+        p.send("reclaim");
+        assert_eq!(
+            p.expect("reclaimed", T),
+            "0 1",
+            "a live consumer was reclaimed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Frames arrive, in order, with their metadata.
+    c.send("check 20 10");
+    p.send("publish 20");
+    p.expect("published", T);
+    assert_eq!(c.expect("checked", T), "20 20");
+    p.send("reclaim");
+    assert_eq!(p.expect("reclaimed", T), "0 1");
+
+    // The producer is killed while the consumer waits: ProducerGone within a second.
+    c.send("recv 30");
+    std::thread::sleep(Duration::from_millis(100));
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    let killed = Instant::now();
+    assert_eq!(c.expect("gone", T), producer_pid.to_string());
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "ProducerGone came {:?} after the kill",
+        killed.elapsed()
+    );
+    let _ = cuda_ipc::shm::Segment::unlink(&format!("cuda-ipc.ch.{name}"));
+    c.send("close");
+    c.expect("detached", T);
+    // A killed process leaves its liveness file behind, lock free (`cuda-ipc gc` removes it).
+    let _ = std::fs::remove_file(producer_live);
+
+    // The consumer is killed holding a frame: the producer (this process) reclaims it.
+    let ch = Channel::new("pidns-reclaim", 1, 4, TokenKind::LegacyMemory);
+    attach(&mut c, &ch.name, "every");
+    ch.publish(1);
+    c.send("recv 5");
+    assert_eq!(frame_seq(&mut c), 1);
+    assert_eq!(ch.p.reclaim_dead_consumers(), 0, "it is alive");
+    assert!(ch.p.try_acquire().is_none(), "the frame is held");
+    c.child.kill().unwrap();
+    c.child.wait().unwrap();
+    // `--kill-child` kills the Python process when unshare dies; give the kernel a moment.
+    let t = Instant::now();
+    while me.liveness() != Liveness::Dead {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the Python process outlived its unshare"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(ch.p.reclaim_dead_consumers(), 1, "its one hold was forced");
+    assert!(ch.p.stats().consumers.is_empty(), "its slot was freed");
+    assert_eq!(ch.p.try_acquire(), Some((0, 0)));
+    let _ = std::fs::remove_file(me.liveness_path());
+}
+
+/// The fd-passing client over the exporter's socket file in /dev/shm
+/// (`cuda_ipc_consumer._fd_socket_path`), against a stand-in server in another Python process
+/// (`serve` in protocol_check.py): from this pid namespace (the listener's pid checked with
+/// `SO_PEERCRED`) and from another one (its pid means nothing there: the listener's uid and the
+/// socket file's owner are checked instead). A FIFO or a plain file under an exporter's socket
+/// name is refused at once with `NotSupported` naming it, never a hang; an exporter in another
+/// namespace with no socket file serves no fds; a killed exporter is reported gone; no fd leaks.
+#[test]
+fn python_fetches_fds_over_the_socket_file_from_this_and_another_pid_namespace() {
+    let mut s = py();
+    s.send("serve 2");
+    let r = s.expect("serving", T);
+    let w: Vec<u64> = r.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    let (pid, start, ns) = (w[0], w[1], w[2]);
+    let sock = format!("/dev/shm/cuda-ipc.fd.{ns}.{pid}.{start}");
+    let meta = std::fs::symlink_metadata(&sock).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()));
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+        0o600
+    );
+
+    // The same pid namespace.
+    let mut a = py();
+    a.send("nfds");
+    let a_fds = a.expect("nfds", T);
+    a.send(&format!("fetch {pid} {start} 5 2 1 2"));
+    assert_eq!(a.expect("fetched", T), "py-memfd-1 py-memfd-0 py-memfd-1");
+    a.send(&format!("fetch {pid} {start} 5 1 7"));
+    expect_error(&mut a, "FdNotOffered", &["export 7"]);
+
+    // Something else under an exporter's socket name (the live Python process `a`, which serves
+    // nothing): refused at once, naming what it is.
+    let me = py_identity(&mut a);
+    let squat = format!(
+        "/dev/shm/cuda-ipc.fd.{}.{}.{}",
+        me.pid_ns, me.pid, me.start_time
+    );
+    let st = Command::new("mkfifo").arg(&squat).status().unwrap();
+    assert!(st.success());
+    for (kind, make) in [("FIFO", false), ("regular file", true)] {
+        if make {
+            std::fs::remove_file(&squat).unwrap();
+            std::fs::write(&squat, b"not a socket").unwrap();
+        }
+        let t = Instant::now();
+        a.send("fetch self 0 5 1");
+        expect_error(&mut a, "NotSupported", &[&squat, &format!("is a {kind}")]);
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{kind}: took {:?}",
+            t.elapsed()
+        );
+    }
+    std::fs::remove_file(&squat).unwrap();
+    a.send("fetch self 0 5 1");
+    expect_error(&mut a, "FdNotOffered", &["serves no fds"]);
+    a.send("nfds");
+    assert_eq!(a.expect("nfds", T), a_fds, "the Python process leaked fds");
+
+    // Another pid namespace.
+    if let Some(mut b) = py_in_new_pid_namespace() {
+        b.send("nfds");
+        let b_fds = b.expect("nfds", T);
+        b.send(&format!("fetch_ns {pid} {start} {ns} 5 1 2"));
+        assert_eq!(b.expect("fetched", T), "py-memfd-0 py-memfd-1");
+        // A live exporter there with no socket file (`a`, which exported nothing).
+        b.send(&format!(
+            "fetch_ns {} {} {} 5 1",
+            me.pid, me.start_time, me.pid_ns
+        ));
+        expect_error(&mut b, "FdNotOffered", &["serves no fds"]);
+        // The server is killed (its socket file stays behind): gone, without a connect.
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+        let t = Instant::now();
+        b.send(&format!("fetch_ns {pid} {start} {ns} 5 1"));
+        assert_eq!(b.expect("gone", T), pid.to_string());
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t.elapsed()
+        );
+        b.send("nfds");
+        assert_eq!(b.expect("nfds", T), b_fds, "the Python process leaked fds");
+        b.send("exit");
+        b.finish(T);
+    } else {
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+    }
+    a.send(&format!("fetch {pid} {start} 5 1"));
+    assert_eq!(a.expect("gone", T), pid.to_string());
+    // The killed server's files stay behind (`cuda-ipc gc` removes them).
+    let _ = std::fs::remove_file(&sock);
+    let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.live.{ns}.{pid}.{start}"));
+    a.send("exit");
+    a.finish(T);
 }

@@ -28,15 +28,25 @@ line starting ``@@ ``:
                                      (cuda_ipc_consumer.fetch_fds), reads each one's content from
                                      offset 0 and closes it: @@ fetched CONTENT... ("self" as
                                      PID: this process)
+    fetch_ns PID START NS TIMEOUT_S ID...
+                                  -> the same for an exporter of pid namespace NS
+    serve N                       -> serves N memfds (contents "py-memfd-K", export ids K + 1) on
+                                     this process's fd server socket, as the Rust exporter does
+                                     (the socket file at cuda_ipc_consumer._fd_socket_path, mode
+                                     0600): @@ serving PID START NS
     nfds                          -> @@ nfds N (entries of /proc/self/fd)
+    whoami                        -> @@ me PID START_TIME PID_NS (this process's identity, as
+                                     its liveness file and consumer slot name it)
     close                         -> @@ detached
     exit                          -> the process exits 0
 Any exception becomes ``@@ error CLASS MESSAGE`` (``@@ gone PID`` for ProducerGone, ``@@ closed``
 for ChannelClosed), and the process goes on reading commands.
 """
 
+import atexit
 import ctypes
 import os
+import struct
 import sys
 import time
 
@@ -82,16 +92,65 @@ def fd_content(fd: int) -> str:
 
 
 def fetch(cmd) -> list:
+    """``fetch PID START TIMEOUT ID...`` or ``fetch_ns PID START NS TIMEOUT ID...``."""
+    ns = cic._own_pid_ns()
+    if cmd[0] == "fetch_ns":
+        ns = int(cmd[3])
+        cmd = cmd[:3] + cmd[4:]
     if cmd[1] == "self":
         exporter = cic.ProcessIdentity.current()
     else:
-        exporter = cic.ProcessIdentity(int(cmd[1]), int(cmd[2]), cic._boot_id())
+        exporter = cic.ProcessIdentity(int(cmd[1]), int(cmd[2]), cic._boot_id(), ns)
     fds = cic.fetch_fds(exporter, [int(i) for i in cmd[4:]], timeout=float(cmd[3]))
     try:
         return [fd_content(fd) for fd in fds]
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def serve_fds(n: int) -> cic.ProcessIdentity:
+    """A test stand-in for the Rust exporter's fd server (src/ipc/fdpass.rs), so the client's
+    filesystem-socket path is tested end to end: the socket at ``_fd_socket_path`` (mode 0600),
+    one request per connection, ids 1..=N answered with their memfds (SCM_RIGHTS), others with an
+    error status. No uid check: the tests run as one user."""
+    import array
+    import socket
+    import threading
+
+    me = cic.ProcessIdentity.current()
+    path = cic._fd_socket_path(me)
+    fds = {}
+    for k in range(n):
+        fd = os.memfd_create(f"py-memfd-{k}", os.MFD_CLOEXEC)
+        os.pwrite(fd, f"py-memfd-{k}".encode(), 0)
+        fds[k + 1] = fd
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        srv.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                data = conn.recv(8 + 4 * cic._FD_MAX_IDS)
+                magic, version, count = cic._FD_REQUEST_HEADER.unpack_from(data)
+                ids = struct.unpack_from(f"<{count}I", data, cic._FD_REQUEST_HEADER.size)
+                entries = [(i, 0 if i in fds else 1) for i in ids]
+                reply = cic._FD_REPLY_HEADER.pack(cic._FD_REPLY_MAGIC, 1, 0, len(entries))
+                reply += b"".join(cic._FD_REPLY_ENTRY.pack(*e) for e in entries)
+                ok = array.array("i", [fds[i] for i in ids if i in fds])
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, ok.tobytes())] if ok else []
+                conn.sendmsg([reply], anc)
+
+    threading.Thread(target=serve, daemon=True).start()
+    atexit.register(lambda: os.unlink(path))
+    return me
 
 
 def verify(rx, n: int, timeout: float) -> tuple:
@@ -122,6 +181,9 @@ def verify(rx, n: int, timeout: float) -> tuple:
 
 
 def main() -> int:
+    # Take this process's identity (and its liveness lock, one fd held for the life of the
+    # process) first, as any consumer does at attach: fd counts compare like with like.
+    cic.ProcessIdentity.current()
     rx = None
     frames = {}
     last_stream = None
@@ -203,10 +265,16 @@ def main() -> int:
                 count, bad = verify(rx, int(cmd[1]), float(cmd[2]))
                 kinds = {cic._buffer_tokens(rx._control, i)[0].kind for i in range(rx.buffers)}
                 say("verified", count, bad, ",".join(cic._KIND_NAMES[k].split()[0] for k in sorted(kinds)))
-            elif op == "fetch":
+            elif op in ("fetch", "fetch_ns"):
                 say("fetched", *fetch(cmd))
+            elif op == "serve":
+                me = serve_fds(int(cmd[1]))
+                say("serving", me.pid, me.start_time, me.pid_ns)
             elif op == "nfds":
                 say("nfds", open_fds())
+            elif op == "whoami":
+                me = cic.ProcessIdentity.current()
+                say("me", me.pid, me.start_time, me.pid_ns)
             elif op == "close":
                 rx.close()
                 say("detached")
