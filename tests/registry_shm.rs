@@ -101,6 +101,13 @@ fn zero_size_or_short_segment_is_an_error_not_a_fault() {
         ),
         "{e}"
     );
+    // Long enough, but its page was never allocated (ftruncate alone): sparse, not mapped.
+    let e = Segment::open_with_min_len(&name, 100).unwrap_err();
+    assert!(
+        matches!(e, Error::Registry(RegistryError::Sparse { len: 100, .. })),
+        "{e}"
+    );
+    rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, 100).unwrap();
     assert!(Segment::open_with_min_len(&name, 100).is_ok());
     Segment::unlink(&name).unwrap();
 }
