@@ -112,7 +112,8 @@ fn produce_for(kind: MemoryKind, namespaces: &[&str], test: &str) -> String {
     last
 }
 
-const VMM: &str = "a_vmm_channel_to_a_consumer_in_other_pid_and_network_namespaces_delivers_every_frame_intact";
+const VMM: &str =
+    "a_vmm_channel_to_a_consumer_in_other_pid_and_network_namespaces_delivers_every_frame_intact";
 
 #[test]
 #[ignore = "needs a CUDA GPU and root (scripts/gpu-test.sh)"]
@@ -124,7 +125,8 @@ fn a_vmm_channel_to_a_consumer_in_other_pid_and_network_namespaces_delivers_ever
     assert_eq!(last, format!("done {FRAMES} 0"), "every frame, no mismatch");
 }
 
-const POOL: &str = "a_pool_channel_to_a_consumer_in_another_pid_namespace_delivers_every_frame_intact";
+const POOL: &str =
+    "a_pool_channel_to_a_consumer_in_another_pid_namespace_delivers_every_frame_intact";
 
 #[test]
 #[ignore = "needs a CUDA GPU and root (scripts/gpu-test.sh)"]
