@@ -18,6 +18,7 @@
 mod cache;
 mod event;
 pub mod fdpass;
+mod flight;
 mod handle;
 mod memory;
 mod vmm;
