@@ -103,7 +103,7 @@ fn exporter_main() {
     }
     let me = ProcessIdentity::current().unwrap();
     tell(format!(
-        "ready {} {} {} {}",
+        "ready {} {} {} {} {}",
         me.pid,
         me.start_time,
         hex(&me.boot_id),
@@ -111,7 +111,8 @@ fn exporter_main() {
             "-".to_string()
         } else {
             list.join(",")
-        }
+        },
+        me.pid_ns
     ));
     for line in parent_lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -121,6 +122,13 @@ fn exporter_main() {
                 assert!(exports.remove(&id).is_some(), "no export {id}");
                 tell("withdrawn");
             }
+            ["export"] => match FdExport::new(memfd("late")) {
+                Ok(e) => {
+                    tell(format!("exported {}:{}", e.id(), e.raw_fd()));
+                    exports.insert(e.id(), e);
+                }
+                Err(e) => tell(format!("exported err {e}")),
+            },
             ["fds"] => tell(format!("fds {}", settled_fds())),
             ["exit"] => break,
             other => panic!("exporter: unknown command {other:?}"),
@@ -217,12 +225,12 @@ fn importer_main() {
     for line in parent_lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            ["target", pid, start, boot] => {
+            ["target", pid, start, boot, ns] => {
                 target = Some(ProcessIdentity {
                     pid: pid.parse().unwrap(),
                     start_time: start.parse().unwrap(),
                     boot_id: unhex16(boot),
-                    pid_ns: cuda_ipc::identity::own_pid_ns(),
+                    pid_ns: ns.parse().unwrap(),
                 });
                 tell("ok");
             }
@@ -266,17 +274,22 @@ struct Exporter {
 
 impl Exporter {
     fn spawn(test: &str, n: usize, env: &[(&str, &str)]) -> Exporter {
+        Self::spawn_under(&[], test, n, env)
+    }
+
+    /// An exporter child started through `wrapper` (e.g. `unshare --pid ...`; empty: directly).
+    fn spawn_under(wrapper: &[&str], test: &str, n: usize, env: &[(&str, &str)]) -> Exporter {
         let n_text = n.to_string();
         let mut all = vec![(EXPORTS, n_text.as_str())];
         all.extend_from_slice(env);
-        let mut peer = Peer::spawn(test, "exporter", &all);
+        let mut peer = Peer::spawn_under(wrapper, test, "exporter", &all);
         let ready = peer.expect("ready", ANSWER);
         let w: Vec<&str> = ready.split_whitespace().collect();
         let identity = ProcessIdentity {
             pid: w[0].parse().unwrap(),
             start_time: w[1].parse().unwrap(),
             boot_id: unhex16(w[2]),
-            pid_ns: cuda_ipc::identity::own_pid_ns(),
+            pid_ns: w[4].parse().unwrap(),
         };
         let exports = if w[3] == "-" {
             Vec::new()
@@ -347,12 +360,23 @@ impl Fetched {
 
 impl Importer {
     fn spawn(test: &str, exporter: &ProcessIdentity, env: &[(&str, &str)]) -> Importer {
-        let mut peer = Peer::spawn(test, "importer", env);
+        Self::spawn_under(&[], test, exporter, env)
+    }
+
+    /// An importer child started through `wrapper` (e.g. `unshare --net`; empty: directly).
+    fn spawn_under(
+        wrapper: &[&str],
+        test: &str,
+        exporter: &ProcessIdentity,
+        env: &[(&str, &str)],
+    ) -> Importer {
+        let mut peer = Peer::spawn_under(wrapper, test, "importer", env);
         peer.send(&format!(
-            "target {} {} {}",
+            "target {} {} {} {}",
             exporter.pid,
             exporter.start_time,
-            hex(&exporter.boot_id)
+            hex(&exporter.boot_id),
+            exporter.pid_ns
         ));
         peer.expect("ok", ANSWER);
         Importer { peer }
@@ -682,8 +706,7 @@ fn raw_client(exporter: &ProcessIdentity) -> OwnedFd {
         None,
     )
     .unwrap();
-    let name = format!("cuda-ipc.fd.{}.{}", exporter.pid, exporter.start_time);
-    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap();
+    let addr = SocketAddrUnix::new(fdpass::socket_path(exporter).as_str()).unwrap();
     rustix::net::connect(&sock, &addr).unwrap();
     rustix::net::sockopt::set_socket_timeout(
         &sock,
