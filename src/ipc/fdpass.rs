@@ -319,7 +319,8 @@ fn ensure_server() -> Result<()> {
                 std::io::Error::new(
                     std::io::ErrorKind::AddrInUse,
                     format!(
-                        "something else is at this process's fd socket path ({}); it was not made                          by this process and is left alone",
+                        "something else is at this process's fd socket path ({}); it was not \
+                         made by this process and is left alone",
                         describe_path(&path)
                     ),
                 ),
@@ -1118,7 +1119,8 @@ fn fetch_socket_once(
                 "{path} (the fd socket of {exporter}) is {}, not a socket",
                 describe_path(&path)
             ),
-            fix: "something other than the exporter's fd server was put at its socket path;                   remove it (only the exporter makes that file)",
+            fix: "something other than the exporter's fd server was put at its socket path; \
+                  remove it (only the exporter makes that file)",
         });
     }
     let owner = st.st_uid;
