@@ -254,7 +254,7 @@ pub enum FdTransport {
 /// Directory of the servers' socket files: the POSIX shared-memory directory, which containers that
 /// share segments share too (whatever their network namespaces).
 const SOCKET_DIR: &str = "/dev/shm";
-/// Prefix of a server socket file's name in [`SOCKET_DIR`].
+/// Prefix of a server socket file's name in `/dev/shm`.
 pub const SOCKET_PREFIX: &str = "cuda-ipc.fd.";
 
 /// The path of `exporter`'s fd server socket:
