@@ -31,6 +31,7 @@ fn child_main(role: &str) {
     match role {
         "exporter" => exporter_main(),
         "importer" => importer_main(),
+        "exec-exporter" => exec_exporter_main(),
         other => panic!("unknown role {other}"),
     }
 }
@@ -134,6 +135,28 @@ fn exporter_main() {
             other => panic!("exporter: unknown command {other:?}"),
         }
     }
+}
+
+/// Exec-exporter child: set in the image after the `exec`.
+const AFTER_EXEC: &str = "FDPASS_AFTER_EXEC";
+
+/// An exporter that serves once, then `exec`s itself (no exit: its socket file stays, and its pid
+/// and start time with it), and serves again from the new image ([`exporter_main`]).
+fn exec_exporter_main() {
+    use std::os::unix::process::CommandExt;
+    if std::env::var(AFTER_EXEC).is_ok() {
+        return exporter_main();
+    }
+    let export = FdExport::new(memfd("before the exec")).unwrap();
+    let me = ProcessIdentity::current().unwrap();
+    assert!(std::fs::symlink_metadata(fdpass::socket_path(&me)).is_ok());
+    tell(format!("before {}", me.start_time));
+    std::mem::forget(export); // as an exec would: no destructor runs
+    let err = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(std::env::args_os().skip(1))
+        .env(AFTER_EXEC, "1")
+        .exec();
+    panic!("exec: {err}");
 }
 
 /// Removes `CAP_SYS_PTRACE` from this thread's effective and permitted sets (capabilities are per
@@ -282,7 +305,12 @@ impl Exporter {
         let n_text = n.to_string();
         let mut all = vec![(EXPORTS, n_text.as_str())];
         all.extend_from_slice(env);
-        let mut peer = Peer::spawn_under(wrapper, test, "exporter", &all);
+        let peer = Peer::spawn_under(wrapper, test, "exporter", &all);
+        Self::from_peer(peer, n)
+    }
+
+    /// The exporter whose child `peer` is about to say `ready` with `n` exports.
+    fn from_peer(mut peer: Peer, n: usize) -> Exporter {
         let ready = peer.expect("ready", ANSWER);
         let w: Vec<&str> = ready.split_whitespace().collect();
         let identity = ProcessIdentity {
@@ -1218,4 +1246,30 @@ fn across_pid_namespaces_a_socket_of_another_user_is_refused() {
     // Refused before connecting: nobody knocked.
     listener.set_nonblocking(true).unwrap();
     assert!(listener.accept().is_err());
+}
+
+#[test]
+fn an_exporter_that_execs_itself_serves_again_under_the_same_name() {
+    const NAME: &str = "an_exporter_that_execs_itself_serves_again_under_the_same_name";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut peer = Peer::spawn(NAME, "exec-exporter", &[(EXPORTS, "1")]);
+    let start_before: u64 = peer.expect("before", ANSWER).parse().unwrap();
+    // The new image finds its own socket file from before the exec (nobody listens on it any
+    // more), replaces it and serves.
+    let ex = Exporter::from_peer(peer, 1);
+    assert_eq!(ex.identity.start_time, start_before, "same process");
+    let fd = fdpass::fetch(
+        &ex.identity,
+        ex.exports[0].0,
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    assert_eq!(read_content(&fd), expected_content(0));
+    let id = ex.identity;
+    ex.finish();
+    assert!(!socket_exists(&id), "a normal exit left the socket file");
 }
