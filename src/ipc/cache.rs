@@ -37,8 +37,8 @@ pub struct CacheStats {
     /// Memory imports served from an existing mapping (including those that waited for another
     /// thread's open of the same mapping).
     pub hits: u64,
-    /// Imports (memory and events) that waited for another thread's open or close of the same key
-    /// before being served.
+    /// Imports (mappings, imported pools, events) that waited for another thread's open or close
+    /// of the same key before being served.
     pub waits: u64,
     /// Imports of this process's own exports, served by the local allocation.
     pub self_imports: u64,
@@ -99,22 +99,19 @@ pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Counts how a memory import was served.
+/// Counts how a memory import was served (a hit, and whether it waited).
 pub(crate) fn count_served(how: Served) {
-    match how {
-        Served::Opened => {}
-        Served::Hit { waited } => {
-            bump(&HITS);
-            if waited {
-                bump(&WAITS);
-            }
-        }
+    if let Served::Hit { .. } = how {
+        bump(&HITS);
     }
+    count_wait(how);
 }
 
-/// Counts a wait of an event import (hits are counted by the caller).
-pub(crate) fn count_wait() {
-    bump(&WAITS);
+/// Counts an import (memory or event) that waited for another thread's open or close of its key.
+pub(crate) fn count_wait(how: Served) {
+    if let Served::Hit { waited: true } | Served::Opened { waited: true } = how {
+        bump(&WAITS);
+    }
 }
 
 pub(crate) fn count_self_import() {

@@ -206,12 +206,10 @@ impl IpcEventHandle {
                 _lease: Some(lease),
             })
         })?;
-        if let cache::Served::Hit { waited } = how {
+        if let cache::Served::Hit { .. } = how {
             cache::bump(&cache::EVENT_HITS);
-            if waited {
-                cache::count_wait();
-            }
         }
+        cache::count_wait(how);
         Ok(IpcEvent {
             event,
             handle: *self,

@@ -68,10 +68,11 @@ enum Slot<V> {
 /// How [`SingleFlight::get_or_open`] served a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Served {
-    /// This caller ran `open`.
-    Opened,
-    /// The value existed or another caller opened it; `waited` when this caller waited for an open
-    /// or a close of the key first.
+    /// This caller ran `open`; `waited` when it first waited for another caller's failed open or
+    /// for the close of the key's previous value.
+    Opened { waited: bool },
+    /// The value existed or another caller opened it; `waited` when this caller waited for that
+    /// open (or a close of the key) first.
     Hit { waited: bool },
 }
 
@@ -161,7 +162,7 @@ impl<K: Ord + Clone, V> SingleFlight<K, V> {
                 );
                 self.changed.notify_all();
                 drop(guard); // the slot is no longer `Opening`: does nothing
-                Ok((v, Served::Opened))
+                Ok((v, Served::Opened { waited }))
             }
             Err(e) => {
                 // Set before the guard removes the slot and wakes the waiters.
@@ -381,7 +382,7 @@ mod tests {
             let (v, how) = t
                 .get_or_open(key, |lease| Ok(c.open(lease, Duration::ZERO)))
                 .unwrap();
-            assert_eq!(how, Served::Opened);
+            assert!(matches!(how, Served::Opened { .. }), "{how:?}");
             drop(v);
         }
         assert!(
@@ -422,7 +423,7 @@ mod tests {
         let (v, how) = t
             .get_or_open(3, |lease| Ok(c.open(lease, Duration::ZERO)))
             .unwrap();
-        assert_eq!(how, Served::Opened);
+        assert_eq!(how, Served::Opened { waited: false });
         assert_eq!(v.id, 0);
     }
 
@@ -449,7 +450,7 @@ mod tests {
         let (_, how) = t
             .get_or_open(5, |lease| Ok(c.open(lease, Duration::ZERO)))
             .unwrap();
-        assert_eq!(how, Served::Opened);
+        assert!(matches!(how, Served::Opened { .. }), "{how:?}");
     }
 
     #[test]
@@ -519,7 +520,7 @@ mod tests {
                 Ok(c.open(lease, Duration::ZERO))
             })
             .unwrap();
-        assert_eq!(how, Served::Opened);
+        assert_eq!(how, Served::Opened { waited: true });
         assert_eq!(w.id, 1);
         dropper.join().unwrap();
         // The old value's lease (dropped after its close) did not free the new value's slot.

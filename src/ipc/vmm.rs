@@ -791,7 +791,7 @@ impl Drop for ImportedPool {
 /// from the cache, or fetched and imported by one caller while the others of that key wait.
 fn import_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<ImportedPool>> {
     let key: PoolKey = (token.exporter, token.export_id, ctx.as_raw() as usize);
-    let (p, _) = IMPORTED_POOLS.get_or_open(key, |lease| {
+    let (p, how) = IMPORTED_POOLS.get_or_open(key, |lease| {
         require_peer(ctx, token.device)?;
         let fd = fetch_fd(token, -1)?;
         ctx.bind()?;
@@ -824,6 +824,7 @@ fn import_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<ImportedPool>> {
         }
         Ok(p)
     })?;
+    cache::count_wait(how);
     Ok(p)
 }
 
