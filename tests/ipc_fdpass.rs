@@ -31,6 +31,7 @@ fn child_main(role: &str) {
     match role {
         "exporter" => exporter_main(),
         "importer" => importer_main(),
+        "exec-exporter" => exec_exporter_main(),
         other => panic!("unknown role {other}"),
     }
 }
@@ -103,7 +104,7 @@ fn exporter_main() {
     }
     let me = ProcessIdentity::current().unwrap();
     tell(format!(
-        "ready {} {} {} {}",
+        "ready {} {} {} {} {}",
         me.pid,
         me.start_time,
         hex(&me.boot_id),
@@ -111,7 +112,8 @@ fn exporter_main() {
             "-".to_string()
         } else {
             list.join(",")
-        }
+        },
+        me.pid_ns
     ));
     for line in parent_lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -121,11 +123,40 @@ fn exporter_main() {
                 assert!(exports.remove(&id).is_some(), "no export {id}");
                 tell("withdrawn");
             }
+            ["export"] => match FdExport::new(memfd("late")) {
+                Ok(e) => {
+                    tell(format!("exported {}:{}", e.id(), e.raw_fd()));
+                    exports.insert(e.id(), e);
+                }
+                Err(e) => tell(format!("exported err {e}")),
+            },
             ["fds"] => tell(format!("fds {}", settled_fds())),
             ["exit"] => break,
             other => panic!("exporter: unknown command {other:?}"),
         }
     }
+}
+
+/// Exec-exporter child: set in the image after the `exec`.
+const AFTER_EXEC: &str = "FDPASS_AFTER_EXEC";
+
+/// An exporter that serves once, then `exec`s itself (no exit: its socket file stays, and its pid
+/// and start time with it), and serves again from the new image ([`exporter_main`]).
+fn exec_exporter_main() {
+    use std::os::unix::process::CommandExt;
+    if std::env::var(AFTER_EXEC).is_ok() {
+        return exporter_main();
+    }
+    let export = FdExport::new(memfd("before the exec")).unwrap();
+    let me = ProcessIdentity::current().unwrap();
+    assert!(std::fs::symlink_metadata(fdpass::socket_path(&me)).is_ok());
+    tell(format!("before {}", me.start_time));
+    std::mem::forget(export); // as an exec would: no destructor runs
+    let err = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(std::env::args_os().skip(1))
+        .env(AFTER_EXEC, "1")
+        .exec();
+    panic!("exec: {err}");
 }
 
 /// Removes `CAP_SYS_PTRACE` from this thread's effective and permitted sets (capabilities are per
@@ -217,12 +248,12 @@ fn importer_main() {
     for line in parent_lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            ["target", pid, start, boot] => {
+            ["target", pid, start, boot, ns] => {
                 target = Some(ProcessIdentity {
                     pid: pid.parse().unwrap(),
                     start_time: start.parse().unwrap(),
                     boot_id: unhex16(boot),
-                    pid_ns: cuda_ipc::identity::own_pid_ns(),
+                    pid_ns: ns.parse().unwrap(),
                 });
                 tell("ok");
             }
@@ -266,17 +297,27 @@ struct Exporter {
 
 impl Exporter {
     fn spawn(test: &str, n: usize, env: &[(&str, &str)]) -> Exporter {
+        Self::spawn_under(&[], test, n, env)
+    }
+
+    /// An exporter child started through `wrapper` (e.g. `unshare --pid ...`; empty: directly).
+    fn spawn_under(wrapper: &[&str], test: &str, n: usize, env: &[(&str, &str)]) -> Exporter {
         let n_text = n.to_string();
         let mut all = vec![(EXPORTS, n_text.as_str())];
         all.extend_from_slice(env);
-        let mut peer = Peer::spawn(test, "exporter", &all);
+        let peer = Peer::spawn_under(wrapper, test, "exporter", &all);
+        Self::from_peer(peer, n)
+    }
+
+    /// The exporter whose child `peer` is about to say `ready` with `n` exports.
+    fn from_peer(mut peer: Peer, n: usize) -> Exporter {
         let ready = peer.expect("ready", ANSWER);
         let w: Vec<&str> = ready.split_whitespace().collect();
         let identity = ProcessIdentity {
             pid: w[0].parse().unwrap(),
             start_time: w[1].parse().unwrap(),
             boot_id: unhex16(w[2]),
-            pid_ns: cuda_ipc::identity::own_pid_ns(),
+            pid_ns: w[4].parse().unwrap(),
         };
         let exports = if w[3] == "-" {
             Vec::new()
@@ -347,12 +388,23 @@ impl Fetched {
 
 impl Importer {
     fn spawn(test: &str, exporter: &ProcessIdentity, env: &[(&str, &str)]) -> Importer {
-        let mut peer = Peer::spawn(test, "importer", env);
+        Self::spawn_under(&[], test, exporter, env)
+    }
+
+    /// An importer child started through `wrapper` (e.g. `unshare --net`; empty: directly).
+    fn spawn_under(
+        wrapper: &[&str],
+        test: &str,
+        exporter: &ProcessIdentity,
+        env: &[(&str, &str)],
+    ) -> Importer {
+        let mut peer = Peer::spawn_under(wrapper, test, "importer", env);
         peer.send(&format!(
-            "target {} {} {}",
+            "target {} {} {} {}",
             exporter.pid,
             exporter.start_time,
-            hex(&exporter.boot_id)
+            hex(&exporter.boot_id),
+            exporter.pid_ns
         ));
         peer.expect("ok", ANSWER);
         Importer { peer }
@@ -545,6 +597,20 @@ fn a_dead_exporter_gives_peer_gone_promptly() {
     }
     assert_eq!(im.fds(), before, "the importer leaked fds");
     im.finish();
+    // Killed, it left its socket file: stale, and removable.
+    let who = ex.identity;
+    let stale = fdpass::stale_socket_files().unwrap();
+    let entry = stale
+        .iter()
+        .find(|f| f.identity == who)
+        .unwrap_or_else(|| panic!("{who} not listed as stale: {stale:?}"));
+    assert!(fdpass::remove_stale_socket_file(entry).unwrap());
+    assert!(!socket_exists(&who));
+    for f in cuda_ipc::identity::stale_liveness_files().unwrap() {
+        if f.identity == who {
+            cuda_ipc::identity::remove_stale_liveness_file(&f).unwrap();
+        }
+    }
 }
 
 #[test]
@@ -682,8 +748,7 @@ fn raw_client(exporter: &ProcessIdentity) -> OwnedFd {
         None,
     )
     .unwrap();
-    let name = format!("cuda-ipc.fd.{}.{}", exporter.pid, exporter.start_time);
-    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap();
+    let addr = SocketAddrUnix::new(fdpass::socket_path(exporter).as_str()).unwrap();
     rustix::net::connect(&sock, &addr).unwrap();
     rustix::net::sockopt::set_socket_timeout(
         &sock,
@@ -810,4 +875,401 @@ fn a_short_timeout_is_honoured() {
     );
     drop(stalled);
     ex.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Namespaces and the socket file
+
+/// Runs the rest of the command line as pid 1 of a new pid namespace with its own `/proc`; the
+/// child is killed when `unshare` is.
+const PID_NS: &[&str] = &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"];
+/// Runs the rest of the command line in a new network namespace (only a loopback device, down).
+const NET_NS: &[&str] = &["unshare", "--net"];
+
+/// Whether namespaces of this kind can be made here; prints why not.
+fn namespaces_work(wrapper: &[&str], test: &str) -> bool {
+    match common::unshare_works(&wrapper[1..]) {
+        Ok(()) => true,
+        Err(reason) => {
+            eprintln!("{test}: not run: {reason}");
+            false
+        }
+    }
+}
+
+fn socket_exists(id: &ProcessIdentity) -> bool {
+    std::fs::symlink_metadata(fdpass::socket_path(id)).is_ok()
+}
+
+#[test]
+fn an_exporter_in_another_pid_namespace_serves_the_parent() {
+    const NAME: &str = "an_exporter_in_another_pid_namespace_serves_the_parent";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(PID_NS, NAME) {
+        return;
+    }
+    let mut ex = Exporter::spawn_under(PID_NS, NAME, 3, &[]);
+    // Pid 1 of its own namespace: its pid means another process here.
+    assert_eq!(ex.identity.pid, 1);
+    assert_ne!(ex.identity.pid_ns, cuda_ipc::identity::own_pid_ns());
+    assert!(!ex.identity.in_own_pid_namespace());
+    assert!(ex.identity.is_alive());
+    assert!(socket_exists(&ex.identity));
+    let ex_fds = ex.fds();
+    let t = Duration::from_secs(10);
+    let fds = fdpass::fetch_many(&ex.identity, &ex.exports, FdTransport::Socket, t).unwrap();
+    let got: Vec<String> = fds.iter().map(read_content).collect();
+    assert_eq!(got, contents(0..3));
+    drop(fds);
+    // pidfd_getfd cannot name a process of another pid namespace: the socket is used instead,
+    // or, when only pidfd_getfd is allowed, the reason is given.
+    let (id, raw) = ex.exports[1];
+    let fd = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdThenSocket, t).unwrap();
+    assert_eq!(read_content(&fd), expected_content(1));
+    drop(fd);
+    let e = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdOnly, t).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("pid namespace"), "{e}");
+    // Withdrawn ids are refused across namespaces as well.
+    ex.withdraw(0);
+    let e = fdpass::fetch(&ex.identity, ex.exports[0].0, -1, FdTransport::Socket, t).unwrap_err();
+    assert!(matches!(e, Error::FdNotOffered { .. }), "{e}");
+    assert_eq!(ex.fds(), ex_fds - 1, "the exporter leaked fds");
+    let id = ex.identity;
+    ex.finish();
+    assert!(!socket_exists(&id), "a normal exit left the socket file");
+}
+
+#[test]
+fn an_importer_in_another_pid_namespace_fetches_from_this_one() {
+    const NAME: &str = "an_importer_in_another_pid_namespace_fetches_from_this_one";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(PID_NS, NAME) {
+        return;
+    }
+    let mut ex = Exporter::spawn(NAME, 3, &[]);
+    // In the importer's namespace the exporter is not visible: its SO_PEERCRED pid reads 0.
+    let mut im = Importer::spawn_under(PID_NS, NAME, &ex.identity, &[]);
+    let before = im.fds();
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[2, 0, 1])).contents(),
+        contents([2, 0, 1])
+    );
+    assert_eq!(
+        im.fetch("pidfd-then-socket", 5000, &ex.ids(&[1]))
+            .contents(),
+        contents([1])
+    );
+    let f = im.fetch("pidfd-only", 5000, &ex.ids(&[1]));
+    let (kind, text, _) = f.error();
+    assert_eq!(kind, "unsupported", "{text}");
+    assert!(text.contains("pid namespace"), "{text}");
+    ex.withdraw(2);
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[2])).error().0,
+        "notoffered"
+    );
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+#[test]
+fn an_importer_in_another_network_namespace_still_fetches() {
+    const NAME: &str = "an_importer_in_another_network_namespace_still_fetches";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(NET_NS, NAME) {
+        return;
+    }
+    let ex = Exporter::spawn(NAME, 2, &[]);
+    let mut im = Importer::spawn_under(NET_NS, NAME, &ex.identity, &[]);
+    let before = im.fds();
+    for transport in ["socket", "pidfd-then-socket"] {
+        assert_eq!(
+            im.fetch(transport, 5000, &ex.ids(&[1, 0])).contents(),
+            contents([1, 0]),
+            "{transport}"
+        );
+    }
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    // And the other way round: an exporter in its own network namespace serves this one.
+    ex.finish();
+    let ex = Exporter::spawn_under(NET_NS, NAME, 2, &[]);
+    let fd = fdpass::fetch(
+        &ex.identity,
+        ex.exports[1].0,
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    assert_eq!(read_content(&fd), expected_content(1));
+    ex.finish();
+}
+
+#[test]
+fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_removable_stale_socket()
+{
+    const NAME: &str = "a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_removable_stale_socket";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(PID_NS, NAME) {
+        return;
+    }
+    let mut ex = Exporter::spawn_under(PID_NS, NAME, 2, &[]);
+    let who = ex.identity;
+    let t = Duration::from_secs(20);
+    let fd = fdpass::fetch(&who, ex.exports[0].0, -1, FdTransport::Socket, t).unwrap();
+    assert_eq!(read_content(&fd), expected_content(0));
+    assert!(
+        fdpass::stale_socket_files()
+            .unwrap()
+            .iter()
+            .all(|f| f.identity != who),
+        "a live exporter's socket is listed as stale"
+    );
+    // SIGKILL to unshare; --kill-child passes it to the exporter (pid 1 there).
+    ex.peer.child.kill().unwrap();
+    ex.peer.child.wait().unwrap();
+    let at = Instant::now();
+    while who.liveness() != cuda_ipc::identity::Liveness::Dead {
+        assert!(
+            at.elapsed() < Duration::from_secs(10),
+            "the exporter lives on"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for transport in [
+        FdTransport::Socket,
+        FdTransport::PidfdThenSocket,
+        FdTransport::PidfdOnly,
+    ] {
+        let at = Instant::now();
+        let e = fdpass::fetch(&who, ex.exports[1].0, -1, transport, t).unwrap_err();
+        assert!(matches!(e, Error::PeerGone { .. }), "{transport:?}: {e}");
+        assert!(at.elapsed() < Duration::from_secs(2), "{:?}", at.elapsed());
+    }
+    // The fd fetched before stays valid.
+    assert_eq!(read_content(&fd), expected_content(0));
+    // Killed: its socket file is left, listed as stale, and removed by gc's call.
+    assert!(socket_exists(&who));
+    let stale = fdpass::stale_socket_files().unwrap();
+    let entry = stale
+        .iter()
+        .find(|f| f.identity == who)
+        .unwrap_or_else(|| panic!("{} not listed as stale: {stale:?}", who));
+    assert_eq!(entry.uid, rustix::process::geteuid().as_raw());
+    assert!(fdpass::remove_stale_socket_file(entry).unwrap());
+    assert!(!socket_exists(&who));
+    assert!(!fdpass::remove_stale_socket_file(entry).unwrap(), "gone");
+    // Its liveness file too (the identity layer's own gc call).
+    for f in cuda_ipc::identity::stale_liveness_files().unwrap() {
+        if f.identity == who {
+            cuda_ipc::identity::remove_stale_liveness_file(&f).unwrap();
+        }
+    }
+}
+
+/// Holds the liveness lock of a made-up process (standing in for one in another namespace), so
+/// that its identity reads as alive; the file goes when this drops.
+struct FakeAlive {
+    path: String,
+    _fd: OwnedFd,
+}
+
+impl FakeAlive {
+    fn new(id: &ProcessIdentity) -> FakeAlive {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = id.liveness_path();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .unwrap();
+        // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = libc::F_WRLCK as libc::c_short;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        l.l_len = 1;
+        // SAFETY: `file` is open; `l` is a valid, initialised `flock` that outlives the call.
+        let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+        assert_eq!(r, 0, "F_OFD_SETLK: {}", std::io::Error::last_os_error());
+        assert!(id.is_alive());
+        FakeAlive {
+            path,
+            _fd: file.into(),
+        }
+    }
+}
+
+impl Drop for FakeAlive {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Removes a planted path (file, FIFO, link or empty directory) when dropped.
+struct Planted(String);
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0).or_else(|_| std::fs::remove_dir(&self.0));
+    }
+}
+
+/// Puts something at a path.
+type Plant<'a> = dyn Fn(&str) + 'a;
+
+fn mkfifo(path: &str) {
+    let c = std::ffi::CString::new(path).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+#[test]
+fn things_planted_at_the_socket_path_give_a_clear_error_not_a_hang() {
+    const NAME: &str = "things_planted_at_the_socket_path_give_a_clear_error_not_a_hang";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    // A live process that serves nothing yet (so its socket path is free), and one that serves.
+    let mut idle = Exporter::spawn(NAME, 0, &[]);
+    let serving = Exporter::spawn(NAME, 1, &[]);
+    let path = fdpass::socket_path(&idle.identity);
+    let plants: [(&str, &Plant<'_>); 4] = [
+        ("a FIFO", &|p| mkfifo(p)),
+        ("a regular file", &|p| {
+            std::fs::write(p, b"not a socket").unwrap()
+        }),
+        ("a directory", &|p| std::fs::create_dir(p).unwrap()),
+        // A link to a live server's socket: connect() would follow it, lstat does not.
+        ("a symbolic link", &|p| {
+            std::os::unix::fs::symlink(fdpass::socket_path(&serving.identity), p).unwrap()
+        }),
+    ];
+    for (what, plant) in plants {
+        plant(&path);
+        let _planted = Planted(path.clone());
+        let at = Instant::now();
+        let e = fdpass::fetch(
+            &idle.identity,
+            1,
+            3,
+            FdTransport::Socket,
+            Duration::from_secs(20),
+        )
+        .unwrap_err();
+        println!("{what} at the socket path: {e}");
+        assert!(matches!(e, Error::Unsupported { .. }), "{what}: {e}");
+        let text = e.to_string();
+        assert!(
+            text.contains(what) && text.contains("not a socket"),
+            "{text}"
+        );
+        assert!(text.contains(&path), "{text}");
+        assert!(
+            at.elapsed() < Duration::from_secs(2),
+            "{what}: {:?}",
+            at.elapsed()
+        );
+        // The exporter does not remove what it did not make: its export fails, naming it.
+        idle.peer.send("export");
+        let answer = idle.peer.expect("exported", ANSWER);
+        assert!(answer.starts_with("err "), "{what}: {answer}");
+        assert!(answer.contains(what), "{answer}");
+        assert!(
+            std::fs::symlink_metadata(&path).is_ok(),
+            "{what} was removed by the exporter"
+        );
+    }
+    // With the path free again, the same process serves.
+    idle.peer.send("export");
+    let answer = idle.peer.expect("exported", ANSWER);
+    let (id, _) = parse_ids(&answer)[0];
+    let fd = fdpass::fetch(
+        &idle.identity,
+        id,
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    assert_eq!(read_content(&fd), "late");
+    idle.finish();
+    serving.finish();
+}
+
+#[test]
+fn across_pid_namespaces_a_socket_of_another_user_is_refused() {
+    let me = ProcessIdentity::current().unwrap();
+    // A process of another pid namespace that is alive (its liveness lock is held here).
+    let other = ProcessIdentity {
+        pid: 4242,
+        start_time: me.start_time.wrapping_add(999_331),
+        boot_id: me.boot_id,
+        pid_ns: me.pid_ns.wrapping_add(101),
+    };
+    let _alive = FakeAlive::new(&other);
+    let path = fdpass::socket_path(&other);
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let _planted = Planted(path.clone());
+    let squatter_uid = 65534;
+    let c = std::ffi::CString::new(path.as_str()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path; lchown does not follow links.
+    let r = unsafe { libc::lchown(c.as_ptr(), squatter_uid, squatter_uid) };
+    if r != 0 {
+        eprintln!(
+            "not run: lchown needs root ({})",
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    let at = Instant::now();
+    let e = fdpass::fetch(&other, 1, -1, FdTransport::Socket, Duration::from_secs(20)).unwrap_err();
+    println!("a socket of uid {squatter_uid} for an exporter in another pid namespace: {e}");
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+    assert!(at.elapsed() < Duration::from_secs(2));
+    // Refused before connecting: nobody knocked.
+    listener.set_nonblocking(true).unwrap();
+    assert!(listener.accept().is_err());
+}
+
+#[test]
+fn an_exporter_that_execs_itself_serves_again_under_the_same_name() {
+    const NAME: &str = "an_exporter_that_execs_itself_serves_again_under_the_same_name";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut peer = Peer::spawn(NAME, "exec-exporter", &[(EXPORTS, "1")]);
+    let start_before: u64 = peer.expect("before", ANSWER).parse().unwrap();
+    // The new image finds its own socket file from before the exec (nobody listens on it any
+    // more), replaces it and serves.
+    let ex = Exporter::from_peer(peer, 1);
+    assert_eq!(ex.identity.start_time, start_before, "same process");
+    let fd = fdpass::fetch(
+        &ex.identity,
+        ex.exports[0].0,
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    assert_eq!(read_content(&fd), expected_content(0));
+    let id = ex.identity;
+    ex.finish();
+    assert!(!socket_exists(&id), "a normal exit left the socket file");
 }

@@ -1,4 +1,5 @@
-use super::cache::lock;
+use super::cache::{self, lock};
+use super::flight::{Lease, SingleFlight};
 use super::handle::{IpcEventHandle, to_raw_event};
 use crate::driver::{Context, Device, Event, Stream};
 use crate::error::{Error, Result};
@@ -8,22 +9,55 @@ use crate::token::{Token, TokenKind};
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
 use std::ops::Deref;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, Weak};
 
 /// Exports of this process: event handle bytes → event.
-static LOCAL_EVENTS: Mutex<BTreeMap<[u8; 64], Weak<Event>>> = Mutex::new(BTreeMap::new());
+static LOCAL_EVENTS: Mutex<BTreeMap<[u8; 64], Weak<SharedEvent>>> = Mutex::new(BTreeMap::new());
+
+/// Key of an opened event: the handle's bytes (unique on this host by themselves, like a legacy
+/// memory handle's) and the importing context's address (held by the event while it lives).
+type EventKey = ([u8; 64], usize);
+
+/// Events opened from other processes' handles, one per (handle, context): the single-flight
+/// cache of [`super::flight`], so threads opening one handle at once share one
+/// `cuIpcOpenEventHandle` and the last drop destroys it once.
+static EVENTS: SingleFlight<EventKey, SharedEvent> = SingleFlight::new();
+
+/// The event the [`IpcEvent`]s on it share.
+#[derive(Debug)]
+struct SharedEvent {
+    // Drop order: the event is destroyed, its close counted, then the lease frees the cache key
+    // (so a later open of the same handle starts after this destroy). No lease for events made
+    // here.
+    event: Event,
+    _closed: CountOnDrop,
+    _lease: Option<Lease<EventKey, SharedEvent>>,
+}
+
+/// Adds one to a statistics counter when dropped (the close counter of an opened event).
+#[derive(Debug)]
+struct CountOnDrop(Option<&'static AtomicU64>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            cache::bump(c);
+        }
+    }
+}
 
 /// An interprocess event: created here with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`, or
 /// opened from another process's [`IpcEventHandle`].
 ///
 /// Record it on a stream after the work to hand off ([`Event::record`]); the other side makes its
 /// stream wait on it ([`Stream::wait_event`]) without blocking any host thread. Cloning shares the
-/// same event. Derefs to [`Event`] for `record`, `is_complete` and `synchronize`.
+/// same event, and so does opening one handle twice in one context. Derefs to [`Event`] for `record`, `is_complete` and `synchronize`.
 ///
 /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html> and `cuIpcGetEventHandle`.
 #[derive(Debug, Clone)]
 pub struct IpcEvent {
-    event: Arc<Event>,
+    event: Arc<SharedEvent>,
     handle: IpcEventHandle,
     imported: bool,
 }
@@ -39,12 +73,16 @@ impl IpcEvent {
         crate::probe::require_ipc_events(&ctx.device())?;
         let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
             | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        let event = Arc::new(Event::with_flags(ctx, flags)?);
+        let event = Arc::new(SharedEvent {
+            event: Event::with_flags(ctx, flags)?,
+            _closed: CountOnDrop(None),
+            _lease: None,
+        });
         let mut h = MaybeUninit::<sys::CUipcEventHandle>::uninit();
         // SAFETY: context bound by `with_flags`; the event was created with CU_EVENT_INTERPROCESS;
         // `h` a valid out-pointer.
         check("cuIpcGetEventHandle", unsafe {
-            sys::cuIpcGetEventHandle(h.as_mut_ptr(), event.as_raw())
+            sys::cuIpcGetEventHandle(h.as_mut_ptr(), event.event.as_raw())
         })?;
         // SAFETY: written on success.
         let h = unsafe { h.assume_init() };
@@ -74,7 +112,7 @@ impl IpcEvent {
             handle: self.handle.0,
             offset: 0,
             len: 0,
-            device: self.event.context().device().uuid(),
+            device: self.event.event.context().device().uuid(),
             exporter: ProcessIdentity::current()?,
             export_id: 0,
         })
@@ -115,13 +153,18 @@ impl IpcEvent {
     /// # Errors
     /// As [`Event::record`].
     pub fn record_on(&self, stream: &Stream) -> Result<()> {
-        self.event.record(stream)
+        self.event.event.record(stream)
     }
 }
 
 impl IpcEventHandle {
     /// Opens the event this handle names in `ctx` (`cuIpcOpenEventHandle`). A handle this process
     /// exported returns its own event (the driver refuses those).
+    ///
+    /// Opens are cached per (handle, context): opening a handle that is already open in `ctx`
+    /// shares that event (one `cuIpcOpenEventHandle`, one `cuEventDestroy_v2` when the last
+    /// [`IpcEvent`] on it drops), and threads opening it at once wait for one open. When that open
+    /// fails, every thread that waited gets its error; a later call tries again.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when it names an event this process exported and has dropped;
@@ -143,17 +186,32 @@ impl IpcEventHandle {
             }
             None => {}
         }
-        ctx.bind()?;
-        let mut raw = MaybeUninit::<sys::CUevent>::uninit();
-        // SAFETY: context bound; `raw` a valid out-pointer; the driver validates the handle bytes.
-        check("cuIpcOpenEventHandle", unsafe {
-            sys::cuIpcOpenEventHandle(raw.as_mut_ptr(), to_raw_event(self))
+        let key = (self.0, ctx.as_raw() as usize);
+        let (event, how) = EVENTS.get_or_open(key, |lease| {
+            ctx.bind()?;
+            let mut raw = MaybeUninit::<sys::CUevent>::uninit();
+            // SAFETY: context bound; `raw` a valid out-pointer; the driver validates the handle
+            // bytes.
+            check("cuIpcOpenEventHandle", unsafe {
+                sys::cuIpcOpenEventHandle(raw.as_mut_ptr(), to_raw_event(self))
+            })?;
+            cache::bump(&cache::EVENT_OPENS);
+            // SAFETY: written on success; the opened event is owned by the new `Event` and
+            // destroyed once by its Drop (`cuEventDestroy` is how an opened IPC event is released),
+            // when the last `IpcEvent` on it drops.
+            let event = unsafe { Event::from_raw(ctx, raw.assume_init()) };
+            Ok(SharedEvent {
+                event,
+                _closed: CountOnDrop(Some(&cache::EVENT_CLOSES)),
+                _lease: Some(lease),
+            })
         })?;
-        // SAFETY: written on success; the opened event is owned by the new `Event` and destroyed
-        // once by its Drop (`cuEventDestroy` is how an opened IPC event is released).
-        let event = unsafe { Event::from_raw(ctx, raw.assume_init()) };
+        if let cache::Served::Hit { .. } = how {
+            cache::bump(&cache::EVENT_HITS);
+        }
+        cache::count_wait(how);
         Ok(IpcEvent {
-            event: Arc::new(event),
+            event,
             handle: *self,
             imported: true,
         })
@@ -163,6 +221,6 @@ impl IpcEventHandle {
 impl Deref for IpcEvent {
     type Target = Event;
     fn deref(&self) -> &Event {
-        &self.event
+        &self.event.event
     }
 }

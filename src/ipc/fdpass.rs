@@ -1,36 +1,58 @@
-//! Passing file descriptors between processes of one user: an export table served over an abstract
-//! Unix socket (`SCM_RIGHTS`), and `pidfd_getfd` as an optional fast path.
+//! Passing file descriptors between processes of one user: an export table served over a Unix
+//! socket file in `/dev/shm` (`SCM_RIGHTS`), and `pidfd_getfd` as an optional fast path.
 //!
 //! Owns: the process-wide table of offered fds ([`FdExport`]), the server thread that hands them to
-//! other processes, and the importer's side ([`fetch`], [`fetch_many`], [`pidfd_getfd_available`]).
-//! Must not touch CUDA, shared memory or the registry: the fds are opaque here (VMM and memory-pool
-//! exports are POSIX fds from `cuMemExportToShareableHandle`, but any fd works, and the tests use
-//! memfds).
+//! other processes and its socket file, the importer's side ([`fetch`], [`fetch_many`],
+//! [`pidfd_getfd_available`]) and the clean-up of dead servers' socket files
+//! ([`stale_socket_files`], [`remove_stale_socket_file`]). Must not touch CUDA, shared memory or the
+//! registry: the fds are opaque here (VMM and memory-pool exports are POSIX fds from
+//! `cuMemExportToShareableHandle`, but any fd works, and the tests use memfds).
 //!
 //! # How it works
 //! - An exporter wraps an fd in an [`FdExport`], which gets an id (1, 2, ..., never reused in the
 //!   process) and is entered in the table. The first export starts one detached server thread that
-//!   listens on the abstract Unix socket `cuda-ipc.fd.<pid>.<start time>` (`SOCK_SEQPACKET`; abstract,
-//!   so there is no file to clean up and the name vanishes with the process). The exporter sends the
-//!   id (and the fd number, for `pidfd_getfd`) to the importer inside its own message, e.g. a token.
+//!   listens (`SOCK_SEQPACKET`) on the socket file [`socket_path`]:
+//!   `/dev/shm/cuda-ipc.fd.<pid ns>.<pid>.<start time>`, beside the segments, so every process that
+//!   shares `/dev/shm` reaches it, whatever its network or pid namespace (an abstract socket would
+//!   exist only in the exporter's network namespace). The file is made mode 0600 right after
+//!   `bind` (the server's uid check below stays the guard), and removed by this process at normal
+//!   exit (an `atexit` hook; not by a forked child) and when the server stops. A killed exporter
+//!   leaves it: [`stale_socket_files`] lists those of dead processes and
+//!   [`remove_stale_socket_file`] removes one (for `cuda-ipc gc`). The exporter sends the id (and
+//!   the fd number, for `pidfd_getfd`) to the importer inside its own message, e.g. a token.
 //! - An importer calls [`fetch`] or [`fetch_many`] with the exporter's [`ProcessIdentity`]. It checks
-//!   that the exporter still runs (pid with the same start time, not a zombie), connects, checks
-//!   with `SO_PEERCRED` that the socket is the exporter's, sends the ids and receives one status per
-//!   id and the fds (`SCM_RIGHTS`, at most 253 per message, `MSG_CMSG_CLOEXEC`).
+//!   that the exporter still runs ([`ProcessIdentity::liveness`]: right across pid namespaces;
+//!   zombies are dead), looks at the socket path without following it (`lstat`: anything but a
+//!   socket is refused at once, so a FIFO, file, directory or symbolic link planted there gives an
+//!   error, never a hang), connects, checks who listens (below), sends the ids and receives one
+//!   status per id and the fds (`SCM_RIGHTS`, at most 253 per message, `MSG_CMSG_CLOEXEC`).
 //! - The server authorises each client with `SO_PEERCRED`: the same effective uid as the exporter's,
-//!   or root. Others get a refusal status and no fds. An unknown or withdrawn id gets an error status,
-//!   never another fd. Accepted connections have 1 s send and receive timeouts, so a client that
-//!   stalls or vanishes delays others by at most that; malformed requests get an error status.
+//!   or root. Others get a refusal status and no fds (the file's mode 0600 keeps processes of other
+//!   users, root aside, from connecting at all). An unknown or withdrawn id gets an error status, never
+//!   another fd. Accepted connections have 1 s send and receive timeouts, so a client that stalls or
+//!   vanishes delays others by at most that; malformed requests get an error status.
+//!
+//! # Who listens: the importer's check
+//! - Exporter in the importer's pid namespace ([`ProcessIdentity::in_own_pid_namespace`]): the
+//!   listener's `SO_PEERCRED` pid must be the exporter's pid.
+//! - Exporter in another pid namespace: pids cannot be compared (`SO_PEERCRED` reports the pid as
+//!   seen from the importer's namespace, 0 when the listener is not visible there). Instead the
+//!   listener's uid must be the importer's effective uid or root, and the socket file must be owned
+//!   by that same uid. `/dev/shm` is sticky, so only that uid (or root) can have put or replaced the
+//!   file; the owner is checked before connecting and again against the listener's credentials.
 //!
 //! # Transports
 //! [`FdTransport::Socket`] (the default) needs no special rights. `pidfd_getfd(2)` (Linux 5.6+)
 //! copies the fd straight out of the exporter's fd table without a round trip to its server thread,
 //! but it is subject to the ptrace access rules (same user and `/proc/sys/kernel/yama/ptrace_scope`
 //! 0, or ancestor with scope 1, or `CAP_SYS_PTRACE`; a non-dumpable exporter needs
-//! `CAP_SYS_PTRACE`). **Caveat**: `pidfd_getfd` takes whatever the fd *number* names in the
-//! exporter now. Once the export is withdrawn, the number may name another file, and `pidfd_getfd`
-//! hands that out: it is only as fresh as the token that carried the number. The socket path checks
-//! the id and cannot hand out a withdrawn fd; that is why it is the default.
+//! `CAP_SYS_PTRACE`), and it works only within one pid namespace (`pidfd_open` takes a pid of the
+//! caller's namespace): for an exporter in another one, [`FdTransport::PidfdThenSocket`] uses the
+//! socket and [`FdTransport::PidfdOnly`] fails with [`Error::Unsupported`]. **Caveat**:
+//! `pidfd_getfd` takes whatever the fd *number* names in the exporter now. Once the export is
+//! withdrawn, the number may name another file, and `pidfd_getfd` hands that out: it is only as
+//! fresh as the token that carried the number. The socket path checks the id and cannot hand out a
+//! withdrawn fd; that is why it is the default.
 //!
 //! # Who closes what
 //! - [`FdExport`] owns the exporter's copy: [`FdExport::new`] takes the fd (and closes it if it
@@ -42,8 +64,8 @@
 //!   ownership of a POSIX fd handle, so the importer closes (drops) the `OwnedFd` after the import,
 //!   on success and on failure.
 //!
-//! See `unix(7)` (`SCM_RIGHTS`, `SO_PEERCRED`, abstract names), `pidfd_open(2)`, `pidfd_getfd(2)`,
-//! `ptrace(2)` ("Ptrace access mode checking").
+//! See `unix(7)` (`SCM_RIGHTS`, `SO_PEERCRED`), `pidfd_open(2)`, `pidfd_getfd(2)`, `ptrace(2)`
+//! ("Ptrace access mode checking").
 
 use crate::error::{Error, OsError, Result};
 use crate::identity::{Liveness, ProcessIdentity};
@@ -54,6 +76,7 @@ use rustix::net::{
     SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
 use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -116,8 +139,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A file descriptor this process offers to other processes of the same user, by id.
 ///
-/// The first `FdExport` of a process starts a detached server thread on the abstract Unix socket
-/// `cuda-ipc.fd.<pid>.<start time>`; the thread never keeps the process alive at exit. Importers get
+/// The first `FdExport` of a process starts a detached server thread on the socket file
+/// [`socket_path`] (`/dev/shm/cuda-ipc.fd.<pid ns>.<pid>.<start time>`); the thread never keeps
+/// the process alive at exit, and the file is removed at normal exit. Importers get
 /// a copy with [`fetch`] (through that socket, by [`id`](Self::id)) or, where the ptrace rules allow,
 /// with `pidfd_getfd` (by [`raw_fd`](Self::raw_fd)).
 ///
@@ -155,9 +179,10 @@ impl FdExport {
     /// Takes ownership of `fd`; on an error it is closed.
     ///
     /// # Errors
-    /// - [`Error::Os`] when the server's socket cannot be made or bound (`socket`, `bind`, `listen`;
-    ///   `bind` fails with `EADDRINUSE` if another process holds this process's name), the thread
-    ///   cannot be started, or `/proc/self/stat` cannot be read.
+    /// - [`Error::Os`] when the server's socket cannot be made or bound (`socket`, `bind`, `chmod`,
+    ///   `listen`; `bind` fails with `EADDRINUSE` when something that is not a leftover of this
+    ///   process is at its socket path), the thread cannot be started, or this process's identity
+    ///   cannot be read.
     /// - [`Error::Unsupported`] when the process has used up its 2³²−1 export ids.
     pub fn new(fd: OwnedFd) -> Result<FdExport> {
         ensure_server()?;
@@ -226,10 +251,40 @@ pub enum FdTransport {
     PidfdOnly,
 }
 
-/// The abstract socket name (without the leading NUL) of `exporter`'s fd server.
-fn socket_name(exporter: &ProcessIdentity) -> String {
-    format!("cuda-ipc.fd.{}.{}", exporter.pid, exporter.start_time)
+/// Directory of the servers' socket files: the POSIX shared-memory directory, which containers that
+/// share segments share too (whatever their network namespaces).
+const SOCKET_DIR: &str = "/dev/shm";
+/// Prefix of a server socket file's name in `/dev/shm`.
+pub const SOCKET_PREFIX: &str = "cuda-ipc.fd.";
+
+/// The path of `exporter`'s fd server socket:
+/// `/dev/shm/cuda-ipc.fd.<pid ns>.<pid>.<start time>` (decimal numbers: the inode number of its
+/// pid namespace, its pid in that namespace, its start time in clock ticks since boot). At most 63
+/// bytes, well within the 108 of a Unix socket address.
+pub fn socket_path(exporter: &ProcessIdentity) -> String {
+    format!("{SOCKET_DIR}/{}", socket_file_name(exporter))
 }
+
+/// The file name (in `/dev/shm`) of `exporter`'s fd server socket.
+fn socket_file_name(exporter: &ProcessIdentity) -> String {
+    format!(
+        "{SOCKET_PREFIX}{}.{}.{}",
+        exporter.pid_ns, exporter.pid, exporter.start_time
+    )
+}
+
+/// The socket file this process made, for its removal at exit or when the server stops.
+struct ServerFile {
+    path: CString,
+    /// Device and inode of the file as bound: only that file is removed, never one put there since.
+    dev: u64,
+    ino: u64,
+    /// The pid that made it (a forked child inherits this record and must not remove the file).
+    owner_pid: i32,
+}
+
+/// This process's socket file, if it made one.
+static SERVER_FILE: Mutex<Option<ServerFile>> = Mutex::new(None);
 
 /// Starts this process's server thread unless it runs.
 fn ensure_server() -> Result<()> {
@@ -238,32 +293,201 @@ fn ensure_server() -> Result<()> {
     if *started == Some(me.pid) {
         return Ok(());
     }
-    let name = socket_name(&me);
+    let path = socket_path(&me);
+    let os = |call: &'static str, e: Errno| Error::from(OsError::new(call, path.as_str(), e));
     let listener = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
         SocketFlags::CLOEXEC,
         None,
     )
-    .map_err(|e| OsError::new("socket", format!("@{name}"), e))?;
-    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes())
-        .map_err(|e| OsError::new("bind", format!("@{name}"), e))?;
-    rustix::net::bind(&listener, &addr).map_err(|e| OsError::new("bind", format!("@{name}"), e))?;
-    rustix::net::listen(&listener, LISTEN_BACKLOG)
-        .map_err(|e| OsError::new("listen", format!("@{name}"), e))?;
+    .map_err(|e| os("socket", e))?;
+    let addr = SocketAddrUnix::new(path.as_str()).map_err(|e| os("bind", e))?;
+    match rustix::net::bind(&listener, &addr) {
+        Ok(()) => {}
+        Err(Errno::ADDRINUSE) if is_own_leftover(&path) => {
+            // Made by this very process (same pid and start time) before an `exec`, whose
+            // close-on-exec listener is gone: nobody listens there, and the name is ours.
+            tracing::debug!(socket = %path, "removing this process's socket from before an exec");
+            rustix::fs::unlink(path.as_str()).map_err(|e| os("unlink", e))?;
+            rustix::net::bind(&listener, &addr).map_err(|e| os("bind", e))?;
+        }
+        Err(Errno::ADDRINUSE) => {
+            return Err(OsError::io(
+                "bind",
+                path.as_str(),
+                std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!(
+                        "something else is at this process's fd socket path ({}); it was not \
+                         made by this process and is left alone",
+                        describe_path(&path)
+                    ),
+                ),
+            )
+            .into());
+        }
+        Err(e) => return Err(os("bind", e)),
+    }
+    let file = record_own_file(&path)?;
+    register_exit_hook();
+    *lock(&SERVER_FILE) = Some(file);
+    rustix::net::listen(&listener, LISTEN_BACKLOG).map_err(|e| {
+        remove_own_socket_file();
+        os("listen", e)
+    })?;
     let our_uid = rustix::process::geteuid().as_raw();
     // Detached: the handle is dropped, and Rust does not wait for other threads at exit.
+    let pid = me.pid;
     std::thread::Builder::new()
         .name("cuda-ipc-fd".to_string())
-        .spawn(move || serve(listener, our_uid))
-        .map_err(|e| OsError::io("pthread_create", "fd server thread", e))?;
-    tracing::debug!(socket = %name, "fd server started");
+        .spawn(move || serve(listener, our_uid, pid))
+        .map_err(|e| {
+            remove_own_socket_file();
+            OsError::io("pthread_create", "fd server thread", e)
+        })?;
+    tracing::debug!(socket = %path, "fd server started");
     *started = Some(me.pid);
     Ok(())
 }
 
-/// The server thread: accepts and answers one client at a time, forever.
-fn serve(listener: OwnedFd, our_uid: u32) {
+/// Records the device and inode of the socket file just bound at `path` and sets its mode to 0600;
+/// fails (removing the file when it is the one bound) when what is there is not a socket of this
+/// user or its mode cannot be set.
+fn record_own_file(path: &str) -> Result<ServerFile> {
+    let c = CString::new(path)
+        .map_err(|_| Error::InvalidArgument(format!("socket path {path:?} holds a NUL byte")))?;
+    let st = rustix::fs::lstat(path).map_err(|e| OsError::new("lstat", path, e))?;
+    let euid = rustix::process::geteuid().as_raw();
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket
+        || st.st_uid != euid
+    {
+        // Replaced at once by another process of this user (or root): leave it alone.
+        return Err(OsError::io(
+            "bind",
+            path,
+            std::io::Error::other(format!(
+                "the socket file was replaced right after bind ({}, owner uid {})",
+                describe_path(path),
+                st.st_uid
+            )),
+        )
+        .into());
+    }
+    let file = ServerFile {
+        path: c,
+        dev: st.st_dev,
+        ino: st.st_ino,
+        // SAFETY: getpid has no preconditions.
+        owner_pid: unsafe { libc::getpid() },
+    };
+    // After bind, not before: bind makes the file with the umask's mode. Other users cannot
+    // connect to a 0600 socket; the server's uid check stays the guard either way.
+    if let Err(e) = rustix::fs::chmod(path, rustix::fs::Mode::from_raw_mode(0o600)) {
+        remove_file_if_same(&file.path, file.dev, file.ino);
+        return Err(OsError::new("chmod", path, e).into());
+    }
+    Ok(file)
+}
+
+/// Whether the file at this process's socket path is a socket of this user that nobody listens on:
+/// a leftover of this process from before an `exec` (the name holds our pid and start time).
+fn is_own_leftover(path: &str) -> bool {
+    let Ok(st) = rustix::fs::lstat(path) else {
+        return false;
+    };
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket
+        || st.st_uid != rustix::process::geteuid().as_raw()
+    {
+        return false;
+    }
+    let Ok(probe) = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    ) else {
+        return false;
+    };
+    let Ok(addr) = SocketAddrUnix::new(path) else {
+        return false;
+    };
+    matches!(rustix::net::connect(&probe, &addr), Err(Errno::CONNREFUSED))
+}
+
+/// What is at `path`, in words, without following a symbolic link.
+fn describe_path(path: &str) -> String {
+    use rustix::fs::FileType;
+    match rustix::fs::lstat(path) {
+        Ok(st) => match FileType::from_raw_mode(st.st_mode) {
+            FileType::Socket => "a socket",
+            FileType::Fifo => "a FIFO",
+            FileType::RegularFile => "a regular file",
+            FileType::Directory => "a directory",
+            FileType::Symlink => "a symbolic link",
+            FileType::CharacterDevice => "a character device",
+            FileType::BlockDevice => "a block device",
+            FileType::Unknown => "a file of unknown type",
+        }
+        .to_string(),
+        Err(Errno::NOENT) => "nothing".to_string(),
+        Err(e) => format!("unknown: lstat failed: {e}"),
+    }
+}
+
+/// Unlinks `path` if it is still the file with device `dev` and inode `ino`.
+fn remove_file_if_same(path: &CString, dev: u64, ino: u64) {
+    if let Ok(st) = rustix::fs::lstat(path.as_c_str())
+        && st.st_dev == dev
+        && st.st_ino == ino
+    {
+        let _ = rustix::fs::unlink(path.as_c_str());
+    }
+}
+
+/// Removes this process's socket file (when this process made it and it is still the one bound).
+fn remove_own_socket_file() {
+    let mut f = lock(&SERVER_FILE);
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    if let Some(file) = f.as_ref()
+        && file.owner_pid == pid
+    {
+        remove_file_if_same(&file.path, file.dev, file.ino);
+        *f = None;
+    }
+}
+
+fn register_exit_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handler is an `extern "C"` function without arguments that does not unwind
+        // (it only takes a lock without blocking and makes plain system calls); registering it has
+        // no other precondition.
+        unsafe { libc::atexit(remove_socket_file_at_exit) };
+    });
+}
+
+/// At normal exit: remove this process's socket file (a killed process leaves it; its identity
+/// then reads as dead, and [`remove_stale_socket_file`] removes it). A forked child that exits finds
+/// its parent's record (another pid) and leaves the file.
+extern "C" fn remove_socket_file_at_exit() {
+    // `try_lock`: never wait at exit for a thread that was stopped holding the lock.
+    let Ok(f) = SERVER_FILE.try_lock() else {
+        return;
+    };
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    if let Some(file) = f.as_ref()
+        && file.owner_pid == pid
+    {
+        remove_file_if_same(&file.path, file.dev, file.ino);
+    }
+}
+
+/// The server thread: accepts and answers one client at a time, until the listener breaks (then it
+/// removes its socket file, and the next export starts a new server).
+fn serve(listener: OwnedFd, our_uid: u32, pid: u32) {
     loop {
         match rustix::net::accept_with(&listener, SocketFlags::CLOEXEC) {
             Ok(conn) => {
@@ -278,6 +502,16 @@ fn serve(listener: OwnedFd, our_uid: u32) {
                 }
             }
             Err(Errno::INTR | Errno::CONNABORTED | Errno::AGAIN) => {}
+            Err(e @ (Errno::BADF | Errno::INVAL | Errno::NOTSOCK | Errno::OPNOTSUPP)) => {
+                // The listener itself is broken: stop, and let the next export start over.
+                tracing::warn!("fd server: accept failed: {e}; the server stops");
+                let mut started = lock(&SERVER);
+                remove_own_socket_file();
+                if *started == Some(pid) {
+                    *started = None;
+                }
+                return;
+            }
             Err(e) => {
                 // EMFILE, ENFILE, ENOMEM, ...: wait for resources instead of spinning.
                 tracing::warn!("fd server: accept failed: {e}; retrying in 100 ms");
@@ -285,6 +519,46 @@ fn serve(listener: OwnedFd, our_uid: u32) {
             }
         }
     }
+}
+
+/// The credentials of a Unix socket's peer (`SO_PEERCRED`): the pid as seen from this process's
+/// pid namespace (0 when the peer is not visible in it) and the effective uid.
+#[derive(Clone, Copy, Debug)]
+struct PeerCred {
+    pid: u32,
+    uid: u32,
+}
+
+/// `getsockopt(SO_PEERCRED)`, through libc: a peer in a pid namespace this process cannot see has
+/// pid 0, which a non-zero pid type could not hold.
+fn peer_cred(sock: &impl AsFd) -> std::result::Result<PeerCred, Errno> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `sock` is an open descriptor; `cred` and `len` are valid for writes and `len` holds
+    // the size of `cred`, which the kernel does not exceed.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_fd().as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO));
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(Errno::INVAL);
+    }
+    Ok(PeerCred {
+        pid: u32::try_from(cred.pid).unwrap_or(0),
+        uid: cred.uid,
+    })
 }
 
 /// Whether a client with effective uid `peer` may fetch the fds of an exporter running as `ours`.
@@ -297,14 +571,14 @@ fn peer_allowed(peer: u32, ours: u32) -> bool {
 fn serve_one(conn: &OwnedFd, our_uid: u32) -> std::result::Result<(), Errno> {
     sockopt::set_socket_timeout(conn, Timeout::Recv, Some(SERVER_IO_TIMEOUT))?;
     sockopt::set_socket_timeout(conn, Timeout::Send, Some(SERVER_IO_TIMEOUT))?;
-    let peer = sockopt::socket_peercred(conn)?;
-    if !peer_allowed(peer.uid.as_raw(), our_uid) {
+    let peer = peer_cred(conn)?;
+    if !peer_allowed(peer.uid, our_uid) {
         // Refused before reading, so other users cannot hold the server with stalled requests.
         // Closing with the request unread makes the client's next receive fail once with
         // ECONNRESET, then return this reply: the client retries once.
         tracing::debug!(
-            pid = peer.pid.as_raw_nonzero().get(),
-            uid = peer.uid.as_raw(),
+            pid = peer.pid,
+            uid = peer.uid,
             "fd server: refused a client of another user"
         );
         return send_reply(conn, REQUEST_REFUSED, &[], &[]);
@@ -500,19 +774,24 @@ fn le_u16(b: &[u8], at: usize) -> Option<u16> {
 /// [`FdTransport::Socket`] any value works.
 ///
 /// # Errors
-/// - [`Error::PeerGone`] when the exporter is no longer running (its pid is gone, has another start
-///   time, or is a zombie), found before connecting or when the connection breaks.
+/// - [`Error::PeerGone`] when the exporter is no longer running ([`ProcessIdentity::liveness`] says
+///   dead: killed, exited, a zombie, its pid reused), found before connecting or when the
+///   connection breaks.
 /// - [`Error::FdNotOffered`] when the exporter runs but does not offer `id`: it was withdrawn or
-///   never made, or the process serves no fds at all (it exported none). With
-///   [`FdTransport::PidfdOnly`], also when `raw_fd` is not open in the exporter.
+///   never made, or the process serves no fds at all (it exported none: no socket file, or nobody
+///   listens on it). With [`FdTransport::PidfdOnly`], also when `raw_fd` is not open in the
+///   exporter.
 /// - [`Error::Unsupported`] when the exporter refuses this process (another user, not root), when
-///   the two processes speak different protocol versions, when the socket name is held by another
-///   process, and with [`FdTransport::PidfdOnly`] when `pidfd_getfd` is refused (kernel before 5.6,
-///   ptrace rules, seccomp): the reason and the fix are in the error.
+///   the two processes speak different protocol versions, when something other than a socket is at
+///   the socket path (a FIFO, a file, a directory, a symbolic link), when the listener fails the
+///   peer check (see the [module docs](self): another pid in this pid namespace; across pid
+///   namespaces, a file or listener of another user), and with [`FdTransport::PidfdOnly`] when
+///   `pidfd_getfd` is refused (kernel before 5.6, ptrace rules, seccomp, an exporter in another pid
+///   namespace): the reason and the fix are in the error.
 /// - [`Error::Timeout`] when the exporter's server does not answer within `timeout`.
 /// - [`Error::InvalidArgument`] with [`FdTransport::PidfdOnly`] and a negative `raw_fd`.
-/// - [`Error::Os`] for other failed system calls (`socket`, `connect`, `sendmsg`, `recvmsg`,
-///   `pidfd_open`, `pidfd_getfd`) and for a malformed reply.
+/// - [`Error::Os`] for other failed system calls (`lstat`, `socket`, `connect`, `sendmsg`,
+///   `recvmsg`, `pidfd_open`, `pidfd_getfd`) and for a malformed reply.
 ///
 /// See `unix(7)` (`SCM_RIGHTS`) and `pidfd_getfd(2)`; example on [`FdExport`].
 #[doc(alias = "SCM_RIGHTS")]
@@ -688,13 +967,22 @@ fn pidfd_getfd_failure(pid: u32, e: Errno) -> PidfdFailure {
     }
 }
 
-/// The `pidfd_getfd` transport: `pidfd_open`, then the start time re-checked (the pidfd names the
-/// process that had the pid when it was opened; if that is not the exporter, the start time differs),
-/// then one `pidfd_getfd` per fd number.
+/// The `pidfd_getfd` transport, for an exporter of this pid namespace only: `pidfd_open`, then the
+/// exporter's liveness re-checked (the pidfd names the process that had the pid when it was opened;
+/// if that is not the exporter, the exporter is dead by then), then one `pidfd_getfd` per fd
+/// number.
 fn fetch_pidfd(
     exporter: &ProcessIdentity,
     ids: &[(u32, i32)],
 ) -> std::result::Result<Vec<OwnedFd>, PidfdFailure> {
+    if !exporter.in_own_pid_namespace() {
+        return Err(PidfdFailure::Unavailable(format!(
+            "the exporter runs in another pid namespace ({exporter}; this process's is {}), and \
+             pidfd_getfd works only within one: pid {} names another process here, or none",
+            crate::identity::own_pid_ns(),
+            exporter.pid
+        )));
+    }
     if let Some(&(id, raw_fd)) = ids.iter().find(|(_, fd)| *fd < 0) {
         return Err(PidfdFailure::BadFd { id, raw_fd });
     }
@@ -719,21 +1007,10 @@ fn fetch_pidfd(
     Ok(out)
 }
 
-/// Whether the exporter no longer runs: dead by pid + start time + boot id, or a zombie (killed, not
-/// yet reaped by its parent: `/proc` still lists it with its start time, but it serves nothing).
+/// Whether the exporter no longer runs ([`ProcessIdentity::liveness`]: its liveness lock is free, or
+/// by `/proc` in this pid namespace; a zombie counts as dead). `Unknown` counts as running.
 fn exporter_gone(exporter: &ProcessIdentity) -> bool {
-    exporter.liveness() == Liveness::Dead || is_zombie(exporter.pid)
-}
-
-/// Whether `/proc/PID/stat` shows state `Z` (zombie) or `X` (dead).
-fn is_zombie(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let state = stat
-        .rfind(')')
-        .and_then(|i| stat[i + 1..].split_ascii_whitespace().next());
-    matches!(state, Some("Z" | "X"))
+    exporter.liveness() == Liveness::Dead
 }
 
 /// The overall time limit of one fetch.
@@ -790,41 +1067,97 @@ fn gone_or(exporter: &ProcessIdentity, otherwise: Error) -> Error {
 
 const WAIT_WHAT: &str = "the exporter's fd server";
 
+/// The refusal of a socket of an exporter in another pid namespace whose file owner (`owner`) or
+/// listener uid (`listener`, once connected) is not this process's uid or root, or differ.
+fn cross_namespace_refusal(
+    exporter: &ProcessIdentity,
+    path: &str,
+    owner: u32,
+    listener: Option<u32>,
+    euid: u32,
+) -> Error {
+    let listener = listener.map_or(String::new(), |u| format!(", listened on by uid {u}"));
+    Error::Unsupported {
+        what: "fd passing",
+        reason: format!(
+            "the fd socket {path} of {exporter} (another pid namespace, where pids cannot be \
+             compared) is owned by uid {owner}{listener}; this process (uid {euid}) accepts it only \
+             when file and listener belong to its own user or root"
+        ),
+        fix: "run the exporter and the importer as the same user; if they do, another user's \
+              process squats on the exporter's socket path",
+    }
+}
+
 /// One request over one connection.
 fn fetch_socket_once(
     exporter: &ProcessIdentity,
     ids: &[u32],
     deadline: &Deadline,
 ) -> Result<Vec<OwnedFd>> {
-    let name = socket_name(exporter);
-    let target = || format!("@{name}");
+    let path = socket_path(exporter);
+    let target = || path.clone();
+    let os = |call: &'static str, e: Errno| Error::from(OsError::new(call, target(), e));
+    let not_offered = || Error::FdNotOffered {
+        pid: exporter.pid,
+        id: ids.first().copied().unwrap_or(0),
+        reason: "the process serves no fds (it has exported none)",
+    };
+    let euid = rustix::process::geteuid().as_raw();
+
+    // What is at the path, not following a symbolic link: only a socket is connected to, so a
+    // FIFO, a file, a directory or a link planted there is refused at once, never waited on.
+    let st = match rustix::fs::lstat(path.as_str()) {
+        Ok(st) => st,
+        Err(Errno::NOENT) => return Err(gone_or(exporter, not_offered())),
+        Err(e) => return Err(gone_or(exporter, os("lstat", e))),
+    };
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+        return Err(Error::Unsupported {
+            what: "fd passing",
+            reason: format!(
+                "{path} (the fd socket of {exporter}) is {}, not a socket",
+                describe_path(&path)
+            ),
+            fix: "something other than the exporter's fd server was put at its socket path; \
+                  remove it (only the exporter makes that file)",
+        });
+    }
+    let owner = st.st_uid;
+    let same_ns = exporter.in_own_pid_namespace();
+    if !same_ns && owner != euid && owner != 0 {
+        // Across pid namespaces the owner is what tells the exporter's socket from another's.
+        return Err(cross_namespace_refusal(exporter, &path, owner, None, euid));
+    }
+
     let sock = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
         SocketFlags::CLOEXEC,
         None,
     )
-    .map_err(|e| OsError::new("socket", target(), e))?;
-    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes())
-        .map_err(|e| OsError::new("connect", target(), e))?;
+    .map_err(|e| os("socket", e))?;
+    let addr = SocketAddrUnix::new(path.as_str()).map_err(|e| os("connect", e))?;
 
     // Connect, bounded: a Unix-socket connect waits for room in the backlog up to SO_SNDTIMEO.
-    let os = |call: &'static str, e: Errno| Error::from(OsError::new(call, target(), e));
     loop {
         sockopt::set_socket_timeout(&sock, Timeout::Send, Some(deadline.remaining(WAIT_WHAT)?))
             .map_err(|e| os("setsockopt", e))?;
         match rustix::net::connect(&sock, &addr) {
             Ok(()) => break,
             Err(Errno::INTR) => continue,
-            Err(Errno::CONNREFUSED | Errno::NOENT) => {
-                return Err(gone_or(
-                    exporter,
-                    Error::FdNotOffered {
-                        pid: exporter.pid,
-                        id: ids.first().copied().unwrap_or(0),
-                        reason: "the process serves no fds (it has exported none)",
-                    },
-                ));
+            Err(Errno::CONNREFUSED | Errno::NOENT) => return Err(gone_or(exporter, not_offered())),
+            Err(Errno::ACCESS | Errno::PERM) => {
+                return Err(Error::Unsupported {
+                    what: "fd passing",
+                    reason: format!(
+                        "the fd socket {path} of {exporter} is owned by uid {owner} with mode \
+                         {:o}: it serves fds only to its own user and root, and this process runs \
+                         as uid {euid}",
+                        st.st_mode & 0o7777
+                    ),
+                    fix: "run the exporter and the importer as the same user",
+                });
             }
             Err(Errno::AGAIN) => {
                 if exporter_gone(exporter) {
@@ -838,18 +1171,27 @@ fn fetch_socket_once(
     }
 
     // Who listens there? The listener's credentials, taken when it called listen().
-    let server = sockopt::socket_peercred(&sock).map_err(|e| os("getsockopt(SO_PEERCRED)", e))?;
-    let server_pid = server.pid.as_raw_nonzero().get() as u32;
-    if server_pid != exporter.pid {
-        return Err(Error::Unsupported {
-            what: "fd passing",
-            reason: format!(
-                "the socket @{name} of pid {} is held by pid {server_pid}",
-                exporter.pid
-            ),
-            fix: "another process squats on the exporter's socket name; find it with `ss -xlp` \
-                  (the processes must also share a pid namespace)",
-        });
+    let server = peer_cred(&sock).map_err(|e| os("getsockopt(SO_PEERCRED)", e))?;
+    if same_ns {
+        if server.pid != exporter.pid {
+            return Err(Error::Unsupported {
+                what: "fd passing",
+                reason: format!(
+                    "the socket {path} of pid {} is held by pid {}",
+                    exporter.pid, server.pid
+                ),
+                fix: "another process squats on the exporter's socket path; find it with \
+                      `ss -xlp`",
+            });
+        }
+    } else if !(server.uid == euid || server.uid == 0) || server.uid != owner {
+        return Err(cross_namespace_refusal(
+            exporter,
+            &path,
+            owner,
+            Some(server.uid),
+            euid,
+        ));
     }
 
     let request = encode_request(ids);
@@ -952,9 +1294,7 @@ fn fetch_socket_once(
                     reason: format!(
                         "process {} (uid {}) serves its fds only to its own user and root, and this \
                          process runs as uid {}",
-                        exporter.pid,
-                        server.uid.as_raw(),
-                        rustix::process::geteuid().as_raw()
+                        exporter.pid, server.uid, euid
                     ),
                     fix: "run the exporter and the importer as the same user",
                 });
@@ -998,6 +1338,100 @@ fn fetch_socket_once(
         out.append(&mut fds);
     }
     Ok(out)
+}
+
+/// An fd server's socket file in `/dev/shm` whose process is dead, found by [`stale_socket_files`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StaleSocketFile {
+    /// The file's name in `/dev/shm` (`cuda-ipc.fd.<pid ns>.<pid>.<start time>`).
+    pub name: String,
+    /// The identity of the process that made it (boot id: this boot's).
+    pub identity: ProcessIdentity,
+    /// Owner uid of the file.
+    pub uid: u32,
+}
+
+/// The fd server socket files in `/dev/shm` whose processes are dead ([`ProcessIdentity::liveness`]
+/// says `Dead`; `Unknown` is left out): left by killed exporters (a normal exit removes the file).
+/// Entries that are not sockets, or whose names do not parse, are left out. For `cuda-ipc gc`;
+/// nothing is removed here.
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be listed or the boot id cannot be read.
+pub fn stale_socket_files() -> Result<Vec<StaleSocketFile>> {
+    let boot = crate::identity::boot_id()?;
+    let dir = std::fs::read_dir(SOCKET_DIR).map_err(|e| OsError::io("opendir", SOCKET_DIR, e))?;
+    let mut out = Vec::new();
+    for ent in dir.flatten() {
+        let Some(name) = ent.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let Some(identity) = parse_socket_name(&name, boot) else {
+            continue;
+        };
+        let Ok(st) = rustix::fs::lstat(format!("{SOCKET_DIR}/{name}").as_str()) else {
+            continue;
+        };
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+            continue;
+        }
+        if identity.liveness() == Liveness::Dead {
+            out.push(StaleSocketFile {
+                name,
+                identity,
+                uid: st.st_uid,
+            });
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Removes a stale socket file (see [`stale_socket_files`]) after checking once more that it is a
+/// socket of the same owner, named for `file.identity`, and that this process is dead. Returns
+/// `false` when it was not removed: gone already, alive (never, for a dead process: a guard against
+/// a mistaken entry), or no longer that socket.
+///
+/// # Errors
+/// [`Error::Os`] when `unlink` fails for a reason other than the file being gone (e.g. `EPERM`: a
+/// file of another user in the sticky `/dev/shm`, for a caller other than root).
+pub fn remove_stale_socket_file(file: &StaleSocketFile) -> Result<bool> {
+    if file.name != socket_file_name(&file.identity) {
+        return Ok(false);
+    }
+    let path = format!("{SOCKET_DIR}/{}", file.name);
+    let Ok(st) = rustix::fs::lstat(path.as_str()) else {
+        return Ok(false);
+    };
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket
+        || st.st_uid != file.uid
+        || file.identity.liveness() != Liveness::Dead
+    {
+        return Ok(false);
+    }
+    match rustix::fs::unlink(path.as_str()) {
+        Ok(()) => Ok(true),
+        Err(Errno::NOENT) => Ok(false),
+        Err(e) => Err(OsError::new("unlink", path, e).into()),
+    }
+}
+
+/// Parses `cuda-ipc.fd.<ns>.<pid>.<start>` into an identity of boot `boot`.
+fn parse_socket_name(name: &str, boot: [u8; 16]) -> Option<ProcessIdentity> {
+    let rest = name.strip_prefix(SOCKET_PREFIX)?;
+    let mut it = rest.split('.');
+    let pid_ns = it.next()?.parse().ok()?;
+    let pid = it.next()?.parse().ok()?;
+    let start_time = it.next()?.parse().ok()?;
+    if it.next().is_some() {
+        return None;
+    }
+    Some(ProcessIdentity {
+        pid,
+        start_time,
+        boot_id: boot,
+        pid_ns,
+    })
 }
 
 #[cfg(test)]
@@ -1085,14 +1519,51 @@ mod tests {
     }
 
     #[test]
-    fn socket_name_is_pid_and_start_time() {
+    fn the_socket_path_is_pid_namespace_pid_and_start_time_in_dev_shm() {
         let id = ProcessIdentity {
             pid: 12,
             start_time: 345,
             boot_id: [0; 16],
-            pid_ns: 0,
+            pid_ns: 4026531836,
         };
-        assert_eq!(socket_name(&id), "cuda-ipc.fd.12.345");
+        assert_eq!(socket_path(&id), "/dev/shm/cuda-ipc.fd.4026531836.12.345");
+        assert_eq!(
+            parse_socket_name("cuda-ipc.fd.4026531836.12.345", [0; 16]),
+            Some(id)
+        );
+        assert_eq!(parse_socket_name("cuda-ipc.fd.1.2", [0; 16]), None);
+        assert_eq!(parse_socket_name("cuda-ipc.fd.1.2.3.4", [0; 16]), None);
+        assert_eq!(parse_socket_name("cuda-ipc.live.1.2.3", [0; 16]), None);
+        let longest = ProcessIdentity {
+            pid: u32::MAX,
+            start_time: u64::MAX,
+            boot_id: [0; 16],
+            pid_ns: u32::MAX,
+        };
+        assert!(socket_path(&longest).len() < 108);
+    }
+
+    #[test]
+    fn the_server_socket_is_a_0600_file_of_this_user_and_never_stale_while_it_runs() {
+        let _e = FdExport::new(memfd("x")).unwrap();
+        let me = ProcessIdentity::current().unwrap();
+        let st = rustix::fs::lstat(socket_path(&me).as_str()).unwrap();
+        assert_eq!(
+            rustix::fs::FileType::from_raw_mode(st.st_mode),
+            rustix::fs::FileType::Socket
+        );
+        assert_eq!(st.st_mode & 0o777, 0o600);
+        assert_eq!(st.st_uid, rustix::process::geteuid().as_raw());
+        let stale = stale_socket_files().unwrap();
+        assert!(stale.iter().all(|f| f.identity != me), "{stale:?}");
+        // Even asked to, the removal refuses a live process's socket.
+        let mine = StaleSocketFile {
+            name: socket_file_name(&me),
+            identity: me,
+            uid: st.st_uid,
+        };
+        assert!(!remove_stale_socket_file(&mine).unwrap());
+        assert!(rustix::fs::lstat(socket_path(&me).as_str()).is_ok());
     }
 
     #[test]

@@ -1,4 +1,5 @@
-use super::cache::{self, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, lock};
+use super::cache::{self, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, Source, lock};
+use super::flight::Lease;
 use super::handle::{IpcMemHandle, to_raw_mem};
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory};
 use crate::error::{Error, Result};
@@ -6,7 +7,7 @@ use crate::ffi::{check, sys};
 use crate::identity::ProcessIdentity;
 use crate::token::{Token, TokenKind};
 use std::mem::MaybeUninit;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 impl DeviceBuffer {
     /// The `IpcMemHandle` of this allocation (`cuIpcGetMemHandle`), and registers it in this
@@ -173,82 +174,75 @@ impl IpcMemHandle {
     }
 }
 
+/// The mapping of a legacy handle in `ctx`, from the cache or opened once (see [`super::flight`]):
+/// the local allocation when `maybe_self` and the handle is one of this process's exports, else
+/// `cuIpcOpenMemHandle_v2`.
 fn open_mapping(
     ctx: &Arc<Context>,
     handle: &IpcMemHandle,
     maybe_self: bool,
 ) -> Result<Arc<Mapping>> {
     let key = MappingKey {
+        source: Source::Legacy,
         handle: handle.0,
-        exporter: (0, 0, 0),
         ctx: ctx.as_raw() as usize,
     };
-    // The table lock is held across the driver call so that two threads importing the same handle
-    // get one mapping (opens are rare: the cache serves the rest).
-    let mut map = lock(&MAPPINGS);
-    if let Some(m) = map.get(&key).and_then(Weak::upgrade) {
-        cache::count_hit();
-        return Ok(m);
-    }
-    let local = if maybe_self {
-        lock(&LOCAL_MEM).get(&handle.0).map(|w| w.upgrade())
-    } else {
-        None
-    };
-    let mapping = match local {
-        Some(Some(alloc)) => {
-            cache::count_self_import();
-            Mapping {
-                key,
-                base: alloc.ptr,
-                size: alloc.len,
-                ctx: ctx.clone(),
-                origin: Origin::Local(alloc),
+    let (m, how) = MAPPINGS.get_or_open(key, |lease| {
+        let local = if maybe_self {
+            lock(&LOCAL_MEM).get(&handle.0).map(|w| w.upgrade())
+        } else {
+            None
+        };
+        match local {
+            Some(Some(alloc)) => {
+                cache::count_self_import();
+                Ok(Mapping {
+                    base: alloc.ptr,
+                    size: alloc.len,
+                    ctx: ctx.clone(),
+                    origin: Origin::Local(alloc),
+                    _lease: Some(lease),
+                })
             }
-        }
-        Some(None) => {
-            return Err(Error::InvalidArgument(
+            Some(None) => Err(Error::InvalidArgument(
                 "the handle names a buffer this process exported and has since freed".into(),
-            ));
+            )),
+            None => open_driver_mapping(ctx, handle, lease),
         }
-        None => {
-            ctx.bind()?;
-            let mut base = MaybeUninit::<sys::CUdeviceptr>::uninit();
-            // SAFETY: context bound; `base` a valid out-pointer; the handle is passed by value and
-            // the driver validates it (garbage bytes give an error code, checked below).
-            check("cuIpcOpenMemHandle_v2", unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    base.as_mut_ptr(),
-                    to_raw_mem(handle),
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                )
-            })?;
-            cache::count_open();
-            // SAFETY: written on success.
-            let base = unsafe { base.assume_init() };
-            let size = match allocation_size(base) {
-                Ok(size) => size,
-                Err(e) => {
-                    // Not wrapped in a Mapping yet (its Drop takes the table lock held here).
-                    // SAFETY: `base` was opened just above in the bound context; closed once.
-                    let r = unsafe { sys::cuIpcCloseMemHandle(base) };
-                    if let Err(c) = check("cuIpcCloseMemHandle", r) {
-                        tracing::warn!("{c}; a mapping stays until the process exits");
-                    }
-                    return Err(e);
-                }
-            };
-            Mapping {
-                key,
-                base,
-                size,
-                ctx: ctx.clone(),
-                origin: Origin::Driver,
-            }
-        }
+    })?;
+    cache::count_served(how);
+    Ok(m)
+}
+
+/// `cuIpcOpenMemHandle_v2` of `handle` in `ctx`, and the size of what it mapped.
+fn open_driver_mapping(
+    ctx: &Arc<Context>,
+    handle: &IpcMemHandle,
+    lease: Lease<MappingKey, Mapping>,
+) -> Result<Mapping> {
+    ctx.bind()?;
+    let mut base = MaybeUninit::<sys::CUdeviceptr>::uninit();
+    // SAFETY: context bound; `base` a valid out-pointer; the handle is passed by value and the
+    // driver validates it (garbage bytes give an error code, checked below).
+    check("cuIpcOpenMemHandle_v2", unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            base.as_mut_ptr(),
+            to_raw_mem(handle),
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    })?;
+    cache::count_open();
+    // SAFETY: written on success.
+    let base = unsafe { base.assume_init() };
+    // From here the `Mapping` closes what was opened, also when the size query fails.
+    let mut m = Mapping {
+        base,
+        size: 0,
+        ctx: ctx.clone(),
+        origin: Origin::Driver,
+        _lease: Some(lease),
     };
-    let m = Arc::new(mapping);
-    map.insert(key, Arc::downgrade(&m));
+    m.size = allocation_size(base)?;
     Ok(m)
 }
 

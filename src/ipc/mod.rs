@@ -1,11 +1,15 @@
 //! Sharing memory and events with other processes: `IpcMemHandle`, `IpcEventHandle`, tokens, and the
-//! process-wide import cache.
+//! process-wide import caches.
 //!
 //! Owns: export (`cuIpcGetMemHandle`, `cuIpcGetEventHandle`), import (`cuIpcOpenMemHandle_v2`,
-//! `cuIpcOpenEventHandle`) and close (`cuIpcCloseMemHandle`), the import cache (one mapping per
-//! handle, exporter and context, reference counted), and the local export table that lets a process
-//! import its own handles (the driver refuses that with `CUDA_ERROR_INVALID_CONTEXT`). Must not touch
-//! shared memory or the registry.
+//! `cuIpcOpenEventHandle`, VMM and pool imports) and close (`cuIpcCloseMemHandle`, ...), the import
+//! caches (one mapping per handle, exporter and context, reference counted; one event per handle
+//! and context), and the local export tables that let a process import its own handles (the driver
+//! refuses that with `CUDA_ERROR_INVALID_CONTEXT`). Must not touch shared memory or the registry.
+//!
+//! Every cache is a single-flight table (`flight.rs`): threads importing the same key at once get
+//! one driver open and share its result (or its error); imports of other keys never wait for it;
+//! the last drop closes once, and a re-import of the key waits for that close.
 //!
 //! Legacy IPC handles name a whole `cuMemAlloc` allocation: a token carries (handle, offset from the
 //! base, length) and the importer sees only that range through [`ImportedBuffer`], but the mapping
@@ -13,11 +17,13 @@
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html> (`cuIpc*`).
 //!
 //! [`fdpass`] moves file descriptors (VMM and memory-pool exports) between processes of one user
-//! over a Unix socket, with `pidfd_getfd` as an optional fast path; it does not call CUDA.
+//! over a Unix socket file in `/dev/shm` (reachable across network and pid namespaces), with
+//! `pidfd_getfd` as an optional fast path; it does not call CUDA.
 
 mod cache;
 mod event;
 pub mod fdpass;
+mod flight;
 mod handle;
 mod memory;
 mod vmm;

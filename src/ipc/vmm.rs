@@ -19,9 +19,10 @@
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
 
 use super::cache::{
-    self, IMPORTED_POOLS, LOCAL_POOL, LOCAL_VMM, Mapping, MappingKey, Origin, lock,
+    self, IMPORTED_POOLS, LOCAL_POOL, LOCAL_VMM, Mapping, MappingKey, Origin, PoolKey, lock,
 };
 use super::fdpass::{self, FdExport, FdTransport};
+use super::flight::Lease;
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
@@ -404,13 +405,15 @@ fn fetch_fd(token: &Token, raw_fd: i32) -> Result<OwnedFd> {
     } else {
         fd_transport()
     };
-    fdpass::fetch(
+    let fd = fdpass::fetch(
         &token.exporter,
         token.export_id,
         raw_fd,
         transport,
         FETCH_TIMEOUT,
-    )
+    )?;
+    cache::bump(&cache::FD_FETCHES);
+    Ok(fd)
 }
 
 fn import_vmm_handle(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Result<VmmMap> {
@@ -430,7 +433,9 @@ fn import_vmm_handle(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Res
     VmmMap::map(ctx, unsafe { h.assume_init() }, size)
 }
 
-/// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`.
+/// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`. The fd fetch (up to
+/// [`FETCH_TIMEOUT`]) runs inside the key's single-flight open: other threads importing the same
+/// token wait for it, imports of other keys do not.
 pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>> {
     let raw_fd = i32::from_le_bytes(token.handle[..4].try_into().unwrap_or_default());
     let size = u64::from_le_bytes(token.handle[8..16].try_into().unwrap_or_default());
@@ -438,50 +443,49 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
         .ok()
         .filter(|&s| s > 0)
         .ok_or_else(|| Error::InvalidToken(format!("VMM allocation size {size}")))?;
+    let is_self = token.exporter == ProcessIdentity::current()?;
     let key = MappingKey::of(token, ctx);
-    let mut map = lock(&cache::MAPPINGS);
-    if let Some(m) = map.get(&key).and_then(Weak::upgrade) {
-        cache::count_hit();
-        return Ok(m);
-    }
-    let origin = if token.exporter == ProcessIdentity::current()? {
-        let local = lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade);
-        match local {
-            Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
-                cache::count_self_import();
-                Origin::LocalVmm(a)
+    let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
+        let origin = if is_self {
+            let local = lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade);
+            match local {
+                Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
+                    cache::count_self_import();
+                    Origin::LocalVmm(a)
+                }
+                Some(Some(_)) => {
+                    return Err(Error::InvalidArgument(
+                        "a VMM buffer of this process can only be self-imported in its own context"
+                            .into(),
+                    ));
+                }
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "the token names a VMM buffer this process exported and has since freed"
+                            .into(),
+                    ));
+                }
             }
-            Some(Some(_)) => {
-                return Err(Error::InvalidArgument(
-                    "a VMM buffer of this process can only be self-imported in its own context"
-                        .into(),
-                ));
-            }
-            _ => {
-                return Err(Error::InvalidArgument(
-                    "the token names a VMM buffer this process exported and has since freed".into(),
-                ));
-            }
-        }
-    } else {
-        require_peer(ctx, token.device)?;
-        let fd = fetch_fd(token, raw_fd)?;
-        // `fd` is closed when it drops at the end of this block, on success and on failure.
-        Origin::Vmm(import_vmm_handle(ctx, fd.as_fd(), size)?)
-    };
-    let (base, size) = match &origin {
-        Origin::LocalVmm(a) => (a.map.ptr, a.map.size),
-        Origin::Vmm(m) => (m.ptr, m.size),
-        _ => unreachable!("built above"),
-    };
-    let m = Arc::new(Mapping {
-        key,
-        base,
-        size,
-        origin,
-        ctx: ctx.clone(),
-    });
-    map.insert(key, Arc::downgrade(&m));
+        } else {
+            require_peer(ctx, token.device)?;
+            let fd = fetch_fd(token, raw_fd)?;
+            // `fd` is closed when it drops at the end of this block, on success and on failure.
+            Origin::Vmm(import_vmm_handle(ctx, fd.as_fd(), size)?)
+        };
+        let (base, size) = match &origin {
+            Origin::LocalVmm(a) => (a.map.ptr, a.map.size),
+            Origin::Vmm(m) => (m.ptr, m.size),
+            _ => unreachable!("built above"),
+        };
+        Ok(Mapping {
+            base,
+            size,
+            origin,
+            ctx: ctx.clone(),
+            _lease: Some(lease),
+        })
+    })?;
+    cache::count_served(how);
     Ok(m)
 }
 
@@ -507,13 +511,12 @@ impl ImportedBuffer {
             ));
         }
         let vm = import_vmm_handle(ctx, fd, size)?;
-        let key = MappingKey::unique();
         let m = Arc::new(Mapping {
-            key,
             base: vm.ptr,
             size: vm.size,
             origin: Origin::Vmm(vm),
             ctx: ctx.clone(),
+            _lease: None,
         });
         Ok(ImportedBuffer::from_mapping(m, 0, size as u64))
     }
@@ -754,24 +757,21 @@ impl DeviceMemory for PoolBuffer {
 /// pointers imported from it.
 #[derive(Debug)]
 pub(crate) struct ImportedPool {
-    key: super::cache::PoolKey,
     pool: sys::CUmemoryPool,
+    // Drop order: the pool is destroyed (in Drop), then the context released, then the lease frees
+    // the cache key (the next import of the pool opens only after this destroy).
     ctx: Arc<Context>,
+    _lease: Lease<PoolKey, ImportedPool>,
 }
 
-// SAFETY: a CUmemoryPool is a driver handle usable from any thread of the process.
+// SAFETY: a CUmemoryPool is a driver handle usable from any thread of the process; the other
+// fields are Send and Sync.
 unsafe impl Send for ImportedPool {}
-// SAFETY: as for Send.
+// SAFETY: as for Send; the handle is only passed to the driver, which synchronises internally.
 unsafe impl Sync for ImportedPool {}
 
 impl Drop for ImportedPool {
     fn drop(&mut self) {
-        {
-            let mut pools = lock(&IMPORTED_POOLS);
-            if pools.get(&self.key).is_some_and(|w| w.strong_count() == 0) {
-                pools.remove(&self.key);
-            }
-        }
         let r = self.ctx.bind().and_then(|()| {
             // SAFETY: context bound; the imported pool is destroyed once, after every pointer
             // imported from it was freed (each holds this struct).
@@ -780,59 +780,58 @@ impl Drop for ImportedPool {
             })
             .map_err(Into::into)
         });
-        if let Err(e) = r {
-            tracing::warn!("{e}; an imported memory pool stays until exit");
+        match r {
+            Ok(()) => cache::bump(&cache::POOL_RELEASES),
+            Err(e) => tracing::warn!("{e}; an imported memory pool stays until exit"),
         }
     }
 }
 
+/// The pool a pool token names, imported into `ctx` once per (exporter, pool export id, context):
+/// from the cache, or fetched and imported by one caller while the others of that key wait.
 fn import_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<ImportedPool>> {
-    let key = (
-        token.exporter.pid,
-        token.exporter.start_time,
-        token.export_id,
-        ctx.as_raw() as usize,
-    );
-    let mut pools = lock(&IMPORTED_POOLS);
-    if let Some(p) = pools.get(&key).and_then(Weak::upgrade) {
-        return Ok(p);
-    }
-    require_peer(ctx, token.device)?;
-    let fd = fetch_fd(token, -1)?;
-    ctx.bind()?;
-    let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
-    // SAFETY: context bound; the OS handle is the descriptor's value as a pointer-sized integer;
-    // the driver does not take ownership of it (`fd` closes when it drops below).
-    check("cuMemPoolImportFromShareableHandle", unsafe {
-        sys::cuMemPoolImportFromShareableHandle(
-            pool.as_mut_ptr(),
-            fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-            POSIX_FD,
-            0,
-        )
-    })?;
-    drop(fd);
-    let p = Arc::new(ImportedPool {
-        key,
-        // SAFETY: written on success.
-        pool: unsafe { pool.assume_init() },
-        ctx: ctx.clone(),
-    });
-    if ctx.device().uuid() != token.device {
-        let desc = access_desc(&ctx.device());
-        // SAFETY: context bound; live imported pool; one valid access descriptor.
-        check("cuMemPoolSetAccess", unsafe {
-            sys::cuMemPoolSetAccess(p.pool, &desc, 1)
+    let key: PoolKey = (token.exporter, token.export_id, ctx.as_raw() as usize);
+    let (p, how) = IMPORTED_POOLS.get_or_open(key, |lease| {
+        require_peer(ctx, token.device)?;
+        let fd = fetch_fd(token, -1)?;
+        ctx.bind()?;
+        let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
+        // SAFETY: context bound; the OS handle is the descriptor's value as a pointer-sized
+        // integer; the driver does not take ownership of it (`fd` closes when it drops below).
+        check("cuMemPoolImportFromShareableHandle", unsafe {
+            sys::cuMemPoolImportFromShareableHandle(
+                pool.as_mut_ptr(),
+                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                POSIX_FD,
+                0,
+            )
         })?;
-    }
-    pools.retain(|_, w| w.strong_count() > 0);
-    pools.insert(key, Arc::downgrade(&p));
+        drop(fd);
+        cache::bump(&cache::POOL_IMPORTS);
+        // From here the `ImportedPool` destroys the pool, also when granting access fails.
+        let p = ImportedPool {
+            // SAFETY: written on success.
+            pool: unsafe { pool.assume_init() },
+            ctx: ctx.clone(),
+            _lease: lease,
+        };
+        if ctx.device().uuid() != token.device {
+            let desc = access_desc(&ctx.device());
+            // SAFETY: context bound; live imported pool; one valid access descriptor.
+            check("cuMemPoolSetAccess", unsafe {
+                sys::cuMemPoolSetAccess(p.pool, &desc, 1)
+            })?;
+        }
+        Ok(p)
+    })?;
+    cache::count_wait(how);
     Ok(p)
 }
 
-/// Opens (or finds in the cache) the mapping a pool token names, in `ctx`.
+/// Opens (or finds in the cache) the mapping a pool token names, in `ctx`: one
+/// `cuMemPoolImportPointer` per (exporter, pool, pointer, context), shared by every thread that
+/// asks for it meanwhile.
 pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>> {
-    let key = MappingKey::of(token, ctx);
     if token.offset != 0 {
         return Err(Error::InvalidToken(format!(
             "a pool token names a whole allocation; offset {}",
@@ -843,51 +842,48 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
         .ok()
         .filter(|&s| s > 0)
         .ok_or_else(|| Error::InvalidToken(format!("pool allocation size {}", token.len)))?;
-    {
-        let map = lock(&cache::MAPPINGS);
-        if let Some(m) = map.get(&key).and_then(Weak::upgrade) {
-            cache::count_hit();
-            return Ok(m);
-        }
-    }
-    let (origin, base) = if token.exporter == ProcessIdentity::current()? {
-        match lock(&LOCAL_POOL).get(&token.handle).map(Weak::upgrade) {
-            Some(Some(a)) => {
-                cache::count_self_import();
-                let base = a.ptr;
-                (Origin::LocalPool(a), base)
+    let is_self = token.exporter == ProcessIdentity::current()?;
+    let key = MappingKey::of(token, ctx);
+    let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
+        let (origin, base) = if is_self {
+            match lock(&LOCAL_POOL).get(&token.handle).map(Weak::upgrade) {
+                Some(Some(a)) => {
+                    cache::count_self_import();
+                    let base = a.ptr;
+                    (Origin::LocalPool(a), base)
+                }
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "the token names a pool buffer this process exported and has since freed"
+                            .into(),
+                    ));
+                }
             }
-            _ => {
-                return Err(Error::InvalidArgument(
-                    "the token names a pool buffer this process exported and has since freed"
-                        .into(),
-                ));
-            }
-        }
-    } else {
-        let pool = import_pool(ctx, token)?;
-        let mut data = sys::CUmemPoolPtrExportData {
-            reserved: token.handle,
+        } else {
+            let pool = import_pool(ctx, token)?;
+            let mut data = sys::CUmemPoolPtrExportData {
+                reserved: token.handle,
+            };
+            ctx.bind()?;
+            let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
+            // SAFETY: context bound; live imported pool; `data` holds the 64 export bytes;
+            // `ptr` a valid out-pointer. Garbage export data is refused by the driver.
+            check("cuMemPoolImportPointer", unsafe {
+                sys::cuMemPoolImportPointer(ptr.as_mut_ptr(), pool.pool, &mut data)
+            })?;
+            cache::count_open();
+            // SAFETY: written on success.
+            (Origin::Pool(pool), unsafe { ptr.assume_init() })
         };
-        ctx.bind()?;
-        let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
-        // SAFETY: context bound; live imported pool; `data` holds the 64 export bytes;
-        // `ptr` a valid out-pointer. Garbage export data is refused by the driver.
-        check("cuMemPoolImportPointer", unsafe {
-            sys::cuMemPoolImportPointer(ptr.as_mut_ptr(), pool.pool, &mut data)
-        })?;
-        cache::count_open();
-        // SAFETY: written on success.
-        (Origin::Pool(pool), unsafe { ptr.assume_init() })
-    };
-    let m = Arc::new(Mapping {
-        key,
-        base,
-        size,
-        origin,
-        ctx: ctx.clone(),
-    });
-    lock(&cache::MAPPINGS).insert(key, Arc::downgrade(&m));
+        Ok(Mapping {
+            base,
+            size,
+            origin,
+            ctx: ctx.clone(),
+            _lease: Some(lease),
+        })
+    })?;
+    cache::count_served(how);
     Ok(m)
 }
 

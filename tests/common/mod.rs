@@ -42,6 +42,29 @@ impl Peer {
         Peer::from_command(cmd)
     }
 
+    /// As [`Peer::spawn`], but through `wrapper`, a command that runs the rest of its arguments
+    /// (e.g. `["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]`); an empty wrapper
+    /// starts the test binary directly.
+    pub fn spawn_under(wrapper: &[&str], test: &str, role: &str, env: &[(&str, &str)]) -> Peer {
+        let Some((program, wrapper_args)) = wrapper.split_first() else {
+            return Peer::spawn(test, role, env);
+        };
+        let exe = std::env::current_exe().expect("current_exe");
+        let mut cmd = Command::new(program);
+        cmd.args(wrapper_args).arg(exe).args([
+            test,
+            "--exact",
+            "--nocapture",
+            "--include-ignored",
+            "--test-threads=1",
+        ]);
+        cmd.env(ROLE, role);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Peer::from_command(cmd)
+    }
+
     /// Starts any program as a peer that speaks the same `@@ ` line protocol.
     pub fn from_command(mut cmd: Command) -> Peer {
         cmd.stdin(Stdio::piped())
@@ -213,4 +236,28 @@ pub fn read_u64(buf: &impl cuda_ipc::driver::DeviceMemory) -> u64 {
     let mut b = [0u8; 8];
     buf.copy_to_host(0, &mut b).unwrap();
     u64::from_le_bytes(b)
+}
+
+/// Whether `unshare` with `args` can run here: `Err(reason)` when the kernel or the environment
+/// forbids it (`EPERM`: no privileges, or namespaces disabled) or `unshare` is not installed; any
+/// other failure panics, so a broken setup is not mistaken for a skip.
+pub fn unshare_works(args: &[&str]) -> Result<(), String> {
+    let out = match Command::new("unshare").args(args).arg("true").output() {
+        Ok(o) => o,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err("the unshare program is not installed".to_string());
+        }
+        Err(e) => panic!("running unshare {args:?}: {e}"),
+    };
+    if out.status.success() {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&out.stderr).into_owned();
+    if text.contains("Operation not permitted") || text.contains("Permission denied") {
+        return Err(format!(
+            "unshare {args:?} is not permitted here: {}",
+            text.trim()
+        ));
+    }
+    panic!("unshare {args:?} failed: {}: {}", out.status, text.trim());
 }
