@@ -770,13 +770,6 @@ def _fd_socket_path(exporter: ProcessIdentity) -> str:
     return f"/dev/shm/cuda-ipc.fd.{exporter.pid_ns}.{exporter.pid}.{exporter.start_time}"
 
 
-def _fd_legacy_abstract_name(exporter: ProcessIdentity) -> str:
-    """The abstract socket name (without the leading NUL) that cuda-ipc builds before the
-    filesystem socket served on: tried only when there is no socket file and the exporter counts
-    pids in this pid namespace (where ``SO_PEERCRED`` can tell a squatter apart)."""
-    return f"cuda-ipc.fd.{exporter.pid}.{exporter.start_time}"
-
-
 def _file_kind(mode: int) -> str:
     for test, kind in (
         (stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
@@ -868,9 +861,6 @@ def _fetch_fds_once(exporter: ProcessIdentity, ids: list, deadline: float, timeo
                 f"{exporter.describe()} (something else holds its name; remove it)"
             )
         address, target, file_uid = path, path, st.st_uid
-    elif exporter.in_own_pid_namespace():
-        legacy = _fd_legacy_abstract_name(exporter)
-        address, target, file_uid = "\0" + legacy, "@" + legacy, None
     else:
         raise gone_or(FdNotOffered(exporter.pid, ids[0], not_served))
 

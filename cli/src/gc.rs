@@ -6,11 +6,14 @@
 //! producer's channel the slots and holds of dead consumers
 //! ([`channel_inspect::release_dead_consumers`], what the producer itself does when it next needs a
 //! buffer). A registry segment itself is never removed: a live process may open it at any moment.
+//! Without a NAME, also the liveness files and fd server sockets that killed processes left in
+//! `/dev/shm` (a normal exit removes them).
 
 use crate::Outcome;
 use crate::ls::{liveness, targets};
 use cuda_ipc::channel::inspect::{self as channel_inspect, ConsumerSnapshot};
 use cuda_ipc::identity::{self, Liveness};
+use cuda_ipc::ipc::fdpass;
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use std::error::Error;
@@ -77,6 +80,43 @@ fn liveness_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> u
             continue;
         }
         match identity::remove_stale_liveness_file(f) {
+            Ok(true) => {
+                out!("{verb} {what}");
+                n += 1;
+            }
+            Ok(false) => {}
+            Err(e) => fail(format!("{what}: cannot remove: {e}")),
+        }
+    }
+    n
+}
+
+/// The fd server sockets (`/dev/shm/cuda-ipc.fd.*`) of killed exporters (a normal exit removes
+/// its own). This user's only, or everyone's for root.
+fn socket_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
+    let files = match fdpass::stale_socket_files() {
+        Ok(f) => f,
+        Err(e) => {
+            fail(format!("fd server sockets: cannot list: {e}"));
+            return 0;
+        }
+    };
+    let euid = rustix::process::geteuid();
+    let mut n = 0;
+    for f in files
+        .iter()
+        .filter(|f| euid.is_root() || f.uid == euid.as_raw())
+    {
+        let what = format!(
+            "fd server socket /dev/shm/{} of dead {}",
+            f.name, f.identity
+        );
+        if dry_run {
+            out!("{verb} {what}");
+            n += 1;
+            continue;
+        }
+        match fdpass::remove_stale_socket_file(f) {
             Ok(true) => {
                 out!("{verb} {what}");
                 n += 1;
@@ -245,6 +285,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         }
     }
     if name.is_none() {
+        removed += socket_files(dry_run, verb, &mut fail);
         removed += liveness_files(dry_run, verb, &mut fail);
     }
     if removed == 0 {

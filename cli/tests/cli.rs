@@ -192,9 +192,13 @@ fn child() {
             let tx = ControlProducer::create(&name, 1 << 20, 4, &[(token(1), token(2))]).unwrap();
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"alive").unwrap();
+            // And an fd on offer, as a VMM producer has: its server socket is left by a kill.
+            let memfd =
+                rustix::fs::memfd_create("gc-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+            let export = cuda_ipc::ipc::fdpass::FdExport::new(memfd).unwrap();
             println!("@@ ready");
             std::thread::sleep(Duration::from_secs(120));
-            drop(tx);
+            drop((tx, export));
         }
         other => panic!("unknown role {other}"),
     }
@@ -985,11 +989,18 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
     if let Some(rest) = Duration::from_millis(5200).checked_sub(started.elapsed()) {
         std::thread::sleep(rest);
     }
+    let socket = cuda_ipc::ipc::fdpass::socket_path(&snap.producer);
+    assert!(
+        std::fs::symlink_metadata(&socket).is_ok(),
+        "left by the kill"
+    );
     let o = cuda_ipc_bounded(&["gc"], false);
     assert!(
-        text(&o).contains(&snap.producer.liveness_name()),
+        text(&o).contains(&format!("removed liveness file {live_file}"))
+            && text(&o).contains(&format!("removed fd server socket {socket}")),
         "{}",
         text(&o)
     );
     assert!(std::fs::symlink_metadata(&live_file).is_err(), "removed");
+    assert!(std::fs::symlink_metadata(&socket).is_err(), "removed");
 }
