@@ -308,4 +308,88 @@ mod loom_model {
             assert_eq!(out[0], u64::from(STATE_FREE));
         });
     }
+
+    /// A published record [11, 11] with a dead writer's half-written [22, ·] over it: the writer
+    /// (name 7) locked, opened its write, stored the state and one word, and died.
+    fn torn_slot() -> Arc<Mem> {
+        let m = Mem::new();
+        assert!(publish(&m, 1, 11));
+        let s = m.view();
+        assert!(s.try_lock(7, &|_| false).is_some());
+        let w = s.lock.try_write().unwrap();
+        w.store(W_STATE, u64::from(STATE_PUBLISHED));
+        w.store(1, 22);
+        std::mem::forget(w);
+        m
+    }
+
+    #[test]
+    fn loom_reader_beside_a_repairer_never_sees_the_half_written_record() {
+        let mut b = loom::model::Builder::new();
+        b.preemption_bound = Some(3);
+        b.check(|| {
+            let m = torn_slot();
+            let m1 = m.clone();
+            let repairer = loom::thread::spawn(move || {
+                let s = m1.view();
+                let t = s.try_lock(9, &|t| t == 7).expect("the dead writer's lock");
+                assert_eq!(
+                    t,
+                    Taken::Recovered {
+                        dropped_record: true
+                    }
+                );
+                s.unlock(9);
+            });
+            check_read(&m);
+            repairer.join().unwrap();
+            let mut out = [0u64; PAYLOAD_WORDS];
+            m.view().lock.read(&mut out[..N], 1).unwrap();
+            assert_eq!(&out[..N], &[0; N]);
+        });
+    }
+
+    /// A repairer (name 9) that dies at each step of the repair; a second one (name 10) takes the
+    /// lock over and finishes. A reader running beside both never sees the torn record.
+    #[test]
+    fn loom_a_repairer_dying_at_any_step_is_taken_over_and_never_read_torn() {
+        for stop in [
+            TestPoint::RepairAdopted,
+            TestPoint::RepairHalfCleared,
+            TestPoint::RepairCleared,
+            TestPoint::RepairClosed,
+        ] {
+            let mut b = loom::model::Builder::new();
+            b.preemption_bound = Some(2);
+            b.check(move || {
+                let m = torn_slot();
+                let m1 = m.clone();
+                let reader = loom::thread::spawn(move || {
+                    check_read(&m1);
+                    check_read(&m1);
+                });
+                let m2 = m.clone();
+                let first = loom::thread::spawn(move || {
+                    let died = m2
+                        .view()
+                        .try_lock_with(9, &|t| t == 7, &|p| p != stop)
+                        .is_none();
+                    assert!(died, "the first repairer dies at {stop:?}");
+                });
+                first.join().unwrap();
+                // The first repairer is dead now: the second finds its name dead and finishes.
+                let s = m.view();
+                let t = s
+                    .try_lock(10, &|t| t == 7 || t == 9)
+                    .expect("the dead repairer's lock");
+                assert!(matches!(t, Taken::Recovered { .. }));
+                s.unlock(10);
+                reader.join().unwrap();
+                let mut out = [0u64; PAYLOAD_WORDS];
+                s.lock.read(&mut out[..N], 1).unwrap();
+                assert_eq!(&out[..N], &[0; N]);
+                assert_eq!(m.writer.load(Ordering::Relaxed), 0);
+            });
+        }
+    }
 }
