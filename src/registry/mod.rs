@@ -1401,9 +1401,12 @@ impl Registry {
     /// [`ProcessIdentity::liveness`] says [`Liveness::Dead`]; what belongs to a process whose
     /// liveness is unknown is kept and counted in [`ReclaimReport::kept_unknown`].
     ///
+    /// A slot whose write a live writer keeps open for the whole lock timeout is skipped.
+    ///
     /// # Errors
-    /// [`Error::Timeout`] when a live process holds a slot's lock for the whole lock timeout;
-    /// [`RegistryError::Superseded`] when the name was given to another segment meanwhile.
+    /// [`Error::Timeout`] when a live process holds a slot's lock for the whole lock timeout while
+    /// a dead owner's record there is to be freed; [`RegistryError::Superseded`] when the name was
+    /// given to another segment meanwhile.
     pub fn reclaim_dead(&self) -> Result<ReclaimReport> {
         let mut rep = ReclaimReport::default();
         rep.participants = self.reclaim_participants(&mut rep);
@@ -1443,6 +1446,9 @@ impl Registry {
                         rep.half_written += 1;
                     }
                 }
+                // A write held open by a live (or unknown) writer for the whole lock timeout: not
+                // ours to free.
+                Err(Error::Registry(RegistryError::WriterStalled { .. })) => {}
                 Err(e) => return Err(e),
             }
         }
