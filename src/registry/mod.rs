@@ -417,6 +417,9 @@ impl Registry {
     /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment
     ///   (unless `group_access` and a shared group); [`RegistryError::InsecureMode`] for a segment
     ///   others may open;
+    /// - [`RegistryError::NotASegment`] for a FIFO, directory, socket or device under the name,
+    ///   [`Error::InvalidArgument`] for a symbolic link (never followed), [`RegistryError::Sparse`]
+    ///   for a file whose pages are not all backed (after the wait: a creator may be sizing it);
     /// - [`RegistryError::TooSmall`] for a zero-size or truncated segment;
     /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
     ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
