@@ -108,7 +108,46 @@ fn loom_writer_dying_inside_gives_readers_an_error_not_a_hang() {
         }
         writer.join().unwrap();
         assert!(b.lock().read(&mut out, 2).is_err());
-        assert!(b.lock().recover());
+        let w = b.lock().adopt_open_write().unwrap();
+        w.store(0, 0);
+        w.store(1, 0);
+        assert_eq!(w.finish(), 2);
         assert_eq!(b.lock().read(&mut out, 1).unwrap(), 2);
+        assert_eq!(out, [0, 0]);
+    });
+}
+
+/// The repair of a dead writer's half-written payload, beside a reader: the repairer adopts the
+/// open write (the sequence stays odd), overwrites the payload and only then closes it. The reader
+/// gets the old whole copy, the repaired (zero) copy, or an error; never the half-written one.
+#[test]
+fn loom_reader_beside_a_repairer_never_sees_the_half_written_payload() {
+    builder().check(|| {
+        let b = Block::new();
+        // A whole record [1, 1] at sequence 2.
+        let w = b.lock().try_write().unwrap();
+        w.store(0, 1);
+        w.store(1, 1);
+        w.finish();
+        // The writer of [2, 2] dies after its first store.
+        let w = b.lock().try_write().unwrap();
+        w.store(0, 2);
+        std::mem::forget(w);
+        let b2 = b.clone();
+        let repairer = loom::thread::spawn(move || {
+            let w = b2.lock().adopt_open_write().expect("an open write");
+            w.store(0, 0);
+            w.store(1, 0);
+            w.finish();
+        });
+        let mut out = [0u64; WORDS];
+        if let Ok(seq) = b.lock().read(&mut out, 3) {
+            assert_eq!(
+                (seq, out),
+                (4, [0, 0]),
+                "a copy that is not the repaired one"
+            );
+        }
+        repairer.join().unwrap();
     });
 }

@@ -286,13 +286,13 @@ fn open_with_wrong_layout_version_fails_naming_both_versions() {
             e,
             RegistryError::VersionMismatch {
                 found: 7,
-                supported: 1,
+                supported: 2,
                 ..
             }
         ),
         "{e}"
     );
-    assert!(e.to_string().contains("version 7") && e.to_string().contains("version 1"));
+    assert!(e.to_string().contains("version 7") && e.to_string().contains("version 2"));
 }
 
 #[test]
@@ -499,16 +499,17 @@ fn stale_locks_and_records_of_dead_processes_are_reclaimed() {
     reg.publish("mine", 1, b"", b"").unwrap();
     reg.publish("theirs", 1, b"", b"").unwrap();
     let slot = reg.get("theirs").unwrap().unwrap().slot;
-    // Make "theirs" look published by a dead process: owner pid in payload word 3's high half.
+    // Make "theirs" look published by a dead process: the owner's pid (low half of the first
+    // owner identity word, slot byte 48) set to one no process has.
     let base = slot_off(8, slot);
     // SAFETY: in bounds, aligned, atomic load.
-    let w3 =
-        unsafe { &*(reg.segment().as_ptr().add(base + 40) as *const std::sync::atomic::AtomicU64) }
+    let w =
+        unsafe { &*(reg.segment().as_ptr().add(base + 48) as *const std::sync::atomic::AtomicU64) }
             .load(std::sync::atomic::Ordering::SeqCst);
     poke_u64(
         reg.segment(),
-        base + 40,
-        (w3 & 0xffff_ffff) | (0x7fff_fff0u64 << 32),
+        base + 48,
+        (w & !0xffff_ffff) | 0x7fff_fff0u64,
     );
     // And a dead holder of the table lock.
     poke_u64(reg.segment(), 72, DEAD);
@@ -540,28 +541,96 @@ fn dead_participants_entries_are_freed_on_open() {
     drop((a, c));
 }
 
+/// A registry header as a creator killed after its first stores leaves it: creator identity,
+/// layout version and magic written, no init stamp.
+fn half_made_registry(tag: &str, creator: [u64; 4], version: u32) -> (String, Unlink) {
+    let name = unique(tag);
+    let seg = Segment::create(&name, layout::total_size(8, 8), &SegmentOptions::new()).unwrap();
+    for (k, w) in creator.iter().enumerate() {
+        poke_u64(&seg, 96 + 8 * k, *w);
+    }
+    poke_u32(&seg, 8, version);
+    poke_u64(&seg, 0, layout::MAGIC);
+    (name.clone(), Unlink(name))
+}
+
+/// The identity of no process: a pid above any `pid_max`, this boot, this namespace.
+fn dead_identity() -> cuda_ipc::identity::ProcessIdentity {
+    cuda_ipc::identity::ProcessIdentity {
+        pid: 0x7fff_fff0,
+        start_time: 1,
+        ..cuda_ipc::identity::ProcessIdentity::current().unwrap()
+    }
+}
+
 #[test]
-fn stale_segment_of_a_crashed_creator_does_not_block_a_restart() {
-    // A creator died after ftruncate, before the init stamp: a zero header of the right size.
-    let name = unique("stale");
-    let _u = Unlink(name.clone());
-    drop(Segment::create(&name, layout::total_size(8, 8), &SegmentOptions::new()).unwrap());
+fn a_never_initialised_registry_of_a_dead_creator_does_not_block_a_restart() {
+    let (name, _u) =
+        half_made_registry("stale", dead_identity().to_words(), layout::LAYOUT_VERSION);
     let t = Instant::now();
     let reg = Registry::open_or_create(&name, &opts()).unwrap();
     reg.publish("after-restart", 1, b"", b"").unwrap();
     assert!(t.elapsed() < Duration::from_secs(2));
-    // And one that died between shm_open and ftruncate (zero size).
-    let name2 = unique("stale0");
-    let _u2 = Unlink(name2.clone());
+}
+
+#[test]
+fn open_or_create_replaces_nothing_it_cannot_prove_is_its_own_stale_registry() {
+    let me = cuda_ipc::identity::ProcessIdentity::current().unwrap();
+    let exists = |n: &str| std::fs::symlink_metadata(format!("/dev/shm/{n}")).is_ok();
+    // A live creator still at work.
+    let (name, _u) = half_made_registry("live-creator", me.to_words(), layout::LAYOUT_VERSION);
+    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(matches!(e, RegistryError::Uninitialised { .. }), "{e}");
+    assert!(exists(&name));
+    // Another layout version, creator dead: not ours to judge.
+    let (name, _u) = half_made_registry("other-version", dead_identity().to_words(), 1);
+    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(
+        matches!(e, RegistryError::VersionMismatch { found: 1, .. }),
+        "{e}"
+    );
+    assert!(exists(&name));
+    // All zero: a creator killed before its first store looks like one about to make it.
+    let name = unique("zero-header");
+    let _u = Unlink(name.clone());
+    drop(Segment::create(&name, layout::total_size(8, 8), &SegmentOptions::new()).unwrap());
+    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(matches!(e, RegistryError::Uninitialised { .. }), "{e}");
+    assert!(exists(&name));
+    // An empty file, and a short one of somebody else.
+    let name = unique("empty");
+    let _u = Unlink(name.clone());
     drop(
         rustix::shm::open(
-            format!("/{name2}").as_str(),
+            format!("/{name}").as_str(),
             rustix::shm::OFlags::CREATE | rustix::shm::OFlags::RDWR,
             rustix::fs::Mode::from_raw_mode(0o600),
         )
         .unwrap(),
     );
-    Registry::open_or_create(&name2, &opts()).unwrap();
+    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(matches!(e, RegistryError::TooSmall { len: 0, .. }), "{e}");
+    assert!(exists(&name));
+    let (name, _u) = raw_segment("short-foreign", b"not a registry at all");
+    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(matches!(e, RegistryError::TooSmall { .. }), "{e}");
+    assert!(exists(&name));
+    // Another user's half-made registry with a dead creator (only root can make one).
+    if rustix::process::geteuid().as_raw() == 0 {
+        let (name, _u) = half_made_registry(
+            "other-user",
+            dead_identity().to_words(),
+            layout::LAYOUT_VERSION,
+        );
+        let seg = Segment::open(&name).unwrap();
+        rustix::fs::fchown(seg.fd(), Some(rustix::process::Uid::from_raw(4242)), None).unwrap();
+        let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+        assert!(
+            matches!(e, RegistryError::WrongOwner { owner: 4242, .. }),
+            "{e}"
+        );
+        assert!(exists(&name));
+    }
 }
 
 #[test]

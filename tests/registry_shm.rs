@@ -234,12 +234,20 @@ fn seqlock_reads_what_was_written_and_stalls_on_an_open_write() {
     assert_eq!(w.finish(), 2);
     assert_eq!(lock.read(&mut out, 3).unwrap(), 2);
     assert_eq!(out, [10, 11, 12, 13]);
-    // A writer that "dies" inside (forgotten guard) leaves the sequence odd; recover closes it.
+    // A writer that "dies" inside (forgotten guard) leaves the sequence odd; adopting its write
+    // keeps it odd until the new payload is stored, then closes it.
     std::mem::forget(lock.try_write().unwrap());
     assert!(lock.read(&mut out, 2).is_err());
-    assert!(lock.recover());
-    assert!(!lock.recover());
+    let w = lock.adopt_open_write().unwrap();
+    assert_eq!(w.sequence(), 3);
+    for i in 0..4 {
+        w.store(i, 0);
+    }
+    assert!(lock.read(&mut out, 2).is_err(), "still odd while adopted");
+    assert_eq!(w.finish(), 4);
+    assert!(lock.adopt_open_write().is_none());
     assert_eq!(lock.read(&mut out, 2).unwrap(), 4);
+    assert_eq!(out, [0; 4]);
 }
 
 #[test]

@@ -168,6 +168,19 @@ pub enum RegistryError {
         /// The segment name.
         name: String,
     },
+    /// A registry segment that was never initialised, whose creator's liveness cannot be told
+    /// (e.g. its liveness file belongs to another user): it might still be working, so the segment
+    /// is not replaced.
+    #[error(
+        "shared-memory segment /{name} was never initialised, and whether its creator ({creator}) \
+         still runs cannot be told; it is left as it is"
+    )]
+    CreatorUnknown {
+        /// The segment name.
+        name: String,
+        /// The creator, as recorded in the header.
+        creator: String,
+    },
     /// A record field is longer than the layout allows.
     #[error("{what} is {len} bytes, more than the {max} bytes a record holds")]
     TooLarge {

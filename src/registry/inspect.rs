@@ -7,7 +7,8 @@
 //! [`Registry::reclaim_dead`]'s job.
 
 use super::layout::*;
-use super::{READ_RETRIES, Registry, Retry, decode, owner_token, token_is_dead};
+use super::participant::{self, EntryState};
+use super::{READ_RETRIES, Registry, Retry, decode, read_words};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -32,10 +33,16 @@ pub struct RecordSnapshot {
 pub struct LockedSlot {
     /// The slot index.
     pub slot: u32,
-    /// The pid of the lock holder (from its owner token).
+    /// The pid of the lock holder (in its own pid namespace; 0 when its lock name leads to no
+    /// sealed participant entry, i.e. its claim ended).
     pub writer_pid: u32,
-    /// Whether the holder is gone (no such pid, another start time, or a zombie): the next writer
-    /// or [`Registry::reclaim_dead`] takes the lock over.
+    /// The lock holder, from its participant entry; `None` when the lock name leads to none.
+    pub writer: Option<ProcessIdentity>,
+    /// Whether the holder runs ([`ProcessIdentity::liveness`] of its entry's identity; a lock
+    /// name whose entry was freed or claimed again is [`Liveness::Dead`]).
+    pub writer_liveness: Liveness,
+    /// `writer_liveness == Dead`: the next writer or [`Registry::reclaim_dead`] takes the lock
+    /// over.
     pub writer_dead: bool,
     /// Whether the holder opened the seqlock write (a half-written record would be dropped).
     pub writing: bool,
@@ -47,9 +54,14 @@ pub struct LockedSlot {
 pub struct ParticipantSnapshot {
     /// The entry index.
     pub index: u32,
-    /// The process.
+    /// The process. For an entry whose claim was never completed (`sealed` false) only its pid
+    /// and pid namespace are known; its start time reads 0.
     pub identity: ProcessIdentity,
-    /// Whether it is gone (the same test [`Registry::reclaim_dead`] uses to free the entry).
+    /// Whether the claim was completed (the full identity written).
+    pub sealed: bool,
+    /// Whether the process runs (the same test [`Registry::reclaim_dead`] uses).
+    pub liveness: Liveness,
+    /// `liveness == Dead`: [`Registry::reclaim_dead`] frees the entry.
     pub dead: bool,
 }
 
@@ -71,8 +83,12 @@ pub struct RegistrySnapshot {
     /// The registry-wide sequence counter: the number of the latest publish (0: none yet). The
     /// difference between two snapshots is the number of publishes in between.
     pub last_seq: u64,
-    /// The process that created the segment (pid and start time; its boot id is not recorded).
+    /// The pid of the process that created the segment (in its own pid namespace).
     pub creator_pid: u32,
+    /// The process that created the segment.
+    pub creator: ProcessIdentity,
+    /// The creation generation: random, different for every creation of the name.
+    pub generation: u64,
     /// Threads sleeping in [`Registry::wait_for`] now (waiters that died asleep stay counted).
     pub waiters: u32,
     /// Published records, in slot order.
@@ -98,9 +114,16 @@ impl RegistrySnapshot {
     }
 }
 
-/// Names of the registry segments in `/dev/shm` this process can read: the files whose first eight
-/// bytes are the registry magic `CUIPCREG`, sorted. Files of other users that we may not read, and
-/// segments still being initialised (magic not written yet), are left out.
+/// Names of the registry segments in `/dev/shm` this process can read: the regular files whose
+/// first eight bytes are the registry magic `CUIPCREG`, sorted. Files of other users that we may
+/// not read, segments still being initialised (magic not written yet), and anything that is not a
+/// regular file (a FIFO, a directory, a socket, a symbolic link) are left out.
+///
+/// Never blocks and never follows a link: each name is opened `O_RDONLY | O_NOFOLLOW |
+/// O_NONBLOCK | O_CLOEXEC` and checked with `fstat` to be a regular file before a byte is read,
+/// so a FIFO swapped in under a listed name (by anyone: `/dev/shm` is world-writable) is skipped,
+/// not waited on. Sparse files are read like any other (`read` of a hole gives zeros, never
+/// `SIGBUS`).
 ///
 /// # Errors
 /// [`Error::Os`] when `/dev/shm` cannot be listed.
@@ -115,12 +138,21 @@ impl RegistrySnapshot {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn list_registries() -> Result<Vec<String>> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut out = Vec::new();
     for name in crate::shm::list_segments()? {
         let path = format!("{}/{name}", crate::shm::SHM_DIR);
-        let Ok(mut f) = std::fs::File::open(&path) else {
+        let Ok(mut f) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+        else {
             continue;
         };
+        // The descriptor's own type: the name may have been swapped since it was listed.
+        if !f.metadata().is_ok_and(|m| m.file_type().is_file()) {
+            continue;
+        }
         let mut magic = [0u8; 8];
         // A read into our own buffer: the kernel copies, so a concurrent writer is harmless.
         if f.read_exact(&mut magic).is_ok() && u64::from_le_bytes(magic) == MAGIC {
@@ -173,18 +205,11 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
     };
     let segment_bytes = seg.len() as u64;
     let me = ProcessIdentity::current()?;
-    // An observer handle: `participant` out of range, so it holds no entry and its drop frees none.
+    // An observer handle: it holds no participant entry (its drop frees none) and takes no lock.
     // Only the read-only helpers below are called on it.
-    let reg = Registry {
-        seg,
-        slots,
-        participants,
-        me,
-        token: owner_token(&me),
-        participant: u32::MAX,
-        lock_timeout: Duration::ZERO,
-    };
+    let reg = Registry::observer(seg, slots, participants, me)?;
     let hdr = reg.header();
+    let creator = ProcessIdentity::from_words(read_words(&hdr.creator));
     let mut snap = RegistrySnapshot {
         name: name.to_string(),
         segment_bytes,
@@ -192,7 +217,9 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
         participant_capacity: participants,
         // Relaxed: diagnostic values; nothing else is read through them.
         last_seq: hdr.next_seq.load(Ordering::Relaxed),
-        creator_pid: hdr.creator_pid.load(Ordering::Relaxed),
+        creator_pid: creator.pid,
+        creator,
+        generation: reg.generation(),
         waiters: hdr.waiters.load(Ordering::Relaxed),
         records: Vec::new(),
         locked_slots: Vec::new(),
@@ -205,10 +232,13 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
         let holder = v.holder();
         let read = v.read(&mut buf, READ_RETRIES);
         if holder != 0 {
+            let (writer_liveness, writer) = reg.holder_liveness(holder);
             snap.locked_slots.push(LockedSlot {
                 slot: i,
-                writer_pid: (holder >> 32) as u32,
-                writer_dead: token_is_dead(holder),
+                writer_pid: writer.map_or(0, |w| w.pid),
+                writer,
+                writer_liveness,
+                writer_dead: writer_liveness == Liveness::Dead,
                 writing: read.is_err() || v.lock.sequence() & 1 == 1,
             });
         }
@@ -229,39 +259,28 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
         }
     }
     for i in 0..participants {
-        let p = reg.participant_at(i);
-        // Relaxed: checked against the token below; an entry being filled in is skipped (as in
-        // `Registry::participants`).
-        let t = p.token.load(Ordering::Relaxed);
-        if t == 0 {
-            continue;
-        }
-        let pid = p.pid.load(Ordering::Relaxed);
-        let start_time = p.start_time.load(Ordering::Relaxed);
-        let mut boot_id = [0u8; 16];
-        boot_id[..8].copy_from_slice(&p.boot_id[0].load(Ordering::Relaxed).to_le_bytes());
-        boot_id[8..].copy_from_slice(&p.boot_id[1].load(Ordering::Relaxed).to_le_bytes());
-        let identity = if u64::from(pid) == t >> 32 && start_time & 0xffff_ffff == t & 0xffff_ffff {
-            ProcessIdentity {
-                pid,
-                start_time,
-                boot_id,
-                pid_ns: p._reserved0.load(Ordering::Relaxed),
-            }
-        } else {
-            // Being filled in (or left half-filled by a process that died claiming it): the token
-            // is what counts.
-            ProcessIdentity {
-                pid: (t >> 32) as u32,
-                start_time: t & 0xffff_ffff,
-                boot_id,
-                pid_ns: p._reserved0.load(Ordering::Relaxed),
+        let state = reg.entry(i);
+        let (identity, sealed) = match state {
+            EntryState::Free | EntryState::Changing => continue,
+            EntryState::Held { identity, .. } => (identity, true),
+            EntryState::Claiming { owner } => {
+                let (pid, pid_ns) = participant::claimer_of(owner);
+                let identity = ProcessIdentity {
+                    pid,
+                    start_time: 0,
+                    boot_id: me.boot_id,
+                    pid_ns,
+                };
+                (identity, false)
             }
         };
+        let liveness = reg.entry_liveness(&state);
         snap.participants.push(ParticipantSnapshot {
             index: i,
             identity,
-            dead: token_is_dead(t),
+            sealed,
+            liveness,
+            dead: liveness == Liveness::Dead,
         });
     }
     Ok(snap)

@@ -10,7 +10,7 @@ use crate::sync::{AtomicU32, AtomicU64};
 pub const MAGIC: u64 = u64::from_le_bytes(*b"CUIPCREG");
 /// The layout version this build writes and reads. Bumped on any change an older reader would
 /// misread; see docs/registry-layout.md for the rule.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// The value of `init_stamp` once the creator has written everything else (`b"INITDONE"`).
 pub const INIT_STAMP: u64 = u64::from_le_bytes(*b"INITDONE");
 
@@ -44,13 +44,19 @@ pub const STATE_PUBLISHED: u32 = 1;
 pub(crate) const W_STATE: usize = 0;
 pub(crate) const W_SEQ: usize = 1;
 pub(crate) const W_KIND_LENS: usize = 2;
-pub(crate) const W_META_PID: usize = 3;
-pub(crate) const W_START: usize = 4;
-pub(crate) const W_BOOT: usize = 5;
-pub(crate) const W_NAME: usize = 7;
+pub(crate) const W_META_LEN: usize = 3;
+/// The owner's identity, as [`crate::identity::ProcessIdentity::to_words`] gives it (4 words).
+pub(crate) const W_OWNER: usize = 4;
+pub(crate) const W_NAME: usize = W_OWNER + 4;
 pub(crate) const W_TOKEN: usize = W_NAME + RECORD_NAME_MAX / 8;
 pub(crate) const W_META: usize = W_TOKEN + TOKEN_MAX / 8;
 pub(crate) const W_RESERVED: usize = W_META + METADATA_MAX / 8;
+
+/// Bits of a participant entry's `owner` word that hold the pid (pids are below 2^22 on Linux,
+/// `PID_MAX_LIMIT`).
+pub const OWNER_PID_BITS: u32 = 22;
+/// Mask of the claim generation bits in an `owner` word (bits 22..32).
+pub const OWNER_GEN_MASK: u64 = 0x3ff << OWNER_PID_BITS;
 
 /// The segment header, at offset 0.
 #[repr(C)]
@@ -70,21 +76,25 @@ pub(crate) struct Header {
     pub notify: AtomicU32,
     pub next_seq: AtomicU64,
     pub table_lock: AtomicU64,
-    pub creator_pid: AtomicU32,
     pub waiters: AtomicU32,
-    pub creator_start_time: AtomicU64,
-    pub _reserved1: [AtomicU64; 4],
+    pub _reserved0: AtomicU32,
+    pub generation: AtomicU64,
+    pub creator: [AtomicU64; 4],
 }
 
 /// One participant entry: who has the registry open.
+///
+/// `owner` is the claim (0 = free; else pid | claim generation << 22 | pid namespace << 32, so a
+/// claim that never completed still names its process); `lock_name` is the value this claim's
+/// holder writes into lock words (claim generation << 32 | index + 1), valid while its generation
+/// bits equal `owner`'s; `identity` is the holder's full identity.
 #[repr(C)]
 pub(crate) struct Participant {
-    pub token: AtomicU64,
-    pub pid: AtomicU32,
-    pub _reserved0: AtomicU32,
-    pub start_time: AtomicU64,
-    pub boot_id: [AtomicU64; 2],
-    pub _reserved1: [AtomicU64; 3],
+    pub owner: AtomicU64,
+    pub lock_name: AtomicU64,
+    pub claims: AtomicU64,
+    pub identity: [AtomicU64; 4],
+    pub _reserved: AtomicU64,
 }
 
 /// One slot: writer lock word, seqlock sequence, payload.
@@ -112,7 +122,7 @@ const _: () = assert!(
     cfg!(target_endian = "little"),
     "the registry layout is little-endian"
 );
-const _: () = assert!(W_RESERVED + 7 == PAYLOAD_WORDS);
+const _: () = assert!(W_RESERVED + 6 == PAYLOAD_WORDS);
 const _: () = assert!(16 + PAYLOAD_WORDS * 8 == SLOT_SIZE);
 const _: () = assert!(SLOT_SIZE % 64 == 0 && PARTICIPANT_SIZE % 64 == 0 && HEADER_SIZE % 64 == 0);
 
@@ -139,17 +149,17 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, notify) == 60);
     const _: () = assert!(offset_of!(Header, next_seq) == 64);
     const _: () = assert!(offset_of!(Header, table_lock) == 72);
-    const _: () = assert!(offset_of!(Header, creator_pid) == 80);
-    const _: () = assert!(offset_of!(Header, waiters) == 84);
-    const _: () = assert!(offset_of!(Header, creator_start_time) == 88);
-    const _: () = assert!(offset_of!(Header, _reserved1) == 96);
+    const _: () = assert!(offset_of!(Header, waiters) == 80);
+    const _: () = assert!(offset_of!(Header, _reserved0) == 84);
+    const _: () = assert!(offset_of!(Header, generation) == 88);
+    const _: () = assert!(offset_of!(Header, creator) == 96);
 
     const _: () = assert!(size_of::<Participant>() == PARTICIPANT_SIZE);
-    const _: () = assert!(offset_of!(Participant, token) == 0);
-    const _: () = assert!(offset_of!(Participant, pid) == 8);
-    const _: () = assert!(offset_of!(Participant, start_time) == 16);
-    const _: () = assert!(offset_of!(Participant, boot_id) == 24);
-    const _: () = assert!(offset_of!(Participant, _reserved1) == 40);
+    const _: () = assert!(offset_of!(Participant, owner) == 0);
+    const _: () = assert!(offset_of!(Participant, lock_name) == 8);
+    const _: () = assert!(offset_of!(Participant, claims) == 16);
+    const _: () = assert!(offset_of!(Participant, identity) == 24);
+    const _: () = assert!(offset_of!(Participant, _reserved) == 56);
 
     const _: () = assert!(size_of::<Slot>() == SLOT_SIZE);
     const _: () = assert!(offset_of!(Slot, writer) == 0);
@@ -158,11 +168,10 @@ mod asserts {
     // Byte offsets of payload fields inside the slot, as documented.
     const _: () = assert!(16 + W_SEQ * 8 == 24);
     const _: () = assert!(16 + W_KIND_LENS * 8 == 32);
-    const _: () = assert!(16 + W_META_PID * 8 == 40);
-    const _: () = assert!(16 + W_START * 8 == 48);
-    const _: () = assert!(16 + W_BOOT * 8 == 56);
-    const _: () = assert!(16 + W_NAME * 8 == 72);
-    const _: () = assert!(16 + W_TOKEN * 8 == 136);
-    const _: () = assert!(16 + W_META * 8 == 392);
-    const _: () = assert!(16 + W_RESERVED * 8 == 520);
+    const _: () = assert!(16 + W_META_LEN * 8 == 40);
+    const _: () = assert!(16 + W_OWNER * 8 == 48);
+    const _: () = assert!(16 + W_NAME * 8 == 80);
+    const _: () = assert!(16 + W_TOKEN * 8 == 144);
+    const _: () = assert!(16 + W_META * 8 == 400);
+    const _: () = assert!(16 + W_RESERVED * 8 == 528);
 }

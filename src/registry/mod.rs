@@ -10,8 +10,12 @@
 //! How it stays sound when peers misbehave or die:
 //! - each record sits in one slot under a seqlock whose payload words are atomics: readers copy and
 //!   validate, so a torn record is never returned;
-//! - a slot's writer lock word holds the writer's owner token (pid and low bits of its start time);
-//!   a lock held by a dead process is taken over, and a write it left open is dropped (slot freed);
+//! - a slot's writer lock word holds the writer's lock name, which leads to its participant entry
+//!   and full identity (pid, start time, boot id, pid namespace); a lock whose holder is dead by
+//!   [`ProcessIdentity::liveness`] is taken over, and a write it left open is dropped (slot freed)
+//!   without the half-written record ever reading as stable;
+//! - whether a process is dead is only ever decided by [`ProcessIdentity::liveness`], which is
+//!   right across pid namespaces (containers sharing `/dev/shm`); `Unknown` counts as alive;
 //! - sequence numbers come from one registry-wide counter, taken under the slot lock, so the
 //!   numbers of a name only increase, across removals and recoveries too;
 //! - waiters sleep on one shared futex word that every change bumps, always with a timeout.
@@ -19,20 +23,27 @@
 mod error;
 pub mod inspect;
 pub mod layout;
+mod participant;
 mod slot;
 
 pub use error::RegistryError;
+#[doc(hidden)]
+pub use slot::{TestPoint, set_test_hook};
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::{Segment, SegmentOptions, futex};
 use crate::sync::{Ordering, fence};
 use layout::*;
-use slot::{SlotView, Taken};
+use participant::EntryState;
+use slot::{SlotView, Taken, TestPoint as Point};
 use std::time::{Duration, Instant};
 
 /// Seqlock read attempts per slot before the reader checks on the writer.
 const READ_RETRIES: u32 = 256;
+
+/// How often a blocking call looks whether the registry's name still stands for its segment.
+const SUPERSEDED_CHECK: Duration = Duration::from_millis(250);
 
 /// How a [`Registry`] is created or opened.
 ///
@@ -137,6 +148,9 @@ pub struct ReclaimReport {
     pub half_written: u32,
     /// Participant entries of dead processes, freed.
     pub participants: u32,
+    /// Records, locks and participant entries kept because whether their process runs could not be
+    /// told ([`Liveness::Unknown`], e.g. another user's liveness file): never treated as dead.
+    pub kept_unknown: u32,
 }
 
 /// A handle on a named registry segment.
@@ -149,42 +163,16 @@ pub struct Registry {
     slots: u32,
     participants: u32,
     me: ProcessIdentity,
-    token: u64,
+    /// The lock name this handle writes into lock words (0 for an inspection handle).
+    lock_name: u64,
+    /// The owner word of this handle's participant entry (0 for an inspection handle).
+    owner: u64,
     participant: u32,
     lock_timeout: Duration,
-}
-
-/// The owner token of a process: pid in the high 32 bits, the low 32 bits of its start time below.
-/// Never 0 (pids start at 1).
-pub fn owner_token(id: &ProcessIdentity) -> u64 {
-    (u64::from(id.pid) << 32) | (id.start_time & 0xffff_ffff)
-}
-
-/// Whether the process a token names is gone: no such pid, a different start time (the pid was
-/// reused), or a zombie (killed, not yet reaped: it will never release anything). Unknown (e.g.
-/// `/proc` hidden) counts as alive.
-pub(crate) fn token_is_dead(token: u64) -> bool {
-    let pid = (token >> 32) as u32;
-    if pid == 0 || pid > i32::MAX as u32 {
-        return true;
-    }
-    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return true,
-        Err(_) => return false,
-    };
-    // Field 3 (state) is the first field after the command name's closing parenthesis.
-    let state = stat
-        .rfind(')')
-        .and_then(|i| stat[i + 1..].split_ascii_whitespace().next());
-    if matches!(state, Some("Z" | "X" | "x")) {
-        return true;
-    }
-    match crate::identity::parse_start_time(&stat) {
-        Some(t) => (t & 0xffff_ffff) != (token & 0xffff_ffff),
-        None => false,
-    }
+    /// Device and inode of the mapped object, to tell whether the name still stands for it.
+    file_id: (u64, u64),
+    /// The creation generation in the header.
+    generation: u64,
 }
 
 fn corrupt(name: &str, what: String) -> Error {
@@ -251,9 +239,7 @@ fn decode(words: &[u64; PAYLOAD_WORDS], slot: u32) -> std::result::Result<Option
     let kind = kl as u32;
     let name_len = ((kl >> 32) & 0xffff) as usize;
     let token_len = (kl >> 48) as usize;
-    let mp = words[W_META_PID];
-    let meta_len = (mp & 0xffff) as usize;
-    let pid = (mp >> 32) as u32;
+    let meta_len = (words[W_META_LEN] & 0xffff) as usize;
     if name_len == 0 || name_len > RECORD_NAME_MAX {
         return Err(format!(
             "slot {slot}: record name length {name_len} (1 to {RECORD_NAME_MAX})"
@@ -271,20 +257,14 @@ fn decode(words: &[u64; PAYLOAD_WORDS], slot: u32) -> std::result::Result<Option
     }
     let name = String::from_utf8(unpack_bytes(&words[W_NAME..W_TOKEN], name_len))
         .map_err(|_| format!("slot {slot}: record name is not UTF-8"))?;
-    let boot = unpack_bytes(&words[W_BOOT..W_NAME], 16);
-    let mut boot_id = [0u8; 16];
-    boot_id.copy_from_slice(&boot);
+    let mut owner = [0u64; 4];
+    owner.copy_from_slice(&words[W_OWNER..W_NAME]);
     Ok(Some(Record {
         name,
         kind,
         token: unpack_bytes(&words[W_TOKEN..W_META], token_len),
         metadata: unpack_bytes(&words[W_META..W_RESERVED], meta_len),
-        owner: ProcessIdentity {
-            pid,
-            start_time: words[W_START],
-            boot_id,
-            pid_ns: words[W_RESERVED] as u32,
-        },
+        owner: ProcessIdentity::from_words(owner),
         seq: words[W_SEQ],
         slot,
     }))
@@ -302,13 +282,11 @@ fn encode(
     w[W_STATE] = u64::from(STATE_PUBLISHED);
     w[W_SEQ] = seq;
     w[W_KIND_LENS] = u64::from(kind) | ((name.len() as u64) << 32) | ((token.len() as u64) << 48);
-    w[W_META_PID] = (metadata.len() as u64) | (u64::from(owner.pid) << 32);
-    w[W_START] = owner.start_time;
-    pack_bytes(&mut w[W_BOOT..W_NAME], &owner.boot_id);
+    w[W_META_LEN] = metadata.len() as u64;
+    w[W_OWNER..W_NAME].copy_from_slice(&owner.to_words());
     pack_bytes(&mut w[W_NAME..W_TOKEN], name.as_bytes());
     pack_bytes(&mut w[W_TOKEN..W_META], token);
     pack_bytes(&mut w[W_META..W_RESERVED], metadata);
-    w[W_RESERVED] = u64::from(owner.pid_ns);
     w
 }
 
@@ -318,6 +296,30 @@ fn deadline_after(d: Duration) -> Instant {
     now.checked_add(d)
         .or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX))))
         .unwrap_or(now)
+}
+
+/// Says when a blocking call should look again whether its registry was superseded (every
+/// [`SUPERSEDED_CHECK`]): the look costs a `stat`, so it is kept off the fast paths.
+struct SlowPath {
+    next: Instant,
+}
+
+impl SlowPath {
+    fn new() -> Self {
+        Self {
+            next: deadline_after(SUPERSEDED_CHECK),
+        }
+    }
+
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        if now >= self.next {
+            self.next = deadline_after(SUPERSEDED_CHECK);
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// Small pause in lock loops: spin first, then yield, then sleep briefly.
@@ -375,12 +377,17 @@ impl Registry {
         )?;
         let hdr = Self::header_of(&seg);
         // Relaxed stores: all published by the Release store of init_stamp below. The creator's
-        // identity goes first so a stale, half-initialised segment can be told from a slow creator.
-        hdr.creator_pid.store(me.pid, Ordering::Relaxed);
-        hdr.creator_start_time
-            .store(me.start_time, Ordering::Relaxed);
-        hdr.magic.store(MAGIC, Ordering::Relaxed);
+        // identity and the version go first, published early by the magic's Release store, so a
+        // stale, half-initialised segment can be told from a slow creator's.
+        for (a, w) in hdr.creator.iter().zip(me.to_words()) {
+            a.store(w, Ordering::Relaxed);
+        }
         hdr.layout_version.store(LAYOUT_VERSION, Ordering::Relaxed);
+        hdr.generation
+            .store(crate::shm::new_generation(), Ordering::Relaxed);
+        // SYNC POINT creator: Release, pairs with the Acquire load of the magic in
+        // `remove_if_stale`: whoever sees the magic sees the creator's identity and the version.
+        hdr.magic.store(MAGIC, Ordering::Release);
         hdr.header_size.store(HEADER_SIZE as u32, Ordering::Relaxed);
         hdr.total_size.store(total as u64, Ordering::Relaxed);
         hdr.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
@@ -410,6 +417,9 @@ impl Registry {
     /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment
     ///   (unless `group_access` and a shared group); [`RegistryError::InsecureMode`] for a segment
     ///   others may open;
+    /// - [`RegistryError::NotASegment`] for a FIFO, directory, socket or device under the name,
+    ///   [`Error::InvalidArgument`] for a symbolic link (never followed), [`RegistryError::Sparse`]
+    ///   for a file whose pages are not all backed (after the wait: a creator may be sizing it);
     /// - [`RegistryError::TooSmall`] for a zero-size or truncated segment;
     /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
     ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
@@ -442,14 +452,24 @@ impl Registry {
 
     /// Opens the registry `name`, or creates it when there is none.
     ///
-    /// A segment left half-initialised by a creator that died (its recorded creator is dead, or no
-    /// init stamp appeared within `opts.init_timeout`) is unlinked and created anew, so a restart
-    /// after a crash is never blocked. A fully initialised segment whose participants all died is
-    /// simply opened: their entries and locks are reclaimed as met.
+    /// A segment under the name is replaced only when it is provably this crate's own stale
+    /// registry: a regular, fully backed file of our uid, with the registry magic and this layout
+    /// version, never initialised (no init stamp after `opts.init_timeout`), whose recorded creator
+    /// is dead by [`ProcessIdentity::liveness`]. Its inode is checked again just before it is
+    /// unlinked. Everything else is reported and left as it is. A fully initialised segment whose
+    /// participants all died is simply opened: their entries and locks are reclaimed as met.
     ///
     /// # Errors
-    /// As [`Registry::create`] and [`Registry::open`]; a foreign, other-version or corrupt segment is
-    /// reported, never replaced.
+    /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
+    /// a FIFO, directory, socket or device: [`RegistryError::NotASegment`]; a symbolic link:
+    /// [`Error::InvalidArgument`]; another user's segment: [`RegistryError::WrongOwner`]; a sparse
+    /// file: [`RegistryError::Sparse`]; an empty or short file: [`RegistryError::TooSmall`]; a
+    /// file without the magic: [`RegistryError::ForeignSegment`] (or
+    /// [`RegistryError::Uninitialised`] when it is all zero: a creator killed before its first
+    /// store cannot be told from one about to make it); another layout version, live creator or
+    /// not: [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
+    /// [`RegistryError::Uninitialised`]; one whose creator's liveness cannot be told:
+    /// [`RegistryError::CreatorUnknown`].
     pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
         for _ in 0..4 {
             match Self::create(name, opts) {
@@ -460,13 +480,13 @@ impl Registry {
                 Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
                 Err(Error::Registry(
                     e @ (RegistryError::Uninitialised { .. } | RegistryError::TooSmall { .. }),
-                )) => {
-                    if Self::remove_if_stale(name)? {
-                        tracing::warn!(segment = name, error = %e, "removed a stale registry segment left by a crashed creator");
+                )) => match Self::remove_if_stale(name, e)? {
+                    Stale::Removed(creator) => {
+                        tracing::warn!(segment = name, creator = %creator, "removed a stale registry segment left by a crashed creator");
                         continue;
                     }
-                    return Err(e.into());
-                }
+                    Stale::Changed => continue,
+                },
                 other => return other,
             }
         }
@@ -476,50 +496,79 @@ impl Registry {
         })
     }
 
-    /// Unlinks a segment that never got its init stamp and whose creator is dead or unknown.
-    /// Checks the inode again just before unlinking, so a fresh segment of the same name made in
-    /// between is left alone (best effort: the name is only checked, not locked).
-    fn remove_if_stale(name: &str) -> Result<bool> {
+    /// Unlinks `name` if it is provably our own stale registry (the rule in
+    /// [`Registry::open_or_create`]); otherwise returns the error that says why not (`why` when
+    /// nothing more precise is known).
+    fn remove_if_stale(name: &str, why: RegistryError) -> Result<Stale> {
+        precheck(name)?;
         let seg = match Segment::open(name) {
             Ok(s) => s,
-            Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(true),
-            // Zero size: the creator died between shm_open and ftruncate, or is just there.
-            Err(Error::Registry(RegistryError::TooSmall { .. })) => {
-                return Self::unlink_same(name, None);
-            }
+            Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(Stale::Changed),
             Err(e) => return Err(e),
         };
         seg.check_owner()?;
-        if seg.len() >= HEADER_SIZE {
-            let hdr = Self::header_of(&seg);
-            // Acquire: pairs with the creator's Release store of the stamp.
-            if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
-                return Ok(false);
+        if seg.len() < HEADER_SIZE {
+            return Err(RegistryError::TooSmall {
+                name: name.to_string(),
+                len: seg.len() as u64,
+                min: HEADER_SIZE as u64,
             }
-            // Relaxed: written once by the creator before anything else.
-            let pid = hdr.creator_pid.load(Ordering::Relaxed);
-            let st = hdr.creator_start_time.load(Ordering::Relaxed);
-            if pid != 0 && !token_is_dead((u64::from(pid) << 32) | (st & 0xffff_ffff)) {
-                return Ok(false);
+            .into());
+        }
+        let hdr = Self::header_of(&seg);
+        // SYNC POINT creator: Acquire, pairs with the creator's Release store of the magic; the
+        // creator identity and version read below are the creator's.
+        let magic = hdr.magic.load(Ordering::Acquire);
+        if magic == 0 {
+            // All zero so far: a creator killed before its first store looks exactly like one
+            // about to make it. Not provably stale.
+            return Err(why.into());
+        }
+        if magic != MAGIC {
+            return Err(RegistryError::ForeignSegment {
+                name: name.to_string(),
+                found: magic,
+            }
+            .into());
+        }
+        // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
+        let version = hdr.layout_version.load(Ordering::Relaxed);
+        if version != LAYOUT_VERSION {
+            return Err(RegistryError::VersionMismatch {
+                name: name.to_string(),
+                found: version,
+                supported: LAYOUT_VERSION,
+            }
+            .into());
+        }
+        // Acquire: pairs with the creator's Release store of the stamp.
+        if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
+            return Ok(Stale::Changed); // finished meanwhile: open it
+        }
+        let creator = ProcessIdentity::from_words(read_words(&hdr.creator));
+        match creator.liveness() {
+            Liveness::Dead => {}
+            Liveness::Alive => return Err(why.into()),
+            _ => {
+                return Err(RegistryError::CreatorUnknown {
+                    name: name.to_string(),
+                    creator: creator.to_string(),
+                }
+                .into());
             }
         }
         let ino = seg.inode()?;
         drop(seg);
-        Self::unlink_same(name, Some(ino))
-    }
-
-    fn unlink_same(name: &str, ino: Option<u64>) -> Result<bool> {
-        if let Some(ino) = ino {
-            match Segment::open(name) {
-                Ok(s) if s.inode()? != ino => return Ok(true),
-                Ok(_) => {}
-                Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(true),
-                Err(Error::Registry(RegistryError::TooSmall { .. })) => {}
-                Err(e) => return Err(e),
-            }
+        // The name is checked again (not locked): a fresh segment made in between is left alone.
+        match Segment::open(name) {
+            Ok(s) if s.inode()? != ino => return Ok(Stale::Changed),
+            Ok(_) => {}
+            Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(Stale::Changed),
+            Err(e) => return Err(e),
         }
         match Segment::unlink(name) {
-            Ok(()) | Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(true),
+            Ok(()) => Ok(Stale::Removed(creator)),
+            Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(Stale::Changed),
             Err(e) => Err(e),
         }
     }
@@ -533,13 +582,15 @@ impl Registry {
     }
 
     fn try_open(name: &str, allow_group: bool) -> std::result::Result<(Segment, u32, u32), Retry> {
-        let seg = match Segment::open(name) {
-            Ok(s) => s,
-            Err(e @ Error::Registry(RegistryError::TooSmall { .. })) => {
-                return Err(Retry::NotReady(e));
+        let not_ready = |e: Error| match e {
+            // A creator between `ftruncate` and `fallocate` (sparse) or before `ftruncate` (empty).
+            Error::Registry(RegistryError::TooSmall { .. } | RegistryError::Sparse { .. }) => {
+                Retry::NotReady(e)
             }
-            Err(e) => return Err(Retry::Fatal(e)),
+            e => Retry::Fatal(e),
         };
+        precheck(name).map_err(not_ready)?;
+        let seg = Segment::open(name).map_err(not_ready)?;
         seg.check_access(allow_group).map_err(Retry::Fatal)?;
         let len = seg.len();
         if len < HEADER_SIZE {
@@ -673,20 +724,18 @@ impl Registry {
         me: ProcessIdentity,
         opts: &RegistryOptions,
     ) -> Result<Registry> {
-        let token = owner_token(&me);
-        let mut reg = Registry {
-            seg,
-            slots,
-            participants,
-            me,
-            token,
-            participant: u32::MAX,
-            lock_timeout: opts.lock_timeout,
-        };
-        reg.participant = match reg.claim_participant() {
-            Some(i) => i,
+        if participant::owner_word(&me, 0).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "pid {} does not fit a registry participant entry (22 bits)",
+                me.pid
+            )));
+        }
+        let mut reg = Self::observer(seg, slots, participants, me)?;
+        reg.lock_timeout = opts.lock_timeout;
+        let (i, owner, name) = match reg.claim_participant() {
+            Some(c) => c,
             None => {
-                reg.reclaim_participants();
+                reg.reclaim_participants(&mut ReclaimReport::default());
                 reg.claim_participant().ok_or_else(|| {
                     Error::from(RegistryError::TooManyParticipants {
                         name: reg.seg.name().to_string(),
@@ -695,49 +744,157 @@ impl Registry {
                 })?
             }
         };
+        reg.participant = i;
+        reg.owner = owner;
+        reg.lock_name = name;
         Ok(reg)
     }
 
-    fn claim_participant(&self) -> Option<u32> {
+    /// A handle that holds no participant entry (index out of range, so its drop frees none) and
+    /// never takes a lock: for inspection, and the first step of [`Registry::attach`].
+    fn observer(
+        seg: Segment,
+        slots: u32,
+        participants: u32,
+        me: ProcessIdentity,
+    ) -> Result<Registry> {
+        let st = rustix::fs::fstat(seg.fd())
+            .map_err(|e| crate::error::OsError::new("fstat", format!("/{}", seg.name()), e))?;
+        let file_id = (st.st_dev, st.st_ino);
+        // Relaxed: written before the init stamp, which the opener loaded with Acquire.
+        let generation = Self::header_of(&seg).generation.load(Ordering::Relaxed);
+        Ok(Registry {
+            seg,
+            slots,
+            participants,
+            me,
+            lock_name: 0,
+            owner: 0,
+            participant: u32::MAX,
+            lock_timeout: Duration::ZERO,
+            file_id,
+            generation,
+        })
+    }
+
+    /// Claims a free participant entry and seals it with this process's identity; returns its
+    /// index, owner word and lock name.
+    fn claim_participant(&self) -> Option<(u32, u64, u64)> {
         for i in 0..self.participants {
             let p = self.participant_at(i);
-            // Acquire on success: pairs with the Release that freed the entry.
-            if p.token
-                .compare_exchange(0, self.token, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-            {
-                // Relaxed: readers check these against the token and skip an entry being filled.
-                p.pid.store(self.me.pid, Ordering::Relaxed);
-                p.start_time.store(self.me.start_time, Ordering::Relaxed);
-                let b = self.me.boot_id;
-                let lo = u64::from_le_bytes(b[..8].try_into().unwrap_or_default());
-                let hi = u64::from_le_bytes(b[8..].try_into().unwrap_or_default());
-                p.boot_id[0].store(lo, Ordering::Relaxed);
-                p.boot_id[1].store(hi, Ordering::Relaxed);
-                p._reserved0.store(self.me.pid_ns, Ordering::Relaxed);
-                return Some(i);
+            // Relaxed: only a hint for which entry to try.
+            if p.owner.load(Ordering::Relaxed) != 0 {
+                continue;
             }
+            // Relaxed: a read-modify-write, so every attempt on this entry gets its own number;
+            // that keeps owner words and lock names of successive claims apart.
+            let claim = p.claims.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            let owner = participant::owner_word(&self.me, claim)?;
+            // Acquire on success: pairs with the Release that freed the entry (the holder's drop or
+            // a reclaim), so the previous claim's stores come before ours.
+            if p.owner
+                .compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            // SYNC POINT claim: Release fence, pairs with the Acquire fence in `entry_state`: a
+            // reader that copies any identity word below then sees this claim's owner word.
+            fence(Ordering::Release);
+            for (a, w) in p.identity.iter().zip(self.me.to_words()) {
+                a.store(w, Ordering::Relaxed);
+            }
+            let name = participant::lock_name(claim, i);
+            // SYNC POINT seal: Release, pairs with the Acquire load of `lock_name` in
+            // `entry_state`; the identity above is complete for whoever sees this name.
+            p.lock_name.store(name, Ordering::Release);
+            return Some((i, owner, name));
         }
         None
     }
 
-    fn reclaim_participants(&self) -> u32 {
+    /// Entry `i`, copied consistently.
+    fn entry(&self, i: u32) -> EntryState {
+        participant::entry_state(self.participant_at(i), i)
+    }
+
+    /// Whether the holder of lock name `name` runs, and who it is (see [`participant`]).
+    fn holder_liveness(&self, name: u64) -> (Liveness, Option<ProcessIdentity>) {
+        participant::holder_liveness(|i| self.entry(i), name, self.participants)
+    }
+
+    /// `true` only when the holder of lock name `name` is dead ([`Liveness::Unknown`] is not).
+    fn holder_is_dead(&self, name: u64) -> bool {
+        name != self.lock_name && self.holder_liveness(name).0 == Liveness::Dead
+    }
+
+    /// Whether the process behind entry `i` runs: the sealed identity decides, or for a claim that
+    /// was never sealed, the claimer's pid and namespace.
+    fn entry_liveness(&self, state: &EntryState) -> Liveness {
+        match state {
+            EntryState::Free => Liveness::Dead,
+            EntryState::Held { identity, .. } => identity.liveness(),
+            EntryState::Claiming { owner } => {
+                participant::claimer_liveness(*owner, self.me.boot_id)
+            }
+            EntryState::Changing => Liveness::Unknown,
+        }
+    }
+
+    /// Frees the entries of dead processes; counts those kept as unknown in `rep`.
+    fn reclaim_participants(&self, rep: &mut ReclaimReport) -> u32 {
         let mut n = 0;
         for i in 0..self.participants {
-            let p = self.participant_at(i);
-            // Relaxed: the compare-exchange below decides.
-            let t = p.token.load(Ordering::Relaxed);
-            if t != 0 && t != self.token && token_is_dead(t) {
-                // Release: pairs with the next claimer's Acquire.
-                if p.token
-                    .compare_exchange(t, 0, Ordering::Release, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    n += 1;
+            if i == self.participant {
+                continue;
+            }
+            let state = self.entry(i);
+            let owner = match state {
+                EntryState::Held { owner, .. } | EntryState::Claiming { owner } => owner,
+                EntryState::Free | EntryState::Changing => continue,
+            };
+            match self.entry_liveness(&state) {
+                Liveness::Dead => {
+                    let p = self.participant_at(i);
+                    // Release: pairs with the next claimer's Acquire compare-exchange. The owner
+                    // word carries the claim's generation, so a newer claim is never freed here.
+                    if p.owner
+                        .compare_exchange(owner, 0, Ordering::Release, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        n += 1;
+                    }
                 }
+                Liveness::Alive => {}
+                _ => rep.kept_unknown += 1,
             }
         }
         n
+    }
+
+    /// Whether the name still stands for the segment this handle mapped: `stat` of
+    /// `/dev/shm/NAME` (never followed, nothing opened) against the mapped object's device and
+    /// inode. A name that is gone is not a supersession: the mapping is still the registry its
+    /// holders share.
+    ///
+    /// # Errors
+    /// [`RegistryError::Superseded`] when another file now has the name.
+    pub fn check_superseded(&self) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let path = format!("{}/{}", crate::shm::SHM_DIR, self.name());
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if (m.dev(), m.ino()) != self.file_id => Err(RegistryError::Superseded {
+                name: self.name().to_string(),
+            }
+            .into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// The creation generation written in the header: random, different for every creation of
+    /// the name.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     fn header_of(seg: &Segment) -> &Header {
@@ -838,22 +995,28 @@ impl Registry {
     fn lock_slot(&self, i: u32) -> Result<Taken> {
         let v = self.view(i);
         let deadline = deadline_after(self.lock_timeout);
-        let dead = |t: u64| token_is_dead(t);
+        let mut slow = SlowPath::new();
+        let dead = |t: u64| self.holder_is_dead(t);
         let never = |_: u64| false;
         for n in 0u32.. {
-            // Check liveness only now and then: it reads /proc.
+            // Check liveness only now and then: it costs a few system calls.
             let check: &dyn Fn(u64) -> bool = if n % 64 == 63 { &dead } else { &never };
-            if let Some(t) = v.try_lock(self.token, check) {
+            if let Some(t) = v.try_lock(self.lock_name, check) {
                 if matches!(t, Taken::Recovered { .. }) {
                     self.notify();
                 }
                 return Ok(t);
             }
-            if n % 64 == 63 && Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: "a registry slot's writer lock",
-                    after: self.lock_timeout,
-                });
+            if n % 64 == 63 {
+                if slow.due() {
+                    self.check_superseded()?;
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        what: "a registry slot's writer lock",
+                        after: self.lock_timeout,
+                    });
+                }
             }
             pause(n);
         }
@@ -863,29 +1026,37 @@ impl Registry {
     fn lock_table(&self) -> Result<()> {
         let w = &self.header().table_lock;
         let deadline = deadline_after(self.lock_timeout);
+        let mut slow = SlowPath::new();
         for n in 0u32.. {
-            // Relaxed: a hint for the compare-exchange.
-            let cur = w.load(Ordering::Relaxed);
+            // SYNC POINT holder: Acquire, pairs with the Release half of a holder's AcqRel
+            // compare-exchange below, so the holder's sealed entry is visible to the check.
+            let cur = w.load(Ordering::Acquire);
             let take_from = if cur == 0 {
                 Some(0)
-            } else if n % 64 == 63 && cur != self.token && token_is_dead(cur) {
+            } else if n % 64 == 63 && self.holder_is_dead(cur) {
                 Some(cur)
             } else {
                 None
             };
             if let Some(from) = take_from {
-                // Acquire: pairs with the Release in `unlock_table` by the previous holder.
-                if w.compare_exchange(from, self.token, Ordering::Acquire, Ordering::Relaxed)
+                // AcqRel: the Acquire half pairs with the Release in `unlock_table` by the
+                // previous holder; the Release half with the Acquire load above (SYNC POINT holder).
+                if w.compare_exchange(from, self.lock_name, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
                 {
                     return Ok(());
                 }
             }
-            if n % 64 == 63 && Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: "the registry's table lock",
-                    after: self.lock_timeout,
-                });
+            if n % 64 == 63 {
+                if slow.due() {
+                    self.check_superseded()?;
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        what: "the registry's table lock",
+                        after: self.lock_timeout,
+                    });
+                }
             }
             pause(n);
         }
@@ -895,7 +1066,7 @@ impl Registry {
     fn unlock_table(&self) {
         // Release: pairs with the next locker's Acquire compare-exchange.
         let _ = self.header().table_lock.compare_exchange(
-            self.token,
+            self.lock_name,
             0,
             Ordering::Release,
             Ordering::Relaxed,
@@ -908,6 +1079,8 @@ impl Registry {
         let v = self.view(i);
         let mut buf = [0u64; PAYLOAD_WORDS];
         let deadline = deadline_after(self.lock_timeout);
+        let mut slow = SlowPath::new();
+        let mut next_liveness = Instant::now();
         loop {
             match v.read(&mut buf, READ_RETRIES) {
                 Ok(_) => {
@@ -915,16 +1088,26 @@ impl Registry {
                 }
                 Err(stalled) => {
                     let holder = v.holder();
-                    if (holder == 0 || (holder != self.token && token_is_dead(holder)))
-                        && let Some(t) = v.try_lock(self.token, &token_is_dead)
+                    // The holder's liveness costs system calls: at most every millisecond.
+                    let now = Instant::now();
+                    let look = now >= next_liveness;
+                    if look {
+                        next_liveness = now + Duration::from_millis(1);
+                    }
+                    if self.lock_name != 0
+                        && (holder == 0 || (look && self.holder_is_dead(holder)))
+                        && let Some(t) = v.try_lock(self.lock_name, &|h| self.holder_is_dead(h))
                     {
-                        v.unlock(self.token);
+                        v.unlock(self.lock_name);
                         if matches!(t, Taken::Recovered { .. }) {
                             self.notify();
                         }
                         continue;
                     }
-                    if Instant::now() >= deadline {
+                    if slow.due() {
+                        self.check_superseded()?;
+                    }
+                    if now >= deadline {
                         return Err(stalled.into());
                     }
                     std::thread::sleep(Duration::from_micros(20));
@@ -1055,7 +1238,7 @@ impl Registry {
             Err(_) => false,
         };
         if !fits {
-            v.unlock(self.token);
+            v.unlock(self.lock_name);
             return cur.map(|_| None);
         }
         // Relaxed: a read-modify-write of one location is totally ordered, and it runs under the
@@ -1063,7 +1246,7 @@ impl Registry {
         let prev = self.header().next_seq.fetch_add(1, Ordering::Relaxed);
         if prev >= u64::MAX / 2 {
             // No registry counts this far (2^63 publishes); only corrupt bytes get here.
-            v.unlock(self.token);
+            v.unlock(self.lock_name);
             return Err(corrupt(
                 self.name(),
                 format!("sequence counter at {prev}, beyond any real count"),
@@ -1075,18 +1258,21 @@ impl Registry {
             Some(w) => {
                 for (k, x) in words.iter().enumerate() {
                     w.store(k, *x);
+                    if k == PAYLOAD_WORDS / 2 {
+                        slot::test_point(Point::WriteHalfStored);
+                    }
                 }
                 w.finish();
             }
             None => {
-                v.unlock(self.token);
+                v.unlock(self.lock_name);
                 return Err(corrupt(
                     self.name(),
                     format!("slot {i}: sequence odd under its writer lock"),
                 ));
             }
         }
-        v.unlock(self.token);
+        v.unlock(self.lock_name);
         self.notify();
         Ok(Some(seq))
     }
@@ -1106,14 +1292,17 @@ impl Registry {
     ///
     /// Sleeps on the registry's shared futex word, re-checking after every wake-up and at least
     /// every 100 ms (a publisher may die between publishing and waking). `after_seq = 0` waits for
-    /// any record of that name.
+    /// any record of that name. `timeout`: how long to wait at most (`Duration::MAX` is fine).
     ///
     /// # Errors
-    /// [`Error::Timeout`] when nothing newer arrived in time; the errors of [`Registry::get`].
+    /// [`Error::Timeout`] when nothing newer arrived in time; [`RegistryError::Superseded`] within
+    /// about 0.5 s once another segment has the registry's name (the name was removed and made
+    /// again: open it again); the errors of [`Registry::get`].
     pub fn wait_for(&self, name: &str, after_seq: u64, timeout: Duration) -> Result<Record> {
         validate_record_name(name)?;
         let deadline = deadline_after(timeout);
         let word = &self.header().notify;
+        let mut slow = SlowPath::new();
         loop {
             // Acquire: pairs with the publisher's Release fetch_add in `notify`.
             let v = word.load(Ordering::Acquire);
@@ -1140,6 +1329,11 @@ impl Registry {
                 futex::wait(word, v, (deadline - now).min(Duration::from_millis(100)));
             }
             waiters.fetch_sub(1, Ordering::Relaxed);
+            // Slow path only (at most every 250 ms, after a sleep): has the name been given to
+            // another segment? Then nobody publishes here any more.
+            if slow.due() {
+                self.check_superseded()?;
+            }
         }
     }
 
@@ -1195,7 +1389,7 @@ impl Registry {
             }
             w.finish();
         }
-        v.unlock(self.token);
+        v.unlock(self.lock_name);
         if doit {
             self.notify();
         }
@@ -1206,75 +1400,74 @@ impl Registry {
     }
 
     /// Frees what dead processes left: their published records, writes they left open, slots whose
-    /// bytes are corrupt, and their participant entries.
+    /// bytes are corrupt, and their participant entries. A process is dead only when
+    /// [`ProcessIdentity::liveness`] says [`Liveness::Dead`]; what belongs to a process whose
+    /// liveness is unknown is kept and counted in [`ReclaimReport::kept_unknown`].
+    ///
+    /// A slot whose write a live writer keeps open for the whole lock timeout is skipped.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when a live process holds a slot's lock for the whole lock timeout.
+    /// [`Error::Timeout`] when a live process holds a slot's lock for the whole lock timeout while
+    /// a dead owner's record there is to be freed; [`RegistryError::Superseded`] when the name was
+    /// given to another segment meanwhile.
     pub fn reclaim_dead(&self) -> Result<ReclaimReport> {
-        let mut rep = ReclaimReport {
-            participants: self.reclaim_participants(),
-            ..Default::default()
-        };
+        let mut rep = ReclaimReport::default();
+        rep.participants = self.reclaim_participants(&mut rep);
         for i in 0..self.slots {
             let v = self.view(i);
             let holder = v.holder();
-            if holder != 0 && holder != self.token && token_is_dead(holder) {
-                if let Some(Taken::Recovered { dropped_record }) =
-                    v.try_lock(self.token, &token_is_dead)
-                {
-                    v.unlock(self.token);
-                    if dropped_record {
-                        rep.half_written += 1;
+            if holder != 0 && holder != self.lock_name {
+                match self.holder_liveness(holder).0 {
+                    Liveness::Dead => {
+                        if let Some(Taken::Recovered { dropped_record }) =
+                            v.try_lock(self.lock_name, &|h| self.holder_is_dead(h))
+                        {
+                            v.unlock(self.lock_name);
+                            if dropped_record {
+                                rep.half_written += 1;
+                            }
+                            self.notify();
+                        }
                     }
-                    self.notify();
+                    Liveness::Alive => {}
+                    _ => rep.kept_unknown += 1,
                 }
             }
             match self.read_slot(i) {
-                Ok(Some(r)) if r.owner.liveness() == Liveness::Dead => {
-                    if self.free_slot_if(i, |cur| cur.seq == r.seq, false)? {
-                        rep.records += 1;
+                Ok(Some(r)) => match r.owner.liveness() {
+                    Liveness::Dead => {
+                        if self.free_slot_if(i, |cur| cur.seq == r.seq, false)? {
+                            rep.records += 1;
+                        }
                     }
-                }
-                Ok(_) => {}
+                    Liveness::Alive => {}
+                    _ => rep.kept_unknown += 1,
+                },
+                Ok(None) => {}
                 Err(Error::Registry(RegistryError::Corrupt { .. })) => {
                     if self.free_slot_if(i, |_| false, true)? {
                         rep.half_written += 1;
                     }
                 }
+                // A write held open by a live (or unknown) writer for the whole lock timeout: not
+                // ours to free.
+                Err(Error::Registry(RegistryError::WriterStalled { .. })) => {}
                 Err(e) => return Err(e),
             }
         }
         Ok(rep)
     }
 
-    /// Live participants (processes with this registry open), from the participant table.
+    /// Live participants (processes with this registry open), from the participant table: every
+    /// sealed entry whose identity is not [`Liveness::Dead`], each process once.
     pub fn participants(&self) -> Vec<ProcessIdentity> {
         let mut out = Vec::new();
         for i in 0..self.participants {
-            let p = self.participant_at(i);
-            // Relaxed: nothing is published through the token; the fields are checked against it
-            // below and an entry still being filled in is skipped.
-            let t = p.token.load(Ordering::Relaxed);
-            if t == 0 {
-                continue;
-            }
-            // Relaxed: checked against the token; an entry being filled is skipped.
-            let pid = p.pid.load(Ordering::Relaxed);
-            let start_time = p.start_time.load(Ordering::Relaxed);
-            if u64::from(pid) != t >> 32 || start_time & 0xffff_ffff != t & 0xffff_ffff {
-                continue;
-            }
-            let mut boot_id = [0u8; 16];
-            boot_id[..8].copy_from_slice(&p.boot_id[0].load(Ordering::Relaxed).to_le_bytes());
-            boot_id[8..].copy_from_slice(&p.boot_id[1].load(Ordering::Relaxed).to_le_bytes());
-            let id = ProcessIdentity {
-                pid,
-                start_time,
-                boot_id,
-                pid_ns: p._reserved0.load(Ordering::Relaxed),
-            };
-            if id.liveness() != Liveness::Dead && !out.contains(&id) {
-                out.push(id);
+            if let EntryState::Held { identity, .. } = self.entry(i)
+                && identity.liveness() != Liveness::Dead
+                && !out.contains(&identity)
+            {
+                out.push(identity);
             }
         }
         out
@@ -1287,14 +1480,84 @@ enum Retry {
     Fatal(Error),
 }
 
+/// What [`Registry::remove_if_stale`] did.
+enum Stale {
+    /// Unlinked: a never-initialised registry of this crate whose creator (named) is dead.
+    Removed(ProcessIdentity),
+    /// The name changed meanwhile (gone, finished, or another object): look again.
+    Changed,
+}
+
+/// Copies four identity words.
+fn read_words(a: &[crate::sync::AtomicU64; 4]) -> [u64; 4] {
+    // Relaxed: callers order these loads (an Acquire load of the init stamp or the magic before).
+    [0, 1, 2, 3].map(|i| a[i].load(Ordering::Relaxed))
+}
+
+/// What a file type is, in the words of [`RegistryError::NotASegment`].
+fn kind_of(ft: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_dir() {
+        "directory"
+    } else if ft.is_fifo() {
+        "FIFO"
+    } else if ft.is_socket() {
+        "socket"
+    } else if ft.is_char_device() {
+        "character device"
+    } else if ft.is_block_device() {
+        "block device"
+    } else if ft.is_symlink() {
+        "symbolic link"
+    } else {
+        "special file"
+    }
+}
+
+/// Refuses, before anything is opened, what a registry name cannot stand for: a FIFO, directory,
+/// socket or device ([`RegistryError::NotASegment`]) or a sparse file ([`RegistryError::Sparse`]:
+/// touching its holes could raise `SIGBUS`). Only `lstat`, so nothing blocks and no link is
+/// followed; symbolic links and missing names are left to [`Segment::open`], which refuses or
+/// reports them. [`Segment::open`] checks the opened descriptor the same way, so a swap after this
+/// look is caught there.
+fn precheck(name: &str) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    crate::shm::validate_name(name)?;
+    let path = format!("{}/{name}", crate::shm::SHM_DIR);
+    let Ok(m) = std::fs::symlink_metadata(&path) else {
+        return Ok(());
+    };
+    let ft = m.file_type();
+    if ft.is_symlink() {
+        return Ok(());
+    }
+    if !ft.is_file() {
+        return Err(RegistryError::NotASegment {
+            name: name.to_string(),
+            kind: kind_of(ft),
+        }
+        .into());
+    }
+    let backed = m.blocks().saturating_mul(512);
+    if backed < m.size() {
+        return Err(RegistryError::Sparse {
+            name: name.to_string(),
+            len: m.size(),
+            backed,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 impl Drop for Registry {
     fn drop(&mut self) {
         if self.participant < self.participants {
             let p = self.participant_at(self.participant);
             // Release: pairs with the next claimer's Acquire compare-exchange.
             let _ = p
-                .token
-                .compare_exchange(self.token, 0, Ordering::Release, Ordering::Relaxed);
+                .owner
+                .compare_exchange(self.owner, 0, Ordering::Release, Ordering::Relaxed);
         }
     }
 }

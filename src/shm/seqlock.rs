@@ -16,7 +16,14 @@
 //!
 //! A writer that dies inside leaves the sequence odd. Reads then fail after a bounded number of
 //! attempts with [`RegistryError::WriterStalled`] instead of spinning forever, and whoever owns the
-//! recovery (the registry, after checking the writer is dead) calls [`SeqLock::recover`].
+//! recovery (the registry, after checking the writer is dead) adopts the open write
+//! ([`SeqLock::adopt_open_write`]): it overwrites the payload while the sequence is still odd and
+//! only then makes it even, so the half-written payload is never published, not even for a moment.
+//!
+//! | repairer | reader |
+//! | --- | --- |
+//! | `seq` load sees odd, then `fence(Release)` (`adopt_open_write`) | `fence(Acquire)` after the payload loads, then `seq` load |
+//! | payload stores (`Relaxed`), then `seq` store odd + 1 (`Release`) | first `seq` load (`Acquire`) |
 
 use crate::registry::RegistryError;
 use crate::sync::{AtomicU64, Ordering, fence};
@@ -110,22 +117,32 @@ impl<'a> SeqLock<'a> {
         Err(RegistryError::WriterStalled { retries: attempts })
     }
 
-    /// Closes a write left open by a writer that died: makes an odd sequence even. Returns `true`
-    /// when it was odd.
+    /// Takes over a write left open by a writer that died: when the sequence is odd, returns a
+    /// [`SeqWriter`] for that same open write, with the sequence still odd. `None` when no write is
+    /// open (the sequence is even).
     ///
-    /// The payload is whatever the dead writer left, so the caller must mark the record unusable
-    /// (the registry frees the slot) in the same recovery. Call this only while holding the
-    /// caller's own exclusion over the record, taken from the dead writer.
-    pub fn recover(&self) -> bool {
-        // Relaxed: the caller's exclusion (taken with Acquire) orders this after the dead writer.
+    /// The sequence stays odd until the caller has stored what the record must become and calls
+    /// [`SeqWriter::finish`], so readers keep retrying and never copy the half-written payload. A
+    /// caller that dies before `finish` leaves the sequence odd, and the next caller adopts the same
+    /// write and stores everything again. Call this only while holding the caller's own exclusion
+    /// over the record, taken from the dead writer (the registry's slot writer lock).
+    pub fn adopt_open_write(&self) -> Option<SeqWriter<'a>> {
+        // Relaxed: the caller's exclusion (taken with Acquire) orders this after the dead writer; what
+        // matters for readers is that this load, which sees the odd value, comes before the fence.
         let s = self.seq.load(Ordering::Relaxed);
-        if s & 1 == 1 {
-            // Release: pairs with readers' Acquire load, like a writer's closing store.
-            self.seq.store(s.wrapping_add(1), Ordering::Release);
-            true
-        } else {
-            false
+        if s & 1 == 0 {
+            return None;
         }
+        // SYNC POINT adopt: Release fence, pairs with the reader's Acquire fence after its payload
+        // loads. A reader that copied any payload store made below synchronises with this fence, so
+        // the load above (which saw the odd value) happens before its re-check of the sequence,
+        // which then sees that odd value or a later one and throws the copy away.
+        fence(Ordering::Release);
+        Some(SeqWriter {
+            lock: *self,
+            start: s,
+            done: false,
+        })
     }
 }
 

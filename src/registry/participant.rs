@@ -1,0 +1,231 @@
+//! Participant entries: how a process claims one, how lock words name their holder through it, and
+//! how anyone decides whether that holder is dead.
+//!
+//! Lock words (the slots' `writer`, the header's `table_lock`) hold a *lock name*: the claim
+//! generation of the holder's participant entry and the entry's index. The entry holds the
+//! holder's full [`ProcessIdentity`] (pid, start time, boot id, pid namespace), so every liveness
+//! decision goes through [`ProcessIdentity::liveness`], which is right across pid namespaces. A
+//! lock name whose entry has since been freed or claimed again names a claim that ended: its
+//! holder is dead (a live holder releases its locks before it frees its entry).
+//!
+//! An entry's `owner` word is the claim itself: pid | claim generation << 22 | pid namespace << 32,
+//! taken by one compare-exchange from 0. So even a claim whose claimer died before it wrote its
+//! identity names a pid and a namespace, and is freed only when no live process of that pid and
+//! namespace holds a liveness lock (see [`claimer_liveness`]).
+//!
+//! | step | store | pairs with |
+//! | --- | --- | --- |
+//! | claim | `owner` CAS 0 → owner word (Acquire) | the Release that freed the entry |
+//! | | `fence(Release)`, identity words (Relaxed) | `entry_state`'s Acquire fence and re-check of `owner` (SYNC POINT claim) |
+//! | seal | `lock_name` store (Release) | `entry_state`'s Acquire load of `lock_name` (SYNC POINT seal) |
+//! | free | `owner` CAS owner word → 0 (Release) | the next claimer's Acquire CAS |
+
+use super::layout::{OWNER_GEN_MASK, OWNER_PID_BITS, Participant};
+use crate::identity::{LIVE_PREFIX, Liveness, ProcessIdentity};
+use crate::sync::{Ordering, fence};
+
+/// Attempts at a consistent copy of an entry before it is reported as changing.
+const COPY_ATTEMPTS: u32 = 8;
+
+/// The owner word of a claim by `id` with claim generation `claim`; `None` when the pid does not fit
+/// its 22 bits (never on Linux, whose pids stay below `PID_MAX_LIMIT` = 2^22).
+pub(crate) fn owner_word(id: &ProcessIdentity, claim: u64) -> Option<u64> {
+    if id.pid == 0 || id.pid >= 1 << OWNER_PID_BITS {
+        return None;
+    }
+    Some(
+        u64::from(id.pid)
+            | ((claim << OWNER_PID_BITS) & OWNER_GEN_MASK)
+            | (u64::from(id.pid_ns) << 32),
+    )
+}
+
+/// The lock name of the claim with generation `claim` of entry `index`: `claim << 32 | index + 1`.
+/// Never 0.
+pub(crate) fn lock_name(claim: u64, index: u32) -> u64 {
+    ((claim & 0xffff_ffff) << 32) | (u64::from(index) + 1)
+}
+
+/// The entry index a lock name points to, `None` for 0 or a name beyond `participants`.
+pub(crate) fn index_of(name: u64, participants: u32) -> Option<u32> {
+    let i = (name & 0xffff_ffff) as u32;
+    (i != 0 && i <= participants).then(|| i - 1)
+}
+
+/// Whether `name` is the lock name of the claim `owner` of entry `index` (same generation bits).
+fn seals(owner: u64, name: u64, index: u32) -> bool {
+    let gen_bits = (owner & OWNER_GEN_MASK) >> OWNER_PID_BITS;
+    name & 0xffff_ffff == u64::from(index) + 1 && (name >> 32) & 0x3ff == gen_bits
+}
+
+/// The pid and pid namespace an owner word names.
+pub(crate) fn claimer_of(owner: u64) -> (u32, u32) {
+    (
+        (owner & ((1 << OWNER_PID_BITS) - 1)) as u32,
+        (owner >> 32) as u32,
+    )
+}
+
+/// A participant entry, copied consistently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EntryState {
+    /// Nobody holds it.
+    Free,
+    /// Held and sealed: `name` is the lock name its holder writes, `identity` the holder.
+    Held {
+        owner: u64,
+        name: u64,
+        identity: ProcessIdentity,
+    },
+    /// Claimed but not sealed: a claim in progress, or one whose claimer died half-way. Only the
+    /// claimer's pid and namespace (in `owner`) are known.
+    Claiming { owner: u64 },
+    /// It changed during every copy attempt: someone is claiming or freeing it right now.
+    Changing,
+}
+
+/// Copies entry `index` (`p`) consistently, seqlock-style: `owner` and `lock_name`, the identity,
+/// then `owner` and `lock_name` again after an Acquire fence.
+pub(crate) fn entry_state(p: &Participant, index: u32) -> EntryState {
+    for _ in 0..COPY_ATTEMPTS {
+        // Acquire: pairs with the Release of the CAS or store that made it (claim or free).
+        let o1 = p.owner.load(Ordering::Acquire);
+        if o1 == 0 {
+            return EntryState::Free;
+        }
+        // SYNC POINT seal: Acquire, pairs with the claimer's Release store of `lock_name`; a sealed
+        // name means the identity words below are the claimer's.
+        let n1 = p.lock_name.load(Ordering::Acquire);
+        let mut w = [0u64; 4];
+        for (x, a) in w.iter_mut().zip(&p.identity) {
+            // Relaxed: validated by the re-check below.
+            *x = a.load(Ordering::Relaxed);
+        }
+        // SYNC POINT claim: Acquire fence, pairs with a new claimer's Release fence before its
+        // identity stores: if any load above saw one of them, the loads below see its claim.
+        fence(Ordering::Acquire);
+        // Relaxed: ordered after the identity loads by the fence.
+        let o2 = p.owner.load(Ordering::Relaxed);
+        let n2 = p.lock_name.load(Ordering::Relaxed);
+        if o1 != o2 || n1 != n2 {
+            std::hint::spin_loop();
+            continue;
+        }
+        return if seals(o1, n1, index) {
+            EntryState::Held {
+                owner: o1,
+                name: n1,
+                identity: ProcessIdentity::from_words(w),
+            }
+        } else {
+            EntryState::Claiming { owner: o1 }
+        };
+    }
+    EntryState::Changing
+}
+
+/// Whether the holder that lock name `name` names is alive, and who it is: the identity sealed in
+/// its entry decides ([`ProcessIdentity::liveness`]). A name whose entry is free, claimed again or
+/// sealed with another name belongs to a claim that ended: [`Liveness::Dead`]. An entry changing
+/// under every copy: [`Liveness::Unknown`].
+pub(crate) fn holder_liveness(
+    entry: impl Fn(u32) -> EntryState,
+    name: u64,
+    participants: u32,
+) -> (Liveness, Option<ProcessIdentity>) {
+    let Some(i) = index_of(name, participants) else {
+        // Names no entry of this registry: no process of this protocol wrote it.
+        return (Liveness::Dead, None);
+    };
+    match entry(i) {
+        EntryState::Held {
+            name: n, identity, ..
+        } if n == name => (identity.liveness(), Some(identity)),
+        EntryState::Changing => (Liveness::Unknown, None),
+        _ => (Liveness::Dead, None),
+    }
+}
+
+/// Whether the claimer of an unsealed entry (pid and namespace from `owner`) may still run.
+///
+/// Every process that claims an entry holds a liveness lock on
+/// `/dev/shm/cuda-ipc.live.<ns>.<pid>.<start time>` (it took its identity first). So the claimer is
+/// dead when no such file of that namespace and pid is held ([`ProcessIdentity::liveness`] of each
+/// candidate, boot id `boot`). In our own pid namespace, a pid that `/proc` still shows counts as
+/// possibly alive even without a file (a pid reused by another process keeps the entry until it
+/// exits: a leak, never a false death).
+pub(crate) fn claimer_liveness(owner: u64, boot: [u8; 16]) -> Liveness {
+    let (pid, pid_ns) = claimer_of(owner);
+    if pid == 0 {
+        return Liveness::Dead;
+    }
+    let prefix = format!("{LIVE_PREFIX}{pid_ns}.{pid}.");
+    let Ok(dir) = std::fs::read_dir(crate::shm::SHM_DIR) else {
+        return Liveness::Unknown;
+    };
+    let mut verdict = Liveness::Dead;
+    for ent in dir.flatten() {
+        let name = ent.file_name();
+        let Some(start) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let id = ProcessIdentity {
+            pid,
+            start_time: start,
+            boot_id: boot,
+            pid_ns,
+        };
+        match id.liveness() {
+            Liveness::Dead => {}
+            Liveness::Alive => return Liveness::Alive,
+            _ => verdict = Liveness::Unknown,
+        }
+    }
+    let probe = ProcessIdentity {
+        pid,
+        start_time: 0,
+        boot_id: boot,
+        pid_ns,
+    };
+    if verdict == Liveness::Dead
+        && probe.in_own_pid_namespace()
+        && std::path::Path::new(&format!("/proc/{pid}")).exists()
+    {
+        return Liveness::Unknown;
+    }
+    verdict
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_names_and_owner_words_round_trip() {
+        let me = ProcessIdentity::current().unwrap();
+        let o = owner_word(&me, 0x1234_5678).unwrap();
+        assert_eq!(claimer_of(o), (me.pid, me.pid_ns));
+        let n = lock_name(0x1234_5678, 7);
+        assert_eq!(index_of(n, 8), Some(7));
+        assert_eq!(index_of(n, 7), None);
+        assert!(seals(o, n, 7));
+        assert!(!seals(o, lock_name(0x1234_5679, 7), 7));
+        assert!(!seals(o, n, 6));
+        assert_eq!(index_of(0, 8), None);
+    }
+
+    #[test]
+    fn a_claimer_without_a_liveness_file_in_another_namespace_is_dead() {
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(3);
+        let o = owner_word(&other, 1).unwrap();
+        assert_eq!(claimer_liveness(o, other.boot_id), Liveness::Dead);
+        let me = ProcessIdentity::current().unwrap();
+        let o = owner_word(&me, 1).unwrap();
+        assert_eq!(claimer_liveness(o, me.boot_id), Liveness::Alive);
+    }
+}
