@@ -989,15 +989,18 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
     if let Some(rest) = Duration::from_millis(5200).checked_sub(started.elapsed()) {
         std::thread::sleep(rest);
     }
+    // The fd server socket the kill left (unless a `gc` of a test running beside this one took it
+    // already: it has no age guard, its process being known dead).
     let socket = cuda_ipc::ipc::fdpass::socket_path(&snap.producer);
-    assert!(
-        std::fs::symlink_metadata(&socket).is_ok(),
-        "left by the kill"
-    );
+    let socket_left = std::fs::symlink_metadata(&socket).is_ok();
     let o = cuda_ipc_bounded(&["gc"], false);
     assert!(
-        text(&o).contains(&format!("removed liveness file {live_file}"))
-            && text(&o).contains(&format!("removed fd server socket {socket}")),
+        text(&o).contains(&format!("removed liveness file {live_file}")),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        !socket_left || text(&o).contains(&format!("removed fd server socket {socket}")),
         "{}",
         text(&o)
     );
