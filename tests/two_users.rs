@@ -23,6 +23,15 @@ const ANSWER: Duration = Duration::from_secs(20);
 const USER: &str = "cuda-ipc-test";
 const CHANNEL: &str = "CUDA_IPC_TEST_CHANNEL";
 
+/// Held while this process copies a binary or starts a child: a child forked while another
+/// thread still has the copy open for writing would keep it open until its own `exec`, and the
+/// copy's `exec` would then fail with `ETXTBSY`.
+static FORK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn fork_lock() -> std::sync::MutexGuard<'static, ()> {
+    FORK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn tokens() -> Vec<([u8; TOKEN_LEN], [u8; TOKEN_LEN])> {
     vec![([0u8; TOKEN_LEN], [0u8; TOKEN_LEN]); 2]
 }
@@ -34,6 +43,7 @@ fn test_user() -> Option<(u32, u32)> {
         println!("skipped: needs root to make a second user");
         return None;
     }
+    let _fork = fork_lock();
     let id = |flag: &str| -> Option<u32> {
         let o = Command::new("id").args([flag, USER]).output().ok()?;
         String::from_utf8_lossy(&o.stdout).trim().parse().ok()
@@ -63,6 +73,7 @@ struct BinaryForOthers(std::path::PathBuf);
 
 impl BinaryForOthers {
     fn new(tag: &str) -> BinaryForOthers {
+        let _fork = fork_lock();
         let dir =
             std::env::temp_dir().join(format!("cuda-ipc-two-users-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -99,6 +110,7 @@ fn spawn_as(
         .current_dir("/")
         .uid(uid)
         .gid(gid); // std clears root's supplementary groups when it drops to `uid`
+    let _fork = fork_lock();
     Peer::from_command(cmd)
 }
 
