@@ -190,10 +190,13 @@ impl ProcessIdentity {
 
     /// The file name (in `/dev/shm`) of this process's liveness file.
     pub fn liveness_name(&self) -> String {
-        format!(
-            "{LIVE_PREFIX}{}.{}.{}",
-            self.pid_ns, self.pid, self.start_time
-        )
+        self.file_name(LIVE_PREFIX)
+    }
+
+    /// The name of a per-process file in `/dev/shm`: `<prefix><pid ns>.<pid>.<start time>` in
+    /// decimal (the liveness file, the fd server's socket). Unique per process and boot.
+    pub(crate) fn file_name(&self, prefix: &str) -> String {
+        format!("{prefix}{}.{}.{}", self.pid_ns, self.pid, self.start_time)
     }
 
     /// The identity as four 64-bit words, the form every shared-memory layout of this crate stores:
@@ -452,7 +455,7 @@ pub fn stale_liveness_files() -> Result<Vec<LivenessFile>> {
         let Some(name) = ent.file_name().to_str().map(str::to_string) else {
             continue;
         };
-        let Some(identity) = parse_liveness_name(&name, boot) else {
+        let Some(identity) = parse_file_name(LIVE_PREFIX, &name, boot) else {
             continue;
         };
         let path = format!("{LIVE_DIR}/{name}");
@@ -523,9 +526,10 @@ fn old_enough(st: &rustix::fs::Stat) -> bool {
     now_ns - ctime_ns >= i128::from(STALE_AFTER_SECS) * 1_000_000_000
 }
 
-/// Parses `cuda-ipc.live.<ns>.<pid>.<start>` into an identity of boot `boot`.
-fn parse_liveness_name(name: &str, boot: [u8; 16]) -> Option<ProcessIdentity> {
-    let rest = name.strip_prefix(LIVE_PREFIX)?;
+/// Parses `<prefix><ns>.<pid>.<start>` (the form of [`ProcessIdentity::file_name`]) into an
+/// identity of boot `boot`; `None` for any other name.
+pub(crate) fn parse_file_name(prefix: &str, name: &str, boot: [u8; 16]) -> Option<ProcessIdentity> {
+    let rest = name.strip_prefix(prefix)?;
     let mut it = rest.split('.');
     let pid_ns = it.next()?.parse().ok()?;
     let pid = it.next()?.parse().ok()?;

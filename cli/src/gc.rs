@@ -57,70 +57,55 @@ fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
     out
 }
 
-/// The liveness files (`/dev/shm/cuda-ipc.live.*`) of killed processes: their lock is free (a
-/// process that exits normally removes its own). This user's only, or everyone's for root.
-fn liveness_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
-    let files = match identity::stale_liveness_files() {
-        Ok(f) => f,
-        Err(e) => {
-            fail(format!("liveness files: cannot list: {e}"));
-            return 0;
-        }
-    };
-    let euid = rustix::process::geteuid();
-    let mut n = 0;
-    for f in files
-        .iter()
-        .filter(|f| euid.is_root() || f.uid == euid.as_raw())
-    {
-        let what = format!("liveness file /dev/shm/{} of dead {}", f.name, f.identity);
-        if dry_run {
-            out!("{verb} {what}");
-            n += 1;
-            continue;
-        }
-        match identity::remove_stale_liveness_file(f) {
-            Ok(true) => {
-                out!("{verb} {what}");
-                n += 1;
-            }
-            Ok(false) => {}
-            Err(e) => fail(format!("{what}: cannot remove: {e}")),
-        }
-    }
-    n
-}
+/// Removes one leftover after checking it again; `Ok(false)` when it is gone or no longer stale.
+type Removal = Box<dyn Fn() -> cuda_ipc::Result<bool>>;
 
-/// The fd server sockets (`/dev/shm/cuda-ipc.fd.*`) of killed exporters (a normal exit removes
-/// its own). This user's only, or everyone's for root.
-fn socket_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
-    let files = match fdpass::stale_socket_files() {
-        Ok(f) => f,
-        Err(e) => {
-            fail(format!("fd server sockets: cannot list: {e}"));
-            return 0;
-        }
-    };
+/// Per-process files that killed processes left in `/dev/shm`: the fd server sockets
+/// (`cuda-ipc.fd.*`) and the liveness files (`cuda-ipc.live.*`); a normal exit removes both. This
+/// user's only, or everyone's for root. Returns how many were (or, with `dry_run`, would be)
+/// removed.
+fn process_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
+    // (what it is, owner uid, removal); sockets first, since their staleness is read through the
+    // liveness files.
+    let mut found: Vec<(String, u32, Removal)> = Vec::new();
+    match fdpass::stale_socket_files() {
+        Ok(files) => found.extend(files.into_iter().map(|f| {
+            let what = format!(
+                "fd server socket /dev/shm/{} of dead {}",
+                f.name, f.identity
+            );
+            let uid = f.uid;
+            let remove: Removal = Box::new(move || fdpass::remove_stale_socket_file(&f));
+            (what, uid, remove)
+        })),
+        Err(e) => fail(format!("fd server sockets: cannot list: {e}")),
+    }
+    match identity::stale_liveness_files() {
+        Ok(files) => found.extend(files.into_iter().map(|f| {
+            let what = format!("liveness file /dev/shm/{} of dead {}", f.name, f.identity);
+            let uid = f.uid;
+            let remove: Removal = Box::new(move || identity::remove_stale_liveness_file(&f));
+            (what, uid, remove)
+        })),
+        Err(e) => fail(format!("liveness files: cannot list: {e}")),
+    }
     let euid = rustix::process::geteuid();
     let mut n = 0;
-    for f in files
-        .iter()
-        .filter(|f| euid.is_root() || f.uid == euid.as_raw())
-    {
-        let what = format!(
-            "fd server socket /dev/shm/{} of dead {}",
-            f.name, f.identity
-        );
+    for (what, uid, remove) in found {
+        if !euid.is_root() && uid != euid.as_raw() {
+            continue;
+        }
         if dry_run {
             out!("{verb} {what}");
             n += 1;
             continue;
         }
-        match fdpass::remove_stale_socket_file(f) {
+        match remove() {
             Ok(true) => {
                 out!("{verb} {what}");
                 n += 1;
             }
+            // Gone meanwhile, or no longer stale: nothing to say.
             Ok(false) => {}
             Err(e) => fail(format!("{what}: cannot remove: {e}")),
         }
@@ -285,8 +270,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         }
     }
     if name.is_none() {
-        removed += socket_files(dry_run, verb, &mut fail);
-        removed += liveness_files(dry_run, verb, &mut fail);
+        removed += process_files(dry_run, verb, &mut fail);
     }
     if removed == 0 {
         out!("nothing to remove");

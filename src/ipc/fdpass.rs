@@ -267,10 +267,7 @@ pub fn socket_path(exporter: &ProcessIdentity) -> String {
 
 /// The file name (in `/dev/shm`) of `exporter`'s fd server socket.
 fn socket_file_name(exporter: &ProcessIdentity) -> String {
-    format!(
-        "{SOCKET_PREFIX}{}.{}.{}",
-        exporter.pid_ns, exporter.pid, exporter.start_time
-    )
+    exporter.file_name(SOCKET_PREFIX)
 }
 
 /// The socket file this process made, for its removal at exit or when the server stops.
@@ -1418,20 +1415,7 @@ pub fn remove_stale_socket_file(file: &StaleSocketFile) -> Result<bool> {
 
 /// Parses `cuda-ipc.fd.<ns>.<pid>.<start>` into an identity of boot `boot`.
 fn parse_socket_name(name: &str, boot: [u8; 16]) -> Option<ProcessIdentity> {
-    let rest = name.strip_prefix(SOCKET_PREFIX)?;
-    let mut it = rest.split('.');
-    let pid_ns = it.next()?.parse().ok()?;
-    let pid = it.next()?.parse().ok()?;
-    let start_time = it.next()?.parse().ok()?;
-    if it.next().is_some() {
-        return None;
-    }
-    Some(ProcessIdentity {
-        pid,
-        start_time,
-        boot_id: boot,
-        pid_ns,
-    })
+    crate::identity::parse_file_name(SOCKET_PREFIX, name, boot)
 }
 
 #[cfg(test)]
