@@ -21,17 +21,10 @@ const CHANNEL: &str = "CUDA_IPC_TEST_CHANNEL";
 
 /// Whether this machine lets us make pid namespaces; prints why not.
 fn namespaces_work() -> bool {
-    match Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc", "true"])
-        .status()
-    {
-        Ok(s) if s.success() => true,
-        Ok(s) => {
-            println!("skipped: `unshare --pid --fork --mount-proc true` failed ({s}); needs root");
-            false
-        }
-        Err(e) => {
-            println!("skipped: cannot run unshare: {e}");
+    match common::unshare_works(&["--pid", "--fork", "--mount-proc"]) {
+        Ok(()) => true,
+        Err(why) => {
+            println!("skipped: {why}");
             false
         }
     }
@@ -40,22 +33,12 @@ fn namespaces_work() -> bool {
 /// Runs `test` of this binary as `role` in a new pid namespace (with its own /proc), sharing
 /// /dev/shm with us.
 fn spawn_in_new_pid_namespace(test: &str, role: &str, env: &[(&str, &str)]) -> Peer {
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut cmd = Command::new("unshare");
-    cmd.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
-        .arg(exe)
-        .args([
-            test,
-            "--exact",
-            "--nocapture",
-            "--include-ignored",
-            "--test-threads=1",
-        ])
-        .env(common::ROLE, role);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    Peer::from_command(cmd)
+    Peer::spawn_under(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        test,
+        role,
+        env,
+    )
 }
 
 /// The pid, in our namespace, of the first process `unshare` (pid `wrapper`) forked: the new

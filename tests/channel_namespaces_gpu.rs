@@ -9,7 +9,6 @@ use common::{Peer, ctx, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
 use cuda_ipc::kernels::Kernels;
-use std::process::Command;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
@@ -18,21 +17,10 @@ const CHANNEL: &str = "CUDA_IPC_TEST_CHANNEL";
 
 /// Runs `test` as `role` under `unshare` with the given namespace flags.
 fn spawn_in(namespaces: &[&str], test: &str, role: &str, channel: &str) -> Peer {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new("unshare");
-    cmd.args(namespaces)
-        .args(["--fork", "--mount-proc", "--kill-child"])
-        .arg(exe)
-        .args([
-            test,
-            "--exact",
-            "--nocapture",
-            "--include-ignored",
-            "--test-threads=1",
-        ])
-        .env(common::ROLE, role)
-        .env(CHANNEL, channel);
-    Peer::from_command(cmd)
+    let mut wrapper = vec!["unshare"];
+    wrapper.extend_from_slice(namespaces);
+    wrapper.extend_from_slice(&["--fork", "--mount-proc", "--kill-child"]);
+    Peer::spawn_under(&wrapper, test, role, &[(CHANNEL, channel)])
 }
 
 /// The consumer: every frame checked against the pattern its metadata names; reports
