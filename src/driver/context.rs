@@ -63,7 +63,49 @@ impl Context {
         self.raw
     }
 
-    /// Makes this context current on the calling thread (`cuCtxSetCurrent`).
+    /// Makes this context current on the calling thread for the life of the returned guard, and
+    /// the caller's context current again when it drops: `cuCtxGetCurrent`, then, only when another
+    /// context (or none) is current, `cuCtxPushCurrent_v2` now and `cuCtxPopCurrent_v2` at drop.
+    /// When this context is current already, it costs one `cuCtxGetCurrent` and changes nothing.
+    ///
+    /// Every driver call of this crate runs inside such a guard, so code of other libraries on the
+    /// thread finds its own context current afterwards, on success and on error.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses `cuCtxGetCurrent` or `cuCtxPushCurrent_v2`.
+    #[doc(alias = "cuCtxPushCurrent")]
+    #[doc(alias = "cuCtxPopCurrent")]
+    pub fn enter(&self) -> Result<CurrentGuard<'_>> {
+        let mut cur = MaybeUninit::<sys::CUcontext>::uninit();
+        // SAFETY: driver loaded (a Context exists); `cur` is a valid out-pointer.
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(cur.as_mut_ptr())
+        })?;
+        // SAFETY: written on success.
+        let cur = unsafe { cur.assume_init() };
+        if cur == self.raw {
+            return Ok(CurrentGuard {
+                ctx: self,
+                pushed: false,
+                _not_send: std::marker::PhantomData,
+            });
+        }
+        // SAFETY: `raw` is a retained primary context, valid while `self` lives (the guard borrows
+        // it); pushing makes it current on this thread until the matching pop in the guard's drop.
+        check("cuCtxPushCurrent_v2", unsafe {
+            sys::cuCtxPushCurrent_v2(self.raw)
+        })?;
+        Ok(CurrentGuard {
+            ctx: self,
+            pushed: true,
+            _not_send: std::marker::PhantomData,
+        })
+    }
+
+    /// Makes this context current on the calling thread (`cuCtxSetCurrent`) and leaves it so: the
+    /// one call of this crate that changes the thread's state for good, for users who make their
+    /// own driver calls afterwards. Everything else uses [`Context::enter`], which restores the
+    /// caller's context.
     ///
     /// # Errors
     /// [`Error::Cuda`] when the driver refuses.
@@ -113,6 +155,39 @@ impl Context {
                 self.device.uuid(),
                 other.device.uuid()
             )))
+        }
+    }
+}
+
+/// This context current on this thread until dropped; made by [`Context::enter`]. Not `Send`: the
+/// driver's context stack belongs to one thread.
+#[derive(Debug)]
+#[must_use = "the context is current only while the guard lives"]
+pub struct CurrentGuard<'a> {
+    ctx: &'a Context,
+    pushed: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl CurrentGuard<'_> {
+    /// The context made current.
+    pub fn context(&self) -> &Context {
+        self.ctx
+    }
+}
+
+impl Drop for CurrentGuard<'_> {
+    fn drop(&mut self) {
+        if !self.pushed {
+            return;
+        }
+        let mut popped = MaybeUninit::<sys::CUcontext>::uninit();
+        // SAFETY: this guard pushed `ctx` on this thread (the guard is not Send) and nothing
+        // pushed by this crate is left above it: guards are dropped in reverse order of creation.
+        let r = unsafe { sys::cuCtxPopCurrent_v2(popped.as_mut_ptr()) };
+        if let Err(e) = check("cuCtxPopCurrent_v2", r) {
+            // The caller's context may stay hidden under ours; nothing else can be done in drop.
+            tracing::warn!("{e}; the thread's previous context may not be current again");
         }
     }
 }

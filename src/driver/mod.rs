@@ -16,7 +16,7 @@ mod memory;
 mod module;
 mod stream;
 
-pub use context::Context;
+pub use context::{Context, CurrentGuard};
 pub use device::{
     ComputeMode, Device, DeviceCapabilities, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD,
     MEMPOOL_HANDLE_WIN32, MEMPOOL_HANDLE_WIN32_KMT, Uuid, driver_version,
