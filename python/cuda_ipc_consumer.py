@@ -544,8 +544,11 @@ def _probe_lock(path: str) -> str:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return _UNREADABLE
-        got = fcntl.fcntl(fd, _F_OFD_GETLK, _lock_request(fcntl.F_WRLCK))
-        return _FREE_LOCK if _FLOCK.unpack(got)[0] == fcntl.F_UNLCK else _HELD
+        # Asked as a read lock: only a write lock conflicts with it, and only the file's owner (or
+        # root) can take one, since the file is 0644. A read lock another user takes on the file
+        # after its process died must not make that process look alive.
+        got = fcntl.fcntl(fd, _F_OFD_GETLK, _lock_request(fcntl.F_RDLCK))
+        return _HELD if _FLOCK.unpack(got)[0] == fcntl.F_WRLCK else _FREE_LOCK
     except OSError:
         return _UNREADABLE
     finally:
@@ -561,6 +564,43 @@ class _Me:
     owner = 0  # the pid that made the file: only it removes the file at exit
     path: Optional[str] = None
     hooks = False
+    keeper_pid = 0  # the pid whose keeper thread runs (threads do not survive fork)
+
+
+#: Seconds between two looks of the keeper thread (``KEEPER_EVERY`` in identity.rs).
+_KEEPER_EVERY = 0.25
+
+
+def _start_keeper(pid: int) -> None:
+    """Starts (once per process) a daemon thread that makes and locks this process's liveness
+    file again when someone removed or replaced it, as the keeper thread of identity.rs does.
+    Caller holds ``_Me.lock``."""
+    if _Me.keeper_pid == pid:
+        return
+    _Me.keeper_pid = pid
+
+    def keep() -> None:
+        while True:
+            time.sleep(_KEEPER_EVERY)
+            if os.getpid() != pid:
+                return
+            with _Me.lock:
+                me, fd = _Me.identity, _Me.fd
+                if me is None or fd < 0:
+                    continue
+                path = me.liveness_path()
+                try:
+                    a, b = os.fstat(fd), os.lstat(path)
+                    if (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev):
+                        continue
+                except OSError:
+                    pass
+                try:
+                    _hold_liveness_lock(me)
+                except OSError:
+                    pass  # the next look tries again
+
+    threading.Thread(target=keep, name="cuda-ipc-liveness", daemon=True).start()
 
 
 def _current_identity() -> ProcessIdentity:
@@ -621,6 +661,7 @@ def _hold_liveness_lock(me: ProcessIdentity) -> None:
         except OSError:
             pass
     _Me.owner, _Me.path = me.pid, path
+    _start_keeper(me.pid)
     if not _Me.hooks:
         _Me.hooks = True
         atexit.register(_remove_liveness_file_at_exit)
@@ -633,7 +674,7 @@ def _after_fork_in_child() -> None:
     parent, not with the last of its children (the parent's open file description and lock stay).
     The child takes an identity and a liveness file of its own the first time it asks."""
     _Me.lock = threading.Lock()  # another thread of the parent may have held it at the fork
-    fd, _Me.fd, _Me.identity = _Me.fd, -1, None
+    fd, _Me.fd, _Me.identity, _Me.keeper_pid = _Me.fd, -1, None, 0
     if fd >= 0:
         try:
             os.close(fd)
@@ -908,7 +949,7 @@ def _fetch_fds_once(exporter: ProcessIdentity, ids: list, deadline: float, timeo
                     f"{server_pid} (another process squats on the exporter's socket name; find it "
                     "with `ss -xlp`)"
                 )
-        elif server_uid not in (euid, 0) or file_uid != server_uid:
+        elif (server_uid not in (euid, 0) and euid != 0) or file_uid != server_uid:
             raise NotSupported(
                 f"fd passing: the socket {target} of {exporter.describe()} is held by uid "
                 f"{server_uid} and its file owned by uid {file_uid}; this process runs as uid {euid} "

@@ -239,27 +239,61 @@ static LOCK_PATH: Mutex<Option<CString>> = Mutex::new(None);
 /// file and takes its lock.
 fn hold_liveness_lock(id: &ProcessIdentity) -> Result<()> {
     let path = id.liveness_path();
-    let fd = open_live_file(&path, true).map_err(|e| OsError::io("open", path.as_str(), e))?;
+    // Something else under our name is refused with what it is; it is never removed (it may be
+    // another user's, and only we and root could remove ours from the sticky /dev/shm).
+    let in_the_way = |call: &'static str, what: String| -> crate::Error {
+        OsError::io(
+            call,
+            path.as_str(),
+            std::io::Error::other(format!(
+                "{what} holds this process's liveness file name; remove it (nothing of this \
+                 process made it) and start again"
+            )),
+        )
+        .into()
+    };
+    let fd = match open_live_file(&path, true) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(in_the_way("open", "a symbolic link".into()));
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+            return Err(in_the_way("open", "a socket".into()));
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+            return Err(in_the_way("open", "a directory".into()));
+        }
+        Err(e) => return Err(OsError::io("open", path.as_str(), e).into()),
+    };
     // The file must be ours and a plain file: another user could have made one under our name.
     let st = rustix::fs::fstat(&fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
     let euid = rustix::process::geteuid().as_raw();
-    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
-        || st.st_uid != euid
-    {
-        return Err(OsError::io(
-            "open",
-            path,
-            std::io::Error::other(format!(
-                "the liveness file exists and is not a regular file of uid {euid} (owner uid {})",
+    let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
+    if ft != rustix::fs::FileType::RegularFile {
+        return Err(in_the_way("fstat", format!("a {ft:?}")));
+    }
+    if st.st_uid != euid {
+        return Err(in_the_way(
+            "fstat",
+            format!(
+                "a file of uid {} (this process runs as uid {euid})",
                 st.st_uid
-            )),
-        )
-        .into());
+            ),
+        ));
     }
     // Readable by everyone, so processes of other users (root's `cuda-ipc gc`, a group-shared
     // channel's consumers) can test the lock; the file holds no data.
     let _ = rustix::fs::fchmod(&fd, rustix::fs::Mode::from_raw_mode(0o644));
-    set_lock(&fd).map_err(|e| OsError::io("fcntl(F_OFD_SETLK)", path.as_str(), e))?;
+    match set_lock(&fd) {
+        Ok(()) => {}
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
+            return Err(in_the_way(
+                "fcntl(F_OFD_SETLK)",
+                "a file another process holds a lock on".into(),
+            ));
+        }
+        Err(e) => return Err(OsError::io("fcntl(F_OFD_SETLK)", path.as_str(), e).into()),
+    }
     // The name must still stand for the file we locked (nobody removed it in between: `cuda-ipc
     // gc` leaves files younger than 5 s alone, and the sticky /dev/shm lets only us and root
     // remove ours).
@@ -286,7 +320,71 @@ fn hold_liveness_lock(id: &ProcessIdentity) -> Result<()> {
         *LOCK_PATH.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
     }
     register_process_hooks();
+    start_keeper(id.pid);
     Ok(())
+}
+
+/// How often the keeper thread looks whether this process's liveness file is still there.
+const KEEPER_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Starts (once per process id: threads do not survive `fork`) a thread that, every
+/// [`KEEPER_EVERY`], checks that this process's liveness file is still the file it locked, and makes
+/// and locks it again when someone removed or replaced it (root cleaning /dev/shm by hand). Until
+/// then, other pid namespaces read this process as dead; the thread keeps that window short.
+fn start_keeper(pid: u32) {
+    static KEEPER_PID: AtomicI32 = AtomicI32::new(0);
+    // Relaxed: only decides which thread starts the keeper; nothing is published through it.
+    if KEEPER_PID.swap(pid as i32, Ordering::Relaxed) == pid as i32 {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("cuda-ipc-liveness".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(KEEPER_EVERY);
+                if std::process::id() != pid {
+                    return;
+                }
+                keep_liveness_file();
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(
+            "cannot start the liveness keeper thread ({e}): a removed liveness file is not made again"
+        );
+    }
+}
+
+/// One look of the keeper: the name must still stand for the locked file.
+fn keep_liveness_file() {
+    // Acquire: pairs with the Release (AcqRel) swap in `hold_liveness_lock`.
+    let fd = LOCK_FD.load(Ordering::Acquire);
+    if fd < 0 {
+        return;
+    }
+    let cached = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(id) = *cached else {
+        return;
+    };
+    // SAFETY: `fd` is this module's lock descriptor, kept open for the life of the process (the
+    // CURRENT lock held here serialises it against its replacement in `hold_liveness_lock`).
+    let mine = rustix::fs::fstat(unsafe { rustix::fd::BorrowedFd::borrow_raw(fd) });
+    let now = rustix::fs::lstat(id.liveness_path().as_str());
+    let same =
+        matches!((&mine, &now), (Ok(a), Ok(b)) if a.st_ino == b.st_ino && a.st_dev == b.st_dev);
+    if same {
+        return;
+    }
+    match hold_liveness_lock(&id) {
+        Ok(()) => tracing::warn!(
+            "this process's liveness file {} was removed or replaced; made and locked again",
+            id.liveness_path()
+        ),
+        // The next look tries again.
+        Err(e) => {
+            tracing::warn!("this process's liveness file is gone and cannot be made again: {e}")
+        }
+    }
 }
 
 fn register_process_hooks() {
@@ -391,15 +489,20 @@ fn set_lock(fd: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// `true` when another open file description holds a lock on byte 0.
+/// `true` when another open file description holds a *write* lock on byte 0.
+///
+/// Asked as a read lock: only a write lock conflicts with it, and only the file's owner (or root)
+/// can take one, since the file is 0644 and a write lock needs a descriptor open for writing. A read
+/// lock that another user takes on the file (waiting for the owner to die) must not make a dead
+/// process look alive.
 fn test_lock(fd: &OwnedFd) -> std::io::Result<bool> {
-    let mut l = lock_request(libc::F_WRLCK as libc::c_short);
+    let mut l = lock_request(libc::F_RDLCK as libc::c_short);
     // SAFETY: `fd` is an open descriptor; `l` is a valid `flock` the kernel overwrites in place.
     let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
     if r == -1 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(l.l_type != libc::F_UNLCK as libc::c_short)
+    Ok(l.l_type == libc::F_WRLCK as libc::c_short)
 }
 
 /// The inode number of the caller's pid namespace, 0 when `/proc/self/ns/pid` cannot be read.
@@ -734,6 +837,41 @@ mod tests {
         assert!(remove_stale_liveness_file(&file).unwrap());
         assert!(std::fs::symlink_metadata(&path).is_err());
         assert_eq!(other.liveness(), Liveness::Dead, "no file: dead");
+    }
+
+    #[test]
+    fn a_read_lock_another_user_takes_on_a_dead_processs_file_does_not_make_it_alive() {
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(11);
+        other.start_time = other.start_time.wrapping_add(999);
+        let path = other.liveness_path();
+        let _ = std::fs::remove_file(&path);
+        let _made = open_live_file(&path, true).unwrap(); // its process died: no write lock
+        // Anyone may open the 0644 file read-only and take a read lock, e.g. waiting with
+        // F_OFD_SETLKW for the owner to die.
+        let reader = open_live_file(&path, false).unwrap();
+        let l = lock_request(libc::F_RDLCK as libc::c_short);
+        // SAFETY: `reader` is open; `l` is a valid flock.
+        let r = unsafe { libc::fcntl(reader.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+        assert_eq!(r, 0);
+        assert_eq!(other.liveness(), Liveness::Dead);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_removed_liveness_file_of_a_running_process_is_made_and_locked_again() {
+        let me = ProcessIdentity::current().unwrap();
+        let path = me.liveness_path();
+        std::fs::remove_file(&path).unwrap();
+        let t = std::time::Instant::now();
+        while probe_lock(&me) != LockState::Held {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(2),
+                "not made again"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(t.elapsed() < 2 * KEEPER_EVERY + std::time::Duration::from_millis(200));
     }
 
     #[test]

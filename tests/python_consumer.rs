@@ -1372,3 +1372,52 @@ fn python_fetches_fds_over_the_socket_file_from_this_and_another_pid_namespace()
     a.send("exit");
     a.finish(T);
 }
+
+/// The Python consumer judges liveness as the Rust side does, including the two ways the lock
+/// could mislead: a read lock another user takes on a dead process's 0644 file must not make it
+/// alive, and a running process whose file someone removed makes and locks it again.
+#[test]
+fn python_liveness_ignores_foreign_read_locks_and_remakes_a_removed_liveness_file() {
+    require_python();
+    let script = r#"
+import os, sys, time, fcntl, struct
+sys.path.insert(0, sys.argv[1])
+import cuda_ipc_consumer as c
+me = c.ProcessIdentity.current()
+# A process of another namespace that died: its file, no write lock, and a read lock of ours.
+dead = me._replace(pid_ns=me.pid_ns + 17, start_time=me.start_time + 4321)
+path = dead.liveness_path()
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+reader = os.open(path, os.O_RDONLY)
+fcntl.fcntl(reader, c._F_OFD_SETLK, struct.pack(c._FLOCK.format, fcntl.F_RDLCK, 0, 0, 1, 0))
+print("dead-with-read-lock", dead.liveness())
+os.unlink(path)
+# Our own file removed while we run: made and locked again within half a second.
+os.unlink(me.liveness_path())
+t = time.monotonic()
+while c._probe_lock(me.liveness_path()) != c._HELD and time.monotonic() - t < 2:
+    time.sleep(0.01)
+print("remade-after", round(time.monotonic() - t, 2), c._probe_lock(me.liveness_path()))
+"#;
+    let out = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .arg(repo_file("python"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("dead-with-read-lock False"), "{text}");
+    let remade = text
+        .lines()
+        .find_map(|l| l.strip_prefix("remade-after "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let (secs, state) = remade.split_once(' ').unwrap();
+    assert_eq!(state, "held", "{text}");
+    assert!(secs.parse::<f64>().unwrap() < 1.0, "{text}");
+}

@@ -24,8 +24,8 @@ fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
     for r in &s.records {
         if r.owner_liveness == Liveness::Dead {
             out.push(format!(
-                "record {:?} (seq {}, slot {}) of dead pid {}",
-                r.record.name, r.record.seq, r.record.slot, r.record.owner.pid
+                "record {:?} (seq {}, slot {}) of dead {}",
+                r.record.name, r.record.seq, r.record.slot, r.record.owner
             ));
         }
     }
@@ -49,8 +49,8 @@ fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
     for p in &s.participants {
         if p.dead {
             out.push(format!(
-                "participant entry {} of dead pid {}",
-                p.index, p.identity.pid
+                "participant entry {} of dead {}",
+                p.index, p.identity
             ));
         }
     }
@@ -145,7 +145,11 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         // Joining the registry (one participant entry, freed again on drop) to run its own
         // recovery: it frees only what dead processes hold.
         let rep =
-            match Registry::open(r, &RegistryOptions::new()).and_then(|reg| reg.reclaim_dead()) {
+            // With group access, as `inspect` reads it: a registry shared with our group is
+            // reclaimed as it is listed.
+            match Registry::open(r, &RegistryOptions::new().group_access(true))
+                .and_then(|reg| reg.reclaim_dead())
+            {
                 Ok(rep) => rep,
                 Err(e) => {
                     fail(format!("registry {r}: cannot reclaim: {e}"));
@@ -178,7 +182,24 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         let snap = match channel_inspect::inspect(c) {
             Ok(s) => s,
             Err(e) => {
-                fail(format!("channel {c}: cannot read: {e}"));
+                // A creation abandoned half-way (a producer killed while creating it) goes, by
+                // the rule a new producer replaces it by; anything else is reported and kept.
+                let what = format!(
+                    "channel {c}: segment /dev/shm/{}",
+                    channel_inspect::segment_name(c)
+                );
+                let found = if dry_run {
+                    channel_inspect::abandoned(c)
+                } else {
+                    channel_inspect::remove_abandoned(c)
+                };
+                match found {
+                    Ok(Some(why)) => {
+                        out!("{verb} {what}: {why}");
+                        removed += 1;
+                    }
+                    _ => fail(format!("channel {c}: cannot read: {e}")),
+                }
                 continue;
             }
         };
@@ -204,9 +225,9 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             // A live producer: only the slots (and holds) of dead consumers go.
             let dead = |x: &ConsumerSnapshot| {
                 format!(
-                    "channel {c}: consumer slot {} of dead pid {}{}",
+                    "channel {c}: consumer slot {} of dead {}{}",
                     x.index,
-                    x.identity.pid,
+                    x.identity,
                     if x.holds.is_empty() {
                         String::new()
                     } else {
@@ -237,10 +258,10 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             continue;
         }
         let what = format!(
-            "channel {c}: segment /dev/shm/{} ({} bytes) of dead producer pid {}, {} consumers {}",
+            "channel {c}: segment /dev/shm/{} ({} bytes) of dead producer {}, {} consumers {}",
             snap.segment,
             snap.segment_bytes,
-            snap.producer.pid,
+            snap.producer,
             snap.consumers.len(),
             if snap.consumers.is_empty() {
                 "attached".to_string()
@@ -249,7 +270,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
                     "attached ({})",
                     snap.consumers
                         .iter()
-                        .map(|x| format!("pid {} {}", x.identity.pid, liveness(x.liveness)))
+                        .map(|x| format!("{} {}", x.identity, liveness(x.liveness)))
                         .collect::<Vec<_>>()
                         .join(", ")
                 )

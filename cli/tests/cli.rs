@@ -1007,3 +1007,67 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
     assert!(std::fs::symlink_metadata(&live_file).is_err(), "removed");
     assert!(std::fs::symlink_metadata(&socket).is_err(), "removed");
 }
+
+#[test]
+fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old() {
+    let name = unique("abandoned");
+    let seg = format!("cuda-ipc.ch.{name}");
+    let _u = Unlink(seg.clone());
+    // What a producer killed between `ftruncate` and `fallocate` leaves: sized, no page backed.
+    std::fs::File::create(format!("/dev/shm/{seg}"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    // Young: maybe a producer creating it right now. Reported, kept.
+    let o = cuda_ipc_bounded(&["gc", &name], false);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(text(&o).contains("sparse"), "{}", text(&o));
+    assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_ok());
+    std::thread::sleep(Duration::from_millis(2100));
+    let o = cuda_ipc_bounded(&["gc", &name, "--dry-run"], false);
+    assert!(
+        text(&o).contains(&format!(
+            "would remove channel {name}: segment /dev/shm/{seg}: a creation abandoned"
+        )),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_ok(),
+        "dry run"
+    );
+    let o = cuda_ipc_bounded(&["gc", &name], false);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("removed channel {name}: segment /dev/shm/{seg}")),
+        "{}",
+        text(&o)
+    );
+    assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err());
+}
+
+#[test]
+fn ls_and_gc_leave_registries_of_other_users_out_instead_of_failing_on_them() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a registry to another uid");
+        return;
+    }
+    let name = unique("theirs");
+    let _u = Unlink(name.clone());
+    drop(Registry::create(&name, &RegistryOptions::new().capacity(4)).unwrap());
+    let path = format!("/dev/shm/{name}");
+    let st = Command::new("chown")
+        .args(["54321", &path])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(!registry_inspect::list_registries().unwrap().contains(&name));
+    for args in [&["ls"][..], &["gc", "--dry-run"][..]] {
+        let o = cuda_ipc_bounded(args, false);
+        assert!(!text(&o).contains(&name), "{args:?}: {}", text(&o));
+    }
+    // Named, it says whose it is.
+    let o = cuda_ipc_bounded(&["ls", &name], false);
+    assert_eq!(code(&o), 1);
+    assert!(text(&o).contains("owned by uid 54321"), "{}", text(&o));
+}

@@ -363,10 +363,10 @@ impl Control {
     /// Decides whether the segment `name` that blocks creating `channel` may be replaced, and
     /// says why; otherwise the typed error that names what is there. Only this user's own
     /// segments are ever replaced, and of those only: a channel of this layout version whose
-    /// producer is dead, or a creation abandoned half-way (short, sparse or never stamped, and at
+    /// producer is dead, or a creation abandoned half-way (empty, sparse or never stamped, and at
     /// least 2 s old, with no live creator recorded). Another user's segment, a live producer's
     /// segment of any version, a foreign file, a FIFO or a directory are never touched.
-    fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
+    pub(crate) fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
         use crate::registry::RegistryError;
         const ABANDONED_AFTER_SECS: u64 = 2;
         let info = Segment::stat(name)?;
@@ -379,14 +379,24 @@ impl Control {
             }
             .into());
         }
-        if info.len < size_of::<Header>() as u64 || info.sparse {
-            // Never read: a sparse file may SIGBUS. A live creator fills it within microseconds.
+        // What a creator killed half-way leaves: an empty file (before `ftruncate`) or a sparse one
+        // (before `fallocate`). Never read (a sparse file may SIGBUS); a live creator gets past
+        // both within microseconds. A short file with its pages is no creation of ours: refused.
+        if info.len == 0 || info.sparse {
             if info.age_secs >= ABANDONED_AFTER_SECS {
                 return Ok("a creation abandoned before its pages were reserved");
             }
             return Err(Error::Channel(super::ChannelError::CreationInProgress(
                 channel.to_string(),
             )));
+        }
+        if info.len < size_of::<Header>() as u64 {
+            return Err(RegistryError::TooSmall {
+                name: name.to_string(),
+                len: info.len,
+                min: size_of::<Header>() as u64,
+            }
+            .into());
         }
         match Control::open(channel) {
             Ok(old) => {

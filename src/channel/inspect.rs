@@ -254,6 +254,56 @@ pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
     }
 }
 
+/// Whether the segment of `channel` is a creation abandoned half-way: this user's, empty, sparse
+/// or never stamped, at least 2 s old, with no live creator recorded (the rule by which a new
+/// producer replaces it). Returns why, or `Ok(None)`: no such segment, a finished channel
+/// (whatever its producer's state: that is [`remove_stale`]'s), or one being created now.
+///
+/// # Errors
+/// The typed errors that say what else is under the name and why it is kept
+/// ([`RegistryError::WrongOwner`], [`RegistryError::NotASegment`],
+/// [`super::ChannelError::VersionMismatch`], ...).
+pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
+    let name = segment_name(channel);
+    match Control::replaceable(channel, &name) {
+        Ok("its producer is dead") => Ok(None),
+        Ok(why) => Ok(Some(why)),
+        Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(None),
+        // A live producer's, a live creator's: not abandoned.
+        Err(Error::Channel(
+            super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
+        )) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes the segment of `channel` when it is a creation abandoned half-way ([`abandoned`]),
+/// checking just before that the name still stands for the file judged. Returns why it was
+/// removed, `Ok(None)` when nothing was touched.
+///
+/// # Errors
+/// As [`abandoned`]; [`Error::Os`] when the unlink fails.
+pub fn remove_abandoned(channel: &str) -> Result<Option<&'static str>> {
+    let name = segment_name(channel);
+    let before = match Segment::stat(&name) {
+        Ok(i) => i,
+        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let Some(why) = abandoned(channel)? else {
+        return Ok(None);
+    };
+    match Segment::stat(&name) {
+        Ok(now) if now.inode == before.inode => {}
+        _ => return Ok(None),
+    }
+    match Segment::unlink(&name) {
+        Ok(()) => Ok(Some(why)),
+        Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Releases the holds and frees the slots of consumers of `channel` whose process is dead, as the
 /// producer does when it next needs a buffer (and as a consumer does when it attaches), and returns
 /// the slots freed, as they were. Live consumers and the producer are not touched.

@@ -1079,7 +1079,7 @@ fn cross_namespace_refusal(
         reason: format!(
             "the fd socket {path} of {exporter} (another pid namespace, where pids cannot be \
              compared) is owned by uid {owner}{listener}; this process (uid {euid}) accepts it only \
-             when file and listener belong to its own user or root"
+             when file and listener belong to one uid, its own or root's (root accepts any one uid)"
         ),
         fix: "run the exporter and the importer as the same user; if they do, another user's \
               process squats on the exporter's socket path",
@@ -1122,7 +1122,11 @@ fn fetch_socket_once(
     }
     let owner = st.st_uid;
     let same_ns = exporter.in_own_pid_namespace();
-    if !same_ns && owner != euid && owner != 0 {
+    // Root accepts any user's socket whose file and listener agree: it is served by every
+    // exporter, and while an exporter runs, its socket path cannot be taken from it (a squatter
+    // bound first makes the exporter's own `FdExport::new` fail, and the sticky /dev/shm keeps
+    // others from replacing its file).
+    if !same_ns && owner != euid && owner != 0 && euid != 0 {
         // Across pid namespaces the owner is what tells the exporter's socket from another's.
         return Err(cross_namespace_refusal(exporter, &path, owner, None, euid));
     }
@@ -1181,7 +1185,7 @@ fn fetch_socket_once(
                       `ss -xlp`",
             });
         }
-    } else if !(server.uid == euid || server.uid == 0) || server.uid != owner {
+    } else if !(server.uid == euid || server.uid == 0 || euid == 0) || server.uid != owner {
         return Err(cross_namespace_refusal(
             exporter,
             &path,

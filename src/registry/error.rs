@@ -40,7 +40,7 @@ pub enum RegistryError {
         len: u64,
     },
     /// The segment is smaller than its layout needs (zero-size, truncated, or still being created).
-    #[error("shared-memory segment /{name} is {len} bytes, smaller than the {min} bytes it needs")]
+    #[error("shared-memory segment /{name} is {}", too_small_text(*.len, *.min))]
     TooSmall {
         /// The segment name.
         name: String,
@@ -191,6 +191,15 @@ pub enum RegistryError {
         /// The maximum in bytes.
         max: usize,
     },
+}
+
+/// `"empty (0 bytes): ..."` or `"100 bytes, smaller than the 4096 bytes it needs"`.
+fn too_small_text(len: u64, min: u64) -> String {
+    if len == 0 {
+        "empty (0 bytes): a creator killed before sizing it, or a file of another program".into()
+    } else {
+        format!("{len} bytes, smaller than the {min} bytes it needs")
+    }
 }
 
 /// `" after waiting 1.0s"`, or nothing when the opener did not wait (an inspection).

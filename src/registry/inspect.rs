@@ -115,8 +115,9 @@ impl RegistrySnapshot {
 }
 
 /// Names of the registry segments in `/dev/shm` this process can read: the regular files whose
-/// first eight bytes are the registry magic `CUIPCREG`, sorted. Files of other users that we may
-/// not read, segments still being initialised (magic not written yet), and anything that is not a
+/// first eight bytes are the registry magic `CUIPCREG`, sorted, of this user or shared with one of
+/// this process's groups (as [`inspect`] accepts them; root lists root's own). Other users'
+/// segments, segments still being initialised (magic not written yet), and anything that is not a
 /// regular file (a FIFO, a directory, a socket, a symbolic link) are left out.
 ///
 /// Never blocks and never follows a link: each name is opened `O_RDONLY | O_NOFOLLOW |
@@ -150,7 +151,10 @@ pub fn list_registries() -> Result<Vec<String>> {
             continue;
         };
         // The descriptor's own type: the name may have been swapped since it was listed.
-        if !f.metadata().is_ok_and(|m| m.file_type().is_file()) {
+        let Ok(meta) = f.metadata() else {
+            continue;
+        };
+        if !meta.file_type().is_file() || !ours_or_our_groups(&meta) {
             continue;
         }
         let mut magic = [0u8; 8];
@@ -160,6 +164,21 @@ pub fn list_registries() -> Result<Vec<String>> {
         }
     }
     Ok(out)
+}
+
+/// Whether a segment is one this process may inspect: its own user's, or one shared with a group of
+/// this process (group bits set). Other users' registries are not listed (as other users' channels
+/// are not), root's listing included: root only ever looks at root's own.
+fn ours_or_our_groups(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let euid = rustix::process::geteuid().as_raw();
+    if meta.uid() == euid {
+        return true;
+    }
+    meta.mode() & 0o060 != 0
+        && (rustix::process::getegid().as_raw() == meta.gid()
+            || rustix::process::getgroups()
+                .is_ok_and(|gs| gs.iter().any(|g| g.as_raw() == meta.gid())))
 }
 
 /// Copies what the registry segment `name` holds, without joining it or changing a byte.

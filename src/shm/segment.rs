@@ -114,6 +114,14 @@ impl Segment {
                 }
                 .into());
             }
+            // Out of inodes (tmpfs `nr_inodes`): as full as out of pages, for the user.
+            Err(Errno::NOSPC) => {
+                return Err(RegistryError::NoSpace {
+                    name: name.to_string(),
+                    len: len as u64,
+                }
+                .into());
+            }
             Err(e) => return Err(OsError::new("shm_open", path, e).into()),
         };
         match Self::size_and_map(fd, name, len, mode) {
@@ -344,7 +352,8 @@ impl Segment {
     }
 
     /// Checks who may have written the segment: it must belong to this process's effective uid, or,
-    /// with `allow_group`, have mode `0660` or stricter and belong to one of this process's groups.
+    /// with `allow_group`, give its group access (mode `0660`, `0640`, ...), have no bits for
+    /// others, and belong to one of this process's groups.
     /// A segment that others (not owner, not group) may access is refused either way.
     ///
     /// # Errors
@@ -373,11 +382,17 @@ impl Segment {
         if !allow_group {
             return wrong();
         }
+        // Shared with the group only when its mode says so (0660): root, who can open anything,
+        // must not take a 0600 segment of another user for one shared with root's group.
         let in_group = rustix::process::getegid().as_raw() == gid
             || rustix::process::getgroups()
                 .map(|gs| gs.iter().any(|g| g.as_raw() == gid))
                 .unwrap_or(false);
-        if in_group { Ok(()) } else { wrong() }
+        if in_group && mode & 0o060 != 0 {
+            Ok(())
+        } else {
+            wrong()
+        }
     }
 
     /// Checks that the segment belongs to this process's effective uid.
