@@ -240,3 +240,62 @@ impl Drop for Context {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    /// Every `.rs` file under `dir`, recursively.
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    /// The code lines of `text` (comment and doc lines left out), with their line numbers.
+    fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+        text.lines()
+            .enumerate()
+            .map(|(i, l)| (i + 1, l))
+            .filter(|(_, l)| !l.trim_start().starts_with("//"))
+    }
+
+    /// The lint for context hygiene: a `.bind()` in the crate's own code would leave a context
+    /// current on the user's thread, and a raw `cuCtxSetCurrent` / push / pop outside this file
+    /// would bypass `Context::enter`. Both are only allowed here, in `Context::bind` itself and
+    /// in the guard.
+    #[test]
+    fn no_code_in_src_changes_the_threads_current_context_except_context_rs() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let here = src.join("driver").join("context.rs");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        assert!(files.len() > 10, "found only {files:?} under {src:?}");
+        // Spelt in two parts so that this line does not match itself.
+        let bind_call = format!(".{}()", "bind");
+        let mut found = Vec::new();
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            for (n, line) in code_lines(&text) {
+                let rebinds = line.contains(&bind_call);
+                let raw = ["cuCtxSetCurrent(", "cuCtxPushCurrent", "cuCtxPopCurrent"]
+                    .iter()
+                    .any(|c| line.contains(c));
+                if rebinds || (raw && *f != here) {
+                    let name = f.strip_prefix(&src).unwrap_or(f).display();
+                    found.push(format!("src/{name}:{n}: {}", line.trim()));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "use `let _cur = ctx.enter()?;` (Context::enter) instead; found:\n{}",
+            found.join("\n")
+        );
+    }
+}
