@@ -269,8 +269,6 @@ fn every_call(test: &str, x: &Expect) {
     x.after("probe::require_legacy_ipc");
     cuda_ipc::probe::report().unwrap();
     x.after("probe::report");
-    cuda_ipc::ipc::vmm_granularity(&dev).unwrap();
-    x.after("ipc::vmm_granularity");
     ctx.synchronize().unwrap();
     x.after("Context::synchronize");
     ctx.memory_info().unwrap();
@@ -332,15 +330,9 @@ fn every_call(test: &str, x: &Expect) {
     x.after("VmmBuffer::export");
     drop(ImportedBuffer::open(&vtok).unwrap());
     x.after("ImportedBuffer::open of a VMM self-export and its drop");
-    let fd = vmm.export_fd().unwrap();
+    // The fd is closed again; the VMM import path proper runs below, with the exporter's token.
+    drop(vmm.export_fd().unwrap());
     x.after("VmmBuffer::export_fd");
-    let vi = ImportedBuffer::from_vmm_fd(&ctx, fd.as_fd(), vmm.allocation_size()).unwrap();
-    x.after("ImportedBuffer::from_vmm_fd");
-    let mut h64 = [0u8; 64];
-    vi.copy_to_host(0, &mut h64).unwrap();
-    assert_eq!(h64, [5; 64]);
-    drop(vi);
-    x.after("drop of an fd import (unmap, free the range, release)");
     let pool = MemPool::exportable(&ctx).unwrap();
     x.after("MemPool::exportable");
     let pb = pool.alloc(LEN, &s).unwrap();
@@ -451,7 +443,6 @@ fn every_call(test: &str, x: &Expect) {
     x.after("drop of a PoolBuffer");
     drop(pool);
     x.after("drop of a MemPool");
-    drop(fd);
     drop(vmm);
     x.after("drop of a VmmBuffer");
     drop(buf);
@@ -465,6 +456,9 @@ fn every_call(test: &str, x: &Expect) {
     drop(s);
     x.after("drop of a Stream");
     quit(peer);
+    // Last, as it is the one query made without entering a context: it must need none.
+    cuda_ipc::ipc::vmm_granularity(&dev).unwrap();
+    x.after("ipc::vmm_granularity");
     drop(ctx);
     x.after("drop of the last Context (primary context released)");
 }
@@ -708,10 +702,6 @@ fn objects(ctx: &Arc<Context>, t: &Tokens, base: &str) -> Vec<(&'static str, Box
     vmm.export().unwrap();
     let buf = DeviceBuffer::new(ctx, LEN).unwrap();
     buf.export().unwrap();
-    let fd_import = {
-        let fd = vmm.export_fd().unwrap();
-        ImportedBuffer::from_vmm_fd(ctx, fd.as_fd(), vmm.allocation_size()).unwrap()
-    };
     vec![
         (
             "an imported legacy buffer",
@@ -729,7 +719,6 @@ fn objects(ctx: &Arc<Context>, t: &Tokens, base: &str) -> Vec<(&'static str, Box
             "an imported event",
             Box::new(IpcEvent::open(&t.event).unwrap()),
         ),
-        ("an fd import", Box::new(fd_import)),
         (
             "a Consumer",
             Box::new(Consumer::attach(&channel_name(base, 0), &ConsumerOptions::new()).unwrap()),
