@@ -9,8 +9,13 @@ use std::sync::Arc;
 ///
 /// A context and every pointer in it belong to one process: two processes cannot share a context.
 /// What they share is memory and events (see [`crate::ipc`]). Every object made in a context holds an
-/// `Arc<Context>`, so the context outlives them. Methods bind the context to the calling thread
-/// (`cuCtxSetCurrent`) themselves; [`Context::bind`] does it for the user's own driver calls.
+/// `Arc<Context>`, so the context outlives them.
+///
+/// Context hygiene: every driver call of this crate, drops included, runs inside
+/// [`Context::enter`], which makes the context current only for that call and restores whatever
+/// the thread had current before (another library's context, or none), on success, on error and
+/// from any thread. Creating a `Context` does not make it current either. The one call that changes
+/// the thread's current context for good is [`Context::bind`], for the user's own driver calls.
 ///
 /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html>.
 #[derive(Debug)]
@@ -19,14 +24,15 @@ pub struct Context {
     raw: sys::CUcontext,
 }
 
-// SAFETY: a CUcontext is a process-wide driver handle, usable from any thread once bound with
-// cuCtxSetCurrent (every method binds first); the driver synchronises its own state.
+// SAFETY: a CUcontext is a process-wide driver handle, usable from any thread while current there
+// (every method enters it first, see `Context::enter`); the driver synchronises its own state.
 unsafe impl Send for Context {}
 // SAFETY: as for Send; `&Context` only exposes driver calls that the driver makes thread-safe.
 unsafe impl Sync for Context {}
 
 impl Context {
-    /// Retains `device`'s primary context.
+    /// Retains `device`'s primary context. The calling thread's current context is left as it was:
+    /// nothing is made current (use [`Context::bind`] for that).
     ///
     /// # Errors
     /// [`Error::Cuda`] naming `cuDevicePrimaryCtxRetain` when it fails.
@@ -40,9 +46,7 @@ impl Context {
         })?;
         // SAFETY: written on success.
         let raw = unsafe { raw.assume_init() };
-        let ctx = Arc::new(Context { device, raw });
-        ctx.bind()?;
-        Ok(ctx)
+        Ok(Arc::new(Context { device, raw }))
     }
 
     /// The primary context of the device with ordinal 0 in this process.
@@ -58,7 +62,8 @@ impl Context {
         self.device
     }
 
-    /// The raw `CUcontext`, for the user's own driver calls (bind it first).
+    /// The raw `CUcontext`, for the user's own driver calls (make it current first, with
+    /// [`Context::enter`] or [`Context::bind`]).
     pub fn as_raw(&self) -> sys::CUcontext {
         self.raw
     }
@@ -71,8 +76,27 @@ impl Context {
     /// Every driver call of this crate runs inside such a guard, so code of other libraries on the
     /// thread finds its own context current afterwards, on success and on error.
     ///
+    /// Guards nest like the driver's context stack: drop them in the reverse order of their
+    /// creation (scopes do that), and do not hold one across code that pushes a context without
+    /// popping it again. The guard is not `Send`: the stack belongs to the thread.
+    ///
     /// # Errors
     /// [`Error::Cuda`] when the driver refuses `cuCtxGetCurrent` or `cuCtxPushCurrent_v2`.
+    ///
+    /// # Examples
+    /// ```no_run
+    /// # fn main() -> cuda_ipc::Result<()> {
+    /// let ctx = cuda_ipc::driver::Context::default_device()?;
+    /// {
+    ///     let _cur = ctx.enter()?;
+    ///     // Raw driver calls on `ctx.as_raw()` go here.
+    /// }
+    /// // The thread's previous context (or none) is current again.
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html>.
     #[doc(alias = "cuCtxPushCurrent")]
     #[doc(alias = "cuCtxPopCurrent")]
     pub fn enter(&self) -> Result<CurrentGuard<'_>> {
@@ -122,8 +146,8 @@ impl Context {
     /// [`Error::Cuda`] when earlier asynchronous work failed.
     #[doc(alias = "cuCtxSynchronize")]
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        // SAFETY: context bound above.
+        let _cur = self.enter()?;
+        // SAFETY: this context is current (entered above).
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
         Ok(())
     }
@@ -134,10 +158,10 @@ impl Context {
     /// [`Error::Cuda`] when the call fails.
     #[doc(alias = "cuMemGetInfo")]
     pub fn memory_info(&self) -> Result<(usize, usize)> {
-        self.bind()?;
+        let _cur = self.enter()?;
         let mut free = MaybeUninit::<usize>::uninit();
         let mut total = MaybeUninit::<usize>::uninit();
-        // SAFETY: context bound; both out-pointers valid.
+        // SAFETY: this context is current (entered above); both out-pointers valid.
         check("cuMemGetInfo_v2", unsafe {
             sys::cuMemGetInfo_v2(free.as_mut_ptr(), total.as_mut_ptr())
         })?;
@@ -185,9 +209,22 @@ impl Drop for CurrentGuard<'_> {
         // SAFETY: this guard pushed `ctx` on this thread (the guard is not Send) and nothing
         // pushed by this crate is left above it: guards are dropped in reverse order of creation.
         let r = unsafe { sys::cuCtxPopCurrent_v2(popped.as_mut_ptr()) };
-        if let Err(e) = check("cuCtxPopCurrent_v2", r) {
-            // The caller's context may stay hidden under ours; nothing else can be done in drop.
-            tracing::warn!("{e}; the thread's previous context may not be current again");
+        match check("cuCtxPopCurrent_v2", r) {
+            // SAFETY: written on success.
+            Ok(()) if unsafe { popped.assume_init() } == self.ctx.raw => {}
+            Ok(()) => {
+                // Someone replaced the top of the stack while the guard lived (a `cuCtxSetCurrent`
+                // inside the guard's scope); what was under it is current again, as intended.
+                tracing::warn!(
+                    "cuCtxPopCurrent_v2 popped another context than the one entered; the thread's \
+                     previous context is current again"
+                );
+            }
+            Err(e) => {
+                // The caller's context may stay hidden under ours; nothing else can be done in
+                // drop.
+                tracing::warn!("{e}; the thread's previous context may not be current again");
+            }
         }
     }
 }
@@ -201,5 +238,64 @@ impl Drop for Context {
             // context's teardown to process exit.
             tracing::warn!("{e}; the primary context stays retained until exit");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    /// Every `.rs` file under `dir`, recursively.
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    /// The code lines of `text` (comment and doc lines left out), with their line numbers.
+    fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+        text.lines()
+            .enumerate()
+            .map(|(i, l)| (i + 1, l))
+            .filter(|(_, l)| !l.trim_start().starts_with("//"))
+    }
+
+    /// The lint for context hygiene: a `.bind()` in the crate's own code would leave a context
+    /// current on the user's thread, and a raw `cuCtxSetCurrent` / push / pop outside this file
+    /// would bypass `Context::enter`. Both are only allowed here, in `Context::bind` itself and
+    /// in the guard.
+    #[test]
+    fn no_code_in_src_changes_the_threads_current_context_except_context_rs() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let here = src.join("driver").join("context.rs");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        assert!(files.len() > 10, "found only {files:?} under {src:?}");
+        // Spelt in two parts so that this line does not match itself.
+        let bind_call = format!(".{}()", "bind");
+        let mut found = Vec::new();
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            for (n, line) in code_lines(&text) {
+                let rebinds = line.contains(&bind_call);
+                let raw = ["cuCtxSetCurrent(", "cuCtxPushCurrent", "cuCtxPopCurrent"]
+                    .iter()
+                    .any(|c| line.contains(c));
+                if rebinds || (raw && *f != here) {
+                    let name = f.strip_prefix(&src).unwrap_or(f).display();
+                    found.push(format!("src/{name}:{n}: {}", line.trim()));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "use `let _cur = ctx.enter()?;` (Context::enter) instead; found:\n{}",
+            found.join("\n")
+        );
     }
 }

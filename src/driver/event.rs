@@ -17,8 +17,8 @@ pub struct Event {
     ctx: Arc<Context>,
 }
 
-// SAFETY: a CUevent is a driver handle usable from any thread with its context bound (every method
-// binds first); the driver synchronises record/query/wait.
+// SAFETY: a CUevent is a driver handle usable from any thread while its context is current (every
+// method enters it first); the driver synchronises record/query/wait.
 unsafe impl Send for Event {}
 // SAFETY: as for Send.
 unsafe impl Sync for Event {}
@@ -34,9 +34,10 @@ impl Event {
     }
 
     pub(crate) fn with_flags(ctx: &Arc<Context>, flags: u32) -> Result<Event> {
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut raw = MaybeUninit::<sys::CUevent>::uninit();
-        // SAFETY: context bound; `raw` a valid out-pointer; `flags` a combination of CUevent_flags.
+        // SAFETY: context current (`_cur`); `raw` a valid out-pointer; `flags` a combination of
+        // CUevent_flags.
         check("cuEventCreate", unsafe {
             sys::cuEventCreate(raw.as_mut_ptr(), flags)
         })?;
@@ -75,8 +76,8 @@ impl Event {
     /// [`crate::Error::Cuda`] naming `cuEventRecord`.
     #[doc(alias = "cuEventRecord")]
     pub fn record(&self, stream: &Stream) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; event and stream valid for the call.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); event and stream valid for the call.
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream.as_raw())
         })?;
@@ -89,8 +90,8 @@ impl Event {
     /// [`crate::Error::Cuda`] for codes other than success and `CUDA_ERROR_NOT_READY`.
     #[doc(alias = "cuEventQuery")]
     pub fn is_complete(&self) -> Result<bool> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; event valid.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); event valid.
         let r = unsafe { sys::cuEventQuery(self.raw) };
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
@@ -105,8 +106,8 @@ impl Event {
     /// [`crate::Error::Cuda`] when the recorded work failed.
     #[doc(alias = "cuEventSynchronize")]
     pub fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; event valid.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); event valid.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(self.raw)
         })?;
@@ -116,9 +117,10 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; this value owns the event and destroys it once. Destroying an
-            // event with a pending record is allowed (the driver releases it on completion).
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); this value owns the event and destroys it once.
+            // Destroying an event with a pending record is allowed (the driver releases it on
+            // completion).
             check("cuEventDestroy_v2", unsafe {
                 sys::cuEventDestroy_v2(self.raw)
             })

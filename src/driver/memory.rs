@@ -27,9 +27,9 @@ pub trait DeviceMemory {
     #[doc(alias = "cuMemcpyHtoD")]
     fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<()> {
         check_range(offset, src.len(), self.len())?;
-        self.context().bind()?;
-        // SAFETY: context bound; the destination range lies inside this allocation (checked
-        // above); `src` is valid for `src.len()` bytes. The copy is synchronous.
+        let _cur = self.context().enter()?;
+        // SAFETY: context current (`_cur`); the destination range lies inside this allocation
+        // (checked above); `src` is valid for `src.len()` bytes. The copy is synchronous.
         check("cuMemcpyHtoD_v2", unsafe {
             sys::cuMemcpyHtoD_v2(
                 self.device_ptr() + offset as u64,
@@ -49,9 +49,9 @@ pub trait DeviceMemory {
     #[doc(alias = "cuMemcpyDtoH")]
     fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         check_range(offset, dst.len(), self.len())?;
-        self.context().bind()?;
-        // SAFETY: context bound; the source range lies inside this allocation; `dst` is valid for
-        // writes of `dst.len()` bytes. The copy is synchronous.
+        let _cur = self.context().enter()?;
+        // SAFETY: context current (`_cur`); the source range lies inside this allocation; `dst` is
+        // valid for writes of `dst.len()` bytes. The copy is synchronous.
         check("cuMemcpyDtoH_v2", unsafe {
             sys::cuMemcpyDtoH_v2(
                 dst.as_mut_ptr().cast(),
@@ -75,9 +75,10 @@ pub trait DeviceMemory {
                 self.len()
             )));
         }
-        self.context().bind()?;
-        // SAFETY: context bound; `len / 4` words from `device_ptr` lie inside the allocation; the
-        // stream belongs to a context that can address this memory (same context or peer/IPC mapping).
+        let _cur = self.context().enter()?;
+        // SAFETY: context current (`_cur`); `len / 4` words from `device_ptr` lie inside the
+        // allocation; the stream belongs to a context that can address this memory (same context or
+        // peer/IPC mapping).
         check("cuMemsetD32Async", unsafe {
             sys::cuMemsetD32Async(self.device_ptr(), value, self.len() / 4, stream.as_raw())
         })?;
@@ -106,9 +107,9 @@ pub(crate) struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; `ptr` came from cuMemAlloc_v2 and is freed once, here, when
-            // the last holder (buffer or self-import) is gone.
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); `ptr` came from cuMemAlloc_v2 and is freed once,
+            // here, when the last holder (buffer or self-import) is gone.
             check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(self.ptr) }).map_err(Into::into)
         });
         if let Err(e) = r {
@@ -145,9 +146,9 @@ impl DeviceBuffer {
                 "a device buffer needs at least 1 byte".into(),
             ));
         }
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
-        // SAFETY: context bound; `ptr` a valid out-pointer.
+        // SAFETY: context current (`_cur`); `ptr` a valid out-pointer.
         check("cuMemAlloc_v2", unsafe {
             sys::cuMemAlloc_v2(ptr.as_mut_ptr(), len)
         })?;
@@ -209,9 +210,9 @@ impl HostRegistration {
     /// # Safety
     /// `ptr..ptr + len` must be mapped memory that stays mapped until the registration drops.
     pub(crate) unsafe fn new(ctx: &Arc<Context>, ptr: *mut u8, len: usize) -> Result<Self> {
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        // SAFETY: context bound; the caller guarantees the range is mapped.
+        // SAFETY: context current (`_cur`); the caller guarantees the range is mapped.
         check("cuMemHostRegister_v2", unsafe {
             sys::cuMemHostRegister_v2(ptr.cast(), len, flags)
         })?;
@@ -222,7 +223,7 @@ impl HostRegistration {
             device_ptr: 0,
         };
         let mut d = MaybeUninit::<sys::CUdeviceptr>::uninit();
-        // SAFETY: context bound; `ptr` was registered with DEVICEMAP just above.
+        // SAFETY: context current (`_cur`); `ptr` was registered with DEVICEMAP just above.
         check("cuMemHostGetDevicePointer_v2", unsafe {
             sys::cuMemHostGetDevicePointer_v2(d.as_mut_ptr(), ptr.cast(), 0)
         })?;
@@ -234,8 +235,9 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; `ptr` was registered by this value and is unregistered once.
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); `ptr` was registered by this value and is
+            // unregistered once.
             check("cuMemHostUnregister", unsafe {
                 sys::cuMemHostUnregister(self.ptr.cast())
             })

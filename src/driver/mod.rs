@@ -3,9 +3,12 @@
 //!
 //! Owns: the lifetime of every driver object this crate creates, and the rule that each holds the
 //! [`Context`] it was made in (an `Arc<Context>`), so the context outlives everything made from it.
-//! Every method binds its context to the calling thread (`cuCtxSetCurrent`) before calling the
-//! driver, so objects can be used from any thread. Must not touch shared memory, the registry or IPC
-//! handles (that is `ipc`'s job).
+//! Every method, and every drop, makes its context current only for its own driver calls
+//! ([`Context::enter`]: `cuCtxGetCurrent`, and `cuCtxPushCurrent_v2` / `cuCtxPopCurrent_v2` only
+//! when another context or none is current), so objects can be used and dropped from any thread,
+//! and the thread's own current context (another library's, or none) is current again afterwards,
+//! on success and on error. Only [`Context::bind`] leaves a context current. Must not touch shared
+//! memory, the registry or IPC handles (that is `ipc`'s job).
 //!
 //! NVIDIA documentation: <https://docs.nvidia.com/cuda/cuda-driver-api/>.
 

@@ -16,7 +16,7 @@ pub struct Module {
     ctx: Arc<Context>,
 }
 
-// SAFETY: a CUmodule is a process-wide driver handle; every use binds the context first.
+// SAFETY: a CUmodule is a process-wide driver handle; every use enters the context first.
 unsafe impl Send for Module {}
 // SAFETY: as for Send; loading functions from a module is thread-safe in the driver.
 unsafe impl Sync for Module {}
@@ -67,9 +67,10 @@ impl Module {
     pub fn from_ptx(ctx: &Arc<Context>, ptx: &str) -> Result<Arc<Module>> {
         let text = CString::new(ptx)
             .map_err(|_| Error::InvalidArgument("PTX text holds a NUL byte".into()))?;
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut raw = MaybeUninit::<sys::CUmodule>::uninit();
-        // SAFETY: context bound; `text` is NUL-terminated PTX valid for the call; `raw` out-pointer.
+        // SAFETY: context current (`_cur`); `text` is NUL-terminated PTX valid for the call; `raw`
+        // out-pointer.
         check("cuModuleLoadData", unsafe {
             sys::cuModuleLoadData(raw.as_mut_ptr(), text.as_ptr().cast())
         })?;
@@ -88,9 +89,10 @@ impl Module {
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function> {
         let cname = CString::new(name)
             .map_err(|_| Error::InvalidArgument("kernel name holds a NUL byte".into()))?;
-        self.ctx.bind()?;
+        let _cur = self.ctx.enter()?;
         let mut raw = MaybeUninit::<sys::CUfunction>::uninit();
-        // SAFETY: context bound; module loaded; `cname` NUL-terminated; `raw` out-pointer.
+        // SAFETY: context current (`_cur`); module loaded; `cname` NUL-terminated; `raw`
+        // out-pointer.
         check("cuModuleGetFunction", unsafe {
             sys::cuModuleGetFunction(raw.as_mut_ptr(), self.raw, cname.as_ptr())
         })?;
@@ -109,9 +111,9 @@ impl Module {
 
 impl Drop for Module {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; the module was loaded by this value and is unloaded once;
-            // every Function holds an Arc to it, so none outlives it.
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); the module was loaded by this value and is unloaded
+            // once; every Function holds an Arc to it, so none outlives it.
             check("cuModuleUnload", unsafe { sys::cuModuleUnload(self.raw) }).map_err(Into::into)
         });
         if let Err(e) = r {
@@ -140,9 +142,9 @@ impl Function {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         self.module.ctx.same_as(stream.context())?;
-        self.module.ctx.bind()?;
-        // SAFETY: context bound; function valid while `module` is held; the caller guarantees the
-        // parameter list (obligation 1) and the pointers' validity (obligation 2).
+        let _cur = self.module.ctx.enter()?;
+        // SAFETY: context current (`_cur`); function valid while `module` is held; the caller
+        // guarantees the parameter list (obligation 1) and the pointers' validity (obligation 2).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 self.raw,

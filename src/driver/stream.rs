@@ -14,8 +14,8 @@ pub struct Stream {
     ctx: Arc<Context>,
 }
 
-// SAFETY: a CUstream is a driver handle usable from any thread with its context bound (every method
-// binds); the driver serialises work submitted to one stream.
+// SAFETY: a CUstream is a driver handle usable from any thread while its context is current (every
+// method enters it); the driver serialises work submitted to one stream.
 unsafe impl Send for Stream {}
 // SAFETY: as for Send.
 unsafe impl Sync for Stream {}
@@ -27,9 +27,10 @@ impl Stream {
     /// [`crate::Error::Cuda`] naming `cuStreamCreate`.
     #[doc(alias = "cuStreamCreate")]
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut raw = MaybeUninit::<sys::CUstream>::uninit();
-        // SAFETY: context bound; `raw` a valid out-pointer; flag is a defined stream flag.
+        // SAFETY: context current (`_cur`); `raw` a valid out-pointer; flag is a defined stream
+        // flag.
         check("cuStreamCreate", unsafe {
             sys::cuStreamCreate(
                 raw.as_mut_ptr(),
@@ -59,8 +60,8 @@ impl Stream {
     /// [`crate::Error::Cuda`] when queued work failed.
     #[doc(alias = "cuStreamSynchronize")]
     pub fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; stream valid until drop.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); stream valid until drop.
         check("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(self.raw)
         })?;
@@ -73,8 +74,8 @@ impl Stream {
     /// [`crate::Error::Cuda`] for codes other than success and `CUDA_ERROR_NOT_READY`.
     #[doc(alias = "cuStreamQuery")]
     pub fn is_idle(&self) -> Result<bool> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; stream valid.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); stream valid.
         let r = unsafe { sys::cuStreamQuery(self.raw) };
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
@@ -93,8 +94,8 @@ impl Stream {
     /// [`crate::Error::Cuda`] naming `cuStreamWaitEvent`.
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; stream and event valid for the duration of the call.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); stream and event valid for the duration of the call.
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(self.raw, event.as_raw(), 0)
         })?;
@@ -104,9 +105,10 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; the stream was created by this value and is destroyed once.
-            // The driver lets queued work finish before releasing the stream's resources.
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); the stream was created by this value and is
+            // destroyed once. The driver lets queued work finish before releasing the stream's
+            // resources.
             check("cuStreamDestroy_v2", unsafe {
                 sys::cuStreamDestroy_v2(self.raw)
             })
@@ -126,8 +128,8 @@ impl Stream {
     /// `addr` must be a 4-byte aligned device address of a word valid in this stream's context until
     /// the write has run (device memory, or host memory registered with the driver and mapped).
     pub(crate) unsafe fn write_value_u32(&self, addr: u64, value: u32) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; the caller guarantees `addr`.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); the caller guarantees `addr`.
         check("cuStreamWriteValue32_v2", unsafe {
             sys::cuStreamWriteValue32_v2(
                 self.raw,
@@ -146,8 +148,8 @@ impl Stream {
     /// # Safety
     /// As [`Stream::write_value_u32`], for as long as the wait may run.
     pub(crate) unsafe fn wait_value_u32(&self, addr: u64, value: u32) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: context bound; the caller guarantees `addr`.
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`); the caller guarantees `addr`.
         check("cuStreamWaitValue32_v2", unsafe {
             sys::cuStreamWaitValue32_v2(
                 self.raw,

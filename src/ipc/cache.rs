@@ -250,11 +250,11 @@ impl Drop for Mapping {
         if self.origin.is_local() {
             return;
         }
-        let r = self.ctx.bind().and_then(|()| {
+        let r = self.ctx.enter().and_then(|_cur| {
             // Work queued in this context may still read the mapping; closing it under a running
             // kernel would fault the context, so wait for the context first. This runs once per
             // mapping (the cache keeps it open while any importer holds it).
-            // SAFETY: context bound.
+            // SAFETY: context current (`_cur`).
             check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
             match self.origin {
                 // SAFETY: `base` came from cuIpcOpenMemHandle_v2 in this context and is closed

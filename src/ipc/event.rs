@@ -78,8 +78,9 @@ impl IpcEvent {
             _closed: CountOnDrop(None),
             _lease: None,
         });
+        let _cur = ctx.enter()?;
         let mut h = MaybeUninit::<sys::CUipcEventHandle>::uninit();
-        // SAFETY: context bound by `with_flags`; the event was created with CU_EVENT_INTERPROCESS;
+        // SAFETY: context current (`_cur`); the event was created with CU_EVENT_INTERPROCESS;
         // `h` a valid out-pointer.
         check("cuIpcGetEventHandle", unsafe {
             sys::cuIpcGetEventHandle(h.as_mut_ptr(), event.event.as_raw())
@@ -188,10 +189,10 @@ impl IpcEventHandle {
         }
         let key = (self.0, ctx.as_raw() as usize);
         let (event, how) = EVENTS.get_or_open(key, |lease| {
-            ctx.bind()?;
+            let _cur = ctx.enter()?;
             let mut raw = MaybeUninit::<sys::CUevent>::uninit();
-            // SAFETY: context bound; `raw` a valid out-pointer; the driver validates the handle
-            // bytes.
+            // SAFETY: context current (`_cur`); `raw` a valid out-pointer; the driver validates the
+            // handle bytes.
             check("cuIpcOpenEventHandle", unsafe {
                 sys::cuIpcOpenEventHandle(raw.as_mut_ptr(), to_raw_event(self))
             })?;

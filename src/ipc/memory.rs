@@ -19,10 +19,10 @@ impl DeviceBuffer {
     #[doc(alias = "cuIpcGetMemHandle")]
     pub fn ipc_handle(&self) -> Result<IpcMemHandle> {
         crate::probe::require_legacy_ipc(&self.context().device())?;
-        self.context().bind()?;
+        let _cur = self.context().enter()?;
         let mut h = MaybeUninit::<sys::CUipcMemHandle>::uninit();
-        // SAFETY: context bound; the pointer is the base of a live cuMemAlloc allocation; `h` is a
-        // valid out-pointer.
+        // SAFETY: context current (`_cur`); the pointer is the base of a live cuMemAlloc
+        // allocation; `h` is a valid out-pointer.
         check("cuIpcGetMemHandle", unsafe {
             sys::cuIpcGetMemHandle(h.as_mut_ptr(), self.device_ptr())
         })?;
@@ -220,10 +220,11 @@ fn open_driver_mapping(
     handle: &IpcMemHandle,
     lease: Lease<MappingKey, Mapping>,
 ) -> Result<Mapping> {
-    ctx.bind()?;
+    // Current until the size query below is done; `m` (declared later) drops first on failure.
+    let _cur = ctx.enter()?;
     let mut base = MaybeUninit::<sys::CUdeviceptr>::uninit();
-    // SAFETY: context bound; `base` a valid out-pointer; the handle is passed by value and the
-    // driver validates it (garbage bytes give an error code, checked below).
+    // SAFETY: context current (`_cur`); `base` a valid out-pointer; the handle is passed by value
+    // and the driver validates it (garbage bytes give an error code, checked below).
     check("cuIpcOpenMemHandle_v2", unsafe {
         sys::cuIpcOpenMemHandle_v2(
             base.as_mut_ptr(),
@@ -246,12 +247,13 @@ fn open_driver_mapping(
     Ok(m)
 }
 
-/// Size in bytes of the allocation starting at `base` (`cuMemGetAddressRange_v2`); the caller has
-/// bound the context.
+/// Size in bytes of the allocation starting at `base` (`cuMemGetAddressRange_v2`); the caller holds
+/// the context of the mapping current ([`Context::enter`]).
 fn allocation_size(base: u64) -> Result<usize> {
     let mut start = MaybeUninit::<sys::CUdeviceptr>::uninit();
     let mut size = MaybeUninit::<usize>::uninit();
-    // SAFETY: context bound by the caller; `base` is a mapped address; both out-pointers valid.
+    // SAFETY: the mapping's context is current (the caller's guard); `base` is a mapped address;
+    // both out-pointers valid.
     check("cuMemGetAddressRange_v2", unsafe {
         sys::cuMemGetAddressRange_v2(start.as_mut_ptr(), size.as_mut_ptr(), base)
     })?;

@@ -161,10 +161,11 @@ impl VmmMap {
             reserved: false,
             mapped: false,
         };
-        ctx.bind()?;
+        // Declared after `m`, so on failure it drops first and `m`'s drop enters the context anew.
+        let _cur = ctx.enter()?;
         let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
-        // SAFETY: context bound; `ptr` a valid out-pointer; alignment 0 asks for the default
-        // (the allocation granularity) and address 0 for any address.
+        // SAFETY: context current (`_cur`); `ptr` a valid out-pointer; alignment 0 asks for the
+        // default (the allocation granularity) and address 0 for any address.
         check("cuMemAddressReserve", unsafe {
             sys::cuMemAddressReserve(ptr.as_mut_ptr(), size, 0, 0, 0)
         })?;
@@ -188,13 +189,16 @@ impl VmmMap {
 
 impl Drop for VmmMap {
     fn drop(&mut self) {
-        if let Err(e) = self.ctx.bind() {
-            tracing::warn!("{e}; a VMM mapping of {} bytes stays until exit", self.size);
-            return;
-        }
+        let _cur = match self.ctx.enter() {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!("{e}; a VMM mapping of {} bytes stays until exit", self.size);
+                return;
+            }
+        };
         if self.mapped {
-            // SAFETY: context bound; [ptr, ptr + size) is mapped by this struct alone, and every
-            // user of it (buffers, imports) is gone, since they hold this map.
+            // SAFETY: context current (`_cur`); [ptr, ptr + size) is mapped by this struct alone,
+            // and every user of it (buffers, imports) is gone, since they hold this map.
             if let Err(e) = check("cuMemUnmap", unsafe {
                 sys::cuMemUnmap(self.ptr, self.size)
             }) {
@@ -259,14 +263,15 @@ impl VmmBuffer {
         }
         let dev = ctx.device();
         require_vmm(&dev)?;
+        let _cur = ctx.enter()?;
         let g = vmm_granularity(&dev)?;
         let size = len
             .checked_next_multiple_of(g)
             .ok_or_else(|| Error::InvalidArgument(format!("{len} bytes overflow")))?;
         let prop = alloc_prop(&dev, POSIX_FD);
-        ctx.bind()?;
         let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
-        // SAFETY: context bound; `prop` fully initialised; `size` a multiple of the granularity.
+        // SAFETY: context current (`_cur`); `prop` fully initialised; `size` a multiple of the
+        // granularity.
         check("cuMemCreate", unsafe {
             sys::cuMemCreate(h.as_mut_ptr(), size, &prop, 0)
         })?;
@@ -294,10 +299,10 @@ impl VmmBuffer {
     /// [`Error::Cuda`] from the export.
     #[doc(alias = "cuMemExportToShareableHandle")]
     pub fn export_fd(&self) -> Result<OwnedFd> {
-        self.alloc.map.ctx.bind()?;
+        let _cur = self.alloc.map.ctx.enter()?;
         let mut fd: i32 = -1;
-        // SAFETY: context bound; the handle is live (owned by the map); for POSIX fd handles the
-        // out-parameter is one `int`.
+        // SAFETY: context current (`_cur`); the handle is live (owned by the map); for POSIX fd
+        // handles the out-parameter is one `int`.
         check("cuMemExportToShareableHandle", unsafe {
             sys::cuMemExportToShareableHandle(
                 (&mut fd as *mut i32).cast(),
@@ -417,10 +422,11 @@ fn fetch_fd(token: &Token, raw_fd: i32) -> Result<OwnedFd> {
 }
 
 fn import_vmm_handle(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Result<VmmMap> {
-    ctx.bind()?;
+    let _cur = ctx.enter()?;
     let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
-    // SAFETY: context bound; for POSIX fd handles the OS handle is the descriptor's value passed as
-    // a pointer-sized integer; the driver does not take ownership of the descriptor.
+    // SAFETY: context current (`_cur`); for POSIX fd handles the OS handle is the descriptor's
+    // value passed as a pointer-sized integer; the driver does not take ownership of the
+    // descriptor.
     check("cuMemImportFromShareableHandle", unsafe {
         sys::cuMemImportFromShareableHandle(
             h.as_mut_ptr(),
@@ -540,9 +546,9 @@ unsafe impl Sync for PoolInner {}
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; the pool was created here and is destroyed once; every
-            // allocation from it holds this struct, so none is left.
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); the pool was created here and is destroyed once;
+            // every allocation from it holds this struct, so none is left.
             check("cuMemPoolDestroy", unsafe {
                 sys::cuMemPoolDestroy(self.pool)
             })
@@ -594,9 +600,9 @@ impl MemPool {
             usage: 0,
             reserved: [0; 54],
         };
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
-        // SAFETY: context bound; `props` fully initialised; `pool` a valid out-pointer.
+        // SAFETY: context current (`_cur`); `props` fully initialised; `pool` a valid out-pointer.
         check("cuMemPoolCreate", unsafe {
             sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
         })?;
@@ -608,8 +614,8 @@ impl MemPool {
             e
         };
         let mut fd: i32 = -1;
-        // SAFETY: context bound; live pool created with POSIX fd handles; the out-parameter is one
-        // `int` for this handle type.
+        // SAFETY: context current (`_cur`); live pool created with POSIX fd handles; the
+        // out-parameter is one `int` for this handle type.
         check("cuMemPoolExportToShareableHandle", unsafe {
             sys::cuMemPoolExportToShareableHandle((&mut fd as *mut i32).cast(), pool, POSIX_FD, 0)
         })
@@ -645,9 +651,10 @@ impl MemPool {
             ));
         }
         stream.context().same_as(&self.inner.ctx)?;
-        self.inner.ctx.bind()?;
+        let _cur = self.inner.ctx.enter()?;
         let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
-        // SAFETY: context bound; live pool and stream of this context; `ptr` a valid out-pointer.
+        // SAFETY: context current (`_cur`); live pool and stream of this context; `ptr` a valid
+        // out-pointer.
         check("cuMemAllocFromPoolAsync", unsafe {
             sys::cuMemAllocFromPoolAsync(ptr.as_mut_ptr(), len, self.inner.pool, stream.as_raw())
         })?;
@@ -677,8 +684,8 @@ pub(crate) struct PoolAllocation {
 impl Drop for PoolAllocation {
     fn drop(&mut self) {
         let ctx = &self.pool.ctx;
-        let r = ctx.bind().and_then(|()| {
-            // SAFETY: context bound.
+        let r = ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`).
             check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
             // SAFETY: `ptr` came from cuMemAllocFromPoolAsync and is freed once, after all work
             // queued in the context finished; importers released it first (the caller's contract).
@@ -712,10 +719,10 @@ impl PoolBuffer {
             match *d {
                 Some(d) => d,
                 None => {
-                    self.alloc.pool.ctx.bind()?;
+                    let _cur = self.alloc.pool.ctx.enter()?;
                     let mut out = MaybeUninit::<sys::CUmemPoolPtrExportData>::uninit();
-                    // SAFETY: context bound; `ptr` is a live allocation of an exportable pool;
-                    // `out` a valid out-pointer.
+                    // SAFETY: context current (`_cur`); `ptr` is a live allocation of an exportable
+                    // pool; `out` a valid out-pointer.
                     check("cuMemPoolExportPointer", unsafe {
                         sys::cuMemPoolExportPointer(out.as_mut_ptr(), self.alloc.ptr)
                     })?;
@@ -772,9 +779,9 @@ unsafe impl Sync for ImportedPool {}
 
 impl Drop for ImportedPool {
     fn drop(&mut self) {
-        let r = self.ctx.bind().and_then(|()| {
-            // SAFETY: context bound; the imported pool is destroyed once, after every pointer
-            // imported from it was freed (each holds this struct).
+        let r = self.ctx.enter().and_then(|_cur| {
+            // SAFETY: context current (`_cur`); the imported pool is destroyed once, after every
+            // pointer imported from it was freed (each holds this struct).
             check("cuMemPoolDestroy", unsafe {
                 sys::cuMemPoolDestroy(self.pool)
             })
@@ -794,10 +801,11 @@ fn import_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<ImportedPool>> {
     let (p, how) = IMPORTED_POOLS.get_or_open(key, |lease| {
         require_peer(ctx, token.device)?;
         let fd = fetch_fd(token, -1)?;
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut pool = MaybeUninit::<sys::CUmemoryPool>::uninit();
-        // SAFETY: context bound; the OS handle is the descriptor's value as a pointer-sized
-        // integer; the driver does not take ownership of it (`fd` closes when it drops below).
+        // SAFETY: context current (`_cur`); the OS handle is the descriptor's value as a
+        // pointer-sized integer; the driver does not take ownership of it (`fd` closes when it
+        // drops below).
         check("cuMemPoolImportFromShareableHandle", unsafe {
             sys::cuMemPoolImportFromShareableHandle(
                 pool.as_mut_ptr(),
@@ -817,7 +825,7 @@ fn import_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<ImportedPool>> {
         };
         if ctx.device().uuid() != token.device {
             let desc = access_desc(&ctx.device());
-            // SAFETY: context bound; live imported pool; one valid access descriptor.
+            // SAFETY: context current (`_cur`); live imported pool; one valid access descriptor.
             check("cuMemPoolSetAccess", unsafe {
                 sys::cuMemPoolSetAccess(p.pool, &desc, 1)
             })?;
@@ -864,10 +872,10 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
             let mut data = sys::CUmemPoolPtrExportData {
                 reserved: token.handle,
             };
-            ctx.bind()?;
+            let _cur = ctx.enter()?;
             let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
-            // SAFETY: context bound; live imported pool; `data` holds the 64 export bytes;
-            // `ptr` a valid out-pointer. Garbage export data is refused by the driver.
+            // SAFETY: context current (`_cur`); live imported pool; `data` holds the 64 export
+            // bytes; `ptr` a valid out-pointer. Garbage export data is refused by the driver.
             check("cuMemPoolImportPointer", unsafe {
                 sys::cuMemPoolImportPointer(ptr.as_mut_ptr(), pool.pool, &mut data)
             })?;
@@ -900,8 +908,8 @@ pub fn fabric_handles(dev: &Device) -> std::result::Result<(), String> {
     let fabric = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
     let prop = alloc_prop(dev, fabric);
     let mut g = MaybeUninit::<usize>::uninit();
-    ctx.bind().map_err(|e| e.to_string())?;
-    // SAFETY: context bound; `prop` fully initialised; `g` a valid out-pointer.
+    let _cur = ctx.enter().map_err(|e| e.to_string())?;
+    // SAFETY: context current (`_cur`); `prop` fully initialised; `g` a valid out-pointer.
     check("cuMemGetAllocationGranularity", unsafe {
         sys::cuMemGetAllocationGranularity(
             g.as_mut_ptr(),
@@ -913,7 +921,7 @@ pub fn fabric_handles(dev: &Device) -> std::result::Result<(), String> {
     // SAFETY: written on success.
     let g = unsafe { g.assume_init() }.max(1);
     let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
-    // SAFETY: context bound; `prop` fully initialised; `g` the granularity.
+    // SAFETY: context current (`_cur`); `prop` fully initialised; `g` the granularity.
     check("cuMemCreate", unsafe {
         sys::cuMemCreate(h.as_mut_ptr(), g, &prop, 0)
     })
