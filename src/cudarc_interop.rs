@@ -8,10 +8,10 @@
 //!   `&CudaViewMut<T>` and gives a [`ForeignBuffer`] that borrows it: the slice cannot be dropped
 //!   (and freed) while the export lives. cudarc 0.19 allocates every `CudaSlice` with
 //!   `cuMemAllocAsync` from the device's *current* pool and has no allocate-from-this-pool call;
-//!   the default pool cannot be exported ([`NotExportable::DefaultPool`]). So make an exportable
+//!   the default pool cannot be exported ([`NotExportable::DefaultPool`](crate::ipc::NotExportable::DefaultPool)). So make an exportable
 //!   pool current first ([`MemPool::make_device_current`](crate::ipc::MemPool::make_device_current),
 //!   process-wide), then allocate with cudarc.
-//! - **Give cudarc a view of this crate's memory**: [`slice`] views any [`DeviceMemory`] (a
+//! - **Give cudarc a view of this crate's memory**: [`slice()`] views any [`DeviceMemory`] (a
 //!   `DeviceBuffer`, an `ImportedBuffer`, a channel `Frame`'s or `WriteFrame`'s buffer, a
 //!   `PoolBuffer`, a `VmmBuffer`) as a [`CudarcSlice`]: a real `CudaSlice<T>` (so `as_view`,
 //!   `slice`, kernel arguments, copies all work) that is never freed by cudarc, bound to the
@@ -27,7 +27,7 @@
 //!   the channel's own stream work (ready-word waits, release events).
 //!
 //! Which to use: when you can choose where the memory comes from, let this crate allocate (a
-//! channel's pool, a `DeviceBuffer`, `MemPool::alloc`) and give cudarc a [`slice`]: nothing
+//! channel's pool, a `DeviceBuffer`, `MemPool::alloc`) and give cudarc a [`slice()`]: nothing
 //! process-wide changes. When the memory must come from cudarc itself (a framework allocates the
 //! tensors), make an exportable pool the device's current pool and [`export`] the slices.
 //!
@@ -138,7 +138,7 @@ pub fn stream<'a>(cx: &Arc<CudaContext>, s: &'a Stream) -> Result<CudarcStream<'
 // ----------------------------------------------------------------------------- views for cudarc
 
 /// Memory of this crate seen as a cudarc `CudaSlice<T>` (`len` elements of `T`), borrowed for
-/// `'a` and never freed by cudarc. Made by [`slice`].
+/// `'a` and never freed by cudarc. Made by [`slice()`].
 ///
 /// Dereferences to `&CudaSlice<T>` (for `as_view`, `slice`, kernel arguments, copies from the
 /// device); [`CudarcSlice::view_mut`] gives the `CudaViewMut<T>` a kernel writing it needs. The
