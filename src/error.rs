@@ -43,6 +43,11 @@ pub enum Error {
         /// What the user can do about it.
         fix: &'static str,
     },
+    /// Memory this crate did not allocate cannot be exported: its kind (host, managed, the default
+    /// stream-ordered pool, ...) or its range rules it out. Found before any IPC call; the inner
+    /// error names the kind and the fix (`crate::ipc::classify`).
+    #[error(transparent)]
+    NotExportable(#[from] crate::ipc::NotExportable),
     /// A token's bytes could not be decoded.
     #[error("invalid token: {0}")]
     InvalidToken(String),

@@ -2,6 +2,8 @@
 #![doc = include_str!("../docs/crate-doc.md")]
 
 pub mod channel;
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
 pub mod driver;
 pub mod error;
 pub(crate) mod ffi;

@@ -266,6 +266,7 @@ pub(crate) fn copy_error(e: &Error) -> Error {
             reason,
         },
         Error::ChannelClosed => Error::ChannelClosed,
+        Error::NotExportable(n) => Error::NotExportable(n.clone()),
         Error::Timeout { what, after } => Error::Timeout {
             what,
             after: *after,

@@ -19,11 +19,16 @@
 //! [`fdpass`] moves file descriptors (VMM and memory-pool exports) between processes of one user
 //! over a Unix socket file in `/dev/shm` (reachable across network and pid namespaces), with
 //! `pidfd_getfd` as an optional fast path; it does not call CUDA.
+//!
+//! [`ForeignBuffer`] exports memory other libraries allocated, after classifying it ([`classify`]:
+//! `cuPointerGetAttributes`, before any IPC call); [`MemPool::make_device_current`] makes an
+//! exportable pool the one `cuMemAllocAsync` uses.
 
 mod cache;
 mod event;
 pub mod fdpass;
 mod flight;
+mod foreign;
 mod handle;
 mod memory;
 mod vmm;
@@ -31,6 +36,10 @@ mod vmm;
 pub use cache::{CacheStats, cache_stats};
 pub use event::IpcEvent;
 pub use fdpass::FdTransport;
+pub use foreign::{
+    DevicePoolGuard, ForeignBuffer, ForeignKind, ForeignStats, NotExportable, classify,
+    foreign_stats,
+};
 pub use handle::{IpcEventHandle, IpcMemHandle};
 pub use memory::ImportedBuffer;
 pub use vmm::{

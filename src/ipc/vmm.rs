@@ -534,9 +534,9 @@ impl ImportedBuffer {
 #[derive(Debug)]
 pub(crate) struct PoolInner {
     // Drop order: the fd export is withdrawn, then the pool destroyed (in Drop), then the context.
-    export: FdExport,
-    pool: sys::CUmemoryPool,
-    ctx: Arc<Context>,
+    pub(crate) export: FdExport,
+    pub(crate) pool: sys::CUmemoryPool,
+    pub(crate) ctx: Arc<Context>,
 }
 
 // SAFETY: a CUmemoryPool is a driver handle usable from any thread of the process.
@@ -567,7 +567,7 @@ impl Drop for PoolInner {
 /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
 #[derive(Debug, Clone)]
 pub struct MemPool {
-    inner: Arc<PoolInner>,
+    pub(crate) inner: Arc<PoolInner>,
 }
 
 impl MemPool {
@@ -628,13 +628,14 @@ impl MemPool {
         // SAFETY: a new descriptor from the driver that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let export = FdExport::new(fd).map_err(destroy)?;
-        Ok(MemPool {
-            inner: Arc::new(PoolInner {
-                export,
-                pool,
-                ctx: ctx.clone(),
-            }),
-        })
+        let inner = Arc::new(PoolInner {
+            export,
+            pool,
+            ctx: ctx.clone(),
+        });
+        // Known to `ipc::foreign`, so memory other libraries allocate from it can be exported.
+        super::foreign::register_pool(&inner);
+        Ok(MemPool { inner })
     }
 
     /// Allocates `len` bytes from the pool on `stream` (`cuMemAllocFromPoolAsync`) and waits for
