@@ -25,6 +25,7 @@
 
 mod control;
 pub mod inspect;
+pub mod owned;
 
 pub use control::{
     ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CHANNEL_NAME, MAX_CONSUMERS,

@@ -1,0 +1,300 @@
+//! The exception hierarchy: one Python class per kind of `cuda_ipc::Error`, all under
+//! `CudaIpcError`, with the names the pure-Python consumer uses. Each message is the Rust error's
+//! `Display` text.
+
+use cuda_ipc::Error;
+use cuda_ipc::channel::ChannelError;
+use cuda_ipc::registry::RegistryError;
+use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    cuda_ipc,
+    CudaIpcError,
+    PyException,
+    "Base class of every error raised by cuda_ipc."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    ChannelNotFound,
+    CudaIpcError,
+    "No channel of this name exists (start its producer first)."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    ChannelExists,
+    CudaIpcError,
+    "A live producer already serves this channel name, or another process is creating it."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    BadSegment,
+    CudaIpcError,
+    "The channel's segment is foreign, of another layout version, truncated, corrupted, of another \
+     owner, not fully created, or not a segment at all."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    InvalidToken,
+    CudaIpcError,
+    "A token's bytes could not be decoded."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    NotSupported,
+    CudaIpcError,
+    "This machine, device or memory cannot do what was asked."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    FdNotOffered,
+    CudaIpcError,
+    "The producer does not offer the file descriptor asked for."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    FdPassingError,
+    CudaIpcError,
+    "Fetching a VMM or memory-pool channel's file descriptors failed."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    NoConsumerSlot,
+    CudaIpcError,
+    "Every consumer slot of the channel is taken."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    ProducerGone,
+    CudaIpcError,
+    "The channel's producer (or the process exporting its memory) died."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    ChannelClosed,
+    CudaIpcError,
+    "The producer closed the channel and every frame it published was received."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    Detached,
+    CudaIpcError,
+    "This consumer's slot was taken back."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    Superseded,
+    CudaIpcError,
+    "The channel was removed and made again while this handle used it: attach again."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    AtomicsUnavailable,
+    CudaIpcError,
+    "Raised by the pure-Python consumer only (libatomic missing); kept for code that catches it."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    CudaUnavailable,
+    CudaIpcError,
+    "The CUDA driver could not be loaded, or no visible device fits."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    CudaError,
+    CudaIpcError,
+    "A CUDA driver call failed; the message names the call and the error."
+);
+
+/// `Timeout` is also a `TimeoutError`, `InvalidArgument` a `ValueError`, `OsError` an `OSError`:
+/// made by hand, since `create_exception!` takes one base.
+fn subclass<'py>(
+    py: Python<'py>,
+    name: &str,
+    doc: &str,
+    second: Bound<'py, pyo3::types::PyType>,
+) -> PyResult<Bound<'py, pyo3::types::PyType>> {
+    let bases = pyo3::types::PyTuple::new(py, [py.get_type::<CudaIpcError>(), second])?;
+    let dict = pyo3::types::PyDict::new(py);
+    dict.set_item("__doc__", doc)?;
+    dict.set_item("__module__", "cuda_ipc")?;
+    let ty = py
+        .get_type::<pyo3::types::PyType>()
+        .call1((name, bases, dict))?;
+    Ok(ty.cast_into::<pyo3::types::PyType>()?)
+}
+
+/// The classes made by `subclass`, created once at import.
+pub struct Extra {
+    pub timeout: Py<pyo3::types::PyType>,
+    pub invalid_argument: Py<pyo3::types::PyType>,
+    pub os_error: Py<pyo3::types::PyType>,
+}
+
+static EXTRA: pyo3::sync::PyOnceLock<Extra> = pyo3::sync::PyOnceLock::new();
+
+fn extra(py: Python<'_>) -> PyResult<&Extra> {
+    EXTRA.get_or_try_init(py, || {
+        Ok(Extra {
+            timeout: subclass(
+                py,
+                "Timeout",
+                "A bounded wait ran out.",
+                py.get_type::<PyTimeoutError>(),
+            )?
+            .unbind(),
+            invalid_argument: subclass(
+                py,
+                "InvalidArgument",
+                "An argument is out of its documented range (a bad channel name, too much metadata, ...).",
+                py.get_type::<PyValueError>(),
+            )?
+            .unbind(),
+            os_error: subclass(
+                py,
+                "OsError",
+                "A system call failed; the message names the call and the OS error.",
+                py.get_type::<PyOSError>(),
+            )?
+            .unbind(),
+        })
+    })
+}
+
+/// Adds the hierarchy to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("CudaIpcError", py.get_type::<CudaIpcError>())?;
+    m.add("ChannelNotFound", py.get_type::<ChannelNotFound>())?;
+    m.add("ChannelExists", py.get_type::<ChannelExists>())?;
+    m.add("BadSegment", py.get_type::<BadSegment>())?;
+    m.add("InvalidToken", py.get_type::<InvalidToken>())?;
+    m.add("NotSupported", py.get_type::<NotSupported>())?;
+    m.add("FdNotOffered", py.get_type::<FdNotOffered>())?;
+    m.add("FdPassingError", py.get_type::<FdPassingError>())?;
+    m.add("NoConsumerSlot", py.get_type::<NoConsumerSlot>())?;
+    m.add("ProducerGone", py.get_type::<ProducerGone>())?;
+    m.add("ChannelClosed", py.get_type::<ChannelClosed>())?;
+    m.add("Detached", py.get_type::<Detached>())?;
+    m.add("Superseded", py.get_type::<Superseded>())?;
+    m.add("AtomicsUnavailable", py.get_type::<AtomicsUnavailable>())?;
+    m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
+    m.add("CudaError", py.get_type::<CudaError>())?;
+    let x = extra(py)?;
+    m.add("Timeout", x.timeout.bind(py))?;
+    m.add("InvalidArgument", x.invalid_argument.bind(py))?;
+    m.add("OsError", x.os_error.bind(py))?;
+    Ok(())
+}
+
+/// Which class an error belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Base,
+    ChannelNotFound,
+    ChannelExists,
+    BadSegment,
+    InvalidToken,
+    NotSupported,
+    FdNotOffered,
+    FdPassing,
+    NoConsumerSlot,
+    ProducerGone,
+    ChannelClosed,
+    Detached,
+    Superseded,
+    CudaUnavailable,
+    Cuda,
+    Timeout,
+    InvalidArgument,
+    Os,
+}
+
+/// System calls of the fd-passing client: their failures are `FdPassingError`s.
+const FD_PASSING_CALLS: &[&str] = &["socket", "connect", "sendmsg", "recvmsg", "pidfd_getfd"];
+
+fn kind(e: &Error) -> Kind {
+    match e {
+        Error::DriverNotFound { .. } | Error::DeviceNotFound(_) => Kind::CudaUnavailable,
+        Error::Cuda(_) => Kind::Cuda,
+        Error::Os(os) if FD_PASSING_CALLS.contains(&os.call) => Kind::FdPassing,
+        Error::Os(_) => Kind::Os,
+        Error::Unsupported { .. } | Error::NotExportable(_) => Kind::NotSupported,
+        Error::InvalidToken(_) => Kind::InvalidToken,
+        Error::InvalidArgument(_) => Kind::InvalidArgument,
+        Error::Registry(r) => registry_kind(r),
+        Error::ProducerGone { .. } | Error::PeerGone { .. } => Kind::ProducerGone,
+        Error::FdNotOffered { .. } => Kind::FdNotOffered,
+        Error::ChannelClosed => Kind::ChannelClosed,
+        Error::Channel(c) => match c {
+            ChannelError::NotFound(_) => Kind::ChannelNotFound,
+            ChannelError::AlreadyExists { .. } | ChannelError::CreationInProgress(_) => {
+                Kind::ChannelExists
+            }
+            ChannelError::NoConsumerSlot(_) => Kind::NoConsumerSlot,
+            ChannelError::BadSegment(_) | ChannelError::VersionMismatch { .. } => Kind::BadSegment,
+            ChannelError::Detached => Kind::Detached,
+            ChannelError::Superseded(_) => Kind::Superseded,
+            ChannelError::OverQuota { .. } => Kind::InvalidArgument,
+            _ => Kind::Base,
+        },
+        Error::Timeout { .. } => Kind::Timeout,
+        _ => Kind::Base,
+    }
+}
+
+fn registry_kind(r: &RegistryError) -> Kind {
+    match r {
+        RegistryError::NotFound { .. } => Kind::ChannelNotFound,
+        RegistryError::AlreadyExists { .. } => Kind::ChannelExists,
+        RegistryError::InvalidName { .. } | RegistryError::TooLarge { .. } => Kind::InvalidArgument,
+        RegistryError::TooSmall { .. }
+        | RegistryError::WrongOwner { .. }
+        | RegistryError::InsecureMode { .. }
+        | RegistryError::ForeignSegment { .. }
+        | RegistryError::VersionMismatch { .. }
+        | RegistryError::Corrupt { .. }
+        | RegistryError::Uninitialised { .. }
+        | RegistryError::NotASegment { .. }
+        | RegistryError::Sparse { .. }
+        | RegistryError::CreatorUnknown { .. } => Kind::BadSegment,
+        RegistryError::Superseded { .. } => Kind::Superseded,
+        RegistryError::NoSpace { .. } => Kind::Os,
+        _ => Kind::Base,
+    }
+}
+
+/// The Python exception for `e`, its message the Rust `Display` text.
+pub fn to_py(py: Python<'_>, e: &Error) -> PyErr {
+    let msg = e.to_string();
+    let k = kind(e);
+    let extra_class = |pick: fn(&Extra) -> &Py<pyo3::types::PyType>| match extra(py) {
+        Ok(x) => PyErr::from_type(pick(x).bind(py).clone(), msg.clone()),
+        Err(err) => err,
+    };
+    match k {
+        Kind::Base => CudaIpcError::new_err(msg),
+        Kind::ChannelNotFound => ChannelNotFound::new_err(msg),
+        Kind::ChannelExists => ChannelExists::new_err(msg),
+        Kind::BadSegment => BadSegment::new_err(msg),
+        Kind::InvalidToken => InvalidToken::new_err(msg),
+        Kind::NotSupported => NotSupported::new_err(msg),
+        Kind::FdNotOffered => FdNotOffered::new_err(msg),
+        Kind::FdPassing => FdPassingError::new_err(msg),
+        Kind::NoConsumerSlot => NoConsumerSlot::new_err(msg),
+        Kind::ProducerGone => ProducerGone::new_err(msg),
+        Kind::ChannelClosed => ChannelClosed::new_err(msg),
+        Kind::Detached => Detached::new_err(msg),
+        Kind::Superseded => Superseded::new_err(msg),
+        Kind::CudaUnavailable => CudaUnavailable::new_err(msg),
+        Kind::Cuda => CudaError::new_err(msg),
+        Kind::Timeout => extra_class(|x| &x.timeout),
+        Kind::InvalidArgument => extra_class(|x| &x.invalid_argument),
+        Kind::Os => extra_class(|x| &x.os_error),
+    }
+}
+
+/// `ValueError`-like `InvalidArgument` for arguments checked here rather than in the crate.
+pub fn invalid_argument(py: Python<'_>, msg: String) -> PyErr {
+    to_py(py, &Error::InvalidArgument(msg))
+}
