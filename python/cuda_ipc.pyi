@@ -1,0 +1,244 @@
+"""Zero-copy GPU frames between processes: the cuda-ipc channel (a Rust extension).
+
+A ``Producer`` owns a pool of exportable device buffers and publishes frames; each ``Consumer``
+process attaches by channel name and receives them as ``Frame`` objects, views of the producer's
+buffers that export through DLPack (``torch.from_dlpack(frame)``) and ``__cuda_array_interface__``.
+Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 100 ms.
+"""
+
+from types import TracebackType
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Type, Union
+
+__version__: str
+META_BYTES: int
+"""The most metadata bytes a frame carries (256)."""
+
+Wait = Literal["block", "spin", "spin_then_block"]
+
+class CudaIpcError(Exception):
+    """Base class of every error raised by cuda_ipc; the message is the Rust error's text."""
+
+class ChannelNotFound(CudaIpcError):
+    """No channel of this name exists (start its producer first)."""
+
+class ChannelExists(CudaIpcError):
+    """A live producer already serves this name, or another process is creating it."""
+
+class BadSegment(CudaIpcError):
+    """The segment under the channel's name is foreign, of another layout version, truncated,
+    corrupted, of another owner, not fully created, or not a segment at all."""
+
+class InvalidToken(CudaIpcError):
+    """A token's bytes could not be decoded."""
+
+class NotSupported(CudaIpcError):
+    """This machine, device or memory cannot do what was asked."""
+
+class FdNotOffered(CudaIpcError):
+    """The producer does not offer the file descriptor asked for."""
+
+class FdPassingError(CudaIpcError):
+    """Fetching a VMM or memory-pool channel's file descriptors failed."""
+
+class NoConsumerSlot(CudaIpcError):
+    """Every consumer slot of the channel is taken."""
+
+class ProducerGone(CudaIpcError):
+    """The channel's producer died (noticed within about 20 ms)."""
+
+class ChannelClosed(CudaIpcError):
+    """The producer closed the channel and every published frame was received."""
+
+class Detached(CudaIpcError):
+    """This consumer's slot was taken back, or it was closed."""
+
+class Superseded(CudaIpcError):
+    """The channel was removed and made again while this handle used it: attach again."""
+
+class Timeout(CudaIpcError, TimeoutError):
+    """A bounded wait ran out."""
+
+class InvalidArgument(CudaIpcError, ValueError):
+    """An argument is out of range: a bad channel name, an unknown option, too much metadata."""
+
+class OsError(CudaIpcError, OSError):
+    """A system call failed; the message names the call."""
+
+class AtomicsUnavailable(CudaIpcError):
+    """Raised by the pure-Python consumer only; kept so code that catches it still runs."""
+
+class CudaUnavailable(CudaIpcError):
+    """The CUDA driver could not be loaded, or no visible device has the pool's UUID."""
+
+class CudaError(CudaIpcError):
+    """A CUDA driver call failed; the message names the call and the error."""
+
+class ConsumerStats(Dict[str, int]):
+    """``index``, ``pid``, ``received``, ``dropped``, ``in_flight``, ``lag``."""
+
+ChannelStats = Dict[str, Union[int, List[Dict[str, int]]]]
+"""``published``, ``head``, ``forced_releases`` and ``consumers`` (a list of ConsumerStats)."""
+
+class Producer:
+    """The producing end of channel ``name``: a pool of ``buffers`` buffers of ``buffer_bytes``
+    bytes on CUDA device ``device`` (its primary context).
+
+    ``memory``: ``"auto"`` (legacy IPC where supported, else VMM), ``"legacy"``, ``"vmm"`` or
+    ``"pool"``. ``wait``: how ``acquire`` waits (``spin`` seconds of spinning first for
+    ``"spin_then_block"``). ``quota_bytes`` bounds the pool. ``group_access`` gives the segment
+    mode 0660. Raises ``CudaUnavailable`` without a driver, ``ChannelExists`` when a live producer
+    serves ``name``, ``InvalidArgument`` for a bad name or option.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        buffer_bytes: int,
+        *,
+        buffers: int = 4,
+        max_consumers: int = 8,
+        quota_bytes: Optional[int] = None,
+        wait: Wait = "spin_then_block",
+        spin: float = 50e-6,
+        memory: Literal["auto", "legacy", "vmm", "pool"] = "auto",
+        group_access: bool = False,
+        device: int = 0,
+    ) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def memory(self) -> Literal["legacy", "vmm", "pool"]:
+        """The kind of memory of the pool (``"auto"`` resolved)."""
+    def acquire(self, timeout: Optional[float] = None) -> WriteFrame:
+        """A free buffer to write, waiting up to ``timeout`` seconds (``None``: forever).
+        Raises ``Timeout``; ``InvalidArgument`` while another WriteFrame is outstanding."""
+    def try_acquire(self) -> Optional[WriteFrame]:
+        """A free buffer if one is free now, else ``None``."""
+    def stats(self) -> ChannelStats:
+        """The channel's counters (not while a WriteFrame is outstanding)."""
+    def close(self, timeout: float = 5.0) -> Dict[str, int]:
+        """Closes the channel (consumers get ``ChannelClosed`` after the last frame), waits up to
+        ``timeout`` seconds for their holds and frees the pool: ``{"forced_holds": n}``."""
+    def __enter__(self) -> Producer: ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None: ...
+
+class WriteFrame:
+    """A buffer being written: enqueue the write on ``stream``, then ``publish``. Leaving a
+    ``with`` block (or collection) without publishing gives it back unpublished."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def ptr(self) -> int:
+        """Device address of the buffer."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def stream(self) -> int:
+        """The producer's stream (a raw ``CUstream``)."""
+    def publish(self, metadata: bytes = b"") -> int:
+        """Publishes with ``metadata`` (at most META_BYTES); returns the sequence number."""
+    def abandon(self) -> None: ...
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A DLPack capsule viewing the buffer (1-D uint8); valid until publish or abandon."""
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def __enter__(self) -> WriteFrame: ...
+    def __exit__(self, *args: Any) -> None: ...
+
+class Consumer:
+    """The consuming end of channel ``name``, attached on the device that holds its pool.
+
+    ``delivery``: ``"every"`` (every frame in order; the producer waits for this consumer) or
+    ``"latest"`` (the newest only; skipped frames counted as dropped). Raises ``ChannelNotFound``,
+    ``BadSegment``, ``NoConsumerSlot``, ``ProducerGone``, ``InvalidArgument``, ``CudaUnavailable``.
+    Iterating yields frames until the channel closes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        delivery: Literal["every", "latest"] = "every",
+        wait: Wait = "spin_then_block",
+        spin: float = 50e-6,
+        group_access: bool = False,
+    ) -> None: ...
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        *,
+        delivery: Literal["every", "latest"] = "every",
+        wait: Wait = "spin_then_block",
+        spin: float = 50e-6,
+        group_access: bool = False,
+    ) -> Consumer:
+        """The same as ``Consumer(name, ...)``."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def stream(self) -> int:
+        """The consumer's stream (a raw ``CUstream``): frames are ready on it."""
+    def recv(self, timeout: Optional[float] = None) -> Frame:
+        """The next frame, waiting up to ``timeout`` seconds (``None``: forever). Raises
+        ``Timeout``, ``ChannelClosed``, ``ProducerGone``, ``Detached``, ``Superseded``;
+        ``KeyboardInterrupt`` on Ctrl-C, with no frame taken."""
+    def try_recv(self) -> Optional[Frame]: ...
+    def stats(self) -> ChannelStats: ...
+    def close(self) -> None:
+        """Detaches (once frames and DLPack tensors still alive are gone)."""
+    def __iter__(self) -> Iterator[Frame]: ...
+    def __next__(self) -> Frame: ...
+    def __enter__(self) -> Consumer: ...
+    def __exit__(self, *args: Any) -> None: ...
+
+class Frame:
+    """A received frame, ready on ``stream``. ``release()``, a ``with`` block or collection ends
+    this object's hold; DLPack tensors made from it keep the frame held until they are freed."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def metadata(self) -> bytes: ...
+    @property
+    def ptr(self) -> int:
+        """Device address of the buffer in this process."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def stream(self) -> int: ...
+    @property
+    def held(self) -> bool: ...
+    def release(self) -> None: ...
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        """Version 3, 1-D uint8, with ``stream``; the view does not hold the frame."""
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A DLPack capsule (1-D uint8) that holds the frame until the tensor is freed;
+        ``stream`` is made to wait for the frame on the GPU (``-1``: no ordering)."""
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def __enter__(self) -> Frame: ...
+    def __exit__(self, *args: Any) -> None: ...
