@@ -565,6 +565,7 @@ class _Me:
     path: Optional[str] = None
     hooks = False
     keeper_pid = 0  # the pid whose keeper thread runs (threads do not survive fork)
+    exiting = False  # set at exit before the file is removed: the keeper makes no file after it
 
 
 #: Seconds between two looks of the keeper thread (``KEEPER_EVERY`` in identity.rs).
@@ -586,6 +587,8 @@ def _start_keeper(pid: int) -> None:
                 return
             with _Me.lock:
                 me, fd = _Me.identity, _Me.fd
+                if _Me.exiting:
+                    return
                 if me is None or fd < 0:
                     continue
                 path = me.liveness_path()
@@ -685,7 +688,10 @@ def _after_fork_in_child() -> None:
 def _remove_liveness_file_at_exit() -> None:
     """At a normal exit, in the process that made it: remove the liveness file (a killed process
     leaves its file with a free lock: it reads as gone, and ``cuda-ipc gc`` removes it)."""
-    if os.getpid() == _Me.owner and _Me.path is not None:
+    if os.getpid() != _Me.owner or _Me.path is None:
+        return
+    with _Me.lock:  # the keeper checks ``exiting`` under the same lock before it makes a file
+        _Me.exiting = True
         try:
             os.unlink(_Me.path)
         except OSError:

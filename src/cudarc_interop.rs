@@ -152,6 +152,9 @@ pub fn stream<'a>(cx: &Arc<CudaContext>, s: &'a Stream) -> Result<CudarcStream<'
 #[derive(Debug)]
 pub struct CudarcSlice<'a, T> {
     slice: ManuallyDrop<CudaSlice<T>>,
+    /// The memory's context, entered around cudarc's calls at drop (cudarc makes its context
+    /// current with `cuCtxSetCurrent` unless it is current already).
+    ctx: Arc<Context>,
     _mem: PhantomData<&'a ()>,
 }
 
@@ -181,9 +184,12 @@ impl<T> Drop for CudarcSlice<'_, T> {
     fn drop(&mut self) {
         // SAFETY: `slice` is taken once, here, and never used again.
         let s = unsafe { ManuallyDrop::take(&mut self.slice) };
+        // Entered, so cudarc finds its context current and the caller's is back afterwards.
+        let cur = self.ctx.enter();
         // `leak` waits (stream-ordered) for the slice's recorded reads and writes, drops its events
         // and stream handle, and frees nothing: the memory stays this crate's.
         let _ = s.leak();
+        drop(cur);
     }
 }
 
@@ -219,14 +225,19 @@ where
             size, align
         )));
     }
-    // SAFETY: (1) `ptr` is a valid allocation of `len` bytes in `cx`'s context (a `DeviceMemory`
-    // of this context, checked above), borrowed for `'a`, which the returned value cannot outlive;
-    // (2) it holds `len / size * size_of::<T>()` bytes; (3) every bit pattern is a valid `T`
-    // (`FromBytes`). The slice is never dropped, only leaked (`CudarcSlice`'s drop), so cudarc
-    // never frees it.
-    let s = unsafe { cx.default_stream().upgrade_device_ptr::<T>(ptr, len / size) };
+    let s = {
+        // Entered: cudarc binds its context with `cuCtxSetCurrent` unless it is current already.
+        let _cur = mem.context().enter()?;
+        // SAFETY: (1) `ptr` is a valid allocation of `len` bytes in `cx`'s context (a `DeviceMemory`
+        // of this context, checked above), borrowed for `'a`, which the returned value cannot outlive;
+        // (2) it holds `len / size * size_of::<T>()` bytes; (3) every bit pattern is a valid `T`
+        // (`FromBytes`). The slice is never dropped, only leaked (`CudarcSlice`'s drop), so cudarc
+        // never frees it.
+        unsafe { cx.default_stream().upgrade_device_ptr::<T>(ptr, len / size) }
+    };
     Ok(CudarcSlice {
         slice: ManuallyDrop::new(s),
+        ctx: mem.context().clone(),
         _mem: PhantomData,
     })
 }
@@ -270,10 +281,13 @@ where
 {
     let st = s.stream();
     same_context(ctx, st.context())?;
+    // Entered: cudarc binds its context with `cuCtxSetCurrent` unless it is current already.
+    let cur = ctx.enter()?;
     let (ptr, record) = s.device_ptr(st);
     drop(record);
     st.synchronize()
         .map_err(cudarc_err("cuStreamSynchronize (cudarc)"))?;
+    drop(cur);
     // SAFETY: (1) the memory is borrowed for `'a` through `s`, which the export cannot outlive, so
     // cudarc cannot free it before the export drops; importers' part is the documented rule above;
     // (2) as (1); (3) cudarc allocates no VMM memory (a VMM slice from elsewhere is classified and

@@ -31,8 +31,8 @@
 use crate::error::{OsError, Result};
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
 
 /// Where the liveness files live (the directory of POSIX shared memory).
 const LIVE_DIR: &str = "/dev/shm";
@@ -98,16 +98,16 @@ impl ProcessIdentity {
         // The pid changes across fork(); fork without exec is not supported with CUDA, but a forked
         // registry-only child must not reuse its parent's identity (or its liveness lock).
         let pid = std::process::id();
-        let mut cached = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(id) = *cached
+        let mut state = STATE.lock();
+        if let Some(id) = state.identity
             && id.pid == pid
             && LOCK_FD.load(Ordering::Acquire) >= 0
         {
             return Ok(id);
         }
         let id = Self::read_self()?;
-        hold_liveness_lock(&id)?;
-        *cached = Some(id);
+        hold_liveness_lock(&id, &mut state)?;
+        state.identity = Some(id);
         Ok(id)
     }
 
@@ -225,19 +225,112 @@ impl ProcessIdentity {
     }
 }
 
-/// The cached identity of this process (reset in a forked child by the pid check in `current`).
-static CURRENT: Mutex<Option<ProcessIdentity>> = Mutex::new(None);
+/// What this module keeps about the calling process, behind a lock a forked child can take over.
+#[derive(Default)]
+struct State {
+    /// The cached identity (reset in a forked child by the pid check in `current`).
+    identity: Option<ProcessIdentity>,
+    /// The liveness file's path, for the atexit handler.
+    path: Option<CString>,
+}
+
+static STATE: ForkSafeLock<State> = ForkSafeLock::new();
+
+/// Set by the atexit handler before it removes the liveness file, so the keeper thread (which runs
+/// on while `exit` calls the handlers) does not make the file again.
+// Release store in `remove_liveness_file_at_exit`; Acquire load in `keep_liveness_file`.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// A spin lock that knows which process took it. A `fork` copies a lock that another thread of the
+/// parent held; that thread does not exist in the child, so a `std::sync::Mutex` would stay locked
+/// there for good. Here a child finds the parent's pid as the holder, takes the lock over, and
+/// starts from a fresh `T::default()` (the parent's value, possibly half-updated at the fork, is
+/// leaked, never dropped). Held for microseconds (a file creation at most).
+struct ForkSafeLock<T> {
+    /// Pid of the process holding the lock, 0 when free.
+    // Acquire on taking (pairs with the Release store in the guard's drop), Release on freeing.
+    holder: AtomicU32,
+    value: std::cell::UnsafeCell<Option<T>>,
+}
+
+// SAFETY: the value is only reached through a guard, and `holder` lets one thread at a time hold
+// one (a forked child's takeover happens when no other thread of the child can hold it: the
+// holder pid is another process's).
+unsafe impl<T: Send> Sync for ForkSafeLock<T> {}
+
+impl<T: Default> ForkSafeLock<T> {
+    const fn new() -> Self {
+        Self {
+            holder: AtomicU32::new(0),
+            value: std::cell::UnsafeCell::new(None),
+        }
+    }
+
+    fn lock(&self) -> ForkSafeGuard<'_, T> {
+        loop {
+            if let Some(g) = self.try_lock() {
+                return g;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn try_lock(&self) -> Option<ForkSafeGuard<'_, T>> {
+        let me = std::process::id();
+        match self
+            .holder
+            .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => {}
+            Err(held) if held != me => {
+                // Held by a thread of the process we were forked from: it does not run here.
+                self.holder
+                    .compare_exchange(held, me, Ordering::Acquire, Ordering::Relaxed)
+                    .ok()?;
+                // SAFETY: we hold the lock now; the value the parent left is forgotten, not
+                // dropped (it may be half-updated).
+                unsafe { std::ptr::write(self.value.get(), None) };
+            }
+            Err(_) => return None, // another thread of this process holds it
+        }
+        Some(ForkSafeGuard { lock: self })
+    }
+}
+
+struct ForkSafeGuard<'a, T: Default> {
+    lock: &'a ForkSafeLock<T>,
+}
+
+impl<T: Default> std::ops::Deref for ForkSafeGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the guard holds the lock, so no other reference to the value exists.
+        unsafe { (*self.lock.value.get()).get_or_insert_with(T::default) }
+    }
+}
+
+impl<T: Default> std::ops::DerefMut for ForkSafeGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as for `deref`; `&mut self` makes this the only reference through the guard.
+        unsafe { (*self.lock.value.get()).get_or_insert_with(T::default) }
+    }
+}
+
+impl<T: Default> Drop for ForkSafeGuard<'_, T> {
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire of the next `try_lock`.
+        self.lock.holder.store(0, Ordering::Release);
+    }
+}
 /// The descriptor holding this process's liveness lock; -1 when none.
 // Release store in `hold_liveness_lock` after the lock is taken; Acquire load in `current`.
 static LOCK_FD: AtomicI32 = AtomicI32::new(-1);
 /// The pid that made the liveness file (the atexit handler removes it only in that process).
 static LOCK_OWNER: AtomicI32 = AtomicI32::new(0);
-/// The liveness file's path, for the atexit handler.
-static LOCK_PATH: Mutex<Option<CString>> = Mutex::new(None);
 
 /// Creates (or, after an `exec` that kept pid and start time, reuses) this process's liveness
 /// file and takes its lock.
-fn hold_liveness_lock(id: &ProcessIdentity) -> Result<()> {
+fn hold_liveness_lock(id: &ProcessIdentity, state: &mut State) -> Result<()> {
     let path = id.liveness_path();
     // Something else under our name is refused with what it is; it is never removed (it may be
     // another user's, and only we and root could remove ours from the sticky /dev/shm).
@@ -317,7 +410,7 @@ fn hold_liveness_lock(id: &ProcessIdentity) -> Result<()> {
     }
     LOCK_OWNER.store(id.pid as i32, Ordering::Relaxed);
     if let Ok(c) = CString::new(path) {
-        *LOCK_PATH.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
+        state.path = Some(c);
     }
     register_process_hooks();
     start_keeper(id.pid);
@@ -362,12 +455,17 @@ fn keep_liveness_file() {
     if fd < 0 {
         return;
     }
-    let cached = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(id) = *cached else {
+    let mut state = STATE.lock();
+    // Acquire: pairs with the Release store in the atexit handler: once it runs, the file it
+    // removes stays removed.
+    if EXITING.load(Ordering::Acquire) {
+        return;
+    }
+    let Some(id) = state.identity else {
         return;
     };
     // SAFETY: `fd` is this module's lock descriptor, kept open for the life of the process (the
-    // CURRENT lock held here serialises it against its replacement in `hold_liveness_lock`).
+    // STATE lock held here serialises it against its replacement in `hold_liveness_lock`).
     let mine = rustix::fs::fstat(unsafe { rustix::fd::BorrowedFd::borrow_raw(fd) });
     let now = rustix::fs::lstat(id.liveness_path().as_str());
     let same =
@@ -375,7 +473,7 @@ fn keep_liveness_file() {
     if same {
         return;
     }
-    match hold_liveness_lock(&id) {
+    match hold_liveness_lock(&id, &mut state) {
         Ok(()) => tracing::warn!(
             "this process's liveness file {} was removed or replaced; made and locked again",
             id.liveness_path()
@@ -418,11 +516,18 @@ extern "C" fn remove_liveness_file_at_exit() {
     if unsafe { libc::getpid() } != LOCK_OWNER.load(Ordering::Relaxed) {
         return; // a forked child exiting: the file is its parent's
     }
-    if let Ok(g) = LOCK_PATH.try_lock()
-        && let Some(p) = g.as_ref()
-    {
-        // SAFETY: `p` is a NUL-terminated path owned by the static for the whole process.
-        unsafe { libc::unlink(p.as_ptr()) };
+    // Release: pairs with the keeper's Acquire load; it makes no file after this.
+    EXITING.store(true, Ordering::Release);
+    // The keeper or a `current` may hold the lock for a moment; never wait long in exit.
+    for _ in 0..1000 {
+        if let Some(state) = STATE.try_lock() {
+            if let Some(p) = state.path.as_ref() {
+                // SAFETY: `p` is a NUL-terminated path owned by the static state.
+                unsafe { libc::unlink(p.as_ptr()) };
+            }
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
     }
 }
 
@@ -516,19 +621,19 @@ pub fn own_pid_ns() -> u32 {
 /// Whether `/proc` counts pids as the caller's own pid namespace does (its `self` entry has the
 /// pid `getpid()` returns). Cached per process id.
 fn proc_is_own_namespace() -> bool {
-    static CACHE: Mutex<Option<(u32, bool)>> = Mutex::new(None);
+    // (pid << 1) | answer, 0 when not asked yet: one word, so a forked child never waits on a
+    // lock its parent held. Relaxed: a cache of a value any thread can compute again.
+    static CACHE: AtomicU64 = AtomicU64::new(0);
     let pid = std::process::id();
-    let mut c = CACHE.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((p, v)) = *c
-        && p == pid
-    {
-        return v;
+    let c = CACHE.load(Ordering::Relaxed);
+    if c != 0 && (c >> 1) as u32 == pid {
+        return c & 1 == 1;
     }
     let v = std::fs::read_to_string("/proc/self/stat")
         .ok()
         .and_then(|s| s.split_ascii_whitespace().next()?.parse::<u32>().ok())
         == Some(pid);
-    *c = Some((pid, v));
+    CACHE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
     v
 }
 
@@ -648,6 +753,25 @@ pub(crate) fn parse_file_name(prefix: &str, name: &str, boot: [u8; 16]) -> Optio
     })
 }
 
+/// Removes the liveness file of `id` if its lock is free, whatever its age (for tests that kill
+/// their own children: `cuda-ipc gc` leaves files younger than 5 s alone). `Ok(false)` when there
+/// is no such file, it is not a regular file, or its lock is held.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `unlink` fails for a reason other than the file being gone.
+#[doc(hidden)]
+pub fn remove_liveness_file_if_free(id: &ProcessIdentity) -> Result<bool> {
+    let path = id.liveness_path();
+    if probe_lock(id) != LockState::Free {
+        return Ok(false);
+    }
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(OsError::io("unlink", path, e).into()),
+    }
+}
+
 /// The raw descriptor of this process's liveness lock, if it holds one (for tests).
 #[doc(hidden)]
 pub fn liveness_lock_fd() -> Option<RawFd> {
@@ -728,8 +852,17 @@ pub(crate) fn parse_uuid_text(s: &str) -> Option<[u8; 16]> {
 mod tests {
     use super::*;
 
+    /// Held by every test here: one of them removes this process's own liveness file, which the
+    /// others look at.
+    static OWN_FILE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        OWN_FILE.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     #[test]
     fn current_process_is_alive() {
+        let _serial = serial();
         let me = ProcessIdentity::current().unwrap();
         assert_eq!(me.pid, std::process::id());
         assert_eq!(me.liveness(), Liveness::Alive);
@@ -737,6 +870,7 @@ mod tests {
 
     #[test]
     fn reused_pid_with_other_start_time_is_dead() {
+        let _serial = serial();
         let mut me = ProcessIdentity::current().unwrap();
         me.start_time += 1;
         assert_eq!(me.liveness(), Liveness::Dead);
@@ -744,6 +878,7 @@ mod tests {
 
     #[test]
     fn other_boot_is_dead() {
+        let _serial = serial();
         let mut me = ProcessIdentity::current().unwrap();
         me.boot_id[0] ^= 0xff;
         assert_eq!(me.liveness(), Liveness::Dead);
@@ -751,6 +886,7 @@ mod tests {
 
     #[test]
     fn exited_child_is_dead() {
+        let _serial = serial();
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id();
         let start = start_time_of(pid).unwrap();
@@ -766,6 +902,7 @@ mod tests {
 
     #[test]
     fn an_unreaped_zombie_is_dead() {
+        let _serial = serial();
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id();
         let start = start_time_of(pid).unwrap().unwrap();
@@ -787,6 +924,7 @@ mod tests {
 
     #[test]
     fn the_current_process_holds_its_liveness_lock() {
+        let _serial = serial();
         let me = ProcessIdentity::current().unwrap();
         let path = me.liveness_path();
         let meta = std::fs::symlink_metadata(&path).unwrap();
@@ -799,6 +937,7 @@ mod tests {
 
     #[test]
     fn an_identity_of_another_namespace_without_a_liveness_file_is_dead() {
+        let _serial = serial();
         // Same pid and start time as this process, counted in a namespace that is not ours: /proc
         // cannot answer for it, and no process holds a lock under that name.
         let mut other = ProcessIdentity::current().unwrap();
@@ -809,6 +948,7 @@ mod tests {
 
     #[test]
     fn a_free_lock_reads_as_dead_and_a_held_one_as_alive_in_any_namespace() {
+        let _serial = serial();
         let mut other = ProcessIdentity::current().unwrap();
         other.pid_ns = other.pid_ns.wrapping_add(7);
         other.start_time = other.start_time.wrapping_add(12345);
@@ -841,6 +981,7 @@ mod tests {
 
     #[test]
     fn a_read_lock_another_user_takes_on_a_dead_processs_file_does_not_make_it_alive() {
+        let _serial = serial();
         let mut other = ProcessIdentity::current().unwrap();
         other.pid_ns = other.pid_ns.wrapping_add(11);
         other.start_time = other.start_time.wrapping_add(999);
@@ -860,6 +1001,7 @@ mod tests {
 
     #[test]
     fn a_removed_liveness_file_of_a_running_process_is_made_and_locked_again() {
+        let _serial = serial();
         let me = ProcessIdentity::current().unwrap();
         let path = me.liveness_path();
         std::fs::remove_file(&path).unwrap();
@@ -876,6 +1018,7 @@ mod tests {
 
     #[test]
     fn a_fifo_under_a_liveness_name_is_unknown_not_a_hang() {
+        let _serial = serial();
         let mut other = ProcessIdentity::current().unwrap();
         other.pid_ns = other.pid_ns.wrapping_add(9);
         other.start_time = other.start_time.wrapping_add(777);
@@ -890,12 +1033,14 @@ mod tests {
 
     #[test]
     fn words_round_trip() {
+        let _serial = serial();
         let me = ProcessIdentity::current().unwrap();
         assert_eq!(ProcessIdentity::from_words(me.to_words()), me);
     }
 
     #[test]
     fn stat_parsing_survives_odd_command_names() {
+        let _serial = serial();
         let line = "42 (a) b (c) R 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
         assert_eq!(parse_start_time(line), Some(98765));
         assert_eq!(parse_state(line), Some('R'));

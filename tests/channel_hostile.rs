@@ -292,3 +292,70 @@ fn opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+const ORPHAN_ROLE: &str = "CUDA_IPC_TEST_ORPHAN_CHANNEL";
+
+/// Two producers restarting a dead producer's channel at once: one gets the name, the other a
+/// typed error, and nobody removes the segment the winner just made (the name is removed only
+/// while it stands for the segment judged, under a lock every replacer takes).
+#[test]
+fn two_producers_restarting_a_dead_channel_at_once_never_remove_each_others_segment() {
+    if let Ok(n) = std::env::var(ORPHAN_ROLE) {
+        // A producer that dies without closing (no unlink), as a crash would leave it.
+        let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
+        std::mem::forget(p);
+        std::process::exit(0);
+    }
+    for round in 0..20 {
+        let n = name(&format!("restart-{round}"));
+        let _g = Planted(n.clone());
+        let st = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "two_producers_restarting_a_dead_channel_at_once_never_remove_each_others_segment",
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(ORPHAN_ROLE, &n)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                let (n, b) = (n.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    b.wait();
+                    ControlProducer::create(&n, 4096, 2, &tokens())
+                })
+            })
+            .collect();
+        let results: Vec<_> = racers.into_iter().map(|t| t.join().unwrap()).collect();
+        let winners: Vec<&ControlProducer> =
+            results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round}: {} producers got the name",
+            winners.len()
+        );
+        for r in &results {
+            if let Err(e) = r {
+                assert!(
+                    matches!(
+                        e,
+                        Error::Channel(
+                            ChannelError::AlreadyExists { .. }
+                                | ChannelError::CreationInProgress(_)
+                        )
+                    ),
+                    "round {round}: {e:?}"
+                );
+            }
+        }
+        // The name stands for the winner's segment: what it publishes, inspection sees.
+        let (i, _) = winners[0].try_acquire().unwrap();
+        winners[0].publish(i, b"mine").unwrap();
+        assert_eq!(inspect::inspect(&n).unwrap().head, 1, "round {round}");
+        winners[0].unlink();
+    }
+}

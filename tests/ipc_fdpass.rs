@@ -606,11 +606,8 @@ fn a_dead_exporter_gives_peer_gone_promptly() {
         .unwrap_or_else(|| panic!("{who} not listed as stale: {stale:?}"));
     assert!(fdpass::remove_stale_socket_file(entry).unwrap());
     assert!(!socket_exists(&who));
-    for f in cuda_ipc::identity::stale_liveness_files().unwrap() {
-        if f.identity == who {
-            cuda_ipc::identity::remove_stale_liveness_file(&f).unwrap();
-        }
-    }
+    // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
+    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&who).unwrap());
 }
 
 #[test]
@@ -1070,12 +1067,8 @@ fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_remov
     assert!(fdpass::remove_stale_socket_file(entry).unwrap());
     assert!(!socket_exists(&who));
     assert!(!fdpass::remove_stale_socket_file(entry).unwrap(), "gone");
-    // Its liveness file too (the identity layer's own gc call).
-    for f in cuda_ipc::identity::stale_liveness_files().unwrap() {
-        if f.identity == who {
-            cuda_ipc::identity::remove_stale_liveness_file(&f).unwrap();
-        }
-    }
+    // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
+    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&who).unwrap());
 }
 
 /// Holds the liveness lock of a made-up process (standing in for one in another namespace), so

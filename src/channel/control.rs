@@ -306,21 +306,32 @@ impl Control {
         }
         let name = segment_name(channel);
         let len = layout_len(buffers, consumers);
-        let seg = match Segment::create(&name, len, opts) {
-            Ok(s) => s,
-            Err(Error::Registry(crate::registry::RegistryError::AlreadyExists { .. })) => {
-                // A stale segment from a crashed producer must not block a restart; anything
-                // else under the name is left alone and named in the error.
-                let why = Self::replaceable(channel, &name)?;
-                tracing::warn!("replacing the channel segment {name}: {why}");
-                match Segment::unlink(&name) {
-                    Ok(())
-                    | Err(Error::Registry(crate::registry::RegistryError::NotFound { .. })) => {}
-                    Err(e) => return Err(e),
+        // A stale segment from a crashed producer must not block a restart; anything else under
+        // the name is left alone and named in the error. Two producers restarting at once: each
+        // removes only the segment it judged, under `unlink_if_same`'s lock, so the slower one
+        // finds the faster one's new segment, alive, and gets `AlreadyExists`.
+        let mut attempts = 0;
+        let seg = loop {
+            match Segment::create(&name, len, opts) {
+                Ok(s) => break s,
+                Err(Error::Registry(crate::registry::RegistryError::AlreadyExists { .. }))
+                    if attempts < 4 =>
+                {
+                    attempts += 1;
+                    let judged = match Segment::stat(&name) {
+                        Ok(i) => i.inode,
+                        Err(Error::Registry(crate::registry::RegistryError::NotFound {
+                            ..
+                        })) => continue,
+                        Err(e) => return Err(e),
+                    };
+                    let why = Self::replaceable(channel, &name)?;
+                    if Segment::unlink_if_same(&name, judged)? {
+                        tracing::warn!("replaced the channel segment {name}: {why}");
+                    }
                 }
-                Segment::create(&name, len, opts)?
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
         };
         let c = Control {
             seg,

@@ -226,9 +226,9 @@ fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
 /// held; `Ok(None)` (nothing touched) when the producer runs or its liveness cannot be told.
 ///
 /// Consumers that still have the segment mapped keep their mapping (they get
-/// [`Error::ProducerGone`] as before); only the name goes. The segment's inode is checked again
-/// just before unlinking, so a new producer that replaced the segment meanwhile keeps its own
-/// (best effort: the name is checked, not locked).
+/// [`Error::ProducerGone`] as before); only the name goes, and only while it still stands for the
+/// segment judged ([`Segment::unlink_if_same`]): a new producer that replaced it meanwhile keeps
+/// its own.
 ///
 /// # Errors
 /// As [`inspect`]; [`Error::Os`] when the unlink fails.
@@ -240,18 +240,9 @@ pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
     }
     let ino = c.segment().inode()?;
     drop(c);
-    let name = segment_name(channel);
-    match Segment::open(&name) {
-        Ok(s) if s.inode()? == ino => {}
-        Ok(_) => return Ok(None),
-        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
-        Err(e) => return Err(e),
-    }
-    match Segment::unlink(&name) {
-        Ok(()) => Ok(Some(snap)),
-        Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(None),
-        Err(e) => Err(e),
-    }
+    // Only the segment judged, under the replacers' lock: a new producer's segment made meanwhile
+    // keeps its name.
+    Ok(Segment::unlink_if_same(&segment_name(channel), ino)?.then_some(snap))
 }
 
 /// Whether the segment of `channel` is a creation abandoned half-way: this user's, empty, sparse
@@ -293,15 +284,7 @@ pub fn remove_abandoned(channel: &str) -> Result<Option<&'static str>> {
     let Some(why) = abandoned(channel)? else {
         return Ok(None);
     };
-    match Segment::stat(&name) {
-        Ok(now) if now.inode == before.inode => {}
-        _ => return Ok(None),
-    }
-    match Segment::unlink(&name) {
-        Ok(()) => Ok(Some(why)),
-        Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(None),
-        Err(e) => Err(e),
-    }
+    Ok(Segment::unlink_if_same(&name, before.inode)?.then_some(why))
 }
 
 /// Releases the holds and frees the slots of consumers of `channel` whose process is dead, as the

@@ -559,17 +559,12 @@ impl Registry {
         }
         let ino = seg.inode()?;
         drop(seg);
-        // The name is checked again (not locked): a fresh segment made in between is left alone.
-        match Segment::open(name) {
-            Ok(s) if s.inode()? != ino => return Ok(Stale::Changed),
-            Ok(_) => {}
-            Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(Stale::Changed),
-            Err(e) => return Err(e),
-        }
-        match Segment::unlink(name) {
-            Ok(()) => Ok(Stale::Removed(creator)),
-            Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(Stale::Changed),
-            Err(e) => Err(e),
+        // Removed only while the name still stands for the segment judged, under a lock every
+        // replacer takes on it: a fresh segment another opener made in between is left alone.
+        if Segment::unlink_if_same(name, ino)? {
+            Ok(Stale::Removed(creator))
+        } else {
+            Ok(Stale::Changed)
         }
     }
 

@@ -9,6 +9,10 @@ use rustix::fs::{FallocateFlags, Mode};
 use rustix::io::Errno;
 use rustix::shm::OFlags;
 
+/// Where replacers lock a segment they are about to unlink ([`Segment::unlink_if_same`]): a
+/// byte far past any segment's data (a lock range needs no data behind it).
+const REPLACE_LOCK_OFFSET: i64 = 1 << 62;
+
 /// The longest segment name accepted, in bytes, without the leading `/` (Linux allows 255 for a file
 /// name in `/dev/shm`; we keep room for suffixes).
 pub const MAX_SEGMENT_NAME: usize = 200;
@@ -159,7 +163,25 @@ impl Segment {
                 .into());
             }
             Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
-                tracing::debug!(segment = %path, "fallocate unsupported; pages not reserved up front");
+                // No fallocate here: write the zeros, so every page is backed all the same (an
+                // opener refuses a sparse segment) and a full /dev/shm is an error now.
+                let zeros = vec![0u8; 1 << 16];
+                let mut at = 0u64;
+                while at < len64 {
+                    let n = (len64 - at).min(zeros.len() as u64) as usize;
+                    match rustix::io::pwrite(&fd, &zeros[..n], at) {
+                        Ok(w) => at += w as u64,
+                        Err(Errno::INTR) => {}
+                        Err(Errno::NOSPC) => {
+                            return Err(RegistryError::NoSpace {
+                                name: name.to_string(),
+                                len: len64,
+                            }
+                            .into());
+                        }
+                        Err(e) => return Err(OsError::new("pwrite", path.as_str(), e).into()),
+                    }
+                }
             }
             Err(e) => return Err(OsError::new("fallocate", path.as_str(), e).into()),
         }
@@ -266,6 +288,71 @@ impl Segment {
             Ok(now) => now.st_ino == mine.st_ino && now.st_dev == mine.st_dev,
             Err(_) => true,
         }
+    }
+
+    /// Removes the name `name` only while it still stands for the object with inode `inode` (one a
+    /// caller judged, e.g. a dead producer's segment), and returns whether it did.
+    ///
+    /// Judging a segment and removing its name are two steps; two processes replacing the same
+    /// stale segment at once could otherwise remove the one the faster of them just made. Every
+    /// replacer therefore holds an open-file-description write lock on the judged object itself (a
+    /// byte range far past its data) while it checks the name once more and unlinks: a second
+    /// replacer waits for the first (at most 2 s), then finds another inode (or none) behind the
+    /// name and removes nothing. A fresh `create` cannot slip in while the judged object still has
+    /// the name (`O_EXCL`).
+    ///
+    /// `Ok(false)`: the name is gone or stands for another object now, or another replacer held
+    /// the object for more than 2 s.
+    ///
+    /// # Errors
+    /// As [`Segment::open`] for the open (`NotASegment`, `WrongOwner`, ...), and
+    /// [`crate::Error::Os`] when a lock or unlink fails otherwise.
+    pub fn unlink_if_same(name: &str, inode: u64) -> Result<bool> {
+        validate_name(name)?;
+        let fd = match open_checked(name, true) {
+            Ok(fd) => fd,
+            Err(crate::Error::Registry(RegistryError::NotFound { .. })) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let path = format!("{SHM_DIR}/{name}");
+        let st = rustix::fs::fstat(&fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
+        if st.st_ino != inode {
+            return Ok(false);
+        }
+        // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = libc::F_WRLCK as libc::c_short;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        l.l_start = REPLACE_LOCK_OFFSET;
+        l.l_len = 1;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        loop {
+            use rustix::fd::AsRawFd;
+            // SAFETY: `fd` is open for writing; `l` is a valid flock that outlives the call.
+            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+            if r == 0 {
+                break;
+            }
+            let e = std::io::Error::last_os_error();
+            if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
+                return Err(OsError::io("fcntl(F_OFD_SETLK)", path, e).into());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok(false); // another replacer is at work on it: leave it to them
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // With the lock held, nobody else of this crate removes or replaces the name.
+        match rustix::fs::lstat(path.as_str()) {
+            Ok(now) if now.st_ino == inode && now.st_dev == st.st_dev => {}
+            _ => return Ok(false),
+        }
+        match Self::unlink(name) {
+            Ok(()) => Ok(true),
+            Err(crate::Error::Registry(RegistryError::NotFound { .. })) => Ok(false),
+            Err(e) => Err(e),
+        }
+        // `fd` closes here, releasing the lock for the next replacer, who finds the name changed.
     }
 
     /// Removes the name `name` (`shm_unlink`). Mappings that exist stay valid until unmapped.

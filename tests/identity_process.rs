@@ -1,0 +1,108 @@
+//! The process identity's liveness file across a process's life: a `fork` taken while another
+//! thread holds the identity's lock does not hang the child, and a normal exit leaves no liveness
+//! file behind even when exit handlers run long after ours. Runs without a GPU.
+
+use cuda_ipc::identity::ProcessIdentity;
+use std::process::Command;
+use std::time::Duration;
+
+const ROLE: &str = "CUDA_IPC_TEST_IDENTITY_ROLE";
+
+extern "C" fn slow_exit_handler() {
+    // Runs after the crate's own handler (registered before it): the keeper thread would have
+    // made the liveness file again meanwhile, were it not told the process is exiting.
+    std::thread::sleep(Duration::from_millis(700));
+}
+
+#[test]
+fn a_normal_exit_leaves_no_liveness_file_even_with_slow_exit_handlers_after_ours() {
+    if std::env::var(ROLE).as_deref() == Ok("slow-exit") {
+        // SAFETY: `slow_exit_handler` is an `extern "C"` function without arguments.
+        unsafe { libc::atexit(slow_exit_handler) };
+        let me = ProcessIdentity::current().unwrap();
+        println!("@@ {}", me.liveness_path());
+        std::process::exit(0);
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "a_normal_exit_leaves_no_liveness_file_even_with_slow_exit_handlers_after_ours",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "slow-exit")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let path = text
+        .lines()
+        .find_map(|l| l.split("@@ ").nth(1))
+        .unwrap_or_else(|| panic!("{text}"))
+        .trim()
+        .to_string();
+    assert!(
+        std::fs::symlink_metadata(&path).is_err(),
+        "{path} was left behind (or made again during exit)"
+    );
+}
+
+#[test]
+fn a_fork_while_another_thread_takes_the_identity_never_hangs_the_child() {
+    let _ = ProcessIdentity::current().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = ProcessIdentity::current().unwrap();
+            }
+        })
+    };
+    let mut hung = 0;
+    for _ in 0..100 {
+        // SAFETY: the child only calls async-signal-safe functions and the crate's identity
+        // (which is built to be called after a fork), then `_exit`s; it never returns here.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: alarm and _exit are async-signal-safe; the alarm kills a hung child.
+            unsafe { libc::alarm(3) };
+            let ok = ProcessIdentity::current().is_ok_and(|id| id.pid != 0);
+            // SAFETY: as above.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        // Its identity, read while it is a zombie at the latest (before it is reaped), to remove
+        // the liveness file its `_exit` leaves (no exit handlers run).
+        let child = start_time_of(pid as u32).map(|start_time| ProcessIdentity {
+            pid: pid as u32,
+            start_time,
+            ..ProcessIdentity::current().unwrap()
+        });
+        let mut status = 0;
+        // SAFETY: `pid` is our child; `status` is a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        if let Some(id) = child {
+            let _ = cuda_ipc::identity::remove_liveness_file_if_free(&id);
+        }
+        if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+            hung += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    busy.join().unwrap();
+    assert_eq!(
+        hung, 0,
+        "children that hung or failed taking their identity"
+    );
+}
+
+/// Field 22 of `/proc/PID/stat` (start time in clock ticks), counted after the command name.
+fn start_time_of(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_ascii_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
