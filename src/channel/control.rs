@@ -252,7 +252,7 @@ pub(crate) fn segment_name(channel: &str) -> String {
 pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - "cuda-ipc.ch.".len();
 
 /// Checks a channel name: 1 to [`MAX_CHANNEL_NAME`] bytes of `[A-Za-z0-9._-]`.
-fn validate_channel_name(channel: &str) -> Result<()> {
+pub(crate) fn validate_channel_name(channel: &str) -> Result<()> {
     if channel.len() > MAX_CHANNEL_NAME {
         return Err(Error::InvalidArgument(format!(
             "channel name {:?}... is {} bytes; at most {MAX_CHANNEL_NAME}",
