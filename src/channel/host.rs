@@ -282,7 +282,9 @@ impl HostPool {
         if buffers != tokens.len()
             || bytes != buffer_bytes
             || stride != bytes.next_multiple_of(4096)
-            || need.is_none_or(|n| n > seg.len() as u64 || n != h.segment_bytes.load(Ordering::Relaxed))
+            || need.is_none_or(|n| {
+                n > seg.len() as u64 || n != h.segment_bytes.load(Ordering::Relaxed)
+            })
         {
             return Err(bad(format!(
                 "{name} ({buffers} buffers of {bytes} bytes, stride {stride}, {} bytes mapped) does \
@@ -363,31 +365,6 @@ impl HostPool {
 /// The pool generation a host-memory token carries.
 pub(crate) fn token_generation(t: &Token) -> u64 {
     u64::from_le_bytes(t.handle[..8].try_into().unwrap_or_default())
-}
-
-/// What `cuda-ipc gc` needs to know of a pool segment without its channel: its generation and its
-/// producer, when it is a finished pool of this layout.
-pub(crate) fn pool_owner(channel: &str) -> Result<(u64, ProcessIdentity, u64)> {
-    let name = pool_name(channel);
-    let seg = Segment::open_with_min_len(&name, POOL_DATA)?;
-    seg.check_owner()?;
-    // SAFETY: at least POOL_DATA bytes are mapped, page aligned; the header is atomics only.
-    let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
-    // Acquire: pairs with the Release store of the stamp in `create`.
-    if h.stamp.load(Ordering::Acquire) != STAMP_READY
-        || h.magic.load(Ordering::Relaxed) != POOL_MAGIC
-        || h.version.load(Ordering::Relaxed) != POOL_VERSION
-    {
-        return Err(bad(format!("{name} is not a finished cuda-ipc host pool")));
-    }
-    let producer = ProcessIdentity::from_words(std::array::from_fn(|k| {
-        h.producer[k].load(Ordering::Relaxed)
-    }));
-    Ok((
-        h.generation.load(Ordering::Relaxed),
-        producer,
-        seg.inode()?,
-    ))
 }
 
 #[cfg(test)]

@@ -766,7 +766,11 @@ impl WriteFrame<'_> {
     /// # Panics
     /// On a GPU channel: use [`WriteFrame::buffer`].
     pub fn as_mut_ptr(&self) -> *mut u8 {
-        let pool = self.producer.host.as_ref().expect("a GPU channel: use buffer()");
+        let pool = self
+            .producer
+            .host
+            .as_ref()
+            .expect("a GPU channel: use buffer()");
         pool.ptr(self.index)
     }
 
@@ -1301,7 +1305,11 @@ impl Frame<'_> {
     /// # Panics
     /// On a GPU channel: use [`Frame::buffer`].
     pub fn as_ptr(&self) -> *const u8 {
-        let pool = self.consumer.host.as_ref().expect("a GPU channel: use buffer()");
+        let pool = self
+            .consumer
+            .host
+            .as_ref()
+            .expect("a GPU channel: use buffer()");
         pool.ptr(self.index)
     }
 
