@@ -198,7 +198,7 @@ fn a_latest_only_consumer_gets_increasing_frames_and_never_holds_the_producer_ba
     let got = peer.expect("ok", ANSWER);
     let mut it = got.split(' ').map(|v| v.parse::<u64>().unwrap());
     let (n, last) = (it.next().unwrap(), it.next().unwrap());
-    assert!(n >= 1 && n <= 500 && last == 500, "{got}");
+    assert!((1..=500).contains(&n) && last == 500, "{got}");
     peer.finish(ANSWER);
 }
 
