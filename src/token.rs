@@ -11,8 +11,8 @@
 //! | --- | --- | --- |
 //! | 0 | 4 | magic `CIPT` (`0x54504943`) |
 //! | 4 | 2 | layout version ([`TOKEN_VERSION`]) |
-//! | 6 | 2 | kind: 1 legacy memory, 2 legacy event, 3 VMM memory, 4 pool memory |
-//! | 8 | 64 | handle bytes: `CUipcMemHandle` or `CUipcEventHandle`; for VMM memory the exporter's fd number (i32) at 0 and the allocation's size (u64) at 8; for pool memory the `CUmemPoolPtrExportData` |
+//! | 6 | 2 | kind: 1 legacy memory, 2 legacy event, 3 VMM memory, 4 pool memory, 5 host memory |
+//! | 8 | 64 | handle bytes: `CUipcMemHandle` or `CUipcEventHandle`; for VMM memory the exporter's fd number (i32) at 0 and the allocation's size (u64) at 8; for pool memory the `CUmemPoolPtrExportData`; for host memory the generation (u64) of the channel's host pool segment at 0, the rest zero |
 //! | 72 | 8 | offset of the shared range from the base allocation, bytes |
 //! | 80 | 8 | length of the shared range, bytes (0 for events) |
 //! | 88 | 16 | device UUID |
@@ -22,6 +22,10 @@
 //! | 120 | 16 | exporter boot id |
 //! | 136 | 4 | exporter pid namespace (inode number of `/proc/PID/ns/pid`; 0 unknown) |
 //! | 140 | 4 | CRC-32 (IEEE) of bytes 0..140 |
+//!
+//! Kind 5 (host memory: a buffer of a channel's host pool, `/dev/shm/cuda-ipc.hp.NAME`, at byte
+//! `offset`; device UUID zero) was added within version 2: the layout is unchanged, and a reader that
+//! does not know the kind refuses it as an unknown kind.
 //!
 //! Version 2 added the pid namespace (bytes 136..140, reserved in version 1) and moved the CRC to
 //! 140: the exporter's pid means something only in its own namespace ([`crate::identity`]).
@@ -53,6 +57,9 @@ pub enum TokenKind {
     VmmMemory,
     /// An allocation from an exportable stream-ordered memory pool.
     PoolMemory,
+    /// A buffer of a channel's host-memory pool (POSIX shared memory, no GPU): the handle holds
+    /// the pool segment's generation, `offset` the buffer's byte offset in that segment.
+    HostMemory,
 }
 
 impl TokenKind {
@@ -62,6 +69,7 @@ impl TokenKind {
             TokenKind::LegacyEvent => 2,
             TokenKind::VmmMemory => 3,
             TokenKind::PoolMemory => 4,
+            TokenKind::HostMemory => 5,
         }
     }
     fn from_wire(v: u16) -> Option<Self> {
@@ -70,6 +78,7 @@ impl TokenKind {
             2 => TokenKind::LegacyEvent,
             3 => TokenKind::VmmMemory,
             4 => TokenKind::PoolMemory,
+            5 => TokenKind::HostMemory,
             _ => return None,
         })
     }

@@ -89,6 +89,20 @@ fn process_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> us
         })),
         Err(e) => fail(format!("liveness files: cannot list: {e}")),
     }
+    // Host pools of dead producers whose channel segment is gone (or still there: `remove_stale`
+    // takes the pool with it, so a dry run lists both).
+    match channel_inspect::stale_host_pools() {
+        Ok(pools) => found.extend(pools.into_iter().map(|(c, why)| {
+            let what = format!(
+                "host pool /dev/shm/{} of channel {c}: {why}",
+                channel_inspect::pool_segment_name(&c)
+            );
+            let remove: Removal =
+                Box::new(move || channel_inspect::remove_stale_host_pool(&c).map(|r| r.is_some()));
+            (what, rustix::process::geteuid().as_raw(), remove)
+        })),
+        Err(e) => fail(format!("host pools: cannot list: {e}")),
+    }
     let euid = rustix::process::geteuid();
     let mut n = 0;
     for (what, uid, remove) in found {

@@ -168,7 +168,7 @@ pub struct BufferView {
     pub bytes: u64,
     /// Metadata bytes of its frame.
     pub metadata_bytes: u32,
-    /// UUID of the device holding it, when its token decodes.
+    /// UUID of the device holding it (`host` for a host-memory pool), when its token decodes.
     pub device: Option<String>,
 }
 
@@ -291,7 +291,13 @@ fn channel_view(s: ChannelSnapshot) -> ChannelView {
                 holders: (0..64).filter(|k| b.hold_mask & (1u64 << k) != 0).collect(),
                 bytes: b.memory.map_or(s.buffer_bytes, |t| t.len),
                 metadata_bytes: b.meta_len,
-                device: b.memory.map(|t| t.device.to_string()),
+                device: b.memory.map(|t| {
+                    if t.kind == cuda_ipc::token::TokenKind::HostMemory {
+                        "host".to_string()
+                    } else {
+                        t.device.to_string()
+                    }
+                }),
             })
             .collect(),
         consumers: s

@@ -252,7 +252,7 @@ pub(crate) fn segment_name(channel: &str) -> String {
 pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - "cuda-ipc.ch.".len();
 
 /// Checks a channel name: 1 to [`MAX_CHANNEL_NAME`] bytes of `[A-Za-z0-9._-]`.
-fn validate_channel_name(channel: &str) -> Result<()> {
+pub(crate) fn validate_channel_name(channel: &str) -> Result<()> {
     if channel.len() > MAX_CHANNEL_NAME {
         return Err(Error::InvalidArgument(format!(
             "channel name {:?}... is {} bytes; at most {MAX_CHANNEL_NAME}",
@@ -1273,9 +1273,14 @@ impl Control {
         }
     }
 
-    /// Unlinks the segment name (the mapping stays valid for processes that have it open).
+    /// Unlinks the segment name while it still stands for this segment (never one that replaced
+    /// it); the mapping stays valid for processes that have it open.
     pub(crate) fn unlink(&self) {
-        if let Err(e) = Segment::unlink(self.seg.name()) {
+        let r = self
+            .seg
+            .inode()
+            .and_then(|ino| Segment::unlink_if_same(self.seg.name(), ino));
+        if let Err(e) = r {
             tracing::warn!("unlinking {}: {e}", self.seg.name());
         }
     }

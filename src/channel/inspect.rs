@@ -2,7 +2,9 @@
 //!
 //! Owns: finding channels in `/dev/shm` ([`list_channels`]), copying out the state of one
 //! ([`inspect`]), and, for `gc`, removing the segment of a channel whose producer died
-//! ([`remove_stale`]) and freeing the slots of dead consumers ([`release_dead_consumers`]).
+//! ([`remove_stale`], with its host pool) and freeing the slots of dead consumers
+//! ([`release_dead_consumers`]), and host pool segments left without a live producer
+//! ([`stale_host_pools`], [`remove_stale_host_pool`]).
 //! Inspecting opens and validates the segment like a consumer does (magic, layout version, sizes,
 //! owner) but never attaches, holds, releases or wakes: it only loads, so it cannot disturb the
 //! protocol. The two `gc` functions change only what dead processes left. Never calls CUDA.
@@ -21,6 +23,64 @@ pub const SEGMENT_PREFIX: &str = "cuda-ipc.ch.";
 /// The segment name of channel `channel` (`cuda-ipc.ch.` followed by the channel name).
 pub fn segment_name(channel: &str) -> String {
     control::segment_name(channel)
+}
+
+/// The prefix of a host channel's pool segment: channel `NAME` of [`super::MemoryKind::Host`]
+/// keeps its buffers in `/dev/shm/cuda-ipc.hp.NAME`.
+pub const POOL_PREFIX: &str = super::host::POOL_PREFIX;
+
+/// The pool segment name of host channel `channel` (`cuda-ipc.hp.` followed by the channel name).
+pub fn pool_segment_name(channel: &str) -> String {
+    super::host::pool_name(channel)
+}
+
+/// Host pool segments of this user that a dead producer or an abandoned creation left:
+/// (channel name, why it may go). A pool of a live producer, another user's, or anything else under
+/// such a name (a FIFO, a foreign file) is never listed.
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be read.
+pub fn stale_host_pools() -> Result<Vec<(String, &'static str)>> {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
+    Ok(crate::shm::list_segments()?
+        .into_iter()
+        .filter(|s| {
+            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
+                .is_ok_and(|m| m.uid() == me)
+        })
+        .filter_map(|s| s.strip_prefix(POOL_PREFIX).map(str::to_string))
+        .filter(|n| !n.is_empty())
+        .filter_map(|n| match super::host::HostPool::replaceable(&n) {
+            Ok(why) => Some((n, why)),
+            Err(_) => None,
+        })
+        .collect())
+}
+
+/// Removes the host pool segment of `channel` when a dead producer or an abandoned creation left
+/// it (see [`stale_host_pools`]); `Ok(None)` when there is none or it is not stale. Only the pool
+/// judged is removed ([`Segment::unlink_if_same`]).
+///
+/// # Errors
+/// The typed error naming what is under the name when it is not a stale pool of ours (a live
+/// producer's pool is `Ok(None)`); [`Error::Os`] when the unlink fails.
+pub fn remove_stale_host_pool(channel: &str) -> Result<Option<&'static str>> {
+    let name = pool_segment_name(channel);
+    let before = match Segment::stat(&name) {
+        Ok(i) => i,
+        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let why = match super::host::HostPool::replaceable(channel) {
+        Ok(why) => why,
+        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(Error::Channel(
+            super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
+        )) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    Ok(Segment::unlink_if_same(&name, before.inode)?.then_some(why))
 }
 
 /// What a buffer of the pool holds.
@@ -223,7 +283,8 @@ fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
 }
 
 /// Removes the control segment of `channel` when its producer process is dead, and returns what it
-/// held; `Ok(None)` (nothing touched) when the producer runs or its liveness cannot be told.
+/// held; `Ok(None)` (nothing touched) when the producer runs or its liveness cannot be told. A host
+/// channel's pool segment goes with it when its own header names a dead producer too.
 ///
 /// Consumers that still have the segment mapped keep their mapping (they get
 /// [`Error::ProducerGone`] as before); only the name goes, and only while it still stands for the
@@ -242,7 +303,11 @@ pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
     drop(c);
     // Only the segment judged, under the replacers' lock: a new producer's segment made meanwhile
     // keeps its name.
-    Ok(Segment::unlink_if_same(&segment_name(channel), ino)?.then_some(snap))
+    let removed = Segment::unlink_if_same(&segment_name(channel), ino)?.then_some(snap);
+    if let Err(e) = remove_stale_host_pool(channel) {
+        tracing::warn!("channel {channel}: its host pool stays: {e}");
+    }
+    Ok(removed)
 }
 
 /// Whether the segment of `channel` is a creation abandoned half-way: this user's, empty, sparse

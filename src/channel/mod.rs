@@ -24,6 +24,7 @@
 //! 20 ms; [`Producer::close`] waits (bounded) for outstanding holds and reports the ones it forced.
 
 mod control;
+mod host;
 pub mod inspect;
 pub mod owned;
 
@@ -37,8 +38,9 @@ use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::{ImportedBuffer, IpcEvent, MemPool, PoolBuffer, VmmBuffer};
 use crate::shm::SegmentOptions;
-use crate::token::{TOKEN_LEN, Token};
+use crate::token::{TOKEN_LEN, Token, TokenKind};
 use control::Control;
+use host::HostPool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -145,6 +147,14 @@ pub enum MemoryKind {
     /// shared through the pool's file descriptor and each pointer's export data. As with legacy
     /// memory, the driver wants consumers to drop their imports before the producer frees the pool.
     Pool,
+    /// Shared host memory, no GPU: the pool is one POSIX shared-memory segment
+    /// (`/dev/shm/cuda-ipc.hp.NAME`) beside the control segment, made by [`Producer::create_host`]
+    /// and attached by [`Consumer::attach`] without the CUDA driver. Frames give their bytes as a
+    /// raw pointer and length ([`WriteFrame::as_mut_ptr`], [`Frame::as_ptr`]) and through copy
+    /// helpers ([`WriteFrame::write_at`], [`Frame::read_at`]). Stream ordering degrades to host
+    /// ordering: there are no streams, ready words or events; the producer's writes are visible to
+    /// a consumer that received the frame, and a consumer's reads are done once it dropped it.
+    Host,
 }
 
 /// One buffer of a producer's pool: legacy, VMM or memory-pool memory. Use it through
@@ -282,20 +292,33 @@ pub struct ShutdownReport {
 /// ```
 pub struct Producer {
     // Drop order: the control segment is closed and drained (in Drop, which also drains the stream)
-    // before the ready page is unregistered, then the segment unmapped, then the buffers and events
-    // freed, and those before the stream and context.
-    ready: HostRegistration,
+    // before the ready page is unregistered, then the segment unmapped, then the host pool
+    // unmapped or the buffers and events freed, and those before the stream and context.
+    /// `None` for a host channel.
+    ready: Option<HostRegistration>,
     control: Control,
+    /// The pool of a host channel ([`MemoryKind::Host`]).
+    host: Option<HostPool>,
     name: String,
+    /// The GPU side; `None` for a host channel.
+    gpu: Option<GpuPool>,
+    wait: WaitStrategy,
+    memory: MemoryKind,
+    closed: bool,
+}
+
+/// A producer's GPU side.
+struct GpuPool {
+    // Drop order: buffers and events before the stream and context.
     buffers: Vec<ChannelBuffer>,
     /// Per consumer slot: (generation, identity, release events) of the consumer last seen there.
     consumer_events: Vec<Option<(u64, ProcessIdentity, Vec<IpcEvent>)>>,
     stream: Stream,
     ctx: Arc<Context>,
-    wait: WaitStrategy,
-    memory: MemoryKind,
-    closed: bool,
 }
+
+const HOST_NO_GPU: &str = "a host-memory channel has no GPU side (no stream, context or device \
+                           buffer): use the host accessors (as_ptr, len, read_at, write_at)";
 
 impl std::fmt::Debug for Producer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -315,6 +338,14 @@ impl Producer {
     /// `name`; [`Error::InvalidArgument`] for zero-size buffers or counts out of range; CUDA errors
     /// from allocation and export; shared-memory errors (a full /dev/shm, a bad name).
     pub fn create(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
+        if opts.memory == MemoryKind::Host {
+            return Self::create_host(name, opts);
+        }
+        Self::check_options(opts)?;
+        Self::create_gpu(ctx, name, opts)
+    }
+
+    fn check_options(opts: &ChannelOptions) -> Result<()> {
         if let Some(q) = opts.quota_bytes {
             if (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q {
                 return Err(ChannelError::OverQuota {
@@ -331,6 +362,80 @@ impl Producer {
                 opts.buffers
             )));
         }
+        Ok(())
+    }
+
+    /// Creates channel `name` with a pool of shared host memory ([`MemoryKind::Host`], whatever
+    /// [`ChannelOptions::memory`] says): the pool segment `/dev/shm/cuda-ipc.hp.NAME` (mode as the
+    /// control segment's, pages reserved) and the control segment `/dev/shm/cuda-ipc.ch.NAME`.
+    /// Never calls the CUDA driver, so it runs on machines without a GPU. Segments of a dead
+    /// producer (or a creation abandoned half-way) are replaced; anything else under either name is
+    /// left alone and named in the error.
+    ///
+    /// # Errors
+    /// [`ChannelError::OverQuota`]; [`ChannelError::AlreadyExists`] when a live producer serves
+    /// `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of range or a bad name;
+    /// shared-memory errors for what is in the way under either name (`WrongOwner`, `NotASegment`,
+    /// `CreationInProgress`, a foreign segment as [`ChannelError::BadSegment`]) and for a full
+    /// /dev/shm (`NoSpace`).
+    ///
+    /// # Examples
+    /// ```
+    /// use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
+    /// let name = format!("doc-host-{}", std::process::id());
+    /// let mut tx = Producer::create_host(&name, &ChannelOptions::new(64))?;
+    /// let rx = Consumer::attach(&name, &ConsumerOptions::new())?;
+    /// let mut w = tx.acquire(None)?;
+    /// w.write_at(0, b"hello")?;
+    /// w.publish(b"meta")?;
+    /// let f = rx.recv()?;
+    /// let mut out = [0u8; 5];
+    /// f.read_at(0, &mut out)?;
+    /// assert_eq!(&out, b"hello");
+    /// # drop(f); drop(rx);
+    /// # Ok::<(), cuda_ipc::Error>(())
+    /// ```
+    pub fn create_host(name: &str, opts: &ChannelOptions) -> Result<Producer> {
+        Self::check_options(opts)?;
+        if opts.buffer_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "a host pool needs buffers of at least 1 byte".into(),
+            ));
+        }
+        control::validate_channel_name(name)?;
+        let seg_opts = SegmentOptions::new().group_access(opts.group_access);
+        let pool = HostPool::create(name, opts.buffers, opts.buffer_bytes, &seg_opts)?;
+        let me = ProcessIdentity::current()?;
+        let tokens: Vec<_> = (0..opts.buffers)
+            .map(|i| (pool.token(i, me).to_bytes(), [0u8; TOKEN_LEN]))
+            .collect();
+        let control = match Control::create(
+            name,
+            opts.buffer_bytes as u64,
+            opts.max_consumers,
+            &tokens,
+            &seg_opts,
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                // The pool is ours (just made): take it away again, then report what blocked.
+                pool.unlink();
+                return Err(e);
+            }
+        };
+        Ok(Producer {
+            ready: None,
+            control,
+            host: Some(pool),
+            name: name.to_string(),
+            gpu: None,
+            wait: opts.wait,
+            memory: MemoryKind::Host,
+            closed: false,
+        })
+    }
+
+    fn create_gpu(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
         let kind = match opts.memory {
             MemoryKind::Auto => match crate::probe::require_legacy_ipc(&ctx.device()) {
                 Ok(()) => MemoryKind::Legacy,
@@ -371,27 +476,45 @@ impl Producer {
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
         Ok(Producer {
-            consumer_events: (0..control.consumer_capacity()).map(|_| None).collect(),
-            ready,
+            gpu: Some(GpuPool {
+                consumer_events: (0..control.consumer_capacity()).map(|_| None).collect(),
+                buffers,
+                stream,
+                ctx: ctx.clone(),
+            }),
+            ready: Some(ready),
             control,
+            host: None,
             name: name.to_string(),
-            buffers,
-            stream,
-            ctx: ctx.clone(),
             wait: opts.wait,
             memory: kind,
             closed: false,
         })
     }
 
+    fn gpu(&self) -> &GpuPool {
+        self.gpu.as_ref().expect(HOST_NO_GPU)
+    }
+
     /// The producer's stream: enqueue the work that fills a frame here.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
     pub fn stream(&self) -> &Stream {
-        &self.stream
+        &self.gpu().stream
     }
 
     /// The producer's context.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]), which has no context.
     pub fn context(&self) -> &Arc<Context> {
-        &self.ctx
+        &self.gpu().ctx
+    }
+
+    /// Whether the pool is host memory ([`MemoryKind::Host`]).
+    pub fn is_host(&self) -> bool {
+        self.host.is_some()
     }
 
     /// The channel name.
@@ -399,7 +522,7 @@ impl Producer {
         &self.name
     }
 
-    /// The kind of memory the pool is made of (`Legacy`, `Vmm` or `Pool`; an `Auto` request
+    /// The kind of memory the pool is made of (`Legacy`, `Vmm`, `Pool` or `Host`; an `Auto` request
     /// resolved).
     pub fn memory_kind(&self) -> MemoryKind {
         self.memory
@@ -443,7 +566,9 @@ impl Producer {
         deadline: Option<Instant>,
         timeout: Option<Duration>,
     ) -> Result<WriteFrame<'_>> {
-        let mut bits = used;
+        // A host channel has no events to wait on: the consumers' reads happen before this write
+        // through their hold_mask clear, which `try_acquire` saw (docs/ARCHITECTURE.md).
+        let mut bits = if self.host.is_some() { 0 } else { used };
         while bits != 0 {
             let c = bits.trailing_zeros() as usize;
             match self.wait_for_consumer(c, i, deadline) {
@@ -480,11 +605,14 @@ impl Producer {
     /// acquired is the oldest one, whose readers have almost always finished: then this is one
     /// `cuEventQuery`.
     fn wait_for_consumer(&mut self, c: usize, i: usize, deadline: Option<Instant>) -> Result<()> {
+        let Some(gpu) = self.gpu.as_mut() else {
+            return Ok(());
+        };
         let Some(generation) = self.control.consumer_generation(c) else {
             // Detached (its stream drained first) or reclaimed after its death.
             return Ok(());
         };
-        let stale = !matches!(&self.consumer_events[c], Some((g, _, _)) if *g == generation);
+        let stale = !matches!(&gpu.consumer_events[c], Some((g, _, _)) if *g == generation);
         if stale {
             // A consumer new to this slot: read and open its release events once.
             let Some((generation, tokens)) = self.control.consumer_release_tokens(c) else {
@@ -492,12 +620,12 @@ impl Producer {
             };
             let evs = tokens
                 .iter()
-                .map(|t| IpcEvent::open_in(&self.ctx, &Token::from_bytes(t)?))
+                .map(|t| IpcEvent::open_in(&gpu.ctx, &Token::from_bytes(t)?))
                 .collect::<Result<Vec<_>>>()?;
             let who = self.control.consumer_identity(c);
-            self.consumer_events[c] = Some((generation, who, evs));
+            gpu.consumer_events[c] = Some((generation, who, evs));
         }
-        let Some((_, who, evs)) = &self.consumer_events[c] else {
+        let Some((_, who, evs)) = &gpu.consumer_events[c] else {
             return Ok(());
         };
         let start = Instant::now();
@@ -559,10 +687,17 @@ impl Producer {
             );
         }
         self.control.unlink();
+        if let Some(pool) = &self.host {
+            // No GPU work to wait for: every hold ended or was forced above.
+            pool.unlink();
+            return Ok(ShutdownReport {
+                forced_holds: forced,
+            });
+        }
         let deadline = Instant::now() + timeout;
         // The pool is freed after this: first let the consumers' last kernels on each buffer
         // finish (their release events), then our own work.
-        for i in 0..self.buffers.len() {
+        for i in 0..self.control.buffers() {
             let mut bits = self.control.take_used(i);
             while bits != 0 {
                 let c = bits.trailing_zeros() as usize;
@@ -572,7 +707,7 @@ impl Producer {
                 }
             }
         }
-        self.stream.synchronize()?;
+        self.gpu().stream.synchronize()?;
         Ok(ShutdownReport {
             forced_holds: forced,
         })
@@ -598,8 +733,82 @@ pub struct WriteFrame<'a> {
 
 impl WriteFrame<'_> {
     /// The device buffer to write (the whole pool buffer).
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]): use [`WriteFrame::as_mut_ptr`] or
+    /// [`WriteFrame::write_at`].
     pub fn buffer(&self) -> &ChannelBuffer {
-        &self.producer.buffers[self.index]
+        &self.producer.gpu().buffers[self.index]
+    }
+
+    /// Whether the frame's buffer is host memory ([`MemoryKind::Host`]).
+    pub fn is_host(&self) -> bool {
+        self.producer.host.is_some()
+    }
+
+    /// The buffer's length in bytes (the channel's `buffer_bytes`), for every memory kind.
+    pub fn len(&self) -> usize {
+        self.producer.control.buffer_bytes() as usize
+    }
+
+    /// Whether the buffer has no bytes (never: buffers hold at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first byte of the frame's host buffer, valid for [`WriteFrame::len`] bytes until the
+    /// frame is published or dropped.
+    ///
+    /// A raw pointer and not a `&mut [u8]`: the bytes are shared memory that consumer processes
+    /// map. No consumer holds this buffer while the producer writes it (the protocol's Dekker pair
+    /// on `seq` and `hold_mask`), so plain writes through the pointer are ordered; but a reference
+    /// would promise the compiler exclusive access that another (misbehaving) process could break.
+    ///
+    /// # Panics
+    /// On a GPU channel: use [`WriteFrame::buffer`].
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        let pool = self
+            .producer
+            .host
+            .as_ref()
+            .expect("a GPU channel: use buffer()");
+        pool.ptr(self.index)
+    }
+
+    /// Copies `src` into the frame's host buffer at byte `offset`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `offset + src.len()` passes the buffer's end, or on a GPU
+    /// channel (write the device buffer on the stream there).
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let dst = self.host_range(offset, src.len())?;
+        // SAFETY: `dst..dst + src.len()` lies in this frame's buffer (checked by `host_range`),
+        // which nobody else reads or writes while the producer holds it as WRITING; `src` is
+        // ordinary memory of this process, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes of the frame's host buffer from byte `offset` into `dst`.
+    ///
+    /// # Errors
+    /// As [`WriteFrame::write_at`].
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let src = self.host_range(offset, dst.len())?;
+        // SAFETY: as in `write_at`, with the copy the other way.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn host_range(&self, offset: usize, n: usize) -> Result<*mut u8> {
+        let Some(pool) = self.producer.host.as_ref() else {
+            return Err(Error::InvalidArgument(
+                "a GPU channel's frame has no host bytes; use buffer() on stream()".into(),
+            ));
+        };
+        host_check(offset, n, pool.buffer_bytes())?;
+        // SAFETY: offset + n <= buffer_bytes (checked), so the result stays in the buffer.
+        Ok(unsafe { pool.ptr(self.index).add(offset) })
     }
 
     /// Index of the buffer in the pool.
@@ -608,12 +817,16 @@ impl WriteFrame<'_> {
     }
 
     /// The producer's stream, on which the write must be enqueued.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
     pub fn stream(&self) -> &Stream {
-        &self.producer.stream
+        &self.producer.gpu().stream
     }
 
     /// Publishes the frame with `metadata` (at most [`META_BYTES`] bytes) and wakes waiting
-    /// consumers, then enqueues on the producer's stream, after the work enqueued so far, the write
+    /// consumers. On a host channel that is all: the writes made through the frame so far are
+    /// visible to every consumer that receives it. On a GPU channel it then enqueues on the producer's stream, after the work enqueued so far, the write
     /// of the buffer's ready word (`cuStreamWriteValue32`) that consumers' streams wait for.
     /// Returns its sequence number (1, 2, ...).
     ///
@@ -633,13 +846,17 @@ impl WriteFrame<'_> {
         // the write is enqueued, which is correct (their streams wait for the word on the GPU) and
         // takes the enqueue off the hand-off's path.
         let seq = p.control.publish(self.index, metadata)?;
-        let word = p.ready.device_ptr + 4 * self.index as u64;
+        let (Some(ready), Some(gpu)) = (&p.ready, &p.gpu) else {
+            self.done = true;
+            return Ok(seq);
+        };
+        let word = ready.device_ptr + 4 * self.index as u64;
         // SAFETY: the word lies in the registered ready page (index < buffers), which stays
         // registered and mapped until the producer's stream has drained (Drop order of Producer).
-        if let Err(e) = unsafe { p.stream.write_value_u32(word, seq as u32) } {
+        if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
             // Consumers already wait for this word: set it from the host once our work on the
             // buffer is done (or failed), so they never wait for good.
-            let _ = p.stream.synchronize();
+            let _ = gpu.stream.synchronize();
             p.control.set_ready(self.index, seq);
             self.done = true;
             return Err(e);
@@ -696,17 +913,28 @@ impl ConsumerOptions {
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
     // Drop order: the stream is drained and the slot freed (in Drop) first; then the watchdog stops,
-    // the ready page is unregistered and the segment unmapped (the watchdog holds it too); events
-    // and imports go before the stream and context.
-    _watchdog: Watchdog,
-    ready: HostRegistration,
+    // the ready page is unregistered and the segment unmapped (the watchdog holds it too); the host
+    // pool is unmapped; events and imports go before the stream and context.
+    /// `None` for a host channel (nothing to mark ready).
+    _watchdog: Option<Watchdog>,
+    /// `None` for a host channel.
+    ready: Option<HostRegistration>,
     control: Arc<Control>,
+    /// The pool of a host channel.
+    host: Option<HostPool>,
     slot: usize,
+    /// The GPU side; `None` for a host channel.
+    gpu: Option<GpuImports>,
+    wait: WaitStrategy,
+}
+
+/// A consumer's GPU side.
+struct GpuImports {
+    // Drop order: events and imports before the stream and context.
     release_events: Vec<IpcEvent>,
     buffers: Vec<ImportedBuffer>,
     stream: Stream,
     ctx: Arc<Context>,
-    wait: WaitStrategy,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -719,24 +947,58 @@ impl std::fmt::Debug for Consumer {
 
 impl Consumer {
     /// Attaches to channel `name` on the device that holds its pool (found by UUID), in that
-    /// device's primary context. Receives frames published from now on.
+    /// device's primary context; a host channel ([`MemoryKind::Host`]) is attached without the CUDA
+    /// driver (it is never loaded). Receives frames published from now on.
     ///
     /// # Errors
     /// [`ChannelError::NotFound`], [`ChannelError::BadSegment`], [`ChannelError::NoConsumerSlot`];
-    /// [`Error::ProducerGone`] when the producer is dead; CUDA errors from imports.
+    /// [`Error::ProducerGone`] when the producer is dead; CUDA errors from imports. For a host
+    /// channel, shared-memory errors for what is under the pool's name (`NotASegment`, `Sparse`,
+    /// `WrongOwner`, `TooSmall`), [`ChannelError::BadSegment`] for a pool that is missing or does
+    /// not match the channel, [`ChannelError::Superseded`] for a pool made again since.
     pub fn attach(name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
         let control = Control::open_with(name, opts.group_access)?;
         let (mem, _) = control.buffer_tokens(0);
-        let device = Device::by_uuid(Token::from_bytes(&mem)?.device)?;
+        let token = Token::from_bytes(&mem)?;
+        if token.kind == TokenKind::HostMemory {
+            return Self::attach_host(control, name, opts);
+        }
+        let device = Device::by_uuid(token.device)?;
         Self::attach_with(control, &device.primary_context()?, opts)
     }
 
-    /// Attaches to channel `name` in `ctx` (which may be on another device than the pool's).
+    /// Attaches to channel `name` in `ctx` (which may be on another device than the pool's). A host
+    /// channel is attached as by [`Consumer::attach`], without using `ctx`.
     ///
     /// # Errors
     /// As [`Consumer::attach`].
     pub fn attach_in(ctx: &Arc<Context>, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
-        Self::attach_with(Control::open_with(name, opts.group_access)?, ctx, opts)
+        let control = Control::open_with(name, opts.group_access)?;
+        let (mem, _) = control.buffer_tokens(0);
+        if Token::from_bytes(&mem)?.kind == TokenKind::HostMemory {
+            return Self::attach_host(control, name, opts);
+        }
+        Self::attach_with(control, ctx, opts)
+    }
+
+    fn attach_host(control: Control, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
+        control.producer_gone()?;
+        let tokens = (0..control.buffers())
+            .map(|i| Token::from_bytes(&control.buffer_tokens(i).0))
+            .collect::<Result<Vec<_>>>()?;
+        let pool = HostPool::open(name, opts.group_access, &tokens, control.buffer_bytes())?;
+        // No release events: the producer waits on nothing but the hold masks.
+        let release_tokens = vec![[0u8; TOKEN_LEN]; control.buffers()];
+        let slot = control.attach(opts.delivery, &release_tokens)?;
+        Ok(Consumer {
+            _watchdog: None,
+            ready: None,
+            control: Arc::new(control),
+            host: Some(pool),
+            slot,
+            gpu: None,
+            wait: opts.wait,
+        })
     }
 
     fn attach_with(
@@ -772,26 +1034,44 @@ impl Consumer {
         let slot = control.attach(opts.delivery, &release_tokens)?;
         let control = Arc::new(control);
         Ok(Consumer {
-            _watchdog: Watchdog::start(control.clone()),
-            ready,
+            _watchdog: Some(Watchdog::start(control.clone())),
+            ready: Some(ready),
             control,
+            host: None,
             slot,
-            release_events,
-            buffers,
-            stream,
-            ctx: ctx.clone(),
+            gpu: Some(GpuImports {
+                release_events,
+                buffers,
+                stream,
+                ctx: ctx.clone(),
+            }),
             wait: opts.wait,
         })
     }
 
+    fn gpu(&self) -> &GpuImports {
+        self.gpu.as_ref().expect(HOST_NO_GPU)
+    }
+
     /// The consumer's stream: frames are ready on it, enqueue the work that reads them here.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
     pub fn stream(&self) -> &Stream {
-        &self.stream
+        &self.gpu().stream
     }
 
     /// The consumer's context.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]), which has no context.
     pub fn context(&self) -> &Arc<Context> {
-        &self.ctx
+        &self.gpu().ctx
+    }
+
+    /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
+    pub fn is_host(&self) -> bool {
+        self.host.is_some()
     }
 
     /// Waits for the next frame (by the delivery policy), without a timeout; still returns
@@ -848,7 +1128,7 @@ impl Consumer {
     /// When the producer died, frames it published may still wait for a write that will never
     /// finish: mark them ready so this consumer's stream drains.
     fn on_error(&self, e: Error) -> Error {
-        if matches!(e, Error::ProducerGone { .. }) {
+        if self.gpu.is_some() && matches!(e, Error::ProducerGone { .. }) {
             self.control.force_ready();
         }
         e
@@ -861,6 +1141,11 @@ impl Consumer {
             seq,
             metadata,
         };
+        let (Some(ready), Some(gpu)) = (&self.ready, &self.gpu) else {
+            // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
+            // the producer's writes before this frame's reads.
+            return Ok(frame);
+        };
         // If this fails the frame's Drop still releases the hold. The stream waits on the
         // buffer's ready word rather than the producer's IPC event: if the producer dies before its
         // write finished, the driver never completes its event, but a consumer can still mark the
@@ -868,8 +1153,8 @@ impl Consumer {
         // SAFETY: the word lies in the registered ready page (i < buffers), which stays registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
         unsafe {
-            self.stream
-                .wait_value_u32(self.ready.device_ptr + 4 * i as u64, seq as u32)?;
+            gpu.stream
+                .wait_value_u32(ready.device_ptr + 4 * i as u64, seq as u32)?;
         }
         Ok(frame)
     }
@@ -882,13 +1167,19 @@ impl Consumer {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
+        let Some(gpu) = &self.gpu else {
+            // A host channel: no GPU work can still read the pool; frames borrowed this consumer,
+            // so all were dropped (their holds ended) before this.
+            self.control.detach(self.slot);
+            return;
+        };
         // Detaching clears this consumer's bits in the buffers' used masks, after which the producer
         // no longer waits on its release events: let the work that reads the buffers finish first.
         // Poll rather than block: if the producer dies meanwhile, its frames must be marked ready
         // for the stream to drain (the watchdog does it too; this does not rely on it).
         let mut next_check = Instant::now();
         loop {
-            match self.stream.is_idle() {
+            match gpu.stream.is_idle() {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
@@ -980,8 +1271,82 @@ impl std::fmt::Debug for Frame<'_> {
 
 impl Frame<'_> {
     /// The frame's buffer, mapped in the consumer's context.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]): use [`Frame::as_ptr`] or [`Frame::read_at`].
     pub fn buffer(&self) -> &ImportedBuffer {
-        &self.consumer.buffers[self.index]
+        &self.consumer.gpu().buffers[self.index]
+    }
+
+    /// Whether the frame's buffer is host memory ([`MemoryKind::Host`]).
+    pub fn is_host(&self) -> bool {
+        self.consumer.host.is_some()
+    }
+
+    /// The buffer's length in bytes (the channel's `buffer_bytes`), for every memory kind.
+    pub fn len(&self) -> usize {
+        self.consumer.control.buffer_bytes() as usize
+    }
+
+    /// Whether the buffer has no bytes (never: buffers hold at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first byte of the frame's host buffer, valid for [`Frame::len`] bytes while the frame
+    /// lives (it holds the buffer: the producer does not write it meanwhile).
+    ///
+    /// A raw pointer and never a `&[u8]`: the bytes are shared memory another process writes (the
+    /// producer, after this frame is dropped; or any process of the user that maps the segment),
+    /// and a shared reference would promise the compiler they do not change. Read through it with
+    /// [`std::ptr::copy_nonoverlapping`] or [`std::ptr::read_unaligned`], or use
+    /// [`Frame::read_at`]; the protocol orders the producer's writes before these reads (the
+    /// publish Release / take Acquire pair on the buffer's `seq`).
+    ///
+    /// # Panics
+    /// On a GPU channel: use [`Frame::buffer`].
+    pub fn as_ptr(&self) -> *const u8 {
+        let pool = self
+            .consumer
+            .host
+            .as_ref()
+            .expect("a GPU channel: use buffer()");
+        pool.ptr(self.index)
+    }
+
+    /// Copies `dst.len()` bytes of the frame's host buffer from byte `offset` into `dst`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `offset + dst.len()` passes the buffer's end, or on a GPU
+    /// channel (copy the device buffer on the stream there).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let Some(pool) = self.consumer.host.as_ref() else {
+            return Err(Error::InvalidArgument(
+                "a GPU channel's frame has no host bytes; use buffer() on stream()".into(),
+            ));
+        };
+        host_check(offset, dst.len(), pool.buffer_bytes())?;
+        // SAFETY: offset + dst.len() <= buffer_bytes (checked), so the source lies in this frame's
+        // buffer, which the producer does not write while this frame holds it; `dst` is ordinary
+        // memory of this process, so the two do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                pool.ptr(self.index).add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// The whole host buffer, copied.
+    ///
+    /// # Errors
+    /// As [`Frame::read_at`].
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len()];
+        self.read_at(0, &mut v)?;
+        Ok(v)
     }
     /// Its sequence number (1, 2, ... per channel).
     pub fn seq(&self) -> u64 {
@@ -996,22 +1361,39 @@ impl Frame<'_> {
         self.index
     }
     /// The consumer's stream.
+    ///
+    /// # Panics
+    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
     pub fn stream(&self) -> &Stream {
-        &self.consumer.stream
+        &self.consumer.gpu().stream
     }
+}
+
+/// Checks that `n` bytes from `offset` fit a buffer of `len` bytes.
+fn host_check(offset: usize, n: usize, len: usize) -> Result<()> {
+    if offset.checked_add(n).is_none_or(|end| end > len) {
+        return Err(Error::InvalidArgument(format!(
+            "{n} bytes at offset {offset} pass the end of a {len}-byte buffer"
+        )));
+    }
+    Ok(())
 }
 
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
         let c = self.consumer;
-        if let Err(e) = c.release_events[self.index].record(&c.stream) {
-            // Without the event the producer could overwrite the buffer under our kernels: wait
-            // for them on the host instead.
-            tracing::warn!("recording the release event failed ({e}); synchronising instead");
-            if let Err(e) = c.stream.synchronize() {
-                tracing::warn!("synchronising the consumer stream failed: {e}");
+        if let Some(gpu) = &c.gpu {
+            if let Err(e) = gpu.release_events[self.index].record(&gpu.stream) {
+                // Without the event the producer could overwrite the buffer under our kernels:
+                // wait for them on the host instead.
+                tracing::warn!("recording the release event failed ({e}); synchronising instead");
+                if let Err(e) = gpu.stream.synchronize() {
+                    tracing::warn!("synchronising the consumer stream failed: {e}");
+                }
             }
         }
+        // On a host channel this clear (a release) is what orders this frame's reads before the
+        // producer's next write of the buffer.
         c.control.release(c.slot, self.index);
     }
 }

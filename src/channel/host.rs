@@ -1,0 +1,403 @@
+//! The host-memory pool of a channel ([`super::MemoryKind::Host`]): the buffers live in one POSIX
+//! shared-memory segment of their own, `/dev/shm/cuda-ipc.hp.NAME`, beside the control segment
+//! `cuda-ipc.ch.NAME`. Never calls CUDA.
+//!
+//! Layout (little-endian, `#[repr(C)]`): a [`PoolHeader`] on the first page (magic `CIPCPOOL`, pool
+//! layout version, init stamp written last, buffer count, bytes per buffer, stride, segment bytes,
+//! a random generation, the producer's identity words), then buffer `i` at
+//! `POOL_DATA + i * stride` (`stride`: `buffer_bytes` rounded up to 4096, so every buffer is page
+//! aligned). A buffer's token (kind [`TokenKind::HostMemory`]) carries the pool's generation in its
+//! first 8 handle bytes and the buffer's byte offset and length; a consumer maps the pool by the
+//! channel's name and checks that the generation, the count and the size agree with the control
+//! segment's tokens before it reads a byte.
+//!
+//! Why its own segment and not the control segment: the control layout (version 3, also read by
+//! the Python consumer) stays as it is; the pool can be of any size without moving the ready page;
+//! and a GPU channel pays nothing. Why `cuda-ipc.hp.NAME` and not `cuda-ipc.ch.NAME.pool`: the
+//! latter is the control segment of a channel named `NAME.pool`, and it would not fit the name
+//! limit for the longest channel names.
+//!
+//! Ordering: the bytes are written and read with plain (non-atomic) copies through raw pointers;
+//! the channel's protocol orders them (docs/ARCHITECTURE.md, pairing table): the producer's writes
+//! happen before a consumer's reads through `publish`'s Release store of `seq` and `try_take`'s
+//! Acquire load of it; a consumer's reads happen before the producer's next write through the
+//! consumer's `hold_mask` clear (SeqCst read-modify-write, a release) and the producer's SeqCst load
+//! of `hold_mask` in `try_acquire` (an acquire) that sees it clear.
+
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::registry::RegistryError;
+use crate::shm::{Segment, SegmentOptions, new_generation};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::token::{Token, TokenKind};
+use std::time::{Duration, Instant};
+
+/// Magic at offset 0 of a pool segment: `CIPCPOOL`.
+const POOL_MAGIC: u64 = u64::from_le_bytes(*b"CIPCPOOL");
+/// Pool layout version; an opener refuses any other.
+pub(crate) const POOL_VERSION: u32 = 1;
+const STAMP_READY: u32 = 0x5245_4459; // "READY"
+/// Offset of the first buffer: the header has the first page to itself.
+pub(crate) const POOL_DATA: usize = 4096;
+/// Prefix of a pool segment's name; the channel name follows.
+pub(crate) const POOL_PREFIX: &str = "cuda-ipc.hp.";
+
+/// The pool segment's header.
+#[repr(C)]
+pub(crate) struct PoolHeader {
+    magic: AtomicU64,
+    version: AtomicU32,
+    /// Written last at creation (Release); openers Acquire-load it before anything else.
+    stamp: AtomicU32,
+    buffers: AtomicU32,
+    _pad: AtomicU32,
+    buffer_bytes: AtomicU64,
+    stride: AtomicU64,
+    segment_bytes: AtomicU64,
+    /// Random, nonzero: the tokens in the control segment carry it.
+    generation: AtomicU64,
+    /// `ProcessIdentity::to_words` of the producer.
+    producer: [AtomicU64; 4],
+}
+
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
+const _: () = assert!(size_of::<PoolHeader>() == 88);
+#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
+const _: () = assert!(std::mem::offset_of!(PoolHeader, generation) == 48);
+
+/// The pool segment name of a channel.
+pub(crate) fn pool_name(channel: &str) -> String {
+    format!("{POOL_PREFIX}{channel}")
+}
+
+fn bad(msg: String) -> Error {
+    Error::Channel(super::ChannelError::BadSegment(msg))
+}
+
+/// A mapped host pool.
+pub(crate) struct HostPool {
+    seg: Segment,
+    buffers: usize,
+    buffer_bytes: usize,
+    stride: usize,
+    generation: u64,
+}
+
+// SAFETY: the mapping is process-wide and stays valid while `seg` lives; the header is touched
+// through atomics only and the buffers through raw pointers whose accesses the channel protocol
+// orders (module doc).
+unsafe impl Send for HostPool {}
+// SAFETY: as for Send; every method takes `&self` and hands out raw pointers, never references.
+unsafe impl Sync for HostPool {}
+
+impl HostPool {
+    /// Creates the pool of `channel`: `buffers` buffers of `buffer_bytes` bytes, pages reserved.
+    /// A pool left by a dead producer, or a creation abandoned half-way, is replaced; anything else
+    /// under the name is a typed error and is left alone.
+    pub(crate) fn create(
+        channel: &str,
+        buffers: usize,
+        buffer_bytes: usize,
+        opts: &SegmentOptions,
+    ) -> Result<HostPool> {
+        let name = pool_name(channel);
+        let stride = buffer_bytes.next_multiple_of(4096);
+        let len = buffers
+            .checked_mul(stride)
+            .and_then(|n| n.checked_add(POOL_DATA))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "a host pool of {buffers} × {buffer_bytes} bytes overflows"
+                ))
+            })?;
+        // As the control segment: only the pool judged is removed, under the replacers' lock, so
+        // two producers restarting at once never remove each other's new pool.
+        let mut attempts = 0;
+        let seg = loop {
+            match Segment::create(&name, len, opts) {
+                Ok(s) => break s,
+                Err(Error::Registry(RegistryError::AlreadyExists { .. })) if attempts < 4 => {
+                    attempts += 1;
+                    let judged = match Segment::stat(&name) {
+                        Ok(i) => i.inode,
+                        Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                        Err(e) => return Err(e),
+                    };
+                    let why = Self::replaceable(channel)?;
+                    if Segment::unlink_if_same(&name, judged)? {
+                        tracing::warn!("replaced the host pool segment {name}: {why}");
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let me = ProcessIdentity::current()?;
+        let generation = new_generation();
+        let pool = HostPool {
+            seg,
+            buffers,
+            buffer_bytes,
+            stride,
+            generation,
+        };
+        let h = pool.header();
+        // Relaxed stores: nobody reads them before the stamp below is published with Release.
+        h.magic.store(POOL_MAGIC, Ordering::Relaxed);
+        h.version.store(POOL_VERSION, Ordering::Relaxed);
+        h.buffers.store(buffers as u32, Ordering::Relaxed);
+        h.buffer_bytes.store(buffer_bytes as u64, Ordering::Relaxed);
+        h.stride.store(stride as u64, Ordering::Relaxed);
+        h.segment_bytes.store(len as u64, Ordering::Relaxed);
+        h.generation.store(generation, Ordering::Relaxed);
+        for (w, v) in h.producer.iter().zip(me.to_words()) {
+            w.store(v, Ordering::Relaxed);
+        }
+        // SYNC POINT: pool stamp. Release: pairs with the Acquire load in `open_checked`.
+        h.stamp.store(STAMP_READY, Ordering::Release);
+        Ok(pool)
+    }
+
+    /// Whether the pool segment of `channel` that blocks a creation may be replaced (and why), or
+    /// the typed error naming what is there. Only this user's own pool segments are replaced, and
+    /// of those only one whose producer is dead, or a creation abandoned half-way (empty, sparse or
+    /// never stamped, 2 s old, no live creator recorded).
+    pub(crate) fn replaceable(channel: &str) -> Result<&'static str> {
+        const ABANDONED_AFTER_SECS: u64 = 2;
+        let name = pool_name(channel);
+        let info = Segment::stat(&name)?;
+        let ours = rustix::process::geteuid().as_raw();
+        if info.uid != ours {
+            return Err(RegistryError::WrongOwner {
+                name,
+                owner: info.uid,
+                ours,
+            }
+            .into());
+        }
+        if info.len == 0 || info.sparse {
+            if info.age_secs >= ABANDONED_AFTER_SECS {
+                return Ok("a creation abandoned before its pages were reserved");
+            }
+            return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                channel.to_string(),
+            )));
+        }
+        if info.len < POOL_DATA as u64 {
+            return Err(RegistryError::TooSmall {
+                name,
+                len: info.len,
+                min: POOL_DATA as u64,
+            }
+            .into());
+        }
+        let seg = Segment::open_with_min_len(&name, POOL_DATA)?;
+        // SAFETY: at least POOL_DATA bytes are mapped (checked by the open), page aligned; the
+        // header is atomics only.
+        let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
+        let producer = ProcessIdentity::from_words(std::array::from_fn(|k| {
+            h.producer[k].load(Ordering::Relaxed)
+        }));
+        let magic = h.magic.load(Ordering::Relaxed);
+        if magic != POOL_MAGIC && magic != 0 {
+            return Err(bad(format!(
+                "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
+            )));
+        }
+        // Acquire: pairs with the Release store of the stamp in `create`.
+        if h.stamp.load(Ordering::Acquire) != STAMP_READY {
+            if producer.pid != 0 && producer.liveness() != Liveness::Dead {
+                return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                    channel.to_string(),
+                )));
+            }
+            if info.age_secs >= ABANDONED_AFTER_SECS {
+                return Ok("a creation abandoned before it was finished");
+            }
+            return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                channel.to_string(),
+            )));
+        }
+        let v = h.version.load(Ordering::Relaxed);
+        if v != POOL_VERSION {
+            return Err(bad(format!(
+                "{name} has pool layout version {v}, this build reads version {POOL_VERSION}"
+            )));
+        }
+        match producer.liveness() {
+            Liveness::Dead => Ok("its producer is dead"),
+            _ => Err(Error::Channel(super::ChannelError::AlreadyExists {
+                channel: channel.to_string(),
+                pid: producer.pid,
+            })),
+        }
+    }
+
+    /// Maps the pool of `channel` for a consumer and checks it against `tokens` (one per buffer,
+    /// from the control segment) and `buffer_bytes` (the control header's).
+    pub(crate) fn open(
+        channel: &str,
+        allow_group: bool,
+        tokens: &[Token],
+        buffer_bytes: u64,
+    ) -> Result<HostPool> {
+        let name = pool_name(channel);
+        let seg = match Segment::open_with_min_len(&name, POOL_DATA) {
+            Ok(s) => s,
+            Err(Error::Registry(RegistryError::NotFound { .. })) => {
+                return Err(bad(format!(
+                    "the host pool {name} of channel {channel:?} is missing"
+                )));
+            }
+            Err(e) => return Err(e),
+        };
+        if allow_group {
+            seg.check_access(true)?;
+        } else {
+            seg.check_owner()?;
+        }
+        // SAFETY: at least POOL_DATA bytes are mapped (checked by the open), page aligned; the
+        // header is atomics only.
+        let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
+        let start = Instant::now();
+        // SYNC POINT: pool stamp. Acquire: pairs with the Release store in `create`.
+        while h.stamp.load(Ordering::Acquire) != STAMP_READY {
+            if start.elapsed() > Duration::from_secs(2) {
+                return Err(bad(format!(
+                    "{name} was never finished by its creator (no init stamp after 2 s)"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let magic = h.magic.load(Ordering::Relaxed);
+        if magic != POOL_MAGIC {
+            return Err(bad(format!(
+                "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
+            )));
+        }
+        let v = h.version.load(Ordering::Relaxed);
+        if v != POOL_VERSION {
+            return Err(bad(format!(
+                "{name} has pool layout version {v}, this build reads version {POOL_VERSION}"
+            )));
+        }
+        let buffers = h.buffers.load(Ordering::Relaxed) as usize;
+        let bytes = h.buffer_bytes.load(Ordering::Relaxed);
+        let stride = h.stride.load(Ordering::Relaxed);
+        let generation = h.generation.load(Ordering::Relaxed);
+        let need = (buffers as u64)
+            .checked_mul(stride)
+            .and_then(|n| n.checked_add(POOL_DATA as u64));
+        if buffers != tokens.len()
+            || bytes != buffer_bytes
+            || stride != bytes.next_multiple_of(4096)
+            || need.is_none_or(|n| {
+                n > seg.len() as u64 || n != h.segment_bytes.load(Ordering::Relaxed)
+            })
+        {
+            return Err(bad(format!(
+                "{name} ({buffers} buffers of {bytes} bytes, stride {stride}, {} bytes mapped) does \
+                 not match its channel ({} buffers of {buffer_bytes} bytes)",
+                seg.len(),
+                tokens.len()
+            )));
+        }
+        for (i, t) in tokens.iter().enumerate() {
+            let off = POOL_DATA as u64 + i as u64 * stride;
+            if t.kind != TokenKind::HostMemory
+                || token_generation(t) != generation
+                || t.offset != off
+                || t.len != bytes
+            {
+                return Err(Error::Channel(super::ChannelError::Superseded(
+                    channel.to_string(),
+                )));
+            }
+        }
+        Ok(HostPool {
+            seg,
+            buffers,
+            buffer_bytes: bytes as usize,
+            stride: stride as usize,
+            generation,
+        })
+    }
+
+    fn header(&self) -> &PoolHeader {
+        // SAFETY: the mapping holds at least POOL_DATA bytes (checked at create/open), is page
+        // aligned, and the header is only atomics.
+        unsafe { &*self.seg.as_ptr().cast::<PoolHeader>() }
+    }
+
+    /// Buffer `i`'s first byte; valid for `buffer_bytes` bytes while `self` lives.
+    pub(crate) fn ptr(&self, i: usize) -> *mut u8 {
+        assert!(i < self.buffers, "buffer {i} of {}", self.buffers);
+        // SAFETY: POOL_DATA + i * stride + buffer_bytes <= the mapped length (checked at
+        // create/open), so the pointer stays inside the mapping.
+        unsafe { self.seg.as_ptr().add(POOL_DATA + i * self.stride) }
+    }
+
+    pub(crate) fn buffer_bytes(&self) -> usize {
+        self.buffer_bytes
+    }
+
+    /// The token of buffer `i`, as the producer stores it in the control segment.
+    pub(crate) fn token(&self, i: usize, exporter: ProcessIdentity) -> Token {
+        let mut handle = [0u8; 64];
+        handle[..8].copy_from_slice(&self.generation.to_le_bytes());
+        Token {
+            kind: TokenKind::HostMemory,
+            handle,
+            offset: (POOL_DATA + i * self.stride) as u64,
+            len: self.buffer_bytes as u64,
+            device: crate::driver::Uuid([0; 16]),
+            exporter,
+            export_id: 0,
+        }
+    }
+
+    /// Removes the pool's name if it still stands for this mapping (never another creator's).
+    pub(crate) fn unlink(&self) {
+        let name = self.seg.name();
+        let Ok(mine) = self.seg.inode() else { return };
+        if let Err(e) = Segment::unlink_if_same(name, mine) {
+            tracing::warn!("unlinking {name}: {e}");
+        }
+    }
+}
+
+/// The pool generation a host-memory token carries.
+pub(crate) fn token_generation(t: &Token) -> u64 {
+    u64::from_le_bytes(t.handle[..8].try_into().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_is_created_checked_against_its_tokens_and_refused_when_they_differ() {
+        let ch = format!("hostpool-unit-{}", std::process::id());
+        let p = HostPool::create(&ch, 3, 100, &SegmentOptions::new()).unwrap();
+        let me = ProcessIdentity::current().unwrap();
+        let tokens: Vec<Token> = (0..3).map(|i| p.token(i, me)).collect();
+        assert_eq!(tokens[1].offset, 8192);
+        assert_eq!(p.ptr(2) as usize - p.ptr(0) as usize, 8192);
+        let q = HostPool::open(&ch, false, &tokens, 100).unwrap();
+        assert_eq!(q.buffer_bytes(), 100);
+        assert!(HostPool::open(&ch, false, &tokens, 101).is_err());
+        let mut other = tokens.clone();
+        other[0].handle[0] ^= 1;
+        assert!(matches!(
+            HostPool::open(&ch, false, &other, 100),
+            Err(Error::Channel(super::super::ChannelError::Superseded(_)))
+        ));
+        assert!(matches!(
+            HostPool::replaceable(&ch),
+            Err(Error::Channel(
+                super::super::ChannelError::AlreadyExists { .. }
+            ))
+        ));
+        p.unlink();
+        assert!(Segment::stat(&pool_name(&ch)).is_err());
+    }
+}

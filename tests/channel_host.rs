@@ -1,0 +1,479 @@
+//! Host-memory channels (`MemoryKind::Host`) with the real `Producer` and `Consumer`, in separate
+//! processes, on machines without a GPU: every frame's bytes checked (a pattern derived from its
+//! sequence number), both delivery policies, a killed producer and a killed consumer, close with
+//! frames in flight, a consumer in another pid namespace, and hostile files under the pool's name.
+//! Nothing here loads the CUDA driver (checked).
+
+mod common;
+
+use common::{Peer, parent_lines, role, tell};
+use cuda_ipc::Error;
+use cuda_ipc::channel::{
+    ChannelError, ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
+    inspect,
+};
+use cuda_ipc::registry::RegistryError;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const ANSWER: Duration = Duration::from_secs(20);
+const CHANNEL: &str = "CUDA_IPC_TEST_CHANNEL";
+const BYTES: usize = 10_000;
+
+fn channel_name(tag: &str) -> String {
+    format!("host-{tag}-{}", std::process::id())
+}
+
+fn pool_path(ch: &str) -> String {
+    format!("/dev/shm/{}", inspect::pool_segment_name(ch))
+}
+
+fn control_path(ch: &str) -> String {
+    format!("/dev/shm/{}", inspect::segment_name(ch))
+}
+
+/// Byte `k` of frame `seq`.
+fn pattern(seq: u64, k: usize) -> u8 {
+    (seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ (k as u8).wrapping_mul(31)
+}
+
+fn write_frame(tx: &mut Producer) -> u64 {
+    // Only this producer publishes: the next sequence number is head + 1.
+    let seq = tx.stats().head + 1;
+    let mut w = tx.acquire(Some(ANSWER)).expect("acquire");
+    let bytes: Vec<u8> = (0..w.len()).map(|k| pattern(seq, k)).collect();
+    w.write_at(0, &bytes).unwrap();
+    assert_eq!(w.publish(&seq.to_le_bytes()).unwrap(), seq);
+    seq
+}
+
+fn check_frame(f: &cuda_ipc::channel::Frame<'_>) {
+    assert!(f.is_host());
+    assert_eq!(f.metadata(), f.seq().to_le_bytes());
+    let bytes = f.to_vec().unwrap();
+    assert_eq!(bytes.len(), BYTES);
+    for (k, b) in bytes.iter().enumerate() {
+        assert_eq!(*b, pattern(f.seq(), k), "frame {} byte {k}", f.seq());
+    }
+}
+
+fn kill9(pid: u32) {
+    let st = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+fn opts() -> ChannelOptions {
+    ChannelOptions::new(BYTES).buffers(3)
+}
+
+/// The child side of every test: the role names what to do.
+#[test]
+fn child() {
+    let Some(r) = role() else { return };
+    let ch = std::env::var(CHANNEL).unwrap();
+    match r.as_str() {
+        "every" | "latest" => {
+            let d = if r == "every" {
+                Delivery::EveryFrame
+            } else {
+                Delivery::LatestOnly
+            };
+            let rx = Consumer::attach(&ch, &ConsumerOptions::new().delivery(d)).unwrap();
+            assert!(rx.is_host());
+            tell("attached");
+            let (mut n, mut last) = (0u64, 0u64);
+            loop {
+                match rx.recv_timeout(ANSWER) {
+                    Ok(f) => {
+                        check_frame(&f);
+                        assert!(f.seq() > last, "{} after {last}", f.seq());
+                        if d == Delivery::EveryFrame {
+                            assert_eq!(f.seq(), last + 1);
+                        }
+                        last = f.seq();
+                        n += 1;
+                    }
+                    Err(Error::ChannelClosed) => break,
+                    Err(e) => panic!("recv: {e}"),
+                }
+            }
+            tell(format!("ok {n} {last}"));
+        }
+        "hold" => {
+            let rx = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+            tell("attached");
+            let f = rx.recv_timeout(ANSWER).unwrap();
+            check_frame(&f);
+            tell(format!("holding {}", f.seq()));
+            let mut lines = parent_lines();
+            // "go": read the frame again after the producer closed, drop it, expect closed.
+            if lines.next().as_deref() == Some("go") {
+                check_frame(&f);
+                drop(f);
+                match rx.recv_timeout(ANSWER) {
+                    Err(Error::ChannelClosed) => tell("closed"),
+                    other => panic!("expected ChannelClosed, got {other:?}"),
+                }
+            } else {
+                std::thread::sleep(Duration::from_secs(600));
+            }
+        }
+        "producer" => {
+            let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+            tell("created");
+            for line in parent_lines() {
+                if line == "publish" {
+                    tell(format!("published {}", write_frame(&mut tx)));
+                }
+            }
+            std::thread::sleep(Duration::from_secs(600));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn spawn(role: &str, ch: &str, wrapper: &[&str]) -> Peer {
+    Peer::spawn_under(wrapper, "child", role, &[(CHANNEL, ch)])
+}
+
+fn every_frame_in_another_process(wrapper: &[&str], tag: &str) {
+    let ch = channel_name(tag);
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    assert_eq!(tx.memory_kind(), MemoryKind::Host);
+    let mut peer = spawn("every", &ch, wrapper);
+    peer.expect("attached", ANSWER);
+    for _ in 0..300 {
+        write_frame(&mut tx);
+    }
+    let report = tx.close(ANSWER).unwrap();
+    assert_eq!(report.forced_holds, 0);
+    assert_eq!(peer.expect("ok", ANSWER), "300 300");
+    peer.finish(ANSWER);
+    assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
+    assert!(std::fs::symlink_metadata(control_path(&ch)).is_err());
+}
+
+#[test]
+fn an_every_frame_consumer_in_another_process_gets_every_frame_with_its_bytes() {
+    if role().is_some() {
+        return;
+    }
+    every_frame_in_another_process(&[], "every");
+}
+
+#[test]
+fn a_consumer_in_another_pid_namespace_gets_every_frame() {
+    if role().is_some() {
+        return;
+    }
+    if let Err(why) = common::unshare_works(&["--pid", "--fork", "--mount-proc"]) {
+        println!("skipped: {why}");
+        return;
+    }
+    every_frame_in_another_process(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        "pidns",
+    );
+}
+
+#[test]
+fn a_latest_only_consumer_gets_increasing_frames_and_never_holds_the_producer_back() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("latest");
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    let mut peer = spawn("latest", &ch, &[]);
+    peer.expect("attached", ANSWER);
+    for _ in 0..500 {
+        write_frame(&mut tx);
+    }
+    // Give the consumer time to see the last frame before it is withdrawn by close.
+    std::thread::sleep(Duration::from_millis(200));
+    tx.close(ANSWER).unwrap();
+    let got = peer.expect("ok", ANSWER);
+    let mut it = got.split(' ').map(|v| v.parse::<u64>().unwrap());
+    let (n, last) = (it.next().unwrap(), it.next().unwrap());
+    assert!((1..=500).contains(&n) && last == 500, "{got}");
+    peer.finish(ANSWER);
+}
+
+#[test]
+fn a_killed_producer_gives_producer_gone_within_1_s_and_gc_removes_both_segments() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("killed-producer");
+    let mut peer = Peer::spawn("child", "producer", &[(CHANNEL, &ch)]);
+    peer.expect("created", ANSWER);
+    let rx = Consumer::attach(&ch, &ConsumerOptions::new().delivery(Delivery::LatestOnly)).unwrap();
+    peer.send("publish");
+    assert_eq!(peer.expect("published", ANSWER), "1");
+    {
+        let f = rx.recv_timeout(ANSWER).unwrap();
+        assert_eq!(f.seq(), 1);
+        check_frame(&f);
+    }
+    assert!(inspect::remove_stale(&ch).unwrap().is_none(), "alive");
+    kill9(peer.child.id());
+    let _ = peer.child.wait();
+    let t = Instant::now();
+    match rx.recv_timeout(ANSWER) {
+        Err(Error::ProducerGone { .. }) => {}
+        other => panic!("expected ProducerGone, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    drop(rx);
+    assert!(inspect::remove_stale(&ch).unwrap().is_some());
+    assert!(std::fs::symlink_metadata(control_path(&ch)).is_err());
+    assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
+}
+
+#[test]
+fn a_dead_producers_pool_alone_is_listed_and_removed_and_a_restart_replaces_it() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("orphan-pool");
+    let mut peer = Peer::spawn("child", "producer", &[(CHANNEL, &ch)]);
+    peer.expect("created", ANSWER);
+    assert!(
+        !inspect::stale_host_pools()
+            .unwrap()
+            .iter()
+            .any(|(c, _)| *c == ch)
+    );
+    kill9(peer.child.id());
+    let _ = peer.child.wait();
+    // A restart replaces both segments of the dead producer.
+    let tx = Producer::create_host(&ch, &opts()).unwrap();
+    drop(tx);
+    assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
+    // Killed again, and only the control segment removed: the pool is listed and removed alone.
+    let mut peer = Peer::spawn("child", "producer", &[(CHANNEL, &ch)]);
+    peer.expect("created", ANSWER);
+    kill9(peer.child.id());
+    let _ = peer.child.wait();
+    cuda_ipc::shm::Segment::unlink(&inspect::segment_name(&ch)).unwrap();
+    let stale = inspect::stale_host_pools().unwrap();
+    assert!(
+        stale
+            .iter()
+            .any(|(c, why)| *c == ch && why.contains("dead")),
+        "{stale:?}"
+    );
+    assert!(inspect::remove_stale_host_pool(&ch).unwrap().is_some());
+    assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
+}
+
+#[test]
+fn a_killed_consumers_hold_is_reclaimed() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("killed-consumer");
+    let mut tx = Producer::create_host(&ch, &ChannelOptions::new(BYTES).buffers(1)).unwrap();
+    let mut peer = spawn("hold", &ch, &[]);
+    peer.expect("attached", ANSWER);
+    write_frame(&mut tx);
+    assert_eq!(peer.expect("holding", ANSWER), "1");
+    assert!(
+        tx.try_acquire().unwrap().is_none(),
+        "the only buffer is held"
+    );
+    kill9(peer.child.id());
+    let _ = peer.child.wait();
+    let t = Instant::now();
+    write_frame(&mut tx);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(tx.stats().forced_releases >= 1);
+    assert!(tx.stats().consumers.is_empty());
+    tx.close(ANSWER).unwrap();
+}
+
+#[test]
+fn close_with_a_frame_in_flight_forces_the_hold_and_the_consumer_sees_closed() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("close");
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    let mut peer = spawn("hold", &ch, &[]);
+    peer.expect("attached", ANSWER);
+    write_frame(&mut tx);
+    write_frame(&mut tx);
+    assert_eq!(peer.expect("holding", ANSWER), "1");
+    let report = tx.close(Duration::from_millis(300)).unwrap();
+    assert_eq!(report.forced_holds, 1);
+    assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
+    // The consumer's mapping stays valid after the names are gone.
+    peer.send("go");
+    peer.expect("closed", ANSWER);
+    peer.finish(ANSWER);
+}
+
+#[test]
+fn a_host_channel_never_loads_the_cuda_driver_and_checks_ranges() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("no-driver");
+    no_driver_body(&ch, Producer::create_host(&ch, &opts()).unwrap());
+}
+
+fn no_driver_body(ch: &str, mut tx: Producer) {
+    let rx = Consumer::attach(ch, &ConsumerOptions::new()).unwrap();
+    {
+        let mut w = tx.acquire(None).unwrap();
+        assert!(matches!(
+            w.write_at(BYTES - 1, b"ab"),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            w.write_at(usize::MAX, b"a"),
+            Err(Error::InvalidArgument(_))
+        ));
+        w.write_at(BYTES - 2, b"ab").unwrap();
+        // SAFETY: the pointer is valid for len() bytes while the frame lives; nobody else writes.
+        unsafe { w.as_mut_ptr().write(7) };
+        w.publish(b"").unwrap();
+    }
+    let f = rx.recv_timeout(ANSWER).unwrap();
+    let mut two = [0u8; 2];
+    f.read_at(BYTES - 2, &mut two).unwrap();
+    assert_eq!(&two, b"ab");
+    // SAFETY: valid for len() bytes while the frame lives; the producer does not write it now.
+    assert_eq!(unsafe { f.as_ptr().read() }, 7);
+    assert!(f.read_at(BYTES, &mut two).is_err());
+    assert_eq!(f.len(), BYTES);
+    drop(f);
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    assert!(!maps.contains("libcuda"), "the driver was loaded");
+    drop(rx);
+    tx.close(ANSWER).unwrap();
+}
+
+fn root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+fn mkfifo(p: &str) {
+    let c = std::ffi::CString::new(p).unwrap();
+    // SAFETY: a valid C string; mkfifo only reads it.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {p}");
+}
+
+/// Removes both names when dropped, whatever is there.
+struct Planted(String);
+impl Drop for Planted {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(pool_path(&self.0));
+        let _ = std::fs::remove_file(control_path(&self.0));
+    }
+}
+
+#[test]
+fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
+    if role().is_some() {
+        return;
+    }
+    // A FIFO in the way of a creation: refused, left there, no control segment made.
+    let ch = channel_name("fifo");
+    let _g = Planted(ch.clone());
+    mkfifo(&pool_path(&ch));
+    let e = Producer::create_host(&ch, &opts()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Registry(RegistryError::NotASegment { kind: "FIFO", .. })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        std::fs::symlink_metadata(pool_path(&ch))
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
+    assert!(std::fs::symlink_metadata(control_path(&ch)).is_err());
+
+    // A live producer: a second creation is AlreadyExists and changes nothing.
+    let ch = channel_name("live");
+    let _g2 = Planted(ch.clone());
+    let tx = Producer::create_host(&ch, &opts()).unwrap();
+    let ino = std::fs::metadata(pool_path(&ch)).unwrap().ino();
+    let e = Producer::create_host(&ch, &opts()).unwrap_err();
+    assert!(
+        matches!(e, Error::Channel(ChannelError::AlreadyExists { .. })),
+        "{e:?}"
+    );
+    assert_eq!(std::fs::metadata(pool_path(&ch)).unwrap().ino(), ino);
+
+    // Under the live channel's pool name, for a consumer: a FIFO, a sparse file, nothing.
+    let attach = || Consumer::attach(&ch, &ConsumerOptions::new()).unwrap_err();
+    std::fs::remove_file(pool_path(&ch)).unwrap();
+    mkfifo(&pool_path(&ch));
+    let e = attach();
+    assert!(
+        matches!(e, Error::Registry(RegistryError::NotASegment { .. })),
+        "{e:?}"
+    );
+    std::fs::remove_file(pool_path(&ch)).unwrap();
+    let f = std::fs::File::create(pool_path(&ch)).unwrap();
+    f.set_len(4096 + 3 * 12288).unwrap();
+    let e = attach();
+    assert!(
+        matches!(e, Error::Registry(RegistryError::Sparse { .. })),
+        "{e:?}"
+    );
+    std::fs::remove_file(pool_path(&ch)).unwrap();
+    let e = attach();
+    assert!(
+        matches!(e, Error::Channel(ChannelError::BadSegment(_))),
+        "{e:?}"
+    );
+    drop(f);
+    drop(tx);
+
+    if !root() {
+        println!("skipped the other-user cases: needs root to give a file to another uid");
+        return;
+    }
+    // Another user's file in the way of a creation, and under a live channel's pool.
+    let ch = channel_name("other");
+    let _g3 = Planted(ch.clone());
+    let other = 54321u32;
+    std::fs::write(pool_path(&ch), [0u8; 8192]).unwrap();
+    rustix::fs::chown(
+        pool_path(&ch).as_str(),
+        Some(rustix::process::Uid::from_raw(other)),
+        None,
+    )
+    .unwrap();
+    let e = Producer::create_host(&ch, &opts()).unwrap_err();
+    assert!(
+        matches!(e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if owner == other),
+        "{e:?}"
+    );
+    assert_eq!(std::fs::metadata(pool_path(&ch)).unwrap().uid(), other);
+    assert!(inspect::remove_stale_host_pool(&ch).is_err());
+    assert_eq!(std::fs::metadata(pool_path(&ch)).unwrap().uid(), other);
+    std::fs::remove_file(pool_path(&ch)).unwrap();
+    let tx = Producer::create_host(&ch, &opts()).unwrap();
+    rustix::fs::chown(
+        pool_path(&ch).as_str(),
+        Some(rustix::process::Uid::from_raw(other)),
+        None,
+    )
+    .unwrap();
+    let e = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap_err();
+    assert!(
+        matches!(e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if owner == other),
+        "{e:?}"
+    );
+    drop(tx);
+}
