@@ -4,8 +4,13 @@ A ``Producer`` owns a pool of exportable device buffers and publishes frames; ea
 process attaches by channel name and receives them as ``Frame`` objects, views of the producer's
 buffers that export through DLPack (``torch.from_dlpack(frame)``) and ``__cuda_array_interface__``.
 Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 100 ms.
+
+A host channel (``Producer(name, n, memory="host")``) needs no GPU or CUDA driver: its pool is
+shared host memory, written with ``WriteFrame.write`` and read with ``Frame.bytes``/``Frame.read``
+(copies). Its frames have no ``ptr``, ``stream`` or tensor export: those raise ``NotSupported``.
 """
 
+import builtins
 from types import TracebackType
 from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Type, Union
 
@@ -81,10 +86,12 @@ ChannelStats = Dict[str, Union[int, List[Dict[str, int]]]]
 
 class Producer:
     """The producing end of channel ``name``: a pool of ``buffers`` buffers of ``buffer_bytes``
-    bytes on CUDA device ``device`` (its primary context).
+    bytes on CUDA device ``device`` (its primary context), or of shared host memory.
 
-    ``memory``: ``"auto"`` (legacy IPC where supported, else VMM), ``"legacy"``, ``"vmm"`` or
-    ``"pool"``. ``wait``: how ``acquire`` waits (``spin`` seconds of spinning first for
+    ``memory``: ``"auto"`` (legacy IPC where supported, else VMM), ``"legacy"``, ``"vmm"``,
+    ``"pool"``, or ``"host"``: a POSIX shared-memory pool beside the control segment, made without
+    loading the CUDA driver (``device`` is not used), for machines without a GPU and for CPU data;
+    consumers attach to it as to any channel. ``wait``: how ``acquire`` waits (``spin`` seconds of spinning first for
     ``"spin_then_block"``). ``quota_bytes`` bounds the pool. ``group_access`` gives the segment
     mode 0660. Raises ``CudaUnavailable`` without a driver, ``ChannelExists`` when a live producer
     serves ``name``, ``InvalidArgument`` for a bad name or option.
@@ -100,14 +107,14 @@ class Producer:
         quota_bytes: Optional[int] = None,
         wait: Wait = "spin_then_block",
         spin: float = 50e-6,
-        memory: Literal["auto", "legacy", "vmm", "pool"] = "auto",
+        memory: Literal["auto", "legacy", "vmm", "pool", "host"] = "auto",
         group_access: bool = False,
         device: int = 0,
     ) -> None: ...
     @property
     def name(self) -> str: ...
     @property
-    def memory(self) -> Literal["legacy", "vmm", "pool"]:
+    def memory(self) -> Literal["legacy", "vmm", "pool", "host"]:
         """The kind of memory of the pool (``"auto"`` resolved)."""
     def acquire(self, timeout: Optional[float] = None) -> WriteFrame:
         """A free buffer to write, waiting up to ``timeout`` seconds (``None``: forever).
@@ -128,19 +135,30 @@ class Producer:
     ) -> None: ...
 
 class WriteFrame:
-    """A buffer being written: enqueue the write on ``stream``, then ``publish``. Leaving a
-    ``with`` block (or collection) without publishing gives it back unpublished."""
+    """A buffer being written: enqueue the write on ``stream`` (a host frame: ``write`` its bytes),
+    then ``publish``. Leaving a ``with`` block (or collection) without publishing gives it back
+    unpublished. On a host frame ``ptr``, ``stream``, ``__cuda_array_interface__``,
+    ``__dlpack__`` and ``__dlpack_device__`` raise ``NotSupported``."""
 
     @property
     def index(self) -> int: ...
     @property
     def ptr(self) -> int:
-        """Device address of the buffer."""
+        """Device address of the buffer (``NotSupported`` on a host frame)."""
     @property
     def nbytes(self) -> int: ...
     @property
     def stream(self) -> int:
-        """The producer's stream (a raw ``CUstream``)."""
+        """The producer's stream (a raw ``CUstream``; ``NotSupported`` on a host frame)."""
+    @property
+    def is_host(self) -> bool:
+        """Whether the buffer is shared host memory (``memory="host"``)."""
+    def write(self, data: Union[bytes, bytearray, memoryview, Any], offset: int = 0) -> int:
+        """Copies ``data`` (bytes, or any object exporting a buffer) into the host buffer at byte
+        ``offset``; returns the bytes written. ``InvalidArgument`` past the end or once
+        published, ``TypeError`` for what is not bytes-like, ``NotSupported`` on a GPU frame."""
+    def read(self, offset: int = 0, n: Optional[int] = None) -> bytes:
+        """A copy of ``n`` bytes of the host buffer from ``offset`` (``None``: to the end)."""
     def publish(self, metadata: bytes = b"") -> int:
         """Publishes with ``metadata`` (at most META_BYTES); returns the sequence number."""
     def abandon(self) -> None: ...
@@ -191,8 +209,12 @@ class Consumer:
     @property
     def name(self) -> str: ...
     @property
+    def is_host(self) -> bool:
+        """Whether the channel's pool is shared host memory (``memory="host"``)."""
+    @property
     def stream(self) -> int:
-        """The consumer's stream (a raw ``CUstream``): frames are ready on it."""
+        """The consumer's stream (a raw ``CUstream``): frames are ready on it. ``NotSupported``
+        on a host channel."""
     def recv(self, timeout: Optional[float] = None) -> Frame:
         """The next frame, waiting up to ``timeout`` seconds (``None``: forever). Raises
         ``Timeout``, ``ChannelClosed``, ``ProducerGone``, ``Detached``, ``Superseded``;
@@ -208,24 +230,39 @@ class Consumer:
 
 class Frame:
     """A received frame, ready on ``stream``. ``release()``, a ``with`` block or collection ends
-    this object's hold; DLPack tensors made from it keep the frame held until they are freed."""
+    this object's hold; DLPack tensors made from it keep the frame held until they are freed.
+
+    A host frame (``is_host``) is read by copy: ``bytes()``, ``bytes(frame)``, ``read(offset, n)``,
+    while it is held; there is no buffer protocol (the producer rewrites the memory once the frame
+    is released, and a view could outlive that). Its ``ptr``, ``stream``,
+    ``__cuda_array_interface__``, ``__dlpack__`` and ``__dlpack_device__`` raise ``NotSupported``."""
 
     @property
     def seq(self) -> int: ...
     @property
     def index(self) -> int: ...
     @property
-    def metadata(self) -> bytes: ...
+    def metadata(self) -> builtins.bytes: ...
     @property
     def ptr(self) -> int:
-        """Device address of the buffer in this process."""
+        """Device address of the buffer in this process (``NotSupported`` on a host frame)."""
     @property
     def nbytes(self) -> int: ...
     @property
-    def stream(self) -> int: ...
+    def stream(self) -> int:
+        """The consumer's stream the frame is ready on (``NotSupported`` on a host frame)."""
+    @property
+    def is_host(self) -> bool:
+        """Whether the buffer is shared host memory (``memory="host"``)."""
     @property
     def held(self) -> bool: ...
     def release(self) -> None: ...
+    def read(self, offset: int = 0, n: Optional[int] = None) -> builtins.bytes:
+        """A copy of ``n`` bytes of the host buffer from ``offset`` (``None``: to the end).
+        ``InvalidArgument`` past the end or once released; ``NotSupported`` on a GPU frame."""
+    def bytes(self) -> builtins.bytes:
+        """A copy of the whole host buffer (the same as ``read()`` and ``bytes(frame)``)."""
+    def __bytes__(self) -> builtins.bytes: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
         """Version 3, 1-D uint8, with ``stream``; the view does not hold the frame."""

@@ -304,3 +304,9 @@ pub fn to_py(py: Python<'_>, e: &Error) -> PyErr {
 pub fn invalid_argument(py: Python<'_>, msg: String) -> PyErr {
     to_py(py, &Error::InvalidArgument(msg))
 }
+
+/// `NotSupported` for what a host-memory channel has not (a device buffer, a stream, DLPack) and
+/// what a GPU channel has not (host bytes).
+pub fn not_supported(msg: &str) -> PyErr {
+    NotSupported::new_err(msg.to_string())
+}

@@ -8,6 +8,14 @@
 //! producer while it is written ([`OwnedWriteFrame`]) and gives it back to its `Producer` on
 //! `publish`, `abandon` or collection.
 //!
+//! Host channels (`memory="host"`, `cuda_ipc::channel::MemoryKind::Host`) never load the CUDA
+//! driver. Their frames have no device pointer, stream or tensor export: every such accessor raises
+//! `NotSupported` (checked here, so none of the Rust accessors that panic on a host channel is ever
+//! called). Their bytes are copied in and out (`WriteFrame.write`, `Frame.bytes`, `Frame.read`),
+//! never lent as a buffer: another process writes that memory once the frame is released, and a
+//! Python buffer (a `memoryview`, a NumPy array) could outlive the hold with nothing to stop it; the
+//! abi3 wheel (limited API of CPython 3.9) cannot export the buffer protocol either.
+//!
 //! Blocking calls release the GIL and wait in slices of at most [`SLICE`], checking for signals
 //! between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with nothing held.
 
@@ -20,12 +28,23 @@ use cuda_ipc::channel::{
 };
 use cuda_ipc::driver::{Device, DeviceMemory};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The longest a blocking call waits without the GIL before it checks for signals.
 const SLICE: Duration = Duration::from_millis(50);
+
+/// Copies of at least this many bytes of a host frame run without the GIL.
+const COPY_WITHOUT_GIL: usize = 64 * 1024;
+
+const HOST_WRITE_FRAME: &str = "a host-memory frame has no device buffer, stream or DLPack \
+                                export: write it with write(data, offset) and read it with \
+                                read(offset, n)";
+const HOST_FRAME: &str = "a host-memory frame has no device buffer, stream or DLPack export: \
+                          copy its bytes with bytes() or read(offset, n)";
+const GPU_FRAME: &str = "a GPU frame has no host bytes: use its device buffer (ptr, DLPack, \
+                         __cuda_array_interface__) on its stream";
 
 fn err(py: Python<'_>, e: cuda_ipc::Error) -> PyErr {
     errors::to_py(py, &e)
@@ -70,6 +89,7 @@ fn memory_name(k: MemoryKind) -> &'static str {
         MemoryKind::Legacy => "legacy",
         MemoryKind::Vmm => "vmm",
         MemoryKind::Pool => "pool",
+        MemoryKind::Host => "host",
         _ => "auto",
     }
 }
@@ -80,9 +100,12 @@ fn memory_arg(py: Python<'_>, memory: &str) -> PyResult<MemoryKind> {
         "legacy" => Ok(MemoryKind::Legacy),
         "vmm" => Ok(MemoryKind::Vmm),
         "pool" => Ok(MemoryKind::Pool),
+        "host" => Ok(MemoryKind::Host),
         m => Err(errors::invalid_argument(
             py,
-            format!("memory must be \"auto\", \"legacy\", \"vmm\" or \"pool\", got {m:?}"),
+            format!(
+                "memory must be \"auto\", \"legacy\", \"vmm\", \"pool\" or \"host\", got {m:?}"
+            ),
         )),
     }
 }
@@ -179,7 +202,8 @@ impl Producer {
 #[pymethods]
 impl Producer {
     /// Creates channel `name` with a pool of `buffers` buffers of `buffer_bytes` bytes on CUDA
-    /// device `device` (its primary context).
+    /// device `device` (its primary context); with `memory="host"`, of shared host memory
+    /// (`Producer::create_host`: no CUDA driver needed, `device` unused).
     #[new]
     #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
         wait="spin_then_block", spin=50e-6, memory="auto", group_access=false, device=0))]
@@ -206,8 +230,12 @@ impl Producer {
         if let Some(q) = quota_bytes {
             opts = opts.quota_bytes(q);
         }
+        let host = memory == "host";
         let p = py
             .detach(|| {
+                if host {
+                    return cuda_ipc::channel::Producer::create_host(&name, &opts);
+                }
                 let ctx = Device::get(device)?.primary_context()?;
                 cuda_ipc::channel::Producer::create(&ctx, &name, &opts)
             })
@@ -226,7 +254,7 @@ impl Producer {
         &self.name
     }
 
-    /// The kind of memory of the pool: "legacy", "vmm" or "pool".
+    /// The kind of memory of the pool: "legacy", "vmm", "pool" or "host".
     #[getter]
     fn memory(&self) -> &'static str {
         memory_name(self.memory)
@@ -324,38 +352,98 @@ impl Producer {
     }
 }
 
+/// Where a GPU frame's buffer is; a host frame has none.
+#[derive(Clone, Copy)]
+struct DeviceView {
+    ptr: u64,
+    /// The raw stream the frame is written (write frame) or ready (received frame) on.
+    stream: usize,
+    device: i32,
+}
+
+/// `bytes` as is; anything else that exports a buffer (`bytearray`, `memoryview`, `array`, NumPy)
+/// copied into `bytes` once. Raises `TypeError` for anything else (`str`, `int`).
+fn bytes_of<'py>(data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        return Ok(b.clone());
+    }
+    Ok(PyMemoryView::from(data)?
+        .call_method0("tobytes")?
+        .cast_into::<PyBytes>()?)
+}
+
+/// `n` bytes from `offset` of a `len`-byte buffer (`n`: `None` for the rest), or `InvalidArgument`.
+fn range_arg(py: Python<'_>, offset: usize, n: Option<usize>, len: usize) -> PyResult<usize> {
+    let n = n.unwrap_or_else(|| len.saturating_sub(offset));
+    if offset.checked_add(n).is_none_or(|end| end > len) {
+        return Err(errors::invalid_argument(
+            py,
+            format!("{n} bytes at offset {offset} pass the end of a {len}-byte buffer"),
+        ));
+    }
+    Ok(n)
+}
+
+/// Runs `copy` without the GIL when it moves at least [`COPY_WITHOUT_GIL`] bytes.
+fn copy<T: Send>(py: Python<'_>, n: usize, copy: impl FnOnce() -> T + Send) -> T {
+    if n >= COPY_WITHOUT_GIL {
+        py.detach(copy)
+    } else {
+        copy()
+    }
+}
+
 /// A buffer being written; `publish(metadata)` hands it to the consumers.
 #[pyclass(module = "cuda_ipc", frozen)]
 struct WriteFrame {
     inner: Mutex<Option<OwnedWriteFrame>>,
     producer: Py<Producer>,
     index: usize,
-    ptr: u64,
     nbytes: usize,
-    stream: usize,
-    device: i32,
+    /// `None` on a host channel.
+    gpu: Option<DeviceView>,
 }
 
 impl WriteFrame {
     fn new(producer: Py<Producer>, f: OwnedWriteFrame) -> WriteFrame {
         let w = f.frame();
-        let (index, ptr, nbytes) = (w.index(), w.buffer().device_ptr(), w.buffer().len());
-        let stream = w.stream().as_raw() as usize;
-        let device = w.buffer().context().device().ordinal() as i32;
+        let index = w.index();
+        // The GPU accessors (`buffer`, `stream`) panic on a host channel: only asked of GPU frames.
+        let (nbytes, gpu) = if w.is_host() {
+            (w.len(), None)
+        } else {
+            let view = DeviceView {
+                ptr: w.buffer().device_ptr(),
+                stream: w.stream().as_raw() as usize,
+                device: w.buffer().context().device().ordinal() as i32,
+            };
+            (w.buffer().len(), Some(view))
+        };
         WriteFrame {
             inner: Mutex::new(Some(f)),
             producer,
             index,
-            ptr,
             nbytes,
-            stream,
-            device,
+            gpu,
         }
     }
 
     fn finish(&self, py: Python<'_>) -> Option<OwnedWriteFrame> {
         let _ = py;
         lock(&self.inner).take()
+    }
+
+    /// The device buffer, or `NotSupported` on a host channel.
+    fn gpu(&self) -> PyResult<DeviceView> {
+        self.gpu
+            .ok_or_else(|| errors::not_supported(HOST_WRITE_FRAME))
+    }
+
+    fn done(py: Python<'_>) -> PyErr {
+        errors::invalid_argument(
+            py,
+            "this frame was already published or abandoned".to_string(),
+        )
     }
 }
 
@@ -376,30 +464,71 @@ impl WriteFrame {
     fn index(&self) -> usize {
         self.index
     }
-    /// Device address of the buffer.
+    /// Device address of the buffer; `NotSupported` on a host channel.
     #[getter]
-    fn ptr(&self) -> u64 {
-        self.ptr
+    fn ptr(&self) -> PyResult<u64> {
+        Ok(self.gpu()?.ptr)
     }
     /// Size of the buffer in bytes.
     #[getter]
     fn nbytes(&self) -> usize {
         self.nbytes
     }
-    /// The producer's stream (a raw `CUstream`): enqueue the write there.
+    /// The producer's stream (a raw `CUstream`): enqueue the write there. `NotSupported` on a host
+    /// channel.
     #[getter]
-    fn stream(&self) -> usize {
-        self.stream
+    fn stream(&self) -> PyResult<usize> {
+        Ok(self.gpu()?.stream)
+    }
+    /// Whether the buffer is shared host memory (`memory="host"`).
+    #[getter]
+    fn is_host(&self) -> bool {
+        self.gpu.is_none()
+    }
+
+    /// Copies `data` (`bytes`, or any object exporting a buffer) into the host buffer at byte
+    /// `offset`; returns the number of bytes written. `InvalidArgument` past the buffer's end or
+    /// once published; `NotSupported` on a GPU channel.
+    #[pyo3(signature = (data, offset=0))]
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<usize> {
+        if self.gpu.is_some() {
+            return Err(errors::not_supported(GPU_FRAME));
+        }
+        let data = bytes_of(data)?;
+        let src = data.as_bytes();
+        range_arg(py, offset, Some(src.len()), self.nbytes)?;
+        let mut g = lock(&self.inner);
+        let f = g.as_mut().ok_or_else(|| Self::done(py))?;
+        copy(py, src.len(), || f.write_at(offset, src)).map_err(|e| err(py, e))?;
+        Ok(src.len())
+    }
+
+    /// A copy of `n` bytes of the host buffer from byte `offset` (`n=None`: to the end).
+    /// `InvalidArgument` past the buffer's end or once published; `NotSupported` on a GPU channel.
+    #[pyo3(signature = (offset=0, n=None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: usize,
+        n: Option<usize>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if self.gpu.is_some() {
+            return Err(errors::not_supported(GPU_FRAME));
+        }
+        let n = range_arg(py, offset, n, self.nbytes)?;
+        let mut g = lock(&self.inner);
+        // `&mut`: an `OwnedWriteFrame` may move between threads but is not shared between them.
+        let f = g.as_mut().ok_or_else(|| Self::done(py))?;
+        PyBytes::new_with(py, n, |buf| {
+            copy(py, n, move || f.frame().read_at(offset, buf)).map_err(|e| err(py, e))
+        })
     }
 
     /// Publishes the frame with `metadata` (at most 256 bytes); returns its sequence number.
     #[pyo3(signature = (metadata=b"".as_slice()))]
     fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
         let Some(f) = self.finish(py) else {
-            return Err(errors::invalid_argument(
-                py,
-                "this frame was already published or abandoned".to_string(),
-            ));
+            return Err(Self::done(py));
         };
         let (p, seq) = f.publish(metadata);
         self.producer.get().give_back(p);
@@ -415,11 +544,12 @@ impl WriteFrame {
 
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        dlpack::cuda_array_interface(py, self.ptr, self.nbytes, false, self.stream)
+        let gpu = self.gpu()?;
+        dlpack::cuda_array_interface(py, gpu.ptr, self.nbytes, false, gpu.stream)
     }
 
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        (dlpack::KDL_CUDA, self.device)
+    fn __dlpack_device__(&self) -> PyResult<(i32, i32)> {
+        Ok((dlpack::KDL_CUDA, self.gpu()?.device))
     }
 
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
@@ -433,18 +563,16 @@ impl WriteFrame {
     ) -> PyResult<Py<PyAny>> {
         // The capsule cannot own the write frame (publishing consumes it): it views the buffer,
         // valid until publish or abandon.
+        let gpu = self.gpu()?;
         if lock(&self.inner).is_none() {
-            return Err(errors::invalid_argument(
-                py,
-                "this frame was already published or abandoned".to_string(),
-            ));
+            return Err(Self::done(py));
         }
         let ex = dlpack::Export {
             hold: dlpack::Hold::None,
-            ptr: self.ptr,
+            ptr: gpu.ptr,
             nbytes: self.nbytes,
-            device: self.device,
-            ready_on: self.stream,
+            device: gpu.device,
+            ready_on: gpu.stream,
             ctx: None,
         };
         ex.export(py, stream, max_version, dl_device, copy)
@@ -560,10 +688,23 @@ impl Consumer {
         stats_dict(py, &s)
     }
 
-    /// The consumer's stream (a raw `CUstream`): frames are ready on it.
+    /// The consumer's stream (a raw `CUstream`): frames are ready on it. `NotSupported` on a host
+    /// channel, which has no stream.
     #[getter]
     fn stream(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.get(py)?.stream().as_raw() as usize)
+        let c = self.get(py)?;
+        if c.is_host() {
+            return Err(errors::not_supported(
+                "a host-memory channel has no stream: its frames are ready when received",
+            ));
+        }
+        Ok(c.stream().as_raw() as usize)
+    }
+
+    /// Whether the channel's pool is shared host memory (made with `memory="host"`).
+    #[getter]
+    fn is_host(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.get(py)?.is_host())
     }
 
     /// Detaches. Frames (and their DLPack tensors) still alive keep the slot until they go.
@@ -607,25 +748,45 @@ struct Frame {
     seq: u64,
     index: usize,
     metadata: Vec<u8>,
-    ptr: u64,
     nbytes: usize,
-    stream: usize,
-    device: i32,
+    /// `None` on a host channel.
+    gpu: Option<DeviceView>,
 }
 
 impl Frame {
     fn new(f: OwnedFrame) -> Frame {
         let fr = f.frame();
+        // The GPU accessors (`buffer`, `stream`) panic on a host channel: only asked of GPU frames.
+        let (nbytes, gpu) = if fr.is_host() {
+            (fr.len(), None)
+        } else {
+            let view = DeviceView {
+                ptr: fr.buffer().device_ptr(),
+                stream: fr.stream().as_raw() as usize,
+                device: fr.buffer().context().device().ordinal() as i32,
+            };
+            (fr.buffer().len(), Some(view))
+        };
         Frame {
             seq: fr.seq(),
             index: fr.index(),
             metadata: fr.metadata().to_vec(),
-            ptr: fr.buffer().device_ptr(),
-            nbytes: fr.buffer().len(),
-            stream: fr.stream().as_raw() as usize,
-            device: fr.buffer().context().device().ordinal() as i32,
+            nbytes,
+            gpu,
             inner: Mutex::new(Some(Arc::new(f))),
         }
+    }
+
+    /// The device buffer, or `NotSupported` on a host channel.
+    fn gpu(&self) -> PyResult<DeviceView> {
+        self.gpu.ok_or_else(|| errors::not_supported(HOST_FRAME))
+    }
+
+    /// The frame's hold, or `InvalidArgument` once released.
+    fn hold(&self, py: Python<'_>) -> PyResult<Arc<OwnedFrame>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| errors::invalid_argument(py, "this frame was released".to_string()))
     }
 }
 
@@ -646,20 +807,56 @@ impl Frame {
     fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.metadata)
     }
-    /// Device address of the buffer in this process.
+    /// Device address of the buffer in this process; `NotSupported` on a host channel.
     #[getter]
-    fn ptr(&self) -> u64 {
-        self.ptr
+    fn ptr(&self) -> PyResult<u64> {
+        Ok(self.gpu()?.ptr)
     }
     /// Size of the buffer in bytes.
     #[getter]
     fn nbytes(&self) -> usize {
         self.nbytes
     }
-    /// The consumer's stream (a raw `CUstream`) on which the frame is ready.
+    /// The consumer's stream (a raw `CUstream`) on which the frame is ready; `NotSupported` on a
+    /// host channel.
     #[getter]
-    fn stream(&self) -> usize {
-        self.stream
+    fn stream(&self) -> PyResult<usize> {
+        Ok(self.gpu()?.stream)
+    }
+    /// Whether the buffer is shared host memory (`memory="host"`).
+    #[getter]
+    fn is_host(&self) -> bool {
+        self.gpu.is_none()
+    }
+
+    /// A copy of `n` bytes of the host buffer from byte `offset` (`n=None`: to the end), taken
+    /// while the frame is held. `InvalidArgument` past the buffer's end or once released;
+    /// `NotSupported` on a GPU channel.
+    #[pyo3(signature = (offset=0, n=None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: usize,
+        n: Option<usize>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if self.gpu.is_some() {
+            return Err(errors::not_supported(GPU_FRAME));
+        }
+        let n = range_arg(py, offset, n, self.nbytes)?;
+        // This clone keeps the frame held through the copy, whatever another thread releases.
+        let hold = self.hold(py)?;
+        PyBytes::new_with(py, n, |buf| {
+            copy(py, n, || hold.frame().read_at(offset, buf)).map_err(|e| err(py, e))
+        })
+    }
+
+    /// A copy of the whole host buffer (`read()`); `bytes(frame)` is the same.
+    fn bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.read(py, 0, None)
+    }
+
+    fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.read(py, 0, None)
     }
     /// True until `release()`.
     #[getter]
@@ -675,17 +872,13 @@ impl Frame {
 
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        if lock(&self.inner).is_none() {
-            return Err(errors::invalid_argument(
-                py,
-                "this frame was released".to_string(),
-            ));
-        }
-        dlpack::cuda_array_interface(py, self.ptr, self.nbytes, false, self.stream)
+        let gpu = self.gpu()?;
+        self.hold(py)?;
+        dlpack::cuda_array_interface(py, gpu.ptr, self.nbytes, false, gpu.stream)
     }
 
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        (dlpack::KDL_CUDA, self.device)
+    fn __dlpack_device__(&self) -> PyResult<(i32, i32)> {
+        Ok((dlpack::KDL_CUDA, self.gpu()?.device))
     }
 
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
@@ -697,19 +890,16 @@ impl Frame {
         dl_device: Option<(u32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let Some(hold) = lock(&self.inner).clone() else {
-            return Err(errors::invalid_argument(
-                py,
-                "this frame was released".to_string(),
-            ));
-        };
+        // Checked first: `context()` panics on a host channel.
+        let gpu = self.gpu()?;
+        let hold = self.hold(py)?;
         let ctx = hold.consumer().context().clone();
         let ex = dlpack::Export {
             hold: dlpack::Hold::Frame(hold),
-            ptr: self.ptr,
+            ptr: gpu.ptr,
             nbytes: self.nbytes,
-            device: self.device,
-            ready_on: self.stream,
+            device: gpu.device,
+            ready_on: gpu.stream,
             ctx: Some(ctx),
         };
         ex.export(py, stream, max_version, dl_device, copy)
@@ -726,11 +916,12 @@ impl Frame {
 
     fn __repr__(&self) -> String {
         format!(
-            "Frame(seq={}, index={}, nbytes={}, metadata={} bytes)",
+            "Frame(seq={}, index={}, nbytes={}, metadata={} bytes{})",
             self.seq,
             self.index,
             self.nbytes,
-            self.metadata.len()
+            self.metadata.len(),
+            if self.gpu.is_none() { ", host" } else { "" }
         )
     }
 }

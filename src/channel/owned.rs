@@ -172,6 +172,20 @@ impl OwnedWriteFrame {
             .expect("an OwnedWriteFrame holds its frame until it is consumed")
     }
 
+    /// Copies `src` into the frame's host buffer at byte `offset`, as [`WriteFrame::write_at`].
+    /// (No `frame_mut`: a `&mut` of the frame would let two owned frames swap the producers they
+    /// borrow.)
+    ///
+    /// # Errors
+    /// As [`WriteFrame::write_at`]: [`Error::InvalidArgument`] past the buffer's end or on a GPU
+    /// channel.
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.frame
+            .as_mut()
+            .expect("an OwnedWriteFrame holds its frame until it is consumed")
+            .write_at(offset, src)
+    }
+
     /// Publishes the frame as [`WriteFrame::publish`] and hands the producer back with the result.
     pub fn publish(mut self, metadata: &[u8]) -> (Box<Producer>, Result<u64>) {
         let frame = self.frame.take().expect("frame present until consumed");

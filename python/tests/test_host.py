@@ -1,0 +1,380 @@
+"""Host-memory channels (`memory="host"`) from Python, no GPU: a channel between this process and
+a child Python process (started with `sys.executable`, never forked), every frame's bytes checked
+under both delivery policies, metadata and stats; a producer killed with SIGKILL; SIGINT to a
+child blocked in `recv()`; and the GPU-only accessors refusing a host frame. Every wait is bounded.
+Run: `pip install ./python && pytest python/tests`."""
+
+import json
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+
+import cuda_ipc
+
+SHM = pathlib.Path("/dev/shm")
+# The longest any single step waits: a child's answer, a frame, a close.
+ANSWER = 10.0
+
+
+@pytest.fixture
+def name():
+    """A fresh channel name; both its segments are removed afterwards if anything left them."""
+    n = f"pytest-host-{uuid.uuid4().hex[:12]}"
+    yield n
+    for prefix in ("cuda-ipc.ch.", "cuda-ipc.hp."):
+        p = SHM / f"{prefix}{n}"
+        if p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def payload(seq: int, nbytes: int) -> bytes:
+    """The bytes of frame `seq`: its number in every 8-byte word, each word's last byte its index
+    (so a frame of another seq, a shifted frame or a stale tail are all told apart)."""
+    words = nbytes // 8 + 1
+    b = b"".join(((seq << 8) | (k & 0xFF)).to_bytes(8, "little") for k in range(words))
+    return b[:nbytes]
+
+
+def metadata(seq: int) -> bytes:
+    return f"frame {seq}".encode() + bytes([seq & 0xFF, 0, 255])
+
+
+class Child:
+    """A child Python process running `code`, spoken to by lines on stdin and stdout, with every
+    read bounded."""
+
+    def __init__(self, code: str, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(PRELUDE) + textwrap.dedent(code), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.buf = b""
+
+    def line(self, timeout: float = ANSWER) -> str:
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"no answer from the child in {timeout} s{self.stderr()}")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the child exited ({self.proc.wait(ANSWER)}){self.stderr()}")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def expect(self, word: str, timeout: float = ANSWER) -> str:
+        got = self.line(timeout)
+        head, _, rest = got.partition(" ")
+        assert head == word, f"expected {word!r}, got {got!r}{self.stderr()}"
+        return rest
+
+    def send(self, line: str):
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        return "\n--- child stderr ---\n" + self.proc.stderr.read().decode(errors="replace")
+
+    def finish(self, timeout: float = ANSWER) -> int:
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        return self.proc.wait(timeout)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(ANSWER)
+
+
+@pytest.fixture
+def children():
+    """Children started by a test; killed at its end if still running."""
+    started = []
+    yield lambda code, *args: started.append(Child(code, *args)) or started[-1]
+    for c in started:
+        c.kill()
+
+
+# Shared by every child: the payload, and `tell` (one flushed line to the parent).
+PRELUDE = f"""
+import json, sys, time
+import cuda_ipc
+
+def payload(seq, nbytes):
+    words = nbytes // 8 + 1
+    b = b"".join(((seq << 8) | (k & 0xFF)).to_bytes(8, "little") for k in range(words))
+    return b[:nbytes]
+
+def metadata(seq):
+    return f"frame {{seq}}".encode() + bytes([seq & 0xFF, 0, 255])
+
+def tell(*words):
+    print(*words, flush=True)
+
+ANSWER = {ANSWER}
+"""
+
+# argv: name, frames, nbytes, buffers. Creates the channel, waits for "go", publishes `frames`
+# frames (the first half in one write, the second half at an offset), then on "close" closes and
+# reports the producer's stats as they were before the close.
+PRODUCER = """
+name, frames, nbytes, buffers = sys.argv[1], *map(int, sys.argv[2:5])
+tx = cuda_ipc.Producer(name, nbytes, buffers=buffers, max_consumers=2, memory="host")
+assert tx.memory == "host", tx.memory
+tell("created")
+assert sys.stdin.readline().strip() == "go"
+for seq in range(1, frames + 1):
+    with tx.acquire(timeout=ANSWER) as w:
+        assert w.is_host and w.nbytes == nbytes
+        data = payload(seq, nbytes)
+        half = nbytes // 2
+        assert w.write(data[:half]) == half
+        assert w.write(bytearray(data[half:]), offset=half) == nbytes - half
+        assert w.read() == data
+        assert w.publish(metadata(seq)) == seq
+tell("published", frames)
+line = sys.stdin.readline().strip()
+if line == "close":
+    stats = tx.stats()
+    report = tx.close(timeout=ANSWER)
+    tell("closed", json.dumps({"stats": stats, "report": report}))
+elif line == "idle":
+    tell("idle")
+    time.sleep(600)
+"""
+
+
+def run_channel(name, children, delivery, frames, nbytes, buffers):
+    """A host producer child publishes `frames` frames to a consumer here, which iterates until
+    the channel closes; returns the seqs received, the consumer's stats after the close, and the
+    child's report. The iteration waits without a timeout: a watchdog kills the child after 60 s,
+    which ends it with ProducerGone."""
+    peer = children(PRODUCER, name, str(frames), str(nbytes), str(buffers))
+    peer.expect("created")
+    rx = cuda_ipc.Consumer(name, delivery=delivery)
+    assert rx.is_host
+    watchdog = threading.Timer(60, peer.kill)
+    watchdog.start()
+    try:
+        peer.send("go")
+        seqs = []
+        for frame in rx:
+            with frame:
+                assert frame.is_host and frame.nbytes == nbytes
+                assert frame.metadata == metadata(frame.seq)
+                assert frame.bytes() == payload(frame.seq, nbytes), f"frame {frame.seq}"
+                assert bytes(frame) == payload(frame.seq, nbytes)
+                assert frame.read(8, 16) == payload(frame.seq, nbytes)[8:24]
+                seqs.append(frame.seq)
+            assert not frame.held
+            if frame.seq == frames:
+                # The last frame (under both policies: "latest" always delivers the newest).
+                peer.expect("published")
+                peer.send("close")
+    finally:
+        watchdog.cancel()
+    # Iteration ended at ChannelClosed; receiving again says so.
+    with pytest.raises(cuda_ipc.ChannelClosed):
+        rx.recv(timeout=ANSWER)
+    stats = rx.stats()
+    report = json.loads(peer.expect("closed"))
+    assert peer.finish() == 0, peer.stderr()
+    rx.close()
+    return seqs, stats, report
+
+
+def test_every_frame_of_a_host_channel_reaches_a_consumer_in_this_process_with_its_bytes(
+    name, children
+):
+    frames, nbytes = 200, 10_000
+    seqs, stats, report = run_channel(name, children, "every", frames, nbytes, 3)
+    assert seqs == list(range(1, frames + 1))
+    assert stats["published"] == frames
+    [me] = [c for c in stats["consumers"] if c["pid"] == os.getpid()]
+    assert (me["received"], me["dropped"], me["in_flight"]) == (frames, 0, 0)
+    assert report["stats"]["published"] == frames
+    assert [c["pid"] for c in report["stats"]["consumers"]] == [os.getpid()]
+    assert report["report"] == {"forced_holds": 0}
+    # A closing producer removes both of its segments.
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+    assert not (SHM / f"cuda-ipc.hp.{name}").exists()
+
+
+def test_a_latest_only_consumer_gets_increasing_frames_ending_with_the_last(name, children):
+    frames, nbytes = 500, 100_000  # large enough that copies run without the GIL
+    seqs, stats, report = run_channel(name, children, "latest", frames, nbytes, 2)
+    assert seqs == sorted(set(seqs)) and 1 <= len(seqs) <= frames
+    assert seqs[-1] == frames
+    [me] = stats["consumers"]
+    assert me["received"] == len(seqs)
+    assert me["received"] + me["dropped"] <= frames
+    assert report["stats"]["published"] == frames
+
+
+# argv: name, max_consumers. Attaches and reports, waits for a frame without a timeout (SIGINT
+# expected), then receives one frame to show nothing was taken, closes, and idles until stdin ends.
+INTERRUPTED = """
+import signal
+name = sys.argv[1]
+rx = cuda_ipc.Consumer(name)
+tell("attached")
+try:
+    rx.recv()
+    tell("unexpected frame")
+except KeyboardInterrupt:
+    tell("interrupted", time.monotonic())
+f = rx.recv(timeout=ANSWER)
+tell("frame", f.seq, f.bytes() == payload(f.seq, f.nbytes))
+f.release()
+rx.close()
+tell("closed")
+sys.stdin.read()
+"""
+
+
+def test_ctrl_c_interrupts_a_blocked_recv_promptly_and_the_slot_is_released(name, children):
+    tx = cuda_ipc.Producer(name, 4096, buffers=2, max_consumers=2, memory="host")
+    peer = children(INTERRUPTED, name)
+    peer.expect("attached")
+    # Both slots: the child's and one here; a third is refused.
+    extra = cuda_ipc.Consumer(name)
+    with pytest.raises(cuda_ipc.NoConsumerSlot):
+        cuda_ipc.Consumer(name)
+    extra.close()
+    time.sleep(0.3)  # well inside recv()
+    sent = time.monotonic()
+    peer.proc.send_signal(signal.SIGINT)
+    at = float(peer.expect("interrupted"))
+    # Both clocks are CLOCK_MONOTONIC, shared by the processes of a machine.
+    assert at - sent < 0.2, f"KeyboardInterrupt {at - sent:.3f} s after SIGINT"
+    with tx.acquire(timeout=ANSWER) as w:
+        w.write(payload(1, 4096))
+        w.publish(b"after")
+    assert peer.expect("frame") == "1 True"
+    peer.expect("closed")
+    # The child still runs; its slot was given back by close(), not reclaimed from a dead process.
+    assert peer.proc.poll() is None
+    assert tx.stats()["consumers"] == []
+    both = [cuda_ipc.Consumer(name), cuda_ipc.Consumer(name)]
+    assert len(tx.stats()["consumers"]) == 2
+    for c in both:
+        c.close()
+    assert peer.finish() == 0, peer.stderr()
+    tx.close()
+
+
+def test_a_killed_producer_gives_producer_gone_within_1_s(name, children):
+    peer = children(PRODUCER, name, "3", "512", "2")
+    peer.expect("created")
+    rx = cuda_ipc.Consumer(name, delivery="latest")
+    peer.send("go")
+    peer.expect("published")
+    f = rx.recv(timeout=ANSWER)
+    assert f.seq == 3 and f.bytes() == payload(3, 512)
+    f.release()
+    peer.send("idle")
+    peer.expect("idle")
+    killed = []
+
+    def kill():
+        killed.append(time.monotonic())
+        os.kill(peer.proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(0.3, kill)
+    timer.start()
+    try:
+        with pytest.raises(cuda_ipc.ProducerGone):
+            rx.recv(timeout=ANSWER)  # blocked when the kill comes
+    finally:
+        timer.join()
+    took = time.monotonic() - killed[0]
+    assert took < 1.0, f"ProducerGone {took:.3f} s after SIGKILL"
+    rx.close()
+
+
+def test_a_host_frame_refuses_every_gpu_accessor_with_not_supported(name):
+    with cuda_ipc.Producer(name, 64, buffers=2, memory="host", device=7) as tx:
+        assert tx.memory == "host" and "host" in repr(tx)
+        rx = cuda_ipc.Consumer(name)
+        assert rx.is_host
+        with pytest.raises(cuda_ipc.NotSupported, match="no stream"):
+            rx.stream
+        w = tx.acquire(timeout=ANSWER)
+        assert w.is_host and w.nbytes == 64
+        for what in ("ptr", "stream", "__cuda_array_interface__"):
+            with pytest.raises(cuda_ipc.NotSupported, match="host-memory frame"):
+                getattr(w, what)
+        with pytest.raises(cuda_ipc.NotSupported):
+            w.__dlpack__()
+        with pytest.raises(cuda_ipc.NotSupported):
+            w.__dlpack_device__()
+        # Copies are bounded by the buffer; only bytes-like data is taken.
+        with pytest.raises(cuda_ipc.InvalidArgument, match="pass the end"):
+            w.write(b"x" * 65)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="pass the end"):
+            w.write(b"x", offset=64)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="pass the end"):
+            w.read(60, 5)
+        for bad in ("text", 5, None):
+            with pytest.raises(TypeError):
+                w.write(bad)
+        assert w.write(memoryview(b"abcd")[1:3], offset=10) == 2
+        assert w.read(10, 2) == b"bc"
+        assert w.publish(b"m") == 1
+        with pytest.raises(cuda_ipc.InvalidArgument, match="already published"):
+            w.write(b"late")
+        with pytest.raises(cuda_ipc.InvalidArgument, match="already published"):
+            w.read()
+        f = rx.recv(timeout=ANSWER)
+        assert f.is_host and f.read(10, 2) == b"bc" and len(f.bytes()) == 64
+        assert f.read(64) == b"" and f.read(0, 0) == b""
+        for what in ("ptr", "stream", "__cuda_array_interface__"):
+            with pytest.raises(cuda_ipc.NotSupported, match="host-memory frame"):
+                getattr(f, what)
+        with pytest.raises(cuda_ipc.NotSupported):
+            f.__dlpack__()
+        with pytest.raises(cuda_ipc.NotSupported):
+            f.__dlpack_device__()
+        with pytest.raises(cuda_ipc.InvalidArgument, match="pass the end"):
+            f.read(1, 64)
+        f.release()
+        with pytest.raises(cuda_ipc.InvalidArgument, match="released"):
+            f.bytes()
+        # Still NotSupported once released: the kind is the first thing checked.
+        with pytest.raises(cuda_ipc.NotSupported):
+            f.__dlpack__()
+        rx.close()
+    assert not (SHM / f"cuda-ipc.hp.{name}").exists()
+
+
+def test_host_producer_options_are_checked_without_a_driver(name):
+    with pytest.raises(cuda_ipc.InvalidArgument, match="buffers"):
+        cuda_ipc.Producer(name, 64, buffers=0, memory="host")
+    with pytest.raises(cuda_ipc.InvalidArgument):
+        cuda_ipc.Producer(name, 0, memory="host")
+    with pytest.raises(cuda_ipc.InvalidArgument, match="name"):
+        cuda_ipc.Producer("bad/name", 64, memory="host")
+    with pytest.raises(cuda_ipc.InvalidArgument, match="metadata"):
+        with cuda_ipc.Producer(name, 64, memory="host") as tx:
+            with tx.acquire(timeout=ANSWER) as w:
+                w.publish(b"x" * (cuda_ipc.META_BYTES + 1))
+    with cuda_ipc.Producer(name, 64, memory="host"):
+        with pytest.raises(cuda_ipc.ChannelExists):
+            cuda_ipc.Producer(name, 64, memory="host")
