@@ -325,7 +325,15 @@ impl Control {
                         })) => continue,
                         Err(e) => return Err(e),
                     };
-                    let why = Self::replaceable(channel, &name)?;
+                    let why = match Self::replaceable(channel, &name) {
+                        Ok(why) => why,
+                        // Another replacer removed it meanwhile: create again.
+                        Err(Error::Channel(super::ChannelError::NotFound(_)))
+                        | Err(Error::Registry(crate::registry::RegistryError::NotFound {
+                            ..
+                        })) => continue,
+                        Err(e) => return Err(e),
+                    };
                     if Segment::unlink_if_same(&name, judged)? {
                         tracing::warn!("replaced the channel segment {name}: {why}");
                     }

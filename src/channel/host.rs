@@ -123,7 +123,12 @@ impl HostPool {
                         Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
-                    let why = Self::replaceable(channel)?;
+                    let why = match Self::replaceable(channel) {
+                        Ok(why) => why,
+                        // Another replacer removed it meanwhile: create again.
+                        Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                        Err(e) => return Err(e),
+                    };
                     if Segment::unlink_if_same(&name, judged)? {
                         tracing::warn!("replaced the host pool segment {name}: {why}");
                     }
