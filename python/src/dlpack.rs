@@ -6,31 +6,61 @@
 //! freed, whenever the Python `Frame` is released.
 //!
 //! Streams: the frame is ready on the consumer's (or, for a write frame, the producer's) stream.
-//! `__dlpack__(stream=s)` makes `s` wait for it on the GPU (an event recorded on the frame's stream,
-//! `cuStreamWaitEvent` on `s`); `stream=None` does so for the legacy default stream, as the
-//! protocol says; `stream=-1` asks for no ordering. The release at the end of the hold is recorded on
-//! the frame's stream only: work enqueued on `s` is not ordered before it.
+//! `__dlpack__(stream=s)` makes `s` wait for it on the GPU (`Frame::ready_on_raw`: an event
+//! recorded on the frame's stream, `cuStreamWaitEvent` on `s`); `stream=None` does so for the legacy
+//! default stream, as the protocol says; `stream=-1` asks for no ordering. The other direction is
+//! ordered too: when the tensor is freed, the capsule's hold orders the release after the work
+//! enqueued on `s` by then (`Frame::release_after_raw`) before it ends the hold; for a write frame,
+//! the caller orders the publish after `s` ([`Export::target`]).
 
 use cuda_ipc::channel::owned::OwnedFrame;
-use cuda_ipc::driver::{Context, Event};
 use dlpark::ffi::{DLDataType, DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
 use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// `kDLCUDA`.
 pub const KDL_CUDA: i32 = 2;
 
 /// What a capsule keeps alive.
-#[derive(Clone)]
 pub enum Hold {
     /// A received frame: its hold ends when the last `Arc` goes.
-    Frame(#[expect(dead_code, reason = "held for its Drop, which ends the hold")] Arc<OwnedFrame>),
+    Frame(FrameHold),
     /// Nothing (a write frame's buffer, valid until it is published or abandoned).
     None,
+}
+
+/// A capsule's share of a received frame's hold: on drop (the tensor freed), the release is
+/// ordered after the work enqueued by then on `release_after`, the stream the tensor's library
+/// named in `__dlpack__`, and then this `Arc` of the frame goes.
+pub struct FrameHold {
+    pub frame: Arc<OwnedFrame>,
+    /// A raw `CUstream` of the consumer's context (or a default-stream sentinel); `None` when the
+    /// library asked for no ordering or named the frame's own stream.
+    pub release_after: Option<usize>,
+}
+
+impl Drop for FrameHold {
+    fn drop(&mut self) {
+        let Some(s) = self.release_after else {
+            return;
+        };
+        let frame = self.frame.frame();
+        // SAFETY: `s` is the stream the DLPack consumer passed to `__dlpack__`, which the protocol
+        // requires to be a valid stream of this device; it must outlive the tensor (documented in
+        // python/README.md: PyTorch's and CuPy's pooled streams and the default streams always do).
+        if let Err(e) = unsafe { frame.release_after_raw(s as _) } {
+            // Without the ordering the producer could overwrite the buffer under work still queued
+            // on `s`: wait for the context's work on the host instead.
+            eprintln!("cuda_ipc: ordering a frame's release after a tensor's stream failed ({e}); synchronising");
+            if let Err(e) = self.frame.consumer().context().synchronize() {
+                eprintln!("cuda_ipc: synchronising the consumer's context failed: {e}");
+            }
+        }
+    }
 }
 
 /// One export of a frame.
@@ -41,8 +71,12 @@ pub struct Export {
     pub device: i32,
     /// The raw stream the data is ready on.
     pub ready_on: usize,
-    /// The context of that stream, for the event that orders the consumer's stream after it.
-    pub ctx: Option<Arc<Context>>,
+    /// The frame whose stream the data is ready on (`None` for a write frame, ready on the
+    /// producer's stream with nothing pending there for it).
+    pub frame: Option<Arc<OwnedFrame>>,
+    /// The stream the DLPack consumer named (resolved from `stream=`; `None` for no ordering or
+    /// the data's own stream), set by the export: the caller orders the publish after it.
+    pub target: Mutex<Option<usize>>,
 }
 
 impl Export {
@@ -61,8 +95,15 @@ impl Export {
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
         let len = i64::try_from(self.nbytes)
             .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("buffer too large"))?;
+        let hold = match &self.hold {
+            Hold::Frame(h) => Hold::Frame(FrameHold {
+                frame: h.frame.clone(),
+                release_after: *self.target.lock().unwrap_or_else(|p| p.into_inner()),
+            }),
+            Hold::None => Hold::None,
+        };
         let mut init = Dynamic::compact([len])
-            .initialize_as::<M>(Box::new(self.hold.clone()))
+            .initialize_as::<M>(Box::new(hold))
             .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(e.to_string()))?;
         init.set_data(self.ptr as *mut std::ffi::c_void)
             .set_device(self.dl_device())
@@ -84,7 +125,7 @@ impl Export {
 }
 
 // SAFETY (of the `Send` the capsule context needs): `Hold` holds an `Arc<OwnedFrame>`, which is
-// `Send` because the Rust consumer is `Sync` and `Send`; nothing else.
+// `Send` because the Rust consumer is `Sync` and `Send`, and a raw stream number; nothing else.
 const _: () = {
     const fn send<T: Send>() {}
     send::<Hold>();
@@ -110,10 +151,13 @@ impl DlpackExporter for Export {
         if target == self.ready_on {
             return Ok(());
         }
-        let Some(ctx) = &self.ctx else {
+        *self.target.lock().unwrap_or_else(|p| p.into_inner()) = Some(target);
+        let Some(frame) = &self.frame else {
             return Ok(());
         };
-        order_after(ctx, self.ready_on, target).map_err(|e| crate::errors::to_py(py, &e))
+        // SAFETY: `target` is the stream the DLPack consumer passed, which the protocol requires to
+        // be a valid stream of this device, or a default-stream sentinel.
+        unsafe { frame.frame().ready_on_raw(target as _) }.map_err(|e| crate::errors::to_py(py, &e))
     }
 
     fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
@@ -122,34 +166,6 @@ impl DlpackExporter for Export {
 
     fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
         self.managed()
-    }
-}
-
-/// Makes stream `target` wait on the GPU for the work enqueued so far on `ready_on` (both raw
-/// `CUstream`s of `ctx`'s device): an event recorded on `ready_on`, `cuStreamWaitEvent` on
-/// `target`. The event may be destroyed right after: the wait uses the state it had when enqueued.
-fn order_after(ctx: &Arc<Context>, ready_on: usize, target: usize) -> cuda_ipc::Result<()> {
-    use cudarc::driver::sys;
-    let ev = Event::new(ctx)?;
-    // SAFETY: `ev` is a live event of `ctx`; `ready_on` is the frame's stream, kept alive by the
-    // consumer that `Export::hold` references; the driver checks the handles' context.
-    let r = unsafe { sys::cuEventRecord(ev.as_raw(), ready_on as sys::CUstream) };
-    check("cuEventRecord", r)?;
-    // SAFETY: `target` is the stream the DLPack consumer passed, which the protocol requires to be
-    // a valid stream of this device; `ev` was recorded above.
-    let r = unsafe { sys::cuStreamWaitEvent(target as sys::CUstream, ev.as_raw(), 0) };
-    check("cuStreamWaitEvent", r)
-}
-
-fn check(call: &'static str, r: cudarc::driver::sys::CUresult) -> cuda_ipc::Result<()> {
-    if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(cuda_ipc::CudaError {
-            call,
-            code: r as u32,
-        }
-        .into())
     }
 }
 

@@ -165,6 +165,125 @@ fn timeout_error(py: Python<'_>, what: &'static str, after: Option<Duration>) ->
     )
 }
 
+/// A stream argument as a raw `CUstream`: `None`; an `int`; an object with `cuda_stream`
+/// (`torch.cuda.Stream`) or `ptr` (`cupy.cuda.Stream`), or with `__cuda_stream__` (the CUDA
+/// stream protocol: a `(version, handle)` pair).
+fn stream_arg(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let Some(s) = stream else {
+        return Ok(None);
+    };
+    if s.is_none() {
+        return Ok(None);
+    }
+    let raw = if let Ok(v) = s.extract::<usize>() {
+        v
+    } else if let Ok(p) = s.call_method0("__cuda_stream__") {
+        p.extract::<(i64, usize)>()?.1
+    } else if let Ok(v) = s.getattr("cuda_stream") {
+        v.extract::<usize>()?
+    } else if let Ok(v) = s.getattr("ptr") {
+        v.extract::<usize>()?
+    } else {
+        return Err(errors::invalid_argument(
+            py,
+            format!(
+                "stream must be None, an int (a CUstream), a torch.cuda.Stream or a \
+                 cupy.cuda.Stream, got {}",
+                s.get_type().name()?
+            ),
+        ));
+    };
+    Ok(Some(raw))
+}
+
+/// The element count of `shape` (an int or a sequence of ints), or `InvalidArgument`.
+fn elements(py: Python<'_>, shape: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let dims: Vec<usize> = match shape.extract::<usize>() {
+        Ok(n) => vec![n],
+        Err(_) => shape.extract().map_err(|_| {
+            errors::invalid_argument(
+                py,
+                "shape must be an int or a sequence of non-negative ints".to_string(),
+            )
+        })?,
+    };
+    dims.iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| errors::invalid_argument(py, "shape overflows".to_string()))
+}
+
+/// `tensor` (a one-dimensional `uint8` tensor of `nbytes` bytes: PyTorch or CuPy) viewed as
+/// `dtype` and reshaped to `shape`, using the first `prod(shape) * itemsize` bytes. `itemsize`
+/// reads a dtype's element size in that library.
+fn shaped<'py>(
+    py: Python<'py>,
+    tensor: Bound<'py, PyAny>,
+    nbytes: usize,
+    shape: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    itemsize: impl Fn(&Bound<'py, PyAny>) -> PyResult<usize>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let size = match dtype {
+        Some(d) => itemsize(d)?,
+        None => 1,
+    };
+    let need = match shape {
+        Some(s) => elements(py, s)?
+            .checked_mul(size)
+            .ok_or_else(|| errors::invalid_argument(py, "shape overflows".to_string()))?,
+        None => nbytes - nbytes % size.max(1),
+    };
+    if need > nbytes {
+        return Err(errors::invalid_argument(
+            py,
+            format!("that shape and dtype need {need} bytes; the buffer has {nbytes}"),
+        ));
+    }
+    let mut t = tensor;
+    if need != nbytes {
+        t = t.get_item(pyo3::types::PySlice::new(py, 0, need as isize, 1))?;
+    }
+    if let Some(d) = dtype {
+        t = t.call_method1("view", (d,))?;
+    }
+    if let Some(s) = shape {
+        let dims: Vec<usize> = match s.extract::<usize>() {
+            Ok(n) => vec![n],
+            Err(_) => s.extract()?,
+        };
+        t = t.call_method1("reshape", (pyo3::types::PyTuple::new(py, dims)?,))?;
+    }
+    Ok(t)
+}
+
+/// A tensor of `obj` (a `Frame` or `WriteFrame`) in PyTorch: `torch.from_dlpack` (which names
+/// PyTorch's current stream), then `shaped`.
+fn torch_tensor<'py>(
+    obj: &Bound<'py, PyAny>,
+    nbytes: usize,
+    shape: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let t = py.import("torch")?.call_method1("from_dlpack", (obj,))?;
+    shaped(py, t, nbytes, shape, dtype, |d| d.getattr("itemsize")?.extract())
+}
+
+/// A CuPy array of `obj`: `cupy.from_dlpack` (which names CuPy's current stream), then `shaped`.
+fn cupy_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    nbytes: usize,
+    shape: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let cupy = py.import("cupy")?;
+    let t = cupy.call_method1("from_dlpack", (obj,))?;
+    shaped(py, t, nbytes, shape, dtype, |d| {
+        cupy.call_method1("dtype", (d,))?.getattr("itemsize")?.extract()
+    })
+}
+
 /// The producing end of a channel (`cuda_ipc::channel::Producer`).
 #[pyclass(module = "cuda_ipc", frozen)]
 struct Producer {
@@ -173,6 +292,8 @@ struct Producer {
     name: String,
     memory: MemoryKind,
     closed: Mutex<bool>,
+    /// The `stream=` option: every write frame's publish is ordered after it.
+    stream: Option<usize>,
 }
 
 impl Producer {
@@ -206,7 +327,8 @@ impl Producer {
     /// (`Producer::create_host`: no CUDA driver needed, `device` unused).
     #[new]
     #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
-        wait="spin_then_block", spin=50e-6, memory="auto", group_access=false, device=0))]
+        wait="spin_then_block", spin=50e-6, memory="auto", group_access=false, device=0,
+        stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -220,7 +342,15 @@ impl Producer {
         memory: &str,
         group_access: bool,
         device: usize,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let stream = stream_arg(py, stream)?;
+        if stream.is_some() && memory == "host" {
+            return Err(errors::invalid_argument(
+                py,
+                "a host-memory channel has no streams to order: leave stream=None".to_string(),
+            ));
+        }
         let mut opts = ChannelOptions::new(buffer_bytes)
             .buffers(buffers)
             .max_consumers(max_consumers)
@@ -245,6 +375,7 @@ impl Producer {
             inner: Mutex::new(Some(Box::new(p))),
             name,
             closed: Mutex::new(false),
+            stream,
         })
     }
 
@@ -397,6 +528,9 @@ fn copy<T: Send>(py: Python<'_>, n: usize, copy: impl FnOnce() -> T + Send) -> T
 #[pyclass(module = "cuda_ipc", frozen)]
 struct WriteFrame {
     inner: Mutex<Option<OwnedWriteFrame>>,
+    /// Raw streams the publish is ordered after (`publish_after`, `__dlpack__(stream=)`, the
+    /// producer's `stream=`).
+    after: Mutex<Vec<usize>>,
     producer: Py<Producer>,
     index: usize,
     nbytes: usize,
@@ -419,8 +553,13 @@ impl WriteFrame {
             };
             (w.buffer().len(), Some(view))
         };
+        let after = match (&gpu, producer.get().stream) {
+            (Some(g), Some(s)) if s != g.stream => vec![s],
+            _ => Vec::new(),
+        };
         WriteFrame {
             inner: Mutex::new(Some(f)),
+            after: Mutex::new(after),
             producer,
             index,
             nbytes,
@@ -444,6 +583,14 @@ impl WriteFrame {
             py,
             "this frame was already published or abandoned".to_string(),
         )
+    }
+
+    /// Notes that the publish must come after work on raw stream `s`.
+    fn order_after(&self, s: usize) {
+        let mut after = lock(&self.after);
+        if self.gpu.is_some_and(|g| g.stream != s) && !after.contains(&s) {
+            after.push(s);
+        }
     }
 }
 
@@ -524,9 +671,37 @@ impl WriteFrame {
         })
     }
 
+    /// Orders the publish after the work enqueued on `stream` (an int `CUstream`, a
+    /// `torch.cuda.Stream`, a `cupy.cuda.Stream`) by the time `publish` is called: write the
+    /// buffer there, then publish. `__dlpack__(stream=s)` (what `torch.from_dlpack` and
+    /// `as_tensor` do) notes `s` the same way. `NotSupported` on a host channel.
+    fn publish_after(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.gpu()?;
+        if lock(&self.inner).is_none() {
+            return Err(Self::done(py));
+        }
+        if let Some(s) = stream_arg(py, Some(stream))? {
+            self.order_after(s);
+        }
+        Ok(())
+    }
+
     /// Publishes the frame with `metadata` (at most 256 bytes); returns its sequence number.
+    /// On a GPU channel the consumers' streams wait for the work enqueued so far on the
+    /// producer's stream and on every stream noted by `publish_after` or `__dlpack__(stream=)`.
     #[pyo3(signature = (metadata=b"".as_slice()))]
     fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
+        {
+            let g = lock(&self.inner);
+            let Some(f) = g.as_ref() else {
+                return Err(Self::done(py));
+            };
+            for &s in lock(&self.after).iter() {
+                // SAFETY: `s` is a stream the user (or a DLPack consumer) named for this
+                // producer's device, valid while it writes the frame (python/README.md).
+                unsafe { f.frame().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
+            }
+        }
         let Some(f) = self.finish(py) else {
             return Err(Self::done(py));
         };
@@ -573,9 +748,41 @@ impl WriteFrame {
             nbytes: self.nbytes,
             device: gpu.device,
             ready_on: gpu.stream,
-            ctx: None,
+            frame: None,
+            target: Mutex::new(None),
         };
-        ex.export(py, stream, max_version, dl_device, copy)
+        let capsule = ex.export(py, stream, max_version, dl_device, copy)?;
+        if let Some(s) = *lock(&ex.target) {
+            self.order_after(s);
+        }
+        Ok(capsule)
+    }
+
+    /// The buffer as a PyTorch tensor (zero-copy, through DLPack on PyTorch's current stream,
+    /// which the publish is then ordered after): `dtype` (a `torch.dtype`, default `uint8`) and
+    /// `shape` (an int or a tuple; default: the whole buffer, one-dimensional) over the first
+    /// `prod(shape) * itemsize` bytes. `InvalidArgument` when they need more bytes than the
+    /// buffer has; `NotSupported` on a host channel; `ImportError` without PyTorch.
+    #[pyo3(signature = (shape=None, dtype=None))]
+    fn as_tensor<'py>(
+        slf: &Bound<'py, Self>,
+        shape: Option<&Bound<'py, PyAny>>,
+        dtype: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.get().gpu()?;
+        torch_tensor(slf.as_any(), slf.get().nbytes, shape, dtype)
+    }
+
+    /// The buffer as a CuPy array, as `as_tensor` (CuPy's current stream; `dtype` anything
+    /// `cupy.dtype` takes).
+    #[pyo3(signature = (shape=None, dtype=None))]
+    fn as_cupy<'py>(
+        slf: &Bound<'py, Self>,
+        shape: Option<&Bound<'py, PyAny>>,
+        dtype: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.get().gpu()?;
+        cupy_array(slf.as_any(), slf.get().nbytes, shape, dtype)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -593,6 +800,8 @@ impl WriteFrame {
 struct Consumer {
     inner: Mutex<Option<Arc<cuda_ipc::channel::Consumer>>>,
     name: String,
+    /// The `stream=` option: every frame is made ready on it and released after it.
+    stream: Option<usize>,
 }
 
 impl Consumer {
@@ -609,7 +818,7 @@ impl Consumer {
     /// from now on.
     #[new]
     #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block", spin=50e-6,
-        group_access=false))]
+        group_access=false, stream=None))]
     fn new(
         py: Python<'_>,
         name: String,
@@ -617,7 +826,9 @@ impl Consumer {
         wait: &str,
         spin: f64,
         group_access: bool,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let stream = stream_arg(py, stream)?;
         let delivery = match delivery {
             "every" => Delivery::EveryFrame,
             "latest" => Delivery::LatestOnly,
@@ -635,16 +846,24 @@ impl Consumer {
         let c = py
             .detach(|| cuda_ipc::channel::Consumer::attach(&name, &opts))
             .map_err(|e| err(py, e))?;
+        if stream.is_some() && c.is_host() {
+            return Err(errors::invalid_argument(
+                py,
+                "a host-memory channel has no streams to order: leave stream=None".to_string(),
+            ));
+        }
         Ok(Consumer {
             inner: Mutex::new(Some(Arc::new(c))),
             name,
+            stream,
         })
     }
 
     /// The same as `Consumer(name, ...)`.
     #[classmethod]
     #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block", spin=50e-6,
-        group_access=false))]
+        group_access=false, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn attach(
         _cls: &Bound<'_, pyo3::types::PyType>,
         py: Python<'_>,
@@ -653,8 +872,9 @@ impl Consumer {
         wait: &str,
         spin: f64,
         group_access: bool,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        Self::new(py, name, delivery, wait, spin, group_access)
+        Self::new(py, name, delivery, wait, spin, group_access, stream)
     }
 
     /// The channel name.
@@ -669,7 +889,7 @@ impl Consumer {
         let timeout = timeout_arg(py, timeout)?;
         let c = self.get(py)?;
         match sliced(py, timeout, |slice| OwnedFrame::recv(&c, Some(slice)))? {
-            Some(f) => Ok(Frame::new(f)),
+            Some(f) => Frame::new(py, f, self.stream),
             None => Err(timeout_error(py, "a frame", timeout)),
         }
     }
@@ -677,9 +897,10 @@ impl Consumer {
     /// The next frame if one is ready now, else `None`.
     fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Frame>> {
         let c = self.get(py)?;
-        Ok(OwnedFrame::try_recv(&c)
+        OwnedFrame::try_recv(&c)
             .map_err(|e| err(py, e))?
-            .map(Frame::new))
+            .map(|f| Frame::new(py, f, self.stream))
+            .transpose()
     }
 
     /// The channel's counters as a dict.
@@ -745,6 +966,8 @@ impl Consumer {
 #[pyclass(module = "cuda_ipc", frozen)]
 struct Frame {
     inner: Mutex<Option<Arc<OwnedFrame>>>,
+    /// Raw streams the release is ordered after (`ready_on`, the consumer's `stream=`).
+    after: Mutex<Vec<usize>>,
     seq: u64,
     index: usize,
     metadata: Vec<u8>,
@@ -754,7 +977,16 @@ struct Frame {
 }
 
 impl Frame {
-    fn new(f: OwnedFrame) -> Frame {
+    /// Wraps `f`; with `stream`, makes it ready there (`ready_on`), or releases it and raises.
+    fn new(py: Python<'_>, f: OwnedFrame, stream: Option<usize>) -> PyResult<Frame> {
+        let frame = Self::wrap(f);
+        if let Some(s) = stream {
+            frame.ready_on_raw(py, s)?;
+        }
+        Ok(frame)
+    }
+
+    fn wrap(f: OwnedFrame) -> Frame {
         let fr = f.frame();
         // The GPU accessors (`buffer`, `stream`) panic on a host channel: only asked of GPU frames.
         let (nbytes, gpu) = if fr.is_host() {
@@ -774,7 +1006,29 @@ impl Frame {
             nbytes,
             gpu,
             inner: Mutex::new(Some(Arc::new(f))),
+            after: Mutex::new(Vec::new()),
         }
+    }
+
+    /// `ready_on` for raw stream `s`: on failure the frame is released and the error raised.
+    fn ready_on_raw(&self, py: Python<'_>, s: usize) -> PyResult<()> {
+        let gpu = self.gpu()?;
+        let hold = self.hold(py)?;
+        if s == gpu.stream {
+            return Ok(());
+        }
+        // SAFETY: `s` is a stream the user named for this consumer's device (python/README.md:
+        // it must stay valid until the frame is released).
+        if let Err(e) = unsafe { hold.frame().ready_on_raw(s as _) } {
+            drop(hold);
+            self.release(py)?;
+            return Err(err(py, e));
+        }
+        let mut after = lock(&self.after);
+        if !after.contains(&s) {
+            after.push(s);
+        }
+        Ok(())
     }
 
     /// The device buffer, or `NotSupported` on a host channel.
@@ -864,10 +1118,74 @@ impl Frame {
         lock(&self.inner).is_some()
     }
 
-    /// Ends this object's hold (the frame is released once no DLPack tensor of it is left).
-    fn release(&self, py: Python<'_>) {
-        let f = lock(&self.inner).take();
-        py.detach(|| drop(f));
+    /// Ends this object's hold (the frame is released once no DLPack tensor of it is left),
+    /// ordered after the work enqueued by now on every stream named by `ready_on` or the
+    /// consumer's `stream=`. A second call does nothing.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(f) = lock(&self.inner).take() else {
+            return Ok(());
+        };
+        let after = std::mem::take(&mut *lock(&self.after));
+        let mut failed = None;
+        for s in after {
+            // SAFETY: as in `ready_on_raw`: `s` is still valid (python/README.md).
+            if let Err(e) = unsafe { f.frame().release_after_raw(s as _) } {
+                failed = Some(e);
+            }
+        }
+        let ctx = failed.as_ref().map(|_| f.consumer().context().clone());
+        py.detach(|| {
+            if let Some(ctx) = &ctx {
+                // Unordered, the producer could overwrite the buffer under work still queued on
+                // that stream: wait for the context's work on the host before the release.
+                let _ = ctx.synchronize();
+            }
+            drop(f)
+        });
+        match failed {
+            Some(e) => Err(err(py, e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes `stream` (an int `CUstream`, a `torch.cuda.Stream`, a `cupy.cuda.Stream`) wait on
+    /// the GPU for this frame, and orders the release after the work enqueued there by the time
+    /// of `release()`. `stream` must stay valid until then. `NotSupported` on a host channel;
+    /// `InvalidArgument` once released; on a CUDA error the frame is released and the error raised.
+    fn ready_on(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.gpu()?;
+        match stream_arg(py, Some(stream))? {
+            Some(s) => self.ready_on_raw(py, s),
+            None => Ok(()),
+        }
+    }
+
+    /// The buffer as a PyTorch tensor (zero-copy, through DLPack on PyTorch's current stream; the
+    /// tensor holds the frame until freed and its release is ordered after that stream): `dtype`
+    /// (a `torch.dtype`, default `uint8`) and `shape` (an int or a tuple; default: the whole
+    /// buffer, one-dimensional) over the first `prod(shape) * itemsize` bytes. `InvalidArgument`
+    /// when they need more bytes than the buffer has or once released; `NotSupported` on a host
+    /// channel; `ImportError` without PyTorch.
+    #[pyo3(signature = (shape=None, dtype=None))]
+    fn as_tensor<'py>(
+        slf: &Bound<'py, Self>,
+        shape: Option<&Bound<'py, PyAny>>,
+        dtype: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.get().gpu()?;
+        torch_tensor(slf.as_any(), slf.get().nbytes, shape, dtype)
+    }
+
+    /// The buffer as a CuPy array, as `as_tensor` (CuPy's current stream; `dtype` anything
+    /// `cupy.dtype` takes).
+    #[pyo3(signature = (shape=None, dtype=None))]
+    fn as_cupy<'py>(
+        slf: &Bound<'py, Self>,
+        shape: Option<&Bound<'py, PyAny>>,
+        dtype: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.get().gpu()?;
+        cupy_array(slf.as_any(), slf.get().nbytes, shape, dtype)
     }
 
     #[getter]
@@ -893,14 +1211,17 @@ impl Frame {
         // Checked first: `context()` panics on a host channel.
         let gpu = self.gpu()?;
         let hold = self.hold(py)?;
-        let ctx = hold.consumer().context().clone();
         let ex = dlpack::Export {
-            hold: dlpack::Hold::Frame(hold),
+            hold: dlpack::Hold::Frame(dlpack::FrameHold {
+                frame: hold.clone(),
+                release_after: None,
+            }),
             ptr: gpu.ptr,
             nbytes: self.nbytes,
             device: gpu.device,
             ready_on: gpu.stream,
-            ctx: Some(ctx),
+            frame: Some(hold),
+            target: Mutex::new(None),
         };
         ex.export(py, stream, max_version, dl_device, copy)
     }
@@ -910,7 +1231,7 @@ impl Frame {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
         self.release(py)
     }
 

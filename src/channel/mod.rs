@@ -33,7 +33,10 @@ pub use control::{
     META_BYTES, WaitStrategy,
 };
 
-use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, HostRegistration, Stream};
+use crate::driver::{
+    Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream,
+};
+use crate::ffi::sys;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::{ImportedBuffer, IpcEvent, MemPool, PoolBuffer, VmmBuffer};
@@ -313,6 +316,9 @@ struct GpuPool {
     buffers: Vec<ChannelBuffer>,
     /// Per consumer slot: (generation, identity, release events) of the consumer last seen there.
     consumer_events: Vec<Option<(u64, ProcessIdentity, Vec<IpcEvent>)>>,
+    /// Orders the producer's stream after other streams ([`WriteFrame::publish_after`]); locked
+    /// from record to wait, so two threads never cross their records.
+    join: std::sync::Mutex<Event>,
     stream: Stream,
     ctx: Arc<Context>,
 }
@@ -478,6 +484,7 @@ impl Producer {
         Ok(Producer {
             gpu: Some(GpuPool {
                 consumer_events: (0..control.consumer_capacity()).map(|_| None).collect(),
+                join: std::sync::Mutex::new(Event::new(ctx)?),
                 buffers,
                 stream,
                 ctx: ctx.clone(),
@@ -824,6 +831,44 @@ impl WriteFrame<'_> {
         &self.producer.gpu().stream
     }
 
+    /// Orders the publish after the work enqueued so far on `stream` (another stream of the
+    /// producer's context that writes the buffer, such as PyTorch's current stream): the
+    /// producer's stream waits for it on the GPU (an event recorded on `stream`,
+    /// `cuStreamWaitEvent`), and the ready word that [`WriteFrame::publish`] enqueues there comes
+    /// after. The calling thread does not block. Call it after the last write on `stream`; it may
+    /// be called for several streams. Without it, only work on [`WriteFrame::stream`] is ordered
+    /// before consumers read the frame.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel; [`Error::Cuda`] naming `cuEventRecord`
+    /// (`stream` belongs to another context) or `cuStreamWaitEvent`.
+    pub fn publish_after(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: `stream` is a live stream (borrowed for the call); the driver rejects one of
+        // another context at `cuEventRecord`.
+        unsafe { self.publish_after_raw(stream.as_raw()) }
+    }
+
+    /// [`WriteFrame::publish_after`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
+    ///
+    /// # Errors
+    /// As [`WriteFrame::publish_after`].
+    ///
+    /// # Safety
+    /// 1. `stream` is a live stream of the producer's context for the duration of the call, or
+    ///    null or `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name that
+    ///    context's default streams.
+    pub unsafe fn publish_after_raw(&self, stream: sys::CUstream) -> Result<()> {
+        let Some(gpu) = self.producer.gpu.as_ref() else {
+            return Err(Error::InvalidArgument(
+                "a host channel's frame has no stream to order".into(),
+            ));
+        };
+        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: `stream` as the caller guarantees (obligation 1 of `order_raw`); the producer's
+        // stream lives as long as the producer this frame borrows (obligation 2).
+        unsafe { join.order_raw(stream, gpu.stream.as_raw()) }
+    }
+
     /// Publishes the frame with `metadata` (at most [`META_BYTES`] bytes) and wakes waiting
     /// consumers. On a host channel that is all: the writes made through the frame so far are
     /// visible to every consumer that receives it. On a GPU channel it then enqueues on the producer's stream, after the work enqueued so far, the write
@@ -932,6 +977,10 @@ pub struct Consumer {
 struct GpuImports {
     // Drop order: events and imports before the stream and context.
     release_events: Vec<IpcEvent>,
+    /// Orders the consumer's stream with other streams ([`Frame::ready_on`],
+    /// [`Frame::release_after`]); locked from record to wait, so frames released from two threads
+    /// never cross their records.
+    join: std::sync::Mutex<Event>,
     buffers: Vec<ImportedBuffer>,
     stream: Stream,
     ctx: Arc<Context>,
@@ -1041,6 +1090,7 @@ impl Consumer {
             slot,
             gpu: Some(GpuImports {
                 release_events,
+                join: std::sync::Mutex::new(Event::new(ctx)?),
                 buffers,
                 stream,
                 ctx: ctx.clone(),
@@ -1366,6 +1416,78 @@ impl Frame<'_> {
     /// On a host channel ([`MemoryKind::Host`]), which has no stream.
     pub fn stream(&self) -> &Stream {
         &self.consumer.gpu().stream
+    }
+
+    /// Makes `stream` wait on the GPU for this frame (an event recorded on the consumer's stream,
+    /// `cuStreamWaitEvent` on `stream`): work enqueued on `stream` from now on reads the
+    /// producer's data. The calling thread does not block. `stream` may belong to any context (a
+    /// library's own stream, such as PyTorch's current one); pair it with
+    /// [`Frame::release_after`] for the same stream after the last work there that reads the
+    /// frame.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel; [`Error::Cuda`] naming `cuEventRecord` or
+    /// `cuStreamWaitEvent`.
+    pub fn ready_on(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: `stream` is a live stream (borrowed for the call).
+        unsafe { self.ready_on_raw(stream.as_raw()) }
+    }
+
+    /// [`Frame::ready_on`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
+    ///
+    /// # Errors
+    /// As [`Frame::ready_on`].
+    ///
+    /// # Safety
+    /// 1. `stream` is a live stream of any context for the duration of the call, or null or
+    ///    `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name the default
+    ///    streams of the consumer's context.
+    pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
+        let gpu = self.gpu_or_err()?;
+        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the consumer's stream lives as long as the consumer this frame borrows
+        // (obligation 1 of `order_raw`); `stream` as the caller guarantees (obligation 2).
+        unsafe { join.order_raw(gpu.stream.as_raw(), stream) }
+    }
+
+    /// Orders this frame's release after the work enqueued so far on `stream` (a stream of the
+    /// consumer's context that read the frame): the consumer's stream waits for it on the GPU (an
+    /// event recorded on `stream`, `cuStreamWaitEvent`), and the release that dropping the frame
+    /// records there comes after. The calling thread does not block. Call it after the last work
+    /// on `stream` that reads the frame; it may be called for several streams and more than once.
+    /// Without it, only work on [`Frame::stream`] is ordered before the producer reuses the
+    /// buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel; [`Error::Cuda`] naming `cuEventRecord`
+    /// (`stream` belongs to another context) or `cuStreamWaitEvent`.
+    pub fn release_after(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: `stream` is a live stream (borrowed for the call); the driver rejects one of
+        // another context at `cuEventRecord`.
+        unsafe { self.release_after_raw(stream.as_raw()) }
+    }
+
+    /// [`Frame::release_after`] for a raw `CUstream`.
+    ///
+    /// # Errors
+    /// As [`Frame::release_after`].
+    ///
+    /// # Safety
+    /// 1. `stream` is a live stream of the consumer's context for the duration of the call, or
+    ///    null or `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name that
+    ///    context's default streams.
+    pub unsafe fn release_after_raw(&self, stream: sys::CUstream) -> Result<()> {
+        let gpu = self.gpu_or_err()?;
+        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: `stream` as the caller guarantees (obligation 1 of `order_raw`); the consumer's
+        // stream lives as long as the consumer this frame borrows (obligation 2).
+        unsafe { join.order_raw(stream, gpu.stream.as_raw()) }
+    }
+
+    fn gpu_or_err(&self) -> Result<&GpuImports> {
+        self.consumer.gpu.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("a host channel's frame has no stream to order".into())
+        })
     }
 }
 

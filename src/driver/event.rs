@@ -84,6 +84,37 @@ impl Event {
         Ok(())
     }
 
+    /// Makes stream `after` wait on the GPU for the work enqueued so far on stream `before`: this
+    /// event recorded on `before` (`cuEventRecord`), then `cuStreamWaitEvent` on `after`. The
+    /// calling thread does not block. The event may be recorded again at once: a wait uses the
+    /// record the event had when the wait was enqueued. Two threads ordering through one event at
+    /// the same time may cross their records; callers that share an event serialise (a lock).
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] naming `cuEventRecord` (for instance `before` is a stream of another
+    /// context) or `cuStreamWaitEvent`.
+    ///
+    /// # Safety
+    /// 1. `before` is a live stream of this event's context, or null or one of the sentinels
+    ///    `CU_STREAM_LEGACY` (`0x1`) and `CU_STREAM_PER_THREAD` (`0x2`), which name the default
+    ///    streams of this event's context.
+    /// 2. `after` is a live stream of any context (the driver allows an event of another context
+    ///    or device), or one of the same sentinels, for the duration of the call.
+    ///
+    /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html> (`cuStreamWaitEvent`).
+    #[doc(alias = "cuStreamWaitEvent")]
+    pub unsafe fn order_raw(&self, before: sys::CUstream, after: sys::CUstream) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: context current (`_cur`), so the sentinels name its default streams; the event is
+        // valid until drop; the caller guarantees `before` (obligation 1).
+        check("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, before) })?;
+        // SAFETY: the event was recorded above; the caller guarantees `after` (obligation 2).
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(after, self.raw, 0)
+        })?;
+        Ok(())
+    }
+
     /// Whether the last record has completed (`cuEventQuery`); true for a never-recorded event.
     ///
     /// # Errors
