@@ -20,6 +20,13 @@ META_BYTES: int
 
 Wait = Literal["block", "spin", "spin_then_block"]
 
+StreamLike = Union[int, Any]
+"""A CUDA stream of the channel's device: an ``int`` (a raw ``CUstream``; ``0``/``1`` the legacy
+default stream, ``2`` the per-thread one), a ``torch.cuda.Stream`` (its ``cuda_stream``), a
+``cupy.cuda.Stream`` (its ``ptr``), or an object with ``__cuda_stream__``. It must stay valid
+until the frame it orders is published or released (PyTorch's pooled streams and the default
+streams always are)."""
+
 class CudaIpcError(Exception):
     """Base class of every error raised by cuda_ipc; the message is the Rust error's text."""
 
@@ -110,7 +117,10 @@ class Producer:
         memory: Literal["auto", "legacy", "vmm", "pool", "host"] = "auto",
         group_access: bool = False,
         device: int = 0,
-    ) -> None: ...
+        stream: Optional[StreamLike] = None,
+    ) -> None:
+        """``stream``: every write frame's publish is also ordered after the work enqueued on it
+        (``WriteFrame.publish_after``); ``InvalidArgument`` on a host channel."""
     @property
     def name(self) -> str: ...
     @property
@@ -159,6 +169,17 @@ class WriteFrame:
         published, ``TypeError`` for what is not bytes-like, ``NotSupported`` on a GPU frame."""
     def read(self, offset: int = 0, n: Optional[int] = None) -> bytes:
         """A copy of ``n`` bytes of the host buffer from ``offset`` (``None``: to the end)."""
+    def publish_after(self, stream: StreamLike) -> None:
+        """Orders the publish after the work enqueued on ``stream`` by the time ``publish`` is
+        called (write there, then publish). ``__dlpack__(stream=s)`` (``torch.from_dlpack``,
+        ``as_tensor``) notes ``s`` the same way. ``NotSupported`` on a host channel."""
+    def as_tensor(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
+        """The buffer as a PyTorch tensor (zero-copy, DLPack on PyTorch's current stream, which
+        the publish is then ordered after): ``dtype`` (default ``torch.uint8``) and ``shape``
+        (default: the whole buffer, one-dimensional) over the first ``prod(shape) * itemsize``
+        bytes. ``InvalidArgument`` when they need more bytes than the buffer has."""
+    def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
+        """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
     def publish(self, metadata: bytes = b"") -> int:
         """Publishes with ``metadata`` (at most META_BYTES); returns the sequence number."""
     def abandon(self) -> None: ...
@@ -194,7 +215,10 @@ class Consumer:
         wait: Wait = "spin_then_block",
         spin: float = 50e-6,
         group_access: bool = False,
-    ) -> None: ...
+        stream: Optional[StreamLike] = None,
+    ) -> None:
+        """``stream``: every frame received is made ready on it and its release ordered after it
+        (``Frame.ready_on``); ``InvalidArgument`` on a host channel."""
     @classmethod
     def attach(
         cls,
@@ -204,6 +228,7 @@ class Consumer:
         wait: Wait = "spin_then_block",
         spin: float = 50e-6,
         group_access: bool = False,
+        stream: Optional[StreamLike] = None,
     ) -> Consumer:
         """The same as ``Consumer(name, ...)``."""
     @property
@@ -256,7 +281,20 @@ class Frame:
         """Whether the buffer is shared host memory (``memory="host"``)."""
     @property
     def held(self) -> bool: ...
-    def release(self) -> None: ...
+    def release(self) -> None:
+        """Ends this object's hold, ordered after the work enqueued by now on every stream named
+        by ``ready_on`` or the consumer's ``stream``; a second call does nothing."""
+    def ready_on(self, stream: StreamLike) -> None:
+        """Makes ``stream`` wait on the GPU for this frame and orders the release after the work
+        enqueued there by the time of ``release()``. ``NotSupported`` on a host channel."""
+    def as_tensor(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
+        """The buffer as a PyTorch tensor (zero-copy, DLPack on PyTorch's current stream; the
+        tensor holds the frame until freed, and the release is ordered after that stream):
+        ``dtype`` (default ``torch.uint8``) and ``shape`` (default: the whole buffer) over the
+        first ``prod(shape) * itemsize`` bytes. ``InvalidArgument`` when they need more bytes
+        than the buffer has; ``ImportError`` without PyTorch."""
+    def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
+        """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
     def read(self, offset: int = 0, n: Optional[int] = None) -> builtins.bytes:
         """A copy of ``n`` bytes of the host buffer from ``offset`` (``None``: to the end).
         ``InvalidArgument`` past the end or once released; ``NotSupported`` on a GPU frame."""
@@ -275,7 +313,9 @@ class Frame:
         copy: Optional[bool] = None,
     ) -> Any:
         """A DLPack capsule (1-D uint8) that holds the frame until the tensor is freed;
-        ``stream`` is made to wait for the frame on the GPU (``-1``: no ordering)."""
+        ``stream`` is made to wait for the frame on the GPU, and when the tensor is freed the
+        release is ordered after the work enqueued on ``stream`` by then (``-1``: no ordering
+        either way). ``stream`` must outlive the tensor."""
     def __dlpack_device__(self) -> Tuple[int, int]: ...
     def __enter__(self) -> Frame: ...
     def __exit__(self, *args: Any) -> None: ...

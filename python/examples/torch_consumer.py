@@ -1,11 +1,20 @@
-"""A Python consumer of the `python_producer` example: receives every frame as a PyTorch tensor
-(or a CuPy array with ``--via cupy``), zero-copy, and checks every 32-bit word against the pattern
-the producer's ``fill_pattern`` kernel wrote, on the GPU. Only the mismatch count (one integer)
-comes back to the host, once, at the end. Prints frames/s and the hand-off latency (publish ->
-frame ready here), and exits non-zero on any mismatch, a frame out of order, or a frame missing.
+"""A Python consumer (the ``cuda_ipc`` extension) of the ``python_producer`` example and of
+``torch_producer.py``: receives every frame zero-copy through DLPack as a PyTorch tensor (or a CuPy
+or JAX array with ``--via cupy|jax``), checks that the array's data pointer is the frame's, and
+checks every 32-bit word against the pattern of the ``fill_pattern`` kernel on the GPU. Only the
+mismatch count comes back to the host, once, at the end. Prints frames/s and the hand-off latency
+(publish -> frame received here), and exits non-zero on any mismatch, copy, frame out of order or
+frame missing.
 
-    python3 python/examples/torch_consumer.py CHANNEL [--frames N] [--via torch|cupy]
+    python3 python/examples/torch_consumer.py CHANNEL [--frames N] [--via torch|cupy|jax]
+        [--delivery every|latest]
+    python3 python/examples/torch_consumer.py CHANNEL --cost [--cost-via capsule|torch]
     python3 python/examples/torch_consumer.py --print-pattern SEED... --at INDEX...
+
+``--cost`` measures what receiving costs per frame instead (``bench/consumer_cost.py``): each
+``try_recv`` that returns a frame, the DLPack export (``--cost-via capsule``: ``__dlpack__`` alone;
+``torch``: ``torch.from_dlpack``, the tensor made and freed) and the release, timed together;
+polls that find nothing are not counted. Prints ``cost_ns p50=... p90=... mean=...``.
 
 Frame metadata (little-endian u64): frame index (the pattern's seed), width, height, publish time
 (ns, CLOCK_MONOTONIC). Each frame is width x height x 4 bytes.
@@ -17,10 +26,7 @@ import struct
 import sys
 import time
 
-sys.dont_write_bytecode = True
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import cuda_ipc_consumer as cic  # noqa: E402
+import cuda_ipc
 
 M32 = 0xFFFFFFFF
 
@@ -35,9 +41,9 @@ def pattern(seed: int, i: int) -> int:
     return (x + i) & M32
 
 
-class TorchCheck:
-    """Counts words that differ from the pattern, on the GPU, in int64 (PyTorch has few uint32
-    operations); products are split so that no intermediate exceeds 2**48."""
+class TorchPattern:
+    """The pattern on the GPU in PyTorch, in int64 (PyTorch has few uint32 operations); products
+    are split so that no intermediate exceeds 2**48."""
 
     def __init__(self, device, words: int):
         import torch
@@ -46,7 +52,6 @@ class TorchCheck:
         i = torch.arange(words, dtype=torch.int64, device=device)
         self.lo = i & M32
         self.hi = ((i >> 32) * 0x9E3779B9) & M32
-        self.bad = torch.zeros((), dtype=torch.int64, device=device)
         self.words = words
 
     def mul32(self, x, k):
@@ -60,16 +65,25 @@ class TorchCheck:
         return (x + self.lo) & M32
 
     def self_test(self) -> None:
-        at = [0, 1, 2, 12345, self.words - 1]
+        at = [0, 1, 2, 12345 % self.words, self.words - 1]
         for seed in (0, 1, 0xDEADBEEF):
             got = self.expected(seed)[at].tolist()
             want = [pattern(seed, i) for i in at]
             if got != want:
                 raise SystemExit(f"the GPU pattern {got} differs from the reference {want}")
 
+
+class TorchCheck(TorchPattern):
+    def __init__(self, device, words: int):
+        super().__init__(device, words)
+        self.bad = self.torch.zeros((), dtype=self.torch.int64, device=device)
+        self.copies = 0
+
     def check(self, frame, seed: int) -> None:
-        t = frame.as_tensor((self.words,), self.torch.int32)
+        t = frame.as_tensor((self.words,), self.torch.int32)  # DLPack on the current stream
+        self.copies += t.data_ptr() != frame.ptr
         self.bad += ((t.to(self.torch.int64) & M32) != self.expected(seed)).sum()
+        del t  # the capsule's hold goes; the release is ordered after the current stream
 
     def mismatches(self) -> int:
         return int(self.bad.item())
@@ -89,6 +103,7 @@ class CupyCheck:
             self.bad = cupy.zeros((), dtype=cupy.int64)
         self.ordinal = ordinal
         self.words = words
+        self.copies = 0
 
     def expected(self, seed: int):
         cp = self.cp
@@ -99,7 +114,7 @@ class CupyCheck:
         return x + self.lo
 
     def self_test(self) -> None:
-        at = [0, 1, 2, 12345, self.words - 1]
+        at = [0, 1, 2, 12345 % self.words, self.words - 1]
         with self.cp.cuda.Device(self.ordinal):
             for seed in (0, 1, 0xDEADBEEF):
                 got = [int(v) for v in self.expected(seed)[at].get()]
@@ -110,31 +125,110 @@ class CupyCheck:
     def check(self, frame, seed: int) -> None:
         with self.cp.cuda.Device(self.ordinal):
             a = frame.as_cupy((self.words,), self.cp.uint32)
+            self.copies += a.data.ptr != frame.ptr
             self.bad += self.cp.count_nonzero(a != self.expected(seed))
+            del a
 
     def mismatches(self) -> int:
         with self.cp.cuda.Device(self.ordinal):
             return int(self.bad.get())
 
 
-def attach(channel: str, timeout: float) -> "cic.Consumer":
+class JaxCheck:
+    """The same check in JAX (uint32). JAX assumes arrays are immutable: the array made from a
+    frame is used, and finished (``block_until_ready``), before the frame is released, since the
+    producer writes the buffer again afterwards."""
+
+    def __init__(self, ordinal: int, words: int):
+        import jax
+        import jax.numpy as jnp
+
+        self.jax, self.jnp = jax, jnp
+        self.dev = [d for d in jax.devices("gpu") if d.id == ordinal][0]
+        i = jax.device_put(jnp.arange(words, dtype=jnp.uint32), self.dev)
+        self.lo = i  # words < 2**32: the high half is zero
+        self.words = words
+        self.bad = 0
+        self.copies = 0
+
+        def count(a, lo, seed):
+            x = lo ^ (seed * jnp.uint32(2654435761))
+            x = x ^ (x >> 16)
+            x = x * jnp.uint32(0x85EBCA6B)
+            x = x ^ (x >> 13)
+            return jnp.count_nonzero(a != x + lo)
+
+        self.count = jax.jit(count)
+
+    def self_test(self) -> None:
+        pass  # the pattern is checked against every frame; a wrong formula fails every word
+
+    def check(self, frame, seed: int) -> None:
+        a = self.jax.dlpack.from_dlpack(frame)  # uint8, the whole buffer
+        self.copies += a.unsafe_buffer_pointer() != frame.ptr
+        a = self.jax.lax.bitcast_convert_type(a[: self.words * 4].reshape(self.words, 4), self.jnp.uint32)
+        n = self.count(a, self.lo, self.jnp.uint32(seed))
+        self.bad += int(n.block_until_ready())
+        del a
+
+    def mismatches(self) -> int:
+        return self.bad
+
+
+def attach(channel: str, timeout: float, delivery: str) -> "cuda_ipc.Consumer":
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return cic.Consumer.attach(channel, delivery="every")
-        except cic.ChannelNotFound:
+            return cuda_ipc.Consumer(channel, delivery=delivery)
+        except cuda_ipc.ChannelNotFound:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.05)
+            time.sleep(0.02)
+
+
+def cost(rx, via: str) -> int:
+    """Per-frame cost of a successful try_recv, the DLPack export and the release, in ns."""
+    torch = None
+    if via == "torch":
+        import torch
+    ns = []
+    while True:
+        t = time.perf_counter_ns()
+        try:
+            f = rx.try_recv()
+        except cuda_ipc.ChannelClosed:
+            break
+        if f is None:
+            continue
+        if torch is not None:
+            x = torch.from_dlpack(f)
+            del x
+        else:
+            c = f.__dlpack__(stream=None)
+            del c
+        f.release()
+        ns.append(time.perf_counter_ns() - t)
+    if not ns:
+        print("python consumer: FAIL no frame received", flush=True)
+        return 1
+    mean = sum(ns) / len(ns)
+    ns.sort()
+    at = lambda q: ns[int((len(ns) - 1) * q)]  # noqa: E731
+    print(f"python consumer: OK frames={len(ns)} via={via} cost_ns p50={at(0.5)} p90={at(0.9)} "
+          f"mean={mean:.0f}", flush=True)
+    return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("channel", nargs="?")
     p.add_argument("--frames", type=int, default=0, help="frames expected (0: any number)")
-    p.add_argument("--via", choices=("torch", "cupy"), default="torch")
+    p.add_argument("--via", choices=("torch", "cupy", "jax"), default="torch")
+    p.add_argument("--delivery", choices=("every", "latest"), default="every")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each frame")
     p.add_argument("--attach-timeout", type=float, default=60.0, help="seconds to wait for the channel")
+    p.add_argument("--cost", action="store_true")
+    p.add_argument("--cost-via", choices=("capsule", "torch"), default="torch")
     p.add_argument("--print-pattern", type=int, nargs="*", metavar="SEED")
     p.add_argument("--at", type=int, nargs="*", default=[], metavar="INDEX")
     a = p.parse_args()
@@ -143,64 +237,67 @@ def main() -> int:
         return 0
     if not a.channel:
         p.error("a channel name is needed")
-
-    if a.via == "torch":
-        import torch  # before attaching: frames are then ready on PyTorch's current stream
+    if a.via == "torch" or (a.cost and a.cost_via == "torch"):
+        import torch  # noqa: F401
+    elif a.via == "cupy":
+        import cupy  # noqa: F401
     else:
-        import cupy  # noqa: F401  (frames ready on CuPy's current stream)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # not 75% of the GPU
+        import jax  # noqa: F401
 
-    rx = attach(a.channel, a.attach_timeout)
-    with rx:
-        words = rx.buffer_bytes // 4
-        if a.via == "torch":
-            checker = TorchCheck(torch.device("cuda", rx.device_ordinal), words)
-        else:
-            checker = CupyCheck(rx.device_ordinal, words)
-        checker.self_test()
-        print(
-            f"python consumer (pid {os.getpid()}, {a.via}): attached to {a.channel} as consumer "
-            f"{rx.slot}, {rx.buffers} buffers of {rx.buffer_bytes} bytes, device {rx.device_ordinal}",
-            flush=True,
-        )
-        received = 0
-        out_of_order = 0
-        bad_shape = 0
+    with attach(a.channel, a.attach_timeout, a.delivery) as rx:
+        print(f"python consumer (pid {os.getpid()}, {a.via}): attached to {a.channel}", flush=True)
+        if a.cost:
+            return cost(rx, a.cost_via)
+        checker = None
+        received = out_of_order = bad_shape = 0
         last = None
         lat = []
         start = None
         while True:
             try:
                 frame = rx.recv(timeout=a.timeout)
-            except cic.ChannelClosed:
+            except cuda_ipc.ChannelClosed:
                 break
             ready = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             start = start or time.monotonic()
             with frame:
                 index, w, h, stamp = struct.unpack_from("<4Q", frame.metadata)
                 lat.append(max(0, ready - stamp))
+                if checker is None:
+                    words = frame.nbytes // 4
+                    ordinal = frame.__dlpack_device__()[1]
+                    if a.via == "torch":
+                        checker = TorchCheck(torch.device("cuda", ordinal), words)
+                    elif a.via == "cupy":
+                        checker = CupyCheck(ordinal, words)
+                    else:
+                        checker = JaxCheck(ordinal, words)
+                    checker.self_test()
                 if w * h * 4 != frame.nbytes:
                     bad_shape += 1
-                if index != frame.seq - 1 or (last is not None and frame.seq != last + 1):
+                if last is not None and (index != last + 1 if a.delivery == "every" else index <= last):
                     out_of_order += 1
-                last = frame.seq
-                checker.check(frame, index & M32)  # enqueued on the frame's stream; released after it
+                last = index
+                checker.check(frame, index & M32)
             received += 1
-        bad = checker.mismatches()  # synchronises: every check has run
+        bad = checker.mismatches() if checker else 0
+        copies = checker.copies if checker else 0
         secs = max(time.monotonic() - (start or time.monotonic()), 1e-9)
-        stats = [c for c in rx.stats()["consumers"] if c["index"] == rx.slot]
+        stats = rx.stats()
     lat.sort()
 
     def pct(q):
         return lat[int((len(lat) - 1) * q)] / 1e3 if lat else 0.0
 
-    missing = a.frames - received if a.frames else 0
-    ok = bad == 0 and out_of_order == 0 and bad_shape == 0 and received > 0 and missing == 0
+    missing = max(a.frames - received, 0) if a.frames and a.delivery == "every" else 0
+    ok = bad == 0 and copies == 0 and out_of_order == 0 and bad_shape == 0 and received > 0 and missing == 0
     print(
-        f"python consumer: {'OK' if ok else 'FAIL'} received {received} frames "
-        f"({received / secs:.0f}/s, {received * words * 4 / secs / 1e9:.1f} GB/s), missing {missing}, "
-        f"mismatched words {bad}, out of order {out_of_order}, bad shape {bad_shape}; hand-off "
-        f"publish->ready p50 {pct(0.5):.1f} us, p99 {pct(0.99):.1f} us, max {pct(1.0):.1f} us; "
-        f"stats {stats}",
+        f"python consumer: {'OK' if ok else 'FAIL'} via={a.via} delivery={a.delivery} frames={received} "
+        f"({received / secs:.0f}/s) missing={missing} mismatched_words={bad} copies={copies} "
+        f"out_of_order={out_of_order} bad_shape={bad_shape} last_index={last}; hand-off "
+        f"publish->received p50 {pct(0.5):.1f} us, p99 {pct(0.99):.1f} us; "
+        f"published {stats['published']}",
         flush=True,
     )
     return 0 if ok else 1
@@ -209,6 +306,6 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except cic.CudaIpcError as e:
+    except cuda_ipc.CudaIpcError as e:
         print(f"python consumer: FAIL {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

@@ -55,7 +55,9 @@ impl Drop for FrameHold {
         if let Err(e) = unsafe { frame.release_after_raw(s as _) } {
             // Without the ordering the producer could overwrite the buffer under work still queued
             // on `s`: wait for the context's work on the host instead.
-            eprintln!("cuda_ipc: ordering a frame's release after a tensor's stream failed ({e}); synchronising");
+            eprintln!(
+                "cuda_ipc: ordering a frame's release after a tensor's stream failed ({e}); synchronising"
+            );
             if let Err(e) = self.frame.consumer().context().synchronize() {
                 eprintln!("cuda_ipc: synchronising the consumer's context failed: {e}");
             }

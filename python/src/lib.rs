@@ -266,7 +266,9 @@ fn torch_tensor<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
     let t = py.import("torch")?.call_method1("from_dlpack", (obj,))?;
-    shaped(py, t, nbytes, shape, dtype, |d| d.getattr("itemsize")?.extract())
+    shaped(py, t, nbytes, shape, dtype, |d| {
+        d.getattr("itemsize")?.extract()
+    })
 }
 
 /// A CuPy array of `obj`: `cupy.from_dlpack` (which names CuPy's current stream), then `shaped`.
@@ -280,7 +282,9 @@ fn cupy_array<'py>(
     let cupy = py.import("cupy")?;
     let t = cupy.call_method1("from_dlpack", (obj,))?;
     shaped(py, t, nbytes, shape, dtype, |d| {
-        cupy.call_method1("dtype", (d,))?.getattr("itemsize")?.extract()
+        cupy.call_method1("dtype", (d,))?
+            .getattr("itemsize")?
+            .extract()
     })
 }
 

@@ -378,3 +378,37 @@ def test_host_producer_options_are_checked_without_a_driver(name):
     with cuda_ipc.Producer(name, 64, memory="host"):
         with pytest.raises(cuda_ipc.ChannelExists):
             cuda_ipc.Producer(name, 64, memory="host")
+
+
+def test_stream_options_and_tensor_helpers_are_refused_on_a_host_channel(name):
+    class TorchLikeStream:
+        cuda_stream = 12345
+
+    class CupyLikeStream:
+        ptr = 12345
+
+    for s in (7, TorchLikeStream(), CupyLikeStream()):
+        with pytest.raises(cuda_ipc.InvalidArgument, match="no streams to order"):
+            cuda_ipc.Producer(name, 64, memory="host", stream=s)
+    for bad in ("default", 1.5, object()):
+        with pytest.raises((cuda_ipc.InvalidArgument, TypeError)):
+            cuda_ipc.Producer(name, 64, memory="host", stream=bad)
+    with cuda_ipc.Producer(name, 64, buffers=2, memory="host") as tx:
+        with pytest.raises(cuda_ipc.InvalidArgument, match="no streams to order"):
+            cuda_ipc.Consumer(name, stream=TorchLikeStream())
+        with pytest.raises(cuda_ipc.InvalidArgument, match="stream must be"):
+            cuda_ipc.Consumer(name, stream="current")
+        rx = cuda_ipc.Consumer(name, stream=None)
+        w = tx.acquire(timeout=ANSWER)
+        for call in (lambda: w.publish_after(3), w.as_tensor, w.as_cupy):
+            with pytest.raises(cuda_ipc.NotSupported, match="host-memory frame"):
+                call()
+        w.publish(b"")
+        f = rx.recv(timeout=ANSWER)
+        for call in (lambda: f.ready_on(3), f.as_tensor, lambda: f.as_cupy((4,), "uint8")):
+            with pytest.raises(cuda_ipc.NotSupported, match="host-memory frame"):
+                call()
+        f.release()
+        f.release()  # a second release does nothing
+        assert not f.held
+        rx.close()

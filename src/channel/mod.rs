@@ -33,11 +33,9 @@ pub use control::{
     META_BYTES, WaitStrategy,
 };
 
-use crate::driver::{
-    Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream,
-};
-use crate::ffi::sys;
+use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
+use crate::ffi::sys;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::{ImportedBuffer, IpcEvent, MemPool, PoolBuffer, VmmBuffer};
 use crate::shm::SegmentOptions;

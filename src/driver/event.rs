@@ -107,7 +107,9 @@ impl Event {
         let _cur = self.ctx.enter()?;
         // SAFETY: context current (`_cur`), so the sentinels name its default streams; the event is
         // valid until drop; the caller guarantees `before` (obligation 1).
-        check("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, before) })?;
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, before)
+        })?;
         // SAFETY: the event was recorded above; the caller guarantees `after` (obligation 2).
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(after, self.raw, 0)
