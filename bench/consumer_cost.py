@@ -9,7 +9,9 @@ full) three times, once for each consumer:
 - ``python-capsule``: ``python/examples/torch_consumer.py --cost --cost-via capsule``: a successful
   ``try_recv``, ``frame.__dlpack__()`` (the capsule, with the stream ordering it does) and
   ``release()``;
-- ``python-torch``: the same with ``torch.from_dlpack(frame)`` (the tensor made and freed).
+- ``python-torch``: the same with ``torch.from_dlpack(frame)`` (the tensor made and freed);
+- ``torch-alone``: PyTorch's own share of that, no channel: ``torch.from_dlpack`` of a PyTorch
+  CUDA tensor (its ``__dlpack__``, the tensor made and freed), timed the same way.
 
 Polls that find nothing are not counted, so the figures are what a frame costs the consumer's
 thread, not the wait for the producer. Three runs (``--runs``); the medians of the runs' p50s and
@@ -32,7 +34,30 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+TORCH_ALONE = """
+import sys, time, torch
+x = torch.empty(128 * 128 * 4, dtype=torch.uint8, device="cuda")
+ns = []
+for _ in range(int(sys.argv[1])):
+    t = time.perf_counter_ns()
+    y = torch.from_dlpack(x)
+    del y
+    ns.append(time.perf_counter_ns() - t)
+mean = sum(ns) / len(ns)
+ns.sort()
+print(f"frames={len(ns)} cost_ns p50={ns[len(ns) // 2]} p90={ns[int(len(ns) * 0.9)]} mean={mean:.0f}")
+"""
+
+
 def run_case(bins: str, case: str, frames: int, run: int) -> dict:
+    if case == "torch-alone":
+        out = subprocess.run([sys.executable, "-c", TORCH_ALONE, str(frames)], capture_output=True,
+                             text=True, timeout=120)
+        m = re.search(r"frames=(\d+).*cost_ns p50=(\d+) p90=(\d+) mean=(\d+)", out.stdout)
+        if out.returncode != 0 or not m:
+            raise RuntimeError(f"torch-alone failed: {out.stdout[-1000:]}{out.stderr[-2000:]}")
+        return {"case": case, "run": run, "frames": int(m[1]), "p50_ns": int(m[2]),
+                "p90_ns": int(m[3]), "mean_ns": int(m[4])}
     name = f"cost-{os.getpid()}-{run}-{case}"
     prod = subprocess.Popen(
         [os.path.join(bins, "python_producer"), "--channel", name, "--frames", str(frames),
@@ -72,7 +97,7 @@ def main() -> int:
     if bins is None:
         print("consumer_cost: no rust_consumer binary (build the examples or pass --bin)", file=sys.stderr)
         return 1
-    cases = ("rust", "python-capsule", "python-torch")
+    cases = ("rust", "python-capsule", "python-torch", "torch-alone")
     rows = []
     for run in range(a.runs):  # interleaved, so drift hits every case alike
         for case in cases:
@@ -88,6 +113,7 @@ def main() -> int:
         "ratio_torch_to_rust": med["python-torch"] / med["rust"],
         "capsule_meets_target": med["python-capsule"] <= target,
         "torch_meets_target": med["python-torch"] <= target,
+        "torch_minus_torch_alone_ns": med["python-torch"] - med["torch-alone"],
     }
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "consumer_cost.json"), "w") as f:
@@ -98,7 +124,8 @@ def main() -> int:
         print(f"  {c:15s} p50 {med[c]:8.0f}  mean {mean[c]:8.0f}  x{med[c] / med['rust']:.2f} of rust")
     print(f"  target 2 x rust + 5 us = {target:.0f} ns: capsule "
           f"{'met' if summary['capsule_meets_target'] else 'MISSED'}, torch.from_dlpack "
-          f"{'met' if summary['torch_meets_target'] else 'MISSED'}", flush=True)
+          f"{'met' if summary['torch_meets_target'] else 'MISSED'}; python-torch less PyTorch's own "
+          f"from_dlpack = {summary['torch_minus_torch_alone_ns']:.0f} ns", flush=True)
     return 0
 
 
