@@ -57,7 +57,13 @@ pub enum Error {
     /// An argument is out of its documented range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// The shared-memory registry or its protocol reported an error.
+    /// A shared-memory segment could not be made, opened or trusted, or a seqlock read found no
+    /// stable copy ([`crate::shm`]); the same variant whichever layer opened the segment (a
+    /// [`crate::shm::Segment`], a registry, a channel).
+    #[error(transparent)]
+    Shm(#[from] crate::shm::ShmError),
+    /// The shared-memory registry or its protocol reported an error (its layout, records or
+    /// participants; what its segment reports is [`Error::Shm`]).
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
     /// The channel's producer process died (found by pid + start time); no more frames will come.

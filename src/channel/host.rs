@@ -26,7 +26,7 @@
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::registry::RegistryError;
+use crate::shm::ShmError;
 use crate::shm::{Segment, SegmentOptions, new_generation};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::token::{Token, TokenKind};
@@ -116,17 +116,17 @@ impl HostPool {
         let seg = loop {
             match Segment::create(&name, len, opts) {
                 Ok(s) => break s,
-                Err(Error::Registry(RegistryError::AlreadyExists { .. })) if attempts < 4 => {
+                Err(Error::Shm(ShmError::AlreadyExists { .. })) if attempts < 4 => {
                     attempts += 1;
                     let judged = match Segment::stat(&name) {
                         Ok(i) => i.inode,
-                        Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                        Err(Error::Shm(ShmError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
                     let why = match Self::replaceable(channel) {
                         Ok(why) => why,
                         // Another replacer removed it meanwhile: create again.
-                        Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                        Err(Error::Shm(ShmError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
                     if Segment::unlink_if_same(&name, judged)? {
@@ -172,7 +172,7 @@ impl HostPool {
         let info = Segment::stat(&name)?;
         let ours = rustix::process::geteuid().as_raw();
         if info.uid != ours {
-            return Err(RegistryError::WrongOwner {
+            return Err(ShmError::WrongOwner {
                 name,
                 owner: info.uid,
                 ours,
@@ -188,7 +188,7 @@ impl HostPool {
             )));
         }
         if info.len < POOL_DATA as u64 {
-            return Err(RegistryError::TooSmall {
+            return Err(ShmError::TooSmall {
                 name,
                 len: info.len,
                 min: POOL_DATA as u64,
@@ -248,7 +248,7 @@ impl HostPool {
         let name = pool_name(channel);
         let seg = match Segment::open_with_min_len(&name, POOL_DATA) {
             Ok(s) => s,
-            Err(Error::Registry(RegistryError::NotFound { .. })) => {
+            Err(Error::Shm(ShmError::NotFound { .. })) => {
                 return Err(bad(format!(
                     "the host pool {name} of channel {channel:?} is missing"
                 )));

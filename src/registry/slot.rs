@@ -17,8 +17,8 @@
 //! [`crate::identity::ProcessIdentity::liveness`], right across pid namespaces.
 
 use super::layout::{PAYLOAD_WORDS, STATE_FREE, W_STATE};
-use crate::registry::RegistryError;
 use crate::shm::SeqLock;
+use crate::shm::ShmError;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Points in a write or a repair where a test hook may stop the process (a test's child pauses
@@ -174,7 +174,7 @@ impl<'a> SlotView<'a> {
     }
 
     /// Reads the payload into `out` with up to `retries` seqlock attempts.
-    pub fn read(&self, out: &mut [u64; PAYLOAD_WORDS], retries: u32) -> Result<u64, RegistryError> {
+    pub fn read(&self, out: &mut [u64; PAYLOAD_WORDS], retries: u32) -> Result<u64, ShmError> {
         self.lock.read(out, retries)
     }
 
