@@ -56,7 +56,7 @@ pub(crate) struct PoolHeader {
     segment_bytes: AtomicU64,
     /// Random, nonzero: the tokens in the control segment carry it.
     generation: AtomicU64,
-    /// `ProcessIdentity::to_words` of the producer.
+    /// The producer, as `ProcessIdentity::store_words` writes it.
     producer: [AtomicU64; 4],
 }
 
@@ -154,9 +154,7 @@ impl HostPool {
         h.stride.store(stride as u64, Ordering::Relaxed);
         h.segment_bytes.store(len as u64, Ordering::Relaxed);
         h.generation.store(generation, Ordering::Relaxed);
-        for (w, v) in h.producer.iter().zip(me.to_words()) {
-            w.store(v, Ordering::Relaxed);
-        }
+        me.store_words(&h.producer);
         // SYNC POINT: pool stamp. Release: pairs with the Acquire load in `open_checked`.
         h.stamp.store(STAMP_READY, Ordering::Release);
         Ok(pool)
@@ -199,9 +197,7 @@ impl HostPool {
         // SAFETY: at least POOL_DATA bytes are mapped (checked by the open), page aligned; the
         // header is atomics only.
         let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
-        let producer = ProcessIdentity::from_words(std::array::from_fn(|k| {
-            h.producer[k].load(Ordering::Relaxed)
-        }));
+        let producer = ProcessIdentity::load_words(&h.producer);
         let magic = h.magic.load(Ordering::Relaxed);
         if magic != POOL_MAGIC && magic != 0 {
             return Err(bad(format!(

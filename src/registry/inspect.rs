@@ -8,7 +8,7 @@
 
 use super::layout::*;
 use super::participant::{self, EntryState};
-use super::{READ_RETRIES, Registry, Retry, decode, read_words};
+use super::{READ_RETRIES, Registry, Retry, decode};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -227,7 +227,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
     // Only the read-only helpers below are called on it.
     let reg = Registry::observer(seg, slots, participants, me)?;
     let hdr = reg.header();
-    let creator = ProcessIdentity::from_words(read_words(&hdr.creator));
+    let creator = ProcessIdentity::load_words(&hdr.creator);
     let mut snap = RegistrySnapshot {
         name: name.to_string(),
         segment_bytes,

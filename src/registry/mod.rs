@@ -379,9 +379,7 @@ impl Registry {
         // Relaxed stores: all published by the Release store of init_stamp below. The creator's
         // identity and the version go first, published early by the magic's Release store, so a
         // stale, half-initialised segment can be told from a slow creator's.
-        for (a, w) in hdr.creator.iter().zip(me.to_words()) {
-            a.store(w, Ordering::Relaxed);
-        }
+        me.store_words(&hdr.creator);
         hdr.layout_version.store(LAYOUT_VERSION, Ordering::Relaxed);
         hdr.generation
             .store(crate::shm::new_generation(), Ordering::Relaxed);
@@ -546,7 +544,7 @@ impl Registry {
         if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
             return Ok(Stale::Changed); // finished meanwhile: open it
         }
-        let creator = ProcessIdentity::from_words(read_words(&hdr.creator));
+        let creator = ProcessIdentity::load_words(&hdr.creator);
         match creator.liveness() {
             Liveness::Dead => {}
             Liveness::Alive => return Err(why),
@@ -795,9 +793,7 @@ impl Registry {
             // SYNC POINT claim: Release fence, pairs with the Acquire fence in `entry_state`: a
             // reader that copies any identity word below then sees this claim's owner word.
             fence(Ordering::Release);
-            for (a, w) in p.identity.iter().zip(self.me.to_words()) {
-                a.store(w, Ordering::Relaxed);
-            }
+            self.me.store_words(&p.identity);
             let name = participant::lock_name(claim, i);
             // SYNC POINT seal: Release, pairs with the Acquire load of `lock_name` in
             // `entry_state`; the identity above is complete for whoever sees this name.
@@ -1483,10 +1479,6 @@ enum Stale {
 }
 
 /// Copies four identity words.
-fn read_words(a: &[crate::sync::AtomicU64; 4]) -> [u64; 4] {
-    // Relaxed: callers order these loads (an Acquire load of the init stamp or the magic before).
-    [0, 1, 2, 3].map(|i| a[i].load(Ordering::Relaxed))
-}
 
 /// What a file type is, in the words of [`ShmError::NotASegment`].
 fn kind_of(ft: std::fs::FileType) -> &'static str {
