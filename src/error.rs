@@ -131,11 +131,6 @@ impl CudaError {
     pub fn description(&self) -> String {
         crate::ffi::error_string(self.code).unwrap_or_else(|| "unknown error".to_string())
     }
-
-    /// True when the code is `CUDA_ERROR_NOT_SUPPORTED` (801).
-    pub fn is_not_supported(&self) -> bool {
-        self.code == 801
-    }
 }
 
 impl fmt::Display for CudaError {
