@@ -174,7 +174,11 @@ impl<'a> SlotView<'a> {
     }
 
     /// Reads the payload into `out` with up to `retries` seqlock attempts.
-    pub(crate) fn read(&self, out: &mut [u64; PAYLOAD_WORDS], retries: u32) -> Result<u64, ShmError> {
+    pub(crate) fn read(
+        &self,
+        out: &mut [u64; PAYLOAD_WORDS],
+        retries: u32,
+    ) -> Result<u64, ShmError> {
         self.lock.read(out, retries)
     }
 
