@@ -1478,8 +1478,6 @@ enum Stale {
     Changed,
 }
 
-/// Copies four identity words.
-
 /// What a file type is, in the words of [`ShmError::NotASegment`].
 fn kind_of(ft: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
