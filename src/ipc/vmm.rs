@@ -325,7 +325,8 @@ impl VmmBuffer {
     }
 
     /// A new file descriptor for the allocation (`cuMemExportToShareableHandle`), for a transport of
-    /// your own; you own it. Import it with [`ImportedBuffer::from_vmm_fd`].
+    /// your own; you own it. Import it with
+    /// [`ImportedBuffer::from_vmm_fd`](super::ImportedBuffer::from_vmm_fd).
     ///
     /// # Errors
     /// [`Error::Cuda`] from the export.
