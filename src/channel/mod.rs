@@ -49,7 +49,11 @@ const LIVENESS_CHECK: Duration = Duration::from_millis(20);
 /// How long it polls the consumer's release event before sleeping between polls.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// Errors of the channel layer.
+/// Errors of the channel layer: what its own segments' contents and its protocol report.
+///
+/// What the segment under a channel reports (another user's, not a file, sparse, too small) comes
+/// as [`Error::Shm`], unwrapped, as from any other opener of a segment; a channel name without a
+/// segment is [`ChannelError::NotFound`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChannelError {

@@ -7,6 +7,11 @@
 //! docs/registry-layout.md). Built on [`crate::shm`]; must not touch `ipc`, `driver` or tokens'
 //! contents.
 //!
+//! Errors: [`RegistryError`] for what the registry's own layout, records and participant table
+//! report; what its segment reports (missing, taken, another user's, sparse, too small, a slot
+//! that stays mid-write) is passed on unchanged as [`Error::Shm`], one pattern whichever layer
+//! opened the segment.
+//!
 //! How it stays sound when peers misbehave or die:
 //! - each record sits in one slot under a seqlock whose payload words are atomics: readers copy and
 //!   validate, so a torn record is never returned;
