@@ -26,7 +26,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("registry", &["identity", "shm"]),
     (
         "channel",
-        &["driver", "identity", "ipc", "probe", "shm", "token"],
+        &["driver", "ffi", "identity", "ipc", "probe", "shm", "token"],
     ),
     ("cudarc_interop", &["driver", "ffi", "ipc"]),
 ];

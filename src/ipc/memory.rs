@@ -157,9 +157,9 @@ impl ImportedBuffer {
     }
 
     /// Imports a VMM allocation from a file descriptor you received through your own transport
-    /// (from [`super::VmmBuffer::export_fd`] in another process), mapping `size` bytes (the exporter's
-    /// [`super::VmmBuffer::allocation_size`]) in `ctx`. The descriptor stays yours: close it when you like;
-    /// the import holds its own reference to the memory. Not cached.
+    /// (from [`super::VmmBuffer::export_fd`] in another process), mapping `size` bytes (the
+    /// exporter's [`super::VmmBuffer::allocation_size`]) in `ctx`. The descriptor stays yours:
+    /// close it when you like; the import holds its own reference to the memory. Not cached.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for `size == 0`; [`Error::Cuda`] naming
