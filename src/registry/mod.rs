@@ -346,7 +346,7 @@ impl Registry {
     /// stored last, so openers never use a half-initialised segment.
     ///
     /// # Errors
-    /// [`RegistryError::InvalidName`], [`ShmError::AlreadyExists`], [`ShmError::NoSpace`],
+    /// [`ShmError::InvalidName`], [`ShmError::AlreadyExists`], [`ShmError::NoSpace`],
     /// [`Error::InvalidArgument`] for a capacity out of range, [`Error::Os`] for failed calls.
     ///
     /// # Examples
