@@ -146,10 +146,10 @@ fn code_only(text: &str) -> String {
         } else if c == b'\'' {
             // A char literal ('x', '\n', '\u{1F600}') or a lifetime ('a): skip only the literal.
             let close = if b.get(i + 1) == Some(&b'\\') {
-                b[i + 2..]
-                    .iter()
-                    .position(|&x| x == b'\'')
-                    .map(|p| i + 2 + p)
+                // The escaped character is at i + 2 (`'\''`, `'\\'`): the closing quote follows.
+                b.get(i + 3..)
+                    .and_then(|rest| rest.iter().position(|&x| x == b'\''))
+                    .map(|p| i + 3 + p)
             } else if b.get(i + 2) == Some(&b'\'') {
                 Some(i + 2)
             } else {
@@ -431,7 +431,7 @@ fn no_two_files_of_a_layer_import_each_other() {
 fn the_scanner_sees_paths_and_skips_comments_and_strings() {
     let code = code_only(
         "use crate::ipc::{MemPool, vmm::X};\n// crate::channel::Y\nlet s = \"crate::registry\";\n\
-         let c = '\\''; let t = crate::Error::Os; /* crate::probe */ let l: &'static str = r#\"crate::x\"#;",
+         let c = '\\''; let q = '\\\\'; let d = '\"'; let t = crate::Error::Os; /* crate::probe */ let l: &'static str = r#\"crate::x\"#;",
     );
     let p = paths_after(&code, "crate::");
     assert_eq!(
