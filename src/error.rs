@@ -1,11 +1,27 @@
-//! The crate's error type.
+//! The crate's error type: the one face users match on.
 //!
-//! Owns: [`Error`], [`CudaError`] (a failed driver call, named) and [`OsError`] (a failed system call,
-//! named, with errno). Lower layers produce these; higher layers wrap them. Nothing here calls CUDA
-//! except [`CudaError`]'s lazy lookup of the driver's name and text for a code.
+//! Owns: [`Error`] and [`OsError`] (a failed system call, named, with errno). Every layer returns
+//! [`Result`]; each layer's own error type is one variant here, carried as it is:
+//!
+//! | variant | layer | its type |
+//! | --- | --- | --- |
+//! | [`Error::Cuda`] | `ffi` (a failed driver call) | [`CudaError`], defined there, re-exported here |
+//! | [`Error::NotExportable`] | `ipc` (foreign memory) | [`crate::ipc::NotExportable`] |
+//! | [`Error::Shm`] | `shm` (segments, seqlock) | [`crate::shm::ShmError`] |
+//! | [`Error::Registry`] | `registry` (its layout, records, participants) | [`crate::registry::RegistryError`] |
+//! | [`Error::Channel`] | `channel` | [`crate::channel::ChannelError`] |
+//!
+//! A lower layer's error is not wrapped again by the layers above it: a segment that does not
+//! exist is `Error::Shm(ShmError::NotFound { .. })` whether a [`crate::shm::Segment`], a registry
+//! or a channel opened it, so there is one pattern per failure. The other variants (timeouts, peers
+//! gone, invalid arguments and tokens, unsupported platforms) are shared by several layers.
+//!
+//! This module sits outside the layer stack (docs/ARCHITECTURE.md, "Module graph"): every module
+//! may use it, and it names the layers' error types as variant payloads only. It calls nothing.
 
-use std::fmt;
 use std::time::Duration;
+
+pub use crate::ffi::CudaError;
 
 /// Result with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -57,7 +73,13 @@ pub enum Error {
     /// An argument is out of its documented range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// The shared-memory registry or its protocol reported an error.
+    /// A shared-memory segment could not be made, opened or trusted, or a seqlock read found no
+    /// stable copy ([`crate::shm`]); the same variant whichever layer opened the segment (a
+    /// [`crate::shm::Segment`], a registry, a channel).
+    #[error(transparent)]
+    Shm(#[from] crate::shm::ShmError),
+    /// The shared-memory registry or its protocol reported an error (its layout, records or
+    /// participants; what its segment reports is [`Error::Shm`]).
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
     /// The channel's producer process died (found by pid + start time); no more frames will come.
@@ -100,61 +122,6 @@ pub enum Error {
         after: Duration,
     },
 }
-
-/// A failed CUDA driver call: the call's name and the `CUresult` it returned.
-///
-/// `Display` reads `cuIpcOpenMemHandle_v2 failed: CUDA_ERROR_INVALID_CONTEXT (invalid device context)`.
-/// The name and text come from `cuGetErrorName` / `cuGetErrorString`; the raw number is kept for codes
-/// newer than the bindings.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct CudaError {
-    /// The driver entry point that failed, e.g. `"cuIpcOpenMemHandle_v2"`.
-    pub call: &'static str,
-    /// The raw `CUresult` value.
-    pub code: u32,
-}
-
-impl CudaError {
-    /// The driver's name for the code (`CUDA_ERROR_INVALID_VALUE`), from `cuGetErrorName`, or
-    /// `CUDA_ERROR_<n>` when the driver does not know it.
-    pub fn name(&self) -> String {
-        crate::ffi::error_name(self.code).unwrap_or_else(|| format!("CUDA_ERROR_{}", self.code))
-    }
-
-    /// The driver's description of the code, from `cuGetErrorString`, or `unknown error` when none.
-    pub fn description(&self) -> String {
-        crate::ffi::error_string(self.code).unwrap_or_else(|| "unknown error".to_string())
-    }
-
-    /// True when the code is `CUDA_ERROR_NOT_SUPPORTED` (801).
-    pub fn is_not_supported(&self) -> bool {
-        self.code == 801
-    }
-}
-
-impl fmt::Display for CudaError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} failed: {} ({})",
-            self.call,
-            self.name(),
-            self.description()
-        )
-    }
-}
-
-impl fmt::Debug for CudaError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaError")
-            .field("call", &self.call)
-            .field("code", &self.code)
-            .field("name", &self.name())
-            .finish()
-    }
-}
-
-impl std::error::Error for CudaError {}
 
 /// A failed system call: its name, what it acted on, and the OS error (errno).
 ///

@@ -1,14 +1,66 @@
 //! The CUDA driver, loaded at run time through `cudarc::driver::sys` (no link-time `libcuda`).
 //!
 //! Owns: the one check that the driver library is present (cudarc panics on first use when it is
-//! not, so every entry point calls [`driver_api`] first), the conversion of `CUresult` into
-//! [`CudaError`], and the error-name lookups. Nothing above this module calls `sys` without having
+//! not, so every entry point calls [`driver_api`] first), [`CudaError`] (this layer's error,
+//! re-exported as `cuda_ipc::CudaError`) and the conversion of `CUresult` into it, and the
+//! error-name lookups. Nothing above this module calls `sys` without having
 //! gone through [`driver_api`].
 
-use crate::error::{CudaError, Error, Result};
+use crate::error::{Error, Result};
 pub(crate) use cudarc::driver::sys;
 use std::ffi::CStr;
+use std::fmt;
 use std::sync::OnceLock;
+
+/// A failed CUDA driver call: the call's name and the `CUresult` it returned.
+///
+/// `Display` reads `cuIpcOpenMemHandle_v2 failed: CUDA_ERROR_INVALID_CONTEXT (invalid device context)`.
+/// The name and text come from `cuGetErrorName` / `cuGetErrorString`; the raw number is kept for codes
+/// newer than the bindings.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct CudaError {
+    /// The driver entry point that failed, e.g. `"cuIpcOpenMemHandle_v2"`.
+    pub call: &'static str,
+    /// The raw `CUresult` value.
+    pub code: u32,
+}
+
+impl CudaError {
+    /// The driver's name for the code (`CUDA_ERROR_INVALID_VALUE`), from `cuGetErrorName`, or
+    /// `CUDA_ERROR_<n>` when the driver does not know it.
+    pub fn name(&self) -> String {
+        error_name(self.code).unwrap_or_else(|| format!("CUDA_ERROR_{}", self.code))
+    }
+
+    /// The driver's description of the code, from `cuGetErrorString`, or `unknown error` when none.
+    pub fn description(&self) -> String {
+        error_string(self.code).unwrap_or_else(|| "unknown error".to_string())
+    }
+}
+
+impl fmt::Display for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} failed: {} ({})",
+            self.call,
+            self.name(),
+            self.description()
+        )
+    }
+}
+
+impl fmt::Debug for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaError")
+            .field("call", &self.call)
+            .field("code", &self.code)
+            .field("name", &self.name())
+            .finish()
+    }
+}
+
+impl std::error::Error for CudaError {}
 
 /// Proof that the driver library was loaded and `cuInit(0)` succeeded in this process.
 #[derive(Clone, Copy, Debug)]

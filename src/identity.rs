@@ -113,8 +113,8 @@ impl ProcessIdentity {
 
     fn read_self() -> Result<Self> {
         let path = "/proc/self/stat";
-        let text = std::fs::read_to_string(path).map_err(|e| OsError::io("read", path, e))?;
-        let start_time = parse_start_time(&text).ok_or_else(|| {
+        let stat = proc_stat("self").map_err(|e| OsError::io("read", path, e))?;
+        let start_time = stat.start_time.ok_or_else(|| {
             OsError::io(
                 "read",
                 path,
@@ -222,6 +222,30 @@ impl ProcessIdentity {
             start_time: w[1],
             boot_id,
         }
+    }
+
+    /// Stores the identity into four words of shared memory, in the [`to_words`](Self::to_words)
+    /// form: the one place every segment layout of this crate writes an identity (the registry's
+    /// creator and participant entries, the host pool's producer).
+    ///
+    /// Each store is `Relaxed`: the caller publishes the words with its own `Release` (an init
+    /// stamp, a seal word, a fence) and names that pairing where it calls this.
+    pub(crate) fn store_words(&self, words: &[crate::sync::AtomicU64; 4]) {
+        for (a, w) in words.iter().zip(self.to_words()) {
+            // Relaxed: published by the caller's Release store or fence (see above).
+            a.store(w, crate::sync::Ordering::Relaxed);
+        }
+    }
+
+    /// Reads an identity that [`store_words`](Self::store_words) wrote.
+    ///
+    /// Each load is `Relaxed`: the caller orders them after the `Acquire` load that pairs with the
+    /// writer's publication, or validates the copy afterwards (a re-check after a fence).
+    pub(crate) fn load_words(words: &[crate::sync::AtomicU64; 4]) -> Self {
+        // Relaxed: ordered or validated by the caller (see above).
+        Self::from_words(std::array::from_fn(|i| {
+            words[i].load(crate::sync::Ordering::Relaxed)
+        }))
     }
 }
 
@@ -629,10 +653,7 @@ fn proc_is_own_namespace() -> bool {
     if c != 0 && (c >> 1) as u32 == pid {
         return c & 1 == 1;
     }
-    let v = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| s.split_ascii_whitespace().next()?.parse::<u32>().ok())
-        == Some(pid);
+    let v = proc_stat("self").ok().and_then(|s| s.pid) == Some(pid);
     CACHE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
     v
 }
@@ -788,15 +809,51 @@ pub(crate) fn start_time_of(pid: u32) -> Result<Option<u64>> {
 /// The state letter (field 3: `R`, `S`, `Z` for a zombie, ...) and start time of `pid`, `Ok(None)`
 /// when no such process exists or its stat line cannot be parsed.
 fn stat_of(pid: u32) -> Result<Option<(char, u64)>> {
-    let path = format!("/proc/{pid}/stat");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+    match proc_stat(pid) {
+        Ok(st) => Ok(st.state.zip(st.start_time)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         // ESRCH: the process exited between the directory lookup and the read.
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
-        Err(e) => return Err(OsError::io("read", path, e).into()),
-    };
-    Ok(parse_state(&text).zip(parse_start_time(&text)))
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(None),
+        Err(e) => Err(OsError::io("read", format!("/proc/{pid}/stat"), e).into()),
+    }
+}
+
+/// What this crate reads of a `/proc/PID/stat` line; each field `None` when the line does not
+/// have it in the expected form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ProcStat {
+    /// Field 1, the pid as `/proc` counts it (its mount's pid namespace).
+    pid: Option<u32>,
+    /// Field 3, the state letter (`R`, `S`, `Z` for a zombie, ...).
+    state: Option<char>,
+    /// Field 22, the start time in clock ticks since boot.
+    start_time: Option<u64>,
+}
+
+/// Reads and parses `/proc/<who>/stat` (`who`: a pid, or `self`): the one place this crate reads
+/// a stat line (its own identity, whether `/proc` is of its pid namespace, another process's
+/// liveness). The read's error is returned as it is; callers decide what a missing process means.
+fn proc_stat(who: impl std::fmt::Display) -> std::io::Result<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{who}/stat"))?;
+    Ok(parse_stat(&text))
+}
+
+/// The fields of a `/proc/PID/stat` line that [`ProcStat`] keeps.
+fn parse_stat(stat: &str) -> ProcStat {
+    ProcStat {
+        pid: stat
+            .split_ascii_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok()),
+        state: parse_state(stat),
+        start_time: parse_start_time(stat),
+    }
+}
+
+/// Whether `/proc/PID` exists (a running process or a zombie, counted in the pid namespace `/proc`
+/// was mounted for).
+pub(crate) fn proc_has_pid(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// Field 3 (the state letter) of a `/proc/PID/stat` line.
@@ -810,7 +867,7 @@ fn parse_state(stat: &str) -> Option<char> {
 
 /// Field 22 of a `/proc/PID/stat` line. The command name (field 2) is in parentheses and may hold
 /// spaces and parentheses, so fields are counted after the last `)`.
-pub(crate) fn parse_start_time(stat: &str) -> Option<u64> {
+fn parse_start_time(stat: &str) -> Option<u64> {
     let after = &stat[stat.rfind(')')? + 1..];
     // After ')' come field 3 (state) onwards; field 22 is the 20th of them.
     after.split_ascii_whitespace().nth(19)?.parse().ok()
@@ -1036,6 +1093,12 @@ mod tests {
         let _serial = serial();
         let me = ProcessIdentity::current().unwrap();
         assert_eq!(ProcessIdentity::from_words(me.to_words()), me);
+        let words: [crate::sync::AtomicU64; 4] =
+            std::array::from_fn(|_| crate::sync::AtomicU64::new(0));
+        me.store_words(&words);
+        assert_eq!(ProcessIdentity::load_words(&words), me);
+        let raw: [u64; 4] = std::array::from_fn(|i| words[i].load(crate::sync::Ordering::Relaxed));
+        assert_eq!(raw, me.to_words());
     }
 
     #[test]
@@ -1043,6 +1106,17 @@ mod tests {
         let _serial = serial();
         let line = "42 (a) b (c) R 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
         assert_eq!(parse_start_time(line), Some(98765));
+        assert_eq!(
+            parse_stat(line),
+            ProcStat {
+                pid: Some(42),
+                state: Some('R'),
+                start_time: Some(98765),
+            }
+        );
+        let own = proc_stat("self").unwrap();
+        assert_eq!(own.pid, Some(std::process::id()));
+        assert!(own.state.is_some() && own.start_time.is_some());
         assert_eq!(parse_state(line), Some('R'));
         assert_eq!(parse_start_time("garbage"), None);
     }

@@ -12,7 +12,7 @@ use cuda_ipc::channel::{
     ChannelError, ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
     inspect,
 };
-use cuda_ipc::registry::RegistryError;
+use cuda_ipc::shm::ShmError;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -387,10 +387,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
     mkfifo(&pool_path(&ch));
     let e = Producer::create_host(&ch, &opts()).unwrap_err();
     assert!(
-        matches!(
-            e,
-            Error::Registry(RegistryError::NotASegment { kind: "FIFO", .. })
-        ),
+        matches!(e, Error::Shm(ShmError::NotASegment { kind: "FIFO", .. })),
         "{e:?}"
     );
     assert!(
@@ -419,17 +416,14 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
     mkfifo(&pool_path(&ch));
     let e = attach();
     assert!(
-        matches!(e, Error::Registry(RegistryError::NotASegment { .. })),
+        matches!(e, Error::Shm(ShmError::NotASegment { .. })),
         "{e:?}"
     );
     std::fs::remove_file(pool_path(&ch)).unwrap();
     let f = std::fs::File::create(pool_path(&ch)).unwrap();
     f.set_len(4096 + 3 * 12288).unwrap();
     let e = attach();
-    assert!(
-        matches!(e, Error::Registry(RegistryError::Sparse { .. })),
-        "{e:?}"
-    );
+    assert!(matches!(e, Error::Shm(ShmError::Sparse { .. })), "{e:?}");
     std::fs::remove_file(pool_path(&ch)).unwrap();
     let e = attach();
     assert!(
@@ -456,7 +450,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
     .unwrap();
     let e = Producer::create_host(&ch, &opts()).unwrap_err();
     assert!(
-        matches!(e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if owner == other),
+        matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
         "{e:?}"
     );
     assert_eq!(std::fs::metadata(pool_path(&ch)).unwrap().uid(), other);
@@ -472,7 +466,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
     .unwrap();
     let e = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap_err();
     assert!(
-        matches!(e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if owner == other),
+        matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
         "{e:?}"
     );
     drop(tx);

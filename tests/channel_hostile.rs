@@ -11,7 +11,7 @@ use cuda_ipc::Error;
 use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::channel::{ChannelError, Delivery};
-use cuda_ipc::registry::RegistryError;
+use cuda_ipc::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
 use std::ffi::CString;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -73,7 +73,7 @@ fn every_opener(channel: &str) -> [(String, Error); 4] {
 fn assert_not_a_segment(channel: &str, kind: &str) {
     for (who, e) in every_opener(channel) {
         assert!(
-            matches!(&e, Error::Registry(RegistryError::NotASegment { kind: k, .. }) if *k == kind),
+            matches!(&e, Error::Shm(ShmError::NotASegment { kind: k, .. }) if *k == kind),
             "{who} on a {kind}: {e:?}"
         );
         assert!(e.to_string().contains(kind), "{who}: {e}");
@@ -143,10 +143,7 @@ fn a_sparse_file_is_reported_as_sparse_and_replaced_only_when_it_is_ours_and_old
     let [(_, a), (_, i), (_, r), (_, c)] = every_opener(&n);
     for (who, e) in [("attach", a), ("inspect", i), ("remove_stale", r)] {
         assert!(
-            matches!(
-                e,
-                Error::Registry(RegistryError::Sparse { len: 1048576, .. })
-            ),
+            matches!(e, Error::Shm(ShmError::Sparse { len: 1048576, .. })),
             "{who}: {e:?}"
         );
     }
@@ -231,7 +228,7 @@ fn another_users_segment_is_refused_by_name_and_owner_and_never_removed_even_by_
     .unwrap();
     for (who, e) in every_opener(&n) {
         assert!(
-            matches!(e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if owner == other),
+            matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
             "{who}: {e:?}"
         );
     }
@@ -254,7 +251,7 @@ fn opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus() {
         drop(filler);
         for (who, e) in every_opener(&n) {
             assert!(
-                matches!(e, Error::Registry(RegistryError::Sparse { .. }))
+                matches!(e, Error::Shm(ShmError::Sparse { .. }))
                     || (who == "create"
                         && matches!(e, Error::Channel(ChannelError::CreationInProgress(_)))),
                 "{who}: {e:?}"

@@ -6,7 +6,7 @@ use common::{Unlink, unique};
 use cuda_ipc::Error;
 use cuda_ipc::registry::layout::{self, HEADER_SIZE, PARTICIPANT_SIZE, SLOT_SIZE};
 use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions, inspect};
-use cuda_ipc::shm::{Segment, SegmentOptions};
+use cuda_ipc::shm::{Segment, SegmentOptions, ShmError};
 use std::time::{Duration, Instant};
 
 fn opts() -> RegistryOptions {
@@ -47,6 +47,13 @@ fn registry_err(e: Error) -> RegistryError {
     match e {
         Error::Registry(r) => r,
         other => panic!("expected a registry error, got {other}"),
+    }
+}
+
+fn shm_err(e: Error) -> ShmError {
+    match e {
+        Error::Shm(s) => s,
+        other => panic!("expected a shared-memory error, got {other}"),
     }
 }
 
@@ -160,16 +167,10 @@ fn over_long_or_bad_record_fields_are_rejected() {
 #[test]
 fn over_long_or_bad_segment_name_is_rejected() {
     for bad in ["", "/x", "a b", &"r".repeat(201)] {
-        let e = registry_err(Registry::create(bad, &opts()).unwrap_err());
-        assert!(
-            matches!(e, RegistryError::InvalidName { .. }),
-            "{bad:?}: {e}"
-        );
-        let e = registry_err(Registry::open(bad, &opts()).unwrap_err());
-        assert!(
-            matches!(e, RegistryError::InvalidName { .. }),
-            "{bad:?}: {e}"
-        );
+        let e = shm_err(Registry::create(bad, &opts()).unwrap_err());
+        assert!(matches!(e, ShmError::InvalidName { .. }), "{bad:?}: {e}");
+        let e = shm_err(Registry::open(bad, &opts()).unwrap_err());
+        assert!(matches!(e, ShmError::InvalidName { .. }), "{bad:?}: {e}");
     }
 }
 
@@ -210,8 +211,8 @@ fn open_sees_what_create_wrote_and_registers_participants() {
 fn creating_an_existing_registry_fails_and_open_or_create_opens_it() {
     let (reg, u) = new_registry("exists");
     reg.publish("keep", 1, b"", b"").unwrap();
-    let e = registry_err(Registry::create(&u.0, &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::AlreadyExists { .. }), "{e}");
+    let e = shm_err(Registry::create(&u.0, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::AlreadyExists { .. }), "{e}");
     let again = Registry::open_or_create(&u.0, &opts()).unwrap();
     assert!(again.get("keep").unwrap().is_some());
 }
@@ -235,8 +236,8 @@ fn participant_table_full_is_an_error_and_drop_frees_an_entry() {
 
 #[test]
 fn open_of_missing_registry_fails_with_not_found() {
-    let e = registry_err(Registry::open(&unique("none"), &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::NotFound { .. }), "{e}");
+    let e = shm_err(Registry::open(&unique("none"), &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::NotFound { .. }), "{e}");
 }
 
 fn raw_segment(tag: &str, bytes: &[u8]) -> (String, Unlink) {
@@ -299,11 +300,11 @@ fn open_with_wrong_layout_version_fails_naming_both_versions() {
 fn open_of_truncated_segment_fails_with_too_small() {
     let (_, _u0, img) = valid_image("trunc0");
     let (name, _u) = raw_segment("trunc", &img[..img.len() - SLOT_SIZE]);
-    let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::TooSmall { .. }), "{e}");
+    let e = shm_err(Registry::open(&name, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::TooSmall { .. }), "{e}");
     let (name, _u2) = raw_segment("trunc-hdr", &img[..HEADER_SIZE / 2]);
-    let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::TooSmall { .. }), "{e}");
+    let e = shm_err(Registry::open(&name, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::TooSmall { .. }), "{e}");
 }
 
 #[test]
@@ -317,8 +318,8 @@ fn open_of_zero_size_segment_fails_after_the_bounded_wait() {
     )
     .unwrap();
     let t = Instant::now();
-    let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::TooSmall { len: 0, .. }), "{e}");
+    let e = shm_err(Registry::open(&name, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::TooSmall { len: 0, .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(2));
 }
 
@@ -360,11 +361,12 @@ fn open_with_header_fields_that_disagree_fails_with_corrupt() {
         let (_, _u0, mut img) = valid_image("corrupt0");
         img[off..off + 4].copy_from_slice(&v.to_le_bytes());
         let (name, _u) = raw_segment("corrupt", &img);
-        let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
+        let e = Registry::open(&name, &opts()).unwrap_err();
         assert!(
             matches!(
                 e,
-                RegistryError::Corrupt { .. } | RegistryError::TooSmall { .. }
+                Error::Registry(RegistryError::Corrupt { .. })
+                    | Error::Shm(ShmError::TooSmall { .. })
             ),
             "offset {off}: {e}"
         );
@@ -389,11 +391,8 @@ fn registry_owned_by_another_user_is_refused() {
         None,
     )
     .unwrap();
-    let e = registry_err(Registry::open(&u.0, &opts()).unwrap_err());
-    assert!(
-        matches!(e, RegistryError::WrongOwner { owner: 4242, .. }),
-        "{e}"
-    );
+    let e = shm_err(Registry::open(&u.0, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::WrongOwner { owner: 4242, .. }), "{e}");
 }
 
 #[test]
@@ -608,12 +607,12 @@ fn open_or_create_replaces_nothing_it_cannot_prove_is_its_own_stale_registry() {
         )
         .unwrap(),
     );
-    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::TooSmall { len: 0, .. }), "{e}");
+    let e = shm_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::TooSmall { len: 0, .. }), "{e}");
     assert!(exists(&name));
     let (name, _u) = raw_segment("short-foreign", b"not a registry at all");
-    let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
-    assert!(matches!(e, RegistryError::TooSmall { .. }), "{e}");
+    let e = shm_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+    assert!(matches!(e, ShmError::TooSmall { .. }), "{e}");
     assert!(exists(&name));
     // Another user's half-made registry with a dead creator (only root can make one).
     if rustix::process::geteuid().as_raw() == 0 {
@@ -624,11 +623,8 @@ fn open_or_create_replaces_nothing_it_cannot_prove_is_its_own_stale_registry() {
         );
         let seg = Segment::open(&name).unwrap();
         rustix::fs::fchown(seg.fd(), Some(rustix::process::Uid::from_raw(4242)), None).unwrap();
-        let e = registry_err(Registry::open_or_create(&name, &opts()).unwrap_err());
-        assert!(
-            matches!(e, RegistryError::WrongOwner { owner: 4242, .. }),
-            "{e}"
-        );
+        let e = shm_err(Registry::open_or_create(&name, &opts()).unwrap_err());
+        assert!(matches!(e, ShmError::WrongOwner { owner: 4242, .. }), "{e}");
         assert!(exists(&name));
     }
 }
@@ -655,14 +651,14 @@ fn group_access_accepts_a_group_members_segment_and_open_to_all_is_refused() {
             Some(gid),
         )
         .unwrap();
-        let e = registry_err(Registry::open(&name, &opts()).unwrap_err());
-        assert!(matches!(e, RegistryError::WrongOwner { .. }), "{e}");
+        let e = shm_err(Registry::open(&name, &opts()).unwrap_err());
+        assert!(matches!(e, ShmError::WrongOwner { .. }), "{e}");
         Registry::open(&name, &opts().group_access(true)).unwrap();
     }
     rustix::fs::fchmod(reg.segment().fd(), rustix::fs::Mode::from_raw_mode(0o666)).unwrap();
-    let e = registry_err(Registry::open(&name, &opts().group_access(true)).unwrap_err());
+    let e = shm_err(Registry::open(&name, &opts().group_access(true)).unwrap_err());
     assert!(
-        matches!(e, RegistryError::InsecureMode { mode: 0o666, .. }),
+        matches!(e, ShmError::InsecureMode { mode: 0o666, .. }),
         "{e}"
     );
 }

@@ -10,6 +10,7 @@ use common::{Unlink, role, unique};
 use cuda_ipc::Error;
 use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions, inspect, layout};
 use cuda_ipc::shm::Segment;
+use cuda_ipc::shm::ShmError;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -92,16 +93,16 @@ fn every_opener(kind: &str, name: &str) {
     for (opener, r) in results {
         let e = r.expect_err(&format!("{opener} accepted a {kind}"));
         let typed = match (kind, &e) {
-            ("fifo", Error::Registry(RegistryError::NotASegment { kind: "FIFO", .. })) => true,
+            ("fifo", Error::Shm(ShmError::NotASegment { kind: "FIFO", .. })) => true,
             (
                 "directory",
-                Error::Registry(RegistryError::NotASegment {
+                Error::Shm(ShmError::NotASegment {
                     kind: "directory", ..
                 }),
             ) => true,
             ("symlink", Error::InvalidArgument(m)) => m.contains("symbolic link"),
-            ("sparse", Error::Registry(RegistryError::Sparse { .. })) => true,
-            (_, Error::Registry(RegistryError::AlreadyExists { .. })) => opener == "create",
+            ("sparse", Error::Shm(ShmError::Sparse { .. })) => true,
+            (_, Error::Shm(ShmError::AlreadyExists { .. })) => opener == "create",
             _ => false,
         };
         assert!(typed, "{opener} on a {kind}: {e}");

@@ -1,7 +1,7 @@
 //! The shared-memory primitives under the registry: segments, shared futex words, the seqlock.
 
 use cuda_ipc::Error;
-use cuda_ipc::registry::RegistryError;
+use cuda_ipc::shm::ShmError;
 use cuda_ipc::shm::{self, Segment, SegmentOptions, SeqLock, WaitResult};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -57,7 +57,7 @@ fn creating_an_existing_segment_fails_and_leaves_it_alone() {
     let _a = Segment::create(&name, 4096, &SegmentOptions::new()).unwrap();
     let e = Segment::create(&name, 4096, &SegmentOptions::new()).unwrap_err();
     assert!(
-        matches!(e, Error::Registry(RegistryError::AlreadyExists { .. })),
+        matches!(e, Error::Shm(ShmError::AlreadyExists { .. })),
         "{e}"
     );
     assert!(Segment::open(&name).is_ok());
@@ -67,10 +67,7 @@ fn creating_an_existing_segment_fails_and_leaves_it_alone() {
 #[test]
 fn opening_a_missing_segment_fails_with_not_found() {
     let e = Segment::open(&unique("missing")).unwrap_err();
-    assert!(
-        matches!(e, Error::Registry(RegistryError::NotFound { .. })),
-        "{e}"
-    );
+    assert!(matches!(e, Error::Shm(ShmError::NotFound { .. })), "{e}");
 }
 
 #[test]
@@ -85,7 +82,7 @@ fn zero_size_or_short_segment_is_an_error_not_a_fault() {
     .unwrap();
     let e = Segment::open(&name).unwrap_err();
     assert!(
-        matches!(e, Error::Registry(RegistryError::TooSmall { len: 0, .. })),
+        matches!(e, Error::Shm(ShmError::TooSmall { len: 0, .. })),
         "{e}"
     );
     rustix::fs::ftruncate(&fd, 100).unwrap();
@@ -93,7 +90,7 @@ fn zero_size_or_short_segment_is_an_error_not_a_fault() {
     assert!(
         matches!(
             e,
-            Error::Registry(RegistryError::TooSmall {
+            Error::Shm(ShmError::TooSmall {
                 len: 100,
                 min: 4096,
                 ..
@@ -104,7 +101,7 @@ fn zero_size_or_short_segment_is_an_error_not_a_fault() {
     // Long enough, but its page was never allocated (ftruncate alone): sparse, not mapped.
     let e = Segment::open_with_min_len(&name, 100).unwrap_err();
     assert!(
-        matches!(e, Error::Registry(RegistryError::Sparse { len: 100, .. })),
+        matches!(e, Error::Shm(ShmError::Sparse { len: 100, .. })),
         "{e}"
     );
     rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, 100).unwrap();
@@ -126,12 +123,12 @@ fn bad_segment_names_are_rejected() {
     ] {
         let e = Segment::create(bad, 4096, &SegmentOptions::new()).unwrap_err();
         assert!(
-            matches!(e, Error::Registry(RegistryError::InvalidName { .. })),
+            matches!(e, Error::Shm(ShmError::InvalidName { .. })),
             "{bad:?}: {e}"
         );
         let e = Segment::open(bad).unwrap_err();
         assert!(
-            matches!(e, Error::Registry(RegistryError::InvalidName { .. })),
+            matches!(e, Error::Shm(ShmError::InvalidName { .. })),
             "{bad:?}: {e}"
         );
     }
@@ -154,7 +151,7 @@ fn segment_too_large_for_dev_shm_fails_at_creation_naming_dev_shm() {
     // Nothing is left behind.
     assert!(matches!(
         Segment::open(&name).unwrap_err(),
-        Error::Registry(RegistryError::NotFound { .. })
+        Error::Shm(ShmError::NotFound { .. })
     ));
 }
 
@@ -172,10 +169,7 @@ fn segment_owned_by_another_user_is_refused_by_the_owner_check() {
     if gave && other != me {
         let e = r.unwrap_err();
         assert!(
-            matches!(
-                e,
-                Error::Registry(RegistryError::WrongOwner { owner: 4242, .. })
-            ),
+            matches!(e, Error::Shm(ShmError::WrongOwner { owner: 4242, .. })),
             "{e}"
         );
     } else {
@@ -229,7 +223,7 @@ fn seqlock_reads_what_was_written_and_stalls_on_an_open_write() {
     let mut out = [0u64; 4];
     assert!(matches!(
         lock.read(&mut out, 3),
-        Err(RegistryError::WriterStalled { retries: 3 })
+        Err(ShmError::WriterStalled { retries: 3 })
     ));
     assert_eq!(w.finish(), 2);
     assert_eq!(lock.read(&mut out, 3).unwrap(), 2);

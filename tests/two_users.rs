@@ -12,7 +12,7 @@ use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
-use cuda_ipc::registry::RegistryError;
+use cuda_ipc::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -221,7 +221,7 @@ fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_livene
         .map(|_| ())
         .unwrap_err();
     assert!(
-        matches!(&e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if *owner == uid),
+        matches!(&e, Error::Shm(ShmError::WrongOwner { owner, .. }) if *owner == uid),
         "{e:?}"
     );
     // Inspection and gc's removal refuse it too (only one's own channels are trusted).
@@ -230,7 +230,7 @@ fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_livene
         inspect::remove_stale(&channel).map(|_| ()).unwrap_err(),
     ] {
         assert!(
-            matches!(&e, Error::Registry(RegistryError::WrongOwner { owner, .. }) if *owner == uid),
+            matches!(&e, Error::Shm(ShmError::WrongOwner { owner, .. }) if *owner == uid),
             "{e:?}"
         );
     }
@@ -249,12 +249,12 @@ fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_livene
         .map(|_| ())
         .unwrap_err();
     assert!(
-        matches!(&e, Error::Registry(RegistryError::WrongOwner { .. })),
+        matches!(&e, Error::Shm(ShmError::WrongOwner { .. })),
         "a dead user's channel is still theirs: {e:?}"
     );
     assert!(matches!(
         ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2]),
-        Err(Error::Registry(RegistryError::WrongOwner { .. }))
+        Err(Error::Shm(ShmError::WrongOwner { .. }))
     ));
     // Clean up what the killed process left (as root, by hand: this is the test's own debris).
     let _ = std::fs::remove_file(&path);

@@ -5,6 +5,7 @@
 use cuda_ipc::Error;
 use cuda_ipc::channel::ChannelError;
 use cuda_ipc::registry::RegistryError;
+use cuda_ipc::shm::ShmError;
 use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
@@ -228,6 +229,7 @@ fn kind(e: &Error) -> Kind {
         // argument; for a channel it is garbage under the name, as the pure-Python consumer says.
         Error::InvalidArgument(m) if m.ends_with(SYMLINK_TEXT) => Kind::BadSegment,
         Error::InvalidArgument(_) => Kind::InvalidArgument,
+        Error::Shm(s) => shm_kind(s),
         Error::Registry(r) => registry_kind(r),
         Error::ProducerGone { .. } | Error::PeerGone { .. } => Kind::ProducerGone,
         Error::FdNotOffered { .. } => Kind::FdNotOffered,
@@ -249,23 +251,30 @@ fn kind(e: &Error) -> Kind {
     }
 }
 
+fn shm_kind(s: &ShmError) -> Kind {
+    match s {
+        ShmError::NotFound { .. } => Kind::ChannelNotFound,
+        ShmError::AlreadyExists { .. } => Kind::ChannelExists,
+        ShmError::InvalidName { .. } => Kind::InvalidArgument,
+        ShmError::TooSmall { .. }
+        | ShmError::WrongOwner { .. }
+        | ShmError::InsecureMode { .. }
+        | ShmError::NotASegment { .. }
+        | ShmError::Sparse { .. } => Kind::BadSegment,
+        ShmError::NoSpace { .. } => Kind::Os,
+        _ => Kind::Base,
+    }
+}
+
 fn registry_kind(r: &RegistryError) -> Kind {
     match r {
-        RegistryError::NotFound { .. } => Kind::ChannelNotFound,
-        RegistryError::AlreadyExists { .. } => Kind::ChannelExists,
         RegistryError::InvalidName { .. } | RegistryError::TooLarge { .. } => Kind::InvalidArgument,
-        RegistryError::TooSmall { .. }
-        | RegistryError::WrongOwner { .. }
-        | RegistryError::InsecureMode { .. }
-        | RegistryError::ForeignSegment { .. }
+        RegistryError::ForeignSegment { .. }
         | RegistryError::VersionMismatch { .. }
         | RegistryError::Corrupt { .. }
         | RegistryError::Uninitialised { .. }
-        | RegistryError::NotASegment { .. }
-        | RegistryError::Sparse { .. }
         | RegistryError::CreatorUnknown { .. } => Kind::BadSegment,
         RegistryError::Superseded { .. } => Kind::Superseded,
-        RegistryError::NoSpace { .. } => Kind::Os,
         _ => Kind::Base,
     }
 }

@@ -314,24 +314,18 @@ impl Control {
         let seg = loop {
             match Segment::create(&name, len, opts) {
                 Ok(s) => break s,
-                Err(Error::Registry(crate::registry::RegistryError::AlreadyExists { .. }))
-                    if attempts < 4 =>
-                {
+                Err(Error::Shm(crate::shm::ShmError::AlreadyExists { .. })) if attempts < 4 => {
                     attempts += 1;
                     let judged = match Segment::stat(&name) {
                         Ok(i) => i.inode,
-                        Err(Error::Registry(crate::registry::RegistryError::NotFound {
-                            ..
-                        })) => continue,
+                        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
                     let why = match Self::replaceable(channel, &name) {
                         Ok(why) => why,
                         // Another replacer removed it meanwhile: create again.
                         Err(Error::Channel(super::ChannelError::NotFound(_)))
-                        | Err(Error::Registry(crate::registry::RegistryError::NotFound {
-                            ..
-                        })) => continue,
+                        | Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
                     if Segment::unlink_if_same(&name, judged)? {
@@ -386,12 +380,12 @@ impl Control {
     /// least 2 s old, with no live creator recorded). Another user's segment, a live producer's
     /// segment of any version, a foreign file, a FIFO or a directory are never touched.
     pub(crate) fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
-        use crate::registry::RegistryError;
+        use crate::shm::ShmError;
         const ABANDONED_AFTER_SECS: u64 = 2;
         let info = Segment::stat(name)?;
         let ours = rustix::process::geteuid().as_raw();
         if info.uid != ours {
-            return Err(RegistryError::WrongOwner {
+            return Err(ShmError::WrongOwner {
                 name: name.to_string(),
                 owner: info.uid,
                 ours,
@@ -410,7 +404,7 @@ impl Control {
             )));
         }
         if info.len < size_of::<Header>() as u64 {
-            return Err(RegistryError::TooSmall {
+            return Err(ShmError::TooSmall {
                 name: name.to_string(),
                 len: info.len,
                 min: size_of::<Header>() as u64,
@@ -464,7 +458,7 @@ impl Control {
         let name = segment_name(channel);
         let seg = match Segment::open_with_min_len(&name, size_of::<Header>()) {
             Ok(s) => s,
-            Err(Error::Registry(crate::registry::RegistryError::NotFound { .. })) => {
+            Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
                 return Err(Error::Channel(super::ChannelError::NotFound(
                     channel.to_string(),
                 )));

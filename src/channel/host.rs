@@ -26,7 +26,7 @@
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::registry::RegistryError;
+use crate::shm::ShmError;
 use crate::shm::{Segment, SegmentOptions, new_generation};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::token::{Token, TokenKind};
@@ -56,7 +56,7 @@ pub(crate) struct PoolHeader {
     segment_bytes: AtomicU64,
     /// Random, nonzero: the tokens in the control segment carry it.
     generation: AtomicU64,
-    /// `ProcessIdentity::to_words` of the producer.
+    /// The producer, as `ProcessIdentity::store_words` writes it.
     producer: [AtomicU64; 4],
 }
 
@@ -116,17 +116,17 @@ impl HostPool {
         let seg = loop {
             match Segment::create(&name, len, opts) {
                 Ok(s) => break s,
-                Err(Error::Registry(RegistryError::AlreadyExists { .. })) if attempts < 4 => {
+                Err(Error::Shm(ShmError::AlreadyExists { .. })) if attempts < 4 => {
                     attempts += 1;
                     let judged = match Segment::stat(&name) {
                         Ok(i) => i.inode,
-                        Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                        Err(Error::Shm(ShmError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
                     let why = match Self::replaceable(channel) {
                         Ok(why) => why,
                         // Another replacer removed it meanwhile: create again.
-                        Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
+                        Err(Error::Shm(ShmError::NotFound { .. })) => continue,
                         Err(e) => return Err(e),
                     };
                     if Segment::unlink_if_same(&name, judged)? {
@@ -154,9 +154,7 @@ impl HostPool {
         h.stride.store(stride as u64, Ordering::Relaxed);
         h.segment_bytes.store(len as u64, Ordering::Relaxed);
         h.generation.store(generation, Ordering::Relaxed);
-        for (w, v) in h.producer.iter().zip(me.to_words()) {
-            w.store(v, Ordering::Relaxed);
-        }
+        me.store_words(&h.producer);
         // SYNC POINT: pool stamp. Release: pairs with the Acquire load in `open_checked`.
         h.stamp.store(STAMP_READY, Ordering::Release);
         Ok(pool)
@@ -172,7 +170,7 @@ impl HostPool {
         let info = Segment::stat(&name)?;
         let ours = rustix::process::geteuid().as_raw();
         if info.uid != ours {
-            return Err(RegistryError::WrongOwner {
+            return Err(ShmError::WrongOwner {
                 name,
                 owner: info.uid,
                 ours,
@@ -188,7 +186,7 @@ impl HostPool {
             )));
         }
         if info.len < POOL_DATA as u64 {
-            return Err(RegistryError::TooSmall {
+            return Err(ShmError::TooSmall {
                 name,
                 len: info.len,
                 min: POOL_DATA as u64,
@@ -199,9 +197,7 @@ impl HostPool {
         // SAFETY: at least POOL_DATA bytes are mapped (checked by the open), page aligned; the
         // header is atomics only.
         let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
-        let producer = ProcessIdentity::from_words(std::array::from_fn(|k| {
-            h.producer[k].load(Ordering::Relaxed)
-        }));
+        let producer = ProcessIdentity::load_words(&h.producer);
         let magic = h.magic.load(Ordering::Relaxed);
         if magic != POOL_MAGIC && magic != 0 {
             return Err(bad(format!(
@@ -248,7 +244,7 @@ impl HostPool {
         let name = pool_name(channel);
         let seg = match Segment::open_with_min_len(&name, POOL_DATA) {
             Ok(s) => s,
-            Err(Error::Registry(RegistryError::NotFound { .. })) => {
+            Err(Error::Shm(ShmError::NotFound { .. })) => {
                 return Err(bad(format!(
                     "the host pool {name} of channel {channel:?} is missing"
                 )));

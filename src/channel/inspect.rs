@@ -13,8 +13,8 @@ use super::Delivery;
 use super::control::{self, Control};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::registry::RegistryError;
 use crate::shm::Segment;
+use crate::shm::ShmError;
 use crate::token::Token;
 
 /// The prefix of every channel's segment name: channel `NAME` lives in `/dev/shm/cuda-ipc.ch.NAME`.
@@ -69,12 +69,12 @@ pub fn remove_stale_host_pool(channel: &str) -> Result<Option<&'static str>> {
     let name = pool_segment_name(channel);
     let before = match Segment::stat(&name) {
         Ok(i) => i,
-        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
         Err(e) => return Err(e),
     };
     let why = match super::host::HostPool::replaceable(channel) {
         Ok(why) => why,
-        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
         Err(Error::Channel(
             super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
         )) => return Ok(None),
@@ -222,8 +222,8 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// - [`super::ChannelError::NotFound`] when there is no such segment;
 /// - [`super::ChannelError::BadSegment`] for a foreign, other-version, truncated or corrupted
 ///   segment, or one its creator never finished;
-/// - [`RegistryError::WrongOwner`] for another user's segment, [`RegistryError::InvalidName`] for
-///   a name that cannot be a segment name, [`RegistryError::TooSmall`] for one shorter than a
+/// - [`ShmError::WrongOwner`] for another user's segment, [`ShmError::InvalidName`] for
+///   a name that cannot be a segment name, [`ShmError::TooSmall`] for one shorter than a
 ///   header;
 /// - [`Error::Os`] when a call fails.
 ///
@@ -317,14 +317,14 @@ pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
 ///
 /// # Errors
 /// The typed errors that say what else is under the name and why it is kept
-/// ([`RegistryError::WrongOwner`], [`RegistryError::NotASegment`],
+/// ([`ShmError::WrongOwner`], [`ShmError::NotASegment`],
 /// [`super::ChannelError::VersionMismatch`], ...).
 pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
     let name = segment_name(channel);
     match Control::replaceable(channel, &name) {
         Ok("its producer is dead") => Ok(None),
         Ok(why) => Ok(Some(why)),
-        Err(Error::Registry(RegistryError::NotFound { .. })) => Ok(None),
+        Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
         // A live producer's, a live creator's: not abandoned.
         Err(Error::Channel(
             super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
@@ -343,7 +343,7 @@ pub fn remove_abandoned(channel: &str) -> Result<Option<&'static str>> {
     let name = segment_name(channel);
     let before = match Segment::stat(&name) {
         Ok(i) => i,
-        Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(None),
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
         Err(e) => return Err(e),
     };
     let Some(why) = abandoned(channel)? else {

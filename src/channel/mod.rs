@@ -50,7 +50,11 @@ const LIVENESS_CHECK: Duration = Duration::from_millis(20);
 /// How long it polls the consumer's release event before sleeping between polls.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// Errors of the channel layer.
+/// Errors of the channel layer: what its own segments' contents and its protocol report.
+///
+/// What the segment under a channel reports (another user's, not a file, sparse, too small) comes
+/// as [`Error::Shm`], unwrapped, as from any other opener of a segment; a channel name without a
+/// segment is [`ChannelError::NotFound`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChannelError {
@@ -462,8 +466,8 @@ impl Producer {
         for _ in 0..opts.buffers {
             // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
             let b = ChannelBuffer::new(ctx, kind, opts.buffer_bytes, pool.as_ref())?;
-            // The second token (the producer's event in layout version 1) stays zero: readiness
-            // travels through the ready page.
+            // The second token area is reserved (the producer's event in layout version 1) and
+            // stays zero: readiness travels through the ready page.
             tokens.push((b.export()?.to_bytes(), [0u8; TOKEN_LEN]));
             buffers.push(b);
         }
@@ -1534,8 +1538,10 @@ pub mod testing {
     pub struct ControlProducer(Control);
 
     impl ControlProducer {
-        /// Creates the segment `cuda-ipc.ch.NAME`; `tokens[i]` = (memory token, event token) of
-        /// buffer `i`, stored as given.
+        /// Creates the segment `cuda-ipc.ch.NAME`; `tokens[i]` = (memory token, reserved area) of
+        /// buffer `i`, stored as given. The reserved area held the producer's event token in
+        /// layout version 1; since version 2 producers write zeros there and nothing reads it
+        /// (readiness travels through the ready page).
         ///
         /// # Errors
         /// As `Producer::create`, without the CUDA ones.
@@ -1643,7 +1649,8 @@ pub mod testing {
         pub fn slot(&self) -> usize {
             self.slot
         }
-        /// The memory and event tokens of buffer `i`.
+        /// The memory token of buffer `i` and its reserved second token area (zero since layout
+        /// version 2; kept for the byte layout, meaningless to readers).
         pub fn buffer_tokens(&self, i: usize) -> ([u8; TOKEN_LEN], [u8; TOKEN_LEN]) {
             self.control.buffer_tokens(i)
         }

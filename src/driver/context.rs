@@ -30,6 +30,19 @@ unsafe impl Send for Context {}
 // SAFETY: as for Send; `&Context` only exposes driver calls that the driver makes thread-safe.
 unsafe impl Sync for Context {}
 
+// `Device`'s method that names `Context` lives here, beside `Context`, so that `device.rs` does
+// not import this file (a context is made for a device: this file builds on `device.rs`).
+impl Device {
+    /// The device's primary context, retained (`cuDevicePrimaryCtxRetain`); see [`Context`].
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the retain fails (e.g. `CUDA_ERROR_DEVICE_UNAVAILABLE` in exclusive
+    /// mode when another process holds the device).
+    pub fn primary_context(&self) -> Result<Arc<Context>> {
+        Context::primary(*self)
+    }
+}
+
 impl Context {
     /// Retains `device`'s primary context. The calling thread's current context is left as it was:
     /// nothing is made current (use [`Context::bind`] for that).

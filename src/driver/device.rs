@@ -3,7 +3,6 @@ use crate::ffi::{self, check, sys};
 use std::ffi::{CStr, c_char};
 use std::fmt;
 use std::mem::MaybeUninit;
-use std::sync::Arc;
 
 /// A device's 16-byte UUID, from `cuDeviceGetUuid_v2`. Displayed like `nvidia-smi -L`
 /// (`GPU-3298439a-810e-95f0-e3b8-da8e2434f657`).
@@ -294,15 +293,6 @@ impl Device {
                 .to_string_lossy()
                 .into_owned(),
         })
-    }
-
-    /// The device's primary context, retained (`cuDevicePrimaryCtxRetain`); see [`Context`](crate::driver::Context).
-    ///
-    /// # Errors
-    /// [`Error::Cuda`] when the retain fails (e.g. `CUDA_ERROR_DEVICE_UNAVAILABLE` in exclusive
-    /// mode when another process holds the device).
-    pub fn primary_context(&self) -> Result<Arc<crate::driver::Context>> {
-        crate::driver::Context::primary(*self)
     }
 }
 

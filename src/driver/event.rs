@@ -148,6 +148,28 @@ impl Event {
     }
 }
 
+// `Stream`'s method that names `Event` lives here, beside `Event`, so that `stream.rs` does not
+// import this file (events are recorded on streams: this file builds on `stream.rs`).
+impl Stream {
+    /// Makes later work on this stream wait until `event`'s last record completes
+    /// (`cuStreamWaitEvent`). The calling thread does not block.
+    ///
+    /// `event` may belong to another context or, for an event opened from an `IpcEventHandle`,
+    /// have been recorded in another process.
+    ///
+    /// # Errors
+    /// [`crate::Error::Cuda`] naming `cuStreamWaitEvent`.
+    #[doc(alias = "cuStreamWaitEvent")]
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        let _cur = self.context().enter()?;
+        // SAFETY: context current (`_cur`); stream and event valid for the duration of the call.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)
+        })?;
+        Ok(())
+    }
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         let r = self.ctx.enter().and_then(|_cur| {

@@ -1,4 +1,4 @@
-use super::{Context, Event};
+use super::Context;
 use crate::error::Result;
 use crate::ffi::{check, sys};
 use std::mem::MaybeUninit;
@@ -82,24 +82,6 @@ impl Stream {
         }
         check("cuStreamQuery", r)?;
         Ok(true)
-    }
-
-    /// Makes later work on this stream wait until `event`'s last record completes
-    /// (`cuStreamWaitEvent`). The calling thread does not block.
-    ///
-    /// `event` may belong to another context or, for an event opened from an `IpcEventHandle`,
-    /// have been recorded in another process.
-    ///
-    /// # Errors
-    /// [`crate::Error::Cuda`] naming `cuStreamWaitEvent`.
-    #[doc(alias = "cuStreamWaitEvent")]
-    pub fn wait_event(&self, event: &Event) -> Result<()> {
-        let _cur = self.ctx.enter()?;
-        // SAFETY: context current (`_cur`); stream and event valid for the duration of the call.
-        check("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(self.raw, event.as_raw(), 0)
-        })?;
-        Ok(())
     }
 }
 

@@ -10,14 +10,17 @@
 //! | table | key | value | open / close |
 //! | --- | --- | --- | --- |
 //! | [`MAPPINGS`] | [`MappingKey`] | [`Mapping`] | `cuIpcOpenMemHandle_v2` / `cuIpcCloseMemHandle`; fd fetch + `cuMemImportFromShareableHandle` + map / unmap + release; `cuMemPoolImportPointer` / `cuMemFree_v2` |
-//! | [`IMPORTED_POOLS`] | [`PoolKey`] | [`ImportedPool`] | fd fetch + `cuMemPoolImportFromShareableHandle` / `cuMemPoolDestroy` |
+//! | `IMPORTED_POOLS` (in `vmm.rs`) | exporter, pool's fd export id, context | the imported pool | fd fetch + `cuMemPoolImportFromShareableHandle` / `cuMemPoolDestroy` |
 //! | `EVENTS` (in `event.rs`) | handle bytes, context | the opened event | `cuIpcOpenEventHandle` / `cuEventDestroy_v2` |
 //!
 //! The export tables map handle bytes of this process's own exports to their allocations, so an
-//! import of one's own handle returns the local allocation (the driver refuses it).
+//! import of one's own handle returns the local allocation (the driver refuses it): the legacy
+//! one is here, the VMM and pool ones beside their kinds in `vmm.rs`.
+//!
+//! This module names no memory kind: a [`Mapping`] holds its memory as an opaque keep-alive
+//! ([`Origin`]), so `vmm.rs` and `memory.rs` build on the cache and the cache imports neither.
 
 use super::flight::{Lease, SingleFlight};
-use super::vmm::{ImportedPool, PoolAllocation, VmmAllocation, VmmMap};
 use crate::driver::{Allocation, Context};
 use crate::ffi::{check, sys};
 use crate::identity::ProcessIdentity;
@@ -190,30 +193,81 @@ pub(crate) struct Mapping {
     pub(crate) _lease: Option<Lease<MappingKey, Mapping>>,
 }
 
-#[derive(Debug)]
-pub(crate) enum Origin {
+/// What a mapping's last drop must do, and what it keeps alive until then.
+///
+/// The cache knows the memory kinds only by what closing them takes; the memory itself (the local
+/// allocation, the VMM map that unmaps and releases itself, the imported pool a pointer came from)
+/// is an opaque keep-alive owned by the mapping and dropped after its close, so this module names
+/// no type of the modules that build mappings.
+pub(crate) struct Origin {
+    close: Close,
+    // Dropped after `Mapping::drop` ran the close: a pool pointer is freed before its imported
+    // pool is released, a VMM map is unmapped when it drops.
+    _keep: Option<KeepAlive>,
+}
+
+/// Whatever a mapping must keep alive (an `Arc` of an allocation, a VMM map, an imported pool).
+pub(crate) type KeepAlive = Box<dyn std::any::Any + Send + Sync>;
+
+/// How a mapping is closed when its last holder drops it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Close {
     /// Opened with `cuIpcOpenMemHandle_v2`; closed with `cuIpcCloseMemHandle`.
-    Driver,
-    /// This process's own allocation; kept alive, never closed through IPC.
-    Local(#[allow(dead_code)] Arc<Allocation>),
-    /// A VMM allocation imported from a file descriptor; the map unmaps and releases on drop.
-    Vmm(#[allow(dead_code)] VmmMap),
-    /// This process's own VMM allocation.
-    LocalVmm(#[allow(dead_code)] Arc<VmmAllocation>),
+    IpcHandle,
     /// A pointer imported from another process's pool (`cuMemPoolImportPointer`); freed with
-    /// `cuMemFree_v2`, before the imported pool is released.
-    Pool(#[allow(dead_code)] Arc<ImportedPool>),
-    /// This process's own pool allocation.
-    LocalPool(#[allow(dead_code)] Arc<PoolAllocation>),
+    /// `cuMemFree_v2`, before the imported pool (the keep-alive) is released.
+    PoolPointer,
+    /// Undone by the keep-alive's own drop (a VMM map unmaps and releases itself), after the
+    /// context was synchronised.
+    ByKeepAlive,
+    /// This process's own memory; kept alive, never closed through IPC.
+    Local,
 }
 
 impl Origin {
+    /// Opened with `cuIpcOpenMemHandle_v2`.
+    pub(crate) fn ipc_handle() -> Origin {
+        Origin {
+            close: Close::IpcHandle,
+            _keep: None,
+        }
+    }
+
+    /// A pointer imported from a pool, which `pool` keeps alive.
+    pub(crate) fn pool_pointer(pool: KeepAlive) -> Origin {
+        Origin {
+            close: Close::PoolPointer,
+            _keep: Some(pool),
+        }
+    }
+
+    /// An import that `owner` undoes when it drops (a VMM map).
+    pub(crate) fn closed_by(owner: KeepAlive) -> Origin {
+        Origin {
+            close: Close::ByKeepAlive,
+            _keep: Some(owner),
+        }
+    }
+
+    /// This process's own memory, kept alive by `alloc`.
+    pub(crate) fn local(alloc: KeepAlive) -> Origin {
+        Origin {
+            close: Close::Local,
+            _keep: Some(alloc),
+        }
+    }
+
     /// Whether the mapping is this process's own memory.
     pub(crate) fn is_local(&self) -> bool {
-        matches!(
-            self,
-            Origin::Local(_) | Origin::LocalVmm(_) | Origin::LocalPool(_)
-        )
+        self.close == Close::Local
+    }
+}
+
+impl std::fmt::Debug for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Origin")
+            .field("close", &self.close)
+            .finish()
     }
 }
 
@@ -223,21 +277,6 @@ pub(crate) static MAPPINGS: SingleFlight<MappingKey, Mapping> = SingleFlight::ne
 /// Exports of this process: handle bytes → allocation.
 pub(crate) static LOCAL_MEM: Mutex<BTreeMap<[u8; 64], Weak<Allocation>>> =
     Mutex::new(BTreeMap::new());
-
-/// VMM exports of this process: fd export id → allocation.
-pub(crate) static LOCAL_VMM: Mutex<BTreeMap<u32, Weak<VmmAllocation>>> =
-    Mutex::new(BTreeMap::new());
-
-/// Pool exports of this process: pointer export data → allocation.
-pub(crate) static LOCAL_POOL: Mutex<BTreeMap<[u8; 64], Weak<PoolAllocation>>> =
-    Mutex::new(BTreeMap::new());
-
-/// Key of an imported pool: the exporter (full identity), the pool's fd export id, and the
-/// importing context's address.
-pub(crate) type PoolKey = (ProcessIdentity, u32, usize);
-
-/// Pools imported by this process.
-pub(crate) static IMPORTED_POOLS: SingleFlight<PoolKey, ImportedPool> = SingleFlight::new();
 
 /// Locks a table, recovering from poisoning: the tables hold plain data that a panic elsewhere
 /// cannot leave half-updated (each update is one insert or remove).
@@ -256,17 +295,20 @@ impl Drop for Mapping {
             // mapping (the cache keeps it open while any importer holds it).
             // SAFETY: context current (`_cur`).
             check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
-            match self.origin {
+            match self.origin.close {
                 // SAFETY: `base` came from cuIpcOpenMemHandle_v2 in this context and is closed
                 // exactly once, by the last holder.
-                Origin::Driver => check("cuIpcCloseMemHandle", unsafe {
+                Close::IpcHandle => check("cuIpcCloseMemHandle", unsafe {
                     sys::cuIpcCloseMemHandle(self.base)
                 })?,
-                // SAFETY: `base` came from cuMemPoolImportPointer in this context and is freed
-                // exactly once, by the last holder, before its imported pool is released.
-                Origin::Pool(_) => check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(self.base) })?,
-                // The VMM map unmaps and releases itself when the origin drops.
-                _ => {}
+                Close::PoolPointer => {
+                    // SAFETY: `base` came from cuMemPoolImportPointer in this context and is
+                    // freed exactly once, by the last holder, before its imported pool (the
+                    // keep-alive) is released.
+                    check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(self.base) })?
+                }
+                // The VMM map unmaps and releases itself when the keep-alive drops.
+                Close::ByKeepAlive | Close::Local => {}
             }
             Ok(())
         });

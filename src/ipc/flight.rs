@@ -272,7 +272,9 @@ pub(crate) fn copy_error(e: &Error) -> Error {
             after: *after,
         },
         // Not produced by any import; kept as text.
-        Error::Registry(_) | Error::Channel(_) => Error::InvalidArgument(e.to_string()),
+        Error::Shm(_) | Error::Registry(_) | Error::Channel(_) => {
+            Error::InvalidArgument(e.to_string())
+        }
     }
 }
 

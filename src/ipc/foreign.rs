@@ -44,37 +44,17 @@
 
 use super::cache::lock;
 use super::fdpass::FdExport;
-use super::vmm::PoolInner;
+use super::vmm::{MemPool, PoolInner, our_pool};
 use crate::driver::{Context, DeviceMemory};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
 use crate::identity::ProcessIdentity;
-use crate::ipc::MemPool;
 use crate::token::{Token, TokenKind};
-use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-
-// ------------------------------------------------------------------------------ the pool table
-
-/// This process's exportable pools by raw `CUmemoryPool` address. Entries of dropped pools are
-/// pruned on the next registration.
-static POOLS: Mutex<Option<HashMap<usize, Weak<PoolInner>>>> = Mutex::new(None);
-
-/// Enters a pool made by [`MemPool::exportable`] in the table of exportable pools.
-pub(crate) fn register_pool(inner: &Arc<PoolInner>) {
-    let mut t = lock(&POOLS);
-    let t = t.get_or_insert_with(HashMap::new);
-    t.retain(|_, w| w.strong_count() > 0);
-    t.insert(inner.pool as usize, Arc::downgrade(inner));
-}
-
-fn our_pool(raw: usize) -> Option<Arc<PoolInner>> {
-    lock(&POOLS).as_ref()?.get(&raw)?.upgrade()
-}
+use std::sync::{Arc, Mutex};
 
 // ---------------------------------------------------------------------------------- statistics
 

@@ -7,6 +7,7 @@ use crate::ffi::{check, sys};
 use crate::identity::ProcessIdentity;
 use crate::token::{Token, TokenKind};
 use std::mem::MaybeUninit;
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 impl DeviceBuffer {
@@ -154,6 +155,30 @@ impl ImportedBuffer {
     pub fn allocation_base(&self) -> u64 {
         self.mapping.base
     }
+
+    /// Imports a VMM allocation from a file descriptor you received through your own transport
+    /// (from [`super::VmmBuffer::export_fd`] in another process), mapping `size` bytes (the
+    /// exporter's [`super::VmmBuffer::allocation_size`]) in `ctx`. The descriptor stays yours:
+    /// close it when you like; the import holds its own reference to the memory. Not cached.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `size == 0`; [`Error::Cuda`] naming
+    /// `cuMemImportFromShareableHandle` for a descriptor that is not a CUDA allocation, or `cuMemMap`
+    /// when `size` exceeds the allocation. Nothing is leaked on failure.
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    pub fn from_vmm_fd(
+        ctx: &Arc<Context>,
+        fd: BorrowedFd<'_>,
+        size: usize,
+    ) -> Result<ImportedBuffer> {
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "a VMM import needs at least 1 byte".into(),
+            ));
+        }
+        let m = Arc::new(super::vmm::uncached_vmm_mapping(ctx, fd, size)?);
+        Ok(ImportedBuffer::from_mapping(m, 0, size as u64))
+    }
 }
 
 impl IpcMemHandle {
@@ -200,7 +225,7 @@ fn open_mapping(
                     base: alloc.ptr,
                     size: alloc.len,
                     ctx: ctx.clone(),
-                    origin: Origin::Local(alloc),
+                    origin: Origin::local(Box::new(alloc)),
                     _lease: Some(lease),
                 })
             }
@@ -240,7 +265,7 @@ fn open_driver_mapping(
         base,
         size: 0,
         ctx: ctx.clone(),
-        origin: Origin::Driver,
+        origin: Origin::ipc_handle(),
         _lease: Some(lease),
     };
     m.size = allocation_size(base)?;

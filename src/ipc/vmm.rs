@@ -13,22 +13,24 @@
 //! (closed when the buffer or pool drops); an importer's copy is closed by this module right after
 //! `cuMemImportFromShareableHandle` / `cuMemPoolImportFromShareableHandle`, on success and on
 //! failure (the driver does not take ownership of it). An fd passed to
-//! [`ImportedBuffer::from_vmm_fd`] stays the caller's.
+//! [`super::ImportedBuffer::from_vmm_fd`] stays the caller's.
+//!
+//! The self-import tables of VMM and pool exports, the imported pools and the table of exportable
+//! pools (which `foreign.rs` consults to classify pool pointers) live here, beside their kinds;
+//! mappings go into the cache as opaque keep-alives, so the cache names none of these types.
 //!
 //! See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html> and
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
 
-use super::cache::{
-    self, IMPORTED_POOLS, LOCAL_POOL, LOCAL_VMM, Mapping, MappingKey, Origin, PoolKey, lock,
-};
+use super::cache::{self, Mapping, MappingKey, Origin, lock};
 use super::fdpass::{self, FdExport, FdTransport};
-use super::flight::Lease;
+use super::flight::{Lease, SingleFlight};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
 use crate::identity::ProcessIdentity;
-use crate::ipc::ImportedBuffer;
 use crate::token::{Token, TokenKind};
+use std::collections::{BTreeMap, HashMap};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
@@ -38,6 +40,36 @@ use std::time::Duration;
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 static TRANSPORT: Mutex<Option<FdTransport>> = Mutex::new(None);
+
+/// VMM exports of this process: fd export id → allocation (for self-imports).
+static LOCAL_VMM: Mutex<BTreeMap<u32, Weak<VmmAllocation>>> = Mutex::new(BTreeMap::new());
+
+/// Pool exports of this process: pointer export data → allocation (for self-imports).
+static LOCAL_POOL: Mutex<BTreeMap<[u8; 64], Weak<PoolAllocation>>> = Mutex::new(BTreeMap::new());
+
+/// Key of an imported pool: the exporter (full identity), the pool's fd export id, and the
+/// importing context's address.
+type PoolKey = (ProcessIdentity, u32, usize);
+
+/// Pools imported by this process (a single-flight table, as the mappings in `cache.rs`).
+static IMPORTED_POOLS: SingleFlight<PoolKey, ImportedPool> = SingleFlight::new();
+
+/// This process's exportable pools by raw `CUmemoryPool` address, for classifying foreign pointers
+/// (`foreign.rs`). Entries of dropped pools are pruned on the next registration.
+static POOLS: Mutex<Option<HashMap<usize, Weak<PoolInner>>>> = Mutex::new(None);
+
+/// Enters a pool made by [`MemPool::exportable`] in the table of exportable pools.
+fn register_pool(inner: &Arc<PoolInner>) {
+    let mut t = lock(&POOLS);
+    let t = t.get_or_insert_with(HashMap::new);
+    t.retain(|_, w| w.strong_count() > 0);
+    t.insert(inner.pool as usize, Arc::downgrade(inner));
+}
+
+/// The live exportable pool of this process whose raw `CUmemoryPool` is `raw`, if any.
+pub(crate) fn our_pool(raw: usize) -> Option<Arc<PoolInner>> {
+    lock(&POOLS).as_ref()?.get(&raw)?.upgrade()
+}
 
 /// Sets how this process fetches the file descriptors of VMM and pool tokens it imports:
 /// [`FdTransport::Socket`] (the default: SCM_RIGHTS over the exporter's Unix socket, needs no
@@ -293,7 +325,8 @@ impl VmmBuffer {
     }
 
     /// A new file descriptor for the allocation (`cuMemExportToShareableHandle`), for a transport of
-    /// your own; you own it. Import it with [`ImportedBuffer::from_vmm_fd`].
+    /// your own; you own it. Import it with
+    /// [`ImportedBuffer::from_vmm_fd`](super::ImportedBuffer::from_vmm_fd).
     ///
     /// # Errors
     /// [`Error::Cuda`] from the export.
@@ -452,12 +485,13 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
     let is_self = token.exporter == ProcessIdentity::current()?;
     let key = MappingKey::of(token, ctx);
     let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
-        let origin = if is_self {
+        let (origin, base, size) = if is_self {
             let local = lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade);
             match local {
                 Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
                     cache::count_self_import();
-                    Origin::LocalVmm(a)
+                    let (base, size) = (a.map.ptr, a.map.size);
+                    (Origin::local(Box::new(a)), base, size)
                 }
                 Some(Some(_)) => {
                     return Err(Error::InvalidArgument(
@@ -476,12 +510,9 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
             require_peer(ctx, token.device)?;
             let fd = fetch_fd(token, raw_fd)?;
             // `fd` is closed when it drops at the end of this block, on success and on failure.
-            Origin::Vmm(import_vmm_handle(ctx, fd.as_fd(), size)?)
-        };
-        let (base, size) = match &origin {
-            Origin::LocalVmm(a) => (a.map.ptr, a.map.size),
-            Origin::Vmm(m) => (m.ptr, m.size),
-            _ => unreachable!("built above"),
+            let vm = import_vmm_handle(ctx, fd.as_fd(), size)?;
+            let (base, size) = (vm.ptr, vm.size);
+            (Origin::closed_by(Box::new(vm)), base, size)
         };
         Ok(Mapping {
             base,
@@ -495,37 +526,22 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
     Ok(m)
 }
 
-impl ImportedBuffer {
-    /// Imports a VMM allocation from a file descriptor you received through your own transport
-    /// (from [`VmmBuffer::export_fd`] in another process), mapping `size` bytes (the exporter's
-    /// [`VmmBuffer::allocation_size`]) in `ctx`. The descriptor stays yours: close it when you like;
-    /// the import holds its own reference to the memory. Not cached.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for `size == 0`; [`Error::Cuda`] naming
-    /// `cuMemImportFromShareableHandle` for a descriptor that is not a CUDA allocation, or `cuMemMap`
-    /// when `size` exceeds the allocation. Nothing is leaked on failure.
-    #[doc(alias = "cuMemImportFromShareableHandle")]
-    pub fn from_vmm_fd(
-        ctx: &Arc<Context>,
-        fd: BorrowedFd<'_>,
-        size: usize,
-    ) -> Result<ImportedBuffer> {
-        if size == 0 {
-            return Err(Error::InvalidArgument(
-                "a VMM import needs at least 1 byte".into(),
-            ));
-        }
-        let vm = import_vmm_handle(ctx, fd, size)?;
-        let m = Arc::new(Mapping {
-            base: vm.ptr,
-            size: vm.size,
-            origin: Origin::Vmm(vm),
-            ctx: ctx.clone(),
-            _lease: None,
-        });
-        Ok(ImportedBuffer::from_mapping(m, 0, size as u64))
-    }
+/// A mapping of the VMM allocation behind `fd`, `size` bytes in `ctx`, kept out of the cache (for
+/// [`super::ImportedBuffer::from_vmm_fd`]). The descriptor stays the caller's.
+pub(crate) fn uncached_vmm_mapping(
+    ctx: &Arc<Context>,
+    fd: BorrowedFd<'_>,
+    size: usize,
+) -> Result<Mapping> {
+    let vm = import_vmm_handle(ctx, fd, size)?;
+    let (base, size) = (vm.ptr, vm.size);
+    Ok(Mapping {
+        base,
+        size,
+        origin: Origin::closed_by(Box::new(vm)),
+        ctx: ctx.clone(),
+        _lease: None,
+    })
 }
 
 // ------------------------------------------------------------------------------------------ pools
@@ -634,7 +650,7 @@ impl MemPool {
             ctx: ctx.clone(),
         });
         // Known to `ipc::foreign`, so memory other libraries allocate from it can be exported.
-        super::foreign::register_pool(&inner);
+        register_pool(&inner);
         Ok(MemPool { inner })
     }
 
@@ -859,7 +875,7 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
                 Some(Some(a)) => {
                     cache::count_self_import();
                     let base = a.ptr;
-                    (Origin::LocalPool(a), base)
+                    (Origin::local(Box::new(a)), base)
                 }
                 _ => {
                     return Err(Error::InvalidArgument(
@@ -882,7 +898,9 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
             })?;
             cache::count_open();
             // SAFETY: written on success.
-            (Origin::Pool(pool), unsafe { ptr.assume_init() })
+            (Origin::pool_pointer(Box::new(pool)), unsafe {
+                ptr.assume_init()
+            })
         };
         Ok(Mapping {
             base,

@@ -8,7 +8,7 @@
 
 use super::layout::*;
 use super::participant::{self, EntryState};
-use super::{READ_RETRIES, Registry, Retry, decode, read_words};
+use super::{READ_RETRIES, Registry, Retry, decode};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -189,11 +189,10 @@ fn ours_or_our_groups(meta: &std::fs::Metadata) -> bool {
 /// [`RegistrySnapshot::locked_slots`] instead of being waited for or repaired.
 ///
 /// # Errors
-/// - [`RegistryError::NotFound`], [`RegistryError::WrongOwner`] (a segment of a user outside our
-///   groups), [`RegistryError::InsecureMode`];
-/// - [`RegistryError::TooSmall`], [`RegistryError::ForeignSegment`],
-///   [`RegistryError::VersionMismatch`], [`RegistryError::Corrupt`] for a segment that is not a
-///   registry of this layout;
+/// - [`Error::Shm`] with `NotFound`, `WrongOwner` (a segment of a user outside our groups),
+///   `InsecureMode`, or `TooSmall`;
+/// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`],
+///   [`RegistryError::Corrupt`] for a segment that is not a registry of this layout;
 /// - [`RegistryError::Uninitialised`] while its creator has not finished it;
 /// - [`Error::Os`] when a call fails.
 ///
@@ -228,7 +227,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
     // Only the read-only helpers below are called on it.
     let reg = Registry::observer(seg, slots, participants, me)?;
     let hdr = reg.header();
-    let creator = ProcessIdentity::from_words(read_words(&hdr.creator));
+    let creator = ProcessIdentity::load_words(&hdr.creator);
     let mut snap = RegistrySnapshot {
         name: name.to_string(),
         segment_bytes,
@@ -310,6 +309,7 @@ mod tests {
     use super::*;
     use crate::registry::RegistryOptions;
     use crate::shm::Segment;
+    use crate::shm::ShmError;
 
     /// The identity of a process that has exited (and was reaped).
     fn dead_identity() -> ProcessIdentity {
@@ -352,7 +352,7 @@ mod tests {
         assert!(!list_registries().unwrap().contains(&name));
         assert!(matches!(
             inspect(&name),
-            Err(Error::Registry(RegistryError::NotFound { .. }))
+            Err(Error::Shm(ShmError::NotFound { .. }))
         ));
     }
 

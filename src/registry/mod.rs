@@ -7,6 +7,11 @@
 //! docs/registry-layout.md). Built on [`crate::shm`]; must not touch `ipc`, `driver` or tokens'
 //! contents.
 //!
+//! Errors: [`RegistryError`] for what the registry's own layout, records and participant table
+//! report; what its segment reports (missing, taken, another user's, sparse, too small, a slot
+//! that stays mid-write) is passed on unchanged as [`Error::Shm`], one pattern whichever layer
+//! opened the segment.
+//!
 //! How it stays sound when peers misbehave or die:
 //! - each record sits in one slot under a seqlock whose payload words are atomics: readers copy and
 //!   validate, so a torn record is never returned;
@@ -32,7 +37,7 @@ pub use slot::{TestPoint, set_test_hook};
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::{Segment, SegmentOptions, futex};
+use crate::shm::{Segment, SegmentOptions, ShmError, futex};
 use crate::sync::{Ordering, fence};
 use layout::*;
 use participant::EntryState;
@@ -341,7 +346,7 @@ impl Registry {
     /// stored last, so openers never use a half-initialised segment.
     ///
     /// # Errors
-    /// [`RegistryError::InvalidName`], [`RegistryError::AlreadyExists`], [`RegistryError::NoSpace`],
+    /// [`ShmError::InvalidName`], [`ShmError::AlreadyExists`], [`ShmError::NoSpace`],
     /// [`Error::InvalidArgument`] for a capacity out of range, [`Error::Os`] for failed calls.
     ///
     /// # Examples
@@ -379,9 +384,7 @@ impl Registry {
         // Relaxed stores: all published by the Release store of init_stamp below. The creator's
         // identity and the version go first, published early by the magic's Release store, so a
         // stale, half-initialised segment can be told from a slow creator's.
-        for (a, w) in hdr.creator.iter().zip(me.to_words()) {
-            a.store(w, Ordering::Relaxed);
-        }
+        me.store_words(&hdr.creator);
         hdr.layout_version.store(LAYOUT_VERSION, Ordering::Relaxed);
         hdr.generation
             .store(crate::shm::new_generation(), Ordering::Relaxed);
@@ -414,13 +417,13 @@ impl Registry {
     /// entries are freed on the way in.
     ///
     /// # Errors
-    /// - [`RegistryError::NotFound`]; [`RegistryError::WrongOwner`] for another user's segment
-    ///   (unless `group_access` and a shared group); [`RegistryError::InsecureMode`] for a segment
+    /// - [`ShmError::NotFound`]; [`ShmError::WrongOwner`] for another user's segment
+    ///   (unless `group_access` and a shared group); [`ShmError::InsecureMode`] for a segment
     ///   others may open;
-    /// - [`RegistryError::NotASegment`] for a FIFO, directory, socket or device under the name,
-    ///   [`Error::InvalidArgument`] for a symbolic link (never followed), [`RegistryError::Sparse`]
+    /// - [`ShmError::NotASegment`] for a FIFO, directory, socket or device under the name,
+    ///   [`Error::InvalidArgument`] for a symbolic link (never followed), [`ShmError::Sparse`]
     ///   for a file whose pages are not all backed (after the wait: a creator may be sizing it);
-    /// - [`RegistryError::TooSmall`] for a zero-size or truncated segment;
+    /// - [`ShmError::TooSmall`] for a zero-size or truncated segment;
     /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
     ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
     /// - [`RegistryError::Uninitialised`] when the init stamp did not appear in time;
@@ -461,9 +464,9 @@ impl Registry {
     ///
     /// # Errors
     /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
-    /// a FIFO, directory, socket or device: [`RegistryError::NotASegment`]; a symbolic link:
-    /// [`Error::InvalidArgument`]; another user's segment: [`RegistryError::WrongOwner`]; a sparse
-    /// file: [`RegistryError::Sparse`]; an empty or short file: [`RegistryError::TooSmall`]; a
+    /// a FIFO, directory, socket or device: [`ShmError::NotASegment`]; a symbolic link:
+    /// [`Error::InvalidArgument`]; another user's segment: [`ShmError::WrongOwner`]; a sparse
+    /// file: [`ShmError::Sparse`]; an empty or short file: [`ShmError::TooSmall`]; a
     /// file without the magic: [`RegistryError::ForeignSegment`] (or
     /// [`RegistryError::Uninitialised`] when it is all zero: a creator killed before its first
     /// store cannot be told from one about to make it); another layout version, live creator or
@@ -473,14 +476,15 @@ impl Registry {
     pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
         for _ in 0..4 {
             match Self::create(name, opts) {
-                Err(Error::Registry(RegistryError::AlreadyExists { .. })) => {}
+                Err(Error::Shm(ShmError::AlreadyExists { .. })) => {}
                 other => return other,
             }
             match Self::open(name, opts) {
-                Err(Error::Registry(RegistryError::NotFound { .. })) => continue,
-                Err(Error::Registry(
-                    e @ (RegistryError::Uninitialised { .. } | RegistryError::TooSmall { .. }),
-                )) => match Self::remove_if_stale(name, e)? {
+                Err(Error::Shm(ShmError::NotFound { .. })) => continue,
+                Err(
+                    e @ (Error::Registry(RegistryError::Uninitialised { .. })
+                    | Error::Shm(ShmError::TooSmall { .. })),
+                ) => match Self::remove_if_stale(name, e)? {
                     Stale::Removed(creator) => {
                         tracing::warn!(segment = name, creator = %creator, "removed a stale registry segment left by a crashed creator");
                         continue;
@@ -499,16 +503,16 @@ impl Registry {
     /// Unlinks `name` if it is provably our own stale registry (the rule in
     /// [`Registry::open_or_create`]); otherwise returns the error that says why not (`why` when
     /// nothing more precise is known).
-    fn remove_if_stale(name: &str, why: RegistryError) -> Result<Stale> {
+    fn remove_if_stale(name: &str, why: Error) -> Result<Stale> {
         precheck(name)?;
         let seg = match Segment::open(name) {
             Ok(s) => s,
-            Err(Error::Registry(RegistryError::NotFound { .. })) => return Ok(Stale::Changed),
+            Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Stale::Changed),
             Err(e) => return Err(e),
         };
         seg.check_owner()?;
         if seg.len() < HEADER_SIZE {
-            return Err(RegistryError::TooSmall {
+            return Err(ShmError::TooSmall {
                 name: name.to_string(),
                 len: seg.len() as u64,
                 min: HEADER_SIZE as u64,
@@ -522,7 +526,7 @@ impl Registry {
         if magic == 0 {
             // All zero so far: a creator killed before its first store looks exactly like one
             // about to make it. Not provably stale.
-            return Err(why.into());
+            return Err(why);
         }
         if magic != MAGIC {
             return Err(RegistryError::ForeignSegment {
@@ -545,10 +549,10 @@ impl Registry {
         if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
             return Ok(Stale::Changed); // finished meanwhile: open it
         }
-        let creator = ProcessIdentity::from_words(read_words(&hdr.creator));
+        let creator = ProcessIdentity::load_words(&hdr.creator);
         match creator.liveness() {
             Liveness::Dead => {}
-            Liveness::Alive => return Err(why.into()),
+            Liveness::Alive => return Err(why),
             _ => {
                 return Err(RegistryError::CreatorUnknown {
                     name: name.to_string(),
@@ -579,9 +583,7 @@ impl Registry {
     fn try_open(name: &str, allow_group: bool) -> std::result::Result<(Segment, u32, u32), Retry> {
         let not_ready = |e: Error| match e {
             // A creator between `ftruncate` and `fallocate` (sparse) or before `ftruncate` (empty).
-            Error::Registry(RegistryError::TooSmall { .. } | RegistryError::Sparse { .. }) => {
-                Retry::NotReady(e)
-            }
+            Error::Shm(ShmError::TooSmall { .. } | ShmError::Sparse { .. }) => Retry::NotReady(e),
             e => Retry::Fatal(e),
         };
         precheck(name).map_err(not_ready)?;
@@ -590,7 +592,7 @@ impl Registry {
         let len = seg.len();
         if len < HEADER_SIZE {
             return Err(Retry::NotReady(
-                RegistryError::TooSmall {
+                ShmError::TooSmall {
                     name: name.to_string(),
                     len: len as u64,
                     min: HEADER_SIZE as u64,
@@ -701,7 +703,7 @@ impl Registry {
         )?;
         if (len as u64) < need {
             return Err(Retry::Fatal(
-                RegistryError::TooSmall {
+                ShmError::TooSmall {
                     name: name.to_string(),
                     len: len as u64,
                     min: need,
@@ -796,9 +798,7 @@ impl Registry {
             // SYNC POINT claim: Release fence, pairs with the Acquire fence in `entry_state`: a
             // reader that copies any identity word below then sees this claim's owner word.
             fence(Ordering::Release);
-            for (a, w) in p.identity.iter().zip(self.me.to_words()) {
-                a.store(w, Ordering::Relaxed);
-            }
+            self.me.store_words(&p.identity);
             let name = participant::lock_name(claim, i);
             // SYNC POINT seal: Release, pairs with the Acquire load of `lock_name` in
             // `entry_state`; the identity above is complete for whoever sees this name.
@@ -1276,7 +1276,7 @@ impl Registry {
     ///
     /// # Errors
     /// [`RegistryError::InvalidName`] / [`RegistryError::TooLarge`] for a bad name,
-    /// [`RegistryError::WriterStalled`] when a live writer held a slot open for the whole lock
+    /// [`ShmError::WriterStalled`] when a live writer held a slot open for the whole lock
     /// timeout, [`RegistryError::Corrupt`] for nonsensical slot bytes.
     pub fn get(&self, name: &str) -> Result<Option<Record>> {
         validate_record_name(name)?;
@@ -1446,7 +1446,7 @@ impl Registry {
                 }
                 // A write held open by a live (or unknown) writer for the whole lock timeout: not
                 // ours to free.
-                Err(Error::Registry(RegistryError::WriterStalled { .. })) => {}
+                Err(Error::Shm(ShmError::WriterStalled { .. })) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -1483,13 +1483,7 @@ enum Stale {
     Changed,
 }
 
-/// Copies four identity words.
-fn read_words(a: &[crate::sync::AtomicU64; 4]) -> [u64; 4] {
-    // Relaxed: callers order these loads (an Acquire load of the init stamp or the magic before).
-    [0, 1, 2, 3].map(|i| a[i].load(Ordering::Relaxed))
-}
-
-/// What a file type is, in the words of [`RegistryError::NotASegment`].
+/// What a file type is, in the words of [`ShmError::NotASegment`].
 fn kind_of(ft: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     if ft.is_dir() {
@@ -1510,7 +1504,7 @@ fn kind_of(ft: std::fs::FileType) -> &'static str {
 }
 
 /// Refuses, before anything is opened, what a registry name cannot stand for: a FIFO, directory,
-/// socket or device ([`RegistryError::NotASegment`]) or a sparse file ([`RegistryError::Sparse`]:
+/// socket or device ([`ShmError::NotASegment`]) or a sparse file ([`ShmError::Sparse`]:
 /// touching its holes could raise `SIGBUS`). Only `lstat`, so nothing blocks and no link is
 /// followed; symbolic links and missing names are left to [`Segment::open`], which refuses or
 /// reports them. [`Segment::open`] checks the opened descriptor the same way, so a swap after this
@@ -1527,7 +1521,7 @@ fn precheck(name: &str) -> Result<()> {
         return Ok(());
     }
     if !ft.is_file() {
-        return Err(RegistryError::NotASegment {
+        return Err(ShmError::NotASegment {
             name: name.to_string(),
             kind: kind_of(ft),
         }
@@ -1535,7 +1529,7 @@ fn precheck(name: &str) -> Result<()> {
     }
     let backed = m.blocks().saturating_mul(512);
     if backed < m.size() {
-        return Err(RegistryError::Sparse {
+        return Err(ShmError::Sparse {
             name: name.to_string(),
             len: m.size(),
             backed,

@@ -96,11 +96,8 @@ pub(crate) fn entry_state(p: &Participant, index: u32) -> EntryState {
         // SYNC POINT seal: Acquire, pairs with the claimer's Release store of `lock_name`; a sealed
         // name means the identity words below are the claimer's.
         let n1 = p.lock_name.load(Ordering::Acquire);
-        let mut w = [0u64; 4];
-        for (x, a) in w.iter_mut().zip(&p.identity) {
-            // Relaxed: validated by the re-check below.
-            *x = a.load(Ordering::Relaxed);
-        }
+        // Relaxed loads: validated by the re-check below.
+        let identity = ProcessIdentity::load_words(&p.identity);
         // SYNC POINT claim: Acquire fence, pairs with a new claimer's Release fence before its
         // identity stores: if any load above saw one of them, the loads below see its claim.
         fence(Ordering::Acquire);
@@ -115,7 +112,7 @@ pub(crate) fn entry_state(p: &Participant, index: u32) -> EntryState {
             EntryState::Held {
                 owner: o1,
                 name: n1,
-                identity: ProcessIdentity::from_words(w),
+                identity,
             }
         } else {
             EntryState::Claiming { owner: o1 }
@@ -193,7 +190,7 @@ pub(crate) fn claimer_liveness(owner: u64, boot: [u8; 16]) -> Liveness {
     };
     if verdict == Liveness::Dead
         && probe.in_own_pid_namespace()
-        && std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && crate::identity::proc_has_pid(pid)
     {
         return Liveness::Unknown;
     }

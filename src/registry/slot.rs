@@ -17,8 +17,8 @@
 //! [`crate::identity::ProcessIdentity::liveness`], right across pid namespaces.
 
 use super::layout::{PAYLOAD_WORDS, STATE_FREE, W_STATE};
-use crate::registry::RegistryError;
 use crate::shm::SeqLock;
+use crate::shm::ShmError;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Points in a write or a repair where a test hook may stop the process (a test's child pauses
@@ -65,8 +65,8 @@ fn go_on(p: TestPoint) -> bool {
 /// A slot seen through references to its atomics.
 #[derive(Clone, Copy)]
 pub(crate) struct SlotView<'a> {
-    pub writer: &'a AtomicU64,
-    pub lock: SeqLock<'a>,
+    pub(crate) writer: &'a AtomicU64,
+    pub(crate) lock: SeqLock<'a>,
 }
 
 /// What taking a slot's writer lock found.
@@ -82,14 +82,14 @@ pub(crate) enum Taken {
 impl<'a> SlotView<'a> {
     /// One attempt to take the writer lock for `me` (a non-zero lock name). Takes it over when the
     /// holder is dead per `is_dead`, and then repairs a write it left open.
-    pub fn try_lock(&self, me: u64, is_dead: &dyn Fn(u64) -> bool) -> Option<Taken> {
+    pub(crate) fn try_lock(&self, me: u64, is_dead: &dyn Fn(u64) -> bool) -> Option<Taken> {
         self.try_lock_with(me, is_dead, &go_on)
     }
 
     /// [`SlotView::try_lock`] with the repair's steps reported to `step`; when `step` returns
     /// `false` the repairer "dies" there (loom models): it stops, leaving the lock held and the
     /// write open, and `None` is returned.
-    pub fn try_lock_with(
+    pub(crate) fn try_lock_with(
         &self,
         me: u64,
         is_dead: &dyn Fn(u64) -> bool,
@@ -166,7 +166,7 @@ impl<'a> SlotView<'a> {
     }
 
     /// Releases the writer lock held by `me`.
-    pub fn unlock(&self, me: u64) {
+    pub(crate) fn unlock(&self, me: u64) {
         // Release: pairs with the next locker's Acquire compare-exchange.
         let _ = self
             .writer
@@ -174,13 +174,17 @@ impl<'a> SlotView<'a> {
     }
 
     /// Reads the payload into `out` with up to `retries` seqlock attempts.
-    pub fn read(&self, out: &mut [u64; PAYLOAD_WORDS], retries: u32) -> Result<u64, RegistryError> {
+    pub(crate) fn read(
+        &self,
+        out: &mut [u64; PAYLOAD_WORDS],
+        retries: u32,
+    ) -> Result<u64, ShmError> {
         self.lock.read(out, retries)
     }
 
     /// The current writer's lock name (`Acquire`, SYNC POINT holder: a caller that then looks up
     /// the holder's participant entry sees it sealed).
-    pub fn holder(&self) -> u64 {
+    pub(crate) fn holder(&self) -> u64 {
         self.writer.load(Ordering::Acquire)
     }
 }

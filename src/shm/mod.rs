@@ -5,14 +5,25 @@
 //! (shared `FUTEX_WAIT`/`FUTEX_WAKE` with timeouts) and [`seqlock`]. The registry and the channel
 //! layer build their segments on these. Never calls CUDA, never interprets a segment's contents.
 //!
+//! Errors: [`ShmError`] is this layer's own (a segment missing, taken, of another user, not a
+//! file, sparse or too small; a seqlock read that never found a stable copy). Functions return
+//! [`crate::Result`], whose [`crate::Error::Shm`] carries it; the registry and the channel pass it
+//! on unchanged rather than wrapping it again, so a user matches one pattern per failure
+//! (`Error::Shm(ShmError::NotFound { .. })`) whichever layer opened the segment. System calls that
+//! fail otherwise are [`crate::Error::Os`]; a symbolic link under a segment's name and a length of 0
+//! are [`crate::Error::InvalidArgument`]. Imports only `error` and `sync`: nothing of the registry
+//! or the channel.
+//!
 //! Rule for everything here: bytes of a segment are read and written through atomics or raw
 //! pointers only, never through Rust references to plain bytes, because another process may write
 //! them at any moment.
 
+mod error;
 pub mod futex;
 mod segment;
 pub mod seqlock;
 
+pub use error::ShmError;
 pub use futex::WaitResult;
 pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, list_segments, validate_name,

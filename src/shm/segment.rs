@@ -1,8 +1,8 @@
 //! [`Segment`]: one named POSIX shared-memory object, sized, its pages reserved, mapped with
 //! [`memmap2::MmapRaw`].
 
+use super::ShmError;
 use crate::error::{OsError, Result};
-use crate::registry::RegistryError;
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::fd::OwnedFd;
 use rustix::fs::{FallocateFlags, Mode};
@@ -80,9 +80,9 @@ impl Segment {
     /// umask does not change it).
     ///
     /// # Errors
-    /// - [`RegistryError::InvalidName`] for a bad name, [`crate::Error::InvalidArgument`] for `len == 0`;
-    /// - [`RegistryError::AlreadyExists`] when the name is taken;
-    /// - [`RegistryError::NoSpace`] when `/dev/shm` cannot hold `len` bytes;
+    /// - [`ShmError::InvalidName`] for a bad name, [`crate::Error::InvalidArgument`] for `len == 0`;
+    /// - [`ShmError::AlreadyExists`] when the name is taken;
+    /// - [`ShmError::NoSpace`] when `/dev/shm` cannot hold `len` bytes;
     /// - [`crate::Error::Os`] for any other failed call.
     ///
     /// On any error after the object was made, the name is unlinked again.
@@ -113,14 +113,14 @@ impl Segment {
         ) {
             Ok(fd) => fd,
             Err(Errno::EXIST) => {
-                return Err(RegistryError::AlreadyExists {
+                return Err(ShmError::AlreadyExists {
                     name: name.to_string(),
                 }
                 .into());
             }
             // Out of inodes (tmpfs `nr_inodes`): as full as out of pages, for the user.
             Err(Errno::NOSPC) => {
-                return Err(RegistryError::NoSpace {
+                return Err(ShmError::NoSpace {
                     name: name.to_string(),
                     len: len as u64,
                 }
@@ -145,7 +145,7 @@ impl Segment {
         rustix::fs::fchmod(&fd, mode).map_err(|e| OsError::new("fchmod", path.as_str(), e))?;
         let len64 = len as u64;
         rustix::fs::ftruncate(&fd, len64).map_err(|e| match e {
-            Errno::NOSPC | Errno::FBIG => RegistryError::NoSpace {
+            Errno::NOSPC | Errno::FBIG => ShmError::NoSpace {
                 name: name.to_string(),
                 len: len64,
             }
@@ -156,7 +156,7 @@ impl Segment {
         match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len64) {
             Ok(()) => {}
             Err(Errno::NOSPC) => {
-                return Err(RegistryError::NoSpace {
+                return Err(ShmError::NoSpace {
                     name: name.to_string(),
                     len: len64,
                 }
@@ -173,7 +173,7 @@ impl Segment {
                         Ok(w) => at += w as u64,
                         Err(Errno::INTR) => {}
                         Err(Errno::NOSPC) => {
-                            return Err(RegistryError::NoSpace {
+                            return Err(ShmError::NoSpace {
                                 name: name.to_string(),
                                 len: len64,
                             }
@@ -216,14 +216,14 @@ impl Segment {
     /// `/dev/shm`.
     ///
     /// # Errors
-    /// - [`RegistryError::InvalidName`] for a bad name;
-    /// - [`RegistryError::NotFound`] when there is no such segment;
-    /// - [`RegistryError::NotASegment`] when the name is a FIFO, directory, socket or device;
-    /// - [`RegistryError::WrongOwner`] when another user's segment may not be opened by us
+    /// - [`ShmError::InvalidName`] for a bad name;
+    /// - [`ShmError::NotFound`] when there is no such segment;
+    /// - [`ShmError::NotASegment`] when the name is a FIFO, directory, socket or device;
+    /// - [`ShmError::WrongOwner`] when another user's segment may not be opened by us
     ///   (`EACCES`), naming both uids;
-    /// - [`RegistryError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
+    /// - [`ShmError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
     ///   so a short segment is an error and not a fault);
-    /// - [`RegistryError::Sparse`] when some of its pages are not backed (a creator that died
+    /// - [`ShmError::Sparse`] when some of its pages are not backed (a creator that died
     ///   between `ftruncate` and `fallocate`, or a file sized with `truncate`);
     /// - [`crate::Error::InvalidArgument`] when the name is a symbolic link (never followed);
     /// - [`crate::Error::Os`] for a failed call (`EACCES` when the mode forbids us).
@@ -235,7 +235,7 @@ impl Segment {
         let size = info.len;
         let min = min_len.max(1) as u64;
         if size < min || usize::try_from(size).is_err() {
-            return Err(RegistryError::TooSmall {
+            return Err(ShmError::TooSmall {
                 name: name.to_string(),
                 len: size,
                 min,
@@ -243,7 +243,7 @@ impl Segment {
             .into());
         }
         if info.sparse {
-            return Err(RegistryError::Sparse {
+            return Err(ShmError::Sparse {
                 name: name.to_string(),
                 len: size,
                 backed: info.backed,
@@ -266,8 +266,8 @@ impl Segment {
     /// find a name taken and must decide whether the old segment is theirs to replace.
     ///
     /// # Errors
-    /// [`RegistryError::InvalidName`], [`RegistryError::NotFound`],
-    /// [`RegistryError::NotASegment`] (a FIFO, directory, socket or device),
+    /// [`ShmError::InvalidName`], [`ShmError::NotFound`],
+    /// [`ShmError::NotASegment`] (a FIFO, directory, socket or device),
     /// [`crate::Error::InvalidArgument`] for a symbolic link, [`crate::Error::Os`] otherwise.
     pub fn stat(name: &str) -> Result<SegmentInfo> {
         validate_name(name)?;
@@ -311,7 +311,7 @@ impl Segment {
         validate_name(name)?;
         let fd = match open_checked(name, true) {
             Ok(fd) => fd,
-            Err(crate::Error::Registry(RegistryError::NotFound { .. })) => return Ok(false),
+            Err(crate::Error::Shm(ShmError::NotFound { .. })) => return Ok(false),
             Err(e) => return Err(e),
         };
         let path = format!("{SHM_DIR}/{name}");
@@ -349,7 +349,7 @@ impl Segment {
         }
         match Self::unlink(name) {
             Ok(()) => Ok(true),
-            Err(crate::Error::Registry(RegistryError::NotFound { .. })) => Ok(false),
+            Err(crate::Error::Shm(ShmError::NotFound { .. })) => Ok(false),
             Err(e) => Err(e),
         }
         // `fd` closes here, releasing the lock for the next replacer, who finds the name changed.
@@ -358,7 +358,7 @@ impl Segment {
     /// Removes the name `name` (`shm_unlink`). Mappings that exist stay valid until unmapped.
     ///
     /// # Errors
-    /// [`RegistryError::InvalidName`], [`RegistryError::NotFound`] when no such name exists, and
+    /// [`ShmError::InvalidName`], [`ShmError::NotFound`] when no such name exists, and
     /// [`crate::Error::Os`] for other failures.
     #[doc(alias = "shm_unlink")]
     pub fn unlink(name: &str) -> Result<()> {
@@ -366,7 +366,7 @@ impl Segment {
         let path = format!("/{name}");
         match rustix::shm::unlink(path.as_str()) {
             Ok(()) => Ok(()),
-            Err(Errno::NOENT) => Err(RegistryError::NotFound {
+            Err(Errno::NOENT) => Err(ShmError::NotFound {
                 name: name.to_string(),
             }
             .into()),
@@ -444,12 +444,12 @@ impl Segment {
     /// A segment that others (not owner, not group) may access is refused either way.
     ///
     /// # Errors
-    /// [`RegistryError::WrongOwner`] naming both uids; [`crate::Error::Os`] when a call fails.
+    /// [`ShmError::WrongOwner`] naming both uids; [`crate::Error::Os`] when a call fails.
     pub fn check_access(&self, allow_group: bool) -> Result<()> {
         let (uid, gid, mode) = self.owner()?;
         let ours = rustix::process::geteuid().as_raw();
         let wrong = || {
-            Err(RegistryError::WrongOwner {
+            Err(ShmError::WrongOwner {
                 name: self.name.clone(),
                 owner: uid,
                 ours,
@@ -457,7 +457,7 @@ impl Segment {
             .into())
         };
         if mode & 0o007 != 0 {
-            return Err(RegistryError::InsecureMode {
+            return Err(ShmError::InsecureMode {
                 name: self.name.clone(),
                 mode,
             }
@@ -485,12 +485,12 @@ impl Segment {
     /// Checks that the segment belongs to this process's effective uid.
     ///
     /// # Errors
-    /// [`RegistryError::WrongOwner`] naming both uids; [`crate::Error::Os`] when `fstat` fails.
+    /// [`ShmError::WrongOwner`] naming both uids; [`crate::Error::Os`] when `fstat` fails.
     pub fn check_owner(&self) -> Result<()> {
         let owner = self.owner_uid()?;
         let ours = rustix::process::geteuid().as_raw();
         if owner != ours {
-            return Err(RegistryError::WrongOwner {
+            return Err(ShmError::WrongOwner {
                 name: self.name.clone(),
                 owner,
                 ours,
@@ -536,7 +536,7 @@ impl SegmentInfo {
         let st = rustix::fs::fstat(fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
         let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
         if ft != rustix::fs::FileType::RegularFile {
-            return Err(RegistryError::NotASegment {
+            return Err(ShmError::NotASegment {
                 name: name.to_string(),
                 kind: file_kind(ft),
             }
@@ -591,20 +591,20 @@ fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
     let access = if write { OFlags::RDWR } else { OFlags::RDONLY };
     match rustix::shm::open(path.as_str(), access | extra, Mode::empty()) {
         Ok(fd) => Ok(fd),
-        Err(Errno::NOENT) => Err(RegistryError::NotFound {
+        Err(Errno::NOENT) => Err(ShmError::NotFound {
             name: name.to_string(),
         }
         .into()),
         Err(Errno::LOOP) => Err(crate::Error::InvalidArgument(format!(
             "{SHM_DIR}/{name} is a symbolic link; a segment is never opened through one"
         ))),
-        Err(Errno::ISDIR) => Err(RegistryError::NotASegment {
+        Err(Errno::ISDIR) => Err(ShmError::NotASegment {
             name: name.to_string(),
             kind: "directory",
         }
         .into()),
         // A socket (or a device without a driver) cannot be opened at all.
-        Err(Errno::NXIO) => Err(RegistryError::NotASegment {
+        Err(Errno::NXIO) => Err(ShmError::NotASegment {
             name: name.to_string(),
             kind: "socket",
         }
@@ -612,7 +612,7 @@ fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
         // Not ours to open: name the owner when the name can be looked at.
         Err(Errno::ACCESS) => match rustix::fs::lstat(format!("{SHM_DIR}/{name}").as_str()) {
             Ok(st) if st.st_uid != rustix::process::geteuid().as_raw() => {
-                Err(RegistryError::WrongOwner {
+                Err(ShmError::WrongOwner {
                     name: name.to_string(),
                     owner: st.st_uid,
                     ours: rustix::process::geteuid().as_raw(),
@@ -629,10 +629,10 @@ fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
 /// given without the leading `/` (it is added here).
 ///
 /// # Errors
-/// [`RegistryError::InvalidName`] saying what is wrong.
+/// [`ShmError::InvalidName`] saying what is wrong.
 pub fn validate_name(name: &str) -> Result<()> {
     let bad = |reason| {
-        Err(RegistryError::InvalidName {
+        Err(ShmError::InvalidName {
             name: name.chars().take(MAX_SEGMENT_NAME + 8).collect(),
             reason,
         }

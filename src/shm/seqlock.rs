@@ -15,7 +15,7 @@
 //! | `seq` store odd + 1 (`Release`) | first `seq` load (`Acquire`) |
 //!
 //! A writer that dies inside leaves the sequence odd. Reads then fail after a bounded number of
-//! attempts with [`RegistryError::WriterStalled`] instead of spinning forever, and whoever owns the
+//! attempts with [`ShmError::WriterStalled`] instead of spinning forever, and whoever owns the
 //! recovery (the registry, after checking the writer is dead) adopts the open write
 //! ([`SeqLock::adopt_open_write`]): it overwrites the payload while the sequence is still odd and
 //! only then makes it even, so the half-written payload is never published, not even for a moment.
@@ -25,7 +25,7 @@
 //! | `seq` load sees odd, then `fence(Release)` (`adopt_open_write`) | `fence(Acquire)` after the payload loads, then `seq` load |
 //! | payload stores (`Relaxed`), then `seq` store odd + 1 (`Release`) | first `seq` load (`Acquire`) |
 
-use crate::registry::RegistryError;
+use super::ShmError;
 use crate::sync::{AtomicU64, Ordering, fence};
 
 /// Read attempts before the reader yields the CPU between attempts.
@@ -91,8 +91,8 @@ impl<'a> SeqLock<'a> {
     /// Makes at most `max_retries` attempts (at least one); spins for the first few, then yields.
     ///
     /// # Errors
-    /// [`RegistryError::WriterStalled`] when every attempt found a write open or racing.
-    pub fn read(&self, out: &mut [u64], max_retries: u32) -> Result<u64, RegistryError> {
+    /// [`ShmError::WriterStalled`] when every attempt found a write open or racing.
+    pub fn read(&self, out: &mut [u64], max_retries: u32) -> Result<u64, ShmError> {
         let n = out.len().min(self.words.len());
         let attempts = max_retries.max(1);
         for attempt in 0..attempts {
@@ -114,7 +114,7 @@ impl<'a> SeqLock<'a> {
             }
             backoff(attempt);
         }
-        Err(RegistryError::WriterStalled { retries: attempts })
+        Err(ShmError::WriterStalled { retries: attempts })
     }
 
     /// Takes over a write left open by a writer that died: when the sequence is odd, returns a
