@@ -327,3 +327,37 @@ fn lock_held_by_a_killed_but_unreaped_writer_is_taken_over() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     w.wait().unwrap();
 }
+
+/// `Registry::open` frees dead participants' entries on the way in, as its docs say, even when
+/// free entries are left: the snapshot no longer shows a killed process's entry.
+#[test]
+fn open_frees_the_entries_of_dead_participants_on_the_way_in() {
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let name = unique("openfree");
+    let _u = Unlink(name.clone());
+    let reg = Registry::create(&name, &opts()).unwrap();
+    let test = "open_frees_the_entries_of_dead_participants_on_the_way_in";
+    let mut a = spawn_child(test, "waiter", &name, &[]);
+    let t = Instant::now();
+    while reg.participants().len() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(5), "the child did not attach");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = a.id();
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let entries = || {
+        cuda_ipc::registry::inspect::inspect(&name)
+            .unwrap()
+            .participants
+            .iter()
+            .filter(|p| p.identity.pid == pid)
+            .count()
+    };
+    assert_eq!(entries(), 1, "the killed child's entry is still there");
+    let _joined = Registry::open(&name, &opts()).unwrap();
+    assert_eq!(entries(), 0, "open left the dead participant's entry");
+    assert_eq!(reg.participants().len(), 1, "this process alone (its two handles count once)");
+}

@@ -729,18 +729,16 @@ impl Registry {
         }
         let mut reg = Self::observer(seg, slots, participants, me)?;
         reg.lock_timeout = opts.lock_timeout;
-        let (i, owner, name) = match reg.claim_participant() {
-            Some(c) => c,
-            None => {
-                reg.reclaim_participants(&mut ReclaimReport::default());
-                reg.claim_participant().ok_or_else(|| {
-                    Error::from(RegistryError::TooManyParticipants {
-                        name: reg.seg.name().to_string(),
-                        capacity: participants,
-                    })
-                })?
-            }
-        };
+        // Dead participants' entries are freed on the way in (as `open` promises), not only when
+        // every entry is taken: a registry outlives crashed processes, and `participants()` should
+        // not list them to the next one that joins.
+        reg.reclaim_participants(&mut ReclaimReport::default());
+        let (i, owner, name) = reg.claim_participant().ok_or_else(|| {
+            Error::from(RegistryError::TooManyParticipants {
+                name: reg.seg.name().to_string(),
+                capacity: participants,
+            })
+        })?;
         reg.participant = i;
         reg.owner = owner;
         reg.lock_name = name;
