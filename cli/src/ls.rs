@@ -2,8 +2,8 @@
 
 use crate::Outcome;
 use comfy_table::{Table, presets};
-use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect::{self as channel_inspect, BufferState, ChannelSnapshot};
+use cuda_ipc::channel::{Delivery, UnknownCode};
 use cuda_ipc::identity::Liveness;
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use serde::Serialize;
@@ -183,8 +183,8 @@ pub struct ConsumerView {
     pub process: &'static str,
     /// Attached (`false` while still claiming its slot).
     pub attached: bool,
-    /// `every-frame` or `latest-only`.
-    pub delivery: &'static str,
+    /// `every-frame`, `latest-only`, or `unknown(N)` for a policy code this build does not know.
+    pub delivery: String,
     /// Last sequence number received or skipped.
     pub cursor: u64,
     /// Frames published it has not received yet.
@@ -215,6 +215,17 @@ pub(crate) fn liveness(l: Liveness) -> &'static str {
         Liveness::Alive => "alive",
         Liveness::Dead => "dead",
         _ => "unknown",
+    }
+}
+
+/// A consumer's delivery policy as shown: a code this build does not know is shown as
+/// `unknown(N)`, never as one of the policies.
+pub(crate) fn delivery_name(d: Result<Delivery, UnknownCode>) -> String {
+    match d {
+        Ok(Delivery::EveryFrame) => "every-frame".to_string(),
+        Ok(Delivery::LatestOnly) => "latest-only".to_string(),
+        Ok(other) => format!("{other:?}"),
+        Err(e) => format!("unknown({})", e.code),
     }
 }
 
@@ -308,10 +319,7 @@ fn channel_view(s: ChannelSnapshot) -> ChannelView {
                 pid: c.identity.pid,
                 process: liveness(c.liveness),
                 attached: c.attached,
-                delivery: match c.delivery {
-                    Delivery::LatestOnly => "latest-only",
-                    _ => "every-frame",
-                },
+                delivery: delivery_name(c.delivery),
                 cursor: c.cursor,
                 lag: c.lag,
                 received: c.received,
@@ -722,6 +730,14 @@ mod tests {
         assert_eq!(bytes(1023), "1023 B");
         assert_eq!(bytes(3840 * 2160 * 4), "31.6 MiB");
         assert_eq!(bytes(1 << 40), "1.0 TiB");
+    }
+
+    #[test]
+    fn an_unknown_policy_code_is_shown_as_unknown_never_as_a_policy() {
+        assert_eq!(delivery_name(Ok(Delivery::EveryFrame)), "every-frame");
+        assert_eq!(delivery_name(Ok(Delivery::LatestOnly)), "latest-only");
+        assert_eq!(delivery_name(Delivery::from_wire(7)), "unknown(7)");
+        assert_eq!(delivery_name(Delivery::from_wire(1)), "latest-only");
     }
 
     #[test]

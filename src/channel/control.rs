@@ -13,119 +13,18 @@
 //! `SeqCst`, so at least one of them sees the other and backs off: a buffer is never written while a
 //! consumer holds it.
 
+use super::layout::{
+    ACTIVE, BufferSlot, CLAIMING, CLOSED, ConsumerSlot, EVERY_FRAME, FREE, HEADER_SIZE, Header,
+    LATEST_ONLY, MAGIC, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, META_WORDS, READY_PAGE,
+    SEGMENT_PREFIX, SEQ_EMPTY, STAMP_READY, VERSION, WRITING, buffer_offset, consumer_offset,
+    ready_offset, segment_len,
+};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::{Segment, SegmentOptions, futex, new_generation};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, Ordering};
 use crate::token::TOKEN_LEN;
 use std::time::{Duration, Instant};
-
-/// Magic at offset 0: `CIPCCHAN`.
-pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
-/// Layout version; an opener refuses any other, naming both. Version 2 added the ready page;
-/// version 3 the pid namespaces of producer and consumers and the creation generation.
-pub(crate) const VERSION: u32 = 3;
-/// Size of the ready page at the end of the segment: one `u32` ready word per buffer, on a page of
-/// its own so that it can be registered with the driver (`cuMemHostRegister`).
-pub(crate) const READY_PAGE: usize = 4096;
-const STAMP_READY: u32 = 0x5245_4459; // "READY"
-/// Most buffers in a pool.
-pub const MAX_BUFFERS: usize = 16;
-/// Most consumers attached at once (one bit each in a 64-bit hold mask).
-pub const MAX_CONSUMERS: usize = 64;
-/// Bytes of user metadata per frame.
-pub const META_BYTES: usize = 256;
-const META_WORDS: usize = META_BYTES / 8;
-/// `BufferSlot::seq` while the producer writes the buffer.
-pub(crate) const WRITING: u64 = u64::MAX;
-
-/// Consumer slot states.
-const FREE: u32 = 0;
-const CLAIMING: u32 = 1;
-const ACTIVE: u32 = 2;
-
-const CLOSED: u32 = 1;
-
-#[repr(C)]
-pub(crate) struct Header {
-    magic: AtomicU64,
-    version: AtomicU32,
-    /// Written last at creation (Release); openers Acquire-load it before reading anything else.
-    stamp: AtomicU32,
-    buffers: AtomicU32,
-    consumers: AtomicU32,
-    buffer_bytes: AtomicU64,
-    segment_bytes: AtomicU64,
-    producer_pid: AtomicU32,
-    producer_state: AtomicU32,
-    producer_start_time: AtomicU64,
-    producer_boot_id: [AtomicU64; 2],
-    /// Sequence number of the latest published frame (0: none yet).
-    head: AtomicU64,
-    /// Bumped on every publish and on close; consumers sleep on it.
-    publish_futex: AtomicU32,
-    /// Bumped on every release, cursor move and detach; the producer sleeps on it.
-    release_futex: AtomicU32,
-    published: AtomicU64,
-    forced_releases: AtomicU64,
-    /// The producer's pid namespace (inode number), so its pid is read in the right namespace.
-    producer_pid_ns: AtomicU32,
-    _pad: AtomicU32,
-    /// Random, nonzero, written once at creation: tells a segment recreated under the same name
-    /// apart from the one a process mapped.
-    generation: AtomicU64,
-    _reserved: [AtomicU64; 2],
-}
-
-#[repr(C)]
-pub(crate) struct BufferSlot {
-    /// Sequence number of the frame in the buffer; 0 empty; [`WRITING`] while the producer owns it.
-    seq: AtomicU64,
-    /// Consumers (bit = slot index) holding the frame now.
-    hold_mask: AtomicU64,
-    /// Consumers that held the buffer since the producer last wrote it: the producer's next write
-    /// waits on their release events.
-    used_mask: AtomicU64,
-    meta_len: AtomicU32,
-    _pad: AtomicU32,
-    meta: [AtomicU64; META_WORDS],
-    /// Token of the buffer memory, then a second token area, zero since layout version 2 (immutable after creation).
-    tokens: [u8; 2 * TOKEN_LEN],
-}
-
-#[repr(C)]
-pub(crate) struct ConsumerSlot {
-    state: AtomicU32,
-    policy: AtomicU32,
-    /// Bumped each time the slot is claimed, so the producer can tell a reused slot apart.
-    generation: AtomicU64,
-    pid: AtomicU32,
-    /// The consumer's pid namespace (inode number).
-    pid_ns: AtomicU32,
-    start_time: AtomicU64,
-    boot_id: [AtomicU64; 2],
-    /// Last sequence number received (or skipped).
-    cursor: AtomicU64,
-    received: AtomicU64,
-    dropped: AtomicU64,
-    /// The consumer's release-event tokens, one per buffer, written while claiming.
-    tokens: [u8; MAX_BUFFERS * TOKEN_LEN],
-}
-
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<Header>() == 136);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<BufferSlot>() == 32 + META_BYTES + 2 * TOKEN_LEN);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<ConsumerSlot>() == 72 + MAX_BUFFERS * TOKEN_LEN);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(std::mem::offset_of!(Header, head) == 72);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(std::mem::offset_of!(BufferSlot, meta) == 32);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(std::mem::offset_of!(ConsumerSlot, cursor) == 48);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<BufferSlot>() % 8 == 0 && size_of::<ConsumerSlot>() % 8 == 0);
 
 /// Delivery policy of one consumer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -230,26 +129,14 @@ unsafe impl Send for Control {}
 // SAFETY: as for Send: methods take `&self` and touch shared memory only through atomics.
 unsafe impl Sync for Control {}
 
-/// Offset of the ready page: the end of the consumer slots, rounded up to a page.
-fn ready_offset(buffers: usize, consumers: usize) -> usize {
-    (size_of::<Header>()
-        + buffers * size_of::<BufferSlot>()
-        + consumers * size_of::<ConsumerSlot>())
-    .next_multiple_of(READY_PAGE)
-}
-
-fn layout_len(buffers: usize, consumers: usize) -> usize {
-    ready_offset(buffers, consumers) + READY_PAGE
-}
-
 /// The segment name of a channel.
 pub(crate) fn segment_name(channel: &str) -> String {
-    format!("cuda-ipc.ch.{channel}")
+    format!("{SEGMENT_PREFIX}{channel}")
 }
 
 /// Longest channel name in bytes: the segment name `cuda-ipc.ch.NAME` must fit
 /// [`crate::shm::MAX_SEGMENT_NAME`].
-pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - "cuda-ipc.ch.".len();
+pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - SEGMENT_PREFIX.len();
 
 /// Checks a channel name: 1 to [`MAX_CHANNEL_NAME`] bytes of `[A-Za-z0-9._-]`.
 pub(crate) fn validate_channel_name(channel: &str) -> Result<()> {
@@ -305,7 +192,7 @@ impl Control {
             )));
         }
         let name = segment_name(channel);
-        let len = layout_len(buffers, consumers);
+        let len = segment_len(buffers, consumers);
         // A stale segment from a crashed producer must not block a restart; anything else under
         // the name is left alone and named in the error. Two producers restarting at once: each
         // removes only the segment it judged, under `unlink_if_same`'s lock, so the slower one
@@ -409,11 +296,11 @@ impl Control {
                 channel.to_string(),
             )));
         }
-        if info.len < size_of::<Header>() as u64 {
+        if info.len < HEADER_SIZE as u64 {
             return Err(RegistryError::TooSmall {
                 name: name.to_string(),
                 len: info.len,
-                min: size_of::<Header>() as u64,
+                min: HEADER_SIZE as u64,
             }
             .into());
         }
@@ -434,7 +321,7 @@ impl Control {
             {
                 // Our magic (or none yet) but no init stamp after the open's wait: a creator died
                 // half-way, unless one is recorded and still runs.
-                let seg = Segment::open_with_min_len(name, size_of::<Header>())?;
+                let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
                 let c = Control {
                     seg,
                     buffers: 0,
@@ -462,7 +349,7 @@ impl Control {
     pub(crate) fn open_with(channel: &str, allow_group: bool) -> Result<Control> {
         validate_channel_name(channel)?;
         let name = segment_name(channel);
-        let seg = match Segment::open_with_min_len(&name, size_of::<Header>()) {
+        let seg = match Segment::open_with_min_len(&name, HEADER_SIZE) {
             Ok(s) => s,
             Err(Error::Registry(crate::registry::RegistryError::NotFound { .. })) => {
                 return Err(Error::Channel(super::ChannelError::NotFound(
@@ -522,7 +409,7 @@ impl Control {
                 "{name} claims {buffers} buffers and {consumers} consumers: corrupted"
             )));
         }
-        let need = layout_len(buffers, consumers);
+        let need = segment_len(buffers, consumers);
         if c.seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
             return Err(bad(format!(
                 "{name} holds {} bytes but its header needs {need}: truncated or corrupted",
@@ -546,12 +433,7 @@ impl Control {
     fn buffer_ptr(&self, i: usize) -> *mut BufferSlot {
         debug_assert!(i < self.buffers.max(1));
         // SAFETY: the offset stays inside the mapping: i < buffers and the length was checked.
-        unsafe {
-            self.seg
-                .as_ptr()
-                .add(size_of::<Header>() + i * size_of::<BufferSlot>())
-                .cast()
-        }
+        unsafe { self.seg.as_ptr().add(buffer_offset(i)).cast() }
     }
 
     fn buffer(&self, i: usize) -> &BufferSlot {
@@ -566,11 +448,7 @@ impl Control {
         unsafe {
             self.seg
                 .as_ptr()
-                .add(
-                    size_of::<Header>()
-                        + self.buffers * size_of::<BufferSlot>()
-                        + c * size_of::<ConsumerSlot>(),
-                )
+                .add(consumer_offset(self.buffers, c))
                 .cast()
         }
     }
@@ -717,7 +595,9 @@ impl Control {
             let s = self.consumer(c);
             // Acquire: pairs with the Release store of ACTIVE in `attach`: its policy and cursor
             // are visible.
-            if s.state.load(Ordering::Acquire) == ACTIVE && s.policy.load(Ordering::Relaxed) == 0 {
+            if s.state.load(Ordering::Acquire) == ACTIVE
+                && s.policy.load(Ordering::Relaxed) == EVERY_FRAME
+            {
                 min = min.min(s.cursor.load(Ordering::Acquire));
             }
         }
@@ -830,7 +710,7 @@ impl Control {
     pub(crate) fn force_ready(&self) {
         for i in 0..self.buffers {
             let seq = self.buffer(i).seq.load(Ordering::Acquire);
-            if seq == 0 || seq == WRITING {
+            if seq == SEQ_EMPTY || seq == WRITING {
                 continue;
             }
             let want = seq as u32;
@@ -866,7 +746,7 @@ impl Control {
     /// Gives an acquired buffer back without publishing (its previous frame is gone: seq 0).
     pub(crate) fn abandon(&self, i: usize) {
         // Release: pairs with `try_acquire`/`take` Acquire loads of seq.
-        self.buffer(i).seq.store(0, Ordering::Release);
+        self.buffer(i).seq.store(SEQ_EMPTY, Ordering::Release);
         Self::bump(&self.header().release_futex);
     }
 
@@ -1067,13 +947,7 @@ impl Control {
             s.boot_id[0].store(bw[0], Ordering::Relaxed);
             s.boot_id[1].store(bw[1], Ordering::Relaxed);
             s.pid_ns.store(me.pid_ns, Ordering::Relaxed);
-            s.policy.store(
-                match policy {
-                    Delivery::EveryFrame => 0,
-                    Delivery::LatestOnly => 1,
-                },
-                Ordering::Relaxed,
-            );
+            s.policy.store(policy.to_wire(), Ordering::Relaxed);
             s.received.store(0, Ordering::Relaxed);
             s.dropped.store(0, Ordering::Relaxed);
             let p = self.consumer_ptr(c);
@@ -1150,7 +1024,7 @@ impl Control {
         }
         let name = self.seg.name();
         Err(Error::Channel(super::ChannelError::Superseded(
-            name.strip_prefix(super::inspect::SEGMENT_PREFIX)
+            name.strip_prefix(SEGMENT_PREFIX)
                 .unwrap_or(name)
                 .to_string(),
         )))
@@ -1167,7 +1041,7 @@ impl Control {
         if s.state.load(Ordering::Acquire) != ACTIVE {
             return Err(Error::Channel(super::ChannelError::Detached));
         }
-        let latest = s.policy.load(Ordering::Relaxed) == 1;
+        let latest = s.policy.load(Ordering::Relaxed) == LATEST_ONLY;
         let bit = 1u64 << c;
         loop {
             let head = self.head();
@@ -1300,62 +1174,16 @@ impl Control {
         &self.seg
     }
 
-    /// Buffer `i` as it is now, read with loads only (see `channel::inspect`).
-    pub(crate) fn inspect_buffer(&self, i: usize) -> super::inspect::BufferSnapshot {
-        let b = self.buffer(i);
-        // Acquire: pairs with the Release store of seq in `publish`, as in `try_take`.
-        let seq = b.seq.load(Ordering::Acquire);
-        let (mem, _) = self.buffer_tokens(i);
-        super::inspect::BufferSnapshot {
-            index: i,
-            state: match seq {
-                0 => super::inspect::BufferState::Empty,
-                WRITING => super::inspect::BufferState::Writing,
-                s => super::inspect::BufferState::Frame(s),
-            },
-            // Relaxed: diagnostic copies; nothing is read through them.
-            hold_mask: b.hold_mask.load(Ordering::Relaxed),
-            used_mask: b.used_mask.load(Ordering::Relaxed),
-            meta_len: b.meta_len.load(Ordering::Relaxed).min(META_BYTES as u32),
-            memory: crate::token::Token::from_bytes(&mem).ok(),
-        }
+    /// Buffer slot `i`, for inspection tools (`channel::inspect`, loads only).
+    pub(crate) fn buffer_slot(&self, i: usize) -> &BufferSlot {
+        assert!(i < self.buffers);
+        self.buffer(i)
     }
 
-    /// Consumer slot `c` as it is now, `None` when free, read with loads only.
-    pub(crate) fn inspect_consumer(&self, c: usize) -> Option<super::inspect::ConsumerSnapshot> {
-        let s = self.consumer(c);
-        // Acquire: pairs with the Release store of ACTIVE in `attach`: the fields below are whole.
-        let state = s.state.load(Ordering::Acquire);
-        if state == FREE {
-            return None;
-        }
-        // Relaxed: diagnostic copies of a slot that may change at any time.
-        let identity = ProcessIdentity {
-            pid: s.pid.load(Ordering::Relaxed),
-            start_time: s.start_time.load(Ordering::Relaxed),
-            boot_id: boot_bytes([
-                s.boot_id[0].load(Ordering::Relaxed),
-                s.boot_id[1].load(Ordering::Relaxed),
-            ]),
-            pid_ns: s.pid_ns.load(Ordering::Relaxed),
-        };
-        Some(super::inspect::ConsumerSnapshot {
-            index: c,
-            attached: state == ACTIVE,
-            delivery: if s.policy.load(Ordering::Relaxed) == 1 {
-                Delivery::LatestOnly
-            } else {
-                Delivery::EveryFrame
-            },
-            generation: s.generation.load(Ordering::Relaxed),
-            liveness: identity.liveness(),
-            identity,
-            cursor: s.cursor.load(Ordering::Relaxed),
-            received: s.received.load(Ordering::Relaxed),
-            dropped: s.dropped.load(Ordering::Relaxed),
-            holds: Vec::new(),
-            lag: 0,
-        })
+    /// Consumer slot `c`, for inspection tools (`channel::inspect`, loads only).
+    pub(crate) fn consumer_slot(&self, c: usize) -> &ConsumerSlot {
+        assert!(c < self.consumers);
+        self.consumer(c)
     }
 }
 

@@ -26,12 +26,12 @@
 mod control;
 mod host;
 pub mod inspect;
+#[doc(hidden)]
+pub mod layout;
 pub mod owned;
 
-pub use control::{
-    ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CHANNEL_NAME, MAX_CONSUMERS,
-    META_BYTES, WaitStrategy,
-};
+pub use control::{ChannelStats, ConsumerStats, Delivery, MAX_CHANNEL_NAME, WaitStrategy};
+pub use layout::{MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, UnknownCode};
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
