@@ -208,7 +208,7 @@ impl HostPool {
                 "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
             )));
         }
-        // Acquire: pairs with the Release store of the stamp in `create`.
+        // SYNC POINT: pool stamp. Acquire: pairs with the Release store of the stamp in `create`.
         if h.stamp.load(Ordering::Acquire) != STAMP_READY {
             if producer.pid != 0 && producer.liveness() != Liveness::Dead {
                 return Err(Error::Channel(super::ChannelError::CreationInProgress(

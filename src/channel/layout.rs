@@ -236,6 +236,15 @@ pub const fn ready_offset(buffers: usize, consumers: usize) -> usize {
     consumer_offset(buffers, consumers).next_multiple_of(READY_PAGE)
 }
 
+/// Size in bytes of one ready word (a `u32`); buffer `i`'s is at [`READY_WORD_SIZE`] × `i` in
+/// the ready page.
+pub const READY_WORD_SIZE: usize = 4;
+
+/// Offset of buffer `i`'s ready word from the start of the ready page.
+pub const fn ready_word_offset(i: usize) -> usize {
+    i * READY_WORD_SIZE
+}
+
 /// Bytes of the whole segment (the header's `segment_bytes`): the ready page's end.
 pub const fn segment_len(buffers: usize, consumers: usize) -> usize {
     ready_offset(buffers, consumers) + READY_PAGE
@@ -460,7 +469,7 @@ const _: () = assert!(contiguous(BUFFER_FIELDS, BUFFER_SLOT_SIZE));
 const _: () = assert!(contiguous(CONSUMER_FIELDS, CONSUMER_SLOT_SIZE));
 const _: () = assert!(HEADER_SIZE % 8 == 0 && BUFFER_SLOT_SIZE % 8 == 0);
 const _: () = assert!(CONSUMER_SLOT_SIZE % 8 == 0);
-const _: () = assert!(MAX_CONSUMERS <= 64 && 4 * MAX_BUFFERS <= READY_PAGE);
+const _: () = assert!(MAX_CONSUMERS <= 64 && ready_word_offset(MAX_BUFFERS) <= READY_PAGE);
 const _: () = assert!(header::STAMP == 12 && header::MAGIC == 0 && header::VERSION == 8);
 const _: () = assert!(HEADER_SIZE == 136 && BUFFER_SLOT_SIZE == 576 && CONSUMER_SLOT_SIZE == 2376);
 

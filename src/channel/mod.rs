@@ -893,7 +893,7 @@ impl WriteFrame<'_> {
             self.done = true;
             return Ok(seq);
         };
-        let word = ready.device_ptr + 4 * self.index as u64;
+        let word = ready.device_ptr + layout::ready_word_offset(self.index) as u64;
         // SAFETY: the word lies in the registered ready page (index < buffers), which stays
         // registered and mapped until the producer's stream has drained (Drop order of Producer).
         if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
@@ -1201,8 +1201,10 @@ impl Consumer {
         // SAFETY: the word lies in the registered ready page (i < buffers), which stays registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
         unsafe {
-            gpu.stream
-                .wait_value_u32(ready.device_ptr + 4 * i as u64, seq as u32)?;
+            gpu.stream.wait_value_u32(
+                ready.device_ptr + layout::ready_word_offset(i) as u64,
+                seq as u32,
+            )?;
         }
         Ok(frame)
     }
@@ -1610,7 +1612,11 @@ pub mod testing {
             assert!(i < self.0.buffers());
             // SAFETY: word `i` of the ready page lies in the mapping and is 4-byte aligned; shared
             // words are only accessed atomically.
-            let w = unsafe { &*p.add(4 * i).cast::<std::sync::atomic::AtomicU32>() };
+            let w = unsafe {
+                &*p.add(super::layout::ready_word_offset(i))
+                    .cast::<std::sync::atomic::AtomicU32>()
+            };
+            // SYNC POINT: ready word. Release: pairs with `ready_value`'s Acquire load.
             w.store(value, std::sync::atomic::Ordering::Release);
         }
         /// Buffer `i`'s ready word.
