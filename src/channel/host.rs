@@ -157,7 +157,7 @@ impl HostPool {
         for (w, v) in h.producer.iter().zip(me.to_words()) {
             w.store(v, Ordering::Relaxed);
         }
-        // SYNC POINT: pool stamp. Release: pairs with the Acquire load in `open_checked`.
+        // SYNC POINT: pool stamp. Release: pairs with the Acquire loads in `open`, `replaceable`.
         h.stamp.store(STAMP_READY, Ordering::Release);
         Ok(pool)
     }
