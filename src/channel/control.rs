@@ -56,6 +56,9 @@ impl Default for WaitStrategy {
     }
 }
 
+/// How long an opener waits for the init stamp of a segment whose creator may still be writing it.
+const INIT_WAIT: Duration = Duration::from_secs(2);
+
 /// Liveness is re-checked at least this often while waiting.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 /// How often a waiting producer or consumer looks whether its channel's name was superseded: a
@@ -348,6 +351,16 @@ impl Control {
     /// Opens the control segment of `channel`; with `allow_group`, also one of another user of
     /// this process's groups whose mode is 0660 (the producer's `group_access`).
     pub(crate) fn open_with(channel: &str, allow_group: bool) -> Result<Control> {
+        Self::open_waiting(channel, allow_group, INIT_WAIT)
+    }
+
+    /// [`Control::open_with`], waiting at most `init_wait` (instead of [`INIT_WAIT`]) for the
+    /// stamp of a segment whose creator may still be writing it (tests and fuzzing).
+    pub(crate) fn open_waiting(
+        channel: &str,
+        allow_group: bool,
+        init_wait: Duration,
+    ) -> Result<Control> {
         validate_channel_name(channel)?;
         let name = segment_name(channel);
         let seg = match Segment::open_with_min_len(&name, HEADER_SIZE) {
@@ -382,9 +395,14 @@ impl Control {
                     "{name} is not a cuda-ipc channel (magic {magic:#018x})"
                 )));
             }
-            if start.elapsed() > Duration::from_secs(2) {
+            if start.elapsed() > init_wait {
+                let waited = if init_wait.subsec_nanos() == 0 {
+                    format!("{} s", init_wait.as_secs())
+                } else {
+                    format!("{} ms", init_wait.as_millis())
+                };
                 return Err(bad(format!(
-                    "{name} was never finished by its creator (no init stamp after 2 s)"
+                    "{name} was never finished by its creator (no init stamp after {waited})"
                 )));
             }
             std::thread::sleep(Duration::from_millis(1));

@@ -250,7 +250,7 @@ pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
     Ok(snapshot(channel, &c))
 }
 
-fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
+pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
     let stats = c.stats();
     let producer = c.producer();
     let head = c.head();

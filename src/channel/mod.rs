@@ -1666,6 +1666,50 @@ pub mod testing {
         }
     }
 
+    impl ControlConsumer {
+        /// Opens channel `name` as a consumer does, but waits at most `init_wait` for the init
+        /// stamp of an unfinished segment (a consumer waits 2 s), and claims a consumer slot with
+        /// zero release tokens, one per buffer (as a host channel's consumer does). For fuzzing:
+        /// the segment may hold any bytes.
+        ///
+        /// # Errors
+        /// As [`ControlConsumer::attach`].
+        pub fn attach_waiting(name: &str, delivery: Delivery, init_wait: Duration) -> Result<Self> {
+            let control = Control::open_waiting(name, false, init_wait)?;
+            let tokens = vec![[0u8; TOKEN_LEN]; control.buffers()];
+            let slot = control.attach(delivery, &tokens)?;
+            Ok(Self { control, slot })
+        }
+        /// Buffers in the pool.
+        pub fn buffers(&self) -> usize {
+            self.control.buffers()
+        }
+        /// The next frame if there is one now: (buffer index, sequence number, metadata).
+        ///
+        /// # Errors
+        /// As `Consumer::try_recv`.
+        pub fn try_take(&self) -> Result<Option<(usize, u64, Vec<u8>)>> {
+            self.control.take_or_closed(self.slot)
+        }
+        /// A snapshot of the channel ([`super::inspect::inspect`]), from this consumer's mapping.
+        pub fn inspect(&self, name: &str) -> super::inspect::ChannelSnapshot {
+            super::inspect::snapshot(name, &self.control)
+        }
+    }
+
+    /// [`super::inspect::inspect`], waiting at most `init_wait` for the init stamp of an
+    /// unfinished segment (it waits 2 s). For fuzzing.
+    ///
+    /// # Errors
+    /// As [`super::inspect::inspect`].
+    pub fn inspect_waiting(
+        name: &str,
+        init_wait: Duration,
+    ) -> Result<super::inspect::ChannelSnapshot> {
+        let c = Control::open_waiting(name, false, init_wait)?;
+        Ok(super::inspect::snapshot(name, &c))
+    }
+
     impl Drop for ControlConsumer {
         fn drop(&mut self) {
             self.control.detach(self.slot);
