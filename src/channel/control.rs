@@ -524,8 +524,13 @@ impl Control {
     }
 
     pub(crate) fn is_closed(&self) -> bool {
+        self.producer_state() == CLOSED
+    }
+
+    /// The header's `producer_state` code (see [`super::layout::ProducerState`]).
+    pub(crate) fn producer_state(&self) -> u32 {
         // SYNC POINT: closed. Acquire: pairs with the Release store in `close`.
-        self.header().producer_state.load(Ordering::Acquire) == CLOSED
+        self.header().producer_state.load(Ordering::Acquire)
     }
 
     fn bump(word: &AtomicU32) {
@@ -1207,6 +1212,12 @@ impl Control {
     pub(crate) fn buffer_slot(&self, i: usize) -> &BufferSlot {
         assert!(i < self.buffers);
         self.buffer(i)
+    }
+
+    /// The header, for tests that write fields directly.
+    #[cfg(test)]
+    pub(crate) fn header_for_tests(&self) -> &Header {
+        self.header()
     }
 
     /// Consumer slot `c`, for inspection tools (`channel::inspect`, loads only).

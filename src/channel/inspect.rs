@@ -11,7 +11,9 @@
 
 use super::Delivery;
 use super::control::{self, Control};
-use super::layout::{self, ConsumerState, META_BYTES, SEQ_EMPTY, UnknownCode, WRITING};
+use super::layout::{
+    self, ConsumerState, META_BYTES, ProducerState, SEQ_EMPTY, UnknownCode, WRITING,
+};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::RegistryError;
@@ -124,8 +126,11 @@ pub struct ConsumerSnapshot {
     /// The consumer slot index (its bit in the hold masks).
     pub index: usize,
     /// `true` once attached; `false` while a consumer is still claiming the slot (its fields may be
-    /// incomplete).
+    /// incomplete), or when its state code is unknown.
     pub attached: bool,
+    /// The slot's state ([`ConsumerState::Claiming`] or [`ConsumerState::Active`]; free slots are
+    /// not listed), or the code found when it is none this build knows.
+    pub state: std::result::Result<ConsumerState, UnknownCode>,
     /// Its delivery policy; the code found when it is none this build knows (a corrupted slot, or
     /// a consumer of a newer version), which the protocol treats as neither policy: the producer
     /// does not wait for it and it takes frames in order.
@@ -174,6 +179,9 @@ pub struct ChannelSnapshot {
     pub producer_liveness: Liveness,
     /// Whether the producer closed the channel.
     pub closed: bool,
+    /// The producer's state code as read: open or closed, or the code found when it is none this
+    /// build knows (the protocol treats such a channel as open).
+    pub producer_state: std::result::Result<ProducerState, UnknownCode>,
     /// Sequence number of the latest frame (0: none yet).
     pub head: u64,
     /// Frames published.
@@ -278,6 +286,7 @@ pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
         producer_liveness: producer.liveness(),
         producer,
         closed: c.is_closed(),
+        producer_state: ProducerState::from_wire(c.producer_state()),
         head,
         published: stats.published,
         forced_releases: stats.forced_releases,
@@ -323,6 +332,7 @@ fn consumer_snapshot(c: &Control, k: usize) -> Option<ConsumerSnapshot> {
         index: k,
         // A code other than ACTIVE (claiming, or unknown) is not attached, as for the protocol.
         attached: ConsumerState::from_wire(state) == Ok(ConsumerState::Active),
+        state: ConsumerState::from_wire(state),
         delivery: Delivery::from_wire(s.policy.load(Ordering::Relaxed)),
         generation: s.generation.load(Ordering::Relaxed),
         liveness: identity.liveness(),
@@ -505,6 +515,39 @@ mod tests {
         assert!(inspect(&n).is_ok());
         tx.unlink();
         assert!(!list_channels().unwrap().contains(&n));
+    }
+
+    #[test]
+    fn unknown_policy_and_state_codes_are_reported_as_unknown_not_as_a_known_one() {
+        let n = name("codes");
+        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
+        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let s = inspect(&n).unwrap();
+        let c = &s.consumers[0];
+        assert_eq!(c.delivery, Ok(Delivery::LatestOnly));
+        assert_eq!((c.state, c.attached), (Ok(ConsumerState::Active), true));
+        assert_eq!(s.producer_state, Ok(ProducerState::Open));
+        let ctl = Control::open(&n).unwrap();
+        let slot = ctl.consumer_slot(rx.slot());
+        slot.policy.store(7, Ordering::Relaxed);
+        slot.state.store(9, Ordering::Relaxed);
+        ctl.header_for_tests()
+            .producer_state
+            .store(5, Ordering::Relaxed);
+        let s = inspect(&n).unwrap();
+        let c = &s.consumers[0];
+        let unknown = |field, code| UnknownCode { field, code };
+        assert_eq!(c.delivery, Err(unknown("policy", 7)));
+        assert_eq!(c.state, Err(unknown("consumer state", 9)));
+        assert!(!c.attached);
+        assert_eq!(s.producer_state, Err(unknown("producer state", 5)));
+        assert!(
+            !s.closed,
+            "an unknown producer state reads as open, as for the protocol"
+        );
+        slot.state.store(layout::ACTIVE, Ordering::Relaxed);
+        drop(rx);
+        tx.unlink();
     }
 
     #[test]

@@ -31,7 +31,9 @@ pub mod layout;
 pub mod owned;
 
 pub use control::{ChannelStats, ConsumerStats, Delivery, MAX_CHANNEL_NAME, WaitStrategy};
-pub use layout::{MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, UnknownCode};
+pub use layout::{
+    ConsumerState, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, ProducerState, UnknownCode,
+};
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
