@@ -15,8 +15,8 @@
 //! `loom_channel_*` below).
 
 use super::layout::{
-    ACTIVE, BufferSlot, CLAIMING, CLOSED, ConsumerSlot, EVERY_FRAME, FREE, HEADER_SIZE, Header,
-    LATEST_ONLY, MAGIC, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, META_WORDS, READY_PAGE,
+    ACTIVE, BufferSlot, CLAIMING, CLOSED, ConsumerSlot, Delivery, EVERY_FRAME, FREE, HEADER_SIZE,
+    Header, LATEST_ONLY, MAGIC, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, META_WORDS, READY_PAGE,
     SEGMENT_PREFIX, SEQ_EMPTY, STAMP_READY, VERSION, WRITING, buffer_offset, consumer_offset,
     ready_offset, ready_word_offset, segment_len,
 };
@@ -26,17 +26,6 @@ use crate::shm::{Segment, SegmentOptions, futex, new_generation};
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 use crate::token::TOKEN_LEN;
 use std::time::{Duration, Instant};
-
-/// Delivery policy of one consumer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Delivery {
-    /// Every frame, in order; the producer waits (back-pressure) until this consumer received it.
-    #[default]
-    EveryFrame,
-    /// Only the newest frame; older unreceived frames are skipped and counted as dropped.
-    LatestOnly,
-}
 
 /// How a thread waits for a condition on a futex word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -120,7 +120,7 @@ pub mod buffer {
 pub mod consumer {
     /// `u32`: [`super::ConsumerState`].
     pub const STATE: usize = 0;
-    /// `u32`: [`crate::channel::Delivery`] wire code.
+    /// `u32`: [`super::Delivery`] wire code.
     pub const POLICY: usize = 4;
     /// `u64`: bumped each time the slot is claimed.
     pub const GENERATION: usize = 8;
@@ -267,12 +267,23 @@ impl std::fmt::Display for UnknownCode {
 
 impl std::error::Error for UnknownCode {}
 
-impl super::Delivery {
+/// Delivery policy of one consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Delivery {
+    /// Every frame, in order; the producer waits (back-pressure) until this consumer received it.
+    #[default]
+    EveryFrame,
+    /// Only the newest frame; older unreceived frames are skipped and counted as dropped.
+    LatestOnly,
+}
+
+impl Delivery {
     /// The policy's code in a consumer slot's `policy` word: 0 every frame, 1 latest only.
     pub const fn to_wire(self) -> u32 {
         match self {
-            super::Delivery::EveryFrame => 0,
-            super::Delivery::LatestOnly => 1,
+            Delivery::EveryFrame => 0,
+            Delivery::LatestOnly => 1,
         }
     }
 
@@ -282,8 +293,8 @@ impl super::Delivery {
     /// [`UnknownCode`] for a code no policy has (a corrupted slot, or a newer writer).
     pub const fn from_wire(code: u32) -> Result<Self, UnknownCode> {
         match code {
-            0 => Ok(super::Delivery::EveryFrame),
-            1 => Ok(super::Delivery::LatestOnly),
+            0 => Ok(Delivery::EveryFrame),
+            1 => Ok(Delivery::LatestOnly),
             _ => Err(UnknownCode {
                 field: "policy",
                 code,
@@ -373,8 +384,8 @@ pub(crate) const ACTIVE: u32 = ConsumerState::Active.to_wire();
 /// The producer state code of a closed channel.
 pub(crate) const CLOSED: u32 = ProducerState::Closed.to_wire();
 /// Policy codes.
-pub(crate) const EVERY_FRAME: u32 = super::Delivery::EveryFrame.to_wire();
-pub(crate) const LATEST_ONLY: u32 = super::Delivery::LatestOnly.to_wire();
+pub(crate) const EVERY_FRAME: u32 = Delivery::EveryFrame.to_wire();
+pub(crate) const LATEST_ONLY: u32 = Delivery::LatestOnly.to_wire();
 
 /// The segment header, at offset 0 (see [`header`] for each field's offset and meaning).
 #[repr(C)]

@@ -30,9 +30,9 @@ pub mod inspect;
 pub mod layout;
 pub mod owned;
 
-pub use control::{ChannelStats, ConsumerStats, Delivery, MAX_CHANNEL_NAME, WaitStrategy};
+pub use control::{ChannelStats, ConsumerStats, MAX_CHANNEL_NAME, WaitStrategy};
 pub use layout::{
-    ConsumerState, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, ProducerState, UnknownCode,
+    ConsumerState, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, ProducerState, UnknownCode,
 };
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
