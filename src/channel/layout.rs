@@ -478,8 +478,8 @@ const _: () = assert!(
 const _: () = assert!(contiguous(HEADER_FIELDS, HEADER_SIZE));
 const _: () = assert!(contiguous(BUFFER_FIELDS, BUFFER_SLOT_SIZE));
 const _: () = assert!(contiguous(CONSUMER_FIELDS, CONSUMER_SLOT_SIZE));
-const _: () = assert!(HEADER_SIZE % 8 == 0 && BUFFER_SLOT_SIZE % 8 == 0);
-const _: () = assert!(CONSUMER_SLOT_SIZE % 8 == 0);
+const _: () = assert!(HEADER_SIZE.is_multiple_of(8) && BUFFER_SLOT_SIZE.is_multiple_of(8));
+const _: () = assert!(CONSUMER_SLOT_SIZE.is_multiple_of(8));
 const _: () = assert!(MAX_CONSUMERS <= 64 && ready_word_offset(MAX_BUFFERS) <= READY_PAGE);
 const _: () = assert!(header::STAMP == 12 && header::MAGIC == 0 && header::VERSION == 8);
 const _: () = assert!(HEADER_SIZE == 136 && BUFFER_SLOT_SIZE == 576 && CONSUMER_SLOT_SIZE == 2376);
