@@ -352,15 +352,15 @@ impl Producer {
     }
 
     fn check_options(opts: &ChannelOptions) -> Result<()> {
-        if let Some(q) = opts.quota_bytes {
-            if (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q {
-                return Err(ChannelError::OverQuota {
-                    buffers: opts.buffers,
-                    buffer_bytes: opts.buffer_bytes,
-                    quota: q,
-                }
-                .into());
+        if let Some(q) = opts.quota_bytes
+            && (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q
+        {
+            return Err(ChannelError::OverQuota {
+                buffers: opts.buffers,
+                buffer_bytes: opts.buffer_bytes,
+                quota: q,
             }
+            .into());
         }
         if opts.buffers == 0 || opts.buffers > MAX_BUFFERS {
             return Err(Error::InvalidArgument(format!(
@@ -723,10 +723,10 @@ impl Producer {
 
 impl Drop for Producer {
     fn drop(&mut self) {
-        if !self.closed {
-            if let Err(e) = self.shutdown(Duration::from_secs(5)) {
-                tracing::warn!("closing channel {}: {e}", self.name);
-            }
+        if !self.closed
+            && let Err(e) = self.shutdown(Duration::from_secs(5))
+        {
+            tracing::warn!("closing channel {}: {e}", self.name);
         }
     }
 }
@@ -1506,14 +1506,14 @@ fn host_check(offset: usize, n: usize, len: usize) -> Result<()> {
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
         let c = self.consumer;
-        if let Some(gpu) = &c.gpu {
-            if let Err(e) = gpu.release_events[self.index].record(&gpu.stream) {
-                // Without the event the producer could overwrite the buffer under our kernels:
-                // wait for them on the host instead.
-                tracing::warn!("recording the release event failed ({e}); synchronising instead");
-                if let Err(e) = gpu.stream.synchronize() {
-                    tracing::warn!("synchronising the consumer stream failed: {e}");
-                }
+        if let Some(gpu) = &c.gpu
+            && let Err(e) = gpu.release_events[self.index].record(&gpu.stream)
+        {
+            // Without the event the producer could overwrite the buffer under our kernels:
+            // wait for them on the host instead.
+            tracing::warn!("recording the release event failed ({e}); synchronising instead");
+            if let Err(e) = gpu.stream.synchronize() {
+                tracing::warn!("synchronising the consumer stream failed: {e}");
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the
