@@ -38,7 +38,7 @@ pub struct Kernels {
 }
 
 fn words(mem: &(impl DeviceMemory + ?Sized)) -> Result<u64> {
-    if mem.len() % 4 != 0 {
+    if !mem.len().is_multiple_of(4) {
         return Err(Error::InvalidArgument(format!(
             "pattern kernels work on 32-bit words; length {} is not a multiple of 4",
             mem.len()

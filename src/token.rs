@@ -245,7 +245,7 @@ impl Token {
         if let Some((at, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_hexdigit()) {
             return Err(Error::InvalidToken(format!("not hex: {c:?} at byte {at}")));
         }
-        if s.len() % 2 != 0 {
+        if !s.len().is_multiple_of(2) {
             return Err(Error::InvalidToken(format!(
                 "hex text of odd length {}",
                 s.len()

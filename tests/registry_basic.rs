@@ -25,7 +25,7 @@ fn new_registry(tag: &str) -> (Registry, Unlink) {
 
 /// Writes `v` at byte offset `off` of the segment, as another process would.
 fn poke_u64(seg: &Segment, off: usize, v: u64) {
-    assert!(off + 8 <= seg.len() && off % 8 == 0);
+    assert!(off + 8 <= seg.len() && off.is_multiple_of(8));
     // SAFETY: in bounds and aligned (checked above); an atomic store, as the registry's own writes
     // are, so concurrent readers see a whole word.
     let a = unsafe { &*(seg.as_ptr().add(off) as *const std::sync::atomic::AtomicU64) };
@@ -33,7 +33,7 @@ fn poke_u64(seg: &Segment, off: usize, v: u64) {
 }
 
 fn poke_u32(seg: &Segment, off: usize, v: u32) {
-    assert!(off + 4 <= seg.len() && off % 4 == 0);
+    assert!(off + 4 <= seg.len() && off.is_multiple_of(4));
     // SAFETY: as in `poke_u64`.
     let a = unsafe { &*(seg.as_ptr().add(off) as *const std::sync::atomic::AtomicU32) };
     a.store(v, std::sync::atomic::Ordering::SeqCst);

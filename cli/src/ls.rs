@@ -2,8 +2,8 @@
 
 use crate::Outcome;
 use comfy_table::{Table, presets};
-use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect::{self as channel_inspect, BufferState, ChannelSnapshot};
+use cuda_ipc::channel::{ConsumerState, Delivery, ProducerState, UnknownCode};
 use cuda_ipc::identity::Liveness;
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use serde::Serialize;
@@ -136,6 +136,8 @@ pub struct ChannelView {
     pub producer: &'static str,
     /// Whether the producer closed the channel.
     pub closed: bool,
+    /// `open`, `closed`, or `unknown(N)` for a producer state code this build does not know.
+    pub state: String,
     /// Latest sequence number.
     pub head: u64,
     /// Frames published.
@@ -183,8 +185,10 @@ pub struct ConsumerView {
     pub process: &'static str,
     /// Attached (`false` while still claiming its slot).
     pub attached: bool,
-    /// `every-frame` or `latest-only`.
-    pub delivery: &'static str,
+    /// `attached`, `attaching`, or `unknown(N)` for a slot state code this build does not know.
+    pub state: String,
+    /// `every-frame`, `latest-only`, or `unknown(N)` for a policy code this build does not know.
+    pub delivery: String,
     /// Last sequence number received or skipped.
     pub cursor: u64,
     /// Frames published it has not received yet.
@@ -215,6 +219,37 @@ pub(crate) fn liveness(l: Liveness) -> &'static str {
         Liveness::Alive => "alive",
         Liveness::Dead => "dead",
         _ => "unknown",
+    }
+}
+
+/// A consumer's delivery policy as shown: a code this build does not know is shown as
+/// `unknown(N)`, never as one of the policies.
+pub(crate) fn delivery_name(d: Result<Delivery, UnknownCode>) -> String {
+    match d {
+        Ok(Delivery::EveryFrame) => "every-frame".to_string(),
+        Ok(Delivery::LatestOnly) => "latest-only".to_string(),
+        Ok(other) => format!("{other:?}"),
+        Err(e) => format!("unknown({})", e.code),
+    }
+}
+
+/// A consumer slot's state as shown; an unknown code is shown as `unknown(N)`.
+pub(crate) fn consumer_state_name(s: Result<ConsumerState, UnknownCode>) -> String {
+    match s {
+        Ok(ConsumerState::Active) => "attached".to_string(),
+        Ok(ConsumerState::Claiming) => "attaching".to_string(),
+        Ok(other) => format!("{other:?}").to_lowercase(),
+        Err(e) => format!("unknown({})", e.code),
+    }
+}
+
+/// The producer's state as shown; an unknown code is shown as `unknown(N)`.
+pub(crate) fn producer_state_name(s: Result<ProducerState, UnknownCode>) -> String {
+    match s {
+        Ok(ProducerState::Open) => "open".to_string(),
+        Ok(ProducerState::Closed) => "closed".to_string(),
+        Ok(other) => format!("{other:?}").to_lowercase(),
+        Err(e) => format!("unknown({})", e.code),
     }
 }
 
@@ -308,10 +343,8 @@ fn channel_view(s: ChannelSnapshot) -> ChannelView {
                 pid: c.identity.pid,
                 process: liveness(c.liveness),
                 attached: c.attached,
-                delivery: match c.delivery {
-                    Delivery::LatestOnly => "latest-only",
-                    _ => "every-frame",
-                },
+                state: consumer_state_name(c.state),
+                delivery: delivery_name(c.delivery),
                 cursor: c.cursor,
                 lag: c.lag,
                 received: c.received,
@@ -327,6 +360,7 @@ fn channel_view(s: ChannelSnapshot) -> ChannelView {
         buffer_bytes: s.buffer_bytes,
         consumer_capacity: s.consumer_capacity,
         closed: s.closed,
+        state: producer_state_name(s.producer_state),
         head: s.head,
         published: s.published,
         forced_releases: s.forced_releases,
@@ -518,7 +552,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
             c.name,
             c.producer_pid,
             c.producer,
-            if c.closed { "closed" } else { "open" },
+            c.state,
             c.head,
             c.published,
             c.buffers.len(),
@@ -562,7 +596,10 @@ pub fn render(l: &Listing, rates: bool) -> String {
                     format!(
                         "{}{}",
                         x.index,
-                        if x.attached { "" } else { " (attaching)" }
+                        match x.state.as_str() {
+                            "attached" => String::new(),
+                            other => format!(" ({other})"),
+                        }
                     ),
                     x.pid.to_string(),
                     x.process.to_string(),
@@ -722,6 +759,29 @@ mod tests {
         assert_eq!(bytes(1023), "1023 B");
         assert_eq!(bytes(3840 * 2160 * 4), "31.6 MiB");
         assert_eq!(bytes(1 << 40), "1.0 TiB");
+    }
+
+    #[test]
+    fn unknown_policy_and_state_codes_are_shown_as_unknown_never_as_a_known_one() {
+        assert_eq!(delivery_name(Ok(Delivery::EveryFrame)), "every-frame");
+        assert_eq!(delivery_name(Ok(Delivery::LatestOnly)), "latest-only");
+        assert_eq!(delivery_name(Delivery::from_wire(7)), "unknown(7)");
+        assert_eq!(delivery_name(Delivery::from_wire(1)), "latest-only");
+        assert_eq!(consumer_state_name(ConsumerState::from_wire(2)), "attached");
+        assert_eq!(
+            consumer_state_name(ConsumerState::from_wire(1)),
+            "attaching"
+        );
+        assert_eq!(
+            consumer_state_name(ConsumerState::from_wire(9)),
+            "unknown(9)"
+        );
+        assert_eq!(producer_state_name(ProducerState::from_wire(0)), "open");
+        assert_eq!(producer_state_name(ProducerState::from_wire(1)), "closed");
+        assert_eq!(
+            producer_state_name(ProducerState::from_wire(5)),
+            "unknown(5)"
+        );
     }
 
     #[test]

@@ -116,7 +116,9 @@ pub fn pingpong(mode: &str, iters: usize, timeout: Duration) -> Res<Value> {
             } else {
                 std::hint::spin_loop();
             }
-            if (use_futex || turns % 65_536 == 0) && (Instant::now() > deadline || !peer.alive()) {
+            if (use_futex || turns.is_multiple_of(65_536))
+                && (Instant::now() > deadline || !peer.alive())
+            {
                 return Err(format!("ping-pong ({mode}) stalled at round trip {k}").into());
             }
         }
@@ -170,7 +172,7 @@ pub fn pingpong_peer(kv: &Kv) -> Res<Value> {
         } else {
             std::hint::spin_loop();
         }
-        if (use_futex || turns % 65_536 == 0) && !parent_alive() {
+        if (use_futex || turns.is_multiple_of(65_536)) && !parent_alive() {
             return Err("the parent is gone".into());
         }
     }

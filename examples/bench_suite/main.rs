@@ -301,10 +301,10 @@ fn commit(o: &Options) -> Option<String> {
     if let Some(c) = &o.commit {
         return Some(c.clone());
     }
-    if let Ok(c) = std::env::var("CUDA_IPC_GIT_COMMIT") {
-        if !c.is_empty() {
-            return Some(c);
-        }
+    if let Ok(c) = std::env::var("CUDA_IPC_GIT_COMMIT")
+        && !c.is_empty()
+    {
+        return Some(c);
     }
     if let Some(c) = option_env!("CUDA_IPC_GIT_COMMIT") {
         return Some(c.to_string());

@@ -272,7 +272,7 @@ impl Shared {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= Self::LEN);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= Self::LEN);
         // The mapping is page-aligned and at least LEN bytes (checked at open), so `off` (a
         // multiple of 8 below LEN - 8) is an aligned 8-byte word inside it.
         // SAFETY: in bounds and aligned (above); every process accesses these words atomically
@@ -281,7 +281,7 @@ impl Shared {
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= Self::LEN);
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= Self::LEN);
         // SAFETY: as in `u64_at`, for an aligned 4-byte word.
         unsafe { &*(self.seg.as_ptr().add(off) as *const AtomicU32) }
     }
@@ -333,7 +333,7 @@ pub fn spin_until(
             return Ok(());
         }
         turns = turns.wrapping_add(1);
-        if turns % 256 == 0 {
+        if turns.is_multiple_of(256) {
             let now = Instant::now();
             if now - last >= Duration::from_millis(1) {
                 last = now;

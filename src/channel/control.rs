@@ -4,139 +4,28 @@
 //! This is the whole protocol, and it never calls CUDA: the producer and consumer types wrap it with
 //! the GPU side (export, import, events). Tests drive it across processes on machines without a GPU.
 //!
-//! Layout (all integers little-endian, `#[repr(C)]`, offsets in bytes; see docs/ARCHITECTURE.md):
-//! a [`Header`] at 0, then `buffers` × [`BufferSlot`], then `consumers` × [`ConsumerSlot`], then,
-//! at the next 4096-byte boundary, the ready page (one `u32` per buffer, see [`Control::ready_page`]).
+//! Layout: [`super::layout`] (offsets, sizes, states, wire codes) and docs/channel-layout.md (every
+//! byte, the state machine of a buffer's `seq` word and hold masks, the pairing of every store with
+//! its load under the `SYNC POINT` labels used here).
 //!
-//! Holding a buffer is a Dekker pair: the consumer sets its bit in `hold_mask` and then re-reads
-//! `seq`; the producer swaps `seq` to [`WRITING`] and then re-reads `hold_mask`. Both sides use
-//! `SeqCst`, so at least one of them sees the other and backs off: a buffer is never written while a
-//! consumer holds it.
+//! Holding a buffer is a Dekker pair ([`HoldWords`]): the consumer sets its bit in `hold_mask` and
+//! then re-reads `seq`; the producer swaps `seq` to [`WRITING`] and then re-reads `hold_mask`. Both
+//! sides use `SeqCst` accesses with a `SeqCst` fence between the two, so at least one of them sees
+//! the other and backs off: a buffer is never written while a consumer holds it (loom model
+//! `loom_channel_*` below).
 
+use super::layout::{
+    ACTIVE, BufferSlot, CLAIMING, CLOSED, ConsumerSlot, Delivery, EVERY_FRAME, FREE, HEADER_SIZE,
+    Header, LATEST_ONLY, MAGIC, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, META_WORDS, READY_PAGE,
+    SEGMENT_PREFIX, SEQ_EMPTY, STAMP_READY, VERSION, WRITING, buffer_offset, consumer_offset,
+    ready_offset, ready_word_offset, segment_len,
+};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::{Segment, SegmentOptions, futex, new_generation};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 use crate::token::TOKEN_LEN;
 use std::time::{Duration, Instant};
-
-/// Magic at offset 0: `CIPCCHAN`.
-pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
-/// Layout version; an opener refuses any other, naming both. Version 2 added the ready page;
-/// version 3 the pid namespaces of producer and consumers and the creation generation.
-pub(crate) const VERSION: u32 = 3;
-/// Size of the ready page at the end of the segment: one `u32` ready word per buffer, on a page of
-/// its own so that it can be registered with the driver (`cuMemHostRegister`).
-pub(crate) const READY_PAGE: usize = 4096;
-const STAMP_READY: u32 = 0x5245_4459; // "READY"
-/// Most buffers in a pool.
-pub const MAX_BUFFERS: usize = 16;
-/// Most consumers attached at once (one bit each in a 64-bit hold mask).
-pub const MAX_CONSUMERS: usize = 64;
-/// Bytes of user metadata per frame.
-pub const META_BYTES: usize = 256;
-const META_WORDS: usize = META_BYTES / 8;
-/// `BufferSlot::seq` while the producer writes the buffer.
-pub(crate) const WRITING: u64 = u64::MAX;
-
-/// Consumer slot states.
-const FREE: u32 = 0;
-const CLAIMING: u32 = 1;
-const ACTIVE: u32 = 2;
-
-const CLOSED: u32 = 1;
-
-#[repr(C)]
-pub(crate) struct Header {
-    magic: AtomicU64,
-    version: AtomicU32,
-    /// Written last at creation (Release); openers Acquire-load it before reading anything else.
-    stamp: AtomicU32,
-    buffers: AtomicU32,
-    consumers: AtomicU32,
-    buffer_bytes: AtomicU64,
-    segment_bytes: AtomicU64,
-    producer_pid: AtomicU32,
-    producer_state: AtomicU32,
-    producer_start_time: AtomicU64,
-    producer_boot_id: [AtomicU64; 2],
-    /// Sequence number of the latest published frame (0: none yet).
-    head: AtomicU64,
-    /// Bumped on every publish and on close; consumers sleep on it.
-    publish_futex: AtomicU32,
-    /// Bumped on every release, cursor move and detach; the producer sleeps on it.
-    release_futex: AtomicU32,
-    published: AtomicU64,
-    forced_releases: AtomicU64,
-    /// The producer's pid namespace (inode number), so its pid is read in the right namespace.
-    producer_pid_ns: AtomicU32,
-    _pad: AtomicU32,
-    /// Random, nonzero, written once at creation: tells a segment recreated under the same name
-    /// apart from the one a process mapped.
-    generation: AtomicU64,
-    _reserved: [AtomicU64; 2],
-}
-
-#[repr(C)]
-pub(crate) struct BufferSlot {
-    /// Sequence number of the frame in the buffer; 0 empty; [`WRITING`] while the producer owns it.
-    seq: AtomicU64,
-    /// Consumers (bit = slot index) holding the frame now.
-    hold_mask: AtomicU64,
-    /// Consumers that held the buffer since the producer last wrote it: the producer's next write
-    /// waits on their release events.
-    used_mask: AtomicU64,
-    meta_len: AtomicU32,
-    _pad: AtomicU32,
-    meta: [AtomicU64; META_WORDS],
-    /// Token of the buffer memory, then a second token area, zero since layout version 2 (immutable after creation).
-    tokens: [u8; 2 * TOKEN_LEN],
-}
-
-#[repr(C)]
-pub(crate) struct ConsumerSlot {
-    state: AtomicU32,
-    policy: AtomicU32,
-    /// Bumped each time the slot is claimed, so the producer can tell a reused slot apart.
-    generation: AtomicU64,
-    pid: AtomicU32,
-    /// The consumer's pid namespace (inode number).
-    pid_ns: AtomicU32,
-    start_time: AtomicU64,
-    boot_id: [AtomicU64; 2],
-    /// Last sequence number received (or skipped).
-    cursor: AtomicU64,
-    received: AtomicU64,
-    dropped: AtomicU64,
-    /// The consumer's release-event tokens, one per buffer, written while claiming.
-    tokens: [u8; MAX_BUFFERS * TOKEN_LEN],
-}
-
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<Header>() == 136);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<BufferSlot>() == 32 + META_BYTES + 2 * TOKEN_LEN);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<ConsumerSlot>() == 72 + MAX_BUFFERS * TOKEN_LEN);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(std::mem::offset_of!(Header, head) == 72);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(std::mem::offset_of!(BufferSlot, meta) == 32);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(std::mem::offset_of!(ConsumerSlot, cursor) == 48);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
-const _: () = assert!(size_of::<BufferSlot>() % 8 == 0 && size_of::<ConsumerSlot>() % 8 == 0);
-
-/// Delivery policy of one consumer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Delivery {
-    /// Every frame, in order; the producer waits (back-pressure) until this consumer received it.
-    #[default]
-    EveryFrame,
-    /// Only the newest frame; older unreceived frames are skipped and counted as dropped.
-    LatestOnly,
-}
 
 /// How a thread waits for a condition on a futex word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,6 +44,9 @@ impl Default for WaitStrategy {
         WaitStrategy::SpinThenBlock(Duration::from_micros(50))
     }
 }
+
+/// How long an opener waits for the init stamp of a segment whose creator may still be writing it.
+const INIT_WAIT: Duration = Duration::from_secs(2);
 
 /// Liveness is re-checked at least this often while waiting.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
@@ -230,26 +122,14 @@ unsafe impl Send for Control {}
 // SAFETY: as for Send: methods take `&self` and touch shared memory only through atomics.
 unsafe impl Sync for Control {}
 
-/// Offset of the ready page: the end of the consumer slots, rounded up to a page.
-fn ready_offset(buffers: usize, consumers: usize) -> usize {
-    (size_of::<Header>()
-        + buffers * size_of::<BufferSlot>()
-        + consumers * size_of::<ConsumerSlot>())
-    .next_multiple_of(READY_PAGE)
-}
-
-fn layout_len(buffers: usize, consumers: usize) -> usize {
-    ready_offset(buffers, consumers) + READY_PAGE
-}
-
 /// The segment name of a channel.
 pub(crate) fn segment_name(channel: &str) -> String {
-    format!("cuda-ipc.ch.{channel}")
+    format!("{SEGMENT_PREFIX}{channel}")
 }
 
 /// Longest channel name in bytes: the segment name `cuda-ipc.ch.NAME` must fit
 /// [`crate::shm::MAX_SEGMENT_NAME`].
-pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - "cuda-ipc.ch.".len();
+pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - SEGMENT_PREFIX.len();
 
 /// Checks a channel name: 1 to [`MAX_CHANNEL_NAME`] bytes of `[A-Za-z0-9._-]`.
 pub(crate) fn validate_channel_name(channel: &str) -> Result<()> {
@@ -305,7 +185,7 @@ impl Control {
             )));
         }
         let name = segment_name(channel);
-        let len = layout_len(buffers, consumers);
+        let len = segment_len(buffers, consumers);
         // A stale segment from a crashed producer must not block a restart; anything else under
         // the name is left alone and named in the error. Two producers restarting at once: each
         // removes only the segment it judged, under `unlink_if_same`'s lock, so the slower one
@@ -367,8 +247,8 @@ impl Control {
                 std::ptr::copy_nonoverlapping(ev.as_ptr(), dst.add(TOKEN_LEN), TOKEN_LEN);
             }
         }
-        // Release: pairs with the Acquire load of `stamp` in `open`; everything above is visible
-        // to an opener that sees READY.
+        // SYNC POINT: stamp. Release: pairs with the Acquire load of `stamp` in `open`; everything
+        // above is visible to an opener that sees READY.
         h.stamp.store(STAMP_READY, Ordering::Release);
         Ok(c)
     }
@@ -403,11 +283,11 @@ impl Control {
                 channel.to_string(),
             )));
         }
-        if info.len < size_of::<Header>() as u64 {
+        if info.len < HEADER_SIZE as u64 {
             return Err(ShmError::TooSmall {
                 name: name.to_string(),
                 len: info.len,
-                min: size_of::<Header>() as u64,
+                min: HEADER_SIZE as u64,
             }
             .into());
         }
@@ -428,7 +308,7 @@ impl Control {
             {
                 // Our magic (or none yet) but no init stamp after the open's wait: a creator died
                 // half-way, unless one is recorded and still runs.
-                let seg = Segment::open_with_min_len(name, size_of::<Header>())?;
+                let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
                 let c = Control {
                     seg,
                     buffers: 0,
@@ -454,9 +334,19 @@ impl Control {
     /// Opens the control segment of `channel`; with `allow_group`, also one of another user of
     /// this process's groups whose mode is 0660 (the producer's `group_access`).
     pub(crate) fn open_with(channel: &str, allow_group: bool) -> Result<Control> {
+        Self::open_waiting(channel, allow_group, INIT_WAIT)
+    }
+
+    /// [`Control::open_with`], waiting at most `init_wait` (instead of [`INIT_WAIT`]) for the
+    /// stamp of a segment whose creator may still be writing it (tests and fuzzing).
+    pub(crate) fn open_waiting(
+        channel: &str,
+        allow_group: bool,
+        init_wait: Duration,
+    ) -> Result<Control> {
         validate_channel_name(channel)?;
         let name = segment_name(channel);
-        let seg = match Segment::open_with_min_len(&name, size_of::<Header>()) {
+        let seg = match Segment::open_with_min_len(&name, HEADER_SIZE) {
             Ok(s) => s,
             Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
                 return Err(Error::Channel(super::ChannelError::NotFound(
@@ -478,7 +368,7 @@ impl Control {
         let h = c.header();
         // A creator may still be writing: wait (bounded) for the stamp.
         let start = Instant::now();
-        // Acquire: pairs with the Release store of the stamp in `create`.
+        // SYNC POINT: stamp. Acquire: pairs with the Release store of the stamp in `create`.
         while h.stamp.load(Ordering::Acquire) != STAMP_READY {
             // A segment being created reads zero (`ftruncate`) until its creator stores the magic,
             // in one atomic store: any other value is a foreign segment, refused without waiting.
@@ -488,9 +378,14 @@ impl Control {
                     "{name} is not a cuda-ipc channel (magic {magic:#018x})"
                 )));
             }
-            if start.elapsed() > Duration::from_secs(2) {
+            if start.elapsed() > init_wait {
+                let waited = if init_wait.subsec_nanos() == 0 {
+                    format!("{} s", init_wait.as_secs())
+                } else {
+                    format!("{} ms", init_wait.as_millis())
+                };
                 return Err(bad(format!(
-                    "{name} was never finished by its creator (no init stamp after 2 s)"
+                    "{name} was never finished by its creator (no init stamp after {waited})"
                 )));
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -516,7 +411,7 @@ impl Control {
                 "{name} claims {buffers} buffers and {consumers} consumers: corrupted"
             )));
         }
-        let need = layout_len(buffers, consumers);
+        let need = segment_len(buffers, consumers);
         if c.seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
             return Err(bad(format!(
                 "{name} holds {} bytes but its header needs {need}: truncated or corrupted",
@@ -540,12 +435,7 @@ impl Control {
     fn buffer_ptr(&self, i: usize) -> *mut BufferSlot {
         debug_assert!(i < self.buffers.max(1));
         // SAFETY: the offset stays inside the mapping: i < buffers and the length was checked.
-        unsafe {
-            self.seg
-                .as_ptr()
-                .add(size_of::<Header>() + i * size_of::<BufferSlot>())
-                .cast()
-        }
+        unsafe { self.seg.as_ptr().add(buffer_offset(i)).cast() }
     }
 
     fn buffer(&self, i: usize) -> &BufferSlot {
@@ -560,11 +450,7 @@ impl Control {
         unsafe {
             self.seg
                 .as_ptr()
-                .add(
-                    size_of::<Header>()
-                        + self.buffers * size_of::<BufferSlot>()
-                        + c * size_of::<ConsumerSlot>(),
-                )
+                .add(consumer_offset(self.buffers, c))
                 .cast()
         }
     }
@@ -615,19 +501,25 @@ impl Control {
     }
 
     pub(crate) fn head(&self) -> u64 {
-        // Acquire: pairs with the Release store in `publish`; a reader that sees head = s sees the
-        // buffer slot's seq and metadata of frame s.
+        // SYNC POINT: head. Acquire: pairs with the Release store in `publish`; a reader that sees
+        // head = s sees the buffer slot's seq and metadata of frame s.
         self.header().head.load(Ordering::Acquire)
     }
 
     pub(crate) fn is_closed(&self) -> bool {
-        // Acquire: pairs with the Release store in `close`.
-        self.header().producer_state.load(Ordering::Acquire) == CLOSED
+        self.producer_state() == CLOSED
+    }
+
+    /// The header's `producer_state` code (see [`super::layout::ProducerState`]).
+    pub(crate) fn producer_state(&self) -> u32 {
+        // SYNC POINT: closed. Acquire: pairs with the Release store in `close`.
+        self.header().producer_state.load(Ordering::Acquire)
     }
 
     fn bump(word: &AtomicU32) {
-        // Release: pairs with the Acquire load of the word before a futex wait; a woken waiter
-        // re-checks its condition and sees the change made before this bump.
+        // SYNC POINT: futex. Release: pairs with the Acquire load of the word before a futex wait
+        // in `wait_until`; a woken waiter re-checks its condition and sees the change made before
+        // this bump.
         word.fetch_add(1, Ordering::Release);
         futex::wake(word, u32::MAX);
     }
@@ -649,8 +541,9 @@ impl Control {
             WaitStrategy::Spin => Duration::MAX,
         };
         loop {
-            // Acquire: pairs with the Release bump; read before the condition so a change made
-            // after the check is seen as a changed word by the futex wait.
+            // SYNC POINT: futex. Acquire: pairs with the Release bump in `bump`; read before the
+            // condition so a change made after the check is seen as a changed word by the futex
+            // wait.
             let seen = word.load(Ordering::Acquire);
             if let Some(v) = ready()? {
                 return Ok(Some(v));
@@ -709,9 +602,13 @@ impl Control {
         let mut min = u64::MAX;
         for c in 0..self.consumers {
             let s = self.consumer(c);
-            // Acquire: pairs with the Release store of ACTIVE in `attach`: its policy and cursor
-            // are visible.
-            if s.state.load(Ordering::Acquire) == ACTIVE && s.policy.load(Ordering::Relaxed) == 0 {
+            // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`: its
+            // policy and cursor are visible.
+            if s.state.load(Ordering::Acquire) == ACTIVE
+                && s.policy.load(Ordering::Relaxed) == EVERY_FRAME
+            {
+                // SYNC POINT: cursor. Acquire: pairs with the Release store of the cursor in
+                // `try_take`.
                 min = min.min(s.cursor.load(Ordering::Acquire));
             }
         }
@@ -722,6 +619,8 @@ impl Control {
         let min_cursor = self.min_lossless_cursor();
         let head = self.head();
         // Oldest first, so the newest frame stays available to latest-only consumers.
+        // SYNC POINT: publish. Acquire: pairs with the Release stores of `seq` (`publish`,
+        // `abandon`, a claim given back).
         let mut order: Vec<(u64, usize)> = (0..self.buffers)
             .map(|i| (self.buffer(i).seq.load(Ordering::Acquire), i))
             .filter(|&(seq, _)| seq != WRITING && seq <= min_cursor)
@@ -732,26 +631,9 @@ impl Control {
                 // Keep the newest frame while an older buffer is free.
                 continue;
             }
-            let b = self.buffer(i);
-            if b.hold_mask.load(Ordering::SeqCst) != 0 {
-                continue;
+            if let Some(used) = self.buffer(i).words().claim(seq) {
+                return Some((i, used));
             }
-            // SeqCst: one half of the Dekker pair with `hold` (consumer sets its bit, then
-            // re-reads seq). After this swap, a consumer that sets its bit later sees WRITING.
-            if b.seq
-                .compare_exchange(seq, WRITING, Ordering::SeqCst, Ordering::SeqCst)
-                .is_err()
-            {
-                continue;
-            }
-            // SeqCst: the other half; a hold set before our swap is seen here.
-            if b.hold_mask.load(Ordering::SeqCst) != 0 {
-                // Give it back unchanged (Release pairs with readers' Acquire of seq).
-                b.seq.store(seq, Ordering::Release);
-                continue;
-            }
-            let used = b.used_mask.swap(0, Ordering::AcqRel);
-            return Some((i, used));
         }
         None
     }
@@ -778,16 +660,18 @@ impl Control {
             words[k] = u64::from_le_bytes(w);
         }
         // Relaxed: the buffer is WRITING, so no consumer reads these until the Release store of
-        // its seq below.
+        // its seq below (SYNC POINT: publish).
         for (k, w) in words.iter().enumerate() {
             b.meta[k].store(*w, Ordering::Relaxed);
         }
         b.meta_len.store(meta.len() as u32, Ordering::Relaxed);
         // Only this producer writes head, so load + store is race-free.
         let seq = h.head.load(Ordering::Relaxed) + 1;
-        // Release: pairs with consumers' Acquire of seq in `take`; metadata is visible with it.
+        // SYNC POINT: publish. Release: pairs with consumers' Acquire loads of seq in `try_take`
+        // (and the producer's in `try_acquire`); the metadata, and on a host channel the bytes
+        // written to the buffer, are visible with it.
         b.seq.store(seq, Ordering::Release);
-        // Release: pairs with `head()`'s Acquire.
+        // SYNC POINT: head. Release: pairs with `head()`'s Acquire.
         h.head.store(seq, Ordering::Release);
         h.published.fetch_add(1, Ordering::Relaxed);
         Self::bump(&h.publish_futex);
@@ -815,7 +699,13 @@ impl Control {
         assert!(i < self.buffers);
         // SAFETY: in bounds (i < buffers <= MAX_BUFFERS, 4 bytes each, inside the page) and
         // 4-byte aligned (the page is page aligned).
-        unsafe { &*self.ready_page().0.add(4 * i).cast::<AtomicU32>() }
+        unsafe {
+            &*self
+                .ready_page()
+                .0
+                .add(ready_word_offset(i))
+                .cast::<AtomicU32>()
+        }
     }
 
     /// Marks every published frame ready, as if its producer's write had finished: for a consumer
@@ -823,14 +713,18 @@ impl Control {
     /// (the driver never completes a dead process's work). The frames may hold partial data.
     pub(crate) fn force_ready(&self) {
         for i in 0..self.buffers {
+            // SYNC POINT: publish. Acquire: pairs with the Release store of seq in `publish`.
             let seq = self.buffer(i).seq.load(Ordering::Acquire);
-            if seq == 0 || seq == WRITING {
+            if seq == SEQ_EMPTY || seq == WRITING {
                 continue;
             }
             let want = seq as u32;
             let w = self.ready_word(i);
             let mut cur = w.load(Ordering::Relaxed);
             // Raise only (the word compares with wrap-around): never lower what a live producer set.
+            // SYNC POINT: ready word. AcqRel: pairs with `set_ready`'s Release store, other
+            // consumers' raises and `ready_value`'s Acquire load (on the GPU: the producer
+            // stream's `cuStreamWriteValue32` and the consumers' `cuStreamWaitValue32`).
             while (want.wrapping_sub(cur) as i32) > 0 {
                 match w.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => break,
@@ -843,24 +737,27 @@ impl Control {
     /// Sets buffer `i`'s ready word from the host (the producer, when it could not enqueue the
     /// GPU-side write after publishing `seq`).
     pub(crate) fn set_ready(&self, i: usize, seq: u64) {
+        // SYNC POINT: ready word. Release: pairs with `ready_value`'s Acquire and the raises in
+        // `force_ready`.
         self.ready_word(i).store(seq as u32, Ordering::Release);
     }
 
     /// The ready word of buffer `i` as it is now (for tests and tools).
     pub(crate) fn ready_value(&self, i: usize) -> u32 {
+        // SYNC POINT: ready word. Acquire: pairs with `set_ready` and `force_ready`.
         self.ready_word(i).load(Ordering::Acquire)
     }
 
     /// Consumers that held buffer `i` since the producer last wrote it (and clears the mask).
     pub(crate) fn take_used(&self, i: usize) -> u64 {
-        // AcqRel: pairs with the consumers' fetch_or in `try_take`.
+        // SYNC POINT: used. AcqRel: pairs with the consumers' fetch_or in `HoldWords::hold`.
         self.buffer(i).used_mask.swap(0, Ordering::AcqRel)
     }
 
     /// Gives an acquired buffer back without publishing (its previous frame is gone: seq 0).
     pub(crate) fn abandon(&self, i: usize) {
-        // Release: pairs with `try_acquire`/`take` Acquire loads of seq.
-        self.buffer(i).seq.store(0, Ordering::Release);
+        // SYNC POINT: publish. Release: pairs with `try_acquire`/`try_take` Acquire loads of seq.
+        self.buffer(i).seq.store(SEQ_EMPTY, Ordering::Release);
         Self::bump(&self.header().release_futex);
     }
 
@@ -868,7 +765,7 @@ impl Control {
     /// the consumer there is the one whose release events the producer already opened.
     pub(crate) fn consumer_generation(&self, c: usize) -> Option<u64> {
         let s = self.consumer(c);
-        // Acquire: pairs with the Release store of ACTIVE in `attach`.
+        // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
         let g = s.generation.load(Ordering::Acquire);
         (s.state.load(Ordering::Acquire) == ACTIVE).then_some(g)
     }
@@ -877,7 +774,8 @@ impl Control {
     /// import their release events.
     pub(crate) fn consumer_release_tokens(&self, c: usize) -> Option<(u64, Vec<[u8; TOKEN_LEN]>)> {
         let s = self.consumer(c);
-        // Acquire: pairs with the Release store of ACTIVE in `attach` (tokens written before it).
+        // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach` (tokens
+        // written before it).
         let g0 = s.generation.load(Ordering::Acquire);
         if s.state.load(Ordering::Acquire) != ACTIVE {
             return None;
@@ -896,8 +794,10 @@ impl Control {
             }
             out.push(t);
         }
-        // Acquire fence, then re-check: the copy above belongs to generation g0 only if unchanged.
-        crate::sync::fence(Ordering::Acquire);
+        // SYNC POINT: claim generation. Acquire fence, then re-check: pairs with the Release fence
+        // after the generation bump in `attach`; the copy above belongs to generation g0 only if
+        // unchanged.
+        fence(Ordering::Acquire);
         (s.generation.load(Ordering::Relaxed) == g0).then_some((g0, out))
     }
 
@@ -917,7 +817,7 @@ impl Control {
 
     /// Puts back consumer bits taken from buffer `i`'s used mask (the write did not happen).
     pub(crate) fn restore_used(&self, i: usize, bits: u64) {
-        // AcqRel: as `take_used`.
+        // SYNC POINT: used. AcqRel: as `take_used`.
         self.buffer(i).used_mask.fetch_or(bits, Ordering::AcqRel);
     }
 
@@ -926,6 +826,7 @@ impl Control {
         let mut forced = 0;
         for c in 0..self.consumers {
             let s = self.consumer(c);
+            // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
             let st = s.state.load(Ordering::Acquire);
             if st == FREE {
                 continue;
@@ -958,14 +859,17 @@ impl Control {
         let mut forced = 0;
         for i in 0..self.buffers {
             let b = self.buffer(i);
-            // AcqRel: pairs with the consumer's hold/release on the same word.
+            // SYNC POINT: release. AcqRel: pairs with the producer's loads of hold_mask in
+            // `HoldWords::claim`, as the consumer's own release does.
             if b.hold_mask.fetch_and(!bit, Ordering::AcqRel) & bit != 0 {
                 forced += 1;
             }
             // Its release events die with it: the producer must not wait on them.
+            // SYNC POINT: used. AcqRel: as `take_used`.
             b.used_mask.fetch_and(!bit, Ordering::AcqRel);
         }
-        // Release: pairs with `attach`'s CAS (Acquire) when the slot is claimed again.
+        // SYNC POINT: slot free. Release: pairs with `attach`'s CAS (Acquire) when the slot is
+        // claimed again.
         let _ = s
             .state
             .compare_exchange(expected_state, FREE, Ordering::AcqRel, Ordering::Relaxed);
@@ -975,7 +879,7 @@ impl Control {
 
     /// Marks the channel closed and wakes every consumer.
     pub(crate) fn close(&self) {
-        // Release: pairs with `is_closed`'s Acquire.
+        // SYNC POINT: closed. Release: pairs with `is_closed`'s Acquire.
         self.header()
             .producer_state
             .store(CLOSED, Ordering::Release);
@@ -986,6 +890,7 @@ impl Control {
     pub(crate) fn outstanding_holds(&self) -> u32 {
         (0..self.buffers)
             .map(|i| {
+                // SYNC POINT: release. Acquire: pairs with the consumers' clears in `release`.
                 self.buffer(i)
                     .hold_mask
                     .load(Ordering::Acquire)
@@ -1015,11 +920,7 @@ impl Control {
         );
         let mut forced = 0;
         for i in 0..self.buffers {
-            let b = self.buffer(i);
-            // SeqCst: the producer half of the Dekker pair with `try_take`; a consumer that sets its
-            // hold bit after this sees WRITING and backs off, one that set it before is counted.
-            b.seq.store(WRITING, Ordering::SeqCst);
-            forced += b.hold_mask.swap(0, Ordering::SeqCst).count_ones() as u64;
+            forced += u64::from(self.buffer(i).words().withdraw());
         }
         if forced > 0 {
             h.forced_releases.fetch_add(forced, Ordering::Relaxed);
@@ -1047,7 +948,8 @@ impl Control {
         let me = ProcessIdentity::current()?;
         for c in 0..self.consumers {
             let s = self.consumer(c);
-            // Acquire on success: pairs with the Release that freed the slot.
+            // SYNC POINT: slot free. Acquire on success: pairs with the Release that freed the slot
+            // (`free_consumer_slot`).
             if s.state
                 .compare_exchange(FREE, CLAIMING, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
@@ -1055,19 +957,17 @@ impl Control {
                 continue;
             }
             s.generation.fetch_add(1, Ordering::Relaxed);
+            // SYNC POINT: claim generation. Release fence: pairs with the Acquire fence before
+            // the generation re-check in `consumer_release_tokens`: a producer that copied any
+            // token written below sees the new generation and drops its copy.
+            fence(Ordering::Release);
             s.pid.store(me.pid, Ordering::Relaxed);
             s.start_time.store(me.start_time, Ordering::Relaxed);
             let bw = boot_words(&me);
             s.boot_id[0].store(bw[0], Ordering::Relaxed);
             s.boot_id[1].store(bw[1], Ordering::Relaxed);
             s.pid_ns.store(me.pid_ns, Ordering::Relaxed);
-            s.policy.store(
-                match policy {
-                    Delivery::EveryFrame => 0,
-                    Delivery::LatestOnly => 1,
-                },
-                Ordering::Relaxed,
-            );
+            s.policy.store(policy.to_wire(), Ordering::Relaxed);
             s.received.store(0, Ordering::Relaxed);
             s.dropped.store(0, Ordering::Relaxed);
             let p = self.consumer_ptr(c);
@@ -1082,7 +982,8 @@ impl Control {
                 }
             }
             s.cursor.store(self.head(), Ordering::Relaxed);
-            // Release: pairs with the producer's Acquire of state; all of the above is visible.
+            // SYNC POINT: attach. Release: pairs with the producer's Acquire loads of state; all of
+            // the above is visible.
             s.state.store(ACTIVE, Ordering::Release);
             return Ok(c);
         }
@@ -1144,7 +1045,7 @@ impl Control {
         }
         let name = self.seg.name();
         Err(Error::Channel(super::ChannelError::Superseded(
-            name.strip_prefix(super::inspect::SEGMENT_PREFIX)
+            name.strip_prefix(SEGMENT_PREFIX)
                 .unwrap_or(name)
                 .to_string(),
         )))
@@ -1158,10 +1059,11 @@ impl Control {
 
     pub(crate) fn try_take(&self, c: usize) -> Result<Option<(usize, u64, Vec<u8>)>> {
         let s = self.consumer(c);
+        // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
         if s.state.load(Ordering::Acquire) != ACTIVE {
             return Err(Error::Channel(super::ChannelError::Detached));
         }
-        let latest = s.policy.load(Ordering::Relaxed) == 1;
+        let latest = s.policy.load(Ordering::Relaxed) == LATEST_ONLY;
         let bit = 1u64 << c;
         loop {
             let head = self.head();
@@ -1175,6 +1077,7 @@ impl Control {
             let mut found = None;
             let mut oldest: Option<(u64, usize)> = None;
             for i in 0..self.buffers {
+                // SYNC POINT: publish. Acquire: pairs with the Release store of seq in `publish`.
                 let seq = self.buffer(i).seq.load(Ordering::Acquire);
                 if seq == want {
                     found = Some(i);
@@ -1191,15 +1094,11 @@ impl Control {
                 _ => return Ok(None),
             };
             let b = self.buffer(i);
-            // SeqCst: the consumer half of the Dekker pair with `try_acquire`.
-            b.hold_mask.fetch_or(bit, Ordering::SeqCst);
-            if b.seq.load(Ordering::SeqCst) != seq {
-                // The producer took it meanwhile: undo and look again.
-                b.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+            if !b.words().hold(bit, seq) {
+                // The producer took it meanwhile: undone; look again.
                 Self::bump(&self.header().release_futex);
                 continue;
             }
-            b.used_mask.fetch_or(bit, Ordering::AcqRel);
             let len = (b.meta_len.load(Ordering::Relaxed) as usize).min(META_BYTES);
             let mut meta = Vec::with_capacity(META_BYTES);
             for k in 0..META_WORDS {
@@ -1208,7 +1107,8 @@ impl Control {
             meta.truncate(len);
             s.dropped.fetch_add(seq - cursor - 1, Ordering::Relaxed);
             s.received.fetch_add(1, Ordering::Relaxed);
-            // Release: pairs with the producer's Acquire of cursors in `min_lossless_cursor`.
+            // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
+            // `min_lossless_cursor`.
             s.cursor.store(seq, Ordering::Release);
             Self::bump(&self.header().release_futex);
             return Ok(Some((i, seq, meta)));
@@ -1237,11 +1137,7 @@ impl Control {
 
     /// Ends consumer `c`'s hold on buffer `i` (after its release event was recorded).
     pub(crate) fn release(&self, c: usize, i: usize) {
-        // Release: the release event was recorded before this; pairs with the producer's SeqCst
-        // read of hold_mask in `try_acquire`.
-        self.buffer(i)
-            .hold_mask
-            .fetch_and(!(1u64 << c), Ordering::SeqCst);
+        self.buffer(i).words().release(1u64 << c);
         Self::bump(&self.header().release_futex);
     }
 
@@ -1252,6 +1148,7 @@ impl Control {
         let mut consumers = Vec::new();
         for c in 0..self.consumers {
             let s = self.consumer(c);
+            // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
             if s.state.load(Ordering::Acquire) != ACTIVE {
                 continue;
             }
@@ -1294,62 +1191,22 @@ impl Control {
         &self.seg
     }
 
-    /// Buffer `i` as it is now, read with loads only (see `channel::inspect`).
-    pub(crate) fn inspect_buffer(&self, i: usize) -> super::inspect::BufferSnapshot {
-        let b = self.buffer(i);
-        // Acquire: pairs with the Release store of seq in `publish`, as in `try_take`.
-        let seq = b.seq.load(Ordering::Acquire);
-        let (mem, _) = self.buffer_tokens(i);
-        super::inspect::BufferSnapshot {
-            index: i,
-            state: match seq {
-                0 => super::inspect::BufferState::Empty,
-                WRITING => super::inspect::BufferState::Writing,
-                s => super::inspect::BufferState::Frame(s),
-            },
-            // Relaxed: diagnostic copies; nothing is read through them.
-            hold_mask: b.hold_mask.load(Ordering::Relaxed),
-            used_mask: b.used_mask.load(Ordering::Relaxed),
-            meta_len: b.meta_len.load(Ordering::Relaxed).min(META_BYTES as u32),
-            memory: crate::token::Token::from_bytes(&mem).ok(),
-        }
+    /// Buffer slot `i`, for inspection tools (`channel::inspect`, loads only).
+    pub(crate) fn buffer_slot(&self, i: usize) -> &BufferSlot {
+        assert!(i < self.buffers);
+        self.buffer(i)
     }
 
-    /// Consumer slot `c` as it is now, `None` when free, read with loads only.
-    pub(crate) fn inspect_consumer(&self, c: usize) -> Option<super::inspect::ConsumerSnapshot> {
-        let s = self.consumer(c);
-        // Acquire: pairs with the Release store of ACTIVE in `attach`: the fields below are whole.
-        let state = s.state.load(Ordering::Acquire);
-        if state == FREE {
-            return None;
-        }
-        // Relaxed: diagnostic copies of a slot that may change at any time.
-        let identity = ProcessIdentity {
-            pid: s.pid.load(Ordering::Relaxed),
-            start_time: s.start_time.load(Ordering::Relaxed),
-            boot_id: boot_bytes([
-                s.boot_id[0].load(Ordering::Relaxed),
-                s.boot_id[1].load(Ordering::Relaxed),
-            ]),
-            pid_ns: s.pid_ns.load(Ordering::Relaxed),
-        };
-        Some(super::inspect::ConsumerSnapshot {
-            index: c,
-            attached: state == ACTIVE,
-            delivery: if s.policy.load(Ordering::Relaxed) == 1 {
-                Delivery::LatestOnly
-            } else {
-                Delivery::EveryFrame
-            },
-            generation: s.generation.load(Ordering::Relaxed),
-            liveness: identity.liveness(),
-            identity,
-            cursor: s.cursor.load(Ordering::Relaxed),
-            received: s.received.load(Ordering::Relaxed),
-            dropped: s.dropped.load(Ordering::Relaxed),
-            holds: Vec::new(),
-            lag: 0,
-        })
+    /// The header, for tests that write fields directly.
+    #[cfg(test)]
+    pub(crate) fn header_for_tests(&self) -> &Header {
+        self.header()
+    }
+
+    /// Consumer slot `c`, for inspection tools (`channel::inspect`, loads only).
+    pub(crate) fn consumer_slot(&self, c: usize) -> &ConsumerSlot {
+        assert!(c < self.consumers);
+        self.consumer(c)
     }
 }
 
@@ -1358,10 +1215,257 @@ fn order_has_other(c: &Control, i: usize, min_cursor: u64) -> bool {
     (0..c.buffers).any(|j| {
         j != i && {
             let b = c.buffer(j);
+            // SYNC POINT: publish, release. Acquire: pairs with the Release stores of seq and the
+            // consumers' clears of hold_mask.
             let seq = b.seq.load(Ordering::Acquire);
             seq != WRITING && seq <= min_cursor && b.hold_mask.load(Ordering::Acquire) == 0
         }
     })
+}
+
+impl BufferSlot {
+    /// The words of this slot that the hold protocol touches.
+    fn words(&self) -> HoldWords<'_> {
+        HoldWords {
+            seq: &self.seq,
+            hold_mask: &self.hold_mask,
+            used_mask: &self.used_mask,
+        }
+    }
+}
+
+/// The hold protocol of one buffer (docs/channel-layout.md, "A buffer's seq word and hold mask"),
+/// on plain references to atomics, so that the loom model below runs the same code on heap memory
+/// that the channel runs on the mapped segment.
+///
+/// The Dekker pair (SYNC POINT: hold): the producer's claim stores `seq` := [`WRITING`] and then
+/// loads `hold_mask`; a consumer's hold sets its bit in `hold_mask` and then loads `seq`. Each side
+/// puts a `SeqCst` fence between its store and its load, so of any claim and hold on one buffer at
+/// least one sees the other and backs off. (The accesses are `SeqCst` too, which would suffice by
+/// itself; the fences are what loom models, see `loom_channel_*`.)
+pub(crate) struct HoldWords<'a> {
+    /// `BufferSlot::seq`.
+    pub(crate) seq: &'a AtomicU64,
+    /// `BufferSlot::hold_mask`.
+    pub(crate) hold_mask: &'a AtomicU64,
+    /// `BufferSlot::used_mask`.
+    pub(crate) used_mask: &'a AtomicU64,
+}
+
+impl HoldWords<'_> {
+    /// The producer's claim of the buffer for writing, whose `seq` it read as `seq` (not
+    /// [`WRITING`]): `seq` := [`WRITING`] unless a consumer holds the frame. Returns the consumers
+    /// that read the buffer since its last write (their release events come before the write), or
+    /// `None` when it is held or changed meanwhile (then it is as it was).
+    pub(crate) fn claim(&self, seq: u64) -> Option<u64> {
+        // SYNC POINT: release. SeqCst (an acquire): pairs with the consumers' clears of their bits
+        // (`release`, `free_consumer_slot`): a mask seen clear comes after every read of the frame.
+        if self.hold_mask.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        // SYNC POINT: hold. SeqCst, then a SeqCst fence: the producer half of the Dekker pair with
+        // `hold`. A consumer that sets its bit after the fence sees WRITING.
+        if self
+            .seq
+            .compare_exchange(seq, WRITING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return None;
+        }
+        fence(Ordering::SeqCst);
+        // SYNC POINT: hold, release. SeqCst: a hold set before the fence above is seen here; a
+        // mask seen clear comes after every earlier release (as above).
+        if self.hold_mask.load(Ordering::SeqCst) != 0 {
+            // SYNC POINT: publish. Release: given back unchanged; pairs with the Acquire loads of
+            // seq.
+            self.seq.store(seq, Ordering::Release);
+            return None;
+        }
+        // SYNC POINT: used. AcqRel: pairs with the consumers' fetch_or in `hold`.
+        Some(self.used_mask.swap(0, Ordering::AcqRel))
+    }
+
+    /// A consumer's hold (its `bit` in `hold_mask`) on the frame `seq` it found in the buffer:
+    /// `true` when held; `false` when the producer took the buffer meanwhile (the bit is cleared
+    /// again).
+    pub(crate) fn hold(&self, bit: u64, seq: u64) -> bool {
+        // SYNC POINT: hold. SeqCst, then a SeqCst fence: the consumer half of the Dekker pair with
+        // `claim` and `withdraw`.
+        self.hold_mask.fetch_or(bit, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        // SYNC POINT: hold, publish. SeqCst (an acquire): a claim before the fence above is seen
+        // as WRITING; a frame seen is the one published with its metadata and bytes.
+        if self.seq.load(Ordering::SeqCst) != seq {
+            // SYNC POINT: release. SeqCst: as `release`.
+            self.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+            return false;
+        }
+        // SYNC POINT: used. AcqRel: pairs with the producer's swap in `claim` (`take_used`).
+        self.used_mask.fetch_or(bit, Ordering::AcqRel);
+        true
+    }
+
+    /// Ends the hold of the consumer of `bit` (after its release event was recorded, and on a
+    /// host channel after its last read of the buffer).
+    pub(crate) fn release(&self, bit: u64) {
+        // SYNC POINT: release. SeqCst (a release): the release event recorded and the reads done
+        // before this come before the producer's next write, which waits for a clear mask in
+        // `claim`.
+        self.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+    }
+
+    /// Withdraws the buffer at close (`seq` := [`WRITING`] for good) and clears every hold;
+    /// returns how many holds there were. A consumer whose hold comes after this sees WRITING and
+    /// backs off; one before is counted.
+    pub(crate) fn withdraw(&self) -> u32 {
+        // SYNC POINT: hold. SeqCst, then a SeqCst fence: the producer half of the Dekker pair with
+        // `hold`, as in `claim`.
+        self.seq.store(WRITING, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.hold_mask.swap(0, Ordering::SeqCst).count_ones()
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_model {
+    //! Model of one buffer's holds and releases ([`HoldWords`]): a producer claims and rewrites
+    //! the buffer while consumers hold, read and release its frame. The buffer's bytes are a loom
+    //! `UnsafeCell`, so loom fails the model on any write that is not ordered after every read of
+    //! the frame before it (and any read not after its write): a buffer is never written while
+    //! held, and on a host channel the bytes a consumer reads are the frame's.
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+
+    struct Buf {
+        seq: AtomicU64,
+        hold_mask: AtomicU64,
+        used_mask: AtomicU64,
+        /// The buffer's bytes: the sequence number of the frame written there.
+        data: UnsafeCell<u64>,
+    }
+
+    // SAFETY: `data` is only touched through loom's checked accessors, in the model.
+    unsafe impl Sync for Buf {}
+
+    impl Buf {
+        /// A buffer holding frame 1.
+        fn published() -> Arc<Self> {
+            Arc::new(Buf {
+                seq: AtomicU64::new(1),
+                hold_mask: AtomicU64::new(0),
+                used_mask: AtomicU64::new(0),
+                data: UnsafeCell::new(1),
+            })
+        }
+        fn words(&self) -> HoldWords<'_> {
+            HoldWords {
+                seq: &self.seq,
+                hold_mask: &self.hold_mask,
+                used_mask: &self.used_mask,
+            }
+        }
+    }
+
+    /// A consumer's take of the frame in the buffer, as `try_take` does it: the read is checked
+    /// against the frame's number; the hold ends after it. Returns the frame taken.
+    fn take(b: &Buf, bit: u64) -> Option<u64> {
+        // SYNC POINT: publish (as in `try_take`).
+        let seq = b.seq.load(Ordering::Acquire);
+        if seq == SEQ_EMPTY || seq == WRITING || !b.words().hold(bit, seq) {
+            return None;
+        }
+        // SAFETY: loom checks this read against every write of the model.
+        let got = b.data.with(|p| unsafe { *p });
+        assert_eq!(
+            got, seq,
+            "read frame {seq}'s buffer while frame {got} was in it"
+        );
+        b.words().release(bit);
+        Some(seq)
+    }
+
+    /// The producer's write of frame `next`, as `try_acquire` and `publish` do it. Returns the
+    /// consumers whose release events the write waited on, or `None` when it did not write.
+    fn write(b: &Buf, next: u64) -> Option<u64> {
+        // SYNC POINT: publish (as in `try_acquire`).
+        let seq = b.seq.load(Ordering::Acquire);
+        if seq == WRITING {
+            return None;
+        }
+        let used = b.words().claim(seq)?;
+        // SAFETY: loom checks this write against every read of the model.
+        b.data.with_mut(|p| unsafe { *p = next });
+        // SYNC POINT: publish (as in `publish`).
+        b.seq.store(next, Ordering::Release);
+        Some(used)
+    }
+
+    fn builder() -> loom::model::Builder {
+        let mut b = loom::model::Builder::new();
+        b.preemption_bound = Some(3);
+        b
+    }
+
+    #[test]
+    fn loom_channel_a_held_buffer_is_never_written_and_reads_see_their_frame() {
+        builder().check(|| {
+            let b = Buf::published();
+            let c = b.clone();
+            let consumer = loom::thread::spawn(move || (take(&c, 1), take(&c, 1)));
+            let used = write(&b, 2);
+            let (first, second) = consumer.join().unwrap();
+            if let (Some(x), Some(y)) = (first, second) {
+                assert!(x <= y, "took frame {x}, then {y}");
+            }
+            // A write after a read of frame 1 waits on that consumer's release event.
+            if let Some(used) = used
+                && (first == Some(1) || second == Some(1))
+            {
+                assert_eq!(used, 1, "the write did not wait on the reader of frame 1");
+            }
+            assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
+        });
+    }
+
+    #[test]
+    fn loom_channel_two_consumers_and_a_producer_never_overlap() {
+        builder().check(|| {
+            let b = Buf::published();
+            let consumers: Vec<_> = [1u64, 2]
+                .into_iter()
+                .map(|bit| {
+                    let c = b.clone();
+                    loom::thread::spawn(move || take(&c, bit))
+                })
+                .collect();
+            let wrote = write(&b, 2).is_some();
+            for c in consumers {
+                c.join().unwrap();
+            }
+            assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
+            let seq = b.seq.load(Ordering::Relaxed);
+            assert_eq!(seq, if wrote { 2 } else { 1 });
+        });
+    }
+
+    #[test]
+    fn loom_channel_withdraw_counts_every_hold_it_does_not_turn_away() {
+        builder().check(|| {
+            let b = Buf::published();
+            let c = b.clone();
+            let consumer = loom::thread::spawn(move || c.words().hold(1, 1));
+            let forced = b.words().withdraw();
+            let held = consumer.join().unwrap();
+            // A hold that succeeded was there when the buffer was withdrawn: counted (and
+            // cleared), so close never frees memory a consumer still reads uncounted.
+            if held {
+                assert_eq!(forced, 1);
+            }
+            assert_eq!(b.seq.load(Ordering::Relaxed), WRITING);
+            assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
+        });
+    }
 }
 
 #[cfg(test)]

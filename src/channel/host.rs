@@ -24,6 +24,7 @@
 //! consumer's `hold_mask` clear (SeqCst read-modify-write, a release) and the producer's SeqCst load
 //! of `hold_mask` in `try_acquire` (an acquire) that sees it clear.
 
+use super::layout::STAMP_READY;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
@@ -36,7 +37,6 @@ use std::time::{Duration, Instant};
 const POOL_MAGIC: u64 = u64::from_le_bytes(*b"CIPCPOOL");
 /// Pool layout version; an opener refuses any other.
 pub(crate) const POOL_VERSION: u32 = 1;
-const STAMP_READY: u32 = 0x5245_4459; // "READY"
 /// Offset of the first buffer: the header has the first page to itself.
 pub(crate) const POOL_DATA: usize = 4096;
 /// Prefix of a pool segment's name; the channel name follows.
@@ -60,9 +60,9 @@ pub(crate) struct PoolHeader {
     producer: [AtomicU64; 4],
 }
 
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
+#[cfg(not(loom))] // loom atomics have other sizes; the mapped layout is only used without it
 const _: () = assert!(size_of::<PoolHeader>() == 88);
-#[cfg(not(loom))] // loom atomics have other sizes; the channel is not loom-modelled
+#[cfg(not(loom))] // loom atomics have other sizes; the mapped layout is only used without it
 const _: () = assert!(std::mem::offset_of!(PoolHeader, generation) == 48);
 
 /// The pool segment name of a channel.
@@ -155,7 +155,7 @@ impl HostPool {
         h.segment_bytes.store(len as u64, Ordering::Relaxed);
         h.generation.store(generation, Ordering::Relaxed);
         me.store_words(&h.producer);
-        // SYNC POINT: pool stamp. Release: pairs with the Acquire load in `open_checked`.
+        // SYNC POINT: pool stamp. Release: pairs with the Acquire loads in `open`, `replaceable`.
         h.stamp.store(STAMP_READY, Ordering::Release);
         Ok(pool)
     }
@@ -204,7 +204,7 @@ impl HostPool {
                 "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
             )));
         }
-        // Acquire: pairs with the Release store of the stamp in `create`.
+        // SYNC POINT: pool stamp. Acquire: pairs with the Release store of the stamp in `create`.
         if h.stamp.load(Ordering::Acquire) != STAMP_READY {
             if producer.pid != 0 && producer.liveness() != Liveness::Dead {
                 return Err(Error::Channel(super::ChannelError::CreationInProgress(

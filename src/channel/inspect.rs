@@ -11,14 +11,18 @@
 
 use super::Delivery;
 use super::control::{self, Control};
+use super::layout::{
+    self, ConsumerState, META_BYTES, ProducerState, SEQ_EMPTY, UnknownCode, WRITING,
+};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::Segment;
 use crate::shm::ShmError;
+use crate::sync::Ordering;
 use crate::token::Token;
 
 /// The prefix of every channel's segment name: channel `NAME` lives in `/dev/shm/cuda-ipc.ch.NAME`.
-pub const SEGMENT_PREFIX: &str = "cuda-ipc.ch.";
+pub const SEGMENT_PREFIX: &str = layout::SEGMENT_PREFIX;
 
 /// The segment name of channel `channel` (`cuda-ipc.ch.` followed by the channel name).
 pub fn segment_name(channel: &str) -> String {
@@ -122,10 +126,15 @@ pub struct ConsumerSnapshot {
     /// The consumer slot index (its bit in the hold masks).
     pub index: usize,
     /// `true` once attached; `false` while a consumer is still claiming the slot (its fields may be
-    /// incomplete).
+    /// incomplete), or when its state code is unknown.
     pub attached: bool,
-    /// Its delivery policy.
-    pub delivery: Delivery,
+    /// The slot's state ([`ConsumerState::Claiming`] or [`ConsumerState::Active`]; free slots are
+    /// not listed), or the code found when it is none this build knows.
+    pub state: std::result::Result<ConsumerState, UnknownCode>,
+    /// Its delivery policy; the code found when it is none this build knows (a corrupted slot, or
+    /// a consumer of a newer version), which the protocol treats as neither policy: the producer
+    /// does not wait for it and it takes frames in order.
+    pub delivery: std::result::Result<Delivery, UnknownCode>,
     /// How many times the slot was claimed.
     pub generation: u64,
     /// Its process.
@@ -170,6 +179,9 @@ pub struct ChannelSnapshot {
     pub producer_liveness: Liveness,
     /// Whether the producer closed the channel.
     pub closed: bool,
+    /// The producer's state code as read: open or closed, or the code found when it is none this
+    /// build knows (the protocol treats such a channel as open).
+    pub producer_state: std::result::Result<ProducerState, UnknownCode>,
     /// Sequence number of the latest frame (0: none yet).
     pub head: u64,
     /// Frames published.
@@ -246,13 +258,13 @@ pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
     Ok(snapshot(channel, &c))
 }
 
-fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
+pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
     let stats = c.stats();
     let producer = c.producer();
     let head = c.head();
-    let buffers: Vec<BufferSnapshot> = (0..c.buffers()).map(|i| c.inspect_buffer(i)).collect();
+    let buffers: Vec<BufferSnapshot> = (0..c.buffers()).map(|i| buffer_snapshot(c, i)).collect();
     let consumers = (0..c.consumer_capacity())
-        .filter_map(|k| c.inspect_consumer(k))
+        .filter_map(|k| consumer_snapshot(c, k))
         .map(|mut s| {
             let bit = 1u64 << s.index;
             s.holds = buffers
@@ -274,12 +286,63 @@ fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
         producer_liveness: producer.liveness(),
         producer,
         closed: c.is_closed(),
+        producer_state: ProducerState::from_wire(c.producer_state()),
         head,
         published: stats.published,
         forced_releases: stats.forced_releases,
         buffers,
         consumers,
     }
+}
+
+/// Buffer `i` as it is now, read with loads only.
+fn buffer_snapshot(c: &Control, i: usize) -> BufferSnapshot {
+    let b = c.buffer_slot(i);
+    // SYNC POINT: publish. Acquire: pairs with the Release store of `seq` in `Control::publish`,
+    // as in `try_take`.
+    let seq = b.seq.load(Ordering::Acquire);
+    let (mem, _) = c.buffer_tokens(i);
+    BufferSnapshot {
+        index: i,
+        state: match seq {
+            SEQ_EMPTY => BufferState::Empty,
+            WRITING => BufferState::Writing,
+            s => BufferState::Frame(s),
+        },
+        // Relaxed: diagnostic copies; nothing is read through them.
+        hold_mask: b.hold_mask.load(Ordering::Relaxed),
+        used_mask: b.used_mask.load(Ordering::Relaxed),
+        meta_len: b.meta_len.load(Ordering::Relaxed).min(META_BYTES as u32),
+        memory: Token::from_bytes(&mem).ok(),
+    }
+}
+
+/// Consumer slot `k` as it is now, `None` when free, read with loads only.
+fn consumer_snapshot(c: &Control, k: usize) -> Option<ConsumerSnapshot> {
+    let s = c.consumer_slot(k);
+    // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `Control::attach`:
+    // the fields below are whole.
+    let state = s.state.load(Ordering::Acquire);
+    if state == layout::FREE {
+        return None;
+    }
+    // Relaxed: diagnostic copies of a slot that may change at any time.
+    let identity = c.consumer_identity(k);
+    Some(ConsumerSnapshot {
+        index: k,
+        // A code other than ACTIVE (claiming, or unknown) is not attached, as for the protocol.
+        attached: ConsumerState::from_wire(state) == Ok(ConsumerState::Active),
+        state: ConsumerState::from_wire(state),
+        delivery: Delivery::from_wire(s.policy.load(Ordering::Relaxed)),
+        generation: s.generation.load(Ordering::Relaxed),
+        liveness: identity.liveness(),
+        identity,
+        cursor: s.cursor.load(Ordering::Relaxed),
+        received: s.received.load(Ordering::Relaxed),
+        dropped: s.dropped.load(Ordering::Relaxed),
+        holds: Vec::new(),
+        lag: 0,
+    })
 }
 
 /// Removes the control segment of `channel` when its producer process is dead, and returns what it
@@ -455,6 +518,39 @@ mod tests {
     }
 
     #[test]
+    fn unknown_policy_and_state_codes_are_reported_as_unknown_not_as_a_known_one() {
+        let n = name("codes");
+        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
+        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let s = inspect(&n).unwrap();
+        let c = &s.consumers[0];
+        assert_eq!(c.delivery, Ok(Delivery::LatestOnly));
+        assert_eq!((c.state, c.attached), (Ok(ConsumerState::Active), true));
+        assert_eq!(s.producer_state, Ok(ProducerState::Open));
+        let ctl = Control::open(&n).unwrap();
+        let slot = ctl.consumer_slot(rx.slot());
+        slot.policy.store(7, Ordering::Relaxed);
+        slot.state.store(9, Ordering::Relaxed);
+        ctl.header_for_tests()
+            .producer_state
+            .store(5, Ordering::Relaxed);
+        let s = inspect(&n).unwrap();
+        let c = &s.consumers[0];
+        let unknown = |field, code| UnknownCode { field, code };
+        assert_eq!(c.delivery, Err(unknown("policy", 7)));
+        assert_eq!(c.state, Err(unknown("consumer state", 9)));
+        assert!(!c.attached);
+        assert_eq!(s.producer_state, Err(unknown("producer state", 5)));
+        assert!(
+            !s.closed,
+            "an unknown producer state reads as open, as for the protocol"
+        );
+        slot.state.store(layout::ACTIVE, Ordering::Relaxed);
+        drop(rx);
+        tx.unlink();
+    }
+
+    #[test]
     fn release_dead_consumers_leaves_live_ones_alone() {
         let n = name("release");
         let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
@@ -480,9 +576,12 @@ mod tests {
         // SAFETY: the mapping is 4096 bytes, so its first 8 (page-aligned) are in bounds; nobody
         // else knows this segment.
         unsafe { (seg.as_ptr() as *mut u64).write_volatile(u64::from_le_bytes(*b"NOTCHANL")) };
-        // Stamp (offset 12) READY so the opener does not wait for a creator.
-        // SAFETY: as above, offset 12 is in bounds and 4-byte aligned.
-        unsafe { (seg.as_ptr().add(12) as *mut u32).write_volatile(0x5245_4459) };
+        // Stamp READY so the opener does not wait for a creator.
+        // SAFETY: as above, the stamp's offset is in bounds and 4-byte aligned.
+        unsafe {
+            (seg.as_ptr().add(layout::header::STAMP) as *mut u32)
+                .write_volatile(layout::STAMP_READY)
+        };
         let e = inspect(&n).unwrap_err().to_string();
         assert!(e.contains("not a cuda-ipc channel"), "{e}");
         assert!(

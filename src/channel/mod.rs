@@ -26,11 +26,13 @@
 mod control;
 mod host;
 pub mod inspect;
+#[doc(hidden)]
+pub mod layout;
 pub mod owned;
 
-pub use control::{
-    ChannelStats, ConsumerStats, Delivery, MAX_BUFFERS, MAX_CHANNEL_NAME, MAX_CONSUMERS,
-    META_BYTES, WaitStrategy,
+pub use control::{ChannelStats, ConsumerStats, MAX_CHANNEL_NAME, WaitStrategy};
+pub use layout::{
+    ConsumerState, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, ProducerState, UnknownCode,
 };
 
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
@@ -354,15 +356,15 @@ impl Producer {
     }
 
     fn check_options(opts: &ChannelOptions) -> Result<()> {
-        if let Some(q) = opts.quota_bytes {
-            if (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q {
-                return Err(ChannelError::OverQuota {
-                    buffers: opts.buffers,
-                    buffer_bytes: opts.buffer_bytes,
-                    quota: q,
-                }
-                .into());
+        if let Some(q) = opts.quota_bytes
+            && (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q
+        {
+            return Err(ChannelError::OverQuota {
+                buffers: opts.buffers,
+                buffer_bytes: opts.buffer_bytes,
+                quota: q,
             }
+            .into());
         }
         if opts.buffers == 0 || opts.buffers > MAX_BUFFERS {
             return Err(Error::InvalidArgument(format!(
@@ -725,10 +727,10 @@ impl Producer {
 
 impl Drop for Producer {
     fn drop(&mut self) {
-        if !self.closed {
-            if let Err(e) = self.shutdown(Duration::from_secs(5)) {
-                tracing::warn!("closing channel {}: {e}", self.name);
-            }
+        if !self.closed
+            && let Err(e) = self.shutdown(Duration::from_secs(5))
+        {
+            tracing::warn!("closing channel {}: {e}", self.name);
         }
     }
 }
@@ -897,7 +899,7 @@ impl WriteFrame<'_> {
             self.done = true;
             return Ok(seq);
         };
-        let word = ready.device_ptr + 4 * self.index as u64;
+        let word = ready.device_ptr + layout::ready_word_offset(self.index) as u64;
         // SAFETY: the word lies in the registered ready page (index < buffers), which stays
         // registered and mapped until the producer's stream has drained (Drop order of Producer).
         if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
@@ -1205,8 +1207,10 @@ impl Consumer {
         // SAFETY: the word lies in the registered ready page (i < buffers), which stays registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
         unsafe {
-            gpu.stream
-                .wait_value_u32(ready.device_ptr + 4 * i as u64, seq as u32)?;
+            gpu.stream.wait_value_u32(
+                ready.device_ptr + layout::ready_word_offset(i) as u64,
+                seq as u32,
+            )?;
         }
         Ok(frame)
     }
@@ -1506,14 +1510,14 @@ fn host_check(offset: usize, n: usize, len: usize) -> Result<()> {
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
         let c = self.consumer;
-        if let Some(gpu) = &c.gpu {
-            if let Err(e) = gpu.release_events[self.index].record(&gpu.stream) {
-                // Without the event the producer could overwrite the buffer under our kernels:
-                // wait for them on the host instead.
-                tracing::warn!("recording the release event failed ({e}); synchronising instead");
-                if let Err(e) = gpu.stream.synchronize() {
-                    tracing::warn!("synchronising the consumer stream failed: {e}");
-                }
+        if let Some(gpu) = &c.gpu
+            && let Err(e) = gpu.release_events[self.index].record(&gpu.stream)
+        {
+            // Without the event the producer could overwrite the buffer under our kernels:
+            // wait for them on the host instead.
+            tracing::warn!("recording the release event failed ({e}); synchronising instead");
+            if let Err(e) = gpu.stream.synchronize() {
+                tracing::warn!("synchronising the consumer stream failed: {e}");
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the
@@ -1616,7 +1620,11 @@ pub mod testing {
             assert!(i < self.0.buffers());
             // SAFETY: word `i` of the ready page lies in the mapping and is 4-byte aligned; shared
             // words are only accessed atomically.
-            let w = unsafe { &*p.add(4 * i).cast::<std::sync::atomic::AtomicU32>() };
+            let w = unsafe {
+                &*p.add(super::layout::ready_word_offset(i))
+                    .cast::<std::sync::atomic::AtomicU32>()
+            };
+            // SYNC POINT: ready word. Release: pairs with `ready_value`'s Acquire load.
             w.store(value, std::sync::atomic::Ordering::Release);
         }
         /// Buffer `i`'s ready word.
@@ -1665,6 +1673,50 @@ pub mod testing {
         pub fn release(&self, i: usize) {
             self.control.release(self.slot, i)
         }
+    }
+
+    impl ControlConsumer {
+        /// Opens channel `name` as a consumer does, but waits at most `init_wait` for the init
+        /// stamp of an unfinished segment (a consumer waits 2 s), and claims a consumer slot with
+        /// zero release tokens, one per buffer (as a host channel's consumer does). For fuzzing:
+        /// the segment may hold any bytes.
+        ///
+        /// # Errors
+        /// As [`ControlConsumer::attach`].
+        pub fn attach_waiting(name: &str, delivery: Delivery, init_wait: Duration) -> Result<Self> {
+            let control = Control::open_waiting(name, false, init_wait)?;
+            let tokens = vec![[0u8; TOKEN_LEN]; control.buffers()];
+            let slot = control.attach(delivery, &tokens)?;
+            Ok(Self { control, slot })
+        }
+        /// Buffers in the pool.
+        pub fn buffers(&self) -> usize {
+            self.control.buffers()
+        }
+        /// The next frame if there is one now: (buffer index, sequence number, metadata).
+        ///
+        /// # Errors
+        /// As `Consumer::try_recv`.
+        pub fn try_take(&self) -> Result<Option<(usize, u64, Vec<u8>)>> {
+            self.control.take_or_closed(self.slot)
+        }
+        /// A snapshot of the channel ([`super::inspect::inspect`]), from this consumer's mapping.
+        pub fn inspect(&self, name: &str) -> super::inspect::ChannelSnapshot {
+            super::inspect::snapshot(name, &self.control)
+        }
+    }
+
+    /// [`super::inspect::inspect`], waiting at most `init_wait` for the init stamp of an
+    /// unfinished segment (it waits 2 s). For fuzzing.
+    ///
+    /// # Errors
+    /// As [`super::inspect::inspect`].
+    pub fn inspect_waiting(
+        name: &str,
+        init_wait: Duration,
+    ) -> Result<super::inspect::ChannelSnapshot> {
+        let c = Control::open_waiting(name, false, init_wait)?;
+        Ok(super::inspect::snapshot(name, &c))
     }
 
     impl Drop for ControlConsumer {

@@ -69,7 +69,7 @@ pub trait DeviceMemory {
     /// [`Error::InvalidArgument`] for a length not a multiple of 4; [`Error::Cuda`].
     #[doc(alias = "cuMemsetD32Async")]
     fn memset_u32_async(&self, value: u32, stream: &Stream) -> Result<()> {
-        if self.len() % 4 != 0 {
+        if !self.len().is_multiple_of(4) {
             return Err(Error::InvalidArgument(format!(
                 "memset_u32 needs a length multiple of 4 bytes, got {}",
                 self.len()

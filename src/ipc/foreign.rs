@@ -451,17 +451,19 @@ fn gather(ctx: &Context, ptr: u64) -> Result<PointerFacts> {
             PoolFact::Other
         };
     }
-    if f.memory_type == MEMORYTYPE_DEVICE && f.pool == PoolFact::None && !f.legacy_ipc {
-        if let Some(h) = retain_handle(ptr) {
-            let end = f.range_start + (f.range_size as u64).saturating_sub(1);
-            let one = [f.range_start, end]
-                .into_iter()
-                .all(|a| retain_handle(a) == Some(h));
-            f.vmm = Some(VmmFact {
-                fd_handles: handles & posix_fd_bit() != 0,
-                one_mapping: one,
-            });
-        }
+    if f.memory_type == MEMORYTYPE_DEVICE
+        && f.pool == PoolFact::None
+        && !f.legacy_ipc
+        && let Some(h) = retain_handle(ptr)
+    {
+        let end = f.range_start + (f.range_size as u64).saturating_sub(1);
+        let one = [f.range_start, end]
+            .into_iter()
+            .all(|a| retain_handle(a) == Some(h));
+        f.vmm = Some(VmmFact {
+            fd_handles: handles & posix_fd_bit() != 0,
+            one_mapping: one,
+        });
     }
     Ok(f)
 }
@@ -669,15 +671,15 @@ impl<'a> ForeignBuffer<'a> {
         crate::driver::memory_check_range(offset, len, self.len)?;
         let at = self.ptr + offset as u64;
         let from_base = at - self.kind.base();
-        if let ForeignKind::Pool { base, .. } = self.kind {
-            if from_base != 0 {
-                return Err(NotExportable::PoolSubRange {
-                    ptr: at,
-                    base,
-                    offset: from_base,
-                }
-                .into());
+        if let ForeignKind::Pool { base, .. } = self.kind
+            && from_base != 0
+        {
+            return Err(NotExportable::PoolSubRange {
+                ptr: at,
+                base,
+                offset: from_base,
             }
+            .into());
         }
         let mut ex = lock(&self.export);
         if ex.is_none() {

@@ -124,7 +124,11 @@ const _: () = assert!(
 );
 const _: () = assert!(W_RESERVED + 6 == PAYLOAD_WORDS);
 const _: () = assert!(16 + PAYLOAD_WORDS * 8 == SLOT_SIZE);
-const _: () = assert!(SLOT_SIZE % 64 == 0 && PARTICIPANT_SIZE % 64 == 0 && HEADER_SIZE % 64 == 0);
+const _: () = assert!(
+    SLOT_SIZE.is_multiple_of(64)
+        && PARTICIPANT_SIZE.is_multiple_of(64)
+        && HEADER_SIZE.is_multiple_of(64)
+);
 
 // The sizes of the atomics differ under loom; the mapped layout is only used without it.
 #[cfg(not(loom))]
