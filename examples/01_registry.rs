@@ -143,7 +143,10 @@ fn publisher(name: &str) -> Res<()> {
         export_id: 0,
     };
     let seq = reg.publish(RECORD, KIND, &token.to_bytes(), b"1 MiB, u8")?;
-    println!("publisher {}: published {RECORD:?} seq={seq}", reg.identity());
+    println!(
+        "publisher {}: published {RECORD:?} seq={seq}",
+        reg.identity()
+    );
     // Waits for the owner's word (or for its end: stdin closes).
     let _ = std::io::stdin().lock().read_line(&mut String::new());
     // Exits without running `Drop`: the participant entry and the record stay behind, as after a
