@@ -17,6 +17,8 @@
 //! parent bounds every child with a deadline and kills it past that; children die with their parent
 //! (`PR_SET_PDEATHSIG`) and stop waiting when a peer is gone.
 
+// The examples' helpers (the shared clock, the frame metadata), included by path: one definition
+// for both members.
 #[path = "../../examples/common/mod.rs"]
 mod common;
 
