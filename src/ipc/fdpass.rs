@@ -1483,6 +1483,38 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_wire_bytes_are_pinned() {
+        // Protocol version 1, byte for byte: a change here is a protocol change.
+        assert_eq!(
+            encode_request(&[1, 0x0403_0201]),
+            b"CIFQ\x01\x00\x02\x00\x01\x00\x00\x00\x01\x02\x03\x04"
+        );
+        assert_eq!(
+            encode_reply(
+                REQUEST_OK,
+                &[(7, ENTRY_OK), (0x0102_0304, ENTRY_NOT_OFFERED)]
+            ),
+            b"CIFR\x01\x00\x00\x00\x02\x00\x00\x00\
+              \x07\x00\x00\x00\x00\x00\x00\x00\x04\x03\x02\x01\x01\x00\x00\x00"
+        );
+        assert_eq!(
+            encode_reply(REQUEST_REFUSED, &[]),
+            b"CIFR\x01\x00\x01\x00\x00\x00\x00\x00"
+        );
+        assert_eq!(
+            (
+                REQUEST_OK,
+                REQUEST_REFUSED,
+                REQUEST_MALFORMED,
+                REQUEST_VERSION
+            ),
+            (0, 1, 2, 3)
+        );
+        assert_eq!((ENTRY_OK, ENTRY_NOT_OFFERED), (0, 1));
+        assert_eq!((MAX_IDS_PER_REQUEST, MAX_FDS_PER_MESSAGE), (1024, 253));
+    }
+
     proptest::proptest! {
         #[test]
         fn decoders_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
