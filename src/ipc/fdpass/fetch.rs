@@ -1,0 +1,613 @@
+//! The importer's side: [`fetch`] and [`fetch_many`], which choose a transport, and the socket
+//! transport itself, one request over one connection.
+//!
+//! Owns: [`FdTransport`], the overall deadline of a fetch, and the steps of a socket fetch, each a
+//! function of [`Exchange`]: look at the socket file ([`Exchange::check_socket_file`]), connect
+//! ([`Exchange::connect`]), check who listens ([`Exchange::check_listener`]), send the request
+//! ([`Exchange::send_request`]), then receive the statuses and fds ([`Exchange::receive_fds`]:
+//! one message at a time by [`Exchange::receive_message`], each validated by
+//! [`Exchange::check_reply`]). The `pidfd_getfd` transport is `pidfd.rs`'s, the byte layout
+//! `wire.rs`'s, the socket path and peer credentials `socket.rs`'s.
+//!
+//! Who closes what: the connection is owned by [`Exchange::connect`]'s caller and closed when the
+//! fetch returns, on success and on failure. The fds of a reply are taken into `OwnedFd`s as soon
+//! as `recvmsg` returns, before anything is checked, so every exit closes them; they pass to the
+//! caller only when every id is answered, and on an error all of them (also those of earlier
+//! replies) are closed here: no fd is left open.
+
+use super::exporter_gone;
+use super::pidfd::{PidfdFailure, fetch_pidfd};
+use super::socket::{PeerCred, describe_path, peer_cred, socket_path};
+use super::wire::{
+    ENTRY_OK, MAX_FDS_PER_MESSAGE, MAX_IDS_PER_REQUEST, MAX_REPLY_BYTES, PROTOCOL_VERSION,
+    REQUEST_OK, REQUEST_REFUSED, REQUEST_VERSION, decode_reply, encode_request,
+};
+use crate::error::{Error, OsError, Result};
+use crate::identity::ProcessIdentity;
+use rustix::io::Errno;
+use rustix::net::sockopt::{self, Timeout};
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendFlags,
+    SocketAddrUnix, SocketFlags, SocketType,
+};
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
+
+/// How an importer gets an fd from another process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FdTransport {
+    /// Over the exporter's Unix socket with `SCM_RIGHTS`: needs no special rights, checks the id,
+    /// cannot return a withdrawn fd. The default.
+    #[default]
+    Socket,
+    /// `pidfd_getfd` when the kernel and the ptrace rules allow it, else the socket (the reason is
+    /// logged at debug level). See the [module docs](super) for the caveat on fd numbers.
+    PidfdThenSocket,
+    /// `pidfd_getfd` only; [`Error::Unsupported`] (with the reason and the fix) when it is refused.
+    PidfdOnly,
+}
+
+/// Fetches export `id` (whose fd number in the exporter is `raw_fd`) from `exporter`, waiting at most
+/// `timeout` in all.
+///
+/// The caller owns the returned fd: a reference of its own to the exporter's open file, valid after
+/// the exporter withdraws it or exits. `cuMemImportFromShareableHandle` does not take ownership of a
+/// POSIX fd handle: drop the fd after the import, whether the import succeeded or not.
+///
+/// `raw_fd` is used only by the `pidfd_getfd` transports (pass
+/// [`FdExport::raw_fd`](super::FdExport::raw_fd)); with [`FdTransport::Socket`] any value works.
+///
+/// # Errors
+/// - [`Error::PeerGone`] when the exporter is no longer running ([`ProcessIdentity::liveness`] says
+///   dead: killed, exited, a zombie, its pid reused), found before connecting or when the
+///   connection breaks.
+/// - [`Error::FdNotOffered`] when the exporter runs but does not offer `id`: it was withdrawn or
+///   never made, or the process serves no fds at all (it exported none: no socket file, or nobody
+///   listens on it). With [`FdTransport::PidfdOnly`], also when `raw_fd` is not open in the
+///   exporter.
+/// - [`Error::Unsupported`] when the exporter refuses this process (another user, not root), when
+///   the two processes speak different protocol versions, when something other than a socket is at
+///   the socket path (a FIFO, a file, a directory, a symbolic link), when the listener fails the
+///   peer check (see the [module docs](super): another pid in this pid namespace; across pid
+///   namespaces, a file or listener of another user), and with [`FdTransport::PidfdOnly`] when
+///   `pidfd_getfd` is refused (kernel before 5.6, ptrace rules, seccomp, an exporter in another pid
+///   namespace): the reason and the fix are in the error.
+/// - [`Error::Timeout`] when the exporter's server does not answer within `timeout`.
+/// - [`Error::InvalidArgument`] with [`FdTransport::PidfdOnly`] and a negative `raw_fd`.
+/// - [`Error::Os`] for other failed system calls (`lstat`, `socket`, `connect`, `sendmsg`,
+///   `recvmsg`, `pidfd_open`, `pidfd_getfd`) and for a malformed reply.
+///
+/// See `unix(7)` (`SCM_RIGHTS`) and `pidfd_getfd(2)`; example on [`FdExport`](super::FdExport).
+#[doc(alias = "SCM_RIGHTS")]
+#[doc(alias = "pidfd_getfd")]
+pub fn fetch(
+    exporter: &ProcessIdentity,
+    id: u32,
+    raw_fd: i32,
+    transport: FdTransport,
+    timeout: Duration,
+) -> Result<OwnedFd> {
+    let mut fds = fetch_many(exporter, &[(id, raw_fd)], transport, timeout)?;
+    fds.pop().ok_or_else(|| {
+        // `fetch_many` returns one fd per id or an error; this is unreachable.
+        Error::InvalidArgument(format!("no fd returned for export {id}"))
+    })
+}
+
+/// Fetches several exports from `exporter` in one round trip: `ids` are (export id, fd number in the
+/// exporter) pairs; returns the fds in the same order. Waits at most `timeout` in all.
+///
+/// All or nothing: on an error, no fd is left open in this process. More than 1024 ids are fetched
+/// in several requests. An empty `ids` returns an empty list without contacting the exporter.
+///
+/// Ownership and errors as [`fetch`]; [`Error::FdNotOffered`] names the first id not offered.
+#[doc(alias = "SCM_RIGHTS")]
+#[doc(alias = "pidfd_getfd")]
+pub fn fetch_many(
+    exporter: &ProcessIdentity,
+    ids: &[(u32, i32)],
+    transport: FdTransport,
+    timeout: Duration,
+) -> Result<Vec<OwnedFd>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let deadline = Deadline::new(timeout);
+    if exporter_gone(exporter) {
+        return Err(Error::PeerGone { pid: exporter.pid });
+    }
+    match transport {
+        FdTransport::Socket => fetch_socket(exporter, ids, &deadline),
+        FdTransport::PidfdOnly => fetch_pidfd(exporter, ids).map_err(|f| f.into_error(exporter)),
+        FdTransport::PidfdThenSocket => match fetch_pidfd(exporter, ids) {
+            Ok(fds) => Ok(fds),
+            Err(PidfdFailure::Gone) => Err(Error::PeerGone { pid: exporter.pid }),
+            Err(PidfdFailure::Other(e)) => Err(e),
+            Err(f) => {
+                tracing::debug!(
+                    pid = exporter.pid,
+                    "pidfd_getfd not used, falling back to the socket: {}",
+                    f.describe()
+                );
+                fetch_socket(exporter, ids, &deadline)
+            }
+        },
+    }
+}
+
+/// The overall time limit of one fetch.
+struct Deadline {
+    at: Option<Instant>,
+    timeout: Duration,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        Self {
+            at: Instant::now().checked_add(timeout),
+            timeout,
+        }
+    }
+
+    /// Time left, at least 1 µs (a zero socket timeout would mean "forever"), or the timeout error.
+    fn remaining(&self, what: &'static str) -> Result<Duration> {
+        let Some(at) = self.at else {
+            return Ok(Duration::from_secs(u32::MAX as u64)); // `timeout` too large to add
+        };
+        match at.checked_duration_since(Instant::now()) {
+            Some(d) if !d.is_zero() => Ok(d.max(Duration::from_micros(1))),
+            _ => Err(Error::Timeout {
+                what,
+                after: self.timeout,
+            }),
+        }
+    }
+}
+
+/// The socket transport for any number of ids, [`MAX_IDS_PER_REQUEST`] per connection.
+fn fetch_socket(
+    exporter: &ProcessIdentity,
+    ids: &[(u32, i32)],
+    deadline: &Deadline,
+) -> Result<Vec<OwnedFd>> {
+    let mut out = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(MAX_IDS_PER_REQUEST) {
+        let only_ids: Vec<u32> = chunk.iter().map(|(id, _)| *id).collect();
+        out.extend(fetch_socket_once(exporter, &only_ids, deadline)?);
+    }
+    Ok(out)
+}
+
+/// Error for a connection that broke: the exporter is gone, or `otherwise`.
+fn gone_or(exporter: &ProcessIdentity, otherwise: Error) -> Error {
+    if exporter_gone(exporter) {
+        Error::PeerGone { pid: exporter.pid }
+    } else {
+        otherwise
+    }
+}
+
+/// What a socket fetch waits for, as its [`Error::Timeout`] names it.
+const WAIT_WHAT: &str = "the exporter's fd server";
+
+/// The refusal of a socket of an exporter in another pid namespace whose file owner (`owner`) or
+/// listener uid (`listener`, once connected) is not this process's uid or root, or differ.
+fn cross_namespace_refusal(
+    exporter: &ProcessIdentity,
+    path: &str,
+    owner: u32,
+    listener: Option<u32>,
+    euid: u32,
+) -> Error {
+    let listener = listener.map_or(String::new(), |u| format!(", listened on by uid {u}"));
+    Error::Unsupported {
+        what: "fd passing",
+        reason: format!(
+            "the fd socket {path} of {exporter} (another pid namespace, where pids cannot be \
+             compared) is owned by uid {owner}{listener}; this process (uid {euid}) accepts it only \
+             when file and listener belong to one uid, its own or root's (root accepts any one uid)"
+        ),
+        fix: "run the exporter and the importer as the same user; if they do, another user's \
+              process squats on the exporter's socket path",
+    }
+}
+
+/// One request over one connection: the steps below, in order. All or nothing: the fds of every id,
+/// in the order of `ids`, or an error and no fd left open.
+fn fetch_socket_once(
+    exporter: &ProcessIdentity,
+    ids: &[u32],
+    deadline: &Deadline,
+) -> Result<Vec<OwnedFd>> {
+    let x = Exchange::new(exporter, ids);
+    let file = x.check_socket_file()?;
+    let sock = x.connect(&file, deadline)?;
+    let server = x.check_listener(&sock, &file)?;
+    x.send_request(&sock, ids, deadline)?;
+    x.receive_fds(&sock, ids, server, deadline)
+}
+
+/// What every step of one socket fetch needs: whom it asks, at which path, as which uid.
+struct Exchange<'a> {
+    exporter: &'a ProcessIdentity,
+    /// The exporter's socket path ([`socket_path`]).
+    path: String,
+    /// This process's effective uid.
+    euid: u32,
+    /// The first id asked for: the one named when the process serves no fds at all.
+    first_id: u32,
+}
+
+/// What [`Exchange::check_socket_file`] found at the socket path: a socket, with these facts.
+struct SocketFile {
+    /// The file's owner uid.
+    owner: u32,
+    /// The file's mode (`st_mode`), for the error when connecting is refused.
+    mode: u32,
+    /// Whether the exporter runs in this process's pid namespace (then its pid is compared with
+    /// the listener's; otherwise uids and the file's owner are).
+    same_ns: bool,
+}
+
+/// One message [`Exchange::receive_message`] received, its fds already owned.
+struct Received {
+    /// Bytes received; the message is the first this many bytes of the buffer.
+    bytes: usize,
+    /// The kernel's flags on the message (`MSG_TRUNC`, `MSG_CTRUNC`).
+    flags: ReturnFlags,
+    /// The fds attached (`SCM_RIGHTS`), closed when dropped.
+    fds: Vec<OwnedFd>,
+}
+
+impl<'a> Exchange<'a> {
+    fn new(exporter: &'a ProcessIdentity, ids: &[u32]) -> Self {
+        Exchange {
+            exporter,
+            path: socket_path(exporter),
+            euid: rustix::process::geteuid().as_raw(),
+            first_id: ids.first().copied().unwrap_or(0),
+        }
+    }
+
+    /// A failed system call on the socket path.
+    fn os(&self, call: &'static str, e: Errno) -> Error {
+        Error::from(OsError::new(call, self.path.clone(), e))
+    }
+
+    /// The error for an exporter that serves no fds: no socket file, or nobody listens on it.
+    fn not_offered(&self) -> Error {
+        Error::FdNotOffered {
+            pid: self.exporter.pid,
+            id: self.first_id,
+            reason: "the process serves no fds (it has exported none)",
+        }
+    }
+
+    /// [`Error::PeerGone`] when the exporter is gone, or `otherwise`.
+    fn gone_or(&self, otherwise: Error) -> Error {
+        gone_or(self.exporter, otherwise)
+    }
+
+    /// An fd-server reply that does not follow the protocol.
+    fn malformed(&self, why: String) -> Error {
+        OsError::io(
+            "recvmsg",
+            self.path.clone(),
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("malformed fd-server reply: {why}"),
+            ),
+        )
+        .into()
+    }
+
+    /// Step 1: what is at the path, not following a symbolic link. Only a socket is connected to,
+    /// so a FIFO, a file, a directory or a link planted there is refused at once, never waited on;
+    /// across pid namespaces, a socket file of another user (neither this process's nor root's) is
+    /// refused before connecting.
+    fn check_socket_file(&self) -> Result<SocketFile> {
+        let (exporter, path, euid) = (self.exporter, &self.path, self.euid);
+        let st = match rustix::fs::lstat(path.as_str()) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => return Err(self.gone_or(self.not_offered())),
+            Err(e) => return Err(self.gone_or(self.os("lstat", e))),
+        };
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+            return Err(Error::Unsupported {
+                what: "fd passing",
+                reason: format!(
+                    "{path} (the fd socket of {exporter}) is {}, not a socket",
+                    describe_path(path)
+                ),
+                fix: "something other than the exporter's fd server was put at its socket path; \
+                      remove it (only the exporter makes that file)",
+            });
+        }
+        let owner = st.st_uid;
+        let same_ns = exporter.in_own_pid_namespace();
+        // Root accepts any user's socket whose file and listener agree: it is served by every
+        // exporter, and while an exporter runs, its socket path cannot be taken from it (a squatter
+        // bound first makes the exporter's own `FdExport::new` fail, and the sticky /dev/shm keeps
+        // others from replacing its file).
+        if !same_ns && owner != euid && owner != 0 && euid != 0 {
+            // Across pid namespaces the owner is what tells the exporter's socket from another's.
+            return Err(cross_namespace_refusal(exporter, path, owner, None, euid));
+        }
+        Ok(SocketFile {
+            owner,
+            mode: st.st_mode,
+            same_ns,
+        })
+    }
+
+    /// Step 2: a new `SOCK_SEQPACKET` socket connected to the path, within the deadline (a
+    /// Unix-socket connect waits for room in the listener's backlog up to `SO_SNDTIMEO`). The
+    /// returned socket is the caller's; on an error it is closed here.
+    fn connect(&self, file: &SocketFile, deadline: &Deadline) -> Result<OwnedFd> {
+        let (exporter, path, euid) = (self.exporter, &self.path, self.euid);
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| self.os("socket", e))?;
+        let addr = SocketAddrUnix::new(path.as_str()).map_err(|e| self.os("connect", e))?;
+        loop {
+            sockopt::set_socket_timeout(&sock, Timeout::Send, Some(deadline.remaining(WAIT_WHAT)?))
+                .map_err(|e| self.os("setsockopt", e))?;
+            match rustix::net::connect(&sock, &addr) {
+                Ok(()) => return Ok(sock),
+                Err(Errno::INTR) => continue,
+                Err(Errno::CONNREFUSED | Errno::NOENT) => {
+                    return Err(self.gone_or(self.not_offered()));
+                }
+                Err(Errno::ACCESS | Errno::PERM) => {
+                    return Err(Error::Unsupported {
+                        what: "fd passing",
+                        reason: format!(
+                            "the fd socket {path} of {exporter} is owned by uid {} with mode \
+                             {:o}: it serves fds only to its own user and root, and this process \
+                             runs as uid {euid}",
+                            file.owner,
+                            file.mode & 0o7777
+                        ),
+                        fix: "run the exporter and the importer as the same user",
+                    });
+                }
+                Err(Errno::AGAIN) => {
+                    if exporter_gone(exporter) {
+                        return Err(Error::PeerGone { pid: exporter.pid });
+                    }
+                    deadline.remaining(WAIT_WHAT)?;
+                    continue;
+                }
+                Err(e) => return Err(self.gone_or(self.os("connect", e))),
+            }
+        }
+    }
+
+    /// Step 3: who listens there? The listener's credentials (`SO_PEERCRED`, taken when it called
+    /// `listen`) must be the exporter's: in this pid namespace its pid; across pid namespaces a uid
+    /// that is this process's or root's (any one uid, for root) and that owns the socket file.
+    /// Returns them, for the refusal message of a later step.
+    fn check_listener(&self, sock: &OwnedFd, file: &SocketFile) -> Result<PeerCred> {
+        let (exporter, path, euid) = (self.exporter, &self.path, self.euid);
+        let server = peer_cred(sock).map_err(|e| self.os("getsockopt(SO_PEERCRED)", e))?;
+        if file.same_ns {
+            if server.pid != exporter.pid {
+                return Err(Error::Unsupported {
+                    what: "fd passing",
+                    reason: format!(
+                        "the socket {path} of pid {} is held by pid {}",
+                        exporter.pid, server.pid
+                    ),
+                    fix: "another process squats on the exporter's socket path; find it with \
+                          `ss -xlp`",
+                });
+            }
+        } else if !(server.uid == euid || server.uid == 0 || euid == 0) || server.uid != file.owner
+        {
+            return Err(cross_namespace_refusal(
+                exporter,
+                path,
+                file.owner,
+                Some(server.uid),
+                euid,
+            ));
+        }
+        Ok(server)
+    }
+
+    /// Step 4: sends the request for `ids` (one message), within the deadline. A server that
+    /// refuses this process answers without reading and closes: a send that finds the connection
+    /// reset counts as sent, and the refusal is read in the next step.
+    fn send_request(&self, sock: &OwnedFd, ids: &[u32], deadline: &Deadline) -> Result<()> {
+        let request = encode_request(ids);
+        loop {
+            sockopt::set_socket_timeout(sock, Timeout::Send, Some(deadline.remaining(WAIT_WHAT)?))
+                .map_err(|e| self.os("setsockopt", e))?;
+            match rustix::net::send(sock, &request, SendFlags::NOSIGNAL) {
+                Ok(n) if n == request.len() => return Ok(()),
+                Ok(_) => return Err(self.os("send", Errno::MSGSIZE)),
+                Err(Errno::INTR) => continue,
+                Err(Errno::AGAIN) => {
+                    deadline.remaining(WAIT_WHAT)?;
+                    continue;
+                }
+                // The server answered without reading (a refusal) and closed: its reply is queued.
+                Err(Errno::PIPE | Errno::CONNRESET) => return Ok(()),
+                Err(e) => return Err(self.gone_or(self.os("send", e))),
+            }
+        }
+    }
+
+    /// Step 5: receives reply messages until every id is answered, each checked by
+    /// [`Exchange::check_reply`]; returns the fds in the order of `ids`. On an error every fd
+    /// received so far is closed (dropped) here.
+    fn receive_fds(
+        &self,
+        sock: &OwnedFd,
+        ids: &[u32],
+        server: PeerCred,
+        deadline: &Deadline,
+    ) -> Result<Vec<OwnedFd>> {
+        let mut out: Vec<OwnedFd> = Vec::with_capacity(ids.len());
+        let mut buf = vec![0u8; MAX_REPLY_BYTES + 1];
+        let mut space =
+            vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_MESSAGE))];
+        let mut answered = 0usize;
+        let mut reset_seen = false;
+        while answered < ids.len() {
+            let Some(mut got) =
+                self.receive_message(sock, &mut buf, &mut space, &mut reset_seen, deadline)?
+            else {
+                continue;
+            };
+            let message = buf.get(..got.bytes).unwrap_or(&[]);
+            let n =
+                self.check_reply(message, got.flags, got.fds.len(), &ids[answered..], server)?;
+            answered += n;
+            out.append(&mut got.fds);
+        }
+        Ok(out)
+    }
+
+    /// One `recvmsg` into `buf` and `space`, within the deadline. The fds that arrived are taken
+    /// into `OwnedFd`s before anything else, so every exit closes them. `Ok(None)`: nothing yet,
+    /// call again (interrupted, `SO_RCVTIMEO` ran out with time left, or the one reset a refusing
+    /// server causes, which `reset_seen` records). A connection closed before the answer is an
+    /// error.
+    fn receive_message(
+        &self,
+        sock: &OwnedFd,
+        buf: &mut [u8],
+        space: &mut [MaybeUninit<u8>],
+        reset_seen: &mut bool,
+        deadline: &Deadline,
+    ) -> Result<Option<Received>> {
+        let exporter = self.exporter;
+        sockopt::set_socket_timeout(sock, Timeout::Recv, Some(deadline.remaining(WAIT_WHAT)?))
+            .map_err(|e| self.os("setsockopt", e))?;
+        let mut control = RecvAncillaryBuffer::new(space);
+        let got = rustix::net::recvmsg(
+            sock,
+            &mut [IoSliceMut::new(buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        );
+        // Take ownership of whatever fds arrived before anything else, so every exit closes them.
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        for msg in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = msg {
+                fds.extend(rights);
+            }
+        }
+        let msg = match got {
+            Ok(m) => m,
+            Err(Errno::INTR) => return Ok(None),
+            Err(Errno::AGAIN) => {
+                // SO_RCVTIMEO ran out: the exporter is gone or time is up (unless it was clamped).
+                if exporter_gone(exporter) {
+                    return Err(Error::PeerGone { pid: exporter.pid });
+                }
+                deadline.remaining(WAIT_WHAT)?;
+                return Ok(None);
+            }
+            // A server that refuses closes without reading our request; the kernel then reports a
+            // reset once (and clears it) before the reply it queued.
+            Err(Errno::CONNRESET) if !*reset_seen => {
+                *reset_seen = true;
+                return Ok(None);
+            }
+            Err(e) => return Err(self.gone_or(self.os("recvmsg", e))),
+        };
+        if msg.bytes == 0 {
+            return Err(self.gone_or(
+                OsError::io(
+                    "recvmsg",
+                    self.path.clone(),
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the exporter closed the connection before answering every id",
+                    ),
+                )
+                .into(),
+            ));
+        }
+        Ok(Some(Received {
+            bytes: msg.bytes,
+            flags: msg.flags,
+            fds,
+        }))
+    }
+
+    /// Validates one reply message (`message`, received with `flags` and `fds` fds attached)
+    /// against the ids not yet answered (`pending`): whole, of this protocol version, served
+    /// (a refusal or another version is [`Error::Unsupported`]), its entries the next ids asked
+    /// for, each offered ([`Error::FdNotOffered`] names the first that is not), and one fd per
+    /// entry. Returns how many ids it answers.
+    fn check_reply(
+        &self,
+        message: &[u8],
+        flags: ReturnFlags,
+        fds: usize,
+        pending: &[u32],
+        server: PeerCred,
+    ) -> Result<usize> {
+        let (exporter, euid) = (self.exporter, self.euid);
+        if flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
+            return Err(self.malformed("truncated message".to_string()));
+        }
+        let reply = decode_reply(message).map_err(|why| self.malformed(why))?;
+        match reply.status {
+            REQUEST_OK if reply.version == PROTOCOL_VERSION => {}
+            REQUEST_REFUSED => {
+                return Err(Error::Unsupported {
+                    what: "fd passing",
+                    reason: format!(
+                        "process {} (uid {}) serves its fds only to its own user and root, and \
+                         this process runs as uid {}",
+                        exporter.pid, server.uid, euid
+                    ),
+                    fix: "run the exporter and the importer as the same user",
+                });
+            }
+            REQUEST_VERSION | REQUEST_OK => {
+                return Err(Error::Unsupported {
+                    what: "fd passing",
+                    reason: format!(
+                        "the exporter speaks fd-passing protocol version {}, this process {}",
+                        reply.version, PROTOCOL_VERSION
+                    ),
+                    fix: "use the same cuda-ipc version in both processes",
+                });
+            }
+            other => {
+                return Err(self.malformed(format!("the server answered status {other}")));
+            }
+        }
+        let expected = pending.get(..reply.entries.len());
+        let entry_ids = reply.entries.iter().map(|(id, _)| *id);
+        if reply.entries.is_empty() || !expected.is_some_and(|e| e.iter().copied().eq(entry_ids)) {
+            return Err(self.malformed("the entries do not match the ids asked for".to_string()));
+        }
+        if let Some((id, _)) = reply.entries.iter().find(|(_, st)| *st != ENTRY_OK) {
+            return Err(Error::FdNotOffered {
+                pid: exporter.pid,
+                id: *id,
+                reason: "withdrawn, or never exported",
+            });
+        }
+        if fds != reply.entries.len() {
+            return Err(self.malformed(format!(
+                "{} fds attached for {} ids",
+                fds,
+                reply.entries.len()
+            )));
+        }
+        Ok(reply.entries.len())
+    }
+}
