@@ -75,6 +75,8 @@
 //! the protocol version and the status codes (the byte layout is documented there). `fetch.rs`
 //! uses `pidfd.rs`; `server.rs` and `fetch.rs` both use `socket.rs` and `wire.rs`, and neither
 //! uses the other.
+//!
+//! [`Error::Unsupported`]: crate::Error::Unsupported
 
 mod fetch;
 mod pidfd;

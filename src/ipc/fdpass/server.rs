@@ -59,9 +59,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// The first `FdExport` of a process starts a detached server thread on the socket file
 /// [`socket_path`] (`/dev/shm/cuda-ipc.fd.<pid ns>.<pid>.<start time>`); the thread never keeps
-/// the process alive at exit, and the file is removed at normal exit. Importers get
-/// a copy with [`fetch`] (through that socket, by [`id`](Self::id)) or, where the ptrace rules allow,
-/// with `pidfd_getfd` (by [`raw_fd`](Self::raw_fd)).
+/// the process alive at exit, and the file is removed at normal exit. Importers get a copy with
+/// [`fetch`](super::fetch) (through that socket, by [`id`](Self::id)) or, where the ptrace rules
+/// allow, with `pidfd_getfd` (by [`raw_fd`](Self::raw_fd)).
 ///
 /// Owns the exporter's copy of the fd: dropping the `FdExport` withdraws the id (later requests get
 /// [`Error::FdNotOffered`]) and closes the copy. Copies already fetched by importers stay valid.
@@ -124,7 +124,8 @@ impl FdExport {
     }
 
     /// The fd's number in this process, for importers that use `pidfd_getfd`
-    /// ([`FdTransport::PidfdThenSocket`], [`FdTransport::PidfdOnly`]). Valid while this `FdExport`
+    /// ([`FdTransport::PidfdThenSocket`](super::FdTransport::PidfdThenSocket),
+    /// [`FdTransport::PidfdOnly`](super::FdTransport::PidfdOnly)). Valid while this `FdExport`
     /// lives; afterwards the number may be reused for another file.
     pub fn raw_fd(&self) -> i32 {
         self.fd.as_raw_fd()
@@ -331,8 +332,8 @@ fn register_exit_hook() {
 }
 
 /// At normal exit: remove this process's socket file (a killed process leaves it; its identity
-/// then reads as dead, and [`remove_stale_socket_file`] removes it). A forked child that exits finds
-/// its parent's record (another pid) and leaves the file.
+/// then reads as dead, and [`remove_stale_socket_file`](super::remove_stale_socket_file) removes
+/// it). A forked child that exits finds its parent's record (another pid) and leaves the file.
 extern "C" fn remove_socket_file_at_exit() {
     // `try_lock`: never wait at exit for a thread that was stopped holding the lock.
     let Ok(f) = SERVER_FILE.try_lock() else {

@@ -108,7 +108,7 @@ pub struct StaleSocketFile {
 /// nothing is removed here.
 ///
 /// # Errors
-/// [`Error::Os`] when `/dev/shm` cannot be listed or the boot id cannot be read.
+/// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed or the boot id cannot be read.
 pub fn stale_socket_files() -> Result<Vec<StaleSocketFile>> {
     let boot = crate::identity::boot_id()?;
     let dir = std::fs::read_dir(SOCKET_DIR).map_err(|e| OsError::io("opendir", SOCKET_DIR, e))?;
@@ -144,8 +144,8 @@ pub fn stale_socket_files() -> Result<Vec<StaleSocketFile>> {
 /// a mistaken entry), or no longer that socket.
 ///
 /// # Errors
-/// [`Error::Os`] when `unlink` fails for a reason other than the file being gone (e.g. `EPERM`: a
-/// file of another user in the sticky `/dev/shm`, for a caller other than root).
+/// [`Error::Os`](crate::Error::Os) when `unlink` fails for a reason other than the file being gone
+/// (e.g. `EPERM`: a file of another user in the sticky `/dev/shm`, for a caller other than root).
 pub fn remove_stale_socket_file(file: &StaleSocketFile) -> Result<bool> {
     if file.name != socket_file_name(&file.identity) {
         return Ok(false);
