@@ -44,7 +44,7 @@
 
 use super::cache::lock;
 use super::fdpass::FdExport;
-use super::vmm::{MemPool, PoolInner, our_pool};
+use super::pool::{MemPool, PoolInner, our_pool};
 use crate::driver::{Context, DeviceMemory};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};

@@ -114,7 +114,7 @@ impl ImportedBuffer {
                 open_mapping(ctx, &IpcMemHandle(token.handle), is_self)?
             }
             TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token)?,
-            TokenKind::PoolMemory => super::vmm::open_pool(ctx, token)?,
+            TokenKind::PoolMemory => super::pool::open_pool(ctx, token)?,
             other => {
                 return Err(Error::InvalidToken(format!(
                     "expected a memory token, got {other:?}"

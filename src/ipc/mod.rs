@@ -31,6 +31,8 @@ mod flight;
 mod foreign;
 mod handle;
 mod memory;
+mod pool;
+mod shareable;
 mod vmm;
 
 pub use cache::{CacheStats, cache_stats};
@@ -42,6 +44,6 @@ pub use foreign::{
 };
 pub use handle::{IpcEventHandle, IpcMemHandle};
 pub use memory::ImportedBuffer;
-pub use vmm::{
-    MemPool, PoolBuffer, VmmBuffer, fabric_handles, fd_transport, set_fd_transport, vmm_granularity,
-};
+pub use pool::{MemPool, PoolBuffer};
+pub use shareable::{fd_transport, set_fd_transport};
+pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};

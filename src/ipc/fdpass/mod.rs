@@ -77,6 +77,7 @@
 //! uses the other.
 //!
 //! [`Error::Unsupported`]: crate::Error::Unsupported
+//! [`fetch`]: fetch()
 
 mod fetch;
 mod pidfd;

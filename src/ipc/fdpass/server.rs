@@ -60,7 +60,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The first `FdExport` of a process starts a detached server thread on the socket file
 /// [`socket_path`] (`/dev/shm/cuda-ipc.fd.<pid ns>.<pid>.<start time>`); the thread never keeps
 /// the process alive at exit, and the file is removed at normal exit. Importers get a copy with
-/// [`fetch`](super::fetch) (through that socket, by [`id`](Self::id)) or, where the ptrace rules
+/// [`fetch`](super::fetch()) (through that socket, by [`id`](Self::id)) or, where the ptrace rules
 /// allow, with `pidfd_getfd` (by [`raw_fd`](Self::raw_fd)).
 ///
 /// Owns the exporter's copy of the fd: dropping the `FdExport` withdraws the id (later requests get
