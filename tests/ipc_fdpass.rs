@@ -715,7 +715,8 @@ fn another_user_is_refused_by_the_socket() {
         return child_main(&r);
     }
     if !is_root() {
-        // Switching users needs root; the uid rule itself is unit-tested in src/ipc/fdpass.rs.
+        // Switching users needs root; the uid rule itself is unit-tested in
+        // src/ipc/fdpass/server.rs.
         eprintln!("not run: needs root to start an importer of another user");
         return;
     }

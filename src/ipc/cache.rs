@@ -10,15 +10,16 @@
 //! | table | key | value | open / close |
 //! | --- | --- | --- | --- |
 //! | [`MAPPINGS`] | [`MappingKey`] | [`Mapping`] | `cuIpcOpenMemHandle_v2` / `cuIpcCloseMemHandle`; fd fetch + `cuMemImportFromShareableHandle` + map / unmap + release; `cuMemPoolImportPointer` / `cuMemFree_v2` |
-//! | `IMPORTED_POOLS` (in `vmm.rs`) | exporter, pool's fd export id, context | the imported pool | fd fetch + `cuMemPoolImportFromShareableHandle` / `cuMemPoolDestroy` |
+//! | `IMPORTED_POOLS` (in `pool.rs`) | exporter, pool's fd export id, context | the imported pool | fd fetch + `cuMemPoolImportFromShareableHandle` / `cuMemPoolDestroy` |
 //! | `EVENTS` (in `event.rs`) | handle bytes, context | the opened event | `cuIpcOpenEventHandle` / `cuEventDestroy_v2` |
 //!
 //! The export tables map handle bytes of this process's own exports to their allocations, so an
 //! import of one's own handle returns the local allocation (the driver refuses it): the legacy
-//! one is here, the VMM and pool ones beside their kinds in `vmm.rs`.
+//! one is here, the VMM and pool ones beside their kinds in `vmm.rs` and `pool.rs`.
 //!
 //! This module names no memory kind: a [`Mapping`] holds its memory as an opaque keep-alive
-//! ([`Origin`]), so `vmm.rs` and `memory.rs` build on the cache and the cache imports neither.
+//! ([`Origin`]), so `vmm.rs`, `pool.rs` and `memory.rs` build on the cache and the cache imports
+//! none of them.
 
 use super::flight::{Lease, SingleFlight};
 use crate::driver::{Allocation, Context};
