@@ -37,6 +37,8 @@ use std::sync::{Arc, Mutex, Weak};
 /// VMM exports of this process: fd export id → allocation (for self-imports).
 static LOCAL_VMM: Mutex<BTreeMap<u32, Weak<VmmAllocation>>> = Mutex::new(BTreeMap::new());
 
+/// The properties of a pinned allocation on `dev` with the shareable handle types `types`, for
+/// `cuMemCreate` and `cuMemGetAllocationGranularity`.
 fn alloc_prop(dev: &Device, types: sys::CUmemAllocationHandleType) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -339,6 +341,8 @@ impl DeviceMemory for VmmBuffer {
     }
 }
 
+/// Imports the allocation behind `fd` (`cuMemImportFromShareableHandle`) and maps `size` bytes of
+/// it in `ctx`. The descriptor is borrowed: the caller keeps it and closes it, whatever the result.
 fn import_vmm_handle(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Result<VmmMap> {
     let _cur = ctx.enter()?;
     let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
