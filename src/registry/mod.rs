@@ -240,13 +240,13 @@ impl Registry {
     }
 
     fn header_of(seg: &Segment) -> &Header {
-        debug_assert!(seg.len() >= HEADER_SIZE);
-        // (1) The mapping is at least HEADER_SIZE bytes (checked by every caller) and lives as long
-        // as `seg`, which the returned reference borrows; (2) it is page-aligned, so the Header's
-        // 8-byte alignment holds; (3) Header consists only of atomics, so a shared reference to it
-        // permits the concurrent writes of other processes and no plain byte is ever referenced.
-        // SAFETY: (1)-(3) above; (4) every bit pattern is a valid atomic integer.
-        unsafe { &*(seg.as_ptr() as *const Header) }
+        // The protocol's one cast of a mapping to its header (`shm::versioned::header`, whose
+        // SAFETY comment discharges it under the contract `segment.rs` states for `Header`): the
+        // mapping is at least HEADER_SIZE bytes (checked by every caller, asserted there) and
+        // lives as long as `seg`; it is page-aligned; Header consists only of atomics, so a
+        // shared reference to it permits the concurrent writes of other processes and no plain
+        // byte is ever referenced; every bit pattern is a valid atomic integer.
+        crate::shm::versioned::header::<Header>(seg)
     }
 
     fn header(&self) -> &Header {

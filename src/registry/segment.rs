@@ -7,9 +7,33 @@ use super::participant;
 use super::{ReclaimReport, Registry, RegistryError, RegistryOptions, corrupt};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::versioned::{self, HeaderError, Look, StampWord, VersionedHeader};
 use crate::shm::{Segment, SegmentOptions, ShmError};
-use crate::sync::Ordering;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+// SAFETY: (1) the registry `Header` is `#[repr(C)]` and all atomics (`super::layout`); (2) its
+// alignment is 8 (asserted there); (3) it is `HEADER_SIZE` bytes (asserted there).
+unsafe impl VersionedHeader for Header {
+    const MAGIC: u64 = MAGIC;
+    const VERSION: u32 = LAYOUT_VERSION;
+    const HEADER_LEN: usize = HEADER_SIZE;
+    // A stamp word that is neither 0 nor INITDONE has always been refused as corrupt at once.
+    const STRICT_STAMP: bool = true;
+
+    fn magic(&self) -> &AtomicU64 {
+        &self.magic
+    }
+    fn version(&self) -> &AtomicU32 {
+        &self.layout_version
+    }
+    fn stamp(&self) -> StampWord<'_> {
+        StampWord::U64(&self.init_stamp, INIT_STAMP)
+    }
+    fn generation(&self) -> &AtomicU64 {
+        &self.generation
+    }
+}
 
 impl Registry {
     /// Creates the registry segment `name` with `opts`' capacity and mode, initialises it, and
@@ -53,34 +77,32 @@ impl Registry {
             total,
             &SegmentOptions::new().group_access(opts.group_access),
         )?;
-        let hdr = Self::header_of(&seg);
-        // Relaxed stores: all published by the Release store of init_stamp below. The creator's
-        // identity and the version go first, published early by the magic's Release store, so a
-        // stale, half-initialised segment can be told from a slow creator's.
-        me.store_words(&hdr.creator);
-        hdr.layout_version.store(LAYOUT_VERSION, Ordering::Relaxed);
-        hdr.generation
-            .store(crate::shm::new_generation(), Ordering::Relaxed);
-        // SYNC POINT creator: Release, pairs with the Acquire load of the magic in
-        // `remove_if_stale`: whoever sees the magic sees the creator's identity and the version.
-        hdr.magic.store(MAGIC, Ordering::Release);
-        hdr.header_size.store(HEADER_SIZE as u32, Ordering::Relaxed);
-        hdr.total_size.store(total as u64, Ordering::Relaxed);
-        hdr.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
-        hdr.slot_count.store(opts.slots, Ordering::Relaxed);
-        hdr.participant_size
-            .store(PARTICIPANT_SIZE as u32, Ordering::Relaxed);
-        hdr.participant_count
-            .store(opts.participants, Ordering::Relaxed);
-        hdr.record_name_max
-            .store(RECORD_NAME_MAX as u32, Ordering::Relaxed);
-        hdr.token_max.store(TOKEN_MAX as u32, Ordering::Relaxed);
-        hdr.metadata_max
-            .store(METADATA_MAX as u32, Ordering::Relaxed);
-        // Slots and participant entries are zero from ftruncate: free.
-        // Release: pairs with the Acquire load of init_stamp in `open`; everything above is visible
-        // to an opener that sees the stamp.
-        hdr.init_stamp.store(INIT_STAMP, Ordering::Release);
+        // The protocol's order (`write_versioned`): the creator's identity, the generation and the
+        // version first, published early by the magic's Release store (SYNC POINT creator, paired
+        // with the Acquire load of the magic in `remove_if_stale`), so a stale, half-initialised
+        // segment can be told from a slow creator's; then the fields below (Relaxed); then
+        // init_stamp last with Release (paired with the Acquire load of init_stamp in `open`'s
+        // look): everything is visible to an opener that sees the stamp.
+        versioned::write_versioned::<Header>(
+            &seg,
+            |hdr| me.store_words(&hdr.creator),
+            |hdr| {
+                hdr.header_size.store(HEADER_SIZE as u32, Ordering::Relaxed);
+                hdr.total_size.store(total as u64, Ordering::Relaxed);
+                hdr.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
+                hdr.slot_count.store(opts.slots, Ordering::Relaxed);
+                hdr.participant_size
+                    .store(PARTICIPANT_SIZE as u32, Ordering::Relaxed);
+                hdr.participant_count
+                    .store(opts.participants, Ordering::Relaxed);
+                hdr.record_name_max
+                    .store(RECORD_NAME_MAX as u32, Ordering::Relaxed);
+                hdr.token_max.store(TOKEN_MAX as u32, Ordering::Relaxed);
+                hdr.metadata_max
+                    .store(METADATA_MAX as u32, Ordering::Relaxed);
+                // Slots and participant entries are zero from ftruncate: free.
+            },
+        );
         Self::attach(seg, opts.slots, opts.participants, me, opts)
     }
 
@@ -277,45 +299,46 @@ impl Registry {
             ));
         }
         let hdr = Self::header_of(&seg);
-        // Acquire: pairs with the creator's Release store of the stamp; the fields read below are
-        // then the creator's.
-        let stamp = hdr.init_stamp.load(Ordering::Acquire);
-        // Relaxed: ordered by the Acquire above when the stamp is set; otherwise only diagnostic.
-        let magic = hdr.magic.load(Ordering::Relaxed);
-        if magic != MAGIC && !(magic == 0 && stamp == 0) {
-            return Err(Retry::Fatal(
-                RegistryError::ForeignSegment {
-                    name: name.to_string(),
-                    found: magic,
-                }
-                .into(),
-            ));
-        }
-        if stamp != INIT_STAMP {
-            if stamp != 0 {
+        // One look (`versioned::look`): init_stamp Acquire, pairing with the creator's Release
+        // store of the stamp, so the fields read below are then the creator's; the magic (a
+        // foreign one refused at once) and the version. This layout's stamp is strict: a stamp
+        // word that is neither 0 nor INITDONE is corrupt, not awaited.
+        match versioned::look(hdr) {
+            Look::Ready => {}
+            Look::Unstamped | Look::Refused(HeaderError::Unstamped { .. }) => {
+                return Err(Retry::NotReady(
+                    RegistryError::Uninitialised {
+                        name: name.to_string(),
+                        waited: Duration::ZERO,
+                    }
+                    .into(),
+                ));
+            }
+            Look::Refused(HeaderError::Foreign { magic }) => {
+                return Err(Retry::Fatal(
+                    RegistryError::ForeignSegment {
+                        name: name.to_string(),
+                        found: magic,
+                    }
+                    .into(),
+                ));
+            }
+            Look::Refused(HeaderError::BadStamp { found: stamp }) => {
                 return Err(Retry::Fatal(corrupt(
                     name,
                     format!("init stamp {stamp:#018x}, expected {INIT_STAMP:#018x} or 0"),
                 )));
             }
-            return Err(Retry::NotReady(
-                RegistryError::Uninitialised {
-                    name: name.to_string(),
-                    waited: Duration::ZERO,
-                }
-                .into(),
-            ));
-        }
-        let version = hdr.layout_version.load(Ordering::Relaxed);
-        if version != LAYOUT_VERSION {
-            return Err(Retry::Fatal(
-                RegistryError::VersionMismatch {
-                    name: name.to_string(),
-                    found: version,
-                    supported: LAYOUT_VERSION,
-                }
-                .into(),
-            ));
+            Look::Refused(HeaderError::OtherVersion { found }) => {
+                return Err(Retry::Fatal(
+                    RegistryError::VersionMismatch {
+                        name: name.to_string(),
+                        found,
+                        supported: LAYOUT_VERSION,
+                    }
+                    .into(),
+                ));
+            }
         }
         let check = |what: &str, found: u64, expected: u64| {
             if found == expected {
