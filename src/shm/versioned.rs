@@ -398,20 +398,27 @@ pub fn new_generation() -> u64 {
 mod tests {
     use super::*;
 
-    /// A header of the protocol's words only, with a `u32` stamp.
+    /// A header of the protocol's words only, with a `u32` stamp and the rules as parameters.
     #[repr(C)]
-    struct Hdr {
+    struct Ruled<const FOREIGN_FIRST: bool, const STRICT: bool> {
         magic: AtomicU64,
         version: AtomicU32,
         stamp: AtomicU32,
         generation: AtomicU64,
     }
 
+    /// The default rules (the channel's control segment).
+    type Hdr = Ruled<true, false>;
+
+    const STAMP: u32 = 0x5354_4d50;
+
     // SAFETY: repr(C), atomics only; 8-byte alignment; 24 bytes <= HEADER_LEN.
-    unsafe impl VersionedHeader for Hdr {
+    unsafe impl<const F: bool, const S: bool> VersionedHeader for Ruled<F, S> {
         const MAGIC: u64 = u64::from_le_bytes(*b"TESTVERS");
         const VERSION: u32 = 7;
         const HEADER_LEN: usize = 64;
+        const FOREIGN_BEFORE_STAMP: bool = F;
+        const STRICT_STAMP: bool = S;
         fn magic(&self) -> &AtomicU64 {
             &self.magic
         }
@@ -419,10 +426,74 @@ mod tests {
             &self.version
         }
         fn stamp(&self) -> StampWord<'_> {
-            StampWord::U32(&self.stamp, 0x5354_4d50)
+            StampWord::U32(&self.stamp, STAMP)
         }
         fn generation(&self) -> &AtomicU64 {
             &self.generation
+        }
+    }
+
+    fn look_at<const F: bool, const S: bool>(magic: u64, stamp: u32) -> Look {
+        let h = Ruled::<F, S> {
+            magic: AtomicU64::new(magic),
+            version: AtomicU32::new(7),
+            stamp: AtomicU32::new(stamp),
+            generation: AtomicU64::new(1),
+        };
+        look(&h)
+    }
+
+    #[test]
+    fn each_layouts_rules_give_the_answers_its_opener_always_gave() {
+        use HeaderError::{BadStamp, Foreign};
+        use Look::{Ready, Refused, Unstamped};
+        let m = Hdr::MAGIC;
+        let (x, g) = (0x1234, 0xdead);
+        // (magic, stamp word) → (control segment, registry, host pool).
+        let cases = [
+            ((0, 0), [Unstamped, Unstamped, Unstamped]),
+            ((m, 0), [Unstamped, Unstamped, Unstamped]),
+            (
+                (x, 0),
+                [
+                    Refused(Foreign { magic: x }),
+                    Refused(Foreign { magic: x }),
+                    Unstamped,
+                ],
+            ),
+            ((0, STAMP), [Refused(Foreign { magic: 0 }); 3]),
+            ((m, STAMP), [Ready, Ready, Ready]),
+            ((x, STAMP), [Refused(Foreign { magic: x }); 3]),
+            (
+                (0, g),
+                [Unstamped, Refused(Foreign { magic: 0 }), Unstamped],
+            ),
+            (
+                (m, g),
+                [
+                    Unstamped,
+                    Refused(BadStamp {
+                        found: u64::from(g),
+                    }),
+                    Unstamped,
+                ],
+            ),
+            (
+                (x, g),
+                [
+                    Refused(Foreign { magic: x }),
+                    Refused(Foreign { magic: x }),
+                    Unstamped,
+                ],
+            ),
+        ];
+        for ((magic, stamp), want) in cases {
+            let got = [
+                look_at::<true, false>(magic, stamp),
+                look_at::<true, true>(magic, stamp),
+                look_at::<false, false>(magic, stamp),
+            ];
+            assert_eq!(got, want, "magic {magic:#x}, stamp {stamp:#x}");
         }
     }
 
