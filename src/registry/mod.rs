@@ -24,7 +24,6 @@
 //! - sequence numbers come from one registry-wide counter, taken under the slot lock, so the
 //!   numbers of a name only increase, across removals and recoveries too;
 //! - waiters sleep on one shared futex word that every change bumps, always with a timeout.
-
 //!
 //! Files: `segment` (create, open, attach, and the replacement of a stale segment: the segment
 //! protocol of `shm::versioned` for this layout), `participant` (participant entries: claim,

@@ -19,6 +19,10 @@
 //! | | `fence(Release)`, identity words (Relaxed) | `entry_state`'s Acquire fence and re-check of `owner` (SYNC POINT claim) |
 //! | seal | `lock_name` store (Release) | `entry_state`'s Acquire load of `lock_name` (SYNC POINT seal) |
 //! | free | `owner` CAS owner word → 0 (Release) | the next claimer's Acquire CAS |
+//!
+//! The functions here work on one entry; the [`Registry`] methods at the end apply them to a
+//! handle's table: claim an entry, copy one, tell whether a lock's holder runs, free the entries of
+//! dead processes, list the live participants.
 
 use super::layout::{OWNER_GEN_MASK, OWNER_PID_BITS, Participant};
 use super::{ReclaimReport, Registry};
