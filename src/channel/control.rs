@@ -22,7 +22,8 @@ use super::layout::{
 };
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::{Segment, SegmentOptions, futex, new_generation};
+use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
+use crate::shm::{Segment, SegmentOptions, futex};
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 use crate::token::TOKEN_LEN;
 use std::time::{Duration, Instant};
@@ -161,6 +162,60 @@ fn bad(msg: String) -> Error {
     Error::Channel(super::ChannelError::BadSegment(msg))
 }
 
+// SAFETY: (1) the control `Header` is `#[repr(C)]` and all atomics (`super::layout`); (2) its
+// alignment is 8; (3) it is `HEADER_SIZE` bytes (asserted in `super::layout`).
+unsafe impl VersionedHeader for Header {
+    const MAGIC: u64 = MAGIC;
+    const VERSION: u32 = VERSION;
+    const HEADER_LEN: usize = HEADER_SIZE;
+
+    fn magic(&self) -> &AtomicU64 {
+        &self.magic
+    }
+    fn version(&self) -> &AtomicU32 {
+        &self.version
+    }
+    fn stamp(&self) -> StampWord<'_> {
+        StampWord::U32(&self.stamp, STAMP_READY)
+    }
+    fn generation(&self) -> &AtomicU64 {
+        &self.generation
+    }
+}
+
+/// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
+/// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
+/// the header's in the channel's words.
+fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> Error {
+    match e {
+        OpenError::Segment(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
+            Error::Channel(super::ChannelError::NotFound(channel.to_string()))
+        }
+        OpenError::Segment(e) => e,
+        OpenError::Header(HeaderError::Foreign { magic }) => bad(format!(
+            "{name} is not a cuda-ipc channel (magic {magic:#018x})"
+        )),
+        OpenError::Header(HeaderError::OtherVersion { found }) => {
+            Error::Channel(super::ChannelError::VersionMismatch {
+                channel: channel.to_string(),
+                found,
+                supported: VERSION,
+            })
+        }
+        // (No `BadStamp`: the control segment's stamp is not strict; a bad one is awaited.)
+        OpenError::Header(_) => {
+            let waited = if init_wait.subsec_nanos() == 0 {
+                format!("{} s", init_wait.as_secs())
+            } else {
+                format!("{} ms", init_wait.as_millis())
+            };
+            bad(format!(
+                "{name} was never finished by its creator (no init stamp after {waited})"
+            ))
+        }
+    }
+}
+
 impl Control {
     /// Creates the control segment of `channel` with `buffers` buffers of `buffer_bytes` bytes and
     /// room for `consumers` consumers; `tokens[i]` = (memory token, event token) of buffer `i`.
@@ -190,66 +245,52 @@ impl Control {
         // the name is left alone and named in the error. Two producers restarting at once: each
         // removes only the segment it judged, under `unlink_if_same`'s lock, so the slower one
         // finds the faster one's new segment, alive, and gets `AlreadyExists`.
-        let mut attempts = 0;
-        let seg = loop {
-            match Segment::create(&name, len, opts) {
-                Ok(s) => break s,
-                Err(Error::Shm(crate::shm::ShmError::AlreadyExists { .. })) if attempts < 4 => {
-                    attempts += 1;
-                    let judged = match Segment::stat(&name) {
-                        Ok(i) => i.inode,
-                        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => continue,
-                        Err(e) => return Err(e),
-                    };
-                    let why = match Self::replaceable(channel, &name) {
-                        Ok(why) => why,
-                        // Another replacer removed it meanwhile: create again.
-                        Err(Error::Channel(super::ChannelError::NotFound(_)))
-                        | Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => continue,
-                        Err(e) => return Err(e),
-                    };
-                    if Segment::unlink_if_same(&name, judged)? {
-                        tracing::warn!("replaced the channel segment {name}: {why}");
-                    }
-                }
-                Err(e) => return Err(e),
+        let seg = versioned::create_replacing(&name, len, opts, "channel segment", || {
+            match Self::replaceable(channel, &name) {
+                Ok(why) => Ok(Some(why)),
+                // Another replacer removed it meanwhile: create again.
+                Err(Error::Channel(super::ChannelError::NotFound(_)))
+                | Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => Ok(None),
+                Err(e) => Err(e),
             }
-        };
+        })?;
         let c = Control {
             seg,
             buffers,
             consumers,
         };
         let me = ProcessIdentity::current()?;
-        let h = c.header();
-        // Relaxed stores: nobody reads them before the stamp below is published with Release.
-        h.magic.store(MAGIC, Ordering::Relaxed);
-        h.version.store(VERSION, Ordering::Relaxed);
-        h.buffers.store(buffers as u32, Ordering::Relaxed);
-        h.consumers.store(consumers as u32, Ordering::Relaxed);
-        h.buffer_bytes.store(buffer_bytes, Ordering::Relaxed);
-        h.segment_bytes.store(len as u64, Ordering::Relaxed);
-        h.producer_pid.store(me.pid, Ordering::Relaxed);
-        h.producer_start_time
-            .store(me.start_time, Ordering::Relaxed);
-        let bw = boot_words(&me);
-        h.producer_boot_id[0].store(bw[0], Ordering::Relaxed);
-        h.producer_boot_id[1].store(bw[1], Ordering::Relaxed);
-        h.producer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
-        h.generation.store(new_generation(), Ordering::Relaxed);
-        for (i, (mem, ev)) in tokens.iter().enumerate() {
-            let p = c.buffer_ptr(i);
-            // SAFETY: `p` points to buffer slot `i` inside the mapping (i < buffers); the token
-            // area is written only here, before the stamp, by the creator alone.
-            unsafe {
-                let dst = std::ptr::addr_of_mut!((*p).tokens).cast::<u8>();
-                std::ptr::copy_nonoverlapping(mem.as_ptr(), dst, TOKEN_LEN);
-                std::ptr::copy_nonoverlapping(ev.as_ptr(), dst.add(TOKEN_LEN), TOKEN_LEN);
-            }
-        }
-        // SYNC POINT: stamp. Release: pairs with the Acquire load of `stamp` in `open`; everything
-        // above is visible to an opener that sees READY.
-        h.stamp.store(STAMP_READY, Ordering::Release);
+        // SYNC POINT: stamp. Release, stored last by `write_versioned`: pairs with the Acquire load
+        // of `stamp` in `open` (`open_versioned`); everything written here is visible to an opener
+        // that sees READY.
+        versioned::write_versioned::<Header>(
+            &c.seg,
+            |h| {
+                h.producer_pid.store(me.pid, Ordering::Relaxed);
+                h.producer_start_time
+                    .store(me.start_time, Ordering::Relaxed);
+                let bw = boot_words(&me);
+                h.producer_boot_id[0].store(bw[0], Ordering::Relaxed);
+                h.producer_boot_id[1].store(bw[1], Ordering::Relaxed);
+                h.producer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
+            },
+            |h| {
+                h.buffers.store(buffers as u32, Ordering::Relaxed);
+                h.consumers.store(consumers as u32, Ordering::Relaxed);
+                h.buffer_bytes.store(buffer_bytes, Ordering::Relaxed);
+                h.segment_bytes.store(len as u64, Ordering::Relaxed);
+                for (i, (mem, ev)) in tokens.iter().enumerate() {
+                    let p = c.buffer_ptr(i);
+                    // SAFETY: `p` points to buffer slot `i` inside the mapping (i < buffers); the
+                    // token area is written only here, before the stamp, by the creator alone.
+                    unsafe {
+                        let dst = std::ptr::addr_of_mut!((*p).tokens).cast::<u8>();
+                        std::ptr::copy_nonoverlapping(mem.as_ptr(), dst, TOKEN_LEN);
+                        std::ptr::copy_nonoverlapping(ev.as_ptr(), dst.add(TOKEN_LEN), TOKEN_LEN);
+                    }
+                }
+            },
+        );
         Ok(c)
     }
 
@@ -260,39 +301,18 @@ impl Control {
     /// least 2 s old, with no live creator recorded). Another user's segment, a live producer's
     /// segment of any version, a foreign file, a FIFO or a directory are never touched.
     pub(crate) fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
-        use crate::shm::ShmError;
-        const ABANDONED_AFTER_SECS: u64 = 2;
-        let info = Segment::stat(name)?;
-        let ours = rustix::process::geteuid().as_raw();
-        if info.uid != ours {
-            return Err(ShmError::WrongOwner {
-                name: name.to_string(),
-                owner: info.uid,
-                ours,
+        match versioned::stat_blocker(name, HEADER_SIZE)? {
+            Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
+            Blocker::Young => {
+                return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                    channel.to_string(),
+                )));
             }
-            .into());
+            Blocker::Sized(_) => {}
         }
-        // What a creator killed half-way leaves: an empty file (before `ftruncate`) or a sparse one
-        // (before `fallocate`). Never read (a sparse file may SIGBUS); a live creator gets past
-        // both within microseconds. A short file with its pages is no creation of ours: refused.
-        if info.len == 0 || info.sparse {
-            if info.age_secs >= ABANDONED_AFTER_SECS {
-                return Ok("a creation abandoned before its pages were reserved");
-            }
-            return Err(Error::Channel(super::ChannelError::CreationInProgress(
-                channel.to_string(),
-            )));
-        }
-        if info.len < HEADER_SIZE as u64 {
-            return Err(ShmError::TooSmall {
-                name: name.to_string(),
-                len: info.len,
-                min: HEADER_SIZE as u64,
-            }
-            .into());
-        }
-        match Control::open(channel) {
-            Ok(old) => {
+        match versioned::open_versioned::<Header>(name, false, INIT_WAIT) {
+            Ok(seg) => {
+                let old = Self::checked(seg, name)?;
                 let p = old.producer();
                 if p.liveness() == Liveness::Dead {
                     Ok("its producer is dead")
@@ -303,9 +323,7 @@ impl Control {
                     }))
                 }
             }
-            Err(Error::Channel(super::ChannelError::BadSegment(m)))
-                if m.contains("never finished") =>
-            {
+            Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
                 // Our magic (or none yet) but no init stamp after the open's wait: a creator died
                 // half-way, unless one is recorded and still runs.
                 let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
@@ -322,7 +340,7 @@ impl Control {
                 }
                 Ok("a creation abandoned before it was finished")
             }
-            Err(e) => Err(e),
+            Err(e) => Err(open_error(channel, name, INIT_WAIT, e)),
         }
     }
 
@@ -346,64 +364,18 @@ impl Control {
     ) -> Result<Control> {
         validate_channel_name(channel)?;
         let name = segment_name(channel);
-        let seg = match Segment::open_with_min_len(&name, HEADER_SIZE) {
-            Ok(s) => s,
-            Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
-                return Err(Error::Channel(super::ChannelError::NotFound(
-                    channel.to_string(),
-                )));
-            }
-            Err(e) => return Err(e),
-        };
-        if allow_group {
-            seg.check_access(true)?;
-        } else {
-            seg.check_owner()?;
-        }
-        let c = Control {
-            seg,
-            buffers: 0,
-            consumers: 0,
-        };
-        let h = c.header();
-        // A creator may still be writing: wait (bounded) for the stamp.
-        let start = Instant::now();
-        // SYNC POINT: stamp. Acquire: pairs with the Release store of the stamp in `create`.
-        while h.stamp.load(Ordering::Acquire) != STAMP_READY {
-            // A segment being created reads zero (`ftruncate`) until its creator stores the magic,
-            // in one atomic store: any other value is a foreign segment, refused without waiting.
-            let magic = h.magic.load(Ordering::Relaxed);
-            if magic != 0 && magic != MAGIC {
-                return Err(bad(format!(
-                    "{name} is not a cuda-ipc channel (magic {magic:#018x})"
-                )));
-            }
-            if start.elapsed() > init_wait {
-                let waited = if init_wait.subsec_nanos() == 0 {
-                    format!("{} s", init_wait.as_secs())
-                } else {
-                    format!("{} ms", init_wait.as_millis())
-                };
-                return Err(bad(format!(
-                    "{name} was never finished by its creator (no init stamp after {waited})"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let magic = h.magic.load(Ordering::Relaxed);
-        if magic != MAGIC {
-            return Err(bad(format!(
-                "{name} is not a cuda-ipc channel (magic {magic:#018x})"
-            )));
-        }
-        let v = h.version.load(Ordering::Relaxed);
-        if v != VERSION {
-            return Err(Error::Channel(super::ChannelError::VersionMismatch {
-                channel: channel.to_string(),
-                found: v,
-                supported: VERSION,
-            }));
-        }
+        // A creator may still be writing: `open_versioned` waits (bounded) for the stamp.
+        // SYNC POINT: stamp. Acquire, in `open_versioned`'s look: pairs with the Release store of
+        // the stamp in `create`; the fields read in `checked` are the creator's.
+        let seg = versioned::open_versioned::<Header>(&name, allow_group, init_wait)
+            .map_err(|e| open_error(channel, &name, init_wait, e))?;
+        Self::checked(seg, &name)
+    }
+
+    /// The layout's own checks of a stamped segment of this magic and version: the counts and
+    /// the size its header claims.
+    fn checked(seg: Segment, name: &str) -> Result<Control> {
+        let h = versioned::header::<Header>(&seg);
         let buffers = h.buffers.load(Ordering::Relaxed) as usize;
         let consumers = h.consumers.load(Ordering::Relaxed) as usize;
         if !(1..=MAX_BUFFERS).contains(&buffers) || !(1..=MAX_CONSUMERS).contains(&consumers) {
@@ -412,14 +384,14 @@ impl Control {
             )));
         }
         let need = segment_len(buffers, consumers);
-        if c.seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
+        if seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
             return Err(bad(format!(
                 "{name} holds {} bytes but its header needs {need}: truncated or corrupted",
-                c.seg.len()
+                seg.len()
             )));
         }
         Ok(Control {
-            seg: c.seg,
+            seg,
             buffers,
             consumers,
         })

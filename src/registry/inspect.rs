@@ -6,9 +6,11 @@
 //! participant uses, so inspecting never disturbs the protocol; freeing what dead processes left is
 //! [`Registry::reclaim_dead`]'s job.
 
+use super::Registry;
 use super::layout::*;
 use super::participant::{self, EntryState};
-use super::{READ_RETRIES, Registry, Retry, decode};
+use super::records::{READ_RETRIES, decode};
+use super::segment::Retry;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
