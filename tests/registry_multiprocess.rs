@@ -342,7 +342,10 @@ fn open_frees_the_entries_of_dead_participants_on_the_way_in() {
     let mut a = spawn_child(test, "waiter", &name, &[]);
     let t = Instant::now();
     while reg.participants().len() < 2 {
-        assert!(t.elapsed() < Duration::from_secs(5), "the child did not attach");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the child did not attach"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let pid = a.id();
@@ -359,5 +362,9 @@ fn open_frees_the_entries_of_dead_participants_on_the_way_in() {
     assert_eq!(entries(), 1, "the killed child's entry is still there");
     let _joined = Registry::open(&name, &opts()).unwrap();
     assert_eq!(entries(), 0, "open left the dead participant's entry");
-    assert_eq!(reg.participants().len(), 1, "this process alone (its two handles count once)");
+    assert_eq!(
+        reg.participants().len(),
+        1,
+        "this process alone (its two handles count once)"
+    );
 }
