@@ -28,6 +28,8 @@
 mod consumer;
 mod control;
 mod error;
+mod handoff;
+mod hold;
 mod host;
 pub mod inspect;
 #[doc(hidden)]
@@ -37,12 +39,15 @@ pub mod owned;
 mod producer;
 #[doc(hidden)]
 pub mod testing;
+mod wait;
 
 pub use consumer::{Consumer, Frame};
-pub use control::{ChannelStats, ConsumerStats, MAX_CHANNEL_NAME, WaitStrategy};
+pub use control::MAX_CHANNEL_NAME;
 pub use error::ChannelError;
+pub use handoff::{ChannelStats, ConsumerStats};
 pub use layout::{
     ConsumerState, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, ProducerState, UnknownCode,
 };
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
 pub use producer::{ChannelBuffer, Producer, ShutdownReport, WriteFrame};
+pub use wait::WaitStrategy;
