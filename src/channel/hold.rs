@@ -121,6 +121,7 @@ mod loom_model {
     //! the frame before it (and any read not after its write): a buffer is never written while
     //! held, and on a host channel the bytes a consumer reads are the frame's.
     use super::*;
+    use crate::channel::layout::SEQ_EMPTY;
     use loom::cell::UnsafeCell;
     use loom::sync::Arc;
 
