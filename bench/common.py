@@ -1,7 +1,7 @@
 """Shared parts of the Python baselines: the frame loop, records, clocks, and guards.
 
-Every baseline runs the same loop as the Rust suite (`examples/bench_suite`): a producer (this
-process) owns a ring of 4 frames of 3840x2160 RGBA (33,177,600 bytes); it fills frame i with a GPU
+Every baseline runs the same loop as the Rust suite (`bench/suite`, binary `bench_suite`): a
+producer (this process) owns a ring of 4 frames of 3840x2160 RGBA (33,177,600 bytes); it fills frame i with a GPU
 kernel, waits for it, takes t0 = CLOCK_MONOTONIC, hands the frame over, and reuses a slot only once
 every consumer acknowledged it. A consumer process takes the frame (ready = now - t0), checks every
 word of it with a GPU kernel, waits for its stream and acknowledges.

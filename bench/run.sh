@@ -3,8 +3,8 @@
 #
 #   bash bench/run.sh [--quick] [--out DIR] [--bin PATH]
 #
-# 1. the Rust suite (examples/bench_suite: hand-off, throughput, zero copy, import, registry,
-#    floor and limits), 2. the Python baselines (PyTorch queue, host staging, CuPy IPC per frame),
+# 1. the Rust suite (bench/suite, binary bench_suite: hand-off, throughput, zero copy, import,
+#    registry, floor and limits), 2. the Python baselines (PyTorch queue, host staging, CuPy IPC per frame),
 # 3. bench/report.py, which merges them and writes results.json, results.csv, targets.csv,
 #    benchmarks.png and benchmarks.md into the output directory.
 #
@@ -12,7 +12,8 @@
 # and the next step still runs. Worst case about 7.7 minutes (quick: about 2.5); a normal full run
 # takes about 3. Output directory: --out, default bench-results/UTC-DATE[-quick]. The suite binary:
 # --bin, else target/gpu-bundle/examples/bench_suite (made by the GPU bundle script), else
-# target/release/examples/bench_suite (cargo build --release --example bench_suite).
+# target/release/examples/bench_suite (`cargo build --release -p cuda-ipc-bench --example
+# bench_suite`).
 # The commit recorded: $CUDA_IPC_GIT_COMMIT, else `git rev-parse HEAD`, else what the binary knows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
     --quick) quick="--quick"; shift ;;
     --out) out=$2; shift 2 ;;
     --bin) bin=$2; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -35,7 +36,7 @@ if [ -z "$bin" ]; then
   done
 fi
 if [ -z "$bin" ] || [ ! -x "$bin" ]; then
-  echo "bench/run.sh: no bench_suite binary; build it (cargo build --release --example bench_suite)" \
+  echo "bench/run.sh: no bench_suite binary; build it (cargo build --release -p cuda-ipc-bench --example bench_suite)" \
        "or the GPU bundle, or pass --bin" >&2
   exit 2
 fi

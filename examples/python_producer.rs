@@ -6,8 +6,8 @@
 //! the consumers' holds, and exits non-zero when a hold had to be forced.
 //!
 //! ```text
-//! cargo run --release --example python_producer -- --channel NAME [--frames 2000]
-//!     [--consumers 1] [--width 3840] [--height 2160] [--attach-timeout 120]
+//! cargo run --release -p cuda-ipc-examples --example python_producer -- --channel NAME
+//!     [--frames 2000] [--consumers 1] [--width 3840] [--height 2160] [--attach-timeout 120]
 //!     [--memory auto|legacy|vmm|pool]
 //! ```
 //! `--memory` picks the kind of exportable memory the pool is made of (`ChannelOptions::memory`;

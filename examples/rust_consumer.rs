@@ -12,8 +12,8 @@
 //! Rust side of the Python consumer's per-frame cost benchmark (`bench/consumer_cost.py`).
 //!
 //! ```text
-//! cargo run --release --example rust_consumer -- --channel NAME [--frames 0] [--cost]
-//!     [--delivery every|latest] [--attach-timeout 60]
+//! cargo run --release -p cuda-ipc-examples --example rust_consumer -- --channel NAME
+//!     [--frames 0] [--cost] [--delivery every|latest] [--attach-timeout 60]
 //! ```
 
 mod common;

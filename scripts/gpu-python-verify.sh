@@ -20,7 +20,7 @@ bins=""
 for d in target/gpu-bundle/examples target/release/examples; do
   if [ -x "$d/rust_consumer" ] && [ -x "$d/python_producer" ]; then bins=$d; break; fi
 done
-[ -n "$bins" ] || { echo "no python_producer/rust_consumer binaries: build the examples" >&2; exit 2; }
+[ -n "$bins" ] || { echo "no python_producer/rust_consumer binaries: build the examples (cargo build --release -p cuda-ipc-examples --examples)" >&2; exit 2; }
 failed=0
 say() { echo "$*" | tee -a "$log"; }
 run() { # NAME TIMEOUT CMD...

@@ -29,7 +29,7 @@ for b in target/gpu-bundle/examples/python_producer target/release/examples/pyth
   if [ -x "$b" ]; then bin=$b; break; fi
 done
 if [ -z "$bin" ]; then
-  cargo build --release --example python_producer || exit 1
+  cargo build --release -p cuda-ipc-examples --example python_producer || exit 1
   bin=target/release/examples/python_producer
 fi
 

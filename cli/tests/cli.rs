@@ -418,8 +418,10 @@ fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
     let _u = Unlink(name.clone());
     let reg = Registry::create(&name, &RegistryOptions::new().capacity(8)).unwrap();
     reg.publish("mine", 1, b"", b"").unwrap();
-    ChildRole::start("registry-orphan", &name).wait();
+    // The living child joins first: `Registry::open` frees dead participants' entries on the way
+    // in, so a child joining after the orphan died would leave gc no entry to remove.
     let live = ChildRole::start("registry-live", &name);
+    ChildRole::start("registry-orphan", &name).wait();
 
     // ls flags the leftovers (exit 1) and names the dead owner.
     let o = cuda_ipc(&["ls", &name]);

@@ -1,6 +1,8 @@
 //! Helpers shared by the examples (`mod common;`): the clock every process of a machine agrees on,
 //! the frame metadata the producers publish, and the plumbing around the library calls: flags
 //! ([`args`]), child processes ([`child`]), device counters, and the bookkeeping of a consumer.
+//! The benchmark suite (`bench/suite`, another workspace member) includes this module by path for
+//! its clock and frame metadata: use nothing here that `bench/Cargo.toml` does not depend on too.
 
 // Each example uses a subset of these.
 #![allow(dead_code)]

@@ -1,7 +1,8 @@
 //! A host-memory channel between two CPU processes, no GPU needed: this process is the producer and
 //! starts itself again as the consumer; every frame's bytes are checked.
 //!
-//! `cargo run --example host_pipeline -- --frames N [--bytes B]` prints frames/s and `OK`.
+//! `cargo run -p cuda-ipc-examples --example 04_host_pipeline -- --frames N [--bytes B]` prints
+//! frames/s and `OK`.
 
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use std::error::Error;

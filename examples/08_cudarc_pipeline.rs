@@ -13,7 +13,8 @@
 //! Prints frames/s and `OK` with 0 mismatches; exits non-zero on any mismatch.
 //!
 //! ```text
-//! cargo run --release --features cudarc --example cudarc_pipeline -- [--frames 1000] [--memory auto|legacy|vmm|pool]
+//! cargo run --release -p cuda-ipc-examples --features cudarc --example 08_cudarc_pipeline --
+//!     [--frames 1000] [--memory auto|legacy|vmm|pool]
 //! ```
 
 mod common;
@@ -32,7 +33,7 @@ use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: cudarc_pipeline [--frames 1000] [--memory auto|legacy|vmm|pool]";
+const USAGE: &str = "usage: 08_cudarc_pipeline [--frames 1000] [--memory auto|legacy|vmm|pool]";
 
 const WIDTH: u64 = 1920;
 const HEIGHT: u64 = 1080;
@@ -80,7 +81,7 @@ fn main() {
         None => producer(&a),
     });
     if let Err(e) = r {
-        eprintln!("cudarc_pipeline: {e}");
+        eprintln!("08_cudarc_pipeline: {e}");
         std::process::exit(1);
     }
 }

@@ -4,8 +4,8 @@
 //! device-to-device copy of the same frame), all measured in one run.
 //!
 //! ```text
-//! cargo run --release --example bench_suite -- --out DIR [--quick] [--only handoff,import,...]
-//!     [--commit SHA]
+//! cargo run --release -p cuda-ipc-bench --example bench_suite -- --out DIR [--quick]
+//!     [--only handoff,import,...] [--commit SHA]
 //! ```
 //!
 //! Writes `DIR/bench_suite.json` (every number with its unit, the GPU, the driver, the date, the
@@ -17,7 +17,9 @@
 //! parent bounds every child with a deadline and kills it past that; children die with their parent
 //! (`PR_SET_PDEATHSIG`) and stop waiting when a peer is gone.
 
-#[path = "../common/mod.rs"]
+// The examples' helpers (the shared clock, the frame metadata), included by path: one definition
+// for both members.
+#[path = "../../examples/common/mod.rs"]
 mod common;
 
 mod clock;

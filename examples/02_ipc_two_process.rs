@@ -3,7 +3,7 @@
 //! Each process has its own CUDA context; no byte crosses through the host.
 //!
 //! ```text
-//! cargo run --release --example ipc_two_process [-- --mib 64]
+//! cargo run --release -p cuda-ipc-examples --example 02_ipc_two_process [-- --mib 64]
 //! ```
 //! A re-executes this binary as B (CUDA does not survive `fork()` without exec) and sends B the two
 //! tokens as hex lines on its stdin.
@@ -24,7 +24,7 @@ const REPLY: u32 = 0xB0B;
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("ipc_two_process: {e}");
+        eprintln!("02_ipc_two_process: {e}");
         std::process::exit(1);
     }
 }

@@ -20,7 +20,7 @@
 //! or failed stage.
 //!
 //! ```text
-//! cargo run --release --example video_chain -- [--frames 2000]
+//! cargo run --release -p cuda-ipc-examples --example 06_video_chain -- [--frames 2000]
 //! ```
 
 mod common;
@@ -82,7 +82,7 @@ fn parse() -> Res<Args> {
             }
             "--analysis" => a.role = Role::Analysis { b: args.value(&k)? },
             "-h" | "--help" => {
-                println!("usage: video_chain [--frames N]");
+                println!("usage: 06_video_chain [--frames N]");
                 std::process::exit(0);
             }
             x => return Err(format!("unknown argument {x:?} (--frames N)").into()),
@@ -101,7 +101,7 @@ fn main() {
         Role::Analysis { b } => analysis(a.frames, b),
     });
     if let Err(e) = r {
-        eprintln!("video_chain: {e}");
+        eprintln!("06_video_chain: {e}");
         std::process::exit(1);
     }
 }

@@ -18,7 +18,8 @@
 //! the token names (allocate shared data apart from private data).
 //!
 //! ```text
-//! cargo run --release --example shared_dataset -- [--mib 1024] [--sims 4] [--rounds 10]
+//! cargo run --release -p cuda-ipc-examples --example 03_shared_dataset --
+//!     [--mib 1024] [--sims 4] [--rounds 10]
 //! ```
 
 mod common;
@@ -63,7 +64,7 @@ fn parse() -> Res<Args> {
                 a.sim = Some((index, args.value(&k)?));
             }
             "-h" | "--help" => {
-                println!("usage: shared_dataset [--mib M] [--sims S] [--rounds R]");
+                println!("usage: 03_shared_dataset [--mib M] [--sims S] [--rounds R]");
                 std::process::exit(0);
             }
             x => {
@@ -85,7 +86,7 @@ fn main() {
         None => owner(&a),
     });
     if let Err(e) = r {
-        eprintln!("shared_dataset: {e}");
+        eprintln!("03_shared_dataset: {e}");
         std::process::exit(1);
     }
 }

@@ -26,7 +26,7 @@
 //! missing frame or failure.
 //!
 //! ```text
-//! cargo run --release --example preprocess_inference -- [--frames 1000]
+//! cargo run --release -p cuda-ipc-examples --example 07_preprocess_inference -- [--frames 1000]
 //! ```
 
 mod common;
@@ -86,7 +86,7 @@ fn parse() -> Res<Args> {
             "--frames" => a.frames = args.parse(&k)?,
             "--inference" => a.inference = Some(args.value(&k)?),
             "-h" | "--help" => {
-                println!("usage: preprocess_inference [--frames N]");
+                println!("usage: 07_preprocess_inference [--frames N]");
                 std::process::exit(0);
             }
             x => return Err(format!("unknown argument {x:?} (--frames N)").into()),
@@ -104,7 +104,7 @@ fn main() {
         None => preprocess(a.frames),
     });
     if let Err(e) = r {
-        eprintln!("preprocess_inference: {e}");
+        eprintln!("07_preprocess_inference: {e}");
         std::process::exit(1);
     }
 }

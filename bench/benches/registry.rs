@@ -3,8 +3,8 @@
 //! - `publish` of an existing name;
 //! - a cross-process round trip through `publish` → `wait_for` beside a raw shared-futex ping-pong.
 //!
-//! `cargo bench --bench registry`. The peer processes are this binary re-executed with
-//! `CUDA_IPC_BENCH_ROLE` set.
+//! `cargo bench -p cuda-ipc-bench --bench registry`. The peer processes are this binary re-executed
+//! with `CUDA_IPC_BENCH_ROLE` set.
 
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use cuda_ipc::shm::{self, Segment, SegmentOptions, SeqLock};

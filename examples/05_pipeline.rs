@@ -5,8 +5,9 @@
 //! the consumer), and exits non-zero on any mismatch.
 //!
 //! ```text
-//! cargo run --release --example pipeline -- [--frames 10000] [--consumers 2]
-//!     [--delivery every|latest] [--wait spin-then-block|spin|block] [--memory auto|legacy|vmm|pool]
+//! cargo run --release -p cuda-ipc-examples --example 05_pipeline -- [--frames 10000]
+//!     [--consumers 2] [--delivery every|latest] [--wait spin-then-block|spin|block]
+//!     [--memory auto|legacy|vmm|pool]
 //! ```
 
 mod common;
@@ -22,7 +23,7 @@ use cuda_ipc::driver::{Context, DeviceMemory};
 use cuda_ipc::kernels::Kernels;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: pipeline [--frames 10000] [--consumers 2] [--delivery every|latest]
+const USAGE: &str = "usage: 05_pipeline [--frames 10000] [--consumers 2] [--delivery every|latest]
     [--wait spin-then-block|spin|block] [--memory auto|legacy|vmm]";
 
 const WIDTH: u64 = 3840;
@@ -92,7 +93,7 @@ fn main() {
         None => producer(&a),
     });
     if let Err(e) = r {
-        eprintln!("pipeline: {e}");
+        eprintln!("05_pipeline: {e}");
         std::process::exit(1);
     }
 }
