@@ -452,8 +452,45 @@ pub fn release_dead_consumers(channel: &str) -> Result<Vec<ConsumerSnapshot>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::channel::testing::{ControlConsumer, ControlProducer};
+    use crate::channel::WaitStrategy;
+    use crate::shm::SegmentOptions;
     use crate::token::{TOKEN_LEN, TokenKind};
+
+    // The segment is driven through `Control` itself: `channel::testing` builds on this module,
+    // so its `ControlProducer` and `ControlConsumer` are not used here.
+
+    /// A producer's control segment with buffers of 4096 bytes and room for 4 consumers.
+    fn producer(n: &str, tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])]) -> Control {
+        Control::create(n, 4096, 4, tokens, &SegmentOptions::new()).unwrap()
+    }
+
+    /// A consumer attached to channel `n`, detached when dropped.
+    struct Rx {
+        control: Control,
+        slot: usize,
+    }
+
+    impl Rx {
+        fn attach(n: &str, delivery: Delivery, release_tokens: &[[u8; TOKEN_LEN]]) -> Rx {
+            let control = Control::open(n).unwrap();
+            let slot = control.attach(delivery, release_tokens).unwrap();
+            Rx { control, slot }
+        }
+        fn take(&self) -> Option<(usize, u64, Vec<u8>)> {
+            self.control
+                .take(self.slot, WaitStrategy::Block, None)
+                .unwrap()
+        }
+        fn release(&self, i: usize) {
+            self.control.release(self.slot, i)
+        }
+    }
+
+    impl Drop for Rx {
+        fn drop(&mut self) {
+            self.control.detach(self.slot);
+        }
+    }
 
     fn token(i: u8) -> [u8; TOKEN_LEN] {
         Token {
@@ -475,15 +512,13 @@ mod tests {
     #[test]
     fn snapshot_shows_frames_holds_cursors_and_consumers_without_attaching() {
         let n = name("state");
-        let tx =
-            ControlProducer::create(&n, 4096, 4, &[(token(1), token(2)), (token(3), token(4))])
-                .unwrap();
-        let rx = ControlConsumer::attach(&n, Delivery::EveryFrame, &[token(5), token(6)]).unwrap();
+        let tx = producer(&n, &[(token(1), token(2)), (token(3), token(4))]);
+        let rx = Rx::attach(&n, Delivery::EveryFrame, &[token(5), token(6)]);
         for _ in 0..2 {
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"meta").unwrap();
         }
-        let (held, seq, _) = rx.take(None).unwrap().unwrap();
+        let (held, seq, _) = rx.take().unwrap();
         assert_eq!(seq, 1);
         let s = inspect(&n).unwrap();
         assert_eq!(s.segment, format!("cuda-ipc.ch.{n}"));
@@ -494,7 +529,7 @@ mod tests {
         let mut states: Vec<_> = s.buffers.iter().map(|b| b.state).collect();
         states.sort_by_key(|st| format!("{st:?}"));
         assert_eq!(states, [BufferState::Frame(1), BufferState::Frame(2)]);
-        assert_eq!(s.buffers[held].hold_mask, 1 << rx.slot());
+        assert_eq!(s.buffers[held].hold_mask, 1 << rx.slot);
         assert_eq!(s.buffers[held].meta_len, 4);
         assert_eq!(s.buffers[0].memory.unwrap().device.0, [7; 16]);
         assert_eq!(s.consumers.len(), 1);
@@ -520,15 +555,15 @@ mod tests {
     #[test]
     fn unknown_policy_and_state_codes_are_reported_as_unknown_not_as_a_known_one() {
         let n = name("codes");
-        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
-        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let tx = producer(&n, &[(token(1), token(2))]);
+        let rx = Rx::attach(&n, Delivery::LatestOnly, &[token(5)]);
         let s = inspect(&n).unwrap();
         let c = &s.consumers[0];
         assert_eq!(c.delivery, Ok(Delivery::LatestOnly));
         assert_eq!((c.state, c.attached), (Ok(ConsumerState::Active), true));
         assert_eq!(s.producer_state, Ok(ProducerState::Open));
         let ctl = Control::open(&n).unwrap();
-        let slot = ctl.consumer_slot(rx.slot());
+        let slot = ctl.consumer_slot(rx.slot);
         slot.policy.store(7, Ordering::Relaxed);
         slot.state.store(9, Ordering::Relaxed);
         ctl.header_for_tests()
@@ -553,11 +588,11 @@ mod tests {
     #[test]
     fn release_dead_consumers_leaves_live_ones_alone() {
         let n = name("release");
-        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
-        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let tx = producer(&n, &[(token(1), token(2))]);
+        let rx = Rx::attach(&n, Delivery::LatestOnly, &[token(5)]);
         let (i, _) = tx.try_acquire().unwrap();
         tx.publish(i, b"").unwrap();
-        let (held, _, _) = rx.take(None).unwrap().unwrap();
+        let (held, _, _) = rx.take().unwrap();
         // The consumer is alive: nothing to release, its hold stays.
         assert!(release_dead_consumers(&n).unwrap().is_empty());
         let s = inspect(&n).unwrap();

@@ -2,8 +2,8 @@
 //! state value and wire code, in one place. docs/channel-layout.md describes the same bytes for C
 //! and Python readers; `tests/channel_layout_doc.rs` checks its offset tables against [`FIELDS`].
 //!
-//! The segment, `/dev/shm/cuda-ipc.ch.NAME`: a [`Header`] at 0, then `buffers` × [`BufferSlot`],
-//! then `consumers` × [`ConsumerSlot`], then, at the next 4096-byte boundary, the ready page (one
+//! The segment, `/dev/shm/cuda-ipc.ch.NAME`: a `Header` at 0, then `buffers` × `BufferSlot`,
+//! then `consumers` × `ConsumerSlot`, then, at the next 4096-byte boundary, the ready page (one
 //! `u32` per buffer). All integers are little-endian and naturally aligned; every field is an
 //! atomic (or, for the token areas, bytes copied through raw pointers), so no Rust reference to
 //! plain bytes another process writes is ever made.
