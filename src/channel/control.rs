@@ -469,6 +469,7 @@ pub(super) mod tests {
     use crate::channel::{Delivery, WaitStrategy};
     use crate::token::{Token, TokenKind};
     use std::sync::atomic::AtomicU32 as StdAtomicU32;
+    use std::time::Instant;
 
     fn fake_token(i: u8) -> [u8; TOKEN_LEN] {
         Token {
