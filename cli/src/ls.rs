@@ -389,7 +389,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
             !seg.contains('/')
                 // Whatever it is (a FIFO, a directory): inspection names it without opening it
                 // in a way that could block.
-                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::shm::SHM_DIR)).is_ok()
+                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
         };
         if registries.is_empty() && channels.is_empty() {
             if exists(&channel_inspect::segment_name(chan)) {
@@ -401,7 +401,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         if registries.is_empty() && channels.is_empty() {
             return Err(format!(
                 "no registry or channel named {n:?} in {}",
-                cuda_ipc::shm::SHM_DIR
+                cuda_ipc::raw::shm::SHM_DIR
             )
             .into());
         }

@@ -3,7 +3,7 @@
 //!
 //! Owns: the pool, the hand-off protocol (control segment, holds, releases, delivery policies,
 //! dead-peer recovery) and its GPU side (stream-ordered hand-off through ready words, release through IPC events).
-//! Built on [`crate::ipc`], [`crate::driver`] and [`crate::shm`]; it never changes those layers.
+//! Built on [`crate::ipc`], [`crate::driver`] and [`crate::raw::shm`]; it never changes those layers.
 //!
 //! One hand-off:
 //! 1. the producer [`acquires`](Producer::acquire) a free buffer once the release events of the

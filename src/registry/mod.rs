@@ -3,8 +3,8 @@
 //! CUDA.
 //!
 //! Owns: [`Registry`] (create / open / publish / get / wait / list / remove / reclaim), [`Record`],
-//! [`RegistryError`] and the byte layout in [`layout`] (described for C and Python readers in
-//! docs/registry-layout.md). Built on [`crate::shm`]; must not touch `ipc`, `driver` or tokens'
+//! [`RegistryError`] and the byte layout in [`layout`](crate::raw::registry_layout) (described for C and Python readers in
+//! docs/registry-layout.md). Built on [`crate::raw::shm`]; must not touch `ipc`, `driver` or tokens'
 //! contents.
 //!
 //! Errors: [`RegistryError`] for what the registry's own layout, records and participant table
@@ -29,21 +29,19 @@
 //! protocol of `shm::versioned` for this layout), `participant` (participant entries: claim,
 //! liveness of a lock's holder, reclaim), `records` (publish, get, wait, list, remove, and the
 //! slot locks under them), `reclaim` ([`Registry::reclaim_dead`]), `slot` (a slot's lock word and
-//! seqlock), [`layout`], [`inspect`]. This file holds the types and what every part uses.
+//! seqlock), [`layout`](crate::raw::registry_layout), [`inspect`]. This file holds the types and what every part uses.
 
 mod error;
 pub mod inspect;
-pub mod layout;
+pub(crate) mod layout;
 mod participant;
 mod reclaim;
 mod records;
 mod segment;
-mod slot;
+pub(crate) mod slot;
 
 pub use error::RegistryError;
 pub use reclaim::ReclaimReport;
-#[doc(hidden)]
-pub use slot::{TestPoint, set_test_hook};
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};

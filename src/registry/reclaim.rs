@@ -23,7 +23,7 @@ pub struct ReclaimReport {
 impl Registry {
     /// Frees what dead processes left: their published records, writes they left open, slots whose
     /// bytes are corrupt, and their participant entries. A process is dead only when
-    /// [`ProcessIdentity::liveness`] says [`Liveness::Dead`]; what belongs to a process whose
+    /// [`ProcessIdentity::liveness`](crate::identity::ProcessIdentity::liveness) says [`Liveness::Dead`]; what belongs to a process whose
     /// liveness is unknown is kept and counted in [`ReclaimReport::kept_unknown`].
     ///
     /// A slot whose write a live writer keeps open for the whole lock timeout is skipped.

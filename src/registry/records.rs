@@ -440,7 +440,7 @@ impl Registry {
     ///
     /// # Errors
     /// [`RegistryError::InvalidName`] / [`RegistryError::TooLarge`] for a bad name,
-    /// [`ShmError::WriterStalled`] when a live writer held a slot open for the whole lock
+    /// [`ShmError::WriterStalled`](crate::ShmError::WriterStalled) when a live writer held a slot open for the whole lock
     /// timeout, [`RegistryError::Corrupt`] for nonsensical slot bytes.
     pub fn get(&self, name: &str) -> Result<Option<Record>> {
         validate_record_name(name)?;
