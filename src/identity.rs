@@ -62,7 +62,14 @@ pub struct ProcessIdentity {
 }
 
 /// What [`ProcessIdentity::liveness`] found.
+///
+/// With the `serde` feature it serialises as a lower-case word: `"alive"`, `"dead"`, `"unknown"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "lowercase")
+)]
 #[non_exhaustive]
 pub enum Liveness {
     /// The process runs: its liveness lock is held (or, in this pid namespace, `/proc` shows the
