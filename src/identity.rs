@@ -83,6 +83,46 @@ pub enum Liveness {
     Unknown,
 }
 
+/// The `serde` form of a [`ProcessIdentity`] inside the inspection snapshots
+/// (`registry::inspect`, `channel::inspect`; `cuda-ipc ls --json`): `pid`, `start_time` and
+/// `pid_ns`, without the boot id. `/dev/shm` does not survive a reboot, so every process a segment
+/// names ran under this boot. Tokens keep the full form of the derive.
+#[cfg(feature = "serde")]
+pub(crate) mod snapshot_json {
+    use super::ProcessIdentity;
+    use serde::{Serialize, Serializer};
+
+    #[derive(Serialize)]
+    struct Json {
+        pid: u32,
+        start_time: u64,
+        pid_ns: u32,
+    }
+
+    impl From<&ProcessIdentity> for Json {
+        fn from(id: &ProcessIdentity) -> Self {
+            Json {
+                pid: id.pid,
+                start_time: id.start_time,
+                pid_ns: id.pid_ns,
+            }
+        }
+    }
+
+    /// For `serialize_with` on a `ProcessIdentity` field (and `flatten` to inline it).
+    pub(crate) fn identity<S: Serializer>(id: &ProcessIdentity, s: S) -> Result<S::Ok, S::Error> {
+        Json::from(id).serialize(s)
+    }
+
+    /// For `serialize_with` on an `Option<ProcessIdentity>` field: the same, or `null`.
+    pub(crate) fn optional<S: Serializer>(
+        id: &Option<ProcessIdentity>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        id.as_ref().map(Json::from).serialize(s)
+    }
+}
+
 impl std::fmt::Display for ProcessIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.pid_ns != 0 && self.pid_ns != own_pid_ns() {

@@ -142,7 +142,7 @@ pub struct BufferSnapshot {
 /// One consumer slot in use, as it was when copied.
 ///
 /// With the `serde` feature it serialises as one flat object with its field names, except: the
-/// fields of its [`ProcessIdentity`] (`pid`, `start_time`, `boot_id`, `pid_ns`) in place of
+/// fields of its [`ProcessIdentity`] but the boot id (`pid`, `start_time`, `pid_ns`) in place of
 /// `identity`, `liveness` as `process`, and `state` and `delivery` as their words
 /// ([`ConsumerState`], [`Delivery`]) or `"unknown(N)"` for a code this build does not know.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,7 +166,10 @@ pub struct ConsumerSnapshot {
     /// How many times the slot was claimed.
     pub generation: u64,
     /// Its process.
-    #[cfg_attr(feature = "serde", serde(flatten))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(flatten, serialize_with = "crate::identity::snapshot_json::identity")
+    )]
     pub identity: ProcessIdentity,
     /// Whether its process still runs; a dead consumer's holds are released by the producer.
     #[cfg_attr(feature = "serde", serde(rename = "process"))]

@@ -36,8 +36,9 @@ pub struct RecordSnapshot {
 
 /// A slot whose writer lock is held: a write in progress, or one left by a dead writer.
 ///
-/// With the `serde` feature it serialises with its field names, except `writer_dead`, which
-/// is written as its negation `writer_alive`.
+/// With the `serde` feature it serialises with its field names (`writer` as `pid`, `start_time`
+/// and `pid_ns`, or `null`), except `writer_dead`, which is written as its negation
+/// `writer_alive`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -48,6 +49,10 @@ pub struct LockedSlot {
     /// sealed participant entry, i.e. its claim ended).
     pub writer_pid: u32,
     /// The lock holder, from its participant entry; `None` when the lock name leads to none.
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::identity::snapshot_json::optional")
+    )]
     pub writer: Option<ProcessIdentity>,
     /// Whether the holder runs ([`ProcessIdentity::liveness`] of its entry's identity; a lock
     /// name whose entry was freed or claimed again is [`Liveness::Dead`]).
@@ -66,7 +71,7 @@ pub struct LockedSlot {
 /// One participant entry: a process that has the registry open (or had, if it died).
 ///
 /// With the `serde` feature it serialises as one flat object: `index`, the fields of its
-/// [`ProcessIdentity`] (`pid`, `start_time`, `boot_id`, `pid_ns`), `sealed`, `liveness`, and
+/// [`ProcessIdentity`] but the boot id (`pid`, `start_time`, `pid_ns`), `sealed`, `liveness`, and
 /// `dead` written as its negation `alive`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
@@ -76,7 +81,10 @@ pub struct ParticipantSnapshot {
     pub index: u32,
     /// The process. For an entry whose claim was never completed (`sealed` false) only its pid
     /// and pid namespace are known; its start time reads 0.
-    #[cfg_attr(feature = "serde", serde(flatten))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(flatten, serialize_with = "crate::identity::snapshot_json::identity")
+    )]
     pub identity: ProcessIdentity,
     /// Whether the claim was completed (the full identity written).
     pub sealed: bool,
@@ -96,7 +104,8 @@ pub struct ParticipantSnapshot {
 /// but each record is whole (copied under its seqlock).
 ///
 /// With the `serde` feature it serialises with its field names (`cuda-ipc ls --json` prints this
-/// form), each corrupt slot as an object `{"slot": N, "reason": "..."}`.
+/// form), `creator` as `pid`, `start_time` and `pid_ns` (the boot id is this boot's), each corrupt
+/// slot as an object `{"slot": N, "reason": "..."}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -115,6 +124,10 @@ pub struct RegistrySnapshot {
     /// The pid of the process that created the segment (in its own pid namespace).
     pub creator_pid: u32,
     /// The process that created the segment.
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::identity::snapshot_json::identity")
+    )]
     pub creator: ProcessIdentity,
     /// The creation generation: random, different for every creation of the name.
     pub generation: u64,
