@@ -560,6 +560,38 @@ mod json {
     pub(super) fn pid<S: Serializer>(p: &ProcessIdentity, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u32(p.pid)
     }
+
+    #[cfg(test)]
+    mod tests {
+        use super::super::{Delivery, ProducerState};
+        use super::*;
+
+        #[derive(Serialize)]
+        struct Code<T: Serialize>(
+            #[serde(serialize_with = "known_or_unknown")] Result<T, UnknownCode>,
+        );
+
+        #[test]
+        fn a_code_this_build_does_not_know_is_written_unknown_never_as_a_known_word() {
+            let word = |v: serde_json::Value| v.as_str().unwrap().to_string();
+            assert_eq!(
+                word(serde_json::json!(Code(Delivery::from_wire(0)))),
+                "every-frame"
+            );
+            assert_eq!(
+                word(serde_json::json!(Code(Delivery::from_wire(7)))),
+                "unknown(7)"
+            );
+            assert_eq!(
+                word(serde_json::json!(Code(ProducerState::from_wire(1)))),
+                "closed"
+            );
+            assert_eq!(
+                word(serde_json::json!(Code(ProducerState::from_wire(5)))),
+                "unknown(5)"
+            );
+        }
+    }
 }
 
 #[cfg(test)]
