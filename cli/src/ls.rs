@@ -417,7 +417,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 h.push("RECV/S");
             }
             let mut t = table(&h);
-            for (x, received) in c.consumers.iter().zip(received_per_s) {
+            for (k, x) in c.consumers.iter().enumerate() {
                 let mut row = vec![
                     format!(
                         "{}{}",
@@ -437,7 +437,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
                     list(&x.holds),
                 ];
                 if rates {
-                    row.push(rate(*received));
+                    row.push(rate(received_per_s.get(k).copied().flatten()));
                 }
                 t.add_row(row);
             }
