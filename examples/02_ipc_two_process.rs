@@ -13,7 +13,7 @@ mod common;
 use common::{Res, read_u64, zeroed_counter};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use cuda_ipc::token::Token;
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};

@@ -29,7 +29,7 @@ use common::child::Child;
 use common::{Res, field, read_u64, zeroed_counter};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::ImportedBuffer;
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use cuda_ipc::token::Token;
 use std::time::{Duration, Instant};
 

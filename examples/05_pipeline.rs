@@ -20,7 +20,7 @@ use cuda_ipc::channel::{
     ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer, WaitStrategy,
 };
 use cuda_ipc::driver::{Context, DeviceMemory};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: 05_pipeline [--frames 10000] [--consumers 2] [--delivery every|latest]

@@ -31,7 +31,7 @@ use common::{Arrivals, FrameMeta, Res, field, field_u64, read_u64, wait_drained,
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer};
 use cuda_ipc::driver::{Context, Event};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const WIDTH: u64 = 3840;

@@ -37,7 +37,7 @@ use common::{Arrivals, Res, field, field_u64, wait_drained};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
-use cuda_ipc::kernels::{Kernels, pattern};
+use cuda_ipc::raw::kernels::{Kernels, pattern};
 use std::time::{Duration, Instant};
 
 const WIDTH: u64 = 1920;

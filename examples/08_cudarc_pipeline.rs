@@ -26,7 +26,7 @@ use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
 use cuda_ipc::cudarc_interop;
 use cuda_ipc::ipc::{ImportedBuffer, MemPool};
-use cuda_ipc::kernels::PTX;
+use cuda_ipc::raw::kernels::PTX;
 use cuda_ipc::token::Token;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;

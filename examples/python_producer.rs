@@ -20,7 +20,7 @@ use common::args::{Argv, memory_kind};
 use common::{FrameMeta, Res};
 use cuda_ipc::channel::{ChannelOptions, MemoryKind, Producer};
 use cuda_ipc::driver::Context;
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: python_producer --channel NAME [--frames 2000] [--consumers 1]

@@ -21,7 +21,7 @@ mod common;
 use common::args::Argv;
 use common::{FrameMeta, Res, read_u64, zeroed_counter};
 use cuda_ipc::channel::{ChannelError, Consumer, ConsumerOptions, Delivery};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: rust_consumer --channel NAME [--frames 0] [--cost] \

@@ -74,7 +74,7 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// A shared-memory segment could not be made, opened or trusted, or a seqlock read found no
-    /// stable copy ([`crate::shm`]); the same variant whichever layer opened the segment (a
+    /// stable copy ([`crate::raw::shm`]); the same variant whichever layer opened the segment (a
     /// [`crate::shm::Segment`], a registry, a channel).
     #[error(transparent)]
     Shm(#[from] crate::shm::ShmError),

@@ -62,7 +62,14 @@ pub struct ProcessIdentity {
 }
 
 /// What [`ProcessIdentity::liveness`] found.
+///
+/// With the `serde` feature it serialises as a lower-case word: `"alive"`, `"dead"`, `"unknown"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "lowercase")
+)]
 #[non_exhaustive]
 pub enum Liveness {
     /// The process runs: its liveness lock is held (or, in this pid namespace, `/proc` shows the
@@ -74,6 +81,46 @@ pub enum Liveness {
     /// It could not be told (e.g. another namespace's liveness file that this user may not open, or
     /// `/proc` hidden by `hidepid`); callers treat this as alive.
     Unknown,
+}
+
+/// The `serde` form of a [`ProcessIdentity`] inside the inspection snapshots
+/// (`registry::inspect`, `channel::inspect`; `cuda-ipc ls --json`): `pid`, `start_time` and
+/// `pid_ns`, without the boot id. `/dev/shm` does not survive a reboot, so every process a segment
+/// names ran under this boot. Tokens keep the full form of the derive.
+#[cfg(feature = "serde")]
+pub(crate) mod snapshot_json {
+    use super::ProcessIdentity;
+    use serde::{Serialize, Serializer};
+
+    #[derive(Serialize)]
+    struct Json {
+        pid: u32,
+        start_time: u64,
+        pid_ns: u32,
+    }
+
+    impl From<&ProcessIdentity> for Json {
+        fn from(id: &ProcessIdentity) -> Self {
+            Json {
+                pid: id.pid,
+                start_time: id.start_time,
+                pid_ns: id.pid_ns,
+            }
+        }
+    }
+
+    /// For `serialize_with` on a `ProcessIdentity` field (and `flatten` to inline it).
+    pub(crate) fn identity<S: Serializer>(id: &ProcessIdentity, s: S) -> Result<S::Ok, S::Error> {
+        Json::from(id).serialize(s)
+    }
+
+    /// For `serialize_with` on an `Option<ProcessIdentity>` field: the same, or `null`.
+    pub(crate) fn optional<S: Serializer>(
+        id: &Option<ProcessIdentity>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        id.as_ref().map(Json::from).serialize(s)
+    }
 }
 
 impl std::fmt::Display for ProcessIdentity {

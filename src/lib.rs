@@ -9,14 +9,16 @@ pub mod error;
 pub(crate) mod ffi;
 pub mod identity;
 pub mod ipc;
-pub mod kernels;
+pub(crate) mod kernels;
 pub mod probe;
+pub mod raw;
 pub mod registry;
-pub mod shm;
+pub(crate) mod shm;
 pub(crate) mod sync;
 pub mod token;
 
 pub use error::{CudaError, Error, OsError, Result};
+pub use shm::ShmError;
 
 /// The README's Rust code, compiled as a doctest so that it stays in step with the API.
 #[cfg(doctest)]

@@ -10,7 +10,7 @@ use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::layout;
 use cuda_ipc::channel::testing::{self, ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
-use cuda_ipc::shm::{Segment, SegmentOptions};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;

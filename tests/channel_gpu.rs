@@ -6,7 +6,7 @@ mod common;
 use common::{Peer, ctx, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(60);

@@ -12,7 +12,7 @@ use cuda_ipc::channel::{
     ChannelError, ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
     inspect,
 };
-use cuda_ipc::shm::ShmError;
+use cuda_ipc::raw::shm::ShmError;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -258,7 +258,7 @@ fn a_dead_producers_pool_alone_is_listed_and_removed_and_a_restart_replaces_it()
     peer.expect("created", ANSWER);
     kill9(peer.child.id());
     let _ = peer.child.wait();
-    cuda_ipc::shm::Segment::unlink(&inspect::segment_name(&ch)).unwrap();
+    cuda_ipc::raw::shm::Segment::unlink(&inspect::segment_name(&ch)).unwrap();
     let stale = inspect::stale_host_pools().unwrap();
     assert!(
         stale

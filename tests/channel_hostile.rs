@@ -11,7 +11,7 @@ use cuda_ipc::Error;
 use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::channel::{ChannelError, Delivery};
-use cuda_ipc::shm::ShmError;
+use cuda_ipc::raw::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
 use std::ffi::CString;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};

@@ -18,7 +18,7 @@ use cuda_ipc::channel::{
 use cuda_ipc::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, Module, Stream};
 use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, IpcEventHandle, MemPool, VmmBuffer};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use cuda_ipc::token::{Token, TokenKind};
 use cudarc::driver::sys;
 use std::os::fd::AsFd;
@@ -505,7 +505,7 @@ fn error_paths(test: &str, x: &Expect) {
         "Module::from_ptx of garbage",
     );
     x.after("Module::from_ptx of garbage");
-    let m = Module::from_ptx(&ctx, cuda_ipc::kernels::PTX).unwrap();
+    let m = Module::from_ptx(&ctx, cuda_ipc::raw::kernels::PTX).unwrap();
     expect_err(
         m.function("no_such_kernel"),
         "Module::function of a missing name",

@@ -14,7 +14,7 @@ use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{
     ForeignBuffer, ForeignKind, ImportedBuffer, NotExportable, VmmBuffer, classify, foreign_stats,
 };
-use cuda_ipc::kernels::pattern;
+use cuda_ipc::raw::kernels::pattern;
 use cuda_ipc::token::Token;
 use cudarc::driver::sys;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -7,7 +7,7 @@ mod common;
 use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::driver::{DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, cache_stats};
-use cuda_ipc::kernels::{Kernels, pattern};
+use cuda_ipc::raw::kernels::{Kernels, pattern};
 use cuda_ipc::token::{Token, TokenKind};
 use cuda_ipc::{Error, identity::ProcessIdentity};
 use std::time::Duration;

@@ -13,7 +13,7 @@ mod common;
 use common::{Peer, ctx, parent_lines, role, tell};
 use cuda_ipc::driver::{DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::{CacheStats, ImportedBuffer, IpcEvent, MemPool, VmmBuffer, cache_stats};
-use cuda_ipc::kernels::{Kernels, pattern};
+use cuda_ipc::raw::kernels::{Kernels, pattern};
 use cuda_ipc::token::Token;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;

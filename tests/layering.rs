@@ -29,6 +29,8 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["driver", "ffi", "identity", "ipc", "probe", "shm", "token"],
     ),
     ("cudarc_interop", &["driver", "ffi", "ipc"]),
+    // Re-exports only: the internals it opens to tools and tests.
+    ("raw", &["kernels", "registry", "shm"]),
 ];
 
 /// What `error.rs` may name outside itself: each layer's error type (a variant payload) and the

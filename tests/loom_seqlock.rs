@@ -5,7 +5,7 @@
 //! Run with `RUSTFLAGS="--cfg loom" cargo test --release --test loom_seqlock` (see .ci/run).
 #![cfg(loom)]
 
-use cuda_ipc::shm::SeqLock;
+use cuda_ipc::raw::shm::SeqLock;
 use loom::sync::Arc;
 use loom::sync::atomic::AtomicU64;
 

@@ -9,7 +9,7 @@ use common::{Peer, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
 use cuda_ipc::driver::{Device, DeviceMemory, Uuid};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(60);

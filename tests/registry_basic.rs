@@ -4,9 +4,9 @@ mod common;
 
 use common::{Unlink, unique};
 use cuda_ipc::Error;
-use cuda_ipc::registry::layout::{self, HEADER_SIZE, PARTICIPANT_SIZE, SLOT_SIZE};
+use cuda_ipc::raw::registry_layout::{self as layout, HEADER_SIZE, PARTICIPANT_SIZE, SLOT_SIZE};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions, ShmError};
 use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions, inspect};
-use cuda_ipc::shm::{Segment, SegmentOptions, ShmError};
 use std::time::{Duration, Instant};
 
 fn opts() -> RegistryOptions {

@@ -5,8 +5,8 @@
 mod common;
 
 use common::{Unlink, unique};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::{Registry, RegistryOptions};
-use cuda_ipc::shm::{Segment, SegmentOptions};
 use proptest::prelude::*;
 use std::time::{Duration, Instant};
 

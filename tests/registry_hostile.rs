@@ -8,9 +8,10 @@ mod common;
 
 use common::{Unlink, role, unique};
 use cuda_ipc::Error;
-use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions, inspect, layout};
-use cuda_ipc::shm::Segment;
-use cuda_ipc::shm::ShmError;
+use cuda_ipc::raw::registry_layout as layout;
+use cuda_ipc::raw::shm::Segment;
+use cuda_ipc::raw::shm::ShmError;
+use cuda_ipc::registry::{Registry, RegistryError, RegistryOptions, inspect};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

@@ -4,8 +4,8 @@
 mod common;
 
 use common::{REG, Unlink, finish, role, spawn_child, unique, value};
+use cuda_ipc::raw::shm::{self, Segment, SegmentOptions};
 use cuda_ipc::registry::{Record, Registry, RegistryOptions};
-use cuda_ipc::shm::{self, Segment, SegmentOptions};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 

@@ -9,7 +9,8 @@ mod common;
 
 use common::{Peer, Unlink, parent_lines, role, tell, unique};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
-use cuda_ipc::registry::{Registry, RegistryOptions, TestPoint, set_test_hook};
+use cuda_ipc::raw::registry_test_hooks::{TestPoint, set_test_hook};
+use cuda_ipc::registry::{Registry, RegistryOptions};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};

@@ -2,12 +2,13 @@
 //! repairer stopped (and then killed) at each step of its repair, and readers copying the slot in
 //! loops all along. Every token carries its own checksum, so a reader that were ever handed the
 //! half-written record would notice. The children are this test binary re-executed, stopped at the
-//! library's test points (`cuda_ipc::registry::set_test_hook`).
+//! library's test points (`cuda_ipc::raw::registry_test_hooks::set_test_hook`).
 
 mod common;
 
 use common::{Peer, Unlink, role, tell, unique};
-use cuda_ipc::registry::{Registry, RegistryOptions, TestPoint, inspect, set_test_hook};
+use cuda_ipc::raw::registry_test_hooks::{TestPoint, set_test_hook};
+use cuda_ipc::registry::{Registry, RegistryOptions, inspect};
 use std::time::{Duration, Instant};
 
 const TEST: &str =

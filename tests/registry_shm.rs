@@ -1,8 +1,8 @@
 //! The shared-memory primitives under the registry: segments, shared futex words, the seqlock.
 
 use cuda_ipc::Error;
-use cuda_ipc::shm::ShmError;
-use cuda_ipc::shm::{self, Segment, SegmentOptions, SeqLock, WaitResult};
+use cuda_ipc::raw::shm::ShmError;
+use cuda_ipc::raw::shm::{self, Segment, SegmentOptions, SeqLock, WaitResult};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 

@@ -12,7 +12,7 @@ use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
-use cuda_ipc::shm::ShmError;
+use cuda_ipc::raw::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;

@@ -8,7 +8,7 @@ use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, MemoryKind, Producer};
 use cuda_ipc::driver::{DeviceMemory, Stream};
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, MemPool, VmmBuffer, cache_stats};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use cuda_ipc::token::Token;
 use std::time::{Duration, Instant};

@@ -6,8 +6,8 @@
 //! `cargo bench -p cuda-ipc-bench --bench registry`. The peer processes are this binary re-executed
 //! with `CUDA_IPC_BENCH_ROLE` set.
 
+use cuda_ipc::raw::shm::{self, Segment, SegmentOptions, SeqLock};
 use cuda_ipc::registry::{Registry, RegistryOptions};
-use cuda_ipc::shm::{self, Segment, SegmentOptions, SeqLock};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};

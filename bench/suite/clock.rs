@@ -20,7 +20,7 @@
 use crate::Res;
 use crate::common::now_ns;
 use cuda_ipc::driver::{Context, DeviceMemory, Stream};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use cudarc::driver::sys;
 use serde_json::{Value, json};
 use std::ffi::c_void;

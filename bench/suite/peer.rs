@@ -2,7 +2,7 @@
 //! shared-memory segment through which a case's processes pace each other.
 
 use crate::Res;
-use cuda_ipc::shm::{Segment, SegmentOptions};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};

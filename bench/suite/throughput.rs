@@ -16,7 +16,7 @@ use crate::records::Key;
 use crate::{HEIGHT, Res, WIDTH};
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
-use cuda_ipc::kernels::Kernels;
+use cuda_ipc::raw::kernels::Kernels;
 use serde_json::{Value, json};
 use std::time::Duration;
 

@@ -6,13 +6,19 @@ use cuda_ipc::channel::inspect::{self as channel_inspect, BufferState, ChannelSn
 use cuda_ipc::channel::{ConsumerState, Delivery, ProducerState, UnknownCode};
 use cuda_ipc::identity::Liveness;
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
-use serde::Serialize;
+use cuda_ipc::token::TokenKind;
+use serde::{Serialize, Serializer};
+use serde_json::{Map, Value};
 use std::collections::HashMap;
 use std::error::Error;
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// Everything `ls` found.
+///
+/// Its JSON form (`--json`) is the library's `serde` form of each snapshot (the
+/// `cuda-ipc/serde` feature), with the few keys only this tool knows added ([`RegistryView`],
+/// [`ChannelView`]).
 #[derive(Debug, Default, Serialize)]
 pub struct Listing {
     /// Registry segments.
@@ -34,183 +40,81 @@ pub struct SegmentError {
     pub error: String,
 }
 
-/// One registry.
-#[derive(Debug, Serialize)]
+/// One registry, and its publish rate.
+///
+/// JSON: the snapshot's own form plus `leftovers` ([`RegistrySnapshot::has_leftovers`], a
+/// method, not a field) and `publishes_per_s`.
+#[derive(Debug)]
 pub struct RegistryView {
-    /// Segment name (`/dev/shm/NAME`).
-    pub name: String,
-    /// Segment size in bytes.
-    pub segment_bytes: u64,
-    /// Slots (most records at once).
-    pub capacity: u32,
-    /// Participant entries.
-    pub participant_capacity: u32,
-    /// The latest sequence number handed out.
-    pub last_seq: u64,
-    /// Pid of the creator.
-    pub creator_pid: u32,
-    /// Published records.
-    pub records: Vec<RecordView>,
-    /// Processes that have the registry open (dead ones included).
-    pub participants: Vec<ParticipantView>,
-    /// Slots whose writer lock is held.
-    pub locked_slots: Vec<LockedSlotView>,
-    /// Slots with nonsensical bytes.
-    pub corrupt_slots: Vec<CorruptSlotView>,
-    /// Whether `gc` would free something here.
-    pub leftovers: bool,
+    /// What the registry holds.
+    pub snapshot: RegistrySnapshot,
     /// Publishes per second since the previous refresh (`watch` only).
     pub publishes_per_s: Option<f64>,
 }
 
-/// One record.
-#[derive(Debug, Serialize)]
-pub struct RecordView {
-    /// Record name.
-    pub name: String,
-    /// The publisher's kind tag.
-    pub kind: u32,
-    /// Sequence number.
-    pub seq: u64,
-    /// Slot index.
-    pub slot: u32,
-    /// Pid of the publisher.
-    pub owner_pid: u32,
-    /// `alive`, `dead` or `unknown`.
-    pub owner: &'static str,
-    /// Token length in bytes.
-    pub token_bytes: usize,
-    /// Metadata length in bytes.
-    pub metadata_bytes: usize,
-}
-
-/// One participant entry.
-#[derive(Debug, Serialize)]
-pub struct ParticipantView {
-    /// Entry index.
-    pub index: u32,
-    /// Its pid.
-    pub pid: u32,
-    /// Whether its process still runs.
-    pub alive: bool,
-}
-
-/// A slot whose writer lock is held.
-#[derive(Debug, Serialize)]
-pub struct LockedSlotView {
-    /// Slot index.
-    pub slot: u32,
-    /// Pid of the lock holder.
-    pub writer_pid: u32,
-    /// Whether the holder still runs.
-    pub writer_alive: bool,
-    /// Whether a write is open.
-    pub writing: bool,
-}
-
-/// A slot whose bytes make no sense.
-#[derive(Debug, Serialize)]
-pub struct CorruptSlotView {
-    /// Slot index.
-    pub slot: u32,
-    /// Why.
-    pub reason: String,
-}
-
-/// One channel.
-#[derive(Debug, Serialize)]
+/// One channel, and its rates.
+///
+/// JSON: the snapshot's own form plus `leftovers` ([`ChannelSnapshot::has_leftovers`]),
+/// `frames_per_s`, and `received_per_s` in each consumer's object.
+#[derive(Debug)]
 pub struct ChannelView {
-    /// Channel name.
-    pub name: String,
-    /// Segment name (`/dev/shm/cuda-ipc.ch.NAME`).
-    pub segment: String,
-    /// Segment size in bytes.
-    pub segment_bytes: u64,
-    /// Bytes per buffer.
-    pub buffer_bytes: u64,
-    /// Most consumers at once.
-    pub consumer_capacity: usize,
-    /// Producer pid.
-    pub producer_pid: u32,
-    /// `alive`, `dead` or `unknown`.
-    pub producer: &'static str,
-    /// Whether the producer closed the channel.
-    pub closed: bool,
-    /// `open`, `closed`, or `unknown(N)` for a producer state code this build does not know.
-    pub state: String,
-    /// Latest sequence number.
-    pub head: u64,
-    /// Frames published.
-    pub published: u64,
-    /// Holds released by force (dead consumers, shutdown).
-    pub forced_releases: u64,
-    /// The pool.
-    pub buffers: Vec<BufferView>,
-    /// Attached consumers.
-    pub consumers: Vec<ConsumerView>,
-    /// Whether dead processes left something here.
-    pub leftovers: bool,
+    /// The channel's state.
+    pub snapshot: ChannelSnapshot,
     /// Frames per second since the previous refresh (`watch` only).
     pub frames_per_s: Option<f64>,
+    /// Frames received per second since the previous refresh by each consumer of
+    /// `snapshot.consumers`, in that order (`watch` only).
+    pub received_per_s: Vec<Option<f64>>,
 }
 
-/// One buffer of the pool.
-#[derive(Debug, Serialize)]
-pub struct BufferView {
-    /// Pool index.
-    pub index: usize,
-    /// `empty`, `writing` or `frame`.
-    pub state: &'static str,
-    /// Sequence number of its frame.
-    pub seq: Option<u64>,
-    /// Consumer slots holding it.
-    pub holders: Vec<usize>,
-    /// Bytes of the buffer (from its memory token; the pool's buffer size when it does not
-    /// decode).
-    pub bytes: u64,
-    /// Metadata bytes of its frame.
-    pub metadata_bytes: u32,
-    /// UUID of the device holding it (`host` for a host-memory pool), when its token decodes.
-    pub device: Option<String>,
+// The one adapter between the snapshots and `--json`. The rates are this tool's (`watch` measures
+// them between two refreshes; no snapshot has them), `leftovers` is a method: they are added to
+// the snapshot's JSON value. A `Value` object writes its keys in sorted order (JSON objects have
+// none).
+fn snapshot_json<T: Serialize, E: serde::ser::Error>(
+    snapshot: &T,
+    add: impl FnOnce(&mut Map<String, Value>),
+) -> Result<Value, E> {
+    let mut v = serde_json::to_value(snapshot).map_err(E::custom)?;
+    if let Some(m) = v.as_object_mut() {
+        add(m);
+    }
+    Ok(v)
 }
 
-/// One consumer.
-#[derive(Debug, Serialize)]
-pub struct ConsumerView {
-    /// Consumer slot index.
-    pub index: usize,
-    /// Its pid.
-    pub pid: u32,
-    /// `alive`, `dead` or `unknown`.
-    pub process: &'static str,
-    /// Attached (`false` while still claiming its slot).
-    pub attached: bool,
-    /// `attached`, `attaching`, or `unknown(N)` for a slot state code this build does not know.
-    pub state: String,
-    /// `every-frame`, `latest-only`, or `unknown(N)` for a policy code this build does not know.
-    pub delivery: String,
-    /// Last sequence number received or skipped.
-    pub cursor: u64,
-    /// Frames published it has not received yet.
-    pub lag: u64,
-    /// Frames received.
-    pub received: u64,
-    /// Frames skipped.
-    pub dropped: u64,
-    /// Buffers it holds.
-    pub holds: Vec<usize>,
-    /// Frames received per second since the previous refresh (`watch` only).
-    pub received_per_s: Option<f64>,
-    #[serde(skip)]
-    generation: u64,
+impl Serialize for RegistryView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        snapshot_json(&self.snapshot, |m| {
+            m.insert("leftovers".into(), self.snapshot.has_leftovers().into());
+            m.insert("publishes_per_s".into(), self.publishes_per_s.into());
+        })?
+        .serialize(s)
+    }
+}
+
+impl Serialize for ChannelView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        snapshot_json(&self.snapshot, |m| {
+            m.insert("leftovers".into(), self.snapshot.has_leftovers().into());
+            m.insert("frames_per_s".into(), self.frames_per_s.into());
+            if let Some(Value::Array(cs)) = m.get_mut("consumers") {
+                for (c, r) in cs.iter_mut().zip(&self.received_per_s) {
+                    if let Some(c) = c.as_object_mut() {
+                        c.insert("received_per_s".into(), (*r).into());
+                    }
+                }
+            }
+        })?
+        .serialize(s)
+    }
 }
 
 impl Listing {
     /// Whether anything here is a problem (exit status 1).
     pub fn has_problems(&self) -> bool {
         !self.errors.is_empty()
-            || self.registries.iter().any(|r| r.leftovers)
-            || self.channels.iter().any(|c| c.leftovers)
+            || self.registries.iter().any(|r| r.snapshot.has_leftovers())
+            || self.channels.iter().any(|c| c.snapshot.has_leftovers())
     }
 }
 
@@ -253,121 +157,6 @@ pub(crate) fn producer_state_name(s: Result<ProducerState, UnknownCode>) -> Stri
     }
 }
 
-fn registry_view(s: RegistrySnapshot) -> RegistryView {
-    RegistryView {
-        leftovers: s.has_leftovers(),
-        name: s.name,
-        segment_bytes: s.segment_bytes,
-        capacity: s.capacity,
-        participant_capacity: s.participant_capacity,
-        last_seq: s.last_seq,
-        creator_pid: s.creator_pid,
-        records: s
-            .records
-            .into_iter()
-            .map(|r| RecordView {
-                owner: liveness(r.owner_liveness),
-                name: r.record.name,
-                kind: r.record.kind,
-                seq: r.record.seq,
-                slot: r.record.slot,
-                owner_pid: r.record.owner.pid,
-                token_bytes: r.record.token.len(),
-                metadata_bytes: r.record.metadata.len(),
-            })
-            .collect(),
-        participants: s
-            .participants
-            .iter()
-            .map(|p| ParticipantView {
-                index: p.index,
-                pid: p.identity.pid,
-                alive: !p.dead,
-            })
-            .collect(),
-        locked_slots: s
-            .locked_slots
-            .iter()
-            .map(|l| LockedSlotView {
-                slot: l.slot,
-                writer_pid: l.writer_pid,
-                writer_alive: !l.writer_dead,
-                writing: l.writing,
-            })
-            .collect(),
-        corrupt_slots: s
-            .corrupt_slots
-            .into_iter()
-            .map(|(slot, reason)| CorruptSlotView { slot, reason })
-            .collect(),
-        publishes_per_s: None,
-    }
-}
-
-fn channel_view(s: ChannelSnapshot) -> ChannelView {
-    ChannelView {
-        leftovers: s.has_leftovers(),
-        producer: liveness(s.producer_liveness),
-        producer_pid: s.producer.pid,
-        buffers: s
-            .buffers
-            .iter()
-            .map(|b| BufferView {
-                index: b.index,
-                state: match b.state {
-                    BufferState::Empty => "empty",
-                    BufferState::Writing => "writing",
-                    _ => "frame",
-                },
-                seq: match b.state {
-                    BufferState::Frame(s) => Some(s),
-                    _ => None,
-                },
-                holders: (0..64).filter(|k| b.hold_mask & (1u64 << k) != 0).collect(),
-                bytes: b.memory.map_or(s.buffer_bytes, |t| t.len),
-                metadata_bytes: b.meta_len,
-                device: b.memory.map(|t| {
-                    if t.kind == cuda_ipc::token::TokenKind::HostMemory {
-                        "host".to_string()
-                    } else {
-                        t.device.to_string()
-                    }
-                }),
-            })
-            .collect(),
-        consumers: s
-            .consumers
-            .into_iter()
-            .map(|c| ConsumerView {
-                index: c.index,
-                pid: c.identity.pid,
-                process: liveness(c.liveness),
-                attached: c.attached,
-                state: consumer_state_name(c.state),
-                delivery: delivery_name(c.delivery),
-                cursor: c.cursor,
-                lag: c.lag,
-                received: c.received,
-                dropped: c.dropped,
-                holds: c.holds,
-                received_per_s: None,
-                generation: c.generation,
-            })
-            .collect(),
-        name: s.name,
-        segment: s.segment,
-        segment_bytes: s.segment_bytes,
-        buffer_bytes: s.buffer_bytes,
-        consumer_capacity: s.consumer_capacity,
-        closed: s.closed,
-        state: producer_state_name(s.producer_state),
-        head: s.head,
-        published: s.published,
-        forced_releases: s.forced_releases,
-        frames_per_s: None,
-    }
-}
-
 /// The registries and channels to look at: all, or those `name` names.
 pub(crate) struct Targets {
     pub registries: Vec<String>,
@@ -389,7 +178,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
             !seg.contains('/')
                 // Whatever it is (a FIFO, a directory): inspection names it without opening it
                 // in a way that could block.
-                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::shm::SHM_DIR)).is_ok()
+                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
         };
         if registries.is_empty() && channels.is_empty() {
             if exists(&channel_inspect::segment_name(chan)) {
@@ -401,7 +190,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         if registries.is_empty() && channels.is_empty() {
             return Err(format!(
                 "no registry or channel named {n:?} in {}",
-                cuda_ipc::shm::SHM_DIR
+                cuda_ipc::raw::shm::SHM_DIR
             )
             .into());
         }
@@ -417,7 +206,10 @@ pub(crate) fn collect(t: &Targets) -> Listing {
     let mut l = Listing::default();
     for r in &t.registries {
         match registry_inspect::inspect(r) {
-            Ok(s) => l.registries.push(registry_view(s)),
+            Ok(snapshot) => l.registries.push(RegistryView {
+                snapshot,
+                publishes_per_s: None,
+            }),
             Err(e) => l.errors.push(SegmentError {
                 kind: "registry",
                 name: r.clone(),
@@ -427,7 +219,11 @@ pub(crate) fn collect(t: &Targets) -> Listing {
     }
     for c in &t.channels {
         match channel_inspect::inspect(c) {
-            Ok(s) => l.channels.push(channel_view(s)),
+            Ok(snapshot) => l.channels.push(ChannelView {
+                frames_per_s: None,
+                received_per_s: vec![None; snapshot.consumers.len()],
+                snapshot,
+            }),
             Err(e) => l.errors.push(SegmentError {
                 kind: "channel",
                 name: c.clone(),
@@ -488,7 +284,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
     if l.registries.is_empty() && l.channels.is_empty() && l.errors.is_empty() {
         out.push_str("no cuda-ipc registries or channels in /dev/shm\n");
     }
-    for r in &l.registries {
+    for RegistryView {
+        snapshot: r,
+        publishes_per_s,
+    } in &l.registries
+    {
         out.push_str(&format!(
             "registry {}: {} of {} slots used, {} participants, last seq {}, {}{}\n",
             r.name,
@@ -498,7 +298,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
             r.last_seq,
             bytes(r.segment_bytes),
             if rates {
-                format!(", {} publishes/s", rate(r.publishes_per_s))
+                format!(", {} publishes/s", rate(*publishes_per_s))
             } else {
                 String::new()
             }
@@ -508,15 +308,16 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 "RECORD", "KIND", "SEQ", "OWNER", "PROCESS", "TOKEN", "META", "SLOT",
             ]);
             for x in &r.records {
+                let rec = &x.record;
                 t.add_row(vec![
-                    x.name.clone(),
-                    x.kind.to_string(),
-                    x.seq.to_string(),
-                    x.owner_pid.to_string(),
-                    x.owner.to_string(),
-                    bytes(x.token_bytes as u64),
-                    bytes(x.metadata_bytes as u64),
-                    x.slot.to_string(),
+                    rec.name.clone(),
+                    rec.kind.to_string(),
+                    rec.seq.to_string(),
+                    rec.owner.pid.to_string(),
+                    liveness(x.owner_liveness).to_string(),
+                    bytes(rec.token.len() as u64),
+                    bytes(rec.metadata.len() as u64),
+                    rec.slot.to_string(),
                 ]);
             }
             out.push_str(&indent(&t));
@@ -526,7 +327,13 @@ pub fn render(l: &Listing, rates: bool) -> String {
             let ps: Vec<String> = r
                 .participants
                 .iter()
-                .map(|p| format!("{} {}", p.pid, if p.alive { "alive" } else { "dead" }))
+                .map(|p| {
+                    format!(
+                        "{} {}",
+                        p.identity.pid,
+                        if p.dead { "dead" } else { "alive" }
+                    )
+                })
                 .collect();
             out.push_str(&format!("  participants: {}\n", ps.join(", ")));
         }
@@ -535,24 +342,29 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 "  slot {} locked by pid {} ({}{})\n",
                 s.slot,
                 s.writer_pid,
-                if s.writer_alive { "alive" } else { "dead" },
+                if s.writer_dead { "dead" } else { "alive" },
                 if s.writing { ", write open" } else { "" }
             ));
         }
-        for s in &r.corrupt_slots {
-            out.push_str(&format!("  corrupt: {}\n", s.reason));
+        for (_, reason) in &r.corrupt_slots {
+            out.push_str(&format!("  corrupt: {reason}\n"));
         }
-        if r.leftovers {
+        if r.has_leftovers() {
             out.push_str("  problem: dead processes left records or entries here; `cuda-ipc gc` removes them\n");
         }
     }
-    for c in &l.channels {
+    for ChannelView {
+        snapshot: c,
+        frames_per_s,
+        received_per_s,
+    } in &l.channels
+    {
         out.push_str(&format!(
             "channel {}: producer {} {}, {}, head {}, published {}, {} × {} buffers, {} of {} consumers, forced releases {}{}\n",
             c.name,
-            c.producer_pid,
-            c.producer,
-            c.state,
+            c.producer.pid,
+            liveness(c.producer_liveness),
+            producer_state_name(c.producer_state),
             c.head,
             c.published,
             c.buffers.len(),
@@ -561,7 +373,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
             c.consumer_capacity,
             c.forced_releases,
             if rates {
-                format!(", {} frames/s", rate(c.frames_per_s))
+                format!(", {} frames/s", rate(*frames_per_s))
             } else {
                 String::new()
             }
@@ -570,14 +382,28 @@ pub fn render(l: &Listing, rates: bool) -> String {
             "BUFFER", "STATE", "SEQ", "HOLDERS", "BYTES", "META", "DEVICE",
         ]);
         for b in &c.buffers {
+            let (state, seq) = match b.state {
+                BufferState::Empty => ("empty", None),
+                BufferState::Writing => ("writing", None),
+                BufferState::Frame(s) => ("frame", Some(s)),
+                _ => ("unknown", None),
+            };
+            let holders: Vec<usize> = (0..64).filter(|k| b.hold_mask & (1u64 << k) != 0).collect();
             t.add_row(vec![
                 b.index.to_string(),
-                b.state.to_string(),
-                b.seq.map_or_else(|| "-".to_string(), |s| s.to_string()),
-                list(&b.holders),
-                bytes(b.bytes),
-                bytes(u64::from(b.metadata_bytes)),
-                b.device.clone().unwrap_or_else(|| "-".to_string()),
+                state.to_string(),
+                seq.map_or_else(|| "-".to_string(), |s| s.to_string()),
+                list(&holders),
+                // The pool's buffer size when the token does not decode.
+                bytes(b.memory.map_or(c.buffer_bytes, |t| t.len)),
+                bytes(u64::from(b.meta_len)),
+                b.memory.map_or_else(
+                    || "-".to_string(),
+                    |t| match t.kind {
+                        TokenKind::HostMemory => "host".to_string(),
+                        _ => t.device.to_string(),
+                    },
+                ),
             ]);
         }
         out.push_str(&indent(&t));
@@ -591,19 +417,19 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 h.push("RECV/S");
             }
             let mut t = table(&h);
-            for x in &c.consumers {
+            for (k, x) in c.consumers.iter().enumerate() {
                 let mut row = vec![
                     format!(
                         "{}{}",
                         x.index,
-                        match x.state.as_str() {
+                        match consumer_state_name(x.state).as_str() {
                             "attached" => String::new(),
                             other => format!(" ({other})"),
                         }
                     ),
-                    x.pid.to_string(),
-                    x.process.to_string(),
-                    x.delivery.to_string(),
+                    x.identity.pid.to_string(),
+                    liveness(x.liveness).to_string(),
+                    delivery_name(x.delivery),
                     x.cursor.to_string(),
                     x.lag.to_string(),
                     x.received.to_string(),
@@ -611,16 +437,16 @@ pub fn render(l: &Listing, rates: bool) -> String {
                     list(&x.holds),
                 ];
                 if rates {
-                    row.push(rate(x.received_per_s));
+                    row.push(rate(received_per_s.get(k).copied().flatten()));
                 }
                 t.add_row(row);
             }
             out.push_str(&indent(&t));
             out.push('\n');
         }
-        if c.producer == "dead" {
+        if c.producer_liveness == Liveness::Dead {
             out.push_str("  problem: the producer is dead; `cuda-ipc gc` removes this segment\n");
-        } else if c.leftovers {
+        } else if c.has_leftovers() {
             out.push_str("  problem: dead consumers are attached; `cuda-ipc gc` frees their slots and holds\n");
         }
     }
@@ -675,17 +501,24 @@ fn add_rates(l: &mut Listing, prev: &mut Previous, now: Instant) {
         ..Default::default()
     };
     for r in &mut l.registries {
-        r.publishes_per_s = per_s(r.last_seq, prev.registry_seq.get(&r.name), dt);
-        next.registry_seq.insert(r.name.clone(), r.last_seq);
+        let s = &r.snapshot;
+        r.publishes_per_s = per_s(s.last_seq, prev.registry_seq.get(&s.name), dt);
+        next.registry_seq.insert(s.name.clone(), s.last_seq);
     }
     for c in &mut l.channels {
-        c.frames_per_s = per_s(c.head, prev.channel_head.get(&c.name), dt);
-        next.channel_head.insert(c.name.clone(), c.head);
-        for x in &mut c.consumers {
-            let key = (c.name.clone(), x.index, x.pid, x.generation);
-            x.received_per_s = per_s(x.received, prev.consumer_received.get(&key), dt);
-            next.consumer_received.insert(key, x.received);
-        }
+        let s = &c.snapshot;
+        c.frames_per_s = per_s(s.head, prev.channel_head.get(&s.name), dt);
+        next.channel_head.insert(s.name.clone(), s.head);
+        c.received_per_s = s
+            .consumers
+            .iter()
+            .map(|x| {
+                let key = (s.name.clone(), x.index, x.identity.pid, x.generation);
+                let r = per_s(x.received, prev.consumer_received.get(&key), dt);
+                next.consumer_received.insert(key, x.received);
+                r
+            })
+            .collect();
     }
     *prev = next;
 }
@@ -782,6 +615,23 @@ mod tests {
             producer_state_name(ProducerState::from_wire(5)),
             "unknown(5)"
         );
+    }
+
+    #[test]
+    fn the_tables_use_the_words_of_the_json_form() {
+        let word = |v: serde_json::Value| v.as_str().unwrap().to_string();
+        for l in [Liveness::Alive, Liveness::Dead, Liveness::Unknown] {
+            assert_eq!(liveness(l), word(serde_json::json!(l)));
+        }
+        for d in [Delivery::EveryFrame, Delivery::LatestOnly] {
+            assert_eq!(delivery_name(Ok(d)), word(serde_json::json!(d)));
+        }
+        for c in [ConsumerState::Claiming, ConsumerState::Active] {
+            assert_eq!(consumer_state_name(Ok(c)), word(serde_json::json!(c)));
+        }
+        for p in [ProducerState::Open, ProducerState::Closed] {
+            assert_eq!(producer_state_name(Ok(p)), word(serde_json::json!(p)));
+        }
     }
 
     #[test]

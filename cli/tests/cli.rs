@@ -8,9 +8,9 @@
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::inspect as registry_inspect;
 use cuda_ipc::registry::{Registry, RegistryOptions};
-use cuda_ipc::shm::{Segment, SegmentOptions};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};

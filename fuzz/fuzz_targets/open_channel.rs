@@ -12,7 +12,7 @@
 use cuda_ipc::channel::testing::{self, ControlConsumer, ControlProducer};
 use cuda_ipc::channel::{Delivery, layout};
 use cuda_ipc::identity::ProcessIdentity;
-use cuda_ipc::shm::{Segment, SegmentOptions};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
 use libfuzzer_sys::fuzz_target;
 use std::os::unix::fs::FileExt;

@@ -6,7 +6,7 @@
 #![no_main]
 
 use cuda_ipc::registry::{Registry, RegistryOptions};
-use cuda_ipc::shm::{Segment, SegmentOptions};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use libfuzzer_sys::fuzz_target;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;

@@ -3,9 +3,9 @@
 //! `Display` text.
 
 use cuda_ipc::Error;
+use cuda_ipc::ShmError;
 use cuda_ipc::channel::ChannelError;
 use cuda_ipc::registry::RegistryError;
-use cuda_ipc::shm::ShmError;
 use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 

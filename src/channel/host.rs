@@ -28,10 +28,11 @@ use super::layout::STAMP_READY;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
-use crate::shm::{Segment, SegmentOptions, new_generation};
+use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
+use crate::shm::{Segment, SegmentOptions};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::token::{Token, TokenKind};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Magic at offset 0 of a pool segment: `CIPCPOOL`.
 const POOL_MAGIC: u64 = u64::from_le_bytes(*b"CIPCPOOL");
@@ -41,6 +42,8 @@ pub(crate) const POOL_VERSION: u32 = 1;
 pub(crate) const POOL_DATA: usize = 4096;
 /// Prefix of a pool segment's name; the channel name follows.
 pub(crate) const POOL_PREFIX: &str = "cuda-ipc.hp.";
+/// How long a consumer waits for the stamp of a pool whose creator may still be writing it.
+const POOL_INIT_WAIT: Duration = Duration::from_secs(2);
 
 /// The pool segment's header.
 #[repr(C)]
@@ -64,6 +67,29 @@ pub(crate) struct PoolHeader {
 const _: () = assert!(size_of::<PoolHeader>() == 88);
 #[cfg(not(loom))] // loom atomics have other sizes; the mapped layout is only used without it
 const _: () = assert!(std::mem::offset_of!(PoolHeader, generation) == 48);
+
+// SAFETY: (1) `PoolHeader` is `#[repr(C)]` and all atomics; (2) its alignment is 8; (3) it is 88
+// bytes, within the first page (`POOL_DATA`), which the header has to itself.
+unsafe impl VersionedHeader for PoolHeader {
+    const MAGIC: u64 = POOL_MAGIC;
+    const VERSION: u32 = POOL_VERSION;
+    const HEADER_LEN: usize = POOL_DATA;
+    // The pool's opener has always waited for the stamp before it looked at the magic.
+    const FOREIGN_BEFORE_STAMP: bool = false;
+
+    fn magic(&self) -> &AtomicU64 {
+        &self.magic
+    }
+    fn version(&self) -> &AtomicU32 {
+        &self.version
+    }
+    fn stamp(&self) -> StampWord<'_> {
+        StampWord::U32(&self.stamp, STAMP_READY)
+    }
+    fn generation(&self) -> &AtomicU64 {
+        &self.generation
+    }
+}
 
 /// The pool segment name of a channel.
 pub(crate) fn pool_name(channel: &str) -> String {
@@ -112,52 +138,34 @@ impl HostPool {
             })?;
         // As the control segment: only the pool judged is removed, under the replacers' lock, so
         // two producers restarting at once never remove each other's new pool.
-        let mut attempts = 0;
-        let seg = loop {
-            match Segment::create(&name, len, opts) {
-                Ok(s) => break s,
-                Err(Error::Shm(ShmError::AlreadyExists { .. })) if attempts < 4 => {
-                    attempts += 1;
-                    let judged = match Segment::stat(&name) {
-                        Ok(i) => i.inode,
-                        Err(Error::Shm(ShmError::NotFound { .. })) => continue,
-                        Err(e) => return Err(e),
-                    };
-                    let why = match Self::replaceable(channel) {
-                        Ok(why) => why,
-                        // Another replacer removed it meanwhile: create again.
-                        Err(Error::Shm(ShmError::NotFound { .. })) => continue,
-                        Err(e) => return Err(e),
-                    };
-                    if Segment::unlink_if_same(&name, judged)? {
-                        tracing::warn!("replaced the host pool segment {name}: {why}");
-                    }
-                }
-                Err(e) => return Err(e),
+        let seg = versioned::create_replacing(&name, len, opts, "host pool segment", || {
+            match Self::replaceable(channel) {
+                Ok(why) => Ok(Some(why)),
+                // Another replacer removed it meanwhile: create again.
+                Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+                Err(e) => Err(e),
             }
-        };
+        })?;
         let me = ProcessIdentity::current()?;
-        let generation = new_generation();
-        let pool = HostPool {
+        // SYNC POINT: pool stamp. Release, stored last by `write_versioned`: pairs with the
+        // Acquire loads in `open` (`open_versioned`) and `replaceable`.
+        let generation = versioned::write_versioned::<PoolHeader>(
+            &seg,
+            |h| me.store_words(&h.producer),
+            |h| {
+                h.buffers.store(buffers as u32, Ordering::Relaxed);
+                h.buffer_bytes.store(buffer_bytes as u64, Ordering::Relaxed);
+                h.stride.store(stride as u64, Ordering::Relaxed);
+                h.segment_bytes.store(len as u64, Ordering::Relaxed);
+            },
+        );
+        Ok(HostPool {
             seg,
             buffers,
             buffer_bytes,
             stride,
             generation,
-        };
-        let h = pool.header();
-        // Relaxed stores: nobody reads them before the stamp below is published with Release.
-        h.magic.store(POOL_MAGIC, Ordering::Relaxed);
-        h.version.store(POOL_VERSION, Ordering::Relaxed);
-        h.buffers.store(buffers as u32, Ordering::Relaxed);
-        h.buffer_bytes.store(buffer_bytes as u64, Ordering::Relaxed);
-        h.stride.store(stride as u64, Ordering::Relaxed);
-        h.segment_bytes.store(len as u64, Ordering::Relaxed);
-        h.generation.store(generation, Ordering::Relaxed);
-        me.store_words(&h.producer);
-        // SYNC POINT: pool stamp. Release: pairs with the Acquire loads in `open`, `replaceable`.
-        h.stamp.store(STAMP_READY, Ordering::Release);
-        Ok(pool)
+        })
     }
 
     /// Whether the pool segment of `channel` that blocks a creation may be replaced (and why), or
@@ -165,38 +173,22 @@ impl HostPool {
     /// of those only one whose producer is dead, or a creation abandoned half-way (empty, sparse or
     /// never stamped, 2 s old, no live creator recorded).
     pub(crate) fn replaceable(channel: &str) -> Result<&'static str> {
-        const ABANDONED_AFTER_SECS: u64 = 2;
         let name = pool_name(channel);
-        let info = Segment::stat(&name)?;
-        let ours = rustix::process::geteuid().as_raw();
-        if info.uid != ours {
-            return Err(ShmError::WrongOwner {
-                name,
-                owner: info.uid,
-                ours,
+        let info = match versioned::stat_blocker(&name, POOL_DATA)? {
+            Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
+            Blocker::Young => {
+                return Err(Error::Channel(super::ChannelError::CreationInProgress(
+                    channel.to_string(),
+                )));
             }
-            .into());
-        }
-        if info.len == 0 || info.sparse {
-            if info.age_secs >= ABANDONED_AFTER_SECS {
-                return Ok("a creation abandoned before its pages were reserved");
-            }
-            return Err(Error::Channel(super::ChannelError::CreationInProgress(
-                channel.to_string(),
-            )));
-        }
-        if info.len < POOL_DATA as u64 {
-            return Err(ShmError::TooSmall {
-                name,
-                len: info.len,
-                min: POOL_DATA as u64,
-            }
-            .into());
-        }
+            Blocker::Sized(info) => info,
+        };
+        // Not `versioned::look`: this judgement refuses a foreign magic before it looks at the
+        // stamp, while the pool's opener waits for the stamp first (`FOREIGN_BEFORE_STAMP`), and
+        // it reads a stamped pool's magic 0 as no refusal; sharing one look would change which
+        // error such a file gets.
         let seg = Segment::open_with_min_len(&name, POOL_DATA)?;
-        // SAFETY: at least POOL_DATA bytes are mapped (checked by the open), page aligned; the
-        // header is atomics only.
-        let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
+        let h = versioned::header::<PoolHeader>(&seg);
         let producer = ProcessIdentity::load_words(&h.producer);
         let magic = h.magic.load(Ordering::Relaxed);
         if magic != POOL_MAGIC && magic != 0 {
@@ -211,7 +203,7 @@ impl HostPool {
                     channel.to_string(),
                 )));
             }
-            if info.age_secs >= ABANDONED_AFTER_SECS {
+            if info.age_secs >= versioned::ABANDONED_AFTER.as_secs() {
                 return Ok("a creation abandoned before it was finished");
             }
             return Err(Error::Channel(super::ChannelError::CreationInProgress(
@@ -242,45 +234,26 @@ impl HostPool {
         buffer_bytes: u64,
     ) -> Result<HostPool> {
         let name = pool_name(channel);
-        let seg = match Segment::open_with_min_len(&name, POOL_DATA) {
-            Ok(s) => s,
-            Err(Error::Shm(ShmError::NotFound { .. })) => {
-                return Err(bad(format!(
+        // SYNC POINT: pool stamp. Acquire, in `open_versioned`'s look: pairs with the Release
+        // store of the stamp in `create`; the fields read below are the creator's.
+        let seg = versioned::open_versioned::<PoolHeader>(&name, allow_group, POOL_INIT_WAIT)
+            .map_err(|e| match e {
+                OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => bad(format!(
                     "the host pool {name} of channel {channel:?} is missing"
-                )));
-            }
-            Err(e) => return Err(e),
-        };
-        if allow_group {
-            seg.check_access(true)?;
-        } else {
-            seg.check_owner()?;
-        }
-        // SAFETY: at least POOL_DATA bytes are mapped (checked by the open), page aligned; the
-        // header is atomics only.
-        let h = unsafe { &*seg.as_ptr().cast::<PoolHeader>() };
-        let start = Instant::now();
-        // SYNC POINT: pool stamp. Acquire: pairs with the Release store in `create`.
-        while h.stamp.load(Ordering::Acquire) != STAMP_READY {
-            if start.elapsed() > Duration::from_secs(2) {
-                return Err(bad(format!(
+                )),
+                OpenError::Segment(e) => e,
+                OpenError::Header(HeaderError::Foreign { magic }) => bad(format!(
+                    "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
+                )),
+                OpenError::Header(HeaderError::OtherVersion { found }) => bad(format!(
+                    "{name} has pool layout version {found}, this build reads version {POOL_VERSION}"
+                )),
+                // (No `BadStamp`: the pool's stamp is not strict; a bad one is awaited.)
+                OpenError::Header(_) => bad(format!(
                     "{name} was never finished by its creator (no init stamp after 2 s)"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let magic = h.magic.load(Ordering::Relaxed);
-        if magic != POOL_MAGIC {
-            return Err(bad(format!(
-                "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
-            )));
-        }
-        let v = h.version.load(Ordering::Relaxed);
-        if v != POOL_VERSION {
-            return Err(bad(format!(
-                "{name} has pool layout version {v}, this build reads version {POOL_VERSION}"
-            )));
-        }
+                )),
+            })?;
+        let h = versioned::header::<PoolHeader>(&seg);
         let buffers = h.buffers.load(Ordering::Relaxed) as usize;
         let bytes = h.buffer_bytes.load(Ordering::Relaxed);
         let stride = h.stride.load(Ordering::Relaxed);
@@ -321,12 +294,6 @@ impl HostPool {
             stride: stride as usize,
             generation,
         })
-    }
-
-    fn header(&self) -> &PoolHeader {
-        // SAFETY: the mapping holds at least POOL_DATA bytes (checked at create/open), is page
-        // aligned, and the header is only atomics.
-        unsafe { &*self.seg.as_ptr().cast::<PoolHeader>() }
     }
 
     /// Buffer `i`'s first byte; valid for `buffer_bytes` bytes while `self` lives.

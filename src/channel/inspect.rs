@@ -88,6 +88,9 @@ pub fn remove_stale_host_pool(channel: &str) -> Result<Option<&'static str>> {
 }
 
 /// What a buffer of the pool holds.
+///
+/// In the `serde` form of [`BufferSnapshot`] it is two keys: `state` (`"empty"`, `"writing"` or
+/// `"frame"`) and `seq` (the frame's sequence number, `null` for the other two).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BufferState {
@@ -100,27 +103,50 @@ pub enum BufferState {
 }
 
 /// One buffer of the pool, as it was when copied.
+///
+/// With the `serde` feature it serialises as one flat object: `index`, `state` and `seq` (see
+/// [`BufferState`]), `holders` (the consumer slot indices of `hold_mask`, as a list),
+/// `used_mask`, `metadata_bytes` (`meta_len`), and from the memory token `bytes` (its length)
+/// and `device` (the device UUID, or `"host"` for a host-memory pool), both `null` when the
+/// token does not decode.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct BufferSnapshot {
     /// The buffer index in the pool.
     pub index: usize,
     /// What it holds.
+    #[cfg_attr(
+        feature = "serde",
+        serde(flatten, serialize_with = "json::buffer_state")
+    )]
     pub state: BufferState,
     /// Consumers (bit = consumer slot index) holding its frame now.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "holders", serialize_with = "json::slots_of_mask")
+    )]
     pub hold_mask: u64,
     /// Consumers that read it since the producer last wrote it (the next write waits on their
     /// release events).
     pub used_mask: u64,
     /// Bytes of user metadata stored with its frame (at most [`super::META_BYTES`]).
+    #[cfg_attr(feature = "serde", serde(rename = "metadata_bytes"))]
     pub meta_len: u32,
     /// Its memory token, decoded (device UUID, range, exporter); `None` when the bytes do not
     /// decode.
+    #[cfg_attr(feature = "serde", serde(flatten, serialize_with = "json::memory"))]
     pub memory: Option<Token>,
 }
 
 /// One consumer slot in use, as it was when copied.
+///
+/// With the `serde` feature it serialises as one flat object with its field names, except: the
+/// fields of its [`ProcessIdentity`] but the boot id (`pid`, `start_time`, `pid_ns`) in place of
+/// `identity`, `liveness` as `process`, and `state` and `delivery` as their words
+/// ([`ConsumerState`], [`Delivery`]) or `"unknown(N)"` for a code this build does not know.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct ConsumerSnapshot {
     /// The consumer slot index (its bit in the hold masks).
@@ -130,16 +156,23 @@ pub struct ConsumerSnapshot {
     pub attached: bool,
     /// The slot's state ([`ConsumerState::Claiming`] or [`ConsumerState::Active`]; free slots are
     /// not listed), or the code found when it is none this build knows.
+    #[cfg_attr(feature = "serde", serde(serialize_with = "json::known_or_unknown"))]
     pub state: std::result::Result<ConsumerState, UnknownCode>,
     /// Its delivery policy; the code found when it is none this build knows (a corrupted slot, or
     /// a consumer of a newer version), which the protocol treats as neither policy: the producer
     /// does not wait for it and it takes frames in order.
+    #[cfg_attr(feature = "serde", serde(serialize_with = "json::known_or_unknown"))]
     pub delivery: std::result::Result<Delivery, UnknownCode>,
     /// How many times the slot was claimed.
     pub generation: u64,
     /// Its process.
+    #[cfg_attr(
+        feature = "serde",
+        serde(flatten, serialize_with = "crate::identity::snapshot_json::identity")
+    )]
     pub identity: ProcessIdentity,
     /// Whether its process still runs; a dead consumer's holds are released by the producer.
+    #[cfg_attr(feature = "serde", serde(rename = "process"))]
     pub liveness: Liveness,
     /// The last sequence number it received or skipped.
     pub cursor: u64,
@@ -157,7 +190,13 @@ pub struct ConsumerSnapshot {
 ///
 /// Fields are read one by one with atomic loads: on a busy channel they may belong to slightly
 /// different moments (a frame counted as published may not show as held yet).
+///
+/// With the `serde` feature it serialises with its field names (`cuda-ipc ls --json` prints this
+/// form), except: `producer` as `producer_pid` (the pid only), `producer_liveness` as
+/// `producer`, and `producer_state` as `state` (`"open"`, `"closed"`, or `"unknown(N)"` for a code
+/// this build does not know).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct ChannelSnapshot {
     /// The channel name.
@@ -174,13 +213,22 @@ pub struct ChannelSnapshot {
     /// The most consumers that can attach at once.
     pub consumer_capacity: usize,
     /// The producer process.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "producer_pid", serialize_with = "json::pid")
+    )]
     pub producer: ProcessIdentity,
     /// Whether the producer still runs.
+    #[cfg_attr(feature = "serde", serde(rename = "producer"))]
     pub producer_liveness: Liveness,
     /// Whether the producer closed the channel.
     pub closed: bool,
     /// The producer's state code as read: open or closed, or the code found when it is none this
     /// build knows (the protocol treats such a channel as open).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "state", serialize_with = "json::known_or_unknown")
+    )]
     pub producer_state: std::result::Result<ProducerState, UnknownCode>,
     /// Sequence number of the latest frame (0: none yet).
     pub head: u64,
@@ -449,11 +497,145 @@ pub fn release_dead_consumers(channel: &str) -> Result<Vec<ConsumerSnapshot>> {
         .collect())
 }
 
+/// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.
+#[cfg(feature = "serde")]
+mod json {
+    use super::{BufferState, ProcessIdentity, UnknownCode};
+    use crate::token::{Token, TokenKind};
+    use serde::{Serialize, Serializer};
+
+    /// `state` and `seq` keys (flattened into the buffer's object).
+    pub(super) fn buffer_state<S: Serializer>(b: &BufferState, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Json {
+            state: &'static str,
+            seq: Option<u64>,
+        }
+        let (state, seq) = match *b {
+            BufferState::Empty => ("empty", None),
+            BufferState::Writing => ("writing", None),
+            BufferState::Frame(seq) => ("frame", Some(seq)),
+        };
+        Json { state, seq }.serialize(s)
+    }
+
+    /// The consumer slot indices whose bit is set, in order.
+    pub(super) fn slots_of_mask<S: Serializer>(mask: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq((0..64).filter(|k| mask & (1u64 << k) != 0))
+    }
+
+    /// `bytes` and `device` keys (flattened into the buffer's object), `null` when the token
+    /// does not decode.
+    pub(super) fn memory<S: Serializer>(t: &Option<Token>, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Json {
+            bytes: Option<u64>,
+            device: Option<String>,
+        }
+        Json {
+            bytes: t.map(|t| t.len),
+            device: t.map(|t| {
+                if t.kind == TokenKind::HostMemory {
+                    "host".to_string()
+                } else {
+                    t.device.to_string()
+                }
+            }),
+        }
+        .serialize(s)
+    }
+
+    /// The known value's own form, or `"unknown(N)"`.
+    pub(super) fn known_or_unknown<T: Serialize, S: Serializer>(
+        v: &Result<T, UnknownCode>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match v {
+            Ok(known) => known.serialize(s),
+            Err(e) => s.collect_str(&format_args!("unknown({})", e.code)),
+        }
+    }
+
+    /// The pid only.
+    pub(super) fn pid<S: Serializer>(p: &ProcessIdentity, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(p.pid)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::super::{Delivery, ProducerState};
+        use super::*;
+
+        #[derive(Serialize)]
+        struct Code<T: Serialize>(
+            #[serde(serialize_with = "known_or_unknown")] Result<T, UnknownCode>,
+        );
+
+        #[test]
+        fn a_code_this_build_does_not_know_is_written_unknown_never_as_a_known_word() {
+            let word = |v: serde_json::Value| v.as_str().unwrap().to_string();
+            assert_eq!(
+                word(serde_json::json!(Code(Delivery::from_wire(0)))),
+                "every-frame"
+            );
+            assert_eq!(
+                word(serde_json::json!(Code(Delivery::from_wire(7)))),
+                "unknown(7)"
+            );
+            assert_eq!(
+                word(serde_json::json!(Code(ProducerState::from_wire(1)))),
+                "closed"
+            );
+            assert_eq!(
+                word(serde_json::json!(Code(ProducerState::from_wire(5)))),
+                "unknown(5)"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::channel::testing::{ControlConsumer, ControlProducer};
+    use crate::channel::WaitStrategy;
+    use crate::shm::SegmentOptions;
     use crate::token::{TOKEN_LEN, TokenKind};
+
+    // The segment is driven through `Control` itself: `channel::testing` builds on this module,
+    // so its `ControlProducer` and `ControlConsumer` are not used here.
+
+    /// A producer's control segment with buffers of 4096 bytes and room for 4 consumers.
+    fn producer(n: &str, tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])]) -> Control {
+        Control::create(n, 4096, 4, tokens, &SegmentOptions::new()).unwrap()
+    }
+
+    /// A consumer attached to channel `n`, detached when dropped.
+    struct Rx {
+        control: Control,
+        slot: usize,
+    }
+
+    impl Rx {
+        fn attach(n: &str, delivery: Delivery, release_tokens: &[[u8; TOKEN_LEN]]) -> Rx {
+            let control = Control::open(n).unwrap();
+            let slot = control.attach(delivery, release_tokens).unwrap();
+            Rx { control, slot }
+        }
+        fn take(&self) -> Option<(usize, u64, Vec<u8>)> {
+            self.control
+                .take(self.slot, WaitStrategy::Block, None)
+                .unwrap()
+        }
+        fn release(&self, i: usize) {
+            self.control.release(self.slot, i)
+        }
+    }
+
+    impl Drop for Rx {
+        fn drop(&mut self) {
+            self.control.detach(self.slot);
+        }
+    }
 
     fn token(i: u8) -> [u8; TOKEN_LEN] {
         Token {
@@ -475,15 +657,13 @@ mod tests {
     #[test]
     fn snapshot_shows_frames_holds_cursors_and_consumers_without_attaching() {
         let n = name("state");
-        let tx =
-            ControlProducer::create(&n, 4096, 4, &[(token(1), token(2)), (token(3), token(4))])
-                .unwrap();
-        let rx = ControlConsumer::attach(&n, Delivery::EveryFrame, &[token(5), token(6)]).unwrap();
+        let tx = producer(&n, &[(token(1), token(2)), (token(3), token(4))]);
+        let rx = Rx::attach(&n, Delivery::EveryFrame, &[token(5), token(6)]);
         for _ in 0..2 {
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"meta").unwrap();
         }
-        let (held, seq, _) = rx.take(None).unwrap().unwrap();
+        let (held, seq, _) = rx.take().unwrap();
         assert_eq!(seq, 1);
         let s = inspect(&n).unwrap();
         assert_eq!(s.segment, format!("cuda-ipc.ch.{n}"));
@@ -494,7 +674,7 @@ mod tests {
         let mut states: Vec<_> = s.buffers.iter().map(|b| b.state).collect();
         states.sort_by_key(|st| format!("{st:?}"));
         assert_eq!(states, [BufferState::Frame(1), BufferState::Frame(2)]);
-        assert_eq!(s.buffers[held].hold_mask, 1 << rx.slot());
+        assert_eq!(s.buffers[held].hold_mask, 1 << rx.slot);
         assert_eq!(s.buffers[held].meta_len, 4);
         assert_eq!(s.buffers[0].memory.unwrap().device.0, [7; 16]);
         assert_eq!(s.consumers.len(), 1);
@@ -520,15 +700,15 @@ mod tests {
     #[test]
     fn unknown_policy_and_state_codes_are_reported_as_unknown_not_as_a_known_one() {
         let n = name("codes");
-        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
-        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let tx = producer(&n, &[(token(1), token(2))]);
+        let rx = Rx::attach(&n, Delivery::LatestOnly, &[token(5)]);
         let s = inspect(&n).unwrap();
         let c = &s.consumers[0];
         assert_eq!(c.delivery, Ok(Delivery::LatestOnly));
         assert_eq!((c.state, c.attached), (Ok(ConsumerState::Active), true));
         assert_eq!(s.producer_state, Ok(ProducerState::Open));
         let ctl = Control::open(&n).unwrap();
-        let slot = ctl.consumer_slot(rx.slot());
+        let slot = ctl.consumer_slot(rx.slot);
         slot.policy.store(7, Ordering::Relaxed);
         slot.state.store(9, Ordering::Relaxed);
         ctl.header_for_tests()
@@ -553,11 +733,11 @@ mod tests {
     #[test]
     fn release_dead_consumers_leaves_live_ones_alone() {
         let n = name("release");
-        let tx = ControlProducer::create(&n, 4096, 4, &[(token(1), token(2))]).unwrap();
-        let rx = ControlConsumer::attach(&n, Delivery::LatestOnly, &[token(5)]).unwrap();
+        let tx = producer(&n, &[(token(1), token(2))]);
+        let rx = Rx::attach(&n, Delivery::LatestOnly, &[token(5)]);
         let (i, _) = tx.try_acquire().unwrap();
         tx.publish(i, b"").unwrap();
-        let (held, _, _) = rx.take(None).unwrap().unwrap();
+        let (held, _, _) = rx.take().unwrap();
         // The consumer is alive: nothing to release, its hold stays.
         assert!(release_dead_consumers(&n).unwrap().is_empty());
         let s = inspect(&n).unwrap();

@@ -2,8 +2,8 @@
 //! state value and wire code, in one place. docs/channel-layout.md describes the same bytes for C
 //! and Python readers; `tests/channel_layout_doc.rs` checks its offset tables against [`FIELDS`].
 //!
-//! The segment, `/dev/shm/cuda-ipc.ch.NAME`: a [`Header`] at 0, then `buffers` × [`BufferSlot`],
-//! then `consumers` × [`ConsumerSlot`], then, at the next 4096-byte boundary, the ready page (one
+//! The segment, `/dev/shm/cuda-ipc.ch.NAME`: a `Header` at 0, then `buffers` × `BufferSlot`,
+//! then `consumers` × `ConsumerSlot`, then, at the next 4096-byte boundary, the ready page (one
 //! `u32` per buffer). All integers are little-endian and naturally aligned; every field is an
 //! atomic (or, for the token areas, bytes copied through raw pointers), so no Rust reference to
 //! plain bytes another process writes is ever made.
@@ -268,7 +268,14 @@ impl std::fmt::Display for UnknownCode {
 impl std::error::Error for UnknownCode {}
 
 /// Delivery policy of one consumer.
+///
+/// With the `serde` feature it serialises as `"every-frame"` or `"latest-only"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "kebab-case")
+)]
 #[non_exhaustive]
 pub enum Delivery {
     /// Every frame, in order; the producer waits (back-pressure) until this consumer received it.
@@ -304,14 +311,21 @@ impl Delivery {
 }
 
 /// A consumer slot's `state` word.
+///
+/// With the `serde` feature it serialises as what the slot's consumer is: `"free"`,
+/// `"attaching"` (claiming) or `"attached"` (active).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub enum ConsumerState {
     /// Nobody has the slot (code 0).
+    #[cfg_attr(feature = "serde", serde(rename = "free"))]
     Free,
     /// A consumer took it and is writing its fields (code 1).
+    #[cfg_attr(feature = "serde", serde(rename = "attaching"))]
     Claiming,
     /// Attached: every field written (code 2).
+    #[cfg_attr(feature = "serde", serde(rename = "attached"))]
     Active,
 }
 
@@ -343,7 +357,14 @@ impl ConsumerState {
 }
 
 /// The header's `producer_state` word.
+///
+/// With the `serde` feature it serialises as `"open"` or `"closed"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "lowercase")
+)]
 #[non_exhaustive]
 pub enum ProducerState {
     /// Publishing (code 0).

@@ -1,8 +1,8 @@
 //! Frames that own their end of the channel: an [`OwnedFrame`] keeps its [`Consumer`] alive through
 //! an `Arc`, an [`OwnedWriteFrame`] owns its [`Producer`] until it is published or given back.
 //!
-//! Owns: nothing of the protocol. Each type wraps the borrowed [`Frame`] or [`WriteFrame`] of
-//! `mod.rs` unchanged, so holds, releases and publishing behave exactly as there; only who keeps
+//! Owns: nothing of the protocol. Each type wraps the borrowed [`Frame`] (`consumer.rs`) or
+//! [`WriteFrame`] (`producer.rs`) unchanged, so holds, releases and publishing behave exactly as there; only who keeps
 //! the owner alive differs. For bindings (Python, other languages) whose objects cannot carry a
 //! Rust lifetime, and for frames that move between threads with their owner.
 

@@ -6,9 +6,11 @@
 //! participant uses, so inspecting never disturbs the protocol; freeing what dead processes left is
 //! [`Registry::reclaim_dead`]'s job.
 
+use super::Registry;
 use super::layout::*;
 use super::participant::{self, EntryState};
-use super::{READ_RETRIES, Registry, Retry, decode};
+use super::records::{READ_RETRIES, decode};
+use super::segment::Retry;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -17,18 +19,30 @@ use std::io::Read;
 use std::time::Duration;
 
 /// One published record and whether its owner still runs.
+///
+/// With the `serde` feature it serialises as one flat object: `name`, `kind`, `seq`, `slot`,
+/// `owner_pid` (the publisher's pid), `token_bytes` and `metadata_bytes` (lengths: the token and
+/// metadata bytes themselves are left out), and `owner`, the owner's [`Liveness`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct RecordSnapshot {
     /// The record, as [`Registry::list`] would return it.
+    #[cfg_attr(feature = "serde", serde(flatten, serialize_with = "json::record"))]
     pub record: Record,
     /// Whether the publishing process still runs ([`ProcessIdentity::liveness`]); a dead owner's
     /// record is freed by [`Registry::reclaim_dead`].
+    #[cfg_attr(feature = "serde", serde(rename = "owner"))]
     pub owner_liveness: Liveness,
 }
 
 /// A slot whose writer lock is held: a write in progress, or one left by a dead writer.
+///
+/// With the `serde` feature it serialises with its field names (`writer` as `pid`, `start_time`
+/// and `pid_ns`, or `null`), except `writer_dead`, which is written as its negation
+/// `writer_alive`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct LockedSlot {
     /// The slot index.
@@ -37,31 +51,52 @@ pub struct LockedSlot {
     /// sealed participant entry, i.e. its claim ended).
     pub writer_pid: u32,
     /// The lock holder, from its participant entry; `None` when the lock name leads to none.
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::identity::snapshot_json::optional")
+    )]
     pub writer: Option<ProcessIdentity>,
     /// Whether the holder runs ([`ProcessIdentity::liveness`] of its entry's identity; a lock
     /// name whose entry was freed or claimed again is [`Liveness::Dead`]).
     pub writer_liveness: Liveness,
     /// `writer_liveness == Dead`: the next writer or [`Registry::reclaim_dead`] takes the lock
     /// over.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "writer_alive", serialize_with = "json::negated")
+    )]
     pub writer_dead: bool,
     /// Whether the holder opened the seqlock write (a half-written record would be dropped).
     pub writing: bool,
 }
 
 /// One participant entry: a process that has the registry open (or had, if it died).
+///
+/// With the `serde` feature it serialises as one flat object: `index`, the fields of its
+/// [`ProcessIdentity`] but the boot id (`pid`, `start_time`, `pid_ns`), `sealed`, `liveness`, and
+/// `dead` written as its negation `alive`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct ParticipantSnapshot {
     /// The entry index.
     pub index: u32,
     /// The process. For an entry whose claim was never completed (`sealed` false) only its pid
     /// and pid namespace are known; its start time reads 0.
+    #[cfg_attr(
+        feature = "serde",
+        serde(flatten, serialize_with = "crate::identity::snapshot_json::identity")
+    )]
     pub identity: ProcessIdentity,
     /// Whether the claim was completed (the full identity written).
     pub sealed: bool,
     /// Whether the process runs (the same test [`Registry::reclaim_dead`] uses).
     pub liveness: Liveness,
     /// `liveness == Dead`: [`Registry::reclaim_dead`] frees the entry.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "alive", serialize_with = "json::negated")
+    )]
     pub dead: bool,
 }
 
@@ -69,7 +104,12 @@ pub struct ParticipantSnapshot {
 ///
 /// Fields are read one by one: on a busy registry they may belong to slightly different moments,
 /// but each record is whole (copied under its seqlock).
+///
+/// With the `serde` feature it serialises with its field names (`cuda-ipc ls --json` prints this
+/// form), `creator` as `pid`, `start_time` and `pid_ns` (the boot id is this boot's), each corrupt
+/// slot as an object `{"slot": N, "reason": "..."}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct RegistrySnapshot {
     /// The segment name (without `/`); the file is `/dev/shm/NAME`.
@@ -86,6 +126,10 @@ pub struct RegistrySnapshot {
     /// The pid of the process that created the segment (in its own pid namespace).
     pub creator_pid: u32,
     /// The process that created the segment.
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::identity::snapshot_json::identity")
+    )]
     pub creator: ProcessIdentity,
     /// The creation generation: random, different for every creation of the name.
     pub generation: u64,
@@ -96,6 +140,7 @@ pub struct RegistrySnapshot {
     /// Slots whose writer lock is held now.
     pub locked_slots: Vec<LockedSlot>,
     /// Slots whose bytes make no sense, with the reason ([`Registry::reclaim_dead`] frees them).
+    #[cfg_attr(feature = "serde", serde(serialize_with = "json::corrupt_slots"))]
     pub corrupt_slots: Vec<(u32, String)>,
     /// Participant entries in use, dead ones included.
     pub participants: Vec<ParticipantSnapshot>,
@@ -302,6 +347,58 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
         });
     }
     Ok(snap)
+}
+
+/// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.
+#[cfg(feature = "serde")]
+mod json {
+    use super::Record;
+    use serde::{Serialize, Serializer};
+
+    /// A record without its token and metadata bytes: their lengths, and the owner's pid.
+    pub(super) fn record<S: Serializer>(r: &Record, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Json<'a> {
+            name: &'a str,
+            kind: u32,
+            seq: u64,
+            slot: u32,
+            owner_pid: u32,
+            token_bytes: usize,
+            metadata_bytes: usize,
+        }
+        Json {
+            name: &r.name,
+            kind: r.kind,
+            seq: r.seq,
+            slot: r.slot,
+            owner_pid: r.owner.pid,
+            token_bytes: r.token.len(),
+            metadata_bytes: r.metadata.len(),
+        }
+        .serialize(s)
+    }
+
+    /// `dead` written as `alive` (and `writer_dead` as `writer_alive`).
+    pub(super) fn negated<S: Serializer>(b: &bool, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bool(!b)
+    }
+
+    /// `(slot, reason)` pairs as `{"slot": N, "reason": "..."}` objects.
+    pub(super) fn corrupt_slots<S: Serializer>(
+        v: &[(u32, String)],
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Json<'a> {
+            slot: u32,
+            reason: &'a str,
+        }
+        s.collect_seq(v.iter().map(|(slot, reason)| Json {
+            slot: *slot,
+            reason,
+        }))
+    }
 }
 
 #[cfg(test)]

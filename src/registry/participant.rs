@@ -19,8 +19,13 @@
 //! | | `fence(Release)`, identity words (Relaxed) | `entry_state`'s Acquire fence and re-check of `owner` (SYNC POINT claim) |
 //! | seal | `lock_name` store (Release) | `entry_state`'s Acquire load of `lock_name` (SYNC POINT seal) |
 //! | free | `owner` CAS owner word → 0 (Release) | the next claimer's Acquire CAS |
+//!
+//! The functions here work on one entry; the [`Registry`] methods at the end apply them to a
+//! handle's table: claim an entry, copy one, tell whether a lock's holder runs, free the entries of
+//! dead processes, list the live participants.
 
 use super::layout::{OWNER_GEN_MASK, OWNER_PID_BITS, Participant};
+use super::{ReclaimReport, Registry};
 use crate::identity::{LIVE_PREFIX, Liveness, ProcessIdentity};
 use crate::sync::{Ordering, fence};
 
@@ -195,6 +200,114 @@ pub(crate) fn claimer_liveness(owner: u64, boot: [u8; 16]) -> Liveness {
         return Liveness::Unknown;
     }
     verdict
+}
+
+impl Registry {
+    /// Claims a free participant entry and seals it with this process's identity; returns its
+    /// index, owner word and lock name.
+    pub(super) fn claim_participant(&self) -> Option<(u32, u64, u64)> {
+        for i in 0..self.participants {
+            let p = self.participant_at(i);
+            // Relaxed: only a hint for which entry to try.
+            if p.owner.load(Ordering::Relaxed) != 0 {
+                continue;
+            }
+            // Relaxed: a read-modify-write, so every attempt on this entry gets its own number;
+            // that keeps owner words and lock names of successive claims apart.
+            let claim = p.claims.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            let owner = owner_word(&self.me, claim)?;
+            // Acquire on success: pairs with the Release that freed the entry (the holder's drop or
+            // a reclaim), so the previous claim's stores come before ours.
+            if p.owner
+                .compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            // SYNC POINT claim: Release fence, pairs with the Acquire fence in `entry_state`: a
+            // reader that copies any identity word below then sees this claim's owner word.
+            fence(Ordering::Release);
+            self.me.store_words(&p.identity);
+            let name = lock_name(claim, i);
+            // SYNC POINT seal: Release, pairs with the Acquire load of `lock_name` in
+            // `entry_state`; the identity above is complete for whoever sees this name.
+            p.lock_name.store(name, Ordering::Release);
+            return Some((i, owner, name));
+        }
+        None
+    }
+
+    /// Entry `i`, copied consistently.
+    pub(super) fn entry(&self, i: u32) -> EntryState {
+        entry_state(self.participant_at(i), i)
+    }
+
+    /// Whether the holder of lock name `name` runs, and who it is (see [`participant`]).
+    pub(super) fn holder_liveness(&self, name: u64) -> (Liveness, Option<ProcessIdentity>) {
+        holder_liveness(|i| self.entry(i), name, self.participants)
+    }
+
+    /// `true` only when the holder of lock name `name` is dead ([`Liveness::Unknown`] is not).
+    pub(super) fn holder_is_dead(&self, name: u64) -> bool {
+        name != self.lock_name && self.holder_liveness(name).0 == Liveness::Dead
+    }
+
+    /// Whether the process behind entry `i` runs: the sealed identity decides, or for a claim that
+    /// was never sealed, the claimer's pid and namespace.
+    pub(super) fn entry_liveness(&self, state: &EntryState) -> Liveness {
+        match state {
+            EntryState::Free => Liveness::Dead,
+            EntryState::Held { identity, .. } => identity.liveness(),
+            EntryState::Claiming { owner } => claimer_liveness(*owner, self.me.boot_id),
+            EntryState::Changing => Liveness::Unknown,
+        }
+    }
+
+    /// Frees the entries of dead processes; counts those kept as unknown in `rep`.
+    pub(super) fn reclaim_participants(&self, rep: &mut ReclaimReport) -> u32 {
+        let mut n = 0;
+        for i in 0..self.participants {
+            if i == self.participant {
+                continue;
+            }
+            let state = self.entry(i);
+            let owner = match state {
+                EntryState::Held { owner, .. } | EntryState::Claiming { owner } => owner,
+                EntryState::Free | EntryState::Changing => continue,
+            };
+            match self.entry_liveness(&state) {
+                Liveness::Dead => {
+                    let p = self.participant_at(i);
+                    // Release: pairs with the next claimer's Acquire compare-exchange. The owner
+                    // word carries the claim's generation, so a newer claim is never freed here.
+                    if p.owner
+                        .compare_exchange(owner, 0, Ordering::Release, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        n += 1;
+                    }
+                }
+                Liveness::Alive => {}
+                _ => rep.kept_unknown += 1,
+            }
+        }
+        n
+    }
+
+    /// Live participants (processes with this registry open), from the participant table: every
+    /// sealed entry whose identity is not [`Liveness::Dead`], each process once.
+    pub fn participants(&self) -> Vec<ProcessIdentity> {
+        let mut out = Vec::new();
+        for i in 0..self.participants {
+            if let EntryState::Held { identity, .. } = self.entry(i)
+                && identity.liveness() != Liveness::Dead
+                && !out.contains(&identity)
+            {
+                out.push(identity);
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]

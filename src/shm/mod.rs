@@ -2,8 +2,11 @@
 //! payload words.
 //!
 //! Owns: [`Segment`] (`shm_open` + `ftruncate` + `fallocate` + [`memmap2::MmapRaw`]), [`futex`]
-//! (shared `FUTEX_WAIT`/`FUTEX_WAKE` with timeouts) and [`seqlock`]. The registry and the channel
-//! layer build their segments on these. Never calls CUDA, never interprets a segment's contents.
+//! (shared `FUTEX_WAIT`/`FUTEX_WAKE` with timeouts), [`seqlock`], and the versioned create/open
+//! protocol of a named segment (`versioned`, crate-internal: magic, layout version, init stamp,
+//! generation, the bounded wait, the replacement of a stale segment). The registry and the channel
+//! layer build their segments on these. Never calls CUDA; of a segment's contents it reads only
+//! the protocol's words (magic, version, stamp, generation), where the layout says they are.
 //!
 //! Errors: [`ShmError`] is this layer's own (a segment missing, taken, of another user, not a
 //! file, sparse or too small; a seqlock read that never found a stable copy). Functions return
@@ -22,6 +25,7 @@ mod error;
 pub mod futex;
 mod segment;
 pub mod seqlock;
+pub(crate) mod versioned;
 
 pub use error::ShmError;
 pub use futex::WaitResult;
@@ -29,29 +33,4 @@ pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, list_segments, validate_name,
 };
 pub use seqlock::{SeqLock, SeqWriter};
-
-/// A new creation generation for a segment header: 64 random bits from the kernel (`getrandom`),
-/// never 0 (0 means "no generation" in a header). Two creations under one name get different
-/// generations with probability 1 − 2⁻⁶⁴, so a reader that finds another generation behind the
-/// name knows its mapping was superseded.
-pub fn new_generation() -> u64 {
-    let mut b = [0u8; 8];
-    let mut filled = 0;
-    while filled < b.len() {
-        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
-            Ok(n) => filled += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(_) => break,
-        }
-    }
-    let mut g = u64::from_le_bytes(b);
-    if filled < b.len() {
-        // No getrandom (a seccomp filter): time and pid still differ between two creations.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        g ^= t ^ (u64::from(std::process::id()) << 40);
-    }
-    if g == 0 { 1 } else { g }
-}
+pub use versioned::new_generation;

@@ -55,7 +55,7 @@ impl SegmentOptions {
 ///
 /// The mapping is a [`MmapRaw`]: this type hands out a raw pointer and never a Rust reference to the
 /// bytes, because other processes write them at any time. Callers access the bytes through atomics
-/// (see [`crate::shm::seqlock`]) or raw-pointer reads of bytes they know nobody writes.
+/// (see [`crate::raw::shm::seqlock`]) or raw-pointer reads of bytes they know nobody writes.
 ///
 /// Dropping a `Segment` unmaps it and closes its descriptor; it does not unlink the name (see
 /// [`Segment::unlink`]).

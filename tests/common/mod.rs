@@ -175,7 +175,7 @@ pub struct Unlink(pub String);
 
 impl Drop for Unlink {
     fn drop(&mut self) {
-        let _ = cuda_ipc::shm::Segment::unlink(&self.0);
+        let _ = cuda_ipc::raw::shm::Segment::unlink(&self.0);
     }
 }
 

@@ -1,0 +1,189 @@
+//! How a channel is created and attached: [`ChannelOptions`], [`ConsumerOptions`], [`MemoryKind`],
+//! the checks of those options and of host buffer ranges, and the settings both ends share.
+
+#[cfg(doc)]
+use super::MAX_CONSUMERS;
+use super::{ChannelError, Delivery, MAX_BUFFERS, WaitStrategy};
+use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::ipc::{MemPool, VmmBuffer};
+use std::time::Duration;
+
+/// How often a producer waiting for a consumer's GPU work checks that the consumer still lives.
+pub(super) const LIVENESS_CHECK: Duration = Duration::from_millis(20);
+
+/// The panic message of the GPU accessors (stream, context, device buffer) on a host channel.
+pub(super) const HOST_NO_GPU: &str = "a host-memory channel has no GPU side (no stream, context or \
+                                      device buffer): use the host accessors (as_ptr, len, read_at, \
+                                      write_at)";
+
+/// How a channel is created.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ChannelOptions {
+    /// Buffers in the pool (1 to [`MAX_BUFFERS`]); default 4.
+    pub buffers: usize,
+    /// Bytes per buffer.
+    pub buffer_bytes: usize,
+    /// Most consumers attached at once (1 to [`MAX_CONSUMERS`]); default 8.
+    pub max_consumers: usize,
+    /// Upper bound on the pool's device memory in bytes; `None` for no bound.
+    pub quota_bytes: Option<u64>,
+    /// How the producer waits in [`Producer::acquire`].
+    ///
+    /// [`Producer::acquire`]: super::Producer::acquire
+    pub wait: WaitStrategy,
+    /// Give the control segment mode 0660 instead of 0600, so consumers of other users in the
+    /// segment's group can attach (with [`ConsumerOptions::group_access`]). Legacy pools only: the
+    /// file descriptors of VMM and memory-pool buffers are served to the same user alone.
+    pub group_access: bool,
+    /// Which kind of exportable memory the pool is made of; default [`MemoryKind::Auto`].
+    pub memory: MemoryKind,
+}
+
+/// The kind of exportable memory a channel's pool is made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Legacy IPC ([`MemoryKind::Legacy`]) where the platform supports it, else VMM.
+    #[default]
+    Auto,
+    /// `cuMemAlloc` buffers shared through `IpcMemHandle`s.
+    Legacy,
+    /// `cuMemCreate` buffers shared as POSIX file descriptors ([`VmmBuffer`]): each consumer holds
+    /// its own reference to the memory, so its mappings stay valid if the producer dies.
+    Vmm,
+    /// Allocations from an exportable stream-ordered memory pool ([`MemPool`], one per producer),
+    /// shared through the pool's file descriptor and each pointer's export data. As with legacy
+    /// memory, the driver wants consumers to drop their imports before the producer frees the pool.
+    Pool,
+    /// Shared host memory, no GPU: the pool is one POSIX shared-memory segment
+    /// (`/dev/shm/cuda-ipc.hp.NAME`) beside the control segment, made by [`Producer::create_host`]
+    /// and attached by [`Consumer::attach`] without the CUDA driver. Frames give their bytes as a
+    /// raw pointer and length ([`WriteFrame::as_mut_ptr`], [`Frame::as_ptr`]) and through copy
+    /// helpers ([`WriteFrame::write_at`], [`Frame::read_at`]). Stream ordering degrades to host
+    /// ordering: there are no streams, ready words or events; the producer's writes are visible to
+    /// a consumer that received the frame, and a consumer's reads are done once it dropped it.
+    ///
+    /// [`Producer::create_host`]: super::Producer::create_host
+    /// [`Consumer::attach`]: super::Consumer::attach
+    /// [`WriteFrame::as_mut_ptr`]: super::WriteFrame::as_mut_ptr
+    /// [`Frame::as_ptr`]: super::Frame::as_ptr
+    /// [`WriteFrame::write_at`]: super::WriteFrame::write_at
+    /// [`Frame::read_at`]: super::Frame::read_at
+    Host,
+}
+
+impl ChannelOptions {
+    /// A pool of 4 buffers of `buffer_bytes` bytes, 8 consumers, default waiting.
+    pub fn new(buffer_bytes: usize) -> Self {
+        ChannelOptions {
+            buffers: 4,
+            buffer_bytes,
+            max_consumers: 8,
+            quota_bytes: None,
+            wait: WaitStrategy::default(),
+            group_access: false,
+            memory: MemoryKind::Auto,
+        }
+    }
+    /// Gives the control segment group access (see [`ChannelOptions::group_access`]).
+    pub fn group_access(mut self, on: bool) -> Self {
+        self.group_access = on;
+        self
+    }
+    /// Sets the kind of pool memory.
+    pub fn memory(mut self, kind: MemoryKind) -> Self {
+        self.memory = kind;
+        self
+    }
+    /// Sets the number of buffers.
+    pub fn buffers(mut self, n: usize) -> Self {
+        self.buffers = n;
+        self
+    }
+    /// Sets the most consumers.
+    pub fn max_consumers(mut self, n: usize) -> Self {
+        self.max_consumers = n;
+        self
+    }
+    /// Sets the pool's memory quota in bytes.
+    pub fn quota_bytes(mut self, q: u64) -> Self {
+        self.quota_bytes = Some(q);
+        self
+    }
+    /// Sets the producer's wait strategy.
+    pub fn wait(mut self, w: WaitStrategy) -> Self {
+        self.wait = w;
+        self
+    }
+}
+
+/// How a consumer attaches.
+#[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
+pub struct ConsumerOptions {
+    /// Every frame (back-pressure) or the latest only.
+    pub delivery: Delivery,
+    /// How [`Consumer::recv`] waits.
+    ///
+    /// [`Consumer::recv`]: super::Consumer::recv
+    pub wait: WaitStrategy,
+    /// Also attach to a channel of another user of one of this process's groups, when its
+    /// producer gave the segment group access (mode 0660). Off by default: a channel of another
+    /// user is refused as `WrongOwner`.
+    pub group_access: bool,
+}
+
+impl ConsumerOptions {
+    /// Every frame, default waiting.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets the delivery policy.
+    pub fn delivery(mut self, d: Delivery) -> Self {
+        self.delivery = d;
+        self
+    }
+    /// Sets the wait strategy.
+    pub fn wait(mut self, w: WaitStrategy) -> Self {
+        self.wait = w;
+        self
+    }
+    /// Accepts a group-shared channel of another user (see [`ConsumerOptions::group_access`]).
+    pub fn group_access(mut self, on: bool) -> Self {
+        self.group_access = on;
+        self
+    }
+}
+
+/// Checks `opts`' memory quota and buffer count.
+pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
+    if let Some(q) = opts.quota_bytes
+        && (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q
+    {
+        return Err(ChannelError::OverQuota {
+            buffers: opts.buffers,
+            buffer_bytes: opts.buffer_bytes,
+            quota: q,
+        }
+        .into());
+    }
+    if opts.buffers == 0 || opts.buffers > MAX_BUFFERS {
+        return Err(Error::InvalidArgument(format!(
+            "a pool needs 1 to {MAX_BUFFERS} buffers, got {}",
+            opts.buffers
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `n` bytes from `offset` fit a buffer of `len` bytes.
+pub(super) fn host_check(offset: usize, n: usize, len: usize) -> Result<()> {
+    if offset.checked_add(n).is_none_or(|end| end > len) {
+        return Err(Error::InvalidArgument(format!(
+            "{n} bytes at offset {offset} pass the end of a {len}-byte buffer"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,44 @@
+//! Internals for tools, tests and fuzzing: named shared-memory segments, the shared futex and
+//! the seqlock (`raw::shm`), the registry's byte layout (`raw::registry_layout`), the registry's
+//! test points (`raw::registry_test_hooks`) and the GPU kernels the examples and tests check
+//! frames with (`raw::kernels`).
+//!
+//! They are what the crate itself is built on, and they follow the layouts documented in
+//! docs/registry-layout.md and docs/channel-layout.md, but they are not part of the API the crate
+//! keeps stable: their signatures may change in any release. A program that shares buffers uses
+//! [`crate::channel`], [`crate::registry`], [`crate::ipc`] and [`crate::driver`] instead; the
+//! errors the primitives report reach users as [`crate::Error::Shm`] ([`crate::ShmError`]).
+
+/// Named POSIX segments, shared futex words and the seqlock (the crate's `shm` layer).
+pub mod shm {
+    pub use crate::shm::{
+        MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, SeqLock, SeqWriter,
+        ShmError, WaitResult, list_segments, new_generation, validate_name,
+    };
+
+    /// Shared `FUTEX_WAIT`/`FUTEX_WAKE` with timeouts.
+    pub mod futex {
+        pub use crate::shm::futex::*;
+    }
+
+    /// A seqlock over atomic payload words.
+    pub mod seqlock {
+        pub use crate::shm::seqlock::*;
+    }
+}
+
+/// The registry's byte layout: offsets, sizes and constants (docs/registry-layout.md).
+pub mod registry_layout {
+    pub use crate::registry::layout::*;
+}
+
+/// Points inside the registry's write and repair paths where a test can stop or kill a process.
+pub mod registry_test_hooks {
+    pub use crate::registry::slot::{TestPoint, set_test_hook};
+}
+
+/// PTX kernels (fill, check, spin, time stamps) that the examples, tests and benchmarks use to
+/// write and verify frames on the GPU.
+pub mod kernels {
+    pub use crate::kernels::*;
+}

@@ -1,0 +1,543 @@
+//! Creating, opening and joining a registry segment, and removing a stale one: the versioned
+//! segment protocol (`shm::versioned`) for the registry's layout, and the registry's own
+//! checks of its header (sizes, counts) and its own judgement of a stale segment.
+
+use super::layout::*;
+use super::participant;
+use super::{ReclaimReport, Registry, RegistryError, RegistryOptions, corrupt};
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::versioned::{self, HeaderError, Look, StampWord, VersionedHeader};
+use crate::shm::{Segment, SegmentOptions, ShmError};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+// SAFETY: (1) the registry `Header` is `#[repr(C)]` and all atomics (`super::layout`); (2) its
+// alignment is 8 (asserted there); (3) it is `HEADER_SIZE` bytes (asserted there).
+unsafe impl VersionedHeader for Header {
+    const MAGIC: u64 = MAGIC;
+    const VERSION: u32 = LAYOUT_VERSION;
+    const HEADER_LEN: usize = HEADER_SIZE;
+    // A stamp word that is neither 0 nor INITDONE has always been refused as corrupt at once.
+    const STRICT_STAMP: bool = true;
+
+    fn magic(&self) -> &AtomicU64 {
+        &self.magic
+    }
+    fn version(&self) -> &AtomicU32 {
+        &self.layout_version
+    }
+    fn stamp(&self) -> StampWord<'_> {
+        StampWord::U64(&self.init_stamp, INIT_STAMP)
+    }
+    fn generation(&self) -> &AtomicU64 {
+        &self.generation
+    }
+}
+
+impl Registry {
+    /// Creates the registry segment `name` with `opts`' capacity and mode, initialises it, and
+    /// joins it as a participant.
+    ///
+    /// The pages are reserved up front (a full `/dev/shm` fails here). The header's init stamp is
+    /// stored last, so openers never use a half-initialised segment.
+    ///
+    /// # Errors
+    /// [`ShmError::InvalidName`], [`ShmError::AlreadyExists`], [`ShmError::NoSpace`],
+    /// [`Error::InvalidArgument`] for a capacity out of range, [`Error::Os`] for failed calls.
+    ///
+    /// # Examples
+    /// ```
+    /// use cuda_ipc::registry::{Registry, RegistryOptions};
+    /// let name = format!("cuda-ipc-doc-reg-{}", std::process::id());
+    /// let reg = Registry::create(&name, &RegistryOptions::new().capacity(8))?;
+    /// let seq = reg.publish("frames", 1, b"token bytes", b"meta")?;
+    /// let rec = reg.get("frames")?.unwrap();
+    /// assert_eq!((rec.seq, &rec.token[..]), (seq, &b"token bytes"[..]));
+    /// Registry::unlink(&name)?;
+    /// # Ok::<(), cuda_ipc::Error>(())
+    /// ```
+    pub fn create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
+        if opts.slots == 0 || opts.slots > MAX_SLOTS {
+            return Err(Error::InvalidArgument(format!(
+                "registry capacity {} (1 to {MAX_SLOTS})",
+                opts.slots
+            )));
+        }
+        if opts.participants == 0 || opts.participants > MAX_PARTICIPANTS {
+            return Err(Error::InvalidArgument(format!(
+                "registry participants {} (1 to {MAX_PARTICIPANTS})",
+                opts.participants
+            )));
+        }
+        let me = ProcessIdentity::current()?;
+        let total = total_size(opts.participants, opts.slots);
+        let seg = Segment::create(
+            name,
+            total,
+            &SegmentOptions::new().group_access(opts.group_access),
+        )?;
+        // The protocol's order (`write_versioned`): the creator's identity, the generation and the
+        // version first, published early by the magic's Release store (SYNC POINT creator, paired
+        // with the Acquire load of the magic in `remove_if_stale`), so a stale, half-initialised
+        // segment can be told from a slow creator's; then the fields below (Relaxed); then
+        // init_stamp last with Release (paired with the Acquire load of init_stamp in `open`'s
+        // look): everything is visible to an opener that sees the stamp.
+        versioned::write_versioned::<Header>(
+            &seg,
+            |hdr| me.store_words(&hdr.creator),
+            |hdr| {
+                hdr.header_size.store(HEADER_SIZE as u32, Ordering::Relaxed);
+                hdr.total_size.store(total as u64, Ordering::Relaxed);
+                hdr.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
+                hdr.slot_count.store(opts.slots, Ordering::Relaxed);
+                hdr.participant_size
+                    .store(PARTICIPANT_SIZE as u32, Ordering::Relaxed);
+                hdr.participant_count
+                    .store(opts.participants, Ordering::Relaxed);
+                hdr.record_name_max
+                    .store(RECORD_NAME_MAX as u32, Ordering::Relaxed);
+                hdr.token_max.store(TOKEN_MAX as u32, Ordering::Relaxed);
+                hdr.metadata_max
+                    .store(METADATA_MAX as u32, Ordering::Relaxed);
+                // Slots and participant entries are zero from ftruncate: free.
+            },
+        );
+        Self::attach(seg, opts.slots, opts.participants, me, opts)
+    }
+
+    /// Opens the existing registry `name`, validating everything it reads, and joins it.
+    ///
+    /// Waits up to `opts.init_timeout` for a creator that is still initialising. Dead participants'
+    /// entries are freed on the way in.
+    ///
+    /// # Errors
+    /// - [`ShmError::NotFound`]; [`ShmError::WrongOwner`] for another user's segment
+    ///   (unless `group_access` and a shared group); [`ShmError::InsecureMode`] for a segment
+    ///   others may open;
+    /// - [`ShmError::NotASegment`] for a FIFO, directory, socket or device under the name,
+    ///   [`Error::InvalidArgument`] for a symbolic link (never followed), [`ShmError::Sparse`]
+    ///   for a file whose pages are not all backed (after the wait: a creator may be sizing it);
+    /// - [`ShmError::TooSmall`] for a zero-size or truncated segment;
+    /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
+    ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
+    /// - [`RegistryError::Uninitialised`] when the init stamp did not appear in time;
+    /// - [`RegistryError::TooManyParticipants`] when every entry is held by a live process.
+    pub fn open(name: &str, opts: &RegistryOptions) -> Result<Registry> {
+        let start = Instant::now();
+        loop {
+            match Self::try_open(name, opts.group_access) {
+                Ok((seg, slots, participants)) => {
+                    let me = ProcessIdentity::current()?;
+                    return Self::attach(seg, slots, participants, me, opts);
+                }
+                Err(Retry::Fatal(e)) => return Err(e),
+                Err(Retry::NotReady(e)) => {
+                    let waited = start.elapsed();
+                    if waited >= opts.init_timeout {
+                        return Err(match e {
+                            Error::Registry(RegistryError::Uninitialised { name, .. }) => {
+                                RegistryError::Uninitialised { name, waited }.into()
+                            }
+                            e => e,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+        }
+    }
+
+    /// Opens the registry `name`, or creates it when there is none.
+    ///
+    /// A segment under the name is replaced only when it is provably this crate's own stale
+    /// registry: a regular, fully backed file of our uid, with the registry magic and this layout
+    /// version, never initialised (no init stamp after `opts.init_timeout`), whose recorded creator
+    /// is dead by [`ProcessIdentity::liveness`]. Its inode is checked again just before it is
+    /// unlinked. Everything else is reported and left as it is. A fully initialised segment whose
+    /// participants all died is simply opened: their entries and locks are reclaimed as met.
+    ///
+    /// # Errors
+    /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
+    /// a FIFO, directory, socket or device: [`ShmError::NotASegment`]; a symbolic link:
+    /// [`Error::InvalidArgument`]; another user's segment: [`ShmError::WrongOwner`]; a sparse
+    /// file: [`ShmError::Sparse`]; an empty or short file: [`ShmError::TooSmall`]; a
+    /// file without the magic: [`RegistryError::ForeignSegment`] (or
+    /// [`RegistryError::Uninitialised`] when it is all zero: a creator killed before its first
+    /// store cannot be told from one about to make it); another layout version, live creator or
+    /// not: [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
+    /// [`RegistryError::Uninitialised`]; one whose creator's liveness cannot be told:
+    /// [`RegistryError::CreatorUnknown`].
+    pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
+        for _ in 0..4 {
+            match Self::create(name, opts) {
+                Err(Error::Shm(ShmError::AlreadyExists { .. })) => {}
+                other => return other,
+            }
+            match Self::open(name, opts) {
+                Err(Error::Shm(ShmError::NotFound { .. })) => continue,
+                Err(
+                    e @ (Error::Registry(RegistryError::Uninitialised { .. })
+                    | Error::Shm(ShmError::TooSmall { .. })),
+                ) => match Self::remove_if_stale(name, e)? {
+                    Stale::Removed(creator) => {
+                        tracing::warn!(segment = name, creator = %creator, "removed a stale registry segment left by a crashed creator");
+                        continue;
+                    }
+                    Stale::Changed => continue,
+                },
+                other => return other,
+            }
+        }
+        Err(Error::Timeout {
+            what: "registry segment creation (it kept disappearing or reappearing)",
+            after: opts.init_timeout * 4,
+        })
+    }
+
+    /// Unlinks `name` if it is provably our own stale registry (the rule in
+    /// [`Registry::open_or_create`]); otherwise returns the error that says why not (`why` when
+    /// nothing more precise is known).
+    fn remove_if_stale(name: &str, why: Error) -> Result<Stale> {
+        precheck(name)?;
+        let seg = match Segment::open(name) {
+            Ok(s) => s,
+            Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Stale::Changed),
+            Err(e) => return Err(e),
+        };
+        seg.check_owner()?;
+        if seg.len() < HEADER_SIZE {
+            return Err(ShmError::TooSmall {
+                name: name.to_string(),
+                len: seg.len() as u64,
+                min: HEADER_SIZE as u64,
+            }
+            .into());
+        }
+        let hdr = Self::header_of(&seg);
+        // SYNC POINT creator: Acquire, pairs with the creator's Release store of the magic; the
+        // creator identity and version read below are the creator's.
+        let magic = hdr.magic.load(Ordering::Acquire);
+        if magic == 0 {
+            // All zero so far: a creator killed before its first store looks exactly like one
+            // about to make it. Not provably stale.
+            return Err(why);
+        }
+        if magic != MAGIC {
+            return Err(RegistryError::ForeignSegment {
+                name: name.to_string(),
+                found: magic,
+            }
+            .into());
+        }
+        // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
+        let version = hdr.layout_version.load(Ordering::Relaxed);
+        if version != LAYOUT_VERSION {
+            return Err(RegistryError::VersionMismatch {
+                name: name.to_string(),
+                found: version,
+                supported: LAYOUT_VERSION,
+            }
+            .into());
+        }
+        // Acquire: pairs with the creator's Release store of the stamp.
+        if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
+            return Ok(Stale::Changed); // finished meanwhile: open it
+        }
+        let creator = ProcessIdentity::load_words(&hdr.creator);
+        match creator.liveness() {
+            Liveness::Dead => {}
+            Liveness::Alive => return Err(why),
+            _ => {
+                return Err(RegistryError::CreatorUnknown {
+                    name: name.to_string(),
+                    creator: creator.to_string(),
+                }
+                .into());
+            }
+        }
+        let ino = seg.inode()?;
+        drop(seg);
+        // Removed only while the name still stands for the segment judged, under a lock every
+        // replacer takes on it: a fresh segment another opener made in between is left alone.
+        if Segment::unlink_if_same(name, ino)? {
+            Ok(Stale::Removed(creator))
+        } else {
+            Ok(Stale::Changed)
+        }
+    }
+
+    /// Removes the registry's name (`shm_unlink`); handles already open keep working.
+    ///
+    /// # Errors
+    /// As [`Segment::unlink`].
+    pub fn unlink(name: &str) -> Result<()> {
+        Segment::unlink(name)
+    }
+
+    pub(super) fn try_open(
+        name: &str,
+        allow_group: bool,
+    ) -> std::result::Result<(Segment, u32, u32), Retry> {
+        let not_ready = |e: Error| match e {
+            // A creator between `ftruncate` and `fallocate` (sparse) or before `ftruncate` (empty).
+            Error::Shm(ShmError::TooSmall { .. } | ShmError::Sparse { .. }) => Retry::NotReady(e),
+            e => Retry::Fatal(e),
+        };
+        precheck(name).map_err(not_ready)?;
+        let seg = Segment::open(name).map_err(not_ready)?;
+        seg.check_access(allow_group).map_err(Retry::Fatal)?;
+        let len = seg.len();
+        if len < HEADER_SIZE {
+            return Err(Retry::NotReady(
+                ShmError::TooSmall {
+                    name: name.to_string(),
+                    len: len as u64,
+                    min: HEADER_SIZE as u64,
+                }
+                .into(),
+            ));
+        }
+        let hdr = Self::header_of(&seg);
+        // One look (`versioned::look`): init_stamp Acquire, pairing with the creator's Release
+        // store of the stamp, so the fields read below are then the creator's; the magic (a
+        // foreign one refused at once) and the version. This layout's stamp is strict: a stamp
+        // word that is neither 0 nor INITDONE is corrupt, not awaited.
+        match versioned::look(hdr) {
+            Look::Ready => {}
+            Look::Unstamped | Look::Refused(HeaderError::Unstamped { .. }) => {
+                return Err(Retry::NotReady(
+                    RegistryError::Uninitialised {
+                        name: name.to_string(),
+                        waited: Duration::ZERO,
+                    }
+                    .into(),
+                ));
+            }
+            Look::Refused(HeaderError::Foreign { magic }) => {
+                return Err(Retry::Fatal(
+                    RegistryError::ForeignSegment {
+                        name: name.to_string(),
+                        found: magic,
+                    }
+                    .into(),
+                ));
+            }
+            Look::Refused(HeaderError::BadStamp { found: stamp }) => {
+                return Err(Retry::Fatal(corrupt(
+                    name,
+                    format!("init stamp {stamp:#018x}, expected {INIT_STAMP:#018x} or 0"),
+                )));
+            }
+            Look::Refused(HeaderError::OtherVersion { found }) => {
+                return Err(Retry::Fatal(
+                    RegistryError::VersionMismatch {
+                        name: name.to_string(),
+                        found,
+                        supported: LAYOUT_VERSION,
+                    }
+                    .into(),
+                ));
+            }
+        }
+        let check = |what: &str, found: u64, expected: u64| {
+            if found == expected {
+                Ok(())
+            } else {
+                Err(Retry::Fatal(corrupt(
+                    name,
+                    format!("{what} is {found}, this layout has {expected}"),
+                )))
+            }
+        };
+        check(
+            "header size",
+            hdr.header_size.load(Ordering::Relaxed).into(),
+            HEADER_SIZE as u64,
+        )?;
+        check(
+            "slot size",
+            hdr.slot_size.load(Ordering::Relaxed).into(),
+            SLOT_SIZE as u64,
+        )?;
+        check(
+            "participant entry size",
+            hdr.participant_size.load(Ordering::Relaxed).into(),
+            PARTICIPANT_SIZE as u64,
+        )?;
+        check(
+            "record name maximum",
+            hdr.record_name_max.load(Ordering::Relaxed).into(),
+            RECORD_NAME_MAX as u64,
+        )?;
+        check(
+            "token maximum",
+            hdr.token_max.load(Ordering::Relaxed).into(),
+            TOKEN_MAX as u64,
+        )?;
+        check(
+            "metadata maximum",
+            hdr.metadata_max.load(Ordering::Relaxed).into(),
+            METADATA_MAX as u64,
+        )?;
+        let slots = hdr.slot_count.load(Ordering::Relaxed);
+        let participants = hdr.participant_count.load(Ordering::Relaxed);
+        if slots == 0 || slots > MAX_SLOTS {
+            return Err(Retry::Fatal(corrupt(
+                name,
+                format!("slot count {slots} (1 to {MAX_SLOTS})"),
+            )));
+        }
+        if participants == 0 || participants > MAX_PARTICIPANTS {
+            return Err(Retry::Fatal(corrupt(
+                name,
+                format!("participant count {participants} (1 to {MAX_PARTICIPANTS})"),
+            )));
+        }
+        let need = total_size(participants, slots) as u64;
+        check(
+            "total size in the header",
+            hdr.total_size.load(Ordering::Relaxed),
+            need,
+        )?;
+        if (len as u64) < need {
+            return Err(Retry::Fatal(
+                ShmError::TooSmall {
+                    name: name.to_string(),
+                    len: len as u64,
+                    min: need,
+                }
+                .into(),
+            ));
+        }
+        Ok((seg, slots, participants))
+    }
+
+    pub(super) fn attach(
+        seg: Segment,
+        slots: u32,
+        participants: u32,
+        me: ProcessIdentity,
+        opts: &RegistryOptions,
+    ) -> Result<Registry> {
+        if participant::owner_word(&me, 0).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "pid {} does not fit a registry participant entry (22 bits)",
+                me.pid
+            )));
+        }
+        let mut reg = Self::observer(seg, slots, participants, me)?;
+        reg.lock_timeout = opts.lock_timeout;
+        // Dead participants' entries are freed on the way in (as `open` promises), not only when
+        // every entry is taken: a registry outlives crashed processes, and `participants()` should
+        // not list them to the next one that joins.
+        reg.reclaim_participants(&mut ReclaimReport::default());
+        let (i, owner, name) = reg.claim_participant().ok_or_else(|| {
+            Error::from(RegistryError::TooManyParticipants {
+                name: reg.seg.name().to_string(),
+                capacity: participants,
+            })
+        })?;
+        reg.participant = i;
+        reg.owner = owner;
+        reg.lock_name = name;
+        Ok(reg)
+    }
+
+    /// A handle that holds no participant entry (index out of range, so its drop frees none) and
+    /// never takes a lock: for inspection, and the first step of [`Registry::attach`].
+    pub(super) fn observer(
+        seg: Segment,
+        slots: u32,
+        participants: u32,
+        me: ProcessIdentity,
+    ) -> Result<Registry> {
+        let st = rustix::fs::fstat(seg.fd())
+            .map_err(|e| crate::error::OsError::new("fstat", format!("/{}", seg.name()), e))?;
+        let file_id = (st.st_dev, st.st_ino);
+        // Relaxed: written before the init stamp, which the opener loaded with Acquire.
+        let generation = Self::header_of(&seg).generation.load(Ordering::Relaxed);
+        Ok(Registry {
+            seg,
+            slots,
+            participants,
+            me,
+            lock_name: 0,
+            owner: 0,
+            participant: u32::MAX,
+            lock_timeout: Duration::ZERO,
+            file_id,
+            generation,
+        })
+    }
+}
+
+/// Whether `open` should wait and try again.
+pub(super) enum Retry {
+    NotReady(Error),
+    Fatal(Error),
+}
+
+/// What [`Registry::remove_if_stale`] did.
+enum Stale {
+    /// Unlinked: a never-initialised registry of this crate whose creator (named) is dead.
+    Removed(ProcessIdentity),
+    /// The name changed meanwhile (gone, finished, or another object): look again.
+    Changed,
+}
+
+/// What a file type is, in the words of [`ShmError::NotASegment`].
+fn kind_of(ft: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_dir() {
+        "directory"
+    } else if ft.is_fifo() {
+        "FIFO"
+    } else if ft.is_socket() {
+        "socket"
+    } else if ft.is_char_device() {
+        "character device"
+    } else if ft.is_block_device() {
+        "block device"
+    } else if ft.is_symlink() {
+        "symbolic link"
+    } else {
+        "special file"
+    }
+}
+
+/// Refuses, before anything is opened, what a registry name cannot stand for: a FIFO, directory,
+/// socket or device ([`ShmError::NotASegment`]) or a sparse file ([`ShmError::Sparse`]:
+/// touching its holes could raise `SIGBUS`). Only `lstat`, so nothing blocks and no link is
+/// followed; symbolic links and missing names are left to [`Segment::open`], which refuses or
+/// reports them. [`Segment::open`] checks the opened descriptor the same way, so a swap after this
+/// look is caught there.
+fn precheck(name: &str) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    crate::shm::validate_name(name)?;
+    let path = format!("{}/{name}", crate::shm::SHM_DIR);
+    let Ok(m) = std::fs::symlink_metadata(&path) else {
+        return Ok(());
+    };
+    let ft = m.file_type();
+    if ft.is_symlink() {
+        return Ok(());
+    }
+    if !ft.is_file() {
+        return Err(ShmError::NotASegment {
+            name: name.to_string(),
+            kind: kind_of(ft),
+        }
+        .into());
+    }
+    let backed = m.blocks().saturating_mul(512);
+    if backed < m.size() {
+        return Err(ShmError::Sparse {
+            name: name.to_string(),
+            len: m.size(),
+            backed,
+        }
+        .into());
+    }
+    Ok(())
+}

@@ -1,0 +1,555 @@
+//! The versioned create/open protocol of a named segment, written once for every layout built on
+//! [`Segment`]: the registry, the channel's control segment and a host channel's buffer pool.
+//!
+//! A layout describes its header with [`VersionedHeader`] (where its magic, layout version, init
+//! stamp and creation generation are, and what they must hold); the protocol is then:
+//! - create: [`Segment::create`] (`O_CREAT | O_EXCL`, the exact mode, every page reserved). A
+//!   creator that may replace what it finds under the name goes through [`create_replacing`]: the
+//!   layout's judge says whether the segment there may go, and only the object judged is removed
+//!   ([`Segment::unlink_if_same`]), at most four times before the name counts as taken;
+//!   [`stat_blocker`] is the judgement's first, layout-free part (owner, empty or sparse, size);
+//! - initialise: [`write_versioned`]: the creator's identity (the layout's own words), a new
+//!   generation ([`new_generation`]) and the layout version, then the magic with `Release`, the
+//!   layout's other fields, and the init stamp last with `Release`;
+//! - open: [`open_versioned`]: [`Segment::open_with_min_len`] (never through a link, a regular
+//!   file, at least the header, every page backed), the owner check, a bounded wait for the stamp,
+//!   then magic and layout version; [`look`] is one such check, for an opener that waits in its own
+//!   way.
+//!
+//! What the segment itself reports (missing, another user's, sparse, too small) is a
+//! [`crate::Error`], [`ShmError`] as [`Segment`] gives it. What the header says is a
+//! [`HeaderError`], which each layer turns into its own error (`RegistryError::VersionMismatch`,
+//! `ChannelError::VersionMismatch`, ...): the words belong to the layout, and so do the texts.
+//! What stays with each layer: how its creator's identity is stored, how a creation whose stamp
+//! never came is judged (whose liveness decides, after how long), and the checks of its own header
+//! fields.
+//!
+//! Imports only `error`, `sync` and the rest of `shm`: the creator's identity is written and read
+//! by the layer's own closures, so `shm` knows nothing of processes.
+
+use super::{Segment, SegmentInfo, SegmentOptions, ShmError};
+use crate::error::{Error, Result};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How old an empty, sparse or never stamped segment must be before a creator may take it for one
+/// abandoned half-way (a live creator gets past those states within microseconds).
+pub const ABANDONED_AFTER: Duration = Duration::from_secs(2);
+
+/// How many times [`create_replacing`] judges and removes what it finds before it gives up.
+const REPLACE_ATTEMPTS: u32 = 4;
+
+/// A header's init stamp word and the value its creator stores there last.
+#[derive(Clone, Copy, Debug)]
+pub enum StampWord<'a> {
+    /// A `u32` stamp (the channel's control segment, the host pool).
+    U32(&'a AtomicU32, u32),
+    /// A `u64` stamp (the registry).
+    U64(&'a AtomicU64, u64),
+}
+
+impl StampWord<'_> {
+    /// The word's value (widened) and whether it is the stamp, loaded with `ordering`.
+    fn load(self, ordering: Ordering) -> (u64, bool) {
+        match self {
+            StampWord::U32(w, v) => {
+                let x = w.load(ordering);
+                (u64::from(x), x == v)
+            }
+            StampWord::U64(w, v) => {
+                let x = w.load(ordering);
+                (x, x == v)
+            }
+        }
+    }
+
+    fn store(self, ordering: Ordering) {
+        match self {
+            StampWord::U32(w, v) => w.store(v, ordering),
+            StampWord::U64(w, v) => w.store(v, ordering),
+        }
+    }
+}
+
+/// A segment header that follows the versioned protocol: a `u64` magic, a `u32` layout version, an
+/// init stamp and a `u64` creation generation, wherever the layout puts them.
+///
+/// # Safety
+/// An implementor promises, so that [`header`] may hand out `&Self` over a mapping:
+/// 1. `Self` is `#[repr(C)]` and made only of atomics of `crate::sync` (and arrays of them): every
+///    bit pattern is a valid value, and a shared reference permits the concurrent writes of other
+///    processes; no plain byte is ever referenced;
+/// 2. `align_of::<Self>()` divides 4096 (mappings start on a page);
+/// 3. `size_of::<Self>() <= Self::HEADER_LEN`.
+pub unsafe trait VersionedHeader {
+    /// The magic at the header's start, as a little-endian `u64`.
+    const MAGIC: u64;
+    /// The layout version this build writes and reads.
+    const VERSION: u32;
+    /// Bytes an opener needs before it reads the header (at least the header's size).
+    const HEADER_LEN: usize;
+    /// Whether a magic that is neither 0 nor [`Self::MAGIC`] is refused while the stamp is still
+    /// awaited (`true`), or only once the stamp is there (`false`: the host pool's opener).
+    const FOREIGN_BEFORE_STAMP: bool = true;
+    /// Whether a stamp word that is neither 0 nor the stamp is refused at once
+    /// ([`HeaderError::BadStamp`]: the registry), or awaited like 0 (`false`).
+    const STRICT_STAMP: bool = false;
+
+    /// The magic word.
+    fn magic(&self) -> &AtomicU64;
+    /// The layout version word.
+    fn version(&self) -> &AtomicU32;
+    /// The init stamp word and the stamp.
+    fn stamp(&self) -> StampWord<'_>;
+    /// The creation generation word.
+    fn generation(&self) -> &AtomicU64;
+}
+
+/// What a header says that makes an opener refuse it. The layer that owns the layout names it in
+/// its own error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeaderError {
+    /// Another magic: a file of another program, or of another layout of this crate.
+    Foreign {
+        /// The magic found.
+        magic: u64,
+    },
+    /// This layout's magic, another layout version (`VERSION` of the layout is the supported one).
+    OtherVersion {
+        /// The version found.
+        found: u32,
+    },
+    /// A stamp word that is neither 0 nor the stamp (only with
+    /// [`VersionedHeader::STRICT_STAMP`]).
+    BadStamp {
+        /// The word found, widened to `u64`.
+        found: u64,
+    },
+    /// No init stamp after the wait.
+    Unstamped {
+        /// The wait the opener was given.
+        waited: Duration,
+    },
+}
+
+/// Why [`open_versioned`] gave no segment.
+#[derive(Debug)]
+pub enum OpenError {
+    /// The segment itself (missing, another user's, not a file, sparse, too small) or a call:
+    /// the error as [`Segment`] gives it, to be passed on unchanged.
+    Segment(Error),
+    /// The header's words (magic, version, stamp): the layer names it in its own error.
+    Header(HeaderError),
+}
+
+/// The header at the start of `seg`, as a shared reference to atomics.
+///
+/// # Panics
+/// When `seg` is shorter than [`VersionedHeader::HEADER_LEN`] (every creator and opener here
+/// checks that first).
+pub fn header<H: VersionedHeader>(seg: &Segment) -> &H {
+    assert!(
+        seg.len() >= H::HEADER_LEN,
+        "a segment shorter than its header"
+    );
+    // (1) The mapping holds at least HEADER_LEN >= size_of::<H>() bytes (asserted above, and the
+    // trait's contract 3) and lives as long as `seg`, which the returned reference borrows; (2) it
+    // starts on a page, so H's alignment holds (contract 2); (3) H consists only of atomics, so a
+    // shared reference permits the concurrent writes of other processes (contract 1).
+    // SAFETY: (1)-(3) above; (4) every bit pattern is a valid atomic integer (contract 1).
+    unsafe { &*seg.as_ptr().cast::<H>() }
+}
+
+/// Writes a new segment's header in the protocol's order and returns the generation written:
+/// `owner(h)` (the creator's identity, `Relaxed` stores), a new generation and the layout version
+/// (`Relaxed`), the magic (`Release`), `fields(h)` (everything else of the layout, `Relaxed` or
+/// plain), and the init stamp last (`Release`).
+///
+/// # Panics
+/// As [`header`].
+pub fn write_versioned<H: VersionedHeader>(
+    seg: &Segment,
+    owner: impl FnOnce(&H),
+    fields: impl FnOnce(&H),
+) -> u64 {
+    let h = header::<H>(seg);
+    let generation = new_generation();
+    // Relaxed stores: all published by the Release stores of the magic and of the stamp below.
+    owner(h);
+    h.generation().store(generation, Ordering::Relaxed);
+    h.version().store(H::VERSION, Ordering::Relaxed);
+    // SYNC POINT creator: Release, pairs with the Acquire load of the magic by a judge of a
+    // segment that was never stamped (the registry's `remove_if_stale`): whoever sees the magic
+    // sees the creator's identity and the version.
+    h.magic().store(H::MAGIC, Ordering::Release);
+    fields(h);
+    // SYNC POINT stamp: Release, pairs with the Acquire load of the stamp in `look`; everything
+    // above is visible to an opener that sees the stamp.
+    h.stamp().store(Ordering::Release);
+    generation
+}
+
+/// What one look at a header found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Look {
+    /// Stamped, this layout's magic and version: every field the creator wrote is visible.
+    Ready,
+    /// No stamp yet, and nothing that refuses it: a creator may still be writing.
+    Unstamped,
+    /// Refused for what it says.
+    Refused(HeaderError),
+}
+
+/// Looks once at `h`: the stamp (`Acquire`), then the magic and the version.
+///
+/// A creator's segment reads zero until it stores the magic, so a magic of 0 is awaited like a
+/// missing stamp; any other magic is refused without waiting (unless
+/// [`VersionedHeader::FOREIGN_BEFORE_STAMP`] is `false`).
+pub fn look<H: VersionedHeader>(h: &H) -> Look {
+    // SYNC POINT stamp: Acquire, pairs with the Release store of the stamp in `write_versioned`;
+    // when it is set, the fields read below are the creator's.
+    let (found, set) = h.stamp().load(Ordering::Acquire);
+    if !set && !H::FOREIGN_BEFORE_STAMP {
+        return Look::Unstamped;
+    }
+    // Relaxed: ordered by the Acquire above when the stamp is set; otherwise only a diagnosis.
+    let magic = h.magic().load(Ordering::Relaxed);
+    // Awaited: no stamp yet (with STRICT_STAMP: a stamp word still zero).
+    let blank = if H::STRICT_STAMP { found == 0 } else { !set };
+    if magic != H::MAGIC && !(magic == 0 && blank) {
+        return Look::Refused(HeaderError::Foreign { magic });
+    }
+    if !set {
+        return if blank {
+            Look::Unstamped
+        } else {
+            Look::Refused(HeaderError::BadStamp { found })
+        };
+    }
+    // Relaxed: ordered by the Acquire load of the stamp.
+    let version = h.version().load(Ordering::Relaxed);
+    if version != H::VERSION {
+        return Look::Refused(HeaderError::OtherVersion { found: version });
+    }
+    Look::Ready
+}
+
+/// Opens the segment `name` of layout `H`: [`Segment::open_with_min_len`] with
+/// [`VersionedHeader::HEADER_LEN`], then [`Segment::check_access`] with `allow_group` (or
+/// [`Segment::check_owner`] without it), then [`look`] every millisecond until the stamp is there,
+/// at most `wait`.
+///
+/// # Errors
+/// [`OpenError::Segment`] with the errors of [`Segment::open_with_min_len`],
+/// [`Segment::check_access`] and [`Segment::check_owner`]; [`OpenError::Header`] with what
+/// [`look`] refused, or [`HeaderError::Unstamped`] after `wait`.
+pub fn open_versioned<H: VersionedHeader>(
+    name: &str,
+    allow_group: bool,
+    wait: Duration,
+) -> std::result::Result<Segment, OpenError> {
+    let seg = Segment::open_with_min_len(name, H::HEADER_LEN).map_err(OpenError::Segment)?;
+    if allow_group {
+        seg.check_access(true)
+    } else {
+        seg.check_owner()
+    }
+    .map_err(OpenError::Segment)?;
+    let h = header::<H>(&seg);
+    let start = Instant::now();
+    loop {
+        match look(h) {
+            Look::Ready => break,
+            Look::Refused(e) => return Err(OpenError::Header(e)),
+            Look::Unstamped => {
+                if start.elapsed() > wait {
+                    return Err(OpenError::Header(HeaderError::Unstamped { waited: wait }));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    Ok(seg)
+}
+
+/// What stands under a name that a creation found taken, judged from `fstat` alone (nothing
+/// mapped, nothing read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocker {
+    /// Empty (a creator killed before `ftruncate`) or sparse (before `fallocate`), at least
+    /// [`ABANDONED_AFTER`] old: a creation abandoned before its pages were reserved. Never read:
+    /// touching a hole may raise `SIGBUS`.
+    Abandoned,
+    /// Empty or sparse, younger than [`ABANDONED_AFTER`]: a creator may be sizing it now.
+    Young,
+    /// Pages reserved, at least the header long: the layout judges it by its header.
+    Sized(SegmentInfo),
+}
+
+/// The judgement of [`Blocker::Abandoned`] in words, for a creator's log.
+pub const ABANDONED_UNSIZED: &str = "a creation abandoned before its pages were reserved";
+
+/// The first part of judging a segment that blocks a creation: [`Segment::stat`], the owner (only
+/// this user's segments are ever replaced), then empty or sparse (by age), then the size.
+///
+/// # Errors
+/// As [`Segment::stat`]; [`ShmError::WrongOwner`] for another user's segment;
+/// [`ShmError::TooSmall`] for one with its pages but shorter than `header_len`.
+pub fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
+    let info = Segment::stat(name)?;
+    let ours = rustix::process::geteuid().as_raw();
+    if info.uid != ours {
+        return Err(ShmError::WrongOwner {
+            name: name.to_string(),
+            owner: info.uid,
+            ours,
+        }
+        .into());
+    }
+    // What a creator killed half-way leaves: an empty file (before `ftruncate`) or a sparse one
+    // (before `fallocate`). Never read (a sparse file may SIGBUS); a live creator gets past both
+    // within microseconds. A short file with its pages is no creation of ours: refused.
+    if info.len == 0 || info.sparse {
+        return Ok(if info.age_secs >= ABANDONED_AFTER.as_secs() {
+            Blocker::Abandoned
+        } else {
+            Blocker::Young
+        });
+    }
+    if info.len < header_len as u64 {
+        return Err(ShmError::TooSmall {
+            name: name.to_string(),
+            len: info.len,
+            min: header_len as u64,
+        }
+        .into());
+    }
+    Ok(Blocker::Sized(info))
+}
+
+/// Creates the segment `name` ([`Segment::create`]); when the name is taken, asks `judge` whether
+/// what is there may be replaced and, when it says why (`Ok(Some(why))`), removes the object
+/// judged, only while the name still stands for it ([`Segment::unlink_if_same`]), and tries again.
+/// `Ok(None)` from `judge`: the name went away meanwhile, try again. `what` names the segment in
+/// the warning logged on a replacement (`"channel segment"`).
+///
+/// Two creators replacing one stale segment at once each remove only the object they judged, so
+/// the slower finds the faster one's new segment and its judge refuses it.
+///
+/// # Errors
+/// The errors of [`Segment::create`] and [`Segment::stat`], `judge`'s errors, and
+/// [`ShmError::AlreadyExists`] when the name was still taken after four replacements.
+pub fn create_replacing(
+    name: &str,
+    len: usize,
+    opts: &SegmentOptions,
+    what: &str,
+    mut judge: impl FnMut() -> Result<Option<&'static str>>,
+) -> Result<Segment> {
+    let mut attempts = 0;
+    loop {
+        match Segment::create(name, len, opts) {
+            Ok(s) => return Ok(s),
+            Err(Error::Shm(ShmError::AlreadyExists { .. })) if attempts < REPLACE_ATTEMPTS => {
+                attempts += 1;
+                let judged = match Segment::stat(name) {
+                    Ok(i) => i.inode,
+                    Err(Error::Shm(ShmError::NotFound { .. })) => continue,
+                    Err(e) => return Err(e),
+                };
+                let Some(why) = judge()? else { continue };
+                if Segment::unlink_if_same(name, judged)? {
+                    tracing::warn!("replaced the {what} {name}: {why}");
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A new creation generation for a segment header: 64 random bits from the kernel (`getrandom`),
+/// never 0 (0 means "no generation" in a header). Two creations under one name get different
+/// generations with probability 1 − 2⁻⁶⁴, so a reader that finds another generation behind the
+/// name knows its mapping was superseded.
+pub fn new_generation() -> u64 {
+    let mut b = [0u8; 8];
+    let mut filled = 0;
+    while filled < b.len() {
+        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => break,
+        }
+    }
+    let mut g = u64::from_le_bytes(b);
+    if filled < b.len() {
+        // No getrandom (a seccomp filter): time and pid still differ between two creations.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        g ^= t ^ (u64::from(std::process::id()) << 40);
+    }
+    if g == 0 { 1 } else { g }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A header of the protocol's words only, with a `u32` stamp and the rules as parameters.
+    #[repr(C)]
+    struct Ruled<const FOREIGN_FIRST: bool, const STRICT: bool> {
+        magic: AtomicU64,
+        version: AtomicU32,
+        stamp: AtomicU32,
+        generation: AtomicU64,
+    }
+
+    /// The default rules (the channel's control segment).
+    type Hdr = Ruled<true, false>;
+
+    const STAMP: u32 = 0x5354_4d50;
+
+    // SAFETY: repr(C), atomics only; 8-byte alignment; 24 bytes <= HEADER_LEN.
+    unsafe impl<const F: bool, const S: bool> VersionedHeader for Ruled<F, S> {
+        const MAGIC: u64 = u64::from_le_bytes(*b"TESTVERS");
+        const VERSION: u32 = 7;
+        const HEADER_LEN: usize = 64;
+        const FOREIGN_BEFORE_STAMP: bool = F;
+        const STRICT_STAMP: bool = S;
+        fn magic(&self) -> &AtomicU64 {
+            &self.magic
+        }
+        fn version(&self) -> &AtomicU32 {
+            &self.version
+        }
+        fn stamp(&self) -> StampWord<'_> {
+            StampWord::U32(&self.stamp, STAMP)
+        }
+        fn generation(&self) -> &AtomicU64 {
+            &self.generation
+        }
+    }
+
+    fn look_at<const F: bool, const S: bool>(magic: u64, stamp: u32) -> Look {
+        let h = Ruled::<F, S> {
+            magic: AtomicU64::new(magic),
+            version: AtomicU32::new(7),
+            stamp: AtomicU32::new(stamp),
+            generation: AtomicU64::new(1),
+        };
+        look(&h)
+    }
+
+    #[test]
+    fn each_layouts_rules_give_the_answers_its_opener_always_gave() {
+        use HeaderError::{BadStamp, Foreign};
+        use Look::{Ready, Refused, Unstamped};
+        let m = Hdr::MAGIC;
+        let (x, g) = (0x1234, 0xdead);
+        // (magic, stamp word) → (control segment, registry, host pool).
+        let cases = [
+            ((0, 0), [Unstamped, Unstamped, Unstamped]),
+            ((m, 0), [Unstamped, Unstamped, Unstamped]),
+            (
+                (x, 0),
+                [
+                    Refused(Foreign { magic: x }),
+                    Refused(Foreign { magic: x }),
+                    Unstamped,
+                ],
+            ),
+            ((0, STAMP), [Refused(Foreign { magic: 0 }); 3]),
+            ((m, STAMP), [Ready, Ready, Ready]),
+            ((x, STAMP), [Refused(Foreign { magic: x }); 3]),
+            (
+                (0, g),
+                [Unstamped, Refused(Foreign { magic: 0 }), Unstamped],
+            ),
+            (
+                (m, g),
+                [
+                    Unstamped,
+                    Refused(BadStamp {
+                        found: u64::from(g),
+                    }),
+                    Unstamped,
+                ],
+            ),
+            (
+                (x, g),
+                [
+                    Refused(Foreign { magic: x }),
+                    Refused(Foreign { magic: x }),
+                    Unstamped,
+                ],
+            ),
+        ];
+        for ((magic, stamp), want) in cases {
+            let got = [
+                look_at::<true, false>(magic, stamp),
+                look_at::<true, true>(magic, stamp),
+                look_at::<false, false>(magic, stamp),
+            ];
+            assert_eq!(got, want, "magic {magic:#x}, stamp {stamp:#x}");
+        }
+    }
+
+    fn name(tag: &str) -> String {
+        format!("cuda-ipc-versioned-{tag}-{}", std::process::id())
+    }
+
+    #[test]
+    fn a_written_header_opens_and_every_refusal_names_what_it_found() {
+        let n = name("open");
+        let seg = Segment::create(&n, 4096, &SegmentOptions::new()).unwrap();
+        let h = header::<Hdr>(&seg);
+        assert_eq!(look(h), Look::Unstamped);
+        let g = write_versioned::<Hdr>(&seg, |_| {}, |_| {});
+        assert_ne!(g, 0);
+        assert_eq!(h.generation.load(Ordering::Relaxed), g);
+        assert_eq!(look(h), Look::Ready);
+        assert!(open_versioned::<Hdr>(&n, false, Duration::ZERO).is_ok());
+        h.version.store(8, Ordering::Relaxed);
+        assert!(matches!(
+            open_versioned::<Hdr>(&n, false, Duration::ZERO),
+            Err(OpenError::Header(HeaderError::OtherVersion { found: 8 }))
+        ));
+        h.stamp.store(0, Ordering::Relaxed);
+        h.magic.store(1, Ordering::Relaxed);
+        assert_eq!(look(h), Look::Refused(HeaderError::Foreign { magic: 1 }));
+        h.magic.store(Hdr::MAGIC, Ordering::Relaxed);
+        assert!(matches!(
+            open_versioned::<Hdr>(&n, false, Duration::from_millis(5)),
+            Err(OpenError::Header(HeaderError::Unstamped { .. }))
+        ));
+        Segment::unlink(&n).unwrap();
+        assert!(matches!(
+            open_versioned::<Hdr>(&n, false, Duration::ZERO),
+            Err(OpenError::Segment(Error::Shm(ShmError::NotFound { .. })))
+        ));
+    }
+
+    #[test]
+    fn a_creator_replaces_only_what_its_judge_lets_go() {
+        let n = name("replace");
+        let old = Segment::create(&n, 4096, &SegmentOptions::new()).unwrap();
+        assert!(matches!(stat_blocker(&n, 64), Ok(Blocker::Sized(_))));
+        assert!(matches!(
+            stat_blocker(&n, 8192),
+            Err(Error::Shm(ShmError::TooSmall { .. }))
+        ));
+        let refused = create_replacing(&n, 4096, &SegmentOptions::new(), "test segment", || {
+            Err(Error::InvalidArgument("kept".into()))
+        });
+        assert!(matches!(refused, Err(Error::InvalidArgument(_))));
+        let new = create_replacing(&n, 4096, &SegmentOptions::new(), "test segment", || {
+            Ok(Some("a test"))
+        })
+        .unwrap();
+        assert_ne!(new.inode().unwrap(), old.inode().unwrap());
+        Segment::unlink(&n).unwrap();
+    }
+}
