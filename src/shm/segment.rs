@@ -23,7 +23,7 @@ pub const MAX_SEGMENT_NAME: usize = 200;
 ///
 /// # Examples
 /// ```
-/// use cuda_ipc::shm::SegmentOptions;
+/// use cuda_ipc::raw::shm::SegmentOptions;
 /// let opts = SegmentOptions::new().group_access(true);
 /// assert_eq!(opts.mode(), 0o660);
 /// ```
@@ -89,7 +89,7 @@ impl Segment {
     ///
     /// # Examples
     /// ```
-    /// use cuda_ipc::shm::{Segment, SegmentOptions};
+    /// use cuda_ipc::raw::shm::{Segment, SegmentOptions};
     /// let name = format!("cuda-ipc-doc-create-{}", std::process::id());
     /// let seg = Segment::create(&name, 4096, &SegmentOptions::new())?;
     /// assert_eq!(seg.len(), 4096);
