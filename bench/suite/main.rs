@@ -22,6 +22,7 @@
 #[path = "../../examples/common/mod.rs"]
 mod common;
 
+mod bare;
 mod clock;
 mod handoff;
 mod import;
