@@ -362,7 +362,12 @@ pub struct Consumer {
 impl Consumer {
     /// Opens the producer's page and registers it in `ctx`; the stream's per-frame calls go to
     /// `stream`, a live stream of `ctx` that outlives this value.
-    pub fn open(ctx: &Arc<Context>, name: &str, wait: BareWait, stream: sys::CUstream) -> Res<Self> {
+    pub fn open(
+        ctx: &Arc<Context>,
+        name: &str,
+        wait: BareWait,
+        stream: sys::CUstream,
+    ) -> Res<Self> {
         let page = Page::open(name)?;
         let reg = Registration::new(ctx, &page)?;
         Ok(Consumer {
@@ -531,7 +536,12 @@ mod tests {
                 }
             }
             let t0s = consumer.join().unwrap();
-            assert_eq!(t0s, (1..=frames).map(|k| 1000 + u64::from(k)).collect::<Vec<_>>());
+            assert_eq!(
+                t0s,
+                (1..=frames)
+                    .map(|k| 1000 + u64::from(k))
+                    .collect::<Vec<_>>()
+            );
         });
         assert!(done.load(Ordering::Acquire));
     }
@@ -556,7 +566,11 @@ mod tests {
 
     #[test]
     fn spin_then_sleep_consumer_sees_every_frame() {
-        hand_off("spin-then-futex", BareWait::SpinThenFutex(Duration::from_micros(50)), 20);
+        hand_off(
+            "spin-then-futex",
+            BareWait::SpinThenFutex(Duration::from_micros(50)),
+            20,
+        );
     }
 
     #[test]
@@ -570,11 +584,19 @@ mod tests {
             let t = Instant::now();
             let e = wait_seq(page.seq(), 1, wait, Duration::from_millis(50), || true).unwrap_err();
             assert!(e.to_string().contains("no frame 1 within"), "{e}");
-            assert!(t.elapsed() < Duration::from_secs(1), "{wait:?}: {:?}", t.elapsed());
+            assert!(
+                t.elapsed() < Duration::from_secs(1),
+                "{wait:?}: {:?}",
+                t.elapsed()
+            );
             let t = Instant::now();
             let e = wait_seq(page.seq(), 1, wait, Duration::from_secs(10), || false).unwrap_err();
             assert!(e.to_string().contains("producer is gone"), "{e}");
-            assert!(t.elapsed() < Duration::from_secs(1), "{wait:?}: {:?}", t.elapsed());
+            assert!(
+                t.elapsed() < Duration::from_secs(1),
+                "{wait:?}: {:?}",
+                t.elapsed()
+            );
         }
     }
 

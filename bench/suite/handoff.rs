@@ -362,12 +362,8 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
         "bare_floor" => {
             let stream = Stream::new(&ctx)?;
             // Drops before the stream: drains it, then unregisters and unmaps the page.
-            let rx = bare::Consumer::open(
-                &ctx,
-                &kv.str("bare")?,
-                BareWait::of(wait),
-                stream.as_raw(),
-            )?;
+            let rx =
+                bare::Consumer::open(&ctx, &kv.str("bare")?, BareWait::of(wait), stream.as_raw())?;
             println!("READY");
             for k in 0..total {
                 let seq = (k + 1) as u32;
