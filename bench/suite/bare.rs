@@ -290,7 +290,8 @@ pub fn wait_seq(
         // The first slice always runs; a slice that ends without a wake is followed by a check.
         check(Instant::now())?;
         // Sleeps while the word still holds `v`; returns at once when it changed (EAGAIN), when
-        // woken, interrupted or timed out: every case re-checks above.
+        // woken, interrupted or timed out, or failed (then this loop spins, still bounded by the
+        // checks): every case re-checks above.
         let _ = futex::wait(word, futex::Flags::empty(), v, Some(&ts));
     }
 }
@@ -403,7 +404,9 @@ impl Consumer {
     /// the channel's release).
     #[inline]
     pub fn release(&self, seq: u32) -> Res<()> {
-        // SAFETY: as in `take`, for the ack word; DEFAULT (with a memory barrier) is a defined flag.
+        // SYNC POINT: bare gpu ack. The stream's write (after a memory barrier: DEFAULT) pairs with
+        // the Acquire load in `drain`, made once the stream has finished.
+        // SAFETY: as in `take`, for the ack word; DEFAULT is a defined flag.
         cu("cuStreamWriteValue32_v2", unsafe {
             sys::cuStreamWriteValue32_v2(
                 self.stream,

@@ -224,7 +224,7 @@ fn meta(index: u64, stamp_ns: u64) -> [u8; FrameMeta::LEN] {
 /// Waits until the consumer acknowledged `n` frames (it is back in its wait for frame `n`).
 fn wait_ack(shared: &Shared, n: u64, peer: &mut Peer) -> Res<()> {
     let what = format!("the consumer's ack of frame {n}");
-    // Acquire: pairs with the consumer's Release store of the ack.
+    // SYNC POINT: handoff ack. Acquire: pairs with the consumer's Release store of the ack.
     spin_until(
         &what,
         STEP,
@@ -331,7 +331,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 // Our kernel finishes before the producer's next GPU work can start (without MPS,
                 // kernels of two processes do not overlap: it would delay the next stamp).
                 rx.stream().synchronize()?;
-                // Release: pairs with the producer's Acquire load in `wait_ack`.
+                // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
             rx.stream().synchronize()?;
@@ -354,7 +354,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 }
                 t0s.push(t0);
                 stream.synchronize()?; // as in the channel branch
-                // Release: pairs with the producer's Acquire load in `wait_ack`.
+                // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
             stream.synchronize()?;
@@ -380,7 +380,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 }
                 t0s.push(t0);
                 rx.drain(seq)?; // as in the channel branch, and the ack word checked
-                // Release: pairs with the producer's Acquire load in `wait_ack`.
+                // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
         }
