@@ -13,8 +13,9 @@
 //!   the channel's release, `cuStreamWriteValue32_v2` of the sequence number into an ack word of the
 //!   page, which the consumer checks once its stream has drained.
 //!
-//! The pacing around it (the ack of the previous frame, the fill, the gap) and the clocks are those
-//! of the other implementations (`handoff.rs`): only the hand-off itself differs.
+//! The pacing around it (the host ack of the previous frame, in the suite's `Shared` segment as for
+//! the others and outside the timed interval; the fill; the gap) and the clocks are those of the
+//! other implementations (`handoff.rs`): only the hand-off itself differs.
 
 use crate::Res;
 use crate::clock::cu;

@@ -327,3 +327,24 @@ fn commit(o: &Options) -> Option<String> {
     let s = String::from_utf8(out.stdout).ok()?.trim().to_string();
     (out.status.success() && !s.is_empty()).then_some(s)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn only_takes_groups_and_cases_and_names_the_unknown() {
+        let o = parse_options(&args(&["--out", "x", "--only", "handoff/bare_floor,env"])).unwrap();
+        assert_eq!(o.only, ["handoff/bare_floor", "env"]);
+        assert!(parse_options(&args(&["--out", "x", "--only", "handoff"])).is_ok());
+        let e = parse_options(&args(&["--out", "x", "--only", "handoff/bare"]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("\"handoff/bare\" is neither a group"), "{e}");
+    }
+}
