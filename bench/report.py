@@ -32,6 +32,11 @@ SIZES = ["1MiB", "33MB", "256MiB"]
 
 # The targets of issue 6, and this suite's reading of "flat".
 FLOOR_RATIO_MAX = 1.25
+# The same reading against the bare floor (raw driver and futex calls only, bench/suite/bare.rs):
+# how far the channel is from what the hardware allows, not only from the crate's own layers.
+BARE_FLOOR_RATIO_MAX = FLOOR_RATIO_MAX
+# The hand-off implementations measured side by side with every wait strategy, in table order.
+HANDOFF_IMPLS = ["floor", "bare_floor", "channel"]
 PYTORCH_P50_RATIO_MIN = 100.0
 DEFAULT_P99_MAX_US = 20.0
 THROUGHPUT_RATIO_MIN = 10.0
@@ -112,6 +117,22 @@ def targets(ix: Index) -> list:
         f"handoff_vs_floor_p50[{DEFAULT}, consumer still spinning]",
         "as above with a 10 us gap: the frame arrives within the default 50 us spin window",
         ratio(ch, fl), "<=", FLOOR_RATIO_MAX, "x", {"channel_p50_us": ch, "floor_p50_us": fl}))
+    for w in WAITS:
+        ch = ix.v(f"handoff.channel.{w}.idle.ready.p50")
+        bf = ix.v(f"handoff.bare_floor.{w}.idle.ready.p50")
+        t.append(target(
+            f"handoff_vs_bare_floor_p50[{w}]",
+            f"channel hand-off p50 (idle consumer, wait {w}) over the bare floor's (raw calls only), same wait",
+            ratio(ch, bf), "<=", BARE_FLOOR_RATIO_MAX, "x",
+            {"channel_p50_us": ch, "bare_floor_p50_us": bf,
+             "channel_p99_us": ix.v(f"handoff.channel.{w}.idle.ready.p99"),
+             "bare_floor_p99_us": ix.v(f"handoff.bare_floor.{w}.idle.ready.p99")}))
+    ch = ix.v(f"handoff.channel.{DEFAULT}.spinning.ready.p50")
+    bf = ix.v(f"handoff.bare_floor.{DEFAULT}.spinning.ready.p50")
+    t.append(target(
+        f"handoff_vs_bare_floor_p50[{DEFAULT}, consumer still spinning]",
+        "as above with a 10 us gap: the frame arrives within the default 50 us spin window",
+        ratio(ch, bf), "<=", BARE_FLOOR_RATIO_MAX, "x", {"channel_p50_us": ch, "bare_floor_p50_us": bf}))
     torch_p50 = ix.v("handoff.torch_queue.idle.ready.p50")
     ch_p50 = ix.v(f"handoff.channel.{DEFAULT}.idle.ready.p50")
     t.append(target(
@@ -179,7 +200,7 @@ def markdown(ix: Index, tg: list, meta: dict) -> str:
     rows = []
     for sc, label in [("idle", None), ("spinning", "consumer still spinning")]:
         for w_ in WAITS if sc == "idle" else [DEFAULT]:
-            for imp in ["floor", "channel"]:
+            for imp in HANDOFF_IMPLS:
                 rows.append((imp, f"{w_}" + (f" ({label})" if label else ""), f"handoff.{imp}.{w_}.{sc}"))
     for imp in ["torch_queue", "host_staging_pageable", "host_staging_pinned", "cupy_ipc_per_frame"]:
         rows.append((imp, "its own", f"handoff.{imp}.idle"))
@@ -252,7 +273,7 @@ def plot(ix: Index, path: str, title: str) -> str | None:
     a = ax[0][0]
     labels, p50, p99 = [], [], []
     for w_ in WAITS:
-        for imp in ["floor", "channel"]:
+        for imp in HANDOFF_IMPLS:
             b = f"handoff.{imp}.{w_}.idle.ready"
             if ix.v(b + ".p50") is not None:
                 labels.append(f"{imp}\n{w_}")

@@ -4,7 +4,7 @@
 #   bash bench/run.sh [--quick] [--out DIR] [--bin PATH]
 #
 # 1. the Rust suite (bench/suite, binary bench_suite: hand-off, throughput, zero copy, import,
-#    registry, floor and limits), 2. the Python baselines (PyTorch queue, host staging, CuPy IPC per frame),
+#    registry, the floor, the bare floor and limits), 2. the Python baselines (PyTorch queue, host staging, CuPy IPC per frame),
 # 3. bench/report.py, which merges them and writes results.json, results.csv, targets.csv,
 #    benchmarks.png and benchmarks.md into the output directory.
 #

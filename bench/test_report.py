@@ -26,11 +26,13 @@ def dist(key: common.Key, metric: str, p50_us: float, p99_us: float) -> list:
 
 def suite_records() -> list:
     r = []
-    for w, fl, ch in [("spin-then-block", 17.0, 19.0), ("spin", 2.0, 3.0), ("block", 17.0, 18.0)]:
+    for w, fl, bf, ch in [("spin-then-block", 17.0, 16.0, 19.0), ("spin", 2.0, 1.0, 3.0), ("block", 17.0, 12.0, 18.0)]:
         r += dist(common.Key("handoff", "floor", f"{w}.idle", ""), "ready", fl, fl * 4)
+        r += dist(common.Key("handoff", "bare_floor", f"{w}.idle", ""), "ready", bf, bf * 4)
         r += dist(common.Key("handoff", "channel", f"{w}.idle", ""), "ready", ch, ch * 4)
         r += dist(common.Key("handoff", "channel", f"{w}.idle", ""), "kernel_start", ch + 5, ch * 5)
     r += dist(common.Key("handoff", "floor", "spin-then-block.spinning", ""), "ready", 2.0, 5.0)
+    r += dist(common.Key("handoff", "bare_floor", "spin-then-block.spinning", ""), "ready", 1.2, 2.0)
     r += dist(common.Key("handoff", "channel", "spin-then-block.spinning", ""), "ready", 2.4, 6.0)
     k = common.Key("throughput", "channel", "c1.spin-then-block", "")
     r += [k.rec("frames_per_s", "value", 6000, "frames/s", 8000), k.rec("mismatches", "value", 0, "words", 8000),
@@ -84,6 +86,13 @@ def test_targets_from_full_results() -> None:
         assert abs(t["handoff_vs_floor_p50[spin]"]["value"] - 1.5) < 1e-9
         assert t["handoff_vs_floor_p50[spin]"]["pass"] is False
         assert t["handoff_vs_floor_p50[block]"]["pass"] is True
+        # The bare floor: the same ratio against the raw-calls-only hand-off.
+        assert abs(t["handoff_vs_bare_floor_p50[spin]"]["value"] - 3.0) < 1e-9
+        assert t["handoff_vs_bare_floor_p50[spin]"]["pass"] is False
+        assert abs(t["handoff_vs_bare_floor_p50[spin-then-block]"]["value"] - 19 / 16) < 1e-9
+        assert t["handoff_vs_bare_floor_p50[spin-then-block]"]["pass"] is True
+        assert t["handoff_vs_bare_floor_p50[block]"]["inputs"]["bare_floor_p99_us"] == 48.0
+        assert abs(t["handoff_vs_bare_floor_p50[spin-then-block, consumer still spinning]"]["value"] - 2.4 / 1.2) < 1e-9
         assert abs(t["default_p50_vs_pytorch_queue"]["value"] - 500 / 19) < 1e-9
         assert t["default_p50_vs_pytorch_queue"]["pass"] is False
         assert t["default_p99_under_20us"]["pass"] is False  # 76 us
@@ -98,6 +107,8 @@ def test_targets_from_full_results() -> None:
             assert os.path.getsize(os.path.join(d, f)) > 0, f
         md = open(os.path.join(d, "benchmarks.md")).read()
         assert "| torch_queue | its own | 500 | 850 |" in md, md
+        assert "| bare_floor | spin | 1.0 | 4.0 |" in md, md
+        assert "| bare_floor | spin-then-block (consumer still spinning) | 1.2 | 2.0 |" in md, md
 
 
 def test_missing_inputs_are_not_measured() -> None:

@@ -1,5 +1,6 @@
-//! Hand-off latency with an idle consumer: the channel, and the bare floor built from the crate's
-//! lower layers, with the same wait strategy, the same pacing and the same clocks.
+//! Hand-off latency with an idle consumer: the channel, the floor built from the crate's lower
+//! layers, and the bare floor built from raw calls only (`bare.rs`), with the same wait strategy,
+//! the same pacing and the same clocks.
 //!
 //! One frame, paced so that it is the hand-off and not queueing that is measured:
 //! 1. the producer waits until the consumer has finished the previous frame, its GPU work included
@@ -10,16 +11,19 @@
 //!    the default 50 µs spin window);
 //! 3. `t0` = CLOCK_MONOTONIC, then `publish` (channel: record the buffer's IPC event, write the
 //!    metadata and the sequence number, wake; floor: record an IPC event, store `t0` and a sequence
-//!    number in shared memory, `FUTEX_WAKE` unless spinning). `t0` travels in the metadata;
-//! 4. the consumer returns from its wait with the stream wait enqueued (`recv` / `cuStreamWaitEvent`):
-//!    **ready** = now − `t0`; it launches the `stamp` kernel, whose `%globaltimer` converted to host
-//!    time (see `clock`) gives **kernel start** − `t0`;
-//! 5. it releases the frame (timed: **release call**), waits for its stream and stores the ack.
+//!    number in shared memory, `FUTEX_WAKE` unless spinning; bare floor: store `t0` and the
+//!    sequence number in its own page, `FUTEX_WAKE` unless spinning). `t0` travels in the metadata;
+//! 4. the consumer returns from its wait with the stream wait enqueued (`recv` / `cuStreamWaitEvent`
+//!    / `cuStreamWaitValue32`): **ready** = now − `t0`; it launches the `stamp` kernel, whose
+//!    `%globaltimer` converted to host time (see `clock`) gives **kernel start** − `t0`;
+//! 5. it releases the frame (timed: **release call**; bare floor: `cuStreamWriteValue32` of its ack
+//!    word), waits for its stream and stores the ack.
 //!
 //! With `cost=true` (the zero-copy case) every odd frame is instead taken only once its `publish`
 //! has returned (the `published` word), so `recv` does not wait: **consumer cost** = that `recv`
 //! call + the release, the consumer's whole per-frame price for a frame of any size.
 
+use crate::bare::{self, BareWait};
 use crate::clock::{self, GpuClock, View};
 use crate::common::{FrameMeta, now_ns};
 use crate::kv::{Kv, parse_wait};
@@ -151,7 +155,35 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             peer.finish(STEP)?;
             r
         }
-        x => return Err(format!("unknown impl {x:?} (channel|floor)").into()),
+        "bare_floor" => {
+            // Setup as the floor's (the fill's stream and buffer); the hand-off is `bare.rs`.
+            let stream = Stream::new(&ctx)?;
+            let buf = DeviceBuffer::new(&ctx, bytes)?;
+            let page = bare::Producer::create(&ctx, "handoff", BareWait::of(wait))?;
+            args.push(("bare".into(), page.name().to_string()));
+            let mut peer = Peer::spawn("bare floor consumer", "handoff-consumer", &args)?;
+            peer.expect("READY", Duration::from_secs(60))?;
+            for i in 0..total {
+                wait_ack(&shared, i, &mut peer)?;
+                let idle_since = Instant::now();
+                if fill {
+                    kernels.fill_pattern(&buf, i as u32, &stream)?;
+                }
+                stream.synchronize()?;
+                pace(idle_since, gap_us);
+                let t0 = now_ns();
+                page.publish(t0, (i + 1) as u32);
+                let t1 = now_ns();
+                if i >= warmup {
+                    publish_ns.push((t1 - t0) as f64);
+                }
+            }
+            wait_ack(&shared, total, &mut peer)?;
+            let r = peer.result(STEP)?;
+            peer.finish(STEP)?;
+            r
+        }
+        x => return Err(format!("unknown impl {x:?} (channel|floor|bare_floor)").into()),
     };
     let samples = |k: &str| -> Vec<f64> {
         consumer_result
@@ -192,7 +224,7 @@ fn meta(index: u64, stamp_ns: u64) -> [u8; FrameMeta::LEN] {
 /// Waits until the consumer acknowledged `n` frames (it is back in its wait for frame `n`).
 fn wait_ack(shared: &Shared, n: u64, peer: &mut Peer) -> Res<()> {
     let what = format!("the consumer's ack of frame {n}");
-    // Acquire: pairs with the consumer's Release store of the ack.
+    // SYNC POINT: handoff ack. Acquire: pairs with the consumer's Release store of the ack.
     spin_until(
         &what,
         STEP,
@@ -235,7 +267,7 @@ fn wait_seq(word: &AtomicU32, target: u32, wait: WaitStrategy) -> Res<()> {
     }
 }
 
-/// The consumer side (both implementations). Prints READY, then RESULT with the raw samples (ns).
+/// The consumer side (every implementation). Prints READY, then RESULT with the raw samples (ns).
 pub fn consumer(kv: &Kv) -> Res<Value> {
     let imp = kv.str("impl")?;
     let wait = parse_wait(&kv.str("wait")?)?;
@@ -299,7 +331,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 // Our kernel finishes before the producer's next GPU work can start (without MPS,
                 // kernels of two processes do not overlap: it would delay the next stamp).
                 rx.stream().synchronize()?;
-                // Release: pairs with the producer's Acquire load in `wait_ack`.
+                // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
             rx.stream().synchronize()?;
@@ -322,10 +354,35 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 }
                 t0s.push(t0);
                 stream.synchronize()?; // as in the channel branch
-                // Release: pairs with the producer's Acquire load in `wait_ack`.
+                // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
             stream.synchronize()?;
+        }
+        "bare_floor" => {
+            let stream = Stream::new(&ctx)?;
+            // Drops before the stream: drains it, then unregisters and unmaps the page.
+            let rx =
+                bare::Consumer::open(&ctx, &kv.str("bare")?, BareWait::of(wait), stream.as_raw())?;
+            println!("READY");
+            for k in 0..total {
+                let seq = (k + 1) as u32;
+                let t0 = rx.take(seq, parent_alive)?;
+                let t_ready = now_ns();
+                kernels.stamp(&View::slot(&stamps, k as usize)?, &stream)?;
+                let tr = now_ns();
+                rx.release(seq)?;
+                let t_rel = now_ns() - tr;
+                if k >= warmup {
+                    ready.push(t_ready as f64 - t0 as f64);
+                    release.push(t_rel as f64);
+                    measured.push(k);
+                }
+                t0s.push(t0);
+                rx.drain(seq)?; // as in the channel branch, and the ack word checked
+                // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
+                shared.ack().store(k + 1, Ordering::Release);
+            }
         }
         x => return Err(format!("unknown impl {x:?}").into()),
     }

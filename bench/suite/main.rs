@@ -1,11 +1,12 @@
 //! The benchmark suite of `docs/benchmarks.md`: the channel's hand-off latency and throughput, zero
-//! copy across frame sizes, import and registry costs, beside a bare floor built from the crate's
-//! lower layers and beside the physical limits (a cross-process futex or spinning ping-pong, a
-//! device-to-device copy of the same frame), all measured in one run.
+//! copy across frame sizes, import and registry costs, beside a floor built from the crate's lower
+//! layers, a bare floor built from raw driver and futex calls only, and the physical limits (a
+//! cross-process futex or spinning ping-pong, a device-to-device copy of the same frame), all
+//! measured in one run.
 //!
 //! ```text
 //! cargo run --release -p cuda-ipc-bench --example bench_suite -- --out DIR [--quick]
-//!     [--only handoff,import,...] [--commit SHA]
+//!     [--only handoff,import,handoff/bare_floor,...] [--commit SHA]
 //! ```
 //!
 //! Writes `DIR/bench_suite.json` (every number with its unit, the GPU, the driver, the date, the
@@ -22,6 +23,7 @@
 #[path = "../../examples/common/mod.rs"]
 mod common;
 
+mod bare;
 mod clock;
 mod handoff;
 mod import;
@@ -56,11 +58,12 @@ struct Options {
     commit: Option<String>,
 }
 
-const USAGE: &str = "usage: bench_suite --out DIR [--quick] [--budget S] [--only GROUP,...] [--commit SHA]
+const USAGE: &str = "usage: bench_suite --out DIR [--quick] [--budget S] [--only GROUP|CASE,...] [--commit SHA]
   --out DIR      where bench_suite.json and bench_suite.csv go (created if missing)
   --quick        a smoke test of every group with few frames (under a minute)
   --budget S     stop starting cases after S seconds (default 240, quick 50); each case is bounded too
-  --only LIST    run only these groups: env, registry, limits, handoff, throughput, zerocopy, import
+  --only LIST    run only these groups: env, registry, limits, handoff, throughput, zerocopy, import;
+                 or cases by id or id prefix, e.g. handoff/bare_floor (the bare floor's four cases)
   --commit SHA   the commit to record (default: $CUDA_IPC_GIT_COMMIT at build or run time, then git)";
 
 fn parse_options(argv: &[String]) -> Res<Options> {
@@ -95,9 +98,14 @@ fn parse_options(argv: &[String]) -> Res<Options> {
     if o.budget_s == 0 {
         o.budget_s = if o.quick { 50 } else { 240 };
     }
+    let all = plan::plan(o.quick, &[]);
     for g in &o.only {
-        if !plan::GROUPS.contains(&g.as_str()) {
-            return Err(format!("unknown group {g:?} (known: {})", plan::GROUPS.join(", ")).into());
+        if !all.iter().any(|c| plan::selects(g, c)) {
+            return Err(format!(
+                "{g:?} is neither a group ({}) nor a case (e.g. handoff/bare_floor)",
+                plan::GROUPS.join(", ")
+            )
+            .into());
         }
     }
     Ok(o)
@@ -318,4 +326,25 @@ fn commit(o: &Options) -> Option<String> {
         .ok()?;
     let s = String::from_utf8(out.stdout).ok()?.trim().to_string();
     (out.status.success() && !s.is_empty()).then_some(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn only_takes_groups_and_cases_and_names_the_unknown() {
+        let o = parse_options(&args(&["--out", "x", "--only", "handoff/bare_floor,env"])).unwrap();
+        assert_eq!(o.only, ["handoff/bare_floor", "env"]);
+        assert!(parse_options(&args(&["--out", "x", "--only", "handoff"])).is_ok());
+        let e = parse_options(&args(&["--out", "x", "--only", "handoff/bare"]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("\"handoff/bare\" is neither a group"), "{e}");
+    }
 }

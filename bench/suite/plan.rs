@@ -14,6 +14,9 @@ pub const GROUPS: [&str; 7] = [
     "import",
 ];
 
+/// The hand-off implementations, each run with every wait strategy and the same pacing.
+pub const HANDOFF_IMPLS: [&str; 3] = ["floor", "bare_floor", "channel"];
+
 /// The frame sizes of the zero-copy case and of the device-to-device copies: label and bytes.
 pub const SIZES: [(&str, usize); 3] = [
     ("1MiB", 1 << 20),
@@ -159,8 +162,9 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
         },
         120,
     );
-    // Hand-off with an idle consumer: floor and channel side by side for each wait strategy, then
-    // the default strategy with a gap short enough that the consumer is still spinning.
+    // Hand-off with an idle consumer: the floor, the bare floor and the channel side by side for
+    // each wait strategy, with the same frames, warm-up, gap and fill; then the default strategy
+    // with a gap short enough that the consumer is still spinning.
     let handoff =
         |imp: &str, wait: &str, scenario: &str, gap_us: u64, fill: bool| -> (String, Kind, u64) {
             let frames = s.handoff_frames;
@@ -185,12 +189,12 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
             )
         };
     for wait in WAITS {
-        for imp in ["floor", "channel"] {
+        for imp in HANDOFF_IMPLS {
             let (id, kind, t) = handoff(imp, wait, "idle", s.idle_gap_us, true);
             push(id, "handoff", kind, t);
         }
     }
-    for imp in ["floor", "channel"] {
+    for imp in HANDOFF_IMPLS {
         let (id, kind, t) = handoff(imp, WAITS[0], "spinning", s.spinning_gap_us, false);
         push(id, "handoff", kind, t);
     }
@@ -253,6 +257,85 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
         },
         120,
     );
-    cases.retain(|c| only.is_empty() || only.iter().any(|g| g == c.group));
+    cases.retain(|c| only.is_empty() || only.iter().any(|g| selects(g, c)));
     cases
+}
+
+/// Whether an `--only` item selects `case`: its group (`handoff`), or its id or a `/`-separated
+/// prefix of it (`handoff/bare_floor`, `handoff/bare_floor/spin`).
+pub fn selects(item: &str, case: &Case) -> bool {
+    item == case.group
+        || case
+            .id
+            .strip_prefix(item)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(c: &Case) -> Vec<(String, String)> {
+        match &c.kind {
+            Kind::Child { args, .. } => args.clone(),
+            _ => panic!("{} is not a child case", c.id),
+        }
+    }
+
+    #[test]
+    fn the_bare_floor_runs_beside_the_floor_with_the_same_pacing() {
+        for quick in [false, true] {
+            let cases = plan(quick, &[]);
+            let ids: Vec<&str> = cases.iter().map(|c| c.id.as_str()).collect();
+            let scenarios: Vec<(&str, &str)> = WAITS
+                .iter()
+                .map(|w| (*w, "idle"))
+                .chain([(WAITS[0], "spinning")])
+                .collect();
+            for (wait, scenario) in scenarios {
+                let find = |imp: &str| {
+                    let id = format!("handoff/{imp}/{wait}/{scenario}");
+                    cases
+                        .iter()
+                        .find(|c| c.id == id)
+                        .unwrap_or_else(|| panic!("no case {id} in {ids:?}"))
+                };
+                let (floor, bare, channel) = (find("floor"), find("bare_floor"), find("channel"));
+                let without_impl = |c: &Case| -> Vec<(String, String)> {
+                    args(c).into_iter().filter(|(k, _)| k != "impl").collect()
+                };
+                // Same frames, warm-up, gap, fill, bytes and scenario name (the record keys).
+                assert_eq!(without_impl(bare), without_impl(floor), "{wait}/{scenario}");
+                assert_eq!(
+                    without_impl(bare),
+                    without_impl(channel),
+                    "{wait}/{scenario}"
+                );
+                assert_eq!(bare.timeout_s, floor.timeout_s);
+                assert!(args(bare).contains(&("impl".into(), "bare_floor".into())));
+            }
+        }
+    }
+
+    #[test]
+    fn only_selects_groups_and_case_prefixes() {
+        let only = |items: &[&str]| -> Vec<String> {
+            let items: Vec<String> = items.iter().map(|s| s.to_string()).collect();
+            plan(true, &items).into_iter().map(|c| c.id).collect()
+        };
+        let bare = only(&["handoff/bare_floor"]);
+        assert_eq!(bare.len(), WAITS.len() + 1, "{bare:?}");
+        assert!(bare.iter().all(|id| id.starts_with("handoff/bare_floor/")));
+        assert_eq!(
+            only(&["handoff/bare_floor/spin/idle"]),
+            ["handoff/bare_floor/spin/idle"]
+        );
+        // Whole segments only: `handoff/f` is no prefix of `handoff/floor/...`.
+        assert!(only(&["handoff/f"]).is_empty());
+        assert_eq!(
+            only(&["handoff"]).len(),
+            (WAITS.len() + 1) * HANDOFF_IMPLS.len()
+        );
+        assert_eq!(only(&["env", "handoff/floor"]).len(), 1 + WAITS.len() + 1);
+    }
 }
