@@ -40,7 +40,15 @@ fn consumer(name: &str) -> Res<()> {
     Ok(())
 }
 
-fn main() -> Res<()> {
+fn main() {
+    // The error's Display text (what failed and how), not the Debug form `?` out of main prints.
+    if let Err(e) = run() {
+        eprintln!("host_pipeline: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Res<()> {
     let mut args = std::env::args().skip(1);
     let (mut frames, mut bytes, mut role) = (1000u64, 64 << 10, None);
     while let Some(a) = args.next() {

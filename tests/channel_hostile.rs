@@ -356,3 +356,51 @@ fn two_producers_restarting_a_dead_channel_at_once_never_remove_each_others_segm
         winners[0].unlink();
     }
 }
+
+const OTHER_VERSION: &str =
+    "a_dead_producers_host_pool_is_kept_when_its_channel_has_another_layout_version";
+
+/// gc's host-pool removal judges the pool with its channel: when the control segment has another
+/// layout version, the pool is kept with it (another version's segments are never removed), even
+/// though the pool's own layout is the same in both versions and its producer is dead.
+#[test]
+fn a_dead_producers_host_pool_is_kept_when_its_channel_has_another_layout_version() {
+    if common::role().as_deref() == Some("host-producer") {
+        let n = std::env::var("CUDA_IPC_TEST_CHANNEL").unwrap();
+        let opts = cuda_ipc::channel::ChannelOptions::new(4096).buffers(2);
+        let tx = cuda_ipc::channel::Producer::create_host(&n, &opts).unwrap();
+        std::mem::forget(tx); // exits with both segments left, as a killed producer would
+        std::process::exit(0);
+    }
+    let n = name("othervers");
+    let _c = Planted(n.clone());
+    let pool = format!("/dev/shm/{}", inspect::pool_segment_name(&n));
+    let st = Command::new(std::env::current_exe().unwrap())
+        .args([OTHER_VERSION, "--exact", "--nocapture"])
+        .env("CUDA_IPC_TEST_ROLE", "host-producer")
+        .env("CUDA_IPC_TEST_CHANNEL", &n)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(std::path::Path::new(&pool).exists());
+    // The control segment's layout version (bytes 8..12) as another build would have written it.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path(&n))
+            .unwrap();
+        f.write_all_at(&2u32.to_le_bytes(), 8).unwrap();
+    }
+    let listed = inspect::stale_host_pools().unwrap();
+    assert!(
+        !listed.iter().any(|(c, _)| *c == n),
+        "a pool of another version's channel listed as stale: {listed:?}"
+    );
+    match inspect::remove_stale_host_pool(&n) {
+        Err(Error::Channel(ChannelError::VersionMismatch { .. })) => {}
+        other => panic!("expected VersionMismatch, got {other:?}"),
+    }
+    assert!(std::path::Path::new(&pool).exists(), "the pool was removed");
+    let _ = std::fs::remove_file(&pool);
+}
