@@ -212,6 +212,11 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u32_at(h("producer_state")), 0);
     assert_eq!((u64_at(h("head")), u64_at(h("published"))), (1, 1));
     assert_ne!(u64_at(h("generation")), 0);
+    // Nobody sleeps on either futex word now.
+    assert_eq!(
+        (u32_at(h("publish_sleepers")), u32_at(h("release_sleepers"))),
+        (0, 0)
+    );
     // Buffer slot `i` at 136 + 576 i.
     let b = |k: usize, f: &str| HEADER_SIZE + k * BUFFER_SLOT_SIZE + doc_offset("buffer slot", f);
     assert_eq!(u64_at(b(i, "seq")), 1);

@@ -8,7 +8,7 @@ use super::layout::{
     ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, LATEST_ONLY, META_BYTES, META_WORDS,
     READY_PAGE, SEQ_EMPTY, WRITING, ready_offset, ready_word_offset,
 };
-use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, bump, wait_until};
+use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, wait_until};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::sync::{AtomicU32, Ordering, fence};
@@ -58,7 +58,7 @@ impl Control {
     ) -> Result<Option<(usize, u64)>> {
         let h = self.header();
         wait_until(
-            &h.release_futex,
+            h.release_wake(),
             strategy,
             timeout,
             || Ok(self.try_acquire()),
@@ -151,7 +151,7 @@ impl Control {
         // SYNC POINT: head. Release: pairs with `head()`'s Acquire.
         h.head.store(seq, Ordering::Release);
         h.published.fetch_add(1, Ordering::Relaxed);
-        bump(&h.publish_futex);
+        h.publish_wake().bump();
         Ok(seq)
     }
 
@@ -235,7 +235,7 @@ impl Control {
     pub(crate) fn abandon(&self, i: usize) {
         // SYNC POINT: publish. Release: pairs with `try_acquire`/`try_take` Acquire loads of seq.
         self.buffer(i).seq.store(SEQ_EMPTY, Ordering::Release);
-        bump(&self.header().release_futex);
+        self.header().release_wake().bump();
     }
 
     /// The generation of consumer slot `c` when it is active: a cheap check, per acquire, of whether
@@ -350,7 +350,7 @@ impl Control {
         let _ = s
             .state
             .compare_exchange(expected_state, FREE, Ordering::AcqRel, Ordering::Relaxed);
-        bump(&self.header().release_futex);
+        self.header().release_wake().bump();
         forced
     }
 
@@ -360,7 +360,7 @@ impl Control {
         self.header()
             .producer_state
             .store(CLOSED, Ordering::Release);
-        bump(&self.header().publish_futex);
+        self.header().publish_wake().bump();
     }
 
     /// Holds outstanding now, over all buffers.
@@ -382,7 +382,7 @@ impl Control {
     pub(crate) fn drain(&self, timeout: Duration) -> u64 {
         let h = self.header();
         let _ = wait_until(
-            &h.release_futex,
+            h.release_wake(),
             WaitStrategy::Block,
             Some(timeout),
             || {
@@ -497,7 +497,7 @@ impl Control {
     ) -> Result<Option<(usize, u64, Vec<u8>)>> {
         let h = self.header();
         wait_until(
-            &h.publish_futex,
+            h.publish_wake(),
             strategy,
             timeout,
             || self.take_or_closed(c),
@@ -553,7 +553,7 @@ impl Control {
             let b = self.buffer(i);
             if !b.words().hold(bit, seq) {
                 // The producer took it meanwhile: undone; look again.
-                bump(&self.header().release_futex);
+                self.header().release_wake().bump();
                 continue;
             }
             let len = (b.meta_len.load(Ordering::Relaxed) as usize).min(META_BYTES);
@@ -567,7 +567,7 @@ impl Control {
             // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
             // `min_lossless_cursor`.
             s.cursor.store(seq, Ordering::Release);
-            bump(&self.header().release_futex);
+            self.header().release_wake().bump();
             return Ok(Some((i, seq, meta)));
         }
     }
@@ -595,7 +595,7 @@ impl Control {
     /// Ends consumer `c`'s hold on buffer `i` (after its release event was recorded).
     pub(crate) fn release(&self, c: usize, i: usize) {
         self.buffer(i).words().release(1u64 << c);
-        bump(&self.header().release_futex);
+        self.header().release_wake().bump();
     }
 
     /// Counters of the channel.

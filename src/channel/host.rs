@@ -11,8 +11,8 @@
 //! channel's name and checks that the generation, the count and the size agree with the control
 //! segment's tokens before it reads a byte.
 //!
-//! Why its own segment and not the control segment: the control layout (version 3, also read by
-//! the Python consumer) stays as it is; the pool can be of any size without moving the ready page;
+//! Why its own segment and not the control segment: the control layout (also read by the Python
+//! consumer) stays as it is; the pool can be of any size without moving the ready page;
 //! and a GPU channel pays nothing. Why `cuda-ipc.hp.NAME` and not `cuda-ipc.ch.NAME.pool`: the
 //! latter is the control segment of a channel named `NAME.pool`, and it would not fit the name
 //! limit for the longest channel names.

@@ -16,8 +16,10 @@ use crate::token::TOKEN_LEN;
 /// Magic at offset 0: `b"CIPCCHAN"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
 /// Layout version; an opener refuses any other, naming both. Version 2 added the ready page;
-/// version 3 the pid namespaces of producer and consumers and the creation generation.
-pub const VERSION: u32 = 3;
+/// version 3 the pid namespaces of producer and consumers and the creation generation; version 4
+/// the sleeper counts beside the two futex words (a waker calls `FUTEX_WAKE` only when one is
+/// nonzero, so a waiter of version 3, which does not count itself, would not be woken).
+pub const VERSION: u32 = 4;
 /// The header's `stamp` once the creator wrote everything else: `0x52454459` (ASCII `REDY`); 0 before.
 pub const STAMP_READY: u32 = 0x5245_4459;
 /// Size in bytes of the ready page at the end of the segment: one `u32` ready word per buffer, on
@@ -91,8 +93,13 @@ pub mod header {
     pub const PAD: usize = 108;
     /// `u64`: creation generation, random and nonzero.
     pub const GENERATION: usize = 112;
-    /// 16 bytes: zero.
-    pub const RESERVED: usize = 120;
+    /// `u32`: waiters counted as (about to be) asleep on [`PUBLISH_FUTEX`]; a bump of the word
+    /// calls `FUTEX_WAKE` only when this is nonzero.
+    pub const PUBLISH_SLEEPERS: usize = 120;
+    /// `u32`: waiters counted as (about to be) asleep on [`RELEASE_FUTEX`], as [`PUBLISH_SLEEPERS`].
+    pub const RELEASE_SLEEPERS: usize = 124;
+    /// 8 bytes: zero.
+    pub const RESERVED: usize = 128;
 }
 
 /// Byte offsets of a buffer slot's fields (from the start of the slot).
@@ -179,7 +186,9 @@ pub const HEADER_FIELDS: &[Field] = &[
     f("producer_pid_ns", header::PRODUCER_PID_NS, 4),
     f("reserved", header::PAD, 4),
     f("generation", header::GENERATION, 8),
-    f("reserved", header::RESERVED, 16),
+    f("publish_sleepers", header::PUBLISH_SLEEPERS, 4),
+    f("release_sleepers", header::RELEASE_SLEEPERS, 4),
+    f("reserved", header::RESERVED, 8),
 ];
 
 /// A buffer slot's fields, in order; they cover its [`BUFFER_SLOT_SIZE`] bytes without gaps.
@@ -437,7 +446,11 @@ pub(crate) struct Header {
     /// Random, nonzero, written once at creation: tells a segment recreated under the same name
     /// apart from the one a process mapped.
     pub(crate) generation: AtomicU64,
-    pub(crate) _reserved: [AtomicU64; 2],
+    /// Waiters counted as asleep on `publish_futex` (consumers); see `wait::WakeWord`.
+    pub(crate) publish_sleepers: AtomicU32,
+    /// Waiters counted as asleep on `release_futex` (the producer); see `wait::WakeWord`.
+    pub(crate) release_sleepers: AtomicU32,
+    pub(crate) _reserved: AtomicU64,
 }
 
 /// One buffer of the pool (see [`buffer`]).
@@ -504,6 +517,9 @@ const _: () = assert!(CONSUMER_SLOT_SIZE.is_multiple_of(8));
 const _: () = assert!(MAX_CONSUMERS <= 64 && ready_word_offset(MAX_BUFFERS) <= READY_PAGE);
 const _: () = assert!(header::STAMP == 12 && header::MAGIC == 0 && header::VERSION == 8);
 const _: () = assert!(HEADER_SIZE == 136 && BUFFER_SLOT_SIZE == 576 && CONSUMER_SLOT_SIZE == 2376);
+// Each sleeper count is a naturally aligned u32 (a single atomic word for every reader).
+const _: () = assert!(header::PUBLISH_SLEEPERS.is_multiple_of(4));
+const _: () = assert!(header::RELEASE_SLEEPERS == header::PUBLISH_SLEEPERS + 4);
 
 // The sizes of the atomics differ under loom; the mapped layout is only used without it.
 #[cfg(not(loom))]
@@ -532,6 +548,8 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, producer_pid_ns) == header::PRODUCER_PID_NS);
     const _: () = assert!(offset_of!(Header, _pad) == header::PAD);
     const _: () = assert!(offset_of!(Header, generation) == header::GENERATION);
+    const _: () = assert!(offset_of!(Header, publish_sleepers) == header::PUBLISH_SLEEPERS);
+    const _: () = assert!(offset_of!(Header, release_sleepers) == header::RELEASE_SLEEPERS);
     const _: () = assert!(offset_of!(Header, _reserved) == header::RESERVED);
 
     const _: () = assert!(size_of::<BufferSlot>() == BUFFER_SLOT_SIZE);

@@ -1,11 +1,17 @@
 //! How the channel waits: a producer's or consumer's [`WaitStrategy`], the wake-up of a futex
-//! word ([`bump`]) and the bounded wait on one ([`wait_until`]), which checks its peer every
-//! [`LIVENESS_EVERY`]; [`Every`] paces the slower look at whether the channel's name was
+//! word ([`WakeWord::bump`]) and the bounded wait on one ([`wait_until`]), which checks its peer
+//! every [`LIVENESS_EVERY`]; [`Every`] paces the slower look at whether the channel's name was
 //! superseded ([`SUPERSEDED_EVERY`]). Never calls CUDA.
+//!
+//! Each futex word has a sleeper count beside it in the header ([`WakeWord`]): a waiter counts
+//! itself before it sleeps, and a bump calls `FUTEX_WAKE` only when the count is nonzero, so a
+//! publish or release that nobody waits for makes no syscall. The count and the word are a Dekker
+//! pair (SYNC POINT: sleepers), checked by the loom models `loom_channel_wake_*` below.
 
+use super::layout::Header;
 use crate::error::Result;
 use crate::shm::futex;
-use crate::sync::{AtomicU32, Ordering};
+use crate::sync::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
 /// How a thread waits for a condition on a futex word.
@@ -57,18 +63,116 @@ impl Every {
     }
 }
 
-pub(super) fn bump(word: &AtomicU32) {
-    // SYNC POINT: futex. Release: pairs with the Acquire load of the word before a futex wait
-    // in `wait_until`; a woken waiter re-checks its condition and sees the change made before
-    // this bump.
-    word.fetch_add(1, Ordering::Release);
-    futex::wake(word, u32::MAX);
+impl Header {
+    /// `publish_futex` and its sleeper count: consumers sleep on it, publish and close bump it.
+    pub(super) fn publish_wake(&self) -> WakeWord<'_> {
+        WakeWord {
+            word: &self.publish_futex,
+            sleepers: &self.publish_sleepers,
+        }
+    }
+    /// `release_futex` and its sleeper count: the producer sleeps on it, consumers bump it.
+    pub(super) fn release_wake(&self) -> WakeWord<'_> {
+        WakeWord {
+            word: &self.release_futex,
+            sleepers: &self.release_sleepers,
+        }
+    }
 }
 
-/// Waits on `word` until `ready()` returns `Some`, the timeout runs out (`Ok(None)`), or
+/// A futex word and the count of the waiters asleep on it (docs/channel-layout.md, "Futex
+/// words"), on plain references to atomics, so that the loom model below runs the same code on
+/// heap memory that the channel runs on the mapped segment.
+///
+/// The Dekker pair (SYNC POINT: sleepers): a bump stores the word (`fetch_add`) and then loads
+/// the count; a waiter stores the count (`fetch_add`) and then loads the word. Each side puts a
+/// `SeqCst` fence between its store and its load, so of a bump and a waiter about to sleep at
+/// least one sees the other: the waiter sees the new word (and does not sleep, or its
+/// `FUTEX_WAIT` returns at once), or the bump sees the waiter counted and wakes it.
+///
+/// A waiter killed while counted leaves the count too high for good: every later bump then makes
+/// a `FUTEX_WAKE` that wakes nobody, which costs a syscall and breaks nothing. The count is never
+/// too low, since only a waiter that counted itself takes itself off.
+#[derive(Clone, Copy)]
+pub(crate) struct WakeWord<'a> {
+    /// `publish_futex` or `release_futex`.
+    pub(crate) word: &'a AtomicU32,
+    /// `publish_sleepers` or `release_sleepers`.
+    pub(crate) sleepers: &'a AtomicU32,
+}
+
+/// The two futex calls, so that the loom model can stand in for the kernel's.
+pub(crate) trait Futex {
+    /// `FUTEX_WAIT(word, expected, timeout)`: returns at once if `word` is not `expected`, else
+    /// sleeps until a wake (or the timeout, or spuriously).
+    fn wait(&self, word: &AtomicU32, expected: u32, timeout: Duration);
+    /// `FUTEX_WAKE(word, INT_MAX)`.
+    fn wake(&self, word: &AtomicU32);
+}
+
+/// The kernel's shared futex (`crate::shm::futex`).
+pub(crate) struct Kernel;
+
+impl Futex for Kernel {
+    fn wait(&self, word: &AtomicU32, expected: u32, timeout: Duration) {
+        // Every outcome (woken, value changed, timed out, failed) ends in the caller's re-check.
+        let _ = futex::wait(word, expected, timeout);
+    }
+    fn wake(&self, word: &AtomicU32) {
+        let _woken = futex::wake(word, u32::MAX);
+        #[cfg(test)]
+        tests::WAKES.with(|w| {
+            let (calls, woken) = w.get();
+            w.set((calls + 1, woken + _woken as u64));
+        });
+    }
+}
+
+impl WakeWord<'_> {
+    /// Announces a change of the word: `fetch_add(word, 1)`, then `FUTEX_WAKE` only when a waiter
+    /// is counted as asleep.
+    pub(crate) fn bump(&self) {
+        self.bump_on(&Kernel);
+    }
+
+    /// [`WakeWord::bump`] on the futex `f`.
+    pub(crate) fn bump_on(&self, f: &impl Futex) {
+        // SYNC POINT: futex. SeqCst (a release): pairs with the Acquire load of the word before
+        // the condition check in `wait_until`; a waiter that sees the new word sees the change
+        // made before this bump.
+        // SYNC POINT: sleepers. SeqCst, then a SeqCst fence: the waker half of the Dekker pair
+        // with `sleep_on`. A waiter counted before the fence is seen below and woken; one counted
+        // after it sees the new word and does not sleep.
+        self.word.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        // SYNC POINT: sleepers. SeqCst: no waiter counted means none sleeps on the old word.
+        if self.sleepers.load(Ordering::SeqCst) != 0 {
+            f.wake(self.word);
+        }
+    }
+
+    /// Sleeps on the word while it holds `seen`, for at most `timeout`, counted as a sleeper
+    /// meanwhile. The caller re-checks its condition afterwards.
+    pub(crate) fn sleep_on(&self, f: &impl Futex, seen: u32, timeout: Duration) {
+        // SYNC POINT: sleepers. SeqCst, then a SeqCst fence: the waiter half of the Dekker pair
+        // with `bump_on`. A bump whose fence comes after this one sees the count and wakes.
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        // SYNC POINT: sleepers. SeqCst: a bump whose fence came before the one above is seen as a
+        // changed word; no sleep then (the kernel's own check would return at once too).
+        if self.word.load(Ordering::SeqCst) == seen {
+            f.wait(self.word, seen, timeout);
+        }
+        // Relaxed: taking itself off orders nothing; a bump that still sees the count makes a
+        // wake that finds nobody, which is harmless.
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Waits on `wake`'s word until `ready()` returns `Some`, the timeout runs out (`Ok(None)`), or
 /// `gone()` reports an error (checked every [`LIVENESS_EVERY`]).
 pub(super) fn wait_until<T>(
-    word: &AtomicU32,
+    wake: WakeWord<'_>,
     strategy: WaitStrategy,
     timeout: Option<Duration>,
     mut ready: impl FnMut() -> Result<Option<T>>,
@@ -82,10 +186,10 @@ pub(super) fn wait_until<T>(
         WaitStrategy::Spin => Duration::MAX,
     };
     loop {
-        // SYNC POINT: futex. Acquire: pairs with the Release bump in `bump`; read before the
-        // condition so a change made after the check is seen as a changed word by the futex
-        // wait.
-        let seen = word.load(Ordering::Acquire);
+        // SYNC POINT: futex. Acquire: pairs with the word's fetch_add in `WakeWord::bump_on`;
+        // read before the condition so a change made after the check is seen as a changed word
+        // by the sleep.
+        let seen = wake.word.load(Ordering::Acquire);
         if let Some(v) = ready()? {
             return Ok(Some(v));
         }
@@ -106,6 +210,220 @@ pub(super) fn wait_until<T>(
         if let Some(t) = timeout {
             slice = slice.min(t.saturating_sub(waited));
         }
-        futex::wait(word, seen, slice);
+        wake.sleep_on(&Kernel, seen, slice);
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    thread_local! {
+        /// `FUTEX_WAKE` calls made by this thread's bumps, and the sleepers they woke.
+        pub(super) static WAKES: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+
+    /// (calls, woken) of this thread's `FUTEX_WAKE`s since the last call of this.
+    #[cfg(not(loom))]
+    fn take_wakes() -> (u64, u64) {
+        WAKES.with(|w| w.replace((0, 0)))
+    }
+
+    #[cfg(not(loom))]
+    #[test]
+    fn a_bump_with_no_sleeper_makes_no_futex_wake() {
+        let (word, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
+        let w = WakeWord {
+            word: &word,
+            sleepers: &sleepers,
+        };
+        take_wakes();
+        for _ in 0..1000 {
+            w.bump();
+        }
+        assert_eq!(word.load(Ordering::Relaxed), 1000);
+        assert_eq!(take_wakes(), (0, 0), "a bump nobody waits for made a syscall");
+        // A count left by a waiter killed while counted: every bump then wakes, finding nobody
+        // (a spurious syscall, never a lost wake-up).
+        sleepers.store(1, Ordering::Relaxed);
+        w.bump();
+        assert_eq!(take_wakes(), (1, 0));
+    }
+
+    #[cfg(not(loom))]
+    #[test]
+    fn a_sleeping_waiter_is_woken_promptly() {
+        // The waiter sleeps in slices of LIVENESS_EVERY: a lost wake-up would show as a wait of
+        // up to a slice and as a FUTEX_WAKE that found nobody. A wake that lands between two
+        // slices finds nobody too without being lost, so a few tries are allowed.
+        for _ in 0..20 {
+            let (word, sleepers, flag) = (AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0));
+            let w = WakeWord {
+                word: &word,
+                sleepers: &sleepers,
+            };
+            let (latency, woken) = std::thread::scope(|s| {
+                let waiter = s.spawn(|| {
+                    wait_until(
+                        w,
+                        WaitStrategy::Block,
+                        Some(Duration::from_secs(10)),
+                        || Ok((flag.load(Ordering::Acquire) == 1).then_some(())),
+                        || Ok(()),
+                    )
+                    .unwrap()
+                    .expect("the waiter timed out");
+                    Instant::now()
+                });
+                while sleepers.load(Ordering::SeqCst) == 0 {
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(Duration::from_millis(2));
+                flag.store(1, Ordering::Release);
+                take_wakes();
+                let t0 = Instant::now();
+                w.bump();
+                let (_, woken) = take_wakes();
+                (waiter.join().unwrap() - t0, woken)
+            });
+            assert_eq!(sleepers.load(Ordering::SeqCst), 0, "the waiter stayed counted");
+            if woken == 1 && latency < LIVENESS_EVERY / 2 {
+                return;
+            }
+        }
+        panic!("no try woke the sleeping waiter promptly");
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_model {
+    //! Model of the sleep and wake-up on one futex word ([`WakeWord`]): waiters check a
+    //! condition and sleep, a waker makes it true and bumps. The futex stands in for the
+    //! kernel's: a wait returns at once if the word changed, else blocks until a wake (no
+    //! timeout, no spurious wake-up). A lost wake-up leaves a waiter blocked for good, which loom
+    //! reports as a deadlock.
+    use super::*;
+    use loom::sync::{Arc, Condvar, Mutex};
+
+    /// The kernel's futex on one word: the hash bucket's lock, and the wakes made under it.
+    struct ModelFutex {
+        wakes: Mutex<u64>,
+        woken: Condvar,
+    }
+
+    impl Futex for ModelFutex {
+        fn wait(&self, word: &AtomicU32, expected: u32, _timeout: Duration) {
+            let mut wakes = self.wakes.lock().unwrap();
+            // Relaxed: read under the lock, as the kernel reads the word under its bucket lock;
+            // a change made before a waker took the lock is seen.
+            if word.load(Ordering::Relaxed) != expected {
+                return;
+            }
+            let at = *wakes;
+            while *wakes == at {
+                wakes = self.woken.wait(wakes).unwrap();
+            }
+        }
+        fn wake(&self, _word: &AtomicU32) {
+            *self.wakes.lock().unwrap() += 1;
+            self.woken.notify_all();
+        }
+    }
+
+    struct Shared {
+        word: AtomicU32,
+        sleepers: AtomicU32,
+        /// The waiters' condition (what a publish or release changes).
+        ready: AtomicU32,
+        futex: ModelFutex,
+    }
+
+    impl Shared {
+        fn new(stale_sleepers: u32) -> Arc<Self> {
+            Arc::new(Shared {
+                word: AtomicU32::new(0),
+                sleepers: AtomicU32::new(stale_sleepers),
+                ready: AtomicU32::new(0),
+                futex: ModelFutex {
+                    wakes: Mutex::new(0),
+                    woken: Condvar::new(),
+                },
+            })
+        }
+        fn wake_word(&self) -> WakeWord<'_> {
+            WakeWord {
+                word: &self.word,
+                sleepers: &self.sleepers,
+            }
+        }
+        /// `wait_until`'s loop without the clock: the word, the condition, then a sleep.
+        fn wait(&self) {
+            loop {
+                // SYNC POINT: futex (as in `wait_until`).
+                let seen = self.word.load(Ordering::Acquire);
+                if self.ready.load(Ordering::Acquire) == 1 {
+                    return;
+                }
+                self.wake_word()
+                    .sleep_on(&self.futex, seen, LIVENESS_EVERY);
+            }
+        }
+        /// A publish or release: the change, then the bump.
+        fn change(&self) {
+            self.ready.store(1, Ordering::Release);
+            self.wake_word().bump_on(&self.futex);
+        }
+    }
+
+    fn builder() -> loom::model::Builder {
+        let mut b = loom::model::Builder::new();
+        b.preemption_bound = Some(3);
+        b
+    }
+
+    #[test]
+    fn loom_channel_wake_a_waiter_that_sleeps_is_woken_or_sees_the_change() {
+        builder().check(|| {
+            let s = Shared::new(0);
+            let w = s.clone();
+            let waiter = loom::thread::spawn(move || w.wait());
+            s.change();
+            waiter.join().unwrap();
+            assert_eq!(s.sleepers.load(Ordering::Relaxed), 0);
+        });
+    }
+
+    #[test]
+    fn loom_channel_wake_two_waiters_are_both_woken_by_one_bump() {
+        builder().check(|| {
+            let s = Shared::new(0);
+            let waiters: Vec<_> = (0..2)
+                .map(|_| {
+                    let w = s.clone();
+                    loom::thread::spawn(move || w.wait())
+                })
+                .collect();
+            s.change();
+            for w in waiters {
+                w.join().unwrap();
+            }
+            assert_eq!(s.sleepers.load(Ordering::Relaxed), 0);
+        });
+    }
+
+    #[test]
+    fn loom_channel_wake_a_stale_count_of_a_killed_waiter_loses_no_wake_up() {
+        builder().check(|| {
+            // A waiter killed while counted left 1 behind.
+            let s = Shared::new(1);
+            let w = s.clone();
+            let waiter = loom::thread::spawn(move || w.wait());
+            s.change();
+            waiter.join().unwrap();
+            assert_eq!(s.sleepers.load(Ordering::Relaxed), 1);
+            // The bump saw the stale count and woke (nobody, or the waiter).
+            assert_eq!(*s.futex.wakes.lock().unwrap(), 1);
+        });
     }
 }
