@@ -121,7 +121,7 @@ impl Futex for Kernel {
     fn wake(&self, word: &AtomicU32) {
         let _woken = futex::wake(word, u32::MAX);
         #[cfg(test)]
-        tests::WAKES.with(|w| {
+        WAKES.with(|w| {
             let (calls, woken) = w.get();
             w.set((calls + 1, woken + _woken as u64));
         });
@@ -215,22 +215,20 @@ pub(super) fn wait_until<T>(
 }
 
 #[cfg(test)]
-pub(super) mod tests {
-    use super::*;
-    use std::cell::Cell;
+thread_local! {
+    /// `FUTEX_WAKE` calls made by this thread's bumps, and the sleepers they woke.
+    static WAKES: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
 
-    thread_local! {
-        /// `FUTEX_WAKE` calls made by this thread's bumps, and the sleepers they woke.
-        pub(super) static WAKES: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
-    }
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
 
     /// (calls, woken) of this thread's `FUTEX_WAKE`s since the last call of this.
-    #[cfg(not(loom))]
     fn take_wakes() -> (u64, u64) {
         WAKES.with(|w| w.replace((0, 0)))
     }
 
-    #[cfg(not(loom))]
     #[test]
     fn a_bump_with_no_sleeper_makes_no_futex_wake() {
         let (word, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
@@ -243,7 +241,11 @@ pub(super) mod tests {
             w.bump();
         }
         assert_eq!(word.load(Ordering::Relaxed), 1000);
-        assert_eq!(take_wakes(), (0, 0), "a bump nobody waits for made a syscall");
+        assert_eq!(
+            take_wakes(),
+            (0, 0),
+            "a bump nobody waits for made a syscall"
+        );
         // A count left by a waiter killed while counted: every bump then wakes, finding nobody
         // (a spurious syscall, never a lost wake-up).
         sleepers.store(1, Ordering::Relaxed);
@@ -251,7 +253,6 @@ pub(super) mod tests {
         assert_eq!(take_wakes(), (1, 0));
     }
 
-    #[cfg(not(loom))]
     #[test]
     fn a_sleeping_waiter_is_woken_promptly() {
         // The waiter sleeps in slices of LIVENESS_EVERY: a lost wake-up would show as a wait of
@@ -287,7 +288,11 @@ pub(super) mod tests {
                 let (_, woken) = take_wakes();
                 (waiter.join().unwrap() - t0, woken)
             });
-            assert_eq!(sleepers.load(Ordering::SeqCst), 0, "the waiter stayed counted");
+            assert_eq!(
+                sleepers.load(Ordering::SeqCst),
+                0,
+                "the waiter stayed counted"
+            );
             if woken == 1 && latency < LIVENESS_EVERY / 2 {
                 return;
             }
@@ -365,8 +370,7 @@ mod loom_model {
                 if self.ready.load(Ordering::Acquire) == 1 {
                     return;
                 }
-                self.wake_word()
-                    .sleep_on(&self.futex, seen, LIVENESS_EVERY);
+                self.wake_word().sleep_on(&self.futex, seen, LIVENESS_EVERY);
             }
         }
         /// A publish or release: the change, then the bump.
