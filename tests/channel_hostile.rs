@@ -193,7 +193,7 @@ fn a_live_producers_channel_and_one_of_another_layout_version_are_never_replaced
                 e,
                 Error::Channel(ChannelError::VersionMismatch {
                     found: 99,
-                    supported: 3,
+                    supported: 4,
                     ..
                 })
             ),
