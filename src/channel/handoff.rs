@@ -647,6 +647,7 @@ fn order_has_other(c: &Control, i: usize, min_cursor: u64) -> bool {
 mod tests {
     use super::*;
     use crate::channel::control::tests::{channel, rel_tokens};
+    use crate::channel::wait::take_wakes;
 
     #[test]
     fn frames_published_just_before_close_are_still_delivered() {
@@ -706,6 +707,47 @@ mod tests {
                 c.unlink();
             }
         }
+    }
+
+    #[test]
+    fn a_hand_off_nobody_sleeps_for_makes_no_futex_wake() {
+        // Publish, take, release, abandon, a take that finds nothing: every bump of the hot
+        // path, with no waiter counted, stays out of the kernel.
+        let (c, _name) = channel(2);
+        let slot = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        take_wakes();
+        for _ in 0..100 {
+            let (i, _) = c.try_acquire().unwrap();
+            c.publish(i, b"frame").unwrap();
+            let (j, _, meta) = c.try_take(slot).unwrap().expect("the frame");
+            assert_eq!((j, meta.as_slice()), (i, &b"frame"[..]));
+            assert!(c.try_take(slot).unwrap().is_none());
+            c.release(slot, j);
+        }
+        let (i, _) = c.try_acquire().unwrap();
+        c.abandon(i);
+        assert_eq!(take_wakes(), (0, 0));
+        // A consumer asleep in `take` is counted: the next publish wakes it.
+        std::thread::scope(|s| {
+            let consumer = s.spawn(|| {
+                c.take(slot, WaitStrategy::Block, Some(Duration::from_secs(10)))
+                    .unwrap()
+                    .expect("woken for the frame")
+            });
+            while c.header().publish_sleepers.load(Ordering::SeqCst) == 0 {
+                std::thread::yield_now();
+            }
+            let (i, _) = c.try_acquire().unwrap();
+            c.publish(i, b"late").unwrap();
+            let (calls, _) = take_wakes();
+            assert_eq!(calls, 1, "the publish did not wake the counted consumer");
+            let (j, _, meta) = consumer.join().unwrap();
+            assert_eq!(meta, b"late");
+            c.release(slot, j);
+        });
+        assert_eq!(c.header().publish_sleepers.load(Ordering::SeqCst), 0);
+        assert_eq!(c.header().release_sleepers.load(Ordering::SeqCst), 0);
+        c.unlink();
     }
 
     #[test]

@@ -220,14 +220,15 @@ thread_local! {
     static WAKES: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
+/// (calls, woken) of this thread's `FUTEX_WAKE`s since the last call of this.
+#[cfg(all(test, not(loom)))]
+pub(super) fn take_wakes() -> (u64, u64) {
+    WAKES.with(|w| w.replace((0, 0)))
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-
-    /// (calls, woken) of this thread's `FUTEX_WAKE`s since the last call of this.
-    fn take_wakes() -> (u64, u64) {
-        WAKES.with(|w| w.replace((0, 0)))
-    }
 
     #[test]
     fn a_bump_with_no_sleeper_makes_no_futex_wake() {
