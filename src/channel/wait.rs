@@ -221,7 +221,7 @@ thread_local! {
 }
 
 /// (calls, woken) of this thread's `FUTEX_WAKE`s since the last call of this.
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
 pub(super) fn take_wakes() -> (u64, u64) {
     WAKES.with(|w| w.replace((0, 0)))
 }
