@@ -4,6 +4,7 @@
 #[cfg(doc)]
 use super::MemoryKind;
 use super::control::Control;
+use super::handoff::Metadata;
 use super::host::HostPool;
 use super::layout;
 use super::options::{HOST_NO_GPU, LIVENESS_CHECK, host_check};
@@ -245,7 +246,7 @@ impl Consumer {
         e
     }
 
-    fn deliver(&self, i: usize, seq: u64, metadata: Vec<u8>) -> Result<Frame<'_>> {
+    fn deliver(&self, i: usize, seq: u64, metadata: Metadata) -> Result<Frame<'_>> {
         let frame = Frame {
             consumer: self,
             index: i,
@@ -369,7 +370,8 @@ pub struct Frame<'a> {
     consumer: &'a Consumer,
     index: usize,
     seq: u64,
-    metadata: Vec<u8>,
+    /// Inline: a frame allocates nothing.
+    metadata: Metadata,
 }
 
 impl std::fmt::Debug for Frame<'_> {
@@ -377,7 +379,7 @@ impl std::fmt::Debug for Frame<'_> {
         f.debug_struct("Frame")
             .field("seq", &self.seq)
             .field("index", &self.index)
-            .field("metadata_len", &self.metadata.len())
+            .field("metadata_len", &self.metadata.as_slice().len())
             .finish()
     }
 }
@@ -467,7 +469,7 @@ impl Frame<'_> {
     }
     /// The producer's metadata for it.
     pub fn metadata(&self) -> &[u8] {
-        &self.metadata
+        self.metadata.as_slice()
     }
     /// Index of the buffer in the pool.
     pub fn index(&self) -> usize {

@@ -45,6 +45,34 @@ pub struct ChannelStats {
     pub consumers: Vec<ConsumerStats>,
 }
 
+/// A frame's metadata as copied out of its buffer slot: at most [`META_BYTES`] bytes, held inline
+/// so that taking a frame allocates nothing.
+#[derive(Clone, Copy)]
+pub(crate) struct Metadata {
+    bytes: [u8; META_BYTES],
+    len: usize,
+}
+
+impl Metadata {
+    /// The producer's bytes.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+impl std::fmt::Debug for Metadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
+/// Tests compare metadata with byte strings.
+impl<T: AsRef<[u8]> + ?Sized> PartialEq<T> for Metadata {
+    fn eq(&self, other: &T) -> bool {
+        self.as_slice() == other.as_ref()
+    }
+}
+
 impl Control {
     // ---------------------------------------------------------------- producer side
 
@@ -494,7 +522,7 @@ impl Control {
         c: usize,
         strategy: WaitStrategy,
         timeout: Option<Duration>,
-    ) -> Result<Option<(usize, u64, Vec<u8>)>> {
+    ) -> Result<Option<(usize, u64, Metadata)>> {
         let h = self.header();
         wait_until(
             h.publish_wake(),
@@ -514,7 +542,7 @@ impl Control {
         )
     }
 
-    pub(crate) fn try_take(&self, c: usize) -> Result<Option<(usize, u64, Vec<u8>)>> {
+    pub(crate) fn try_take(&self, c: usize) -> Result<Option<(usize, u64, Metadata)>> {
         let s = self.consumer(c);
         // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
         if s.state.load(Ordering::Acquire) != ACTIVE {
@@ -557,11 +585,15 @@ impl Control {
                 continue;
             }
             let len = (b.meta_len.load(Ordering::Relaxed) as usize).min(META_BYTES);
-            let mut meta = Vec::with_capacity(META_BYTES);
-            for k in 0..META_WORDS {
-                meta.extend_from_slice(&b.meta[k].load(Ordering::Relaxed).to_le_bytes());
+            let mut meta = Metadata {
+                bytes: [0; META_BYTES],
+                len,
+            };
+            // Only the words that hold the `len` bytes: nothing allocated, nothing read past them.
+            for k in 0..len.div_ceil(8).min(META_WORDS) {
+                meta.bytes[8 * k..8 * k + 8]
+                    .copy_from_slice(&b.meta[k].load(Ordering::Relaxed).to_le_bytes());
             }
-            meta.truncate(len);
             s.dropped.fetch_add(seq - cursor - 1, Ordering::Relaxed);
             s.received.fetch_add(1, Ordering::Relaxed);
             // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
@@ -579,7 +611,7 @@ impl Control {
     /// may have published more frames and closed between the two. Seeing `closed` (Acquire, paired
     /// with the Release store in `close`, which follows the last publish) makes every publish
     /// visible, so one more look is conclusive.
-    pub(crate) fn take_or_closed(&self, c: usize) -> Result<Option<(usize, u64, Vec<u8>)>> {
+    pub(crate) fn take_or_closed(&self, c: usize) -> Result<Option<(usize, u64, Metadata)>> {
         if let Some(got) = self.try_take(c)? {
             return Ok(Some(got));
         }
@@ -792,7 +824,7 @@ mod tests {
             "overwrote a frame the consumer had not received"
         );
         let (i1, s1, m1) = c.try_take(me).unwrap().unwrap();
-        assert_eq!((s1, m1), (1, 1u64.to_le_bytes().to_vec()));
+        assert_eq!((s1, m1.as_slice()), (1, &1u64.to_le_bytes()[..]));
         // Received but still held: the buffer is not free yet.
         assert!(p.try_acquire().is_none(), "overwrote a held buffer");
         c.release(me, i1);

@@ -642,6 +642,7 @@ mod tests {
             self.control
                 .take(self.slot, WaitStrategy::Block, None)
                 .unwrap()
+                .map(|(i, seq, m)| (i, seq, m.as_slice().to_vec()))
         }
         fn release(&self, i: usize) {
             self.control.release(self.slot, i)

@@ -1,0 +1,55 @@
+//! Taking a frame allocates nothing: a counting global allocator around `try_recv` and the
+//! frame's drop (the release), on a host-memory channel (no GPU needed), after a warm-up.
+
+use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the counters are atomics
+// touched only when counting is on.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller's obligations are the system allocator's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with `layout` (above).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn receiving_and_releasing_a_frame_allocates_nothing() {
+    let name = format!("alloc-{}", std::process::id());
+    let mut tx = Producer::create_host(&name, &ChannelOptions::new(4096).buffers(4)).unwrap();
+    let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
+    let mut counted = 0u64;
+    for i in 0u64..200 {
+        let w = tx.acquire(Some(std::time::Duration::from_secs(5))).unwrap();
+        w.publish(&i.to_le_bytes()).unwrap();
+        let warm = i >= 20;
+        if warm {
+            COUNTING.store(true, Ordering::Relaxed);
+        }
+        let f = rx.try_recv().unwrap().expect("a frame is ready");
+        assert_eq!(f.metadata(), &i.to_le_bytes()[..]);
+        drop(f);
+        COUNTING.store(false, Ordering::Relaxed);
+        counted += u64::from(warm);
+    }
+    let n = ALLOCS.load(Ordering::Relaxed);
+    assert_eq!(n, 0, "{n} allocations in {counted} receives and releases");
+    drop(rx);
+    tx.close(std::time::Duration::from_secs(5)).unwrap();
+}
