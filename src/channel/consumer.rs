@@ -7,7 +7,7 @@ use super::control::Control;
 use super::handoff::Metadata;
 use super::host::HostPool;
 use super::layout;
-use super::options::{HOST_NO_GPU, LIVENESS_CHECK, host_check};
+use super::options::{HOST_NO_GPU, LIVENESS_CHECK, no_host_bytes};
 use super::{ChannelError, ChannelStats, ConsumerOptions, WaitStrategy};
 use crate::driver::{Context, Device, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
@@ -435,22 +435,12 @@ impl Frame<'_> {
     /// [`Error::InvalidArgument`] when `offset + dst.len()` passes the buffer's end, or on a GPU
     /// channel (copy the device buffer on the stream there).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let Some(pool) = self.consumer.host.as_ref() else {
-            return Err(Error::InvalidArgument(
-                "a GPU channel's frame has no host bytes; use buffer() on stream()".into(),
-            ));
-        };
-        host_check(offset, dst.len(), pool.buffer_bytes())?;
-        // SAFETY: offset + dst.len() <= buffer_bytes (checked), so the source lies in this frame's
-        // buffer, which the producer does not write while this frame holds it; `dst` is ordinary
-        // memory of this process, so the two do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                pool.ptr(self.index).add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
+        let pool = self.consumer.host.as_ref().ok_or_else(no_host_bytes)?;
+        let src = pool.range(self.index, offset, dst.len())?;
+        // SAFETY: `src..src + dst.len()` lies in this frame's buffer (checked by `range`), which
+        // the producer does not write while this frame holds it; `dst` is ordinary memory of this
+        // process, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 

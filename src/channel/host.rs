@@ -24,6 +24,7 @@
 //! consumer's `hold_mask` clear (SeqCst read-modify-write, a release) and the producer's SeqCst load
 //! of `hold_mask` in `try_acquire` (an acquire) that sees it clear.
 
+use super::control::{Control, segment_name};
 use super::layout::STAMP_READY;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
@@ -171,8 +172,18 @@ impl HostPool {
     /// Whether the pool segment of `channel` that blocks a creation may be replaced (and why), or
     /// the typed error naming what is there. Only this user's own pool segments are replaced, and
     /// of those only one whose producer is dead, or a creation abandoned half-way (empty, sparse or
-    /// never stamped, 2 s old, no live creator recorded).
+    /// never stamped, 2 s old, no live creator recorded); never one whose channel's control segment
+    /// has another layout version ([`super::ChannelError::VersionMismatch`]).
     pub(crate) fn replaceable(channel: &str) -> Result<&'static str> {
+        // The pool is judged with its channel: when the control segment has another layout
+        // version, the pool belongs to a channel this build cannot judge (the pool's own layout may
+        // be the same in both versions), and another version's segments are never replaced or
+        // removed.
+        if let Err(e @ Error::Channel(super::ChannelError::VersionMismatch { .. })) =
+            Control::replaceable(channel, &segment_name(channel))
+        {
+            return Err(e);
+        }
         let name = pool_name(channel);
         let info = match versioned::stat_blocker(&name, POOL_DATA)? {
             Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
@@ -306,6 +317,21 @@ impl HostPool {
 
     pub(crate) fn buffer_bytes(&self) -> usize {
         self.buffer_bytes
+    }
+
+    /// The address of `n` bytes from byte `offset` of buffer `i`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `offset + n` passes the buffer's end.
+    pub(crate) fn range(&self, i: usize, offset: usize, n: usize) -> Result<*mut u8> {
+        let len = self.buffer_bytes();
+        if offset.checked_add(n).is_none_or(|end| end > len) {
+            return Err(Error::InvalidArgument(format!(
+                "{n} bytes at offset {offset} pass the end of a {len}-byte buffer"
+            )));
+        }
+        // SAFETY: offset + n <= buffer_bytes (checked), so the result stays in buffer i.
+        Ok(unsafe { self.ptr(i).add(offset) })
     }
 
     /// The token of buffer `i`, as the producer stores it in the control segment.

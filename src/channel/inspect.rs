@@ -55,23 +55,11 @@ pub fn stale_host_pools() -> Result<Vec<(String, &'static str)>> {
         })
         .filter_map(|s| s.strip_prefix(POOL_PREFIX).map(str::to_string))
         .filter(|n| !n.is_empty())
-        .filter(|n| other_version(n).is_none())
         .filter_map(|n| match super::host::HostPool::replaceable(&n) {
             Ok(why) => Some((n, why)),
             Err(_) => None,
         })
         .collect())
-}
-
-/// The [`super::ChannelError::VersionMismatch`] of `channel`'s control segment when it has
-/// another layout version than this build's. Its host pool then belongs to a channel this build
-/// cannot judge (the pool's own layout may be the same in both versions), so it is kept with the
-/// control segment: another version's segments are never removed automatically.
-fn other_version(channel: &str) -> Option<Error> {
-    match Control::replaceable(channel, &segment_name(channel)) {
-        Err(e @ Error::Channel(super::ChannelError::VersionMismatch { .. })) => Some(e),
-        _ => None,
-    }
 }
 
 /// Removes the host pool segment of `channel` when a dead producer or an abandoned creation left
@@ -90,9 +78,6 @@ pub fn remove_stale_host_pool(channel: &str) -> Result<Option<&'static str>> {
         Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
         Err(e) => return Err(e),
     };
-    if let Some(e) = other_version(channel) {
-        return Err(e);
-    }
     let why = match super::host::HostPool::replaceable(channel) {
         Ok(why) => why,
         Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),

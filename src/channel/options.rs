@@ -178,12 +178,9 @@ pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
     Ok(())
 }
 
-/// Checks that `n` bytes from `offset` fit a buffer of `len` bytes.
-pub(super) fn host_check(offset: usize, n: usize, len: usize) -> Result<()> {
-    if offset.checked_add(n).is_none_or(|end| end > len) {
-        return Err(Error::InvalidArgument(format!(
-            "{n} bytes at offset {offset} pass the end of a {len}-byte buffer"
-        )));
-    }
-    Ok(())
+/// The error of a host accessor (`read_at`, `write_at`) used on a GPU channel's frame.
+pub(super) fn no_host_bytes() -> Error {
+    Error::InvalidArgument(
+        "a GPU channel's frame has no host bytes; use buffer() on stream()".into(),
+    )
 }

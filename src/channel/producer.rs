@@ -6,7 +6,7 @@ use super::ChannelError;
 use super::control::{self, Control};
 use super::host::HostPool;
 use super::layout;
-use super::options::{HOST_NO_GPU, LIVENESS_CHECK, check_options, host_check};
+use super::options::{HOST_NO_GPU, LIVENESS_CHECK, check_options, no_host_bytes};
 use super::{ChannelOptions, ChannelStats, META_BYTES, MemoryKind, WaitStrategy};
 use crate::driver::{Context, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
@@ -602,14 +602,8 @@ impl WriteFrame<'_> {
     }
 
     fn host_range(&self, offset: usize, n: usize) -> Result<*mut u8> {
-        let Some(pool) = self.producer.host.as_ref() else {
-            return Err(Error::InvalidArgument(
-                "a GPU channel's frame has no host bytes; use buffer() on stream()".into(),
-            ));
-        };
-        host_check(offset, n, pool.buffer_bytes())?;
-        // SAFETY: offset + n <= buffer_bytes (checked), so the result stays in the buffer.
-        Ok(unsafe { pool.ptr(self.index).add(offset) })
+        let pool = self.producer.host.as_ref().ok_or_else(no_host_bytes)?;
+        pool.range(self.index, offset, n)
     }
 
     /// Index of the buffer in the pool.

@@ -167,19 +167,32 @@ impl Registry {
                 return Ok(t);
             }
             if n % 64 == 63 {
-                if slow.due() {
-                    self.check_superseded()?;
-                }
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        what: "a registry slot's writer lock",
-                        after: self.lock_timeout,
-                    });
-                }
+                self.lock_wait_checks(&mut slow, deadline, "a registry slot's writer lock")?;
             }
             pause(n);
         }
         unreachable!("the loop returns")
+    }
+
+    /// What a lock wait checks every 64th round: whether the registry's name still stands for
+    /// this segment (now and then, as `slow` says), and its deadline ([`Error::Timeout`] naming
+    /// `what`).
+    fn lock_wait_checks(
+        &self,
+        slow: &mut SlowPath,
+        deadline: Instant,
+        what: &'static str,
+    ) -> Result<()> {
+        if slow.due() {
+            self.check_superseded()?;
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what,
+                after: self.lock_timeout,
+            });
+        }
+        Ok(())
     }
 
     fn lock_table(&self) -> Result<()> {
@@ -207,15 +220,7 @@ impl Registry {
                 }
             }
             if n % 64 == 63 {
-                if slow.due() {
-                    self.check_superseded()?;
-                }
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        what: "the registry's table lock",
-                        after: self.lock_timeout,
-                    });
-                }
+                self.lock_wait_checks(&mut slow, deadline, "the registry's table lock")?;
             }
             pause(n);
         }
