@@ -402,5 +402,15 @@ fn a_dead_producers_host_pool_is_kept_when_its_channel_has_another_layout_versio
         other => panic!("expected VersionMismatch, got {other:?}"),
     }
     assert!(std::path::Path::new(&pool).exists(), "the pool was removed");
+    // A producer restarting under the name is refused the same way, and removes nothing either.
+    let opts = cuda_ipc::channel::ChannelOptions::new(4096).buffers(2);
+    match cuda_ipc::channel::Producer::create_host(&n, &opts) {
+        Err(Error::Channel(ChannelError::VersionMismatch { .. })) => {}
+        other => panic!("expected VersionMismatch from create_host, got {other:?}"),
+    }
+    assert!(
+        std::path::Path::new(&pool).exists(),
+        "create_host removed the pool"
+    );
     let _ = std::fs::remove_file(&pool);
 }
