@@ -10,6 +10,7 @@
 //! | [`Error::Shm`] | `shm` (segments, seqlock) | [`crate::shm::ShmError`] |
 //! | [`Error::Registry`] | `registry` (its layout, records, participants) | [`crate::registry::RegistryError`] |
 //! | [`Error::Channel`] | `channel` | [`crate::channel::ChannelError`] |
+//! | [`Error::Quota`] | `quota` (the budget ledger across processes) | [`crate::quota::QuotaError`] |
 //!
 //! A lower layer's error is not wrapped again by the layers above it: a segment that does not
 //! exist is `Error::Shm(ShmError::NotFound { .. })` whether a [`crate::shm::Segment`], a registry
@@ -113,6 +114,11 @@ pub enum Error {
     /// A channel could not be created, attached or used.
     #[error(transparent)]
     Channel(#[from] crate::channel::ChannelError),
+    /// A quota ledger refused a reservation ([`crate::quota::QuotaError::OverQuota`], naming who
+    /// holds how much) or could not be used (its layout, its budget's owner, a group); what its
+    /// segment reports is [`Error::Shm`].
+    #[error(transparent)]
+    Quota(#[from] crate::quota::QuotaError),
     /// A bounded wait ran out.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

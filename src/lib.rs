@@ -11,6 +11,7 @@ pub mod identity;
 pub mod ipc;
 pub(crate) mod kernels;
 pub mod probe;
+pub mod quota;
 pub mod raw;
 pub mod registry;
 pub(crate) mod shm;

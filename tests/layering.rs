@@ -24,9 +24,13 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("token", &["driver", "identity"]),
     ("ipc", &["driver", "ffi", "identity", "probe", "token"]),
     ("registry", &["identity", "shm"]),
+    // The device is named by `driver::Uuid`, the type only: no CUDA call.
+    ("quota", &["driver", "identity", "shm"]),
     (
         "channel",
-        &["driver", "ffi", "identity", "ipc", "probe", "shm", "token"],
+        &[
+            "driver", "ffi", "identity", "ipc", "probe", "quota", "shm", "token",
+        ],
     ),
     ("cudarc_interop", &["driver", "ffi", "ipc"]),
     // Re-exports only: the internals it opens to tools and tests.
@@ -41,6 +45,7 @@ const ERROR_NAMES: &[&str] = &[
     "shm::ShmError",
     "registry::RegistryError",
     "channel::ChannelError",
+    "quota::QuotaError",
     "driver::Uuid",
 ];
 

@@ -5,6 +5,7 @@
 use super::MAX_CONSUMERS;
 use super::{ChannelError, Delivery, MAX_BUFFERS, WaitStrategy};
 use crate::error::{Error, Result};
+use crate::quota::QuotaScope;
 #[cfg(doc)]
 use crate::ipc::{MemPool, VmmBuffer};
 use std::time::Duration;
@@ -27,8 +28,19 @@ pub struct ChannelOptions {
     pub buffer_bytes: usize,
     /// Most consumers attached at once (1 to [`MAX_CONSUMERS`]); default 8.
     pub max_consumers: usize,
-    /// Upper bound on the pool's device memory in bytes; `None` for no bound.
+    /// A cap the producer puts on itself: the pool's bytes (`buffers × buffer_bytes`) may not
+    /// exceed it, checked before anything is allocated ([`ChannelError::OverQuota`]); `None` for
+    /// no cap. It counts this pool alone; for a budget shared by several processes see
+    /// [`ChannelOptions::quota`].
     pub quota_bytes: Option<u64>,
+    /// The shared budget this pool reserves from ([`crate::quota`]): `Some(scope)` reserves
+    /// `buffers × buffer_bytes` bytes from the ledger of `scope` for the pool's device (host
+    /// channels: the all-zero UUID) before the pool is allocated, and returns them when the
+    /// producer closes or drops (a killed producer's bytes are reclaimed at the ledger's next
+    /// reserve or inspection). Past the budget, creation fails with
+    /// [`crate::quota::QuotaError::OverQuota`] naming who holds how much. `None` (the default):
+    /// no ledger is used. The ledger must exist (its budget set, e.g. by `cuda-ipc quota set`).
+    pub quota: Option<QuotaScope>,
     /// How the producer waits in [`Producer::acquire`].
     ///
     /// [`Producer::acquire`]: super::Producer::acquire
@@ -82,6 +94,7 @@ impl ChannelOptions {
             buffer_bytes,
             max_consumers: 8,
             quota_bytes: None,
+            quota: None,
             wait: WaitStrategy::default(),
             group_access: false,
             memory: MemoryKind::Auto,
@@ -107,9 +120,14 @@ impl ChannelOptions {
         self.max_consumers = n;
         self
     }
-    /// Sets the pool's memory quota in bytes.
+    /// Sets the producer's own cap on the pool's bytes ([`ChannelOptions::quota_bytes`]).
     pub fn quota_bytes(mut self, q: u64) -> Self {
         self.quota_bytes = Some(q);
+        self
+    }
+    /// Reserves the pool from the shared budget of `scope` ([`ChannelOptions::quota`]).
+    pub fn quota(mut self, scope: QuotaScope) -> Self {
+        self.quota = Some(scope);
         self
     }
     /// Sets the producer's wait strategy.
@@ -176,6 +194,21 @@ pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Reserves the pool's bytes (`buffers × buffer_bytes`) from the ledger `opts.quota` names for
+/// `device`, or nothing when it names none.
+pub(super) fn reserve_quota(
+    opts: &ChannelOptions,
+    device: crate::driver::Uuid,
+) -> Result<Option<crate::quota::Reservation>> {
+    let Some(scope) = opts.quota else {
+        return Ok(None);
+    };
+    let bytes = (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64);
+    crate::quota::QuotaLedger::open(scope, device)?
+        .reserve(bytes)
+        .map(Some)
 }
 
 /// The error of a host accessor (`read_at`, `write_at`) used on a GPU channel's frame.

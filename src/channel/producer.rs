@@ -6,13 +6,14 @@ use super::ChannelError;
 use super::control::{self, Control};
 use super::host::HostPool;
 use super::layout;
-use super::options::{HOST_NO_GPU, LIVENESS_CHECK, check_options, no_host_bytes};
+use super::options::{HOST_NO_GPU, LIVENESS_CHECK, check_options, no_host_bytes, reserve_quota};
 use super::{ChannelOptions, ChannelStats, META_BYTES, MemoryKind, WaitStrategy};
-use crate::driver::{Context, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream};
+use crate::driver::{Context, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream, Uuid};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::{IpcEvent, MemPool, PoolBuffer, VmmBuffer};
+use crate::quota::Reservation;
 use crate::shm::SegmentOptions;
 use crate::token::{TOKEN_LEN, Token};
 use std::sync::Arc;
@@ -125,6 +126,9 @@ pub struct Producer {
     wait: WaitStrategy,
     memory: MemoryKind,
     closed: bool,
+    /// The pool's bytes held from a shared budget ([`ChannelOptions::quota`]); last, so they
+    /// return after the pool is freed.
+    _quota: Option<Reservation>,
 }
 
 /// A producer's GPU side.
@@ -203,6 +207,7 @@ impl Producer {
             ));
         }
         control::validate_channel_name(name)?;
+        let quota = reserve_quota(opts, Uuid([0; 16]))?;
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
         let pool = HostPool::create(name, opts.buffers, opts.buffer_bytes, &seg_opts)?;
         let me = ProcessIdentity::current()?;
@@ -232,6 +237,7 @@ impl Producer {
             wait: opts.wait,
             memory: MemoryKind::Host,
             closed: false,
+            _quota: quota,
         })
     }
 
@@ -248,6 +254,7 @@ impl Producer {
             },
             k => k,
         };
+        let quota = reserve_quota(opts, ctx.device().uuid())?;
         let stream = Stream::new(ctx)?;
         let pool = match kind {
             MemoryKind::Pool => Some((MemPool::exportable(ctx)?, Stream::new(ctx)?)),
@@ -290,6 +297,7 @@ impl Producer {
             wait: opts.wait,
             memory: kind,
             closed: false,
+            _quota: quota,
         })
     }
 

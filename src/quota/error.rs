@@ -1,0 +1,108 @@
+//! The quota layer's own error: what the ledger's layout and budget report. What its segment
+//! reports (missing, another user's, not a file, sparse, too small) is [`crate::Error::Shm`].
+
+use crate::driver::Uuid;
+
+/// A reservation's holder as an error message names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldBy {
+    /// The holder's pid, in its own pid namespace.
+    pub pid: u32,
+    /// The holder's pid namespace inode (0 when unknown).
+    pub pid_ns: u32,
+    /// The holder's effective uid.
+    pub uid: u32,
+    /// Bytes it holds.
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for HeldBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pid {} (uid {}, pid ns {}) holds {} bytes",
+            self.pid, self.uid, self.pid_ns, self.bytes
+        )
+    }
+}
+
+/// Lists holders for a message: "pid 7 (...) holds 10 bytes; pid 9 ..." or "nobody".
+fn holders_text(h: &[HeldBy]) -> String {
+    if h.is_empty() {
+        return "nobody holds any".into();
+    }
+    h.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// What a quota ledger reports.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum QuotaError {
+    /// A reservation would take the device's budget past its limit. Not the per-producer cap
+    /// `ChannelOptions::quota_bytes` (that is `ChannelError::OverQuota`): this budget is shared by
+    /// every producer of the user or group.
+    #[error(
+        "over quota on {device}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}",
+        holders_text(.holders)
+    )]
+    OverQuota {
+        /// The device whose budget it is (all zeros: host memory).
+        device: Uuid,
+        /// Bytes asked for.
+        asked: u64,
+        /// The budget in bytes.
+        budget: u64,
+        /// Bytes reserved by live holders when it was refused.
+        used: u64,
+        /// Who holds them.
+        holders: Vec<HeldBy>,
+    },
+    /// Every entry of the ledger is taken by a live holder.
+    #[error("quota ledger {name} has no free entry ({entries} live reservations)")]
+    Full {
+        /// The segment's name.
+        name: String,
+        /// Its number of entries.
+        entries: u32,
+    },
+    /// The segment under the ledger's name is not a ledger this build can read: another
+    /// program's file, a truncated or garbled ledger, or a creation that never finished.
+    #[error("{name} is not a usable quota ledger: {reason}")]
+    BadSegment {
+        /// The segment's name.
+        name: String,
+        /// What was found, in words.
+        reason: String,
+    },
+    /// A ledger of another layout version.
+    #[error("quota ledger {name} has layout version {found}; this build reads version {supported}")]
+    VersionMismatch {
+        /// The segment's name.
+        name: String,
+        /// The version found.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// Only the ledger's owner (its creator's uid) or root may change the budget.
+    #[error("only uid {owner} (the ledger's owner) or root may change the budget of {name}; this is uid {ours}")]
+    NotBudgetOwner {
+        /// The segment's name.
+        name: String,
+        /// The owner's uid.
+        owner: u32,
+        /// Our effective uid.
+        ours: u32,
+    },
+    /// No group of that name, or this process is not a member of it.
+    #[error("group {group}: {reason}")]
+    BadGroup {
+        /// The group named.
+        group: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+}

@@ -1,0 +1,915 @@
+//! The ledger protocol: create, open, lock, repair, reclaim, reserve, release, inspect (module
+//! doc of [`crate::quota`] for the rules, `layout` for the bytes).
+
+use super::error::{HeldBy, QuotaError};
+use super::layout::{
+    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LEDGER_LEN, LOCK_OFFSET, SCOPE_GROUP,
+    SCOPE_USER, VERSION, WRITING,
+};
+use crate::driver::Uuid;
+use crate::error::{Error, OsError, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::versioned::{self, HeaderError, OpenError};
+use crate::shm::{Segment, SegmentOptions, ShmError};
+use crate::sync::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// A budget of `UNLIMITED` bytes: no limit (the ledger still counts what is held).
+pub const UNLIMITED: u64 = u64::MAX;
+
+/// Prefix of every ledger's segment name.
+pub(crate) const LEDGER_PREFIX: &str = "cuda-ipc.quota.";
+
+/// How long a change waits for the ledger lock held by a live process (a holder keeps it for
+/// microseconds; a dead holder's lock is released by the kernel).
+const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long an opener waits for the init stamp of a ledger being created.
+const OPEN_WAIT: Duration = Duration::from_secs(1);
+
+/// Points in a reservation where a test may stop the process (its parent then kills it).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QuotaTestPoint {
+    /// The ledger lock is held and an entry is `WRITING` with half its fields stored.
+    EntryHalfWritten,
+}
+
+static TEST_HOOK: std::sync::OnceLock<fn(QuotaTestPoint)> = std::sync::OnceLock::new();
+
+/// Installs a function called at every [`QuotaTestPoint`] this process reaches (once per process;
+/// later calls are ignored). For tests that kill a holder at the worst moment.
+#[doc(hidden)]
+pub fn set_test_hook(hook: fn(QuotaTestPoint)) {
+    let _ = TEST_HOOK.set(hook);
+}
+
+fn test_point(p: QuotaTestPoint) {
+    if let Some(h) = TEST_HOOK.get() {
+        h(p);
+    }
+}
+
+/// Whose budget a ledger is: this user's, or a group's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub enum QuotaScope {
+    /// The ledger of one uid: mode `0600`, only that user's processes reserve from it.
+    User(u32),
+    /// The ledger of one group (gid): mode `0660`, every member's processes reserve from it.
+    Group(u32),
+}
+
+impl QuotaScope {
+    /// The scope of this process's effective uid.
+    pub fn user() -> QuotaScope {
+        QuotaScope::User(rustix::process::geteuid().as_raw())
+    }
+
+    /// The scope of the group `name` (a group name, or a numeric gid), of which this process must
+    /// be a member (its effective gid or one of its supplementary groups), or be root.
+    ///
+    /// # Errors
+    /// [`QuotaError::BadGroup`] when no such group exists or this process is not a member.
+    pub fn group(name: &str) -> Result<QuotaScope> {
+        let gid = match name.parse::<u32>() {
+            Ok(g) => g,
+            Err(_) => gid_of(name)?.ok_or_else(|| QuotaError::BadGroup {
+                group: name.to_string(),
+                reason: "no such group".into(),
+            })?,
+        };
+        let member = rustix::process::getegid().as_raw() == gid
+            || rustix::process::geteuid().is_root()
+            || rustix::process::getgroups()
+                .map(|g| g.iter().any(|x| x.as_raw() == gid))
+                .unwrap_or(false);
+        if !member {
+            return Err(QuotaError::BadGroup {
+                group: name.to_string(),
+                reason: format!("this process (uid {}) is not a member of gid {gid}", {
+                    rustix::process::geteuid().as_raw()
+                }),
+            }
+            .into());
+        }
+        Ok(QuotaScope::Group(gid))
+    }
+
+    /// The ledger's segment name for `device`: `cuda-ipc.quota.u<uid>.<uuid hex>` or
+    /// `cuda-ipc.quota.g<gid>.<uuid hex>` (32 lower-case hex digits; all zeros for host memory).
+    pub fn segment_name(&self, device: Uuid) -> String {
+        let hex: String = device.0.iter().map(|b| format!("{b:02x}")).collect();
+        match self {
+            QuotaScope::User(u) => format!("{LEDGER_PREFIX}u{u}.{hex}"),
+            QuotaScope::Group(g) => format!("{LEDGER_PREFIX}g{g}.{hex}"),
+        }
+    }
+
+    fn words(&self) -> (u32, u32) {
+        match *self {
+            QuotaScope::User(u) => (SCOPE_USER, u),
+            QuotaScope::Group(g) => (SCOPE_GROUP, g),
+        }
+    }
+}
+
+impl std::fmt::Display for QuotaScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QuotaScope::User(u) => write!(f, "uid {u}"),
+            QuotaScope::Group(g) => write!(f, "gid {g}"),
+        }
+    }
+}
+
+/// The gid of group `name` (`getgrnam_r`), `None` when there is none.
+fn gid_of(name: &str) -> Result<Option<u32>> {
+    let bad = |reason: &str| QuotaError::BadGroup {
+        group: name.to_string(),
+        reason: reason.to_string(),
+    };
+    let cname = std::ffi::CString::new(name).map_err(|_| bad("a name with a NUL byte"))?;
+    let mut len = 4096usize;
+    loop {
+        let mut buf = vec![0 as libc::c_char; len];
+        // SAFETY: `group` is a plain C struct of pointers and integers; all-zero is valid.
+        let mut grp: libc::group = unsafe { std::mem::zeroed() };
+        let mut out: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: `cname` is NUL-terminated; `grp`, `buf` (of `len` bytes) and `out` are valid for
+        // writes and outlive the call; the strings it stores point into `buf`, read by nobody.
+        let r = unsafe {
+            libc::getgrnam_r(cname.as_ptr(), &mut grp, buf.as_mut_ptr(), len, &mut out)
+        };
+        if r == libc::ERANGE && len < 1 << 20 {
+            len *= 4;
+            continue;
+        }
+        if r != 0 {
+            return Err(OsError::io("getgrnam_r", name, std::io::Error::from_raw_os_error(r)).into());
+        }
+        return Ok((!out.is_null()).then_some(grp.gr_gid));
+    }
+}
+
+/// One reservation as [`QuotaLedger::snapshot`] saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct Holder {
+    /// The process holding it.
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::identity::snapshot_json::identity")
+    )]
+    pub identity: ProcessIdentity,
+    /// The holder's effective uid.
+    pub uid: u32,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Its liveness when the snapshot was made (`Unknown` counts as alive and is kept).
+    pub liveness: Liveness,
+}
+
+/// A ledger's state, copied under its lock after dead holders were reclaimed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct LedgerSnapshot {
+    /// The segment's name in `/dev/shm`.
+    pub name: String,
+    /// The device whose budget it is (all zeros: host memory).
+    #[cfg_attr(feature = "serde", serde(serialize_with = "uuid_text"))]
+    pub device: Uuid,
+    /// Whose budget.
+    pub scope: QuotaScope,
+    /// The segment's owner uid (who may change the budget, with root).
+    pub owner_uid: u32,
+    /// The segment's permission bits (`0o600`, `0o660`).
+    pub mode: u32,
+    /// The budget in bytes; `None`: unlimited.
+    pub budget: Option<u64>,
+    /// Bytes held by the holders below.
+    pub used: u64,
+    /// The live (or unknown) holders.
+    pub holders: Vec<Holder>,
+    /// Dead holders whose entries this snapshot freed.
+    pub reclaimed: u32,
+}
+
+#[cfg(feature = "serde")]
+fn uuid_text<S: serde::Serializer>(u: &Uuid, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(u)
+}
+
+/// A handle on one device's quota ledger (module doc of [`crate::quota`]). Cheap to clone; every
+/// clone shares one open segment.
+#[derive(Clone)]
+pub struct QuotaLedger {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    seg: Segment,
+    device: Uuid,
+    scope: QuotaScope,
+    /// Serialises this process's threads: the OFD lock belongs to the open file description, which
+    /// they share, so it does not exclude them from one another.
+    local: Mutex<()>,
+}
+
+impl std::fmt::Debug for QuotaLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuotaLedger")
+            .field("name", &self.inner.seg.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Bytes held from a ledger until this is dropped (or [`Reservation::release`]d). A process that
+/// dies holding one loses it at the next reserve or inspection of the ledger.
+#[derive(Debug)]
+pub struct Reservation {
+    ledger: QuotaLedger,
+    index: u32,
+    id: u64,
+    bytes: u64,
+    released: bool,
+}
+
+/// The ledger lock, held: the OFD record lock and this process's mutex.
+struct Locked<'a> {
+    inner: &'a Inner,
+    _local: MutexGuard<'a, ()>,
+}
+
+fn flock(kind: libc::c_int) -> libc::flock {
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = kind as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = LOCK_OFFSET;
+    l.l_len = 1;
+    l
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        use rustix::fd::AsRawFd;
+        let l = flock(libc::F_UNLCK);
+        // SAFETY: the segment's fd is open while `inner` lives; `l` is a valid flock that
+        // outlives the call. Unlocking a lock we hold cannot fail but for a bad fd.
+        let _ = unsafe { libc::fcntl(self.inner.seg.fd().as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    }
+}
+
+impl Inner {
+    fn header(&self) -> &Header {
+        versioned::header::<Header>(&self.seg)
+    }
+
+    fn entry(&self, i: u32) -> &Entry {
+        debug_assert!(i < ENTRIES);
+        // (1) The segment is at least LEDGER_LEN bytes (every opener and creator checks it), so
+        // entry `i < ENTRIES` lies inside the mapping, which lives as long as `self`; (2) the
+        // offset is a multiple of 64 from a page, so Entry's 8-byte alignment holds.
+        // SAFETY: (1), (2); (3) Entry is `repr(C)` atomics only: every bit pattern is valid and
+        // a shared reference permits other processes' concurrent writes.
+        unsafe {
+            &*self
+                .seg
+                .as_ptr()
+                .add(ENTRIES_AT + i as usize * ENTRY_LEN)
+                .cast::<Entry>()
+        }
+    }
+
+    fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// Takes the ledger lock (at most [`LOCK_TIMEOUT`]), then repairs what a locker killed
+    /// half-way left: `WRITING` entries (and states no build writes) are freed.
+    fn lock(&self) -> Result<Locked<'_>> {
+        use rustix::fd::AsRawFd;
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let l = flock(libc::F_WRLCK);
+        let deadline = Instant::now() + LOCK_TIMEOUT;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            // SYNC POINT ledger lock: the kernel's record lock orders one locker's critical section
+            // after the previous one's (the lock and unlock calls are full barriers); the atomics
+            // inside are Release/Acquire pairs of their own (SYNC POINT entry) on top of it.
+            // SAFETY: the segment's fd is open while `self` lives; `l` is a valid flock that
+            // outlives the call.
+            let r = unsafe { libc::fcntl(self.seg.fd().as_raw_fd(), libc::F_OFD_SETLK, &l) };
+            if r == 0 {
+                break;
+            }
+            let e = std::io::Error::last_os_error();
+            if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
+                return Err(OsError::io("fcntl(F_OFD_SETLK)", format!("/{}", self.name()), e).into());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: "the quota ledger's lock",
+                    after: LOCK_TIMEOUT,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+        let g = Locked {
+            inner: self,
+            _local: local,
+        };
+        let mut repaired = 0;
+        for i in 0..ENTRIES {
+            let e = self.entry(i);
+            // SYNC POINT entry: Acquire, pairs with the Release stores of `state` in `reserve`
+            // and `free`.
+            let s = e.state.load(Ordering::Acquire);
+            if s != FREE && s != HELD {
+                // WRITING under a free lock: its writer died before it returned the reservation.
+                e.state.store(FREE, Ordering::Release);
+                repaired += 1;
+            }
+        }
+        if repaired > 0 {
+            tracing::warn!(
+                "quota ledger {}: freed {repaired} entries a holder left half-written",
+                self.name()
+            );
+            self.store_used();
+        }
+        Ok(g)
+    }
+
+    /// Frees the entries of dead holders (under the lock); returns how many.
+    fn reclaim_dead(&self, _g: &Locked<'_>) -> u32 {
+        let mut n = 0;
+        for i in 0..ENTRIES {
+            let e = self.entry(i);
+            // SYNC POINT entry: Acquire, as in `lock`.
+            if e.state.load(Ordering::Acquire) != HELD {
+                continue;
+            }
+            // Relaxed: ordered by the Acquire load of `state`.
+            let id = ProcessIdentity::load_words(&e.identity);
+            if id.liveness() == Liveness::Dead {
+                tracing::info!(
+                    "quota ledger {}: reclaimed {} bytes of dead pid {} (pid ns {})",
+                    self.name(),
+                    e.bytes.load(Ordering::Relaxed),
+                    id.pid,
+                    id.pid_ns
+                );
+                // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
+                e.state.store(FREE, Ordering::Release);
+                n += 1;
+            }
+        }
+        if n > 0 {
+            self.store_used();
+        }
+        n
+    }
+
+    /// The held entries: (index, identity, uid, bytes).
+    fn held(&self) -> Vec<(u32, ProcessIdentity, u32, u64)> {
+        (0..ENTRIES)
+            .filter_map(|i| {
+                let e = self.entry(i);
+                // SYNC POINT entry: Acquire, as in `lock`; the loads below are Relaxed.
+                (e.state.load(Ordering::Acquire) == HELD).then(|| {
+                    (
+                        i,
+                        ProcessIdentity::load_words(&e.identity),
+                        e.uid.load(Ordering::Relaxed) as u32,
+                        e.bytes.load(Ordering::Relaxed),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Rewrites the header's copy of the bytes in use and bumps the change counter.
+    fn store_used(&self) -> u64 {
+        let used = self
+            .held()
+            .iter()
+            .fold(0u64, |a, (_, _, _, b)| a.saturating_add(*b));
+        let h = self.header();
+        // Relaxed: written under the lock; readers take the lock too (tools' snapshots).
+        h.used.store(used, Ordering::Relaxed);
+        h.changes.fetch_add(1, Ordering::Relaxed);
+        used
+    }
+
+    fn budget(&self) -> Option<u64> {
+        // Relaxed: written and read under the lock.
+        let b = self.header().budget.load(Ordering::Relaxed);
+        (b != UNLIMITED).then_some(b)
+    }
+}
+
+/// Maps what the versioned opener found to this layer's errors.
+fn open_error(name: &str, e: OpenError) -> Error {
+    match e {
+        OpenError::Segment(e) => e,
+        OpenError::Header(HeaderError::Foreign { magic }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!("magic {magic:#018x}, not a quota ledger's (CIPCQUOT)"),
+        }
+        .into(),
+        OpenError::Header(HeaderError::OtherVersion { found }) => QuotaError::VersionMismatch {
+            name: name.to_string(),
+            found,
+            supported: VERSION,
+        }
+        .into(),
+        OpenError::Header(HeaderError::BadStamp { found }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!("init stamp word {found:#x}"),
+        }
+        .into(),
+        OpenError::Header(HeaderError::Unstamped { waited }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!("never initialised (no init stamp after {waited:?})"),
+        }
+        .into(),
+    }
+}
+
+impl QuotaLedger {
+    /// Opens the ledger of `scope` for `device` (all-zero UUID: host memory), waiting up to 1 s for
+    /// a creator that is still writing it.
+    ///
+    /// # Errors
+    /// [`crate::Error::Shm`] as the segment reports it: `NotFound` (no budget was set for this
+    /// device and scope), `WrongOwner` (another user's ledger, or a group ledger of a group we are
+    /// not in), `InsecureMode`, `NotASegment` (a FIFO, directory or socket under the name: never
+    /// read, never removed), `TooSmall`, `Sparse`; [`QuotaError::BadSegment`] for a foreign,
+    /// garbled or never initialised ledger or one that names another device or scope than its
+    /// name; [`QuotaError::VersionMismatch`].
+    pub fn open(scope: QuotaScope, device: Uuid) -> Result<QuotaLedger> {
+        let name = scope.segment_name(device);
+        let l = Self::open_named(&name)?;
+        if l.inner.scope != scope || l.inner.device != device {
+            return Err(QuotaError::BadSegment {
+                name,
+                reason: format!(
+                    "its header names {} on {}",
+                    l.inner.scope, l.inner.device
+                ),
+            }
+            .into());
+        }
+        Ok(l)
+    }
+
+    /// Opens a ledger by its segment name (`cuda-ipc.quota.…`, as [`list_ledgers`] gives), for
+    /// tools. Group ledgers (`cuda-ipc.quota.g…`) are accepted from another user of one of our
+    /// groups.
+    ///
+    /// # Errors
+    /// As [`QuotaLedger::open`]; [`QuotaError::BadSegment`] also when the header's scope and
+    /// device give another name than `name`.
+    pub fn open_named(name: &str) -> Result<QuotaLedger> {
+        let group = name.starts_with(&format!("{LEDGER_PREFIX}g"));
+        let seg = versioned::open_versioned::<Header>(name, group, OPEN_WAIT)
+            .map_err(|e| open_error(name, e))?;
+        let h = versioned::header::<Header>(&seg);
+        let bad = |reason: String| -> Error {
+            QuotaError::BadSegment {
+                name: name.to_string(),
+                reason,
+            }
+            .into()
+        };
+        // Relaxed: ordered by the Acquire load of the stamp in `open_versioned`.
+        let entries = h.entries.load(Ordering::Relaxed);
+        if entries != ENTRIES {
+            return Err(bad(format!("{entries} entries, not {ENTRIES}")));
+        }
+        let scope = match (h.scope.load(Ordering::Relaxed), h.scope_id.load(Ordering::Relaxed)) {
+            (SCOPE_USER, u) => QuotaScope::User(u),
+            (SCOPE_GROUP, g) => QuotaScope::Group(g),
+            (s, _) => return Err(bad(format!("scope word {s}"))),
+        };
+        let mut dev = [0u8; 16];
+        dev[..8].copy_from_slice(&h.device[0].load(Ordering::Relaxed).to_le_bytes());
+        dev[8..].copy_from_slice(&h.device[1].load(Ordering::Relaxed).to_le_bytes());
+        let device = Uuid(dev);
+        let (_, gid, _) = seg.owner()?;
+        if let QuotaScope::Group(g) = scope
+            && gid != g
+        {
+            return Err(bad(format!("a ledger of gid {g} whose file belongs to gid {gid}")));
+        }
+        if scope.segment_name(device) != name {
+            return Err(bad(format!("its header names {scope} on {device}")));
+        }
+        Ok(QuotaLedger {
+            inner: Arc::new(Inner {
+                seg,
+                device,
+                scope,
+                local: Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Sets the budget of `scope` on `device` to `budget` bytes ([`UNLIMITED`]: no limit),
+    /// creating the ledger when there is none (mode `0600` for a user, `0660` with the group set
+    /// for a group). Reservations already held stay; only new ones are judged by the new budget.
+    ///
+    /// # Errors
+    /// [`QuotaError::NotBudgetOwner`] when the ledger exists and is not this uid's (and we are not
+    /// root); [`QuotaError::BadGroup`] when the group cannot be given to the file; the errors of
+    /// [`QuotaLedger::open`] for what stands under the name; [`crate::Error::Timeout`] when a live
+    /// process holds the ledger lock for 2 s; [`crate::Error::Os`] and `NoSpace` from creating it.
+    pub fn set_budget(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
+        let name = scope.segment_name(device);
+        let ledger = match Self::create(scope, device, budget) {
+            Ok(l) => return Ok(l),
+            Err(Error::Shm(ShmError::AlreadyExists { .. })) => Self::open(scope, device)?,
+            Err(e) => return Err(e),
+        };
+        let (owner, _, _) = ledger.inner.seg.owner()?;
+        let ours = rustix::process::geteuid();
+        if owner != ours.as_raw() && !ours.is_root() {
+            return Err(QuotaError::NotBudgetOwner {
+                name,
+                owner,
+                ours: ours.as_raw(),
+            }
+            .into());
+        }
+        let _g = ledger.inner.lock()?;
+        let h = ledger.inner.header();
+        // Relaxed: under the lock (SYNC POINT ledger lock).
+        h.budget.store(budget, Ordering::Relaxed);
+        h.changes.fetch_add(1, Ordering::Relaxed);
+        drop(_g);
+        Ok(ledger)
+    }
+
+    /// Creates the ledger (`O_EXCL`); `AlreadyExists` when the name is taken.
+    fn create(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
+        let name = scope.segment_name(device);
+        let group = matches!(scope, QuotaScope::Group(_));
+        let seg = Segment::create(&name, LEDGER_LEN, &SegmentOptions::new().group_access(group))?;
+        if let QuotaScope::Group(gid) = scope {
+            let r = rustix::fs::fchown(
+                seg.fd(),
+                None,
+                Some(rustix::fs::Gid::from_raw(gid)),
+            );
+            if let Err(e) = r {
+                // Ours, just made and never stamped: take it away again.
+                let _ = Segment::unlink(&name);
+                return Err(QuotaError::BadGroup {
+                    group: gid.to_string(),
+                    reason: format!("cannot give the ledger to gid {gid}: {e}"),
+                }
+                .into());
+            }
+        }
+        let me = ProcessIdentity::current()?;
+        let (scope_word, scope_id) = scope.words();
+        versioned::write_versioned::<Header>(
+            &seg,
+            // Relaxed stores, published by the magic's and the stamp's Release in
+            // `write_versioned` (SYNC POINT creator, stamp).
+            |h| me.store_words(&h.creator),
+            |h| {
+                h.budget.store(budget, Ordering::Relaxed);
+                h.used.store(0, Ordering::Relaxed);
+                h.entries.store(ENTRIES, Ordering::Relaxed);
+                h.scope.store(scope_word, Ordering::Relaxed);
+                h.scope_id.store(scope_id, Ordering::Relaxed);
+                let d = device.0;
+                h.device[0].store(
+                    u64::from_le_bytes(d[..8].try_into().unwrap_or_default()),
+                    Ordering::Relaxed,
+                );
+                h.device[1].store(
+                    u64::from_le_bytes(d[8..].try_into().unwrap_or_default()),
+                    Ordering::Relaxed,
+                );
+            },
+        );
+        Ok(QuotaLedger {
+            inner: Arc::new(Inner {
+                seg,
+                device,
+                scope,
+                local: Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Removes the ledger's name (only while it is still this segment), for its owner; holders
+    /// keep their mappings, new producers find no budget.
+    ///
+    /// # Errors
+    /// [`QuotaError::NotBudgetOwner`] when it is not this uid's (and we are not root); the errors
+    /// of `Segment::unlink_if_same`.
+    pub fn remove(&self) -> Result<bool> {
+        let (owner, _, _) = self.inner.seg.owner()?;
+        let ours = rustix::process::geteuid();
+        if owner != ours.as_raw() && !ours.is_root() {
+            return Err(QuotaError::NotBudgetOwner {
+                name: self.name().to_string(),
+                owner,
+                ours: ours.as_raw(),
+            }
+            .into());
+        }
+        Segment::unlink_if_same(self.name(), self.inner.seg.inode()?)
+    }
+
+    /// The segment's name in `/dev/shm`.
+    pub fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    /// The device whose budget this is.
+    pub fn device(&self) -> Uuid {
+        self.inner.device
+    }
+
+    /// Whose budget this is.
+    pub fn scope(&self) -> QuotaScope {
+        self.inner.scope
+    }
+
+    /// Reserves `bytes` for this process: under the ledger lock, frees the entries of dead holders,
+    /// then takes an entry when the live holders' bytes plus `bytes` stay within the budget.
+    ///
+    /// # Errors
+    /// [`QuotaError::OverQuota`] naming the budget, the bytes in use and each holder;
+    /// [`QuotaError::Full`] when all 256 entries are held by live processes;
+    /// [`crate::Error::InvalidArgument`] for 0 bytes; [`crate::Error::Timeout`] when a live
+    /// process holds the lock for 2 s; [`crate::Error::Os`] when this process's identity cannot
+    /// be read.
+    pub fn reserve(&self, bytes: u64) -> Result<Reservation> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("a reservation of 0 bytes".into()));
+        }
+        let me = ProcessIdentity::current()?;
+        let uid = rustix::process::geteuid().as_raw();
+        let inner = &*self.inner;
+        let g = inner.lock()?;
+        inner.reclaim_dead(&g);
+        let held = inner.held();
+        let used = held.iter().fold(0u64, |a, h| a.saturating_add(h.3));
+        if let Some(budget) = inner.budget()
+            && used.checked_add(bytes).is_none_or(|t| t > budget)
+        {
+            return Err(QuotaError::OverQuota {
+                device: inner.device,
+                asked: bytes,
+                budget,
+                used,
+                holders: held
+                    .iter()
+                    .map(|(_, id, uid, b)| HeldBy {
+                        pid: id.pid,
+                        pid_ns: id.pid_ns,
+                        uid: *uid,
+                        bytes: *b,
+                    })
+                    .collect(),
+            }
+            .into());
+        }
+        let Some(index) = (0..ENTRIES).find(|i| {
+            // Relaxed: under the lock, where only we write.
+            inner.entry(*i).state.load(Ordering::Relaxed) == FREE
+        }) else {
+            return Err(QuotaError::Full {
+                name: inner.name().to_string(),
+                entries: ENTRIES,
+            }
+            .into());
+        };
+        let id = versioned::new_generation();
+        let e = inner.entry(index);
+        // SYNC POINT entry: Release, pairs with the Acquire loads of `state` (the next locker's
+        // repair): WRITING is seen before any field below.
+        e.state.store(WRITING, Ordering::Release);
+        // Relaxed: published by the Release store of HELD below.
+        me.store_words(&e.identity);
+        e.bytes.store(bytes, Ordering::Relaxed);
+        test_point(QuotaTestPoint::EntryHalfWritten);
+        e.id.store(id, Ordering::Relaxed);
+        e.uid.store(u64::from(uid), Ordering::Relaxed);
+        // SYNC POINT entry: Release, pairs with the Acquire loads of `state` in `held`,
+        // `reclaim_dead` and `lock`: whoever sees HELD sees the fields above.
+        e.state.store(HELD, Ordering::Release);
+        inner.store_used();
+        drop(g);
+        Ok(Reservation {
+            ledger: self.clone(),
+            index,
+            id,
+            bytes,
+            released: false,
+        })
+    }
+
+    /// The ledger's state, after freeing the entries of dead holders (so a killed producer's bytes
+    /// show as free at the first look).
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s; [`crate::Error::Os`]
+    /// when `fstat` fails.
+    pub fn snapshot(&self) -> Result<LedgerSnapshot> {
+        let inner = &*self.inner;
+        let (owner_uid, _, mode) = inner.seg.owner()?;
+        let g = inner.lock()?;
+        let reclaimed = inner.reclaim_dead(&g);
+        let held = inner.held();
+        let budget = inner.budget();
+        drop(g);
+        let holders: Vec<Holder> = held
+            .into_iter()
+            .map(|(_, identity, uid, bytes)| Holder {
+                liveness: identity.liveness(),
+                identity,
+                uid,
+                bytes,
+            })
+            .collect();
+        Ok(LedgerSnapshot {
+            name: inner.name().to_string(),
+            device: inner.device,
+            scope: inner.scope,
+            owner_uid,
+            mode,
+            budget,
+            used: holders.iter().fold(0u64, |a, h| a.saturating_add(h.bytes)),
+            holders,
+            reclaimed,
+        })
+    }
+}
+
+impl Reservation {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The ledger it was taken from.
+    pub fn ledger(&self) -> &QuotaLedger {
+        &self.ledger
+    }
+
+    /// Returns the bytes to the ledger now (dropping does the same and logs a failure).
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s (the entry stays held
+    /// until this process exits, then it is reclaimed).
+    pub fn release(mut self) -> Result<()> {
+        self.released = true;
+        self.free()
+    }
+
+    fn free(&self) -> Result<()> {
+        let inner = &*self.ledger.inner;
+        let _g = inner.lock()?;
+        let e = inner.entry(self.index);
+        // Relaxed: under the lock. Only our own entry is freed (a repair may have freed it and a
+        // later reserve taken it: then its id differs).
+        if e.state.load(Ordering::Relaxed) == HELD && e.id.load(Ordering::Relaxed) == self.id {
+            // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
+            e.state.store(FREE, Ordering::Release);
+            inner.store_used();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.released
+            && let Err(e) = self.free()
+        {
+            // Safe to go on: the entry names this process, and is reclaimed once it exits.
+            tracing::warn!(
+                "quota ledger {}: returning {} bytes: {e}; reclaimed when this process exits",
+                self.ledger.name(),
+                self.bytes
+            );
+        }
+    }
+}
+
+/// The names of the quota ledgers in `/dev/shm` (`cuda-ipc.quota.…`, regular files), sorted.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `/dev/shm` cannot be read.
+pub fn list_ledgers() -> Result<Vec<String>> {
+    let mut v: Vec<String> = crate::shm::list_segments()?
+        .into_iter()
+        .filter(|n| n.starts_with(LEDGER_PREFIX))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn dev(tag: u8) -> Uuid {
+        let mut d = [0u8; 16];
+        d[0] = 0xfe;
+        d[1] = tag;
+        d[12..].copy_from_slice(&std::process::id().to_le_bytes());
+        Uuid(d)
+    }
+
+    #[test]
+    fn reservations_add_up_to_the_budget_and_come_back_when_dropped() {
+        let d = dev(1);
+        let l = QuotaLedger::set_budget(QuotaScope::user(), d, 100).unwrap();
+        let a = l.reserve(60).unwrap();
+        let b = l.reserve(40).unwrap();
+        let e = l.reserve(1).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(
+                e,
+                Error::Quota(QuotaError::OverQuota {
+                    asked: 1,
+                    budget: 100,
+                    used: 100,
+                    ..
+                })
+            ),
+            "{msg}"
+        );
+        assert!(msg.contains(&format!("pid {}", std::process::id())), "{msg}");
+        assert!(msg.contains("holds 60 bytes") && msg.contains("holds 40 bytes"), "{msg}");
+        let s = l.snapshot().unwrap();
+        assert_eq!((s.budget, s.used, s.holders.len()), (Some(100), 100, 2));
+        assert_eq!(s.mode, 0o600);
+        drop(a);
+        assert_eq!(l.snapshot().unwrap().used, 40);
+        let c = l.reserve(60).unwrap();
+        b.release().unwrap();
+        drop(c);
+        assert_eq!(l.snapshot().unwrap().used, 0);
+        // A lower budget judges only new reservations; UNLIMITED lifts it.
+        QuotaLedger::set_budget(QuotaScope::user(), d, UNLIMITED).unwrap();
+        let big = l.reserve(u64::MAX / 2).unwrap();
+        assert_eq!(l.snapshot().unwrap().budget, None);
+        drop(big);
+        assert!(l.remove().unwrap());
+    }
+
+    #[test]
+    fn a_half_written_entry_is_freed_by_the_next_locker() {
+        let d = dev(2);
+        let l = QuotaLedger::set_budget(QuotaScope::user(), d, 10).unwrap();
+        // What a holder killed between WRITING and HELD leaves, with the lock released by the
+        // kernel: an entry in WRITING.
+        let e = l.inner.entry(3);
+        e.bytes.store(10, Ordering::Relaxed);
+        e.state.store(WRITING, Ordering::Release);
+        // Garbage state words too.
+        l.inner.entry(4).state.store(77, Ordering::Release);
+        let r = l.reserve(10).unwrap();
+        assert_eq!(l.inner.entry(4).state.load(Ordering::Relaxed), FREE);
+        drop(r);
+        assert!(l.remove().unwrap());
+    }
+
+    #[test]
+    fn names_and_scopes() {
+        let d = Uuid([0xab; 16]);
+        assert_eq!(
+            QuotaScope::User(1000).segment_name(d),
+            format!("cuda-ipc.quota.u1000.{}", "ab".repeat(16))
+        );
+        assert!(QuotaScope::Group(5).segment_name(Uuid([0; 16])).starts_with("cuda-ipc.quota.g5."));
+        assert!(matches!(
+            QuotaScope::group("no-such-group-cuda-ipc-test"),
+            Err(Error::Quota(QuotaError::BadGroup { .. }))
+        ));
+        let egid = rustix::process::getegid().as_raw();
+        assert_eq!(
+            QuotaScope::group(&egid.to_string()).unwrap(),
+            QuotaScope::Group(egid)
+        );
+        assert!(
+            QuotaScope::group("a\0b").is_err(),
+            "a NUL byte is refused, not passed to libc"
+        );
+    }
+}
