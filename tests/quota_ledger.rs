@@ -1,0 +1,343 @@
+//! The quota ledger across processes: two producers racing for the last bytes (exactly one wins,
+//! the other's `OverQuota` names the winner), a holder killed with SIGKILL (its bytes come back
+//! within 1 s), a holder killed while it held the ledger lock half-way through an entry (the next
+//! locker repairs it), and hostile segments under a ledger's name (garbage, foreign, truncated,
+//! another version, a FIFO, another user's): each a clear error, nothing removed. The children are
+//! this test binary re-executed (tests/common).
+
+mod common;
+
+use common::{Peer, parent_lines, role, tell};
+use cuda_ipc::channel::{ChannelOptions, Producer};
+use cuda_ipc::driver::Uuid;
+use cuda_ipc::quota::{QuotaError, QuotaLedger, QuotaScope, QuotaTestPoint, set_test_hook};
+use cuda_ipc::{Error, ShmError};
+use std::ffi::CString;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+const DEVICE: &str = "CUDA_IPC_TEST_QUOTA_DEVICE";
+const T: Duration = Duration::from_secs(20);
+
+/// A device UUID of this process and call, so parallel tests never share a ledger.
+fn device() -> Uuid {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let mut d = [0u8; 16];
+    d[..4].copy_from_slice(b"test");
+    d[4..8].copy_from_slice(&std::process::id().to_le_bytes());
+    d[8..12].copy_from_slice(&N.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    Uuid(d)
+}
+
+fn path(name: &str) -> String {
+    format!("/dev/shm/{name}")
+}
+
+/// Removes a ledger's name when dropped.
+struct Gone(String);
+impl Drop for Gone {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(path(&self.0));
+    }
+}
+
+fn child_device() -> Uuid {
+    std::env::var(DEVICE).unwrap().parse().unwrap()
+}
+
+/// The host-memory ledger (all-zero UUID) is shared by every host channel of this user: the one
+/// test that uses it skips when a real budget is set there.
+#[test]
+fn two_producers_racing_for_the_last_bytes_exactly_one_wins() {
+    const TEST: &str = "two_producers_racing_for_the_last_bytes_exactly_one_wins";
+    if role().as_deref() == Some("racer") {
+        let name = std::env::var("CUDA_IPC_TEST_QUOTA_CHANNEL").unwrap();
+        let opts = ChannelOptions::new(100).buffers(4).quota(QuotaScope::user());
+        tell("ready");
+        let _go = parent_lines().next();
+        match Producer::create_host(&name, &opts) {
+            Ok(p) => {
+                tell("won");
+                // Hold the pool (and its bytes) until the parent has seen both answers.
+                let _ = parent_lines().next();
+                drop(p);
+            }
+            Err(Error::Quota(QuotaError::OverQuota { used, holders, .. })) => {
+                let pids: Vec<u32> = holders.iter().map(|h| h.pid).collect();
+                tell(format!("over {used} {pids:?}"));
+                let _ = parent_lines().next();
+            }
+            Err(e) => tell(format!("error {e}")),
+        }
+        return;
+    }
+    let host = Uuid([0; 16]);
+    let ledger_name = QuotaScope::user().segment_name(host);
+    if std::fs::metadata(path(&ledger_name)).is_ok() {
+        println!("skipped: a host-memory budget is set for this user ({ledger_name}); left alone");
+        return;
+    }
+    let _g = Gone(ledger_name);
+    // Room for one pool of 4 × 100 bytes, not two.
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), host, 600).unwrap();
+    for round in 0..8 {
+        let names = [0, 1].map(|i| format!("quota-race-{}-{round}-{i}", std::process::id()));
+        let mut peers: Vec<Peer> = names
+            .iter()
+            .map(|n| Peer::spawn(TEST, "racer", &[("CUDA_IPC_TEST_QUOTA_CHANNEL", n)]))
+            .collect();
+        for p in &mut peers {
+            p.expect("ready", T);
+        }
+        for p in &mut peers {
+            p.send("go");
+        }
+        let answers: Vec<String> = peers.iter_mut().map(|p| p.recv(T)).collect();
+        let winners: Vec<usize> = (0..2).filter(|i| answers[*i] == "won").collect();
+        assert_eq!(winners.len(), 1, "round {round}: {answers:?}");
+        let w = winners[0];
+        let winner_pid = peers[w].child.id();
+        assert_eq!(
+            answers[1 - w],
+            format!("over 400 [{winner_pid}]"),
+            "round {round}: the loser's error names the winner and its 400 bytes"
+        );
+        let s = ledger.snapshot().unwrap();
+        assert_eq!(s.used, 400, "round {round}");
+        assert_eq!(s.holders[0].identity.pid, winner_pid);
+        for p in &mut peers {
+            p.send("done");
+        }
+        for p in peers {
+            p.finish(T);
+        }
+        // The winner closed its producer: the bytes are back.
+        assert_eq!(ledger.snapshot().unwrap().used, 0, "round {round}");
+    }
+}
+
+#[test]
+fn a_killed_holders_bytes_come_back_within_a_second() {
+    const TEST: &str = "a_killed_holders_bytes_come_back_within_a_second";
+    if role().as_deref() == Some("holder") {
+        let l = QuotaLedger::open(QuotaScope::user(), child_device()).unwrap();
+        let _r = l.reserve(1000).unwrap();
+        tell("held");
+        loop {
+            std::thread::sleep(Duration::from_secs(60));
+        }
+    }
+    let d = device();
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, 1000).unwrap();
+    let _g = Gone(ledger.name().to_string());
+    let mut peer = Peer::spawn(TEST, "holder", &[(DEVICE, &d.to_string())]);
+    peer.expect("held", T);
+    let pid = peer.child.id();
+    match ledger.reserve(1) {
+        Err(Error::Quota(QuotaError::OverQuota { holders, used, .. })) => {
+            assert_eq!(used, 1000);
+            assert_eq!(holders[0].pid, pid);
+        }
+        other => panic!("a full budget must refuse: {other:?}"),
+    }
+    peer.child.kill().unwrap();
+    let killed = Instant::now();
+    let r = loop {
+        match ledger.reserve(1000) {
+            Ok(r) => break r,
+            Err(Error::Quota(QuotaError::OverQuota { .. })) if killed.elapsed() < T => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let took = killed.elapsed();
+    assert!(took < Duration::from_secs(1), "bytes came back after {took:?}");
+    let _ = peer.child.wait();
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.holders.len()), (1000, 1));
+    assert_eq!(s.holders[0].identity.pid, std::process::id());
+    drop(r);
+    assert_eq!(ledger.snapshot().unwrap().used, 0);
+}
+
+/// The test hook in a child: at the half-written entry, tell the parent and wait to be killed
+/// (holding the ledger lock).
+fn stop_half_way(p: QuotaTestPoint) {
+    if p == QuotaTestPoint::EntryHalfWritten {
+        tell("half-way");
+        loop {
+            std::thread::sleep(Duration::from_secs(60));
+        }
+    }
+}
+
+#[test]
+fn a_holder_killed_half_way_through_an_entry_under_the_lock_is_repaired_by_the_next_locker() {
+    const TEST: &str =
+        "a_holder_killed_half_way_through_an_entry_under_the_lock_is_repaired_by_the_next_locker";
+    if role().as_deref() == Some("half") {
+        let l = QuotaLedger::open(QuotaScope::user(), child_device()).unwrap();
+        set_test_hook(stop_half_way);
+        let _ = l.reserve(700);
+        panic!("the holder was to stop half-way");
+    }
+    let d = device();
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, 1000).unwrap();
+    let _g = Gone(ledger.name().to_string());
+    let mut peer = Peer::spawn(TEST, "half", &[(DEVICE, &d.to_string())]);
+    peer.expect("half-way", T);
+    // It holds the lock: a reserve now waits for it (and would time out after 2 s).
+    peer.child.kill().unwrap();
+    let killed = Instant::now();
+    // The kernel released the lock with the process; the entry it left WRITING is freed, so the
+    // whole budget is there.
+    let r = ledger.reserve(1000).unwrap();
+    let took = killed.elapsed();
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    let _ = peer.child.wait();
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.holders.len()), (1000, 1));
+    drop(r);
+}
+
+#[test]
+fn a_producer_past_the_budget_is_refused_before_it_allocates_and_quota_bytes_is_its_own_cap() {
+    // The self cap: judged alone, no ledger needed.
+    let opts = ChannelOptions::new(100).buffers(4).quota_bytes(300);
+    let e = Producer::create_host(&format!("quota-cap-{}", std::process::id()), &opts).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Channel(cuda_ipc::channel::ChannelError::OverQuota { quota: 300, .. })
+        ),
+        "{e:?}"
+    );
+    // A ledger on a device without one: no budget was set, said plainly.
+    let d = device();
+    let e = QuotaLedger::open(QuotaScope::user(), d).unwrap_err();
+    assert!(matches!(e, Error::Shm(ShmError::NotFound { .. })), "{e:?}");
+}
+
+/// Writes `bytes` (then zeros up to `len`) to a new file under the ledger name, mode 0600.
+fn plant(name: &str, bytes: &[u8], len: usize) {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path(name))
+        .unwrap();
+    let mut all = bytes.to_vec();
+    all.resize(len.max(bytes.len()), 0);
+    f.write_all(&all).unwrap();
+}
+
+const LEDGER_LEN: usize = 4096 + 256 * 64;
+
+#[test]
+fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
+    let scope = QuotaScope::user();
+    let check = |what: &str, bytes: &[u8], len: usize, ok: &dyn Fn(&Error) -> bool| {
+        let d = device();
+        let name = scope.segment_name(d);
+        let _g = Gone(name.clone());
+        plant(&name, bytes, len);
+        let t = Instant::now();
+        for (who, e) in [
+            ("open", QuotaLedger::open(scope, d).unwrap_err()),
+            ("open_named", QuotaLedger::open_named(&name).unwrap_err()),
+            ("set_budget", QuotaLedger::set_budget(scope, d, 5).unwrap_err()),
+        ] {
+            assert!(ok(&e), "{what}, {who}: {e:?}");
+            assert!(!e.to_string().is_empty());
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "{what}: bounded waits");
+        assert!(std::fs::metadata(path(&name)).is_ok(), "{what}: kept");
+    };
+    let bad = |e: &Error| matches!(e, Error::Quota(QuotaError::BadSegment { .. }));
+    // Random bytes of the full length: another program's file.
+    let garbage: Vec<u8> = (0..LEDGER_LEN as u32).map(|i| (i * 7 + 3) as u8).collect();
+    check("garbage", &garbage, LEDGER_LEN, &bad);
+    // Another layout of this crate (a channel's magic) with a stamp-like word.
+    let mut foreign = b"CIPCCHAN".to_vec();
+    foreign.extend_from_slice(&1u32.to_le_bytes());
+    foreign.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
+    check("foreign", &foreign, LEDGER_LEN, &bad);
+    // Our magic, another version, stamped.
+    let mut other = b"CIPCQUOT".to_vec();
+    other.extend_from_slice(&9u32.to_le_bytes());
+    other.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
+    check("version", &other, LEDGER_LEN, &|e| {
+        matches!(
+            e,
+            Error::Quota(QuotaError::VersionMismatch {
+                found: 9,
+                supported: 1,
+                ..
+            })
+        )
+    });
+    // Our magic and version, stamped, but the entry count garbled.
+    let mut garbled = b"CIPCQUOT".to_vec();
+    garbled.extend_from_slice(&1u32.to_le_bytes());
+    garbled.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
+    garbled.resize(80, 0);
+    garbled.extend_from_slice(&7u32.to_le_bytes());
+    check("entries", &garbled, LEDGER_LEN, &bad);
+    // Never stamped: a creation that never finished.
+    check("unstamped", b"CIPCQUOT\x01\0\0\0", LEDGER_LEN, &bad);
+    // Truncated: a real header on a short file.
+    check("truncated", &other, 100, &|e| {
+        matches!(e, Error::Shm(ShmError::TooSmall { .. }))
+    });
+
+    // A FIFO under the name: refused at once without blocking, never removed.
+    let d = device();
+    let name = scope.segment_name(d);
+    let _g = Gone(name.clone());
+    let c = CString::new(path(&name)).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for e in [
+        QuotaLedger::open(scope, d).unwrap_err(),
+        QuotaLedger::set_budget(scope, d, 5).unwrap_err(),
+    ] {
+        assert!(
+            matches!(e, Error::Shm(ShmError::NotASegment { .. })),
+            "{e:?}"
+        );
+    }
+    assert!(std::fs::symlink_metadata(path(&name)).unwrap().file_type().is_file() == false);
+}
+
+#[test]
+fn another_users_ledger_is_refused_and_its_budget_is_not_ours_to_change() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    let d = device();
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, 10).unwrap();
+    let name = ledger.name().to_string();
+    let _g = Gone(name.clone());
+    drop(ledger);
+    let other = 54321u32;
+    rustix::fs::chown(
+        path(&name).as_str(),
+        Some(rustix::process::Uid::from_raw(other)),
+        None,
+    )
+    .unwrap();
+    for e in [
+        QuotaLedger::open(QuotaScope::user(), d).unwrap_err(),
+        QuotaLedger::open_named(&name).unwrap_err(),
+    ] {
+        assert!(
+            matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
+            "{e:?}"
+        );
+    }
+    assert_eq!(std::fs::metadata(path(&name)).unwrap().uid(), other);
+}
