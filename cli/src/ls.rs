@@ -467,15 +467,40 @@ fn outcome(l: &Listing) -> Outcome {
     }
 }
 
-/// `cuda-ipc ls [NAME] [--json]`.
+/// `cuda-ipc ls [NAME] [--json]`: the listing, then (without a NAME) the quota budgets with
+/// their holders (JSON: `quotas` and `quota_errors` beside the listing's keys).
 pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let l = collect(&targets(name)?);
-    if json {
-        out!("{}", serde_json::to_string_pretty(&l)?);
+    let (quotas, quota_errors) = if name.is_none() {
+        crate::quota::collect()
     } else {
-        out_nonl!("{}", render(&l, false));
+        (Vec::new(), Vec::new())
+    };
+    if json {
+        let mut v = serde_json::to_value(&l)?;
+        if let Some(m) = v.as_object_mut() {
+            m.insert("quotas".into(), serde_json::to_value(&quotas)?);
+            m.insert(
+                "quota_errors".into(),
+                quota_errors
+                    .iter()
+                    .map(|(n, e)| serde_json::json!({"name": n, "error": e}))
+                    .collect(),
+            );
+        }
+        out!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        out_nonl!(
+            "{}{}",
+            render(&l, false),
+            crate::quota::render(&quotas, &quota_errors)
+        );
     }
-    Ok(outcome(&l))
+    Ok(if quota_errors.is_empty() {
+        outcome(&l)
+    } else {
+        Outcome::Problems
+    })
 }
 
 /// What the previous refresh saw, for rates.
@@ -492,6 +517,17 @@ fn per_s(now: u64, before: Option<&u64>, dt: Option<Duration>) -> Option<f64> {
     let (b, dt) = (before?, dt?);
     let secs = dt.as_secs_f64();
     (secs > 0.0 && now >= *b).then(|| (now - b) as f64 / secs)
+}
+
+/// The rates between refreshes, for `watch`'s live view: what the previous refresh saw.
+#[derive(Default)]
+pub struct Rates(Previous);
+
+impl Rates {
+    /// Fills `l`'s rates from the difference to the previous call, and remembers `l`.
+    pub fn add(&mut self, l: &mut Listing, now: Instant) {
+        add_rates(l, &mut self.0, now);
+    }
 }
 
 fn add_rates(l: &mut Listing, prev: &mut Previous, now: Instant) {
@@ -523,13 +559,19 @@ fn add_rates(l: &mut Listing, prev: &mut Previous, now: Instant) {
     *prev = next;
 }
 
-/// `cuda-ipc watch [NAME] [--interval MS] [--count N] [--json]`.
+/// `cuda-ipc watch [NAME] [--interval MS] [--count N] [--json] [--plain]`: the live view
+/// (`crate::tui`) on a terminal; the refreshed lines (`--plain`, and whenever stdout is not a
+/// terminal) or JSON lines otherwise.
 pub fn run_watch(
     name: Option<&str>,
     interval_ms: u64,
     count: Option<u64>,
     json: bool,
+    plain: bool,
 ) -> Result<Outcome, Box<dyn Error>> {
+    if !json && !plain && std::io::stdout().is_terminal() {
+        return crate::tui::run(name, interval_ms, count);
+    }
     let interval = Duration::from_millis(interval_ms);
     let clear = !json && std::io::stdout().is_terminal();
     let mut prev = Previous::default();

@@ -2,8 +2,9 @@
 //! and channels exist in `/dev/shm`, and clean up what dead processes left.
 //!
 //! Everything here goes through the `cuda-ipc` library: the probe (`doctor`), the read-only
-//! inspection of registries and channels (`ls`, `watch`), and the registry's reclaim and the
-//! channel's stale-segment removal (`gc`).
+//! inspection of registries and channels (`ls`, `watch`, `metrics`), the quota ledgers (`quota`),
+//! and the registry's reclaim and the channel's stale-segment removal (`gc`). GPU state comes
+//! from NVML (`nvml-wrapper`, loaded at run time), only in this tool.
 
 /// `println!` that ends the process quietly (status 141) when stdout's reader went away
 /// (`cuda-ipc ls | head`) instead of panicking, and with status 1 on other write errors.
@@ -40,7 +41,13 @@ fn stdout_failed(e: std::io::Error) -> ! {
 
 mod doctor;
 mod gc;
+mod gpu;
+mod latency;
 mod ls;
+mod metrics;
+mod quota;
+mod state;
+mod tui;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -81,7 +88,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Like `ls`, refreshed every interval, with rates (publishes/s, frames/s, received/s).
+    /// Like `ls`, refreshed every interval, with rates (publishes/s, frames/s, received/s). On a
+    /// terminal: a live view (frames/s and lag sparklines, GPU bars through NVML, quota budgets,
+    /// the latency histogram; q quits); with `--plain` or when stdout is not a terminal, lines.
     #[command(after_help = EXIT_STATUS)]
     Watch {
         /// Only this registry or channel.
@@ -95,7 +104,25 @@ enum Command {
         /// Print one JSON object per refresh (one per line) instead of tables.
         #[arg(long)]
         json: bool,
+        /// Print the refreshed tables as lines (for scripts), even on a terminal.
+        #[arg(long, conflicts_with = "json")]
+        plain: bool,
     },
+    /// Serve the channels' counters, latency histograms, GPU state (NVML) and quota budgets in
+    /// the OpenMetrics text format on GET /metrics, until killed.
+    #[command(after_help = EXIT_STATUS)]
+    Metrics {
+        /// Address to listen on (IP:PORT; port 0 picks a free one, printed on start).
+        #[arg(long, default_value = metrics::DEFAULT_LISTEN)]
+        listen: String,
+        /// Only this registry or channel.
+        name: Option<String>,
+    },
+    /// Per-device budgets across processes: producers that opt in
+    /// (`ChannelOptions::quota`) reserve their pool from them. Advisory: memory allocated outside
+    /// cuda-ipc is not counted.
+    #[command(subcommand, after_help = EXIT_STATUS)]
+    Quota(QuotaCommand),
     /// Remove what dead processes left: registry records and participant entries of dead
     /// processes, segments of channels whose producer died, and consumer slots and holds of dead
     /// consumers. Never touches what a live process holds.
@@ -106,6 +133,39 @@ enum Command {
         /// Only say what would be removed.
         #[arg(long)]
         dry_run: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum QuotaCommand {
+    /// Set (or create) the budget of a device, for this user or a group. Only the ledger's owner
+    /// or root may change it.
+    Set {
+        /// A GPU UUID (`nvidia-smi -L`), `host` (host-memory channels), or `all` (every GPU the
+        /// driver sees and every device that has a budget).
+        #[arg(long)]
+        device: String,
+        /// The budget: 8GiB, 512MiB, 1.5G, 4096, 10GB, or `unlimited`.
+        #[arg(long)]
+        bytes: String,
+        /// The group whose budget it is (mode 0660); default: this user's (mode 0600).
+        #[arg(long)]
+        group: Option<String>,
+    },
+    /// Show every budget: used, budget, holders (dead ones reclaimed first).
+    Show {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a budget (its ledger segment); producers then find none.
+    Remove {
+        /// A GPU UUID, `host`, or `all`.
+        #[arg(long)]
+        device: String,
+        /// The group whose budget it is; default: this user's.
+        #[arg(long)]
+        group: Option<String>,
     },
 }
 
@@ -143,7 +203,18 @@ fn main() -> ExitCode {
             interval,
             count,
             json,
-        } => ls::run_watch(name.as_deref(), interval, count, json),
+            plain,
+        } => ls::run_watch(name.as_deref(), interval, count, json, plain),
+        Command::Metrics { listen, name } => metrics::run(&listen, name.as_deref()),
+        Command::Quota(QuotaCommand::Set {
+            device,
+            bytes,
+            group,
+        }) => quota::run_set(&device, &bytes, group.as_deref()),
+        Command::Quota(QuotaCommand::Show { json }) => quota::run_show(json),
+        Command::Quota(QuotaCommand::Remove { device, group }) => {
+            quota::run_remove(&device, group.as_deref())
+        }
         Command::Gc { name, dry_run } => gc::run(name.as_deref(), dry_run),
     };
     match r {

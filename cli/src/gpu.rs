@@ -1,0 +1,372 @@
+//! GPU state through NVML (`nvml-wrapper`, `libnvidia-ml.so.1` loaded at run time): per GPU
+//! utilization and memory, per process the memory it holds, and which of those processes are
+//! channel or registry participants.
+//!
+//! NVML reports pids of the root pid namespace; participants record their pid in their own
+//! namespace with that namespace's inode. [`match_processes`] maps one to the other through
+//! `NSpid` in `/proc/PID/status` (the pid in each namespace, outermost first) and
+//! `/proc/PID/ns/pid`, a pure function of that text so it is tested without a GPU or containers.
+
+use std::collections::BTreeMap;
+
+/// One process on a GPU as NVML reports it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct GpuProcess {
+    /// Its pid in the root pid namespace (what NVML reports).
+    pub pid: u32,
+    /// Device memory it holds, in bytes; `None` when NVML cannot tell.
+    pub used_bytes: Option<u64>,
+}
+
+/// One GPU.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Gpu {
+    /// NVML's index.
+    pub index: u32,
+    /// `GPU-xxxxxxxx-...`, as NVML and `nvidia-smi` print it.
+    pub uuid: String,
+    /// The product name.
+    pub name: String,
+    /// Percent of the last sample period in which a kernel ran (0 to 100); `None` when NVML
+    /// cannot tell.
+    pub utilization_percent: Option<u32>,
+    /// Device memory in use, bytes.
+    pub memory_used: u64,
+    /// Device memory in all, bytes.
+    pub memory_total: u64,
+    /// Compute processes on it.
+    pub processes: Vec<GpuProcess>,
+}
+
+/// What NVML gave, or why not.
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(tag = "nvml", rename_all = "lowercase")]
+pub enum GpuState {
+    /// NVML answered.
+    Found {
+        /// Every GPU NVML sees.
+        gpus: Vec<Gpu>,
+    },
+    /// NVML could not be loaded or initialised; `reason` says why, in words.
+    Missing {
+        /// Why, for people (starts with "NVML not found" when the library is missing).
+        reason: String,
+    },
+}
+
+impl GpuState {
+    /// The GPUs, none when NVML is missing.
+    pub fn gpus(&self) -> &[Gpu] {
+        match self {
+            GpuState::Found { gpus } => gpus,
+            GpuState::Missing { .. } => &[],
+        }
+    }
+
+    /// The line shown where NVML is missing.
+    pub fn missing(&self) -> Option<&str> {
+        match self {
+            GpuState::Found { .. } => None,
+            GpuState::Missing { reason } => Some(reason),
+        }
+    }
+}
+
+/// Why NVML is missing, in words.
+fn why(e: nvml_wrapper::error::NvmlError) -> String {
+    use nvml_wrapper::error::NvmlError as E;
+    match e {
+        E::LibloadingError(e) => format!(
+            "NVML not found: libnvidia-ml.so could not be loaded ({e}); GPU utilization and memory are not shown (install the NVIDIA driver, or add its folder to LD_LIBRARY_PATH)"
+        ),
+        E::LibraryNotFound | E::FailedToLoadSymbol(_) => format!(
+            "NVML not found: {e}; GPU utilization and memory are not shown"
+        ),
+        E::DriverNotLoaded => {
+            "NVML not usable: the NVIDIA driver is not loaded; GPU utilization and memory are not shown".to_string()
+        }
+        e => format!("NVML not usable: {e}; GPU utilization and memory are not shown"),
+    }
+}
+
+/// Asks NVML for every GPU's state. Never fails: a missing or failing NVML is
+/// [`GpuState::Missing`] with the reason; a GPU whose queries fail is skipped with a warning.
+pub fn query() -> GpuState {
+    let nvml = match nvml_wrapper::Nvml::init() {
+        Ok(n) => n,
+        Err(e) => return GpuState::Missing { reason: why(e) },
+    };
+    let n = match nvml.device_count() {
+        Ok(n) => n,
+        Err(e) => return GpuState::Missing { reason: why(e) },
+    };
+    let mut gpus = Vec::new();
+    for index in 0..n {
+        let d = match nvml.device_by_index(index) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!("NVML device {index}: {e}");
+                continue;
+            }
+        };
+        let mem = d.memory_info().ok();
+        let processes = d
+            .running_compute_processes()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| GpuProcess {
+                pid: p.pid,
+                used_bytes: match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
+                    _ => None,
+                },
+            })
+            .collect();
+        gpus.push(Gpu {
+            index,
+            uuid: d.uuid().unwrap_or_default(),
+            name: d.name().unwrap_or_default(),
+            utilization_percent: d.utilization_rates().ok().map(|u| u.gpu),
+            memory_used: mem.as_ref().map_or(0, |m| m.used),
+            memory_total: mem.as_ref().map_or(0, |m| m.total),
+            processes,
+        });
+    }
+    GpuState::Found { gpus }
+}
+
+/// A channel or registry participant, as its segment records it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Participant {
+    /// Its pid in its own pid namespace.
+    pub pid: u32,
+    /// Its pid namespace inode (0: unknown).
+    pub pid_ns: u32,
+    /// What it is, for people: `producer of frames`, `consumer 2 of frames`, `registry r`.
+    pub role: String,
+}
+
+/// The pids of `NSpid:` in a `/proc/PID/status` text, outermost namespace first (one pid when the
+/// process is in the root namespace; none on kernels before 4.1).
+pub fn ns_pids(status: &str) -> Vec<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|v| {
+            v.split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The inode of a `pid:[4026531836]` link text (`readlink /proc/PID/ns/pid`).
+pub fn ns_inode(link: &str) -> Option<u32> {
+    link.trim()
+        .strip_prefix("pid:[")?
+        .strip_suffix(']')?
+        .parse::<u64>()
+        .ok()
+        .map(|i| i as u32)
+}
+
+/// What `/proc` says of one root-namespace pid: its `status` text and its `ns/pid` link text;
+/// `None` when the pid is not visible here (another pid namespace's `/proc`, `hidepid`, gone).
+pub type ProcFacts = Option<(String, String)>;
+
+/// Reads [`ProcFacts`] of `pid` from this machine's `/proc`.
+pub fn proc_facts(pid: u32) -> ProcFacts {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()?;
+    Some((status, link.to_string_lossy().into_owned()))
+}
+
+/// One NVML process, and the participants it is.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MatchedProcess {
+    /// The GPU's index.
+    pub gpu: u32,
+    /// NVML's process.
+    pub process: GpuProcess,
+    /// The participants it is (a process may produce one channel and consume another); empty
+    /// when it is none of them.
+    pub participants: Vec<Participant>,
+}
+
+/// The result of [`match_processes`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Matching {
+    /// Every NVML process with the participants it is.
+    pub processes: Vec<MatchedProcess>,
+    /// Participants no NVML process could be matched to, each with why.
+    pub unmatched: Vec<(Participant, String)>,
+}
+
+/// Maps NVML's processes (root-namespace pids, per GPU) to participants (pid in their own
+/// namespace, namespace inode): a process matches a participant when its innermost `NSpid`
+/// equals the participant's pid and its `ns/pid` inode equals the participant's namespace. A
+/// participant without a namespace inode (0) matches its pid as seen from the root namespace.
+/// `facts(pid)` answers for each NVML pid ([`proc_facts`] on a real machine).
+///
+/// A participant is unmatched, with the reason, when no NVML process is it: it holds no device
+/// memory (a host channel, or not started), or its process is not visible from here (NVML's pid
+/// has no `/proc` entry in this pid namespace, so it cannot be told which namespace it is in).
+pub fn match_processes(
+    gpus: &[Gpu],
+    participants: &[Participant],
+    facts: impl Fn(u32) -> ProcFacts,
+) -> Matching {
+    let mut out = Matching::default();
+    let mut matched = vec![false; participants.len()];
+    let mut invisible = 0usize;
+    let mut cache: BTreeMap<u32, ProcFacts> = BTreeMap::new();
+    for g in gpus {
+        for p in &g.processes {
+            let f = cache.entry(p.pid).or_insert_with(|| facts(p.pid));
+            let mut mine = Vec::new();
+            match f {
+                Some((status, link)) => {
+                    let pids = ns_pids(status);
+                    let inner = pids.last().copied().unwrap_or(p.pid);
+                    let ns = ns_inode(link);
+                    for (k, part) in participants.iter().enumerate() {
+                        let hit = if part.pid_ns == 0 {
+                            part.pid == p.pid
+                        } else {
+                            ns == Some(part.pid_ns) && inner == part.pid
+                        };
+                        if hit {
+                            matched[k] = true;
+                            mine.push(part.clone());
+                        }
+                    }
+                }
+                None => invisible += 1,
+            }
+            out.processes.push(MatchedProcess {
+                gpu: g.index,
+                process: p.clone(),
+                participants: mine,
+            });
+        }
+    }
+    for (k, part) in participants.iter().enumerate() {
+        if matched[k] {
+            continue;
+        }
+        let reason = if invisible > 0 {
+            format!(
+                "no GPU process matched; {invisible} of NVML's pids are not visible in this pid namespace's /proc, so it may be one of them"
+            )
+        } else {
+            "no GPU process matched: it holds no device memory (a host channel, or not using the GPU)".to_string()
+        };
+        out.unmatched.push((part.clone(), reason));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(nspid: &str) -> String {
+        format!("Name:\tworker\nState:\tS (sleeping)\nTgid:\t4242\nNSpid:\t{nspid}\nPPid:\t1\n")
+    }
+
+    fn gpu(pids: &[u32]) -> Gpu {
+        Gpu {
+            index: 0,
+            uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+            name: "Test".into(),
+            utilization_percent: Some(50),
+            memory_used: 1 << 30,
+            memory_total: 8 << 30,
+            processes: pids
+                .iter()
+                .map(|p| GpuProcess {
+                    pid: *p,
+                    used_bytes: Some(u64::from(*p) << 20),
+                })
+                .collect(),
+        }
+    }
+
+    fn part(pid: u32, pid_ns: u32, role: &str) -> Participant {
+        Participant {
+            pid,
+            pid_ns,
+            role: role.into(),
+        }
+    }
+
+    #[test]
+    fn nspid_and_namespace_links_parse_and_garbage_gives_nothing() {
+        assert_eq!(ns_pids(&status("4242")), vec![4242]);
+        assert_eq!(ns_pids(&status("4242\t17\t3")), vec![4242, 17, 3]);
+        assert_eq!(ns_pids("Name:\tx\n"), Vec::<u32>::new());
+        assert_eq!(ns_inode("pid:[4026531836]"), Some(4026531836));
+        assert_eq!(ns_inode("net:[4026531836]"), None);
+        assert_eq!(ns_inode("pid:[x]"), None);
+    }
+
+    #[test]
+    fn a_container_participant_is_matched_through_its_innermost_nspid_and_namespace() {
+        let root_ns = 4026531836u32;
+        let box_ns = 4026532999u32;
+        let procs = |pid: u32| -> ProcFacts {
+            match pid {
+                // The host's view of a process that is pid 7 in a container.
+                9001 => Some((status("9001\t7"), format!("pid:[{box_ns}]"))),
+                // A root-namespace process.
+                500 => Some((status("500"), format!("pid:[{root_ns}]"))),
+                // Another process that is also pid 7, in another container.
+                9002 => Some((status("9002\t7"), "pid:[4026533111]".into())),
+                _ => None,
+            }
+        };
+        let parts = [
+            part(7, box_ns, "producer of frames"),
+            part(500, root_ns, "consumer 0 of frames"),
+            part(500, root_ns, "registry r"),
+            part(33, box_ns, "consumer 1 of frames"),
+        ];
+        let m = match_processes(&[gpu(&[9001, 500, 9002])], &parts, procs);
+        assert_eq!(m.processes.len(), 3);
+        assert_eq!(m.processes[0].participants, vec![parts[0].clone()]);
+        assert_eq!(
+            m.processes[1].participants,
+            vec![parts[1].clone(), parts[2].clone()]
+        );
+        assert!(
+            m.processes[2].participants.is_empty(),
+            "same inner pid, other namespace"
+        );
+        assert_eq!(m.unmatched.len(), 1);
+        assert_eq!(m.unmatched[0].0, parts[3]);
+        assert!(m.unmatched[0].1.contains("holds no device memory"));
+    }
+
+    #[test]
+    fn pids_invisible_here_are_said_to_be_why_a_participant_is_unmatched() {
+        let m = match_processes(&[gpu(&[1234])], &[part(7, 99, "producer of x")], |_| None);
+        assert!(m.processes[0].participants.is_empty());
+        assert!(m.unmatched[0].1.contains("not visible"), "{:?}", m.unmatched);
+        // Without a namespace inode, the root pid itself.
+        let m = match_processes(&[gpu(&[1234])], &[part(1234, 0, "old")], |_| {
+            Some((status("1234"), "pid:[1]".into()))
+        });
+        assert_eq!(m.processes[0].participants.len(), 1);
+        assert!(m.unmatched.is_empty());
+    }
+
+    #[test]
+    fn without_nvml_the_state_says_so_plainly() {
+        // On this machine (no GPU in CI) NVML is missing; on a GPU machine it is found. Either way
+        // the answer is one of the two, never a panic.
+        match query() {
+            GpuState::Found { gpus } => assert!(gpus.iter().all(|g| g.memory_total >= g.memory_used)),
+            GpuState::Missing { reason } => assert!(reason.starts_with("NVML not"), "{reason}"),
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! `metrics --listen ADDR`: the channels' counters, latency histograms, GPU state and quota
+//! budgets in the OpenMetrics text format (`prometheus-client`), served on `GET /metrics` by a
+//! small HTTP server (`tiny_http`) bound to the address the user names (loopback by default).
+//! Every scrape takes a fresh [`Sample`]: nothing is kept between scrapes, so the counters are
+//! the segments' own.
+
+use crate::Outcome;
+use crate::latency::{BUCKETS, LatencyBuckets};
+use crate::quota::device_name;
+use crate::state::{self, Sample};
+use cuda_ipc::identity::Liveness;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+use std::error::Error;
+
+/// The default address: loopback only.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
+
+/// The content type of the OpenMetrics text format.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type Labels = Vec<(String, String)>;
+
+fn labels(pairs: &[(&str, String)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+}
+
+/// Latency histograms with their label sets, encoded from their buckets (the channel keeps the
+/// counts; nothing is observed here).
+#[derive(Debug, Default)]
+struct Histograms(Vec<(Labels, LatencyBuckets)>);
+
+impl EncodeMetric for Histograms {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        for (l, h) in &self.0 {
+            let buckets: Vec<(f64, u64)> = (0..BUCKETS)
+                .map(|i| (LatencyBuckets::upper_us(i) / 1e6, h.counts[i]))
+                .collect();
+            encoder.encode_family(l)?.encode_histogram::<NoLabelSet>(
+                h.sum_us as f64 / 1e6,
+                h.count(),
+                &buckets,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+fn gauge_family() -> Family<Labels, Gauge> {
+    Family::default()
+}
+
+fn counter_family() -> Family<Labels, Counter> {
+    Family::default()
+}
+
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// The OpenMetrics text of one sample (ends with `# EOF`).
+pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
+    let mut reg = Registry::with_prefix("cuda_ipc");
+
+    let published = counter_family();
+    let forced = counter_family();
+    let head = gauge_family();
+    let producer_alive = gauge_family();
+    let consumers = gauge_family();
+    let received = counter_family();
+    let dropped = counter_family();
+    let lag = gauge_family();
+    let in_flight = gauge_family();
+    let mut hist = Histograms::default();
+    for c in &s.listing.channels {
+        let c = &c.snapshot;
+        let ch = labels(&[("channel", c.name.clone())]);
+        published.get_or_create(&ch).inc_by(c.published);
+        forced.get_or_create(&ch).inc_by(c.forced_releases);
+        head.get_or_create(&ch).set(clamp(c.head));
+        producer_alive
+            .get_or_create(&ch)
+            .set(i64::from(c.producer_liveness != Liveness::Dead));
+        consumers.get_or_create(&ch).set(c.consumers.len() as i64);
+        for x in &c.consumers {
+            let l = labels(&[
+                ("channel", c.name.clone()),
+                ("consumer", x.index.to_string()),
+                ("pid", x.identity.pid.to_string()),
+            ]);
+            received.get_or_create(&l).inc_by(x.received);
+            dropped.get_or_create(&l).inc_by(x.dropped);
+            lag.get_or_create(&l).set(clamp(x.lag));
+            in_flight.get_or_create(&l).set(x.holds.len() as i64);
+            let h = s
+                .latency
+                .get(&(c.name.clone(), x.index))
+                .copied()
+                .unwrap_or_default();
+            hist.0.push((l, h));
+        }
+    }
+    reg.register(
+        "channel_published",
+        "Frames the channel's producer published",
+        published,
+    );
+    reg.register(
+        "channel_forced_releases",
+        "Holds the producer forced free (dead or stalled consumers)",
+        forced,
+    );
+    reg.register("channel_head", "The latest sequence number published", head);
+    reg.register(
+        "channel_producer_alive",
+        "1 while the producer runs (alive or unknown), 0 when it is dead",
+        producer_alive,
+    );
+    reg.register(
+        "channel_consumers",
+        "Consumers attached to the channel",
+        consumers,
+    );
+    reg.register(
+        "consumer_received",
+        "Frames the consumer received",
+        received,
+    );
+    reg.register(
+        "consumer_dropped",
+        "Frames a latest-only consumer skipped",
+        dropped,
+    );
+    reg.register(
+        "consumer_lag",
+        "Frames published that the consumer has not reached (head - cursor)",
+        lag,
+    );
+    reg.register(
+        "consumer_in_flight",
+        "Frames the consumer holds now (received, not yet released)",
+        in_flight,
+    );
+    reg.register_with_unit(
+        "consumer_handoff_latency",
+        "Publish to take, per consumer (log2 buckets of microseconds)",
+        Unit::Seconds,
+        hist,
+    );
+
+    let nvml = gauge_family();
+    nvml.get_or_create(&Vec::new())
+        .set(i64::from(s.gpu.missing().is_none()));
+    reg.register(
+        "nvml_available",
+        "1 when NVML answered, 0 when it is missing (GPU metrics absent)",
+        nvml,
+    );
+    let util = gauge_family();
+    let used = gauge_family();
+    let total = gauge_family();
+    for g in s.gpu.gpus() {
+        let l = labels(&[("gpu", g.index.to_string()), ("uuid", g.uuid.clone())]);
+        if let Some(u) = g.utilization_percent {
+            util.get_or_create(&l).set(i64::from(u));
+        }
+        used.get_or_create(&l).set(clamp(g.memory_used));
+        total.get_or_create(&l).set(clamp(g.memory_total));
+    }
+    reg.register(
+        "gpu_utilization_percent",
+        "Percent of the last sample period in which a kernel ran (NVML)",
+        util,
+    );
+    reg.register_with_unit(
+        "gpu_memory_used",
+        "Device memory in use (NVML)",
+        Unit::Bytes,
+        used,
+    );
+    reg.register_with_unit(
+        "gpu_memory_total",
+        "Device memory in all (NVML)",
+        Unit::Bytes,
+        total,
+    );
+    let proc_mem = gauge_family();
+    for p in &s.matching.processes {
+        let roles: Vec<&str> = p.participants.iter().map(|x| x.role.as_str()).collect();
+        let l = labels(&[
+            ("gpu", p.gpu.to_string()),
+            ("pid", p.process.pid.to_string()),
+            ("participant", roles.join("; ")),
+        ]);
+        proc_mem
+            .get_or_create(&l)
+            .set(clamp(p.process.used_bytes.unwrap_or(0)));
+    }
+    reg.register_with_unit(
+        "gpu_process_memory",
+        "Device memory each process holds (NVML; root pid namespace pids), with the participants it is",
+        Unit::Bytes,
+        proc_mem,
+    );
+
+    let budget = gauge_family();
+    let q_used = gauge_family();
+    let holders = gauge_family();
+    for q in &s.quotas {
+        let l = labels(&[
+            ("device", device_name(&q.device)),
+            ("scope", q.scope.to_string()),
+        ]);
+        if let Some(b) = q.budget {
+            budget.get_or_create(&l).set(clamp(b));
+        }
+        q_used.get_or_create(&l).set(clamp(q.used));
+        holders.get_or_create(&l).set(q.holders.len() as i64);
+    }
+    reg.register_with_unit(
+        "quota_budget",
+        "The device's budget across processes (absent: unlimited)",
+        Unit::Bytes,
+        budget,
+    );
+    reg.register_with_unit(
+        "quota_used",
+        "Bytes reserved from the budget by live producers",
+        Unit::Bytes,
+        q_used,
+    );
+    reg.register(
+        "quota_holders",
+        "Live reservations in the ledger",
+        holders,
+    );
+
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &reg)?;
+    Ok(out)
+}
+
+/// `cuda-ipc metrics [--listen ADDR] [NAME]`: serves until killed.
+pub fn run(listen: &str, name: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
+    let server = tiny_http::Server::http(listen)
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let addr = server
+        .server_addr()
+        .to_ip()
+        .map_or_else(|| listen.to_string(), |a| a.to_string());
+    out!("serving OpenMetrics on http://{addr}/metrics");
+    if let Some(why) = state::sample(name, true).gpu.missing() {
+        eprintln!("cuda-ipc: {why}");
+    }
+    for req in server.incoming_requests() {
+        let path = req.url().split('?').next().unwrap_or("").to_string();
+        let get = matches!(req.method(), tiny_http::Method::Get | tiny_http::Method::Head);
+        let resp = match (get, path.as_str()) {
+            (true, "/metrics") => match encode(&state::sample(name, true)) {
+                Ok(text) => tiny_http::Response::from_string(text).with_header(header(CONTENT_TYPE)),
+                Err(e) => tiny_http::Response::from_string(format!("encoding failed: {e}\n"))
+                    .with_status_code(500),
+            },
+            (true, "/") => tiny_http::Response::from_string(
+                "cuda-ipc metrics: GET /metrics (OpenMetrics text)\n",
+            )
+            .with_header(header("text/plain; charset=utf-8")),
+            (true, _) => tiny_http::Response::from_string("not found; try /metrics\n")
+                .with_status_code(404),
+            (false, _) => {
+                tiny_http::Response::from_string("only GET\n").with_status_code(405)
+            }
+        };
+        if let Err(e) = req.respond(resp) {
+            tracing::info!("a metrics client went away: {e}");
+        }
+    }
+    Ok(Outcome::Ok)
+}
+
+fn header(content_type: &str) -> tiny_http::Header {
+    tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes())
+        .unwrap_or_else(|()| {
+            tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"text/plain"[..])
+                .unwrap_or_else(|()| unreachable!("a constant header is valid"))
+        })
+}

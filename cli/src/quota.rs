@@ -1,0 +1,251 @@
+//! `quota set|show|remove`: the per-device budgets of `cuda_ipc::quota`, and the lines `ls` and
+//! `doctor` show of them.
+
+use crate::Outcome;
+use crate::ls::bytes;
+use cuda_ipc::driver::Uuid;
+use cuda_ipc::quota::{LedgerSnapshot, QuotaLedger, QuotaScope, UNLIMITED, list_ledgers};
+use std::error::Error;
+
+/// A size as people write it: `8GiB`, `512MiB`, `1.5G`, `4096`, `10 kB`; `unlimited` (or `none`)
+/// for no limit. Binary (`KiB`, `K`, `k`) and decimal (`kB`, `MB`, `GB`, `TB`) units.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("unlimited") || t.eq_ignore_ascii_case("none") {
+        return Ok(UNLIMITED);
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 8GiB, 512MiB, 4096)"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "k" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        u => return Err(format!("unknown unit {u:?} in {s:?} (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")),
+    };
+    let b = v * mult as f64;
+    if !b.is_finite() || b < 0.0 || b >= u64::MAX as f64 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(b.round() as u64)
+}
+
+/// The scope named on the command line: a group, or this user.
+fn scope(group: Option<&str>) -> Result<QuotaScope, Box<dyn Error>> {
+    Ok(match group {
+        Some(g) => QuotaScope::group(g)?,
+        None => QuotaScope::user(),
+    })
+}
+
+/// `host` (host-memory channels: the all-zero UUID) or a GPU UUID.
+fn one_device(s: &str) -> Result<Uuid, Box<dyn Error>> {
+    if s.eq_ignore_ascii_case("host") {
+        return Ok(Uuid([0; 16]));
+    }
+    Ok(s.parse::<Uuid>()
+        .map_err(|e| format!("{s:?}: {e} (a GPU UUID as `nvidia-smi -L` prints it, `host`, or `all`)"))?)
+}
+
+/// The devices `--device` names: one, or `all` (every GPU the driver sees and every device of
+/// this scope that already has a ledger).
+fn devices(s: &str, scope: QuotaScope) -> Result<Vec<Uuid>, Box<dyn Error>> {
+    if !s.eq_ignore_ascii_case("all") {
+        return Ok(vec![one_device(s)?]);
+    }
+    let mut v: Vec<Uuid> = Vec::new();
+    match cuda_ipc::probe::report() {
+        Ok(rep) => v.extend(rep.devices.iter().map(|d| d.device.uuid())),
+        Err(e) => eprintln!("cuda-ipc: `all` without the GPUs: {e}"),
+    }
+    for name in list_ledgers()? {
+        if let Ok(l) = QuotaLedger::open_named(&name)
+            && l.scope() == scope
+            && !v.contains(&l.device())
+        {
+            v.push(l.device());
+        }
+    }
+    if v.is_empty() {
+        return Err("`--device all` found no GPU (no driver) and no ledger of this scope; name a GPU UUID or `host`".into());
+    }
+    Ok(v)
+}
+
+/// A device's name as shown: `host` for the all-zero UUID.
+pub fn device_name(u: &Uuid) -> String {
+    if u.0 == [0; 16] {
+        "host".to_string()
+    } else {
+        u.to_string()
+    }
+}
+
+/// `cuda-ipc quota set`.
+pub fn run_set(device: &str, size: &str, group: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
+    let budget = parse_bytes(size)?;
+    let scope = scope(group)?;
+    for d in devices(device, scope)? {
+        let l = QuotaLedger::set_budget(scope, d, budget)?;
+        out!(
+            "{} budget for {scope} on {}: {} ({})",
+            if budget == UNLIMITED { "no" } else { "set" },
+            device_name(&d),
+            if budget == UNLIMITED {
+                "unlimited".to_string()
+            } else {
+                format!("{} bytes, {}", budget, bytes(budget))
+            },
+            l.name()
+        );
+    }
+    Ok(Outcome::Ok)
+}
+
+/// `cuda-ipc quota remove`.
+pub fn run_remove(device: &str, group: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
+    let scope = scope(group)?;
+    for d in devices(device, scope)? {
+        let l = QuotaLedger::open(scope, d)?;
+        let gone = l.remove()?;
+        out!(
+            "{} {} ({scope} on {})",
+            if gone { "removed" } else { "already gone:" },
+            l.name(),
+            device_name(&d)
+        );
+    }
+    Ok(Outcome::Ok)
+}
+
+/// Every ledger in `/dev/shm`, inspected (dead holders reclaimed); those that cannot be read with
+/// why.
+pub fn collect() -> (Vec<LedgerSnapshot>, Vec<(String, String)>) {
+    let mut ok = Vec::new();
+    let mut bad = Vec::new();
+    let names = match list_ledgers() {
+        Ok(n) => n,
+        Err(e) => return (ok, vec![("/dev/shm".into(), e.to_string())]),
+    };
+    for n in names {
+        match QuotaLedger::open_named(&n).and_then(|l| l.snapshot()) {
+            Ok(s) => ok.push(s),
+            Err(e) => bad.push((n, e.to_string())),
+        }
+    }
+    (ok, bad)
+}
+
+/// `used / budget` as shown.
+pub fn used_of(s: &LedgerSnapshot) -> String {
+    match s.budget {
+        Some(b) => format!(
+            "{} of {} used ({:.0}%)",
+            bytes(s.used),
+            bytes(b),
+            if b == 0 {
+                100.0
+            } else {
+                s.used as f64 * 100.0 / b as f64
+            }
+        ),
+        None => format!("{} used, no limit", bytes(s.used)),
+    }
+}
+
+/// The lines of the quota section of `ls` and `quota show`.
+pub fn render(ledgers: &[LedgerSnapshot], errors: &[(String, String)]) -> String {
+    let mut out = String::new();
+    for s in ledgers {
+        out.push_str(&format!(
+            "quota {} on {}: {}, {} holders (ledger {}, mode {:o}, budget set by uid {})\n",
+            s.scope,
+            device_name(&s.device),
+            used_of(s),
+            s.holders.len(),
+            s.name,
+            s.mode,
+            s.owner_uid
+        ));
+        for h in &s.holders {
+            out.push_str(&format!(
+                "  pid {} (uid {}, pid ns {}) holds {}, {}\n",
+                h.identity.pid,
+                h.uid,
+                h.identity.pid_ns,
+                bytes(h.bytes),
+                crate::ls::liveness(h.liveness)
+            ));
+        }
+        if s.reclaimed > 0 {
+            out.push_str(&format!(
+                "  reclaimed {} entries of dead holders just now\n",
+                s.reclaimed
+            ));
+        }
+    }
+    for (n, e) in errors {
+        out.push_str(&format!("quota ledger {n}: cannot read: {e}\n"));
+    }
+    out
+}
+
+/// `cuda-ipc quota show [--json]`.
+pub fn run_show(json: bool) -> Result<Outcome, Box<dyn Error>> {
+    let (ledgers, errors) = collect();
+    if json {
+        let v = serde_json::json!({
+            "ledgers": ledgers,
+            "errors": errors.iter().map(|(n, e)| serde_json::json!({"name": n, "error": e})).collect::<Vec<_>>(),
+        });
+        out!("{}", serde_json::to_string_pretty(&v)?);
+    } else if ledgers.is_empty() && errors.is_empty() {
+        out!("no quota budgets are set (`cuda-ipc quota set --device UUID|host|all --bytes SIZE`)");
+    } else {
+        out_nonl!("{}", render(&ledgers, &errors));
+    }
+    Ok(if errors.is_empty() {
+        Outcome::Ok
+    } else {
+        Outcome::Problems
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes("8G"), Ok(8 << 30));
+        assert_eq!(parse_bytes("1.5 MiB"), Ok(3 << 19));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("10kB"), Ok(10_000));
+        assert_eq!(parse_bytes("unlimited"), Ok(UNLIMITED));
+        assert!(parse_bytes("8 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("GiB").is_err());
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("1e30").is_err());
+        assert!(parse_bytes("99999999999TiB").unwrap_err().contains("out of range"));
+    }
+
+    #[test]
+    fn devices_are_host_a_uuid_or_refused_with_the_forms_that_work() {
+        assert_eq!(device_name(&one_device("host").unwrap()), "host");
+        let u = one_device("GPU-12345678-1234-1234-1234-123456789abc").unwrap();
+        assert_eq!(device_name(&u), "GPU-12345678-1234-1234-1234-123456789abc");
+        let e = one_device("gpu0").unwrap_err().to_string();
+        assert!(e.contains("`host`, or `all`"), "{e}");
+    }
+}
