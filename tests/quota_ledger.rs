@@ -53,7 +53,9 @@ fn two_producers_racing_for_the_last_bytes_exactly_one_wins() {
     const TEST: &str = "two_producers_racing_for_the_last_bytes_exactly_one_wins";
     if role().as_deref() == Some("racer") {
         let name = std::env::var("CUDA_IPC_TEST_QUOTA_CHANNEL").unwrap();
-        let opts = ChannelOptions::new(100).buffers(4).quota(QuotaScope::user());
+        let opts = ChannelOptions::new(100)
+            .buffers(4)
+            .quota(QuotaScope::user());
         tell("ready");
         let _go = parent_lines().next();
         match Producer::create_host(&name, &opts) {
@@ -153,7 +155,10 @@ fn a_killed_holders_bytes_come_back_within_a_second() {
         }
     };
     let took = killed.elapsed();
-    assert!(took < Duration::from_secs(1), "bytes came back after {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "bytes came back after {took:?}"
+    );
     let _ = peer.child.wait();
     let s = ledger.snapshot().unwrap();
     assert_eq!((s.used, s.holders.len()), (1000, 1));
@@ -248,12 +253,18 @@ fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
         for (who, e) in [
             ("open", QuotaLedger::open(scope, d).unwrap_err()),
             ("open_named", QuotaLedger::open_named(&name).unwrap_err()),
-            ("set_budget", QuotaLedger::set_budget(scope, d, 5).unwrap_err()),
+            (
+                "set_budget",
+                QuotaLedger::set_budget(scope, d, 5).unwrap_err(),
+            ),
         ] {
             assert!(ok(&e), "{what}, {who}: {e:?}");
             assert!(!e.to_string().is_empty());
         }
-        assert!(t.elapsed() < Duration::from_secs(5), "{what}: bounded waits");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{what}: bounded waits"
+        );
         assert!(std::fs::metadata(path(&name)).is_ok(), "{what}: kept");
     };
     let bad = |e: &Error| matches!(e, Error::Quota(QuotaError::BadSegment { .. }));
@@ -309,7 +320,13 @@ fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
             "{e:?}"
         );
     }
-    assert!(std::fs::symlink_metadata(path(&name)).unwrap().file_type().is_file() == false);
+    assert!(
+        std::fs::symlink_metadata(path(&name))
+            .unwrap()
+            .file_type()
+            .is_file()
+            == false
+    );
 }
 
 #[test]

@@ -341,11 +341,173 @@ fn host(r: &mut Report) {
     }
 }
 
+/// What this process can see of MPS (the CUDA Multi-Process Service).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct MpsFacts {
+    /// The pipe directory (`CUDA_MPS_PIPE_DIRECTORY`, default `/tmp/nvidia-mps`).
+    pipe_dir: String,
+    /// Whether the control daemon's pipe (`<pipe dir>/control`) exists as a FIFO: the daemon runs.
+    control_pipe: bool,
+    /// `nvidia-cuda-mps-control` on `PATH`, when found.
+    control_binary: Option<String>,
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of this process.
+    thread_percentage: Option<String>,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` of this process.
+    pinned_mem_limit: Option<String>,
+}
+
+fn mps_facts() -> MpsFacts {
+    use std::os::unix::fs::FileTypeExt;
+    let pipe_dir = std::env::var("CUDA_MPS_PIPE_DIRECTORY")
+        .ok()
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| "/tmp/nvidia-mps".to_string());
+    let control_pipe = std::fs::symlink_metadata(format!("{pipe_dir}/control"))
+        .is_ok_and(|m| m.file_type().is_fifo());
+    let control_binary = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("nvidia-cuda-mps-control"))
+            .find(|f| f.is_file())
+            .map(|f| f.display().to_string())
+    });
+    MpsFacts {
+        pipe_dir,
+        control_pipe,
+        control_binary,
+        thread_percentage: std::env::var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").ok(),
+        pinned_mem_limit: std::env::var("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").ok(),
+    }
+}
+
+/// The MPS lines: whether the daemon runs, and this client's limits.
+fn mps_lines(f: &MpsFacts) -> Vec<(Status, String)> {
+    let mut v = Vec::new();
+    let binary = f
+        .control_binary
+        .as_deref()
+        .map_or("nvidia-cuda-mps-control is not on PATH".to_string(), |b| {
+            format!("control program {b}")
+        });
+    if f.control_pipe {
+        v.push((
+            Status::Info,
+            format!(
+                "running: control pipe {}/control; {binary}; kernels of several processes share the GPU at once (each still has its own address space, so IPC is still needed)",
+                f.pipe_dir
+            ),
+        ));
+    } else {
+        v.push((
+            Status::Info,
+            format!(
+                "not running (no control pipe in {}); {binary}; processes time-share the GPU",
+                f.pipe_dir
+            ),
+        ));
+    }
+    let limit = |what: &str, val: &Option<String>, unset: &str| match val {
+        Some(x) => format!("{what}={x}"),
+        None => format!("{what} unset ({unset})"),
+    };
+    v.push((
+        Status::Info,
+        format!(
+            "this client: {}; {}",
+            limit(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                &f.thread_percentage,
+                "all SMs"
+            ),
+            limit(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                &f.pinned_mem_limit,
+                "no device memory limit"
+            )
+        ),
+    ));
+    v
+}
+
+/// NVML, the quota budgets beside each device's free memory, and MPS.
+fn monitoring(r: &mut Report) {
+    let gpu = crate::gpu::query();
+    match gpu.missing() {
+        Some(why) => r.line(Status::Warn, "NVML", why),
+        None => {
+            for g in gpu.gpus() {
+                r.line(
+                    Status::Ok,
+                    "NVML",
+                    format!(
+                        "GPU {} {}: utilization {}, memory {} used of {} ({} free), {} compute processes",
+                        g.index,
+                        g.uuid,
+                        g.utilization_percent.map_or("?".into(), |u| format!("{u}%")),
+                        bytes(g.memory_used),
+                        bytes(g.memory_total),
+                        bytes(g.memory_total.saturating_sub(g.memory_used)),
+                        g.processes.len()
+                    ),
+                );
+            }
+        }
+    }
+    let (ledgers, errors) = crate::quota::collect();
+    if ledgers.is_empty() && errors.is_empty() {
+        r.line(
+            Status::Info,
+            "quota",
+            "no budgets set (`cuda-ipc quota set --device UUID|host|all --bytes SIZE`); pools are bounded only by each producer's own ChannelOptions::quota_bytes",
+        );
+    }
+    for s in &ledgers {
+        let free = if s.device.0 == [0; 16] {
+            match probe::shm_space() {
+                Ok((_, free)) => format!("/dev/shm has {} free", bytes(free)),
+                Err(e) => format!("/dev/shm free space unknown: {e}"),
+            }
+        } else {
+            let uuid = s.device.to_string();
+            match (gpu.missing(), gpu.gpus().iter().find(|g| g.uuid == uuid)) {
+                (_, Some(g)) => format!(
+                    "device has {} free of {} (NVML)",
+                    bytes(g.memory_total.saturating_sub(g.memory_used)),
+                    bytes(g.memory_total)
+                ),
+                (Some(why), None) => format!("device free memory unknown: {why}"),
+                (None, None) => "device free memory unknown: NVML does not see this device".into(),
+            }
+        };
+        r.line(
+            Status::Info,
+            "quota",
+            format!(
+                "{} on {}: {}, {} holders; {free}; advisory: memory allocated outside cuda-ipc is not counted",
+                s.scope,
+                crate::quota::device_name(&s.device),
+                crate::quota::used_of(s),
+                s.holders.len()
+            ),
+        );
+    }
+    for (n, e) in &errors {
+        r.line(
+            Status::Warn,
+            "quota",
+            format!("ledger {n} cannot be read: {e}"),
+        );
+    }
+    for (st, line) in mps_lines(&mps_facts()) {
+        r.line(st, "MPS", line);
+    }
+}
+
 /// `cuda-ipc doctor`.
 pub fn run() -> Result<Outcome, Box<dyn StdError>> {
     let mut r = Report { failed: false };
     devices(&mut r);
     host(&mut r);
+    monitoring(&mut r);
     if r.failed {
         out!("problems found: CUDA IPC cannot work here until the FAIL lines are fixed");
         Ok(Outcome::Problems)
@@ -357,7 +519,40 @@ pub fn run() -> Result<Outcome, Box<dyn StdError>> {
 
 #[cfg(test)]
 mod tests {
-    use super::module_version_of;
+    use super::{MpsFacts, module_version_of, mps_lines};
+
+    #[test]
+    fn mps_is_reported_with_its_pipe_and_this_clients_limits() {
+        let on = MpsFacts {
+            pipe_dir: "/run/mps".into(),
+            control_pipe: true,
+            control_binary: Some("/usr/bin/nvidia-cuda-mps-control".into()),
+            thread_percentage: Some("25".into()),
+            pinned_mem_limit: Some("0=2G".into()),
+        };
+        let l = mps_lines(&on);
+        assert!(
+            l[0].1.starts_with("running: control pipe /run/mps/control"),
+            "{l:?}"
+        );
+        assert!(l[0].1.contains("/usr/bin/nvidia-cuda-mps-control"));
+        assert!(l[1].1.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"));
+        assert!(l[1].1.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2G"));
+        let off = MpsFacts {
+            pipe_dir: "/tmp/nvidia-mps".into(),
+            ..Default::default()
+        };
+        let l = mps_lines(&off);
+        assert!(
+            l[0].1
+                .starts_with("not running (no control pipe in /tmp/nvidia-mps)")
+        );
+        assert!(l[0].1.contains("not on PATH"));
+        assert!(
+            l[1].1
+                .contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset (all SMs)")
+        );
+    }
 
     #[test]
     fn the_module_version_is_the_dotted_number_after_kernel_module() {

@@ -351,7 +351,11 @@ mod tests {
     fn pids_invisible_here_are_said_to_be_why_a_participant_is_unmatched() {
         let m = match_processes(&[gpu(&[1234])], &[part(7, 99, "producer of x")], |_| None);
         assert!(m.processes[0].participants.is_empty());
-        assert!(m.unmatched[0].1.contains("not visible"), "{:?}", m.unmatched);
+        assert!(
+            m.unmatched[0].1.contains("not visible"),
+            "{:?}",
+            m.unmatched
+        );
         // Without a namespace inode, the root pid itself.
         let m = match_processes(&[gpu(&[1234])], &[part(1234, 0, "old")], |_| {
             Some((status("1234"), "pid:[1]".into()))
@@ -365,7 +369,9 @@ mod tests {
         // On this machine (no GPU in CI) NVML is missing; on a GPU machine it is found. Either way
         // the answer is one of the two, never a panic.
         match query() {
-            GpuState::Found { gpus } => assert!(gpus.iter().all(|g| g.memory_total >= g.memory_used)),
+            GpuState::Found { gpus } => {
+                assert!(gpus.iter().all(|g| g.memory_total >= g.memory_used))
+            }
             GpuState::Missing { reason } => assert!(reason.starts_with("NVML not"), "{reason}"),
         }
     }

@@ -146,8 +146,8 @@ enum QuotaCommand {
         #[arg(long)]
         device: String,
         /// The budget: 8GiB, 512MiB, 1.5G, 4096, 10GB, or `unlimited`.
-        #[arg(long)]
-        bytes: String,
+        #[arg(long, value_parser = quota::parse_bytes)]
+        bytes: u64,
         /// The group whose budget it is (mode 0660); default: this user's (mode 0600).
         #[arg(long)]
         group: Option<String>,
@@ -210,7 +210,7 @@ fn main() -> ExitCode {
             device,
             bytes,
             group,
-        }) => quota::run_set(&device, &bytes, group.as_deref()),
+        }) => quota::run_set(&device, bytes, group.as_deref()),
         Command::Quota(QuotaCommand::Show { json }) => quota::run_show(json),
         Command::Quota(QuotaCommand::Remove { device, group }) => {
             quota::run_remove(&device, group.as_deref())

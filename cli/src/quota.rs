@@ -31,7 +31,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
-        u => return Err(format!("unknown unit {u:?} in {s:?} (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")),
+        u => {
+            return Err(format!(
+                "unknown unit {u:?} in {s:?} (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
+            ));
+        }
     };
     let b = v * mult as f64;
     if !b.is_finite() || b < 0.0 || b >= u64::MAX as f64 {
@@ -53,8 +57,9 @@ fn one_device(s: &str) -> Result<Uuid, Box<dyn Error>> {
     if s.eq_ignore_ascii_case("host") {
         return Ok(Uuid([0; 16]));
     }
-    Ok(s.parse::<Uuid>()
-        .map_err(|e| format!("{s:?}: {e} (a GPU UUID as `nvidia-smi -L` prints it, `host`, or `all`)"))?)
+    Ok(s.parse::<Uuid>().map_err(|e| {
+        format!("{s:?}: {e} (a GPU UUID as `nvidia-smi -L` prints it, `host`, or `all`)")
+    })?)
 }
 
 /// The devices `--device` names: one, or `all` (every GPU the driver sees and every device of
@@ -92,8 +97,7 @@ pub fn device_name(u: &Uuid) -> String {
 }
 
 /// `cuda-ipc quota set`.
-pub fn run_set(device: &str, size: &str, group: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
-    let budget = parse_bytes(size)?;
+pub fn run_set(device: &str, budget: u64, group: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
     let scope = scope(group)?;
     for d in devices(device, scope)? {
         let l = QuotaLedger::set_budget(scope, d, budget)?;
@@ -233,11 +237,19 @@ mod tests {
         assert_eq!(parse_bytes("4096"), Ok(4096));
         assert_eq!(parse_bytes("10kB"), Ok(10_000));
         assert_eq!(parse_bytes("unlimited"), Ok(UNLIMITED));
-        assert!(parse_bytes("8 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(
+            parse_bytes("8 parsecs")
+                .unwrap_err()
+                .contains("unknown unit")
+        );
         assert!(parse_bytes("GiB").is_err());
         assert!(parse_bytes("-1").is_err());
         assert!(parse_bytes("1e30").is_err());
-        assert!(parse_bytes("99999999999TiB").unwrap_err().contains("out of range"));
+        assert!(
+            parse_bytes("99999999999TiB")
+                .unwrap_err()
+                .contains("out of range")
+        );
     }
 
     #[test]

@@ -81,10 +81,7 @@ pub fn sample(name: Option<&str>, with_gpu: bool) -> Sample {
     let mut latency = BTreeMap::new();
     for c in &listing.channels {
         for x in &c.snapshot.consumers {
-            latency.insert(
-                (c.snapshot.name.clone(), x.index),
-                latency::of_consumer(x),
-            );
+            latency.insert((c.snapshot.name.clone(), x.index), latency::of_consumer(x));
         }
     }
     Sample {

@@ -182,10 +182,7 @@ impl App {
                                 .collect::<Vec<_>>()
                                 .join(", ")
                         };
-                        format!(
-                            "{who}: {}",
-                            p.process.used_bytes.map_or("?".into(), bytes)
-                        )
+                        format!("{who}: {}", p.process.used_bytes.map_or("?".into(), bytes))
                     })
                     .collect(),
             })
@@ -229,7 +226,8 @@ impl App {
                 .push(format!("{} {}: cannot read: {}", e.kind, e.name, e.error));
         }
         for (n, e) in &s.quota_errors {
-            self.notes.push(format!("quota ledger {n}: cannot read: {e}"));
+            self.notes
+                .push(format!("quota ledger {n}: cannot read: {e}"));
         }
     }
 }
@@ -249,9 +247,11 @@ pub fn draw(f: &mut Frame, app: &App) {
     let area = f.area();
     let rows = Layout::default()
         .direction(Direction::Vertical)
-        .constraints([Constraint::Length(1), Constraint::Min(6), Constraint::Length(
-            (app.notes.len().clamp(1, 4) as u16) + 2,
-        )])
+        .constraints([
+            Constraint::Length(1),
+            Constraint::Min(6),
+            Constraint::Length((app.notes.len().clamp(1, 4) as u16) + 2),
+        ])
         .split(area);
     f.render_widget(
         Paragraph::new(format!(
@@ -367,7 +367,10 @@ fn draw_gpus(f: &mut Frame, app: &App, area: Rect) {
     let inner = block.inner(area);
     f.render_widget(block, area);
     if let Some(why) = &app.nvml_missing {
-        f.render_widget(Paragraph::new(why.as_str()).wrap(Wrap { trim: true }), inner);
+        f.render_widget(
+            Paragraph::new(why.as_str()).wrap(Wrap { trim: true }),
+            inner,
+        );
         return;
     }
     if app.gpus.is_empty() {
@@ -446,7 +449,12 @@ fn draw_quotas(f: &mut Frame, app: &App, area: Rect) {
                 bytes(b),
                 q.holders
             ),
-            None => format!("{}: {} used, no limit, {} holders", q.label, bytes(q.used), q.holders),
+            None => format!(
+                "{}: {} used, no limit, {} holders",
+                q.label,
+                bytes(q.used),
+                q.holders
+            ),
         };
         f.render_widget(
             Gauge::default()
@@ -488,7 +496,12 @@ fn draw_latency(f: &mut Frame, app: &App, area: Rect) {
     f.render_widget(block, area);
     // The buckets from the first to the last non-empty one (1 µs to 1 ms when all are empty).
     let first = h.counts.iter().position(|c| *c > 0).unwrap_or(0);
-    let last = h.counts.iter().rposition(|c| *c > 0).unwrap_or(10).max(first);
+    let last = h
+        .counts
+        .iter()
+        .rposition(|c| *c > 0)
+        .unwrap_or(10)
+        .max(first);
     let labels: Vec<String> = (0..BUCKETS).map(bucket_label).collect();
     let data: Vec<(&str, u64)> = (first..=last)
         .map(|i| (labels[i].as_str(), h.counts[i]))
@@ -641,6 +654,9 @@ mod tests {
             "registry r: 2 records",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
+            if std::env::var_os("SHOW_SCREEN").is_some() {
+                println!("{s}");
+            }
         }
         // The sparklines draw bars.
         assert!(s.contains('█') || s.contains('▇'), "{s}");
@@ -663,18 +679,43 @@ mod tests {
             "nothing to report",
         ] {
             assert!(s.contains(want), "missing {want:?} in\n{s}");
+            if std::env::var_os("SHOW_SCREEN").is_some() {
+                println!("{s}");
+            }
         }
     }
 
     #[test]
-    fn history_keeps_the_newest_samples_and_follows_consumers_by_slot_and_pid() {
+    fn a_real_host_channel_fills_the_panes_and_keeps_the_newest_history() {
+        use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
+        let name = format!("cli-tui-test-{}", std::process::id());
+        let mut tx = Producer::create_host(&name, &ChannelOptions::new(64).buffers(4)).unwrap();
+        let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
         let mut a = App::default();
-        for _ in 0..(HISTORY + 5) {
-            let mut s = state::sample(Some("no-such-channel-for-the-tui-test"), false);
-            s.listing.errors.clear();
+        let mut rates = crate::ls::Rates::default();
+        for round in 0..3u64 {
+            for _ in 0..2 {
+                tx.acquire(None).unwrap().publish(b"").unwrap();
+            }
+            // The consumer takes one frame a round, so it falls one frame further behind.
+            drop(rx.recv().unwrap());
+            let mut s = state::sample(Some(&name), false);
+            rates.add(&mut s.listing, Instant::now() + Duration::from_secs(round));
             a.update(&s);
         }
-        assert_eq!(a.refresh, (HISTORY + 5) as u64);
+        assert_eq!(a.channels.len(), 1);
+        let c = &a.channels[0];
+        assert_eq!(c.name, name);
+        assert_eq!(c.fps.len(), 3);
+        assert_eq!(c.consumers.len(), 1);
+        assert_eq!(c.consumers[0].lag, VecDeque::from(vec![1, 2, 3]));
+        assert!(c.summary.contains("alive"), "{}", c.summary);
+        assert_eq!(a.nvml_missing.as_deref(), Some("NVML not asked"));
+        let screen = screen(&a, 120, 30);
+        assert!(screen.contains(&format!("{name}: ")), "{screen}");
+        assert!(screen.contains("lag 3 frames"), "{screen}");
+        drop(rx);
+        tx.close(Duration::from_secs(1)).unwrap();
         let mut h = VecDeque::new();
         for v in 0..(HISTORY as u64 + 3) {
             push(&mut h, v);

@@ -5,9 +5,9 @@
 use super::MAX_CONSUMERS;
 use super::{ChannelError, Delivery, MAX_BUFFERS, WaitStrategy};
 use crate::error::{Error, Result};
-use crate::quota::QuotaScope;
 #[cfg(doc)]
 use crate::ipc::{MemPool, VmmBuffer};
+use crate::quota::QuotaScope;
 use std::time::Duration;
 
 /// How often a producer waiting for a consumer's GPU work checks that the consumer still lives.

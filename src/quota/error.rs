@@ -88,7 +88,9 @@ pub enum QuotaError {
         supported: u32,
     },
     /// Only the ledger's owner (its creator's uid) or root may change the budget.
-    #[error("only uid {owner} (the ledger's owner) or root may change the budget of {name}; this is uid {ours}")]
+    #[error(
+        "only uid {owner} (the ledger's owner) or root may change the budget of {name}; this is uid {ours}"
+    )]
     NotBudgetOwner {
         /// The segment's name.
         name: String,

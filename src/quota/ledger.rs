@@ -3,8 +3,8 @@
 
 use super::error::{HeldBy, QuotaError};
 use super::layout::{
-    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LEDGER_LEN, LOCK_OFFSET, SCOPE_GROUP,
-    SCOPE_USER, VERSION, WRITING,
+    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LEDGER_LEN, LOCK_OFFSET,
+    SCOPE_GROUP, SCOPE_USER, VERSION, WRITING,
 };
 use crate::driver::Uuid;
 use crate::error::{Error, OsError, Result};
@@ -141,15 +141,16 @@ fn gid_of(name: &str) -> Result<Option<u32>> {
         let mut out: *mut libc::group = std::ptr::null_mut();
         // SAFETY: `cname` is NUL-terminated; `grp`, `buf` (of `len` bytes) and `out` are valid for
         // writes and outlive the call; the strings it stores point into `buf`, read by nobody.
-        let r = unsafe {
-            libc::getgrnam_r(cname.as_ptr(), &mut grp, buf.as_mut_ptr(), len, &mut out)
-        };
+        let r =
+            unsafe { libc::getgrnam_r(cname.as_ptr(), &mut grp, buf.as_mut_ptr(), len, &mut out) };
         if r == libc::ERANGE && len < 1 << 20 {
             len *= 4;
             continue;
         }
         if r != 0 {
-            return Err(OsError::io("getgrnam_r", name, std::io::Error::from_raw_os_error(r)).into());
+            return Err(
+                OsError::io("getgrnam_r", name, std::io::Error::from_raw_os_error(r)).into(),
+            );
         }
         return Ok((!out.is_null()).then_some(grp.gr_gid));
     }
@@ -309,7 +310,9 @@ impl Inner {
             }
             let e = std::io::Error::last_os_error();
             if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
-                return Err(OsError::io("fcntl(F_OFD_SETLK)", format!("/{}", self.name()), e).into());
+                return Err(
+                    OsError::io("fcntl(F_OFD_SETLK)", format!("/{}", self.name()), e).into(),
+                );
             }
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
@@ -459,10 +462,7 @@ impl QuotaLedger {
         if l.inner.scope != scope || l.inner.device != device {
             return Err(QuotaError::BadSegment {
                 name,
-                reason: format!(
-                    "its header names {} on {}",
-                    l.inner.scope, l.inner.device
-                ),
+                reason: format!("its header names {} on {}", l.inner.scope, l.inner.device),
             }
             .into());
         }
@@ -493,7 +493,10 @@ impl QuotaLedger {
         if entries != ENTRIES {
             return Err(bad(format!("{entries} entries, not {ENTRIES}")));
         }
-        let scope = match (h.scope.load(Ordering::Relaxed), h.scope_id.load(Ordering::Relaxed)) {
+        let scope = match (
+            h.scope.load(Ordering::Relaxed),
+            h.scope_id.load(Ordering::Relaxed),
+        ) {
             (SCOPE_USER, u) => QuotaScope::User(u),
             (SCOPE_GROUP, g) => QuotaScope::Group(g),
             (s, _) => return Err(bad(format!("scope word {s}"))),
@@ -506,7 +509,9 @@ impl QuotaLedger {
         if let QuotaScope::Group(g) = scope
             && gid != g
         {
-            return Err(bad(format!("a ledger of gid {g} whose file belongs to gid {gid}")));
+            return Err(bad(format!(
+                "a ledger of gid {g} whose file belongs to gid {gid}"
+            )));
         }
         if scope.segment_name(device) != name {
             return Err(bad(format!("its header names {scope} on {device}")));
@@ -560,13 +565,13 @@ impl QuotaLedger {
     fn create(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
         let name = scope.segment_name(device);
         let group = matches!(scope, QuotaScope::Group(_));
-        let seg = Segment::create(&name, LEDGER_LEN, &SegmentOptions::new().group_access(group))?;
+        let seg = Segment::create(
+            &name,
+            LEDGER_LEN,
+            &SegmentOptions::new().group_access(group),
+        )?;
         if let QuotaScope::Group(gid) = scope {
-            let r = rustix::fs::fchown(
-                seg.fd(),
-                None,
-                Some(rustix::fs::Gid::from_raw(gid)),
-            );
+            let r = rustix::fs::fchown(seg.fd(), None, Some(rustix::fs::Gid::from_raw(gid)));
             if let Err(e) = r {
                 // Ours, just made and never stamped: take it away again.
                 let _ = Segment::unlink(&name);
@@ -854,8 +859,14 @@ mod tests {
             ),
             "{msg}"
         );
-        assert!(msg.contains(&format!("pid {}", std::process::id())), "{msg}");
-        assert!(msg.contains("holds 60 bytes") && msg.contains("holds 40 bytes"), "{msg}");
+        assert!(
+            msg.contains(&format!("pid {}", std::process::id())),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("holds 60 bytes") && msg.contains("holds 40 bytes"),
+            "{msg}"
+        );
         let s = l.snapshot().unwrap();
         assert_eq!((s.budget, s.used, s.holders.len()), (Some(100), 100, 2));
         assert_eq!(s.mode, 0o600);
@@ -897,7 +908,11 @@ mod tests {
             QuotaScope::User(1000).segment_name(d),
             format!("cuda-ipc.quota.u1000.{}", "ab".repeat(16))
         );
-        assert!(QuotaScope::Group(5).segment_name(Uuid([0; 16])).starts_with("cuda-ipc.quota.g5."));
+        assert!(
+            QuotaScope::Group(5)
+                .segment_name(Uuid([0; 16]))
+                .starts_with("cuda-ipc.quota.g5.")
+        );
         assert!(matches!(
             QuotaScope::group("no-such-group-cuda-ipc-test"),
             Err(Error::Quota(QuotaError::BadGroup { .. }))

@@ -43,8 +43,8 @@ pub(crate) mod layout;
 mod ledger;
 
 pub use error::{HeldBy, QuotaError};
-#[doc(hidden)]
-pub use ledger::{QuotaTestPoint, set_test_hook};
 pub use ledger::{
     Holder, LedgerSnapshot, QuotaLedger, QuotaScope, Reservation, UNLIMITED, list_ledgers,
 };
+#[doc(hidden)]
+pub use ledger::{QuotaTestPoint, set_test_hook};
