@@ -26,6 +26,15 @@ impl std::fmt::Display for HeldBy {
     }
 }
 
+/// A device as messages name it: `host memory` for the all-zero UUID, else the UUID.
+fn device_text(d: &Uuid) -> String {
+    if d.0 == [0; 16] {
+        "host memory".to_string()
+    } else {
+        d.to_string()
+    }
+}
+
 /// Lists holders for a message: "pid 7 (...) holds 10 bytes; pid 9 ..." or "nobody".
 fn holders_text(h: &[HeldBy]) -> String {
     if h.is_empty() {
@@ -45,7 +54,8 @@ pub enum QuotaError {
     /// `ChannelOptions::quota_bytes` (that is `ChannelError::OverQuota`): this budget is shared by
     /// every producer of the user or group.
     #[error(
-        "over quota on {device}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}",
+        "over quota on {}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}",
+        device_text(.device),
         holders_text(.holders)
     )]
     OverQuota {
