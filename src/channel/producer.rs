@@ -158,7 +158,11 @@ impl Producer {
     /// `/dev/shm/cuda-ipc.ch.NAME`. A segment left by a dead producer is replaced.
     ///
     /// # Errors
-    /// [`ChannelError::OverQuota`]; [`ChannelError::AlreadyExists`] when a live producer serves
+    /// [`ChannelError::OverQuota`] past the producer's own cap ([`ChannelOptions::quota_bytes`]);
+    /// with [`ChannelOptions::quota`], [`crate::quota::QuotaError::OverQuota`] past the device's
+    /// shared budget (naming who holds how much) and the ledger's errors
+    /// ([`crate::quota::QuotaLedger::open`]: no budget set is `Error::Shm` `NotFound`);
+    /// [`ChannelError::AlreadyExists`] when a live producer serves
     /// `name`; [`Error::InvalidArgument`] for zero-size buffers or counts out of range; CUDA errors
     /// from allocation and export; shared-memory errors (a full /dev/shm, a bad name).
     pub fn create(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
@@ -177,8 +181,11 @@ impl Producer {
     /// left alone and named in the error.
     ///
     /// # Errors
-    /// [`ChannelError::OverQuota`]; [`ChannelError::AlreadyExists`] when a live producer serves
-    /// `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of range or a bad name;
+    /// [`ChannelError::OverQuota`] past the producer's own cap; with [`ChannelOptions::quota`],
+    /// [`crate::quota::QuotaError::OverQuota`] past the shared budget of host memory and the
+    /// ledger's errors, as for [`Producer::create`]; [`ChannelError::AlreadyExists`] when a live
+    /// producer serves `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of
+    /// range or a bad name;
     /// shared-memory errors for what is in the way under either name (`WrongOwner`, `NotASegment`,
     /// `CreationInProgress`, a foreign segment as [`ChannelError::BadSegment`]) and for a full
     /// /dev/shm (`NoSpace`).

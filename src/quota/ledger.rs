@@ -902,6 +902,25 @@ mod tests {
     }
 
     #[test]
+    fn handles_and_reservations_go_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<QuotaLedger>();
+        send_sync::<Reservation>();
+        // Threads of one process are kept apart by the handle's mutex (the OFD lock is shared by
+        // their one open file): the sum never passes the budget.
+        let d = dev(3);
+        let l = QuotaLedger::set_budget(QuotaScope::user(), d, 10).unwrap();
+        let got: Vec<Reservation> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8).map(|_| s.spawn(|| l.reserve(3).ok())).collect();
+            hs.into_iter().filter_map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got.len(), 3);
+        assert_eq!(l.snapshot().unwrap().used, 9);
+        drop(got);
+        assert!(l.remove().unwrap());
+    }
+
+    #[test]
     fn names_and_scopes() {
         let d = Uuid([0xab; 16]);
         assert_eq!(
