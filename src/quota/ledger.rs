@@ -921,6 +921,32 @@ mod tests {
     }
 
     #[test]
+    fn a_group_ledger_is_mode_0660_of_that_group_and_opens_by_its_name() {
+        let egid = rustix::process::getegid().as_raw();
+        let scope = QuotaScope::group(&egid.to_string()).unwrap();
+        let d = dev(4);
+        let l = QuotaLedger::set_budget(scope, d, 1 << 20).unwrap();
+        let s = l.snapshot().unwrap();
+        assert_eq!((s.mode, s.scope, s.budget), (0o660, scope, Some(1 << 20)));
+        let (_, gid, _) = l.inner.seg.owner().unwrap();
+        assert_eq!(gid, egid);
+        let again = QuotaLedger::open_named(l.name()).unwrap();
+        assert_eq!((again.scope(), again.device()), (scope, d));
+        let r = again.reserve(1 << 20).unwrap();
+        assert!(matches!(
+            l.reserve(1),
+            Err(Error::Quota(QuotaError::OverQuota { .. }))
+        ));
+        drop(r);
+        // The user's ledger of the same device is another ledger.
+        assert!(matches!(
+            QuotaLedger::open(QuotaScope::user(), d),
+            Err(Error::Shm(ShmError::NotFound { .. }))
+        ));
+        assert!(l.remove().unwrap());
+    }
+
+    #[test]
     fn names_and_scopes() {
         let d = Uuid([0xab; 16]);
         assert_eq!(
