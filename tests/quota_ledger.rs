@@ -251,12 +251,15 @@ fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
         plant(&name, bytes, len);
         let t = Instant::now();
         for (who, e) in [
-            ("open", QuotaLedger::open(scope, d).unwrap_err()),
-            ("open_named", QuotaLedger::open_named(&name).unwrap_err()),
+            // First, while the file is young: an unstamped one is replaced only once it is 2 s
+            // old (a_creation_abandoned_before_its_stamp_is_replaced...), and each open below
+            // waits 1 s for its stamp.
             (
                 "set_budget",
                 QuotaLedger::set_budget(scope, d, 5).unwrap_err(),
             ),
+            ("open", QuotaLedger::open(scope, d).unwrap_err()),
+            ("open_named", QuotaLedger::open_named(&name).unwrap_err()),
         ] {
             assert!(ok(&e), "{what}, {who}: {e:?}");
             assert!(!e.to_string().is_empty());
@@ -358,4 +361,34 @@ fn another_users_ledger_is_refused_and_its_budget_is_not_ours_to_change() {
         );
     }
     assert_eq!(std::fs::metadata(path(&name)).unwrap().uid(), other);
+}
+
+#[test]
+fn a_creation_abandoned_before_its_stamp_is_replaced_by_the_next_budget_but_a_live_ones_is_not() {
+    let scope = QuotaScope::user();
+    let d = device();
+    let name = scope.segment_name(d);
+    let _g = Gone(name.clone());
+    // Our magic and version, the creator's identity words zero (a creator killed before it wrote
+    // them would leave the magic 0; one killed after them, its dead identity), no stamp.
+    let mut half = b"CIPCQUOT".to_vec();
+    half.extend_from_slice(&1u32.to_le_bytes());
+    plant(&name, &half, LEDGER_LEN);
+    // Young: a creator may still be at work, so it is opened (and found unstamped), not replaced.
+    let e = QuotaLedger::set_budget(scope, d, 100).unwrap_err();
+    assert!(
+        matches!(e, Error::Quota(QuotaError::BadSegment { .. })),
+        "{e:?}"
+    );
+    let before = std::fs::metadata(path(&name)).unwrap().ino();
+    // Past the 2 s a live creator needs at most, with no live creator: replaced.
+    std::thread::sleep(Duration::from_millis(3100));
+    let l = QuotaLedger::set_budget(scope, d, 100).unwrap();
+    assert_ne!(std::fs::metadata(path(&name)).unwrap().ino(), before);
+    assert_eq!(l.snapshot().unwrap().budget, Some(100));
+    // A ready ledger is never replaced: setting the budget again keeps the segment.
+    let now = std::fs::metadata(path(&name)).unwrap().ino();
+    QuotaLedger::set_budget(scope, d, 50).unwrap();
+    assert_eq!(std::fs::metadata(path(&name)).unwrap().ino(), now);
+    assert_eq!(l.snapshot().unwrap().budget, Some(50));
 }

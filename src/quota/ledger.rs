@@ -237,6 +237,8 @@ pub struct Reservation {
     id: u64,
     bytes: u64,
     released: bool,
+    /// The process that reserved it: a forked child's copy never frees its parent's entry.
+    pid: u32,
 }
 
 /// The ledger lock, held: the OFD record lock and this process's mutex.
@@ -417,6 +419,47 @@ impl Inner {
     }
 }
 
+/// Whether what stands under a ledger's name may be replaced by a creator: only this user's
+/// creation abandoned half-way (empty or sparse for 2 s, or never stamped for 2 s with its creator
+/// dead). A ledger that is ready, or being created by a live process, is
+/// [`ShmError::AlreadyExists`] (the caller opens it); anything else keeps the error that says what
+/// it is (another user's, a FIFO, too small), and nothing of it is removed.
+fn judge_blocker(name: &str) -> Result<Option<&'static str>> {
+    let taken = || -> Error {
+        ShmError::AlreadyExists {
+            name: name.to_string(),
+        }
+        .into()
+    };
+    let info = match versioned::stat_blocker(name, LEDGER_LEN)? {
+        versioned::Blocker::Abandoned => return Ok(Some(versioned::ABANDONED_UNSIZED)),
+        versioned::Blocker::Young => {
+            // A creator is sizing it now: look again shortly.
+            std::thread::sleep(Duration::from_millis(5));
+            return Ok(None);
+        }
+        versioned::Blocker::Sized(info) => info,
+    };
+    let seg = Segment::open_with_min_len(name, LEDGER_LEN)?;
+    seg.check_owner()?;
+    let h = versioned::header::<Header>(&seg);
+    match versioned::look(h) {
+        versioned::Look::Unstamped if info.age_secs >= versioned::ABANDONED_AFTER.as_secs() => {
+            // SYNC POINT creator: Acquire, pairs with the Release store of the magic in
+            // `write_versioned`: a creator that stored the magic stored its identity before it.
+            let magic = h.magic.load(Ordering::Acquire);
+            // Relaxed: ordered by the Acquire above.
+            let creator = ProcessIdentity::load_words(&h.creator);
+            if magic == 0 || creator.liveness() == Liveness::Dead {
+                Ok(Some("a creation abandoned before its init stamp"))
+            } else {
+                Err(taken())
+            }
+        }
+        _ => Err(taken()),
+    }
+}
+
 /// Maps what the versioned opener found to this layer's errors.
 fn open_error(name: &str, e: OpenError) -> Error {
     match e {
@@ -561,14 +604,17 @@ impl QuotaLedger {
         Ok(ledger)
     }
 
-    /// Creates the ledger (`O_EXCL`); `AlreadyExists` when the name is taken.
+    /// Creates the ledger (`O_EXCL`); `AlreadyExists` when the name is taken by anything but a
+    /// creation of this user abandoned half-way (which is replaced: [`judge_blocker`]).
     fn create(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
         let name = scope.segment_name(device);
         let group = matches!(scope, QuotaScope::Group(_));
-        let seg = Segment::create(
+        let seg = versioned::create_replacing(
             &name,
             LEDGER_LEN,
             &SegmentOptions::new().group_access(group),
+            "quota ledger",
+            || judge_blocker(&name),
         )?;
         if let QuotaScope::Group(gid) = scope {
             let r = rustix::fs::fchown(seg.fd(), None, Some(rustix::fs::Gid::from_raw(gid)));
@@ -723,6 +769,7 @@ impl QuotaLedger {
             id,
             bytes,
             released: false,
+            pid: std::process::id(),
         })
     }
 
@@ -785,6 +832,10 @@ impl Reservation {
     }
 
     fn free(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            // A copy in a forked child: the entry is the parent's.
+            return Ok(());
+        }
         let inner = &*self.ledger.inner;
         let _g = inner.lock()?;
         let e = inner.entry(self.index);
