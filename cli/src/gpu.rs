@@ -266,6 +266,57 @@ pub fn match_processes(
     out
 }
 
+/// The lines of `ls`'s GPU section: each GPU with its utilization and memory, each process on it
+/// with the participants it is, and the participants no GPU process was matched to; or the one line
+/// saying why NVML is missing.
+pub fn render(state: &GpuState, m: &Matching) -> String {
+    let bytes = crate::ls::bytes;
+    if let Some(why) = state.missing() {
+        return format!("gpu: {why}\n");
+    }
+    let mut out = String::new();
+    if state.gpus().is_empty() {
+        out.push_str("gpu: NVML sees no GPU\n");
+    }
+    for g in state.gpus() {
+        out.push_str(&format!(
+            "gpu {} {}: {}, utilization {}, memory {} of {}\n",
+            g.index,
+            g.uuid,
+            g.name,
+            g.utilization_percent
+                .map_or("unknown".into(), |u| format!("{u}%")),
+            bytes(g.memory_used),
+            bytes(g.memory_total)
+        ));
+        for p in m.processes.iter().filter(|p| p.gpu == g.index) {
+            let who = if p.participants.is_empty() {
+                "no participant of a registry or channel here".to_string()
+            } else {
+                p.participants
+                    .iter()
+                    .map(|x| x.role.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            out.push_str(&format!(
+                "  pid {} holds {}: {who}\n",
+                p.process.pid,
+                p.process
+                    .used_bytes
+                    .map_or("an unknown amount".into(), bytes)
+            ));
+        }
+    }
+    for (p, why) in &m.unmatched {
+        out.push_str(&format!(
+            "  not matched: {} (pid {}, pid ns {}): {why}\n",
+            p.role, p.pid, p.pid_ns
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,6 +413,46 @@ mod tests {
         });
         assert_eq!(m.processes[0].participants.len(), 1);
         assert!(m.unmatched.is_empty());
+    }
+
+    #[test]
+    fn the_gpu_section_names_processes_participants_and_the_unmatched() {
+        let parts = [
+            part(7, 11, "producer of frames"),
+            part(8, 11, "consumer 0 of frames"),
+        ];
+        let m = match_processes(&[gpu(&[9001, 500])], &parts, |pid| match pid {
+            9001 => Some((status("9001\t7"), "pid:[11]".into())),
+            _ => Some((status("500"), "pid:[1]".into())),
+        });
+        let t = render(
+            &GpuState::Found {
+                gpus: vec![gpu(&[9001, 500])],
+            },
+            &m,
+        );
+        assert!(t.starts_with("gpu 0 GPU-00000000-0000-0000-0000-000000000000: Test, utilization 50%, memory 1.0 GiB of 8.0 GiB\n"), "{t}");
+        assert!(
+            t.contains("  pid 9001 holds 8.8 GiB: producer of frames\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("  pid 500 holds 500.0 MiB: no participant"),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "  not matched: consumer 0 of frames (pid 8, pid ns 11): no GPU process matched"
+            ),
+            "{t}"
+        );
+        let t = render(
+            &GpuState::Missing {
+                reason: "NVML not found: x".into(),
+            },
+            &Matching::default(),
+        );
+        assert_eq!(t, "gpu: NVML not found: x\n");
     }
 
     #[test]

@@ -468,7 +468,8 @@ fn outcome(l: &Listing) -> Outcome {
 }
 
 /// `cuda-ipc ls [NAME] [--json]`: the listing, then (without a NAME) the quota budgets with
-/// their holders (JSON: `quotas` and `quota_errors` beside the listing's keys).
+/// their holders and the GPUs through NVML with the participants on them (JSON: `quotas`,
+/// `quota_errors`, `gpu` and `gpu_processes` beside the listing's keys).
 pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let l = collect(&targets(name)?);
     let (quotas, quota_errors) = if name.is_none() {
@@ -476,6 +477,16 @@ pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>>
     } else {
         (Vec::new(), Vec::new())
     };
+    // The GPUs (NVML), without a NAME only: `ls NAME` stays about that segment.
+    let gpu = name.is_none().then(|| {
+        let g = crate::gpu::query();
+        let m = crate::gpu::match_processes(
+            g.gpus(),
+            &crate::state::participants(&l),
+            crate::gpu::proc_facts,
+        );
+        (g, m)
+    });
     if json {
         let mut v = serde_json::to_value(&l)?;
         if let Some(m) = v.as_object_mut() {
@@ -487,13 +498,20 @@ pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>>
                     .map(|(n, e)| serde_json::json!({"name": n, "error": e}))
                     .collect(),
             );
+            if let Some((g, mat)) = &gpu {
+                m.insert("gpu".into(), serde_json::to_value(g)?);
+                m.insert("gpu_processes".into(), serde_json::to_value(mat)?);
+            }
         }
         out!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         out_nonl!(
-            "{}{}",
+            "{}{}{}",
             render(&l, false),
-            crate::quota::render(&quotas, &quota_errors)
+            crate::quota::render(&quotas, &quota_errors),
+            gpu.as_ref()
+                .map(|(g, m)| crate::gpu::render(g, m))
+                .unwrap_or_default()
         );
     }
     Ok(if quota_errors.is_empty() {

@@ -229,6 +229,10 @@ impl App {
             self.notes
                 .push(format!("quota ledger {n}: cannot read: {e}"));
         }
+        for u in &self.unmatched {
+            self.notes
+                .push(format!("not matched to a GPU process: {u}"));
+        }
     }
 }
 

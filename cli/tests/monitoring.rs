@@ -410,6 +410,27 @@ fn doctor_reports_nvml_quota_and_mps_plainly() {
         );
     }
     assert!(t.contains("info  MPS"), "{t}");
+    // `ls` says the same of NVML, in words and in its JSON.
+    let l = cuda_ipc(&["ls"]);
+    let lt = text(&l);
+    let lj: serde_json::Value =
+        serde_json::from_slice(&cuda_ipc(&["ls", "--json"]).stdout).unwrap();
+    if !std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        assert!(
+            lt.contains("\ngpu: NVML not found:") || lt.starts_with("gpu: NVML not found:"),
+            "{lt}"
+        );
+        assert_eq!(lj["gpu"]["nvml"], "missing", "{lj}");
+        assert!(
+            lj["gpu"]["reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("NVML not found")
+        );
+    } else {
+        assert!(lt.contains("gpu 0 GPU-"), "{lt}");
+        assert_eq!(lj["gpu"]["nvml"], "found", "{lj}");
+    }
     assert!(t.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), "{t}");
     assert!(t.contains("quota"), "{t}");
     assert!(!t.contains("panicked"), "{t}");
