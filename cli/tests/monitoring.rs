@@ -435,3 +435,72 @@ fn doctor_reports_nvml_quota_and_mps_plainly() {
     assert!(t.contains("quota"), "{t}");
     assert!(!t.contains("panicked"), "{t}");
 }
+
+/// `text` without ANSI escape sequences and without whitespace (a terminal program moves the
+/// cursor over blank cells instead of writing spaces).
+fn screen_words(raw: &[u8]) -> String {
+    let s = String::from_utf8_lossy(raw);
+    let mut out = String::new();
+    let mut it = s.chars().peekable();
+    while let Some(c) = it.next() {
+        if c == '\x1b' {
+            // CSI: ESC [ params final-byte; other escapes: ESC and one more character.
+            if it.peek() == Some(&'[') {
+                it.next();
+                for d in it.by_ref() {
+                    if ('@'..='~').contains(&d) {
+                        break;
+                    }
+                }
+            } else {
+                it.next();
+            }
+        } else if !c.is_whitespace() {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[test]
+fn watch_on_a_pseudo_terminal_draws_the_live_view_and_gives_the_terminal_back() {
+    if Command::new("script").arg("--version").output().is_err() {
+        println!("skipped: `script` (util-linux) is not installed to make a pseudo-terminal");
+        return;
+    }
+    let name = unique("pty");
+    let mut tx = Producer::create_host(&name, &ChannelOptions::new(64).buffers(2)).unwrap();
+    let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
+    tx.acquire(None).unwrap().publish(b"").unwrap();
+    let cmd = format!(
+        "stty cols 150 rows 45; {} watch {name} --interval 100 --count 3",
+        bin().display()
+    );
+    let o = Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let w = screen_words(&o.stdout);
+    for want in [
+        // The first frame in full; later ones only write the cells that changed.
+        "cuda-ipcwatch:every100ms,refresh1",
+        "Channels:frames/sandlagperconsumer",
+        &format!("{name}:"),
+        "consumer0(pid",
+        "lag1frames",
+        "GPUs(NVML)",
+        "Quotabudgets",
+        "Hand-offlatency",
+    ] {
+        assert!(w.contains(want), "missing {want:?} in {w}");
+    }
+    // The alternate screen is left again (crossterm's LeaveAlternateScreen).
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("\x1b[?1049l"),
+        "the terminal was not given back"
+    );
+    drop(rx);
+    tx.close(Duration::from_secs(1)).unwrap();
+}
