@@ -56,6 +56,9 @@ fi
 
 # --- 1. NVML beside nvidia-smi --------------------------------------------------------------------
 POOL=$((256 << 20))    # bytes per buffer; 2 buffers = 512 MiB
+# The example reserves from the device's budget: none yet, so an unlimited one (removed at the end).
+"$CLI" quota set --device "$UUID" --bytes unlimited | log
+SET_BUDGET=1
 "$QUOTA" --buffers 2 --bytes $POOL --hold 60 --name verify-holder > /tmp/cuda-ipc-verify-holder.txt 2>&1 &
 pids+=($!)
 HOLDER=$!
@@ -106,7 +109,6 @@ wait "$HOLDER" 2>/dev/null || true
 # --- 2. The quota refusing a second producer ---------------------------------------------------------
 # A budget for one pool (512 MiB) and a half: the second pool does not fit.
 "$CLI" quota set --device "$UUID" --bytes 768MiB | log
-SET_BUDGET=1
 "$QUOTA" --buffers 2 --bytes $POOL --hold 60 --name verify-first > /tmp/cuda-ipc-verify-first.txt 2>&1 &
 pids+=($!)
 FIRST=$!
