@@ -28,9 +28,10 @@ fi
 command -v nvidia-smi >/dev/null || { echo "FAIL nvidia-smi not found: run this on the GPU machine"; exit 1; }
 
 failed=0
-pass() { echo "PASS $*"; }
-fail() { echo "FAIL $*"; failed=1; }
 log() { if [ -n "$OUT" ]; then mkdir -p "$OUT"; tee -a "$OUT/gpu-monitor-verify.txt"; else cat; fi; }
+# Not in a pipeline (a pipeline's functions run in a subshell, which would lose `failed`).
+pass() { echo "PASS $*" | log; }
+fail() { echo "FAIL $*" | log; failed=1; }
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
@@ -87,22 +88,22 @@ URL=$(sed -n 's/^serving OpenMetrics on //p' /tmp/cuda-ipc-verify-metrics.txt)
   echo "-- cuda-ipc doctor (NVML, quota, MPS lines):"
   "$CLI" doctor | grep -E '^(ok|warn|info|FAIL) +(NVML|quota|MPS)' || true
 } | log
-grep -q '^cuda_ipc_nvml_available 1' /tmp/cuda-ipc-verify-scrape.txt && pass "NVML answered" | log || fail "NVML did not answer" | log
+if grep -q '^cuda_ipc_nvml_available 1' /tmp/cuda-ipc-verify-scrape.txt; then pass "NVML answered"; else fail "NVML did not answer"; fi
 # Memory used by GPU 0 in MiB, both ways (NVML bytes → MiB); they should agree within a few MiB.
 nvml_mib=$(awk -F' ' '/^cuda_ipc_gpu_memory_used_bytes\{gpu="0"/ {printf "%d", $2/1048576}' /tmp/cuda-ipc-verify-scrape.txt)
 smi_mib=$(sed -n 2p /tmp/cuda-ipc-verify-smi-gpu.txt | awk -F', ' '{print $2}' | tr -dc 0-9)
 echo "memory used, GPU 0: NVML ${nvml_mib:-?} MiB, nvidia-smi ${smi_mib:-?} MiB" | log
 if [ -n "$nvml_mib" ] && [ -n "$smi_mib" ] && [ $(( nvml_mib > smi_mib ? nvml_mib - smi_mib : smi_mib - nvml_mib )) -le 64 ]; then
-  pass "memory used agrees within 64 MiB" | log
+  pass "memory used agrees within 64 MiB"
 else
-  fail "memory used differs" | log
+  fail "memory used differs"
 fi
 if grep -E "^cuda_ipc_gpu_process_memory_bytes\{gpu=\"0\",pid=\"$HOLDER\",participant=\"producer of verify-holder\"\}" /tmp/cuda-ipc-verify-scrape.txt | log; then
-  pass "the holder (pid $HOLDER) is matched to its participant" | log
+  pass "the holder (pid $HOLDER) is matched to its participant"
 else
-  fail "the holder (pid $HOLDER) is not matched to 'producer of verify-holder'" | log
+  fail "the holder (pid $HOLDER) is not matched to 'producer of verify-holder'"
 fi
-grep -q "^$HOLDER," /tmp/cuda-ipc-verify-smi-apps.txt && pass "nvidia-smi lists the holder too" | log || fail "nvidia-smi does not list pid $HOLDER" | log
+if grep -q "^$HOLDER," /tmp/cuda-ipc-verify-smi-apps.txt; then pass "nvidia-smi lists the holder too"; else fail "nvidia-smi does not list pid $HOLDER"; fi
 kill -9 "$HOLDER" 2>/dev/null || true
 wait "$HOLDER" 2>/dev/null || true
 
@@ -122,9 +123,9 @@ set -e
 cat /tmp/cuda-ipc-verify-second.txt | log
 if [ $rc -eq 3 ] && grep -qi "over quota on $UUID" /tmp/cuda-ipc-verify-second.txt \
    && grep -q "pid $FIRST (" /tmp/cuda-ipc-verify-second.txt; then
-  pass "the second producer is refused (OverQuota names pid $FIRST and its bytes)" | log
+  pass "the second producer is refused (OverQuota names pid $FIRST and its bytes)"
 else
-  fail "the second producer was not refused as expected (status $rc)" | log
+  fail "the second producer was not refused as expected (status $rc)"
 fi
 kill -9 "$FIRST"
 t0=$(date +%s%N)
@@ -135,7 +136,7 @@ for _ in $(seq 50); do
 done
 ms=$(( ($(date +%s%N) - t0) / 1000000 ))
 cat /tmp/cuda-ipc-verify-third.txt | log
-[ $ok -eq 1 ] && pass "after kill -9 of the first, a producer got the bytes ${ms} ms later" | log || fail "the killed producer's bytes did not come back" | log
+if [ $ok -eq 1 ]; then pass "after kill -9 of the first, a producer got the bytes ${ms} ms later"; else fail "the killed producer's bytes did not come back"; fi
 "$CLI" quota remove --device "$UUID" | log
 SET_BUDGET=
 
@@ -151,7 +152,7 @@ if command -v tmux >/dev/null; then
   tmux kill-session -t cuda-ipc-verify || true
   echo "== cuda-ipc watch during 05_pipeline (tmux capture, $cap):" | log
   cat "$cap" | log
-  grep -q "frames/s" "$cap" && grep -q "GPUs (NVML)" "$cap" && pass "watch shows the pipeline and the GPU" | log || fail "watch capture lacks its panes" | log
+  if grep -q "frames/s" "$cap" && grep -q "GPUs (NVML)" "$cap"; then pass "watch shows the pipeline and the GPU"; else fail "watch capture lacks its panes"; fi
 else
   echo "skip watch capture: tmux is not installed (apt-get install tmux)" | log
 fi

@@ -102,11 +102,10 @@ pub fn run_set(device: &str, budget: u64, group: Option<&str>) -> Result<Outcome
     for d in devices(device, scope)? {
         let l = QuotaLedger::set_budget(scope, d, budget)?;
         out!(
-            "{} budget for {scope} on {}: {} ({})",
-            if budget == UNLIMITED { "no" } else { "set" },
+            "set budget for {scope} on {}: {} ({})",
             device_name(&d),
             if budget == UNLIMITED {
-                "unlimited".to_string()
+                "unlimited (reservations are counted, none is refused)".to_string()
             } else {
                 format!("{} bytes, {}", budget, bytes(budget))
             },
