@@ -6,8 +6,9 @@
 //! producer's channel the slots and holds of dead consumers
 //! ([`channel_inspect::release_dead_consumers`], what the producer itself does when it next needs a
 //! buffer). A registry segment itself is never removed: a live process may open it at any moment.
-//! Without a NAME, also the liveness files and fd server sockets that killed processes left in
-//! `/dev/shm` (a normal exit removes them).
+//! Without a NAME, also the reservations of dead holders in the quota ledgers (never a ledger
+//! itself), and the liveness files and fd server sockets that killed processes left in `/dev/shm`
+//! (a normal exit removes them).
 
 use crate::Outcome;
 use crate::ls::{liveness, targets};
@@ -55,6 +56,37 @@ fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
         }
     }
     out
+}
+
+/// Frees the reservations of dead holders in every quota ledger (what the next reserve or look
+/// would do anyway); with `dry_run`, only says which. The ledgers themselves stay: a budget is
+/// removed only by its owner (`cuda-ipc quota remove`).
+fn quota_holders(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
+    let names = match cuda_ipc::quota::list_ledgers() {
+        Ok(n) => n,
+        Err(e) => {
+            fail(format!("quota ledgers: cannot list: {e}"));
+            return 0;
+        }
+    };
+    let mut n = 0;
+    for name in names {
+        match cuda_ipc::quota::QuotaLedger::open_named(&name).and_then(|l| l.dead_holders(!dry_run))
+        {
+            Ok(dead) => {
+                for h in &dead {
+                    out!(
+                        "{verb} quota ledger {name}: reservation of {} bytes of dead {}",
+                        h.bytes,
+                        h.identity
+                    );
+                }
+                n += dead.len();
+            }
+            Err(e) => fail(format!("quota ledger {name}: cannot read: {e}")),
+        }
+    }
+    n
 }
 
 /// Removes one leftover after checking it again; `Ok(false)` when it is gone or no longer stale.
@@ -305,6 +337,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         }
     }
     if name.is_none() {
+        removed += quota_holders(dry_run, verb, &mut fail);
         removed += process_files(dry_run, verb, &mut fail);
     }
     if removed == 0 {

@@ -351,9 +351,9 @@ impl Inner {
         Ok(g)
     }
 
-    /// Frees the entries of dead holders (under the lock); returns how many.
-    fn reclaim_dead(&self, _g: &Locked<'_>) -> u32 {
-        let mut n = 0;
+    /// The entries of dead holders (under the lock), freed when `free`; returns them.
+    fn reclaim_dead(&self, _g: &Locked<'_>, free: bool) -> Vec<Holder> {
+        let mut dead = Vec::new();
         for i in 0..ENTRIES {
             let e = self.entry(i);
             // SYNC POINT entry: Acquire, as in `lock`.
@@ -362,23 +362,31 @@ impl Inner {
             }
             // Relaxed: ordered by the Acquire load of `state`.
             let id = ProcessIdentity::load_words(&e.identity);
-            if id.liveness() == Liveness::Dead {
+            if id.liveness() != Liveness::Dead {
+                continue;
+            }
+            let bytes = e.bytes.load(Ordering::Relaxed);
+            dead.push(Holder {
+                identity: id,
+                uid: e.uid.load(Ordering::Relaxed) as u32,
+                bytes,
+                liveness: Liveness::Dead,
+            });
+            if free {
                 tracing::info!(
-                    "quota ledger {}: reclaimed {} bytes of dead pid {} (pid ns {})",
+                    "quota ledger {}: reclaimed {bytes} bytes of dead pid {} (pid ns {})",
                     self.name(),
-                    e.bytes.load(Ordering::Relaxed),
                     id.pid,
                     id.pid_ns
                 );
                 // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
                 e.state.store(FREE, Ordering::Release);
-                n += 1;
             }
         }
-        if n > 0 {
+        if free && !dead.is_empty() {
             self.store_used();
         }
-        n
+        dead
     }
 
     /// The held entries: (index, identity, uid, bytes).
@@ -714,7 +722,7 @@ impl QuotaLedger {
         let uid = rustix::process::geteuid().as_raw();
         let inner = &*self.inner;
         let g = inner.lock()?;
-        inner.reclaim_dead(&g);
+        inner.reclaim_dead(&g, true);
         let held = inner.held();
         let used = held.iter().fold(0u64, |a, h| a.saturating_add(h.3));
         if let Some(budget) = inner.budget()
@@ -783,7 +791,7 @@ impl QuotaLedger {
         let inner = &*self.inner;
         let (owner_uid, _, mode) = inner.seg.owner()?;
         let g = inner.lock()?;
-        let reclaimed = inner.reclaim_dead(&g);
+        let reclaimed = inner.reclaim_dead(&g, true).len() as u32;
         let held = inner.held();
         let budget = inner.budget();
         drop(g);
@@ -807,6 +815,19 @@ impl QuotaLedger {
             holders,
             reclaimed,
         })
+    }
+}
+
+impl QuotaLedger {
+    /// The reservations whose holder is dead (by its liveness lock, right across pid namespaces),
+    /// freed when `free` (what every reserve and [`QuotaLedger::snapshot`] do anyway; for `gc`,
+    /// and with `free = false` for its dry run, which changes nothing).
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s.
+    pub fn dead_holders(&self, free: bool) -> Result<Vec<Holder>> {
+        let g = self.inner.lock()?;
+        Ok(self.inner.reclaim_dead(&g, free))
     }
 }
 
