@@ -61,7 +61,8 @@ Exit status:
   2  usage error
   141  the reader of stdout went away (as `| head` does); nothing else is wrong";
 
-/// Tools for cuda-ipc: check the machine, list and watch registries and channels, clean up.
+/// Tools for cuda-ipc: check the machine, list and watch registries and channels, export metrics,
+/// set quota budgets, clean up.
 #[derive(Parser, Debug)]
 #[command(name = "cuda-ipc", version, after_help = EXIT_STATUS)]
 struct Cli {
