@@ -215,6 +215,28 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
         proc_mem,
     );
 
+    let matched = gauge_family();
+    if s.gpu.missing().is_none() {
+        let mut seen = std::collections::BTreeSet::new();
+        for p in &s.matching.processes {
+            for x in &p.participants {
+                if seen.insert((x.role.clone(), x.pid)) {
+                    let l = labels(&[("role", x.role.clone()), ("pid", x.pid.to_string())]);
+                    matched.get_or_create(&l).set(1);
+                }
+            }
+        }
+        for (x, _) in &s.matching.unmatched {
+            let l = labels(&[("role", x.role.clone()), ("pid", x.pid.to_string())]);
+            matched.get_or_create(&l).set(0);
+        }
+    }
+    reg.register(
+        "participant_gpu_matched",
+        "1 when a channel or registry participant was matched to an NVML process, 0 when not (no device memory, or its pid not visible here); absent without NVML",
+        matched,
+    );
+
     let budget = gauge_family();
     let q_used = gauge_family();
     let holders = gauge_family();
@@ -298,5 +320,65 @@ fn typed(resp: Body, content_type: &str) -> Body {
     match tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes()) {
         Ok(h) => resp.with_header(h),
         Err(()) => resp,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::{Gpu, GpuProcess, GpuState, Participant, match_processes};
+
+    #[test]
+    fn gpu_state_and_participants_are_exported_as_nvml_gave_them() {
+        let gpus = vec![Gpu {
+            index: 0,
+            uuid: "GPU-11111111-2222-3333-4444-555555555555".into(),
+            name: "Test".into(),
+            utilization_percent: Some(37),
+            memory_used: 3 << 30,
+            memory_total: 8 << 30,
+            processes: vec![GpuProcess {
+                pid: 9001,
+                used_bytes: Some(512 << 20),
+            }],
+        }];
+        let parts = [
+            Participant {
+                pid: 7,
+                pid_ns: 11,
+                role: "producer of frames".into(),
+            },
+            Participant {
+                pid: 8,
+                pid_ns: 11,
+                role: "consumer 0 of frames".into(),
+            },
+        ];
+        let matching = match_processes(&gpus, &parts, |_| {
+            Some(("NSpid:\t9001\t7\n".into(), "pid:[11]".into()))
+        });
+        let s = Sample {
+            listing: Default::default(),
+            quotas: vec![],
+            quota_errors: vec![],
+            gpu: GpuState::Found { gpus },
+            matching,
+            latency: Default::default(),
+        };
+        let t = encode(&s).unwrap();
+        for want in [
+            "cuda_ipc_nvml_available 1\n",
+            "cuda_ipc_gpu_utilization_percent{gpu=\"0\",uuid=\"GPU-11111111-2222-3333-4444-555555555555\"} 37\n",
+            "cuda_ipc_gpu_memory_used_bytes{gpu=\"0\",uuid=\"GPU-11111111-2222-3333-4444-555555555555\"} 3221225472\n",
+            "cuda_ipc_gpu_memory_total_bytes{gpu=\"0\",uuid=\"GPU-11111111-2222-3333-4444-555555555555\"} 8589934592\n",
+            "cuda_ipc_gpu_process_memory_bytes{gpu=\"0\",pid=\"9001\",participant=\"producer of frames\"} 536870912\n",
+            "cuda_ipc_participant_gpu_matched{role=\"producer of frames\",pid=\"7\"} 1\n",
+            "cuda_ipc_participant_gpu_matched{role=\"consumer 0 of frames\",pid=\"8\"} 0\n",
+            "# TYPE cuda_ipc_gpu_memory_used_bytes gauge\n",
+            "# UNIT cuda_ipc_gpu_memory_used_bytes bytes\n",
+        ] {
+            assert!(t.contains(want), "missing {want:?} in\n{t}");
+        }
+        assert!(t.ends_with("# EOF\n"), "{t}");
     }
 }
