@@ -171,7 +171,7 @@ fn child() {
         }
         // Creates a channel, publishes one frame, and exits without closing it.
         "channel-orphan" => {
-            let tx = ControlProducer::create(&name, 1 << 20, 4, &[(token(1), token(2))]).unwrap();
+            let tx = ControlProducer::create(&name, 1 << 20, 4, &[token(1)]).unwrap();
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"last words").unwrap();
             println!("@@ ready");
@@ -180,7 +180,7 @@ fn child() {
         // Attaches to a channel, takes the next frame (holding its buffer), and exits without
         // releasing or detaching.
         "channel-consumer-orphan" => {
-            let rx = ControlConsumer::attach(&name, Delivery::EveryFrame, &[token(9), token(10)])
+            let rx = ControlConsumer::attach(&name, Delivery::EveryFrame)
                 .unwrap();
             println!("@@ ready");
             // Nothing more on stdout: the parent stopped reading it.
@@ -189,7 +189,7 @@ fn child() {
         }
         // Creates a channel, publishes one frame, and stays until killed.
         "channel-live" => {
-            let tx = ControlProducer::create(&name, 1 << 20, 4, &[(token(1), token(2))]).unwrap();
+            let tx = ControlProducer::create(&name, 1 << 20, 4, &[token(1)]).unwrap();
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"alive").unwrap();
             // And an fd on offer, as a VMM producer has: its server socket is left by a kill.
@@ -285,13 +285,13 @@ fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
         1 << 20,
         4,
         &[
-            (token(1), token(2)),
-            (token(3), token(4)),
-            (token(5), token(6)),
+            token(1),
+            token(3),
+            token(5),
         ],
     )
     .unwrap();
-    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame, &[token(7), token(8), token(9)])
+    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame)
         .unwrap();
     for k in 0..2u8 {
         let (i, _) = tx.try_acquire().unwrap();
@@ -498,7 +498,7 @@ fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
     let live = unique("gc-chan-live");
     let _u2 = Unlink(format!("cuda-ipc.ch.{live}"));
     ChildRole::start("channel-orphan", &dead).wait();
-    let tx = ControlProducer::create(&live, 4096, 2, &[(token(1), token(2))]).unwrap();
+    let tx = ControlProducer::create(&live, 4096, 2, &[token(1)]).unwrap();
 
     let o = cuda_ipc(&["ls", &dead]);
     let t = text(&o);
@@ -552,10 +552,10 @@ fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
         &name,
         4096,
         4,
-        &[(token(1), token(2)), (token(3), token(4))],
+        &[token(1), token(3)],
     )
     .unwrap();
-    let live = ControlConsumer::attach(&name, Delivery::LatestOnly, &[token(5), token(6)]).unwrap();
+    let live = ControlConsumer::attach(&name, Delivery::LatestOnly).unwrap();
     let child = ChildRole::start("channel-consumer-orphan", &name);
     let (i, _) = tx.try_acquire().unwrap();
     tx.publish(i, b"").unwrap();
@@ -648,7 +648,7 @@ fn watch_refreshes_count_times_with_frame_rates() {
         &name,
         4096,
         2,
-        &[(token(1), token(2)), (token(3), token(4))],
+        &[token(1), token(3)],
     )
     .unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
