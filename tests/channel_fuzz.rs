@@ -89,15 +89,8 @@ fn exercise(channel: &str, delivery: Delivery, pokes: &[(usize, u64)]) -> usize 
 fn valid_image() -> Vec<u8> {
     let channel = unique("chprop-src");
     let _u = Unlink(format!("{}{channel}", layout::SEGMENT_PREFIX));
-    let tx = ControlProducer::create(
-        &channel,
-        4096,
-        2,
-        &[token(1), token(2)],
-    )
-    .unwrap();
-    let rx =
-        ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
+    let tx = ControlProducer::create(&channel, 4096, 2, &[token(1), token(2)]).unwrap();
+    let rx = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
     for _ in 0..2 {
         let (i, _) = tx.try_acquire().unwrap();
         tx.publish(i, b"meta").unwrap();

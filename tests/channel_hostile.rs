@@ -180,22 +180,27 @@ fn a_live_producers_channel_and_one_of_another_layout_version_are_never_replaced
         inspect::inspect(&n).is_ok(),
         "the live channel is still there"
     );
-    // The same segment claiming another layout version (a producer of another cuda-ipc build):
-    // refused by name and version, and left in place.
+    // The same segment claiming another layout version (a producer of the build before, whose
+    // streams wait on interprocess release events): refused by name and version, and left in place.
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(path(&n))
         .unwrap();
-    std::os::unix::fs::FileExt::write_at(&f, &99u32.to_le_bytes(), 8).unwrap();
+    std::os::unix::fs::FileExt::write_at(
+        &f,
+        &(cuda_ipc::channel::layout::VERSION - 1).to_le_bytes(),
+        8,
+    )
+    .unwrap();
     for (who, e) in every_opener(&n) {
         assert!(
             matches!(
                 e,
                 Error::Channel(ChannelError::VersionMismatch {
-                    found: 99,
-                    supported: 4,
+                    found,
+                    supported,
                     ..
-                })
+                }) if found == supported - 1 && supported == cuda_ipc::channel::layout::VERSION
             ),
             "{who}: {e:?}"
         );

@@ -8,8 +8,8 @@ mod common;
 use common::{Unlink, unique};
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::layout::{
-    self, BUFFER_SLOT_SIZE, CONSUMER_SLOT_SIZE, ConsumerState, FIELDS, HEADER_SIZE, MAGIC,
-    ProducerState, READY_PAGE, RELEASE_PAGE, GPU_WORDS, STAMP_READY, VERSION, WRITING,
+    self, BUFFER_SLOT_SIZE, CONSUMER_SLOT_SIZE, ConsumerState, FIELDS, GPU_WORDS, HEADER_SIZE,
+    MAGIC, ProducerState, READY_PAGE, RELEASE_PAGE, STAMP_READY, VERSION, WRITING,
 };
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::token::TOKEN_LEN;

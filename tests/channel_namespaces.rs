@@ -109,8 +109,7 @@ fn run_role(role: &str) {
             p.unlink();
         }
         "consumer" => {
-            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame)
-                .unwrap();
+            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
             let me = ProcessIdentity::current().unwrap();
             tell(format!("attached {} {}", me.pid, me.pid_ns));
             for line in parent_lines() {

@@ -521,16 +521,10 @@ pub(super) mod tests {
         let e = Control::open(&long).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains(&format!("at most {MAX_CHANNEL_NAME}")), "{e}");
         assert!(!e.contains("cuda-ipc.ch."), "{e}");
-        let e = Control::create(
-            &long,
-            64,
-            1,
-            &[[0; TOKEN_LEN]],
-            &SegmentOptions::new(),
-        )
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
+        let e = Control::create(&long, 64, 1, &[[0; TOKEN_LEN]], &SegmentOptions::new())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&format!("at most {MAX_CHANNEL_NAME}")), "{e}");
         assert!(Control::open("a/b").is_err());
         assert!(Control::open("").is_err());

@@ -578,7 +578,8 @@ impl Control {
             s.policy.store(policy.to_wire(), Ordering::Relaxed);
             s.received.store(0, Ordering::Relaxed);
             s.dropped.store(0, Ordering::Relaxed);
-            s.transport.store(super::layout::TRANSPORT_LOCAL, Ordering::Relaxed);
+            s.transport
+                .store(super::layout::TRANSPORT_LOCAL, Ordering::Relaxed);
             for b in &s.latency {
                 b.store(0, Ordering::Relaxed);
             }
@@ -590,7 +591,8 @@ impl Control {
             for i in 0..self.buffers {
                 // SYNC POINT: release word. Relaxed: published by the Release store of ACTIVE
                 // below (the producer reads a consumer's words only for frames it held).
-                self.release_word(c, i).store(head as u32, Ordering::Relaxed);
+                self.release_word(c, i)
+                    .store(head as u32, Ordering::Relaxed);
             }
             s.cursor.store(head, Ordering::Relaxed);
             // SYNC POINT: attach. Release: pairs with the producer's Acquire loads of state; all of
@@ -706,10 +708,7 @@ impl Control {
             // read-modify-write. Relaxed: counters, read by inspection only.
             let us = monotonic_ns().saturating_sub(b.publish_ns.load(Ordering::Relaxed)) / 1000;
             let k = latency_bucket(us);
-            s.latency[k].store(
-                s.latency[k].load(Ordering::Relaxed) + 1,
-                Ordering::Relaxed,
-            );
+            s.latency[k].store(s.latency[k].load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             s.latency_sum_us.store(
                 s.latency_sum_us.load(Ordering::Relaxed).wrapping_add(us),
                 Ordering::Relaxed,
@@ -764,7 +763,9 @@ impl Control {
     pub(crate) fn set_policy(&self, c: usize, d: Delivery) {
         // SYNC POINT: cursor. Release: pairs with the producer's loads in `min_lossless_cursor`
         // (a latest-only consumer's cursor no longer holds it back).
-        self.consumer(c).policy.store(d.to_wire(), Ordering::Release);
+        self.consumer(c)
+            .policy
+            .store(d.to_wire(), Ordering::Release);
         self.header().release_wake().bump();
     }
 
@@ -956,7 +957,7 @@ mod tests {
 
     #[test]
     fn the_gpu_words_are_page_aligned_and_closing_the_gate_lets_every_wait_go_without_lowering_a_word()
-    {
+     {
         let (c, _name) = channel(3);
         let (p, len) = c.gpu_words();
         assert_eq!(p as usize % crate::channel::layout::READY_PAGE, 0);
@@ -970,11 +971,16 @@ mod tests {
         let Claim { index: j, .. } = c.try_acquire().unwrap();
         assert_ne!(i, j);
         // A word ahead of where the gate raises them (wrap-around order) is never lowered.
-        c.ready_word(j).store(1 + GATE_HORIZON + 5, Ordering::Relaxed);
+        c.ready_word(j)
+            .store(1 + GATE_HORIZON + 5, Ordering::Relaxed);
         c.force_ready();
         assert_eq!(c.gate(), (GateState::ProducerGone.to_wire(), 1));
         for k in 0..3 {
-            let want = if k == j { 1 + GATE_HORIZON + 5 } else { 1 + GATE_HORIZON };
+            let want = if k == j {
+                1 + GATE_HORIZON + 5
+            } else {
+                1 + GATE_HORIZON
+            };
             assert_eq!(c.ready_value(k), want, "buffer {k}");
         }
         // The first closer's words stay.

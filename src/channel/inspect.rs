@@ -10,8 +10,8 @@
 //! protocol. The two `gc` functions change only what dead processes left. Never calls CUDA.
 
 use super::Delivery;
-use super::handoff::LatencyHistogram;
 use super::control::{self, Control};
+use super::handoff::LatencyHistogram;
 use super::layout::{
     self, ConsumerState, META_BYTES, ProducerState, SEQ_EMPTY, UnknownCode, WRITING,
 };

@@ -263,7 +263,11 @@ pub const CONSUMER_FIELDS: &[Field] = &[
     f("reserved", consumer::PAD, 4),
     f("latency", consumer::LATENCY, 8 * LATENCY_BUCKETS),
     f("latency_sum_us", consumer::LATENCY_SUM_US, 8),
-    f("reserved", consumer::RESERVED, CONSUMER_SLOT_SIZE - consumer::RESERVED),
+    f(
+        "reserved",
+        consumer::RESERVED,
+        CONSUMER_SLOT_SIZE - consumer::RESERVED,
+    ),
 ];
 
 /// The areas of the layout and their fields: (name as in docs/channel-layout.md, size, fields).
@@ -641,7 +645,8 @@ const _: () = assert!(contiguous(CONSUMER_FIELDS, CONSUMER_SLOT_SIZE));
 const _: () = assert!(HEADER_SIZE.is_multiple_of(8) && BUFFER_SLOT_SIZE.is_multiple_of(8));
 const _: () = assert!(CONSUMER_SLOT_SIZE.is_multiple_of(8));
 const _: () = assert!(MAX_CONSUMERS <= 64 && ready_word_offset(MAX_BUFFERS) <= GATE_STATE_OFFSET);
-const _: () = assert!(GATE_END_OFFSET == GATE_STATE_OFFSET + 4 && GATE_END_OFFSET + 4 <= READY_PAGE);
+const _: () =
+    assert!(GATE_END_OFFSET == GATE_STATE_OFFSET + 4 && GATE_END_OFFSET + 4 <= READY_PAGE);
 const _: () = assert!(release_word_offset(MAX_CONSUMERS - 1, MAX_BUFFERS - 1) + 4 == GPU_WORDS);
 const _: () = assert!(consumer::RESERVED <= CONSUMER_SLOT_SIZE);
 const _: () = assert!(header::STAMP == 12 && header::MAGIC == 0 && header::VERSION == 8);
