@@ -117,7 +117,21 @@ fn the_docs_overall_layout_constants_and_codes_match_the_code() {
             ProducerState::Open.to_wire(),
             ProducerState::Closed.to_wire()
         ),
-        format!("16 token areas of {TOKEN_LEN} bytes"),
+        format!(
+            "{} FREE, {} CLAIMING (a consumer is writing its fields), {} ACTIVE (attached), {} LEAVING (being freed)",
+            ConsumerState::Free.to_wire(),
+            ConsumerState::Claiming.to_wire(),
+            ConsumerState::Active.to_wire(),
+            ConsumerState::Leaving.to_wire()
+        ),
+        format!(
+            "R + 64 `state`: {} open, {} closed, {} producer gone",
+            layout::GateState::Open.to_wire(),
+            layout::GateState::Closed.to_wire(),
+            layout::GateState::ProducerGone.to_wire()
+        ),
+        format!("R + 4096 + 4 (16 k + i)"),
+        format!("end + 2^{}", layout::GATE_HORIZON.trailing_zeros()),
         format!(
             "B = `buffers` (1 to {}), C = `consumers` (1 to {})",
             layout::MAX_BUFFERS,

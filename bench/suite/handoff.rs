@@ -45,7 +45,7 @@ pub const STEP: Duration = Duration::from_secs(10);
 
 /// Waits until `gap_us` µs after `since`: sleeping for gaps of 200 µs and more (the consumer is
 /// idle either way), spinning below (a sleep would overshoot).
-fn pace(since: Instant, gap_us: u64) {
+pub fn pace(since: Instant, gap_us: u64) {
     let end = since + Duration::from_micros(gap_us);
     if gap_us >= 200 {
         std::thread::sleep(end.saturating_duration_since(Instant::now()));
@@ -222,7 +222,7 @@ fn meta(index: u64, stamp_ns: u64) -> [u8; FrameMeta::LEN] {
 }
 
 /// Waits until the consumer acknowledged `n` frames (it is back in its wait for frame `n`).
-fn wait_ack(shared: &Shared, n: u64, peer: &mut Peer) -> Res<()> {
+pub fn wait_ack(shared: &Shared, n: u64, peer: &mut Peer) -> Res<()> {
     let what = format!("the consumer's ack of frame {n}");
     // SYNC POINT: handoff ack. Acquire: pairs with the consumer's Release store of the ack.
     spin_until(

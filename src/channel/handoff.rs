@@ -450,6 +450,9 @@ impl Control {
             if id.liveness() != Liveness::Dead {
                 continue;
             }
+            // SYNC POINT: slot leave. The state read above is only a guess: the CAS in
+            // `free_consumer_slot` decides which freer (this reclaim, another process's, the
+            // consumer's own detach) frees the slot.
             forced += self.free_consumer_slot(c, st);
         }
         if forced > 0 {
