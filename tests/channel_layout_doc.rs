@@ -240,7 +240,7 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u64_at(b(i, "seq")), 1);
     assert_eq!(u32_at(b(i, "meta_len")), 5);
     assert_eq!(&bytes[b(i, "meta")..b(i, "meta") + 5], b"hello");
-    assert_ne!(u64_at(b(i, "publish_ns")), 0);
+    assert_ne!(u32_at(b(i, "publish_us")), 0);
     for k in 0..3 {
         let t = b(k, "memory_token");
         assert_eq!(bytes[t..t + TOKEN_LEN], [k as u8 + 1; TOKEN_LEN]);

@@ -77,6 +77,10 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
     );
     let total = warmup + frames;
     let ctx = Context::default_device()?;
+    // Every implementation runs with its context current on the calling thread, as a CUDA
+    // application's thread has it and as the bare floor's raw calls need (the crate's calls then
+    // skip the push and pop of `Context::enter`).
+    ctx.bind()?;
     let kernels = Kernels::load(&ctx)?;
     let shared = Shared::create("handoff")?;
     let mut args = vec![
@@ -276,6 +280,8 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
     let cost: bool = kv.get_or("cost", false)?;
     let shared = Shared::open(&kv.str("shared")?)?;
     let ctx = Context::default_device()?;
+    // As in `run_case`: the context current on this thread for every implementation.
+    ctx.bind()?;
     let kernels = Kernels::load(&ctx)?;
     let stamps = DeviceBuffer::new(&ctx, 8 * total as usize)?;
     let gpu_clock = GpuClock::new(&ctx, &kernels)?;

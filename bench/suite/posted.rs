@@ -51,6 +51,8 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
     );
     let total = warmup + frames;
     let ctx = Context::default_device()?;
+    // The context current on this thread for both implementations (as in `handoff.rs`).
+    ctx.bind()?;
     let kernels = Kernels::load(&ctx)?;
     let shared = Shared::create("posted")?;
     let stamps = DeviceBuffer::new(&ctx, 8 * total as usize)?;
@@ -163,6 +165,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
     let ahead: u64 = kv.get("ahead")?;
     let shared = Shared::open(&kv.str("shared")?)?;
     let ctx = Context::default_device()?;
+    ctx.bind()?;
     let kernels = Kernels::load(&ctx)?;
     let stamps = DeviceBuffer::new(&ctx, 8 * total as usize)?;
     let events: Vec<Event> = (0..=ahead)

@@ -271,20 +271,24 @@ impl Consumer {
         let (Some(ready), Some(gpu)) = (&self.ready, &self.gpu) else {
             // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
             // the producer's writes before this frame's reads.
+            self.control.took();
             return Ok(frame);
         };
         // If this fails the frame's Drop still releases the hold. The stream waits on the
-        // buffer's ready word rather than the producer's IPC event: if the producer dies before its
-        // write finished, the driver never completes its event, but a consumer can still mark the
-        // word ready itself (`Control::force_ready`) and so drain its stream.
-        // SAFETY: the word lies in the registered ready page (i < buffers), which stays registered
+        // buffer's ready word, which the producer's stream writes after its work; if the producer
+        // dies first, the consumer (or its watchdog) closes the gate, raising the word, so the
+        // stream drains (`Control::force_ready`).
+        // SAFETY: the word lies in the registered GPU words (i < buffers), which stay registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
-        unsafe {
+        let waited = unsafe {
             gpu.stream.wait_value_u32(
                 ready.device_ptr + layout::ready_word_offset(i) as u64,
                 seq as u32,
-            )?;
-        }
+            )
+        };
+        // The cursor moved: announced after the stream's wait, off the hand-off's path.
+        self.control.took();
+        waited?;
         Ok(frame)
     }
 

@@ -83,11 +83,11 @@ impl LatencyHistogram {
     }
 }
 
-/// `CLOCK_MONOTONIC` now, ns (the vDSO: no syscall).
+/// `CLOCK_MONOTONIC` now, µs, low 32 bits (the vDSO: no syscall).
 #[inline]
-pub(crate) fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_us32() -> u32 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    (t.tv_sec as u64 * 1_000_000 + t.tv_nsec as u64 / 1000) as u32
 }
 
 /// A claim of a buffer for writing: its index, the consumers that read it since its last write
@@ -263,7 +263,7 @@ impl Control {
             b.meta[k].store(*w, Ordering::Relaxed);
         }
         b.meta_len.store(meta.len() as u32, Ordering::Relaxed);
-        b.publish_ns.store(monotonic_ns(), Ordering::Relaxed);
+        b.publish_us.store(monotonic_us32(), Ordering::Relaxed);
         // Only this producer writes head, so load + store is race-free.
         let seq = h.head.load(Ordering::Relaxed) + 1;
         // SYNC POINT: publish. Release: pairs with consumers' Acquire loads of seq in `try_take`
@@ -272,7 +272,8 @@ impl Control {
         b.seq.store(seq, Ordering::Release);
         // SYNC POINT: head. Release: pairs with `head()`'s Acquire.
         h.head.store(seq, Ordering::Release);
-        h.published.fetch_add(1, Ordering::Relaxed);
+        // Every publish adds one to head: the count is head (a store, no read-modify-write).
+        h.published.store(seq, Ordering::Relaxed);
         h.publish_wake().bump();
         Ok(seq)
     }
@@ -705,11 +706,18 @@ impl Control {
                 meta.bytes[8 * k..8 * k + 8]
                     .copy_from_slice(&b.meta[k].load(Ordering::Relaxed).to_le_bytes());
             }
-            s.dropped.fetch_add(seq - cursor - 1, Ordering::Relaxed);
-            s.received.fetch_add(1, Ordering::Relaxed);
-            // The slot's latency words have one writer, this consumer: load and store, no
-            // read-modify-write. Relaxed: counters, read by inspection only.
-            let us = monotonic_ns().saturating_sub(b.publish_ns.load(Ordering::Relaxed)) / 1000;
+            // The slot's counters have one writer, this consumer: load and store. Relaxed:
+            // counters, read by inspection only.
+            if seq > cursor + 1 {
+                s.dropped.store(
+                    s.dropped.load(Ordering::Relaxed) + (seq - cursor - 1),
+                    Ordering::Relaxed,
+                );
+            }
+            s.received
+                .store(s.received.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            // A wrapping difference of two 32-bit µs clocks: right for latencies under 71 minutes.
+            let us = u64::from(monotonic_us32().wrapping_sub(b.publish_us.load(Ordering::Relaxed)));
             let k = latency_bucket(us);
             s.latency[k].store(s.latency[k].load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             s.latency_sum_us.store(
@@ -719,7 +727,8 @@ impl Control {
             // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
             // `min_lossless_cursor`.
             s.cursor.store(seq, Ordering::Release);
-            self.header().release_wake().bump();
+            // No bump here: the caller announces the move (`took`) once it has done what the
+            // hand-off waits for (the consumer's stream wait), off the hand-off's path.
             return Ok(Some((i, seq, meta)));
         }
     }
@@ -742,6 +751,13 @@ impl Control {
             Some(got) => Ok(Some(got)),
             None => Err(Error::ChannelClosed),
         }
+    }
+
+    /// Announces that a consumer took a frame (its cursor moved): wakes a producer waiting for
+    /// every-frame consumers' cursors. Every take is followed by this or by a `release`, which
+    /// announces as well.
+    pub(crate) fn took(&self) {
+        self.header().release_wake().bump();
     }
 
     /// Consumer `c`'s cursor: the last sequence number it received or skipped.

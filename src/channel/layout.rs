@@ -144,16 +144,15 @@ pub mod buffer {
     pub const USED_MASK: usize = 16;
     /// `u32`: bytes of metadata of its frame, at most [`super::META_BYTES`].
     pub const META_LEN: usize = 24;
-    /// `u32`: zero.
-    pub const PAD: usize = 28;
+    /// `u32`: when its frame was published: `CLOCK_MONOTONIC` µs, low 32 bits (wraps every 71
+    /// minutes; latencies are wrapping differences). On the slot's first cache line, with `seq`.
+    pub const PUBLISH_US: usize = 28;
     /// [`super::META_BYTES`] bytes: the frame's metadata, as [`super::META_WORDS`] `u64` words.
     pub const META: usize = 32;
     /// [`crate::token::TOKEN_LEN`] bytes: the buffer's memory token.
     pub const MEMORY_TOKEN: usize = META + super::META_BYTES;
-    /// `u64`: when its frame was published, `CLOCK_MONOTONIC` ns (0: never).
-    pub const PUBLISH_NS: usize = MEMORY_TOKEN + crate::token::TOKEN_LEN;
-    /// The rest of the slot ([`crate::token::TOKEN_LEN`] − 8 bytes): zero.
-    pub const RESERVED: usize = PUBLISH_NS + 8;
+    /// The rest of the slot ([`crate::token::TOKEN_LEN`] bytes): zero.
+    pub const RESERVED: usize = MEMORY_TOKEN + crate::token::TOKEN_LEN;
 }
 
 /// Byte offsets of a consumer slot's fields (from the start of the slot).
@@ -240,11 +239,10 @@ pub const BUFFER_FIELDS: &[Field] = &[
     f("hold_mask", buffer::HOLD_MASK, 8),
     f("used_mask", buffer::USED_MASK, 8),
     f("meta_len", buffer::META_LEN, 4),
-    f("reserved", buffer::PAD, 4),
+    f("publish_us", buffer::PUBLISH_US, 4),
     f("meta", buffer::META, META_BYTES),
     f("memory_token", buffer::MEMORY_TOKEN, TOKEN_LEN),
-    f("publish_ns", buffer::PUBLISH_NS, 8),
-    f("reserved", buffer::RESERVED, TOKEN_LEN - 8),
+    f("reserved", buffer::RESERVED, TOKEN_LEN),
 ];
 
 /// A consumer slot's fields, in order; they cover its [`CONSUMER_SLOT_SIZE`] bytes without gaps.
@@ -586,13 +584,12 @@ pub(crate) struct BufferSlot {
     /// waits on their release events.
     pub(crate) used_mask: AtomicU64,
     pub(crate) meta_len: AtomicU32,
-    pub(crate) _pad: AtomicU32,
+    /// `CLOCK_MONOTONIC` µs (low 32 bits) of its frame's publish.
+    pub(crate) publish_us: AtomicU32,
     pub(crate) meta: [AtomicU64; META_WORDS],
     /// Token of the buffer memory (immutable after creation).
     pub(crate) tokens: [u8; TOKEN_LEN],
-    /// `CLOCK_MONOTONIC` ns of its frame's publish.
-    pub(crate) publish_ns: AtomicU64,
-    pub(crate) _reserved: [u8; TOKEN_LEN - 8],
+    pub(crate) _reserved: [u8; TOKEN_LEN],
 }
 
 /// One consumer slot (see [`consumer`]).
@@ -693,10 +690,10 @@ mod asserts {
     const _: () = assert!(offset_of!(BufferSlot, hold_mask) == buffer::HOLD_MASK);
     const _: () = assert!(offset_of!(BufferSlot, used_mask) == buffer::USED_MASK);
     const _: () = assert!(offset_of!(BufferSlot, meta_len) == buffer::META_LEN);
-    const _: () = assert!(offset_of!(BufferSlot, _pad) == buffer::PAD);
+    const _: () = assert!(offset_of!(BufferSlot, publish_us) == buffer::PUBLISH_US);
     const _: () = assert!(offset_of!(BufferSlot, meta) == buffer::META);
     const _: () = assert!(offset_of!(BufferSlot, tokens) == buffer::MEMORY_TOKEN);
-    const _: () = assert!(offset_of!(BufferSlot, publish_ns) == buffer::PUBLISH_NS);
+    const _: () = assert!(offset_of!(BufferSlot, _reserved) == buffer::RESERVED);
 
     const _: () = assert!(size_of::<ConsumerSlot>() == CONSUMER_SLOT_SIZE);
     const _: () = assert!(align_of::<ConsumerSlot>() == 8);

@@ -166,10 +166,9 @@ impl ControlConsumer {
     /// # Errors
     /// As `Consumer::recv_timeout`.
     pub fn take(&self, timeout: Option<Duration>) -> Result<Option<(usize, u64, Vec<u8>)>> {
-        Ok(self
-            .control
-            .take(self.slot, WaitStrategy::Block, timeout)?
-            .map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
+        let got = self.control.take(self.slot, WaitStrategy::Block, timeout)?;
+        self.control.took();
+        Ok(got.map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
     }
     /// Ends the hold on buffer `i`.
     pub fn release(&self, i: usize) {
@@ -199,10 +198,9 @@ impl ControlConsumer {
     /// # Errors
     /// As `Consumer::try_recv`.
     pub fn try_take(&self) -> Result<Option<(usize, u64, Vec<u8>)>> {
-        Ok(self
-            .control
-            .take_or_closed(self.slot)?
-            .map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
+        let got = self.control.take_or_closed(self.slot)?;
+        self.control.took();
+        Ok(got.map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
     }
     /// A snapshot of the channel ([`super::inspect::inspect`]), from this consumer's mapping.
     pub fn inspect(&self, name: &str) -> super::inspect::ChannelSnapshot {
