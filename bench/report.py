@@ -186,6 +186,13 @@ def targets(ix: Index) -> list:
     p99 = ix.v(f"handoff.channel.{DEFAULT}.idle.ready.p99")
     t.append(target("default_p99_under_20us", "channel hand-off p99, default wait, idle consumer",
                     p99, "<", DEFAULT_P99_MAX_US, "us", {"channel_p99_us": p99}))
+    ours = ix.v(f"throughput.channel.c1-posted.{DEFAULT}.frames_per_s.value")
+    theirs = ix.v("throughput.torch_queue.c1.frames_per_s.value")
+    t.append(target(
+        "throughput_vs_pytorch_queue[c1, posted]",
+        "channel frames/s with receives posted ahead through a ring of 8 (the producer runs ahead) over the PyTorch "
+        "queue's, 1 consumer, every frame filled and checked by kernels",
+        ratio(ours, theirs), ">=", THROUGHPUT_RATIO_MIN, "x", {"channel_fps": ours, "pytorch_fps": theirs}))
     for c in (1, 4):
         ours = ix.v(f"throughput.channel.c{c}.{DEFAULT}.frames_per_s.value")
         theirs = ix.v(f"throughput.torch_queue.c{c}.frames_per_s.value")

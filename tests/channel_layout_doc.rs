@@ -226,7 +226,7 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u64_at(h("segment_bytes")), bytes.len() as u64);
     assert_eq!(u32_at(h("producer_pid")), std::process::id());
     assert_eq!(u32_at(h("producer_state")), 0);
-    assert_eq!((u64_at(h("head")), u64_at(h("published"))), (1, 1));
+    assert_eq!((u64_at(h("head")), u32_at(h("head_index"))), (1, 0));
     assert_ne!(u64_at(h("generation")), 0);
     assert_eq!(u32_at(h("flags")), 1, "ring order");
     assert_eq!(u32_at(h("transport")), 0);

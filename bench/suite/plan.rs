@@ -254,9 +254,13 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
         tput.extend([(1, WAITS[1]), (1, WAITS[2])]);
     }
     tput.push((4, WAITS[0]));
-    for (consumers, wait) in tput {
+    let mut tput: Vec<(usize, &str, bool)> = tput.into_iter().map(|(c, w)| (c, w, false)).collect();
+    // Receives posted ahead through a ring: the producer runs ahead, fewer context switches.
+    tput.push((1, WAITS[0], true));
+    for (consumers, wait, posted) in tput {
+        let tag = if posted { "-posted" } else { "" };
         push(
-            format!("throughput/c{consumers}/{wait}"),
+            format!("throughput/c{consumers}{tag}/{wait}"),
             "throughput",
             Kind::Child {
                 role: "throughput".into(),
@@ -266,6 +270,7 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
                     ("frames", s.tput_frames.to_string()),
                     ("warmup", s.tput_warmup.to_string()),
                     ("bytes", FRAME_BYTES.to_string()),
+                    ("posted", posted.to_string()),
                 ]),
             },
             120,

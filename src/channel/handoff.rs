@@ -270,10 +270,10 @@ impl Control {
         // (and the producer's in `try_acquire`); the metadata, and on a host channel the bytes
         // written to the buffer, are visible with it.
         b.seq.store(seq, Ordering::Release);
+        // Relaxed: a hint published by the head store below (a reader checks the slot's seq).
+        h.head_index.store(i as u32, Ordering::Relaxed);
         // SYNC POINT: head. Release: pairs with `head()`'s Acquire.
         h.head.store(seq, Ordering::Release);
-        // Every publish adds one to head: the count is head (a store, no read-modify-write).
-        h.published.store(seq, Ordering::Relaxed);
         h.publish_wake().bump();
         Ok(seq)
     }
@@ -673,14 +673,27 @@ impl Control {
             let want = if latest { head } else { cursor + 1 };
             let mut found = None;
             let mut oldest: Option<(u64, usize)> = None;
-            for i in 0..self.buffers {
-                // SYNC POINT: publish. Acquire: pairs with the Release store of seq in `publish`.
-                let seq = self.buffer(i).seq.load(Ordering::Acquire);
-                if seq == want {
+            if want == head {
+                // The newest frame: its buffer is named on head's cache line, so only that slot is
+                // read (a consumer that keeps up never touches the others). Relaxed: a hint, the
+                // slot's seq decides.
+                let i = self.header().head_index.load(Ordering::Relaxed) as usize;
+                // SYNC POINT: publish. Acquire: as below.
+                if i < self.buffers && self.buffer(i).seq.load(Ordering::Acquire) == want {
                     found = Some(i);
                 }
-                if seq != WRITING && seq > cursor && oldest.is_none_or(|(o, _)| seq < o) {
-                    oldest = Some((seq, i));
+            }
+            if found.is_none() {
+                for i in 0..self.buffers {
+                    // SYNC POINT: publish. Acquire: pairs with the Release store of seq in
+                    // `publish`.
+                    let seq = self.buffer(i).seq.load(Ordering::Acquire);
+                    if seq == want {
+                        found = Some(i);
+                    }
+                    if seq != WRITING && seq > cursor && oldest.is_none_or(|(o, _)| seq < o) {
+                        oldest = Some((seq, i));
+                    }
                 }
             }
             let (seq, i) = match (found, oldest) {
@@ -831,7 +844,8 @@ impl Control {
             });
         }
         ChannelStats {
-            published: h.published.load(Ordering::Relaxed),
+            // Every publish adds one to head.
+            published: head,
             head,
             forced_releases: h.forced_releases.load(Ordering::Relaxed),
             consumers,

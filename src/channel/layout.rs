@@ -111,8 +111,12 @@ pub mod header {
     pub const PUBLISH_FUTEX: usize = 80;
     /// `u32`: futex word, bumped on every release, cursor move and detach; the producer sleeps on it.
     pub const RELEASE_FUTEX: usize = 84;
-    /// `u64`: frames published.
-    pub const PUBLISHED: usize = 88;
+    /// `u32`: the index of the buffer that holds frame `head`, on `head`'s cache line, so that a
+    /// consumer that wants the newest frame reads one buffer slot instead of every one (a hint:
+    /// it checks that slot's `seq`).
+    pub const HEAD_INDEX: usize = 88;
+    /// `u32`: zero.
+    pub const PAD2: usize = 92;
     /// `u64`: holds the producer released on behalf of dead consumers or at close.
     pub const FORCED_RELEASES: usize = 96;
     /// `u32`: the producer's pid namespace (inode number; 0 when unknown).
@@ -222,7 +226,8 @@ pub const HEADER_FIELDS: &[Field] = &[
     f("head", header::HEAD, 8),
     f("publish_futex", header::PUBLISH_FUTEX, 4),
     f("release_futex", header::RELEASE_FUTEX, 4),
-    f("published", header::PUBLISHED, 8),
+    f("head_index", header::HEAD_INDEX, 4),
+    f("reserved", header::PAD2, 4),
     f("forced_releases", header::FORCED_RELEASES, 8),
     f("producer_pid_ns", header::PRODUCER_PID_NS, 4),
     f("transport", header::TRANSPORT, 4),
@@ -555,7 +560,9 @@ pub(crate) struct Header {
     pub(crate) publish_futex: AtomicU32,
     /// Bumped on every release, cursor move and detach; the producer sleeps on it.
     pub(crate) release_futex: AtomicU32,
-    pub(crate) published: AtomicU64,
+    /// The buffer index of frame `head` (a hint).
+    pub(crate) head_index: AtomicU32,
+    pub(crate) _pad2: AtomicU32,
     pub(crate) forced_releases: AtomicU64,
     /// The producer's pid namespace (inode number), so its pid is read in the right namespace.
     pub(crate) producer_pid_ns: AtomicU32,
@@ -674,7 +681,11 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, head) == header::HEAD);
     const _: () = assert!(offset_of!(Header, publish_futex) == header::PUBLISH_FUTEX);
     const _: () = assert!(offset_of!(Header, release_futex) == header::RELEASE_FUTEX);
-    const _: () = assert!(offset_of!(Header, published) == header::PUBLISHED);
+    const _: () = assert!(offset_of!(Header, head_index) == header::HEAD_INDEX);
+    const _: () = assert!(
+        header::HEAD_INDEX / 64 == header::HEAD / 64,
+        "one cache line"
+    );
     const _: () = assert!(offset_of!(Header, forced_releases) == header::FORCED_RELEASES);
     const _: () = assert!(offset_of!(Header, producer_pid_ns) == header::PRODUCER_PID_NS);
     const _: () = assert!(offset_of!(Header, transport) == header::TRANSPORT);
