@@ -672,18 +672,25 @@ impl Control {
             // counted, at attach), the oldest still present. Latest-only: the newest.
             let want = if latest { head } else { cursor + 1 };
             let mut found = None;
+            let mut held = None;
             let mut oldest: Option<(u64, usize)> = None;
             if want == head {
                 // The newest frame: its buffer is named on head's cache line, so only that slot is
-                // read (a consumer that keeps up never touches the others). Relaxed: a hint, the
-                // slot's seq decides.
+                // touched (a consumer that keeps up never reads the others), and the hold itself
+                // is the first access (one transfer of the slot's line). Relaxed: a hint; the hold
+                // re-reads the slot's seq and backs off when it is another frame.
                 let i = self.header().head_index.load(Ordering::Relaxed) as usize;
-                // SYNC POINT: publish. Acquire: as below.
-                if i < self.buffers && self.buffer(i).seq.load(Ordering::Acquire) == want {
-                    found = Some(i);
+                if i < self.buffers {
+                    if self.buffer(i).words().hold(bit, want) {
+                        held = Some(i);
+                    } else {
+                        // A stale hint, or the producer took it: a claim our passing hold turned
+                        // away looks again when woken.
+                        self.header().release_wake().bump();
+                    }
                 }
             }
-            if found.is_none() {
+            if held.is_none() {
                 for i in 0..self.buffers {
                     // SYNC POINT: publish. Acquire: pairs with the Release store of seq in
                     // `publish`.
@@ -696,15 +703,16 @@ impl Control {
                     }
                 }
             }
-            let (seq, i) = match (found, oldest) {
-                (Some(i), _) => (want, i),
-                (None, Some(o)) if !latest => o,
+            let (seq, i) = match (held, found, oldest) {
+                (Some(i), _, _) => (want, i),
+                (None, Some(i), _) => (want, i),
+                (None, None, Some(o)) if !latest => o,
                 // The wanted frame is being overwritten (a pool of one buffer) or not visible
                 // yet: nothing to take now; the caller waits for the next publish.
                 _ => return Ok(None),
             };
             let b = self.buffer(i);
-            if !b.words().hold(bit, seq) {
+            if held.is_none() && !b.words().hold(bit, seq) {
                 // The producer took it meanwhile: undone; look again.
                 self.header().release_wake().bump();
                 continue;
