@@ -1074,6 +1074,65 @@ mod tests {
     }
 
     #[test]
+    fn ring_order_broadcasts_to_every_frame_and_latest_only_consumers_with_back_pressure() {
+        let name = format!("ringcast-{}", std::process::id());
+        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
+        let c = Control::create_with_flags(
+            &name,
+            64,
+            4,
+            &tokens,
+            crate::channel::layout::FLAG_RING,
+            &crate::shm::SegmentOptions::new(),
+        )
+        .unwrap();
+        let (a, b) = (
+            c.attach(Delivery::EveryFrame).unwrap(),
+            c.attach(Delivery::EveryFrame).unwrap(),
+        );
+        let l = c.attach(Delivery::LatestOnly).unwrap();
+        let mut got_a = Vec::new();
+        let mut got_b = Vec::new();
+        let mut got_l = Vec::new();
+        let mut s = 0u64;
+        while s < 12 {
+            match c.try_acquire() {
+                Some(Claim { index, .. }) => {
+                    s += 1;
+                    assert_eq!(index as u64, (s - 1) % 3, "ring order");
+                    c.publish(index, &s.to_le_bytes()).unwrap();
+                }
+                None => {
+                    // Back-pressure: the ring's next buffer holds a frame `b` (the slower one)
+                    // has not received; `a` keeps up, the latest-only consumer never holds back.
+                    assert!(c.cursor(b) + 3 <= s, "held back with b at {}", c.cursor(b));
+                    while let Some((i, seq, _)) = c.try_take(b).unwrap() {
+                        got_b.push(seq);
+                        c.release(b, i);
+                    }
+                }
+            }
+            while let Some((i, seq, _)) = c.try_take(a).unwrap() {
+                got_a.push(seq);
+                c.release(a, i);
+            }
+            if let Some((i, seq, _)) = c.try_take(l).unwrap() {
+                got_l.push(seq);
+                c.release(l, i);
+            }
+        }
+        while let Some((i, seq, _)) = c.try_take(b).unwrap() {
+            got_b.push(seq);
+            c.release(b, i);
+        }
+        let all: Vec<u64> = (1..=12).collect();
+        assert_eq!((got_a, got_b), (all.clone(), all));
+        assert_eq!(got_l.last(), Some(&12));
+        assert!(got_l.windows(2).all(|w| w[0] < w[1]));
+        c.unlink();
+    }
+
+    #[test]
     fn ring_order_puts_frame_s_in_buffer_s_minus_one_mod_b_and_waits_for_that_buffer() {
         let name = format!("ring-{}", std::process::id());
         let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
