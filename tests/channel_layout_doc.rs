@@ -130,7 +130,7 @@ fn the_docs_overall_layout_constants_and_codes_match_the_code() {
             layout::GateState::Closed.to_wire(),
             layout::GateState::ProducerGone.to_wire()
         ),
-        format!("R + 4096 + 4 (16 k + i)"),
+        "R + 4096 + 4 (16 k + i)".to_string(),
         format!("end + 2^{}", layout::GATE_HORIZON.trailing_zeros()),
         format!(
             "B = `buffers` (1 to {}), C = `consumers` (1 to {})",
