@@ -49,7 +49,7 @@ pub mod testing;
 mod wait;
 mod watchdog;
 
-pub use consumer::{Consumer, Frame, Posted, PostedFrame};
+pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub use control::MAX_CHANNEL_NAME;
 pub use error::ChannelError;
 pub use handoff::{ChannelStats, ConsumerStats, LatencyHistogram};
