@@ -307,7 +307,7 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// let name = format!("doc-inspect-{}", std::process::id());
 /// let tokens = [[0u8; cuda_ipc::token::TOKEN_LEN]];
 /// let tx = ControlProducer::create(&name, 4096, 2, &tokens)?;
-/// let i = tx.try_acquire().unwrap().index;
+/// let (i, _) = tx.try_acquire().unwrap();
 /// tx.publish(i, b"frame 1")?;
 /// let snap = inspect::inspect(&name)?;
 /// assert_eq!((snap.head, snap.buffers[0].state), (1, inspect::BufferState::Frame(1)));
