@@ -42,6 +42,14 @@ DEFAULT_P99_MAX_US = 20.0
 THROUGHPUT_RATIO_MIN = 10.0
 FLAT_RATIO_MAX = 1.5
 CACHED_IMPORT_MAX_US = 1.0
+# The floor issue's targets: p99 against the bare floor's, the posted receive against its raw floor
+# (without MPS) and in absolute terms and against PyTorch's queue (with MPS), and with MPS the bytes
+# the GPU moves for the channel against a device-to-device copy's.
+BARE_FLOOR_P99_RATIO_MAX = 2.0
+POSTED_RATIO_MAX = 1.25
+POSTED_P50_MAX_US = 10.0
+POSTED_VS_PYTORCH_MIN = 30.0
+MPS_COPY_FRACTION_MIN = 0.5
 
 
 def load(out: str) -> tuple:
@@ -133,6 +141,41 @@ def targets(ix: Index) -> list:
         f"handoff_vs_bare_floor_p50[{DEFAULT}, consumer still spinning]",
         "as above with a 10 us gap: the frame arrives within the default 50 us spin window",
         ratio(ch, bf), "<=", BARE_FLOOR_RATIO_MAX, "x", {"channel_p50_us": ch, "bare_floor_p50_us": bf}))
+    for w in WAITS:
+        ch = ix.v(f"handoff.channel.{w}.idle.ready.p99")
+        bf = ix.v(f"handoff.bare_floor.{w}.idle.ready.p99")
+        t.append(target(
+            f"handoff_vs_bare_floor_p99[{w}]",
+            f"channel hand-off p99 (idle consumer, wait {w}) over the bare floor's p99, same wait",
+            ratio(ch, bf), "<=", BARE_FLOOR_P99_RATIO_MAX, "x",
+            {"channel_p99_us": ch, "bare_floor_p99_us": bf}))
+    po = ix.v("posted.posted.idle.posted_kernel_start.p50")
+    bp = ix.v("posted.bare_posted.idle.posted_kernel_start.p50")
+    t.append(target(
+        "posted_vs_bare_posted_p50",
+        "receive posted ahead, consumer's host asleep: first consumer kernel start after the producer's write ended "
+        "(both %globaltimer), p50, over the raw floor's (two processes, raw driver calls); the target without MPS",
+        ratio(po, bp), "<=", POSTED_RATIO_MAX, "x", {"posted_p50_us": po, "bare_posted_p50_us": bp,
+                                                      "posted_p99_us": ix.v("posted.posted.idle.posted_kernel_start.p99"),
+                                                      "bare_posted_p99_us": ix.v("posted.bare_posted.idle.posted_kernel_start.p99")}))
+    t.append(target(
+        "posted_p50_under_10us",
+        "the same p50 in absolute terms; the target with MPS (without it the GPU switches contexts between the processes)",
+        po, "<=", POSTED_P50_MAX_US, "us", {"posted_p50_us": po}))
+    torch_ready = ix.v("handoff.torch_queue.idle.ready.p50")
+    t.append(target(
+        "posted_vs_pytorch_queue",
+        "PyTorch queue's idle hand-off p50 (publish to the consumer's tensor, before any kernel of it) over the posted "
+        "receive's kernel start p50: how many times sooner the consumer's kernel runs; the target with MPS",
+        ratio(torch_ready, po), ">=", POSTED_VS_PYTORCH_MIN, "x", {"pytorch_ready_p50_us": torch_ready, "posted_p50_us": po}))
+    fps = ix.v(f"throughput.channel.c1.{DEFAULT}.frames_per_s.value")
+    copy_us = ix.v("limits.d2d_copy.33MB.copy_time.p50")
+    frac = None if fps is None or copy_us is None else fps * copy_us / 1e6
+    t.append(target(
+        "throughput_bytes_vs_d2d_copy",
+        "bytes the GPU moves for the channel (each 33 MB frame written once and read once, 1 consumer) per second over "
+        "a device-to-device copy's read+write bytes per second; the target with MPS",
+        frac, ">=", MPS_COPY_FRACTION_MIN, "x", {"channel_fps": fps, "d2d_copy_p50_us": copy_us}))
     torch_p50 = ix.v("handoff.torch_queue.idle.ready.p50")
     ch_p50 = ix.v(f"handoff.channel.{DEFAULT}.idle.ready.p50")
     t.append(target(
@@ -143,6 +186,13 @@ def targets(ix: Index) -> list:
     p99 = ix.v(f"handoff.channel.{DEFAULT}.idle.ready.p99")
     t.append(target("default_p99_under_20us", "channel hand-off p99, default wait, idle consumer",
                     p99, "<", DEFAULT_P99_MAX_US, "us", {"channel_p99_us": p99}))
+    ours = ix.v(f"throughput.channel.c1-posted.{DEFAULT}.frames_per_s.value")
+    theirs = ix.v("throughput.torch_queue.c1.frames_per_s.value")
+    t.append(target(
+        "throughput_vs_pytorch_queue[c1, posted]",
+        "channel frames/s with receives posted ahead through a ring of 8 (the producer runs ahead) over the PyTorch "
+        "queue's, 1 consumer, every frame filled and checked by kernels",
+        ratio(ours, theirs), ">=", THROUGHPUT_RATIO_MIN, "x", {"channel_fps": ours, "pytorch_fps": theirs}))
     for c in (1, 4):
         ours = ix.v(f"throughput.channel.c{c}.{DEFAULT}.frames_per_s.value")
         theirs = ix.v(f"throughput.torch_queue.c{c}.frames_per_s.value")

@@ -1,5 +1,6 @@
-//! Taking a frame allocates nothing: a counting global allocator around `try_recv` and the
-//! frame's drop (the release), on a host-memory channel (no GPU needed), after a warm-up.
+//! The hand-off allocates nothing: a counting global allocator around `try_recv` and the frame's
+//! drop (the release), and around `acquire` and `publish`, on a host-memory channel (no GPU
+//! needed), after a warm-up.
 
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -29,8 +30,13 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// The counters are process-wide: the tests take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn receiving_and_releasing_a_frame_allocates_nothing() {
+    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    ALLOCS.store(0, Ordering::Relaxed);
     let name = format!("alloc-{}", std::process::id());
     let mut tx = Producer::create_host(&name, &ChannelOptions::new(4096).buffers(4)).unwrap();
     let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
@@ -52,4 +58,36 @@ fn receiving_and_releasing_a_frame_allocates_nothing() {
     assert_eq!(n, 0, "{n} allocations in {counted} receives and releases");
     drop(rx);
     tx.close(std::time::Duration::from_secs(5)).unwrap();
+}
+
+#[test]
+fn acquiring_and_publishing_a_frame_allocates_nothing_in_either_order() {
+    // Both buffer orders: the oldest free buffer (a stack array, not a sorted Vec) and the ring.
+    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    ALLOCS.store(0, Ordering::Relaxed);
+    for ring in [false, true] {
+        let name = format!("alloc-tx-{}-{ring}", std::process::id());
+        let opts = ChannelOptions::new(4096).buffers(4).ring(ring);
+        let mut tx = Producer::create_host(&name, &opts).unwrap();
+        let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
+        let mut counted = 0u64;
+        for i in 0u64..200 {
+            let warm = i >= 20;
+            if warm {
+                COUNTING.store(true, Ordering::Relaxed);
+            }
+            let w = tx.acquire(Some(std::time::Duration::from_secs(5))).unwrap();
+            w.publish(&i.to_le_bytes()).unwrap();
+            COUNTING.store(false, Ordering::Relaxed);
+            counted += u64::from(warm);
+            drop(rx.try_recv().unwrap().expect("a frame is ready"));
+        }
+        let n = ALLOCS.swap(0, Ordering::Relaxed);
+        assert_eq!(
+            n, 0,
+            "ring {ring}: {n} allocations in {counted} acquires and publishes"
+        );
+        drop(rx);
+        tx.close(std::time::Duration::from_secs(5)).unwrap();
+    }
 }

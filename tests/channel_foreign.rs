@@ -31,7 +31,7 @@ impl Drop for Garbage {
 fn open_both(name: &str) -> (String, String, Duration) {
     let t = Instant::now();
     let i = inspect::inspect(name).map(|_| ()).unwrap_err().to_string();
-    let a = ControlConsumer::attach(name, Delivery::EveryFrame, &[])
+    let a = ControlConsumer::attach(name, Delivery::EveryFrame)
         .map(|_| ())
         .unwrap_err()
         .to_string();

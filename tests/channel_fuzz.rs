@@ -62,7 +62,7 @@ fn exercise(channel: &str, delivery: Delivery, pokes: &[(usize, u64)]) -> usize 
             match rx.try_take() {
                 Ok(Some((i, _, meta))) => {
                     assert!(i < rx.buffers() && meta.len() <= layout::META_BYTES);
-                    let _ = Token::from_bytes(&rx.buffer_tokens(i).0);
+                    let _ = Token::from_bytes(&rx.buffer_token(i));
                     rx.release(i);
                     taken += 1;
                 }
@@ -89,15 +89,8 @@ fn exercise(channel: &str, delivery: Delivery, pokes: &[(usize, u64)]) -> usize 
 fn valid_image() -> Vec<u8> {
     let channel = unique("chprop-src");
     let _u = Unlink(format!("{}{channel}", layout::SEGMENT_PREFIX));
-    let tx = ControlProducer::create(
-        &channel,
-        4096,
-        2,
-        &[(token(1), [0; TOKEN_LEN]), (token(2), [0; TOKEN_LEN])],
-    )
-    .unwrap();
-    let rx =
-        ControlConsumer::attach(&channel, Delivery::EveryFrame, &[token(3), token(4)]).unwrap();
+    let tx = ControlProducer::create(&channel, 4096, 2, &[token(1), token(2)]).unwrap();
+    let rx = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
     for _ in 0..2 {
         let (i, _) = tx.try_acquire().unwrap();
         tx.publish(i, b"meta").unwrap();

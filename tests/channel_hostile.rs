@@ -42,14 +42,14 @@ fn mkfifo(p: &str) {
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {p}");
 }
 
-fn tokens() -> Vec<([u8; TOKEN_LEN], [u8; TOKEN_LEN])> {
-    vec![([0u8; TOKEN_LEN], [0u8; TOKEN_LEN]); 2]
+fn tokens() -> Vec<[u8; TOKEN_LEN]> {
+    vec![[0u8; TOKEN_LEN]; 2]
 }
 
 /// Every opener on `channel`, each bounded: (attach, inspect, remove_stale, create) error texts.
 fn every_opener(channel: &str) -> [(String, Error); 4] {
     let t = Instant::now();
-    let a = ControlConsumer::attach(channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2])
+    let a = ControlConsumer::attach(channel, Delivery::EveryFrame)
         .map(|_| ())
         .unwrap_err();
     let i = inspect::inspect(channel).map(|_| ()).unwrap_err();
@@ -156,7 +156,7 @@ fn a_sparse_file_is_reported_as_sparse_and_replaced_only_when_it_is_ours_and_old
     // Older than 2 s and ours: an abandoned creation, replaced by a new producer.
     std::thread::sleep(Duration::from_millis(2100));
     let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
-    let c = ControlConsumer::attach(&n, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2]).unwrap();
+    let c = ControlConsumer::attach(&n, Delivery::EveryFrame).unwrap();
     let (i, _) = p.try_acquire().unwrap();
     p.publish(i, b"after").unwrap();
     assert!(c.take(Some(Duration::from_secs(1))).unwrap().is_some());
@@ -180,22 +180,27 @@ fn a_live_producers_channel_and_one_of_another_layout_version_are_never_replaced
         inspect::inspect(&n).is_ok(),
         "the live channel is still there"
     );
-    // The same segment claiming another layout version (a producer of another cuda-ipc build):
-    // refused by name and version, and left in place.
+    // The same segment claiming another layout version (a producer of the build before, whose
+    // streams wait on interprocess release events): refused by name and version, and left in place.
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(path(&n))
         .unwrap();
-    std::os::unix::fs::FileExt::write_at(&f, &99u32.to_le_bytes(), 8).unwrap();
+    std::os::unix::fs::FileExt::write_at(
+        &f,
+        &(cuda_ipc::channel::layout::VERSION - 1).to_le_bytes(),
+        8,
+    )
+    .unwrap();
     for (who, e) in every_opener(&n) {
         assert!(
             matches!(
                 e,
                 Error::Channel(ChannelError::VersionMismatch {
-                    found: 99,
-                    supported: 4,
+                    found,
+                    supported,
                     ..
-                })
+                }) if found == supported - 1 && supported == cuda_ipc::channel::layout::VERSION
             ),
             "{who}: {e:?}"
         );

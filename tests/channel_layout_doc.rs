@@ -8,8 +8,8 @@ mod common;
 use common::{Unlink, unique};
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::layout::{
-    self, BUFFER_SLOT_SIZE, CONSUMER_SLOT_SIZE, ConsumerState, FIELDS, HEADER_SIZE, MAGIC,
-    ProducerState, READY_PAGE, STAMP_READY, VERSION, WRITING,
+    self, BUFFER_SLOT_SIZE, CONSUMER_SLOT_SIZE, ConsumerState, FIELDS, GPU_WORDS, HEADER_SIZE,
+    MAGIC, ProducerState, READY_PAGE, RELEASE_PAGE, STAMP_READY, VERSION, WRITING,
 };
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::token::TOKEN_LEN;
@@ -82,7 +82,8 @@ fn the_docs_overall_layout_constants_and_codes_match_the_code() {
         format!(
             "| R = round_up({HEADER_SIZE} + {BUFFER_SLOT_SIZE} B + {CONSUMER_SLOT_SIZE} C, {READY_PAGE}) | {READY_PAGE} |"
         ),
-        format!("| total | R + {READY_PAGE} |"),
+        format!("| R + {READY_PAGE} | {RELEASE_PAGE} |"),
+        format!("| total | R + {GPU_WORDS} |"),
     ];
     for row in &overall {
         assert!(DOC.contains(row.as_str()), "the doc lacks {row:?}");
@@ -92,7 +93,7 @@ fn the_docs_overall_layout_constants_and_codes_match_the_code() {
         let r = (HEADER_SIZE + BUFFER_SLOT_SIZE * b + CONSUMER_SLOT_SIZE * c)
             .next_multiple_of(READY_PAGE);
         assert_eq!(layout::ready_offset(b, c), r);
-        assert_eq!(layout::segment_len(b, c), r + READY_PAGE);
+        assert_eq!(layout::segment_len(b, c), r + GPU_WORDS);
     }
     for needle in [
         format!("`{MAGIC:#x}`"),
@@ -116,7 +117,21 @@ fn the_docs_overall_layout_constants_and_codes_match_the_code() {
             ProducerState::Open.to_wire(),
             ProducerState::Closed.to_wire()
         ),
-        format!("16 token areas of {TOKEN_LEN} bytes"),
+        format!(
+            "{} FREE, {} CLAIMING (a consumer is writing its fields), {} ACTIVE (attached), {} LEAVING (being freed)",
+            ConsumerState::Free.to_wire(),
+            ConsumerState::Claiming.to_wire(),
+            ConsumerState::Active.to_wire(),
+            ConsumerState::Leaving.to_wire()
+        ),
+        format!(
+            "R + 64 `state`: {} open, {} closed, {} producer gone",
+            layout::GateState::Open.to_wire(),
+            layout::GateState::Closed.to_wire(),
+            layout::GateState::ProducerGone.to_wire()
+        ),
+        "R + 4096 + 4 (16 k + i)".to_string(),
+        format!("end + 2^{}", layout::GATE_HORIZON.trailing_zeros()),
         format!(
             "B = `buffers` (1 to {}), C = `consumers` (1 to {})",
             layout::MAX_BUFFERS,
@@ -191,13 +206,14 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     let name = unique("layout-doc");
     let seg_name = format!("cuda-ipc.ch.{name}");
     let _u = Unlink(seg_name.clone());
-    let tokens: Vec<_> = (0..3u8)
-        .map(|i| ([i + 1; TOKEN_LEN], [0u8; TOKEN_LEN]))
-        .collect();
-    let tx = ControlProducer::create(&name, 12345, 4, &tokens).unwrap();
-    let rx = ControlConsumer::attach(&name, Delivery::LatestOnly, &[[9u8; TOKEN_LEN]; 3]).unwrap();
+    let tokens: Vec<_> = (0..3u8).map(|i| [i + 1; TOKEN_LEN]).collect();
+    let tx = ControlProducer::create_with(&name, 12345, 4, &tokens, true).unwrap();
+    let rx = ControlConsumer::attach(&name, Delivery::LatestOnly).unwrap();
     let (i, _) = tx.try_acquire().unwrap();
+    assert_eq!(i, 0, "ring order: frame 1 in buffer 0");
     tx.publish(i, b"hello").unwrap();
+    let (_, seq, _) = rx.try_take().unwrap().unwrap();
+    rx.set_released(i, seq);
     let bytes = std::fs::read(format!("/dev/shm/{seg_name}")).unwrap();
     let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
     let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
@@ -210,8 +226,10 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u64_at(h("segment_bytes")), bytes.len() as u64);
     assert_eq!(u32_at(h("producer_pid")), std::process::id());
     assert_eq!(u32_at(h("producer_state")), 0);
-    assert_eq!((u64_at(h("head")), u64_at(h("published"))), (1, 1));
+    assert_eq!((u64_at(h("head")), u32_at(h("head_index"))), (1, 0));
     assert_ne!(u64_at(h("generation")), 0);
+    assert_eq!(u32_at(h("flags")), 1, "ring order");
+    assert_eq!(u32_at(h("transport")), 0);
     // Nobody sleeps on either futex word now.
     assert_eq!(
         (u32_at(h("publish_sleepers")), u32_at(h("release_sleepers"))),
@@ -222,11 +240,12 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u64_at(b(i, "seq")), 1);
     assert_eq!(u32_at(b(i, "meta_len")), 5);
     assert_eq!(&bytes[b(i, "meta")..b(i, "meta") + 5], b"hello");
+    assert_ne!(u32_at(b(i, "publish_us")), 0);
     for k in 0..3 {
         let t = b(k, "memory_token");
         assert_eq!(bytes[t..t + TOKEN_LEN], [k as u8 + 1; TOKEN_LEN]);
     }
-    // Consumer slot `k` at 136 + 576 B + 2376 k.
+    // Consumer slot `k` at 136 + 576 B + 512 k.
     let c = |f: &str| {
         HEADER_SIZE
             + 3 * BUFFER_SLOT_SIZE
@@ -237,15 +256,26 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u32_at(c("policy")), 1);
     assert_eq!(u32_at(c("pid")), std::process::id());
     assert_eq!(u64_at(c("generation")), 1);
-    let t = c("release_tokens");
-    assert_eq!(bytes[t..t + 3 * TOKEN_LEN], [9u8; 3 * TOKEN_LEN]);
-    // The ready page: the last 4096 bytes, page aligned.
+    assert_eq!((u64_at(c("cursor")), u64_at(c("received"))), (1, 1));
+    // One hand-off counted in the latency histogram (its 32 buckets sum to 1).
+    let l = c("latency");
+    assert_eq!((0..32).map(|k| u64_at(l + 8 * k)).sum::<u64>(), 1);
+    // The GPU words: the last 8192 bytes, page aligned; the ready page, then the release page.
+    let r = layout::ready_offset(3, 4);
     assert_eq!(bytes.len() % READY_PAGE, 0);
-    assert_eq!(bytes.len() - READY_PAGE, layout::ready_offset(3, 4));
+    assert_eq!(bytes.len() - GPU_WORDS, r);
+    // Consumer k's release word for buffer i at R + 4096 + 4 (16 k + i).
+    assert_eq!(u32_at(r + 4096 + 4 * (16 * rx.slot() + i)), 1);
     tx.set_ready(1, 77);
+    tx.close_gate();
     let bytes = std::fs::read(format!("/dev/shm/{seg_name}")).unwrap();
-    let r = layout::ready_offset(3, 4) + 4;
-    assert_eq!(u32::from_le_bytes(bytes[r..r + 4].try_into().unwrap()), 77);
+    let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
+    // The gate: state 1 (closed) at R + 64, end 1 (the head) at R + 68; every ready word raised
+    // 2^30 past the head.
+    assert_eq!((u32_at(r + 64), u32_at(r + 68)), (1, 1));
+    for k in 0..3 {
+        assert_eq!(u32_at(r + 4 * k), 1 + (1 << 30));
+    }
     drop(rx);
     tx.unlink();
 }

@@ -64,8 +64,8 @@ fn kill9(pid: u32) {
     assert!(st.success());
 }
 
-fn tokens() -> Vec<([u8; TOKEN_LEN], [u8; TOKEN_LEN])> {
-    vec![([0u8; TOKEN_LEN], [0u8; TOKEN_LEN]); 2]
+fn tokens() -> Vec<[u8; TOKEN_LEN]> {
+    vec![[0u8; TOKEN_LEN]; 2]
 }
 
 fn channel_name(tag: &str) -> String {
@@ -109,8 +109,7 @@ fn run_role(role: &str) {
             p.unlink();
         }
         "consumer" => {
-            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2])
-                .unwrap();
+            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
             let me = ProcessIdentity::current().unwrap();
             tell(format!("attached {} {}", me.pid, me.pid_ns));
             for line in parent_lines() {

@@ -1,7 +1,8 @@
 //! GPU tests of stream interop: work on streams other than the channel's own (a library's, such as
-//! PyTorch's current stream) ordered with [`WriteFrame::publish_after`], [`Frame::ready_on`] and
-//! [`Frame::release_after`]. Separate processes; they need a CUDA GPU and fail without one.
+//! PyTorch's current stream) ordered with [`WriteFrame::ready_on`], [`WriteFrame::publish_after`],
+//! [`Frame::ready_on`] and [`Frame::release_after`]. Separate processes; they need a CUDA GPU and fail without one.
 //!
+//! [`WriteFrame::ready_on`]: cuda_ipc::channel::WriteFrame::ready_on
 //! [`WriteFrame::publish_after`]: cuda_ipc::channel::WriteFrame::publish_after
 //! [`Frame::ready_on`]: cuda_ipc::channel::Frame::ready_on
 //! [`Frame::release_after`]: cuda_ipc::channel::Frame::release_after
@@ -63,6 +64,11 @@ fn produce(test: &str, ordered: bool) -> (u64, u64) {
     c.expect("ready", T);
     for i in 0..FRAMES {
         let f = tx.acquire(Some(T)).unwrap();
+        if ordered {
+            // The producer's stream waits for the buffer's last readers (their release words);
+            // the writes on `mine` must too.
+            f.ready_on(&mine).unwrap();
+        }
         k.spin(300_000, &mine).unwrap();
         k.fill_pattern(f.buffer(), i as u32, &mine).unwrap();
         if ordered {

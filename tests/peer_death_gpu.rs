@@ -34,9 +34,10 @@ fn env(k: &str) -> String {
 const CONSUMER_DIES: &str =
     "a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_the_producer";
 
-/// The consumer enqueues 2 s of GPU work on a frame, drops it (its release is recorded after that
-/// work) and is killed at once. The producer then takes the buffer back and writes it: its stream
-/// must drain.
+/// The consumer enqueues 2 s of GPU work on a frame, drops it (the write of its release word is
+/// enqueued after that work) and is killed at once. The producer then takes the buffer back (its
+/// host does not wait) and writes it: its stream waits for the dead consumer's release word, which
+/// the producer's watchdog raises once it sees the death, so the stream must drain.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
 fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_the_producer() {
@@ -84,7 +85,7 @@ fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_th
             // The stream is wedged; tearing it down could hang too. Leave without destructors.
             let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{name}"));
             std::mem::forget(tx);
-            panic!("the producer's stream is wedged on the dead consumer's release event");
+            panic!("the producer's stream is wedged on the dead consumer's release word");
         }
     }
 }
@@ -135,7 +136,8 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     p.child.kill().unwrap();
     p.child.wait().unwrap();
     // Without calling into the channel again (a user blocked synchronising the stream would not):
-    // the consumer's watchdog marks the dead producer's frame ready, so the stream drains.
+    // the consumer's watchdog closes the dead producer's gate (every ready word raised), so the
+    // stream drains.
     let drained = drains_within(rx.stream(), Duration::from_secs(10));
     drop(f);
     let e = rx.recv_timeout(Duration::from_secs(5)).unwrap_err();
@@ -146,7 +148,7 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     let _ = std::fs::remove_file(format!("/dev/shm/cuda-ipc.ch.{name}"));
     if drained.is_none() {
         std::mem::forget(rx);
-        panic!("the consumer's stream is wedged on the dead producer's event");
+        panic!("the consumer's stream is wedged on the dead producer's ready word");
     }
     drop(rx);
     // Whatever the GPU did with the dead producer's half-written frame, this context still works.

@@ -32,8 +32,8 @@ fn fork_lock() -> std::sync::MutexGuard<'static, ()> {
     FORK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn tokens() -> Vec<([u8; TOKEN_LEN], [u8; TOKEN_LEN])> {
-    vec![([0u8; TOKEN_LEN], [0u8; TOKEN_LEN]); 2]
+fn tokens() -> Vec<[u8; TOKEN_LEN]> {
+    vec![[0u8; TOKEN_LEN]; 2]
 }
 
 /// The test user's (uid, gid), made with `useradd` when missing; `None` (with the reason printed)
@@ -136,7 +136,7 @@ fn run_role(role: &str) {
         }
         "intruder" => {
             // Everything another user may try on a channel that is not theirs.
-            let a = ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2])
+            let a = ControlConsumer::attach(&channel, Delivery::EveryFrame)
                 .map(|_| ())
                 .unwrap_err();
             tell(format!("attach {a:?}"));
@@ -253,7 +253,7 @@ fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_livene
         "a dead user's channel is still theirs: {e:?}"
     );
     assert!(matches!(
-        ControlConsumer::attach(&channel, Delivery::EveryFrame, &[[0u8; TOKEN_LEN]; 2]),
+        ControlConsumer::attach(&channel, Delivery::EveryFrame),
         Err(Error::Shm(ShmError::WrongOwner { .. }))
     ));
     // Clean up what the killed process left (as root, by hand: this is the test's own debris).

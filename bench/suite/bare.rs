@@ -42,6 +42,9 @@ const SEQ_OFF: usize = 0;
 const T0_OFF: usize = 8;
 /// Byte offset of the ack word (`u32`) the consumer's stream writes, on a cache line of its own.
 const GPU_ACK_OFF: usize = 128;
+/// Byte offset of the ready word (`u32`) that the producer's stream writes in the posted floor
+/// (`posted.rs`) and the consumer's stream waits for, on a cache line of its own.
+pub const GPU_READY_OFF: usize = 256;
 /// The longest single `FUTEX_WAIT`: between slices the waiter checks its peer and its deadline.
 pub const SLICE: Duration = Duration::from_millis(20);
 /// Between two looks at the clock, a spinning waiter reads the word this many times.
@@ -335,7 +338,7 @@ impl Registration {
     }
 
     /// The device address of the word at byte `off` of the page.
-    fn word(&self, off: usize) -> u64 {
+    pub fn word(&self, off: usize) -> u64 {
         self.dev + off as u64
     }
 }

@@ -45,7 +45,7 @@ pub const STEP: Duration = Duration::from_secs(10);
 
 /// Waits until `gap_us` µs after `since`: sleeping for gaps of 200 µs and more (the consumer is
 /// idle either way), spinning below (a sleep would overshoot).
-fn pace(since: Instant, gap_us: u64) {
+pub fn pace(since: Instant, gap_us: u64) {
     let end = since + Duration::from_micros(gap_us);
     if gap_us >= 200 {
         std::thread::sleep(end.saturating_duration_since(Instant::now()));
@@ -77,6 +77,10 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
     );
     let total = warmup + frames;
     let ctx = Context::default_device()?;
+    // Every implementation runs with its context current on the calling thread, as a CUDA
+    // application's thread has it and as the bare floor's raw calls need (the crate's calls then
+    // skip the push and pop of `Context::enter`).
+    ctx.bind()?;
     let kernels = Kernels::load(&ctx)?;
     let shared = Shared::create("handoff")?;
     let mut args = vec![
@@ -222,7 +226,7 @@ fn meta(index: u64, stamp_ns: u64) -> [u8; FrameMeta::LEN] {
 }
 
 /// Waits until the consumer acknowledged `n` frames (it is back in its wait for frame `n`).
-fn wait_ack(shared: &Shared, n: u64, peer: &mut Peer) -> Res<()> {
+pub fn wait_ack(shared: &Shared, n: u64, peer: &mut Peer) -> Res<()> {
     let what = format!("the consumer's ack of frame {n}");
     // SYNC POINT: handoff ack. Acquire: pairs with the consumer's Release store of the ack.
     spin_until(
@@ -276,6 +280,8 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
     let cost: bool = kv.get_or("cost", false)?;
     let shared = Shared::open(&kv.str("shared")?)?;
     let ctx = Context::default_device()?;
+    // As in `run_case`: the context current on this thread for every implementation.
+    ctx.bind()?;
     let kernels = Kernels::load(&ctx)?;
     let stamps = DeviceBuffer::new(&ctx, 8 * total as usize)?;
     let gpu_clock = GpuClock::new(&ctx, &kernels)?;

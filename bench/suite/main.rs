@@ -31,6 +31,7 @@ mod kv;
 mod limits;
 mod peer;
 mod plan;
+mod posted;
 mod records;
 mod throughput;
 
@@ -143,6 +144,8 @@ fn run_role(role: &str, args: &[String]) -> Res<()> {
         "env" => env_info()?,
         "handoff" => handoff::run_case(&kv)?,
         "handoff-consumer" => handoff::consumer(&kv)?,
+        "posted" => posted::run_case(&kv)?,
+        "posted-consumer" => posted::consumer(&kv)?,
         "throughput" => throughput::run_case(&kv)?,
         "throughput-consumer" => throughput::consumer(&kv)?,
         "import" => import::run_case(&kv)?,

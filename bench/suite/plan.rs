@@ -4,11 +4,12 @@ use crate::FRAME_BYTES;
 use crate::kv::WAITS;
 
 /// The groups `--only` accepts.
-pub const GROUPS: [&str; 7] = [
+pub const GROUPS: [&str; 8] = [
     "env",
     "registry",
     "limits",
     "handoff",
+    "posted",
     "zerocopy",
     "throughput",
     "import",
@@ -16,6 +17,9 @@ pub const GROUPS: [&str; 7] = [
 
 /// The hand-off implementations, each run with every wait strategy and the same pacing.
 pub const HANDOFF_IMPLS: [&str; 3] = ["floor", "bare_floor", "channel"];
+
+/// Receives posted ahead: the channel and its raw floor.
+pub const POSTED_IMPLS: [&str; 2] = ["bare_posted", "posted"];
 
 /// The frame sizes of the zero-copy case and of the device-to-device copies: label and bytes.
 pub const SIZES: [(&str, usize); 3] = [
@@ -198,6 +202,29 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
         let (id, kind, t) = handoff(imp, WAITS[0], "spinning", s.spinning_gap_us, false);
         push(id, "handoff", kind, t);
     }
+    // Receives posted ahead, the consumer's host asleep: the channel beside its raw floor, same
+    // frames, warm-up, gap and frame size.
+    for imp in POSTED_IMPLS {
+        let frames = s.handoff_frames;
+        let est_s = (frames + s.handoff_warmup) * (s.idle_gap_us + 2000) / 1_000_000;
+        push(
+            format!("posted/{imp}/idle"),
+            "posted",
+            Kind::Child {
+                role: "posted".into(),
+                args: kv(&[
+                    ("impl", imp.into()),
+                    ("wait", WAITS[0].into()),
+                    ("scenario", "idle".into()),
+                    ("frames", frames.to_string()),
+                    ("warmup", s.handoff_warmup.to_string()),
+                    ("gap_us", s.idle_gap_us.to_string()),
+                    ("bytes", FRAME_BYTES.to_string()),
+                ]),
+            },
+            90 + 2 * est_s,
+        );
+    }
     // Zero copy: the consumer's per-frame cost and hand-off latency across frame sizes.
     for (label, bytes) in SIZES {
         push(
@@ -227,9 +254,13 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
         tput.extend([(1, WAITS[1]), (1, WAITS[2])]);
     }
     tput.push((4, WAITS[0]));
-    for (consumers, wait) in tput {
+    let mut tput: Vec<(usize, &str, bool)> = tput.into_iter().map(|(c, w)| (c, w, false)).collect();
+    // Receives posted ahead through a ring: the producer runs ahead, fewer context switches.
+    tput.push((1, WAITS[0], true));
+    for (consumers, wait, posted) in tput {
+        let tag = if posted { "-posted" } else { "" };
         push(
-            format!("throughput/c{consumers}/{wait}"),
+            format!("throughput/c{consumers}{tag}/{wait}"),
             "throughput",
             Kind::Child {
                 role: "throughput".into(),
@@ -239,6 +270,7 @@ pub fn plan(quick: bool, only: &[String]) -> Vec<Case> {
                     ("frames", s.tput_frames.to_string()),
                     ("warmup", s.tput_warmup.to_string()),
                     ("bytes", FRAME_BYTES.to_string()),
+                    ("posted", posted.to_string()),
                 ]),
             },
             120,

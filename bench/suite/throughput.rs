@@ -7,6 +7,11 @@
 //! is after its stream finished the check of the last frame. GB/s counts the bytes handed over
 //! (written once, read once by each consumer, never copied). The hand-off latency of these frames
 //! is the saturated case: it includes the time a frame waits in the ring for a busy consumer.
+//!
+//! `posted=true`: a ring channel of 8 buffers whose consumers post their receives 7 frames ahead
+//! (`Consumer::post`: the check is enqueued before the frame exists), so the producer runs ahead
+//! through the ring and the GPU can run several frames of one process before switching to the
+//! other.
 
 use crate::common::{FrameMeta, now_ns};
 use crate::handoff::STEP;
@@ -20,6 +25,9 @@ use cuda_ipc::raw::kernels::Kernels;
 use serde_json::{Value, json};
 use std::time::Duration;
 
+/// Buffers of the ring in the posted mode (its consumers post one less ahead).
+const POSTED_RING: usize = 8;
+
 /// The producer side: spawns the consumers, streams the frames, returns the records.
 pub fn run_case(kv: &Kv) -> Res<Value> {
     let consumers: usize = kv.get("consumers")?;
@@ -28,15 +36,17 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
     let wait_name = kv.str("wait")?;
     let wait = parse_wait(&wait_name)?;
     let bytes: usize = kv.get("bytes")?;
+    let posted: bool = kv.get_or("posted", false)?;
     let params = format!(
-        "consumers={consumers} wait={wait_name} frames={frames} warmup={warmup} bytes={bytes}"
+        "consumers={consumers} wait={wait_name} frames={frames} warmup={warmup} bytes={bytes} posted={posted}"
     );
     let total = warmup + frames;
     let ctx = Context::default_device()?;
     let kernels = Kernels::load(&ctx)?;
     let name = format!("bench-tput-{}", std::process::id());
     let opts = ChannelOptions::new(bytes)
-        .buffers(4)
+        .buffers(if posted { POSTED_RING } else { 4 })
+        .ring(posted)
         .max_consumers(consumers.max(8))
         .wait(wait);
     let mut tx = Producer::create(&ctx, &name, &opts)?;
@@ -47,6 +57,7 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             ("wait".into(), wait_name.clone()),
             ("total".into(), total.to_string()),
             ("warmup".into(), warmup.to_string()),
+            ("posted".into(), posted.to_string()),
         ];
         peers.push(Peer::spawn(
             &format!("consumer {c}"),
@@ -118,10 +129,11 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             lat.extend(a.iter().filter_map(Value::as_f64));
         }
     }
+    let tag = if posted { "-posted" } else { "" };
     let key = Key::new(
         "throughput",
         "channel",
-        &format!("c{consumers}.{wait_name}"),
+        &format!("c{consumers}{tag}.{wait_name}"),
         params.clone(),
     );
     let n = frames as usize;
@@ -145,9 +157,9 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
         ),
     ];
     let sat = if consumers == 1 {
-        format!("{wait_name}.saturated")
+        format!("{wait_name}.saturated{tag}")
     } else {
-        format!("{wait_name}.saturated-c{consumers}")
+        format!("{wait_name}.saturated-c{consumers}{tag}")
     };
     records.extend(Key::new("handoff", "channel", &sat, params).dist_us("ready", &lat));
     let ok = mismatches == 0.0 && out_of_order == 0.0;
@@ -181,9 +193,49 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
     let kernels = Kernels::load(&ctx)?;
     let counter = DeviceBuffer::new(&ctx, 8)?;
     counter.copy_from_host(0, &[0; 8])?;
-    println!("READY");
     let mut lat = Vec::with_capacity(total as usize);
     let mut out_of_order = 0u64;
+    if kv.get_or("posted", false)? {
+        // Frame s (index s - 1) is checked against the seed the producer filled it with.
+        let post = || {
+            rx.post(|p| {
+                kernels.check_pattern(p.buffer(), (p.seq() - 1) as u32, &counter, p.stream())
+            })
+        };
+        let ahead = (POSTED_RING as u64 - 1).min(total);
+        let mut posted = std::collections::VecDeque::new();
+        for _ in 0..ahead {
+            posted.push_back(post()?);
+        }
+        println!("READY");
+        for k in 0..total {
+            let p = posted.pop_front().ok_or("no posted receive")?;
+            let f = p.wait(Some(STEP))?;
+            let t_ready = now_ns();
+            let m = FrameMeta::decode(f.metadata()).ok_or("short metadata")?;
+            if m.index != k {
+                out_of_order += 1;
+            }
+            if k >= warmup {
+                lat.push(t_ready.saturating_sub(m.stamp_ns));
+            }
+            if k + ahead < total {
+                posted.push_back(post()?);
+            }
+        }
+        rx.stream().synchronize()?;
+        let t_done = now_ns();
+        let mut b = [0u8; 8];
+        counter.copy_to_host(0, &mut b)?;
+        return Ok(json!({
+            "received": total,
+            "mismatches": u64::from_le_bytes(b),
+            "out_of_order": out_of_order,
+            "t_done_ns": t_done,
+            "lat_ns": lat,
+        }));
+    }
+    println!("READY");
     for k in 0..total {
         let frame = rx.recv_timeout(STEP)?;
         let t_ready = now_ns();

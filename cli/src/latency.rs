@@ -2,13 +2,16 @@
 //! it: 32 log2 buckets of microseconds and their sum.
 //!
 //! Bucket `i` counts hand-offs that took less than 2^i µs (and at least 2^(i-1) µs, for `i > 0`);
-//! the last bucket also counts everything slower. The channel records these in its shared memory
-//! per consumer slot from layout version 5 on; [`of_consumer`] is the one place that reads them.
+//! the last bucket also counts everything slower: the channel's own buckets
+//! (`cuda_ipc::channel::LatencyHistogram`, recorded in its shared memory per consumer slot since
+//! layout version 5). [`of_consumer`] is the one place that reads them.
 
+#[cfg(test)]
+use cuda_ipc::channel::LatencyHistogram;
 use cuda_ipc::channel::inspect::ConsumerSnapshot;
 
 /// Number of buckets.
-pub const BUCKETS: usize = 32;
+pub const BUCKETS: usize = cuda_ipc::channel::LATENCY_BUCKETS;
 
 /// A latency histogram: counts per log2-µs bucket, and the sum of every latency counted, in µs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -61,14 +64,13 @@ impl LatencyBuckets {
     }
 }
 
-/// LATENCY SOURCE: the histogram of consumer `c`, from its snapshot.
-///
-/// The channel layout this tool is built against (version 4) does not record hand-off latency,
-/// so this gives zeros until the consumer snapshot carries the histogram; then this function is
-/// the one line to change (copy its buckets and sum).
+/// LATENCY SOURCE: the histogram of consumer `c`, from its snapshot (the channel layout's
+/// per-consumer histogram, recorded by the consumer at each take; the same buckets as here).
 pub fn of_consumer(c: &ConsumerSnapshot) -> LatencyBuckets {
-    let _ = c;
-    LatencyBuckets::default()
+    LatencyBuckets {
+        counts: c.latency.buckets,
+        sum_us: c.latency.sum_us,
+    }
 }
 
 #[cfg(test)]
@@ -91,5 +93,18 @@ mod tests {
         let mut b = a;
         b.merge(&a);
         assert_eq!((b.count(), b.sum_us), (200, 2 * a.sum_us));
+    }
+
+    #[test]
+    fn the_buckets_are_the_channels_own() {
+        for k in 0..BUCKETS - 1 {
+            assert_eq!(
+                LatencyBuckets::upper_us(k),
+                LatencyHistogram::upper_bound_us(k) as f64,
+                "bucket {k}"
+            );
+        }
+        assert!(LatencyBuckets::upper_us(BUCKETS - 1).is_infinite());
+        assert_eq!(LatencyHistogram::upper_bound_us(BUCKETS - 1), u64::MAX);
     }
 }

@@ -715,9 +715,15 @@ mod tests {
         assert_eq!(c.consumers[0].lag, VecDeque::from(vec![1, 2, 3]));
         assert!(c.summary.contains("alive"), "{}", c.summary);
         assert_eq!(a.nvml_missing.as_deref(), Some("NVML not asked"));
+        // One hand-off recorded per frame taken (publish → take), from the channel's own histogram.
+        assert_eq!(a.latency.count(), 3);
         let screen = screen(&a, 120, 30);
         assert!(screen.contains(&format!("{name}: ")), "{screen}");
         assert!(screen.contains("lag 3 frames"), "{screen}");
+        assert!(
+            screen.contains("Hand-off latency: 3 frames, p50 <"),
+            "{screen}"
+        );
         drop(rx);
         tx.close(Duration::from_secs(1)).unwrap();
         let mut h = VecDeque::new();

@@ -171,7 +171,7 @@ fn child() {
         }
         // Creates a channel, publishes one frame, and exits without closing it.
         "channel-orphan" => {
-            let tx = ControlProducer::create(&name, 1 << 20, 4, &[(token(1), token(2))]).unwrap();
+            let tx = ControlProducer::create(&name, 1 << 20, 4, &[token(1)]).unwrap();
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"last words").unwrap();
             println!("@@ ready");
@@ -180,8 +180,7 @@ fn child() {
         // Attaches to a channel, takes the next frame (holding its buffer), and exits without
         // releasing or detaching.
         "channel-consumer-orphan" => {
-            let rx = ControlConsumer::attach(&name, Delivery::EveryFrame, &[token(9), token(10)])
-                .unwrap();
+            let rx = ControlConsumer::attach(&name, Delivery::EveryFrame).unwrap();
             println!("@@ ready");
             // Nothing more on stdout: the parent stopped reading it.
             rx.take(Some(Duration::from_secs(10))).unwrap().unwrap();
@@ -189,7 +188,7 @@ fn child() {
         }
         // Creates a channel, publishes one frame, and stays until killed.
         "channel-live" => {
-            let tx = ControlProducer::create(&name, 1 << 20, 4, &[(token(1), token(2))]).unwrap();
+            let tx = ControlProducer::create(&name, 1 << 20, 4, &[token(1)]).unwrap();
             let (i, _) = tx.try_acquire().unwrap();
             tx.publish(i, b"alive").unwrap();
             // And an fd on offer, as a VMM producer has: its server socket is left by a kill.
@@ -280,19 +279,8 @@ fn ls_shows_a_registry_with_records_sequence_numbers_owners_and_sizes() {
 fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
     let name = unique("ls-chan");
     let _u = Unlink(format!("cuda-ipc.ch.{name}"));
-    let tx = ControlProducer::create(
-        &name,
-        1 << 20,
-        4,
-        &[
-            (token(1), token(2)),
-            (token(3), token(4)),
-            (token(5), token(6)),
-        ],
-    )
-    .unwrap();
-    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame, &[token(7), token(8), token(9)])
-        .unwrap();
+    let tx = ControlProducer::create(&name, 1 << 20, 4, &[token(1), token(3), token(5)]).unwrap();
+    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame).unwrap();
     for k in 0..2u8 {
         let (i, _) = tx.try_acquire().unwrap();
         tx.publish(i, &[k; 12]).unwrap();
@@ -498,7 +486,7 @@ fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
     let live = unique("gc-chan-live");
     let _u2 = Unlink(format!("cuda-ipc.ch.{live}"));
     ChildRole::start("channel-orphan", &dead).wait();
-    let tx = ControlProducer::create(&live, 4096, 2, &[(token(1), token(2))]).unwrap();
+    let tx = ControlProducer::create(&live, 4096, 2, &[token(1)]).unwrap();
 
     let o = cuda_ipc(&["ls", &dead]);
     let t = text(&o);
@@ -548,14 +536,8 @@ fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
 fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
     let name = unique("gc-consumer");
     let _u = Unlink(format!("cuda-ipc.ch.{name}"));
-    let tx = ControlProducer::create(
-        &name,
-        4096,
-        4,
-        &[(token(1), token(2)), (token(3), token(4))],
-    )
-    .unwrap();
-    let live = ControlConsumer::attach(&name, Delivery::LatestOnly, &[token(5), token(6)]).unwrap();
+    let tx = ControlProducer::create(&name, 4096, 4, &[token(1), token(3)]).unwrap();
+    let live = ControlConsumer::attach(&name, Delivery::LatestOnly).unwrap();
     let child = ChildRole::start("channel-consumer-orphan", &name);
     let (i, _) = tx.try_acquire().unwrap();
     tx.publish(i, b"").unwrap();
@@ -644,13 +626,7 @@ fn a_corrupt_channel_segment_is_reported_and_never_removed() {
 fn watch_refreshes_count_times_with_frame_rates() {
     let name = unique("watch");
     let _u = Unlink(format!("cuda-ipc.ch.{name}"));
-    let tx = ControlProducer::create(
-        &name,
-        4096,
-        2,
-        &[(token(1), token(2)), (token(3), token(4))],
-    )
-    .unwrap();
+    let tx = ControlProducer::create(&name, 4096, 2, &[token(1), token(3)]).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let out = std::thread::scope(|s| {
         s.spawn(|| {

@@ -243,6 +243,8 @@ fn metrics_serves_openmetrics_with_the_channels_counters_and_the_quota_over_loop
             "cuda_ipc_consumer_handoff_latency_seconds_count{cons}"
         ))
     );
+    // The consumer recorded one hand-off per frame it took.
+    assert_eq!(at(&inf), 3.0, "{body}");
     // Quota: the budget and what this process holds.
     let q = format!(
         "{{device=\"{dev}\",scope=\"uid {}\"}}",

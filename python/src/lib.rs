@@ -420,7 +420,7 @@ impl Producer {
             this.give_back(p);
         }
         match got? {
-            Some(f) => Ok(WriteFrame::new(slf.clone().unbind(), f)),
+            Some(f) => WriteFrame::new(py, slf.clone().unbind(), f),
             None => Err(timeout_error(py, "a free buffer", timeout)),
         }
     }
@@ -431,7 +431,7 @@ impl Producer {
         let this = slf.get();
         let p = this.take(py)?;
         match OwnedWriteFrame::acquire(p, Some(Duration::ZERO)) {
-            Ok(f) => Ok(Some(WriteFrame::new(slf.clone().unbind(), f))),
+            Ok(f) => WriteFrame::new(py, slf.clone().unbind(), f).map(Some),
             Err((p, cuda_ipc::Error::Timeout { .. })) => {
                 this.give_back(p);
                 Ok(None)
@@ -543,7 +543,7 @@ struct WriteFrame {
 }
 
 impl WriteFrame {
-    fn new(producer: Py<Producer>, f: OwnedWriteFrame) -> WriteFrame {
+    fn new(py: Python<'_>, producer: Py<Producer>, f: OwnedWriteFrame) -> PyResult<WriteFrame> {
         let w = f.frame();
         let index = w.index();
         // The GPU accessors (`buffer`, `stream`) panic on a host channel: only asked of GPU frames.
@@ -557,18 +557,22 @@ impl WriteFrame {
             };
             (w.buffer().len(), Some(view))
         };
-        let after = match (&gpu, producer.get().stream) {
-            (Some(g), Some(s)) if s != g.stream => vec![s],
-            _ => Vec::new(),
-        };
-        WriteFrame {
+        let other = producer.get().stream;
+        let w = WriteFrame {
             inner: Mutex::new(Some(f)),
-            after: Mutex::new(after),
+            after: Mutex::new(Vec::new()),
             producer,
             index,
             nbytes,
             gpu,
+        };
+        if let Some(s) = other {
+            // The producer's `stream=`: writes go there, so it waits first for the buffer's last
+            // readers, and the publish after it. (On an error the frame drops: the buffer goes
+            // back.)
+            w.order_after(py, s)?;
         }
+        Ok(w)
     }
 
     fn finish(&self, py: Python<'_>) -> Option<OwnedWriteFrame> {
@@ -589,12 +593,19 @@ impl WriteFrame {
         )
     }
 
-    /// Notes that the publish must come after work on raw stream `s`.
-    fn order_after(&self, s: usize) {
+    /// Notes that the publish must come after work on raw stream `s`, and makes `s` wait for the
+    /// buffer's last readers the first time (`WriteFrame::ready_on`): writes on `s` follow.
+    fn order_after(&self, py: Python<'_>, s: usize) -> PyResult<()> {
         let mut after = lock(&self.after);
         if self.gpu.is_some_and(|g| g.stream != s) && !after.contains(&s) {
+            let g = lock(&self.inner);
+            let f = g.as_ref().ok_or_else(|| Self::done(py))?;
+            // SAFETY: `s` is a stream the user (or a DLPack consumer) named for this producer's
+            // device, valid while it writes the frame (python/README.md).
+            unsafe { f.frame().ready_on_raw(s as _) }.map_err(|e| err(py, e))?;
             after.push(s);
         }
+        Ok(())
     }
 }
 
@@ -685,7 +696,7 @@ impl WriteFrame {
             return Err(Self::done(py));
         }
         if let Some(s) = stream_arg(py, Some(stream))? {
-            self.order_after(s);
+            self.order_after(py, s)?;
         }
         Ok(())
     }
@@ -757,7 +768,7 @@ impl WriteFrame {
         };
         let capsule = ex.export(py, stream, max_version, dl_device, copy)?;
         if let Some(s) = *lock(&ex.target) {
-            self.order_after(s);
+            self.order_after(py, s)?;
         }
         Ok(capsule)
     }

@@ -1,30 +1,36 @@
 //! The consuming end: [`Consumer`] (its imports of the pool, the watchdog that drains its stream
-//! when the producer dies) and the [`Frame`] it receives and releases.
+//! when the producer dies), the [`Frame`] it receives and releases, and the receives it
+//! [`posts`](Consumer::post) ahead ([`Posted`]).
 
 #[cfg(doc)]
 use super::MemoryKind;
 use super::control::Control;
 use super::handoff::Metadata;
 use super::host::HostPool;
-use super::layout;
+use super::layout::{self, Delivery};
 use super::options::{HOST_NO_GPU, LIVENESS_CHECK, no_host_bytes};
+use super::watchdog::Watchdog;
 use super::{ChannelError, ChannelStats, ConsumerOptions, WaitStrategy};
 use crate::driver::{Context, Device, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
-use crate::ipc::{ImportedBuffer, IpcEvent};
-use crate::token::{TOKEN_LEN, Token, TokenKind};
-use std::sync::Arc;
+use crate::ipc::ImportedBuffer;
+use crate::token::{Token, TokenKind};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Most frames a receive may be posted ahead of the last frame this consumer received.
+pub const MAX_POSTED_AHEAD: u64 = 1 << 20;
 
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
     // Drop order: the stream is drained and the slot freed (in Drop) first; then the watchdog stops,
-    // the ready page is unregistered and the segment unmapped (the watchdog holds it too); the host
-    // pool is unmapped; events and imports go before the stream and context.
+    // the GPU words are unregistered and the segment unmapped (the watchdog holds it too); the host
+    // pool is unmapped; imports go before the stream and context. (With receives posted ahead for
+    // frames not yet published, Drop hands the GPU side to a thread that waits for them instead.)
     /// `None` for a host channel (nothing to mark ready).
     _watchdog: Option<Watchdog>,
-    /// `None` for a host channel.
+    /// The GPU words' registration; `None` for a host channel.
     ready: Option<HostRegistration>,
     control: Arc<Control>,
     /// The pool of a host channel.
@@ -33,12 +39,14 @@ pub struct Consumer {
     /// The GPU side; `None` for a host channel.
     gpu: Option<GpuImports>,
     wait: WaitStrategy,
+    /// The sequence number of the last receive posted (0: none); locked while posting, so posts
+    /// from several threads enqueue in sequence order.
+    posted: Mutex<u64>,
 }
 
 /// A consumer's GPU side.
 struct GpuImports {
-    // Drop order: events and imports before the stream and context.
-    release_events: Vec<IpcEvent>,
+    // Drop order: imports before the stream and context.
     /// Orders the consumer's stream with other streams ([`Frame::ready_on`],
     /// [`Frame::release_after`]); locked from record to wait, so frames released from two threads
     /// never cross their records.
@@ -69,7 +77,7 @@ impl Consumer {
     /// not match the channel, [`ChannelError::Superseded`] for a pool made again since.
     pub fn attach(name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
         let control = Control::open_with(name, opts.group_access)?;
-        let (mem, _) = control.buffer_tokens(0);
+        let mem = control.buffer_token(0);
         let token = Token::from_bytes(&mem)?;
         if token.kind == TokenKind::HostMemory {
             return Self::attach_host(control, name, opts);
@@ -85,7 +93,7 @@ impl Consumer {
     /// As [`Consumer::attach`].
     pub fn attach_in(ctx: &Arc<Context>, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
         let control = Control::open_with(name, opts.group_access)?;
-        let (mem, _) = control.buffer_tokens(0);
+        let mem = control.buffer_token(0);
         if Token::from_bytes(&mem)?.kind == TokenKind::HostMemory {
             return Self::attach_host(control, name, opts);
         }
@@ -95,12 +103,11 @@ impl Consumer {
     fn attach_host(control: Control, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
         control.producer_gone()?;
         let tokens = (0..control.buffers())
-            .map(|i| Token::from_bytes(&control.buffer_tokens(i).0))
+            .map(|i| Token::from_bytes(&control.buffer_token(i)))
             .collect::<Result<Vec<_>>>()?;
         let pool = HostPool::open(name, opts.group_access, &tokens, control.buffer_bytes())?;
-        // No release events: the producer waits on nothing but the hold masks.
-        let release_tokens = vec![[0u8; TOKEN_LEN]; control.buffers()];
-        let slot = control.attach(opts.delivery, &release_tokens)?;
+        // No release words: the producer waits on nothing but the hold masks.
+        let slot = control.attach(opts.delivery)?;
         Ok(Consumer {
             _watchdog: None,
             ready: None,
@@ -109,6 +116,7 @@ impl Consumer {
             slot,
             gpu: None,
             wait: opts.wait,
+            posted: Mutex::new(0),
         })
     }
 
@@ -120,10 +128,8 @@ impl Consumer {
         control.producer_gone()?;
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
-        let mut release_events = Vec::new();
-        let mut release_tokens: Vec<[u8; TOKEN_LEN]> = Vec::new();
         for i in 0..control.buffers() {
-            let (mem, _) = control.buffer_tokens(i);
+            let mem = control.buffer_token(i);
             let b = ImportedBuffer::open_in(ctx, &Token::from_bytes(&mem)?)?;
             if b.len() as u64 != control.buffer_bytes() {
                 return Err(ChannelError::BadSegment(format!(
@@ -134,30 +140,39 @@ impl Consumer {
                 .into());
             }
             buffers.push(b);
-            let r = IpcEvent::new(ctx)?;
-            release_tokens.push(r.export()?.to_bytes());
-            release_events.push(r);
         }
-        let (page, len) = control.ready_page();
-        // SAFETY: the ready page lies in the control segment's mapping, which `control` keeps until
+        let (page, len) = control.gpu_words();
+        // SAFETY: the GPU words lie in the control segment's mapping, which `control` keeps until
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
-        let slot = control.attach(opts.delivery, &release_tokens)?;
+        let join = std::sync::Mutex::new(Event::new(ctx)?);
+        let slot = control.attach(opts.delivery)?;
         let control = Arc::new(control);
+        let watched = control.clone();
         Ok(Consumer {
-            _watchdog: Some(Watchdog::start(control.clone())),
+            _watchdog: Some(Watchdog::start(
+                "cuda-ipc-watchdog",
+                "a dead producer is noticed at recv",
+                move || {
+                    if watched.producer_gone().is_err() {
+                        watched.force_ready();
+                        return false;
+                    }
+                    true
+                },
+            )),
             ready: Some(ready),
             control,
             host: None,
             slot,
             gpu: Some(GpuImports {
-                release_events,
-                join: std::sync::Mutex::new(Event::new(ctx)?),
+                join,
                 buffers,
                 stream,
                 ctx: ctx.clone(),
             }),
             wait: opts.wait,
+            posted: Mutex::new(0),
         })
     }
 
@@ -256,20 +271,24 @@ impl Consumer {
         let (Some(ready), Some(gpu)) = (&self.ready, &self.gpu) else {
             // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
             // the producer's writes before this frame's reads.
+            self.control.took();
             return Ok(frame);
         };
         // If this fails the frame's Drop still releases the hold. The stream waits on the
-        // buffer's ready word rather than the producer's IPC event: if the producer dies before its
-        // write finished, the driver never completes its event, but a consumer can still mark the
-        // word ready itself (`Control::force_ready`) and so drain its stream.
-        // SAFETY: the word lies in the registered ready page (i < buffers), which stays registered
+        // buffer's ready word, which the producer's stream writes after its work; if the producer
+        // dies first, the consumer (or its watchdog) closes the gate, raising the word, so the
+        // stream drains (`Control::force_ready`).
+        // SAFETY: the word lies in the registered GPU words (i < buffers), which stay registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
-        unsafe {
+        let waited = unsafe {
             gpu.stream.wait_value_u32(
                 ready.device_ptr + layout::ready_word_offset(i) as u64,
                 seq as u32,
-            )?;
-        }
+            )
+        };
+        // The cursor moved: announced after the stream's wait, off the hand-off's path.
+        self.control.took();
+        waited?;
         Ok(frame)
     }
 
@@ -277,20 +296,102 @@ impl Consumer {
     pub fn stats(&self) -> ChannelStats {
         self.control.stats()
     }
-}
 
-impl Drop for Consumer {
-    fn drop(&mut self) {
-        let Some(gpu) = &self.gpu else {
-            // A host channel: no GPU work can still read the pool; frames borrowed this consumer,
-            // so all were dropped (their holds ended) before this.
-            self.control.detach(self.slot);
-            return;
+    /// The device address, in this consumer's context, of the channel's gate words: two `u32`,
+    /// the gate's state ([`layout::GateState`] code: 0 open, 1 closed, 2 producer gone) and its
+    /// end (the low 32 bits of the sequence number of the last frame published when the gate
+    /// closed). Work posted ahead ([`Consumer::post`]) for frame `s` reads them after its stream
+    /// waited: the frame came when the state is 0 or `(int32_t)(s - end) <= 0`; otherwise the
+    /// stream was let go because the channel closed or its producer died, and the buffer holds
+    /// nothing of frame `s`. Read them with volatile loads (host memory the driver maps).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel.
+    pub fn gate_device_ptr(&self) -> Result<u64> {
+        let ready = self.ready.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("a host channel has no gate words on a GPU".into())
+        })?;
+        Ok(ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
+    }
+
+    /// Posts the receive of the next frame ahead of its publication: the consumer's stream waits
+    /// on the GPU for that frame's ready word (`cuStreamWaitValue32`), `work` enqueues what reads
+    /// it (on [`Posted::stream`], the consumer's stream, where the buffer [`Posted::buffer`] will
+    /// hold the frame), and the write of its release word follows on the stream
+    /// (`cuStreamWriteValue32`). The calling thread does not wait: the kernels start on the GPU as
+    /// the producer's write of the frame ends, while this thread sleeps or posts the next frames.
+    /// Then [`Posted::wait`] takes the frame on the host (its metadata, and the errors of
+    /// [`Consumer::recv`]), in order.
+    ///
+    /// Needs a GPU channel created in ring order ([`super::ChannelOptions::ring`]) and
+    /// every-frame delivery: there, frame `s` lands in buffer `(s - 1) % B`, known in advance. A
+    /// receive may be posted at most [`MAX_POSTED_AHEAD`] frames past the last frame received.
+    /// Work posted for a frame that never comes (the channel closed, its producer died) is let go
+    /// and can tell from the gate words ([`Consumer::gate_device_ptr`]). Frames posted are also
+    /// what the next [`Consumer::recv`] returns if it comes first (its stream wait passes at once).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel, a channel not in ring order, a latest-only
+    /// consumer, or past [`MAX_POSTED_AHEAD`]; what `work` returns (the release write is enqueued
+    /// anyway, so the producer is never held up by it); [`Error::Cuda`] naming
+    /// `cuStreamWaitValue32_v2` or `cuStreamWriteValue32_v2`.
+    pub fn post<F>(&self, work: F) -> Result<Posted<'_>>
+    where
+        F: FnOnce(&Posted<'_>) -> Result<()>,
+    {
+        let (Some(gpu), Some(ready)) = (&self.gpu, &self.ready) else {
+            return Err(Error::InvalidArgument(
+                "a host channel has no stream to post receives on".into(),
+            ));
         };
-        // Detaching clears this consumer's bits in the buffers' used masks, after which the producer
-        // no longer waits on its release events: let the work that reads the buffers finish first.
-        // Poll rather than block: if the producer dies meanwhile, its frames must be marked ready
-        // for the stream to drain (the watchdog does it too; this does not rely on it).
+        if !self.control.is_ring() {
+            return Err(Error::InvalidArgument(
+                "posted receives need a channel created in ring order (ChannelOptions::ring)"
+                    .into(),
+            ));
+        }
+        if self.control.policy(self.slot) != Delivery::EveryFrame.to_wire() {
+            return Err(Error::InvalidArgument(
+                "posted receives need every-frame delivery".into(),
+            ));
+        }
+        let mut last = self.posted.lock().unwrap_or_else(|p| p.into_inner());
+        let cursor = self.control.cursor(self.slot);
+        let seq = (*last).max(cursor) + 1;
+        if seq - cursor > MAX_POSTED_AHEAD {
+            return Err(Error::InvalidArgument(format!(
+                "a receive may be posted at most {MAX_POSTED_AHEAD} frames ahead of the last one received"
+            )));
+        }
+        let index = ((seq - 1) % self.control.buffers() as u64) as usize;
+        // SAFETY: the word lies in the registered GPU words (index < buffers), which stay
+        // registered and mapped until this consumer's stream has drained (Drop of Consumer).
+        unsafe {
+            gpu.stream.wait_value_u32(
+                ready.device_ptr + layout::ready_word_offset(index) as u64,
+                seq as u32,
+            )?;
+        }
+        *last = seq;
+        let posted = Posted {
+            consumer: self,
+            index,
+            seq,
+        };
+        let r = work(&posted);
+        // SAFETY: as above; the release word of this consumer's own slot.
+        unsafe {
+            gpu.stream.write_value_u32(
+                ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
+                seq as u32,
+            )?;
+        }
+        r.map(|()| posted)
+    }
+
+    /// Waits for this consumer's stream to drain, closing a dead producer's gate meanwhile (the
+    /// watchdog does it too; this does not rely on it).
+    fn drain_stream(gpu: &GpuImports, control: &Control) {
         let mut next_check = Instant::now();
         loop {
             match gpu.stream.is_idle() {
@@ -302,64 +403,69 @@ impl Drop for Consumer {
                 }
             }
             if Instant::now() >= next_check {
-                if self.control.producer_gone().is_err() {
-                    self.control.force_ready();
+                if control.producer_gone().is_err() {
+                    control.force_ready();
                 }
                 next_check = Instant::now() + LIVENESS_CHECK;
             }
             std::thread::sleep(Duration::from_micros(100));
         }
-        self.control.detach(self.slot);
     }
 }
 
-/// A thread that marks a dead producer's frames ready (`Control::force_ready`) within about 20 ms
-/// of its death, so a consumer stream waiting for a write that will never finish drains even when
-/// the consumer's own thread is blocked in it (say, synchronising that stream) and never calls
-/// `recv` again.
-struct Watchdog {
-    stop: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Watchdog {
-    fn start(control: Arc<Control>) -> Watchdog {
-        let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
-        let s = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("cuda-ipc-watchdog".into())
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        let Some(gpu) = self.gpu.take() else {
+            // A host channel: no GPU work can still read the pool; frames borrowed this consumer,
+            // so all were dropped (their holds ended) before this.
+            self.control.detach(self.slot);
+            return;
+        };
+        // Detaching lets the producer overwrite the buffers without waiting for this consumer's
+        // release words: let the work that reads them finish first.
+        let posted = *self.posted.lock().unwrap_or_else(|p| p.into_inner());
+        if posted <= self.control.head() || self.control.producer_gone().is_err() {
+            Self::drain_stream(&gpu, &self.control);
+            self.control.detach(self.slot);
+            return;
+        }
+        // Receives posted for frames not published yet: the stream drains only when they come (or
+        // the channel closes, or the producer dies), which may be never. Stop holding the producer
+        // back (latest-only: it no longer waits for this consumer's cursor; this consumer takes
+        // nothing more, so no write waits on its release words) and let a thread wait for the
+        // stream, keeping the slot (its release words are this stream's) and the registration.
+        self.control.set_policy(self.slot, Delivery::LatestOnly);
+        let (tx, rx) = std::sync::mpsc::channel::<(GpuImports, Option<HostRegistration>)>();
+        let control = self.control.clone();
+        let slot = self.slot;
+        let orphan = std::thread::Builder::new()
+            .name("cuda-ipc-posted".into())
             .spawn(move || {
-                let (lock, cv) = &*s;
-                let mut stopped = lock.lock().unwrap_or_else(|p| p.into_inner());
-                while !*stopped {
-                    stopped = cv
-                        .wait_timeout(stopped, LIVENESS_CHECK)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                    if !*stopped && control.producer_gone().is_err() {
-                        control.force_ready();
-                        return;
-                    }
+                if let Ok((gpu, ready)) = rx.recv() {
+                    Self::drain_stream(&gpu, &control);
+                    control.detach(slot);
+                    // Order: the stream and imports, then the registration, then the mapping.
+                    drop(gpu);
+                    drop(ready);
                 }
+                drop(control);
             });
-        let thread = match thread {
-            Ok(t) => Some(t),
+        let left = match orphan {
+            Ok(_) => match tx.send((gpu, self.ready.take())) {
+                Ok(()) => None,
+                Err(std::sync::mpsc::SendError((gpu, ready))) => {
+                    self.ready = ready;
+                    Some(gpu)
+                }
+            },
             Err(e) => {
-                tracing::warn!("no producer watchdog ({e}): a dead producer is noticed at recv");
-                None
+                tracing::warn!("no thread to wait for receives posted ahead ({e}); waiting here");
+                Some(gpu)
             }
         };
-        Watchdog { stop, thread }
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        let (lock, cv) = &*self.stop;
-        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        if let Some(gpu) = left {
+            Self::drain_stream(&gpu, &self.control);
+            self.control.detach(self.slot);
         }
     }
 }
@@ -549,18 +655,142 @@ impl Frame<'_> {
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
         let c = self.consumer;
-        if let Some(gpu) = &c.gpu
-            && let Err(e) = gpu.release_events[self.index].record(&gpu.stream)
-        {
-            // Without the event the producer could overwrite the buffer under our kernels:
-            // wait for them on the host instead.
-            tracing::warn!("recording the release event failed ({e}); synchronising instead");
-            if let Err(e) = gpu.stream.synchronize() {
-                tracing::warn!("synchronising the consumer stream failed: {e}");
+        if let (Some(gpu), Some(ready)) = (&c.gpu, &c.ready) {
+            let word = ready.device_ptr + layout::release_word_offset(c.slot, self.index) as u64;
+            // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
+            // buffers), which stay registered until its stream has drained (Drop of Consumer).
+            if let Err(e) = unsafe { gpu.stream.write_value_u32(word, self.seq as u32) } {
+                // Without the write the producer's stream would wait for good: wait for our
+                // kernels on the host instead and write the word from here.
+                tracing::warn!("enqueuing the release word failed ({e}); synchronising instead");
+                if let Err(e) = gpu.stream.synchronize() {
+                    tracing::warn!("synchronising the consumer stream failed: {e}");
+                }
+                c.control.set_released(c.slot, self.index, self.seq);
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the
         // producer's next write of the buffer.
         c.control.release(c.slot, self.index);
+    }
+}
+
+/// A receive posted ahead ([`Consumer::post`]): the consumer's stream waits on the GPU for frame
+/// [`Posted::seq`], which will be in buffer [`Posted::buffer`]. [`Posted::wait`] takes it on the
+/// host; dropping it without waiting leaves the frame to the next `wait` or `recv`.
+pub struct Posted<'a> {
+    consumer: &'a Consumer,
+    index: usize,
+    seq: u64,
+}
+
+impl std::fmt::Debug for Posted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Posted")
+            .field("seq", &self.seq)
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl<'a> Posted<'a> {
+    /// The sequence number of the frame waited for.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Index of the buffer in the pool that will hold it (`(seq - 1) % buffers`).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The buffer that will hold the frame, mapped in the consumer's context.
+    pub fn buffer(&self) -> &'a ImportedBuffer {
+        &self.consumer.gpu().buffers[self.index]
+    }
+
+    /// The consumer's stream, where the work that reads the frame goes (it waits for the frame).
+    pub fn stream(&self) -> &'a Stream {
+        &self.consumer.gpu().stream
+    }
+
+    /// The gate words' device address ([`Consumer::gate_device_ptr`]): work on the stream reads
+    /// them to tell whether this frame came.
+    pub fn gate_device_ptr(&self) -> u64 {
+        self.consumer
+            .ready
+            .as_ref()
+            .map_or(0, |r| r.device_ptr + layout::GATE_STATE_OFFSET as u64)
+    }
+
+    /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes
+    /// it: its metadata. Frames before it posted and not waited for are taken (and let go) on the
+    /// way. The frame's GPU release was enqueued when it was posted, so nothing is held after this.
+    ///
+    /// # Errors
+    /// As [`Consumer::recv_timeout`]: [`Error::Timeout`], [`Error::ProducerGone`],
+    /// [`Error::ChannelClosed`] (the frame never came), [`ChannelError::Detached`];
+    /// [`Error::InvalidArgument`] when [`Consumer::recv`] already took the frame.
+    pub fn wait(self, timeout: Option<Duration>) -> Result<PostedFrame> {
+        let c = self.consumer;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if c.control.cursor(c.slot) >= self.seq {
+                return Err(Error::InvalidArgument(format!(
+                    "frame {} was received already (by recv)",
+                    self.seq
+                )));
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let (i, seq, metadata) = match c.control.take(c.slot, c.wait, left) {
+                Ok(Some(got)) => got,
+                Ok(None) => {
+                    return Err(Error::Timeout {
+                        what: "a posted frame",
+                        after: timeout.unwrap_or_default(),
+                    });
+                }
+                Err(e) => return Err(c.on_error(e)),
+            };
+            // Its GPU release is on the stream already (posted), or it is an unposted frame
+            // before ours, which nothing reads: the host hold ends now.
+            c.control.release(c.slot, i);
+            if seq == self.seq {
+                return Ok(PostedFrame {
+                    seq,
+                    index: i,
+                    metadata,
+                });
+            }
+            if seq > self.seq {
+                return Err(Error::InvalidArgument(format!(
+                    "frame {} was skipped (the consumer took {seq})",
+                    self.seq
+                )));
+            }
+        }
+    }
+}
+
+/// A posted frame taken on the host ([`Posted::wait`]): what the producer published with it.
+#[derive(Clone, Copy, Debug)]
+pub struct PostedFrame {
+    seq: u64,
+    index: usize,
+    metadata: Metadata,
+}
+
+impl PostedFrame {
+    /// Its sequence number.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// Index of its buffer in the pool.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// The producer's metadata for it.
+    pub fn metadata(&self) -> &[u8] {
+        self.metadata.as_slice()
     }
 }

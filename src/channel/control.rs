@@ -1,12 +1,14 @@
 //! The channel's control block: a POSIX shared-memory segment holding the pool's tokens, each
-//! buffer's state and holders, each consumer's cursor and release events, and two futex words.
+//! buffer's state and holders, each consumer's cursor and counters, two futex words, and the GPU
+//! words (ready, gate and release words) that the streams write and wait on.
 //!
 //! This file owns the segment: its name, creating it (replacing what a dead producer or an
 //! abandoned creation left), opening and validating it, reaching its slots, noticing that its
 //! name was superseded, and removing the name. The protocol on it: `handoff.rs` (acquire, publish,
 //! take, release, close), `hold.rs` (a buffer's holds, with their loom models) and `wait.rs`
 //! (futex waits). None of it calls CUDA: the producer and consumer types wrap it with the GPU side
-//! (export, import, events). Tests drive it across processes on machines without a GPU.
+//! (export, import, stream memory operations). Tests drive it across processes on machines
+//! without a GPU.
 //!
 //! Layout: [`super::layout`] (offsets, sizes, states, wire codes) and docs/channel-layout.md (every
 //! byte, the state machine of a buffer's `seq` word and hold masks, the pairing of every store with
@@ -135,13 +137,26 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
 
 impl Control {
     /// Creates the control segment of `channel` with `buffers` buffers of `buffer_bytes` bytes and
-    /// room for `consumers` consumers; `tokens[i]` = (memory token, event token) of buffer `i`.
+    /// room for `consumers` consumers; `tokens[i]` is the memory token of buffer `i`.
     /// A segment left by a dead producer is replaced; one of a live producer is an error.
+    #[cfg(test)]
     pub(crate) fn create(
         channel: &str,
         buffer_bytes: u64,
         consumers: usize,
-        tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])],
+        tokens: &[[u8; TOKEN_LEN]],
+        opts: &SegmentOptions,
+    ) -> Result<Control> {
+        Self::create_with_flags(channel, buffer_bytes, consumers, tokens, 0, opts)
+    }
+
+    /// [`Control::create`] with the header's `flags` ([`super::layout::FLAG_RING`]).
+    pub(crate) fn create_with_flags(
+        channel: &str,
+        buffer_bytes: u64,
+        consumers: usize,
+        tokens: &[[u8; TOKEN_LEN]],
+        flags: u32,
         opts: &SegmentOptions,
     ) -> Result<Control> {
         validate_channel_name(channel)?;
@@ -196,14 +211,14 @@ impl Control {
                 h.consumers.store(consumers as u32, Ordering::Relaxed);
                 h.buffer_bytes.store(buffer_bytes, Ordering::Relaxed);
                 h.segment_bytes.store(len as u64, Ordering::Relaxed);
-                for (i, (mem, ev)) in tokens.iter().enumerate() {
+                h.flags.store(flags, Ordering::Relaxed);
+                for (i, mem) in tokens.iter().enumerate() {
                     let p = c.buffer_ptr(i);
                     // SAFETY: `p` points to buffer slot `i` inside the mapping (i < buffers); the
                     // token area is written only here, before the stamp, by the creator alone.
                     unsafe {
                         let dst = std::ptr::addr_of_mut!((*p).tokens).cast::<u8>();
                         std::ptr::copy_nonoverlapping(mem.as_ptr(), dst, TOKEN_LEN);
-                        std::ptr::copy_nonoverlapping(ev.as_ptr(), dst.add(TOKEN_LEN), TOKEN_LEN);
                     }
                 }
             },
@@ -361,19 +376,23 @@ impl Control {
         self.header().buffer_bytes.load(Ordering::Relaxed)
     }
 
-    /// The tokens of buffer `i`: (memory, producer event).
-    pub(crate) fn buffer_tokens(&self, i: usize) -> ([u8; TOKEN_LEN], [u8; TOKEN_LEN]) {
+    /// The memory token of buffer `i`.
+    pub(crate) fn buffer_token(&self, i: usize) -> [u8; TOKEN_LEN] {
         let mut mem = [0u8; TOKEN_LEN];
-        let mut ev = [0u8; TOKEN_LEN];
         let p = self.buffer_ptr(i);
         // SAFETY: the token area of slot i is inside the mapping and immutable after the stamp
         // (read after `open` Acquire-loaded it); copied out byte-wise, never referenced.
         unsafe {
             let src = std::ptr::addr_of!((*p).tokens).cast::<u8>();
             std::ptr::copy_nonoverlapping(src, mem.as_mut_ptr(), TOKEN_LEN);
-            std::ptr::copy_nonoverlapping(src.add(TOKEN_LEN), ev.as_mut_ptr(), TOKEN_LEN);
         }
-        (mem, ev)
+        mem
+    }
+
+    /// Whether the channel hands buffers out in ring order ([`super::layout::FLAG_RING`]).
+    pub(crate) fn is_ring(&self) -> bool {
+        // Relaxed: written once before the stamp, which the opener Acquire-loaded.
+        self.header().flags.load(Ordering::Relaxed) & super::layout::FLAG_RING != 0
     }
 
     pub(crate) fn producer(&self) -> ProcessIdentity {
@@ -491,15 +510,9 @@ pub(super) mod tests {
             std::process::id(),
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
-        let tokens: Vec<_> = (0..buffers as u8)
-            .map(|i| (fake_token(i), fake_token(100 + i)))
-            .collect();
+        let tokens: Vec<_> = (0..buffers as u8).map(fake_token).collect();
         let c = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new()).unwrap();
         (c, name)
-    }
-
-    pub(in crate::channel) fn rel_tokens(n: usize) -> Vec<[u8; TOKEN_LEN]> {
-        (0..n as u8).map(|i| fake_token(200 + i)).collect()
     }
 
     #[test]
@@ -508,16 +521,10 @@ pub(super) mod tests {
         let e = Control::open(&long).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains(&format!("at most {MAX_CHANNEL_NAME}")), "{e}");
         assert!(!e.contains("cuda-ipc.ch."), "{e}");
-        let e = Control::create(
-            &long,
-            64,
-            1,
-            &[([0; TOKEN_LEN], [0; TOKEN_LEN])],
-            &SegmentOptions::new(),
-        )
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
+        let e = Control::create(&long, 64, 1, &[[0; TOKEN_LEN]], &SegmentOptions::new())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&format!("at most {MAX_CHANNEL_NAME}")), "{e}");
         assert!(Control::open("a/b").is_err());
         assert!(Control::open("").is_err());
@@ -527,7 +534,7 @@ pub(super) mod tests {
     fn dead_producer_is_reported_and_a_restart_replaces_its_segment() {
         let (p, name) = channel(1);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id();
         child.wait().unwrap();
@@ -545,7 +552,7 @@ pub(super) mod tests {
             t.elapsed()
         );
         // A new producer replaces the dead one's segment.
-        let tokens = [(fake_token(1), fake_token(2))];
+        let tokens = [fake_token(1)];
         let p2 = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new()).unwrap();
         // A live producer's segment is not replaced.
         let e = Control::create(&name, 64, 4, &tokens, &SegmentOptions::new());

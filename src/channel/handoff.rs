@@ -5,14 +5,15 @@
 
 use super::control::{Control, boot_bytes, boot_words};
 use super::layout::{
-    ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, LATEST_ONLY, META_BYTES, META_WORDS,
-    READY_PAGE, SEQ_EMPTY, WRITING, ready_offset, ready_word_offset,
+    ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
+    GATE_STATE_OFFSET, GPU_WORDS, GateState, LATENCY_BUCKETS, LATEST_ONLY, LEAVING, MAX_BUFFERS,
+    META_BYTES, META_WORDS, SEQ_EMPTY, WRITING, latency_bucket, ready_offset, ready_word_offset,
+    release_word_offset,
 };
 use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, wait_until};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::sync::{AtomicU32, Ordering, fence};
-use crate::token::TOKEN_LEN;
+use crate::sync::{AtomicU32, Ordering};
 use std::time::Duration;
 
 /// Counters of one consumer.
@@ -30,6 +31,73 @@ pub struct ConsumerStats {
     pub in_flight: u32,
     /// Frames published that it has not received or skipped: `head - cursor`.
     pub lag: u64,
+    /// Its hand-offs by latency, publish to take.
+    pub latency: LatencyHistogram,
+}
+
+/// Hand-offs by latency, from the producer's publish to the consumer's take (both
+/// `CLOCK_MONOTONIC`, so the same clock for every process of one host), as kept in the consumer's
+/// slot: `buckets[0]` counts those under 1 µs, `buckets[k]` (1..=30) those of [2^(k-1), 2^k) µs,
+/// `buckets[31]` those of 2^30 µs or more.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct LatencyHistogram {
+    /// Hand-offs per bucket.
+    pub buckets: [u64; LATENCY_BUCKETS],
+    /// Sum of the latencies counted, µs (each rounded down to a whole µs).
+    pub sum_us: u64,
+}
+
+impl LatencyHistogram {
+    /// Hand-offs counted.
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// The upper bound of bucket `k` in µs (exclusive): 1 for bucket 0, 2^k for the others,
+    /// `u64::MAX` for the last.
+    pub fn upper_bound_us(k: usize) -> u64 {
+        if k + 1 >= LATENCY_BUCKETS {
+            u64::MAX
+        } else {
+            1u64 << k
+        }
+    }
+
+    /// The upper bound (µs) of the bucket holding quantile `q` (0.0 to 1.0) of the hand-offs;
+    /// `None` when none was counted.
+    pub fn quantile_upper_us(&self, q: f64) -> Option<u64> {
+        let n = self.count();
+        if n == 0 {
+            return None;
+        }
+        let want = ((q.clamp(0.0, 1.0) * n as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (k, c) in self.buckets.iter().enumerate() {
+            seen += c;
+            if seen >= want {
+                return Some(Self::upper_bound_us(k));
+            }
+        }
+        Some(u64::MAX)
+    }
+}
+
+/// `CLOCK_MONOTONIC` now, µs, low 32 bits (the vDSO: no syscall).
+#[inline]
+pub(crate) fn monotonic_us32() -> u32 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (t.tv_sec as u64 * 1_000_000 + t.tv_nsec as u64 / 1000) as u32
+}
+
+/// A claim of a buffer for writing: its index, the consumers that read it since its last write
+/// (bit = consumer slot), and the sequence number of the frame they read there (whose release
+/// words the write waits for).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Claim {
+    pub(crate) index: usize,
+    pub(crate) used: u64,
+    pub(crate) old_seq: u64,
 }
 
 /// Counters of a channel.
@@ -77,13 +145,13 @@ impl Control {
     // ---------------------------------------------------------------- producer side
 
     /// Takes a free buffer for writing: one no consumer holds and every every-frame consumer has
-    /// received (or that holds the oldest frame). Returns (index, consumers whose release events the
-    /// write must wait on). Reclaims dead consumers' holds while waiting.
+    /// received (or that holds the oldest frame; in ring order, the next buffer of the ring).
+    /// Reclaims dead consumers' holds while waiting.
     pub(crate) fn acquire(
         &self,
         strategy: WaitStrategy,
         timeout: Option<Duration>,
-    ) -> Result<Option<(usize, u64)>> {
+    ) -> Result<Option<Claim>> {
         let h = self.header();
         wait_until(
             h.release_wake(),
@@ -120,24 +188,49 @@ impl Control {
         min
     }
 
-    pub(crate) fn try_acquire(&self) -> Option<(usize, u64)> {
+    pub(crate) fn try_acquire(&self) -> Option<Claim> {
         let min_cursor = self.min_lossless_cursor();
         let head = self.head();
-        // Oldest first, so the newest frame stays available to latest-only consumers.
-        // SYNC POINT: publish. Acquire: pairs with the Release stores of `seq` (`publish`,
-        // `abandon`, a claim given back).
-        let mut order: Vec<(u64, usize)> = (0..self.buffers)
-            .map(|i| (self.buffer(i).seq.load(Ordering::Acquire), i))
-            .filter(|&(seq, _)| seq != WRITING && seq <= min_cursor)
-            .collect();
+        if self.is_ring() {
+            // Frame s goes to buffer (s - 1) % B: the next one to head % B.
+            let i = (head % self.buffers as u64) as usize;
+            // SYNC POINT: publish. Acquire: as below.
+            let seq = self.buffer(i).seq.load(Ordering::Acquire);
+            if seq == WRITING || seq > min_cursor {
+                return None;
+            }
+            return self.buffer(i).words().claim(seq).map(|used| Claim {
+                index: i,
+                used,
+                old_seq: seq,
+            });
+        }
+        // Oldest first, so the newest frame stays available to latest-only consumers; on the
+        // stack, so that a claim allocates nothing.
+        let mut order = [(0u64, 0usize); MAX_BUFFERS];
+        let mut n = 0;
+        for i in 0..self.buffers {
+            // SYNC POINT: publish. Acquire: pairs with the Release stores of `seq` (`publish`,
+            // `abandon`, a claim given back).
+            let seq = self.buffer(i).seq.load(Ordering::Acquire);
+            if seq != WRITING && seq <= min_cursor {
+                order[n] = (seq, i);
+                n += 1;
+            }
+        }
+        let order = &mut order[..n];
         order.sort_unstable();
-        for (seq, i) in order {
+        for &(seq, i) in order.iter() {
             if seq == head && seq != 0 && self.buffers > 1 && order_has_other(self, i, min_cursor) {
                 // Keep the newest frame while an older buffer is free.
                 continue;
             }
             if let Some(used) = self.buffer(i).words().claim(seq) {
-                return Some((i, used));
+                return Some(Claim {
+                    index: i,
+                    used,
+                    old_seq: seq,
+                });
             }
         }
         None
@@ -170,15 +263,17 @@ impl Control {
             b.meta[k].store(*w, Ordering::Relaxed);
         }
         b.meta_len.store(meta.len() as u32, Ordering::Relaxed);
+        b.publish_us.store(monotonic_us32(), Ordering::Relaxed);
         // Only this producer writes head, so load + store is race-free.
         let seq = h.head.load(Ordering::Relaxed) + 1;
         // SYNC POINT: publish. Release: pairs with consumers' Acquire loads of seq in `try_take`
         // (and the producer's in `try_acquire`); the metadata, and on a host channel the bytes
         // written to the buffer, are visible with it.
         b.seq.store(seq, Ordering::Release);
+        // Relaxed: a hint published by the head store below (a reader checks the slot's seq).
+        h.head_index.store(i as u32, Ordering::Relaxed);
         // SYNC POINT: head. Release: pairs with `head()`'s Acquire.
         h.head.store(seq, Ordering::Release);
-        h.published.fetch_add(1, Ordering::Relaxed);
         h.publish_wake().bump();
         Ok(seq)
     }
@@ -188,68 +283,110 @@ impl Control {
         self.header().head.load(Ordering::Relaxed) + 1
     }
 
-    /// The ready page: its address in this mapping (page aligned) and its length in bytes. Word
-    /// `i` (a `u32` at byte `4 * i`) holds the low 32 bits of the sequence number of the last frame
-    /// whose write in buffer `i` finished on the producer's GPU stream (`cuStreamWriteValue32`);
-    /// consumers' streams wait on it (`cuStreamWaitValue32`, `GEQ`, which compares with
-    /// wrap-around).
-    pub(crate) fn ready_page(&self) -> (*mut u8, usize) {
+    /// The GPU words: their address in this mapping (page aligned) and their length in bytes
+    /// ([`GPU_WORDS`]: the ready page, then the release page), which producer and consumers
+    /// register with the driver.
+    ///
+    /// - Ready word `i` (a `u32` at byte `4 i`) holds the low 32 bits of the sequence number of
+    ///   the last frame whose write in buffer `i` finished on the producer's stream
+    ///   (`cuStreamWriteValue32`); consumers' streams wait on it (`cuStreamWaitValue32`, `GEQ`,
+    ///   which compares with wrap-around).
+    /// - The gate words (state and end, at [`GATE_STATE_OFFSET`]) say whether the frames that
+    ///   work posted ahead waited for came ([`Control::close_gate`]).
+    /// - Release word (c, i) (at [`release_word_offset`]) holds the low 32 bits of the sequence
+    ///   number of the last frame of buffer `i` whose reads finished on consumer `c`'s stream
+    ///   (`cuStreamWriteValue32`); the producer's stream waits on it before overwriting the buffer.
+    pub(crate) fn gpu_words(&self) -> (*mut u8, usize) {
         let off = ready_offset(self.buffers, self.consumers);
-        // SAFETY: the segment is at least `layout_len` long (checked at create/open), so the page
-        // lies inside the mapping.
-        (unsafe { self.seg.as_ptr().add(off) }, READY_PAGE)
+        // SAFETY: the segment is at least `segment_len` long (checked at create/open), so the
+        // GPU words lie inside the mapping.
+        (unsafe { self.seg.as_ptr().add(off) }, GPU_WORDS)
+    }
+
+    /// The `u32` at byte `off` of the GPU words.
+    fn gpu_word(&self, off: usize) -> &AtomicU32 {
+        assert!(off + 4 <= GPU_WORDS && off.is_multiple_of(4));
+        // SAFETY: in bounds (checked above: the GPU words lie inside the mapping) and 4-byte
+        // aligned (they start page aligned); shared memory is only touched through the atomic.
+        unsafe { &*self.gpu_words().0.add(off).cast::<AtomicU32>() }
     }
 
     fn ready_word(&self, i: usize) -> &AtomicU32 {
         assert!(i < self.buffers);
-        // SAFETY: in bounds (i < buffers <= MAX_BUFFERS, 4 bytes each, inside the page) and
-        // 4-byte aligned (the page is page aligned).
-        unsafe {
-            &*self
-                .ready_page()
-                .0
-                .add(ready_word_offset(i))
-                .cast::<AtomicU32>()
+        self.gpu_word(ready_word_offset(i))
+    }
+
+    /// Consumer `c`'s release word for buffer `i`.
+    pub(crate) fn release_word(&self, c: usize, i: usize) -> &AtomicU32 {
+        assert!(c < self.consumers && i < self.buffers);
+        self.gpu_word(release_word_offset(c, i))
+    }
+
+    /// Whether consumer `c`'s release word for buffer `i` says its reads of frame `seq` finished.
+    pub(crate) fn released(&self, c: usize, i: usize, seq: u64) -> bool {
+        // SYNC POINT: release word. Acquire: pairs with `raise` (host) and the consumer stream's
+        // `cuStreamWriteValue32` (whose write is ordered after the stream's reads of the buffer).
+        let cur = self.release_word(c, i).load(Ordering::Acquire);
+        (cur.wrapping_sub(seq as u32) as i32) >= 0
+    }
+
+    /// Raises consumer `c`'s release word for buffer `i` to `seq` from the host (a consumer that
+    /// could not enqueue the write on its stream, after synchronising it).
+    pub(crate) fn set_released(&self, c: usize, i: usize, seq: u64) {
+        raise(self.release_word(c, i), seq as u32);
+    }
+
+    /// Closes the gate: the gate words say `state` and the last frame published, then every
+    /// ready word is raised to [`GATE_HORIZON`] frames past it, so that every stream waiting for
+    /// a frame (published or posted ahead) drains. For a consumer whose producer died
+    /// ([`GateState::ProducerGone`]; the driver never completes a dead process's work, and the
+    /// frames may hold partial data) and for the producer's close, once its stream drained
+    /// ([`GateState::Closed`]). Work that waited can tell a frame `s` that came from one that
+    /// did not: it came when the state word is 0 or `(int32)(s - end) <= 0`.
+    pub(crate) fn close_gate(&self, state: GateState) {
+        let head = self.head();
+        let st = self.gpu_word(GATE_STATE_OFFSET);
+        // The first closer's words stay (a death after a close keeps `Closed`).
+        // SYNC POINT: gate. Release (the end word is stored before it; AcqRel on the CAS): pairs
+        // with `gate`'s Acquire; on the GPU, the ready words raised below are stored after both,
+        // so a stream that waited past a raise reads the gate's words as written here.
+        if st.load(Ordering::Acquire) == GateState::Open.to_wire() {
+            self.gpu_word(GATE_END_OFFSET)
+                .store(head as u32, Ordering::Relaxed);
+            let _ = st.compare_exchange(
+                GateState::Open.to_wire(),
+                state.to_wire(),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+        let want = (head as u32).wrapping_add(GATE_HORIZON);
+        for i in 0..self.buffers {
+            raise(self.ready_word(i), want);
         }
     }
 
-    /// Marks every published frame ready, as if its producer's write had finished: for a consumer
-    /// whose producer died, so that its stream, waiting for a write that will never finish, drains
-    /// (the driver never completes a dead process's work). The frames may hold partial data.
+    /// The gate's words: (state, end word), see [`Control::close_gate`].
+    pub(crate) fn gate(&self) -> (u32, u32) {
+        // SYNC POINT: gate. Acquire: pairs with the Release CAS in `close_gate`.
+        let st = self.gpu_word(GATE_STATE_OFFSET).load(Ordering::Acquire);
+        (st, self.gpu_word(GATE_END_OFFSET).load(Ordering::Relaxed))
+    }
+
+    /// Closes the gate for a producer that died ([`Control::close_gate`]).
     pub(crate) fn force_ready(&self) {
-        for i in 0..self.buffers {
-            // SYNC POINT: publish. Acquire: pairs with the Release store of seq in `publish`.
-            let seq = self.buffer(i).seq.load(Ordering::Acquire);
-            if seq == SEQ_EMPTY || seq == WRITING {
-                continue;
-            }
-            let want = seq as u32;
-            let w = self.ready_word(i);
-            let mut cur = w.load(Ordering::Relaxed);
-            // Raise only (the word compares with wrap-around): never lower what a live producer set.
-            // SYNC POINT: ready word. AcqRel: pairs with `set_ready`'s Release store, other
-            // consumers' raises and `ready_value`'s Acquire load (on the GPU: the producer
-            // stream's `cuStreamWriteValue32` and the consumers' `cuStreamWaitValue32`).
-            while (want.wrapping_sub(cur) as i32) > 0 {
-                match w.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Relaxed) {
-                    Ok(_) => break,
-                    Err(c) => cur = c,
-                }
-            }
-        }
+        self.close_gate(GateState::ProducerGone);
     }
 
     /// Sets buffer `i`'s ready word from the host (the producer, when it could not enqueue the
     /// GPU-side write after publishing `seq`).
     pub(crate) fn set_ready(&self, i: usize, seq: u64) {
-        // SYNC POINT: ready word. Release: pairs with `ready_value`'s Acquire and the raises in
-        // `force_ready`.
-        self.ready_word(i).store(seq as u32, Ordering::Release);
+        raise(self.ready_word(i), seq as u32);
     }
 
     /// The ready word of buffer `i` as it is now (for tests and tools).
     pub(crate) fn ready_value(&self, i: usize) -> u32 {
-        // SYNC POINT: ready word. Acquire: pairs with `set_ready` and `force_ready`.
+        // SYNC POINT: ready word. Acquire: pairs with `raise` (`set_ready`, `close_gate`).
         self.ready_word(i).load(Ordering::Acquire)
     }
 
@@ -259,51 +396,17 @@ impl Control {
         self.buffer(i).used_mask.swap(0, Ordering::AcqRel)
     }
 
+    /// The sequence number of the frame in buffer `i` now ([`SEQ_EMPTY`], or [`WRITING`]).
+    pub(crate) fn buffer_seq(&self, i: usize) -> u64 {
+        // SYNC POINT: publish. Acquire: pairs with the Release stores of seq.
+        self.buffer(i).seq.load(Ordering::Acquire)
+    }
+
     /// Gives an acquired buffer back without publishing (its previous frame is gone: seq 0).
     pub(crate) fn abandon(&self, i: usize) {
         // SYNC POINT: publish. Release: pairs with `try_acquire`/`try_take` Acquire loads of seq.
         self.buffer(i).seq.store(SEQ_EMPTY, Ordering::Release);
         self.header().release_wake().bump();
-    }
-
-    /// The generation of consumer slot `c` when it is active: a cheap check, per acquire, of whether
-    /// the consumer there is the one whose release events the producer already opened.
-    pub(crate) fn consumer_generation(&self, c: usize) -> Option<u64> {
-        let s = self.consumer(c);
-        // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
-        let g = s.generation.load(Ordering::Acquire);
-        (s.state.load(Ordering::Acquire) == ACTIVE).then_some(g)
-    }
-
-    /// Consumers (bit mask) whose slots hold live state, with generation numbers, for the producer to
-    /// import their release events.
-    pub(crate) fn consumer_release_tokens(&self, c: usize) -> Option<(u64, Vec<[u8; TOKEN_LEN]>)> {
-        let s = self.consumer(c);
-        // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach` (tokens
-        // written before it).
-        let g0 = s.generation.load(Ordering::Acquire);
-        if s.state.load(Ordering::Acquire) != ACTIVE {
-            return None;
-        }
-        let p = self.consumer_ptr(c);
-        let mut out = Vec::with_capacity(self.buffers);
-        for i in 0..self.buffers {
-            let mut t = [0u8; TOKEN_LEN];
-            // SAFETY: inside slot c's token area in the mapping; copied byte-wise. A concurrent
-            // re-claim is detected by the generation re-check below (and the tokens' checksum).
-            unsafe {
-                let src = std::ptr::addr_of!((*p).tokens)
-                    .cast::<u8>()
-                    .add(i * TOKEN_LEN);
-                std::ptr::copy_nonoverlapping(src, t.as_mut_ptr(), TOKEN_LEN);
-            }
-            out.push(t);
-        }
-        // SYNC POINT: claim generation. Acquire fence, then re-check: pairs with the Release fence
-        // after the generation bump in `attach`; the copy above belongs to generation g0 only if
-        // unchanged.
-        fence(Ordering::Acquire);
-        (s.generation.load(Ordering::Relaxed) == g0).then_some((g0, out))
     }
 
     /// The identity recorded in consumer slot `c` (whatever its state).
@@ -348,6 +451,9 @@ impl Control {
             if id.liveness() != Liveness::Dead {
                 continue;
             }
+            // SYNC POINT: slot leave. The state read above is only a guess: the CAS in
+            // `free_consumer_slot` decides which freer (this reclaim, another process's, the
+            // consumer's own detach) frees the slot.
             forced += self.free_consumer_slot(c, st);
         }
         if forced > 0 {
@@ -358,8 +464,26 @@ impl Control {
         forced
     }
 
+    /// Frees consumer slot `c` found in `expected_state`: one caller wins the slot (state
+    /// [`LEAVING`]), raises its release words, drops its holds and frees it; any other returns 0.
     fn free_consumer_slot(&self, c: usize, expected_state: u32) -> u64 {
         let s = self.consumer(c);
+        // SYNC POINT: slot leave. AcqRel: of two freers (the consumer detaching, reclaimers in
+        // other processes) one wins; only it touches the release words, so a slow loser can never
+        // raise the words of the slot's next consumer.
+        if s.state
+            .compare_exchange(expected_state, LEAVING, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return 0;
+        }
+        // Its streams' release writes will never come (it died) or already came (it drained its
+        // stream before detaching): raise its words past every frame the producer's stream may
+        // wait for (at most head), so that the stream never waits for good.
+        let head = self.head() as u32;
+        for i in 0..self.buffers {
+            raise(self.release_word(c, i), head);
+        }
         let bit = 1u64 << c;
         let mut forced = 0;
         for i in 0..self.buffers {
@@ -369,15 +493,13 @@ impl Control {
             if b.hold_mask.fetch_and(!bit, Ordering::AcqRel) & bit != 0 {
                 forced += 1;
             }
-            // Its release events die with it: the producer must not wait on them.
+            // The producer need not wait on its release words any more.
             // SYNC POINT: used. AcqRel: as `take_used`.
             b.used_mask.fetch_and(!bit, Ordering::AcqRel);
         }
         // SYNC POINT: slot free. Release: pairs with `attach`'s CAS (Acquire) when the slot is
-        // claimed again.
-        let _ = s
-            .state
-            .compare_exchange(expected_state, FREE, Ordering::AcqRel, Ordering::Relaxed);
+        // claimed again: the raises above come before the next consumer's own words.
+        s.state.store(FREE, Ordering::Release);
         self.header().release_wake().bump();
         forced
     }
@@ -435,20 +557,9 @@ impl Control {
 
     // ---------------------------------------------------------------- consumer side
 
-    /// Claims a consumer slot; `release_tokens[i]` is the consumer's event token for buffer `i`.
-    /// Starts at the current head (frames published before attaching are not delivered).
-    pub(crate) fn attach(
-        &self,
-        policy: Delivery,
-        release_tokens: &[[u8; TOKEN_LEN]],
-    ) -> Result<usize> {
-        if release_tokens.len() != self.buffers {
-            return Err(Error::InvalidArgument(format!(
-                "{} release tokens for {} buffers",
-                release_tokens.len(),
-                self.buffers
-            )));
-        }
+    /// Claims a consumer slot. Starts at the current head (frames published before attaching
+    /// are not delivered).
+    pub(crate) fn attach(&self, policy: Delivery) -> Result<usize> {
         self.reclaim_dead_consumers();
         let me = ProcessIdentity::current()?;
         for c in 0..self.consumers {
@@ -462,10 +573,6 @@ impl Control {
                 continue;
             }
             s.generation.fetch_add(1, Ordering::Relaxed);
-            // SYNC POINT: claim generation. Release fence: pairs with the Acquire fence before
-            // the generation re-check in `consumer_release_tokens`: a producer that copied any
-            // token written below sees the new generation and drops its copy.
-            fence(Ordering::Release);
             s.pid.store(me.pid, Ordering::Relaxed);
             s.start_time.store(me.start_time, Ordering::Relaxed);
             let bw = boot_words(&me);
@@ -475,18 +582,23 @@ impl Control {
             s.policy.store(policy.to_wire(), Ordering::Relaxed);
             s.received.store(0, Ordering::Relaxed);
             s.dropped.store(0, Ordering::Relaxed);
-            let p = self.consumer_ptr(c);
-            for (i, t) in release_tokens.iter().enumerate() {
-                // SAFETY: inside slot c's token area; this process owns the slot (CLAIMING), and
-                // the producer reads the area only when ACTIVE with a generation re-check.
-                unsafe {
-                    let dst = std::ptr::addr_of_mut!((*p).tokens)
-                        .cast::<u8>()
-                        .add(i * TOKEN_LEN);
-                    std::ptr::copy_nonoverlapping(t.as_ptr(), dst, TOKEN_LEN);
-                }
+            s.transport
+                .store(super::layout::TRANSPORT_LOCAL, Ordering::Relaxed);
+            for b in &s.latency {
+                b.store(0, Ordering::Relaxed);
             }
-            s.cursor.store(self.head(), Ordering::Relaxed);
+            s.latency_sum_us.store(0, Ordering::Relaxed);
+            let head = self.head();
+            // Its release words start at the head: every frame it will hold is later, so no
+            // write of the producer waits on a word this consumer has not written. (The slot's
+            // last consumer left them at least as high: `free_consumer_slot`.)
+            for i in 0..self.buffers {
+                // SYNC POINT: release word. Relaxed: published by the Release store of ACTIVE
+                // below (the producer reads a consumer's words only for frames it held).
+                self.release_word(c, i)
+                    .store(head as u32, Ordering::Relaxed);
+            }
+            s.cursor.store(head, Ordering::Relaxed);
             // SYNC POINT: attach. Release: pairs with the producer's Acquire loads of state; all of
             // the above is visible.
             s.state.store(ACTIVE, Ordering::Release);
@@ -560,26 +672,47 @@ impl Control {
             // counted, at attach), the oldest still present. Latest-only: the newest.
             let want = if latest { head } else { cursor + 1 };
             let mut found = None;
+            let mut held = None;
             let mut oldest: Option<(u64, usize)> = None;
-            for i in 0..self.buffers {
-                // SYNC POINT: publish. Acquire: pairs with the Release store of seq in `publish`.
-                let seq = self.buffer(i).seq.load(Ordering::Acquire);
-                if seq == want {
-                    found = Some(i);
-                }
-                if seq != WRITING && seq > cursor && oldest.is_none_or(|(o, _)| seq < o) {
-                    oldest = Some((seq, i));
+            if want == head {
+                // The newest frame: its buffer is named on head's cache line, so only that slot is
+                // touched (a consumer that keeps up never reads the others), and the hold itself
+                // is the first access (one transfer of the slot's line). Relaxed: a hint; the hold
+                // re-reads the slot's seq and backs off when it is another frame.
+                let i = self.header().head_index.load(Ordering::Relaxed) as usize;
+                if i < self.buffers {
+                    if self.buffer(i).words().hold(bit, want) {
+                        held = Some(i);
+                    } else {
+                        // A stale hint, or the producer took it: a claim our passing hold turned
+                        // away looks again when woken.
+                        self.header().release_wake().bump();
+                    }
                 }
             }
-            let (seq, i) = match (found, oldest) {
-                (Some(i), _) => (want, i),
-                (None, Some(o)) if !latest => o,
+            if held.is_none() {
+                for i in 0..self.buffers {
+                    // SYNC POINT: publish. Acquire: pairs with the Release store of seq in
+                    // `publish`.
+                    let seq = self.buffer(i).seq.load(Ordering::Acquire);
+                    if seq == want {
+                        found = Some(i);
+                    }
+                    if seq != WRITING && seq > cursor && oldest.is_none_or(|(o, _)| seq < o) {
+                        oldest = Some((seq, i));
+                    }
+                }
+            }
+            let (seq, i) = match (held, found, oldest) {
+                (Some(i), _, _) => (want, i),
+                (None, Some(i), _) => (want, i),
+                (None, None, Some(o)) if !latest => o,
                 // The wanted frame is being overwritten (a pool of one buffer) or not visible
                 // yet: nothing to take now; the caller waits for the next publish.
                 _ => return Ok(None),
             };
             let b = self.buffer(i);
-            if !b.words().hold(bit, seq) {
+            if held.is_none() && !b.words().hold(bit, seq) {
                 // The producer took it meanwhile: undone; look again.
                 self.header().release_wake().bump();
                 continue;
@@ -594,12 +727,29 @@ impl Control {
                 meta.bytes[8 * k..8 * k + 8]
                     .copy_from_slice(&b.meta[k].load(Ordering::Relaxed).to_le_bytes());
             }
-            s.dropped.fetch_add(seq - cursor - 1, Ordering::Relaxed);
-            s.received.fetch_add(1, Ordering::Relaxed);
+            // The slot's counters have one writer, this consumer: load and store. Relaxed:
+            // counters, read by inspection only.
+            if seq > cursor + 1 {
+                s.dropped.store(
+                    s.dropped.load(Ordering::Relaxed) + (seq - cursor - 1),
+                    Ordering::Relaxed,
+                );
+            }
+            s.received
+                .store(s.received.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            // A wrapping difference of two 32-bit µs clocks: right for latencies under 71 minutes.
+            let us = u64::from(monotonic_us32().wrapping_sub(b.publish_us.load(Ordering::Relaxed)));
+            let k = latency_bucket(us);
+            s.latency[k].store(s.latency[k].load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            s.latency_sum_us.store(
+                s.latency_sum_us.load(Ordering::Relaxed).wrapping_add(us),
+                Ordering::Relaxed,
+            );
             // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
             // `min_lossless_cursor`.
             s.cursor.store(seq, Ordering::Release);
-            self.header().release_wake().bump();
+            // No bump here: the caller announces the move (`took`) once it has done what the
+            // hand-off waits for (the consumer's stream wait), off the hand-off's path.
             return Ok(Some((i, seq, meta)));
         }
     }
@@ -624,10 +774,57 @@ impl Control {
         }
     }
 
-    /// Ends consumer `c`'s hold on buffer `i` (after its release event was recorded).
+    /// Announces that a consumer took a frame (its cursor moved): wakes a producer waiting for
+    /// every-frame consumers' cursors. Every take is followed by this or by a `release`, which
+    /// announces as well.
+    pub(crate) fn took(&self) {
+        self.header().release_wake().bump();
+    }
+
+    /// Consumer `c`'s cursor: the last sequence number it received or skipped.
+    pub(crate) fn cursor(&self, c: usize) -> u64 {
+        // Relaxed: the consumer's own cursor, read by the consumer (its own stores).
+        self.consumer(c).cursor.load(Ordering::Relaxed)
+    }
+
+    /// Whether consumer slot `c` holds an attached consumer.
+    pub(crate) fn is_attached(&self, c: usize) -> bool {
+        // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
+        self.consumer(c).state.load(Ordering::Acquire) == ACTIVE
+    }
+
+    /// Consumer `c`'s policy code.
+    pub(crate) fn policy(&self, c: usize) -> u32 {
+        self.consumer(c).policy.load(Ordering::Relaxed)
+    }
+
+    /// Changes consumer `c`'s policy (a consumer leaving with receives posted ahead stops holding
+    /// the producer back).
+    pub(crate) fn set_policy(&self, c: usize, d: Delivery) {
+        // SYNC POINT: cursor. Release: pairs with the producer's loads in `min_lossless_cursor`
+        // (a latest-only consumer's cursor no longer holds it back).
+        self.consumer(c)
+            .policy
+            .store(d.to_wire(), Ordering::Release);
+        self.header().release_wake().bump();
+    }
+
+    /// Ends consumer `c`'s hold on buffer `i` (after the write of its release word was enqueued
+    /// on its stream).
     pub(crate) fn release(&self, c: usize, i: usize) {
         self.buffer(i).words().release(1u64 << c);
         self.header().release_wake().bump();
+    }
+
+    /// Consumer slot `c`'s latency histogram.
+    pub(crate) fn latency(&self, c: usize) -> LatencyHistogram {
+        let s = self.consumer(c);
+        let mut h = LatencyHistogram::default();
+        for (d, b) in h.buckets.iter_mut().zip(&s.latency) {
+            *d = b.load(Ordering::Relaxed);
+        }
+        h.sum_us = s.latency_sum_us.load(Ordering::Relaxed);
+        h
     }
 
     /// Counters of the channel.
@@ -651,13 +848,30 @@ impl Control {
                     .filter(|&i| self.buffer(i).hold_mask.load(Ordering::Relaxed) & bit != 0)
                     .count() as u32,
                 lag: head.saturating_sub(s.cursor.load(Ordering::Relaxed)),
+                latency: self.latency(c),
             });
         }
         ChannelStats {
-            published: h.published.load(Ordering::Relaxed),
+            // Every publish adds one to head.
+            published: head,
             head,
             forced_releases: h.forced_releases.load(Ordering::Relaxed),
             consumers,
+        }
+    }
+}
+
+/// Raises `w` to `want` unless it is already there or past it (the words compare with
+/// wrap-around, as the GPU's `GEQ` waits do): never lowers what another writer set.
+fn raise(w: &AtomicU32, want: u32) {
+    let mut cur = w.load(Ordering::Relaxed);
+    // SYNC POINT: ready word, release word. AcqRel: pairs with the Acquire loads of the words
+    // (`ready_value`, `released`) and other raisers; on the GPU, with the streams'
+    // `cuStreamWaitValue32` (a raise is what lets a waiting stream go).
+    while (want.wrapping_sub(cur) as i32) > 0 {
+        match w.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => break,
+            Err(c) => cur = c,
         }
     }
 }
@@ -678,7 +892,7 @@ fn order_has_other(c: &Control, i: usize, min_cursor: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::channel::control::tests::{channel, rel_tokens};
+    use crate::channel::control::tests::channel;
     use crate::channel::wait::take_wakes;
 
     #[test]
@@ -687,9 +901,9 @@ mod tests {
         // publishes and closes, then the consumer sees the channel closed.
         for policy in [Delivery::EveryFrame, Delivery::LatestOnly] {
             let (c, _name) = channel(2);
-            let slot = c.attach(policy, &rel_tokens(2)).unwrap();
+            let slot = c.attach(policy).unwrap();
             assert!(c.try_take(slot).unwrap().is_none());
-            let (i, _) = c.try_acquire().unwrap();
+            let Claim { index: i, .. } = c.try_acquire().unwrap();
             c.publish(i, b"last").unwrap();
             c.close();
             let (_, seq, meta) = c.take_or_closed(slot).unwrap().expect("the last frame");
@@ -707,7 +921,7 @@ mod tests {
         for policy in [Delivery::EveryFrame, Delivery::LatestOnly] {
             for _ in 0..300 {
                 let (c, _name) = channel(2);
-                let slot = c.attach(policy, &rel_tokens(2)).unwrap();
+                let slot = c.attach(policy).unwrap();
                 const N: u64 = 40;
                 let last = std::thread::scope(|sc| {
                     let consumer = sc.spawn(|| {
@@ -726,7 +940,7 @@ mod tests {
                         }
                     });
                     for _ in 0..N {
-                        let (i, _) = c
+                        let Claim { index: i, .. } = c
                             .acquire(WaitStrategy::Spin, Some(Duration::from_secs(10)))
                             .unwrap()
                             .unwrap();
@@ -746,17 +960,17 @@ mod tests {
         // Publish, take, release, abandon, a take that finds nothing: every bump of the hot
         // path, with no waiter counted, stays out of the kernel.
         let (c, _name) = channel(2);
-        let slot = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let slot = c.attach(Delivery::EveryFrame).unwrap();
         take_wakes();
         for _ in 0..100 {
-            let (i, _) = c.try_acquire().unwrap();
+            let Claim { index: i, .. } = c.try_acquire().unwrap();
             c.publish(i, b"frame").unwrap();
             let (j, _, meta) = c.try_take(slot).unwrap().expect("the frame");
             assert_eq!((j, meta.as_slice()), (i, &b"frame"[..]));
             assert!(c.try_take(slot).unwrap().is_none());
             c.release(slot, j);
         }
-        let (i, _) = c.try_acquire().unwrap();
+        let Claim { index: i, .. } = c.try_acquire().unwrap();
         c.abandon(i);
         assert_eq!(take_wakes(), (0, 0));
         // A consumer asleep in `take` is counted: the next publish wakes it.
@@ -769,7 +983,7 @@ mod tests {
             while c.header().publish_sleepers.load(Ordering::SeqCst) == 0 {
                 std::thread::yield_now();
             }
-            let (i, _) = c.try_acquire().unwrap();
+            let Claim { index: i, .. } = c.try_acquire().unwrap();
             c.publish(i, b"late").unwrap();
             let (calls, _) = take_wakes();
             assert_eq!(calls, 1, "the publish did not wake the counted consumer");
@@ -783,29 +997,174 @@ mod tests {
     }
 
     #[test]
-    fn the_ready_page_is_page_aligned_and_force_ready_only_raises_published_words() {
+    fn the_gpu_words_are_page_aligned_and_closing_the_gate_lets_every_wait_go_without_lowering_a_word()
+     {
         let (c, _name) = channel(3);
-        let (p, len) = c.ready_page();
-        assert_eq!(p as usize % READY_PAGE, 0);
-        assert_eq!(len, READY_PAGE);
-        assert_eq!(c.seg.len(), ready_offset(3, 4) + READY_PAGE);
+        let (p, len) = c.gpu_words();
+        assert_eq!(p as usize % crate::channel::layout::READY_PAGE, 0);
+        assert_eq!(len, GPU_WORDS);
+        assert_eq!(c.seg.len(), ready_offset(3, 4) + GPU_WORDS);
+        assert_eq!(c.gate(), (GateState::Open.to_wire(), 0));
         // Buffer 0 published as frame 1, buffer 1 being written, buffer 2 never used.
-        let (i, _) = c.try_acquire().unwrap();
+        let Claim { index: i, .. } = c.try_acquire().unwrap();
         assert_eq!(c.next_seq(), 1);
         assert_eq!(c.publish(i, b"").unwrap(), 1);
-        let (j, _) = c.try_acquire().unwrap();
+        let Claim { index: j, .. } = c.try_acquire().unwrap();
         assert_ne!(i, j);
+        // A word ahead of where the gate raises them (wrap-around order) is never lowered.
+        c.ready_word(j)
+            .store(1 + GATE_HORIZON + 5, Ordering::Relaxed);
         c.force_ready();
-        assert_eq!(c.ready_value(i), 1);
-        assert_eq!(c.ready_value(j), 0, "a buffer being written is not forced");
-        // A word ahead of the published seq (wrap-around order) is never lowered.
-        c.ready_word(i).store(5, Ordering::Relaxed);
-        c.force_ready();
-        assert_eq!(c.ready_value(i), 5);
-        // Wrap-around: u32::MAX is behind 1.
+        assert_eq!(c.gate(), (GateState::ProducerGone.to_wire(), 1));
+        for k in 0..3 {
+            let want = if k == j {
+                1 + GATE_HORIZON + 5
+            } else {
+                1 + GATE_HORIZON
+            };
+            assert_eq!(c.ready_value(k), want, "buffer {k}");
+        }
+        // The first closer's words stay.
+        c.close_gate(GateState::Closed);
+        assert_eq!(c.gate(), (GateState::ProducerGone.to_wire(), 1));
+        // Wrap-around: u32::MAX is behind the raise, which moves it forward past 0.
         c.ready_word(i).store(u32::MAX, Ordering::Relaxed);
-        c.force_ready();
-        assert_eq!(c.ready_value(i), 1);
+        c.close_gate(GateState::Closed);
+        assert_eq!(c.ready_value(i), 1 + GATE_HORIZON);
+        c.unlink();
+    }
+
+    #[test]
+    fn release_words_start_at_the_head_and_are_raised_when_a_slot_is_freed() {
+        let (c, _name) = channel(2);
+        for _ in 0..3 {
+            let Claim { index: i, .. } = c.try_acquire().unwrap();
+            c.publish(i, b"").unwrap();
+        }
+        let me = c.attach(Delivery::EveryFrame).unwrap();
+        for i in 0..2 {
+            assert_eq!(c.release_word(me, i).load(Ordering::Relaxed), 3);
+            assert!(c.released(me, i, 3) && !c.released(me, i, 4));
+        }
+        // Frame 4 taken and (by its stream, here from the host) released.
+        let Claim { index: i, .. } = c.try_acquire().unwrap();
+        assert_eq!(c.publish(i, b"").unwrap(), 4);
+        let (got, seq, _) = c.try_take(me).unwrap().unwrap();
+        assert_eq!((got, seq), (i, 4));
+        assert!(!c.released(me, i, 4));
+        c.set_released(me, i, 4);
+        assert!(c.released(me, i, 4));
+        // Its next frame needs its word; it dies holding it: freeing the slot raises its words to
+        // the head, so a producer stream waiting for them goes on.
+        let Claim { index: k, .. } = c.try_acquire().unwrap();
+        assert_eq!(c.publish(k, b"").unwrap(), 5);
+        c.release(me, i);
+        let (kk, seq, _) = c.try_take(me).unwrap().unwrap();
+        assert_eq!((kk, seq), (k, 5));
+        assert!(!c.released(me, k, 5));
+        c.consumer(me).pid.store(u32::MAX, Ordering::Relaxed);
+        assert_eq!(c.reclaim_dead_consumers(), 1);
+        assert!(c.released(me, k, 5) && c.released(me, i, 5));
+        // A second freer of the same (already freed) slot does nothing.
+        assert_eq!(c.free_consumer_slot(me, ACTIVE), 0);
+        // Wrap-around: a word just past u32::MAX is ahead of it.
+        c.release_word(me, 0).store(2, Ordering::Relaxed);
+        assert!(c.released(me, 0, u32::MAX as u64));
+        c.unlink();
+    }
+
+    #[test]
+    fn ring_order_broadcasts_to_every_frame_and_latest_only_consumers_with_back_pressure() {
+        let name = format!("ringcast-{}", std::process::id());
+        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
+        let c = Control::create_with_flags(
+            &name,
+            64,
+            4,
+            &tokens,
+            crate::channel::layout::FLAG_RING,
+            &crate::shm::SegmentOptions::new(),
+        )
+        .unwrap();
+        let (a, b) = (
+            c.attach(Delivery::EveryFrame).unwrap(),
+            c.attach(Delivery::EveryFrame).unwrap(),
+        );
+        let l = c.attach(Delivery::LatestOnly).unwrap();
+        let mut got_a = Vec::new();
+        let mut got_b = Vec::new();
+        let mut got_l = Vec::new();
+        let mut s = 0u64;
+        while s < 12 {
+            match c.try_acquire() {
+                Some(Claim { index, .. }) => {
+                    s += 1;
+                    assert_eq!(index as u64, (s - 1) % 3, "ring order");
+                    c.publish(index, &s.to_le_bytes()).unwrap();
+                }
+                None => {
+                    // Back-pressure: the ring's next buffer holds a frame `b` (the slower one)
+                    // has not received; `a` keeps up, the latest-only consumer never holds back.
+                    assert!(c.cursor(b) + 3 <= s, "held back with b at {}", c.cursor(b));
+                    while let Some((i, seq, _)) = c.try_take(b).unwrap() {
+                        got_b.push(seq);
+                        c.release(b, i);
+                    }
+                }
+            }
+            while let Some((i, seq, _)) = c.try_take(a).unwrap() {
+                got_a.push(seq);
+                c.release(a, i);
+            }
+            if let Some((i, seq, _)) = c.try_take(l).unwrap() {
+                got_l.push(seq);
+                c.release(l, i);
+            }
+        }
+        while let Some((i, seq, _)) = c.try_take(b).unwrap() {
+            got_b.push(seq);
+            c.release(b, i);
+        }
+        let all: Vec<u64> = (1..=12).collect();
+        assert_eq!((got_a, got_b), (all.clone(), all));
+        assert_eq!(got_l.last(), Some(&12));
+        assert!(got_l.windows(2).all(|w| w[0] < w[1]));
+        c.unlink();
+    }
+
+    #[test]
+    fn ring_order_puts_frame_s_in_buffer_s_minus_one_mod_b_and_waits_for_that_buffer() {
+        let name = format!("ring-{}", std::process::id());
+        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
+        let c = Control::create_with_flags(
+            &name,
+            64,
+            4,
+            &tokens,
+            crate::channel::layout::FLAG_RING,
+            &crate::shm::SegmentOptions::new(),
+        )
+        .unwrap();
+        assert!(c.is_ring());
+        let me = c.attach(Delivery::EveryFrame).unwrap();
+        for s in 1..=3u64 {
+            let Claim { index, .. } = c.try_acquire().unwrap();
+            assert_eq!(index as u64, (s - 1) % 3);
+            assert_eq!(c.publish(index, b"").unwrap(), s);
+        }
+        // Frame 4 goes to buffer 0, which the consumer has not received: no buffer, even though
+        // none is held.
+        assert!(c.try_acquire().is_none());
+        let (i, seq, _) = c.try_take(me).unwrap().unwrap();
+        assert_eq!((i, seq), (0, 1));
+        // Held: still none.
+        assert!(c.try_acquire().is_none());
+        c.release(me, i);
+        let claim = c.try_acquire().unwrap();
+        assert_eq!((claim.index, claim.used, claim.old_seq), (0, 1 << me, 1));
+        // Given back unpublished, the ring stays where it was.
+        c.abandon(0);
+        assert_eq!(c.try_acquire().unwrap().index, 0);
         c.unlink();
     }
 
@@ -813,10 +1172,10 @@ mod tests {
     fn every_frame_consumer_gets_every_frame_in_order_and_back_pressure_holds_the_producer() {
         let (p, name) = channel(2);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
         // Two frames fill the pool; a third must wait for the consumer.
         for k in 1..=2u64 {
-            let (i, _) = p.try_acquire().expect("free buffer");
+            let Claim { index: i, .. } = p.try_acquire().expect("free buffer");
             assert_eq!(p.publish(i, &k.to_le_bytes()).unwrap(), k);
         }
         assert!(
@@ -828,7 +1187,7 @@ mod tests {
         // Received but still held: the buffer is not free yet.
         assert!(p.try_acquire().is_none(), "overwrote a held buffer");
         c.release(me, i1);
-        let (i, used) = p.try_acquire().expect("released buffer");
+        let Claim { index: i, used, .. } = p.try_acquire().expect("released buffer");
         assert_eq!(i, i1);
         assert_eq!(
             used,
@@ -850,9 +1209,9 @@ mod tests {
     fn latest_only_consumer_skips_and_counts_dropped_frames_without_holding_the_producer_back() {
         let (p, name) = channel(3);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::LatestOnly, &rel_tokens(3)).unwrap();
+        let me = c.attach(Delivery::LatestOnly).unwrap();
         for k in 1..=10u64 {
-            let (i, _) = p
+            let Claim { index: i, .. } = p
                 .try_acquire()
                 .expect("latest-only must never block the producer");
             p.publish(i, &[]).unwrap();
@@ -863,7 +1222,7 @@ mod tests {
         assert_eq!(p.stats().consumers[0].dropped, 9);
         // While held, the producer keeps going with the other buffers, never this one.
         for _ in 0..10 {
-            let (j, _) = p.try_acquire().unwrap();
+            let Claim { index: j, .. } = p.try_acquire().unwrap();
             assert_ne!(j, i);
             p.publish(j, &[]).unwrap();
         }
@@ -876,19 +1235,19 @@ mod tests {
     fn broadcast_waits_for_the_slowest_every_frame_consumer() {
         let (p, name) = channel(2);
         let c = Control::open(&name).unwrap();
-        let a = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
-        let b = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let a = c.attach(Delivery::EveryFrame).unwrap();
+        let b = c.attach(Delivery::EveryFrame).unwrap();
         assert_ne!(a, b);
-        let (i, _) = p.try_acquire().unwrap();
+        let Claim { index: i, .. } = p.try_acquire().unwrap();
         p.publish(i, &[]).unwrap();
-        let (i, _) = p.try_acquire().unwrap();
+        let Claim { index: i, .. } = p.try_acquire().unwrap();
         p.publish(i, &[]).unwrap();
         let (ia, _, _) = c.try_take(a).unwrap().unwrap();
         c.release(a, ia);
         assert!(p.try_acquire().is_none(), "b has not received frame 1");
         let (ib, _, _) = c.try_take(b).unwrap().unwrap();
         c.release(b, ib);
-        let (_, used) = p.try_acquire().unwrap();
+        let Claim { index: _, used, .. } = p.try_acquire().unwrap();
         assert_eq!(used, (1 << a) | (1 << b));
         p.unlink();
     }
@@ -897,8 +1256,8 @@ mod tests {
     fn dead_consumer_holds_are_released_and_its_slot_reused() {
         let (p, name) = channel(1);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
-        let (i, _) = p.try_acquire().unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
+        let Claim { index: i, .. } = p.try_acquire().unwrap();
         p.publish(i, &[]).unwrap();
         c.try_take(me).unwrap().unwrap();
         assert!(p.try_acquire().is_none());
@@ -911,7 +1270,7 @@ mod tests {
         s.pid.store(pid, Ordering::Relaxed);
         s.start_time.store(st, Ordering::Relaxed);
         assert_eq!(p.reclaim_dead_consumers(), 1);
-        let (_, used) = p
+        let Claim { index: _, used, .. } = p
             .try_acquire()
             .expect("the dead consumer's hold was released");
         assert_eq!(used, 0, "no waiting on a dead consumer's events");
@@ -920,7 +1279,7 @@ mod tests {
             c.try_take(me),
             Err(Error::Channel(super::super::ChannelError::Detached))
         ));
-        let again = c.attach(Delivery::EveryFrame, &rel_tokens(1)).unwrap();
+        let again = c.attach(Delivery::EveryFrame).unwrap();
         assert_eq!(again, me);
         p.unlink();
     }
@@ -929,8 +1288,8 @@ mod tests {
     fn closed_channel_delivers_what_was_published_then_reports_closed() {
         let (p, name) = channel(2);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
-        let (i, _) = p.try_acquire().unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
+        let Claim { index: i, .. } = p.try_acquire().unwrap();
         p.publish(i, &[]).unwrap();
         p.close();
         let (i, _, _) = c
@@ -949,11 +1308,11 @@ mod tests {
     fn a_waiting_consumer_is_woken_by_a_publish_from_another_thread() {
         let (p, name) = channel(2);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(50));
-                let (i, _) = p.try_acquire().unwrap();
+                let Claim { index: i, .. } = p.try_acquire().unwrap();
                 p.publish(i, b"x").unwrap();
             });
             let got = c
@@ -974,9 +1333,9 @@ mod tests {
     fn close_waits_for_frames_published_but_not_yet_received_then_withdraws_them() {
         let (p, name) = channel(2);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
         for _ in 0..2 {
-            let (i, _) = p.try_acquire().unwrap();
+            let Claim { index: i, .. } = p.try_acquire().unwrap();
             p.publish(i, &[]).unwrap();
         }
         p.close();
@@ -999,8 +1358,8 @@ mod tests {
         // After a drain that timed out, frames left are withdrawn, never delivered from freed memory.
         let (p, name) = channel(2);
         let c = Control::open(&name).unwrap();
-        let me = c.attach(Delivery::EveryFrame, &rel_tokens(2)).unwrap();
-        let (i, _) = p.try_acquire().unwrap();
+        let me = c.attach(Delivery::EveryFrame).unwrap();
+        let Claim { index: i, .. } = p.try_acquire().unwrap();
         p.publish(i, &[]).unwrap();
         p.close();
         assert_eq!(p.drain(Duration::from_millis(30)), 0);

@@ -11,6 +11,7 @@
 
 use super::Delivery;
 use super::control::{self, Control};
+use super::handoff::LatencyHistogram;
 use super::layout::{
     self, ConsumerState, META_BYTES, ProducerState, SEQ_EMPTY, UnknownCode, WRITING,
 };
@@ -186,6 +187,11 @@ pub struct ConsumerSnapshot {
     pub holds: Vec<usize>,
     /// Frames published that it has not received or skipped yet: `head - cursor`.
     pub lag: u64,
+    /// How its frames leave: 0 on this host, 1 a bridge sending them to another host
+    /// (`layout::TRANSPORT_*`).
+    pub transport: u32,
+    /// Its hand-offs by latency, publish to take.
+    pub latency: LatencyHistogram,
 }
 
 /// The state of a channel, copied from its control segment.
@@ -242,6 +248,11 @@ pub struct ChannelSnapshot {
     pub buffers: Vec<BufferSnapshot>,
     /// Consumer slots in use, in index order.
     pub consumers: Vec<ConsumerSnapshot>,
+    /// Whether the channel hands buffers out in ring order (`ChannelOptions::ring`).
+    pub ring: bool,
+    /// How its frames arrive: 0 written on this host, 1 a bridge filling it from another host
+    /// (`layout::TRANSPORT_*`).
+    pub transport: u32,
 }
 
 impl ChannelSnapshot {
@@ -294,7 +305,7 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// use cuda_ipc::channel::inspect;
 /// use cuda_ipc::channel::testing::ControlProducer;
 /// let name = format!("doc-inspect-{}", std::process::id());
-/// let tokens = [([0u8; cuda_ipc::token::TOKEN_LEN], [0u8; cuda_ipc::token::TOKEN_LEN])];
+/// let tokens = [[0u8; cuda_ipc::token::TOKEN_LEN]];
 /// let tx = ControlProducer::create(&name, 4096, 2, &tokens)?;
 /// let (i, _) = tx.try_acquire().unwrap();
 /// tx.publish(i, b"frame 1")?;
@@ -342,6 +353,9 @@ pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
         forced_releases: stats.forced_releases,
         buffers,
         consumers,
+        ring: c.is_ring(),
+        // Relaxed: a diagnostic copy.
+        transport: c.header().transport.load(Ordering::Relaxed),
     }
 }
 
@@ -351,7 +365,7 @@ fn buffer_snapshot(c: &Control, i: usize) -> BufferSnapshot {
     // SYNC POINT: publish. Acquire: pairs with the Release store of `seq` in `Control::publish`,
     // as in `try_take`.
     let seq = b.seq.load(Ordering::Acquire);
-    let (mem, _) = c.buffer_tokens(i);
+    let mem = c.buffer_token(i);
     BufferSnapshot {
         index: i,
         state: match seq {
@@ -392,6 +406,8 @@ fn consumer_snapshot(c: &Control, k: usize) -> Option<ConsumerSnapshot> {
         dropped: s.dropped.load(Ordering::Relaxed),
         holds: Vec::new(),
         lag: 0,
+        transport: s.transport.load(Ordering::Relaxed),
+        latency: c.latency(k),
     })
 }
 
@@ -607,7 +623,7 @@ mod tests {
     // so its `ControlProducer` and `ControlConsumer` are not used here.
 
     /// A producer's control segment with buffers of 4096 bytes and room for 4 consumers.
-    fn producer(n: &str, tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])]) -> Control {
+    fn producer(n: &str, tokens: &[[u8; TOKEN_LEN]]) -> Control {
         Control::create(n, 4096, 4, tokens, &SegmentOptions::new()).unwrap()
     }
 
@@ -618,9 +634,9 @@ mod tests {
     }
 
     impl Rx {
-        fn attach(n: &str, delivery: Delivery, release_tokens: &[[u8; TOKEN_LEN]]) -> Rx {
+        fn attach(n: &str, delivery: Delivery) -> Rx {
             let control = Control::open(n).unwrap();
-            let slot = control.attach(delivery, release_tokens).unwrap();
+            let slot = control.attach(delivery).unwrap();
             Rx { control, slot }
         }
         fn take(&self) -> Option<(usize, u64, Vec<u8>)> {
@@ -660,10 +676,10 @@ mod tests {
     #[test]
     fn snapshot_shows_frames_holds_cursors_and_consumers_without_attaching() {
         let n = name("state");
-        let tx = producer(&n, &[(token(1), token(2)), (token(3), token(4))]);
-        let rx = Rx::attach(&n, Delivery::EveryFrame, &[token(5), token(6)]);
+        let tx = producer(&n, &[token(1), token(3)]);
+        let rx = Rx::attach(&n, Delivery::EveryFrame);
         for _ in 0..2 {
-            let (i, _) = tx.try_acquire().unwrap();
+            let i = tx.try_acquire().unwrap().index;
             tx.publish(i, b"meta").unwrap();
         }
         let (held, seq, _) = rx.take().unwrap();
@@ -703,8 +719,8 @@ mod tests {
     #[test]
     fn unknown_policy_and_state_codes_are_reported_as_unknown_not_as_a_known_one() {
         let n = name("codes");
-        let tx = producer(&n, &[(token(1), token(2))]);
-        let rx = Rx::attach(&n, Delivery::LatestOnly, &[token(5)]);
+        let tx = producer(&n, &[token(1)]);
+        let rx = Rx::attach(&n, Delivery::LatestOnly);
         let s = inspect(&n).unwrap();
         let c = &s.consumers[0];
         assert_eq!(c.delivery, Ok(Delivery::LatestOnly));
@@ -736,9 +752,9 @@ mod tests {
     #[test]
     fn release_dead_consumers_leaves_live_ones_alone() {
         let n = name("release");
-        let tx = producer(&n, &[(token(1), token(2))]);
-        let rx = Rx::attach(&n, Delivery::LatestOnly, &[token(5)]);
-        let (i, _) = tx.try_acquire().unwrap();
+        let tx = producer(&n, &[token(1)]);
+        let rx = Rx::attach(&n, Delivery::LatestOnly);
+        let i = tx.try_acquire().unwrap().index;
         tx.publish(i, b"").unwrap();
         let (held, _, _) = rx.take().unwrap();
         // The consumer is alive: nothing to release, its hold stays.

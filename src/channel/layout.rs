@@ -3,8 +3,9 @@
 //! and Python readers; `tests/channel_layout_doc.rs` checks its offset tables against [`FIELDS`].
 //!
 //! The segment, `/dev/shm/cuda-ipc.ch.NAME`: a `Header` at 0, then `buffers` × `BufferSlot`,
-//! then `consumers` × `ConsumerSlot`, then, at the next 4096-byte boundary, the ready page (one
-//! `u32` per buffer). All integers are little-endian and naturally aligned; every field is an
+//! then `consumers` × `ConsumerSlot`, then, at the next 4096-byte boundary, the GPU words: the
+//! ready page (one `u32` per buffer, and the gate words) and the release page (one `u32` per
+//! consumer slot and buffer), which both ends register with the driver. All integers are little-endian and naturally aligned; every field is an
 //! atomic (or, for the token areas, bytes copied through raw pointers), so no Rust reference to
 //! plain bytes another process writes is ever made.
 //!
@@ -18,14 +19,34 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
 /// Layout version; an opener refuses any other, naming both. Version 2 added the ready page;
 /// version 3 the pid namespaces of producer and consumers and the creation generation; version 4
 /// the sleeper counts beside the two futex words (a waker calls `FUTEX_WAKE` only when one is
-/// nonzero, so a waiter of version 3, which does not count itself, would not be woken).
-pub const VERSION: u32 = 4;
+/// nonzero, so a waiter of version 3, which does not count itself, would not be woken); version 5
+/// the release page (release words written by consumers' streams in place of interprocess
+/// events), the gate words, ring order, and fields reserved for monitoring and the remote lane
+/// (publish times, per-consumer latency histograms, transport codes).
+pub const VERSION: u32 = 5;
 /// The header's `stamp` once the creator wrote everything else: `0x52454459` (ASCII `REDY`); 0 before.
 pub const STAMP_READY: u32 = 0x5245_4459;
-/// Size in bytes of the ready page at the end of the segment: one `u32` ready word per buffer, on
-/// a page of its own so that it can be registered with the driver (`cuMemHostRegister`); the page
+/// Size in bytes of the ready page: one `u32` ready word per buffer, then the gate words; on a
+/// page of its own so that it can be registered with the driver (`cuMemHostRegister`); the page
 /// starts at a multiple of this.
 pub const READY_PAGE: usize = 4096;
+/// Size in bytes of the release page, right after the ready page: one `u32` release word per
+/// consumer slot and buffer ([`MAX_CONSUMERS`] × [`MAX_BUFFERS`] × 4 bytes).
+pub const RELEASE_PAGE: usize = 4096;
+/// Bytes of the GPU words at the end of the segment (the ready page, then the release page),
+/// registered with the driver as one range by producer and consumers.
+pub const GPU_WORDS: usize = READY_PAGE + RELEASE_PAGE;
+/// Byte offset, in the ready page, of the gate's state word (`u32`, [`GateState`]): 0 while the
+/// producer publishes; set, with [`GATE_END_OFFSET`], before the ready words of a closed or dead
+/// producer's channel are raised, so that work posted ahead for a frame that never came can tell.
+pub const GATE_STATE_OFFSET: usize = 64;
+/// Byte offset, in the ready page, of the gate's end word (`u32`): the low 32 bits of the
+/// sequence number of the last frame published when the gate closed. A frame `s` came when the
+/// gate's state is 0 or `(int32)(s - end) <= 0`.
+pub const GATE_END_OFFSET: usize = 68;
+/// How far ahead of the last published frame the ready words are raised when the gate closes
+/// (and so how far ahead of it a receive may be posted): 2^30 frames.
+pub const GATE_HORIZON: u32 = 1 << 30;
 /// Most buffers in a pool.
 pub const MAX_BUFFERS: usize = 16;
 /// Most consumers attached at once (one bit each in a 64-bit hold mask).
@@ -34,9 +55,6 @@ pub const MAX_CONSUMERS: usize = 64;
 pub const META_BYTES: usize = 256;
 /// Metadata words (`u64`) per buffer slot.
 pub const META_WORDS: usize = META_BYTES / 8;
-/// Token areas per buffer slot: the memory token, then one that is zero since layout version 2
-/// (it held the producer's event token in version 1).
-pub const BUFFER_TOKENS: usize = 2;
 
 /// `BufferSlot::seq` of a buffer that never held a frame (or whose frame was given up).
 pub const SEQ_EMPTY: u64 = 0;
@@ -49,9 +67,19 @@ pub const SEGMENT_PREFIX: &str = "cuda-ipc.ch.";
 /// Header size in bytes.
 pub const HEADER_SIZE: usize = 136;
 /// Buffer slot size in bytes.
-pub const BUFFER_SLOT_SIZE: usize = 32 + META_BYTES + BUFFER_TOKENS * TOKEN_LEN;
+pub const BUFFER_SLOT_SIZE: usize = 32 + META_BYTES + 2 * TOKEN_LEN;
 /// Consumer slot size in bytes.
-pub const CONSUMER_SLOT_SIZE: usize = 72 + MAX_BUFFERS * TOKEN_LEN;
+pub const CONSUMER_SLOT_SIZE: usize = 512;
+/// Buckets of a consumer's hand-off latency histogram: bucket 0 counts hand-offs under 1 µs,
+/// bucket `k` (1..=30) those of [2^(k-1), 2^k) µs, bucket 31 those of 2^30 µs or more.
+pub const LATENCY_BUCKETS: usize = 32;
+/// Header flag: the channel hands buffers out in ring order (frame `s` in buffer `(s - 1) % B`),
+/// so that receives can be posted ahead.
+pub const FLAG_RING: u32 = 1;
+/// Transport code of a channel or consumer whose frames are written on this host (0).
+pub const TRANSPORT_LOCAL: u32 = 0;
+/// Transport code of a channel a bridge fills from another host's channel (1).
+pub const TRANSPORT_BRIDGED: u32 = 1;
 
 /// Byte offsets of the header's fields (from the start of the segment).
 pub mod header {
@@ -83,14 +111,19 @@ pub mod header {
     pub const PUBLISH_FUTEX: usize = 80;
     /// `u32`: futex word, bumped on every release, cursor move and detach; the producer sleeps on it.
     pub const RELEASE_FUTEX: usize = 84;
-    /// `u64`: frames published.
-    pub const PUBLISHED: usize = 88;
+    /// `u32`: the index of the buffer that holds frame `head`, on `head`'s cache line, so that a
+    /// consumer that wants the newest frame reads one buffer slot instead of every one (a hint:
+    /// it checks that slot's `seq`).
+    pub const HEAD_INDEX: usize = 88;
+    /// `u32`: zero.
+    pub const PAD2: usize = 92;
     /// `u64`: holds the producer released on behalf of dead consumers or at close.
     pub const FORCED_RELEASES: usize = 96;
     /// `u32`: the producer's pid namespace (inode number; 0 when unknown).
     pub const PRODUCER_PID_NS: usize = 104;
-    /// `u32`: zero.
-    pub const PAD: usize = 108;
+    /// `u32`: how the channel's frames arrive: [`super::TRANSPORT_LOCAL`] or
+    /// [`super::TRANSPORT_BRIDGED`].
+    pub const TRANSPORT: usize = 108;
     /// `u64`: creation generation, random and nonzero.
     pub const GENERATION: usize = 112;
     /// `u32`: waiters counted as (about to be) asleep on [`PUBLISH_FUTEX`]; a bump of the word
@@ -98,8 +131,10 @@ pub mod header {
     pub const PUBLISH_SLEEPERS: usize = 120;
     /// `u32`: waiters counted as (about to be) asleep on [`RELEASE_FUTEX`], as [`PUBLISH_SLEEPERS`].
     pub const RELEASE_SLEEPERS: usize = 124;
-    /// 8 bytes: zero.
-    pub const RESERVED: usize = 128;
+    /// `u32`: flags written at creation ([`super::FLAG_RING`]).
+    pub const FLAGS: usize = 128;
+    /// 4 bytes: zero.
+    pub const RESERVED: usize = 132;
 }
 
 /// Byte offsets of a buffer slot's fields (from the start of the slot).
@@ -113,14 +148,15 @@ pub mod buffer {
     pub const USED_MASK: usize = 16;
     /// `u32`: bytes of metadata of its frame, at most [`super::META_BYTES`].
     pub const META_LEN: usize = 24;
-    /// `u32`: zero.
-    pub const PAD: usize = 28;
+    /// `u32`: when its frame was published: `CLOCK_MONOTONIC` µs, low 32 bits (wraps every 71
+    /// minutes; latencies are wrapping differences). On the slot's first cache line, with `seq`.
+    pub const PUBLISH_US: usize = 28;
     /// [`super::META_BYTES`] bytes: the frame's metadata, as [`super::META_WORDS`] `u64` words.
     pub const META: usize = 32;
     /// [`crate::token::TOKEN_LEN`] bytes: the buffer's memory token.
     pub const MEMORY_TOKEN: usize = META + super::META_BYTES;
-    /// [`crate::token::TOKEN_LEN`] bytes: zero since layout version 2.
-    pub const SECOND_TOKEN: usize = MEMORY_TOKEN + crate::token::TOKEN_LEN;
+    /// The rest of the slot ([`crate::token::TOKEN_LEN`] bytes): zero.
+    pub const RESERVED: usize = MEMORY_TOKEN + crate::token::TOKEN_LEN;
 }
 
 /// Byte offsets of a consumer slot's fields (from the start of the slot).
@@ -145,9 +181,18 @@ pub mod consumer {
     pub const RECEIVED: usize = 56;
     /// `u64`: frames skipped.
     pub const DROPPED: usize = 64;
-    /// [`super::MAX_BUFFERS`] × [`crate::token::TOKEN_LEN`] bytes: its release-event token per
-    /// buffer (only the first `buffers` are used).
-    pub const TOKENS: usize = 72;
+    /// `u32`: how this consumer's frames leave: [`super::TRANSPORT_LOCAL`], or
+    /// [`super::TRANSPORT_BRIDGED`] for a bridge that sends them to another host.
+    pub const TRANSPORT: usize = 72;
+    /// `u32`: zero.
+    pub const PAD: usize = 76;
+    /// [`super::LATENCY_BUCKETS`] × `u64`: hand-offs by latency, publish to take (see
+    /// [`super::LATENCY_BUCKETS`] for the buckets), written by the consumer alone.
+    pub const LATENCY: usize = 80;
+    /// `u64`: the sum of the latencies counted, µs.
+    pub const LATENCY_SUM_US: usize = LATENCY + 8 * super::LATENCY_BUCKETS;
+    /// The rest of the slot: zero.
+    pub const RESERVED: usize = LATENCY_SUM_US + 8;
 }
 
 /// One field of the layout: where it is and how long, for the layout doc's test.
@@ -181,14 +226,16 @@ pub const HEADER_FIELDS: &[Field] = &[
     f("head", header::HEAD, 8),
     f("publish_futex", header::PUBLISH_FUTEX, 4),
     f("release_futex", header::RELEASE_FUTEX, 4),
-    f("published", header::PUBLISHED, 8),
+    f("head_index", header::HEAD_INDEX, 4),
+    f("reserved", header::PAD2, 4),
     f("forced_releases", header::FORCED_RELEASES, 8),
     f("producer_pid_ns", header::PRODUCER_PID_NS, 4),
-    f("reserved", header::PAD, 4),
+    f("transport", header::TRANSPORT, 4),
     f("generation", header::GENERATION, 8),
     f("publish_sleepers", header::PUBLISH_SLEEPERS, 4),
     f("release_sleepers", header::RELEASE_SLEEPERS, 4),
-    f("reserved", header::RESERVED, 8),
+    f("flags", header::FLAGS, 4),
+    f("reserved", header::RESERVED, 4),
 ];
 
 /// A buffer slot's fields, in order; they cover its [`BUFFER_SLOT_SIZE`] bytes without gaps.
@@ -197,10 +244,10 @@ pub const BUFFER_FIELDS: &[Field] = &[
     f("hold_mask", buffer::HOLD_MASK, 8),
     f("used_mask", buffer::USED_MASK, 8),
     f("meta_len", buffer::META_LEN, 4),
-    f("reserved", buffer::PAD, 4),
+    f("publish_us", buffer::PUBLISH_US, 4),
     f("meta", buffer::META, META_BYTES),
     f("memory_token", buffer::MEMORY_TOKEN, TOKEN_LEN),
-    f("reserved", buffer::SECOND_TOKEN, TOKEN_LEN),
+    f("reserved", buffer::RESERVED, TOKEN_LEN),
 ];
 
 /// A consumer slot's fields, in order; they cover its [`CONSUMER_SLOT_SIZE`] bytes without gaps.
@@ -215,7 +262,15 @@ pub const CONSUMER_FIELDS: &[Field] = &[
     f("cursor", consumer::CURSOR, 8),
     f("received", consumer::RECEIVED, 8),
     f("dropped", consumer::DROPPED, 8),
-    f("release_tokens", consumer::TOKENS, MAX_BUFFERS * TOKEN_LEN),
+    f("transport", consumer::TRANSPORT, 4),
+    f("reserved", consumer::PAD, 4),
+    f("latency", consumer::LATENCY, 8 * LATENCY_BUCKETS),
+    f("latency_sum_us", consumer::LATENCY_SUM_US, 8),
+    f(
+        "reserved",
+        consumer::RESERVED,
+        CONSUMER_SLOT_SIZE - consumer::RESERVED,
+    ),
 ];
 
 /// The areas of the layout and their fields: (name as in docs/channel-layout.md, size, fields).
@@ -240,9 +295,16 @@ pub const fn consumer_offset(buffers: usize, c: usize) -> usize {
     buffer_offset(buffers) + c * CONSUMER_SLOT_SIZE
 }
 
-/// Offset of the ready page: the end of the consumer slots, rounded up to [`READY_PAGE`].
+/// Offset of the ready page (the start of the GPU words): the end of the consumer slots, rounded
+/// up to [`READY_PAGE`].
 pub const fn ready_offset(buffers: usize, consumers: usize) -> usize {
     consumer_offset(buffers, consumers).next_multiple_of(READY_PAGE)
+}
+
+/// Offset of the release word of consumer slot `c` and buffer `i` from the start of the GPU
+/// words (the ready page): in the release page, at 4 × (16 `c` + `i`).
+pub const fn release_word_offset(c: usize, i: usize) -> usize {
+    READY_PAGE + (c * MAX_BUFFERS + i) * READY_WORD_SIZE
 }
 
 /// Size in bytes of one ready word (a `u32`); buffer `i`'s is at [`READY_WORD_SIZE`] × `i` in
@@ -254,9 +316,63 @@ pub const fn ready_word_offset(i: usize) -> usize {
     i * READY_WORD_SIZE
 }
 
-/// Bytes of the whole segment (the header's `segment_bytes`): the ready page's end.
+/// Bytes of the whole segment (the header's `segment_bytes`): the release page's end.
 pub const fn segment_len(buffers: usize, consumers: usize) -> usize {
-    ready_offset(buffers, consumers) + READY_PAGE
+    ready_offset(buffers, consumers) + GPU_WORDS
+}
+
+/// The latency bucket of a hand-off that took `us` µs (see [`LATENCY_BUCKETS`]).
+#[inline]
+pub const fn latency_bucket(us: u64) -> usize {
+    if us == 0 {
+        0
+    } else {
+        let k = 64 - us.leading_zeros() as usize;
+        if k < LATENCY_BUCKETS - 1 {
+            k
+        } else {
+            LATENCY_BUCKETS - 1
+        }
+    }
+}
+
+/// The gate's state word (in the ready page, at [`GATE_STATE_OFFSET`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GateState {
+    /// The producer publishes (code 0).
+    Open,
+    /// The producer closed the channel (code 1).
+    Closed,
+    /// The producer died; a consumer closed the gate for it (code 2).
+    ProducerGone,
+}
+
+impl GateState {
+    /// The state's code.
+    pub const fn to_wire(self) -> u32 {
+        match self {
+            GateState::Open => 0,
+            GateState::Closed => 1,
+            GateState::ProducerGone => 2,
+        }
+    }
+
+    /// The state stored as `code`.
+    ///
+    /// # Errors
+    /// [`UnknownCode`] for any other code.
+    pub const fn from_wire(code: u32) -> Result<Self, UnknownCode> {
+        match code {
+            0 => Ok(GateState::Open),
+            1 => Ok(GateState::Closed),
+            2 => Ok(GateState::ProducerGone),
+            _ => Err(UnknownCode {
+                field: "gate state",
+                code,
+            }),
+        }
+    }
 }
 
 /// A stored code that this build does not know: the field it was read from and its value.
@@ -336,6 +452,9 @@ pub enum ConsumerState {
     /// Attached: every field written (code 2).
     #[cfg_attr(feature = "serde", serde(rename = "attached"))]
     Active,
+    /// Being freed, by the consumer detaching or by a reclaimer of a dead consumer's slot (code 3).
+    #[cfg_attr(feature = "serde", serde(rename = "leaving"))]
+    Leaving,
 }
 
 impl ConsumerState {
@@ -345,6 +464,7 @@ impl ConsumerState {
             ConsumerState::Free => 0,
             ConsumerState::Claiming => 1,
             ConsumerState::Active => 2,
+            ConsumerState::Leaving => 3,
         }
     }
 
@@ -357,6 +477,7 @@ impl ConsumerState {
             0 => Ok(ConsumerState::Free),
             1 => Ok(ConsumerState::Claiming),
             2 => Ok(ConsumerState::Active),
+            3 => Ok(ConsumerState::Leaving),
             _ => Err(UnknownCode {
                 field: "consumer state",
                 code,
@@ -411,6 +532,7 @@ impl ProducerState {
 pub(crate) const FREE: u32 = ConsumerState::Free.to_wire();
 pub(crate) const CLAIMING: u32 = ConsumerState::Claiming.to_wire();
 pub(crate) const ACTIVE: u32 = ConsumerState::Active.to_wire();
+pub(crate) const LEAVING: u32 = ConsumerState::Leaving.to_wire();
 /// The producer state code of a closed channel.
 pub(crate) const CLOSED: u32 = ProducerState::Closed.to_wire();
 /// Policy codes.
@@ -438,11 +560,14 @@ pub(crate) struct Header {
     pub(crate) publish_futex: AtomicU32,
     /// Bumped on every release, cursor move and detach; the producer sleeps on it.
     pub(crate) release_futex: AtomicU32,
-    pub(crate) published: AtomicU64,
+    /// The buffer index of frame `head` (a hint).
+    pub(crate) head_index: AtomicU32,
+    pub(crate) _pad2: AtomicU32,
     pub(crate) forced_releases: AtomicU64,
     /// The producer's pid namespace (inode number), so its pid is read in the right namespace.
     pub(crate) producer_pid_ns: AtomicU32,
-    pub(crate) _pad: AtomicU32,
+    /// [`TRANSPORT_LOCAL`] or [`TRANSPORT_BRIDGED`].
+    pub(crate) transport: AtomicU32,
     /// Random, nonzero, written once at creation: tells a segment recreated under the same name
     /// apart from the one a process mapped.
     pub(crate) generation: AtomicU64,
@@ -450,7 +575,9 @@ pub(crate) struct Header {
     pub(crate) publish_sleepers: AtomicU32,
     /// Waiters counted as asleep on `release_futex` (the producer); see `wait::WakeWord`.
     pub(crate) release_sleepers: AtomicU32,
-    pub(crate) _reserved: AtomicU64,
+    /// [`FLAG_RING`]; written at creation.
+    pub(crate) flags: AtomicU32,
+    pub(crate) _reserved: AtomicU32,
 }
 
 /// One buffer of the pool (see [`buffer`]).
@@ -464,11 +591,12 @@ pub(crate) struct BufferSlot {
     /// waits on their release events.
     pub(crate) used_mask: AtomicU64,
     pub(crate) meta_len: AtomicU32,
-    pub(crate) _pad: AtomicU32,
+    /// `CLOCK_MONOTONIC` µs (low 32 bits) of its frame's publish.
+    pub(crate) publish_us: AtomicU32,
     pub(crate) meta: [AtomicU64; META_WORDS],
-    /// Token of the buffer memory, then a second token area, zero since layout version 2
-    /// (immutable after creation).
-    pub(crate) tokens: [u8; BUFFER_TOKENS * TOKEN_LEN],
+    /// Token of the buffer memory (immutable after creation).
+    pub(crate) tokens: [u8; TOKEN_LEN],
+    pub(crate) _reserved: [u8; TOKEN_LEN],
 }
 
 /// One consumer slot (see [`consumer`]).
@@ -487,8 +615,14 @@ pub(crate) struct ConsumerSlot {
     pub(crate) cursor: AtomicU64,
     pub(crate) received: AtomicU64,
     pub(crate) dropped: AtomicU64,
-    /// The consumer's release-event tokens, one per buffer, written while claiming.
-    pub(crate) tokens: [u8; MAX_BUFFERS * TOKEN_LEN],
+    /// [`TRANSPORT_LOCAL`] or [`TRANSPORT_BRIDGED`].
+    pub(crate) transport: AtomicU32,
+    pub(crate) _pad: AtomicU32,
+    /// Hand-offs by latency bucket ([`latency_bucket`]); only the consumer writes them.
+    pub(crate) latency: [AtomicU64; LATENCY_BUCKETS],
+    /// Sum of the latencies counted, µs.
+    pub(crate) latency_sum_us: AtomicU64,
+    pub(crate) _reserved: [u8; CONSUMER_SLOT_SIZE - consumer::RESERVED],
 }
 
 /// Whether `fields` cover `size` bytes in order, each starting where the one before ended.
@@ -514,9 +648,13 @@ const _: () = assert!(contiguous(BUFFER_FIELDS, BUFFER_SLOT_SIZE));
 const _: () = assert!(contiguous(CONSUMER_FIELDS, CONSUMER_SLOT_SIZE));
 const _: () = assert!(HEADER_SIZE.is_multiple_of(8) && BUFFER_SLOT_SIZE.is_multiple_of(8));
 const _: () = assert!(CONSUMER_SLOT_SIZE.is_multiple_of(8));
-const _: () = assert!(MAX_CONSUMERS <= 64 && ready_word_offset(MAX_BUFFERS) <= READY_PAGE);
+const _: () = assert!(MAX_CONSUMERS <= 64 && ready_word_offset(MAX_BUFFERS) <= GATE_STATE_OFFSET);
+const _: () =
+    assert!(GATE_END_OFFSET == GATE_STATE_OFFSET + 4 && GATE_END_OFFSET + 4 <= READY_PAGE);
+const _: () = assert!(release_word_offset(MAX_CONSUMERS - 1, MAX_BUFFERS - 1) + 4 == GPU_WORDS);
+const _: () = assert!(consumer::RESERVED <= CONSUMER_SLOT_SIZE);
 const _: () = assert!(header::STAMP == 12 && header::MAGIC == 0 && header::VERSION == 8);
-const _: () = assert!(HEADER_SIZE == 136 && BUFFER_SLOT_SIZE == 576 && CONSUMER_SLOT_SIZE == 2376);
+const _: () = assert!(HEADER_SIZE == 136 && BUFFER_SLOT_SIZE == 576 && CONSUMER_SLOT_SIZE == 512);
 // Each sleeper count is a naturally aligned u32 (a single atomic word for every reader).
 const _: () = assert!(header::PUBLISH_SLEEPERS.is_multiple_of(4));
 const _: () = assert!(header::RELEASE_SLEEPERS == header::PUBLISH_SLEEPERS + 4);
@@ -543,13 +681,18 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, head) == header::HEAD);
     const _: () = assert!(offset_of!(Header, publish_futex) == header::PUBLISH_FUTEX);
     const _: () = assert!(offset_of!(Header, release_futex) == header::RELEASE_FUTEX);
-    const _: () = assert!(offset_of!(Header, published) == header::PUBLISHED);
+    const _: () = assert!(offset_of!(Header, head_index) == header::HEAD_INDEX);
+    const _: () = assert!(
+        header::HEAD_INDEX / 64 == header::HEAD / 64,
+        "one cache line"
+    );
     const _: () = assert!(offset_of!(Header, forced_releases) == header::FORCED_RELEASES);
     const _: () = assert!(offset_of!(Header, producer_pid_ns) == header::PRODUCER_PID_NS);
-    const _: () = assert!(offset_of!(Header, _pad) == header::PAD);
+    const _: () = assert!(offset_of!(Header, transport) == header::TRANSPORT);
     const _: () = assert!(offset_of!(Header, generation) == header::GENERATION);
     const _: () = assert!(offset_of!(Header, publish_sleepers) == header::PUBLISH_SLEEPERS);
     const _: () = assert!(offset_of!(Header, release_sleepers) == header::RELEASE_SLEEPERS);
+    const _: () = assert!(offset_of!(Header, flags) == header::FLAGS);
     const _: () = assert!(offset_of!(Header, _reserved) == header::RESERVED);
 
     const _: () = assert!(size_of::<BufferSlot>() == BUFFER_SLOT_SIZE);
@@ -558,9 +701,10 @@ mod asserts {
     const _: () = assert!(offset_of!(BufferSlot, hold_mask) == buffer::HOLD_MASK);
     const _: () = assert!(offset_of!(BufferSlot, used_mask) == buffer::USED_MASK);
     const _: () = assert!(offset_of!(BufferSlot, meta_len) == buffer::META_LEN);
-    const _: () = assert!(offset_of!(BufferSlot, _pad) == buffer::PAD);
+    const _: () = assert!(offset_of!(BufferSlot, publish_us) == buffer::PUBLISH_US);
     const _: () = assert!(offset_of!(BufferSlot, meta) == buffer::META);
     const _: () = assert!(offset_of!(BufferSlot, tokens) == buffer::MEMORY_TOKEN);
+    const _: () = assert!(offset_of!(BufferSlot, _reserved) == buffer::RESERVED);
 
     const _: () = assert!(size_of::<ConsumerSlot>() == CONSUMER_SLOT_SIZE);
     const _: () = assert!(align_of::<ConsumerSlot>() == 8);
@@ -574,7 +718,9 @@ mod asserts {
     const _: () = assert!(offset_of!(ConsumerSlot, cursor) == consumer::CURSOR);
     const _: () = assert!(offset_of!(ConsumerSlot, received) == consumer::RECEIVED);
     const _: () = assert!(offset_of!(ConsumerSlot, dropped) == consumer::DROPPED);
-    const _: () = assert!(offset_of!(ConsumerSlot, tokens) == consumer::TOKENS);
+    const _: () = assert!(offset_of!(ConsumerSlot, transport) == consumer::TRANSPORT);
+    const _: () = assert!(offset_of!(ConsumerSlot, latency) == consumer::LATENCY);
+    const _: () = assert!(offset_of!(ConsumerSlot, latency_sum_us) == consumer::LATENCY_SUM_US);
 }
 
 #[cfg(test)]
@@ -591,6 +737,7 @@ mod tests {
             ConsumerState::Free,
             ConsumerState::Claiming,
             ConsumerState::Active,
+            ConsumerState::Leaving,
         ] {
             assert_eq!(ConsumerState::from_wire(s.to_wire()), Ok(s));
         }
@@ -600,7 +747,7 @@ mod tests {
         let e = Delivery::from_wire(7).unwrap_err();
         assert_eq!((e.field, e.code), ("policy", 7));
         assert_eq!(e.to_string(), "unknown policy code 7");
-        assert!(ConsumerState::from_wire(3).is_err());
+        assert!(ConsumerState::from_wire(4).is_err());
         assert!(ProducerState::from_wire(u32::MAX).is_err());
     }
 
@@ -609,8 +756,28 @@ mod tests {
         assert_eq!(buffer_offset(0), 136);
         assert_eq!(consumer_offset(2, 0), 136 + 2 * 576);
         assert_eq!(ready_offset(1, 1), 4096);
-        assert_eq!(segment_len(16, 64), ready_offset(16, 64) + 4096);
+        assert_eq!(segment_len(16, 64), ready_offset(16, 64) + 8192);
+        assert_eq!(release_word_offset(0, 0), 4096);
+        assert_eq!(release_word_offset(1, 2), 4096 + 4 * 18);
         assert_eq!(ready_offset(16, 64) % READY_PAGE, 0);
         assert_eq!(STAMP_READY.to_le_bytes(), *b"YDER");
+    }
+
+    #[test]
+    fn latency_buckets_are_log2_microseconds() {
+        assert_eq!(latency_bucket(0), 0);
+        assert_eq!(latency_bucket(1), 1);
+        assert_eq!(latency_bucket(2), 2);
+        assert_eq!(latency_bucket(3), 2);
+        assert_eq!(latency_bucket(4), 3);
+        assert_eq!(latency_bucket(1023), 10);
+        assert_eq!(latency_bucket(1 << 29), 30);
+        assert_eq!(latency_bucket((1 << 30) - 1), 30);
+        assert_eq!(latency_bucket(1 << 30), 31);
+        assert_eq!(latency_bucket(u64::MAX), 31);
+        for g in [GateState::Open, GateState::Closed, GateState::ProducerGone] {
+            assert_eq!(GateState::from_wire(g.to_wire()), Ok(g));
+        }
+        assert!(GateState::from_wire(3).is_err());
     }
 }

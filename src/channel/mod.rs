@@ -2,26 +2,33 @@
 //! buffers to one or more [`Consumer`] processes with zero copies, each in its own CUDA context.
 //!
 //! Owns: the pool, the hand-off protocol (control segment, holds, releases, delivery policies,
-//! dead-peer recovery) and its GPU side (stream-ordered hand-off through ready words, release through IPC events).
+//! dead-peer recovery) and its GPU side: stream-ordered both ways through words in the control
+//! segment that the streams write and wait on (stream memory operations), with no IPC events.
 //! Built on [`crate::ipc`], [`crate::driver`] and [`crate::raw::shm`]; it never changes those layers.
 //!
 //! One hand-off:
-//! 1. the producer [`acquires`](Producer::acquire) a free buffer once the release events of the
-//!    consumers that last read it completed, so the write cannot overtake their kernels (checked on
-//!    the host: a stream wait on another process's event would block for good if that process died);
+//! 1. the producer [`acquires`](Producer::acquire) a free buffer (no consumer holds it, every
+//!    every-frame consumer received its frame); if the consumers that last read it may still be
+//!    reading it on their GPUs, the producer's stream waits for their release words
+//!    (`cuStreamWaitValue32`): its host never blocks on their work;
 //! 2. it enqueues its GPU work on [`Producer::stream`] and [`publishes`](WriteFrame::publish) with up
 //!    to [`META_BYTES`] of metadata: the sequence number is bumped and the producer's stream then
-//!    writes the buffer's ready word, a `u32` in the control segment's page registered with the
-//!    driver;
+//!    writes the buffer's ready word (`cuStreamWriteValue32`);
 //! 3. a consumer's [`recv`](Consumer::recv) returns a [`Frame`] whose ready word its stream already
-//!    waits for (`cuStreamWaitValue32`, no host synchronisation); it enqueues its own kernels on
-//!    [`Consumer::stream`]. If the producer dies before its write finished, the consumer marks the
-//!    word ready itself so its stream drains (a wait on a dead process's IPC event never ends);
-//! 4. dropping the frame records the consumer's release event and ends its hold.
+//!    waits for (no host synchronisation); it enqueues its own kernels on [`Consumer::stream`];
+//! 4. dropping the frame enqueues the write of its release word on the consumer's stream and ends
+//!    its hold.
 //!
-//! A consumer that dies has its holds released by the producer within about 20 ms of the producer
-//! needing the buffer; consumers of a producer that dies get [`Error::ProducerGone`] within about
-//! 20 ms; [`Producer::close`] waits (bounded) for outstanding holds and reports the ones it forced.
+//! In ring order ([`ChannelOptions::ring`]) frame `s` always lands in buffer `(s - 1) % B`, so an
+//! every-frame consumer can [`post`](Consumer::post) its receives ahead: its stream waits on the
+//! GPU for frames not yet published, and their kernels start as the producer's write ends.
+//!
+//! Dead peers: the driver never completes the work of a process that died, so a stream waiting for
+//! a dead peer's word would wait for good. Each end's watchdog thread writes a dead peer's words
+//! within about 20 ms (a consumer closes a dead producer's gate, raising every ready word; a
+//! producer frees a dead consumer's slot, raising its release words), and consumers of a producer
+//! that dies get [`Error::ProducerGone`]; [`Producer::close`] waits (bounded) for outstanding
+//! holds and reports the ones it forced.
 //!
 //! [`Error::ProducerGone`]: crate::Error::ProducerGone
 
@@ -40,13 +47,15 @@ mod producer;
 #[doc(hidden)]
 pub mod testing;
 mod wait;
+mod watchdog;
 
-pub use consumer::{Consumer, Frame};
+pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub use control::MAX_CHANNEL_NAME;
 pub use error::ChannelError;
-pub use handoff::{ChannelStats, ConsumerStats};
+pub use handoff::{ChannelStats, ConsumerStats, LatencyHistogram};
 pub use layout::{
-    ConsumerState, Delivery, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES, ProducerState, UnknownCode,
+    ConsumerState, Delivery, GateState, LATENCY_BUCKETS, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES,
+    ProducerState, UnknownCode,
 };
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
 pub use producer::{ChannelBuffer, Producer, ShutdownReport, WriteFrame};

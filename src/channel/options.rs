@@ -51,6 +51,14 @@ pub struct ChannelOptions {
     pub group_access: bool,
     /// Which kind of exportable memory the pool is made of; default [`MemoryKind::Auto`].
     pub memory: MemoryKind,
+    /// Hand buffers out in ring order: frame `s` always lands in buffer `(s - 1) % buffers`, so
+    /// every-frame consumers can post their receives ahead ([`Consumer::post`]). The producer
+    /// then waits for the next buffer of the ring even when another one is free (a latest-only
+    /// consumer's hold, or an every-frame consumer behind by `buffers` frames, holds it back);
+    /// default off (the oldest free buffer).
+    ///
+    /// [`Consumer::post`]: super::Consumer::post
+    pub ring: bool,
 }
 
 /// The kind of exportable memory a channel's pool is made of.
@@ -98,6 +106,20 @@ impl ChannelOptions {
             wait: WaitStrategy::default(),
             group_access: false,
             memory: MemoryKind::Auto,
+            ring: false,
+        }
+    }
+    /// Sets ring order (see [`ChannelOptions::ring`]).
+    pub fn ring(mut self, on: bool) -> Self {
+        self.ring = on;
+        self
+    }
+    /// The control header's flags for these options.
+    pub(super) fn flags(&self) -> u32 {
+        if self.ring {
+            super::layout::FLAG_RING
+        } else {
+            0
         }
     }
     /// Gives the control segment group access (see [`ChannelOptions::group_access`]).

@@ -4,24 +4,22 @@
 #[cfg(doc)]
 use super::ChannelError;
 use super::control::{self, Control};
+use super::handoff::Claim;
 use super::host::HostPool;
 use super::layout;
-use super::options::{HOST_NO_GPU, LIVENESS_CHECK, check_options, no_host_bytes, reserve_quota};
+use super::options::{HOST_NO_GPU, check_options, no_host_bytes, reserve_quota};
+use super::watchdog::Watchdog;
 use super::{ChannelOptions, ChannelStats, META_BYTES, MemoryKind, WaitStrategy};
 use crate::driver::{Context, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream, Uuid};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
-use crate::identity::{Liveness, ProcessIdentity};
-use crate::ipc::{IpcEvent, MemPool, PoolBuffer, VmmBuffer};
+use crate::identity::ProcessIdentity;
+use crate::ipc::{MemPool, PoolBuffer, VmmBuffer};
 use crate::quota::Reservation;
 use crate::shm::SegmentOptions;
-use crate::token::{TOKEN_LEN, Token};
+use crate::token::Token;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// How long a producer waiting for a consumer's GPU work polls its release event before sleeping
-/// between polls.
-const SPIN: Duration = Duration::from_micros(50);
 
 /// One buffer of a producer's pool: legacy, VMM or memory-pool memory. Use it through
 /// [`DeviceMemory`].
@@ -113,11 +111,14 @@ pub struct ShutdownReport {
 /// ```
 pub struct Producer {
     // Drop order: the control segment is closed and drained (in Drop, which also drains the stream)
-    // before the ready page is unregistered, then the segment unmapped, then the host pool
-    // unmapped or the buffers and events freed, and those before the stream and context.
-    /// `None` for a host channel.
+    // and the watchdog stopped before the GPU words are unregistered, then the segment unmapped,
+    // then the host pool unmapped or the buffers freed, and those before the stream and context.
+    /// Frees dead consumers' slots (raising their release words) while the producer's own thread
+    /// is busy; `None` for a host channel (no stream waits on a consumer).
+    _watchdog: Option<Watchdog>,
+    /// The GPU words' registration; `None` for a host channel.
     ready: Option<HostRegistration>,
-    control: Control,
+    control: Arc<Control>,
     /// The pool of a host channel ([`MemoryKind::Host`]).
     host: Option<HostPool>,
     name: String,
@@ -133,10 +134,8 @@ pub struct Producer {
 
 /// A producer's GPU side.
 struct GpuPool {
-    // Drop order: buffers and events before the stream and context.
+    // Drop order: buffers before the stream and context.
     buffers: Vec<ChannelBuffer>,
-    /// Per consumer slot: (generation, identity, release events) of the consumer last seen there.
-    consumer_events: Vec<Option<(u64, ProcessIdentity, Vec<IpcEvent>)>>,
     /// Orders the producer's stream after other streams ([`WriteFrame::publish_after`]); locked
     /// from record to wait, so two threads never cross their records.
     join: std::sync::Mutex<Event>,
@@ -153,9 +152,11 @@ impl std::fmt::Debug for Producer {
 }
 
 impl Producer {
-    /// Creates channel `name` in `ctx`: allocates the pool (`cuMemAlloc` or `cuMemCreate` by
-    /// [`ChannelOptions::memory`], exported), one IPC event per buffer, and the control segment
-    /// `/dev/shm/cuda-ipc.ch.NAME`. A segment left by a dead producer is replaced.
+    /// Creates channel `name` in `ctx`: allocates the pool (`cuMemAlloc`, `cuMemCreate` or a
+    /// memory pool by [`ChannelOptions::memory`], exported) and the control segment
+    /// `/dev/shm/cuda-ipc.ch.NAME`, whose GPU words it registers with the driver
+    /// (`cuMemHostRegister`), and starts the watchdog thread that frees dead consumers' slots. A
+    /// segment left by a dead producer is replaced.
     ///
     /// # Errors
     /// [`ChannelError::OverQuota`] past the producer's own cap ([`ChannelOptions::quota_bytes`]);
@@ -219,13 +220,14 @@ impl Producer {
         let pool = HostPool::create(name, opts.buffers, opts.buffer_bytes, &seg_opts)?;
         let me = ProcessIdentity::current()?;
         let tokens: Vec<_> = (0..opts.buffers)
-            .map(|i| (pool.token(i, me).to_bytes(), [0u8; TOKEN_LEN]))
+            .map(|i| pool.token(i, me).to_bytes())
             .collect();
-        let control = match Control::create(
+        let control = match Control::create_with_flags(
             name,
             opts.buffer_bytes as u64,
             opts.max_consumers,
             &tokens,
+            opts.flags(),
             &seg_opts,
         ) {
             Ok(c) => c,
@@ -236,8 +238,9 @@ impl Producer {
             }
         };
         Ok(Producer {
+            _watchdog: None,
             ready: None,
-            control,
+            control: Arc::new(control),
             host: Some(pool),
             name: name.to_string(),
             gpu: None,
@@ -272,27 +275,36 @@ impl Producer {
         for _ in 0..opts.buffers {
             // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
             let b = ChannelBuffer::new(ctx, kind, opts.buffer_bytes, pool.as_ref())?;
-            // The second token area is reserved (the producer's event in layout version 1) and
-            // stays zero: readiness travels through the ready page.
-            tokens.push((b.export()?.to_bytes(), [0u8; TOKEN_LEN]));
+            tokens.push(b.export()?.to_bytes());
             buffers.push(b);
         }
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
-        let control = Control::create(
+        let control = Control::create_with_flags(
             name,
             opts.buffer_bytes as u64,
             opts.max_consumers,
             &tokens,
+            opts.flags(),
             &seg_opts,
         )?;
-        let (page, len) = control.ready_page();
-        // SAFETY: the ready page lies in the control segment's mapping, which `control` keeps until
+        let (page, len) = control.gpu_words();
+        // SAFETY: the GPU words lie in the control segment's mapping, which `control` keeps until
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
+        let join = std::sync::Mutex::new(Event::new(ctx)?);
+        let control = Arc::new(control);
+        let watched = control.clone();
         Ok(Producer {
+            _watchdog: Some(Watchdog::start(
+                "cuda-ipc-producer-watchdog",
+                "a dead consumer is noticed when the producer next waits for a buffer",
+                move || {
+                    watched.reclaim_dead_consumers();
+                    true
+                },
+            )),
             gpu: Some(GpuPool {
-                consumer_events: (0..control.consumer_capacity()).map(|_| None).collect(),
-                join: std::sync::Mutex::new(Event::new(ctx)?),
+                join,
                 buffers,
                 stream,
                 ctx: ctx.clone(),
@@ -345,17 +357,20 @@ impl Producer {
     }
 
     /// Takes a free buffer to write, waiting up to `timeout` (`None`: forever) while consumers still
-    /// hold every buffer or every-frame consumers have not received them, and then until the GPU
-    /// work of the consumers that last read the buffer finished (their release events, checked on the
-    /// host; a consumer that died is not waited for).
+    /// hold every buffer or every-frame consumers have not received them (in ring order,
+    /// [`ChannelOptions::ring`], the next buffer of the ring). If the consumers that last read the
+    /// buffer may still be reading it on their GPUs, the producer's stream waits for their release
+    /// words (`cuStreamWaitValue32`) before the work enqueued next: the calling thread never waits
+    /// for consumers' GPU work, and work on other streams must be ordered after the producer's
+    /// stream ([`WriteFrame::ready_on`]). A consumer that dies meanwhile has its words written by
+    /// the producer's watchdog within about 20 ms.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when no buffer freed up in time, or its readers' GPU work did not finish in
-    /// time (the buffer is given back); CUDA errors from querying the release events.
+    /// [`Error::Timeout`] when no buffer freed up in time; [`Error::Cuda`] naming
+    /// `cuStreamWaitValue32_v2` (the buffer is given back).
     pub fn acquire(&mut self, timeout: Option<Duration>) -> Result<WriteFrame<'_>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
         match self.control.acquire(self.wait, timeout)? {
-            Some((i, used)) => self.start_write(i, used, deadline, timeout),
+            Some(claim) => self.start_write(claim),
             None => Err(Error::Timeout {
                 what: "a free buffer",
                 after: timeout.unwrap_or_default(),
@@ -363,118 +378,47 @@ impl Producer {
         }
     }
 
-    /// Takes a free buffer if one is free now, and its last readers' GPU work on it has finished
-    /// (waiting for that work without a bound, as [`Producer::acquire`] with no timeout).
+    /// Takes a free buffer if one is free now (as [`Producer::acquire`], without waiting).
     ///
     /// # Errors
-    /// CUDA errors from querying the consumers' release events.
+    /// As [`Producer::acquire`], but never [`Error::Timeout`].
     pub fn try_acquire(&mut self) -> Result<Option<WriteFrame<'_>>> {
         match self.control.try_acquire() {
-            Some((i, used)) => self.start_write(i, used, None, None).map(Some),
+            Some(claim) => self.start_write(claim).map(Some),
             None => Ok(None),
         }
     }
 
-    fn start_write(
-        &mut self,
-        i: usize,
-        used: u64,
-        deadline: Option<Instant>,
-        timeout: Option<Duration>,
-    ) -> Result<WriteFrame<'_>> {
-        // A host channel has no events to wait on: the consumers' reads happen before this write
+    fn start_write(&mut self, claim: Claim) -> Result<WriteFrame<'_>> {
+        let i = claim.index;
+        // A host channel has no streams to order: the consumers' reads happen before this write
         // through their hold_mask clear, which `try_acquire` saw (docs/ARCHITECTURE.md).
-        let mut bits = if self.host.is_some() { 0 } else { used };
-        while bits != 0 {
-            let c = bits.trailing_zeros() as usize;
-            match self.wait_for_consumer(c, i, deadline) {
-                Ok(()) => {}
-                Err(Error::Timeout { what, .. }) => {
-                    // Give the buffer back with the readers it still has to wait for.
-                    self.control.restore_used(i, bits);
-                    self.control.abandon(i);
-                    return Err(Error::Timeout {
-                        what,
-                        after: timeout.unwrap_or_default(),
-                    });
+        if let (Some(gpu), Some(ready)) = (&self.gpu, &self.ready) {
+            let mut bits = claim.used;
+            while bits != 0 {
+                let c = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                // Almost always the oldest buffer's readers are done: their words say so, and no
+                // driver call is needed.
+                if self.control.released(c, i, claim.old_seq) {
+                    continue;
                 }
-                // A consumer whose events cannot be opened has exited; its GPU work ended with its
-                // context, so there is nothing left to wait for.
-                Err(e) => tracing::debug!("consumer {c}'s release event for buffer {i}: {e}"),
+                let word = ready.device_ptr + layout::release_word_offset(c, i) as u64;
+                // SAFETY: the word lies in the registered GPU words (c < consumers, i < buffers),
+                // which stay registered until the producer's stream has drained (Drop order).
+                if let Err(e) = unsafe { gpu.stream.wait_value_u32(word, claim.old_seq as u32) } {
+                    // Give the buffer back with the readers it still has to wait for.
+                    self.control.restore_used(i, bits | (1 << c));
+                    self.control.abandon(i);
+                    return Err(e);
+                }
             }
-            bits &= bits - 1;
         }
         Ok(WriteFrame {
             producer: self,
             index: i,
             done: false,
         })
-    }
-
-    /// Waits until consumer `c`'s GPU work on buffer `i` (its release event) has finished, or the
-    /// consumer died, or `deadline` passed ([`Error::Timeout`]).
-    ///
-    /// This waits on the host rather than making the producer's stream wait on the event
-    /// (`cuStreamWaitEvent`): the driver never completes an interprocess event whose recording
-    /// process died before the recorded work finished, so a stream wait on a dead consumer's event
-    /// would block the producer's stream for good (tests/peer_death_gpu.rs shows it). The buffer
-    /// acquired is the oldest one, whose readers have almost always finished: then this is one
-    /// `cuEventQuery`.
-    fn wait_for_consumer(&mut self, c: usize, i: usize, deadline: Option<Instant>) -> Result<()> {
-        let Some(gpu) = self.gpu.as_mut() else {
-            return Ok(());
-        };
-        let Some(generation) = self.control.consumer_generation(c) else {
-            // Detached (its stream drained first) or reclaimed after its death.
-            return Ok(());
-        };
-        let stale = !matches!(&gpu.consumer_events[c], Some((g, _, _)) if *g == generation);
-        if stale {
-            // A consumer new to this slot: read and open its release events once.
-            let Some((generation, tokens)) = self.control.consumer_release_tokens(c) else {
-                return Ok(());
-            };
-            let evs = tokens
-                .iter()
-                .map(|t| IpcEvent::open_in(&gpu.ctx, &Token::from_bytes(t)?))
-                .collect::<Result<Vec<_>>>()?;
-            let who = self.control.consumer_identity(c);
-            gpu.consumer_events[c] = Some((generation, who, evs));
-        }
-        let Some((_, who, evs)) = &gpu.consumer_events[c] else {
-            return Ok(());
-        };
-        let start = Instant::now();
-        let mut next_check = start + LIVENESS_CHECK;
-        let mut nap = Duration::from_micros(10);
-        loop {
-            if evs[i].is_complete()? {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= next_check {
-                if who.liveness() == Liveness::Dead {
-                    tracing::debug!(
-                        "consumer {c} (pid {}) died with work on buffer {i} pending",
-                        who.pid
-                    );
-                    return Ok(());
-                }
-                next_check = now + LIVENESS_CHECK;
-            }
-            if deadline.is_some_and(|d| now >= d) {
-                return Err(Error::Timeout {
-                    what: "a consumer's GPU work on the buffer",
-                    after: now - start,
-                });
-            }
-            if now - start < SPIN {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_millis(1));
-            }
-        }
     }
 
     /// Counters of the channel and its consumers.
@@ -494,6 +438,11 @@ impl Producer {
     }
 
     fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {
+        // The frame each buffer holds, before `drain` withdraws them: the release words to wait
+        // for.
+        let seqs: Vec<u64> = (0..self.control.buffers())
+            .map(|i| self.control.buffer_seq(i))
+            .collect();
         self.control.close();
         let forced = self.control.drain(timeout);
         if forced > 0 {
@@ -512,18 +461,31 @@ impl Producer {
         }
         let deadline = Instant::now() + timeout;
         // The pool is freed after this: first let the consumers' last kernels on each buffer
-        // finish (their release events), then our own work.
-        for i in 0..self.control.buffers() {
+        // finish (their release words; a dead consumer's are raised by reclaiming its slot), then
+        // our own work.
+        for (i, &seq) in seqs.iter().enumerate() {
             let mut bits = self.control.take_used(i);
             while bits != 0 {
                 let c = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                if let Err(e) = self.wait_for_consumer(c, i, Some(deadline)) {
-                    tracing::warn!("consumer {c}'s release event for buffer {i}: {e}");
+                while !self.control.released(c, i, seq) && self.control.is_attached(c) {
+                    if Instant::now() >= deadline {
+                        tracing::warn!(
+                            "channel {}: consumer {c}'s GPU work on buffer {i} did not finish in {timeout:?}",
+                            self.name
+                        );
+                        break;
+                    }
+                    self.control.reclaim_dead_consumers();
+                    std::thread::sleep(Duration::from_micros(200));
                 }
             }
         }
-        self.gpu().stream.synchronize()?;
+        let synced = self.gpu().stream.synchronize();
+        // Our stream drained: every ready word it was to write is written. Let go of work that
+        // consumers posted ahead for frames that will never come.
+        self.control.close_gate(layout::GateState::Closed);
+        synced?;
         Ok(ShutdownReport {
             forced_holds: forced,
         })
@@ -632,6 +594,41 @@ impl WriteFrame<'_> {
     /// On a host channel ([`MemoryKind::Host`]), which has no stream.
     pub fn stream(&self) -> &Stream {
         &self.producer.gpu().stream
+    }
+
+    /// Makes `stream` wait on the GPU until the buffer may be written (an event recorded on the
+    /// producer's stream after its waits for the last readers' release words,
+    /// `cuStreamWaitEvent` on `stream`): for writes enqueued on another stream than
+    /// [`WriteFrame::stream`], such as a library's current stream. The calling thread does not
+    /// block. Pair it with [`WriteFrame::publish_after`] for the same stream.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel; [`Error::Cuda`] naming `cuEventRecord` or
+    /// `cuStreamWaitEvent`.
+    pub fn ready_on(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: `stream` is a live stream (borrowed for the call).
+        unsafe { self.ready_on_raw(stream.as_raw()) }
+    }
+
+    /// [`WriteFrame::ready_on`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
+    ///
+    /// # Errors
+    /// As [`WriteFrame::ready_on`].
+    ///
+    /// # Safety
+    /// 1. `stream` is a live stream of any context for the duration of the call, or null or
+    ///    `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name the default
+    ///    streams of the producer's context.
+    pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
+        let Some(gpu) = self.producer.gpu.as_ref() else {
+            return Err(Error::InvalidArgument(
+                "a host channel's frame has no stream to order".into(),
+            ));
+        };
+        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the producer's stream lives as long as the producer this frame borrows
+        // (obligation 1 of `order_raw`); `stream` as the caller guarantees (obligation 2).
+        unsafe { join.order_raw(gpu.stream.as_raw(), stream) }
     }
 
     /// Orders the publish after the work enqueued so far on `stream` (another stream of the

@@ -13,10 +13,8 @@ use std::time::Duration;
 pub struct ControlProducer(Control);
 
 impl ControlProducer {
-    /// Creates the segment `cuda-ipc.ch.NAME`; `tokens[i]` = (memory token, reserved area) of
-    /// buffer `i`, stored as given. The reserved area held the producer's event token in
-    /// layout version 1; since version 2 producers write zeros there and nothing reads it
-    /// (readiness travels through the ready page).
+    /// Creates the segment `cuda-ipc.ch.NAME`; `tokens[i]` is the memory token of buffer `i`,
+    /// stored as given.
     ///
     /// # Errors
     /// As `Producer::create`, without the CUDA ones.
@@ -24,27 +22,45 @@ impl ControlProducer {
         name: &str,
         buffer_bytes: u64,
         max_consumers: usize,
-        tokens: &[([u8; TOKEN_LEN], [u8; TOKEN_LEN])],
+        tokens: &[[u8; TOKEN_LEN]],
     ) -> Result<Self> {
-        Control::create(
+        Self::create_with(name, buffer_bytes, max_consumers, tokens, false)
+    }
+    /// [`ControlProducer::create`], in ring order when `ring` (`ChannelOptions::ring`).
+    ///
+    /// # Errors
+    /// As [`ControlProducer::create`].
+    pub fn create_with(
+        name: &str,
+        buffer_bytes: u64,
+        max_consumers: usize,
+        tokens: &[[u8; TOKEN_LEN]],
+        ring: bool,
+    ) -> Result<Self> {
+        let flags = if ring { super::layout::FLAG_RING } else { 0 };
+        Control::create_with_flags(
             name,
             buffer_bytes,
             max_consumers,
             tokens,
+            flags,
             &SegmentOptions::new(),
         )
         .map(Self)
     }
     /// A free buffer now: (index, mask of consumers that read it since its last write).
     pub fn try_acquire(&self) -> Option<(usize, u64)> {
-        self.0.try_acquire()
+        self.0.try_acquire().map(|c| (c.index, c.used))
     }
     /// Waits up to `timeout` for a free buffer (`Ok(None)` on timeout).
     ///
     /// # Errors
     /// As `Producer::acquire`.
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<Option<(usize, u64)>> {
-        self.0.acquire(WaitStrategy::Block, timeout)
+        Ok(self
+            .0
+            .acquire(WaitStrategy::Block, timeout)?
+            .map(|c| (c.index, c.used)))
     }
     /// Publishes buffer `i` with `meta`; returns its sequence number.
     ///
@@ -57,9 +73,21 @@ impl ControlProducer {
     pub fn abandon(&self, i: usize) {
         self.0.abandon(i)
     }
-    /// Consumer `c`'s release-event tokens and their generation, if it is attached.
-    pub fn consumer_release_tokens(&self, c: usize) -> Option<(u64, Vec<[u8; TOKEN_LEN]>)> {
-        self.0.consumer_release_tokens(c)
+    /// Consumer `c`'s release word for buffer `i` (what its stream wrote last, or what was
+    /// raised for it).
+    pub fn release_word(&self, c: usize, i: usize) -> u32 {
+        // SYNC POINT: release word. Acquire: pairs with the raises and the streams' writes.
+        self.0
+            .release_word(c, i)
+            .load(crate::sync::Ordering::Acquire)
+    }
+    /// The gate's words: (state code, end word).
+    pub fn gate(&self) -> (u32, u32) {
+        self.0.gate()
+    }
+    /// Closes the gate as the producer's close does once its stream drained.
+    pub fn close_gate(&self) {
+        self.0.close_gate(super::layout::GateState::Closed)
     }
     /// Releases the holds of dead consumers; returns how many.
     pub fn reclaim_dead_consumers(&self) -> u64 {
@@ -87,7 +115,7 @@ impl ControlProducer {
     }
     /// Sets buffer `i`'s ready word, as the producer's GPU stream does after its write.
     pub fn set_ready(&self, i: usize, value: u32) {
-        let (p, _) = self.0.ready_page();
+        let (p, _) = self.0.gpu_words();
         assert!(i < self.0.buffers());
         // SAFETY: word `i` of the ready page lies in the mapping and is 4-byte aligned; shared
         // words are only accessed atomically.
@@ -111,37 +139,36 @@ pub struct ControlConsumer {
 }
 
 impl ControlConsumer {
-    /// Opens channel `name` and claims a consumer slot with these release-event tokens.
+    /// Opens channel `name` and claims a consumer slot.
     ///
     /// # Errors
     /// As `Consumer::attach`, without the CUDA ones.
-    pub fn attach(
-        name: &str,
-        delivery: Delivery,
-        release_tokens: &[[u8; TOKEN_LEN]],
-    ) -> Result<Self> {
+    pub fn attach(name: &str, delivery: Delivery) -> Result<Self> {
         let control = Control::open(name)?;
-        let slot = control.attach(delivery, release_tokens)?;
+        let slot = control.attach(delivery)?;
         Ok(Self { control, slot })
     }
     /// The consumer slot index.
     pub fn slot(&self) -> usize {
         self.slot
     }
-    /// The memory token of buffer `i` and its reserved second token area (zero since layout
-    /// version 2; kept for the byte layout, meaningless to readers).
-    pub fn buffer_tokens(&self, i: usize) -> ([u8; TOKEN_LEN], [u8; TOKEN_LEN]) {
-        self.control.buffer_tokens(i)
+    /// The memory token of buffer `i`.
+    pub fn buffer_token(&self, i: usize) -> [u8; TOKEN_LEN] {
+        self.control.buffer_token(i)
+    }
+    /// Writes this consumer's release word for buffer `i` as its stream does after its reads of
+    /// frame `seq`.
+    pub fn set_released(&self, i: usize, seq: u64) {
+        self.control.set_released(self.slot, i, seq)
     }
     /// Waits up to `timeout` for the next frame: (buffer index, sequence number, metadata).
     ///
     /// # Errors
     /// As `Consumer::recv_timeout`.
     pub fn take(&self, timeout: Option<Duration>) -> Result<Option<(usize, u64, Vec<u8>)>> {
-        Ok(self
-            .control
-            .take(self.slot, WaitStrategy::Block, timeout)?
-            .map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
+        let got = self.control.take(self.slot, WaitStrategy::Block, timeout)?;
+        self.control.took();
+        Ok(got.map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
     }
     /// Ends the hold on buffer `i`.
     pub fn release(&self, i: usize) {
@@ -152,15 +179,14 @@ impl ControlConsumer {
 impl ControlConsumer {
     /// Opens channel `name` as a consumer does, but waits at most `init_wait` for the init
     /// stamp of an unfinished segment (a consumer waits 2 s), and claims a consumer slot with
-    /// zero release tokens, one per buffer (as a host channel's consumer does). For fuzzing:
+    /// as a host channel's consumer does. For fuzzing:
     /// the segment may hold any bytes.
     ///
     /// # Errors
     /// As [`ControlConsumer::attach`].
     pub fn attach_waiting(name: &str, delivery: Delivery, init_wait: Duration) -> Result<Self> {
         let control = Control::open_waiting(name, false, init_wait)?;
-        let tokens = vec![[0u8; TOKEN_LEN]; control.buffers()];
-        let slot = control.attach(delivery, &tokens)?;
+        let slot = control.attach(delivery)?;
         Ok(Self { control, slot })
     }
     /// Buffers in the pool.
@@ -172,10 +198,9 @@ impl ControlConsumer {
     /// # Errors
     /// As `Consumer::try_recv`.
     pub fn try_take(&self) -> Result<Option<(usize, u64, Vec<u8>)>> {
-        Ok(self
-            .control
-            .take_or_closed(self.slot)?
-            .map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
+        let got = self.control.take_or_closed(self.slot)?;
+        self.control.took();
+        Ok(got.map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
     }
     /// A snapshot of the channel ([`super::inspect::inspect`]), from this consumer's mapping.
     pub fn inspect(&self, name: &str) -> super::inspect::ChannelSnapshot {

@@ -4,9 +4,11 @@
 //! superseded ([`SUPERSEDED_EVERY`]). Never calls CUDA.
 //!
 //! Each futex word has a sleeper count beside it in the header ([`WakeWord`]): a waiter counts
-//! itself before it sleeps, and a bump calls `FUTEX_WAKE` only when the count is nonzero, so a
-//! publish or release that nobody waits for makes no syscall. The count and the word are a Dekker
-//! pair (SYNC POINT: sleepers), checked by the loom models `loom_channel_wake_*` below.
+//! itself, then checks its condition once more, and only then sleeps; a change is followed by a
+//! look at the count, and only when it is nonzero by a bump of the word and `FUTEX_WAKE`. So a
+//! publish or release that nobody waits for makes no syscall and does not even write the futex
+//! word. The count and the waiters' condition are a Dekker pair (SYNC POINT: sleepers), checked by
+//! the loom models `loom_channel_wake_*` below.
 
 use super::layout::Header;
 use crate::error::Result;
@@ -84,11 +86,13 @@ impl Header {
 /// words"), on plain references to atomics, so that the loom model below runs the same code on
 /// heap memory that the channel runs on the mapped segment.
 ///
-/// The Dekker pair (SYNC POINT: sleepers): a bump stores the word (`fetch_add`) and then loads
-/// the count; a waiter stores the count (`fetch_add`) and then loads the word. Each side puts a
-/// `SeqCst` fence between its store and its load, so of a bump and a waiter about to sleep at
-/// least one sees the other: the waiter sees the new word (and does not sleep, or its
-/// `FUTEX_WAIT` returns at once), or the bump sees the waiter counted and wakes it.
+/// The Dekker pair (SYNC POINT: sleepers): a waker has made its change (the state the waiters'
+/// condition reads) and then loads the count; a waiter stores the count (`fetch_add`), loads the
+/// word and then checks its condition. Each side puts a `SeqCst` fence between its store and its
+/// loads, so of a change and a waiter about to sleep at least one sees the other: the waiter sees
+/// the change (and does not sleep), or the waker sees the waiter counted, bumps the word and wakes
+/// it (the waiter's `FUTEX_WAIT` on the word it read before its check then returns at once, or is
+/// woken).
 ///
 /// A waiter killed while counted leaves the count too high for good: every later bump then makes
 /// a `FUTEX_WAKE` that wakes nobody, which costs a syscall and breaks nothing. The count is never
@@ -129,43 +133,54 @@ impl Futex for Kernel {
 }
 
 impl WakeWord<'_> {
-    /// Announces a change of the word: `fetch_add(word, 1)`, then `FUTEX_WAKE` only when a waiter
-    /// is counted as asleep.
+    /// Announces a change made just before: when a waiter is counted as (about to be) asleep,
+    /// `fetch_add(word, 1)` and `FUTEX_WAKE`; otherwise nothing is written.
     pub(crate) fn bump(&self) {
         self.bump_on(&Kernel);
     }
 
     /// [`WakeWord::bump`] on the futex `f`.
     pub(crate) fn bump_on(&self, f: &impl Futex) {
-        // SYNC POINT: futex. SeqCst (a release): pairs with the Acquire load of the word before
-        // the condition check in `wait_until`; a waiter that sees the new word sees the change
-        // made before this bump.
-        // SYNC POINT: sleepers. SeqCst, then a SeqCst fence: the waker half of the Dekker pair
-        // with `sleep_on`. A waiter counted before the fence is seen below and woken; one counted
-        // after it sees the new word and does not sleep.
-        self.word.fetch_add(1, Ordering::SeqCst);
+        // SYNC POINT: sleepers. A SeqCst fence after the change, then the count: the waker half
+        // of the Dekker pair with `sleep_on`. A waiter counted before the fence is seen below and
+        // woken; one counted after it sees the change in its condition check and does not sleep.
         fence(Ordering::SeqCst);
-        // SYNC POINT: sleepers. SeqCst: no waiter counted means none sleeps on the old word.
+        // SYNC POINT: sleepers. SeqCst: no waiter counted means none sleeps, or will, unaware of
+        // the change.
         if self.sleepers.load(Ordering::SeqCst) != 0 {
+            // SYNC POINT: futex. SeqCst: pairs with the waiter's load of the word in `sleep_on`;
+            // a waiter that read the old word sleeps on it and is woken below, or finds it
+            // changed and does not sleep.
+            self.word.fetch_add(1, Ordering::SeqCst);
             f.wake(self.word);
         }
     }
 
-    /// Sleeps on the word while it holds `seen`, for at most `timeout`, counted as a sleeper
-    /// meanwhile. The caller re-checks its condition afterwards.
-    pub(crate) fn sleep_on(&self, f: &impl Futex, seen: u32, timeout: Duration) {
+    /// Counted as a sleeper, checks `ready` once more and, when it is still not ready, sleeps on
+    /// the word for at most `timeout`. Returns what `ready` gave; the caller checks again after a
+    /// sleep.
+    pub(crate) fn sleep_on<T>(
+        &self,
+        f: &impl Futex,
+        timeout: Duration,
+        ready: &mut impl FnMut() -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
         // SYNC POINT: sleepers. SeqCst, then a SeqCst fence: the waiter half of the Dekker pair
-        // with `bump_on`. A bump whose fence comes after this one sees the count and wakes.
+        // with `bump_on`. A waker whose fence comes after this one sees the count and wakes.
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        // SYNC POINT: sleepers. SeqCst: a bump whose fence came before the one above is seen as a
-        // changed word; no sleep then (the kernel's own check would return at once too).
-        if self.word.load(Ordering::SeqCst) == seen {
+        // SYNC POINT: futex. SeqCst, before the condition: a bump made after this load changes
+        // the word, so the sleep below does not miss it.
+        let seen = self.word.load(Ordering::SeqCst);
+        // A change whose fence came before ours is seen here.
+        let got = ready();
+        if matches!(got, Ok(None)) {
             f.wait(self.word, seen, timeout);
         }
-        // Relaxed: taking itself off orders nothing; a bump that still sees the count makes a
+        // Relaxed: taking itself off orders nothing; a waker that still sees the count makes a
         // wake that finds nobody, which is harmless.
         self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        got
     }
 }
 
@@ -186,10 +201,6 @@ pub(super) fn wait_until<T>(
         WaitStrategy::Spin => Duration::MAX,
     };
     loop {
-        // SYNC POINT: futex. Acquire: pairs with the word's fetch_add in `WakeWord::bump_on`;
-        // read before the condition so a change made after the check is seen as a changed word
-        // by the sleep.
-        let seen = wake.word.load(Ordering::Acquire);
         if let Some(v) = ready()? {
             return Ok(Some(v));
         }
@@ -210,7 +221,9 @@ pub(super) fn wait_until<T>(
         if let Some(t) = timeout {
             slice = slice.min(t.saturating_sub(waited));
         }
-        wake.sleep_on(&Kernel, seen, slice);
+        if let Some(v) = wake.sleep_on(&Kernel, slice, &mut ready)? {
+            return Ok(Some(v));
+        }
     }
 }
 
@@ -241,7 +254,11 @@ mod tests {
         for _ in 0..1000 {
             w.bump();
         }
-        assert_eq!(word.load(Ordering::Relaxed), 1000);
+        assert_eq!(
+            word.load(Ordering::Relaxed),
+            0,
+            "a bump nobody waits for wrote the word"
+        );
         assert_eq!(
             take_wakes(),
             (0, 0),
@@ -363,15 +380,22 @@ mod loom_model {
                 sleepers: &self.sleepers,
             }
         }
-        /// `wait_until`'s loop without the clock: the word, the condition, then a sleep.
+        /// `wait_until`'s loop without the clock: the condition, then a sleep that checks it
+        /// once more while counted.
         fn wait(&self) {
+            let mut ready = || Ok((self.ready.load(Ordering::Acquire) == 1).then_some(()));
             loop {
-                // SYNC POINT: futex (as in `wait_until`).
-                let seen = self.word.load(Ordering::Acquire);
-                if self.ready.load(Ordering::Acquire) == 1 {
+                if ready().unwrap().is_some() {
                     return;
                 }
-                self.wake_word().sleep_on(&self.futex, seen, LIVENESS_EVERY);
+                if self
+                    .wake_word()
+                    .sleep_on(&self.futex, LIVENESS_EVERY, &mut ready)
+                    .unwrap()
+                    .is_some()
+                {
+                    return;
+                }
             }
         }
         /// A publish or release: the change, then the bump.
