@@ -1073,19 +1073,26 @@ mod tests {
         c.unlink();
     }
 
-    #[test]
-    fn ring_order_broadcasts_to_every_frame_and_latest_only_consumers_with_back_pressure() {
-        let name = format!("ringcast-{}", std::process::id());
-        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
-        let c = Control::create_with_flags(
-            &name,
+    /// A ring-order control segment `name` of `buffers` buffers and 4 consumer slots.
+    fn ring_channel(name: &str, buffers: usize) -> Control {
+        let tokens: Vec<_> = (0..buffers)
+            .map(|_| [0u8; crate::token::TOKEN_LEN])
+            .collect();
+        Control::create_with_flags(
+            name,
             64,
             4,
             &tokens,
             crate::channel::layout::FLAG_RING,
             &crate::shm::SegmentOptions::new(),
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn ring_order_broadcasts_to_every_frame_and_latest_only_consumers_with_back_pressure() {
+        let name = format!("ringcast-{}", std::process::id());
+        let c = ring_channel(&name, 3);
         let (a, b) = (
             c.attach(Delivery::EveryFrame).unwrap(),
             c.attach(Delivery::EveryFrame).unwrap(),
@@ -1135,16 +1142,7 @@ mod tests {
     #[test]
     fn ring_order_puts_frame_s_in_buffer_s_minus_one_mod_b_and_waits_for_that_buffer() {
         let name = format!("ring-{}", std::process::id());
-        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
-        let c = Control::create_with_flags(
-            &name,
-            64,
-            4,
-            &tokens,
-            crate::channel::layout::FLAG_RING,
-            &crate::shm::SegmentOptions::new(),
-        )
-        .unwrap();
+        let c = ring_channel(&name, 3);
         assert!(c.is_ring());
         let me = c.attach(Delivery::EveryFrame).unwrap();
         for s in 1..=3u64 {
