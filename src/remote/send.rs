@@ -1,0 +1,341 @@
+//! The sending bridge, on the producer's host: a [`Consumer`] of the near channel that WRITEs each
+//! frame it receives into a far buffer the receiving bridge credited.
+
+use super::link::Link;
+use super::nixl::{Lane, Place, Region, Target};
+use super::report::{self, Role, Status};
+use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
+use super::{LaneOptions, RemoteError};
+use crate::channel::inspect;
+use crate::channel::{Consumer, ConsumerOptions, Delivery};
+use crate::driver::DeviceMemory as _;
+use crate::error::{Error, Result};
+use crate::identity::Liveness;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How a sending bridge runs.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SendOptions {
+    /// The near channel (on this host) whose frames are sent.
+    pub channel: String,
+    /// The receiving bridge's control address, `HOST:PORT`.
+    pub connect: String,
+    /// The shared secret the receiving bridge expects.
+    pub secret: Secret,
+    /// The bridge's delivery policy as a consumer of the near channel: every frame (the near
+    /// producer waits for the far consumers, end to end) or the latest (frames the lane cannot
+    /// carry in time are dropped on this host). Default every frame.
+    pub delivery: Delivery,
+    /// Timeouts and periods.
+    pub lane: LaneOptions,
+}
+
+impl SendOptions {
+    /// Options for sending `channel` to `connect` with `secret`, every frame, default timeouts.
+    pub fn new(channel: &str, connect: &str, secret: Secret) -> SendOptions {
+        SendOptions {
+            channel: channel.to_string(),
+            connect: connect.to_string(),
+            secret,
+            delivery: Delivery::EveryFrame,
+            lane: LaneOptions::default(),
+        }
+    }
+}
+
+/// How a sending bridge's session ended without an error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ended {
+    /// The near producer closed the channel; the far channel was told to close.
+    Closed,
+    /// The near producer died; the far bridge was told.
+    ProducerGone,
+    /// `stop` was set.
+    Stopped,
+}
+
+/// What a session carried, for logs and tests.
+#[derive(Clone, Debug, Default)]
+pub struct Totals {
+    /// Frames written to the far side.
+    pub frames: u64,
+    /// What UCX reported of the transport it chose, once seen.
+    pub transport: Option<report::Transport>,
+}
+
+/// Connects to the receiving bridge (every address `connect` resolves to, each within
+/// [`LaneOptions::connect_timeout`]).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `connect` does not resolve; [`RemoteError::Link`] when no
+/// address accepted the connection.
+pub fn connect(connect: &str, lane: &LaneOptions) -> Result<TcpStream> {
+    let addrs: Vec<_> = connect
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("lane address {connect}: {e}")))?
+        .collect();
+    let mut last = format!("{connect} resolves to no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, lane.connect_timeout) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => last = format!("connecting to {a}: {e}"),
+        }
+    }
+    Err(RemoteError::Link(last).into())
+}
+
+/// Runs one session: connects ([`connect`]), presents the secret, attaches to the near channel,
+/// creates the NIXL agent, exchanges metadata, and then sends frames until the near channel ends,
+/// `stop` is set, or the link fails. Detaches from the near channel before returning, so a bridge
+/// that lost its link never holds the near producer back; call again to resume (a restarted
+/// receiving bridge accepts the new session; the near producer keeps running).
+///
+/// # Errors
+/// As [`connect`]; [`RemoteError::Refused`] (wrong secret, other protocol version) and
+/// [`RemoteError::Protocol`]; [`Error::Timeout`] for a handshake step over
+/// [`LaneOptions::handshake_timeout`]; the errors of [`Consumer::attach`]; [`Error::Unsupported`]
+/// when NIXL is not installed; [`RemoteError::Nixl`] from NIXL calls; [`RemoteError::Link`] when
+/// the link is lost mid-session.
+pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Result<Ended> {
+    super::nixl::probe()?;
+    let hs = opts.lane.handshake_timeout;
+    let mut stream = connect(&opts.connect, &opts.lane)?;
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| opts.connect.clone());
+    wire::send(
+        &mut stream,
+        &Msg::Hello {
+            version: PROTOCOL_VERSION,
+            secret: opts.secret.bytes().to_vec(),
+        },
+    )?;
+    match wire::recv(&mut stream, hs, "the lane's welcome")? {
+        Msg::Welcome { version } if version == PROTOCOL_VERSION => {}
+        Msg::Welcome { version } => {
+            return Err(RemoteError::Refused(format!(
+                "the receiving bridge speaks protocol version {version}, this one {PROTOCOL_VERSION}"
+            ))
+            .into());
+        }
+        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        m => return Err(unexpected(&m, "a welcome")),
+    }
+    let consumer = Consumer::attach(
+        &opts.channel,
+        &ConsumerOptions::new().delivery(opts.delivery),
+    )?;
+    let place = if consumer.is_host() {
+        Place::Host
+    } else {
+        Place::Device(consumer.context().device().ordinal() as u32)
+    };
+    let (buffers, buffer_bytes) = geometry(&opts.channel)?;
+    let agent = format!("cuda-ipc-send-{}-{}", std::process::id(), opts.channel);
+    let mut lane = Lane::new(&agent)?;
+    wire::send(
+        &mut stream,
+        &Msg::Channel {
+            buffers,
+            buffer_bytes,
+            kind: place.code().0,
+            agent: agent.clone(),
+        },
+    )?;
+    let remote = match wire::recv(&mut stream, hs, "the far channel's metadata")? {
+        Msg::Ready {
+            agent: _,
+            buffer_bytes: far,
+            md,
+        } => {
+            if far < buffer_bytes {
+                return Err(RemoteError::Protocol(format!(
+                    "far buffers of {far} bytes cannot take frames of {buffer_bytes} bytes"
+                ))
+                .into());
+            }
+            lane.load_remote(&md)?
+        }
+        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        m => return Err(unexpected(&m, "the far channel's metadata")),
+    };
+    tracing::info!(
+        "lane: sending channel {} ({buffers} buffers of {buffer_bytes} bytes, {place:?}) to {peer} \
+         (NIXL agent {remote})",
+        opts.channel
+    );
+    let mut link = Link::start(stream, &opts.lane)?;
+    let mut status = Status::new(Role::Send, &opts.channel, &peer, place);
+    status.write();
+    let r = pump(
+        opts,
+        stop,
+        &consumer,
+        &mut lane,
+        &mut link,
+        &remote,
+        place,
+        totals,
+        &mut status,
+    );
+    lane.forget_remote(&remote);
+    status.remove();
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pump(
+    opts: &SendOptions,
+    stop: &AtomicBool,
+    consumer: &Consumer,
+    lane: &mut Lane,
+    link: &mut Link,
+    remote: &str,
+    place: Place,
+    totals: &mut Totals,
+    status: &mut Status,
+) -> Result<Ended> {
+    let mut last_status = Instant::now();
+    loop {
+        // 1. A far buffer to write: the receiving bridge acquired it for us.
+        let mut next_check = Instant::now() + opts.lane.heartbeat;
+        let (tindex, target) = loop {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(Ended::Stopped);
+            }
+            match link.next(opts.lane.heartbeat)? {
+                Some(Msg::Credit {
+                    index,
+                    addr,
+                    len,
+                    kind,
+                    device,
+                    md,
+                }) => {
+                    if !md.is_empty() {
+                        lane.load_remote(&md)?;
+                    }
+                    let Some(place) = Place::from_code(kind, device) else {
+                        return Err(RemoteError::Protocol(format!("memory kind {kind}")).into());
+                    };
+                    break (index, Target { addr, len, place });
+                }
+                Some(m) => return Err(unexpected(&m, "a credit")),
+                None => {}
+            }
+            // The far side waits for its consumers: meanwhile, notice a near producer that died.
+            if Instant::now() >= next_check {
+                next_check = Instant::now() + opts.lane.heartbeat;
+                if let Ok(s) = inspect::inspect(&opts.channel)
+                    && s.producer_liveness == Liveness::Dead
+                {
+                    return upstream(link, false, "the near producer died");
+                }
+            }
+        };
+        // 2. The next near frame.
+        let frame = loop {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(Ended::Stopped);
+            }
+            if let Some(m) = link.next(Duration::ZERO)? {
+                return Err(unexpected(&m, "nothing while a frame is awaited"));
+            }
+            match consumer.recv_timeout(Duration::from_millis(50)) {
+                Ok(f) => break f,
+                Err(Error::Timeout { .. }) => {}
+                Err(Error::ProducerGone { pid }) => {
+                    return upstream(link, false, &format!("the near producer (pid {pid}) died"));
+                }
+                Err(Error::ChannelClosed) => {
+                    return upstream(link, true, "the near producer closed the channel");
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        // NIXL knows no stream: the frame's bytes must be there before the WRITE reads them.
+        let region = match place {
+            Place::Host => Region {
+                addr: frame.as_ptr() as u64,
+                len: frame.len(),
+                place,
+            },
+            Place::Device(_) => {
+                consumer.stream().synchronize()?;
+                Region {
+                    addr: frame.buffer().device_ptr(),
+                    len: frame.len(),
+                    place,
+                }
+            }
+        };
+        let index = frame.index() as u32;
+        // SAFETY: the region is the frame's buffer in the consumer's mapping (host pool or import),
+        // which the consumer keeps until it is dropped, after the lane (a `serve` local); the
+        // channel protocol keeps the producer off the buffer while the frame is held, and the
+        // WRITE completes before the frame is dropped.
+        unsafe { lane.register(index, region)? };
+        let note = FrameNote {
+            index: tindex,
+            seq: frame.seq(),
+            len: frame.len() as u64,
+            meta: frame.metadata().to_vec(),
+        };
+        lane.write(
+            index,
+            frame.len(),
+            (tindex, target),
+            remote,
+            note.encode().as_bytes(),
+            opts.lane.write_timeout,
+        )?;
+        drop(frame);
+        totals.frames += 1;
+        if totals.transport.is_none() || last_status.elapsed() > Duration::from_secs(1) {
+            if totals.transport.is_none() {
+                totals.transport = report::from_ucx_log(place, target.place);
+                if let Some(t) = &totals.transport {
+                    t.log("send");
+                    status.transport = Some(t.clone());
+                }
+            }
+            status.frames = totals.frames;
+            status.write();
+            last_status = Instant::now();
+        }
+    }
+}
+
+fn upstream(link: &Link, closed: bool, reason: &str) -> Result<Ended> {
+    tracing::info!("lane: {reason}; telling the receiving bridge");
+    link.send(&Msg::Upstream {
+        closed,
+        reason: reason.to_string(),
+    })?;
+    // Give the message time to leave before the connection is shut.
+    std::thread::sleep(Duration::from_millis(50));
+    Ok(if closed {
+        Ended::Closed
+    } else {
+        Ended::ProducerGone
+    })
+}
+
+fn geometry(channel: &str) -> Result<(u32, u64)> {
+    let s = inspect::inspect(channel)?;
+    Ok((s.buffers.len() as u32, s.buffer_bytes))
+}
+
+pub(super) fn unexpected(m: &Msg, wanted: &str) -> Error {
+    let tag = format!("{m:?}");
+    let name = tag.split([' ', '{']).next().unwrap_or("?").to_string();
+    RemoteError::Protocol(format!("got {name} where {wanted} belongs")).into()
+}
