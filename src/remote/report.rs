@@ -84,35 +84,62 @@ const KNOWN: &[&str] = &[
 ];
 
 impl Transport {
-    /// Judges UCX's `UCX_PROTO_INFO=y` text, for a lane from memory `near` to memory `far`.
+    /// Judges UCX's `UCX_PROTO_INFO=y` text, for a lane from memory `near` to memory `far`. UCX
+    /// prints one table per operation: a header naming it (`remote memory write by ucp_put* from
+    /// host memory to host`, which is NIXL's WRITE) and rows of a size range, a description
+    /// (`zero-copy`, `pipeline`, ...) and the transports (`tcp/lo`, `cuda_copy/cuda`). The tables of
+    /// remote writes are judged; when there are none, every table is.
     pub fn parse(text: &str, near: Place, far: Place) -> Transport {
-        let mut transports: Vec<String> = Vec::new();
-        let mut lines = Vec::new();
+        let mut put = (Vec::new(), Vec::new());
+        let mut all = (Vec::new(), Vec::new());
+        let mut in_put = false;
         for line in text.lines() {
-            // Protocol table rows and headers: `| ... |` after UCX's log prefix.
+            // Table rows and headers: `| ... |` after UCX's log prefix.
             let Some(start) = line.find('|') else {
                 continue;
             };
             let row = line[start..].trim();
-            let words: Vec<&str> = row
-                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                .filter(|w| !w.is_empty())
+            if row.contains(" by ucp_") {
+                in_put = row.contains("remote memory write");
+            }
+            let cells: Vec<&str> = row
+                .split('|')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
                 .collect();
-            let mut named = false;
-            for w in &words {
-                // `tcp/lo`, `cuda_copy/cuda` split into words: a device name is not a transport.
-                if KNOWN.contains(w) {
-                    named = true;
-                    if !transports.iter().any(|t| t == w) {
-                        transports.push(w.to_string());
+            // A row: a size range (`0..inf`, `1..16515`, `0`), a description, the transports.
+            let is_row = cells.len() == 3
+                && cells[0]
+                    .chars()
+                    .all(|c| c.is_ascii_digit() || c == '.' || c == 'i' || c == 'n' || c == 'f');
+            let words: Vec<&str> = if is_row {
+                cells[2]
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| !w.is_empty())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            for (ts, ls) in [Some(&mut all), in_put.then_some(&mut put)]
+                .into_iter()
+                .flatten()
+            {
+                for w in &words {
+                    // `tcp/lo`, `cuda_copy/cuda` split into words: a device name is no transport.
+                    if KNOWN.contains(w) && !ts.iter().any(|t: &String| t == w) {
+                        ts.push(w.to_string());
                     }
                 }
-            }
-            if named || row.contains("memory") {
-                lines.push(row.to_string());
+                if is_row || row.contains(" by ucp_") {
+                    ls.push(row.to_string());
+                }
             }
         }
+        let (transports, lines) = if put.0.is_empty() { all } else { put };
         let has = |t: &str| transports.iter().any(|x| x == t);
+        let staged_words = lines
+            .iter()
+            .any(|l| l.contains("pipeline") || l.contains("staged") || l.contains("bounce"));
         let device = matches!(near, Place::Device(_)) || matches!(far, Place::Device(_));
         let path = if transports.is_empty() {
             Path::Unknown
@@ -120,7 +147,7 @@ impl Transport {
             Path::Host
         } else if has("cuda_ipc") || has("gdr_copy") {
             Path::GpuDirect
-        } else if has("cuda_copy") {
+        } else if has("cuda_copy") || staged_words {
             Path::HostStaged
         } else if ["rc_mlx5", "rc_verbs", "dc_mlx5", "rc", "dc"]
             .iter()
@@ -285,16 +312,18 @@ mod tests {
 
     #[test]
     fn a_staged_device_path_is_told_apart_from_a_direct_one() {
-        let staged = "[1] [h:1:0] | ucp_context_0 inter-node cfg#1 | remote memory write by \
-                      ucp_put* from cuda/GPU0 to cuda/GPU0 |\n[1] [h:1:0] | 0..inf | \
-                      pipeline cuda_copy/cuda, tcp/lo |";
-        let t = Transport::parse(staged, Place::Device(0), Place::Device(0));
+        let put = "| remote memory write by ucp_put* from cuda/GPU0 to cuda |";
+        let staged = format!("{put}\n| 0..inf | pipeline | cuda_copy/cuda, tcp/lo |");
+        let t = Transport::parse(&staged, Place::Device(0), Place::Device(0));
         assert_eq!(t.path, Path::HostStaged);
         assert_eq!(t.transports, ["cuda_copy", "tcp"]);
-        let direct = "| 0..inf | zero-copy cuda_ipc/cuda |";
-        let t = Transport::parse(direct, Place::Device(0), Place::Device(0));
+        let direct = format!("{put}\n| 0..inf | zero-copy | cuda_ipc/cuda |");
+        let t = Transport::parse(&direct, Place::Device(0), Place::Device(0));
         assert_eq!(t.path, Path::GpuDirect);
-        let host = "| 0..inf | zero-copy tcp/lo |";
+        let rdma = format!("{put}\n| 0..inf | zero-copy | rc_mlx5/mlx5_0:1 |");
+        let t = Transport::parse(&rdma, Place::Device(0), Place::Device(0));
+        assert_eq!(t.path, Path::GpuDirect);
+        let host = "| 0..inf | zero-copy | tcp/lo |";
         assert_eq!(
             Transport::parse(host, Place::Host, Place::Host).path,
             Path::Host
@@ -303,5 +332,24 @@ mod tests {
             Transport::parse("nothing", Place::Host, Place::Host).path,
             Path::Unknown
         );
+    }
+
+    #[test]
+    fn the_write_table_of_real_ucx_output_is_the_one_judged() {
+        // UCX with UCX_PROTO_INFO=y, two agents over loopback TCP (as tests/remote_lane.rs).
+        let text = "\
+[1.5] [vm:1:0]   | agent self cfg#0               |
+[1.5] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
+[1.5] [vm:1:0]   +--------+-------------+-----------------------------------+
+[1.5] [vm:1:0]   | Range  | Description |              Config               |
+[1.5] [vm:1:0]   | 0..inf | zero-copy   | tcp/lo                            |
+[1.5] [vm:1:0]   | agent self cfg#0      |
+[1.5] [vm:1:0]   | active message by ucp_am_send* from host memory |
+[1.5] [vm:1:0]   |          0 | short              | self/memory        |
+";
+        let t = Transport::parse(text, Place::Host, Place::Host);
+        assert_eq!(t.transports, ["tcp"]);
+        assert_eq!(t.path, Path::Host);
+        assert_eq!(t.lines.len(), 2, "{:?}", t.lines);
     }
 }
