@@ -167,7 +167,7 @@ impl std::fmt::Debug for Lane {
 }
 
 impl Lane {
-    /// Creates agent `name` (`nixlAgent` with its progress thread) and its UCX backend
+    /// Creates agent `name` (`nixlAgent`, without progress or listener threads) and its UCX backend
     /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here, so
     /// `UCX_NET_DEVICES` and `UCX_TLS` must be set before (see [`super::bind_data_to`]).
     ///
@@ -176,8 +176,16 @@ impl Lane {
     /// cannot be created (no UCX plugin in NIXL's plugin folder, no usable UCX transport).
     pub fn new(name: &str) -> Result<Lane> {
         probe()?;
-        let agent = Agent::new_configured(name, &AgentConfig::default())
-            .map_err(nixl("nixl_capi_create_configured_agent"))?;
+        // No progress thread: it polls UCX without pause (a core per agent). The bridges drive
+        // progress themselves while they wait for a WRITE (`getXferStatus`) or a notification
+        // (`getNotifs`), and pause between polls when idle.
+        let cfg = AgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            ..AgentConfig::default()
+        };
+        let agent =
+            Agent::new_configured(name, &cfg).map_err(nixl("nixl_capi_create_configured_agent"))?;
         let (_mems, params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl("nixl_capi_get_plugin_params(UCX)"))?;
