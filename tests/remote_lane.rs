@@ -1,5 +1,5 @@
 //! The remote lane (feature `remote`) between processes of this machine over loopback TCP
-//! (`UCX_TLS=tcp,self`, `UCX_NET_DEVICES=lo`), with host-memory channels: the real `Producer`, the
+//! (`UCX_TLS=tcp,self`; the lane binds UCX to `lo`, the control connection's interface), with host-memory channels: the real `Producer`, the
 //! two bridges over NIXL, and the ordinary `Consumer` on the far channel. Every frame's bytes are
 //! checked; both delivery policies; kill -9 of the near producer, of either bridge and of a far
 //! consumer, with the outcomes the lane promises (far consumers see `ProducerGone` within 1 s, the
@@ -120,7 +120,13 @@ fn child() {
                 let mut totals = send::Totals::default();
                 match send::serve(&opts, &AtomicBool::new(false), &mut totals) {
                     Ok(send::Ended::Closed) => {
-                        tell(format!("closed {}", totals.frames));
+                        let t = totals.transport.expect("UCX's transport report");
+                        tell(format!(
+                            "closed {} {} {}",
+                            totals.frames,
+                            t.summary(),
+                            t.path.word()
+                        ));
                         return;
                     }
                     Ok(send::Ended::ProducerGone) => {
@@ -164,12 +170,15 @@ fn ucx_env(tag: &str) -> Vec<(String, String)> {
         "cuda-ipc-lane-test-{tag}-{}.ucx.log",
         std::process::id()
     ));
-    vec![
-        ("UCX_TLS".into(), "tcp,self".into()),
-        ("UCX_NET_DEVICES".into(), "lo".into()),
-        ("UCX_PROTO_INFO".into(), "y".into()),
-        ("UCX_LOG_FILE".into(), log.display().to_string()),
-    ]
+    // What `cuda-ipc bridge` gives itself: UCX bound to the loopback interface of the control
+    // connection's address, its protocol choices logged for the transport report.
+    let mut v: Vec<(String, String)> =
+        cuda_ipc::remote::environment("127.0.0.1".parse().unwrap(), Some(&log))
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned()))
+            .collect();
+    v.push(("UCX_TLS".into(), "tcp,self".into()));
+    v
 }
 
 thread_local! {
@@ -196,6 +205,8 @@ impl Drop for Reap {
         for ch in &self.0 {
             let _ = inspect::remove_stale(ch);
             let _ = inspect::remove_stale_host_pool(ch);
+            // A killed bridge's status file (this test's channel names only).
+            let _ = std::fs::remove_file(cuda_ipc::remote::report::status_path(ch));
         }
     }
 }
@@ -362,7 +373,9 @@ fn ten_thousand_frames_cross_the_lane_every_frame_in_order_with_checked_bytes() 
     assert_eq!(n, 10_000);
     drop(rx);
     l.producer.expect("closed", ANSWER);
-    assert_eq!(l.send.expect("closed", ANSWER), "10000");
+    // Data went over TCP on the loopback interface alone (the lane bound UCX to the control
+    // connection's interface), as UCX itself reported it.
+    assert_eq!(l.send.expect("closed", ANSWER), "10000 tcp@lo host");
     assert_eq!(l.recv.expect("closed", ANSWER), "10000");
     for p in [&mut l.producer, &mut l.send, &mut l.recv] {
         assert_eq!(exit_code(p), Some(0));

@@ -144,43 +144,67 @@ pub fn interface_of(ip: std::net::IpAddr) -> Option<String> {
     found
 }
 
-/// Sets the environment UCX reads when NIXL creates its backend ([`nixl::Lane::new`]):
-/// `UCX_NET_DEVICES` to the interface owning `ip` (so UCX's TCP transport listens and connects
-/// there alone, not on every interface), unless `UCX_NET_DEVICES` is set already (RDMA users name
-/// their devices there, e.g. `mlx5_0:1,eth0`); and, for the transport report ([`report`]),
-/// `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` to `log` unless they are set. Returns the interface
-/// chosen (`None`: left as it was, with a warning when `ip` is unspecified).
+/// The local address this host uses to reach `peer` (a UDP socket connected to it; nothing is
+/// sent), for [`environment`] on the connecting side.
 ///
-/// # Safety
-/// 1. No other thread reads or writes the environment while this runs (call it first in `main`,
-///    or in a process that started no threads yet): `setenv` is not thread-safe.
-pub unsafe fn prepare_environment(
+/// # Errors
+/// [`RemoteError::Link`] when no route leads there.
+pub fn local_address_towards(peer: std::net::SocketAddr) -> crate::Result<std::net::IpAddr> {
+    let any: std::net::SocketAddr = if peer.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let s = std::net::UdpSocket::bind(any)
+        .and_then(|s| s.connect(peer).map(|()| s))
+        .and_then(|s| s.local_addr())
+        .map_err(|e| RemoteError::Link(format!("no route to {peer}: {e}")))?;
+    Ok(s.ip())
+}
+
+/// The environment a bridge's process needs before NIXL creates its UCX backend
+/// ([`nixl::Lane::new`]), as (variable, value) pairs for `std::process::Command::env` (`cuda-ipc
+/// bridge` starts itself again with them), leaving out what is set already:
+/// - `UCX_NET_DEVICES`: the interface owning `ip` (the control connection's local address), so
+///   UCX's TCP transport listens and connects there alone, not on every interface. RDMA users
+///   name their devices themselves (`UCX_NET_DEVICES=mlx5_0:1,eth0`). An unspecified `ip`
+///   (0.0.0.0) names no interface: left out, with a warning;
+/// - `UCX_PROTO_INFO=y` and `UCX_LOG_FILE=log`, when `log` is given: UCX prints its protocol
+///   choices there, where [`report::from_ucx_log`] reads which transport carried the lane.
+pub fn environment(
     ip: std::net::IpAddr,
     log: Option<&std::path::Path>,
-) -> Option<String> {
-    let mut chosen = None;
+) -> Vec<(&'static str, std::ffi::OsString)> {
+    let mut v = Vec::new();
     if std::env::var_os("UCX_NET_DEVICES").is_none() {
         match interface_of(ip) {
-            Some(dev) => {
-                // SAFETY: the caller guarantees no other thread uses the environment (# Safety 1).
-                unsafe { std::env::set_var("UCX_NET_DEVICES", &dev) };
-                chosen = Some(dev);
-            }
+            Some(dev) => v.push(("UCX_NET_DEVICES", dev.into())),
             None => tracing::warn!(
                 "{ip} names no single interface: UCX's TCP transport may listen on every \
-                 interface (set UCX_NET_DEVICES, or bind the lane to an address)"
+                 interface (name the address, or set UCX_NET_DEVICES)"
             ),
         }
     }
     if let Some(log) = log {
         if std::env::var_os("UCX_PROTO_INFO").is_none() {
-            // SAFETY: as above (# Safety 1).
-            unsafe { std::env::set_var("UCX_PROTO_INFO", "y") };
+            v.push(("UCX_PROTO_INFO", "y".into()));
         }
         if std::env::var_os("UCX_LOG_FILE").is_none() {
-            // SAFETY: as above (# Safety 1).
-            unsafe { std::env::set_var("UCX_LOG_FILE", log) };
+            v.push(("UCX_LOG_FILE", log.as_os_str().to_owned()));
         }
     }
-    chosen
+    v
+}
+
+/// Warns when UCX is not bound to the interface of the control connection's local address `ip`
+/// (`UCX_NET_DEVICES` unset): its TCP transport then listens on every interface.
+fn check_binding(ip: std::net::IpAddr) {
+    match std::env::var("UCX_NET_DEVICES") {
+        Ok(d) => tracing::info!("lane: UCX network devices: {d}"),
+        Err(_) => tracing::warn!(
+            "lane: UCX_NET_DEVICES is not set: UCX's TCP transport listens on every interface, not \
+             only {} ({ip}); set it (remote::environment, or run through `cuda-ipc bridge`)",
+            interface_of(ip).unwrap_or_else(|| "the named one".into())
+        ),
+    }
 }

@@ -168,12 +168,15 @@ impl std::fmt::Debug for Lane {
 
 impl Lane {
     /// Creates agent `name` (`nixlAgent`, without progress or listener threads) and its UCX backend
-    /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here, so
-    /// `UCX_NET_DEVICES` and `UCX_TLS` must be set before (see [`super::bind_data_to`]).
+    /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here
+    /// (`UCX_NET_DEVICES`, `UCX_TLS`, `UCX_PROTO_INFO`, `UCX_LOG_FILE`: see
+    /// [`super::environment`]). The backend's `device_list` parameter is not used: NIXL appends a
+    /// port (`:1`) to each name, which suits RDMA devices and breaks network interfaces.
     ///
     /// # Errors
     /// [`Error::Unsupported`] from [`probe`]; [`RemoteError::Nixl`] when the agent or the backend
-    /// cannot be created (no UCX plugin in NIXL's plugin folder, no usable UCX transport).
+    /// cannot be created (no UCX plugin in NIXL's plugin folder, no usable UCX transport or
+    /// device).
     pub fn new(name: &str) -> Result<Lane> {
         probe()?;
         // No progress thread: it polls UCX without pause (a core per agent). The bridges drive

@@ -145,6 +145,9 @@ pub fn serve(
     };
     let near = Place::from_code(kind, 0).unwrap_or(Place::Host);
     let agent = format!("cuda-ipc-recv-{}-{}", std::process::id(), opts.channel);
+    if let Ok(a) = listener.local_addr() {
+        super::check_binding(a.ip());
+    }
     let mut lane = match Lane::new(&agent) {
         Ok(l) => l,
         Err(e) => return Err(refuse(&mut stream, format!("NIXL on the far host: {e}"))),

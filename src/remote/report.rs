@@ -55,6 +55,8 @@ pub struct Transport {
     /// The UCX transports named in the protocol lines (`tcp`, `cuda_copy`, `rc_mlx5`, ...), in
     /// order of first appearance.
     pub transports: Vec<String>,
+    /// The devices named with them (`lo`, `eth0`, `mlx5_0:1`), in order of first appearance.
+    pub devices: Vec<String>,
     /// The protocol lines themselves (UCX's words), for the log.
     pub lines: Vec<String>,
     /// The path judged from them and from the memory at both ends.
@@ -90,8 +92,8 @@ impl Transport {
     /// (`zero-copy`, `pipeline`, ...) and the transports (`tcp/lo`, `cuda_copy/cuda`). The tables of
     /// remote writes are judged; when there are none, every table is.
     pub fn parse(text: &str, near: Place, far: Place) -> Transport {
-        let mut put = (Vec::new(), Vec::new());
-        let mut all = (Vec::new(), Vec::new());
+        let mut put = (Vec::new(), Vec::new(), Vec::new());
+        let mut all = (Vec::new(), Vec::new(), Vec::new());
         let mut in_put = false;
         for line in text.lines() {
             // Table rows and headers: `| ... |` after UCX's log prefix.
@@ -120,7 +122,16 @@ impl Transport {
             } else {
                 Vec::new()
             };
-            for (ts, ls) in [Some(&mut all), in_put.then_some(&mut put)]
+            // `tcp/lo, cuda_copy/cuda`: transport/device pairs.
+            let pairs: Vec<(&str, &str)> = if is_row {
+                cells[2]
+                    .split([',', ' '])
+                    .filter_map(|x| x.trim().split_once('/'))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            for (ts, ls, ds) in [Some(&mut all), in_put.then_some(&mut put)]
                 .into_iter()
                 .flatten()
             {
@@ -130,12 +141,17 @@ impl Transport {
                         ts.push(w.to_string());
                     }
                 }
+                for (t, d) in &pairs {
+                    if KNOWN.contains(t) && !ds.iter().any(|x: &String| x == d) {
+                        ds.push(d.to_string());
+                    }
+                }
                 if is_row || row.contains(" by ucp_") {
                     ls.push(row.to_string());
                 }
             }
         }
-        let (transports, lines) = if put.0.is_empty() { all } else { put };
+        let (transports, lines, devices) = if put.0.is_empty() { all } else { put };
         let has = |t: &str| transports.iter().any(|x| x == t);
         let staged_words = lines
             .iter()
@@ -159,17 +175,18 @@ impl Transport {
         };
         Transport {
             transports,
+            devices,
             lines,
             path,
         }
     }
 
-    /// The transports as one word list (`tcp,cuda_copy`), or `unknown`.
+    /// The transports and devices in one word (`tcp,cuda_copy@lo,cuda`), or `unknown`.
     pub fn summary(&self) -> String {
         if self.transports.is_empty() {
             "unknown".into()
         } else {
-            self.transports.join(",")
+            format!("{}@{}", self.transports.join(","), self.devices.join(","))
         }
     }
 
@@ -349,6 +366,7 @@ mod tests {
 ";
         let t = Transport::parse(text, Place::Host, Place::Host);
         assert_eq!(t.transports, ["tcp"]);
+        assert_eq!(t.devices, ["lo"]);
         assert_eq!(t.path, Path::Host);
         assert_eq!(t.lines.len(), 2, "{:?}", t.lines);
     }

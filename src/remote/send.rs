@@ -140,6 +140,9 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
     };
     let (buffers, buffer_bytes) = geometry(&opts.channel)?;
     let agent = format!("cuda-ipc-send-{}-{}", std::process::id(), opts.channel);
+    if let Ok(a) = stream.local_addr() {
+        super::check_binding(a.ip());
+    }
     let mut lane = Lane::new(&agent)?;
     wire::send(
         &mut stream,
