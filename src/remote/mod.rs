@@ -7,7 +7,7 @@
 //! channel's segments or protocol.
 //!
 //! One frame:
-//! 1. the receiving bridge, the far channel's [`Producer`], [acquires](Producer::acquire) a buffer
+//! 1. the receiving bridge, the far channel's [`Producer`], [acquires](crate::channel::Producer::acquire) a buffer
 //!    (waiting, as any producer, for its consumers: back-pressure), registers it with NIXL once,
 //!    and sends a credit naming it over the control connection;
 //! 2. the sending bridge, a [`Consumer`] of the near channel, receives the next frame (every frame
