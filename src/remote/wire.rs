@@ -436,7 +436,10 @@ impl FrameNote {
         let seq = num()?;
         let len = num()?;
         let hex = it.next().unwrap_or("");
-        if it.next().is_some() || !hex.len().is_multiple_of(2) || hex.len() > 2 * crate::channel::META_BYTES {
+        if it.next().is_some()
+            || !hex.len().is_multiple_of(2)
+            || hex.len() > 2 * crate::channel::META_BYTES
+        {
             return Err(bad());
         }
         let meta = (0..hex.len() / 2)
