@@ -13,8 +13,10 @@
 //! ```text
 //! cargo run --release -p cuda-ipc-examples --features remote --example remote_pipeline -- \
 //!     [--frames 1000] [--bytes N | --4k] [--memory host|device] [--delivery every|latest]
-//!     [--pace-us 0] [--raw]
+//!     [--pool auto|legacy|vmm|pool] [--pace-us 0] [--raw]
 //! ```
+//! `--pool` picks the near pool's device memory (the far one is the default, legacy where it can
+//! be): which kinds UCX registers for a GPU-direct path shows in the transport it reports.
 //! `--pace-us N` publishes (or, with `--raw`, WRITEs) one frame every N µs: the hand-off latency
 //! without frames queueing behind each other; 0 runs as fast as the lane goes (frames/s).
 //! ```text
@@ -23,11 +25,13 @@
 
 mod common;
 
-use common::args::Argv;
+use common::args::{Argv, memory_kind};
 use common::child::Child;
 use common::{FrameMeta, Res, now_ns, percentile_us, read_u64, zeroed_counter};
 use cuda_ipc::Error as IpcError;
-use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Delivery, Producer};
+use cuda_ipc::channel::{
+    ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
+};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::raw::kernels::{Kernels, pattern};
 use cuda_ipc::remote::nixl::{Lane, Place, Region, Target};
@@ -40,7 +44,8 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: remote_pipeline [--frames 1000] [--bytes N | --4k] \
-    [--memory host|device] [--delivery every|latest] [--pace-us 0] [--raw]";
+    [--memory host|device] [--pool auto|legacy|vmm|pool] [--delivery every|latest] [--pace-us 0] \
+    [--raw]";
 const SECRET: &str = "remote_pipeline example secret";
 const LONG: Duration = Duration::from_secs(120);
 
@@ -54,6 +59,9 @@ struct Args {
     /// Microseconds between frames (0: as fast as the lane goes); a paced run measures the
     /// hand-off latency without queueing.
     pace_us: u64,
+    /// The near pool's kind of device memory (`--pool auto|legacy|vmm|pool`).
+    pool: MemoryKind,
+    pool_word: String,
     /// (role, value): `recv FAR`, `send NEAR:PORT`, `consumer FAR`, `raw-target` .
     role: Option<(String, String)>,
 }
@@ -66,6 +74,8 @@ fn parse() -> Res<Args> {
         delivery: Delivery::EveryFrame,
         raw: false,
         pace_us: 0,
+        pool: MemoryKind::Auto,
+        pool_word: "auto".into(),
         role: None,
     };
     let mut args = Argv::from_env();
@@ -90,6 +100,10 @@ fn parse() -> Res<Args> {
             }
             "--raw" => a.raw = true,
             "--pace-us" => a.pace_us = args.parse(&k)?,
+            "--pool" => {
+                a.pool_word = args.value(&k)?;
+                a.pool = memory_kind(&a.pool_word)?;
+            }
             "--role" => {
                 let r = args.value(&k)?;
                 a.role = Some((r, args.value_or("missing role value")?));
@@ -196,7 +210,9 @@ fn producer(a: &Args) -> Res<()> {
     let (mut tx, kernels) = if a.device {
         let ctx = Context::default_device()?;
         let k = Kernels::load(&ctx)?;
-        (Producer::create(&ctx, &near, &opts)?, Some(k))
+        let tx = Producer::create(&ctx, &near, &opts.memory(a.pool))?;
+        println!("producer: near pool memory {:?}", tx.memory_kind());
+        (tx, Some(k))
     } else {
         (Producer::create_host(&near, &opts)?, None)
     };
