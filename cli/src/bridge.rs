@@ -78,8 +78,8 @@ pub fn stale_status_files() -> Vec<(String, u32)> {
         let e = e.ok()?;
         let name = e.file_name().into_string().ok()?;
         let ch = name.strip_prefix("cuda-ipc.br.")?.to_string();
-        // A bridge's temporary file (`NAME.tmpPID`) is not a status file.
-        if ch.contains(".tmp") {
+        // A bridge's temporary file (`NAME.tmp-lane-PID`) is not a status file.
+        if ch.contains(".tmp-lane-") {
             return None;
         }
         let uid = e.metadata().ok()?.uid();
@@ -99,25 +99,6 @@ pub fn remove_stale_status(channel: &str) -> std::io::Result<bool> {
             Err(e) => Err(e),
         },
         _ => Ok(false),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_status_file_parses_and_a_host_staged_gpu_lane_is_flagged() {
-        let text = "role=recv\npid=42\nstart_time=7\nchannel=c\npeer=10.0.0.1:5000\n\
-                    memory=device\ntransport=tcp,cuda_copy@eth0,cuda\npath=host-staged\nframes=9\n";
-        let (b, start) = parse(text).unwrap();
-        assert_eq!(start, 7);
-        assert_eq!((b.role.as_str(), b.pid, b.frames), ("recv", 42, 9));
-        let d = describe(&b);
-        assert!(d.contains("filled from 10.0.0.1:5000"), "{d}");
-        assert!(d.contains("HOST-STAGED"), "{d}");
-        assert!(parse("pid=1\n").is_none());
-        assert!(parse("garbage").is_none());
     }
 }
 
@@ -385,5 +366,24 @@ mod run {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_file_parses_and_a_host_staged_gpu_lane_is_flagged() {
+        let text = "role=recv\npid=42\nstart_time=7\nchannel=c\npeer=10.0.0.1:5000\n\
+                    memory=device\ntransport=tcp,cuda_copy@eth0,cuda\npath=host-staged\nframes=9\n";
+        let (b, start) = parse(text).unwrap();
+        assert_eq!(start, 7);
+        assert_eq!((b.role.as_str(), b.pid, b.frames), ("recv", 42, 9));
+        let d = describe(&b);
+        assert!(d.contains("filled from 10.0.0.1:5000"), "{d}");
+        assert!(d.contains("HOST-STAGED"), "{d}");
+        assert!(parse("pid=1\n").is_none());
+        assert!(parse("garbage").is_none());
     }
 }

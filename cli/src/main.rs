@@ -148,7 +148,16 @@ pub enum Outcome {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    // A bridge logs what it does (the peer, the transport UCX chose) at info level.
+    #[cfg(feature = "remote")]
+    let verbose = if matches!(cli.command, Command::Bridge(_)) {
+        cli.verbose.max(1)
+    } else {
+        cli.verbose
+    };
+    #[cfg(not(feature = "remote"))]
+    let verbose = cli.verbose;
+    init_logging(verbose);
     let r = match cli.command {
         Command::Doctor => doctor::run(),
         Command::Ls { name, json } => ls::run_ls(name.as_deref(), json),

@@ -80,9 +80,11 @@ pub enum Ended {
 /// Before the far channel exists: the errors of [`Producer::create_host`] and
 /// [`Producer::create`] (a live producer already serving the name is
 /// [`crate::channel::ChannelError::AlreadyExists`]); [`Error::Unsupported`] when NIXL is not
-/// installed; [`RemoteError::Nixl`] from creating the agent; [`RemoteError::Link`] and
-/// [`Error::Timeout`] from the accepted peer's handshake after the secret was accepted. After,
-/// every failure is [`Ended::Lost`].
+/// installed (checked first); [`Error::Timeout`] when `stop` was set while waiting; a refused
+/// peer or one that fails its handshake (each step bounded by [`LaneOptions::handshake_timeout`])
+/// is logged and the next one awaited. Once the far channel exists, every failure is
+/// [`Ended::Lost`], and a NIXL agent that cannot be made is told to the peer and returned as
+/// [`RemoteError::Refused`].
 pub fn serve(
     opts: &RecvOptions,
     listener: &TcpListener,
@@ -91,27 +93,36 @@ pub fn serve(
 ) -> Result<Ended> {
     super::nixl::probe()?;
     let hs = opts.lane.handshake_timeout;
-    let (mut stream, peer) = loop {
+    // Until a peer that presented the secret names its channel, a failed peer is logged and
+    // the next one awaited.
+    let (mut stream, peer, buffers, buffer_bytes, kind) = loop {
         if stop.load(Ordering::Relaxed) {
             return Err(Error::Timeout {
                 what: "a sending bridge (stopped)",
                 after: Duration::ZERO,
             });
         }
-        match accept(listener, opts, hs) {
-            Ok(Some(s)) => break s,
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => tracing::warn!("lane: refused a peer: {e}"),
+        let (mut s, peer) = match accept(listener, opts, hs) {
+            Ok(Some(x)) => x,
+            Ok(None) => {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!("lane: refused a peer: {e}");
+                continue;
+            }
+        };
+        match wire::recv(&mut s, hs, "the near channel's geometry") {
+            Ok(Msg::Channel {
+                buffers,
+                buffer_bytes,
+                kind,
+                agent: _,
+            }) => break (s, peer, buffers, buffer_bytes, kind),
+            Ok(m) => tracing::warn!("lane: {peer}: {}", unexpected(&m, "the near channel")),
+            Err(e) => tracing::warn!("lane: {peer} left before naming its channel: {e}"),
         }
-    };
-    let (buffers, buffer_bytes, kind, _agent) = match wire::recv(&mut stream, hs, "the channel")? {
-        Msg::Channel {
-            buffers,
-            buffer_bytes,
-            kind,
-            agent,
-        } => (buffers, buffer_bytes, kind, agent),
-        m => return Err(unexpected(&m, "the near channel's geometry")),
     };
     let refuse = |stream: &mut TcpStream, why: String| -> Error {
         let _ = wire::send(

@@ -298,7 +298,9 @@ impl Status {
     /// are logged at debug level, as the file only informs.
     pub fn write(&self) {
         let path = status_path(&self.channel);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(format!(".tmp-lane-{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
         let r = std::fs::write(&tmp, self.text()).and_then(|()| std::fs::rename(&tmp, &path));
         if let Err(e) = r {
             let _ = std::fs::remove_file(&tmp);

@@ -302,12 +302,19 @@ fn pump(
         )?;
         drop(frame);
         totals.frames += 1;
-        if totals.transport.is_none() || last_status.elapsed() > Duration::from_secs(1) {
-            if totals.transport.is_none() {
+        if totals.frames == 1 || last_status.elapsed() > Duration::from_secs(1) {
+            if totals.frames == 1 {
+                // UCX printed its choice for the WRITE when it made it: read it once.
                 totals.transport = report::from_ucx_log(place, target.place);
-                if let Some(t) = &totals.transport {
-                    t.log("send");
-                    status.transport = Some(t.clone());
+                match &totals.transport {
+                    Some(t) => {
+                        t.log("send");
+                        status.transport = Some(t.clone());
+                    }
+                    None => tracing::info!(
+                        "lane (send): no UCX protocol report to read (UCX_PROTO_INFO=y and \
+                         UCX_LOG_FILE make one)"
+                    ),
                 }
             }
             status.frames = totals.frames;
