@@ -329,7 +329,7 @@ impl Lane {
             .agent
             .post_xfer_req(req, Some(&args))
             .map_err(nixl("nixl_capi_post_xfer_req"))?;
-        let mut spins = 0u32;
+        let mut naps = 0u32;
         while in_progress {
             match self
                 .agent
@@ -346,7 +346,7 @@ impl Lane {
                             after: start.elapsed(),
                         });
                     }
-                    pause(&mut spins);
+                    pause(start, &mut naps);
                 }
             }
         }
@@ -374,13 +374,18 @@ impl Lane {
     }
 }
 
-/// One step of a poll loop: spins for the first few hundred calls, then naps, 20 µs to 200 µs.
-pub(super) fn pause(spins: &mut u32) {
-    *spins = spins.saturating_add(1);
-    if *spins < 200 {
+/// How long a poll loop spins before it naps: a WRITE or its notification usually completes
+/// within this; past it, polls are 20 µs to 200 µs apart so that an idle lane costs no core.
+pub(super) const SPIN: Duration = Duration::from_micros(200);
+
+/// One step of a poll loop that started at `start`: spins for [`SPIN`], then naps (20 µs, growing
+/// to 200 µs; `naps` counts them).
+pub(super) fn pause(start: Instant, naps: &mut u32) {
+    if start.elapsed() < SPIN {
         std::hint::spin_loop();
     } else {
-        let us = (*spins - 199).min(10) * 20;
+        *naps = naps.saturating_add(1);
+        let us = (*naps).min(10) * 20;
         std::thread::sleep(Duration::from_micros(us as u64));
     }
 }

@@ -150,6 +150,9 @@ pub fn serve(
             Producer::create(&ctx, &opts.channel, &copts)
         }
     };
+    // Channel layout version 5 gives the header a `transport` word (0 local, 1 bridged over
+    // NIXL): the far producer is to be created with it set to 1 here (docs/decisions.md, "The
+    // remote lane"); until then the status file says it.
     let mut producer = match producer {
         Ok(p) => Box::new(p),
         Err(e) => return Err(refuse(&mut stream, format!("the far channel: {e}"))),
@@ -216,6 +219,7 @@ pub fn serve(
         Ok(Outcome::Upstream {
             closed: false,
             reason,
+            ..
         }) => lost(producer, reason),
         Ok(Outcome::Stopped) => Ok(Ended::Stopped(producer)),
         Err(e) => lost(producer, e.to_string()),
@@ -278,14 +282,26 @@ fn accept(
 }
 
 enum Outcome {
-    Upstream { closed: bool, reason: String },
+    Upstream {
+        closed: bool,
+        sent: u64,
+        reason: String,
+    },
     Stopped,
 }
 
 fn control(link: &mut Link) -> Result<Option<Outcome>> {
     match link.next(Duration::ZERO)? {
         None => Ok(None),
-        Some(Msg::Upstream { closed, reason }) => Ok(Some(Outcome::Upstream { closed, reason })),
+        Some(Msg::Upstream {
+            closed,
+            sent,
+            reason,
+        }) => Ok(Some(Outcome::Upstream {
+            closed,
+            sent,
+            reason,
+        })),
         Some(m) => Err(unexpected(&m, "an upstream message")),
     }
 }
@@ -303,6 +319,8 @@ fn pump(
 ) -> Result<Outcome> {
     let mut reported = false;
     let mut last_status = Instant::now();
+    // Frames published in this session (what the sender's `sent` counts).
+    let mut session = 0u64;
     loop {
         // 1. A free far buffer (waiting for far consumers, as any producer).
         let w = loop {
@@ -346,14 +364,32 @@ fn pump(
             device,
             md,
         })?;
-        // 2. The WRITE's notification.
-        let mut spins = 0u32;
+        // 2. The WRITE's notification. An end told meanwhile waits for the frame still on its way
+        // (the sender wrote `sent` frames; its notification may come after the message).
+        let (mut waited, mut naps) = (Instant::now(), 0u32);
+        let mut ending = None;
         let note = loop {
             if stop.load(Ordering::Relaxed) {
                 return Ok(Outcome::Stopped);
             }
-            if let Some(o) = control(link)? {
-                return Ok(o);
+            if ending.is_none() {
+                match control(link)? {
+                    Some(o @ Outcome::Upstream { sent, .. }) if sent <= session => {
+                        // Nothing on its way: the credited buffer is given back unwritten.
+                        return Ok(o);
+                    }
+                    Some(o @ Outcome::Stopped) => return Ok(o),
+                    Some(o) => {
+                        ending = Some(o);
+                        waited = Instant::now();
+                    }
+                    None => {}
+                }
+            } else if waited.elapsed() > opts.lane.write_timeout {
+                return Err(RemoteError::Protocol(
+                    "the last frame's notification never came".into(),
+                )
+                .into());
             }
             let mut notes = lane.take_notifications()?;
             if notes.len() > 1 {
@@ -375,10 +411,14 @@ fn pump(
                 }
                 break n;
             }
-            pause(&mut spins);
+            pause(waited, &mut naps);
         };
         w.publish(&note.meta)?;
         *frames += 1;
+        session += 1;
+        if let Some(o) = ending {
+            return Ok(o);
+        }
         if !reported || last_status.elapsed() > Duration::from_secs(1) {
             if !reported {
                 reported = true;

@@ -7,7 +7,7 @@ use super::report::{self, Role, Status};
 use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
 use super::{LaneOptions, RemoteError};
 use crate::channel::inspect;
-use crate::channel::{Consumer, ConsumerOptions, Delivery};
+use crate::channel::{Consumer, ConsumerOptions, Delivery, Frame};
 use crate::driver::DeviceMemory as _;
 use crate::error::{Error, Result};
 use crate::identity::Liveness;
@@ -194,6 +194,108 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
     r
 }
 
+/// What waiting for the next near frame gave (a stack value of one loop turn, never stored: the
+/// frame's size is no cost).
+#[allow(clippy::large_enum_variant)]
+enum Got<'c> {
+    Frame(Frame<'c>),
+    End(Ended),
+}
+
+/// Takes a credit message into `credit` (its metadata loaded when it carries some); anything else,
+/// or a second credit, breaks the protocol.
+fn take_credit(m: Msg, lane: &mut Lane, credit: &mut Option<(u32, Target)>) -> Result<()> {
+    match m {
+        Msg::Credit {
+            index,
+            addr,
+            len,
+            kind,
+            device,
+            md,
+        } if credit.is_none() => {
+            if !md.is_empty() {
+                lane.load_remote(&md)?;
+            }
+            let Some(place) = Place::from_code(kind, device) else {
+                return Err(RemoteError::Protocol(format!("memory kind {kind}")).into());
+            };
+            *credit = Some((index, Target { addr, len, place }));
+            Ok(())
+        }
+        m => Err(unexpected(&m, "one credit")),
+    }
+}
+
+/// Waits for the next near frame (credits that arrive meanwhile are kept); for a device frame,
+/// also for its bytes (NIXL knows no stream: they must be there before the WRITE reads them).
+fn wait_frame<'c>(
+    stop: &AtomicBool,
+    consumer: &'c Consumer,
+    lane: &mut Lane,
+    link: &mut Link,
+    credit: &mut Option<(u32, Target)>,
+    sent: u64,
+) -> Result<Got<'c>> {
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(Got::End(Ended::Stopped));
+        }
+        while let Some(m) = link.next(Duration::ZERO)? {
+            take_credit(m, lane, credit)?;
+        }
+        match consumer.recv_timeout(Duration::from_millis(50)) {
+            Ok(f) => {
+                if !consumer.is_host() {
+                    consumer.stream().synchronize()?;
+                }
+                return Ok(Got::Frame(f));
+            }
+            Err(Error::Timeout { .. }) => {}
+            Err(Error::ProducerGone { pid }) => {
+                let why = format!("the near producer (pid {pid}) died");
+                return upstream(link, false, &why, sent).map(Got::End);
+            }
+            Err(Error::ChannelClosed) => {
+                let why = "the near producer closed the channel";
+                return upstream(link, true, why, sent).map(Got::End);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Waits until `credit` holds a far buffer to write (the receiving bridge acquired it); while the
+/// far side waits for its consumers, notices a near producer that died.
+fn wait_credit(
+    opts: &SendOptions,
+    stop: &AtomicBool,
+    lane: &mut Lane,
+    link: &mut Link,
+    credit: &mut Option<(u32, Target)>,
+    sent: u64,
+) -> Result<Option<Ended>> {
+    let mut next_check = Instant::now() + opts.lane.heartbeat;
+    while credit.is_none() {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(Some(Ended::Stopped));
+        }
+        if let Some(m) = link.next(opts.lane.heartbeat)? {
+            take_credit(m, lane, credit)?;
+            continue;
+        }
+        if Instant::now() >= next_check {
+            next_check = Instant::now() + opts.lane.heartbeat;
+            if let Ok(s) = inspect::inspect(&opts.channel)
+                && s.producer_liveness == Liveness::Dead
+            {
+                return upstream(link, false, "the near producer died", sent).map(Some);
+            }
+        }
+    }
+    Ok(None)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn pump(
     opts: &SendOptions,
@@ -207,78 +309,43 @@ fn pump(
     status: &mut Status,
 ) -> Result<Ended> {
     let mut last_status = Instant::now();
+    let mut credit = None;
+    // Every frame: the next frame is taken (and its bytes awaited) while the far side still
+    // publishes the last one, so only the WRITE waits for the credit. Latest only: the credit
+    // first, then the newest frame, so no older frame is held while the far side is busy.
+    let early = opts.delivery == Delivery::EveryFrame;
     loop {
-        // 1. A far buffer to write: the receiving bridge acquired it for us.
-        let mut next_check = Instant::now() + opts.lane.heartbeat;
-        let (tindex, target) = loop {
-            if stop.load(Ordering::Relaxed) {
-                return Ok(Ended::Stopped);
+        let mut frame = None;
+        if early {
+            match wait_frame(stop, consumer, lane, link, &mut credit, totals.frames)? {
+                Got::Frame(f) => frame = Some(f),
+                Got::End(e) => return Ok(e),
             }
-            match link.next(opts.lane.heartbeat)? {
-                Some(Msg::Credit {
-                    index,
-                    addr,
-                    len,
-                    kind,
-                    device,
-                    md,
-                }) => {
-                    if !md.is_empty() {
-                        lane.load_remote(&md)?;
-                    }
-                    let Some(place) = Place::from_code(kind, device) else {
-                        return Err(RemoteError::Protocol(format!("memory kind {kind}")).into());
-                    };
-                    break (index, Target { addr, len, place });
-                }
-                Some(m) => return Err(unexpected(&m, "a credit")),
-                None => {}
-            }
-            // The far side waits for its consumers: meanwhile, notice a near producer that died.
-            if Instant::now() >= next_check {
-                next_check = Instant::now() + opts.lane.heartbeat;
-                if let Ok(s) = inspect::inspect(&opts.channel)
-                    && s.producer_liveness == Liveness::Dead
-                {
-                    return upstream(link, false, "the near producer died");
-                }
-            }
+        }
+        if let Some(e) = wait_credit(opts, stop, lane, link, &mut credit, totals.frames)? {
+            return Ok(e);
+        }
+        let frame = match frame {
+            Some(f) => f,
+            None => match wait_frame(stop, consumer, lane, link, &mut credit, totals.frames)? {
+                Got::Frame(f) => f,
+                Got::End(e) => return Ok(e),
+            },
         };
-        // 2. The next near frame.
-        let frame = loop {
-            if stop.load(Ordering::Relaxed) {
-                return Ok(Ended::Stopped);
-            }
-            if let Some(m) = link.next(Duration::ZERO)? {
-                return Err(unexpected(&m, "nothing while a frame is awaited"));
-            }
-            match consumer.recv_timeout(Duration::from_millis(50)) {
-                Ok(f) => break f,
-                Err(Error::Timeout { .. }) => {}
-                Err(Error::ProducerGone { pid }) => {
-                    return upstream(link, false, &format!("the near producer (pid {pid}) died"));
-                }
-                Err(Error::ChannelClosed) => {
-                    return upstream(link, true, "the near producer closed the channel");
-                }
-                Err(e) => return Err(e),
-            }
+        let Some((tindex, target)) = credit.take() else {
+            continue; // not reached: `wait_credit` returned with a credit
         };
-        // NIXL knows no stream: the frame's bytes must be there before the WRITE reads them.
         let region = match place {
             Place::Host => Region {
                 addr: frame.as_ptr() as u64,
                 len: frame.len(),
                 place,
             },
-            Place::Device(_) => {
-                consumer.stream().synchronize()?;
-                Region {
-                    addr: frame.buffer().device_ptr(),
-                    len: frame.len(),
-                    place,
-                }
-            }
+            Place::Device(_) => Region {
+                addr: frame.buffer().device_ptr(),
+                len: frame.len(),
+                place,
+            },
         };
         let index = frame.index() as u32;
         // SAFETY: the region is the frame's buffer in the consumer's mapping (host pool or import),
@@ -324,10 +391,11 @@ fn pump(
     }
 }
 
-fn upstream(link: &Link, closed: bool, reason: &str) -> Result<Ended> {
-    tracing::info!("lane: {reason}; telling the receiving bridge");
+fn upstream(link: &Link, closed: bool, reason: &str, sent: u64) -> Result<Ended> {
+    tracing::info!("lane: {reason} after {sent} frames; telling the receiving bridge");
     link.send(&Msg::Upstream {
         closed,
+        sent,
         reason: reason.to_string(),
     })?;
     // Give the message time to leave before the connection is shut.

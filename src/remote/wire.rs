@@ -173,6 +173,9 @@ pub enum Msg {
     Upstream {
         /// True when its producer closed it (every frame delivered); false when it died.
         closed: bool,
+        /// Frames the sender wrote in this session: the receiver publishes the one still on its
+        /// way (its notification may come after this message) before it ends.
+        sent: u64,
         /// What the sender saw.
         reason: String,
     },
@@ -279,9 +282,14 @@ impl Msg {
                 put_bytes(&mut b, md);
             }
             Msg::Ping => b.push(7),
-            Msg::Upstream { closed, reason } => {
+            Msg::Upstream {
+                closed,
+                sent,
+                reason,
+            } => {
                 b.push(8);
                 b.push(u8::from(*closed));
+                b.extend_from_slice(&sent.to_le_bytes());
                 put_bytes(&mut b, reason.as_bytes());
             }
         }
@@ -342,6 +350,7 @@ impl Msg {
             7 => Msg::Ping,
             8 => Msg::Upstream {
                 closed: c.u8()? != 0,
+                sent: c.u64()?,
                 reason: c.string()?,
             },
             t => return Err(protocol(&format!("unknown message tag {t}"))),
@@ -491,6 +500,7 @@ mod tests {
             Msg::Ping,
             Msg::Upstream {
                 closed: false,
+                sent: 12,
                 reason: "gone".into(),
             },
         ];
