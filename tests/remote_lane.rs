@@ -84,6 +84,10 @@ fn child() {
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }
+            if let Ok(ms) = std::env::var("LINGER_MS") {
+                // Closing withdraws frames latest-only consumers (the bridge) have not taken.
+                std::thread::sleep(Duration::from_millis(ms.parse().unwrap()));
+            }
             let report = tx.close(ANSWER).unwrap();
             tell(format!("closed {report:?}"));
         }
@@ -116,6 +120,9 @@ fn child() {
                 Secret::new(env("SECRET").into_bytes()).unwrap(),
             );
             opts.lane = lane();
+            if std::env::var("DELIVERY").as_deref() == Ok("latest") {
+                opts.delivery = Delivery::LatestOnly;
+            }
             loop {
                 let mut totals = send::Totals::default();
                 match send::serve(&opts, &AtomicBool::new(false), &mut totals) {
@@ -249,6 +256,10 @@ fn start_recv(tag: &str, far: &str, port: u16) -> (Peer, u16) {
 }
 
 fn start_send(tag: &str, near: &str, port: u16) -> Peer {
+    start_send_with(tag, near, port, "every")
+}
+
+fn start_send_with(tag: &str, near: &str, port: u16, delivery: &str) -> Peer {
     spawn(
         "send",
         tag,
@@ -256,6 +267,7 @@ fn start_send(tag: &str, near: &str, port: u16) -> Peer {
             ("NEAR", near.into()),
             ("ADDR", format!("127.0.0.1:{port}")),
             ("SECRET", SECRET.into()),
+            ("DELIVERY", delivery.into()),
         ],
     )
 }
@@ -272,6 +284,11 @@ fn wait_for_channel(ch: &str) {
 
 impl Lane {
     fn start(tag: &str, frames: u64) -> Lane {
+        Lane::start_with(tag, frames, "every")
+    }
+
+    fn start_with(tag: &str, frames: u64, delivery: &str) -> Lane {
+        let linger = if delivery == "latest" { "1500" } else { "0" };
         nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH for these tests");
         let (near, far) = names(tag);
         let reap = Reap(vec![near.clone(), far.clone()]);
@@ -279,10 +296,14 @@ impl Lane {
         let mut producer = spawn(
             "producer",
             tag,
-            &[("NEAR", near.clone()), ("FRAMES", frames.to_string())],
+            &[
+                ("NEAR", near.clone()),
+                ("FRAMES", frames.to_string()),
+                ("LINGER_MS", linger.into()),
+            ],
         );
         producer.expect("ready", ANSWER);
-        let send = start_send(tag, &near, port);
+        let send = start_send_with(tag, &near, port, delivery);
         wait_for_channel(&far);
         Lane {
             _reap: reap,
@@ -409,6 +430,43 @@ fn a_latest_only_far_consumer_drops_frames_and_sees_the_last_one() {
     );
     let dropped = rx.stats().consumers.iter().map(|c| c.dropped).sum::<u64>();
     println!("latest-only: {n} received, {dropped} dropped");
+    drop(rx);
+    l.producer.expect("closed", ANSWER);
+    l.send.expect("closed", ANSWER);
+    l.recv.expect("closed", ANSWER);
+    for p in [&mut l.producer, &mut l.send, &mut l.recv] {
+        assert_eq!(exit_code(p), Some(0));
+    }
+}
+
+#[test]
+fn a_latest_only_sending_bridge_drops_near_frames_and_never_holds_the_producer_back() {
+    let mut l = Lane::start_with("send-latest", 10_000, "latest");
+    let rx = attach(&l.far, Delivery::EveryFrame);
+    l.producer.send("go");
+    let (mut n, mut last) = (0u64, 0u64);
+    loop {
+        match rx.recv_timeout(ANSWER) {
+            Ok(f) => {
+                let s = check(&f);
+                assert!(s > last, "{s} after {last}");
+                last = s;
+                n += 1;
+                drop(f);
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            Err(Error::ChannelClosed) => break,
+            Err(e) => panic!("far consumer: {e}"),
+        }
+    }
+    // The near producer published all 10,000 without waiting for the lane; the lane carried the
+    // newest whenever it could, whole and in order, and the last one.
+    assert!(
+        n < 10_000,
+        "a latest-only bridge drops near frames (carried all {n})"
+    );
+    assert_eq!(last, 10_000, "the newest near frame is carried");
+    println!("latest-only sending bridge: {n} of 10000 carried");
     drop(rx);
     l.producer.expect("closed", ANSWER);
     l.send.expect("closed", ANSWER);

@@ -214,6 +214,13 @@ pub fn serve(
                 "lane: the near channel was closed; closing {}",
                 opts.channel
             );
+            // Closing withdraws frames latest-only consumers have not taken: give the far
+            // consumers (bounded) the time to reach the last frame first.
+            let deadline = Instant::now() + opts.lane.handshake_timeout.min(Duration::from_secs(1));
+            while Instant::now() < deadline && producer.stats().consumers.iter().any(|c| c.lag > 0)
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             Ok(Ended::Closed(producer.close(Duration::from_secs(5))))
         }
         Ok(Outcome::Upstream {
