@@ -185,6 +185,10 @@ fn spawn(name: &str, a: &Args, role: &str, value: &str) -> Res<Child> {
 fn pace(a: &Args, start: Instant, i: u64) {
     if a.pace_us > 0 {
         let due = start + Duration::from_micros(a.pace_us * i);
+        // Sleep to within 200 us of the slot, then spin (the pace costs no core).
+        if let Some(d) = due.checked_duration_since(Instant::now() + Duration::from_micros(200)) {
+            std::thread::sleep(d);
+        }
         while Instant::now() < due {
             std::hint::spin_loop();
         }
@@ -485,13 +489,15 @@ fn raw_initiator(a: &Args) -> Res<()> {
             }
         }
         let note = format!("raw {i} {stamp}");
+        let l = LaneOptions::default();
         lane.write(
             0,
             a.bytes,
             (0, t),
             &remote,
             note.as_bytes(),
-            LaneOptions::default().write_timeout,
+            l.write_timeout,
+            l.spin,
         )?;
     }
     let secs = start.elapsed().as_secs_f64();

@@ -280,6 +280,10 @@ impl Lane {
     /// [`Error::InvalidArgument`] when `key` is not registered or `len` exceeds either region;
     /// [`RemoteError::Nixl`] from creating, posting or checking the transfer;
     /// [`Error::Timeout`] when it did not complete in time.
+    ///
+    /// The wait polls `getXferStatus` without a pause for `spin` (UCX's TCP transport moves data
+    /// only while it is polled), then every 20 µs to 200 µs.
+    #[allow(clippy::too_many_arguments)]
     pub fn write(
         &mut self,
         key: u32,
@@ -288,6 +292,7 @@ impl Lane {
         remote: &str,
         notif: &[u8],
         timeout: Duration,
+        spin: Duration,
     ) -> Result<()> {
         let Some((region, _)) = self.registered.get(&key) else {
             return Err(Error::InvalidArgument(format!(
@@ -346,7 +351,7 @@ impl Lane {
                             after: start.elapsed(),
                         });
                     }
-                    pause(start, &mut naps);
+                    pause(start, spin, &mut naps);
                 }
             }
         }
@@ -374,14 +379,11 @@ impl Lane {
     }
 }
 
-/// How long a poll loop spins before it naps: a WRITE or its notification usually completes
-/// within this; past it, polls are 20 µs to 200 µs apart so that an idle lane costs no core.
-pub(super) const SPIN: Duration = Duration::from_micros(200);
-
-/// One step of a poll loop that started at `start`: spins for [`SPIN`], then naps (20 µs, growing
-/// to 200 µs; `naps` counts them).
-pub(super) fn pause(start: Instant, naps: &mut u32) {
-    if start.elapsed() < SPIN {
+/// One step of a poll loop that started at `start`: spins (polling UCX without a pause, which
+/// also moves the data: a TCP transfer advances only while its ends poll) for `spin`, then naps
+/// (20 µs, growing to 200 µs; `naps` counts them), so that an idle lane costs no core.
+pub(super) fn pause(start: Instant, spin: Duration, naps: &mut u32) {
+    if start.elapsed() < spin {
         std::hint::spin_loop();
     } else {
         *naps = naps.saturating_add(1);

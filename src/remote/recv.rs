@@ -300,16 +300,25 @@ enum Outcome {
 fn control(link: &mut Link) -> Result<Option<Outcome>> {
     match link.next(Duration::ZERO)? {
         None => Ok(None),
-        Some(Msg::Upstream {
+        Some(m) => control_msg(m),
+    }
+}
+
+/// An upstream message as the outcome it ends the session with; a posting hint that its
+/// notification overtook is nothing; anything else breaks the protocol.
+fn control_msg(m: Msg) -> Result<Option<Outcome>> {
+    match m {
+        Msg::Posting { .. } => Ok(None),
+        Msg::Upstream {
             closed,
             sent,
             reason,
-        }) => Ok(Some(Outcome::Upstream {
+        } => Ok(Some(Outcome::Upstream {
             closed,
             sent,
             reason,
         })),
-        Some(m) => Err(unexpected(&m, "an upstream message")),
+        m => Err(unexpected(&m, "an upstream message")),
     }
 }
 
@@ -375,12 +384,22 @@ fn pump(
         // (the sender wrote `sent` frames; its notification may come after the message).
         let (mut waited, mut naps) = (Instant::now(), 0u32);
         let mut ending = None;
+        let mut posted = false;
         let note = loop {
             if stop.load(Ordering::Relaxed) {
                 return Ok(Outcome::Stopped);
             }
             if ending.is_none() {
-                match control(link)? {
+                let m = match link.next(Duration::ZERO)? {
+                    Some(Msg::Posting { index: i }) if i == index => {
+                        // The data is on its way: poll without a pause until it is here.
+                        posted = true;
+                        None
+                    }
+                    Some(m) => control_msg(m)?,
+                    None => None,
+                };
+                match m {
                     Some(o @ Outcome::Upstream { sent, .. }) if sent <= session => {
                         // Nothing on its way: the credited buffer is given back unwritten.
                         return Ok(o);
@@ -418,7 +437,11 @@ fn pump(
                 }
                 break n;
             }
-            pause(waited, &mut naps);
+            if posted {
+                std::hint::spin_loop();
+            } else {
+                pause(waited, opts.lane.spin, &mut naps);
+            }
         };
         w.publish(&note.meta)?;
         *frames += 1;

@@ -359,12 +359,16 @@ fn pump(
             len: frame.len() as u64,
             meta: frame.metadata().to_vec(),
         };
+        // The receiving bridge polls without a pause from now until the notification: a TCP
+        // transfer advances only while both ends poll. So does this end, for the whole WRITE.
+        link.send(&Msg::Posting { index: tindex })?;
         lane.write(
             index,
             frame.len(),
             (tindex, target),
             remote,
             note.encode().as_bytes(),
+            opts.lane.write_timeout,
             opts.lane.write_timeout,
         )?;
         drop(frame);

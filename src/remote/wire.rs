@@ -169,6 +169,13 @@ pub enum Msg {
     },
     /// Either way, every heartbeat period: the peer lives.
     Ping,
+    /// Sender → receiver: the WRITE into credited buffer `index` is being posted; the receiver
+    /// polls NIXL without a pause until its notification (a TCP transfer advances only while both
+    /// ends poll).
+    Posting {
+        /// The credited far buffer.
+        index: u32,
+    },
     /// Sender → receiver: the near channel ended.
     Upstream {
         /// True when its producer closed it (every frame delivered); false when it died.
@@ -282,6 +289,10 @@ impl Msg {
                 put_bytes(&mut b, md);
             }
             Msg::Ping => b.push(7),
+            Msg::Posting { index } => {
+                b.push(9);
+                b.extend_from_slice(&index.to_le_bytes());
+            }
             Msg::Upstream {
                 closed,
                 sent,
@@ -348,6 +359,7 @@ impl Msg {
                 md: c.bytes()?,
             },
             7 => Msg::Ping,
+            9 => Msg::Posting { index: c.u32()? },
             8 => Msg::Upstream {
                 closed: c.u8()? != 0,
                 sent: c.u64()?,
@@ -498,6 +510,7 @@ mod tests {
                 md: vec![],
             },
             Msg::Ping,
+            Msg::Posting { index: 2 },
             Msg::Upstream {
                 closed: false,
                 sent: 12,
