@@ -497,7 +497,8 @@ fn raw_initiator(a: &Args) -> Res<()> {
             &remote,
             note.as_bytes(),
             l.write_timeout,
-            l.spin,
+            // Polls its WRITE without a pause throughout, as the sending bridge does.
+            l.write_timeout,
         )?;
     }
     let secs = start.elapsed().as_secs_f64();
