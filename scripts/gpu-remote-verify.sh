@@ -4,9 +4,10 @@
 # NIXL WRITE + notification loop and the local channel (docs/gpu-verification.md records it).
 #
 # Here, on the build machine, from the project root (the GPU machine has no Rust and no network):
-#   GPU_BUNDLE_TGZ=1 ../shared/gpu/bundle.sh --features remote   # target/gpu-bundle.tgz (docs: the
-#                                                                  # GPU README's bundle script)
-#   scripts/gpu-remote-verify.sh pack                              # target/nixl-libs.tgz
+#   GPU_BUNDLE_TGZ=1 "$BUNDLE_SH" --features remote   # the release bundle with the lane:
+#                                                       # target/gpu-bundle.tgz (BUNDLE_SH: the
+#                                                       # bundle script of the GPU machine's notes)
+#   scripts/gpu-remote-verify.sh pack                   # target/nixl-libs.tgz (about 11 MB)
 # Carry target/gpu-bundle.tgz, target/nixl-libs.tgz and this script (scripts/), then there:
 #   tar xzf target/gpu-bundle.tgz -C target && tar xzf target/nixl-libs.tgz -C target &&
 #   bash scripts/gpu-remote-verify.sh run [RUNS]
