@@ -457,7 +457,8 @@ impl FrameNote {
         let seq = num()?;
         let len = num()?;
         let hex = it.next().unwrap_or("");
-        if it.next().is_some()
+        if !hex.is_ascii()
+            || it.next().is_some()
             || !hex.len().is_multiple_of(2)
             || hex.len() > 2 * crate::channel::META_BYTES
         {
@@ -555,6 +556,8 @@ mod tests {
             "cipc-lane 1 1 1 1 abc",
             "cipc-lane 1 1 1 1 zz",
             "cipc-lane 1 1 1 1 00 extra",
+            // Two bytes that are not two ASCII digits (slicing there would split a character).
+            "cipc-lane 1 1 1 1 a\u{e9}b",
         ] {
             assert!(FrameNote::decode(bad).is_err(), "{bad:?}");
         }
