@@ -170,8 +170,8 @@ impl Lane {
     /// Creates agent `name` (`nixlAgent`, without progress or listener threads) and its UCX backend
     /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here
     /// (`UCX_NET_DEVICES`, `UCX_TLS`, `UCX_PROTO_INFO`, `UCX_LOG_FILE`: see
-    /// [`super::environment`]). The backend's `device_list` parameter is not used: NIXL appends a
-    /// port (`:1`) to each name, which suits RDMA devices and breaks network interfaces.
+    /// [`super::environment`]). The backend's `device_list` parameter is not used: NIXL 1.5 takes
+    /// its entries for RDMA devices, and a network interface named there leaves UCX no path.
     ///
     /// # Errors
     /// [`Error::Unsupported`] from [`probe`]; [`RemoteError::Nixl`] when the agent or the backend
