@@ -451,6 +451,13 @@ fn recv_bytes(s: &mut TcpStream) -> Res<Vec<u8>> {
 /// The raw floor, initiator: stamp, fill, WRITE with a notification, wait for completion.
 fn raw_initiator(a: &Args) -> Res<()> {
     lane_environment()?;
+    // UCX's CUDA transports work in the thread's current context.
+    let ctx = if a.device {
+        Some(Context::default_device()?)
+    } else {
+        None
+    };
+    let _current = ctx.as_ref().map(|c| c.enter()).transpose()?;
     let target = spawn("raw target", a, "raw-target", "-")?;
     let port: u16 = target
         .line(LONG)?
@@ -523,6 +530,13 @@ fn raw_initiator(a: &Args) -> Res<()> {
 /// The raw floor, target: one registered buffer; counts notifications and their latency.
 fn raw_target(a: &Args) -> Res<()> {
     lane_environment()?;
+    // UCX's CUDA transports work in the thread's current context.
+    let ctx = if a.device {
+        Some(Context::default_device()?)
+    } else {
+        None
+    };
+    let _current = ctx.as_ref().map(|c| c.enter()).transpose()?;
     let l = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", l.local_addr()?.port());
     std::io::stdout().flush()?;

@@ -142,12 +142,22 @@ pub fn serve(
     let mut copts = ChannelOptions::new(buffer_bytes)
         .buffers(opts.buffers.unwrap_or(buffers as usize))
         .max_consumers(opts.max_consumers);
-    let producer = match opts.place {
-        Place::Host => Producer::create_host(&opts.channel, &copts),
-        Place::Device(d) => {
+    // UCX's CUDA transports work in the thread's current context: the far pool's (the device's
+    // primary context) is current for the whole session, NIXL's backend creation included; it is
+    // left after the lane (declared before it, so dropped after it) is gone.
+    let gpu_ctx: Option<std::sync::Arc<Context>> = match opts.place {
+        Place::Host => None,
+        Place::Device(d) => match Device::get(d as usize).and_then(|dev| dev.primary_context()) {
+            Ok(c) => Some(c),
+            Err(e) => return Err(refuse(&mut stream, format!("device {d}: {e}"))),
+        },
+    };
+    let _current = gpu_ctx.as_ref().map(|c| c.enter()).transpose()?;
+    let producer = match &gpu_ctx {
+        None => Producer::create_host(&opts.channel, &copts),
+        Some(ctx) => {
             copts = copts.memory(crate::channel::MemoryKind::Auto);
-            let ctx: std::sync::Arc<Context> = Device::get(d as usize)?.primary_context()?;
-            Producer::create(&ctx, &opts.channel, &copts)
+            Producer::create(ctx, &opts.channel, &copts)
         }
     };
     // Channel layout version 5 gives the header a `transport` word (0 local, 1 bridged over
