@@ -357,7 +357,23 @@ fn pump(
         // which the consumer keeps until it is dropped, after the lane (a `serve` local); the
         // channel protocol keeps the producer off the buffer while the frame is held, and the
         // WRITE completes before the frame is dropped.
-        unsafe { lane.register(index, region)? };
+        unsafe { lane.register(index, region) }.map_err(|e| match (place, e) {
+            // The source of a device lane is an import of the near producer's pool: say so, as
+            // UCX may refuse to register some kinds of imported memory.
+            (Place::Device(_), Error::Remote(RemoteError::Nixl { call, reason })) => {
+                RemoteError::Nixl {
+                    call,
+                    reason: format!(
+                        "{reason} (registering buffer {index} of channel {}, an import of its \
+                         producer's device pool; UCX may not register imports of this memory \
+                         kind: try the producer with another one, e.g. MemoryKind::Vmm)",
+                        opts.channel
+                    ),
+                }
+                .into()
+            }
+            (_, e) => e,
+        })?;
         let note = FrameNote {
             index: tindex,
             seq: frame.seq(),
