@@ -141,12 +141,14 @@ fn main() {
 
 /// Starts this process again with the environment of a lane on the loopback interface
 /// (`cuda_ipc::remote::environment`: UCX bound to `lo`, its protocol report logged), once.
-fn lane_environment() -> Res<()> {
+fn lane_environment() -> Res<UcxLog> {
     const READY: &str = "REMOTE_PIPELINE_ENV";
-    if std::env::var_os(READY).is_some() {
-        return Ok(());
-    }
     let log = std::env::temp_dir().join(format!("remote_pipeline-{}.ucx.log", std::process::id()));
+    if std::env::var_os(READY).is_some() {
+        // Ours (this pid: `exec` keeps it) only when UCX logs there because we said so.
+        let ours = std::env::var_os("UCX_LOG_FILE").is_some_and(|f| f == log.as_os_str());
+        return Ok(UcxLog(ours.then_some(log)));
+    }
     let env = cuda_ipc::remote::environment("127.0.0.1".parse()?, Some(&log));
     let err = std::process::Command::new(std::env::current_exe()?)
         .args(std::env::args_os().skip(1))
@@ -154,6 +156,17 @@ fn lane_environment() -> Res<()> {
         .env(READY, "1")
         .exec();
     Err(format!("exec: {err}").into())
+}
+
+/// The UCX log file this process made, removed when the role ends normally.
+struct UcxLog(Option<std::path::PathBuf>);
+
+impl Drop for UcxLog {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 fn memory_args(a: &Args) -> Vec<String> {
@@ -271,7 +284,7 @@ fn producer(a: &Args) -> Res<()> {
 }
 
 fn bridge_recv(a: &Args, far: &str) -> Res<()> {
-    lane_environment()?;
+    let _log = lane_environment()?;
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", listener.local_addr()?.port());
     std::io::stdout().flush()?;
@@ -297,7 +310,7 @@ fn bridge_recv(a: &Args, far: &str) -> Res<()> {
 }
 
 fn bridge_send(v: &str) -> Res<()> {
-    lane_environment()?;
+    let _log = lane_environment()?;
     let (near, port) = v.rsplit_once(':').ok_or("send: NEAR:PORT")?;
     let opts = send::SendOptions::new(
         near,
@@ -450,7 +463,7 @@ fn recv_bytes(s: &mut TcpStream) -> Res<Vec<u8>> {
 
 /// The raw floor, initiator: stamp, fill, WRITE with a notification, wait for completion.
 fn raw_initiator(a: &Args) -> Res<()> {
-    lane_environment()?;
+    let _log = lane_environment()?;
     // UCX's CUDA transports work in the thread's current context.
     let ctx = if a.device {
         Some(Context::default_device()?)
@@ -529,7 +542,7 @@ fn raw_initiator(a: &Args) -> Res<()> {
 
 /// The raw floor, target: one registered buffer; counts notifications and their latency.
 fn raw_target(a: &Args) -> Res<()> {
-    lane_environment()?;
+    let _log = lane_environment()?;
     // UCX's CUDA transports work in the thread's current context.
     let ctx = if a.device {
         Some(Context::default_device()?)

@@ -177,6 +177,7 @@ fn ucx_env(tag: &str) -> Vec<(String, String)> {
         "cuda-ipc-lane-test-{tag}-{}.ucx.log",
         std::process::id()
     ));
+    LOGS.with_borrow_mut(|v| v.push(log.clone()));
     // What `cuda-ipc bridge` gives itself: UCX bound to the loopback interface of the control
     // connection's address, its protocol choices logged for the transport report.
     let mut v: Vec<(String, String)> =
@@ -191,6 +192,8 @@ fn ucx_env(tag: &str) -> Vec<(String, String)> {
 thread_local! {
     /// The children this test thread started, for [`Reap`].
     static SPAWNED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The UCX log files of those children, for [`Reap`].
+    static LOGS: std::cell::RefCell<Vec<std::path::PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Ends a test's children (kill -9, those still running this test binary) and removes what dead
@@ -209,6 +212,9 @@ impl Drop for Reap {
             }
         }
         std::thread::sleep(Duration::from_millis(100));
+        for log in LOGS.take() {
+            let _ = std::fs::remove_file(log);
+        }
         for ch in &self.0 {
             let _ = inspect::remove_stale(ch);
             let _ = inspect::remove_stale_host_pool(ch);
