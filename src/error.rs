@@ -113,6 +113,10 @@ pub enum Error {
     /// A channel could not be created, attached or used.
     #[error(transparent)]
     Channel(#[from] crate::channel::ChannelError),
+    /// The remote lane failed (`cuda_ipc::remote`, feature `remote`).
+    #[cfg(feature = "remote")]
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     /// A bounded wait ran out.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

@@ -13,6 +13,8 @@ pub(crate) mod kernels;
 pub mod probe;
 pub mod raw;
 pub mod registry;
+#[cfg(feature = "remote")]
+pub mod remote;
 pub(crate) mod shm;
 pub(crate) mod sync;
 pub mod token;

@@ -29,6 +29,8 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["driver", "ffi", "identity", "ipc", "probe", "shm", "token"],
     ),
     ("cudarc_interop", &["driver", "ffi", "ipc"]),
+    // The remote lane (feature `remote`): the channel's public API, and NIXL beside it.
+    ("remote", &["channel", "driver", "identity"]),
     // Re-exports only: the internals it opens to tools and tests.
     ("raw", &["kernels", "registry", "shm"]),
 ];
@@ -41,6 +43,7 @@ const ERROR_NAMES: &[&str] = &[
     "shm::ShmError",
     "registry::RegistryError",
     "channel::ChannelError",
+    "remote::RemoteError",
     "driver::Uuid",
 ];
 

@@ -7,8 +7,8 @@ use super::control::{Control, boot_bytes, boot_words};
 use super::layout::{
     ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
     GATE_STATE_OFFSET, GPU_WORDS, GateState, LATENCY_BUCKETS, LATEST_ONLY, LEAVING, MAX_BUFFERS,
-    META_BYTES, META_WORDS, SEQ_EMPTY, WRITING, latency_bucket, ready_offset, ready_word_offset,
-    release_word_offset,
+    META_BYTES, META_WORDS, SEQ_EMPTY, TRANSPORT_BRIDGED, WRITING, latency_bucket, ready_offset,
+    ready_word_offset, release_word_offset,
 };
 use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, wait_until};
 use crate::error::{Error, Result};
@@ -779,6 +779,23 @@ impl Control {
     /// announces as well.
     pub(crate) fn took(&self) {
         self.header().release_wake().bump();
+    }
+
+    /// Marks the channel as filled by a bridge from another host ([`TRANSPORT_BRIDGED`] in the
+    /// header's `transport` word).
+    pub(crate) fn set_bridged(&self) {
+        // Relaxed: a diagnostic word read by inspection only.
+        self.header()
+            .transport
+            .store(TRANSPORT_BRIDGED, Ordering::Relaxed);
+    }
+
+    /// Marks consumer `c` as a bridge sending its frames to another host.
+    pub(crate) fn set_consumer_bridged(&self, c: usize) {
+        // Relaxed: as above.
+        self.consumer(c)
+            .transport
+            .store(TRANSPORT_BRIDGED, Ordering::Relaxed);
     }
 
     /// Consumer `c`'s cursor: the last sequence number it received or skipped.
