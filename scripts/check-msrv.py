@@ -2,7 +2,8 @@
 """Checks the declared minimum Rust version (`rust-version` in each workspace member's Cargo.toml)
 against what the locked dependencies declare: fails when a package that a member depends on (its
 normal and build dependencies, transitively, as `Cargo.lock` resolves them) needs a newer Rust
-than the member says it builds with. The crate's own code is held to its `rust-version` by clippy's
+than the member says it builds with. Dependencies are resolved with every feature on
+(`--all-features`), so optional ones (the `remote` lane's `nixl-sys`) are held to it too. The crate's own code is held to its `rust-version` by clippy's
 `incompatible_msrv` lint (standard-library items newer than the declared version), which `.ci/run`
 runs with `-D warnings`; language features newer than the declared version fail to compile there.
 
@@ -19,7 +20,7 @@ def ver(v: str) -> tuple:
 
 
 meta = json.loads(subprocess.run(
-    ["cargo", "metadata", "--format-version", "1", "--locked"],
+    ["cargo", "metadata", "--format-version", "1", "--locked", "--all-features"],
     check=True, capture_output=True, text=True).stdout)
 pkgs = {p["id"]: p for p in meta["packages"]}
 nodes = {n["id"]: n for n in meta["resolve"]["nodes"]}

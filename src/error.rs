@@ -119,6 +119,10 @@ pub enum Error {
     /// segment reports is [`Error::Shm`].
     #[error(transparent)]
     Quota(#[from] crate::quota::QuotaError),
+    /// The remote lane failed (`cuda_ipc::remote`, feature `remote`).
+    #[cfg(feature = "remote")]
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     /// A bounded wait ran out.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

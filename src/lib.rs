@@ -14,6 +14,8 @@ pub mod probe;
 pub mod quota;
 pub mod raw;
 pub mod registry;
+#[cfg(feature = "remote")]
+pub mod remote;
 pub(crate) mod shm;
 pub(crate) mod sync;
 pub mod token;

@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
+use common::{Peer, ctx, drains_within, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
-use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
+use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory};
 use cuda_ipc::raw::kernels::Kernels;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,18 +18,6 @@ const T: Duration = Duration::from_secs(60);
 
 fn env(k: &str) -> String {
     std::env::var(k).unwrap()
-}
-
-/// Polls `s` until idle; `None` when it is still busy after `limit` (never blocks on it).
-fn drains_within(s: &Stream, limit: Duration) -> Option<Duration> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if s.is_idle().unwrap() {
-            return Some(t.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    None
 }
 
 /// One `u32` of the gate words, as device memory the test kernels can read on a stream.

@@ -33,6 +33,8 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("cudarc_interop", &["driver", "ffi", "ipc"]),
+    // The remote lane (feature `remote`): the channel's public API, and NIXL beside it.
+    ("remote", &["channel", "driver", "identity"]),
     // Re-exports only: the internals it opens to tools and tests.
     ("raw", &["kernels", "registry", "shm"]),
 ];
@@ -46,6 +48,7 @@ const ERROR_NAMES: &[&str] = &[
     "registry::RegistryError",
     "channel::ChannelError",
     "quota::QuotaError",
+    "remote::RemoteError",
     "driver::Uuid",
 ];
 

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
+use common::{Peer, ctx, drains_within, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use cuda_ipc::driver::{DeviceBuffer, Stream};
@@ -14,18 +14,6 @@ use std::time::{Duration, Instant};
 const T: Duration = Duration::from_secs(60);
 /// GPU work the victim leaves running when it is killed.
 const PENDING_NS: u64 = 2_000_000_000;
-
-/// Polls `s` until idle; `None` when it is still busy after `limit` (never blocks on it).
-fn drains_within(s: &Stream, limit: Duration) -> Option<Duration> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if s.is_idle().unwrap() {
-            return Some(t.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    None
-}
 
 fn env(k: &str) -> String {
     std::env::var(k).unwrap()

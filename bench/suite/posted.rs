@@ -126,12 +126,7 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
         }
         x => return Err(format!("unknown impl {x:?} (posted|bare_posted)").into()),
     };
-    let mut raw = vec![0u8; 8 * total as usize];
-    stamps.copy_to_host(0, &mut raw)?;
-    let produced: Vec<u64> = raw
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .collect();
+    let produced = read_stamps(&stamps, total)?;
     let consumed: Vec<u64> = consumer_result
         .get("stamps")
         .and_then(Value::as_array)
@@ -245,13 +240,18 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
         }
         x => return Err(format!("unknown impl {x:?}").into()),
     }
+    let stamps = read_stamps(&stamps, total)?;
+    Ok(json!({ "stamps": stamps }))
+}
+
+/// The `total` `%globaltimer` stamps (`u64`, ns) the stamp kernels wrote into `stamps`.
+fn read_stamps(stamps: &DeviceBuffer, total: u64) -> Res<Vec<u64>> {
     let mut raw = vec![0u8; 8 * total as usize];
     stamps.copy_to_host(0, &mut raw)?;
-    let stamps: Vec<u64> = raw
+    Ok(raw
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .collect();
-    Ok(json!({ "stamps": stamps }))
+        .collect())
 }
 
 /// Waits for frame `k`'s event with the host asleep between looks (50 µs), the same in both

@@ -135,6 +135,18 @@ fn process_files(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> us
         })),
         Err(e) => fail(format!("host pools: cannot list: {e}")),
     }
+    // Status files of killed lane bridges.
+    for (c, uid) in crate::bridge::stale_status_files() {
+        let what = format!(
+            "bridge status {} of a dead bridge",
+            crate::bridge::status_path(&c).display()
+        );
+        let remove: Removal = Box::new(move || {
+            crate::bridge::remove_stale_status(&c)
+                .map_err(|e| cuda_ipc::OsError::io("unlink", c.clone(), e).into())
+        });
+        found.push((what, uid, remove));
+    }
     let euid = rustix::process::geteuid();
     let mut n = 0;
     for (what, uid, remove) in found {

@@ -65,6 +65,8 @@ pub struct ChannelView {
     /// Frames received per second since the previous refresh by each consumer of
     /// `snapshot.consumers`, in that order (`watch` only).
     pub received_per_s: Vec<Option<f64>>,
+    /// The remote lane's bridge of this channel, when one wrote its status file.
+    pub bridge: Option<crate::bridge::BridgeStatus>,
 }
 
 // The one adapter between the snapshots and `--json`. The rates are this tool's (`watch` measures
@@ -97,6 +99,10 @@ impl Serialize for ChannelView {
         snapshot_json(&self.snapshot, |m| {
             m.insert("leftovers".into(), self.snapshot.has_leftovers().into());
             m.insert("frames_per_s".into(), self.frames_per_s.into());
+            m.insert(
+                "bridge".into(),
+                serde_json::to_value(&self.bridge).unwrap_or(Value::Null),
+            );
             if let Some(Value::Array(cs)) = m.get_mut("consumers") {
                 for (c, r) in cs.iter_mut().zip(&self.received_per_s) {
                     if let Some(c) = c.as_object_mut() {
@@ -222,6 +228,7 @@ pub(crate) fn collect(t: &Targets) -> Listing {
             Ok(snapshot) => l.channels.push(ChannelView {
                 frames_per_s: None,
                 received_per_s: vec![None; snapshot.consumers.len()],
+                bridge: crate::bridge::read(c),
                 snapshot,
             }),
             Err(e) => l.errors.push(SegmentError {
@@ -357,6 +364,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
         snapshot: c,
         frames_per_s,
         received_per_s,
+        bridge,
     } in &l.channels
     {
         out.push_str(&format!(
@@ -378,6 +386,9 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 String::new()
             }
         ));
+        if let Some(b) = bridge {
+            out.push_str(&crate::bridge::describe(b));
+        }
         let mut t = table(&[
             "BUFFER", "STATE", "SEQ", "HOLDERS", "BYTES", "META", "DEVICE",
         ]);

@@ -39,6 +39,7 @@ fn stdout_failed(e: std::io::Error) -> ! {
     std::process::exit(1);
 }
 
+mod bridge;
 mod doctor;
 mod gc;
 mod gpu;
@@ -60,6 +61,13 @@ Exit status:
      or removed), or an error
   2  usage error
   141  the reader of stdout went away (as `| head` does); nothing else is wrong";
+
+#[cfg(feature = "remote")]
+const EXIT_STATUS_BRIDGE: &str = "\
+Exit status:
+  0  the near channel was closed and everything was carried
+  1  an error (NIXL not found, wrong secret, ...)
+  3  recv: the lane was lost; the channel's consumers see the producer gone";
 
 /// Tools for cuda-ipc: check the machine, list and watch registries and channels, export metrics,
 /// set quota budgets, clean up.
@@ -124,6 +132,12 @@ enum Command {
     /// cuda-ipc is not counted.
     #[command(subcommand, after_help = EXIT_STATUS)]
     Quota(QuotaCommand),
+    /// The remote lane over NVIDIA NIXL: carry a channel's frames to a channel on another host
+    /// (`send` on the producer's host, `recv` on the consumers'). Needs NIXL's libraries
+    /// (`pip install --no-deps nixl-cu13`, its library folder on LD_LIBRARY_PATH).
+    #[cfg(feature = "remote")]
+    #[command(subcommand, after_help = EXIT_STATUS_BRIDGE)]
+    Bridge(bridge::BridgeCommand),
     /// Remove what dead processes left: registry records and participant entries of dead
     /// processes, segments of channels whose producer died, and consumer slots and holds of dead
     /// consumers. Never touches what a live process holds.
@@ -195,7 +209,16 @@ pub enum Outcome {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    // A bridge logs what it does (the peer, the transport UCX chose) at info level.
+    #[cfg(feature = "remote")]
+    let verbose = if matches!(cli.command, Command::Bridge(_)) {
+        cli.verbose.max(1)
+    } else {
+        cli.verbose
+    };
+    #[cfg(not(feature = "remote"))]
+    let verbose = cli.verbose;
+    init_logging(verbose);
     let r = match cli.command {
         Command::Doctor => doctor::run(),
         Command::Ls { name, json } => ls::run_ls(name.as_deref(), json),
@@ -217,6 +240,8 @@ fn main() -> ExitCode {
             quota::run_remove(&device, group.as_deref())
         }
         Command::Gc { name, dry_run } => gc::run(name.as_deref(), dry_run),
+        #[cfg(feature = "remote")]
+        Command::Bridge(b) => bridge::run(b),
     };
     match r {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,

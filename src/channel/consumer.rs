@@ -297,6 +297,13 @@ impl Consumer {
         self.control.stats()
     }
 
+    /// Marks this consumer as a bridge sending its frames to another host (its slot's `transport`
+    /// word, shown by `cuda-ipc ls`): for the remote lane's sending bridge.
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn mark_bridged(&self) {
+        self.control.set_consumer_bridged(self.slot);
+    }
+
     /// The device address, in this consumer's context, of the channel's gate words: two `u32`,
     /// the gate's state ([`layout::GateState`] code: 0 open, 1 closed, 2 producer gone) and its
     /// end (the low 32 bits of the sequence number of the last frame published when the gate

@@ -7,8 +7,8 @@ use super::control::{Control, boot_bytes, boot_words};
 use super::layout::{
     ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
     GATE_STATE_OFFSET, GPU_WORDS, GateState, LATENCY_BUCKETS, LATEST_ONLY, LEAVING, MAX_BUFFERS,
-    META_BYTES, META_WORDS, SEQ_EMPTY, WRITING, latency_bucket, ready_offset, ready_word_offset,
-    release_word_offset,
+    META_BYTES, META_WORDS, SEQ_EMPTY, TRANSPORT_BRIDGED, WRITING, latency_bucket, ready_offset,
+    ready_word_offset, release_word_offset,
 };
 use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, wait_until};
 use crate::error::{Error, Result};
@@ -781,6 +781,23 @@ impl Control {
         self.header().release_wake().bump();
     }
 
+    /// Marks the channel as filled by a bridge from another host ([`TRANSPORT_BRIDGED`] in the
+    /// header's `transport` word).
+    pub(crate) fn set_bridged(&self) {
+        // Relaxed: a diagnostic word read by inspection only.
+        self.header()
+            .transport
+            .store(TRANSPORT_BRIDGED, Ordering::Relaxed);
+    }
+
+    /// Marks consumer `c` as a bridge sending its frames to another host.
+    pub(crate) fn set_consumer_bridged(&self, c: usize) {
+        // Relaxed: as above.
+        self.consumer(c)
+            .transport
+            .store(TRANSPORT_BRIDGED, Ordering::Relaxed);
+    }
+
     /// Consumer `c`'s cursor: the last sequence number it received or skipped.
     pub(crate) fn cursor(&self, c: usize) -> u64 {
         // Relaxed: the consumer's own cursor, read by the consumer (its own stores).
@@ -1073,19 +1090,26 @@ mod tests {
         c.unlink();
     }
 
-    #[test]
-    fn ring_order_broadcasts_to_every_frame_and_latest_only_consumers_with_back_pressure() {
-        let name = format!("ringcast-{}", std::process::id());
-        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
-        let c = Control::create_with_flags(
-            &name,
+    /// A ring-order control segment `name` of `buffers` buffers and 4 consumer slots.
+    fn ring_channel(name: &str, buffers: usize) -> Control {
+        let tokens: Vec<_> = (0..buffers)
+            .map(|_| [0u8; crate::token::TOKEN_LEN])
+            .collect();
+        Control::create_with_flags(
+            name,
             64,
             4,
             &tokens,
             crate::channel::layout::FLAG_RING,
             &crate::shm::SegmentOptions::new(),
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn ring_order_broadcasts_to_every_frame_and_latest_only_consumers_with_back_pressure() {
+        let name = format!("ringcast-{}", std::process::id());
+        let c = ring_channel(&name, 3);
         let (a, b) = (
             c.attach(Delivery::EveryFrame).unwrap(),
             c.attach(Delivery::EveryFrame).unwrap(),
@@ -1135,16 +1159,7 @@ mod tests {
     #[test]
     fn ring_order_puts_frame_s_in_buffer_s_minus_one_mod_b_and_waits_for_that_buffer() {
         let name = format!("ring-{}", std::process::id());
-        let tokens: Vec<_> = (0..3).map(|_| [0u8; crate::token::TOKEN_LEN]).collect();
-        let c = Control::create_with_flags(
-            &name,
-            64,
-            4,
-            &tokens,
-            crate::channel::layout::FLAG_RING,
-            &crate::shm::SegmentOptions::new(),
-        )
-        .unwrap();
+        let c = ring_channel(&name, 3);
         assert!(c.is_ring());
         let me = c.attach(Delivery::EveryFrame).unwrap();
         for s in 1..=3u64 {

@@ -421,6 +421,13 @@ impl Producer {
         })
     }
 
+    /// Marks the channel as one a bridge fills from another host (its header's `transport` word,
+    /// shown by `cuda-ipc ls`): for the remote lane's receiving bridge.
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn mark_bridged(&self) {
+        self.control.set_bridged();
+    }
+
     /// Counters of the channel and its consumers.
     pub fn stats(&self) -> ChannelStats {
         self.control.stats()

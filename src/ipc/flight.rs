@@ -276,6 +276,8 @@ pub(crate) fn copy_error(e: &Error) -> Error {
         Error::Shm(_) | Error::Registry(_) | Error::Channel(_) => {
             Error::InvalidArgument(e.to_string())
         }
+        #[cfg(feature = "remote")]
+        Error::Remote(_) => Error::InvalidArgument(e.to_string()),
     }
 }
 

@@ -222,6 +222,19 @@ pub fn ctx() -> std::sync::Arc<cuda_ipc::driver::Context> {
 }
 
 /// An 8-byte device counter set to zero (for the kernels' mismatch counts).
+/// Polls `s` until idle; `None` when it is still busy after `limit` (never blocks on it, so a
+/// wedged stream fails the test instead of hanging it).
+pub fn drains_within(s: &cuda_ipc::driver::Stream, limit: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if s.is_idle().unwrap() {
+            return Some(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
 pub fn zeroed_counter(
     ctx: &std::sync::Arc<cuda_ipc::driver::Context>,
 ) -> cuda_ipc::driver::DeviceBuffer {

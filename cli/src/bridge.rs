@@ -1,0 +1,389 @@
+//! `cuda-ipc bridge send|recv`: the two ends of the remote lane (`cuda_ipc::remote`, NIXL), and the
+//! bridge status that `ls` and `watch` show beside a channel.
+
+use std::path::PathBuf;
+
+/// What a bridge's status file (`/dev/shm/cuda-ipc.br.NAME`, written by `cuda_ipc::remote`) says.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BridgeStatus {
+    /// `send` (the channel is carried to another host) or `recv` (filled from another host).
+    pub role: String,
+    /// The bridge process.
+    pub pid: u32,
+    /// Whether the bridge process still runs (its pid with the same start time).
+    pub alive: bool,
+    /// The other bridge's control address.
+    pub peer: String,
+    /// This end's memory: `host` or `device`.
+    pub memory: String,
+    /// UCX's transports and devices (`tcp@lo`), or `unknown`.
+    pub transport: String,
+    /// `host`, `gpu-direct`, `host-staged` or `unknown`.
+    pub path: String,
+    /// Frames carried so far (updated about once a second).
+    pub frames: u64,
+}
+
+/// The status file of a bridge of `channel`.
+pub fn status_path(channel: &str) -> PathBuf {
+    PathBuf::from(format!("/dev/shm/cuda-ipc.br.{channel}"))
+}
+
+/// Field 22 of `/proc/PID/stat` (start time in clock ticks), after the command's closing `)`.
+fn start_time(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Parses a status file's text; `None` when it lacks the role or pid.
+pub fn parse(text: &str) -> Option<(BridgeStatus, u64)> {
+    let mut b = BridgeStatus::default();
+    let mut start = 0;
+    for line in text.lines() {
+        let Some((k, v)) = line.split_once('=') else {
+            continue;
+        };
+        match k {
+            "role" => b.role = v.to_string(),
+            "pid" => b.pid = v.parse().ok()?,
+            "start_time" => start = v.parse().ok()?,
+            "peer" => b.peer = v.to_string(),
+            "memory" => b.memory = v.to_string(),
+            "transport" => b.transport = v.to_string(),
+            "path" => b.path = v.to_string(),
+            "frames" => b.frames = v.parse().unwrap_or(0),
+            _ => {}
+        }
+    }
+    (!b.role.is_empty() && b.pid != 0).then_some((b, start))
+}
+
+/// The status of `channel`'s bridge, if one wrote a status file.
+pub fn read(channel: &str) -> Option<BridgeStatus> {
+    let text = std::fs::read_to_string(status_path(channel)).ok()?;
+    let (mut b, start) = parse(&text)?;
+    b.alive = start_time(b.pid) == Some(start);
+    Some(b)
+}
+
+/// Status files of bridges that are dead (killed: a bridge removes its own at the end of a
+/// session), as (channel, owner uid).
+pub fn stale_status_files() -> Vec<(String, u32)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let name = e.file_name().into_string().ok()?;
+        let ch = name.strip_prefix("cuda-ipc.br.")?.to_string();
+        // A bridge's temporary file (`NAME.tmp-lane-PID`) is not a status file.
+        if ch.contains(".tmp-lane-") {
+            return None;
+        }
+        let uid = e.metadata().ok()?.uid();
+        let b = read(&ch)?;
+        (!b.alive).then_some((ch, uid))
+    })
+    .collect()
+}
+
+/// Removes `channel`'s bridge status file if its bridge is (still) dead; `Ok(false)` when it is
+/// gone or its bridge lives.
+pub fn remove_stale_status(channel: &str) -> std::io::Result<bool> {
+    match read(channel) {
+        Some(b) if !b.alive => match std::fs::remove_file(status_path(channel)) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        },
+        _ => Ok(false),
+    }
+}
+
+/// The line `ls` prints under a bridged channel, and a loud second one for a host-staged GPU path.
+pub fn describe(b: &BridgeStatus) -> String {
+    let what = if b.role == "recv" {
+        format!("filled from {}", b.peer)
+    } else {
+        format!("carried to {}", b.peer)
+    };
+    let mut s = format!(
+        "  bridged over NIXL: {what}; UCX {} ({}); {} memory; bridge pid {} {}; {} frames\n",
+        b.transport,
+        b.path,
+        b.memory,
+        b.pid,
+        if b.alive { "alive" } else { "dead" },
+        b.frames
+    );
+    if b.path == "host-staged" {
+        s.push_str(
+            "  WARNING: device memory goes HOST-STAGED over this lane, not GPU-direct \
+             (see the bridge's log)\n",
+        );
+    }
+    s
+}
+
+#[cfg(feature = "remote")]
+pub use run::{BridgeCommand, run};
+
+#[cfg(feature = "remote")]
+mod run {
+    use crate::Outcome;
+    use cuda_ipc::channel::Delivery;
+    use cuda_ipc::remote::nixl::Place;
+    use cuda_ipc::remote::wire::Secret;
+    use cuda_ipc::remote::{LaneOptions, RemoteError, recv, send};
+    use std::error::Error;
+    use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+    use std::os::unix::process::CommandExt as _;
+    use std::path::PathBuf;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    /// Where the secret comes from: exactly one of a file or an environment variable.
+    #[derive(clap::Args, Debug)]
+    #[group(required = true, multiple = false)]
+    pub struct SecretArgs {
+        /// A file holding the shared secret (mode 0600; one trailing newline is ignored).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+        /// An environment variable holding the shared secret.
+        #[arg(long)]
+        secret_env: Option<String>,
+    }
+
+    impl SecretArgs {
+        fn load(&self) -> cuda_ipc::Result<Secret> {
+            match (&self.secret_file, &self.secret_env) {
+                (Some(f), _) => Secret::from_file(f),
+                (None, Some(v)) => Secret::from_env(v),
+                (None, None) => Err(cuda_ipc::Error::InvalidArgument(
+                    "a secret is needed (--secret-file or --secret-env)".into(),
+                )),
+            }
+        }
+    }
+
+    /// The two ends of a lane.
+    #[derive(clap::Subcommand, Debug)]
+    pub enum BridgeCommand {
+        /// On the producer's host: attach to CHANNEL as a consumer and WRITE each frame to the
+        /// receiving bridge at --connect. Reconnects (and detaches from CHANNEL meanwhile) when the
+        /// link is lost, unless --once.
+        Send {
+            /// The channel on this host whose frames are sent.
+            #[arg(long)]
+            channel: String,
+            /// The receiving bridge's address, HOST:PORT.
+            #[arg(long)]
+            connect: String,
+            #[command(flatten)]
+            secret: SecretArgs,
+            /// This bridge's delivery policy on CHANNEL: every frame (back-pressure end to end)
+            /// or the latest (frames the lane cannot carry in time are dropped here).
+            #[arg(long, default_value = "every", value_parser = ["every", "latest"])]
+            delivery: String,
+            /// End after one session instead of reconnecting.
+            #[arg(long)]
+            once: bool,
+            /// Silence on the control connection after which the link counts as lost, in ms.
+            #[arg(long, default_value_t = 500)]
+            link_timeout_ms: u64,
+        },
+        /// On the consumers' host: listen on --listen for one sending bridge, create CHANNEL with
+        /// the far channel's geometry and keep it filled. When the link, the sending bridge or
+        /// the far producer dies, this process exits (status 3) so CHANNEL's consumers get
+        /// ProducerGone; run it again (e.g. under a supervisor) to resume.
+        Recv {
+            /// The channel this bridge creates on this host.
+            #[arg(long)]
+            channel: String,
+            /// The address to listen on, ADDR:PORT (UCX's data is bound to the same interface).
+            #[arg(long)]
+            listen: String,
+            #[command(flatten)]
+            secret: SecretArgs,
+            /// The far channel's memory.
+            #[arg(long, default_value = "host", value_parser = ["host", "device"])]
+            memory: String,
+            /// The CUDA device (ordinal) for --memory device.
+            #[arg(long, default_value_t = 0)]
+            device: u32,
+            /// Buffers in the channel (default: as many as the near channel has).
+            #[arg(long)]
+            buffers: Option<usize>,
+            /// Silence on the control connection after which the link counts as lost, in ms.
+            #[arg(long, default_value_t = 500)]
+            link_timeout_ms: u64,
+        },
+    }
+
+    /// Set in the environment of the bridge once it started itself again with UCX's environment.
+    const READY: &str = "CUDA_IPC_BRIDGE_ENV";
+
+    fn first_addr(a: &str) -> Result<SocketAddr, Box<dyn Error>> {
+        a.to_socket_addrs()
+            .map_err(|e| format!("address {a}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("address {a} resolves to nothing").into())
+    }
+
+    /// Starts this program again with UCX's environment for a lane whose control connection
+    /// uses local address `ip` (`cuda_ipc::remote::environment`), unless that was done already.
+    /// Returns the UCX log file when it is this process's.
+    fn with_environment(
+        ip: std::net::IpAddr,
+        channel: &str,
+    ) -> Result<Option<PathBuf>, Box<dyn Error>> {
+        let log = std::env::temp_dir().join(format!(
+            "cuda-ipc-bridge-{channel}-{}.ucx.log",
+            std::process::id()
+        ));
+        if std::env::var_os(READY).is_some() {
+            let ours = std::env::var_os("UCX_LOG_FILE").is_some_and(|f| f == log.as_os_str());
+            return Ok(ours.then_some(log));
+        }
+        let env = cuda_ipc::remote::environment(ip, Some(&log));
+        let exe = std::env::current_exe()?;
+        let err = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .envs(env)
+            .env(READY, "1")
+            .exec();
+        Err(format!("starting the bridge again with UCX's environment: {err}").into())
+    }
+
+    fn lane(link_timeout_ms: u64) -> LaneOptions {
+        let mut l = LaneOptions::default();
+        l.link_timeout = Duration::from_millis(link_timeout_ms.max(50));
+        l
+    }
+
+    /// `cuda-ipc bridge send|recv`.
+    pub fn run(cmd: BridgeCommand) -> Result<Outcome, Box<dyn Error>> {
+        match cmd {
+            BridgeCommand::Send {
+                channel,
+                connect,
+                secret,
+                delivery,
+                once,
+                link_timeout_ms,
+            } => {
+                let peer = first_addr(&connect)?;
+                let ip = cuda_ipc::remote::local_address_towards(peer)?;
+                let log = with_environment(ip, &channel)?;
+                let mut opts = send::SendOptions::new(&channel, &connect, secret.load()?);
+                opts.delivery = if delivery == "latest" {
+                    Delivery::LatestOnly
+                } else {
+                    Delivery::EveryFrame
+                };
+                opts.lane = lane(link_timeout_ms);
+                let stop = AtomicBool::new(false);
+                loop {
+                    let mut totals = send::Totals::default();
+                    let r = send::serve(&opts, &stop, &mut totals);
+                    eprintln!(
+                        "cuda-ipc bridge send: {} frames sent this session",
+                        totals.frames
+                    );
+                    match r {
+                        Ok(send::Ended::Closed) => {
+                            if let Some(l) = &log {
+                                let _ = std::fs::remove_file(l);
+                            }
+                            return Ok(Outcome::Ok);
+                        }
+                        Ok(e) => {
+                            eprintln!("cuda-ipc bridge send: {e:?}");
+                            if once {
+                                return Ok(Outcome::Problems);
+                            }
+                            std::thread::sleep(Duration::from_secs(1));
+                        }
+                        Err(e @ cuda_ipc::Error::Remote(RemoteError::Refused(_)))
+                        | Err(e @ cuda_ipc::Error::Unsupported { .. }) => return Err(e.into()),
+                        Err(e) => {
+                            eprintln!("cuda-ipc bridge send: {e}");
+                            if once {
+                                return Err(e.into());
+                            }
+                            std::thread::sleep(Duration::from_millis(500));
+                        }
+                    }
+                }
+            }
+            BridgeCommand::Recv {
+                channel,
+                listen,
+                secret,
+                memory,
+                device,
+                buffers,
+                link_timeout_ms,
+            } => {
+                let addr = first_addr(&listen)?;
+                let log = with_environment(addr.ip(), &channel)?;
+                let mut opts = recv::RecvOptions::new(&channel, secret.load()?);
+                opts.place = if memory == "device" {
+                    Place::Device(device)
+                } else {
+                    Place::Host
+                };
+                opts.buffers = buffers;
+                opts.lane = lane(link_timeout_ms);
+                let listener =
+                    TcpListener::bind(addr).map_err(|e| format!("listening on {addr}: {e}"))?;
+                eprintln!("cuda-ipc bridge recv: listening on {addr} for channel {channel}");
+                let mut frames = 0;
+                match recv::serve(&opts, &listener, &AtomicBool::new(false), &mut frames)? {
+                    recv::Ended::Closed(r) => {
+                        eprintln!(
+                            "cuda-ipc bridge recv: the near channel closed after {frames} frames"
+                        );
+                        r?;
+                        if let Some(l) = &log {
+                            let _ = std::fs::remove_file(l);
+                        }
+                        Ok(Outcome::Ok)
+                    }
+                    recv::Ended::Lost { producer, reason } => {
+                        eprintln!(
+                            "cuda-ipc bridge recv: LANE LOST after {frames} frames: {reason}; \
+                             exiting so that the consumers of {channel} see the producer gone"
+                        );
+                        // The producer is not dropped (that would close the channel): the process
+                        // ends with it open, and consumers see ProducerGone.
+                        let _keep = producer;
+                        std::process::exit(3)
+                    }
+                    _ => Ok(Outcome::Problems),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_file_parses_and_a_host_staged_gpu_lane_is_flagged() {
+        let text = "role=recv\npid=42\nstart_time=7\nchannel=c\npeer=10.0.0.1:5000\n\
+                    memory=device\ntransport=tcp,cuda_copy@eth0,cuda\npath=host-staged\nframes=9\n";
+        let (b, start) = parse(text).unwrap();
+        assert_eq!(start, 7);
+        assert_eq!((b.role.as_str(), b.pid, b.frames), ("recv", 42, 9));
+        let d = describe(&b);
+        assert!(d.contains("filled from 10.0.0.1:5000"), "{d}");
+        assert!(d.contains("HOST-STAGED"), "{d}");
+        assert!(parse("pid=1\n").is_none());
+        assert!(parse("garbage").is_none());
+    }
+}

@@ -1,0 +1,596 @@
+//! The remote lane (`--features remote`): a producer's channel carried by the two bridges over
+//! NVIDIA NIXL to a channel that a consumer process attaches to with the ordinary
+//! `Consumer::attach`. Here all of it runs on one machine (the bridges talk over loopback TCP, UCX
+//! picks its transport: `UCX_TLS=tcp,cuda_copy` forces the network path); across hosts run
+//! `cuda-ipc bridge recv` on the consumers' host and `cuda-ipc bridge send` on the producer's.
+//!
+//! Every frame is filled with a pattern (a kernel on device memory, the CPU on host memory) and
+//! checked at the far end (a kernel, or the CPU); prints frames/s, the hand-off latency (publish on
+//! the near host → frame received on the far one) and the transport UCX reported. `--raw` runs the
+//! floor instead: a bare NIXL WRITE + notification loop of the same sizes between two processes
+//! (stamp, fill, WRITE, wait for completion; no channel, no credits).
+//!
+//! ```text
+//! cargo run --release -p cuda-ipc-examples --features remote --example remote_pipeline -- \
+//!     [--frames 1000] [--bytes N | --4k] [--memory host|device] [--delivery every|latest]
+//!     [--pool auto|legacy|vmm|pool] [--pace-us 0] [--raw]
+//! ```
+//! `--pool` picks the near pool's device memory (the far one is the default, legacy where it can
+//! be): which kinds UCX registers for a GPU-direct path shows in the transport it reports.
+//! `--pace-us N` publishes (or, with `--raw`, WRITEs) one frame every N µs: the hand-off latency
+//! without frames queueing behind each other; 0 runs as fast as the lane goes (frames/s).
+//! ```text
+//! ```
+//! Needs NIXL's libraries on LD_LIBRARY_PATH (`pip install --no-deps nixl-cu13`).
+
+mod common;
+
+use common::args::{Argv, memory_kind};
+use common::child::Child;
+use common::{FrameMeta, Res, now_ns, percentile_us, read_u64, zeroed_counter};
+use cuda_ipc::Error as IpcError;
+use cuda_ipc::channel::{
+    ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
+};
+use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
+use cuda_ipc::raw::kernels::{Kernels, pattern};
+use cuda_ipc::remote::nixl::{Lane, Place, Region, Target};
+use cuda_ipc::remote::wire::Secret;
+use cuda_ipc::remote::{LaneOptions, recv, send};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt as _;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+const USAGE: &str = "usage: remote_pipeline [--frames 1000] [--bytes N | --4k] \
+    [--memory host|device] [--pool auto|legacy|vmm|pool] [--delivery every|latest] [--pace-us 0] \
+    [--raw]";
+const SECRET: &str = "remote_pipeline example secret";
+const LONG: Duration = Duration::from_secs(120);
+
+#[derive(Clone)]
+struct Args {
+    frames: u64,
+    bytes: usize,
+    device: bool,
+    delivery: Delivery,
+    raw: bool,
+    /// Microseconds between frames (0: as fast as the lane goes); a paced run measures the
+    /// hand-off latency without queueing.
+    pace_us: u64,
+    /// The near pool's kind of device memory (`--pool auto|legacy|vmm|pool`).
+    pool: MemoryKind,
+    pool_word: String,
+    /// (role, value): `recv FAR`, `send NEAR:PORT`, `consumer FAR`, `raw-target` .
+    role: Option<(String, String)>,
+}
+
+fn parse() -> Res<Args> {
+    let mut a = Args {
+        frames: 1000,
+        bytes: 1 << 20,
+        device: false,
+        delivery: Delivery::EveryFrame,
+        raw: false,
+        pace_us: 0,
+        pool: MemoryKind::Auto,
+        pool_word: "auto".into(),
+        role: None,
+    };
+    let mut args = Argv::from_env();
+    while let Some(k) = args.flag() {
+        match k.as_str() {
+            "--frames" => a.frames = args.parse(&k)?,
+            "--bytes" => a.bytes = args.parse(&k)?,
+            "--4k" => a.bytes = 3840 * 2160 * 4,
+            "--memory" => {
+                a.device = match args.value(&k)?.as_str() {
+                    "host" => false,
+                    "device" => true,
+                    x => return Err(format!("unknown memory {x:?} (host|device)").into()),
+                }
+            }
+            "--delivery" => {
+                a.delivery = match args.value(&k)?.as_str() {
+                    "every" => Delivery::EveryFrame,
+                    "latest" => Delivery::LatestOnly,
+                    x => return Err(format!("unknown delivery {x:?} (every|latest)").into()),
+                }
+            }
+            "--raw" => a.raw = true,
+            "--pace-us" => a.pace_us = args.parse(&k)?,
+            "--pool" => {
+                a.pool_word = args.value(&k)?;
+                a.pool = memory_kind(&a.pool_word)?;
+            }
+            "--role" => {
+                let r = args.value(&k)?;
+                a.role = Some((r, args.value_or("missing role value")?));
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            x => return Err(format!("unknown argument {x:?}\n{USAGE}").into()),
+        }
+    }
+    if a.bytes == 0 || !a.bytes.is_multiple_of(4) {
+        return Err("--bytes must be a positive multiple of 4".into());
+    }
+    Ok(a)
+}
+
+fn main() {
+    let r = parse().and_then(|a| match a.role.clone() {
+        None if a.raw => raw_initiator(&a),
+        None => producer(&a),
+        Some((r, v)) => match r.as_str() {
+            "recv" => bridge_recv(&a, &v),
+            "send" => bridge_send(&v),
+            "consumer" => consumer(&a, &v),
+            "raw-target" => raw_target(&a),
+            x => Err(format!("unknown role {x}").into()),
+        },
+    });
+    if let Err(e) = r {
+        eprintln!("remote_pipeline: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Starts this process again with the environment of a lane on the loopback interface
+/// (`cuda_ipc::remote::environment`: UCX bound to `lo`, its protocol report logged), once.
+fn lane_environment() -> Res<UcxLog> {
+    const READY: &str = "REMOTE_PIPELINE_ENV";
+    let log = std::env::temp_dir().join(format!("remote_pipeline-{}.ucx.log", std::process::id()));
+    if std::env::var_os(READY).is_some() {
+        // Ours (this pid: `exec` keeps it) only when UCX logs there because we said so.
+        let ours = std::env::var_os("UCX_LOG_FILE").is_some_and(|f| f == log.as_os_str());
+        return Ok(UcxLog(ours.then_some(log)));
+    }
+    let env = cuda_ipc::remote::environment("127.0.0.1".parse()?, Some(&log));
+    let err = std::process::Command::new(std::env::current_exe()?)
+        .args(std::env::args_os().skip(1))
+        .envs(env)
+        .env(READY, "1")
+        .exec();
+    Err(format!("exec: {err}").into())
+}
+
+/// The UCX log file this process made, removed when the role ends normally.
+struct UcxLog(Option<std::path::PathBuf>);
+
+impl Drop for UcxLog {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn memory_args(a: &Args) -> Vec<String> {
+    vec![
+        "--bytes".into(),
+        a.bytes.to_string(),
+        "--memory".into(),
+        if a.device { "device" } else { "host" }.into(),
+        "--frames".into(),
+        a.frames.to_string(),
+        "--delivery".into(),
+        if a.delivery == Delivery::LatestOnly {
+            "latest"
+        } else {
+            "every"
+        }
+        .into(),
+    ]
+}
+
+fn spawn(name: &str, a: &Args, role: &str, value: &str) -> Res<Child> {
+    let mut args = memory_args(a);
+    args.extend(["--role".into(), role.into(), value.into()]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Child::spawn(name, &refs)
+}
+
+/// Waits until frame `i`'s slot of `--pace-us` after `start`.
+fn pace(a: &Args, start: Instant, i: u64) {
+    if a.pace_us > 0 {
+        let due = start + Duration::from_micros(a.pace_us * i);
+        // Sleep to within 200 us of the slot, then spin (the pace costs no core).
+        if let Some(d) = due.checked_duration_since(Instant::now() + Duration::from_micros(200)) {
+            std::thread::sleep(d);
+        }
+        while Instant::now() < due {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn fill_host(w: &mut [u8], seed: u32) {
+    for (i, c) in w.chunks_exact_mut(4).enumerate() {
+        c.copy_from_slice(&pattern(seed, i as u64).to_le_bytes());
+    }
+}
+
+fn producer(a: &Args) -> Res<()> {
+    let near = format!("remote-near-{}", std::process::id());
+    let far = format!("remote-far-{}", std::process::id());
+    let recv = spawn("recv bridge", a, "recv", &far)?;
+    let port = recv.line(LONG)?;
+    let port = port
+        .strip_prefix("port ")
+        .ok_or("recv bridge: no port")?
+        .to_string();
+    let opts = ChannelOptions::new(a.bytes).buffers(4);
+    let (mut tx, kernels) = if a.device {
+        let ctx = Context::default_device()?;
+        let k = Kernels::load(&ctx)?;
+        let tx = Producer::create(&ctx, &near, &opts.memory(a.pool))?;
+        println!("producer: near pool memory {:?}", tx.memory_kind());
+        (tx, Some(k))
+    } else {
+        (Producer::create_host(&near, &opts)?, None)
+    };
+    let mut send = spawn("send bridge", a, "send", &format!("{near}:{port}"))?;
+    let consumer = spawn("consumer", a, "consumer", &far)?;
+    println!("consumer: {}", consumer.line(LONG)?);
+    println!(
+        "producer: {} frames of {} bytes in {} memory, delivery {:?}, over the lane to {far}",
+        a.frames,
+        a.bytes,
+        if a.device { "device" } else { "host" },
+        a.delivery
+    );
+    let mut host = vec![0u8; if a.device { 0 } else { a.bytes }];
+    let start = Instant::now();
+    for i in 0..a.frames {
+        pace(a, start, i);
+        let mut w = tx.acquire(Some(LONG))?;
+        let meta = FrameMeta::now(i, a.bytes as u64, 1).encode();
+        match &kernels {
+            Some(k) => k.fill_pattern(w.buffer(), i as u32, w.stream())?,
+            None => {
+                fill_host(&mut host, i as u32);
+                w.write_at(0, &host)?;
+            }
+        }
+        w.publish(&meta)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    tx.close(LONG)?;
+    let mut consumer = consumer;
+    let (ok, lines) = consumer.wait()?;
+    for l in &lines {
+        println!("{l}");
+    }
+    let (_, slines) = send.wait()?;
+    for l in &slines {
+        println!("send bridge: {l}");
+    }
+    let mut recv = recv;
+    let _ = recv.wait()?;
+    println!(
+        "producer: published {} frames in {secs:.2} s = {:.0} frames/s",
+        a.frames,
+        a.frames as f64 / secs
+    );
+    if !ok || lines.iter().any(|l| l.contains("FAIL")) {
+        return Err("the far consumer failed".into());
+    }
+    println!("OK: every far frame checked");
+    Ok(())
+}
+
+fn bridge_recv(a: &Args, far: &str) -> Res<()> {
+    let _log = lane_environment()?;
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    println!("port {}", listener.local_addr()?.port());
+    std::io::stdout().flush()?;
+    let mut opts = recv::RecvOptions::new(far, Secret::new(SECRET.into())?);
+    opts.place = if a.device {
+        Place::Device(0)
+    } else {
+        Place::Host
+    };
+    let mut frames = 0;
+    match recv::serve(&opts, &listener, &AtomicBool::new(false), &mut frames)? {
+        recv::Ended::Closed(r) => {
+            r?;
+            Ok(())
+        }
+        recv::Ended::Lost { producer, reason } => {
+            eprintln!("recv bridge: lane lost after {frames} frames: {reason}");
+            let _keep = producer;
+            std::process::exit(3)
+        }
+        _ => Err("recv bridge stopped".into()),
+    }
+}
+
+fn bridge_send(v: &str) -> Res<()> {
+    let _log = lane_environment()?;
+    let (near, port) = v.rsplit_once(':').ok_or("send: NEAR:PORT")?;
+    let opts = send::SendOptions::new(
+        near,
+        &format!("127.0.0.1:{port}"),
+        Secret::new(SECRET.into())?,
+    );
+    let mut totals = send::Totals::default();
+    let end = send::serve(&opts, &AtomicBool::new(false), &mut totals)?;
+    let (t, path) = totals
+        .transport
+        .as_ref()
+        .map_or(("unknown".into(), "unknown"), |t| {
+            (t.summary(), t.path.word())
+        });
+    println!(
+        "{end:?} after {} frames; UCX transport {t} ({path})",
+        totals.frames
+    );
+    if let Some(t) = &totals.transport {
+        for l in &t.lines {
+            println!("  UCX: {l}");
+        }
+    }
+    Ok(())
+}
+
+fn consumer(a: &Args, far: &str) -> Res<()> {
+    let start = Instant::now();
+    let rx = loop {
+        match Consumer::attach(far, &ConsumerOptions::new().delivery(a.delivery)) {
+            Ok(c) => break c,
+            Err(e) if start.elapsed() > LONG => return Err(e.into()),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    let gpu = if rx.is_host() {
+        None
+    } else {
+        let ctx = rx.context().clone();
+        Some((Kernels::load(&ctx)?, zeroed_counter(&ctx)?))
+    };
+    println!("attached to {far} (pid {})", std::process::id());
+    std::io::stdout().flush()?;
+    let (mut received, mut bad_host, mut out_of_order) = (0u64, 0u64, 0u64);
+    let mut last: Option<u64> = None;
+    let mut lat = Vec::with_capacity(a.frames as usize);
+    let mut host = vec![0u8; if gpu.is_some() { 0 } else { a.bytes }];
+    let mut expect = vec![0u8; host.len()];
+    let mut t0 = None;
+    loop {
+        let f = match rx.recv_timeout(LONG) {
+            Ok(f) => f,
+            Err(IpcError::ChannelClosed) => break,
+            Err(e) => return Err(e.into()),
+        };
+        lat.push(
+            now_ns().saturating_sub(FrameMeta::decode(f.metadata()).ok_or("metadata")?.stamp_ns),
+        );
+        t0.get_or_insert_with(Instant::now);
+        let m = FrameMeta::decode(f.metadata()).ok_or("metadata")?;
+        if last.is_some_and(|l| m.index <= l)
+            || (a.delivery == Delivery::EveryFrame && m.index != last.map_or(0, |l| l + 1))
+        {
+            out_of_order += 1;
+        }
+        last = Some(m.index);
+        match &gpu {
+            Some((k, counter)) => {
+                k.check_pattern(f.buffer(), m.index as u32, counter, f.stream())?
+            }
+            None => {
+                f.read_at(0, &mut host)?;
+                fill_host(&mut expect, m.index as u32);
+                if host != expect {
+                    bad_host += 1;
+                }
+            }
+        }
+        received += 1;
+    }
+    let bad = match &gpu {
+        Some((_, counter)) => {
+            rx.stream().synchronize()?;
+            read_u64(counter)?
+        }
+        None => bad_host,
+    };
+    let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    lat.sort_unstable();
+    let ok = bad == 0 && out_of_order == 0 && received > 0;
+    println!(
+        "consumer: {} received {received} frames ({:.0} frames/s), mismatches {bad}, out of order \
+         {out_of_order}; hand-off publish->received p50 {:.1} us, p99 {:.1} us",
+        if ok { "OK" } else { "FAIL" },
+        received as f64 / secs.max(1e-9),
+        percentile_us(&lat, 0.5),
+        percentile_us(&lat, 0.99)
+    );
+    Ok(())
+}
+
+/// The raw floor's memory: one buffer of `bytes`, host or device.
+enum Mem {
+    Host(Vec<u8>),
+    Device(DeviceBuffer, Kernels, Stream),
+}
+
+impl Mem {
+    fn new(a: &Args) -> Res<Mem> {
+        Ok(if a.device {
+            let ctx = Context::default_device()?;
+            Mem::Device(
+                DeviceBuffer::new(&ctx, a.bytes)?,
+                Kernels::load(&ctx)?,
+                Stream::new(&ctx)?,
+            )
+        } else {
+            Mem::Host(vec![0u8; a.bytes])
+        })
+    }
+    fn region(&mut self) -> Region {
+        match self {
+            Mem::Host(v) => Region {
+                addr: v.as_mut_ptr() as u64,
+                len: v.len(),
+                place: Place::Host,
+            },
+            Mem::Device(b, _, _) => Region {
+                addr: b.device_ptr(),
+                len: b.len(),
+                place: Place::Device(0),
+            },
+        }
+    }
+}
+
+fn send_bytes(s: &mut TcpStream, b: &[u8]) -> Res<()> {
+    s.write_all(&(b.len() as u32).to_le_bytes())?;
+    s.write_all(b)?;
+    Ok(())
+}
+
+fn recv_bytes(s: &mut TcpStream) -> Res<Vec<u8>> {
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n)?;
+    let mut b = vec![0u8; u32::from_le_bytes(n) as usize];
+    s.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// The raw floor, initiator: stamp, fill, WRITE with a notification, wait for completion.
+fn raw_initiator(a: &Args) -> Res<()> {
+    let _log = lane_environment()?;
+    // UCX's CUDA transports work in the thread's current context.
+    let ctx = if a.device {
+        Some(Context::default_device()?)
+    } else {
+        None
+    };
+    let _current = ctx.as_ref().map(|c| c.enter()).transpose()?;
+    let target = spawn("raw target", a, "raw-target", "-")?;
+    let port: u16 = target
+        .line(LONG)?
+        .strip_prefix("port ")
+        .ok_or("raw target: no port")?
+        .parse()?;
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    let mut mem = Mem::new(a)?;
+    let mut lane = Lane::new(&format!("raw-initiator-{}", std::process::id()))?;
+    let region = mem.region();
+    // SAFETY: `mem` outlives the lane (dropped after it below) and nothing else uses it.
+    unsafe { lane.register(0, region)? };
+    let md = recv_bytes(&mut s)?;
+    let far = recv_bytes(&mut s)?;
+    let remote = lane.load_remote(&md)?;
+    let addr = u64::from_le_bytes(far[..8].try_into()?);
+    let place = if far[8] == 1 {
+        Place::Device(0)
+    } else {
+        Place::Host
+    };
+    let t = Target {
+        addr,
+        len: a.bytes as u64,
+        place,
+    };
+    let start = Instant::now();
+    for i in 0..a.frames {
+        pace(a, start, i);
+        let stamp = now_ns();
+        match &mut mem {
+            Mem::Host(v) => fill_host(v, i as u32),
+            Mem::Device(b, k, st) => {
+                k.fill_pattern(b, i as u32, st)?;
+                st.synchronize()?;
+            }
+        }
+        let note = format!("raw {i} {stamp}");
+        let l = LaneOptions::default();
+        lane.write(
+            0,
+            a.bytes,
+            (0, t),
+            &remote,
+            note.as_bytes(),
+            l.write_timeout,
+            // Polls its WRITE without a pause throughout, as the sending bridge does.
+            l.write_timeout,
+        )?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let (_, lines) = {
+        let mut t = target;
+        t.wait()?
+    };
+    for l in lines {
+        println!("{l}");
+    }
+    println!(
+        "raw initiator: {} WRITEs of {} bytes in {secs:.2} s = {:.0} frames/s",
+        a.frames,
+        a.bytes,
+        a.frames as f64 / secs
+    );
+    drop(lane);
+    drop(mem);
+    Ok(())
+}
+
+/// The raw floor, target: one registered buffer; counts notifications and their latency.
+fn raw_target(a: &Args) -> Res<()> {
+    let _log = lane_environment()?;
+    // UCX's CUDA transports work in the thread's current context.
+    let ctx = if a.device {
+        Some(Context::default_device()?)
+    } else {
+        None
+    };
+    let _current = ctx.as_ref().map(|c| c.enter()).transpose()?;
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    println!("port {}", l.local_addr()?.port());
+    std::io::stdout().flush()?;
+    let (mut s, _) = l.accept()?;
+    let mut mem = Mem::new(a)?;
+    let mut lane = Lane::new(&format!("raw-target-{}", std::process::id()))?;
+    let region = mem.region();
+    // SAFETY: `mem` outlives the lane (dropped after it below); only the initiator writes it.
+    unsafe { lane.register(0, region)? };
+    send_bytes(&mut s, &lane.local_md()?)?;
+    let mut far = region.addr.to_le_bytes().to_vec();
+    far.push(u8::from(matches!(region.place, Place::Device(_))));
+    send_bytes(&mut s, &far)?;
+    let mut lat = Vec::with_capacity(a.frames as usize);
+    let mut t0 = None;
+    let deadline = Instant::now() + LONG;
+    while (lat.len() as u64) < a.frames && Instant::now() < deadline {
+        for (_, n) in lane.take_notifications()? {
+            let now = now_ns();
+            t0.get_or_insert_with(Instant::now);
+            let stamp: u64 = n
+                .split(' ')
+                .nth(2)
+                .and_then(|x| x.parse().ok())
+                .ok_or("note")?;
+            lat.push(now.saturating_sub(stamp));
+        }
+        std::hint::spin_loop();
+    }
+    let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let n = lat.len();
+    lat.sort_unstable();
+    println!(
+        "raw target: {} notifications of {} ({:.0} frames/s); hand-off stamp->notified p50 {:.1} us, p99 {:.1} us",
+        n,
+        a.frames,
+        n as f64 / secs.max(1e-9),
+        percentile_us(&lat, 0.5),
+        percentile_us(&lat, 0.99)
+    );
+    drop(lane);
+    drop(mem);
+    Ok(())
+}

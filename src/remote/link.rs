@@ -1,0 +1,145 @@
+//! A control connection after its handshake: a reader thread turning messages into a queue (and
+//! silence over [`LaneOptions::link_timeout`] or a closed connection into an error), a heartbeat
+//! thread, and sends from the bridge's thread.
+
+use super::wire::{self, Msg};
+use super::{LaneOptions, RemoteError};
+use crate::error::{Error, Result};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// A live control connection.
+pub(super) struct Link {
+    writer: Arc<Mutex<TcpStream>>,
+    rx: mpsc::Receiver<std::result::Result<Msg, String>>,
+    done: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    stream: TcpStream,
+    lost: Option<String>,
+}
+
+fn lost(reason: String) -> Error {
+    RemoteError::Link(reason).into()
+}
+
+impl Link {
+    /// Starts the reader and heartbeat threads on `stream`.
+    pub(super) fn start(stream: TcpStream, opts: &LaneOptions) -> Result<Link> {
+        let io = |e: std::io::Error| lost(format!("cloning the connection: {e}"));
+        let mut reader = stream.try_clone().map_err(io)?;
+        let writer = Arc::new(Mutex::new(stream.try_clone().map_err(io)?));
+        let done = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let silence = opts.link_timeout;
+        let d = done.clone();
+        let r = std::thread::Builder::new()
+            .name("lane-reader".into())
+            .spawn(move || {
+                loop {
+                    match wire::recv(&mut reader, silence, "a message from the lane's peer") {
+                        Ok(Msg::Ping) => {}
+                        Ok(m) => {
+                            if tx.send(Ok(m)).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            if !d.load(Ordering::Relaxed) {
+                                let why = match e {
+                                    Error::Timeout { after, .. } => {
+                                        format!("the peer was silent for {after:?}")
+                                    }
+                                    e => e.to_string(),
+                                };
+                                let _ = tx.send(Err(why));
+                            }
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| lost(format!("starting the reader thread: {e}")))?;
+        let w = writer.clone();
+        let d = done.clone();
+        let period = opts.heartbeat;
+        let h = std::thread::Builder::new()
+            .name("lane-heartbeat".into())
+            .spawn(move || {
+                while !d.load(Ordering::Relaxed) {
+                    let Ok(mut s) = w.lock() else { return };
+                    if wire::send(&mut s, &Msg::Ping).is_err() {
+                        return;
+                    }
+                    drop(s);
+                    std::thread::sleep(period);
+                }
+            })
+            .map_err(|e| lost(format!("starting the heartbeat thread: {e}")))?;
+        Ok(Link {
+            writer,
+            rx,
+            done,
+            threads: vec![r, h],
+            stream,
+            lost: None,
+        })
+    }
+
+    /// Sends `m`.
+    ///
+    /// # Errors
+    /// [`RemoteError::Link`] when the connection failed.
+    pub(super) fn send(&self, m: &Msg) -> Result<()> {
+        let mut s = self
+            .writer
+            .lock()
+            .map_err(|_| lost("a writer thread panicked".into()))?;
+        wire::send(&mut s, m)
+    }
+
+    /// The next message, waiting up to `timeout` (`Duration::ZERO`: only what has arrived);
+    /// `Ok(None)` when none came.
+    ///
+    /// # Errors
+    /// [`RemoteError::Link`] once the link was lost (closed, failed, or silent too long).
+    pub(super) fn next(&mut self, timeout: Duration) -> Result<Option<Msg>> {
+        if let Some(why) = &self.lost {
+            return Err(lost(why.clone()));
+        }
+        let r = if timeout.is_zero() {
+            match self.rx.try_recv() {
+                Ok(r) => r,
+                Err(mpsc::TryRecvError::Empty) => return Ok(None),
+                Err(mpsc::TryRecvError::Disconnected) => Err("the reader stopped".into()),
+            }
+        } else {
+            match self.rx.recv_timeout(timeout) {
+                Ok(r) => r,
+                Err(mpsc::RecvTimeoutError::Timeout) => return Ok(None),
+                Err(mpsc::RecvTimeoutError::Disconnected) => Err("the reader stopped".into()),
+            }
+        };
+        match r {
+            Ok(m) => Ok(Some(m)),
+            Err(why) => {
+                self.lost = Some(why.clone());
+                Err(lost(why))
+            }
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        // Wakes the reader (its read fails) and makes the heartbeat's next write fail.
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

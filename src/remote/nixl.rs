@@ -1,0 +1,393 @@
+//! The NIXL side of the lane: finding `libnixl_capi.so` before `nixl-sys`' stubs would abort,
+//! one agent with its UCX backend, registered regions, and WRITEs with a notification.
+//!
+//! Everything that calls `nixl-sys` is here; the bridges above see [`Lane`], [`Region`] and
+//! [`Target`]. The stubs of `nixl-sys`' `stub-api` end the process when the library is missing, so
+//! [`probe`] runs before the first NIXL call and [`Lane::new`] calls it.
+
+use super::RemoteError;
+use crate::error::{Error, Result};
+use nixl_sys::{
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
+    OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
+};
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The NIXL C API library that `nixl-sys`' `stub-api` loads at run time.
+pub const NIXL_CAPI: &str = "libnixl_capi.so";
+
+/// What the user does when [`NIXL_CAPI`] cannot be loaded.
+pub const NIXL_INSTALL: &str = "install NIXL (`pip install --no-deps nixl-cu13`) and put the \
+     wheel's library folder (site-packages/.nixl_cu13.mesonpy.libs) on LD_LIBRARY_PATH";
+
+/// Checks that the NIXL C API ([`NIXL_CAPI`]) loads in this process (`dlopen`, as `nixl-sys`'
+/// stubs do) and that the stubs found it too (`nixl_capi_is_stub`). The result is kept: the
+/// library is looked for once per process.
+///
+/// # Errors
+/// [`Error::Unsupported`] naming the library, the loader's reason and the install step when it
+/// cannot be loaded.
+pub fn probe() -> Result<()> {
+    static FOUND: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    let found = FOUND.get_or_init(|| {
+        // SAFETY: loading the library runs its initialisers; NIXL's C API library is what
+        // `nixl-sys` loads itself (the same name, the same search path) and has no initialiser
+        // with preconditions on the caller. The handle is kept open for the life of the process
+        // (leaked below) so nothing it registered is unloaded.
+        match unsafe { libloading::Library::new(NIXL_CAPI) } {
+            Ok(lib) => {
+                std::mem::forget(lib);
+                if nixl_sys::is_stub() {
+                    Err(format!(
+                        "{NIXL_CAPI} loads here, but nixl-sys' stubs did not find it"
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+            Err(e) => Err(format!("{NIXL_CAPI} could not be loaded ({e})")),
+        }
+    });
+    found.clone().map_err(|reason| Error::Unsupported {
+        what: "the remote lane (NVIDIA NIXL)",
+        reason,
+        fix: NIXL_INSTALL,
+    })
+}
+
+/// Where a region's bytes live, as NIXL names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Place {
+    /// Host memory (NIXL's `DRAM_SEG`).
+    Host,
+    /// Device memory of the CUDA device with this ordinal in the registering process (`VRAM_SEG`).
+    Device(u32),
+}
+
+impl Place {
+    fn mem_type(self) -> MemType {
+        match self {
+            Place::Host => MemType::Dram,
+            Place::Device(_) => MemType::Vram,
+        }
+    }
+    fn dev_id(self) -> u64 {
+        match self {
+            Place::Host => 0,
+            Place::Device(d) => d as u64,
+        }
+    }
+    /// The wire code: 0 host, 1 device.
+    pub(super) fn code(self) -> (u8, u32) {
+        match self {
+            Place::Host => (0, 0),
+            Place::Device(d) => (1, d),
+        }
+    }
+    /// The place of wire code `kind` (0 host, 1 device) and device `dev`.
+    pub(super) fn from_code(kind: u8, dev: u32) -> Option<Place> {
+        match kind {
+            0 => Some(Place::Host),
+            1 => Some(Place::Device(dev)),
+            _ => None,
+        }
+    }
+}
+
+/// A range of memory this process owns a mapping of, described to NIXL (address, bytes, place).
+#[derive(Clone, Copy, Debug)]
+pub struct Region {
+    /// First byte's address (host virtual address or `CUdeviceptr`).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// Host or device memory.
+    pub place: Place,
+}
+
+impl MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as usize as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        self.place.mem_type()
+    }
+    fn device_id(&self) -> u64 {
+        self.place.dev_id()
+    }
+}
+
+/// A registered region of the far agent, the target of WRITEs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// Its address in the far process.
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Host or device memory of the far process.
+    pub place: Place,
+}
+
+fn nixl(call: &'static str) -> impl Fn(NixlError) -> Error {
+    move |e| {
+        RemoteError::Nixl {
+            call,
+            reason: e.to_string(),
+        }
+        .into()
+    }
+}
+
+/// One NIXL agent with a UCX backend, the regions it registered and the transfers it prepared.
+pub struct Lane {
+    // Drop order: transfer requests before the registrations, those before the agent.
+    requests: HashMap<(u32, u32), XferRequest>,
+    registered: HashMap<u32, (Region, RegistrationHandle)>,
+    notifs: NotificationMap,
+    backend: Backend,
+    agent: Agent,
+    name: String,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("agent", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lane {
+    /// Creates agent `name` (`nixlAgent`, without progress or listener threads) and its UCX backend
+    /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here
+    /// (`UCX_NET_DEVICES`, `UCX_TLS`, `UCX_PROTO_INFO`, `UCX_LOG_FILE`: see
+    /// [`super::environment`]). The backend's `device_list` parameter is not used: NIXL 1.5 takes
+    /// its entries for RDMA devices, and a network interface named there leaves UCX no path.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] from [`probe`]; [`RemoteError::Nixl`] when the agent or the backend
+    /// cannot be created (no UCX plugin in NIXL's plugin folder, no usable UCX transport or
+    /// device).
+    pub fn new(name: &str) -> Result<Lane> {
+        probe()?;
+        // No progress thread: it polls UCX without pause (a core per agent). The bridges drive
+        // progress themselves while they wait for a WRITE (`getXferStatus`) or a notification
+        // (`getNotifs`), and pause between polls when idle.
+        let cfg = AgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            ..AgentConfig::default()
+        };
+        let agent =
+            Agent::new_configured(name, &cfg).map_err(nixl("nixl_capi_create_configured_agent"))?;
+        let (_mems, params) = agent
+            .get_plugin_params("UCX")
+            .map_err(nixl("nixl_capi_get_plugin_params(UCX)"))?;
+        let backend = agent
+            .create_backend("UCX", &params)
+            .map_err(nixl("nixl_capi_create_backend(UCX)"))?;
+        let notifs = NotificationMap::new().map_err(nixl("nixl_capi_create_notif_map"))?;
+        Ok(Lane {
+            requests: HashMap::new(),
+            registered: HashMap::new(),
+            notifs,
+            backend,
+            agent,
+            name: name.to_string(),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Registers region `key` (`registerMem`) unless a region with that key and the same range is
+    /// registered; a different range under the key replaces it (its transfers are dropped).
+    ///
+    /// # Safety
+    /// 1. `region` is mapped in this process and stays mapped until it is replaced or the lane is
+    ///    dropped.
+    /// 2. Nothing else writes it while a transfer reading it runs, nor reads it while one writing
+    ///    it runs, except as the channel protocol orders it.
+    pub unsafe fn register(&mut self, key: u32, region: Region) -> Result<bool> {
+        if let Some((r, _)) = self.registered.get(&key)
+            && r.addr == region.addr
+            && r.len == region.len
+            && r.place == region.place
+        {
+            return Ok(false);
+        }
+        self.requests.retain(|(l, _), _| *l != key);
+        self.registered.remove(&key);
+        let h = self
+            .agent
+            .register_memory(&region, None)
+            .map_err(nixl("nixl_capi_register_mem"))?;
+        self.registered.insert(key, (region, h));
+        Ok(true)
+    }
+
+    /// This agent's metadata (`getLocalMD`): its connection information and registrations, for
+    /// the far agent's [`Lane::load_remote`].
+    ///
+    /// # Errors
+    /// [`RemoteError::Nixl`] from `nixl_capi_get_local_md`.
+    pub fn local_md(&self) -> Result<Vec<u8>> {
+        self.agent
+            .get_local_md()
+            .map_err(nixl("nixl_capi_get_local_md"))
+    }
+
+    /// Loads (or reloads, after the far side registered more) the far agent's metadata
+    /// (`loadRemoteMD`) and returns its name.
+    ///
+    /// # Errors
+    /// [`RemoteError::Nixl`] from `nixl_capi_load_remote_md` (metadata of another NIXL version,
+    /// or bytes that are not metadata).
+    pub fn load_remote(&mut self, md: &[u8]) -> Result<String> {
+        // Prepared transfers name the far registrations as they were.
+        self.requests.clear();
+        self.agent
+            .load_remote_md(md)
+            .map_err(nixl("nixl_capi_load_remote_md"))
+    }
+
+    /// Drops what is known of agent `remote` (`invalidateRemoteMD`); errors are logged, as this
+    /// is called when the link is gone.
+    pub fn forget_remote(&mut self, remote: &str) {
+        self.requests.clear();
+        if let Err(e) = self.agent.invalidate_remote_md(remote) {
+            tracing::debug!("invalidating {remote}'s NIXL metadata: {e}");
+        }
+    }
+
+    /// Posts a WRITE (`createXferReq` once per pair, then `postXferReq`) of the first `len`
+    /// bytes of local region `key` to far region `target` (key `tkey`) of agent `remote`, with
+    /// notification `notif` delivered to the far agent once the data is there, and waits for it
+    /// to complete (`getXferStatus`), up to `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `key` is not registered or `len` exceeds either region;
+    /// [`RemoteError::Nixl`] from creating, posting or checking the transfer;
+    /// [`Error::Timeout`] when it did not complete in time.
+    ///
+    /// The wait polls `getXferStatus` without a pause for `spin` (UCX's TCP transport moves data
+    /// only while it is polled), then every 20 µs to 200 µs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(
+        &mut self,
+        key: u32,
+        len: usize,
+        (tkey, target): (u32, Target),
+        remote: &str,
+        notif: &[u8],
+        timeout: Duration,
+        spin: Duration,
+    ) -> Result<()> {
+        let Some((region, _)) = self.registered.get(&key) else {
+            return Err(Error::InvalidArgument(format!(
+                "region {key} is not registered"
+            )));
+        };
+        if len > region.len || len as u64 > target.len {
+            return Err(Error::InvalidArgument(format!(
+                "a write of {len} bytes from a region of {} bytes to one of {} bytes",
+                region.len, target.len
+            )));
+        }
+        let region = *region;
+        let mut args = OptArgs::new().map_err(nixl("nixl_capi_create_opt_args"))?;
+        args.add_backend(&self.backend)
+            .map_err(nixl("nixl_capi_opt_args_add_backend"))?;
+        args.set_notification_message(notif)
+            .map_err(nixl("nixl_capi_opt_args_set_notif_msg"))?;
+        args.set_has_notification(true)
+            .map_err(nixl("nixl_capi_opt_args_set_has_notif"))?;
+        if !self.requests.contains_key(&(key, tkey)) {
+            let mut local = XferDescList::new(region.place.mem_type())
+                .map_err(nixl("nixl_capi_create_xfer_dlist"))?;
+            local.add_desc(region.addr as usize, len, region.place.dev_id());
+            let mut far = XferDescList::new(target.place.mem_type())
+                .map_err(nixl("nixl_capi_create_xfer_dlist"))?;
+            far.add_desc(target.addr as usize, len, target.place.dev_id());
+            let req = self
+                .agent
+                .create_xfer_req(XferOp::Write, &local, &far, remote, Some(&args))
+                .map_err(nixl("nixl_capi_create_xfer_req(WRITE)"))?;
+            self.requests.insert((key, tkey), req);
+        }
+        let Some(req) = self.requests.get(&(key, tkey)) else {
+            return Err(Error::InvalidArgument("no transfer request".into()));
+        };
+        let start = Instant::now();
+        let mut in_progress = self
+            .agent
+            .post_xfer_req(req, Some(&args))
+            .map_err(nixl("nixl_capi_post_xfer_req"))?;
+        let mut naps = 0u32;
+        while in_progress {
+            match self
+                .agent
+                .get_xfer_status(req)
+                .map_err(nixl("nixl_capi_get_xfer_status"))?
+            {
+                XferStatus::Success => in_progress = false,
+                XferStatus::InProgress => {
+                    if start.elapsed() > timeout {
+                        // The request stays in flight inside NIXL; it is dropped with the lane.
+                        self.requests.remove(&(key, tkey));
+                        return Err(Error::Timeout {
+                            what: "a NIXL WRITE to complete",
+                            after: start.elapsed(),
+                        });
+                    }
+                    pause(start, spin, &mut naps);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the notifications that arrived from any agent (`getNotifs`), as (agent, text). The
+    /// lane's notifications are ASCII text (see `wire::FrameNote`).
+    ///
+    /// # Errors
+    /// [`RemoteError::Nixl`] from `nixl_capi_get_notifs` or reading the map (a notification that
+    /// is not UTF-8 text).
+    pub fn take_notifications(&mut self) -> Result<Vec<(String, String)>> {
+        self.agent
+            .get_notifications(&mut self.notifs, None)
+            .map_err(nixl("nixl_capi_get_notifs"))?;
+        let all = self
+            .notifs
+            .take_notifs()
+            .map_err(nixl("nixl_capi_notif_map_get_notif"))?;
+        Ok(all
+            .into_iter()
+            .flat_map(|(a, v)| v.into_iter().map(move |n| (a.clone(), n)))
+            .collect())
+    }
+}
+
+/// One step of a poll loop that started at `start`: spins (polling UCX without a pause, which
+/// also moves the data: a TCP transfer advances only while its ends poll) for `spin`, then naps
+/// (20 µs, growing to 200 µs; `naps` counts them), so that an idle lane costs no core.
+pub(super) fn pause(start: Instant, spin: Duration, naps: &mut u32) {
+    if start.elapsed() < spin {
+        std::hint::spin_loop();
+    } else {
+        *naps = naps.saturating_add(1);
+        let us = (*naps).min(10) * 20;
+        std::thread::sleep(Duration::from_micros(us as u64));
+    }
+}

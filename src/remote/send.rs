@@ -1,0 +1,446 @@
+//! The sending bridge, on the producer's host: a [`Consumer`] of the near channel that WRITEs each
+//! frame it receives into a far buffer the receiving bridge credited.
+
+use super::link::Link;
+use super::nixl::{Lane, Place, Region, Target};
+use super::report::{self, Role, Status};
+use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
+use super::{LaneOptions, RemoteError};
+use crate::channel::inspect;
+use crate::channel::{Consumer, ConsumerOptions, Delivery, Frame};
+use crate::driver::DeviceMemory as _;
+use crate::error::{Error, Result};
+use crate::identity::Liveness;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How a sending bridge runs.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SendOptions {
+    /// The near channel (on this host) whose frames are sent.
+    pub channel: String,
+    /// The receiving bridge's control address, `HOST:PORT`.
+    pub connect: String,
+    /// The shared secret the receiving bridge expects.
+    pub secret: Secret,
+    /// The bridge's delivery policy as a consumer of the near channel: every frame (the near
+    /// producer waits for the far consumers, end to end) or the latest (frames the lane cannot
+    /// carry in time are dropped on this host). Default every frame.
+    pub delivery: Delivery,
+    /// Timeouts and periods.
+    pub lane: LaneOptions,
+}
+
+impl SendOptions {
+    /// Options for sending `channel` to `connect` with `secret`, every frame, default timeouts.
+    pub fn new(channel: &str, connect: &str, secret: Secret) -> SendOptions {
+        SendOptions {
+            channel: channel.to_string(),
+            connect: connect.to_string(),
+            secret,
+            delivery: Delivery::EveryFrame,
+            lane: LaneOptions::default(),
+        }
+    }
+}
+
+/// How a sending bridge's session ended without an error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ended {
+    /// The near producer closed the channel; the far channel was told to close.
+    Closed,
+    /// The near producer died; the far bridge was told.
+    ProducerGone,
+    /// `stop` was set.
+    Stopped,
+}
+
+/// What a session carried, for logs and tests.
+#[derive(Clone, Debug, Default)]
+pub struct Totals {
+    /// Frames written to the far side.
+    pub frames: u64,
+    /// What UCX reported of the transport it chose, once seen.
+    pub transport: Option<report::Transport>,
+}
+
+/// Connects to the receiving bridge (every address `connect` resolves to, each within
+/// [`LaneOptions::connect_timeout`]).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `connect` does not resolve; [`RemoteError::Link`] when no
+/// address accepted the connection.
+pub fn connect(connect: &str, lane: &LaneOptions) -> Result<TcpStream> {
+    let addrs: Vec<_> = connect
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("lane address {connect}: {e}")))?
+        .collect();
+    let mut last = format!("{connect} resolves to no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, lane.connect_timeout) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => last = format!("connecting to {a}: {e}"),
+        }
+    }
+    Err(RemoteError::Link(last).into())
+}
+
+/// Runs one session: connects ([`connect`]), presents the secret, attaches to the near channel,
+/// creates the NIXL agent, exchanges metadata, and then sends frames until the near channel ends,
+/// `stop` is set, or the link fails. Detaches from the near channel before returning, so a bridge
+/// that lost its link never holds the near producer back; call again to resume (a restarted
+/// receiving bridge accepts the new session; the near producer keeps running).
+///
+/// # Errors
+/// As [`connect`]; [`RemoteError::Refused`] (wrong secret, other protocol version) and
+/// [`RemoteError::Protocol`]; [`Error::Timeout`] for a handshake step over
+/// [`LaneOptions::handshake_timeout`]; the errors of [`Consumer::attach`]; [`Error::Unsupported`]
+/// when NIXL is not installed; [`RemoteError::Nixl`] from NIXL calls; [`RemoteError::Link`] when
+/// the link is lost mid-session.
+pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Result<Ended> {
+    super::nixl::probe()?;
+    let hs = opts.lane.handshake_timeout;
+    let mut stream = connect(&opts.connect, &opts.lane)?;
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| opts.connect.clone());
+    wire::send(
+        &mut stream,
+        &Msg::Hello {
+            version: PROTOCOL_VERSION,
+            secret: opts.secret.bytes().to_vec(),
+        },
+    )?;
+    match wire::recv(&mut stream, hs, "the lane's welcome")? {
+        Msg::Welcome { version } if version == PROTOCOL_VERSION => {}
+        Msg::Welcome { version } => {
+            return Err(RemoteError::Refused(format!(
+                "the receiving bridge speaks protocol version {version}, this one {PROTOCOL_VERSION}"
+            ))
+            .into());
+        }
+        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        m => return Err(unexpected(&m, "a welcome")),
+    }
+    let consumer = Consumer::attach(
+        &opts.channel,
+        &ConsumerOptions::new().delivery(opts.delivery),
+    )?;
+    // Its slot's `transport` word: this consumer sends its frames to another host.
+    consumer.mark_bridged();
+    let place = if consumer.is_host() {
+        Place::Host
+    } else {
+        Place::Device(consumer.context().device().ordinal() as u32)
+    };
+    // UCX's CUDA transports work in the thread's current context: the consumer's (the device's
+    // primary context) is current for the whole session, NIXL's backend creation included; it is
+    // left after the lane (declared before it) is gone.
+    let gpu_ctx = (!consumer.is_host()).then(|| consumer.context().clone());
+    let _current = gpu_ctx.as_ref().map(|c| c.enter()).transpose()?;
+    let (buffers, buffer_bytes) = geometry(&opts.channel)?;
+    let agent = format!("cuda-ipc-send-{}-{}", std::process::id(), opts.channel);
+    if let Ok(a) = stream.local_addr() {
+        super::check_binding(a.ip());
+    }
+    let mut lane = Lane::new(&agent)?;
+    wire::send(
+        &mut stream,
+        &Msg::Channel {
+            buffers,
+            buffer_bytes,
+            kind: place.code().0,
+            agent: agent.clone(),
+        },
+    )?;
+    let remote = match wire::recv(&mut stream, hs, "the far channel's metadata")? {
+        Msg::Ready {
+            agent: _,
+            buffer_bytes: far,
+            md,
+        } => {
+            if far < buffer_bytes {
+                return Err(RemoteError::Protocol(format!(
+                    "far buffers of {far} bytes cannot take frames of {buffer_bytes} bytes"
+                ))
+                .into());
+            }
+            lane.load_remote(&md)?
+        }
+        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        m => return Err(unexpected(&m, "the far channel's metadata")),
+    };
+    tracing::info!(
+        "lane: sending channel {} ({buffers} buffers of {buffer_bytes} bytes, {place:?}) to {peer} \
+         (NIXL agent {remote})",
+        opts.channel
+    );
+    let mut link = Link::start(stream, &opts.lane)?;
+    let mut status = Status::new(Role::Send, &opts.channel, &peer, place);
+    status.write();
+    let r = pump(
+        opts,
+        stop,
+        &consumer,
+        &mut lane,
+        &mut link,
+        &remote,
+        place,
+        totals,
+        &mut status,
+    );
+    lane.forget_remote(&remote);
+    status.remove();
+    r
+}
+
+/// What waiting for the next near frame gave (a stack value of one loop turn, never stored: the
+/// frame's size is no cost).
+#[allow(clippy::large_enum_variant)]
+enum Got<'c> {
+    Frame(Frame<'c>),
+    End(Ended),
+}
+
+/// Takes a credit message into `credit` (its metadata loaded when it carries some); anything else,
+/// or a second credit, breaks the protocol.
+fn take_credit(m: Msg, lane: &mut Lane, credit: &mut Option<(u32, Target)>) -> Result<()> {
+    match m {
+        Msg::Credit {
+            index,
+            addr,
+            len,
+            kind,
+            device,
+            md,
+        } if credit.is_none() => {
+            if !md.is_empty() {
+                lane.load_remote(&md)?;
+            }
+            let Some(place) = Place::from_code(kind, device) else {
+                return Err(RemoteError::Protocol(format!("memory kind {kind}")).into());
+            };
+            *credit = Some((index, Target { addr, len, place }));
+            Ok(())
+        }
+        m => Err(unexpected(&m, "one credit")),
+    }
+}
+
+/// Waits for the next near frame (credits that arrive meanwhile are kept); for a device frame,
+/// also for its bytes (NIXL knows no stream: they must be there before the WRITE reads them).
+fn wait_frame<'c>(
+    stop: &AtomicBool,
+    consumer: &'c Consumer,
+    lane: &mut Lane,
+    link: &mut Link,
+    credit: &mut Option<(u32, Target)>,
+    sent: u64,
+) -> Result<Got<'c>> {
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(Got::End(Ended::Stopped));
+        }
+        while let Some(m) = link.next(Duration::ZERO)? {
+            take_credit(m, lane, credit)?;
+        }
+        match consumer.recv_timeout(Duration::from_millis(50)) {
+            Ok(f) => {
+                if !consumer.is_host() {
+                    consumer.stream().synchronize()?;
+                }
+                return Ok(Got::Frame(f));
+            }
+            Err(Error::Timeout { .. }) => {}
+            Err(Error::ProducerGone { pid }) => {
+                let why = format!("the near producer (pid {pid}) died");
+                return upstream(link, false, &why, sent).map(Got::End);
+            }
+            Err(Error::ChannelClosed) => {
+                let why = "the near producer closed the channel";
+                return upstream(link, true, why, sent).map(Got::End);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Waits until `credit` holds a far buffer to write (the receiving bridge acquired it); while the
+/// far side waits for its consumers, notices a near producer that died.
+fn wait_credit(
+    opts: &SendOptions,
+    stop: &AtomicBool,
+    lane: &mut Lane,
+    link: &mut Link,
+    credit: &mut Option<(u32, Target)>,
+    sent: u64,
+) -> Result<Option<Ended>> {
+    let mut next_check = Instant::now() + opts.lane.heartbeat;
+    while credit.is_none() {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(Some(Ended::Stopped));
+        }
+        if let Some(m) = link.next(opts.lane.heartbeat)? {
+            take_credit(m, lane, credit)?;
+            continue;
+        }
+        if Instant::now() >= next_check {
+            next_check = Instant::now() + opts.lane.heartbeat;
+            if let Ok(s) = inspect::inspect(&opts.channel)
+                && s.producer_liveness == Liveness::Dead
+            {
+                return upstream(link, false, "the near producer died", sent).map(Some);
+            }
+        }
+    }
+    Ok(None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pump(
+    opts: &SendOptions,
+    stop: &AtomicBool,
+    consumer: &Consumer,
+    lane: &mut Lane,
+    link: &mut Link,
+    remote: &str,
+    place: Place,
+    totals: &mut Totals,
+    status: &mut Status,
+) -> Result<Ended> {
+    let mut last_status = Instant::now();
+    let mut credit = None;
+    // Every frame: the next frame is taken (and its bytes awaited) while the far side still
+    // publishes the last one, so only the WRITE waits for the credit. Latest only: the credit
+    // first, then the newest frame, so no older frame is held while the far side is busy.
+    let early = opts.delivery == Delivery::EveryFrame;
+    loop {
+        let mut frame = None;
+        if early {
+            match wait_frame(stop, consumer, lane, link, &mut credit, totals.frames)? {
+                Got::Frame(f) => frame = Some(f),
+                Got::End(e) => return Ok(e),
+            }
+        }
+        if let Some(e) = wait_credit(opts, stop, lane, link, &mut credit, totals.frames)? {
+            return Ok(e);
+        }
+        let frame = match frame {
+            Some(f) => f,
+            None => match wait_frame(stop, consumer, lane, link, &mut credit, totals.frames)? {
+                Got::Frame(f) => f,
+                Got::End(e) => return Ok(e),
+            },
+        };
+        let Some((tindex, target)) = credit.take() else {
+            continue; // not reached: `wait_credit` returned with a credit
+        };
+        let region = match place {
+            Place::Host => Region {
+                addr: frame.as_ptr() as u64,
+                len: frame.len(),
+                place,
+            },
+            Place::Device(_) => Region {
+                addr: frame.buffer().device_ptr(),
+                len: frame.len(),
+                place,
+            },
+        };
+        let index = frame.index() as u32;
+        // SAFETY: the region is the frame's buffer in the consumer's mapping (host pool or import),
+        // which the consumer keeps until it is dropped, after the lane (a `serve` local); the
+        // channel protocol keeps the producer off the buffer while the frame is held, and the
+        // WRITE completes before the frame is dropped.
+        unsafe { lane.register(index, region) }.map_err(|e| match (place, e) {
+            // The source of a device lane is an import of the near producer's pool: say so, as
+            // UCX may refuse to register some kinds of imported memory.
+            (Place::Device(_), Error::Remote(RemoteError::Nixl { call, reason })) => {
+                RemoteError::Nixl {
+                    call,
+                    reason: format!(
+                        "{reason} (registering buffer {index} of channel {}, an import of its \
+                         producer's device pool; UCX may not register imports of this memory \
+                         kind: try the producer with another one, e.g. MemoryKind::Vmm)",
+                        opts.channel
+                    ),
+                }
+                .into()
+            }
+            (_, e) => e,
+        })?;
+        let note = FrameNote {
+            index: tindex,
+            seq: frame.seq(),
+            len: frame.len() as u64,
+            meta: frame.metadata().to_vec(),
+        };
+        // The receiving bridge polls without a pause from now until the notification: a TCP
+        // transfer advances only while both ends poll. So does this end, for the whole WRITE.
+        link.send(&Msg::Posting { index: tindex })?;
+        lane.write(
+            index,
+            frame.len(),
+            (tindex, target),
+            remote,
+            note.encode().as_bytes(),
+            opts.lane.write_timeout,
+            opts.lane.write_timeout,
+        )?;
+        drop(frame);
+        totals.frames += 1;
+        if totals.frames == 1 || last_status.elapsed() > Duration::from_secs(1) {
+            if totals.frames == 1 {
+                // UCX printed its choice for the WRITE when it made it: read it once.
+                totals.transport = report::from_ucx_log(place, target.place);
+                match &totals.transport {
+                    Some(t) => {
+                        t.log("send");
+                        status.transport = Some(t.clone());
+                    }
+                    None => tracing::info!(
+                        "lane (send): no UCX protocol report to read (UCX_PROTO_INFO=y and \
+                         UCX_LOG_FILE make one)"
+                    ),
+                }
+            }
+            status.frames = totals.frames;
+            status.write();
+            last_status = Instant::now();
+        }
+    }
+}
+
+fn upstream(link: &Link, closed: bool, reason: &str, sent: u64) -> Result<Ended> {
+    tracing::info!("lane: {reason} after {sent} frames; telling the receiving bridge");
+    link.send(&Msg::Upstream {
+        closed,
+        sent,
+        reason: reason.to_string(),
+    })?;
+    // Give the message time to leave before the connection is shut.
+    std::thread::sleep(Duration::from_millis(50));
+    Ok(if closed {
+        Ended::Closed
+    } else {
+        Ended::ProducerGone
+    })
+}
+
+fn geometry(channel: &str) -> Result<(u32, u64)> {
+    let s = inspect::inspect(channel)?;
+    Ok((s.buffers.len() as u32, s.buffer_bytes))
+}
+
+pub(super) fn unexpected(m: &Msg, wanted: &str) -> Error {
+    let tag = format!("{m:?}");
+    let name = tag.split([' ', '{']).next().unwrap_or("?").to_string();
+    RemoteError::Protocol(format!("got {name} where {wanted} belongs")).into()
+}
