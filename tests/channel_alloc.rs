@@ -4,18 +4,22 @@
 
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 struct Counting;
 
-static COUNTING: AtomicBool = AtomicBool::new(false);
+thread_local! {
+    /// Counting on this thread: allocations of other threads (the test harness's) never count.
+    static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the counters are atomics
 // touched only when counting is on.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
+        // `try_with`: a thread being torn down has no locals left; it does not count.
+        if COUNTING.try_with(|c| c.get()).unwrap_or(false) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: the caller's obligations are the system allocator's.
@@ -46,12 +50,12 @@ fn receiving_and_releasing_a_frame_allocates_nothing() {
         w.publish(&i.to_le_bytes()).unwrap();
         let warm = i >= 20;
         if warm {
-            COUNTING.store(true, Ordering::Relaxed);
+            COUNTING.with(|c| c.set(true));
         }
         let f = rx.try_recv().unwrap().expect("a frame is ready");
         assert_eq!(f.metadata(), &i.to_le_bytes()[..]);
         drop(f);
-        COUNTING.store(false, Ordering::Relaxed);
+        COUNTING.with(|c| c.set(false));
         counted += u64::from(warm);
     }
     let n = ALLOCS.load(Ordering::Relaxed);
@@ -74,11 +78,11 @@ fn acquiring_and_publishing_a_frame_allocates_nothing_in_either_order() {
         for i in 0u64..200 {
             let warm = i >= 20;
             if warm {
-                COUNTING.store(true, Ordering::Relaxed);
+                COUNTING.with(|c| c.set(true));
             }
             let w = tx.acquire(Some(std::time::Duration::from_secs(5))).unwrap();
             w.publish(&i.to_le_bytes()).unwrap();
-            COUNTING.store(false, Ordering::Relaxed);
+            COUNTING.with(|c| c.set(false));
             counted += u64::from(warm);
             drop(rx.try_recv().unwrap().expect("a frame is ready"));
         }
