@@ -4,6 +4,8 @@
 //! wrong secret refused; NIXL missing reported as `Unsupported`, never an abort.
 #![cfg(feature = "remote")]
 
+mod common;
+use common::bin;
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer, inspect};
 use std::path::PathBuf;
@@ -11,11 +13,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BYTES: usize = 4096;
-
-fn bin() -> PathBuf {
-    std::env::var_os("CUDA_IPC_BIN")
-        .map_or_else(|| env!("CARGO_BIN_EXE_cuda-ipc").into(), PathBuf::from)
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

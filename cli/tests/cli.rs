@@ -5,6 +5,8 @@
 //! Child processes are this test binary re-executed with [`ROLE`] set (running [`child`] only);
 //! every segment name is unique to the test and the process, and removed at the end.
 
+mod common;
+use common::bin;
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
@@ -14,7 +16,6 @@ use cuda_ipc::registry::{Registry, RegistryOptions};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,30 +23,6 @@ use std::time::{Duration, Instant};
 /// `channel-orphan`, `channel-consumer-orphan`) and the segment it works on (`CUDA_IPC_CLI_TEST_NAME`).
 const ROLE: &str = "CUDA_IPC_CLI_TEST_ROLE";
 const NAME: &str = "CUDA_IPC_CLI_TEST_NAME";
-
-/// The `cuda-ipc` binary: the one Cargo built for these tests; elsewhere (a copied bundle) the
-/// `cuda-ipc` beside this test binary's folder, or `CUDA_IPC_BIN`.
-fn bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("CUDA_IPC_BIN") {
-        return p.into();
-    }
-    let built = PathBuf::from(env!("CARGO_BIN_EXE_cuda-ipc"));
-    if built.exists() {
-        return built;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let beside = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join("cuda-ipc"));
-    match beside {
-        Some(p) if p.exists() => p,
-        _ => panic!(
-            "the cuda-ipc binary is neither at {} nor beside this test's folder; set CUDA_IPC_BIN",
-            built.display()
-        ),
-    }
-}
 
 fn cuda_ipc(args: &[&str]) -> Output {
     Command::new(bin())

@@ -3,19 +3,13 @@
 //! its own: every `ls`, `watch` and `metrics` also frees dead holders, so no other test may look at
 //! the ledgers meanwhile.
 
+mod common;
+use common::bin;
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
-
-fn bin() -> PathBuf {
-    std::env::var_os("CUDA_IPC_BIN").map_or_else(
-        || PathBuf::from(env!("CARGO_BIN_EXE_cuda-ipc")),
-        PathBuf::from,
-    )
-}
 
 fn cuda_ipc(args: &[&str]) -> Output {
     Command::new(bin())

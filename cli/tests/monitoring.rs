@@ -3,23 +3,17 @@
 //! show / remove` and the budget in `ls`, `watch --plain` (and a non-terminal stdout) giving the
 //! line output, hostile ledgers reported, and what is said without NVML.
 
+mod common;
+use common::bin;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
-
-fn bin() -> PathBuf {
-    std::env::var_os("CUDA_IPC_BIN").map_or_else(
-        || PathBuf::from(env!("CARGO_BIN_EXE_cuda-ipc")),
-        PathBuf::from,
-    )
-}
 
 fn cuda_ipc(args: &[&str]) -> Output {
     Command::new(bin())
