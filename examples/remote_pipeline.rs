@@ -194,10 +194,18 @@ fn spawn(name: &str, a: &Args, role: &str, value: &str) -> Res<Child> {
     Child::spawn(name, &refs)
 }
 
-/// Waits until frame `i`'s slot of `--pace-us` after `start`.
-fn pace(a: &Args, start: Instant, i: u64) {
+/// Waits for the next slot of `--pace-us` (`next`, moved on by one period). A run behind its
+/// schedule (the lane stalled, e.g. while UCX connected for the first WRITE) starts the schedule
+/// again from now rather than catching up in a burst: a paced run measures the hand-off without
+/// frames queueing behind each other.
+fn pace(a: &Args, next: &mut Instant) {
     if a.pace_us > 0 {
-        let due = start + Duration::from_micros(a.pace_us * i);
+        let now = Instant::now();
+        if *next < now {
+            *next = now;
+        }
+        let due = *next;
+        *next += Duration::from_micros(a.pace_us);
         // Sleep to within 200 us of the slot, then spin (the pace costs no core).
         if let Some(d) = due.checked_duration_since(Instant::now() + Duration::from_micros(200)) {
             std::thread::sleep(d);
@@ -245,8 +253,9 @@ fn producer(a: &Args) -> Res<()> {
     );
     let mut host = vec![0u8; if a.device { 0 } else { a.bytes }];
     let start = Instant::now();
+    let mut slot = start;
     for i in 0..a.frames {
-        pace(a, start, i);
+        pace(a, &mut slot);
         let mut w = tx.acquire(Some(LONG))?;
         let meta = FrameMeta::now(i, a.bytes as u64, 1).encode();
         match &kernels {
@@ -498,8 +507,9 @@ fn raw_initiator(a: &Args) -> Res<()> {
         place,
     };
     let start = Instant::now();
+    let mut slot = start;
     for i in 0..a.frames {
-        pace(a, start, i);
+        pace(a, &mut slot);
         let stamp = now_ns();
         match &mut mem {
             Mem::Host(v) => fill_host(v, i as u32),
