@@ -303,6 +303,36 @@ impl Lane {
         timeout: Duration,
         spin: Duration,
     ) -> Result<()> {
+        self.write_then(
+            key,
+            len,
+            (tkey, target),
+            remote,
+            notif,
+            timeout,
+            spin,
+            || Ok(()),
+        )
+    }
+
+    /// [`Lane::write`], calling `posted` once the WRITE is posted and before waiting for it: what
+    /// the caller does there (tell the far side) overlaps the transfer instead of delaying it.
+    ///
+    /// # Errors
+    /// As [`Lane::write`], and what `posted` returns (the WRITE is then still waited for, up to
+    /// `timeout`, so that its source is not reused while it runs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_then(
+        &mut self,
+        key: u32,
+        len: usize,
+        (tkey, target): (u32, Target),
+        remote: &str,
+        notif: &[u8],
+        timeout: Duration,
+        spin: Duration,
+        posted: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let Some((region, _)) = self.registered.get(&key) else {
             return Err(Error::InvalidArgument(format!(
                 "region {key} is not registered"
@@ -341,6 +371,7 @@ impl Lane {
             .agent
             .post_xfer_req(req, Some(args))
             .map_err(nixl("nixl_capi_post_xfer_req"))?;
+        let told = posted();
         let mut naps = 0u32;
         while in_progress {
             match self
@@ -362,7 +393,7 @@ impl Lane {
                 }
             }
         }
-        Ok(())
+        told
     }
 
     /// Takes the notifications that arrived from any agent (`getNotifs`), as (agent, text). The

@@ -313,10 +313,7 @@ fn accept(
 }
 
 enum Outcome {
-    Upstream {
-        closed: bool,
-        reason: String,
-    },
+    Upstream { closed: bool, reason: String },
     Stopped,
 }
 
@@ -437,10 +434,9 @@ fn pump(
                 naps = 0;
                 if let Some((_, sent, _)) = &flow.ending
                     && session >= *sent
+                    && let Some((o, _, _)) = flow.ending.take()
                 {
-                    if let Some((o, _, _)) = flow.ending.take() {
-                        return Ok(o);
-                    }
+                    return Ok(o);
                 }
                 if !reported || last_status.elapsed() > Duration::from_secs(1) {
                     if !reported {
@@ -526,9 +522,8 @@ fn pump(
             continue;
         }
         naps = naps.saturating_add(1);
-        let nap = Duration::from_micros(50u64 << naps.min(5).saturating_sub(1)).min(
-            Duration::from_millis(1),
-        );
+        let nap = Duration::from_micros(50u64 << naps.min(5).saturating_sub(1))
+            .min(Duration::from_millis(1));
         if let Some(m) = link.next(nap)?
             && let Some(o) = on_message(m, &mut flow, session)?
         {

@@ -254,7 +254,9 @@ fn take_credit(m: Msg, lane: &mut Lane, credits: &mut Credits) -> Result<()> {
             let Some(place) = Place::from_code(kind, device) else {
                 return Err(RemoteError::Protocol(format!("memory kind {kind}")).into());
             };
-            credits.queue.push_back((index, Target { addr, len, place }));
+            credits
+                .queue
+                .push_back((index, Target { addr, len, place }));
             Ok(())
         }
         m => Err(unexpected(
@@ -419,10 +421,9 @@ fn pump(
         // without a pause from now until the notification (a TCP transfer advances only while
         // both ends poll). WRITEs closer together go unannounced: it still polls after the last
         // notification. This end polls for the whole WRITE.
-        if last_write.is_none_or(|t| t.elapsed() > POSTING_AFTER) {
-            link.send(&Msg::Posting { index: tindex })?;
-        }
-        lane.write(
+        // The announcement goes once the WRITE is posted, overlapping it.
+        let announce = last_write.is_none_or(|t| t.elapsed() > POSTING_AFTER);
+        lane.write_then(
             index,
             frame.len(),
             (tindex, target),
@@ -430,6 +431,13 @@ fn pump(
             note.encode().as_bytes(),
             opts.lane.write_timeout,
             opts.lane.write_timeout,
+            || {
+                if announce {
+                    link.send(&Msg::Posting { index: tindex })
+                } else {
+                    Ok(())
+                }
+            },
         )?;
         last_write = Some(Instant::now());
         drop(frame);

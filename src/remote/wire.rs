@@ -449,9 +449,14 @@ pub struct FrameNote {
 impl FrameNote {
     /// The notification text.
     pub fn encode(&self) -> String {
-        let mut s = format!("cipc-lane 1 {} {} {} ", self.index, self.seq, self.len);
+        use std::fmt::Write as _;
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        // One allocation: the numbers are at most 20 digits each.
+        let mut s = String::with_capacity(80 + 2 * self.meta.len());
+        let _ = write!(s, "cipc-lane 1 {} {} {} ", self.index, self.seq, self.len);
         for b in &self.meta {
-            s.push_str(&format!("{b:02x}"));
+            s.push(char::from(HEX[usize::from(b >> 4)]));
+            s.push(char::from(HEX[usize::from(b & 15)]));
         }
         s
     }
