@@ -13,12 +13,16 @@
 //! ```text
 //! cargo run --release -p cuda-ipc-examples --features remote --example remote_pipeline -- \
 //!     [--frames 1000] [--bytes N | --4k] [--memory host|device] [--delivery every|latest]
-//!     [--pool auto|legacy|vmm|pool] [--pace-us 0] [--raw]
+//!     [--pool auto|legacy|vmm|pool] [--pace-us 0] [--spin-us N] [--raw]
 //! ```
 //! `--pool` picks the near pool's device memory (the far one is the default, legacy where it can
 //! be): which kinds UCX registers for a GPU-direct path shows in the transport it reports.
 //! `--pace-us N` publishes (or, with `--raw`, WRITEs) one frame every N µs: the hand-off latency
 //! without frames queueing behind each other; 0 runs as fast as the lane goes (frames/s).
+//! `--spin-us N` is how long the bridges and the far consumer poll without a pause after a frame
+//! (`LaneOptions::spin`, the consumer's `WaitStrategy::SpinThenBlock`); by default the lane's
+//! default (2 ms) or twice the pace, whichever is longer, so that a paced lane stays as hot
+//! between frames as the raw loop, whose target polls without a pause throughout.
 //! ```text
 //! ```
 //! Needs NIXL's libraries on LD_LIBRARY_PATH (`pip install --no-deps nixl-cu13`).
@@ -30,7 +34,7 @@ use common::child::Child;
 use common::{FrameMeta, Res, now_ns, percentile_us, read_u64, zeroed_counter};
 use cuda_ipc::Error as IpcError;
 use cuda_ipc::channel::{
-    ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
+    ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer, WaitStrategy,
 };
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::raw::kernels::{Kernels, pattern};
@@ -45,7 +49,7 @@ use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: remote_pipeline [--frames 1000] [--bytes N | --4k] \
     [--memory host|device] [--pool auto|legacy|vmm|pool] [--delivery every|latest] [--pace-us 0] \
-    [--raw]";
+    [--spin-us N] [--raw]";
 const SECRET: &str = "remote_pipeline example secret";
 const LONG: Duration = Duration::from_secs(120);
 
@@ -59,6 +63,9 @@ struct Args {
     /// Microseconds between frames (0: as fast as the lane goes); a paced run measures the
     /// hand-off latency without queueing.
     pace_us: u64,
+    /// Microseconds the bridges and the far consumer poll without a pause after a frame; `None`:
+    /// the lane's default or twice the pace, whichever is longer.
+    spin_us: Option<u64>,
     /// The near pool's kind of device memory (`--pool auto|legacy|vmm|pool`).
     pool: MemoryKind,
     pool_word: String,
@@ -74,6 +81,7 @@ fn parse() -> Res<Args> {
         delivery: Delivery::EveryFrame,
         raw: false,
         pace_us: 0,
+        spin_us: None,
         pool: MemoryKind::Auto,
         pool_word: "auto".into(),
         role: None,
@@ -100,6 +108,7 @@ fn parse() -> Res<Args> {
             }
             "--raw" => a.raw = true,
             "--pace-us" => a.pace_us = args.parse(&k)?,
+            "--spin-us" => a.spin_us = Some(args.parse(&k)?),
             "--pool" => {
                 a.pool_word = args.value(&k)?;
                 a.pool = memory_kind(&a.pool_word)?;
@@ -127,7 +136,7 @@ fn main() {
         None => producer(&a),
         Some((r, v)) => match r.as_str() {
             "recv" => bridge_recv(&a, &v),
-            "send" => bridge_send(&v),
+            "send" => bridge_send(&a, &v),
             "consumer" => consumer(&a, &v),
             "raw-target" => raw_target(&a),
             x => Err(format!("unknown role {x}").into()),
@@ -169,8 +178,20 @@ impl Drop for UcxLog {
     }
 }
 
+/// How long the bridges and the far consumer poll without a pause after a frame.
+fn spin(a: &Args) -> Duration {
+    match a.spin_us {
+        Some(us) => Duration::from_micros(us),
+        None => LaneOptions::default()
+            .spin
+            .max(Duration::from_micros(2 * a.pace_us)),
+    }
+}
+
 fn memory_args(a: &Args) -> Vec<String> {
     vec![
+        "--spin-us".into(),
+        spin(a).as_micros().to_string(),
         "--bytes".into(),
         a.bytes.to_string(),
         "--memory".into(),
@@ -194,10 +215,18 @@ fn spawn(name: &str, a: &Args, role: &str, value: &str) -> Res<Child> {
     Child::spawn(name, &refs)
 }
 
-/// Waits until frame `i`'s slot of `--pace-us` after `start`.
-fn pace(a: &Args, start: Instant, i: u64) {
+/// Waits for the next slot of `--pace-us` (`next`, moved on by one period). A run behind its
+/// schedule (the lane stalled, e.g. while UCX connected for the first WRITE) starts the schedule
+/// again from now rather than catching up in a burst: a paced run measures the hand-off without
+/// frames queueing behind each other.
+fn pace(a: &Args, next: &mut Instant) {
     if a.pace_us > 0 {
-        let due = start + Duration::from_micros(a.pace_us * i);
+        let now = Instant::now();
+        if *next < now {
+            *next = now;
+        }
+        let due = *next;
+        *next += Duration::from_micros(a.pace_us);
         // Sleep to within 200 us of the slot, then spin (the pace costs no core).
         if let Some(d) = due.checked_duration_since(Instant::now() + Duration::from_micros(200)) {
             std::thread::sleep(d);
@@ -245,8 +274,9 @@ fn producer(a: &Args) -> Res<()> {
     );
     let mut host = vec![0u8; if a.device { 0 } else { a.bytes }];
     let start = Instant::now();
+    let mut slot = start;
     for i in 0..a.frames {
-        pace(a, start, i);
+        pace(a, &mut slot);
         let mut w = tx.acquire(Some(LONG))?;
         let meta = FrameMeta::now(i, a.bytes as u64, 1).encode();
         match &kernels {
@@ -289,6 +319,7 @@ fn bridge_recv(a: &Args, far: &str) -> Res<()> {
     println!("port {}", listener.local_addr()?.port());
     std::io::stdout().flush()?;
     let mut opts = recv::RecvOptions::new(far, Secret::new(SECRET.into())?);
+    opts.lane.spin = spin(a);
     opts.place = if a.device {
         Place::Device(0)
     } else {
@@ -309,14 +340,15 @@ fn bridge_recv(a: &Args, far: &str) -> Res<()> {
     }
 }
 
-fn bridge_send(v: &str) -> Res<()> {
+fn bridge_send(a: &Args, v: &str) -> Res<()> {
     let _log = lane_environment()?;
     let (near, port) = v.rsplit_once(':').ok_or("send: NEAR:PORT")?;
-    let opts = send::SendOptions::new(
+    let mut opts = send::SendOptions::new(
         near,
         &format!("127.0.0.1:{port}"),
         Secret::new(SECRET.into())?,
     );
+    opts.lane.spin = spin(a);
     let mut totals = send::Totals::default();
     let end = send::serve(&opts, &AtomicBool::new(false), &mut totals)?;
     let (t, path) = totals
@@ -340,7 +372,12 @@ fn bridge_send(v: &str) -> Res<()> {
 fn consumer(a: &Args, far: &str) -> Res<()> {
     let start = Instant::now();
     let rx = loop {
-        match Consumer::attach(far, &ConsumerOptions::new().delivery(a.delivery)) {
+        // Polling without a pause for a while after each frame, as the bridges do (and as the raw
+        // loop's target does throughout).
+        let o = ConsumerOptions::new()
+            .delivery(a.delivery)
+            .wait(WaitStrategy::SpinThenBlock(spin(a)));
+        match Consumer::attach(far, &o) {
             Ok(c) => break c,
             Err(e) if start.elapsed() > LONG => return Err(e.into()),
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
@@ -498,8 +535,9 @@ fn raw_initiator(a: &Args) -> Res<()> {
         place,
     };
     let start = Instant::now();
+    let mut slot = start;
     for i in 0..a.frames {
-        pace(a, start, i);
+        pace(a, &mut slot);
         let stamp = now_ns();
         match &mut mem {
             Mem::Host(v) => fill_host(v, i as u32),

@@ -58,5 +58,7 @@ pub use layout::{
     ProducerState, UnknownCode,
 };
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
+#[cfg(feature = "remote")]
+pub(crate) use producer::LentFrame;
 pub use producer::{ChannelBuffer, Producer, ShutdownReport, WriteFrame};
 pub use wait::WaitStrategy;

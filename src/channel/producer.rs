@@ -421,6 +421,28 @@ impl Producer {
         })
     }
 
+    /// Turns a buffer lent by [`WriteFrame::lend`] back into a [`WriteFrame`] of this producer, to
+    /// publish it (or drop it to give it back unpublished).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `lent` came from another producer (it is given back to
+    /// that one's channel, unpublished).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn resume(&mut self, mut lent: LentFrame) -> Result<WriteFrame<'_>> {
+        if !Arc::ptr_eq(&lent.control, &self.control) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer {} was lent by another producer than that of channel {}",
+                lent.index, self.name
+            )));
+        }
+        lent.armed = false;
+        Ok(WriteFrame {
+            producer: self,
+            index: lent.index,
+            done: false,
+        })
+    }
+
     /// Marks the channel as one a bridge fills from another host (its header's `transport` word,
     /// shown by `cuda-ipc ls`): for the remote lane's receiving bridge.
     #[cfg_attr(not(feature = "remote"), allow(dead_code))]
@@ -723,5 +745,122 @@ impl Drop for WriteFrame<'_> {
         if !self.done {
             self.producer.control.abandon(self.index);
         }
+    }
+}
+
+impl WriteFrame<'_> {
+    /// Lends the buffer out without the borrow of the producer, so that the producer can lend more
+    /// buffers at once (crate-private: the remote lane's receiving bridge lends a few far buffers
+    /// to the sending bridge ahead of the frames, which another process then writes over NIXL).
+    /// [`Producer::resume`] turns it back into a frame to publish; a [`LentFrame`] dropped
+    /// unresumed gives the buffer back unpublished, as dropping the frame does. Buffers lent at
+    /// once are published in the order [`Producer::resume`] + [`WriteFrame::publish`] are called;
+    /// sequence numbers follow that order.
+    ///
+    /// On a GPU channel whose buffer readers may still be reading on their GPUs (the producer's
+    /// stream waits for their release words), the calling thread waits for the producer's stream
+    /// first (`cuStreamSynchronize`): the buffer is written by something the stream does not
+    /// order (another process's transfer), so it must be free when this returns. A reader that
+    /// died has its words raised by the producer's watchdog within about 20 ms, which ends that
+    /// wait.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuStreamSynchronize` (the buffer is given back unpublished).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn lend(mut self) -> Result<LentFrame> {
+        if let Some(gpu) = self.producer.gpu.as_ref() {
+            // Dropping `self` on error gives the buffer back.
+            gpu.stream.synchronize()?;
+        }
+        self.done = true;
+        Ok(LentFrame {
+            control: self.producer.control.clone(),
+            index: self.index,
+            armed: true,
+        })
+    }
+}
+
+/// A buffer taken for writing that does not borrow its producer ([`WriteFrame::lend`]): several
+/// can be out at once. Crate-private; [`Producer::resume`] makes it a [`WriteFrame`] again, and
+/// dropping it unresumed gives the buffer back unpublished.
+#[cfg_attr(not(feature = "remote"), allow(dead_code))]
+pub(crate) struct LentFrame {
+    /// The lending producer's control segment (kept mapped while the buffer is lent).
+    control: Arc<Control>,
+    index: usize,
+    /// False once resumed (the frame it became gives the buffer back or publishes it).
+    armed: bool,
+}
+
+#[cfg_attr(not(feature = "remote"), allow(dead_code))]
+impl LentFrame {
+    /// The buffer's index in the pool.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl std::fmt::Debug for LentFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LentFrame")
+            .field("index", &self.index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for LentFrame {
+    fn drop(&mut self) {
+        if self.armed {
+            self.control.abandon(self.index);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Consumer, ConsumerOptions};
+    use super::*;
+
+    #[test]
+    fn lent_buffers_are_out_at_once_published_in_resume_order_and_given_back_when_dropped() {
+        let ch = format!("lent-unit-{}", std::process::id());
+        let mut tx = Producer::create_host(&ch, &ChannelOptions::new(64).buffers(4)).unwrap();
+        let rx = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+        let a = tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
+        let b = tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
+        let c = tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
+        assert_ne!(a.index(), b.index());
+        assert_ne!(b.index(), c.index());
+        assert_ne!(a.index(), c.index());
+        // Published in the order resumed: b first, then a; c is given back unpublished.
+        let (ia, ib) = (a.index(), b.index());
+        let mut w = tx.resume(b).unwrap();
+        w.write_at(0, b"second lent").unwrap();
+        assert_eq!(w.publish(b"b").unwrap(), 1);
+        assert_eq!(tx.resume(a).unwrap().publish(b"a").unwrap(), 2);
+        drop(c);
+        let f = rx.recv_timeout(Duration::from_secs(1)).unwrap();
+        assert_eq!((f.seq(), f.index(), f.metadata()), (1, ib, &b"b"[..]));
+        let mut got = [0u8; 11];
+        f.read_at(0, &mut got).unwrap();
+        assert_eq!(&got, b"second lent");
+        drop(f);
+        let f = rx.recv_timeout(Duration::from_secs(1)).unwrap();
+        assert_eq!((f.seq(), f.index()), (2, ia));
+        drop(f);
+        // Every buffer is free again: four acquires in a row succeed.
+        let lent: Vec<LentFrame> = (0..4)
+            .map(|_| tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap())
+            .collect();
+        assert!(tx.try_acquire().unwrap().is_none());
+        drop(lent);
+        assert!(tx.try_acquire().unwrap().is_some());
+        // A buffer lent by another producer is refused, and goes back to its own channel.
+        let ch2 = format!("lent-unit-other-{}", std::process::id());
+        let mut other = Producer::create_host(&ch2, &ChannelOptions::new(64).buffers(1)).unwrap();
+        let foreign = other.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
+        assert!(matches!(tx.resume(foreign), Err(Error::InvalidArgument(_))));
+        assert!(other.try_acquire().unwrap().is_some());
     }
 }

@@ -9,7 +9,9 @@
 //! One frame:
 //! 1. the receiving bridge, the far channel's [`Producer`], [acquires](crate::channel::Producer::acquire) a buffer
 //!    (waiting, as any producer, for its consumers: back-pressure), registers it with NIXL once,
-//!    and sends a credit naming it over the control connection;
+//!    and sends a credit naming it over the control connection; it keeps up to
+//!    [`recv::RecvOptions::credits`] buffers credited at once (lent ahead of the frames), so a
+//!    credit travels while the WRITE before it runs;
 //! 2. the sending bridge, a [`Consumer`] of the near channel, receives the next frame (every frame
 //!    or the latest, by its delivery policy), waits for its ready word on the host (NIXL knows no
 //!    stream), and WRITEs its bytes into the credited far buffer (`postXferReq`) with a
@@ -82,10 +84,14 @@ pub struct LaneOptions {
     pub link_timeout: Duration,
     /// Longest a WRITE may take to complete; default 10 s.
     pub write_timeout: Duration,
-    /// How long a bridge polls NIXL without a pause while a WRITE or its notification is due
-    /// (UCX's TCP transport moves data only while both ends poll), before it naps between polls
-    /// (20 µs to 200 µs); default 2 ms. Longer is faster on a machine with cores to spare; an
-    /// idle lane naps whatever this is.
+    /// How long a bridge keeps polling without a pause after a frame before it blocks: the
+    /// sending bridge's wait for the next near frame (then on the channel's futex), the receiving
+    /// bridge's poll of NIXL for notifications (then on the control connection, which an
+    /// announced WRITE wakes at once, with naps of 50 µs to 1 ms; at least 1 ms). UCX's TCP
+    /// transport moves data only while both ends poll. Default 2 ms. Longer keeps a lane whose
+    /// frames come further apart hot (lower hand-off latency) at the cost of a core per bridge;
+    /// on a machine with fewer cores than busy processes, shorter is faster. An idle lane
+    /// blocks whatever this is.
     pub spin: Duration,
 }
 

@@ -153,7 +153,10 @@ pub struct Lane {
     requests: HashMap<(u32, u32), XferRequest>,
     registered: HashMap<u32, (Region, RegistrationHandle)>,
     notifs: NotificationMap,
-    backend: Backend,
+    /// The WRITEs' optional arguments (the backend, "with a notification"), made once; each
+    /// WRITE sets its notification's text.
+    args: OptArgs,
+    _backend: Backend,
     agent: Agent,
     name: String,
 }
@@ -196,11 +199,17 @@ impl Lane {
             .create_backend("UCX", &params)
             .map_err(nixl("nixl_capi_create_backend(UCX)"))?;
         let notifs = NotificationMap::new().map_err(nixl("nixl_capi_create_notif_map"))?;
+        let mut args = OptArgs::new().map_err(nixl("nixl_capi_create_opt_args"))?;
+        args.add_backend(&backend)
+            .map_err(nixl("nixl_capi_opt_args_add_backend"))?;
+        args.set_has_notification(true)
+            .map_err(nixl("nixl_capi_opt_args_set_has_notif"))?;
         Ok(Lane {
             requests: HashMap::new(),
             registered: HashMap::new(),
             notifs,
-            backend,
+            args,
+            _backend: backend,
             agent,
             name: name.to_string(),
         })
@@ -294,6 +303,36 @@ impl Lane {
         timeout: Duration,
         spin: Duration,
     ) -> Result<()> {
+        self.write_then(
+            key,
+            len,
+            (tkey, target),
+            remote,
+            notif,
+            timeout,
+            spin,
+            || Ok(()),
+        )
+    }
+
+    /// [`Lane::write`], calling `posted` once the WRITE is posted and before waiting for it: what
+    /// the caller does there (tell the far side) overlaps the transfer instead of delaying it.
+    ///
+    /// # Errors
+    /// As [`Lane::write`], and what `posted` returns (the WRITE is then still waited for, up to
+    /// `timeout`, so that its source is not reused while it runs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_then(
+        &mut self,
+        key: u32,
+        len: usize,
+        (tkey, target): (u32, Target),
+        remote: &str,
+        notif: &[u8],
+        timeout: Duration,
+        spin: Duration,
+        posted: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let Some((region, _)) = self.registered.get(&key) else {
             return Err(Error::InvalidArgument(format!(
                 "region {key} is not registered"
@@ -306,13 +345,11 @@ impl Lane {
             )));
         }
         let region = *region;
-        let mut args = OptArgs::new().map_err(nixl("nixl_capi_create_opt_args"))?;
-        args.add_backend(&self.backend)
-            .map_err(nixl("nixl_capi_opt_args_add_backend"))?;
-        args.set_notification_message(notif)
+        // The arguments made once in `new` (no allocation per WRITE but NIXL's copy of the text).
+        self.args
+            .set_notification_message(notif)
             .map_err(nixl("nixl_capi_opt_args_set_notif_msg"))?;
-        args.set_has_notification(true)
-            .map_err(nixl("nixl_capi_opt_args_set_has_notif"))?;
+        let args = &self.args;
         if !self.requests.contains_key(&(key, tkey)) {
             let mut local = XferDescList::new(region.place.mem_type())
                 .map_err(nixl("nixl_capi_create_xfer_dlist"))?;
@@ -322,7 +359,7 @@ impl Lane {
             far.add_desc(target.addr as usize, len, target.place.dev_id());
             let req = self
                 .agent
-                .create_xfer_req(XferOp::Write, &local, &far, remote, Some(&args))
+                .create_xfer_req(XferOp::Write, &local, &far, remote, Some(args))
                 .map_err(nixl("nixl_capi_create_xfer_req(WRITE)"))?;
             self.requests.insert((key, tkey), req);
         }
@@ -332,8 +369,9 @@ impl Lane {
         let start = Instant::now();
         let mut in_progress = self
             .agent
-            .post_xfer_req(req, Some(&args))
+            .post_xfer_req(req, Some(args))
             .map_err(nixl("nixl_capi_post_xfer_req"))?;
+        let told = posted();
         let mut naps = 0u32;
         while in_progress {
             match self
@@ -355,7 +393,7 @@ impl Lane {
                 }
             }
         }
-        Ok(())
+        told
     }
 
     /// Takes the notifications that arrived from any agent (`getNotifs`), as (agent, text). The
@@ -368,6 +406,14 @@ impl Lane {
         self.agent
             .get_notifications(&mut self.notifs, None)
             .map_err(nixl("nixl_capi_get_notifs"))?;
+        // The common case of a poll: nothing came (no map walk, no allocation).
+        if self
+            .notifs
+            .is_empty()
+            .map_err(nixl("nixl_capi_notif_map_size"))?
+        {
+            return Ok(Vec::new());
+        }
         let all = self
             .notifs
             .take_notifs()

@@ -2,14 +2,15 @@
 //! sending bridge WRITEs into; it publishes each one when the WRITE's notification arrives.
 
 use super::link::Link;
-use super::nixl::{Lane, Place, Region, pause};
+use super::nixl::{Lane, Place, Region};
 use super::report::{self, Role, Status};
 use super::send::unexpected;
 use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
 use super::{LaneOptions, RemoteError};
-use crate::channel::{ChannelOptions, Producer};
+use crate::channel::{ChannelOptions, LentFrame, Producer};
 use crate::driver::{Context, Device, DeviceMemory as _};
 use crate::error::{Error, Result};
+use std::collections::VecDeque;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -29,6 +30,11 @@ pub struct RecvOptions {
     pub buffers: Option<usize>,
     /// Most consumers of the far channel; default 8.
     pub max_consumers: usize,
+    /// How many far buffers the bridge lends the sending bridge ahead of the frames (credits
+    /// outstanding at once); default 2, at most one less than the far pool's buffers (and at
+    /// least 1). Two hide the credit's round trip behind the WRITE before it; each one more
+    /// is a far buffer its consumers cannot hold meanwhile.
+    pub credits: usize,
     /// Timeouts and periods.
     pub lane: LaneOptions,
 }
@@ -42,6 +48,7 @@ impl RecvOptions {
             place: Place::Host,
             buffers: None,
             max_consumers: 8,
+            credits: 2,
             lane: LaneOptions::default(),
         }
     }
@@ -139,8 +146,9 @@ pub fn serve(
             format!("buffers of {buffer_bytes} bytes"),
         ));
     };
+    let far_buffers = opts.buffers.unwrap_or(buffers as usize);
     let mut copts = ChannelOptions::new(buffer_bytes)
-        .buffers(opts.buffers.unwrap_or(buffers as usize))
+        .buffers(far_buffers)
         .max_consumers(opts.max_consumers);
     // UCX's CUDA transports work in the thread's current context: the far pool's (the device's
     // primary context) is current for the whole session, NIXL's backend creation included; it is
@@ -184,11 +192,16 @@ pub fn serve(
         Ok(md) => md,
         Err(e) => return lost(producer, e.to_string()),
     };
+    let credits = opts
+        .credits
+        .min(far_buffers.saturating_sub(1))
+        .clamp(1, wire::MAX_CREDITS as usize);
     if let Err(e) = wire::send(
         &mut stream,
         &Msg::Ready {
             agent: agent.clone(),
             buffer_bytes: buffer_bytes as u64,
+            credits: credits as u32,
             md,
         },
     ) {
@@ -212,6 +225,7 @@ pub fn serve(
         &mut lane,
         &mut link,
         near,
+        credits,
         frames,
         &mut status,
     );
@@ -299,35 +313,48 @@ fn accept(
 }
 
 enum Outcome {
-    Upstream {
-        closed: bool,
-        sent: u64,
-        reason: String,
-    },
+    Upstream { closed: bool, reason: String },
     Stopped,
 }
 
-fn control(link: &mut Link) -> Result<Option<Outcome>> {
-    match link.next(Duration::ZERO)? {
-        None => Ok(None),
-        Some(m) => control_msg(m),
-    }
+/// A far buffer lent to the sending bridge (credited), and its registered region.
+struct Credited {
+    frame: LentFrame,
+    region: Region,
 }
 
-/// An upstream message as the outcome it ends the session with; a posting hint that its
-/// notification overtook is nothing; anything else breaks the protocol.
-fn control_msg(m: Msg) -> Result<Option<Outcome>> {
+/// What the pump knows of the sending bridge's WRITEs and of the session's end.
+struct Flow {
+    /// A WRITE was announced ([`Msg::Posting`]) at this instant and its notification has not come.
+    posted: Option<Instant>,
+    /// The last notification, credit or announcement: the pump polls without a pause for
+    /// [`LaneOptions::spin`] (at least twice [`wire::POSTING_AFTER`]) after it.
+    hot: Instant,
+    /// The sender's end of the session, told while frames were still on their way, and when.
+    ending: Option<(Outcome, u64, Instant)>,
+}
+
+/// Takes one control message: `Ok(Some)` ends the session now.
+fn on_message(m: Msg, flow: &mut Flow, session: u64) -> Result<Option<Outcome>> {
     match m {
-        Msg::Posting { .. } => Ok(None),
+        Msg::Posting { .. } => {
+            flow.posted = Some(Instant::now());
+            flow.hot = Instant::now();
+            Ok(None)
+        }
         Msg::Upstream {
             closed,
             sent,
             reason,
-        } => Ok(Some(Outcome::Upstream {
-            closed,
-            sent,
-            reason,
-        })),
+        } => {
+            let o = Outcome::Upstream { closed, reason };
+            if sent <= session {
+                // Nothing on its way: the credited buffers are given back unwritten.
+                return Ok(Some(o));
+            }
+            flow.ending = Some((o, sent, Instant::now()));
+            Ok(None)
+        }
         m => Err(unexpected(&m, "an upstream message")),
     }
 }
@@ -340,6 +367,7 @@ fn pump(
     lane: &mut Lane,
     link: &mut Link,
     near: Place,
+    credits: usize,
     frames: &mut u64,
     status: &mut Status,
 ) -> Result<Outcome> {
@@ -347,129 +375,159 @@ fn pump(
     let mut last_status = Instant::now();
     // Frames published in this session (what the sender's `sent` counts).
     let mut session = 0u64;
+    // Credited far buffers, oldest first: the sender writes them in this order. Dropped on
+    // return, they go back to the far pool unpublished.
+    let mut lent: VecDeque<Credited> = VecDeque::with_capacity(credits);
+    let hot_for = opts.lane.spin.max(2 * wire::POSTING_AFTER);
+    let mut flow = Flow {
+        posted: None,
+        hot: Instant::now(),
+        ending: None,
+    };
+    let mut naps = 0u32;
     loop {
-        // 1. A free far buffer (waiting for far consumers, as any producer).
-        let w = loop {
-            if stop.load(Ordering::Relaxed) {
-                return Ok(Outcome::Stopped);
-            }
-            if let Some(o) = control(link)? {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(Outcome::Stopped);
+        }
+        // 1. Control messages.
+        while flow.ending.is_none() {
+            let Some(m) = link.next(Duration::ZERO)? else {
+                break;
+            };
+            if let Some(o) = on_message(m, &mut flow, session)? {
                 return Ok(o);
             }
-            match producer.acquire(Some(Duration::from_millis(50))) {
-                Ok(w) => break w,
-                Err(Error::Timeout { .. }) => {}
-                Err(e) => return Err(e),
-            }
-        };
-        let index = w.index() as u32;
-        let region = match opts.place {
-            Place::Host => Region {
-                addr: w.as_mut_ptr() as u64,
-                len: w.len(),
-                place: opts.place,
-            },
-            Place::Device(_) => Region {
-                addr: w.buffer().device_ptr(),
-                len: w.len(),
-                place: opts.place,
-            },
-        };
-        // SAFETY: the region is a buffer of the producer's pool, mapped until the producer is
-        // dropped, which happens after the lane (`serve` drops the lane first); the far peer
-        // writes it only while this bridge holds it acquired (a credit names one acquired
-        // buffer), and consumers read it only after it is published.
-        let fresh = unsafe { lane.register(index, region)? };
-        let md = if fresh { lane.local_md()? } else { Vec::new() };
-        let (kind, device) = opts.place.code();
-        link.send(&Msg::Credit {
-            index,
-            addr: region.addr,
-            len: region.len as u64,
-            kind,
-            device,
-            md,
-        })?;
-        // 2. The WRITE's notification. An end told meanwhile waits for the frame still on its way
-        // (the sender wrote `sent` frames; its notification may come after the message).
-        let (mut waited, mut naps) = (Instant::now(), 0u32);
-        let mut ending = None;
-        let mut posted = false;
-        let note = loop {
-            if stop.load(Ordering::Relaxed) {
-                return Ok(Outcome::Stopped);
-            }
-            if ending.is_none() {
-                let m = match link.next(Duration::ZERO)? {
-                    Some(Msg::Posting { index: i }) if i == index => {
-                        // The data is on its way: poll without a pause until it is here.
-                        posted = true;
-                        None
-                    }
-                    Some(m) => control_msg(m)?,
-                    None => None,
-                };
-                match m {
-                    Some(o @ Outcome::Upstream { sent, .. }) if sent <= session => {
-                        // Nothing on its way: the credited buffer is given back unwritten.
-                        return Ok(o);
-                    }
-                    Some(o @ Outcome::Stopped) => return Ok(o),
-                    Some(o) => {
-                        ending = Some(o);
-                        waited = Instant::now();
-                    }
-                    None => {}
-                }
-            } else if waited.elapsed() > opts.lane.write_timeout {
-                return Err(RemoteError::Protocol(
-                    "the last frame's notification never came".into(),
-                )
-                .into());
-            }
-            let mut notes = lane.take_notifications()?;
-            if notes.len() > 1 {
-                return Err(RemoteError::Protocol(format!(
-                    "{} notifications for one credit",
-                    notes.len()
-                ))
-                .into());
-            }
-            if let Some((_, text)) = notes.pop() {
+        }
+        if let Some((_, _, since)) = &flow.ending
+            && since.elapsed() > opts.lane.write_timeout
+        {
+            return Err(
+                RemoteError::Protocol("the last frame's notification never came".into()).into(),
+            );
+        }
+        // 2. Notifications, in the order the buffers were credited.
+        if !lent.is_empty() {
+            for (_, text) in lane.take_notifications()? {
                 let n = FrameNote::decode(&text)?;
-                if n.index != index || n.len > region.len as u64 {
+                let Some(c) = lent.pop_front() else {
+                    return Err(RemoteError::Protocol(
+                        "a frame's notification with no credit outstanding".into(),
+                    )
+                    .into());
+                };
+                if n.index as usize != c.frame.index() || n.len > c.region.len as u64 {
                     return Err(RemoteError::Protocol(format!(
-                        "a frame of {} bytes for buffer {} where buffer {index} of {} bytes was \
-                         credited",
-                        n.len, n.index, region.len
+                        "a frame of {} bytes for buffer {} where buffer {} of {} bytes was \
+                         credited first",
+                        n.len,
+                        n.index,
+                        c.frame.index(),
+                        c.region.len
                     ))
                     .into());
                 }
-                break n;
-            }
-            if posted {
-                std::hint::spin_loop();
-            } else {
-                pause(waited, opts.lane.spin, &mut naps);
-            }
-        };
-        w.publish(&note.meta)?;
-        *frames += 1;
-        session += 1;
-        if let Some(o) = ending {
-            return Ok(o);
-        }
-        if !reported || last_status.elapsed() > Duration::from_secs(1) {
-            if !reported {
-                reported = true;
-                if let Some(t) = report::from_ucx_log(near, opts.place) {
-                    t.log("recv");
-                    status.transport = Some(t);
+                producer.resume(c.frame)?.publish(&n.meta)?;
+                *frames += 1;
+                session += 1;
+                flow.posted = None;
+                flow.hot = Instant::now();
+                naps = 0;
+                if let Some((_, sent, _)) = &flow.ending
+                    && session >= *sent
+                    && let Some((o, _, _)) = flow.ending.take()
+                {
+                    return Ok(o);
+                }
+                if !reported || last_status.elapsed() > Duration::from_secs(1) {
+                    if !reported {
+                        reported = true;
+                        if let Some(t) = report::from_ucx_log(near, opts.place) {
+                            t.log("recv");
+                            status.transport = Some(t);
+                        }
+                    }
+                    status.frames = *frames;
+                    status.write();
+                    last_status = Instant::now();
                 }
             }
-            status.frames = *frames;
-            status.write();
-            last_status = Instant::now();
+        } else if flow.ending.is_some() {
+            return Err(RemoteError::Protocol(format!(
+                "the sender counts more frames than it had credits for ({session} published)"
+            ))
+            .into());
+        }
+        // 3. Credits: free far buffers lent ahead, up to `credits`. With none outstanding, wait
+        // for one (the far consumers hold every buffer: back-pressure), bounded so that control
+        // messages are read meanwhile.
+        while flow.ending.is_none() && lent.len() < credits {
+            let w = if lent.is_empty() {
+                match producer.acquire(Some(Duration::from_millis(50))) {
+                    Ok(w) => w,
+                    Err(Error::Timeout { .. }) => break,
+                    Err(e) => return Err(e),
+                }
+            } else {
+                match producer.try_acquire()? {
+                    Some(w) => w,
+                    None => break,
+                }
+            };
+            let region = match opts.place {
+                Place::Host => Region {
+                    addr: w.as_mut_ptr() as u64,
+                    len: w.len(),
+                    place: opts.place,
+                },
+                Place::Device(_) => Region {
+                    addr: w.buffer().device_ptr(),
+                    len: w.len(),
+                    place: opts.place,
+                },
+            };
+            // The far peer writes it from now on, outside any stream: lent only once its last
+            // readers are done with it (on their GPUs too).
+            let frame = w.lend()?;
+            let index = frame.index() as u32;
+            // SAFETY: the region is a buffer of the producer's pool, mapped until the producer is
+            // dropped, which happens after the lane (`serve` drops the lane first); the far peer
+            // writes it only while this bridge has it lent (a credit names one lent buffer), and
+            // consumers read it only after it is published.
+            let fresh = unsafe { lane.register(index, region)? };
+            let md = if fresh { lane.local_md()? } else { Vec::new() };
+            let (kind, device) = opts.place.code();
+            link.send(&Msg::Credit {
+                index,
+                addr: region.addr,
+                len: region.len as u64,
+                kind,
+                device,
+                md,
+            })?;
+            lent.push_back(Credited { frame, region });
+            flow.hot = Instant::now();
+        }
+        // 4. Pace the polls: without a pause while a WRITE was announced or the lane was busy
+        // lately (UCX's TCP transport moves data only while both ends poll); then waiting on the
+        // control connection (an announced WRITE ends the wait at once), up to a nap that grows
+        // from 50 us to 1 ms, so that an idle lane costs no core.
+        if lent.is_empty() {
+            continue; // the acquire above waited
+        }
+        let posted = flow
+            .posted
+            .is_some_and(|t| t.elapsed() < opts.lane.write_timeout);
+        if posted || flow.hot.elapsed() < hot_for || flow.ending.is_some() {
+            std::hint::spin_loop();
+            continue;
+        }
+        naps = naps.saturating_add(1);
+        let nap = Duration::from_micros(50u64 << naps.min(5).saturating_sub(1))
+            .min(Duration::from_millis(1));
+        if let Some(m) = link.next(nap)?
+            && let Some(o) = on_message(m, &mut flow, session)?
+        {
+            return Ok(o);
         }
     }
 }

@@ -4,13 +4,14 @@
 use super::link::Link;
 use super::nixl::{Lane, Place, Region, Target};
 use super::report::{self, Role, Status};
-use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
+use super::wire::{self, FrameNote, MAX_CREDITS, Msg, POSTING_AFTER, PROTOCOL_VERSION, Secret};
 use super::{LaneOptions, RemoteError};
 use crate::channel::inspect;
-use crate::channel::{Consumer, ConsumerOptions, Delivery, Frame};
+use crate::channel::{Consumer, ConsumerOptions, Delivery, Frame, WaitStrategy};
 use crate::driver::DeviceMemory as _;
 use crate::error::{Error, Result};
 use crate::identity::Liveness;
+use std::collections::VecDeque;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -129,9 +130,13 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
         m => return Err(unexpected(&m, "a welcome")),
     }
+    // The next near frame is waited for as the lane's other polls are: without a pause for
+    // `spin`, then asleep on the channel's futex.
     let consumer = Consumer::attach(
         &opts.channel,
-        &ConsumerOptions::new().delivery(opts.delivery),
+        &ConsumerOptions::new()
+            .delivery(opts.delivery)
+            .wait(WaitStrategy::SpinThenBlock(opts.lane.spin)),
     )?;
     // Its slot's `transport` word: this consumer sends its frames to another host.
     consumer.mark_bridged();
@@ -160,10 +165,11 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
             agent: agent.clone(),
         },
     )?;
-    let remote = match wire::recv(&mut stream, hs, "the far channel's metadata")? {
+    let (remote, credits) = match wire::recv(&mut stream, hs, "the far channel's metadata")? {
         Msg::Ready {
             agent: _,
             buffer_bytes: far,
+            credits,
             md,
         } => {
             if far < buffer_bytes {
@@ -172,7 +178,13 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
                 ))
                 .into());
             }
-            lane.load_remote(&md)?
+            if credits == 0 || credits > MAX_CREDITS {
+                return Err(RemoteError::Protocol(format!(
+                    "{credits} credits outstanding (1 to {MAX_CREDITS} allowed)"
+                ))
+                .into());
+            }
+            (lane.load_remote(&md)?, credits as usize)
         }
         Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
         m => return Err(unexpected(&m, "the far channel's metadata")),
@@ -185,6 +197,10 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
     let mut link = Link::start(stream, &opts.lane)?;
     let mut status = Status::new(Role::Send, &opts.channel, &peer, place);
     status.write();
+    let mut credits = Credits {
+        queue: VecDeque::with_capacity(credits),
+        most: credits,
+    };
     let r = pump(
         opts,
         stop,
@@ -193,6 +209,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         &mut link,
         &remote,
         place,
+        &mut credits,
         totals,
         &mut status,
     );
@@ -209,9 +226,17 @@ enum Got<'c> {
     End(Ended),
 }
 
-/// Takes a credit message into `credit` (its metadata loaded when it carries some); anything else,
-/// or a second credit, breaks the protocol.
-fn take_credit(m: Msg, lane: &mut Lane, credit: &mut Option<(u32, Target)>) -> Result<()> {
+/// The far buffers credited and not yet written, oldest first (the order they are written in).
+struct Credits {
+    queue: VecDeque<(u32, Target)>,
+    /// How many the receiving bridge keeps outstanding at most ([`Msg::Ready`]).
+    most: usize,
+}
+
+/// Takes a credit message into `credits` (its metadata loaded when it carries some); anything
+/// else, a credit over the agreed count, or one naming a buffer already credited, breaks the
+/// protocol.
+fn take_credit(m: Msg, lane: &mut Lane, credits: &mut Credits) -> Result<()> {
     match m {
         Msg::Credit {
             index,
@@ -220,17 +245,24 @@ fn take_credit(m: Msg, lane: &mut Lane, credit: &mut Option<(u32, Target)>) -> R
             kind,
             device,
             md,
-        } if credit.is_none() => {
+        } if credits.queue.len() < credits.most
+            && !credits.queue.iter().any(|(i, _)| *i == index) =>
+        {
             if !md.is_empty() {
                 lane.load_remote(&md)?;
             }
             let Some(place) = Place::from_code(kind, device) else {
                 return Err(RemoteError::Protocol(format!("memory kind {kind}")).into());
             };
-            *credit = Some((index, Target { addr, len, place }));
+            credits
+                .queue
+                .push_back((index, Target { addr, len, place }));
             Ok(())
         }
-        m => Err(unexpected(&m, "one credit")),
+        m => Err(unexpected(
+            &m,
+            &format!("a credit for another buffer (at most {})", credits.most),
+        )),
     }
 }
 
@@ -241,7 +273,7 @@ fn wait_frame<'c>(
     consumer: &'c Consumer,
     lane: &mut Lane,
     link: &mut Link,
-    credit: &mut Option<(u32, Target)>,
+    credits: &mut Credits,
     sent: u64,
 ) -> Result<Got<'c>> {
     loop {
@@ -249,7 +281,7 @@ fn wait_frame<'c>(
             return Ok(Got::End(Ended::Stopped));
         }
         while let Some(m) = link.next(Duration::ZERO)? {
-            take_credit(m, lane, credit)?;
+            take_credit(m, lane, credits)?;
         }
         match consumer.recv_timeout(Duration::from_millis(50)) {
             Ok(f) => {
@@ -272,23 +304,23 @@ fn wait_frame<'c>(
     }
 }
 
-/// Waits until `credit` holds a far buffer to write (the receiving bridge acquired it); while the
+/// Waits until `credits` holds a far buffer to write (the receiving bridge lent it); while the
 /// far side waits for its consumers, notices a near producer that died.
 fn wait_credit(
     opts: &SendOptions,
     stop: &AtomicBool,
     lane: &mut Lane,
     link: &mut Link,
-    credit: &mut Option<(u32, Target)>,
+    credits: &mut Credits,
     sent: u64,
 ) -> Result<Option<Ended>> {
     let mut next_check = Instant::now() + opts.lane.heartbeat;
-    while credit.is_none() {
+    while credits.queue.is_empty() {
         if stop.load(Ordering::Relaxed) {
             return Ok(Some(Ended::Stopped));
         }
         if let Some(m) = link.next(opts.lane.heartbeat)? {
-            take_credit(m, lane, credit)?;
+            take_credit(m, lane, credits)?;
             continue;
         }
         if Instant::now() >= next_check {
@@ -312,34 +344,37 @@ fn pump(
     link: &mut Link,
     remote: &str,
     place: Place,
+    credits: &mut Credits,
     totals: &mut Totals,
     status: &mut Status,
 ) -> Result<Ended> {
     let mut last_status = Instant::now();
-    let mut credit = None;
+    // When the last WRITE completed: one posted more than `POSTING_AFTER` later is announced.
+    let mut last_write: Option<Instant> = None;
     // Every frame: the next frame is taken (and its bytes awaited) while the far side still
-    // publishes the last one, so only the WRITE waits for the credit. Latest only: the credit
-    // first, then the newest frame, so no older frame is held while the far side is busy.
+    // publishes the last one, so only the WRITE waits for a credit (with two or more outstanding,
+    // usually none). Latest only: the credit first, then the newest frame, so no older frame is
+    // held while the far side is busy.
     let early = opts.delivery == Delivery::EveryFrame;
     loop {
         let mut frame = None;
         if early {
-            match wait_frame(stop, consumer, lane, link, &mut credit, totals.frames)? {
+            match wait_frame(stop, consumer, lane, link, credits, totals.frames)? {
                 Got::Frame(f) => frame = Some(f),
                 Got::End(e) => return Ok(e),
             }
         }
-        if let Some(e) = wait_credit(opts, stop, lane, link, &mut credit, totals.frames)? {
+        if let Some(e) = wait_credit(opts, stop, lane, link, credits, totals.frames)? {
             return Ok(e);
         }
         let frame = match frame {
             Some(f) => f,
-            None => match wait_frame(stop, consumer, lane, link, &mut credit, totals.frames)? {
+            None => match wait_frame(stop, consumer, lane, link, credits, totals.frames)? {
                 Got::Frame(f) => f,
                 Got::End(e) => return Ok(e),
             },
         };
-        let Some((tindex, target)) = credit.take() else {
+        let Some((tindex, target)) = credits.queue.pop_front() else {
             continue; // not reached: `wait_credit` returned with a credit
         };
         let region = match place {
@@ -382,10 +417,13 @@ fn pump(
             len: frame.len() as u64,
             meta: frame.metadata().to_vec(),
         };
-        // The receiving bridge polls without a pause from now until the notification: a TCP
-        // transfer advances only while both ends poll. So does this end, for the whole WRITE.
-        link.send(&Msg::Posting { index: tindex })?;
-        lane.write(
+        // After an idle spell the receiving bridge may have stopped polling: announced, it polls
+        // without a pause from now until the notification (a TCP transfer advances only while
+        // both ends poll). WRITEs closer together go unannounced: it still polls after the last
+        // notification. This end polls for the whole WRITE.
+        // The announcement goes once the WRITE is posted, overlapping it.
+        let announce = last_write.is_none_or(|t| t.elapsed() > POSTING_AFTER);
+        lane.write_then(
             index,
             frame.len(),
             (tindex, target),
@@ -393,7 +431,15 @@ fn pump(
             note.encode().as_bytes(),
             opts.lane.write_timeout,
             opts.lane.write_timeout,
+            || {
+                if announce {
+                    link.send(&Msg::Posting { index: tindex })
+                } else {
+                    Ok(())
+                }
+            },
         )?;
+        last_write = Some(Instant::now());
         drop(frame);
         totals.frames += 1;
         if totals.frames == 1 || last_status.elapsed() > Duration::from_secs(1) {

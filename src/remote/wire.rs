@@ -14,8 +14,14 @@ use std::time::Duration;
 
 /// The first bytes of a lane's handshake.
 pub const MAGIC: [u8; 8] = *b"CIPCLANE";
-/// The control protocol's version; both ends must speak the same.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The control protocol's version; both ends must speak the same (2: several credits
+/// outstanding, [`Msg::Ready`] says how many).
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The most credits a receiving bridge may have outstanding ([`Msg::Ready`]'s `credits`).
+pub const MAX_CREDITS: u32 = crate::channel::MAX_BUFFERS as u32;
+/// A WRITE posted more than this after the last one is announced ([`Msg::Posting`]); the
+/// receiving bridge polls without a pause at least this long after each notification.
+pub const POSTING_AFTER: Duration = Duration::from_micros(500);
 /// The largest message in bytes (NIXL metadata of one agent is a few KiB).
 pub const MAX_MESSAGE: usize = 4 << 20;
 
@@ -148,6 +154,9 @@ pub enum Msg {
         agent: String,
         /// Bytes per far buffer.
         buffer_bytes: u64,
+        /// How many credits the receiver keeps outstanding at most (1 to [`MAX_CREDITS`]): far
+        /// buffers lent ahead of the frames, written in the order they were credited.
+        credits: u32,
         /// The receiver's NIXL metadata (`getLocalMD`).
         md: Vec<u8>,
     },
@@ -169,9 +178,11 @@ pub enum Msg {
     },
     /// Either way, every heartbeat period: the peer lives.
     Ping,
-    /// Sender → receiver: the WRITE into credited buffer `index` is being posted; the receiver
-    /// polls NIXL without a pause until its notification (a TCP transfer advances only while both
-    /// ends poll).
+    /// Sender → receiver: the WRITE into credited buffer `index` is being posted after the lane
+    /// was idle (no WRITE for over [`POSTING_AFTER`]); the receiver, which may have stopped
+    /// polling, polls NIXL without a pause until its notification (a TCP transfer advances only
+    /// while both ends poll). WRITEs that follow each other closer are not announced: the
+    /// receiver polls without a pause for at least [`POSTING_AFTER`] after each notification.
     Posting {
         /// The credited far buffer.
         index: u32,
@@ -265,11 +276,13 @@ impl Msg {
             Msg::Ready {
                 agent,
                 buffer_bytes,
+                credits,
                 md,
             } => {
                 b.push(5);
                 put_bytes(&mut b, agent.as_bytes());
                 b.extend_from_slice(&buffer_bytes.to_le_bytes());
+                b.extend_from_slice(&credits.to_le_bytes());
                 put_bytes(&mut b, md);
             }
             Msg::Credit {
@@ -348,6 +361,7 @@ impl Msg {
             5 => Msg::Ready {
                 agent: c.string()?,
                 buffer_bytes: c.u64()?,
+                credits: c.u32()?,
                 md: c.bytes()?,
             },
             6 => Msg::Credit {
@@ -435,9 +449,14 @@ pub struct FrameNote {
 impl FrameNote {
     /// The notification text.
     pub fn encode(&self) -> String {
-        let mut s = format!("cipc-lane 1 {} {} {} ", self.index, self.seq, self.len);
+        use std::fmt::Write as _;
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        // One allocation: the numbers are at most 20 digits each.
+        let mut s = String::with_capacity(80 + 2 * self.meta.len());
+        let _ = write!(s, "cipc-lane 1 {} {} {} ", self.index, self.seq, self.len);
         for b in &self.meta {
-            s.push_str(&format!("{b:02x}"));
+            s.push(char::from(HEX[usize::from(b >> 4)]));
+            s.push(char::from(HEX[usize::from(b & 15)]));
         }
         s
     }
@@ -500,6 +519,7 @@ mod tests {
             Msg::Ready {
                 agent: "b".into(),
                 buffer_bytes: 9,
+                credits: 2,
                 md: vec![1, 2, 3],
             },
             Msg::Credit {
