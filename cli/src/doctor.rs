@@ -362,8 +362,9 @@ fn mps_facts() -> MpsFacts {
         .ok()
         .filter(|d| !d.is_empty())
         .unwrap_or_else(|| "/tmp/nvidia-mps".to_string());
+    // A named pipe in older MPS daemons, a Unix socket in current ones (seen with driver 580).
     let control_pipe = std::fs::symlink_metadata(format!("{pipe_dir}/control"))
-        .is_ok_and(|m| m.file_type().is_fifo());
+        .is_ok_and(|m| m.file_type().is_fifo() || m.file_type().is_socket());
     let control_binary = std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
             .map(|d| d.join("nvidia-cuda-mps-control"))

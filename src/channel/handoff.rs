@@ -737,14 +737,7 @@ impl Control {
             }
             s.received
                 .store(s.received.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-            // A wrapping difference of two 32-bit µs clocks: right for latencies under 71 minutes.
-            let us = u64::from(monotonic_us32().wrapping_sub(b.publish_us.load(Ordering::Relaxed)));
-            let k = latency_bucket(us);
-            s.latency[k].store(s.latency[k].load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-            s.latency_sum_us.store(
-                s.latency_sum_us.load(Ordering::Relaxed).wrapping_add(us),
-                Ordering::Relaxed,
-            );
+            self.record_latency(c, b.publish_us.load(Ordering::Relaxed));
             // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
             // `min_lossless_cursor`.
             s.cursor.store(seq, Ordering::Release);
@@ -831,6 +824,23 @@ impl Control {
     pub(crate) fn release(&self, c: usize, i: usize) {
         self.buffer(i).words().release(1u64 << c);
         self.header().release_wake().bump();
+    }
+
+    /// Counts one hand-off of a frame published at `publish_us` (`CLOCK_MONOTONIC` µs, low 32
+    /// bits) in consumer `c`'s latency histogram: a clock read, the bucket, two stores. Only the
+    /// consumer of slot `c` calls it (the words have one writer: load and store, no RMW).
+    #[inline]
+    pub(crate) fn record_latency(&self, c: usize, publish_us: u32) {
+        let s = self.consumer(c);
+        // A wrapping difference of two 32-bit µs clocks: right for latencies under 71 minutes.
+        let us = u64::from(monotonic_us32().wrapping_sub(publish_us));
+        let k = latency_bucket(us);
+        // Relaxed: counters, read by inspection only.
+        s.latency[k].store(s.latency[k].load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        s.latency_sum_us.store(
+            s.latency_sum_us.load(Ordering::Relaxed).wrapping_add(us),
+            Ordering::Relaxed,
+        );
     }
 
     /// Consumer slot `c`'s latency histogram.

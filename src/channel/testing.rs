@@ -156,6 +156,18 @@ impl ControlConsumer {
     pub fn buffer_token(&self, i: usize) -> [u8; TOKEN_LEN] {
         self.control.buffer_token(i)
     }
+    /// Counts one hand-off of a frame published at `publish_us` (`CLOCK_MONOTONIC` µs, low 32 bits)
+    /// in this consumer's latency histogram, exactly as every take does: for the benchmark of its
+    /// cost (`bench/benches/handoff_cost.rs`).
+    #[inline]
+    pub fn record_latency(&self, publish_us: u32) {
+        self.control.record_latency(self.slot, publish_us)
+    }
+    /// `CLOCK_MONOTONIC` now, µs, low 32 bits: the clock the histogram's latencies are read with.
+    #[inline]
+    pub fn monotonic_us32() -> u32 {
+        super::handoff::monotonic_us32()
+    }
     /// Writes this consumer's release word for buffer `i` as its stream does after its reads of
     /// frame `seq`.
     pub fn set_released(&self, i: usize, seq: u64) {
