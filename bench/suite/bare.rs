@@ -179,10 +179,9 @@ impl Page {
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
         debug_assert!(off.is_multiple_of(4) && off + 4 <= PAGE_LEN);
-        // SAFETY: the mapping is page aligned and PAGE_LEN long, so `off` (a multiple of 4 below
-        // PAGE_LEN - 4) is an aligned 4-byte word inside it; every process (and the GPU, through
-        // the registration) accesses it atomically only; the reference lives no longer than
-        // `self`, which keeps the mapping.
+        // Every process (and the GPU, through the registration) accesses the word atomically only.
+        // SAFETY: the mapping is page aligned and PAGE_LEN long, so `off` (checked above) is an
+        // aligned 4-byte word inside it; the reference lives no longer than `self` (the mapping).
         unsafe { &*(self.ptr.add(off) as *const AtomicU32) }
     }
 

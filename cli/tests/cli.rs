@@ -6,7 +6,7 @@
 //! every segment name is unique to the test and the process, and removed at the end.
 
 mod common;
-use common::bin;
+use common::{bin, cuda_ipc};
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
@@ -23,13 +23,6 @@ use std::time::{Duration, Instant};
 /// `channel-orphan`, `channel-consumer-orphan`) and the segment it works on (`CUDA_IPC_CLI_TEST_NAME`).
 const ROLE: &str = "CUDA_IPC_CLI_TEST_ROLE";
 const NAME: &str = "CUDA_IPC_CLI_TEST_NAME";
-
-fn cuda_ipc(args: &[&str]) -> Output {
-    Command::new(bin())
-        .args(args)
-        .output()
-        .expect("run cuda-ipc")
-}
 
 fn text(o: &Output) -> String {
     format!(

@@ -4,19 +4,12 @@
 //! the ledgers meanwhile.
 
 mod common;
-use common::bin;
+use common::cuda_ipc;
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
-
-fn cuda_ipc(args: &[&str]) -> Output {
-    Command::new(bin())
-        .args(args)
-        .output()
-        .expect("run cuda-ipc")
-}
 
 fn text(o: &Output) -> String {
     format!(

@@ -4,7 +4,7 @@
 //! line output, hostile ledgers reported, and what is said without NVML.
 
 mod common;
-use common::bin;
+use common::{bin, cuda_ipc};
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
@@ -14,13 +14,6 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
-
-fn cuda_ipc(args: &[&str]) -> Output {
-    Command::new(bin())
-        .args(args)
-        .output()
-        .expect("run cuda-ipc")
-}
 
 fn text(o: &Output) -> String {
     format!(

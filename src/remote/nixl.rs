@@ -32,10 +32,9 @@ pub const NIXL_INSTALL: &str = "install NIXL (`pip install --no-deps nixl-cu13`)
 pub fn probe() -> Result<()> {
     static FOUND: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     let found = FOUND.get_or_init(|| {
-        // SAFETY: loading the library runs its initialisers; NIXL's C API library is what
-        // `nixl-sys` loads itself (the same name, the same search path) and has no initialiser
-        // with preconditions on the caller. The handle is kept open for the life of the process
-        // (leaked below) so nothing it registered is unloaded.
+        // The handle is kept open for the life of the process (leaked below): nothing it registered
+        // is unloaded. SAFETY: loading runs the library's initialisers; it is the library
+        // `nixl-sys` loads itself (same name and search path), whose initialisers need nothing.
         match unsafe { libloading::Library::new(NIXL_CAPI) } {
             Ok(lib) => {
                 std::mem::forget(lib);

@@ -489,10 +489,9 @@ fn pump(
             // readers are done with it (on their GPUs too).
             let frame = w.lend()?;
             let index = frame.index() as u32;
-            // SAFETY: the region is a buffer of the producer's pool, mapped until the producer is
-            // dropped, which happens after the lane (`serve` drops the lane first); the far peer
-            // writes it only while this bridge has it lent (a credit names one lent buffer), and
-            // consumers read it only after it is published.
+            // The far peer writes it only while lent (a credit names one lent buffer); consumers
+            // read it only once published. SAFETY: a buffer of the producer's pool, mapped until
+            // the producer drops, after the lane (`serve` drops the lane first).
             let fresh = unsafe { lane.register(index, region)? };
             let md = if fresh { lane.local_md()? } else { Vec::new() };
             let (kind, device) = opts.place.code();

@@ -390,10 +390,9 @@ fn pump(
             },
         };
         let index = frame.index() as u32;
-        // SAFETY: the region is the frame's buffer in the consumer's mapping (host pool or import),
-        // which the consumer keeps until it is dropped, after the lane (a `serve` local); the
-        // channel protocol keeps the producer off the buffer while the frame is held, and the
-        // WRITE completes before the frame is dropped.
+        // The producer stays off the buffer while the frame is held; the WRITE ends before the drop.
+        // SAFETY: the frame's buffer in the consumer's mapping (host pool or import), kept until
+        // the consumer drops, after the lane (a `serve` local).
         unsafe { lane.register(index, region) }.map_err(|e| match (place, e) {
             // The source of a device lane is an import of the near producer's pool: say so, as
             // UCX may refuse to register some kinds of imported memory.

@@ -1,6 +1,8 @@
 //! What the command line's test binaries share.
+#![allow(dead_code)] // Each test binary uses a part of it.
 
 use std::path::PathBuf;
+use std::process::{Command, Output};
 
 /// The `cuda-ipc` binary: the one Cargo built for these tests; elsewhere (a copied bundle) the
 /// `cuda-ipc` beside this test binary's folder, or `CUDA_IPC_BIN`.
@@ -24,4 +26,12 @@ pub fn bin() -> PathBuf {
             built.display()
         ),
     }
+}
+
+/// Runs `cuda-ipc ARGS` to its end.
+pub fn cuda_ipc(args: &[&str]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("run cuda-ipc")
 }
