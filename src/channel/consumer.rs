@@ -267,6 +267,7 @@ impl Consumer {
             index: i,
             seq,
             metadata,
+            host_ordered: false,
         };
         let (Some(ready), Some(gpu)) = (&self.ready, &self.gpu) else {
             // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
@@ -295,6 +296,86 @@ impl Consumer {
     /// Counters of the channel and its consumers.
     pub fn stats(&self) -> ChannelStats {
         self.control.stats()
+    }
+
+    /// Waits up to `timeout` for the next frame, as [`Consumer::recv_timeout`] (`Duration::ZERO`:
+    /// only one published already), then up to `bytes` for its bytes, ordered on the
+    /// host instead of the consumer's stream (crate-private: the remote lane's sending bridge,
+    /// whose reader of the frame is a NIXL transfer that no stream orders). On a GPU channel the
+    /// calling thread waits until the buffer's ready word shows the frame (the producer's stream
+    /// wrote it after its work on the buffer, with a memory barrier), and dropping the frame
+    /// writes its release word from the host: the caller must have finished every read of the
+    /// buffer, on the GPU too, before it drops the frame. Nothing is enqueued on the consumer's
+    /// stream, and the frame's [`Frame::release_after`] does not order the release.
+    ///
+    /// # Errors
+    /// As [`Consumer::recv_timeout`]; [`Error::ProducerGone`] when the producer died before its
+    /// stream finished the frame (the gate was closed for it: the bytes may be partial);
+    /// [`Error::Timeout`] also when the frame was taken but its bytes were not ready within
+    /// `bytes` (the frame is released).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn recv_host_ordered(
+        &self,
+        timeout: Duration,
+        bytes: Duration,
+    ) -> Result<Frame<'_>> {
+        let (i, seq, metadata) = match self.control.take(self.slot, self.wait, Some(timeout)) {
+            Ok(Some(x)) => x,
+            Ok(None) => {
+                return Err(Error::Timeout {
+                    what: "a frame",
+                    after: timeout,
+                });
+            }
+            Err(e) => return Err(self.on_error(e)),
+        };
+        self.control.took();
+        // Dropped on an error below: releases the hold (from the host).
+        let frame = Frame {
+            consumer: self,
+            index: i,
+            seq,
+            metadata,
+            host_ordered: true,
+        };
+        if self.gpu.is_none() {
+            // A host channel: the Acquire load of the buffer's seq in `try_take` ordered the
+            // producer's writes before this frame's reads.
+            return Ok(frame);
+        }
+        let start = Instant::now();
+        let mut naps = 0u32;
+        loop {
+            let word = self.control.ready_value(i);
+            if (word.wrapping_sub(seq as u32) as i32) >= 0 {
+                // A word raised past the frame by a gate closed for a dead producer says nothing
+                // of the bytes; a closed channel's gate is raised after the producer's stream
+                // drained (every frame's word was written for real first).
+                let (state, end) = self.control.gate();
+                if state == layout::GateState::ProducerGone.to_wire()
+                    && word == end.wrapping_add(layout::GATE_HORIZON)
+                {
+                    let pid = self.control.producer().pid;
+                    return Err(Error::ProducerGone { pid });
+                }
+                return Ok(frame);
+            }
+            if start.elapsed() >= bytes {
+                return Err(Error::Timeout {
+                    what: "a frame's bytes (its ready word)",
+                    after: start.elapsed(),
+                });
+            }
+            // The producer's work on the frame is usually microseconds: spin briefly, then nap
+            // (20 us, growing to 200 us). A dead producer's gate is closed by this consumer's
+            // watchdog within about 20 ms, which ends the wait.
+            if start.elapsed() < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else {
+                naps = naps.saturating_add(1);
+                std::thread::sleep(Duration::from_micros(u64::from(naps.min(10)) * 20));
+            }
+        }
     }
 
     /// Marks this consumer as a bridge sending its frames to another host (its slot's `transport`
@@ -485,6 +566,8 @@ pub struct Frame<'a> {
     seq: u64,
     /// Inline: a frame allocates nothing.
     metadata: Metadata,
+    /// Taken by [`Consumer::recv_host_ordered`]: its release word is written from the host.
+    host_ordered: bool,
 }
 
 impl std::fmt::Debug for Frame<'_> {
@@ -662,7 +745,10 @@ impl Frame<'_> {
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
         let c = self.consumer;
-        if let (Some(gpu), Some(ready)) = (&c.gpu, &c.ready) {
+        if self.host_ordered && c.gpu.is_some() {
+            // Every read of the buffer finished before the drop (the caller's obligation).
+            c.control.set_released(c.slot, self.index, self.seq);
+        } else if let (Some(gpu), Some(ready)) = (&c.gpu, &c.ready) {
             let word = ready.device_ptr + layout::release_word_offset(c.slot, self.index) as u64;
             // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
             // buffers), which stay registered until its stream has drained (Drop of Consumer).

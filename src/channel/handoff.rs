@@ -384,9 +384,11 @@ impl Control {
         raise(self.ready_word(i), seq as u32);
     }
 
-    /// The ready word of buffer `i` as it is now (for tests and tools).
+    /// The ready word of buffer `i` as it is now (for host-ordered takes, tests and tools).
     pub(crate) fn ready_value(&self, i: usize) -> u32 {
-        // SYNC POINT: ready word. Acquire: pairs with `raise` (`set_ready`, `close_gate`).
+        // SYNC POINT: ready word. Acquire: pairs with `raise` (`set_ready`, `close_gate`) and
+        // the producer stream's `cuStreamWriteValue32` (whose write follows the stream's writes
+        // of the buffer, behind a memory barrier).
         self.ready_word(i).load(Ordering::Acquire)
     }
 

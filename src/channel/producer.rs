@@ -127,6 +127,11 @@ pub struct Producer {
     wait: WaitStrategy,
     memory: MemoryKind,
     closed: bool,
+    /// Whether frames were handed out for stream-ordered writing ([`Producer::acquire`]) since
+    /// the stream was last synchronised: [`Producer::lend`] synchronises it first, so that
+    /// nothing the stream still has to do (a ready word's write, a user's kernel on an abandoned
+    /// frame) lands on a lent buffer.
+    stream_used: bool,
     /// The pool's bytes held from a shared budget ([`ChannelOptions::quota`]); last, so they
     /// return after the pool is freed.
     _quota: Option<Reservation>,
@@ -247,6 +252,7 @@ impl Producer {
             wait: opts.wait,
             memory: MemoryKind::Host,
             closed: false,
+            stream_used: false,
             _quota: quota,
         })
     }
@@ -316,6 +322,7 @@ impl Producer {
             wait: opts.wait,
             memory: kind,
             closed: false,
+            stream_used: false,
             _quota: quota,
         })
     }
@@ -394,6 +401,7 @@ impl Producer {
         // A host channel has no streams to order: the consumers' reads happen before this write
         // through their hold_mask clear, which `try_acquire` saw (docs/ARCHITECTURE.md).
         if let (Some(gpu), Some(ready)) = (&self.gpu, &self.ready) {
+            self.stream_used = true;
             let mut bits = claim.used;
             while bits != 0 {
                 let c = bits.trailing_zeros() as usize;
@@ -418,15 +426,74 @@ impl Producer {
             producer: self,
             index: i,
             done: false,
+            lent: false,
         })
     }
 
-    /// Turns a buffer lent by [`WriteFrame::lend`] back into a [`WriteFrame`] of this producer, to
-    /// publish it (or drop it to give it back unpublished).
+    /// Takes a free buffer to lend out without the borrow of the producer, so that several can be
+    /// out at once (crate-private: the remote lane's receiving bridge lends a few far buffers to
+    /// the sending bridge ahead of the frames, which another process then writes over NIXL,
+    /// outside any stream). Waits as [`Producer::acquire`] for a buffer (`Some(Duration::ZERO)`:
+    /// only if one is free now); `Ok(None)` when none freed up in time.
+    ///
+    /// No stream is involved, at either end of the loan: the readers that last held the buffer
+    /// may still be reading it on their GPUs, which [`LentFrame::is_free`] checks on the host
+    /// (their release words; a reader that died has its words raised by the producer's watchdog
+    /// within about 20 ms): the buffer is lent to a writer only once it says so. A resumed frame
+    /// is published from the host ([`Producer::resume`]). If frames were handed out for writing
+    /// on the producer's stream since it was last synchronised, it is synchronised first
+    /// (`cuStreamSynchronize`), so that nothing enqueued there lands on a lent buffer.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuStreamSynchronize` (nothing is lent).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn lend(&mut self, timeout: Option<Duration>) -> Result<Option<LentFrame>> {
+        if self.stream_used {
+            self.gpu().stream.synchronize()?;
+            self.stream_used = false;
+        }
+        let claim = if timeout == Some(Duration::ZERO) {
+            self.control.try_acquire()
+        } else {
+            self.control.acquire(self.wait, timeout)?
+        };
+        let Some(claim) = claim else { return Ok(None) };
+        // A host channel's readers finished before `try_acquire` saw their holds cleared; a GPU
+        // channel's may still read on their streams.
+        let pending = if self.gpu.is_some() { claim.used } else { 0 };
+        let mut lent = LentFrame {
+            control: self.control.clone(),
+            index: claim.index,
+            old_seq: claim.old_seq,
+            pending,
+            armed: true,
+        };
+        lent.is_free();
+        Ok(Some(lent))
+    }
+
+    /// The address and length in bytes of pool buffer `index` in this process: the host pool's
+    /// mapping, or the device buffer's `CUdeviceptr` (for registering a lent buffer with NIXL).
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn buffer_address(&self, index: usize) -> (u64, usize) {
+        let len = self.control.buffer_bytes() as usize;
+        match (&self.host, &self.gpu) {
+            (Some(pool), _) => (pool.ptr(index) as u64, len),
+            (None, Some(gpu)) => (gpu.buffers[index].device_ptr(), len),
+            (None, None) => (0, 0),
+        }
+    }
+
+    /// Turns a buffer lent by [`Producer::lend`] back into a [`WriteFrame`] of this producer, to
+    /// publish it (or drop it to give it back unpublished). Its publish writes the ready word
+    /// from the host (`WriteFrame::publish`): the bytes must be complete when it is called (the
+    /// far WRITE completed), and nothing enqueued on the producer's stream may write them.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `lent` came from another producer (it is given back to
-    /// that one's channel, unpublished).
+    /// that one's channel, unpublished), or when its last readers have not finished with it
+    /// ([`LentFrame::is_free`]: it should not have been written; it is given back, its readers
+    /// still to be waited for).
     #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     pub(crate) fn resume(&mut self, mut lent: LentFrame) -> Result<WriteFrame<'_>> {
         if !Arc::ptr_eq(&lent.control, &self.control) {
@@ -435,11 +502,18 @@ impl Producer {
                 lent.index, self.name
             )));
         }
+        if !lent.is_free() {
+            return Err(Error::InvalidArgument(format!(
+                "buffer {} of channel {} was resumed while its last readers still read it",
+                lent.index, self.name
+            )));
+        }
         lent.armed = false;
         Ok(WriteFrame {
             producer: self,
             index: lent.index,
             done: false,
+            lent: true,
         })
     }
 
@@ -536,6 +610,9 @@ pub struct WriteFrame<'a> {
     producer: &'a mut Producer,
     index: usize,
     done: bool,
+    /// Resumed from a loan ([`Producer::resume`]): written outside any stream, published from
+    /// the host.
+    lent: bool,
 }
 
 impl WriteFrame<'_> {
@@ -700,8 +777,9 @@ impl WriteFrame<'_> {
 
     /// Publishes the frame with `metadata` (at most [`META_BYTES`] bytes) and wakes waiting
     /// consumers. On a host channel that is all: the writes made through the frame so far are
-    /// visible to every consumer that receives it. On a GPU channel it then enqueues on the producer's stream, after the work enqueued so far, the write
-    /// of the buffer's ready word (`cuStreamWriteValue32`) that consumers' streams wait for.
+    /// visible to every consumer that receives it. On a GPU channel it then enqueues on the
+    /// producer's stream, after the work enqueued so far, the write of the buffer's ready word
+    /// (`cuStreamWriteValue32`) that consumers' streams wait for.
     /// Returns its sequence number (1, 2, ...).
     ///
     /// # Errors
@@ -724,6 +802,12 @@ impl WriteFrame<'_> {
             self.done = true;
             return Ok(seq);
         };
+        if self.lent {
+            // Written outside any stream and complete by now: ready from the host.
+            p.control.set_ready(self.index, seq);
+            self.done = true;
+            return Ok(seq);
+        }
         let word = ready.device_ptr + layout::ready_word_offset(self.index) as u64;
         // SAFETY: the word lies in the registered ready page (index < buffers), which stays
         // registered and mapped until the producer's stream has drained (Drop order of Producer).
@@ -748,40 +832,7 @@ impl Drop for WriteFrame<'_> {
     }
 }
 
-impl WriteFrame<'_> {
-    /// Lends the buffer out without the borrow of the producer, so that the producer can lend more
-    /// buffers at once (crate-private: the remote lane's receiving bridge lends a few far buffers
-    /// to the sending bridge ahead of the frames, which another process then writes over NIXL).
-    /// [`Producer::resume`] turns it back into a frame to publish; a [`LentFrame`] dropped
-    /// unresumed gives the buffer back unpublished, as dropping the frame does. Buffers lent at
-    /// once are published in the order [`Producer::resume`] + [`WriteFrame::publish`] are called;
-    /// sequence numbers follow that order.
-    ///
-    /// On a GPU channel whose buffer readers may still be reading on their GPUs (the producer's
-    /// stream waits for their release words), the calling thread waits for the producer's stream
-    /// first (`cuStreamSynchronize`): the buffer is written by something the stream does not
-    /// order (another process's transfer), so it must be free when this returns. A reader that
-    /// died has its words raised by the producer's watchdog within about 20 ms, which ends that
-    /// wait.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`] naming `cuStreamSynchronize` (the buffer is given back unpublished).
-    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
-    pub(crate) fn lend(mut self) -> Result<LentFrame> {
-        if let Some(gpu) = self.producer.gpu.as_ref() {
-            // Dropping `self` on error gives the buffer back.
-            gpu.stream.synchronize()?;
-        }
-        self.done = true;
-        Ok(LentFrame {
-            control: self.producer.control.clone(),
-            index: self.index,
-            armed: true,
-        })
-    }
-}
-
-/// A buffer taken for writing that does not borrow its producer ([`WriteFrame::lend`]): several
+/// A buffer taken for writing that does not borrow its producer ([`Producer::lend`]): several
 /// can be out at once. Crate-private; [`Producer::resume`] makes it a [`WriteFrame`] again, and
 /// dropping it unresumed gives the buffer back unpublished.
 #[cfg_attr(not(feature = "remote"), allow(dead_code))]
@@ -789,6 +840,10 @@ pub(crate) struct LentFrame {
     /// The lending producer's control segment (kept mapped while the buffer is lent).
     control: Arc<Control>,
     index: usize,
+    /// The frame the buffer held before: the one its last readers' release words must reach.
+    old_seq: u64,
+    /// Consumer slots whose release words for that frame were not yet seen (bit per slot).
+    pending: u64,
     /// False once resumed (the frame it became gives the buffer back or publishes it).
     armed: bool,
 }
@@ -798,6 +853,21 @@ impl LentFrame {
     /// The buffer's index in the pool.
     pub(crate) fn index(&self) -> usize {
         self.index
+    }
+
+    /// Whether the buffer's last readers finished with it, on their GPUs too (their release
+    /// words, read on the host; a dead reader's are raised by the producer's watchdog, a
+    /// detached one's when its slot was freed): until then nothing may write it.
+    pub(crate) fn is_free(&mut self) -> bool {
+        let mut bits = self.pending;
+        while bits != 0 {
+            let c = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if self.control.released(c, self.index, self.old_seq) {
+                self.pending &= !(1 << c);
+            }
+        }
+        self.pending == 0
     }
 }
 
@@ -812,6 +882,10 @@ impl std::fmt::Debug for LentFrame {
 impl Drop for LentFrame {
     fn drop(&mut self) {
         if self.armed {
+            // The readers not yet seen done are waited for by whoever takes the buffer next.
+            if self.pending != 0 {
+                self.control.restore_used(self.index, self.pending);
+            }
             self.control.abandon(self.index);
         }
     }
@@ -827,9 +901,9 @@ mod tests {
         let ch = format!("lent-unit-{}", std::process::id());
         let mut tx = Producer::create_host(&ch, &ChannelOptions::new(64).buffers(4)).unwrap();
         let rx = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
-        let a = tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
-        let b = tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
-        let c = tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
+        let a = tx.lend(Some(Duration::ZERO)).unwrap().unwrap();
+        let b = tx.lend(Some(Duration::ZERO)).unwrap().unwrap();
+        let c = tx.lend(Some(Duration::ZERO)).unwrap().unwrap();
         assert_ne!(a.index(), b.index());
         assert_ne!(b.index(), c.index());
         assert_ne!(a.index(), c.index());
@@ -851,7 +925,7 @@ mod tests {
         drop(f);
         // Every buffer is free again: four acquires in a row succeed.
         let lent: Vec<LentFrame> = (0..4)
-            .map(|_| tx.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap())
+            .map(|_| tx.lend(Some(Duration::ZERO)).unwrap().unwrap())
             .collect();
         assert!(tx.try_acquire().unwrap().is_none());
         drop(lent);
@@ -859,7 +933,7 @@ mod tests {
         // A buffer lent by another producer is refused, and goes back to its own channel.
         let ch2 = format!("lent-unit-other-{}", std::process::id());
         let mut other = Producer::create_host(&ch2, &ChannelOptions::new(64).buffers(1)).unwrap();
-        let foreign = other.acquire(Some(Duration::ZERO)).unwrap().lend().unwrap();
+        let foreign = other.lend(Some(Duration::ZERO)).unwrap().unwrap();
         assert!(matches!(tx.resume(foreign), Err(Error::InvalidArgument(_))));
         assert!(other.try_acquire().unwrap().is_some());
     }

@@ -125,6 +125,21 @@ impl NixlDescriptor for Region {
     }
 }
 
+/// A WRITE posted by [`Lane::post`]; [`Lane::poll`] says when it completed.
+#[derive(Debug)]
+pub struct Write {
+    pair: (u32, u32),
+    start: Instant,
+    done: bool,
+}
+
+impl Write {
+    /// When it was posted.
+    pub fn posted_at(&self) -> Instant {
+        self.start
+    }
+}
+
 /// A registered region of the far agent, the target of WRITEs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Target {
@@ -149,7 +164,13 @@ fn nixl(call: &'static str) -> impl Fn(NixlError) -> Error {
 /// One NIXL agent with a UCX backend, the regions it registered and the transfers it prepared.
 pub struct Lane {
     // Drop order: transfer requests before the registrations, those before the agent.
-    requests: HashMap<(u32, u32), XferRequest>,
+    /// Prepared WRITEs by (local key, far key), with the length they were made for.
+    requests: HashMap<(u32, u32), (XferRequest, usize)>,
+    /// The pairs whose WRITE was posted and not yet seen complete (their requests are neither
+    /// posted again nor dropped meanwhile).
+    in_flight: Vec<(u32, u32)>,
+    /// Pairs in flight when the prepared WRITEs were dropped: dropped when they complete.
+    stale: Vec<(u32, u32)>,
     registered: HashMap<u32, (Region, RegistrationHandle)>,
     notifs: NotificationMap,
     /// The WRITEs' optional arguments (the backend, "with a notification"), made once; each
@@ -205,6 +226,8 @@ impl Lane {
             .map_err(nixl("nixl_capi_opt_args_set_has_notif"))?;
         Ok(Lane {
             requests: HashMap::new(),
+            in_flight: Vec::new(),
+            stale: Vec::new(),
             registered: HashMap::new(),
             notifs,
             args,
@@ -235,6 +258,11 @@ impl Lane {
         {
             return Ok(false);
         }
+        if self.in_flight.iter().any(|(l, _)| *l == key) {
+            return Err(Error::InvalidArgument(format!(
+                "region {key} is read by a WRITE still in flight"
+            )));
+        }
         self.requests.retain(|(l, _), _| *l != key);
         self.registered.remove(&key);
         let h = self
@@ -264,16 +292,24 @@ impl Lane {
     /// or bytes that are not metadata).
     pub fn load_remote(&mut self, md: &[u8]) -> Result<String> {
         // Prepared transfers name the far registrations as they were.
-        self.requests.clear();
+        self.drop_requests();
         self.agent
             .load_remote_md(md)
             .map_err(nixl("nixl_capi_load_remote_md"))
     }
 
+    /// Drops the prepared WRITEs, but those in flight: they are dropped once they complete
+    /// ([`Lane::poll`]), or with the lane.
+    fn drop_requests(&mut self) {
+        let in_flight = &self.in_flight;
+        self.requests.retain(|pair, _| in_flight.contains(pair));
+        self.stale.extend(self.requests.keys().copied());
+    }
+
     /// Drops what is known of agent `remote` (`invalidateRemoteMD`); errors are logged, as this
     /// is called when the link is gone.
     pub fn forget_remote(&mut self, remote: &str) {
-        self.requests.clear();
+        self.drop_requests();
         if let Err(e) = self.agent.invalidate_remote_md(remote) {
             tracing::debug!("invalidating {remote}'s NIXL metadata: {e}");
         }
@@ -332,6 +368,34 @@ impl Lane {
         spin: Duration,
         posted: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        let mut w = self.post(key, len, (tkey, target), remote, notif)?;
+        let told = posted();
+        let mut naps = 0u32;
+        while !self.poll(&mut w, timeout)? {
+            pause(w.start, spin, &mut naps);
+        }
+        told
+    }
+
+    /// Posts a WRITE (`createXferReq` once per pair of regions, then `postXferReq`) of the first
+    /// `len` bytes of local region `key` to far region `target` (key `tkey`) of agent `remote`,
+    /// with notification `notif` (NIXL copies it) delivered to the far agent once the data is
+    /// there, and returns without waiting: [`Lane::poll`] says when it completed. Several WRITEs
+    /// may be in flight at once, each between its own pair of regions; the far agent receives
+    /// their notifications in the order they were posted.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `key` is not registered, `len` exceeds either region, or a
+    /// WRITE between the same two regions is still in flight; [`RemoteError::Nixl`] from creating
+    /// or posting the transfer.
+    pub fn post(
+        &mut self,
+        key: u32,
+        len: usize,
+        (tkey, target): (u32, Target),
+        remote: &str,
+        notif: &[u8],
+    ) -> Result<Write> {
         let Some((region, _)) = self.registered.get(&key) else {
             return Err(Error::InvalidArgument(format!(
                 "region {key} is not registered"
@@ -341,6 +405,11 @@ impl Lane {
             return Err(Error::InvalidArgument(format!(
                 "a write of {len} bytes from a region of {} bytes to one of {} bytes",
                 region.len, target.len
+            )));
+        }
+        if self.in_flight.contains(&(key, tkey)) {
+            return Err(Error::InvalidArgument(format!(
+                "a WRITE from region {key} to far region {tkey} is still in flight"
             )));
         }
         let region = *region;
@@ -360,39 +429,66 @@ impl Lane {
                 .agent
                 .create_xfer_req(XferOp::Write, &local, &far, remote, Some(args))
                 .map_err(nixl("nixl_capi_create_xfer_req(WRITE)"))?;
-            self.requests.insert((key, tkey), req);
+            self.requests.insert((key, tkey), (req, len));
         }
-        let Some(req) = self.requests.get(&(key, tkey)) else {
+        let Some((req, prepared)) = self.requests.get(&(key, tkey)) else {
             return Err(Error::InvalidArgument("no transfer request".into()));
         };
+        if *prepared != len {
+            // Prepared for another length: made again for this one.
+            self.requests.remove(&(key, tkey));
+            return self.post(key, len, (tkey, target), remote, notif);
+        }
         let start = Instant::now();
-        let mut in_progress = self
+        let in_progress = self
             .agent
             .post_xfer_req(req, Some(args))
             .map_err(nixl("nixl_capi_post_xfer_req"))?;
-        let told = posted();
-        let mut naps = 0u32;
-        while in_progress {
-            match self
-                .agent
-                .get_xfer_status(req)
-                .map_err(nixl("nixl_capi_get_xfer_status"))?
-            {
-                XferStatus::Success => in_progress = false,
-                XferStatus::InProgress => {
-                    if start.elapsed() > timeout {
-                        // The request stays in flight inside NIXL; it is dropped with the lane.
-                        self.requests.remove(&(key, tkey));
-                        return Err(Error::Timeout {
-                            what: "a NIXL WRITE to complete",
-                            after: start.elapsed(),
-                        });
-                    }
-                    pause(start, spin, &mut naps);
-                }
-            }
+        if in_progress {
+            self.in_flight.push((key, tkey));
         }
-        told
+        Ok(Write {
+            pair: (key, tkey),
+            start,
+            done: !in_progress,
+        })
+    }
+
+    /// Whether WRITE `w` ([`Lane::post`]) completed (`getXferStatus`, which also drives UCX's
+    /// progress: a TCP transfer advances only while it is polled). Once it returns `true` the
+    /// source region may be reused.
+    ///
+    /// # Errors
+    /// [`RemoteError::Nixl`] from `nixl_capi_get_xfer_status`; [`Error::Timeout`] when it has
+    /// been in flight longer than `timeout` (the request stays in flight inside NIXL and is
+    /// dropped with the lane; its regions take no other WRITE).
+    pub fn poll(&mut self, w: &mut Write, timeout: Duration) -> Result<bool> {
+        if w.done {
+            return Ok(true);
+        }
+        let Some((req, _)) = self.requests.get(&w.pair) else {
+            return Err(Error::InvalidArgument("no transfer request".into()));
+        };
+        match self
+            .agent
+            .get_xfer_status(req)
+            .map_err(nixl("nixl_capi_get_xfer_status"))?
+        {
+            XferStatus::Success => {
+                w.done = true;
+                self.in_flight.retain(|p| *p != w.pair);
+                if self.stale.contains(&w.pair) {
+                    self.stale.retain(|p| *p != w.pair);
+                    self.requests.remove(&w.pair);
+                }
+                Ok(true)
+            }
+            XferStatus::InProgress if w.start.elapsed() > timeout => Err(Error::Timeout {
+                what: "a NIXL WRITE to complete",
+                after: w.start.elapsed(),
+            }),
+            XferStatus::InProgress => Ok(false),
+        }
     }
 
     /// Takes the notifications that arrived from any agent (`getNotifs`), as (agent, text). The

@@ -8,7 +8,7 @@ use super::send::unexpected;
 use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
 use super::{LaneOptions, RemoteError};
 use crate::channel::{ChannelOptions, LentFrame, Producer};
-use crate::driver::{Context, Device, DeviceMemory as _};
+use crate::driver::{Context, Device};
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::net::{TcpListener, TcpStream};
@@ -321,6 +321,9 @@ enum Outcome {
 struct Credited {
     frame: LentFrame,
     region: Region,
+    /// Its WRITE's notification, once it came (it is published once every buffer credited
+    /// before it is).
+    note: Option<FrameNote>,
 }
 
 /// What the pump knows of the sending bridge's WRITEs and of the session's end.
@@ -378,6 +381,9 @@ fn pump(
     // Credited far buffers, oldest first: the sender writes them in this order. Dropped on
     // return, they go back to the far pool unpublished.
     let mut lent: VecDeque<Credited> = VecDeque::with_capacity(credits);
+    // Far buffers taken to lend whose last readers may still read them on their GPUs, oldest
+    // first: credited once free.
+    let mut freeing: VecDeque<LentFrame> = VecDeque::with_capacity(credits);
     let hot_for = opts.lane.spin.max(2 * wire::POSTING_AFTER);
     let mut flow = Flow {
         posted: None,
@@ -405,33 +411,46 @@ fn pump(
                 RemoteError::Protocol("the last frame's notification never came".into()).into(),
             );
         }
-        // 2. Notifications, in the order the buffers were credited.
+        // 2. Notifications. WRITEs in flight at once may complete, and so notify, in any
+        // order; the frames are published in the order their buffers were credited (the order
+        // the sender wrote them in, its frames' order).
         if !lent.is_empty() {
             for (_, text) in lane.take_notifications()? {
                 let n = FrameNote::decode(&text)?;
-                let Some(c) = lent.pop_front() else {
-                    return Err(RemoteError::Protocol(
-                        "a frame's notification with no credit outstanding".into(),
-                    )
+                let Some(c) = lent
+                    .iter_mut()
+                    .find(|c| c.note.is_none() && c.frame.index() == n.index as usize)
+                else {
+                    return Err(RemoteError::Protocol(format!(
+                        "a frame's notification for buffer {}, which is not credited",
+                        n.index
+                    ))
                     .into());
                 };
-                if n.index as usize != c.frame.index() || n.len > c.region.len as u64 {
+                if n.len > c.region.len as u64 {
                     return Err(RemoteError::Protocol(format!(
-                        "a frame of {} bytes for buffer {} where buffer {} of {} bytes was \
-                         credited first",
-                        n.len,
-                        n.index,
-                        c.frame.index(),
-                        c.region.len
+                        "a frame of {} bytes for buffer {} of {} bytes",
+                        n.len, n.index, c.region.len
                     ))
                     .into());
                 }
-                producer.resume(c.frame)?.publish(&n.meta)?;
-                *frames += 1;
-                session += 1;
+                c.note = Some(n);
                 flow.posted = None;
                 flow.hot = Instant::now();
                 naps = 0;
+            }
+            while lent.front().is_some_and(|c| c.note.is_some()) {
+                let Some(Credited {
+                    frame,
+                    note: Some(n),
+                    ..
+                }) = lent.pop_front()
+                else {
+                    break;
+                };
+                producer.resume(frame)?.publish(&n.meta)?;
+                *frames += 1;
+                session += 1;
                 if let Some((_, sent, _)) = &flow.ending
                     && session >= *sent
                     && let Some((o, _, _)) = flow.ending.take()
@@ -457,41 +476,38 @@ fn pump(
             ))
             .into());
         }
-        // 3. Credits: free far buffers lent ahead, up to `credits`. With none outstanding, wait
-        // for one (the far consumers hold every buffer: back-pressure), bounded so that control
-        // messages are read meanwhile.
-        while flow.ending.is_none() && lent.len() < credits {
-            let w = if lent.is_empty() {
-                match producer.acquire(Some(Duration::from_millis(50))) {
-                    Ok(w) => w,
-                    Err(Error::Timeout { .. }) => break,
-                    Err(e) => return Err(e),
-                }
+        // 3. Credits: far buffers lent ahead, up to `credits`. A buffer is taken (`lend`) and
+        // credited once its last readers finished with it on their GPUs (its release words,
+        // read on the host: no stream is synchronised). With none taken, wait for one (the far
+        // consumers hold every buffer: back-pressure), bounded so that control messages are
+        // read meanwhile.
+        while flow.ending.is_none() && lent.len() + freeing.len() < credits {
+            let wait = if lent.is_empty() && freeing.is_empty() {
+                Duration::from_millis(50)
             } else {
-                match producer.try_acquire()? {
-                    Some(w) => w,
-                    None => break,
-                }
+                Duration::ZERO
             };
-            let region = match opts.place {
-                Place::Host => Region {
-                    addr: w.as_mut_ptr() as u64,
-                    len: w.len(),
-                    place: opts.place,
-                },
-                Place::Device(_) => Region {
-                    addr: w.buffer().device_ptr(),
-                    len: w.len(),
-                    place: opts.place,
-                },
+            match producer.lend(Some(wait))? {
+                Some(l) => freeing.push_back(l),
+                None => break,
+            }
+        }
+        // Credited in the order taken (the order they are published in).
+        while flow.ending.is_none() && freeing.front_mut().is_some_and(|l| l.is_free()) {
+            let Some(frame) = freeing.pop_front() else {
+                break;
             };
-            // The far peer writes it from now on, outside any stream: lent only once its last
-            // readers are done with it (on their GPUs too).
-            let frame = w.lend()?;
             let index = frame.index() as u32;
-            // The far peer writes it only while lent (a credit names one lent buffer); consumers
-            // read it only once published. SAFETY: a buffer of the producer's pool, mapped until
-            // the producer drops, after the lane (`serve` drops the lane first).
+            let (addr, len) = producer.buffer_address(frame.index());
+            let region = Region {
+                addr,
+                len,
+                place: opts.place,
+            };
+            // The far peer writes it only while lent (a credit names one lent buffer, free of
+            // readers); consumers read it only once published. SAFETY: a buffer of the
+            // producer's pool, mapped until the producer drops, after the lane (`serve` drops
+            // the lane first).
             let fresh = unsafe { lane.register(index, region)? };
             let md = if fresh { lane.local_md()? } else { Vec::new() };
             let (kind, device) = opts.place.code();
@@ -503,15 +519,19 @@ fn pump(
                 device,
                 md,
             })?;
-            lent.push_back(Credited { frame, region });
+            lent.push_back(Credited {
+                frame,
+                region,
+                note: None,
+            });
             flow.hot = Instant::now();
         }
         // 4. Pace the polls: without a pause while a WRITE was announced or the lane was busy
         // lately (UCX's TCP transport moves data only while both ends poll); then waiting on the
         // control connection (an announced WRITE ends the wait at once), up to a nap that grows
         // from 50 us to 1 ms, so that an idle lane costs no core.
-        if lent.is_empty() {
-            continue; // the acquire above waited
+        if lent.is_empty() && freeing.is_empty() {
+            continue; // the lend above waited
         }
         let posted = flow
             .posted

@@ -2,7 +2,7 @@
 //! frame it receives into a far buffer the receiving bridge credited.
 
 use super::link::Link;
-use super::nixl::{Lane, Place, Region, Target};
+use super::nixl::{Lane, Place, Region, Target, Write};
 use super::report::{self, Role, Status};
 use super::wire::{self, FrameNote, MAX_CREDITS, Msg, POSTING_AFTER, PROTOCOL_VERSION, Secret};
 use super::{LaneOptions, RemoteError};
@@ -266,73 +266,183 @@ fn take_credit(m: Msg, lane: &mut Lane, credits: &mut Credits) -> Result<()> {
     }
 }
 
-/// Waits for the next near frame (credits that arrive meanwhile are kept); for a device frame,
-/// also for its bytes (NIXL knows no stream: they must be there before the WRITE reads them).
-fn wait_frame<'c>(
-    stop: &AtomicBool,
-    consumer: &'c Consumer,
-    lane: &mut Lane,
-    link: &mut Link,
-    credits: &mut Credits,
-    sent: u64,
-) -> Result<Got<'c>> {
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return Ok(Got::End(Ended::Stopped));
-        }
-        while let Some(m) = link.next(Duration::ZERO)? {
-            take_credit(m, lane, credits)?;
-        }
-        match consumer.recv_timeout(Duration::from_millis(50)) {
-            Ok(f) => {
-                if !consumer.is_host() {
-                    consumer.stream().synchronize()?;
+/// The WRITEs in flight, oldest first, each with the near frame it reads (held, so the near
+/// producer stays off the buffer, until the WRITE completed).
+struct Flight<'c> {
+    queue: VecDeque<(Frame<'c>, Write)>,
+    /// When the last WRITE completed: one posted more than [`POSTING_AFTER`] later, with none in
+    /// flight, is announced.
+    last_done: Option<Instant>,
+}
+
+/// What the pump reports as it goes.
+struct Report<'a> {
+    place: Place,
+    totals: &'a mut Totals,
+    status: &'a mut Status,
+    last_status: Instant,
+}
+
+impl Report<'_> {
+    /// Counts a completed WRITE (its frame is already dropped); the first one reads UCX's report
+    /// of the transport, and the status file is rewritten at most once a second.
+    fn done(&mut self, target: Place) {
+        self.totals.frames += 1;
+        if self.totals.frames == 1 {
+            // UCX printed its choice for the WRITE when it made it: read it once.
+            self.totals.transport = report::from_ucx_log(self.place, target);
+            match &self.totals.transport {
+                Some(t) => {
+                    t.log("send");
+                    self.status.transport = Some(t.clone());
                 }
-                return Ok(Got::Frame(f));
+                None => tracing::info!(
+                    "lane (send): no UCX protocol report to read (UCX_PROTO_INFO=y and \
+                     UCX_LOG_FILE make one)"
+                ),
             }
-            Err(Error::Timeout { .. }) => {}
-            Err(Error::ProducerGone { pid }) => {
-                let why = format!("the near producer (pid {pid}) died");
-                return upstream(link, false, &why, sent).map(Got::End);
-            }
-            Err(Error::ChannelClosed) => {
-                let why = "the near producer closed the channel";
-                return upstream(link, true, why, sent).map(Got::End);
-            }
-            Err(e) => return Err(e),
+        }
+        if self.totals.frames == 1 || self.last_status.elapsed() > Duration::from_secs(1) {
+            self.status.frames = self.totals.frames;
+            self.status.write();
+            self.last_status = Instant::now();
         }
     }
 }
 
-/// Waits until `credits` holds a far buffer to write (the receiving bridge lent it); while the
-/// far side waits for its consumers, notices a near producer that died.
-fn wait_credit(
-    opts: &SendOptions,
-    stop: &AtomicBool,
+/// Retires the WRITEs in flight that completed, oldest first, dropping their frames (which
+/// releases the near buffers); with `all`, waits for every one (polling without a pause: the
+/// transfers advance only while polled).
+fn retire(
     lane: &mut Lane,
-    link: &mut Link,
-    credits: &mut Credits,
-    sent: u64,
-) -> Result<Option<Ended>> {
-    let mut next_check = Instant::now() + opts.lane.heartbeat;
-    while credits.queue.is_empty() {
-        if stop.load(Ordering::Relaxed) {
-            return Ok(Some(Ended::Stopped));
+    flight: &mut Flight<'_>,
+    report: &mut Report<'_>,
+    target: Place,
+    timeout: Duration,
+    all: bool,
+) -> Result<()> {
+    while let Some((_, w)) = flight.queue.front_mut() {
+        if !lane.poll(w, timeout)? {
+            if all {
+                std::hint::spin_loop();
+                continue;
+            }
+            break;
         }
-        if let Some(m) = link.next(opts.lane.heartbeat)? {
-            take_credit(m, lane, credits)?;
-            continue;
-        }
-        if Instant::now() >= next_check {
-            next_check = Instant::now() + opts.lane.heartbeat;
-            if let Ok(s) = inspect::inspect(&opts.channel)
-                && s.producer_liveness == Liveness::Dead
-            {
-                return upstream(link, false, "the near producer died", sent).map(Some);
+        // Completed: the WRITE read the buffer for the last time.
+        drop(flight.queue.pop_front());
+        flight.last_done = Some(Instant::now());
+        report.done(target);
+    }
+    Ok(())
+}
+
+/// The lane's state for the pump's helpers.
+struct Pump<'p, 'c> {
+    opts: &'p SendOptions,
+    stop: &'p AtomicBool,
+    consumer: &'c Consumer,
+    lane: &'p mut Lane,
+    link: &'p mut Link,
+    credits: &'p mut Credits,
+    flight: Flight<'c>,
+    report: Report<'p>,
+    /// The memory kind of the far buffers (for the transport report).
+    far: Place,
+}
+
+impl<'c> Pump<'_, 'c> {
+    fn retire(&mut self, all: bool) -> Result<()> {
+        retire(
+            self.lane,
+            &mut self.flight,
+            &mut self.report,
+            self.far,
+            self.opts.lane.write_timeout,
+            all,
+        )
+    }
+
+    /// Ends the session upstream: the WRITEs in flight complete first, so that `sent` counts
+    /// every frame whose notification is on its way.
+    fn upstream(&mut self, closed: bool, reason: &str) -> Result<Ended> {
+        self.retire(true)?;
+        upstream(self.link, closed, reason, self.report.totals.frames)
+    }
+
+    /// Waits for the next near frame and its bytes (on the host: NIXL knows no stream; credits
+    /// that arrive meanwhile are kept, and WRITEs in flight are polled and retired).
+    fn wait_frame(&mut self) -> Result<Got<'c>> {
+        let bytes = self.opts.lane.write_timeout;
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                self.retire(true)?;
+                return Ok(Got::End(Ended::Stopped));
+            }
+            while let Some(m) = self.link.next(Duration::ZERO)? {
+                take_credit(m, self.lane, self.credits)?;
+            }
+            // With WRITEs in flight, only a frame published already: they are polled between.
+            let busy = !self.flight.queue.is_empty();
+            if busy {
+                self.retire(false)?;
+            }
+            let wait = if busy {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(50)
+            };
+            match self.consumer.recv_host_ordered(wait, bytes) {
+                Ok(f) => return Ok(Got::Frame(f)),
+                Err(Error::Timeout { .. }) => {
+                    if busy {
+                        std::hint::spin_loop();
+                    }
+                }
+                Err(Error::ProducerGone { pid }) => {
+                    let why = format!("the near producer (pid {pid}) died");
+                    return self.upstream(false, &why).map(Got::End);
+                }
+                Err(Error::ChannelClosed) => {
+                    let why = "the near producer closed the channel";
+                    return self.upstream(true, why).map(Got::End);
+                }
+                Err(e) => return Err(e),
             }
         }
     }
-    Ok(None)
+
+    /// Waits until a far buffer is credited (the receiving bridge lent it), polling and retiring
+    /// the WRITEs in flight meanwhile; while the far side waits for its consumers, notices a near
+    /// producer that died.
+    fn wait_credit(&mut self) -> Result<Option<Ended>> {
+        let period = self.opts.lane.heartbeat;
+        let mut next_check = Instant::now() + period;
+        while self.credits.queue.is_empty() {
+            if self.stop.load(Ordering::Relaxed) {
+                self.retire(true)?;
+                return Ok(Some(Ended::Stopped));
+            }
+            let busy = !self.flight.queue.is_empty();
+            if busy {
+                self.retire(false)?;
+            }
+            let wait = if busy { Duration::ZERO } else { period };
+            if let Some(m) = self.link.next(wait)? {
+                take_credit(m, self.lane, self.credits)?;
+                continue;
+            }
+            if Instant::now() >= next_check {
+                next_check = Instant::now() + period;
+                if let Ok(s) = inspect::inspect(&self.opts.channel)
+                    && s.producer_liveness == Liveness::Dead
+                {
+                    return self.upstream(false, "the near producer died").map(Some);
+                }
+            }
+        }
+        Ok(None)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -348,35 +458,54 @@ fn pump(
     totals: &mut Totals,
     status: &mut Status,
 ) -> Result<Ended> {
-    let mut last_status = Instant::now();
-    // When the last WRITE completed: one posted more than `POSTING_AFTER` later is announced.
-    let mut last_write: Option<Instant> = None;
+    let most = credits.most;
+    let mut p = Pump {
+        opts,
+        stop,
+        consumer,
+        lane,
+        link,
+        credits,
+        flight: Flight {
+            queue: VecDeque::with_capacity(most),
+            last_done: None,
+        },
+        report: Report {
+            place,
+            totals,
+            status,
+            last_status: Instant::now(),
+        },
+        far: place,
+    };
     // Every frame: the next frame is taken (and its bytes awaited) while the far side still
     // publishes the last one, so only the WRITE waits for a credit (with two or more outstanding,
     // usually none). Latest only: the credit first, then the newest frame, so no older frame is
-    // held while the far side is busy.
+    // held while the far side is busy. Up to one WRITE per credit is in flight at once.
     let early = opts.delivery == Delivery::EveryFrame;
     loop {
+        p.retire(false)?;
         let mut frame = None;
         if early {
-            match wait_frame(stop, consumer, lane, link, credits, totals.frames)? {
+            match p.wait_frame()? {
                 Got::Frame(f) => frame = Some(f),
                 Got::End(e) => return Ok(e),
             }
         }
-        if let Some(e) = wait_credit(opts, stop, lane, link, credits, totals.frames)? {
+        if let Some(e) = p.wait_credit()? {
             return Ok(e);
         }
         let frame = match frame {
             Some(f) => f,
-            None => match wait_frame(stop, consumer, lane, link, credits, totals.frames)? {
+            None => match p.wait_frame()? {
                 Got::Frame(f) => f,
                 Got::End(e) => return Ok(e),
             },
         };
-        let Some((tindex, target)) = credits.queue.pop_front() else {
+        let Some((tindex, target)) = p.credits.queue.pop_front() else {
             continue; // not reached: `wait_credit` returned with a credit
         };
+        p.far = target.place;
         let region = match place {
             Place::Host => Region {
                 addr: frame.as_ptr() as u64,
@@ -390,10 +519,11 @@ fn pump(
             },
         };
         let index = frame.index() as u32;
-        // The producer stays off the buffer while the frame is held; the WRITE ends before the drop.
+        // The producer stays off the buffer while the frame is held; the WRITE completes before
+        // the frame is dropped (`retire`).
         // SAFETY: the frame's buffer in the consumer's mapping (host pool or import), kept until
         // the consumer drops, after the lane (a `serve` local).
-        unsafe { lane.register(index, region) }.map_err(|e| match (place, e) {
+        unsafe { p.lane.register(index, region) }.map_err(|e| match (place, e) {
             // The source of a device lane is an import of the near producer's pool: say so, as
             // UCX may refuse to register some kinds of imported memory.
             (Place::Device(_), Error::Remote(RemoteError::Nixl { call, reason })) => {
@@ -419,46 +549,21 @@ fn pump(
         // After an idle spell the receiving bridge may have stopped polling: announced, it polls
         // without a pause from now until the notification (a TCP transfer advances only while
         // both ends poll). WRITEs closer together go unannounced: it still polls after the last
-        // notification. This end polls for the whole WRITE.
-        // The announcement goes once the WRITE is posted, overlapping it.
-        let announce = last_write.is_none_or(|t| t.elapsed() > POSTING_AFTER);
-        lane.write_then(
+        // notification. The announcement goes once the WRITE is posted, overlapping it.
+        let announce = p.flight.queue.is_empty()
+            && p.flight
+                .last_done
+                .is_none_or(|t| t.elapsed() > POSTING_AFTER);
+        let w = p.lane.post(
             index,
             frame.len(),
             (tindex, target),
             remote,
             note.encode().as_bytes(),
-            opts.lane.write_timeout,
-            opts.lane.write_timeout,
-            || {
-                if announce {
-                    link.send(&Msg::Posting { index: tindex })
-                } else {
-                    Ok(())
-                }
-            },
         )?;
-        last_write = Some(Instant::now());
-        drop(frame);
-        totals.frames += 1;
-        if totals.frames == 1 || last_status.elapsed() > Duration::from_secs(1) {
-            if totals.frames == 1 {
-                // UCX printed its choice for the WRITE when it made it: read it once.
-                totals.transport = report::from_ucx_log(place, target.place);
-                match &totals.transport {
-                    Some(t) => {
-                        t.log("send");
-                        status.transport = Some(t.clone());
-                    }
-                    None => tracing::info!(
-                        "lane (send): no UCX protocol report to read (UCX_PROTO_INFO=y and \
-                         UCX_LOG_FILE make one)"
-                    ),
-                }
-            }
-            status.frames = totals.frames;
-            status.write();
-            last_status = Instant::now();
+        p.flight.queue.push_back((frame, w));
+        if announce {
+            p.link.send(&Msg::Posting { index: tindex })?;
         }
     }
 }
