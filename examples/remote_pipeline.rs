@@ -13,7 +13,8 @@
 //! ```text
 //! cargo run --release -p cuda-ipc-examples --features remote --example remote_pipeline -- \
 //!     [--frames 1000] [--bytes N | --4k] [--memory host|device] [--delivery every|latest]
-//!     [--pool auto|legacy|vmm|pool] [--pace-us 0] [--spin-us N] [--raw]
+//!     [--pool auto|legacy|vmm|pool] [--pace-us 0] [--spin-us N] [--credits N] [--in-process]
+//!     [--no-check] [--no-fill] [--raw]
 //! ```
 //! `--pool` picks the near pool's device memory (the far one is the default, legacy where it can
 //! be): which kinds UCX registers for a GPU-direct path shows in the transport it reports.
@@ -23,8 +24,15 @@
 //! (`LaneOptions::spin`, the consumer's `WaitStrategy::SpinThenBlock`); by default the lane's
 //! default (2 ms) or twice the pace, whichever is longer, so that a paced lane stays as hot
 //! between frames as the raw loop, whose target polls without a pause throughout.
-//! ```text
-//! ```
+//! `--no-check` leaves the far frames unchecked (received and released untouched, as the raw
+//! loop's target leaves its buffer): the benchmark's like-for-like lane; `--credits N` sets how
+//! many far buffers the receiving bridge lends ahead (`RecvOptions::credits`); `--no-fill` leaves
+//! the frames unfilled at the source too (the producer and the raw initiator): the transfer alone.
+//! `--in-process` runs each bridge as a thread of the process at its end (`send::serve` in the
+//! producer's, `recv::serve` in the far consumer's) instead of a process of its own: on a GPU that
+//! time-slices between processes (no MPS), the bridge's transfers then share the context of the
+//! process beside it, and each end's GPU work is one process's.
+//!
 //! Needs NIXL's libraries on LD_LIBRARY_PATH (`pip install --no-deps nixl-cu13`).
 
 mod common;
@@ -49,7 +57,7 @@ use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: remote_pipeline [--frames 1000] [--bytes N | --4k] \
     [--memory host|device] [--pool auto|legacy|vmm|pool] [--delivery every|latest] [--pace-us 0] \
-    [--spin-us N] [--raw]";
+    [--spin-us N] [--credits N] [--in-process] [--no-check] [--no-fill] [--raw]";
 const SECRET: &str = "remote_pipeline example secret";
 const LONG: Duration = Duration::from_secs(120);
 
@@ -66,6 +74,18 @@ struct Args {
     /// Microseconds the bridges and the far consumer poll without a pause after a frame; `None`:
     /// the lane's default or twice the pace, whichever is longer.
     spin_us: Option<u64>,
+    /// The far consumer checks each frame's bytes (default); `--no-check` takes and releases
+    /// them untouched, as the raw loop's target does (for the benchmark).
+    check: bool,
+    /// The producer (and the raw loop's initiator) fills each frame (default); `--no-fill`
+    /// publishes (writes) the buffers as they are: what the transfer alone costs. Implies
+    /// `--no-check`.
+    fill: bool,
+    /// Far buffers the receiving bridge lends ahead (`RecvOptions::credits`); `None`: its default.
+    credits: Option<usize>,
+    /// The bridges run as threads of the producer's and the far consumer's processes
+    /// (`--in-process`), not as processes of their own.
+    in_process: bool,
     /// The near pool's kind of device memory (`--pool auto|legacy|vmm|pool`).
     pool: MemoryKind,
     pool_word: String,
@@ -82,6 +102,10 @@ fn parse() -> Res<Args> {
         raw: false,
         pace_us: 0,
         spin_us: None,
+        in_process: false,
+        check: true,
+        fill: true,
+        credits: None,
         pool: MemoryKind::Auto,
         pool_word: "auto".into(),
         role: None,
@@ -107,6 +131,13 @@ fn parse() -> Res<Args> {
                 }
             }
             "--raw" => a.raw = true,
+            "--in-process" => a.in_process = true,
+            "--no-check" => a.check = false,
+            "--no-fill" => {
+                a.fill = false;
+                a.check = false;
+            }
+            "--credits" => a.credits = Some(args.parse(&k)?),
             "--pace-us" => a.pace_us = args.parse(&k)?,
             "--spin-us" => a.spin_us = Some(args.parse(&k)?),
             "--pool" => {
@@ -178,6 +209,13 @@ impl Drop for UcxLog {
     }
 }
 
+/// Frames left out of the figures at the start (a tenth of them, at most 100): the lane's first
+/// frames set up what later ones reuse (each pair of near and far buffers' transfer request,
+/// UCX's mapping of each far buffer), which the raw loop, with one pair, does once.
+fn warm_up(a: &Args) -> u64 {
+    (a.frames / 10).min(100)
+}
+
 /// How long the bridges and the far consumer poll without a pause after a frame.
 fn spin(a: &Args) -> Duration {
     match a.spin_us {
@@ -189,7 +227,7 @@ fn spin(a: &Args) -> Duration {
 }
 
 fn memory_args(a: &Args) -> Vec<String> {
-    vec![
+    let mut v = vec![
         "--spin-us".into(),
         spin(a).as_micros().to_string(),
         "--bytes".into(),
@@ -205,7 +243,17 @@ fn memory_args(a: &Args) -> Vec<String> {
             "every"
         }
         .into(),
-    ]
+    ];
+    if a.in_process {
+        v.push("--in-process".into());
+    }
+    if !a.check {
+        v.push("--no-check".into());
+    }
+    if let Some(c) = a.credits {
+        v.extend(["--credits".into(), c.to_string()]);
+    }
+    v
 }
 
 fn spawn(name: &str, a: &Args, role: &str, value: &str) -> Res<Child> {
@@ -244,10 +292,25 @@ fn fill_host(w: &mut [u8], seed: u32) {
 }
 
 fn producer(a: &Args) -> Res<()> {
+    // The sending bridge in this process: the lane's environment before NIXL starts.
+    let _log = if a.in_process {
+        Some(lane_environment()?)
+    } else {
+        None
+    };
     let near = format!("remote-near-{}", std::process::id());
     let far = format!("remote-far-{}", std::process::id());
-    let recv = spawn("recv bridge", a, "recv", &far)?;
-    let port = recv.line(LONG)?;
+    // In-process, the far consumer's process runs the receiving bridge and prints its port.
+    let (recv, early) = if a.in_process {
+        (None, Some(spawn("consumer", a, "consumer", &far)?))
+    } else {
+        (Some(spawn("recv bridge", a, "recv", &far)?), None)
+    };
+    let port = match (&recv, &early) {
+        (Some(r), _) => r.line(LONG)?,
+        (None, Some(c)) => c.line(LONG)?,
+        (None, None) => return Err("no receiving bridge".into()),
+    };
     let port = port
         .strip_prefix("port ")
         .ok_or("recv bridge: no port")?
@@ -262,8 +325,19 @@ fn producer(a: &Args) -> Res<()> {
     } else {
         (Producer::create_host(&near, &opts)?, None)
     };
-    let mut send = spawn("send bridge", a, "send", &format!("{near}:{port}"))?;
-    let consumer = spawn("consumer", a, "consumer", &far)?;
+    let target = format!("{near}:{port}");
+    let mut send = if a.in_process {
+        let a = a.clone();
+        Bridge::Thread(std::thread::spawn(move || {
+            send_lines(&a, &target).map_err(|e| e.to_string())
+        }))
+    } else {
+        Bridge::Process(spawn("send bridge", a, "send", &target)?)
+    };
+    let consumer = match early {
+        Some(c) => c,
+        None => spawn("consumer", a, "consumer", &far)?,
+    };
     println!("consumer: {}", consumer.line(LONG)?);
     println!(
         "producer: {} frames of {} bytes in {} memory, delivery {:?}, over the lane to {far}",
@@ -280,6 +354,7 @@ fn producer(a: &Args) -> Res<()> {
         let mut w = tx.acquire(Some(LONG))?;
         let meta = FrameMeta::now(i, a.bytes as u64, 1).encode();
         match &kernels {
+            _ if !a.fill => {}
             Some(k) => k.fill_pattern(w.buffer(), i as u32, w.stream())?,
             None => {
                 fill_host(&mut host, i as u32);
@@ -295,12 +370,22 @@ fn producer(a: &Args) -> Res<()> {
     for l in &lines {
         println!("{l}");
     }
-    let (_, slines) = send.wait()?;
+    let slines = match &mut send {
+        Bridge::Process(c) => c.wait()?.1,
+        Bridge::Thread(_) => match std::mem::replace(&mut send, Bridge::Done) {
+            Bridge::Thread(t) => t
+                .join()
+                .map_err(|_| "the sending bridge's thread panicked")??,
+            _ => Vec::new(),
+        },
+        Bridge::Done => Vec::new(),
+    };
     for l in &slines {
         println!("send bridge: {l}");
     }
-    let mut recv = recv;
-    let _ = recv.wait()?;
+    if let Some(mut recv) = recv {
+        let _ = recv.wait()?;
+    }
     println!(
         "producer: published {} frames in {secs:.2} s = {:.0} frames/s",
         a.frames,
@@ -309,7 +394,11 @@ fn producer(a: &Args) -> Res<()> {
     if !ok || lines.iter().any(|l| l.contains("FAIL")) {
         return Err("the far consumer failed".into());
     }
-    println!("OK: every far frame checked");
+    if a.check {
+        println!("OK: every far frame checked");
+    } else {
+        println!("OK: every far frame received in order (bytes unchecked: --no-check)");
+    }
     Ok(())
 }
 
@@ -318,15 +407,24 @@ fn bridge_recv(a: &Args, far: &str) -> Res<()> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", listener.local_addr()?.port());
     std::io::stdout().flush()?;
+    recv_serve(a, far, &listener)
+}
+
+/// Runs the receiving bridge of far channel `far` on `listener` until its session ends; a lost
+/// lane ends the process without dropping the far producer (its consumers see it gone).
+fn recv_serve(a: &Args, far: &str, listener: &TcpListener) -> Res<()> {
     let mut opts = recv::RecvOptions::new(far, Secret::new(SECRET.into())?);
     opts.lane.spin = spin(a);
+    if let Some(c) = a.credits {
+        opts.credits = c;
+    }
     opts.place = if a.device {
         Place::Device(0)
     } else {
         Place::Host
     };
     let mut frames = 0;
-    match recv::serve(&opts, &listener, &AtomicBool::new(false), &mut frames)? {
+    match recv::serve(&opts, listener, &AtomicBool::new(false), &mut frames)? {
         recv::Ended::Closed(r) => {
             r?;
             Ok(())
@@ -340,8 +438,24 @@ fn bridge_recv(a: &Args, far: &str) -> Res<()> {
     }
 }
 
+/// The sending bridge, as a process of its own or a thread of the producer's.
+enum Bridge {
+    Process(Child),
+    Thread(std::thread::JoinHandle<Result<Vec<String>, String>>),
+    Done,
+}
+
 fn bridge_send(a: &Args, v: &str) -> Res<()> {
     let _log = lane_environment()?;
+    for l in send_lines(a, v)? {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+/// Runs the sending bridge of near channel and port `v` (`NEAR:PORT`) until its session ends;
+/// returns what it reports (how it ended, the transport UCX reported).
+fn send_lines(a: &Args, v: &str) -> Res<Vec<String>> {
     let (near, port) = v.rsplit_once(':').ok_or("send: NEAR:PORT")?;
     let mut opts = send::SendOptions::new(
         near,
@@ -357,19 +471,36 @@ fn bridge_send(a: &Args, v: &str) -> Res<()> {
         .map_or(("unknown".into(), "unknown"), |t| {
             (t.summary(), t.path.word())
         });
-    println!(
+    let mut lines = vec![format!(
         "{end:?} after {} frames; UCX transport {t} ({path})",
         totals.frames
-    );
+    )];
     if let Some(t) = &totals.transport {
         for l in &t.lines {
-            println!("  UCX: {l}");
+            lines.push(format!("  UCX: {l}"));
         }
     }
-    Ok(())
+    Ok(lines)
 }
 
 fn consumer(a: &Args, far: &str) -> Res<()> {
+    // In-process, this process runs the receiving bridge too (a thread), and prints its port.
+    let _log = if a.in_process {
+        Some(lane_environment()?)
+    } else {
+        None
+    };
+    let bridge = if a.in_process {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        println!("port {}", listener.local_addr()?.port());
+        std::io::stdout().flush()?;
+        let (a, far) = (a.clone(), far.to_string());
+        Some(std::thread::spawn(move || {
+            recv_serve(&a, &far, &listener).map_err(|e| e.to_string())
+        }))
+    } else {
+        None
+    };
     let start = Instant::now();
     let rx = loop {
         // Polling without a pause for a while after each frame, as the bridges do (and as the raw
@@ -406,7 +537,9 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
         lat.push(
             now_ns().saturating_sub(FrameMeta::decode(f.metadata()).ok_or("metadata")?.stamp_ns),
         );
-        t0.get_or_insert_with(Instant::now);
+        if received == warm_up(a) {
+            t0 = Some(Instant::now());
+        }
         let m = FrameMeta::decode(f.metadata()).ok_or("metadata")?;
         if last.is_some_and(|l| m.index <= l)
             || (a.delivery == Delivery::EveryFrame && m.index != last.map_or(0, |l| l + 1))
@@ -415,6 +548,7 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
         }
         last = Some(m.index);
         match &gpu {
+            _ if !a.check => {}
             Some((k, counter)) => {
                 k.check_pattern(f.buffer(), m.index as u32, counter, f.stream())?
             }
@@ -436,16 +570,24 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
         None => bad_host,
     };
     let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let steady = received.saturating_sub(warm_up(a));
+    let mut lat = lat.split_off((warm_up(a) as usize).min(lat.len()));
     lat.sort_unstable();
     let ok = bad == 0 && out_of_order == 0 && received > 0;
     println!(
-        "consumer: {} received {received} frames ({:.0} frames/s), mismatches {bad}, out of order \
-         {out_of_order}; hand-off publish->received p50 {:.1} us, p99 {:.1} us",
+        "consumer: {}{} received {received} frames ({:.0} frames/s after the first {}), mismatches \
+         {bad}, out of order {out_of_order}; hand-off publish->received p50 {:.1} us, p99 {:.1} us",
         if ok { "OK" } else { "FAIL" },
-        received as f64 / secs.max(1e-9),
+        if a.check { "" } else { " (bytes unchecked)" },
+        steady as f64 / secs.max(1e-9),
+        warm_up(a),
         percentile_us(&lat, 0.5),
         percentile_us(&lat, 0.99)
     );
+    if let Some(b) = bridge {
+        b.join()
+            .map_err(|_| "the receiving bridge's thread panicked")??;
+    }
     Ok(())
 }
 
@@ -540,6 +682,7 @@ fn raw_initiator(a: &Args) -> Res<()> {
         pace(a, &mut slot);
         let stamp = now_ns();
         match &mut mem {
+            _ if !a.fill => {}
             Mem::Host(v) => fill_host(v, i as u32),
             Mem::Device(b, k, st) => {
                 k.fill_pattern(b, i as u32, st)?;
@@ -607,7 +750,9 @@ fn raw_target(a: &Args) -> Res<()> {
     while (lat.len() as u64) < a.frames && Instant::now() < deadline {
         for (_, n) in lane.take_notifications()? {
             let now = now_ns();
-            t0.get_or_insert_with(Instant::now);
+            if lat.len() as u64 == warm_up(a) {
+                t0 = Some(Instant::now());
+            }
             let stamp: u64 = n
                 .split(' ')
                 .nth(2)
@@ -619,12 +764,16 @@ fn raw_target(a: &Args) -> Res<()> {
     }
     let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64());
     let n = lat.len();
+    let steady = (n as u64).saturating_sub(warm_up(a));
+    let mut lat = lat.split_off((warm_up(a) as usize).min(n));
     lat.sort_unstable();
     println!(
-        "raw target: {} notifications of {} ({:.0} frames/s); hand-off stamp->notified p50 {:.1} us, p99 {:.1} us",
+        "raw target: {} notifications of {} ({:.0} frames/s after the first {}); hand-off \
+         stamp->notified p50 {:.1} us, p99 {:.1} us",
         n,
         a.frames,
-        n as f64 / secs.max(1e-9),
+        steady as f64 / secs.max(1e-9),
+        warm_up(a),
         percentile_us(&lat, 0.5),
         percentile_us(&lat, 0.99)
     );

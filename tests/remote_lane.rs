@@ -1,5 +1,5 @@
 //! The remote lane (feature `remote`) between processes of this machine over loopback TCP
-//! (`UCX_TLS=tcp,self`; the lane binds UCX to `lo`, the control connection's interface), with host-memory channels: the real `Producer`, the
+//! (`UCX_TLS=tcp,self,cuda_copy`; the lane binds UCX to `lo`, the control connection's interface), with host-memory channels: the real `Producer`, the
 //! two bridges over NIXL, and the ordinary `Consumer` on the far channel. Every frame's bytes are
 //! checked; both delivery policies; kill -9 of the near producer, of either bridge and of a far
 //! consumer, with the outcomes the lane promises (far consumers see `ProducerGone` within 1 s, the
@@ -185,7 +185,9 @@ fn ucx_env(tag: &str) -> Vec<(String, String)> {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned()))
             .collect();
-    v.push(("UCX_TLS".into(), "tcp,self".into()));
+    // cuda_copy too: NIXL refuses a list without a CUDA transport where GPUs are present (it is
+    // not loaded, and not needed, where none is).
+    v.push(("UCX_TLS".into(), "tcp,self,cuda_copy".into()));
     v
 }
 

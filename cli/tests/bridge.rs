@@ -33,7 +33,7 @@ fn bridge(args: &[&str]) -> Child {
         .arg("-v")
         .arg("bridge")
         .args(args)
-        .env("UCX_TLS", "tcp,self")
+        .env("UCX_TLS", "tcp,self,cuda_copy")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -215,9 +215,16 @@ impl Lane {
         let (_mems, params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl("nixl_capi_get_plugin_params(UCX)"))?;
-        let backend = agent
-            .create_backend("UCX", &params)
-            .map_err(nixl("nixl_capi_create_backend(UCX)"))?;
+        let backend = agent.create_backend("UCX", &params).map_err(|e| {
+            let mut reason = e.to_string();
+            if let Some(hint) = tls_hint(std::env::var("UCX_TLS").ok().as_deref()) {
+                reason = format!("{reason} ({hint})");
+            }
+            Error::from(RemoteError::Nixl {
+                call: "nixl_capi_create_backend(UCX)",
+                reason,
+            })
+        })?;
         let notifs = NotificationMap::new().map_err(nixl("nixl_capi_create_notif_map"))?;
         let mut args = OptArgs::new().map_err(nixl("nixl_capi_create_opt_args"))?;
         args.add_backend(&backend)
@@ -520,6 +527,29 @@ impl Lane {
     }
 }
 
+/// What to say of `UCX_TLS` (its value, if set) when NIXL's UCX backend could not be created:
+/// NIXL refuses a list that names no CUDA transport on a machine with NVIDIA GPUs (its log says
+/// so, the error it returns does not), even for a lane of host memory.
+fn tls_hint(tls: Option<&str>) -> Option<String> {
+    let tls = tls?;
+    let names_cuda = tls
+        .trim_start_matches('^')
+        .split(',')
+        .any(|t| t.trim().starts_with("cuda") || t.trim() == "all");
+    let excludes = tls.starts_with('^');
+    (!names_cuda || excludes).then(|| {
+        format!(
+            "UCX_TLS={tls} enables no CUDA transport: where NVIDIA GPUs are present NIXL's UCX \
+             backend needs cuda_copy (or cuda) in the list, e.g. UCX_TLS={}cuda_copy",
+            if excludes || tls.is_empty() {
+                "tcp,self,".to_string()
+            } else {
+                format!("{tls},")
+            }
+        )
+    })
+}
+
 /// One step of a poll loop that started at `start`: spins (polling UCX without a pause, which
 /// also moves the data: a TCP transfer advances only while its ends poll) for `spin`, then naps
 /// (20 µs, growing to 200 µs; `naps` counts them), so that an idle lane costs no core.
@@ -530,5 +560,28 @@ pub(super) fn pause(start: Instant, spin: Duration, naps: &mut u32) {
         *naps = naps.saturating_add(1);
         let us = (*naps).min(10) * 20;
         std::thread::sleep(Duration::from_micros(us as u64));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tls_hint;
+
+    #[test]
+    fn a_transport_list_without_cuda_is_named_in_the_backend_error() {
+        assert_eq!(tls_hint(None), None);
+        assert_eq!(tls_hint(Some("tcp,cuda_copy")), None);
+        assert_eq!(tls_hint(Some("all")), None);
+        let h = tls_hint(Some("tcp,self")).unwrap();
+        assert!(
+            h.contains("UCX_TLS=tcp,self enables no CUDA transport"),
+            "{h}"
+        );
+        assert!(h.contains("UCX_TLS=tcp,self,cuda_copy"), "{h}");
+        assert!(
+            tls_hint(Some("^cuda_ipc"))
+                .unwrap()
+                .contains("UCX_TLS=tcp,self,cuda_copy")
+        );
     }
 }
