@@ -326,6 +326,45 @@ struct Credited {
     note: Option<FrameNote>,
 }
 
+/// Records notification `n` for the credited buffer it names (the oldest credited one with that
+/// index still waiting: a buffer is credited again only once published).
+///
+/// # Errors
+/// [`RemoteError::Protocol`] for a buffer not credited (or notified twice) and for a frame longer
+/// than its buffer.
+fn note_arrived(lent: &mut VecDeque<Credited>, n: FrameNote) -> Result<()> {
+    let Some(c) = lent
+        .iter_mut()
+        .find(|c| c.note.is_none() && c.frame.index() == n.index as usize)
+    else {
+        return Err(RemoteError::Protocol(format!(
+            "a frame's notification for buffer {}, which is not credited",
+            n.index
+        ))
+        .into());
+    };
+    if n.len > c.region.len as u64 {
+        return Err(RemoteError::Protocol(format!(
+            "a frame of {} bytes for buffer {} of {} bytes",
+            n.len, n.index, c.region.len
+        ))
+        .into());
+    }
+    c.note = Some(n);
+    Ok(())
+}
+
+/// The oldest credited buffer, with its notification, once it came: buffers are published in the
+/// order they were credited (the order the sender wrote them in), whatever order their WRITEs
+/// completed in.
+fn next_in_order(lent: &mut VecDeque<Credited>) -> Option<(LentFrame, FrameNote)> {
+    if lent.front()?.note.is_none() {
+        return None;
+    }
+    let c = lent.pop_front()?;
+    Some((c.frame, c.note?))
+}
+
 /// What the pump knows of the sending bridge's WRITEs and of the session's end.
 struct Flow {
     /// A WRITE was announced ([`Msg::Posting`]) at this instant and its notification has not come.
@@ -416,38 +455,12 @@ fn pump(
         // the sender wrote them in, its frames' order).
         if !lent.is_empty() {
             for (_, text) in lane.take_notifications()? {
-                let n = FrameNote::decode(&text)?;
-                let Some(c) = lent
-                    .iter_mut()
-                    .find(|c| c.note.is_none() && c.frame.index() == n.index as usize)
-                else {
-                    return Err(RemoteError::Protocol(format!(
-                        "a frame's notification for buffer {}, which is not credited",
-                        n.index
-                    ))
-                    .into());
-                };
-                if n.len > c.region.len as u64 {
-                    return Err(RemoteError::Protocol(format!(
-                        "a frame of {} bytes for buffer {} of {} bytes",
-                        n.len, n.index, c.region.len
-                    ))
-                    .into());
-                }
-                c.note = Some(n);
+                note_arrived(&mut lent, FrameNote::decode(&text)?)?;
                 flow.posted = None;
                 flow.hot = Instant::now();
                 naps = 0;
             }
-            while lent.front().is_some_and(|c| c.note.is_some()) {
-                let Some(Credited {
-                    frame,
-                    note: Some(n),
-                    ..
-                }) = lent.pop_front()
-                else {
-                    break;
-                };
+            while let Some((frame, n)) = next_in_order(&mut lent) {
                 producer.resume(frame)?.publish(&n.meta)?;
                 *frames += 1;
                 session += 1;
@@ -547,6 +560,75 @@ fn pump(
             && let Some(o) = on_message(m, &mut flow, session)?
         {
             return Ok(o);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::channel::{Consumer, ConsumerOptions};
+
+    fn note(index: u32, seq: u64) -> FrameNote {
+        FrameNote {
+            index,
+            seq,
+            len: 64,
+            meta: seq.to_le_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn notifications_in_any_order_publish_in_credit_order_and_strays_are_refused() {
+        let ch = format!("recv-order-unit-{}", std::process::id());
+        let mut tx = Producer::create_host(&ch, &ChannelOptions::new(64).buffers(4)).unwrap();
+        let rx = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+        let mut lent = VecDeque::new();
+        for _ in 0..3 {
+            let frame = tx.lend(Some(Duration::ZERO)).unwrap().unwrap();
+            let (addr, len) = tx.buffer_address(frame.index());
+            lent.push_back(Credited {
+                frame,
+                region: Region {
+                    addr,
+                    len,
+                    place: Place::Host,
+                },
+                note: None,
+            });
+        }
+        let idx: Vec<u32> = lent.iter().map(|c| c.frame.index() as u32).collect();
+        // The third WRITE completes first, then the first: only the first is published.
+        note_arrived(&mut lent, note(idx[2], 3)).unwrap();
+        assert!(next_in_order(&mut lent).is_none(), "the first credit waits");
+        note_arrived(&mut lent, note(idx[0], 1)).unwrap();
+        let (f, n) = next_in_order(&mut lent).unwrap();
+        assert_eq!((f.index() as u32, n.seq), (idx[0], 1));
+        tx.resume(f).unwrap().publish(&n.meta).unwrap();
+        assert!(
+            next_in_order(&mut lent).is_none(),
+            "the second has not come"
+        );
+        // A notification for a buffer not credited, or twice for one, breaks the protocol.
+        let stray = (0..4u32).find(|i| !idx.contains(i)).unwrap();
+        assert!(matches!(
+            note_arrived(&mut lent, note(stray, 9)),
+            Err(Error::Remote(RemoteError::Protocol(_)))
+        ));
+        assert!(note_arrived(&mut lent, note(idx[2], 3)).is_err());
+        let mut long = note(idx[1], 2);
+        long.len = 65;
+        assert!(note_arrived(&mut lent, long).is_err());
+        note_arrived(&mut lent, note(idx[1], 2)).unwrap();
+        for want in [2u64, 3] {
+            let (f, n) = next_in_order(&mut lent).unwrap();
+            assert_eq!(n.seq, want);
+            tx.resume(f).unwrap().publish(&n.meta).unwrap();
+        }
+        // The consumer sees the frames in the sender's order.
+        for want in 1u64..=3 {
+            let f = rx.recv_timeout(Duration::from_secs(1)).unwrap();
+            assert_eq!(f.metadata(), &want.to_le_bytes()[..]);
         }
     }
 }
