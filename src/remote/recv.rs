@@ -358,9 +358,7 @@ fn note_arrived(lent: &mut VecDeque<Credited>, n: FrameNote) -> Result<()> {
 /// order they were credited (the order the sender wrote them in), whatever order their WRITEs
 /// completed in.
 fn next_in_order(lent: &mut VecDeque<Credited>) -> Option<(LentFrame, FrameNote)> {
-    if lent.front()?.note.is_none() {
-        return None;
-    }
+    lent.front()?.note.as_ref()?;
     let c = lent.pop_front()?;
     Some((c.frame, c.note?))
 }
