@@ -7,19 +7,26 @@
 //! channel's segments or protocol.
 //!
 //! One frame:
-//! 1. the receiving bridge, the far channel's [`Producer`], [acquires](crate::channel::Producer::acquire) a buffer
-//!    (waiting, as any producer, for its consumers: back-pressure), registers it with NIXL once,
+//! 1. the receiving bridge, the far channel's [`Producer`], takes a buffer to lend (waiting, as
+//!    any producer, for its consumers: back-pressure), and once the buffer's last readers are done
+//!    with it on their GPUs (their release words, read on the host) registers it with NIXL once
 //!    and sends a credit naming it over the control connection; it keeps up to
 //!    [`recv::RecvOptions::credits`] buffers credited at once (lent ahead of the frames), so a
-//!    credit travels while the WRITE before it runs;
+//!    credit travels while the WRITEs before it run;
 //! 2. the sending bridge, a [`Consumer`] of the near channel, receives the next frame (every frame
 //!    or the latest, by its delivery policy), waits for its ready word on the host (NIXL knows no
-//!    stream), and WRITEs its bytes into the credited far buffer (`postXferReq`) with a
+//!    stream), and WRITEs its bytes into the oldest credited far buffer (`postXferReq`) with a
 //!    notification carrying the buffer index, the near sequence number, the length and the
-//!    metadata ([`wire::FrameNote`]); once the WRITE completed it drops the frame, releasing its
-//!    hold on the near buffer;
-//! 3. the receiving bridge takes the notification (`getNotifs`) and publishes the buffer with the
-//!    frame's metadata; far consumers receive it as any frame.
+//!    metadata ([`wire::FrameNote`]); it goes on to the next frame meanwhile (one WRITE in flight
+//!    per credit), and drops each frame once its WRITE completed, releasing its hold on the near
+//!    buffer from the host;
+//! 3. the receiving bridge takes the notifications (`getNotifs`), which may come in any order,
+//!    and publishes the buffers in the order it credited them, with each frame's metadata, its
+//!    ready word written from the host; far consumers receive them as any frame.
+//!
+//! Neither bridge puts work on a stream; both may run as threads of the processes at their ends
+//! ([`send::serve`], [`recv::serve`]), which on a GPU without MPS saves the context switches
+//! between a bridge's transfers and its neighbour's kernels.
 //!
 //! A far consumer that dies has its holds reclaimed by the far producer (the receiving bridge) as
 //! on one host; the near side is never held by more than the one frame being written. When the

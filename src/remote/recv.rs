@@ -32,8 +32,9 @@ pub struct RecvOptions {
     pub max_consumers: usize,
     /// How many far buffers the bridge lends the sending bridge ahead of the frames (credits
     /// outstanding at once); default 2, at most one less than the far pool's buffers (and at
-    /// least 1). Two hide the credit's round trip behind the WRITE before it; each one more
-    /// is a far buffer its consumers cannot hold meanwhile.
+    /// least 1). The sending bridge keeps one WRITE in flight per credit; two hide the credit's
+    /// round trip behind the WRITE before it; each one more is a far buffer its consumers cannot
+    /// hold meanwhile.
     pub credits: usize,
     /// Timeouts and periods.
     pub lane: LaneOptions,
