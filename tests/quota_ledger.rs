@@ -223,6 +223,17 @@ fn a_producer_past_the_budget_is_refused_before_it_allocates_and_quota_bytes_is_
     let d = device();
     let e = QuotaLedger::open(QuotaScope::user(), d).unwrap_err();
     assert!(matches!(e, Error::Shm(ShmError::NotFound { .. })), "{e:?}");
+    // A producer asking a budget nobody set is refused, naming the ledger and what to do.
+    let scope = QuotaScope::Group(3_000_000_000 + std::process::id());
+    let opts = ChannelOptions::new(100).buffers(4).quota(scope);
+    let e = Producer::create_host(&format!("quota-none-{}", std::process::id()), &opts).unwrap_err();
+    assert!(
+        matches!(e, Error::Quota(cuda_ipc::quota::QuotaError::NoBudget { .. })),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(text.contains("cuda-ipc quota set"), "{text}");
+    assert!(text.contains(&scope.segment_name(cuda_ipc::driver::Uuid([0; 16]))), "{text}");
 }
 
 /// Writes `bytes` (then zeros up to `len`) to a new file under the ledger name, mode 0600.

@@ -39,7 +39,8 @@ pub struct ChannelOptions {
     /// producer closes or drops (a killed producer's bytes are reclaimed at the ledger's next
     /// reserve or inspection). Past the budget, creation fails with
     /// [`crate::quota::QuotaError::OverQuota`] naming who holds how much. `None` (the default):
-    /// no ledger is used. The ledger must exist (its budget set, e.g. by `cuda-ipc quota set`).
+    /// no ledger is used. The ledger must exist (its budget set, e.g. by `cuda-ipc quota set`);
+    /// without it the producer is refused with [`crate::quota::QuotaError::NoBudget`].
     pub quota: Option<QuotaScope>,
     /// How the producer waits in [`Producer::acquire`].
     ///
@@ -228,9 +229,17 @@ pub(super) fn reserve_quota(
         return Ok(None);
     };
     let bytes = (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64);
-    crate::quota::QuotaLedger::open(scope, device)?
-        .reserve(bytes)
-        .map(Some)
+    let ledger = match crate::quota::QuotaLedger::open(scope, device) {
+        Ok(l) => l,
+        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
+            return Err(crate::quota::QuotaError::NoBudget {
+                name: scope.segment_name(device),
+            }
+            .into());
+        }
+        Err(e) => return Err(e),
+    };
+    ledger.reserve(bytes).map(Some)
 }
 
 /// The error of a host accessor (`read_at`, `write_at`) used on a GPU channel's frame.

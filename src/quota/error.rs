@@ -109,6 +109,16 @@ pub enum QuotaError {
         /// Our effective uid.
         ours: u32,
     },
+    /// No budget is set for the scope and device a producer asked to reserve from
+    /// ([`crate::channel::ChannelOptions::quota`]): its ledger does not exist.
+    #[error(
+        "no budget is set in quota ledger {name} (set one first: `cuda-ipc quota set`, or \
+         QuotaLedger::set_budget)"
+    )]
+    NoBudget {
+        /// The ledger's segment name.
+        name: String,
+    },
     /// No group of that name, or this process is not a member of it.
     #[error("group {group}: {reason}")]
     BadGroup {
