@@ -85,6 +85,23 @@ class CudaUnavailable(CudaIpcError):
 class CudaError(CudaIpcError):
     """A CUDA driver call failed; the message names the call and the error."""
 
+class QuotaError(CudaIpcError):
+    """A shared memory budget (``quota=``) cannot serve the producer: none is set, its ledger is
+    full, or it is another user's to change."""
+
+class OverQuota(QuotaError, ValueError):
+    """The pool would take a budget past its limit: the shared one of ``quota=`` (the message
+    names each holder, its pid and bytes) or the producer's own ``quota_bytes``."""
+
+def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] = None) -> None:
+    """Sets the shared budget (bytes) that producers made with ``quota=scope`` reserve their pools
+    from, for host-memory channels (``device=None``) or CUDA device ``device``; as ``cuda-ipc quota
+    set``. ``scope``: ``"user"`` or ``"group:NAME"`` (a group of this process, or a gid). Raises
+    ``QuotaError`` for another user's ledger, ``InvalidArgument`` for a bad scope or group."""
+
+def remove_quota(*, scope: str = "user", device: Optional[int] = None) -> bool:
+    """Removes that budget; returns whether there was one. Reservations held stay held."""
+
 class ConsumerStats(Dict[str, int]):
     """``index``, ``pid``, ``received``, ``dropped``, ``in_flight``, ``lag``."""
 
@@ -99,7 +116,9 @@ class Producer:
     ``"pool"``, or ``"host"``: a POSIX shared-memory pool beside the control segment, made without
     loading the CUDA driver (``device`` is not used), for machines without a GPU and for CPU data;
     consumers attach to it as to any channel. ``wait``: how ``acquire`` waits (``spin`` seconds of spinning first for
-    ``"spin_then_block"``). ``quota_bytes`` bounds the pool. ``group_access`` gives the segment
+    ``"spin_then_block"``). ``quota_bytes`` bounds the pool; ``quota`` (``"user"`` or
+    ``"group:NAME"``) reserves it from that shared budget (``set_quota``), raising ``OverQuota``
+    past it and ``QuotaError`` when none is set. ``group_access`` gives the segment
     mode 0660. Raises ``CudaUnavailable`` without a driver, ``ChannelExists`` when a live producer
     serves ``name``, ``InvalidArgument`` for a bad name or option.
     """
@@ -112,6 +131,7 @@ class Producer:
         buffers: int = 4,
         max_consumers: int = 8,
         quota_bytes: Optional[int] = None,
+        quota: Optional[str] = None,
         wait: Wait = "spin_then_block",
         spin: float = 50e-6,
         memory: Literal["auto", "legacy", "vmm", "pool", "host"] = "auto",

@@ -5,6 +5,7 @@
 use cuda_ipc::Error;
 use cuda_ipc::ShmError;
 use cuda_ipc::channel::ChannelError;
+use cuda_ipc::quota::QuotaError as RustQuotaError;
 use cuda_ipc::registry::RegistryError;
 use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -102,6 +103,14 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     cuda_ipc,
+    QuotaError,
+    CudaIpcError,
+    "A shared memory budget (a quota ledger, `quota=`) cannot serve the producer: none is set, \
+     its ledger is full, or it may not be changed by this user. `OverQuota` is its subclass for a \
+     budget that is used up."
+);
+pyo3::create_exception!(
+    cuda_ipc,
     CudaError,
     CudaIpcError,
     "A CUDA driver call failed; the message names the call and the error."
@@ -115,7 +124,18 @@ fn subclass<'py>(
     doc: &str,
     second: Bound<'py, pyo3::types::PyType>,
 ) -> PyResult<Bound<'py, pyo3::types::PyType>> {
-    let bases = pyo3::types::PyTuple::new(py, [py.get_type::<CudaIpcError>(), second])?;
+    subclass_of(py, name, doc, py.get_type::<CudaIpcError>(), second)
+}
+
+/// A class named `name` under `first` and `second`.
+fn subclass_of<'py>(
+    py: Python<'py>,
+    name: &str,
+    doc: &str,
+    first: Bound<'py, pyo3::types::PyType>,
+    second: Bound<'py, pyo3::types::PyType>,
+) -> PyResult<Bound<'py, pyo3::types::PyType>> {
+    let bases = pyo3::types::PyTuple::new(py, [first, second])?;
     let dict = pyo3::types::PyDict::new(py);
     dict.set_item("__doc__", doc)?;
     dict.set_item("__module__", "cuda_ipc")?;
@@ -130,6 +150,7 @@ pub struct Extra {
     pub timeout: Py<pyo3::types::PyType>,
     pub invalid_argument: Py<pyo3::types::PyType>,
     pub os_error: Py<pyo3::types::PyType>,
+    pub over_quota: Py<pyo3::types::PyType>,
 }
 
 static EXTRA: pyo3::sync::PyOnceLock<Extra> = pyo3::sync::PyOnceLock::new();
@@ -158,6 +179,16 @@ fn extra(py: Python<'_>) -> PyResult<&Extra> {
                 py.get_type::<PyOSError>(),
             )?
             .unbind(),
+            over_quota: subclass_of(
+                py,
+                "OverQuota",
+                "The pool would take a memory budget past its limit: the shared one of a quota \
+                 ledger (the message names each holder and its bytes), or the producer's own \
+                 `quota_bytes`. Also a `ValueError`, as the latter was before.",
+                py.get_type::<QuotaError>(),
+                py.get_type::<PyValueError>(),
+            )?
+            .unbind(),
         })
     })
 }
@@ -181,10 +212,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AtomicsUnavailable", py.get_type::<AtomicsUnavailable>())?;
     m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
     m.add("CudaError", py.get_type::<CudaError>())?;
+    m.add("QuotaError", py.get_type::<QuotaError>())?;
     let x = extra(py)?;
     m.add("Timeout", x.timeout.bind(py))?;
     m.add("InvalidArgument", x.invalid_argument.bind(py))?;
     m.add("OsError", x.os_error.bind(py))?;
+    m.add("OverQuota", x.over_quota.bind(py))?;
     Ok(())
 }
 
@@ -209,6 +242,8 @@ enum Kind {
     Timeout,
     InvalidArgument,
     Os,
+    Quota,
+    OverQuota,
 }
 
 /// The end of the shared-memory layer's text for a symbolic link under a segment's name.
@@ -243,10 +278,18 @@ fn kind(e: &Error) -> Kind {
             ChannelError::BadSegment(_) | ChannelError::VersionMismatch { .. } => Kind::BadSegment,
             ChannelError::Detached => Kind::Detached,
             ChannelError::Superseded(_) => Kind::Superseded,
-            ChannelError::OverQuota { .. } => Kind::InvalidArgument,
+            ChannelError::OverQuota { .. } => Kind::OverQuota,
             _ => Kind::Base,
         },
         Error::Timeout { .. } => Kind::Timeout,
+        Error::Quota(q) => match q {
+            RustQuotaError::OverQuota { .. } => Kind::OverQuota,
+            RustQuotaError::BadSegment { .. } | RustQuotaError::VersionMismatch { .. } => {
+                Kind::BadSegment
+            }
+            RustQuotaError::BadGroup { .. } => Kind::InvalidArgument,
+            _ => Kind::Quota,
+        },
         _ => Kind::Base,
     }
 }
@@ -306,6 +349,8 @@ pub fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Kind::Timeout => extra_class(|x| &x.timeout),
         Kind::InvalidArgument => extra_class(|x| &x.invalid_argument),
         Kind::Os => extra_class(|x| &x.os_error),
+        Kind::Quota => QuotaError::new_err(msg),
+        Kind::OverQuota => extra_class(|x| &x.over_quota),
     }
 }
 

@@ -27,6 +27,7 @@ use cuda_ipc::channel::{
     ChannelOptions, ChannelStats, ConsumerOptions, Delivery, MemoryKind, WaitStrategy,
 };
 use cuda_ipc::driver::{Device, DeviceMemory};
+use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -331,8 +332,8 @@ impl Producer {
     /// (`Producer::create_host`: no CUDA driver needed, `device` unused).
     #[new]
     #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
-        wait="spin_then_block", spin=50e-6, memory="auto", group_access=false, device=0,
-        stream=None))]
+        quota=None, wait="spin_then_block", spin=50e-6, memory="auto", group_access=false,
+        device=0, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -341,6 +342,7 @@ impl Producer {
         buffers: usize,
         max_consumers: usize,
         quota_bytes: Option<u64>,
+        quota: Option<&str>,
         wait: &str,
         spin: f64,
         memory: &str,
@@ -363,6 +365,9 @@ impl Producer {
             .group_access(group_access);
         if let Some(q) = quota_bytes {
             opts = opts.quota_bytes(q);
+        }
+        if let Some(q) = quota {
+            opts = opts.quota(quota_scope(q).map_err(|e| err(py, e))?);
         }
         let host = memory == "host";
         let p = py
@@ -1262,6 +1267,64 @@ impl Frame {
     }
 }
 
+/// The quota scope a `quota=` or `scope=` string names: `"user"` (this process's effective uid)
+/// or `"group:NAME"` (a group name or numeric gid this process belongs to).
+fn quota_scope(s: &str) -> cuda_ipc::Result<QuotaScope> {
+    match s.split_once(':') {
+        None if s == "user" => Ok(QuotaScope::user()),
+        Some(("group", g)) if !g.is_empty() => QuotaScope::group(g),
+        _ => Err(cuda_ipc::Error::InvalidArgument(format!(
+            "quota scope {s:?}: \"user\" or \"group:NAME\""
+        ))),
+    }
+}
+
+/// The device UUID of a budget: host memory (`device=None`, the all-zero UUID) or CUDA device
+/// `device`'s.
+fn quota_device(device: Option<usize>) -> cuda_ipc::Result<cuda_ipc::driver::Uuid> {
+    match device {
+        None => Ok(cuda_ipc::driver::Uuid([0; 16])),
+        Some(d) => Ok(Device::get(d)?.uuid()),
+    }
+}
+
+/// Sets the shared budget, in bytes, that producers created with `quota=scope` reserve their pools
+/// from: for host-memory channels (`device=None`) or for CUDA device `device`. Creates the ledger
+/// (mode 0600 for `"user"`, 0660 for `"group:NAME"`) or changes its budget; reservations already
+/// made stay. The same as `cuda-ipc quota set`.
+///
+/// Raises `QuotaError` when the ledger is another user's, `InvalidArgument` for a bad scope or a
+/// group this process is not in, `BadSegment` for something else under the ledger's name.
+#[pyfunction]
+#[pyo3(signature = (budget_bytes, *, scope="user", device=None))]
+fn set_quota(
+    py: Python<'_>,
+    budget_bytes: u64,
+    scope: &str,
+    device: Option<usize>,
+) -> PyResult<()> {
+    let scope = quota_scope(scope).map_err(|e| err(py, e))?;
+    py.detach(|| QuotaLedger::set_budget(scope, quota_device(device)?, budget_bytes).map(|_| ()))
+        .map_err(|e| err(py, e))
+}
+
+/// Removes the budget of `scope` for host memory (`device=None`) or CUDA device `device`; returns
+/// whether there was one. Producers holding reservations keep them. The same as `cuda-ipc quota
+/// remove`.
+///
+/// Raises `QuotaError` when the ledger is another user's.
+#[pyfunction]
+#[pyo3(signature = (*, scope="user", device=None))]
+fn remove_quota(py: Python<'_>, scope: &str, device: Option<usize>) -> PyResult<bool> {
+    let scope = quota_scope(scope).map_err(|e| err(py, e))?;
+    py.detach(|| match QuotaLedger::open(scope, quota_device(device)?) {
+        Ok(l) => l.remove(),
+        Err(cuda_ipc::Error::Shm(cuda_ipc::ShmError::NotFound { .. })) => Ok(false),
+        Err(e) => Err(e),
+    })
+    .map_err(|e| err(py, e))
+}
+
 /// Zero-copy GPU frames between processes: the cuda-ipc channel.
 #[pymodule]
 #[pyo3(name = "cuda_ipc")]
@@ -1271,6 +1334,8 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WriteFrame>()?;
     m.add_class::<Consumer>()?;
     m.add_class::<Frame>()?;
+    m.add_function(wrap_pyfunction!(set_quota, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_quota, m)?)?;
     m.add("META_BYTES", cuda_ipc::channel::META_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

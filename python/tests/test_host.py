@@ -412,3 +412,46 @@ def test_stream_options_and_tensor_helpers_are_refused_on_a_host_channel(name):
         f.release()  # a second release does nothing
         assert not f.held
         rx.close()
+
+
+def quota_scope():
+    """A group budget of its own for the test: as root a gid nobody uses, else our own group
+    (skipped, visibly, when that group already has a host budget, which the test must not
+    change)."""
+    if os.geteuid() == 0:
+        gid = 3_900_000_000 + os.getpid() % 100_000
+    else:
+        gid = os.getegid()
+    ledger = SHM / f"cuda-ipc.quota.g{gid}.{'0' * 32}"
+    if ledger.exists() and os.geteuid() != 0:
+        pytest.skip(f"group {gid} already has a host-memory budget ({ledger})")
+    return f"group:{gid}", ledger
+
+
+def test_a_host_budget_is_shared_refuses_past_it_naming_the_holder_and_comes_back(name):
+    scope, ledger = quota_scope()
+    # No budget set: said plainly, with what to do.
+    with pytest.raises(cuda_ipc.QuotaError, match="cuda-ipc quota set"):
+        cuda_ipc.Producer(name, 1024, buffers=4, memory="host", quota=scope)
+    cuda_ipc.set_quota(6000, scope=scope)
+    try:
+        assert ledger.exists()
+        first = cuda_ipc.Producer(name, 1024, buffers=4, memory="host", quota=scope)
+        # 4096 of 6000 bytes held: another 4096 would pass the budget.
+        with pytest.raises(cuda_ipc.OverQuota, match=f"pid {os.getpid()}") as e:
+            cuda_ipc.Producer(name + "-2", 1024, buffers=4, memory="host", quota=scope)
+        assert isinstance(e.value, cuda_ipc.QuotaError)
+        assert isinstance(e.value, ValueError)
+        assert not (SHM / f"cuda-ipc.ch.{name}-2").exists()
+        first.close()
+        # The bytes came back with the close.
+        cuda_ipc.Producer(name + "-2", 1024, buffers=4, memory="host", quota=scope).close()
+        # The producer's own cap is an OverQuota too (and still a ValueError).
+        with pytest.raises(cuda_ipc.OverQuota):
+            cuda_ipc.Producer(name, 1024, buffers=4, memory="host", quota_bytes=100)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="scope"):
+            cuda_ipc.Producer(name, 1024, memory="host", quota="everyone")
+    finally:
+        assert cuda_ipc.remove_quota(scope=scope)
+    assert not ledger.exists()
+    assert not cuda_ipc.remove_quota(scope=scope)
