@@ -346,8 +346,9 @@ fn host(r: &mut Report) {
 struct MpsFacts {
     /// The pipe directory (`CUDA_MPS_PIPE_DIRECTORY`, default `/tmp/nvidia-mps`).
     pipe_dir: String,
-    /// Whether the control daemon's pipe (`<pipe dir>/control`) exists as a FIFO: the daemon runs.
-    control_pipe: bool,
+    /// The control daemon's endpoint (`<pipe dir>/control`): a Unix socket (current daemons) or
+    /// a named pipe (older ones), and whether the daemon answers there.
+    control: Control,
     /// `nvidia-cuda-mps-control` on `PATH`, when found.
     control_binary: Option<String>,
     /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` of this process.
@@ -357,14 +358,11 @@ struct MpsFacts {
 }
 
 fn mps_facts() -> MpsFacts {
-    use std::os::unix::fs::FileTypeExt;
     let pipe_dir = std::env::var("CUDA_MPS_PIPE_DIRECTORY")
         .ok()
         .filter(|d| !d.is_empty())
         .unwrap_or_else(|| "/tmp/nvidia-mps".to_string());
-    // A named pipe in older MPS daemons, a Unix socket in current ones (seen with driver 580).
-    let control_pipe = std::fs::symlink_metadata(format!("{pipe_dir}/control"))
-        .is_ok_and(|m| m.file_type().is_fifo() || m.file_type().is_socket());
+    let control = control_state(std::path::Path::new(&format!("{pipe_dir}/control")));
     let control_binary = std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
             .map(|d| d.join("nvidia-cuda-mps-control"))
@@ -373,10 +371,51 @@ fn mps_facts() -> MpsFacts {
     });
     MpsFacts {
         pipe_dir,
-        control_pipe,
+        control,
         control_binary,
         thread_percentage: std::env::var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").ok(),
         pinned_mem_limit: std::env::var("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").ok(),
+    }
+}
+
+/// What stands at the MPS control daemon's endpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Control {
+    /// Nothing (or something that is neither a socket nor a named pipe).
+    #[default]
+    Absent,
+    /// A socket or named pipe nobody serves: a daemon that quit or died left it.
+    Stale,
+    /// A socket that accepted a connection, or a named pipe with a reader: the daemon runs.
+    Live,
+}
+
+/// Whether the MPS control daemon answers at `path`: a Unix socket (current daemons; seen with
+/// driver 580) is connected to and closed at once (refused: stale); a named pipe (older daemons)
+/// is opened for writing without blocking (no reader, `ENXIO`: stale). Nothing is written.
+fn control_state(path: &std::path::Path) -> Control {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(m) = std::fs::symlink_metadata(path) else {
+        return Control::Absent;
+    };
+    let t = m.file_type();
+    if t.is_socket() {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => Control::Live,
+            Err(_) => Control::Stale,
+        }
+    } else if t.is_fifo() {
+        use rustix::fs::{Mode, OFlags};
+        match rustix::fs::open(
+            path,
+            OFlags::WRONLY | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(_) => Control::Live,
+            Err(_) => Control::Stale,
+        }
+    } else {
+        Control::Absent
     }
 }
 
@@ -389,23 +428,21 @@ fn mps_lines(f: &MpsFacts) -> Vec<(Status, String)> {
         .map_or("nvidia-cuda-mps-control is not on PATH".to_string(), |b| {
             format!("control program {b}")
         });
-    if f.control_pipe {
-        v.push((
-            Status::Info,
-            format!(
-                "running: control pipe {}/control; {binary}; kernels of several processes share the GPU at once (each still has its own address space, so IPC is still needed)",
-                f.pipe_dir
-            ),
-        ));
-    } else {
-        v.push((
-            Status::Info,
-            format!(
-                "not running (no control pipe in {}); {binary}; processes time-share the GPU",
-                f.pipe_dir
-            ),
-        ));
-    }
+    let line = match f.control {
+        Control::Live => format!(
+            "running: control pipe {}/control; {binary}; kernels of several processes share the GPU at once (each still has its own address space, so IPC is still needed)",
+            f.pipe_dir
+        ),
+        Control::Stale => format!(
+            "not running (a stale control pipe {}/control answers nobody: a daemon quit or died); {binary}; processes time-share the GPU",
+            f.pipe_dir
+        ),
+        Control::Absent => format!(
+            "not running (no control pipe in {}); {binary}; processes time-share the GPU",
+            f.pipe_dir
+        ),
+    };
+    v.push((Status::Info, line));
     let limit = |what: &str, val: &Option<String>, unset: &str| match val {
         Some(x) => format!("{what}={x}"),
         None => format!("{what} unset ({unset})"),
@@ -520,13 +557,13 @@ pub fn run() -> Result<Outcome, Box<dyn StdError>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{MpsFacts, module_version_of, mps_lines};
+    use super::{Control, MpsFacts, control_state, module_version_of, mps_lines};
 
     #[test]
     fn mps_is_reported_with_its_pipe_and_this_clients_limits() {
         let on = MpsFacts {
             pipe_dir: "/run/mps".into(),
-            control_pipe: true,
+            control: Control::Live,
             control_binary: Some("/usr/bin/nvidia-cuda-mps-control".into()),
             thread_percentage: Some("25".into()),
             pinned_mem_limit: Some("0=2G".into()),
@@ -549,10 +586,55 @@ mod tests {
                 .starts_with("not running (no control pipe in /tmp/nvidia-mps)")
         );
         assert!(l[0].1.contains("not on PATH"));
+        let stale = MpsFacts {
+            control: Control::Stale,
+            ..off.clone()
+        };
+        assert!(
+            mps_lines(&stale)[0]
+                .1
+                .starts_with("not running (a stale control pipe /tmp/nvidia-mps/control")
+        );
         assert!(
             l[1].1
                 .contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset (all SMs)")
         );
+    }
+
+    #[test]
+    fn a_control_socket_or_pipe_nobody_serves_is_stale_and_one_served_is_live() {
+        let dir = std::env::temp_dir().join(format!("doctor-mps-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("control");
+        assert_eq!(control_state(&sock), Control::Absent);
+        let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        assert_eq!(control_state(&sock), Control::Live);
+        drop(l);
+        // The socket file stays after its listener is gone, as after `quit`.
+        assert!(sock.exists());
+        assert_eq!(control_state(&sock), Control::Stale);
+        std::fs::remove_file(&sock).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &sock,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert_eq!(control_state(&sock), Control::Stale);
+        let reader = rustix::fs::open(
+            &sock,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        assert_eq!(control_state(&sock), Control::Live);
+        drop(reader);
+        std::fs::write(dir.join("plain"), b"x").unwrap();
+        assert_eq!(control_state(&dir.join("plain")), Control::Absent);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
