@@ -226,14 +226,21 @@ fn a_producer_past_the_budget_is_refused_before_it_allocates_and_quota_bytes_is_
     // A producer asking a budget nobody set is refused, naming the ledger and what to do.
     let scope = QuotaScope::Group(3_000_000_000 + std::process::id());
     let opts = ChannelOptions::new(100).buffers(4).quota(scope);
-    let e = Producer::create_host(&format!("quota-none-{}", std::process::id()), &opts).unwrap_err();
+    let e =
+        Producer::create_host(&format!("quota-none-{}", std::process::id()), &opts).unwrap_err();
     assert!(
-        matches!(e, Error::Quota(cuda_ipc::quota::QuotaError::NoBudget { .. })),
+        matches!(
+            e,
+            Error::Quota(cuda_ipc::quota::QuotaError::NoBudget { .. })
+        ),
         "{e:?}"
     );
     let text = e.to_string();
     assert!(text.contains("cuda-ipc quota set"), "{text}");
-    assert!(text.contains(&scope.segment_name(cuda_ipc::driver::Uuid([0; 16]))), "{text}");
+    assert!(
+        text.contains(&scope.segment_name(cuda_ipc::driver::Uuid([0; 16]))),
+        "{text}"
+    );
 }
 
 /// Writes `bytes` (then zeros up to `len`) to a new file under the ledger name, mode 0600.

@@ -482,6 +482,21 @@ fn pump(
     // publishes the last one, so only the WRITE waits for a credit (with two or more outstanding,
     // usually none). Latest only: the credit first, then the newest frame, so no older frame is
     // held while the far side is busy. Up to one WRITE per credit is in flight at once.
+    let r = frames(&mut p, remote, place);
+    if r.is_err() {
+        // A failed session still waits (bounded) for the WRITEs it posted before their frames go
+        // back to the near producer: a far peer still listening could otherwise publish a frame
+        // whose buffer was overwritten under the transfer.
+        if let Err(e) = p.retire(true) {
+            tracing::debug!("lane: WRITEs in flight at a failed session's end: {e}");
+        }
+    }
+    r
+}
+
+/// The pump's loop: frames until the session ends ([`pump`]).
+fn frames(p: &mut Pump<'_, '_>, remote: &str, place: Place) -> Result<Ended> {
+    let opts = p.opts;
     let early = opts.delivery == Delivery::EveryFrame;
     loop {
         p.retire(false)?;
