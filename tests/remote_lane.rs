@@ -634,3 +634,26 @@ fn a_peer_without_the_secret_is_refused_and_logged_not_served() {
     }
     let _ = exit_code(&mut recv);
 }
+
+#[test]
+fn a_second_sender_while_a_session_runs_is_refused_at_once_and_the_lane_goes_on() {
+    let mut l = Lane::start("busy", 0);
+    let rx = attach(&l.far, Delivery::EveryFrame);
+    l.producer.send("go");
+    let before = receive(&rx, 20);
+    let opts = send::SendOptions::new(&l.near, &format!("127.0.0.1:{}", l.port), secret());
+    let t = Instant::now();
+    let e = send::serve(&opts, &AtomicBool::new(false), &mut send::Totals::default()).unwrap_err();
+    let took = t.elapsed();
+    assert!(
+        matches!(&e, Error::Remote(cuda_ipc::remote::RemoteError::Refused(r)) if r.contains("busy")),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(1), "refused after {took:?}");
+    // The running session was not disturbed.
+    assert!(receive(&rx, 20) > before);
+    drop(rx);
+    for p in [&l.producer, &l.send, &l.recv] {
+        kill9(p);
+    }
+}

@@ -148,7 +148,8 @@ mod run {
     #[derive(clap::Args, Debug)]
     #[group(required = true, multiple = false)]
     pub struct SecretArgs {
-        /// A file holding the shared secret (mode 0600; one trailing newline is ignored).
+        /// A file holding the shared secret (mode 0600 or 0400: a file others may read or write is
+        /// refused; one trailing newline is ignored).
         #[arg(long)]
         secret_file: Option<PathBuf>,
         /// An environment variable holding the shared secret.

@@ -25,6 +25,9 @@ fn free_port() -> u16 {
 fn secret_file(tag: &str, text: &str) -> PathBuf {
     let p = std::env::temp_dir().join(format!("cuda-ipc-bridge-test-{tag}-{}", std::process::id()));
     std::fs::write(&p, text).unwrap();
+    // A secret file others may read is refused: 0600, as the README says.
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     p
 }
 

@@ -53,6 +53,8 @@ impl Link {
                                     Error::Timeout { after, .. } => {
                                         format!("the peer was silent for {after:?}")
                                     }
+                                    // Said once: `lost` names the control connection again.
+                                    Error::Remote(RemoteError::Link(why)) => why,
                                     e => e.to_string(),
                                 };
                                 let _ = tx.send(Err(why));

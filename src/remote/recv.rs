@@ -221,6 +221,7 @@ pub fn serve(
     status.write();
     let r = pump(
         opts,
+        listener,
         stop,
         &mut producer,
         &mut lane,
@@ -255,6 +256,20 @@ pub fn serve(
         }) => lost(producer, reason),
         Ok(Outcome::Stopped) => Ok(Ended::Stopped(producer)),
         Err(e) => lost(producer, e.to_string()),
+    }
+}
+
+/// Refuses every connection waiting on `listener` (nonblocking) with a `Refused` message saying
+/// the bridge serves another sender; the peer's hello is not read, and each write is bounded.
+fn turn_away(listener: &TcpListener, channel: &str) {
+    if listener.set_nonblocking(true).is_err() {
+        return;
+    }
+    while let Ok((mut s, addr)) = listener.accept() {
+        let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+        let reason = format!("busy: this bridge already serves a sender for channel {channel}");
+        let _ = wire::send(&mut s, &Msg::Refused { reason });
+        tracing::warn!("lane: turned away {addr}: a session for channel {channel} is running");
     }
 }
 
@@ -403,6 +418,7 @@ fn on_message(m: Msg, flow: &mut Flow, session: u64) -> Result<Option<Outcome>> 
 #[allow(clippy::too_many_arguments)]
 fn pump(
     opts: &RecvOptions,
+    listener: &TcpListener,
     stop: &AtomicBool,
     producer: &mut Producer,
     lane: &mut Lane,
@@ -429,9 +445,16 @@ fn pump(
         ending: None,
     };
     let mut naps = 0u32;
+    let mut next_turn_away = Instant::now();
     loop {
         if stop.load(Ordering::Relaxed) {
             return Ok(Outcome::Stopped);
+        }
+        // 0. Peers that connect while this session runs are told at once (every 100 ms) that the
+        // bridge is busy, instead of waiting in the listen backlog for a handshake timeout.
+        if Instant::now() >= next_turn_away {
+            next_turn_away = Instant::now() + Duration::from_millis(100);
+            turn_away(listener, &opts.channel);
         }
         // 1. Control messages.
         while flow.ending.is_none() {

@@ -51,26 +51,43 @@ impl Secret {
         Ok(Secret(bytes))
     }
 
-    /// Reads the secret from file `path` (its bytes, less one trailing newline). A file that
-    /// other users may read is used with a warning.
+    /// Reads the secret from file `path` (its bytes, less one trailing newline). The file must be
+    /// a regular file that no other user may read or write (mode 0600 or 0400, as for an SSH
+    /// key): a secret others can read is no secret. Opened without blocking, so a FIFO under the
+    /// name is refused rather than waited on.
     ///
     /// # Errors
-    /// [`Error::Os`] when the file cannot be read; [`Error::InvalidArgument`] as [`Secret::new`].
+    /// [`Error::Os`] when the file cannot be opened or read; [`Error::InvalidArgument`] for what
+    /// is not a regular file, for a mode that gives other users access (the error says
+    /// `chmod 600`), and as [`Secret::new`] (1 to 4096 bytes).
     pub fn from_file(path: &std::path::Path) -> Result<Secret> {
-        let os = |e| crate::OsError::io("read", path.display().to_string(), e);
-        let bytes = std::fs::read(path).map_err(os)?;
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            if let Ok(m) = std::fs::metadata(path)
-                && m.permissions().mode() & 0o077 != 0
-            {
-                tracing::warn!(
-                    "lane secret file {} can be read by other users (mode {:o}); chmod 600 it",
-                    path.display(),
-                    m.permissions().mode() & 0o777
-                );
-            }
+        use std::io::Read as _;
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        let shown = path.display().to_string();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| crate::OsError::io("open", shown.clone(), e))?;
+        let m = f
+            .metadata()
+            .map_err(|e| crate::OsError::io("fstat", shown.clone(), e))?;
+        if !m.is_file() {
+            return Err(Error::InvalidArgument(format!(
+                "lane secret file {shown} is not a regular file"
+            )));
         }
+        let mode = m.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "lane secret file {shown} can be read or written by other users (mode {mode:o}): \
+                 chmod 600 it"
+            )));
+        }
+        let mut bytes = Vec::new();
+        f.take(4098)
+            .read_to_end(&mut bytes)
+            .map_err(|e| crate::OsError::io("read", shown, e))?;
         Secret::new(trim_newline(bytes))
     }
 
@@ -498,6 +515,43 @@ impl FrameNote {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_file_must_be_a_regular_file_only_its_owner_can_read() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("lane-secret-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("secret");
+        std::fs::write(&f, b"s3cret\n").unwrap();
+        for mode in [0o644, 0o640, 0o606, 0o660] {
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = Secret::from_file(&f).unwrap_err().to_string();
+            assert!(
+                e.contains("chmod 600") && e.contains(&format!("{mode:o}")),
+                "{e}"
+            );
+        }
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(Secret::from_file(&f).unwrap().matches(b"s3cret"));
+        // A FIFO under the name is refused at once, never waited on for a writer.
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let t = std::time::Instant::now();
+        let e = Secret::from_file(&fifo).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(1));
+        assert!(Secret::from_file(&dir).is_err());
+        assert!(matches!(
+            Secret::from_file(&dir.join("missing")),
+            Err(Error::Os(_))
+        ));
+        std::fs::write(&f, vec![b'x'; 5000]).unwrap();
+        assert!(Secret::from_file(&f).is_err(), "over 4096 bytes");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn every_message_round_trips_and_garbage_is_an_error() {
