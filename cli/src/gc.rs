@@ -339,10 +339,21 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             removed += 1;
             continue;
         }
+        // A host channel's pool goes with it: said, as the dry run lists it (among the host
+        // pools of dead producers).
+        let pool = std::path::PathBuf::from("/dev/shm").join(channel_inspect::pool_segment_name(c));
+        let had_pool = std::fs::symlink_metadata(&pool).is_ok();
         match channel_inspect::remove_stale(c) {
             Ok(Some(_)) => {
                 out!("{verb} {what}");
                 removed += 1;
+                if had_pool && std::fs::symlink_metadata(&pool).is_err() {
+                    out!(
+                        "{verb} host pool {} of channel {c}, with its channel",
+                        pool.display()
+                    );
+                    removed += 1;
+                }
             }
             Ok(None) => out!("kept channel {c}: a new producer took it over meanwhile"),
             Err(e) => fail(format!("channel {c}: cannot remove: {e}")),

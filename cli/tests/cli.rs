@@ -147,6 +147,15 @@ fn child() {
             println!("@@ ready");
             std::process::exit(0);
         }
+        // Creates a host-memory channel (its pool a segment of its own), publishes one frame,
+        // and exits without closing it.
+        "host-channel-orphan" => {
+            let opts = cuda_ipc::channel::ChannelOptions::new(4096).buffers(2);
+            let mut tx = cuda_ipc::channel::Producer::create_host(&name, &opts).unwrap();
+            tx.acquire(None).unwrap().publish(b"last words").unwrap();
+            println!("@@ ready");
+            std::process::exit(0);
+        }
         // Attaches to a channel, takes the next frame (holding its buffer), and exits without
         // releasing or detaching.
         "channel-consumer-orphan" => {
@@ -447,6 +456,31 @@ fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
     assert_eq!(after.records[0].record.name, "mine");
     assert_eq!(after.participants.len(), 1);
     drop(reg);
+}
+
+#[test]
+fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
+    let dead = unique("gc-host-dead");
+    let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
+    let _u2 = Unlink(format!("cuda-ipc.hp.{dead}"));
+    ChildRole::start("host-channel-orphan", &dead).wait();
+    let pool = format!("/dev/shm/cuda-ipc.hp.{dead}");
+    assert!(std::path::Path::new(&pool).exists());
+    let o = cuda_ipc(&["gc", &dead, "--dry-run"]);
+    let t = text(&o);
+    assert!(t.contains(&format!("would remove channel {dead}")), "{t}");
+    assert!(std::path::Path::new(&pool).exists(), "dry run removed it");
+    let o = cuda_ipc(&["gc", &dead]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(t.contains(&format!("removed channel {dead}")), "{t}");
+    assert!(
+        t.contains(&format!(
+            "removed host pool {pool} of channel {dead}, with its channel"
+        )),
+        "{t}"
+    );
+    assert!(!std::path::Path::new(&pool).exists());
 }
 
 #[test]
