@@ -345,51 +345,20 @@ impl Lane {
         timeout: Duration,
         spin: Duration,
     ) -> Result<()> {
-        self.write_then(
-            key,
-            len,
-            (tkey, target),
-            remote,
-            notif,
-            timeout,
-            spin,
-            || Ok(()),
-        )
-    }
-
-    /// [`Lane::write`], calling `posted` once the WRITE is posted and before waiting for it: what
-    /// the caller does there (tell the far side) overlaps the transfer instead of delaying it.
-    ///
-    /// # Errors
-    /// As [`Lane::write`], and what `posted` returns (the WRITE is then still waited for, up to
-    /// `timeout`, so that its source is not reused while it runs).
-    #[allow(clippy::too_many_arguments)]
-    pub fn write_then(
-        &mut self,
-        key: u32,
-        len: usize,
-        (tkey, target): (u32, Target),
-        remote: &str,
-        notif: &[u8],
-        timeout: Duration,
-        spin: Duration,
-        posted: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
         let mut w = self.post(key, len, (tkey, target), remote, notif)?;
-        let told = posted();
         let mut naps = 0u32;
         while !self.poll(&mut w, timeout)? {
             pause(w.start, spin, &mut naps);
         }
-        told
+        Ok(())
     }
 
     /// Posts a WRITE (`createXferReq` once per pair of regions, then `postXferReq`) of the first
     /// `len` bytes of local region `key` to far region `target` (key `tkey`) of agent `remote`,
     /// with notification `notif` (NIXL copies it) delivered to the far agent once the data is
     /// there, and returns without waiting: [`Lane::poll`] says when it completed. Several WRITEs
-    /// may be in flight at once, each between its own pair of regions; the far agent receives
-    /// their notifications in the order they were posted.
+    /// may be in flight at once, each between its own pair of regions; they may complete, and
+    /// their notifications reach the far agent, in any order.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `key` is not registered, `len` exceeds either region, or a
@@ -425,6 +394,14 @@ impl Lane {
             .set_notification_message(notif)
             .map_err(nixl("nixl_capi_opt_args_set_notif_msg"))?;
         let args = &self.args;
+        // One prepared for another length is made again (none in flight: checked above).
+        if self
+            .requests
+            .get(&(key, tkey))
+            .is_some_and(|(_, prepared)| *prepared != len)
+        {
+            self.requests.remove(&(key, tkey));
+        }
         if !self.requests.contains_key(&(key, tkey)) {
             let mut local = XferDescList::new(region.place.mem_type())
                 .map_err(nixl("nixl_capi_create_xfer_dlist"))?;
@@ -438,14 +415,9 @@ impl Lane {
                 .map_err(nixl("nixl_capi_create_xfer_req(WRITE)"))?;
             self.requests.insert((key, tkey), (req, len));
         }
-        let Some((req, prepared)) = self.requests.get(&(key, tkey)) else {
+        let Some((req, _)) = self.requests.get(&(key, tkey)) else {
             return Err(Error::InvalidArgument("no transfer request".into()));
         };
-        if *prepared != len {
-            // Prepared for another length: made again for this one.
-            self.requests.remove(&(key, tkey));
-            return self.post(key, len, (tkey, target), remote, notif);
-        }
         let start = Instant::now();
         let in_progress = self
             .agent
