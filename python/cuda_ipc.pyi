@@ -112,7 +112,8 @@ class Producer:
     """The producing end of channel ``name``: a pool of ``buffers`` buffers of ``buffer_bytes``
     bytes on CUDA device ``device`` (its primary context), or of shared host memory.
 
-    ``memory``: ``"auto"`` (legacy IPC where supported, else VMM), ``"legacy"``, ``"vmm"``,
+    ``memory``: ``"auto"`` (VMM where the device exports it as a file descriptor, else legacy IPC;
+    legacy for ``group_access``), ``"legacy"``, ``"vmm"``,
     ``"pool"``, or ``"host"``: a POSIX shared-memory pool beside the control segment, made without
     loading the CUDA driver (``device`` is not used), for machines without a GPU and for CPU data;
     consumers attach to it as to any channel. ``wait``: how ``acquire`` waits (``spin`` seconds of spinning first for

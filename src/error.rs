@@ -65,6 +65,10 @@ pub enum Error {
     /// error names the kind and the fix (`crate::ipc::classify`).
     #[error(transparent)]
     NotExportable(#[from] crate::ipc::NotExportable),
+    /// A legacy IPC handle that the driver would refuse to open in this process, found before
+    /// asking it; the inner error names the cause and the fix ([`crate::ipc::NotImportable`]).
+    #[error(transparent)]
+    NotImportable(#[from] crate::ipc::NotImportable),
     /// A token's bytes could not be decoded.
     #[error("invalid token: {0}")]
     InvalidToken(String),

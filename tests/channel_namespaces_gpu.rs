@@ -142,3 +142,162 @@ fn a_legacy_channel_across_pid_namespaces_works_or_fails_with_a_clear_error() {
         "{last}"
     );
 }
+
+const KIND: &str = "CUDA_IPC_TEST_KIND";
+const PAIR_FRAMES: u64 = 1000;
+
+fn kind_named(s: &str) -> MemoryKind {
+    match s {
+        "auto" => MemoryKind::Auto,
+        "vmm" => MemoryKind::Vmm,
+        "pool" => MemoryKind::Pool,
+        "legacy" => MemoryKind::Legacy,
+        other => panic!("unknown kind {other}"),
+    }
+}
+
+/// The producer of a pair whose two sides each have a pid namespace of their own: makes the
+/// channel, says `created <pid> <pid ns> <kind chosen>`, then waits for `go` (fills and publishes
+/// `PAIR_FRAMES` frames, closes, says `produced <frames>`) or `stop`.
+fn produce_in_own_namespace() {
+    let name = std::env::var(CHANNEL).unwrap();
+    let kind = kind_named(&std::env::var(KIND).unwrap());
+    let ctx = ctx();
+    let k = Kernels::load(&ctx).unwrap();
+    let me = cuda_ipc::identity::ProcessIdentity::current().unwrap();
+    let mut tx = match Producer::create(
+        &ctx,
+        &name,
+        &ChannelOptions::new(4 << 20).buffers(4).memory(kind),
+    ) {
+        Ok(tx) => tx,
+        Err(e) => {
+            tell(format!("failed {e}"));
+            return;
+        }
+    };
+    tell(format!(
+        "created {} {} {:?}",
+        me.pid,
+        me.pid_ns,
+        tx.memory_kind()
+    ));
+    let order = common::parent_lines().next().unwrap_or_default();
+    if order == "go" {
+        for i in 0..PAIR_FRAMES {
+            let f = tx.acquire(Some(T)).unwrap();
+            k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+            f.publish(&i.to_le_bytes()).unwrap();
+        }
+    }
+    tx.close(T).unwrap();
+    tell(format!(
+        "produced {}",
+        if order == "go" { PAIR_FRAMES } else { 0 }
+    ));
+}
+
+/// Runs a producer of `kind` and a consumer, each under `wrapper` (a new pid namespace, and in it
+/// a pid of the wrapper's choosing), `PAIR_FRAMES` frames checked on the GPU; returns the pids
+/// each side had, the kind the producer chose and the consumer's last line.
+fn pair_in_own_namespaces(wrapper: &[&str], test: &str, kind: &str) -> (u32, u32, String, String) {
+    let name = format!("ns-pair-{kind}-{}", std::process::id());
+    let mut p = Peer::spawn_under(wrapper, test, "producer", &[(CHANNEL, &name), (KIND, kind)]);
+    let created = p.recv(T);
+    let w: Vec<&str> = created.split_whitespace().collect();
+    assert_eq!(w[0], "created", "{kind}: {created}");
+    let (p_pid, p_ns): (u32, u32) = (w[1].parse().unwrap(), w[2].parse().unwrap());
+    let chosen = w[3].to_string();
+    let mut c = Peer::spawn_under(wrapper, test, "consumer", &[(CHANNEL, &name)]);
+    let first = c.recv(T);
+    let c_pid = if let Some(rest) = first.strip_prefix("ready ") {
+        let w: Vec<&str> = rest.split_whitespace().collect();
+        let c_ns: u32 = w[1].parse().unwrap();
+        assert_ne!(c_ns, p_ns, "the two sides have pid namespaces of their own");
+        p.send("go");
+        w[0].parse().unwrap()
+    } else {
+        p.send("stop");
+        p_pid
+    };
+    let produced = p.recv(T);
+    assert!(produced.starts_with("produced"), "{kind}: {produced}");
+    p.finish(T);
+    let last = if first.starts_with("failed") {
+        first
+    } else {
+        c.recv(T)
+    };
+    c.finish(T);
+    println!("{kind} (chose {chosen}), pids {p_pid} and {c_pid}: consumer says `{last}`");
+    (p_pid, c_pid, chosen, last)
+}
+
+/// Every memory kind between a producer and a consumer that have the same pid, each in a pid
+/// namespace of its own (two containers' main processes): VMM, pool and `Auto` deliver every
+/// frame intact and `Auto` chooses VMM; legacy is refused at attach with the typed error naming
+/// the cause and the fix.
+fn every_kind_between_equal_pids(wrapper: &[&str], test: &str, pid: u32) {
+    if let Some(r) = role() {
+        return match r.as_str() {
+            "producer" => produce_in_own_namespace(),
+            _ => consume(),
+        };
+    }
+    for kind in ["auto", "vmm", "pool", "legacy"] {
+        let (p_pid, c_pid, chosen, last) = pair_in_own_namespaces(wrapper, test, kind);
+        assert_eq!(
+            (p_pid, c_pid),
+            (pid, pid),
+            "{kind}: both sides are pid {pid}"
+        );
+        if kind == "legacy" {
+            assert!(
+                last.starts_with("failed")
+                    && last.contains(&format!("also pid {pid}"))
+                    && last.contains("MemoryKind::Vmm"),
+                "legacy: {last}"
+            );
+        } else {
+            assert_eq!(
+                last,
+                format!("done {PAIR_FRAMES} 0"),
+                "{kind}: every frame intact"
+            );
+        }
+        if kind == "auto" {
+            assert_eq!(chosen, "Vmm", "auto chooses a kind that works for the pair");
+        }
+    }
+}
+
+const PID1: &str = "every_memory_kind_between_two_pid_1_processes_of_different_namespaces_works_or_is_refused_by_name";
+
+#[test]
+#[ignore = "needs a CUDA GPU and root (scripts/gpu-test.sh)"]
+fn every_memory_kind_between_two_pid_1_processes_of_different_namespaces_works_or_is_refused_by_name()
+ {
+    let wrapper = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"];
+    every_kind_between_equal_pids(&wrapper, PID1, 1);
+}
+
+const PID2: &str = "every_memory_kind_between_two_pid_2_processes_of_different_namespaces_works_or_is_refused_by_name";
+
+#[test]
+#[ignore = "needs a CUDA GPU and root (scripts/gpu-test.sh)"]
+fn every_memory_kind_between_two_pid_2_processes_of_different_namespaces_works_or_is_refused_by_name()
+ {
+    // A shell is each namespace's pid 1 and runs the test binary as its first child, pid 2.
+    let wrapper = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        "sh",
+        "-c",
+        "\"$@\"; exit $?",
+        "sh",
+    ];
+    every_kind_between_equal_pids(&wrapper, PID2, 2);
+}

@@ -44,6 +44,7 @@ const LAYERS: &[(&str, &[&str])] = &[
 const ERROR_NAMES: &[&str] = &[
     "ffi::CudaError",
     "ipc::NotExportable",
+    "ipc::NotImportable",
     "shm::ShmError",
     "registry::RegistryError",
     "channel::ChannelError",

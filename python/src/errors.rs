@@ -258,7 +258,9 @@ fn kind(e: &Error) -> Kind {
         Error::Cuda(_) => Kind::Cuda,
         Error::Os(os) if FD_PASSING_CALLS.contains(&os.call) => Kind::FdPassing,
         Error::Os(_) => Kind::Os,
-        Error::Unsupported { .. } | Error::NotExportable(_) => Kind::NotSupported,
+        Error::Unsupported { .. } | Error::NotExportable(_) | Error::NotImportable(_) => {
+            Kind::NotSupported
+        }
         Error::InvalidToken(_) => Kind::InvalidToken,
         // The shared-memory layer reports a symbolic link under a segment's name as an invalid
         // argument; for a channel it is garbage under the name, as the pure-Python consumer says.

@@ -66,10 +66,20 @@ pub struct ChannelOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MemoryKind {
-    /// Legacy IPC ([`MemoryKind::Legacy`]) where the platform supports it, else VMM.
+    /// VMM memory ([`MemoryKind::Vmm`]) where the device exports it as a file descriptor, else
+    /// legacy IPC ([`MemoryKind::Legacy`]); legacy also when [`ChannelOptions::group_access`] is
+    /// set (VMM descriptors are served to the producer's user alone) or the driver refuses the
+    /// VMM allocation. VMM first because its imports work between any two processes of a user:
+    /// a legacy handle cannot be opened by a process whose pid equals the producer's in another
+    /// pid namespace (two containers whose main processes are both pid 1), and its consumers'
+    /// mappings outlive a producer that dies. [`crate::channel::Producer::memory_kind`] says which
+    /// kind was chosen.
     #[default]
     Auto,
-    /// `cuMemAlloc` buffers shared through `IpcMemHandle`s.
+    /// `cuMemAlloc` buffers shared through `IpcMemHandle`s. Consumers of other users may attach
+    /// (with [`ChannelOptions::group_access`]); a consumer whose pid equals the producer's in
+    /// another pid namespace cannot (the driver takes it for the producer), and gets
+    /// [`crate::Error::NotImportable`] naming the cause and the fix.
     Legacy,
     /// `cuMemCreate` buffers shared as POSIX file descriptors ([`VmmBuffer`]): each consumer holds
     /// its own reference to the memory, so its mappings stay valid if the producer dies.

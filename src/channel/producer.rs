@@ -17,7 +17,7 @@ use crate::identity::ProcessIdentity;
 use crate::ipc::{MemPool, PoolBuffer, VmmBuffer};
 use crate::quota::Reservation;
 use crate::shm::SegmentOptions;
-use crate::token::Token;
+use crate::token::{TOKEN_LEN, Token};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -258,32 +258,26 @@ impl Producer {
     }
 
     fn create_gpu(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
-        let kind = match opts.memory {
-            MemoryKind::Auto => match crate::probe::require_legacy_ipc(&ctx.device()) {
-                Ok(()) => MemoryKind::Legacy,
-                Err(e) => {
-                    tracing::info!(
-                        "channel {name}: legacy IPC unavailable ({e}); using VMM memory"
-                    );
-                    MemoryKind::Vmm
-                }
-            },
-            k => k,
-        };
         let quota = reserve_quota(opts, ctx.device().uuid())?;
         let stream = Stream::new(ctx)?;
-        let pool = match kind {
-            MemoryKind::Pool => Some((MemPool::exportable(ctx)?, Stream::new(ctx)?)),
-            _ => None,
+        let (kind, buffers, tokens) = match opts.memory {
+            MemoryKind::Auto => {
+                let first = auto_kind(ctx, opts);
+                match allocate_pool(ctx, first, opts) {
+                    Ok(made) => made,
+                    // VMM where the device reports it but the driver still refuses (an MPS
+                    // client or a restricted container, say): legacy memory instead, said once.
+                    Err(e) if first == MemoryKind::Vmm => {
+                        tracing::info!(
+                            "channel {name}: VMM memory refused ({e}); using legacy IPC memory"
+                        );
+                        allocate_pool(ctx, MemoryKind::Legacy, opts)?
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            k => allocate_pool(ctx, k, opts)?,
         };
-        let mut buffers = Vec::with_capacity(opts.buffers);
-        let mut tokens = Vec::with_capacity(opts.buffers);
-        for _ in 0..opts.buffers {
-            // Each buffer is its own allocation: a legacy handle exposes the whole allocation.
-            let b = ChannelBuffer::new(ctx, kind, opts.buffer_bytes, pool.as_ref())?;
-            tokens.push(b.export()?.to_bytes());
-            buffers.push(b);
-        }
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
         let control = Control::create_with_flags(
             name,
@@ -888,6 +882,48 @@ impl Drop for LentFrame {
             }
             self.control.abandon(self.index);
         }
+    }
+}
+
+/// The buffers and their exported tokens of a GPU pool of `kind`, each buffer its own allocation
+/// (a legacy handle exposes the whole allocation it names). Whatever was made is freed again on
+/// failure.
+fn allocate_pool(
+    ctx: &Arc<Context>,
+    kind: MemoryKind,
+    opts: &ChannelOptions,
+) -> Result<(MemoryKind, Vec<ChannelBuffer>, Vec<[u8; TOKEN_LEN]>)> {
+    let pool = match kind {
+        MemoryKind::Pool => Some((MemPool::exportable(ctx)?, Stream::new(ctx)?)),
+        _ => None,
+    };
+    let mut buffers = Vec::with_capacity(opts.buffers);
+    let mut tokens = Vec::with_capacity(opts.buffers);
+    for _ in 0..opts.buffers {
+        let b = ChannelBuffer::new(ctx, kind, opts.buffer_bytes, pool.as_ref())?;
+        tokens.push(b.export()?.to_bytes());
+        buffers.push(b);
+    }
+    Ok((kind, buffers, tokens))
+}
+
+/// What [`MemoryKind::Auto`] tries first for a GPU pool.
+///
+/// VMM memory wherever the device can export it as a file descriptor and the consumers are of
+/// the producer's own user: its imports work between any two processes of the user, whatever
+/// their pid namespaces. Legacy IPC handles cannot be opened by a process whose pid equals the
+/// exporter's (the driver takes it for the exporter itself and answers
+/// `CUDA_ERROR_INVALID_CONTEXT`; measured on an H200, docs/gpu-verification.md), which is what two
+/// containers whose main processes are both pid 1 are. Legacy memory where consumers of other
+/// users must attach ([`ChannelOptions::group_access`]: VMM descriptors are served to the same
+/// user alone) or the device has no fd-exportable VMM.
+fn auto_kind(ctx: &Arc<Context>, opts: &ChannelOptions) -> MemoryKind {
+    if opts.group_access {
+        return MemoryKind::Legacy;
+    }
+    match ctx.device().capabilities() {
+        Ok(c) if c.vmm && c.posix_fd_handles => MemoryKind::Vmm,
+        _ => MemoryKind::Legacy,
     }
 }
 

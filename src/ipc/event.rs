@@ -1,6 +1,6 @@
 use super::cache::{self, lock};
 use super::flight::{Lease, SingleFlight};
-use super::handle::{IpcEventHandle, to_raw_event};
+use super::handle::{IpcEventHandle, NotImportable, to_raw_event};
 use crate::driver::{Context, Device, Event, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
@@ -132,14 +132,19 @@ impl IpcEvent {
     /// its own event.
     ///
     /// # Errors
-    /// [`Error::InvalidToken`] when the token's kind is not [`TokenKind::LegacyEvent`]; as
-    /// [`IpcEventHandle::open`].
+    /// [`Error::InvalidToken`] when the token's kind is not [`TokenKind::LegacyEvent`];
+    /// [`Error::NotImportable`] when its exporter has this process's pid in another pid namespace
+    /// (the driver would take this process for the exporter); as [`IpcEventHandle::open`].
     pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<IpcEvent> {
         if token.kind != TokenKind::LegacyEvent {
             return Err(Error::InvalidToken(format!(
                 "expected an event token, got {:?}",
                 token.kind
             )));
+        }
+        let me = ProcessIdentity::current()?;
+        if let Some(e) = NotImportable::same_pid(&token.exporter, &me, "cuIpcOpenEventHandle") {
+            return Err(e.into());
         }
         IpcEventHandle(token.handle).open(ctx)
     }

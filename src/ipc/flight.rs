@@ -267,6 +267,7 @@ pub(crate) fn copy_error(e: &Error) -> Error {
         },
         Error::ChannelClosed => Error::ChannelClosed,
         Error::NotExportable(n) => Error::NotExportable(n.clone()),
+        Error::NotImportable(n) => Error::NotImportable(n.clone()),
         Error::Quota(q) => Error::Quota(q.clone()),
         Error::Timeout { what, after } => Error::Timeout {
             what,

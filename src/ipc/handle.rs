@@ -51,3 +51,75 @@ pub(crate) fn to_raw_event(h: &IpcEventHandle) -> crate::ffi::sys::CUipcEventHan
         reserved: h.0.map(|b| b as std::ffi::c_char),
     }
 }
+
+/// Why a legacy IPC handle cannot be opened in this process, found before the driver is asked.
+/// Returned as [`crate::Error::NotImportable`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotImportable {
+    /// The exporter's pid (as its own pid namespace counts it) equals this process's, in another
+    /// pid namespace (or it is a dead exporter whose pid this process now has). The driver takes
+    /// such an importer for the exporter itself and `cuIpcOpenMemHandle_v2` fails with
+    /// `CUDA_ERROR_INVALID_CONTEXT` (measured on an H200 with driver 580: two processes that are
+    /// both pid 1, or both pid 2, of different pid namespaces; any other pair opens). Two containers
+    /// whose main processes share a handle are exactly this case.
+    #[error(
+        "a legacy IPC handle of process {pid} (pid namespace {exporter_pid_ns}) cannot be opened by this process, also pid {pid} (pid namespace {importer_pid_ns}): the CUDA driver takes an importer with the exporter's pid for the exporter itself ({call} would fail with CUDA_ERROR_INVALID_CONTEXT); share VMM or pool memory instead (MemoryKind::Vmm, which MemoryKind::Auto picks where the device can), or start one side under another pid"
+    )]
+    SamePid {
+        /// The pid both processes have, each in its own pid namespace.
+        pid: u32,
+        /// The exporter's pid namespace inode (0 when unknown).
+        exporter_pid_ns: u32,
+        /// This process's pid namespace inode (0 when unknown).
+        importer_pid_ns: u32,
+        /// The driver call that would have failed.
+        call: &'static str,
+    },
+}
+
+impl NotImportable {
+    /// [`NotImportable::SamePid`] when a legacy handle exported by `exporter` cannot be opened
+    /// by `me` (a different process with the same pid number), else `None`.
+    pub(crate) fn same_pid(
+        exporter: &crate::identity::ProcessIdentity,
+        me: &crate::identity::ProcessIdentity,
+        call: &'static str,
+    ) -> Option<NotImportable> {
+        (exporter.pid == me.pid && exporter != me).then_some(NotImportable::SamePid {
+            pid: me.pid,
+            exporter_pid_ns: exporter.pid_ns,
+            importer_pid_ns: me.pid_ns,
+            call,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NotImportable;
+    use crate::identity::ProcessIdentity;
+
+    #[test]
+    fn a_handle_of_another_namespace_s_process_with_our_pid_is_refused_by_name() {
+        let me = ProcessIdentity::current().unwrap();
+        let mut twin = me;
+        twin.pid_ns = me.pid_ns.wrapping_add(1);
+        twin.start_time = me.start_time + 1;
+        let e = NotImportable::same_pid(&twin, &me, "cuIpcOpenMemHandle_v2").unwrap();
+        let text = e.to_string();
+        assert!(text.contains(&format!("also pid {}", me.pid)), "{text}");
+        assert!(text.contains("CUDA_ERROR_INVALID_CONTEXT"), "{text}");
+        assert!(text.contains("MemoryKind::Vmm"), "{text}");
+    }
+
+    #[test]
+    fn our_own_handle_and_other_pids_are_left_to_the_driver() {
+        let me = ProcessIdentity::current().unwrap();
+        assert_eq!(NotImportable::same_pid(&me, &me, "x"), None, "a self-import");
+        let mut other = me;
+        other.pid = me.pid.wrapping_add(1);
+        other.pid_ns = me.pid_ns.wrapping_add(1);
+        assert_eq!(NotImportable::same_pid(&other, &me, "x"), None);
+    }
+}

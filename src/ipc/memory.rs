@@ -1,6 +1,6 @@
 use super::cache::{self, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, Source, lock};
 use super::flight::Lease;
-use super::handle::{IpcMemHandle, to_raw_mem};
+use super::handle::{IpcMemHandle, NotImportable, to_raw_mem};
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
@@ -104,14 +104,21 @@ impl ImportedBuffer {
     ///   lies outside the allocation the handle names;
     /// - [`Error::InvalidArgument`] when it names this process's own export and that buffer was
     ///   freed;
+    /// - [`Error::NotImportable`] for a legacy token whose exporter has this process's pid in
+    ///   another pid namespace (two containers' pid 1s: the driver would refuse it);
     /// - [`Error::Cuda`] naming `cuIpcOpenMemHandle_v2` for a garbage or stale handle
     ///   (`CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_INVALID_HANDLE`...), or `CUDA_ERROR_TOO_MANY_PEERS`.
     #[doc(alias = "cuIpcOpenMemHandle")]
     pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<ImportedBuffer> {
         let mapping = match token.kind {
             TokenKind::LegacyMemory => {
-                let is_self = token.exporter == ProcessIdentity::current()?;
-                open_mapping(ctx, &IpcMemHandle(token.handle), is_self)?
+                let me = ProcessIdentity::current()?;
+                if let Some(e) =
+                    NotImportable::same_pid(&token.exporter, &me, "cuIpcOpenMemHandle_v2")
+                {
+                    return Err(e.into());
+                }
+                open_mapping(ctx, &IpcMemHandle(token.handle), token.exporter == me)?
             }
             TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token)?,
             TokenKind::PoolMemory => super::pool::open_pool(ctx, token)?,

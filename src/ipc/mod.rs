@@ -42,7 +42,7 @@ pub use foreign::{
     DevicePoolGuard, ForeignBuffer, ForeignKind, ForeignStats, NotExportable, classify,
     foreign_stats,
 };
-pub use handle::{IpcEventHandle, IpcMemHandle};
+pub use handle::{IpcEventHandle, IpcMemHandle, NotImportable};
 pub use memory::ImportedBuffer;
 pub use pool::{MemPool, PoolBuffer};
 pub use shareable::{fd_transport, set_fd_transport};
