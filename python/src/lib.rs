@@ -17,7 +17,9 @@
 //! abi3 wheel (limited API of CPython 3.9) cannot export the buffer protocol either.
 //!
 //! Blocking calls release the GIL and wait in slices of at most [`SLICE`], checking for signals
-//! between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with nothing held.
+//! and for `close()` between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with nothing
+//! held, and `close()` from another thread wakes them within a slice ([`sliced`]). Every duration
+//! argument goes through [`seconds_arg`] (0 to [`MAX_SECONDS`], else `InvalidArgument`).
 
 mod dlpack;
 mod errors;
@@ -35,6 +37,10 @@ use std::time::{Duration, Instant};
 
 /// The longest a blocking call waits without the GIL before it checks for signals.
 const SLICE: Duration = Duration::from_millis(50);
+
+/// The longest `Producer.close()` waits for an `acquire` blocked in another thread to give the
+/// producer back; it does so within one [`SLICE`] (plus the time to take the GIL).
+const CLOSE_WAITS_FOR_ACQUIRE: Duration = Duration::from_secs(5);
 
 /// Copies of at least this many bytes of a host frame run without the GIL.
 const COPY_WITHOUT_GIL: usize = 64 * 1024;
@@ -656,11 +662,16 @@ impl Producer {
                 // The blocked `acquire` sees `closed` before its next slice and gives the
                 // producer back (`give_back`, which sees `close_waits` and leaves it here). It
                 // needs neither this lock (released while waiting) nor the GIL (released above).
+                // Bounded all the same (`CLOSE_WAITS_FOR_ACQUIRE`): should that `acquire` not come
+                // back (a bug), this returns and whoever gives the producer back closes it.
                 s.close_waits = true;
                 s = self
                     .back
-                    .wait_while(s, |s| s.producer.is_none() && s.acquiring.is_some())
-                    .unwrap_or_else(|p| p.into_inner());
+                    .wait_timeout_while(s, CLOSE_WAITS_FOR_ACQUIRE, |s| {
+                        s.producer.is_none() && s.acquiring.is_some()
+                    })
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
                 s.close_waits = false;
             }
             s.producer.take()
