@@ -3,7 +3,12 @@
 A ``Producer`` owns a pool of exportable device buffers and publishes frames; each ``Consumer``
 process attaches by channel name and receives them as ``Frame`` objects, views of the producer's
 buffers that export through DLPack (``torch.from_dlpack(frame)``) and ``__cuda_array_interface__``.
-Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 100 ms.
+Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 100 ms,
+and by ``close()`` of their object from another thread within 50 ms (``Consumer``: ``Detached``;
+``Producer``: ``ChannelClosed``).
+
+Durations (``timeout``, ``spin``) are seconds from 0 to 1e9; ``timeout=None`` waits forever.
+Anything else (negative, NaN, infinite, larger) raises ``InvalidArgument`` naming the argument.
 
 A host channel (``Producer(name, n, memory="host")``) needs no GPU or CUDA driver: its pool is
 shared host memory, written with ``WriteFrame.write`` and read with ``Frame.bytes``/``Frame.read``
@@ -59,10 +64,12 @@ class ProducerGone(CudaIpcError):
     """The channel's producer died (noticed within about 20 ms)."""
 
 class ChannelClosed(CudaIpcError):
-    """The producer closed the channel and every published frame was received."""
+    """The producer closed the channel and every published frame was received; or, from a
+    ``Producer``, it was closed (also from another thread while ``acquire`` waited)."""
 
 class Detached(CudaIpcError):
-    """This consumer's slot was taken back, or it was closed."""
+    """This consumer's slot was taken back, or it was closed (also from another thread while
+    ``recv`` waited)."""
 
 class Superseded(CudaIpcError):
     """The channel was removed and made again while this handle used it: attach again."""
@@ -116,8 +123,8 @@ class Producer:
     legacy for ``group_access``), ``"legacy"``, ``"vmm"``,
     ``"pool"``, or ``"host"``: a POSIX shared-memory pool beside the control segment, made without
     loading the CUDA driver (``device`` is not used), for machines without a GPU and for CPU data;
-    consumers attach to it as to any channel. ``wait``: how ``acquire`` waits (``spin`` seconds of spinning first for
-    ``"spin_then_block"``). ``quota_bytes`` bounds the pool; ``quota`` (``"user"`` or
+    consumers attach to it as to any channel. ``wait``: how ``acquire`` waits (``spin`` seconds
+    of spinning first for ``"spin_then_block"``, 0 to 1e9). ``quota_bytes`` bounds the pool; ``quota`` (``"user"`` or
     ``"group:NAME"``) reserves it from that shared budget (``set_quota``), raising ``OverQuota``
     past it and ``QuotaError`` when none is set. ``group_access`` gives the segment
     mode 0660. Raises ``CudaUnavailable`` without a driver, ``ChannelExists`` when a live producer
@@ -148,15 +155,22 @@ class Producer:
     def memory(self) -> Literal["legacy", "vmm", "pool", "host"]:
         """The kind of memory of the pool (``"auto"`` resolved)."""
     def acquire(self, timeout: Optional[float] = None) -> WriteFrame:
-        """A free buffer to write, waiting up to ``timeout`` seconds (``None``: forever).
-        Raises ``Timeout``; ``InvalidArgument`` while another WriteFrame is outstanding."""
+        """A free buffer to write, waiting up to ``timeout`` seconds (0 to 1e9; ``None``:
+        forever). Raises ``Timeout``; ``ChannelClosed`` once closed, also by ``close()`` from
+        another thread while this waits (within 50 ms); ``InvalidArgument`` while another
+        WriteFrame is outstanding or for a bad ``timeout``."""
     def try_acquire(self) -> Optional[WriteFrame]:
-        """A free buffer if one is free now, else ``None``."""
+        """A free buffer if one is free now, else ``None``. ``ChannelClosed`` once closed."""
     def stats(self) -> ChannelStats:
-        """The channel's counters (not while a WriteFrame is outstanding)."""
+        """The channel's counters (not while a WriteFrame is outstanding; ``ChannelClosed`` once
+        closed)."""
     def close(self, timeout: float = 5.0) -> Dict[str, int]:
         """Closes the channel (consumers get ``ChannelClosed`` after the last frame), waits up to
-        ``timeout`` seconds for their holds and frees the pool: ``{"forced_holds": n}``."""
+        ``timeout`` seconds (0 to 1e9) for their holds and frees the pool:
+        ``{"forced_holds": n}``. Safe from any thread: an ``acquire`` blocked in another thread
+        raises ``ChannelClosed`` and this waits for it to end (one 50 ms slice) before closing.
+        While a WriteFrame is outstanding it returns at once (``forced_holds`` 0) and the channel
+        closes when that frame is published (which then raises ``ChannelClosed``) or abandoned."""
     def __enter__(self) -> Producer: ...
     def __exit__(
         self,
@@ -202,7 +216,8 @@ class WriteFrame:
     def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
         """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
     def publish(self, metadata: bytes = b"") -> int:
-        """Publishes with ``metadata`` (at most META_BYTES); returns the sequence number."""
+        """Publishes with ``metadata`` (at most META_BYTES); returns the sequence number. Once the
+        producer was closed, raises ``ChannelClosed`` and gives the buffer back unpublished."""
     def abandon(self) -> None: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]: ...
@@ -262,13 +277,19 @@ class Consumer:
         """The consumer's stream (a raw ``CUstream``): frames are ready on it. ``NotSupported``
         on a host channel."""
     def recv(self, timeout: Optional[float] = None) -> Frame:
-        """The next frame, waiting up to ``timeout`` seconds (``None``: forever). Raises
-        ``Timeout``, ``ChannelClosed``, ``ProducerGone``, ``Detached``, ``Superseded``;
-        ``KeyboardInterrupt`` on Ctrl-C, with no frame taken."""
-    def try_recv(self) -> Optional[Frame]: ...
+        """The next frame, waiting up to ``timeout`` seconds (0 to 1e9; ``None``: forever).
+        Raises ``Timeout``, ``ChannelClosed``, ``ProducerGone``, ``Detached``, ``Superseded``;
+        ``KeyboardInterrupt`` on Ctrl-C, with no frame taken; ``InvalidArgument`` for a bad
+        ``timeout``. ``close()`` from another thread makes it raise ``Detached`` within 50 ms; a
+        closed consumer never returns a frame (a ``recv`` racing ``close`` returns only a frame it
+        took before the close)."""
+    def try_recv(self) -> Optional[Frame]:
+        """The next frame if one is ready now, else ``None``; ``Detached`` once closed."""
     def stats(self) -> ChannelStats: ...
     def close(self) -> None:
-        """Detaches (once frames and DLPack tensors still alive are gone)."""
+        """Detaches (once frames and DLPack tensors still alive are gone). Safe from any thread: a
+        ``recv`` (or iteration) blocked in another thread raises ``Detached`` within 50 ms; this
+        never waits for it. Frames received before stay valid until released."""
     def __iter__(self) -> Iterator[Frame]: ...
     def __next__(self) -> Frame: ...
     def __enter__(self) -> Consumer: ...

@@ -200,3 +200,22 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
     println!("device memory in use after every process exited differs by {diff} bytes");
     assert!(diff.abs() <= 4 << 20, "{diff} bytes not returned");
 }
+
+/// Durations too long for an `Instant` (`Duration::MAX`) mean "no bound", never a panic: a posted
+/// receive waited for with one, then a close with one.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn unbounded_durations_wait_and_close_without_panicking() {
+    let name = common::unique("maxdur");
+    let ctx = ctx();
+    let opts = ChannelOptions::new(4096).buffers(2).ring(true);
+    let mut tx = Producer::create(&ctx, &name, &opts).unwrap();
+    let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
+    let posted = rx.post(|_| Ok(())).unwrap();
+    assert_eq!(tx.acquire(Some(T)).unwrap().publish(b"m").unwrap(), 1);
+    let f = posted.wait(Some(Duration::MAX)).unwrap();
+    assert_eq!((f.seq(), f.metadata()), (1, b"m".as_slice()));
+    drop(rx);
+    let report = tx.close(Duration::MAX).unwrap();
+    assert_eq!(report.forced_holds, 0);
+}

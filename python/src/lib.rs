@@ -17,7 +17,9 @@
 //! abi3 wheel (limited API of CPython 3.9) cannot export the buffer protocol either.
 //!
 //! Blocking calls release the GIL and wait in slices of at most [`SLICE`], checking for signals
-//! between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with nothing held.
+//! and for `close()` between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with nothing
+//! held, and `close()` from another thread wakes them within a slice ([`sliced`]). Every duration
+//! argument goes through [`seconds_arg`] (0 to [`MAX_SECONDS`], else `InvalidArgument`).
 
 mod dlpack;
 mod errors;
@@ -30,11 +32,15 @@ use cuda_ipc::driver::{Device, DeviceMemory};
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The longest a blocking call waits without the GIL before it checks for signals.
 const SLICE: Duration = Duration::from_millis(50);
+
+/// The longest `Producer.close()` waits for an `acquire` blocked in another thread to give the
+/// producer back; it does so within one [`SLICE`] (plus the time to take the GIL).
+const CLOSE_WAITS_FOR_ACQUIRE: Duration = Duration::from_secs(5);
 
 /// Copies of at least this many bytes of a host frame run without the GIL.
 const COPY_WITHOUT_GIL: usize = 64 * 1024;
@@ -55,29 +61,68 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Seconds (`None`: forever) as a `Duration`.
-fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
-        Some(t) => Err(errors::invalid_argument(
-            py,
-            format!("timeout must be a non-negative number of seconds or None, got {t}"),
-        )),
+/// The most seconds a duration argument (`timeout`, `spin`) may name: about 31.7 years. Longer
+/// is a mistake, or means "forever", which `timeout=None` says; `Instant` arithmetic on such
+/// durations would overflow.
+const MAX_SECONDS: f64 = 1e9;
+
+/// A duration argument as Python passed it, before [`seconds_arg`] checks its range: a float (or
+/// an int that fits one), or an int too large for a float (kept apart so that it is an
+/// `InvalidArgument` too, not the `OverflowError` of the conversion).
+#[derive(Clone, Copy, Debug)]
+enum Seconds {
+    Float(f64),
+    HugeInt,
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<f64>() {
+            Ok(v) => Ok(Seconds::Float(v)),
+            Err(_) if obj.is_instance_of::<pyo3::types::PyInt>() => Ok(Seconds::HugeInt),
+            // Not a number: the `TypeError` of the conversion.
+            Err(e) => Err(e),
+        }
     }
 }
 
-fn wait_arg(py: Python<'_>, wait: &str, spin: f64) -> PyResult<WaitStrategy> {
+/// Duration argument `name` in seconds as a `Duration`: a number from 0 to [`MAX_SECONDS`].
+/// Negative, NaN, infinite or larger values raise `InvalidArgument` naming `name` and the range
+/// (`Duration::from_secs_f64` would panic on them); `forever` adds that `None` waits forever to
+/// the message. The one check of every such argument.
+fn seconds_arg(py: Python<'_>, name: &str, value: Seconds, forever: bool) -> PyResult<Duration> {
+    let got = match value {
+        // `try_from_secs_f64` refuses negative and non-finite values; `MAX_SECONDS` bounds it.
+        Seconds::Float(v) if v <= MAX_SECONDS => match Duration::try_from_secs_f64(v) {
+            Ok(d) => return Ok(d),
+            Err(_) => format!("{v}"),
+        },
+        Seconds::Float(v) => format!("{v}"),
+        Seconds::HugeInt => "an int too large for a float".to_string(),
+    };
+    let none = if forever { " (None waits forever)" } else { "" };
+    Err(errors::invalid_argument(
+        py,
+        format!("{name} must be a number of seconds from 0 to {MAX_SECONDS:e}{none}, got {got}"),
+    ))
+}
+
+/// A `timeout` argument: `None` (forever) stays `None`, a number is checked by [`seconds_arg`].
+fn timeout_arg(py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|t| seconds_arg(py, "timeout", t, true))
+        .transpose()
+}
+
+fn wait_arg(py: Python<'_>, wait: &str, spin: Seconds) -> PyResult<WaitStrategy> {
+    // Checked whatever `wait` is: a bad value is a mistake even where it is not used.
+    let spin = seconds_arg(py, "spin", spin, false)?;
     match wait {
         "block" => Ok(WaitStrategy::Block),
         "spin" => Ok(WaitStrategy::Spin),
-        "spin_then_block" if spin.is_finite() && spin >= 0.0 => {
-            Ok(WaitStrategy::SpinThenBlock(Duration::from_secs_f64(spin)))
-        }
-        "spin_then_block" => Err(errors::invalid_argument(
-            py,
-            format!("spin must be a non-negative number of seconds, got {spin}"),
-        )),
+        "spin_then_block" => Ok(WaitStrategy::SpinThenBlock(spin)),
         w => Err(errors::invalid_argument(
             py,
             format!("wait must be \"block\", \"spin\" or \"spin_then_block\", got {w:?}"),
@@ -132,22 +177,59 @@ fn stats_dict<'py>(py: Python<'py>, s: &ChannelStats) -> PyResult<Bound<'py, PyD
     Ok(d)
 }
 
+/// Why one step of a [`sliced`] wait stopped without a value.
+enum Stop {
+    /// The call failed.
+    Failed(cuda_ipc::Error),
+    /// The object was closed (by another thread): the caller's closed error.
+    Closed,
+}
+
+impl From<cuda_ipc::Error> for Stop {
+    fn from(e: cuda_ipc::Error) -> Stop {
+        Stop::Failed(e)
+    }
+}
+
 /// Runs `step` (one bounded wait of at most `slice`, without the GIL) until it yields a value, the
-/// deadline passes (`Ok(None)`), or a signal handler raises (its exception, e.g.
-/// `KeyboardInterrupt`).
+/// deadline passes (`Ok(None)`), `closed()` says the object was closed or `step` stops
+/// (`Stop::Closed`: the error `closed_error` makes), or a signal handler raises (its exception,
+/// e.g. `KeyboardInterrupt`).
+///
+/// How `close()` from another thread wakes a blocked call: `closed()` is asked before every slice,
+/// so the call ends within one slice ([`SLICE`]) of the close, the same bound Ctrl-C has. The
+/// slices are futex sleeps in the library (no spinning beyond the wait strategy's), and no lock
+/// is held across one, so `close()` never waits for a blocked call to notice. A wake-up through
+/// the futex itself would need a cancel word inside the library's wait (shared with Rust
+/// callers) for a gain of at most one slice. What a step takes in the slice the close lands in is
+/// judged by the step itself, under the object's lock (`Consumer::hand_out`,
+/// `Producer::acquire`), which orders it against the close.
 fn sliced<T: Send>(
     py: Python<'_>,
     timeout: Option<Duration>,
-    mut step: impl FnMut(Duration) -> Result<Option<T>, cuda_ipc::Error> + Send,
+    closed: impl Fn() -> bool + Sync,
+    closed_error: impl FnOnce(Python<'_>) -> PyErr,
+    mut step: impl FnMut(Duration) -> Result<Option<T>, Stop> + Send,
 ) -> PyResult<Option<T>> {
-    let deadline = timeout.map(|t| Instant::now() + t);
+    // `checked_add`: `timeout` is at most `MAX_SECONDS`, but the deadline is no bound either way
+    // when it overflows.
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     loop {
         let slice = match deadline {
             Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
             None => SLICE,
         };
-        if let Some(v) = py.detach(|| step(slice)).map_err(|e| err(py, e))? {
-            return Ok(Some(v));
+        let got = py.detach(|| {
+            if closed() {
+                return Err(Stop::Closed);
+            }
+            step(slice)
+        });
+        match got {
+            Ok(Some(v)) => return Ok(Some(v)),
+            Ok(None) => {}
+            Err(Stop::Failed(e)) => return Err(err(py, e)),
+            Err(Stop::Closed) => return Err(closed_error(py)),
         }
         py.check_signals()?;
         if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -289,39 +371,105 @@ fn cupy_array<'py>(
     })
 }
 
+type RustProducer = cuda_ipc::channel::Producer;
+
 /// The producing end of a channel (`cuda_ipc::channel::Producer`).
+///
+/// The Rust producer is lent, by value, to a blocking `acquire` and then to the `WriteFrame` it
+/// returns, and comes back when they end; it is closed (and dropped) by whoever holds it once
+/// `close()` was called, so it is never dropped while in use: see [`Producer::give_back`].
 #[pyclass(module = "cuda_ipc", frozen)]
 struct Producer {
-    /// `None` while a `WriteFrame` owns it, or after `close()`.
-    inner: Mutex<Option<Box<cuda_ipc::channel::Producer>>>,
+    state: Mutex<ProducerState>,
+    /// Notified whenever the Rust producer comes back to `state`: a `close()` waiting for an
+    /// `acquire` of another thread (`ProducerState::close_waits`) waits on it.
+    back: Condvar,
     name: String,
     memory: MemoryKind,
-    closed: Mutex<bool>,
     /// The `stream=` option: every write frame's publish is ordered after it.
     stream: Option<usize>,
 }
 
+/// What [`Producer::state`] guards, in one lock so that a close and a hand-back are ordered.
+struct ProducerState {
+    /// `None` while an `acquire` or a `WriteFrame` has it, and after `close()`.
+    producer: Option<Box<RustProducer>>,
+    /// `close()` was called: blocking calls stop, the producer is closed when it comes back.
+    closed: bool,
+    /// The thread of the `acquire` that has the producer, while one does.
+    acquiring: Option<std::thread::ThreadId>,
+    /// A `close()` waits (`back`) for that `acquire` to give the producer back; it closes it.
+    close_waits: bool,
+    /// The `timeout` of `close()`, for a producer that comes back after it.
+    close_timeout: Duration,
+}
+
 impl Producer {
-    fn take(&self, py: Python<'_>) -> PyResult<Box<cuda_ipc::channel::Producer>> {
-        lock(&self.inner).take().ok_or_else(|| self.unavailable(py))
-    }
-    /// Why the Rust producer is not here: closed, or lent to a write frame.
-    fn unavailable(&self, py: Python<'_>) -> PyErr {
-        if *lock(&self.closed) {
-            errors::CudaIpcError::new_err(format!(
-                "the producer of channel {:?} is closed",
-                self.name
-            ))
-        } else {
-            errors::invalid_argument(
-                py,
-                "a WriteFrame of this producer is outstanding: publish or abandon it first"
-                    .to_string(),
-            )
+    /// Lends the Rust producer out (to an `acquire` of this thread when `acquiring`).
+    fn take(&self, py: Python<'_>, acquiring: bool) -> PyResult<Box<RustProducer>> {
+        let mut s = lock(&self.state);
+        if s.closed {
+            return Err(self.closed_error());
         }
+        let Some(p) = s.producer.take() else {
+            return Err(errors::invalid_argument(
+                py,
+                "the producer is in use: a WriteFrame of it is outstanding (publish or abandon \
+                 it first), or another thread is in acquire()"
+                    .to_string(),
+            ));
+        };
+        if acquiring {
+            s.acquiring = Some(std::thread::current().id());
+        }
+        Ok(p)
     }
-    fn give_back(&self, p: Box<cuda_ipc::channel::Producer>) {
-        *lock(&self.inner) = Some(p);
+
+    /// `ChannelClosed`: what every call raises once `close()` was called.
+    fn closed_error(&self) -> PyErr {
+        errors::ChannelClosed::new_err(format!("the producer of channel {:?} is closed", self.name))
+    }
+
+    fn is_closed(&self) -> bool {
+        lock(&self.state).closed
+    }
+
+    /// Takes the Rust producer back from an `acquire` (`from_acquire`) or a `WriteFrame`. Once
+    /// `close()` was called, it is closed here, with the GIL released, unless that `close()`
+    /// waits for it (a `close()` from another thread than a blocked `acquire`'s): it closes it.
+    /// So the channel is closed exactly once, by the one who holds the producer.
+    fn give_back(&self, py: Python<'_>, p: Box<RustProducer>, from_acquire: bool) {
+        let mut s = lock(&self.state);
+        if from_acquire {
+            s.acquiring = None;
+        }
+        if s.closed && !s.close_waits {
+            let t = s.close_timeout;
+            drop(s);
+            // Nobody is left to tell of a failure: as the Rust producer's `Drop`, which logs it.
+            py.detach(|| drop(p.close(t)));
+            return;
+        }
+        s.producer = Some(p);
+        drop(s);
+        self.back.notify_all();
+    }
+
+    /// The write frame an `acquire` got, unless `close()` came meanwhile: then it goes back
+    /// unpublished (the producer closed) and `ChannelClosed` is raised. Decided under the lock,
+    /// so a `close()` either came first (and is seen here) or sees the loan to the `WriteFrame`
+    /// (and leaves the closing to its publish or abandon).
+    fn hand_out(&self, slf: &Bound<'_, Self>, f: OwnedWriteFrame) -> PyResult<WriteFrame> {
+        let py = slf.py();
+        let mut s = lock(&self.state);
+        if s.closed {
+            drop(s);
+            self.give_back(py, f.into_producer(), true);
+            return Err(self.closed_error());
+        }
+        s.acquiring = None;
+        drop(s);
+        WriteFrame::new(py, slf.clone().unbind(), f)
     }
 }
 
@@ -332,8 +480,13 @@ impl Producer {
     /// (`Producer::create_host`: no CUDA driver needed, `device` unused).
     #[new]
     #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
-        quota=None, wait="spin_then_block", spin=50e-6, memory="auto", group_access=false,
-        device=0, stream=None))]
+        quota=None, wait="spin_then_block", spin=Seconds::Float(50e-6), memory="auto",
+        group_access=false, device=0, stream=None))]
+    #[pyo3(
+        text_signature = "(name, buffer_bytes, *, buffers=4, max_consumers=8, \
+        quota_bytes=None, quota=None, wait=\"spin_then_block\", spin=5e-05, memory=\"auto\", \
+        group_access=False, device=0, stream=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -344,7 +497,7 @@ impl Producer {
         quota_bytes: Option<u64>,
         quota: Option<&str>,
         wait: &str,
-        spin: f64,
+        spin: Seconds,
         memory: &str,
         group_access: bool,
         device: usize,
@@ -381,9 +534,15 @@ impl Producer {
             .map_err(|e| err(py, e))?;
         Ok(Producer {
             memory: p.memory_kind(),
-            inner: Mutex::new(Some(Box::new(p))),
+            state: Mutex::new(ProducerState {
+                producer: Some(Box::new(p)),
+                closed: false,
+                acquiring: None,
+                close_waits: false,
+                close_timeout: Duration::ZERO,
+            }),
+            back: Condvar::new(),
             name,
-            closed: Mutex::new(false),
             stream,
         })
     }
@@ -401,76 +560,132 @@ impl Producer {
     }
 
     /// Takes a free buffer to write, waiting up to `timeout` seconds (`None`: forever).
+    /// `ChannelClosed` once `close()` was called, also from another thread while this waits (it
+    /// wakes within 50 ms); `Timeout`; `InvalidArgument` while a `WriteFrame` is outstanding.
     #[pyo3(signature = (timeout=None))]
-    fn acquire(slf: &Bound<'_, Self>, timeout: Option<f64>) -> PyResult<WriteFrame> {
+    fn acquire(slf: &Bound<'_, Self>, timeout: Option<Seconds>) -> PyResult<WriteFrame> {
         let py = slf.py();
         let timeout = timeout_arg(py, timeout)?;
         let this = slf.get();
-        let mut producer = Some(this.take(py)?);
-        let got = sliced(py, timeout, |slice| {
-            let p = producer.take().expect("producer present between slices");
-            match OwnedWriteFrame::acquire(p, Some(slice)) {
-                Ok(f) => Ok(Some(f)),
-                Err((p, cuda_ipc::Error::Timeout { .. })) => {
-                    producer = Some(p);
-                    Ok(None)
+        let mut producer = Some(this.take(py, true)?);
+        let got = sliced(
+            py,
+            timeout,
+            || this.is_closed(),
+            |_| this.closed_error(),
+            |slice| {
+                let Some(p) = producer.take() else {
+                    // Never: the producer is put back after every slice that does not end the
+                    // wait. Stopping is the safe answer should that change.
+                    return Err(Stop::Closed);
+                };
+                match OwnedWriteFrame::acquire(p, Some(slice)) {
+                    Ok(f) => Ok(Some(f)),
+                    Err((p, cuda_ipc::Error::Timeout { .. })) => {
+                        producer = Some(p);
+                        Ok(None)
+                    }
+                    Err((p, e)) => {
+                        producer = Some(p);
+                        Err(e.into())
+                    }
                 }
-                Err((p, e)) => {
-                    producer = Some(p);
-                    Err(e)
-                }
-            }
-        });
+            },
+        );
         if let Some(p) = producer.take() {
-            this.give_back(p);
+            this.give_back(py, p, true);
         }
         match got? {
-            Some(f) => WriteFrame::new(py, slf.clone().unbind(), f),
+            Some(f) => this.hand_out(slf, f),
             None => Err(timeout_error(py, "a free buffer", timeout)),
         }
     }
 
-    /// A free buffer if one is free now, else `None`.
+    /// A free buffer if one is free now, else `None`. `ChannelClosed` once closed.
     fn try_acquire(slf: &Bound<'_, Self>) -> PyResult<Option<WriteFrame>> {
         let py = slf.py();
         let this = slf.get();
-        let p = this.take(py)?;
+        let p = this.take(py, true)?;
         match OwnedWriteFrame::acquire(p, Some(Duration::ZERO)) {
-            Ok(f) => WriteFrame::new(py, slf.clone().unbind(), f).map(Some),
+            Ok(f) => this.hand_out(slf, f).map(Some),
             Err((p, cuda_ipc::Error::Timeout { .. })) => {
-                this.give_back(p);
+                this.give_back(py, p, true);
                 Ok(None)
             }
             Err((p, e)) => {
-                this.give_back(p);
+                this.give_back(py, p, true);
                 Err(err(py, e))
             }
         }
     }
 
-    /// The channel's counters as a dict.
+    /// The channel's counters as a dict. `ChannelClosed` once closed; `InvalidArgument` while a
+    /// `WriteFrame` is outstanding.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = match &*lock(&self.inner) {
-            Some(p) => p.stats(),
-            None => return Err(self.unavailable(py)),
+        let s = {
+            let st = lock(&self.state);
+            match &st.producer {
+                Some(p) => p.stats(),
+                None if st.closed => return Err(self.closed_error()),
+                None => {
+                    return Err(errors::invalid_argument(
+                        py,
+                        "a WriteFrame of this producer is outstanding: publish or abandon it first"
+                            .to_string(),
+                    ));
+                }
+            }
         };
         stats_dict(py, &s)
     }
 
-    /// Closes the channel: waits up to `timeout` seconds for consumers' holds, then frees the pool.
-    /// Returns `{"forced_holds": n}`. Closing again does nothing.
-    #[pyo3(signature = (timeout=5.0))]
-    fn close<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
-        let t = timeout_arg(py, Some(timeout))?.unwrap_or_default();
+    /// Closes the channel: waits up to `timeout` seconds (0 to 1e9) for consumers' holds, then
+    /// frees the pool. Returns `{"forced_holds": n}`. Closing again does nothing.
+    ///
+    /// A thread blocked in `acquire()` raises `ChannelClosed` within 50 ms, and this waits for it
+    /// to give the producer back (a close from within that `acquire`, by a signal handler, does
+    /// not wait: that `acquire` closes the channel as it ends). While a `WriteFrame` is
+    /// outstanding, the channel is closed when it is published (which then raises
+    /// `ChannelClosed`) or abandoned, and this returns `{"forced_holds": 0}` at once.
+    #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
+    #[pyo3(text_signature = "($self, timeout=5.0)")]
+    fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {
+        let t = seconds_arg(py, "timeout", timeout, false)?;
+        let me = std::thread::current().id();
+        let p = py.detach(|| {
+            let mut s = lock(&self.state);
+            if !s.closed {
+                s.closed = true;
+                s.close_timeout = t;
+            }
+            if s.producer.is_none() && s.acquiring.is_some_and(|a| a != me) {
+                // The blocked `acquire` sees `closed` before its next slice and gives the
+                // producer back (`give_back`, which sees `close_waits` and leaves it here). It
+                // needs neither this lock (released while waiting) nor the GIL (released above).
+                // Bounded all the same (`CLOSE_WAITS_FOR_ACQUIRE`): should that `acquire` not come
+                // back (a bug), this returns and whoever gives the producer back closes it.
+                s.close_waits = true;
+                s = self
+                    .back
+                    .wait_timeout_while(s, CLOSE_WAITS_FOR_ACQUIRE, |s| {
+                        s.producer.is_none() && s.acquiring.is_some()
+                    })
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                s.close_waits = false;
+            }
+            s.producer.take()
+        });
         let d = PyDict::new(py);
-        let p = lock(&self.inner).take();
-        *lock(&self.closed) = true;
-        if let Some(p) = p {
-            let r = py.detach(|| p.close(t)).map_err(|e| err(py, e))?;
-            d.set_item("forced_holds", r.forced_holds)?;
-        } else {
-            d.set_item("forced_holds", 0)?;
-        }
+        let forced = match p {
+            Some(p) => {
+                py.detach(|| p.close(t))
+                    .map_err(|e| err(py, e))?
+                    .forced_holds
+            }
+            None => 0,
+        };
+        d.set_item("forced_holds", forced)?;
         Ok(d)
     }
 
@@ -480,7 +695,7 @@ impl Producer {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
-        self.close(py, 5.0).map(|_| ())
+        self.close(py, Seconds::Float(5.0)).map(|_| ())
     }
 
     fn __repr__(&self) -> String {
@@ -619,7 +834,7 @@ impl Drop for WriteFrame {
         if let Some(f) = lock(&self.inner).take() {
             // Collected unpublished: the buffer goes back, the producer to its Python object.
             let p = f.into_producer();
-            self.producer.get().give_back(p);
+            Python::attach(|py| self.producer.get().give_back(py, p, false));
         }
     }
 }
@@ -709,8 +924,14 @@ impl WriteFrame {
     /// Publishes the frame with `metadata` (at most 256 bytes); returns its sequence number.
     /// On a GPU channel the consumers' streams wait for the work enqueued so far on the
     /// producer's stream and on every stream noted by `publish_after` or `__dlpack__(stream=)`.
+    /// `ChannelClosed` once the producer was closed: the frame goes back unpublished.
     #[pyo3(signature = (metadata=b"".as_slice()))]
     fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
+        let producer = self.producer.get();
+        if producer.is_closed() {
+            self.abandon(py);
+            return Err(producer.closed_error());
+        }
         {
             let g = lock(&self.inner);
             let Some(f) = g.as_ref() else {
@@ -726,14 +947,14 @@ impl WriteFrame {
             return Err(Self::done(py));
         };
         let (p, seq) = f.publish(metadata);
-        self.producer.get().give_back(p);
+        producer.give_back(py, p, false);
         seq.map_err(|e| err(py, e))
     }
 
     /// Gives the buffer back unpublished (also what leaving a `with` block without publishing does).
     fn abandon(&self, py: Python<'_>) {
         if let Some(f) = self.finish(py) {
-            self.producer.get().give_back(f.into_producer());
+            self.producer.get().give_back(py, f.into_producer(), false);
         }
     }
 
@@ -825,11 +1046,34 @@ struct Consumer {
 }
 
 impl Consumer {
+    /// The Rust consumer, shared with the caller (it lives until the last user lets go), or
+    /// `Detached` once closed.
     fn get(&self, py: Python<'_>) -> PyResult<Arc<cuda_ipc::channel::Consumer>> {
-        lock(&self.inner)
-            .clone()
-            .ok_or_else(|| err(py, cuda_ipc::channel::ChannelError::Detached.into()))
+        lock(&self.inner).clone().ok_or_else(|| detached(py))
     }
+
+    fn is_closed(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    /// `f`, taken by a receive, unless `close()` came meanwhile: then `f` is released (this closed
+    /// consumer's frame, which nobody else was to get) and the receive raises `Detached`. Decided
+    /// under the lock `close()` takes the consumer under, so each receive is ordered against the
+    /// close: a frame is returned only by a receive that took it before the close.
+    fn hand_out(&self, f: OwnedFrame) -> Result<OwnedFrame, Stop> {
+        let open = lock(&self.inner).is_some();
+        if open {
+            Ok(f)
+        } else {
+            drop(f);
+            Err(Stop::Closed)
+        }
+    }
+}
+
+/// `Detached`: what a consumer's calls raise once it was closed.
+fn detached(py: Python<'_>) -> PyErr {
+    err(py, cuda_ipc::channel::ChannelError::Detached.into())
 }
 
 #[pymethods]
@@ -837,14 +1081,18 @@ impl Consumer {
     /// Attaches to channel `name` on the device that holds its pool; receives frames published
     /// from now on.
     #[new]
-    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block", spin=50e-6,
-        group_access=false, stream=None))]
+    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block",
+        spin=Seconds::Float(50e-6), group_access=false, stream=None))]
+    #[pyo3(
+        text_signature = "(name, *, delivery=\"every\", wait=\"spin_then_block\", \
+        spin=5e-05, group_access=False, stream=None)"
+    )]
     fn new(
         py: Python<'_>,
         name: String,
         delivery: &str,
         wait: &str,
-        spin: f64,
+        spin: Seconds,
         group_access: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
@@ -881,8 +1129,12 @@ impl Consumer {
 
     /// The same as `Consumer(name, ...)`.
     #[classmethod]
-    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block", spin=50e-6,
-        group_access=false, stream=None))]
+    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block",
+        spin=Seconds::Float(50e-6), group_access=false, stream=None))]
+    #[pyo3(
+        text_signature = "(name, *, delivery=\"every\", wait=\"spin_then_block\", \
+        spin=5e-05, group_access=False, stream=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn attach(
         _cls: &Bound<'_, pyo3::types::PyType>,
@@ -890,7 +1142,7 @@ impl Consumer {
         name: String,
         delivery: &str,
         wait: &str,
-        spin: f64,
+        spin: Seconds,
         group_access: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
@@ -903,24 +1155,41 @@ impl Consumer {
         &self.name
     }
 
-    /// Waits up to `timeout` seconds (`None`: forever) for the next frame.
+    /// Waits up to `timeout` seconds (`None`: forever) for the next frame. `Detached` once
+    /// `close()` was called, also from another thread while this waits (it wakes within 50 ms,
+    /// and a frame published after the close is never returned).
     #[pyo3(signature = (timeout=None))]
-    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Frame> {
+    fn recv(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Frame> {
         let timeout = timeout_arg(py, timeout)?;
         let c = self.get(py)?;
-        match sliced(py, timeout, |slice| OwnedFrame::recv(&c, Some(slice)))? {
+        let got = sliced(
+            py,
+            timeout,
+            || self.is_closed(),
+            detached,
+            |slice| match OwnedFrame::recv(&c, Some(slice))? {
+                Some(f) => self.hand_out(f).map(Some),
+                None => Ok(None),
+            },
+        )?;
+        match got {
             Some(f) => Frame::new(py, f, self.stream),
             None => Err(timeout_error(py, "a frame", timeout)),
         }
     }
 
-    /// The next frame if one is ready now, else `None`.
+    /// The next frame if one is ready now, else `None`. `Detached` once closed.
     fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Frame>> {
         let c = self.get(py)?;
-        OwnedFrame::try_recv(&c)
-            .map_err(|e| err(py, e))?
-            .map(|f| Frame::new(py, f, self.stream))
-            .transpose()
+        let got = py.detach(|| match OwnedFrame::try_recv(&c)? {
+            Some(f) => self.hand_out(f).map(Some),
+            None => Ok(None),
+        });
+        match got {
+            Ok(f) => f.map(|f| Frame::new(py, f, self.stream)).transpose(),
+            Err(Stop::Failed(e)) => Err(err(py, e)),
+            Err(Stop::Closed) => Err(detached(py)),
+        }
     }
 
     /// The channel's counters as a dict.
@@ -948,7 +1217,9 @@ impl Consumer {
         Ok(self.get(py)?.is_host())
     }
 
-    /// Detaches. Frames (and their DLPack tensors) still alive keep the slot until they go.
+    /// Detaches. Frames (and their DLPack tensors) still alive keep the slot until they go. A
+    /// thread blocked in `recv()` (or iterating) raises `Detached` within 50 ms; the slot is
+    /// given back once it has. Never waits for that thread.
     fn close(&self, py: Python<'_>) {
         let c = lock(&self.inner).take();
         py.detach(|| drop(c));

@@ -455,3 +455,201 @@ def test_a_host_budget_is_shared_refuses_past_it_naming_the_holder_and_comes_bac
         assert cuda_ipc.remove_quota(scope=scope)
     assert not ledger.exists()
     assert not cuda_ipc.remove_quota(scope=scope)
+
+
+# ---------------------------------------------------------------- durations and close() from
+# another thread
+
+# Out of range for every duration argument (seconds from 0 to 1e9): huge, infinite, NaN,
+# negative, an int too large for a float, and just past the bound.
+BAD_SECONDS = [1e300, float("inf"), float("-inf"), float("nan"), -1.0, -1e-9, 10**400, 1e9 + 1]
+
+
+@pytest.mark.parametrize("value", BAD_SECONDS, ids=lambda v: repr(v)[:12])
+def test_out_of_range_durations_raise_invalid_argument_naming_the_argument(name, value):
+    spin = "spin must be a number of seconds from 0 to 1e9"
+    for make in (
+        lambda: cuda_ipc.Producer(name, 64, memory="host", spin=value),
+        lambda: cuda_ipc.Producer(name, 64, memory="host", wait="block", spin=value),
+        lambda: cuda_ipc.Consumer(name, spin=value),
+        lambda: cuda_ipc.Consumer.attach(name, wait="spin", spin=value),
+    ):
+        with pytest.raises(cuda_ipc.InvalidArgument, match=spin):
+            make()
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+    timeout = r"timeout must be a number of seconds from 0 to 1e9 \(None waits forever\)"
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host") as tx:
+        rx = cuda_ipc.Consumer(name)
+        with pytest.raises(cuda_ipc.InvalidArgument, match=timeout):
+            tx.acquire(timeout=value)
+        with pytest.raises(cuda_ipc.InvalidArgument, match=timeout):
+            rx.recv(timeout=value)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="timeout must be a number of seconds"):
+            tx.close(timeout=value)
+        # Nothing was lost to the refused calls: the channel still carries a frame.
+        with tx.acquire(timeout=ANSWER) as w:
+            w.write(b"still open")
+            w.publish(b"m")
+        with rx.recv(timeout=ANSWER) as f:
+            assert f.read(0, 10) == b"still open"
+        rx.close()
+
+
+def test_durations_at_the_ends_of_the_range_and_none_are_accepted(name):
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host", wait="block", spin=1e9) as tx:
+        rx = cuda_ipc.Consumer(name, spin=0)
+        with pytest.raises(cuda_ipc.Timeout):
+            rx.recv(timeout=0)
+        w = tx.acquire(timeout=1e9)  # a buffer is free: at once
+        w.publish(b"")
+        assert rx.recv(timeout=1e9).seq == 1  # a frame is there: at once
+        for bad in ("1", object()):
+            with pytest.raises(TypeError):
+                rx.recv(timeout=bad)
+        rx.close()
+
+
+def blocked(call):
+    """Runs `call` in a thread; returns (thread, outcome), outcome filled with what it returned or
+    raised and when (time.monotonic())."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - the test looks at what it is
+            outcome["error"] = e
+        outcome["at"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, outcome
+
+
+def test_close_from_another_thread_wakes_a_blocked_recv_within_1_s_with_detached(name):
+    with cuda_ipc.Producer(name, 64, buffers=2, memory="host") as tx:
+        for wait in ("block", "spin_then_block"):
+            for how in ("recv", "iterate"):
+                rx = cuda_ipc.Consumer(name, wait=wait)
+                call = rx.recv if how == "recv" else lambda: next(iter(rx))
+                t, outcome = blocked(call)
+                time.sleep(0.2)  # well inside the wait
+                assert t.is_alive(), outcome
+                closing = time.monotonic()
+                rx.close()
+                assert time.monotonic() - closing < 1.0, "close() waited for the blocked recv"
+                t.join(ANSWER)
+                assert not t.is_alive(), "recv() still blocked after close()"
+                assert isinstance(outcome.get("error"), cuda_ipc.Detached), outcome
+                took = outcome["at"] - closing
+                assert took < 1.0, f"{how} woke {took:.3f} s after close()"
+                # The slot is given back once the woken call let go of the consumer.
+                assert tx.stats()["consumers"] == []
+                with pytest.raises(cuda_ipc.Detached):
+                    rx.recv(timeout=0)
+                with pytest.raises(cuda_ipc.Detached):
+                    rx.try_recv()
+
+
+def test_close_from_another_thread_wakes_an_acquire_blocked_on_a_full_pool(name):
+    tx = cuda_ipc.Producer(name, 64, buffers=1, memory="host")
+    rx = cuda_ipc.Consumer(name)  # every frame: the one buffer stays in use until received
+    with tx.acquire(timeout=ANSWER) as w:
+        w.publish(b"unread")
+    t, outcome = blocked(tx.acquire)  # no timeout: waits for the buffer forever
+    time.sleep(0.2)
+    assert t.is_alive(), outcome
+    closing = time.monotonic()
+    report = tx.close(timeout=0)
+    closed_in = time.monotonic() - closing
+    t.join(ANSWER)
+    assert not t.is_alive(), "acquire() still blocked after close()"
+    assert isinstance(outcome.get("error"), cuda_ipc.ChannelClosed), outcome
+    assert outcome["at"] - closing < 1.0
+    # close() waited for the acquire to give the producer back, then closed the channel itself.
+    assert closed_in < 1.0 + ANSWER / 10, f"close() took {closed_in:.3f} s"
+    assert set(report) == {"forced_holds"}
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+    assert not (SHM / f"cuda-ipc.hp.{name}").exists()
+    for call in (tx.acquire, tx.try_acquire, tx.stats):
+        with pytest.raises(cuda_ipc.ChannelClosed):
+            call()
+    assert tx.close() == {"forced_holds": 0}  # again: nothing to do
+    rx.close()
+
+
+def test_close_from_a_signal_handler_inside_acquire_does_not_deadlock(name):
+    tx = cuda_ipc.Producer(name, 64, buffers=1, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    with tx.acquire(timeout=ANSWER) as w:
+        w.publish(b"")
+    reports = []
+    old = signal.signal(signal.SIGALRM, lambda *_: reports.append(tx.close(timeout=0)))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        start = time.monotonic()
+        with pytest.raises(cuda_ipc.ChannelClosed):
+            tx.acquire(timeout=ANSWER)  # the handler runs in here, on this thread
+        assert time.monotonic() - start < 1.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert reports == [{"forced_holds": 0}]
+    # The acquire closed the channel as it ended.
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+    rx.close()
+
+
+def test_an_outstanding_write_frame_closes_the_channel_when_it_ends(name):
+    tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+    w = tx.acquire(timeout=ANSWER)
+    assert tx.close(timeout=0) == {"forced_holds": 0}  # at once: the frame has the producer
+    assert (SHM / f"cuda-ipc.ch.{name}").exists()
+    with pytest.raises(cuda_ipc.ChannelClosed):
+        w.publish(b"too late")
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+    with pytest.raises(cuda_ipc.ChannelClosed):
+        tx.acquire(timeout=0)
+
+
+def test_a_closed_consumer_never_returns_a_frame(name):
+    """300 races of recv() in a thread against close(): a frame published after close() returned
+    is never returned (the recv raises Detached); one published while close() runs is returned
+    whole or not at all."""
+    with cuda_ipc.Producer(name, 64, buffers=2, max_consumers=2, memory="host") as tx:
+        seq = 0
+        returned = 0
+        for i in range(300):
+            rx = cuda_ipc.Consumer(name, delivery="latest", wait="block")
+            t, outcome = blocked(lambda: rx.recv(timeout=ANSWER))
+            time.sleep((i % 7) * 0.0003)  # vary where in recv() the close lands
+            seq += 1
+            data = payload(seq, 64)
+
+            def publish():
+                with tx.acquire(timeout=ANSWER) as w:
+                    w.write(data)
+                    w.publish(metadata(seq))
+
+            strict = i % 2 == 0
+            if strict:
+                rx.close()
+                publish()
+            else:
+                p, _ = blocked(publish)
+                rx.close()
+                p.join(ANSWER)
+            t.join(ANSWER)
+            assert not t.is_alive(), f"race {i}: recv() still blocked after close()"
+            if "value" in outcome:
+                assert not strict, f"race {i}: a frame published after close() was returned"
+                f = outcome["value"]
+                assert f.bytes() == data and f.metadata == metadata(seq)
+                f.release()
+                returned += 1
+            else:
+                assert isinstance(outcome["error"], cuda_ipc.Detached), (i, outcome)
+            with pytest.raises(cuda_ipc.Detached):
+                rx.recv(timeout=0)
+            del outcome, t
+            assert tx.stats()["consumers"] == [], f"race {i}: the slot was not given back"

@@ -826,7 +826,8 @@ impl<'a> Posted<'a> {
     /// [`Error::InvalidArgument`] when [`Consumer::recv`] already took the frame.
     pub fn wait(self, timeout: Option<Duration>) -> Result<PostedFrame> {
         let c = self.consumer;
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past what `Instant` can hold (`Duration::MAX`) is no bound (`+` would panic).
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             if c.control.cursor(c.slot) >= self.seq {
                 return Err(Error::InvalidArgument(format!(

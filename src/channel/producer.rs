@@ -556,7 +556,9 @@ impl Producer {
                 forced_holds: forced,
             });
         }
-        let deadline = Instant::now() + timeout;
+        // `None`: a timeout past what `Instant` can hold (`Duration::MAX`), which never runs out;
+        // `Instant + Duration` would panic on it.
+        let deadline = Instant::now().checked_add(timeout);
         // The pool is freed after this: first let the consumers' last kernels on each buffer
         // finish (their release words; a dead consumer's are raised by reclaiming its slot), then
         // our own work.
@@ -566,7 +568,7 @@ impl Producer {
                 let c = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 while !self.control.released(c, i, seq) && self.control.is_attached(c) {
-                    if Instant::now() >= deadline {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
                         tracing::warn!(
                             "channel {}: consumer {c}'s GPU work on buffer {i} did not finish in {timeout:?}",
                             self.name

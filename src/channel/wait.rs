@@ -43,21 +43,22 @@ pub(super) const SUPERSEDED_EVERY: Duration = Duration::from_millis(500);
 /// A timer for checks that run on a slower cadence than the liveness check.
 pub(super) struct Every {
     period: Duration,
-    next: Instant,
+    /// `None`: never (`Instant` cannot hold it).
+    next: Option<Instant>,
 }
 
 impl Every {
     pub(super) fn new(period: Duration) -> Every {
         Every {
             period,
-            next: Instant::now() + period,
+            next: Instant::now().checked_add(period),
         }
     }
-    /// `true` at most once per period.
+    /// `true` at most once per period (never for a period too long for `Instant`).
     pub(super) fn due(&mut self) -> bool {
         let now = Instant::now();
-        if now >= self.next {
-            self.next = now + self.period;
+        if self.next.is_some_and(|next| now >= next) {
+            self.next = now.checked_add(self.period);
             true
         } else {
             false
@@ -242,6 +243,15 @@ pub(super) fn take_wakes() -> (u64, u64) {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_period_too_long_for_an_instant_is_never_due_and_does_not_panic() {
+        let mut never = Every::new(Duration::MAX);
+        assert!(!never.due(), "a period of Duration::MAX came due");
+        let mut now = Every::new(Duration::ZERO);
+        assert!(now.due(), "a period of zero was not due at once");
+        assert!(now.due(), "a period of zero was not due again");
+    }
 
     #[test]
     fn a_bump_with_no_sleeper_makes_no_futex_wake() {

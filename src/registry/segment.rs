@@ -191,7 +191,7 @@ impl Registry {
         }
         Err(Error::Timeout {
             what: "registry segment creation (it kept disappearing or reappearing)",
-            after: opts.init_timeout * 4,
+            after: opts.init_timeout.saturating_mul(4),
         })
     }
 

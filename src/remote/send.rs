@@ -417,7 +417,9 @@ impl<'c> Pump<'_, 'c> {
     /// producer that died.
     fn wait_credit(&mut self) -> Result<Option<Ended>> {
         let period = self.opts.lane.heartbeat;
-        let mut next_check = Instant::now() + period;
+        // `checked_add`: a heartbeat too long for `Instant` (`Duration::MAX`) never comes due,
+        // where `+` would panic.
+        let mut next_check = Instant::now().checked_add(period);
         while self.credits.queue.is_empty() {
             if self.stop.load(Ordering::Relaxed) {
                 self.retire(true)?;
@@ -432,8 +434,8 @@ impl<'c> Pump<'_, 'c> {
                 take_credit(m, self.lane, self.credits)?;
                 continue;
             }
-            if Instant::now() >= next_check {
-                next_check = Instant::now() + period;
+            if next_check.is_some_and(|at| Instant::now() >= at) {
+                next_check = Instant::now().checked_add(period);
                 if let Ok(s) = inspect::inspect(&self.opts.channel)
                     && s.producer_liveness == Liveness::Dead
                 {
