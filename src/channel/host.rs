@@ -69,6 +69,10 @@ pub(crate) struct PoolHeader {
 const _: () = assert!(size_of::<PoolHeader>() == 88);
 #[cfg(not(loom))] // loom atomics have other sizes; the mapped layout is only used without it
 const _: () = assert!(std::mem::offset_of!(PoolHeader, generation) == 48);
+#[cfg(not(loom))] // as above
+const _: () = assert!(std::mem::offset_of!(PoolHeader, producer_uid) == 20);
+#[cfg(not(loom))] // as above
+const _: () = assert!(std::mem::offset_of!(PoolHeader, producer) == 56);
 
 // SAFETY: (1) `PoolHeader` is `#[repr(C)]` and all atomics; (2) its alignment is 8; (3) it is 88
 // bytes, within the first page (`POOL_DATA`), which the header has to itself.
