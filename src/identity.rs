@@ -780,10 +780,10 @@ fn proc_hides_processes() -> bool {
         // Fields: id parent major:minor root mount-point options ... - fstype source super-options.
         // The last line for /proc is the mount that is visible.
         text.lines()
+            .rev()
             .filter(|l| l.split(' ').nth(4) == Some("/proc"))
             .filter_map(|l| l.split_once(" - "))
-            .filter(|(_, tail)| tail.starts_with("proc "))
-            .last()
+            .find(|(_, tail)| tail.starts_with("proc "))
             .is_some_and(|(_, tail)| hides_in_options(tail))
     })
 }

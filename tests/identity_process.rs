@@ -146,10 +146,8 @@ fn proc_outvotes_a_lock_held_under_a_dead_pids_liveness_name_in_its_own_pid_name
     l.l_whence = libc::SEEK_SET as libc::c_short;
     l.l_len = 1;
     // SAFETY: `f` is open; `l` is a valid flock that outlives the call.
-    assert_eq!(
-        unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) },
-        0
-    );
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0);
     let uid = rustix::process::geteuid().as_raw();
     // /proc of our own pid namespace says the pid is gone: dead, whatever the lock says, with or
     // without the recorded uid (the file is that uid's own).
@@ -170,10 +168,8 @@ fn proc_outvotes_a_lock_held_under_a_dead_pids_liveness_name_in_its_own_pid_name
         .open(&reused_path)
         .unwrap();
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { libc::fcntl(g.as_raw_fd(), libc::F_OFD_SETLK, &l) },
-        0
-    );
+    let r = unsafe { libc::fcntl(g.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0);
     assert_eq!(reused.liveness_as(uid), Liveness::Dead);
     drop((f, g));
     std::fs::remove_file(&path).unwrap();

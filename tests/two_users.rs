@@ -222,10 +222,8 @@ fn write_locked(path: &str) -> bool {
     l.l_whence = libc::SEEK_SET as libc::c_short;
     l.l_len = 1;
     // SAFETY: `f` is open; the kernel overwrites `l` in place.
-    assert_eq!(
-        unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut l) },
-        0
-    );
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+    assert_eq!(r, 0);
     l.l_type == libc::F_WRLCK as libc::c_short
 }
 

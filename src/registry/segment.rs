@@ -155,22 +155,26 @@ impl Registry {
 
     /// Opens the registry `name`, or creates it when there is none.
     ///
-    /// A segment under the name is replaced only when it is provably this crate's own stale
-    /// registry: a regular, fully backed file of our uid, with the registry magic and this layout
-    /// version, never initialised (no init stamp after `opts.init_timeout`), whose recorded creator
-    /// is dead by [`ProcessIdentity::liveness`]. Its inode is checked again just before it is
-    /// unlinked. Everything else is reported and left as it is. A fully initialised segment whose
-    /// participants all died is simply opened: their entries and locks are reclaimed as met.
+    /// A segment under the name is replaced only when it is provably this crate's own leftover, by
+    /// the rule `cuda-ipc gc` removes one by ([`super::inspect::abandoned`]): a regular file of our
+    /// uid that is empty, sparse or whose header was never begun, at least 2 s old
+    /// ([`ABANDONED_AFTER`](crate::shm::versioned::ABANDONED_AFTER), the channels' grace: no
+    /// creator is recorded there), or that has the registry magic and this layout version but no
+    /// init stamp after `opts.init_timeout`, and whose recorded creator is dead by
+    /// [`ProcessIdentity::liveness_as`] with the recorded uid. Its inode is checked again just
+    /// before it is unlinked. Everything else is reported and left as it is. A fully initialised
+    /// segment whose participants all died is simply opened: their entries and locks are
+    /// reclaimed as met.
     ///
     /// # Errors
     /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
     /// a FIFO, directory, socket or device: [`ShmError::NotASegment`]; a symbolic link:
     /// [`Error::InvalidArgument`]; another user's segment: [`ShmError::WrongOwner`]; a sparse
-    /// file: [`ShmError::Sparse`]; an empty or short file: [`ShmError::TooSmall`]; a
-    /// file without the magic: [`RegistryError::ForeignSegment`] (or
-    /// [`RegistryError::Uninitialised`] when it is all zero: a creator killed before its first
-    /// store cannot be told from one about to make it); another layout version, live creator or
-    /// not: [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
+    /// file younger than the grace: [`ShmError::Sparse`]; an empty one as young, or a short file
+    /// whose pages are there: [`ShmError::TooSmall`]; a file without the magic:
+    /// [`RegistryError::ForeignSegment`] (or [`RegistryError::Uninitialised`] when it is all zero
+    /// and younger than the grace); another layout version, live creator or not:
+    /// [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
     /// [`RegistryError::Uninitialised`]; one whose creator's liveness cannot be told:
     /// [`RegistryError::CreatorUnknown`].
     pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
