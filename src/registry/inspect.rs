@@ -351,7 +351,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
 
 /// Whether the segment `name` is a registry creation abandoned half-way, by the rule
 /// [`Registry::open_or_create`] replaces one by: this user's, and empty or sparse (at least
-/// [`ABANDONED_AFTER`](crate::shm::versioned::ABANDONED_AFTER), 2 s, old: no creator recorded),
+/// `ABANDONED_AFTER`, 2 s, old: no creator recorded),
 /// its header never begun (as old), or never stamped with its recorded creator dead. Returns why,
 /// or `Ok(None)`: no such segment, a finished registry (its dead processes' leftovers are
 /// [`Registry::reclaim_dead`]'s), a young creation or a live creator's.

@@ -158,7 +158,7 @@ impl Registry {
     /// A segment under the name is replaced only when it is provably this crate's own leftover, by
     /// the rule `cuda-ipc gc` removes one by ([`super::inspect::abandoned`]): a regular file of our
     /// uid that is empty, sparse or whose header was never begun, at least 2 s old
-    /// ([`ABANDONED_AFTER`](crate::shm::versioned::ABANDONED_AFTER), the channels' grace: no
+    /// (`ABANDONED_AFTER`, the channels' grace: no
     /// creator is recorded there), or that has the registry magic and this layout version but no
     /// init stamp after `opts.init_timeout`, and whose recorded creator is dead by
     /// [`ProcessIdentity::liveness_as`] with the recorded uid. Its inode is checked again just
