@@ -1229,6 +1229,47 @@ mod tests {
     }
 
     #[test]
+    fn hidepid_is_read_from_procs_super_options() {
+        let _serial = serial();
+        assert!(hides_in_options("proc proc rw,hidepid=2,gid=10"));
+        assert!(hides_in_options("proc proc rw,hidepid=invisible"));
+        assert!(!hides_in_options("proc proc rw,hidepid=0"));
+        assert!(!hides_in_options("proc proc rw,hidepid=off"));
+        assert!(!hides_in_options("proc proc rw"));
+        assert!(!hides_in_options("proc"));
+    }
+
+    #[test]
+    fn a_lock_on_a_file_of_another_owner_is_ignored_where_a_uid_is_recorded() {
+        let _serial = serial();
+        // Another namespace's identity (so /proc cannot answer), its file made and locked here.
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(13);
+        other.start_time = other.start_time.wrapping_add(4242);
+        let path = other.liveness_path();
+        let _ = std::fs::remove_file(&path);
+        let fd = open_live_file(&path, true).unwrap();
+        set_lock(&fd).unwrap();
+        let mine = rustix::process::geteuid().as_raw();
+        assert_eq!(other.liveness(), Liveness::Alive, "any owner");
+        assert_eq!(
+            other.liveness_as(mine),
+            Liveness::Alive,
+            "the recorded uid's"
+        );
+        // Recorded as another user's process: a file of ours under its name is a forgery, unless
+        // we are root (root's files count for everyone).
+        let expected = if mine == 0 {
+            Liveness::Alive
+        } else {
+            Liveness::Dead
+        };
+        assert_eq!(other.liveness_as(mine.wrapping_add(1)), expected);
+        drop(fd);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
     fn words_round_trip() {
         let _serial = serial();
         let me = ProcessIdentity::current().unwrap();
