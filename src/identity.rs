@@ -17,10 +17,25 @@
 //! `/dev/shm`) asks with `F_OFD_GETLK` whether the lock is still held:
 //! - held → [`Liveness::Alive`]; free → [`Liveness::Dead`];
 //! - no file: the process exited normally (it removes its file at exit) or `cuda-ipc gc` removed a
-//!   dead one's file → [`Liveness::Dead`], except in this process's own pid namespace, where
-//!   `/proc` decides (an identity of a process that never used this crate);
-//! - the file cannot be opened (permissions) → `/proc` in the same namespace, else
-//!   [`Liveness::Unknown`], which every caller treats as alive.
+//!   dead one's file → [`Liveness::Dead`];
+//! - the file cannot be opened (permissions) → [`Liveness::Unknown`], which every caller treats as
+//!   alive.
+//!
+//! # What a neighbour cannot forge
+//! `/dev/shm` is world-writable, so once a process has exited anyone may make a file under its
+//! liveness name and lock it. Two rules keep such a file from keeping a dead process "alive":
+//! - in the caller's own pid namespace, with `/proc` mounted for it, `/proc` decides before any
+//!   lock is asked: no such pid, a zombie, or another start time (the pid reused) →
+//!   [`Liveness::Dead`], whatever any lock says; the same pid with the same start time →
+//!   [`Liveness::Alive`]. Only where `/proc` cannot tell (it hides other users' processes,
+//!   `hidepid`, or a read fails) is the lock asked;
+//! - a liveness file counts only when its owner is the uid recorded beside the identity (or root):
+//!   every segment of this crate records the uid of each process it names (the registry's creator,
+//!   participants and record owners; a channel's producer and consumers; a host pool's producer),
+//!   and its readers ask [`ProcessIdentity::liveness_as`] with that uid. A file of anyone else under
+//!   the name is ignored, as if there were none. [`ProcessIdentity::liveness`], for identities
+//!   without a recorded uid (a token's exporter, a quota reservation), still counts a lock of any
+//!   owner in another pid namespace.
 //!
 //! The descriptor is opened `O_CLOEXEC`, so an `exec`ed program does not inherit the lock. A child
 //! made with `fork()` without `exec` would inherit the descriptor and keep its parent "alive": a
@@ -72,11 +87,13 @@ pub struct ProcessIdentity {
 )]
 #[non_exhaustive]
 pub enum Liveness {
-    /// The process runs: its liveness lock is held (or, in this pid namespace, `/proc` shows the
-    /// same pid with the same start time).
+    /// The process runs: in this pid namespace, `/proc` shows the same pid with the same start
+    /// time; elsewhere its liveness lock is held (on a file of its recorded uid, or root's, where
+    /// one is recorded).
     Alive,
-    /// The process is gone: its liveness lock is free or its file removed, no such pid, a different
-    /// start time (pid reused), a zombie, or another boot.
+    /// The process is gone: no such pid, a different start time (pid reused) or a zombie in this
+    /// pid namespace; its liveness lock free, its file removed or of another owner elsewhere; or
+    /// another boot.
     Dead,
     /// It could not be told (e.g. another namespace's liveness file that this user may not open, or
     /// `/proc` hidden by `hidepid`); callers treat this as alive.
@@ -176,12 +193,29 @@ impl ProcessIdentity {
         })
     }
 
-    /// Whether the process this identity names is still running; see the [module docs](self) for
-    /// how (the liveness lock first, `/proc` in this pid namespace where there is no lock file).
+    /// Whether the process this identity names is still running, when no uid was recorded for it
+    /// (a token's exporter): `/proc` in this pid namespace, else the liveness lock, whoever owns its
+    /// file; see the [module docs](self). Prefer [`liveness_as`](Self::liveness_as) wherever the
+    /// process's uid is known: a lock another user forged under the name does not count there.
     ///
     /// Costs a few system calls (open, `fcntl`, close): callers check on slow paths only (a wait
     /// that sleeps or timed out), never per frame.
     pub fn liveness(&self) -> Liveness {
+        self.liveness_checked(None)
+    }
+
+    /// Whether the process this identity names, run by the user `uid` (the effective uid recorded
+    /// beside the identity in a segment), is still running: `/proc` in this pid namespace (pid
+    /// gone, zombie or another start time → [`Liveness::Dead`], whatever any lock says), else the
+    /// liveness lock, counted only when its file belongs to `uid` or to root (a file of another
+    /// owner under the name is ignored, as if there were none). See the [module docs](self).
+    ///
+    /// Costs as [`liveness`](Self::liveness): slow paths only.
+    pub fn liveness_as(&self, uid: u32) -> Liveness {
+        self.liveness_checked(Some(uid))
+    }
+
+    fn liveness_checked(&self, uid: Option<u32>) -> Liveness {
         match boot_id() {
             Ok(b) if b != self.boot_id => return Liveness::Dead,
             Ok(_) => {}
@@ -190,12 +224,20 @@ impl ProcessIdentity {
         if self.pid == 0 || self.pid > i32::MAX as u32 {
             return Liveness::Dead;
         }
-        match probe_lock(self) {
+        // In our own pid namespace /proc decides first: a lock anyone may take on a file under a
+        // dead process's name must not outvote the kernel's process table.
+        let from_proc = self.proc_answers().then(|| self.proc_liveness(uid));
+        match from_proc {
+            Some(Liveness::Alive) => return Liveness::Alive,
+            Some(Liveness::Dead) => return Liveness::Dead,
+            _ => {}
+        }
+        match probe_lock(self, uid) {
             LockState::Held => Liveness::Alive,
             LockState::Free => Liveness::Dead,
-            LockState::Missing if self.proc_answers() => self.proc_liveness(),
-            LockState::Missing => Liveness::Dead,
-            LockState::Unreadable if self.proc_answers() => self.proc_liveness(),
+            // /proc was asked and could not tell (hidden or unreadable): nor can a missing file.
+            LockState::Missing | LockState::NotOwned if from_proc.is_some() => Liveness::Unknown,
+            LockState::Missing | LockState::NotOwned => Liveness::Dead,
             LockState::Unreadable => Liveness::Unknown,
         }
     }
@@ -219,12 +261,24 @@ impl ProcessIdentity {
         self.in_own_pid_namespace() && proc_is_own_namespace()
     }
 
-    fn proc_liveness(&self) -> Liveness {
+    /// What `/proc` says of this identity (asked only when [`proc_answers`](Self::proc_answers)):
+    /// the same pid and start time, not a zombie → alive; a zombie or another start time → dead;
+    /// no such pid → dead, unless `/proc` hides other users' processes (`hidepid`) and this one may
+    /// be another user's (`uid`: the recorded uid, if any) → unknown; a read error → unknown.
+    fn proc_liveness(&self, uid: Option<u32>) -> Liveness {
         match stat_of(self.pid) {
             Ok(Some((state, t))) if t == self.start_time && !matches!(state, 'Z' | 'X') => {
                 Liveness::Alive
             }
-            Ok(Some(_)) | Ok(None) => Liveness::Dead,
+            Ok(Some(_)) => Liveness::Dead,
+            Ok(None) => {
+                let euid = rustix::process::geteuid();
+                if proc_hides_processes() && !euid.is_root() && uid != Some(euid.as_raw()) {
+                    Liveness::Unknown
+                } else {
+                    Liveness::Dead
+                }
+            }
             Err(_) => Liveness::Unknown,
         }
     }
@@ -608,10 +662,14 @@ enum LockState {
     Held,
     Free,
     Missing,
+    /// A regular file under the name whose owner is neither the recorded uid nor root: ignored.
+    NotOwned,
     Unreadable,
 }
 
-fn probe_lock(id: &ProcessIdentity) -> LockState {
+/// Tests the liveness lock of `id`; with `uid`, a file owned by anyone but `uid` or root is
+/// [`LockState::NotOwned`] and its lock is not asked.
+fn probe_lock(id: &ProcessIdentity, uid: Option<u32>) -> LockState {
     let path = id.liveness_path();
     let fd = match open_live_file(&path, false) {
         Ok(fd) => fd,
@@ -621,7 +679,12 @@ fn probe_lock(id: &ProcessIdentity) -> LockState {
     match rustix::fs::fstat(&fd) {
         Ok(st)
             if rustix::fs::FileType::from_raw_mode(st.st_mode)
-                == rustix::fs::FileType::RegularFile => {}
+                == rustix::fs::FileType::RegularFile =>
+        {
+            if uid.is_some_and(|u| st.st_uid != u && st.st_uid != 0) {
+                return LockState::NotOwned;
+            }
+        }
         _ => return LockState::Unreadable,
     }
     match test_lock(&fd) {
@@ -703,6 +766,36 @@ fn proc_is_own_namespace() -> bool {
     let v = proc_stat("self").ok().and_then(|s| s.pid) == Some(pid);
     CACHE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
     v
+}
+
+/// Whether `/proc` hides processes of other users (`hidepid=` other than `0`/`off`: `1`, `2`,
+/// `noaccess`, `invisible`, `ptraceable`): from the `/proc` line of `/proc/self/mountinfo`, read
+/// once per process. A missing `/proc/PID` then says nothing about another user's process.
+fn proc_hides_processes() -> bool {
+    static HIDES: OnceLock<bool> = OnceLock::new();
+    *HIDES.get_or_init(|| {
+        let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+            return false;
+        };
+        // Fields: id parent major:minor root mount-point options ... - fstype source super-options.
+        // The last line for /proc is the mount that is visible.
+        text.lines()
+            .rev()
+            .filter(|l| l.split(' ').nth(4) == Some("/proc"))
+            .filter_map(|l| l.split_once(" - "))
+            .find(|(_, tail)| tail.starts_with("proc "))
+            .is_some_and(|(_, tail)| hides_in_options(tail))
+    })
+}
+
+/// Whether the super options after a mountinfo line's ` - ` (`proc proc rw,hidepid=2`) hide pids.
+fn hides_in_options(tail: &str) -> bool {
+    tail.split(' ')
+        .nth(2)
+        .unwrap_or("")
+        .split(',')
+        .filter_map(|o| o.strip_prefix("hidepid="))
+        .any(|v| !matches!(v, "0" | "off"))
 }
 
 /// A liveness file found in `/dev/shm` by [`stale_liveness_files`].
@@ -830,7 +923,7 @@ pub(crate) fn parse_file_name(prefix: &str, name: &str, boot: [u8; 16]) -> Optio
 #[doc(hidden)]
 pub fn remove_liveness_file_if_free(id: &ProcessIdentity) -> Result<bool> {
     let path = id.liveness_path();
-    if probe_lock(id) != LockState::Free {
+    if probe_lock(id, None) != LockState::Free {
         return Ok(false);
     }
     match std::fs::remove_file(&path) {
@@ -1034,7 +1127,7 @@ mod tests {
         let meta = std::fs::symlink_metadata(&path).unwrap();
         assert!(meta.file_type().is_file());
         assert!(liveness_lock_fd().is_some());
-        assert_eq!(probe_lock(&me), LockState::Held);
+        assert_eq!(probe_lock(&me, None), LockState::Held);
         assert_eq!(me.pid_ns, own_pid_ns());
         assert_ne!(me.pid_ns, 0);
     }
@@ -1110,7 +1203,7 @@ mod tests {
         let path = me.liveness_path();
         std::fs::remove_file(&path).unwrap();
         let t = std::time::Instant::now();
-        while probe_lock(&me) != LockState::Held {
+        while probe_lock(&me, None) != LockState::Held {
             assert!(
                 t.elapsed() < std::time::Duration::from_secs(2),
                 "not made again"
@@ -1132,6 +1225,47 @@ mod tests {
         // SAFETY: `c` is a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         assert_eq!(other.liveness(), Liveness::Unknown);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn hidepid_is_read_from_procs_super_options() {
+        let _serial = serial();
+        assert!(hides_in_options("proc proc rw,hidepid=2,gid=10"));
+        assert!(hides_in_options("proc proc rw,hidepid=invisible"));
+        assert!(!hides_in_options("proc proc rw,hidepid=0"));
+        assert!(!hides_in_options("proc proc rw,hidepid=off"));
+        assert!(!hides_in_options("proc proc rw"));
+        assert!(!hides_in_options("proc"));
+    }
+
+    #[test]
+    fn a_lock_on_a_file_of_another_owner_is_ignored_where_a_uid_is_recorded() {
+        let _serial = serial();
+        // Another namespace's identity (so /proc cannot answer), its file made and locked here.
+        let mut other = ProcessIdentity::current().unwrap();
+        other.pid_ns = other.pid_ns.wrapping_add(13);
+        other.start_time = other.start_time.wrapping_add(4242);
+        let path = other.liveness_path();
+        let _ = std::fs::remove_file(&path);
+        let fd = open_live_file(&path, true).unwrap();
+        set_lock(&fd).unwrap();
+        let mine = rustix::process::geteuid().as_raw();
+        assert_eq!(other.liveness(), Liveness::Alive, "any owner");
+        assert_eq!(
+            other.liveness_as(mine),
+            Liveness::Alive,
+            "the recorded uid's"
+        );
+        // Recorded as another user's process: a file of ours under its name is a forgery, unless
+        // we are root (root's files count for everyone).
+        let expected = if mine == 0 {
+            Liveness::Alive
+        } else {
+            Liveness::Dead
+        };
+        assert_eq!(other.liveness_as(mine.wrapping_add(1)), expected);
+        drop(fd);
         std::fs::remove_file(&path).unwrap();
     }
 

@@ -225,6 +225,8 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u64_at(h("buffer_bytes")), 12345);
     assert_eq!(u64_at(h("segment_bytes")), bytes.len() as u64);
     assert_eq!(u32_at(h("producer_pid")), std::process::id());
+    let uid = rustix::process::geteuid().as_raw();
+    assert_eq!(u32_at(h("producer_uid")), uid);
     assert_eq!(u32_at(h("producer_state")), 0);
     assert_eq!((u64_at(h("head")), u32_at(h("head_index"))), (1, 0));
     assert_ne!(u64_at(h("generation")), 0);
@@ -255,6 +257,7 @@ fn a_real_segment_holds_what_the_doc_says_where_it_says() {
     assert_eq!(u32_at(c("state")), 2);
     assert_eq!(u32_at(c("policy")), 1);
     assert_eq!(u32_at(c("pid")), std::process::id());
+    assert_eq!(u32_at(c("uid")), uid);
     assert_eq!(u64_at(c("generation")), 1);
     assert_eq!((u64_at(c("cursor")), u64_at(c("received"))), (1, 1));
     // One hand-off counted in the latency histogram (its 32 buckets sum to 1).

@@ -106,3 +106,72 @@ fn start_time_of(pid: u32) -> Option<u64> {
         .parse()
         .ok()
 }
+
+#[test]
+fn proc_outvotes_a_lock_held_under_a_dead_pids_liveness_name_in_its_own_pid_namespace() {
+    use cuda_ipc::identity::Liveness;
+    use std::os::fd::AsRawFd;
+    // A process that has exited (reaped: its pid is gone from /proc).
+    let mut child = Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    let start = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s[s.rfind(')')? + 1..]
+                .split_ascii_whitespace()
+                .nth(19)?
+                .parse::<u64>()
+                .ok()
+        })
+        .unwrap_or(1);
+    child.wait().unwrap();
+    let dead = ProcessIdentity {
+        pid,
+        start_time: start,
+        ..ProcessIdentity::current().unwrap()
+    };
+    // A helper of the same user (this process) makes a file under its liveness name and holds the
+    // write lock a live process would hold.
+    let path = dead.liveness_path();
+    let _ = std::fs::remove_file(&path);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .unwrap();
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_len = 1;
+    // SAFETY: `f` is open; `l` is a valid flock that outlives the call.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0);
+    let uid = rustix::process::geteuid().as_raw();
+    // /proc of our own pid namespace says the pid is gone: dead, whatever the lock says, with or
+    // without the recorded uid (the file is that uid's own).
+    assert_eq!(dead.liveness_as(uid), Liveness::Dead);
+    assert_eq!(dead.liveness(), Liveness::Dead);
+    // The same for a pid that runs with another start time (the pid reused): the lock under the
+    // name is never asked.
+    let reused = ProcessIdentity {
+        pid: std::process::id(),
+        ..dead
+    };
+    let reused_path = reused.liveness_path();
+    let _ = std::fs::remove_file(&reused_path);
+    let g = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&reused_path)
+        .unwrap();
+    // SAFETY: as above.
+    let r = unsafe { libc::fcntl(g.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0);
+    assert_eq!(reused.liveness_as(uid), Liveness::Dead);
+    drop((f, g));
+    std::fs::remove_file(&path).unwrap();
+    std::fs::remove_file(&reused_path).unwrap();
+}

@@ -287,13 +287,17 @@ fn open_with_wrong_layout_version_fails_naming_both_versions() {
             e,
             RegistryError::VersionMismatch {
                 found: 7,
-                supported: 2,
+                supported: layout::LAYOUT_VERSION,
                 ..
             }
         ),
         "{e}"
     );
-    assert!(e.to_string().contains("version 7") && e.to_string().contains("version 2"));
+    assert!(
+        e.to_string().contains("version 7")
+            && e.to_string()
+                .contains(&format!("version {}", layout::LAYOUT_VERSION))
+    );
 }
 
 #[test]

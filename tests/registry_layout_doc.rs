@@ -27,6 +27,7 @@ fn python_reader_in_the_layout_doc_reads_a_registry_written_here() {
          print(h['slots'], h['participants'], r['name'], r['kind'], r['seq'], r['pid'], r['token'].decode(), r['metadata'].decode())\n\
          o = r['owner']; c = h['creator']\n\
          print(o['pid_ns'], o['start_time'], o['boot_id'], c['pid'], c['pid_ns'], c['start_time'], h['generation'])\n\
+         print(o['uid'], c['uid'])\n\
          print(all(read_slot(m, h['participants'], i) is None for i in range(4) if i != {slot}))\n"
     );
     let out = Command::new("python3")
@@ -40,11 +41,12 @@ fn python_reader_in_the_layout_doc_reads_a_registry_written_here() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let uid = rustix::process::geteuid().as_raw();
     let boot: String = me.boot_id.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(
         text,
         format!(
-            "4 3 frames 7 {seq} {} opaque-token meta!\n{} {} {boot} {} {} {} {}\nTrue\n",
+            "4 3 frames 7 {seq} {} opaque-token meta!\n{} {} {boot} {} {} {} {}\n{uid} {uid}\nTrue\n",
             me.pid,
             me.pid_ns,
             me.start_time,

@@ -147,8 +147,181 @@ fn run_role(role: &str) {
             let r = inspect::remove_stale(&channel).map(|_| ()).unwrap_err();
             tell(format!("remove {r:?}"));
         }
+        "forger" => {
+            // Another user makes a file under a dead process's liveness name and holds the same
+            // write lock a live process holds on its own.
+            let path = format!("/dev/shm/{}", std::env::var(FORGE).unwrap());
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+            assert!(write_lock(&f), "the forger's lock was refused");
+            tell("locked");
+            for line in parent_lines() {
+                if line == "quit" {
+                    break;
+                }
+            }
+            drop(f);
+            let _ = std::fs::remove_file(&path);
+        }
+        "ns-reader" => {
+            // A reader in a pid namespace of its own: /proc cannot answer for the producer, so the
+            // liveness lock (and the uid recorded beside the identity) decides.
+            let w: Vec<u64> = std::env::var(FORGE)
+                .unwrap()
+                .split(' ')
+                .map(|x| x.parse().unwrap())
+                .collect();
+            let their = ProcessIdentity {
+                pid: w[0] as u32,
+                start_time: w[1],
+                pid_ns: w[2] as u32,
+                ..ProcessIdentity::current().unwrap()
+            };
+            assert!(!their.in_own_pid_namespace());
+            tell(format!("as-recorded {:?}", their.liveness_as(w[3] as u32)));
+            tell(format!("any-owner {:?}", their.liveness()));
+            let c = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
+            let snap = inspect::inspect(&channel).unwrap();
+            tell(format!("inspect {:?}", snap.producer_liveness));
+            let r = c.take(Some(Duration::from_secs(5))).map(|_| ());
+            tell(format!("take {r:?}"));
+        }
         _ => panic!("unknown role {role}"),
     }
+}
+
+/// Environment variable naming what the forger forges (a liveness file name) or the identity the
+/// namespace reader judges (`pid start_time pid_ns uid`).
+const FORGE: &str = "CUDA_IPC_TEST_FORGE";
+
+/// Takes an open-file-description write lock on byte 0 of `f`, as a live process holds its
+/// liveness file; `false` when it is refused.
+fn write_lock(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_len = 1;
+    // SAFETY: `f` is open; `l` is a valid flock that outlives the call.
+    unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) == 0 }
+}
+
+/// Whether some open file description holds a write lock on byte 0 of the file at `path`.
+fn write_locked(path: &str) -> bool {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    // SAFETY: as in `write_lock`.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_RDLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_len = 1;
+    // SAFETY: `f` is open; the kernel overwrites `l` in place.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+    assert_eq!(r, 0);
+    l.l_type == libc::F_WRLCK as libc::c_short
+}
+
+#[test]
+fn a_lock_another_user_takes_under_a_dead_producers_liveness_name_keeps_nothing_alive() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let test = "a_lock_another_user_takes_under_a_dead_producers_liveness_name_keeps_nothing_alive";
+    let channel = format!("two-users-forged-{}", std::process::id());
+    // Our producer (this user), in a process of its own, and a consumer here.
+    let mut p = common::Peer::spawn(test, "producer", &[(CHANNEL, &channel)]);
+    let ready = p.expect("ready", ANSWER);
+    let w: Vec<&str> = ready.split_whitespace().collect();
+    let their = ProcessIdentity {
+        pid: w[0].parse().unwrap(),
+        start_time: w[1].parse().unwrap(),
+        ..ProcessIdentity::current().unwrap()
+    };
+    let c = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
+    let ours = rustix::process::geteuid().as_raw();
+    assert_eq!(their.liveness_as(ours), Liveness::Alive);
+    // Killed: its lock is free, and its file goes as `gc` removes it.
+    let _ = p.child.kill();
+    let _ = p.child.wait();
+    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&their).unwrap());
+    // The other user takes the name and locks it.
+    let bin = BinaryForOthers::new(&channel);
+    let mut f = {
+        let mut cmd = Command::new(bin.exe());
+        cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(common::ROLE, "forger")
+            .env(FORGE, their.liveness_name())
+            .env(CHANNEL, &channel)
+            .current_dir("/")
+            .uid(uid)
+            .gid(gid);
+        let _fork = fork_lock();
+        Peer::from_command(cmd)
+    };
+    f.expect("locked", ANSWER);
+    let path = their.liveness_path();
+    assert_eq!(std::fs::metadata(&path).unwrap().uid(), uid);
+    assert!(write_locked(&path), "the forged lock is held");
+
+    // Here (the producer's own pid namespace) /proc decides: the pid is gone.
+    assert_eq!(their.liveness_as(ours), Liveness::Dead);
+    assert_eq!(their.liveness(), Liveness::Dead);
+    // From another pid namespace /proc cannot answer; the forged file is not of the recorded uid.
+    match common::unshare_works(&["--pid", "--fork", "--mount-proc"]) {
+        Err(why) => println!("the other pid namespace's part skipped: {why}"),
+        Ok(()) => {
+            let who = format!("{} {} {} {ours}", their.pid, their.start_time, their.pid_ns);
+            let mut r = Peer::spawn_under(
+                &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+                test,
+                "ns-reader",
+                &[(CHANNEL, &channel), (FORGE, &who)],
+            );
+            assert_eq!(r.expect("as-recorded", ANSWER), "Dead");
+            // Without the recorded uid, the forged lock still counts (the weaker rule of
+            // `liveness()`, for identities that carry no uid): the forgery is real.
+            assert_eq!(r.expect("any-owner", ANSWER), "Alive");
+            assert_eq!(r.expect("inspect", ANSWER), "Dead");
+            let t = r.expect("take", ANSWER);
+            assert!(t.contains("ProducerGone"), "{t}");
+            r.finish(ANSWER);
+        }
+    }
+    // Our consumer is told the producer is gone; gc would remove the channel; a restart may
+    // replace it.
+    let t = Instant::now();
+    let e = c
+        .take(Some(Duration::from_secs(5)))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::ProducerGone { pid } if pid == their.pid),
+        "{e:?}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "answered in {:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        inspect::inspect(&channel).unwrap().producer_liveness,
+        Liveness::Dead
+    );
+    let restarted = ControlProducer::create(&channel, 4096, 2, &tokens()).unwrap();
+    restarted.close();
+    restarted.unlink();
+    f.send("quit");
+    f.finish(ANSWER);
+    assert!(std::fs::symlink_metadata(&path).is_err());
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! segment of a channel whose producer died ([`channel_inspect::remove_stale`]), and on a live
 //! producer's channel the slots and holds of dead consumers
 //! ([`channel_inspect::release_dead_consumers`], what the producer itself does when it next needs a
-//! buffer). A registry segment itself is never removed: a live process may open it at any moment.
+//! buffer). A registry segment itself is removed only when it is a creation abandoned half-way
+//! ([`registry_inspect::remove_abandoned`]): a live process may open a finished one at any moment.
 //! Without a NAME, also the reservations of dead holders in the quota ledgers (never a ledger
 //! itself), and the liveness files and fd server sockets that killed processes left in `/dev/shm`
 //! (a normal exit removes them).
@@ -185,7 +186,20 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         let before = match registry_inspect::inspect(r) {
             Ok(s) => s,
             Err(e) => {
-                fail(format!("registry {r}: cannot read: {e}"));
+                // A creation abandoned half-way goes, by the library's rule (the one
+                // `open_or_create` replaces it by); anything else is reported and kept.
+                let found = if dry_run {
+                    registry_inspect::abandoned(r)
+                } else {
+                    registry_inspect::remove_abandoned(r)
+                };
+                match found {
+                    Ok(Some(why)) => {
+                        out!("{verb} registry {r}: segment /dev/shm/{r}: {why}");
+                        removed += 1;
+                    }
+                    _ => fail(format!("registry {r}: cannot read: {e}")),
+                }
                 continue;
             }
         };

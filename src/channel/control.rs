@@ -205,6 +205,8 @@ impl Control {
                 h.producer_boot_id[0].store(bw[0], Ordering::Relaxed);
                 h.producer_boot_id[1].store(bw[1], Ordering::Relaxed);
                 h.producer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
+                h.producer_uid
+                    .store(rustix::process::geteuid().as_raw(), Ordering::Relaxed);
             },
             |h| {
                 h.buffers.store(buffers as u32, Ordering::Relaxed);
@@ -246,7 +248,7 @@ impl Control {
             Ok(seg) => {
                 let old = Self::checked(seg, name)?;
                 let p = old.producer();
-                if p.liveness() == Liveness::Dead {
+                if old.producer_liveness() == Liveness::Dead {
                     Ok("its producer is dead")
                 } else {
                     Err(Error::Channel(super::ChannelError::AlreadyExists {
@@ -265,7 +267,7 @@ impl Control {
                     consumers: 0,
                 };
                 let p = c.producer();
-                if p.pid != 0 && p.liveness() != Liveness::Dead {
+                if p.pid != 0 && c.producer_liveness() != Liveness::Dead {
                     return Err(Error::Channel(super::ChannelError::CreationInProgress(
                         channel.to_string(),
                     )));
@@ -406,6 +408,18 @@ impl Control {
             ]),
             pid_ns: h.producer_pid_ns.load(Ordering::Relaxed),
         }
+    }
+
+    /// The producer's effective uid, recorded beside its identity.
+    pub(crate) fn producer_uid(&self) -> u32 {
+        // Relaxed: written with the identity before the stamp, which the opener Acquire-loaded.
+        self.header().producer_uid.load(Ordering::Relaxed)
+    }
+
+    /// Whether the producer runs: its identity with its recorded uid
+    /// ([`ProcessIdentity::liveness_as`]).
+    pub(crate) fn producer_liveness(&self) -> Liveness {
+        self.producer().liveness_as(self.producer_uid())
     }
 
     pub(crate) fn head(&self) -> u64 {

@@ -425,6 +425,13 @@ impl Control {
         }
     }
 
+    /// The effective uid recorded in consumer slot `c` beside its identity.
+    pub(crate) fn consumer_uid(&self, c: usize) -> u32 {
+        // Relaxed: written with the identity before the slot's ACTIVE (Release); the callers
+        // Acquire-loaded the state first, or treat the value as a diagnosis.
+        self.consumer(c).uid.load(Ordering::Relaxed)
+    }
+
     /// Puts back consumer bits taken from buffer `i`'s used mask (the write did not happen).
     pub(crate) fn restore_used(&self, i: usize, bits: u64) {
         // SYNC POINT: used. AcqRel: as `take_used`.
@@ -441,16 +448,7 @@ impl Control {
             if st == FREE {
                 continue;
             }
-            let id = ProcessIdentity {
-                pid: s.pid.load(Ordering::Relaxed),
-                start_time: s.start_time.load(Ordering::Relaxed),
-                boot_id: boot_bytes([
-                    s.boot_id[0].load(Ordering::Relaxed),
-                    s.boot_id[1].load(Ordering::Relaxed),
-                ]),
-                pid_ns: s.pid_ns.load(Ordering::Relaxed),
-            };
-            if id.liveness() != Liveness::Dead {
+            if self.consumer_identity(c).liveness_as(self.consumer_uid(c)) != Liveness::Dead {
                 continue;
             }
             // SYNC POINT: slot leave. The state read above is only a guess: the CAS in
@@ -581,6 +579,8 @@ impl Control {
             s.boot_id[0].store(bw[0], Ordering::Relaxed);
             s.boot_id[1].store(bw[1], Ordering::Relaxed);
             s.pid_ns.store(me.pid_ns, Ordering::Relaxed);
+            s.uid
+                .store(rustix::process::geteuid().as_raw(), Ordering::Relaxed);
             s.policy.store(policy.to_wire(), Ordering::Relaxed);
             s.received.store(0, Ordering::Relaxed);
             s.dropped.store(0, Ordering::Relaxed);
@@ -619,7 +619,7 @@ impl Control {
     /// Whether the producer is gone: closed, or its process dead.
     pub(crate) fn producer_gone(&self) -> Result<()> {
         let p = self.producer();
-        if p.liveness() == Liveness::Dead {
+        if self.producer_liveness() == Liveness::Dead {
             return Err(Error::ProducerGone { pid: p.pid });
         }
         Ok(())

@@ -38,7 +38,7 @@ use std::time::Duration;
 /// Magic at offset 0 of a pool segment: `CIPCPOOL`.
 const POOL_MAGIC: u64 = u64::from_le_bytes(*b"CIPCPOOL");
 /// Pool layout version; an opener refuses any other.
-pub(crate) const POOL_VERSION: u32 = 1;
+pub(crate) const POOL_VERSION: u32 = 2;
 /// Offset of the first buffer: the header has the first page to itself.
 pub(crate) const POOL_DATA: usize = 4096;
 /// Prefix of a pool segment's name; the channel name follows.
@@ -54,7 +54,8 @@ pub(crate) struct PoolHeader {
     /// Written last at creation (Release); openers Acquire-load it before anything else.
     stamp: AtomicU32,
     buffers: AtomicU32,
-    _pad: AtomicU32,
+    /// The producer's effective uid (pool version 2), written with its identity.
+    producer_uid: AtomicU32,
     buffer_bytes: AtomicU64,
     stride: AtomicU64,
     segment_bytes: AtomicU64,
@@ -68,6 +69,10 @@ pub(crate) struct PoolHeader {
 const _: () = assert!(size_of::<PoolHeader>() == 88);
 #[cfg(not(loom))] // loom atomics have other sizes; the mapped layout is only used without it
 const _: () = assert!(std::mem::offset_of!(PoolHeader, generation) == 48);
+#[cfg(not(loom))] // as above
+const _: () = assert!(std::mem::offset_of!(PoolHeader, producer_uid) == 20);
+#[cfg(not(loom))] // as above
+const _: () = assert!(std::mem::offset_of!(PoolHeader, producer) == 56);
 
 // SAFETY: (1) `PoolHeader` is `#[repr(C)]` and all atomics; (2) its alignment is 8; (3) it is 88
 // bytes, within the first page (`POOL_DATA`), which the header has to itself.
@@ -152,7 +157,11 @@ impl HostPool {
         // Acquire loads in `open` (`open_versioned`) and `replaceable`.
         let generation = versioned::write_versioned::<PoolHeader>(
             &seg,
-            |h| me.store_words(&h.producer),
+            |h| {
+                me.store_words(&h.producer);
+                h.producer_uid
+                    .store(rustix::process::geteuid().as_raw(), Ordering::Relaxed);
+            },
             |h| {
                 h.buffers.store(buffers as u32, Ordering::Relaxed);
                 h.buffer_bytes.store(buffer_bytes as u64, Ordering::Relaxed);
@@ -201,6 +210,8 @@ impl HostPool {
         let seg = Segment::open_with_min_len(&name, POOL_DATA)?;
         let h = versioned::header::<PoolHeader>(&seg);
         let producer = ProcessIdentity::load_words(&h.producer);
+        // Relaxed: before the stamp, a guess (a creator may be writing); read again below.
+        let producer_uid = h.producer_uid.load(Ordering::Relaxed);
         let magic = h.magic.load(Ordering::Relaxed);
         if magic != POOL_MAGIC && magic != 0 {
             return Err(bad(format!(
@@ -209,7 +220,7 @@ impl HostPool {
         }
         // SYNC POINT: pool stamp. Acquire: pairs with the Release store of the stamp in `create`.
         if h.stamp.load(Ordering::Acquire) != STAMP_READY {
-            if producer.pid != 0 && producer.liveness() != Liveness::Dead {
+            if producer.pid != 0 && producer.liveness_as(producer_uid) != Liveness::Dead {
                 return Err(Error::Channel(super::ChannelError::CreationInProgress(
                     channel.to_string(),
                 )));
@@ -227,7 +238,10 @@ impl HostPool {
                 "{name} has pool layout version {v}, this build reads version {POOL_VERSION}"
             )));
         }
-        match producer.liveness() {
+        // Relaxed: ordered by the Acquire load of the stamp above (SYNC POINT: pool stamp).
+        let producer = ProcessIdentity::load_words(&h.producer);
+        let producer_uid = h.producer_uid.load(Ordering::Relaxed);
+        match producer.liveness_as(producer_uid) {
             Liveness::Dead => Ok("its producer is dead"),
             _ => Err(Error::Channel(super::ChannelError::AlreadyExists {
                 channel: channel.to_string(),

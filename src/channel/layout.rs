@@ -22,8 +22,9 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
 /// nonzero, so a waiter of version 3, which does not count itself, would not be woken); version 5
 /// the release page (release words written by consumers' streams in place of interprocess
 /// events), the gate words, ring order, and fields reserved for monitoring and the remote lane
-/// (publish times, per-consumer latency histograms, transport codes).
-pub const VERSION: u32 = 5;
+/// (publish times, per-consumer latency histograms, transport codes); version 6 the effective uids
+/// of producer and consumers (a liveness file counts only when that uid or root owns it).
+pub const VERSION: u32 = 6;
 /// The header's `stamp` once the creator wrote everything else: `0x52454459` (ASCII `REDY`); 0 before.
 pub const STAMP_READY: u32 = 0x5245_4459;
 /// Size in bytes of the ready page: one `u32` ready word per buffer, then the gate words; on a
@@ -133,8 +134,8 @@ pub mod header {
     pub const RELEASE_SLEEPERS: usize = 124;
     /// `u32`: flags written at creation ([`super::FLAG_RING`]).
     pub const FLAGS: usize = 128;
-    /// 4 bytes: zero.
-    pub const RESERVED: usize = 132;
+    /// `u32`: the producer's effective uid.
+    pub const PRODUCER_UID: usize = 132;
 }
 
 /// Byte offsets of a buffer slot's fields (from the start of the slot).
@@ -184,8 +185,8 @@ pub mod consumer {
     /// `u32`: how this consumer's frames leave: [`super::TRANSPORT_LOCAL`], or
     /// [`super::TRANSPORT_BRIDGED`] for a bridge that sends them to another host.
     pub const TRANSPORT: usize = 72;
-    /// `u32`: zero.
-    pub const PAD: usize = 76;
+    /// `u32`: the consumer's effective uid.
+    pub const UID: usize = 76;
     /// [`super::LATENCY_BUCKETS`] × `u64`: hand-offs by latency, publish to take (see
     /// [`super::LATENCY_BUCKETS`] for the buckets), written by the consumer alone.
     pub const LATENCY: usize = 80;
@@ -235,7 +236,7 @@ pub const HEADER_FIELDS: &[Field] = &[
     f("publish_sleepers", header::PUBLISH_SLEEPERS, 4),
     f("release_sleepers", header::RELEASE_SLEEPERS, 4),
     f("flags", header::FLAGS, 4),
-    f("reserved", header::RESERVED, 4),
+    f("producer_uid", header::PRODUCER_UID, 4),
 ];
 
 /// A buffer slot's fields, in order; they cover its [`BUFFER_SLOT_SIZE`] bytes without gaps.
@@ -263,7 +264,7 @@ pub const CONSUMER_FIELDS: &[Field] = &[
     f("received", consumer::RECEIVED, 8),
     f("dropped", consumer::DROPPED, 8),
     f("transport", consumer::TRANSPORT, 4),
-    f("reserved", consumer::PAD, 4),
+    f("uid", consumer::UID, 4),
     f("latency", consumer::LATENCY, 8 * LATENCY_BUCKETS),
     f("latency_sum_us", consumer::LATENCY_SUM_US, 8),
     f(
@@ -577,7 +578,8 @@ pub(crate) struct Header {
     pub(crate) release_sleepers: AtomicU32,
     /// [`FLAG_RING`]; written at creation.
     pub(crate) flags: AtomicU32,
-    pub(crate) _reserved: AtomicU32,
+    /// The producer's effective uid; written with its identity.
+    pub(crate) producer_uid: AtomicU32,
 }
 
 /// One buffer of the pool (see [`buffer`]).
@@ -617,7 +619,8 @@ pub(crate) struct ConsumerSlot {
     pub(crate) dropped: AtomicU64,
     /// [`TRANSPORT_LOCAL`] or [`TRANSPORT_BRIDGED`].
     pub(crate) transport: AtomicU32,
-    pub(crate) _pad: AtomicU32,
+    /// The consumer's effective uid; written with its identity.
+    pub(crate) uid: AtomicU32,
     /// Hand-offs by latency bucket ([`latency_bucket`]); only the consumer writes them.
     pub(crate) latency: [AtomicU64; LATENCY_BUCKETS],
     /// Sum of the latencies counted, µs.
@@ -693,7 +696,7 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, publish_sleepers) == header::PUBLISH_SLEEPERS);
     const _: () = assert!(offset_of!(Header, release_sleepers) == header::RELEASE_SLEEPERS);
     const _: () = assert!(offset_of!(Header, flags) == header::FLAGS);
-    const _: () = assert!(offset_of!(Header, _reserved) == header::RESERVED);
+    const _: () = assert!(offset_of!(Header, producer_uid) == header::PRODUCER_UID);
 
     const _: () = assert!(size_of::<BufferSlot>() == BUFFER_SLOT_SIZE);
     const _: () = assert!(align_of::<BufferSlot>() == 8);
@@ -719,6 +722,7 @@ mod asserts {
     const _: () = assert!(offset_of!(ConsumerSlot, received) == consumer::RECEIVED);
     const _: () = assert!(offset_of!(ConsumerSlot, dropped) == consumer::DROPPED);
     const _: () = assert!(offset_of!(ConsumerSlot, transport) == consumer::TRANSPORT);
+    const _: () = assert!(offset_of!(ConsumerSlot, uid) == consumer::UID);
     const _: () = assert!(offset_of!(ConsumerSlot, latency) == consumer::LATENCY);
     const _: () = assert!(offset_of!(ConsumerSlot, latency_sum_us) == consumer::LATENCY_SUM_US);
 }

@@ -10,7 +10,7 @@ use super::Registry;
 use super::layout::*;
 use super::participant::{self, EntryState};
 use super::records::{READ_RETRIES, decode};
-use super::segment::Retry;
+use super::segment::{Leftover, Retry};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -308,7 +308,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
         match read {
             Ok(_) => match decode(&buf, i) {
                 Ok(Some(record)) => snap.records.push(RecordSnapshot {
-                    owner_liveness: record.owner.liveness(),
+                    owner_liveness: record.owner_liveness(),
                     record,
                 }),
                 Ok(None) => {}
@@ -347,6 +347,62 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
         });
     }
     Ok(snap)
+}
+
+/// Whether the segment `name` is a registry creation abandoned half-way, by the rule
+/// [`Registry::open_or_create`] replaces one by: this user's, and empty or sparse (at least
+/// `ABANDONED_AFTER`, 2 s, old: no creator recorded),
+/// its header never begun (as old), or never stamped with its recorded creator dead. Returns why,
+/// or `Ok(None)`: no such segment, a finished registry (its dead processes' leftovers are
+/// [`Registry::reclaim_dead`]'s), a young creation or a live creator's.
+///
+/// # Errors
+/// The typed errors that say what else is under the name and why it is kept
+/// ([`crate::shm::ShmError::WrongOwner`] for another user's segment,
+/// [`crate::shm::ShmError::NotASegment`], [`crate::shm::ShmError::TooSmall`] for a short file
+/// with its pages, [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`],
+/// [`RegistryError::CreatorUnknown`]).
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::registry::{Registry, RegistryOptions, inspect};
+/// let name = format!("cuda-ipc-doc-abandoned-{}", std::process::id());
+/// let reg = Registry::create(&name, &RegistryOptions::new().capacity(4))?;
+/// assert_eq!(inspect::abandoned(&name)?, None); // finished: not a leftover
+/// Registry::unlink(&name)?;
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn abandoned(name: &str) -> Result<Option<&'static str>> {
+    Ok(judged(name)?.map(|(why, _)| why))
+}
+
+/// Removes the segment `name` when it is a registry creation abandoned half-way ([`abandoned`]),
+/// only while the name still stands for the file judged. Returns why it was removed, `Ok(None)`
+/// when nothing was touched.
+///
+/// # Errors
+/// As [`abandoned`]; [`Error::Os`] when the unlink fails.
+pub fn remove_abandoned(name: &str) -> Result<Option<&'static str>> {
+    let Some((why, inode)) = judged(name)? else {
+        return Ok(None);
+    };
+    Ok(crate::shm::Segment::unlink_if_same(name, inode)?.then_some(why))
+}
+
+/// [`segment::judge_leftover`](super::segment::judge_leftover) for a caller that met no error of
+/// its own: a young creation or a live creator's is `Ok(None)`.
+fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
+    let not_yet = RegistryError::Uninitialised {
+        name: name.to_string(),
+        waited: Duration::ZERO,
+    };
+    match super::segment::judge_leftover(name, not_yet.into()) {
+        Ok(Leftover::Abandoned { why, inode, .. }) => Ok(Some((why, inode))),
+        Ok(Leftover::Changed) => Ok(None),
+        Err(Error::Registry(RegistryError::Uninitialised { .. }))
+        | Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.

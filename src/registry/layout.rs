@@ -10,7 +10,7 @@ use crate::sync::{AtomicU32, AtomicU64};
 pub const MAGIC: u64 = u64::from_le_bytes(*b"CUIPCREG");
 /// The layout version this build writes and reads. Bumped on any change an older reader would
 /// misread; see docs/registry-layout.md for the rule.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// The value of `init_stamp` once the creator has written everything else (`b"INITDONE"`).
 pub const INIT_STAMP: u64 = u64::from_le_bytes(*b"INITDONE");
 
@@ -50,7 +50,10 @@ pub(crate) const W_OWNER: usize = 4;
 pub(crate) const W_NAME: usize = W_OWNER + 4;
 pub(crate) const W_TOKEN: usize = W_NAME + RECORD_NAME_MAX / 8;
 pub(crate) const W_META: usize = W_TOKEN + TOKEN_MAX / 8;
-pub(crate) const W_RESERVED: usize = W_META + METADATA_MAX / 8;
+/// The owner's effective uid (low 32 bits; the high 32 are zero), whose liveness file alone counts
+/// for the owner (layout version 3).
+pub(crate) const W_OWNER_UID: usize = W_META + METADATA_MAX / 8;
+pub(crate) const W_RESERVED: usize = W_OWNER_UID + 1;
 
 /// Bits of a participant entry's `owner` word that hold the pid (pids are below 2^22 on Linux,
 /// `PID_MAX_LIMIT`).
@@ -77,7 +80,8 @@ pub(crate) struct Header {
     pub next_seq: AtomicU64,
     pub table_lock: AtomicU64,
     pub waiters: AtomicU32,
-    pub _reserved0: AtomicU32,
+    /// The creator's effective uid (layout version 3).
+    pub creator_uid: AtomicU32,
     pub generation: AtomicU64,
     pub creator: [AtomicU64; 4],
 }
@@ -87,14 +91,16 @@ pub(crate) struct Header {
 /// `owner` is the claim (0 = free; else pid | claim generation << 22 | pid namespace << 32, so a
 /// claim that never completed still names its process); `lock_name` is the value this claim's
 /// holder writes into lock words (claim generation << 32 | index + 1), valid while its generation
-/// bits equal `owner`'s; `identity` is the holder's full identity.
+/// bits equal `owner`'s; `identity` is the holder's full identity and `uid` its effective uid,
+/// both sealed by `lock_name`.
 #[repr(C)]
 pub(crate) struct Participant {
     pub owner: AtomicU64,
     pub lock_name: AtomicU64,
     pub claims: AtomicU64,
     pub identity: [AtomicU64; 4],
-    pub _reserved: AtomicU64,
+    pub uid: AtomicU32,
+    pub _reserved: AtomicU32,
 }
 
 /// One slot: writer lock word, seqlock sequence, payload.
@@ -122,7 +128,7 @@ const _: () = assert!(
     cfg!(target_endian = "little"),
     "the registry layout is little-endian"
 );
-const _: () = assert!(W_RESERVED + 6 == PAYLOAD_WORDS);
+const _: () = assert!(W_RESERVED + 5 == PAYLOAD_WORDS);
 const _: () = assert!(16 + PAYLOAD_WORDS * 8 == SLOT_SIZE);
 const _: () = assert!(
     SLOT_SIZE.is_multiple_of(64)
@@ -154,7 +160,7 @@ mod asserts {
     const _: () = assert!(offset_of!(Header, next_seq) == 64);
     const _: () = assert!(offset_of!(Header, table_lock) == 72);
     const _: () = assert!(offset_of!(Header, waiters) == 80);
-    const _: () = assert!(offset_of!(Header, _reserved0) == 84);
+    const _: () = assert!(offset_of!(Header, creator_uid) == 84);
     const _: () = assert!(offset_of!(Header, generation) == 88);
     const _: () = assert!(offset_of!(Header, creator) == 96);
 
@@ -163,7 +169,8 @@ mod asserts {
     const _: () = assert!(offset_of!(Participant, lock_name) == 8);
     const _: () = assert!(offset_of!(Participant, claims) == 16);
     const _: () = assert!(offset_of!(Participant, identity) == 24);
-    const _: () = assert!(offset_of!(Participant, _reserved) == 56);
+    const _: () = assert!(offset_of!(Participant, uid) == 56);
+    const _: () = assert!(offset_of!(Participant, _reserved) == 60);
 
     const _: () = assert!(size_of::<Slot>() == SLOT_SIZE);
     const _: () = assert!(offset_of!(Slot, writer) == 0);
@@ -177,5 +184,6 @@ mod asserts {
     const _: () = assert!(16 + W_NAME * 8 == 80);
     const _: () = assert!(16 + W_TOKEN * 8 == 144);
     const _: () = assert!(16 + W_META * 8 == 400);
-    const _: () = assert!(16 + W_RESERVED * 8 == 528);
+    const _: () = assert!(16 + W_OWNER_UID * 8 == 528);
+    const _: () = assert!(16 + W_RESERVED * 8 == 536);
 }

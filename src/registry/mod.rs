@@ -135,6 +135,9 @@ pub struct Record {
     pub metadata: Vec<u8>,
     /// The process that published this version of the record.
     pub owner: ProcessIdentity,
+    /// The effective uid the owner ran as: only a liveness file of this uid (or root's) counts for
+    /// the owner ([`ProcessIdentity::liveness_as`]).
+    pub owner_uid: u32,
     /// The record's sequence number: greater than every earlier number of this name.
     pub seq: u64,
     /// The slot index it sits in.
@@ -142,9 +145,10 @@ pub struct Record {
 }
 
 impl Record {
-    /// Whether the publishing process still runs (see [`ProcessIdentity::liveness`]).
+    /// Whether the publishing process still runs ([`ProcessIdentity::liveness_as`] with the
+    /// recorded [`owner_uid`](Self::owner_uid)).
     pub fn owner_liveness(&self) -> Liveness {
-        self.owner.liveness()
+        self.owner.liveness_as(self.owner_uid)
     }
 }
 
@@ -158,6 +162,8 @@ pub struct Registry {
     slots: u32,
     participants: u32,
     me: ProcessIdentity,
+    /// This process's effective uid, recorded beside `me` (participant entry, records).
+    uid: u32,
     /// The lock name this handle writes into lock words (0 for an inspection handle).
     lock_name: u64,
     /// The owner word of this handle's participant entry (0 for an inspection handle).

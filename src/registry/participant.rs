@@ -76,11 +76,13 @@ pub(crate) fn claimer_of(owner: u64) -> (u32, u32) {
 pub(crate) enum EntryState {
     /// Nobody holds it.
     Free,
-    /// Held and sealed: `name` is the lock name its holder writes, `identity` the holder.
+    /// Held and sealed: `name` is the lock name its holder writes, `identity` the holder, `uid`
+    /// its effective uid.
     Held {
         owner: u64,
         name: u64,
         identity: ProcessIdentity,
+        uid: u32,
     },
     /// Claimed but not sealed: a claim in progress, or one whose claimer died half-way. Only the
     /// claimer's pid and namespace (in `owner`) are known.
@@ -103,6 +105,7 @@ pub(crate) fn entry_state(p: &Participant, index: u32) -> EntryState {
         let n1 = p.lock_name.load(Ordering::Acquire);
         // Relaxed loads: validated by the re-check below.
         let identity = ProcessIdentity::load_words(&p.identity);
+        let uid = p.uid.load(Ordering::Relaxed);
         // SYNC POINT claim: Acquire fence, pairs with a new claimer's Release fence before its
         // identity stores: if any load above saw one of them, the loads below see its claim.
         fence(Ordering::Acquire);
@@ -118,6 +121,7 @@ pub(crate) fn entry_state(p: &Participant, index: u32) -> EntryState {
                 owner: o1,
                 name: n1,
                 identity,
+                uid,
             }
         } else {
             EntryState::Claiming { owner: o1 }
@@ -126,8 +130,8 @@ pub(crate) fn entry_state(p: &Participant, index: u32) -> EntryState {
     EntryState::Changing
 }
 
-/// Whether the holder that lock name `name` names is alive, and who it is: the identity sealed in
-/// its entry decides ([`ProcessIdentity::liveness`]). A name whose entry is free, claimed again or
+/// Whether the holder that lock name `name` names is alive, and who it is: the identity and uid
+/// sealed in its entry decide ([`ProcessIdentity::liveness_as`]). A name whose entry is free, claimed again or
 /// sealed with another name belongs to a claim that ended: [`Liveness::Dead`]. An entry changing
 /// under every copy: [`Liveness::Unknown`].
 pub(crate) fn holder_liveness(
@@ -141,8 +145,11 @@ pub(crate) fn holder_liveness(
     };
     match entry(i) {
         EntryState::Held {
-            name: n, identity, ..
-        } if n == name => (identity.liveness(), Some(identity)),
+            name: n,
+            identity,
+            uid,
+            ..
+        } if n == name => (identity.liveness_as(uid), Some(identity)),
         EntryState::Changing => (Liveness::Unknown, None),
         _ => (Liveness::Dead, None),
     }
@@ -228,6 +235,8 @@ impl Registry {
             // reader that copies any identity word below then sees this claim's owner word.
             fence(Ordering::Release);
             self.me.store_words(&p.identity);
+            // Relaxed: sealed with the identity by the Release store of `lock_name` below.
+            p.uid.store(self.uid, Ordering::Relaxed);
             let name = lock_name(claim, i);
             // SYNC POINT seal: Release, pairs with the Acquire load of `lock_name` in
             // `entry_state`; the identity above is complete for whoever sees this name.
@@ -257,7 +266,7 @@ impl Registry {
     pub(super) fn entry_liveness(&self, state: &EntryState) -> Liveness {
         match state {
             EntryState::Free => Liveness::Dead,
-            EntryState::Held { identity, .. } => identity.liveness(),
+            EntryState::Held { identity, uid, .. } => identity.liveness_as(*uid),
             EntryState::Claiming { owner } => claimer_liveness(*owner, self.me.boot_id),
             EntryState::Changing => Liveness::Unknown,
         }
@@ -299,8 +308,8 @@ impl Registry {
     pub fn participants(&self) -> Vec<ProcessIdentity> {
         let mut out = Vec::new();
         for i in 0..self.participants {
-            if let EntryState::Held { identity, .. } = self.entry(i)
-                && identity.liveness() != Liveness::Dead
+            if let EntryState::Held { identity, uid, .. } = self.entry(i)
+                && identity.liveness_as(uid) != Liveness::Dead
                 && !out.contains(&identity)
             {
                 out.push(identity);

@@ -56,7 +56,7 @@ impl Registry {
                 }
             }
             match self.read_slot(i) {
-                Ok(Some(r)) => match r.owner.liveness() {
+                Ok(Some(r)) => match r.owner_liveness() {
                     Liveness::Dead => {
                         if self.free_slot_if(i, |cur| cur.seq == r.seq, false)? {
                             rep.records += 1;

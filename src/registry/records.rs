@@ -92,12 +92,15 @@ pub(super) fn decode(
         .map_err(|_| format!("slot {slot}: record name is not UTF-8"))?;
     let mut owner = [0u64; 4];
     owner.copy_from_slice(&words[W_OWNER..W_NAME]);
+    let owner_uid = u32::try_from(words[W_OWNER_UID])
+        .map_err(|_| format!("slot {slot}: owner uid word {:#x}", words[W_OWNER_UID]))?;
     Ok(Some(Record {
         name,
         kind,
         token: unpack_bytes(&words[W_TOKEN..W_META], token_len),
         metadata: unpack_bytes(&words[W_META..W_RESERVED], meta_len),
         owner: ProcessIdentity::from_words(owner),
+        owner_uid,
         seq: words[W_SEQ],
         slot,
     }))
@@ -109,6 +112,7 @@ fn encode(
     token: &[u8],
     metadata: &[u8],
     owner: &ProcessIdentity,
+    owner_uid: u32,
     seq: u64,
 ) -> [u64; PAYLOAD_WORDS] {
     let mut w = [0u64; PAYLOAD_WORDS];
@@ -117,6 +121,7 @@ fn encode(
     w[W_KIND_LENS] = u64::from(kind) | ((name.len() as u64) << 32) | ((token.len() as u64) << 48);
     w[W_META_LEN] = metadata.len() as u64;
     w[W_OWNER..W_NAME].copy_from_slice(&owner.to_words());
+    w[W_OWNER_UID] = u64::from(owner_uid);
     pack_bytes(&mut w[W_NAME..W_TOKEN], name.as_bytes());
     pack_bytes(&mut w[W_TOKEN..W_META], token);
     pack_bytes(&mut w[W_META..W_RESERVED], metadata);
@@ -417,7 +422,7 @@ impl Registry {
             ));
         }
         let seq = prev + 1;
-        let words = encode(name, kind, token, metadata, &self.me, seq);
+        let words = encode(name, kind, token, metadata, &self.me, self.uid, seq);
         match v.lock.try_write() {
             Some(w) => {
                 for (k, x) in words.iter().enumerate() {

@@ -7,7 +7,7 @@ use super::participant;
 use super::{ReclaimReport, Registry, RegistryError, RegistryOptions, corrupt};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::versioned::{self, HeaderError, Look, StampWord, VersionedHeader};
+use crate::shm::versioned::{self, Blocker, HeaderError, Look, StampWord, VersionedHeader};
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -85,7 +85,12 @@ impl Registry {
         // look): everything is visible to an opener that sees the stamp.
         versioned::write_versioned::<Header>(
             &seg,
-            |hdr| me.store_words(&hdr.creator),
+            |hdr| {
+                me.store_words(&hdr.creator);
+                // Relaxed: published with the identity by the magic's Release (SYNC POINT
+                // creator).
+                hdr.creator_uid.store(own_uid(), Ordering::Relaxed);
+            },
             |hdr| {
                 hdr.header_size.store(HEADER_SIZE as u32, Ordering::Relaxed);
                 hdr.total_size.store(total as u64, Ordering::Relaxed);
@@ -150,22 +155,26 @@ impl Registry {
 
     /// Opens the registry `name`, or creates it when there is none.
     ///
-    /// A segment under the name is replaced only when it is provably this crate's own stale
-    /// registry: a regular, fully backed file of our uid, with the registry magic and this layout
-    /// version, never initialised (no init stamp after `opts.init_timeout`), whose recorded creator
-    /// is dead by [`ProcessIdentity::liveness`]. Its inode is checked again just before it is
-    /// unlinked. Everything else is reported and left as it is. A fully initialised segment whose
-    /// participants all died is simply opened: their entries and locks are reclaimed as met.
+    /// A segment under the name is replaced only when it is provably this crate's own leftover, by
+    /// the rule `cuda-ipc gc` removes one by ([`super::inspect::abandoned`]): a regular file of our
+    /// uid that is empty, sparse or whose header was never begun, at least 2 s old
+    /// (`ABANDONED_AFTER`, the channels' grace: no
+    /// creator is recorded there), or that has the registry magic and this layout version but no
+    /// init stamp after `opts.init_timeout`, and whose recorded creator is dead by
+    /// [`ProcessIdentity::liveness_as`] with the recorded uid. Its inode is checked again just
+    /// before it is unlinked. Everything else is reported and left as it is. A fully initialised
+    /// segment whose participants all died is simply opened: their entries and locks are
+    /// reclaimed as met.
     ///
     /// # Errors
     /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
     /// a FIFO, directory, socket or device: [`ShmError::NotASegment`]; a symbolic link:
     /// [`Error::InvalidArgument`]; another user's segment: [`ShmError::WrongOwner`]; a sparse
-    /// file: [`ShmError::Sparse`]; an empty or short file: [`ShmError::TooSmall`]; a
-    /// file without the magic: [`RegistryError::ForeignSegment`] (or
-    /// [`RegistryError::Uninitialised`] when it is all zero: a creator killed before its first
-    /// store cannot be told from one about to make it); another layout version, live creator or
-    /// not: [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
+    /// file younger than the grace: [`ShmError::Sparse`]; an empty one as young, or a short file
+    /// whose pages are there: [`ShmError::TooSmall`]; a file without the magic:
+    /// [`RegistryError::ForeignSegment`] (or [`RegistryError::Uninitialised`] when it is all zero
+    /// and younger than the grace); another layout version, live creator or not:
+    /// [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
     /// [`RegistryError::Uninitialised`]; one whose creator's liveness cannot be told:
     /// [`RegistryError::CreatorUnknown`].
     pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
@@ -178,10 +187,13 @@ impl Registry {
                 Err(Error::Shm(ShmError::NotFound { .. })) => continue,
                 Err(
                     e @ (Error::Registry(RegistryError::Uninitialised { .. })
-                    | Error::Shm(ShmError::TooSmall { .. })),
+                    | Error::Shm(ShmError::TooSmall { .. })
+                    | Error::Shm(ShmError::Sparse { .. })),
                 ) => match Self::remove_if_stale(name, e)? {
-                    Stale::Removed(creator) => {
-                        tracing::warn!(segment = name, creator = %creator, "removed a stale registry segment left by a crashed creator");
+                    Stale::Removed(why, creator) => {
+                        let creator =
+                            creator.map_or_else(|| "unknown".to_string(), |c| c.to_string());
+                        tracing::warn!(segment = name, creator = %creator, "removed a stale registry segment: {why}");
                         continue;
                     }
                     Stale::Changed => continue,
@@ -195,75 +207,25 @@ impl Registry {
         })
     }
 
-    /// Unlinks `name` if it is provably our own stale registry (the rule in
-    /// [`Registry::open_or_create`]); otherwise returns the error that says why not (`why` when
-    /// nothing more precise is known).
+    /// Unlinks `name` if it is provably our own stale registry (the rule of [`judge_leftover`]);
+    /// otherwise returns the error that says why not (`why` when nothing more precise is known).
     fn remove_if_stale(name: &str, why: Error) -> Result<Stale> {
-        precheck(name)?;
-        let seg = match Segment::open(name) {
-            Ok(s) => s,
-            Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Stale::Changed),
-            Err(e) => return Err(e),
-        };
-        seg.check_owner()?;
-        if seg.len() < HEADER_SIZE {
-            return Err(ShmError::TooSmall {
-                name: name.to_string(),
-                len: seg.len() as u64,
-                min: HEADER_SIZE as u64,
-            }
-            .into());
-        }
-        let hdr = Self::header_of(&seg);
-        // SYNC POINT creator: Acquire, pairs with the creator's Release store of the magic; the
-        // creator identity and version read below are the creator's.
-        let magic = hdr.magic.load(Ordering::Acquire);
-        if magic == 0 {
-            // All zero so far: a creator killed before its first store looks exactly like one
-            // about to make it. Not provably stale.
-            return Err(why);
-        }
-        if magic != MAGIC {
-            return Err(RegistryError::ForeignSegment {
-                name: name.to_string(),
-                found: magic,
-            }
-            .into());
-        }
-        // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
-        let version = hdr.layout_version.load(Ordering::Relaxed);
-        if version != LAYOUT_VERSION {
-            return Err(RegistryError::VersionMismatch {
-                name: name.to_string(),
-                found: version,
-                supported: LAYOUT_VERSION,
-            }
-            .into());
-        }
-        // Acquire: pairs with the creator's Release store of the stamp.
-        if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
-            return Ok(Stale::Changed); // finished meanwhile: open it
-        }
-        let creator = ProcessIdentity::load_words(&hdr.creator);
-        match creator.liveness() {
-            Liveness::Dead => {}
-            Liveness::Alive => return Err(why),
-            _ => {
-                return Err(RegistryError::CreatorUnknown {
-                    name: name.to_string(),
-                    creator: creator.to_string(),
+        match judge_leftover(name, why)? {
+            Leftover::Abandoned {
+                why,
+                inode,
+                creator,
+            } => {
+                // Removed only while the name still stands for the segment judged, under a lock
+                // every replacer takes on it: a fresh segment another opener made in between is
+                // left alone.
+                if Segment::unlink_if_same(name, inode)? {
+                    Ok(Stale::Removed(why, creator))
+                } else {
+                    Ok(Stale::Changed)
                 }
-                .into());
             }
-        }
-        let ino = seg.inode()?;
-        drop(seg);
-        // Removed only while the name still stands for the segment judged, under a lock every
-        // replacer takes on it: a fresh segment another opener made in between is left alone.
-        if Segment::unlink_if_same(name, ino)? {
-            Ok(Stale::Removed(creator))
-        } else {
-            Ok(Stale::Changed)
+            Leftover::Changed => Ok(Stale::Changed),
         }
     }
 
@@ -462,6 +424,7 @@ impl Registry {
             slots,
             participants,
             me,
+            uid: own_uid(),
             lock_name: 0,
             owner: 0,
             participant: u32::MAX,
@@ -472,6 +435,11 @@ impl Registry {
     }
 }
 
+/// This process's effective uid: what the registry records beside each identity it writes.
+fn own_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
 /// Whether `open` should wait and try again.
 pub(super) enum Retry {
     NotReady(Error),
@@ -480,10 +448,129 @@ pub(super) enum Retry {
 
 /// What [`Registry::remove_if_stale`] did.
 enum Stale {
-    /// Unlinked: a never-initialised registry of this crate whose creator (named) is dead.
-    Removed(ProcessIdentity),
+    /// Unlinked, for the reason given: a creation abandoned before its pages or header were
+    /// written (no creator recorded), or a never-stamped registry whose creator (named) is dead.
+    Removed(&'static str, Option<ProcessIdentity>),
     /// The name changed meanwhile (gone, finished, or another object): look again.
     Changed,
+}
+
+/// What [`judge_leftover`] found under a registry name.
+#[derive(Debug)]
+pub(super) enum Leftover {
+    /// A leftover this user may remove: `why` says what it is, `inode` is the object judged
+    /// (remove it only while the name still stands for it: [`Segment::unlink_if_same`]), `creator`
+    /// the dead creator when one was recorded.
+    Abandoned {
+        why: &'static str,
+        inode: u64,
+        creator: Option<ProcessIdentity>,
+    },
+    /// The name changed meanwhile (gone, or finished initialising): look again.
+    Changed,
+}
+
+/// The judgement of a registry segment that is not (yet) a usable registry, by the one rule both
+/// [`Registry::open_or_create`] (which then replaces it) and `gc` ([`super::inspect::abandoned`],
+/// which removes it) follow. Only this user's own segment is ever a leftover, and of those only:
+/// - empty (a creator killed before `ftruncate`) or sparse (before `fallocate`), at least
+///   [`versioned::ABANDONED_AFTER`] old ([`versioned::stat_blocker`], the channels' rule): no
+///   creator is recorded there, so none can be alive;
+/// - pages reserved but the header all zero (killed before the magic), as old;
+/// - the registry magic and this layout version, never stamped, and its recorded creator dead by
+///   [`ProcessIdentity::liveness_as`] with the recorded uid (at any age: a dead creator never
+///   finishes).
+///
+/// # Errors
+/// What is not a leftover, and why: `why` for a young creation or a live creator's (the error the
+/// caller met), [`ShmError::WrongOwner`] for another user's segment, [`ShmError::NotASegment`] /
+/// [`Error::InvalidArgument`] for what is not a file, [`ShmError::TooSmall`] for a short file
+/// whose pages are there (no creation of ours), [`RegistryError::ForeignSegment`],
+/// [`RegistryError::VersionMismatch`] (naming both versions), [`RegistryError::CreatorUnknown`]
+/// when the creator's liveness cannot be told.
+pub(super) fn judge_leftover(name: &str, why: Error) -> Result<Leftover> {
+    crate::shm::validate_name(name)?;
+    let judged = match Segment::stat(name) {
+        Ok(info) => info,
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Leftover::Changed),
+        Err(e) => return Err(e),
+    };
+    match versioned::stat_blocker(name, HEADER_SIZE) {
+        Ok(Blocker::Abandoned) => {
+            return Ok(Leftover::Abandoned {
+                why: versioned::ABANDONED_UNSIZED,
+                inode: judged.inode,
+                creator: None,
+            });
+        }
+        Ok(Blocker::Young) => return Err(why),
+        Ok(Blocker::Sized(_)) => {}
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Leftover::Changed),
+        Err(e) => return Err(e),
+    }
+    let seg = match Segment::open_with_min_len(name, HEADER_SIZE) {
+        Ok(s) => s,
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Leftover::Changed),
+        Err(e) => return Err(e),
+    };
+    seg.check_owner()?;
+    let inode = seg.inode()?;
+    if inode != judged.inode {
+        return Ok(Leftover::Changed);
+    }
+    let hdr = Registry::header_of(&seg);
+    // SYNC POINT creator: Acquire, pairs with the creator's Release store of the magic; the
+    // creator identity and version read below are the creator's.
+    let magic = hdr.magic.load(Ordering::Acquire);
+    if magic == 0 {
+        // Pages reserved, header not begun: a live creator stores its magic microseconds after
+        // `fallocate`. Only an old one is abandoned; no creator is recorded yet.
+        if judged.age_secs >= versioned::ABANDONED_AFTER.as_secs() {
+            return Ok(Leftover::Abandoned {
+                why: "a creation abandoned before its header was written",
+                inode,
+                creator: None,
+            });
+        }
+        return Err(why);
+    }
+    if magic != MAGIC {
+        return Err(RegistryError::ForeignSegment {
+            name: name.to_string(),
+            found: magic,
+        }
+        .into());
+    }
+    // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
+    let version = hdr.layout_version.load(Ordering::Relaxed);
+    if version != LAYOUT_VERSION {
+        return Err(RegistryError::VersionMismatch {
+            name: name.to_string(),
+            found: version,
+            supported: LAYOUT_VERSION,
+        }
+        .into());
+    }
+    // Acquire: pairs with the creator's Release store of the stamp.
+    if hdr.init_stamp.load(Ordering::Acquire) == INIT_STAMP {
+        return Ok(Leftover::Changed); // finished meanwhile: open it
+    }
+    // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
+    let creator = ProcessIdentity::load_words(&hdr.creator);
+    let creator_uid = hdr.creator_uid.load(Ordering::Relaxed);
+    match creator.liveness_as(creator_uid) {
+        Liveness::Dead => Ok(Leftover::Abandoned {
+            why: "a creation abandoned by its dead creator before it was finished",
+            inode,
+            creator: Some(creator),
+        }),
+        Liveness::Alive => Err(why),
+        _ => Err(RegistryError::CreatorUnknown {
+            name: name.to_string(),
+            creator: creator.to_string(),
+        }
+        .into()),
+    }
 }
 
 /// What a file type is, in the words of [`ShmError::NotASegment`].
