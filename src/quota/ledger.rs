@@ -362,13 +362,15 @@ impl Inner {
             }
             // Relaxed: ordered by the Acquire load of `state`.
             let id = ProcessIdentity::load_words(&e.identity);
-            if id.liveness() != Liveness::Dead {
+            let uid = e.uid.load(Ordering::Relaxed) as u32;
+            // The holder's liveness file counts only if the holder's uid (or root) owns it.
+            if id.liveness_as(uid) != Liveness::Dead {
                 continue;
             }
             let bytes = e.bytes.load(Ordering::Relaxed);
             dead.push(Holder {
                 identity: id,
-                uid: e.uid.load(Ordering::Relaxed) as u32,
+                uid,
                 bytes,
                 liveness: Liveness::Dead,
             });
@@ -458,7 +460,8 @@ fn judge_blocker(name: &str) -> Result<Option<&'static str>> {
             let magic = h.magic.load(Ordering::Acquire);
             // Relaxed: ordered by the Acquire above.
             let creator = ProcessIdentity::load_words(&h.creator);
-            if magic == 0 || creator.liveness() == Liveness::Dead {
+            // The creator made the file, so its owner is the creator's uid.
+            if magic == 0 || creator.liveness_as(info.uid) == Liveness::Dead {
                 Ok(Some("a creation abandoned before its init stamp"))
             } else {
                 Err(taken())
@@ -798,7 +801,7 @@ impl QuotaLedger {
         let holders: Vec<Holder> = held
             .into_iter()
             .map(|(_, identity, uid, bytes)| Holder {
-                liveness: identity.liveness(),
+                liveness: identity.liveness_as(uid),
                 identity,
                 uid,
                 bytes,

@@ -126,7 +126,9 @@ pub fn stale_socket_files() -> Result<Vec<StaleSocketFile>> {
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
             continue;
         }
-        if identity.liveness() == Liveness::Dead {
+        // The socket's owner is its process's uid: a liveness file of anyone else (or root)
+        // under that process's name does not keep it alive.
+        if identity.liveness_as(st.st_uid) == Liveness::Dead {
             out.push(StaleSocketFile {
                 name,
                 identity,
@@ -156,7 +158,7 @@ pub fn remove_stale_socket_file(file: &StaleSocketFile) -> Result<bool> {
     };
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket
         || st.st_uid != file.uid
-        || file.identity.liveness() != Liveness::Dead
+        || file.identity.liveness_as(file.uid) != Liveness::Dead
     {
         return Ok(false);
     }
