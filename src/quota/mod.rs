@@ -33,8 +33,8 @@
 //!   of the lock killed between them leaves `WRITING`, which the next locker frees (its
 //!   reservation was never returned to anyone): the repair;
 //! - dead holders are reclaimed at every reserve and every inspection: each `HELD` entry's
-//!   [`crate::identity::ProcessIdentity::liveness`] (right across pid namespaces; `Unknown` counts
-//!   as alive), so a killed producer's bytes come back at the next look, not after a timeout.
+//!   [`crate::identity::ProcessIdentity::liveness_as`] with the holder's recorded uid (`/proc` in
+//!   one's own pid namespace, else a liveness file of that uid or root; `Unknown` counts as alive), so a killed producer's bytes come back at the next look, not after a timeout.
 //!
 //! Files: `layout` (the byte layout), `ledger` (the protocol), `error`.
 
