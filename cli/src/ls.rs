@@ -500,6 +500,7 @@ pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>>
         let m = crate::gpu::match_processes(
             g.gpus(),
             &crate::state::participants(&l),
+            crate::gpu::own_pid_ns(),
             crate::gpu::proc_facts,
         );
         (g, m)

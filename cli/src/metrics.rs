@@ -350,7 +350,7 @@ mod tests {
                 role: "consumer 0 of frames".into(),
             },
         ];
-        let matching = match_processes(&gpus, &parts, |_| {
+        let matching = match_processes(&gpus, &parts, crate::gpu::ROOT_PID_NS, |_| {
             Some(("NSpid:\t9001\t7\n".into(), "pid:[11]".into()))
         });
         let s = Sample {
