@@ -1,7 +1,8 @@
 //! `metrics --listen ADDR`: the channels' counters, latency histograms, GPU state and quota
-//! budgets in the OpenMetrics text format (`prometheus-client`), served on `GET /metrics` by a
-//! small HTTP server of one thread ([`server`]: bounded connections, read and write deadlines,
-//! one request per connection) bound to the address the user names (loopback by default).
+//! budgets in the OpenMetrics text format (`prometheus-client`), served on `GET /metrics` by
+//! hyper on a tokio runtime of one thread ([`server`]: bounded connections, read and write
+//! deadlines, one request per connection) bound to the address the user names (loopback by
+//! default).
 //! Every scrape takes a fresh [`Sample`]: nothing is kept between scrapes, so the counters are
 //! the segments' own.
 
@@ -294,8 +295,14 @@ pub fn run(listen: &str, name: Option<&str>, limits: Limits) -> Result<Outcome, 
     if let Some(why) = state::sample(name, true).gpu.missing() {
         eprintln!("cuda-ipc: {why}");
     }
-    server::serve(&listener, limits, |req| respond(req, name), || false)
-        .map_err(|e| format!("metrics endpoint on {addr} stopped: {e}"))?;
+    let name = name.map(str::to_string);
+    server::serve(
+        listener,
+        limits,
+        move |req| respond(req, name.as_deref()),
+        std::future::pending(),
+    )
+    .map_err(|e| format!("metrics endpoint on {addr} stopped: {e}"))?;
     Ok(Outcome::Ok)
 }
 

@@ -1,28 +1,45 @@
-//! The metrics endpoint's HTTP server: one thread, non-blocking sockets and `poll(2)`, whatever
-//! the number of clients.
+//! The metrics endpoint's HTTP server: hyper's HTTP/1.1 server on a tokio runtime of one thread
+//! (`current_thread`), a task per connection, whatever the number of clients.
 //!
-//! - At most [`Limits::max_connections`] connections at once; one more is answered
-//!   `503 Service Unavailable` and closed at once, without reading it.
-//! - A connection has [`Limits::read_timeout`] from its accept to the end of its request's header,
-//!   and [`Limits::write_timeout`] from its response being ready to the response's last byte taken
-//!   by the kernel; past either it is closed. A header longer than [`Limits::max_request_bytes`]
-//!   is answered `431` and closed.
-//! - One request per connection: every response says `Connection: close`, and after it the server
-//!   shuts its side down and reads (and drops) what the client still sends for at most
-//!   [`LINGER`], so the client reads the response before the close (a close with unread input
-//!   would reset the connection). Pipelined requests after the first are never answered.
-//! - One round of the loop reads or writes each ready connection at most once, so no client is
-//!   served twice while another waits: a client that pipelines requests and never reads gets one
-//!   response and is closed, one that never reads a long response is closed at its write
-//!   deadline, and an idle one costs a file descriptor and a few bytes, never a thread.
+//! - At most [`Limits::max_connections`] connections at once (a [`Semaphore`] of that many
+//!   permits, one held by each connection's task); one more is answered
+//!   `503 Service Unavailable` with `Retry-After` and closed at once, without reading it and
+//!   without waiting (one non-blocking write, see [`refuse`]).
+//! - A connection has [`Limits::read_timeout`] from its accept to the end of its request's header
+//!   (hyper's `header_read_timeout`, started when the connection's task first reads), and
+//!   [`Limits::write_timeout`] from the first byte of its response being written to the last
+//!   byte taken by the kernel ([`WriteDeadline`]); past either it is closed. A header longer than
+//!   [`Limits::max_request_bytes`] is answered `431` and closed (hyper's `max_header_size`).
+//! - One request per connection: keep-alive is off and every response says `Connection: close`;
+//!   pipelined requests after the first are never answered, so one connection never queues work.
+//! - Each connection is a task of the one runtime thread that yields whenever its socket would
+//!   block: a client that pipelines requests and never reads gets one response and is closed, one
+//!   that never reads a long response is closed at its write deadline, and an idle one costs a file
+//!   descriptor, a task and hyper's read buffer (8 KiB), never a thread.
 //!
-//! The handler runs on the loop's thread (a scrape is a look at `/dev/shm` and NVML, milliseconds):
-//! while it runs nobody else is served, as with one worker, and nothing is shared between threads.
+//! The handler (a scrape: a look at `/dev/shm` and NVML, milliseconds) runs on tokio's blocking
+//! pool, capped at one thread: a slow NVML never stops the runtime thread, so accepts, `503`s and
+//! deadlines keep their time meanwhile, while scrapes still run one at a time (NVML and the
+//! registries are never asked in parallel) and the process has two threads at most.
 
-use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{ALLOW, CONNECTION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::convert::Infallible;
+use std::future::{Future, poll_fn};
+use std::io::{self, ErrorKind, Write};
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
 
 /// The bounds of the endpoint (the defaults are [`Limits::DEFAULT`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +48,8 @@ pub struct Limits {
     pub max_connections: usize,
     /// From a connection's accept to the end of its request's header; past it, closed.
     pub read_timeout: Duration,
-    /// From a response being ready to its last byte taken by the kernel; past it, closed.
+    /// From the first byte of a response written to its last byte taken by the kernel; past it,
+    /// closed.
     pub write_timeout: Duration,
     /// The longest request header, in bytes; a longer one is answered 431 and closed.
     pub max_request_bytes: usize,
@@ -47,34 +65,28 @@ impl Limits {
     };
 }
 
-/// How long, after its response, a connection's input is read and dropped while the client
-/// closes its side.
-pub const LINGER: Duration = Duration::from_secs(1);
-
-/// The longest the loop sleeps in `poll`, so that `stop` is asked at least this often.
-const TICK: Duration = Duration::from_millis(250);
-
-/// Connections accepted in one round at most, so that a flood of connects does not starve the
-/// connections already open.
-const ACCEPTS_PER_ROUND: usize = 64;
-
 /// How long accepting pauses after `accept` failed for want of descriptors or memory (`EMFILE`,
 /// `ENFILE`, `ENOBUFS`, `ENOMEM`): the listener stays readable, and retrying at once would spin.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// hyper's smallest `max_buf_size` (it panics below it): the read buffer of a connection never
+/// grows past this or [`Limits::max_request_bytes`], whichever is larger.
+const MIN_BUF: usize = 8 << 10;
 
 /// A request as the handler sees it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Request<'a> {
     /// `GET`, `HEAD`, ... as the client sent it.
     pub method: &'a str,
-    /// The request target without its query (`/metrics`).
+    /// The request target's path, without its query (`/metrics`).
     pub path: &'a str,
 }
 
-/// A response: status code, `Content-Type` and body. `HEAD` requests get the header alone.
+/// A response: status code, `Content-Type` and body. `HEAD` requests get the header alone (hyper
+/// leaves the body out and keeps its `Content-Length`).
 #[derive(Debug)]
 pub struct Response {
-    /// The status code (200, 404, ...).
+    /// The status code (200, 404, ...); one that is not a valid code is sent as 500.
     pub status: u16,
     /// The `Content-Type` header's value.
     pub content_type: &'static str,
@@ -92,364 +104,357 @@ impl Response {
         }
     }
 
-    /// The bytes on the wire: status line, headers, and (unless `head_only`) the body.
-    fn to_wire(&self, head_only: bool) -> Vec<u8> {
-        let mut v = format!(
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n",
-            self.status,
-            reason(self.status),
-            self.content_type,
-            self.body.len(),
-            if self.status == 503 {
-                "Retry-After: 1\r\n"
-            } else {
-                ""
-            }
-        )
-        .into_bytes();
-        if !head_only {
-            v.extend_from_slice(&self.body);
+    /// The response as hyper sends it, with `Connection: close` (and `Allow` on a 405).
+    fn into_hyper(self) -> hyper::Response<Full<Bytes>> {
+        let mut r = hyper::Response::new(Full::new(Bytes::from(self.body)));
+        *r.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let h = r.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static(self.content_type));
+        h.insert(CONNECTION, HeaderValue::from_static("close"));
+        if r.status() == StatusCode::METHOD_NOT_ALLOWED {
+            r.headers_mut()
+                .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
         }
-        v
+        r
     }
 }
 
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        431 => "Request Header Fields Too Large",
-        500 => "Internal Server Error",
-        503 => "Service Unavailable",
-        _ => "",
-    }
-}
-
-/// Where a connection is.
+/// A TCP stream whose writes have a deadline: [`Limits::write_timeout`] from the first write
+/// (the response's first byte: with one request per connection, nothing is written before it).
+/// Past it, every write, flush and shutdown fails with `TimedOut`, and hyper drops the
+/// connection; one pending at the deadline is woken by the timer to fail. Reads have no deadline
+/// of their own here: hyper's `header_read_timeout` bounds the one read that matters.
 #[derive(Debug)]
-enum Phase {
-    /// Reading the request's header.
-    Reading,
-    /// Writing the response; `written` bytes of it are out.
-    Writing { out: Vec<u8>, written: usize },
-    /// Response out, our side shut: reading and dropping until the client closes.
-    Lingering,
-}
-
-#[derive(Debug)]
-struct Conn {
+struct WriteDeadline {
     stream: TcpStream,
-    input: Vec<u8>,
-    phase: Phase,
-    /// When this phase's time is up.
-    deadline: Instant,
+    timeout: Duration,
+    /// Armed at the first write.
+    deadline: Option<Pin<Box<Sleep>>>,
 }
 
-/// What one step on a connection left.
-enum Step {
-    Keep,
-    Close,
-}
-
-/// Where the request's header ends (the index after its blank line), if it has.
-fn header_end(buf: &[u8]) -> Option<usize> {
-    (0..buf.len()).find_map(|i| {
-        if buf[i..].starts_with(b"\r\n\r\n") {
-            Some(i + 4)
-        } else if buf[i..].starts_with(b"\n\n") {
-            Some(i + 2)
-        } else {
-            None
+impl WriteDeadline {
+    fn new(stream: TcpStream, timeout: Duration) -> WriteDeadline {
+        WriteDeadline {
+            stream,
+            timeout,
+            deadline: None,
         }
-    })
-}
-
-/// The method and target of a request's first line (`GET /metrics?x HTTP/1.1`), the target
-/// without its query; `None` when the line is not an HTTP request line.
-fn request_line(header: &[u8]) -> Option<(&str, &str)> {
-    let line = header.split(|&b| b == b'\n').next()?;
-    let line = std::str::from_utf8(line).ok()?.trim_end_matches('\r');
-    let mut parts = line.split(' ');
-    let (method, target, version) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some()
-        || method.is_empty()
-        || !method.bytes().all(|b| b.is_ascii_uppercase())
-        || !version.starts_with("HTTP/1.")
-    {
-        return None;
     }
-    Some((method, target.split('?').next().unwrap_or("")))
-}
 
-impl Conn {
-    /// One read of the request; when its header is complete, the response is made and the
-    /// connection turns to writing it.
-    fn read_request(
+    /// `op` on the stream within the write deadline; `arm`: the deadline starts now if it has
+    /// not yet (writes of bytes arm it; hyper flushes on every turn of a connection, from its
+    /// start, so a flush or a shutdown before any write must not).
+    fn within<T>(
         &mut self,
-        limits: &Limits,
-        handle: &mut impl FnMut(&Request) -> Response,
-    ) -> Step {
-        let mut buf = [0u8; 4096];
-        let n = match self.stream.read(&mut buf) {
-            Ok(0) => return Step::Close,
-            Ok(n) => n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                return Step::Keep;
+        cx: &mut Context<'_>,
+        arm: bool,
+        op: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        let timeout = self.timeout;
+        if arm && self.deadline.is_none() {
+            self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        }
+        let Some(deadline) = self.deadline.as_mut() else {
+            return op(Pin::new(&mut self.stream), cx);
+        };
+        let late = || {
+            Poll::Ready(Err(io::Error::new(
+                ErrorKind::TimedOut,
+                format!("the client took more than {timeout:?} to take the response"),
+            )))
+        };
+        // A client that reads slowly but steadily makes every write ready: the clock is asked
+        // before each, not only when one waits.
+        if deadline.deadline() <= Instant::now() {
+            return late();
+        }
+        match op(Pin::new(&mut self.stream), cx) {
+            Poll::Pending => {
+                // Registers this task with the timer, so a write that never becomes ready is
+                // failed at the deadline.
+                if deadline.as_mut().poll(cx).is_ready() {
+                    late()
+                } else {
+                    Poll::Pending
+                }
             }
-            Err(_) => return Step::Close,
-        };
-        self.input.extend_from_slice(&buf[..n]);
-        let (resp, head_only) = match header_end(&self.input) {
-            Some(end) => match request_line(&self.input[..end]) {
-                Some((method, path)) => (handle(&Request { method, path }), method == "HEAD"),
-                None => (Response::text(400, "not an HTTP request\n"), false),
-            },
-            None if self.input.len() > limits.max_request_bytes => (
-                Response::text(
-                    431,
-                    format!(
-                        "request header longer than {} bytes\n",
-                        limits.max_request_bytes
-                    ),
-                ),
-                false,
-            ),
-            None => return Step::Keep,
-        };
-        self.input = Vec::new();
-        self.phase = Phase::Writing {
-            out: resp.to_wire(head_only),
-            written: 0,
-        };
-        self.deadline = Instant::now() + limits.write_timeout;
-        // Written in the next round, when `poll` says the socket takes more (it usually does
-        // at once: one more round, not a wait).
-        Step::Keep
+            done => done,
+        }
+    }
+}
+
+impl AsyncRead for WriteDeadline {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteDeadline {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut()
+            .within(cx, !buf.is_empty(), |s, cx| s.poll_write(cx, buf))
     }
 
-    /// One write of the response; when it is all out, our side is shut and the connection
-    /// lingers.
-    fn write_response(&mut self) -> Step {
-        let Phase::Writing { out, written } = &mut self.phase else {
-            return Step::Keep;
-        };
-        match self.stream.write(&out[*written..]) {
-            Ok(n) => *written += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                return Step::Keep;
-            }
-            Err(_) => return Step::Close,
-        }
-        if *written < out.len() {
-            return Step::Keep;
-        }
-        if self.stream.shutdown(Shutdown::Write).is_err() {
-            return Step::Close;
-        }
-        self.phase = Phase::Lingering;
-        self.deadline = Instant::now() + LINGER;
-        Step::Keep
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut()
+            .within(cx, bufs.iter().any(|b| !b.is_empty()), |s, cx| {
+                s.poll_write_vectored(cx, bufs)
+            })
     }
 
-    /// One read of what the client still sends after its response, dropped.
-    fn linger(&mut self) -> Step {
-        let mut buf = [0u8; 4096];
-        match self.stream.read(&mut buf) {
-            Ok(0) => Step::Close,
-            Ok(_) => Step::Keep,
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                Step::Keep
-            }
-            Err(_) => Step::Close,
-        }
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.get_mut().within(cx, false, |s, cx| s.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.get_mut()
+            .within(cx, false, |s, cx| s.poll_shutdown(cx))
     }
 }
 
 /// Answers a connection past the bound with 503 and closes it, without reading it and without
-/// waiting: one non-blocking write of a response far smaller than any socket buffer.
-fn refuse(mut stream: TcpStream, limits: &Limits) {
-    let resp = Response::text(
-        503,
-        format!(
-            "busy: {} connections are open, the most this endpoint serves at once; try again\n",
-            limits.max_connections
-        ),
+/// waiting: one non-blocking write of a response far smaller than any socket buffer (a partial
+/// or failed write closes it all the same). Written here, not by hyper: a hyper connection would
+/// read the request, which is what the bound keeps from happening.
+fn refuse(stream: TcpStream, limits: &Limits) {
+    let body = format!(
+        "busy: {} connections are open, the most this endpoint serves at once; try again\n",
+        limits.max_connections
     );
-    if stream.set_nonblocking(true).is_ok() {
-        let _ = stream.write(&resp.to_wire(false));
-        let _ = stream.shutdown(Shutdown::Write);
+    let wire = format!(
+        "HTTP/1.1 503 Service Unavailable\r\n{CONTENT_TYPE}: text/plain; charset=utf-8\r\n\
+         content-length: {}\r\n{CONNECTION}: close\r\n{RETRY_AFTER}: 1\r\n\r\n{body}",
+        body.len()
+    );
+    // `into_std` keeps the socket non-blocking, and takes it off the runtime's poller.
+    if let Ok(mut s) = stream.into_std() {
+        let _ = s.write(wire.as_bytes());
+        let _ = s.shutdown(std::net::Shutdown::Write);
     }
 }
 
-/// Serves HTTP on `listener` with `handle` until `stop` says so (asked at least every 250 ms).
+/// Serves HTTP on `listener` with `handle` until `stop` completes, within `limits`.
+///
+/// `handle` runs on a blocking thread of the runtime (one at most, so one request at a time).
 ///
 /// # Errors
-/// Only what makes serving impossible: the listener cannot be made non-blocking, or `poll` fails
-/// (a failed `accept`, read or write closes that connection, or pauses accepting for 100 ms when
-/// descriptors run out, and is no error).
-pub fn serve(
-    listener: &TcpListener,
+/// Only what makes serving impossible: the tokio runtime cannot be built (`io::Error` from the
+/// OS: no threads, no epoll) or the listener cannot be made non-blocking or registered with it. A
+/// failed `accept` closes nothing and pauses accepting for 100 ms; a connection's failure (its
+/// deadline, a reset, a malformed request) ends that connection alone; neither is an error here.
+pub fn serve<H>(
+    listener: std::net::TcpListener,
     limits: Limits,
-    mut handle: impl FnMut(&Request) -> Response,
-    mut stop: impl FnMut() -> bool,
-) -> std::io::Result<()> {
+    handle: H,
+    stop: impl Future<Output = ()>,
+) -> io::Result<()>
+where
+    H: Fn(&Request<'_>) -> Response + Send + Sync + 'static,
+{
     listener.set_nonblocking(true)?;
-    let mut conns: Vec<Conn> = Vec::new();
-    let mut accept_paused_until: Option<Instant> = None;
-    while !stop() {
-        let now = Instant::now();
-        conns.retain(|c| c.deadline > now);
-        if accept_paused_until.is_some_and(|t| t <= now) {
-            accept_paused_until = None;
-        }
-        let accepting = accept_paused_until.is_none();
-        let wake = conns
-            .iter()
-            .map(|c| c.deadline)
-            .chain(accept_paused_until)
-            .min()
-            .map_or(TICK, |d| d.saturating_duration_since(now).min(TICK));
-        let ready: Vec<PollFlags> = {
-            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(conns.len() + 1);
-            fds.push(PollFd::new(
-                listener,
-                if accepting {
-                    PollFlags::IN
-                } else {
-                    PollFlags::empty()
-                },
-            ));
-            for c in &conns {
-                let ev = match c.phase {
-                    Phase::Writing { .. } => PollFlags::OUT,
-                    Phase::Reading | Phase::Lingering => PollFlags::IN,
-                };
-                fds.push(PollFd::new(&c.stream, ev));
-            }
-            let timeout = Timespec {
-                tv_sec: wake.as_secs() as i64,
-                tv_nsec: i64::from(wake.subsec_nanos()),
-            };
-            match poll(&mut fds, Some(&timeout)) {
-                Ok(_) => {}
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(e) => return Err(e.into()),
-            }
-            fds.iter().map(|f| f.revents()).collect()
-        };
-        // The open connections first, then the new ones: `ready[k + 1]` is `conns[k]`'s.
-        let mut k = 0;
-        conns.retain_mut(|c| {
-            let ev = ready[k + 1];
-            k += 1;
-            if ev.is_empty() {
-                return true;
-            }
-            let step = match c.phase {
-                Phase::Reading => c.read_request(&limits, &mut handle),
-                Phase::Writing { .. } => c.write_response(),
-                Phase::Lingering => c.linger(),
-            };
-            matches!(step, Step::Keep)
-        });
-        if accepting && !ready[0].is_empty() {
-            for _ in 0..ACCEPTS_PER_ROUND {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        if conns.len() >= limits.max_connections {
-                            refuse(stream, &limits);
-                        } else if stream.set_nonblocking(true).is_ok() {
-                            conns.push(Conn {
-                                stream,
-                                input: Vec::new(),
-                                phase: Phase::Reading,
-                                deadline: Instant::now() + limits.read_timeout,
-                            });
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e)
-                        if e.kind() == ErrorKind::Interrupted
-                            || e.kind() == ErrorKind::ConnectionAborted =>
-                    {
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            "metrics endpoint: accept failed ({e}); accepting again in {ACCEPT_PAUSE:?}"
-                        );
-                        accept_paused_until = Some(Instant::now() + ACCEPT_PAUSE);
-                        break;
-                    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .max_blocking_threads(1)
+        .thread_name("cuda-ipc-scrape")
+        .build()?;
+    rt.block_on(async move {
+        let listener = TcpListener::from_std(listener)?;
+        let handle = Arc::new(handle);
+        let permits = Arc::new(Semaphore::new(limits.max_connections));
+        let mut stop = pin!(stop);
+        loop {
+            let accepted = poll_fn(|cx| {
+                if stop.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
                 }
-            }
+                listener.poll_accept(cx).map(Some)
+            })
+            .await;
+            let stream = match accepted {
+                None => return Ok(()),
+                Some(Ok((stream, _))) => stream,
+                Some(Err(e))
+                    if e.kind() == ErrorKind::Interrupted
+                        || e.kind() == ErrorKind::ConnectionAborted =>
+                {
+                    continue;
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(
+                        "metrics endpoint: accept failed ({e}); accepting again in {ACCEPT_PAUSE:?}"
+                    );
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = permits.clone().try_acquire_owned() else {
+                refuse(stream, &limits);
+                continue;
+            };
+            tokio::spawn(connection(stream, permit, limits, handle.clone()));
         }
+    })
+}
+
+/// Serves one connection, holding `permit` until it is closed.
+///
+/// The connection is handed to hyper only once its first bytes have come, within the read
+/// deadline: an idle connection is then this task, a timer entry and the socket's registration
+/// (a few hundred bytes), not hyper's state and its 8 KiB read buffer, so a thousand idle clients
+/// cost little and leave nothing behind (`a_thousand_idle_connections_...` in
+/// `cli/tests/metrics_endpoint.rs`). hyper gets what is left of the read deadline for the rest of
+/// the header.
+async fn connection<H>(
+    stream: TcpStream,
+    permit: OwnedSemaphorePermit,
+    limits: Limits,
+    handle: Arc<H>,
+) where
+    H: Fn(&Request<'_>) -> Response + Send + Sync + 'static,
+{
+    let accepted = Instant::now();
+    // A peek, not `readable()`: a fresh socket may be reported ready before anything came, and
+    // a peek that would block clears that and waits.
+    if !matches!(
+        tokio::time::timeout(limits.read_timeout, stream.peek(&mut [0u8; 1])).await,
+        Ok(Ok(1..))
+    ) {
+        // Nothing sent within the read deadline, the client left (0 bytes), or the socket
+        // failed: closed unanswered.
+        return;
     }
-    Ok(())
+    let left = limits.read_timeout.saturating_sub(accepted.elapsed());
+    let service = service_fn(move |req: hyper::Request<Incoming>| {
+        let handle = handle.clone();
+        async move { Ok::<_, Infallible>(answer(handle, &req).await.into_hyper()) }
+    });
+    // Boxed: the task stays small while it waits above; hyper's state is made only now.
+    let conn = Box::pin(
+        http1::Builder::new()
+            .timer(TokioTimer::new())
+            // hyper reads a zero timeout as none: at least a millisecond.
+            .header_read_timeout(left.max(Duration::from_millis(1)))
+            .keep_alive(false)
+            .max_buf_size(limits.max_request_bytes.max(MIN_BUF))
+            .max_header_size(limits.max_request_bytes)
+            .serve_connection(
+                TokioIo::new(WriteDeadline::new(stream, limits.write_timeout)),
+                service,
+            ),
+    );
+    if let Err(e) = conn.await {
+        tracing::debug!("metrics endpoint: connection closed: {e}");
+    }
+    // The slot is free again once the connection is closed.
+    drop(permit);
+}
+
+/// `handle`'s answer to `req`, taken on the blocking thread; a handler that panicked is
+/// answered 500.
+async fn answer<H>(handle: Arc<H>, req: &hyper::Request<Incoming>) -> Response
+where
+    H: Fn(&Request<'_>) -> Response + Send + Sync + 'static,
+{
+    let method: Method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let r = tokio::task::spawn_blocking(move || {
+        handle(&Request {
+            method: method.as_str(),
+            path: &path,
+        })
+    })
+    .await;
+    r.unwrap_or_else(|e| Response::text(500, format!("the request's handler failed: {e}\n")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::io::Read;
+    use std::net::SocketAddr;
+    use std::time::Instant;
 
     /// A server on a free loopback port with `limits`, answering `/big` with `big` bytes and
     /// anything else with `ok`; stopped (and joined) when dropped.
     struct TestServer {
-        addr: std::net::SocketAddr,
-        stop: Arc<AtomicBool>,
+        addr: SocketAddr,
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
         thread: Option<std::thread::JoinHandle<()>>,
     }
 
     impl TestServer {
         fn start(limits: Limits, big: usize) -> TestServer {
-            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             let addr = listener.local_addr().unwrap();
-            let stop = Arc::new(AtomicBool::new(false));
-            let s = stop.clone();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let thread = std::thread::spawn(move || {
                 serve(
-                    &listener,
+                    listener,
                     limits,
-                    |r| match r.path {
+                    move |r| match r.path {
                         "/big" => Response {
                             status: 200,
                             content_type: "application/octet-stream",
                             body: vec![b'x'; big],
                         },
+                        "/panic" => panic!("a handler that fails"),
+                        "/slow" => {
+                            std::thread::sleep(Duration::from_secs(3));
+                            Response::text(200, "slow\n")
+                        }
                         p => Response::text(200, format!("ok {} {p}\n", r.method)),
                     },
-                    // Relaxed: a flag alone, no data published with it.
-                    || s.load(Ordering::Relaxed),
+                    async {
+                        let _ = stopped.await;
+                    },
                 )
                 .unwrap();
             });
             TestServer {
                 addr,
-                stop,
+                stop: Some(stop),
                 thread: Some(thread),
             }
         }
 
+        /// `request` on a new connection: the whole answer, and how long it took.
+        fn send(&self, request: &[u8]) -> (String, Duration) {
+            let t = Instant::now();
+            let mut s = std::net::TcpStream::connect(self.addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(request).unwrap();
+            let mut all = Vec::new();
+            let _ = s.read_to_end(&mut all);
+            (String::from_utf8_lossy(&all).into_owned(), t.elapsed())
+        }
+
         /// One GET of `path` on a new connection: the whole answer, and how long it took.
         fn get(&self, path: &str) -> (String, Duration) {
-            let t = Instant::now();
-            let mut s = TcpStream::connect(self.addr).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-            let mut all = String::new();
-            s.read_to_string(&mut all).unwrap();
-            (all, t.elapsed())
+            self.send(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
         }
     }
 
     impl Drop for TestServer {
         fn drop(&mut self) {
-            // Relaxed: see `start`.
-            self.stop.store(true, Ordering::Relaxed);
+            drop(self.stop.take());
             if let Some(t) = self.thread.take() {
                 let _ = t.join();
             }
@@ -465,23 +470,13 @@ mod tests {
         }
     }
 
-    #[test]
-    fn request_lines_are_read_and_anything_else_is_refused() {
-        assert_eq!(
-            header_end(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET"),
-            Some(27)
-        );
-        assert_eq!(header_end(b"GET / HTTP/1.0\n\n"), Some(16));
-        assert_eq!(header_end(b"GET / HTTP/1.1\r\nHost: x\r\n"), None);
-        assert_eq!(
-            request_line(b"GET /metrics?x=1 HTTP/1.1\r\n\r\n"),
-            Some(("GET", "/metrics"))
-        );
-        assert_eq!(request_line(b"HEAD / HTTP/1.0\n\n"), Some(("HEAD", "/")));
-        assert_eq!(request_line(b"\x16\x03\x01 TLS hello\r\n\r\n"), None);
-        assert_eq!(request_line(b"GET /\r\n\r\n"), None);
-        assert_eq!(request_line(b"GET / HTTP/1.1 x\r\n\r\n"), None);
-        assert_eq!(request_line(b"get / HTTP/1.1\r\n\r\n"), None);
+    /// The value of `name` in the header of `all` (case-insensitive name).
+    fn header<'a>(all: &'a str, name: &str) -> Option<&'a str> {
+        let head = all.split("\r\n\r\n").next()?;
+        head.lines().skip(1).find_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then(|| v.trim())
+        })
     }
 
     #[test]
@@ -489,30 +484,36 @@ mod tests {
         let srv = TestServer::start(limits(4, 2000, 2000), 10);
         let (all, _) = srv.get("/a?b");
         assert!(all.starts_with("HTTP/1.1 200 OK\r\n"), "{all}");
-        assert!(all.contains("\r\nContent-Length: 10\r\n"), "{all}");
-        assert!(all.contains("\r\nConnection: close\r\n"), "{all}");
+        assert_eq!(header(&all, "content-length"), Some("10"), "{all}");
+        assert_eq!(header(&all, "connection"), Some("close"), "{all}");
         assert!(all.ends_with("\r\n\r\nok GET /a\n"), "{all}");
         // HEAD: the header alone, with the body's length.
-        let mut s = TcpStream::connect(srv.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(b"HEAD /big HTTP/1.1\r\n\r\n").unwrap();
-        let mut all = String::new();
-        s.read_to_string(&mut all).unwrap();
-        assert!(all.contains("Content-Length: 10\r\n"), "{all}");
+        let (all, _) = srv.send(b"HEAD /big HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(all.starts_with("HTTP/1.1 200 OK\r\n"), "{all}");
+        assert_eq!(header(&all, "content-length"), Some("10"), "{all}");
         assert!(all.ends_with("\r\n\r\n"), "{all}");
-        // Garbage and an endless header.
-        let mut s = TcpStream::connect(srv.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(b"hello\r\n\r\n").unwrap();
-        let mut all = String::new();
-        s.read_to_string(&mut all).unwrap();
+        // An HTTP/1.0 client gets its answer and the close too.
+        let (all, _) = srv.send(b"GET /old HTTP/1.0\r\n\r\n");
+        assert!(all.ends_with("ok GET /old\n"), "{all}");
+    }
+
+    #[test]
+    fn garbage_an_endless_header_and_a_failing_handler_get_an_error_status_and_a_close() {
+        let srv = TestServer::start(limits(4, 2000, 2000), 10);
+        let (all, _) = srv.send(b"hello\r\n\r\n");
         assert!(all.starts_with("HTTP/1.1 400 "), "{all}");
-        let mut s = TcpStream::connect(srv.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&[b'a'; 2000]).unwrap();
-        let mut all = String::new();
-        s.read_to_string(&mut all).unwrap();
+        let (all, _) = srv.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n");
+        assert!(all.starts_with("HTTP/1.1 400 "), "{all}");
+        // Longer than the 1024 bytes of header allowed, and no end in sight.
+        let mut endless = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        endless.extend_from_slice(&[b'a'; 2000]);
+        let (all, _) = srv.send(&endless);
         assert!(all.starts_with("HTTP/1.1 431 "), "{all}");
+        let (all, _) = srv.get("/panic");
+        assert!(all.starts_with("HTTP/1.1 500 "), "{all}");
+        // And the server still answers.
+        let (all, _) = srv.get("/after");
+        assert!(all.ends_with("ok GET /after\n"), "{all}");
     }
 
     #[test]
@@ -520,7 +521,7 @@ mod tests {
      {
         // 64 MiB: more than the loopback socket buffers of both ends take.
         let srv = TestServer::start(limits(8, 5000, 1500), 64 << 20);
-        let mut stuck = TcpStream::connect(srv.addr).unwrap();
+        let mut stuck = std::net::TcpStream::connect(srv.addr).unwrap();
         stuck.write_all(b"GET /big HTTP/1.1\r\n\r\n").unwrap();
         let t = Instant::now();
         // Meanwhile: each answered within a second.
@@ -550,8 +551,7 @@ mod tests {
     #[test]
     fn a_pipelining_client_that_never_reads_gets_one_response_and_does_not_stop_the_others() {
         let srv = TestServer::start(limits(8, 5000, 5000), 10);
-        let mut pipe = TcpStream::connect(srv.addr).unwrap();
-        let addr = srv.addr;
+        let mut pipe = std::net::TcpStream::connect(srv.addr).unwrap();
         // 20,000 requests in one stream, never reading; writes until the server closes it.
         let writer = std::thread::spawn(move || {
             let req = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n".repeat(20_000);
@@ -573,27 +573,37 @@ mod tests {
             all.matches("HTTP/1.1 ").count() <= 1,
             "more than one response: {all}"
         );
-        let _ = addr;
     }
 
     #[test]
     fn connections_past_the_bound_are_answered_503_at_once_and_idle_ones_leave_at_the_read_deadline()
      {
         let srv = TestServer::start(limits(3, 1500, 1000), 10);
-        let idle: Vec<TcpStream> = (0..3)
-            .map(|_| TcpStream::connect(srv.addr).unwrap())
+        let idle: Vec<std::net::TcpStream> = (0..3)
+            .map(|_| std::net::TcpStream::connect(srv.addr).unwrap())
             .collect();
         // Accepted in order: the fourth finds the bound taken.
         std::thread::sleep(Duration::from_millis(200));
         let t = Instant::now();
-        let mut s = TcpStream::connect(srv.addr).unwrap();
+        let mut s = std::net::TcpStream::connect(srv.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut all = Vec::new();
         let _ = s.read_to_end(&mut all);
         let all = String::from_utf8_lossy(&all);
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
-        assert!(all.starts_with("HTTP/1.1 503 "), "{all}");
+        assert!(
+            all.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{all}"
+        );
+        assert_eq!(header(&all, "retry-after"), Some("1"), "{all}");
+        assert_eq!(header(&all, "connection"), Some("close"), "{all}");
         assert!(all.contains("3 connections"), "{all}");
+        let body = all.split("\r\n\r\n").nth(1).unwrap_or("");
+        assert_eq!(
+            header(&all, "content-length"),
+            Some(body.len().to_string().as_str()),
+            "{all}"
+        );
         // The idle ones are closed at their read deadline, and the slots serve again.
         std::thread::sleep(Duration::from_millis(1600));
         let (all, _) = srv.get("/after");
@@ -606,5 +616,67 @@ mod tests {
                 "closed, said nothing"
             );
         }
+    }
+
+    #[test]
+    fn a_client_that_sends_its_header_slowly_is_closed_at_the_read_deadline_even_while_sending() {
+        let srv = TestServer::start(limits(4, 1000, 1000), 10);
+        let mut s = std::net::TcpStream::connect(srv.addr).unwrap();
+        s.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Padding: ")
+            .unwrap();
+        let t = Instant::now();
+        // A byte every 50 ms, for 20 s if the server let it: the header never ends, and never
+        // reaches its 1024-byte bound. The writes fail once the server has closed (the first
+        // one after the close draws a reset, the next fails).
+        let closed = (0..400).any(|_| {
+            std::thread::sleep(Duration::from_millis(50));
+            s.write_all(b"a").is_err()
+        });
+        assert!(closed, "still open after {:?}", t.elapsed());
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_slow_handler_keeps_neither_the_bound_nor_the_read_deadline_waiting_and_its_answer_is_not_timed_from_the_connect()
+     {
+        let srv = TestServer::start(limits(2, 1000, 1000), 10);
+        // The handler sleeps 3 s on its thread; the runtime's thread is free meanwhile. Its
+        // answer comes after both deadlines (1 s) counted from the connect: the write deadline
+        // counts from the answer's first byte, and the read deadline ended with the header.
+        let slow = std::thread::spawn({
+            let addr = srv.addr;
+            move || {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                s.write_all(b"GET /slow HTTP/1.1\r\n\r\n").unwrap();
+                let mut all = String::new();
+                let _ = s.read_to_string(&mut all);
+                all
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let idle = std::net::TcpStream::connect(srv.addr).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        // Both slots taken: the third is refused at once, not after the slow one.
+        let (all, took) = srv.get("/x");
+        assert!(all.starts_with("HTTP/1.1 503 "), "{all}");
+        assert!(took < Duration::from_secs(1), "refused in {took:?}");
+        // The idle one is closed at its read deadline (1 s), while the handler still sleeps.
+        let t = Instant::now();
+        let mut idle = idle;
+        idle.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut b = Vec::new();
+        assert!(
+            matches!(idle.read_to_end(&mut b), Ok(0)),
+            "closed, said nothing"
+        );
+        assert!(
+            t.elapsed() < Duration::from_millis(2000),
+            "{:?}",
+            t.elapsed()
+        );
+        let all = slow.join().unwrap();
+        assert!(all.ends_with("slow\n"), "{all:?}");
     }
 }
