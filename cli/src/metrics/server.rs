@@ -6,7 +6,8 @@
 //!   `503 Service Unavailable` with `Retry-After` and closed at once, without reading it and
 //!   without waiting (one non-blocking write, see [`refuse`]).
 //! - A connection has [`Limits::read_timeout`] from its accept to the end of its request's header
-//!   (hyper's `header_read_timeout`, started when the connection's task first reads), and
+//!   (a peek for its first byte under a timeout, then hyper's `header_read_timeout` with what is
+//!   left: see [`connection`]), and
 //!   [`Limits::write_timeout`] from the first byte of its response being written to the last
 //!   byte taken by the kernel ([`WriteDeadline`]); past either it is closed. A header longer than
 //!   [`Limits::max_request_bytes`] is answered `431` and closed (hyper's `max_header_size`).
@@ -15,7 +16,8 @@
 //! - Each connection is a task of the one runtime thread that yields whenever its socket would
 //!   block: a client that pipelines requests and never reads gets one response and is closed, one
 //!   that never reads a long response is closed at its write deadline, and an idle one costs a file
-//!   descriptor, a task and hyper's read buffer (8 KiB), never a thread.
+//!   descriptor and a small task (hyper's state and buffers come with its first byte), never a
+//!   thread.
 //!
 //! The handler (a scrape: a look at `/dev/shm` and NVML, milliseconds) runs on tokio's blocking
 //! pool, capped at one thread: a slow NVML never stops the runtime thread, so accepts, `503`s and
