@@ -8,8 +8,8 @@
 //! buffer). A registry segment itself is removed only when it is a creation abandoned half-way
 //! ([`registry_inspect::remove_abandoned`]): a live process may open a finished one at any moment.
 //! Without a NAME, also the reservations of dead holders in the quota ledgers (never a ledger
-//! itself), and the liveness files and fd server sockets that killed processes left in `/dev/shm`
-//! (a normal exit removes them).
+//! itself; other users' ledgers are skipped with a note), and the liveness files and fd server
+//! sockets that killed processes left in `/dev/shm` (a normal exit removes them).
 
 use crate::Outcome;
 use crate::ls::{liveness, targets};
@@ -61,7 +61,8 @@ fn registry_leftovers(s: &RegistrySnapshot) -> Vec<String> {
 
 /// Frees the reservations of dead holders in every quota ledger (what the next reserve or look
 /// would do anyway); with `dry_run`, only says which. The ledgers themselves stay: a budget is
-/// removed only by its owner (`cuda-ipc quota remove`).
+/// removed only by its owner (`cuda-ipc quota remove`). Other users' ledgers are skipped with a
+/// note, as their channels are.
 fn quota_holders(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> usize {
     let names = match cuda_ipc::quota::list_ledgers() {
         Ok(n) => n,
@@ -84,7 +85,11 @@ fn quota_holders(dry_run: bool, verb: &str, fail: &mut impl FnMut(String)) -> us
                 }
                 n += dead.len();
             }
-            Err(e) => fail(format!("quota ledger {name}: cannot read: {e}")),
+            Err(e) => match crate::quota::skipped(&name, &e) {
+                // Another user's: theirs to clean, as their channels are; no problem.
+                Some(s) => out!("quota ledger {name}: {}", s.note),
+                None => fail(format!("quota ledger {name}: cannot read: {e}")),
+            },
         }
     }
     n

@@ -479,14 +479,20 @@ fn outcome(l: &Listing) -> Outcome {
 }
 
 /// `cuda-ipc ls [NAME] [--json]`: the listing, then (without a NAME) the quota budgets with
-/// their holders and the GPUs through NVML with the participants on them (JSON: `quotas`,
-/// `quota_errors`, `gpu` and `gpu_processes` beside the listing's keys).
+/// their holders (other users' ledgers skipped with a note) and the GPUs through NVML with the
+/// participants on them (JSON: `quotas`, `quota_errors`, `quota_skipped`, `gpu` and
+/// `gpu_processes` beside the listing's keys).
 pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let l = collect(&targets(name)?);
-    let (quotas, quota_errors) = if name.is_none() {
-        crate::quota::collect()
+    // Other users' ledgers are skipped with a note, as their channels are not listed.
+    let crate::quota::Ledgers {
+        snapshots: quotas,
+        errors: quota_errors,
+        skipped: quota_skipped,
+    } = if name.is_none() {
+        crate::quota::collect_all()
     } else {
-        (Vec::new(), Vec::new())
+        Default::default()
     };
     // The GPUs (NVML), without a NAME only: `ls NAME` stays about that segment.
     let gpu = name.is_none().then(|| {
@@ -494,6 +500,7 @@ pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>>
         let m = crate::gpu::match_processes(
             g.gpus(),
             &crate::state::participants(&l),
+            crate::gpu::own_pid_ns(),
             crate::gpu::proc_facts,
         );
         (g, m)
@@ -509,6 +516,10 @@ pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>>
                     .map(|(n, e)| serde_json::json!({"name": n, "error": e}))
                     .collect(),
             );
+            m.insert(
+                "quota_skipped".into(),
+                serde_json::to_value(&quota_skipped)?,
+            );
             if let Some((g, mat)) = &gpu {
                 m.insert("gpu".into(), serde_json::to_value(g)?);
                 m.insert("gpu_processes".into(), serde_json::to_value(mat)?);
@@ -517,9 +528,10 @@ pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>>
         out!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         out_nonl!(
-            "{}{}{}",
+            "{}{}{}{}",
             render(&l, false),
             crate::quota::render(&quotas, &quota_errors),
+            crate::quota::render_skipped(&quota_skipped),
             gpu.as_ref()
                 .map(|(g, m)| crate::gpu::render(g, m))
                 .unwrap_or_default()

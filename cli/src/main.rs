@@ -126,6 +126,18 @@ enum Command {
         listen: String,
         /// Only this registry or channel.
         name: Option<String>,
+        /// Connections served at once; more are answered 503 and closed at once.
+        #[arg(long, default_value_t = metrics::server::Limits::DEFAULT.max_connections as u64,
+              value_parser = clap::value_parser!(u64).range(1..=65536))]
+        max_connections: u64,
+        /// Milliseconds a client has, from connecting, to send its request; then it is closed.
+        #[arg(long, default_value_t = metrics::server::Limits::DEFAULT.read_timeout.as_millis() as u64,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        read_timeout_ms: u64,
+        /// Milliseconds a client has to take a response once it is ready; then it is closed.
+        #[arg(long, default_value_t = metrics::server::Limits::DEFAULT.write_timeout.as_millis() as u64,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        write_timeout_ms: u64,
     },
     /// Per-device budgets across processes: producers that opt in
     /// (`ChannelOptions::quota`) reserve their pool from them. Advisory: memory allocated outside
@@ -229,7 +241,22 @@ fn main() -> ExitCode {
             json,
             plain,
         } => ls::run_watch(name.as_deref(), interval, count, json, plain),
-        Command::Metrics { listen, name } => metrics::run(&listen, name.as_deref()),
+        Command::Metrics {
+            listen,
+            name,
+            max_connections,
+            read_timeout_ms,
+            write_timeout_ms,
+        } => metrics::run(
+            &listen,
+            name.as_deref(),
+            metrics::server::Limits {
+                max_connections: max_connections as usize,
+                read_timeout: std::time::Duration::from_millis(read_timeout_ms),
+                write_timeout: std::time::Duration::from_millis(write_timeout_ms),
+                ..metrics::server::Limits::DEFAULT
+            },
+        ),
         Command::Quota(QuotaCommand::Set {
             device,
             bytes,

@@ -1,8 +1,12 @@
 //! `metrics --listen ADDR`: the channels' counters, latency histograms, GPU state and quota
-//! budgets in the OpenMetrics text format (`prometheus-client`), served on `GET /metrics` by a
-//! small HTTP server (`tiny_http`) bound to the address the user names (loopback by default).
+//! budgets in the OpenMetrics text format (`prometheus-client`), served on `GET /metrics` by
+//! hyper on a tokio runtime of one thread ([`server`]: bounded connections, read and write
+//! deadlines, one request per connection) bound to the address the user names (loopback by
+//! default).
 //! Every scrape takes a fresh [`Sample`]: nothing is kept between scrapes, so the counters are
 //! the segments' own.
+
+pub mod server;
 
 use crate::Outcome;
 use crate::latency::{BUCKETS, LatencyBuckets};
@@ -15,6 +19,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
+use server::Limits;
 use std::error::Error;
 
 /// The default address: loopback only.
@@ -270,56 +275,54 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
     Ok(out)
 }
 
-/// `cuda-ipc metrics [--listen ADDR] [NAME]`: serves until killed.
-pub fn run(listen: &str, name: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
-    let server =
-        tiny_http::Server::http(listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-    let addr = server
-        .server_addr()
-        .to_ip()
-        .map_or_else(|| listen.to_string(), |a| a.to_string());
+/// `cuda-ipc metrics [--listen ADDR] [NAME]`: serves until killed, within `limits` (connections
+/// at once, read and write deadlines: see [`server`]).
+pub fn run(listen: &str, name: Option<&str>, limits: Limits) -> Result<Outcome, Box<dyn Error>> {
+    let listener = std::net::TcpListener::bind(listen)
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_or_else(|_| listen.to_string(), |a| a.to_string());
     out!("serving OpenMetrics on http://{addr}/metrics");
+    // A log line, not stdout: scripts read the address from the first line and may close the
+    // pipe after it.
+    tracing::info!(
+        "at most {} connections at once (more are answered 503), {} ms to send a request, {} ms to take a response",
+        limits.max_connections,
+        limits.read_timeout.as_millis(),
+        limits.write_timeout.as_millis()
+    );
     if let Some(why) = state::sample(name, true).gpu.missing() {
         eprintln!("cuda-ipc: {why}");
     }
-    for req in server.incoming_requests() {
-        let path = req.url().split('?').next().unwrap_or("").to_string();
-        let get = matches!(
-            req.method(),
-            tiny_http::Method::Get | tiny_http::Method::Head
-        );
-        let resp = match (get, path.as_str()) {
-            (true, "/metrics") => match encode(&state::sample(name, true)) {
-                Ok(text) => typed(tiny_http::Response::from_string(text), CONTENT_TYPE),
-                Err(e) => tiny_http::Response::from_string(format!("encoding failed: {e}\n"))
-                    .with_status_code(500),
-            },
-            (true, "/") => typed(
-                tiny_http::Response::from_string(
-                    "cuda-ipc metrics: GET /metrics (OpenMetrics text)\n",
-                ),
-                "text/plain; charset=utf-8",
-            ),
-            (true, _) => {
-                tiny_http::Response::from_string("not found; try /metrics\n").with_status_code(404)
-            }
-            (false, _) => tiny_http::Response::from_string("only GET\n").with_status_code(405),
-        };
-        if let Err(e) = req.respond(resp) {
-            tracing::info!("a metrics client went away: {e}");
-        }
-    }
+    let name = name.map(str::to_string);
+    server::serve(
+        listener,
+        limits,
+        move |req| respond(req, name.as_deref()),
+        std::future::pending(),
+    )
+    .map_err(|e| format!("metrics endpoint on {addr} stopped: {e}"))?;
     Ok(Outcome::Ok)
 }
 
-type Body = tiny_http::Response<std::io::Cursor<Vec<u8>>>;
-
-/// `resp` with a `Content-Type` header (`from_bytes` refuses only non-ASCII bytes, which these
-/// constants have none of; a refusal would leave the header out, never fail the reply).
-fn typed(resp: Body, content_type: &str) -> Body {
-    match tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes()) {
-        Ok(h) => resp.with_header(h),
-        Err(()) => resp,
+/// The answer to one request: `GET /metrics` a fresh sample, `/` a line saying where they are.
+fn respond(req: &server::Request, name: Option<&str>) -> server::Response {
+    let get = matches!(req.method, "GET" | "HEAD");
+    match (get, req.path) {
+        (true, "/metrics") => match encode(&state::sample(name, true)) {
+            Ok(text) => server::Response {
+                status: 200,
+                content_type: CONTENT_TYPE,
+                body: text.into_bytes(),
+            },
+            Err(e) => server::Response::text(500, format!("encoding failed: {e}\n")),
+        },
+        (true, "/") => {
+            server::Response::text(200, "cuda-ipc metrics: GET /metrics (OpenMetrics text)\n")
+        }
+        (true, _) => server::Response::text(404, "not found; try /metrics\n"),
+        (false, _) => server::Response::text(405, "only GET\n"),
     }
 }
 
@@ -354,7 +357,7 @@ mod tests {
                 role: "consumer 0 of frames".into(),
             },
         ];
-        let matching = match_processes(&gpus, &parts, |_| {
+        let matching = match_processes(&gpus, &parts, crate::gpu::ROOT_PID_NS, |_| {
             Some(("NSpid:\t9001\t7\n".into(), "pid:[11]".into()))
         });
         let s = Sample {

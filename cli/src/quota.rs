@@ -131,22 +131,100 @@ pub fn run_remove(device: &str, group: Option<&str>) -> Result<Outcome, Box<dyn 
     Ok(Outcome::Ok)
 }
 
+/// A ledger of another user, left out as their channels are (`ls` lists only this user's).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Skipped {
+    /// The segment's name.
+    pub name: String,
+    /// The uid that owns it.
+    pub owner: u32,
+    /// Whose it is and why it is left out, for people.
+    pub note: String,
+}
+
+/// What [`collect_all`] found.
+#[derive(Debug, Default)]
+pub struct Ledgers {
+    /// The ledgers read (dead holders reclaimed as they were read).
+    pub snapshots: Vec<LedgerSnapshot>,
+    /// Ledgers that could not be read, with why: problems (exit status 1).
+    pub errors: Vec<(String, String)>,
+    /// Other users' ledgers, left out: no problem.
+    pub skipped: Vec<Skipped>,
+}
+
+/// The name of user `uid` in `/etc/passwd`, if it has one there.
+fn user_name(uid: u32) -> Option<String> {
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|l| {
+        let mut f = l.split(':');
+        let name = f.next()?;
+        (f.nth(1)?.parse::<u32>().ok()? == uid).then(|| name.to_string())
+    })
+}
+
+/// `uid 0 (root)`, or `uid 1234` where the uid has no name here.
+fn user_text(uid: u32) -> String {
+    match user_name(uid) {
+        Some(n) => format!("uid {uid} ({n})"),
+        None => format!("uid {uid}"),
+    }
+}
+
+/// The ledger `name` as a skipped one, when `e` says it is another user's (`open_named` refuses
+/// another user's segment, and one of a group we are not in, with `ShmError::WrongOwner`); `None`
+/// for any other error, which stays a problem.
+pub fn skipped(name: &str, e: &cuda_ipc::Error) -> Option<Skipped> {
+    let cuda_ipc::Error::Shm(cuda_ipc::ShmError::WrongOwner { owner, ours, .. }) = e else {
+        return None;
+    };
+    Some(Skipped {
+        name: name.to_string(),
+        owner: *owner,
+        note: format!(
+            "skipped: it is {}'s, and this is {}; other users' budgets are theirs to see, as \
+             their channels are",
+            user_text(*owner),
+            user_text(*ours)
+        ),
+    })
+}
+
 /// Every ledger in `/dev/shm`, inspected (dead holders reclaimed); those that cannot be read with
-/// why.
-pub fn collect() -> (Vec<LedgerSnapshot>, Vec<(String, String)>) {
-    let mut ok = Vec::new();
-    let mut bad = Vec::new();
+/// why, other users' apart.
+pub fn collect_all() -> Ledgers {
+    let mut l = Ledgers::default();
     let names = match list_ledgers() {
         Ok(n) => n,
-        Err(e) => return (ok, vec![("/dev/shm".into(), e.to_string())]),
+        Err(e) => {
+            l.errors.push(("/dev/shm".into(), e.to_string()));
+            return l;
+        }
     };
     for n in names {
-        match QuotaLedger::open_named(&n).and_then(|l| l.snapshot()) {
-            Ok(s) => ok.push(s),
-            Err(e) => bad.push((n, e.to_string())),
+        match QuotaLedger::open_named(&n).and_then(|q| q.snapshot()) {
+            Ok(s) => l.snapshots.push(s),
+            Err(e) => match skipped(&n, &e) {
+                Some(s) => l.skipped.push(s),
+                None => l.errors.push((n, e.to_string())),
+            },
         }
     }
-    (ok, bad)
+    l
+}
+
+/// [`collect_all`] without the skipped ones: the ledgers read, and those that could not be.
+pub fn collect() -> (Vec<LedgerSnapshot>, Vec<(String, String)>) {
+    let l = collect_all();
+    (l.snapshots, l.errors)
+}
+
+/// The lines saying which ledgers were skipped and why.
+pub fn render_skipped(skipped: &[Skipped]) -> String {
+    skipped
+        .iter()
+        .map(|s| format!("quota ledger {}: {}\n", s.name, s.note))
+        .collect()
 }
 
 /// `used / budget` as shown.
@@ -203,19 +281,35 @@ pub fn render(ledgers: &[LedgerSnapshot], errors: &[(String, String)]) -> String
     out
 }
 
-/// `cuda-ipc quota show [--json]`.
+/// `cuda-ipc quota show [--json]`: other users' ledgers are skipped with a note (JSON:
+/// `skipped`), no problem.
 pub fn run_show(json: bool) -> Result<Outcome, Box<dyn Error>> {
-    let (ledgers, errors) = collect();
+    let Ledgers {
+        snapshots: ledgers,
+        errors,
+        skipped,
+    } = collect_all();
     if json {
         let v = serde_json::json!({
             "ledgers": ledgers,
             "errors": errors.iter().map(|(n, e)| serde_json::json!({"name": n, "error": e})).collect::<Vec<_>>(),
+            "skipped": skipped,
         });
         out!("{}", serde_json::to_string_pretty(&v)?);
-    } else if ledgers.is_empty() && errors.is_empty() {
-        out!("no quota budgets are set (`cuda-ipc quota set --device UUID|host|all --bytes SIZE`)");
     } else {
-        out_nonl!("{}", render(&ledgers, &errors));
+        if ledgers.is_empty() && errors.is_empty() {
+            out!(
+                "no quota budgets are set{} (`cuda-ipc quota set --device UUID|host|all --bytes SIZE`)",
+                if skipped.is_empty() {
+                    ""
+                } else {
+                    " for this user"
+                }
+            );
+        } else {
+            out_nonl!("{}", render(&ledgers, &errors));
+        }
+        out_nonl!("{}", render_skipped(&skipped));
     }
     Ok(if errors.is_empty() {
         Outcome::Ok
@@ -258,5 +352,29 @@ mod tests {
         assert_eq!(device_name(&u), "GPU-12345678-1234-1234-1234-123456789abc");
         let e = one_device("gpu0").unwrap_err().to_string();
         assert!(e.contains("`host`, or `all`"), "{e}");
+    }
+
+    #[test]
+    fn only_another_users_ledger_is_skipped_and_the_note_names_both_users() {
+        let e: cuda_ipc::Error = cuda_ipc::ShmError::WrongOwner {
+            name: "cuda-ipc.quota.x".into(),
+            owner: 0,
+            ours: 4242,
+        }
+        .into();
+        let s = skipped("cuda-ipc.quota.x", &e).unwrap();
+        assert_eq!((s.name.as_str(), s.owner), ("cuda-ipc.quota.x", 0));
+        assert!(s.note.starts_with("skipped: it is uid 0"), "{}", s.note);
+        assert!(s.note.contains("this is uid 4242"), "{}", s.note);
+        assert_eq!(
+            render_skipped(std::slice::from_ref(&s)),
+            format!("quota ledger cuda-ipc.quota.x: {}\n", s.note)
+        );
+        // Anything else stays a problem.
+        let e: cuda_ipc::Error = cuda_ipc::ShmError::NotFound {
+            name: "cuda-ipc.quota.x".into(),
+        }
+        .into();
+        assert_eq!(skipped("cuda-ipc.quota.x", &e), None);
     }
 }

@@ -77,7 +77,12 @@ pub fn sample(name: Option<&str>, with_gpu: bool) -> Sample {
             reason: "NVML not asked".into(),
         }
     };
-    let matching = gpu::match_processes(gpu.gpus(), &participants(&listing), gpu::proc_facts);
+    let matching = gpu::match_processes(
+        gpu.gpus(),
+        &participants(&listing),
+        gpu::own_pid_ns(),
+        gpu::proc_facts,
+    );
     let mut latency = BTreeMap::new();
     for c in &listing.channels {
         for x in &c.snapshot.consumers {
