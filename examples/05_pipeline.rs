@@ -150,7 +150,7 @@ fn producer(a: &Args) -> Res<()> {
         let t = Instant::now();
         let frame = tx.acquire(Some(Duration::from_secs(10)))?;
         acquire_wait += t.elapsed();
-        kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
+        kernels.fill_pattern(frame.buffer()?, i as u32, frame.stream()?)?;
         frame.publish(&FrameMeta::now(i, WIDTH, HEIGHT).encode())?;
     }
     tx.stream().synchronize()?;
@@ -210,7 +210,7 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Res<()> {
         let m = FrameMeta::decode(frame.metadata()).ok_or("short frame metadata")?;
         let index = m.index;
         lat.push(ready.saturating_sub(m.stamp_ns));
-        if m.width != WIDTH || m.height != HEIGHT || frame.buffer().len() != FRAME_BYTES {
+        if m.width != WIDTH || m.height != HEIGHT || frame.buffer()?.len() != FRAME_BYTES {
             return Err("wrong frame shape in metadata".into());
         }
         if last.is_some_and(|l| index <= l)
@@ -219,7 +219,7 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Res<()> {
             out_of_order += 1;
         }
         last = Some(index);
-        kernels.check_pattern(frame.buffer(), index as u32, &counter, frame.stream())?;
+        kernels.check_pattern(frame.buffer()?, index as u32, &counter, frame.stream()?)?;
         received += 1;
         drop(frame); // release, ordered after the check on our stream
     }

@@ -146,7 +146,7 @@ fn filter(frames: u64) -> Res<()> {
             return Err(format!("a stage exited after {i} frames (its error is above)").into());
         }
         let wf = tx.acquire(Some(ACQUIRE_TIMEOUT))?;
-        kernels.fill_pattern(wf.buffer(), i as u32, wf.stream())?;
+        kernels.fill_pattern(wf.buffer()?, i as u32, wf.stream()?)?;
         wf.publish(&meta(i))?;
     }
     tx.stream().synchronize()?;
@@ -230,12 +230,12 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
         // The acquire made B's producer stream wait until the analysis released this B buffer.
         let wf = tx.acquire(Some(ACQUIRE_TIMEOUT))?;
         // ...and now also until A's frame is ready (the consumer stream waits on A's event).
-        a_ready.record(frame.stream())?;
-        wf.stream().wait_event(&a_ready)?;
-        kernels.xor(frame.buffer(), wf.buffer(), KEY, wf.stream())?;
+        a_ready.record(frame.stream()?)?;
+        wf.stream()?.wait_event(&a_ready)?;
+        kernels.xor(frame.buffer()?, wf.buffer()?, KEY, wf.stream()?)?;
         // A's frame is released (on drop) on the consumer stream: after the XOR read it.
-        b_written.record(wf.stream())?;
-        frame.stream().wait_event(&b_written)?;
+        b_written.record(wf.stream()?)?;
+        frame.stream()?.wait_event(&b_written)?;
         drop(frame);
         // B's event is recorded on the producer stream, after the XOR.
         wf.publish(&m)?;
@@ -284,7 +284,13 @@ fn analysis(frames: u64, name_b: &str) -> Res<()> {
         };
         let index = FrameMeta::index_of(frame.metadata())?;
         arrivals.arrived(index);
-        kernels.check_pattern_xor(frame.buffer(), index as u32, KEY, &counter, frame.stream())?;
+        kernels.check_pattern_xor(
+            frame.buffer()?,
+            index as u32,
+            KEY,
+            &counter,
+            frame.stream()?,
+        )?;
         drop(frame); // released after the check, on our stream
     }
     rx.stream().synchronize()?;

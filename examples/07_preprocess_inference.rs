@@ -234,8 +234,8 @@ fn preprocess(frames: u64) -> Res<()> {
             .into());
         }
         let wf = tx.acquire(Some(ACQUIRE_TIMEOUT))?;
-        kernels.fill_pattern(&staging, i as u32, wf.stream())?;
-        kernels.rgba_to_planar(&staging, wf.buffer(), NPIX, wf.stream())?;
+        kernels.fill_pattern(&staging, i as u32, wf.stream()?)?;
+        kernels.rgba_to_planar(&staging, wf.buffer()?, NPIX, wf.stream()?)?;
         let header = TensorHeader {
             dtype: DTYPE_F32,
             shape: SHAPE.to_vec(),
@@ -300,17 +300,17 @@ fn inference(frames: u64, channel: &str) -> Res<()> {
             Err(e) => return Err(e.into()),
         };
         let header = TensorHeader::decode(frame.metadata())?;
-        header.validate(frame.buffer().len())?;
+        header.validate(frame.buffer()?.len())?;
         let index = header.index;
         arrivals.arrived(index);
         // "Inference": the frame is ready on our stream; copies to the host are ordered after the
         // legacy default stream only, so wait for our stream first.
-        frame.stream().synchronize()?;
+        frame.stream()?.synchronize()?;
         for r in 0..RUNS {
             let first = run_start(index, r);
             for c in 0..3 {
                 let offset = ((c as u64 * NPIX + first) * 4) as usize;
-                frame.buffer().copy_to_host(offset, &mut host)?;
+                frame.buffer()?.copy_to_host(offset, &mut host)?;
                 for (k, b) in host.chunks_exact(4).enumerate() {
                     let got = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                     let pixel = first + k as u64;

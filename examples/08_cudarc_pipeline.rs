@@ -157,8 +157,8 @@ fn producer(a: &Args) -> Res<()> {
     for i in 0..a.frames {
         let frame = tx.acquire(Some(Duration::from_secs(10)))?;
         {
-            let stream = cudarc_interop::stream(&cx, frame.stream())?;
-            let mut buf = cudarc_interop::slice::<u32, _>(&cx, frame.buffer())?;
+            let stream = cudarc_interop::stream(&cx, frame.stream()?)?;
+            let mut buf = cudarc_interop::slice::<u32, _>(&cx, frame.buffer()?)?;
             let mut view = buf.view_mut();
             let seed = i as u32;
             let mut b = stream.launch_builder(&fill);
@@ -242,8 +242,8 @@ fn consumer(channel: &str, header_hex: &str) -> Res<()> {
             out_of_order += 1;
         }
         {
-            let stream = cudarc_interop::stream(&cx, frame.stream())?;
-            let buf = cudarc_interop::slice::<u32, _>(&cx, frame.buffer())?;
+            let stream = cudarc_interop::stream(&cx, frame.stream()?)?;
+            let buf = cudarc_interop::slice::<u32, _>(&cx, frame.buffer()?)?;
             let n = buf.len() as u64;
             let seed = index as u32;
             let mut b = stream.launch_builder(&check);

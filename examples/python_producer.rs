@@ -121,7 +121,7 @@ fn run(a: &Args) -> Res<()> {
         let t = Instant::now();
         let frame = tx.acquire(Some(Duration::from_secs(30)))?;
         acquire_wait += t.elapsed();
-        kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
+        kernels.fill_pattern(frame.buffer()?, i as u32, frame.stream()?)?;
         // Stamped in ns of CLOCK_MONOTONIC, the clock `time.clock_gettime_ns` reads in Python.
         frame.publish(&FrameMeta::now(i, a.width, a.height).encode())?;
     }

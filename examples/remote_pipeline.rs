@@ -355,7 +355,7 @@ fn producer(a: &Args) -> Res<()> {
         let meta = FrameMeta::now(i, a.bytes as u64, 1).encode();
         match &kernels {
             _ if !a.fill => {}
-            Some(k) => k.fill_pattern(w.buffer(), i as u32, w.stream())?,
+            Some(k) => k.fill_pattern(w.buffer()?, i as u32, w.stream()?)?,
             None => {
                 fill_host(&mut host, i as u32);
                 w.write_at(0, &host)?;
@@ -550,7 +550,7 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
         match &gpu {
             _ if !a.check => {}
             Some((k, counter)) => {
-                k.check_pattern(f.buffer(), m.index as u32, counter, f.stream())?
+                k.check_pattern(f.buffer()?, m.index as u32, counter, f.stream()?)?
             }
             None => {
                 f.read_at(0, &mut host)?;

@@ -121,7 +121,7 @@ fn run(a: &Args) -> Res<()> {
         };
         out_of_order += u64::from(!in_order);
         last = Some(index);
-        kernels.check_pattern(frame.buffer(), index as u32, &counter, frame.stream())?;
+        kernels.check_pattern(frame.buffer()?, index as u32, &counter, frame.stream()?)?;
         frames += 1;
     }
     rx.stream().synchronize()?;

@@ -62,9 +62,14 @@ fn a_slow_consumer_never_blocks_the_producers_host_and_its_reads_are_never_overw
                 Err(Error::ChannelClosed) => break,
                 Err(e) => panic!("{e}"),
             };
-            k.spin(WORK_NS, f.stream()).unwrap();
-            k.check_pattern(f.buffer(), f.seq() as u32, &bad, f.stream())
-                .unwrap();
+            k.spin(WORK_NS, f.stream().unwrap()).unwrap();
+            k.check_pattern(
+                f.buffer().unwrap(),
+                f.seq() as u32,
+                &bad,
+                f.stream().unwrap(),
+            )
+            .unwrap();
             n += 1;
         }
         rx.stream().synchronize().unwrap();
@@ -83,7 +88,8 @@ fn a_slow_consumer_never_blocks_the_producers_host_and_its_reads_are_never_overw
         let t = Instant::now();
         let f = tx.acquire(Some(T)).unwrap();
         longest = longest.max(t.elapsed());
-        k.fill_pattern(f.buffer(), s as u32, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), s as u32, f.stream().unwrap())
+            .unwrap();
         assert_eq!(f.publish(&[]).unwrap(), s);
         // Let the consumer take it (every-frame: the producer's host waits for its cursor, never
         // for its GPU).
@@ -219,7 +225,8 @@ fn receives_posted_ahead_get_every_frame_and_the_gate_tells_the_ones_that_never_
     for s in 1..=FRAMES {
         let f = tx.acquire(Some(T)).unwrap();
         assert_eq!(f.index() as u64, (s - 1) % 4, "ring order");
-        k.fill_pattern(f.buffer(), s as u32, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), s as u32, f.stream().unwrap())
+            .unwrap();
         f.publish(&s.to_le_bytes()).unwrap();
     }
     tx.close(T).unwrap();
@@ -254,9 +261,10 @@ fn a_producer_killed_under_posted_receives_lets_the_consumers_stream_go() {
         for s in 1..=2u64 {
             let f = tx.acquire(Some(T)).unwrap();
             if s == 2 {
-                k.spin(2_000_000_000, f.stream()).unwrap();
+                k.spin(2_000_000_000, f.stream().unwrap()).unwrap();
             }
-            k.fill_pattern(f.buffer(), s as u32, f.stream()).unwrap();
+            k.fill_pattern(f.buffer().unwrap(), s as u32, f.stream().unwrap())
+                .unwrap();
             f.publish(&[]).unwrap();
         }
         tell("published");
@@ -350,7 +358,8 @@ fn a_consumer_killed_with_posted_work_pending_never_wedges_the_producer() {
     );
     c.expect("posted", T);
     let f = tx.acquire(Some(T)).unwrap();
-    k.fill_pattern(f.buffer(), 1, f.stream()).unwrap();
+    k.fill_pattern(f.buffer().unwrap(), 1, f.stream().unwrap())
+        .unwrap();
     f.publish(&[]).unwrap();
     c.expect("took 1", T);
     c.child.kill().unwrap();
@@ -360,7 +369,8 @@ fn a_consumer_killed_with_posted_work_pending_never_wedges_the_producer() {
         let f = tx
             .acquire(Some(Duration::from_secs(10)))
             .expect("the ring goes on");
-        k.fill_pattern(f.buffer(), s, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), s, f.stream().unwrap())
+            .unwrap();
         f.publish(&[]).unwrap();
     }
     let drained = drains_within(tx.stream(), Duration::from_secs(10));
@@ -411,7 +421,8 @@ fn a_consumer_dropped_with_receives_posted_for_unpublished_frames_neither_blocks
         let f = tx
             .acquire(Some(Duration::from_secs(10)))
             .expect("not held back by the consumer that left");
-        k.fill_pattern(f.buffer(), s, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), s, f.stream().unwrap())
+            .unwrap();
         f.publish(&[]).unwrap();
     }
     let r = tx.close(Duration::from_secs(5)).unwrap();

@@ -37,8 +37,8 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
                 Err(e) => panic!("{e}"),
             };
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
-            k.spin(300_000, f.stream()).unwrap();
-            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+            k.spin(300_000, f.stream().unwrap()).unwrap();
+            k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, f.stream().unwrap())
                 .unwrap();
             n += 1;
         }
@@ -54,8 +54,9 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
     c.expect("ready", T);
     for i in 0..FRAMES {
         let f = tx.acquire(Some(T)).unwrap();
-        k.spin(300_000, f.stream()).unwrap();
-        k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+        k.spin(300_000, f.stream().unwrap()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), i as u32, f.stream().unwrap())
+            .unwrap();
         f.publish(&i.to_le_bytes()).unwrap();
     }
     let report = tx.close(T).unwrap();
@@ -85,7 +86,7 @@ fn a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on() {
         let k = Kernels::load(rx.context()).unwrap();
         tell("ready");
         let f = rx.recv_timeout(T).unwrap();
-        k.spin(10_000_000_000, f.stream()).unwrap(); // mid-frame: 10 s of GPU work on it
+        k.spin(10_000_000_000, f.stream().unwrap()).unwrap(); // mid-frame: 10 s of GPU work on it
         tell("holding");
         std::thread::sleep(T);
         return;
@@ -101,7 +102,8 @@ fn a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on() {
     );
     c.expect("ready", T);
     let f = tx.acquire(Some(T)).unwrap();
-    k.fill_pattern(f.buffer(), 1, f.stream()).unwrap();
+    k.fill_pattern(f.buffer().unwrap(), 1, f.stream().unwrap())
+        .unwrap();
     f.publish(&[]).unwrap();
     c.expect("holding", T);
     assert!(
@@ -118,7 +120,8 @@ fn a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on() {
         .acquire(Some(Duration::from_secs(5)))
         .expect("the dead consumer's hold must be released");
     let took = t.elapsed();
-    k.fill_pattern(f.buffer(), 2, f.stream()).unwrap();
+    k.fill_pattern(f.buffer().unwrap(), 2, f.stream().unwrap())
+        .unwrap();
     f.publish(&[]).unwrap();
     let st = tx.stats();
     println!(
@@ -148,7 +151,8 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
         tell("ready");
         for i in 0u64.. {
             let f = tx.acquire(None).unwrap();
-            k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+            k.fill_pattern(f.buffer().unwrap(), i as u32, f.stream().unwrap())
+                .unwrap();
             f.publish(&i.to_le_bytes()).unwrap();
         }
         return;
@@ -170,7 +174,7 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
         for _ in 0..200 {
             let f = rx.recv_timeout(T).unwrap();
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
-            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+            k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, f.stream().unwrap())
                 .unwrap();
         }
         rx.stream().synchronize().unwrap();

@@ -339,7 +339,7 @@ fn no_driver_body(ch: &str, mut tx: Producer) {
         ));
         w.write_at(BYTES - 2, b"ab").unwrap();
         // SAFETY: the pointer is valid for len() bytes while the frame lives; nobody else writes.
-        unsafe { w.as_mut_ptr().write(7) };
+        unsafe { w.as_mut_ptr().unwrap().write(7) };
         w.publish(b"").unwrap();
     }
     let f = rx.recv_timeout(ANSWER).unwrap();
@@ -347,7 +347,7 @@ fn no_driver_body(ch: &str, mut tx: Producer) {
     f.read_at(BYTES - 2, &mut two).unwrap();
     assert_eq!(&two, b"ab");
     // SAFETY: valid for len() bytes while the frame lives; the producer does not write it now.
-    assert_eq!(unsafe { f.as_ptr().read() }, 7);
+    assert_eq!(unsafe { f.as_ptr().unwrap().read() }, 7);
     assert!(f.read_at(BYTES, &mut two).is_err());
     assert_eq!(f.len(), BYTES);
     drop(f);

@@ -48,7 +48,7 @@ fn consume() {
             }
         };
         let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
-        k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+        k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, f.stream().unwrap())
             .unwrap();
         n += 1;
     }
@@ -87,7 +87,8 @@ fn produce_for(kind: MemoryKind, namespaces: &[&str], test: &str) -> String {
             Ok(f) => f,
             Err(e) => panic!("{kind:?}: acquire: {e}"),
         };
-        k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), i as u32, f.stream().unwrap())
+            .unwrap();
         f.publish(&i.to_le_bytes()).unwrap();
     }
     let report = tx.close(T).unwrap();
@@ -186,7 +187,8 @@ fn produce_in_own_namespace() {
     if order == "go" {
         for i in 0..PAIR_FRAMES {
             let f = tx.acquire(Some(T)).unwrap();
-            k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+            k.fill_pattern(f.buffer().unwrap(), i as u32, f.stream().unwrap())
+                .unwrap();
             f.publish(&i.to_le_bytes()).unwrap();
         }
     }

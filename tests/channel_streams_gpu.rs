@@ -40,7 +40,7 @@ fn consume(ordered: bool) {
             f.ready_on(&mine).unwrap();
         }
         k.spin(300_000, &mine).unwrap();
-        k.check_pattern(f.buffer(), seed as u32, &bad, &mine)
+        k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, &mine)
             .unwrap();
         if ordered {
             f.release_after(&mine).unwrap();
@@ -70,7 +70,8 @@ fn produce(test: &str, ordered: bool) -> (u64, u64) {
             f.ready_on(&mine).unwrap();
         }
         k.spin(300_000, &mine).unwrap();
-        k.fill_pattern(f.buffer(), i as u32, &mine).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), i as u32, &mine)
+            .unwrap();
         if ordered {
             f.publish_after(&mine).unwrap();
         }

@@ -200,7 +200,7 @@ fn exporter() {
             ["publish", i, n] => {
                 let (i, n): (usize, u8) = (i.parse().unwrap(), n.parse().unwrap());
                 let f = tx[i].acquire(Some(T)).unwrap();
-                f.buffer().copy_from_host(0, &[n; 64]).unwrap();
+                f.buffer().unwrap().copy_from_host(0, &[n; 64]).unwrap();
                 let seq = f.publish(&[n]).unwrap();
                 tell(format!("published {seq}"));
             }
@@ -393,9 +393,9 @@ fn every_call(test: &str, x: &Expect) {
             peer.expect("published", T);
             let f = rx.recv_timeout(T).unwrap();
             x.after(&format!("Consumer::recv_timeout ({kind:?})"));
-            f.stream().synchronize().unwrap();
+            f.stream().unwrap().synchronize().unwrap();
             let mut h = [0u8; 64];
-            f.buffer().copy_to_host(0, &mut h).unwrap();
+            f.buffer().unwrap().copy_to_host(0, &mut h).unwrap();
             assert_eq!(h, [n; 64], "frame {n} of the {kind:?} channel");
             drop(f);
             x.after(&format!("drop of a received frame ({kind:?}, release)"));
@@ -419,7 +419,7 @@ fn every_call(test: &str, x: &Expect) {
         for n in 1..=3u8 {
             let f = tx.acquire(Some(T)).unwrap();
             x.after(&format!("Producer::acquire ({kind:?})"));
-            f.buffer().copy_from_host(0, &[n; 64]).unwrap();
+            f.buffer().unwrap().copy_from_host(0, &[n; 64]).unwrap();
             f.publish(&[n]).unwrap();
             x.after(&format!("WriteFrame::publish ({kind:?})"));
             peer.send("recv");

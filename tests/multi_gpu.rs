@@ -46,9 +46,9 @@ fn consumer() {
             Err(Error::ChannelClosed) => break,
             Err(e) => panic!("{e}"),
         };
-        assert_eq!(f.buffer().context().device().uuid(), dev.uuid());
+        assert_eq!(f.buffer().unwrap().context().device().uuid(), dev.uuid());
         let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
-        k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+        k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, f.stream().unwrap())
             .unwrap();
         n += 1;
     }
@@ -91,7 +91,8 @@ fn run(kind: MemoryKind, reversed: bool) {
     let t = Instant::now();
     for i in 0..FRAMES {
         let f = tx.acquire(Some(T)).unwrap();
-        k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), i as u32, f.stream().unwrap())
+            .unwrap();
         f.publish(&i.to_le_bytes()).unwrap();
     }
     tx.close(T).unwrap();

@@ -34,7 +34,7 @@ fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_th
         let k = Kernels::load(rx.context()).unwrap();
         tell("ready");
         let f = rx.recv_timeout(T).unwrap();
-        k.spin(PENDING_NS, f.stream()).unwrap();
+        k.spin(PENDING_NS, f.stream().unwrap()).unwrap();
         drop(f);
         tell("released");
         std::thread::sleep(T);
@@ -51,7 +51,8 @@ fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_th
     );
     c.expect("ready", T);
     let f = tx.acquire(Some(T)).unwrap();
-    k.fill_pattern(f.buffer(), 1, f.stream()).unwrap();
+    k.fill_pattern(f.buffer().unwrap(), 1, f.stream().unwrap())
+        .unwrap();
     f.publish(&[]).unwrap();
     c.expect("released", T);
     c.child.kill().unwrap();
@@ -61,7 +62,8 @@ fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_th
         .acquire(Some(Duration::from_secs(10)))
         .expect("the buffer comes back");
     let got = t.elapsed();
-    k.fill_pattern(f.buffer(), 2, f.stream()).unwrap();
+    k.fill_pattern(f.buffer().unwrap(), 2, f.stream().unwrap())
+        .unwrap();
     f.publish(&[]).unwrap();
     let drained = drains_within(tx.stream(), Duration::from_secs(10));
     println!(
@@ -99,8 +101,9 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
         let mut lines = parent_lines();
         assert_eq!(lines.next().as_deref(), Some("go"));
         let f = tx.acquire(Some(T)).unwrap();
-        k.spin(PENDING_NS, f.stream()).unwrap();
-        k.fill_pattern(f.buffer(), 3, f.stream()).unwrap();
+        k.spin(PENDING_NS, f.stream().unwrap()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), 3, f.stream().unwrap())
+            .unwrap();
         f.publish(&[]).unwrap();
         tell("published");
         std::thread::sleep(T);
@@ -120,7 +123,8 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     p.send("go");
     p.expect("published", T);
     let f = rx.recv_timeout(T).unwrap();
-    k.check_pattern(f.buffer(), 3, &bad, f.stream()).unwrap();
+    k.check_pattern(f.buffer().unwrap(), 3, &bad, f.stream().unwrap())
+        .unwrap();
     p.child.kill().unwrap();
     p.child.wait().unwrap();
     // Without calling into the channel again (a user blocked synchronising the stream would not):

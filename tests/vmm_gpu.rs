@@ -256,7 +256,7 @@ fn channel_delivers_every_frame(test: &str, kind: MemoryKind) {
                 Err(e) => panic!("{e}"),
             };
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
-            k.check_pattern(f.buffer(), seed as u32, &bad, f.stream())
+            k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, f.stream().unwrap())
                 .unwrap();
             n += 1;
         }
@@ -275,8 +275,9 @@ fn channel_delivers_every_frame(test: &str, kind: MemoryKind) {
     let t = Instant::now();
     for i in 0..FRAMES {
         let f = tx.acquire(Some(T)).unwrap();
-        assert_eq!(f.buffer().kind(), kind);
-        k.fill_pattern(f.buffer(), i as u32, f.stream()).unwrap();
+        assert_eq!(f.buffer().unwrap().kind(), kind);
+        k.fill_pattern(f.buffer().unwrap(), i as u32, f.stream().unwrap())
+            .unwrap();
         f.publish(&i.to_le_bytes()).unwrap();
     }
     tx.close(T).unwrap();
@@ -319,7 +320,8 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
         let mut lines = parent_lines();
         assert_eq!(lines.next().as_deref(), Some("go"));
         let f = tx.acquire(Some(T)).unwrap();
-        k.fill_pattern(f.buffer(), 5, f.stream()).unwrap();
+        k.fill_pattern(f.buffer().unwrap(), 5, f.stream().unwrap())
+            .unwrap();
         f.publish(&[]).unwrap();
         tx.stream().synchronize().unwrap();
         tell("published");
@@ -339,16 +341,18 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
         p.send("go");
         p.expect("published", T);
         let f = rx.recv_timeout(T).unwrap();
-        k.check_pattern(f.buffer(), 5, &bad, f.stream()).unwrap();
-        f.stream().synchronize().unwrap();
+        k.check_pattern(f.buffer().unwrap(), 5, &bad, f.stream().unwrap())
+            .unwrap();
+        f.stream().unwrap().synchronize().unwrap();
         assert_eq!(read_u64(&bad), 0);
         p.child.kill().unwrap();
         p.child.wait().unwrap();
         std::thread::sleep(Duration::from_millis(200));
         for _ in 0..10 {
-            k.check_pattern(f.buffer(), 5, &bad, f.stream()).unwrap();
+            k.check_pattern(f.buffer().unwrap(), 5, &bad, f.stream().unwrap())
+                .unwrap();
         }
-        f.stream().synchronize().unwrap();
+        f.stream().unwrap().synchronize().unwrap();
         assert_eq!(
             read_u64(&bad),
             0,

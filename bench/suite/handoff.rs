@@ -105,9 +105,9 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
                 let idle_since = Instant::now();
                 let frame = tx.acquire(Some(STEP))?;
                 if fill {
-                    kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
+                    kernels.fill_pattern(frame.buffer()?, i as u32, frame.stream()?)?;
                 }
-                frame.stream().synchronize()?;
+                frame.stream()?.synchronize()?;
                 pace(idle_since, gap_us);
                 let t0 = now_ns();
                 frame.publish(&meta(i, t0))?;

@@ -79,8 +79,8 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
                 let idle_since = Instant::now();
                 let frame = tx.acquire(Some(STEP))?;
                 pace(idle_since, gap_us);
-                kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
-                kernels.stamp(&View::slot(&stamps, i as usize)?, frame.stream())?;
+                kernels.fill_pattern(frame.buffer()?, i as u32, frame.stream()?)?;
+                kernels.stamp(&View::slot(&stamps, i as usize)?, frame.stream()?)?;
                 frame.publish(&i.to_le_bytes())?;
             }
             wait_ack(&shared, total, &mut peer)?;

@@ -96,7 +96,7 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             t_start = now_ns();
         }
         let frame = tx.acquire(Some(STEP))?;
-        kernels.fill_pattern(frame.buffer(), i as u32, frame.stream())?;
+        kernels.fill_pattern(frame.buffer()?, i as u32, frame.stream()?)?;
         let m = FrameMeta {
             index: i,
             width: WIDTH,
@@ -243,7 +243,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
         if m.index != k {
             out_of_order += 1;
         }
-        kernels.check_pattern(frame.buffer(), m.index as u32, &counter, rx.stream())?;
+        kernels.check_pattern(frame.buffer()?, m.index as u32, &counter, rx.stream())?;
         if k >= warmup {
             lat.push(t_ready.saturating_sub(m.stamp_ns));
         }

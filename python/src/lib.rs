@@ -26,7 +26,7 @@ mod errors;
 
 use cuda_ipc::channel::owned::{OwnedFrame, OwnedWriteFrame};
 use cuda_ipc::channel::{
-    ChannelOptions, ChannelStats, ConsumerOptions, Delivery, MemoryKind, WaitStrategy,
+    ChannelOptions, ChannelStats, ConsumerOptions, Delivery, FrameBuffer, MemoryKind, WaitStrategy,
 };
 use cuda_ipc::driver::{Device, DeviceMemory};
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
@@ -716,6 +716,22 @@ struct DeviceView {
     device: i32,
 }
 
+impl DeviceView {
+    /// A frame's length in bytes and, on a GPU channel, where its buffer is: both frame classes
+    /// read their buffer through the library's one view ([`FrameBuffer`]).
+    fn of<B: DeviceMemory>(view: FrameBuffer<'_, B>) -> (usize, Option<DeviceView>) {
+        let gpu = match (view.device(), view.stream()) {
+            (Ok(buffer), Ok(stream)) => Some(DeviceView {
+                ptr: buffer.device_ptr(),
+                stream: stream.as_raw() as usize,
+                device: buffer.context().device().ordinal() as i32,
+            }),
+            _ => None,
+        };
+        (view.len(), gpu)
+    }
+}
+
 /// `bytes` as is; anything else that exports a buffer (`bytearray`, `memoryview`, `array`, NumPy)
 /// copied into `bytes` once. Raises `TypeError` for anything else (`str`, `int`).
 fn bytes_of<'py>(data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
@@ -766,17 +782,7 @@ impl WriteFrame {
     fn new(py: Python<'_>, producer: Py<Producer>, f: OwnedWriteFrame) -> PyResult<WriteFrame> {
         let w = f.frame();
         let index = w.index();
-        // The GPU accessors (`buffer`, `stream`) panic on a host channel: only asked of GPU frames.
-        let (nbytes, gpu) = if w.is_host() {
-            (w.len(), None)
-        } else {
-            let view = DeviceView {
-                ptr: w.buffer().device_ptr(),
-                stream: w.stream().as_raw() as usize,
-                device: w.buffer().context().device().ordinal() as i32,
-            };
-            (w.buffer().len(), Some(view))
-        };
+        let (nbytes, gpu) = DeviceView::of(w.view());
         let other = producer.get().stream;
         let w = WriteFrame {
             inner: Mutex::new(Some(f)),
@@ -1279,17 +1285,7 @@ impl Frame {
 
     fn wrap(f: OwnedFrame) -> Frame {
         let fr = f.frame();
-        // The GPU accessors (`buffer`, `stream`) panic on a host channel: only asked of GPU frames.
-        let (nbytes, gpu) = if fr.is_host() {
-            (fr.len(), None)
-        } else {
-            let view = DeviceView {
-                ptr: fr.buffer().device_ptr(),
-                stream: fr.stream().as_raw() as usize,
-                device: fr.buffer().context().device().ordinal() as i32,
-            };
-            (fr.buffer().len(), Some(view))
-        };
+        let (nbytes, gpu) = DeviceView::of(fr.view());
         Frame {
             seq: fr.seq(),
             index: fr.index(),

@@ -8,7 +8,8 @@ use super::control::Control;
 use super::handoff::Metadata;
 use super::host::HostPool;
 use super::layout::{self, Delivery};
-use super::options::{HOST_NO_GPU, LIVENESS_CHECK, no_host_bytes};
+use super::options::{HOST_NO_GPU, LIVENESS_CHECK};
+use super::view::FrameBuffer;
 use super::watchdog::Watchdog;
 use super::{ChannelError, ChannelStats, ConsumerOptions, WaitStrategy};
 use crate::driver::{Context, Device, DeviceMemory, Event, HostRegistration, Stream};
@@ -24,35 +25,46 @@ pub const MAX_POSTED_AHEAD: u64 = 1 << 20;
 
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
-    // Drop order: the stream is drained and the slot freed (in Drop) first; then the watchdog stops,
-    // the GPU words are unregistered and the segment unmapped (the watchdog holds it too); the host
-    // pool is unmapped; imports go before the stream and context. (With receives posted ahead for
-    // frames not yet published, Drop hands the GPU side to a thread that waits for them instead.)
-    /// `None` for a host channel (nothing to mark ready).
-    _watchdog: Option<Watchdog>,
-    /// The GPU words' registration; `None` for a host channel.
-    ready: Option<HostRegistration>,
+    // Drop order: the stream is drained and the slot freed (in Drop) first; then the side: the
+    // watchdog stops, imports go before the stream, the GPU words are unregistered, then the
+    // context (or the host pool is unmapped); then the segment is unmapped (the watchdog held it
+    // too; the registration lies in it). With receives posted ahead for frames not yet published,
+    // Drop hands the GPU imports to a thread that waits for them instead, which drops them in the
+    // same order and the segment last.
+    /// Host or GPU, decided once where the consumer attaches.
+    side: Side,
     control: Arc<Control>,
-    /// The pool of a host channel.
-    host: Option<HostPool>,
     slot: usize,
-    /// The GPU side; `None` for a host channel.
-    gpu: Option<GpuImports>,
     wait: WaitStrategy,
     /// The sequence number of the last receive posted (0: none); locked while posting, so posts
     /// from several threads enqueue in sequence order.
     posted: Mutex<u64>,
 }
 
+/// What a consumer holds of the pool: either side, never half of one.
+enum Side {
+    /// Imports of a device pool.
+    Gpu {
+        /// Marks a dead producer's frames ready, so this consumer's stream drains.
+        _watchdog: Watchdog,
+        /// Shared only with the thread that waits for receives posted ahead (Drop).
+        imports: Arc<GpuImports>,
+    },
+    /// The mapping of a host pool ([`MemoryKind::Host`]).
+    Host(HostPool),
+}
+
 /// A consumer's GPU side.
 struct GpuImports {
-    // Drop order: imports before the stream and context.
+    // Drop order: imports before the stream, the registration before the context.
     /// Orders the consumer's stream with other streams ([`Frame::ready_on`],
     /// [`Frame::release_after`]); locked from record to wait, so frames released from two threads
     /// never cross their records.
     join: std::sync::Mutex<Event>,
     buffers: Vec<ImportedBuffer>,
     stream: Stream,
+    /// The GPU words' registration.
+    ready: HostRegistration,
     ctx: Arc<Context>,
 }
 
@@ -109,12 +121,9 @@ impl Consumer {
         // No release words: the producer waits on nothing but the hold masks.
         let slot = control.attach(opts.delivery)?;
         Ok(Consumer {
-            _watchdog: None,
-            ready: None,
+            side: Side::Host(pool),
             control: Arc::new(control),
-            host: Some(pool),
             slot,
-            gpu: None,
             wait: opts.wait,
             posted: Mutex::new(0),
         })
@@ -150,34 +159,43 @@ impl Consumer {
         let control = Arc::new(control);
         let watched = control.clone();
         Ok(Consumer {
-            _watchdog: Some(Watchdog::start(
-                "cuda-ipc-watchdog",
-                "a dead producer is noticed at recv",
-                move || {
-                    if watched.producer_gone().is_err() {
-                        watched.force_ready();
-                        return false;
-                    }
-                    true
-                },
-            )),
-            ready: Some(ready),
+            side: Side::Gpu {
+                _watchdog: Watchdog::start(
+                    "cuda-ipc-watchdog",
+                    "a dead producer is noticed at recv",
+                    move || {
+                        if watched.producer_gone().is_err() {
+                            watched.force_ready();
+                            return false;
+                        }
+                        true
+                    },
+                ),
+                imports: Arc::new(GpuImports {
+                    join,
+                    buffers,
+                    stream,
+                    ready,
+                    ctx: ctx.clone(),
+                }),
+            },
             control,
-            host: None,
             slot,
-            gpu: Some(GpuImports {
-                join,
-                buffers,
-                stream,
-                ctx: ctx.clone(),
-            }),
             wait: opts.wait,
             posted: Mutex::new(0),
         })
     }
 
     fn gpu(&self) -> &GpuImports {
-        self.gpu.as_ref().expect(HOST_NO_GPU)
+        self.imports().expect(HOST_NO_GPU)
+    }
+
+    /// The GPU side; `None` on a host channel.
+    fn imports(&self) -> Option<&GpuImports> {
+        match &self.side {
+            Side::Gpu { imports, .. } => Some(imports),
+            Side::Host(_) => None,
+        }
     }
 
     /// The consumer's stream: frames are ready on it, enqueue the work that reads them here.
@@ -198,7 +216,7 @@ impl Consumer {
 
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
-        self.host.is_some()
+        matches!(self.side, Side::Host(_))
     }
 
     /// Waits for the next frame (by the delivery policy), without a timeout; still returns
@@ -255,7 +273,7 @@ impl Consumer {
     /// When the producer died, frames it published may still wait for a write that will never
     /// finish: mark them ready so this consumer's stream drains.
     fn on_error(&self, e: Error) -> Error {
-        if self.gpu.is_some() && matches!(e, Error::ProducerGone { .. }) {
+        if !self.is_host() && matches!(e, Error::ProducerGone { .. }) {
             self.control.force_ready();
         }
         e
@@ -269,7 +287,7 @@ impl Consumer {
             metadata,
             host_ordered: false,
         };
-        let (Some(ready), Some(gpu)) = (&self.ready, &self.gpu) else {
+        let Some(gpu) = self.imports() else {
             // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
             // the producer's writes before this frame's reads.
             self.control.took();
@@ -283,7 +301,7 @@ impl Consumer {
         // and mapped until this consumer's stream has drained (Drop of Consumer).
         let waited = unsafe {
             gpu.stream.wait_value_u32(
-                ready.device_ptr + layout::ready_word_offset(i) as u64,
+                gpu.ready.device_ptr + layout::ready_word_offset(i) as u64,
                 seq as u32,
             )
         };
@@ -338,7 +356,7 @@ impl Consumer {
             metadata,
             host_ordered: true,
         };
-        if self.gpu.is_none() {
+        if self.is_host() {
             // A host channel: the Acquire load of the buffer's seq in `try_take` ordered the
             // producer's writes before this frame's reads.
             return Ok(frame);
@@ -396,10 +414,10 @@ impl Consumer {
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel.
     pub fn gate_device_ptr(&self) -> Result<u64> {
-        let ready = self.ready.as_ref().ok_or_else(|| {
+        let gpu = self.imports().ok_or_else(|| {
             Error::InvalidArgument("a host channel has no gate words on a GPU".into())
         })?;
-        Ok(ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
+        Ok(gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
     }
 
     /// Posts the receive of the next frame ahead of its publication: the consumer's stream waits
@@ -427,7 +445,7 @@ impl Consumer {
     where
         F: FnOnce(&Posted<'_>) -> Result<()>,
     {
-        let (Some(gpu), Some(ready)) = (&self.gpu, &self.ready) else {
+        let Some(gpu) = self.imports() else {
             return Err(Error::InvalidArgument(
                 "a host channel has no stream to post receives on".into(),
             ));
@@ -456,7 +474,7 @@ impl Consumer {
         // registered and mapped until this consumer's stream has drained (Drop of Consumer).
         unsafe {
             gpu.stream.wait_value_u32(
-                ready.device_ptr + layout::ready_word_offset(index) as u64,
+                gpu.ready.device_ptr + layout::ready_word_offset(index) as u64,
                 seq as u32,
             )?;
         }
@@ -470,7 +488,7 @@ impl Consumer {
         // SAFETY: as above; the release word of this consumer's own slot.
         unsafe {
             gpu.stream.write_value_u32(
-                ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
+                gpu.ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
                 seq as u32,
             )?;
         }
@@ -503,7 +521,7 @@ impl Consumer {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
-        let Some(gpu) = self.gpu.take() else {
+        let Side::Gpu { imports, .. } = &self.side else {
             // A host channel: no GPU work can still read the pool; frames borrowed this consumer,
             // so all were dropped (their holds ended) before this.
             self.control.detach(self.slot);
@@ -513,7 +531,7 @@ impl Drop for Consumer {
         // release words: let the work that reads them finish first.
         let posted = *self.posted.lock().unwrap_or_else(|p| p.into_inner());
         if posted <= self.control.head() || self.control.producer_gone().is_err() {
-            Self::drain_stream(&gpu, &self.control);
+            Self::drain_stream(imports, &self.control);
             self.control.detach(self.slot);
             return;
         }
@@ -521,38 +539,24 @@ impl Drop for Consumer {
         // the channel closes, or the producer dies), which may be never. Stop holding the producer
         // back (latest-only: it no longer waits for this consumer's cursor; this consumer takes
         // nothing more, so no write waits on its release words) and let a thread wait for the
-        // stream, keeping the slot (its release words are this stream's) and the registration.
+        // stream, keeping the slot (its release words are this stream's) and the imports with the
+        // registration: the thread's references are the last, dropped in order there.
         self.control.set_policy(self.slot, Delivery::LatestOnly);
-        let (tx, rx) = std::sync::mpsc::channel::<(GpuImports, Option<HostRegistration>)>();
+        let gpu = imports.clone();
         let control = self.control.clone();
         let slot = self.slot;
         let orphan = std::thread::Builder::new()
             .name("cuda-ipc-posted".into())
             .spawn(move || {
-                if let Ok((gpu, ready)) = rx.recv() {
-                    Self::drain_stream(&gpu, &control);
-                    control.detach(slot);
-                    // Order: the stream and imports, then the registration, then the mapping.
-                    drop(gpu);
-                    drop(ready);
-                }
+                Self::drain_stream(&gpu, &control);
+                control.detach(slot);
+                // Order: the stream, imports and registration, then the mapping.
+                drop(gpu);
                 drop(control);
             });
-        let left = match orphan {
-            Ok(_) => match tx.send((gpu, self.ready.take())) {
-                Ok(()) => None,
-                Err(std::sync::mpsc::SendError((gpu, ready))) => {
-                    self.ready = ready;
-                    Some(gpu)
-                }
-            },
-            Err(e) => {
-                tracing::warn!("no thread to wait for receives posted ahead ({e}); waiting here");
-                Some(gpu)
-            }
-        };
-        if let Some(gpu) = left {
-            Self::drain_stream(&gpu, &self.control);
+        if let Err(e) = orphan {
+            tracing::warn!("no thread to wait for receives posted ahead ({e}); waiting here");
+            Self::drain_stream(imports, &self.control);
             self.control.detach(self.slot);
         }
     }
@@ -581,17 +585,34 @@ impl std::fmt::Debug for Frame<'_> {
 }
 
 impl Frame<'_> {
+    /// The frame's buffer as this process sees it: the imported device buffer and the consumer's
+    /// stream, or the host buffer ([`FrameBuffer`], shared with [`super::WriteFrame`]).
+    pub fn view(&self) -> FrameBuffer<'_, ImportedBuffer> {
+        let c = self.consumer;
+        match &c.side {
+            Side::Gpu { imports, .. } => FrameBuffer::Device {
+                buffer: &imports.buffers[self.index],
+                stream: &imports.stream,
+            },
+            Side::Host(pool) => FrameBuffer::Host {
+                ptr: pool.ptr(self.index),
+                len: pool.buffer_bytes(),
+            },
+        }
+    }
+
     /// The frame's buffer, mapped in the consumer's context.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]): use [`Frame::as_ptr`] or [`Frame::read_at`].
-    pub fn buffer(&self) -> &ImportedBuffer {
-        &self.consumer.gpu().buffers[self.index]
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]; formerly a panic):
+    /// use [`Frame::as_ptr`] or [`Frame::read_at`].
+    pub fn buffer(&self) -> Result<&ImportedBuffer> {
+        self.view().device()
     }
 
     /// Whether the frame's buffer is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
-        self.consumer.host.is_some()
+        self.consumer.is_host()
     }
 
     /// The buffer's length in bytes (the channel's `buffer_bytes`), for every memory kind.
@@ -614,15 +635,10 @@ impl Frame<'_> {
     /// [`Frame::read_at`]; the protocol orders the producer's writes before these reads (the
     /// publish Release / take Acquire pair on the buffer's `seq`).
     ///
-    /// # Panics
-    /// On a GPU channel: use [`Frame::buffer`].
-    pub fn as_ptr(&self) -> *const u8 {
-        let pool = self
-            .consumer
-            .host
-            .as_ref()
-            .expect("a GPU channel: use buffer()");
-        pool.ptr(self.index)
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a GPU channel (formerly a panic): use [`Frame::buffer`].
+    pub fn as_ptr(&self) -> Result<*const u8> {
+        self.view().host_ptr().map(<*mut u8>::cast_const)
     }
 
     /// Copies `dst.len()` bytes of the frame's host buffer from byte `offset` into `dst`.
@@ -631,13 +647,7 @@ impl Frame<'_> {
     /// [`Error::InvalidArgument`] when `offset + dst.len()` passes the buffer's end, or on a GPU
     /// channel (copy the device buffer on the stream there).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let pool = self.consumer.host.as_ref().ok_or_else(no_host_bytes)?;
-        let src = pool.range(self.index, offset, dst.len())?;
-        // SAFETY: `src..src + dst.len()` lies in this frame's buffer (checked by `range`), which
-        // the producer does not write while this frame holds it; `dst` is ordinary memory of this
-        // process, so the two do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
+        self.view().read_at(offset, dst)
     }
 
     /// The whole host buffer, copied.
@@ -663,10 +673,11 @@ impl Frame<'_> {
     }
     /// The consumer's stream.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
-    pub fn stream(&self) -> &Stream {
-        &self.consumer.gpu().stream
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
+    /// (formerly a panic).
+    pub fn stream(&self) -> Result<&Stream> {
+        self.view().stream()
     }
 
     /// Makes `stream` wait on the GPU for this frame (an event recorded on the consumer's stream,
@@ -736,7 +747,7 @@ impl Frame<'_> {
     }
 
     fn gpu_or_err(&self) -> Result<&GpuImports> {
-        self.consumer.gpu.as_ref().ok_or_else(|| {
+        self.consumer.imports().ok_or_else(|| {
             Error::InvalidArgument("a host channel's frame has no stream to order".into())
         })
     }
@@ -745,21 +756,26 @@ impl Frame<'_> {
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
         let c = self.consumer;
-        if self.host_ordered && c.gpu.is_some() {
-            // Every read of the buffer finished before the drop (the caller's obligation).
-            c.control.set_released(c.slot, self.index, self.seq);
-        } else if let (Some(gpu), Some(ready)) = (&c.gpu, &c.ready) {
-            let word = ready.device_ptr + layout::release_word_offset(c.slot, self.index) as u64;
-            // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
-            // buffers), which stay registered until its stream has drained (Drop of Consumer).
-            if let Err(e) = unsafe { gpu.stream.write_value_u32(word, self.seq as u32) } {
-                // Without the write the producer's stream would wait for good: wait for our
-                // kernels on the host instead and write the word from here.
-                tracing::warn!("enqueuing the release word failed ({e}); synchronising instead");
-                if let Err(e) = gpu.stream.synchronize() {
-                    tracing::warn!("synchronising the consumer stream failed: {e}");
-                }
+        if let Some(gpu) = c.imports() {
+            if self.host_ordered {
+                // Every read of the buffer finished before the drop (the caller's obligation).
                 c.control.set_released(c.slot, self.index, self.seq);
+            } else {
+                let word =
+                    gpu.ready.device_ptr + layout::release_word_offset(c.slot, self.index) as u64;
+                // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
+                // buffers), which stay registered until its stream has drained (Drop of Consumer).
+                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, self.seq as u32) } {
+                    // Without the write the producer's stream would wait for good: wait for our
+                    // kernels on the host instead and write the word from here.
+                    tracing::warn!(
+                        "enqueuing the release word failed ({e}); synchronising instead"
+                    );
+                    if let Err(e) = gpu.stream.synchronize() {
+                        tracing::warn!("synchronising the consumer stream failed: {e}");
+                    }
+                    c.control.set_released(c.slot, self.index, self.seq);
+                }
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the
@@ -811,9 +827,8 @@ impl<'a> Posted<'a> {
     /// them to tell whether this frame came.
     pub fn gate_device_ptr(&self) -> u64 {
         self.consumer
-            .ready
-            .as_ref()
-            .map_or(0, |r| r.device_ptr + layout::GATE_STATE_OFFSET as u64)
+            .imports()
+            .map_or(0, |g| g.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
     }
 
     /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes

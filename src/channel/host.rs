@@ -333,21 +333,6 @@ impl HostPool {
         self.buffer_bytes
     }
 
-    /// The address of `n` bytes from byte `offset` of buffer `i`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when `offset + n` passes the buffer's end.
-    pub(crate) fn range(&self, i: usize, offset: usize, n: usize) -> Result<*mut u8> {
-        let len = self.buffer_bytes();
-        if offset.checked_add(n).is_none_or(|end| end > len) {
-            return Err(Error::InvalidArgument(format!(
-                "{n} bytes at offset {offset} pass the end of a {len}-byte buffer"
-            )));
-        }
-        // SAFETY: offset + n <= buffer_bytes (checked), so the result stays in buffer i.
-        Ok(unsafe { self.ptr(i).add(offset) })
-    }
-
     /// The token of buffer `i`, as the producer stores it in the control segment.
     pub(crate) fn token(&self, i: usize, exporter: ProcessIdentity) -> Token {
         let mut handle = [0u8; 64];

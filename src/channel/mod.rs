@@ -46,6 +46,7 @@ pub mod owned;
 mod producer;
 #[doc(hidden)]
 pub mod testing;
+mod view;
 mod wait;
 mod watchdog;
 
@@ -61,4 +62,5 @@ pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
 #[cfg(feature = "remote")]
 pub(crate) use producer::LentFrame;
 pub use producer::{ChannelBuffer, Producer, ShutdownReport, WriteFrame};
+pub use view::FrameBuffer;
 pub use wait::WaitStrategy;

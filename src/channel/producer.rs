@@ -7,7 +7,8 @@ use super::control::{self, Control};
 use super::handoff::Claim;
 use super::host::HostPool;
 use super::layout;
-use super::options::{HOST_NO_GPU, check_options, no_host_bytes, reserve_quota};
+use super::options::{HOST_NO_GPU, check_options, reserve_quota};
+use super::view::FrameBuffer;
 use super::watchdog::Watchdog;
 use super::{ChannelOptions, ChannelStats, META_BYTES, MemoryKind, WaitStrategy};
 use crate::driver::{Context, DeviceBuffer, DeviceMemory, Event, HostRegistration, Stream, Uuid};
@@ -110,20 +111,14 @@ pub struct ShutdownReport {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub struct Producer {
-    // Drop order: the control segment is closed and drained (in Drop, which also drains the stream)
-    // and the watchdog stopped before the GPU words are unregistered, then the segment unmapped,
-    // then the host pool unmapped or the buffers freed, and those before the stream and context.
-    /// Frees dead consumers' slots (raising their release words) while the producer's own thread
-    /// is busy; `None` for a host channel (no stream waits on a consumer).
-    _watchdog: Option<Watchdog>,
-    /// The GPU words' registration; `None` for a host channel.
-    ready: Option<HostRegistration>,
+    // Drop order: the control segment is closed and drained (in Drop, which also drains the stream);
+    // then the side: the watchdog stopped, the GPU words unregistered, the buffers freed and the
+    // stream and context let go (or the host pool unmapped); then the segment unmapped (the
+    // registration lies in it, so it goes first).
+    /// Host or GPU, decided once where the producer is made.
+    side: Side,
     control: Arc<Control>,
-    /// The pool of a host channel ([`MemoryKind::Host`]).
-    host: Option<HostPool>,
     name: String,
-    /// The GPU side; `None` for a host channel.
-    gpu: Option<GpuPool>,
     wait: WaitStrategy,
     memory: MemoryKind,
     closed: bool,
@@ -137,9 +132,23 @@ pub struct Producer {
     _quota: Option<Reservation>,
 }
 
+/// What a producer holds of its pool: either side, never half of one.
+enum Side {
+    /// A pool of device memory.
+    Gpu(GpuPool),
+    /// A pool of shared host memory ([`MemoryKind::Host`]).
+    Host(HostPool),
+}
+
 /// A producer's GPU side.
 struct GpuPool {
-    // Drop order: buffers before the stream and context.
+    // Drop order: the watchdog stops, then the GPU words are unregistered, then the buffers are
+    // freed, before the stream and context.
+    /// Frees dead consumers' slots (raising their release words) while the producer's own thread
+    /// is busy.
+    _watchdog: Watchdog,
+    /// The GPU words' registration.
+    ready: HostRegistration,
     buffers: Vec<ChannelBuffer>,
     /// Orders the producer's stream after other streams ([`WriteFrame::publish_after`]); locked
     /// from record to wait, so two threads never cross their records.
@@ -243,12 +252,9 @@ impl Producer {
             }
         };
         Ok(Producer {
-            _watchdog: None,
-            ready: None,
+            side: Side::Host(pool),
             control: Arc::new(control),
-            host: Some(pool),
             name: name.to_string(),
-            gpu: None,
             wait: opts.wait,
             memory: MemoryKind::Host,
             closed: false,
@@ -295,23 +301,22 @@ impl Producer {
         let control = Arc::new(control);
         let watched = control.clone();
         Ok(Producer {
-            _watchdog: Some(Watchdog::start(
-                "cuda-ipc-producer-watchdog",
-                "a dead consumer is noticed when the producer next waits for a buffer",
-                move || {
-                    watched.reclaim_dead_consumers();
-                    true
-                },
-            )),
-            gpu: Some(GpuPool {
-                join,
+            side: Side::Gpu(GpuPool {
+                _watchdog: Watchdog::start(
+                    "cuda-ipc-producer-watchdog",
+                    "a dead consumer is noticed when the producer next waits for a buffer",
+                    move || {
+                        watched.reclaim_dead_consumers();
+                        true
+                    },
+                ),
+                ready,
                 buffers,
+                join,
                 stream,
                 ctx: ctx.clone(),
             }),
-            ready: Some(ready),
             control,
-            host: None,
             name: name.to_string(),
             wait: opts.wait,
             memory: kind,
@@ -322,7 +327,10 @@ impl Producer {
     }
 
     fn gpu(&self) -> &GpuPool {
-        self.gpu.as_ref().expect(HOST_NO_GPU)
+        match &self.side {
+            Side::Gpu(gpu) => gpu,
+            Side::Host(_) => panic!("{HOST_NO_GPU}"),
+        }
     }
 
     /// The producer's stream: enqueue the work that fills a frame here.
@@ -343,7 +351,7 @@ impl Producer {
 
     /// Whether the pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
-        self.host.is_some()
+        matches!(self.side, Side::Host(_))
     }
 
     /// The channel name.
@@ -394,7 +402,7 @@ impl Producer {
         let i = claim.index;
         // A host channel has no streams to order: the consumers' reads happen before this write
         // through their hold_mask clear, which `try_acquire` saw (docs/ARCHITECTURE.md).
-        if let (Some(gpu), Some(ready)) = (&self.gpu, &self.ready) {
+        if let Side::Gpu(gpu) = &self.side {
             self.stream_used = true;
             let mut bits = claim.used;
             while bits != 0 {
@@ -405,7 +413,7 @@ impl Producer {
                 if self.control.released(c, i, claim.old_seq) {
                     continue;
                 }
-                let word = ready.device_ptr + layout::release_word_offset(c, i) as u64;
+                let word = gpu.ready.device_ptr + layout::release_word_offset(c, i) as u64;
                 // SAFETY: the word lies in the registered GPU words (c < consumers, i < buffers),
                 // which stay registered until the producer's stream has drained (Drop order).
                 if let Err(e) = unsafe { gpu.stream.wait_value_u32(word, claim.old_seq as u32) } {
@@ -442,8 +450,10 @@ impl Producer {
     /// [`Error::Cuda`] naming `cuStreamSynchronize` (nothing is lent).
     #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     pub(crate) fn lend(&mut self, timeout: Option<Duration>) -> Result<Option<LentFrame>> {
-        if self.stream_used {
-            self.gpu().stream.synchronize()?;
+        if self.stream_used
+            && let Side::Gpu(gpu) = &self.side
+        {
+            gpu.stream.synchronize()?;
             self.stream_used = false;
         }
         let claim = if timeout == Some(Duration::ZERO) {
@@ -454,7 +464,10 @@ impl Producer {
         let Some(claim) = claim else { return Ok(None) };
         // A host channel's readers finished before `try_acquire` saw their holds cleared; a GPU
         // channel's may still read on their streams.
-        let pending = if self.gpu.is_some() { claim.used } else { 0 };
+        let pending = match self.side {
+            Side::Gpu(_) => claim.used,
+            Side::Host(_) => 0,
+        };
         let mut lent = LentFrame {
             control: self.control.clone(),
             index: claim.index,
@@ -471,10 +484,9 @@ impl Producer {
     #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     pub(crate) fn buffer_address(&self, index: usize) -> (u64, usize) {
         let len = self.control.buffer_bytes() as usize;
-        match (&self.host, &self.gpu) {
-            (Some(pool), _) => (pool.ptr(index) as u64, len),
-            (None, Some(gpu)) => (gpu.buffers[index].device_ptr(), len),
-            (None, None) => (0, 0),
+        match &self.side {
+            Side::Host(pool) => (pool.ptr(index) as u64, len),
+            Side::Gpu(gpu) => (gpu.buffers[index].device_ptr(), len),
         }
     }
 
@@ -549,13 +561,16 @@ impl Producer {
             );
         }
         self.control.unlink();
-        if let Some(pool) = &self.host {
-            // No GPU work to wait for: every hold ended or was forced above.
-            pool.unlink();
-            return Ok(ShutdownReport {
-                forced_holds: forced,
-            });
-        }
+        let gpu = match &self.side {
+            Side::Host(pool) => {
+                // No GPU work to wait for: every hold ended or was forced above.
+                pool.unlink();
+                return Ok(ShutdownReport {
+                    forced_holds: forced,
+                });
+            }
+            Side::Gpu(gpu) => gpu,
+        };
         // `None`: a timeout past what `Instant` can hold (`Duration::MAX`), which never runs out;
         // `Instant + Duration` would panic on it.
         let deadline = Instant::now().checked_add(timeout);
@@ -580,7 +595,7 @@ impl Producer {
                 }
             }
         }
-        let synced = self.gpu().stream.synchronize();
+        let synced = gpu.stream.synchronize();
         // Our stream drained: every ready word it was to write is written. Let go of work that
         // consumers posted ahead for frames that will never come.
         self.control.close_gate(layout::GateState::Closed);
@@ -612,18 +627,33 @@ pub struct WriteFrame<'a> {
 }
 
 impl WriteFrame<'_> {
+    /// The frame's buffer as this process sees it: the device buffer and the producer's stream,
+    /// or the host buffer ([`FrameBuffer`], shared with [`super::Frame`]).
+    pub fn view(&self) -> FrameBuffer<'_, ChannelBuffer> {
+        match &self.producer.side {
+            Side::Gpu(gpu) => FrameBuffer::Device {
+                buffer: &gpu.buffers[self.index],
+                stream: &gpu.stream,
+            },
+            Side::Host(pool) => FrameBuffer::Host {
+                ptr: pool.ptr(self.index),
+                len: pool.buffer_bytes(),
+            },
+        }
+    }
+
     /// The device buffer to write (the whole pool buffer).
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]): use [`WriteFrame::as_mut_ptr`] or
-    /// [`WriteFrame::write_at`].
-    pub fn buffer(&self) -> &ChannelBuffer {
-        &self.producer.gpu().buffers[self.index]
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]; formerly a
+    /// panic): use [`WriteFrame::as_mut_ptr`] or [`WriteFrame::write_at`].
+    pub fn buffer(&self) -> Result<&ChannelBuffer> {
+        self.view().device()
     }
 
     /// Whether the frame's buffer is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
-        self.producer.host.is_some()
+        self.producer.is_host()
     }
 
     /// The buffer's length in bytes (the channel's `buffer_bytes`), for every memory kind.
@@ -644,15 +674,11 @@ impl WriteFrame<'_> {
     /// on `seq` and `hold_mask`), so plain writes through the pointer are ordered; but a reference
     /// would promise the compiler exclusive access that another (misbehaving) process could break.
     ///
-    /// # Panics
-    /// On a GPU channel: use [`WriteFrame::buffer`].
-    pub fn as_mut_ptr(&self) -> *mut u8 {
-        let pool = self
-            .producer
-            .host
-            .as_ref()
-            .expect("a GPU channel: use buffer()");
-        pool.ptr(self.index)
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a GPU channel (formerly a panic): use
+    /// [`WriteFrame::buffer`].
+    pub fn as_mut_ptr(&self) -> Result<*mut u8> {
+        self.view().host_ptr()
     }
 
     /// Copies `src` into the frame's host buffer at byte `offset`.
@@ -661,7 +687,7 @@ impl WriteFrame<'_> {
     /// [`Error::InvalidArgument`] when `offset + src.len()` passes the buffer's end, or on a GPU
     /// channel (write the device buffer on the stream there).
     pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        let dst = self.host_range(offset, src.len())?;
+        let dst = self.view().host_range(offset, src.len())?;
         // SAFETY: `dst..dst + src.len()` lies in this frame's buffer (checked by `host_range`),
         // which nobody else reads or writes while the producer holds it as WRITING; `src` is
         // ordinary memory of this process, so the two do not overlap.
@@ -674,15 +700,7 @@ impl WriteFrame<'_> {
     /// # Errors
     /// As [`WriteFrame::write_at`].
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let src = self.host_range(offset, dst.len())?;
-        // SAFETY: as in `write_at`, with the copy the other way.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
-    }
-
-    fn host_range(&self, offset: usize, n: usize) -> Result<*mut u8> {
-        let pool = self.producer.host.as_ref().ok_or_else(no_host_bytes)?;
-        pool.range(self.index, offset, n)
+        self.view().read_at(offset, dst)
     }
 
     /// Index of the buffer in the pool.
@@ -692,10 +710,21 @@ impl WriteFrame<'_> {
 
     /// The producer's stream, on which the write must be enqueued.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
-    pub fn stream(&self) -> &Stream {
-        &self.producer.gpu().stream
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
+    /// (formerly a panic).
+    pub fn stream(&self) -> Result<&Stream> {
+        self.view().stream()
+    }
+
+    /// The producer's GPU side, or the error of a host channel's frame asked to order a stream.
+    fn gpu_or_err(&self) -> Result<&GpuPool> {
+        match &self.producer.side {
+            Side::Gpu(gpu) => Ok(gpu),
+            Side::Host(_) => Err(Error::InvalidArgument(
+                "a host channel's frame has no stream to order".into(),
+            )),
+        }
     }
 
     /// Makes `stream` wait on the GPU until the buffer may be written (an event recorded on the
@@ -722,11 +751,7 @@ impl WriteFrame<'_> {
     ///    `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name the default
     ///    streams of the producer's context.
     pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
-        let Some(gpu) = self.producer.gpu.as_ref() else {
-            return Err(Error::InvalidArgument(
-                "a host channel's frame has no stream to order".into(),
-            ));
-        };
+        let gpu = self.gpu_or_err()?;
         let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the producer's stream lives as long as the producer this frame borrows
         // (obligation 1 of `order_raw`); `stream` as the caller guarantees (obligation 2).
@@ -760,11 +785,7 @@ impl WriteFrame<'_> {
     ///    null or `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name that
     ///    context's default streams.
     pub unsafe fn publish_after_raw(&self, stream: sys::CUstream) -> Result<()> {
-        let Some(gpu) = self.producer.gpu.as_ref() else {
-            return Err(Error::InvalidArgument(
-                "a host channel's frame has no stream to order".into(),
-            ));
-        };
+        let gpu = self.gpu_or_err()?;
         let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `stream` as the caller guarantees (obligation 1 of `order_raw`); the producer's
         // stream lives as long as the producer this frame borrows (obligation 2).
@@ -794,7 +815,7 @@ impl WriteFrame<'_> {
         // the write is enqueued, which is correct (their streams wait for the word on the GPU) and
         // takes the enqueue off the hand-off's path.
         let seq = p.control.publish(self.index, metadata)?;
-        let (Some(ready), Some(gpu)) = (&p.ready, &p.gpu) else {
+        let Side::Gpu(gpu) = &p.side else {
             self.done = true;
             return Ok(seq);
         };
@@ -804,7 +825,7 @@ impl WriteFrame<'_> {
             self.done = true;
             return Ok(seq);
         }
-        let word = ready.device_ptr + layout::ready_word_offset(self.index) as u64;
+        let word = gpu.ready.device_ptr + layout::ready_word_offset(self.index) as u64;
         // SAFETY: the word lies in the registered ready page (index < buffers), which stays
         // registered and mapped until the producer's stream has drained (Drop order of Producer).
         if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {

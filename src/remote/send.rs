@@ -525,12 +525,12 @@ fn frames(p: &mut Pump<'_, '_>, remote: &str, place: Place) -> Result<Ended> {
         p.far = target.place;
         let region = match place {
             Place::Host => Region {
-                addr: frame.as_ptr() as u64,
+                addr: frame.as_ptr()? as u64,
                 len: frame.len(),
                 place,
             },
             Place::Device(_) => Region {
-                addr: frame.buffer().device_ptr(),
+                addr: frame.buffer()?.device_ptr(),
                 len: frame.len(),
                 place,
             },
