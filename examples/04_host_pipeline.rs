@@ -25,7 +25,7 @@ fn consumer(name: &str) -> Res<()> {
     loop {
         let f = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(f) => f,
-            Err(cuda_ipc::Error::ChannelClosed) => break,
+            Err(cuda_ipc::Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         buf.resize(f.len(), 0);

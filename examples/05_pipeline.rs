@@ -203,7 +203,7 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Res<()> {
     loop {
         let frame = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(f) => f,
-            Err(IpcError::ChannelClosed) => break,
+            Err(IpcError::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         let ready = now_ns();

@@ -13,7 +13,7 @@
 //!
 //! The frame index travels in the metadata (its first 8 bytes, little-endian). Every consumer takes
 //! every frame (back-pressure). Shutdown runs down the chain: filter closes A; transform gets
-//! `Error::ChannelClosed` from A and closes B; analysis gets `Error::ChannelClosed` from B.
+//! `ChannelError::Closed` from A and closes B; analysis gets `ChannelError::Closed` from B.
 //!
 //! The filter re-executes this binary as the other two stages, prints the throughput of each stage
 //! and the analysis mismatch count, and exits non-zero on any mismatch, missing or reordered frame,
@@ -222,7 +222,7 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
         let timeout = arrivals.timeout(FIRST_FRAME_TIMEOUT, FRAME_TIMEOUT);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
-            Err(IpcError::ChannelClosed) => break,
+            Err(IpcError::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         let m = frame.metadata().to_vec();
@@ -279,7 +279,7 @@ fn analysis(frames: u64, name_b: &str) -> Res<()> {
         let timeout = arrivals.timeout(FIRST_FRAME_TIMEOUT, FRAME_TIMEOUT);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
-            Err(IpcError::ChannelClosed) => break,
+            Err(IpcError::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         let index = FrameMeta::index_of(frame.metadata())?;

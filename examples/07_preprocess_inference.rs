@@ -296,7 +296,7 @@ fn inference(frames: u64, channel: &str) -> Res<()> {
         let timeout = arrivals.timeout(FIRST_FRAME_TIMEOUT, FRAME_TIMEOUT);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
-            Err(IpcError::ChannelClosed) => break,
+            Err(IpcError::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         let header = TensorHeader::decode(frame.metadata())?;

@@ -233,7 +233,7 @@ fn consumer(channel: &str, header_hex: &str) -> Res<()> {
     loop {
         let frame = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(f) => f,
-            Err(IpcError::ChannelClosed) => break,
+            Err(IpcError::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         start.get_or_insert_with(Instant::now);

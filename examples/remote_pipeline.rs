@@ -531,7 +531,7 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
     loop {
         let f = match rx.recv_timeout(LONG) {
             Ok(f) => f,
-            Err(IpcError::ChannelClosed) => break,
+            Err(IpcError::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         lat.push(

@@ -110,7 +110,7 @@ fn run(a: &Args) -> Res<()> {
     loop {
         let frame = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(f) => f,
-            Err(cuda_ipc::Error::ChannelClosed) => break,
+            Err(cuda_ipc::Error::Channel(ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         };
         let index = FrameMeta::index_of(frame.metadata())?;
@@ -153,7 +153,7 @@ fn cost(rx: &Consumer) -> Res<()> {
                 ns.push(t.elapsed().as_nanos() as u64);
             }
             Ok(None) => std::hint::spin_loop(),
-            Err(cuda_ipc::Error::ChannelClosed) => break,
+            Err(cuda_ipc::Error::Channel(ChannelError::Closed)) => break,
             Err(e) => return Err(e.into()),
         }
     }

@@ -9,13 +9,16 @@
 //! | [`Error::NotExportable`] | `ipc` (foreign memory) | [`crate::ipc::NotExportable`] |
 //! | [`Error::Shm`] | `shm` (segments, seqlock) | [`crate::shm::ShmError`] |
 //! | [`Error::Registry`] | `registry` (its layout, records, participants) | [`crate::registry::RegistryError`] |
+//! | [`Error::FdPass`] | `ipc::fdpass` (file descriptors passed between processes) | [`crate::ipc::FdPassError`] |
 //! | [`Error::Channel`] | `channel` | [`crate::channel::ChannelError`] |
 //! | [`Error::Quota`] | `quota` (the budget ledger across processes) | [`crate::quota::QuotaError`] |
 //!
 //! A lower layer's error is not wrapped again by the layers above it: a segment that does not
 //! exist is `Error::Shm(ShmError::NotFound { .. })` whether a [`crate::shm::Segment`], a registry
-//! or a channel opened it, so there is one pattern per failure. The other variants (timeouts, peers
-//! gone, invalid arguments and tokens, unsupported platforms) are shared by several layers.
+//! or a channel opened it, so there is one pattern per failure. The other variants (timeouts,
+//! invalid arguments and tokens, unsupported platforms, failed system calls) are shared by several
+//! layers; what only one layer reports (a channel's producer gone or closed, an fd exporter gone)
+//! is that layer's own error.
 //!
 //! This module sits outside the layer stack (docs/ARCHITECTURE.md, "Module graph"): every module
 //! may use it, and it names the layers' error types as variant payloads only. It calls nothing.
@@ -87,35 +90,13 @@ pub enum Error {
     /// participants; what its segment reports is [`Error::Shm`]).
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
-    /// The channel's producer process died (found by pid + start time); no more frames will come.
-    #[error("the producer (pid {pid}) is gone")]
-    ProducerGone {
-        /// The producer's pid.
-        pid: u32,
-    },
-    /// The process that exported a file descriptor is gone (by pid + start time + boot id, or it is
-    /// a zombie), so nothing more can be fetched from it (`crate::ipc::fdpass`). Fds fetched before
-    /// stay valid.
-    #[error("the exporting process (pid {pid}) is gone")]
-    PeerGone {
-        /// The exporter's pid.
-        pid: u32,
-    },
-    /// A running process does not offer the file descriptor asked for (`crate::ipc::fdpass`): the
-    /// export was withdrawn or never made, or the process serves no fds at all.
-    #[error("process {pid} does not offer fd export {id}: {reason}")]
-    FdNotOffered {
-        /// The exporter's pid.
-        pid: u32,
-        /// The export id asked for.
-        id: u32,
-        /// Why, in words.
-        reason: &'static str,
-    },
-    /// The producer closed the channel and every frame it published was delivered.
-    #[error("the channel was closed by its producer")]
-    ChannelClosed,
-    /// A channel could not be created, attached or used.
+    /// Passing a file descriptor from another process failed: the exporter is gone, does not
+    /// offer the fd, refuses this process, speaks another protocol version, or is not what listens
+    /// at its socket path ([`crate::ipc::fdpass`]).
+    #[error(transparent)]
+    FdPass(#[from] crate::ipc::FdPassError),
+    /// A channel could not be created, attached or used, or its producer died or closed it
+    /// ([`crate::channel::ChannelError::ProducerGone`], [`crate::channel::ChannelError::Closed`]).
     #[error(transparent)]
     Channel(#[from] crate::channel::ChannelError),
     /// A quota ledger refused a reservation ([`crate::quota::QuotaError::OverQuota`], naming who

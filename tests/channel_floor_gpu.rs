@@ -59,7 +59,7 @@ fn a_slow_consumer_never_blocks_the_producers_host_and_its_reads_are_never_overw
         loop {
             let f = match rx.recv_timeout(T) {
                 Ok(f) => f,
-                Err(Error::ChannelClosed) => break,
+                Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
                 Err(e) => panic!("{e}"),
             };
             k.spin(WORK_NS, f.stream().unwrap()).unwrap();
@@ -169,7 +169,7 @@ fn receives_posted_ahead_get_every_frame_and_the_gate_tells_the_ones_that_never_
                     assert_eq!(f.metadata(), seq.to_le_bytes());
                     took = seq;
                 }
-                Err(Error::ChannelClosed) => {
+                Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => {
                     closed_at.get_or_insert(seq);
                     took = seq;
                 }
@@ -303,7 +303,9 @@ fn a_producer_killed_under_posted_receives_lets_the_consumers_stream_go() {
     for p in posted {
         outcomes.push(match p.wait(Some(Duration::from_secs(5))) {
             Ok(f) => format!("frame {}", f.seq()),
-            Err(Error::ProducerGone { .. }) => "gone".into(),
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::ProducerGone { .. })) => {
+                "gone".into()
+            }
             Err(e) => panic!("{e}"),
         });
     }

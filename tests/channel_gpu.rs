@@ -33,7 +33,7 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
         loop {
             let f = match rx.recv_timeout(T) {
                 Ok(f) => f,
-                Err(Error::ChannelClosed) => break,
+                Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
                 Err(e) => panic!("{e}"),
             };
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
@@ -191,7 +191,7 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
         let took = t.elapsed();
         println!("kill -9 producer: consumer got `{e}` {took:?} after the kill");
         assert!(
-            matches!(e, Error::ProducerGone { pid: x } if x == pid),
+            matches!(e, Error::Channel(cuda_ipc::channel::ChannelError::ProducerGone { pid: x }) if x == pid),
             "{e}"
         );
         assert!(took < Duration::from_secs(1));

@@ -97,7 +97,7 @@ fn child() {
                         last = f.seq();
                         n += 1;
                     }
-                    Err(Error::ChannelClosed) => break,
+                    Err(Error::Channel(ChannelError::Closed)) => break,
                     Err(e) => panic!("recv: {e}"),
                 }
             }
@@ -115,7 +115,7 @@ fn child() {
                 check_frame(&f);
                 drop(f);
                 match rx.recv_timeout(ANSWER) {
-                    Err(Error::ChannelClosed) => tell("closed"),
+                    Err(Error::Channel(ChannelError::Closed)) => tell("closed"),
                     other => panic!("expected ChannelClosed, got {other:?}"),
                 }
             } else {
@@ -223,7 +223,7 @@ fn a_killed_producer_gives_producer_gone_within_1_s_and_gc_removes_both_segments
     let _ = peer.child.wait();
     let t = Instant::now();
     match rx.recv_timeout(ANSWER) {
-        Err(Error::ProducerGone { .. }) => {}
+        Err(Error::Channel(ChannelError::ProducerGone { .. })) => {}
         other => panic!("expected ProducerGone, got {other:?}"),
     }
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());

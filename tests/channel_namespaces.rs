@@ -132,7 +132,9 @@ fn run_role(role: &str) {
                         // Block in take until the producer is found dead.
                         let r = c.take(Some(ANSWER));
                         match r {
-                            Err(Error::ProducerGone { .. }) => tell("gone"),
+                            Err(Error::Channel(
+                                cuda_ipc::channel::ChannelError::ProducerGone { .. },
+                            )) => tell("gone"),
                             other => tell(format!("unexpected {other:?}")),
                         }
                     }

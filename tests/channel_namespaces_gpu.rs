@@ -41,7 +41,7 @@ fn consume() {
     loop {
         let f = match rx.recv_timeout(T) {
             Ok(f) => f,
-            Err(Error::ChannelClosed) => break,
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => {
                 tell(format!("failed {e}"));
                 return;

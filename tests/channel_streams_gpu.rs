@@ -32,7 +32,7 @@ fn consume(ordered: bool) {
     loop {
         let f = match rx.recv_timeout(T) {
             Ok(f) => f,
-            Err(Error::ChannelClosed) => break,
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => panic!("{e}"),
         };
         let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());

@@ -627,7 +627,10 @@ fn error_paths(test: &str, x: &Expect) {
             Consumer::attach(&name, &ConsumerOptions::new()),
             "Consumer::attach to a dead producer's channel",
         );
-        assert!(matches!(e, Error::ProducerGone { .. }), "{e}");
+        assert!(
+            matches!(e, Error::Channel(ChannelError::ProducerGone { .. })),
+            "{e}"
+        );
         x.after("Consumer::attach to a dead producer's channel");
         // Replacing the dead producer's segment also removes it.
         let opts = ChannelOptions::new(4096).buffers(1);

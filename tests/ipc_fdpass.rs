@@ -219,8 +219,8 @@ fn parse_transport(s: &str) -> FdTransport {
 
 fn error_kind(e: &Error) -> &'static str {
     match e {
-        Error::PeerGone { .. } => "gone",
-        Error::FdNotOffered { .. } => "notoffered",
+        Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::PeerGone { .. }) => "gone",
+        Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::NotOffered { .. }) => "notoffered",
         Error::Unsupported { .. } => "unsupported",
         Error::Timeout { .. } => "timeout",
         Error::InvalidArgument(_) => "invalid",
@@ -627,7 +627,10 @@ fn a_process_that_exported_nothing_serves_no_fds() {
     )
     .unwrap_err();
     assert!(
-        matches!(e, Error::FdNotOffered { id: 1, .. }),
+        matches!(
+            e,
+            Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::NotOffered { id: 1, .. })
+        ),
         "unexpected error: {e}"
     );
     assert!(e.to_string().contains("serves no fds"), "{e}");
@@ -933,7 +936,13 @@ fn an_exporter_in_another_pid_namespace_serves_the_parent() {
     // Withdrawn ids are refused across namespaces as well.
     ex.withdraw(0);
     let e = fdpass::fetch(&ex.identity, ex.exports[0].0, -1, FdTransport::Socket, t).unwrap_err();
-    assert!(matches!(e, Error::FdNotOffered { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::NotOffered { .. })
+        ),
+        "{e}"
+    );
     assert_eq!(ex.fds(), ex_fds - 1, "the exporter leaked fds");
     let id = ex.identity;
     ex.finish();
@@ -1052,7 +1061,13 @@ fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_remov
     ] {
         let at = Instant::now();
         let e = fdpass::fetch(&who, ex.exports[1].0, -1, transport, t).unwrap_err();
-        assert!(matches!(e, Error::PeerGone { .. }), "{transport:?}: {e}");
+        assert!(
+            matches!(
+                e,
+                Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::PeerGone { .. })
+            ),
+            "{transport:?}: {e}"
+        );
         assert!(at.elapsed() < Duration::from_secs(2), "{:?}", at.elapsed());
     }
     // The fd fetched before stays valid.

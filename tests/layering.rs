@@ -45,6 +45,7 @@ const ERROR_NAMES: &[&str] = &[
     "ffi::CudaError",
     "ipc::NotExportable",
     "ipc::NotImportable",
+    "ipc::FdPassError",
     "shm::ShmError",
     "registry::RegistryError",
     "channel::ChannelError",

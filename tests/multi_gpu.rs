@@ -43,7 +43,7 @@ fn consumer() {
     loop {
         let f = match rx.recv_timeout(T) {
             Ok(f) => f,
-            Err(Error::ChannelClosed) => break,
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => panic!("{e}"),
         };
         assert_eq!(f.buffer().unwrap().context().device().uuid(), dev.uuid());

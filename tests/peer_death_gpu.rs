@@ -133,7 +133,13 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     let drained = drains_within(rx.stream(), Duration::from_secs(10));
     drop(f);
     let e = rx.recv_timeout(Duration::from_secs(5)).unwrap_err();
-    assert!(matches!(e, Error::ProducerGone { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Channel(cuda_ipc::channel::ChannelError::ProducerGone { .. })
+        ),
+        "{e}"
+    );
     println!(
         "producer killed with its write pending: the consumer's stream drained after {drained:?} without a recv; then recv gave `{e}`"
     );

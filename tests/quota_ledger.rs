@@ -215,7 +215,7 @@ fn a_producer_past_the_budget_is_refused_before_it_allocates_and_quota_bytes_is_
     assert!(
         matches!(
             e,
-            Error::Channel(cuda_ipc::channel::ChannelError::OverQuota { quota: 300, .. })
+            Error::Channel(cuda_ipc::channel::ChannelError::PoolOverCap { quota: 300, .. })
         ),
         "{e:?}"
     );

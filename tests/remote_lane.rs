@@ -352,7 +352,9 @@ fn until_gone(rx: &Consumer, since: Instant) -> Duration {
             Ok(f) => {
                 check(&f);
             }
-            Err(Error::ProducerGone { .. }) => return since.elapsed(),
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::ProducerGone { .. })) => {
+                return since.elapsed();
+            }
             Err(e) => panic!("expected ProducerGone, got {e}"),
         }
     }
@@ -395,7 +397,7 @@ fn ten_thousand_frames_cross_the_lane_every_frame_in_order_with_checked_bytes() 
                 n += 1;
                 assert_eq!(s, n, "every frame, in order");
             }
-            Err(Error::ChannelClosed) => break,
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => panic!("far consumer: {e}"),
         }
     }
@@ -427,7 +429,7 @@ fn a_latest_only_far_consumer_drops_frames_and_sees_the_last_one() {
                 drop(f);
                 std::thread::sleep(Duration::from_millis(2));
             }
-            Err(Error::ChannelClosed) => break,
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => panic!("far consumer: {e}"),
         }
     }
@@ -463,7 +465,7 @@ fn a_latest_only_sending_bridge_drops_near_frames_and_never_holds_the_producer_b
                 drop(f);
                 std::thread::sleep(Duration::from_micros(500));
             }
-            Err(Error::ChannelClosed) => break,
+            Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
             Err(e) => panic!("far consumer: {e}"),
         }
     }

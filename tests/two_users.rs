@@ -304,7 +304,7 @@ fn a_lock_another_user_takes_under_a_dead_producers_liveness_name_keeps_nothing_
         .map(|_| ())
         .unwrap_err();
     assert!(
-        matches!(e, Error::ProducerGone { pid } if pid == their.pid),
+        matches!(e, Error::Channel(cuda_ipc::channel::ChannelError::ProducerGone { pid }) if pid == their.pid),
         "{e:?}"
     );
     assert!(

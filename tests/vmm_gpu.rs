@@ -252,7 +252,7 @@ fn channel_delivers_every_frame(test: &str, kind: MemoryKind) {
         loop {
             let f = match rx.recv_timeout(T) {
                 Ok(f) => f,
-                Err(Error::ChannelClosed) => break,
+                Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => break,
                 Err(e) => panic!("{e}"),
             };
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
@@ -361,7 +361,13 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
         drop(f);
         let e = rx.recv_timeout(Duration::from_secs(5)).unwrap_err();
         println!("after the kill: held frame intact (10 checks), released; next recv: {e}");
-        assert!(matches!(e, Error::ProducerGone { .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::Channel(cuda_ipc::channel::ChannelError::ProducerGone { .. })
+            ),
+            "{e}"
+        );
     }
     ctx.synchronize().unwrap();
     assert_eq!(cache_stats().live_mappings, 0);

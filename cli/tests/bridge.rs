@@ -132,7 +132,7 @@ fn the_bridge_commands_carry_a_channel_and_ls_shows_it_bridged() {
     // Closing the near channel closes the far one and ends both bridges.
     tx.close(Duration::from_secs(10)).unwrap();
     match rx.recv_timeout(Duration::from_secs(30)) {
-        Err(Error::ChannelClosed) => {}
+        Err(Error::Channel(cuda_ipc::channel::ChannelError::Closed)) => {}
         other => panic!("expected ChannelClosed, got {other:?}"),
     }
     drop(rx);

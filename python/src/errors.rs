@@ -5,6 +5,7 @@
 use cuda_ipc::Error;
 use cuda_ipc::ShmError;
 use cuda_ipc::channel::ChannelError;
+use cuda_ipc::ipc::fdpass::FdPassError;
 use cuda_ipc::quota::QuotaError as RustQuotaError;
 use cuda_ipc::registry::RegistryError;
 use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
@@ -268,10 +269,16 @@ fn kind(e: &Error) -> Kind {
         Error::InvalidArgument(_) => Kind::InvalidArgument,
         Error::Shm(s) => shm_kind(s),
         Error::Registry(r) => registry_kind(r),
-        Error::ProducerGone { .. } | Error::PeerGone { .. } => Kind::ProducerGone,
-        Error::FdNotOffered { .. } => Kind::FdNotOffered,
-        Error::ChannelClosed => Kind::ChannelClosed,
+        Error::FdPass(f) => match f {
+            FdPassError::PeerGone { .. } => Kind::ProducerGone,
+            FdPassError::NotOffered { .. } => Kind::FdNotOffered,
+            // Refusals, another protocol version, something else at the socket path: what
+            // `Error::Unsupported` said of them before fd passing had its own error.
+            _ => Kind::NotSupported,
+        },
         Error::Channel(c) => match c {
+            ChannelError::ProducerGone { .. } => Kind::ProducerGone,
+            ChannelError::Closed => Kind::ChannelClosed,
             ChannelError::NotFound(_) => Kind::ChannelNotFound,
             ChannelError::AlreadyExists { .. } | ChannelError::CreationInProgress(_) => {
                 Kind::ChannelExists
@@ -280,7 +287,7 @@ fn kind(e: &Error) -> Kind {
             ChannelError::BadSegment(_) | ChannelError::VersionMismatch { .. } => Kind::BadSegment,
             ChannelError::Detached => Kind::Detached,
             ChannelError::Superseded(_) => Kind::Superseded,
-            ChannelError::OverQuota { .. } => Kind::OverQuota,
+            ChannelError::PoolOverCap { .. } => Kind::OverQuota,
             _ => Kind::Base,
         },
         Error::Timeout { .. } => Kind::Timeout,

@@ -11,7 +11,7 @@ use super::layout::{self, Delivery};
 use super::options::{HOST_NO_GPU, LIVENESS_CHECK};
 use super::view::FrameBuffer;
 use super::watchdog::Watchdog;
-use super::{ChannelError, ChannelStats, ConsumerOptions, WaitStrategy};
+use super::{ChannelError, ChannelStats, ConsumerOptions, SegmentFault, WaitStrategy};
 use crate::driver::{Context, Device, DeviceMemory, Event, HostRegistration, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
@@ -83,7 +83,7 @@ impl Consumer {
     ///
     /// # Errors
     /// [`ChannelError::NotFound`], [`ChannelError::BadSegment`], [`ChannelError::NoConsumerSlot`];
-    /// [`Error::ProducerGone`] when the producer is dead; CUDA errors from imports. For a host
+    /// [`ChannelError::ProducerGone`] when the producer is dead; CUDA errors from imports. For a host
     /// channel, shared-memory errors for what is under the pool's name (`NotASegment`, `Sparse`,
     /// `WrongOwner`, `TooSmall`), [`ChannelError::BadSegment`] for a pool that is missing or does
     /// not match the channel, [`ChannelError::Superseded`] for a pool made again since.
@@ -141,11 +141,11 @@ impl Consumer {
             let mem = control.buffer_token(i);
             let b = ImportedBuffer::open_in(ctx, &Token::from_bytes(&mem)?)?;
             if b.len() as u64 != control.buffer_bytes() {
-                return Err(ChannelError::BadSegment(format!(
-                    "buffer {i} holds {} bytes, the header says {}",
-                    b.len(),
-                    control.buffer_bytes()
-                ))
+                return Err(ChannelError::BadSegment(SegmentFault::BufferLen {
+                    index: i,
+                    len: b.len(),
+                    expected: control.buffer_bytes(),
+                })
                 .into());
             }
             buffers.push(b);
@@ -220,21 +220,24 @@ impl Consumer {
     }
 
     /// Waits for the next frame (by the delivery policy), without a timeout; still returns
-    /// [`Error::ProducerGone`] promptly when the producer dies.
+    /// [`ChannelError::ProducerGone`] promptly when the producer dies.
     ///
     /// # Errors
-    /// As [`Consumer::recv_timeout`].
+    /// As [`Consumer::recv_timeout`], except [`Error::Timeout`]: a wait without a deadline never times out.
     pub fn recv(&self) -> Result<Frame<'_>> {
-        self.recv_inner(None)?.ok_or(Error::Timeout {
-            what: "a frame",
-            after: Duration::MAX,
-        })
+        // A wait without a deadline: the protocol's wait returns only with a frame or an error,
+        // and should it ever come back empty, there is no timeout to report: wait again.
+        loop {
+            if let Some(frame) = self.recv_inner(None)? {
+                return Ok(frame);
+            }
+        }
     }
 
     /// Waits up to `timeout` for the next frame.
     ///
     /// # Errors
-    /// [`Error::Timeout`]; [`Error::ProducerGone`] when the producer died; [`Error::ChannelClosed`]
+    /// [`Error::Timeout`]; [`ChannelError::ProducerGone`] when the producer died; [`ChannelError::Closed`]
     /// when it closed and everything was received; [`ChannelError::Detached`]; CUDA errors from the
     /// stream wait.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Frame<'_>> {
@@ -273,7 +276,7 @@ impl Consumer {
     /// When the producer died, frames it published may still wait for a write that will never
     /// finish: mark them ready so this consumer's stream drains.
     fn on_error(&self, e: Error) -> Error {
-        if !self.is_host() && matches!(e, Error::ProducerGone { .. }) {
+        if !self.is_host() && matches!(e, Error::Channel(ChannelError::ProducerGone { .. })) {
             self.control.force_ready();
         }
         e
@@ -327,7 +330,7 @@ impl Consumer {
     /// stream, and the frame's [`Frame::release_after`] does not order the release.
     ///
     /// # Errors
-    /// As [`Consumer::recv_timeout`]; [`Error::ProducerGone`] when the producer died before its
+    /// As [`Consumer::recv_timeout`]; [`ChannelError::ProducerGone`] when the producer died before its
     /// stream finished the frame (the gate was closed for it: the bytes may be partial);
     /// [`Error::Timeout`] also when the frame was taken but its bytes were not ready within
     /// `bytes` (the frame is released).
@@ -374,7 +377,7 @@ impl Consumer {
                     && word == end.wrapping_add(layout::GATE_HORIZON)
                 {
                     let pid = self.control.producer().pid;
-                    return Err(Error::ProducerGone { pid });
+                    return Err(ChannelError::ProducerGone { pid }.into());
                 }
                 return Ok(frame);
             }
@@ -836,8 +839,8 @@ impl<'a> Posted<'a> {
     /// way. The frame's GPU release was enqueued when it was posted, so nothing is held after this.
     ///
     /// # Errors
-    /// As [`Consumer::recv_timeout`]: [`Error::Timeout`], [`Error::ProducerGone`],
-    /// [`Error::ChannelClosed`] (the frame never came), [`ChannelError::Detached`];
+    /// As [`Consumer::recv_timeout`]: [`Error::Timeout`], [`ChannelError::ProducerGone`],
+    /// [`ChannelError::Closed`] (the frame never came), [`ChannelError::Detached`];
     /// [`Error::InvalidArgument`] when [`Consumer::recv`] already took the frame.
     pub fn wait(self, timeout: Option<Duration>) -> Result<PostedFrame> {
         let c = self.consumer;

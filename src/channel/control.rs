@@ -14,6 +14,7 @@
 //! byte, the state machine of a buffer's `seq` word and hold masks, the pairing of every store with
 //! its load under the `SYNC POINT` labels used here).
 
+use super::SegmentFault;
 use super::layout::{
     BufferSlot, CLOSED, ConsumerSlot, HEADER_SIZE, Header, MAGIC, MAX_BUFFERS, MAX_CONSUMERS,
     SEGMENT_PREFIX, STAMP_READY, VERSION, buffer_offset, consumer_offset, segment_len,
@@ -77,8 +78,8 @@ pub(super) fn boot_bytes(w: [u64; 2]) -> [u8; 16] {
     b
 }
 
-fn bad(msg: String) -> Error {
-    Error::Channel(super::ChannelError::BadSegment(msg))
+fn bad(fault: SegmentFault) -> Error {
+    Error::Channel(super::ChannelError::BadSegment(fault))
 }
 
 // SAFETY: (1) the control `Header` is `#[repr(C)]` and all atomics (`super::layout`); (2) its
@@ -111,9 +112,11 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
             Error::Channel(super::ChannelError::NotFound(channel.to_string()))
         }
         OpenError::Segment(e) => e,
-        OpenError::Header(HeaderError::Foreign { magic }) => bad(format!(
-            "{name} is not a cuda-ipc channel (magic {magic:#018x})"
-        )),
+        OpenError::Header(HeaderError::Foreign { magic }) => bad(SegmentFault::Foreign {
+            segment: name.to_string(),
+            what: "channel",
+            magic,
+        }),
         OpenError::Header(HeaderError::OtherVersion { found }) => {
             Error::Channel(super::ChannelError::VersionMismatch {
                 channel: channel.to_string(),
@@ -122,16 +125,10 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
             })
         }
         // (No `BadStamp`: the control segment's stamp is not strict; a bad one is awaited.)
-        OpenError::Header(_) => {
-            let waited = if init_wait.subsec_nanos() == 0 {
-                format!("{} s", init_wait.as_secs())
-            } else {
-                format!("{} ms", init_wait.as_millis())
-            };
-            bad(format!(
-                "{name} was never finished by its creator (no init stamp after {waited})"
-            ))
-        }
+        OpenError::Header(_) => bad(SegmentFault::Unfinished {
+            segment: name.to_string(),
+            waited: init_wait,
+        }),
     }
 }
 
@@ -313,16 +310,19 @@ impl Control {
         let buffers = h.buffers.load(Ordering::Relaxed) as usize;
         let consumers = h.consumers.load(Ordering::Relaxed) as usize;
         if !(1..=MAX_BUFFERS).contains(&buffers) || !(1..=MAX_CONSUMERS).contains(&consumers) {
-            return Err(bad(format!(
-                "{name} claims {buffers} buffers and {consumers} consumers: corrupted"
-            )));
+            return Err(bad(SegmentFault::Counts {
+                segment: name.to_string(),
+                buffers,
+                consumers,
+            }));
         }
         let need = segment_len(buffers, consumers);
         if seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
-            return Err(bad(format!(
-                "{name} holds {} bytes but its header needs {need}: truncated or corrupted",
-                seg.len()
-            )));
+            return Err(bad(SegmentFault::Truncated {
+                segment: name.to_string(),
+                len: seg.len(),
+                need,
+            }));
         }
         Ok(Control {
             seg,
@@ -556,7 +556,7 @@ pub(super) mod tests {
         let t = Instant::now();
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(5)));
         assert!(
-            matches!(r, Err(Error::ProducerGone { pid: x }) if x == pid),
+            matches!(r, Err(Error::Channel(crate::channel::ChannelError::ProducerGone { pid: x })) if x == pid),
             "{:?}",
             r.map(|_| ())
         );

@@ -1,4 +1,7 @@
-//! The channel layer's error type.
+//! The channel layer's error type: [`ChannelError`], and what was wrong with a segment
+//! ([`SegmentFault`]).
+
+use std::time::Duration;
 
 /// Errors of the channel layer: what its own segments' contents and its protocol report.
 ///
@@ -24,9 +27,10 @@ pub enum ChannelError {
     /// Every consumer slot is taken.
     #[error("all {0} consumer slots of the channel are taken")]
     NoConsumerSlot(usize),
-    /// The control segment is foreign, of another version, truncated or corrupted.
+    /// The control segment or the host pool is foreign, of another version, truncated, corrupted
+    /// or does not match its channel: what was wrong is the [`SegmentFault`].
     #[error("bad channel segment: {0}")]
-    BadSegment(String),
+    BadSegment(SegmentFault),
     /// This consumer's slot was taken back (the producer judged it dead, or it detached).
     #[error("this consumer was detached from the channel")]
     Detached,
@@ -54,14 +58,132 @@ pub enum ChannelError {
     /// again.
     #[error("channel {0:?} was superseded: its segment was removed and made again; attach again")]
     Superseded(String),
-    /// The pool would exceed the memory quota the user set.
+    /// The pool would exceed the producer's own cap on its pool
+    /// ([`ChannelOptions::quota_bytes`](super::ChannelOptions::quota_bytes)). Not the budget
+    /// shared across processes ([`crate::quota::QuotaError::OverQuota`]).
     #[error("a pool of {buffers} × {buffer_bytes} bytes exceeds the quota of {quota} bytes")]
-    OverQuota {
+    PoolOverCap {
         /// Buffers asked for.
         buffers: usize,
         /// Bytes per buffer.
         buffer_bytes: usize,
-        /// The quota in bytes.
+        /// The cap in bytes.
         quota: u64,
     },
+    /// The channel's producer process died (found by pid + start time); no more frames will come.
+    #[error("the producer (pid {pid}) is gone")]
+    ProducerGone {
+        /// The producer's pid.
+        pid: u32,
+    },
+    /// The producer closed the channel and every frame it published was delivered.
+    #[error("the channel was closed by its producer")]
+    Closed,
+}
+
+/// What was wrong with a channel's segment (the control segment `cuda-ipc.ch.NAME` or the host pool
+/// `cuda-ipc.hp.NAME`), as [`ChannelError::BadSegment`] carries it. `segment` is the segment's
+/// name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SegmentFault {
+    /// Another program's segment: its magic is not the channel's (`what`: `"channel"` or
+    /// `"host pool"`).
+    #[error("{segment} is not a cuda-ipc {what} (magic {magic:#018x})")]
+    Foreign {
+        /// The segment's name.
+        segment: String,
+        /// Which of the channel's segments was expected.
+        what: &'static str,
+        /// The magic found.
+        magic: u64,
+    },
+    /// A host pool of another layout version (the control segment's is
+    /// [`ChannelError::VersionMismatch`]).
+    #[error("{segment} has pool layout version {found}, this build reads version {supported}")]
+    PoolVersion {
+        /// The segment's name.
+        segment: String,
+        /// The version found.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// Its creator never finished it: no init stamp after `waited`.
+    #[error("{segment} was never finished by its creator (no init stamp after {})", waited_text(*.waited))]
+    Unfinished {
+        /// The segment's name.
+        segment: String,
+        /// How long the opener waited for the stamp.
+        waited: Duration,
+    },
+    /// The control header's counts are out of range.
+    #[error("{segment} claims {buffers} buffers and {consumers} consumers: corrupted")]
+    Counts {
+        /// The segment's name.
+        segment: String,
+        /// The buffer count it claims.
+        buffers: usize,
+        /// The consumer count it claims.
+        consumers: usize,
+    },
+    /// The control segment is shorter than its header needs, or its header's size is wrong.
+    #[error("{segment} holds {len} bytes but its header needs {need}: truncated or corrupted")]
+    Truncated {
+        /// The segment's name.
+        segment: String,
+        /// Its length in bytes.
+        len: usize,
+        /// The length its counts need, in bytes.
+        need: usize,
+    },
+    /// The channel's host pool is missing.
+    #[error("the host pool {segment} of channel {channel:?} is missing")]
+    PoolMissing {
+        /// The pool's segment name.
+        segment: String,
+        /// The channel name.
+        channel: String,
+    },
+    /// The host pool's geometry does not match its channel's header.
+    #[error(
+        "{segment} ({buffers} buffers of {buffer_bytes} bytes, stride {stride}, {mapped} bytes \
+         mapped) does not match its channel ({channel_buffers} buffers of {channel_buffer_bytes} \
+         bytes)"
+    )]
+    PoolMismatch {
+        /// The pool's segment name.
+        segment: String,
+        /// Buffers the pool's header claims.
+        buffers: usize,
+        /// Bytes per buffer the pool's header claims.
+        buffer_bytes: u64,
+        /// The pool's stride between buffers, in bytes.
+        stride: u64,
+        /// Bytes mapped.
+        mapped: usize,
+        /// Buffers the channel's header names.
+        channel_buffers: usize,
+        /// Bytes per buffer the channel's header names.
+        channel_buffer_bytes: u64,
+    },
+    /// An imported buffer's length differs from the channel header's buffer size.
+    #[error("buffer {index} holds {len} bytes, the header says {expected}")]
+    BufferLen {
+        /// The buffer's index in the pool.
+        index: usize,
+        /// Its length in bytes.
+        len: usize,
+        /// The header's buffer size in bytes.
+        expected: u64,
+    },
+}
+
+/// A wait as the messages name it: whole seconds as `2 s`, else milliseconds.
+fn waited_text(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} ms", d.as_millis())
+    }
 }

@@ -620,7 +620,9 @@ impl Control {
     pub(crate) fn producer_gone(&self) -> Result<()> {
         let p = self.producer();
         if self.producer_liveness() == Liveness::Dead {
-            return Err(Error::ProducerGone { pid: p.pid });
+            return Err(Error::Channel(super::ChannelError::ProducerGone {
+                pid: p.pid,
+            }));
         }
         Ok(())
     }
@@ -629,7 +631,7 @@ impl Control {
     /// (buffer index, sequence number, metadata) or `None` at the timeout.
     ///
     /// # Errors
-    /// [`Error::ProducerGone`] when the producer died; [`Error::ChannelClosed`] when it closed and
+    /// [`ChannelError::ProducerGone`] when the producer died; [`ChannelError::Closed`] when it closed and
     /// no frame is left for this consumer.
     pub(crate) fn take(
         &self,
@@ -749,7 +751,7 @@ impl Control {
         }
     }
 
-    /// [`Control::try_take`], or [`Error::ChannelClosed`] when nothing is left for consumer `c` and
+    /// [`Control::try_take`], or [`ChannelError::Closed`] when nothing is left for consumer `c` and
     /// the producer closed the channel.
     ///
     /// A `None` from `try_take` followed by seeing the channel closed is not enough: the producer
@@ -765,7 +767,7 @@ impl Control {
         }
         match self.try_take(c)? {
             Some(got) => Ok(Some(got)),
-            None => Err(Error::ChannelClosed),
+            None => Err(Error::Channel(super::ChannelError::Closed)),
         }
     }
 
@@ -938,7 +940,10 @@ mod tests {
             let (_, seq, meta) = c.take_or_closed(slot).unwrap().expect("the last frame");
             assert_eq!((seq, meta.as_slice()), (1, &b"last"[..]));
             c.release(slot, i);
-            assert!(matches!(c.take_or_closed(slot), Err(Error::ChannelClosed)));
+            assert!(matches!(
+                c.take_or_closed(slot),
+                Err(Error::Channel(crate::channel::ChannelError::Closed))
+            ));
             c.unlink();
         }
     }
@@ -963,7 +968,9 @@ mod tests {
                                     c.release(slot, i);
                                 }
                                 Ok(None) => panic!("timed out"),
-                                Err(Error::ChannelClosed) => return last,
+                                Err(Error::Channel(crate::channel::ChannelError::Closed)) => {
+                                    return last;
+                                }
                                 Err(e) => panic!("{e}"),
                             }
                         }
@@ -1324,7 +1331,10 @@ mod tests {
             .unwrap()
             .unwrap();
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
-        assert!(matches!(r, Err(Error::ChannelClosed)));
+        assert!(matches!(
+            r,
+            Err(Error::Channel(crate::channel::ChannelError::Closed))
+        ));
         // A hold still out is forced at the drain deadline and counted.
         assert_eq!(p.drain(Duration::from_millis(50)), 1);
         c.release(me, i);
@@ -1380,7 +1390,10 @@ mod tests {
             assert_eq!(drained.join().unwrap(), 0, "the consumer got both frames");
         });
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
-        assert!(matches!(r, Err(Error::ChannelClosed)));
+        assert!(matches!(
+            r,
+            Err(Error::Channel(crate::channel::ChannelError::Closed))
+        ));
         p.unlink();
         // After a drain that timed out, frames left are withdrawn, never delivered from freed memory.
         let (p, name) = channel(2);
@@ -1391,7 +1404,10 @@ mod tests {
         p.close();
         assert_eq!(p.drain(Duration::from_millis(30)), 0);
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(1)));
-        assert!(matches!(r, Err(Error::ChannelClosed)));
+        assert!(matches!(
+            r,
+            Err(Error::Channel(crate::channel::ChannelError::Closed))
+        ));
         p.unlink();
     }
 }

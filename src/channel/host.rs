@@ -24,6 +24,7 @@
 //! consumer's `hold_mask` clear (SeqCst read-modify-write, a release) and the producer's SeqCst load
 //! of `hold_mask` in `try_acquire` (an acquire) that sees it clear.
 
+use super::SegmentFault;
 use super::control::{Control, segment_name};
 use super::layout::STAMP_READY;
 use crate::error::{Error, Result};
@@ -102,8 +103,24 @@ pub(crate) fn pool_name(channel: &str) -> String {
     format!("{POOL_PREFIX}{channel}")
 }
 
-fn bad(msg: String) -> Error {
-    Error::Channel(super::ChannelError::BadSegment(msg))
+fn bad(fault: SegmentFault) -> Error {
+    Error::Channel(super::ChannelError::BadSegment(fault))
+}
+
+fn foreign(name: &str, magic: u64) -> Error {
+    bad(SegmentFault::Foreign {
+        segment: name.to_string(),
+        what: "host pool",
+        magic,
+    })
+}
+
+fn other_version(name: &str, found: u32) -> Error {
+    bad(SegmentFault::PoolVersion {
+        segment: name.to_string(),
+        found,
+        supported: POOL_VERSION,
+    })
 }
 
 /// A mapped host pool.
@@ -214,9 +231,7 @@ impl HostPool {
         let producer_uid = h.producer_uid.load(Ordering::Relaxed);
         let magic = h.magic.load(Ordering::Relaxed);
         if magic != POOL_MAGIC && magic != 0 {
-            return Err(bad(format!(
-                "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
-            )));
+            return Err(foreign(&name, magic));
         }
         // SYNC POINT: pool stamp. Acquire: pairs with the Release store of the stamp in `create`.
         if h.stamp.load(Ordering::Acquire) != STAMP_READY {
@@ -234,9 +249,7 @@ impl HostPool {
         }
         let v = h.version.load(Ordering::Relaxed);
         if v != POOL_VERSION {
-            return Err(bad(format!(
-                "{name} has pool layout version {v}, this build reads version {POOL_VERSION}"
-            )));
+            return Err(other_version(&name, v));
         }
         // Relaxed: ordered by the Acquire load of the stamp above (SYNC POINT: pool stamp).
         let producer = ProcessIdentity::load_words(&h.producer);
@@ -263,20 +276,22 @@ impl HostPool {
         // store of the stamp in `create`; the fields read below are the creator's.
         let seg = versioned::open_versioned::<PoolHeader>(&name, allow_group, POOL_INIT_WAIT)
             .map_err(|e| match e {
-                OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => bad(format!(
-                    "the host pool {name} of channel {channel:?} is missing"
-                )),
+                OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
+                    bad(SegmentFault::PoolMissing {
+                        segment: name.clone(),
+                        channel: channel.to_string(),
+                    })
+                }
                 OpenError::Segment(e) => e,
-                OpenError::Header(HeaderError::Foreign { magic }) => bad(format!(
-                    "{name} is not a cuda-ipc host pool (magic {magic:#018x})"
-                )),
-                OpenError::Header(HeaderError::OtherVersion { found }) => bad(format!(
-                    "{name} has pool layout version {found}, this build reads version {POOL_VERSION}"
-                )),
+                OpenError::Header(HeaderError::Foreign { magic }) => foreign(&name, magic),
+                OpenError::Header(HeaderError::OtherVersion { found }) => {
+                    other_version(&name, found)
+                }
                 // (No `BadStamp`: the pool's stamp is not strict; a bad one is awaited.)
-                OpenError::Header(_) => bad(format!(
-                    "{name} was never finished by its creator (no init stamp after 2 s)"
-                )),
+                OpenError::Header(_) => bad(SegmentFault::Unfinished {
+                    segment: name.clone(),
+                    waited: POOL_INIT_WAIT,
+                }),
             })?;
         let h = versioned::header::<PoolHeader>(&seg);
         let buffers = h.buffers.load(Ordering::Relaxed) as usize;
@@ -293,12 +308,15 @@ impl HostPool {
                 n > seg.len() as u64 || n != h.segment_bytes.load(Ordering::Relaxed)
             })
         {
-            return Err(bad(format!(
-                "{name} ({buffers} buffers of {bytes} bytes, stride {stride}, {} bytes mapped) does \
-                 not match its channel ({} buffers of {buffer_bytes} bytes)",
-                seg.len(),
-                tokens.len()
-            )));
+            return Err(bad(SegmentFault::PoolMismatch {
+                segment: name,
+                buffers,
+                buffer_bytes: bytes,
+                stride,
+                mapped: seg.len(),
+                channel_buffers: tokens.len(),
+                channel_buffer_bytes: buffer_bytes,
+            }));
         }
         for (i, t) in tokens.iter().enumerate() {
             let off = POOL_DATA as u64 + i as u64 * stride;

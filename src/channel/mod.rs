@@ -27,10 +27,10 @@
 //! a dead peer's word would wait for good. Each end's watchdog thread writes a dead peer's words
 //! within about 20 ms (a consumer closes a dead producer's gate, raising every ready word; a
 //! producer frees a dead consumer's slot, raising its release words), and consumers of a producer
-//! that dies get [`Error::ProducerGone`]; [`Producer::close`] waits (bounded) for outstanding
+//! that dies get [`ChannelError::ProducerGone`]; [`Producer::close`] waits (bounded) for outstanding
 //! holds and reports the ones it forced.
 //!
-//! [`Error::ProducerGone`]: crate::Error::ProducerGone
+//! [`ChannelError::ProducerGone`]: crate::ChannelError::ProducerGone
 
 mod consumer;
 mod control;
@@ -52,7 +52,7 @@ mod watchdog;
 
 pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub use control::MAX_CHANNEL_NAME;
-pub use error::ChannelError;
+pub use error::{ChannelError, SegmentFault};
 pub use handoff::{ChannelStats, ConsumerStats, LatencyHistogram};
 pub use layout::{
     ConsumerState, Delivery, GateState, LATENCY_BUCKETS, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES,

@@ -29,7 +29,7 @@ pub struct ChannelOptions {
     /// Most consumers attached at once (1 to [`MAX_CONSUMERS`]); default 8.
     pub max_consumers: usize,
     /// A cap the producer puts on itself: the pool's bytes (`buffers × buffer_bytes`) may not
-    /// exceed it, checked before anything is allocated ([`ChannelError::OverQuota`]); `None` for
+    /// exceed it, checked before anything is allocated ([`ChannelError::PoolOverCap`]); `None` for
     /// no cap. It counts this pool alone; for a budget shared by several processes see
     /// [`ChannelOptions::quota`].
     pub quota_bytes: Option<u64>,
@@ -213,7 +213,7 @@ pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
     if let Some(q) = opts.quota_bytes
         && (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q
     {
-        return Err(ChannelError::OverQuota {
+        return Err(ChannelError::PoolOverCap {
             buffers: opts.buffers,
             buffer_bytes: opts.buffer_bytes,
             quota: q,

@@ -173,7 +173,7 @@ impl Producer {
     /// segment left by a dead producer is replaced.
     ///
     /// # Errors
-    /// [`ChannelError::OverQuota`] past the producer's own cap ([`ChannelOptions::quota_bytes`]);
+    /// [`ChannelError::PoolOverCap`] past the producer's own cap ([`ChannelOptions::quota_bytes`]);
     /// with [`ChannelOptions::quota`], [`crate::quota::QuotaError::OverQuota`] past the device's
     /// shared budget (naming who holds how much) and the ledger's errors
     /// ([`crate::quota::QuotaLedger::open`]: no budget set is `Error::Shm` `NotFound`);
@@ -196,7 +196,7 @@ impl Producer {
     /// left alone and named in the error.
     ///
     /// # Errors
-    /// [`ChannelError::OverQuota`] past the producer's own cap; with [`ChannelOptions::quota`],
+    /// [`ChannelError::PoolOverCap`] past the producer's own cap; with [`ChannelOptions::quota`],
     /// [`crate::quota::QuotaError::OverQuota`] past the shared budget of host memory and the
     /// ledger's errors, as for [`Producer::create`]; [`ChannelError::AlreadyExists`] when a live
     /// producer serves `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of
@@ -535,7 +535,7 @@ impl Producer {
         self.control.stats()
     }
 
-    /// Closes the channel: consumers get [`Error::ChannelClosed`] once they received what was
+    /// Closes the channel: consumers get [`ChannelError::Closed`] once they received what was
     /// published; waits up to `timeout` for their outstanding holds, forces the rest, then frees the
     /// pool and removes the control segment.
     ///

@@ -36,6 +36,8 @@
 //! Opens are rare (the cache serves the rest), so this stays cheap.
 
 use crate::error::{Error, OsError, Result};
+#[cfg(test)]
+use crate::ipc::fdpass::FdPassError;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
@@ -258,14 +260,7 @@ pub(crate) fn copy_error(e: &Error) -> Error {
         Error::InvalidToken(s) => Error::InvalidToken(s.clone()),
         Error::DeviceNotFound(u) => Error::DeviceNotFound(*u),
         Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
-        Error::ProducerGone { pid } => Error::ProducerGone { pid: *pid },
-        Error::PeerGone { pid } => Error::PeerGone { pid: *pid },
-        Error::FdNotOffered { pid, id, reason } => Error::FdNotOffered {
-            pid: *pid,
-            id: *id,
-            reason,
-        },
-        Error::ChannelClosed => Error::ChannelClosed,
+        Error::FdPass(f) => Error::FdPass(f.clone()),
         Error::NotExportable(n) => Error::NotExportable(n.clone()),
         Error::NotImportable(n) => Error::NotImportable(n.clone()),
         Error::Quota(q) => Error::Quota(q.clone()),
@@ -414,7 +409,7 @@ mod tests {
                     t.get_or_open(3, |_lease| {
                         tries.fetch_add(1, Ordering::SeqCst);
                         std::thread::sleep(Duration::from_millis(300));
-                        Err(Error::PeerGone { pid: 42 })
+                        Err(Error::FdPass(FdPassError::PeerGone { pid: 42 }))
                     })
                     .map(|_| ())
                 })
@@ -422,7 +417,10 @@ mod tests {
             .collect();
         for h in handles {
             let e = h.join().unwrap().unwrap_err();
-            assert!(matches!(e, Error::PeerGone { pid: 42 }), "{e}");
+            assert!(
+                matches!(e, Error::FdPass(FdPassError::PeerGone { pid: 42 })),
+                "{e}"
+            );
         }
         // All six arrived within the first open's 300 ms: one attempt, its error shared.
         assert_eq!(tries.load(Ordering::SeqCst), 1);
@@ -541,7 +539,10 @@ mod tests {
         let os = Error::Os(OsError::new("connect", "/x", rustix::io::Errno::ACCESS));
         let copy = copy_error(&os);
         assert_eq!(copy.to_string(), os.to_string());
-        let gone = copy_error(&Error::PeerGone { pid: 3 });
-        assert!(matches!(gone, Error::PeerGone { pid: 3 }));
+        let gone = copy_error(&Error::FdPass(FdPassError::PeerGone { pid: 3 }));
+        assert!(matches!(
+            gone,
+            Error::FdPass(FdPassError::PeerGone { pid: 3 })
+        ));
     }
 }

@@ -37,7 +37,7 @@ mod vmm;
 
 pub use cache::{CacheStats, cache_stats};
 pub use event::IpcEvent;
-pub use fdpass::FdTransport;
+pub use fdpass::{FdPassError, FdTransport};
 pub use foreign::{
     DevicePoolGuard, ForeignBuffer, ForeignKind, ForeignStats, NotExportable, classify,
     foreign_stats,

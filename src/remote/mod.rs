@@ -33,7 +33,7 @@
 //! near producer closes, the far channel is closed; when the near producer, the sending bridge or
 //! the link dies, [`recv::serve`] returns [`recv::Ended::Lost`] holding the far producer, and the
 //! caller ends its process without dropping it (what `cuda-ipc bridge recv` does), so far
-//! consumers get [`Error::ProducerGone`] within the liveness period (about 20 ms after the link
+//! consumers get [`ChannelError::ProducerGone`] within the liveness period (about 20 ms after the link
 //! was seen lost: at once on a closed connection, after [`LaneOptions::link_timeout`] on a silent
 //! one). The sending bridge detaches from the near channel while it has no link, so the near
 //! producer never waits for it, and attaches again when a restarted receiving bridge accepts it.
@@ -42,7 +42,7 @@
 //! [`Consumer`]: crate::channel::Consumer
 //! [`Producer`]: crate::channel::Producer
 //! [`Producer::acquire`]: crate::channel::Producer::acquire
-//! [`Error::ProducerGone`]: crate::Error::ProducerGone
+//! [`ChannelError::ProducerGone`]: crate::ChannelError::ProducerGone
 
 mod link;
 pub mod nixl;

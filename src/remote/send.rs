@@ -399,11 +399,11 @@ impl<'c> Pump<'_, 'c> {
                         std::hint::spin_loop();
                     }
                 }
-                Err(Error::ProducerGone { pid }) => {
+                Err(Error::Channel(crate::channel::ChannelError::ProducerGone { pid })) => {
                     let why = format!("the near producer (pid {pid}) died");
                     return self.upstream(false, &why).map(Got::End);
                 }
-                Err(Error::ChannelClosed) => {
+                Err(Error::Channel(crate::channel::ChannelError::Closed)) => {
                     let why = "the near producer closed the channel";
                     return self.upstream(true, why).map(Got::End);
                 }

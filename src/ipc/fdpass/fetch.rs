@@ -15,6 +15,7 @@
 //! caller only when every id is answered, and on an error all of them (also those of earlier
 //! replies) are closed here: no fd is left open.
 
+use super::error::FdPassError;
 use super::exporter_gone;
 use super::pidfd::{PidfdFailure, fetch_pidfd};
 use super::socket::{PeerCred, describe_path, peer_cred, socket_path};
@@ -60,20 +61,21 @@ pub enum FdTransport {
 /// [`FdExport::raw_fd`](super::FdExport::raw_fd)); with [`FdTransport::Socket`] any value works.
 ///
 /// # Errors
-/// - [`Error::PeerGone`] when the exporter is no longer running ([`ProcessIdentity::liveness`] says
-///   dead: killed, exited, a zombie, its pid reused), found before connecting or when the
-///   connection breaks.
-/// - [`Error::FdNotOffered`] when the exporter runs but does not offer `id`: it was withdrawn or
-///   never made, or the process serves no fds at all (it exported none: no socket file, or nobody
-///   listens on it). With [`FdTransport::PidfdOnly`], also when `raw_fd` is not open in the
-///   exporter.
-/// - [`Error::Unsupported`] when the exporter refuses this process (another user, not root), when
-///   the two processes speak different protocol versions, when something other than a socket is at
-///   the socket path (a FIFO, a file, a directory, a symbolic link), when the listener fails the
-///   peer check (see the [module docs](super): another pid in this pid namespace; across pid
-///   namespaces, a file or listener of another user), and with [`FdTransport::PidfdOnly`] when
-///   `pidfd_getfd` is refused (kernel before 5.6, ptrace rules, seccomp, an exporter in another pid
-///   namespace): the reason and the fix are in the error.
+/// - [`Error::FdPass`] ([`FdPassError`]): [`FdPassError::PeerGone`] when the exporter is no longer
+///   running ([`ProcessIdentity::liveness`] says dead: killed, exited, a zombie, its pid reused),
+///   found before connecting or when the connection breaks; [`FdPassError::NotOffered`] when the
+///   exporter runs but does not offer `id`: it was withdrawn or never made, or the process serves
+///   no fds at all (it exported none: no socket file, or nobody listens on it), and with
+///   [`FdTransport::PidfdOnly`] also when `raw_fd` is not open in the exporter;
+///   [`FdPassError::Refused`] when the exporter refuses this process (another user, not root);
+///   [`FdPassError::VersionMismatch`] when the two processes speak different protocol versions;
+///   [`FdPassError::NotTheExporter`] when something other than a socket is at the socket path (a
+///   FIFO, a file, a directory, a symbolic link) or the listener fails the peer check (see the
+///   [module docs](super): another pid in this pid namespace; across pid namespaces, a file or
+///   listener of another user). Each names the reason and the fix.
+/// - [`Error::Unsupported`] with [`FdTransport::PidfdOnly`] when `pidfd_getfd` is refused (kernel
+///   before 5.6, ptrace rules, seccomp, an exporter in another pid namespace): the reason and the
+///   fix are in the error.
 /// - [`Error::Timeout`] when the exporter's server does not answer within `timeout`.
 /// - [`Error::InvalidArgument`] with [`FdTransport::PidfdOnly`] and a negative `raw_fd`.
 /// - [`Error::Os`] for other failed system calls (`lstat`, `socket`, `connect`, `sendmsg`,
@@ -102,7 +104,7 @@ pub fn fetch(
 /// All or nothing: on an error, no fd is left open in this process. More than 1024 ids are fetched
 /// in several requests. An empty `ids` returns an empty list without contacting the exporter.
 ///
-/// Ownership and errors as [`fetch`]; [`Error::FdNotOffered`] names the first id not offered.
+/// Ownership and errors as [`fetch`]; [`FdPassError::NotOffered`] names the first id not offered.
 #[doc(alias = "SCM_RIGHTS")]
 #[doc(alias = "pidfd_getfd")]
 pub fn fetch_many(
@@ -116,14 +118,16 @@ pub fn fetch_many(
     }
     let deadline = Deadline::new(timeout);
     if exporter_gone(exporter) {
-        return Err(Error::PeerGone { pid: exporter.pid });
+        return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
     }
     match transport {
         FdTransport::Socket => fetch_socket(exporter, ids, &deadline),
         FdTransport::PidfdOnly => fetch_pidfd(exporter, ids).map_err(|f| f.into_error(exporter)),
         FdTransport::PidfdThenSocket => match fetch_pidfd(exporter, ids) {
             Ok(fds) => Ok(fds),
-            Err(PidfdFailure::Gone) => Err(Error::PeerGone { pid: exporter.pid }),
+            Err(PidfdFailure::Gone) => {
+                Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
+            }
             Err(PidfdFailure::Other(e)) => Err(e),
             Err(f) => {
                 tracing::debug!(
@@ -183,7 +187,7 @@ fn fetch_socket(
 /// Error for a connection that broke: the exporter is gone, or `otherwise`.
 fn gone_or(exporter: &ProcessIdentity, otherwise: Error) -> Error {
     if exporter_gone(exporter) {
-        Error::PeerGone { pid: exporter.pid }
+        Error::FdPass(FdPassError::PeerGone { pid: exporter.pid })
     } else {
         otherwise
     }
@@ -202,8 +206,7 @@ fn cross_namespace_refusal(
     euid: u32,
 ) -> Error {
     let listener = listener.map_or(String::new(), |u| format!(", listened on by uid {u}"));
-    Error::Unsupported {
-        what: "fd passing",
+    Error::FdPass(FdPassError::NotTheExporter {
         reason: format!(
             "the fd socket {path} of {exporter} (another pid namespace, where pids cannot be \
              compared) is owned by uid {owner}{listener}; this process (uid {euid}) accepts it only \
@@ -211,7 +214,7 @@ fn cross_namespace_refusal(
         ),
         fix: "run the exporter and the importer as the same user; if they do, another user's \
               process squats on the exporter's socket path",
-    }
+    })
 }
 
 /// One request over one connection: the steps below, in order. All or nothing: the fds of every id,
@@ -278,14 +281,14 @@ impl<'a> Exchange<'a> {
 
     /// The error for an exporter that serves no fds: no socket file, or nobody listens on it.
     fn not_offered(&self) -> Error {
-        Error::FdNotOffered {
+        Error::FdPass(FdPassError::NotOffered {
             pid: self.exporter.pid,
             id: self.first_id,
             reason: "the process serves no fds (it has exported none)",
-        }
+        })
     }
 
-    /// [`Error::PeerGone`] when the exporter is gone, or `otherwise`.
+    /// [`FdPassError::PeerGone`] when the exporter is gone, or `otherwise`.
     fn gone_or(&self, otherwise: Error) -> Error {
         gone_or(self.exporter, otherwise)
     }
@@ -315,15 +318,14 @@ impl<'a> Exchange<'a> {
             Err(e) => return Err(self.gone_or(self.os("lstat", e))),
         };
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
-            return Err(Error::Unsupported {
-                what: "fd passing",
+            return Err(Error::FdPass(FdPassError::NotTheExporter {
                 reason: format!(
                     "{path} (the fd socket of {exporter}) is {}, not a socket",
                     describe_path(path)
                 ),
                 fix: "something other than the exporter's fd server was put at its socket path; \
                       remove it (only the exporter makes that file)",
-            });
+            }));
         }
         let owner = st.st_uid;
         let same_ns = exporter.in_own_pid_namespace();
@@ -365,8 +367,7 @@ impl<'a> Exchange<'a> {
                     return Err(self.gone_or(self.not_offered()));
                 }
                 Err(Errno::ACCESS | Errno::PERM) => {
-                    return Err(Error::Unsupported {
-                        what: "fd passing",
+                    return Err(Error::FdPass(FdPassError::Refused {
                         reason: format!(
                             "the fd socket {path} of {exporter} is owned by uid {} with mode \
                              {:o}: it serves fds only to its own user and root, and this process \
@@ -374,12 +375,11 @@ impl<'a> Exchange<'a> {
                             file.owner,
                             file.mode & 0o7777
                         ),
-                        fix: "run the exporter and the importer as the same user",
-                    });
+                    }));
                 }
                 Err(Errno::AGAIN) => {
                     if exporter_gone(exporter) {
-                        return Err(Error::PeerGone { pid: exporter.pid });
+                        return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
                     }
                     deadline.remaining(WAIT_WHAT)?;
                     continue;
@@ -398,15 +398,14 @@ impl<'a> Exchange<'a> {
         let server = peer_cred(sock).map_err(|e| self.os("getsockopt(SO_PEERCRED)", e))?;
         if file.same_ns {
             if server.pid != exporter.pid {
-                return Err(Error::Unsupported {
-                    what: "fd passing",
+                return Err(Error::FdPass(FdPassError::NotTheExporter {
                     reason: format!(
                         "the socket {path} of pid {} is held by pid {}",
                         exporter.pid, server.pid
                     ),
                     fix: "another process squats on the exporter's socket path; find it with \
                           `ss -xlp`",
-                });
+                }));
             }
         } else if !(server.uid == euid || server.uid == 0 || euid == 0) || server.uid != file.owner
         {
@@ -511,7 +510,7 @@ impl<'a> Exchange<'a> {
             Err(Errno::AGAIN) => {
                 // SO_RCVTIMEO ran out: the exporter is gone or time is up (unless it was clamped).
                 if exporter_gone(exporter) {
-                    return Err(Error::PeerGone { pid: exporter.pid });
+                    return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
                 }
                 deadline.remaining(WAIT_WHAT)?;
                 return Ok(None);
@@ -546,8 +545,8 @@ impl<'a> Exchange<'a> {
 
     /// Validates one reply message (`message`, received with `flags` and `fds` fds attached)
     /// against the ids not yet answered (`pending`): whole, of this protocol version, served
-    /// (a refusal or another version is [`Error::Unsupported`]), its entries the next ids asked
-    /// for, each offered ([`Error::FdNotOffered`] names the first that is not), and one fd per
+    /// (a refusal or another version is an [`FdPassError`]), its entries the next ids asked
+    /// for, each offered ([`FdPassError::NotOffered`] names the first that is not), and one fd per
     /// entry. Returns how many ids it answers.
     fn check_reply(
         &self,
@@ -565,25 +564,19 @@ impl<'a> Exchange<'a> {
         match reply.status {
             REQUEST_OK if reply.version == PROTOCOL_VERSION => {}
             REQUEST_REFUSED => {
-                return Err(Error::Unsupported {
-                    what: "fd passing",
+                return Err(Error::FdPass(FdPassError::Refused {
                     reason: format!(
                         "process {} (uid {}) serves its fds only to its own user and root, and \
                          this process runs as uid {}",
                         exporter.pid, server.uid, euid
                     ),
-                    fix: "run the exporter and the importer as the same user",
-                });
+                }));
             }
             REQUEST_VERSION | REQUEST_OK => {
-                return Err(Error::Unsupported {
-                    what: "fd passing",
-                    reason: format!(
-                        "the exporter speaks fd-passing protocol version {}, this process {}",
-                        reply.version, PROTOCOL_VERSION
-                    ),
-                    fix: "use the same cuda-ipc version in both processes",
-                });
+                return Err(Error::FdPass(FdPassError::VersionMismatch {
+                    found: u32::from(reply.version),
+                    supported: u32::from(PROTOCOL_VERSION),
+                }));
             }
             other => {
                 return Err(self.malformed(format!("the server answered status {other}")));
@@ -595,11 +588,11 @@ impl<'a> Exchange<'a> {
             return Err(self.malformed("the entries do not match the ids asked for".to_string()));
         }
         if let Some((id, _)) = reply.entries.iter().find(|(_, st)| *st != ENTRY_OK) {
-            return Err(Error::FdNotOffered {
+            return Err(Error::FdPass(FdPassError::NotOffered {
                 pid: exporter.pid,
                 id: *id,
                 reason: "withdrawn, or never exported",
-            });
+            }));
         }
         if fds != reply.entries.len() {
             return Err(self.malformed(format!(

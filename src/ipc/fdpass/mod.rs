@@ -74,17 +74,20 @@
 //! path, `SO_PEERCRED`, and dead servers' socket files. `wire.rs`: the request and reply bytes,
 //! the protocol version and the status codes (the byte layout is documented there). `fetch.rs`
 //! uses `pidfd.rs`; `server.rs` and `fetch.rs` both use `socket.rs` and `wire.rs`, and neither
-//! uses the other.
+//! uses the other. `error.rs`: [`FdPassError`], what a fetch reports (the exporter gone, the fd
+//! not offered, a refusal, another protocol version, something else at the socket path).
 //!
 //! [`Error::Unsupported`]: crate::Error::Unsupported
 //! [`fetch`]: fetch()
 
+mod error;
 mod fetch;
 mod pidfd;
 mod server;
 mod socket;
 mod wire;
 
+pub use error::FdPassError;
 pub use fetch::{FdTransport, fetch, fetch_many};
 pub use pidfd::pidfd_getfd_available;
 pub use server::FdExport;
@@ -168,7 +171,7 @@ mod tests {
         drop(gone);
         let e = fetch(&me, gone_id, gone_fd, FdTransport::Socket, T).unwrap_err();
         assert!(
-            matches!(e, Error::FdNotOffered { id, .. } if id == gone_id),
+            matches!(e, Error::FdPass(FdPassError::NotOffered { id, .. }) if id == gone_id),
             "{e}"
         );
         let e = fetch_many(
@@ -178,7 +181,13 @@ mod tests {
             T,
         )
         .unwrap_err();
-        assert!(matches!(e, Error::FdNotOffered { id: u32::MAX, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::FdPass(FdPassError::NotOffered { id: u32::MAX, .. })
+            ),
+            "{e}"
+        );
         let e = fetch(&me, keep.id(), -1, FdTransport::PidfdOnly, T).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         // PidfdThenSocket with a bad fd number still gets the right fd by id.
@@ -196,7 +205,10 @@ mod tests {
             FdTransport::PidfdOnly,
         ] {
             let e = fetch(&me, 1, 3, t, T).unwrap_err();
-            assert!(matches!(e, Error::PeerGone { .. }), "{t:?}: {e}");
+            assert!(
+                matches!(e, Error::FdPass(FdPassError::PeerGone { .. })),
+                "{t:?}: {e}"
+            );
         }
     }
 

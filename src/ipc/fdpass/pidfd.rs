@@ -10,6 +10,7 @@
 //! fds it returns are the caller's, and on an error the ones taken so far are closed (dropped)
 //! here, so none is left open.
 
+use super::error::FdPassError;
 use super::exporter_gone;
 use crate::error::{Error, OsError};
 use crate::identity::ProcessIdentity;
@@ -74,12 +75,12 @@ impl PidfdFailure {
             PidfdFailure::BadFd { id, raw_fd } if raw_fd < 0 => {
                 Error::InvalidArgument(format!("fd number {raw_fd} of export {id} is negative"))
             }
-            PidfdFailure::BadFd { id, .. } => Error::FdNotOffered {
+            PidfdFailure::BadFd { id, .. } => Error::FdPass(FdPassError::NotOffered {
                 pid: exporter.pid,
                 id,
                 reason: "its fd number is not open in the exporter (withdrawn)",
-            },
-            PidfdFailure::Gone => Error::PeerGone { pid: exporter.pid },
+            }),
+            PidfdFailure::Gone => Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }),
             PidfdFailure::Other(e) => e,
         }
     }
