@@ -7,7 +7,7 @@ mod common;
 use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::Error;
 use cuda_ipc::identity::ProcessIdentity;
-use cuda_ipc::ipc::fdpass::{self, FdExport, FdTransport};
+use cuda_ipc::ipc::fdpass::{self, FdExport, FdPassError, FdTransport};
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileExt;
@@ -219,8 +219,10 @@ fn parse_transport(s: &str) -> FdTransport {
 
 fn error_kind(e: &Error) -> &'static str {
     match e {
-        Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::PeerGone { .. }) => "gone",
-        Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::NotOffered { .. }) => "notoffered",
+        Error::FdPass(FdPassError::PeerGone { .. }) => "gone",
+        Error::FdPass(FdPassError::NotOffered { .. }) => "notoffered",
+        Error::FdPass(FdPassError::Refused { .. }) => "refused",
+        Error::FdPass(FdPassError::NotTheExporter { .. }) => "nottheexporter",
         Error::Unsupported { .. } => "unsupported",
         Error::Timeout { .. } => "timeout",
         Error::InvalidArgument(_) => "invalid",
@@ -627,10 +629,7 @@ fn a_process_that_exported_nothing_serves_no_fds() {
     )
     .unwrap_err();
     assert!(
-        matches!(
-            e,
-            Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::NotOffered { id: 1, .. })
-        ),
+        matches!(e, Error::FdPass(FdPassError::NotOffered { id: 1, .. })),
         "unexpected error: {e}"
     );
     assert!(e.to_string().contains("serves no fds"), "{e}");
@@ -730,7 +729,7 @@ fn another_user_is_refused_by_the_socket() {
     for transport in ["socket", "pidfd-then-socket"] {
         let f = im.fetch(transport, 5000, &ex.ids(&[0]));
         let (kind, text, _) = f.error();
-        assert_eq!(kind, "unsupported", "{transport}: {text}");
+        assert_eq!(kind, "refused", "{transport}: {text}");
         assert!(text.contains("own user"), "{text}");
     }
     assert_eq!(im.fds(), before, "the importer leaked fds");
@@ -937,10 +936,7 @@ fn an_exporter_in_another_pid_namespace_serves_the_parent() {
     ex.withdraw(0);
     let e = fdpass::fetch(&ex.identity, ex.exports[0].0, -1, FdTransport::Socket, t).unwrap_err();
     assert!(
-        matches!(
-            e,
-            Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::NotOffered { .. })
-        ),
+        matches!(e, Error::FdPass(FdPassError::NotOffered { .. })),
         "{e}"
     );
     assert_eq!(ex.fds(), ex_fds - 1, "the exporter leaked fds");
@@ -1062,10 +1058,7 @@ fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_remov
         let at = Instant::now();
         let e = fdpass::fetch(&who, ex.exports[1].0, -1, transport, t).unwrap_err();
         assert!(
-            matches!(
-                e,
-                Error::FdPass(cuda_ipc::ipc::fdpass::FdPassError::PeerGone { .. })
-            ),
+            matches!(e, Error::FdPass(FdPassError::PeerGone { .. })),
             "{transport:?}: {e}"
         );
         assert!(at.elapsed() < Duration::from_secs(2), "{:?}", at.elapsed());
@@ -1181,7 +1174,10 @@ fn things_planted_at_the_socket_path_give_a_clear_error_not_a_hang() {
         )
         .unwrap_err();
         println!("{what} at the socket path: {e}");
-        assert!(matches!(e, Error::Unsupported { .. }), "{what}: {e}");
+        assert!(
+            matches!(e, Error::FdPass(FdPassError::NotTheExporter { .. })),
+            "{what}: {e}"
+        );
         let text = e.to_string();
         assert!(
             text.contains(what) && text.contains("not a socket"),
@@ -1261,7 +1257,10 @@ fn across_pid_namespaces_a_socket_of_another_user_is_refused() {
     let at = Instant::now();
     let e = fdpass::fetch(&other, 1, -1, FdTransport::Socket, Duration::from_secs(20)).unwrap_err();
     println!("a socket of uid {squatter_uid} for an exporter in another pid namespace: {e}");
-    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(
+        matches!(e, Error::FdPass(FdPassError::NotTheExporter { .. })),
+        "{e}"
+    );
     assert!(e.to_string().contains("owned by uid 65534"), "{e}");
     assert!(at.elapsed() < Duration::from_secs(2));
     if rustix::process::geteuid().is_root() {

@@ -1,0 +1,226 @@
+//! The `Consumer` class.
+
+use crate::errors;
+use crate::frame::Frame;
+use crate::util::*;
+use cuda_ipc::channel::owned::OwnedFrame;
+use cuda_ipc::channel::{ConsumerOptions, Delivery};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex};
+
+/// The consuming end of a channel (`cuda_ipc::channel::Consumer`).
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct Consumer {
+    inner: Mutex<Option<Arc<cuda_ipc::channel::Consumer>>>,
+    name: String,
+    /// The `stream=` option: every frame is made ready on it and released after it.
+    stream: Option<usize>,
+}
+
+impl Consumer {
+    /// The Rust consumer, shared with the caller (it lives until the last user lets go), or
+    /// `Detached` once closed.
+    pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<cuda_ipc::channel::Consumer>> {
+        lock(&self.inner).clone().ok_or_else(|| detached(py))
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    /// `f`, taken by a receive, unless `close()` came meanwhile: then `f` is released (this closed
+    /// consumer's frame, which nobody else was to get) and the receive raises `Detached`. Decided
+    /// under the lock `close()` takes the consumer under, so each receive is ordered against the
+    /// close: a frame is returned only by a receive that took it before the close.
+    pub(crate) fn hand_out(&self, f: OwnedFrame) -> Result<OwnedFrame, Stop> {
+        let open = lock(&self.inner).is_some();
+        if open {
+            Ok(f)
+        } else {
+            drop(f);
+            Err(Stop::Closed)
+        }
+    }
+}
+
+/// `Detached`: what a consumer's calls raise once it was closed.
+pub(crate) fn detached(py: Python<'_>) -> PyErr {
+    err(py, cuda_ipc::channel::ChannelError::Detached.into())
+}
+
+#[pymethods]
+impl Consumer {
+    /// Attaches to channel `name` on the device that holds its pool; receives frames published
+    /// from now on.
+    #[new]
+    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block",
+        spin=Seconds::Float(50e-6), group_access=false, stream=None))]
+    #[pyo3(
+        text_signature = "(name, *, delivery=\"every\", wait=\"spin_then_block\", \
+        spin=5e-05, group_access=False, stream=None)"
+    )]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        delivery: &str,
+        wait: &str,
+        spin: Seconds,
+        group_access: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let stream = stream_arg(py, stream)?;
+        let delivery = match delivery {
+            "every" => Delivery::EveryFrame,
+            "latest" => Delivery::LatestOnly,
+            d => {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!("delivery must be \"every\" or \"latest\", got {d:?}"),
+                ));
+            }
+        };
+        let opts = ConsumerOptions::new()
+            .delivery(delivery)
+            .wait(wait_arg(py, wait, spin)?)
+            .group_access(group_access);
+        let c = py
+            .detach(|| cuda_ipc::channel::Consumer::attach(&name, &opts))
+            .map_err(|e| err(py, e))?;
+        if stream.is_some() && c.is_host() {
+            return Err(errors::invalid_argument(
+                py,
+                "a host-memory channel has no streams to order: leave stream=None".to_string(),
+            ));
+        }
+        Ok(Consumer {
+            inner: Mutex::new(Some(Arc::new(c))),
+            name,
+            stream,
+        })
+    }
+
+    /// The same as `Consumer(name, ...)`.
+    #[classmethod]
+    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block",
+        spin=Seconds::Float(50e-6), group_access=false, stream=None))]
+    #[pyo3(
+        text_signature = "(name, *, delivery=\"every\", wait=\"spin_then_block\", \
+        spin=5e-05, group_access=False, stream=None)"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn attach(
+        _cls: &Bound<'_, pyo3::types::PyType>,
+        py: Python<'_>,
+        name: String,
+        delivery: &str,
+        wait: &str,
+        spin: Seconds,
+        group_access: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Self::new(py, name, delivery, wait, spin, group_access, stream)
+    }
+
+    /// The channel name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits up to `timeout` seconds (`None`: forever) for the next frame. `Detached` once
+    /// `close()` was called, also from another thread while this waits (it wakes within 50 ms,
+    /// and a frame published after the close is never returned).
+    #[pyo3(signature = (timeout=None))]
+    fn recv(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Frame> {
+        let timeout = timeout_arg(py, timeout)?;
+        let c = self.get(py)?;
+        let got = sliced(
+            py,
+            timeout,
+            || self.is_closed(),
+            detached,
+            |slice| match OwnedFrame::recv(&c, Some(slice))? {
+                Some(f) => self.hand_out(f).map(Some),
+                None => Ok(None),
+            },
+        )?;
+        match got {
+            Some(f) => Frame::new(py, f, self.stream),
+            None => Err(timeout_error(py, "a frame", timeout)),
+        }
+    }
+
+    /// The next frame if one is ready now, else `None`. `Detached` once closed.
+    fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Frame>> {
+        let c = self.get(py)?;
+        let got = py.detach(|| match OwnedFrame::try_recv(&c)? {
+            Some(f) => self.hand_out(f).map(Some),
+            None => Ok(None),
+        });
+        match got {
+            Ok(f) => f.map(|f| Frame::new(py, f, self.stream)).transpose(),
+            Err(Stop::Failed(e)) => Err(err(py, e)),
+            Err(Stop::Closed) => Err(detached(py)),
+        }
+    }
+
+    /// The channel's counters as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.get(py)?.stats();
+        stats_dict(py, &s)
+    }
+
+    /// The consumer's stream (a raw `CUstream`): frames are ready on it. `NotSupported` on a host
+    /// channel, which has no stream.
+    #[getter]
+    fn stream(&self, py: Python<'_>) -> PyResult<usize> {
+        let c = self.get(py)?;
+        if c.is_host() {
+            return Err(errors::not_supported(
+                "a host-memory channel has no stream: its frames are ready when received",
+            ));
+        }
+        Ok(c.stream().as_raw() as usize)
+    }
+
+    /// Whether the channel's pool is shared host memory (made with `memory="host"`).
+    #[getter]
+    fn is_host(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.get(py)?.is_host())
+    }
+
+    /// Detaches. Frames (and their DLPack tensors) still alive keep the slot until they go. A
+    /// thread blocked in `recv()` (or iterating) raises `Detached` within 50 ms; the slot is
+    /// given back once it has. Never waits for that thread.
+    fn close(&self, py: Python<'_>) {
+        let c = lock(&self.inner).take();
+        py.detach(|| drop(c));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py)
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// The next frame; the iteration ends when the channel closes.
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Frame>> {
+        match self.recv(py, None) {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.is_instance_of::<errors::ChannelClosed>(py) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Consumer({:?})", self.name)
+    }
+}

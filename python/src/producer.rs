@@ -1,0 +1,353 @@
+//! The `Producer` class.
+
+use crate::errors;
+use crate::quota::quota_scope;
+use crate::util::*;
+use crate::write_frame::WriteFrame;
+use cuda_ipc::channel::owned::OwnedWriteFrame;
+use cuda_ipc::channel::{ChannelOptions, MemoryKind};
+use cuda_ipc::driver::Device;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+type RustProducer = cuda_ipc::channel::Producer;
+
+/// The producing end of a channel (`cuda_ipc::channel::Producer`).
+///
+/// The Rust producer is lent, by value, to a blocking `acquire` and then to the `WriteFrame` it
+/// returns, and comes back when they end; it is closed (and dropped) by whoever holds it once
+/// `close()` was called, so it is never dropped while in use: see [`Producer::give_back`].
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct Producer {
+    state: Mutex<ProducerState>,
+    /// Notified whenever the Rust producer comes back to `state`: a `close()` waiting for an
+    /// `acquire` of another thread (`ProducerState::close_waits`) waits on it.
+    back: Condvar,
+    name: String,
+    memory: MemoryKind,
+    /// The `stream=` option: every write frame's publish is ordered after it.
+    pub(crate) stream: Option<usize>,
+}
+
+/// What [`Producer::state`] guards, in one lock so that a close and a hand-back are ordered.
+pub(crate) struct ProducerState {
+    /// `None` while an `acquire` or a `WriteFrame` has it, and after `close()`.
+    producer: Option<Box<RustProducer>>,
+    /// `close()` was called: blocking calls stop, the producer is closed when it comes back.
+    closed: bool,
+    /// The thread of the `acquire` that has the producer, while one does.
+    acquiring: Option<std::thread::ThreadId>,
+    /// A `close()` waits (`back`) for that `acquire` to give the producer back; it closes it.
+    close_waits: bool,
+    /// The `timeout` of `close()`, for a producer that comes back after it.
+    close_timeout: Duration,
+}
+
+impl Producer {
+    /// Lends the Rust producer out (to an `acquire` of this thread when `acquiring`).
+    pub(crate) fn take(&self, py: Python<'_>, acquiring: bool) -> PyResult<Box<RustProducer>> {
+        let mut s = lock(&self.state);
+        if s.closed {
+            return Err(self.closed_error());
+        }
+        let Some(p) = s.producer.take() else {
+            return Err(errors::invalid_argument(
+                py,
+                "the producer is in use: a WriteFrame of it is outstanding (publish or abandon \
+                 it first), or another thread is in acquire()"
+                    .to_string(),
+            ));
+        };
+        if acquiring {
+            s.acquiring = Some(std::thread::current().id());
+        }
+        Ok(p)
+    }
+
+    /// `ChannelClosed`: what every call raises once `close()` was called.
+    pub(crate) fn closed_error(&self) -> PyErr {
+        errors::ChannelClosed::new_err(format!("the producer of channel {:?} is closed", self.name))
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        lock(&self.state).closed
+    }
+
+    /// Takes the Rust producer back from an `acquire` (`from_acquire`) or a `WriteFrame`. Once
+    /// `close()` was called, it is closed here, with the GIL released, unless that `close()`
+    /// waits for it (a `close()` from another thread than a blocked `acquire`'s): it closes it.
+    /// So the channel is closed exactly once, by the one who holds the producer.
+    pub(crate) fn give_back(&self, py: Python<'_>, p: Box<RustProducer>, from_acquire: bool) {
+        let mut s = lock(&self.state);
+        if from_acquire {
+            s.acquiring = None;
+        }
+        if s.closed && !s.close_waits {
+            let t = s.close_timeout;
+            drop(s);
+            // Nobody is left to tell of a failure: as the Rust producer's `Drop`, which logs it.
+            py.detach(|| drop(p.close(t)));
+            return;
+        }
+        s.producer = Some(p);
+        drop(s);
+        self.back.notify_all();
+    }
+
+    /// The write frame an `acquire` got, unless `close()` came meanwhile: then it goes back
+    /// unpublished (the producer closed) and `ChannelClosed` is raised. Decided under the lock,
+    /// so a `close()` either came first (and is seen here) or sees the loan to the `WriteFrame`
+    /// (and leaves the closing to its publish or abandon).
+    pub(crate) fn hand_out(
+        &self,
+        slf: &Bound<'_, Self>,
+        f: OwnedWriteFrame,
+    ) -> PyResult<WriteFrame> {
+        let py = slf.py();
+        let mut s = lock(&self.state);
+        if s.closed {
+            drop(s);
+            self.give_back(py, f.into_producer(), true);
+            return Err(self.closed_error());
+        }
+        s.acquiring = None;
+        drop(s);
+        WriteFrame::new(py, slf.clone().unbind(), f)
+    }
+}
+
+#[pymethods]
+impl Producer {
+    /// Creates channel `name` with a pool of `buffers` buffers of `buffer_bytes` bytes on CUDA
+    /// device `device` (its primary context); with `memory="host"`, of shared host memory
+    /// (`Producer::create_host`: no CUDA driver needed, `device` unused).
+    #[new]
+    #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
+        quota=None, wait="spin_then_block", spin=Seconds::Float(50e-6), memory="auto",
+        group_access=false, device=0, stream=None))]
+    #[pyo3(
+        text_signature = "(name, buffer_bytes, *, buffers=4, max_consumers=8, \
+        quota_bytes=None, quota=None, wait=\"spin_then_block\", spin=5e-05, memory=\"auto\", \
+        group_access=False, device=0, stream=None)"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        buffer_bytes: usize,
+        buffers: usize,
+        max_consumers: usize,
+        quota_bytes: Option<u64>,
+        quota: Option<&str>,
+        wait: &str,
+        spin: Seconds,
+        memory: &str,
+        group_access: bool,
+        device: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let stream = stream_arg(py, stream)?;
+        if stream.is_some() && memory == "host" {
+            return Err(errors::invalid_argument(
+                py,
+                "a host-memory channel has no streams to order: leave stream=None".to_string(),
+            ));
+        }
+        let mut opts = ChannelOptions::new(buffer_bytes)
+            .buffers(buffers)
+            .max_consumers(max_consumers)
+            .wait(wait_arg(py, wait, spin)?)
+            .memory(memory_arg(py, memory)?)
+            .group_access(group_access);
+        if let Some(q) = quota_bytes {
+            opts = opts.quota_bytes(q);
+        }
+        if let Some(q) = quota {
+            opts = opts.quota(quota_scope(q).map_err(|e| err(py, e))?);
+        }
+        let host = memory == "host";
+        let p = py
+            .detach(|| {
+                if host {
+                    return cuda_ipc::channel::Producer::create_host(&name, &opts);
+                }
+                let ctx = Device::get(device)?.primary_context()?;
+                cuda_ipc::channel::Producer::create(&ctx, &name, &opts)
+            })
+            .map_err(|e| err(py, e))?;
+        Ok(Producer {
+            memory: p.memory_kind(),
+            state: Mutex::new(ProducerState {
+                producer: Some(Box::new(p)),
+                closed: false,
+                acquiring: None,
+                close_waits: false,
+                close_timeout: Duration::ZERO,
+            }),
+            back: Condvar::new(),
+            name,
+            stream,
+        })
+    }
+
+    /// The channel name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The kind of memory of the pool: "legacy", "vmm", "pool" or "host".
+    #[getter]
+    fn memory(&self) -> &'static str {
+        memory_name(self.memory)
+    }
+
+    /// Takes a free buffer to write, waiting up to `timeout` seconds (`None`: forever).
+    /// `ChannelClosed` once `close()` was called, also from another thread while this waits (it
+    /// wakes within 50 ms); `Timeout`; `InvalidArgument` while a `WriteFrame` is outstanding.
+    #[pyo3(signature = (timeout=None))]
+    fn acquire(slf: &Bound<'_, Self>, timeout: Option<Seconds>) -> PyResult<WriteFrame> {
+        let py = slf.py();
+        let timeout = timeout_arg(py, timeout)?;
+        let this = slf.get();
+        let mut producer = Some(this.take(py, true)?);
+        let got = sliced(
+            py,
+            timeout,
+            || this.is_closed(),
+            |_| this.closed_error(),
+            |slice| {
+                let Some(p) = producer.take() else {
+                    // Never: the producer is put back after every slice that does not end the
+                    // wait. Stopping is the safe answer should that change.
+                    return Err(Stop::Closed);
+                };
+                match OwnedWriteFrame::acquire(p, Some(slice)) {
+                    Ok(f) => Ok(Some(f)),
+                    Err((p, cuda_ipc::Error::Timeout { .. })) => {
+                        producer = Some(p);
+                        Ok(None)
+                    }
+                    Err((p, e)) => {
+                        producer = Some(p);
+                        Err(e.into())
+                    }
+                }
+            },
+        );
+        if let Some(p) = producer.take() {
+            this.give_back(py, p, true);
+        }
+        match got? {
+            Some(f) => this.hand_out(slf, f),
+            None => Err(timeout_error(py, "a free buffer", timeout)),
+        }
+    }
+
+    /// A free buffer if one is free now, else `None`. `ChannelClosed` once closed.
+    fn try_acquire(slf: &Bound<'_, Self>) -> PyResult<Option<WriteFrame>> {
+        let py = slf.py();
+        let this = slf.get();
+        let p = this.take(py, true)?;
+        match OwnedWriteFrame::acquire(p, Some(Duration::ZERO)) {
+            Ok(f) => this.hand_out(slf, f).map(Some),
+            Err((p, cuda_ipc::Error::Timeout { .. })) => {
+                this.give_back(py, p, true);
+                Ok(None)
+            }
+            Err((p, e)) => {
+                this.give_back(py, p, true);
+                Err(err(py, e))
+            }
+        }
+    }
+
+    /// The channel's counters as a dict. `ChannelClosed` once closed; `InvalidArgument` while a
+    /// `WriteFrame` is outstanding.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = {
+            let st = lock(&self.state);
+            match &st.producer {
+                Some(p) => p.stats(),
+                None if st.closed => return Err(self.closed_error()),
+                None => {
+                    return Err(errors::invalid_argument(
+                        py,
+                        "a WriteFrame of this producer is outstanding: publish or abandon it first"
+                            .to_string(),
+                    ));
+                }
+            }
+        };
+        stats_dict(py, &s)
+    }
+
+    /// Closes the channel: waits up to `timeout` seconds (0 to 1e9) for consumers' holds, then
+    /// frees the pool. Returns `{"forced_holds": n}`. Closing again does nothing.
+    ///
+    /// A thread blocked in `acquire()` raises `ChannelClosed` within 50 ms, and this waits for it
+    /// to give the producer back (a close from within that `acquire`, by a signal handler, does
+    /// not wait: that `acquire` closes the channel as it ends). While a `WriteFrame` is
+    /// outstanding, the channel is closed when it is published (which then raises
+    /// `ChannelClosed`) or abandoned, and this returns `{"forced_holds": 0}` at once.
+    #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
+    #[pyo3(text_signature = "($self, timeout=5.0)")]
+    fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {
+        let t = seconds_arg(py, "timeout", timeout, false)?;
+        let me = std::thread::current().id();
+        let p = py.detach(|| {
+            let mut s = lock(&self.state);
+            if !s.closed {
+                s.closed = true;
+                s.close_timeout = t;
+            }
+            if s.producer.is_none() && s.acquiring.is_some_and(|a| a != me) {
+                // The blocked `acquire` sees `closed` before its next slice and gives the
+                // producer back (`give_back`, which sees `close_waits` and leaves it here). It
+                // needs neither this lock (released while waiting) nor the GIL (released above).
+                // Bounded all the same (`CLOSE_WAITS_FOR_ACQUIRE`): should that `acquire` not come
+                // back (a bug), this returns and whoever gives the producer back closes it.
+                s.close_waits = true;
+                s = self
+                    .back
+                    .wait_timeout_while(s, CLOSE_WAITS_FOR_ACQUIRE, |s| {
+                        s.producer.is_none() && s.acquiring.is_some()
+                    })
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                s.close_waits = false;
+            }
+            s.producer.take()
+        });
+        let d = PyDict::new(py);
+        let forced = match p {
+            Some(p) => {
+                py.detach(|| p.close(t))
+                    .map_err(|e| err(py, e))?
+                    .forced_holds
+            }
+            None => 0,
+        };
+        d.set_item("forced_holds", forced)?;
+        Ok(d)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py, Seconds::Float(5.0)).map(|_| ())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Producer({:?}, memory={:?})",
+            self.name,
+            memory_name(self.memory)
+        )
+    }
+}

@@ -1,0 +1,393 @@
+//! What every class of the extension uses: error and lock helpers, the checks of duration,
+//! memory, stream and range arguments, the sliced wait without the GIL, and tensor shaping.
+
+use crate::errors;
+use cuda_ipc::channel::{ChannelStats, MemoryKind, WaitStrategy};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The longest a blocking call waits without the GIL before it checks for signals.
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
+
+/// The longest `Producer.close()` waits for an `acquire` blocked in another thread to give the
+/// producer back; it does so within one [`SLICE`] (plus the time to take the GIL).
+pub(crate) const CLOSE_WAITS_FOR_ACQUIRE: Duration = Duration::from_secs(5);
+
+/// Copies of at least this many bytes of a host frame run without the GIL.
+pub(crate) const COPY_WITHOUT_GIL: usize = 64 * 1024;
+
+/// What a GPU accessor of a host `WriteFrame` raises.
+pub(crate) const HOST_WRITE_FRAME: &str = "a host-memory frame has no device buffer, stream or \
+                                           DLPack export: write it with write(data, offset) and \
+                                           read it with read(offset, n)";
+/// What a GPU accessor of a host `Frame` raises.
+pub(crate) const HOST_FRAME: &str = "a host-memory frame has no device buffer, stream or DLPack \
+                                     export: copy its bytes with bytes() or read(offset, n)";
+/// What a host accessor of a GPU frame raises.
+pub(crate) const GPU_FRAME: &str = "a GPU frame has no host bytes: use its device buffer (ptr, \
+                                    DLPack, __cuda_array_interface__) on its stream";
+
+pub(crate) fn err(py: Python<'_>, e: cuda_ipc::Error) -> PyErr {
+    errors::to_py(py, &e)
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The most seconds a duration argument (`timeout`, `spin`) may name: about 31.7 years. Longer
+/// is a mistake, or means "forever", which `timeout=None` says; `Instant` arithmetic on such
+/// durations would overflow.
+pub(crate) const MAX_SECONDS: f64 = 1e9;
+
+/// A duration argument as Python passed it, before [`seconds_arg`] checks its range: a float (or
+/// an int that fits one), or an int too large for a float (kept apart so that it is an
+/// `InvalidArgument` too, not the `OverflowError` of the conversion).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Seconds {
+    Float(f64),
+    HugeInt,
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<f64>() {
+            Ok(v) => Ok(Seconds::Float(v)),
+            Err(_) if obj.is_instance_of::<pyo3::types::PyInt>() => Ok(Seconds::HugeInt),
+            // Not a number: the `TypeError` of the conversion.
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Duration argument `name` in seconds as a `Duration`: a number from 0 to [`MAX_SECONDS`].
+/// Negative, NaN, infinite or larger values raise `InvalidArgument` naming `name` and the range
+/// (`Duration::from_secs_f64` would panic on them); `forever` adds that `None` waits forever to
+/// the message. The one check of every such argument.
+pub(crate) fn seconds_arg(
+    py: Python<'_>,
+    name: &str,
+    value: Seconds,
+    forever: bool,
+) -> PyResult<Duration> {
+    let got = match value {
+        // `try_from_secs_f64` refuses negative and non-finite values; `MAX_SECONDS` bounds it.
+        Seconds::Float(v) if v <= MAX_SECONDS => match Duration::try_from_secs_f64(v) {
+            Ok(d) => return Ok(d),
+            Err(_) => format!("{v}"),
+        },
+        Seconds::Float(v) => format!("{v}"),
+        Seconds::HugeInt => "an int too large for a float".to_string(),
+    };
+    let none = if forever { " (None waits forever)" } else { "" };
+    Err(errors::invalid_argument(
+        py,
+        format!("{name} must be a number of seconds from 0 to {MAX_SECONDS:e}{none}, got {got}"),
+    ))
+}
+
+/// A `timeout` argument: `None` (forever) stays `None`, a number is checked by [`seconds_arg`].
+pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|t| seconds_arg(py, "timeout", t, true))
+        .transpose()
+}
+
+pub(crate) fn wait_arg(py: Python<'_>, wait: &str, spin: Seconds) -> PyResult<WaitStrategy> {
+    // Checked whatever `wait` is: a bad value is a mistake even where it is not used.
+    let spin = seconds_arg(py, "spin", spin, false)?;
+    match wait {
+        "block" => Ok(WaitStrategy::Block),
+        "spin" => Ok(WaitStrategy::Spin),
+        "spin_then_block" => Ok(WaitStrategy::SpinThenBlock(spin)),
+        w => Err(errors::invalid_argument(
+            py,
+            format!("wait must be \"block\", \"spin\" or \"spin_then_block\", got {w:?}"),
+        )),
+    }
+}
+
+pub(crate) fn memory_name(k: MemoryKind) -> &'static str {
+    match k {
+        MemoryKind::Legacy => "legacy",
+        MemoryKind::Vmm => "vmm",
+        MemoryKind::Pool => "pool",
+        MemoryKind::Host => "host",
+        _ => "auto",
+    }
+}
+
+pub(crate) fn memory_arg(py: Python<'_>, memory: &str) -> PyResult<MemoryKind> {
+    match memory {
+        "auto" => Ok(MemoryKind::Auto),
+        "legacy" => Ok(MemoryKind::Legacy),
+        "vmm" => Ok(MemoryKind::Vmm),
+        "pool" => Ok(MemoryKind::Pool),
+        "host" => Ok(MemoryKind::Host),
+        m => Err(errors::invalid_argument(
+            py,
+            format!(
+                "memory must be \"auto\", \"legacy\", \"vmm\", \"pool\" or \"host\", got {m:?}"
+            ),
+        )),
+    }
+}
+
+/// The counters of `ChannelStats` as a dict (`consumers`: a list of dicts).
+pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &ChannelStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("published", s.published)?;
+    d.set_item("head", s.head)?;
+    d.set_item("forced_releases", s.forced_releases)?;
+    let list = PyList::empty(py);
+    for c in &s.consumers {
+        let cd = PyDict::new(py);
+        cd.set_item("index", c.index)?;
+        cd.set_item("pid", c.pid)?;
+        cd.set_item("received", c.received)?;
+        cd.set_item("dropped", c.dropped)?;
+        cd.set_item("in_flight", c.in_flight)?;
+        cd.set_item("lag", c.lag)?;
+        list.append(cd)?;
+    }
+    d.set_item("consumers", list)?;
+    Ok(d)
+}
+
+/// Why one step of a [`sliced`] wait stopped without a value.
+pub(crate) enum Stop {
+    /// The call failed.
+    Failed(cuda_ipc::Error),
+    /// The object was closed (by another thread): the caller's closed error.
+    Closed,
+}
+
+impl From<cuda_ipc::Error> for Stop {
+    fn from(e: cuda_ipc::Error) -> Stop {
+        Stop::Failed(e)
+    }
+}
+
+/// Runs `step` (one bounded wait of at most `slice`, without the GIL) until it yields a value, the
+/// deadline passes (`Ok(None)`), `closed()` says the object was closed or `step` stops
+/// (`Stop::Closed`: the error `closed_error` makes), or a signal handler raises (its exception,
+/// e.g. `KeyboardInterrupt`).
+///
+/// How `close()` from another thread wakes a blocked call: `closed()` is asked before every slice,
+/// so the call ends within one slice ([`SLICE`]) of the close, the same bound Ctrl-C has. The
+/// slices are futex sleeps in the library (no spinning beyond the wait strategy's), and no lock
+/// is held across one, so `close()` never waits for a blocked call to notice. A wake-up through
+/// the futex itself would need a cancel word inside the library's wait (shared with Rust
+/// callers) for a gain of at most one slice. What a step takes in the slice the close lands in is
+/// judged by the step itself, under the object's lock (`Consumer::hand_out`,
+/// `Producer::acquire`), which orders it against the close.
+pub(crate) fn sliced<T: Send>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    closed: impl Fn() -> bool + Sync,
+    closed_error: impl FnOnce(Python<'_>) -> PyErr,
+    mut step: impl FnMut(Duration) -> Result<Option<T>, Stop> + Send,
+) -> PyResult<Option<T>> {
+    // `checked_add`: `timeout` is at most `MAX_SECONDS`, but the deadline is no bound either way
+    // when it overflows.
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+    loop {
+        let slice = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+            None => SLICE,
+        };
+        let got = py.detach(|| {
+            if closed() {
+                return Err(Stop::Closed);
+            }
+            step(slice)
+        });
+        match got {
+            Ok(Some(v)) => return Ok(Some(v)),
+            Ok(None) => {}
+            Err(Stop::Failed(e)) => return Err(err(py, e)),
+            Err(Stop::Closed) => return Err(closed_error(py)),
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+    }
+}
+
+pub(crate) fn timeout_error(py: Python<'_>, what: &'static str, after: Option<Duration>) -> PyErr {
+    err(
+        py,
+        cuda_ipc::Error::Timeout {
+            what,
+            after: after.unwrap_or_default(),
+        },
+    )
+}
+
+/// A stream argument as a raw `CUstream`: `None`; an `int`; an object with `cuda_stream`
+/// (`torch.cuda.Stream`) or `ptr` (`cupy.cuda.Stream`), or with `__cuda_stream__` (the CUDA
+/// stream protocol: a `(version, handle)` pair).
+pub(crate) fn stream_arg(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<usize>> {
+    let Some(s) = stream else {
+        return Ok(None);
+    };
+    if s.is_none() {
+        return Ok(None);
+    }
+    let raw = if let Ok(v) = s.extract::<usize>() {
+        v
+    } else if let Ok(p) = s.call_method0("__cuda_stream__") {
+        p.extract::<(i64, usize)>()?.1
+    } else if let Ok(v) = s.getattr("cuda_stream") {
+        v.extract::<usize>()?
+    } else if let Ok(v) = s.getattr("ptr") {
+        v.extract::<usize>()?
+    } else {
+        return Err(errors::invalid_argument(
+            py,
+            format!(
+                "stream must be None, an int (a CUstream), a torch.cuda.Stream or a \
+                 cupy.cuda.Stream, got {}",
+                s.get_type().name()?
+            ),
+        ));
+    };
+    Ok(Some(raw))
+}
+
+/// The element count of `shape` (an int or a sequence of ints), or `InvalidArgument`.
+pub(crate) fn elements(py: Python<'_>, shape: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let dims: Vec<usize> = match shape.extract::<usize>() {
+        Ok(n) => vec![n],
+        Err(_) => shape.extract().map_err(|_| {
+            errors::invalid_argument(
+                py,
+                "shape must be an int or a sequence of non-negative ints".to_string(),
+            )
+        })?,
+    };
+    dims.iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| errors::invalid_argument(py, "shape overflows".to_string()))
+}
+
+/// `tensor` (a one-dimensional `uint8` tensor of `nbytes` bytes: PyTorch or CuPy) viewed as
+/// `dtype` and reshaped to `shape`, using the first `prod(shape) * itemsize` bytes. `itemsize`
+/// reads a dtype's element size in that library.
+pub(crate) fn shaped<'py>(
+    py: Python<'py>,
+    tensor: Bound<'py, PyAny>,
+    nbytes: usize,
+    shape: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    itemsize: impl Fn(&Bound<'py, PyAny>) -> PyResult<usize>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let size = match dtype {
+        Some(d) => itemsize(d)?,
+        None => 1,
+    };
+    let need = match shape {
+        Some(s) => elements(py, s)?
+            .checked_mul(size)
+            .ok_or_else(|| errors::invalid_argument(py, "shape overflows".to_string()))?,
+        None => nbytes - nbytes % size.max(1),
+    };
+    if need > nbytes {
+        return Err(errors::invalid_argument(
+            py,
+            format!("that shape and dtype need {need} bytes; the buffer has {nbytes}"),
+        ));
+    }
+    let mut t = tensor;
+    if need != nbytes {
+        t = t.get_item(pyo3::types::PySlice::new(py, 0, need as isize, 1))?;
+    }
+    if let Some(d) = dtype {
+        t = t.call_method1("view", (d,))?;
+    }
+    if let Some(s) = shape {
+        let dims: Vec<usize> = match s.extract::<usize>() {
+            Ok(n) => vec![n],
+            Err(_) => s.extract()?,
+        };
+        t = t.call_method1("reshape", (pyo3::types::PyTuple::new(py, dims)?,))?;
+    }
+    Ok(t)
+}
+
+/// A tensor of `obj` (a `Frame` or `WriteFrame`) in PyTorch: `torch.from_dlpack` (which names
+/// PyTorch's current stream), then `shaped`.
+pub(crate) fn torch_tensor<'py>(
+    obj: &Bound<'py, PyAny>,
+    nbytes: usize,
+    shape: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let t = py.import("torch")?.call_method1("from_dlpack", (obj,))?;
+    shaped(py, t, nbytes, shape, dtype, |d| {
+        d.getattr("itemsize")?.extract()
+    })
+}
+
+/// A CuPy array of `obj`: `cupy.from_dlpack` (which names CuPy's current stream), then `shaped`.
+pub(crate) fn cupy_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    nbytes: usize,
+    shape: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let cupy = py.import("cupy")?;
+    let t = cupy.call_method1("from_dlpack", (obj,))?;
+    shaped(py, t, nbytes, shape, dtype, |d| {
+        cupy.call_method1("dtype", (d,))?
+            .getattr("itemsize")?
+            .extract()
+    })
+}
+
+/// `bytes` as is; anything else that exports a buffer (`bytearray`, `memoryview`, `array`, NumPy)
+/// copied into `bytes` once. Raises `TypeError` for anything else (`str`, `int`).
+pub(crate) fn bytes_of<'py>(data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        return Ok(b.clone());
+    }
+    Ok(PyMemoryView::from(data)?
+        .call_method0("tobytes")?
+        .cast_into::<PyBytes>()?)
+}
+
+/// `n` bytes from `offset` of a `len`-byte buffer (`n`: `None` for the rest), or `InvalidArgument`.
+pub(crate) fn range_arg(
+    py: Python<'_>,
+    offset: usize,
+    n: Option<usize>,
+    len: usize,
+) -> PyResult<usize> {
+    let n = n.unwrap_or_else(|| len.saturating_sub(offset));
+    if offset.checked_add(n).is_none_or(|end| end > len) {
+        return Err(errors::invalid_argument(
+            py,
+            format!("{n} bytes at offset {offset} pass the end of a {len}-byte buffer"),
+        ));
+    }
+    Ok(n)
+}
+
+/// Runs `copy` without the GIL when it moves at least [`COPY_WITHOUT_GIL`] bytes.
+pub(crate) fn copy<T: Send>(py: Python<'_>, n: usize, copy: impl FnOnce() -> T + Send) -> T {
+    if n >= COPY_WITHOUT_GIL {
+        py.detach(copy)
+    } else {
+        copy()
+    }
+}
