@@ -188,11 +188,14 @@ pub fn local_address_towards(peer: std::net::SocketAddr) -> crate::Result<std::n
 ///   UCX's TCP transport listens and connects there alone, not on every interface. RDMA users
 ///   name their devices themselves (`UCX_NET_DEVICES=mlx5_0:1,eth0`). An unspecified `ip`
 ///   (0.0.0.0) names no interface: left out, with a warning;
-/// - `UCX_PROTO_INFO=y` and `UCX_LOG_FILE=log`, when `log` is given: UCX prints its protocol
-///   choices there, where [`report::from_ucx_log`] reads which transport carried the lane.
+/// - `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` naming `log`'s file, when `log` is given: UCX prints
+///   its protocol choices there, where [`report::from_ucx_log`] reads which transport carried the
+///   lane. A [`report::UcxLog`] is a file in a private folder of this user: UCX opens it by its
+///   path (following links, truncating), so a name others could predict or plant in a shared
+///   folder is never given.
 pub fn environment(
     ip: std::net::IpAddr,
-    log: Option<&std::path::Path>,
+    log: Option<&report::UcxLog>,
 ) -> Vec<(&'static str, std::ffi::OsString)> {
     let mut v = Vec::new();
     if std::env::var_os("UCX_NET_DEVICES").is_none() {
@@ -209,7 +212,7 @@ pub fn environment(
             v.push(("UCX_PROTO_INFO", "y".into()));
         }
         if std::env::var_os("UCX_LOG_FILE").is_none() {
-            v.push(("UCX_LOG_FILE", log.as_os_str().to_owned()));
+            v.push(("UCX_LOG_FILE", log.path().as_os_str().to_owned()));
         }
     }
     v

@@ -1051,10 +1051,11 @@ mod tests {
 
     #[test]
     fn a_secret_file_must_be_a_regular_file_only_its_owner_can_read() {
+        use std::os::unix::fs::DirBuilderExt as _;
         use std::os::unix::fs::PermissionsExt as _;
+        // A folder of this test's alone: `mkdir` fails on a name someone else made first.
         let dir = std::env::temp_dir().join(format!("lane-secret-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
         let f = dir.join("secret");
         std::fs::write(&f, b"s3cret\n").unwrap();
         for mode in [0o644, 0o640, 0o606, 0o660] {
