@@ -687,12 +687,18 @@ impl Sealer {
     /// direction's next sequence number (`u64`, little-endian) and the message; the sequence
     /// number goes up by one.
     pub fn seal(&mut self, m: &Msg) -> Vec<u8> {
-        let mut b = m.encode();
-        let tag = mac(&self.key, &[&self.seq.to_le_bytes(), &b[4..]]);
+        self.seal_bytes(&m.encode()[4..])
+    }
+
+    /// As [`Sealer::seal`] for `body`, bytes that need not be a message: what a peer holding the
+    /// secret could send, for tests and fuzzing of the parser behind the MAC
+    /// ([`Opener::open`]).
+    pub fn seal_bytes(&mut self, body: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(4 + body.len() + MAC_LEN);
+        b.extend_from_slice(&((body.len() + MAC_LEN) as u32).to_le_bytes());
+        b.extend_from_slice(body);
+        b.extend_from_slice(&mac(&self.key, &[&self.seq.to_le_bytes(), body]));
         self.seq += 1;
-        b.extend_from_slice(&tag);
-        let n = (b.len() - 4) as u32;
-        b[..4].copy_from_slice(&n.to_le_bytes());
         b
     }
 }
