@@ -143,7 +143,10 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_bytes_in_any_mode_are_values_or_errors(mode in 0u8..4, rest in proptest::collection::vec(any::<u8>(), 0..600)) {
+    fn random_bytes_in_any_mode_are_values_or_errors(
+        mode in 0u8..4,
+        rest in proptest::collection::vec(any::<u8>(), 0..600),
+    ) {
         let mut data = vec![mode];
         data.extend_from_slice(&rest);
         exercise(&data);

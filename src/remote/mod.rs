@@ -3,6 +3,16 @@
 //!
 //! Owns: the two bridges ([`send`] on the producer's host, [`recv`] on the consumers'), their
 //! control connection ([`wire`], plain TCP) and the NIXL agent they move frames with ([`nixl`]).
+//!
+//! The control connection proves the shared secret both ways without sending it (HMAC-SHA256
+//! challenge-response over fresh nonces from each end, the whole exchange against one deadline)
+//! and authenticates every later message with a key derived from the secret and both nonces and
+//! a sequence number per direction, so a replayed, reordered or injected message, or a recorded
+//! session, is refused ([`wire`]); it is not encrypted. The receiving bridge greets each
+//! connection on a thread of its own (at most [`recv::MAX_HANDSHAKES`] at once), so a slow or
+//! silent peer never delays another, and refuses a geometry out of bounds
+//! ([`wire::check_geometry`]) and goes on waiting for the next sender. UCX's log, which the lane
+//! reads for its transport report, is a file in a private folder ([`report::UcxLog`]).
 //! Built on the channel's public API only ([`Producer`], [`Consumer`]); it never changes the
 //! channel's segments or protocol.
 //!
@@ -82,7 +92,9 @@ pub enum RemoteError {
 pub struct LaneOptions {
     /// Connecting the control connection (per address tried); default 5 s.
     pub connect_timeout: Duration,
-    /// Each handshake and metadata step (one message each way); default 5 s.
+    /// A connection's whole handshake (one deadline for every message of it, however its bytes
+    /// trickle in; on the receiving side the sender's channel geometry too), and the metadata
+    /// step after it; default 5 s.
     pub handshake_timeout: Duration,
     /// How often each end sends a heartbeat; default 100 ms.
     pub heartbeat: Duration,

@@ -93,8 +93,9 @@ pub fn connect(connect: &str, lane: &LaneOptions) -> Result<TcpStream> {
 }
 
 /// Runs one session: connects ([`connect`]), proves the secret and checks the receiving bridge's
-/// proof ([`wire::handshake_send`], whole within [`LaneOptions::handshake_timeout`]), attaches to the near channel,
-/// creates the NIXL agent, exchanges metadata, and then sends frames until the near channel ends,
+/// proof ([`wire::handshake_send`], whole within [`LaneOptions::handshake_timeout`]), attaches to
+/// the near channel, creates the NIXL agent, exchanges metadata (sealed, as every later message),
+/// and then sends frames until the near channel ends,
 /// `stop` is set, or the link fails. Detaches from the near channel before returning, so a bridge
 /// that lost its link never holds the near producer back; call again to resume (a restarted
 /// receiving bridge accepts the new session; the near producer keeps running).
@@ -103,8 +104,8 @@ pub fn connect(connect: &str, lane: &LaneOptions) -> Result<TcpStream> {
 /// As [`connect`]; [`RemoteError::Refused`] (wrong secret, other protocol version, a receiving
 /// bridge busy with another sender or refusing the geometry, one that failed to prove the secret)
 /// and [`RemoteError::Protocol`]; [`Error::Timeout`] for a handshake over
-/// [`LaneOptions::handshake_timeout`] (or the metadata step after it); the errors of [`Consumer::attach`]; [`Error::Unsupported`]
-/// when NIXL is not installed; [`RemoteError::Nixl`] from NIXL calls; [`RemoteError::Link`] when
+/// [`LaneOptions::handshake_timeout`] (or the metadata step after it); the errors of
+/// [`Consumer::attach`]; [`Error::Unsupported`] when NIXL is not installed; [`RemoteError::Nixl`] from NIXL calls; [`RemoteError::Link`] when
 /// the link is lost mid-session.
 pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Result<Ended> {
     super::nixl::probe()?;
