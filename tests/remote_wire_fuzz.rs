@@ -1,5 +1,5 @@
 //! The `lane_control` fuzz target's ground on stable Rust (fuzz/fuzz_targets/lane_control.rs): its
-//! seed corpus (fuzz/corpus/lane_control) replayed, then random and mutated inputs, through the
+//! seed corpus (fuzz/seeds/lane_control) replayed, then random and mutated inputs, through the
 //! same calls: the handshake's parser (`Msg::decode_handshake`), a session's `Opener::open` on
 //! frames off the wire and on bodies sealed right (the parser behind the MAC), `check_geometry`
 //! and `FrameNote::decode`. Every outcome is a value or an error, never a panic or a hang.
@@ -96,7 +96,7 @@ fn exercise(data: &[u8]) -> bool {
 }
 
 fn corpus() -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/lane_control");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/lane_control");
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| {

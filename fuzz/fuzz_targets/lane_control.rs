@@ -9,10 +9,12 @@
 //! 3. the rest is a frame's NIXL notification (`FrameNote::decode`), and its first 13 bytes a
 //!    channel geometry (`check_geometry`).
 //!
-//! The seed corpus is `fuzz/corpus/lane_control`; `tests/remote_wire_fuzz.rs` replays it (and
-//! random and mutated inputs) through the same calls on stable Rust.
+//! The seed corpus is `fuzz/seeds/lane_control` (committed); `tests/remote_wire_fuzz.rs` replays
+//! it (and random and mutated inputs) through the same calls on stable Rust. From the repository
+//! root (new inputs go to the first folder, which git ignores; the seeds are read from the second):
 //!
-//! `cargo +nightly fuzz run lane_control fuzz/corpus/lane_control -- -max_total_time=60`
+//! `cargo +nightly fuzz run lane_control fuzz/corpus/lane_control fuzz/seeds/lane_control --
+//! -max_total_time=60`
 #![no_main]
 
 use cuda_ipc::remote::wire::{End, FrameNote, Msg, Secret, Session, check_geometry};
