@@ -629,7 +629,12 @@ fn send_bytes(s: &mut TcpStream, b: &[u8]) -> Res<()> {
 fn recv_bytes(s: &mut TcpStream) -> Res<Vec<u8>> {
     let mut n = [0u8; 4];
     s.read_exact(&mut n)?;
-    let mut b = vec![0u8; u32::from_le_bytes(n) as usize];
+    // NIXL metadata is a few KiB: a longer message is refused, not allocated.
+    let n = u32::from_le_bytes(n) as usize;
+    if n > 1 << 20 {
+        return Err(format!("a raw-floor message of {n} bytes (at most 1 MiB)").into());
+    }
+    let mut b = vec![0u8; n];
     s.read_exact(&mut b)?;
     Ok(b)
 }

@@ -509,6 +509,84 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ucx_logs_live_in_private_folders_and_planted_files_are_never_read() {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let a = UcxLog::create().unwrap();
+        let b = UcxLog::create().unwrap();
+        assert_ne!(a.path(), b.path(), "a fresh name each time");
+        let dir = a.path().parent().unwrap().to_path_buf();
+        let d = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(d.is_dir() && d.mode() & 0o777 == 0o700, "{:o}", d.mode());
+        let f = std::fs::symlink_metadata(a.path()).unwrap();
+        assert!(f.is_file() && f.mode() & 0o777 == 0o600, "{:o}", f.mode());
+        // What UCX writes by the path is read back by the descriptor.
+        std::fs::write(a.path(), "| 0..inf | zero-copy | tcp/lo |\n").unwrap();
+        let text = read_all(&open_private(a.path()).unwrap()).unwrap();
+        assert_eq!(
+            Transport::parse(&text, Place::Host, Place::Host).path,
+            Path::Host
+        );
+        // A file in a folder others may write (the shared temp folder), and a link, are refused.
+        let shared = dir.join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let planted = shared.join("ucx.log");
+        std::fs::write(&planted, "planted").unwrap();
+        assert!(open_private(&planted).is_err(), "a file in a shared folder");
+        let link = dir.join("link.log");
+        std::os::unix::fs::symlink(a.path(), &link).unwrap();
+        assert!(open_private(&link).is_err(), "a link");
+        // A file others may write, in a private folder.
+        let open = dir.join("open.log");
+        std::fs::write(&open, "x").unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(open_private(&open).is_err(), "a file open to all");
+        for p in [&planted, &link, &open] {
+            std::fs::remove_file(p).unwrap();
+        }
+        std::fs::remove_dir(&shared).unwrap();
+        // Dropping a log removes its file and folder.
+        drop(a);
+        assert!(!dir.exists());
+        let other = b.path().parent().unwrap().to_path_buf();
+        drop(b);
+        assert!(!other.exists());
+    }
+
+    #[test]
+    fn a_status_file_is_written_through_a_temporary_of_a_fresh_name_never_through_a_link() {
+        let channel = format!("report-status-unit-{}", std::process::id());
+        let path = status_path(&channel);
+        // A link planted at the status file's name, to a file of ours that must keep its bytes.
+        let victim = UcxLog::create().unwrap();
+        std::fs::write(victim.path(), "victim").unwrap();
+        let _ = std::fs::remove_file(&path);
+        std::os::unix::fs::symlink(victim.path(), &path).unwrap();
+        let s = Status::new(Role::Recv, &channel, "peer:1", Place::Host);
+        s.write();
+        assert_eq!(std::fs::read_to_string(victim.path()).unwrap(), "victim");
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert!(m.is_file(), "the link was replaced, not written through");
+        assert!(
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .contains("role=recv")
+        );
+        // No temporary left beside it.
+        let tmp = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("cuda-ipc.br.{channel}.tmp-lane-"))
+            });
+        assert!(!tmp);
+        s.remove();
+        assert!(!path.exists(), "its own status file is removed");
+    }
+
+    #[test]
     fn a_staged_device_path_is_told_apart_from_a_direct_one() {
         let put = "| remote memory write by ucp_put* from cuda/GPU0 to cuda |";
         let staged = format!("{put}\n| 0..inf | pipeline | cuda_copy/cuda, tcp/lo |");
