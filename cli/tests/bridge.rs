@@ -59,11 +59,14 @@ fn remove_secret(p: PathBuf) {
     }
 }
 
-fn bridge(args: &[&str]) -> Child {
+/// Starts `cuda-ipc bridge ARGS` with the temp folder `tmp` (where its UCX log's private folder
+/// goes: a bridge killed leaves it there).
+fn bridge(args: &[&str], tmp: &std::path::Path) -> Child {
     Command::new(bin())
         .arg("-v")
         .arg("bridge")
         .args(args)
+        .env("TMPDIR", tmp)
         .env("UCX_TLS", "tcp,self,cuda_copy")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -299,26 +302,33 @@ fn a_wrong_secret_is_refused_on_both_sides() {
     let good = secret_file("good", "right");
     let bad = secret_file("bad", "wrong");
     let listen = format!("127.0.0.1:{}", free_port());
-    let recv = bridge(&[
-        "recv",
-        "--channel",
-        &far,
-        "--listen",
-        &listen,
-        "--secret-file",
-        good.to_str().unwrap(),
-    ]);
+    let tmp = private_dir("tmp-bad");
+    let recv = bridge(
+        &[
+            "recv",
+            "--channel",
+            &far,
+            "--listen",
+            &listen,
+            "--secret-file",
+            good.to_str().unwrap(),
+        ],
+        &tmp,
+    );
     let _tx = Producer::create_host(&near, &ChannelOptions::new(BYTES)).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let send = bridge(&[
-        "send",
-        "--channel",
-        &near,
-        "--connect",
-        &listen,
-        "--secret-file",
-        bad.to_str().unwrap(),
-    ]);
+    let send = bridge(
+        &[
+            "send",
+            "--channel",
+            &near,
+            "--connect",
+            &listen,
+            "--secret-file",
+            bad.to_str().unwrap(),
+        ],
+        &tmp,
+    );
     let (code, out) = wait(send, Duration::from_secs(30));
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("wrong secret"), "{out}");
@@ -334,6 +344,8 @@ fn a_wrong_secret_is_refused_on_both_sides() {
     for f in [good, bad] {
         remove_secret(f);
     }
+    // The killed bridge's UCX log folder, in this test's own temp folder.
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 #[test]
