@@ -47,6 +47,7 @@ use cuda_ipc::channel::{
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::raw::kernels::{Kernels, pattern};
 use cuda_ipc::remote::nixl::{Lane, Place, Region, Target};
+use cuda_ipc::remote::report::UcxLog;
 use cuda_ipc::remote::wire::Secret;
 use cuda_ipc::remote::{LaneOptions, recv, send};
 use std::io::{Read, Write};
@@ -180,33 +181,26 @@ fn main() {
 }
 
 /// Starts this process again with the environment of a lane on the loopback interface
-/// (`cuda_ipc::remote::environment`: UCX bound to `lo`, its protocol report logged), once.
-fn lane_environment() -> Res<UcxLog> {
+/// (`cuda_ipc::remote::environment`: UCX bound to `lo`, its protocol report logged), once. UCX's
+/// log goes into a private folder made for it (`UcxLog`: mode 0700, a fresh random name), never
+/// to a name others could predict in the shared temp folder; the restarted process takes it over
+/// (`None` when `UCX_LOG_FILE` was the user's own) and removes it when the role ends normally.
+fn lane_environment() -> Res<Option<UcxLog>> {
     const READY: &str = "REMOTE_PIPELINE_ENV";
-    let log = std::env::temp_dir().join(format!("remote_pipeline-{}.ucx.log", std::process::id()));
     if std::env::var_os(READY).is_some() {
-        // Ours (this pid: `exec` keeps it) only when UCX logs there because we said so.
-        let ours = std::env::var_os("UCX_LOG_FILE").is_some_and(|f| f == log.as_os_str());
-        return Ok(UcxLog(ours.then_some(log)));
+        return Ok(UcxLog::adopt_from_env());
     }
-    let env = cuda_ipc::remote::environment("127.0.0.1".parse()?, Some(&log));
+    let log = match std::env::var_os("UCX_LOG_FILE") {
+        Some(_) => None,
+        None => Some(UcxLog::create()?),
+    };
+    let env = cuda_ipc::remote::environment("127.0.0.1".parse()?, log.as_ref());
     let err = std::process::Command::new(std::env::current_exe()?)
         .args(std::env::args_os().skip(1))
         .envs(env)
         .env(READY, "1")
         .exec();
     Err(format!("exec: {err}").into())
-}
-
-/// The UCX log file this process made, removed when the role ends normally.
-struct UcxLog(Option<std::path::PathBuf>);
-
-impl Drop for UcxLog {
-    fn drop(&mut self) {
-        if let Some(p) = &self.0 {
-            let _ = std::fs::remove_file(p);
-        }
-    }
 }
 
 /// Frames left out of the figures at the start (a tenth of them, at most 100): the lane's first
@@ -635,7 +629,12 @@ fn send_bytes(s: &mut TcpStream, b: &[u8]) -> Res<()> {
 fn recv_bytes(s: &mut TcpStream) -> Res<Vec<u8>> {
     let mut n = [0u8; 4];
     s.read_exact(&mut n)?;
-    let mut b = vec![0u8; u32::from_le_bytes(n) as usize];
+    // NIXL metadata is a few KiB: a longer message is refused, not allocated.
+    let n = u32::from_le_bytes(n) as usize;
+    if n > 1 << 20 {
+        return Err(format!("a raw-floor message of {n} bytes (at most 1 MiB)").into());
+    }
+    let mut b = vec![0u8; n];
     s.read_exact(&mut b)?;
     Ok(b)
 }

@@ -16,9 +16,11 @@ use cuda_ipc::Error;
 use cuda_ipc::channel::{
     ChannelOptions, Consumer, ConsumerOptions, Delivery, Frame, Producer, inspect,
 };
-use cuda_ipc::remote::wire::Secret;
+use cuda_ipc::remote::report::UcxLog;
+use cuda_ipc::remote::wire::{self, Msg, Secret, Session};
 use cuda_ipc::remote::{nixl, recv, send};
-use std::net::TcpListener;
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
 use std::process::Command;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
@@ -172,19 +174,17 @@ fn attach(ch: &str, d: Delivery) -> Consumer {
     }
 }
 
-fn ucx_env(tag: &str) -> Vec<(String, String)> {
-    let log = std::env::temp_dir().join(format!(
-        "cuda-ipc-lane-test-{tag}-{}.ucx.log",
-        std::process::id()
-    ));
-    LOGS.with_borrow_mut(|v| v.push(log.clone()));
+fn ucx_env() -> Vec<(String, String)> {
     // What `cuda-ipc bridge` gives itself: UCX bound to the loopback interface of the control
-    // connection's address, its protocol choices logged for the transport report.
+    // connection's address, its protocol choices logged for the transport report (in a private
+    // folder made for it, removed by `Reap`).
+    let log = UcxLog::create().unwrap();
     let mut v: Vec<(String, String)> =
         cuda_ipc::remote::environment("127.0.0.1".parse().unwrap(), Some(&log))
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned()))
             .collect();
+    LOGS.with_borrow_mut(|v| v.push(log));
     // cuda_copy too: NIXL refuses a list without a CUDA transport where GPUs are present (it is
     // not loaded, and not needed, where none is).
     v.push(("UCX_TLS".into(), "tcp,self,cuda_copy".into()));
@@ -195,7 +195,7 @@ thread_local! {
     /// The children this test thread started, for [`Reap`].
     static SPAWNED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The UCX log files of those children, for [`Reap`].
-    static LOGS: std::cell::RefCell<Vec<std::path::PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+    static LOGS: std::cell::RefCell<Vec<UcxLog>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Ends a test's children (kill -9, those still running this test binary) and removes what dead
@@ -214,9 +214,7 @@ impl Drop for Reap {
             }
         }
         std::thread::sleep(Duration::from_millis(100));
-        for log in LOGS.take() {
-            let _ = std::fs::remove_file(log);
-        }
+        drop(LOGS.take());
         for ch in &self.0 {
             let _ = inspect::remove_stale(ch);
             let _ = inspect::remove_stale_host_pool(ch);
@@ -226,8 +224,8 @@ impl Drop for Reap {
     }
 }
 
-fn spawn(role: &str, tag: &str, vars: &[(&str, String)]) -> Peer {
-    let mut all: Vec<(String, String)> = ucx_env(&format!("{tag}-{role}"));
+fn spawn(role: &str, vars: &[(&str, String)]) -> Peer {
+    let mut all: Vec<(String, String)> = ucx_env();
     all.extend(vars.iter().map(|(k, v)| (k.to_string(), v.clone())));
     let refs: Vec<(&str, &str)> = all.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let p = Peer::spawn("child", role, &refs);
@@ -253,24 +251,19 @@ fn names(tag: &str) -> (String, String) {
     )
 }
 
-fn start_recv(tag: &str, far: &str, port: u16) -> (Peer, u16) {
-    let mut recv = spawn(
-        "recv",
-        tag,
-        &[("FAR", far.into()), ("PORT", port.to_string())],
-    );
+fn start_recv(far: &str, port: u16) -> (Peer, u16) {
+    let mut recv = spawn("recv", &[("FAR", far.into()), ("PORT", port.to_string())]);
     let port: u16 = recv.expect("port", ANSWER).parse().unwrap();
     (recv, port)
 }
 
-fn start_send(tag: &str, near: &str, port: u16) -> Peer {
-    start_send_with(tag, near, port, "every")
+fn start_send(near: &str, port: u16) -> Peer {
+    start_send_with(near, port, "every")
 }
 
-fn start_send_with(tag: &str, near: &str, port: u16, delivery: &str) -> Peer {
+fn start_send_with(near: &str, port: u16, delivery: &str) -> Peer {
     spawn(
         "send",
-        tag,
         &[
             ("NEAR", near.into()),
             ("ADDR", format!("127.0.0.1:{port}")),
@@ -300,10 +293,9 @@ impl Lane {
         nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH for these tests");
         let (near, far) = names(tag);
         let reap = Reap(vec![near.clone(), far.clone()]);
-        let (recv, port) = start_recv(tag, &far, 0);
+        let (recv, port) = start_recv(&far, 0);
         let mut producer = spawn(
             "producer",
-            tag,
             &[
                 ("NEAR", near.clone()),
                 ("FRAMES", frames.to_string()),
@@ -311,7 +303,7 @@ impl Lane {
             ],
         );
         producer.expect("ready", ANSWER);
-        let send = start_send_with(tag, &near, port, delivery);
+        let send = start_send_with(&near, port, delivery);
         wait_for_channel(&far);
         Lane {
             _reap: reap,
@@ -373,6 +365,28 @@ fn near_advances(near: &str) {
     }
 }
 
+/// Checks a sending bridge's `closed FRAMES TRANSPORTS@DEVICES PATH` line: `frames` frames over
+/// host memory, the loopback interface and TCP, with UCX's CUDA transports (`cuda_copy`,
+/// `cuda_ipc`, on device `cuda`) named beside them only where a GPU is present (UCX loads them
+/// there whatever the memory).
+fn assert_transport(said: &str, frames: &str) {
+    let words: Vec<&str> = said.split(' ').collect();
+    assert_eq!(words.len(), 3, "{said}");
+    assert_eq!(words[0], frames, "{said}");
+    assert_eq!(words[2], "host", "host memory at both ends: {said}");
+    let (transports, devices) = words[1].split_once('@').expect(said);
+    let transports: Vec<&str> = transports.split(',').collect();
+    let devices: Vec<&str> = devices.split(',').collect();
+    assert!(transports.contains(&"tcp"), "{said}");
+    assert!(devices.contains(&"lo"), "{said}");
+    for t in &transports {
+        assert!(["tcp", "cuda_copy", "cuda_ipc"].contains(t), "{said}");
+    }
+    for d in &devices {
+        assert!(["lo", "cuda"].contains(d), "{said}");
+    }
+}
+
 fn receive(rx: &Consumer, n: usize) -> u64 {
     let mut last = 0;
     for _ in 0..n {
@@ -404,9 +418,11 @@ fn ten_thousand_frames_cross_the_lane_every_frame_in_order_with_checked_bytes() 
     assert_eq!(n, 10_000);
     drop(rx);
     l.producer.expect("closed", ANSWER);
-    // Data went over TCP on the loopback interface alone (the lane bound UCX to the control
-    // connection's interface), as UCX itself reported it.
-    assert_eq!(l.send.expect("closed", ANSWER), "10000 tcp@lo host");
+    // Data went over TCP on the loopback interface (the lane bound UCX to the control
+    // connection's interface), as UCX itself reported it; where a GPU is present UCX names its
+    // CUDA transports beside it (`cuda_copy,tcp@cuda,lo`). The frames were checked either way.
+    let said = l.send.expect("closed", ANSWER);
+    assert_transport(&said, "10000");
     assert_eq!(l.recv.expect("closed", ANSWER), "10000");
     for p in [&mut l.producer, &mut l.send, &mut l.recv] {
         assert_eq!(exit_code(p), Some(0));
@@ -518,8 +534,8 @@ fn a_killed_sending_bridge_gives_producer_gone_and_restarted_bridges_resume() {
     // The near producer reclaims the dead bridge's holds and goes on.
     near_advances(&l.near);
     // Both bridges again; the producer is the same process.
-    let (recv2, port) = start_recv("kill-send-2", &l.far, 0);
-    let send2 = start_send("kill-send-2", &l.near, port);
+    let (recv2, port) = start_recv(&l.far, 0);
+    let send2 = start_send(&l.near, port);
     wait_for_channel(&l.far);
     let rx = attach(&l.far, Delivery::EveryFrame);
     let resumed = receive(&rx, 100);
@@ -553,7 +569,7 @@ fn a_killed_receiving_bridge_gives_producer_gone_and_the_near_side_goes_on() {
     // The sending bridge detached: the near producer is not held back.
     near_advances(&l.near);
     // A receiving bridge on the same address: the sending bridge (never restarted) resumes.
-    let (recv2, _) = start_recv("kill-recv-2", &l.far, l.port);
+    let (recv2, _) = start_recv(&l.far, l.port);
     wait_for_channel(&l.far);
     let rx = attach(&l.far, Delivery::EveryFrame);
     let resumed = receive(&rx, 100);
@@ -568,7 +584,7 @@ fn a_killed_receiving_bridge_gives_producer_gone_and_the_near_side_goes_on() {
 fn a_killed_far_consumer_frees_the_lane_within_a_second() {
     let mut l = Lane::start("kill-consumer", 0);
     let rx = attach(&l.far, Delivery::EveryFrame);
-    let mut holder = spawn("hold", "kill-consumer", &[("FAR", l.far.clone())]);
+    let mut holder = spawn("hold", &[("FAR", l.far.clone())]);
     l.producer.send("go");
     holder.expect("holding", ANSWER);
     // The holder's every-frame slot and held buffer stall the lane end to end (back-pressure)...
@@ -604,16 +620,14 @@ fn a_peer_without_the_secret_is_refused_and_logged_not_served() {
     nixl::probe().expect("NIXL must be on LD_LIBRARY_PATH");
     let (near, far) = names("secret");
     let _reap = Reap(vec![near.clone(), far.clone()]);
-    let (mut recv, port) = start_recv("secret", &far, 0);
+    let (mut recv, port) = start_recv(&far, 0);
     let mut producer = spawn(
         "producer",
-        "secret",
         &[("NEAR", near.clone()), ("FRAMES", "0".into())],
     );
     producer.expect("ready", ANSWER);
     let mut bad = spawn(
         "send",
-        "secret-bad",
         &[
             ("NEAR", near.clone()),
             ("ADDR", format!("127.0.0.1:{port}")),
@@ -629,7 +643,7 @@ fn a_peer_without_the_secret_is_refused_and_logged_not_served() {
     );
     kill9(&bad);
     // The right secret is then served.
-    let good = start_send("secret", &near, port);
+    let good = start_send(&near, port);
     wait_for_channel(&far);
     for p in [&producer, &good, &recv] {
         kill9(p);
@@ -656,6 +670,203 @@ fn a_second_sender_while_a_session_runs_is_refused_at_once_and_the_lane_goes_on(
     assert!(receive(&rx, 20) > before);
     drop(rx);
     for p in [&l.producer, &l.send, &l.recv] {
+        kill9(p);
+    }
+}
+
+/// A receiving bridge alone (no sender yet), for the tests of its door.
+fn lone_recv(tag: &str) -> (Reap, String, String, Peer, u16) {
+    nixl::probe().expect("NIXL must be on LD_LIBRARY_PATH");
+    let (near, far) = names(tag);
+    let reap = Reap(vec![near.clone(), far.clone()]);
+    let (recv, port) = start_recv(&far, 0);
+    (reap, near, far, recv, port)
+}
+
+fn connect(port: u16) -> TcpStream {
+    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+/// Runs the sending side of the handshake on a fresh connection, whole within 5 s.
+fn handshake(port: u16) -> (TcpStream, Session) {
+    let mut s = connect(port);
+    let session = wire::handshake_send(&mut s, &secret(), Instant::now() + Duration::from_secs(5))
+        .expect("the handshake");
+    (s, session)
+}
+
+/// Waits (at most `limit`) until the peer closes `s`; returns how long that took.
+fn closed_within(s: &mut TcpStream, limit: Duration) -> Duration {
+    let start = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return start.elapsed(),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => return start.elapsed(), // reset: closed too
+        }
+        assert!(start.elapsed() < limit, "still open after {limit:?}");
+    }
+}
+
+#[test]
+fn trickling_and_silent_peers_never_delay_a_real_sender_and_are_cut_at_the_deadline() {
+    let (_reap, _near, _far, recv, port) = lone_recv("door");
+    // A peer announcing a 60-byte hello and sending one byte every 300 ms: with a timeout per read
+    // it would hold the door for 18 s; a silent one; and 100 more silent ones.
+    let mut trickler = connect(port);
+    trickler.write_all(&60u32.to_le_bytes()).unwrap();
+    let mut writer = trickler.try_clone().unwrap();
+    let dripping = std::thread::spawn(move || {
+        for _ in 0..60 {
+            if writer.write_all(&[0x11]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let mut silent: Vec<TcpStream> = (0..101).map(|_| connect(port)).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    // A real sender is answered meanwhile: its handshake completes at once.
+    let t = Instant::now();
+    let (_s, _session) = handshake(port);
+    let took = t.elapsed();
+    println!("handshake with 102 peers stalling: {took:?}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    // The trickler and the silent ones are cut at the handshake's deadline (5 s by default), the
+    // trickler's bytes notwithstanding.
+    let cut = closed_within(&mut trickler, Duration::from_secs(15));
+    println!("trickling peer cut after {cut:?} more");
+    assert!(cut < Duration::from_secs(9), "{cut:?}");
+    closed_within(&mut silent[0], Duration::from_secs(15));
+    dripping.join().unwrap();
+    kill9(&recv);
+}
+
+/// Forwards one connection from a listener of its own to the bridge at `port`, recording what the
+/// client sent; returns the proxy's port and the recording, complete once the client closed.
+fn recording_proxy(port: u16) -> (u16, std::thread::JoinHandle<Vec<u8>>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || {
+        let (mut client, _) = l.accept().unwrap();
+        let mut bridge = connect(port);
+        let mut from_bridge = bridge.try_clone().unwrap();
+        let mut to_client = client.try_clone().unwrap();
+        let back = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut from_bridge, &mut to_client);
+        });
+        let mut sent = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match client.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    sent.extend_from_slice(&buf[..n]);
+                    if bridge.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = bridge.shutdown(std::net::Shutdown::Both);
+        let _ = back.join();
+        sent
+    });
+    (at, t)
+}
+
+#[test]
+fn a_recorded_session_replayed_is_refused() {
+    let (_reap, _near, far, recv, port) = lone_recv("replay");
+    // A sender's session, recorded on its way: the handshake, then its channel (of 0 buffers, so
+    // the bridge refuses it and stays free).
+    let (via, recording) = recording_proxy(port);
+    let (mut s, mut session) = handshake(via);
+    let channel = Msg::Channel {
+        buffers: 0,
+        buffer_bytes: 4096,
+        kind: 0,
+        agent: "recorded".into(),
+    };
+    session.send(&mut s, &channel).unwrap();
+    let m = session
+        .recv(&mut s, Duration::from_secs(10), "the refusal")
+        .unwrap();
+    assert!(
+        matches!(&m, Msg::Refused { reason } if reason.contains("buffers")),
+        "{m:?}"
+    );
+    drop(s);
+    let sent = recording.join().unwrap();
+    assert!(sent.len() > 100, "recorded {} bytes", sent.len());
+    // Played again, byte for byte: the bridge's challenge is new, so the recorded proof fails.
+    let mut replay = connect(port);
+    replay.write_all(&sent).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let first = wire::recv_handshake(&mut replay, deadline, "the challenge").unwrap();
+    assert!(matches!(first, Msg::Challenge { .. }), "{first:?}");
+    match wire::recv_handshake(&mut replay, deadline, "the verdict").unwrap() {
+        Msg::Refused { reason } => assert!(reason.contains("wrong secret"), "{reason}"),
+        m => panic!("a replayed session was answered with {m:?}"),
+    }
+    assert!(
+        inspect::inspect(&far).is_err(),
+        "no far channel for a replay"
+    );
+    // The bridge still serves a real sender's handshake.
+    handshake(port);
+    kill9(&recv);
+}
+
+#[test]
+fn a_bad_geometry_or_kind_from_a_peer_with_the_secret_is_refused_and_the_next_sender_served() {
+    let (_reap, near, far, recv, port) = lone_recv("geometry");
+    for (buffers, buffer_bytes, kind, says) in [
+        (0, 4096, 0, "0 buffers"),
+        (u32::MAX, 4096, 0, "4294967295 buffers"),
+        (4, 1u64 << 63, 0, "9223372036854775808 bytes"),
+        (4, 0, 0, "buffers of 0 bytes"),
+        (4, 4096, 255, "memory kind 255"),
+    ] {
+        let (mut s, mut session) = handshake(port);
+        let m = Msg::Channel {
+            buffers,
+            buffer_bytes,
+            kind,
+            agent: "bad".into(),
+        };
+        session.send(&mut s, &m).unwrap();
+        match session.recv(&mut s, Duration::from_secs(10), "the refusal") {
+            Ok(Msg::Refused { reason }) => {
+                assert!(
+                    reason.contains(says) && reason.contains("allowed"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{m:?} was answered with {other:?}"),
+        }
+        assert!(inspect::inspect(&far).is_err(), "no far channel for {m:?}");
+    }
+    // The bridge goes on: a good sender is served, frames checked.
+    let mut producer = spawn(
+        "producer",
+        &[("NEAR", near.clone()), ("FRAMES", "0".into())],
+    );
+    producer.expect("ready", ANSWER);
+    let send = start_send(&near, port);
+    wait_for_channel(&far);
+    let rx = attach(&far, Delivery::EveryFrame);
+    producer.send("go");
+    receive(&rx, 20);
+    drop(rx);
+    for p in [&producer, &send, &recv] {
         kill9(p);
     }
 }

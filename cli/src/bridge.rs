@@ -135,6 +135,7 @@ mod run {
     use crate::Outcome;
     use cuda_ipc::channel::Delivery;
     use cuda_ipc::remote::nixl::Place;
+    use cuda_ipc::remote::report::UcxLog;
     use cuda_ipc::remote::wire::Secret;
     use cuda_ipc::remote::{LaneOptions, RemoteError, recv, send};
     use std::error::Error;
@@ -235,20 +236,19 @@ mod run {
 
     /// Starts this program again with UCX's environment for a lane whose control connection
     /// uses local address `ip` (`cuda_ipc::remote::environment`), unless that was done already.
-    /// Returns the UCX log file when it is this process's.
-    fn with_environment(
-        ip: std::net::IpAddr,
-        channel: &str,
-    ) -> Result<Option<PathBuf>, Box<dyn Error>> {
-        let log = std::env::temp_dir().join(format!(
-            "cuda-ipc-bridge-{channel}-{}.ucx.log",
-            std::process::id()
-        ));
+    /// UCX's log goes into a private folder made for it (`UcxLog`: mode 0700, a fresh random
+    /// name), never to a name others could predict or plant in the shared temp folder. Returns
+    /// that log once restarted (dropping it removes the folder); `None` when `UCX_LOG_FILE` was
+    /// the user's own.
+    fn with_environment(ip: std::net::IpAddr) -> Result<Option<UcxLog>, Box<dyn Error>> {
         if std::env::var_os(READY).is_some() {
-            let ours = std::env::var_os("UCX_LOG_FILE").is_some_and(|f| f == log.as_os_str());
-            return Ok(ours.then_some(log));
+            return Ok(UcxLog::adopt_from_env());
         }
-        let env = cuda_ipc::remote::environment(ip, Some(&log));
+        let log = match std::env::var_os("UCX_LOG_FILE") {
+            Some(_) => None,
+            None => Some(UcxLog::create()?),
+        };
+        let env = cuda_ipc::remote::environment(ip, log.as_ref());
         let exe = std::env::current_exe()?;
         let err = std::process::Command::new(exe)
             .args(std::env::args_os().skip(1))
@@ -277,7 +277,7 @@ mod run {
             } => {
                 let peer = first_addr(&connect)?;
                 let ip = cuda_ipc::remote::local_address_towards(peer)?;
-                let log = with_environment(ip, &channel)?;
+                let log = with_environment(ip)?;
                 let mut opts = send::SendOptions::new(&channel, &connect, secret.load()?);
                 opts.delivery = if delivery == "latest" {
                     Delivery::LatestOnly
@@ -295,9 +295,7 @@ mod run {
                     );
                     match r {
                         Ok(send::Ended::Closed) => {
-                            if let Some(l) = &log {
-                                let _ = std::fs::remove_file(l);
-                            }
+                            drop(log);
                             return Ok(Outcome::Ok);
                         }
                         Ok(e) => {
@@ -329,7 +327,7 @@ mod run {
                 link_timeout_ms,
             } => {
                 let addr = first_addr(&listen)?;
-                let log = with_environment(addr.ip(), &channel)?;
+                let log = with_environment(addr.ip())?;
                 let mut opts = recv::RecvOptions::new(&channel, secret.load()?);
                 opts.place = if memory == "device" {
                     Place::Device(device)
@@ -348,9 +346,7 @@ mod run {
                             "cuda-ipc bridge recv: the near channel closed after {frames} frames"
                         );
                         r?;
-                        if let Some(l) = &log {
-                            let _ = std::fs::remove_file(l);
-                        }
+                        drop(log);
                         Ok(Outcome::Ok)
                     }
                     recv::Ended::Lost { producer, reason } => {
@@ -361,6 +357,8 @@ mod run {
                         // The producer is not dropped (that would close the channel): the process
                         // ends with it open, and consumers see ProducerGone.
                         let _keep = producer;
+                        // `exit` runs no destructor: UCX's private log folder is removed first.
+                        drop(log);
                         std::process::exit(3)
                     }
                     _ => Ok(Outcome::Problems),

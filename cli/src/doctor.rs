@@ -603,9 +603,11 @@ mod tests {
 
     #[test]
     fn a_control_socket_or_pipe_nobody_serves_is_stale_and_one_served_is_live() {
+        // A folder of this test's alone (mode 0700): `mkdir` fails on a name someone else made
+        // first, and nothing of another user's is removed.
+        use std::os::unix::fs::DirBuilderExt as _;
         let dir = std::env::temp_dir().join(format!("doctor-mps-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
         let sock = dir.join("control");
         assert_eq!(control_state(&sock), Control::Absent);
         let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();

@@ -1,7 +1,8 @@
 //! `cuda-ipc bridge send|recv` (feature `remote`) carrying a host channel between processes of
 //! this machine over loopback TCP: frames checked at the far end, `ls` showing the far channel as
-//! bridged with the transport UCX reported, both bridges ending when the near channel closes; a
-//! wrong secret refused; NIXL missing reported as `Unsupported`, never an abort.
+//! bridged with the transport UCX reported, both bridges ending when the near channel closes, and
+//! files planted at the name UCX's log once had left untouched; a wrong secret refused; NIXL
+//! missing reported as `Unsupported`, never an abort.
 #![cfg(feature = "remote")]
 
 mod common;
@@ -22,25 +23,123 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A folder of this test's alone (mode 0700; `mkdir` fails on a name someone else made first, so
+/// nothing here is written into a folder another user planted).
+fn private_dir(tag: &str) -> PathBuf {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let d = std::env::temp_dir().join(format!("cuda-ipc-bridge-test-{tag}-{}", std::process::id()));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&d)
+        .unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+    d
+}
+
 fn secret_file(tag: &str, text: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("cuda-ipc-bridge-test-{tag}-{}", std::process::id()));
-    std::fs::write(&p, text).unwrap();
+    let p = private_dir(tag).join("secret");
     // A secret file others may read is refused: 0600, as the README says.
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&p)
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
     p
 }
 
-fn bridge(args: &[&str]) -> Child {
+/// Removes a secret file and its private folder.
+fn remove_secret(p: PathBuf) {
+    if let Some(d) = p.parent() {
+        let _ = std::fs::remove_file(&p);
+        let _ = std::fs::remove_dir(d);
+    }
+}
+
+/// Starts `cuda-ipc bridge ARGS` with the temp folder `tmp` (where its UCX log's private folder
+/// goes: a bridge killed leaves it there).
+fn bridge(args: &[&str], tmp: &std::path::Path) -> Child {
     Command::new(bin())
         .arg("-v")
         .arg("bridge")
         .args(args)
+        .env("TMPDIR", tmp)
         .env("UCX_TLS", "tcp,self,cuda_copy")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// What was planted at the bridge's old UCX log name.
+enum Plant {
+    /// A symlink to this file (a root bridge once wrote its log through it).
+    Link(PathBuf),
+    /// A file open to all, holding `planted` (the bridge once logged into it and read it back).
+    File,
+}
+
+/// Starts `cuda-ipc bridge ARGS` with `TMPDIR=tmp` through a shell that first plants `plant` at
+/// the name the bridge's UCX log had before (`cuda-ipc-bridge-CHANNEL-PID.ucx.log` in the temp
+/// folder, PID the shell's own, which `exec` keeps: the name another user could predict).
+fn bridge_planted(args: &[&str], channel: &str, tmp: &std::path::Path, plant: &Plant) -> Child {
+    let at = "\"$TMPDIR/cuda-ipc-bridge-$CH-$$.ucx.log\"";
+    let script = match plant {
+        Plant::Link(_) => format!("ln -s \"$VICTIM\" {at} && exec \"$@\""),
+        Plant::File => format!("printf planted > {at} && chmod 666 {at} && exec \"$@\""),
+    };
+    let victim = match plant {
+        Plant::Link(v) => v.clone(),
+        Plant::File => PathBuf::new(),
+    };
+    Command::new("sh")
+        .args(["-c", &script, "sh"])
+        .arg(bin())
+        .arg("-v")
+        .arg("bridge")
+        .args(args)
+        .env("TMPDIR", tmp)
+        .env("CH", channel)
+        .env("VICTIM", victim)
+        .env("UCX_TLS", "tcp,self,cuda_copy")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Checks UCX's transport as a bridge reported it (`TRANSPORTS@DEVICES`): TCP on the loopback
+/// interface, with UCX's CUDA transports (`cuda_copy`, `cuda_ipc`, device `cuda`) named beside
+/// them only where a GPU is present (UCX loads them there whatever the memory).
+fn assert_transport(summary: &str) {
+    let (transports, devices) = summary.split_once('@').expect(summary);
+    let transports: Vec<&str> = transports.split(',').collect();
+    let devices: Vec<&str> = devices.split(',').collect();
+    assert!(
+        transports.contains(&"tcp") && devices.contains(&"lo"),
+        "{summary}"
+    );
+    for t in &transports {
+        assert!(["tcp", "cuda_copy", "cuda_ipc"].contains(t), "{summary}");
+    }
+    for d in &devices {
+        assert!(["lo", "cuda"].contains(d), "{summary}");
+    }
+}
+
+/// The word after `before` in `text`, up to `after`.
+fn word_between<'t>(text: &'t str, before: &str, after: &str) -> &'t str {
+    let from = text
+        .find(before)
+        .unwrap_or_else(|| panic!("{before:?} in {text}"))
+        + before.len();
+    let rest = &text[from..];
+    &rest[..rest
+        .find(after)
+        .unwrap_or_else(|| panic!("{after:?} in {rest}"))]
 }
 
 fn wait(mut c: Child, limit: Duration) -> (Option<i32>, String) {
@@ -66,26 +165,42 @@ fn the_bridge_commands_carry_a_channel_and_ls_shows_it_bridged() {
     let port = free_port().to_string();
     let listen = format!("127.0.0.1:{port}");
     let s = secret.to_str().unwrap();
-    let recv = bridge(&[
-        "recv",
-        "--channel",
+    // The temp folder of both bridges, where another user planted a link to a file of root's
+    // (mode 0600) and a file open to all at the names UCX's log had before.
+    use std::os::unix::fs::PermissionsExt as _;
+    let tmp = private_dir("tmp");
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let victim = secret_file("victim", "root's own\n");
+    let recv = bridge_planted(
+        &[
+            "recv",
+            "--channel",
+            &far,
+            "--listen",
+            &listen,
+            "--secret-file",
+            s,
+        ],
         &far,
-        "--listen",
-        &listen,
-        "--secret-file",
-        s,
-    ]);
+        &tmp,
+        &Plant::Link(victim.clone()),
+    );
     let mut tx = Producer::create_host(&near, &ChannelOptions::new(BYTES).buffers(3)).unwrap();
-    let send = bridge(&[
-        "send",
-        "--channel",
+    let send = bridge_planted(
+        &[
+            "send",
+            "--channel",
+            &near,
+            "--connect",
+            &listen,
+            "--secret-file",
+            s,
+            "--once",
+        ],
         &near,
-        "--connect",
-        &listen,
-        "--secret-file",
-        s,
-        "--once",
-    ]);
+        &tmp,
+        &Plant::File,
+    );
     let start = Instant::now();
     let rx = loop {
         match Consumer::attach(&far, &ConsumerOptions::new()) {
@@ -120,7 +235,7 @@ fn the_bridge_commands_carry_a_channel_and_ls_shows_it_bridged() {
         text.contains("bridged over NIXL: filled from 127.0.0.1:"),
         "{text}"
     );
-    assert!(text.contains("UCX tcp@lo (host)"), "{text}");
+    assert_transport(word_between(&text, "; UCX ", " (host)"));
     let json = Command::new(bin())
         .args(["ls", &far, "--json"])
         .output()
@@ -140,13 +255,44 @@ fn the_bridge_commands_carry_a_channel_and_ls_shows_it_bridged() {
     assert_eq!(code, Some(0), "{out}");
     let (code, out) = wait(recv, Duration::from_secs(30));
     assert_eq!(code, Some(0), "{out}");
-    assert!(
-        out.contains("lane (recv): UCX transport tcp@lo (host)"),
-        "{out}"
-    );
+    assert_transport(word_between(&out, "lane (recv): UCX transport ", " (host)"));
     assert!(!out.contains("s3cret"), "the secret is never logged");
     assert!(inspect::inspect(&far).is_err(), "the far channel is gone");
-    let _ = std::fs::remove_file(secret);
+    // What was planted is untouched: the link's target keeps its bytes and mode, the planted file
+    // its bytes; the bridges logged into private folders of their own, gone now. Nothing else of
+    // theirs is in the temp folder.
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root's own\n");
+    let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let mut left: Vec<String> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left.len(), 2, "{left:?}");
+    for name in &left {
+        let p = tmp.join(name);
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        if m.file_type().is_symlink() {
+            assert!(
+                name.starts_with(&format!("cuda-ipc-bridge-{far}-")),
+                "{name}"
+            );
+            assert_eq!(std::fs::read_link(&p).unwrap(), victim);
+        } else {
+            assert!(
+                name.starts_with(&format!("cuda-ipc-bridge-{near}-")),
+                "{name}"
+            );
+            assert_eq!(std::fs::read_to_string(&p).unwrap(), "planted");
+        }
+    }
+    for name in &left {
+        let _ = std::fs::remove_file(tmp.join(name));
+    }
+    let _ = std::fs::remove_dir(&tmp);
+    remove_secret(victim);
+    remove_secret(secret);
 }
 
 #[test]
@@ -156,26 +302,33 @@ fn a_wrong_secret_is_refused_on_both_sides() {
     let good = secret_file("good", "right");
     let bad = secret_file("bad", "wrong");
     let listen = format!("127.0.0.1:{}", free_port());
-    let recv = bridge(&[
-        "recv",
-        "--channel",
-        &far,
-        "--listen",
-        &listen,
-        "--secret-file",
-        good.to_str().unwrap(),
-    ]);
+    let tmp = private_dir("tmp-bad");
+    let recv = bridge(
+        &[
+            "recv",
+            "--channel",
+            &far,
+            "--listen",
+            &listen,
+            "--secret-file",
+            good.to_str().unwrap(),
+        ],
+        &tmp,
+    );
     let _tx = Producer::create_host(&near, &ChannelOptions::new(BYTES)).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let send = bridge(&[
-        "send",
-        "--channel",
-        &near,
-        "--connect",
-        &listen,
-        "--secret-file",
-        bad.to_str().unwrap(),
-    ]);
+    let send = bridge(
+        &[
+            "send",
+            "--channel",
+            &near,
+            "--connect",
+            &listen,
+            "--secret-file",
+            bad.to_str().unwrap(),
+        ],
+        &tmp,
+    );
     let (code, out) = wait(send, Duration::from_secs(30));
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("wrong secret"), "{out}");
@@ -189,8 +342,10 @@ fn a_wrong_secret_is_refused_on_both_sides() {
     let (_, out) = wait(recv, Duration::from_secs(5));
     assert!(out.contains("wrong secret"), "{out}");
     for f in [good, bad] {
-        let _ = std::fs::remove_file(f);
+        remove_secret(f);
     }
+    // The killed bridge's UCX log folder, in this test's own temp folder.
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 #[test]
@@ -214,5 +369,5 @@ fn without_nixl_the_bridge_says_what_is_missing_and_how_to_install_it() {
     assert!(err.contains("not supported here"), "{err}");
     assert!(err.contains("libnixl_capi.so"), "{err}");
     assert!(err.contains("pip install --no-deps nixl-cu13"), "{err}");
-    let _ = std::fs::remove_file(secret);
+    remove_secret(secret);
 }

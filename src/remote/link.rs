@@ -1,8 +1,9 @@
-//! A control connection after its handshake: a reader thread turning messages into a queue (and
-//! silence over [`LaneOptions::link_timeout`] or a closed connection into an error), a heartbeat
-//! thread, and sends from the bridge's thread.
+//! A control connection after its handshake: a reader thread checking each sealed message
+//! ([`wire::Opener`]) and turning it into a queue (and silence over [`LaneOptions::link_timeout`],
+//! a closed connection or a message that fails its authentication into an error), a heartbeat
+//! thread, and sends, sealed ([`wire::Sealer`]), from the bridge's thread.
 
-use super::wire::{self, Msg};
+use super::wire::{self, Msg, Sealer, Session};
 use super::{LaneOptions, RemoteError};
 use crate::error::{Error, Result};
 use std::net::TcpStream;
@@ -14,7 +15,9 @@ use std::time::Duration;
 
 /// A live control connection.
 pub(super) struct Link {
-    writer: Arc<Mutex<TcpStream>>,
+    /// The connection's writing end and this direction's sealer: one lock, so sequence numbers
+    /// go out in the order they were given.
+    writer: Arc<Mutex<(TcpStream, Sealer)>>,
     rx: mpsc::Receiver<std::result::Result<Msg, String>>,
     done: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -27,11 +30,12 @@ fn lost(reason: String) -> Error {
 }
 
 impl Link {
-    /// Starts the reader and heartbeat threads on `stream`.
-    pub(super) fn start(stream: TcpStream, opts: &LaneOptions) -> Result<Link> {
+    /// Starts the reader and heartbeat threads on `stream`, whose handshake made `session`.
+    pub(super) fn start(stream: TcpStream, session: Session, opts: &LaneOptions) -> Result<Link> {
         let io = |e: std::io::Error| lost(format!("cloning the connection: {e}"));
         let mut reader = stream.try_clone().map_err(io)?;
-        let writer = Arc::new(Mutex::new(stream.try_clone().map_err(io)?));
+        let Session { sealer, mut opener } = session;
+        let writer = Arc::new(Mutex::new((stream.try_clone().map_err(io)?, sealer)));
         let done = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel();
         let silence = opts.link_timeout;
@@ -40,7 +44,12 @@ impl Link {
             .name("lane-reader".into())
             .spawn(move || {
                 loop {
-                    match wire::recv(&mut reader, silence, "a message from the lane's peer") {
+                    match wire::recv_sealed(
+                        &mut opener,
+                        &mut reader,
+                        silence,
+                        "a message from the lane's peer",
+                    ) {
                         Ok(Msg::Ping) => {}
                         Ok(m) => {
                             if tx.send(Ok(m)).is_err() {
@@ -72,11 +81,12 @@ impl Link {
             .name("lane-heartbeat".into())
             .spawn(move || {
                 while !d.load(Ordering::Relaxed) {
-                    let Ok(mut s) = w.lock() else { return };
-                    if wire::send(&mut s, &Msg::Ping).is_err() {
+                    let Ok(mut g) = w.lock() else { return };
+                    let (s, sealer) = &mut *g;
+                    if wire::send_sealed(sealer, s, &Msg::Ping).is_err() {
                         return;
                     }
-                    drop(s);
+                    drop(g);
                     std::thread::sleep(period);
                 }
             })
@@ -91,16 +101,17 @@ impl Link {
         })
     }
 
-    /// Sends `m`.
+    /// Sends `m`, sealed.
     ///
     /// # Errors
     /// [`RemoteError::Link`] when the connection failed.
     pub(super) fn send(&self, m: &Msg) -> Result<()> {
-        let mut s = self
+        let mut g = self
             .writer
             .lock()
             .map_err(|_| lost("a writer thread panicked".into()))?;
-        wire::send(&mut s, m)
+        let (s, sealer) = &mut *g;
+        wire::send_sealed(sealer, s, m)
     }
 
     /// The next message, waiting up to `timeout` (`Duration::ZERO`: only what has arrived);

@@ -3,6 +3,16 @@
 //!
 //! Owns: the two bridges ([`send`] on the producer's host, [`recv`] on the consumers'), their
 //! control connection ([`wire`], plain TCP) and the NIXL agent they move frames with ([`nixl`]).
+//!
+//! The control connection proves the shared secret both ways without sending it (HMAC-SHA256
+//! challenge-response over fresh nonces from each end, the whole exchange against one deadline)
+//! and authenticates every later message with a key derived from the secret and both nonces and
+//! a sequence number per direction, so a replayed, reordered or injected message, or a recorded
+//! session, is refused ([`wire`]); it is not encrypted. The receiving bridge greets each
+//! connection on a thread of its own (at most [`recv::MAX_HANDSHAKES`] at once), so a slow or
+//! silent peer never delays another, and refuses a geometry out of bounds
+//! ([`wire::check_geometry`]) and goes on waiting for the next sender. UCX's log, which the lane
+//! reads for its transport report, is a file in a private folder ([`report::UcxLog`]).
 //! Built on the channel's public API only ([`Producer`], [`Consumer`]); it never changes the
 //! channel's segments or protocol.
 //!
@@ -82,7 +92,9 @@ pub enum RemoteError {
 pub struct LaneOptions {
     /// Connecting the control connection (per address tried); default 5 s.
     pub connect_timeout: Duration,
-    /// Each handshake and metadata step (one message each way); default 5 s.
+    /// A connection's whole handshake (one deadline for every message of it, however its bytes
+    /// trickle in; on the receiving side the sender's channel geometry too), and the metadata
+    /// step after it; default 5 s.
     pub handshake_timeout: Duration,
     /// How often each end sends a heartbeat; default 100 ms.
     pub heartbeat: Duration,
@@ -188,11 +200,14 @@ pub fn local_address_towards(peer: std::net::SocketAddr) -> crate::Result<std::n
 ///   UCX's TCP transport listens and connects there alone, not on every interface. RDMA users
 ///   name their devices themselves (`UCX_NET_DEVICES=mlx5_0:1,eth0`). An unspecified `ip`
 ///   (0.0.0.0) names no interface: left out, with a warning;
-/// - `UCX_PROTO_INFO=y` and `UCX_LOG_FILE=log`, when `log` is given: UCX prints its protocol
-///   choices there, where [`report::from_ucx_log`] reads which transport carried the lane.
+/// - `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` naming `log`'s file, when `log` is given: UCX prints
+///   its protocol choices there, where [`report::from_ucx_log`] reads which transport carried the
+///   lane. A [`report::UcxLog`] is a file in a private folder of this user: UCX opens it by its
+///   path (following links, truncating), so a name others could predict or plant in a shared
+///   folder is never given.
 pub fn environment(
     ip: std::net::IpAddr,
-    log: Option<&std::path::Path>,
+    log: Option<&report::UcxLog>,
 ) -> Vec<(&'static str, std::ffi::OsString)> {
     let mut v = Vec::new();
     if std::env::var_os("UCX_NET_DEVICES").is_none() {
@@ -209,7 +224,7 @@ pub fn environment(
             v.push(("UCX_PROTO_INFO", "y".into()));
         }
         if std::env::var_os("UCX_LOG_FILE").is_none() {
-            v.push(("UCX_LOG_FILE", log.as_os_str().to_owned()));
+            v.push(("UCX_LOG_FILE", log.path().as_os_str().to_owned()));
         }
     }
     v

@@ -5,14 +5,15 @@ use super::link::Link;
 use super::nixl::{Lane, Place, Region};
 use super::report::{self, Role, Status};
 use super::send::unexpected;
-use super::wire::{self, FrameNote, Msg, PROTOCOL_VERSION, Secret};
+use super::wire::{self, FrameNote, Msg, Secret, Session};
 use super::{LaneOptions, RemoteError};
 use crate::channel::{ChannelOptions, LentFrame, Producer};
 use crate::driver::{Context, Device};
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 /// How a receiving bridge runs.
@@ -78,21 +79,30 @@ pub enum Ended {
     Stopped(Box<Producer>),
 }
 
-/// Waits on `listener` for a sending bridge that presents the secret (others are refused and
-/// logged, and waiting goes on), then creates the far channel with the near channel's geometry,
-/// registers its buffers with NIXL as it acquires them, and publishes the frames written into
-/// them, until the session ends (see [`Ended`]). Accepts one session; a lost session ends the
-/// call.
+/// Waits on `listener` for a sending bridge that proves the secret and names a channel geometry
+/// this bridge can serve (others are refused and logged, and waiting goes on), then creates the far
+/// channel with that geometry, registers its buffers with NIXL as it acquires them, and publishes
+/// the frames written into them, until the session ends (see [`Ended`]). Accepts one session; a
+/// lost session ends the call.
+///
+/// Connections are greeted concurrently, each on a thread of its own with one deadline for its
+/// whole handshake and geometry ([`LaneOptions::handshake_timeout`]), so a slow or silent peer
+/// never delays another; beyond [`MAX_HANDSHAKES`] connections in their handshake, new ones are
+/// closed at once. A peer that connects while a session runs is told at once that the bridge is
+/// busy.
 ///
 /// # Errors
-/// Before the far channel exists: the errors of [`Producer::create_host`] and
-/// [`Producer::create`] (a live producer already serving the name is
-/// [`crate::channel::ChannelError::AlreadyExists`]); [`Error::Unsupported`] when NIXL is not
-/// installed (checked first); [`Error::Timeout`] when `stop` was set while waiting; a refused
-/// peer or one that fails its handshake (each step bounded by [`LaneOptions::handshake_timeout`])
-/// is logged and the next one awaited. Once the far channel exists, every failure is
-/// [`Ended::Lost`], and a NIXL agent that cannot be made is told to the peer and returned as
-/// [`RemoteError::Refused`].
+/// [`Error::Unsupported`] when NIXL is not installed (checked first); the errors of
+/// [`Device::get`] and [`Device::primary_context`] for [`Place::Device`] (before any peer);
+/// [`Error::Timeout`] when `stop` was set while waiting; [`RemoteError::Link`] when the listener
+/// fails. A peer refused (wrong secret, another version, a geometry out of bounds: 0 or over
+/// [`crate::channel::MAX_BUFFERS`] buffers, 0 or over [`wire::MAX_BUFFER_BYTES`] bytes each, a far
+/// pool larger than this host's memory, an unknown memory kind), one that fails its handshake, and
+/// one whose far channel cannot be made (too large to allocate, a quota) is told why and logged,
+/// and the next one awaited; a live producer already serving the name
+/// ([`crate::channel::ChannelError::AlreadyExists`]) is told and returned. Once the far channel
+/// exists, every failure is [`Ended::Lost`], and a NIXL agent that cannot be made is told to the
+/// peer and returned as [`RemoteError::Refused`].
 pub fn serve(
     opts: &RecvOptions,
     listener: &TcpListener,
@@ -100,78 +110,89 @@ pub fn serve(
     frames: &mut u64,
 ) -> Result<Ended> {
     super::nixl::probe()?;
-    let hs = opts.lane.handshake_timeout;
-    // Until a peer that presented the secret names its channel, a failed peer is logged and
-    // the next one awaited.
-    let (mut stream, peer, buffers, buffer_bytes, kind) = loop {
+    // UCX's CUDA transports work in the thread's current context: the far pool's (the device's
+    // primary context) is current for the whole session, NIXL's backend creation included; it is
+    // left after the lane (declared before it, so dropped after it) is gone.
+    let gpu_ctx: Option<std::sync::Arc<Context>> = match opts.place {
+        Place::Host => None,
+        Place::Device(d) => Some(Device::get(d as usize).and_then(|dev| dev.primary_context())?),
+    };
+    let _current = gpu_ctx.as_ref().map(|c| c.enter()).transpose()?;
+    let door = Door::open(listener, opts)?;
+    // Until a peer that proved the secret names a channel this bridge can make, a failed peer is
+    // logged and the next one awaited.
+    let (mut stream, peer, mut session, producer, kind, far_buffers, buffer_bytes) = loop {
         if stop.load(Ordering::Relaxed) {
             return Err(Error::Timeout {
                 what: "a sending bridge (stopped)",
                 after: Duration::ZERO,
             });
         }
-        let (mut s, peer) = match accept(listener, opts, hs) {
-            Ok(Some(x)) => x,
-            Ok(None) => {
-                std::thread::sleep(Duration::from_millis(20));
-                continue;
-            }
+        door.admit();
+        let Some(mut a) = door.next(Duration::from_millis(20)) else {
+            continue;
+        };
+        let refuse = |a: &mut Arrival, why: &str| {
+            tracing::warn!("lane: refused {}: {why}", a.peer);
+            let reason = why.to_string();
+            let _ = a.session.send(&mut a.stream, &Msg::Refused { reason });
+        };
+        let g = match wire::check_geometry(a.buffers, a.buffer_bytes, a.kind) {
+            Ok(g) => g,
             Err(e) => {
-                tracing::warn!("lane: refused a peer: {e}");
+                refuse(&mut a, &e.to_string());
                 continue;
             }
         };
-        match wire::recv(&mut s, hs, "the near channel's geometry") {
-            Ok(Msg::Channel {
-                buffers,
-                buffer_bytes,
-                kind,
-                agent: _,
-            }) => break (s, peer, buffers, buffer_bytes, kind),
-            Ok(m) => tracing::warn!("lane: {peer}: {}", unexpected(&m, "the near channel")),
-            Err(e) => tracing::warn!("lane: {peer} left before naming its channel: {e}"),
+        let far_buffers = opts.buffers.unwrap_or(g.buffers);
+        if let Err(why) = fits(opts.place, far_buffers, g.buffer_bytes) {
+            refuse(&mut a, &why);
+            continue;
+        }
+        let mut copts = ChannelOptions::new(g.buffer_bytes)
+            .buffers(far_buffers)
+            .max_consumers(opts.max_consumers);
+        let producer = match &gpu_ctx {
+            None => Producer::create_host(&opts.channel, &copts),
+            Some(ctx) => {
+                copts = copts.memory(crate::channel::MemoryKind::Auto);
+                Producer::create(ctx, &opts.channel, &copts)
+            }
+        };
+        match producer {
+            Ok(p) => {
+                break (
+                    a.stream,
+                    a.peer,
+                    a.session,
+                    Box::new(p),
+                    g.kind,
+                    far_buffers,
+                    g.buffer_bytes,
+                );
+            }
+            Err(e @ Error::Channel(crate::channel::ChannelError::AlreadyExists { .. })) => {
+                let why = format!("the far channel: {e}");
+                let _ = a.session.send(
+                    &mut a.stream,
+                    &Msg::Refused {
+                        reason: why.clone(),
+                    },
+                );
+                return Err(RemoteError::Refused(why).into());
+            }
+            Err(e) => refuse(&mut a, &format!("the far channel: {e}")),
         }
     };
-    let refuse = |stream: &mut TcpStream, why: String| -> Error {
-        let _ = wire::send(
+    let mut producer = producer;
+    let refuse = |stream: &mut TcpStream, session: &mut Session, why: String| -> Error {
+        let _ = session.send(
             stream,
             &Msg::Refused {
                 reason: why.clone(),
             },
         );
         RemoteError::Refused(why).into()
-    };
-    let Ok(buffer_bytes) = usize::try_from(buffer_bytes) else {
-        return Err(refuse(
-            &mut stream,
-            format!("buffers of {buffer_bytes} bytes"),
-        ));
-    };
-    let far_buffers = opts.buffers.unwrap_or(buffers as usize);
-    let mut copts = ChannelOptions::new(buffer_bytes)
-        .buffers(far_buffers)
-        .max_consumers(opts.max_consumers);
-    // UCX's CUDA transports work in the thread's current context: the far pool's (the device's
-    // primary context) is current for the whole session, NIXL's backend creation included; it is
-    // left after the lane (declared before it, so dropped after it) is gone.
-    let gpu_ctx: Option<std::sync::Arc<Context>> = match opts.place {
-        Place::Host => None,
-        Place::Device(d) => match Device::get(d as usize).and_then(|dev| dev.primary_context()) {
-            Ok(c) => Some(c),
-            Err(e) => return Err(refuse(&mut stream, format!("device {d}: {e}"))),
-        },
-    };
-    let _current = gpu_ctx.as_ref().map(|c| c.enter()).transpose()?;
-    let producer = match &gpu_ctx {
-        None => Producer::create_host(&opts.channel, &copts),
-        Some(ctx) => {
-            copts = copts.memory(crate::channel::MemoryKind::Auto);
-            Producer::create(ctx, &opts.channel, &copts)
-        }
-    };
-    let mut producer = match producer {
-        Ok(p) => Box::new(p),
-        Err(e) => return Err(refuse(&mut stream, format!("the far channel: {e}"))),
     };
     // The header's `transport` word: a bridge fills this channel (`cuda-ipc ls` shows it; the
     // status file says over what).
@@ -183,7 +204,13 @@ pub fn serve(
     }
     let mut lane = match Lane::new(&agent) {
         Ok(l) => l,
-        Err(e) => return Err(refuse(&mut stream, format!("NIXL on the far host: {e}"))),
+        Err(e) => {
+            return Err(refuse(
+                &mut stream,
+                &mut session,
+                format!("NIXL on the far host: {e}"),
+            ));
+        }
     };
     let lost = |producer, reason: String| {
         tracing::error!("lane: channel {}: {reason}", opts.channel);
@@ -197,7 +224,7 @@ pub fn serve(
         .credits
         .min(far_buffers.saturating_sub(1))
         .clamp(1, wire::MAX_CREDITS as usize);
-    if let Err(e) = wire::send(
+    if let Err(e) = session.send(
         &mut stream,
         &Msg::Ready {
             agent: agent.clone(),
@@ -213,7 +240,7 @@ pub fn serve(
         opts.channel,
         opts.place
     );
-    let mut link = match Link::start(stream, &opts.lane) {
+    let mut link = match Link::start(stream, session, &opts.lane) {
         Ok(l) => l,
         Err(e) => return lost(producer, e.to_string()),
     };
@@ -221,7 +248,7 @@ pub fn serve(
     status.write();
     let r = pump(
         opts,
-        listener,
+        &door,
         stop,
         &mut producer,
         &mut lane,
@@ -259,73 +286,195 @@ pub fn serve(
     }
 }
 
-/// Refuses every connection waiting on `listener` (nonblocking) with a `Refused` message saying
-/// the bridge serves another sender; the peer's hello is not read, and each write is bounded.
-fn turn_away(listener: &TcpListener, channel: &str) {
-    if listener.set_nonblocking(true).is_err() {
-        return;
+/// The most connections a receiving bridge greets at once (each on a thread of its own, for at
+/// most [`LaneOptions::handshake_timeout`]); more are closed at once.
+pub const MAX_HANDSHAKES: usize = 256;
+
+/// Whether a far pool of `buffers` × `buffer_bytes` fits this host: in host memory, at most the
+/// machine's physical memory (device memory is left to the allocation, whose failure is told to
+/// the peer).
+fn fits(place: Place, buffers: usize, buffer_bytes: usize) -> std::result::Result<(), String> {
+    let pool = (buffers as u128) * (buffer_bytes.next_multiple_of(4096) as u128);
+    if place == Place::Host {
+        // SAFETY: `sysconf` reads a system constant; no pointers.
+        let (pages, page) = unsafe {
+            (
+                libc::sysconf(libc::_SC_PHYS_PAGES),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        let memory = (pages.max(0) as u128) * (page.max(0) as u128);
+        if memory > 0 && pool > memory {
+            return Err(format!(
+                "a far pool of {buffers} buffers of {buffer_bytes} bytes ({pool} bytes) is larger \
+                 than this host's memory ({memory} bytes)"
+            ));
+        }
     }
-    while let Ok((mut s, addr)) = listener.accept() {
-        let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
-        let reason = format!("busy: this bridge already serves a sender for channel {channel}");
-        let _ = wire::send(&mut s, &Msg::Refused { reason });
-        tracing::warn!("lane: turned away {addr}: a session for channel {channel} is running");
+    Ok(())
+}
+
+/// A sending bridge that proved the secret and named its channel's geometry (not yet checked).
+struct Arrival {
+    stream: TcpStream,
+    peer: String,
+    session: Session,
+    buffers: u32,
+    buffer_bytes: u64,
+    kind: u8,
+}
+
+/// The listener and the connections in their handshake: each is greeted on a thread of its own
+/// against one deadline, and those that finish it come out of [`Door::next`].
+struct Door<'l> {
+    listener: &'l TcpListener,
+    secret: Secret,
+    handshake: Duration,
+    tx: mpsc::Sender<Arrival>,
+    rx: mpsc::Receiver<Arrival>,
+    /// Connections in their handshake: a count only (each thread lowers it as it ends), read to
+    /// bound the threads; no other memory is published through it, so it is `Relaxed`.
+    greeting: Arc<AtomicUsize>,
+}
+
+/// Lowers the count of connections in their handshake when a greeting thread ends, however.
+struct Greeting(Arc<AtomicUsize>);
+
+impl Drop for Greeting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// Accepts one connection if one waits and runs the handshake: `Ok(None)` when none waits,
-/// `Ok(Some)` for a peer that presented the secret and our version, `Err` for one refused.
-fn accept(
-    listener: &TcpListener,
-    opts: &RecvOptions,
-    hs: Duration,
-) -> Result<Option<(TcpStream, String)>> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| RemoteError::Link(format!("listening: {e}")))?;
-    let (mut s, addr) = match listener.accept() {
-        Ok(x) => x,
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
-        Err(e) => return Err(RemoteError::Link(format!("accepting: {e}")).into()),
-    };
+impl<'l> Door<'l> {
+    fn open(listener: &'l TcpListener, opts: &RecvOptions) -> Result<Door<'l>> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| RemoteError::Link(format!("listening: {e}")))?;
+        let (tx, rx) = mpsc::channel();
+        Ok(Door {
+            listener,
+            secret: opts.secret.clone(),
+            handshake: opts.lane.handshake_timeout,
+            tx,
+            rx,
+            greeting: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Takes every connection waiting on the listener and greets each on a thread of its own;
+    /// beyond [`MAX_HANDSHAKES`] in their handshake, a new one is closed at once.
+    fn admit(&self) {
+        loop {
+            let (s, addr) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // A connection reset before it was taken, or out of descriptors: logged, and
+                    // the next turn tries again.
+                    tracing::warn!("lane: accepting a connection: {e}");
+                    return;
+                }
+            };
+            if self.greeting.load(Ordering::Relaxed) >= MAX_HANDSHAKES {
+                tracing::warn!(
+                    "lane: closed {addr} at once: {MAX_HANDSHAKES} connections are in their \
+                     handshake"
+                );
+                continue; // dropped: closed
+            }
+            self.greeting.fetch_add(1, Ordering::Relaxed);
+            let guard = Greeting(self.greeting.clone());
+            let secret = self.secret.clone();
+            let tx = self.tx.clone();
+            let deadline = Instant::now() + self.handshake;
+            let spawned = std::thread::Builder::new()
+                .name("lane-handshake".into())
+                .stack_size(128 * 1024)
+                .spawn(move || {
+                    let _guard = guard;
+                    match greet(s, addr, &secret, deadline) {
+                        // The bridge took another sender (or returned) meanwhile: this one's
+                        // connection closes here.
+                        Ok(a) => drop(tx.send(a)),
+                        Err(e @ Error::Remote(RemoteError::Refused(_))) => {
+                            tracing::warn!("lane: refused {addr}: {e}");
+                        }
+                        Err(e) => tracing::warn!("lane: {addr} failed its handshake: {e}"),
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("lane: closed {addr}: starting its handshake thread: {e}");
+            }
+        }
+    }
+
+    /// The next sender that finished its handshake, waiting up to `wait`.
+    fn next(&self, wait: Duration) -> Option<Arrival> {
+        self.rx.recv_timeout(wait).ok()
+    }
+
+    /// Refuses every connection waiting on the listener with a `Refused` message saying the bridge
+    /// serves another sender (their hello is not read, each write is bounded), and every sender
+    /// that finished its handshake meanwhile (sealed).
+    fn turn_away(&self, channel: &str) {
+        let reason = format!("busy: this bridge already serves a sender for channel {channel}");
+        while let Ok((mut s, addr)) = self.listener.accept() {
+            let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = wire::send(
+                &mut s,
+                &Msg::Refused {
+                    reason: reason.clone(),
+                },
+            );
+            tracing::warn!("lane: turned away {addr}: a session for channel {channel} is running");
+        }
+        while let Ok(mut a) = self.rx.try_recv() {
+            let _ = a.stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = a.session.send(
+                &mut a.stream,
+                &Msg::Refused {
+                    reason: reason.clone(),
+                },
+            );
+            tracing::warn!(
+                "lane: turned away {}: a session for channel {channel} is running",
+                a.peer
+            );
+        }
+    }
+}
+
+/// Greets one connection: the handshake ([`wire::handshake_recv`]) and the sender's channel
+/// geometry, all by `deadline`.
+fn greet(
+    mut s: TcpStream,
+    addr: std::net::SocketAddr,
+    secret: &Secret,
+    deadline: Instant,
+) -> Result<Arrival> {
     s.set_nonblocking(false)
         .map_err(|e| RemoteError::Link(format!("{addr}: {e}")))?;
     let _ = s.set_nodelay(true);
-    let _ = s.set_write_timeout(Some(hs));
-    match wire::recv(&mut s, hs, "the peer's hello")? {
-        Msg::Hello { version, secret } => {
-            if !opts.secret.matches(&secret) {
-                let _ = wire::send(
-                    &mut s,
-                    &Msg::Refused {
-                        reason: "wrong secret".into(),
-                    },
-                );
-                return Err(
-                    RemoteError::Refused(format!("{addr} presented a wrong secret")).into(),
-                );
-            }
-            if version != PROTOCOL_VERSION {
-                let why =
-                    format!("protocol version {version}; this bridge speaks {PROTOCOL_VERSION}");
-                let _ = wire::send(
-                    &mut s,
-                    &Msg::Refused {
-                        reason: why.clone(),
-                    },
-                );
-                return Err(RemoteError::Refused(format!("{addr}: {why}")).into());
-            }
-        }
-        m => return Err(unexpected(&m, "a hello")),
+    let mut session = wire::handshake_recv(&mut s, secret, deadline)?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    match session.recv(&mut s, left, "the near channel's geometry")? {
+        Msg::Channel {
+            buffers,
+            buffer_bytes,
+            kind,
+            agent: _,
+        } => Ok(Arrival {
+            stream: s,
+            peer: addr.to_string(),
+            session,
+            buffers,
+            buffer_bytes,
+            kind,
+        }),
+        m => Err(unexpected(&m, "the near channel")),
     }
-    wire::send(
-        &mut s,
-        &Msg::Welcome {
-            version: PROTOCOL_VERSION,
-        },
-    )?;
-    Ok(Some((s, addr.to_string())))
 }
 
 enum Outcome {
@@ -418,7 +567,7 @@ fn on_message(m: Msg, flow: &mut Flow, session: u64) -> Result<Option<Outcome>> 
 #[allow(clippy::too_many_arguments)]
 fn pump(
     opts: &RecvOptions,
-    listener: &TcpListener,
+    door: &Door<'_>,
     stop: &AtomicBool,
     producer: &mut Producer,
     lane: &mut Lane,
@@ -454,7 +603,7 @@ fn pump(
         // bridge is busy, instead of waiting in the listen backlog for a handshake timeout.
         if Instant::now() >= next_turn_away {
             next_turn_away = Instant::now() + Duration::from_millis(100);
-            turn_away(listener, &opts.channel);
+            door.turn_away(&opts.channel);
         }
         // 1. Control messages.
         while flow.ending.is_none() {

@@ -11,7 +11,8 @@
 
 use super::nixl::Place;
 use crate::identity::ProcessIdentity;
-use std::path::PathBuf;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::OnceLock;
 
 /// A bridge's end of the lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,11 +222,164 @@ pub fn ucx_log_path() -> Option<PathBuf> {
     ))
 }
 
+/// A file for UCX's log that no other user can predict, plant or replace: a folder of a fresh
+/// random name in the temp folder (`$TMPDIR`, else `/tmp`), created with mode 0700 by this user
+/// (`mkdir` fails on a name that exists, so a planted one is never taken), and `ucx.log` in it
+/// created with `O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600. UCX writes it by its path
+/// (`UCX_LOG_FILE`, see [`environment`](super::environment)); the lane reads it back through
+/// [`from_ucx_log`], only from a folder no other user may write to. Dropping it removes the file
+/// and the folder.
+#[derive(Debug)]
+pub struct UcxLog {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl UcxLog {
+    /// Creates the private folder and the empty log file in it.
+    ///
+    /// # Errors
+    /// [`crate::Error::Os`] (`mkdir` or `open`, with the path) when either cannot be created.
+    pub fn create() -> crate::Result<UcxLog> {
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        let tmp = std::env::temp_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("cuda-ipc-ucx-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
+            .tempdir_in(&tmp)
+            .map_err(|e| crate::OsError::io("mkdir", tmp.display().to_string(), e))?
+            .keep();
+        let log = UcxLog {
+            path: dir.join("ucx.log"),
+            dir,
+        };
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&log.path)
+            .map_err(|e| crate::OsError::io("open", log.path.display().to_string(), e))?;
+        Ok(log)
+    }
+
+    /// Takes over the log that `UCX_LOG_FILE` names when it is one [`UcxLog::create`] made for
+    /// this user (the process that started this one with [`environment`](super::environment)):
+    /// `ucx.log` in a folder that only this user may enter (mode 0700, owned by this user), so
+    /// that dropping it removes them. `None` for any other file.
+    pub fn adopt_from_env() -> Option<UcxLog> {
+        use std::os::unix::fs::MetadataExt as _;
+        let path = ucx_log_path()?;
+        let dir = path.parent()?.to_path_buf();
+        let ours = |m: &std::fs::Metadata| m.uid() == rustix::process::geteuid().as_raw();
+        let d = std::fs::symlink_metadata(&dir).ok()?;
+        let named = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("cuda-ipc-ucx-"));
+        (named
+            && path.file_name() == Some(std::ffi::OsStr::new("ucx.log"))
+            && d.is_dir()
+            && ours(&d)
+            && d.mode() & 0o077 == 0
+            && open_private(&path).is_ok())
+        .then_some(UcxLog { dir, path })
+    }
+
+    /// The log file's path, for `UCX_LOG_FILE`.
+    pub fn path(&self) -> &FsPath {
+        &self.path
+    }
+}
+
+impl Drop for UcxLog {
+    fn drop(&mut self) {
+        // Only ours: the folder is this user's alone, so nothing else can be under these names.
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Opens UCX's log `path` for reading when no other user can have planted or rewritten it: its
+/// folder (not a link) is owned by this user or root and writable by no one else, and the file,
+/// opened without following a link, is a regular file of this user writable by no one else.
+fn open_private(path: &FsPath) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
+    let refuse = |why: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why);
+    let me = rustix::process::geteuid().as_raw();
+    let dir = path.parent().unwrap_or(FsPath::new("."));
+    let d = std::fs::symlink_metadata(dir)?;
+    if !d.is_dir() || (d.uid() != me && d.uid() != 0) || d.mode() & 0o022 != 0 {
+        return Err(refuse(format!(
+            "its folder {} is not this user's alone (mode {:o}, owner {}): other users could \
+             plant or replace the file",
+            dir.display(),
+            d.mode() & 0o7777,
+            d.uid()
+        )));
+    }
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() || m.uid() != me || m.mode() & 0o022 != 0 {
+        return Err(refuse(format!(
+            "not a regular file of this user writable by it alone (mode {:o}, owner {})",
+            m.mode() & 0o7777,
+            m.uid()
+        )));
+    }
+    Ok(f)
+}
+
+/// Reads the whole of `f` from its start (by its descriptor, whatever its offset).
+fn read_all(f: &std::fs::File) -> std::io::Result<String> {
+    use std::os::unix::fs::FileExt as _;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match f.read_at(&mut buf, out.len() as u64) {
+            Ok(0) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+        // UCX's protocol tables are a few KiB; a log grown past 16 MiB is cut there.
+        if out.len() > 16 << 20 {
+            break;
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// UCX's log as this process opened it, once: see [`open_private`].
+fn ucx_log_file() -> Option<&'static std::fs::File> {
+    static LOG: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let path = ucx_log_path()?;
+        match open_private(&path) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(
+                    "lane: UCX's log {} is not read ({e}); make it with remote::report::UcxLog",
+                    path.display()
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
 /// Reads UCX's log (see [`ucx_log_path`]) and judges it ([`Transport::parse`]); `None` when UCX
-/// logs elsewhere (stdout) or the file cannot be read. Warnings and errors UCX wrote there are
-/// passed on to the log.
+/// logs elsewhere (stdout) or the file cannot be read. The file is opened once per process
+/// (without following a link) and read by that descriptor, and only when no other user can have
+/// planted or rewritten it: its folder is writable by its owner alone, this user or root (as the
+/// folder of a [`UcxLog`]), and it is this user's regular file; any other is not read, with a
+/// warning. Warnings and errors UCX wrote there are passed on to the log.
 pub fn from_ucx_log(near: Place, far: Place) -> Option<Transport> {
-    let text = std::fs::read_to_string(ucx_log_path()?).ok()?;
+    let text = read_all(ucx_log_file()?).ok()?;
     for l in text.lines() {
         if l.contains(" WARN ") || l.contains(" ERROR ") {
             tracing::warn!("UCX: {}", l.trim());
@@ -294,27 +448,52 @@ impl Status {
         )
     }
 
-    /// Writes the status file (a temporary file in the same folder renamed over it); failures
-    /// are logged at debug level, as the file only informs.
+    /// Writes the status file: a temporary file of a fresh random name in the same folder
+    /// (`NAME.tmp-lane-XXXXXX`, created with `O_EXCL`, so never a file or link planted there),
+    /// made readable to all (0644) and renamed over the name (which replaces a link there, never
+    /// writes through it). Failures are logged at debug level, as the file only informs.
     pub fn write(&self) {
+        use std::io::Write as _;
+        use std::os::unix::fs::PermissionsExt as _;
         let path = status_path(&self.channel);
-        let mut tmp = path.clone().into_os_string();
-        tmp.push(format!(".tmp-lane-{}", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        let r = std::fs::write(&tmp, self.text()).and_then(|()| std::fs::rename(&tmp, &path));
+        let r = (|| -> std::io::Result<()> {
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            let mut tmp = tempfile::Builder::new()
+                .prefix(&format!("{name}.tmp-lane-"))
+                .rand_bytes(8)
+                .tempfile_in(path.parent().unwrap_or(FsPath::new("/dev/shm")))?;
+            tmp.write_all(self.text().as_bytes())?;
+            tmp.as_file()
+                .set_permissions(std::fs::Permissions::from_mode(0o644))?;
+            tmp.persist(&path).map_err(|e| e.error)?;
+            Ok(())
+        })();
         if let Err(e) = r {
-            let _ = std::fs::remove_file(&tmp);
             tracing::debug!("lane status {}: {e}", path.display());
         }
     }
 
-    /// Removes the status file if it is still this process's (its pid and start time).
+    /// Removes the status file if it is still this process's: a regular file of this user (opened
+    /// without following a link) naming its pid and start time.
     pub fn remove(&self) {
+        use std::io::Read as _;
+        use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
         let path = status_path(&self.channel);
         let Some(me) = self.me else { return };
-        let Ok(text) = std::fs::read_to_string(&path) else {
+        let Ok(mut f) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+        else {
             return;
         };
+        let mine = f
+            .metadata()
+            .is_ok_and(|m| m.is_file() && m.uid() == rustix::process::geteuid().as_raw());
+        let mut text = String::new();
+        if !mine || f.read_to_string(&mut text).is_err() {
+            return;
+        }
         let ours = text.lines().any(|l| l == format!("pid={}", me.pid))
             && text
                 .lines()
@@ -328,6 +507,84 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ucx_logs_live_in_private_folders_and_planted_files_are_never_read() {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let a = UcxLog::create().unwrap();
+        let b = UcxLog::create().unwrap();
+        assert_ne!(a.path(), b.path(), "a fresh name each time");
+        let dir = a.path().parent().unwrap().to_path_buf();
+        let d = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(d.is_dir() && d.mode() & 0o777 == 0o700, "{:o}", d.mode());
+        let f = std::fs::symlink_metadata(a.path()).unwrap();
+        assert!(f.is_file() && f.mode() & 0o777 == 0o600, "{:o}", f.mode());
+        // What UCX writes by the path is read back by the descriptor.
+        std::fs::write(a.path(), "| 0..inf | zero-copy | tcp/lo |\n").unwrap();
+        let text = read_all(&open_private(a.path()).unwrap()).unwrap();
+        assert_eq!(
+            Transport::parse(&text, Place::Host, Place::Host).path,
+            Path::Host
+        );
+        // A file in a folder others may write (the shared temp folder), and a link, are refused.
+        let shared = dir.join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let planted = shared.join("ucx.log");
+        std::fs::write(&planted, "planted").unwrap();
+        assert!(open_private(&planted).is_err(), "a file in a shared folder");
+        let link = dir.join("link.log");
+        std::os::unix::fs::symlink(a.path(), &link).unwrap();
+        assert!(open_private(&link).is_err(), "a link");
+        // A file others may write, in a private folder.
+        let open = dir.join("open.log");
+        std::fs::write(&open, "x").unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(open_private(&open).is_err(), "a file open to all");
+        for p in [&planted, &link, &open] {
+            std::fs::remove_file(p).unwrap();
+        }
+        std::fs::remove_dir(&shared).unwrap();
+        // Dropping a log removes its file and folder.
+        drop(a);
+        assert!(!dir.exists());
+        let other = b.path().parent().unwrap().to_path_buf();
+        drop(b);
+        assert!(!other.exists());
+    }
+
+    #[test]
+    fn a_status_file_is_written_through_a_temporary_of_a_fresh_name_never_through_a_link() {
+        let channel = format!("report-status-unit-{}", std::process::id());
+        let path = status_path(&channel);
+        // A link planted at the status file's name, to a file of ours that must keep its bytes.
+        let victim = UcxLog::create().unwrap();
+        std::fs::write(victim.path(), "victim").unwrap();
+        let _ = std::fs::remove_file(&path);
+        std::os::unix::fs::symlink(victim.path(), &path).unwrap();
+        let s = Status::new(Role::Recv, &channel, "peer:1", Place::Host);
+        s.write();
+        assert_eq!(std::fs::read_to_string(victim.path()).unwrap(), "victim");
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert!(m.is_file(), "the link was replaced, not written through");
+        assert!(
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .contains("role=recv")
+        );
+        // No temporary left beside it.
+        let tmp = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("cuda-ipc.br.{channel}.tmp-lane-"))
+            });
+        assert!(!tmp);
+        s.remove();
+        assert!(!path.exists(), "its own status file is removed");
+    }
 
     #[test]
     fn a_staged_device_path_is_told_apart_from_a_direct_one() {

@@ -4,7 +4,7 @@
 use super::link::Link;
 use super::nixl::{Lane, Place, Region, Target, Write};
 use super::report::{self, Role, Status};
-use super::wire::{self, FrameNote, MAX_CREDITS, Msg, POSTING_AFTER, PROTOCOL_VERSION, Secret};
+use super::wire::{self, FrameNote, MAX_CREDITS, Msg, POSTING_AFTER, Secret};
 use super::{LaneOptions, RemoteError};
 use crate::channel::inspect;
 use crate::channel::{Consumer, ConsumerOptions, Delivery, Frame, WaitStrategy};
@@ -92,17 +92,20 @@ pub fn connect(connect: &str, lane: &LaneOptions) -> Result<TcpStream> {
     Err(RemoteError::Link(last).into())
 }
 
-/// Runs one session: connects ([`connect`]), presents the secret, attaches to the near channel,
-/// creates the NIXL agent, exchanges metadata, and then sends frames until the near channel ends,
+/// Runs one session: connects ([`connect`]), proves the secret and checks the receiving bridge's
+/// proof ([`wire::handshake_send`], whole within [`LaneOptions::handshake_timeout`]), attaches to
+/// the near channel, creates the NIXL agent, exchanges metadata (sealed, as every later message),
+/// and then sends frames until the near channel ends,
 /// `stop` is set, or the link fails. Detaches from the near channel before returning, so a bridge
 /// that lost its link never holds the near producer back; call again to resume (a restarted
 /// receiving bridge accepts the new session; the near producer keeps running).
 ///
 /// # Errors
-/// As [`connect`]; [`RemoteError::Refused`] (wrong secret, other protocol version) and
-/// [`RemoteError::Protocol`]; [`Error::Timeout`] for a handshake step over
-/// [`LaneOptions::handshake_timeout`]; the errors of [`Consumer::attach`]; [`Error::Unsupported`]
-/// when NIXL is not installed; [`RemoteError::Nixl`] from NIXL calls; [`RemoteError::Link`] when
+/// As [`connect`]; [`RemoteError::Refused`] (wrong secret, other protocol version, a receiving
+/// bridge busy with another sender or refusing the geometry, one that failed to prove the secret)
+/// and [`RemoteError::Protocol`]; [`Error::Timeout`] for a handshake over
+/// [`LaneOptions::handshake_timeout`] (or the metadata step after it); the errors of
+/// [`Consumer::attach`]; [`Error::Unsupported`] when NIXL is not installed; [`RemoteError::Nixl`] from NIXL calls; [`RemoteError::Link`] when
 /// the link is lost mid-session.
 pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Result<Ended> {
     super::nixl::probe()?;
@@ -112,24 +115,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| opts.connect.clone());
-    wire::send(
-        &mut stream,
-        &Msg::Hello {
-            version: PROTOCOL_VERSION,
-            secret: opts.secret.bytes().to_vec(),
-        },
-    )?;
-    match wire::recv(&mut stream, hs, "the lane's welcome")? {
-        Msg::Welcome { version } if version == PROTOCOL_VERSION => {}
-        Msg::Welcome { version } => {
-            return Err(RemoteError::Refused(format!(
-                "the receiving bridge speaks protocol version {version}, this one {PROTOCOL_VERSION}"
-            ))
-            .into());
-        }
-        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
-        m => return Err(unexpected(&m, "a welcome")),
-    }
+    let mut session = wire::handshake_send(&mut stream, &opts.secret, Instant::now() + hs)?;
     // The next near frame is waited for as the lane's other polls are: without a pause for
     // `spin`, then asleep on the channel's futex.
     let consumer = Consumer::attach(
@@ -156,7 +142,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         super::check_binding(a.ip());
     }
     let mut lane = Lane::new(&agent)?;
-    wire::send(
+    session.send(
         &mut stream,
         &Msg::Channel {
             buffers,
@@ -165,7 +151,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
             agent: agent.clone(),
         },
     )?;
-    let (remote, credits) = match wire::recv(&mut stream, hs, "the far channel's metadata")? {
+    let (remote, credits) = match session.recv(&mut stream, hs, "the far channel's metadata")? {
         Msg::Ready {
             agent: _,
             buffer_bytes: far,
@@ -194,7 +180,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
          (NIXL agent {remote})",
         opts.channel
     );
-    let mut link = Link::start(stream, &opts.lane)?;
+    let mut link = Link::start(stream, session, &opts.lane)?;
     let mut status = Status::new(Role::Send, &opts.channel, &peer, place);
     status.write();
     let mut credits = Credits {
@@ -607,7 +593,5 @@ fn geometry(channel: &str) -> Result<(u32, u64)> {
 }
 
 pub(super) fn unexpected(m: &Msg, wanted: &str) -> Error {
-    let tag = format!("{m:?}");
-    let name = tag.split([' ', '{']).next().unwrap_or("?").to_string();
-    RemoteError::Protocol(format!("got {name} where {wanted} belongs")).into()
+    wire::unexpected_msg(m, wanted)
 }

@@ -1,29 +1,54 @@
-//! The control connection: a plain TCP stream carrying the handshake (magic, version, the shared
-//! secret), NIXL agent metadata, credits (a far buffer free to be written) and heartbeats. Frames
-//! never travel here; they go by NIXL WRITE, their notification carrying [`FrameNote`].
+//! The control connection: a plain TCP stream carrying the handshake, NIXL agent metadata,
+//! credits (a far buffer free to be written) and heartbeats. Frames never travel here; they go by
+//! NIXL WRITE, their notification carrying [`FrameNote`].
 //!
-//! A message is a `u32` little-endian length (tag and body, at most [`MAX_MESSAGE`] bytes), a
-//! one-byte tag and its body; integers are little-endian, strings and byte strings a `u32` length
-//! and their bytes. Anything else is [`RemoteError::Protocol`], never a panic.
+//! A message is a `u32` little-endian length, a one-byte tag and its body; integers are
+//! little-endian, strings and byte strings a `u32` length and their bytes. Anything else is
+//! [`RemoteError::Protocol`], never a panic.
+//!
+//! The handshake ([`handshake_send`], [`handshake_recv`]) proves the shared secret both ways
+//! without sending it: each end sends a fresh random nonce ([`NONCE_LEN`] bytes), the sending
+//! bridge answers with HMAC-SHA256 of both nonces keyed by the secret, and the receiving bridge,
+//! once that checked out (compared in constant time), with its own (another label, so one proof is
+//! never the other). Before the proofs, messages are at most [`MAX_HANDSHAKE_MESSAGE`] bytes and
+//! only the handshake's tags parse ([`Msg::decode_handshake`]); the whole exchange runs against one
+//! deadline, not a timeout per read. Every later message is sealed by a [`Session`]: the message is
+//! followed by HMAC-SHA256 ([`MAC_LEN`] bytes) of its sequence number in that direction and its
+//! bytes, keyed by that direction's key, derived from the secret and both nonces; so a message
+//! replayed, reordered, injected or altered is refused ([`Opener::open`]), and a recorded session
+//! cannot be replayed (the other end's nonce differs). Nothing is encrypted: metadata, credits and
+//! frame notifications can be read on the wire, not forged.
 
 use super::RemoteError;
 use crate::error::{Error, Result};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The first bytes of a lane's handshake.
 pub const MAGIC: [u8; 8] = *b"CIPCLANE";
 /// The control protocol's version; both ends must speak the same (2: several credits
-/// outstanding, [`Msg::Ready`] says how many).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// outstanding, [`Msg::Ready`] says how many; 3: the secret proven by challenge-response, every
+/// later message authenticated).
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The most credits a receiving bridge may have outstanding ([`Msg::Ready`]'s `credits`).
 pub const MAX_CREDITS: u32 = crate::channel::MAX_BUFFERS as u32;
 /// A WRITE posted more than this after the last one is announced ([`Msg::Posting`]); the
 /// receiving bridge polls without a pause at least this long after each notification.
 pub const POSTING_AFTER: Duration = Duration::from_micros(500);
-/// The largest message in bytes (NIXL metadata of one agent is a few KiB).
+/// The largest message in bytes after the handshake, its MAC included (NIXL metadata of one agent
+/// is a few KiB).
 pub const MAX_MESSAGE: usize = 4 << 20;
+/// The largest handshake message in bytes (before the peer proved the secret; a hello is 45).
+pub const MAX_HANDSHAKE_MESSAGE: usize = 1024;
+/// Bytes of a handshake nonce (random, from the kernel's `getrandom`).
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a proof and of a message's MAC (HMAC-SHA256).
+pub const MAC_LEN: usize = 32;
+
+type HmacSha256 = Hmac<Sha256>;
 
 /// A shared secret, from a file or an environment variable. Its bytes are never printed: `Debug`
 /// shows its length only.
@@ -136,18 +161,35 @@ fn trim_newline(mut b: Vec<u8>) -> Vec<u8> {
 
 /// One control message.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Msg {
-    /// Sender → receiver, first: magic, version and the secret.
+    /// Sender → receiver, first (handshake): magic, version and the sender's nonce.
     Hello {
         /// [`PROTOCOL_VERSION`] of the sender.
         version: u32,
-        /// The secret's bytes.
-        secret: Vec<u8>,
+        /// Fresh random bytes of this connection.
+        nonce: [u8; NONCE_LEN],
     },
-    /// Receiver → sender: the secret and version were accepted.
+    /// Receiver → sender (handshake): magic, version and the receiver's nonce.
+    Challenge {
+        /// [`PROTOCOL_VERSION`] of the receiver.
+        version: u32,
+        /// Fresh random bytes of this connection.
+        nonce: [u8; NONCE_LEN],
+    },
+    /// Sender → receiver (handshake): HMAC-SHA256 of both nonces keyed by the secret, with the
+    /// sender's label.
+    Proof {
+        /// The MAC.
+        mac: [u8; MAC_LEN],
+    },
+    /// Receiver → sender (handshake): the sender's proof was accepted; the receiver's own proof
+    /// (with the receiver's label), which the sender checks.
     Welcome {
         /// [`PROTOCOL_VERSION`] of the receiver.
         version: u32,
+        /// The MAC.
+        mac: [u8; MAC_LEN],
     },
     /// Either way: the peer is refused, and why (never the secret).
     Refused {
@@ -247,6 +289,11 @@ impl Cursor<'_> {
     fn string(&mut self) -> Result<String> {
         String::from_utf8(self.bytes()?).map_err(|_| protocol("a string is not UTF-8"))
     }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut b = [0u8; N];
+        b.copy_from_slice(self.take(N)?);
+        Ok(b)
+    }
 }
 
 fn protocol(what: &str) -> Error {
@@ -263,16 +310,27 @@ impl Msg {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; 4];
         match self {
-            Msg::Hello { version, secret } => {
+            Msg::Hello { version, nonce } => {
                 b.push(1);
                 b.extend_from_slice(&MAGIC);
                 b.extend_from_slice(&version.to_le_bytes());
-                put_bytes(&mut b, secret);
+                b.extend_from_slice(nonce);
             }
-            Msg::Welcome { version } => {
+            Msg::Challenge { version, nonce } => {
+                b.push(10);
+                b.extend_from_slice(&MAGIC);
+                b.extend_from_slice(&version.to_le_bytes());
+                b.extend_from_slice(nonce);
+            }
+            Msg::Proof { mac } => {
+                b.push(11);
+                b.extend_from_slice(mac);
+            }
+            Msg::Welcome { version, mac } => {
                 b.push(2);
                 b.extend_from_slice(&MAGIC);
                 b.extend_from_slice(&version.to_le_bytes());
+                b.extend_from_slice(mac);
             }
             Msg::Refused { reason } => {
                 b.push(3);
@@ -339,7 +397,43 @@ impl Msg {
         b
     }
 
-    /// Parses one message body (tag and fields, without the length prefix).
+    /// True for the messages of the handshake (and [`Msg::Refused`], which either phase may send).
+    pub fn is_handshake(&self) -> bool {
+        matches!(
+            self,
+            Msg::Hello { .. }
+                | Msg::Challenge { .. }
+                | Msg::Proof { .. }
+                | Msg::Welcome { .. }
+                | Msg::Refused { .. }
+        )
+    }
+
+    /// Parses one handshake message body (tag and fields, without the length prefix): what a peer
+    /// that has not proven the secret may send. A message of the session (a credit, the
+    /// channel's geometry, ...) is refused here: it is only ever read sealed ([`Opener::open`]).
+    ///
+    /// # Errors
+    /// As [`Msg::decode`], and [`RemoteError::Protocol`] for a body over
+    /// [`MAX_HANDSHAKE_MESSAGE`] or a message that is not the handshake's.
+    pub fn decode_handshake(body: &[u8]) -> Result<Msg> {
+        if body.len() > MAX_HANDSHAKE_MESSAGE {
+            return Err(protocol(&format!(
+                "a handshake message of {} bytes (at most {MAX_HANDSHAKE_MESSAGE})",
+                body.len()
+            )));
+        }
+        let m = Msg::decode(body)?;
+        if !m.is_handshake() {
+            return Err(protocol(&format!(
+                "{} before the handshake ended",
+                name_of(&m)
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Parses one message body (tag and fields, without the length prefix), of either phase.
     ///
     /// # Errors
     /// [`RemoteError::Protocol`] for an unknown tag, a wrong magic, a short body or bytes left
@@ -359,12 +453,23 @@ impl Msg {
                 magic(&mut c)?;
                 Msg::Hello {
                     version: c.u32()?,
-                    secret: c.bytes()?,
+                    nonce: c.array()?,
                 }
             }
+            10 => {
+                magic(&mut c)?;
+                Msg::Challenge {
+                    version: c.u32()?,
+                    nonce: c.array()?,
+                }
+            }
+            11 => Msg::Proof { mac: c.array()? },
             2 => {
                 magic(&mut c)?;
-                Msg::Welcome { version: c.u32()? }
+                Msg::Welcome {
+                    version: c.u32()?,
+                    mac: c.array()?,
+                }
             }
             3 => Msg::Refused {
                 reason: c.string()?,
@@ -405,47 +510,481 @@ impl Msg {
     }
 }
 
-/// Writes `m` to `s`.
+/// The name of `m`'s kind (`Credit`, `Hello`), for errors and logs: never its fields.
+pub(super) fn name_of(m: &Msg) -> String {
+    let tag = format!("{m:?}");
+    tag.split([' ', '{']).next().unwrap_or("?").to_string()
+}
+
+/// Writes `m` to `s` as it is (handshake messages and the busy refusal; a session's messages go
+/// through [`Session::send`]).
 ///
 /// # Errors
 /// [`RemoteError::Link`] when the write fails or times out.
 pub fn send(s: &mut TcpStream, m: &Msg) -> Result<()> {
-    s.write_all(&m.encode())
+    write_frame(s, &m.encode())
+}
+
+fn write_frame(s: &mut TcpStream, b: &[u8]) -> Result<()> {
+    s.write_all(b)
         .map_err(|e| RemoteError::Link(format!("sending to the peer: {e}")).into())
 }
 
-/// Reads one message from `s`, waiting at most `timeout` for its first byte and for the rest.
-///
-/// # Errors
-/// [`Error::Timeout`] when nothing arrived in time; [`RemoteError::Link`] when the peer closed the
-/// connection or it failed; [`RemoteError::Protocol`] for a message over [`MAX_MESSAGE`] or one
-/// that does not parse.
-pub fn recv(s: &mut TcpStream, timeout: Duration, what: &'static str) -> Result<Msg> {
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| RemoteError::Link(format!("setting a read timeout: {e}")))?;
-    let io = |e: std::io::Error| -> Error {
-        match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
-                what,
-                after: timeout,
-            },
-            std::io::ErrorKind::UnexpectedEof => {
-                RemoteError::Link("the peer closed the connection".into()).into()
-            }
-            _ => RemoteError::Link(format!("reading from the peer: {e}")).into(),
-        }
+/// Fills `buf` from `s` by `deadline`: however the bytes trickle in, the read ends then (each
+/// read waits only for what is left of the time).
+fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, what: &'static str) -> Result<()> {
+    let started = Instant::now();
+    let timeout = |_| Error::Timeout {
+        what,
+        after: started.elapsed(),
     };
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timeout(()));
+        }
+        s.set_read_timeout(Some(left))
+            .map_err(|e| RemoteError::Link(format!("setting a read timeout: {e}")))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(RemoteError::Link("the peer closed the connection".into()).into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(timeout(()));
+            }
+            Err(e) => return Err(RemoteError::Link(format!("reading from the peer: {e}")).into()),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one length-prefixed message body of at most `max` bytes, whole, by `deadline`.
+fn read_frame(
+    s: &mut TcpStream,
+    deadline: Instant,
+    max: usize,
+    what: &'static str,
+) -> Result<Vec<u8>> {
     let mut len = [0u8; 4];
-    s.read_exact(&mut len).map_err(io)?;
+    read_by(s, &mut len, deadline, what)?;
     let n = u32::from_le_bytes(len) as usize;
-    if n == 0 || n > MAX_MESSAGE {
+    if n == 0 || n > max {
         return Err(protocol(&format!(
-            "a message of {n} bytes (1 to {MAX_MESSAGE} allowed)"
+            "a message of {n} bytes (1 to {max} allowed)"
         )));
     }
     let mut body = vec![0u8; n];
-    s.read_exact(&mut body).map_err(io)?;
-    Msg::decode(&body)
+    read_by(s, &mut body, deadline, what)?;
+    Ok(body)
+}
+
+/// Reads one handshake message from `s`, whole by `deadline` (however slowly its bytes come):
+/// at most [`MAX_HANDSHAKE_MESSAGE`] bytes, parsed by [`Msg::decode_handshake`].
+///
+/// # Errors
+/// [`Error::Timeout`] when it was not whole by `deadline`; [`RemoteError::Link`] when the peer
+/// closed the connection or it failed; [`RemoteError::Protocol`] for a longer message, one that
+/// does not parse, or one that is not the handshake's.
+pub fn recv_handshake(s: &mut TcpStream, deadline: Instant, what: &'static str) -> Result<Msg> {
+    let body = read_frame(s, deadline, MAX_HANDSHAKE_MESSAGE, what)?;
+    Msg::decode_handshake(&body)
+}
+
+/// Fresh random bytes from the kernel (`getrandom`), for a nonce.
+///
+/// # Errors
+/// [`RemoteError::Link`] when the kernel gives none (a seccomp filter): a nonce is never made up
+/// from time or pids.
+pub fn nonce() -> Result<[u8; NONCE_LEN]> {
+    let mut b = [0u8; NONCE_LEN];
+    let mut filled = 0;
+    while filled < b.len() {
+        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => {
+                return Err(RemoteError::Link(format!("getrandom for a nonce: {e}")).into());
+            }
+        }
+    }
+    Ok(b)
+}
+
+/// The labels that keep each use of the secret apart.
+const SENDER_PROOF: &[u8] = b"cuda-ipc lane 3: sender proof";
+const RECEIVER_PROOF: &[u8] = b"cuda-ipc lane 3: receiver proof";
+const SESSION_KEY: &[u8] = b"cuda-ipc lane 3: session key";
+const TO_RECEIVER: &[u8] = b"cuda-ipc lane 3: sender to receiver";
+const TO_SENDER: &[u8] = b"cuda-ipc lane 3: receiver to sender";
+
+fn keyed(key: &[u8]) -> HmacSha256 {
+    // HMAC takes a key of any length (longer ones are hashed first): `new_from_slice` never fails.
+    <HmacSha256 as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC takes any key"))
+}
+
+/// HMAC-SHA256 of `parts`, one after the other, keyed by `key`.
+fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; MAC_LEN] {
+    let mut m = keyed(key);
+    for p in parts {
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// Whether `tag` is HMAC-SHA256 of `parts` keyed by `key`, compared in constant time
+/// (`Mac::verify_slice`).
+fn verify(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
+    let mut m = keyed(key);
+    for p in parts {
+        m.update(p);
+    }
+    m.verify_slice(tag).is_ok()
+}
+
+/// Which end of the lane a [`Session`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum End {
+    /// The sending bridge (it connects).
+    Sender,
+    /// The receiving bridge (it listens).
+    Receiver,
+}
+
+/// The sending half of a [`Session`]: seals each message with its MAC and sequence number.
+pub struct Sealer {
+    key: [u8; MAC_LEN],
+    seq: u64,
+}
+
+/// The receiving half of a [`Session`]: checks each message's MAC against the next sequence
+/// number of the other end.
+pub struct Opener {
+    key: [u8; MAC_LEN],
+    seq: u64,
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Sealer(seq {})", self.seq)
+    }
+}
+
+impl std::fmt::Debug for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Opener(seq {})", self.seq)
+    }
+}
+
+impl Sealer {
+    /// `m`'s bytes on the wire: a `u32` length, the message (tag and body) and HMAC-SHA256 of this
+    /// direction's next sequence number (`u64`, little-endian) and the message; the sequence
+    /// number goes up by one.
+    pub fn seal(&mut self, m: &Msg) -> Vec<u8> {
+        self.seal_bytes(&m.encode()[4..])
+    }
+
+    /// As [`Sealer::seal`] for `body`, bytes that need not be a message: what a peer holding the
+    /// secret could send, for tests and fuzzing of the parser behind the MAC
+    /// ([`Opener::open`]).
+    pub fn seal_bytes(&mut self, body: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(4 + body.len() + MAC_LEN);
+        b.extend_from_slice(&((body.len() + MAC_LEN) as u32).to_le_bytes());
+        b.extend_from_slice(body);
+        b.extend_from_slice(&mac(&self.key, &[&self.seq.to_le_bytes(), body]));
+        self.seq += 1;
+        b
+    }
+}
+
+impl Opener {
+    /// Checks and parses one sealed message `frame` (the message and its MAC, without the length
+    /// prefix): its MAC must be this direction's next sequence number's, which then goes up by
+    /// one. A handshake message is refused here, as is anything replayed, reordered, injected or
+    /// altered.
+    ///
+    /// # Errors
+    /// [`RemoteError::Protocol`] for a frame shorter than a MAC, a MAC that does not check out
+    /// (the sequence number is not advanced), a message that does not parse, and a handshake
+    /// message other than [`Msg::Refused`].
+    pub fn open(&mut self, frame: &[u8]) -> Result<Msg> {
+        if frame.len() <= MAC_LEN {
+            return Err(protocol(&format!(
+                "a sealed message of {} bytes (more than its {MAC_LEN}-byte MAC needed)",
+                frame.len()
+            )));
+        }
+        let (body, tag) = frame.split_at(frame.len() - MAC_LEN);
+        if !verify(&self.key, &[&self.seq.to_le_bytes(), body], tag) {
+            return Err(protocol(&format!(
+                "message {} failed its authentication (replayed, reordered, injected or altered)",
+                self.seq
+            )));
+        }
+        self.seq += 1;
+        let m = Msg::decode(body)?;
+        if m.is_handshake() && !matches!(m, Msg::Refused { .. }) {
+            return Err(protocol(&format!(
+                "{} after the handshake ended",
+                name_of(&m)
+            )));
+        }
+        Ok(m)
+    }
+}
+
+/// An authenticated control connection's keys: every message after the handshake is sealed
+/// ([`Sealer`]) and checked ([`Opener`]) with the key of its direction, derived from the secret
+/// and both nonces (HMAC-SHA256: a session key from the secret, then one key per direction from
+/// it), and the direction's sequence number.
+#[derive(Debug)]
+pub struct Session {
+    /// Seals what this end sends.
+    pub sealer: Sealer,
+    /// Checks what the other end sends.
+    pub opener: Opener,
+}
+
+impl Session {
+    /// The session of `end` after a handshake with nonces `sender` and `receiver`.
+    pub fn new(
+        secret: &Secret,
+        end: End,
+        sender: &[u8; NONCE_LEN],
+        receiver: &[u8; NONCE_LEN],
+    ) -> Session {
+        let key = mac(secret.bytes(), &[SESSION_KEY, sender, receiver]);
+        let to_receiver = mac(&key, &[TO_RECEIVER]);
+        let to_sender = mac(&key, &[TO_SENDER]);
+        let (tx, rx) = match end {
+            End::Sender => (to_receiver, to_sender),
+            End::Receiver => (to_sender, to_receiver),
+        };
+        Session {
+            sealer: Sealer { key: tx, seq: 0 },
+            opener: Opener { key: rx, seq: 0 },
+        }
+    }
+
+    /// Seals `m` and writes it to `s`.
+    ///
+    /// # Errors
+    /// [`RemoteError::Link`] when the write fails or times out.
+    pub fn send(&mut self, s: &mut TcpStream, m: &Msg) -> Result<()> {
+        send_sealed(&mut self.sealer, s, m)
+    }
+
+    /// Reads one sealed message from `s`, whole within `timeout`, and checks it
+    /// ([`Opener::open`]).
+    ///
+    /// # Errors
+    /// As [`recv_sealed`].
+    pub fn recv(
+        &mut self,
+        s: &mut TcpStream,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<Msg> {
+        recv_sealed(&mut self.opener, s, timeout, what)
+    }
+}
+
+/// Seals `m` with `sealer` and writes it to `s`.
+///
+/// # Errors
+/// [`RemoteError::Link`] when the write fails or times out.
+pub fn send_sealed(sealer: &mut Sealer, s: &mut TcpStream, m: &Msg) -> Result<()> {
+    write_frame(s, &sealer.seal(m))
+}
+
+/// Reads one sealed message from `s`, whole within `timeout` (its first byte and the rest), and
+/// checks it with `opener`.
+///
+/// # Errors
+/// [`Error::Timeout`] when it was not whole in time; [`RemoteError::Link`] when the peer closed the
+/// connection or it failed; [`RemoteError::Protocol`] for a message over [`MAX_MESSAGE`] and as
+/// [`Opener::open`].
+pub fn recv_sealed(
+    opener: &mut Opener,
+    s: &mut TcpStream,
+    timeout: Duration,
+    what: &'static str,
+) -> Result<Msg> {
+    let body = read_frame(s, Instant::now() + timeout, MAX_MESSAGE, what)?;
+    opener.open(&body)
+}
+
+/// The sending bridge's handshake on `s`, whole by `deadline`: a hello with a fresh nonce, the
+/// receiver's challenge, the sender's proof of the secret, and the receiver's proof checked.
+///
+/// # Errors
+/// [`RemoteError::Refused`] when the receiver refused us (its reason: a wrong secret, another
+/// version, busy), speaks another version, or failed to prove the secret;
+/// [`RemoteError::Protocol`] for another message; [`Error::Timeout`] past `deadline`;
+/// [`RemoteError::Link`] when the connection failed.
+pub fn handshake_send(s: &mut TcpStream, secret: &Secret, deadline: Instant) -> Result<Session> {
+    let mine = nonce()?;
+    let _ = s.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now())));
+    send(
+        s,
+        &Msg::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: mine,
+        },
+    )?;
+    let theirs = match recv_handshake(s, deadline, "the receiving bridge's challenge")? {
+        Msg::Challenge { version, nonce } if version == PROTOCOL_VERSION => nonce,
+        Msg::Challenge { version, .. } => return Err(other_version(version)),
+        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        m => return Err(unexpected_msg(&m, "a challenge")),
+    };
+    let proof = mac(secret.bytes(), &[SENDER_PROOF, &mine, &theirs]);
+    send(s, &Msg::Proof { mac: proof })?;
+    match recv_handshake(s, deadline, "the receiving bridge's welcome")? {
+        Msg::Welcome { version, mac } if version == PROTOCOL_VERSION => {
+            if !verify(secret.bytes(), &[RECEIVER_PROOF, &mine, &theirs], &mac) {
+                return Err(RemoteError::Refused(
+                    "the receiving bridge failed to prove the secret (wrong secret on its side, \
+                     or not the bridge named)"
+                        .into(),
+                )
+                .into());
+            }
+        }
+        Msg::Welcome { version, .. } => return Err(other_version(version)),
+        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        m => return Err(unexpected_msg(&m, "a welcome")),
+    }
+    Ok(Session::new(secret, End::Sender, &mine, &theirs))
+}
+
+/// The receiving bridge's handshake on `s`, whole by `deadline`: the sender's hello, a challenge
+/// with a fresh nonce, the sender's proof checked (a wrong one or another version is told to the
+/// peer, never with the secret), then the receiver's proof.
+///
+/// # Errors
+/// [`RemoteError::Refused`] for a wrong proof (`wrong secret`) or another version;
+/// [`RemoteError::Protocol`] for another message; [`Error::Timeout`] past `deadline`;
+/// [`RemoteError::Link`] when the connection failed.
+pub fn handshake_recv(s: &mut TcpStream, secret: &Secret, deadline: Instant) -> Result<Session> {
+    let _ = s.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now())));
+    let theirs = match recv_handshake(s, deadline, "the sending bridge's hello")? {
+        Msg::Hello { version, nonce } if version == PROTOCOL_VERSION => nonce,
+        Msg::Hello { version, .. } => {
+            let why = format!("protocol version {version}; this bridge speaks {PROTOCOL_VERSION}");
+            let _ = send(
+                s,
+                &Msg::Refused {
+                    reason: why.clone(),
+                },
+            );
+            return Err(RemoteError::Refused(why).into());
+        }
+        m => return Err(unexpected_msg(&m, "a hello")),
+    };
+    let mine = nonce()?;
+    send(
+        s,
+        &Msg::Challenge {
+            version: PROTOCOL_VERSION,
+            nonce: mine,
+        },
+    )?;
+    match recv_handshake(s, deadline, "the sending bridge's proof")? {
+        Msg::Proof { mac } => {
+            if !verify(secret.bytes(), &[SENDER_PROOF, &theirs, &mine], &mac) {
+                let _ = send(
+                    s,
+                    &Msg::Refused {
+                        reason: "wrong secret".into(),
+                    },
+                );
+                return Err(RemoteError::Refused(
+                    "wrong secret (its proof did not match: another secret, or a replayed session)"
+                        .into(),
+                )
+                .into());
+            }
+        }
+        m => return Err(unexpected_msg(&m, "a proof")),
+    }
+    send(
+        s,
+        &Msg::Welcome {
+            version: PROTOCOL_VERSION,
+            mac: mac(secret.bytes(), &[RECEIVER_PROOF, &theirs, &mine]),
+        },
+    )?;
+    Ok(Session::new(secret, End::Receiver, &theirs, &mine))
+}
+
+fn other_version(version: u32) -> Error {
+    RemoteError::Refused(format!(
+        "the receiving bridge speaks protocol version {version}, this one {PROTOCOL_VERSION}"
+    ))
+    .into()
+}
+
+/// The error for message `m` where `wanted` belongs.
+pub(super) fn unexpected_msg(m: &Msg, wanted: &str) -> Error {
+    RemoteError::Protocol(format!("got {} where {wanted} belongs", name_of(m))).into()
+}
+
+/// The largest buffer a sending bridge may announce, in bytes (1 TiB): a far pool of
+/// [`crate::channel::MAX_BUFFERS`] of them still counts in a `u64` after page rounding.
+pub const MAX_BUFFER_BYTES: u64 = 1 << 40;
+
+/// A near channel's geometry as a sending bridge announced it ([`Msg::Channel`]), checked by
+/// [`check_geometry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Geometry {
+    /// Buffers in the near pool, 1 to [`crate::channel::MAX_BUFFERS`].
+    pub buffers: usize,
+    /// Bytes per buffer, 1 to [`MAX_BUFFER_BYTES`].
+    pub buffer_bytes: usize,
+    /// The near pool's memory: 0 host, 1 device.
+    pub kind: u8,
+}
+
+/// Checks a sending bridge's announced geometry ([`Msg::Channel`]'s fields) before anything is
+/// made of it.
+///
+/// # Errors
+/// [`RemoteError::Protocol`] saying which field and the bounds: 0 or more than
+/// [`crate::channel::MAX_BUFFERS`] buffers, 0 or more than [`MAX_BUFFER_BYTES`] bytes per buffer
+/// (or more than this platform's `usize`), a memory kind other than 0 (host) or 1 (device).
+pub fn check_geometry(buffers: u32, buffer_bytes: u64, kind: u8) -> Result<Geometry> {
+    let most = crate::channel::MAX_BUFFERS;
+    if buffers == 0 || buffers as usize > most {
+        return Err(protocol(&format!(
+            "a channel of {buffers} buffers (1 to {most} allowed)"
+        )));
+    }
+    let Some(bytes) = usize::try_from(buffer_bytes)
+        .ok()
+        .filter(|&b| b > 0 && buffer_bytes <= MAX_BUFFER_BYTES)
+    else {
+        return Err(protocol(&format!(
+            "buffers of {buffer_bytes} bytes (1 to {MAX_BUFFER_BYTES} allowed)"
+        )));
+    };
+    if kind > 1 {
+        return Err(protocol(&format!(
+            "memory kind {kind} (0 host or 1 device allowed)"
+        )));
+    }
+    Ok(Geometry {
+        buffers: buffers as usize,
+        buffer_bytes: bytes,
+        kind,
+    })
 }
 
 /// What a frame's NIXL notification says: ASCII text
@@ -518,10 +1057,11 @@ mod tests {
 
     #[test]
     fn a_secret_file_must_be_a_regular_file_only_its_owner_can_read() {
+        use std::os::unix::fs::DirBuilderExt as _;
         use std::os::unix::fs::PermissionsExt as _;
+        // A folder of this test's alone: `mkdir` fails on a name someone else made first.
         let dir = std::env::temp_dir().join(format!("lane-secret-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
         let f = dir.join("secret");
         std::fs::write(&f, b"s3cret\n").unwrap();
         for mode in [0o644, 0o640, 0o606, 0o660] {
@@ -558,9 +1098,17 @@ mod tests {
         let all = [
             Msg::Hello {
                 version: 1,
-                secret: b"s3".to_vec(),
+                nonce: [7; NONCE_LEN],
             },
-            Msg::Welcome { version: 1 },
+            Msg::Challenge {
+                version: 3,
+                nonce: [9; NONCE_LEN],
+            },
+            Msg::Proof { mac: [1; MAC_LEN] },
+            Msg::Welcome {
+                version: 1,
+                mac: [2; MAC_LEN],
+            },
             Msg::Refused {
                 reason: "no".into(),
             },
@@ -608,9 +1156,220 @@ mod tests {
             assert!(Msg::decode(&long).is_err());
         }
         assert!(Msg::decode(&[99]).is_err());
-        let mut wrong = Msg::Welcome { version: 1 }.encode();
+        let mut wrong = Msg::Welcome {
+            version: 1,
+            mac: [0; MAC_LEN],
+        }
+        .encode();
         wrong[5] = b'X';
         assert!(Msg::decode(&wrong[4..]).is_err());
+    }
+
+    /// Two ends of a loopback TCP connection.
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    fn secret(s: &str) -> Secret {
+        Secret::new(s.as_bytes().to_vec()).unwrap()
+    }
+
+    /// One end after its handshake.
+    type Shook = Result<(Session, TcpStream)>;
+
+    /// Runs both handshakes over loopback, the receiver on a thread: (sender's, receiver's) result.
+    fn handshake(sender: &str, receiver: &str) -> (Shook, Shook) {
+        let (mut a, mut b) = pair();
+        let r = secret(receiver);
+        let t = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            handshake_recv(&mut b, &r, deadline).map(|s| (s, b))
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let s = handshake_send(&mut a, &secret(sender), deadline).map(|s| (s, a));
+        (s, t.join().unwrap())
+    }
+
+    #[test]
+    fn the_handshake_proves_the_secret_both_ways_without_sending_it() {
+        let (s, r) = handshake("correct horse", "correct horse");
+        let ((mut ss, mut sa), (mut rs, mut rb)) = (s.unwrap(), r.unwrap());
+        // Sealed messages cross both ways, in order.
+        for i in 0..3u32 {
+            ss.send(&mut sa, &Msg::Posting { index: i }).unwrap();
+        }
+        for i in 0..3u32 {
+            let m = rs.recv(&mut rb, Duration::from_secs(5), "test").unwrap();
+            assert_eq!(m, Msg::Posting { index: i });
+        }
+        rs.send(&mut rb, &Msg::Ping).unwrap();
+        assert_eq!(
+            ss.recv(&mut sa, Duration::from_secs(5), "test").unwrap(),
+            Msg::Ping
+        );
+        // The secret's bytes appear in no handshake message.
+        let hello = Msg::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: nonce().unwrap(),
+        }
+        .encode();
+        assert!(!hello.windows(13).any(|w| w == b"correct horse"));
+        // Two nonces are never the same.
+        assert_ne!(nonce().unwrap(), nonce().unwrap());
+    }
+
+    #[test]
+    fn a_wrong_secret_is_refused_on_both_sides() {
+        let (s, r) = handshake("wrong horse", "correct horse");
+        let e = s.unwrap_err().to_string();
+        assert!(e.contains("wrong secret"), "{e}");
+        assert!(!e.contains("horse"), "{e}");
+        assert!(matches!(
+            r.unwrap_err(),
+            Error::Remote(RemoteError::Refused(why)) if why.contains("wrong secret")
+        ));
+    }
+
+    #[test]
+    fn a_receiver_that_cannot_prove_the_secret_is_refused_by_the_sender() {
+        // A receiver that answers the proof with a made-up MAC (it does not know the secret).
+        let (mut a, mut b) = pair();
+        let t = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let Msg::Hello { .. } = recv_handshake(&mut b, deadline, "hello").unwrap() else {
+                panic!("a hello")
+            };
+            let challenge = Msg::Challenge {
+                version: PROTOCOL_VERSION,
+                nonce: [5; NONCE_LEN],
+            };
+            send(&mut b, &challenge).unwrap();
+            let Msg::Proof { .. } = recv_handshake(&mut b, deadline, "proof").unwrap() else {
+                panic!("a proof")
+            };
+            let welcome = Msg::Welcome {
+                version: PROTOCOL_VERSION,
+                mac: [0; MAC_LEN],
+            };
+            send(&mut b, &welcome).unwrap();
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let e = handshake_send(&mut a, &secret("s"), deadline).unwrap_err();
+        assert!(e.to_string().contains("failed to prove the secret"), "{e}");
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_replayed_reordered_injected_or_altered_message_is_refused() {
+        let k = secret("k");
+        let (ns, nr) = ([1; NONCE_LEN], [2; NONCE_LEN]);
+        let mut tx = Session::new(&k, End::Sender, &ns, &nr);
+        let mut rx = Session::new(&k, End::Receiver, &ns, &nr);
+        let m0 = tx.sealer.seal(&Msg::Posting { index: 0 });
+        let m1 = tx.sealer.seal(&Msg::Posting { index: 1 });
+        let m2 = tx.sealer.seal(&Msg::Posting { index: 2 });
+        // Reordered: the second before the first.
+        assert!(rx.opener.open(&m1[4..]).is_err());
+        assert_eq!(rx.opener.open(&m0[4..]).unwrap(), Msg::Posting { index: 0 });
+        // Replayed.
+        assert!(rx.opener.open(&m0[4..]).is_err());
+        // Altered: any byte flipped.
+        for i in 4..m1.len() {
+            let mut bad = m1.clone();
+            bad[i] ^= 1;
+            assert!(rx.opener.open(&bad[4..]).is_err(), "byte {i}");
+        }
+        assert_eq!(rx.opener.open(&m1[4..]).unwrap(), Msg::Posting { index: 1 });
+        // Injected: sealed with another session's key (other nonces), or the other direction's.
+        let mut other = Session::new(&k, End::Sender, &ns, &[3; NONCE_LEN]);
+        let _ = other.sealer.seal(&Msg::Ping);
+        let _ = other.sealer.seal(&Msg::Ping);
+        assert!(rx.opener.open(&other.sealer.seal(&Msg::Ping)[4..]).is_err());
+        let mut back = Session::new(&k, End::Receiver, &ns, &nr);
+        let _ = back.sealer.seal(&Msg::Ping);
+        let _ = back.sealer.seal(&Msg::Ping);
+        assert!(rx.opener.open(&back.sealer.seal(&Msg::Ping)[4..]).is_err());
+        // A handshake message inside the session, and a frame shorter than a MAC.
+        let mut h = Session::new(&k, End::Sender, &ns, &nr);
+        let hello = h.sealer.seal(&Msg::Proof { mac: [0; MAC_LEN] });
+        let mut r2 = Session::new(&k, End::Receiver, &ns, &nr);
+        assert!(r2.opener.open(&hello[4..]).is_err());
+        assert!(r2.opener.open(&[0; MAC_LEN]).is_err());
+        assert_eq!(rx.opener.open(&m2[4..]).unwrap(), Msg::Posting { index: 2 });
+    }
+
+    #[test]
+    fn the_handshake_parser_takes_only_small_handshake_messages() {
+        let channel = Msg::Channel {
+            buffers: 1,
+            buffer_bytes: 1,
+            kind: 0,
+            agent: "a".into(),
+        }
+        .encode();
+        assert!(Msg::decode_handshake(&channel[4..]).is_err());
+        let long = Msg::Refused {
+            reason: "x".repeat(MAX_HANDSHAKE_MESSAGE),
+        }
+        .encode();
+        assert!(Msg::decode_handshake(&long[4..]).is_err());
+        let short = Msg::Refused { reason: "x".into() }.encode();
+        assert!(Msg::decode_handshake(&short[4..]).is_ok());
+    }
+
+    #[test]
+    fn a_handshake_message_trickled_byte_by_byte_ends_at_the_deadline() {
+        let (mut a, mut b) = pair();
+        // A hello announcing 60 bytes, one byte every 100 ms: a timeout per read would wait 6 s.
+        let t = std::thread::spawn(move || {
+            let _ = a.write_all(&60u32.to_le_bytes());
+            for _ in 0..60 {
+                if a.write_all(&[1]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let start = Instant::now();
+        let e = recv_handshake(&mut b, start + Duration::from_millis(500), "a hello").unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        // Generous: a loaded machine may be late to wake, never by seconds.
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        drop(b);
+        t.join().unwrap();
+        // A length over the handshake's limit is refused before anything is read or allocated.
+        let (mut a, mut b) = pair();
+        a.write_all(&(4u32 << 20).to_le_bytes()).unwrap();
+        let e = recv_handshake(&mut b, Instant::now() + Duration::from_secs(5), "a hello");
+        assert!(matches!(e, Err(Error::Remote(RemoteError::Protocol(_)))));
+    }
+
+    #[test]
+    fn a_geometry_out_of_bounds_or_of_an_unknown_kind_is_refused() {
+        let most = crate::channel::MAX_BUFFERS as u32;
+        for (b, n, k) in [
+            (0, 4096, 0),
+            (u32::MAX, 4096, 0),
+            (most + 1, 4096, 0),
+            (4, 0, 0),
+            (4, 1 << 63, 0),
+            (4, u64::MAX, 1),
+            (4, MAX_BUFFER_BYTES + 1, 0),
+            (4, 4096, 2),
+            (4, 4096, 255),
+        ] {
+            let e = check_geometry(b, n, k).unwrap_err().to_string();
+            assert!(e.contains("allowed"), "{e}");
+        }
+        let g = check_geometry(most, MAX_BUFFER_BYTES, 1).unwrap();
+        assert_eq!(
+            (g.buffers, g.buffer_bytes as u64, g.kind),
+            (most as usize, MAX_BUFFER_BYTES, 1)
+        );
     }
 
     #[test]
