@@ -317,7 +317,7 @@ fn close_with_a_frame_in_flight_forces_the_hold_and_the_consumer_sees_closed() {
 }
 
 #[test]
-fn a_host_channel_never_loads_the_cuda_driver_and_checks_ranges() {
+fn a_host_channel_never_loads_the_cuda_driver_checks_ranges_and_refuses_gpu_accessors() {
     if role().is_some() {
         return;
     }
@@ -338,6 +338,11 @@ fn no_driver_body(ch: &str, mut tx: Producer) {
             Err(Error::InvalidArgument(_))
         ));
         w.write_at(BYTES - 2, b"ab").unwrap();
+        // The GPU accessors of a host frame are errors, never panics, and load no driver.
+        assert!(w.is_host() && w.view().is_host());
+        assert!(matches!(w.buffer(), Err(Error::InvalidArgument(_))));
+        assert!(matches!(w.stream(), Err(Error::InvalidArgument(_))));
+        assert!(matches!(w.view().device(), Err(Error::InvalidArgument(_))));
         // SAFETY: the pointer is valid for len() bytes while the frame lives; nobody else writes.
         unsafe { w.as_mut_ptr().unwrap().write(7) };
         w.publish(b"").unwrap();
@@ -348,6 +353,12 @@ fn no_driver_body(ch: &str, mut tx: Producer) {
     assert_eq!(&two, b"ab");
     // SAFETY: valid for len() bytes while the frame lives; the producer does not write it now.
     assert_eq!(unsafe { f.as_ptr().unwrap().read() }, 7);
+    assert_eq!(
+        f.view().host_ptr().unwrap().cast_const(),
+        f.as_ptr().unwrap()
+    );
+    assert!(matches!(f.buffer(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(f.stream(), Err(Error::InvalidArgument(_))));
     assert!(f.read_at(BYTES, &mut two).is_err());
     assert_eq!(f.len(), BYTES);
     drop(f);
