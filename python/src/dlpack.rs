@@ -23,10 +23,10 @@ use pyo3::types::PyDict;
 use std::sync::{Arc, Mutex};
 
 /// `kDLCUDA`.
-pub const KDL_CUDA: i32 = 2;
+pub(crate) const KDL_CUDA: i32 = 2;
 
 /// What a capsule keeps alive.
-pub enum Hold {
+pub(crate) enum Hold {
     /// A received frame: its hold ends when the last `Arc` goes.
     Frame(FrameHold),
     /// Nothing (a write frame's buffer, valid until it is published or abandoned).
@@ -36,7 +36,7 @@ pub enum Hold {
 /// A capsule's share of a received frame's hold: on drop (the tensor freed), the release is
 /// ordered after the work enqueued by then on `release_after`, the stream the tensor's library
 /// named in `__dlpack__`, and then this `Arc` of the frame goes.
-pub struct FrameHold {
+pub(crate) struct FrameHold {
     pub frame: Arc<OwnedFrame>,
     /// A raw `CUstream` of the consumer's context (or a default-stream sentinel); `None` when the
     /// library asked for no ordering or named the frame's own stream.
@@ -66,7 +66,7 @@ impl Drop for FrameHold {
 }
 
 /// One export of a frame.
-pub struct Export {
+pub(crate) struct Export {
     pub hold: Hold,
     pub ptr: u64,
     pub nbytes: usize,
@@ -82,7 +82,7 @@ pub struct Export {
 }
 
 impl Export {
-    pub fn export(
+    pub(crate) fn export(
         &self,
         py: Python<'_>,
         stream: Option<&Bound<'_, PyAny>>,
@@ -172,7 +172,7 @@ impl DlpackExporter for Export {
 }
 
 /// `__cuda_array_interface__` version 3: one-dimensional bytes, ready on `stream`.
-pub fn cuda_array_interface<'py>(
+pub(crate) fn cuda_array_interface<'py>(
     py: Python<'py>,
     ptr: u64,
     nbytes: usize,

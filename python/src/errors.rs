@@ -147,7 +147,7 @@ fn subclass_of<'py>(
 }
 
 /// The classes made by `subclass`, created once at import.
-pub struct Extra {
+pub(crate) struct Extra {
     pub timeout: Py<pyo3::types::PyType>,
     pub invalid_argument: Py<pyo3::types::PyType>,
     pub os_error: Py<pyo3::types::PyType>,
@@ -195,7 +195,7 @@ fn extra(py: Python<'_>) -> PyResult<&Extra> {
 }
 
 /// Adds the hierarchy to the module.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("CudaIpcError", py.get_type::<CudaIpcError>())?;
     m.add("ChannelNotFound", py.get_type::<ChannelNotFound>())?;
@@ -332,7 +332,7 @@ fn registry_kind(r: &RegistryError) -> Kind {
 }
 
 /// The Python exception for `e`, its message the Rust `Display` text.
-pub fn to_py(py: Python<'_>, e: &Error) -> PyErr {
+pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
     let msg = e.to_string();
     let k = kind(e);
     let extra_class = |pick: fn(&Extra) -> &Py<pyo3::types::PyType>| match extra(py) {
@@ -364,12 +364,12 @@ pub fn to_py(py: Python<'_>, e: &Error) -> PyErr {
 }
 
 /// `ValueError`-like `InvalidArgument` for arguments checked here rather than in the crate.
-pub fn invalid_argument(py: Python<'_>, msg: String) -> PyErr {
+pub(crate) fn invalid_argument(py: Python<'_>, msg: String) -> PyErr {
     to_py(py, &Error::InvalidArgument(msg))
 }
 
 /// `NotSupported` for what a host-memory channel has not (a device buffer, a stream, DLPack) and
 /// what a GPU channel has not (host bytes).
-pub fn not_supported(msg: &str) -> PyErr {
+pub(crate) fn not_supported(msg: &str) -> PyErr {
     NotSupported::new_err(msg.to_string())
 }
