@@ -43,6 +43,7 @@ pub mod inspect;
 pub mod layout;
 mod options;
 pub mod owned;
+mod pool;
 mod producer;
 #[doc(hidden)]
 pub mod testing;
@@ -59,8 +60,9 @@ pub use layout::{
     ProducerState, UnknownCode,
 };
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
+pub use pool::ChannelBuffer;
 #[cfg(feature = "remote")]
 pub(crate) use producer::LentFrame;
-pub use producer::{ChannelBuffer, Producer, ShutdownReport, WriteFrame};
+pub use producer::{Producer, ShutdownReport, WriteFrame};
 pub use view::FrameBuffer;
 pub use wait::WaitStrategy;
