@@ -83,7 +83,8 @@ impl Consumer {
     ///
     /// # Errors
     /// [`ChannelError::NotFound`], [`ChannelError::BadSegment`], [`ChannelError::NoConsumerSlot`];
-    /// [`ChannelError::ProducerGone`] when the producer is dead; CUDA errors from imports. For a host
+    /// [`ChannelError::ProducerGone`] when the producer is dead; CUDA errors from imports. For a
+    /// host
     /// channel, shared-memory errors for what is under the pool's name (`NotASegment`, `Sparse`,
     /// `WrongOwner`, `TooSmall`), [`ChannelError::BadSegment`] for a pool that is missing or does
     /// not match the channel, [`ChannelError::Superseded`] for a pool made again since.
@@ -223,7 +224,8 @@ impl Consumer {
     /// [`ChannelError::ProducerGone`] promptly when the producer dies.
     ///
     /// # Errors
-    /// As [`Consumer::recv_timeout`], except [`Error::Timeout`]: a wait without a deadline never times out.
+    /// As [`Consumer::recv_timeout`], except [`Error::Timeout`]: a wait without a deadline never
+    /// times out.
     pub fn recv(&self) -> Result<Frame<'_>> {
         // A wait without a deadline: the protocol's wait returns only with a frame or an error,
         // and should it ever come back empty, there is no timeout to report: wait again.
@@ -237,7 +239,8 @@ impl Consumer {
     /// Waits up to `timeout` for the next frame.
     ///
     /// # Errors
-    /// [`Error::Timeout`]; [`ChannelError::ProducerGone`] when the producer died; [`ChannelError::Closed`]
+    /// [`Error::Timeout`]; [`ChannelError::ProducerGone`] when the producer died;
+    /// [`ChannelError::Closed`]
     /// when it closed and everything was received; [`ChannelError::Detached`]; CUDA errors from the
     /// stream wait.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Frame<'_>> {
@@ -330,7 +333,8 @@ impl Consumer {
     /// stream, and the frame's [`Frame::release_after`] does not order the release.
     ///
     /// # Errors
-    /// As [`Consumer::recv_timeout`]; [`ChannelError::ProducerGone`] when the producer died before its
+    /// As [`Consumer::recv_timeout`]; [`ChannelError::ProducerGone`] when the producer died before
+    /// its
     /// stream finished the frame (the gate was closed for it: the bytes may be partial);
     /// [`Error::Timeout`] also when the frame was taken but its bytes were not ready within
     /// `bytes` (the frame is released).

@@ -556,7 +556,10 @@ pub(super) mod tests {
         let t = Instant::now();
         let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(5)));
         assert!(
-            matches!(r, Err(Error::Channel(crate::channel::ChannelError::ProducerGone { pid: x })) if x == pid),
+            matches!(
+                r,
+                Err(Error::Channel(super::super::ChannelError::ProducerGone { pid: x })) if x == pid
+            ),
             "{:?}",
             r.map(|_| ())
         );

@@ -110,7 +110,10 @@ pub enum SegmentFault {
         supported: u32,
     },
     /// Its creator never finished it: no init stamp after `waited`.
-    #[error("{segment} was never finished by its creator (no init stamp after {})", waited_text(*.waited))]
+    #[error(
+        "{segment} was never finished by its creator (no init stamp after {})",
+        waited_text(*.waited)
+    )]
     Unfinished {
         /// The segment's name.
         segment: String,

@@ -631,7 +631,8 @@ impl Control {
     /// (buffer index, sequence number, metadata) or `None` at the timeout.
     ///
     /// # Errors
-    /// [`ChannelError::ProducerGone`] when the producer died; [`ChannelError::Closed`] when it closed and
+    /// [`super::ChannelError::ProducerGone`] when the producer died;
+    /// [`super::ChannelError::Closed`] when it closed and
     /// no frame is left for this consumer.
     pub(crate) fn take(
         &self,

@@ -416,8 +416,9 @@ fn consumer_snapshot(c: &Control, k: usize) -> Option<ConsumerSnapshot> {
 /// channel's pool segment goes with it when its own header names a dead producer too.
 ///
 /// Consumers that still have the segment mapped keep their mapping (they get
-/// [`ChannelError::ProducerGone`] as before); only the name goes, and only while it still stands for the
-/// segment judged ([`Segment::unlink_if_same`]): a new producer that replaced it meanwhile keeps
+/// [`ChannelError::ProducerGone`](super::ChannelError::ProducerGone) as before); only the name
+/// goes, and only while it still stands for the segment judged ([`Segment::unlink_if_same`]): a new
+/// producer that replaced it meanwhile keeps
 /// its own.
 ///
 /// # Errors

@@ -27,10 +27,9 @@
 //! a dead peer's word would wait for good. Each end's watchdog thread writes a dead peer's words
 //! within about 20 ms (a consumer closes a dead producer's gate, raising every ready word; a
 //! producer frees a dead consumer's slot, raising its release words), and consumers of a producer
-//! that dies get [`ChannelError::ProducerGone`]; [`Producer::close`] waits (bounded) for outstanding
+//! that dies get [`ChannelError::ProducerGone`]; [`Producer::close`] waits (bounded) for
+//! outstanding
 //! holds and reports the ones it forced.
-//!
-//! [`ChannelError::ProducerGone`]: crate::ChannelError::ProducerGone
 
 mod consumer;
 mod control;

@@ -43,8 +43,8 @@ pub struct ShutdownReport {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub struct Producer {
-    // Drop order: the control segment is closed and drained (in Drop, which also drains the stream);
-    // then the side: the watchdog stopped, the GPU words unregistered, the buffers freed and the
+    // Drop order: the control segment is closed and drained (in Drop, which also drains the
+    // stream); then the side: the watchdog stopped, the GPU words unregistered, the buffers freed and the
     // stream and context let go (or the host pool unmapped); then the segment unmapped (the
     // registration lies in it, so it goes first).
     /// Host or GPU, decided once where the producer is made.

@@ -47,7 +47,8 @@ pub enum FrameBuffer<'a, B> {
     },
 }
 
-// Derived `Clone`/`Copy` would ask `B: Clone`/`Copy`; the view holds only a reference and a pointer.
+// Derived `Clone`/`Copy` would ask `B: Clone`/`Copy`; the view holds only a reference and a
+// pointer.
 impl<B> Clone for FrameBuffer<'_, B> {
     fn clone(&self) -> Self {
         *self

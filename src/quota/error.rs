@@ -51,7 +51,8 @@ fn holders_text(h: &[HeldBy]) -> String {
 #[non_exhaustive]
 pub enum QuotaError {
     /// A reservation would take the device's budget past its limit. Not the per-producer cap
-    /// `ChannelOptions::quota_bytes` (that is `ChannelError::PoolOverCap`): this budget is shared by
+    /// `ChannelOptions::quota_bytes` (that is `ChannelError::PoolOverCap`): this budget is shared
+    /// by
     /// every producer of the user or group.
     #[error(
         "over quota on {}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}",

@@ -52,7 +52,7 @@
 //! [`Consumer`]: crate::channel::Consumer
 //! [`Producer`]: crate::channel::Producer
 //! [`Producer::acquire`]: crate::channel::Producer::acquire
-//! [`ChannelError::ProducerGone`]: crate::ChannelError::ProducerGone
+//! [`ChannelError::ProducerGone`]: crate::channel::ChannelError::ProducerGone
 
 mod link;
 pub mod nixl;

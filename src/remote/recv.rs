@@ -61,13 +61,17 @@ impl RecvOptions {
 #[non_exhaustive]
 pub enum Ended {
     /// The near producer closed its channel; the far channel was closed (its consumers get
-    /// [`ChannelError::Closed`] once they received every frame). Holds what [`Producer::close`]
+    /// [`ChannelError::Closed`](crate::channel::ChannelError::Closed) once they received every
+    /// frame). Holds what [`Producer::close`]
     /// reported, or its error.
     Closed(Result<crate::channel::ShutdownReport>),
     /// The near producer, the sending bridge or the link died, or the lane failed. `producer` is
     /// the far channel's producer, still open: end the process without dropping it
-    /// (`std::process::exit`) and far consumers get [`ChannelError::ProducerGone`] within the liveness
-    /// period; dropping it closes the channel instead ([`ChannelError::Closed`]). A restarted
+    /// (`std::process::exit`) and far consumers get
+    /// [`ChannelError::ProducerGone`](crate::channel::ChannelError::ProducerGone) within the
+    /// liveness
+    /// period; dropping it closes the channel instead
+    /// ([`ChannelError::Closed`](crate::channel::ChannelError::Closed)). A restarted
     /// bridge replaces the dead producer's segments.
     Lost {
         /// The far producer.

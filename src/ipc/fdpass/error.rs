@@ -30,7 +30,8 @@ pub enum FdPassError {
     /// The exporter serves its fds to its own user and root only, and this process is neither
     /// (its socket file's mode refused the connection, or its server refused the request).
     #[error(
-        "fd passing is not supported here: {reason}; run the exporter and the importer as the same user"
+        "fd passing is not supported here: {reason}; run the exporter and the importer as the \
+         same user"
     )]
     Refused {
         /// Who refused whom, with the uids.

@@ -64,7 +64,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// allow, with `pidfd_getfd` (by [`raw_fd`](Self::raw_fd)).
 ///
 /// Owns the exporter's copy of the fd: dropping the `FdExport` withdraws the id (later requests get
-/// [`crate::ipc::fdpass::FdPassError::NotOffered`]) and closes the copy. Copies already fetched by importers stay valid.
+/// [`crate::ipc::fdpass::FdPassError::NotOffered`]) and closes the copy. Copies already fetched by
+/// importers stay valid.
 ///
 /// # Examples
 /// ```
