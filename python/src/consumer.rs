@@ -2,7 +2,9 @@
 
 use crate::errors;
 use crate::frame::Frame;
-use crate::util::*;
+use crate::util::{
+    Seconds, Stop, err, lock, sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
+};
 use cuda_ipc::channel::owned::OwnedFrame;
 use cuda_ipc::channel::{ConsumerOptions, Delivery};
 use pyo3::prelude::*;

@@ -1,6 +1,6 @@
 //! The `Frame` class.
 
-use crate::util::*;
+use crate::util::{HOST_FRAME, copy, cupy_array, err, lock, stream_arg, torch_tensor};
 use crate::view::Buffer;
 use crate::{dlpack, errors};
 use cuda_ipc::channel::owned::OwnedFrame;

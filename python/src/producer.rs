@@ -2,7 +2,10 @@
 
 use crate::errors;
 use crate::quota::quota_scope;
-use crate::util::*;
+use crate::util::{
+    CLOSE_WAITS_FOR_ACQUIRE, Seconds, Stop, err, lock, memory_arg, memory_name, seconds_arg,
+    sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
+};
 use crate::write_frame::WriteFrame;
 use cuda_ipc::channel::owned::OwnedWriteFrame;
 use cuda_ipc::channel::{ChannelOptions, MemoryKind};

@@ -1,6 +1,6 @@
 //! The module's quota functions (`set_quota`, `remove_quota`).
 
-use crate::util::*;
+use crate::util::err;
 use cuda_ipc::driver::Device;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use pyo3::prelude::*;

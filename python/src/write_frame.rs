@@ -1,7 +1,9 @@
 //! The `WriteFrame` class.
 
 use crate::producer::Producer;
-use crate::util::*;
+use crate::util::{
+    HOST_WRITE_FRAME, bytes_of, copy, cupy_array, err, lock, stream_arg, torch_tensor,
+};
 use crate::view::Buffer;
 use crate::{dlpack, errors};
 use cuda_ipc::channel::owned::OwnedWriteFrame;
