@@ -37,6 +37,18 @@ pub mod registry_test_hooks {
     pub use crate::registry::slot::{TestPoint, set_test_hook};
 }
 
+/// Points inside a quota reservation where a test can stop or kill a process.
+pub mod quota_test_hooks {
+    pub use crate::quota::ledger::{QuotaTestPoint, set_test_hook};
+}
+
+/// This process's liveness lock and other processes' liveness files, for tests that kill their own
+/// children (docs/ARCHITECTURE.md, "Identity and liveness").
+pub mod identity {
+    pub use crate::identity::files::remove_liveness_file_if_free;
+    pub use crate::identity::lock::liveness_lock_fd;
+}
+
 /// PTX kernels (fill, check, spin, time stamps) that the examples, tests and benchmarks use to
 /// write and verify frames on the GPU.
 pub mod kernels {
