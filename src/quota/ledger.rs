@@ -150,7 +150,7 @@ impl QuotaLedger {
         })
     }
 
-    /// Sets the budget of `scope` on `device` to `budget` bytes ([`UNLIMITED`]: no limit),
+    /// Sets the budget of `scope` on `device` to `budget` bytes ([`UNLIMITED`](super::UNLIMITED): no limit),
     /// creating the ledger when there is none (mode `0600` for a user, `0660` with the group set
     /// for a group). Reservations already held stay; only new ones are judged by the new budget.
     ///

@@ -4,7 +4,7 @@ use super::scope::QuotaScope;
 use crate::driver::Uuid;
 use crate::identity::{Liveness, ProcessIdentity};
 
-/// One reservation as [`QuotaLedger::snapshot`] saw it.
+/// One reservation as [`QuotaLedger::snapshot`](super::QuotaLedger::snapshot) saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Holder {

@@ -41,7 +41,7 @@ impl MemPool {
     /// [`MemPool::alloc`] or a channel's buffers, and give the other library a view of them.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming `cuDeviceGetMemPool` or `cuDeviceSetMemPool`.
+    /// [`crate::Error::Cuda`] naming `cuDeviceGetMemPool` or `cuDeviceSetMemPool`.
     ///
     /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
     #[doc(alias = "cuDeviceSetMemPool")]
@@ -83,7 +83,7 @@ impl DevicePoolGuard {
     /// is still the current one; reports what drop would only log.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming `cuDeviceGetMemPool` or `cuDeviceSetMemPool`.
+    /// [`crate::Error::Cuda`] naming `cuDeviceGetMemPool` or `cuDeviceSetMemPool`.
     pub fn restore(mut self) -> Result<()> {
         self.restored = true;
         self.restore_now()

@@ -24,7 +24,7 @@ pub enum ForeignKind {
         /// Size of the allocation (`CU_POINTER_ATTRIBUTE_RANGE_SIZE`).
         size: usize,
     },
-    /// An allocation from one of this crate's exportable pools ([`MemPool::exportable`]):
+    /// An allocation from one of this crate's exportable pools ([`MemPool::exportable`](crate::ipc::MemPool::exportable)):
     /// exported as a pool token (`cuMemPoolExportPointer`), from the allocation's start.
     Pool {
         /// Start of the allocation.
