@@ -1,7 +1,9 @@
 //! Internals for tools, tests and fuzzing: named shared-memory segments, the shared futex and
-//! the seqlock (`raw::shm`), the registry's byte layout (`raw::registry_layout`), the registry's
-//! test points (`raw::registry_test_hooks`) and the GPU kernels the examples and tests check
-//! frames with (`raw::kernels`).
+//! the seqlock (`raw::shm`), the registry's byte layout (`raw::registry_layout`), the test points
+//! of the registry and of a quota reservation (`raw::registry_test_hooks`,
+//! `raw::quota_test_hooks`), the liveness helpers of tests that kill their own children
+//! (`raw::identity`) and the GPU kernels the examples and tests check frames with
+//! (`raw::kernels`).
 //!
 //! They are what the crate itself is built on, and they follow the layouts documented in
 //! docs/registry-layout.md and docs/channel-layout.md, but they are not part of the API the crate

@@ -42,13 +42,14 @@
 //! `pthread_atfork` child handler closes the child's copy (the parent's lock stays, since the parent
 //! still holds the open file description), and the child takes an identity and a file of its own
 //! the first time it asks.
-
 //!
 //! Files: `lock` (the fork-safe lock around this process's state, the liveness file it makes and
 //! locks, the keeper thread and the process hooks, and the lock test other processes' files get),
 //! `files` (the liveness files of other processes: which are stale, their removal), `proc` (the one
 //! reader of `/proc`: stat lines, pid namespaces, `hidepid`, the boot id). `lock` and `files` build
 //! on [`ProcessIdentity`] here; `files` uses `lock` and `proc`, and neither of those names `files`.
+//! Tests that kill their own children remove those children's files through
+//! [`crate::raw::identity`].
 
 pub(crate) mod files;
 pub(crate) mod lock;
