@@ -252,7 +252,7 @@ fn a_lock_another_user_takes_under_a_dead_producers_liveness_name_keeps_nothing_
     // Killed: its lock is free, and its file goes as `gc` removes it.
     let _ = p.child.kill();
     let _ = p.child.wait();
-    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&their).unwrap());
+    assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&their).unwrap());
     // The other user takes the name and locks it.
     let bin = BinaryForOthers::new(&channel);
     let mut f = {
