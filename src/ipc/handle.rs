@@ -116,7 +116,11 @@ mod tests {
     #[test]
     fn our_own_handle_and_other_pids_are_left_to_the_driver() {
         let me = ProcessIdentity::current().unwrap();
-        assert_eq!(NotImportable::same_pid(&me, &me, "x"), None, "a self-import");
+        assert_eq!(
+            NotImportable::same_pid(&me, &me, "x"),
+            None,
+            "a self-import"
+        );
         let mut other = me;
         other.pid = me.pid.wrapping_add(1);
         other.pid_ns = me.pid_ns.wrapping_add(1);
