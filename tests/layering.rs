@@ -786,3 +786,81 @@ fn the_scanner_sees_paths_and_skips_comments_and_strings() {
     assert_eq!(r["CacheStats"], "cache");
     assert_eq!(r["ImportedBuffer"], "memory");
 }
+
+/// The command line's modules (`cli/src/*.rs`, `main.rs` the root that declares them) and the
+/// modules each names through `crate::`.
+fn cli_edges() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("cli/src");
+    let mut files = Vec::new();
+    rs_files(&src, &mut files);
+    let modules: BTreeSet<String> = files
+        .iter()
+        .filter_map(|f| module_of(&src, f).first().cloned())
+        .filter(|m| m != "main")
+        .collect();
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in &files {
+        let Some(me) = module_of(&src, f).first().cloned() else {
+            continue;
+        };
+        if me == "main" {
+            continue; // the root: declares every module, `Outcome` and the output macros
+        }
+        let code = code_only(&std::fs::read_to_string(f).unwrap());
+        let to = edges.entry(me.clone()).or_default();
+        for p in paths_after(&code, "crate::") {
+            if modules.contains(&p[0]) && p[0] != me {
+                to.insert(p[0].clone());
+            }
+        }
+    }
+    edges
+}
+
+/// Every circle of `edges`, each as the modules around it.
+fn circles_of(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for start in edges.keys() {
+        let mut stack = vec![(start.clone(), vec![start.clone()])];
+        while let Some((at, trail)) = stack.pop() {
+            for next in edges.get(&at).into_iter().flatten() {
+                if next == start {
+                    let mut c = trail.clone();
+                    c.push(next.clone());
+                    out.push(c);
+                } else if !trail.contains(next) && next > start {
+                    let mut t = trail.clone();
+                    t.push(next.clone());
+                    stack.push((next.clone(), t));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_two_modules_of_the_command_line_import_each_other() {
+    let edges = cli_edges();
+    assert!(
+        edges.contains_key("gc") && edges.contains_key("ls"),
+        "the command line's modules were not found: {:?}",
+        edges.keys()
+    );
+    let text: Vec<String> = circles_of(&edges).iter().map(|c| c.join(" -> ")).collect();
+    assert!(
+        text.is_empty(),
+        "modules of cli/src that import each other (shared pieces belong in a module of their \
+         own, as `listing` and `text` are):\n{}",
+        text.join("\n")
+    );
+}
+
+#[test]
+fn the_circle_check_finds_a_circle_of_three() {
+    let mut e: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (a, b) in [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")] {
+        e.entry(a.into()).or_default().insert(b.into());
+    }
+    assert_eq!(circles_of(&e), vec![vec!["a", "b", "c", "a"]]);
+}

@@ -21,6 +21,7 @@
 //! held, and `close()` from another thread wakes them within a slice ([`sliced`]). Every duration
 //! argument goes through [`seconds_arg`] (0 to [`MAX_SECONDS`], else `InvalidArgument`).
 
+mod cleanup;
 mod dlpack;
 mod errors;
 
@@ -1607,6 +1608,7 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Frame>()?;
     m.add_function(wrap_pyfunction!(set_quota, m)?)?;
     m.add_function(wrap_pyfunction!(remove_quota, m)?)?;
+    m.add_function(wrap_pyfunction!(cleanup::cleanup, m)?)?;
     m.add("META_BYTES", cuda_ipc::channel::META_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -44,6 +44,7 @@ pub mod layout;
 mod options;
 pub mod owned;
 mod producer;
+pub mod reclaim;
 #[doc(hidden)]
 pub mod testing;
 mod wait;

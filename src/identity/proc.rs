@@ -61,7 +61,6 @@ fn hides_in_options(tail: &str) -> bool {
 }
 
 /// The start time of `pid` in clock ticks since boot, `Ok(None)` when no such process exists.
-#[cfg(test)]
 pub(crate) fn start_time_of(pid: u32) -> Result<Option<u64>> {
     Ok(stat_of(pid)?.map(|(_, t)| t))
 }
