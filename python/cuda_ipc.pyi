@@ -109,6 +109,17 @@ def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] =
 def remove_quota(*, scope: str = "user", device: Optional[int] = None) -> bool:
     """Removes that budget; returns whether there was one. Reservations held stay held."""
 
+def cleanup(*, dry_run: bool = False) -> List[Dict[str, Any]]:
+    """Finds what dead processes left in /dev/shm (registry and channel leftovers, host pools,
+    quota reservations, liveness files, fd server sockets, bridge status files) and, unless
+    ``dry_run``, removes it, each checked again right before it goes; the same rule set as
+    ``cuda-ipc gc [--dry-run]``. Returns the leftovers found (``dry_run``) or removed, each a dict:
+    ``kind`` (``"channel"``, ``"channel_consumer"``, ``"host_pool"``, ``"registry_record"``,
+    ``"liveness_file"``, ...), ``object`` (registry, channel, ledger or file name), ``pid`` and
+    ``uid`` of the dead owner (or ``None``), ``what`` (the line ``cuda-ipc gc`` prints). Nothing of
+    a live process or of another user is touched; what cannot be read is skipped. Raises
+    ``OSError`` when /dev/shm cannot be listed."""
+
 class ConsumerStats(Dict[str, int]):
     """``index``, ``pid``, ``received``, ``dropped``, ``in_flight``, ``lag``."""
 

@@ -2,6 +2,7 @@
 #![doc = include_str!("../docs/crate-doc.md")]
 
 pub mod channel;
+pub mod cleanup;
 #[cfg(feature = "cudarc")]
 pub mod cudarc_interop;
 pub mod driver;

@@ -1,7 +1,9 @@
 //! Internals for tools, tests and fuzzing: named shared-memory segments, the shared futex and
-//! the seqlock (`raw::shm`), the registry's byte layout (`raw::registry_layout`), the registry's
-//! test points (`raw::registry_test_hooks`) and the GPU kernels the examples and tests check
-//! frames with (`raw::kernels`).
+//! the seqlock (`raw::shm`), the registry's byte layout (`raw::registry_layout`), the test points
+//! of the registry and of a quota reservation (`raw::registry_test_hooks`,
+//! `raw::quota_test_hooks`), the liveness helpers of tests that kill their own children
+//! (`raw::identity`) and the GPU kernels the examples and tests check frames with
+//! (`raw::kernels`).
 //!
 //! They are what the crate itself is built on, and they follow the layouts documented in
 //! docs/registry-layout.md and docs/channel-layout.md, but they are not part of the API the crate
@@ -35,6 +37,18 @@ pub mod registry_layout {
 /// Points inside the registry's write and repair paths where a test can stop or kill a process.
 pub mod registry_test_hooks {
     pub use crate::registry::slot::{TestPoint, set_test_hook};
+}
+
+/// Points inside a quota reservation where a test can stop or kill a process.
+pub mod quota_test_hooks {
+    pub use crate::quota::ledger::{QuotaTestPoint, set_test_hook};
+}
+
+/// This process's liveness lock and other processes' liveness files, for tests that kill their own
+/// children (docs/ARCHITECTURE.md, "Identity and liveness").
+pub mod identity {
+    pub use crate::identity::files::remove_liveness_file_if_free;
+    pub use crate::identity::lock::liveness_lock_fd;
 }
 
 /// PTX kernels (fill, check, spin, time stamps) that the examples, tests and benchmarks use to

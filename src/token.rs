@@ -263,10 +263,10 @@ impl Token {
 #[cfg(feature = "serde")]
 mod handle_bytes {
     use serde::{Deserialize, Deserializer, Serializer};
-    pub fn serialize<S: Serializer>(h: &[u8; 64], s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(h: &[u8; 64], s: S) -> Result<S::Ok, S::Error> {
         s.serialize_bytes(h)
     }
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 64], D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 64], D::Error> {
         let v: Vec<u8> = Vec::deserialize(d)?;
         v.try_into()
             .map_err(|_| serde::de::Error::custom("handle must be 64 bytes"))

@@ -74,7 +74,7 @@ fn exercise(channel: &str, delivery: Delivery, pokes: &[(usize, u64)]) -> usize 
         assert!(snap.buffers.len() == rx.buffers());
     }
     if testing::inspect_waiting(channel, Duration::ZERO).is_ok() {
-        let _ = cuda_ipc::channel::inspect::release_dead_consumers(channel);
+        let _ = cuda_ipc::channel::reclaim::release_dead_consumers(channel);
     }
     assert!(
         t.elapsed() < Duration::from_secs(5),

@@ -10,7 +10,7 @@ use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{
     ChannelError, ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
-    inspect,
+    inspect, reclaim,
 };
 use cuda_ipc::raw::shm::ShmError;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -218,7 +218,7 @@ fn a_killed_producer_gives_producer_gone_within_1_s_and_gc_removes_both_segments
         assert_eq!(f.seq(), 1);
         check_frame(&f);
     }
-    assert!(inspect::remove_stale(&ch).unwrap().is_none(), "alive");
+    assert!(reclaim::remove_stale(&ch).unwrap().is_none(), "alive");
     kill9(peer.child.id());
     let _ = peer.child.wait();
     let t = Instant::now();
@@ -228,7 +228,7 @@ fn a_killed_producer_gives_producer_gone_within_1_s_and_gc_removes_both_segments
     }
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     drop(rx);
-    assert!(inspect::remove_stale(&ch).unwrap().is_some());
+    assert!(reclaim::remove_stale(&ch).unwrap().is_some());
     assert!(std::fs::symlink_metadata(control_path(&ch)).is_err());
     assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
 }
@@ -266,7 +266,7 @@ fn a_dead_producers_pool_alone_is_listed_and_removed_and_a_restart_replaces_it()
             .any(|(c, why)| *c == ch && why.contains("dead")),
         "{stale:?}"
     );
-    assert!(inspect::remove_stale_host_pool(&ch).unwrap().is_some());
+    assert!(reclaim::remove_stale_host_pool(&ch).unwrap().is_some());
     assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
 }
 
@@ -465,7 +465,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
         "{e:?}"
     );
     assert_eq!(std::fs::metadata(pool_path(&ch)).unwrap().uid(), other);
-    assert!(inspect::remove_stale_host_pool(&ch).is_err());
+    assert!(reclaim::remove_stale_host_pool(&ch).is_err());
     assert_eq!(std::fs::metadata(pool_path(&ch)).unwrap().uid(), other);
     std::fs::remove_file(pool_path(&ch)).unwrap();
     let tx = Producer::create_host(&ch, &opts()).unwrap();

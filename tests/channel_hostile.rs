@@ -8,9 +8,9 @@
 mod common;
 
 use cuda_ipc::Error;
-use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::channel::{ChannelError, Delivery};
+use cuda_ipc::channel::{inspect, reclaim};
 use cuda_ipc::raw::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
 use std::ffi::CString;
@@ -53,7 +53,7 @@ fn every_opener(channel: &str) -> [(String, Error); 4] {
         .map(|_| ())
         .unwrap_err();
     let i = inspect::inspect(channel).map(|_| ()).unwrap_err();
-    let r = inspect::remove_stale(channel).map(|_| ()).unwrap_err();
+    let r = reclaim::remove_stale(channel).map(|_| ()).unwrap_err();
     let c = ControlProducer::create(channel, 4096, 2, &tokens())
         .map(|p| p.unlink())
         .unwrap_err();
@@ -402,7 +402,7 @@ fn a_dead_producers_host_pool_is_kept_when_its_channel_has_another_layout_versio
         !listed.iter().any(|(c, _)| *c == n),
         "a pool of another version's channel listed as stale: {listed:?}"
     );
-    match inspect::remove_stale_host_pool(&n) {
+    match reclaim::remove_stale_host_pool(&n) {
         Err(Error::Channel(ChannelError::VersionMismatch { .. })) => {}
         other => panic!("expected VersionMismatch, got {other:?}"),
     }

@@ -9,8 +9,8 @@ mod common;
 use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::Error;
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::channel::{inspect, reclaim};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
 use cuda_ipc::token::TOKEN_LEN;
 use std::process::Command;
@@ -149,8 +149,8 @@ fn run_role(role: &str) {
 
 /// Runs the gc functions on `channel` from this process: what they removed.
 fn gc_here(channel: &str) -> String {
-    let freed = inspect::release_dead_consumers(channel).unwrap().len();
-    let removed = inspect::remove_stale(channel).unwrap().is_some();
+    let freed = reclaim::release_dead_consumers(channel).unwrap().len();
+    let removed = reclaim::remove_stale(channel).unwrap().is_some();
     format!("gc freed={freed} removed={removed}")
 }
 

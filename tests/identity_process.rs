@@ -83,7 +83,7 @@ fn a_fork_while_another_thread_takes_the_identity_never_hangs_the_child() {
         // SAFETY: `pid` is our child; `status` is a valid out-pointer.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         if let Some(id) = child {
-            let _ = cuda_ipc::identity::remove_liveness_file_if_free(&id);
+            let _ = cuda_ipc::raw::identity::remove_liveness_file_if_free(&id);
         }
         if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
             hung += 1;

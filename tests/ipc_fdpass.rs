@@ -609,7 +609,7 @@ fn a_dead_exporter_gives_peer_gone_promptly() {
     assert!(fdpass::remove_stale_socket_file(entry).unwrap());
     assert!(!socket_exists(&who));
     // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
-    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&who).unwrap());
+    assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&who).unwrap());
 }
 
 #[test]
@@ -1077,7 +1077,7 @@ fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_remov
     assert!(!socket_exists(&who));
     assert!(!fdpass::remove_stale_socket_file(entry).unwrap(), "gone");
     // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
-    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&who).unwrap());
+    assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&who).unwrap());
 }
 
 /// Holds the liveness lock of a made-up process (standing in for one in another namespace), so

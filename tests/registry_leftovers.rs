@@ -80,7 +80,11 @@ fn an_empty_or_sparse_registry_leftover_is_replaced_after_the_grace_and_kept_whi
     assert!(Registry::open_or_create(&z, &opts()).is_err());
     for n in [&e, &s, &z] {
         assert_eq!(inspect::abandoned(n).unwrap(), None, "{n}");
-        assert_eq!(inspect::remove_abandoned(n).unwrap(), None, "{n}");
+        assert_eq!(
+            cuda_ipc::registry::remove_abandoned(n).unwrap(),
+            None,
+            "{n}"
+        );
         assert!(exists(n), "{n}");
     }
     past_the_grace();
@@ -114,16 +118,21 @@ fn gcs_rule_removes_an_old_empty_registry_leftover_and_nothing_else() {
     let young = unique("gc-young");
     let _y = Unlink(young.clone());
     empty(&young);
-    assert_eq!(inspect::remove_abandoned(&young).unwrap(), None);
+    assert_eq!(cuda_ipc::registry::remove_abandoned(&young).unwrap(), None);
     assert!(exists(&young));
-    assert_eq!(inspect::remove_abandoned(&finished).unwrap(), None);
+    assert_eq!(
+        cuda_ipc::registry::remove_abandoned(&finished).unwrap(),
+        None
+    );
     assert!(exists(&finished));
     drop(reg);
-    let why = inspect::remove_abandoned(&old).unwrap().expect("removed");
+    let why = cuda_ipc::registry::remove_abandoned(&old)
+        .unwrap()
+        .expect("removed");
     assert!(why.contains("abandoned"), "{why}");
     assert!(!exists(&old));
     // Nothing under the name: nothing to do.
-    assert_eq!(inspect::remove_abandoned(&old).unwrap(), None);
+    assert_eq!(cuda_ipc::registry::remove_abandoned(&old).unwrap(), None);
 }
 
 #[test]
@@ -143,7 +152,10 @@ fn another_users_old_empty_registry_leftover_is_never_replaced_or_removed() {
         matches!(err, ShmError::WrongOwner { owner: 4242, .. }),
         "{err}"
     );
-    for r in [inspect::abandoned(&name), inspect::remove_abandoned(&name)] {
+    for r in [
+        inspect::abandoned(&name),
+        cuda_ipc::registry::remove_abandoned(&name),
+    ] {
         let err = shm_err(r.unwrap_err());
         assert!(
             matches!(err, ShmError::WrongOwner { owner: 4242, .. }),

@@ -14,7 +14,7 @@ mod common;
 use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{
-    ChannelOptions, Consumer, ConsumerOptions, Delivery, Frame, Producer, inspect,
+    ChannelOptions, Consumer, ConsumerOptions, Delivery, Frame, Producer, inspect, reclaim,
 };
 use cuda_ipc::remote::report::UcxLog;
 use cuda_ipc::remote::wire::{self, Msg, Secret, Session};
@@ -216,8 +216,8 @@ impl Drop for Reap {
         std::thread::sleep(Duration::from_millis(100));
         drop(LOGS.take());
         for ch in &self.0 {
-            let _ = inspect::remove_stale(ch);
-            let _ = inspect::remove_stale_host_pool(ch);
+            let _ = reclaim::remove_stale(ch);
+            let _ = reclaim::remove_stale_host_pool(ch);
             // A killed bridge's status file (this test's channel names only).
             let _ = std::fs::remove_file(cuda_ipc::remote::report::status_path(ch));
         }

@@ -9,8 +9,8 @@ mod common;
 use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::Error;
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::inspect;
 use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::channel::{inspect, reclaim};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
 use cuda_ipc::raw::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
@@ -144,7 +144,7 @@ fn run_role(role: &str) {
                 .map(|_| ())
                 .unwrap_err();
             tell(format!("create {c:?}"));
-            let r = inspect::remove_stale(&channel).map(|_| ()).unwrap_err();
+            let r = reclaim::remove_stale(&channel).map(|_| ()).unwrap_err();
             tell(format!("remove {r:?}"));
         }
         "forger" => {
@@ -252,7 +252,7 @@ fn a_lock_another_user_takes_under_a_dead_producers_liveness_name_keeps_nothing_
     // Killed: its lock is free, and its file goes as `gc` removes it.
     let _ = p.child.kill();
     let _ = p.child.wait();
-    assert!(cuda_ipc::identity::remove_liveness_file_if_free(&their).unwrap());
+    assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&their).unwrap());
     // The other user takes the name and locks it.
     let bin = BinaryForOthers::new(&channel);
     let mut f = {
@@ -400,7 +400,7 @@ fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_livene
     // Inspection and gc's removal refuse it too (only one's own channels are trusted).
     for e in [
         inspect::inspect(&channel).map(|_| ()).unwrap_err(),
-        inspect::remove_stale(&channel).map(|_| ()).unwrap_err(),
+        reclaim::remove_stale(&channel).map(|_| ()).unwrap_err(),
     ] {
         assert!(
             matches!(&e, Error::Shm(ShmError::WrongOwner { owner, .. }) if *owner == uid),

@@ -67,41 +67,6 @@ pub fn read(channel: &str) -> Option<BridgeStatus> {
     Some(b)
 }
 
-/// Status files of bridges that are dead (killed: a bridge removes its own at the end of a
-/// session), as (channel, owner uid).
-pub fn stale_status_files() -> Vec<(String, u32)> {
-    use std::os::unix::fs::MetadataExt as _;
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return Vec::new();
-    };
-    dir.filter_map(|e| {
-        let e = e.ok()?;
-        let name = e.file_name().into_string().ok()?;
-        let ch = name.strip_prefix("cuda-ipc.br.")?.to_string();
-        // A bridge's temporary file (`NAME.tmp-lane-PID`) is not a status file.
-        if ch.contains(".tmp-lane-") {
-            return None;
-        }
-        let uid = e.metadata().ok()?.uid();
-        let b = read(&ch)?;
-        (!b.alive).then_some((ch, uid))
-    })
-    .collect()
-}
-
-/// Removes `channel`'s bridge status file if its bridge is (still) dead; `Ok(false)` when it is
-/// gone or its bridge lives.
-pub fn remove_stale_status(channel: &str) -> std::io::Result<bool> {
-    match read(channel) {
-        Some(b) if !b.alive => match std::fs::remove_file(status_path(channel)) {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        },
-        _ => Ok(false),
-    }
-}
-
 /// The line `ls` prints under a bridged channel, and a loud second one for a host-staged GPU path.
 pub fn describe(b: &BridgeStatus) -> String {
     let what = if b.role == "recv" {

@@ -2,7 +2,7 @@
 //! with the fix where something is missing.
 
 use crate::Outcome;
-use crate::ls::bytes;
+use crate::text::bytes;
 use cuda_ipc::Error;
 use cuda_ipc::driver::{ComputeMode, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD};
 use cuda_ipc::probe::{self, PtraceScope};

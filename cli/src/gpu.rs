@@ -346,7 +346,7 @@ pub fn own_pid_ns() -> u32 {
 /// with the participants it is, and the participants no GPU process was matched to; or the one line
 /// saying why NVML is missing.
 pub fn render(state: &GpuState, m: &Matching) -> String {
-    let bytes = crate::ls::bytes;
+    let bytes = crate::text::bytes;
     if let Some(why) = state.missing() {
         return format!("gpu: {why}\n");
     }

@@ -3,7 +3,7 @@
 //!
 //! Everything here goes through the `cuda-ipc` library: the probe (`doctor`), the read-only
 //! inspection of registries and channels (`ls`, `watch`, `metrics`), the quota ledgers (`quota`),
-//! and the registry's reclaim and the channel's stale-segment removal (`gc`). GPU state comes
+//! and the library's cleanup scan and removal (`gc`, over `cuda_ipc::cleanup`). GPU state comes
 //! from NVML (`nvml-wrapper`, loaded at run time), only in this tool.
 
 /// `println!` that ends the process quietly (status 141) when stdout's reader went away
@@ -44,10 +44,12 @@ mod doctor;
 mod gc;
 mod gpu;
 mod latency;
+mod listing;
 mod ls;
 mod metrics;
 mod quota;
 mod state;
+mod text;
 mod tui;
 
 use clap::{Parser, Subcommand};

@@ -2,7 +2,7 @@
 //! `doctor` show of them.
 
 use crate::Outcome;
-use crate::ls::bytes;
+use crate::text::bytes;
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{LedgerSnapshot, QuotaLedger, QuotaScope, UNLIMITED, list_ledgers};
 use std::error::Error;
@@ -265,7 +265,7 @@ pub fn render(ledgers: &[LedgerSnapshot], errors: &[(String, String)]) -> String
                 h.uid,
                 h.identity.pid_ns,
                 bytes(h.bytes),
-                crate::ls::liveness(h.liveness)
+                crate::text::liveness(h.liveness)
             ));
         }
         if s.reclaimed > 0 {

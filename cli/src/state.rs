@@ -4,7 +4,7 @@
 
 use crate::gpu::{self, GpuState, Matching, Participant};
 use crate::latency::{self, LatencyBuckets};
-use crate::ls::{self, Listing};
+use crate::listing::{self, Listing};
 use cuda_ipc::quota::LedgerSnapshot;
 use std::collections::BTreeMap;
 
@@ -58,10 +58,10 @@ pub fn participants(l: &Listing) -> Vec<Participant> {
 /// Looks at everything once; `name` narrows the channels and registries as for `ls`. NVML is
 /// asked only when `with_gpu`.
 pub fn sample(name: Option<&str>, with_gpu: bool) -> Sample {
-    let listing = match ls::targets(name) {
-        Ok(t) => ls::collect(&t),
+    let listing = match listing::targets(name) {
+        Ok(t) => listing::collect(&t),
         Err(e) => Listing {
-            errors: vec![ls::SegmentError {
+            errors: vec![listing::SegmentError {
                 kind: "segment",
                 name: name.unwrap_or_default().to_string(),
                 error: e.to_string(),

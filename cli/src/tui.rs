@@ -8,9 +8,9 @@
 //! `TestBackend` and read the screen.
 
 use crate::latency::{BUCKETS, LatencyBuckets};
-use crate::ls::bytes;
 use crate::quota::device_name;
 use crate::state::{self, Sample};
+use crate::text::bytes;
 use cuda_ipc::identity::Liveness;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Direction, Layout, Rect};
@@ -124,7 +124,7 @@ impl App {
             pane.summary = format!(
                 "producer {} {}, {} × {}, head {}",
                 snap.producer.pid,
-                crate::ls::liveness(snap.producer_liveness),
+                crate::text::liveness(snap.producer_liveness),
                 snap.buffers.len(),
                 bytes(snap.buffer_bytes),
                 snap.head
@@ -539,7 +539,7 @@ pub fn run(
         interval_ms,
         ..Default::default()
     };
-    let mut rates = crate::ls::Rates::default();
+    let mut rates = crate::listing::Rates::default();
     let interval = Duration::from_millis(interval_ms);
     let mut last = crate::Outcome::Ok;
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
@@ -696,7 +696,7 @@ mod tests {
         let mut tx = Producer::create_host(&name, &ChannelOptions::new(64).buffers(4)).unwrap();
         let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
         let mut a = App::default();
-        let mut rates = crate::ls::Rates::default();
+        let mut rates = crate::listing::Rates::default();
         for round in 0..3u64 {
             for _ in 0..2 {
                 tx.acquire(None).unwrap().publish(b"").unwrap();

@@ -476,7 +476,7 @@ fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
     assert!(t.contains(&format!("removed channel {dead}")), "{t}");
     assert!(
         t.contains(&format!(
-            "removed host pool {pool} of channel {dead}, with its channel"
+            "removed host pool {pool} of channel {dead}: its producer"
         )),
         "{t}"
     );

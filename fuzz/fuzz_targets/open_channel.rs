@@ -123,7 +123,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = rx.inspect(&ch);
     }
     if testing::inspect_waiting(&ch, Duration::ZERO).is_ok() {
-        let _ = cuda_ipc::channel::inspect::release_dead_consumers(&ch);
+        let _ = cuda_ipc::channel::reclaim::release_dead_consumers(&ch);
     }
     let _ = Segment::unlink(&name);
 });

@@ -28,6 +28,7 @@
 //! frames' buffer, `util.rs` what they share, `quota.rs` the quota functions, `errors.rs` the
 //! exception classes, `dlpack.rs` the tensor exports.
 
+mod cleanup;
 mod consumer;
 mod dlpack;
 mod errors;
@@ -56,6 +57,7 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Frame>()?;
     m.add_function(wrap_pyfunction!(set_quota, m)?)?;
     m.add_function(wrap_pyfunction!(remove_quota, m)?)?;
+    m.add_function(wrap_pyfunction!(cleanup::cleanup, m)?)?;
     m.add("META_BYTES", cuda_ipc::channel::META_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,13 +1,12 @@
 //! Read-only inspection of channel control segments, for tools (`cuda-ipc ls`, `watch`, `gc`).
 //!
 //! Owns: finding channels in `/dev/shm` ([`list_channels`]), copying out the state of one
-//! ([`inspect`]), and, for `gc`, removing the segment of a channel whose producer died
-//! ([`remove_stale`], with its host pool) and freeing the slots of dead consumers
-//! ([`release_dead_consumers`]), and host pool segments left without a live producer
-//! ([`stale_host_pools`], [`remove_stale_host_pool`]).
+//! ([`inspect`]), and judging, without changing anything, what dead processes left: a creation
+//! abandoned half-way ([`abandoned`]) and host pool segments left without a live producer
+//! ([`stale_host_pools`]). Removing those is [`super::reclaim`]'s.
 //! Inspecting opens and validates the segment like a consumer does (magic, layout version, sizes,
 //! owner) but never attaches, holds, releases or wakes: it only loads, so it cannot disturb the
-//! protocol. The two `gc` functions change only what dead processes left. Never calls CUDA.
+//! protocol. Never calls CUDA.
 
 use super::Delivery;
 use super::control::{self, Control};
@@ -17,7 +16,6 @@ use super::layout::{
 };
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::Segment;
 use crate::shm::ShmError;
 use crate::sync::Ordering;
 use crate::token::Token;
@@ -61,33 +59,6 @@ pub fn stale_host_pools() -> Result<Vec<(String, &'static str)>> {
             Err(_) => None,
         })
         .collect())
-}
-
-/// Removes the host pool segment of `channel` when a dead producer or an abandoned creation left
-/// it (see [`stale_host_pools`]); `Ok(None)` when there is none or it is not stale. Only the pool
-/// judged is removed ([`Segment::unlink_if_same`]).
-///
-/// # Errors
-/// The typed error naming what is under the name when it is not a stale pool of ours (a live
-/// producer's pool is `Ok(None)`); [`super::ChannelError::VersionMismatch`] when the channel's
-/// control segment has another layout version (the pool is kept with it); [`Error::Os`] when the
-/// unlink fails.
-pub fn remove_stale_host_pool(channel: &str) -> Result<Option<&'static str>> {
-    let name = pool_segment_name(channel);
-    let before = match Segment::stat(&name) {
-        Ok(i) => i,
-        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let why = match super::host::HostPool::replaceable(channel) {
-        Ok(why) => why,
-        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
-        Err(Error::Channel(
-            super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
-        )) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    Ok(Segment::unlink_if_same(&name, before.inode)?.then_some(why))
 }
 
 /// What a buffer of the pool holds.
@@ -257,7 +228,7 @@ pub struct ChannelSnapshot {
 
 impl ChannelSnapshot {
     /// Whether dead processes left something here: a dead producer (the segment is garbage, see
-    /// [`remove_stale`]) or dead consumers (the producer releases their holds when it next needs a
+    /// [`super::reclaim::remove_stale`]) or dead consumers (the producer releases their holds when it next needs a
     /// buffer).
     pub fn has_leftovers(&self) -> bool {
         self.producer_liveness == Liveness::Dead
@@ -411,39 +382,10 @@ fn consumer_snapshot(c: &Control, k: usize) -> Option<ConsumerSnapshot> {
     })
 }
 
-/// Removes the control segment of `channel` when its producer process is dead, and returns what it
-/// held; `Ok(None)` (nothing touched) when the producer runs or its liveness cannot be told. A host
-/// channel's pool segment goes with it when its own header names a dead producer too.
-///
-/// Consumers that still have the segment mapped keep their mapping (they get
-/// [`ChannelError::ProducerGone`](super::ChannelError::ProducerGone) as before); only the name
-/// goes, and only while it still stands for the segment judged ([`Segment::unlink_if_same`]): a new
-/// producer that replaced it meanwhile keeps
-/// its own.
-///
-/// # Errors
-/// As [`inspect`]; [`Error::Os`] when the unlink fails.
-pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
-    let c = Control::open(channel)?;
-    let snap = snapshot(channel, &c);
-    if snap.producer_liveness != Liveness::Dead {
-        return Ok(None);
-    }
-    let ino = c.segment().inode()?;
-    drop(c);
-    // Only the segment judged, under the replacers' lock: a new producer's segment made meanwhile
-    // keeps its name.
-    let removed = Segment::unlink_if_same(&segment_name(channel), ino)?.then_some(snap);
-    if let Err(e) = remove_stale_host_pool(channel) {
-        tracing::warn!("channel {channel}: its host pool stays: {e}");
-    }
-    Ok(removed)
-}
-
 /// Whether the segment of `channel` is a creation abandoned half-way: this user's, empty, sparse
 /// or never stamped, at least 2 s old, with no live creator recorded (the rule by which a new
 /// producer replaces it). Returns why, or `Ok(None)`: no such segment, a finished channel
-/// (whatever its producer's state: that is [`remove_stale`]'s), or one being created now.
+/// (whatever its producer's state: that is [`super::reclaim::remove_stale`]'s), or one being created now.
 ///
 /// # Errors
 /// The typed errors that say what else is under the name and why it is kept
@@ -461,59 +403,6 @@ pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
         )) => Ok(None),
         Err(e) => Err(e),
     }
-}
-
-/// Removes the segment of `channel` when it is a creation abandoned half-way ([`abandoned`]),
-/// checking just before that the name still stands for the file judged. Returns why it was
-/// removed, `Ok(None)` when nothing was touched.
-///
-/// # Errors
-/// As [`abandoned`]; [`Error::Os`] when the unlink fails.
-pub fn remove_abandoned(channel: &str) -> Result<Option<&'static str>> {
-    let name = segment_name(channel);
-    let before = match Segment::stat(&name) {
-        Ok(i) => i,
-        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let Some(why) = abandoned(channel)? else {
-        return Ok(None);
-    };
-    Ok(Segment::unlink_if_same(&name, before.inode)?.then_some(why))
-}
-
-/// Releases the holds and frees the slots of consumers of `channel` whose process is dead, as the
-/// producer does when it next needs a buffer (and as a consumer does when it attaches), and returns
-/// the slots freed, as they were. Live consumers and the producer are not touched.
-///
-/// Useful when a producer is idle (it reclaims only while waiting for a buffer): a dead consumer's
-/// slot would otherwise stay taken. The producer is woken so it sees the freed buffers.
-///
-/// # Errors
-/// As [`inspect`].
-pub fn release_dead_consumers(channel: &str) -> Result<Vec<ConsumerSnapshot>> {
-    let c = Control::open(channel)?;
-    let before = snapshot(channel, &c);
-    if before
-        .consumers
-        .iter()
-        .all(|x| x.liveness != Liveness::Dead)
-    {
-        return Ok(Vec::new());
-    }
-    c.reclaim_dead_consumers();
-    let after = snapshot(channel, &c);
-    Ok(before
-        .consumers
-        .into_iter()
-        .filter(|x| {
-            x.liveness == Liveness::Dead
-                && !after
-                    .consumers
-                    .iter()
-                    .any(|y| y.index == x.index && y.generation == x.generation)
-        })
-        .collect())
 }
 
 /// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.
@@ -617,7 +506,7 @@ mod json {
 mod tests {
     use super::*;
     use crate::channel::WaitStrategy;
-    use crate::shm::SegmentOptions;
+    use crate::shm::{Segment, SegmentOptions};
     use crate::token::{TOKEN_LEN, TokenKind};
 
     // The segment is driven through `Control` itself: `channel::testing` builds on this module,
@@ -710,9 +599,6 @@ mod tests {
         tx.close();
         assert!(inspect(&n).unwrap().closed);
         assert!(list_channels().unwrap().contains(&n));
-        // A live producer's segment is never removed.
-        assert_eq!(remove_stale(&n).unwrap(), None);
-        assert!(inspect(&n).is_ok());
         tx.unlink();
         assert!(!list_channels().unwrap().contains(&n));
     }
@@ -751,24 +637,6 @@ mod tests {
     }
 
     #[test]
-    fn release_dead_consumers_leaves_live_ones_alone() {
-        let n = name("release");
-        let tx = producer(&n, &[token(1)]);
-        let rx = Rx::attach(&n, Delivery::LatestOnly);
-        let i = tx.try_acquire().unwrap().index;
-        tx.publish(i, b"").unwrap();
-        let (held, _, _) = rx.take().unwrap();
-        // The consumer is alive: nothing to release, its hold stays.
-        assert!(release_dead_consumers(&n).unwrap().is_empty());
-        let s = inspect(&n).unwrap();
-        assert_eq!(s.consumers[0].holds, [held]);
-        assert_eq!(s.consumers[0].liveness, Liveness::Alive);
-        rx.release(held);
-        drop(rx);
-        tx.unlink();
-    }
-
-    #[test]
     fn foreign_and_truncated_segments_are_refused_with_a_clear_error() {
         let n = name("bad");
         let seg_name = segment_name(&n);
@@ -784,10 +652,6 @@ mod tests {
         };
         let e = inspect(&n).unwrap_err().to_string();
         assert!(e.contains("not a cuda-ipc channel"), "{e}");
-        assert!(
-            remove_stale(&n).is_err(),
-            "a foreign segment is never removed"
-        );
         Segment::unlink(&seg_name).unwrap();
         drop(seg);
         let seg = Segment::create(&seg_name, 16, &crate::shm::SegmentOptions::new()).unwrap();

@@ -44,6 +44,7 @@ mod options;
 pub mod owned;
 mod pool;
 mod producer;
+pub mod reclaim;
 #[doc(hidden)]
 pub mod testing;
 mod view;

@@ -96,10 +96,6 @@ pub struct DeviceCapabilities {
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a bit of
 /// [`DeviceCapabilities::mempool_handle_types`] (pools can export file descriptors).
 pub const MEMPOOL_HANDLE_POSIX_FD: u32 = 0x1;
-/// `CU_MEM_HANDLE_TYPE_WIN32`: a bit of [`DeviceCapabilities::mempool_handle_types`].
-pub const MEMPOOL_HANDLE_WIN32: u32 = 0x2;
-/// `CU_MEM_HANDLE_TYPE_WIN32_KMT`: a bit of [`DeviceCapabilities::mempool_handle_types`].
-pub const MEMPOOL_HANDLE_WIN32_KMT: u32 = 0x4;
 /// `CU_MEM_HANDLE_TYPE_FABRIC`: a bit of [`DeviceCapabilities::mempool_handle_types`] (pools can
 /// export fabric handles, across nodes with IMEX).
 pub const MEMPOOL_HANDLE_FABRIC: u32 = 0x8;

@@ -21,8 +21,8 @@ mod stream;
 
 pub use context::{Context, CurrentGuard};
 pub use device::{
-    ComputeMode, Device, DeviceCapabilities, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD,
-    MEMPOOL_HANDLE_WIN32, MEMPOOL_HANDLE_WIN32_KMT, Uuid, driver_version,
+    ComputeMode, Device, DeviceCapabilities, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD, Uuid,
+    driver_version,
 };
 pub use event::Event;
 pub(crate) use memory::check_range as memory_check_range;

@@ -24,6 +24,10 @@
 use crate::shm::versioned::{StampWord, VersionedHeader};
 use crate::sync::{AtomicU32, AtomicU64};
 
+/// A budget of `UNLIMITED` bytes: no limit (the ledger still counts what is held); the budget
+/// word's value for it.
+pub const UNLIMITED: u64 = u64::MAX;
+
 /// Magic at offset 0: `CIPCQUOT`.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"CIPCQUOT");
 /// Layout version this build writes and reads.

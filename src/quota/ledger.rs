@@ -1,35 +1,25 @@
-//! The ledger protocol: create, open, lock, repair, reclaim, reserve, release, inspect (module
-//! doc of [`crate::quota`] for the rules, `layout` for the bytes).
+//! The ledger's public calls: create, open, set the budget, reserve, release, inspect, remove
+//! (module doc of [`crate::quota`] for the rules, `segment` for the lock, the repair and the
+//! reclaim, `layout` for the bytes).
 
 use super::error::{HeldBy, QuotaError};
-use super::layout::{
-    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LEDGER_LEN, LOCK_OFFSET,
-    SCOPE_GROUP, SCOPE_USER, VERSION, WRITING,
-};
+use super::layout::{ENTRIES, FREE, HELD, Header, LEDGER_LEN, SCOPE_GROUP, SCOPE_USER, WRITING};
+use super::scope::{LEDGER_PREFIX, QuotaScope};
+use super::segment::{Inner, judge_blocker, open_error};
+use super::snapshot::{Holder, LedgerSnapshot};
 use crate::driver::Uuid;
-use crate::error::{Error, OsError, Result};
-use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::versioned::{self, HeaderError, OpenError};
+use crate::error::{Error, Result};
+use crate::identity::ProcessIdentity;
+use crate::shm::versioned;
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
-
-/// A budget of `UNLIMITED` bytes: no limit (the ledger still counts what is held).
-pub const UNLIMITED: u64 = u64::MAX;
-
-/// Prefix of every ledger's segment name.
-pub(crate) const LEDGER_PREFIX: &str = "cuda-ipc.quota.";
-
-/// How long a change waits for the ledger lock held by a live process (a holder keeps it for
-/// microseconds; a dead holder's lock is released by the kernel).
-const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// How long an opener waits for the init stamp of a ledger being created.
 const OPEN_WAIT: Duration = Duration::from_secs(1);
 
 /// Points in a reservation where a test may stop the process (its parent then kills it).
-#[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum QuotaTestPoint {
@@ -41,7 +31,6 @@ static TEST_HOOK: std::sync::OnceLock<fn(QuotaTestPoint)> = std::sync::OnceLock:
 
 /// Installs a function called at every [`QuotaTestPoint`] this process reaches (once per process;
 /// later calls are ignored). For tests that kill a holder at the worst moment.
-#[doc(hidden)]
 pub fn set_test_hook(hook: fn(QuotaTestPoint)) {
     let _ = TEST_HOOK.set(hook);
 }
@@ -52,172 +41,11 @@ fn test_point(p: QuotaTestPoint) {
     }
 }
 
-/// Whose budget a ledger is: this user's, or a group's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub enum QuotaScope {
-    /// The ledger of one uid: mode `0600`, only that user's processes reserve from it.
-    User(u32),
-    /// The ledger of one group (gid): mode `0660`, every member's processes reserve from it.
-    Group(u32),
-}
-
-impl QuotaScope {
-    /// The scope of this process's effective uid.
-    pub fn user() -> QuotaScope {
-        QuotaScope::User(rustix::process::geteuid().as_raw())
-    }
-
-    /// The scope of the group `name` (a group name, or a numeric gid), of which this process must
-    /// be a member (its effective gid or one of its supplementary groups), or be root.
-    ///
-    /// # Errors
-    /// [`QuotaError::BadGroup`] when no such group exists or this process is not a member.
-    pub fn group(name: &str) -> Result<QuotaScope> {
-        let gid = match name.parse::<u32>() {
-            Ok(g) => g,
-            Err(_) => gid_of(name)?.ok_or_else(|| QuotaError::BadGroup {
-                group: name.to_string(),
-                reason: "no such group".into(),
-            })?,
-        };
-        let member = rustix::process::getegid().as_raw() == gid
-            || rustix::process::geteuid().is_root()
-            || rustix::process::getgroups()
-                .map(|g| g.iter().any(|x| x.as_raw() == gid))
-                .unwrap_or(false);
-        if !member {
-            return Err(QuotaError::BadGroup {
-                group: name.to_string(),
-                reason: format!("this process (uid {}) is not a member of gid {gid}", {
-                    rustix::process::geteuid().as_raw()
-                }),
-            }
-            .into());
-        }
-        Ok(QuotaScope::Group(gid))
-    }
-
-    /// The ledger's segment name for `device`: `cuda-ipc.quota.u<uid>.<uuid hex>` or
-    /// `cuda-ipc.quota.g<gid>.<uuid hex>` (32 lower-case hex digits; all zeros for host memory).
-    pub fn segment_name(&self, device: Uuid) -> String {
-        let hex: String = device.0.iter().map(|b| format!("{b:02x}")).collect();
-        match self {
-            QuotaScope::User(u) => format!("{LEDGER_PREFIX}u{u}.{hex}"),
-            QuotaScope::Group(g) => format!("{LEDGER_PREFIX}g{g}.{hex}"),
-        }
-    }
-
-    fn words(&self) -> (u32, u32) {
-        match *self {
-            QuotaScope::User(u) => (SCOPE_USER, u),
-            QuotaScope::Group(g) => (SCOPE_GROUP, g),
-        }
-    }
-}
-
-impl std::fmt::Display for QuotaScope {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            QuotaScope::User(u) => write!(f, "uid {u}"),
-            QuotaScope::Group(g) => write!(f, "gid {g}"),
-        }
-    }
-}
-
-/// The gid of group `name` (`getgrnam_r`), `None` when there is none.
-fn gid_of(name: &str) -> Result<Option<u32>> {
-    let bad = |reason: &str| QuotaError::BadGroup {
-        group: name.to_string(),
-        reason: reason.to_string(),
-    };
-    let cname = std::ffi::CString::new(name).map_err(|_| bad("a name with a NUL byte"))?;
-    let mut len = 4096usize;
-    loop {
-        let mut buf = vec![0 as libc::c_char; len];
-        // SAFETY: `group` is a plain C struct of pointers and integers; all-zero is valid.
-        let mut grp: libc::group = unsafe { std::mem::zeroed() };
-        let mut out: *mut libc::group = std::ptr::null_mut();
-        // SAFETY: `cname` is NUL-terminated; `grp`, `buf` (of `len` bytes) and `out` are valid for
-        // writes and outlive the call; the strings it stores point into `buf`, read by nobody.
-        let r =
-            unsafe { libc::getgrnam_r(cname.as_ptr(), &mut grp, buf.as_mut_ptr(), len, &mut out) };
-        if r == libc::ERANGE && len < 1 << 20 {
-            len *= 4;
-            continue;
-        }
-        if r != 0 {
-            return Err(
-                OsError::io("getgrnam_r", name, std::io::Error::from_raw_os_error(r)).into(),
-            );
-        }
-        return Ok((!out.is_null()).then_some(grp.gr_gid));
-    }
-}
-
-/// One reservation as [`QuotaLedger::snapshot`] saw it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-pub struct Holder {
-    /// The process holding it.
-    #[cfg_attr(
-        feature = "serde",
-        serde(serialize_with = "crate::identity::snapshot_json::identity")
-    )]
-    pub identity: ProcessIdentity,
-    /// The holder's effective uid.
-    pub uid: u32,
-    /// Bytes held.
-    pub bytes: u64,
-    /// Its liveness when the snapshot was made (`Unknown` counts as alive and is kept).
-    pub liveness: Liveness,
-}
-
-/// A ledger's state, copied under its lock after dead holders were reclaimed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-pub struct LedgerSnapshot {
-    /// The segment's name in `/dev/shm`.
-    pub name: String,
-    /// The device whose budget it is (all zeros: host memory).
-    #[cfg_attr(feature = "serde", serde(serialize_with = "uuid_text"))]
-    pub device: Uuid,
-    /// Whose budget.
-    pub scope: QuotaScope,
-    /// The segment's owner uid (who may change the budget, with root).
-    pub owner_uid: u32,
-    /// The segment's permission bits (`0o600`, `0o660`).
-    pub mode: u32,
-    /// The budget in bytes; `None`: unlimited.
-    pub budget: Option<u64>,
-    /// Bytes held by the holders below.
-    pub used: u64,
-    /// The live (or unknown) holders.
-    pub holders: Vec<Holder>,
-    /// Dead holders whose entries this snapshot freed.
-    pub reclaimed: u32,
-}
-
-#[cfg(feature = "serde")]
-fn uuid_text<S: serde::Serializer>(u: &Uuid, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.collect_str(u)
-}
-
 /// A handle on one device's quota ledger (module doc of [`crate::quota`]). Cheap to clone; every
 /// clone shares one open segment.
 #[derive(Clone)]
 pub struct QuotaLedger {
     inner: Arc<Inner>,
-}
-
-struct Inner {
-    seg: Segment,
-    device: Uuid,
-    scope: QuotaScope,
-    /// Serialises this process's threads: the OFD lock belongs to the open file description, which
-    /// they share, so it does not exclude them from one another.
-    local: Mutex<()>,
 }
 
 impl std::fmt::Debug for QuotaLedger {
@@ -239,264 +67,6 @@ pub struct Reservation {
     released: bool,
     /// The process that reserved it: a forked child's copy never frees its parent's entry.
     pid: u32,
-}
-
-/// The ledger lock, held: the OFD record lock and this process's mutex.
-struct Locked<'a> {
-    inner: &'a Inner,
-    _local: MutexGuard<'a, ()>,
-}
-
-fn flock(kind: libc::c_int) -> libc::flock {
-    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-    let mut l: libc::flock = unsafe { std::mem::zeroed() };
-    l.l_type = kind as libc::c_short;
-    l.l_whence = libc::SEEK_SET as libc::c_short;
-    l.l_start = LOCK_OFFSET;
-    l.l_len = 1;
-    l
-}
-
-impl Drop for Locked<'_> {
-    fn drop(&mut self) {
-        use rustix::fd::AsRawFd;
-        let l = flock(libc::F_UNLCK);
-        // SAFETY: the segment's fd is open while `inner` lives; `l` is a valid flock that
-        // outlives the call. Unlocking a lock we hold cannot fail but for a bad fd.
-        let _ = unsafe { libc::fcntl(self.inner.seg.fd().as_raw_fd(), libc::F_OFD_SETLK, &l) };
-    }
-}
-
-impl Inner {
-    fn header(&self) -> &Header {
-        versioned::header::<Header>(&self.seg)
-    }
-
-    fn entry(&self, i: u32) -> &Entry {
-        debug_assert!(i < ENTRIES);
-        // (1) The segment is at least LEDGER_LEN bytes (every opener and creator checks it), so
-        // entry `i < ENTRIES` lies inside the mapping, which lives as long as `self`; (2) the
-        // offset is a multiple of 64 from a page, so Entry's 8-byte alignment holds.
-        // SAFETY: (1), (2); (3) Entry is `repr(C)` atomics only: every bit pattern is valid and
-        // a shared reference permits other processes' concurrent writes.
-        unsafe {
-            &*self
-                .seg
-                .as_ptr()
-                .add(ENTRIES_AT + i as usize * ENTRY_LEN)
-                .cast::<Entry>()
-        }
-    }
-
-    fn name(&self) -> &str {
-        self.seg.name()
-    }
-
-    /// Takes the ledger lock (at most [`LOCK_TIMEOUT`]), then repairs what a locker killed
-    /// half-way left: `WRITING` entries (and states no build writes) are freed.
-    fn lock(&self) -> Result<Locked<'_>> {
-        use rustix::fd::AsRawFd;
-        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
-        let l = flock(libc::F_WRLCK);
-        let deadline = Instant::now() + LOCK_TIMEOUT;
-        let mut pause = Duration::from_micros(50);
-        loop {
-            // SYNC POINT ledger lock: the kernel's record lock orders one locker's critical section
-            // after the previous one's (the lock and unlock calls are full barriers); the atomics
-            // inside are Release/Acquire pairs of their own (SYNC POINT entry) on top of it.
-            // SAFETY: the segment's fd is open while `self` lives; `l` is a valid flock that
-            // outlives the call.
-            let r = unsafe { libc::fcntl(self.seg.fd().as_raw_fd(), libc::F_OFD_SETLK, &l) };
-            if r == 0 {
-                break;
-            }
-            let e = std::io::Error::last_os_error();
-            if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
-                return Err(
-                    OsError::io("fcntl(F_OFD_SETLK)", format!("/{}", self.name()), e).into(),
-                );
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: "the quota ledger's lock",
-                    after: LOCK_TIMEOUT,
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
-        }
-        let g = Locked {
-            inner: self,
-            _local: local,
-        };
-        let mut repaired = 0;
-        for i in 0..ENTRIES {
-            let e = self.entry(i);
-            // SYNC POINT entry: Acquire, pairs with the Release stores of `state` in `reserve`
-            // and `free`.
-            let s = e.state.load(Ordering::Acquire);
-            if s != FREE && s != HELD {
-                // WRITING under a free lock: its writer died before it returned the reservation.
-                e.state.store(FREE, Ordering::Release);
-                repaired += 1;
-            }
-        }
-        if repaired > 0 {
-            tracing::warn!(
-                "quota ledger {}: freed {repaired} entries a holder left half-written",
-                self.name()
-            );
-            self.store_used();
-        }
-        Ok(g)
-    }
-
-    /// The entries of dead holders (under the lock), freed when `free`; returns them.
-    fn reclaim_dead(&self, _g: &Locked<'_>, free: bool) -> Vec<Holder> {
-        let mut dead = Vec::new();
-        for i in 0..ENTRIES {
-            let e = self.entry(i);
-            // SYNC POINT entry: Acquire, as in `lock`.
-            if e.state.load(Ordering::Acquire) != HELD {
-                continue;
-            }
-            // Relaxed: ordered by the Acquire load of `state`.
-            let id = ProcessIdentity::load_words(&e.identity);
-            let uid = e.uid.load(Ordering::Relaxed) as u32;
-            // The holder's liveness file counts only if the holder's uid (or root) owns it.
-            if id.liveness_as(uid) != Liveness::Dead {
-                continue;
-            }
-            let bytes = e.bytes.load(Ordering::Relaxed);
-            dead.push(Holder {
-                identity: id,
-                uid,
-                bytes,
-                liveness: Liveness::Dead,
-            });
-            if free {
-                tracing::info!(
-                    "quota ledger {}: reclaimed {bytes} bytes of dead pid {} (pid ns {})",
-                    self.name(),
-                    id.pid,
-                    id.pid_ns
-                );
-                // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
-                e.state.store(FREE, Ordering::Release);
-            }
-        }
-        if free && !dead.is_empty() {
-            self.store_used();
-        }
-        dead
-    }
-
-    /// The held entries: (index, identity, uid, bytes).
-    fn held(&self) -> Vec<(u32, ProcessIdentity, u32, u64)> {
-        (0..ENTRIES)
-            .filter_map(|i| {
-                let e = self.entry(i);
-                // SYNC POINT entry: Acquire, as in `lock`; the loads below are Relaxed.
-                (e.state.load(Ordering::Acquire) == HELD).then(|| {
-                    (
-                        i,
-                        ProcessIdentity::load_words(&e.identity),
-                        e.uid.load(Ordering::Relaxed) as u32,
-                        e.bytes.load(Ordering::Relaxed),
-                    )
-                })
-            })
-            .collect()
-    }
-
-    /// Rewrites the header's copy of the bytes in use and bumps the change counter.
-    fn store_used(&self) -> u64 {
-        let used = self
-            .held()
-            .iter()
-            .fold(0u64, |a, (_, _, _, b)| a.saturating_add(*b));
-        let h = self.header();
-        // Relaxed: written under the lock; readers take the lock too (tools' snapshots).
-        h.used.store(used, Ordering::Relaxed);
-        h.changes.fetch_add(1, Ordering::Relaxed);
-        used
-    }
-
-    fn budget(&self) -> Option<u64> {
-        // Relaxed: written and read under the lock.
-        let b = self.header().budget.load(Ordering::Relaxed);
-        (b != UNLIMITED).then_some(b)
-    }
-}
-
-/// Whether what stands under a ledger's name may be replaced by a creator: only this user's
-/// creation abandoned half-way (empty or sparse for 2 s, or never stamped for 2 s with its creator
-/// dead). A ledger that is ready, or being created by a live process, is
-/// [`ShmError::AlreadyExists`] (the caller opens it); anything else keeps the error that says what
-/// it is (another user's, a FIFO, too small), and nothing of it is removed.
-fn judge_blocker(name: &str) -> Result<Option<&'static str>> {
-    let taken = || -> Error {
-        ShmError::AlreadyExists {
-            name: name.to_string(),
-        }
-        .into()
-    };
-    let info = match versioned::stat_blocker(name, LEDGER_LEN)? {
-        versioned::Blocker::Abandoned => return Ok(Some(versioned::ABANDONED_UNSIZED)),
-        versioned::Blocker::Young => {
-            // A creator is sizing it now: look again shortly.
-            std::thread::sleep(Duration::from_millis(5));
-            return Ok(None);
-        }
-        versioned::Blocker::Sized(info) => info,
-    };
-    let seg = Segment::open_with_min_len(name, LEDGER_LEN)?;
-    seg.check_owner()?;
-    let h = versioned::header::<Header>(&seg);
-    match versioned::look(h) {
-        versioned::Look::Unstamped if info.age_secs >= versioned::ABANDONED_AFTER.as_secs() => {
-            // SYNC POINT creator: Acquire, pairs with the Release store of the magic in
-            // `write_versioned`: a creator that stored the magic stored its identity before it.
-            let magic = h.magic.load(Ordering::Acquire);
-            // Relaxed: ordered by the Acquire above.
-            let creator = ProcessIdentity::load_words(&h.creator);
-            // The creator made the file, so its owner is the creator's uid.
-            if magic == 0 || creator.liveness_as(info.uid) == Liveness::Dead {
-                Ok(Some("a creation abandoned before its init stamp"))
-            } else {
-                Err(taken())
-            }
-        }
-        _ => Err(taken()),
-    }
-}
-
-/// Maps what the versioned opener found to this layer's errors.
-fn open_error(name: &str, e: OpenError) -> Error {
-    match e {
-        OpenError::Segment(e) => e,
-        OpenError::Header(HeaderError::Foreign { magic }) => QuotaError::BadSegment {
-            name: name.to_string(),
-            reason: format!("magic {magic:#018x}, not a quota ledger's (CIPCQUOT)"),
-        }
-        .into(),
-        OpenError::Header(HeaderError::OtherVersion { found }) => QuotaError::VersionMismatch {
-            name: name.to_string(),
-            found,
-            supported: VERSION,
-        }
-        .into(),
-        OpenError::Header(HeaderError::BadStamp { found }) => QuotaError::BadSegment {
-            name: name.to_string(),
-            reason: format!("init stamp word {found:#x}"),
-        }
-        .into(),
-        OpenError::Header(HeaderError::Unstamped { waited }) => QuotaError::BadSegment {
-            name: name.to_string(),
-            reason: format!("never initialised (no init stamp after {waited:?})"),
-        }
-        .into(),
-    }
 }
 
 impl QuotaLedger {
@@ -580,7 +150,7 @@ impl QuotaLedger {
         })
     }
 
-    /// Sets the budget of `scope` on `device` to `budget` bytes ([`UNLIMITED`]: no limit),
+    /// Sets the budget of `scope` on `device` to `budget` bytes ([`UNLIMITED`](super::UNLIMITED): no limit),
     /// creating the ledger when there is none (mode `0600` for a user, `0660` with the group set
     /// for a group). Reservations already held stay; only new ones are judged by the new budget.
     ///
@@ -905,6 +475,7 @@ pub fn list_ledgers() -> Result<Vec<String>> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::quota::layout::UNLIMITED;
 
     fn dev(tag: u8) -> Uuid {
         let mut d = [0u8; 16];

@@ -36,15 +36,21 @@
 //!   [`crate::identity::ProcessIdentity::liveness_as`] with the holder's recorded uid (`/proc` in
 //!   one's own pid namespace, else a liveness file of that uid or root; `Unknown` counts as alive), so a killed producer's bytes come back at the next look, not after a timeout.
 //!
-//! Files: `layout` (the byte layout), `ledger` (the protocol), `error`.
+//! Files: `layout` (the byte layout), `scope` (whose budget, the segment name), `segment` (one
+//! open ledger: its lock, repair, reclaim, and the judgement of a leftover under its name),
+//! `ledger` (the public calls), `snapshot` (what tools see), `error`. `ledger` builds on
+//! `segment`, which builds on `scope` and `snapshot`; none of those names `ledger`. The test
+//! points of a reservation are under [`crate::raw::quota_test_hooks`].
 
 mod error;
 pub(crate) mod layout;
-mod ledger;
+pub(crate) mod ledger;
+mod scope;
+mod segment;
+mod snapshot;
 
 pub use error::{HeldBy, QuotaError};
-pub use ledger::{
-    Holder, LedgerSnapshot, QuotaLedger, QuotaScope, Reservation, UNLIMITED, list_ledgers,
-};
-#[doc(hidden)]
-pub use ledger::{QuotaTestPoint, set_test_hook};
+pub use layout::UNLIMITED;
+pub use ledger::{QuotaLedger, Reservation, list_ledgers};
+pub use scope::QuotaScope;
+pub use snapshot::{Holder, LedgerSnapshot};

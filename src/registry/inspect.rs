@@ -354,7 +354,8 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
 /// `ABANDONED_AFTER`, 2 s, old: no creator recorded),
 /// its header never begun (as old), or never stamped with its recorded creator dead. Returns why,
 /// or `Ok(None)`: no such segment, a finished registry (its dead processes' leftovers are
-/// [`Registry::reclaim_dead`]'s), a young creation or a live creator's.
+/// [`Registry::reclaim_dead`]'s), a young creation or a live creator's. Removing it is
+/// [`super::remove_abandoned`]'s.
 ///
 /// # Errors
 /// The typed errors that say what else is under the name and why it is kept
@@ -376,22 +377,9 @@ pub fn abandoned(name: &str) -> Result<Option<&'static str>> {
     Ok(judged(name)?.map(|(why, _)| why))
 }
 
-/// Removes the segment `name` when it is a registry creation abandoned half-way ([`abandoned`]),
-/// only while the name still stands for the file judged. Returns why it was removed, `Ok(None)`
-/// when nothing was touched.
-///
-/// # Errors
-/// As [`abandoned`]; [`Error::Os`] when the unlink fails.
-pub fn remove_abandoned(name: &str) -> Result<Option<&'static str>> {
-    let Some((why, inode)) = judged(name)? else {
-        return Ok(None);
-    };
-    Ok(crate::shm::Segment::unlink_if_same(name, inode)?.then_some(why))
-}
-
 /// [`segment::judge_leftover`](super::segment::judge_leftover) for a caller that met no error of
 /// its own: a young creation or a live creator's is `Ok(None)`.
-fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
+pub(super) fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
     let not_yet = RegistryError::Uninitialised {
         name: name.to_string(),
         waited: Duration::ZERO,

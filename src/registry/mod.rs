@@ -37,11 +37,13 @@ pub(crate) mod layout;
 mod participant;
 mod reclaim;
 mod records;
+mod remove;
 mod segment;
 pub(crate) mod slot;
 
 pub use error::RegistryError;
-pub use reclaim::ReclaimReport;
+pub use reclaim::{ReclaimReport, Reclaimed};
+pub use remove::remove_abandoned;
 
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
@@ -174,6 +176,9 @@ pub struct Registry {
     file_id: (u64, u64),
     /// The creation generation in the header.
     generation: u64,
+    /// The dead participants' entries this handle freed when it joined (empty for an inspection
+    /// handle), for [`Registry::reclaimed_on_open`].
+    freed_on_join: Vec<reclaim::Reclaimed>,
 }
 
 fn corrupt(name: &str, what: String) -> Error {

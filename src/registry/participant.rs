@@ -25,7 +25,7 @@
 //! dead processes, list the live participants.
 
 use super::layout::{OWNER_GEN_MASK, OWNER_PID_BITS, Participant};
-use super::{ReclaimReport, Registry};
+use super::{ReclaimReport, Reclaimed, Registry};
 use crate::identity::{LIVE_PREFIX, Liveness, ProcessIdentity};
 use crate::sync::{Ordering, fence};
 
@@ -273,7 +273,11 @@ impl Registry {
     }
 
     /// Frees the entries of dead processes; counts those kept as unknown in `rep`.
-    pub(super) fn reclaim_participants(&self, rep: &mut ReclaimReport) -> u32 {
+    pub(super) fn reclaim_participants(
+        &self,
+        rep: &mut ReclaimReport,
+        freed: &mut Vec<Reclaimed>,
+    ) -> u32 {
         let mut n = 0;
         for i in 0..self.participants {
             if i == self.participant {
@@ -294,6 +298,10 @@ impl Registry {
                         .is_ok()
                     {
                         n += 1;
+                        freed.push(Reclaimed::Participant {
+                            index: i,
+                            pid: claimer_of(owner).0,
+                        });
                     }
                 }
                 Liveness::Alive => {}

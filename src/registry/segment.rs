@@ -393,7 +393,9 @@ impl Registry {
         // Dead participants' entries are freed on the way in (as `open` promises), not only when
         // every entry is taken: a registry outlives crashed processes, and `participants()` should
         // not list them to the next one that joins.
-        reg.reclaim_participants(&mut ReclaimReport::default());
+        let mut freed = Vec::new();
+        reg.reclaim_participants(&mut ReclaimReport::default(), &mut freed);
+        reg.freed_on_join = freed;
         let (i, owner, name) = reg.claim_participant().ok_or_else(|| {
             Error::from(RegistryError::TooManyParticipants {
                 name: reg.seg.name().to_string(),
@@ -431,6 +433,7 @@ impl Registry {
             lock_timeout: Duration::ZERO,
             file_id,
             generation,
+            freed_on_join: Vec::new(),
         })
     }
 }

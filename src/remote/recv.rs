@@ -153,15 +153,29 @@ pub fn serve(
             refuse(&mut a, &why);
             continue;
         }
-        let mut copts = ChannelOptions::new(g.buffer_bytes)
+        let copts = ChannelOptions::new(g.buffer_bytes)
             .buffers(far_buffers)
             .max_consumers(opts.max_consumers);
         let producer = match &gpu_ctx {
             None => Producer::create_host(&opts.channel, &copts),
-            Some(ctx) => {
-                copts = copts.memory(crate::channel::MemoryKind::Auto);
-                Producer::create(ctx, &opts.channel, &copts)
-            }
+            // Legacy memory where the device has legacy IPC: UCX's `cuda_ipc` transport maps
+            // legacy handles of far buffers and WRITEs into them GPU to GPU, while VMM far
+            // buffers are host-staged (measured on an H200: 15 frames/s of 4K frames against
+            // some 18,000; docs/gpu-verification.md, run AF). Elsewhere `Auto` (VMM). The far
+            // channel's own consumers are then legacy importers: one whose pid equals this
+            // bridge's in another pid namespace gets `Error::NotImportable`.
+            Some(ctx) => match Producer::create(
+                ctx,
+                &opts.channel,
+                &copts.clone().memory(crate::channel::MemoryKind::Legacy),
+            ) {
+                Err(Error::Unsupported { .. }) => Producer::create(
+                    ctx,
+                    &opts.channel,
+                    &copts.clone().memory(crate::channel::MemoryKind::Auto),
+                ),
+                made => made,
+            },
         };
         match producer {
             Ok(p) => {

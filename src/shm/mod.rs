@@ -22,9 +22,9 @@
 //! them at any moment.
 
 mod error;
-pub mod futex;
+pub(crate) mod futex;
 mod segment;
-pub mod seqlock;
+pub(crate) mod seqlock;
 pub(crate) mod versioned;
 
 pub use error::ShmError;

@@ -34,14 +34,14 @@ use std::time::{Duration, Instant};
 
 /// How old an empty, sparse or never stamped segment must be before a creator may take it for one
 /// abandoned half-way (a live creator gets past those states within microseconds).
-pub const ABANDONED_AFTER: Duration = Duration::from_secs(2);
+pub(crate) const ABANDONED_AFTER: Duration = Duration::from_secs(2);
 
 /// How many times [`create_replacing`] judges and removes what it finds before it gives up.
 const REPLACE_ATTEMPTS: u32 = 4;
 
 /// A header's init stamp word and the value its creator stores there last.
 #[derive(Clone, Copy, Debug)]
-pub enum StampWord<'a> {
+pub(crate) enum StampWord<'a> {
     /// A `u32` stamp (the channel's control segment, the host pool).
     U32(&'a AtomicU32, u32),
     /// A `u64` stamp (the registry).
@@ -81,7 +81,7 @@ impl StampWord<'_> {
 ///    processes; no plain byte is ever referenced;
 /// 2. `align_of::<Self>()` divides 4096 (mappings start on a page);
 /// 3. `size_of::<Self>() <= Self::HEADER_LEN`.
-pub unsafe trait VersionedHeader {
+pub(crate) unsafe trait VersionedHeader {
     /// The magic at the header's start, as a little-endian `u64`.
     const MAGIC: u64;
     /// The layout version this build writes and reads.
@@ -109,7 +109,7 @@ pub unsafe trait VersionedHeader {
 /// its own error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum HeaderError {
+pub(crate) enum HeaderError {
     /// Another magic: a file of another program, or of another layout of this crate.
     Foreign {
         /// The magic found.
@@ -135,7 +135,7 @@ pub enum HeaderError {
 
 /// Why [`open_versioned`] gave no segment.
 #[derive(Debug)]
-pub enum OpenError {
+pub(crate) enum OpenError {
     /// The segment itself (missing, another user's, not a file, sparse, too small) or a call:
     /// the error as [`Segment`] gives it, to be passed on unchanged.
     Segment(Error),
@@ -148,7 +148,7 @@ pub enum OpenError {
 /// # Panics
 /// When `seg` is shorter than [`VersionedHeader::HEADER_LEN`] (every creator and opener here
 /// checks that first).
-pub fn header<H: VersionedHeader>(seg: &Segment) -> &H {
+pub(crate) fn header<H: VersionedHeader>(seg: &Segment) -> &H {
     assert!(
         seg.len() >= H::HEADER_LEN,
         "a segment shorter than its header"
@@ -168,7 +168,7 @@ pub fn header<H: VersionedHeader>(seg: &Segment) -> &H {
 ///
 /// # Panics
 /// As [`header`].
-pub fn write_versioned<H: VersionedHeader>(
+pub(crate) fn write_versioned<H: VersionedHeader>(
     seg: &Segment,
     owner: impl FnOnce(&H),
     fields: impl FnOnce(&H),
@@ -192,7 +192,7 @@ pub fn write_versioned<H: VersionedHeader>(
 
 /// What one look at a header found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Look {
+pub(crate) enum Look {
     /// Stamped, this layout's magic and version: every field the creator wrote is visible.
     Ready,
     /// No stamp yet, and nothing that refuses it: a creator may still be writing.
@@ -206,7 +206,7 @@ pub enum Look {
 /// A creator's segment reads zero until it stores the magic, so a magic of 0 is awaited like a
 /// missing stamp; any other magic is refused without waiting (unless
 /// [`VersionedHeader::FOREIGN_BEFORE_STAMP`] is `false`).
-pub fn look<H: VersionedHeader>(h: &H) -> Look {
+pub(crate) fn look<H: VersionedHeader>(h: &H) -> Look {
     // SYNC POINT stamp: Acquire, pairs with the Release store of the stamp in `write_versioned`;
     // when it is set, the fields read below are the creator's.
     let (found, set) = h.stamp().load(Ordering::Acquire);
@@ -244,7 +244,7 @@ pub fn look<H: VersionedHeader>(h: &H) -> Look {
 /// [`OpenError::Segment`] with the errors of [`Segment::open_with_min_len`],
 /// [`Segment::check_access`] and [`Segment::check_owner`]; [`OpenError::Header`] with what
 /// [`look`] refused, or [`HeaderError::Unstamped`] after `wait`.
-pub fn open_versioned<H: VersionedHeader>(
+pub(crate) fn open_versioned<H: VersionedHeader>(
     name: &str,
     allow_group: bool,
     wait: Duration,
@@ -276,7 +276,7 @@ pub fn open_versioned<H: VersionedHeader>(
 /// What stands under a name that a creation found taken, judged from `fstat` alone (nothing
 /// mapped, nothing read).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Blocker {
+pub(crate) enum Blocker {
     /// Empty (a creator killed before `ftruncate`) or sparse (before `fallocate`), at least
     /// [`ABANDONED_AFTER`] old: a creation abandoned before its pages were reserved. Never read:
     /// touching a hole may raise `SIGBUS`.
@@ -288,7 +288,7 @@ pub enum Blocker {
 }
 
 /// The judgement of [`Blocker::Abandoned`] in words, for a creator's log.
-pub const ABANDONED_UNSIZED: &str = "a creation abandoned before its pages were reserved";
+pub(crate) const ABANDONED_UNSIZED: &str = "a creation abandoned before its pages were reserved";
 
 /// The first part of judging a segment that blocks a creation: [`Segment::stat`], the owner (only
 /// this user's segments are ever replaced), then empty or sparse (by age), then the size.
@@ -296,7 +296,7 @@ pub const ABANDONED_UNSIZED: &str = "a creation abandoned before its pages were 
 /// # Errors
 /// As [`Segment::stat`]; [`ShmError::WrongOwner`] for another user's segment;
 /// [`ShmError::TooSmall`] for one with its pages but shorter than `header_len`.
-pub fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
+pub(crate) fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
     let info = Segment::stat(name)?;
     let ours = rustix::process::geteuid().as_raw();
     if info.uid != ours {
@@ -340,7 +340,7 @@ pub fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
 /// # Errors
 /// The errors of [`Segment::create`] and [`Segment::stat`], `judge`'s errors, and
 /// [`ShmError::AlreadyExists`] when the name was still taken after four replacements.
-pub fn create_replacing(
+pub(crate) fn create_replacing(
     name: &str,
     len: usize,
     opts: &SegmentOptions,

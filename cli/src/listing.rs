@@ -1,0 +1,271 @@
+//! What `ls`, `watch`, `metrics`, `state` and `tui` look at: the registries and channels to
+//! inspect ([`targets`]), their snapshots ([`collect`], a [`Listing`] with its JSON form), and the
+//! rates between two refreshes ([`Rates`]). Shared by the commands; imports none of them.
+
+use cuda_ipc::channel::inspect::{self as channel_inspect, ChannelSnapshot};
+use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
+use serde::{Serialize, Serializer};
+use serde_json::{Map, Value};
+use std::collections::HashMap;
+use std::error::Error;
+use std::time::{Duration, Instant};
+
+/// Everything `ls` found.
+///
+/// Its JSON form (`--json`) is the library's `serde` form of each snapshot (the
+/// `cuda-ipc/serde` feature), with the few keys only this tool knows added ([`RegistryView`],
+/// [`ChannelView`]).
+#[derive(Debug, Default, Serialize)]
+pub struct Listing {
+    /// Registry segments.
+    pub registries: Vec<RegistryView>,
+    /// Channel control segments.
+    pub channels: Vec<ChannelView>,
+    /// Segments that could not be read, with why.
+    pub errors: Vec<SegmentError>,
+}
+
+/// A segment that could not be inspected.
+#[derive(Debug, Serialize)]
+pub struct SegmentError {
+    /// `registry` or `channel`.
+    pub kind: &'static str,
+    /// The registry's segment name or the channel name.
+    pub name: String,
+    /// What went wrong.
+    pub error: String,
+}
+
+/// One registry, and its publish rate.
+///
+/// JSON: the snapshot's own form plus `leftovers` ([`RegistrySnapshot::has_leftovers`], a
+/// method, not a field) and `publishes_per_s`.
+#[derive(Debug)]
+pub struct RegistryView {
+    /// What the registry holds.
+    pub snapshot: RegistrySnapshot,
+    /// Publishes per second since the previous refresh (`watch` only).
+    pub publishes_per_s: Option<f64>,
+}
+
+/// One channel, and its rates.
+///
+/// JSON: the snapshot's own form plus `leftovers` ([`ChannelSnapshot::has_leftovers`]),
+/// `frames_per_s`, and `received_per_s` in each consumer's object.
+#[derive(Debug)]
+pub struct ChannelView {
+    /// The channel's state.
+    pub snapshot: ChannelSnapshot,
+    /// Frames per second since the previous refresh (`watch` only).
+    pub frames_per_s: Option<f64>,
+    /// Frames received per second since the previous refresh by each consumer of
+    /// `snapshot.consumers`, in that order (`watch` only).
+    pub received_per_s: Vec<Option<f64>>,
+    /// The remote lane's bridge of this channel, when one wrote its status file.
+    pub bridge: Option<crate::bridge::BridgeStatus>,
+}
+
+// The one adapter between the snapshots and `--json`. The rates are this tool's (`watch` measures
+// them between two refreshes; no snapshot has them), `leftovers` is a method: they are added to
+// the snapshot's JSON value. A `Value` object writes its keys in sorted order (JSON objects have
+// none).
+fn snapshot_json<T: Serialize, E: serde::ser::Error>(
+    snapshot: &T,
+    add: impl FnOnce(&mut Map<String, Value>),
+) -> Result<Value, E> {
+    let mut v = serde_json::to_value(snapshot).map_err(E::custom)?;
+    if let Some(m) = v.as_object_mut() {
+        add(m);
+    }
+    Ok(v)
+}
+
+impl Serialize for RegistryView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        snapshot_json(&self.snapshot, |m| {
+            m.insert("leftovers".into(), self.snapshot.has_leftovers().into());
+            m.insert("publishes_per_s".into(), self.publishes_per_s.into());
+        })?
+        .serialize(s)
+    }
+}
+
+impl Serialize for ChannelView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        snapshot_json(&self.snapshot, |m| {
+            m.insert("leftovers".into(), self.snapshot.has_leftovers().into());
+            m.insert("frames_per_s".into(), self.frames_per_s.into());
+            m.insert(
+                "bridge".into(),
+                serde_json::to_value(&self.bridge).unwrap_or(Value::Null),
+            );
+            if let Some(Value::Array(cs)) = m.get_mut("consumers") {
+                for (c, r) in cs.iter_mut().zip(&self.received_per_s) {
+                    if let Some(c) = c.as_object_mut() {
+                        c.insert("received_per_s".into(), (*r).into());
+                    }
+                }
+            }
+        })?
+        .serialize(s)
+    }
+}
+
+impl Listing {
+    /// Whether anything here is a problem (exit status 1).
+    pub fn has_problems(&self) -> bool {
+        !self.errors.is_empty()
+            || self.registries.iter().any(|r| r.snapshot.has_leftovers())
+            || self.channels.iter().any(|c| c.snapshot.has_leftovers())
+    }
+}
+
+/// The registries and channels to look at: all, or those `name` names.
+pub(crate) struct Targets {
+    pub registries: Vec<String>,
+    pub channels: Vec<String>,
+}
+
+/// Finds the registries and channels in `/dev/shm`, or the ones `name` names (a registry's
+/// segment name, a channel name, or a channel's segment name `cuda-ipc.ch.NAME`).
+pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
+    let mut registries = registry_inspect::list_registries()?;
+    let mut channels = channel_inspect::list_channels()?;
+    if let Some(n) = name {
+        let chan = n.strip_prefix(channel_inspect::SEGMENT_PREFIX).unwrap_or(n);
+        registries.retain(|r| r == n);
+        channels.retain(|c| c == chan);
+        // A segment that exists but was not listed (another user's, or not a registry): inspected
+        // anyway, so the error says why (owner, magic) instead of "no such name".
+        let exists = |seg: &str| {
+            !seg.contains('/')
+                // Whatever it is (a FIFO, a directory): inspection names it without opening it
+                // in a way that could block.
+                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
+        };
+        if registries.is_empty() && channels.is_empty() {
+            if exists(&channel_inspect::segment_name(chan)) {
+                channels.push(chan.to_string());
+            } else if n == chan && exists(n) {
+                registries.push(n.to_string());
+            }
+        }
+        if registries.is_empty() && channels.is_empty() {
+            return Err(format!(
+                "no registry or channel named {n:?} in {}",
+                cuda_ipc::raw::shm::SHM_DIR
+            )
+            .into());
+        }
+    }
+    Ok(Targets {
+        registries,
+        channels,
+    })
+}
+
+/// Inspects every target.
+pub(crate) fn collect(t: &Targets) -> Listing {
+    let mut l = Listing::default();
+    for r in &t.registries {
+        match registry_inspect::inspect(r) {
+            Ok(snapshot) => l.registries.push(RegistryView {
+                snapshot,
+                publishes_per_s: None,
+            }),
+            Err(e) => l.errors.push(SegmentError {
+                kind: "registry",
+                name: r.clone(),
+                error: e.to_string(),
+            }),
+        }
+    }
+    for c in &t.channels {
+        match channel_inspect::inspect(c) {
+            Ok(snapshot) => l.channels.push(ChannelView {
+                frames_per_s: None,
+                received_per_s: vec![None; snapshot.consumers.len()],
+                bridge: crate::bridge::read(c),
+                snapshot,
+            }),
+            Err(e) => l.errors.push(SegmentError {
+                kind: "channel",
+                name: c.clone(),
+                error: e.to_string(),
+            }),
+        }
+    }
+    l
+}
+
+/// What the previous refresh saw, for rates.
+#[derive(Default)]
+struct Previous {
+    at: Option<Instant>,
+    registry_seq: HashMap<String, u64>,
+    channel_head: HashMap<String, u64>,
+    /// (channel, slot, pid, generation) → received.
+    consumer_received: HashMap<(String, usize, u32, u64), u64>,
+}
+
+fn per_s(now: u64, before: Option<&u64>, dt: Option<Duration>) -> Option<f64> {
+    let (b, dt) = (before?, dt?);
+    let secs = dt.as_secs_f64();
+    (secs > 0.0 && now >= *b).then(|| (now - b) as f64 / secs)
+}
+
+/// The rates between refreshes, for `watch`'s live view: what the previous refresh saw.
+#[derive(Default)]
+pub struct Rates(Previous);
+
+impl Rates {
+    /// Fills `l`'s rates from the difference to the previous call, and remembers `l`.
+    pub fn add(&mut self, l: &mut Listing, now: Instant) {
+        add_rates(l, &mut self.0, now);
+    }
+}
+
+fn add_rates(l: &mut Listing, prev: &mut Previous, now: Instant) {
+    let dt = prev.at.map(|t| now - t);
+    let mut next = Previous {
+        at: Some(now),
+        ..Default::default()
+    };
+    for r in &mut l.registries {
+        let s = &r.snapshot;
+        r.publishes_per_s = per_s(s.last_seq, prev.registry_seq.get(&s.name), dt);
+        next.registry_seq.insert(s.name.clone(), s.last_seq);
+    }
+    for c in &mut l.channels {
+        let s = &c.snapshot;
+        c.frames_per_s = per_s(s.head, prev.channel_head.get(&s.name), dt);
+        next.channel_head.insert(s.name.clone(), s.head);
+        c.received_per_s = s
+            .consumers
+            .iter()
+            .map(|x| {
+                let key = (s.name.clone(), x.index, x.identity.pid, x.generation);
+                let r = per_s(x.received, prev.consumer_received.get(&key), dt);
+                next.consumer_received.insert(key, x.received);
+                r
+            })
+            .collect();
+    }
+    *prev = next;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_come_from_differences_between_refreshes() {
+        assert_eq!(per_s(10, None, Some(Duration::from_secs(1))), None);
+        assert_eq!(
+            per_s(30, Some(&10), Some(Duration::from_secs(2))),
+            Some(10.0)
+        );
+        // A counter that went back (a new segment of the same name) gives no rate.
+        assert_eq!(per_s(3, Some(&10), Some(Duration::from_secs(1))), None);
+    }
+}

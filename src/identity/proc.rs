@@ -1,0 +1,199 @@
+//! The one reader of `/proc` in this crate: `/proc/PID/stat` lines (state, start time, the pid
+//! `/proc` counts), whether `/proc` is of the caller's pid namespace and hides other users'
+//! processes (`hidepid`), and the kernel's boot id. Nothing of the rest of the module.
+
+use crate::error::{OsError, Result};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The inode number of the caller's pid namespace, 0 when `/proc/self/ns/pid` cannot be read.
+pub fn own_pid_ns() -> u32 {
+    std::fs::metadata("/proc/self/ns/pid")
+        .ok()
+        .and_then(|m| u32::try_from(std::os::unix::fs::MetadataExt::ino(&m)).ok())
+        .unwrap_or(0)
+}
+
+/// Whether `/proc` counts pids as the caller's own pid namespace does (its `self` entry has the
+/// pid `getpid()` returns). Cached per process id.
+pub(super) fn proc_is_own_namespace() -> bool {
+    // (pid << 1) | answer, 0 when not asked yet: one word, so a forked child never waits on a
+    // lock its parent held. Relaxed: a cache of a value any thread can compute again.
+    static CACHE: AtomicU64 = AtomicU64::new(0);
+    let pid = std::process::id();
+    let c = CACHE.load(Ordering::Relaxed);
+    if c != 0 && (c >> 1) as u32 == pid {
+        return c & 1 == 1;
+    }
+    let v = proc_stat("self").ok().and_then(|s| s.pid) == Some(pid);
+    CACHE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
+    v
+}
+
+/// Whether `/proc` hides processes of other users (`hidepid=` other than `0`/`off`: `1`, `2`,
+/// `noaccess`, `invisible`, `ptraceable`): from the `/proc` line of `/proc/self/mountinfo`, read
+/// once per process. A missing `/proc/PID` then says nothing about another user's process.
+pub(super) fn proc_hides_processes() -> bool {
+    static HIDES: OnceLock<bool> = OnceLock::new();
+    *HIDES.get_or_init(|| {
+        let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+            return false;
+        };
+        // Fields: id parent major:minor root mount-point options ... - fstype source super-options.
+        // The last line for /proc is the mount that is visible.
+        text.lines()
+            .rev()
+            .filter(|l| l.split(' ').nth(4) == Some("/proc"))
+            .filter_map(|l| l.split_once(" - "))
+            .find(|(_, tail)| tail.starts_with("proc "))
+            .is_some_and(|(_, tail)| hides_in_options(tail))
+    })
+}
+
+/// Whether the super options after a mountinfo line's ` - ` (`proc proc rw,hidepid=2`) hide pids.
+fn hides_in_options(tail: &str) -> bool {
+    tail.split(' ')
+        .nth(2)
+        .unwrap_or("")
+        .split(',')
+        .filter_map(|o| o.strip_prefix("hidepid="))
+        .any(|v| !matches!(v, "0" | "off"))
+}
+
+/// The start time of `pid` in clock ticks since boot, `Ok(None)` when no such process exists.
+pub(crate) fn start_time_of(pid: u32) -> Result<Option<u64>> {
+    Ok(stat_of(pid)?.map(|(_, t)| t))
+}
+
+/// The state letter (field 3: `R`, `S`, `Z` for a zombie, ...) and start time of `pid`, `Ok(None)`
+/// when no such process exists or its stat line cannot be parsed.
+pub(super) fn stat_of(pid: u32) -> Result<Option<(char, u64)>> {
+    match proc_stat(pid) {
+        Ok(st) => Ok(st.state.zip(st.start_time)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        // ESRCH: the process exited between the directory lookup and the read.
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(None),
+        Err(e) => Err(OsError::io("read", format!("/proc/{pid}/stat"), e).into()),
+    }
+}
+
+/// What this crate reads of a `/proc/PID/stat` line; each field `None` when the line does not
+/// have it in the expected form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ProcStat {
+    /// Field 1, the pid as `/proc` counts it (its mount's pid namespace).
+    pub(super) pid: Option<u32>,
+    /// Field 3, the state letter (`R`, `S`, `Z` for a zombie, ...).
+    pub(super) state: Option<char>,
+    /// Field 22, the start time in clock ticks since boot.
+    pub(super) start_time: Option<u64>,
+}
+
+/// Reads and parses `/proc/<who>/stat` (`who`: a pid, or `self`): the one place this crate reads
+/// a stat line (its own identity, whether `/proc` is of its pid namespace, another process's
+/// liveness). The read's error is returned as it is; callers decide what a missing process means.
+pub(super) fn proc_stat(who: impl std::fmt::Display) -> std::io::Result<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{who}/stat"))?;
+    Ok(parse_stat(&text))
+}
+
+/// The fields of a `/proc/PID/stat` line that [`ProcStat`] keeps.
+fn parse_stat(stat: &str) -> ProcStat {
+    ProcStat {
+        pid: stat
+            .split_ascii_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok()),
+        state: parse_state(stat),
+        start_time: parse_start_time(stat),
+    }
+}
+
+/// Whether `/proc/PID` exists (a running process or a zombie, counted in the pid namespace `/proc`
+/// was mounted for).
+pub(crate) fn proc_has_pid(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Field 3 (the state letter) of a `/proc/PID/stat` line.
+fn parse_state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..]
+        .split_ascii_whitespace()
+        .next()?
+        .chars()
+        .next()
+}
+
+/// Field 22 of a `/proc/PID/stat` line. The command name (field 2) is in parentheses and may hold
+/// spaces and parentheses, so fields are counted after the last `)`.
+fn parse_start_time(stat: &str) -> Option<u64> {
+    let after = &stat[stat.rfind(')')? + 1..];
+    // After ')' come field 3 (state) onwards; field 22 is the 20th of them.
+    after.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+/// The kernel's boot id as 16 bytes (`/proc/sys/kernel/random/boot_id`, a UUID in text).
+pub(crate) fn boot_id() -> Result<[u8; 16]> {
+    static BOOT: OnceLock<std::result::Result<[u8; 16], String>> = OnceLock::new();
+    let r = BOOT.get_or_init(|| {
+        let path = "/proc/sys/kernel/random/boot_id";
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+        parse_uuid_text(text.trim()).ok_or_else(|| format!("{path}: not a UUID: {text:?}"))
+    });
+    r.clone().map_err(|msg| {
+        OsError::io(
+            "read",
+            "/proc/sys/kernel/random/boot_id",
+            std::io::Error::other(msg),
+        )
+        .into()
+    })
+}
+
+/// Parses `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (hyphens optional) into 16 bytes.
+pub(crate) fn parse_uuid_text(s: &str) -> Option<[u8; 16]> {
+    let hex: Vec<u8> = s.bytes().filter(|b| *b != b'-').collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let s = std::str::from_utf8(pair).ok()?;
+        out[i] = u8::from_str_radix(s, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hidepid_is_read_from_procs_super_options() {
+        assert!(hides_in_options("proc proc rw,hidepid=2,gid=10"));
+        assert!(hides_in_options("proc proc rw,hidepid=invisible"));
+        assert!(!hides_in_options("proc proc rw,hidepid=0"));
+        assert!(!hides_in_options("proc proc rw,hidepid=off"));
+        assert!(!hides_in_options("proc proc rw"));
+        assert!(!hides_in_options("proc"));
+    }
+
+    #[test]
+    fn stat_parsing_survives_odd_command_names() {
+        let line = "42 (a) b (c) R 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 10";
+        assert_eq!(parse_start_time(line), Some(98765));
+        assert_eq!(
+            parse_stat(line),
+            ProcStat {
+                pid: Some(42),
+                state: Some('R'),
+                start_time: Some(98765),
+            }
+        );
+        let own = proc_stat("self").unwrap();
+        assert_eq!(own.pid, Some(std::process::id()));
+        assert!(own.state.is_some() && own.start_time.is_some());
+        assert_eq!(parse_state(line), Some('R'));
+        assert_eq!(parse_start_time("garbage"), None);
+    }
+}

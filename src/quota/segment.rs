@@ -1,0 +1,291 @@
+//! One open ledger segment: its entries, the ledger lock (an `F_OFD_SETLK` record lock and this
+//! process's mutex) with the repair of what a killed locker left, the reclaim of dead holders, and
+//! the judgement of what stands under a ledger's name. The public calls on it are in `ledger`.
+
+use super::error::QuotaError;
+use super::layout::{
+    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LEDGER_LEN, LOCK_OFFSET, UNLIMITED,
+    VERSION,
+};
+use super::scope::QuotaScope;
+use super::snapshot::Holder;
+use crate::driver::Uuid;
+use crate::error::{Error, OsError, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::versioned::{self, HeaderError, OpenError};
+use crate::shm::{Segment, ShmError};
+use crate::sync::Ordering;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long a change waits for the ledger lock held by a live process (a holder keeps it for
+/// microseconds; a dead holder's lock is released by the kernel).
+const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One open ledger segment, shared by a [`super::QuotaLedger`]'s clones.
+pub(super) struct Inner {
+    pub(super) seg: Segment,
+    pub(super) device: Uuid,
+    pub(super) scope: QuotaScope,
+    /// Serialises this process's threads: the OFD lock belongs to the open file description, which
+    /// they share, so it does not exclude them from one another.
+    pub(super) local: Mutex<()>,
+}
+
+/// The ledger lock, held: the OFD record lock and this process's mutex.
+pub(super) struct Locked<'a> {
+    inner: &'a Inner,
+    _local: MutexGuard<'a, ()>,
+}
+
+fn flock(kind: libc::c_int) -> libc::flock {
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = kind as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = LOCK_OFFSET;
+    l.l_len = 1;
+    l
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        use rustix::fd::AsRawFd;
+        let l = flock(libc::F_UNLCK);
+        // SAFETY: the segment's fd is open while `inner` lives; `l` is a valid flock that
+        // outlives the call. Unlocking a lock we hold cannot fail but for a bad fd.
+        let _ = unsafe { libc::fcntl(self.inner.seg.fd().as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    }
+}
+
+impl Inner {
+    pub(super) fn header(&self) -> &Header {
+        versioned::header::<Header>(&self.seg)
+    }
+
+    pub(super) fn entry(&self, i: u32) -> &Entry {
+        debug_assert!(i < ENTRIES);
+        // (1) The segment is at least LEDGER_LEN bytes (every opener and creator checks it), so
+        // entry `i < ENTRIES` lies inside the mapping, which lives as long as `self`; (2) the
+        // offset is a multiple of 64 from a page, so Entry's 8-byte alignment holds.
+        // SAFETY: (1), (2); (3) Entry is `repr(C)` atomics only: every bit pattern is valid and
+        // a shared reference permits other processes' concurrent writes.
+        unsafe {
+            &*self
+                .seg
+                .as_ptr()
+                .add(ENTRIES_AT + i as usize * ENTRY_LEN)
+                .cast::<Entry>()
+        }
+    }
+
+    pub(super) fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// Takes the ledger lock (at most [`LOCK_TIMEOUT`]), then repairs what a locker killed
+    /// half-way left: `WRITING` entries (and states no build writes) are freed.
+    pub(super) fn lock(&self) -> Result<Locked<'_>> {
+        use rustix::fd::AsRawFd;
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        let l = flock(libc::F_WRLCK);
+        let deadline = Instant::now() + LOCK_TIMEOUT;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            // SYNC POINT ledger lock: the kernel's record lock orders one locker's critical section
+            // after the previous one's (the lock and unlock calls are full barriers); the atomics
+            // inside are Release/Acquire pairs of their own (SYNC POINT entry) on top of it.
+            // SAFETY: the segment's fd is open while `self` lives; `l` is a valid flock that
+            // outlives the call.
+            let r = unsafe { libc::fcntl(self.seg.fd().as_raw_fd(), libc::F_OFD_SETLK, &l) };
+            if r == 0 {
+                break;
+            }
+            let e = std::io::Error::last_os_error();
+            if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
+                return Err(
+                    OsError::io("fcntl(F_OFD_SETLK)", format!("/{}", self.name()), e).into(),
+                );
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: "the quota ledger's lock",
+                    after: LOCK_TIMEOUT,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+        let g = Locked {
+            inner: self,
+            _local: local,
+        };
+        let mut repaired = 0;
+        for i in 0..ENTRIES {
+            let e = self.entry(i);
+            // SYNC POINT entry: Acquire, pairs with the Release stores of `state` in `reserve`
+            // and `free`.
+            let s = e.state.load(Ordering::Acquire);
+            if s != FREE && s != HELD {
+                // WRITING under a free lock: its writer died before it returned the reservation.
+                e.state.store(FREE, Ordering::Release);
+                repaired += 1;
+            }
+        }
+        if repaired > 0 {
+            tracing::warn!(
+                "quota ledger {}: freed {repaired} entries a holder left half-written",
+                self.name()
+            );
+            self.store_used();
+        }
+        Ok(g)
+    }
+
+    /// The entries of dead holders (under the lock), freed when `free`; returns them.
+    pub(super) fn reclaim_dead(&self, _g: &Locked<'_>, free: bool) -> Vec<Holder> {
+        let mut dead = Vec::new();
+        for i in 0..ENTRIES {
+            let e = self.entry(i);
+            // SYNC POINT entry: Acquire, as in `lock`.
+            if e.state.load(Ordering::Acquire) != HELD {
+                continue;
+            }
+            // Relaxed: ordered by the Acquire load of `state`.
+            let id = ProcessIdentity::load_words(&e.identity);
+            let uid = e.uid.load(Ordering::Relaxed) as u32;
+            // The holder's liveness file counts only if the holder's uid (or root) owns it.
+            if id.liveness_as(uid) != Liveness::Dead {
+                continue;
+            }
+            let bytes = e.bytes.load(Ordering::Relaxed);
+            dead.push(Holder {
+                identity: id,
+                uid,
+                bytes,
+                liveness: Liveness::Dead,
+            });
+            if free {
+                tracing::info!(
+                    "quota ledger {}: reclaimed {bytes} bytes of dead pid {} (pid ns {})",
+                    self.name(),
+                    id.pid,
+                    id.pid_ns
+                );
+                // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
+                e.state.store(FREE, Ordering::Release);
+            }
+        }
+        if free && !dead.is_empty() {
+            self.store_used();
+        }
+        dead
+    }
+
+    /// The held entries: (index, identity, uid, bytes).
+    pub(super) fn held(&self) -> Vec<(u32, ProcessIdentity, u32, u64)> {
+        (0..ENTRIES)
+            .filter_map(|i| {
+                let e = self.entry(i);
+                // SYNC POINT entry: Acquire, as in `lock`; the loads below are Relaxed.
+                (e.state.load(Ordering::Acquire) == HELD).then(|| {
+                    (
+                        i,
+                        ProcessIdentity::load_words(&e.identity),
+                        e.uid.load(Ordering::Relaxed) as u32,
+                        e.bytes.load(Ordering::Relaxed),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Rewrites the header's copy of the bytes in use and bumps the change counter.
+    pub(super) fn store_used(&self) -> u64 {
+        let used = self
+            .held()
+            .iter()
+            .fold(0u64, |a, (_, _, _, b)| a.saturating_add(*b));
+        let h = self.header();
+        // Relaxed: written under the lock; readers take the lock too (tools' snapshots).
+        h.used.store(used, Ordering::Relaxed);
+        h.changes.fetch_add(1, Ordering::Relaxed);
+        used
+    }
+
+    pub(super) fn budget(&self) -> Option<u64> {
+        // Relaxed: written and read under the lock.
+        let b = self.header().budget.load(Ordering::Relaxed);
+        (b != UNLIMITED).then_some(b)
+    }
+}
+
+/// Whether what stands under a ledger's name may be replaced by a creator: only this user's
+/// creation abandoned half-way (empty or sparse for 2 s, or never stamped for 2 s with its creator
+/// dead). A ledger that is ready, or being created by a live process, is
+/// [`ShmError::AlreadyExists`] (the caller opens it); anything else keeps the error that says what
+/// it is (another user's, a FIFO, too small), and nothing of it is removed.
+pub(super) fn judge_blocker(name: &str) -> Result<Option<&'static str>> {
+    let taken = || -> Error {
+        ShmError::AlreadyExists {
+            name: name.to_string(),
+        }
+        .into()
+    };
+    let info = match versioned::stat_blocker(name, LEDGER_LEN)? {
+        versioned::Blocker::Abandoned => return Ok(Some(versioned::ABANDONED_UNSIZED)),
+        versioned::Blocker::Young => {
+            // A creator is sizing it now: look again shortly.
+            std::thread::sleep(Duration::from_millis(5));
+            return Ok(None);
+        }
+        versioned::Blocker::Sized(info) => info,
+    };
+    let seg = Segment::open_with_min_len(name, LEDGER_LEN)?;
+    seg.check_owner()?;
+    let h = versioned::header::<Header>(&seg);
+    match versioned::look(h) {
+        versioned::Look::Unstamped if info.age_secs >= versioned::ABANDONED_AFTER.as_secs() => {
+            // SYNC POINT creator: Acquire, pairs with the Release store of the magic in
+            // `write_versioned`: a creator that stored the magic stored its identity before it.
+            let magic = h.magic.load(Ordering::Acquire);
+            // Relaxed: ordered by the Acquire above.
+            let creator = ProcessIdentity::load_words(&h.creator);
+            // The creator made the file, so its owner is the creator's uid.
+            if magic == 0 || creator.liveness_as(info.uid) == Liveness::Dead {
+                Ok(Some("a creation abandoned before its init stamp"))
+            } else {
+                Err(taken())
+            }
+        }
+        _ => Err(taken()),
+    }
+}
+
+/// Maps what the versioned opener found to this layer's errors.
+pub(super) fn open_error(name: &str, e: OpenError) -> Error {
+    match e {
+        OpenError::Segment(e) => e,
+        OpenError::Header(HeaderError::Foreign { magic }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!("magic {magic:#018x}, not a quota ledger's (CIPCQUOT)"),
+        }
+        .into(),
+        OpenError::Header(HeaderError::OtherVersion { found }) => QuotaError::VersionMismatch {
+            name: name.to_string(),
+            found,
+            supported: VERSION,
+        }
+        .into(),
+        OpenError::Header(HeaderError::BadStamp { found }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!("init stamp word {found:#x}"),
+        }
+        .into(),
+        OpenError::Header(HeaderError::Unstamped { waited }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!("never initialised (no init stamp after {waited:?})"),
+        }
+        .into(),
+    }
+}

@@ -1,0 +1,53 @@
+//! What tools see of a ledger: [`LedgerSnapshot`] and its [`Holder`]s.
+
+use super::scope::QuotaScope;
+use crate::driver::Uuid;
+use crate::identity::{Liveness, ProcessIdentity};
+
+/// One reservation as [`QuotaLedger::snapshot`](super::QuotaLedger::snapshot) saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct Holder {
+    /// The process holding it.
+    #[cfg_attr(
+        feature = "serde",
+        serde(serialize_with = "crate::identity::snapshot_json::identity")
+    )]
+    pub identity: ProcessIdentity,
+    /// The holder's effective uid.
+    pub uid: u32,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Its liveness when the snapshot was made (`Unknown` counts as alive and is kept).
+    pub liveness: Liveness,
+}
+
+/// A ledger's state, copied under its lock after dead holders were reclaimed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct LedgerSnapshot {
+    /// The segment's name in `/dev/shm`.
+    pub name: String,
+    /// The device whose budget it is (all zeros: host memory).
+    #[cfg_attr(feature = "serde", serde(serialize_with = "uuid_text"))]
+    pub device: Uuid,
+    /// Whose budget.
+    pub scope: QuotaScope,
+    /// The segment's owner uid (who may change the budget, with root).
+    pub owner_uid: u32,
+    /// The segment's permission bits (`0o600`, `0o660`).
+    pub mode: u32,
+    /// The budget in bytes; `None`: unlimited.
+    pub budget: Option<u64>,
+    /// Bytes held by the holders below.
+    pub used: u64,
+    /// The live (or unknown) holders.
+    pub holders: Vec<Holder>,
+    /// Dead holders whose entries this snapshot freed.
+    pub reclaimed: u32,
+}
+
+#[cfg(feature = "serde")]
+fn uuid_text<S: serde::Serializer>(u: &Uuid, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(u)
+}
