@@ -48,7 +48,7 @@ fn kind_name(k: lib::LeftoverKind) -> String {
 /// names each.
 #[pyfunction]
 #[pyo3(signature = (*, dry_run=false))]
-pub fn cleanup(py: Python<'_>, dry_run: bool) -> PyResult<Bound<'_, PyList>> {
+pub(crate) fn cleanup(py: Python<'_>, dry_run: bool) -> PyResult<Bound<'_, PyList>> {
     let found = py
         .detach(|| -> cuda_ipc::Result<Vec<Leftover>> {
             // What cannot be read or removed stays, and is skipped here (another user's quota
