@@ -482,3 +482,51 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
     );
     drop(tx);
 }
+
+/// A consumer that looks while its producer is still sizing the control segment (between
+/// `shm_open` and the end of `fallocate`: the file is sparse for a moment) waits for the creation
+/// instead of failing with `Sparse`. Planted: a young sparse file under the control segment's
+/// name, replaced 100 ms later by the real channel.
+#[test]
+fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_sparse() {
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("mid-creation");
+    let path = control_path(&ch);
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .unwrap();
+        f.set_len(16384).unwrap(); // sized, no page reserved: what a creator has before fallocate
+    }
+    let maker = {
+        let (ch, path) = (ch.clone(), path.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            std::fs::remove_file(&path).unwrap();
+            let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+            write_frame(&mut tx);
+            std::thread::sleep(Duration::from_millis(500));
+            drop(tx);
+        })
+    };
+    let started = Instant::now();
+    let rx = loop {
+        match Consumer::attach(&ch, &ConsumerOptions::new()) {
+            Ok(rx) => break rx,
+            // The planted file went away before the channel came: not there yet.
+            Err(Error::Channel(ChannelError::NotFound(_))) => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Err(e) => panic!("attach during the creation failed: {e}"),
+        }
+        assert!(started.elapsed() < ANSWER, "no channel within {ANSWER:?}");
+    };
+    drop(rx);
+    maker.join().unwrap();
+}

@@ -235,8 +235,14 @@ pub(crate) fn look<H: VersionedHeader>(h: &H) -> Look {
     Look::Ready
 }
 
+/// How long an opener looks again at a young segment that is still empty, short or sparse: a
+/// creator sizes its segment (`ftruncate`, then `fallocate`) in well under this.
+pub(crate) const SIZING_WAIT: Duration = Duration::from_millis(250);
+
 /// Opens the segment `name` of layout `H`: [`Segment::open_with_min_len`] with
-/// [`VersionedHeader::HEADER_LEN`], then [`Segment::check_access`] with `allow_group` (or
+/// [`VersionedHeader::HEADER_LEN`] (a young segment that is empty, short or sparse, as a creator
+/// sizing it leaves it for a moment, looked at again every millisecond for up to [`SIZING_WAIT`]
+/// within `wait`), then [`Segment::check_access`] with `allow_group` (or
 /// [`Segment::check_owner`] without it), then [`look`] every millisecond until the stamp is there,
 /// at most `wait`.
 ///
@@ -249,7 +255,23 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     allow_group: bool,
     wait: Duration,
 ) -> std::result::Result<Segment, OpenError> {
-    let seg = Segment::open_with_min_len(name, H::HEADER_LEN).map_err(OpenError::Segment)?;
+    let start = Instant::now();
+    let seg = loop {
+        match Segment::open_with_min_len(name, H::HEADER_LEN) {
+            Ok(seg) => break seg,
+            // A creator between `shm_open` and the end of `fallocate`: the file is empty, short
+            // or sparse for a moment. Looked at again every 1 ms within `wait` while it is young;
+            // an old one is a creation abandoned half-way, reported at once (never mapped).
+            Err(Error::Shm(ShmError::Sparse { .. } | ShmError::TooSmall { .. }))
+                if start.elapsed() < wait.min(SIZING_WAIT)
+                    && Segment::stat(name)
+                        .is_ok_and(|i| i.age_secs < ABANDONED_AFTER.as_secs()) =>
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(OpenError::Segment(e)),
+        }
+    };
     if allow_group {
         seg.check_access(true)
     } else {
@@ -257,7 +279,6 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     }
     .map_err(OpenError::Segment)?;
     let h = header::<H>(&seg);
-    let start = Instant::now();
     loop {
         match look(h) {
             Look::Ready => break,
