@@ -486,7 +486,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
 /// A consumer that looks while its producer is still sizing the control segment (between
 /// `shm_open` and the end of `fallocate`: the file is sparse for a moment) waits for the creation
 /// instead of failing with `Sparse`. Planted: a young sparse file under the control segment's
-/// name, replaced 100 ms later by the real channel.
+/// name, replaced 20 ms later by the real channel (an opener looks again for up to 50 ms).
 #[test]
 fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_sparse() {
     if role().is_some() {
@@ -507,7 +507,7 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
     let maker = {
         let (ch, path) = (ch.clone(), path.clone());
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(20));
             std::fs::remove_file(&path).unwrap();
             let mut tx = Producer::create_host(&ch, &opts()).unwrap();
             write_frame(&mut tx);

@@ -237,7 +237,7 @@ pub(crate) fn look<H: VersionedHeader>(h: &H) -> Look {
 
 /// How long an opener looks again at a young segment that is still empty, short or sparse: a
 /// creator sizes its segment (`ftruncate`, then `fallocate`) in well under this.
-pub(crate) const SIZING_WAIT: Duration = Duration::from_millis(250);
+pub(crate) const SIZING_WAIT: Duration = Duration::from_millis(50);
 
 /// Opens the segment `name` of layout `H`: [`Segment::open_with_min_len`] with
 /// [`VersionedHeader::HEADER_LEN`] (a young segment that is empty, short or sparse, as a creator
