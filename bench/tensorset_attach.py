@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Tensor sets from Python on the GPU: attach, new generations, updates (docs/benchmarks.md).
+
+    python3 bench/tensorset_attach.py [--shape llama|moe|quick] [--runs 3] [--children 5] [--out F]
+
+One writer (this process) publishes a tensor set of the issue's shapes (`llama`: the 291 bf16
+tensors of Llama-3-8B, 15.0 GiB; `moe`: 4,608 x 1 MiB bf16; `quick`: a small set for a smoke run)
+in VMM memory, and measures, per run:
+
+- first attach: a fresh process (spawned; CUDA context made and torch imported before the clock
+  starts) opens the set (`open`), holds the current generation and builds its `dict[str, Tensor]`
+  (`dict`: `type(d) is dict`, every value a constructed tensor), then reads one element of every
+  tensor and synchronises (`usable`, the same read as the PyTorch baseline's); the driver imports
+  the attach made;
+- a new generation in a process that keeps its mappings: from the reader's wake-up to its dict,
+  and from the writer's commit to the reader's wake-up (the hand-off);
+- an update: a full new generation copied from a same-GPU source and committed with two readers
+  attached, both modes (in place, double-buffered), against a device-to-device copy of the same
+  bytes (`torch.Tensor.copy_`), in the same run.
+
+Prints one JSON document (medians over runs, every run's figures); `--out` writes it to a file.
+Every wait is bounded; children die with this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+
+STEP_S = 120.0  # the longest any single wait may take
+
+
+def die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def llama_shapes():
+    """(name, shape) of Llama-3-8B's 291 tensors, all bf16 (15.0 GiB)."""
+    h, kv, ff, vocab = 4096, 1024, 14336, 128256
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(32):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "mlp.gate_proj.weight", (ff, h)),
+            (p + "mlp.up_proj.weight", (ff, h)),
+            (p + "mlp.down_proj.weight", (h, ff)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return out
+
+
+def moe_shapes():
+    """4,608 experts' tensors of 1 MiB each (bf16 512 x 1024)."""
+    return [(f"experts.{i // 3}.w{i % 3}", (512, 1024)) for i in range(4608)]
+
+
+def quick_shapes():
+    return [(f"t{i}", (64, 1024 + i)) for i in range(40)]
+
+
+SHAPES = {"llama": llama_shapes, "moe": moe_shapes, "quick": quick_shapes}
+
+
+def read_all(torch, d: dict) -> float:
+    """One read of every tensor and a synchronise: the baseline's "usable"."""
+    firsts = [t.reshape(-1)[:1] for t in d.values()]
+    s = torch.cat(firsts).float().sum()
+    torch.cuda.synchronize()
+    return float(s)
+
+
+def reader_child(name: str, conn, mode: str) -> None:
+    """A fresh reader process: makes its context, then (timed) attaches and builds its dict."""
+    die_with_parent()
+    try:
+        import torch
+
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # the context exists before the clock starts
+        torch.cuda.synchronize()
+        import cuda_ipc
+
+        conn.send(("ready", None))
+        if not conn.poll(STEP_S):
+            return
+        conn.recv()
+        t0 = time.perf_counter()
+        r = cuda_ipc.TensorSetReader(name, device=0)
+        t1 = time.perf_counter()
+        h = r.current(timeout=STEP_S)
+        d = h.tensors()
+        t2 = time.perf_counter()
+        ok = type(d) is dict and all(isinstance(v, torch.Tensor) for v in d.values())
+        read_all(torch, d)
+        t3 = time.perf_counter()
+        first = {
+            "open_ms": (t1 - t0) * 1e3,
+            "dict_ms": (t2 - t0) * 1e3,
+            "usable_ms": (t3 - t0) * 1e3,
+            "imports": r.imports,
+            "tensors": len(d),
+            "dict_ok": ok,
+            "read_only": r.read_only,
+        }
+        g = h.generation
+        h.release()
+        del d
+        if mode == "first":
+            conn.send(("first", first))
+            return
+        # Warm: wait for each new generation, build its dict; report the times.
+        conn.send(("first", first))
+        warm = []
+        while True:
+            if not conn.poll(STEP_S):
+                break
+            msg = conn.recv()
+            if msg == "stop":
+                break
+            h = r.wait_newer(g, timeout=STEP_S)
+            tw = time.monotonic_ns()
+            d = h.tensors()
+            td = time.monotonic_ns()
+            g = h.generation
+            warm.append({"woke_ns": tw, "dict_us": (td - tw) / 1e3, "generation": g})
+            h.release()
+            del d
+            conn.send(("warm", warm[-1]))
+        conn.send(("done", None))
+    except Exception as e:  # reported to the parent, which fails the run
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def spawn_reader(ctx, name: str, mode: str):
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=reader_child, args=(name, b, mode), daemon=True)
+    p.start()
+    return p, a
+
+
+def expect(conn, what: str):
+    if not conn.poll(STEP_S):
+        raise TimeoutError(f"no {what} from a reader within {STEP_S} s")
+    tag, val = conn.recv()
+    if tag == "error":
+        raise RuntimeError(f"reader failed: {val}")
+    if tag != what:
+        raise RuntimeError(f"reader sent {tag}, expected {what}")
+    return val
+
+
+def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
+    ctx = mp.get_context("spawn")
+    specs = {n: (s, torch.bfloat16) for n, s in shapes}
+    name = f"tsb-{os.getpid()}-{run}"
+    total = sum(torch.Size(s).numel() * 2 for _, s in shapes)
+    out = {"bytes": total, "tensors": len(shapes)}
+    w = cuda_ipc.TensorSetWriter(name, specs, device=0, memory="vmm", mode="in_place")
+    try:
+        with w.begin(timeout=STEP_S) as u:
+            for i, t in enumerate(u.tensors().values()):
+                t.fill_(float(i % 7))
+        torch.cuda.synchronize()
+        # First attaches, one fresh process after another.
+        firsts = []
+        for _ in range(args.children):
+            p, c = spawn_reader(ctx, name, "first")
+            expect(c, "ready")
+            c.send("go")
+            firsts.append(expect(c, "first"))
+            p.join(STEP_S)
+        out["first"] = firsts
+        # Warm readers: two, each waiting for new generations.
+        readers = [spawn_reader(ctx, name, "warm") for _ in range(2)]
+        for _, c in readers:
+            expect(c, "ready")
+            c.send("go")
+            expect(c, "first")
+        warm, handoff = [], []
+        for _ in range(args.generations):
+            for _, c in readers:
+                c.send("next")
+            time.sleep(0.05)  # the readers are asleep in their wait
+            with w.begin(timeout=STEP_S) as u:
+                pass
+            t_commit = time.monotonic_ns()
+            for _, c in readers:
+                r = expect(c, "warm")
+                warm.append(r["dict_us"])
+                handoff.append((r["woke_ns"] - t_commit) / 1e3)
+        for p, c in readers:
+            c.send("stop")
+            p.join(STEP_S)
+        out["warm_dict_us"] = statistics.median(warm)
+        out["commit_to_wake_us"] = statistics.median(handoff)
+    finally:
+        w.close(timeout=10.0)
+    # Updates: a full generation from a same-GPU source, both modes, against a D2D copy.
+    out["update"] = {}
+    src = torch.empty(total, dtype=torch.uint8, device="cuda")
+    src.fill_(3)
+    dst = torch.empty_like(src)
+    for mode in ("in_place", "buffered"):
+        wn = f"{name}-{mode}"
+        w = cuda_ipc.TensorSetWriter(wn, specs, device=0, memory="vmm", mode=mode)
+        try:
+            with w.begin(timeout=STEP_S):
+                pass
+            readers = [cuda_ipc.TensorSetReader(wn, device=0) for _ in range(2)]
+            times, copies = [], []
+            for _ in range(args.updates):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with w.begin(timeout=STEP_S) as u:
+                    u.copy_flat_from(src)
+                w.synchronize()
+                times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize()
+                copies.append(time.perf_counter() - t0)
+            del readers
+            tm, cm = statistics.median(times), statistics.median(copies)
+            out["update"][mode] = {
+                "update_ms": tm * 1e3,
+                "copy_ms": cm * 1e3,
+                "update_gbps": total / tm / 1e9,
+                "copy_gbps": total / cm / 1e9,
+                "ratio": cm / tm,
+            }
+        finally:
+            w.close(timeout=10.0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+def med(runs, f):
+    return statistics.median(f(r) for r in runs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="quick")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--children", type=int, default=5, help="first attaches per run")
+    ap.add_argument("--generations", type=int, default=20, help="new generations per run")
+    ap.add_argument("--updates", type=int, default=5, help="updates per mode and run")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import torch
+    import cuda_ipc
+
+    shapes = SHAPES[args.shape]()
+    runs = [one_run(torch, cuda_ipc, shapes, args, i) for i in range(args.runs)]
+    firsts = [f for r in runs for f in r["first"]]
+    summary = {
+        "shape": args.shape,
+        "tensors": runs[0]["tensors"],
+        "bytes": runs[0]["bytes"],
+        "first_open_ms": statistics.median(f["open_ms"] for f in firsts),
+        "first_dict_ms": statistics.median(f["dict_ms"] for f in firsts),
+        "first_usable_ms": statistics.median(f["usable_ms"] for f in firsts),
+        "imports": sorted({f["imports"] for f in firsts}),
+        "dict_ok": all(f["dict_ok"] for f in firsts),
+        "read_only": all(f["read_only"] for f in firsts),
+        "warm_dict_us": med(runs, lambda r: r["warm_dict_us"]),
+        "commit_to_wake_us": med(runs, lambda r: r["commit_to_wake_us"]),
+        "update": {
+            m: {
+                k: med(runs, lambda r, m=m, k=k: r["update"][m][k])
+                for k in ("update_ms", "copy_ms", "update_gbps", "copy_gbps", "ratio")
+            }
+            for m in ("in_place", "buffered")
+        },
+    }
+    doc = {"summary": summary, "runs": runs}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
