@@ -50,7 +50,7 @@ fn an_arena_carves_chunks_and_locates_ranges() {
     ];
     let ptrs: Vec<u64> = sizes.iter().map(|&s| arena.alloc(s).unwrap()).collect();
     for (&p, &s) in ptrs.iter().zip(&sizes) {
-        assert_eq!(p % ARENA_ALIGN, 0, "{p:#x} aligned");
+        assert!(p.is_multiple_of(ARENA_ALIGN), "{p:#x} aligned");
         assert_eq!(
             arena.allocation_len(p),
             Some(s.next_multiple_of(ARENA_ALIGN as usize))

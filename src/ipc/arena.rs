@@ -103,7 +103,7 @@ impl Carving {
     /// Adds a chunk of `size` bytes at `base` (aligned to [`ARENA_ALIGN`], not overlapping another
     /// chunk) in the lowest empty slot; returns the slot.
     pub(crate) fn add_chunk(&mut self, base: u64, size: u64) -> Result<usize> {
-        if size == 0 || base % ARENA_ALIGN != 0 || base.checked_add(size).is_none() {
+        if size == 0 || !base.is_multiple_of(ARENA_ALIGN) || base.checked_add(size).is_none() {
             return Err(Error::InvalidArgument(format!(
                 "an arena chunk of {size} bytes at {base:#x}"
             )));
@@ -420,7 +420,7 @@ mod tests {
         assert_eq!(b, a + 512);
         assert_eq!(d, b + 1024);
         for p in [a, b, d] {
-            assert_eq!(p % ARENA_ALIGN, 0);
+            assert!(p.is_multiple_of(ARENA_ALIGN));
         }
         assert_eq!(c.stats().in_use_bytes, 512 + 1024 + 2 * MIB);
         assert_eq!(c.stats().allocations, 3);
