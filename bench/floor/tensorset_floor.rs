@@ -569,6 +569,8 @@ mod tests {
         assert_eq!(s.len(), 291);
         let gib = llama_bytes() as f64 / (1u64 << 30) as f64;
         assert!((14.9..15.1).contains(&gib), "{gib}");
+        // The same bytes as bench/tensorset_baseline.py's layout of the shape.
+        assert_eq!(llama_bytes(), 16_060_522_496);
     }
 
     #[test]
