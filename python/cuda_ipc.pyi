@@ -120,6 +120,30 @@ def cleanup(*, dry_run: bool = False) -> List[Dict[str, Any]]:
     a live process or of another user is touched; what cannot be read is skipped. Raises
     ``OSError`` when /dev/shm cannot be listed."""
 
+def torch_mem_pool(device: int = 0, *, chunk_bytes: Optional[int] = None) -> Any:
+    """A ``torch.cuda.MemPool`` whose memory comes from this extension's VMM arena on CUDA device
+    ``device``: ``torch.cuda.memory.CUDAPluggableAllocator`` over the C functions
+    ``cuda_ipc_torch_malloc`` and ``cuda_ipc_torch_free`` that the extension's shared object
+    exports. Tensors allocated under ``torch.cuda.use_mem_pool(pool)`` live in fd-exportable
+    chunks (``chunk_bytes``, default 1 GiB, or a request's size when larger; fixed by the first
+    call for a device, and kept for the life of the process), so a tensor set publishes a model's
+    ``state_dict()`` with no copy. ``use_mem_pool`` routes only the calling thread's allocations
+    to the pool: build the model in that thread. A failed allocation prints one line on stderr and
+    PyTorch raises its ``OutOfMemoryError``. Raises ``CudaUnavailable`` without a CUDA driver or
+    that device, ``InvalidArgument`` for a chunk size other than the arena's, ``ImportError``
+    without PyTorch."""
+
+def arena_locate(ptr: int, nbytes: int = 1) -> Tuple[int, int]:
+    """``(chunk, offset)`` of device memory ``ptr`` (``nbytes`` long) in the arena of its device:
+    the chunk's index among the arena's chunks and the byte offset in it (for a writer that
+    publishes tensors of a ``torch_mem_pool`` without a copy). Raises ``InvalidArgument`` when no
+    arena holds the range (the tensor was allocated elsewhere: publish it with a copy)."""
+
+def arena_stats(device: int = 0) -> Dict[str, int]:
+    """What device ``device``'s arena holds: ``chunks``, ``reserved_bytes``, ``in_use_bytes``,
+    ``allocations``, ``chunk_bytes`` (zeros before its first allocation). Raises
+    ``CudaUnavailable`` without a CUDA driver or that device."""
+
 class ConsumerStats(Dict[str, int]):
     """``index``, ``pid``, ``received``, ``dropped``, ``in_flight``, ``lag``."""
 

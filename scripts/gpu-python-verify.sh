@@ -9,7 +9,8 @@
 # Cases: a PyTorch producer -> the Rust consumer; the Rust producer -> PyTorch, CuPy and JAX
 # consumers (DLPack, zero-copy checked); PyTorch -> PyTorch in both delivery policies and every
 # memory kind, on streams of their own with no host synchronisation (and the unordered control,
-# which must see mismatches); kill -9 of a Python producer -> ProducerGone within 1 s.
+# which must see mismatches); kill -9 of a Python producer -> ProducerGone within 1 s; a model built
+# in cuda_ipc.torch_mem_pool() (every tensor in the VMM arena, outputs equal to PyTorch's own).
 # Each case is bounded by `timeout`; the exit status is the number of failed cases.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,5 +63,6 @@ run "torch-pair-unordered-control" 240 "$py" python/examples/extension_torch_pai
 for mem in legacy vmm; do
   run "kill-python-producer-$mem" 180 "$py" python/examples/extension_kill.py --memory "$mem" --rounds 3
 done
+run "torch-mem-pool" 180 "$py" python/examples/torch_mem_pool.py
 say "== python extension on the GPU: $failed case(s) failed"
 exit $failed

@@ -26,7 +26,9 @@
 //!
 //! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`; `view.rs` the
 //! frames' buffer, `util.rs` what they share, `quota.rs` the quota functions, `errors.rs` the
-//! exception classes, `dlpack.rs` the tensor exports.
+//! exception classes, `dlpack.rs` the tensor exports, `torch_alloc.rs` PyTorch's pluggable
+//! allocator (the exported C functions `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM
+//! arena) and `torch_mem_pool`.
 
 mod cleanup;
 mod consumer;
@@ -35,6 +37,7 @@ mod errors;
 mod frame;
 mod producer;
 mod quota;
+mod torch_alloc;
 mod util;
 mod view;
 mod write_frame;
@@ -58,6 +61,9 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_quota, m)?)?;
     m.add_function(wrap_pyfunction!(remove_quota, m)?)?;
     m.add_function(wrap_pyfunction!(cleanup::cleanup, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_alloc::torch_mem_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_alloc::arena_locate, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_alloc::arena_stats, m)?)?;
     m.add("META_BYTES", cuda_ipc::channel::META_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -20,10 +20,14 @@
 //! over a Unix socket file in `/dev/shm` (reachable across network and pid namespaces), with
 //! `pidfd_getfd` as an optional fast path; it does not call CUDA.
 //!
+//! [`VmmArena`] carves many device allocations out of a few large VMM chunks (PyTorch's pluggable
+//! allocator in the Python extension), so memory allocated piecemeal is shared with few imports.
+//!
 //! [`ForeignBuffer`] exports memory other libraries allocated, after classifying it ([`classify`]:
 //! `cuPointerGetAttributes`, before any IPC call); [`MemPool::make_device_current`] makes an
 //! exportable pool the one `cuMemAllocAsync` uses.
 
+mod arena;
 mod cache;
 mod event;
 pub mod fdpass;
@@ -35,6 +39,7 @@ mod pool;
 mod shareable;
 mod vmm;
 
+pub use arena::{ARENA_ALIGN, ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena};
 pub use cache::{CacheStats, cache_stats};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};
