@@ -35,7 +35,7 @@ mod pool;
 mod shareable;
 mod vmm;
 
-pub use cache::{CacheStats, cache_stats};
+pub use cache::{Access, CacheStats, cache_stats};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};
 pub use foreign::{
@@ -43,7 +43,7 @@ pub use foreign::{
     foreign_stats,
 };
 pub use handle::{IpcEventHandle, IpcMemHandle, NotImportable};
-pub use memory::ImportedBuffer;
+pub use memory::{Imported, ImportedBuffer};
 pub use pool::{MemPool, PoolBuffer};
 pub use shareable::{fd_transport, set_fd_transport};
 pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};
