@@ -260,6 +260,17 @@ impl Consumer {
         &self.gpu().ctx
     }
 
+    /// The control segment's creation generation (crate-private: a tensor set's reader checks its
+    /// generation channel against the manifest) and its buffer count.
+    pub(crate) fn control_generation(&self) -> (u64, usize) {
+        (self.control.generation(), self.control.buffers())
+    }
+
+    /// The producer's pid as the control segment records it.
+    pub(crate) fn producer_pid(&self) -> u32 {
+        self.control.producer().pid
+    }
+
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
         matches!(self.side, Side::Host(_))

@@ -357,6 +357,12 @@ impl Producer {
         matches!(self.side, Side::Host(_))
     }
 
+    /// The control segment's creation generation (crate-private: a tensor set's manifest records
+    /// its generation channel's).
+    pub(crate) fn control_generation(&self) -> u64 {
+        self.control.generation()
+    }
+
     /// The channel name.
     pub fn name(&self) -> &str {
         &self.name
@@ -717,6 +723,15 @@ impl WriteFrame<'_> {
     /// Index of the buffer in the pool.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// The producer's stream, or `None` on a host channel; never touches the pool (crate-private:
+    /// a memoryless channel's frames have no buffer to view).
+    pub(crate) fn producer_stream(&self) -> Option<&Stream> {
+        match &self.producer.side {
+            Side::Gpu(gpu) => Some(&gpu.stream),
+            Side::Host(_) => None,
+        }
     }
 
     /// The producer's stream, on which the write must be enqueued.

@@ -1,0 +1,1 @@
+//! Read-only snapshots of tensor sets, for tools.

@@ -1,0 +1,1 @@
+//! Removal of what dead writers left.
