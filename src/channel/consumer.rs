@@ -266,11 +266,6 @@ impl Consumer {
         (self.control.generation(), self.control.buffers())
     }
 
-    /// The producer's pid as the control segment records it.
-    pub(crate) fn producer_pid(&self) -> u32 {
-        self.control.producer().pid
-    }
-
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
         matches!(self.side, Side::Host(_))
