@@ -12,6 +12,7 @@
 //! | [`Error::FdPass`] | `ipc::fdpass` (file descriptors passed between processes) | [`crate::ipc::FdPassError`] |
 //! | [`Error::Channel`] | `channel` | [`crate::channel::ChannelError`] |
 //! | [`Error::Quota`] | `quota` (the budget ledger across processes) | [`crate::quota::QuotaError`] |
+//! | [`Error::TensorSet`] | `tensorset` | [`crate::tensorset::TensorSetError`] |
 //!
 //! A lower layer's error is not wrapped again by the layers above it: a segment that does not
 //! exist is `Error::Shm(ShmError::NotFound { .. })` whether a [`crate::shm::Segment`], a registry
@@ -104,6 +105,10 @@ pub enum Error {
     /// segment reports is [`Error::Shm`].
     #[error(transparent)]
     Quota(#[from] crate::quota::QuotaError),
+    /// A tensor set could not be created, opened or read, or its writer died or closed it
+    /// ([`crate::tensorset::TensorSetError::WriterGone`], `LayoutMismatch`, `BadManifest`, ...).
+    #[error(transparent)]
+    TensorSet(#[from] crate::tensorset::TensorSetError),
     /// The remote lane failed (`cuda_ipc::remote`, feature `remote`).
     #[cfg(feature = "remote")]
     #[error(transparent)]

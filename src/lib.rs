@@ -19,6 +19,7 @@ pub mod registry;
 pub mod remote;
 pub(crate) mod shm;
 pub(crate) mod sync;
+pub mod tensorset;
 pub mod token;
 
 pub use error::{CudaError, Error, OsError, Result};

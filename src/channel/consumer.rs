@@ -50,8 +50,9 @@ enum Side {
         /// Shared only with the thread that waits for receives posted ahead (Drop).
         imports: Arc<GpuImports>,
     },
-    /// The mapping of a host pool ([`MemoryKind::Host`]).
-    Host(HostPool),
+    /// The mapping of a host pool ([`MemoryKind::Host`]); `None` on a memoryless channel
+    /// ([`Consumer::attach_memoryless`]).
+    Host(Option<HostPool>),
 }
 
 /// A consumer's GPU side.
@@ -122,12 +123,50 @@ impl Consumer {
         // No release words: the producer waits on nothing but the hold masks.
         let slot = control.attach(opts.delivery)?;
         Ok(Consumer {
-            side: Side::Host(pool),
+            side: Side::Host(Some(pool)),
             control: Arc::new(control),
             slot,
             wait: opts.wait,
             posted: Mutex::new(0),
         })
+    }
+
+    /// Attaches to the memoryless channel `name` under `prefix` (crate-private: a tensor set's
+    /// generation channel, see `Producer::create_memoryless`): imports nothing. In `ctx` (the
+    /// consumer's stream waits on the ready words, frames release on it, the watchdog closes a
+    /// dead producer's gate, as for every GPU channel), or on the host with `None`. The frames
+    /// of such a consumer have no buffer: only their sequence number, index and metadata mean
+    /// anything.
+    ///
+    /// # Errors
+    /// As [`Consumer::attach`]; [`ChannelError::BadSegment`] when the channel has buffer memory.
+    pub(crate) fn attach_memoryless(
+        ctx: Option<&Arc<Context>>,
+        prefix: &str,
+        name: &str,
+        opts: &ConsumerOptions,
+    ) -> Result<Consumer> {
+        let control = Control::open_in(prefix, name, opts.group_access, super::control::INIT_WAIT)?;
+        if control.buffer_bytes() != 0 {
+            return Err(ChannelError::BadSegment(SegmentFault::BufferLen {
+                index: 0,
+                len: control.buffer_bytes() as usize,
+                expected: 0,
+            })
+            .into());
+        }
+        let Some(ctx) = ctx else {
+            control.producer_gone()?;
+            let slot = control.attach(opts.delivery)?;
+            return Ok(Consumer {
+                side: Side::Host(None),
+                control: Arc::new(control),
+                slot,
+                wait: opts.wait,
+                posted: Mutex::new(0),
+            });
+        };
+        Self::attach_with(control, ctx, opts)
     }
 
     fn attach_with(
@@ -138,7 +177,13 @@ impl Consumer {
         control.producer_gone()?;
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
-        for i in 0..control.buffers() {
+        // A memoryless channel (`attach_memoryless`, which checked it) has nothing to import.
+        let imported = if control.buffer_bytes() == 0 {
+            0
+        } else {
+            control.buffers()
+        };
+        for i in 0..imported {
             let mem = control.buffer_token(i);
             let b = ImportedBuffer::open_in(ctx, &Token::from_bytes(&mem)?)?;
             if b.len() as u64 != control.buffer_bytes() {
@@ -215,6 +260,12 @@ impl Consumer {
         &self.gpu().ctx
     }
 
+    /// The control segment's creation generation (crate-private: a tensor set's reader checks its
+    /// generation channel against the manifest) and its buffer count.
+    pub(crate) fn control_generation(&self) -> (u64, usize) {
+        (self.control.generation(), self.control.buffers())
+    }
+
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
         matches!(self.side, Side::Host(_))
@@ -265,6 +316,60 @@ impl Consumer {
                 self.control.producer_gone().map_err(|e| self.on_error(e))?;
                 Ok(None)
             }
+        }
+    }
+
+    /// Takes the newest frame whose sequence number is above `than`, whatever this consumer took
+    /// before (crate-private: a tensor set reader's `current` and `wait_newer`), waiting up to
+    /// `timeout` (`Some(Duration::ZERO)`: only one published already) by the consumer's wait
+    /// strategy. Each attempt runs with `lock` held, and the guard is returned with the frame:
+    /// the caller counts its holds under it, so a hold it takes and one it ends never cross.
+    /// `Ok(None)` at the timeout.
+    ///
+    /// # Errors
+    /// As [`Consumer::recv_timeout`], except the timeout.
+    pub(crate) fn take_newer<'s, 'l, G>(
+        &'s self,
+        than: u64,
+        timeout: Option<Duration>,
+        lock: &'l Mutex<G>,
+    ) -> Result<Option<(Frame<'s>, std::sync::MutexGuard<'l, G>)>> {
+        let control = &*self.control;
+        let attempt = || -> Result<Option<_>> {
+            let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(got) = control.try_take_newer(self.slot, than)? {
+                return Ok(Some((got, guard)));
+            }
+            if control.is_closed() {
+                // Seeing `closed` makes every publish visible: one more look is conclusive.
+                return match control.try_take_newer(self.slot, than)? {
+                    Some(got) => Ok(Some((got, guard))),
+                    None => Err(Error::Channel(ChannelError::Closed)),
+                };
+            }
+            Ok(None)
+        };
+        let got = if timeout == Some(Duration::ZERO) {
+            attempt().and_then(|x| match x {
+                Some(x) => Ok(Some(x)),
+                None => control.producer_gone().map(|()| None),
+            })
+        } else {
+            super::wait::wait_until(
+                control.header().publish_wake(),
+                self.wait,
+                timeout,
+                attempt,
+                || {
+                    control.producer_gone()?;
+                    control.check_superseded()
+                },
+            )
+        };
+        match got {
+            Ok(Some(((i, seq, meta), guard))) => Ok(Some((self.deliver(i, seq, meta)?, guard))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(self.on_error(e)),
         }
     }
 
@@ -601,9 +706,14 @@ impl Frame<'_> {
                 buffer: &imports.buffers[self.index],
                 stream: &imports.stream,
             },
-            Side::Host(pool) => FrameBuffer::Host {
+            Side::Host(Some(pool)) => FrameBuffer::Host {
                 ptr: pool.ptr(self.index),
                 len: pool.buffer_bytes(),
+            },
+            // A memoryless channel: no bytes (every range but the empty one is refused).
+            Side::Host(None) => FrameBuffer::Host {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
             },
         }
     }

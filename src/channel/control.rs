@@ -28,7 +28,7 @@ use crate::token::TOKEN_LEN;
 use std::time::Duration;
 
 /// How long an opener waits for the init stamp of a segment whose creator may still be writing it.
-const INIT_WAIT: Duration = Duration::from_secs(2);
+pub(super) const INIT_WAIT: Duration = Duration::from_secs(2);
 
 /// The mapped control segment.
 pub(crate) struct Control {
@@ -45,7 +45,15 @@ unsafe impl Sync for Control {}
 
 /// The segment name of a channel.
 pub(crate) fn segment_name(channel: &str) -> String {
-    format!("{SEGMENT_PREFIX}{channel}")
+    segment_name_in(SEGMENT_PREFIX, channel)
+}
+
+/// The segment name of a control segment under `prefix` (a user channel's is
+/// [`SEGMENT_PREFIX`]; a tensor set's generation channel has its own, `cuda-ipc.tg.`, so it is
+/// no user channel). Every prefix has the length of [`SEGMENT_PREFIX`], so one name limit holds.
+pub(crate) fn segment_name_in(prefix: &str, channel: &str) -> String {
+    debug_assert_eq!(prefix.len(), SEGMENT_PREFIX.len());
+    format!("{prefix}{channel}")
 }
 
 /// Longest channel name in bytes: the segment name `cuda-ipc.ch.NAME` must fit
@@ -156,6 +164,27 @@ impl Control {
         flags: u32,
         opts: &SegmentOptions,
     ) -> Result<Control> {
+        Self::create_in(
+            SEGMENT_PREFIX,
+            channel,
+            buffer_bytes,
+            consumers,
+            tokens,
+            flags,
+            opts,
+        )
+    }
+
+    /// [`Control::create_with_flags`] under the segment prefix `prefix` ([`segment_name_in`]).
+    pub(crate) fn create_in(
+        prefix: &'static str,
+        channel: &str,
+        buffer_bytes: u64,
+        consumers: usize,
+        tokens: &[[u8; TOKEN_LEN]],
+        flags: u32,
+        opts: &SegmentOptions,
+    ) -> Result<Control> {
         validate_channel_name(channel)?;
         let buffers = tokens.len();
         if buffers == 0 || buffers > MAX_BUFFERS {
@@ -168,7 +197,7 @@ impl Control {
                 "a channel takes 1 to {MAX_CONSUMERS} consumers, got {consumers}"
             )));
         }
-        let name = segment_name(channel);
+        let name = segment_name_in(prefix, channel);
         let len = segment_len(buffers, consumers);
         // A stale segment from a crashed producer must not block a restart; anything else under
         // the name is left alone and named in the error. Two producers restarting at once: each
@@ -293,8 +322,18 @@ impl Control {
         allow_group: bool,
         init_wait: Duration,
     ) -> Result<Control> {
+        Self::open_in(SEGMENT_PREFIX, channel, allow_group, init_wait)
+    }
+
+    /// [`Control::open_waiting`] under the segment prefix `prefix` ([`segment_name_in`]).
+    pub(crate) fn open_in(
+        prefix: &str,
+        channel: &str,
+        allow_group: bool,
+        init_wait: Duration,
+    ) -> Result<Control> {
         validate_channel_name(channel)?;
-        let name = segment_name(channel);
+        let name = segment_name_in(prefix, channel);
         // A creator may still be writing: `open_versioned` waits (bounded) for the stamp.
         // SYNC POINT: stamp. Acquire, in `open_versioned`'s look: pairs with the Release store of
         // the stamp in `create`; the fields read in `checked` are the creator's.
@@ -446,9 +485,8 @@ impl Control {
         }
         let name = self.seg.name();
         Err(Error::Channel(super::ChannelError::Superseded(
-            name.strip_prefix(SEGMENT_PREFIX)
-                .unwrap_or(name)
-                .to_string(),
+            // Every prefix has the length of SEGMENT_PREFIX (`segment_name_in`).
+            name.get(SEGMENT_PREFIX.len()..).unwrap_or(name).to_string(),
         )))
     }
 

@@ -660,16 +660,34 @@ impl Control {
     }
 
     pub(crate) fn try_take(&self, c: usize) -> Result<Option<(usize, u64, Metadata)>> {
+        self.try_take_from(c, None)
+    }
+
+    /// Takes the newest frame for consumer `c` if its sequence number is above `than`, whatever
+    /// the consumer's cursor says (it may take a frame it took before: a tensor set's reader
+    /// asking for the current generation again). The hold and its re-check are `try_take`'s; the
+    /// cursor only moves forward.
+    pub(crate) fn try_take_newer(
+        &self,
+        c: usize,
+        than: u64,
+    ) -> Result<Option<(usize, u64, Metadata)>> {
+        self.try_take_from(c, Some(than))
+    }
+
+    /// `try_take` from the consumer's cursor (`None`) or, latest-only, from `than` (`Some`).
+    fn try_take_from(&self, c: usize, than: Option<u64>) -> Result<Option<(usize, u64, Metadata)>> {
         let s = self.consumer(c);
         // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
         if s.state.load(Ordering::Acquire) != ACTIVE {
             return Err(Error::Channel(super::ChannelError::Detached));
         }
-        let latest = s.policy.load(Ordering::Relaxed) == LATEST_ONLY;
+        let latest = than.is_some() || s.policy.load(Ordering::Relaxed) == LATEST_ONLY;
         let bit = 1u64 << c;
         loop {
             let head = self.head();
-            let cursor = s.cursor.load(Ordering::Relaxed);
+            let own_cursor = s.cursor.load(Ordering::Relaxed);
+            let cursor = than.unwrap_or(own_cursor);
             if head <= cursor {
                 return Ok(None);
             }
@@ -734,9 +752,9 @@ impl Control {
             }
             // The slot's counters have one writer, this consumer: load and store. Relaxed:
             // counters, read by inspection only.
-            if seq > cursor + 1 {
+            if seq > own_cursor + 1 {
                 s.dropped.store(
-                    s.dropped.load(Ordering::Relaxed) + (seq - cursor - 1),
+                    s.dropped.load(Ordering::Relaxed) + (seq - own_cursor - 1),
                     Ordering::Relaxed,
                 );
             }
@@ -745,7 +763,7 @@ impl Control {
             self.record_latency(c, b.publish_us.load(Ordering::Relaxed));
             // SYNC POINT: cursor. Release: pairs with the producer's Acquire of cursors in
             // `min_lossless_cursor`.
-            s.cursor.store(seq, Ordering::Release);
+            s.cursor.store(seq.max(own_cursor), Ordering::Release);
             // No bump here: the caller announces the move (`took`) once it has done what the
             // hand-off waits for (the consumer's stream wait), off the hand-off's path.
             return Ok(Some((i, seq, meta)));

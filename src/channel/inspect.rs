@@ -290,6 +290,13 @@ pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
     Ok(snapshot(channel, &c))
 }
 
+/// [`inspect`] of the control segment `channel` under `prefix` (crate-private: a tensor set's
+/// generation channel, `cuda-ipc.tg.NAME`).
+pub(crate) fn inspect_in(prefix: &str, channel: &str) -> Result<ChannelSnapshot> {
+    let c = Control::open_in(prefix, channel, false, control::INIT_WAIT)?;
+    Ok(snapshot(channel, &c))
+}
+
 pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
     let stats = c.stats();
     let producer = c.producer();

@@ -53,6 +53,7 @@ mod watchdog;
 
 pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub use control::MAX_CHANNEL_NAME;
+pub(crate) use control::validate_channel_name;
 pub use error::{ChannelError, SegmentFault};
 pub use handoff::{ChannelStats, ConsumerStats, LatencyHistogram};
 pub use layout::{
@@ -61,6 +62,7 @@ pub use layout::{
 };
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
 pub use pool::ChannelBuffer;
+pub(crate) use pool::{allocate_pool, auto_kind};
 #[cfg(feature = "remote")]
 pub(crate) use producer::LentFrame;
 pub use producer::{Producer, ShutdownReport, WriteFrame};

@@ -81,7 +81,7 @@ impl DeviceMemory for ChannelBuffer {
 /// The buffers and their exported tokens of a GPU pool of `kind`, each buffer its own allocation
 /// (a legacy handle exposes the whole allocation it names). Whatever was made is freed again on
 /// failure.
-pub(super) fn allocate_pool(
+pub(crate) fn allocate_pool(
     ctx: &Arc<Context>,
     kind: MemoryKind,
     opts: &ChannelOptions,
@@ -110,7 +110,7 @@ pub(super) fn allocate_pool(
 /// containers whose main processes are both pid 1 are. Legacy memory where consumers of other
 /// users must attach ([`ChannelOptions::group_access`]: VMM descriptors are served to the same
 /// user alone) or the device has no fd-exportable VMM.
-pub(super) fn auto_kind(ctx: &Arc<Context>, opts: &ChannelOptions) -> MemoryKind {
+pub(crate) fn auto_kind(ctx: &Arc<Context>, opts: &ChannelOptions) -> MemoryKind {
     if opts.group_access {
         return MemoryKind::Legacy;
     }

@@ -68,8 +68,9 @@ pub struct Producer {
 enum Side {
     /// A pool of device memory.
     Gpu(GpuPool),
-    /// A pool of shared host memory ([`MemoryKind::Host`]).
-    Host(HostPool),
+    /// A pool of shared host memory ([`MemoryKind::Host`]); `None` for a memoryless channel
+    /// ([`Producer::create_memoryless`]).
+    Host(Option<HostPool>),
 }
 
 /// A producer's GPU side.
@@ -184,7 +185,7 @@ impl Producer {
             }
         };
         Ok(Producer {
-            side: Side::Host(pool),
+            side: Side::Host(Some(pool)),
             control: Arc::new(control),
             name: name.to_string(),
             wait: opts.wait,
@@ -195,9 +196,64 @@ impl Producer {
         })
     }
 
+    /// Creates a channel with no buffer memory (crate-private: a tensor set's generation channel,
+    /// whose buffers stand for memory the tensor set owns): `opts.buffers` buffers of 0 bytes,
+    /// empty tokens, no pool (no host pool segment either), the control segment under `prefix`
+    /// ([`control::segment_name_in`]). In `ctx` (GPU words registered, the watchdog freeing dead
+    /// consumers, frames ordered on the producer's stream as usual), or on the host with `None`.
+    /// `opts.memory`, `buffer_bytes`, `quota` and `quota_bytes` are not used.
+    ///
+    /// # Errors
+    /// As [`Producer::create`] / [`Producer::create_host`], less the pool's.
+    pub(crate) fn create_memoryless(
+        ctx: Option<&Arc<Context>>,
+        prefix: &'static str,
+        name: &str,
+        opts: &ChannelOptions,
+    ) -> Result<Producer> {
+        let opts = ChannelOptions {
+            quota: None,
+            quota_bytes: None,
+            buffer_bytes: 0,
+            ..opts.clone()
+        };
+        check_options(&opts)?;
+        let tokens = vec![[0u8; crate::token::TOKEN_LEN]; opts.buffers];
+        let seg_opts = SegmentOptions::new().group_access(opts.group_access);
+        let control = Control::create_in(
+            prefix,
+            name,
+            0,
+            opts.max_consumers,
+            &tokens,
+            opts.flags(),
+            &seg_opts,
+        )?;
+        let Some(ctx) = ctx else {
+            return Ok(Producer {
+                side: Side::Host(None),
+                control: Arc::new(control),
+                name: name.to_string(),
+                wait: opts.wait,
+                memory: MemoryKind::Host,
+                closed: false,
+                stream_used: false,
+                _quota: None,
+            });
+        };
+        Self::gpu_side(
+            ctx,
+            name,
+            &opts,
+            control,
+            Vec::new(),
+            MemoryKind::Auto,
+            None,
+        )
+    }
+
     fn create_gpu(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
         let quota = reserve_quota(opts, ctx.device().uuid())?;
-        let stream = Stream::new(ctx)?;
         let (kind, buffers, tokens) = match opts.memory {
             MemoryKind::Auto => {
                 let first = auto_kind(ctx, opts);
@@ -225,6 +281,21 @@ impl Producer {
             opts.flags(),
             &seg_opts,
         )?;
+        Self::gpu_side(ctx, name, opts, control, buffers, kind, quota)
+    }
+
+    /// The GPU side around a created control segment: the stream, the GPU words' registration,
+    /// the watchdog.
+    fn gpu_side(
+        ctx: &Arc<Context>,
+        name: &str,
+        opts: &ChannelOptions,
+        control: Control,
+        buffers: Vec<ChannelBuffer>,
+        kind: MemoryKind,
+        quota: Option<Reservation>,
+    ) -> Result<Producer> {
+        let stream = Stream::new(ctx)?;
         let (page, len) = control.gpu_words();
         // SAFETY: the GPU words lie in the control segment's mapping, which `control` keeps until
         // the registration drops (field order above).
@@ -284,6 +355,12 @@ impl Producer {
     /// Whether the pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
         matches!(self.side, Side::Host(_))
+    }
+
+    /// The control segment's creation generation (crate-private: a tensor set's manifest records
+    /// its generation channel's).
+    pub(crate) fn control_generation(&self) -> u64 {
+        self.control.generation()
     }
 
     /// The channel name.
@@ -417,7 +494,8 @@ impl Producer {
     pub(crate) fn buffer_address(&self, index: usize) -> (u64, usize) {
         let len = self.control.buffer_bytes() as usize;
         match &self.side {
-            Side::Host(pool) => (pool.ptr(index) as u64, len),
+            Side::Host(Some(pool)) => (pool.ptr(index) as u64, len),
+            Side::Host(None) => (0, 0),
             Side::Gpu(gpu) => (gpu.buffers[index].device_ptr(), len),
         }
     }
@@ -496,7 +574,9 @@ impl Producer {
         let gpu = match &self.side {
             Side::Host(pool) => {
                 // No GPU work to wait for: every hold ended or was forced above.
-                pool.unlink();
+                if let Some(pool) = pool {
+                    pool.unlink();
+                }
                 return Ok(ShutdownReport {
                     forced_holds: forced,
                 });
@@ -567,9 +647,14 @@ impl WriteFrame<'_> {
                 buffer: &gpu.buffers[self.index],
                 stream: &gpu.stream,
             },
-            Side::Host(pool) => FrameBuffer::Host {
+            Side::Host(Some(pool)) => FrameBuffer::Host {
                 ptr: pool.ptr(self.index),
                 len: pool.buffer_bytes(),
+            },
+            // A memoryless channel: no bytes (every range but the empty one is refused).
+            Side::Host(None) => FrameBuffer::Host {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
             },
         }
     }
@@ -638,6 +723,15 @@ impl WriteFrame<'_> {
     /// Index of the buffer in the pool.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// The producer's stream, or `None` on a host channel; never touches the pool (crate-private:
+    /// a memoryless channel's frames have no buffer to view).
+    pub(crate) fn producer_stream(&self) -> Option<&Stream> {
+        match &self.producer.side {
+            Side::Gpu(gpu) => Some(&gpu.stream),
+            Side::Host(_) => None,
+        }
     }
 
     /// The producer's stream, on which the write must be enqueued.
@@ -844,6 +938,54 @@ impl Drop for LentFrame {
 mod tests {
     use super::super::{Consumer, ConsumerOptions};
     use super::*;
+
+    #[test]
+    fn a_memoryless_channel_hands_out_generations_and_takes_the_head_again() {
+        let ch = format!("memless-unit-{}", std::process::id());
+        let prefix = "cuda-ipc.tg.";
+        let opts = ChannelOptions::new(0).buffers(2);
+        let mut tx = Producer::create_memoryless(None, prefix, &ch, &opts).unwrap();
+        assert!(crate::shm::Segment::stat(&format!("{prefix}{ch}")).is_ok());
+        assert!(crate::shm::Segment::stat(&format!("cuda-ipc.ch.{ch}")).is_err());
+        assert!(crate::shm::Segment::stat(&format!("cuda-ipc.hp.{ch}")).is_err());
+        // Not a user channel: attach refuses it, the memoryless attach takes it.
+        assert!(Consumer::attach(&ch, &ConsumerOptions::new()).is_err());
+        let co = ConsumerOptions::new().delivery(super::super::Delivery::LatestOnly);
+        let rx = Consumer::attach_memoryless(None, prefix, &ch, &co).unwrap();
+        let lock = std::sync::Mutex::new(());
+        assert!(
+            rx.take_newer(0, Some(Duration::ZERO), &lock)
+                .unwrap()
+                .is_none()
+        );
+        let w = tx.acquire(Some(Duration::ZERO)).unwrap();
+        assert_eq!(w.len(), 0);
+        assert_eq!(w.publish(b"g1").unwrap(), 1);
+        let (f, g) = rx
+            .take_newer(0, Some(Duration::ZERO), &lock)
+            .unwrap()
+            .unwrap();
+        drop(g);
+        assert_eq!((f.seq(), f.metadata()), (1, &b"g1"[..]));
+        drop(f);
+        // The same generation again, regardless of the cursor.
+        let (f, g) = rx.take_newer(0, None, &lock).unwrap().unwrap();
+        drop(g);
+        assert_eq!(f.seq(), 1);
+        // Newer than 1: none within the timeout.
+        assert!(
+            rx.take_newer(1, Some(Duration::from_millis(20)), &lock)
+                .unwrap()
+                .is_none()
+        );
+        drop(f);
+        tx.acquire(None).unwrap().publish(b"g2").unwrap();
+        let (f, _g) = rx
+            .take_newer(1, Some(Duration::from_secs(1)), &lock)
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.seq(), 2);
+    }
 
     #[test]
     fn lent_buffers_are_out_at_once_published_in_resume_order_and_given_back_when_dropped() {

@@ -45,7 +45,16 @@ pub fn remove_stale(channel: &str) -> Result<Option<ChannelSnapshot>> {
 /// # Errors
 /// As [`inspect`](super::inspect::inspect); [`Error::Os`] when the unlink fails.
 pub fn remove_stale_control(channel: &str) -> Result<Option<ChannelSnapshot>> {
-    let c = Control::open(channel)?;
+    remove_stale_control_in(super::layout::SEGMENT_PREFIX, channel)
+}
+
+/// [`remove_stale_control`] of the control segment under `prefix` (crate-private: a tensor set's
+/// generation channel).
+pub(crate) fn remove_stale_control_in(
+    prefix: &str,
+    channel: &str,
+) -> Result<Option<ChannelSnapshot>> {
+    let c = Control::open_in(prefix, channel, false, super::control::INIT_WAIT)?;
     let snap = snapshot(channel, &c);
     if snap.producer_liveness != Liveness::Dead {
         return Ok(None);
@@ -54,7 +63,56 @@ pub fn remove_stale_control(channel: &str) -> Result<Option<ChannelSnapshot>> {
     drop(c);
     // Only the segment judged, under the replacers' lock: a new producer's segment made meanwhile
     // keeps its name.
-    Ok(Segment::unlink_if_same(&segment_name(channel), ino)?.then_some(snap))
+    let name = super::control::segment_name_in(prefix, channel);
+    Ok(Segment::unlink_if_same(&name, ino)?.then_some(snap))
+}
+
+/// Removes the control segment `channel` under `prefix` when it is a creation abandoned half-way
+/// (the rule a new producer replaces it by), checking just before that the name still stands for
+/// the file judged (crate-private: a tensor set's generation channel). Returns why it was
+/// removed; `Ok(None)` when nothing was touched.
+///
+/// # Errors
+/// The typed errors that say what else is under the name.
+pub(crate) fn remove_abandoned_in(prefix: &str, channel: &str) -> Result<Option<&'static str>> {
+    let Some((why, inode)) = abandoned_in(prefix, channel)? else {
+        return Ok(None);
+    };
+    let name = super::control::segment_name_in(prefix, channel);
+    Ok(Segment::unlink_if_same(&name, inode)?.then_some(why))
+}
+
+/// Whether the control segment `channel` under `prefix` is a creation abandoned half-way: why,
+/// and the inode judged; `Ok(None)` when there is none or it is not abandoned (crate-private).
+///
+/// # Errors
+/// As [`remove_abandoned_in`].
+pub(crate) fn abandoned_in(prefix: &str, channel: &str) -> Result<Option<(&'static str, u64)>> {
+    let name = super::control::segment_name_in(prefix, channel);
+    let before = match Segment::stat(&name) {
+        Ok(i) => i,
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    match Control::replaceable(channel, &name) {
+        Ok("its producer is dead") => Ok(None),
+        Ok(why) => Ok(Some((why, before.inode))),
+        Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+        Err(Error::Channel(
+            super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
+        )) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Frees the slots (and holds) of dead consumers of the control segment `channel` under `prefix`
+/// (crate-private: a tensor set's dead readers); returns how many holds were forced.
+///
+/// # Errors
+/// As [`inspect`](super::inspect::inspect).
+pub(crate) fn release_dead_consumers_in(prefix: &str, channel: &str) -> Result<u64> {
+    let c = Control::open_in(prefix, channel, false, super::control::INIT_WAIT)?;
+    Ok(c.reclaim_dead_consumers())
 }
 
 /// Removes the segment of `channel` when it is a creation abandoned half-way ([`abandoned`]),

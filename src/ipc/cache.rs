@@ -123,6 +123,35 @@ pub(crate) fn count_self_import() {
 }
 pub(crate) fn count_open() {
     bump(&DRIVER_OPENS);
+    OPENS_HERE.with(|c| c.set(c.get() + 1));
+}
+
+thread_local! {
+    /// Memory imports this thread made with the driver (as `driver_opens`), so that one call can
+    /// say how many it made ([`opens_on_this_thread`]): the process-wide counters mix threads.
+    static OPENS_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Memory imports made with the driver on the calling thread so far: the difference around one
+/// import is what that import made (an open runs on the thread that asked for it; one that
+/// waited for another thread's open of the same key made none).
+pub(crate) fn opens_on_this_thread() -> u64 {
+    OPENS_HERE.with(std::cell::Cell::get)
+}
+
+/// How an importer may touch imported memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Access {
+    /// Loads and stores (`CU_MEM_ACCESS_FLAGS_PROT_READWRITE`); every import before this choice.
+    #[default]
+    ReadWrite,
+    /// Loads only where the memory kind allows it: a VMM import is mapped with
+    /// `CU_MEM_ACCESS_FLAGS_PROT_READ` (`cuMemSetAccess`), so a kernel of the importer that stores
+    /// into it faults in the importer's context alone. Pool and legacy imports, and imports of
+    /// this process's own exports, stay read-write (the import says so:
+    /// [`super::Imported::read_only`]).
+    ReadOnly,
 }
 
 /// What a mapping was opened from.
@@ -154,11 +183,14 @@ pub(crate) struct MappingKey {
     pub(crate) source: Source,
     pub(crate) handle: [u8; 64],
     pub(crate) ctx: usize,
+    /// The access asked for: a read-only and a read-write import of one allocation are two
+    /// mappings.
+    pub(crate) access: Access,
 }
 
 impl MappingKey {
     /// The key of `token`'s mapping in `ctx` (`token` is a memory token).
-    pub(crate) fn of(token: &Token, ctx: &Context) -> MappingKey {
+    pub(crate) fn of(token: &Token, ctx: &Context, access: Access) -> MappingKey {
         let (exporter, export_id) = (token.exporter, token.export_id);
         let source = match token.kind {
             TokenKind::VmmMemory => Source::Vmm {
@@ -175,6 +207,7 @@ impl MappingKey {
             source,
             handle: token.handle,
             ctx: ctx.as_raw() as usize,
+            access,
         }
     }
 }
@@ -186,6 +219,8 @@ pub(crate) struct Mapping {
     pub(crate) base: u64,
     /// Size of the whole allocation in bytes.
     pub(crate) size: usize,
+    /// Whether the device may only load from it (a VMM import mapped `PROT_READ`).
+    pub(crate) read_only: bool,
     pub(crate) origin: Origin,
     // Drop order: the mapping is closed (in Drop, or by `origin` for VMM), then `ctx` is released,
     // then the lease frees the cache key, so the next import of the key opens only after this

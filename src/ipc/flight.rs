@@ -264,6 +264,7 @@ pub(crate) fn copy_error(e: &Error) -> Error {
         Error::NotExportable(n) => Error::NotExportable(n.clone()),
         Error::NotImportable(n) => Error::NotImportable(n.clone()),
         Error::Quota(q) => Error::Quota(q.clone()),
+        Error::TensorSet(t) => Error::TensorSet(t.clone()),
         Error::Timeout { what, after } => Error::Timeout {
             what,
             after: *after,

@@ -1,4 +1,4 @@
-use super::cache::{self, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, Source, lock};
+use super::cache::{self, Access, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, Source, lock};
 use super::flight::Lease;
 use super::handle::{IpcMemHandle, NotImportable, to_raw_mem};
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory};
@@ -67,6 +67,20 @@ impl DeviceBuffer {
     }
 }
 
+/// What [`ImportedBuffer::open_with_access`] gave: the buffer, whether it is read-only, and the
+/// driver imports the call made.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Imported {
+    /// The imported buffer.
+    pub buffer: ImportedBuffer,
+    /// Whether the device may only load from it (see [`Access::ReadOnly`]).
+    pub read_only: bool,
+    /// Driver imports this call made: 1 for an allocation opened now, 0 for one served by the
+    /// import cache (also one another thread was opening) or this process's own memory.
+    pub driver_imports: u32,
+}
+
 /// A range of device memory imported from another process (or from this one), valid in the
 /// importing [`Context`]. `len` in bytes.
 ///
@@ -110,6 +124,42 @@ impl ImportedBuffer {
     ///   (`CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_INVALID_HANDLE`...), or `CUDA_ERROR_TOO_MANY_PEERS`.
     #[doc(alias = "cuIpcOpenMemHandle")]
     pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<ImportedBuffer> {
+        Self::open_access(ctx, token, Access::ReadWrite)
+    }
+
+    /// Opens the memory `token` names in `ctx` with `access`, as [`ImportedBuffer::open_in`]
+    /// (through the import cache, whose key includes the access), and says what the import
+    /// gave: whether the mapping is read-only and how many driver imports this call made
+    /// (`cuMemImportFromShareableHandle`, `cuMemPoolImportPointer` or `cuIpcOpenMemHandle_v2`;
+    /// 0 when the mapping was in the cache or another thread opened it). [`Access::ReadOnly`]
+    /// maps a VMM allocation with `CU_MEM_ACCESS_FLAGS_PROT_READ` (`cuMemSetAccess`): a store
+    /// into it faults this process's context only. Pool memory (its access is set per imported
+    /// pool, shared by every import of that pool here) and legacy memory (`cuIpcOpenMemHandle`
+    /// has no access flags) stay read-write, as does an import of this process's own export:
+    /// [`Imported::read_only`] is then `false`.
+    ///
+    /// # Errors
+    /// As [`ImportedBuffer::open_in`]; [`Error::Cuda`] naming `cuMemSetAccess` when the driver
+    /// refuses read-only access.
+    #[doc(alias = "cuMemSetAccess")]
+    pub fn open_with_access(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<Imported> {
+        let before = cache::opens_on_this_thread();
+        let buffer = Self::open_access(ctx, token, access)?;
+        let driver_imports = cache::opens_on_this_thread().saturating_sub(before);
+        Ok(Imported {
+            read_only: buffer.mapping.read_only,
+            buffer,
+            driver_imports: driver_imports as u32,
+        })
+    }
+
+    /// Whether this process's device may only load from the buffer (a VMM import mapped
+    /// read-only, [`ImportedBuffer::open_with_access`]).
+    pub fn is_read_only(&self) -> bool {
+        self.mapping.read_only
+    }
+
+    fn open_access(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<ImportedBuffer> {
         let mapping = match token.kind {
             TokenKind::LegacyMemory => {
                 let me = ProcessIdentity::current()?;
@@ -120,7 +170,7 @@ impl ImportedBuffer {
                 }
                 open_mapping(ctx, &IpcMemHandle(token.handle), token.exporter == me)?
             }
-            TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token)?,
+            TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token, access)?,
             TokenKind::PoolMemory => super::pool::open_pool(ctx, token)?,
             other => {
                 return Err(Error::InvalidToken(format!(
@@ -183,7 +233,12 @@ impl ImportedBuffer {
                 "a VMM import needs at least 1 byte".into(),
             ));
         }
-        let m = Arc::new(super::vmm::uncached_vmm_mapping(ctx, fd, size)?);
+        let m = Arc::new(super::vmm::uncached_vmm_mapping(
+            ctx,
+            fd,
+            size,
+            Access::ReadWrite,
+        )?);
         Ok(ImportedBuffer::from_mapping(m, 0, size as u64))
     }
 }
@@ -218,6 +273,7 @@ fn open_mapping(
         source: Source::Legacy,
         handle: handle.0,
         ctx: ctx.as_raw() as usize,
+        access: Access::ReadWrite,
     };
     let (m, how) = MAPPINGS.get_or_open(key, |lease| {
         let local = if maybe_self {
@@ -231,6 +287,7 @@ fn open_mapping(
                 Ok(Mapping {
                     base: alloc.ptr,
                     size: alloc.len,
+                    read_only: false,
                     ctx: ctx.clone(),
                     origin: Origin::local(Box::new(alloc)),
                     _lease: Some(lease),
@@ -271,6 +328,7 @@ fn open_driver_mapping(
     let mut m = Mapping {
         base,
         size: 0,
+        read_only: false,
         ctx: ctx.clone(),
         origin: Origin::ipc_handle(),
         _lease: Some(lease),

@@ -40,7 +40,7 @@ mod shareable;
 mod vmm;
 
 pub use arena::{ARENA_ALIGN, ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena};
-pub use cache::{CacheStats, cache_stats};
+pub use cache::{Access, CacheStats, cache_stats};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};
 pub use foreign::{
@@ -48,7 +48,7 @@ pub use foreign::{
     foreign_stats,
 };
 pub use handle::{IpcEventHandle, IpcMemHandle, NotImportable};
-pub use memory::ImportedBuffer;
+pub use memory::{Imported, ImportedBuffer};
 pub use pool::{MemPool, PoolBuffer};
 pub use shareable::{fd_transport, set_fd_transport};
 pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};

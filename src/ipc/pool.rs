@@ -382,7 +382,9 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
         .filter(|&s| s > 0)
         .ok_or_else(|| Error::InvalidToken(format!("pool allocation size {}", token.len)))?;
     let is_self = token.exporter == ProcessIdentity::current()?;
-    let key = MappingKey::of(token, ctx);
+    // Pool memory is imported read-write whatever was asked (its access is the imported pool's,
+    // shared by every import of it here): one mapping per pointer.
+    let key = MappingKey::of(token, ctx, cache::Access::ReadWrite);
     let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
         let (origin, base) = if is_self {
             match lock(&LOCAL_POOL).get(&token.handle).map(Weak::upgrade) {
@@ -419,6 +421,7 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
         Ok(Mapping {
             base,
             size,
+            read_only: false,
             origin,
             ctx: ctx.clone(),
             _lease: Some(lease),

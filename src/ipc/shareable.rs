@@ -55,9 +55,17 @@ pub(super) fn location(dev: &Device) -> sys::CUmemLocation {
 
 /// Read/write access for `dev`, for `cuMemSetAccess` and `cuMemPoolSetAccess`.
 pub(super) fn access_desc(dev: &Device) -> sys::CUmemAccessDesc {
+    access_desc_for(dev, super::cache::Access::ReadWrite)
+}
+
+/// `access` for `dev` (read-only: `CU_MEM_ACCESS_FLAGS_PROT_READ`), for `cuMemSetAccess`.
+pub(super) fn access_desc_for(dev: &Device, access: super::cache::Access) -> sys::CUmemAccessDesc {
     sys::CUmemAccessDesc {
         location: location(dev),
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        flags: match access {
+            super::cache::Access::ReadOnly => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+            _ => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        },
     }
 }
 

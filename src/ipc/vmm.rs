@@ -21,9 +21,10 @@
 //!
 //! See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>.
 
+use super::cache::Access;
 use super::cache::{self, Mapping, MappingKey, Origin, lock};
 use super::fdpass::FdExport;
-use super::shareable::{POSIX_FD, access_desc, fetch_fd, location, require_peer};
+use super::shareable::{POSIX_FD, access_desc_for, fetch_fd, location, require_peer};
 use crate::driver::{Context, Device, DeviceMemory};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
@@ -111,11 +112,12 @@ pub(crate) struct VmmMap {
 
 impl VmmMap {
     /// Takes ownership of `handle` (released on drop, also when this fails), reserves `size`
-    /// bytes, maps the handle there and grants read/write access to `ctx`'s device.
+    /// bytes, maps the handle there and grants `access` to `ctx`'s device.
     fn map(
         ctx: &Arc<Context>,
         handle: sys::CUmemGenericAllocationHandle,
         size: usize,
+        access: Access,
     ) -> Result<VmmMap> {
         let mut m = VmmMap {
             ctx: ctx.clone(),
@@ -142,7 +144,7 @@ impl VmmMap {
             sys::cuMemMap(m.ptr, size, 0, handle, 0)
         })?;
         m.mapped = true;
-        let desc = access_desc(&ctx.device());
+        let desc = access_desc_for(&ctx.device(), access);
         // SAFETY: the range is mapped; `desc` is one valid access descriptor.
         check("cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(m.ptr, size, &desc, 1)
@@ -240,7 +242,7 @@ impl VmmBuffer {
             sys::cuMemCreate(h.as_mut_ptr(), size, &prop, 0)
         })?;
         // SAFETY: written on success.
-        let map = VmmMap::map(ctx, unsafe { h.assume_init() }, size)?;
+        let map = VmmMap::map(ctx, unsafe { h.assume_init() }, size, Access::ReadWrite)?;
         Ok(VmmBuffer {
             alloc: Arc::new(VmmAllocation {
                 export: Mutex::new(None),
@@ -343,7 +345,12 @@ impl DeviceMemory for VmmBuffer {
 
 /// Imports the allocation behind `fd` (`cuMemImportFromShareableHandle`) and maps `size` bytes of
 /// it in `ctx`. The descriptor is borrowed: the caller keeps it and closes it, whatever the result.
-fn import_vmm_handle(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Result<VmmMap> {
+fn import_vmm_handle(
+    ctx: &Arc<Context>,
+    fd: BorrowedFd<'_>,
+    size: usize,
+    access: Access,
+) -> Result<VmmMap> {
     let _cur = ctx.enter()?;
     let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
     // SAFETY: context current (`_cur`); for POSIX fd handles the OS handle is the descriptor's
@@ -358,13 +365,15 @@ fn import_vmm_handle(ctx: &Arc<Context>, fd: BorrowedFd<'_>, size: usize) -> Res
     })?;
     cache::count_open();
     // SAFETY: written on success.
-    VmmMap::map(ctx, unsafe { h.assume_init() }, size)
+    VmmMap::map(ctx, unsafe { h.assume_init() }, size, access)
 }
 
 /// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`. The fd fetch ([`fetch_fd`],
 /// up to its timeout) runs inside the key's single-flight open: other threads importing the same
 /// token wait for it, imports of other keys do not.
-pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>> {
+/// `access` is the importer's ([`Access::ReadOnly`]: mapped `PROT_READ`); a self-import is the
+/// exporter's own read-write mapping.
+pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<Arc<Mapping>> {
     let raw_fd = i32::from_le_bytes(token.handle[..4].try_into().unwrap_or_default());
     let size = u64::from_le_bytes(token.handle[8..16].try_into().unwrap_or_default());
     let size = usize::try_from(size)
@@ -372,15 +381,15 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
         .filter(|&s| s > 0)
         .ok_or_else(|| Error::InvalidToken(format!("VMM allocation size {size}")))?;
     let is_self = token.exporter == ProcessIdentity::current()?;
-    let key = MappingKey::of(token, ctx);
+    let key = MappingKey::of(token, ctx, access);
     let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
-        let (origin, base, size) = if is_self {
+        let (origin, base, size, read_only) = if is_self {
             let local = lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade);
             match local {
                 Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
                     cache::count_self_import();
                     let (base, size) = (a.map.ptr, a.map.size);
-                    (Origin::local(Box::new(a)), base, size)
+                    (Origin::local(Box::new(a)), base, size, false)
                 }
                 Some(Some(_)) => {
                     return Err(Error::InvalidArgument(
@@ -399,13 +408,15 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping>
             require_peer(ctx, token.device)?;
             let fd = fetch_fd(token, raw_fd)?;
             // `fd` is closed when it drops at the end of this block, on success and on failure.
-            let vm = import_vmm_handle(ctx, fd.as_fd(), size)?;
+            let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
             let (base, size) = (vm.ptr, vm.size);
-            (Origin::closed_by(Box::new(vm)), base, size)
+            let ro = access == Access::ReadOnly;
+            (Origin::closed_by(Box::new(vm)), base, size, ro)
         };
         Ok(Mapping {
             base,
             size,
+            read_only,
             origin,
             ctx: ctx.clone(),
             _lease: Some(lease),
@@ -421,12 +432,14 @@ pub(crate) fn uncached_vmm_mapping(
     ctx: &Arc<Context>,
     fd: BorrowedFd<'_>,
     size: usize,
+    access: Access,
 ) -> Result<Mapping> {
-    let vm = import_vmm_handle(ctx, fd, size)?;
+    let vm = import_vmm_handle(ctx, fd, size, access)?;
     let (base, size) = (vm.ptr, vm.size);
     Ok(Mapping {
         base,
         size,
+        read_only: access == Access::ReadOnly,
         origin: Origin::closed_by(Box::new(vm)),
         ctx: ctx.clone(),
         _lease: None,

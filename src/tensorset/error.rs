@@ -1,0 +1,157 @@
+//! [`TensorSetError`]: what only the tensor-set layer reports ([`crate::Error::TensorSet`]).
+
+/// What a tensor set's manifest segment (or data segment) was wrong with: each field that a
+/// reader range-checks has its own fault, so a hostile or truncated manifest is named, never read
+/// out of bounds.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ManifestFault {
+    /// The body is shorter than its fixed header, or a table runs past the body's end.
+    #[error("{what} at bytes {offset}+{len} runs past the manifest's {body} bytes")]
+    OutOfBounds {
+        /// Which part.
+        what: &'static str,
+        /// Its offset in the body.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The body's length.
+        body: u64,
+    },
+    /// A count or code out of its range.
+    #[error("{what} is {found}; {allowed}")]
+    Field {
+        /// Which field.
+        what: &'static str,
+        /// What the manifest says.
+        found: u64,
+        /// What is allowed.
+        allowed: &'static str,
+    },
+    /// A tensor entry that does not hold together (name, shape, range, size).
+    #[error("tensor {index}: {why}")]
+    Tensor {
+        /// The entry's index.
+        index: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// The layout fingerprint stored is not the one its tables give.
+    #[error("the stored layout fingerprint does not match the tensor table")]
+    Fingerprint,
+    /// A segment of the set (the generation channel, the host data) is not the one the manifest
+    /// was written with (made again since, or planted).
+    #[error("{what} is not the one the manifest names (made again since?)")]
+    Mismatch {
+        /// Which segment.
+        what: &'static str,
+    },
+}
+
+/// What only tensor sets report. Wrapped in [`crate::Error::TensorSet`]; a segment's own faults
+/// (missing, another user's, not a file, sparse) stay [`crate::Error::Shm`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorSetError {
+    /// No tensor set of this name.
+    #[error("no tensor set named {0:?}")]
+    NotFound(String),
+    /// A live writer publishes this name already.
+    #[error("tensor set {name:?} is already published by pid {pid}")]
+    AlreadyExists {
+        /// The set.
+        name: String,
+        /// The live writer's pid.
+        pid: u32,
+    },
+    /// A creation under this name is in progress (or was abandoned less than 2 s ago).
+    #[error("tensor set {0:?} is being created by another process")]
+    CreationInProgress(String),
+    /// The layout fingerprint is not the one expected (another checkpoint or model shape).
+    #[error(
+        "layout fingerprint mismatch: expected {}, found {}",
+        hex(expected),
+        hex(found)
+    )]
+    LayoutMismatch {
+        /// What the reader expected.
+        expected: [u8; 32],
+        /// What the set has.
+        found: [u8; 32],
+    },
+    /// A generation's content fingerprint is not the one expected.
+    #[error(
+        "content fingerprint mismatch in generation {generation}: expected {}, found {}",
+        hex(expected),
+        hex(found)
+    )]
+    ContentMismatch {
+        /// The generation.
+        generation: u64,
+        /// What the reader expected.
+        expected: [u8; 32],
+        /// What the writer published.
+        found: [u8; 32],
+    },
+    /// The manifest segment `segment` is not a valid tensor-set manifest.
+    #[error("bad tensor-set manifest {segment}: {fault}")]
+    BadManifest {
+        /// The segment's name.
+        segment: String,
+        /// What is wrong.
+        fault: ManifestFault,
+    },
+    /// The manifest was written by another layout version.
+    #[error("tensor set {name:?} has layout version {found}; this build reads {supported}")]
+    VersionMismatch {
+        /// The set.
+        name: String,
+        /// Version found.
+        found: u32,
+        /// Version this build reads.
+        supported: u32,
+    },
+    /// The writer died (or its generation channel is gone): the generation held stays readable,
+    /// no newer one will come.
+    #[error("the writer of tensor set {name:?} (pid {pid}) is gone")]
+    WriterGone {
+        /// The set.
+        name: String,
+        /// The writer's pid.
+        pid: u32,
+    },
+    /// The writer closed the set.
+    #[error("tensor set {0:?} was closed by its writer")]
+    Closed(String),
+    /// No generation was published yet (or the one there is being rewritten in place).
+    #[error("tensor set {0:?} has no generation to read now")]
+    NoGeneration(String),
+    /// More tensors, dimensions or name bytes than a manifest holds.
+    #[error("{what}: {found}; at most {max}")]
+    TooManyTensors {
+        /// What overflowed.
+        what: &'static str,
+        /// How many were given.
+        found: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A tensor specification that cannot be laid out.
+    #[error("tensor {name:?}: {why}")]
+    BadTensor {
+        /// The tensor's name.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// No tensor of this name or index.
+    #[error("no tensor {0} in the set")]
+    NoSuchTensor(String),
+    /// The set's memory kind does not offer what was asked (a host accessor on a GPU set, ...).
+    #[error("{0}")]
+    WrongKind(&'static str),
+}
+
+fn hex(b: &[u8; 32]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -1,0 +1,153 @@
+//! Read-only snapshots of tensor sets, for tools (`cuda-ipc ls`, `watch`, `gc`): the manifest's
+//! header and counts, the writer and its liveness, and the generation channel's state (the
+//! generation, the readers, their holds), read with the openers' checks and atomic loads only;
+//! nothing is joined, attached or repaired.
+
+use super::manifest::{KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM};
+use super::segment::{self, DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
+use crate::channel::inspect::{ChannelSnapshot, inspect_in};
+use crate::error::Result;
+use crate::identity::{Liveness, ProcessIdentity};
+
+/// One reader of a set, as its generation channel's consumer slot records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReaderSnapshot {
+    /// Its slot in the generation channel.
+    pub slot: usize,
+    /// Its process.
+    pub identity: ProcessIdentity,
+    /// Whether it runs.
+    pub liveness: Liveness,
+    /// The generations it holds now (one per buffer held).
+    pub held: Vec<u64>,
+    /// The newest generation it took.
+    pub cursor: u64,
+}
+
+/// What a tensor set is now.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct TensorSetSnapshot {
+    /// The set's name.
+    pub name: String,
+    /// The manifest segment's name.
+    pub segment: String,
+    /// The writer.
+    pub writer: ProcessIdentity,
+    /// Whether the writer runs.
+    pub writer_liveness: Liveness,
+    /// `host`, `legacy`, `vmm` or `pool`.
+    pub memory: &'static str,
+    /// Buffered (B ≥ 2) or in place.
+    pub buffered: bool,
+    /// Buffers B.
+    pub buffers: usize,
+    /// Allocations per buffer A.
+    pub allocations: usize,
+    /// Tensors.
+    pub tensors: usize,
+    /// Bytes of one buffer.
+    pub bytes_per_buffer: u64,
+    /// Bytes of the set (B × bytes per buffer).
+    pub bytes: u64,
+    /// The layout fingerprint.
+    pub fingerprint: [u8; 32],
+    /// The newest generation published (0: none; also when the generation channel cannot be
+    /// read).
+    pub generation: u64,
+    /// The readers attached.
+    pub readers: Vec<ReaderSnapshot>,
+    /// Holds outstanding (over all readers and buffers).
+    pub holds: u32,
+    /// The generation channel as read (`None` when it is gone: a dead writer's set whose
+    /// channel was removed, or a writer that never got that far).
+    pub channel: Option<ChannelSnapshot>,
+}
+
+fn kind_name(code: u32) -> &'static str {
+    match code {
+        KIND_HOST => "host",
+        KIND_LEGACY => "legacy",
+        KIND_VMM => "vmm",
+        KIND_POOL => "pool",
+        _ => "unknown",
+    }
+}
+
+/// The names of the tensor sets in `/dev/shm`: every name with a manifest, generation channel or
+/// host data segment of ours (sorted, once each).
+///
+/// # Errors
+/// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
+pub fn list_tensor_sets() -> Result<Vec<String>> {
+    let mut names: Vec<String> = crate::shm::list_segments()?
+        .into_iter()
+        .filter_map(|s| {
+            [MANIFEST_PREFIX, GENERATION_PREFIX, DATA_PREFIX]
+                .iter()
+                .find_map(|p| s.strip_prefix(p).map(str::to_string))
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
+/// A snapshot of tensor set `name`.
+///
+/// # Errors
+/// As the reader's open of the manifest ([`super::TensorSetError::NotFound`], `BadManifest`,
+/// `VersionMismatch`, the segment's own errors).
+pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
+    let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+    let (writer, uid) = opened.header().writer();
+    let m = &opened.manifest;
+    let channel = inspect_in(GENERATION_PREFIX, name)
+        .ok()
+        .filter(|c| c.generation == m.channel_generation);
+    let (generation, readers, holds) = match &channel {
+        Some(c) => {
+            let readers = c
+                .consumers
+                .iter()
+                .map(|x| ReaderSnapshot {
+                    slot: x.index,
+                    identity: x.identity,
+                    liveness: x.liveness,
+                    held: x
+                        .holds
+                        .iter()
+                        .filter_map(|&i| match c.buffers[i].state {
+                            crate::channel::inspect::BufferState::Frame(g) => Some(g),
+                            _ => None,
+                        })
+                        .collect(),
+                    cursor: x.cursor,
+                })
+                .collect::<Vec<_>>();
+            let holds = c.buffers.iter().map(|b| b.hold_mask.count_ones()).sum();
+            (c.head, readers, holds)
+        }
+        None => (0, Vec::new(), 0),
+    };
+    let bytes_per_buffer = m.layout.bytes_per_buffer();
+    Ok(TensorSetSnapshot {
+        name: name.to_string(),
+        segment: opened.seg.name().to_string(),
+        writer,
+        writer_liveness: writer.liveness_as(uid),
+        memory: kind_name(m.kind),
+        buffered: m.buffers > 1,
+        buffers: m.buffers,
+        allocations: m.layout.allocations().len(),
+        tensors: m.layout.len(),
+        bytes_per_buffer,
+        bytes: bytes_per_buffer.saturating_mul(m.buffers as u64),
+        fingerprint: m.layout.fingerprint(),
+        generation,
+        readers,
+        holds,
+        channel,
+    })
+}

@@ -1,0 +1,786 @@
+//! The layout of a tensor set and its manifest: [`TensorSpec`] (what a writer asks for),
+//! [`TensorInfo`] and [`Layout`] (where each tensor lies: allocation, byte offset aligned to
+//! [`ALIGN`] bytes, byte length), the layout fingerprint (SHA-256 over a canonical encoding of
+//! names, dtypes, shapes, strides, allocation indices and offsets) and the encoding of the
+//! manifest body that the manifest segment holds after its header page (`segment.rs`).
+//!
+//! Body layout (little-endian; offsets in bytes from the body's start):
+//!
+//! | offset | field |
+//! | --- | --- |
+//! | 0 | memory kind `u32` ([`KIND_HOST`] .. [`KIND_POOL`]) |
+//! | 4 | flags `u32` ([`FLAG_BUFFERED`]) |
+//! | 8 | buffers B `u32`, 12: allocations per buffer A `u32` |
+//! | 16 | tensors N `u64`, 24: bytes per buffer (sum of A allocations) `u64` |
+//! | 32..96 | offset and length `u64` of: allocation table, tensor table, dims area, string area |
+//! | 96 | layout fingerprint, 32 bytes |
+//! | 128 | generation channel's creation generation `u64`, 136: host data segment's (0: none) |
+//! | 144 | most readers `u32`; the rest of the [`BODY_HEADER`] bytes are zero |
+//!
+//! Allocation table: B × A entries of [`ALLOC_ENTRY`] bytes (a 144-byte token, the allocation's
+//! length `u64`, 8 zero bytes). Tensor table: N entries of [`TENSOR_ENTRY`] bytes (name offset
+//! `u64` and length `u32` in the string area, dtype code `u8`, bits `u8`, lanes `u16`, ndim `u32`,
+//! 4 zero bytes, dims index `u64` (in `i64` units into the dims area: ndim shape values, then ndim
+//! strides), allocation `u32`, 4 zero bytes, byte offset `u64`, byte length `u64`, 8 zero bytes).
+//!
+//! The decoder checks every offset, length, count and code before it reads, recomputes each
+//! tensor's byte length and the fingerprint, and reports the first fault as a [`ManifestFault`]:
+//! a hostile or truncated body is an error, never a panic (a property test feeds it random and
+//! corrupted bytes).
+
+use super::dtype::DType;
+use super::error::{ManifestFault, TensorSetError};
+use crate::error::Result;
+use crate::token::TOKEN_LEN;
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+
+/// Byte alignment of every tensor's offset in a writer-allocated set.
+pub const ALIGN: u64 = 256;
+/// Most tensors in one set.
+pub const MAX_TENSORS: usize = 1 << 24;
+/// Most dimensions of one tensor.
+pub const MAX_NDIM: usize = 64;
+/// Longest tensor name, bytes.
+pub const MAX_NAME: usize = 4096;
+/// Most allocations per buffer.
+pub const MAX_ALLOCATIONS: usize = 4096;
+/// Bytes of the body's fixed header.
+pub const BODY_HEADER: usize = 256;
+/// Bytes of one allocation table entry.
+pub const ALLOC_ENTRY: usize = TOKEN_LEN + 16;
+/// Bytes of one tensor table entry.
+pub const TENSOR_ENTRY: usize = 64;
+/// Memory kind code: host memory (the data segment `cuda-ipc.td.NAME`).
+pub const KIND_HOST: u32 = 1;
+/// Memory kind code: legacy IPC memory.
+pub const KIND_LEGACY: u32 = 2;
+/// Memory kind code: VMM memory.
+pub const KIND_VMM: u32 = 3;
+/// Memory kind code: memory-pool memory.
+pub const KIND_POOL: u32 = 4;
+/// Flag: double- (or more) buffered generations; clear: in place.
+pub const FLAG_BUFFERED: u32 = 1;
+/// Most buffers (generations in flight) of a set: the channel's limit.
+pub const MAX_SET_BUFFERS: usize = crate::channel::MAX_BUFFERS;
+
+/// A tensor a writer publishes: name, DLPack dtype, shape, and strides in elements (`None`:
+/// contiguous, row-major).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Unique within the set, 1 to [`MAX_NAME`] bytes.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Extent of each dimension (0 to [`MAX_NDIM`] dimensions, none negative).
+    pub shape: Vec<i64>,
+    /// Strides in elements, one per dimension, none negative; `None` for row-major contiguous.
+    pub strides: Option<Vec<i64>>,
+}
+
+impl TensorSpec {
+    /// A contiguous tensor.
+    pub fn new(name: impl Into<String>, dtype: DType, shape: &[i64]) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            strides: None,
+        }
+    }
+
+    /// A tensor with explicit strides (elements).
+    pub fn strided(
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[i64],
+        strides: &[i64],
+    ) -> TensorSpec {
+        TensorSpec {
+            strides: Some(strides.to_vec()),
+            ..TensorSpec::new(name, dtype, shape)
+        }
+    }
+}
+
+/// Where one tensor of a set lies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Its name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Extent of each dimension.
+    pub shape: Vec<i64>,
+    /// Strides in elements (filled in for contiguous tensors).
+    pub strides: Vec<i64>,
+    /// Index of its allocation within a buffer.
+    pub allocation: u32,
+    /// Byte offset in that allocation.
+    pub offset: u64,
+    /// Bytes it spans (element size × (1 + Σ (dim − 1) × stride); 0 for an empty tensor).
+    pub bytes: u64,
+}
+
+/// The layout of a set: its tensors, the bytes of each allocation of one buffer, the fingerprint.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    tensors: Vec<TensorInfo>,
+    allocations: Vec<u64>,
+    fingerprint: [u8; 32],
+    index: HashMap<String, usize>,
+}
+
+fn bad_tensor(name: &str, why: impl Into<String>) -> crate::Error {
+    TensorSetError::BadTensor {
+        name: name.chars().take(64).collect(),
+        why: why.into(),
+    }
+    .into()
+}
+
+/// Row-major strides of `shape`, elements.
+fn contiguous(shape: &[i64]) -> Vec<i64> {
+    let mut s = vec![0i64; shape.len()];
+    let mut acc = 1i64;
+    for i in (0..shape.len()).rev() {
+        s[i] = acc;
+        acc = acc.saturating_mul(shape[i].max(1));
+    }
+    s
+}
+
+/// Bytes a tensor spans, or why it cannot be laid out.
+fn span_bytes(dtype: DType, shape: &[i64], strides: &[i64]) -> std::result::Result<u64, String> {
+    let elem = dtype
+        .size_bytes()
+        .ok_or_else(|| format!("dtype {dtype} has no size in whole bytes"))? as u64;
+    if shape.len() > MAX_NDIM {
+        return Err(format!("{} dimensions; at most {MAX_NDIM}", shape.len()));
+    }
+    if strides.len() != shape.len() {
+        return Err(format!(
+            "{} strides for {} dimensions",
+            strides.len(),
+            shape.len()
+        ));
+    }
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(format!("negative dimension {d}"));
+    }
+    if let Some(s) = strides.iter().find(|&&s| s < 0) {
+        return Err(format!("negative stride {s}"));
+    }
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    let mut last: u64 = 0;
+    for (&d, &s) in shape.iter().zip(strides) {
+        last = (d as u64 - 1)
+            .checked_mul(s as u64)
+            .and_then(|x| x.checked_add(last))
+            .ok_or("its span overflows")?;
+    }
+    last.checked_add(1)
+        .and_then(|n| n.checked_mul(elem))
+        .ok_or_else(|| "its span overflows".to_string())
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_NAME {
+        return Err(bad_tensor(
+            name,
+            format!("a name of {} bytes; 1 to {MAX_NAME}", name.len()),
+        ));
+    }
+    Ok(())
+}
+
+fn info_of(spec: &TensorSpec, allocation: u32, offset: u64) -> Result<TensorInfo> {
+    check_name(&spec.name)?;
+    let strides = spec
+        .strides
+        .clone()
+        .unwrap_or_else(|| contiguous(&spec.shape));
+    let bytes =
+        span_bytes(spec.dtype, &spec.shape, &strides).map_err(|w| bad_tensor(&spec.name, w))?;
+    Ok(TensorInfo {
+        name: spec.name.clone(),
+        dtype: spec.dtype,
+        shape: spec.shape.clone(),
+        strides,
+        allocation,
+        offset,
+        bytes,
+    })
+}
+
+impl Layout {
+    /// Lays `specs` out in one allocation per buffer, in order, each at an offset aligned to
+    /// [`ALIGN`] bytes.
+    ///
+    /// # Errors
+    /// [`TensorSetError::TooManyTensors`] past [`MAX_TENSORS`]; [`TensorSetError::BadTensor`] for
+    /// an empty, long or repeated name, a dtype without a byte size, a negative dimension or
+    /// stride, too many dimensions or a size that overflows.
+    pub fn new(specs: &[TensorSpec]) -> Result<Layout> {
+        if specs.len() > MAX_TENSORS {
+            return Err(TensorSetError::TooManyTensors {
+                what: "tensors",
+                found: specs.len() as u64,
+                max: MAX_TENSORS as u64,
+            }
+            .into());
+        }
+        let mut tensors = Vec::with_capacity(specs.len());
+        let mut at = 0u64;
+        for s in specs {
+            let t = info_of(s, 0, at)?;
+            at = at
+                .checked_add(t.bytes)
+                .and_then(|e| e.checked_next_multiple_of(ALIGN))
+                .ok_or_else(|| bad_tensor(&s.name, "the set's size overflows"))?;
+            tensors.push(t);
+        }
+        Self::from_tensors(tensors, vec![at.max(ALIGN)])
+    }
+
+    /// A layout over given allocations (of `allocations[a]` bytes each): tensor `i` of
+    /// `tensors` lies in allocation `tensors[i].1` at byte offset `tensors[i].2`.
+    ///
+    /// # Errors
+    /// As [`Layout::new`]; [`TensorSetError::BadTensor`] for a tensor outside its allocation or
+    /// an allocation index out of range; [`TensorSetError::TooManyTensors`] past
+    /// [`MAX_ALLOCATIONS`].
+    pub fn with_locations(
+        tensors: &[(TensorSpec, u32, u64)],
+        allocations: Vec<u64>,
+    ) -> Result<Layout> {
+        if tensors.len() > MAX_TENSORS {
+            return Err(TensorSetError::TooManyTensors {
+                what: "tensors",
+                found: tensors.len() as u64,
+                max: MAX_TENSORS as u64,
+            }
+            .into());
+        }
+        let infos = tensors
+            .iter()
+            .map(|(s, a, o)| info_of(s, *a, *o))
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_tensors(infos, allocations)
+    }
+
+    /// Checks the tensors against the allocations and each other's names, and fingerprints them.
+    fn from_tensors(tensors: Vec<TensorInfo>, allocations: Vec<u64>) -> Result<Layout> {
+        if allocations.is_empty() || allocations.len() > MAX_ALLOCATIONS {
+            return Err(TensorSetError::TooManyTensors {
+                what: "allocations per buffer",
+                found: allocations.len() as u64,
+                max: MAX_ALLOCATIONS as u64,
+            }
+            .into());
+        }
+        let mut index = HashMap::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            let Some(&len) = allocations.get(t.allocation as usize) else {
+                return Err(bad_tensor(
+                    &t.name,
+                    format!("allocation {} of {}", t.allocation, allocations.len()),
+                ));
+            };
+            if t.offset.checked_add(t.bytes).is_none_or(|end| end > len) {
+                return Err(bad_tensor(
+                    &t.name,
+                    format!(
+                        "bytes {}+{} leave allocation {} of {len} bytes",
+                        t.offset, t.bytes, t.allocation
+                    ),
+                ));
+            }
+            if index.insert(t.name.clone(), i).is_some() {
+                return Err(bad_tensor(&t.name, "a name given twice"));
+            }
+        }
+        let fingerprint = fingerprint(&tensors);
+        Ok(Layout {
+            tensors,
+            allocations,
+            fingerprint,
+            index,
+        })
+    }
+
+    /// The tensors, in the order given.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether the set has no tensors.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// The index of tensor `name`.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// Tensor `name`.
+    pub fn by_name(&self, name: &str) -> Option<&TensorInfo> {
+        self.index_of(name).map(|i| &self.tensors[i])
+    }
+
+    /// Bytes of each allocation of one buffer.
+    pub fn allocations(&self) -> &[u64] {
+        &self.allocations
+    }
+
+    /// Bytes of one buffer (all its allocations).
+    pub fn bytes_per_buffer(&self) -> u64 {
+        self.allocations.iter().sum()
+    }
+
+    /// The layout fingerprint (SHA-256 of the canonical encoding of the tensor table).
+    pub fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
+    }
+}
+
+/// SHA-256 of the canonical encoding: a domain string, the tensor count, then per tensor its name
+/// (length `u32` + bytes), dtype (code, bits, lanes), ndim `u32`, shape and strides (`i64`),
+/// allocation `u32` and offset `u64`; all little-endian.
+pub fn fingerprint(tensors: &[TensorInfo]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"cuda-ipc tensor-set layout v1\0");
+    h.update((tensors.len() as u64).to_le_bytes());
+    for t in tensors {
+        h.update((t.name.len() as u32).to_le_bytes());
+        h.update(t.name.as_bytes());
+        h.update([t.dtype.code, t.dtype.bits]);
+        h.update(t.dtype.lanes.to_le_bytes());
+        h.update((t.shape.len() as u32).to_le_bytes());
+        for d in t.shape.iter().chain(&t.strides) {
+            h.update(d.to_le_bytes());
+        }
+        h.update(t.allocation.to_le_bytes());
+        h.update(t.offset.to_le_bytes());
+    }
+    h.finalize().into()
+}
+
+/// A decoded manifest body.
+#[derive(Clone, Debug)]
+pub(crate) struct Manifest {
+    pub(crate) kind: u32,
+    pub(crate) flags: u32,
+    pub(crate) buffers: usize,
+    pub(crate) layout: Layout,
+    /// `tokens[b][a]`: the token of allocation `a` of buffer `b`.
+    pub(crate) tokens: Vec<Vec<[u8; TOKEN_LEN]>>,
+    pub(crate) channel_generation: u64,
+    pub(crate) data_generation: u64,
+    pub(crate) max_readers: u32,
+}
+
+/// Offsets of the body's parts for `m`: (alloc table, tensor table, dims, strings, total).
+fn plan(m: &Manifest) -> (usize, usize, usize, usize, usize) {
+    let a = BODY_HEADER;
+    let t = a + m.buffers * m.layout.allocations.len() * ALLOC_ENTRY;
+    let d = t + m.layout.tensors.len() * TENSOR_ENTRY;
+    let dims: usize = m.layout.tensors.iter().map(|x| 2 * x.shape.len()).sum();
+    let s = d + 8 * dims;
+    let names: usize = m.layout.tensors.iter().map(|x| x.name.len()).sum();
+    (a, t, d, s, s + names)
+}
+
+/// Encodes `m` as a manifest body.
+pub(crate) fn encode(m: &Manifest) -> Vec<u8> {
+    let (a_off, t_off, d_off, s_off, total) = plan(m);
+    let mut b = vec![0u8; total];
+    let put32 = |b: &mut [u8], at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    let put64 = |b: &mut [u8], at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    put32(&mut b, 0, m.kind);
+    put32(&mut b, 4, m.flags);
+    put32(&mut b, 8, m.buffers as u32);
+    put32(&mut b, 12, m.layout.allocations.len() as u32);
+    put64(&mut b, 16, m.layout.tensors.len() as u64);
+    put64(&mut b, 24, m.layout.bytes_per_buffer());
+    for (k, (off, end)) in [
+        (a_off, t_off),
+        (t_off, d_off),
+        (d_off, s_off),
+        (s_off, total),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        put64(&mut b, 32 + 16 * k, off as u64);
+        put64(&mut b, 40 + 16 * k, (end - off) as u64);
+    }
+    b[96..128].copy_from_slice(&m.layout.fingerprint);
+    put64(&mut b, 128, m.channel_generation);
+    put64(&mut b, 136, m.data_generation);
+    put32(&mut b, 144, m.max_readers);
+    let mut at = a_off;
+    for toks in &m.tokens {
+        for (tok, &len) in toks.iter().zip(&m.layout.allocations) {
+            b[at..at + TOKEN_LEN].copy_from_slice(tok);
+            put64(&mut b, at + TOKEN_LEN, len);
+            at += ALLOC_ENTRY;
+        }
+    }
+    let (mut dims, mut names) = (0u64, 0u64);
+    for (i, t) in m.layout.tensors.iter().enumerate() {
+        let e = t_off + i * TENSOR_ENTRY;
+        put64(&mut b, e, names);
+        put32(&mut b, e + 8, t.name.len() as u32);
+        b[e + 12] = t.dtype.code;
+        b[e + 13] = t.dtype.bits;
+        b[e + 14..e + 16].copy_from_slice(&t.dtype.lanes.to_le_bytes());
+        put32(&mut b, e + 16, t.shape.len() as u32);
+        put64(&mut b, e + 24, dims);
+        put32(&mut b, e + 32, t.allocation);
+        put64(&mut b, e + 40, t.offset);
+        put64(&mut b, e + 48, t.bytes);
+        for v in t.shape.iter().chain(&t.strides) {
+            put64(&mut b, d_off + 8 * dims as usize, *v as u64);
+            dims += 1;
+        }
+        let s = s_off + names as usize;
+        b[s..s + t.name.len()].copy_from_slice(t.name.as_bytes());
+        names += t.name.len() as u64;
+    }
+    b
+}
+
+/// Range-checked little-endian reads of a body.
+struct Body<'a>(&'a [u8]);
+
+impl Body<'_> {
+    fn bytes(
+        &self,
+        what: &'static str,
+        off: u64,
+        len: u64,
+    ) -> std::result::Result<&[u8], ManifestFault> {
+        let body = self.0.len() as u64;
+        match off.checked_add(len) {
+            Some(end) if end <= body => Ok(&self.0[off as usize..end as usize]),
+            _ => Err(ManifestFault::OutOfBounds {
+                what,
+                offset: off,
+                len,
+                body,
+            }),
+        }
+    }
+    fn u32(&self, what: &'static str, off: u64) -> std::result::Result<u32, ManifestFault> {
+        Ok(u32::from_le_bytes(
+            self.bytes(what, off, 4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&self, what: &'static str, off: u64) -> std::result::Result<u64, ManifestFault> {
+        Ok(u64::from_le_bytes(
+            self.bytes(what, off, 8)?.try_into().expect("8 bytes"),
+        ))
+    }
+}
+
+fn field(what: &'static str, found: u64, allowed: &'static str) -> ManifestFault {
+    ManifestFault::Field {
+        what,
+        found,
+        allowed,
+    }
+}
+
+/// Decodes a manifest body, checking every range, count, code, tensor and the fingerprint.
+pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
+    let b = Body(bytes);
+    b.bytes("the body header", 0, BODY_HEADER as u64)?;
+    let kind = b.u32("kind", 0)?;
+    if !(KIND_HOST..=KIND_POOL).contains(&kind) {
+        return Err(field("the memory kind", kind.into(), "1 to 4"));
+    }
+    let flags = b.u32("flags", 4)?;
+    if flags & !FLAG_BUFFERED != 0 {
+        return Err(field("the flags", flags.into(), "0 or 1"));
+    }
+    let buffers = b.u32("buffers", 8)? as usize;
+    if !(1..=MAX_SET_BUFFERS).contains(&buffers) {
+        return Err(field(
+            "the buffer count",
+            buffers as u64,
+            "1 to the channel's buffer limit",
+        ));
+    }
+    let allocs = b.u32("allocations", 12)? as usize;
+    if !(1..=MAX_ALLOCATIONS).contains(&allocs) {
+        return Err(field("the allocation count", allocs as u64, "1 to 4096"));
+    }
+    let n = b.u64("tensors", 16)?;
+    if n > MAX_TENSORS as u64 {
+        return Err(field("the tensor count", n, "at most 2^24"));
+    }
+    let n = n as usize;
+    let total = b.u64("bytes", 24)?;
+    let part = |k: u64| -> std::result::Result<(u64, u64), ManifestFault> {
+        Ok((
+            b.u64("a table offset", 32 + 16 * k)?,
+            b.u64("a table length", 40 + 16 * k)?,
+        ))
+    };
+    let (a_off, a_len) = part(0)?;
+    let (t_off, t_len) = part(1)?;
+    let (d_off, d_len) = part(2)?;
+    let (s_off, s_len) = part(3)?;
+    if a_len != (buffers * allocs * ALLOC_ENTRY) as u64 {
+        return Err(field(
+            "the allocation table's length",
+            a_len,
+            "buffers × allocations × 160",
+        ));
+    }
+    if t_len != (n * TENSOR_ENTRY) as u64 {
+        return Err(field("the tensor table's length", t_len, "tensors × 64"));
+    }
+    if d_len % 8 != 0 {
+        return Err(field("the dims area's length", d_len, "a multiple of 8"));
+    }
+    let a_tab = b.bytes("the allocation table", a_off, a_len)?;
+    let t_tab = b.bytes("the tensor table", t_off, t_len)?;
+    let dims = b.bytes("the dims area", d_off, d_len)?;
+    let strings = b.bytes("the string area", s_off, s_len)?;
+    let mut fp = [0u8; 32];
+    fp.copy_from_slice(b.bytes("the fingerprint", 96, 32)?);
+    let channel_generation = b.u64("the channel generation", 128)?;
+    let data_generation = b.u64("the data generation", 136)?;
+    let max_readers = b.u32("the reader limit", 144)?;
+    let mut tokens = Vec::with_capacity(buffers);
+    let mut lens: Vec<u64> = Vec::with_capacity(allocs);
+    for bi in 0..buffers {
+        let mut toks = Vec::with_capacity(allocs);
+        for ai in 0..allocs {
+            let e = &a_tab[(bi * allocs + ai) * ALLOC_ENTRY..][..ALLOC_ENTRY];
+            let mut tok = [0u8; TOKEN_LEN];
+            tok.copy_from_slice(&e[..TOKEN_LEN]);
+            let len = u64::from_le_bytes(e[TOKEN_LEN..TOKEN_LEN + 8].try_into().expect("8 bytes"));
+            if bi == 0 {
+                lens.push(len);
+            } else if lens[ai] != len {
+                return Err(field(
+                    "an allocation's length",
+                    len,
+                    "the same in every buffer",
+                ));
+            }
+            toks.push(tok);
+        }
+        tokens.push(toks);
+    }
+    if lens.iter().try_fold(0u64, |s, &l| s.checked_add(l)) != Some(total) {
+        return Err(field(
+            "the bytes per buffer",
+            total,
+            "the sum of one buffer's allocations",
+        ));
+    }
+    let dim = |k: u64| -> std::result::Result<i64, ManifestFault> {
+        let at = k
+            .checked_mul(8)
+            .filter(|&a| a + 8 <= d_len)
+            .ok_or(ManifestFault::OutOfBounds {
+                what: "a tensor's dims",
+                offset: k.saturating_mul(8),
+                len: 8,
+                body: d_len,
+            })? as usize;
+        Ok(i64::from_le_bytes(
+            dims[at..at + 8].try_into().expect("8 bytes"),
+        ))
+    };
+    let mut infos = Vec::with_capacity(n);
+    for i in 0..n {
+        let e = &t_tab[i * TENSOR_ENTRY..][..TENSOR_ENTRY];
+        let r64 = |at: usize| u64::from_le_bytes(e[at..at + 8].try_into().expect("8 bytes"));
+        let r32 = |at: usize| u32::from_le_bytes(e[at..at + 4].try_into().expect("4 bytes"));
+        let bad = |why: String| ManifestFault::Tensor {
+            index: i as u64,
+            why,
+        };
+        let (name_off, name_len) = (r64(0), u64::from(r32(8)));
+        if name_len == 0 || name_len > MAX_NAME as u64 {
+            return Err(bad(format!("a name of {name_len} bytes")));
+        }
+        let name = name_off
+            .checked_add(name_len)
+            .filter(|&end| end <= s_len)
+            .and_then(|end| std::str::from_utf8(&strings[name_off as usize..end as usize]).ok())
+            .ok_or_else(|| bad("its name lies outside the string area or is not UTF-8".into()))?;
+        let dtype = DType {
+            code: e[12],
+            bits: e[13],
+            lanes: u16::from_le_bytes([e[14], e[15]]),
+        };
+        let ndim = r32(16) as u64;
+        if ndim > MAX_NDIM as u64 {
+            return Err(bad(format!("{ndim} dimensions")));
+        }
+        let d0 = r64(24);
+        let shape = (0..ndim)
+            .map(|k| dim(d0.saturating_add(k)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let strides = (0..ndim)
+            .map(|k| dim(d0.saturating_add(ndim + k)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let bytes = r64(48);
+        let want = span_bytes(dtype, &shape, &strides).map_err(bad)?;
+        if want != bytes {
+            return Err(bad(format!("{bytes} bytes where its shape spans {want}")));
+        }
+        infos.push(TensorInfo {
+            name: name.to_string(),
+            dtype,
+            shape,
+            strides,
+            allocation: r32(32),
+            offset: r64(40),
+            bytes,
+        });
+    }
+    let layout = Layout::from_tensors(infos, lens).map_err(|e| match e {
+        crate::Error::TensorSet(TensorSetError::BadTensor { name, why }) => ManifestFault::Tensor {
+            index: u64::MAX,
+            why: format!("{name:?}: {why}"),
+        },
+        other => ManifestFault::Tensor {
+            index: u64::MAX,
+            why: other.to_string(),
+        },
+    })?;
+    if layout.fingerprint != fp {
+        return Err(ManifestFault::Fingerprint);
+    }
+    Ok(Manifest {
+        kind,
+        flags,
+        buffers,
+        layout,
+        tokens,
+        channel_generation,
+        data_generation,
+        max_readers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample(n: usize) -> Manifest {
+        let specs: Vec<_> = (0..n)
+            .map(|i| {
+                TensorSpec::new(
+                    format!("layer.{i}.weight"),
+                    DType::BF16,
+                    &[3, (i % 7) as i64 + 1],
+                )
+            })
+            .collect();
+        let layout = Layout::new(&specs).unwrap();
+        Manifest {
+            kind: KIND_HOST,
+            flags: FLAG_BUFFERED,
+            buffers: 2,
+            tokens: vec![vec![[7u8; TOKEN_LEN]]; 2],
+            layout,
+            channel_generation: 11,
+            data_generation: 12,
+            max_readers: 64,
+        }
+    }
+
+    #[test]
+    fn offsets_are_aligned_and_the_body_round_trips() {
+        let m = sample(5);
+        for t in m.layout.tensors() {
+            assert_eq!(t.offset % ALIGN, 0);
+        }
+        assert_eq!(m.layout.tensors()[1].offset, 256);
+        assert_eq!(m.layout.tensors()[0].strides, vec![1, 1]);
+        let d = decode(&encode(&m)).unwrap();
+        assert_eq!(d.layout.tensors(), m.layout.tensors());
+        assert_eq!(d.layout.fingerprint(), m.layout.fingerprint());
+        assert_eq!(
+            (d.buffers, d.channel_generation, d.data_generation),
+            (2, 11, 12)
+        );
+        assert_eq!(d.layout.index_of("layer.3.weight"), Some(3));
+    }
+
+    #[test]
+    fn a_hundred_thousand_tensors_round_trip() {
+        let m = sample(100_000);
+        let body = encode(&m);
+        let d = decode(&body).unwrap();
+        assert_eq!(d.layout.len(), 100_000);
+        assert_eq!(
+            d.layout.by_name("layer.99999.weight").unwrap().offset,
+            99_999 * 256
+        );
+    }
+
+    #[test]
+    fn bad_specs_are_refused_with_the_tensor_named() {
+        let dup = [
+            TensorSpec::new("a", DType::F32, &[1]),
+            TensorSpec::new("a", DType::F32, &[1]),
+        ];
+        assert!(Layout::new(&dup).is_err());
+        assert!(Layout::new(&[TensorSpec::new("", DType::F32, &[1])]).is_err());
+        assert!(Layout::new(&[TensorSpec::new("neg", DType::F32, &[-1])]).is_err());
+        assert!(Layout::new(&[TensorSpec::strided("s", DType::F32, &[2, 2], &[1])]).is_err());
+        let big = TensorSpec::new("big", DType::F64, &[i64::MAX, i64::MAX]);
+        assert!(Layout::new(&[big]).is_err());
+        let t = TensorSpec::strided("t", DType::F32, &[2, 3], &[1, 2]);
+        assert_eq!(Layout::new(&[t]).unwrap().tensors()[0].bytes, 4 * 6);
+        // A fingerprint changes with any offset or name.
+        let a = Layout::new(&[TensorSpec::new("x", DType::F32, &[4])]).unwrap();
+        let b = Layout::new(&[TensorSpec::new("y", DType::F32, &[4])]).unwrap();
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        let over =
+            Layout::with_locations(&[(TensorSpec::new("x", DType::F32, &[4]), 0, 8)], vec![16]);
+        assert!(over.is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn corrupted_bodies_never_panic_and_are_mostly_refused(
+            n in 0usize..20,
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+            cut in any::<usize>(),
+        ) {
+            let mut body = encode(&sample(n));
+            for (at, v) in flips {
+                let i = at % body.len();
+                body[i] ^= v | 1;
+            }
+            let _ = decode(&body);
+            let keep = cut % (body.len() + 1);
+            let _ = decode(&body[..keep]);
+        }
+    }
+}

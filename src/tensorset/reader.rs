@@ -1,0 +1,486 @@
+//! The reading end: [`TensorSetReader`] (the manifest, the set's memory imported once, the
+//! generation channel's consumer) and the [`Held`] generation guard.
+
+use super::error::{ManifestFault, TensorSetError};
+use super::manifest::{KIND_HOST, Layout, MAX_SET_BUFFERS, TensorInfo};
+use super::segment::{self, DataSegment, GENERATION_PREFIX};
+use super::{ReaderOptions, decode_meta};
+use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame};
+use crate::driver::{Context, Device, DeviceMemory, Stream};
+use crate::error::{Error, Result};
+use crate::ipc::{Access, ImportedBuffer};
+use crate::shm::Segment;
+use crate::token::Token;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What a reader maps of the set's memory.
+enum Memory {
+    Host(DataSegment),
+    /// `imports[b][a]`: allocation `a` of buffer `b`, imported once at open.
+    Gpu(Vec<Vec<ImportedBuffer>>),
+}
+
+/// The reading end of a tensor set: maps every buffer once at open (one driver import per
+/// allocation, through the import cache and fd passing; read-only where the memory allows) and
+/// keeps the mappings for every generation; takes generations as [`Held`] guards.
+pub struct TensorSetReader {
+    // Drop order: the consumer drains its stream and leaves the generation channel, then the
+    // imports are dropped (no GPU work reads them any more), then the manifest is unmapped.
+    consumer: Consumer,
+    memory: Memory,
+    /// Holds of this reader per buffer: a buffer held twice (the same generation taken again) is
+    /// released when its last guard drops. Locked around each take and each release.
+    holds: Mutex<[u32; MAX_SET_BUFFERS]>,
+    layout: Arc<Layout>,
+    name: String,
+    read_only: bool,
+    imports: u32,
+    expect_content: Option<[u8; 32]>,
+    _manifest: Segment,
+}
+
+impl std::fmt::Debug for TensorSetReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorSetReader")
+            .field("name", &self.name)
+            .field("read_only", &self.read_only)
+            .field("imports", &self.imports)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A channel error in the set's words: the generation channel's producer gone or closed is the
+/// writer's, named with the set.
+fn set_error(name: &str, e: Error) -> Error {
+    match e {
+        Error::Channel(ChannelError::ProducerGone { pid }) => TensorSetError::WriterGone {
+            name: name.to_string(),
+            pid,
+        }
+        .into(),
+        Error::Channel(ChannelError::Closed) => TensorSetError::Closed(name.to_string()).into(),
+        Error::Channel(ChannelError::NotFound(_)) => TensorSetError::WriterGone {
+            name: name.to_string(),
+            pid: 0,
+        }
+        .into(),
+        other => other,
+    }
+}
+
+impl TensorSetReader {
+    /// Opens tensor set `name` in `ctx`: reads and checks the manifest, imports every allocation
+    /// of every buffer once (`cuMemImportFromShareableHandle` and a read-only `cuMemSetAccess`
+    /// for VMM, with [`ReaderOptions::read_only`]; pool and legacy memory read-write, see
+    /// [`TensorSetReader::is_read_only`]) and joins the generation channel. A host set is opened
+    /// as by [`TensorSetReader::open_host`], without `ctx`.
+    ///
+    /// # Errors
+    /// [`TensorSetError::NotFound`]; [`TensorSetError::LayoutMismatch`] when
+    /// [`ReaderOptions::expect_layout`] differs; [`TensorSetError::BadManifest`] /
+    /// [`TensorSetError::VersionMismatch`] for a manifest that is not one; the segment's own
+    /// errors ([`crate::Error::Shm`]); [`TensorSetError::WriterGone`] when the writer is dead;
+    /// [`crate::channel::ChannelError::NoConsumerSlot`] past the set's reader limit; CUDA and fd
+    /// passing errors from the imports.
+    pub fn open(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
+        Self::open_inner(Some(ctx), name, opts)
+    }
+
+    /// Opens tensor set `name` on the device that holds it (found by UUID), in that device's
+    /// primary context; a host set without the CUDA driver.
+    ///
+    /// # Errors
+    /// As [`TensorSetReader::open`].
+    pub fn open_auto(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
+        Self::open_inner(None, name, opts)
+    }
+
+    /// Opens host tensor set `name` (CPU only: never calls the CUDA driver).
+    ///
+    /// # Errors
+    /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
+    pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
+        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        if opened.manifest.kind != KIND_HOST {
+            return Err(TensorSetError::WrongKind(
+                "a GPU tensor set: open it with a context (TensorSetReader::open)",
+            )
+            .into());
+        }
+        Self::finish(None, name, opts, opened)
+    }
+
+    fn open_inner(
+        ctx: Option<&Arc<Context>>,
+        name: &str,
+        opts: &ReaderOptions,
+    ) -> Result<TensorSetReader> {
+        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        if opened.manifest.kind == KIND_HOST {
+            return Self::finish(None, name, opts, opened);
+        }
+        let ctx = match ctx {
+            Some(c) => c.clone(),
+            None => {
+                let tok = Token::from_bytes(&opened.manifest.tokens[0][0])?;
+                Device::by_uuid(tok.device)?.primary_context()?
+            }
+        };
+        Self::finish(Some(&ctx), name, opts, opened)
+    }
+
+    fn finish(
+        ctx: Option<&Arc<Context>>,
+        name: &str,
+        opts: &ReaderOptions,
+        opened: segment::OpenedManifest,
+    ) -> Result<TensorSetReader> {
+        let m = opened.manifest;
+        let seg_name = opened.seg.name().to_string();
+        if let Some(expected) = opts.expect_layout
+            && expected != m.layout.fingerprint()
+        {
+            return Err(TensorSetError::LayoutMismatch {
+                expected,
+                found: m.layout.fingerprint(),
+            }
+            .into());
+        }
+        let (memory, read_only, imports) = match ctx {
+            None => (Memory::Host(DataSegment::open(name, &m)?), false, 0),
+            Some(ctx) => {
+                let access = if opts.read_only {
+                    Access::ReadOnly
+                } else {
+                    Access::ReadWrite
+                };
+                let mut ro = opts.read_only;
+                let mut count = 0u32;
+                let mut all = Vec::with_capacity(m.buffers);
+                for toks in &m.tokens {
+                    let mut row = Vec::with_capacity(toks.len());
+                    for (a, tok) in toks.iter().enumerate() {
+                        let got = ImportedBuffer::open_with_access(
+                            ctx,
+                            &Token::from_bytes(tok)?,
+                            access,
+                        )?;
+                        let need = m.layout.allocations()[a];
+                        if (got.buffer.len() as u64) < need {
+                            return Err(TensorSetError::BadManifest {
+                                segment: seg_name,
+                                fault: ManifestFault::Field {
+                                    what: "an imported allocation's length",
+                                    found: got.buffer.len() as u64,
+                                    allowed: "at least the allocation table's length",
+                                },
+                            }
+                            .into());
+                        }
+                        ro &= got.read_only;
+                        count += got.driver_imports;
+                        row.push(got.buffer);
+                    }
+                    all.push(row);
+                }
+                (Memory::Gpu(all), ro, count)
+            }
+        };
+        let copts = ConsumerOptions::new()
+            .delivery(Delivery::LatestOnly)
+            .wait(opts.wait);
+        let consumer = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts)
+            .map_err(|e| set_error(name, e))?;
+        if consumer.control_generation() != (m.channel_generation, m.buffers) {
+            return Err(TensorSetError::BadManifest {
+                segment: seg_name,
+                fault: ManifestFault::Mismatch {
+                    what: "the generation channel",
+                },
+            }
+            .into());
+        }
+        Ok(TensorSetReader {
+            consumer,
+            memory,
+            holds: Mutex::new([0; MAX_SET_BUFFERS]),
+            layout: Arc::new(m.layout),
+            name: name.to_string(),
+            read_only,
+            imports,
+            expect_content: opts.expect_content,
+            _manifest: opened.seg,
+        })
+    }
+
+    /// The set's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layout (tensors, allocations, fingerprint).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The reader's stream (GPU sets): a held generation is ready on it; enqueue the work that
+    /// reads it here (its release is written there after that work).
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a host set.
+    pub fn stream(&self) -> Result<&Stream> {
+        if self.consumer.is_host() {
+            return Err(TensorSetError::WrongKind("a host tensor set has no stream").into());
+        }
+        Ok(self.consumer.stream())
+    }
+
+    /// Driver imports this open made (cache misses: 0 for allocations this process had imported
+    /// already); B × A for a first open (A = 1 for writer-allocated sets).
+    pub fn imports(&self) -> u32 {
+        self.imports
+    }
+
+    /// Whether every mapping is read-only on this device (VMM memory opened with
+    /// [`ReaderOptions::read_only`]): a kernel of this process storing into the set then faults
+    /// in this process's context only. `false` for host sets (plain shared memory, read through
+    /// the guard's accessors), pool and legacy memory and read-write opens.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The newest published generation, even one this reader took before; `None` when none was
+    /// published yet (or the only one is being rewritten in place). Does not wait.
+    ///
+    /// # Errors
+    /// [`TensorSetError::WriterGone`] / [`TensorSetError::Closed`] when no generation is left
+    /// and the writer died or closed; [`TensorSetError::ContentMismatch`] with
+    /// [`ReaderOptions::expect_content`]; CUDA errors from the stream wait.
+    pub fn current(&self) -> Result<Option<Held<'_>>> {
+        self.take(0, Some(Duration::ZERO))
+    }
+
+    /// Waits up to `timeout` (`None`: no bound) for a generation newer than `than`, by the
+    /// reader's wait strategy, and holds it.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; [`TensorSetError::WriterGone`] when the writer dies (within about 1 s
+    /// of its death), [`TensorSetError::Closed`] when it closed; as [`TensorSetReader::current`].
+    pub fn wait_newer(&self, than: u64, timeout: Option<Duration>) -> Result<Held<'_>> {
+        self.take(than, timeout)?.ok_or(Error::Timeout {
+            what: "a newer tensor-set generation",
+            after: timeout.unwrap_or_default(),
+        })
+    }
+
+    fn take(&self, than: u64, timeout: Option<Duration>) -> Result<Option<Held<'_>>> {
+        let got = self
+            .consumer
+            .take_newer(than, timeout, &self.holds)
+            .map_err(|e| set_error(&self.name, e))?;
+        let Some((frame, mut holds)) = got else {
+            return Ok(None);
+        };
+        let buffer = frame.index();
+        holds[buffer] += 1;
+        drop(holds);
+        let (generation, content) = decode_meta(frame.metadata(), frame.seq());
+        let held = Held {
+            reader: self,
+            frame: ManuallyDrop::new(frame),
+            buffer,
+            generation,
+            content,
+        };
+        if let Some(expected) = self.expect_content
+            && expected != content
+        {
+            return Err(TensorSetError::ContentMismatch {
+                generation,
+                expected,
+                found: content,
+            }
+            .into());
+        }
+        Ok(Some(held))
+    }
+}
+
+/// Where a tensor of a held generation is, in this process.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub enum Location {
+    /// A device address in the reader's context.
+    Device(u64),
+    /// The first byte in the host data segment's mapping (shared memory: read it through the
+    /// pointer, never through a reference).
+    Host(*const u8),
+}
+
+/// One tensor of a held generation: its layout entry and where its bytes are.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorRef<'a> {
+    /// Name, dtype, shape, strides, offset, bytes.
+    pub info: &'a TensorInfo,
+    /// Its first byte.
+    pub location: Location,
+}
+
+/// A held generation: its buffer is not rewritten while the guard lives (and, on a GPU set, while
+/// the work enqueued on the reader's stream before the guard dropped runs: the release word is
+/// written there). On a GPU set the reader's stream already waits for the generation's ready
+/// word. Dropping it releases the hold.
+pub struct Held<'a> {
+    reader: &'a TensorSetReader,
+    frame: ManuallyDrop<Frame<'a>>,
+    buffer: usize,
+    generation: u64,
+    content: [u8; 32],
+}
+
+impl std::fmt::Debug for Held<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("generation", &self.generation)
+            .field("buffer", &self.buffer)
+            .finish()
+    }
+}
+
+impl Held<'_> {
+    /// The generation number (1, 2, ...).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The buffer that holds it.
+    pub fn buffer(&self) -> usize {
+        self.buffer
+    }
+
+    /// Its content fingerprint as the writer committed it (all zeros: none).
+    pub fn content(&self) -> [u8; 32] {
+        self.content
+    }
+
+    /// Tensor `i`.
+    ///
+    /// # Errors
+    /// [`TensorSetError::NoSuchTensor`].
+    pub fn tensor(&self, i: usize) -> Result<TensorRef<'_>> {
+        let info = self
+            .reader
+            .layout
+            .tensors()
+            .get(i)
+            .ok_or_else(|| TensorSetError::NoSuchTensor(i.to_string()))?;
+        let location = match &self.reader.memory {
+            Memory::Host(d) => {
+                // SAFETY: `offset + bytes <= bytes_per_buffer <= stride` (checked by the layout
+                // at decode), so the address lies in this buffer of the mapping.
+                Location::Host(unsafe { d.ptr(self.buffer).add(info.offset as usize) }.cast_const())
+            }
+            Memory::Gpu(b) => Location::Device(
+                b[self.buffer][info.allocation as usize].device_ptr() + info.offset,
+            ),
+        };
+        Ok(TensorRef { info, location })
+    }
+
+    /// Tensor `name`.
+    ///
+    /// # Errors
+    /// [`TensorSetError::NoSuchTensor`].
+    pub fn by_name(&self, name: &str) -> Result<TensorRef<'_>> {
+        let i = self
+            .reader
+            .layout
+            .index_of(name)
+            .ok_or_else(|| TensorSetError::NoSuchTensor(format!("{name:?}")))?;
+        self.tensor(i)
+    }
+
+    /// The device address of tensor `i` in the reader's context (GPU sets).
+    ///
+    /// # Errors
+    /// [`TensorSetError::NoSuchTensor`]; [`TensorSetError::WrongKind`] on a host set.
+    pub fn device_ptr(&self, i: usize) -> Result<u64> {
+        match self.tensor(i)?.location {
+            Location::Device(p) => Ok(p),
+            Location::Host(_) => {
+                Err(TensorSetError::WrongKind("a host tensor set has no device addresses").into())
+            }
+        }
+    }
+
+    /// The first byte of tensor `i` in host memory (host sets).
+    ///
+    /// # Errors
+    /// [`TensorSetError::NoSuchTensor`]; [`TensorSetError::WrongKind`] on a GPU set.
+    pub fn host_ptr(&self, i: usize) -> Result<*const u8> {
+        match self.tensor(i)?.location {
+            Location::Host(p) => Ok(p),
+            Location::Device(_) => Err(TensorSetError::WrongKind(
+                "a GPU tensor set has no host bytes; read it on the reader's stream",
+            )
+            .into()),
+        }
+    }
+
+    /// A copy of tensor `i`'s bytes (host sets).
+    ///
+    /// # Errors
+    /// As [`Held::host_ptr`].
+    pub fn read_tensor(&self, i: usize) -> Result<Vec<u8>> {
+        let p = self.host_ptr(i)?;
+        let n = self.reader.layout.tensors()[i].bytes as usize;
+        let mut v = vec![0u8; n];
+        // SAFETY: `p..p + n` lies in the held buffer (see `tensor`); the writer does not write it
+        // while this guard holds it (the hold's Dekker pair orders its last writes before the
+        // take); copied out byte-wise into this process's memory.
+        unsafe { std::ptr::copy_nonoverlapping(p, v.as_mut_ptr(), n) };
+        Ok(v)
+    }
+
+    /// The reader's stream (GPU sets), where the generation is ready.
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a host set.
+    pub fn stream(&self) -> Result<&Stream> {
+        self.reader.stream()
+    }
+
+    /// Makes `stream` wait on the GPU for this generation (as a channel frame's `ready_on`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host set; CUDA errors.
+    pub fn ready_on(&self, stream: &Stream) -> Result<()> {
+        self.frame.ready_on(stream)
+    }
+
+    /// Orders this generation's release after the work enqueued so far on `stream` (as a channel
+    /// frame's `release_after`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host set; CUDA errors.
+    pub fn release_after(&self, stream: &Stream) -> Result<()> {
+        self.frame.release_after(stream)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut holds = self.reader.holds.lock().unwrap_or_else(|p| p.into_inner());
+        holds[self.buffer] = holds[self.buffer].saturating_sub(1);
+        if holds[self.buffer] == 0 {
+            // SAFETY: the frame is dropped once, here, and never used after (the guard is being
+            // dropped). Under the lock, so a take of the same buffer waits for the release.
+            unsafe { ManuallyDrop::drop(&mut self.frame) };
+        }
+        // Otherwise another guard of this reader holds the same generation in the same buffer:
+        // the frame is let go without releasing; the last guard's release (on the same stream,
+        // after this guard's work) ends the hold.
+    }
+}

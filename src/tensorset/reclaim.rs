@@ -1,0 +1,200 @@
+//! Removal of what dead writers and abandoned creations of tensor sets left, for `gc`
+//! ([`crate::cleanup`]): each part of a set (the manifest `cuda-ipc.ts.NAME`, the generation
+//! channel `cuda-ipc.tg.NAME`, the host data segment `cuda-ipc.td.NAME`) is judged by the process
+//! its own header records, by the rule a new writer replaces it by (this user's only; a dead
+//! writer, or a creation abandoned half-way), and judged again right before it is unlinked, only
+//! while its name still stands for the file judged. Dead readers' slots and holds in a live
+//! writer's generation channel are freed as the writer's watchdog frees them. Readers that still
+//! map a removed set keep their mappings (VMM memory stays valid for them). Never calls CUDA.
+
+use super::error::TensorSetError;
+use super::segment::{
+    self, DATA_PREFIX, DataHeader, GENERATION_PREFIX, HEADER_PAGE, MANIFEST_PREFIX, ManifestHeader,
+};
+use crate::channel::reclaim::{
+    abandoned_in, release_dead_consumers_in, remove_abandoned_in, remove_stale_control_in,
+};
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::versioned;
+use crate::shm::{Segment, ShmError};
+
+/// A part of a tensor set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Part {
+    /// The manifest segment `cuda-ipc.ts.NAME`.
+    Manifest,
+    /// The generation channel `cuda-ipc.tg.NAME`.
+    Generation,
+    /// The host data segment `cuda-ipc.td.NAME`.
+    Data,
+}
+
+impl Part {
+    /// Every part, in the order they are removed (the manifest first: no new reader opens the
+    /// set once it is gone).
+    pub const ALL: [Part; 3] = [Part::Manifest, Part::Generation, Part::Data];
+
+    /// The segment name of this part of set `name`.
+    pub fn segment_name(self, name: &str) -> String {
+        let prefix = match self {
+            Part::Manifest => MANIFEST_PREFIX,
+            Part::Generation => GENERATION_PREFIX,
+            Part::Data => DATA_PREFIX,
+        };
+        format!("{prefix}{name}")
+    }
+
+    /// In words: `manifest`, `generation channel`, `host data`.
+    pub fn word(self) -> &'static str {
+        match self {
+            Part::Manifest => "manifest",
+            Part::Generation => "generation channel",
+            Part::Data => "host data",
+        }
+    }
+}
+
+/// A part of a set that may go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StalePart {
+    /// Which part.
+    pub part: Part,
+    /// Its segment name.
+    pub segment: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// The dead writer it records (`None` for a creation abandoned before it recorded one).
+    pub writer: Option<ProcessIdentity>,
+    /// Why it may go.
+    pub why: &'static str,
+}
+
+/// Why `part` of set `name` may go and the inode judged; `Ok(None)` when it is absent or not
+/// stale (a live writer's, a creation in progress, a writer whose liveness cannot be told).
+fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
+    let seg_name = part.segment_name(name);
+    let info = match Segment::stat(&seg_name) {
+        Ok(i) => i,
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let writer_of = |header_writer: (ProcessIdentity, u32)| {
+        let (id, _) = header_writer;
+        (id.pid != 0).then_some(id)
+    };
+    let (why, writer) = match part {
+        Part::Generation => match abandoned_in(GENERATION_PREFIX, name)? {
+            Some((why, _)) => (why, None),
+            None => match crate::channel::inspect::inspect_in(GENERATION_PREFIX, name) {
+                Ok(snap) if snap.producer_liveness == Liveness::Dead => {
+                    ("its writer is dead", Some(snap.producer))
+                }
+                Ok(_) => return Ok(None),
+                Err(Error::Channel(crate::channel::ChannelError::NotFound(_))) => return Ok(None),
+                Err(e) => return Err(e),
+            },
+        },
+        Part::Manifest | Part::Data => {
+            let r = if part == Part::Manifest {
+                segment::replaceable::<{ segment::MANIFEST_MAGIC }>(name, &seg_name)
+            } else {
+                segment::replaceable::<{ segment::DATA_MAGIC }>(name, &seg_name)
+            };
+            let why = match r {
+                Ok(why) => why,
+                Err(Error::Shm(ShmError::NotFound { .. }))
+                | Err(Error::TensorSet(
+                    TensorSetError::NotFound(_)
+                    | TensorSetError::AlreadyExists { .. }
+                    | TensorSetError::CreationInProgress(_),
+                )) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            // The recorded writer, where the header has one (never read from a sparse file).
+            let writer = if info.sparse || info.len < HEADER_PAGE as u64 {
+                None
+            } else {
+                let seg = Segment::open_with_min_len(&seg_name, HEADER_PAGE)?;
+                if part == Part::Manifest {
+                    writer_of(versioned::header::<ManifestHeader>(&seg).writer())
+                } else {
+                    writer_of(versioned::header::<DataHeader>(&seg).writer())
+                }
+            };
+            (why, writer)
+        }
+    };
+    Ok(Some((
+        StalePart {
+            part,
+            segment: seg_name,
+            bytes: info.len,
+            writer,
+            why,
+        },
+        info.inode,
+    )))
+}
+
+/// The parts of set `name` that a dead writer or an abandoned creation left (changes nothing).
+///
+/// # Errors
+/// The typed errors naming what else is under a part's name (another user's file, a FIFO, a
+/// foreign segment): those parts are kept.
+pub fn stale_parts(name: &str) -> Result<Vec<StalePart>> {
+    segment::validate_set_name(name)?;
+    let mut out = Vec::new();
+    for part in Part::ALL {
+        if let Some((p, _)) = judge(name, part)? {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
+/// Removes `part` of set `name` when it is still stale, judged again now, and only while its name
+/// still stands for the file judged; returns why, or `Ok(None)` when nothing was touched.
+///
+/// # Errors
+/// As [`stale_parts`]; [`Error::Os`] when the unlink fails.
+pub fn remove_part(name: &str, part: Part) -> Result<Option<&'static str>> {
+    segment::validate_set_name(name)?;
+    let Some((p, inode)) = judge(name, part)? else {
+        return Ok(None);
+    };
+    if part == Part::Generation {
+        // The channel's own removals judge again under its rules.
+        if p.writer.is_some() {
+            return Ok(remove_stale_control_in(GENERATION_PREFIX, name)?.map(|_| p.why));
+        }
+        return remove_abandoned_in(GENERATION_PREFIX, name);
+    }
+    Ok(Segment::unlink_if_same(&p.segment, inode)?.then_some(p.why))
+}
+
+/// Removes every stale part of set `name` ([`remove_part`] of each); returns the parts removed.
+///
+/// # Errors
+/// As [`remove_part`].
+pub fn remove_stale(name: &str) -> Result<Vec<Part>> {
+    let mut out = Vec::new();
+    for part in Part::ALL {
+        if remove_part(name, part)?.is_some() {
+            out.push(part);
+        }
+    }
+    Ok(out)
+}
+
+/// Frees the slots and holds of dead readers of set `name` (a live writer's), as the writer's
+/// watchdog does; returns the holds forced.
+///
+/// # Errors
+/// As the generation channel's open.
+pub fn release_dead_readers(name: &str) -> Result<u64> {
+    segment::validate_set_name(name)?;
+    release_dead_consumers_in(GENERATION_PREFIX, name)
+}

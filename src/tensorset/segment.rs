@@ -1,0 +1,401 @@
+//! The tensor set's own segments: the manifest segment `cuda-ipc.ts.NAME` (a header page, then
+//! the manifest body of `manifest.rs`, written once before the stamp) and, for host sets, the data
+//! segment `cuda-ipc.td.NAME` (a header page, then the B buffers at a page-aligned stride). Both
+//! follow `shm::versioned` (magic, layout version 1, stamp written last, random creation
+//! generation) with the writer's identity words; mode 0600.
+//!
+//! Replacement (creating over a name that is taken) follows the channel's rules: only this user's
+//! segments, and of those only a set whose writer is dead or a creation abandoned half-way
+//! (empty or sparse for 2 s, or never stamped with its creator dead); a live writer's set is
+//! [`TensorSetError::AlreadyExists`], anything else is left alone and named in the error.
+
+use super::error::{ManifestFault, TensorSetError};
+use super::manifest::{self, Manifest};
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
+use crate::shm::{Segment, SegmentOptions, ShmError};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Prefix of a manifest segment's name.
+pub const MANIFEST_PREFIX: &str = "cuda-ipc.ts.";
+/// Prefix of a set's generation channel (a memoryless channel control segment).
+pub const GENERATION_PREFIX: &str = "cuda-ipc.tg.";
+/// Prefix of a host set's data segment.
+pub const DATA_PREFIX: &str = "cuda-ipc.td.";
+/// The manifest layout version this build writes and reads.
+pub const VERSION: u32 = 1;
+/// Bytes of the header page before the body (or the data buffers).
+pub const HEADER_PAGE: usize = 4096;
+/// The stamp a creator writes last.
+const STAMP_READY: u32 = 0x5453_4554;
+/// How long an opener waits for the stamp of a segment whose creator may still write it.
+pub(crate) const INIT_WAIT: Duration = Duration::from_secs(2);
+
+/// Magic of a manifest segment.
+pub const MANIFEST_MAGIC: u64 = u64::from_le_bytes(*b"CIPCTSET");
+/// Magic of a host data segment.
+pub const DATA_MAGIC: u64 = u64::from_le_bytes(*b"CIPCTSDT");
+
+/// The header page's words (manifest and data segments; `M` is the magic).
+#[repr(C)]
+pub(crate) struct Header<const M: u64> {
+    magic: AtomicU64,
+    version: AtomicU32,
+    stamp: AtomicU32,
+    generation: AtomicU64,
+    writer_pid: AtomicU32,
+    writer_uid: AtomicU32,
+    writer_start_time: AtomicU64,
+    writer_boot_id: [AtomicU64; 2],
+    writer_pid_ns: AtomicU32,
+    _pad0: AtomicU32,
+    /// Manifest: the body's length in bytes. Data: the buffers' stride in bytes.
+    body_len: AtomicU64,
+    /// Data: the number of buffers (manifest: 0).
+    buffers: AtomicU32,
+    _pad: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Header<0>>() == 80);
+const _: () = assert!(std::mem::offset_of!(Header<0>, body_len) == 64);
+
+/// The manifest segment's header.
+pub(crate) type ManifestHeader = Header<MANIFEST_MAGIC>;
+/// The data segment's header.
+pub(crate) type DataHeader = Header<DATA_MAGIC>;
+
+// SAFETY: (1) `Header` is `#[repr(C)]` and made of atomics only; (2) its alignment is 8, which
+// divides 4096; (3) it is 80 bytes, less than `HEADER_LEN` (asserted above).
+unsafe impl<const M: u64> VersionedHeader for Header<M> {
+    const MAGIC: u64 = M;
+    const VERSION: u32 = VERSION;
+    const HEADER_LEN: usize = HEADER_PAGE;
+    fn magic(&self) -> &AtomicU64 {
+        &self.magic
+    }
+    fn version(&self) -> &AtomicU32 {
+        &self.version
+    }
+    fn stamp(&self) -> StampWord<'_> {
+        StampWord::U32(&self.stamp, STAMP_READY)
+    }
+    fn generation(&self) -> &AtomicU64 {
+        &self.generation
+    }
+}
+
+impl<const M: u64> Header<M> {
+    fn write_owner(&self, me: &ProcessIdentity) {
+        // Relaxed: published by the magic's and the stamp's Release stores (`write_versioned`).
+        self.writer_pid.store(me.pid, Ordering::Relaxed);
+        self.writer_uid
+            .store(rustix::process::geteuid().as_raw(), Ordering::Relaxed);
+        self.writer_start_time
+            .store(me.start_time, Ordering::Relaxed);
+        self.writer_boot_id[0].store(
+            u64::from_le_bytes(me.boot_id[..8].try_into().unwrap_or_default()),
+            Ordering::Relaxed,
+        );
+        self.writer_boot_id[1].store(
+            u64::from_le_bytes(me.boot_id[8..].try_into().unwrap_or_default()),
+            Ordering::Relaxed,
+        );
+        self.writer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
+    }
+
+    /// The writer's identity and uid as recorded.
+    pub(crate) fn writer(&self) -> (ProcessIdentity, u32) {
+        // Relaxed: written before the stamp, which openers Acquire-loaded (or a diagnosis of an
+        // unstamped segment).
+        let mut boot_id = [0u8; 16];
+        boot_id[..8].copy_from_slice(&self.writer_boot_id[0].load(Ordering::Relaxed).to_le_bytes());
+        boot_id[8..].copy_from_slice(&self.writer_boot_id[1].load(Ordering::Relaxed).to_le_bytes());
+        (
+            ProcessIdentity {
+                pid: self.writer_pid.load(Ordering::Relaxed),
+                start_time: self.writer_start_time.load(Ordering::Relaxed),
+                boot_id,
+                pid_ns: self.writer_pid_ns.load(Ordering::Relaxed),
+            },
+            self.writer_uid.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Whether the recorded writer runs.
+    pub(crate) fn writer_liveness(&self) -> Liveness {
+        let (id, uid) = self.writer();
+        id.liveness_as(uid)
+    }
+}
+
+/// Checks a set name: as a channel name (1 to `MAX_CHANNEL_NAME` bytes of `[A-Za-z0-9._-]`).
+pub(crate) fn validate_set_name(name: &str) -> Result<()> {
+    crate::channel::validate_channel_name(name)
+}
+
+fn bad(segment: &str, fault: ManifestFault) -> Error {
+    TensorSetError::BadManifest {
+        segment: segment.to_string(),
+        fault,
+    }
+    .into()
+}
+
+/// The error an opener of `seg_name` (of set `set`) reports for `e`.
+fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
+    match e {
+        OpenError::Segment(Error::Shm(ShmError::NotFound { .. }))
+            if seg_name.starts_with(MANIFEST_PREFIX) =>
+        {
+            TensorSetError::NotFound(set.to_string()).into()
+        }
+        OpenError::Segment(e) => e,
+        OpenError::Header(HeaderError::Foreign { magic }) => bad(
+            seg_name,
+            ManifestFault::Field {
+                what: "the magic",
+                found: magic,
+                allowed: "a tensor-set segment's",
+            },
+        ),
+        OpenError::Header(HeaderError::OtherVersion { found }) => TensorSetError::VersionMismatch {
+            name: set.to_string(),
+            found,
+            supported: VERSION,
+        }
+        .into(),
+        OpenError::Header(_) => TensorSetError::CreationInProgress(set.to_string()).into(),
+    }
+}
+
+/// Judges what blocks creating `seg_name` of set `set` (the channel's rules, see the module
+/// docs): `Ok(why)` when it may be replaced, else the error naming it.
+pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'static str> {
+    match versioned::stat_blocker(seg_name, HEADER_PAGE)? {
+        Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
+        Blocker::Young => return Err(TensorSetError::CreationInProgress(set.to_string()).into()),
+        Blocker::Sized(_) => {}
+    }
+    match versioned::open_versioned::<Header<M>>(seg_name, false, INIT_WAIT) {
+        Ok(seg) => {
+            let h = versioned::header::<Header<M>>(&seg);
+            if h.writer_liveness() == Liveness::Dead {
+                Ok("its writer is dead")
+            } else {
+                Err(TensorSetError::AlreadyExists {
+                    name: set.to_string(),
+                    pid: h.writer().0.pid,
+                }
+                .into())
+            }
+        }
+        Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
+            let seg = Segment::open_with_min_len(seg_name, HEADER_PAGE)?;
+            let h = versioned::header::<Header<M>>(&seg);
+            let (id, _) = h.writer();
+            if id.pid != 0 && h.writer_liveness() != Liveness::Dead {
+                return Err(TensorSetError::CreationInProgress(set.to_string()).into());
+            }
+            Ok("a creation abandoned before it was finished")
+        }
+        Err(e) => Err(open_error(set, seg_name, e)),
+    }
+}
+
+/// Creates `seg_name` of `len` bytes (replacing only what [`replaceable`] lets go) and writes its
+/// header with `fields` (everything past the header's words) before the stamp. Returns the
+/// segment and its creation generation.
+fn create<const M: u64>(
+    set: &str,
+    seg_name: &str,
+    len: usize,
+    fields: impl FnOnce(&Segment, &Header<M>),
+) -> Result<(Segment, u64)> {
+    let opts = SegmentOptions::new();
+    let seg =
+        versioned::create_replacing(
+            seg_name,
+            len,
+            &opts,
+            "tensor-set segment",
+            || match replaceable::<M>(set, seg_name) {
+                Ok(why) => Ok(Some(why)),
+                Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+                Err(Error::TensorSet(TensorSetError::NotFound(_))) => Ok(None),
+                Err(e) => Err(e),
+            },
+        )?;
+    let me = ProcessIdentity::current()?;
+    // SYNC POINT: stamp. Release, stored last by `write_versioned`: pairs with the Acquire load in
+    // `open_versioned`; the body written in `fields` is visible to an opener that sees it.
+    let generation =
+        versioned::write_versioned::<Header<M>>(&seg, |h| h.write_owner(&me), |h| fields(&seg, h));
+    Ok((seg, generation))
+}
+
+/// Creates the manifest segment of `set` holding `m`'s body.
+pub(crate) fn create_manifest(set: &str, m: &Manifest) -> Result<Segment> {
+    let body = manifest::encode(m);
+    let len = HEADER_PAGE
+        .checked_add(body.len())
+        .and_then(|l| l.checked_next_multiple_of(HEADER_PAGE))
+        .ok_or_else(|| Error::InvalidArgument("the manifest's size overflows".into()))?;
+    let name = format!("{MANIFEST_PREFIX}{set}");
+    let (seg, _) = create::<MANIFEST_MAGIC>(set, &name, len, |seg, h| {
+        h.body_len.store(body.len() as u64, Ordering::Relaxed);
+        // SAFETY: the mapping is `len >= HEADER_PAGE + body.len()` bytes; the body area is
+        // written only here, by the creator, before the stamp; `body` is this process's memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(body.as_ptr(), seg.as_ptr().add(HEADER_PAGE), body.len())
+        };
+    })?;
+    Ok(seg)
+}
+
+/// An opened manifest: the segment (kept mapped: its inode tells a replaced set) and the body.
+pub(crate) struct OpenedManifest {
+    pub(crate) seg: Segment,
+    pub(crate) manifest: Manifest,
+}
+
+impl OpenedManifest {
+    /// The header's words.
+    pub(crate) fn header(&self) -> &ManifestHeader {
+        versioned::header::<ManifestHeader>(&self.seg)
+    }
+}
+
+/// Opens and decodes the manifest of `set` (waiting up to `init_wait` for a creator's stamp).
+///
+/// # Errors
+/// [`TensorSetError::NotFound`]; the segment's own errors ([`crate::Error::Shm`]: another
+/// user's, a FIFO, sparse, too small); [`TensorSetError::BadManifest`] for a foreign magic or a
+/// body that does not decode; [`TensorSetError::VersionMismatch`];
+/// [`TensorSetError::CreationInProgress`] when the stamp did not come in time.
+pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
+    validate_set_name(set)?;
+    let name = format!("{MANIFEST_PREFIX}{set}");
+    let seg = versioned::open_versioned::<ManifestHeader>(&name, false, init_wait)
+        .map_err(|e| open_error(set, &name, e))?;
+    let h = versioned::header::<ManifestHeader>(&seg);
+    let body_len = h.body_len.load(Ordering::Relaxed);
+    let room = (seg.len() - HEADER_PAGE) as u64;
+    if body_len > room {
+        return Err(bad(
+            &name,
+            ManifestFault::OutOfBounds {
+                what: "the body",
+                offset: HEADER_PAGE as u64,
+                len: body_len,
+                body: room,
+            },
+        ));
+    }
+    let mut body = vec![0u8; body_len as usize];
+    // SAFETY: `HEADER_PAGE + body_len <= seg.len()` (checked above), every page backed (checked at
+    // open); the body is immutable after the stamp, which `open_versioned` Acquire-loaded; copied
+    // out byte-wise, never referenced.
+    unsafe {
+        std::ptr::copy_nonoverlapping(seg.as_ptr().add(HEADER_PAGE), body.as_mut_ptr(), body.len())
+    };
+    let manifest = manifest::decode(&body).map_err(|f| bad(&name, f))?;
+    Ok(OpenedManifest { seg, manifest })
+}
+
+/// A host set's data segment: B buffers of `stride` bytes after the header page.
+pub(crate) struct DataSegment {
+    pub(crate) seg: Segment,
+    pub(crate) generation: u64,
+    pub(crate) stride: usize,
+    pub(crate) buffers: usize,
+}
+
+/// The page-aligned stride of a host buffer of `bytes` bytes.
+pub(crate) fn data_stride(bytes: u64) -> Result<usize> {
+    usize::try_from(bytes)
+        .ok()
+        .and_then(|b| b.max(1).checked_next_multiple_of(HEADER_PAGE))
+        .ok_or_else(|| Error::InvalidArgument(format!("{bytes} bytes per buffer overflow")))
+}
+
+impl DataSegment {
+    /// Creates the data segment of `set` with `buffers` buffers of `bytes` bytes.
+    pub(crate) fn create(set: &str, buffers: usize, bytes: u64) -> Result<DataSegment> {
+        let stride = data_stride(bytes)?;
+        let len = stride
+            .checked_mul(buffers)
+            .and_then(|l| l.checked_add(HEADER_PAGE))
+            .ok_or_else(|| Error::InvalidArgument("the data segment's size overflows".into()))?;
+        let name = format!("{DATA_PREFIX}{set}");
+        let (seg, generation) = create::<DATA_MAGIC>(set, &name, len, |_, h| {
+            h.body_len.store(stride as u64, Ordering::Relaxed);
+            h.buffers.store(buffers as u32, Ordering::Relaxed);
+        })?;
+        Ok(DataSegment {
+            seg,
+            generation,
+            stride,
+            buffers,
+        })
+    }
+
+    /// Opens the data segment of `set` that `m` names (its generation, buffers and size).
+    pub(crate) fn open(set: &str, m: &Manifest) -> Result<DataSegment> {
+        let name = format!("{DATA_PREFIX}{set}");
+        let seg = versioned::open_versioned::<DataHeader>(&name, false, INIT_WAIT)
+            .map_err(|e| open_error(set, &name, e))?;
+        let h = versioned::header::<DataHeader>(&seg);
+        let stride = data_stride(m.layout.bytes_per_buffer())?;
+        let mismatch = || {
+            bad(
+                &name,
+                ManifestFault::Mismatch {
+                    what: "the host data segment",
+                },
+            )
+        };
+        if h.generation.load(Ordering::Relaxed) != m.data_generation
+            || h.body_len.load(Ordering::Relaxed) != stride as u64
+            || h.buffers.load(Ordering::Relaxed) as usize != m.buffers
+        {
+            return Err(mismatch());
+        }
+        let need = stride
+            .checked_mul(m.buffers)
+            .and_then(|l| l.checked_add(HEADER_PAGE));
+        if need.is_none_or(|n| seg.len() < n) {
+            return Err(mismatch());
+        }
+        Ok(DataSegment {
+            seg,
+            generation: m.data_generation,
+            stride,
+            buffers: m.buffers,
+        })
+    }
+
+    /// The first byte of buffer `i` (`i < buffers`).
+    pub(crate) fn ptr(&self, i: usize) -> *mut u8 {
+        assert!(i < self.buffers);
+        // SAFETY: `HEADER_PAGE + (i + 1) × stride <= len` (checked at create/open), so the
+        // address lies in the mapping.
+        unsafe { self.seg.as_ptr().add(HEADER_PAGE + i * self.stride) }
+    }
+
+    /// Unlinks the name while it still stands for this segment.
+    pub(crate) fn unlink(&self) {
+        unlink_own(&self.seg);
+    }
+}
+
+/// Unlinks `seg`'s name while it still stands for `seg` (never one that replaced it).
+pub(crate) fn unlink_own(seg: &Segment) {
+    let r = seg
+        .inode()
+        .and_then(|ino| Segment::unlink_if_same(seg.name(), ino));
+    if let Err(e) = r {
+        tracing::warn!("unlinking {}: {e}", seg.name());
+    }
+}

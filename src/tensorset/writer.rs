@@ -1,0 +1,693 @@
+//! The writing end: [`TensorSetWriter`] (the set's memory, its manifest, the generation channel's
+//! producer) and the [`Update`] it hands out between [`TensorSetWriter::begin`] and
+//! [`Update::commit`].
+
+use super::error::TensorSetError;
+use super::manifest::{
+    FLAG_BUFFERED, KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest,
+    TensorSpec,
+};
+use super::segment::{self, DataSegment, GENERATION_PREFIX};
+use super::{GenerationMode, TensorSetOptions, encode_meta};
+use crate::channel::{
+    ChannelBuffer, ChannelOptions, MemoryKind, Producer, WriteFrame, allocate_pool, auto_kind,
+};
+use crate::driver::{Context, DeviceMemory, Stream, Uuid};
+use crate::error::{Error, Result};
+use crate::ffi::{check, sys};
+use crate::ipc::VmmBuffer;
+use crate::quota::Reservation;
+use crate::shm::Segment;
+use crate::token::TOKEN_LEN;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One allocation of a buffer: made by the writer, or given ([`TensorSetWriter::create_over`]).
+#[derive(Debug)]
+enum Allocation {
+    Own(ChannelBuffer),
+    External(VmmBuffer),
+}
+
+impl Allocation {
+    fn device_ptr(&self) -> u64 {
+        match self {
+            Allocation::Own(b) => b.device_ptr(),
+            Allocation::External(b) => b.device_ptr(),
+        }
+    }
+}
+
+/// The writer's memory: host buffers in the data segment, or device allocations
+/// (`buffers[b][a]`).
+enum Memory {
+    Host(DataSegment),
+    Gpu(Vec<Vec<Allocation>>),
+}
+
+/// What the writer keeps of its generations.
+#[derive(Debug, Clone, Copy, Default)]
+struct State {
+    /// The last generation committed (0: none).
+    generation: u64,
+    /// The buffer that holds it.
+    head: Option<usize>,
+}
+
+/// The writing end of a tensor set: publishes the manifest `cuda-ipc.ts.NAME`, owns the set's
+/// memory (B buffers of one allocation each, or the allocations given to
+/// [`TensorSetWriter::create_over`]), and hands out generations through the memoryless
+/// generation channel `cuda-ipc.tg.NAME` (the channel's protocol: holds, release words, watchdog).
+///
+/// Dropping it (or [`TensorSetWriter::close`]) removes the names, tells waiting readers the set
+/// closed, waits (bounded) for readers' holds, and frees the memory: VMM readers keep their
+/// mappings; pool and legacy readers must stop reading first.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::tensorset::{DType, ReaderOptions, TensorSetOptions, TensorSetReader,
+///     TensorSetWriter, TensorSpec};
+/// let name = format!("doc-ts-{}", std::process::id());
+/// let specs = [TensorSpec::new("w", DType::F32, &[4])];
+/// let mut w = TensorSetWriter::create_host(&name, &specs, &TensorSetOptions::new())?;
+/// let mut u = w.begin(None)?;
+/// u.write_tensor(0, &[1u8; 16])?;
+/// assert_eq!(u.commit()?, 1);
+/// let r = TensorSetReader::open_host(&name, &ReaderOptions::new())?;
+/// let held = r.current()?.expect("generation 1");
+/// assert_eq!(held.read_tensor(0)?, vec![1u8; 16]);
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub struct TensorSetWriter {
+    // Drop order: the names are unlinked (Drop), then the generation channel is closed and drained
+    // (the producer's own drop), then the memory is freed, then the manifest unmapped, then the
+    // bytes go back to the quota ledger.
+    producer: Option<Producer>,
+    memory: Memory,
+    manifest: Segment,
+    layout: Arc<Layout>,
+    name: String,
+    state: State,
+    kind: MemoryKind,
+    mode: GenerationMode,
+    _quota: Option<Reservation>,
+}
+
+impl std::fmt::Debug for TensorSetWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorSetWriter")
+            .field("name", &self.name)
+            .field("generation", &self.state.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Buffers of `mode`, checked.
+fn buffer_count(mode: GenerationMode) -> Result<usize> {
+    match mode {
+        GenerationMode::InPlace => Ok(1),
+        GenerationMode::Buffered(n) if (2..=MAX_SET_BUFFERS).contains(&n) => Ok(n),
+        GenerationMode::Buffered(n) => Err(Error::InvalidArgument(format!(
+            "a buffered tensor set needs 2 to {MAX_SET_BUFFERS} buffers, got {n}"
+        ))),
+    }
+}
+
+/// Reserves `bytes` from the ledger `opts.quota` names for `device`.
+fn reserve(opts: &TensorSetOptions, device: Uuid, bytes: u64) -> Result<Option<Reservation>> {
+    let Some(scope) = opts.quota else {
+        return Ok(None);
+    };
+    let ledger = match crate::quota::QuotaLedger::open(scope, device) {
+        Ok(l) => l,
+        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
+            return Err(crate::quota::QuotaError::NoBudget {
+                name: scope.segment_name(device),
+            }
+            .into());
+        }
+        Err(e) => return Err(e),
+    };
+    ledger.reserve(bytes).map(Some)
+}
+
+fn channel_options(opts: &TensorSetOptions, buffers: usize) -> ChannelOptions {
+    ChannelOptions::new(0)
+        .buffers(buffers)
+        .max_consumers(opts.max_readers)
+        .wait(opts.wait)
+}
+
+impl TensorSetWriter {
+    /// Creates tensor set `name` in `ctx` with the tensors `specs` (laid out in order, offsets
+    /// aligned to 256 bytes, [`Layout::new`]): the generation channel, B buffers of one
+    /// allocation each of [`TensorSetOptions::memory`] (`Vmm` by default; `Auto`: VMM where the
+    /// device exports it as a file descriptor, else pool; `Legacy` only when asked: its readers
+    /// cannot map it read-only; `Host`: as [`TensorSetWriter::create_host`]), exported, and the
+    /// manifest. With [`TensorSetOptions::quota`], B × the set's bytes are reserved first. No
+    /// generation exists until the first [`Update::commit`]. A dead writer's set (or a creation
+    /// abandoned half-way) under the name is replaced.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad name, mode or reader count;
+    /// [`TensorSetError::BadTensor`] / [`TensorSetError::TooManyTensors`] for specs that cannot be
+    /// laid out; [`TensorSetError::AlreadyExists`] (or the channel's
+    /// [`crate::channel::ChannelError::AlreadyExists`] for its generation channel) when a live
+    /// writer has the name; [`crate::quota::QuotaError::OverQuota`]; CUDA errors from allocation
+    /// and export; shared-memory errors (a full /dev/shm, what is in the way).
+    pub fn create(
+        ctx: &Arc<Context>,
+        name: &str,
+        specs: &[TensorSpec],
+        opts: &TensorSetOptions,
+    ) -> Result<TensorSetWriter> {
+        if opts.memory == MemoryKind::Host {
+            return Self::create_host(name, specs, opts);
+        }
+        let layout = Layout::new(specs)?;
+        Self::create_gpu(ctx, name, layout, opts)
+    }
+
+    fn create_gpu(
+        ctx: &Arc<Context>,
+        name: &str,
+        layout: Layout,
+        opts: &TensorSetOptions,
+    ) -> Result<TensorSetWriter> {
+        segment::validate_set_name(name)?;
+        let b = buffer_count(opts.mode)?;
+        let bytes = layout.bytes_per_buffer();
+        let quota = reserve(opts, ctx.device().uuid(), bytes.saturating_mul(b as u64))?;
+        let producer = Producer::create_memoryless(
+            Some(ctx),
+            GENERATION_PREFIX,
+            name,
+            &channel_options(opts, b),
+        )?;
+        let kind = match opts.memory {
+            MemoryKind::Auto => match auto_kind(ctx, &ChannelOptions::new(1)) {
+                MemoryKind::Vmm => MemoryKind::Vmm,
+                _ => MemoryKind::Pool,
+            },
+            k => k,
+        };
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes per buffer")))?;
+        let (kind, buffers, tokens) =
+            allocate_pool(ctx, kind, &ChannelOptions::new(len).buffers(b).memory(kind))?;
+        let code = match kind {
+            MemoryKind::Vmm => KIND_VMM,
+            MemoryKind::Pool => KIND_POOL,
+            _ => KIND_LEGACY,
+        };
+        let memory = Memory::Gpu(
+            buffers
+                .into_iter()
+                .map(|x| vec![Allocation::Own(x)])
+                .collect(),
+        );
+        let tokens = tokens.into_iter().map(|t| vec![t]).collect();
+        Self::finish(
+            name, layout, opts, producer, memory, tokens, code, kind, 0, quota,
+        )
+    }
+
+    /// Creates tensor set `name` in shared host memory ([`MemoryKind::Host`], whatever
+    /// [`TensorSetOptions::memory`] says): the data segment `cuda-ipc.td.NAME` with B buffers at a
+    /// page-aligned stride, the generation channel (no GPU words are used) and the manifest.
+    /// Never calls the CUDA driver.
+    ///
+    /// # Errors
+    /// As [`TensorSetWriter::create`], less CUDA's.
+    pub fn create_host(
+        name: &str,
+        specs: &[TensorSpec],
+        opts: &TensorSetOptions,
+    ) -> Result<TensorSetWriter> {
+        segment::validate_set_name(name)?;
+        let layout = Layout::new(specs)?;
+        let b = buffer_count(opts.mode)?;
+        let bytes = layout.bytes_per_buffer();
+        let quota = reserve(opts, Uuid([0; 16]), bytes.saturating_mul(b as u64))?;
+        let producer =
+            Producer::create_memoryless(None, GENERATION_PREFIX, name, &channel_options(opts, b))?;
+        let data = DataSegment::create(name, b, bytes)?;
+        let generation = data.generation;
+        let tokens = vec![vec![[0u8; TOKEN_LEN]]; b];
+        let memory = Memory::Host(data);
+        Self::finish(
+            name,
+            layout,
+            opts,
+            producer,
+            memory,
+            tokens,
+            KIND_HOST,
+            MemoryKind::Host,
+            generation,
+            quota,
+        )
+    }
+
+    /// Publishes existing VMM allocations as tensor set `name` without a copy (a live model's
+    /// weights, e.g. chunks of an arena a PyTorch pool carved them from): the allocation table
+    /// lists `allocations`, and tensor `i` of `tensors` lies in allocation `tensors[i].1` at byte
+    /// offset `tensors[i].2`. In place only ([`GenerationMode::InPlace`]: one buffer, the
+    /// allocations themselves); the writer keeps the buffers (clones) alive until it closes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a mode other than in place or no allocation; as
+    /// [`TensorSetWriter::create`] otherwise ([`TensorSetError::BadTensor`] for a tensor outside
+    /// its allocation); CUDA errors from the export.
+    pub fn create_over(
+        ctx: &Arc<Context>,
+        name: &str,
+        tensors: &[(TensorSpec, u32, u64)],
+        allocations: Vec<VmmBuffer>,
+        opts: &TensorSetOptions,
+    ) -> Result<TensorSetWriter> {
+        segment::validate_set_name(name)?;
+        if opts.mode != GenerationMode::InPlace {
+            return Err(Error::InvalidArgument(
+                "a tensor set over given allocations is published in place only".into(),
+            ));
+        }
+        let lens = allocations.iter().map(|a| a.len() as u64).collect();
+        let layout = Layout::with_locations(tensors, lens)?;
+        let quota = reserve(opts, ctx.device().uuid(), layout.bytes_per_buffer())?;
+        let producer = Producer::create_memoryless(
+            Some(ctx),
+            GENERATION_PREFIX,
+            name,
+            &channel_options(opts, 1),
+        )?;
+        let tokens = vec![
+            allocations
+                .iter()
+                .map(|a| a.export().map(|t| t.to_bytes()))
+                .collect::<Result<Vec<_>>>()?,
+        ];
+        let memory = Memory::Gpu(vec![
+            allocations.into_iter().map(Allocation::External).collect(),
+        ]);
+        Self::finish(
+            name,
+            layout,
+            opts,
+            producer,
+            memory,
+            tokens,
+            KIND_VMM,
+            MemoryKind::Vmm,
+            0,
+            quota,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        name: &str,
+        layout: Layout,
+        opts: &TensorSetOptions,
+        producer: Producer,
+        memory: Memory,
+        tokens: Vec<Vec<[u8; TOKEN_LEN]>>,
+        code: u32,
+        kind: MemoryKind,
+        data_generation: u64,
+        quota: Option<Reservation>,
+    ) -> Result<TensorSetWriter> {
+        let buffers = tokens.len();
+        let m = Manifest {
+            kind: code,
+            flags: if buffers > 1 { FLAG_BUFFERED } else { 0 },
+            buffers,
+            layout,
+            tokens,
+            channel_generation: producer.control_generation(),
+            data_generation,
+            max_readers: opts.max_readers as u32,
+        };
+        let manifest = match segment::create_manifest(name, &m) {
+            Ok(s) => s,
+            Err(e) => {
+                if let Memory::Host(d) = &memory {
+                    d.unlink();
+                }
+                return Err(e);
+            }
+        };
+        Ok(TensorSetWriter {
+            producer: Some(producer),
+            memory,
+            manifest,
+            layout: Arc::new(m.layout),
+            name: name.to_string(),
+            state: State::default(),
+            kind,
+            mode: opts.mode,
+            _quota: quota,
+        })
+    }
+
+    /// The set's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layout (tensors, allocations, fingerprint).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The kind of memory chosen (`Auto` resolved).
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// The generation mode.
+    pub fn mode(&self) -> GenerationMode {
+        self.mode
+    }
+
+    /// The last generation committed (0: none yet).
+    pub fn generation(&self) -> u64 {
+        self.state.generation
+    }
+
+    fn producer(&self) -> &Producer {
+        self.producer
+            .as_ref()
+            .expect("the producer lives until close")
+    }
+
+    /// The writer's stream (the generation channel producer's): enqueue the writes of an update
+    /// here. It waits on the GPU for the readers' release words of the buffer an update takes.
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a host set.
+    pub fn stream(&self) -> Result<&Stream> {
+        if self.kind == MemoryKind::Host {
+            return Err(TensorSetError::WrongKind("a host tensor set has no stream").into());
+        }
+        Ok(self.producer().stream())
+    }
+
+    /// The device address of tensor `i` in buffer `buffer` (GPU sets).
+    ///
+    /// # Errors
+    /// [`TensorSetError::NoSuchTensor`]; [`TensorSetError::WrongKind`] on a host set;
+    /// [`Error::InvalidArgument`] for a buffer out of range.
+    pub fn device_ptr(&self, buffer: usize, i: usize) -> Result<u64> {
+        tensor_ptr(&self.memory, &self.layout, buffer, i)
+    }
+
+    /// Takes a buffer for generation [`TensorSetWriter::generation`] + 1, waiting up to `timeout`
+    /// (`None`: forever) while readers hold it (in place: until every reader released the current
+    /// generation; buffered: the oldest buffer no reader holds). Readers waiting meanwhile never
+    /// see the buffer. On a GPU set the writer's stream then waits for the last readers' release
+    /// words on the GPU (`cuStreamWaitValue32`): their kernels finish before the update's writes.
+    /// A reader that died holding a generation is freed within about 1 s (the channel's
+    /// watchdog and liveness checks).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; CUDA errors from the stream wait.
+    pub fn begin(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
+        let previous = self.state.head;
+        let frame = self
+            .producer
+            .as_mut()
+            .expect("the producer lives until close")
+            .acquire(timeout)?;
+        Ok(Update {
+            buffer: frame.index(),
+            frame,
+            memory: &self.memory,
+            layout: &self.layout,
+            state: &mut self.state,
+            previous,
+        })
+    }
+
+    /// Closes the set: removes its names (no new reader opens it), tells waiting readers it
+    /// closed ([`TensorSetError::Closed`]), waits up to `timeout` for readers' holds, then frees
+    /// the memory.
+    ///
+    /// # Errors
+    /// CUDA errors from synchronising the writer's stream.
+    pub fn close(mut self, timeout: Duration) -> Result<()> {
+        self.unlink_names();
+        match self.producer.take() {
+            Some(p) => p.close(timeout).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    fn unlink_names(&self) {
+        segment::unlink_own(&self.manifest);
+        if let Memory::Host(d) = &self.memory {
+            d.unlink();
+        }
+    }
+}
+
+impl Drop for TensorSetWriter {
+    fn drop(&mut self) {
+        if self.producer.is_some() {
+            self.unlink_names();
+        }
+        // The producer's own drop closes and drains the generation channel (5 s), before the
+        // memory fields drop.
+    }
+}
+
+/// The device address of tensor `i` in `buffer`.
+fn tensor_ptr(memory: &Memory, layout: &Layout, buffer: usize, i: usize) -> Result<u64> {
+    let t = layout
+        .tensors()
+        .get(i)
+        .ok_or_else(|| TensorSetError::NoSuchTensor(i.to_string()))?;
+    match memory {
+        Memory::Host(_) => Err(TensorSetError::WrongKind(
+            "a host tensor set has no device addresses; use the host accessors",
+        )
+        .into()),
+        Memory::Gpu(b) => {
+            let allocs = b
+                .get(buffer)
+                .ok_or_else(|| Error::InvalidArgument(format!("buffer {buffer} of {}", b.len())))?;
+            Ok(allocs[t.allocation as usize].device_ptr() + t.offset)
+        }
+    }
+}
+
+/// A generation being written: a buffer no reader holds. Write it (on
+/// [`TensorSetWriter::stream`] / [`Update::stream`], or through the host accessors), then
+/// [`Update::commit`]; dropping it uncommitted gives the buffer back (in place: the generation it
+/// held is gone, its bytes may be half-written, and readers see nothing until the next commit).
+pub struct Update<'a> {
+    frame: WriteFrame<'a>,
+    memory: &'a Memory,
+    layout: &'a Layout,
+    state: &'a mut State,
+    buffer: usize,
+    previous: Option<usize>,
+}
+
+impl std::fmt::Debug for Update<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Update")
+            .field("buffer", &self.buffer)
+            .field("generation", &self.generation())
+            .finish()
+    }
+}
+
+impl Update<'_> {
+    /// The generation this update will publish.
+    pub fn generation(&self) -> u64 {
+        self.state.generation + 1
+    }
+
+    /// The buffer being written.
+    pub fn buffer(&self) -> usize {
+        self.buffer
+    }
+
+    /// The writer's stream (GPU sets).
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a host set.
+    pub fn stream(&self) -> Result<&Stream> {
+        self.frame
+            .producer_stream()
+            .ok_or_else(|| TensorSetError::WrongKind("a host tensor set has no stream").into())
+    }
+
+    /// The device address of tensor `i` in this update's buffer (GPU sets).
+    ///
+    /// # Errors
+    /// As [`TensorSetWriter::device_ptr`].
+    pub fn tensor_ptr(&self, i: usize) -> Result<u64> {
+        tensor_ptr(self.memory, self.layout, self.buffer, i)
+    }
+
+    /// Enqueues on the writer's stream a copy of `len` bytes from device address `src` into
+    /// tensor `i` (`cuMemcpyDtoDAsync_v2`). Work on another stream that produced `src` must be
+    /// ordered before (e.g. the writer's stream waiting on an event of it).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `len` exceeds the tensor's bytes; as
+    /// [`Update::tensor_ptr`]; [`Error::Cuda`] naming the copy.
+    pub fn copy_in(&self, i: usize, src: u64, len: usize) -> Result<()> {
+        let dst = self.tensor_ptr(i)?;
+        let t = &self.layout.tensors()[i];
+        if len as u64 > t.bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes into tensor {:?} of {} bytes",
+                t.name, t.bytes
+            )));
+        }
+        self.copy_d2d(dst, src, len)
+    }
+
+    fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        let _cur = stream.context().enter()?;
+        // SAFETY: context current (`_cur`); `dst..dst + len` lies in this update's buffer (checked
+        // by the callers), which no reader holds; `src` is a device address the caller vouches
+        // for (the driver refuses an unmapped one); the stream lives while the writer does.
+        check("cuMemcpyDtoDAsync_v2", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.as_raw())
+        })?;
+        Ok(())
+    }
+
+    /// Copies the last committed generation's bytes into this buffer (buffered sets: start an
+    /// update from the previous generation and change part of it). On a GPU set the copies are
+    /// enqueued on the writer's stream (`cuMemcpyDtoDAsync_v2`, one per allocation). Nothing to do
+    /// in place or before the first commit.
+    ///
+    /// The previous generation's buffer may be read by readers meanwhile (reads only); the
+    /// writer never writes it while it is the newest.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming the copy.
+    pub fn copy_from_previous(&mut self) -> Result<()> {
+        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
+            return Ok(());
+        };
+        match self.memory {
+            Memory::Host(d) => {
+                let len = self.layout.bytes_per_buffer() as usize;
+                // SAFETY: both buffers lie in the data segment's mapping (`p`, `buffer` < B, each
+                // `stride >= len` bytes) and do not overlap; the writer alone writes `buffer`
+                // now (WRITING), and nobody writes `p` while it is the newest generation.
+                unsafe { std::ptr::copy_nonoverlapping(d.ptr(p), d.ptr(self.buffer), len) };
+                Ok(())
+            }
+            Memory::Gpu(b) => {
+                for (a, len) in self.layout.allocations().iter().enumerate() {
+                    self.copy_d2d(
+                        b[self.buffer][a].device_ptr(),
+                        b[p][a].device_ptr(),
+                        *len as usize,
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn host(&self) -> Result<&DataSegment> {
+        match self.memory {
+            Memory::Host(d) => Ok(d),
+            Memory::Gpu(_) => Err(TensorSetError::WrongKind(
+                "a GPU tensor set has no host bytes; write on the stream",
+            )
+            .into()),
+        }
+    }
+
+    /// The first byte of this update's host buffer (host sets), valid for the layout's
+    /// [`Layout::bytes_per_buffer`] bytes until the update is committed or dropped. A raw pointer,
+    /// as a channel frame's: the bytes are shared memory other processes map.
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a GPU set.
+    pub fn as_mut_ptr(&self) -> Result<*mut u8> {
+        Ok(self.host()?.ptr(self.buffer))
+    }
+
+    /// Copies `src` into tensor `i` from its first byte (host sets).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `src` is longer than the tensor; as
+    /// [`Update::as_mut_ptr`]; [`TensorSetError::NoSuchTensor`].
+    pub fn write_tensor(&mut self, i: usize, src: &[u8]) -> Result<()> {
+        let t = self
+            .layout
+            .tensors()
+            .get(i)
+            .ok_or_else(|| TensorSetError::NoSuchTensor(i.to_string()))?;
+        if src.len() as u64 > t.bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes into tensor {:?} of {} bytes",
+                src.len(),
+                t.name,
+                t.bytes
+            )));
+        }
+        let offset = t.offset as usize;
+        self.write_at(offset, src)
+    }
+
+    /// Copies `src` into this update's host buffer at byte `offset` (host sets).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] past the buffer's end; as [`Update::as_mut_ptr`].
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let len = self.layout.bytes_per_buffer() as usize;
+        if offset.checked_add(src.len()).is_none_or(|e| e > len) {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {offset}+{} leave the {len}-byte buffer",
+                src.len()
+            )));
+        }
+        let dst = self.as_mut_ptr()?;
+        // SAFETY: `offset + src.len() <= len <= stride` (checked above), so the range lies in this
+        // buffer of the mapping; no reader holds it while it is WRITING; `src` is this process's
+        // memory and does not overlap shared memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Publishes the generation with no content fingerprint; returns its number.
+    ///
+    /// # Errors
+    /// As [`Update::commit_with_content`].
+    pub fn commit(self) -> Result<u64> {
+        self.commit_with_content([0; 32])
+    }
+
+    /// Publishes the generation with `content` (its content fingerprint, all zeros: none), which
+    /// readers can demand ([`super::ReaderOptions::expect_content`]): readers waiting wake, and
+    /// on a GPU set their streams wait for the writer's stream's ready word, written after the
+    /// update's work. Returns the generation number.
+    ///
+    /// # Errors
+    /// CUDA errors from enqueuing the ready word's write (the generation is published and marked
+    /// ready from the host once the writer's stream drained).
+    pub fn commit_with_content(self, content: [u8; 32]) -> Result<u64> {
+        let meta = encode_meta(self.generation(), &content, 0);
+        let state = self.state;
+        let buffer = self.buffer;
+        let seq = self.frame.publish(&meta)?;
+        state.generation = seq;
+        state.head = Some(buffer);
+        Ok(seq)
+    }
+}
