@@ -30,6 +30,7 @@ mod dtype;
 mod error;
 pub mod inspect;
 mod manifest;
+pub mod owned;
 mod reader;
 pub mod reclaim;
 mod segment;

@@ -8,6 +8,7 @@ use super::{ReaderOptions, decode_meta};
 use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
+use crate::ffi::sys;
 use crate::ipc::{Access, ImportedBuffer};
 use crate::shm::Segment;
 use crate::token::Token;
@@ -467,6 +468,32 @@ impl Held<'_> {
     /// [`Error::InvalidArgument`] on a host set; CUDA errors.
     pub fn release_after(&self, stream: &Stream) -> Result<()> {
         self.frame.release_after(stream)
+    }
+
+    /// [`Held::ready_on`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
+    ///
+    /// # Errors
+    /// As [`Held::ready_on`].
+    ///
+    /// # Safety
+    /// As [`Frame::ready_on_raw`]: `stream` is a live stream for the duration of the call, or
+    /// null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
+    pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.frame.ready_on_raw(stream) }
+    }
+
+    /// [`Held::release_after`] for a raw `CUstream`.
+    ///
+    /// # Errors
+    /// As [`Held::release_after`].
+    ///
+    /// # Safety
+    /// As [`Frame::release_after_raw`]: `stream` is a live stream of the reader's context for the
+    /// duration of the call, or null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
+    pub unsafe fn release_after_raw(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.frame.release_after_raw(stream) }
     }
 }
 

@@ -665,6 +665,54 @@ impl Update<'_> {
         Ok(())
     }
 
+    /// Makes `stream` wait on the GPU for the writer's stream (which waits for the buffer's last
+    /// readers): work enqueued on `stream` afterwards may write the update's buffer (as a channel
+    /// write frame's [`WriteFrame::ready_on`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host set; [`Error::Cuda`] naming `cuEventRecord` or
+    /// `cuStreamWaitEvent`.
+    pub fn ready_on(&self, stream: &Stream) -> Result<()> {
+        self.frame.ready_on(stream)
+    }
+
+    /// [`Update::ready_on`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
+    ///
+    /// # Errors
+    /// As [`Update::ready_on`].
+    ///
+    /// # Safety
+    /// As [`WriteFrame::ready_on_raw`]: `stream` is a live stream for the duration of the call, or
+    /// null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
+    pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.frame.ready_on_raw(stream) }
+    }
+
+    /// Makes the writer's stream wait on the GPU for the work enqueued so far on `stream`, so the
+    /// generation's ready word (written at commit) comes after it (as a channel write frame's
+    /// [`WriteFrame::publish_after`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host set; [`Error::Cuda`] naming `cuEventRecord` (a stream
+    /// of another context) or `cuStreamWaitEvent`.
+    pub fn publish_after(&self, stream: &Stream) -> Result<()> {
+        self.frame.publish_after(stream)
+    }
+
+    /// [`Update::publish_after`] for a raw `CUstream`.
+    ///
+    /// # Errors
+    /// As [`Update::publish_after`].
+    ///
+    /// # Safety
+    /// As [`WriteFrame::publish_after_raw`]: `stream` is a live stream of the writer's context for
+    /// the duration of the call, or null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
+    pub unsafe fn publish_after_raw(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.frame.publish_after_raw(stream) }
+    }
+
     /// Publishes the generation with no content fingerprint; returns its number.
     ///
     /// # Errors
