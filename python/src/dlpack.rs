@@ -29,8 +29,11 @@ pub(crate) const KDL_CUDA: i32 = 2;
 pub(crate) enum Hold {
     /// A received frame: its hold ends when the last `Arc` goes.
     Frame(FrameHold),
-    /// Nothing (a write frame's buffer, valid until it is published or abandoned).
+    /// Nothing (a write frame's buffer, valid until it is published or abandoned; a tensor-set
+    /// writer's buffer, valid while the writer lives).
     None,
+    /// What keeps the memory mapped (a tensor-set reader, whose mappings live as long as it).
+    Owner(Arc<dyn std::any::Any + Send + Sync>),
 }
 
 /// A capsule's share of a received frame's hold: on drop (the tensor freed), the release is
@@ -103,6 +106,7 @@ impl Export {
                 release_after: *self.target.lock().unwrap_or_else(|p| p.into_inner()),
             }),
             Hold::None => Hold::None,
+            Hold::Owner(o) => Hold::Owner(o.clone()),
         };
         let mut init = Dynamic::compact([len])
             .initialize_as::<M>(Box::new(hold))

@@ -8,6 +8,7 @@ use cuda_ipc::channel::ChannelError;
 use cuda_ipc::ipc::fdpass::FdPassError;
 use cuda_ipc::quota::QuotaError as RustQuotaError;
 use cuda_ipc::registry::RegistryError;
+use cuda_ipc::tensorset::TensorSetError;
 use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
@@ -109,6 +110,37 @@ pyo3::create_exception!(
     "A shared memory budget (a quota ledger, `quota=`) cannot serve the producer: none is set, \
      its ledger is full, or it may not be changed by this user. `OverQuota` is its subclass for a \
      budget that is used up."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    TensorSetNotFound,
+    ChannelNotFound,
+    "No tensor set of this name exists (start its writer first)."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    WriterGone,
+    ProducerGone,
+    "The tensor set's writer died: the generation held stays readable, no new one comes."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    TensorSetClosed,
+    ChannelClosed,
+    "The writer closed the tensor set."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    LayoutMismatch,
+    CudaIpcError,
+    "The tensor set's layout fingerprint (names, dtypes, shapes, strides, offsets) is not the one \
+     expected: another checkpoint or model."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    ContentMismatch,
+    CudaIpcError,
+    "A generation's content fingerprint is not the one expected."
 );
 pyo3::create_exception!(
     cuda_ipc,
@@ -214,6 +246,11 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
     m.add("CudaError", py.get_type::<CudaError>())?;
     m.add("QuotaError", py.get_type::<QuotaError>())?;
+    m.add("TensorSetNotFound", py.get_type::<TensorSetNotFound>())?;
+    m.add("WriterGone", py.get_type::<WriterGone>())?;
+    m.add("TensorSetClosed", py.get_type::<TensorSetClosed>())?;
+    m.add("LayoutMismatch", py.get_type::<LayoutMismatch>())?;
+    m.add("ContentMismatch", py.get_type::<ContentMismatch>())?;
     let x = extra(py)?;
     m.add("Timeout", x.timeout.bind(py))?;
     m.add("InvalidArgument", x.invalid_argument.bind(py))?;
@@ -245,6 +282,11 @@ enum Kind {
     Os,
     Quota,
     OverQuota,
+    TensorSetNotFound,
+    WriterGone,
+    TensorSetClosed,
+    LayoutMismatch,
+    ContentMismatch,
 }
 
 /// The end of the shared-memory layer's text for a symbolic link under a segment's name.
@@ -291,6 +333,24 @@ fn kind(e: &Error) -> Kind {
             _ => Kind::Base,
         },
         Error::Timeout { .. } => Kind::Timeout,
+        Error::TensorSet(t) => match t {
+            TensorSetError::NotFound(_) => Kind::TensorSetNotFound,
+            TensorSetError::AlreadyExists { .. } | TensorSetError::CreationInProgress(_) => {
+                Kind::ChannelExists
+            }
+            TensorSetError::LayoutMismatch { .. } => Kind::LayoutMismatch,
+            TensorSetError::ContentMismatch { .. } => Kind::ContentMismatch,
+            TensorSetError::BadManifest { .. } | TensorSetError::VersionMismatch { .. } => {
+                Kind::BadSegment
+            }
+            TensorSetError::WriterGone { .. } => Kind::WriterGone,
+            TensorSetError::Closed(_) => Kind::TensorSetClosed,
+            TensorSetError::TooManyTensors { .. }
+            | TensorSetError::BadTensor { .. }
+            | TensorSetError::NoSuchTensor(_) => Kind::InvalidArgument,
+            TensorSetError::WrongKind(_) => Kind::NotSupported,
+            _ => Kind::Base,
+        },
         Error::Quota(q) => match q {
             RustQuotaError::OverQuota { .. } => Kind::OverQuota,
             RustQuotaError::BadSegment { .. } | RustQuotaError::VersionMismatch { .. } => {
@@ -360,6 +420,11 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Kind::Os => extra_class(|x| &x.os_error),
         Kind::Quota => QuotaError::new_err(msg),
         Kind::OverQuota => extra_class(|x| &x.over_quota),
+        Kind::TensorSetNotFound => TensorSetNotFound::new_err(msg),
+        Kind::WriterGone => WriterGone::new_err(msg),
+        Kind::TensorSetClosed => TensorSetClosed::new_err(msg),
+        Kind::LayoutMismatch => LayoutMismatch::new_err(msg),
+        Kind::ContentMismatch => ContentMismatch::new_err(msg),
     }
 }
 

@@ -38,6 +38,7 @@ pub struct TensorSetReader {
     name: String,
     read_only: bool,
     imports: u32,
+    buffers: usize,
     expect_content: Option<[u8; 32]>,
     _manifest: Segment,
 }
@@ -203,9 +204,11 @@ impl TensorSetReader {
             }
             .into());
         }
+        let buffers = m.buffers;
         Ok(TensorSetReader {
             consumer,
             memory,
+            buffers,
             holds: Mutex::new([0; MAX_SET_BUFFERS]),
             layout: Arc::new(m.layout),
             name: name.to_string(),
@@ -214,6 +217,11 @@ impl TensorSetReader {
             expect_content: opts.expect_content,
             _manifest: opened.seg,
         })
+    }
+
+    /// Buffers of the set (1 in place; B buffered): generations in flight.
+    pub fn buffers(&self) -> usize {
+        self.buffers
     }
 
     /// The set's name.

@@ -1,0 +1,417 @@
+//! The `TensorSetReader` and `TensorHold` classes (`cuda_ipc::tensorset::TensorSetReader`,
+//! `Held`).
+//!
+//! A reader maps every allocation once at open and keeps the mappings; the dict of each buffer's
+//! tensors is built once (`tensors::build`) and handed out as a new `dict` of the same tensors for
+//! every generation that buffer holds, so a new generation costs no import and no tensor
+//! construction. Streams: `TensorHold.tensors()` makes PyTorch's current stream (or `stream=`)
+//! wait on the GPU for the generation, and the release (`release()`, the `with` block's end, or
+//! collection) is ordered after the work enqueued on that stream by then.
+
+use crate::errors;
+use crate::tensor_set_writer::work_stream;
+use crate::tensors;
+use crate::util::{Seconds, Stop, err, lock, sliced, timeout_arg, wait_arg};
+use cuda_ipc::driver::Device;
+use cuda_ipc::tensorset::owned::OwnedHeld;
+use cuda_ipc::tensorset::{Location, ReaderOptions};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use std::sync::{Arc, Mutex};
+
+type RustReader = cuda_ipc::tensorset::TensorSetReader;
+
+/// The reading end of a tensor set (`cuda_ipc::tensorset::TensorSetReader`).
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct TensorSetReader {
+    inner: Mutex<Option<Arc<RustReader>>>,
+    name: String,
+    device: i32,
+    host: bool,
+    /// Each buffer's dict, built at its first hold.
+    dicts: Mutex<Vec<Option<Py<PyDict>>>>,
+}
+
+impl TensorSetReader {
+    fn get(&self, py: Python<'_>) -> PyResult<Arc<RustReader>> {
+        lock(&self.inner).clone().ok_or_else(|| {
+            errors::invalid_argument(py, format!("reader of {:?} is closed", self.name))
+        })
+    }
+
+    fn hold(&self, py: Python<'_>, slf: &Bound<'_, Self>, h: OwnedHeld) -> TensorHold {
+        let _ = py;
+        TensorHold {
+            held: Mutex::new(Some(h)),
+            reader: slf.clone().unbind(),
+            target: Mutex::new(None),
+        }
+    }
+
+    /// Waits (GIL released, in slices) for a generation newer than `than`.
+    fn wait(
+        &self,
+        py: Python<'_>,
+        than: u64,
+        timeout: Option<std::time::Duration>,
+    ) -> PyResult<Option<OwnedHeld>> {
+        let r = self.get(py)?;
+        sliced(
+            py,
+            timeout,
+            || lock(&self.inner).is_none(),
+            |py| errors::invalid_argument(py, format!("reader of {:?} is closed", self.name)),
+            |slice| OwnedHeld::wait_newer(&r, than, Some(slice)).map_err(Stop::Failed),
+        )
+    }
+}
+
+#[pymethods]
+impl TensorSetReader {
+    /// Opens tensor set `name`: checks its manifest, maps every allocation once (read-only where
+    /// the memory allows: `read_only`), and joins its generations. `device`: the CUDA ordinal to
+    /// map it on (`None`: the device that holds it, found by UUID). `expect_layout`: the writer's
+    /// 32-byte `layout_fingerprint`; another layout raises `LayoutMismatch`.
+    #[new]
+    #[pyo3(signature = (name, *, device=None, expect_layout=None, read_only=true,
+        wait="spin_then_block", spin=Seconds::Float(50e-6)))]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        device: Option<usize>,
+        expect_layout: Option<&[u8]>,
+        read_only: bool,
+        wait: &str,
+        spin: Seconds,
+    ) -> PyResult<Self> {
+        let mut opts = ReaderOptions::new();
+        opts.read_only = read_only;
+        opts.wait = wait_arg(py, wait, spin)?;
+        if let Some(l) = expect_layout {
+            opts.expect_layout = Some(<[u8; 32]>::try_from(l).map_err(|_| {
+                errors::invalid_argument(
+                    py,
+                    format!("expect_layout is {} bytes; a fingerprint has 32", l.len()),
+                )
+            })?);
+        }
+        let r = py
+            .detach(|| -> cuda_ipc::Result<RustReader> {
+                match device {
+                    Some(d) => {
+                        let ctx = Device::get(d)?.primary_context()?;
+                        RustReader::open(&ctx, &name, &opts)
+                    }
+                    None => RustReader::open_auto(&name, &opts),
+                }
+            })
+            .map_err(|e| err(py, e))?;
+        let host = r.stream().is_err();
+        let device = match r.stream() {
+            Ok(s) => s.context().device().ordinal() as i32,
+            Err(_) => -1,
+        };
+        let buffers = r.buffers();
+        Ok(TensorSetReader {
+            inner: Mutex::new(Some(Arc::new(r))),
+            name,
+            device,
+            host,
+            dicts: Mutex::new((0..buffers).map(|_| None).collect()),
+        })
+    }
+
+    /// The newest generation, held (`TensorHold`), even one this reader took before. `timeout`:
+    /// seconds to wait for a first generation when none is published yet (0: return `None` at
+    /// once; `None`: wait without bound).
+    #[pyo3(signature = (timeout=Seconds::Float(0.0)))]
+    fn current(
+        slf: Bound<'_, Self>,
+        py: Python<'_>,
+        timeout: Option<Seconds>,
+    ) -> PyResult<Option<TensorHold>> {
+        let this = slf.get();
+        let r = this.get(py)?;
+        let now = py
+            .detach(|| OwnedHeld::current(&r))
+            .map_err(|e| err(py, e))?;
+        if let Some(h) = now {
+            return Ok(Some(this.hold(py, &slf, h)));
+        }
+        let timeout = timeout_arg(py, timeout)?;
+        if timeout == Some(std::time::Duration::ZERO) {
+            return Ok(None);
+        }
+        Ok(this.wait(py, 0, timeout)?.map(|h| this.hold(py, &slf, h)))
+    }
+
+    /// Waits up to `timeout` seconds (`None`: without bound) for a generation newer than `than`
+    /// and holds it. Raises `Timeout`, `WriterGone` when the writer died (within about 1 s),
+    /// `TensorSetClosed` when it closed.
+    #[pyo3(signature = (than, timeout=None))]
+    fn wait_newer(
+        slf: Bound<'_, Self>,
+        py: Python<'_>,
+        than: u64,
+        timeout: Option<Seconds>,
+    ) -> PyResult<TensorHold> {
+        let this = slf.get();
+        let timeout = timeout_arg(py, timeout)?;
+        match this.wait(py, than, timeout)? {
+            Some(h) => Ok(this.hold(py, &slf, h)),
+            None => Err(crate::util::timeout_error(
+                py,
+                "a newer tensor-set generation",
+                timeout,
+            )),
+        }
+    }
+
+    /// `wait_newer` as an awaitable: it waits in the event loop's default executor (a thread,
+    /// which waits without the GIL), so the loop goes on meanwhile.
+    #[pyo3(signature = (than, timeout=None))]
+    fn wait_newer_async<'py>(
+        slf: Bound<'py, Self>,
+        py: Python<'py>,
+        than: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let asyncio = py.import("asyncio")?;
+        let event_loop = asyncio.call_method0("get_running_loop")?;
+        let f = slf.getattr("wait_newer")?;
+        let call = py
+            .import("functools")?
+            .call_method1("partial", (f, than, timeout))?;
+        event_loop.call_method1("run_in_executor", (py.None(), call))
+    }
+
+    /// The set's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Driver imports the open made (one per allocation and buffer not already mapped in this
+    /// process).
+    #[getter]
+    fn imports(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(self.get(py)?.imports())
+    }
+
+    /// Whether the mappings are read-only (VMM memory with `read_only=True`).
+    #[getter]
+    fn read_only(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.get(py)?.is_read_only())
+    }
+
+    /// The set's layout fingerprint (32 bytes).
+    #[getter]
+    fn layout_fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.get(py)?.layout().fingerprint()))
+    }
+
+    /// The tensors' names, in the set's order.
+    #[getter]
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        tensors::names(py, self.get(py)?.layout())
+    }
+
+    /// Leaves the set: this reader's slot is freed once no `TensorHold` of it is left (holds
+    /// keep it alive). Closing twice does nothing.
+    fn close(&self) {
+        lock(&self.inner).take();
+        lock(&self.dicts).iter_mut().for_each(|d| *d = None);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close();
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TensorSetReader({:?})", self.name)
+    }
+}
+
+/// A held generation (`cuda_ipc::tensorset::Held`): its buffer is not rewritten until it is
+/// released (`release()`, the end of a `with` block, or collection) and the GPU work enqueued
+/// before that on the stream its tensors were made ready on has run.
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct TensorHold {
+    held: Mutex<Option<OwnedHeld>>,
+    reader: Py<TensorSetReader>,
+    /// The raw stream `tensors()` made ready (the release is ordered after it).
+    target: Mutex<Option<usize>>,
+}
+
+impl TensorHold {
+    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&OwnedHeld) -> PyResult<T>) -> PyResult<T> {
+        match lock(&self.held).as_ref() {
+            Some(h) => f(h),
+            None => Err(errors::invalid_argument(
+                py,
+                "this generation was released".to_string(),
+            )),
+        }
+    }
+
+    fn release_now(&self) -> cuda_ipc::Result<()> {
+        let Some(h) = lock(&self.held).take() else {
+            return Ok(());
+        };
+        if let Some(s) = lock(&self.target).take() {
+            // SAFETY: `s` is the stream `tensors()` resolved (the caller's or PyTorch's current
+            // stream, which PyTorch never destroys, or a default-stream sentinel).
+            if let Err(e) = unsafe { h.held().release_after_raw(s as _) } {
+                // Without the ordering the writer could overwrite the buffer under work still
+                // queued there: wait for the reader's context instead.
+                let sync = h.held().stream().and_then(|st| st.context().synchronize());
+                drop(h);
+                return sync.and(Err(e));
+            }
+        }
+        drop(h);
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl TensorHold {
+    /// The generation number.
+    #[getter]
+    fn generation(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |h| Ok(h.held().generation()))
+    }
+
+    /// The buffer that holds it.
+    #[getter]
+    fn buffer(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |h| Ok(h.held().buffer()))
+    }
+
+    /// The content fingerprint the writer committed (32 bytes; all zeros: none).
+    #[getter]
+    fn content<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.with(py, |h| Ok(PyBytes::new(py, &h.held().content())))
+    }
+
+    /// The generation's tensors: a new `dict[str, torch.Tensor]` in the set's order, every value a
+    /// view of the mapped memory (no copy; the same tensors for every generation this buffer
+    /// holds, built at its first hold). `stream` (default: PyTorch's current stream) is made to
+    /// wait for the generation on the GPU, and the release is ordered after its work. PyTorch
+    /// tensors carry no read-only flag: an in-place operation on one over a read-only mapping
+    /// faults this process's CUDA context.
+    #[pyo3(signature = (*, stream=None))]
+    fn tensors<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let reader = self.reader.get();
+        if reader.host {
+            return Err(errors::not_supported(
+                "a host tensor set has no device tensors: copy a tensor's bytes with read(name)",
+            ));
+        }
+        let target = work_stream(py, stream, reader.device)?;
+        let (buffer, cached) = self.with(py, |h| {
+            let b = h.held().buffer();
+            Ok((
+                b,
+                lock(&reader.dicts)
+                    .get(b)
+                    .and_then(|d| d.as_ref().map(|d| d.clone_ref(py))),
+            ))
+        })?;
+        let dict = match cached {
+            Some(d) => d.into_bound(py),
+            None => {
+                let (layout, bases, owner) = self.with(py, |h| {
+                    let r = h.reader();
+                    let layout = r.layout().clone();
+                    let bases = tensors::allocation_bases(&layout, |i| h.held().device_ptr(i))
+                        .map_err(|e| err(py, e))?;
+                    let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
+                    Ok((layout, bases, owner))
+                })?;
+                let d = tensors::build(py, &layout, &bases, reader.device, Some(owner))?;
+                if let Some(slot) = lock(&reader.dicts).get_mut(buffer) {
+                    *slot = Some(d.clone().unbind());
+                }
+                d
+            }
+        };
+        self.with(py, |h| {
+            // SAFETY: `target` is the caller's stream or PyTorch's current stream (live for the
+            // call), or a default-stream sentinel.
+            unsafe { h.held().ready_on_raw(target as _) }.map_err(|e| err(py, e))
+        })?;
+        *lock(&self.target) = Some(target);
+        dict.copy()
+    }
+
+    /// A copy of tensor `name`'s bytes (host sets).
+    fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+        self.with(py, |h| {
+            let i = h.reader().layout().index_of(name).ok_or_else(|| {
+                err(
+                    py,
+                    cuda_ipc::tensorset::TensorSetError::NoSuchTensor(format!("{name:?}")).into(),
+                )
+            })?;
+            match h.held().tensor(i).map_err(|e| err(py, e))?.location {
+                Location::Host(_) => {
+                    let v = h.held().read_tensor(i).map_err(|e| err(py, e))?;
+                    Ok(PyBytes::new(py, &v))
+                }
+                _ => Err(errors::not_supported(
+                    "a GPU tensor set's bytes are read through tensors()",
+                )),
+            }
+        })
+    }
+
+    /// Whether the generation is still held.
+    #[getter]
+    fn held(&self) -> bool {
+        lock(&self.held).is_some()
+    }
+
+    /// Releases the generation (after the work enqueued on the stream `tensors()` made ready).
+    /// Releasing twice does nothing.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.release_now()).map_err(|e| err(py, e))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.release(py)
+    }
+
+    fn __repr__(&self) -> String {
+        match lock(&self.held).as_ref() {
+            Some(h) => format!(
+                "TensorHold(generation {}, buffer {})",
+                h.held().generation(),
+                h.held().buffer()
+            ),
+            None => "TensorHold(released)".to_string(),
+        }
+    }
+}
+
+impl Drop for TensorHold {
+    fn drop(&mut self) {
+        if let Err(e) = self.release_now() {
+            eprintln!("cuda_ipc: releasing a tensor-set generation: {e}");
+        }
+    }
+}

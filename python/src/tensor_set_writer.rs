@@ -1,0 +1,664 @@
+//! The `TensorSetWriter` and `TensorUpdate` classes (`cuda_ipc::tensorset::TensorSetWriter`,
+//! `Update`).
+//!
+//! Streams: an update is written on PyTorch's current stream of the set's device (or the
+//! `stream=` given to `begin`): `begin` makes that stream wait on the GPU for the writer's stream,
+//! which waits for the readers' release words, and the commit makes the writer's stream wait for
+//! that stream before it writes the generation's ready word. The host never waits for the GPU.
+
+use crate::errors;
+use crate::tensors::{self, specs_arg};
+use crate::util::{Seconds, Stop, err, lock, memory_arg, sliced, stream_arg, timeout_arg};
+use cuda_ipc::Error;
+use cuda_ipc::channel::MemoryKind;
+use cuda_ipc::driver::{Context, Device};
+use cuda_ipc::tensorset::owned::OwnedUpdate;
+use cuda_ipc::tensorset::{GenerationMode, Layout, TensorSetOptions, TensorSpec};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use std::sync::{Arc, Mutex};
+
+type RustWriter = cuda_ipc::tensorset::TensorSetWriter;
+
+/// What a writer holds between updates: the Rust writer, or nothing while an update owns it.
+enum Slot {
+    Idle(Box<RustWriter>),
+    Updating,
+    Closed,
+}
+
+/// The writing end of a tensor set (`cuda_ipc::tensorset::TensorSetWriter`).
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct TensorSetWriter {
+    slot: Mutex<Slot>,
+    name: String,
+    layout: Arc<Layout>,
+    device: i32,
+    host: bool,
+    /// The last generation committed.
+    generation: Mutex<u64>,
+    /// For `over_tensors`: the published tensors, kept alive while the set is (their memory must
+    /// not go back to PyTorch's pool while readers map it).
+    _keep: Option<Py<PyDict>>,
+}
+
+/// The `torch.cuda` stream the update's work runs on: `stream=` if given, else PyTorch's current
+/// stream of `device` when PyTorch is imported, else the legacy default stream.
+pub(crate) fn work_stream(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+    device: i32,
+) -> PyResult<usize> {
+    if let Some(s) = stream_arg(py, stream)? {
+        return Ok(s);
+    }
+    let modules = py.import("sys")?.getattr("modules")?;
+    if modules.contains("torch")? {
+        let torch = py.import("torch")?;
+        let s = torch
+            .getattr("cuda")?
+            .call_method1("current_stream", (device,))?
+            .getattr("cuda_stream")?
+            .extract::<usize>()?;
+        return Ok(s);
+    }
+    Ok(1)
+}
+
+fn mode_arg(py: Python<'_>, mode: &str, buffers: usize) -> PyResult<GenerationMode> {
+    match mode {
+        "in_place" => Ok(GenerationMode::InPlace),
+        "buffered" => Ok(GenerationMode::Buffered(buffers)),
+        m => Err(errors::invalid_argument(
+            py,
+            format!("mode must be \"in_place\" or \"buffered\", got {m:?}"),
+        )),
+    }
+}
+
+fn closed_error(py: Python<'_>, name: &str) -> PyErr {
+    err(
+        py,
+        cuda_ipc::tensorset::TensorSetError::Closed(name.to_string()).into(),
+    )
+}
+
+impl TensorSetWriter {
+    fn new_from(w: RustWriter, device: i32, keep: Option<Py<PyDict>>) -> TensorSetWriter {
+        TensorSetWriter {
+            name: w.name().to_string(),
+            layout: Arc::new(w.layout().clone()),
+            host: w.memory_kind() == MemoryKind::Host,
+            generation: Mutex::new(w.generation()),
+            slot: Mutex::new(Slot::Idle(Box::new(w))),
+            device,
+            _keep: keep,
+        }
+    }
+
+    /// Takes the Rust writer out for an update.
+    fn take(&self, py: Python<'_>) -> PyResult<Box<RustWriter>> {
+        let mut s = lock(&self.slot);
+        match std::mem::replace(&mut *s, Slot::Updating) {
+            Slot::Idle(w) => Ok(w),
+            Slot::Updating => {
+                *s = Slot::Updating;
+                Err(errors::invalid_argument(
+                    py,
+                    "an update of this tensor set is open: commit or abort it first".to_string(),
+                ))
+            }
+            Slot::Closed => {
+                *s = Slot::Closed;
+                Err(closed_error(py, &self.name))
+            }
+        }
+    }
+
+    fn give_back(&self, w: Box<RustWriter>) {
+        *lock(&self.generation) = w.generation();
+        *lock(&self.slot) = Slot::Idle(w);
+    }
+
+    fn with_writer<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&RustWriter) -> PyResult<T>,
+    ) -> PyResult<T> {
+        match &*lock(&self.slot) {
+            Slot::Idle(w) => f(w),
+            Slot::Updating => Err(errors::invalid_argument(
+                py,
+                "an update of this tensor set is open".to_string(),
+            )),
+            Slot::Closed => Err(closed_error(py, &self.name)),
+        }
+    }
+}
+
+#[pymethods]
+impl TensorSetWriter {
+    /// Creates tensor set `name` holding `tensors` (a dict of name → `torch.Tensor`, whose shapes
+    /// and dtypes are taken, or name → `(shape, dtype)`), laid out contiguous in one allocation
+    /// per buffer on CUDA device `device`; nothing is published until the first commit.
+    #[new]
+    #[pyo3(signature = (name, tensors, *, device=0, memory="vmm", mode="in_place", buffers=2,
+        max_readers=64))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        tensors: &Bound<'_, PyDict>,
+        device: usize,
+        memory: &str,
+        mode: &str,
+        buffers: usize,
+        max_readers: usize,
+    ) -> PyResult<Self> {
+        let specs = specs_arg(py, tensors)?;
+        let kind = memory_arg(py, memory)?;
+        let opts = TensorSetOptions::new()
+            .memory(kind)
+            .mode(mode_arg(py, mode, buffers)?)
+            .max_readers(max_readers);
+        let w = py
+            .detach(|| -> cuda_ipc::Result<RustWriter> {
+                if kind == MemoryKind::Host {
+                    return RustWriter::create_host(&name, &specs, &opts);
+                }
+                let ctx = Device::get(device)?.primary_context()?;
+                RustWriter::create(&ctx, &name, &specs, &opts)
+            })
+            .map_err(|e| err(py, e))?;
+        Ok(Self::new_from(w, device as i32, None))
+    }
+
+    /// Publishes `tensors` (a dict of name → CUDA `torch.Tensor`, e.g. a model's `state_dict()`)
+    /// as tensor set `name` without a copy: every tensor must live in memory of
+    /// `cuda_ipc.torch_mem_pool` (a model built under `torch.cuda.use_mem_pool(pool)`); the set
+    /// lists the arena's chunks that hold them and each tensor's place there (strides kept). In
+    /// place only: update the tensors between `begin()` and the commit. Generation 1 is committed
+    /// at once. The writer keeps the tensors alive until it closes.
+    #[staticmethod]
+    #[pyo3(signature = (name, tensors, *, device=0, max_readers=64))]
+    fn over_tensors(
+        py: Python<'_>,
+        name: String,
+        tensors: &Bound<'_, PyDict>,
+        device: usize,
+        max_readers: usize,
+    ) -> PyResult<Self> {
+        let mut chunks: Vec<(usize, cuda_ipc::ipc::VmmBuffer)> = Vec::new();
+        let mut located: Vec<(TensorSpec, u32, u64)> = Vec::with_capacity(tensors.len());
+        for (k, t) in tensors.iter() {
+            let name: String = k.extract()?;
+            let dtype = tensors::dtype_arg(py, &t.getattr("dtype")?)?;
+            let shape: Vec<i64> = t.getattr("shape")?.extract()?;
+            let strides: Vec<i64> = t.call_method0("stride")?.extract()?;
+            let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+            let elem = dtype.size_bytes().unwrap_or(1) as i64;
+            let span = if shape.contains(&0) {
+                0
+            } else {
+                elem * (1 + shape
+                    .iter()
+                    .zip(&strides)
+                    .map(|(d, s)| (d - 1) * s)
+                    .sum::<i64>())
+            };
+            let Some((dev, chunk, buf, offset)) =
+                crate::torch_alloc::find(ptr, span.max(1) as usize)
+            else {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {name:?} does not live in cuda_ipc.torch_mem_pool memory: build \
+                         the model under torch.cuda.use_mem_pool(cuda_ipc.torch_mem_pool()) or \
+                         publish it with a copy (TensorSetWriter(...).publish)"
+                    ),
+                ));
+            };
+            if dev != device as i32 {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!("tensor {name:?} is on device {dev}, not {device}"),
+                ));
+            }
+            let a = match chunks.iter().position(|(c, _)| *c == chunk) {
+                Some(a) => a,
+                None => {
+                    chunks.push((chunk, buf));
+                    chunks.len() - 1
+                }
+            };
+            located.push((
+                TensorSpec::strided(name, dtype, &shape, &strides),
+                a as u32,
+                offset,
+            ));
+        }
+        let allocations = chunks.into_iter().map(|(_, b)| b).collect();
+        let opts = TensorSetOptions::new().max_readers(max_readers);
+        let w = py
+            .detach(|| -> cuda_ipc::Result<RustWriter> {
+                let ctx: Arc<Context> = Device::get(device)?.primary_context()?;
+                // The tensors' last writes were enqueued on PyTorch's streams: wait for them before
+                // generation 1 says the memory is ready.
+                ctx.synchronize()?;
+                let mut w = RustWriter::create_over(&ctx, &name, &located, allocations, &opts)?;
+                w.begin(Some(std::time::Duration::from_secs(5)))?.commit()?;
+                Ok(w)
+            })
+            .map_err(|e| err(py, e))?;
+        Ok(Self::new_from(
+            w,
+            device as i32,
+            Some(tensors.copy()?.unbind()),
+        ))
+    }
+
+    /// Takes the buffer of the next generation (waiting up to `timeout` seconds, `None`: forever,
+    /// while readers hold it) and returns the update; its work runs on `stream` (default:
+    /// PyTorch's current stream), which is made to wait for the buffer's last readers on the GPU.
+    /// Use it as a context manager: the update commits when the block ends without an exception
+    /// and is aborted otherwise.
+    #[pyo3(signature = (timeout=None, *, stream=None))]
+    fn begin(
+        slf: Bound<'_, Self>,
+        py: Python<'_>,
+        timeout: Option<Seconds>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<TensorUpdate> {
+        let this = slf.get();
+        let timeout = timeout_arg(py, timeout)?;
+        let target = if this.host {
+            None
+        } else {
+            Some(work_stream(py, stream, this.device)?)
+        };
+        let writer = Mutex::new(Some(this.take(py)?));
+        let got = sliced(
+            py,
+            timeout,
+            || false,
+            |py| closed_error(py, &this.name),
+            |slice| {
+                let w = lock(&writer)
+                    .take()
+                    .expect("the writer is here between slices");
+                match OwnedUpdate::begin(w, Some(slice)) {
+                    Ok(u) => Ok(Some(u)),
+                    Err((w, Error::Timeout { .. })) => {
+                        *lock(&writer) = Some(w);
+                        Ok(None)
+                    }
+                    Err((w, e)) => {
+                        *lock(&writer) = Some(w);
+                        Err(Stop::Failed(e))
+                    }
+                }
+            },
+        );
+        let update = match got {
+            Ok(Some(u)) => u,
+            Ok(None) => {
+                if let Some(w) = lock(&writer).take() {
+                    this.give_back(w);
+                }
+                return Err(crate::util::timeout_error(
+                    py,
+                    "a tensor-set buffer",
+                    timeout,
+                ));
+            }
+            Err(e) => {
+                if let Some(w) = lock(&writer).take() {
+                    this.give_back(w);
+                }
+                return Err(e);
+            }
+        };
+        if let Some(s) = target {
+            // SAFETY: `s` is the stream the caller named or PyTorch's current stream, live for
+            // the call (PyTorch's streams are never destroyed), or a default-stream sentinel.
+            if let Err(e) = unsafe { update.update().ready_on_raw(s as _) } {
+                this.give_back(update.into_writer());
+                return Err(err(py, e));
+            }
+        }
+        Ok(TensorUpdate {
+            update: Mutex::new(Some(update)),
+            writer: slf.unbind(),
+            target,
+        })
+    }
+
+    /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`, any subset of the set's names, each
+    /// of the set's dtype and at most its bytes) into a new generation and commits it: `begin`,
+    /// `copy_from`, commit. Returns the generation.
+    #[pyo3(signature = (tensors, timeout=None, *, stream=None))]
+    fn publish(
+        slf: Bound<'_, Self>,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyDict>,
+        timeout: Option<Seconds>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let u = Self::begin(slf, py, timeout, stream)?;
+        if let Err(e) = u.copy_from(py, tensors) {
+            u.abort(py)?;
+            return Err(e);
+        }
+        u.commit(py, None)
+    }
+
+    /// The last generation committed (0: none).
+    #[getter]
+    fn generation(&self) -> u64 {
+        *lock(&self.generation)
+    }
+
+    /// The set's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layout fingerprint (32 bytes, SHA-256 of names, dtypes, shapes, strides and offsets):
+    /// give it to readers as `expect_layout` so they refuse another checkpoint's layout.
+    #[getter]
+    fn layout_fingerprint<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.layout.fingerprint())
+    }
+
+    /// The tensors' names, in the set's order.
+    #[getter]
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        tensors::names(py, &self.layout)
+    }
+
+    /// Bytes of one buffer (every tensor, with alignment).
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.layout.bytes_per_buffer()
+    }
+
+    /// Waits on the host until the writer's stream drained (its copies and ready words).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_writer(py, |w| {
+            if self.host {
+                return Ok(());
+            }
+            let s = w.stream().map_err(|e| err(py, e))?;
+            py.detach(|| s.synchronize()).map_err(|e| err(py, e))
+        })
+    }
+
+    /// Closes the set: its names go (no new reader opens it), waiting readers get
+    /// `TensorSetClosed`, and the memory is freed after up to `timeout` seconds for readers'
+    /// holds. Closing twice does nothing.
+    #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
+    fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
+        let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;
+        let w = {
+            let mut s = lock(&self.slot);
+            match std::mem::replace(&mut *s, Slot::Closed) {
+                Slot::Idle(w) => w,
+                Slot::Closed => return Ok(()),
+                Slot::Updating => {
+                    *s = Slot::Updating;
+                    return Err(errors::invalid_argument(
+                        py,
+                        "an update of this tensor set is open: commit or abort it first"
+                            .to_string(),
+                    ));
+                }
+            }
+        };
+        py.detach(|| w.close(t)).map_err(|e| err(py, e))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py, Seconds::Float(5.0))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TensorSetWriter({:?}, {} tensors, {} bytes per buffer, generation {})",
+            self.name,
+            self.layout.len(),
+            self.layout.bytes_per_buffer(),
+            *lock(&self.generation)
+        )
+    }
+}
+
+/// A generation being written (`cuda_ipc::tensorset::Update`), from `TensorSetWriter.begin()`.
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct TensorUpdate {
+    update: Mutex<Option<OwnedUpdate>>,
+    writer: Py<TensorSetWriter>,
+    /// The raw stream the update's work runs on (GPU sets).
+    target: Option<usize>,
+}
+
+impl TensorUpdate {
+    fn with<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut OwnedUpdate) -> PyResult<T>,
+    ) -> PyResult<T> {
+        let mut g = lock(&self.update);
+        match g.as_mut() {
+            Some(u) => f(u),
+            None => Err(errors::invalid_argument(
+                py,
+                "this update was committed or aborted".to_string(),
+            )),
+        }
+    }
+
+    fn finish(&self, py: Python<'_>, content: Option<[u8; 32]>) -> PyResult<u64> {
+        let Some(u) = lock(&self.update).take() else {
+            return Err(errors::invalid_argument(
+                py,
+                "this update was committed or aborted".to_string(),
+            ));
+        };
+        let writer = self.writer.get();
+        if let Some(s) = self.target
+            && let Err(e) = {
+                // SAFETY: `s` is the stream `begin` resolved (the caller's or PyTorch's current
+                // stream, live for the call, or a default-stream sentinel).
+                unsafe { u.update().publish_after_raw(s as _) }
+            }
+        {
+            writer.give_back(u.into_writer());
+            return Err(err(py, e));
+        }
+        let (w, r) = u.commit(content.unwrap_or([0; 32]));
+        writer.give_back(w);
+        r.map_err(|e| err(py, e))
+    }
+}
+
+#[pymethods]
+impl TensorUpdate {
+    /// The generation this update will publish.
+    #[getter]
+    fn generation(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |u| Ok(u.update().generation()))
+    }
+
+    /// The buffer being written.
+    #[getter]
+    fn buffer(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |u| Ok(u.update().buffer()))
+    }
+
+    /// The tensors of this update's buffer as writable `torch.Tensor`s (a new dict; the tensors
+    /// are views of the set's memory, valid while the writer lives). Write them on the update's
+    /// stream (PyTorch's current stream at `begin`, unless `stream=` was given).
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let writer = self.writer.get();
+        if writer.host {
+            return Err(errors::not_supported(
+                "a host tensor set has no device tensors: write it with write(name, data)",
+            ));
+        }
+        let layout = writer.layout.clone();
+        let bases = self.with(py, |u| {
+            tensors::allocation_bases(&layout, |i| u.update().tensor_ptr(i)).map_err(|e| err(py, e))
+        })?;
+        tensors::build(py, &layout, &bases, writer.device, None)
+    }
+
+    /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`: any subset of the set's names, each
+    /// of the set's dtype, at most its bytes; made contiguous first if it is not) into this
+    /// update's buffer, on the writer's stream after the work enqueued so far on the update's
+    /// stream (`cuMemcpyDtoDAsync`); the update's stream then waits for the copies, so PyTorch
+    /// reuses none of the sources' memory before they ran.
+    fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<()> {
+        let writer = self.writer.get();
+        if writer.host {
+            return Err(errors::not_supported(
+                "a host tensor set is written with write(name, data)",
+            ));
+        }
+        let mut keep = Vec::with_capacity(tensors.len());
+        let mut copies = Vec::with_capacity(tensors.len());
+        for (k, t) in tensors.iter() {
+            let name: String = k.extract()?;
+            let i = writer.layout.index_of(&name).ok_or_else(|| {
+                err(
+                    py,
+                    cuda_ipc::tensorset::TensorSetError::NoSuchTensor(format!("{name:?}")).into(),
+                )
+            })?;
+            let info = &writer.layout.tensors()[i];
+            let dtype = tensors::dtype_arg(py, &t.getattr("dtype")?)?;
+            if dtype != info.dtype {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {name:?}: dtype {dtype:?}, the set holds {:?}",
+                        info.dtype
+                    ),
+                ));
+            }
+            let t = t.call_method0("contiguous")?;
+            let n =
+                t.call_method0("numel")?.extract::<u64>()? * dtype.size_bytes().unwrap_or(1) as u64;
+            let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+            copies.push((i, ptr, n as usize));
+            keep.push(t);
+        }
+        self.with(py, |u| {
+            if let Some(s) = self.target {
+                // SAFETY: `s` is the update's stream (see `finish`).
+                unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
+            }
+            for (i, ptr, n) in &copies {
+                u.update().copy_in(*i, *ptr, *n).map_err(|e| err(py, e))?;
+            }
+            if let Some(s) = self.target {
+                // SAFETY: as above.
+                unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))?;
+            }
+            Ok(())
+        })?;
+        drop(keep);
+        Ok(())
+    }
+
+    /// Copies the last committed generation into this buffer (buffered sets; nothing to do in
+    /// place), on the writer's stream.
+    fn copy_from_previous(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |u| u.copy_from_previous().map_err(|e| err(py, e)))
+    }
+
+    /// Writes `data` (bytes-like) into tensor `name` from its first byte (host sets).
+    fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let writer = self.writer.get();
+        let i = writer.layout.index_of(name).ok_or_else(|| {
+            err(
+                py,
+                cuda_ipc::tensorset::TensorSetError::NoSuchTensor(format!("{name:?}")).into(),
+            )
+        })?;
+        let bytes = crate::util::bytes_of(data)?;
+        let src = bytes.as_bytes();
+        self.with(py, |u| u.write_tensor(i, src).map_err(|e| err(py, e)))
+    }
+
+    /// Publishes the generation (`content`: an optional 32-byte content fingerprint readers may
+    /// demand); returns its number. Its ready word is written on the writer's stream after the
+    /// work enqueued on the update's stream.
+    #[pyo3(signature = (content=None))]
+    fn commit(&self, py: Python<'_>, content: Option<&[u8]>) -> PyResult<u64> {
+        let content = match content {
+            None => None,
+            Some(c) => Some(<[u8; 32]>::try_from(c).map_err(|_| {
+                errors::invalid_argument(
+                    py,
+                    format!("content is {} bytes; a fingerprint has 32", c.len()),
+                )
+            })?),
+        };
+        self.finish(py, content)
+    }
+
+    /// Gives the buffer back uncommitted (in place: the generation it held is gone and readers
+    /// see nothing until the next commit). Aborting twice does nothing.
+    fn abort(&self, _py: Python<'_>) -> PyResult<()> {
+        if let Some(u) = lock(&self.update).take() {
+            self.writer.get().give_back(u.into_writer());
+        }
+        Ok(())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if exc_type.is_some_and(|e| !e.is_none()) {
+            self.abort(py)?;
+        } else if lock(&self.update).is_some() {
+            self.finish(py, None)?;
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        match lock(&self.update).as_ref() {
+            Some(u) => format!(
+                "TensorUpdate(generation {}, buffer {})",
+                u.update().generation(),
+                u.update().buffer()
+            ),
+            None => "TensorUpdate(finished)".to_string(),
+        }
+    }
+}
+
+impl Drop for TensorUpdate {
+    fn drop(&mut self) {
+        // Collected while open: give the writer back uncommitted, so the set stays usable.
+        if let Some(u) = lock(&self.update).take() {
+            self.writer.get().give_back(u.into_writer());
+        }
+    }
+}
