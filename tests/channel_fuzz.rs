@@ -7,9 +7,9 @@ mod common;
 
 use common::{Unlink, unique};
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::layout;
-use cuda_ipc::channel::testing::{self, ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::raw::channel::layout;
+use cuda_ipc::raw::channel::testing::{self, ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
 use proptest::prelude::*;

@@ -1,5 +1,5 @@
 //! Opens a channel control segment holding arbitrary bytes as a consumer does (protocol only, no
-//! GPU: `cuda_ipc::channel::testing`), attaches, takes and releases frames, inspects it and
+//! GPU: `cuda_ipc::raw::channel::testing`), attaches, takes and releases frames, inspects it and
 //! detaches: every outcome must be a value or an error, never a panic, a fault or a hang. The first
 //! input byte picks the mode: bit 0: raw bytes as the whole segment, or a valid channel with the
 //! input's bytes written over it; bit 1: the delivery policy; bit 2: the second half of the input
@@ -9,8 +9,9 @@
 //! `cargo +nightly fuzz run open_channel -- -max_total_time=60`
 #![no_main]
 
-use cuda_ipc::channel::testing::{self, ControlConsumer, ControlProducer};
-use cuda_ipc::channel::{Delivery, layout};
+use cuda_ipc::raw::channel::testing::{self, ControlConsumer, ControlProducer};
+use cuda_ipc::channel::Delivery;
+use cuda_ipc::raw::channel::layout;
 use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};

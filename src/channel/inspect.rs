@@ -11,14 +11,16 @@
 use super::Delivery;
 use super::control::{self, Control};
 use super::handoff::LatencyHistogram;
-use super::layout::{
-    self, ConsumerState, META_BYTES, ProducerState, SEQ_EMPTY, UnknownCode, WRITING,
-};
+use super::layout::{self, META_BYTES, SEQ_EMPTY, WRITING};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
 use crate::sync::Ordering;
 use crate::token::Token;
+
+/// The wire codes a snapshot reads: the gate's state, a consumer slot's state, the producer's
+/// state, and the code a build does not know (docs/channel-layout.md).
+pub use super::layout::{ConsumerState, GateState, ProducerState, UnknownCode};
 
 /// The prefix of every channel's segment name: channel `NAME` lives in `/dev/shm/cuda-ipc.ch.NAME`.
 pub const SEGMENT_PREFIX: &str = layout::SEGMENT_PREFIX;
@@ -274,7 +276,7 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// # Examples
 /// ```
 /// use cuda_ipc::channel::inspect;
-/// use cuda_ipc::channel::testing::ControlProducer;
+/// use cuda_ipc::raw::channel::testing::ControlProducer;
 /// let name = format!("doc-inspect-{}", std::process::id());
 /// let tokens = [[0u8; cuda_ipc::token::TOKEN_LEN]];
 /// let tx = ControlProducer::create(&name, 4096, 2, &tokens)?;
