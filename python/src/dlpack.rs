@@ -58,7 +58,12 @@ impl Drop for FrameHold {
             eprintln!(
                 "cuda_ipc: ordering a frame's release after a tensor's stream failed ({e}); synchronising"
             );
-            if let Err(e) = self.frame.consumer().context().synchronize() {
+            if let Err(e) = self
+                .frame
+                .consumer()
+                .context()
+                .and_then(|c| c.synchronize())
+            {
                 eprintln!("cuda_ipc: synchronising the consumer's context failed: {e}");
             }
         }

@@ -187,8 +187,9 @@ impl Consumer {
         })
     }
 
-    fn gpu(&self) -> &GpuImports {
-        self.imports().expect(HOST_NO_GPU)
+    fn gpu(&self) -> Result<&GpuImports> {
+        self.imports()
+            .ok_or_else(|| Error::InvalidArgument(HOST_NO_GPU.into()))
     }
 
     /// The GPU side; `None` on a host channel.
@@ -201,18 +202,20 @@ impl Consumer {
 
     /// The consumer's stream: frames are ready on it, enqueue the work that reads them here.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
-    pub fn stream(&self) -> &Stream {
-        &self.gpu().stream
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
+    /// (formerly a panic).
+    pub fn stream(&self) -> Result<&Stream> {
+        Ok(&self.gpu()?.stream)
     }
 
     /// The consumer's context.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no context.
-    pub fn context(&self) -> &Arc<Context> {
-        &self.gpu().ctx
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no context
+    /// (formerly a panic).
+    pub fn context(&self) -> Result<&Arc<Context>> {
+        Ok(&self.gpu()?.ctx)
     }
 
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
@@ -488,6 +491,7 @@ impl Consumer {
         *last = seq;
         let posted = Posted {
             consumer: self,
+            gpu,
             index,
             seq,
         };
@@ -796,6 +800,8 @@ impl Drop for Frame<'_> {
 /// host; dropping it without waiting leaves the frame to the next `wait` or `recv`.
 pub struct Posted<'a> {
     consumer: &'a Consumer,
+    /// The GPU side of the consumer that posted it (posted receives exist only on GPU channels).
+    gpu: &'a GpuImports,
     index: usize,
     seq: u64,
 }
@@ -822,20 +828,18 @@ impl<'a> Posted<'a> {
 
     /// The buffer that will hold the frame, mapped in the consumer's context.
     pub fn buffer(&self) -> &'a ImportedBuffer {
-        &self.consumer.gpu().buffers[self.index]
+        &self.gpu.buffers[self.index]
     }
 
     /// The consumer's stream, where the work that reads the frame goes (it waits for the frame).
     pub fn stream(&self) -> &'a Stream {
-        &self.consumer.gpu().stream
+        &self.gpu.stream
     }
 
     /// The gate words' device address ([`Consumer::gate_device_ptr`]): work on the stream reads
     /// them to tell whether this frame came.
     pub fn gate_device_ptr(&self) -> u64 {
-        self.consumer
-            .imports()
-            .map_or(0, |g| g.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
+        self.gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64
     }
 
     /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes
