@@ -10,8 +10,8 @@
 
 use super::Delivery;
 use super::control::{self, Control};
-use super::handoff::LatencyHistogram;
 use super::layout::{self, META_BYTES, SEQ_EMPTY, WRITING};
+use super::stats::LatencyHistogram;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;

@@ -166,7 +166,7 @@ impl ControlConsumer {
     /// `CLOCK_MONOTONIC` now, µs, low 32 bits: the clock the histogram's latencies are read with.
     #[inline]
     pub fn monotonic_us32() -> u32 {
-        super::handoff::monotonic_us32()
+        super::stats::monotonic_us32()
     }
     /// Writes this consumer's release word for buffer `i` as its stream does after its reads of
     /// frame `seq`.
