@@ -512,7 +512,7 @@ mod tests {
     use crate::token::{TOKEN_LEN, TokenKind};
 
     // The segment is driven through `Control` itself: `channel::testing` builds on this module,
-    // so its `ControlProducer` and `ControlConsumer` are not used here.
+    // so its `ControlProducer`, `ControlConsumer` and `token` are not used here (a circle).
 
     /// A producer's control segment with buffers of 4096 bytes and room for 4 consumers.
     fn producer(n: &str, tokens: &[[u8; TOKEN_LEN]]) -> Control {
