@@ -120,7 +120,8 @@ impl Export {
         // were written by `Dynamic::compact`; the flags (none) say it is writable and not a copy,
         // which holds for a view of the pool buffer. For a write frame (`Hold::None`) the
         // buffer stays valid while its producer lives, which the caller documents.
-        Ok(unsafe { init.finish() })
+        let tensor = unsafe { init.finish() };
+        Ok(tensor)
     }
 
     fn dl_device(&self) -> DLDevice {
