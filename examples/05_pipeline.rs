@@ -153,7 +153,7 @@ fn producer(a: &Args) -> Res<()> {
         kernels.fill_pattern(frame.buffer()?, i as u32, frame.stream()?)?;
         frame.publish(&FrameMeta::now(i, WIDTH, HEIGHT).encode())?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     let stats = tx.stats();
     let report = tx.close(Duration::from_secs(10))?;
@@ -188,7 +188,7 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Res<()> {
         channel,
         &ConsumerOptions::new().delivery(a.delivery).wait(a.wait),
     )?;
-    let ctx = rx.context().clone();
+    let ctx = rx.context()?.clone();
     let kernels = Kernels::load(&ctx)?;
     let counter = zeroed_counter(&ctx)?;
     println!(
@@ -223,7 +223,7 @@ fn consumer(a: &Args, channel: &str, idx: &str) -> Res<()> {
         received += 1;
         drop(frame); // release, ordered after the check on our stream
     }
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     let bad = read_u64(&counter)?;
     lat.sort_unstable();

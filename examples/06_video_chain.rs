@@ -149,7 +149,7 @@ fn filter(frames: u64) -> Res<()> {
         kernels.fill_pattern(wf.buffer()?, i as u32, wf.stream()?)?;
         wf.publish(&meta(i))?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     let drained = wait_drained(&tx, DRAIN_TIMEOUT);
     let published = tx.stats().published;
@@ -206,7 +206,7 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
         name_a,
         &ConsumerOptions::new().delivery(Delivery::EveryFrame),
     )?;
-    let ctx = rx.context().clone();
+    let ctx = rx.context()?.clone();
     let kernels = Kernels::load(&ctx)?;
     let mut tx = Producer::create(&ctx, name_b, &ChannelOptions::new(FRAME_BYTES))?;
     // `a_ready`: recorded on the consumer stream, which waits on A's frame event; `b_written`:
@@ -240,7 +240,7 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
         // B's event is recorded on the producer stream, after the XOR.
         wf.publish(&m)?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let secs = arrivals.secs();
     let Arrivals {
         received,
@@ -249,7 +249,7 @@ fn transform(frames: u64, name_a: &str, name_b: &str) -> Res<()> {
     } = arrivals;
     let drained = wait_drained(&tx, DRAIN_TIMEOUT);
     let report = tx.close(CLOSE_TIMEOUT)?;
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     let ok = drained && received == frames && out_of_order == 0;
     println!(
         "transform: {} received={received} of {frames} frames, {:.0} frames/s, {:.1} GB/s read+written; out of order {out_of_order}; B drained {drained}, forced holds {}",
@@ -270,7 +270,7 @@ fn analysis(frames: u64, name_b: &str) -> Res<()> {
         name_b,
         &ConsumerOptions::new().delivery(Delivery::EveryFrame),
     )?;
-    let ctx = rx.context().clone();
+    let ctx = rx.context()?.clone();
     let kernels = Kernels::load(&ctx)?;
     let counter = zeroed_counter(&ctx)?;
     println!("analysis (pid {}): attached to B", std::process::id());
@@ -293,7 +293,7 @@ fn analysis(frames: u64, name_b: &str) -> Res<()> {
         )?;
         drop(frame); // released after the check, on our stream
     }
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     let secs = arrivals.secs();
     let Arrivals {
         received,

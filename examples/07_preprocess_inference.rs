@@ -243,7 +243,7 @@ fn preprocess(frames: u64) -> Res<()> {
         };
         wf.publish(&header.encode())?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     let drained = wait_drained(&tx, DRAIN_TIMEOUT);
     let report = tx.close(CLOSE_TIMEOUT)?;

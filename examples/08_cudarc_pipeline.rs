@@ -169,7 +169,7 @@ fn producer(a: &Args) -> Res<()> {
         }
         frame.publish(&FrameMeta::now(i, WIDTH, HEIGHT).encode())?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     if !wait_drained(&tx, Duration::from_secs(30)) {
         return Err("the consumer did not take every frame within 30 s".into());
@@ -255,7 +255,7 @@ fn consumer(channel: &str, header_hex: &str) -> Res<()> {
         received += 1;
         drop(frame);
     }
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     let secs = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
     let mismatches = own.clone_dtoh(&bad).map_err(dr)?[0];
     drop(header);

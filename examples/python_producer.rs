@@ -125,7 +125,7 @@ fn run(a: &Args) -> Res<()> {
         // Stamped in ns of CLOCK_MONOTONIC, the clock `time.clock_gettime_ns` reads in Python.
         frame.publish(&FrameMeta::now(i, a.width, a.height).encode())?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let secs = start.elapsed().as_secs_f64();
     let stats = tx.stats();
     let report = tx.close(Duration::from_secs(30))?;

@@ -511,7 +511,7 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
     let gpu = if rx.is_host() {
         None
     } else {
-        let ctx = rx.context().clone();
+        let ctx = rx.context()?.clone();
         Some((Kernels::load(&ctx)?, zeroed_counter(&ctx)?))
     };
     println!("attached to {far} (pid {})", std::process::id());
@@ -558,7 +558,7 @@ fn consumer(a: &Args, far: &str) -> Res<()> {
     }
     let bad = match &gpu {
         Some((_, counter)) => {
-            rx.stream().synchronize()?;
+            rx.stream()?.synchronize()?;
             read_u64(counter)?
         }
         None => bad_host,

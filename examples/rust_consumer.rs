@@ -103,8 +103,8 @@ fn run(a: &Args) -> Res<()> {
     if a.cost {
         return cost(&rx);
     }
-    let kernels = Kernels::load(rx.context())?;
-    let counter = zeroed_counter(rx.context())?;
+    let kernels = Kernels::load(rx.context()?)?;
+    let counter = zeroed_counter(rx.context()?)?;
     let (mut frames, mut out_of_order, mut last) = (0u64, 0u64, None::<u64>);
     let start = Instant::now();
     loop {
@@ -124,7 +124,7 @@ fn run(a: &Args) -> Res<()> {
         kernels.check_pattern(frame.buffer()?, index as u32, &counter, frame.stream()?)?;
         frames += 1;
     }
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     let bad = read_u64(&counter)?;
     let secs = start.elapsed().as_secs_f64();
     let missing = a.frames.saturating_sub(frames);
@@ -157,7 +157,7 @@ fn cost(rx: &Consumer) -> Res<()> {
             Err(e) => return Err(e.into()),
         }
     }
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     if ns.is_empty() {
         return Err("no frame received".into());
     }

@@ -2,8 +2,9 @@
 //! the seqlock (`raw::shm`), the registry's byte layout (`raw::registry_layout`), the test points
 //! of the registry and of a quota reservation (`raw::registry_test_hooks`,
 //! `raw::quota_test_hooks`), the liveness helpers of tests that kill their own children
-//! (`raw::identity`) and the GPU kernels the examples and tests check frames with
-//! (`raw::kernels`).
+//! (`raw::identity`), the GPU kernels the examples and tests check frames with
+//! (`raw::kernels`), and the channel's byte layout and its protocol driven without a GPU
+//! (`raw::channel::layout`, `raw::channel::testing`).
 //!
 //! They are what the crate itself is built on, and they follow the layouts documented in
 //! docs/registry-layout.md and docs/channel-layout.md, but they are not part of the API the crate
@@ -55,4 +56,19 @@ pub mod identity {
 /// write and verify frames on the GPU.
 pub mod kernels {
     pub use crate::kernels::*;
+}
+
+/// The channel's control segment without a GPU: its byte layout (docs/channel-layout.md) and its
+/// protocol driven from the control segment alone, for tests of tools and fuzzing.
+pub mod channel {
+    /// The channel's byte layout: offsets, sizes, codes and constants (docs/channel-layout.md).
+    pub mod layout {
+        pub use crate::channel::layout::*;
+    }
+
+    /// Protocol-only access to a channel's control segment, without a GPU (tokens stored as given
+    /// and never opened).
+    pub mod testing {
+        pub use crate::channel::testing::*;
+    }
 }

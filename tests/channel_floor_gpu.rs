@@ -52,8 +52,8 @@ fn a_slow_consumer_never_blocks_the_producers_host_and_its_reads_are_never_overw
     const WORK_NS: u64 = 20_000_000;
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
-        let bad = zeroed_counter(rx.context());
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
+        let bad = zeroed_counter(rx.context().unwrap());
         tell("ready");
         let mut n = 0u64;
         loop {
@@ -72,7 +72,7 @@ fn a_slow_consumer_never_blocks_the_producers_host_and_its_reads_are_never_overw
             .unwrap();
             n += 1;
         }
-        rx.stream().synchronize().unwrap();
+        rx.stream().unwrap().synchronize().unwrap();
         tell(format!("done {n} {}", read_u64(&bad)));
         return;
     }
@@ -127,20 +127,26 @@ fn receives_posted_ahead_get_every_frame_and_the_gate_tells_the_ones_that_never_
     const AHEAD: u64 = 8;
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
         let gate = rx.gate_device_ptr().unwrap();
         let state = GateWord {
             ptr: gate,
-            ctx: rx.context().clone(),
+            ctx: rx.context().unwrap().clone(),
         };
         let end = GateWord {
             ptr: gate + 4,
-            ctx: rx.context().clone(),
+            ctx: rx.context().unwrap().clone(),
         };
         let total = FRAMES + AHEAD;
-        let states: Vec<DeviceBuffer> = (0..total).map(|_| zeroed_counter(rx.context())).collect();
-        let ends: Vec<DeviceBuffer> = (0..total).map(|_| zeroed_counter(rx.context())).collect();
-        let bad: Vec<DeviceBuffer> = (0..total).map(|_| zeroed_counter(rx.context())).collect();
+        let states: Vec<DeviceBuffer> = (0..total)
+            .map(|_| zeroed_counter(rx.context().unwrap()))
+            .collect();
+        let ends: Vec<DeviceBuffer> = (0..total)
+            .map(|_| zeroed_counter(rx.context().unwrap()))
+            .collect();
+        let bad: Vec<DeviceBuffer> = (0..total)
+            .map(|_| zeroed_counter(rx.context().unwrap()))
+            .collect();
         tell("ready");
         let mut posted = std::collections::VecDeque::new();
         let mut next = 1u64;
@@ -179,7 +185,7 @@ fn receives_posted_ahead_get_every_frame_and_the_gate_tells_the_ones_that_never_
                 break;
             }
         }
-        let drained = drains_within(rx.stream(), Duration::from_secs(10));
+        let drained = drains_within(rx.stream().unwrap(), Duration::from_secs(10));
         assert!(drained.is_some(), "the consumer's stream is wedged");
         // The kernels' rule: frame s came when the state is 0 or s <= end.
         let mut came = 0u64;
@@ -280,7 +286,7 @@ fn a_producer_killed_under_posted_receives_lets_the_consumers_stream_go() {
     );
     p.expect("ready", T);
     let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
-    let k = Kernels::load(rx.context()).unwrap();
+    let k = Kernels::load(rx.context().unwrap()).unwrap();
     let gate = GateWord {
         ptr: rx.gate_device_ptr().unwrap(),
         ctx: ctx.clone(),
@@ -294,7 +300,7 @@ fn a_producer_killed_under_posted_receives_lets_the_consumers_stream_go() {
     p.child.kill().unwrap();
     p.child.wait().unwrap();
     let t = Instant::now();
-    let drained = drains_within(rx.stream(), Duration::from_secs(10));
+    let drained = drains_within(rx.stream().unwrap(), Duration::from_secs(10));
     println!(
         "producer killed under 6 posted receives: the consumer's stream drained after {drained:?} (no call into the channel)"
     );
@@ -334,7 +340,7 @@ const CONSUMER_DEATH: &str = "a_consumer_killed_with_posted_work_pending_never_w
 fn a_consumer_killed_with_posted_work_pending_never_wedges_the_producer() {
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
         let posted: Vec<_> = (0..3)
             .map(|_| rx.post(|p| k.spin(2_000_000_000, p.stream())).unwrap())
             .collect();
@@ -375,7 +381,7 @@ fn a_consumer_killed_with_posted_work_pending_never_wedges_the_producer() {
             .unwrap();
         f.publish(&[]).unwrap();
     }
-    let drained = drains_within(tx.stream(), Duration::from_secs(10));
+    let drained = drains_within(tx.stream().unwrap(), Duration::from_secs(10));
     println!(
         "consumer killed with 3 posted receives of 2 s GPU work: 5 more frames published and the producer's stream drained {drained:?} after the kill ({:?} in all)",
         t.elapsed()

@@ -4,7 +4,7 @@
 
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect;
-use cuda_ipc::channel::testing::ControlConsumer;
+use cuda_ipc::raw::channel::testing::ControlConsumer;
 use std::time::{Duration, Instant};
 
 /// A file `/dev/shm/cuda-ipc.ch.NAME` with `bytes`, removed on drop.

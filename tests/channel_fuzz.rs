@@ -7,27 +7,13 @@ mod common;
 
 use common::{Unlink, unique};
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::layout;
-use cuda_ipc::channel::testing::{self, ControlConsumer, ControlProducer};
-use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::raw::channel::layout;
+use cuda_ipc::raw::channel::testing::{self, ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
-use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
+use cuda_ipc::token::Token;
 use proptest::prelude::*;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
-
-fn token(i: u8) -> [u8; TOKEN_LEN] {
-    Token {
-        kind: TokenKind::LegacyMemory,
-        handle: [i; 64],
-        offset: 0,
-        len: 4096,
-        device: cuda_ipc::driver::Uuid([7; 16]),
-        exporter: ProcessIdentity::current().unwrap(),
-        export_id: 0,
-    }
-    .to_bytes()
-}
 
 /// A channel `channel`'s segment holding `bytes`.
 fn segment_with(bytes: &[u8]) -> (String, Unlink) {
@@ -89,7 +75,13 @@ fn exercise(channel: &str, delivery: Delivery, pokes: &[(usize, u64)]) -> usize 
 fn valid_image() -> Vec<u8> {
     let channel = unique("chprop-src");
     let _u = Unlink(format!("{}{channel}", layout::SEGMENT_PREFIX));
-    let tx = ControlProducer::create(&channel, 4096, 2, &[token(1), token(2)]).unwrap();
+    let tx = ControlProducer::create(
+        &channel,
+        4096,
+        2,
+        &[testing::token(1).unwrap(), testing::token(2).unwrap()],
+    )
+    .unwrap();
     let rx = ControlConsumer::attach(&channel, Delivery::EveryFrame).unwrap();
     for _ in 0..2 {
         let (i, _) = tx.try_acquire().unwrap();

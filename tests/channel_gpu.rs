@@ -26,8 +26,8 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
     const FRAMES: u64 = 1000;
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&channel_env(), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
-        let bad = zeroed_counter(rx.context());
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
+        let bad = zeroed_counter(rx.context().unwrap());
         tell("ready");
         let mut n = 0u64;
         loop {
@@ -42,7 +42,7 @@ fn producer_overwrite_never_races_a_consumer_still_reading() {
                 .unwrap();
             n += 1;
         }
-        rx.stream().synchronize().unwrap();
+        rx.stream().unwrap().synchronize().unwrap();
         tell(format!("done {n} {}", read_u64(&bad)));
         return;
     }
@@ -83,7 +83,7 @@ const KILL_CONSUMER: &str =
 fn a_consumer_killed_mid_frame_releases_its_hold_and_the_producer_goes_on() {
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&channel_env(), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
         tell("ready");
         let f = rx.recv_timeout(T).unwrap();
         k.spin(10_000_000_000, f.stream().unwrap()).unwrap(); // mid-frame: 10 s of GPU work on it
@@ -169,15 +169,15 @@ fn consumers_of_a_producer_killed_mid_stream_get_producer_gone_promptly() {
     let pid = p.child.id();
     {
         let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
-        let bad = zeroed_counter(rx.context());
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
+        let bad = zeroed_counter(rx.context().unwrap());
         for _ in 0..200 {
             let f = rx.recv_timeout(T).unwrap();
             let seed = u64::from_le_bytes(f.metadata()[..8].try_into().unwrap());
             k.check_pattern(f.buffer().unwrap(), seed as u32, &bad, f.stream().unwrap())
                 .unwrap();
         }
-        rx.stream().synchronize().unwrap();
+        rx.stream().unwrap().synchronize().unwrap();
         assert_eq!(read_u64(&bad), 0);
         p.child.kill().unwrap();
         p.child.wait().unwrap();

@@ -359,6 +359,11 @@ fn no_driver_body(ch: &str, mut tx: Producer) {
     );
     assert!(matches!(f.buffer(), Err(Error::InvalidArgument(_))));
     assert!(matches!(f.stream(), Err(Error::InvalidArgument(_))));
+    // So are the ends' own: a host channel has no stream and no context.
+    assert!(matches!(tx.stream(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(tx.context(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(rx.stream(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(rx.context(), Err(Error::InvalidArgument(_))));
     assert!(f.read_at(BYTES, &mut two).is_err());
     assert_eq!(f.len(), BYTES);
     drop(f);

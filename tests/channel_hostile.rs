@@ -8,9 +8,9 @@
 mod common;
 
 use cuda_ipc::Error;
-use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::channel::{ChannelError, Delivery};
 use cuda_ipc::channel::{inspect, reclaim};
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::ShmError;
 use cuda_ipc::token::TOKEN_LEN;
 use std::ffi::CString;
@@ -188,7 +188,7 @@ fn a_live_producers_channel_and_one_of_another_layout_version_are_never_replaced
         .unwrap();
     std::os::unix::fs::FileExt::write_at(
         &f,
-        &(cuda_ipc::channel::layout::VERSION - 1).to_le_bytes(),
+        &(cuda_ipc::raw::channel::layout::VERSION - 1).to_le_bytes(),
         8,
     )
     .unwrap();
@@ -200,7 +200,7 @@ fn a_live_producers_channel_and_one_of_another_layout_version_are_never_replaced
                     found,
                     supported,
                     ..
-                }) if found == supported - 1 && supported == cuda_ipc::channel::layout::VERSION
+                }) if found == supported - 1 && supported == cuda_ipc::raw::channel::layout::VERSION
             ),
             "{who}: {e:?}"
         );

@@ -1,5 +1,5 @@
 //! docs/channel-layout.md against the code: its offset tables against the constants of
-//! `cuda_ipc::channel::layout` (which const asserts tie to the `#[repr(C)]` structs), its codes
+//! `cuda_ipc::raw::channel::layout` (which const asserts tie to the `#[repr(C)]` structs), its codes
 //! against the wire codes, its pairing table against the `SYNC POINT` labels in `src/channel`, and
 //! the bytes of a real segment read at the offsets the doc gives.
 
@@ -7,11 +7,11 @@ mod common;
 
 use common::{Unlink, unique};
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::layout::{
+use cuda_ipc::raw::channel::layout::{
     self, BUFFER_SLOT_SIZE, CONSUMER_SLOT_SIZE, ConsumerState, FIELDS, GPU_WORDS, HEADER_SIZE,
     MAGIC, ProducerState, READY_PAGE, RELEASE_PAGE, STAMP_READY, VERSION, WRITING,
 };
-use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::token::TOKEN_LEN;
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -34,8 +34,8 @@ fn consume() {
             return;
         }
     };
-    let k = Kernels::load(rx.context()).unwrap();
-    let bad = zeroed_counter(rx.context());
+    let k = Kernels::load(rx.context().unwrap()).unwrap();
+    let bad = zeroed_counter(rx.context().unwrap());
     tell(format!("ready {} {}", me.pid, me.pid_ns));
     let mut n = 0u64;
     loop {
@@ -52,7 +52,7 @@ fn consume() {
             .unwrap();
         n += 1;
     }
-    rx.stream().synchronize().unwrap();
+    rx.stream().unwrap().synchronize().unwrap();
     tell(format!("done {n} {}", read_u64(&bad)));
 }
 

@@ -1,11 +1,11 @@
 //! The channel's hand-off protocol on its control segment alone, without a GPU, driven through
-//! `channel::testing`: delivery policies and back-pressure, ring order, close and drain. The
+//! `raw::channel::testing`: delivery policies and back-pressure, ring order, close and drain. The
 //! protocol's internals (futex wake counts, the GPU words, a dead consumer's slot) are tested beside
 //! the code, in `src/channel/handoff/tests.rs`.
 
 use cuda_ipc::Error;
-use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::channel::{ChannelError, Delivery};
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::token::TOKEN_LEN;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;

@@ -24,9 +24,9 @@ const FRAMES: u64 = 300;
 fn consume(ordered: bool) {
     let name = std::env::var("CUDA_IPC_TEST_CHANNEL").unwrap();
     let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
-    let k = Kernels::load(rx.context()).unwrap();
-    let mine = Stream::new(rx.context()).unwrap();
-    let bad = zeroed_counter(rx.context());
+    let k = Kernels::load(rx.context().unwrap()).unwrap();
+    let mine = Stream::new(rx.context().unwrap()).unwrap();
+    let bad = zeroed_counter(rx.context().unwrap());
     tell("ready");
     let mut n = 0u64;
     loop {

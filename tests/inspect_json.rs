@@ -4,8 +4,8 @@
 
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect as channel_inspect;
-use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::registry::{Registry, RegistryOptions, inspect as registry_inspect};
 use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
 use serde_json::{Value, json};

@@ -52,7 +52,7 @@ fn consumer() {
             .unwrap();
         n += 1;
     }
-    rx.stream().synchronize().unwrap();
+    rx.stream().unwrap().synchronize().unwrap();
     tell(format!("done {n} {}", read_u64(&bad)));
 }
 

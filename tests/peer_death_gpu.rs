@@ -31,7 +31,7 @@ const CONSUMER_DIES: &str =
 fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_the_producer() {
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
         tell("ready");
         let f = rx.recv_timeout(T).unwrap();
         k.spin(PENDING_NS, f.stream().unwrap()).unwrap();
@@ -65,7 +65,7 @@ fn a_consumer_killed_with_gpu_work_pending_on_a_released_frame_does_not_wedge_th
     k.fill_pattern(f.buffer().unwrap(), 2, f.stream().unwrap())
         .unwrap();
     f.publish(&[]).unwrap();
-    let drained = drains_within(tx.stream(), Duration::from_secs(10));
+    let drained = drains_within(tx.stream().unwrap(), Duration::from_secs(10));
     println!(
         "consumer killed with {PENDING_NS} ns of GPU work pending: buffer back after {got:?}; producer stream drained: {drained:?}"
     );
@@ -118,7 +118,7 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     );
     p.expect("ready", T);
     let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
-    let k = Kernels::load(rx.context()).unwrap();
+    let k = Kernels::load(rx.context().unwrap()).unwrap();
     let bad = zeroed_counter(&ctx);
     p.send("go");
     p.expect("published", T);
@@ -130,7 +130,7 @@ fn a_producer_killed_with_its_write_pending_does_not_wedge_the_consumer() {
     // Without calling into the channel again (a user blocked synchronising the stream would not):
     // the consumer's watchdog closes the dead producer's gate (every ready word raised), so the
     // stream drains.
-    let drained = drains_within(rx.stream(), Duration::from_secs(10));
+    let drained = drains_within(rx.stream().unwrap(), Duration::from_secs(10));
     drop(f);
     let e = rx.recv_timeout(Duration::from_secs(5)).unwrap_err();
     assert!(

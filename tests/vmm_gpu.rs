@@ -245,8 +245,8 @@ fn channel_delivers_every_frame(test: &str, kind: MemoryKind) {
     const FRAMES: u64 = 2000;
     if role().as_deref() == Some("consumer") {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
-        let bad = zeroed_counter(rx.context());
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
+        let bad = zeroed_counter(rx.context().unwrap());
         tell("ready");
         let mut n = 0u64;
         loop {
@@ -260,7 +260,7 @@ fn channel_delivers_every_frame(test: &str, kind: MemoryKind) {
                 .unwrap();
             n += 1;
         }
-        rx.stream().synchronize().unwrap();
+        rx.stream().unwrap().synchronize().unwrap();
         tell(format!("done {n} {}", read_u64(&bad)));
         return;
     }
@@ -323,7 +323,7 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
         k.fill_pattern(f.buffer().unwrap(), 5, f.stream().unwrap())
             .unwrap();
         f.publish(&[]).unwrap();
-        tx.stream().synchronize().unwrap();
+        tx.stream().unwrap().synchronize().unwrap();
         tell("published");
         std::thread::sleep(T);
         return;
@@ -336,8 +336,8 @@ fn a_consumer_holding_a_vmm_frame_reads_valid_data_after_the_producer_is_killed(
     p.expect("ready", T);
     {
         let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
-        let k = Kernels::load(rx.context()).unwrap();
-        let bad = zeroed_counter(rx.context());
+        let k = Kernels::load(rx.context().unwrap()).unwrap();
+        let bad = zeroed_counter(rx.context().unwrap());
         p.send("go");
         p.expect("published", T);
         let f = rx.recv_timeout(T).unwrap();

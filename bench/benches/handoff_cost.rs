@@ -7,7 +7,7 @@
 //! segment).
 
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use std::sync::OnceLock;
 
 fn main() {

@@ -319,7 +319,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 if m.index != k {
                     out_of_order += 1;
                 }
-                kernels.stamp(&View::slot(&stamps, k as usize)?, rx.stream())?;
+                kernels.stamp(&View::slot(&stamps, k as usize)?, rx.stream()?)?;
                 let tr = now_ns();
                 drop(frame); // release: records our IPC event, ends the hold
                 let t_rel = now_ns() - tr;
@@ -336,11 +336,11 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 t0s.push(m.stamp_ns);
                 // Our kernel finishes before the producer's next GPU work can start (without MPS,
                 // kernels of two processes do not overlap: it would delay the next stamp).
-                rx.stream().synchronize()?;
+                rx.stream()?.synchronize()?;
                 // SYNC POINT: handoff ack. Release: pairs with the Acquire load in `wait_ack`.
                 shared.ack().store(k + 1, Ordering::Release);
             }
-            rx.stream().synchronize()?;
+            rx.stream()?.synchronize()?;
         }
         "floor" => {
             let token = Token::from_hex(&kv.str("event")?)?;

@@ -201,7 +201,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                     posted.push_back(post(k + ahead)?);
                 }
             }
-            rx.stream().synchronize()?;
+            rx.stream()?.synchronize()?;
         }
         "bare_posted" => {
             let stream = Stream::new(&ctx)?;

@@ -105,7 +105,7 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
         };
         frame.publish(&m.encode())?;
     }
-    tx.stream().synchronize()?;
+    tx.stream()?.synchronize()?;
     let mut results = Vec::new();
     for p in &mut peers {
         results.push(p.result(Duration::from_secs(60))?);
@@ -223,7 +223,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
                 posted.push_back(post()?);
             }
         }
-        rx.stream().synchronize()?;
+        rx.stream()?.synchronize()?;
         let t_done = now_ns();
         let mut b = [0u8; 8];
         counter.copy_to_host(0, &mut b)?;
@@ -243,13 +243,13 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
         if m.index != k {
             out_of_order += 1;
         }
-        kernels.check_pattern(frame.buffer()?, m.index as u32, &counter, rx.stream())?;
+        kernels.check_pattern(frame.buffer()?, m.index as u32, &counter, rx.stream()?)?;
         if k >= warmup {
             lat.push(t_ready.saturating_sub(m.stamp_ns));
         }
         drop(frame); // release, ordered after the check on our stream
     }
-    rx.stream().synchronize()?;
+    rx.stream()?.synchronize()?;
     let t_done = now_ns();
     let mut b = [0u8; 8];
     counter.copy_to_host(0, &mut b)?;

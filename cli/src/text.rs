@@ -1,7 +1,8 @@
 //! The words and numbers the commands print: liveness, delivery policies and states as the JSON
 //! form writes them, byte counts. Shared by the commands; imports none of them.
 
-use cuda_ipc::channel::{ConsumerState, Delivery, ProducerState, UnknownCode};
+use cuda_ipc::channel::Delivery;
+use cuda_ipc::channel::inspect::{ConsumerState, ProducerState, UnknownCode};
 use cuda_ipc::identity::Liveness;
 
 pub(crate) fn liveness(l: Liveness) -> &'static str {

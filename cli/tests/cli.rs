@@ -8,8 +8,8 @@
 mod common;
 use common::{bin, cuda_ipc};
 use cuda_ipc::channel::Delivery;
-use cuda_ipc::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::inspect as registry_inspect;
 use cuda_ipc::registry::{Registry, RegistryOptions};

@@ -1,5 +1,5 @@
 //! Opens a channel control segment holding arbitrary bytes as a consumer does (protocol only, no
-//! GPU: `cuda_ipc::channel::testing`), attaches, takes and releases frames, inspects it and
+//! GPU: `cuda_ipc::raw::channel::testing`), attaches, takes and releases frames, inspects it and
 //! detaches: every outcome must be a value or an error, never a panic, a fault or a hang. The first
 //! input byte picks the mode: bit 0: raw bytes as the whole segment, or a valid channel with the
 //! input's bytes written over it; bit 1: the delivery policy; bit 2: the second half of the input
@@ -9,11 +9,11 @@
 //! `cargo +nightly fuzz run open_channel -- -max_total_time=60`
 #![no_main]
 
-use cuda_ipc::channel::testing::{self, ControlConsumer, ControlProducer};
-use cuda_ipc::channel::{Delivery, layout};
-use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::channel::Delivery;
+use cuda_ipc::raw::channel::layout;
+use cuda_ipc::raw::channel::testing::{self, ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
-use cuda_ipc::token::{TOKEN_LEN, Token, TokenKind};
+use cuda_ipc::token::Token;
 use libfuzzer_sys::fuzz_target;
 use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
@@ -30,28 +30,17 @@ fn channel() -> String {
     )
 }
 
-fn token(i: u8) -> [u8; TOKEN_LEN] {
-    Token {
-        kind: TokenKind::LegacyMemory,
-        handle: [i; 64],
-        offset: 0,
-        len: 4096,
-        device: cuda_ipc::driver::Uuid([7; 16]),
-        exporter: ProcessIdentity::current().expect("identity"),
-        export_id: 0,
-    }
-    .to_bytes()
-}
-
 /// A valid segment: 2 buffers, 2 consumer slots, one consumer holding frame 1, frame 2 published.
 fn valid_image() -> &'static [u8] {
     static IMG: OnceLock<Vec<u8>> = OnceLock::new();
     IMG.get_or_init(|| {
         let ch = channel();
-        let tokens = [token(1), token(2)];
+        let tokens = [
+            testing::token(1).expect("token"),
+            testing::token(2).expect("token"),
+        ];
         let tx = ControlProducer::create(&ch, 4096, 2, &tokens).expect("create");
-        let rx = ControlConsumer::attach(&ch, Delivery::EveryFrame)
-            .expect("attach");
+        let rx = ControlConsumer::attach(&ch, Delivery::EveryFrame).expect("attach");
         for _ in 0..2 {
             let (i, _) = tx.try_acquire().expect("a free buffer");
             tx.publish(i, b"meta").expect("publish");

@@ -183,7 +183,8 @@ impl Consumer {
                 "a host-memory channel has no stream: its frames are ready when received",
             ));
         }
-        Ok(c.stream().as_raw() as usize)
+        let stream = c.stream().map_err(|e| errors::to_py(py, &e))?;
+        Ok(stream.as_raw() as usize)
     }
 
     /// Whether the channel's pool is shared host memory (made with `memory="host"`).

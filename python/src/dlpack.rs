@@ -61,7 +61,12 @@ impl Drop for FrameHold {
             eprintln!(
                 "cuda_ipc: ordering a frame's release after a tensor's stream failed ({e}); synchronising"
             );
-            if let Err(e) = self.frame.consumer().context().synchronize() {
+            if let Err(e) = self
+                .frame
+                .consumer()
+                .context()
+                .and_then(|c| c.synchronize())
+            {
                 eprintln!("cuda_ipc: synchronising the consumer's context failed: {e}");
             }
         }
@@ -119,7 +124,8 @@ impl Export {
         // were written by `Dynamic::compact`; the flags (none) say it is writable and not a copy,
         // which holds for a view of the pool buffer. For a write frame (`Hold::None`) the
         // buffer stays valid while its producer lives, which the caller documents.
-        Ok(unsafe { init.finish() })
+        let tensor = unsafe { init.finish() };
+        Ok(tensor)
     }
 
     fn dl_device(&self) -> DLDevice {

@@ -160,7 +160,9 @@ impl Frame {
                 failed = Some(e);
             }
         }
-        let ctx = failed.as_ref().map(|_| f.consumer().context().clone());
+        let ctx = failed
+            .as_ref()
+            .and_then(|_| f.consumer().context().ok().cloned());
         py.detach(|| {
             if let Some(ctx) = &ctx {
                 // Unordered, the producer could overwrite the buffer under work still queued on

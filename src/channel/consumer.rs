@@ -20,8 +20,9 @@ use crate::token::{Token, TokenKind};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Most frames a receive may be posted ahead of the last frame this consumer received.
-pub const MAX_POSTED_AHEAD: u64 = 1 << 20;
+mod posted;
+
+pub use posted::{MAX_POSTED_AHEAD, Posted, PostedFrame};
 
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
@@ -232,8 +233,9 @@ impl Consumer {
         })
     }
 
-    fn gpu(&self) -> &GpuImports {
-        self.imports().expect(HOST_NO_GPU)
+    fn gpu(&self) -> Result<&GpuImports> {
+        self.imports()
+            .ok_or_else(|| Error::InvalidArgument(HOST_NO_GPU.into()))
     }
 
     /// The GPU side; `None` on a host channel.
@@ -246,18 +248,20 @@ impl Consumer {
 
     /// The consumer's stream: frames are ready on it, enqueue the work that reads them here.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
-    pub fn stream(&self) -> &Stream {
-        &self.gpu().stream
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
+    /// (formerly a panic).
+    pub fn stream(&self) -> Result<&Stream> {
+        Ok(&self.gpu()?.stream)
     }
 
     /// The consumer's context.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no context.
-    pub fn context(&self) -> &Arc<Context> {
-        &self.gpu().ctx
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no context
+    /// (formerly a panic).
+    pub fn context(&self) -> Result<&Arc<Context>> {
+        Ok(&self.gpu()?.ctx)
     }
 
     /// The control segment's creation generation (crate-private: a tensor set's reader checks its
@@ -516,7 +520,7 @@ impl Consumer {
     }
 
     /// The device address, in this consumer's context, of the channel's gate words: two `u32`,
-    /// the gate's state ([`layout::GateState`] code: 0 open, 1 closed, 2 producer gone) and its
+    /// the gate's state ([`GateState`](super::inspect::GateState) code: 0 open, 1 closed, 2 producer gone) and its
     /// end (the low 32 bits of the sequence number of the last frame published when the gate
     /// closed). Work posted ahead ([`Consumer::post`]) for frame `s` reads them after its stream
     /// waited: the frame came when the state is 0 or `(int32_t)(s - end) <= 0`; otherwise the
@@ -530,81 +534,6 @@ impl Consumer {
             Error::InvalidArgument("a host channel has no gate words on a GPU".into())
         })?;
         Ok(gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
-    }
-
-    /// Posts the receive of the next frame ahead of its publication: the consumer's stream waits
-    /// on the GPU for that frame's ready word (`cuStreamWaitValue32`), `work` enqueues what reads
-    /// it (on [`Posted::stream`], the consumer's stream, where the buffer [`Posted::buffer`] will
-    /// hold the frame), and the write of its release word follows on the stream
-    /// (`cuStreamWriteValue32`). The calling thread does not wait: the kernels start on the GPU as
-    /// the producer's write of the frame ends, while this thread sleeps or posts the next frames.
-    /// Then [`Posted::wait`] takes the frame on the host (its metadata, and the errors of
-    /// [`Consumer::recv`]), in order.
-    ///
-    /// Needs a GPU channel created in ring order ([`super::ChannelOptions::ring`]) and
-    /// every-frame delivery: there, frame `s` lands in buffer `(s - 1) % B`, known in advance. A
-    /// receive may be posted at most [`MAX_POSTED_AHEAD`] frames past the last frame received.
-    /// Work posted for a frame that never comes (the channel closed, its producer died) is let go
-    /// and can tell from the gate words ([`Consumer::gate_device_ptr`]). Frames posted are also
-    /// what the next [`Consumer::recv`] returns if it comes first (its stream wait passes at once).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] on a host channel, a channel not in ring order, a latest-only
-    /// consumer, or past [`MAX_POSTED_AHEAD`]; what `work` returns (the release write is enqueued
-    /// anyway, so the producer is never held up by it); [`Error::Cuda`] naming
-    /// `cuStreamWaitValue32_v2` or `cuStreamWriteValue32_v2`.
-    pub fn post<F>(&self, work: F) -> Result<Posted<'_>>
-    where
-        F: FnOnce(&Posted<'_>) -> Result<()>,
-    {
-        let Some(gpu) = self.imports() else {
-            return Err(Error::InvalidArgument(
-                "a host channel has no stream to post receives on".into(),
-            ));
-        };
-        if !self.control.is_ring() {
-            return Err(Error::InvalidArgument(
-                "posted receives need a channel created in ring order (ChannelOptions::ring)"
-                    .into(),
-            ));
-        }
-        if self.control.policy(self.slot) != Delivery::EveryFrame.to_wire() {
-            return Err(Error::InvalidArgument(
-                "posted receives need every-frame delivery".into(),
-            ));
-        }
-        let mut last = self.posted.lock().unwrap_or_else(|p| p.into_inner());
-        let cursor = self.control.cursor(self.slot);
-        let seq = (*last).max(cursor) + 1;
-        if seq - cursor > MAX_POSTED_AHEAD {
-            return Err(Error::InvalidArgument(format!(
-                "a receive may be posted at most {MAX_POSTED_AHEAD} frames ahead of the last one received"
-            )));
-        }
-        let index = ((seq - 1) % self.control.buffers() as u64) as usize;
-        // SAFETY: the word lies in the registered GPU words (index < buffers), which stay
-        // registered and mapped until this consumer's stream has drained (Drop of Consumer).
-        unsafe {
-            gpu.stream.wait_value_u32(
-                gpu.ready.device_ptr + layout::ready_word_offset(index) as u64,
-                seq as u32,
-            )?;
-        }
-        *last = seq;
-        let posted = Posted {
-            consumer: self,
-            index,
-            seq,
-        };
-        let r = work(&posted);
-        // SAFETY: as above; the release word of this consumer's own slot.
-        unsafe {
-            gpu.stream.write_value_u32(
-                gpu.ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
-                seq as u32,
-            )?;
-        }
-        r.map(|()| posted)
     }
 
     /// Waits for this consumer's stream to drain, closing a dead producer's gate meanwhile (the
@@ -898,125 +827,5 @@ impl Drop for Frame<'_> {
         // On a host channel this clear (a release) is what orders this frame's reads before the
         // producer's next write of the buffer.
         c.control.release(c.slot, self.index);
-    }
-}
-
-/// A receive posted ahead ([`Consumer::post`]): the consumer's stream waits on the GPU for frame
-/// [`Posted::seq`], which will be in buffer [`Posted::buffer`]. [`Posted::wait`] takes it on the
-/// host; dropping it without waiting leaves the frame to the next `wait` or `recv`.
-pub struct Posted<'a> {
-    consumer: &'a Consumer,
-    index: usize,
-    seq: u64,
-}
-
-impl std::fmt::Debug for Posted<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Posted")
-            .field("seq", &self.seq)
-            .field("index", &self.index)
-            .finish()
-    }
-}
-
-impl<'a> Posted<'a> {
-    /// The sequence number of the frame waited for.
-    pub fn seq(&self) -> u64 {
-        self.seq
-    }
-
-    /// Index of the buffer in the pool that will hold it (`(seq - 1) % buffers`).
-    pub fn index(&self) -> usize {
-        self.index
-    }
-
-    /// The buffer that will hold the frame, mapped in the consumer's context.
-    pub fn buffer(&self) -> &'a ImportedBuffer {
-        &self.consumer.gpu().buffers[self.index]
-    }
-
-    /// The consumer's stream, where the work that reads the frame goes (it waits for the frame).
-    pub fn stream(&self) -> &'a Stream {
-        &self.consumer.gpu().stream
-    }
-
-    /// The gate words' device address ([`Consumer::gate_device_ptr`]): work on the stream reads
-    /// them to tell whether this frame came.
-    pub fn gate_device_ptr(&self) -> u64 {
-        self.consumer
-            .imports()
-            .map_or(0, |g| g.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
-    }
-
-    /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes
-    /// it: its metadata. Frames before it posted and not waited for are taken (and let go) on the
-    /// way. The frame's GPU release was enqueued when it was posted, so nothing is held after this.
-    ///
-    /// # Errors
-    /// As [`Consumer::recv_timeout`]: [`Error::Timeout`], [`ChannelError::ProducerGone`],
-    /// [`ChannelError::Closed`] (the frame never came), [`ChannelError::Detached`];
-    /// [`Error::InvalidArgument`] when [`Consumer::recv`] already took the frame.
-    pub fn wait(self, timeout: Option<Duration>) -> Result<PostedFrame> {
-        let c = self.consumer;
-        // A timeout past what `Instant` can hold (`Duration::MAX`) is no bound (`+` would panic).
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        loop {
-            if c.control.cursor(c.slot) >= self.seq {
-                return Err(Error::InvalidArgument(format!(
-                    "frame {} was received already (by recv)",
-                    self.seq
-                )));
-            }
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let (i, seq, metadata) = match c.control.take(c.slot, c.wait, left) {
-                Ok(Some(got)) => got,
-                Ok(None) => {
-                    return Err(Error::Timeout {
-                        what: "a posted frame",
-                        after: timeout.unwrap_or_default(),
-                    });
-                }
-                Err(e) => return Err(c.on_error(e)),
-            };
-            // Its GPU release is on the stream already (posted), or it is an unposted frame
-            // before ours, which nothing reads: the host hold ends now.
-            c.control.release(c.slot, i);
-            if seq == self.seq {
-                return Ok(PostedFrame {
-                    seq,
-                    index: i,
-                    metadata,
-                });
-            }
-            if seq > self.seq {
-                return Err(Error::InvalidArgument(format!(
-                    "frame {} was skipped (the consumer took {seq})",
-                    self.seq
-                )));
-            }
-        }
-    }
-}
-
-/// A posted frame taken on the host ([`Posted::wait`]): what the producer published with it.
-#[derive(Clone, Copy, Debug)]
-pub struct PostedFrame {
-    seq: u64,
-    index: usize,
-    metadata: Metadata,
-}
-
-impl PostedFrame {
-    /// Its sequence number.
-    pub fn seq(&self) -> u64 {
-        self.seq
-    }
-    /// Index of its buffer in the pool.
-    pub fn index(&self) -> usize {
-        self.index
-    }
-    /// The producer's metadata for it.
-    pub fn metadata(&self) -> &[u8] {
-        self.metadata.as_slice()
     }
 }

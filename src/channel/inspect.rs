@@ -10,15 +10,17 @@
 
 use super::Delivery;
 use super::control::{self, Control};
-use super::handoff::LatencyHistogram;
-use super::layout::{
-    self, ConsumerState, META_BYTES, ProducerState, SEQ_EMPTY, UnknownCode, WRITING,
-};
+use super::layout::{self, META_BYTES, SEQ_EMPTY, WRITING};
+use super::stats::LatencyHistogram;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
 use crate::sync::Ordering;
 use crate::token::Token;
+
+/// The wire codes a snapshot reads: the gate's state, a consumer slot's state, the producer's
+/// state, and the code a build does not know (docs/channel-layout.md).
+pub use super::layout::{ConsumerState, GateState, ProducerState, UnknownCode};
 
 /// The prefix of every channel's segment name: channel `NAME` lives in `/dev/shm/cuda-ipc.ch.NAME`.
 pub const SEGMENT_PREFIX: &str = layout::SEGMENT_PREFIX;
@@ -274,7 +276,7 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// # Examples
 /// ```
 /// use cuda_ipc::channel::inspect;
-/// use cuda_ipc::channel::testing::ControlProducer;
+/// use cuda_ipc::raw::channel::testing::ControlProducer;
 /// let name = format!("doc-inspect-{}", std::process::id());
 /// let tokens = [[0u8; cuda_ipc::token::TOKEN_LEN]];
 /// let tx = ControlProducer::create(&name, 4096, 2, &tokens)?;
@@ -517,7 +519,7 @@ mod tests {
     use crate::token::{TOKEN_LEN, TokenKind};
 
     // The segment is driven through `Control` itself: `channel::testing` builds on this module,
-    // so its `ControlProducer` and `ControlConsumer` are not used here.
+    // so its `ControlProducer`, `ControlConsumer` and `token` are not used here (a circle).
 
     /// A producer's control segment with buffers of 4096 bytes and room for 4 consumers.
     fn producer(n: &str, tokens: &[[u8; TOKEN_LEN]]) -> Control {

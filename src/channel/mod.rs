@@ -38,15 +38,14 @@ mod handoff;
 mod hold;
 mod host;
 pub mod inspect;
-#[doc(hidden)]
-pub mod layout;
+pub(crate) mod layout;
 mod options;
 pub mod owned;
 mod pool;
 mod producer;
 pub mod reclaim;
-#[doc(hidden)]
-pub mod testing;
+mod stats;
+pub(crate) mod testing;
 mod view;
 mod wait;
 mod watchdog;
@@ -55,16 +54,13 @@ pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub use control::MAX_CHANNEL_NAME;
 pub(crate) use control::validate_channel_name;
 pub use error::{ChannelError, SegmentFault};
-pub use handoff::{ChannelStats, ConsumerStats, LatencyHistogram};
-pub use layout::{
-    ConsumerState, Delivery, GateState, LATENCY_BUCKETS, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES,
-    ProducerState, UnknownCode,
-};
+pub use layout::{Delivery, LATENCY_BUCKETS, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES};
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};
 pub use pool::ChannelBuffer;
 pub(crate) use pool::{allocate_pool, auto_kind};
 #[cfg(feature = "remote")]
 pub(crate) use producer::LentFrame;
 pub use producer::{Producer, ShutdownReport, WriteFrame};
+pub use stats::{ChannelStats, ConsumerStats, LatencyHistogram};
 pub use view::FrameBuffer;
 pub use wait::WaitStrategy;

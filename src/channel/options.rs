@@ -13,7 +13,7 @@ use std::time::Duration;
 /// How often a producer waiting for a consumer's GPU work checks that the consumer still lives.
 pub(super) const LIVENESS_CHECK: Duration = Duration::from_millis(20);
 
-/// The panic message of the GPU accessors (stream, context, device buffer) on a host channel.
+/// The error message of the GPU accessors (stream, context, device buffer) on a host channel.
 pub(super) const HOST_NO_GPU: &str = "a host-memory channel has no GPU side (no stream, context or \
                                       device buffer): use the host accessors (as_ptr, len, read_at, \
                                       write_at)";

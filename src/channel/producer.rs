@@ -329,27 +329,29 @@ impl Producer {
         })
     }
 
-    fn gpu(&self) -> &GpuPool {
+    fn gpu(&self) -> Result<&GpuPool> {
         match &self.side {
-            Side::Gpu(gpu) => gpu,
-            Side::Host(_) => panic!("{HOST_NO_GPU}"),
+            Side::Gpu(gpu) => Ok(gpu),
+            Side::Host(_) => Err(Error::InvalidArgument(HOST_NO_GPU.into())),
         }
     }
 
     /// The producer's stream: enqueue the work that fills a frame here.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no stream.
-    pub fn stream(&self) -> &Stream {
-        &self.gpu().stream
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
+    /// (formerly a panic).
+    pub fn stream(&self) -> Result<&Stream> {
+        Ok(&self.gpu()?.stream)
     }
 
     /// The producer's context.
     ///
-    /// # Panics
-    /// On a host channel ([`MemoryKind::Host`]), which has no context.
-    pub fn context(&self) -> &Arc<Context> {
-        &self.gpu().ctx
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no context
+    /// (formerly a panic).
+    pub fn context(&self) -> Result<&Arc<Context>> {
+        Ok(&self.gpu()?.ctx)
     }
 
     /// Whether the pool is host memory ([`MemoryKind::Host`]).

@@ -200,22 +200,7 @@ mod tests {
     use super::*;
     use crate::channel::Delivery;
     use crate::channel::inspect::inspect;
-    use crate::channel::testing::{ControlConsumer, ControlProducer};
-    use crate::identity::ProcessIdentity;
-    use crate::token::{TOKEN_LEN, Token, TokenKind};
-
-    fn token(i: u8) -> [u8; TOKEN_LEN] {
-        Token {
-            kind: TokenKind::LegacyMemory,
-            handle: [i; 64],
-            offset: 0,
-            len: 4096,
-            device: crate::driver::Uuid([7; 16]),
-            exporter: ProcessIdentity::current().unwrap(),
-            export_id: 0,
-        }
-        .to_bytes()
-    }
+    use crate::channel::testing::{ControlConsumer, ControlProducer, token};
 
     fn name(tag: &str) -> String {
         format!("reclaim-{tag}-{}", std::process::id())
@@ -224,7 +209,7 @@ mod tests {
     #[test]
     fn a_live_producers_channel_and_its_live_consumers_are_never_removed_or_released() {
         let n = name("live");
-        let tx = ControlProducer::create(&n, 4096, 1, &[token(1)]).unwrap();
+        let tx = ControlProducer::create(&n, 4096, 1, &[token(1).unwrap()]).unwrap();
         let rx = ControlConsumer::attach(&n, Delivery::LatestOnly).unwrap();
         let (i, _) = tx.try_acquire().unwrap();
         tx.publish(i, b"").unwrap();

@@ -4,10 +4,30 @@
 
 use super::control::Control;
 use super::{ChannelStats, Delivery, WaitStrategy};
+use crate::driver::Uuid;
 use crate::error::Result;
+use crate::identity::ProcessIdentity;
 use crate::shm::SegmentOptions;
-use crate::token::TOKEN_LEN;
+use crate::token::{TOKEN_LEN, Token, TokenKind};
 use std::time::Duration;
+
+/// A buffer's memory token for tests, stored as given and never opened: a legacy handle of 64
+/// bytes `i` over 4096 bytes of a made-up device (UUID bytes 7), exported by this process.
+///
+/// # Errors
+/// As [`ProcessIdentity::current`].
+pub fn token(i: u8) -> Result<[u8; TOKEN_LEN]> {
+    Ok(Token {
+        kind: TokenKind::LegacyMemory,
+        handle: [i; 64],
+        offset: 0,
+        len: 4096,
+        device: Uuid([7; 16]),
+        exporter: ProcessIdentity::current()?,
+        export_id: 0,
+    }
+    .to_bytes())
+}
 
 /// The producer's side of the protocol.
 pub struct ControlProducer(Control);
@@ -166,7 +186,7 @@ impl ControlConsumer {
     /// `CLOCK_MONOTONIC` now, µs, low 32 bits: the clock the histogram's latencies are read with.
     #[inline]
     pub fn monotonic_us32() -> u32 {
-        super::handoff::monotonic_us32()
+        super::stats::monotonic_us32()
     }
     /// Writes this consumer's release word for buffer `i` as its stream does after its reads of
     /// frame `seq`.

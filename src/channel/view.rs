@@ -111,7 +111,8 @@ impl<'a, B> FrameBuffer<'a, B> {
         }
         // SAFETY: offset + n <= len (checked), so the result stays in the buffer that `ptr`
         // starts (valid for `len` bytes, the variant's contract).
-        Ok(unsafe { ptr.add(offset) })
+        let at = unsafe { ptr.add(offset) };
+        Ok(at)
     }
 
     /// Copies `dst.len()` bytes of the host buffer from byte `offset` into `dst`.

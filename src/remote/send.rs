@@ -129,12 +129,12 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
     let place = if consumer.is_host() {
         Place::Host
     } else {
-        Place::Device(consumer.context().device().ordinal() as u32)
+        Place::Device(consumer.context()?.device().ordinal() as u32)
     };
     // UCX's CUDA transports work in the thread's current context: the consumer's (the device's
     // primary context) is current for the whole session, NIXL's backend creation included; it is
     // left after the lane (declared before it) is gone.
-    let gpu_ctx = (!consumer.is_host()).then(|| consumer.context().clone());
+    let gpu_ctx = consumer.context().ok().cloned();
     let _current = gpu_ctx.as_ref().map(|c| c.enter()).transpose()?;
     let (buffers, buffer_bytes) = geometry(&opts.channel)?;
     let agent = format!("cuda-ipc-send-{}-{}", std::process::id(), opts.channel);

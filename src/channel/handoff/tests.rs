@@ -1,6 +1,6 @@
 //! The protocol's internals, tested beside the code: futex wakes on the hot path, the GPU words
 //! and the gate, release words, a dead consumer's slot. The protocol as a consumer and a producer
-//! see it is tested through `channel::testing` in `tests/channel_protocol.rs`.
+//! see it is tested through `raw::channel::testing` in `tests/channel_protocol.rs`.
 
 use super::*;
 use crate::channel::control::tests::channel;
