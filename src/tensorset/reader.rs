@@ -243,7 +243,7 @@ impl TensorSetReader {
         if self.consumer.is_host() {
             return Err(TensorSetError::WrongKind("a host tensor set has no stream").into());
         }
-        Ok(self.consumer.stream())
+        self.consumer.stream()
     }
 
     /// Driver imports this open made (cache misses: 0 for allocations this process had imported

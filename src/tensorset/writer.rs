@@ -390,7 +390,7 @@ impl TensorSetWriter {
         if self.kind == MemoryKind::Host {
             return Err(TensorSetError::WrongKind("a host tensor set has no stream").into());
         }
-        Ok(self.producer().stream())
+        self.producer().stream()
     }
 
     /// The device address of tensor `i` in buffer `buffer` (GPU sets).
