@@ -1,0 +1,213 @@
+"""Tensor sets in shared host memory (`memory="host"`) from Python, no GPU: a writer here and a
+reader in a child Python process (started with `sys.executable`, never forked) reading every
+generation's bytes; the layout fingerprint refused; the writer killed (the reader keeps the
+generation it holds and learns `WriterGone`); a missing set; the GPU-only accessors refusing a
+host set. Every wait is bounded. Run: `pip install ./python && pytest python/tests`."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+import cuda_ipc
+
+SHM = pathlib.Path("/dev/shm")
+ANSWER = 10.0
+SPECS = {"w": ((4, 8), "float32"), "b": ((8,), "bfloat16"), "ids": (3, "int64")}
+
+
+@pytest.fixture
+def name():
+    n = f"pytest-ts-{uuid.uuid4().hex[:12]}"
+    yield n
+    for prefix in ("cuda-ipc.ts.", "cuda-ipc.tg.", "cuda-ipc.td."):
+        p = SHM / f"{prefix}{n}"
+        if p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def data(gen: int, tensor: str, n: int) -> bytes:
+    seed = (gen * 131 + len(tensor) * 7) & 0xFF
+    return bytes((seed + k) & 0xFF for k in range(n))
+
+
+SIZES = {"w": 4 * 8 * 4, "b": 8 * 2, "ids": 3 * 8}
+
+READER = """
+import sys, cuda_ipc
+name, n = sys.argv[1], int(sys.argv[2])
+r = cuda_ipc.TensorSetReader(name)
+print("open", r.imports, r.read_only, list(r.names), flush=True)
+seen = 0
+for _ in range(n):
+    h = r.wait_newer(seen, timeout=10.0)
+    with h:
+        seen = h.generation
+        parts = [h.read(t).hex() for t in ("w", "b", "ids")]
+    print("gen", seen, *parts, flush=True)
+"""
+
+
+def child(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def line(p: subprocess.Popen) -> str:
+    import select
+
+    r, _, _ = select.select([p.stdout], [], [], ANSWER)
+    if not r:
+        p.kill()
+        raise AssertionError(f"child said nothing in {ANSWER} s: {p.stderr.read()}")
+    s = p.stdout.readline()
+    if not s:
+        raise AssertionError(f"child ended: {p.wait()} {p.stderr.read()}")
+    return s.split()
+
+
+def write_gen(w, gen_hint):
+    with w.begin(timeout=ANSWER) as u:
+        g = u.generation
+        for t, n in SIZES.items():
+            u.write(t, data(g, t, n))
+    return g
+
+
+def test_a_reader_in_another_process_reads_every_generation(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    assert w.generation == 0 and list(w.names) == ["w", "b", "ids"]
+    assert len(w.layout_fingerprint) == 32
+    p = child(READER, name, "20")
+    try:
+        first = line(p)
+        assert first[:3] == ["open", "0", "False"]
+        for _ in range(20):
+            g = write_gen(w, None)
+            got = line(p)
+            assert got[0] == "gen" and int(got[1]) == g
+            for t, hexed in zip(("w", "b", "ids"), got[2:]):
+                assert bytes.fromhex(hexed) == data(g, t, SIZES[t])
+        assert p.wait(ANSWER) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        w.close()
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+
+
+def test_current_returns_the_same_generation_again_and_none_before_the_first(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
+    r = cuda_ipc.TensorSetReader(name)
+    assert r.current() is None
+    g = write_gen(w, None)
+    with r.current() as a:
+        assert a.generation == g and a.read("ids") == data(g, "ids", 24)
+    with r.current() as b:
+        assert b.generation == g
+    g2 = write_gen(w, None)
+    h = r.wait_newer(g, timeout=ANSWER)
+    assert h.generation == g2
+    h.release()
+    assert not h.held
+    r.close()
+    w.close()
+
+
+def test_a_reader_expecting_another_layout_is_refused(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    other = cuda_ipc.TensorSetWriter(name + "-x", {"w": ((4, 9), "float32")}, memory="host")
+    try:
+        r = cuda_ipc.TensorSetReader(name, expect_layout=bytes(w.layout_fingerprint))
+        r.close()
+        with pytest.raises(cuda_ipc.LayoutMismatch):
+            cuda_ipc.TensorSetReader(name, expect_layout=bytes(other.layout_fingerprint))
+        with pytest.raises(cuda_ipc.InvalidArgument):
+            cuda_ipc.TensorSetReader(name, expect_layout=b"short")
+    finally:
+        other.close()
+        w.close()
+
+
+def test_a_missing_set_and_bad_specs_raise_typed_errors(name):
+    with pytest.raises(cuda_ipc.TensorSetNotFound):
+        cuda_ipc.TensorSetReader(name)
+    with pytest.raises(cuda_ipc.InvalidArgument):
+        cuda_ipc.TensorSetWriter(name, {"w": ((4,), "no-such-dtype")}, memory="host")
+    with pytest.raises(cuda_ipc.InvalidArgument):
+        cuda_ipc.TensorSetWriter(name, {"w": 5}, memory="host")
+    with pytest.raises(cuda_ipc.InvalidArgument):
+        cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="sideways")
+
+
+def test_host_sets_refuse_gpu_accessors(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        with w.begin(timeout=ANSWER) as u:
+            with pytest.raises(cuda_ipc.NotSupported):
+                u.tensors()
+        r = cuda_ipc.TensorSetReader(name)
+        with r.current() as h:
+            with pytest.raises(cuda_ipc.NotSupported):
+                h.tensors()
+        r.close()
+    finally:
+        w.close()
+
+
+def test_an_update_aborted_by_an_exception_publishes_nothing(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        with pytest.raises(RuntimeError):
+            with w.begin(timeout=ANSWER) as u:
+                u.write("ids", b"\0" * 24)
+                raise RuntimeError("boom")
+        assert w.generation == 0
+        with pytest.raises(cuda_ipc.InvalidArgument):
+            u.commit()
+        assert write_gen(w, None) == 1
+    finally:
+        w.close()
+
+
+WRITER = """
+import sys, time, cuda_ipc
+name = sys.argv[1]
+w = cuda_ipc.TensorSetWriter(name, {"ids": (3, "int64")}, memory="host")
+with w.begin(timeout=10.0) as u:
+    u.write("ids", bytes(range(24)))
+print("published", w.generation, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_writer_leaves_the_held_generation_and_raises_writer_gone(name):
+    p = child(WRITER, name)
+    try:
+        assert line(p) == ["published", "1"]
+        r = cuda_ipc.TensorSetReader(name)
+        h = r.current(timeout=ANSWER)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(ANSWER)
+        assert h.read("ids") == bytes(range(24))
+        t0 = time.monotonic()
+        with pytest.raises(cuda_ipc.WriterGone):
+            r.wait_newer(1, timeout=ANSWER)
+        assert time.monotonic() - t0 < 3.0
+        assert isinstance(cuda_ipc.WriterGone("x"), cuda_ipc.ProducerGone)
+        h.release()
+        r.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        cuda_ipc.cleanup(dry_run=False)
