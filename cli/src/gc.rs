@@ -6,7 +6,9 @@
 //! it goes), so `gc --dry-run` lists exactly what `gc` then removes. The rules are the library's:
 //! registries' dead records, participants, locks and corrupt slots (the registry's own recovery)
 //! and creations abandoned half-way; channels of dead producers with their host pools, dead
-//! consumers' slots on a live producer's channel, abandoned creations; and without a NAME the
+//! consumers' slots on a live producer's channel, abandoned creations; tensor sets of dead
+//! writers (manifest, generation channel, host data), dead readers' slots, abandoned creations;
+//! and without a NAME the
 //! reservations of dead holders in the quota ledgers (never a ledger itself; other users' ledgers
 //! are skipped with a note), and the liveness files, fd server sockets and bridge status files
 //! that killed processes left (a normal exit removes them).
@@ -36,7 +38,7 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         None => Scope::everything(),
         Some(_) => {
             let t = targets(name)?;
-            Scope::only(t.registries, t.channels)
+            Scope::only(t.registries, t.channels).with_tensor_sets(t.tensor_sets)
         }
     };
     let scan = cleanup::scan(&scope)?;
@@ -61,6 +63,9 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             tracing::info!("kept {l}: {why}");
             if l.kind == cleanup::LeftoverKind::Channel {
                 out!("kept channel {}: {why}", l.object);
+            }
+            if l.kind == cleanup::LeftoverKind::TensorSet {
+                out!("kept tensorset {}: {why}", l.object);
             }
         }
         for p in &r.problems {

@@ -4,6 +4,7 @@
 
 use cuda_ipc::channel::inspect::{self as channel_inspect, ChannelSnapshot};
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
+use cuda_ipc::tensorset::inspect::{self as tensorset_inspect, TensorSetSnapshot};
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
@@ -21,6 +22,8 @@ pub struct Listing {
     pub registries: Vec<RegistryView>,
     /// Channel control segments.
     pub channels: Vec<ChannelView>,
+    /// Tensor sets (their manifests, with the generation channels' readers).
+    pub tensor_sets: Vec<TensorSetView>,
     /// Segments that could not be read, with why.
     pub errors: Vec<SegmentError>,
 }
@@ -80,6 +83,57 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
     Ok(v)
 }
 
+/// One tensor set.
+///
+/// JSON: `name`, `writer` (pid), `writer_liveness`, `memory`, `buffered`, `buffers`,
+/// `allocations`, `tensors`, `bytes`, `generation`, `readers` (each `slot`, `pid`, `liveness`,
+/// `held`), `holds`, `fingerprint` (hex), `leftovers`.
+#[derive(Debug)]
+pub struct TensorSetView {
+    /// The set's state.
+    pub snapshot: TensorSetSnapshot,
+}
+
+impl TensorSetView {
+    /// Whether a dead writer or dead readers left something `gc` removes.
+    pub fn has_leftovers(&self) -> bool {
+        let s = &self.snapshot;
+        s.writer_liveness == cuda_ipc::identity::Liveness::Dead
+            || s.readers
+                .iter()
+                .any(|r| r.liveness == cuda_ipc::identity::Liveness::Dead)
+    }
+}
+
+impl Serialize for TensorSetView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let t = &self.snapshot;
+        let live = |l| crate::text::liveness(l);
+        serde_json::json!({
+            "name": t.name,
+            "writer": t.writer.pid,
+            "writer_liveness": live(t.writer_liveness),
+            "memory": t.memory,
+            "buffered": t.buffered,
+            "buffers": t.buffers,
+            "allocations": t.allocations,
+            "tensors": t.tensors,
+            "bytes": t.bytes,
+            "generation": t.generation,
+            "readers": t.readers.iter().map(|r| serde_json::json!({
+                "slot": r.slot,
+                "pid": r.identity.pid,
+                "liveness": live(r.liveness),
+                "held": r.held,
+            })).collect::<Vec<_>>(),
+            "holds": t.holds,
+            "fingerprint": t.fingerprint.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+            "leftovers": self.has_leftovers(),
+        })
+        .serialize(s)
+    }
+}
+
 impl Serialize for RegistryView {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         snapshot_json(&self.snapshot, |m| {
@@ -117,6 +171,7 @@ impl Listing {
         !self.errors.is_empty()
             || self.registries.iter().any(|r| r.snapshot.has_leftovers())
             || self.channels.iter().any(|c| c.snapshot.has_leftovers())
+            || self.tensor_sets.iter().any(TensorSetView::has_leftovers)
     }
 }
 
@@ -124,6 +179,7 @@ impl Listing {
 pub(crate) struct Targets {
     pub registries: Vec<String>,
     pub channels: Vec<String>,
+    pub tensor_sets: Vec<String>,
 }
 
 /// Finds the registries and channels in `/dev/shm`, or the ones `name` names (a registry's
@@ -131,10 +187,17 @@ pub(crate) struct Targets {
 pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     let mut registries = registry_inspect::list_registries()?;
     let mut channels = channel_inspect::list_channels()?;
+    // Every name with a part of a set (a part without its manifest is listed as unreadable:
+    // what a writer killed half-way left, for `gc`).
+    let mut tensor_sets = tensorset_inspect::list_tensor_sets()?;
     if let Some(n) = name {
         let chan = n.strip_prefix(channel_inspect::SEGMENT_PREFIX).unwrap_or(n);
+        let set = n
+            .strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
+            .unwrap_or(n);
         registries.retain(|r| r == n);
         channels.retain(|c| c == chan);
+        tensor_sets.retain(|t| t == set);
         // A segment that exists but was not listed (another user's, or not a registry): inspected
         // anyway, so the error says why (owner, magic) instead of "no such name".
         let exists = |seg: &str| {
@@ -150,7 +213,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 registries.push(n.to_string());
             }
         }
-        if registries.is_empty() && channels.is_empty() {
+        if registries.is_empty() && channels.is_empty() && tensor_sets.is_empty() {
             return Err(format!(
                 "no registry or channel named {n:?} in {}",
                 cuda_ipc::raw::shm::SHM_DIR
@@ -161,6 +224,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     Ok(Targets {
         registries,
         channels,
+        tensor_sets,
     })
 }
 
@@ -191,6 +255,16 @@ pub(crate) fn collect(t: &Targets) -> Listing {
             Err(e) => l.errors.push(SegmentError {
                 kind: "channel",
                 name: c.clone(),
+                error: e.to_string(),
+            }),
+        }
+    }
+    for t in &t.tensor_sets {
+        match tensorset_inspect::inspect(t) {
+            Ok(snapshot) => l.tensor_sets.push(TensorSetView { snapshot }),
+            Err(e) => l.errors.push(SegmentError {
+                kind: "tensorset",
+                name: t.clone(),
                 error: e.to_string(),
             }),
         }

@@ -44,8 +44,12 @@ fn indent(t: &Table) -> String {
 /// The human-readable form of a listing; `rates` adds the rate columns.
 pub fn render(l: &Listing, rates: bool) -> String {
     let mut out = String::new();
-    if l.registries.is_empty() && l.channels.is_empty() && l.errors.is_empty() {
-        out.push_str("no cuda-ipc registries or channels in /dev/shm\n");
+    if l.registries.is_empty()
+        && l.channels.is_empty()
+        && l.tensor_sets.is_empty()
+        && l.errors.is_empty()
+    {
+        out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
     for RegistryView {
         snapshot: r,
@@ -215,6 +219,30 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str("  problem: the producer is dead; `cuda-ipc gc` removes this segment\n");
         } else if c.has_leftovers() {
             out.push_str("  problem: dead consumers are attached; `cuda-ipc gc` frees their slots and holds\n");
+        }
+    }
+    for v in &l.tensor_sets {
+        let t = &v.snapshot;
+        out.push_str(&format!(
+            "tensorset {}: gen {}, {} buffers, {} tensors, {}, {} readers, {} holds, writer {} {}, {}{}\n",
+            t.name,
+            t.generation,
+            t.buffers,
+            t.tensors,
+            bytes(t.bytes),
+            t.readers.len(),
+            t.holds,
+            t.writer.pid,
+            liveness(t.writer_liveness),
+            t.memory,
+            if t.buffered { ", buffered" } else { ", in place" },
+        ));
+        if t.writer_liveness == Liveness::Dead {
+            out.push_str("  problem: the writer is dead; `cuda-ipc gc` removes this set\n");
+        } else if v.has_leftovers() {
+            out.push_str(
+                "  problem: dead readers are attached; `cuda-ipc gc` frees their slots and holds\n",
+            );
         }
     }
     for e in &l.errors {

@@ -7,7 +7,9 @@
 //! reports exactly what went. The rules themselves are the layers' own, each judged and applied
 //! where the state lives: the registry's recovery ([`Registry::reclaim_dead_listed`]) and its
 //! abandoned creations ([`registry::remove_abandoned`]); the channel's dead producers, dead
-//! consumers, abandoned creations and host pools ([`channel::reclaim`]); the quota ledgers' dead
+//! consumers, abandoned creations and host pools ([`channel::reclaim`]); the tensor sets' dead
+//! writers' parts, abandoned creations and dead readers ([`tensorset::reclaim`]); the quota
+//! ledgers' dead
 //! holders ([`QuotaLedger::dead_holders`]); the liveness files ([`identity`]) and fd server
 //! sockets ([`fdpass`]) of killed processes; the status files of killed lane bridges. This module
 //! only lists and dispatches: it never reads a segment's bytes itself.
@@ -36,6 +38,7 @@ use crate::ipc::fdpass::{self, StaleSocketFile};
 use crate::quota::{self, QuotaLedger};
 use crate::registry::{self, Reclaimed, Registry, RegistryOptions, inspect as registry_inspect};
 use crate::shm::SHM_DIR;
+use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 use std::fmt;
 
 /// A kind of object processes share through `/dev/shm`, each with its rooms: its module, its
@@ -49,17 +52,26 @@ pub enum ObjectKind {
     /// A producer/consumer channel: its control segment and, for host memory, its pool
     /// ([`crate::channel`]).
     Channel,
+    /// A tensor set: its manifest, its generation channel and, for host memory, its data segment
+    /// ([`crate::tensorset`]).
+    TensorSet,
 }
 
 impl ObjectKind {
     /// Every kind, in the order [`scan`] visits them.
-    pub const ALL: &'static [ObjectKind] = &[ObjectKind::Registry, ObjectKind::Channel];
+    pub const ALL: &'static [ObjectKind] = &[
+        ObjectKind::Registry,
+        ObjectKind::Channel,
+        ObjectKind::TensorSet,
+    ];
 
-    /// Its name, as docs/ARCHITECTURE.md and `cuda-ipc gc` write it: `registry`, `channel`.
+    /// Its name, as docs/ARCHITECTURE.md and `cuda-ipc gc` write it: `registry`, `channel`,
+    /// `tensorset`.
     pub fn name(self) -> &'static str {
         match self {
             ObjectKind::Registry => "registry",
             ObjectKind::Channel => "channel",
+            ObjectKind::TensorSet => "tensorset",
         }
     }
 
@@ -78,6 +90,11 @@ impl ObjectKind {
                 LeftoverKind::ChannelConsumer,
                 LeftoverKind::ChannelCreation,
                 LeftoverKind::HostPool,
+            ],
+            ObjectKind::TensorSet => &[
+                LeftoverKind::TensorSet,
+                LeftoverKind::TensorSetReader,
+                LeftoverKind::TensorSetCreation,
             ],
         }
     }
@@ -105,6 +122,13 @@ pub enum LeftoverKind {
     ChannelCreation,
     /// A host channel's pool segment whose producer is dead (or whose creation was abandoned).
     HostPool,
+    /// A part of a tensor set whose writer is dead (its manifest, generation channel or host data
+    /// segment).
+    TensorSet,
+    /// A dead reader's slot (and its holds) in a live writer's tensor set.
+    TensorSetReader,
+    /// A part of a tensor set whose creation was abandoned half-way.
+    TensorSetCreation,
     /// A killed process's liveness file (`/dev/shm/cuda-ipc.live.*`).
     LivenessFile,
     /// A killed exporter's fd server socket file (`/dev/shm/cuda-ipc.fd.*`).
@@ -165,6 +189,8 @@ enum Target {
     },
     ChannelCreation,
     HostPool,
+    TensorSetPart(Part),
+    TensorSetReader,
     Liveness(LivenessFile),
     Socket(StaleSocketFile),
     QuotaHolder {
@@ -230,6 +256,8 @@ pub struct Scope {
     registries: Option<Vec<String>>,
     /// Channel names; `None`: every channel in `/dev/shm`.
     channels: Option<Vec<String>>,
+    /// Tensor set names; `None`: every tensor set in `/dev/shm`.
+    tensor_sets: Option<Vec<String>>,
     /// Also the quota ledgers' dead holders and the per-process files.
     everything: bool,
 }
@@ -241,6 +269,7 @@ impl Scope {
         Scope {
             registries: None,
             channels: None,
+            tensor_sets: None,
             everything: true,
         }
     }
@@ -251,8 +280,15 @@ impl Scope {
         Scope {
             registries: Some(registries),
             channels: Some(channels),
+            tensor_sets: Some(Vec::new()),
             everything: false,
         }
+    }
+
+    /// Also these tensor sets (names) in a scope made by [`Scope::only`].
+    pub fn with_tensor_sets(mut self, names: Vec<String>) -> Scope {
+        self.tensor_sets = Some(names);
+        self
     }
 }
 
@@ -304,6 +340,13 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
         scan_channel(c, &mut s);
     }
     scan_host_pools(scope.channels.as_deref(), &mut s);
+    let sets = match &scope.tensor_sets {
+        Some(t) => t.clone(),
+        None => tensorset_inspect::list_tensor_sets()?,
+    };
+    for t in &sets {
+        scan_tensor_set(t, &mut s);
+    }
     if scope.everything {
         scan_quota(&mut s);
         scan_process_files(&mut s);
@@ -521,6 +564,64 @@ fn scan_host_pools(named: Option<&[String]>, s: &mut Scan) {
     }
 }
 
+/// A tensor set's parts left by a dead writer or an abandoned creation, and dead readers of a
+/// live writer's set.
+fn scan_tensor_set(t: &str, s: &mut Scan) {
+    let parts = match tensorset::reclaim::stale_parts(t) {
+        Ok(p) => p,
+        Err(e) => {
+            s.problems.push(problem(format!("tensorset {t}"), e));
+            return;
+        }
+    };
+    let writer_dead = parts
+        .iter()
+        .any(|p| p.part == Part::Manifest && p.writer.is_some());
+    for p in &parts {
+        let (kind, whose) = match p.writer {
+            Some(w) => (LeftoverKind::TensorSet, format!(" of dead writer {w}")),
+            None => (LeftoverKind::TensorSetCreation, String::new()),
+        };
+        s.leftovers.push(leftover(
+            kind,
+            t,
+            p.writer,
+            Some(rustix::process::geteuid().as_raw()),
+            format!(
+                "tensorset {t}: {} {SHM_DIR}/{} ({} bytes){whose}: {}",
+                p.part.word(),
+                p.segment,
+                p.bytes,
+                p.why
+            ),
+            Target::TensorSetPart(p.part),
+        ));
+    }
+    if writer_dead {
+        return;
+    }
+    // A live writer (or none readable): only dead readers' slots go.
+    if let Ok(snap) = tensorset_inspect::inspect(t) {
+        for r in snap
+            .readers
+            .iter()
+            .filter(|r| r.liveness == identity::Liveness::Dead)
+        {
+            s.leftovers.push(leftover(
+                LeftoverKind::TensorSetReader,
+                t,
+                Some(r.identity),
+                None,
+                format!(
+                    "tensorset {t}: reader slot {} of dead pid {} ({}), holding generations {:?}",
+                    r.slot, r.identity.pid, r.identity, r.held
+                ),
+                Target::TensorSetReader,
+            ));
+        }
+    }
+}
+
 fn scan_quota(s: &mut Scan) {
     let names = match quota::list_ledgers() {
         Ok(n) => n,
@@ -726,6 +827,21 @@ pub fn remove(leftovers: &[Leftover]) -> Removal {
             Target::HostPool => one(
                 l,
                 channel::reclaim::remove_stale_host_pool(&l.object).map(|r| r.is_some()),
+                &mut out,
+            ),
+            Target::TensorSetPart(p) => one(
+                l,
+                tensorset::reclaim::remove_part(&l.object, *p).map(|r| r.is_some()),
+                &mut out,
+            ),
+            Target::TensorSetReader => one(
+                l,
+                tensorset::reclaim::release_dead_readers(&l.object).map(|_| {
+                    // Freed when its slot is no longer the dead reader's.
+                    tensorset_inspect::inspect(&l.object).map_or(true, |snap| {
+                        !snap.readers.iter().any(|r| Some(r.identity) == l.owner)
+                    })
+                }),
                 &mut out,
             ),
             Target::Socket(f) => one(l, fdpass::remove_stale_socket_file(f), &mut out),

@@ -47,7 +47,30 @@ pub use segment::{DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
 pub use writer::{TensorSetWriter, Update};
 
 use crate::channel::{MemoryKind, WaitStrategy};
+use crate::driver::{Context, DeviceMemory};
 use crate::quota::QuotaScope;
+use std::sync::Arc;
+
+/// One tensor's bytes in device memory, as this process maps them: for kernels and copies
+/// ([`DeviceMemory`]). Borrowed from a [`Held`] generation or an [`Update`]; valid while it lives.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceTensor<'a> {
+    ptr: u64,
+    len: usize,
+    ctx: &'a Arc<Context>,
+}
+
+impl DeviceMemory for DeviceTensor<'_> {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn context(&self) -> &Arc<Context> {
+        self.ctx
+    }
+}
 
 /// How generations are kept.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -424,6 +424,20 @@ impl Held<'_> {
         }
     }
 
+    /// Tensor `i` as device memory in the reader's context (GPU sets), for kernels on the
+    /// reader's stream. A VMM set opened read-only faults a kernel that stores into it.
+    ///
+    /// # Errors
+    /// As [`Held::device_ptr`].
+    pub fn device_tensor(&self, i: usize) -> Result<super::DeviceTensor<'_>> {
+        let ptr = self.device_ptr(i)?;
+        Ok(super::DeviceTensor {
+            ptr,
+            len: self.reader.layout.tensors()[i].bytes as usize,
+            ctx: self.reader.consumer.context(),
+        })
+    }
+
     /// The first byte of tensor `i` in host memory (host sets).
     ///
     /// # Errors

@@ -532,6 +532,20 @@ impl Update<'_> {
         tensor_ptr(self.memory, self.layout, self.buffer, i)
     }
 
+    /// Tensor `i` of this update's buffer as device memory in the writer's context (GPU sets), for
+    /// kernels on [`Update::stream`].
+    ///
+    /// # Errors
+    /// As [`Update::tensor_ptr`].
+    pub fn device_tensor(&self, i: usize) -> Result<super::DeviceTensor<'_>> {
+        let ptr = self.tensor_ptr(i)?;
+        Ok(super::DeviceTensor {
+            ptr,
+            len: self.layout.tensors()[i].bytes as usize,
+            ctx: self.stream()?.context(),
+        })
+    }
+
     /// Enqueues on the writer's stream a copy of `len` bytes from device address `src` into
     /// tensor `i` (`cuMemcpyDtoDAsync_v2`). Work on another stream that produced `src` must be
     /// ordered before (e.g. the writer's stream waiting on an event of it).

@@ -1,0 +1,316 @@
+//! GPU tests of tensor sets, each with separate processes: VMM, pool and legacy sets read by two
+//! reader processes that check every generation on the GPU, a read-only mapping that faults only
+//! the reader that stores into it, readers and writers killed mid-update, and one driver import
+//! per allocation per open. They need a CUDA GPU and fail without one; `cargo test` lists them as
+//! ignored.
+
+mod common;
+
+use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
+use cuda_ipc::Error;
+use cuda_ipc::channel::MemoryKind;
+use cuda_ipc::raw::kernels::Kernels;
+use cuda_ipc::tensorset::{
+    DType, GenerationMode, ReaderOptions, TensorSetError, TensorSetOptions, TensorSetReader,
+    TensorSetWriter, TensorSpec,
+};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(60);
+const SET: &str = "CUDA_IPC_TEST_SET";
+const GENERATIONS: u64 = 200;
+
+fn set_env() -> String {
+    std::env::var(SET).unwrap()
+}
+
+fn specs() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec::new("embed", DType::F32, &[1024, 256]),
+        TensorSpec::new("layer.0.w", DType::BF16, &[512, 512]),
+        TensorSpec::new("layer.0.b", DType::F32, &[512]),
+        TensorSpec::new("head", DType::F8_E4M3FN, &[4096, 64]),
+    ]
+}
+
+/// The pattern seed of tensor `t` in generation `g`.
+fn seed(g: u64, t: usize) -> u32 {
+    (g as u32).wrapping_mul(16).wrapping_add(t as u32)
+}
+
+/// Writes generation `w.generation() + 1` on the writer's stream and commits it.
+fn write_gen(w: &mut TensorSetWriter, k: &Kernels) -> u64 {
+    let n = w.layout().len();
+    let u = w.begin(Some(T)).expect("begin");
+    let g = u.generation();
+    for t in 0..n {
+        k.fill_pattern(
+            &u.device_tensor(t).unwrap(),
+            seed(g, t),
+            u.stream().unwrap(),
+        )
+        .unwrap();
+    }
+    assert_eq!(u.commit().unwrap(), g);
+    g
+}
+
+fn kind_of(s: &str) -> MemoryKind {
+    match s {
+        "pool" => MemoryKind::Pool,
+        "legacy" => MemoryKind::Legacy,
+        _ => MemoryKind::Vmm,
+    }
+}
+
+const EVERY: &str = "vmm_pool_and_legacy_sets_two_readers_check_every_generation_on_the_gpu";
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn vmm_pool_and_legacy_sets_two_readers_check_every_generation_on_the_gpu() {
+    if role().as_deref() == Some("reader") {
+        let c = ctx();
+        let k = Kernels::load(&c).unwrap();
+        let bad = zeroed_counter(&c);
+        let r = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+        let n = r.layout().len();
+        tell(format!("opened {} {}", r.imports(), r.is_read_only()));
+        let (mut seen, mut last) = (0u64, 0u64);
+        loop {
+            let h = match r.wait_newer(last, Some(T)) {
+                Ok(h) => h,
+                Err(Error::TensorSet(TensorSetError::Closed(_))) => break,
+                Err(e) => panic!("{e}"),
+            };
+            let s = h.stream().unwrap();
+            for t in 0..n {
+                k.check_pattern(
+                    &h.device_tensor(t).unwrap(),
+                    seed(h.generation(), t),
+                    &bad,
+                    s,
+                )
+                .unwrap();
+            }
+            last = h.generation();
+            seen += 1;
+        }
+        r.stream().unwrap().synchronize().unwrap();
+        tell(format!("done {seen} {last} {}", read_u64(&bad)));
+        return;
+    }
+    let c = ctx();
+    let k = Kernels::load(&c).unwrap();
+    for kind in ["vmm", "pool", "legacy"] {
+        for mode in [GenerationMode::InPlace, GenerationMode::Buffered(2)] {
+            let name = format!(
+                "tsgpu-{kind}-{}-{}",
+                mode != GenerationMode::InPlace,
+                std::process::id()
+            );
+            let opts = TensorSetOptions::new().memory(kind_of(kind)).mode(mode);
+            let mut w = TensorSetWriter::create(&c, &name, &specs(), &opts).unwrap();
+            let b = if mode == GenerationMode::InPlace {
+                1
+            } else {
+                2
+            };
+            let mut readers: Vec<Peer> = (0..2)
+                .map(|_| Peer::spawn(EVERY, "reader", &[(SET, &name)]))
+                .collect();
+            for p in &mut readers {
+                let opened = p.expect("opened", T);
+                assert_eq!(
+                    opened,
+                    format!("{b} {}", kind == "vmm"),
+                    "{kind}: imports, read-only"
+                );
+            }
+            for _ in 0..GENERATIONS {
+                write_gen(&mut w, &k);
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            w.close(T).unwrap();
+            for mut p in readers {
+                let done = p.expect("done", T);
+                let v: Vec<u64> = done.split(' ').map(|x| x.parse().unwrap()).collect();
+                assert_eq!(v[1], GENERATIONS, "{kind}: the last generation seen");
+                assert_eq!(
+                    v[2], 0,
+                    "{kind} {mode:?}: a reader saw a half-written generation"
+                );
+                if mode == GenerationMode::InPlace {
+                    assert!(v[0] >= 1);
+                }
+                p.finish(T);
+            }
+        }
+    }
+}
+
+const FAULT: &str = "a_store_into_a_read_only_mapping_faults_only_that_reader";
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_store_into_a_read_only_mapping_faults_only_that_reader() {
+    match role().as_deref() {
+        Some("vandal") => {
+            let c = ctx();
+            let k = Kernels::load(&c).unwrap();
+            let r = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+            assert!(r.is_read_only());
+            let h = r.current().unwrap().expect("generation 1");
+            let s = h.stream().unwrap();
+            let launched = k.fill_pattern(&h.device_tensor(0).unwrap(), 7, s);
+            let synced = s.synchronize();
+            let faulted = launched.is_err() || synced.is_err();
+            tell(format!("faulted {faulted}"));
+            // The context is broken now: leave without tearing anything down (the writer's
+            // watchdog frees this reader's slot and hold once it is gone).
+            std::process::exit(0);
+        }
+        Some("reader") => {
+            let c = ctx();
+            let k = Kernels::load(&c).unwrap();
+            let bad = zeroed_counter(&c);
+            let r = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+            tell("opened");
+            let mut last = 0;
+            for line in parent_lines() {
+                let want: u64 = line.parse().unwrap();
+                while last < want {
+                    let h = r.wait_newer(last, Some(T)).unwrap();
+                    for t in 0..r.layout().len() {
+                        k.check_pattern(
+                            &h.device_tensor(t).unwrap(),
+                            seed(h.generation(), t),
+                            &bad,
+                            h.stream().unwrap(),
+                        )
+                        .unwrap();
+                    }
+                    last = h.generation();
+                }
+                r.stream().unwrap().synchronize().unwrap();
+                tell(format!("checked {last} {}", read_u64(&bad)));
+            }
+            return;
+        }
+        _ => {}
+    }
+    let c = ctx();
+    let k = Kernels::load(&c).unwrap();
+    let name = format!("tsfault-{}", std::process::id());
+    let mut w = TensorSetWriter::create(&c, &name, &specs(), &TensorSetOptions::new()).unwrap();
+    write_gen(&mut w, &k);
+    let mut good = Peer::spawn(FAULT, "reader", &[(SET, &name)]);
+    good.expect("opened", T);
+    good.send("1");
+    assert_eq!(good.expect("checked", T), "1 0");
+    let mut vandal = Peer::spawn(FAULT, "vandal", &[(SET, &name)]);
+    assert_eq!(vandal.expect("faulted", T), "true");
+    let _ = vandal.child.wait();
+    // The writer and the other reader go on: in place, the vandal's hold is freed once it is gone.
+    for _ in 0..5 {
+        write_gen(&mut w, &k);
+    }
+    w.stream().unwrap().synchronize().unwrap();
+    good.send("6");
+    assert_eq!(good.expect("checked", T), "6 0");
+    w.close(T).unwrap();
+    good.finish(T);
+}
+
+const KILLED: &str = "readers_and_writers_killed_mid_update";
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn readers_and_writers_killed_mid_update() {
+    match role().as_deref() {
+        Some("slow-reader") => {
+            let c = ctx();
+            let k = Kernels::load(&c).unwrap();
+            let r = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+            let h = r.current().unwrap().expect("generation 1");
+            k.spin(10_000_000_000, h.stream().unwrap()).unwrap(); // 10 s of GPU work while holding
+            tell("holding");
+            std::thread::sleep(T);
+            return;
+        }
+        Some("writer") => {
+            let c = ctx();
+            let k = Kernels::load(&c).unwrap();
+            let opts = TensorSetOptions::new().mode(GenerationMode::Buffered(2));
+            let mut w = TensorSetWriter::create(&c, &set_env(), &specs(), &opts).unwrap();
+            write_gen(&mut w, &k);
+            w.stream().unwrap().synchronize().unwrap();
+            tell("published 1");
+            let _ = parent_lines().next();
+            // Mid-update: generation 2 begun, a long kernel on the writer's stream, never committed.
+            let u = w.begin(Some(T)).unwrap();
+            k.spin(10_000_000_000, u.stream().unwrap()).unwrap();
+            tell("updating");
+            std::thread::sleep(T);
+            return;
+        }
+        _ => {}
+    }
+    let c = ctx();
+    let k = Kernels::load(&c).unwrap();
+    // A reader killed while its kernel reads generation 1: the writer's next update proceeds.
+    let name = format!("tskillr-{}", std::process::id());
+    let mut w = TensorSetWriter::create(&c, &name, &specs(), &TensorSetOptions::new()).unwrap();
+    write_gen(&mut w, &k);
+    let mut p = Peer::spawn(KILLED, "slow-reader", &[(SET, &name)]);
+    p.expect("holding", T);
+    assert!(matches!(
+        w.begin(Some(Duration::from_millis(100))),
+        Err(Error::Timeout { .. })
+    ));
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    let t = Instant::now();
+    let g = write_gen(&mut w, &k);
+    assert_eq!(g, 2);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    let d = common::drains_within(w.stream().unwrap(), Duration::from_secs(5));
+    assert!(
+        d.is_some(),
+        "the writer's stream waits for a dead reader's release word"
+    );
+    w.close(T).unwrap();
+    // A writer killed mid-update (buffered: generation 2 begun in the other buffer): the reader
+    // keeps generation 1 and its bytes, and its wait ends with WriterGone.
+    let name = format!("tskillw-{}", std::process::id());
+    let mut p = Peer::spawn(KILLED, "writer", &[(SET, &name)]);
+    p.expect("published", T);
+    let r = TensorSetReader::open(&c, &name, &ReaderOptions::new()).unwrap();
+    let bad = zeroed_counter(&c);
+    let h = r.current().unwrap().expect("generation 1");
+    p.send("go");
+    p.expect("updating", T);
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    let t = Instant::now();
+    match r.wait_newer(1, Some(T)) {
+        Err(Error::TensorSet(TensorSetError::WriterGone { .. })) => {}
+        other => panic!("expected WriterGone, got {other:?}"),
+    }
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    for t in 0..r.layout().len() {
+        k.check_pattern(
+            &h.device_tensor(t).unwrap(),
+            seed(1, t),
+            &bad,
+            h.stream().unwrap(),
+        )
+        .unwrap();
+    }
+    r.stream().unwrap().synchronize().unwrap();
+    assert_eq!(read_u64(&bad), 0, "generation 1 changed under its reader");
+    drop(h);
+}

@@ -1,0 +1,504 @@
+//! Host-memory tensor sets with the real writer and readers, in separate processes, on machines
+//! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
+//! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
+//! content fingerprints, a set of 100,000 tensors, hostile files under the manifest's name, and
+//! `gc` of a dead writer's set.
+
+mod common;
+
+use common::{Peer, parent_lines, role, tell};
+use cuda_ipc::Error;
+use cuda_ipc::cleanup::{self, LeftoverKind, Scope};
+use cuda_ipc::raw::shm::ShmError;
+use cuda_ipc::tensorset::{
+    DType, GenerationMode, Layout, ReaderOptions, TensorSetError, TensorSetOptions,
+    TensorSetReader, TensorSetWriter, TensorSpec, inspect,
+};
+use std::io::Write;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const ANSWER: Duration = Duration::from_secs(20);
+const SET: &str = "CUDA_IPC_TEST_SET";
+const MODE: &str = "CUDA_IPC_TEST_MODE";
+
+fn set_name(tag: &str) -> String {
+    format!("ts-{tag}-{}", std::process::id())
+}
+
+fn path(prefix: &str, name: &str) -> String {
+    format!("/dev/shm/{prefix}{name}")
+}
+
+fn specs() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec::new("a.weight", DType::F32, &[100]),
+        TensorSpec::new("b.weight", DType::BF16, &[7, 13]),
+        TensorSpec::new("c.bias", DType::U8, &[1000]),
+        TensorSpec::strided("d.t", DType::F8_E4M3FN, &[4, 8], &[1, 4]),
+    ]
+}
+
+fn mode_opts(mode: &str) -> TensorSetOptions {
+    let m = if mode == "buffered" {
+        GenerationMode::Buffered(2)
+    } else {
+        GenerationMode::InPlace
+    };
+    TensorSetOptions::new().mode(m)
+}
+
+/// Byte `k` of tensor `t` in generation `g`.
+fn pattern(g: u64, t: usize, k: usize) -> u8 {
+    (g.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ (k as u8).wrapping_mul(31) ^ (t as u8 * 7)
+}
+
+/// Writes and commits the next generation; returns its number.
+fn write_gen(w: &mut TensorSetWriter) -> u64 {
+    let g = w.generation() + 1;
+    let sizes: Vec<u64> = w.layout().tensors().iter().map(|t| t.bytes).collect();
+    let mut u = w.begin(Some(ANSWER)).expect("begin");
+    assert_eq!(u.generation(), g);
+    for (t, n) in sizes.iter().enumerate() {
+        let bytes: Vec<u8> = (0..*n as usize).map(|k| pattern(g, t, k)).collect();
+        u.write_tensor(t, &bytes).unwrap();
+    }
+    assert_eq!(u.commit().unwrap(), g);
+    g
+}
+
+fn check_gen(held: &cuda_ipc::tensorset::Held<'_>, n: usize) {
+    let g = held.generation();
+    for t in 0..n {
+        let bytes = held.read_tensor(t).unwrap();
+        for (k, b) in bytes.iter().enumerate() {
+            assert_eq!(*b, pattern(g, t, k), "generation {g} tensor {t} byte {k}");
+        }
+    }
+}
+
+fn kill9(pid: u32) {
+    let st = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+/// The child side of every test: the role names what to do.
+#[test]
+fn child() {
+    let Some(r) = role() else { return };
+    let name = std::env::var(SET).unwrap();
+    let mode = std::env::var(MODE).unwrap_or_default();
+    match r.as_str() {
+        "reader" => {
+            let rx = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+            let n = rx.layout().len();
+            tell("opened");
+            let (mut seen, mut last) = (0u64, 0u64);
+            loop {
+                match rx.wait_newer(last, Some(ANSWER)) {
+                    Ok(h) => {
+                        assert!(h.generation() > last, "{} after {last}", h.generation());
+                        check_gen(&h, n);
+                        last = h.generation();
+                        seen += 1;
+                    }
+                    Err(Error::TensorSet(TensorSetError::Closed(_))) => break,
+                    Err(e) => panic!("wait_newer: {e}"),
+                }
+            }
+            tell(format!("ok {seen} {last}"));
+        }
+        "hold" => {
+            let rx = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+            let h = rx.current().unwrap().expect("a generation");
+            check_gen(&h, rx.layout().len());
+            tell(format!("holding {}", h.generation()));
+            let mut lines = parent_lines();
+            match lines.next().as_deref() {
+                Some("release") => {
+                    drop(h);
+                    tell("released");
+                }
+                Some("check") => {
+                    // Buffered: the writer went on; what is held is unchanged, and the newest
+                    // generation is there at once.
+                    check_gen(&h, rx.layout().len());
+                    let t = Instant::now();
+                    let newer = rx.wait_newer(h.generation(), Some(ANSWER)).unwrap();
+                    assert!(t.elapsed() < Duration::from_secs(1));
+                    check_gen(&newer, rx.layout().len());
+                    tell(format!("newest {}", newer.generation()));
+                }
+                _ => std::thread::sleep(Duration::from_secs(600)),
+            }
+            for _ in lines {}
+        }
+        "writer" => {
+            let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(&mode)).unwrap();
+            tell(format!("published {}", write_gen(&mut w)));
+            for line in parent_lines() {
+                if line == "publish" {
+                    tell(format!("published {}", write_gen(&mut w)));
+                }
+            }
+            std::thread::sleep(Duration::from_secs(600));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn spawn(role: &str, name: &str, mode: &str) -> Peer {
+    Peer::spawn("child", role, &[(SET, name), (MODE, mode)])
+}
+
+fn every_generation_checked(mode: &str) {
+    let name = set_name(mode);
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+    let mut a = spawn("reader", &name, mode);
+    let mut b = spawn("reader", &name, mode);
+    a.expect("opened", ANSWER);
+    b.expect("opened", ANSWER);
+    for _ in 0..200 {
+        write_gen(&mut w);
+    }
+    // Let the readers see the last generation before the close withdraws it.
+    std::thread::sleep(Duration::from_millis(300));
+    w.close(ANSWER).unwrap();
+    for mut p in [a, b] {
+        let got = p.expect("ok", ANSWER);
+        let mut it = got.split(' ').map(|v| v.parse::<u64>().unwrap());
+        let (seen, last) = (it.next().unwrap(), it.next().unwrap());
+        assert!(seen >= 1 && last == 200, "{got}");
+        p.finish(ANSWER);
+    }
+    for prefix in ["cuda-ipc.ts.", "cuda-ipc.tg.", "cuda-ipc.td."] {
+        assert!(
+            std::fs::symlink_metadata(path(prefix, &name)).is_err(),
+            "{prefix}"
+        );
+    }
+}
+
+#[test]
+fn readers_in_other_processes_check_every_generation_in_place() {
+    if role().is_some() {
+        return;
+    }
+    every_generation_checked("inplace");
+}
+
+#[test]
+fn readers_in_other_processes_check_every_generation_double_buffered() {
+    if role().is_some() {
+        return;
+    }
+    every_generation_checked("buffered");
+}
+
+#[test]
+fn in_place_a_held_generation_blocks_begin_until_released() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("block");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("inplace")).unwrap();
+    write_gen(&mut w);
+    let mut p = spawn("hold", &name, "inplace");
+    assert_eq!(p.expect("holding", ANSWER), "1");
+    match w.begin(Some(Duration::from_millis(300))) {
+        Err(Error::Timeout { .. }) => {}
+        other => panic!("begin while held: {other:?}"),
+    }
+    p.send("release");
+    p.expect("released", ANSWER);
+    let t = Instant::now();
+    assert_eq!(write_gen(&mut w), 2);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    p.finish(ANSWER);
+}
+
+#[test]
+fn buffered_readers_of_a_generation_never_hold_the_writer_back() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("nowait");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("buffered")).unwrap();
+    write_gen(&mut w);
+    let mut p = spawn("hold", &name, "buffered");
+    assert_eq!(p.expect("holding", ANSWER), "1");
+    for _ in 0..10 {
+        let t = Instant::now();
+        let mut u = w
+            .begin(Some(Duration::from_secs(1)))
+            .expect("begin while a reader holds 1");
+        assert!(t.elapsed() < Duration::from_millis(500));
+        assert_ne!(u.buffer(), 0, "the held buffer was taken");
+        u.copy_from_previous().unwrap();
+        drop(u);
+        write_gen(&mut w);
+    }
+    p.send("check");
+    assert_eq!(p.expect("newest", ANSWER), w.generation().to_string());
+    p.finish(ANSWER);
+}
+
+#[test]
+fn a_reader_killed_while_holding_is_freed_within_a_second() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("rkill");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("inplace")).unwrap();
+    write_gen(&mut w);
+    let mut p = spawn("hold", &name, "inplace");
+    p.expect("holding", ANSWER);
+    assert_eq!(inspect::inspect(&name).unwrap().holds, 1);
+    kill9(p.child.id());
+    let _ = p.child.wait();
+    let t = Instant::now();
+    let u = w.begin(Some(ANSWER)).expect("begin after the reader died");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(u.commit().unwrap(), 2);
+}
+
+#[test]
+fn a_killed_writer_leaves_readers_their_bytes_and_waits_end_with_writer_gone() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("wkill");
+    let mut p = spawn("writer", &name, "inplace");
+    assert_eq!(p.expect("published", ANSWER), "1");
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let h = r.current().unwrap().expect("generation 1");
+    kill9(p.child.id());
+    let _ = p.child.wait();
+    check_gen(&h, r.layout().len());
+    let t = Instant::now();
+    match r.wait_newer(1, Some(ANSWER)) {
+        Err(Error::TensorSet(TensorSetError::WriterGone { name: n, .. })) => assert_eq!(n, name),
+        other => panic!("expected WriterGone, got {other:?}"),
+    }
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    check_gen(&h, r.layout().len());
+    drop(h);
+    drop(r);
+    // gc removes every part of the dead writer's set.
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    let kinds: Vec<_> = scan.leftovers.iter().map(|l| l.kind).collect();
+    assert_eq!(
+        kinds,
+        vec![LeftoverKind::TensorSet; 3],
+        "{:?}",
+        scan.leftovers
+    );
+    assert!(
+        scan.leftovers
+            .iter()
+            .all(|l| l.to_string().starts_with(&format!("tensorset {name}: ")))
+    );
+    let removal = cleanup::remove(&scan.leftovers);
+    assert_eq!(removal.removed.len(), 3, "{removal:?}");
+    for prefix in ["cuda-ipc.ts.", "cuda-ipc.tg.", "cuda-ipc.td."] {
+        assert!(
+            std::fs::symlink_metadata(path(prefix, &name)).is_err(),
+            "{prefix}"
+        );
+    }
+    assert!(cleanup::scan(&scope).unwrap().leftovers.is_empty());
+}
+
+#[test]
+fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("replace");
+    let w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    match TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()) {
+        Err(Error::Channel(cuda_ipc::channel::ChannelError::AlreadyExists { .. }))
+        | Err(Error::TensorSet(TensorSetError::AlreadyExists { .. })) => {}
+        other => panic!("a second writer: {other:?}"),
+    }
+    drop(w);
+    let mut p = spawn("writer", &name, "inplace");
+    p.expect("published", ANSWER);
+    kill9(p.child.id());
+    let _ = p.child.wait();
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    assert_eq!(write_gen(&mut w), 1);
+}
+
+#[test]
+fn fingerprints_refuse_the_wrong_layout_and_content_and_holds_count_per_buffer() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("fp");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    let fp = Layout::new(&specs()).unwrap().fingerprint();
+    assert_eq!(w.layout().fingerprint(), fp);
+    match TensorSetReader::open_host(&name, &ReaderOptions::new().expect_layout([1; 32])) {
+        Err(Error::TensorSet(TensorSetError::LayoutMismatch { expected, found })) => {
+            assert_eq!((expected, found), ([1; 32], fp));
+        }
+        other => panic!("expected LayoutMismatch, got {other:?}"),
+    }
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new().expect_layout(fp)).unwrap();
+    assert!(r.current().unwrap().is_none());
+    assert!(!r.is_read_only());
+    assert_eq!(r.imports(), 0);
+    let u = w.begin(None).unwrap();
+    u.commit_with_content([7; 32]).unwrap();
+    let strict =
+        TensorSetReader::open_host(&name, &ReaderOptions::new().expect_content([8; 32])).unwrap();
+    match strict.current() {
+        Err(Error::TensorSet(TensorSetError::ContentMismatch { generation: 1, .. })) => {}
+        other => panic!("expected ContentMismatch, got {other:?}"),
+    }
+    // The refused generation was released: and one taken twice is held until both guards drop.
+    let h1 = r.current().unwrap().unwrap();
+    let h2 = r.current().unwrap().unwrap();
+    assert_eq!(
+        (h1.generation(), h2.generation(), h1.content()),
+        (1, 1, [7; 32])
+    );
+    assert_eq!(h1.by_name("c.bias").unwrap().info.bytes, 1000);
+    assert!(h1.device_ptr(0).is_err());
+    drop(h1);
+    assert!(matches!(
+        w.begin(Some(Duration::from_millis(100))),
+        Err(Error::Timeout { .. })
+    ));
+    drop(h2);
+    assert_eq!(write_gen(&mut w), 2);
+    let snap = inspect::inspect(&name).unwrap();
+    assert_eq!(
+        (
+            snap.generation,
+            snap.readers.len(),
+            snap.tensors,
+            snap.memory
+        ),
+        (2, 2, 4, "host")
+    );
+}
+
+#[test]
+fn a_hundred_thousand_tensors_are_published_and_opened() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("big");
+    let specs: Vec<TensorSpec> = (0..100_000)
+        .map(|i| TensorSpec::new(format!("model.layers.{i}.w"), DType::BF16, &[2, 3]))
+        .collect();
+    let mut w = TensorSetWriter::create_host(&name, &specs, &TensorSetOptions::new()).unwrap();
+    let mut u = w.begin(None).unwrap();
+    u.write_tensor(99_999, &[9; 12]).unwrap();
+    u.commit().unwrap();
+    let t = Instant::now();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    println!("open of 100,000 tensors: {:?}", t.elapsed());
+    assert_eq!(r.layout().len(), 100_000);
+    let h = r.current().unwrap().unwrap();
+    let i = r.layout().index_of("model.layers.99999.w").unwrap();
+    assert_eq!(h.read_tensor(i).unwrap(), vec![9; 12]);
+}
+
+fn mkfifo(p: &str) {
+    let c = std::ffi::CString::new(p).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {p}");
+}
+
+fn plant(p: &str, bytes: &[u8]) {
+    let mut f = std::fs::File::create(p).unwrap();
+    f.write_all(bytes).unwrap();
+}
+
+#[test]
+fn hostile_files_under_the_manifests_name_are_refused_with_typed_errors() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("hostile");
+    let p = path("cuda-ipc.ts.", &name);
+    let open = || TensorSetReader::open_host(&name, &ReaderOptions::new());
+    // Nothing there.
+    assert!(matches!(
+        open(),
+        Err(Error::TensorSet(TensorSetError::NotFound(_)))
+    ));
+    // A FIFO: refused without blocking, also for a writer, and left alone.
+    mkfifo(&p);
+    assert!(matches!(
+        open(),
+        Err(Error::Shm(ShmError::NotASegment { .. }))
+    ));
+    assert!(TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).is_err());
+    assert!(
+        std::fs::symlink_metadata(&p)
+            .unwrap()
+            .file_type()
+            .is_fifo_like()
+    );
+    std::fs::remove_file(&p).unwrap();
+    // Another program's file.
+    plant(&p, &vec![b'x'; 8192]);
+    match open() {
+        Err(Error::TensorSet(TensorSetError::BadManifest { .. })) => {}
+        other => panic!("foreign file: {other:?}"),
+    }
+    // Truncated below the header page.
+    plant(&p, &[0u8; 100]);
+    assert!(matches!(open(), Err(Error::Shm(ShmError::TooSmall { .. }))));
+    // Sparse: a size with no pages behind it.
+    std::fs::File::create(&p).unwrap().set_len(1 << 20).unwrap();
+    assert!(
+        matches!(open(), Err(Error::Shm(ShmError::Sparse { .. }))),
+        "{:?}",
+        open()
+    );
+    std::fs::remove_file(&p).unwrap();
+    // A real manifest with a corrupted body: refused with the fault named.
+    let _w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[4096 + 8..4096 + 12].copy_from_slice(&999u32.to_le_bytes());
+    std::fs::write(&p, &bytes).unwrap();
+    match open() {
+        Err(Error::TensorSet(TensorSetError::BadManifest { fault, .. })) => {
+            assert!(fault.to_string().contains("buffer count"), "{fault}")
+        }
+        other => panic!("corrupted body: {other:?}"),
+    }
+    // A tensor entry pointing outside the string area.
+    bytes[4096 + 8..4096 + 12].copy_from_slice(&1u32.to_le_bytes());
+    let t_off = u64::from_le_bytes(bytes[4096 + 48..4096 + 56].try_into().unwrap()) as usize;
+    bytes[4096 + t_off..4096 + t_off + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&p, &bytes).unwrap();
+    assert!(matches!(
+        open(),
+        Err(Error::TensorSet(TensorSetError::BadManifest { .. }))
+    ));
+}
+
+trait FifoLike {
+    fn is_fifo_like(&self) -> bool;
+}
+
+impl FifoLike for std::fs::FileType {
+    fn is_fifo_like(&self) -> bool {
+        use std::os::unix::fs::FileTypeExt;
+        self.is_fifo()
+    }
+}
