@@ -434,7 +434,7 @@ impl Held<'_> {
         Ok(super::DeviceTensor {
             ptr,
             len: self.reader.layout.tensors()[i].bytes as usize,
-            ctx: self.reader.consumer.context(),
+            ctx: self.reader.consumer.context()?,
         })
     }
 
