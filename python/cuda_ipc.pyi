@@ -100,6 +100,21 @@ class OverQuota(QuotaError, ValueError):
     """The pool would take a budget past its limit: the shared one of ``quota=`` (the message
     names each holder, its pid and bytes) or the producer's own ``quota_bytes``."""
 
+class TensorSetNotFound(ChannelNotFound):
+    """No tensor set of this name exists (start its writer first)."""
+
+class WriterGone(ProducerGone):
+    """The tensor set's writer died: the generation held stays readable, no new one comes."""
+
+class TensorSetClosed(ChannelClosed):
+    """The writer closed the tensor set."""
+
+class LayoutMismatch(CudaIpcError):
+    """The tensor set's layout fingerprint is not the one expected (another checkpoint or model)."""
+
+class ContentMismatch(CudaIpcError):
+    """A generation's content fingerprint is not the one expected."""
+
 def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] = None) -> None:
     """Sets the shared budget (bytes) that producers made with ``quota=scope`` reserve their pools
     from, for host-memory channels (``device=None``) or CUDA device ``device``; as ``cuda-ipc quota
@@ -395,4 +410,125 @@ class Frame:
         either way). ``stream`` must outlive the tensor."""
     def __dlpack_device__(self) -> Tuple[int, int]: ...
     def __enter__(self) -> Frame: ...
+    def __exit__(self, *args: Any) -> None: ...
+
+TensorSpecs = Dict[str, Any]
+"""Name -> ``torch.Tensor`` (its shape and dtype are taken) or name -> ``(shape, dtype)`` with a
+``torch.dtype`` or its name (``"bfloat16"``, ``"float8_e4m3fn"``)."""
+
+class TensorSetWriter:
+    """The writing end of tensor set ``name``: one allocation per buffer on device ``device``
+    (``memory``: ``"vmm"`` default, ``"auto"``, ``"pool"``, ``"legacy"``, ``"host"``), ``mode``
+    ``"in_place"`` (one buffer) or ``"buffered"`` (``buffers`` of them, 2 to 16). Nothing is
+    published before the first commit. Raises ``ChannelExists`` when a live writer has the name,
+    ``InvalidArgument`` for bad specs, ``OverQuota``, ``CudaError``."""
+
+    def __init__(
+        self,
+        name: str,
+        tensors: TensorSpecs,
+        *,
+        device: int = 0,
+        memory: str = "vmm",
+        mode: str = "in_place",
+        buffers: int = 2,
+        max_readers: int = 64,
+    ) -> None: ...
+    @staticmethod
+    def over_tensors(
+        name: str, tensors: Dict[str, Any], *, device: int = 0, max_readers: int = 64
+    ) -> "TensorSetWriter":
+        """Publishes tensors living in ``torch_mem_pool`` memory without a copy (in place;
+        generation 1 committed at once); ``InvalidArgument`` for a tensor allocated elsewhere."""
+    def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
+        """The next generation's buffer, waiting while readers hold it; a context manager that
+        commits at the end of the block (aborts on an exception)."""
+    def publish(
+        self, tensors: Dict[str, Any], timeout: Optional[float] = None, *, stream: StreamLike = None
+    ) -> int:
+        """``begin``, ``copy_from(tensors)``, commit; the generation."""
+    @property
+    def generation(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def layout_fingerprint(self) -> bytes: ...
+    @property
+    def names(self) -> List[str]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def synchronize(self) -> None: ...
+    def close(self, timeout: float = 5.0) -> None: ...
+    def __enter__(self) -> "TensorSetWriter": ...
+    def __exit__(self, *args: Any) -> None: ...
+
+class TensorUpdate:
+    """A generation being written (from ``TensorSetWriter.begin``)."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def buffer(self) -> int: ...
+    def tensors(self) -> Dict[str, Any]:
+        """Writable ``torch.Tensor`` views of this buffer (GPU sets)."""
+    def copy_from(self, tensors: Dict[str, Any]) -> None:
+        """Copies CUDA tensors into the set's tensors of the same names, on the writer's stream."""
+    def copy_from_previous(self) -> None: ...
+    def write(self, name: str, data: Any) -> None:
+        """Host sets: writes bytes into tensor ``name``."""
+    def commit(self, content: Optional[bytes] = None) -> int: ...
+    def abort(self) -> None: ...
+    def __enter__(self) -> "TensorUpdate": ...
+    def __exit__(self, *args: Any) -> bool: ...
+
+class TensorSetReader:
+    """The reading end of tensor set ``name``: every allocation mapped once (read-only for VMM
+    with ``read_only=True``). Raises ``TensorSetNotFound``, ``LayoutMismatch`` (``expect_layout``),
+    ``BadSegment``, ``WriterGone``, ``NoConsumerSlot``, ``FdPassingError``, ``CudaError``."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: Optional[int] = None,
+        expect_layout: Optional[bytes] = None,
+        read_only: bool = True,
+        wait: Wait = "spin_then_block",
+        spin: float = 5e-05,
+    ) -> None: ...
+    def current(self, timeout: Optional[float] = 0.0) -> Optional["TensorHold"]:
+        """The newest generation (even one taken before); waits up to ``timeout`` for a first."""
+    def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
+    async def wait_newer_async(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def imports(self) -> int: ...
+    @property
+    def read_only(self) -> bool: ...
+    @property
+    def layout_fingerprint(self) -> bytes: ...
+    @property
+    def names(self) -> List[str]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "TensorSetReader": ...
+    def __exit__(self, *args: Any) -> None: ...
+
+class TensorHold:
+    """A held generation: released by ``release()``, the end of a ``with`` block, or collection."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def buffer(self) -> int: ...
+    @property
+    def content(self) -> bytes: ...
+    @property
+    def held(self) -> bool: ...
+    def tensors(self, *, stream: StreamLike = None) -> Dict[str, Any]:
+        """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (GPU sets)."""
+    def read(self, name: str) -> bytes:
+        """Host sets: a copy of tensor ``name``'s bytes."""
+    def release(self) -> None: ...
+    def __enter__(self) -> "TensorHold": ...
     def __exit__(self, *args: Any) -> None: ...
