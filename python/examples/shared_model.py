@@ -53,7 +53,7 @@ def reader(name: str, width: int, layers: int, conn) -> None:
             weights_here = torch.cuda.memory_allocated() - before
             x = torch.ones(8, width, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
-                y = model(x).float().cpu()
+                y = model(x).float().cpu().tolist()  # by value, not a shared fd
             conn.send(("out", y, weights_here, r.imports, r.read_only, held.generation))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -96,7 +96,7 @@ def main() -> int:
             bad += 1
             continue
         _, y, weights_here, imports, ro, gen = m
-        same = torch.equal(y, want)
+        same = torch.equal(torch.tensor(y), want)
         bad += 0 if same and gen == g else 1
         print(f"reader {i}: generation {gen}, output equal {same}, weight bytes allocated "
               f"{weights_here}, driver imports {imports}, read-only {ro}")

@@ -438,6 +438,28 @@ impl TensorSetWriter {
     }
 }
 
+/// The copies `(tensor, source address, bytes)` as copies `(allocation, offset, source, bytes)`,
+/// each run of tensors that lie back to back both in the set and in the sources (a state dict
+/// whose tensors are views of one flat buffer, in the set's order) merged into one copy: exactly
+/// the same bytes land, with one driver call per run instead of one per tensor.
+fn coalesce(layout: &Layout, copies: &[(usize, u64, usize)]) -> Vec<(usize, u64, u64, usize)> {
+    let mut out: Vec<(usize, u64, u64, usize)> = Vec::with_capacity(copies.len());
+    for &(i, src, n) in copies {
+        let t = &layout.tensors()[i];
+        let (a, off) = (t.allocation as usize, t.offset);
+        if let Some(last) = out.last_mut()
+            && last.0 == a
+            && last.1 + last.3 as u64 == off
+            && last.2 + last.3 as u64 == src
+        {
+            last.3 += n;
+            continue;
+        }
+        out.push((a, off, src, n));
+    }
+    out
+}
+
 /// A generation being written (`cuda_ipc::tensorset::Update`), from `TensorSetWriter.begin()`.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorUpdate {
@@ -554,6 +576,12 @@ impl TensorUpdate {
             let t = t.call_method0("contiguous")?;
             let n =
                 t.call_method0("numel")?.extract::<u64>()? * dtype.size_bytes().unwrap_or(1) as u64;
+            if n > info.bytes {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!("tensor {name:?}: {n} bytes given, the set's tensor has {}", info.bytes),
+                ));
+            }
             let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
             copies.push((i, ptr, n as usize));
             keep.push(t);
@@ -563,8 +591,10 @@ impl TensorUpdate {
                 // SAFETY: `s` is the update's stream (see `finish`).
                 unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
             }
-            for (i, ptr, n) in &copies {
-                u.update().copy_in(*i, *ptr, *n).map_err(|e| err(py, e))?;
+            for (a, off, src, n) in coalesce(&writer.layout, &copies) {
+                u.update()
+                    .copy_into(a, off, src, n)
+                    .map_err(|e| err(py, e))?;
             }
             if let Some(s) = self.target {
                 // SAFETY: as above.

@@ -108,46 +108,55 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
     Ok(out)
 }
 
-/// A run of tensors made by one call: `first..first + count`, `step` bytes apart.
+/// Tensors made by one call: `members` (tensor indices, by rising offset) `step` bytes apart.
 struct Run {
-    first: usize,
-    count: usize,
+    members: Vec<usize>,
     step: u64,
 }
 
-/// Consecutive tensors of one allocation, dtype, shape and strides at a constant byte step that
-/// is a whole number of elements, as runs (a run of one is a single `as_strided`).
+/// The tensors grouped into runs: tensors of one allocation, dtype, shape and strides whose
+/// offsets rise by a constant step that is a whole number of elements (the experts of a MoE
+/// layer; the same projection of every layer of a transformer, a layer's bytes apart), each run
+/// as long as the offsets keep that step; a tensor alone is a run of one.
 fn runs(tensors: &[TensorInfo]) -> Vec<Run> {
-    let mut out: Vec<Run> = Vec::new();
+    type Key<'a> = (u32, DType, &'a [i64], &'a [i64]);
+    let mut groups: HashMap<Key<'_>, Vec<usize>> = HashMap::new();
+    let mut order: Vec<Key<'_>> = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
-        if let Some(r) = out.last_mut() {
-            let first = &tensors[r.first];
-            let prev = &tensors[i - 1];
-            let size = first.dtype.size_bytes().unwrap_or(0) as u64;
-            let same = t.allocation == first.allocation
-                && t.dtype == first.dtype
-                && t.shape == first.shape
-                && t.strides == first.strides
-                && size > 0
-                && t.offset > prev.offset;
-            if same {
-                let step = t.offset - prev.offset;
-                if r.count == 1 && step.is_multiple_of(size) {
-                    r.step = step;
-                    r.count = 2;
-                    continue;
-                }
-                if r.count > 1 && step == r.step {
-                    r.count += 1;
-                    continue;
+        let k = (t.allocation, t.dtype, t.shape.as_slice(), t.strides.as_slice());
+        groups
+            .entry(k)
+            .or_insert_with(|| {
+                order.push(k);
+                Vec::new()
+            })
+            .push(i);
+    }
+    let mut out = Vec::new();
+    for k in order {
+        let mut g = groups.remove(&k).unwrap_or_default();
+        g.sort_by_key(|&i| tensors[i].offset);
+        let size = k.1.size_bytes().unwrap_or(0) as u64;
+        let mut at = 0;
+        while at < g.len() {
+            let mut run = Run {
+                members: vec![g[at]],
+                step: 0,
+            };
+            if size > 0 && at + 1 < g.len() {
+                let step = tensors[g[at + 1]].offset - tensors[g[at]].offset;
+                if step > 0 && step.is_multiple_of(size) {
+                    run.step = step;
+                    let mut j = at + 1;
+                    while j < g.len() && tensors[g[j]].offset - tensors[g[j - 1]].offset == step {
+                        run.members.push(g[j]);
+                        j += 1;
+                    }
                 }
             }
+            at += run.members.len();
+            out.push(run);
         }
-        out.push(Run {
-            first: i,
-            count: 1,
-            step: 0,
-        });
     }
     out
 }
@@ -204,14 +213,15 @@ pub(crate) fn build<'py>(
             typed: HashMap::new(),
         }));
     }
-    let d = PyDict::new(py);
     let tensors = layout.tensors();
+    let mut made_tensors: Vec<Option<Bound<'py, PyAny>>> = vec![None; tensors.len()];
     for run in runs(tensors) {
-        let t = &tensors[run.first];
-        let size =
-            t.dtype.size_bytes().ok_or_else(|| {
-                errors::not_supported(&format!("tensor {:?}: sub-byte dtype", t.name))
-            })? as u64;
+        let t = &tensors[run.members[0]];
+        let size = t
+            .dtype
+            .size_bytes()
+            .ok_or_else(|| errors::not_supported(&format!("tensor {:?}: sub-byte dtype", t.name)))?
+            as u64;
         let base = made
             .get_mut(t.allocation as usize)
             .and_then(Option::as_mut)
@@ -237,16 +247,16 @@ pub(crate) fn build<'py>(
             )));
         }
         let offset = t.offset / size;
-        if run.count == 1 {
+        if run.members.len() == 1 {
             let v = as_strided.call1((
                 &typed,
                 PyTuple::new(py, &t.shape)?,
                 PyTuple::new(py, &t.strides)?,
                 offset,
             ))?;
-            d.set_item(&t.name, v)?;
+            made_tensors[run.members[0]] = Some(v);
         } else {
-            let mut shape = vec![run.count as i64];
+            let mut shape = vec![run.members.len() as i64];
             shape.extend_from_slice(&t.shape);
             let mut strides = vec![(run.step / size) as i64];
             strides.extend_from_slice(&t.strides);
@@ -259,9 +269,13 @@ pub(crate) fn build<'py>(
             let parts = stacked.call_method1("unbind", (0,))?;
             let parts = parts.cast::<PyTuple>()?;
             for (k, v) in parts.iter().enumerate() {
-                d.set_item(&tensors[run.first + k].name, v)?;
+                made_tensors[run.members[k]] = Some(v);
             }
         }
+    }
+    let d = PyDict::new(py);
+    for (t, v) in tensors.iter().zip(made_tensors) {
+        d.set_item(&t.name, v)?;
     }
     Ok(d)
 }
@@ -309,26 +323,44 @@ mod tests {
         }
     }
 
-    #[test]
-    fn equal_tensors_at_a_constant_step_form_one_run() {
-        let t: Vec<_> = (0..5)
-            .map(|i| info(&format!("e{i}"), &[4, 8], i * 256))
-            .collect();
-        let r = runs(&t);
-        assert_eq!(r.len(), 1);
-        assert_eq!((r[0].first, r[0].count, r[0].step), (0, 5, 256));
+    fn members(r: &[Run]) -> Vec<Vec<usize>> {
+        r.iter().map(|r| r.members.clone()).collect()
     }
 
     #[test]
-    fn a_different_shape_or_step_starts_a_new_run() {
+    fn equal_tensors_at_a_constant_step_form_one_run() {
+        let t: Vec<_> = (0..5).map(|i| info(&format!("e{i}"), &[4, 8], i * 256)).collect();
+        let r = runs(&t);
+        assert_eq!(members(&r), vec![vec![0, 1, 2, 3, 4]]);
+        assert_eq!(r[0].step, 256);
+    }
+
+    #[test]
+    fn the_same_tensor_of_every_layer_forms_one_run_across_the_others() {
+        // Layers of [q (4x8), norm (8)], each layer 512 bytes: the q's form one run, the norms one.
+        let mut t = Vec::new();
+        for l in 0..4u64 {
+            t.push(info(&format!("l{l}.q"), &[4, 8], l * 512));
+            t.push(info(&format!("l{l}.norm"), &[8], l * 512 + 256));
+        }
+        let r = runs(&t);
+        assert_eq!(members(&r), vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
+        assert!(r.iter().all(|r| r.step == 512));
+    }
+
+    #[test]
+    fn a_broken_step_starts_a_new_run_and_every_tensor_is_in_exactly_one() {
         let t = vec![
             info("a", &[4, 8], 0),
             info("b", &[4, 8], 256),
             info("c", &[4, 8], 768),
             info("d", &[8], 1024),
+            info("e", &[4, 8], 1280),
         ];
         let r = runs(&t);
-        let got: Vec<_> = r.iter().map(|r| (r.first, r.count)).collect();
-        assert_eq!(got, vec![(0, 2), (2, 1), (3, 1)]);
+        assert_eq!(members(&r), vec![vec![0, 1], vec![2, 4], vec![3]]);
+        let mut all: Vec<usize> = r.iter().flat_map(|r| r.members.clone()).collect();
+        all.sort();
+        assert_eq!(all, vec![0, 1, 2, 3, 4]);
     }
 }

@@ -565,6 +565,36 @@ impl Update<'_> {
         self.copy_d2d(dst, src, len)
     }
 
+    /// Enqueues on the writer's stream a copy of `len` bytes from device address `src` to byte
+    /// `offset` of allocation `allocation` of this update's buffer (`cuMemcpyDtoDAsync_v2`): one
+    /// copy for several tensors that lie back to back in both places. Work on another stream
+    /// that produced `src` must be ordered before.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end;
+    /// [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming the copy.
+    pub fn copy_into(&self, allocation: usize, offset: u64, src: u64, len: usize) -> Result<()> {
+        let Memory::Gpu(b) = self.memory else {
+            return Err(TensorSetError::WrongKind(
+                "a host tensor set has no device addresses; use the host accessors",
+            )
+            .into());
+        };
+        let size = self.layout.allocations().get(allocation).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "allocation {allocation} of {}",
+                self.layout.allocations().len()
+            ))
+        })?;
+        if offset.checked_add(len as u64).is_none_or(|e| e > size) {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {offset}+{len} leave allocation {allocation} of {size} bytes"
+            )));
+        }
+        let dst = b[self.buffer][allocation].device_ptr() + offset;
+        self.copy_d2d(dst, src, len)
+    }
+
     fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
