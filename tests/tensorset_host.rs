@@ -325,8 +325,9 @@ fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
     let name = set_name("replace");
     let w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
     match TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()) {
-        Err(Error::Channel(cuda_ipc::channel::ChannelError::AlreadyExists { .. }))
-        | Err(Error::TensorSet(TensorSetError::AlreadyExists { .. })) => {}
+        Err(Error::TensorSet(TensorSetError::AlreadyExists { pid, .. })) => {
+            assert_eq!(pid, std::process::id())
+        }
         other => panic!("a second writer: {other:?}"),
     }
     drop(w);
