@@ -215,8 +215,16 @@ impl TensorSetWriter {
         };
         let len = usize::try_from(bytes)
             .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes per buffer")))?;
-        let (kind, buffers, tokens) =
-            allocate_pool(ctx, kind, &ChannelOptions::new(len).buffers(b).memory(kind))?;
+        let alloc = |k| allocate_pool(ctx, k, &ChannelOptions::new(len).buffers(b).memory(k));
+        let (kind, buffers, tokens) = match alloc(kind) {
+            // VMM where the device reports it but the driver still refuses (an MPS client, a
+            // restricted container): pool memory instead, said once.
+            Err(e) if opts.memory == MemoryKind::Auto && kind == MemoryKind::Vmm => {
+                tracing::info!("tensor set {name}: VMM memory refused ({e}); using pool memory");
+                alloc(MemoryKind::Pool)?
+            }
+            r => r?,
+        };
         let code = match kind {
             MemoryKind::Vmm => KIND_VMM,
             MemoryKind::Pool => KIND_POOL,
