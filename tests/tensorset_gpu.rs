@@ -9,6 +9,7 @@ mod common;
 use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::MemoryKind;
+use cuda_ipc::driver::DeviceMemory;
 use cuda_ipc::raw::kernels::Kernels;
 use cuda_ipc::tensorset::{
     DType, GenerationMode, ReaderOptions, TensorSetError, TensorSetOptions, TensorSetReader,
@@ -313,4 +314,79 @@ fn readers_and_writers_killed_mid_update() {
     r.stream().unwrap().synchronize().unwrap();
     assert_eq!(read_u64(&bad), 0, "generation 1 changed under its reader");
     drop(h);
+}
+
+const OVER: &str = "a_set_over_given_vmm_allocations_is_read_in_place_with_one_import_each";
+
+/// Zero-copy publishing of live memory: two VMM allocations of the writer's (say, chunks of an
+/// arena a model was built in) published in place; a reader in another process imports each once,
+/// read-only, and checks the tensors the writer filled before and after an update.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_set_over_given_vmm_allocations_is_read_in_place_with_one_import_each() {
+    if role().as_deref() == Some("reader") {
+        let c = ctx();
+        let k = Kernels::load(&c).unwrap();
+        let bad = zeroed_counter(&c);
+        let r = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+        tell(format!("opened {} {}", r.imports(), r.is_read_only()));
+        let mut last = 0;
+        for line in parent_lines() {
+            let want: u64 = line.parse().unwrap();
+            let h = r.wait_newer(last, Some(T)).unwrap();
+            assert_eq!(h.generation(), want);
+            for t in 0..r.layout().len() {
+                k.check_pattern(
+                    &h.device_tensor(t).unwrap(),
+                    seed(want, t),
+                    &bad,
+                    h.stream().unwrap(),
+                )
+                .unwrap();
+            }
+            last = want;
+            drop(h);
+            r.stream().unwrap().synchronize().unwrap();
+            tell(format!("checked {last} {}", read_u64(&bad)));
+        }
+        return;
+    }
+    let c = ctx();
+    let k = Kernels::load(&c).unwrap();
+    let g = cuda_ipc::ipc::vmm_granularity(&c.device()).unwrap();
+    let a0 = cuda_ipc::ipc::VmmBuffer::new(&c, 2 * g).unwrap();
+    let a1 = cuda_ipc::ipc::VmmBuffer::new(&c, g).unwrap();
+    let tensors = vec![
+        (TensorSpec::new("w0", DType::F32, &[1024]), 0, 0),
+        (TensorSpec::new("w1", DType::BF16, &[64, 64]), 0, g as u64),
+        (TensorSpec::new("w2", DType::F32, &[256]), 1, 512),
+    ];
+    let name = format!("tsover-{}", std::process::id());
+    let mut w = TensorSetWriter::create_over(
+        &c,
+        &name,
+        &tensors,
+        vec![a0.clone(), a1.clone()],
+        &TensorSetOptions::new(),
+    )
+    .unwrap();
+    assert_eq!(w.layout().allocations().len(), 2);
+    // The tensors lie in the given memory itself: no copy.
+    for (t, (_, a, off)) in tensors.iter().enumerate() {
+        let base = if *a == 0 { &a0 } else { &a1 };
+        assert_eq!(w.device_ptr(0, t).unwrap(), base.device_ptr() + off);
+    }
+    let mut p = Peer::spawn(OVER, "reader", &[(SET, &name)]);
+    assert_eq!(
+        p.expect("opened", T),
+        "2 true",
+        "one import per allocation, read-only"
+    );
+    for _ in 0..3 {
+        let g = write_gen(&mut w, &k);
+        p.send(&g.to_string());
+        assert_eq!(p.expect("checked", T), format!("{g} 0"));
+    }
+    w.close(T).unwrap();
+    p.finish(T);
 }

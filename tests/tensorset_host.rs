@@ -259,6 +259,16 @@ fn a_reader_killed_while_holding_is_freed_within_a_second() {
     assert_eq!(inspect::inspect(&name).unwrap().holds, 1);
     kill9(p.child.id());
     let _ = p.child.wait();
+    // gc lists the dead reader's slot of the live writer's set (and nothing else of it).
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    let kinds: Vec<_> = scan.leftovers.iter().map(|l| l.kind).collect();
+    assert_eq!(
+        kinds,
+        vec![LeftoverKind::TensorSetReader],
+        "{:?}",
+        scan.leftovers
+    );
     let t = Instant::now();
     let u = w.begin(Some(ANSWER)).expect("begin after the reader died");
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
@@ -318,6 +328,67 @@ fn a_killed_writer_leaves_readers_their_bytes_and_waits_end_with_writer_gone() {
 }
 
 #[test]
+fn a_reader_in_another_pid_namespace_checks_every_generation() {
+    if role().is_some() {
+        return;
+    }
+    if let Err(why) = common::unshare_works(&["--pid", "--fork", "--mount-proc"]) {
+        println!("skipped: {why}");
+        return;
+    }
+    let name = set_name("pidns");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("buffered")).unwrap();
+    let mut p = Peer::spawn_under(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        "child",
+        "reader",
+        &[(SET, &name), (MODE, "buffered")],
+    );
+    p.expect("opened", ANSWER);
+    for _ in 0..100 {
+        write_gen(&mut w);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    w.close(ANSWER).unwrap();
+    assert!(p.expect("ok", ANSWER).ends_with(" 100"));
+    p.finish(ANSWER);
+}
+
+#[test]
+fn abandoned_creations_are_replaced_and_collected() {
+    if role().is_some() {
+        return;
+    }
+    // An empty manifest (a creator killed before sizing it) and an empty host data segment.
+    let (a, b) = (set_name("aband-a"), set_name("aband-b"));
+    plant(&path("cuda-ipc.ts.", &a), &[]);
+    plant(&path("cuda-ipc.td.", &b), &[]);
+    // Young: a creator may be sizing it now.
+    match TensorSetWriter::create_host(&a, &specs(), &TensorSetOptions::new()) {
+        Err(Error::TensorSet(TensorSetError::CreationInProgress(_))) => {}
+        other => panic!("over a young empty manifest: {other:?}"),
+    }
+    std::thread::sleep(Duration::from_millis(2100));
+    let mut w = TensorSetWriter::create_host(&a, &specs(), &TensorSetOptions::new()).unwrap();
+    assert_eq!(write_gen(&mut w), 1);
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![a.clone(), b.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    let kinds: Vec<_> = scan
+        .leftovers
+        .iter()
+        .map(|l| (l.kind, l.object.clone()))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![(LeftoverKind::TensorSetCreation, b.clone())],
+        "{:?}",
+        scan.leftovers
+    );
+    assert_eq!(cleanup::remove(&scan.leftovers).removed.len(), 1);
+    assert!(std::fs::symlink_metadata(path("cuda-ipc.td.", &b)).is_err());
+}
+
+#[test]
 fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
     if role().is_some() {
         return;
@@ -325,8 +396,9 @@ fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
     let name = set_name("replace");
     let w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
     match TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()) {
-        Err(Error::Channel(cuda_ipc::channel::ChannelError::AlreadyExists { .. }))
-        | Err(Error::TensorSet(TensorSetError::AlreadyExists { .. })) => {}
+        Err(Error::TensorSet(TensorSetError::AlreadyExists { pid, .. })) => {
+            assert_eq!(pid, std::process::id())
+        }
         other => panic!("a second writer: {other:?}"),
     }
     drop(w);

@@ -165,6 +165,49 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
         hist,
     );
 
+    let ts_generation = gauge_family();
+    let ts_writer_alive = gauge_family();
+    let ts_readers = gauge_family();
+    let ts_holds = gauge_family();
+    let ts_bytes = gauge_family();
+    for v in &s.listing.tensor_sets {
+        let t = &v.snapshot;
+        let l = labels(&[("tensorset", t.name.clone())]);
+        ts_generation.get_or_create(&l).set(clamp(t.generation));
+        ts_writer_alive
+            .get_or_create(&l)
+            .set(i64::from(t.writer_liveness != Liveness::Dead));
+        ts_readers.get_or_create(&l).set(t.readers.len() as i64);
+        ts_holds.get_or_create(&l).set(i64::from(t.holds));
+        ts_bytes.get_or_create(&l).set(clamp(t.bytes));
+    }
+    reg.register(
+        "tensorset_generation",
+        "The newest generation the tensor set's writer published",
+        ts_generation,
+    );
+    reg.register(
+        "tensorset_writer_alive",
+        "1 while the writer runs (alive or unknown), 0 when it is dead",
+        ts_writer_alive,
+    );
+    reg.register(
+        "tensorset_readers",
+        "Readers attached to the tensor set",
+        ts_readers,
+    );
+    reg.register(
+        "tensorset_holds",
+        "Generations held by readers now (one per reader and buffer)",
+        ts_holds,
+    );
+    reg.register_with_unit(
+        "tensorset_memory",
+        "Bytes of the tensor set's buffers (buffers x bytes per buffer)",
+        Unit::Bytes,
+        ts_bytes,
+    );
+
     let nvml = gauge_family();
     nvml.get_or_create(&Vec::new())
         .set(i64::from(s.gpu.missing().is_none()));

@@ -224,3 +224,18 @@ pub(crate) fn decode_meta(meta: &[u8], seq: u64) -> (u64, [u8; 32]) {
     c.copy_from_slice(&meta[8..40]);
     (seq, c)
 }
+
+#[cfg(test)]
+mod tests {
+    /// The ends can move between threads (the Python bindings hold them behind locks), and a
+    /// reader can be shared by threads that each take generations.
+    #[test]
+    fn the_ends_are_send_and_the_reader_is_sync() {
+        fn send<T: Send>() {}
+        fn sync<T: Sync>() {}
+        send::<super::TensorSetWriter>();
+        send::<super::TensorSetReader>();
+        sync::<super::TensorSetReader>();
+        sync::<super::TensorSetWriter>();
+    }
+}

@@ -10,7 +10,8 @@ use super::manifest::{
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
 use super::{GenerationMode, TensorSetOptions, encode_meta};
 use crate::channel::{
-    ChannelBuffer, ChannelOptions, MemoryKind, Producer, WriteFrame, allocate_pool, auto_kind,
+    ChannelBuffer, ChannelError, ChannelOptions, MemoryKind, Producer, WriteFrame, allocate_pool,
+    auto_kind,
 };
 use crate::driver::{Context, DeviceMemory, Stream, Uuid};
 use crate::error::{Error, Result};
@@ -131,11 +132,37 @@ fn reserve(opts: &TensorSetOptions, device: Uuid, bytes: u64) -> Result<Option<R
     ledger.reserve(bytes).map(Some)
 }
 
-fn channel_options(opts: &TensorSetOptions, buffers: usize) -> ChannelOptions {
-    ChannelOptions::new(0)
+/// The set's generation channel (`cuda-ipc.tg.NAME`, memoryless, `buffers` buffers), in `ctx` or
+/// on the host; a live or starting writer's channel is the set's `AlreadyExists` /
+/// `CreationInProgress`.
+fn generation_channel(
+    ctx: Option<&Arc<Context>>,
+    name: &str,
+    opts: &TensorSetOptions,
+    buffers: usize,
+) -> Result<Producer> {
+    if opts.max_readers == 0 || opts.max_readers > crate::channel::MAX_CONSUMERS {
+        return Err(Error::InvalidArgument(format!(
+            "a tensor set takes 1 to {} readers, got {}",
+            crate::channel::MAX_CONSUMERS,
+            opts.max_readers
+        )));
+    }
+    let copts = ChannelOptions::new(0)
         .buffers(buffers)
         .max_consumers(opts.max_readers)
-        .wait(opts.wait)
+        .wait(opts.wait);
+    Producer::create_memoryless(ctx, GENERATION_PREFIX, name, &copts).map_err(|e| match e {
+        Error::Channel(ChannelError::AlreadyExists { pid, .. }) => TensorSetError::AlreadyExists {
+            name: name.to_string(),
+            pid,
+        }
+        .into(),
+        Error::Channel(ChannelError::CreationInProgress(_)) => {
+            TensorSetError::CreationInProgress(name.to_string()).into()
+        }
+        other => other,
+    })
 }
 
 impl TensorSetWriter {
@@ -178,12 +205,7 @@ impl TensorSetWriter {
         let b = buffer_count(opts.mode)?;
         let bytes = layout.bytes_per_buffer();
         let quota = reserve(opts, ctx.device().uuid(), bytes.saturating_mul(b as u64))?;
-        let producer = Producer::create_memoryless(
-            Some(ctx),
-            GENERATION_PREFIX,
-            name,
-            &channel_options(opts, b),
-        )?;
+        let producer = generation_channel(Some(ctx), name, opts, b)?;
         let kind = match opts.memory {
             MemoryKind::Auto => match auto_kind(ctx, &ChannelOptions::new(1)) {
                 MemoryKind::Vmm => MemoryKind::Vmm,
@@ -193,8 +215,16 @@ impl TensorSetWriter {
         };
         let len = usize::try_from(bytes)
             .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes per buffer")))?;
-        let (kind, buffers, tokens) =
-            allocate_pool(ctx, kind, &ChannelOptions::new(len).buffers(b).memory(kind))?;
+        let alloc = |k| allocate_pool(ctx, k, &ChannelOptions::new(len).buffers(b).memory(k));
+        let (kind, buffers, tokens) = match alloc(kind) {
+            // VMM where the device reports it but the driver still refuses (an MPS client, a
+            // restricted container): pool memory instead, said once.
+            Err(e) if opts.memory == MemoryKind::Auto && kind == MemoryKind::Vmm => {
+                tracing::info!("tensor set {name}: VMM memory refused ({e}); using pool memory");
+                alloc(MemoryKind::Pool)?
+            }
+            r => r?,
+        };
         let code = match kind {
             MemoryKind::Vmm => KIND_VMM,
             MemoryKind::Pool => KIND_POOL,
@@ -229,8 +259,7 @@ impl TensorSetWriter {
         let b = buffer_count(opts.mode)?;
         let bytes = layout.bytes_per_buffer();
         let quota = reserve(opts, Uuid([0; 16]), bytes.saturating_mul(b as u64))?;
-        let producer =
-            Producer::create_memoryless(None, GENERATION_PREFIX, name, &channel_options(opts, b))?;
+        let producer = generation_channel(None, name, opts, b)?;
         let data = DataSegment::create(name, b, bytes)?;
         let generation = data.generation;
         let tokens = vec![vec![[0u8; TOKEN_LEN]]; b];
@@ -275,12 +304,7 @@ impl TensorSetWriter {
         let lens = allocations.iter().map(|a| a.len() as u64).collect();
         let layout = Layout::with_locations(tensors, lens)?;
         let quota = reserve(opts, ctx.device().uuid(), layout.bytes_per_buffer())?;
-        let producer = Producer::create_memoryless(
-            Some(ctx),
-            GENERATION_PREFIX,
-            name,
-            &channel_options(opts, 1),
-        )?;
+        let producer = generation_channel(Some(ctx), name, opts, 1)?;
         let tokens = vec![
             allocations
                 .iter()
