@@ -14,6 +14,8 @@ in VMM memory, and measures, per run:
   the attach made;
 - a new generation in a process that keeps its mappings: from the reader's wake-up to its dict,
   and from the writer's commit to the reader's wake-up (the hand-off);
+- the channel's hand-off at the same wait strategy, publish to a waiting consumer's wake-up, in
+  the same run (the bound for a generation's);
 - an update: a full new generation copied from a same-GPU source and committed with two readers
   attached, both modes (in place, double-buffered), against a device-to-device copy of the same
   bytes (`torch.Tensor.copy_`), in the same run.
@@ -149,6 +151,54 @@ def reader_child(name: str, conn, mode: str) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def channel_child(name: str, conn) -> None:
+    """The channel's hand-off at the same wait strategy, for comparison: a consumer waiting in
+    `recv` reports when it woke."""
+    die_with_parent()
+    try:
+        import torch
+
+        torch.zeros(1, device="cuda")
+        import cuda_ipc
+
+        with cuda_ipc.Consumer(name, delivery="latest") as rx:
+            conn.send(("ready", None))
+            while True:
+                if not conn.poll(STEP_S):
+                    return
+                if conn.recv() == "stop":
+                    return
+                f = rx.recv(timeout=STEP_S)
+                woke = time.monotonic_ns()
+                f.release()
+                conn.send(("woke", woke))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def channel_handoff(cuda_ipc, ctx, name: str, n: int) -> float:
+    """Median µs from a channel publish to its waiting consumer's wake-up (wait spin_then_block)."""
+    tx = cuda_ipc.Producer(name, 4096, buffers=2)
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=channel_child, args=(name, b), daemon=True)
+    p.start()
+    try:
+        expect(a, "ready")
+        out = []
+        for _ in range(n):
+            a.send("next")
+            time.sleep(0.05)  # the consumer is asleep in its wait
+            f = tx.acquire(timeout=STEP_S)
+            f.publish(b"")
+            t = time.monotonic_ns()
+            out.append((expect(a, "woke") - t) / 1e3)
+        a.send("stop")
+        p.join(STEP_S)
+        return statistics.median(out)
+    finally:
+        tx.close()
+
+
 def spawn_reader(ctx, name: str, mode: str):
     a, b = ctx.Pipe()
     p = ctx.Process(target=reader_child, args=(name, b, mode), daemon=True)
@@ -211,6 +261,7 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
             p.join(STEP_S)
         out["warm_dict_us"] = statistics.median(warm)
         out["commit_to_wake_us"] = statistics.median(handoff)
+        out["channel_handoff_us"] = channel_handoff(cuda_ipc, ctx, f"{name}-ch", args.generations)
     finally:
         w.close(timeout=10.0)
     # Updates: a full generation from a same-GPU source, both modes, against a D2D copy.
@@ -291,6 +342,7 @@ def main() -> int:
         "read_only": all(f["read_only"] for f in firsts),
         "warm_dict_us": med(runs, lambda r: r["warm_dict_us"]),
         "commit_to_wake_us": med(runs, lambda r: r["commit_to_wake_us"]),
+        "channel_handoff_us": med(runs, lambda r: r["channel_handoff_us"]),
         "update": {
             m: {
                 k: med(runs, lambda r, m=m, k=k: r["update"][m][k])
