@@ -118,7 +118,7 @@ def receiver(conn, ppid: int) -> None:
     """A receiver process: makes its context, says ready, then attaches each payload it gets."""
     common.die_with_parent()
     import torch
-    from torch.multiprocessing.reductions import ForkingPickler  # noqa: F401 (registers reductions)
+    import torch.multiprocessing  # noqa: F401 (registers PyTorch's reductions with ForkingPickler)
     import pickle
 
     torch.cuda.init()
@@ -241,7 +241,8 @@ def main(argv=None) -> int:
     try:
         import torch
         import torch.multiprocessing as tmp
-        from torch.multiprocessing.reductions import ForkingPickler
+        import torch.multiprocessing  # noqa: F401 (registers PyTorch's reductions)
+        from multiprocessing.reduction import ForkingPickler
     except ImportError as e:
         return common.fail(a.out, NAME, f"PyTorch is not installed: {e}", env)
     if not torch.cuda.is_available():

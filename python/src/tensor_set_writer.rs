@@ -554,6 +554,9 @@ impl TensorUpdate {
         }
         let mut keep = Vec::with_capacity(tensors.len());
         let mut copies = Vec::with_capacity(tensors.len());
+        // The dtype objects seen, by identity: a state dict has a handful of them, and converting
+        // each tensor's by name would cost more than the copy of a small tensor.
+        let mut dtypes: Vec<(Bound<'_, PyAny>, cuda_ipc::tensorset::DType)> = Vec::new();
         for (k, t) in tensors.iter() {
             let name: String = k.extract()?;
             let i = writer.layout.index_of(&name).ok_or_else(|| {
@@ -563,26 +566,39 @@ impl TensorUpdate {
                 )
             })?;
             let info = &writer.layout.tensors()[i];
-            let dtype = tensors::dtype_arg(py, &t.getattr("dtype")?)?;
+            let dt = t.getattr(pyo3::intern!(py, "dtype"))?;
+            let dtype = match dtypes.iter().find(|(o, _)| o.is(&dt)) {
+                Some((_, d)) => *d,
+                None => {
+                    let d = tensors::dtype_arg(py, &dt)?;
+                    dtypes.push((dt, d));
+                    d
+                }
+            };
             if dtype != info.dtype {
                 return Err(errors::invalid_argument(
                     py,
-                    format!(
-                        "tensor {name:?}: dtype {dtype:?}, the set holds {:?}",
-                        info.dtype
-                    ),
+                    format!("tensor {name:?}: dtype {dtype:?}, the set holds {:?}", info.dtype),
                 ));
             }
-            let t = t.call_method0("contiguous")?;
-            let n =
-                t.call_method0("numel")?.extract::<u64>()? * dtype.size_bytes().unwrap_or(1) as u64;
+            let t = if t
+                .call_method0(pyo3::intern!(py, "is_contiguous"))?
+                .extract::<bool>()?
+            {
+                t
+            } else {
+                t.call_method0(pyo3::intern!(py, "contiguous"))?
+            };
+            let n = t.getattr(pyo3::intern!(py, "nbytes"))?.extract::<u64>()?;
             if n > info.bytes {
                 return Err(errors::invalid_argument(
                     py,
                     format!("tensor {name:?}: {n} bytes given, the set's tensor has {}", info.bytes),
                 ));
             }
-            let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+            let ptr: u64 = t
+                .call_method0(pyo3::intern!(py, "data_ptr"))?
+                .extract()?;
             copies.push((i, ptr, n as usize));
             keep.push(t);
         }
