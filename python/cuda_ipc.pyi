@@ -433,6 +433,7 @@ class TensorSetWriter:
         mode: str = "in_place",
         buffers: int = 2,
         max_readers: int = 64,
+        quota: Optional[str] = None,
     ) -> None: ...
     @staticmethod
     def over_tensors(

@@ -141,9 +141,11 @@ impl TensorSetWriter {
     /// Creates tensor set `name` holding `tensors` (a dict of name → `torch.Tensor`, whose shapes
     /// and dtypes are taken, or name → `(shape, dtype)`), laid out contiguous in one allocation
     /// per buffer on CUDA device `device`; nothing is published until the first commit.
+    /// `quota`: reserve the set's bytes (buffers × bytes) from a shared budget (`"user"` or
+    /// `"group:GID"`, as `Producer`'s), raising `OverQuota` past it.
     #[new]
     #[pyo3(signature = (name, tensors, *, device=0, memory="vmm", mode="in_place", buffers=2,
-        max_readers=64))]
+        max_readers=64, quota=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -154,13 +156,17 @@ impl TensorSetWriter {
         mode: &str,
         buffers: usize,
         max_readers: usize,
+        quota: Option<&str>,
     ) -> PyResult<Self> {
         let specs = specs_arg(py, tensors)?;
         let kind = memory_arg(py, memory)?;
-        let opts = TensorSetOptions::new()
+        let mut opts = TensorSetOptions::new()
             .memory(kind)
             .mode(mode_arg(py, mode, buffers)?)
             .max_readers(max_readers);
+        if let Some(q) = quota {
+            opts = opts.quota(crate::quota::quota_scope(q).map_err(|e| err(py, e))?);
+        }
         let w = py
             .detach(|| -> cuda_ipc::Result<RustWriter> {
                 if kind == MemoryKind::Host {
@@ -578,7 +584,10 @@ impl TensorUpdate {
             if dtype != info.dtype {
                 return Err(errors::invalid_argument(
                     py,
-                    format!("tensor {name:?}: dtype {dtype:?}, the set holds {:?}", info.dtype),
+                    format!(
+                        "tensor {name:?}: dtype {dtype:?}, the set holds {:?}",
+                        info.dtype
+                    ),
                 ));
             }
             let t = if t
@@ -593,12 +602,13 @@ impl TensorUpdate {
             if n > info.bytes {
                 return Err(errors::invalid_argument(
                     py,
-                    format!("tensor {name:?}: {n} bytes given, the set's tensor has {}", info.bytes),
+                    format!(
+                        "tensor {name:?}: {n} bytes given, the set's tensor has {}",
+                        info.bytes
+                    ),
                 ));
             }
-            let ptr: u64 = t
-                .call_method0(pyo3::intern!(py, "data_ptr"))?
-                .extract()?;
+            let ptr: u64 = t.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
             copies.push((i, ptr, n as usize));
             keep.push(t);
         }

@@ -211,3 +211,22 @@ def test_a_killed_writer_leaves_the_held_generation_and_raises_writer_gone(name)
         if p.poll() is None:
             p.kill()
         cuda_ipc.cleanup(dry_run=False)
+
+
+def test_a_sets_bytes_are_counted_in_a_shared_budget(name):
+    """A private group scope (root: a gid nobody uses), as test_host.py's quota test does."""
+    gid = 3_900_000_000 + (os.getpid() + 7) % 100_000 if os.geteuid() == 0 else os.getegid()
+    ledger = SHM / f"cuda-ipc.quota.g{gid}.{'0' * 32}"
+    if ledger.exists() and os.geteuid() != 0:
+        pytest.skip(f"group {gid} already has a host-memory budget ({ledger})")
+    scope = f"group:{gid}"
+    cuda_ipc.set_quota(1000, scope=scope)  # one set of SPECS (768 bytes a buffer), not two
+    try:
+        first = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", quota=scope)
+        with pytest.raises(cuda_ipc.OverQuota):
+            cuda_ipc.TensorSetWriter(name + "-2", SPECS, memory="host", quota=scope)
+        assert not (SHM / f"cuda-ipc.ts.{name}-2").exists()
+        first.close()
+        cuda_ipc.TensorSetWriter(name + "-2", SPECS, memory="host", quota=scope).close()
+    finally:
+        assert cuda_ipc.remove_quota(scope=scope)
