@@ -1,8 +1,8 @@
 //! Host-memory tensor sets with the real writer and readers, in separate processes, on machines
 //! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
 //! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
-//! content fingerprints, an open that fails half way, a set of 100,000 tensors, hostile files under the manifest's name, and
-//! `gc` of a dead writer's set.
+//! content fingerprints, an open that fails half way, a set of 100,000 tensors, hostile files
+//! under the manifest's name, and `gc` of a dead writer's set.
 
 mod common;
 
