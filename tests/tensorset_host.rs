@@ -343,9 +343,9 @@ fn an_open_that_fails_half_way_leaves_no_reader_and_no_mapping_behind() {
     if role().is_some() {
         return;
     }
-    // The open maps the memory and attaches to the generation channel at the same time: when one
-    // half fails, the other half's result is dropped (the channel slot freed, the data segment
-    // unmapped) and the first error returned.
+    // The open maps the memory and attaches to the generation channel (a GPU set's at the same
+    // time, on two threads): when one half fails, the other half's result is dropped (the channel
+    // slot freed, the data segment unmapped) and the memory's error, else the channel's, returned.
     let name = set_name("half");
     let opts = TensorSetOptions::new().max_readers(1);
     let mut w = TensorSetWriter::create_host(&name, &specs(), &opts).unwrap();

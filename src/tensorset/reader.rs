@@ -76,8 +76,10 @@ impl TensorSetReader {
     /// Opens tensor set `name` in `ctx`: reads and checks the manifest, imports every allocation
     /// of every buffer once (`cuMemImportFromShareableHandle` and a read-only `cuMemSetAccess`
     /// for VMM, with [`ReaderOptions::read_only`]; pool and legacy memory read-write, see
-    /// [`TensorSetReader::is_read_only`]) and joins the generation channel. A host set is opened
-    /// as by [`TensorSetReader::open_host`], without `ctx`.
+    /// [`TensorSetReader::is_read_only`]) and joins the generation channel, the two at the same
+    /// time (the channel's attach on a scoped thread; on an error of either, the other's result is
+    /// dropped: no reader slot or mapping stays behind). A host set is opened as by
+    /// [`TensorSetReader::open_host`], without `ctx`.
     ///
     /// # Errors
     /// [`TensorSetError::NotFound`]; [`TensorSetError::LayoutMismatch`] when
@@ -151,31 +153,36 @@ impl TensorSetReader {
             .into());
         }
         // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
-        // GPU words, stream, event, watchdog thread) needs nothing of the imports: it runs on a
-        // scoped thread while this thread maps the memory. Context hygiene: that thread makes
-        // driver calls only through the consumer's constructor, whose objects (`Stream::new`,
+        // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
+        // runs on a scoped thread while this thread maps the memory (a host set's two halves are
+        // cheaper than a thread: one after the other). Context hygiene: that thread makes driver
+        // calls only through the consumer's constructor, whose objects (`Stream::new`,
         // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the
         // thread ends with no context current. The imports stay on this thread: their driver
         // import count is this thread's (`open_with_access`).
         let copts = ConsumerOptions::new()
             .delivery(Delivery::LatestOnly)
             .wait(opts.wait);
-        let (mapped, attached) = std::thread::scope(|s| {
-            let channel = std::thread::Builder::new()
-                .name("cuda-ipc-attach".into())
-                .spawn_scoped(s, || {
-                    Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts)
-                });
-            let mapped = Self::map_memory(ctx, name, opts, &m, &seg_name);
-            let attached = match channel {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                // No thread to be had: attach here, after the imports.
-                Err(_) => Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts),
-            };
-            (mapped, attached)
-        });
+        let attach = || Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts);
+        let map = || Self::map_memory(ctx, name, opts, &m, &seg_name);
+        let (mapped, attached) = if ctx.is_none() {
+            (map(), attach())
+        } else {
+            std::thread::scope(|s| {
+                let channel = std::thread::Builder::new()
+                    .name("cuda-ipc-attach".into())
+                    .spawn_scoped(s, attach);
+                let mapped = map();
+                let attached = match channel {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    // No thread to be had: attach here, after the imports.
+                    Err(_) => attach(),
+                };
+                (mapped, attached)
+            })
+        };
         // Either error is returned, the imports' first (as when they ran first); the other half's
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
