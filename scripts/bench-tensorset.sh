@@ -7,7 +7,9 @@
 # 1. the driver's attach floor (bench/floor/tensorset_floor.rs, binary tensorset_floor; >= 20 fresh
 #    processes each): the Llama-8B shape as one allocation, the same split in 1 GiB allocations (what
 #    a model in cuda_ipc.torch_mem_pool's arena makes), two buffers (double-buffered mode), and the
-#    MoE shape's bytes; 2. PyTorch's torch.multiprocessing baselines of the same shapes
+#    MoE shape's bytes; beside the first, the crate's own Rust attach of the same set
+#    (`tensorset_floor --crate`: TensorSetReader::open + current() in fresh processes,
+#    crate-llama/tensorset_attach_rust.json); 2. PyTorch's torch.multiprocessing baselines of the same shapes
 #    (bench/tensorset_baseline.py, 3 runs). The binary: target/gpu-bundle/examples/tensorset_floor,
 #    else target/release/examples/tensorset_floor (`cargo build --release -p cuda-ipc-bench
 #    --example tensorset_floor`). Every step is bounded by `timeout`; a failed step leaves the others
@@ -36,6 +38,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 moe=$((4608 << 20))
 step floor-llama 300 "$bin" $quick --out "$out/floor-llama"
+step crate-llama 300 "$bin" $quick --crate --out "$out/crate-llama"
 step floor-llama-1gib 300 "$bin" $quick --chunk-bytes $((1 << 30)) --out "$out/floor-llama-1gib"
 step floor-llama-2buf 300 "$bin" $quick --allocations 2 --out "$out/floor-llama-2buf"
 if [ -z "$quick" ]; then

@@ -4,9 +4,10 @@
 //!
 //! Each test re-executes this binary as an exporter child (role `exporter`) that exports a legacy,
 //! a VMM and a pool buffer and an event, produces on one channel per memory kind and consumes from
-//! the parent's channel. They need a CUDA GPU and fail without one; `cargo test` lists them as
-//! ignored. Run them with `scripts/gpu-test.sh context_hygiene_gpu` or the GPU bundle
-//! (`run.sh tests context_hygiene_gpu`).
+//! the parent's channel; the parent also writes and reads a tensor set of its own. They need a CUDA
+//! GPU and fail without one; `cargo test` lists them as ignored. Run them with
+//! `scripts/gpu-test.sh context_hygiene_gpu` or the GPU bundle (`run.sh tests
+//! context_hygiene_gpu`).
 
 mod common;
 
@@ -19,6 +20,9 @@ use cuda_ipc::driver::{Context, Device, DeviceBuffer, DeviceMemory, Event, Modul
 use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::ipc::{ImportedBuffer, IpcEvent, IpcEventHandle, MemPool, VmmBuffer};
 use cuda_ipc::raw::kernels::Kernels;
+use cuda_ipc::tensorset::{
+    DType, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter, TensorSpec,
+};
 use cuda_ipc::token::{Token, TokenKind};
 use cudarc::driver::sys;
 use std::os::fd::AsFd;
@@ -437,6 +441,25 @@ fn every_call(test: &str, x: &Expect) {
             x.after(&format!("Producer::close ({kind:?})"));
         }
     }
+
+    // A tensor set of this process's own: the reader's open attaches the generation channel on a
+    // second thread while this one imports the memory.
+    let set = format!("{base}-set");
+    let specs = [TensorSpec::new("w", DType::F32, &[1024])];
+    let mut w = TensorSetWriter::create(&ctx, &set, &specs, &TensorSetOptions::new()).unwrap();
+    x.after("TensorSetWriter::create");
+    w.begin(Some(T)).unwrap().commit().unwrap();
+    x.after("TensorSetWriter::begin and Update::commit");
+    let r = TensorSetReader::open(&ctx, &set, &ReaderOptions::new()).unwrap();
+    x.after("TensorSetReader::open (the channel attach on a second thread)");
+    let held = r.current().unwrap().unwrap();
+    x.after("TensorSetReader::current");
+    assert_eq!(held.generation(), 1);
+    drop(held);
+    drop(r);
+    x.after("drop of a TensorSetReader");
+    w.close(T).unwrap();
+    x.after("TensorSetWriter::close");
 
     // Drops of this process's exports.
     drop(pb);

@@ -1,8 +1,8 @@
 //! Host-memory tensor sets with the real writer and readers, in separate processes, on machines
 //! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
 //! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
-//! content fingerprints, a set of 100,000 tensors, hostile files under the manifest's name, and
-//! `gc` of a dead writer's set.
+//! content fingerprints, an open that fails half way, a set of 100,000 tensors, hostile files
+//! under the manifest's name, and `gc` of a dead writer's set.
 
 mod common;
 
@@ -408,6 +408,44 @@ fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
     let _ = p.child.wait();
     let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
     assert_eq!(write_gen(&mut w), 1);
+}
+
+#[test]
+fn an_open_that_fails_half_way_leaves_no_reader_and_no_mapping_behind() {
+    if role().is_some() {
+        return;
+    }
+    // The open maps the memory and attaches to the generation channel (a GPU set's at the same
+    // time, on two threads): when one half fails, the other half's result is dropped (the channel
+    // slot freed, the data segment unmapped) and the memory's error, else the channel's, returned.
+    let name = set_name("half");
+    let opts = TensorSetOptions::new().max_readers(1);
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &opts).unwrap();
+    assert_eq!(write_gen(&mut w), 1);
+    let data = path(cuda_ipc::tensorset::DATA_PREFIX, &name);
+    let away = format!("{data}.away");
+    // The memory half fails (the data segment is not there); the channel half attached.
+    std::fs::rename(&data, &away).unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new());
+    std::fs::rename(&away, &data).unwrap();
+    match r {
+        Err(Error::Channel(e)) => panic!("the data segment's error expected, got {e:?}"),
+        Err(_) => {}
+        Ok(r) => panic!("opened without the data segment: {r:?}"),
+    }
+    // Its channel slot was freed: the set's one reader slot is free for this open.
+    let r1 = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    check_gen(&r1.current().unwrap().unwrap(), specs().len());
+    // The channel half fails (no slot left); the memory half's mapping is dropped.
+    match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+        Err(Error::Channel(cuda_ipc::channel::ChannelError::NoConsumerSlot(1))) => {}
+        other => panic!("expected NoConsumerSlot(1), got {other:?}"),
+    }
+    drop(r1);
+    let r2 = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    check_gen(&r2.current().unwrap().unwrap(), specs().len());
+    drop(r2);
+    assert_eq!(write_gen(&mut w), 2);
 }
 
 #[test]

@@ -17,12 +17,30 @@
 //! ```text
 //! cargo build --release -p cuda-ipc-bench --example tensorset_floor
 //! target/release/examples/tensorset_floor [--quick] [--children N] [--bytes N] [--allocations B]
-//!     [--chunk-bytes C] [--device D] [--out DIR]
+//!     [--chunk-bytes C] [--device D] [--out DIR] [--crate]
 //! ```
 //! `--quick`: 64 MiB instead of the Llama shape. Every wait is bounded (a child that does not
 //! answer within 60 s is killed and the run fails).
+//!
+//! `--crate`: the same bytes through the crate instead of raw driver calls. The parent creates a
+//! VMM `TensorSetWriter` (the Llama specs, bf16, one allocation; `--quick` or `--bytes`: one bf16
+//! tensor of those bytes; `--allocations B` with B ≥ 2: buffered mode with B buffers), writes the
+//! pattern word at the start of buffer 0's first tensor and commits one generation. Each fresh
+//! child makes its context first, says so, and then, timed: `TensorSetReader::open(ctx, name,
+//! &ReaderOptions::new())` (`open_us`: manifest, imports through the import cache, cold, with the
+//! fd fetch from the writer, the generation channel's attach) and `reader.current()` holding
+//! generation 1 (`hold_us`). Untimed: the pattern word reads back, then the hold and the reader
+//! drop (`release_us`). The parent prints (and with `--out DIR` writes
+//! `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
+//! made another number of driver imports than the set's allocations, did not map read-only, held
+//! another generation or read a wrong word fails the run.
 
+use cuda_ipc::channel::MemoryKind;
 use cuda_ipc::driver::{Context, Device};
+use cuda_ipc::tensorset::{
+    DType, GenerationMode, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter,
+    TensorSpec,
+};
 use cudarc::driver::sys;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -93,10 +111,12 @@ struct Opts {
     device: usize,
     out: Option<std::path::PathBuf>,
     quick: bool,
+    /// Through the crate's `TensorSetWriter` / `TensorSetReader` instead of raw driver calls.
+    via_crate: bool,
 }
 
 const USAGE: &str = "usage: tensorset_floor [--quick] [--children N (>= 20)] [--bytes N] \
-                     [--allocations B] [--chunk-bytes C] [--device D] [--out DIR]";
+                     [--allocations B] [--chunk-bytes C] [--device D] [--out DIR] [--crate]";
 
 fn parse(args: &[String]) -> Res<Opts> {
     let mut o = Opts {
@@ -107,6 +127,7 @@ fn parse(args: &[String]) -> Res<Opts> {
         device: 0,
         out: None,
         quick: false,
+        via_crate: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -117,6 +138,7 @@ fn parse(args: &[String]) -> Res<Opts> {
         };
         match a.as_str() {
             "--quick" => o.quick = true,
+            "--crate" => o.via_crate = true,
             "--children" => o.children = value()?.parse()?,
             "--bytes" => o.bytes = value()?.parse()?,
             "--allocations" => o.allocations = value()?.parse()?,
@@ -135,6 +157,14 @@ fn parse(args: &[String]) -> Res<Opts> {
     }
     if o.allocations == 0 || o.chunk_bytes == Some(0) {
         return Err(format!("--allocations and --chunk-bytes must be at least 1\n{USAGE}").into());
+    }
+    if o.via_crate && o.chunk_bytes.is_some() {
+        return Err(
+            format!("--crate makes one allocation per buffer: no --chunk-bytes\n{USAGE}").into(),
+        );
+    }
+    if o.via_crate && o.allocations > 16 {
+        return Err(format!("--crate takes at most 16 buffers (--allocations)\n{USAGE}").into());
     }
     if o.bytes == 0 {
         o.bytes = if o.quick { 64 << 20 } else { llama_bytes() };
@@ -432,25 +462,227 @@ fn run_child(allocs: &[Alloc], sizes_arg: &str, device: usize) -> Res<Value> {
             .map_err(|e| format!("the child did not say it was ready: {e}"))?;
         let fds: Vec<BorrowedFd<'_>> = allocs.iter().map(|a| a.fd.as_fd()).collect();
         send_fds(&ours, &fds)?;
-        let deadline = Instant::now() + STEP;
-        loop {
-            if let Some(st) = ch.try_wait()? {
-                let mut out = String::new();
-                ch.stdout
-                    .take()
-                    .ok_or("no stdout")?
-                    .read_to_string(&mut out)?;
-                if !st.success() {
-                    return Err(format!("the child failed: {st}").into());
-                }
-                let line = out.lines().last().ok_or("the child printed nothing")?;
-                return Ok(serde_json::from_str(line)?);
+        wait_child(&mut ch)
+    })();
+    if result.is_err() {
+        let _ = ch.kill();
+        let _ = ch.wait();
+    }
+    result
+}
+
+/// Waits (at most [`STEP`]) for child `ch` to exit and parses the last line it printed.
+fn wait_child(ch: &mut std::process::Child) -> Res<Value> {
+    let deadline = Instant::now() + STEP;
+    loop {
+        if let Some(st) = ch.try_wait()? {
+            let mut out = String::new();
+            ch.stdout
+                .take()
+                .ok_or("no stdout")?
+                .read_to_string(&mut out)?;
+            if !st.success() {
+                return Err(format!("the child failed: {st}").into());
             }
-            if Instant::now() > deadline {
-                return Err("the child did not exit within 60 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(2));
+            let line = out.lines().last().ok_or("the child printed nothing")?;
+            return Ok(serde_json::from_str(line)?);
         }
+        if Instant::now() > deadline {
+            return Err("the child did not exit within 60 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The tensors of the crate mode's set: the Llama specs (bf16) for the Llama bytes, else one bf16
+/// tensor of `bytes` (rounded up to whole elements).
+fn crate_specs(bytes: u64) -> Vec<TensorSpec> {
+    if bytes == llama_bytes() {
+        llama_shapes()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let shape: Vec<i64> = s.iter().map(|&d| d as i64).collect();
+                TensorSpec::new(format!("t{i}"), DType::BF16, &shape)
+            })
+            .collect()
+    } else {
+        vec![TensorSpec::new(
+            "t0",
+            DType::BF16,
+            &[bytes.div_ceil(2) as i64],
+        )]
+    }
+}
+
+/// A crate-mode child: context first, then the timed open and hold; prints one JSON line.
+fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
+    // SAFETY: the parent passed this inherited descriptor for this process alone to own.
+    let sock = UnixStream::from(unsafe { OwnedFd::from_raw_fd(sock_fd) });
+    sock.set_read_timeout(Some(STEP))?;
+    let t_ctx = Instant::now();
+    let ctx = Context::primary(Device::get(device)?)?;
+    ctx.bind()?;
+    let ctx_us = t_ctx.elapsed().as_secs_f64() * 1e6;
+    (&sock).write_all(b"R")?;
+
+    // Timed: the open (manifest, imports, generation channel), then the hold.
+    let t0 = Instant::now();
+    let reader = TensorSetReader::open(&ctx, name, &ReaderOptions::new())?;
+    let t1 = Instant::now();
+    let held = reader.current()?.ok_or("no generation to hold")?;
+    let t2 = Instant::now();
+    let open_us = (t1 - t0).as_secs_f64() * 1e6;
+    let hold_us = (t2 - t1).as_secs_f64() * 1e6;
+
+    // Untimed: the pattern word reads back through the reader's mapping once its stream has the
+    // generation.
+    held.stream()?.synchronize()?;
+    let ptr = held.device_ptr(0)?;
+    let mut w = 0u32;
+    // SAFETY: the reader's context is current (bound above); the first 4 bytes of tensor 0 are
+    // mapped readable while `held` lives; `w` holds 4.
+    cu("cuMemcpyDtoH_v2", unsafe {
+        sys::cuMemcpyDtoH_v2((&mut w as *mut u32).cast(), ptr, 4)
+    })?;
+    let mismatches = u64::from(w != PATTERN);
+    let generation = held.generation();
+    let (imports, read_only) = (reader.imports(), reader.is_read_only());
+    let t3 = Instant::now();
+    drop(held);
+    drop(reader);
+    let release_us = t3.elapsed().as_secs_f64() * 1e6;
+    println!(
+        "{}",
+        json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
+               "attach_us": open_us + hold_us, "release_us": release_us, "imports": imports,
+               "read_only": read_only, "generation": generation, "mismatches": mismatches})
+    );
+    Ok(())
+}
+
+/// The crate mode's parent: the writer, one committed generation, then the children.
+fn crate_parent(o: &Opts) -> Res<()> {
+    let ctx = Context::primary(Device::get(o.device)?)?;
+    ctx.bind()?;
+    let name = format!("tsfloor-{}", std::process::id());
+    let specs = crate_specs(o.bytes);
+    let mode = if o.allocations == 1 {
+        GenerationMode::InPlace
+    } else {
+        GenerationMode::Buffered(o.allocations)
+    };
+    let t = Instant::now();
+    let mut writer = TensorSetWriter::create(
+        &ctx,
+        &name,
+        &specs,
+        &TensorSetOptions::new().memory(MemoryKind::Vmm).mode(mode),
+    )?;
+    let bytes = writer.layout().bytes_per_buffer();
+    let allocations = writer.layout().allocations().len() * o.allocations;
+    {
+        let u = writer.begin(Some(STEP))?;
+        let ptr = u.tensor_ptr(0)?;
+        // SAFETY: the writer's context is current (bound above); the first 4 bytes of tensor 0 of
+        // the update's buffer are mapped read-write in it.
+        cu("cuMemsetD32_v2", unsafe {
+            sys::cuMemsetD32_v2(ptr, PATTERN, 1)
+        })?;
+        // The legacy stream's memset is done before the generation is published.
+        ctx.synchronize()?;
+        let g = u.commit()?;
+        if g != 1 {
+            return Err(format!("the first commit made generation {g}").into());
+        }
+    }
+    eprintln!(
+        "tensorset_floor --crate: set {name}, {} tensors, {bytes} bytes per buffer, {} buffer(s), \
+         made in {:.1} ms; {} children",
+        specs.len(),
+        o.allocations,
+        t.elapsed().as_secs_f64() * 1e3,
+        o.children
+    );
+    let mut runs = Vec::new();
+    for c in 0..o.children {
+        let v = run_crate_child(&name, o.device).map_err(|e| format!("child {c}: {e}"))?;
+        let ok = v["mismatches"].as_u64() == Some(0)
+            && v["generation"].as_u64() == Some(1)
+            && v["imports"].as_u64() == Some(allocations as u64)
+            && v["read_only"].as_bool() == Some(true);
+        if !ok {
+            return Err(format!(
+                "child {c}: expected generation 1, {allocations} driver imports, read-only and \
+                 the pattern word: {v}"
+            )
+            .into());
+        }
+        runs.push(v);
+    }
+    let keys = [
+        "context_us",
+        "open_us",
+        "hold_us",
+        "attach_us",
+        "release_us",
+    ];
+    let mut med = serde_json::Map::new();
+    for k in keys {
+        let mut v: Vec<f64> = runs.iter().filter_map(|r| r[k].as_f64()).collect();
+        med.insert(k.into(), json!(median(&mut v)));
+    }
+    med.insert("imports".into(), json!(allocations));
+    med.insert("read_only".into(), json!(true));
+    let out = json!({
+        "name": "tensorset_attach_rust",
+        "what": "fresh processes with their context: TensorSetReader::open (manifest, imports \
+                 through the import cache, cold, fd fetch, read-only cuMemSetAccess, generation \
+                 channel attach) = open_us, then reader.current() holding generation 1 = hold_us; \
+                 attach_us = open_us + hold_us",
+        "shape": if o.quick { "quick" } else if o.bytes == llama_bytes() { "llama-8b" } else { "custom" },
+        "tensors": specs.len(),
+        "bytes_per_buffer": bytes,
+        "buffers": o.allocations,
+        "allocations": allocations,
+        "children": o.children,
+        "median": Value::Object(med),
+        "runs": runs,
+    });
+    let text = serde_json::to_string_pretty(&out)?;
+    println!("{text}");
+    if let Some(dir) = &o.out {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("tensorset_attach_rust.json"), text + "\n")?;
+    }
+    writer.close(STEP)?;
+    Ok(())
+}
+
+/// Runs one crate-mode child on set `name` and returns its JSON figures; every wait bounded by
+/// [`STEP`].
+fn run_crate_child(name: &str, device: usize) -> Res<Value> {
+    let (ours, theirs) = UnixStream::pair()?;
+    ours.set_read_timeout(Some(STEP))?;
+    // As in `run_child`: the child's end survives exec.
+    rustix::io::fcntl_setfd(&theirs, rustix::io::FdFlags::empty())?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args([
+        "--child-crate",
+        &theirs.as_raw_fd().to_string(),
+        name,
+        &device.to_string(),
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    let mut ch = cmd.spawn()?;
+    drop(theirs);
+    let result = (|| -> Res<Value> {
+        let mut r = [0u8; 1];
+        (&ours)
+            .read_exact(&mut r)
+            .map_err(|e| format!("the child did not say it was ready: {e}"))?;
+        wait_child(&mut ch)
     })();
     if result.is_err() {
         let _ = ch.kill();
@@ -550,8 +782,21 @@ fn main() {
             let sizes: Vec<usize> = sizes.split(',').map(str::parse).collect::<Result<_, _>>()?;
             child(fd.parse()?, &sizes, device.parse()?)
         })()
+    } else if argv.first().map(String::as_str) == Some("--child-crate") {
+        (|| -> Res<()> {
+            let [_, fd, name, device] = argv.as_slice() else {
+                return Err("--child-crate FD NAME DEVICE".into());
+            };
+            crate_child(fd.parse()?, name, device.parse()?)
+        })()
     } else {
-        parse(&argv).and_then(|o| parent(&o))
+        parse(&argv).and_then(|o| {
+            if o.via_crate {
+                crate_parent(&o)
+            } else {
+                parent(&o)
+            }
+        })
     };
     if let Err(e) = r {
         eprintln!("tensorset_floor: {e}");
@@ -593,5 +838,21 @@ mod tests {
         assert_eq!(a(&["--quick"]).unwrap().bytes, 64 << 20);
         assert_eq!(a(&[]).unwrap().bytes, llama_bytes());
         assert!(a(&["--chunk-bytes", "0"]).is_err());
+        assert!(!a(&["--quick"]).unwrap().via_crate);
+        let c = a(&["--crate", "--quick", "--out", "x"]).unwrap();
+        assert!(c.via_crate && c.quick && c.bytes == 64 << 20 && c.allocations == 1);
+        assert!(a(&["--crate"]).unwrap().bytes == llama_bytes());
+        assert!(a(&["--crate", "--chunk-bytes", "1024"]).is_err());
+        assert!(a(&["--crate", "--allocations", "17"]).is_err());
+    }
+
+    #[test]
+    fn crate_specs_are_the_llama_bytes() {
+        let specs = crate_specs(llama_bytes());
+        assert_eq!(specs.len(), 291);
+        let layout = cuda_ipc::tensorset::Layout::new(&specs).unwrap();
+        assert_eq!(layout.bytes_per_buffer(), llama_bytes());
+        let quick = cuda_ipc::tensorset::Layout::new(&crate_specs(64 << 20)).unwrap();
+        assert_eq!(quick.bytes_per_buffer(), 64 << 20);
     }
 }

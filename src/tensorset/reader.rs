@@ -2,7 +2,7 @@
 //! generation channel's consumer) and the [`Held`] generation guard.
 
 use super::error::{ManifestFault, TensorSetError};
-use super::manifest::{KIND_HOST, Layout, MAX_SET_BUFFERS, TensorInfo};
+use super::manifest::{KIND_HOST, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
 use super::{ReaderOptions, decode_meta};
 use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame};
@@ -76,8 +76,10 @@ impl TensorSetReader {
     /// Opens tensor set `name` in `ctx`: reads and checks the manifest, imports every allocation
     /// of every buffer once (`cuMemImportFromShareableHandle` and a read-only `cuMemSetAccess`
     /// for VMM, with [`ReaderOptions::read_only`]; pool and legacy memory read-write, see
-    /// [`TensorSetReader::is_read_only`]) and joins the generation channel. A host set is opened
-    /// as by [`TensorSetReader::open_host`], without `ctx`.
+    /// [`TensorSetReader::is_read_only`]) and joins the generation channel, the two at the same
+    /// time (the channel's attach on a scoped thread; on an error of either, the other's result is
+    /// dropped: no reader slot or mapping stays behind). A host set is opened as by
+    /// [`TensorSetReader::open_host`], without `ctx`.
     ///
     /// # Errors
     /// [`TensorSetError::NotFound`]; [`TensorSetError::LayoutMismatch`] when
@@ -150,51 +152,42 @@ impl TensorSetReader {
             }
             .into());
         }
-        let (memory, read_only, imports) = match ctx {
-            None => (Memory::Host(DataSegment::open(name, &m)?), false, 0),
-            Some(ctx) => {
-                let access = if opts.read_only {
-                    Access::ReadOnly
-                } else {
-                    Access::ReadWrite
-                };
-                let mut ro = opts.read_only;
-                let mut count = 0u32;
-                let mut all = Vec::with_capacity(m.buffers);
-                for toks in &m.tokens {
-                    let mut row = Vec::with_capacity(toks.len());
-                    for (a, tok) in toks.iter().enumerate() {
-                        let got = ImportedBuffer::open_with_access(
-                            ctx,
-                            &Token::from_bytes(tok)?,
-                            access,
-                        )?;
-                        let need = m.layout.allocations()[a];
-                        if (got.buffer.len() as u64) < need {
-                            return Err(TensorSetError::BadManifest {
-                                segment: seg_name,
-                                fault: ManifestFault::Field {
-                                    what: "an imported allocation's length",
-                                    found: got.buffer.len() as u64,
-                                    allowed: "at least the allocation table's length",
-                                },
-                            }
-                            .into());
-                        }
-                        ro &= got.read_only;
-                        count += got.driver_imports;
-                        row.push(got.buffer);
-                    }
-                    all.push(row);
-                }
-                (Memory::Gpu(all), ro, count)
-            }
-        };
+        // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
+        // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
+        // runs on a scoped thread while this thread maps the memory (a host set's two halves are
+        // cheaper than a thread: one after the other). Context hygiene: that thread makes driver
+        // calls only through the consumer's constructor, whose objects (`Stream::new`,
+        // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the
+        // thread ends with no context current. The imports stay on this thread: their driver
+        // import count is this thread's (`open_with_access`).
         let copts = ConsumerOptions::new()
             .delivery(Delivery::LatestOnly)
             .wait(opts.wait);
-        let consumer = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts)
-            .map_err(|e| set_error(name, e))?;
+        let attach = || Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts);
+        let map = || Self::map_memory(ctx, name, opts, &m, &seg_name);
+        let (mapped, attached) = if ctx.is_none() {
+            (map(), attach())
+        } else {
+            std::thread::scope(|s| {
+                let channel = std::thread::Builder::new()
+                    .name("cuda-ipc-attach".into())
+                    .spawn_scoped(s, attach);
+                let mapped = map();
+                let attached = match channel {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    // No thread to be had: attach here, after the imports.
+                    Err(_) => attach(),
+                };
+                (mapped, attached)
+            })
+        };
+        // Either error is returned, the imports' first (as when they ran first); the other half's
+        // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
+        // imports go back to the cache.
+        let (memory, read_only, imports) = mapped?;
+        let consumer = attached.map_err(|e| set_error(name, e))?;
         if consumer.control_generation() != (m.channel_generation, m.buffers) {
             return Err(TensorSetError::BadManifest {
                 segment: seg_name,
@@ -216,6 +209,59 @@ impl TensorSetReader {
             imports,
             expect_content: opts.expect_content,
             _manifest: opened.seg,
+        })
+    }
+
+    /// Maps the set's memory for [`TensorSetReader::open`]: the host data segment, or every
+    /// allocation of every buffer imported once in `ctx` (each checked to hold at least the
+    /// allocation table's length). Returns the memory, whether every mapping is read-only and
+    /// the driver imports made (on this thread).
+    fn map_memory(
+        ctx: Option<&Arc<Context>>,
+        name: &str,
+        opts: &ReaderOptions,
+        m: &Manifest,
+        seg_name: &str,
+    ) -> Result<(Memory, bool, u32)> {
+        Ok(match ctx {
+            None => (Memory::Host(DataSegment::open(name, m)?), false, 0),
+            Some(ctx) => {
+                let access = if opts.read_only {
+                    Access::ReadOnly
+                } else {
+                    Access::ReadWrite
+                };
+                let mut ro = opts.read_only;
+                let mut count = 0u32;
+                let mut all = Vec::with_capacity(m.buffers);
+                for toks in &m.tokens {
+                    let mut row = Vec::with_capacity(toks.len());
+                    for (a, tok) in toks.iter().enumerate() {
+                        let got = ImportedBuffer::open_with_access(
+                            ctx,
+                            &Token::from_bytes(tok)?,
+                            access,
+                        )?;
+                        let need = m.layout.allocations()[a];
+                        if (got.buffer.len() as u64) < need {
+                            return Err(TensorSetError::BadManifest {
+                                segment: seg_name.to_string(),
+                                fault: ManifestFault::Field {
+                                    what: "an imported allocation's length",
+                                    found: got.buffer.len() as u64,
+                                    allowed: "at least the allocation table's length",
+                                },
+                            }
+                            .into());
+                        }
+                        ro &= got.read_only;
+                        count += got.driver_imports;
+                        row.push(got.buffer);
+                    }
+                    all.push(row);
+                }
+                (Memory::Gpu(all), ro, count)
+            }
         })
     }
 
