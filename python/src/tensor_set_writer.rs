@@ -579,7 +579,10 @@ impl TensorUpdate {
             if n > info.bytes {
                 return Err(errors::invalid_argument(
                     py,
-                    format!("tensor {name:?}: {n} bytes given, the set's tensor has {}", info.bytes),
+                    format!(
+                        "tensor {name:?}: {n} bytes given, the set's tensor has {}",
+                        info.bytes
+                    ),
                 ));
             }
             let ptr: u64 = t.call_method0("data_ptr")?.extract()?;

@@ -123,7 +123,12 @@ fn runs(tensors: &[TensorInfo]) -> Vec<Run> {
     let mut groups: HashMap<Key<'_>, Vec<usize>> = HashMap::new();
     let mut order: Vec<Key<'_>> = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
-        let k = (t.allocation, t.dtype, t.shape.as_slice(), t.strides.as_slice());
+        let k = (
+            t.allocation,
+            t.dtype,
+            t.shape.as_slice(),
+            t.strides.as_slice(),
+        );
         groups
             .entry(k)
             .or_insert_with(|| {
@@ -217,11 +222,10 @@ pub(crate) fn build<'py>(
     let mut made_tensors: Vec<Option<Bound<'py, PyAny>>> = vec![None; tensors.len()];
     for run in runs(tensors) {
         let t = &tensors[run.members[0]];
-        let size = t
-            .dtype
-            .size_bytes()
-            .ok_or_else(|| errors::not_supported(&format!("tensor {:?}: sub-byte dtype", t.name)))?
-            as u64;
+        let size =
+            t.dtype.size_bytes().ok_or_else(|| {
+                errors::not_supported(&format!("tensor {:?}: sub-byte dtype", t.name))
+            })? as u64;
         let base = made
             .get_mut(t.allocation as usize)
             .and_then(Option::as_mut)
@@ -329,7 +333,9 @@ mod tests {
 
     #[test]
     fn equal_tensors_at_a_constant_step_form_one_run() {
-        let t: Vec<_> = (0..5).map(|i| info(&format!("e{i}"), &[4, 8], i * 256)).collect();
+        let t: Vec<_> = (0..5)
+            .map(|i| info(&format!("e{i}"), &[4, 8], i * 256))
+            .collect();
         let r = runs(&t);
         assert_eq!(members(&r), vec![vec![0, 1, 2, 3, 4]]);
         assert_eq!(r[0].step, 256);

@@ -604,12 +604,17 @@ impl Update<'_> {
             )
             .into());
         };
-        let size = self.layout.allocations().get(allocation).copied().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "allocation {allocation} of {}",
-                self.layout.allocations().len()
-            ))
-        })?;
+        let size = self
+            .layout
+            .allocations()
+            .get(allocation)
+            .copied()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "allocation {allocation} of {}",
+                    self.layout.allocations().len()
+                ))
+            })?;
         if offset.checked_add(len as u64).is_none_or(|e| e > size) {
             return Err(Error::InvalidArgument(format!(
                 "bytes {offset}+{len} leave allocation {allocation} of {size} bytes"
