@@ -330,6 +330,12 @@ impl Consumer {
     /// the caller counts its holds under it, so a hold it takes and one it ends never cross.
     /// `Ok(None)` at the timeout.
     ///
+    /// `held(counts, i)` says whether the caller already holds buffer `i` through another frame
+    /// (by the counts under `lock`). A consumer's hold of a buffer is one bit, so taking a buffer
+    /// it holds takes nothing new: when the stream wait of such a take fails, the frame is let go
+    /// without its release, which would end the other frame's hold while it is still read (only
+    /// a frame whose take set the bit releases it, under the lock).
+    ///
     /// # Errors
     /// As [`Consumer::recv_timeout`], except the timeout.
     pub(crate) fn take_newer<'s, 'l, G>(
@@ -337,6 +343,7 @@ impl Consumer {
         than: u64,
         timeout: Option<Duration>,
         lock: &'l Mutex<G>,
+        held: impl FnOnce(&G, usize) -> bool,
     ) -> Result<Option<(Frame<'s>, std::sync::MutexGuard<'l, G>)>> {
         let control = &*self.control;
         let attempt = || -> Result<Option<_>> {
@@ -371,7 +378,23 @@ impl Consumer {
             )
         };
         match got {
-            Ok(Some(((i, seq, meta), guard))) => Ok(Some((self.deliver(i, seq, meta)?, guard))),
+            Ok(Some(((i, seq, meta), guard))) => {
+                let (frame, waited) = self.deliver_parts(i, seq, meta);
+                if let Err(e) = waited {
+                    if held(&guard, i) {
+                        // The hold bit is the other frame's, and so is the release: it writes the
+                        // release word after its own work (same buffer, same sequence number: the
+                        // producer cannot rewrite a held buffer). The frame owns no memory
+                        // (its metadata is inline), so forgetting it leaks nothing.
+                        std::mem::forget(frame);
+                    } else {
+                        // This take set the bit: its release ends it, under the lock.
+                        drop(frame);
+                    }
+                    return Err(e);
+                }
+                Ok(Some((frame, guard)))
+            }
             Ok(None) => Ok(None),
             Err(e) => Err(self.on_error(e)),
         }
@@ -395,6 +418,15 @@ impl Consumer {
     }
 
     fn deliver(&self, i: usize, seq: u64, metadata: Metadata) -> Result<Frame<'_>> {
+        let (frame, waited) = self.deliver_parts(i, seq, metadata);
+        // On an error the frame's Drop releases the hold.
+        waited?;
+        Ok(frame)
+    }
+
+    /// The frame taken from buffer `i`, and whether the consumer's stream was made to wait for
+    /// it (always `Ok` on a host channel); the caller decides what a failed wait releases.
+    fn deliver_parts(&self, i: usize, seq: u64, metadata: Metadata) -> (Frame<'_>, Result<()>) {
         let frame = Frame {
             consumer: self,
             index: i,
@@ -406,12 +438,12 @@ impl Consumer {
             // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
             // the producer's writes before this frame's reads.
             self.control.took();
-            return Ok(frame);
+            return (frame, Ok(()));
         };
-        // If this fails the frame's Drop still releases the hold. The stream waits on the
-        // buffer's ready word, which the producer's stream writes after its work; if the producer
-        // dies first, the consumer (or its watchdog) closes the gate, raising the word, so the
-        // stream drains (`Control::force_ready`).
+        // If this fails the caller releases the hold (`deliver`: the frame's Drop). The stream
+        // waits on the buffer's ready word, which the producer's stream writes after its work; if
+        // the producer dies first, the consumer (or its watchdog) closes the gate, raising the
+        // word, so the stream drains (`Control::force_ready`).
         // SAFETY: the word lies in the registered GPU words (i < buffers), which stay registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
         let waited = unsafe {
@@ -422,8 +454,7 @@ impl Consumer {
         };
         // The cursor moved: announced after the stream's wait, off the hand-off's path.
         self.control.took();
-        waited?;
-        Ok(frame)
+        (frame, waited)
     }
 
     /// Counters of the channel and its consumers.

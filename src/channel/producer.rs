@@ -956,7 +956,7 @@ mod tests {
         let rx = Consumer::attach_memoryless(None, prefix, &ch, &co).unwrap();
         let lock = std::sync::Mutex::new(());
         assert!(
-            rx.take_newer(0, Some(Duration::ZERO), &lock)
+            rx.take_newer(0, Some(Duration::ZERO), &lock, |_, _| false)
                 .unwrap()
                 .is_none()
         );
@@ -964,26 +964,29 @@ mod tests {
         assert_eq!(w.len(), 0);
         assert_eq!(w.publish(b"g1").unwrap(), 1);
         let (f, g) = rx
-            .take_newer(0, Some(Duration::ZERO), &lock)
+            .take_newer(0, Some(Duration::ZERO), &lock, |_, _| false)
             .unwrap()
             .unwrap();
         drop(g);
         assert_eq!((f.seq(), f.metadata()), (1, &b"g1"[..]));
         drop(f);
         // The same generation again, regardless of the cursor.
-        let (f, g) = rx.take_newer(0, None, &lock).unwrap().unwrap();
+        let (f, g) = rx
+            .take_newer(0, None, &lock, |_, _| false)
+            .unwrap()
+            .unwrap();
         drop(g);
         assert_eq!(f.seq(), 1);
         // Newer than 1: none within the timeout.
         assert!(
-            rx.take_newer(1, Some(Duration::from_millis(20)), &lock)
+            rx.take_newer(1, Some(Duration::from_millis(20)), &lock, |_, _| false)
                 .unwrap()
                 .is_none()
         );
         drop(f);
         tx.acquire(None).unwrap().publish(b"g2").unwrap();
         let (f, _g) = rx
-            .take_newer(1, Some(Duration::from_secs(1)), &lock)
+            .take_newer(1, Some(Duration::from_secs(1)), &lock, |_, _| false)
             .unwrap()
             .unwrap();
         assert_eq!(f.seq(), 2);

@@ -333,7 +333,11 @@ impl TensorSetReader {
     fn take(&self, than: u64, timeout: Option<Duration>) -> Result<Option<Held<'_>>> {
         let got = self
             .consumer
-            .take_newer(than, timeout, &self.holds)
+            // A buffer this reader holds already: a take whose stream wait fails leaves that
+            // hold alone (`Consumer::take_newer`); only a first hold is released by it.
+            .take_newer(than, timeout, &self.holds, |holds, i| {
+                holds.get(i).is_some_and(|&n| n > 0)
+            })
             .map_err(|e| set_error(&self.name, e))?;
         let Some((frame, mut holds)) = got else {
             return Ok(None);
