@@ -330,15 +330,15 @@ impl TensorHold {
         let dict = match cached {
             Some(d) => d.into_bound(py),
             None => {
-                let (layout, bases, owner) = self.with(py, |h| {
-                    let r = h.reader();
-                    let layout = r.layout().clone();
-                    let bases = tensors::allocation_bases(&layout, |i| h.held().device_ptr(i))
-                        .map_err(|e| err(py, e))?;
-                    let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
-                    Ok((layout, bases, owner))
+                // The reader (an `Arc`) lives as long as the bases it is handed to; its layout is
+                // borrowed from it, not copied (a set of thousands of tensors).
+                let r = self.with(py, |h| Ok(h.reader().clone()))?;
+                let bases = self.with(py, |h| {
+                    tensors::allocation_bases(r.layout(), |i| h.held().device_ptr(i))
+                        .map_err(|e| err(py, e))
                 })?;
-                let d = tensors::build(py, &layout, &bases, reader.device, Some(owner))?;
+                let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
+                let d = tensors::build(py, r.layout(), &bases, reader.device, Some(owner))?;
                 if let Some(slot) = lock(&reader.dicts).get_mut(buffer) {
                     *slot = Some(d.clone().unbind());
                 }
