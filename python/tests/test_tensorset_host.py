@@ -230,3 +230,36 @@ def test_a_sets_bytes_are_counted_in_a_shared_budget(name):
         cuda_ipc.TensorSetWriter(name + "-2", SPECS, memory="host", quota=scope).close()
     finally:
         assert cuda_ipc.remove_quota(scope=scope)
+
+
+def test_wait_newer_async_leaves_the_event_loop_free(name):
+    import asyncio
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.create_task(ticker())
+        waiting = asyncio.ensure_future(r.wait_newer_async(0, 5.0))
+        await asyncio.sleep(0.1)  # the loop runs while the reader waits
+        assert not waiting.done() and ticks >= 5
+        g = write_gen(w, None)
+        h = await asyncio.wait_for(waiting, 5.0)
+        t.cancel()
+        return g, h
+
+    try:
+        g, h = asyncio.run(main())
+        assert h.generation == g and h.read("ids") == data(g, "ids", 24)
+        h.release()
+    finally:
+        r.close()
+        w.close()
