@@ -42,6 +42,9 @@ impl TensorSetReader {
     fn hold(&self, py: Python<'_>, slf: &Bound<'_, Self>, h: OwnedHeld) -> TensorHold {
         let _ = py;
         TensorHold {
+            generation: h.held().generation(),
+            buffer: h.held().buffer(),
+            content: h.held().content(),
             held: Mutex::new(Some(h)),
             reader: slf.clone().unbind(),
             target: Mutex::new(None),
@@ -242,6 +245,10 @@ impl TensorSetReader {
 /// before that on the stream its tensors were made ready on has run.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorHold {
+    /// The generation, its buffer and content fingerprint: readable after the release too.
+    generation: u64,
+    buffer: usize,
+    content: [u8; 32],
     held: Mutex<Option<OwnedHeld>>,
     reader: Py<TensorSetReader>,
     /// The raw stream `tensors()` made ready (the release is ordered after it).
@@ -281,22 +288,22 @@ impl TensorHold {
 
 #[pymethods]
 impl TensorHold {
-    /// The generation number.
+    /// The generation number (also after the release).
     #[getter]
-    fn generation(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with(py, |h| Ok(h.held().generation()))
+    fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The buffer that holds it.
     #[getter]
-    fn buffer(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |h| Ok(h.held().buffer()))
+    fn buffer(&self) -> usize {
+        self.buffer
     }
 
     /// The content fingerprint the writer committed (32 bytes; all zeros: none).
     #[getter]
-    fn content<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.with(py, |h| Ok(PyBytes::new(py, &h.held().content())))
+    fn content<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.content)
     }
 
     /// The generation's tensors: a new `dict[str, torch.Tensor]` in the set's order, every value a

@@ -16,7 +16,7 @@ use cuda_ipc::tensorset::owned::OwnedUpdate;
 use cuda_ipc::tensorset::{GenerationMode, Layout, TensorSetOptions, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 type RustWriter = cuda_ipc::tensorset::TensorSetWriter;
 
@@ -40,6 +40,8 @@ pub(crate) struct TensorSetWriter {
     /// For `over_tensors`: the published tensors, kept alive while the set is (their memory must
     /// not go back to PyTorch's pool while readers map it).
     _keep: Option<Py<PyDict>>,
+    /// The open update's cell (shared with its `TensorUpdate`), so `close()` can abort it.
+    open: Mutex<Weak<Mutex<Option<OwnedUpdate>>>>,
 }
 
 /// The `torch.cuda` stream the update's work runs on: `stream=` if given, else PyTorch's current
@@ -93,6 +95,7 @@ impl TensorSetWriter {
             slot: Mutex::new(Slot::Idle(Box::new(w))),
             device,
             _keep: keep,
+            open: Mutex::new(Weak::new()),
         }
     }
 
@@ -332,8 +335,10 @@ impl TensorSetWriter {
                 return Err(err(py, e));
             }
         }
+        let cell = Arc::new(Mutex::new(Some(update)));
+        *lock(&this.open) = Arc::downgrade(&cell);
         Ok(TensorUpdate {
-            update: Mutex::new(Some(update)),
+            update: cell,
             writer: slf.unbind(),
             target,
         })
@@ -412,12 +417,18 @@ impl TensorSetWriter {
                 Slot::Idle(w) => w,
                 Slot::Closed => return Ok(()),
                 Slot::Updating => {
-                    *s = Slot::Updating;
-                    return Err(errors::invalid_argument(
-                        py,
-                        "an update of this tensor set is open: commit or abort it first"
-                            .to_string(),
-                    ));
+                    // An update is open: abort it (its buffer goes back uncommitted) and close.
+                    let cell = lock(&self.open).upgrade();
+                    match cell.and_then(|c| lock(&c).take()) {
+                        Some(u) => u.into_writer(),
+                        None => {
+                            *s = Slot::Updating;
+                            return Err(errors::invalid_argument(
+                                py,
+                                "an update of this tensor set is being committed".to_string(),
+                            ));
+                        }
+                    }
                 }
             }
         };
@@ -469,7 +480,7 @@ fn coalesce(layout: &Layout, copies: &[(usize, u64, usize)]) -> Vec<(usize, u64,
 /// A generation being written (`cuda_ipc::tensorset::Update`), from `TensorSetWriter.begin()`.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorUpdate {
-    update: Mutex<Option<OwnedUpdate>>,
+    update: Arc<Mutex<Option<OwnedUpdate>>>,
     writer: Py<TensorSetWriter>,
     /// The raw stream the update's work runs on (GPU sets).
     target: Option<usize>,
@@ -638,7 +649,7 @@ impl TensorUpdate {
         self.with(py, |u| u.copy_from_previous().map_err(|e| err(py, e)))
     }
 
-    /// Writes `data` (bytes-like) into tensor `name` from its first byte (host sets).
+    /// Writes `data` (bytes-like) over the first `len(data)` bytes of tensor `name` (host sets).
     fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let writer = self.writer.get();
         let i = writer.layout.index_of(name).ok_or_else(|| {
@@ -672,7 +683,8 @@ impl TensorUpdate {
     /// Gives the buffer back uncommitted (in place: the generation it held is gone and readers
     /// see nothing until the next commit). Aborting twice does nothing.
     fn abort(&self, _py: Python<'_>) -> PyResult<()> {
-        if let Some(u) = lock(&self.update).take() {
+        let taken = lock(&self.update).take();
+        if let Some(u) = taken {
             self.writer.get().give_back(u.into_writer());
         }
         Ok(())
@@ -713,7 +725,8 @@ impl TensorUpdate {
 impl Drop for TensorUpdate {
     fn drop(&mut self) {
         // Collected while open: give the writer back uncommitted, so the set stays usable.
-        if let Some(u) = lock(&self.update).take() {
+        let taken = lock(&self.update).take();
+        if let Some(u) = taken {
             self.writer.get().give_back(u.into_writer());
         }
     }

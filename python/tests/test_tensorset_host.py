@@ -263,3 +263,21 @@ def test_wait_newer_async_leaves_the_event_loop_free(name):
     finally:
         r.close()
         w.close()
+
+
+def test_close_aborts_an_open_update_and_a_holds_generation_outlives_its_release(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    g = write_gen(w, None)
+    r = cuda_ipc.TensorSetReader(name)
+    with r.current() as h:
+        pass
+    assert h.generation == g and not h.held  # readable after the release
+    u = w.begin(timeout=ANSWER)
+    w.close()  # aborts the open update, then closes
+    with pytest.raises(cuda_ipc.InvalidArgument):
+        u.commit()
+    w.close()  # twice: nothing
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+    with pytest.raises((cuda_ipc.TensorSetClosed, cuda_ipc.Timeout)):
+        r.wait_newer(g, timeout=1.0)
+    r.close()
