@@ -438,8 +438,8 @@ fn an_open_that_fails_half_way_leaves_no_reader_and_no_mapping_behind() {
     check_gen(&r1.current().unwrap().unwrap(), specs().len());
     // The channel half fails (no slot left); the memory half's mapping is dropped.
     match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
-        Err(Error::Channel(cuda_ipc::channel::ChannelError::NoConsumerSlot(1))) => {}
-        other => panic!("expected NoConsumerSlot(1), got {other:?}"),
+        Err(Error::TensorSet(TensorSetError::TooManyReaders { max: 1, .. })) => {}
+        other => panic!("expected TooManyReaders {{ max: 1 }}, got {other:?}"),
     }
     drop(r1);
     let r2 = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();

@@ -215,7 +215,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         }
         if registries.is_empty() && channels.is_empty() && tensor_sets.is_empty() {
             return Err(format!(
-                "no registry or channel named {n:?} in {}",
+                "no registry, channel or tensor set named {n:?} in {}",
                 cuda_ipc::raw::shm::SHM_DIR
             )
             .into());

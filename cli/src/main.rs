@@ -93,7 +93,8 @@ enum Command {
     /// they are alive, sizes, consumers with their holds and cursors.
     #[command(after_help = EXIT_STATUS)]
     Ls {
-        /// Only this registry (segment name) or channel (channel name, or `cuda-ipc.ch.NAME`).
+        /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`) or tensor
+        /// set (set name, or `cuda-ipc.ts.NAME`).
         name: Option<String>,
         /// Print JSON instead of tables.
         #[arg(long)]
@@ -104,7 +105,7 @@ enum Command {
     /// the latency histogram; q quits); with `--plain` or when stdout is not a terminal, lines.
     #[command(after_help = EXIT_STATUS)]
     Watch {
-        /// Only this registry or channel.
+        /// Only this registry, channel or tensor set.
         name: Option<String>,
         /// Time between refreshes, in milliseconds.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
@@ -126,7 +127,7 @@ enum Command {
         /// Address to listen on (IP:PORT; port 0 picks a free one, printed on start).
         #[arg(long, default_value = metrics::DEFAULT_LISTEN)]
         listen: String,
-        /// Only this registry or channel.
+        /// Only this registry, channel or tensor set.
         name: Option<String>,
         /// Connections served at once; more are answered 503 and closed at once.
         #[arg(long, default_value_t = metrics::server::Limits::DEFAULT.max_connections as u64,
@@ -157,7 +158,7 @@ enum Command {
     /// consumers. Never touches what a live process holds.
     #[command(after_help = EXIT_STATUS)]
     Gc {
-        /// Only this registry or channel.
+        /// Only this registry, channel or tensor set.
         name: Option<String>,
         /// Only say what would be removed.
         #[arg(long)]

@@ -346,7 +346,7 @@ fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
     let o = cuda_ipc(&["ls", &unique("nothing-here")]);
     assert_eq!(code(&o), 1);
     assert!(
-        text(&o).contains("no registry or channel named"),
+        text(&o).contains("no registry, channel or tensor set named"),
         "{}",
         text(&o)
     );
@@ -369,7 +369,10 @@ fn ls_of_a_name_that_exists_but_is_no_registry_or_channel_says_what_is_wrong() {
             let o = cuda_ipc(args);
             let t = text(&o);
             assert_eq!(code(&o), 1, "{args:?}: {t}");
-            assert!(!t.contains("no registry or channel named"), "{args:?}: {t}");
+            assert!(
+                !t.contains("no registry, channel or tensor set named"),
+                "{args:?}: {t}"
+            );
             assert!(
                 t.contains("cannot read") && t.contains("5 bytes"),
                 "{args:?}: {t}"

@@ -349,6 +349,7 @@ fn kind(e: &Error) -> Kind {
             | TensorSetError::BadTensor { .. }
             | TensorSetError::NoSuchTensor(_) => Kind::InvalidArgument,
             TensorSetError::WrongKind(_) => Kind::NotSupported,
+            TensorSetError::TooManyReaders { .. } => Kind::NoConsumerSlot,
             _ => Kind::Base,
         },
         Error::Quota(q) => match q {

@@ -144,6 +144,14 @@ pub enum TensorSetError {
         /// What is wrong.
         why: String,
     },
+    /// Every reader slot of the set is taken ([`super::TensorSetOptions::max_readers`]).
+    #[error("all {max} reader slots of tensor set {name:?} are taken (the writer's max_readers)")]
+    TooManyReaders {
+        /// The set.
+        name: String,
+        /// Its reader limit.
+        max: usize,
+    },
     /// No tensor of this name or index.
     #[error("no tensor {0} in the set")]
     NoSuchTensor(String),

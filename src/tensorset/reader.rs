@@ -68,6 +68,11 @@ fn set_error(name: &str, e: Error) -> Error {
             pid: 0,
         }
         .into(),
+        Error::Channel(ChannelError::NoConsumerSlot(max)) => TensorSetError::TooManyReaders {
+            name: name.to_string(),
+            max,
+        }
+        .into(),
         other => other,
     }
 }
@@ -86,7 +91,7 @@ impl TensorSetReader {
     /// [`ReaderOptions::expect_layout`] differs; [`TensorSetError::BadManifest`] /
     /// [`TensorSetError::VersionMismatch`] for a manifest that is not one; the segment's own
     /// errors ([`crate::Error::Shm`]); [`TensorSetError::WriterGone`] when the writer is dead;
-    /// [`crate::channel::ChannelError::NoConsumerSlot`] past the set's reader limit; CUDA and fd
+    /// [`TensorSetError::TooManyReaders`] past the set's reader limit; CUDA and fd
     /// passing errors from the imports.
     pub fn open(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
         Self::open_inner(Some(ctx), name, opts)
