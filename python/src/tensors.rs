@@ -99,7 +99,14 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
                 })?;
             let shape: Vec<i64> = match shape.extract::<i64>() {
                 Ok(n) => vec![n],
-                Err(_) => shape.extract()?,
+                Err(_) => shape.extract().map_err(|_| {
+                    errors::invalid_argument(
+                        py,
+                        format!(
+                            "tensor {name:?}: the shape must be an int or a sequence of ints                              that fit in 64 bits"
+                        ),
+                    )
+                })?,
             };
             (shape, dtype_arg(py, &dtype)?)
         };

@@ -281,3 +281,10 @@ def test_close_aborts_an_open_update_and_a_holds_generation_outlives_its_release
     with pytest.raises((cuda_ipc.TensorSetClosed, cuda_ipc.Timeout)):
         r.wait_newer(g, timeout=1.0)
     r.close()
+
+
+def test_shapes_too_large_or_not_ints_are_invalid_arguments(name):
+    for shape in ((2**63, 4), ("4", 4), (4.5,)):
+        with pytest.raises(cuda_ipc.InvalidArgument):
+            cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
