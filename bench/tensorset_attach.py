@@ -27,23 +27,16 @@ Every wait is bounded; children die with this process.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import sys
 import time
 
+import common
+
 STEP_S = 120.0  # the longest any single wait may take
-
-
-def die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def llama_shapes():
@@ -88,7 +81,7 @@ def read_all(torch, d: dict):
 
 def reader_child(name: str, conn, mode: str) -> None:
     """A fresh reader process: makes its context, then (timed) attaches and builds its dict."""
-    die_with_parent()
+    common.die_with_parent()
     try:
         import torch
 
@@ -154,7 +147,7 @@ def reader_child(name: str, conn, mode: str) -> None:
 def channel_child(name: str, conn) -> None:
     """The channel's hand-off at the same wait strategy, for comparison: a consumer waiting in
     `recv` reports when it woke."""
-    die_with_parent()
+    common.die_with_parent()
     try:
         import torch
 

@@ -119,11 +119,11 @@ impl Export {
         init.set_data(self.ptr as *mut std::ffi::c_void)
             .set_device(self.dl_device())
             .set_dtype(DLDataType::of::<u8>());
-        // SAFETY: the data pointer is the frame's buffer, mapped in this process for as long as
-        // the consumer (kept by the `Arc<OwnedFrame>` in the context) lives; the shape and strides
-        // were written by `Dynamic::compact`; the flags (none) say it is writable and not a copy,
-        // which holds for a view of the pool buffer. For a write frame (`Hold::None`) the
-        // buffer stays valid while its producer lives, which the caller documents.
+        // The data pointer is mapped for as long as the context's hold keeps its owner (the
+        // consumer of a frame, a tensor-set reader) alive; for `Hold::None` (a write frame, a
+        // writer's buffer) while the producer or writer lives, which the caller documents.
+        // SAFETY: pointer valid as above; shape and strides written by `Dynamic::compact`; no
+        // flags (writable, not a copy) is true of a view of shared memory.
         let tensor = unsafe { init.finish() };
         Ok(tensor)
     }

@@ -122,10 +122,10 @@ impl<'a, B> FrameBuffer<'a, B> {
     /// channel (copy the device buffer on the stream there).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let src = self.host_range(offset, dst.len())?;
-        // SAFETY: `src..src + dst.len()` lies in the frame's buffer (checked by `host_range`),
-        // which no other process writes while the frame holds it (a received frame's hold, or the
-        // producer's WRITING state); `dst` is ordinary memory of this process, so the two do not
-        // overlap.
+        // No other process writes the buffer while the frame holds it (a received frame's hold,
+        // or the producer's WRITING state).
+        // SAFETY: `src..src + dst.len()` lies in the buffer (`host_range`); `dst` is this
+        // process's own memory, so the ranges do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }

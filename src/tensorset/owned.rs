@@ -30,12 +30,10 @@ impl std::fmt::Debug for OwnedHeld {
 
 impl OwnedHeld {
     fn own(reader: &Arc<TensorSetReader>, held: Held<'_>) -> OwnedHeld {
-        // SAFETY: the guard borrows `**reader`, which lives in the `Arc`'s allocation: its address
-        // does not change when the `Arc` moves, and the clone stored beside the guard keeps it
-        // alive until after the guard is dropped (field order). Only shared references to the
-        // reader exist (an `Arc` hands out no `&mut`), so extending the shared borrow aliases
-        // nothing mutably. The extended lifetime never escapes: `held()` returns `&Held<'_>`
-        // bounded by `&self` (`Held` is covariant in its lifetime).
+        // The guard borrows `**reader` in the `Arc`'s allocation, which does not move, and the
+        // clone stored beside it outlives the guard (field order); an `Arc` hands out no `&mut`.
+        // `held()` returns `&Held<'_>` bounded by `&self` (`Held` is covariant).
+        // SAFETY: as above, the extended shared borrow outlives nothing it points to.
         let held = unsafe { std::mem::transmute::<Held<'_>, Held<'static>>(held) };
         OwnedHeld {
             held,
@@ -121,10 +119,9 @@ impl OwnedUpdate {
         timeout: Option<Duration>,
     ) -> std::result::Result<OwnedUpdate, (Box<TensorSetWriter>, Error)> {
         let ptr = NonNull::from(Box::leak(writer));
-        // SAFETY: `ptr` came from `Box::leak` just now and nothing else refers to the writer; the
-        // `&mut` lives as long as the update, which `OwnedUpdate` drops before it turns the
-        // pointer back into a `Box` (field order, `take_writer`, `Drop`). On error the borrow ends
-        // here, before `Box::from_raw`.
+        // The `&mut` lives as long as the update, which `OwnedUpdate` drops before it turns the
+        // pointer back into a `Box` (field order, `take_writer`, `Drop`); on error it ends here.
+        // SAFETY: `ptr` came from `Box::leak` just now and nothing else refers to the writer.
         let begun = unsafe { (*ptr.as_ptr()).begin(timeout) };
         match begun {
             Ok(update) => {
