@@ -153,6 +153,46 @@ impl ImportedBuffer {
         })
     }
 
+    /// [`ImportedBuffer::open_with_access`] for a VMM token whose allocation's fd the caller
+    /// got from another process than the token's exporter (a tensor-set holder): imported from
+    /// `fd` (borrowed; the caller closes it, whatever the result) and cached under the token's
+    /// key. A cached mapping of the token is returned without using `fd`.
+    pub(crate) fn open_vmm_with_fd(
+        ctx: &Arc<Context>,
+        token: &Token,
+        access: Access,
+        fd: BorrowedFd<'_>,
+    ) -> Result<Imported> {
+        if token.kind != TokenKind::VmmMemory {
+            return Err(Error::InvalidToken(format!(
+                "expected a VMM memory token, got {:?}",
+                token.kind
+            )));
+        }
+        let before = cache::opens_on_this_thread();
+        let mapping = super::vmm::open_vmm_from_fd(ctx, token, access, fd)?;
+        let driver_imports = cache::opens_on_this_thread().saturating_sub(before);
+        if token
+            .offset
+            .checked_add(token.len)
+            .is_none_or(|end| end > mapping.size as u64)
+        {
+            return Err(Error::InvalidToken(format!(
+                "range {}+{} lies outside the {}-byte allocation the handle names",
+                token.offset, token.len, mapping.size
+            )));
+        }
+        Ok(Imported {
+            read_only: mapping.read_only,
+            buffer: ImportedBuffer {
+                mapping,
+                offset: token.offset,
+                len: token.len,
+            },
+            driver_imports: driver_imports as u32,
+        })
+    }
+
     /// Whether this process's device may only load from the buffer (a VMM import mapped
     /// read-only, [`ImportedBuffer::open_with_access`]).
     pub fn is_read_only(&self) -> bool {

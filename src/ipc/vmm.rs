@@ -426,6 +426,49 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Res
     Ok(m)
 }
 
+/// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`, from `fd`: a descriptor
+/// of the same allocation that the caller got elsewhere than from the token's exporter (a holder of
+/// a tensor set that forwards it after the exporter died). Cached under the token's own
+/// [`MappingKey`], so an import made either way serves the other. The descriptor stays the
+/// caller's (it is only borrowed for `cuMemImportFromShareableHandle`, which does not take
+/// ownership), whatever the result. A token of this process's own export is opened as by
+/// [`open_vmm`] (the fd is not used).
+///
+/// The caller vouches that `fd` is the allocation the token names (the tensor-set holder checks
+/// its server's identity and the export ids the set's holders segment records); the mapping is
+/// the token's recorded size, which the driver refuses when the allocation is smaller.
+pub(crate) fn open_vmm_from_fd(
+    ctx: &Arc<Context>,
+    token: &Token,
+    access: Access,
+    fd: BorrowedFd<'_>,
+) -> Result<Arc<Mapping>> {
+    if token.exporter == ProcessIdentity::current()? {
+        return open_vmm(ctx, token, access);
+    }
+    let size = u64::from_le_bytes(token.handle[8..16].try_into().unwrap_or_default());
+    let size = usize::try_from(size)
+        .ok()
+        .filter(|&s| s > 0)
+        .ok_or_else(|| Error::InvalidToken(format!("VMM allocation size {size}")))?;
+    let key = MappingKey::of(token, ctx, access);
+    let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
+        require_peer(ctx, token.device)?;
+        let vm = import_vmm_handle(ctx, fd, size, access)?;
+        let (base, size) = (vm.ptr, vm.size);
+        Ok(Mapping {
+            base,
+            size,
+            read_only: access == Access::ReadOnly,
+            origin: Origin::closed_by(Box::new(vm)),
+            ctx: ctx.clone(),
+            _lease: Some(lease),
+        })
+    })?;
+    cache::count_served(how);
+    Ok(m)
+}
+
 /// A mapping of the VMM allocation behind `fd`, `size` bytes in `ctx`, kept out of the cache (for
 /// [`super::ImportedBuffer::from_vmm_fd`]). The descriptor stays the caller's.
 pub(crate) fn uncached_vmm_mapping(

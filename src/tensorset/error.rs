@@ -112,13 +112,43 @@ pub enum TensorSetError {
         supported: u32,
     },
     /// The writer died (or its generation channel is gone): the generation held stays readable,
-    /// no newer one will come.
-    #[error("the writer of tensor set {name:?} (pid {pid}) is gone")]
+    /// no newer one will come. A reader opened after the writer's death reads the last whole
+    /// generation its holders keep; `why` says why there is none (empty otherwise).
+    #[error("the writer of tensor set {name:?} (pid {pid}) is gone{}", suffix(why))]
     WriterGone {
         /// The set.
         name: String,
         /// The writer's pid.
         pid: u32,
+        /// Why nothing can be read ("" when it is only the writer's death).
+        why: String,
+    },
+    /// The set cannot be held by forwarding its file descriptors (a host, pool or legacy set, one
+    /// without a holders segment, or more allocations than
+    /// [`super::holders::MAX_HOLDER_ENTRIES`]).
+    #[error("tensor set {name:?} cannot be held: {why}")]
+    NotHoldable {
+        /// The set.
+        name: String,
+        /// Why.
+        why: String,
+    },
+    /// Every slot of the set's holders segment serves a live process.
+    #[error("all {slots} holder slots of tensor set {name:?} serve live processes")]
+    NoHolderSlot {
+        /// The set.
+        name: String,
+        /// The slots.
+        slots: usize,
+    },
+    /// No process could hand over the set's file descriptors: its writer is dead and no live
+    /// holder answered. `tried` names each server tried and what it said.
+    #[error("no process serves the file descriptors of tensor set {name:?}: {tried}")]
+    NoServer {
+        /// The set.
+        name: String,
+        /// What was tried.
+        tried: String,
     },
     /// The writer closed the set.
     #[error("tensor set {0:?} was closed by its writer")]
@@ -158,6 +188,14 @@ pub enum TensorSetError {
     /// The set's memory kind does not offer what was asked (a host accessor on a GPU set, ...).
     #[error("{0}")]
     WrongKind(&'static str),
+}
+
+fn suffix(why: &str) -> String {
+    if why.is_empty() {
+        String::new()
+    } else {
+        format!(": {why}")
+    }
 }
 
 fn hex(b: &[u8; 32]) -> String {

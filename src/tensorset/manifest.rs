@@ -15,7 +15,8 @@
 //! | 32..96 | offset and length `u64` of: allocation table, tensor table, dims area, string area |
 //! | 96 | layout fingerprint, 32 bytes |
 //! | 128 | generation channel's creation generation `u64`, 136: host data segment's (0: none) |
-//! | 144 | most readers `u32`; the rest of the [`BODY_HEADER`] bytes are zero |
+//! | 144 | most readers `u32`, 148: zero `u32` |
+//! | 152 | holders segment's creation generation `u64` (0: none: a host, pool or legacy set, a set of more allocations than a holder forwards, or a manifest written before holders; `holders.rs`); the rest of the [`BODY_HEADER`] bytes are zero |
 //!
 //! Allocation table: B × A entries of [`ALLOC_ENTRY`] bytes (a 144-byte token, the allocation's
 //! length `u64`, 8 zero bytes). Tensor table: N entries of [`TENSOR_ENTRY`] bytes (name offset
@@ -386,6 +387,8 @@ pub(crate) struct Manifest {
     pub(crate) channel_generation: u64,
     pub(crate) data_generation: u64,
     pub(crate) max_readers: u32,
+    /// The holders segment's creation generation (0: none).
+    pub(crate) holders_generation: u64,
 }
 
 /// Offsets of the body's parts for `m`: (alloc table, tensor table, dims, strings, total).
@@ -427,6 +430,7 @@ pub(crate) fn encode(m: &Manifest) -> Vec<u8> {
     put64(&mut b, 128, m.channel_generation);
     put64(&mut b, 136, m.data_generation);
     put32(&mut b, 144, m.max_readers);
+    put64(&mut b, 152, m.holders_generation);
     let mut at = a_off;
     for toks in &m.tokens {
         for (tok, &len) in toks.iter().zip(&m.layout.allocations) {
@@ -562,6 +566,7 @@ pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFaul
     let channel_generation = b.u64("the channel generation", 128)?;
     let data_generation = b.u64("the data generation", 136)?;
     let max_readers = b.u32("the reader limit", 144)?;
+    let holders_generation = b.u64("the holders generation", 152)?;
     let mut tokens = Vec::with_capacity(buffers);
     let mut lens: Vec<u64> = Vec::with_capacity(allocs);
     for bi in 0..buffers {
@@ -676,6 +681,7 @@ pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFaul
         channel_generation,
         data_generation,
         max_readers,
+        holders_generation,
     })
 }
 
@@ -704,6 +710,7 @@ mod tests {
             channel_generation: 11,
             data_generation: 12,
             max_readers: 64,
+            holders_generation: 13,
         }
     }
 
@@ -719,9 +726,18 @@ mod tests {
         assert_eq!(d.layout.tensors(), m.layout.tensors());
         assert_eq!(d.layout.fingerprint(), m.layout.fingerprint());
         assert_eq!(
-            (d.buffers, d.channel_generation, d.data_generation),
-            (2, 11, 12)
+            (
+                d.buffers,
+                d.channel_generation,
+                d.data_generation,
+                d.holders_generation
+            ),
+            (2, 11, 12, 13)
         );
+        // A body written before holders existed (zero at 152) reads as "no holders segment".
+        let mut old = encode(&m);
+        old[152..160].fill(0);
+        assert_eq!(decode(&old).unwrap().holders_generation, 0);
         assert_eq!(d.layout.index_of("layer.3.weight"), Some(3));
     }
 

@@ -15,6 +15,12 @@
 //!   their work, the writer's stream waiting for them, dead readers freed by the writer's
 //!   watchdog, a dead writer's gate closed by readers' watchdogs.
 //! - host sets only: `cuda-ipc.td.NAME`, the data segment with the B buffers.
+//! - VMM sets only: `cuda-ipc.th.NAME`, the holders segment (`holders/mod.rs`): who serves the
+//!   set's file descriptors (the writer, [`Holder`]s, readers opened with
+//!   [`ReaderOptions::serve`]), with liveness, and the last whole generation. A set whose writer
+//!   died stays attachable while a holder lives: a new reader imports the memory from a holder
+//!   and reads the last whole generation (a *writerless* reader,
+//!   [`TensorSetReader::is_writerless`]).
 //!
 //! Modes ([`GenerationMode`]): in place (B = 1: [`TensorSetWriter::begin`] waits until no reader
 //! holds the generation, and the writer's stream for their release words) or buffered (B ≥ 2:
@@ -28,6 +34,7 @@
 
 mod dtype;
 mod error;
+pub mod holders;
 pub mod inspect;
 mod manifest;
 pub mod owned;
@@ -38,12 +45,13 @@ mod writer;
 
 pub use dtype::DType;
 pub use error::{ManifestFault, TensorSetError};
+pub use holders::{Holder, HolderRole, HolderSnapshot, HolderStatus};
 pub use manifest::{
     ALIGN, Layout, MAX_ALLOCATIONS, MAX_NAME, MAX_NDIM, MAX_TENSORS, TensorInfo, TensorSpec,
     fingerprint,
 };
 pub use reader::{Held, Location, TensorRef, TensorSetReader};
-pub use segment::{DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
+pub use segment::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
 pub use writer::{TensorSetWriter, Update};
 
 use crate::channel::{MemoryKind, WaitStrategy};
@@ -161,6 +169,12 @@ pub struct ReaderOptions {
     pub wait: WaitStrategy,
     /// Map VMM memory read-only (default `true`).
     pub read_only: bool,
+    /// Serve the set's file descriptors to new readers too, as a [`Holder`] does (default
+    /// `false`): after its imports the reader fetches the fds again (from the writer, or a
+    /// holder), offers them from this process and claims a slot of the set's holders segment
+    /// (role reader), let go when the reader drops. VMM sets only
+    /// ([`TensorSetError::NotHoldable`] otherwise).
+    pub serve: bool,
 }
 
 impl Default for ReaderOptions {
@@ -177,6 +191,7 @@ impl ReaderOptions {
             expect_content: None,
             wait: WaitStrategy::default(),
             read_only: true,
+            serve: false,
         }
     }
     /// Demands the layout fingerprint `fp`.
@@ -197,6 +212,12 @@ impl ReaderOptions {
     /// Maps read-only (`true`) or read-write.
     pub fn read_only(mut self, on: bool) -> Self {
         self.read_only = on;
+        self
+    }
+    /// Serves the set's file descriptors to new readers (`true`) or not (the default); see
+    /// [`ReaderOptions::serve`](struct.ReaderOptions.html#structfield.serve).
+    pub fn serve(mut self, on: bool) -> Self {
+        self.serve = on;
         self
     }
 }

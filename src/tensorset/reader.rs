@@ -2,6 +2,7 @@
 //! generation channel's consumer) and the [`Held`] generation guard.
 
 use super::error::{ManifestFault, TensorSetError};
+use super::holders::{self, FdSource, HolderRole, Writerless};
 use super::manifest::{KIND_HOST, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
 use super::{ReaderOptions, decode_meta};
@@ -23,13 +24,27 @@ enum Memory {
     Gpu(Vec<Vec<ImportedBuffer>>),
 }
 
+/// Where a reader's generations come from.
+enum Source {
+    /// The generation channel (the writer runs, or ran when the reader joined).
+    Channel(Consumer),
+    /// The last whole generation of a set whose writer was dead at open (`holders.rs`).
+    Writerless(Writerless),
+}
+
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
 /// allocation, through the import cache and fd passing; read-only where the memory allows) and
 /// keeps the mappings for every generation; takes generations as [`Held`] guards.
+///
+/// Opened after its writer's death (a VMM set that holders keep: [`super::Holder`]), a reader is
+/// *writerless*: it imports the memory from a holder and serves the last whole generation
+/// ([`TensorSetReader::is_writerless`]).
 pub struct TensorSetReader {
-    // Drop order: the consumer drains its stream and leaves the generation channel, then the
-    // imports are dropped (no GPU work reads them any more), then the manifest is unmapped.
-    consumer: Consumer,
+    // Drop order: the serving part lets go of its holder slot, the consumer drains its stream and
+    // leaves the generation channel (a writerless reader drains its own stream), then the imports
+    // are dropped (no GPU work reads them any more), then the manifest is unmapped.
+    _serving: Option<holders::Serving>,
+    consumer: Source,
     memory: Memory,
     /// Holds of this reader per buffer: a buffer held twice (the same generation taken again) is
     /// released when its last guard drops. Locked around each take and each release.
@@ -60,12 +75,14 @@ fn set_error(name: &str, e: Error) -> Error {
         Error::Channel(ChannelError::ProducerGone { pid }) => TensorSetError::WriterGone {
             name: name.to_string(),
             pid,
+            why: String::new(),
         }
         .into(),
         Error::Channel(ChannelError::Closed) => TensorSetError::Closed(name.to_string()).into(),
         Error::Channel(ChannelError::NotFound(_)) => TensorSetError::WriterGone {
             name: name.to_string(),
             pid: 0,
+            why: String::new(),
         }
         .into(),
         Error::Channel(ChannelError::NoConsumerSlot(max)) => TensorSetError::TooManyReaders {
@@ -192,8 +209,21 @@ impl TensorSetReader {
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
         let (memory, read_only, imports) = mapped?;
-        let consumer = attached.map_err(|e| set_error(name, e))?;
-        if consumer.control_generation() != (m.channel_generation, m.buffers) {
+        let consumer = match attached.map_err(|e| set_error(name, e)) {
+            Ok(c) => Source::Channel(c),
+            // The writer is dead: a VMM set that holders keep is read writerless (the imports
+            // above came from a holder).
+            Err(Error::TensorSet(TensorSetError::WriterGone { pid, .. }))
+                if ctx.is_some() && m.holders_generation != 0 =>
+            {
+                let ctx = ctx.expect("checked above");
+                Source::Writerless(Writerless::open(ctx, name, &m, pid)?)
+            }
+            Err(e) => return Err(e),
+        };
+        if let Source::Channel(c) = &consumer
+            && c.control_generation() != (m.channel_generation, m.buffers)
+        {
             return Err(TensorSetError::BadManifest {
                 segment: seg_name,
                 fault: ManifestFault::Mismatch {
@@ -202,8 +232,14 @@ impl TensorSetReader {
             }
             .into());
         }
+        let serving = if opts.serve {
+            Some(holders::Serving::start(name, &m, HolderRole::Reader)?)
+        } else {
+            None
+        };
         let buffers = m.buffers;
         Ok(TensorSetReader {
+            _serving: serving,
             consumer,
             memory,
             buffers,
@@ -239,12 +275,15 @@ impl TensorSetReader {
                 let mut ro = opts.read_only;
                 let mut count = 0u32;
                 let mut all = Vec::with_capacity(m.buffers);
-                for toks in &m.tokens {
+                // The writer's exports, or a holder's once the writer is gone.
+                let mut source = FdSource::new(name, m);
+                for (b, toks) in m.tokens.iter().enumerate() {
                     let mut row = Vec::with_capacity(toks.len());
                     for (a, tok) in toks.iter().enumerate() {
-                        let got = ImportedBuffer::open_with_access(
+                        let got = source.import(
                             ctx,
                             &Token::from_bytes(tok)?,
+                            b * toks.len() + a,
                             access,
                         )?;
                         let need = m.layout.allocations()[a];
@@ -291,10 +330,28 @@ impl TensorSetReader {
     /// # Errors
     /// [`TensorSetError::WrongKind`] on a host set.
     pub fn stream(&self) -> Result<&Stream> {
-        if self.consumer.is_host() {
-            return Err(TensorSetError::WrongKind("a host tensor set has no stream").into());
+        match &self.consumer {
+            Source::Channel(c) if c.is_host() => {
+                Err(TensorSetError::WrongKind("a host tensor set has no stream").into())
+            }
+            Source::Channel(c) => c.stream(),
+            Source::Writerless(w) => Ok(w.stream()),
         }
-        self.consumer.stream()
+    }
+
+    /// Whether this reader was opened after its writer's death: it reads the last whole
+    /// generation (from memory a holder forwarded), on a stream of its own; no newer generation
+    /// comes ([`TensorSetReader::wait_newer`] says [`TensorSetError::WriterGone`]).
+    pub fn is_writerless(&self) -> bool {
+        matches!(self.consumer, Source::Writerless(_))
+    }
+
+    /// The reader's context (GPU sets).
+    fn context(&self) -> Result<&Arc<Context>> {
+        match &self.consumer {
+            Source::Channel(c) => c.context(),
+            Source::Writerless(w) => Ok(w.stream().context()),
+        }
     }
 
     /// Driver imports this open made (cache misses: 0 for allocations this process had imported
@@ -336,8 +393,11 @@ impl TensorSetReader {
     }
 
     fn take(&self, than: u64, timeout: Option<Duration>) -> Result<Option<Held<'_>>> {
-        let got = self
-            .consumer
+        let consumer = match &self.consumer {
+            Source::Channel(c) => c,
+            Source::Writerless(w) => return self.take_writerless(w, than),
+        };
+        let got = consumer
             // A buffer this reader holds already: a take whose stream wait fails leaves that
             // hold alone (`Consumer::take_newer`); only a first hold is released by it.
             .take_newer(than, timeout, &self.holds, |holds, i| {
@@ -353,7 +413,7 @@ impl TensorSetReader {
         let (generation, content) = decode_meta(frame.metadata(), frame.seq());
         let held = Held {
             reader: self,
-            frame: ManuallyDrop::new(frame),
+            frame: Some(ManuallyDrop::new(frame)),
             buffer,
             generation,
             content,
@@ -369,6 +429,41 @@ impl TensorSetReader {
             .into());
         }
         Ok(Some(held))
+    }
+}
+
+impl TensorSetReader {
+    /// A writerless reader's take: its generation when newer than `than`, else
+    /// [`TensorSetError::WriterGone`] at once (no writer publishes again).
+    fn take_writerless(&self, w: &Writerless, than: u64) -> Result<Option<Held<'_>>> {
+        let Some((generation, buffer, content)) = w.newer_than(than) else {
+            return Err(TensorSetError::WriterGone {
+                name: self.name.clone(),
+                pid: 0,
+                why: format!(
+                    "the reader opened after its death at generation {}, the last whole one",
+                    w.generation()
+                ),
+            }
+            .into());
+        };
+        if let Some(expected) = self.expect_content
+            && expected != content
+        {
+            return Err(TensorSetError::ContentMismatch {
+                generation,
+                expected,
+                found: content,
+            }
+            .into());
+        }
+        Ok(Some(Held {
+            reader: self,
+            frame: None,
+            buffer,
+            generation,
+            content,
+        }))
     }
 }
 
@@ -398,7 +493,8 @@ pub struct TensorRef<'a> {
 /// word. Dropping it releases the hold.
 pub struct Held<'a> {
     reader: &'a TensorSetReader,
-    frame: ManuallyDrop<Frame<'a>>,
+    /// The generation channel's frame (`None` for a writerless reader: nothing to release).
+    frame: Option<ManuallyDrop<Frame<'a>>>,
     buffer: usize,
     generation: u64,
     content: [u8; 32],
@@ -489,7 +585,7 @@ impl Held<'_> {
         Ok(super::DeviceTensor {
             ptr,
             len: self.reader.layout.tensors()[i].bytes as usize,
-            ctx: self.reader.consumer.context()?,
+            ctx: self.reader.context()?,
         })
     }
 
@@ -535,7 +631,10 @@ impl Held<'_> {
     /// # Errors
     /// [`Error::InvalidArgument`] on a host set; CUDA errors.
     pub fn ready_on(&self, stream: &Stream) -> Result<()> {
-        self.frame.ready_on(stream)
+        match &self.frame {
+            Some(f) => f.ready_on(stream),
+            None => Ok(()), // writerless: the generation's work completed before the record
+        }
     }
 
     /// Orders this generation's release after the work enqueued so far on `stream` (as a channel
@@ -544,7 +643,10 @@ impl Held<'_> {
     /// # Errors
     /// [`Error::InvalidArgument`] on a host set; CUDA errors.
     pub fn release_after(&self, stream: &Stream) -> Result<()> {
-        self.frame.release_after(stream)
+        match &self.frame {
+            Some(f) => f.release_after(stream),
+            None => Ok(()), // writerless: nothing writes the memory, nothing to release
+        }
     }
 
     /// [`Held::ready_on`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
@@ -556,8 +658,11 @@ impl Held<'_> {
     /// As [`Frame::ready_on_raw`]: `stream` is a live stream for the duration of the call, or
     /// null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
     pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.frame.ready_on_raw(stream) }
+        match &self.frame {
+            // SAFETY: forwarded from this function's contract.
+            Some(f) => unsafe { f.ready_on_raw(stream) },
+            None => Ok(()),
+        }
     }
 
     /// [`Held::release_after`] for a raw `CUstream`.
@@ -569,19 +674,25 @@ impl Held<'_> {
     /// As [`Frame::release_after_raw`]: `stream` is a live stream of the reader's context for the
     /// duration of the call, or null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
     pub unsafe fn release_after_raw(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.frame.release_after_raw(stream) }
+        match &self.frame {
+            // SAFETY: forwarded from this function's contract.
+            Some(f) => unsafe { f.release_after_raw(stream) },
+            None => Ok(()),
+        }
     }
 }
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
+        let Some(frame) = self.frame.as_mut() else {
+            return; // writerless: no hold to release
+        };
         let mut holds = self.reader.holds.lock().unwrap_or_else(|p| p.into_inner());
         holds[self.buffer] = holds[self.buffer].saturating_sub(1);
         if holds[self.buffer] == 0 {
             // SAFETY: the frame is dropped once, here, and never used after (the guard is being
             // dropped). Under the lock, so a take of the same buffer waits for the release.
-            unsafe { ManuallyDrop::drop(&mut self.frame) };
+            unsafe { ManuallyDrop::drop(frame) };
         }
         // Otherwise another guard of this reader holds the same generation in the same buffer:
         // the frame is let go without releasing; the last guard's release (on the same stream,

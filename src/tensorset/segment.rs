@@ -24,6 +24,8 @@ pub const MANIFEST_PREFIX: &str = "cuda-ipc.ts.";
 pub const GENERATION_PREFIX: &str = "cuda-ipc.tg.";
 /// Prefix of a host set's data segment.
 pub const DATA_PREFIX: &str = "cuda-ipc.td.";
+/// Prefix of a GPU set's holders segment (who serves the set's file descriptors, `holders.rs`).
+pub const HOLDERS_PREFIX: &str = "cuda-ipc.th.";
 /// The manifest layout version this build writes and reads.
 pub const VERSION: u32 = 1;
 /// Bytes of the header page before the body (or the data buffers).
@@ -37,6 +39,8 @@ pub(crate) const INIT_WAIT: Duration = Duration::from_secs(2);
 pub const MANIFEST_MAGIC: u64 = u64::from_le_bytes(*b"CIPCTSET");
 /// Magic of a host data segment.
 pub const DATA_MAGIC: u64 = u64::from_le_bytes(*b"CIPCTSDT");
+/// Magic of a holders segment.
+pub const HOLDERS_MAGIC: u64 = u64::from_le_bytes(*b"CIPCTSHD");
 
 /// The header page's words (manifest and data segments; `M` is the magic).
 #[repr(C)]
@@ -67,6 +71,8 @@ const _: () = assert!(std::mem::offset_of!(Header<0>, body_len) == 64);
 pub(crate) type ManifestHeader = Header<MANIFEST_MAGIC>;
 /// The data segment's header.
 pub(crate) type DataHeader = Header<DATA_MAGIC>;
+/// The holders segment's header (`body_len`: the slot area's bytes; `buffers`: B).
+pub(crate) type HoldersHeader = Header<HOLDERS_MAGIC>;
 
 // SAFETY: (1) `Header` is `#[repr(C)]` and made of atomics only; (2) its alignment is 8, which
 // divides 4096; (3) it is 80 bytes, less than `HEADER_LEN` (asserted above).
@@ -89,6 +95,26 @@ unsafe impl<const M: u64> VersionedHeader for Header<M> {
 }
 
 impl<const M: u64> Header<M> {
+    /// The body's length (manifest), the buffers' stride (data) or the slot area's length
+    /// (holders), as recorded.
+    pub(crate) fn body_len(&self) -> u64 {
+        // Relaxed: written before the stamp, which openers Acquire-loaded.
+        self.body_len.load(Ordering::Relaxed)
+    }
+
+    /// The buffer count recorded (data and holders segments).
+    pub(crate) fn buffers(&self) -> u32 {
+        // Relaxed: as `body_len`.
+        self.buffers.load(Ordering::Relaxed)
+    }
+
+    /// Records the body length and buffer count (creators, before the stamp).
+    pub(crate) fn set_body(&self, body_len: u64, buffers: u32) {
+        // Relaxed: published by the stamp's Release store (`write_versioned`).
+        self.body_len.store(body_len, Ordering::Relaxed);
+        self.buffers.store(buffers, Ordering::Relaxed);
+    }
+
     fn write_owner(&self, me: &ProcessIdentity) {
         // Relaxed: published by the magic's and the stamp's Release stores (`write_versioned`).
         self.writer_pid.store(me.pid, Ordering::Relaxed);
@@ -137,7 +163,7 @@ pub(crate) fn validate_set_name(name: &str) -> Result<()> {
     crate::channel::validate_channel_name(name)
 }
 
-fn bad(segment: &str, fault: ManifestFault) -> Error {
+pub(crate) fn bad(segment: &str, fault: ManifestFault) -> Error {
     TensorSetError::BadManifest {
         segment: segment.to_string(),
         fault,
@@ -146,7 +172,7 @@ fn bad(segment: &str, fault: ManifestFault) -> Error {
 }
 
 /// The error an opener of `seg_name` (of set `set`) reports for `e`.
-fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
+pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
     match e {
         OpenError::Segment(Error::Shm(ShmError::NotFound { .. }))
             if seg_name.starts_with(MANIFEST_PREFIX) =>
@@ -209,7 +235,7 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
 /// Creates `seg_name` of `len` bytes (replacing only what [`replaceable`] lets go) and writes its
 /// header with `fields` (everything past the header's words) before the stamp. Returns the
 /// segment and its creation generation.
-fn create<const M: u64>(
+pub(crate) fn create<const M: u64>(
     set: &str,
     seg_name: &str,
     len: usize,

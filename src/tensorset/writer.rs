@@ -3,6 +3,7 @@
 //! [`Update::commit`].
 
 use super::error::TensorSetError;
+use super::holders::{self, HoldersSegment, Recorder};
 use super::manifest::{
     FLAG_BUFFERED, KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest,
     TensorSpec,
@@ -19,7 +20,7 @@ use crate::ffi::{check, sys};
 use crate::ipc::VmmBuffer;
 use crate::quota::Reservation;
 use crate::shm::Segment;
-use crate::token::TOKEN_LEN;
+use crate::token::{TOKEN_LEN, Token};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,9 +82,11 @@ struct State {
 /// ```
 pub struct TensorSetWriter {
     // Drop order: the names are unlinked (Drop), then the generation channel is closed and drained
-    // (the producer's own drop), then the memory is freed, then the manifest unmapped, then the
-    // bytes go back to the quota ledger.
+    // (the producer's own drop), then the writer's holder slot is let go, then the memory is
+    // freed, then the manifest unmapped, then the bytes go back to the quota ledger.
     producer: Option<Producer>,
+    /// VMM sets: the writer's part of the holders segment (`holders/recorder.rs`).
+    recorder: Option<Recorder>,
     memory: Memory,
     manifest: Segment,
     layout: Arc<Layout>,
@@ -342,6 +345,26 @@ impl TensorSetWriter {
         quota: Option<Reservation>,
     ) -> Result<TensorSetWriter> {
         let buffers = tokens.len();
+        // VMM sets get a holders segment (made before the manifest, which records its
+        // generation); a set of more allocations than a slot holds gets none.
+        let holders = if code == KIND_VMM {
+            let allocs = layout.allocations().len();
+            match holders::check_entries(name, buffers, allocs) {
+                Ok(_) => Some(HoldersSegment::create(
+                    name,
+                    buffers,
+                    allocs,
+                    layout.fingerprint(),
+                    layout.bytes_per_buffer(),
+                )?),
+                Err(e) => {
+                    tracing::info!("tensor set {name} is not holdable: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let m = Manifest {
             kind: code,
             flags: if buffers > 1 { FLAG_BUFFERED } else { 0 },
@@ -351,18 +374,45 @@ impl TensorSetWriter {
             channel_generation: producer.control_generation(),
             data_generation,
             max_readers: opts.max_readers as u32,
+            holders_generation: holders.as_ref().map_or(0, HoldersSegment::generation),
+        };
+        let undo = |memory: &Memory, holders: Option<&HoldersSegment>| {
+            if let Memory::Host(d) = memory {
+                d.unlink();
+            }
+            if let Some(h) = holders {
+                h.unlink();
+            }
         };
         let manifest = match segment::create_manifest(name, &m) {
             Ok(s) => s,
             Err(e) => {
-                if let Memory::Host(d) = &memory {
-                    d.unlink();
-                }
+                undo(&memory, holders.as_ref());
                 return Err(e);
             }
         };
+        let recorder = match holders {
+            Some(h) => {
+                let made = h.generation();
+                match Self::start_recorder(&producer, &m, h) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        segment::unlink_own(&manifest);
+                        if let Ok(h) = HoldersSegment::open(name, None)
+                            && h.generation() == made
+                        {
+                            h.unlink();
+                        }
+                        undo(&memory, None);
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
         Ok(TensorSetWriter {
             producer: Some(producer),
+            recorder,
             memory,
             manifest,
             layout: Arc::new(m.layout),
@@ -372,6 +422,18 @@ impl TensorSetWriter {
             mode: opts.mode,
             _quota: quota,
         })
+    }
+
+    /// The writer's part of `holders`: its slot with its export ids (from the manifest's tokens),
+    /// the recorder thread.
+    fn start_recorder(producer: &Producer, m: &Manifest, h: HoldersSegment) -> Result<Recorder> {
+        let ids = m
+            .tokens
+            .iter()
+            .flatten()
+            .map(|t| Token::from_bytes(t).map(|t| t.export_id))
+            .collect::<Result<Vec<u32>>>()?;
+        Recorder::start(producer.context()?, h, &ids)
     }
 
     /// The set's name.
@@ -443,8 +505,14 @@ impl TensorSetWriter {
             .as_mut()
             .expect("the producer lives until close")
             .acquire(timeout)?;
+        let buffered = self.mode != GenerationMode::InPlace;
+        if let Some(r) = self.recorder.as_mut() {
+            // Before anything writes the buffer: holders' readers never take it for whole.
+            r.before_write(self.state.generation + 1, frame.index(), buffered);
+        }
         Ok(Update {
             buffer: frame.index(),
+            recorder: self.recorder.as_mut(),
             frame,
             memory: &self.memory,
             layout: &self.layout,
@@ -471,6 +539,10 @@ impl TensorSetWriter {
         segment::unlink_own(&self.manifest);
         if let Memory::Host(d) = &self.memory {
             d.unlink();
+        }
+        // A deliberate close: the set's holders see their segment's name gone and let go.
+        if let Some(r) = &self.recorder {
+            r.holders().unlink();
         }
     }
 }
@@ -511,6 +583,7 @@ fn tensor_ptr(memory: &Memory, layout: &Layout, buffer: usize, i: usize) -> Resu
 /// held is gone, its bytes may be half-written, and readers see nothing until the next commit).
 pub struct Update<'a> {
     frame: WriteFrame<'a>,
+    recorder: Option<&'a mut Recorder>,
     memory: &'a Memory,
     layout: &'a Layout,
     state: &'a mut State,
@@ -804,11 +877,19 @@ impl Update<'_> {
     /// ready from the host once the writer's stream drained).
     pub fn commit_with_content(self, content: [u8; 32]) -> Result<u64> {
         let meta = encode_meta(self.generation(), &content, 0);
+        // VMM sets: an event after the update's work, for the holders' whole-generation record.
+        let event = match (&self.recorder, self.frame.producer_stream()) {
+            (Some(r), Some(s)) => r.event_after(s),
+            _ => None,
+        };
         let state = self.state;
         let buffer = self.buffer;
         let seq = self.frame.publish(&meta)?;
         state.generation = seq;
         state.head = Some(buffer);
+        if let (Some(r), Some(ev)) = (self.recorder, event) {
+            r.committed(ev, seq, buffer, content);
+        }
         Ok(seq)
     }
 }

@@ -1,0 +1,362 @@
+//! The serving side: [`Holder`] (a process that keeps a set's fds and serves them, with no CUDA
+//! context), the serving part a reader with [`crate::tensorset::ReaderOptions::serve`] keeps
+//! ([`Serving`]), the fetch of every fd of a set from its writer or a live holder
+//! ([`fetch_all`]), and a reader's import that falls back to holders ([`FdSource`]).
+
+use super::{HolderRole, HoldersSegment, SlotClaim, check_entries};
+use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
+use crate::ipc::fdpass::{self, FdExport, FdPassError, FdTransport};
+use crate::ipc::{Access, Imported, ImportedBuffer};
+use crate::shm::{Segment, ShmError};
+use crate::tensorset::error::TensorSetError;
+use crate::tensorset::manifest::{KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM, Manifest};
+use crate::tensorset::segment::{self, INIT_WAIT};
+use crate::token::{Token, TokenKind};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long one server may take to hand over a set's fds.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The fd number a VMM token carries (for `pidfd_getfd`; the socket ignores it).
+fn raw_fd(t: &Token) -> i32 {
+    i32::from_le_bytes(t.handle[..4].try_into().unwrap_or_default())
+}
+
+/// Why set `set` (manifest `m`) cannot be held, if it cannot.
+fn holdable(set: &str, m: &Manifest) -> Result<()> {
+    let why = match m.kind {
+        KIND_VMM => {
+            check_entries(set, m.buffers, m.layout.allocations().len())?;
+            if m.holders_generation != 0 {
+                return Ok(());
+            }
+            "its writer made no holders segment (a build before holders)"
+        }
+        KIND_HOST => "a host set lives in shared memory, which outlives its writer by itself",
+        KIND_POOL => "pool memory imported elsewhere is undefined once its exporter frees it",
+        KIND_LEGACY => "legacy IPC memory has no file descriptor to forward",
+        _ => "an unknown memory kind",
+    };
+    Err(TensorSetError::NotHoldable {
+        name: set.to_string(),
+        why: why.to_string(),
+    }
+    .into())
+}
+
+/// Opens the holders segment that `m` names.
+fn open_holders(set: &str, m: &Manifest) -> Result<HoldersSegment> {
+    holdable(set, m)?;
+    HoldersSegment::open(
+        set,
+        Some((m.holders_generation, m.buffers, m.layout.allocations().len())),
+    )
+}
+
+/// The fds of every allocation of set `set` (manifest `m`, holders segment `holders`), index
+/// b × A + a: from the writer while it runs (one `fetch_many` over its socket), else from each live
+/// server of the holders segment in turn (its identity checked by the fetch, its ids from its
+/// slot). Returns the fds and the process that handed them over.
+///
+/// # Errors
+/// [`TensorSetError::NoServer`] naming every server tried and what it said; token errors.
+pub(crate) fn fetch_all(
+    set: &str,
+    m: &Manifest,
+    holders: &HoldersSegment,
+) -> Result<(Vec<OwnedFd>, ProcessIdentity)> {
+    let toks = m
+        .tokens
+        .iter()
+        .flatten()
+        .map(|t| Token::from_bytes(t))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tried = Vec::new();
+    if let Some(first) = toks.first()
+        && toks.iter().all(|t| t.exporter == first.exporter)
+    {
+        let ids: Vec<(u32, i32)> = toks.iter().map(|t| (t.export_id, raw_fd(t))).collect();
+        match fdpass::fetch_many(&first.exporter, &ids, FdTransport::Socket, FETCH_TIMEOUT) {
+            Ok(fds) => return Ok((fds, first.exporter)),
+            Err(e) => tried.push(format!("the writer ({}): {e}", first.exporter)),
+        }
+    }
+    for s in holders.servers() {
+        // The writer's slot names the tokens' own exports, tried above.
+        if s.role == HolderRole::Writer || s.ids.len() != toks.len() {
+            continue;
+        }
+        if s.identity.liveness_as(s.uid) == Liveness::Dead {
+            tried.push(format!("{} {} (dead)", s.role.word(), s.identity));
+            continue;
+        }
+        let ids: Vec<(u32, i32)> = s.ids.iter().map(|&i| (i, -1)).collect();
+        match fdpass::fetch_many(&s.identity, &ids, FdTransport::Socket, FETCH_TIMEOUT) {
+            Ok(fds) => return Ok((fds, s.identity)),
+            Err(e) => tried.push(format!("{} {}: {e}", s.role.word(), s.identity)),
+        }
+    }
+    if tried.len() < 2 {
+        tried.push("no live holder serves it".into());
+    }
+    Err(TensorSetError::NoServer {
+        name: set.to_string(),
+        tried: tried.join("; "),
+    }
+    .into())
+}
+
+/// Where a reader's imports get their fds: the token's exporter, and once that is gone, the set's
+/// holders (fetched once, all fds in one round trip, on the first import that needs them).
+pub(crate) struct FdSource<'a> {
+    set: &'a str,
+    m: &'a Manifest,
+    fds: Option<Vec<OwnedFd>>,
+}
+
+impl<'a> FdSource<'a> {
+    /// The source for set `set` with manifest `m`.
+    pub(crate) fn new(set: &'a str, m: &'a Manifest) -> FdSource<'a> {
+        FdSource { set, m, fds: None }
+    }
+
+    /// Imports allocation `index` (b × A + a) of token `tok` in `ctx` with `access`:
+    /// [`ImportedBuffer::open_with_access`], and when the token's exporter is gone
+    /// ([`FdPassError::PeerGone`]) and the set has a holders segment, from the fd a live holder
+    /// forwards, cached under the token's key.
+    ///
+    /// # Errors
+    /// As [`ImportedBuffer::open_with_access`]; [`TensorSetError::NoServer`] naming the writer and
+    /// every holder tried when nobody hands the fd over.
+    pub(crate) fn import(
+        &mut self,
+        ctx: &Arc<crate::driver::Context>,
+        tok: &Token,
+        index: usize,
+        access: Access,
+    ) -> Result<Imported> {
+        match ImportedBuffer::open_with_access(ctx, tok, access) {
+            Err(Error::FdPass(FdPassError::PeerGone { .. }))
+                if tok.kind == TokenKind::VmmMemory && self.m.holders_generation != 0 =>
+            {
+                if self.fds.is_none() {
+                    let holders = open_holders(self.set, self.m)?;
+                    self.fds = Some(fetch_all(self.set, self.m, &holders)?.0);
+                }
+                let fd = self
+                    .fds
+                    .as_ref()
+                    .and_then(|f| f.get(index))
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!("allocation {index} of the set's table"))
+                    })?;
+                ImportedBuffer::open_vmm_with_fd(ctx, tok, access, fd.as_fd())
+            }
+            r => r,
+        }
+    }
+}
+
+/// What a serving process keeps: its slot, its exports of the set's fds, the holders segment.
+/// Drop lets go of the slot first (no new reader is sent here), then withdraws the exports
+/// (closing this process's copies of the fds).
+pub(crate) struct Serving {
+    // Drop order: the slot (released in Drop), then the exports, then the segment's mapping.
+    claim: Option<SlotClaim>,
+    exports: Vec<FdExport>,
+    holders: HoldersSegment,
+    source: ProcessIdentity,
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Serving")
+            .field("holders", &self.holders)
+            .field("exports", &self.exports.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Serving {
+    /// Fetches every fd of set `set` (manifest `m`), offers them from this process and claims a
+    /// slot in `role`.
+    ///
+    /// # Errors
+    /// [`TensorSetError::NotHoldable`]; as the holders segment's open; as [`fetch_all`];
+    /// [`TensorSetError::NoHolderSlot`]; [`Error::Os`] when the fd server cannot start.
+    pub(crate) fn start(set: &str, m: &Manifest, role: HolderRole) -> Result<Serving> {
+        let holders = open_holders(set, m)?;
+        let (fds, source) = fetch_all(set, m, &holders)?;
+        let exports = fds
+            .into_iter()
+            .map(FdExport::new)
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<u32> = exports.iter().map(FdExport::id).collect();
+        let claim = holders.claim(role, &ids)?;
+        Ok(Serving {
+            claim: Some(claim),
+            exports,
+            holders,
+            source,
+        })
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(c) = self.claim.take() {
+            self.holders.release(c);
+        }
+    }
+}
+
+/// Whether a held set still stands: see [`Holder::status`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HolderStatus {
+    /// The set's names stand for what this holder serves (its writer may be dead: the holder
+    /// keeps it attachable).
+    Serving,
+    /// Its writer closed it (its names are gone).
+    Closed,
+    /// Another set was made under its name.
+    Replaced,
+}
+
+impl HolderStatus {
+    /// In words: `serving`, `closed by its writer`, `replaced by a new set`.
+    pub fn word(self) -> &'static str {
+        match self {
+            HolderStatus::Serving => "serving",
+            HolderStatus::Closed => "closed by its writer",
+            HolderStatus::Replaced => "replaced by a new set",
+        }
+    }
+}
+
+/// Keeps a VMM tensor set attachable after its writer dies: holds an fd of every allocation of
+/// every buffer (fetched from the writer, or from another live holder), serves them from this
+/// process's fd server (the same peer checks as the writer's: this user or root) and records
+/// itself in the set's holders segment, where new readers find it. Needs no CUDA context (fds are
+/// opaque here) and maps nothing, but each fd pins the set's device memory (B × bytes per buffer,
+/// [`Holder::bytes`]) until the holder drops.
+///
+/// Dropping it lets go of its slot and closes its fds; the memory goes back to the device once no
+/// process maps it or holds an fd of it. It does not notice by itself that the set was closed or
+/// replaced: ask [`Holder::status`] (or [`Holder::wait`]) and drop it then.
+///
+/// # Examples
+/// ```no_run
+/// use cuda_ipc::tensorset::{Holder, HolderStatus};
+/// use std::time::Duration;
+/// let h = Holder::open("weights")?;
+/// println!("holding {} allocations, {} bytes", h.allocations(), h.bytes());
+/// let why = h.wait(None); // until the writer closes the set or a new one replaces it
+/// assert_ne!(why, HolderStatus::Serving);
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub struct Holder {
+    // Drop order: the serving part (slot, exports), then the manifest's mapping.
+    serving: Serving,
+    manifest: Segment,
+    name: String,
+    allocations: usize,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holder")
+            .field("name", &self.name)
+            .field("allocations", &self.allocations)
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Holder {
+    /// Holds tensor set `name`: opens its manifest and holders segment, fetches every allocation's
+    /// fd (from the writer while it runs, else from a live holder: the fetch checks that the
+    /// process answering is the one named), offers them from this process and claims a slot.
+    ///
+    /// # Errors
+    /// [`TensorSetError::NotFound`] and the manifest's other errors (as
+    /// [`crate::tensorset::TensorSetReader::open`]); [`TensorSetError::NotHoldable`] for a host,
+    /// pool or legacy set, one without a holders segment, or more than
+    /// [`super::MAX_HOLDER_ENTRIES`] allocations; [`TensorSetError::BadManifest`] naming the
+    /// holders segment when it is not the one the manifest names; [`TensorSetError::NoServer`]
+    /// when neither the writer nor a holder hands the fds over; [`TensorSetError::NoHolderSlot`]
+    /// when every slot serves a live process; [`Error::Os`] when this process's fd server cannot
+    /// start.
+    pub fn open(name: &str) -> Result<Holder> {
+        let opened = segment::open_manifest(name, INIT_WAIT)?;
+        let m = &opened.manifest;
+        let serving = Serving::start(name, m, HolderRole::Holder)?;
+        Ok(Holder {
+            allocations: serving.exports.len(),
+            bytes: m.layout.bytes_per_buffer().saturating_mul(m.buffers as u64),
+            serving,
+            manifest: opened.seg,
+            name: name.to_string(),
+        })
+    }
+
+    /// The set's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// File descriptors held: B × A.
+    pub fn allocations(&self) -> usize {
+        self.allocations
+    }
+
+    /// Device bytes this holder pins: B × bytes per buffer (the allocations' lengths as the
+    /// manifest records them; the driver rounds each up to its granularity).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The process the fds were fetched from (the writer, or another holder).
+    pub fn source(&self) -> ProcessIdentity {
+        self.serving.source
+    }
+
+    /// Whether the set's names still stand for what this holder serves: [`HolderStatus::Closed`]
+    /// once its writer closed it (the manifest or the holders segment removed),
+    /// [`HolderStatus::Replaced`] once another set was made under its name. Two `stat` calls.
+    pub fn status(&self) -> HolderStatus {
+        for seg in [self.serving.holders.segment(), &self.manifest] {
+            match Segment::stat(seg.name()) {
+                Err(Error::Shm(ShmError::NotFound { .. })) => return HolderStatus::Closed,
+                Ok(i) if seg.inode().is_ok_and(|mine| mine != i.inode) => {
+                    return HolderStatus::Replaced;
+                }
+                _ => {}
+            }
+        }
+        HolderStatus::Serving
+    }
+
+    /// `status() == Serving`.
+    pub fn is_current(&self) -> bool {
+        self.status() == HolderStatus::Serving
+    }
+
+    /// Waits (looking every 100 ms) until [`Holder::status`] is no longer
+    /// [`HolderStatus::Serving`], at most `timeout` (`None`: no bound); returns the status last
+    /// seen.
+    pub fn wait(&self, timeout: Option<Duration>) -> HolderStatus {
+        let start = Instant::now();
+        loop {
+            let s = self.status();
+            if s != HolderStatus::Serving || timeout.is_some_and(|t| start.elapsed() >= t) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
