@@ -1,10 +1,12 @@
 //! Read-only snapshots of tensor sets, for tools (`cuda-ipc ls`, `watch`, `gc`): the manifest's
 //! header and counts, the writer and its liveness, and the generation channel's state (the
-//! generation, the readers, their holds), read with the openers' checks and atomic loads only;
-//! nothing is joined, attached or repaired.
+//! generation, the readers, their holds) and the holders segment (who serves the set's fds, the
+//! last whole generation), read with the openers' checks and atomic loads only; nothing is
+//! joined, attached or repaired.
 
+use super::holders::{HolderSnapshot, inspect_holders};
 use super::manifest::{KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM};
-use super::segment::{self, DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
+use super::segment::{self, DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
 use crate::channel::inspect::{ChannelSnapshot, inspect_in};
 use crate::error::Result;
 use crate::identity::{Liveness, ProcessIdentity};
@@ -63,6 +65,25 @@ pub struct TensorSetSnapshot {
     /// The generation channel as read (`None` when it is gone: a dead writer's set whose
     /// channel was removed, or a writer that never got that far).
     pub channel: Option<ChannelSnapshot>,
+    /// The serving slots of the holders segment (the writer, holders, serving readers; dead ones
+    /// included, with their liveness). Empty for a set without one (host, pool, legacy).
+    pub holders: Vec<HolderSnapshot>,
+    /// The last whole generation its holders segment records (`None`: none, or no segment): what
+    /// a reader opened after the writer's death reads.
+    pub whole_generation: Option<u64>,
+}
+
+impl TensorSetSnapshot {
+    /// Live servers other than the writer (holders and serving readers): while there is one, a
+    /// dead writer's set stays attachable and its device memory (`bytes`) stays pinned.
+    pub fn live_holders(&self) -> usize {
+        self.holders
+            .iter()
+            .filter(|h| {
+                h.role != super::HolderRole::Writer && h.liveness != crate::identity::Liveness::Dead
+            })
+            .count()
+    }
 }
 
 fn kind_name(code: u32) -> &'static str {
@@ -84,9 +105,14 @@ pub fn list_tensor_sets() -> Result<Vec<String>> {
     let mut names: Vec<String> = crate::shm::list_segments()?
         .into_iter()
         .filter_map(|s| {
-            [MANIFEST_PREFIX, GENERATION_PREFIX, DATA_PREFIX]
-                .iter()
-                .find_map(|p| s.strip_prefix(p).map(str::to_string))
+            [
+                MANIFEST_PREFIX,
+                GENERATION_PREFIX,
+                DATA_PREFIX,
+                HOLDERS_PREFIX,
+            ]
+            .iter()
+            .find_map(|p| s.strip_prefix(p).map(str::to_string))
         })
         .collect();
     names.sort();
@@ -132,6 +158,13 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
         None => (0, Vec::new(), 0),
     };
     let bytes_per_buffer = m.layout.bytes_per_buffer();
+    // The holders segment the manifest names (one of another generation is not this set's).
+    let (holders, whole_generation) = match inspect_holders(name) {
+        Ok(Some((h, whole, g))) if m.holders_generation != 0 && g == m.holders_generation => {
+            (h, whole)
+        }
+        _ => (Vec::new(), None),
+    };
     Ok(TensorSetSnapshot {
         name: name.to_string(),
         segment: opened.seg.name().to_string(),
@@ -149,5 +182,7 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
         readers,
         holds,
         channel,
+        holders,
+        whole_generation,
     })
 }

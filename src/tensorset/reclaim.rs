@@ -1,15 +1,20 @@
 //! Removal of what dead writers and abandoned creations of tensor sets left, for `gc`
 //! ([`crate::cleanup`]): each part of a set (the manifest `cuda-ipc.ts.NAME`, the generation
-//! channel `cuda-ipc.tg.NAME`, the host data segment `cuda-ipc.td.NAME`) is judged by the process
-//! its own header records, by the rule a new writer replaces it by (this user's only; a dead
-//! writer, or a creation abandoned half-way), and judged again right before it is unlinked, only
-//! while its name still stands for the file judged. Dead readers' slots and holds in a live
+//! channel `cuda-ipc.tg.NAME`, the host data segment `cuda-ipc.td.NAME`, the holders segment
+//! `cuda-ipc.th.NAME`) is judged by the process its own header records, by the rule a new writer
+//! replaces it by (this user's only; a dead writer, or a creation abandoned half-way), and judged
+//! again right before it is unlinked, only while its name still stands for the file judged. No
+//! part of a set goes while a live process other than its writer serves it from a slot of its
+//! holders segment (a holder, a serving reader): the set stays attachable and its device memory
+//! pinned until the last of them lets go or dies. Dead readers' slots and holds in a live
 //! writer's generation channel are freed as the writer's watchdog frees them. Readers that still
 //! map a removed set keep their mappings (VMM memory stays valid for them). Never calls CUDA.
 
 use super::error::TensorSetError;
+use super::holders::HoldersSegment;
 use super::segment::{
-    self, DATA_PREFIX, DataHeader, GENERATION_PREFIX, HEADER_PAGE, MANIFEST_PREFIX, ManifestHeader,
+    self, DATA_PREFIX, DataHeader, GENERATION_PREFIX, HEADER_PAGE, HOLDERS_PREFIX, HoldersHeader,
+    MANIFEST_PREFIX, ManifestHeader,
 };
 use crate::channel::reclaim::{
     abandoned_in, release_dead_consumers_in, remove_abandoned_in, remove_stale_control_in,
@@ -29,12 +34,14 @@ pub enum Part {
     Generation,
     /// The host data segment `cuda-ipc.td.NAME`.
     Data,
+    /// The holders segment `cuda-ipc.th.NAME` (VMM sets).
+    Holders,
 }
 
 impl Part {
     /// Every part, in the order they are removed (the manifest first: no new reader opens the
-    /// set once it is gone).
-    pub const ALL: [Part; 3] = [Part::Manifest, Part::Generation, Part::Data];
+    /// set once it is gone; the holders segment last: it says whether the set is held).
+    pub const ALL: [Part; 4] = [Part::Manifest, Part::Generation, Part::Data, Part::Holders];
 
     /// The segment name of this part of set `name`.
     pub fn segment_name(self, name: &str) -> String {
@@ -42,16 +49,18 @@ impl Part {
             Part::Manifest => MANIFEST_PREFIX,
             Part::Generation => GENERATION_PREFIX,
             Part::Data => DATA_PREFIX,
+            Part::Holders => HOLDERS_PREFIX,
         };
         format!("{prefix}{name}")
     }
 
-    /// In words: `manifest`, `generation channel`, `host data`.
+    /// In words: `manifest`, `generation channel`, `host data`, `holders`.
     pub fn word(self) -> &'static str {
         match self {
             Part::Manifest => "manifest",
             Part::Generation => "generation channel",
             Part::Data => "host data",
+            Part::Holders => "holders",
         }
     }
 }
@@ -75,6 +84,9 @@ pub struct StalePart {
 /// Why `part` of set `name` may go and the inode judged; `Ok(None)` when it is absent or not
 /// stale (a live writer's, a creation in progress, a writer whose liveness cannot be told).
 fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
+    if is_held(name) {
+        return Ok(None);
+    }
     let seg_name = part.segment_name(name);
     let info = match Segment::stat(&seg_name) {
         Ok(i) => i,
@@ -97,11 +109,13 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
                 Err(e) => return Err(e),
             },
         },
-        Part::Manifest | Part::Data => {
-            let r = if part == Part::Manifest {
-                segment::replaceable::<{ segment::MANIFEST_MAGIC }>(name, &seg_name)
-            } else {
-                segment::replaceable::<{ segment::DATA_MAGIC }>(name, &seg_name)
+        Part::Manifest | Part::Data | Part::Holders => {
+            let r = match part {
+                Part::Manifest => {
+                    segment::replaceable::<{ segment::MANIFEST_MAGIC }>(name, &seg_name)
+                }
+                Part::Data => segment::replaceable::<{ segment::DATA_MAGIC }>(name, &seg_name),
+                _ => segment::replaceable::<{ segment::HOLDERS_MAGIC }>(name, &seg_name),
             };
             let why = match r {
                 Ok(why) => why,
@@ -118,10 +132,10 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
                 None
             } else {
                 let seg = Segment::open_with_min_len(&seg_name, HEADER_PAGE)?;
-                if part == Part::Manifest {
-                    writer_of(versioned::header::<ManifestHeader>(&seg).writer())
-                } else {
-                    writer_of(versioned::header::<DataHeader>(&seg).writer())
+                match part {
+                    Part::Manifest => writer_of(versioned::header::<ManifestHeader>(&seg).writer()),
+                    Part::Data => writer_of(versioned::header::<DataHeader>(&seg).writer()),
+                    _ => writer_of(versioned::header::<HoldersHeader>(&seg).writer()),
                 }
             };
             (why, writer)
@@ -137,6 +151,12 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
         },
         info.inode,
     )))
+}
+
+/// Whether a live process other than the set's writer serves set `name` from its holders segment
+/// (an unreadable segment counts as not held: its other parts are judged as before).
+pub fn is_held(name: &str) -> bool {
+    HoldersSegment::open(name, None).is_ok_and(|h| h.held_by_live())
 }
 
 /// The parts of set `name` that a dead writer or an abandoned creation left (changes nothing).

@@ -52,7 +52,11 @@ fn open_holders(set: &str, m: &Manifest) -> Result<HoldersSegment> {
     holdable(set, m)?;
     HoldersSegment::open(
         set,
-        Some((m.holders_generation, m.buffers, m.layout.allocations().len())),
+        Some((
+            m.holders_generation,
+            m.buffers,
+            m.layout.allocations().len(),
+        )),
     )
 }
 

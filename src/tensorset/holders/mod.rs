@@ -65,8 +65,8 @@ mod holder;
 mod recorder;
 mod writerless;
 
-pub use holder::{Holder, HolderStatus};
 pub(crate) use holder::{FdSource, Serving};
+pub use holder::{Holder, HolderStatus};
 pub(crate) use recorder::Recorder;
 pub(crate) use writerless::Writerless;
 
@@ -259,7 +259,6 @@ pub(crate) struct HoldersSegment {
     generation: u64,
     slots: usize,
     entries: usize,
-    allocations: usize,
     buffers: usize,
     slot_len: usize,
 }
@@ -276,7 +275,10 @@ impl std::fmt::Debug for HoldersSegment {
 
 /// The [`Words`] of `seg` (at least a header page long).
 fn words(seg: &Segment) -> &Words {
-    assert!(seg.len() >= HEADER_PAGE, "a segment shorter than its header");
+    assert!(
+        seg.len() >= HEADER_PAGE,
+        "a segment shorter than its header"
+    );
     // SAFETY: (1) the mapping holds at least HEADER_PAGE bytes and `WORDS_AT + size_of::<Words>()
     // <= HEADER_PAGE` (asserted at compile time), and lives as long as `seg`, which the reference
     // borrows; (2) the mapping starts on a page and WORDS_AT is a multiple of 8, Words' alignment;
@@ -348,7 +350,6 @@ impl HoldersSegment {
             generation,
             slots: HOLDER_SLOTS,
             entries,
-            allocations,
             buffers,
             slot_len,
         })
@@ -444,7 +445,6 @@ impl HoldersSegment {
             generation,
             slots,
             entries,
-            allocations,
             buffers,
             slot_len,
         })
@@ -466,14 +466,9 @@ impl HoldersSegment {
     }
 
     /// Entries per slot: B × A.
+    #[cfg(test)]
     pub(crate) fn entries(&self) -> usize {
         self.entries
-    }
-
-    /// The writer recorded in the header, and whether it runs.
-    pub(crate) fn writer_liveness(&self) -> (ProcessIdentity, Liveness) {
-        let h = versioned::header::<HoldersHeader>(&self.seg);
-        (h.writer().0, h.writer_liveness())
     }
 
     fn words(&self) -> &Words {
@@ -745,19 +740,21 @@ impl HoldersSegment {
     }
 }
 
-/// The holders of set `name` and its last whole generation, for tools (`None`: the set has no
-/// holders segment).
+/// The holders of set `name`, its last whole generation and the segment's creation generation,
+/// for tools (`Ok(None)`: the set has no holders segment).
 ///
 /// # Errors
 /// As the holders segment's open, less a missing one.
-pub(crate) fn inspect_holders(name: &str) -> Result<Option<(Vec<HolderSnapshot>, Option<u64>)>> {
+pub(crate) fn inspect_holders(
+    name: &str,
+) -> Result<Option<(Vec<HolderSnapshot>, Option<u64>, u64)>> {
     match HoldersSegment::open(name, None) {
         Ok(h) => {
             let whole = match h.last_whole() {
                 Whole::Generation { generation, .. } => Some(generation),
                 Whole::None(_) => None,
             };
-            Ok(Some((h.snapshot(), whole)))
+            Ok(Some((h.snapshot(), whole, h.generation())))
         }
         Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
         Err(e) => Err(e),

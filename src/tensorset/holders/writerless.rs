@@ -53,7 +53,11 @@ impl Writerless {
         }
         let holders = HoldersSegment::open(
             set,
-            Some((m.holders_generation, m.buffers, m.layout.allocations().len())),
+            Some((
+                m.holders_generation,
+                m.buffers,
+                m.layout.allocations().len(),
+            )),
         )?;
         match holders.last_whole() {
             Whole::Generation {
