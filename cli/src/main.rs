@@ -43,6 +43,7 @@ mod bridge;
 mod doctor;
 mod gc;
 mod gpu;
+mod hold;
 mod latency;
 mod listing;
 mod ls;
@@ -153,6 +154,14 @@ enum Command {
     #[cfg(feature = "remote")]
     #[command(subcommand, after_help = EXIT_STATUS_BRIDGE)]
     Bridge(bridge::BridgeCommand),
+    /// Keep a VMM tensor set attachable after its writer dies: hold its file descriptors (which
+    /// pins its device memory) and serve them to new readers, until SIGINT or SIGTERM, or until
+    /// the set is closed by its writer or replaced (exit status 0, with a line saying why).
+    #[command(after_help = EXIT_STATUS)]
+    Hold {
+        /// The tensor set (set name, or `cuda-ipc.ts.NAME`).
+        name: String,
+    },
     /// Remove what dead processes left: registry records and participant entries of dead
     /// processes, segments of channels whose producer died, and consumer slots and holds of dead
     /// consumers. Never touches what a live process holds.
@@ -270,6 +279,10 @@ fn main() -> ExitCode {
             quota::run_remove(&device, group.as_deref())
         }
         Command::Gc { name, dry_run } => gc::run(name.as_deref(), dry_run),
+        Command::Hold { name } => hold::run(
+            name.strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
+                .unwrap_or(&name),
+        ),
         #[cfg(feature = "remote")]
         Command::Bridge(b) => bridge::run(b),
     };
