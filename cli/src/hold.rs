@@ -17,7 +17,10 @@ use std::time::Duration;
 pub fn run(name: &str) -> Result<Outcome, Box<dyn Error>> {
     let stops = [(SIGINT, "SIGINT"), (SIGTERM, "SIGTERM")].map(|(sig, word)| {
         let flag = Arc::new(AtomicBool::new(false));
-        (signal_hook::flag::register(sig, flag.clone()).map(|_| flag), word)
+        (
+            signal_hook::flag::register(sig, flag.clone()).map(|_| flag),
+            word,
+        )
     });
     let mut flags = Vec::new();
     for (f, word) in stops {

@@ -87,7 +87,9 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
 ///
 /// JSON: `name`, `writer` (pid), `writer_liveness`, `memory`, `buffered`, `buffers`,
 /// `allocations`, `tensors`, `bytes`, `generation`, `readers` (each `slot`, `pid`, `liveness`,
-/// `held`), `holds`, `fingerprint` (hex), `leftovers`.
+/// `held`), `holds`, `holders` (each `slot`, `role`, `pid`, `liveness`, `since_ms`: who serves the
+/// set's fds), `live_holders`, `whole_generation` (what a reader opened after the writer's death
+/// reads), `fingerprint` (hex), `leftovers`.
 #[derive(Debug)]
 pub struct TensorSetView {
     /// The set's state.
@@ -95,10 +97,11 @@ pub struct TensorSetView {
 }
 
 impl TensorSetView {
-    /// Whether a dead writer or dead readers left something `gc` removes.
+    /// Whether a dead writer or dead readers left something `gc` removes (a dead writer's set
+    /// that a live holder serves is kept, attachable: not a leftover).
     pub fn has_leftovers(&self) -> bool {
         let s = &self.snapshot;
-        s.writer_liveness == cuda_ipc::identity::Liveness::Dead
+        (s.writer_liveness == cuda_ipc::identity::Liveness::Dead && s.live_holders() == 0)
             || s.readers
                 .iter()
                 .any(|r| r.liveness == cuda_ipc::identity::Liveness::Dead)
@@ -127,6 +130,15 @@ impl Serialize for TensorSetView {
                 "held": r.held,
             })).collect::<Vec<_>>(),
             "holds": t.holds,
+            "holders": t.holders.iter().map(|h| serde_json::json!({
+                "slot": h.slot,
+                "role": h.role.word(),
+                "pid": h.identity.pid,
+                "liveness": live(h.liveness),
+                "since_ms": h.since_ms,
+            })).collect::<Vec<_>>(),
+            "live_holders": t.live_holders(),
+            "whole_generation": t.whole_generation,
             "fingerprint": t.fingerprint.iter().map(|b| format!("{b:02x}")).collect::<String>(),
             "leftovers": self.has_leftovers(),
         })

@@ -237,7 +237,34 @@ pub fn render(l: &Listing, rates: bool) -> String {
             t.memory,
             if t.buffered { ", buffered" } else { ", in place" },
         ));
-        if t.writer_liveness == Liveness::Dead {
+        if !t.holders.is_empty() {
+            let who: Vec<String> = t
+                .holders
+                .iter()
+                .map(|h| {
+                    format!(
+                        "{} pid {} {}",
+                        h.role.word(),
+                        h.identity.pid,
+                        liveness(h.liveness)
+                    )
+                })
+                .collect();
+            out.push_str(&format!(
+                "  served by: {} ({} live holders besides the writer)\n",
+                who.join(", "),
+                t.live_holders()
+            ));
+        }
+        if t.writer_liveness == Liveness::Dead && t.live_holders() > 0 {
+            out.push_str(&format!(
+                "  the writer is dead; held (its device memory pinned), new readers attach to {}\n",
+                match t.whole_generation {
+                    Some(g) => format!("generation {g}, the last whole one"),
+                    None => "nothing: no generation is whole".to_string(),
+                }
+            ));
+        } else if t.writer_liveness == Liveness::Dead {
             out.push_str("  problem: the writer is dead; `cuda-ipc gc` removes this set\n");
         } else if v.has_leftovers() {
             out.push_str(

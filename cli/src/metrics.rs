@@ -170,6 +170,7 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
     let ts_readers = gauge_family();
     let ts_holds = gauge_family();
     let ts_bytes = gauge_family();
+    let ts_holders = gauge_family();
     for v in &s.listing.tensor_sets {
         let t = &v.snapshot;
         let l = labels(&[("tensorset", t.name.clone())]);
@@ -180,6 +181,7 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
         ts_readers.get_or_create(&l).set(t.readers.len() as i64);
         ts_holds.get_or_create(&l).set(i64::from(t.holds));
         ts_bytes.get_or_create(&l).set(clamp(t.bytes));
+        ts_holders.get_or_create(&l).set(t.live_holders() as i64);
     }
     reg.register(
         "tensorset_generation",
@@ -200,6 +202,11 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
         "tensorset_holds",
         "Generations held by readers now (one per reader and buffer)",
         ts_holds,
+    );
+    reg.register(
+        "tensorset_holders",
+        "Live processes besides the writer that serve the tensor set's fds (holders, serving readers); each pins its device memory",
+        ts_holders,
     );
     reg.register_with_unit(
         "tensorset_memory",
