@@ -612,3 +612,30 @@ impl FifoLike for std::fs::FileType {
         self.is_fifo()
     }
 }
+
+/// Host sets live in shared memory, which outlives the writer by itself: nothing to hold, and no
+/// holders segment is made.
+#[test]
+fn host_sets_are_not_holdable() {
+    let name = format!("ts-hold-host-{}", std::process::id());
+    let specs = [TensorSpec::new("w", DType::F32, &[4])];
+    let w = TensorSetWriter::create_host(&name, &specs, &TensorSetOptions::new()).unwrap();
+    let e = cuda_ipc::tensorset::Holder::open(&name).unwrap_err();
+    assert!(
+        matches!(&e, Error::TensorSet(TensorSetError::NotHoldable { .. })),
+        "{e}"
+    );
+    let e = TensorSetReader::open_host(&name, &ReaderOptions::new().serve(true)).unwrap_err();
+    assert!(
+        matches!(&e, Error::TensorSet(TensorSetError::NotHoldable { .. })),
+        "{e}"
+    );
+    let holders = format!("{}{name}", cuda_ipc::tensorset::HOLDERS_PREFIX);
+    assert!(
+        cuda_ipc::raw::shm::Segment::stat(&holders).is_err(),
+        "a host set has no holders segment"
+    );
+    let snap = cuda_ipc::tensorset::inspect::inspect(&name).unwrap();
+    assert!(snap.holders.is_empty() && snap.whole_generation.is_none());
+    drop(w);
+}

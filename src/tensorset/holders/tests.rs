@@ -4,8 +4,8 @@
 
 use super::*;
 use crate::ipc::fdpass::FdExport;
+use crate::tensorset::DType;
 use crate::tensorset::manifest::{KIND_VMM, Layout, Manifest, TensorSpec};
-use crate::tensorset::{DType, Holder, ReaderOptions, TensorSetOptions, TensorSetReader};
 use crate::token::{Token, TokenKind};
 use std::io::{Read, Seek, Write};
 use std::os::fd::OwnedFd;
@@ -376,27 +376,4 @@ fn a_dead_writers_fds_are_fetched_from_a_live_holder() {
     assert!(e.to_string().contains("holder pid"), "{e}");
     h.release(live);
     h.release(gone);
-}
-
-#[test]
-fn host_sets_are_not_holdable() {
-    let name = unique("host");
-    let specs = [TensorSpec::new("w", DType::F32, &[4])];
-    let w = crate::tensorset::TensorSetWriter::create_host(&name, &specs, &TensorSetOptions::new())
-        .unwrap();
-    let e = Holder::open(&name).unwrap_err();
-    assert!(
-        matches!(&e, Error::TensorSet(TensorSetError::NotHoldable { .. })),
-        "{e}"
-    );
-    let e = TensorSetReader::open_host(&name, &ReaderOptions::new().serve(true)).unwrap_err();
-    assert!(
-        matches!(&e, Error::TensorSet(TensorSetError::NotHoldable { .. })),
-        "{e}"
-    );
-    assert!(
-        Segment::stat(&format!("{HOLDERS_PREFIX}{name}")).is_err(),
-        "a host set has no holders segment"
-    );
-    drop(w);
 }
