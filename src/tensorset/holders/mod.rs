@@ -740,14 +740,16 @@ impl HoldersSegment {
     }
 }
 
+/// What tools read of a holders segment: its serving slots, the last whole generation, the
+/// segment's creation generation.
+pub(crate) type HoldersView = (Vec<HolderSnapshot>, Option<u64>, u64);
+
 /// The holders of set `name`, its last whole generation and the segment's creation generation,
 /// for tools (`Ok(None)`: the set has no holders segment).
 ///
 /// # Errors
 /// As the holders segment's open, less a missing one.
-pub(crate) fn inspect_holders(
-    name: &str,
-) -> Result<Option<(Vec<HolderSnapshot>, Option<u64>, u64)>> {
+pub(crate) fn inspect_holders(name: &str) -> Result<Option<HoldersView>> {
     match HoldersSegment::open(name, None) {
         Ok(h) => {
             let whole = match h.last_whole() {
