@@ -1,8 +1,8 @@
-//! Two users on one machine: a channel of one is never opened, replaced or removed by the other,
-//! root included, and each gets an error naming the owner (a tensor set likewise: opened, replaced, inspected or removed); a process of another user is judged
-//! alive or dead correctly through its liveness file. The second user is made here with `useradd`
-//! and runs a copy of this test binary it can read and execute. Needs root (CI runs as root); where
-//! that is impossible the test prints why and skips.
+//! Two users on one machine: a channel or a tensor set of one is never opened, replaced,
+//! inspected or removed by the other, root included, and each gets an error naming the owner; a
+//! process of another user is judged alive or dead correctly through its liveness file. The second
+//! user is made here with `useradd` and runs a copy of this test binary it can read and execute.
+//! Needs root (CI runs as root); where that is impossible the test prints why and skips.
 
 mod common;
 
