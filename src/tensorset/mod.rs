@@ -34,6 +34,7 @@ pub mod owned;
 mod reader;
 pub mod reclaim;
 mod segment;
+mod stable;
 mod writer;
 
 pub use dtype::DType;
@@ -44,6 +45,7 @@ pub use manifest::{
 };
 pub use reader::{Held, Location, TensorRef, TensorSetReader};
 pub use segment::{DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
+pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};
 
 use crate::channel::{MemoryKind, WaitStrategy};
@@ -161,6 +163,9 @@ pub struct ReaderOptions {
     pub wait: WaitStrategy,
     /// Map VMM memory read-only (default `true`).
     pub read_only: bool,
+    /// Keep stable addresses across generations (default `false`; VMM sets only): see
+    /// [`TensorSetReader::switch_stable`].
+    pub stable_addresses: bool,
 }
 
 impl Default for ReaderOptions {
@@ -177,6 +182,7 @@ impl ReaderOptions {
             expect_content: None,
             wait: WaitStrategy::default(),
             read_only: true,
+            stable_addresses: false,
         }
     }
     /// Demands the layout fingerprint `fp`.
@@ -197,6 +203,12 @@ impl ReaderOptions {
     /// Maps read-only (`true`) or read-write.
     pub fn read_only(mut self, on: bool) -> Self {
         self.read_only = on;
+        self
+    }
+    /// Reserves stable addresses at open (`true`; VMM sets only), at which
+    /// [`TensorSetReader::switch_stable`] maps the generation the reader chooses.
+    pub fn stable_addresses(mut self, on: bool) -> Self {
+        self.stable_addresses = on;
         self
     }
 }
