@@ -21,6 +21,14 @@
 //! readers of the newest generation never wait for the writer, which writes the oldest buffer no
 //! reader holds).
 //!
+//! Stable addresses ([`ReaderOptions::stable_addresses`], VMM sets): a reader reserves one
+//! address range per allocation at open and keeps it for its life; at a point it chooses
+//! ([`TensorSetReader::switch_stable`], never under its running kernels: the switch waits for the
+//! context's work first), a held generation's memory is mapped there, and the reader keeps that
+//! generation held until the next switch, so CUDA graphs captured over the stable addresses read
+//! one whole generation and stay valid across generations. In place (B = 1) the stable addresses
+//! are the buffer's own, and the writer waits for [`TensorSetReader::release_stable`].
+//!
 //! PyTorch tensors carry no read-only flag: a stray in-place operation on a tensor over a
 //! read-only mapping faults the reader's context (a CUDA error in that process, which must then
 //! be restarted); the writer and the other readers go on. Over read-write mappings (pool, legacy,
