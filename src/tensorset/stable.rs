@@ -12,7 +12,7 @@
 use super::error::TensorSetError;
 use super::manifest::Layout;
 use crate::channel::FrameHold;
-use crate::driver::{Context, Stream};
+use crate::driver::{Context, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ipc::{Access, ImportedBuffer, StableRange};
 use std::sync::{Arc, Mutex};
@@ -94,16 +94,10 @@ impl Stable {
         let first = imports.first().map(Vec::as_slice).unwrap_or_default();
         let (mut ranges, mut bases) = (Vec::new(), Vec::with_capacity(first.len()));
         if imports.len() == 1 {
-            bases.extend(
-                first
-                    .iter()
-                    .map(|b| crate::driver::DeviceMemory::device_ptr(b)),
-            );
+            bases.extend(first.iter().map(DeviceMemory::device_ptr));
         } else {
             for (a, b0) in first.iter().enumerate() {
-                let offset_in = |b: &ImportedBuffer| {
-                    crate::driver::DeviceMemory::device_ptr(b) - b.allocation_base()
-                };
+                let offset_in = |b: &ImportedBuffer| b.device_ptr() - b.allocation_base();
                 let off = offset_in(b0);
                 let mut size = 0;
                 for row in imports {
