@@ -343,7 +343,10 @@ impl TensorSetReader {
     /// ([`TensorSetReader::release_stable`]), takes the newer generation and switches to it.
     ///
     /// The caller must not launch work over the stable addresses from other threads during
-    /// the call (the wait covers the work enqueued before it). Other guards of the old stable
+    /// the call (the wait covers the work enqueued before it). The wait is the whole
+    /// context's: switch when no work of the context waits on the GPU for another process
+    /// (a posted channel receive, a collective whose peers have not joined), or the switch
+    /// waits with it. Other guards of the old stable
     /// generation may stay alive (the reader counts its holds per buffer); switches from several
     /// threads are serialised. Before the first switch nothing is mapped at the stable addresses
     /// (graphs may be captured over them, not run).
