@@ -830,10 +830,9 @@ impl Frame<'_> {
     }
 }
 
-/// A frame's hold detached from its borrow of the consumer ([`Frame::detach`]), for an owner that
-/// keeps a hold inside the consumer's own owner (a tensor-set reader's stable generation). Handed
-/// back to [`Consumer::release_hold`] of the same consumer; one never handed back ends with the
-/// consumer's slot (its drop detaches the slot and every hold of it).
+/// A frame's hold without its borrow of the consumer ([`Frame::detach`]; a tensor-set reader's
+/// stable generation), released by [`Consumer::release_hold`] of the same consumer, or with the
+/// consumer's slot when it drops.
 #[derive(Debug)]
 pub(crate) struct FrameHold {
     index: usize,
@@ -849,8 +848,7 @@ impl Frame<'_> {
             seq: self.seq,
             host_ordered: self.host_ordered,
         };
-        // The frame owns nothing but its hold (a borrow and inline metadata): forgetting it
-        // leaks nothing, and the hold goes on in `hold`.
+        // The frame owns nothing but its hold (a borrow, inline metadata): nothing leaks.
         std::mem::forget(self);
         hold
     }
