@@ -830,19 +830,47 @@ impl Frame<'_> {
     }
 }
 
-impl Drop for Frame<'_> {
-    fn drop(&mut self) {
-        let c = self.consumer;
+/// A frame's hold without its borrow of the consumer ([`Frame::detach`]; a tensor-set reader's
+/// stable generation), released by [`Consumer::release_hold`] of the same consumer, or with the
+/// consumer's slot when it drops.
+#[derive(Debug)]
+pub(crate) struct FrameHold {
+    index: usize,
+    seq: u64,
+    host_ordered: bool,
+}
+
+impl Frame<'_> {
+    /// The frame's hold without the borrow: nothing is released now.
+    pub(crate) fn detach(self) -> FrameHold {
+        let hold = FrameHold {
+            index: self.index,
+            seq: self.seq,
+            host_ordered: self.host_ordered,
+        };
+        // The frame owns nothing but its hold (a borrow, inline metadata): nothing leaks.
+        std::mem::forget(self);
+        hold
+    }
+}
+
+impl Consumer {
+    /// Releases a hold detached from one of this consumer's frames, as dropping the frame would.
+    pub(crate) fn release_hold(&self, hold: FrameHold) {
+        self.release_frame(hold.index, hold.seq, hold.host_ordered);
+    }
+
+    fn release_frame(&self, index: usize, seq: u64, host_ordered: bool) {
+        let c = self;
         if let Some(gpu) = c.imports() {
-            if self.host_ordered {
+            if host_ordered {
                 // Every read of the buffer finished before the drop (the caller's obligation).
-                c.control.set_released(c.slot, self.index, self.seq);
+                c.control.set_released(c.slot, index, seq);
             } else {
-                let word =
-                    gpu.ready.device_ptr + layout::release_word_offset(c.slot, self.index) as u64;
+                let word = gpu.ready.device_ptr + layout::release_word_offset(c.slot, index) as u64;
                 // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
                 // buffers), which stay registered until its stream has drained (Drop of Consumer).
-                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, self.seq as u32) } {
+                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
                     // Without the write the producer's stream would wait for good: wait for our
                     // kernels on the host instead and write the word from here.
                     tracing::warn!(
@@ -851,12 +879,19 @@ impl Drop for Frame<'_> {
                     if let Err(e) = gpu.stream.synchronize() {
                         tracing::warn!("synchronising the consumer stream failed: {e}");
                     }
-                    c.control.set_released(c.slot, self.index, self.seq);
+                    c.control.set_released(c.slot, index, seq);
                 }
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the
         // producer's next write of the buffer.
-        c.control.release(c.slot, self.index);
+        c.control.release(c.slot, index);
+    }
+}
+
+impl Drop for Frame<'_> {
+    fn drop(&mut self) {
+        self.consumer
+            .release_frame(self.index, self.seq, self.host_ordered);
     }
 }

@@ -213,6 +213,11 @@ impl ImportedBuffer {
         self.mapping.base
     }
 
+    /// Bytes of the whole mapped allocation (from [`ImportedBuffer::allocation_base`]).
+    pub(crate) fn allocation_size(&self) -> usize {
+        self.mapping.size
+    }
+
     /// Imports a VMM allocation from a file descriptor you received through your own transport
     /// (from [`super::VmmBuffer::export_fd`] in another process), mapping `size` bytes (the
     /// exporter's [`super::VmmBuffer::allocation_size`]) in `ctx`. The descriptor stays yours:

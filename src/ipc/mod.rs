@@ -51,4 +51,5 @@ pub use handle::{IpcEventHandle, IpcMemHandle, NotImportable};
 pub use memory::{Imported, ImportedBuffer};
 pub use pool::{MemPool, PoolBuffer};
 pub use shareable::{fd_transport, set_fd_transport};
+pub(crate) use vmm::StableRange;
 pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};

@@ -21,6 +21,14 @@
 //! readers of the newest generation never wait for the writer, which writes the oldest buffer no
 //! reader holds).
 //!
+//! Stable addresses ([`ReaderOptions::stable_addresses`], VMM sets): a reader reserves one
+//! address range per allocation at open and keeps it for its life; at a point it chooses
+//! ([`TensorSetReader::switch_stable`], never under its running kernels: the switch waits for the
+//! context's work first), a held generation's memory is mapped there, and the reader keeps that
+//! generation held until the next switch, so CUDA graphs captured over the stable addresses read
+//! one whole generation and stay valid across generations. In place (B = 1) the stable addresses
+//! are the buffer's own, and the writer waits for [`TensorSetReader::release_stable`].
+//!
 //! PyTorch tensors carry no read-only flag: a stray in-place operation on a tensor over a
 //! read-only mapping faults the reader's context (a CUDA error in that process, which must then
 //! be restarted); the writer and the other readers go on. Over read-write mappings (pool, legacy,
@@ -34,6 +42,7 @@ pub mod owned;
 mod reader;
 pub mod reclaim;
 mod segment;
+mod stable;
 mod writer;
 
 pub use dtype::DType;
@@ -44,6 +53,7 @@ pub use manifest::{
 };
 pub use reader::{Held, Location, TensorRef, TensorSetReader};
 pub use segment::{DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
+pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};
 
 use crate::channel::{MemoryKind, WaitStrategy};
@@ -161,6 +171,9 @@ pub struct ReaderOptions {
     pub wait: WaitStrategy,
     /// Map VMM memory read-only (default `true`).
     pub read_only: bool,
+    /// Keep stable addresses across generations (default `false`; VMM sets only): see
+    /// [`TensorSetReader::switch_stable`].
+    pub stable_addresses: bool,
 }
 
 impl Default for ReaderOptions {
@@ -177,6 +190,7 @@ impl ReaderOptions {
             expect_content: None,
             wait: WaitStrategy::default(),
             read_only: true,
+            stable_addresses: false,
         }
     }
     /// Demands the layout fingerprint `fp`.
@@ -197,6 +211,12 @@ impl ReaderOptions {
     /// Maps read-only (`true`) or read-write.
     pub fn read_only(mut self, on: bool) -> Self {
         self.read_only = on;
+        self
+    }
+    /// Reserves stable addresses at open (`true`; VMM sets only), at which
+    /// [`TensorSetReader::switch_stable`] maps the generation the reader chooses.
+    pub fn stable_addresses(mut self, on: bool) -> Self {
+        self.stable_addresses = on;
         self
     }
 }
