@@ -29,8 +29,10 @@
 //! child makes its context first, says so, and then, timed: `TensorSetReader::open(ctx, name,
 //! &ReaderOptions::new())` (`open_us`: manifest, imports through the import cache, cold, with the
 //! fd fetch from the writer, the generation channel's attach) and `reader.current()` holding
-//! generation 1 (`hold_us`). Untimed: the pattern word reads back, then the hold and the reader
-//! drop (`release_us`). The parent prints (and with `--out DIR` writes
+//! generation 1 (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
+//! `open_manifest_us`, `open_fd_fetch_us`, `open_map_us`, `open_join_us`, `open_join_gpu_us`,
+//! `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the pattern word reads back,
+//! then the hold and the reader drop (`release_us`). The parent prints (and with `--out DIR` writes
 //! `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
 //! made another number of driver imports than the set's allocations, did not map read-only, held
 //! another generation or read a wrong word fails the run.
@@ -548,15 +550,21 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     let mismatches = u64::from(w != PATTERN);
     let generation = held.generation();
     let (imports, read_only) = (reader.imports(), reader.is_read_only());
+    let phases = reader.open_timings();
     let t3 = Instant::now();
     drop(held);
     drop(reader);
     let release_us = t3.elapsed().as_secs_f64() * 1e6;
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
         "{}",
         json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
                "attach_us": open_us + hold_us, "release_us": release_us, "imports": imports,
-               "read_only": read_only, "generation": generation, "mismatches": mismatches})
+               "read_only": read_only, "generation": generation, "mismatches": mismatches,
+               "open_manifest_us": us(phases.manifest), "open_fd_fetch_us": us(phases.fd_fetch),
+               "open_map_us": us(phases.map), "open_join_us": us(phases.join),
+               "open_join_gpu_us": us(phases.join_gpu),
+               "open_join_wait_us": us(phases.join_wait), "open_total_us": us(phases.total)})
     );
     Ok(())
 }
@@ -626,6 +634,13 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "hold_us",
         "attach_us",
         "release_us",
+        "open_manifest_us",
+        "open_fd_fetch_us",
+        "open_map_us",
+        "open_join_us",
+        "open_join_gpu_us",
+        "open_join_wait_us",
+        "open_total_us",
     ];
     let mut med = serde_json::Map::new();
     for k in keys {
@@ -639,7 +654,9 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "what": "fresh processes with their context: TensorSetReader::open (manifest, imports \
                  through the import cache, cold, fd fetch, read-only cuMemSetAccess, generation \
                  channel attach) = open_us, then reader.current() holding generation 1 = hold_us; \
-                 attach_us = open_us + hold_us",
+                 attach_us = open_us + hold_us; open_*_us: the reader's OpenTimings (manifest \
+                 open+decode+fingerprint, fd fetch, driver import+map+set-access, the channel \
+                 join on its thread and its GPU objects, the wait for it, the whole open)",
         "shape": if o.quick { "quick" } else if o.bytes == llama_bytes() { "llama-8b" } else { "custom" },
         "tensors": specs.len(),
         "bytes_per_buffer": bytes,

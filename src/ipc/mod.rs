@@ -40,6 +40,7 @@ mod shareable;
 mod vmm;
 
 pub use arena::{ARENA_ALIGN, ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena};
+pub(crate) use cache::fetch_time_on_this_thread;
 pub use cache::{Access, CacheStats, cache_stats};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};

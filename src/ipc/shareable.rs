@@ -111,13 +111,16 @@ pub(super) fn fetch_fd(token: &Token, raw_fd: i32) -> Result<OwnedFd> {
     } else {
         fd_transport()
     };
+    let started = std::time::Instant::now();
     let fd = fdpass::fetch(
         &token.exporter,
         token.export_id,
         raw_fd,
         transport,
         FETCH_TIMEOUT,
-    )?;
+    );
+    cache::add_fetch_time(started.elapsed());
+    let fd = fd?;
     cache::bump(&cache::FD_FETCHES);
     Ok(fd)
 }

@@ -14,13 +14,48 @@ use crate::shm::Segment;
 use crate::token::Token;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What a reader maps of the set's memory.
 enum Memory {
     Host(DataSegment),
     /// `imports[b][a]`: allocation `a` of buffer `b`, imported once at open.
     Gpu(Vec<Vec<ImportedBuffer>>),
+}
+
+/// Where one [`TensorSetReader`] open spent its time (wall clock, measured by
+/// [`TensorSetReader::open`], [`TensorSetReader::open_auto`] and
+/// [`TensorSetReader::open_host`]; [`TensorSetReader::open_timings`] returns it). For a GPU set
+/// the mapping (`fd_fetch` + `map`, on the opening thread) and the channel's `join` (on a second
+/// thread) overlap: `total` is about `manifest` + the longer of the two.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct OpenTimings {
+    /// Opening the manifest segment (`shm_open`, `mmap`, the header's checks), copying its
+    /// body out, decoding and checking it, and recomputing the layout fingerprint (SHA-256).
+    pub manifest: Duration,
+    /// Fetching the file descriptors of the allocations that were not in the import cache from
+    /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
+    /// host set and for allocations this process had imported already.
+    pub fd_fetch: Duration,
+    /// The rest of the mapping: the import cache's look-ups and, per allocation not in it,
+    /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess`
+    /// (pool and legacy memory: their own import calls); a host set: its data segment's open.
+    pub map: Duration,
+    /// The generation channel's join, as long as it ran on its own thread: its control segment
+    /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
+    /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
+    pub join: Duration,
+    /// The part of `join` that made GPU objects: the reader's stream (`cuStreamCreate`), the
+    /// registration of the channel's GPU words (`cuMemHostRegister`), the join event
+    /// (`cuEventCreate`) and the watchdog thread. Zero for a host set.
+    pub join_gpu: Duration,
+    /// How long the opening thread waited for the join once its mapping was done (zero when the
+    /// join finished first); a host set: the whole join.
+    pub join_wait: Duration,
+    /// The whole open, from the call to the reader returned (for [`TensorSetReader::open_auto`]
+    /// including the look-up of the device and its primary context).
+    pub total: Duration,
 }
 
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
@@ -40,6 +75,7 @@ pub struct TensorSetReader {
     imports: u32,
     buffers: usize,
     expect_content: Option<[u8; 32]>,
+    timings: OpenTimings,
     _manifest: Segment,
 }
 
@@ -111,6 +147,7 @@ impl TensorSetReader {
     /// # Errors
     /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
     pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
+        let started = Instant::now();
         let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
         if opened.manifest.kind != KIND_HOST {
             return Err(TensorSetError::WrongKind(
@@ -118,7 +155,7 @@ impl TensorSetReader {
             )
             .into());
         }
-        Self::finish(None, name, opts, opened)
+        Self::finish(None, name, opts, opened, started)
     }
 
     fn open_inner(
@@ -126,9 +163,10 @@ impl TensorSetReader {
         name: &str,
         opts: &ReaderOptions,
     ) -> Result<TensorSetReader> {
+        let started = Instant::now();
         let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
         if opened.manifest.kind == KIND_HOST {
-            return Self::finish(None, name, opts, opened);
+            return Self::finish(None, name, opts, opened, started);
         }
         let ctx = match ctx {
             Some(c) => c.clone(),
@@ -137,7 +175,7 @@ impl TensorSetReader {
                 Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        Self::finish(Some(&ctx), name, opts, opened)
+        Self::finish(Some(&ctx), name, opts, opened, started)
     }
 
     fn finish(
@@ -145,7 +183,12 @@ impl TensorSetReader {
         name: &str,
         opts: &ReaderOptions,
         opened: segment::OpenedManifest,
+        started: Instant,
     ) -> Result<TensorSetReader> {
+        let mut timings = OpenTimings {
+            manifest: opened.took,
+            ..OpenTimings::default()
+        };
         let m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
         if let Some(expected) = opts.expect_layout
@@ -168,16 +211,32 @@ impl TensorSetReader {
         let copts = ConsumerOptions::new()
             .delivery(Delivery::LatestOnly)
             .wait(opts.wait);
-        let attach = || Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts);
-        let map = || Self::map_memory(ctx, name, opts, &m, &seg_name);
-        let (mapped, attached) = if ctx.is_none() {
-            (map(), attach())
+        // Each half times itself (the join on its own thread): (result, its time, GPU part).
+        let attach = || {
+            let t = Instant::now();
+            let mut gpu = Duration::ZERO;
+            let r = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts, &mut gpu);
+            (r, t.elapsed(), gpu)
+        };
+        let map = || {
+            let t = Instant::now();
+            let fetched = crate::ipc::fetch_time_on_this_thread();
+            let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
+            let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
+            (r, t.elapsed(), fetch)
+        };
+        let (mapped, attached, join_wait) = if ctx.is_none() {
+            let mapped = map();
+            let attached = attach();
+            let wait = attached.1;
+            (mapped, attached, wait)
         } else {
             std::thread::scope(|s| {
                 let channel = std::thread::Builder::new()
                     .name("cuda-ipc-attach".into())
                     .spawn_scoped(s, attach);
                 let mapped = map();
+                let t = Instant::now();
                 let attached = match channel {
                     Ok(h) => h
                         .join()
@@ -185,9 +244,16 @@ impl TensorSetReader {
                     // No thread to be had: attach here, after the imports.
                     Err(_) => attach(),
                 };
-                (mapped, attached)
+                (mapped, attached, t.elapsed())
             })
         };
+        let (mapped, map_time, fetch_time) = mapped;
+        let (attached, join_time, join_gpu) = attached;
+        timings.fd_fetch = fetch_time;
+        timings.map = map_time.saturating_sub(fetch_time);
+        timings.join = join_time;
+        timings.join_gpu = join_gpu;
+        timings.join_wait = join_wait;
         // Either error is returned, the imports' first (as when they ran first); the other half's
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
@@ -213,6 +279,10 @@ impl TensorSetReader {
             read_only,
             imports,
             expect_content: opts.expect_content,
+            timings: OpenTimings {
+                total: started.elapsed(),
+                ..timings
+            },
             _manifest: opened.seg,
         })
     }
@@ -301,6 +371,11 @@ impl TensorSetReader {
     /// already); B × A for a first open (A = 1 for writer-allocated sets).
     pub fn imports(&self) -> u32 {
         self.imports
+    }
+
+    /// Where this reader's open spent its time (see [`OpenTimings`] for what each phase covers).
+    pub fn open_timings(&self) -> OpenTimings {
+        self.timings
     }
 
     /// Whether every mapping is read-only on this device (VMM memory opened with

@@ -260,6 +260,8 @@ pub(crate) fn create_manifest(set: &str, m: &Manifest) -> Result<Segment> {
 pub(crate) struct OpenedManifest {
     pub(crate) seg: Segment,
     pub(crate) manifest: Manifest,
+    /// How long the open, the copy and the decode took.
+    pub(crate) took: Duration,
 }
 
 impl OpenedManifest {
@@ -278,6 +280,7 @@ impl OpenedManifest {
 /// [`TensorSetError::CreationInProgress`] when the stamp did not come in time.
 pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
     validate_set_name(set)?;
+    let started = std::time::Instant::now();
     let name = format!("{MANIFEST_PREFIX}{set}");
     let seg = versioned::open_versioned::<ManifestHeader>(&name, false, init_wait)
         .map_err(|e| open_error(set, &name, e))?;
@@ -303,7 +306,11 @@ pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedMani
         std::ptr::copy_nonoverlapping(seg.as_ptr().add(HEADER_PAGE), body.as_mut_ptr(), body.len())
     };
     let manifest = manifest::decode(&body).map_err(|f| bad(&name, f))?;
-    Ok(OpenedManifest { seg, manifest })
+    Ok(OpenedManifest {
+        seg,
+        manifest,
+        took: started.elapsed(),
+    })
 }
 
 /// A host set's data segment: B buffers of `stride` bytes after the header page.
