@@ -235,7 +235,14 @@ fn an_open_reports_where_its_time_went() {
     // A host set fetches no fds, makes no GPU objects and joins on the opening thread.
     assert_eq!((p.fd_fetch, p.join_gpu), (Duration::ZERO, Duration::ZERO));
     assert_eq!(p.join_wait, p.join);
-    assert!(p.manifest + p.map + p.join <= p.total, "{p:?}");
+    assert!(
+        p.fingerprint > Duration::ZERO,
+        "a host set's fingerprint is checked inline"
+    );
+    assert!(
+        p.manifest + p.fingerprint + p.map + p.join <= p.total,
+        "{p:?}"
+    );
     assert!(p.total <= wall, "{p:?} in {wall:?}");
     drop(r);
     w.close(ANSWER).unwrap();

@@ -1,6 +1,6 @@
 //! The CPU part of a tensor-set attach, measured without a GPU: a host tensor set of the issue's
 //! shapes (docs/benchmarks.md) opened again and again with `TensorSetReader::open_host`, each
-//! open's `OpenTimings` (manifest open + decode + fingerprint, data segment, generation channel
+//! open's `OpenTimings` (manifest open + decode, fingerprint, data segment, generation channel
 //! join) recorded; prints the medians and the ranges as JSON.
 //!
 //! Shapes: `moe` (4,608 bf16 tensors of [512, 1024], named `experts.E.wK`, as
@@ -82,9 +82,10 @@ fn us(d: Duration) -> f64 {
 }
 
 /// The phases of `t` in µs, by name.
-fn phases(t: &OpenTimings) -> [(&'static str, f64); 7] {
+fn phases(t: &OpenTimings) -> [(&'static str, f64); 8] {
     [
         ("manifest_us", us(t.manifest)),
+        ("fingerprint_us", us(t.fingerprint)),
         ("fd_fetch_us", us(t.fd_fetch)),
         ("map_us", us(t.map)),
         ("join_us", us(t.join)),

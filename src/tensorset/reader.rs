@@ -32,8 +32,13 @@ enum Memory {
 #[non_exhaustive]
 pub struct OpenTimings {
     /// Opening the manifest segment (`shm_open`, `mmap`, the header's checks), copying its
-    /// body out, decoding and checking it, and recomputing the layout fingerprint (SHA-256).
+    /// body out, decoding and checking it (every range, code, tensor span and name).
     pub manifest: Duration,
+    /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
+    /// and comparing it with the manifest's: on the opening thread before the mapping for small
+    /// sets and host sets, on a thread of its own beside the mapping and the join for a GPU set
+    /// of more than [`VERIFY_APART`] tensors (nothing is returned before it passed).
+    pub fingerprint: Duration,
     /// Fetching the file descriptors of the allocations that were not in the import cache from
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
     /// host set and for allocations this process had imported already.
@@ -57,6 +62,10 @@ pub struct OpenTimings {
     /// including the look-up of the device and its primary context).
     pub total: Duration,
 }
+
+/// Tensors above which a GPU set's layout fingerprint is recomputed on a thread of its own while
+/// the memory is mapped (below, the hash costs less than starting a thread).
+pub const VERIFY_APART: usize = 1024;
 
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
 /// allocation, through the import cache and fd passing; read-only where the memory allows) and
@@ -148,7 +157,7 @@ impl TensorSetReader {
     /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
     pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
         let started = Instant::now();
-        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind != KIND_HOST {
             return Err(TensorSetError::WrongKind(
                 "a GPU tensor set: open it with a context (TensorSetReader::open)",
@@ -164,7 +173,7 @@ impl TensorSetReader {
         opts: &ReaderOptions,
     ) -> Result<TensorSetReader> {
         let started = Instant::now();
-        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind == KIND_HOST {
             return Self::finish(None, name, opts, opened, started);
         }
@@ -191,6 +200,22 @@ impl TensorSetReader {
         };
         let m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
+        let bad_fingerprint = |fault| TensorSetError::BadManifest {
+            segment: seg_name.clone(),
+            fault,
+        };
+        let verify = || {
+            let t = Instant::now();
+            (m.verify_fingerprint(), t.elapsed())
+        };
+        // The fingerprint is checked before anything is returned; a large GPU set's beside the
+        // mapping (below), every other set's here, first.
+        let verify_apart = ctx.is_some() && m.layout.len() > VERIFY_APART;
+        if !verify_apart {
+            let (r, took) = verify();
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
         if let Some(expected) = opts.expect_layout
             && expected != m.layout.fingerprint()
         {
@@ -225,16 +250,21 @@ impl TensorSetReader {
             let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
             (r, t.elapsed(), fetch)
         };
-        let (mapped, attached, join_wait) = if ctx.is_none() {
+        let (mapped, attached, join_wait, verified) = if ctx.is_none() {
             let mapped = map();
             let attached = attach();
             let wait = attached.1;
-            (mapped, attached, wait)
+            (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
                 let channel = std::thread::Builder::new()
                     .name("cuda-ipc-attach".into())
                     .spawn_scoped(s, attach);
+                let verifier = verify_apart.then(|| {
+                    std::thread::Builder::new()
+                        .name("cuda-ipc-verify".into())
+                        .spawn_scoped(s, verify)
+                });
                 let mapped = map();
                 let t = Instant::now();
                 let attached = match channel {
@@ -244,9 +274,22 @@ impl TensorSetReader {
                     // No thread to be had: attach here, after the imports.
                     Err(_) => attach(),
                 };
-                (mapped, attached, t.elapsed())
+                let join_wait = t.elapsed();
+                let verified = verifier.map(|v| match v {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    Err(_) => verify(),
+                });
+                (mapped, attached, join_wait, verified)
             })
         };
+        // A manifest whose fingerprint is not its tables' is refused before anything else; the
+        // mapping and the consumer drop (back to the cache, out of the channel).
+        if let Some((r, took)) = verified {
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
         let (mapped, map_time, fetch_time) = mapped;
         let (attached, join_time, join_gpu) = attached;
         timings.fd_fetch = fetch_time;
