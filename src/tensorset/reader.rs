@@ -9,7 +9,7 @@ use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
-use crate::ipc::{Access, ImportedBuffer};
+use crate::ipc::{Access, ImportedBuffer, fetch_from_exporters};
 use crate::shm::Segment;
 use crate::token::Token;
 use std::mem::ManuallyDrop;
@@ -332,8 +332,9 @@ impl TensorSetReader {
 
     /// Maps the set's memory for [`TensorSetReader::open`]: the host data segment, or every
     /// allocation of every buffer imported once in `ctx` (each checked to hold at least the
-    /// allocation table's length). Returns the memory, whether every mapping is read-only and
-    /// the driver imports made (on this thread).
+    /// allocation table's length), the fds of those not in the import cache fetched together
+    /// first (`ImportedBuffer::open_many`: one round trip per exporter). Returns the memory,
+    /// whether every mapping is read-only and the driver imports made (on this thread).
     fn map_memory(
         ctx: Option<&Arc<Context>>,
         name: &str,
@@ -349,17 +350,25 @@ impl TensorSetReader {
                 } else {
                     Access::ReadWrite
                 };
+                let tokens = m
+                    .tokens
+                    .iter()
+                    .flatten()
+                    .map(|t| Token::from_bytes(t))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut imported =
+                    ImportedBuffer::open_many(ctx, &tokens, access, &mut fetch_from_exporters)?
+                        .into_iter();
                 let mut ro = opts.read_only;
                 let mut count = 0u32;
                 let mut all = Vec::with_capacity(m.buffers);
                 for toks in &m.tokens {
                     let mut row = Vec::with_capacity(toks.len());
-                    for (a, tok) in toks.iter().enumerate() {
-                        let got = ImportedBuffer::open_with_access(
-                            ctx,
-                            &Token::from_bytes(tok)?,
-                            access,
-                        )?;
+                    for a in 0..toks.len() {
+                        // One import per token, in the order of the flattened table.
+                        let got = imported.next().ok_or_else(|| {
+                            Error::InvalidArgument("fewer imports than allocations".into())
+                        })?;
                         let need = m.layout.allocations()[a];
                         if (got.buffer.len() as u64) < need {
                             return Err(TensorSetError::BadManifest {
