@@ -26,8 +26,9 @@
 //! VMM `TensorSetWriter` (the Llama specs, bf16, one allocation; `--quick` or `--bytes`: one bf16
 //! tensor of those bytes; `--allocations B` with B ≥ 2: buffered mode with B buffers;
 //! `--chunk-bytes C`: in place over VMM chunks of at most C bytes, the tensors packed into them in
-//! order, as a model built in `torch_mem_pool` (`create_over`)), writes the pattern word at the start of buffer 0's first tensor and commits one generation. Each fresh
-//! child makes its context first, says so, and then, timed: `TensorSetReader::open(ctx, name,
+//! order, as a model built in `torch_mem_pool` (`create_over`)), writes the pattern word at the
+//! start of buffer 0's first tensor and commits one generation. Each fresh child makes its context
+//! first, says so, and then, timed: `TensorSetReader::open(ctx, name,
 //! &ReaderOptions::new())` (`open_us`: manifest, imports through the import cache, cold, with the
 //! fd fetch from the writer, the generation channel's attach) and `reader.current()` holding
 //! generation 1 (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
@@ -520,9 +521,12 @@ fn crate_specs(bytes: u64) -> Vec<TensorSpec> {
     }
 }
 
+/// A tensor placed in a chunk: (spec, chunk, byte offset), as `create_over` takes them.
+type Placed = (TensorSpec, u32, u64);
+
 /// Places `specs` (bf16, contiguous) in order into chunks of at most `chunk` bytes, each at a
 /// [`TENSOR_ALIGN`]-aligned offset: (spec, chunk, offset) per tensor and each chunk's bytes.
-fn pack(specs: &[TensorSpec], chunk: u64) -> Res<(Vec<(TensorSpec, u32, u64)>, Vec<u64>)> {
+fn pack(specs: &[TensorSpec], chunk: u64) -> Res<(Vec<Placed>, Vec<u64>)> {
     let mut placed = Vec::with_capacity(specs.len());
     let mut sizes: Vec<u64> = Vec::new();
     for s in specs {
