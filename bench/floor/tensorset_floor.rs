@@ -28,12 +28,12 @@
 //! `--chunk-bytes C`: in place over VMM chunks of at most C bytes, the tensors packed into them in
 //! order, as a model built in `torch_mem_pool` (`create_over`)), writes the pattern word at the
 //! start of buffer 0's first tensor and commits one generation. Each fresh child makes its context
-//! first, says so, and then, timed: `TensorSetReader::open(ctx, name,
-//! &ReaderOptions::new())` (`open_us`: manifest, imports through the import cache, cold, with the
-//! fd fetch from the writer, the generation channel's attach) and `reader.current()` holding
-//! generation 1 (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
-//! `open_manifest_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us`, `open_join_us`, `open_join_gpu_us`,
-//! `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the pattern word reads back,
+//! first, says so, and then, timed: `TensorSetReader::open(ctx, name, &ReaderOptions::new())`
+//! (`open_us`: manifest, imports through the import cache, cold, with the fd fetch from the
+//! writer, the generation channel's attach) and `reader.current()` holding generation 1
+//! (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
+//! `open_manifest_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us`, `open_join_us`,
+//! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the pattern word reads back,
 //! then the hold and the reader drop (`release_us`). The parent prints (and with `--out DIR` writes
 //! `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
 //! made another number of driver imports than the set's allocations, did not map read-only, held
