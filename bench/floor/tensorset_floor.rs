@@ -33,9 +33,9 @@
 //! writer, the generation channel's attach) and `reader.current()` holding generation 1
 //! (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
 //! `open_manifest_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us`, `open_join_us`,
-//! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the pattern word reads back,
-//! then the hold and the reader drop (`release_us`). The parent prints (and with `--out DIR` writes
-//! `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
+//! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the
+//! pattern word reads back, then the hold and the reader drop (`release_us`). The parent prints
+//! (and with `--out DIR` writes `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
 //! made another number of driver imports than the set's allocations, did not map read-only, held
 //! another generation or read a wrong word fails the run.
 
