@@ -98,7 +98,12 @@ impl Consumer {
             return Self::attach_host(control, name, opts);
         }
         let device = Device::by_uuid(token.device)?;
-        Self::attach_with(control, &device.primary_context()?, opts)
+        Self::attach_with(
+            control,
+            &device.primary_context()?,
+            opts,
+            &mut Duration::default(),
+        )
     }
 
     /// Attaches to channel `name` in `ctx` (which may be on another device than the pool's). A host
@@ -112,7 +117,7 @@ impl Consumer {
         if Token::from_bytes(&mem)?.kind == TokenKind::HostMemory {
             return Self::attach_host(control, name, opts);
         }
-        Self::attach_with(control, ctx, opts)
+        Self::attach_with(control, ctx, opts, &mut Duration::default())
     }
 
     fn attach_host(control: Control, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
@@ -139,6 +144,9 @@ impl Consumer {
     /// of such a consumer have no buffer: only their sequence number, index and metadata mean
     /// anything.
     ///
+    /// Adds to `gpu_time` the wall-clock time spent making the consumer's GPU objects (its
+    /// stream, the registration of the GPU words, the join event and the watchdog thread).
+    ///
     /// # Errors
     /// As [`Consumer::attach`]; [`ChannelError::BadSegment`] when the channel has buffer memory.
     pub(crate) fn attach_memoryless(
@@ -146,6 +154,7 @@ impl Consumer {
         prefix: &str,
         name: &str,
         opts: &ConsumerOptions,
+        gpu_time: &mut Duration,
     ) -> Result<Consumer> {
         let control = Control::open_in(prefix, name, opts.group_access, super::control::INIT_WAIT)?;
         if control.buffer_bytes() != 0 {
@@ -167,15 +176,19 @@ impl Consumer {
                 posted: Mutex::new(0),
             });
         };
-        Self::attach_with(control, ctx, opts)
+        Self::attach_with(control, ctx, opts, gpu_time)
     }
 
+    /// Attaches in `ctx`; adds the time spent making GPU objects to `gpu_time` (see
+    /// [`Consumer::attach_memoryless`]).
     fn attach_with(
         control: Control,
         ctx: &Arc<Context>,
         opts: &ConsumerOptions,
+        gpu_time: &mut Duration,
     ) -> Result<Consumer> {
         control.producer_gone()?;
+        let started = Instant::now();
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
         // A memoryless channel (`attach_memoryless`, which checked it) has nothing to import.
@@ -202,22 +215,26 @@ impl Consumer {
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
         let join = std::sync::Mutex::new(Event::new(ctx)?);
+        *gpu_time += started.elapsed();
         let slot = control.attach(opts.delivery)?;
         let control = Arc::new(control);
         let watched = control.clone();
+        let started = Instant::now();
+        let watchdog = Watchdog::start(
+            "cuda-ipc-watchdog",
+            "a dead producer is noticed at recv",
+            move || {
+                if watched.producer_gone().is_err() {
+                    watched.force_ready();
+                    return false;
+                }
+                true
+            },
+        );
+        *gpu_time += started.elapsed();
         Ok(Consumer {
             side: Side::Gpu {
-                _watchdog: Watchdog::start(
-                    "cuda-ipc-watchdog",
-                    "a dead producer is noticed at recv",
-                    move || {
-                        if watched.producer_gone().is_err() {
-                            watched.force_ready();
-                            return false;
-                        }
-                        true
-                    },
-                ),
+                _watchdog: watchdog,
                 imports: Arc::new(GpuImports {
                     join,
                     buffers,

@@ -532,10 +532,17 @@ fn import_vmm_handle(
 
 /// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`. The fd fetch ([`fetch_fd`],
 /// up to its timeout) runs inside the key's single-flight open: other threads importing the same
-/// token wait for it, imports of other keys do not.
+/// token wait for it, imports of other keys do not. `fetched`: the allocation's fd when the caller
+/// fetched it already (a batched import), used instead of a fetch if this call opens the mapping,
+/// else closed unused; closed (dropped) right after the import either way.
 /// `access` is the importer's ([`Access::ReadOnly`]: mapped `PROT_READ`); a self-import is the
 /// exporter's own read-write mapping.
-pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<Arc<Mapping>> {
+pub(crate) fn open_vmm(
+    ctx: &Arc<Context>,
+    token: &Token,
+    access: Access,
+    fetched: Option<OwnedFd>,
+) -> Result<Arc<Mapping>> {
     let raw_fd = i32::from_le_bytes(token.handle[..4].try_into().unwrap_or_default());
     let size = u64::from_le_bytes(token.handle[8..16].try_into().unwrap_or_default());
     let size = usize::try_from(size)
@@ -568,7 +575,10 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Res
             }
         } else {
             require_peer(ctx, token.device)?;
-            let fd = fetch_fd(token, raw_fd)?;
+            let fd = match fetched {
+                Some(fd) => fd,
+                None => fetch_fd(token, raw_fd)?,
+            };
             // `fd` is closed when it drops at the end of this block, on success and on failure.
             let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
             let (base, size) = (vm.ptr, vm.size);

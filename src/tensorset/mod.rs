@@ -51,7 +51,7 @@ pub use manifest::{
     ALIGN, Layout, MAX_ALLOCATIONS, MAX_NAME, MAX_NDIM, MAX_TENSORS, TensorInfo, TensorSpec,
     fingerprint,
 };
-pub use reader::{Held, Location, TensorRef, TensorSetReader};
+pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader};
 pub use segment::{DATA_PREFIX, GENERATION_PREFIX, MANIFEST_PREFIX};
 pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};

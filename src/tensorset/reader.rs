@@ -10,12 +10,12 @@ use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame, F
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
-use crate::ipc::{Access, ImportedBuffer};
+use crate::ipc::{Access, ImportedBuffer, fetch_from_exporters};
 use crate::shm::Segment;
 use crate::token::Token;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What a reader maps of the set's memory.
 enum Memory {
@@ -23,6 +23,50 @@ enum Memory {
     /// `imports[b][a]`: allocation `a` of buffer `b`, imported once at open.
     Gpu(Vec<Vec<ImportedBuffer>>),
 }
+
+/// Where one [`TensorSetReader`] open spent its time (wall clock, measured by
+/// [`TensorSetReader::open`], [`TensorSetReader::open_auto`] and
+/// [`TensorSetReader::open_host`]; [`TensorSetReader::open_timings`] returns it). For a GPU set
+/// the mapping (`fd_fetch` + `map`, on the opening thread) and the channel's `join` (on a second
+/// thread) overlap: `total` is about `manifest` + the longer of the two.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct OpenTimings {
+    /// Opening the manifest segment (`shm_open`, `mmap`, the header's checks), copying its
+    /// body out, decoding and checking it (every range, code, tensor span and name).
+    pub manifest: Duration,
+    /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
+    /// and comparing it with the manifest's: on the opening thread before the mapping for small
+    /// sets and host sets, on a thread of its own beside the mapping and the join for a GPU set
+    /// of more than [`VERIFY_APART`] tensors (nothing is returned before it passed).
+    pub fingerprint: Duration,
+    /// Fetching the file descriptors of the allocations that were not in the import cache from
+    /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
+    /// host set and for allocations this process had imported already.
+    pub fd_fetch: Duration,
+    /// The rest of the mapping: the import cache's look-ups and, per allocation not in it,
+    /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess`
+    /// (pool and legacy memory: their own import calls); a host set: its data segment's open.
+    pub map: Duration,
+    /// The generation channel's join, as long as it ran on its own thread: its control segment
+    /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
+    /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
+    pub join: Duration,
+    /// The part of `join` that made GPU objects: the reader's stream (`cuStreamCreate`), the
+    /// registration of the channel's GPU words (`cuMemHostRegister`), the join event
+    /// (`cuEventCreate`) and the watchdog thread. Zero for a host set.
+    pub join_gpu: Duration,
+    /// How long the opening thread waited for the join once its mapping was done (zero when the
+    /// join finished first); a host set: the whole join.
+    pub join_wait: Duration,
+    /// The whole open, from the call to the reader returned (for [`TensorSetReader::open_auto`]
+    /// including the look-up of the device and its primary context).
+    pub total: Duration,
+}
+
+/// Tensors above which a GPU set's layout fingerprint is recomputed on a thread of its own while
+/// the memory is mapped (below, the hash costs less than starting a thread).
+pub const VERIFY_APART: usize = 1024;
 
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
 /// allocation, through the import cache and fd passing; read-only where the memory allows) and
@@ -44,6 +88,7 @@ pub struct TensorSetReader {
     imports: u32,
     buffers: usize,
     expect_content: Option<[u8; 32]>,
+    timings: OpenTimings,
     _manifest: Segment,
 }
 
@@ -115,14 +160,15 @@ impl TensorSetReader {
     /// # Errors
     /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
     pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
-        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let started = Instant::now();
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind != KIND_HOST {
             return Err(TensorSetError::WrongKind(
                 "a GPU tensor set: open it with a context (TensorSetReader::open)",
             )
             .into());
         }
-        Self::finish(None, name, opts, opened)
+        Self::finish(None, name, opts, opened, started)
     }
 
     fn open_inner(
@@ -130,9 +176,10 @@ impl TensorSetReader {
         name: &str,
         opts: &ReaderOptions,
     ) -> Result<TensorSetReader> {
-        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let started = Instant::now();
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind == KIND_HOST {
-            return Self::finish(None, name, opts, opened);
+            return Self::finish(None, name, opts, opened, started);
         }
         let ctx = match ctx {
             Some(c) => c.clone(),
@@ -141,7 +188,7 @@ impl TensorSetReader {
                 Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        Self::finish(Some(&ctx), name, opts, opened)
+        Self::finish(Some(&ctx), name, opts, opened, started)
     }
 
     fn finish(
@@ -149,9 +196,30 @@ impl TensorSetReader {
         name: &str,
         opts: &ReaderOptions,
         opened: segment::OpenedManifest,
+        started: Instant,
     ) -> Result<TensorSetReader> {
+        let mut timings = OpenTimings {
+            manifest: opened.took,
+            ..OpenTimings::default()
+        };
         let m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
+        let bad_fingerprint = |fault| TensorSetError::BadManifest {
+            segment: seg_name.clone(),
+            fault,
+        };
+        let verify = || {
+            let t = Instant::now();
+            (m.verify_fingerprint(), t.elapsed())
+        };
+        // The fingerprint is checked before anything is returned; a large GPU set's beside the
+        // mapping (below), every other set's here, first.
+        let verify_apart = ctx.is_some() && m.layout.len() > VERIFY_APART;
+        if !verify_apart {
+            let (r, took) = verify();
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
         if let Some(expected) = opts.expect_layout
             && expected != m.layout.fingerprint()
         {
@@ -173,16 +241,37 @@ impl TensorSetReader {
         let copts = ConsumerOptions::new()
             .delivery(Delivery::LatestOnly)
             .wait(opts.wait);
-        let attach = || Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts);
-        let map = || Self::map_memory(ctx, name, opts, &m, &seg_name);
-        let (mapped, attached) = if ctx.is_none() {
-            (map(), attach())
+        // Each half times itself (the join on its own thread): (result, its time, GPU part).
+        let attach = || {
+            let t = Instant::now();
+            let mut gpu = Duration::ZERO;
+            let r = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts, &mut gpu);
+            (r, t.elapsed(), gpu)
+        };
+        let map = || {
+            let t = Instant::now();
+            let fetched = crate::ipc::fetch_time_on_this_thread();
+            let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
+            let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
+            (r, t.elapsed(), fetch)
+        };
+        let (mapped, attached, join_wait, verified) = if ctx.is_none() {
+            let mapped = map();
+            let attached = attach();
+            let wait = attached.1;
+            (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
                 let channel = std::thread::Builder::new()
                     .name("cuda-ipc-attach".into())
                     .spawn_scoped(s, attach);
+                let verifier = verify_apart.then(|| {
+                    std::thread::Builder::new()
+                        .name("cuda-ipc-verify".into())
+                        .spawn_scoped(s, verify)
+                });
                 let mapped = map();
+                let t = Instant::now();
                 let attached = match channel {
                     Ok(h) => h
                         .join()
@@ -190,9 +279,29 @@ impl TensorSetReader {
                     // No thread to be had: attach here, after the imports.
                     Err(_) => attach(),
                 };
-                (mapped, attached)
+                let join_wait = t.elapsed();
+                let verified = verifier.map(|v| match v {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    Err(_) => verify(),
+                });
+                (mapped, attached, join_wait, verified)
             })
         };
+        // A manifest whose fingerprint is not its tables' is refused before anything else; the
+        // mapping and the consumer drop (back to the cache, out of the channel).
+        if let Some((r, took)) = verified {
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
+        let (mapped, map_time, fetch_time) = mapped;
+        let (attached, join_time, join_gpu) = attached;
+        timings.fd_fetch = fetch_time;
+        timings.map = map_time.saturating_sub(fetch_time);
+        timings.join = join_time;
+        timings.join_gpu = join_gpu;
+        timings.join_wait = join_wait;
         // Either error is returned, the imports' first (as when they ran first); the other half's
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
@@ -220,14 +329,19 @@ impl TensorSetReader {
             read_only,
             imports,
             expect_content: opts.expect_content,
+            timings: OpenTimings {
+                total: started.elapsed(),
+                ..timings
+            },
             _manifest: opened.seg,
         })
     }
 
     /// Maps the set's memory for [`TensorSetReader::open`]: the host data segment, or every
     /// allocation of every buffer imported once in `ctx` (each checked to hold at least the
-    /// allocation table's length). Returns the memory, whether every mapping is read-only and
-    /// the driver imports made (on this thread).
+    /// allocation table's length), the fds of those not in the import cache fetched together
+    /// first (`ImportedBuffer::open_many`: one round trip per exporter). Returns the memory,
+    /// whether every mapping is read-only and the driver imports made (on this thread).
     fn map_memory(
         ctx: Option<&Arc<Context>>,
         name: &str,
@@ -243,17 +357,25 @@ impl TensorSetReader {
                 } else {
                     Access::ReadWrite
                 };
+                let tokens = m
+                    .tokens
+                    .iter()
+                    .flatten()
+                    .map(|t| Token::from_bytes(t))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut imported =
+                    ImportedBuffer::open_many(ctx, &tokens, access, &mut fetch_from_exporters)?
+                        .into_iter();
                 let mut ro = opts.read_only;
                 let mut count = 0u32;
                 let mut all = Vec::with_capacity(m.buffers);
                 for toks in &m.tokens {
                     let mut row = Vec::with_capacity(toks.len());
-                    for (a, tok) in toks.iter().enumerate() {
-                        let got = ImportedBuffer::open_with_access(
-                            ctx,
-                            &Token::from_bytes(tok)?,
-                            access,
-                        )?;
+                    for a in 0..toks.len() {
+                        // One import per token, in the order of the flattened table.
+                        let got = imported.next().ok_or_else(|| {
+                            Error::InvalidArgument("fewer imports than allocations".into())
+                        })?;
                         let need = m.layout.allocations()[a];
                         if (got.buffer.len() as u64) < need {
                             return Err(TensorSetError::BadManifest {
@@ -484,6 +606,11 @@ impl TensorSetReader {
     /// already); B × A for a first open (A = 1 for writer-allocated sets).
     pub fn imports(&self) -> u32 {
         self.imports
+    }
+
+    /// Where this reader's open spent its time (see [`OpenTimings`] for what each phase covers).
+    pub fn open_timings(&self) -> OpenTimings {
+        self.timings
     }
 
     /// Whether every mapping is read-only on this device (VMM memory opened with
