@@ -471,9 +471,10 @@ class TensorUpdate:
     @property
     def buffer(self) -> int: ...
     def tensors(self) -> Dict[str, Any]:
-        """Writable ``torch.Tensor`` views of this buffer (GPU sets)."""
+        """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set)."""
     def copy_from(self, tensors: Dict[str, Any]) -> None:
-        """Copies CUDA tensors into the set's tensors of the same names, on the writer's stream."""
+        """Copies CUDA tensors (CPU tensors for a host set) into the set's tensors of the same
+        names, on the writer's stream; read and copied in chunks of 512 tensors."""
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
         """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""
@@ -529,7 +530,8 @@ class TensorHold:
     @property
     def held(self) -> bool: ...
     def tensors(self, *, stream: StreamLike = None) -> Dict[str, Any]:
-        """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (GPU sets)."""
+        """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (CPU tensors for a host
+        set, not read-only: treat them as read-only)."""
     def read(self, name: str) -> bytes:
         """Host sets: a copy of tensor ``name``'s bytes."""
     def release(self) -> None: ...

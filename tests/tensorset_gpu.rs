@@ -390,3 +390,91 @@ fn a_set_over_given_vmm_allocations_is_read_in_place_with_one_import_each() {
     w.close(T).unwrap();
     p.finish(T);
 }
+
+const MANY: &str = "a_set_of_many_allocations_is_imported_with_one_fd_fetch_each";
+
+/// A set over 15 VMM allocations (as a model built in chunks of an arena): a reader in another
+/// process fetches the 15 fds together (one round trip to the writer) and imports each once,
+/// read-only; a second read-only reader in that process imports and fetches nothing; a read-write
+/// reader beside them imports the 15 again (another cache key), and every reader checks every
+/// tensor on the GPU.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_set_of_many_allocations_is_imported_with_one_fd_fetch_each() {
+    if role().as_deref() == Some("reader") {
+        let c = ctx();
+        let k = Kernels::load(&c).unwrap();
+        let bad = zeroed_counter(&c);
+        let check = |r: &TensorSetReader| {
+            let h = r.current().unwrap().expect("generation 1");
+            for t in 0..r.layout().len() {
+                k.check_pattern(
+                    &h.device_tensor(t).unwrap(),
+                    seed(1, t),
+                    &bad,
+                    h.stream().unwrap(),
+                )
+                .unwrap();
+            }
+            drop(h);
+            r.stream().unwrap().synchronize().unwrap();
+        };
+        let fetches = || cuda_ipc::ipc::cache_stats().fd_fetches;
+        let f0 = fetches();
+        let r1 = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+        let f1 = fetches();
+        let r2 = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+        let f2 = fetches();
+        let rw = ReaderOptions::new().read_only(false);
+        let r3 = TensorSetReader::open(&c, &set_env(), &rw).unwrap();
+        let f3 = fetches();
+        for r in [&r1, &r2, &r3] {
+            check(r);
+        }
+        let p = r1.open_timings();
+        assert!(
+            p.fd_fetch > Duration::ZERO && p.map > Duration::ZERO,
+            "{p:?}"
+        );
+        tell(format!(
+            "opened {} {} {} {} {} {} {} {}",
+            r1.imports(),
+            f1 - f0,
+            r2.imports(),
+            f2 - f1,
+            r3.imports(),
+            f3 - f2,
+            u8::from(r1.is_read_only()) + u8::from(r2.is_read_only()),
+            read_u64(&bad)
+        ));
+        return;
+    }
+    const ALLOCATIONS: usize = 15;
+    let c = ctx();
+    let k = Kernels::load(&c).unwrap();
+    let g = cuda_ipc::ipc::vmm_granularity(&c.device()).unwrap();
+    let chunks: Vec<_> = (0..ALLOCATIONS)
+        .map(|_| cuda_ipc::ipc::VmmBuffer::new(&c, g).unwrap())
+        .collect();
+    // Two tensors per allocation, the second at an offset within it.
+    let tensors: Vec<_> = (0..2 * ALLOCATIONS)
+        .map(|i| {
+            let spec = TensorSpec::new(format!("chunk.{}.w{}", i / 2, i % 2), DType::F32, &[256]);
+            (spec, (i / 2) as u32, (i % 2) as u64 * 4096)
+        })
+        .collect();
+    let name = format!("tsmany-{}", std::process::id());
+    let mut w = TensorSetWriter::create_over(&c, &name, &tensors, chunks, &TensorSetOptions::new())
+        .unwrap();
+    assert_eq!(write_gen(&mut w, &k), 1);
+    w.stream().unwrap().synchronize().unwrap();
+    let mut p = Peer::spawn(MANY, "reader", &[(SET, &name)]);
+    assert_eq!(
+        p.expect("opened", T),
+        "15 15 0 0 15 15 2 0",
+        "imports and fd fetches of the first read-only, the second read-only and the \
+         read-write reader, the read-only count, mismatches"
+    );
+    p.finish(T);
+    w.close(T).unwrap();
+}

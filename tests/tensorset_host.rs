@@ -1,8 +1,8 @@
 //! Host-memory tensor sets with the real writer and readers, in separate processes, on machines
 //! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
 //! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
-//! content fingerprints, an open that fails half way, a set of 100,000 tensors, hostile files
-//! under the manifest's name, and `gc` of a dead writer's set.
+//! content fingerprints, an open's phase timings, an open that fails half way, a set of 100,000
+//! tensors, hostile files under the manifest's name, and `gc` of a dead writer's set.
 
 mod common;
 
@@ -218,6 +218,34 @@ fn in_place_a_held_generation_blocks_begin_until_released() {
     assert_eq!(write_gen(&mut w), 2);
     assert!(t.elapsed() < Duration::from_secs(2));
     p.finish(ANSWER);
+}
+
+#[test]
+fn an_open_reports_where_its_time_went() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("timings");
+    let w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("inplace")).unwrap();
+    let t = Instant::now();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let wall = t.elapsed();
+    let p = r.open_timings();
+    assert!(p.manifest > Duration::ZERO && p.map > Duration::ZERO && p.join > Duration::ZERO);
+    // A host set fetches no fds, makes no GPU objects and joins on the opening thread.
+    assert_eq!((p.fd_fetch, p.join_gpu), (Duration::ZERO, Duration::ZERO));
+    assert_eq!(p.join_wait, p.join);
+    assert!(
+        p.fingerprint > Duration::ZERO,
+        "a host set's fingerprint is checked inline"
+    );
+    assert!(
+        p.manifest + p.fingerprint + p.map + p.join <= p.total,
+        "{p:?}"
+    );
+    assert!(p.total <= wall, "{p:?} in {wall:?}");
+    drop(r);
+    w.close(ANSWER).unwrap();
 }
 
 #[test]

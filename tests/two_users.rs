@@ -1,8 +1,8 @@
-//! Two users on one machine: a channel of one is never opened, replaced or removed by the other,
-//! root included, and each gets an error naming the owner; a process of another user is judged
-//! alive or dead correctly through its liveness file. The second user is made here with `useradd`
-//! and runs a copy of this test binary it can read and execute. Needs root (CI runs as root); where
-//! that is impossible the test prints why and skips.
+//! Two users on one machine: a channel or a tensor set of one is never opened, replaced,
+//! inspected or removed by the other, root included, and each gets an error naming the owner; a
+//! process of another user is judged alive or dead correctly through its liveness file. The second
+//! user is made here with `useradd` and runs a copy of this test binary it can read and execute.
+//! Needs root (CI runs as root); where that is impossible the test prints why and skips.
 
 mod common;
 
@@ -13,6 +13,9 @@ use cuda_ipc::channel::{inspect, reclaim};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
 use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::ShmError;
+use cuda_ipc::tensorset::{
+    self, DType, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter, TensorSpec,
+};
 use cuda_ipc::token::TOKEN_LEN;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -191,8 +194,45 @@ fn run_role(role: &str) {
             let r = c.take(Some(Duration::from_secs(5))).map(|_| ());
             tell(format!("take {r:?}"));
         }
+        "set-writer" => {
+            let w = TensorSetWriter::create_host(&channel, &set_specs(), &TensorSetOptions::new())
+                .unwrap();
+            tell("ready");
+            for line in parent_lines() {
+                if line == "quit" {
+                    break;
+                }
+            }
+            w.close(Duration::from_secs(5)).unwrap();
+        }
+        "set-intruder" => {
+            // Everything another user may try on a tensor set that is not theirs.
+            let o = TensorSetReader::open_host(&channel, &ReaderOptions::new())
+                .map(|_| ())
+                .unwrap_err();
+            tell(format!("open {o:?}"));
+            let c = TensorSetWriter::create_host(&channel, &set_specs(), &TensorSetOptions::new())
+                .map(|_| ())
+                .unwrap_err();
+            tell(format!("create {c:?}"));
+            let r = tensorset::reclaim::remove_stale(&channel)
+                .map(|_| ())
+                .unwrap_err();
+            tell(format!("remove {r:?}"));
+            let i = tensorset::inspect::inspect(&channel)
+                .map(|_| ())
+                .unwrap_err();
+            tell(format!("inspect {i:?}"));
+        }
         _ => panic!("unknown role {role}"),
     }
+}
+
+fn set_specs() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec::new("w", DType::BF16, &[64, 32]),
+        TensorSpec::new("b", DType::F32, &[32]),
+    ]
 }
 
 /// Environment variable naming what the forger forges (a liveness file name) or the identity the
@@ -432,4 +472,106 @@ fn root_never_replaces_or_removes_another_users_live_channel_and_sees_its_livene
     // Clean up what the killed process left (as root, by hand: this is the test's own debris).
     let _ = std::fs::remove_file(&path);
     let _ = std::fs::remove_file(format!("/dev/shm/{}", their.liveness_name()));
+}
+
+#[test]
+fn another_user_can_neither_read_nor_replace_nor_remove_roots_tensor_set() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let set = format!("two-users-set-{}", std::process::id());
+    let mut w = TensorSetWriter::create_host(&set, &set_specs(), &TensorSetOptions::new()).unwrap();
+    let mut u = w.begin(Some(ANSWER)).unwrap();
+    u.write_at(0, &[7u8; 64]).unwrap();
+    assert_eq!(u.commit().unwrap(), 1);
+    let bin = BinaryForOthers::new(&set);
+    let mut b = spawn_as(
+        &bin,
+        uid,
+        gid,
+        "another_user_can_neither_read_nor_replace_nor_remove_roots_tensor_set",
+        "set-intruder",
+        &set,
+    );
+    for verb in ["open", "create", "remove", "inspect"] {
+        let e = b.expect(verb, ANSWER);
+        assert!(
+            e.contains("WrongOwner")
+                && e.contains("owner: 0")
+                && e.contains(&format!("ours: {uid}")),
+            "{verb}: {e}"
+        );
+    }
+    b.finish(ANSWER);
+    // Still ours, whole, and readable by us.
+    let r = TensorSetReader::open_host(&set, &ReaderOptions::new()).unwrap();
+    let h = r.current().unwrap().expect("generation 1");
+    assert_eq!(h.generation(), 1);
+    drop(h);
+    drop(r);
+    w.close(ANSWER).unwrap();
+}
+
+#[test]
+fn root_never_reads_replaces_or_removes_another_users_tensor_set() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let set = format!("two-users-their-set-{}", std::process::id());
+    let bin = BinaryForOthers::new(&set);
+    let mut b = spawn_as(
+        &bin,
+        uid,
+        gid,
+        "root_never_reads_replaces_or_removes_another_users_tensor_set",
+        "set-writer",
+        &set,
+    );
+    b.expect("ready", ANSWER);
+    let manifest = format!("/dev/shm/{}{set}", tensorset::MANIFEST_PREFIX);
+    assert_eq!(std::fs::metadata(&manifest).unwrap().uid(), uid);
+    let owned_by_them =
+        |e: &Error| matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if *owner == uid);
+    let e = TensorSetReader::open_host(&set, &ReaderOptions::new())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(owned_by_them(&e), "open: {e:?}");
+    let e = TensorSetWriter::create_host(&set, &set_specs(), &TensorSetOptions::new())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(owned_by_them(&e), "create: {e:?}");
+    let e = tensorset::reclaim::remove_stale(&set)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(owned_by_them(&e), "remove: {e:?}");
+    for prefix in [
+        tensorset::MANIFEST_PREFIX,
+        tensorset::GENERATION_PREFIX,
+        tensorset::DATA_PREFIX,
+    ] {
+        let p = format!("/dev/shm/{prefix}{set}");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().uid(),
+            uid,
+            "{p} still theirs"
+        );
+    }
+    b.send("quit");
+    b.finish(ANSWER);
+    for prefix in [
+        tensorset::MANIFEST_PREFIX,
+        tensorset::GENERATION_PREFIX,
+        tensorset::DATA_PREFIX,
+    ] {
+        assert!(
+            std::fs::metadata(format!("/dev/shm/{prefix}{set}")).is_err(),
+            "their close removed {prefix}"
+        );
+    }
 }

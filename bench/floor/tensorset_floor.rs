@@ -24,19 +24,24 @@
 //!
 //! `--crate`: the same bytes through the crate instead of raw driver calls. The parent creates a
 //! VMM `TensorSetWriter` (the Llama specs, bf16, one allocation; `--quick` or `--bytes`: one bf16
-//! tensor of those bytes; `--allocations B` with B ≥ 2: buffered mode with B buffers), writes the
-//! pattern word at the start of buffer 0's first tensor and commits one generation. Each fresh
-//! child makes its context first, says so, and then, timed: `TensorSetReader::open(ctx, name,
-//! &ReaderOptions::new())` (`open_us`: manifest, imports through the import cache, cold, with the
-//! fd fetch from the writer, the generation channel's attach) and `reader.current()` holding
-//! generation 1 (`hold_us`). Untimed: the pattern word reads back, then the hold and the reader
-//! drop (`release_us`). The parent prints (and with `--out DIR` writes
-//! `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
+//! tensor of those bytes; `--allocations B` with B ≥ 2: buffered mode with B buffers;
+//! `--chunk-bytes C`: in place over VMM chunks of at most C bytes, the tensors packed into them in
+//! order, as a model built in `torch_mem_pool` (`create_over`)), writes the pattern word at the
+//! start of buffer 0's first tensor and commits one generation. Each fresh child makes its context
+//! first, says so, and then, timed: `TensorSetReader::open(ctx, name, &ReaderOptions::new())`
+//! (`open_us`: manifest, imports through the import cache, cold, with the fd fetch from the
+//! writer, the generation channel's attach) and `reader.current()` holding generation 1
+//! (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
+//! `open_manifest_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us`, `open_join_us`,
+//! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the
+//! pattern word reads back, then the hold and the reader drop (`release_us`). The parent prints
+//! (and with `--out DIR` writes `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
 //! made another number of driver imports than the set's allocations, did not map read-only, held
 //! another generation or read a wrong word fails the run.
 
 use cuda_ipc::channel::MemoryKind;
 use cuda_ipc::driver::{Context, Device};
+use cuda_ipc::ipc::VmmBuffer;
 use cuda_ipc::tensorset::{
     DType, GenerationMode, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter,
     TensorSpec,
@@ -158,10 +163,11 @@ fn parse(args: &[String]) -> Res<Opts> {
     if o.allocations == 0 || o.chunk_bytes == Some(0) {
         return Err(format!("--allocations and --chunk-bytes must be at least 1\n{USAGE}").into());
     }
-    if o.via_crate && o.chunk_bytes.is_some() {
-        return Err(
-            format!("--crate makes one allocation per buffer: no --chunk-bytes\n{USAGE}").into(),
-        );
+    if o.via_crate && o.chunk_bytes.is_some() && o.allocations != 1 {
+        return Err(format!(
+            "--crate --chunk-bytes publishes chunks in place: no --allocations\n{USAGE}"
+        )
+        .into());
     }
     if o.via_crate && o.allocations > 16 {
         return Err(format!("--crate takes at most 16 buffers (--allocations)\n{USAGE}").into());
@@ -515,6 +521,36 @@ fn crate_specs(bytes: u64) -> Vec<TensorSpec> {
     }
 }
 
+/// A tensor placed in a chunk: (spec, chunk, byte offset), as `create_over` takes them.
+type Placed = (TensorSpec, u32, u64);
+
+/// Places `specs` (bf16, contiguous) in order into chunks of at most `chunk` bytes, each at a
+/// [`TENSOR_ALIGN`]-aligned offset: (spec, chunk, offset) per tensor and each chunk's bytes.
+fn pack(specs: &[TensorSpec], chunk: u64) -> Res<(Vec<Placed>, Vec<u64>)> {
+    let mut placed = Vec::with_capacity(specs.len());
+    let mut sizes: Vec<u64> = Vec::new();
+    for s in specs {
+        let bytes = 2 * s.shape.iter().product::<i64>() as u64;
+        if bytes > chunk {
+            return Err(format!("tensor {} of {bytes} bytes exceeds --chunk-bytes", s.name).into());
+        }
+        let at = sizes
+            .last()
+            .map(|&used| used.next_multiple_of(TENSOR_ALIGN));
+        match at {
+            Some(at) if at + bytes <= chunk => {
+                placed.push((s.clone(), (sizes.len() - 1) as u32, at));
+                *sizes.last_mut().expect("a chunk") = at + bytes;
+            }
+            _ => {
+                placed.push((s.clone(), sizes.len() as u32, 0));
+                sizes.push(bytes.max(1));
+            }
+        }
+    }
+    Ok((placed, sizes))
+}
+
 /// A crate-mode child: context first, then the timed open and hold; prints one JSON line.
 fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     // SAFETY: the parent passed this inherited descriptor for this process alone to own.
@@ -548,15 +584,22 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     let mismatches = u64::from(w != PATTERN);
     let generation = held.generation();
     let (imports, read_only) = (reader.imports(), reader.is_read_only());
+    let phases = reader.open_timings();
     let t3 = Instant::now();
     drop(held);
     drop(reader);
     let release_us = t3.elapsed().as_secs_f64() * 1e6;
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
         "{}",
         json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
                "attach_us": open_us + hold_us, "release_us": release_us, "imports": imports,
-               "read_only": read_only, "generation": generation, "mismatches": mismatches})
+               "read_only": read_only, "generation": generation, "mismatches": mismatches,
+               "open_manifest_us": us(phases.manifest),
+               "open_fingerprint_us": us(phases.fingerprint), "open_fd_fetch_us": us(phases.fd_fetch),
+               "open_map_us": us(phases.map), "open_join_us": us(phases.join),
+               "open_join_gpu_us": us(phases.join_gpu),
+               "open_join_wait_us": us(phases.join_wait), "open_total_us": us(phases.total)})
     );
     Ok(())
 }
@@ -573,12 +616,19 @@ fn crate_parent(o: &Opts) -> Res<()> {
         GenerationMode::Buffered(o.allocations)
     };
     let t = Instant::now();
-    let mut writer = TensorSetWriter::create(
-        &ctx,
-        &name,
-        &specs,
-        &TensorSetOptions::new().memory(MemoryKind::Vmm).mode(mode),
-    )?;
+    let opts = TensorSetOptions::new().memory(MemoryKind::Vmm).mode(mode);
+    let mut writer = match o.chunk_bytes {
+        None => TensorSetWriter::create(&ctx, &name, &specs, &opts)?,
+        Some(chunk) => {
+            // In place over VMM chunks of at most `chunk` bytes (as a model built in an arena).
+            let (placed, sizes) = pack(&specs, chunk)?;
+            let chunks = sizes
+                .iter()
+                .map(|&n| VmmBuffer::new(&ctx, n as usize))
+                .collect::<Result<Vec<_>, _>>()?;
+            TensorSetWriter::create_over(&ctx, &name, &placed, chunks, &opts)?
+        }
+    };
     let bytes = writer.layout().bytes_per_buffer();
     let allocations = writer.layout().allocations().len() * o.allocations;
     {
@@ -626,6 +676,14 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "hold_us",
         "attach_us",
         "release_us",
+        "open_manifest_us",
+        "open_fingerprint_us",
+        "open_fd_fetch_us",
+        "open_map_us",
+        "open_join_us",
+        "open_join_gpu_us",
+        "open_join_wait_us",
+        "open_total_us",
     ];
     let mut med = serde_json::Map::new();
     for k in keys {
@@ -639,7 +697,9 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "what": "fresh processes with their context: TensorSetReader::open (manifest, imports \
                  through the import cache, cold, fd fetch, read-only cuMemSetAccess, generation \
                  channel attach) = open_us, then reader.current() holding generation 1 = hold_us; \
-                 attach_us = open_us + hold_us",
+                 attach_us = open_us + hold_us; open_*_us: the reader's OpenTimings (manifest \
+                 open+decode, fingerprint check, fd fetch, driver import+map+set-access, the channel \
+                 join on its thread and its GPU objects, the wait for it, the whole open)",
         "shape": if o.quick { "quick" } else if o.bytes == llama_bytes() { "llama-8b" } else { "custom" },
         "tensors": specs.len(),
         "bytes_per_buffer": bytes,
@@ -842,8 +902,21 @@ mod tests {
         let c = a(&["--crate", "--quick", "--out", "x"]).unwrap();
         assert!(c.via_crate && c.quick && c.bytes == 64 << 20 && c.allocations == 1);
         assert!(a(&["--crate"]).unwrap().bytes == llama_bytes());
-        assert!(a(&["--crate", "--chunk-bytes", "1024"]).is_err());
+        assert!(a(&["--crate", "--chunk-bytes", "1024"]).is_ok());
+        assert!(a(&["--crate", "--chunk-bytes", "1024", "--allocations", "2"]).is_err());
         assert!(a(&["--crate", "--allocations", "17"]).is_err());
+    }
+
+    #[test]
+    fn the_llama_shape_packs_into_1_gib_chunks_in_order() {
+        let (placed, sizes) = pack(&crate_specs(llama_bytes()), 1 << 30).unwrap();
+        assert_eq!(placed.len(), 291);
+        assert!(sizes.iter().all(|&n| n <= 1 << 30));
+        assert!((15..=18).contains(&sizes.len()), "{} chunks", sizes.len());
+        for w in placed.windows(2) {
+            assert!(w[0].1 <= w[1].1 && (w[0].1 < w[1].1 || w[0].2 < w[1].2));
+        }
+        assert!(pack(&crate_specs(llama_bytes()), 1 << 20).is_err());
     }
 
     #[test]

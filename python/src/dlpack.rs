@@ -78,6 +78,7 @@ pub(crate) struct Export {
     pub hold: Hold,
     pub ptr: u64,
     pub nbytes: usize,
+    /// The CUDA ordinal (`kDLCUDA`), or -1 for host memory (`kDLCPU`, device 0).
     pub device: i32,
     /// The raw stream the data is ready on.
     pub ready_on: usize,
@@ -129,6 +130,12 @@ impl Export {
     }
 
     fn dl_device(&self) -> DLDevice {
+        if self.device < 0 {
+            return DLDevice {
+                device_type: DLDeviceType::CPU,
+                device_id: 0,
+            };
+        }
         DLDevice {
             device_type: DLDeviceType::CUDA,
             device_id: self.device,

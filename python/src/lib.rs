@@ -37,6 +37,7 @@ mod errors;
 mod frame;
 mod producer;
 mod quota;
+mod sources;
 mod tensor_set_reader;
 mod tensor_set_writer;
 mod tensors;

@@ -16,7 +16,8 @@ use cuda_ipc::driver::Device;
 use cuda_ipc::tensorset::owned::OwnedHeld;
 use cuda_ipc::tensorset::{Location, ReaderOptions};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::sync::{Arc, Mutex};
 
 type RustReader = cuda_ipc::tensorset::TensorSetReader;
@@ -30,6 +31,8 @@ pub(crate) struct TensorSetReader {
     host: bool,
     /// Each buffer's dict, built at its first hold.
     dicts: Mutex<Vec<Option<Py<PyDict>>>>,
+    /// The tensors' names as `str`s, made at the first dict and shared by every buffer's.
+    names: PyOnceLock<Py<PyTuple>>,
 }
 
 impl TensorSetReader {
@@ -121,6 +124,7 @@ impl TensorSetReader {
             device,
             host,
             dicts: Mutex::new((0..buffers).map(|_| None).collect()),
+            names: PyOnceLock::new(),
         })
     }
 
@@ -311,7 +315,9 @@ impl TensorHold {
     /// holds, built at its first hold). `stream` (default: PyTorch's current stream) is made to
     /// wait for the generation on the GPU, and the release is ordered after its work. PyTorch
     /// tensors carry no read-only flag: an in-place operation on one over a read-only mapping
-    /// faults this process's CUDA context.
+    /// faults this process's CUDA context. A host set gives CPU tensors over its shared memory
+    /// (`stream` unused), which are not read-only: an in-place operation on one changes the
+    /// bytes every reader of that buffer sees, so treat them as read-only.
     #[pyo3(signature = (*, stream=None))]
     fn tensors<'py>(
         &self,
@@ -319,12 +325,11 @@ impl TensorHold {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let reader = self.reader.get();
-        if reader.host {
-            return Err(errors::not_supported(
-                "a host tensor set has no device tensors: copy a tensor's bytes with read(name)",
-            ));
-        }
-        let target = work_stream(py, stream, reader.device)?;
+        let target = if reader.host {
+            None
+        } else {
+            Some(work_stream(py, stream, reader.device)?)
+        };
         let (buffer, cached) = self.with(py, |h| {
             let b = h.held().buffer();
             Ok((
@@ -341,23 +346,36 @@ impl TensorHold {
                 // borrowed from it, not copied (a set of thousands of tensors).
                 let r = self.with(py, |h| Ok(h.reader().clone()))?;
                 let bases = self.with(py, |h| {
-                    tensors::allocation_bases(r.layout(), |i| h.held().device_ptr(i))
-                        .map_err(|e| err(py, e))
+                    let held = h.held();
+                    tensors::allocation_bases(r.layout(), |i| {
+                        if reader.host {
+                            held.host_ptr(i).map(|p| p as u64)
+                        } else {
+                            held.device_ptr(i)
+                        }
+                    })
+                    .map_err(|e| err(py, e))
                 })?;
+                let names = reader
+                    .names
+                    .get_or_try_init(py, || tensors::name_strings(py, r.layout()))?
+                    .bind(py);
                 let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
-                let d = tensors::build(py, r.layout(), &bases, reader.device, Some(owner))?;
+                let d = tensors::build(py, r.layout(), &bases, reader.device, names, Some(owner))?;
                 if let Some(slot) = lock(&reader.dicts).get_mut(buffer) {
                     *slot = Some(d.clone().unbind());
                 }
                 d
             }
         };
-        self.with(py, |h| {
-            // SAFETY: `target` is the caller's stream or PyTorch's current stream (live for the
-            // call), or a default-stream sentinel.
-            unsafe { h.held().ready_on_raw(target as _) }.map_err(|e| err(py, e))
-        })?;
-        *lock(&self.target) = Some(target);
+        if let Some(target) = target {
+            self.with(py, |h| {
+                // SAFETY: `target` is the caller's stream or PyTorch's current stream (live for
+                // the call), or a default-stream sentinel.
+                unsafe { h.held().ready_on_raw(target as _) }.map_err(|e| err(py, e))
+            })?;
+            *lock(&self.target) = Some(target);
+        }
         dict.copy()
     }
 

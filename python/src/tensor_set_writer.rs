@@ -7,6 +7,7 @@
 //! that stream before it writes the generation's ready word. The host never waits for the GPU.
 
 use crate::errors;
+use crate::sources;
 use crate::tensors::{self, specs_arg};
 use crate::util::{Seconds, Stop, err, lock, memory_arg, sliced, stream_arg, timeout_arg};
 use cuda_ipc::Error;
@@ -15,7 +16,9 @@ use cuda_ipc::driver::{Context, Device};
 use cuda_ipc::tensorset::owned::OwnedUpdate;
 use cuda_ipc::tensorset::{GenerationMode, Layout, TensorSetOptions, TensorSpec};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 type RustWriter = cuda_ipc::tensorset::TensorSetWriter;
@@ -42,6 +45,12 @@ pub(crate) struct TensorSetWriter {
     _keep: Option<Py<PyDict>>,
     /// The open update's cell (shared with its `TensorUpdate`), so `close()` can abort it.
     open: Mutex<Weak<Mutex<Option<OwnedUpdate>>>>,
+    /// The tensors' names as `str`s and the name → index dict over them, made at first use.
+    names: PyOnceLock<Py<PyTuple>>,
+    index: PyOnceLock<Py<PyDict>>,
+    /// Each buffer's dict of writable tensors, built at its first `TensorUpdate.tensors()`;
+    /// dropped at `close()`.
+    dicts: Mutex<HashMap<usize, Py<PyDict>>>,
 }
 
 /// The `torch.cuda` stream the update's work runs on: `stream=` if given, else PyTorch's current
@@ -96,7 +105,17 @@ impl TensorSetWriter {
             device,
             _keep: keep,
             open: Mutex::new(Weak::new()),
+            names: PyOnceLock::new(),
+            index: PyOnceLock::new(),
+            dicts: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn name_strs<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyTuple>> {
+        Ok(self
+            .names
+            .get_or_try_init(py, || tensors::name_strings(py, &self.layout))?
+            .bind(py))
     }
 
     /// Takes the Rust writer out for an update.
@@ -385,7 +404,7 @@ impl TensorSetWriter {
     /// The tensors' names, in the set's order.
     #[getter]
     fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        tensors::names(py, &self.layout)
+        PyList::new(py, self.name_strs(py)?)
     }
 
     /// Bytes of one buffer (every tensor, with alignment).
@@ -411,6 +430,7 @@ impl TensorSetWriter {
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
         let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;
+        lock(&self.dicts).clear();
         let w = {
             let mut s = lock(&self.slot);
             match std::mem::replace(&mut *s, Slot::Closed) {
@@ -540,105 +560,103 @@ impl TensorUpdate {
         self.with(py, |u| Ok(u.update().buffer()))
     }
 
-    /// The tensors of this update's buffer as writable `torch.Tensor`s (a new dict; the tensors
-    /// are views of the set's memory, valid while the writer lives). Write them on the update's
-    /// stream (PyTorch's current stream at `begin`, unless `stream=` was given).
+    /// The tensors of this update's buffer as writable `torch.Tensor`s (a new dict of the same
+    /// tensors for every update of this buffer; they are views of the set's memory, valid while
+    /// the writer lives). Write them on the update's stream (PyTorch's current stream at `begin`,
+    /// unless `stream=` was given). A host set gives CPU tensors over its shared memory: write
+    /// them before the commit, as `write` does.
     fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let writer = self.writer.get();
-        if writer.host {
-            return Err(errors::not_supported(
-                "a host tensor set has no device tensors: write it with write(name, data)",
-            ));
+        let buffer = self.with(py, |u| Ok(u.update().buffer()))?;
+        let cached = lock(&writer.dicts).get(&buffer).map(|d| d.clone_ref(py));
+        if let Some(d) = cached {
+            return d.bind(py).copy();
         }
         let layout = writer.layout.clone();
         let bases = self.with(py, |u| {
-            tensors::allocation_bases(&layout, |i| u.update().tensor_ptr(i)).map_err(|e| err(py, e))
+            let up = u.update();
+            tensors::allocation_bases(&layout, |i| {
+                if writer.host {
+                    let base = up.as_mut_ptr()? as u64;
+                    Ok(base + layout.tensors()[i].offset)
+                } else {
+                    up.tensor_ptr(i)
+                }
+            })
+            .map_err(|e| err(py, e))
         })?;
-        tensors::build(py, &layout, &bases, writer.device, None)
+        let device = if writer.host { -1 } else { writer.device };
+        let d = tensors::build(py, &layout, &bases, device, writer.name_strs(py)?, None)?;
+        lock(&writer.dicts).insert(buffer, d.clone().unbind());
+        d.copy()
     }
 
     /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`: any subset of the set's names, each
     /// of the set's dtype, at most its bytes; made contiguous first if it is not) into this
     /// update's buffer, on the writer's stream after the work enqueued so far on the update's
-    /// stream (`cuMemcpyDtoDAsync`); the update's stream then waits for the copies, so PyTorch
-    /// reuses none of the sources' memory before they ran.
+    /// stream (`cuMemcpyDtoDAsync`; tensors back to back both in the set and in the sources are
+    /// copied by one call); the update's stream then waits for the copies, so PyTorch reuses none
+    /// of the sources' memory before they ran. A host set copies from CPU tensors. The sources
+    /// are read and copied in chunks of 512, so on an error the chunks before the bad tensor's
+    /// may already be copied: the update stays open and uncommitted (abort it, or copy again).
     fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<()> {
         let writer = self.writer.get();
-        if writer.host {
-            return Err(errors::not_supported(
-                "a host tensor set is written with write(name, data)",
-            ));
-        }
-        let mut keep = Vec::with_capacity(tensors.len());
-        let mut copies = Vec::with_capacity(tensors.len());
-        // The dtype objects seen, by identity: a state dict has a handful of them, and converting
-        // each tensor's by name would cost more than the copy of a small tensor.
-        let mut dtypes: Vec<(Bound<'_, PyAny>, cuda_ipc::tensorset::DType)> = Vec::new();
-        for (k, t) in tensors.iter() {
-            let name: String = k.extract()?;
-            let i = writer.layout.index_of(&name).ok_or_else(|| {
-                err(
-                    py,
-                    cuda_ipc::tensorset::TensorSetError::NoSuchTensor(format!("{name:?}")).into(),
-                )
-            })?;
-            let info = &writer.layout.tensors()[i];
-            let dt = t.getattr(pyo3::intern!(py, "dtype"))?;
-            let dtype = match dtypes.iter().find(|(o, _)| o.is(&dt)) {
-                Some((_, d)) => *d,
-                None => {
-                    let d = tensors::dtype_arg(py, &dt)?;
-                    dtypes.push((dt, d));
-                    d
-                }
-            };
-            if dtype != info.dtype {
-                return Err(errors::invalid_argument(
-                    py,
-                    format!(
-                        "tensor {name:?}: dtype {dtype:?}, the set holds {:?}",
-                        info.dtype
-                    ),
-                ));
-            }
-            let t = if t
-                .call_method0(pyo3::intern!(py, "is_contiguous"))?
-                .extract::<bool>()?
-            {
-                t
-            } else {
-                t.call_method0(pyo3::intern!(py, "contiguous"))?
-            };
-            let n = t.getattr(pyo3::intern!(py, "nbytes"))?.extract::<u64>()?;
-            if n > info.bytes {
-                return Err(errors::invalid_argument(
-                    py,
-                    format!(
-                        "tensor {name:?}: {n} bytes given, the set's tensor has {}",
-                        info.bytes
-                    ),
-                ));
-            }
-            let ptr: u64 = t.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
-            copies.push((i, ptr, n as usize));
-            keep.push(t);
-        }
-        self.with(py, |u| {
-            if let Some(s) = self.target {
+        let torch = tensors::Torch::get(py)?;
+        let layout = &writer.layout;
+        let index = writer
+            .index
+            .get_or_try_init(py, || sources::index_dict(py, writer.name_strs(py)?))?
+            .bind(py);
+        let keys = tensors.keys();
+        let values = tensors.values();
+        let mut keep = Vec::new();
+        if let Some(s) = self.target {
+            self.with(py, |u| {
                 // SAFETY: `s` is the update's stream (see `finish`).
-                unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
-            }
-            for (a, off, src, n) in coalesce(&writer.layout, &copies) {
-                u.update()
-                    .copy_into(a, off, src, n)
-                    .map_err(|e| err(py, e))?;
-            }
-            if let Some(s) = self.target {
+                unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))
+            })?;
+        }
+        let mut at = 0;
+        while at < keys.len() {
+            let end = (at + sources::CHUNK).min(keys.len());
+            let chunk = sources::Chunk {
+                keys: keys.get_slice(at, end),
+                values: values.get_slice(at, end),
+            };
+            at = end;
+            let copies = sources::read(py, torch, layout, index, &chunk, writer.host, &mut keep)?;
+            self.with(py, |u| {
+                for (a, off, src, n) in coalesce(layout, &copies) {
+                    let r = if writer.host {
+                        // SAFETY: `src` is the data pointer of a contiguous CPU tensor of at
+                        // least `n` bytes (checked by `sources::read`: CPU, contiguous, its
+                        // `nbytes`), or of several laid back to back, each kept alive by
+                        // `chunk` or `keep` until this returns; this process's memory, not the
+                        // set's shared buffer.
+                        let src = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
+                        u.write_at(off as usize, src)
+                    } else {
+                        u.update().copy_into(a, off, src, n)
+                    };
+                    if let Err(e) = r {
+                        if !writer.host
+                            && let Some(e) =
+                                sources::not_cuda(py, torch, layout, &copies, &chunk.values)
+                        {
+                            return Err(e);
+                        }
+                        return Err(err(py, e));
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        if let Some(s) = self.target {
+            self.with(py, |u| {
                 // SAFETY: as above.
-                unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))?;
-            }
-            Ok(())
-        })?;
+                unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
+            })?;
+        }
         drop(keep);
         Ok(())
     }

@@ -12,7 +12,8 @@ use crate::dlpack::{Export, Hold};
 use crate::errors;
 use cuda_ipc::tensorset::{DType, Layout, TensorInfo, TensorSpec};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -69,15 +70,6 @@ pub(crate) fn dtype_arg(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<DType>
         })
 }
 
-/// PyTorch's name of `d`, or `NotSupported`.
-fn torch_name(d: DType) -> PyResult<&'static str> {
-    TORCH_DTYPES
-        .iter()
-        .find(|(x, _)| *x == d)
-        .map(|(_, n)| *n)
-        .ok_or_else(|| errors::not_supported(&format!("no PyTorch dtype for DLPack dtype {d:?}")))
-}
-
 /// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`),
 /// in the dict's order; tensors are laid out contiguous whatever their strides.
 pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<Vec<TensorSpec>> {
@@ -115,16 +107,110 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
     Ok(out)
 }
 
+/// PyTorch's callables and dtype objects, looked up once per process: the first dict pays the
+/// attribute lookups, later ones (and every `copy_from`) none.
+pub(crate) struct Torch {
+    pub from_dlpack: Py<PyAny>,
+    pub as_strided: Py<PyAny>,
+    /// `torch.Tensor.unbind`, `narrow`, `view`, `contiguous` (unbound: called with the tensor
+    /// first).
+    pub unbind: Py<PyAny>,
+    pub narrow: Py<PyAny>,
+    pub view: Py<PyAny>,
+    pub contiguous: Py<PyAny>,
+    /// `torch.Tensor.data_ptr`, `is_contiguous`, and getters of `nbytes`, `dtype`, `is_cpu`,
+    /// `is_cuda` (`operator.attrgetter`), for `map` over many tensors.
+    pub data_ptr: Py<PyAny>,
+    pub is_contiguous: Py<PyAny>,
+    pub get_nbytes: Py<PyAny>,
+    pub get_dtype: Py<PyAny>,
+    pub get_is_cpu: Py<PyAny>,
+    pub get_is_cuda: Py<PyAny>,
+    /// `builtins.map` and `builtins.list`.
+    pub map: Py<PyAny>,
+    pub list: Py<PyAny>,
+    /// The `torch.dtype` of each entry of `TORCH_DTYPES` this PyTorch has.
+    dtypes: Vec<Option<Py<PyAny>>>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+impl Torch {
+    /// The process's `Torch`, imported at the first call.
+    ///
+    /// # Errors
+    /// `ImportError` when PyTorch is not installed.
+    pub(crate) fn get(py: Python<'_>) -> PyResult<&'static Torch> {
+        TORCH.get_or_try_init(py, || {
+            let torch = py.import("torch")?;
+            let tensor = torch.getattr("Tensor")?;
+            let operator = py.import("operator")?;
+            let builtins = py.import("builtins")?;
+            let m = |o: &Bound<'_, PyAny>, n: &str| o.getattr(n).map(Bound::unbind);
+            let get = |n: &str| operator.call_method1("attrgetter", (n,)).map(Bound::unbind);
+            Ok(Torch {
+                from_dlpack: m(&torch, "from_dlpack")?,
+                as_strided: m(&torch, "as_strided")?,
+                unbind: m(&tensor, "unbind")?,
+                narrow: m(&tensor, "narrow")?,
+                view: m(&tensor, "view")?,
+                contiguous: m(&tensor, "contiguous")?,
+                data_ptr: m(&tensor, "data_ptr")?,
+                is_contiguous: m(&tensor, "is_contiguous")?,
+                get_nbytes: get("nbytes")?,
+                get_dtype: get("dtype")?,
+                get_is_cpu: get("is_cpu")?,
+                get_is_cuda: get("is_cuda")?,
+                map: m(&builtins, "map")?,
+                list: m(&builtins, "list")?,
+                dtypes: TORCH_DTYPES
+                    .iter()
+                    .map(|(_, n)| torch.getattr(*n).ok().map(Bound::unbind))
+                    .collect(),
+            })
+        })
+    }
+
+    /// The `torch.dtype` of `d`, or `NotSupported`.
+    pub(crate) fn dtype<'py>(&self, py: Python<'py>, d: DType) -> PyResult<&Bound<'py, PyAny>> {
+        TORCH_DTYPES
+            .iter()
+            .position(|(x, _)| *x == d)
+            .and_then(|i| self.dtypes[i].as_ref())
+            .map(|o| o.bind(py))
+            .ok_or_else(|| {
+                errors::not_supported(&format!("no PyTorch dtype for DLPack dtype {d:?}"))
+            })
+    }
+
+    /// `list(map(f, items))`: one C-level loop over `items` (no bytecode, no bound methods).
+    pub(crate) fn map_list<'py>(
+        &self,
+        py: Python<'py>,
+        f: &Py<PyAny>,
+        items: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let it = self.map.bind(py).call1((f.bind(py), items))?;
+        Ok(self.list.bind(py).call1((it,))?.cast_into::<PyList>()?)
+    }
+}
+
 /// Tensors made by one call: `members` (tensor indices, by rising offset) `step` bytes apart.
 struct Run {
     members: Vec<usize>,
     step: u64,
 }
 
+/// How many following members of a group a run's start tries as its second member.
+const STEP_CANDIDATES: usize = 8;
+
 /// The tensors grouped into runs: tensors of one allocation, dtype, shape and strides whose
 /// offsets rise by a constant step that is a whole number of elements (the experts of a MoE
 /// layer; the same projection of every layer of a transformer, a layer's bytes apart), each run
-/// as long as the offsets keep that step; a tensor alone is a run of one.
+/// as long as the offsets keep that step. Interleaved runs are told apart (a layer's k and v
+/// projections, of one shape, back to back: every k one run, every v another): from the first
+/// tensor not yet in a run, the step to each of the next few of its group is tried and the one
+/// giving the longest run kept. A tensor alone is a run of one.
 fn runs(tensors: &[TensorInfo]) -> Vec<Run> {
     type Key<'a> = (u32, DType, &'a [i64], &'a [i64]);
     let mut groups: HashMap<Key<'_>, Vec<usize>> = HashMap::new();
@@ -149,24 +235,64 @@ fn runs(tensors: &[TensorInfo]) -> Vec<Run> {
         let mut g = groups.remove(&k).unwrap_or_default();
         g.sort_by_key(|&i| tensors[i].offset);
         let size = k.1.size_bytes().unwrap_or(0) as u64;
-        let mut at = 0;
-        while at < g.len() {
-            let mut run = Run {
-                members: vec![g[at]],
-                step: 0,
+        // Position in `g` of each offset not yet in a run (offsets are distinct within a group
+        // unless tensors alias; an aliased one stays a run of its own).
+        let mut free: HashMap<u64, usize> = HashMap::with_capacity(g.len());
+        for (p, &i) in g.iter().enumerate() {
+            free.entry(tensors[i].offset).or_insert(p);
+        }
+        let mut taken = vec![false; g.len()];
+        for p in 0..g.len() {
+            if taken[p] {
+                continue;
+            }
+            taken[p] = true;
+            let first = tensors[g[p]].offset;
+            if free.get(&first) == Some(&p) {
+                free.remove(&first);
+            }
+            let chain = |step: u64, free: &HashMap<u64, usize>| {
+                let mut n = 0;
+                let mut at = first + step;
+                while free.contains_key(&at) {
+                    n += 1;
+                    at += step;
+                }
+                n
             };
-            if size > 0 && at + 1 < g.len() {
-                let step = tensors[g[at + 1]].offset - tensors[g[at]].offset;
-                if step > 0 && step.is_multiple_of(size) {
-                    run.step = step;
-                    let mut j = at + 1;
-                    while j < g.len() && tensors[g[j]].offset - tensors[g[j - 1]].offset == step {
-                        run.members.push(g[j]);
-                        j += 1;
+            let mut best = (0, 0u64);
+            if size > 0 {
+                let mut tried = 0;
+                for q in p + 1..g.len() {
+                    if tried == STEP_CANDIDATES {
+                        break;
+                    }
+                    if taken[q] {
+                        continue;
+                    }
+                    tried += 1;
+                    let step = tensors[g[q]].offset - first;
+                    if step > 0 && step.is_multiple_of(size) {
+                        let n = chain(step, &free);
+                        if n > best.0 {
+                            best = (n, step);
+                        }
                     }
                 }
             }
-            at += run.members.len();
+            let mut run = Run {
+                members: vec![g[p]],
+                step: best.1,
+            };
+            let mut at = first + best.1;
+            for _ in 0..best.0 {
+                let q = free
+                    .remove(&at)
+                    .expect("the chain was counted over free offsets");
+                taken[q] = true;
+                run.members.push(g[q]);
+                at += best.1;
+            }
             out.push(run);
         }
     }
@@ -179,19 +305,35 @@ struct Base<'py> {
     typed: HashMap<DType, Bound<'py, PyAny>>,
 }
 
-/// Builds the tensors of one buffer: `bases[a]` is allocation `a`'s device address and length
-/// (`None` when no tensor lies there), `device` the CUDA ordinal, `owner` what the bases keep
-/// alive (the reader; `None` for a writer's buffer, valid while the writer lives).
+/// The tensors' names as Python `str`s, in the layout's order: made once per reader or writer
+/// (the layout never changes) and shared by every dict built from it.
+pub(crate) fn name_strings(py: Python<'_>, layout: &Layout) -> PyResult<Py<PyTuple>> {
+    Ok(PyTuple::new(
+        py,
+        layout.tensors().iter().map(|t| PyString::new(py, &t.name)),
+    )?
+    .unbind())
+}
+
+/// Builds the tensors of one buffer: `bases[a]` is allocation `a`'s address and length (`None`
+/// when no tensor lies there), `device` the CUDA ordinal (-1: host memory, CPU tensors),
+/// `names` the layout's [`name_strings`], `owner` what the bases keep alive (the reader; `None`
+/// for a writer's buffer, valid while the writer lives).
+///
+/// The calls into PyTorch: one `torch.from_dlpack` per allocation, a `narrow` and a `view` per
+/// allocation and dtype, and an `as_strided` per run (and an `unbind` per run of several).
 pub(crate) fn build<'py>(
     py: Python<'py>,
     layout: &Layout,
     bases: &[Option<(u64, usize)>],
     device: i32,
+    names: &Bound<'py, PyTuple>,
     owner: Option<Arc<dyn Any + Send + Sync>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let torch = py.import("torch")?;
-    let from_dlpack = torch.getattr("from_dlpack")?;
-    let as_strided = torch.getattr("as_strided")?;
+    let torch = Torch::get(py)?;
+    let from_dlpack = torch.from_dlpack.bind(py);
+    let as_strided = torch.as_strided.bind(py);
+    let no_sync = (-1i64).into_pyobject(py)?.into_any();
     let mut made: Vec<Option<Base<'py>>> = Vec::with_capacity(bases.len());
     for b in bases {
         let Some((ptr, len)) = *b else {
@@ -212,13 +354,7 @@ pub(crate) fn build<'py>(
         };
         // `stream=-1`: no ordering here; the caller orders the tensors' stream with the
         // generation's (`Held::ready_on_raw`).
-        let capsule = export.export(
-            py,
-            Some(&(-1i64).into_pyobject(py)?.into_any()),
-            None,
-            None,
-            None,
-        )?;
+        let capsule = export.export(py, Some(&no_sync), None, None, None)?;
         let bytes = from_dlpack.call1((capsule,))?;
         made.push(Some(Base {
             bytes,
@@ -233,20 +369,19 @@ pub(crate) fn build<'py>(
             t.dtype.size_bytes().ok_or_else(|| {
                 errors::not_supported(&format!("tensor {:?}: sub-byte dtype", t.name))
             })? as u64;
+        let alloc = t.allocation as usize;
         let base = made
-            .get_mut(t.allocation as usize)
+            .get_mut(alloc)
             .and_then(Option::as_mut)
             .ok_or_else(|| errors::not_supported("a tensor outside the set's allocations"))?;
         let typed = match base.typed.get(&t.dtype) {
             Some(v) => v.clone(),
             None => {
-                let n = base.bytes.call_method0("numel")?.extract::<u64>()?;
+                let n = bases[alloc].map_or(0, |(_, len)| len as u64);
                 let whole = n - n % size;
-                let dt = torch.getattr(torch_name(t.dtype)?)?;
-                let v = base
-                    .bytes
-                    .call_method1("narrow", (0, 0, whole))?
-                    .call_method1("view", (dt,))?;
+                let dt = torch.dtype(py, t.dtype)?;
+                let narrowed = torch.narrow.bind(py).call1((&base.bytes, 0, 0, whole))?;
+                let v = torch.view.bind(py).call1((narrowed, dt))?;
                 base.typed.insert(t.dtype, v.clone());
                 v
             }
@@ -277,7 +412,7 @@ pub(crate) fn build<'py>(
                 PyTuple::new(py, &strides)?,
                 offset,
             ))?;
-            let parts = stacked.call_method1("unbind", (0,))?;
+            let parts = torch.unbind.bind(py).call1((stacked,))?;
             let parts = parts.cast::<PyTuple>()?;
             for (k, v) in parts.iter().enumerate() {
                 made_tensors[run.members[k]] = Some(v);
@@ -285,8 +420,8 @@ pub(crate) fn build<'py>(
         }
     }
     let d = PyDict::new(py);
-    for (t, v) in tensors.iter().zip(made_tensors) {
-        d.set_item(&t.name, v)?;
+    for (name, v) in names.iter().zip(made_tensors) {
+        d.set_item(name, v)?;
     }
     Ok(d)
 }
@@ -359,6 +494,42 @@ mod tests {
         let r = runs(&t);
         assert_eq!(members(&r), vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
         assert!(r.iter().all(|r| r.step == 512));
+    }
+
+    #[test]
+    fn interleaved_runs_of_one_shape_are_told_apart() {
+        // Layers of [k (4x8), v (4x8), norm (8)], each layer 768 bytes: k and v have one shape and
+        // lie back to back, yet every k forms one run and every v another.
+        let mut t = Vec::new();
+        for l in 0..5u64 {
+            t.push(info(&format!("l{l}.k"), &[4, 8], l * 768));
+            t.push(info(&format!("l{l}.v"), &[4, 8], l * 768 + 256));
+            t.push(info(&format!("l{l}.norm"), &[8], l * 768 + 512));
+        }
+        let r = runs(&t);
+        assert_eq!(
+            members(&r),
+            vec![
+                vec![0, 3, 6, 9, 12],
+                vec![1, 4, 7, 10, 13],
+                vec![2, 5, 8, 11, 14]
+            ]
+        );
+        assert!(r.iter().all(|r| r.step == 768));
+    }
+
+    #[test]
+    fn aliased_tensors_each_land_in_exactly_one_run() {
+        let t = vec![
+            info("a", &[4, 8], 0),
+            info("a2", &[4, 8], 0),
+            info("b", &[4, 8], 64),
+            info("c", &[4, 8], 128),
+        ];
+        let r = runs(&t);
+        let mut all: Vec<usize> = r.iter().flat_map(|r| r.members.clone()).collect();
+        all.sort();
+        assert_eq!(all, vec![0, 1, 2, 3]);
     }
 
     #[test]

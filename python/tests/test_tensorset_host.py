@@ -1,8 +1,8 @@
 """Tensor sets in shared host memory (`memory="host"`) from Python, no GPU: a writer here and a
 reader in a child Python process (started with `sys.executable`, never forked) reading every
 generation's bytes; the layout fingerprint refused; the writer killed (the reader keeps the
-generation it holds and learns `WriterGone`); a missing set; the GPU-only accessors refusing a
-host set. Every wait is bounded. Run: `pip install ./python && pytest python/tests`."""
+generation it holds and learns `WriterGone`); a missing set; a name the set lacks.
+Every wait is bounded. Run: `pip install ./python && pytest python/tests`."""
 
 import os
 import pathlib
@@ -150,16 +150,16 @@ def test_a_missing_set_and_bad_specs_raise_typed_errors(name):
         cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="sideways")
 
 
-def test_host_sets_refuse_gpu_accessors(name):
+def test_host_sets_refuse_gpu_only_calls(name):
+    """A host set's tensors come as CPU tensors (test_tensorset_torch_host.py); reading a
+    tensor's bytes that is not in the set is refused."""
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
     try:
-        with w.begin(timeout=ANSWER) as u:
-            with pytest.raises(cuda_ipc.NotSupported):
-                u.tensors()
+        write_gen(w, None)
         r = cuda_ipc.TensorSetReader(name)
         with r.current() as h:
-            with pytest.raises(cuda_ipc.NotSupported):
-                h.tensors()
+            with pytest.raises(cuda_ipc.InvalidArgument):
+                h.read("nope")
         r.close()
     finally:
         w.close()

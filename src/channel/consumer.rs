@@ -98,7 +98,12 @@ impl Consumer {
             return Self::attach_host(control, name, opts);
         }
         let device = Device::by_uuid(token.device)?;
-        Self::attach_with(control, &device.primary_context()?, opts)
+        Self::attach_with(
+            control,
+            &device.primary_context()?,
+            opts,
+            &mut Duration::default(),
+        )
     }
 
     /// Attaches to channel `name` in `ctx` (which may be on another device than the pool's). A host
@@ -112,7 +117,7 @@ impl Consumer {
         if Token::from_bytes(&mem)?.kind == TokenKind::HostMemory {
             return Self::attach_host(control, name, opts);
         }
-        Self::attach_with(control, ctx, opts)
+        Self::attach_with(control, ctx, opts, &mut Duration::default())
     }
 
     fn attach_host(control: Control, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
@@ -139,6 +144,9 @@ impl Consumer {
     /// of such a consumer have no buffer: only their sequence number, index and metadata mean
     /// anything.
     ///
+    /// Adds to `gpu_time` the wall-clock time spent making the consumer's GPU objects (its
+    /// stream, the registration of the GPU words, the join event and the watchdog thread).
+    ///
     /// # Errors
     /// As [`Consumer::attach`]; [`ChannelError::BadSegment`] when the channel has buffer memory.
     pub(crate) fn attach_memoryless(
@@ -146,6 +154,7 @@ impl Consumer {
         prefix: &str,
         name: &str,
         opts: &ConsumerOptions,
+        gpu_time: &mut Duration,
     ) -> Result<Consumer> {
         let control = Control::open_in(prefix, name, opts.group_access, super::control::INIT_WAIT)?;
         if control.buffer_bytes() != 0 {
@@ -167,15 +176,19 @@ impl Consumer {
                 posted: Mutex::new(0),
             });
         };
-        Self::attach_with(control, ctx, opts)
+        Self::attach_with(control, ctx, opts, gpu_time)
     }
 
+    /// Attaches in `ctx`; adds the time spent making GPU objects to `gpu_time` (see
+    /// [`Consumer::attach_memoryless`]).
     fn attach_with(
         control: Control,
         ctx: &Arc<Context>,
         opts: &ConsumerOptions,
+        gpu_time: &mut Duration,
     ) -> Result<Consumer> {
         control.producer_gone()?;
+        let started = Instant::now();
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
         // A memoryless channel (`attach_memoryless`, which checked it) has nothing to import.
@@ -202,22 +215,26 @@ impl Consumer {
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
         let join = std::sync::Mutex::new(Event::new(ctx)?);
+        *gpu_time += started.elapsed();
         let slot = control.attach(opts.delivery)?;
         let control = Arc::new(control);
         let watched = control.clone();
+        let started = Instant::now();
+        let watchdog = Watchdog::start(
+            "cuda-ipc-watchdog",
+            "a dead producer is noticed at recv",
+            move || {
+                if watched.producer_gone().is_err() {
+                    watched.force_ready();
+                    return false;
+                }
+                true
+            },
+        );
+        *gpu_time += started.elapsed();
         Ok(Consumer {
             side: Side::Gpu {
-                _watchdog: Watchdog::start(
-                    "cuda-ipc-watchdog",
-                    "a dead producer is noticed at recv",
-                    move || {
-                        if watched.producer_gone().is_err() {
-                            watched.force_ready();
-                            return false;
-                        }
-                        true
-                    },
-                ),
+                _watchdog: watchdog,
                 imports: Arc::new(GpuImports {
                     join,
                     buffers,
@@ -830,19 +847,47 @@ impl Frame<'_> {
     }
 }
 
-impl Drop for Frame<'_> {
-    fn drop(&mut self) {
-        let c = self.consumer;
+/// A frame's hold without its borrow of the consumer ([`Frame::detach`]; a tensor-set reader's
+/// stable generation), released by [`Consumer::release_hold`] of the same consumer, or with the
+/// consumer's slot when it drops.
+#[derive(Debug)]
+pub(crate) struct FrameHold {
+    index: usize,
+    seq: u64,
+    host_ordered: bool,
+}
+
+impl Frame<'_> {
+    /// The frame's hold without the borrow: nothing is released now.
+    pub(crate) fn detach(self) -> FrameHold {
+        let hold = FrameHold {
+            index: self.index,
+            seq: self.seq,
+            host_ordered: self.host_ordered,
+        };
+        // The frame owns nothing but its hold (a borrow, inline metadata): nothing leaks.
+        std::mem::forget(self);
+        hold
+    }
+}
+
+impl Consumer {
+    /// Releases a hold detached from one of this consumer's frames, as dropping the frame would.
+    pub(crate) fn release_hold(&self, hold: FrameHold) {
+        self.release_frame(hold.index, hold.seq, hold.host_ordered);
+    }
+
+    fn release_frame(&self, index: usize, seq: u64, host_ordered: bool) {
+        let c = self;
         if let Some(gpu) = c.imports() {
-            if self.host_ordered {
+            if host_ordered {
                 // Every read of the buffer finished before the drop (the caller's obligation).
-                c.control.set_released(c.slot, self.index, self.seq);
+                c.control.set_released(c.slot, index, seq);
             } else {
-                let word =
-                    gpu.ready.device_ptr + layout::release_word_offset(c.slot, self.index) as u64;
+                let word = gpu.ready.device_ptr + layout::release_word_offset(c.slot, index) as u64;
                 // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
                 // buffers), which stay registered until its stream has drained (Drop of Consumer).
-                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, self.seq as u32) } {
+                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
                     // Without the write the producer's stream would wait for good: wait for our
                     // kernels on the host instead and write the word from here.
                     tracing::warn!(
@@ -851,12 +896,19 @@ impl Drop for Frame<'_> {
                     if let Err(e) = gpu.stream.synchronize() {
                         tracing::warn!("synchronising the consumer stream failed: {e}");
                     }
-                    c.control.set_released(c.slot, self.index, self.seq);
+                    c.control.set_released(c.slot, index, seq);
                 }
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the
         // producer's next write of the buffer.
-        c.control.release(c.slot, self.index);
+        c.control.release(c.slot, index);
+    }
+}
+
+impl Drop for Frame<'_> {
+    fn drop(&mut self) {
+        self.consumer
+            .release_frame(self.index, self.seq, self.host_ordered);
     }
 }

@@ -50,6 +50,7 @@ mod view;
 mod wait;
 mod watchdog;
 
+pub(crate) use consumer::FrameHold;
 pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub use control::MAX_CHANNEL_NAME;
 pub(crate) use control::validate_channel_name;

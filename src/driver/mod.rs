@@ -1,5 +1,5 @@
 //! Safe CUDA driver objects: [`Device`], [`Context`], [`DeviceBuffer`], [`Stream`], [`Event`],
-//! [`Module`] / [`Function`].
+//! [`Module`] / [`Function`], [`Graph`] (a stream's work captured once, replayed).
 //!
 //! Owns: the lifetime of every driver object this crate creates, and the rule that each holds the
 //! [`Context`] it was made in (an `Arc<Context>`), so the context outlives everything made from it.
@@ -15,6 +15,7 @@
 mod context;
 mod device;
 mod event;
+mod graph;
 mod memory;
 mod module;
 mod stream;
@@ -25,6 +26,7 @@ pub use device::{
     driver_version,
 };
 pub use event::Event;
+pub use graph::Graph;
 pub(crate) use memory::check_range as memory_check_range;
 pub(crate) use memory::{Allocation, HostRegistration};
 pub use memory::{DeviceBuffer, DeviceMemory};

@@ -132,6 +132,24 @@ thread_local! {
     static OPENS_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+thread_local! {
+    /// Time the calling thread spent fetching file descriptors from exporters
+    /// ([`fetch_time_on_this_thread`]).
+    static FETCH_TIME_HERE: std::cell::Cell<std::time::Duration> =
+        const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// Adds `d` to the calling thread's fd fetch time.
+pub(crate) fn add_fetch_time(d: std::time::Duration) {
+    FETCH_TIME_HERE.with(|c| c.set(c.get().saturating_add(d)));
+}
+
+/// Wall-clock time the calling thread spent fetching file descriptors from exporters (for VMM
+/// and pool imports) so far: the difference around one call is what that call's fetches took.
+pub(crate) fn fetch_time_on_this_thread() -> std::time::Duration {
+    FETCH_TIME_HERE.with(std::cell::Cell::get)
+}
+
 /// Memory imports made with the driver on the calling thread so far: the difference around one
 /// import is what that import made (an open runs on the thread that asked for it; one that
 /// waited for another thread's open of the same key made none).

@@ -175,6 +175,17 @@ impl<K: Ord + Clone, V> SingleFlight<K, V> {
         }
     }
 
+    /// Whether `key` has a live value or an open under way: a [`SingleFlight::get_or_open`] of it
+    /// now would be served without running its `open` (a value that is dropping counts as
+    /// absent: the next call opens anew). Only a hint: the slot may change right after.
+    pub(crate) fn is_present(&self, key: &K) -> bool {
+        match self.lock().get(key) {
+            None => false,
+            Some(Slot::Opening(_)) => true,
+            Some(Slot::Open { value, .. }) => value.strong_count() > 0,
+        }
+    }
+
     /// Values alive now.
     pub(crate) fn live(&self) -> usize {
         self.lock()

@@ -1,14 +1,17 @@
 use super::cache::{self, Access, LOCAL_MEM, MAPPINGS, Mapping, MappingKey, Origin, Source, lock};
 use super::flight::Lease;
 use super::handle::{IpcMemHandle, NotImportable, to_raw_mem};
+use super::shareable::FdSource;
 use crate::driver::{Context, Device, DeviceBuffer, DeviceMemory};
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
 use crate::identity::ProcessIdentity;
 use crate::token::{Token, TokenKind};
+use std::collections::BTreeSet;
 use std::mem::MaybeUninit;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
+use std::time::Instant;
 
 impl DeviceBuffer {
     /// The `IpcMemHandle` of this allocation (`cuIpcGetMemHandle`), and registers it in this
@@ -124,7 +127,7 @@ impl ImportedBuffer {
     ///   (`CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_INVALID_HANDLE`...), or `CUDA_ERROR_TOO_MANY_PEERS`.
     #[doc(alias = "cuIpcOpenMemHandle")]
     pub fn open_in(ctx: &Arc<Context>, token: &Token) -> Result<ImportedBuffer> {
-        Self::open_access(ctx, token, Access::ReadWrite)
+        Self::open_access(ctx, token, Access::ReadWrite, None)
     }
 
     /// Opens the memory `token` names in `ctx` with `access`, as [`ImportedBuffer::open_in`]
@@ -143,8 +146,19 @@ impl ImportedBuffer {
     /// refuses read-only access.
     #[doc(alias = "cuMemSetAccess")]
     pub fn open_with_access(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<Imported> {
+        Self::open_counted(ctx, token, access, None)
+    }
+
+    /// [`ImportedBuffer::open_with_access`] with the allocation's fd when the caller fetched it
+    /// (used only for a VMM token whose mapping this call opens; closed right after).
+    fn open_counted(
+        ctx: &Arc<Context>,
+        token: &Token,
+        access: Access,
+        fetched: Option<OwnedFd>,
+    ) -> Result<Imported> {
         let before = cache::opens_on_this_thread();
-        let buffer = Self::open_access(ctx, token, access)?;
+        let buffer = Self::open_access(ctx, token, access, fetched)?;
         let driver_imports = cache::opens_on_this_thread().saturating_sub(before);
         Ok(Imported {
             read_only: buffer.mapping.read_only,
@@ -153,44 +167,53 @@ impl ImportedBuffer {
         })
     }
 
-    /// [`ImportedBuffer::open_with_access`] for a VMM token whose allocation's fd the caller
-    /// got from another process than the token's exporter (a tensor-set holder): imported from
-    /// `fd` (borrowed; the caller closes it, whatever the result) and cached under the token's
-    /// key. A cached mapping of the token is returned without using `fd`.
-    pub(crate) fn open_vmm_with_fd(
+    /// Opens several memory tokens in `ctx` with `access`, as [`ImportedBuffer::open_with_access`]
+    /// each, in order, but with the fds of the VMM allocations of other processes that are not
+    /// in the import cache fetched first, all at once, from `source` (each allocation once, in the
+    /// order of `tokens`; [`super::shareable::fetch_from_exporters`] makes it one round trip per
+    /// exporter). Each is then imported through the cache as one alone is (same key, same
+    /// single-flight: when another thread opened the allocation meanwhile, the fetched fd is
+    /// closed unused), on this thread, so each [`Imported::driver_imports`] counts this call's.
+    /// Other kinds, self-imports and cached allocations are opened as by `open_with_access`.
+    ///
+    /// # Errors
+    /// As [`ImportedBuffer::open_with_access`]; what `source` returned (the fetch's own errors),
+    /// or [`Error::InvalidArgument`] when it returned another number of fds than tokens asked.
+    /// On an error no import of this call is kept (those made are dropped: back to the cache).
+    pub(crate) fn open_many(
         ctx: &Arc<Context>,
-        token: &Token,
+        tokens: &[Token],
         access: Access,
-        fd: BorrowedFd<'_>,
-    ) -> Result<Imported> {
-        if token.kind != TokenKind::VmmMemory {
-            return Err(Error::InvalidToken(format!(
-                "expected a VMM memory token, got {:?}",
-                token.kind
-            )));
+        source: FdSource<'_>,
+    ) -> Result<Vec<Imported>> {
+        let me = ProcessIdentity::current()?;
+        let want = fetch_plan(tokens, &me, |t| {
+            cache::MAPPINGS.is_present(&MappingKey::of(t, ctx, access))
+        });
+        let mut fds: Vec<Option<OwnedFd>> = (0..tokens.len()).map(|_| None).collect();
+        if !want.is_empty() {
+            let asked: Vec<&Token> = want.iter().map(|&i| &tokens[i]).collect();
+            let started = Instant::now();
+            let got = source(&asked);
+            cache::add_fetch_time(started.elapsed());
+            let got = got?;
+            if got.len() != want.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "the fd source returned {} fds for {} allocations",
+                    got.len(),
+                    want.len()
+                )));
+            }
+            for (i, fd) in want.into_iter().zip(got) {
+                cache::bump(&cache::FD_FETCHES);
+                fds[i] = Some(fd);
+            }
         }
-        let before = cache::opens_on_this_thread();
-        let mapping = super::vmm::open_vmm_from_fd(ctx, token, access, fd)?;
-        let driver_imports = cache::opens_on_this_thread().saturating_sub(before);
-        if token
-            .offset
-            .checked_add(token.len)
-            .is_none_or(|end| end > mapping.size as u64)
-        {
-            return Err(Error::InvalidToken(format!(
-                "range {}+{} lies outside the {}-byte allocation the handle names",
-                token.offset, token.len, mapping.size
-            )));
-        }
-        Ok(Imported {
-            read_only: mapping.read_only,
-            buffer: ImportedBuffer {
-                mapping,
-                offset: token.offset,
-                len: token.len,
-            },
-            driver_imports: driver_imports as u32,
-        })
+        tokens
+            .iter()
+            .zip(fds)
+            .map(|(t, fd)| Self::open_counted(ctx, t, access, fd))
+            .collect()
     }
 
     /// Whether this process's device may only load from the buffer (a VMM import mapped
@@ -199,7 +222,12 @@ impl ImportedBuffer {
         self.mapping.read_only
     }
 
-    fn open_access(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<ImportedBuffer> {
+    fn open_access(
+        ctx: &Arc<Context>,
+        token: &Token,
+        access: Access,
+        fetched: Option<OwnedFd>,
+    ) -> Result<ImportedBuffer> {
         let mapping = match token.kind {
             TokenKind::LegacyMemory => {
                 let me = ProcessIdentity::current()?;
@@ -210,7 +238,7 @@ impl ImportedBuffer {
                 }
                 open_mapping(ctx, &IpcMemHandle(token.handle), token.exporter == me)?
             }
-            TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token, access)?,
+            TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token, access, fetched)?,
             TokenKind::PoolMemory => super::pool::open_pool(ctx, token)?,
             other => {
                 return Err(Error::InvalidToken(format!(
@@ -253,6 +281,11 @@ impl ImportedBuffer {
         self.mapping.base
     }
 
+    /// Bytes of the whole mapped allocation (from [`ImportedBuffer::allocation_base`]).
+    pub(crate) fn allocation_size(&self) -> usize {
+        self.mapping.size
+    }
+
     /// Imports a VMM allocation from a file descriptor you received through your own transport
     /// (from [`super::VmmBuffer::export_fd`] in another process), mapping `size` bytes (the
     /// exporter's [`super::VmmBuffer::allocation_size`]) in `ctx`. The descriptor stays yours:
@@ -281,6 +314,25 @@ impl ImportedBuffer {
         )?);
         Ok(ImportedBuffer::from_mapping(m, 0, size as u64))
     }
+}
+
+/// Which of `tokens` a batched import fetches fds for ([`ImportedBuffer::open_many`]): VMM tokens
+/// of processes other than `me` whose mapping `cached` says is not there, each allocation
+/// (exporter, export id, handle) once, at its first position. Returns those positions, rising.
+fn fetch_plan(
+    tokens: &[Token],
+    me: &ProcessIdentity,
+    cached: impl Fn(&Token) -> bool,
+) -> Vec<usize> {
+    let mut seen = BTreeSet::new();
+    tokens
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.kind == TokenKind::VmmMemory && t.exporter != *me)
+        .filter(|(_, t)| seen.insert((t.exporter, t.export_id, t.handle)))
+        .filter(|(_, t)| !cached(t))
+        .map(|(i, _)| i)
+        .collect()
 }
 
 impl IpcMemHandle {
@@ -400,5 +452,53 @@ impl DeviceMemory for ImportedBuffer {
     }
     fn context(&self) -> &Arc<Context> {
         &self.mapping.ctx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::Uuid;
+
+    fn who(pid: u32) -> ProcessIdentity {
+        ProcessIdentity {
+            pid,
+            start_time: 1000 + u64::from(pid),
+            boot_id: [7; 16],
+            pid_ns: 1,
+        }
+    }
+
+    fn token(kind: TokenKind, exporter: u32, export_id: u32) -> Token {
+        let mut handle = [0u8; 64];
+        handle[..4].copy_from_slice(&(export_id as i32 + 100).to_le_bytes());
+        Token {
+            kind,
+            handle,
+            offset: 0,
+            len: 4096,
+            device: Uuid([0; 16]),
+            exporter: who(exporter),
+            export_id,
+        }
+    }
+
+    #[test]
+    fn a_batch_fetches_each_uncached_foreign_vmm_allocation_once_in_order() {
+        let me = who(1);
+        let tokens = [
+            token(TokenKind::VmmMemory, 2, 5),    // 0: fetched
+            token(TokenKind::LegacyMemory, 2, 0), // 1: legacy: no fd
+            token(TokenKind::VmmMemory, 1, 6),    // 2: this process's own: no fd
+            token(TokenKind::VmmMemory, 3, 5),    // 3: same id, other exporter: fetched
+            token(TokenKind::VmmMemory, 2, 5),    // 4: the allocation of 0 again: once
+            token(TokenKind::VmmMemory, 2, 9),    // 5: cached: no fd
+            token(TokenKind::PoolMemory, 2, 4),   // 6: pool: its own import path
+            token(TokenKind::VmmMemory, 2, 7),    // 7: fetched
+        ];
+        let plan = fetch_plan(&tokens, &me, |t| t.export_id == 9);
+        assert_eq!(plan, [0, 3, 7]);
+        assert!(fetch_plan(&tokens, &me, |_| true).is_empty());
+        assert!(fetch_plan(&[], &me, |_| false).is_empty());
     }
 }

@@ -16,6 +16,10 @@
 //! covers the whole allocation. See
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html> (`cuIpc*`).
 //!
+//! A batched import (`ImportedBuffer::open_many`, crate-internal) fetches the fds of every VMM
+//! allocation of a list that is not in the cache at once, from a source it is given (by default
+//! the exporters, one round trip each), then imports each through the cache as one alone is.
+//!
 //! [`fdpass`] moves file descriptors (VMM and memory-pool exports) between processes of one user
 //! over a Unix socket file in `/dev/shm` (reachable across network and pid namespaces), with
 //! `pidfd_getfd` as an optional fast path; it does not call CUDA.
@@ -40,6 +44,7 @@ mod shareable;
 mod vmm;
 
 pub use arena::{ARENA_ALIGN, ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena};
+pub(crate) use cache::fetch_time_on_this_thread;
 pub use cache::{Access, CacheStats, cache_stats};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};
@@ -50,5 +55,7 @@ pub use foreign::{
 pub use handle::{IpcEventHandle, IpcMemHandle, NotImportable};
 pub use memory::{Imported, ImportedBuffer};
 pub use pool::{MemPool, PoolBuffer};
+pub(crate) use shareable::fetch_from_exporters;
 pub use shareable::{fd_transport, set_fd_transport};
+pub(crate) use vmm::StableRange;
 pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};

@@ -3,7 +3,8 @@
 //!
 //! Owns: [`VmmBuffer`] on the exporting side, the table of this process's VMM exports (for
 //! self-imports), the importer's mapping of a VMM token (reserve, import, map, set access; teardown
-//! in the reverse order: [`VmmMap`]), [`vmm_granularity`] and the [`fabric_handles`] probe. What it
+//! in the reverse order: [`VmmMap`]), the stable ranges mapped allocations are mapped at in turn
+//! ([`StableRange`]), [`vmm_granularity`] and the [`fabric_handles`] probe. What it
 //! shares with pool memory (the fd handle type, the peer check, the fd fetch and its transport) is
 //! in `shareable.rs`; memory pools are `pool.rs`, which it does not import, nor that this file.
 //! File descriptors travel through [`super::fdpass`]; the import cache is [`super::cache`].
@@ -183,6 +184,167 @@ impl Drop for VmmMap {
         // SAFETY: the handle is owned by this struct and released once, here.
         if let Err(e) = check("cuMemRelease", unsafe { sys::cuMemRelease(self.handle) }) {
             tracing::warn!("{e}; {} bytes stay allocated until exit", self.size);
+        }
+    }
+}
+
+/// A reserved virtual address range (`cuMemAddressReserve`) at which VMM allocations that are
+/// already mapped elsewhere in the same context are mapped in turn, one at a time: a tensor-set
+/// reader's stable addresses. [`StableRange::map_from`] finds the allocation behind a mapped
+/// address (`cuMemRetainAllocationHandle`), unmaps what the range held (`cuMemUnmap`), maps the
+/// allocation there (`cuMemMap`), grants access (`cuMemSetAccess`) and releases the retained
+/// handle (`cuMemRelease`: the new mapping holds its own reference to the memory). Drop unmaps the
+/// range and frees the reservation (`cuMemAddressFree`).
+///
+/// The range never outlives what it maps: a mapping holds its physical memory until it is
+/// unmapped, whatever happens to the mapping it was found through.
+#[derive(Debug)]
+pub(crate) struct StableRange {
+    ctx: Arc<Context>,
+    ptr: u64,
+    /// Bytes reserved: a multiple of the device's granularity.
+    size: usize,
+    /// Bytes mapped from `ptr` now; 0: nothing is mapped.
+    mapped: usize,
+}
+
+impl StableRange {
+    /// Reserves `size` bytes (rounded up to the device's granularity) of address space in `ctx`,
+    /// nothing mapped.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `size == 0` or an overflow; [`Error::Cuda`] naming
+    /// `cuMemAddressReserve` (`CUDA_ERROR_OUT_OF_MEMORY` when no range that large is free).
+    pub(crate) fn reserve(ctx: &Arc<Context>, size: usize) -> Result<StableRange> {
+        let g = vmm_granularity(&ctx.device())?;
+        let size = size
+            .checked_next_multiple_of(g)
+            .filter(|&s| s > 0)
+            .ok_or_else(|| Error::InvalidArgument(format!("{size} bytes of address space")))?;
+        let _cur = ctx.enter()?;
+        let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
+        // SAFETY: context current (`_cur`); `ptr` a valid out-pointer; `size` a multiple of the
+        // granularity; alignment 0 asks for the default and address 0 for any address.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(ptr.as_mut_ptr(), size, 0, 0, 0)
+        })?;
+        Ok(StableRange {
+            ctx: ctx.clone(),
+            // SAFETY: written on success.
+            ptr: unsafe { ptr.assume_init() },
+            size,
+            mapped: 0,
+        })
+    }
+
+    /// The first address of the range, the same for the range's life.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Maps the first `len` bytes (a multiple of the granularity, at most the reservation) of
+    /// the VMM allocation that is mapped at `source` in this context (any address inside that
+    /// mapping) at this range, with `access`, in place of what the range held. The caller
+    /// guarantees that no work of the context still uses the range (it is unmapped first). On an
+    /// error the range is left with nothing mapped.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `len` exceeds the reservation; [`Error::Cuda`] naming
+    /// `cuMemRetainAllocationHandle` (`source` is not a VMM mapping), `cuMemUnmap`, `cuMemMap`
+    /// (`len` past the allocation) or `cuMemSetAccess`.
+    pub(crate) fn map_from(&mut self, source: u64, len: usize, access: Access) -> Result<()> {
+        if len == 0 || len > self.size {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes do not fit a stable range of {} bytes",
+                self.size
+            )));
+        }
+        // A clone: the guard borrows it while `self` is borrowed mutably.
+        let ctx = self.ctx.clone();
+        let _cur = ctx.enter()?;
+        let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
+        // SAFETY: context current (`_cur`); `h` a valid out-pointer; the driver only looks the
+        // address up (it fails for an address no `cuMemMap` mapped).
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(
+                h.as_mut_ptr(),
+                source as usize as *mut std::ffi::c_void,
+            )
+        })?;
+        // SAFETY: written on success.
+        let h = unsafe { h.assume_init() };
+        let r = self.unmap_current().and_then(|()| {
+            // SAFETY: [ptr, ptr + len) lies in this range's reservation (checked above) and is
+            // unmapped (just above); `h` is a live handle (retained) of an allocation the driver
+            // checks to hold at least `len` bytes from offset 0.
+            check("cuMemMap", unsafe { sys::cuMemMap(self.ptr, len, 0, h, 0) })?;
+            self.mapped = len;
+            let desc = access_desc_for(&self.ctx.device(), access);
+            // SAFETY: the range is mapped (just above); `desc` is one valid access descriptor.
+            check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(self.ptr, len, &desc, 1)
+            })?;
+            Ok(())
+        });
+        // SAFETY: `h` was retained above and is released once, here; a mapping made from it keeps
+        // its own reference to the memory.
+        let released = check("cuMemRelease", unsafe { sys::cuMemRelease(h) });
+        if let Err(e) = r {
+            let _ = self.unmap_current();
+            return Err(e);
+        }
+        if let Err(e) = released {
+            tracing::warn!("{e}; the retained handle's reference stays until exit");
+        }
+        Ok(())
+    }
+
+    /// Unmaps what the range holds (`cuMemUnmap`), if anything; the reservation stays. The caller
+    /// guarantees that no work of the context still uses the range.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuMemUnmap` (the range then stays mapped).
+    pub(crate) fn unmap(&mut self) -> Result<()> {
+        let ctx = self.ctx.clone();
+        let _cur = ctx.enter()?;
+        self.unmap_current()
+    }
+
+    /// As [`StableRange::unmap`], with the context current.
+    fn unmap_current(&mut self) -> Result<()> {
+        if self.mapped == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller made the context current; [ptr, ptr + mapped) is exactly what
+        // `map_from` mapped (a whole mapping, as `cuMemUnmap` requires); the caller guarantees no
+        // work still uses it.
+        check("cuMemUnmap", unsafe {
+            sys::cuMemUnmap(self.ptr, self.mapped)
+        })?;
+        self.mapped = 0;
+        Ok(())
+    }
+}
+
+impl Drop for StableRange {
+    fn drop(&mut self) {
+        let ctx = self.ctx.clone();
+        let _cur = match ctx.enter() {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!("{e}; {} bytes of address space stay reserved", self.size);
+                return;
+            }
+        };
+        if let Err(e) = self.unmap_current() {
+            tracing::warn!("{e}; a stable range of {} bytes stays mapped", self.size);
+            return;
+        }
+        // SAFETY: the range was reserved by this value and nothing is mapped in it any more.
+        if let Err(e) = check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(self.ptr, self.size)
+        }) {
+            tracing::warn!("{e}; {} bytes of address space stay reserved", self.size);
         }
     }
 }
@@ -370,10 +532,17 @@ fn import_vmm_handle(
 
 /// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`. The fd fetch ([`fetch_fd`],
 /// up to its timeout) runs inside the key's single-flight open: other threads importing the same
-/// token wait for it, imports of other keys do not.
+/// token wait for it, imports of other keys do not. `fetched`: the allocation's fd when the caller
+/// fetched it already (a batched import), used instead of a fetch if this call opens the mapping,
+/// else closed unused; closed (dropped) right after the import either way.
 /// `access` is the importer's ([`Access::ReadOnly`]: mapped `PROT_READ`); a self-import is the
 /// exporter's own read-write mapping.
-pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Result<Arc<Mapping>> {
+pub(crate) fn open_vmm(
+    ctx: &Arc<Context>,
+    token: &Token,
+    access: Access,
+    fetched: Option<OwnedFd>,
+) -> Result<Arc<Mapping>> {
     let raw_fd = i32::from_le_bytes(token.handle[..4].try_into().unwrap_or_default());
     let size = u64::from_le_bytes(token.handle[8..16].try_into().unwrap_or_default());
     let size = usize::try_from(size)
@@ -406,7 +575,10 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Res
             }
         } else {
             require_peer(ctx, token.device)?;
-            let fd = fetch_fd(token, raw_fd)?;
+            let fd = match fetched {
+                Some(fd) => fd,
+                None => fetch_fd(token, raw_fd)?,
+            };
             // `fd` is closed when it drops at the end of this block, on success and on failure.
             let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
             let (base, size) = (vm.ptr, vm.size);
@@ -418,49 +590,6 @@ pub(crate) fn open_vmm(ctx: &Arc<Context>, token: &Token, access: Access) -> Res
             size,
             read_only,
             origin,
-            ctx: ctx.clone(),
-            _lease: Some(lease),
-        })
-    })?;
-    cache::count_served(how);
-    Ok(m)
-}
-
-/// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`, from `fd`: a descriptor
-/// of the same allocation that the caller got elsewhere than from the token's exporter (a holder of
-/// a tensor set that forwards it after the exporter died). Cached under the token's own
-/// [`MappingKey`], so an import made either way serves the other. The descriptor stays the
-/// caller's (it is only borrowed for `cuMemImportFromShareableHandle`, which does not take
-/// ownership), whatever the result. A token of this process's own export is opened as by
-/// [`open_vmm`] (the fd is not used).
-///
-/// The caller vouches that `fd` is the allocation the token names (the tensor-set holder checks
-/// its server's identity and the export ids the set's holders segment records); the mapping is
-/// the token's recorded size, which the driver refuses when the allocation is smaller.
-pub(crate) fn open_vmm_from_fd(
-    ctx: &Arc<Context>,
-    token: &Token,
-    access: Access,
-    fd: BorrowedFd<'_>,
-) -> Result<Arc<Mapping>> {
-    if token.exporter == ProcessIdentity::current()? {
-        return open_vmm(ctx, token, access);
-    }
-    let size = u64::from_le_bytes(token.handle[8..16].try_into().unwrap_or_default());
-    let size = usize::try_from(size)
-        .ok()
-        .filter(|&s| s > 0)
-        .ok_or_else(|| Error::InvalidToken(format!("VMM allocation size {size}")))?;
-    let key = MappingKey::of(token, ctx, access);
-    let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
-        require_peer(ctx, token.device)?;
-        let vm = import_vmm_handle(ctx, fd, size, access)?;
-        let (base, size) = (vm.ptr, vm.size);
-        Ok(Mapping {
-            base,
-            size,
-            read_only: access == Access::ReadOnly,
-            origin: Origin::closed_by(Box::new(vm)),
             ctx: ctx.clone(),
             _lease: Some(lease),
         })

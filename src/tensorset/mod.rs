@@ -27,6 +27,14 @@
 //! readers of the newest generation never wait for the writer, which writes the oldest buffer no
 //! reader holds).
 //!
+//! Stable addresses ([`ReaderOptions::stable_addresses`], VMM sets): a reader reserves one
+//! address range per allocation at open and keeps it for its life; at a point it chooses
+//! ([`TensorSetReader::switch_stable`], never under its running kernels: the switch waits for the
+//! context's work first), a held generation's memory is mapped there, and the reader keeps that
+//! generation held until the next switch, so CUDA graphs captured over the stable addresses read
+//! one whole generation and stay valid across generations. In place (B = 1) the stable addresses
+//! are the buffer's own, and the writer waits for [`TensorSetReader::release_stable`].
+//!
 //! PyTorch tensors carry no read-only flag: a stray in-place operation on a tensor over a
 //! read-only mapping faults the reader's context (a CUDA error in that process, which must then
 //! be restarted); the writer and the other readers go on. Over read-write mappings (pool, legacy,
@@ -41,6 +49,7 @@ pub mod owned;
 mod reader;
 pub mod reclaim;
 mod segment;
+mod stable;
 mod writer;
 
 pub use dtype::DType;
@@ -50,8 +59,9 @@ pub use manifest::{
     ALIGN, Layout, MAX_ALLOCATIONS, MAX_NAME, MAX_NDIM, MAX_TENSORS, TensorInfo, TensorSpec,
     fingerprint,
 };
-pub use reader::{Held, Location, TensorRef, TensorSetReader};
+pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader};
 pub use segment::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
+pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};
 
 use crate::channel::{MemoryKind, WaitStrategy};
@@ -175,6 +185,9 @@ pub struct ReaderOptions {
     /// (role reader), let go when the reader drops. VMM sets only
     /// ([`TensorSetError::NotHoldable`] otherwise).
     pub serve: bool,
+    /// Keep stable addresses across generations (default `false`; VMM sets only): see
+    /// [`TensorSetReader::switch_stable`].
+    pub stable_addresses: bool,
 }
 
 impl Default for ReaderOptions {
@@ -192,6 +205,7 @@ impl ReaderOptions {
             wait: WaitStrategy::default(),
             read_only: true,
             serve: false,
+            stable_addresses: false,
         }
     }
     /// Demands the layout fingerprint `fp`.
@@ -218,6 +232,12 @@ impl ReaderOptions {
     /// [`ReaderOptions::serve`](struct.ReaderOptions.html#structfield.serve).
     pub fn serve(mut self, on: bool) -> Self {
         self.serve = on;
+        self
+    }
+    /// Reserves stable addresses at open (`true`; VMM sets only), at which
+    /// [`TensorSetReader::switch_stable`] maps the generation the reader chooses.
+    pub fn stable_addresses(mut self, on: bool) -> Self {
+        self.stable_addresses = on;
         self
     }
 }

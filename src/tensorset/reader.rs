@@ -3,10 +3,11 @@
 
 use super::error::{ManifestFault, TensorSetError};
 use super::holders::{self, FdSource, HolderRole, Writerless};
-use super::manifest::{KIND_HOST, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
+use super::manifest::{KIND_HOST, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
+use super::stable::{Stable, StableSwitch};
 use super::{ReaderOptions, decode_meta};
-use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame};
+use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame, FrameHold};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
@@ -15,7 +16,7 @@ use crate::shm::Segment;
 use crate::token::Token;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What a reader maps of the set's memory.
 enum Memory {
@@ -32,6 +33,50 @@ enum Source {
     Writerless(Writerless),
 }
 
+/// Where one [`TensorSetReader`] open spent its time (wall clock, measured by
+/// [`TensorSetReader::open`], [`TensorSetReader::open_auto`] and
+/// [`TensorSetReader::open_host`]; [`TensorSetReader::open_timings`] returns it). For a GPU set
+/// the mapping (`fd_fetch` + `map`, on the opening thread) and the channel's `join` (on a second
+/// thread) overlap: `total` is about `manifest` + the longer of the two.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct OpenTimings {
+    /// Opening the manifest segment (`shm_open`, `mmap`, the header's checks), copying its
+    /// body out, decoding and checking it (every range, code, tensor span and name).
+    pub manifest: Duration,
+    /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
+    /// and comparing it with the manifest's: on the opening thread before the mapping for small
+    /// sets and host sets, on a thread of its own beside the mapping and the join for a GPU set
+    /// of more than [`VERIFY_APART`] tensors (nothing is returned before it passed).
+    pub fingerprint: Duration,
+    /// Fetching the file descriptors of the allocations that were not in the import cache from
+    /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
+    /// host set and for allocations this process had imported already.
+    pub fd_fetch: Duration,
+    /// The rest of the mapping: the import cache's look-ups and, per allocation not in it,
+    /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess`
+    /// (pool and legacy memory: their own import calls); a host set: its data segment's open.
+    pub map: Duration,
+    /// The generation channel's join, as long as it ran on its own thread: its control segment
+    /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
+    /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
+    pub join: Duration,
+    /// The part of `join` that made GPU objects: the reader's stream (`cuStreamCreate`), the
+    /// registration of the channel's GPU words (`cuMemHostRegister`), the join event
+    /// (`cuEventCreate`) and the watchdog thread. Zero for a host set.
+    pub join_gpu: Duration,
+    /// How long the opening thread waited for the join once its mapping was done (zero when the
+    /// join finished first); a host set: the whole join.
+    pub join_wait: Duration,
+    /// The whole open, from the call to the reader returned (for [`TensorSetReader::open_auto`]
+    /// including the look-up of the device and its primary context).
+    pub total: Duration,
+}
+
+/// Tensors above which a GPU set's layout fingerprint is recomputed on a thread of its own while
+/// the memory is mapped (below, the hash costs less than starting a thread).
+pub const VERIFY_APART: usize = 1024;
+
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
 /// allocation, through the import cache and fd passing; read-only where the memory allows) and
 /// keeps the mappings for every generation; takes generations as [`Held`] guards.
@@ -40,9 +85,12 @@ enum Source {
 /// *writerless*: it imports the memory from a holder and serves the last whole generation
 /// ([`TensorSetReader::is_writerless`]).
 pub struct TensorSetReader {
-    // Drop order: the serving part lets go of its holder slot, the consumer drains its stream and
-    // leaves the generation channel (a writerless reader drains its own stream), then the imports
-    // are dropped (no GPU work reads them any more), then the manifest is unmapped.
+    // Drop order: `Drop` first closes the stable addresses (context drained, ranges unmapped and
+    // freed, their hold released on the consumer's stream); then the serving part lets go of its
+    // holder slot, the consumer drains its stream and leaves the generation channel (a writerless
+    // reader drains its own stream), then the imports are dropped (no GPU work reads them any
+    // more), then the manifest is unmapped.
+    stable: Option<Stable>,
     _serving: Option<holders::Serving>,
     consumer: Source,
     memory: Memory,
@@ -55,6 +103,7 @@ pub struct TensorSetReader {
     imports: u32,
     buffers: usize,
     expect_content: Option<[u8; 32]>,
+    timings: OpenTimings,
     _manifest: Segment,
 }
 
@@ -128,14 +177,15 @@ impl TensorSetReader {
     /// # Errors
     /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
     pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
-        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let started = Instant::now();
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind != KIND_HOST {
             return Err(TensorSetError::WrongKind(
                 "a GPU tensor set: open it with a context (TensorSetReader::open)",
             )
             .into());
         }
-        Self::finish(None, name, opts, opened)
+        Self::finish(None, name, opts, opened, started)
     }
 
     fn open_inner(
@@ -143,9 +193,10 @@ impl TensorSetReader {
         name: &str,
         opts: &ReaderOptions,
     ) -> Result<TensorSetReader> {
-        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let started = Instant::now();
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind == KIND_HOST {
-            return Self::finish(None, name, opts, opened);
+            return Self::finish(None, name, opts, opened, started);
         }
         let ctx = match ctx {
             Some(c) => c.clone(),
@@ -154,7 +205,7 @@ impl TensorSetReader {
                 Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        Self::finish(Some(&ctx), name, opts, opened)
+        Self::finish(Some(&ctx), name, opts, opened, started)
     }
 
     fn finish(
@@ -162,9 +213,30 @@ impl TensorSetReader {
         name: &str,
         opts: &ReaderOptions,
         opened: segment::OpenedManifest,
+        started: Instant,
     ) -> Result<TensorSetReader> {
+        let mut timings = OpenTimings {
+            manifest: opened.took,
+            ..OpenTimings::default()
+        };
         let m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
+        let bad_fingerprint = |fault| TensorSetError::BadManifest {
+            segment: seg_name.clone(),
+            fault,
+        };
+        let verify = || {
+            let t = Instant::now();
+            (m.verify_fingerprint(), t.elapsed())
+        };
+        // The fingerprint is checked before anything is returned; a large GPU set's beside the
+        // mapping (below), every other set's here, first.
+        let verify_apart = ctx.is_some() && m.layout.len() > VERIFY_APART;
+        if !verify_apart {
+            let (r, took) = verify();
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
         if let Some(expected) = opts.expect_layout
             && expected != m.layout.fingerprint()
         {
@@ -174,6 +246,7 @@ impl TensorSetReader {
             }
             .into());
         }
+        Self::check_stable(opts, m.kind)?;
         // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
         // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
         // runs on a scoped thread while this thread maps the memory (a host set's two halves are
@@ -185,16 +258,37 @@ impl TensorSetReader {
         let copts = ConsumerOptions::new()
             .delivery(Delivery::LatestOnly)
             .wait(opts.wait);
-        let attach = || Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts);
-        let map = || Self::map_memory(ctx, name, opts, &m, &seg_name);
-        let (mapped, attached) = if ctx.is_none() {
-            (map(), attach())
+        // Each half times itself (the join on its own thread): (result, its time, GPU part).
+        let attach = || {
+            let t = Instant::now();
+            let mut gpu = Duration::ZERO;
+            let r = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts, &mut gpu);
+            (r, t.elapsed(), gpu)
+        };
+        let map = || {
+            let t = Instant::now();
+            let fetched = crate::ipc::fetch_time_on_this_thread();
+            let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
+            let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
+            (r, t.elapsed(), fetch)
+        };
+        let (mapped, attached, join_wait, verified) = if ctx.is_none() {
+            let mapped = map();
+            let attached = attach();
+            let wait = attached.1;
+            (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
                 let channel = std::thread::Builder::new()
                     .name("cuda-ipc-attach".into())
                     .spawn_scoped(s, attach);
+                let verifier = verify_apart.then(|| {
+                    std::thread::Builder::new()
+                        .name("cuda-ipc-verify".into())
+                        .spawn_scoped(s, verify)
+                });
                 let mapped = map();
+                let t = Instant::now();
                 let attached = match channel {
                     Ok(h) => h
                         .join()
@@ -202,9 +296,29 @@ impl TensorSetReader {
                     // No thread to be had: attach here, after the imports.
                     Err(_) => attach(),
                 };
-                (mapped, attached)
+                let join_wait = t.elapsed();
+                let verified = verifier.map(|v| match v {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    Err(_) => verify(),
+                });
+                (mapped, attached, join_wait, verified)
             })
         };
+        // A manifest whose fingerprint is not its tables' is refused before anything else; the
+        // mapping and the consumer drop (back to the cache, out of the channel).
+        if let Some((r, took)) = verified {
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
+        let (mapped, map_time, fetch_time) = mapped;
+        let (attached, join_time, join_gpu) = attached;
+        timings.fd_fetch = fetch_time;
+        timings.map = map_time.saturating_sub(fetch_time);
+        timings.join = join_time;
+        timings.join_gpu = join_gpu;
+        timings.join_wait = join_wait;
         // Either error is returned, the imports' first (as when they ran first); the other half's
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
@@ -238,8 +352,10 @@ impl TensorSetReader {
             None
         };
         let buffers = m.buffers;
+        let stable = Self::open_stable(ctx, opts, &memory, read_only)?;
         Ok(TensorSetReader {
             _serving: serving,
+            stable,
             consumer,
             memory,
             buffers,
@@ -249,14 +365,19 @@ impl TensorSetReader {
             read_only,
             imports,
             expect_content: opts.expect_content,
+            timings: OpenTimings {
+                total: started.elapsed(),
+                ..timings
+            },
             _manifest: opened.seg,
         })
     }
 
     /// Maps the set's memory for [`TensorSetReader::open`]: the host data segment, or every
     /// allocation of every buffer imported once in `ctx` (each checked to hold at least the
-    /// allocation table's length). Returns the memory, whether every mapping is read-only and
-    /// the driver imports made (on this thread).
+    /// allocation table's length), the fds of those not in the import cache fetched together
+    /// first (`ImportedBuffer::open_many`: one round trip per exporter). Returns the memory,
+    /// whether every mapping is read-only and the driver imports made (on this thread).
     fn map_memory(
         ctx: Option<&Arc<Context>>,
         name: &str,
@@ -272,20 +393,29 @@ impl TensorSetReader {
                 } else {
                     Access::ReadWrite
                 };
+                let tokens = m
+                    .tokens
+                    .iter()
+                    .flatten()
+                    .map(|t| Token::from_bytes(t))
+                    .collect::<Result<Vec<_>>>()?;
+                // The writer's exports, or a holder's once the writer is gone.
+                let mut source = FdSource::new(name, m);
+                let mut imported =
+                    ImportedBuffer::open_many(ctx, &tokens, access, &mut |asked: &[&Token]| {
+                        source.fetch(asked)
+                    })?
+                    .into_iter();
                 let mut ro = opts.read_only;
                 let mut count = 0u32;
                 let mut all = Vec::with_capacity(m.buffers);
-                // The writer's exports, or a holder's once the writer is gone.
-                let mut source = FdSource::new(name, m);
-                for (b, toks) in m.tokens.iter().enumerate() {
+                for toks in &m.tokens {
                     let mut row = Vec::with_capacity(toks.len());
-                    for (a, tok) in toks.iter().enumerate() {
-                        let got = source.import(
-                            ctx,
-                            &Token::from_bytes(tok)?,
-                            b * toks.len() + a,
-                            access,
-                        )?;
+                    for a in 0..toks.len() {
+                        // One import per token, in the order of the flattened table.
+                        let got = imported.next().ok_or_else(|| {
+                            Error::InvalidArgument("fewer imports than allocations".into())
+                        })?;
                         let need = m.layout.allocations()[a];
                         if (got.buffer.len() as u64) < need {
                             return Err(TensorSetError::BadManifest {
@@ -307,6 +437,192 @@ impl TensorSetReader {
                 (Memory::Gpu(all), ro, count)
             }
         })
+    }
+
+    /// Refuses [`ReaderOptions::stable_addresses`] on a set whose memory cannot be mapped at a
+    /// second address (before anything is imported).
+    fn check_stable(opts: &ReaderOptions, kind: u32) -> Result<()> {
+        if !opts.stable_addresses || kind == KIND_VMM {
+            return Ok(());
+        }
+        Err(TensorSetError::WrongKind(if kind == KIND_HOST {
+            "a host tensor set has no device addresses to keep stable (stable addresses need a VMM set)"
+        } else {
+            "stable addresses need a VMM tensor set: pool and legacy memory cannot be mapped at a second address"
+        })
+        .into())
+    }
+
+    /// The stable addresses of a reader opened with [`ReaderOptions::stable_addresses`]: one
+    /// reserved range per allocation of a buffer (after the imports, in the same context).
+    fn open_stable(
+        ctx: Option<&Arc<Context>>,
+        opts: &ReaderOptions,
+        memory: &Memory,
+        read_only: bool,
+    ) -> Result<Option<Stable>> {
+        match (opts.stable_addresses, ctx, memory) {
+            (false, ..) => Ok(None),
+            (true, Some(ctx), Memory::Gpu(imports)) => {
+                Ok(Some(Stable::open(ctx, imports, read_only)?))
+            }
+            _ => Err(TensorSetError::WrongKind(
+                "a host tensor set has no device addresses to keep stable",
+            )
+            .into()),
+        }
+    }
+
+    fn stable(&self) -> Result<&Stable> {
+        self.stable.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "the reader was opened without ReaderOptions::stable_addresses".into(),
+            )
+        })
+    }
+
+    /// Maps `held`'s generation at this reader's stable addresses (the same addresses for the
+    /// reader's life: [`TensorSetReader::stable_ptr`]), so that CUDA graphs captured over them
+    /// read it; consumes the guard, whose hold the reader keeps while the generation is there.
+    ///
+    /// Buffered sets (B ≥ 2): when `held` lies in another buffer than the generation mapped
+    /// there, waits for all work of the reader's context to finish (`cuCtxSynchronize`: every
+    /// stream, so no kernel still reads the old generation, and the new one is ready), then per
+    /// allocation takes the allocation handle behind the buffer's own mapping
+    /// (`cuMemRetainAllocationHandle`), unmaps the stable range (`cuMemUnmap`), maps the handle
+    /// there (`cuMemMap`), grants the reader's access again (`cuMemSetAccess`, read-only when
+    /// [`TensorSetReader::is_read_only`]) and releases the retained handle (`cuMemRelease`), and
+    /// only then releases the previous stable generation's hold (its release word on the
+    /// reader's stream). The same buffer again (the same generation, since a held buffer is not
+    /// rewritten) maps nothing. In-place sets (B = 1): the stable addresses are the buffer's own
+    /// (the same as [`Held::device_ptr`]); nothing is mapped, the hold is kept all the same.
+    /// When the call returns, the generation at the stable addresses is ready for work on any
+    /// stream of the context.
+    ///
+    /// The hold kept: the writer never rewrites the stable generation while it is there. A
+    /// buffered writer has B − 1 buffers left (a reader that also holds a newer guard pins two);
+    /// an in-place writer waits in [`super::TensorSetWriter::begin`] until the reader lets it go
+    /// ([`TensorSetReader::release_stable`]), takes the newer generation and switches to it.
+    ///
+    /// The caller must not launch work over the stable addresses from other threads during
+    /// the call (the wait covers the work enqueued before it). The wait is the whole
+    /// context's: switch when no work of the context waits on the GPU for another process
+    /// (a posted channel receive, a collective whose peers have not joined), or the switch
+    /// waits with it. Other guards of the old stable
+    /// generation may stay alive (the reader counts its holds per buffer); switches from several
+    /// threads are serialised. Before the first switch nothing is mapped at the stable addresses
+    /// (graphs may be captured over them, not run).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the reader was opened without
+    /// [`ReaderOptions::stable_addresses`], or `held` is another reader's (the guard is released);
+    /// [`Error::Cuda`] naming `cuCtxSynchronize` / `cuStreamSynchronize` (failed work of the
+    /// context: nothing changed, the guard released), or `cuMemRetainAllocationHandle`, `cuMemUnmap`, `cuMemMap`,
+    /// `cuMemSetAccess`: then nothing is left at the stable addresses (their reads fault, they
+    /// do not read memory the writer may rewrite), both holds are released and
+    /// [`TensorSetReader::stable_generation`] is `None`; a later switch maps again.
+    ///
+    /// # Examples
+    /// ```no_run
+    /// use cuda_ipc::driver::Context;
+    /// use cuda_ipc::tensorset::{ReaderOptions, TensorSetReader};
+    /// let ctx = Context::default_device()?;
+    /// let r = TensorSetReader::open(&ctx, "weights", &ReaderOptions::new().stable_addresses(true))?;
+    /// let first = r.wait_newer(0, None)?;
+    /// let mut last = first.generation();
+    /// r.switch_stable(first)?;
+    /// let w0 = r.stable_ptr(0)?; // capture graphs over the stable addresses once
+    /// for _ in 0..100 {
+    ///     let next = r.wait_newer(last, None)?;
+    ///     last = next.generation();
+    ///     let s = r.switch_stable(next)?; // between steps, never under the graphs' kernels
+    ///     assert_eq!(r.stable_ptr(0)?, w0);
+    ///     println!("generation {} in {} us", s.generation, s.micros);
+    /// }
+    /// # Ok::<(), cuda_ipc::Error>(())
+    /// ```
+    #[doc(alias = "cuMemMap")]
+    #[doc(alias = "cuMemRetainAllocationHandle")]
+    pub fn switch_stable(&self, held: Held<'_>) -> Result<StableSwitch> {
+        let stable = self.stable()?;
+        if !std::ptr::eq(held.reader, self) {
+            return Err(Error::InvalidArgument(
+                "switch_stable takes a generation this reader holds, not another reader's".into(),
+            ));
+        }
+        let Memory::Gpu(imports) = &self.memory else {
+            return Err(
+                TensorSetError::WrongKind("a host tensor set has no stable addresses").into(),
+            );
+        };
+        let stream = self.stream()?;
+        let Some(detached) = held.detach() else {
+            return Err(Error::InvalidArgument(
+                "a writerless reader (opened after its writer died) keeps its one generation at \
+                 the addresses it has: there is nothing to switch"
+                    .into(),
+            ));
+        };
+        stable.switch(imports, stream, detached, &|b, h| {
+            self.release_detached(b, h)
+        })
+    }
+
+    /// The stable device address of tensor `i` (readers opened with
+    /// [`ReaderOptions::stable_addresses`]): the same for the reader's life; the generation
+    /// [`TensorSetReader::switch_stable`] mapped there is [`TensorSetReader::stable_generation`].
+    ///
+    /// # Errors
+    /// [`TensorSetError::NoSuchTensor`]; [`Error::InvalidArgument`] without stable addresses.
+    pub fn stable_ptr(&self, i: usize) -> Result<u64> {
+        self.stable()?.ptr(&self.layout, i)
+    }
+
+    /// Tensor `i` at its stable address as device memory in the reader's context, for kernels
+    /// and graph captures; what it reads is the generation switched there (nothing before the
+    /// first switch, or after [`TensorSetReader::release_stable`]).
+    ///
+    /// # Errors
+    /// As [`TensorSetReader::stable_ptr`].
+    pub fn stable_tensor(&self, i: usize) -> Result<super::DeviceTensor<'_>> {
+        let ptr = self.stable_ptr(i)?;
+        Ok(super::DeviceTensor {
+            ptr,
+            len: self.layout.tensors()[i].bytes as usize,
+            ctx: self.context()?,
+        })
+    }
+
+    /// The generation at the stable addresses; `None` before the first switch, after
+    /// [`TensorSetReader::release_stable`] or a failed switch, and without stable addresses.
+    pub fn stable_generation(&self) -> Option<u64> {
+        self.stable.as_ref().and_then(Stable::generation)
+    }
+
+    /// Lets the stable generation go: waits for all work of the reader's context
+    /// (`cuCtxSynchronize`), unmaps the stable ranges (buffered sets; in place the addresses are
+    /// the buffer's own and stay mapped, but the writer may now rewrite them) and releases the
+    /// hold. The reservation stays for the next switch. `Ok(false)` when nothing was held.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] without stable addresses; [`Error::Cuda`] naming
+    /// `cuCtxSynchronize` or `cuMemUnmap` (the hold is then kept).
+    pub fn release_stable(&self) -> Result<bool> {
+        self.stable()?.release(&|b, h| self.release_detached(b, h))
+    }
+
+    /// Releases a hold detached from a guard of buffer `buffer` (as [`Held`]'s drop does).
+    fn release_detached(&self, buffer: usize, hold: FrameHold) {
+        let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        holds[buffer] = holds[buffer].saturating_sub(1);
+        if holds[buffer] == 0 {
+            // Under the lock, so a take of the same buffer waits for the release. (A writerless
+            // reader's guards hold nothing: no hold is detached from them.)
+            if let Source::Channel(c) = &self.consumer {
+                c.release_hold(hold);
+            }
+        }
+        // Otherwise a guard of this reader holds the same generation: its last drop releases.
     }
 
     /// Buffers of the set (1 in place; B buffered): generations in flight.
@@ -358,6 +674,11 @@ impl TensorSetReader {
     /// already); B × A for a first open (A = 1 for writer-allocated sets).
     pub fn imports(&self) -> u32 {
         self.imports
+    }
+
+    /// Where this reader's open spent its time (see [`OpenTimings`] for what each phase covers).
+    pub fn open_timings(&self) -> OpenTimings {
+        self.timings
     }
 
     /// Whether every mapping is read-only on this device (VMM memory opened with
@@ -678,6 +999,29 @@ impl Held<'_> {
             // SAFETY: forwarded from this function's contract.
             Some(f) => unsafe { f.release_after_raw(stream) },
             None => Ok(()),
+        }
+    }
+}
+
+impl Held<'_> {
+    /// (buffer, generation, the frame's hold) without releasing anything: the reader's count of
+    /// holds of the buffer now counts the returned hold ([`TensorSetReader::release_detached`]).
+    /// `None` for a writerless reader's guard, which holds nothing.
+    fn detach(self) -> Option<(usize, u64, FrameHold)> {
+        let mut me = ManuallyDrop::new(self);
+        let frame = me.frame.take()?;
+        Some((
+            me.buffer,
+            me.generation,
+            ManuallyDrop::into_inner(frame).detach(),
+        ))
+    }
+}
+
+impl Drop for TensorSetReader {
+    fn drop(&mut self) {
+        if let Some(stable) = self.stable.take() {
+            stable.close(&|b, h| self.release_detached(b, h));
         }
     }
 }

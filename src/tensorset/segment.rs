@@ -283,9 +283,13 @@ pub(crate) fn create_manifest(set: &str, m: &Manifest) -> Result<Segment> {
 }
 
 /// An opened manifest: the segment (kept mapped: its inode tells a replaced set) and the body.
+/// From [`open_manifest_unverified`], its layout fingerprint is still to be checked
+/// ([`Manifest::verify_fingerprint`]).
 pub(crate) struct OpenedManifest {
     pub(crate) seg: Segment,
     pub(crate) manifest: Manifest,
+    /// How long the open, the copy and the decode took (without a later fingerprint check).
+    pub(crate) took: Duration,
 }
 
 impl OpenedManifest {
@@ -303,7 +307,22 @@ impl OpenedManifest {
 /// body that does not decode; [`TensorSetError::VersionMismatch`];
 /// [`TensorSetError::CreationInProgress`] when the stamp did not come in time.
 pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
+    let opened = open_manifest_unverified(set, init_wait)?;
+    opened
+        .manifest
+        .verify_fingerprint()
+        .map_err(|f| bad(opened.seg.name(), f))?;
+    Ok(opened)
+}
+
+/// [`open_manifest`] without the layout fingerprint's recomputation (the caller does it before
+/// relying on the manifest: [`Manifest::verify_fingerprint`]).
+///
+/// # Errors
+/// As [`open_manifest`], less the fingerprint's fault.
+pub(crate) fn open_manifest_unverified(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
     validate_set_name(set)?;
+    let started = std::time::Instant::now();
     let name = format!("{MANIFEST_PREFIX}{set}");
     let seg = versioned::open_versioned::<ManifestHeader>(&name, false, init_wait)
         .map_err(|e| open_error(set, &name, e))?;
@@ -328,8 +347,12 @@ pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedMani
     unsafe {
         std::ptr::copy_nonoverlapping(seg.as_ptr().add(HEADER_PAGE), body.as_mut_ptr(), body.len())
     };
-    let manifest = manifest::decode(&body).map_err(|f| bad(&name, f))?;
-    Ok(OpenedManifest { seg, manifest })
+    let manifest = manifest::decode_unverified(&body).map_err(|f| bad(&name, f))?;
+    Ok(OpenedManifest {
+        seg,
+        manifest,
+        took: started.elapsed(),
+    })
 }
 
 /// A host set's data segment: B buffers of `stride` bytes after the header page.

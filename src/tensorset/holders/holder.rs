@@ -7,14 +7,12 @@ use super::{HolderRole, HoldersSegment, SlotClaim, check_entries};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::fdpass::{self, FdExport, FdPassError, FdTransport};
-use crate::ipc::{Access, Imported, ImportedBuffer};
 use crate::shm::{Segment, ShmError};
 use crate::tensorset::error::TensorSetError;
 use crate::tensorset::manifest::{KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM, Manifest};
 use crate::tensorset::segment::{self, INIT_WAIT};
-use crate::token::{Token, TokenKind};
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
+use crate::token::Token;
+use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 /// How long one server may take to hand over a set's fds.
@@ -127,37 +125,54 @@ impl<'a> FdSource<'a> {
         FdSource { set, m, fds: None }
     }
 
-    /// Imports allocation `index` (b × A + a) of token `tok` in `ctx` with `access`:
-    /// [`ImportedBuffer::open_with_access`], and when the token's exporter is gone
-    /// ([`FdPassError::PeerGone`]) and the set has a holders segment, from the fd a live holder
-    /// forwards, cached under the token's key.
+    /// The fds of `asked` (tokens of this set's allocation table, those the import cache lacks),
+    /// in order: from their exporter (the writer, one round trip:
+    /// [`crate::ipc::fetch_from_exporters`]), and when it is gone
+    /// ([`FdPassError::PeerGone`]) and the set has a holders segment, from a live holder (every
+    /// allocation's fd fetched once, the asked ones duplicated out of them). The fd source of
+    /// [`ImportedBuffer::open_many`].
     ///
     /// # Errors
-    /// As [`ImportedBuffer::open_with_access`]; [`TensorSetError::NoServer`] naming the writer and
-    /// every holder tried when nobody hands the fd over.
-    pub(crate) fn import(
-        &mut self,
-        ctx: &Arc<crate::driver::Context>,
-        tok: &Token,
-        index: usize,
-        access: Access,
-    ) -> Result<Imported> {
-        match ImportedBuffer::open_with_access(ctx, tok, access) {
+    /// The exporter's fetch errors; [`TensorSetError::NoServer`] naming the writer and every holder
+    /// tried when nobody hands the fds over; [`Error::InvalidArgument`] for a token that is not
+    /// one of the set's.
+    pub(crate) fn fetch(&mut self, asked: &[&Token]) -> Result<Vec<OwnedFd>> {
+        match crate::ipc::fetch_from_exporters(asked) {
             Err(Error::FdPass(FdPassError::PeerGone { .. }))
-                if tok.kind == TokenKind::VmmMemory && self.m.holders_generation != 0 =>
+                if self.m.kind == KIND_VMM && self.m.holders_generation != 0 =>
             {
                 if self.fds.is_none() {
                     let holders = open_holders(self.set, self.m)?;
                     self.fds = Some(fetch_all(self.set, self.m, &holders)?.0);
                 }
-                let fd = self
-                    .fds
-                    .as_ref()
-                    .and_then(|f| f.get(index))
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(format!("allocation {index} of the set's table"))
-                    })?;
-                ImportedBuffer::open_vmm_with_fd(ctx, tok, access, fd.as_fd())
+                let all = self.fds.as_ref().map(Vec::as_slice).unwrap_or_default();
+                asked
+                    .iter()
+                    .map(|t| {
+                        let at = self
+                            .m
+                            .tokens
+                            .iter()
+                            .flatten()
+                            .position(|b| Token::from_bytes(b).is_ok_and(|x| x == **t))
+                            .ok_or_else(|| {
+                                Error::InvalidArgument(format!(
+                                    "export {} is not in set {}'s allocation table",
+                                    t.export_id, self.set
+                                ))
+                            })?;
+                        let fd = all.get(at).ok_or_else(|| {
+                            Error::InvalidArgument(format!("allocation {at} of the set's table"))
+                        })?;
+                        fd.try_clone().map_err(|e| {
+                            Error::Os(crate::error::OsError::io(
+                                "fcntl(F_DUPFD_CLOEXEC)",
+                                format!("allocation {at}"),
+                                e,
+                            ))
+                        })
+                    })
+                    .collect()
             }
             r => r,
         }

@@ -1,0 +1,188 @@
+//! The source tensors of `TensorUpdate.copy_from`, read from Python in bulk.
+//!
+//! Each tensor's dtype, contiguity, size and data pointer are read by one `list(map(getter,
+//! values))` per property over a chunk of tensors: one C-level loop per property (no bytecode,
+//! no bound method per tensor), so a state dict of thousands of tensors costs about what
+//! PyTorch's getters themselves cost. The dtype is compared by identity with the set's cached
+//! `torch.dtype`; only a mismatch converts it (for the error's text).
+
+use crate::errors;
+use crate::tensors::{self, Torch};
+use cuda_ipc::tensorset::{Layout, TensorSetError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+/// Tensors read per chunk: the copies of a chunk are enqueued before the next chunk is read, so
+/// the GPU copies while the host reads on.
+pub(crate) const CHUNK: usize = 512;
+
+/// The name → index dict of `layout` (keys: the layout's name strings), for lookups by the
+/// caller's `str` keys without converting them.
+pub(crate) fn index_dict(
+    py: Python<'_>,
+    names: &Bound<'_, pyo3::types::PyTuple>,
+) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    for (i, n) in names.iter().enumerate() {
+        d.set_item(n, i)?;
+    }
+    Ok(d.unbind())
+}
+
+/// One chunk of sources: `keys[k]` names `values[k]`.
+pub(crate) struct Chunk<'py> {
+    pub keys: Bound<'py, PyList>,
+    pub values: Bound<'py, PyList>,
+}
+
+/// Reads the chunk's tensors: returns the copies `(tensor index, source address, bytes)` in the
+/// chunk's order, and pushes what must stay alive until the copies are ordered (contiguous
+/// copies made of non-contiguous sources) onto `keep`.
+///
+/// # Errors
+/// `TensorSetError::NoSuchTensor` for a name the set lacks; `InvalidArgument` for a value that
+/// is not a tensor, another dtype than the set's, a tensor on another kind of device than the
+/// set's memory (`host`: CPU tensors; otherwise CUDA ones are not checked here, the copy's
+/// driver call refuses others), or more bytes than the set's tensor has.
+pub(crate) fn read<'py>(
+    py: Python<'py>,
+    torch: &Torch,
+    layout: &Layout,
+    index: &Bound<'py, PyDict>,
+    chunk: &Chunk<'py>,
+    host: bool,
+    keep: &mut Vec<Bound<'py, PyAny>>,
+) -> PyResult<Vec<(usize, u64, usize)>> {
+    let n = chunk.keys.len();
+    let mut idx = Vec::with_capacity(n);
+    for k in chunk.keys.iter() {
+        match index.get_item(&k)? {
+            Some(i) => idx.push(i.extract::<usize>()?),
+            None => {
+                let shown = match k.extract::<String>() {
+                    Ok(s) => format!("{s:?}"),
+                    Err(_) => k.repr()?.to_string(),
+                };
+                return Err(crate::util::err(
+                    py,
+                    TensorSetError::NoSuchTensor(shown).into(),
+                ));
+            }
+        }
+    }
+    let name = |k: usize| layout.tensors()[idx[k]].name.as_str();
+    let values = &chunk.values;
+    let dtypes = match torch.map_list(py, &torch.get_dtype, values.as_any()) {
+        Ok(d) => d,
+        Err(_) => return Err(not_a_tensor(py, torch, layout, &idx, values)),
+    };
+    for (k, dt) in dtypes.iter().enumerate() {
+        let want = layout.tensors()[idx[k]].dtype;
+        if dt.is(torch.dtype(py, want)?) {
+            continue;
+        }
+        let got = tensors::dtype_arg(py, &dt)?;
+        return Err(errors::invalid_argument(
+            py,
+            format!(
+                "tensor {:?}: dtype {got:?}, the set holds {want:?}",
+                name(k)
+            ),
+        ));
+    }
+    if host {
+        let cpu = torch.map_list(py, &torch.get_is_cpu, values.as_any())?;
+        for (k, c) in cpu.iter().enumerate() {
+            if !c.is_truthy()? {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {:?} is not on the CPU: a host tensor set copies from CPU tensors",
+                        name(k)
+                    ),
+                ));
+            }
+        }
+    }
+    let contiguous = torch.map_list(py, &torch.is_contiguous, values.as_any())?;
+    for (k, c) in contiguous.iter().enumerate() {
+        if !c.is_truthy()? {
+            let t = torch.contiguous.bind(py).call1((values.get_item(k)?,))?;
+            values.set_item(k, &t)?;
+            keep.push(t);
+        }
+    }
+    let nbytes = torch.map_list(py, &torch.get_nbytes, values.as_any())?;
+    let ptrs = torch.map_list(py, &torch.data_ptr, values.as_any())?;
+    let mut out = Vec::with_capacity(n);
+    for (k, (nb, p)) in nbytes.iter().zip(ptrs.iter()).enumerate() {
+        let nb: u64 = nb.extract()?;
+        let info = &layout.tensors()[idx[k]];
+        if nb > info.bytes {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "tensor {:?}: {nb} bytes given, the set's tensor has {}",
+                    name(k),
+                    info.bytes
+                ),
+            ));
+        }
+        out.push((idx[k], p.extract::<u64>()?, nb as usize));
+    }
+    Ok(out)
+}
+
+/// The error for a chunk where reading `dtype` failed: names the first value that has none.
+fn not_a_tensor(
+    py: Python<'_>,
+    torch: &Torch,
+    layout: &Layout,
+    idx: &[usize],
+    values: &Bound<'_, PyList>,
+) -> PyErr {
+    let _ = torch;
+    for (k, v) in values.iter().enumerate() {
+        if v.getattr("dtype").is_err() || v.getattr("data_ptr").is_err() {
+            let ty = v
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            return errors::invalid_argument(
+                py,
+                format!(
+                    "tensor {:?}: a {ty} is not a torch.Tensor",
+                    layout.tensors()[idx[k]].name
+                ),
+            );
+        }
+    }
+    errors::invalid_argument(py, "the sources' dtypes could not be read".to_string())
+}
+
+/// For a failed GPU copy: the first source of `values` that is not a CUDA tensor, as a clear
+/// error (`None`: all are, the driver's error stands).
+pub(crate) fn not_cuda(
+    py: Python<'_>,
+    torch: &Torch,
+    layout: &Layout,
+    copies: &[(usize, u64, usize)],
+    values: &Bound<'_, PyList>,
+) -> Option<PyErr> {
+    let cuda = torch
+        .map_list(py, &torch.get_is_cuda, values.as_any())
+        .ok()?;
+    for (k, c) in cuda.iter().enumerate() {
+        if !c.is_truthy().unwrap_or(true) {
+            let name = &layout.tensors()[copies.get(k)?.0].name;
+            return Some(errors::invalid_argument(
+                py,
+                format!(
+                    "tensor {name:?} is not a CUDA tensor: a GPU tensor set copies from CUDA tensors"
+                ),
+            ));
+        }
+    }
+    None
+}

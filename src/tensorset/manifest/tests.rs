@@ -1,0 +1,150 @@
+//! The manifest's unit tests: round trips, refused specs and fingerprints, and the decoder fed
+//! random and corrupted bodies.
+
+use super::*;
+use proptest::prelude::*;
+
+fn sample(n: usize) -> Manifest {
+    let specs: Vec<_> = (0..n)
+        .map(|i| {
+            TensorSpec::new(
+                format!("layer.{i}.weight"),
+                DType::BF16,
+                &[3, (i % 7) as i64 + 1],
+            )
+        })
+        .collect();
+    let layout = Layout::new(&specs).unwrap();
+    Manifest {
+        kind: KIND_HOST,
+        flags: FLAG_BUFFERED,
+        buffers: 2,
+        tokens: vec![vec![[7u8; TOKEN_LEN]]; 2],
+        layout,
+        channel_generation: 11,
+        data_generation: 12,
+        max_readers: 64,
+        holders_generation: 13,
+    }
+}
+
+#[test]
+fn offsets_are_aligned_and_the_body_round_trips() {
+    let m = sample(5);
+    for t in m.layout.tensors() {
+        assert_eq!(t.offset % ALIGN, 0);
+    }
+    assert_eq!(m.layout.tensors()[1].offset, 256);
+    assert_eq!(m.layout.tensors()[0].strides, vec![1, 1]);
+    let d = decode(&encode(&m)).unwrap();
+    assert_eq!(d.layout.tensors(), m.layout.tensors());
+    assert_eq!(d.layout.fingerprint(), m.layout.fingerprint());
+    assert_eq!(
+        (
+            d.buffers,
+            d.channel_generation,
+            d.data_generation,
+            d.holders_generation
+        ),
+        (2, 11, 12, 13)
+    );
+    // A body written before holders existed (zero at 152) reads as "no holders segment".
+    let mut old = encode(&m);
+    old[152..160].fill(0);
+    assert_eq!(decode(&old).unwrap().holders_generation, 0);
+    assert_eq!(d.layout.index_of("layer.3.weight"), Some(3));
+}
+
+#[test]
+fn a_stored_fingerprint_that_is_not_the_tables_is_refused() {
+    let mut body = encode(&sample(40));
+    body[96] ^= 1;
+    assert!(matches!(decode(&body), Err(ManifestFault::Fingerprint)));
+    let m = decode_unverified(&body).unwrap();
+    assert_eq!(m.layout.fingerprint()[0], body[96]);
+    assert!(matches!(
+        m.verify_fingerprint(),
+        Err(ManifestFault::Fingerprint)
+    ));
+    // A tensor's offset changed (the stored fingerprint kept): refused as well.
+    let mut body = encode(&sample(40));
+    let e = BODY_HEADER + 2 * ALLOC_ENTRY + 3 * TENSOR_ENTRY + 40;
+    body[e + 1] ^= 1;
+    assert!(matches!(decode(&body), Err(ManifestFault::Fingerprint)));
+    // The chunked hash is the per-field one: the digest did not change.
+    let m = sample(3000);
+    let mut h = Sha256::new();
+    h.update(b"cuda-ipc tensor-set layout v1\0");
+    h.update((m.layout.len() as u64).to_le_bytes());
+    for t in m.layout.tensors() {
+        h.update((t.name.len() as u32).to_le_bytes());
+        h.update(t.name.as_bytes());
+        h.update([t.dtype.code, t.dtype.bits]);
+        h.update(t.dtype.lanes.to_le_bytes());
+        h.update((t.shape.len() as u32).to_le_bytes());
+        for d in t.shape.iter().chain(&t.strides) {
+            h.update(d.to_le_bytes());
+        }
+        h.update(t.allocation.to_le_bytes());
+        h.update(t.offset.to_le_bytes());
+    }
+    assert_eq!(m.layout.fingerprint(), <[u8; 32]>::from(h.finalize()));
+}
+
+#[test]
+fn a_hundred_thousand_tensors_round_trip() {
+    let m = sample(100_000);
+    let body = encode(&m);
+    let d = decode(&body).unwrap();
+    assert_eq!(d.layout.len(), 100_000);
+    assert_eq!(
+        d.layout.by_name("layer.99999.weight").unwrap().offset,
+        99_999 * 256
+    );
+}
+
+#[test]
+fn bad_specs_are_refused_with_the_tensor_named() {
+    let dup = [
+        TensorSpec::new("a", DType::F32, &[1]),
+        TensorSpec::new("a", DType::F32, &[1]),
+    ];
+    assert!(Layout::new(&dup).is_err());
+    assert!(Layout::new(&[TensorSpec::new("", DType::F32, &[1])]).is_err());
+    assert!(Layout::new(&[TensorSpec::new("neg", DType::F32, &[-1])]).is_err());
+    assert!(Layout::new(&[TensorSpec::strided("s", DType::F32, &[2, 2], &[1])]).is_err());
+    let big = TensorSpec::new("big", DType::F64, &[i64::MAX, i64::MAX]);
+    assert!(Layout::new(&[big]).is_err());
+    let t = TensorSpec::strided("t", DType::F32, &[2, 3], &[1, 2]);
+    assert_eq!(Layout::new(&[t]).unwrap().tensors()[0].bytes, 4 * 6);
+    // A fingerprint changes with any offset or name.
+    let a = Layout::new(&[TensorSpec::new("x", DType::F32, &[4])]).unwrap();
+    let b = Layout::new(&[TensorSpec::new("y", DType::F32, &[4])]).unwrap();
+    assert_ne!(a.fingerprint(), b.fingerprint());
+    let over = Layout::with_locations(&[(TensorSpec::new("x", DType::F32, &[4]), 0, 8)], vec![16]);
+    assert!(over.is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        let _ = decode(&bytes);
+    }
+
+    #[test]
+    fn corrupted_bodies_never_panic_and_are_mostly_refused(
+        n in 0usize..20,
+        flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+        cut in any::<usize>(),
+    ) {
+        let mut body = encode(&sample(n));
+        for (at, v) in flips {
+            let i = at % body.len();
+            body[i] ^= v | 1;
+        }
+        let _ = decode(&body);
+        let keep = cut % (body.len() + 1);
+        let _ = decode(&body[..keep]);
+    }
+}
