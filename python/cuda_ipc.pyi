@@ -115,6 +115,18 @@ class LayoutMismatch(CudaIpcError):
 class ContentMismatch(CudaIpcError):
     """A generation's content fingerprint is not the one expected."""
 
+class NotHoldable(NotSupported):
+    """The tensor set cannot be held by forwarding its file descriptors (``TensorSetHolder``,
+    ``serve=True``): a host, pool or legacy set, one whose writer made no holders segment, or one
+    of too many allocations."""
+
+class NoHolderSlot(CudaIpcError):
+    """Every holder slot of the tensor set serves a live process."""
+
+class NoServer(WriterGone):
+    """No process could hand over the tensor set's file descriptors: its writer is dead and no
+    live holder answered; the message names each server tried and what it said."""
+
 def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] = None) -> None:
     """Sets the shared budget (bytes) that producers made with ``quota=scope`` reserve their pools
     from, for host-memory channels (``device=None``) or CUDA device ``device``; as ``cuda-ipc quota
@@ -488,7 +500,11 @@ class TensorUpdate:
 class TensorSetReader:
     """The reading end of tensor set ``name``: every allocation mapped once (read-only for VMM
     with ``read_only=True``). Raises ``TensorSetNotFound``, ``LayoutMismatch`` (``expect_layout``),
-    ``BadSegment``, ``WriterGone``, ``NoConsumerSlot``, ``FdPassingError``, ``CudaError``."""
+    ``BadSegment``, ``WriterGone``, ``NoServer`` (writer dead, no live holder), ``NoConsumerSlot``,
+    ``FdPassingError``, ``CudaError``. Opened after the writer's death, a held VMM set is read
+    writerless (``writerless``). ``serve=True`` (VMM sets, else ``NotHoldable``; ``NoHolderSlot``):
+    serve the set's fds to later readers as a ``TensorSetHolder`` does. ``stable_addresses=True``
+    (VMM sets, else ``NotSupported``): addresses kept for the reader's life (``switch_stable``)."""
 
     def __init__(
         self,
@@ -499,6 +515,8 @@ class TensorSetReader:
         read_only: bool = True,
         wait: Wait = "spin_then_block",
         spin: float = 5e-05,
+        serve: bool = False,
+        stable_addresses: bool = False,
     ) -> None: ...
     def current(self, timeout: Optional[float] = 0.0) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` for a first."""
@@ -514,6 +532,27 @@ class TensorSetReader:
     def layout_fingerprint(self) -> bytes: ...
     @property
     def names(self) -> List[str]: ...
+    @property
+    def writerless(self) -> bool:
+        """Opened after the writer's death: reads the last whole generation, no newer comes."""
+    def open_timings(self) -> Dict[str, float]:
+        """Microseconds per phase of the open: ``manifest``, ``fingerprint``, ``fd_fetch``,
+        ``map``, ``join``, ``join_gpu``, ``join_wait``, ``total``."""
+    def switch_stable(self, hold: "TensorHold") -> Dict[str, Any]:
+        """Maps ``hold``'s generation at the stable addresses and consumes ``hold`` (the reader
+        keeps it held until the next switch or ``release_stable``); may wait for the whole
+        context (``cuCtxSynchronize``). Returns ``{"generation": int, "remapped": bool,
+        "micros": int, "remap_micros": int}``. Raises ``InvalidArgument`` (no
+        ``stable_addresses``, another reader's or a released hold, a writerless reader),
+        ``CudaError``."""
+    def stable_tensors(self) -> Dict[str, Any]:
+        """A new ``dict[str, torch.Tensor]`` over the stable addresses: the same tensor objects
+        for the reader's life (CUDA graphs captured over them stay valid across switches)."""
+    @property
+    def stable_generation(self) -> Optional[int]:
+        """The generation at the stable addresses; ``None`` before the first switch."""
+    def release_stable(self) -> bool:
+        """Lets the stable generation go (``cuCtxSynchronize`` first); ``False`` if none was."""
     def close(self) -> None: ...
     def __enter__(self) -> "TensorSetReader": ...
     def __exit__(self, *args: Any) -> None: ...
@@ -536,4 +575,32 @@ class TensorHold:
         """Host sets: a copy of tensor ``name``'s bytes."""
     def release(self) -> None: ...
     def __enter__(self) -> "TensorHold": ...
+    def __exit__(self, *args: Any) -> None: ...
+
+HolderStatus = Literal["serving", "closed", "replaced"]
+
+class TensorSetHolder:
+    """Keeps VMM tensor set ``name`` attachable after its writer dies: holds and serves a file
+    descriptor of every allocation (no CUDA context; the fds pin ``bytes`` of device memory until
+    ``close()``). Raises ``TensorSetNotFound``, ``NotHoldable``, ``NoServer``, ``NoHolderSlot``,
+    ``BadSegment``, ``OsError``."""
+
+    def __init__(self, name: str) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def allocations(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def source_pid(self) -> int: ...
+    @property
+    def status(self) -> HolderStatus:
+        """``"serving"``, ``"closed"`` (by its writer, or this holder's ``close()``) or
+        ``"replaced"`` (another set under the name)."""
+    def wait(self, timeout: Optional[float] = None) -> HolderStatus:
+        """Waits (at most ``timeout`` seconds; ``None``: no bound) until ``status`` is not
+        ``"serving"``; returns the status last seen."""
+    def close(self) -> None: ...
+    def __enter__(self) -> "TensorSetHolder": ...
     def __exit__(self, *args: Any) -> None: ...

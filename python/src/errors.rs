@@ -144,6 +144,27 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     cuda_ipc,
+    NotHoldable,
+    NotSupported,
+    "The tensor set cannot be held by forwarding its file descriptors (`TensorSetHolder`, \
+     `serve=True`): a host, pool or legacy set, one whose writer made no holders segment, or one \
+     of too many allocations. Also a `NotSupported`."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    NoHolderSlot,
+    CudaIpcError,
+    "Every holder slot of the tensor set serves a live process (`TensorSetHolder`, `serve=True`)."
+);
+pyo3::create_exception!(
+    cuda_ipc,
+    NoServer,
+    WriterGone,
+    "No process could hand over the tensor set's file descriptors: its writer is dead and no live \
+     holder answered; the message names each server tried and what it said. Also a `WriterGone`."
+);
+pyo3::create_exception!(
+    cuda_ipc,
     CudaError,
     CudaIpcError,
     "A CUDA driver call failed; the message names the call and the error."
@@ -251,6 +272,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TensorSetClosed", py.get_type::<TensorSetClosed>())?;
     m.add("LayoutMismatch", py.get_type::<LayoutMismatch>())?;
     m.add("ContentMismatch", py.get_type::<ContentMismatch>())?;
+    m.add("NotHoldable", py.get_type::<NotHoldable>())?;
+    m.add("NoHolderSlot", py.get_type::<NoHolderSlot>())?;
+    m.add("NoServer", py.get_type::<NoServer>())?;
     let x = extra(py)?;
     m.add("Timeout", x.timeout.bind(py))?;
     m.add("InvalidArgument", x.invalid_argument.bind(py))?;
@@ -287,6 +311,9 @@ enum Kind {
     TensorSetClosed,
     LayoutMismatch,
     ContentMismatch,
+    NotHoldable,
+    NoHolderSlot,
+    NoServer,
 }
 
 /// The end of the shared-memory layer's text for a symbolic link under a segment's name.
@@ -350,6 +377,9 @@ fn kind(e: &Error) -> Kind {
             | TensorSetError::NoSuchTensor(_) => Kind::InvalidArgument,
             TensorSetError::WrongKind(_) => Kind::NotSupported,
             TensorSetError::TooManyReaders { .. } => Kind::NoConsumerSlot,
+            TensorSetError::NotHoldable { .. } => Kind::NotHoldable,
+            TensorSetError::NoHolderSlot { .. } => Kind::NoHolderSlot,
+            TensorSetError::NoServer { .. } => Kind::NoServer,
             _ => Kind::Base,
         },
         Error::Quota(q) => match q {
@@ -426,6 +456,9 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Kind::TensorSetClosed => TensorSetClosed::new_err(msg),
         Kind::LayoutMismatch => LayoutMismatch::new_err(msg),
         Kind::ContentMismatch => ContentMismatch::new_err(msg),
+        Kind::NotHoldable => NotHoldable::new_err(msg),
+        Kind::NoHolderSlot => NoHolderSlot::new_err(msg),
+        Kind::NoServer => NoServer::new_err(msg),
     }
 }
 

@@ -24,8 +24,8 @@
 //! Every duration argument goes through [`util::seconds_arg`] (0 to [`util::MAX_SECONDS`], else
 //! `InvalidArgument`).
 //!
-//! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`; `view.rs` the
-//! frames' buffer, `util.rs` what they share, `quota.rs` the quota functions, `errors.rs` the
+//! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`, `holder.rs` (a
+//! tensor set's `TensorSetHolder`); `view.rs` the frames' buffer, `util.rs` what they share, `quota.rs` the quota functions, `errors.rs` the
 //! exception classes, `dlpack.rs` the tensor exports, `torch_alloc.rs` PyTorch's pluggable
 //! allocator (the exported C functions `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM
 //! arena) and `torch_mem_pool`.
@@ -35,6 +35,7 @@ mod consumer;
 mod dlpack;
 mod errors;
 mod frame;
+mod holder;
 mod producer;
 mod quota;
 mod sources;
@@ -66,6 +67,7 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor_set_writer::TensorUpdate>()?;
     m.add_class::<tensor_set_reader::TensorSetReader>()?;
     m.add_class::<tensor_set_reader::TensorHold>()?;
+    m.add_class::<holder::TensorSetHolder>()?;
     m.add_function(wrap_pyfunction!(set_quota, m)?)?;
     m.add_function(wrap_pyfunction!(remove_quota, m)?)?;
     m.add_function(wrap_pyfunction!(cleanup::cleanup, m)?)?;

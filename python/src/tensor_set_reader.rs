@@ -33,6 +33,9 @@ pub(crate) struct TensorSetReader {
     dicts: Mutex<Vec<Option<Py<PyDict>>>>,
     /// The tensors' names as `str`s, made at the first dict and shared by every buffer's.
     names: PyOnceLock<Py<PyTuple>>,
+    /// The tensors over the stable addresses (`stable_addresses=True`), built at the first
+    /// `stable_tensors()` and the same objects until `close()`.
+    stable: Mutex<Option<Py<PyDict>>>,
 }
 
 impl TensorSetReader {
@@ -78,9 +81,20 @@ impl TensorSetReader {
     /// the memory allows: `read_only`), and joins its generations. `device`: the CUDA ordinal to
     /// map it on (`None`: the device that holds it, found by UUID). `expect_layout`: the writer's
     /// 32-byte `layout_fingerprint`; another layout raises `LayoutMismatch`.
+    ///
+    /// Opened after the writer's death, a VMM set that a `TensorSetHolder` (or a `serve=True`
+    /// reader) keeps is read *writerless* (`writerless`): its memory imported from a holder, its
+    /// last whole generation served; `NoServer` when no live holder answers.
+    ///
+    /// `serve=True` (VMM sets): this reader also serves the set's file descriptors to readers
+    /// opened after the writer's death, as a `TensorSetHolder` does, until it is closed; raises
+    /// `NotHoldable` for other sets, `NoHolderSlot` when every holder slot is taken.
+    /// `stable_addresses=True` (VMM sets): one address range per allocation is reserved for the
+    /// reader's life (`switch_stable`, `stable_tensors`); raises `NotSupported` for other sets.
     #[new]
     #[pyo3(signature = (name, *, device=None, expect_layout=None, read_only=true,
-        wait="spin_then_block", spin=Seconds::Float(50e-6)))]
+        wait="spin_then_block", spin=Seconds::Float(50e-6), serve=false, stable_addresses=false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         name: String,
@@ -89,9 +103,13 @@ impl TensorSetReader {
         read_only: bool,
         wait: &str,
         spin: Seconds,
+        serve: bool,
+        stable_addresses: bool,
     ) -> PyResult<Self> {
         let mut opts = ReaderOptions::new();
         opts.read_only = read_only;
+        opts.serve = serve;
+        opts.stable_addresses = stable_addresses;
         opts.wait = wait_arg(py, wait, spin)?;
         if let Some(l) = expect_layout {
             opts.expect_layout = Some(<[u8; 32]>::try_from(l).map_err(|_| {
@@ -125,6 +143,7 @@ impl TensorSetReader {
             host,
             dicts: Mutex::new((0..buffers).map(|_| None).collect()),
             names: PyOnceLock::new(),
+            stable: Mutex::new(None),
         })
     }
 
@@ -223,11 +242,128 @@ impl TensorSetReader {
         tensors::names(py, self.get(py)?.layout())
     }
 
-    /// Leaves the set: this reader's slot is freed once no `TensorHold` of it is left (holds
-    /// keep it alive). Closing twice does nothing.
+    /// Whether this reader was opened after its writer's death: it reads the last whole
+    /// generation (memory forwarded by a holder); no newer one comes (`wait_newer` raises
+    /// `WriterGone` at once when asked for a newer one).
+    #[getter]
+    fn writerless(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.get(py)?.is_writerless())
+    }
+
+    /// Where the open spent its time, in microseconds (floats): `manifest` (open, copy, decode
+    /// and check the manifest), `fingerprint` (recompute the layout fingerprint), `fd_fetch`
+    /// (fetch the file descriptors from the writer or a holder), `map` (the rest of the mapping:
+    /// the driver imports, or a host set's data segment), `join` (join the generation channel),
+    /// `join_gpu` (its GPU objects), `join_wait` (how long the mapping waited for the join) and
+    /// `total` (the whole open). On a GPU set the mapping and the join overlap: `total` is
+    /// about `manifest` plus the longer of the two.
+    fn open_timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.get(py)?.open_timings();
+        let d = PyDict::new(py);
+        let us = |x: std::time::Duration| x.as_secs_f64() * 1e6;
+        d.set_item("manifest", us(t.manifest))?;
+        d.set_item("fingerprint", us(t.fingerprint))?;
+        d.set_item("fd_fetch", us(t.fd_fetch))?;
+        d.set_item("map", us(t.map))?;
+        d.set_item("join", us(t.join))?;
+        d.set_item("join_gpu", us(t.join_gpu))?;
+        d.set_item("join_wait", us(t.join_wait))?;
+        d.set_item("total", us(t.total))?;
+        Ok(d)
+    }
+
+    /// Maps `hold`'s generation at this reader's stable addresses (`stable_addresses=True`),
+    /// where `stable_tensors()` see it, so that CUDA graphs captured over those tensors read it
+    /// (`cuda_ipc::tensorset::TensorSetReader::switch_stable`). Consumes `hold`: afterwards it
+    /// is no longer held (`hold.held` is `False`, its `tensors()` raise) and the reader keeps
+    /// the generation held instead, until the next switch or `release_stable()`.
+    ///
+    /// When the generation lies in another buffer than the one mapped there, waits for all work
+    /// of the reader's CUDA context first (`cuCtxSynchronize`, GIL released): call it between
+    /// steps, never under the graphs' kernels, and not while work of the context waits for
+    /// another process. Returns `{"generation": int, "remapped": bool, "micros": int,
+    /// "remap_micros": int}` (the whole call and the remapping alone, in microseconds).
+    ///
+    /// Raises `InvalidArgument` when the reader was opened without `stable_addresses`, `hold` is
+    /// another reader's or released already, or the reader is writerless (its one generation
+    /// stays at the addresses it has); `CudaError` naming the failed call (then nothing is left
+    /// at the stable addresses, `stable_generation` is `None`; a later switch maps again). The
+    /// hold is released on every error.
+    fn switch_stable<'py>(
+        &self,
+        py: Python<'py>,
+        hold: &Bound<'py, TensorHold>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let hold = hold.get();
+        // The stable generation's hold lasts past the work of the stream `tensors()` made ready
+        // (a remap waits for the whole context; in place the hold is kept): that order is not
+        // needed any more.
+        lock(&hold.target).take();
+        let owned = lock(&hold.held).take().ok_or_else(|| {
+            errors::invalid_argument(py, "this generation was released".to_string())
+        })?;
+        let s = py
+            .detach(|| owned.switch_stable())
+            .map_err(|e| err(py, e))?;
+        let d = PyDict::new(py);
+        d.set_item("generation", s.generation)?;
+        d.set_item("remapped", s.remapped)?;
+        d.set_item("micros", s.micros)?;
+        d.set_item("remap_micros", s.remap_micros)?;
+        Ok(d)
+    }
+
+    /// The tensors at the stable addresses: a new `dict[str, torch.Tensor]` in the set's order,
+    /// of the same tensor objects for the reader's life (built at the first call), so that CUDA
+    /// graphs captured over them stay valid across `switch_stable` calls. They read the
+    /// generation switched there (`stable_generation`): nothing before the first switch or after
+    /// `release_stable()` (a buffered set's reads then fault the context; capture graphs over
+    /// them, run them after a switch). In-place sets: the buffer's own addresses. No stream is
+    /// ordered: the generation there is ready for any stream when `switch_stable` returns.
+    /// Raises `InvalidArgument` without `stable_addresses=True`.
+    fn stable_tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if let Some(d) = lock(&self.stable).as_ref() {
+            return d.bind(py).copy();
+        }
+        let r = self.get(py)?;
+        let bases =
+            tensors::allocation_bases(r.layout(), |i| r.stable_ptr(i)).map_err(|e| err(py, e))?;
+        let names = self
+            .names
+            .get_or_try_init(py, || tensors::name_strings(py, r.layout()))?
+            .bind(py);
+        let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
+        let d = tensors::build(py, r.layout(), &bases, self.device, names, Some(owner))?;
+        // Two threads may both build: the first stored wins, so every caller gets its tensors.
+        let mut slot = lock(&self.stable);
+        let kept = slot.get_or_insert_with(|| d.unbind());
+        kept.bind(py).copy()
+    }
+
+    /// The generation at the stable addresses; `None` before the first `switch_stable`, after
+    /// `release_stable()` or a failed switch, and without `stable_addresses=True`.
+    #[getter]
+    fn stable_generation(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        Ok(self.get(py)?.stable_generation())
+    }
+
+    /// Lets the stable generation go: waits for all work of the reader's context
+    /// (`cuCtxSynchronize`, GIL released), unmaps the stable ranges (buffered sets; in place the
+    /// addresses stay mapped, but the writer may rewrite them now) and releases the hold; the
+    /// addresses stay reserved for the next switch. Returns `False` when nothing was held.
+    /// Raises `InvalidArgument` without `stable_addresses=True`; `CudaError` (the hold is kept).
+    fn release_stable(&self, py: Python<'_>) -> PyResult<bool> {
+        let r = self.get(py)?;
+        py.detach(|| r.release_stable()).map_err(|e| err(py, e))
+    }
+
+    /// Leaves the set: this reader's slot (and its stable addresses and serving slot) is freed
+    /// once no `TensorHold` and no tensor of it is left (they keep it alive). Closing twice does
+    /// nothing.
     fn close(&self) {
         lock(&self.inner).take();
         lock(&self.dicts).iter_mut().for_each(|d| *d = None);
+        lock(&self.stable).take();
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

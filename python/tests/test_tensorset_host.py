@@ -288,3 +288,78 @@ def test_shapes_too_large_or_not_ints_are_invalid_arguments(name):
         with pytest.raises(cuda_ipc.InvalidArgument):
             cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
     assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+
+
+def test_holder_exceptions_are_importable_and_typed():
+    assert issubclass(cuda_ipc.NotHoldable, cuda_ipc.NotSupported)
+    assert issubclass(cuda_ipc.NoHolderSlot, cuda_ipc.CudaIpcError)
+    # A reader that finds the writer dead and no holder still sees a WriterGone.
+    assert issubclass(cuda_ipc.NoServer, cuda_ipc.WriterGone)
+    for cls in (cuda_ipc.NotHoldable, cuda_ipc.NoHolderSlot, cuda_ipc.NoServer):
+        assert issubclass(cls, cuda_ipc.CudaIpcError)
+        assert cls.__module__ == "cuda_ipc" and cls.__doc__
+
+
+def test_a_host_set_cannot_be_held_nor_served(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        with pytest.raises(cuda_ipc.NotHoldable, match="host set"):
+            cuda_ipc.TensorSetHolder(name)
+        with pytest.raises(cuda_ipc.NotHoldable, match="host set"):
+            cuda_ipc.TensorSetReader(name, serve=True)
+        # Neither left a reader slot or anything else behind: a plain reader opens and reads.
+        g = write_gen(w, None)
+        with cuda_ipc.TensorSetReader(name) as r, r.current() as h:
+            assert h.generation == g and h.read("ids") == data(g, "ids", SIZES["ids"])
+    finally:
+        w.close()
+    with pytest.raises(cuda_ipc.TensorSetNotFound):
+        cuda_ipc.TensorSetHolder(name)
+
+
+def test_stable_addresses_on_a_host_set_are_refused(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        with pytest.raises(cuda_ipc.NotSupported, match="stable addresses need a VMM set"):
+            cuda_ipc.TensorSetReader(name, stable_addresses=True)
+        r = cuda_ipc.TensorSetReader(name)
+        assert r.stable_generation is None and r.writerless is False
+        with pytest.raises(cuda_ipc.InvalidArgument, match="stable_addresses"):
+            r.stable_tensors()
+        with pytest.raises(cuda_ipc.InvalidArgument, match="stable_addresses"):
+            r.release_stable()
+        g = write_gen(w, None)
+        h = r.current()
+        assert h.generation == g and h.held
+        with pytest.raises(cuda_ipc.InvalidArgument, match="stable_addresses"):
+            r.switch_stable(h)
+        # The hold was consumed (released on the error): not usable as a hold any more.
+        assert not h.held and h.generation == g
+        with pytest.raises(cuda_ipc.InvalidArgument, match="released"):
+            r.switch_stable(h)
+        with pytest.raises(TypeError):
+            r.switch_stable("not a hold")
+        # The writer is not blocked by the consumed hold: an in-place update goes through.
+        assert write_gen(w, None) == g + 1
+        r.close()
+    finally:
+        w.close()
+
+
+def test_open_timings_name_every_phase_in_microseconds(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        with cuda_ipc.TensorSetReader(name) as r:
+            t = r.open_timings()
+            keys = ["manifest", "fingerprint", "fd_fetch", "map", "join", "join_gpu",
+                    "join_wait", "total"]
+            assert list(t) == keys
+            assert all(isinstance(v, float) and v >= 0.0 for v in t.values())
+            # A host set: nothing fetched, no GPU objects; the phases run one after the other.
+            assert t["fd_fetch"] == 0.0 and t["join_gpu"] == 0.0
+            assert t["manifest"] > 0.0 and t["total"] > 0.0
+            assert t["total"] >= t["manifest"] + t["map"] + t["join"] - 1.0
+            assert t["total"] < 10e6  # under 10 s: the unit is microseconds, not nanoseconds
+            assert r.open_timings() == t  # measured once, at open
+    finally:
+        w.close()

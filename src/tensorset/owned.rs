@@ -7,7 +7,7 @@
 //! differs. For bindings (Python) whose objects cannot carry a Rust lifetime, as
 //! [`crate::channel::owned`] is for channel frames.
 
-use super::{Held, TensorSetReader, TensorSetWriter, Update};
+use super::{Held, StableSwitch, TensorSetReader, TensorSetWriter, Update};
 use crate::error::{Error, Result};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -74,6 +74,18 @@ impl OwnedHeld {
     /// The reader it came from.
     pub fn reader(&self) -> &Arc<TensorSetReader> {
         &self.reader
+    }
+
+    /// Maps this generation at its reader's stable addresses, as
+    /// [`TensorSetReader::switch_stable`], which consumes the guard: the reader keeps its hold
+    /// while the generation is there.
+    ///
+    /// # Errors
+    /// As [`TensorSetReader::switch_stable`] (the guard is released on an error).
+    pub fn switch_stable(self) -> Result<StableSwitch> {
+        // The guard borrows `*reader`; the local `reader` outlives the call that consumes it.
+        let OwnedHeld { held, reader } = self;
+        reader.switch_stable(held)
     }
 }
 

@@ -145,7 +145,7 @@ impl<'a> FdSource<'a> {
                     let holders = open_holders(self.set, self.m)?;
                     self.fds = Some(fetch_all(self.set, self.m, &holders)?.0);
                 }
-                let all = self.fds.as_ref().map(Vec::as_slice).unwrap_or_default();
+                let all = self.fds.as_deref().unwrap_or_default();
                 asked
                     .iter()
                     .map(|t| {

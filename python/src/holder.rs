@@ -1,0 +1,148 @@
+//! The `TensorSetHolder` class (`cuda_ipc::tensorset::Holder`): keeps a VMM tensor set
+//! attachable after its writer dies, by holding and serving the file descriptors of its memory.
+//! Needs no CUDA context and maps nothing.
+
+use crate::errors;
+use crate::util::{Seconds, err, lock, timeout_arg};
+use cuda_ipc::tensorset::{Holder, HolderStatus};
+use pyo3::prelude::*;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often `wait` looks at the status (and for signals): as `Holder::wait`.
+const POLL: Duration = Duration::from_millis(100);
+
+/// `status` in one word: `"serving"`, `"closed"` or `"replaced"`.
+fn status_word(s: HolderStatus) -> &'static str {
+    match s {
+        HolderStatus::Serving => "serving",
+        HolderStatus::Closed => "closed",
+        _ => "replaced",
+    }
+}
+
+/// Keeps tensor set `name` attachable after its writer dies (`cuda_ipc::tensorset::Holder`).
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct TensorSetHolder {
+    inner: Mutex<Option<Arc<Holder>>>,
+    name: String,
+}
+
+impl TensorSetHolder {
+    fn get(&self, py: Python<'_>) -> PyResult<Arc<Holder>> {
+        lock(&self.inner).clone().ok_or_else(|| {
+            errors::invalid_argument(py, format!("holder of {:?} is closed", self.name))
+        })
+    }
+}
+
+#[pymethods]
+impl TensorSetHolder {
+    /// Holds VMM tensor set `name`: fetches a file descriptor of every allocation of every
+    /// buffer (from the writer while it runs, else from a live holder), serves them from this
+    /// process (the writer's peer checks: this user or root) and records itself in the set's
+    /// holders segment, where readers opened after the writer's death find it. No CUDA context
+    /// is made; each fd pins the set's device memory (`bytes`) until `close()`.
+    ///
+    /// Raises `TensorSetNotFound`; `NotHoldable` for a host, pool or legacy set (or one whose
+    /// writer made no holders segment); `NoServer` when neither the writer nor a holder hands the
+    /// fds over; `NoHolderSlot` when every slot serves a live process; `BadSegment`; `OsError`.
+    #[new]
+    fn new(py: Python<'_>, name: String) -> PyResult<Self> {
+        let h = py.detach(|| Holder::open(&name)).map_err(|e| err(py, e))?;
+        Ok(TensorSetHolder {
+            inner: Mutex::new(Some(Arc::new(h))),
+            name,
+        })
+    }
+
+    /// The set's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// File descriptors held: buffers × allocations per buffer.
+    #[getter]
+    fn allocations(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.get(py)?.allocations())
+    }
+
+    /// Device bytes this holder pins: buffers × bytes per buffer (as the manifest records them;
+    /// the driver rounds each allocation up to its granularity).
+    #[getter]
+    fn bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.get(py)?.bytes())
+    }
+
+    /// The pid of the process the fds were fetched from (the writer, or another holder).
+    #[getter]
+    fn source_pid(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(self.get(py)?.source().pid)
+    }
+
+    /// Whether the set's names still stand for what this holder serves: `"serving"` (its writer
+    /// may be dead: the holder keeps it attachable), `"closed"` (its writer closed it) or
+    /// `"replaced"` (another set was made under its name). Two `stat` calls; `"closed"` after
+    /// `close()`.
+    #[getter]
+    fn status(&self) -> &'static str {
+        match lock(&self.inner).clone() {
+            Some(h) => status_word(h.status()),
+            None => "closed",
+        }
+    }
+
+    /// Waits (GIL released, looking every 100 ms, Ctrl-C honoured within as long) until `status`
+    /// is no longer `"serving"`, at most `timeout` seconds (`None`: no bound), and returns the
+    /// status last seen (`"serving"` when the timeout ran out; `"closed"` when `close()` was
+    /// called from another thread meanwhile). Raises `InvalidArgument` for a bad `timeout`.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<&'static str> {
+        let timeout = timeout_arg(py, timeout)?;
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        loop {
+            let Some(h) = lock(&self.inner).clone() else {
+                return Ok("closed");
+            };
+            let s = py.detach(|| h.status());
+            if s != HolderStatus::Serving || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(status_word(s));
+            }
+            let pause = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()).min(POLL),
+                None => POLL,
+            };
+            drop(h);
+            py.detach(|| std::thread::sleep(pause));
+            py.check_signals()?;
+        }
+    }
+
+    /// Lets go of the holder slot and closes the fds; the memory goes back to the device once no
+    /// process maps it or holds an fd of it. Closing twice does nothing.
+    fn close(&self) {
+        lock(&self.inner).take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close();
+    }
+
+    fn __repr__(&self) -> String {
+        match lock(&self.inner).as_ref() {
+            Some(h) => format!(
+                "TensorSetHolder({:?}, {} allocations, {} bytes)",
+                self.name,
+                h.allocations(),
+                h.bytes()
+            ),
+            None => format!("TensorSetHolder({:?}, closed)", self.name),
+        }
+    }
+}
