@@ -16,7 +16,8 @@
 //! | 96 | layout fingerprint, 32 bytes |
 //! | 128 | generation channel's creation generation `u64`, 136: host data segment's (0: none) |
 //! | 144 | most readers `u32`, 148: zero `u32` |
-//! | 152 | holders segment's creation generation `u64` (0: none: a host, pool or legacy set, a set of more allocations than a holder forwards, or a manifest written before holders; `holders.rs`); the rest of the [`BODY_HEADER`] bytes are zero |
+//! | 152 | holders segment's creation generation `u64` (0: none: a host, pool or legacy set, a set of more allocations than a holder forwards, or a manifest written before holders; `holders.rs`) |
+//! | 160 | generation base `u64`: a set's generation is this plus the generation channel's sequence number (0 but for a writer that resumed a dead writer's held set, whose first generation is the last whole one); the rest of the [`BODY_HEADER`] bytes are zero |
 //!
 //! Allocation table: B × A entries of [`ALLOC_ENTRY`] bytes (a 144-byte token, the allocation's
 //! length `u64`, 8 zero bytes). Tensor table: N entries of [`TENSOR_ENTRY`] bytes (name offset
@@ -459,6 +460,8 @@ pub(crate) struct Manifest {
     pub(crate) max_readers: u32,
     /// The holders segment's creation generation (0: none).
     pub(crate) holders_generation: u64,
+    /// Added to the generation channel's sequence numbers (a resumed set's; 0 otherwise).
+    pub(crate) generation_base: u64,
 }
 
 /// Offsets of the body's parts for `m`: (alloc table, tensor table, dims, strings, total).
@@ -501,6 +504,7 @@ pub(crate) fn encode(m: &Manifest) -> Vec<u8> {
     put64(&mut b, 136, m.data_generation);
     put32(&mut b, 144, m.max_readers);
     put64(&mut b, 152, m.holders_generation);
+    put64(&mut b, 160, m.generation_base);
     let mut at = a_off;
     for toks in &m.tokens {
         for (tok, &len) in toks.iter().zip(&m.layout.allocations) {
@@ -661,6 +665,7 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
     let data_generation = b.u64("the data generation", 136)?;
     let max_readers = b.u32("the reader limit", 144)?;
     let holders_generation = b.u64("the holders generation", 152)?;
+    let generation_base = b.u64("the generation base", 160)?;
     let mut tokens = Vec::with_capacity(buffers);
     let mut lens: Vec<u64> = Vec::with_capacity(allocs);
     for bi in 0..buffers {
@@ -774,6 +779,7 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
         data_generation,
         max_readers,
         holders_generation,
+        generation_base,
     })
 }
 

@@ -120,6 +120,9 @@ pub struct TensorSetOptions {
     pub quota: Option<QuotaScope>,
     /// How [`TensorSetWriter::begin`] waits.
     pub wait: WaitStrategy,
+    /// Whether [`TensorSetWriter::create`] resumes on a dead writer's held VMM set of the same
+    /// layout (default `true`; [`TensorSetWriter::resumed`]); `false`: replace it.
+    pub resume: bool,
 }
 
 impl Default for TensorSetOptions {
@@ -137,6 +140,7 @@ impl TensorSetOptions {
             max_readers: 64,
             quota: None,
             wait: WaitStrategy::default(),
+            resume: true,
         }
     }
     /// Sets the memory kind.
@@ -157,6 +161,12 @@ impl TensorSetOptions {
     /// Reserves the set's bytes from `scope`'s ledger.
     pub fn quota(mut self, scope: QuotaScope) -> Self {
         self.quota = Some(scope);
+        self
+    }
+    /// Resume on a dead writer's held set of the same layout (`true`, the default) or replace it
+    /// (`false`: a new allocation, the old holders let go).
+    pub fn resume(mut self, on: bool) -> Self {
+        self.resume = on;
         self
     }
     /// Sets the writer's wait strategy.
@@ -263,7 +273,9 @@ pub(crate) fn decode_meta(meta: &[u8], seq: u64) -> (u64, [u8; 32]) {
     }
     let mut c = [0u8; 32];
     c.copy_from_slice(&meta[8..40]);
-    (seq, c)
+    // The writer's own number: the sequence number plus the manifest's generation base.
+    let g = u64::from_le_bytes(meta[..8].try_into().unwrap_or_default());
+    (if g == 0 { seq } else { g }, c)
 }
 
 #[cfg(test)]

@@ -104,6 +104,8 @@ pub struct TensorSetReader {
     buffers: usize,
     expect_content: Option<[u8; 32]>,
     timings: OpenTimings,
+    /// The manifest's generation base: generation = base + the channel's sequence number.
+    generation_base: u64,
     _manifest: Segment,
 }
 
@@ -365,6 +367,7 @@ impl TensorSetReader {
             read_only,
             imports,
             expect_content: opts.expect_content,
+            generation_base: m.generation_base,
             timings: OpenTimings {
                 total: started.elapsed(),
                 ..timings
@@ -721,9 +724,12 @@ impl TensorSetReader {
         let got = consumer
             // A buffer this reader holds already: a take whose stream wait fails leaves that
             // hold alone (`Consumer::take_newer`); only a first hold is released by it.
-            .take_newer(than, timeout, &self.holds, |holds, i| {
-                holds.get(i).is_some_and(|&n| n > 0)
-            })
+            .take_newer(
+                than.saturating_sub(self.generation_base),
+                timeout,
+                &self.holds,
+                |holds, i| holds.get(i).is_some_and(|&n| n > 0),
+            )
             .map_err(|e| set_error(&self.name, e))?;
         let Some((frame, mut holds)) = got else {
             return Ok(None);
@@ -778,6 +784,8 @@ impl TensorSetReader {
             }
             .into());
         }
+        // Recorded in its holder slot: a writer that resumes on the memory waits for it.
+        w.hold(&self.name)?;
         Ok(Some(Held {
             reader: self,
             frame: None,
@@ -1029,7 +1037,11 @@ impl Drop for TensorSetReader {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         let Some(frame) = self.frame.as_mut() else {
-            return; // writerless: no hold to release
+            // Writerless: its hold is the reading word of the reader's holder slot.
+            if let Source::Writerless(w) = &self.reader.consumer {
+                w.unhold();
+            }
+            return;
         };
         let mut holds = self.reader.holds.lock().unwrap_or_else(|p| p.into_inner());
         holds[self.buffer] = holds[self.buffer].saturating_sub(1);

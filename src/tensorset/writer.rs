@@ -24,11 +24,19 @@ use crate::token::{TOKEN_LEN, Token};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod resume;
+
 /// One allocation of a buffer: made by the writer, or given ([`TensorSetWriter::create_over`]).
 #[derive(Debug)]
 enum Allocation {
     Own(ChannelBuffer),
     External(VmmBuffer),
+    /// A resumed set's: imported from a holder's fd, which this writer serves again.
+    /// Drop order: the mapping, then the export (this process's fd).
+    Resumed {
+        buf: crate::ipc::ImportedBuffer,
+        _export: crate::ipc::fdpass::FdExport,
+    },
 }
 
 impl Allocation {
@@ -36,6 +44,7 @@ impl Allocation {
         match self {
             Allocation::Own(b) => b.device_ptr(),
             Allocation::External(b) => b.device_ptr(),
+            Allocation::Resumed { buf, .. } => buf.device_ptr(),
         }
     }
 }
@@ -54,6 +63,8 @@ struct State {
     generation: u64,
     /// The buffer that holds it.
     head: Option<usize>,
+    /// Added to the channel's sequence numbers (the manifest's generation base).
+    base: u64,
 }
 
 /// The writing end of a tensor set: publishes the manifest `cuda-ipc.ts.NAME`, owns the set's
@@ -94,6 +105,10 @@ pub struct TensorSetWriter {
     state: State,
     kind: MemoryKind,
     mode: GenerationMode,
+    /// Device bytes this writer allocated (0 on a resume or over given allocations).
+    allocated: u64,
+    /// A resumed writer's view of the dead writer's generation channel (its live readers' holds).
+    old: Option<resume::OldReaders>,
     _quota: Option<Reservation>,
 }
 
@@ -207,6 +222,12 @@ impl TensorSetWriter {
         segment::validate_set_name(name)?;
         let b = buffer_count(opts.mode)?;
         let bytes = layout.bytes_per_buffer();
+        if opts.resume
+            && matches!(opts.memory, MemoryKind::Vmm | MemoryKind::Auto)
+            && let Some(w) = Self::try_resume(ctx, name, &layout, opts, b)?
+        {
+            return Ok(w);
+        }
         let quota = reserve(opts, ctx.device().uuid(), bytes.saturating_mul(b as u64))?;
         let producer = generation_channel(Some(ctx), name, opts, b)?;
         let kind = match opts.memory {
@@ -345,6 +366,12 @@ impl TensorSetWriter {
         quota: Option<Reservation>,
     ) -> Result<TensorSetWriter> {
         let buffers = tokens.len();
+        let own = matches!(&memory, Memory::Gpu(r) if r.iter().flatten().any(|a| matches!(a, Allocation::Own(_))));
+        let allocated = if own {
+            layout.bytes_per_buffer().saturating_mul(buffers as u64)
+        } else {
+            0
+        };
         // VMM sets get a holders segment (made before the manifest, which records its
         // generation); a set of more allocations than a slot holds gets none.
         let holders = if code == KIND_VMM {
@@ -375,6 +402,7 @@ impl TensorSetWriter {
             data_generation,
             max_readers: opts.max_readers as u32,
             holders_generation: holders.as_ref().map_or(0, HoldersSegment::generation),
+            generation_base: 0,
         };
         let undo = |memory: &Memory, holders: Option<&HoldersSegment>| {
             if let Memory::Host(d) = memory {
@@ -420,6 +448,8 @@ impl TensorSetWriter {
             state: State::default(),
             kind,
             mode: opts.mode,
+            allocated,
+            old: None,
             _quota: quota,
         })
     }
@@ -459,6 +489,18 @@ impl TensorSetWriter {
     /// The last generation committed (0: none yet).
     pub fn generation(&self) -> u64 {
         self.state.generation
+    }
+
+    /// Whether this writer resumed on a dead writer's held memory (no allocation, no copy; its
+    /// first generation is the old set's last whole one): see [`TensorSetOptions::resume`].
+    pub fn resumed(&self) -> bool {
+        self.old.is_some()
+    }
+
+    /// Device bytes this writer allocated: B × bytes per buffer, 0 on a resume, over given
+    /// allocations ([`TensorSetWriter::create_over`]) and for host sets.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated
     }
 
     fn producer(&self) -> &Producer {
@@ -506,6 +548,10 @@ impl TensorSetWriter {
             .expect("the producer lives until close")
             .acquire(timeout)?;
         let buffered = self.mode != GenerationMode::InPlace;
+        if let (Some(old), Some(r)) = (&self.old, &self.recorder) {
+            // A resumed set: readers of the dead writer's incarnation may still read the buffer.
+            old.wait_free(r.holders(), frame.index(), timeout)?;
+        }
         if let Some(r) = self.recorder.as_mut() {
             // Before anything writes the buffer: holders' readers never take it for whole.
             r.before_write(self.state.generation + 1, frame.index(), buffered);
@@ -884,7 +930,7 @@ impl Update<'_> {
         };
         let state = self.state;
         let buffer = self.buffer;
-        let seq = self.frame.publish(&meta)?;
+        let seq = state.base + self.frame.publish(&meta)?;
         state.generation = seq;
         state.head = Some(buffer);
         if let (Some(r), Some(ev)) = (self.recorder, event) {

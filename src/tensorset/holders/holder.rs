@@ -88,7 +88,7 @@ pub(crate) fn fetch_all(
     }
     for s in holders.servers() {
         // The writer's slot names the tokens' own exports, tried above.
-        if s.role == HolderRole::Writer || s.ids.len() != toks.len() {
+        if s.role == HolderRole::Writer || !s.role.serves() || s.ids.len() != toks.len() {
             continue;
         }
         if s.identity.liveness_as(s.uid) == Liveness::Dead {
@@ -346,13 +346,26 @@ impl Holder {
 
     /// Whether the set's names still stand for what this holder serves: [`HolderStatus::Closed`]
     /// once its writer closed it (the manifest or the holders segment removed),
-    /// [`HolderStatus::Replaced`] once another set was made under its name. Two `stat` calls.
+    /// [`HolderStatus::Replaced`] once another set was made under its name (a writer that resumed
+    /// on the memory, over the same holders segment, keeps it [`HolderStatus::Serving`]). Two
+    /// `stat` calls.
     pub fn status(&self) -> HolderStatus {
-        for seg in [self.serving.holders.segment(), &self.manifest] {
+        for (k, seg) in [self.serving.holders.segment(), &self.manifest]
+            .into_iter()
+            .enumerate()
+        {
             match Segment::stat(seg.name()) {
                 Err(Error::Shm(ShmError::NotFound { .. })) => return HolderStatus::Closed,
                 Ok(i) if seg.inode().is_ok_and(|mine| mine != i.inode) => {
-                    return HolderStatus::Replaced;
+                    // A new manifest over the same holders segment: a writer resumed on the
+                    // memory this holder keeps.
+                    let resumed = k == 1
+                        && segment::open_manifest_unverified(&self.name, Duration::ZERO).is_ok_and(
+                            |o| o.manifest.holders_generation == self.serving.holders.generation(),
+                        );
+                    if !resumed {
+                        return HolderStatus::Replaced;
+                    }
                 }
                 _ => {}
             }

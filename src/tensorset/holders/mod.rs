@@ -30,15 +30,16 @@
 //! | 184 | writing marker `u64`: `generation << 8 \| (buffer + 1)` of the update begun last (0: none) |
 //! | 192 | record sequence `u64` (odd while written), 200: whole generation `u64`, 208: its buffer `u64`, 216: its content fingerprint (32 bytes) |
 //!
-//! Then, from byte 4096, `slots` slots of `round_up(56 + 4 E, 8)` bytes ([`SlotHead`], then E export
+//! Then, from byte 4096, `slots` slots of `round_up(64 + 4 E, 8)` bytes ([`SlotHead`], then E export
 //! ids `u32`: the id of allocation (b, a) in the server's own fd table, index b × A + a):
 //!
 //! | offset | field |
 //! | --- | --- |
 //! | 0 | state word `u64`: bits 0–1 FREE 0 / WRITING 1 / SERVING 2, bits 2–31 a sequence bumped on every change, bits 32–63 unix seconds of the change |
-//! | 8 | role `u32` (1 writer, 2 reader, 3 holder), 12: effective uid `u32` |
+//! | 8 | role `u32` (1 writer, 2 reader, 3 holder, 4 writerless reader: serves nothing), 12: effective uid `u32` |
 //! | 16 | the server's [`ProcessIdentity`] words (32 bytes), 48: unix ms since it serves `u64` |
-//! | 56 | E export ids `u32` |
+//! | 56 | reading word `u64` (writerless readers): buffer + 1 that one of its guards holds, 0: none |
+//! | 64 | E export ids `u32` (all zero for a writerless reader) |
 //!
 //! A claim CASes the exact word it observed (FREE, SERVING of a dead process, or WRITING of a dead
 //! process for more than [`WRITING_STALE_SECS`]) to WRITING with the next sequence, writes the
@@ -57,15 +58,29 @@
 //! when the writer died leaves no whole generation.
 //!
 //! A writer's deliberate close (or drop) unlinks the holders segment it made: holders see the name
-//! no longer stands for their segment and let go. A writer created under the name of a dead
-//! writer's set replaces it, held or not (a restart on held memory is not built yet); the holders
-//! of the old set then see it replaced.
+//! no longer stands for their segment and let go.
+//!
+//! # Restart without reload
+//! A VMM writer created under the name of a dead writer's set whose holders segment has a live
+//! holder, a whole generation, and the layout fingerprint, bytes per buffer, buffer count and
+//! allocation count it asks for ([`resume::decide`], from this header's words) *resumes*: it
+//! fetches every fd from a holder, imports them read-write, serves them itself, claims the writer's
+//! slot in this same segment (the header stays), and publishes the last whole generation again as
+//! its first (the manifest's generation base keeps the numbers going). Anything else (another
+//! layout, no live holder, [`crate::tensorset::TensorSetOptions::resume`] off) replaces the set:
+//! the old holders see a new holders segment under the name and let go.
+//!
+//! Writerless readers (opened while the writer was dead) claim a slot of role
+//! [`HolderRole::WriterlessReader`] and store in its reading word the buffer their guards hold;
+//! a resumed writer does not write that buffer while a live one holds it, and such a reader takes
+//! no generation once a live writer has a slot (it reopens).
 
 mod holder;
 mod recorder;
+pub(crate) mod resume;
 mod writerless;
 
-pub(crate) use holder::{FdSource, Serving};
+pub(crate) use holder::{FdSource, Serving, fetch_all};
 pub use holder::{Holder, HolderStatus};
 pub(crate) use recorder::Recorder;
 pub(crate) use writerless::Writerless;
@@ -87,7 +102,7 @@ pub const WRITING_STALE_SECS: u64 = 10;
 /// Where [`Words`] lie in the header page.
 const WORDS_AT: usize = 128;
 /// Bytes of a slot before its export ids.
-const SLOT_HEAD: usize = 56;
+const SLOT_HEAD: usize = 64;
 
 const FREE: u64 = 0;
 const WRITING: u64 = 1;
@@ -118,6 +133,7 @@ struct SlotHead {
     uid: AtomicU32,
     who: [AtomicU64; 4],
     since_ms: AtomicU64,
+    reading: AtomicU64,
 }
 
 #[cfg(not(loom))]
@@ -144,6 +160,9 @@ pub enum HolderRole {
     Reader,
     /// A [`Holder`] (e.g. `cuda-ipc hold`).
     Holder,
+    /// A reader opened after the writer's death: serves nothing, records the buffer its guards
+    /// hold (a resumed writer does not write it meanwhile).
+    WriterlessReader,
 }
 
 impl HolderRole {
@@ -152,6 +171,7 @@ impl HolderRole {
             HolderRole::Writer => 1,
             HolderRole::Reader => 2,
             HolderRole::Holder => 3,
+            HolderRole::WriterlessReader => 4,
         }
     }
     fn from_code(c: u32) -> Option<HolderRole> {
@@ -159,16 +179,23 @@ impl HolderRole {
             1 => Some(HolderRole::Writer),
             2 => Some(HolderRole::Reader),
             3 => Some(HolderRole::Holder),
+            4 => Some(HolderRole::WriterlessReader),
             _ => None,
         }
     }
-    /// In words: `writer`, `reader`, `holder`.
+    /// In words: `writer`, `reader`, `holder`, `writerless-reader`.
     pub fn word(self) -> &'static str {
         match self {
             HolderRole::Writer => "writer",
             HolderRole::Reader => "reader",
             HolderRole::Holder => "holder",
+            HolderRole::WriterlessReader => "writerless-reader",
         }
+    }
+
+    /// Whether a process in this role serves the set's fds (all but a writerless reader).
+    pub fn serves(self) -> bool {
+        self != HolderRole::WriterlessReader
     }
 }
 
@@ -482,7 +509,7 @@ impl HoldersSegment {
         // SAFETY: (1) `at + slot_len <= HEADER_PAGE + slots × slot_len <= seg.len()` (checked at
         // create/open), so the slot's head and its `entries` ids lie in the mapping, which lives as
         // long as `self`; (2) `at` is a multiple of 8 (HEADER_PAGE and slot_len are), the head's
-        // alignment, and `at + 56` of 4, the ids'; (3) only atomics are referenced: every bit
+        // alignment, and `at + SLOT_HEAD` of 4, the ids'; (3) only atomics are referenced: every bit
         // pattern is valid and other processes may write them concurrently.
         unsafe {
             let p = self.seg.as_ptr().add(at);
@@ -550,8 +577,82 @@ impl HoldersSegment {
 
     /// Whether some live (or unknown) process other than the recorded writer serves the set.
     pub(crate) fn held_by_live(&self) -> bool {
+        self.live_holders() > 0
+    }
+
+    /// How many live (or unknown) processes other than a writer serve the set's fds.
+    pub(crate) fn live_holders(&self) -> usize {
+        self.servers()
+            .iter()
+            .filter(|s| {
+                s.role != HolderRole::Writer
+                    && s.role.serves()
+                    && s.identity.liveness_as(s.uid) != Liveness::Dead
+            })
+            .count()
+    }
+
+    /// Whether a live (or unknown) writer has a slot: a set resumed after its writer's death.
+    pub(crate) fn has_live_writer(&self) -> bool {
         self.servers().iter().any(|s| {
-            s.role != HolderRole::Writer && s.identity.liveness_as(s.uid) != Liveness::Dead
+            s.role == HolderRole::Writer && s.identity.liveness_as(s.uid) != Liveness::Dead
+        })
+    }
+
+    /// What the header records of the set's memory, for a restarted writer
+    /// ([`resume::decide`]).
+    pub(crate) fn memory_facts(&self) -> resume::MemoryFacts {
+        let w = self.words();
+        let mut fingerprint = [0u8; 32];
+        for (i, c) in fingerprint.chunks_exact_mut(8).enumerate() {
+            // Relaxed: written before the stamp, which the open Acquire-loaded.
+            c.copy_from_slice(&w.fingerprint[i].load(Ordering::Relaxed).to_le_bytes());
+        }
+        resume::MemoryFacts {
+            fingerprint,
+            // Relaxed: as above.
+            bytes_per_buffer: w.bytes_per_buffer.load(Ordering::Relaxed),
+            buffers: self.buffers,
+            allocations: self.entries / self.buffers.max(1),
+        }
+    }
+
+    /// Claims a slot for a writerless reader (role [`HolderRole::WriterlessReader`], no export
+    /// ids, reading nothing yet).
+    ///
+    /// # Errors
+    /// As [`HoldersSegment::claim`].
+    pub(crate) fn claim_reading(&self) -> Result<SlotClaim> {
+        self.claim(HolderRole::WriterlessReader, &vec![0; self.entries])
+    }
+
+    /// Stores in `claim`'s slot the buffer its guards hold (`None`: none), then looks whether a
+    /// live writer has a slot: `true` means the set was resumed, and a hold just stored must be
+    /// withdrawn (the writer may not have seen it).
+    pub(crate) fn set_reading(&self, claim: &SlotClaim, buffer: Option<usize>) -> bool {
+        let (head, _) = self.slot(claim.index);
+        // SYNC POINT reading: SeqCst, pairs with the SeqCst fence in `reading_held` (a Dekker
+        // pair with the writer's slot claim): either the resumed writer sees this hold, or this
+        // reader sees the writer's slot below.
+        head.reading
+            .store(buffer.map_or(0, |b| b as u64 + 1), Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        buffer.is_some() && self.has_live_writer()
+    }
+
+    /// Whether a live writerless reader's guard holds `buffer` (the resumed writer, after its
+    /// writing marker and before it writes the buffer).
+    pub(crate) fn reading_held(&self, buffer: usize) -> bool {
+        // SYNC POINT reading: SeqCst fence, pairs with the SeqCst store and fence in
+        // `set_reading`.
+        fence(Ordering::SeqCst);
+        (0..self.slots).any(|i| {
+            let (head, _) = self.slot(i);
+            head.reading.load(Ordering::SeqCst) == buffer as u64 + 1
+                && self.read_slot(i).is_some_and(|s| {
+                    s.role == HolderRole::WriterlessReader
+                        && s.identity.liveness_as(s.uid) != Liveness::Dead
+                })
         })
     }
 
@@ -612,6 +713,7 @@ impl HoldersSegment {
             head.uid.store(uid, Ordering::Relaxed);
             me.store_words(&head.who);
             head.since_ms.store(now_ms(), Ordering::Relaxed);
+            head.reading.store(0, Ordering::Relaxed);
             for (s, &id) in slot_ids.iter().zip(ids) {
                 s.store(id, Ordering::Relaxed);
             }

@@ -341,6 +341,7 @@ fn manifest(buffers: usize, writer: ProcessIdentity, holders_generation: u64) ->
         data_generation: 0,
         max_readers: 64,
         holders_generation,
+        generation_base: 0,
     }
 }
 
@@ -376,4 +377,63 @@ fn a_dead_writers_fds_are_fetched_from_a_live_holder() {
     assert!(e.to_string().contains("holder pid"), "{e}");
     h.release(live);
     h.release(gone);
+}
+
+#[test]
+fn a_writerless_readers_slot_records_its_buffer_and_serves_nothing() {
+    let set = unique("reading");
+    let (h, _c) = make(&set, 2, 1);
+    let r = h.claim_reading().unwrap();
+    let s = h.servers();
+    assert_eq!(s.len(), 1);
+    assert_eq!(s[0].role, HolderRole::WriterlessReader);
+    assert_eq!(s[0].ids, vec![0, 0], "a writerless reader offers no export");
+    assert!(!h.held_by_live(), "a writerless reader is no holder");
+    assert_eq!(h.live_holders(), 0);
+    assert!(!h.reading_held(0) && !h.reading_held(1));
+    // No live writer: the hold stands.
+    assert!(!h.set_reading(&r, Some(1)));
+    assert!(h.reading_held(1));
+    assert!(!h.reading_held(0));
+    assert!(!h.set_reading(&r, None));
+    assert!(!h.reading_held(1));
+    // A dead reader's hold does not count.
+    h.set_reading(&r, Some(0));
+    fake_dead(&h, &r);
+    assert!(!h.reading_held(0), "a dead writerless reader holds nothing");
+    h.release(r);
+}
+
+#[test]
+fn a_hold_stored_after_a_writer_resumed_says_so() {
+    let set = unique("resumed");
+    let (h, _c) = make(&set, 1, 1);
+    let r = h.claim_reading().unwrap();
+    let w = h.claim(HolderRole::Writer, &[5]).unwrap();
+    assert!(h.has_live_writer());
+    assert!(
+        h.set_reading(&r, Some(0)),
+        "a live writer has a slot: resumed"
+    );
+    h.release(w);
+    h.release(r);
+    assert!(!h.has_live_writer());
+}
+
+#[test]
+fn the_header_keeps_the_memory_facts_a_restarted_writer_checks() {
+    let set = unique("facts");
+    let h = HoldersSegment::create(&set, 3, 2, [9; 32], 1 << 20).unwrap();
+    let _c = Cleanup(set.clone());
+    let again = HoldersSegment::open(&set, None).unwrap();
+    assert_eq!(
+        again.memory_facts(),
+        resume::MemoryFacts {
+            fingerprint: [9; 32],
+            bytes_per_buffer: 1 << 20,
+            buffers: 3,
+            allocations: 2,
+        }
+    );
+    drop(h);
 }

@@ -1,14 +1,19 @@
 //! A reader opened after its writer's death ([`crate::tensorset::TensorSetReader::open`] when the
 //! generation channel's producer is dead): it reads the last whole generation the holders segment
 //! records, on a stream of its own; nothing writes the memory while the writer is dead, so there
-//! are no ready or release words, and no newer generation will come.
+//! are no ready or release words, and no newer generation will come from that writer.
+//!
+//! It claims a slot of role [`super::HolderRole::WriterlessReader`] in the holders segment, whose
+//! reading word names the buffer while one of its guards holds it: a writer that resumes on the
+//! memory (`resume.rs`) does not write that buffer meanwhile. Once a live writer has a slot, the
+//! reader takes no generation ([`TensorSetError::WriterGone`] saying the set was resumed: reopen).
 
-use super::{HoldersSegment, Whole};
+use super::{HoldersSegment, SlotClaim, Whole};
 use crate::driver::{Context, Stream};
 use crate::error::Result;
 use crate::tensorset::error::TensorSetError;
 use crate::tensorset::manifest::Manifest;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The writerless mode of a reader: the generation it serves and its own stream.
 pub(crate) struct Writerless {
@@ -16,6 +21,11 @@ pub(crate) struct Writerless {
     generation: u64,
     buffer: usize,
     content: [u8; 32],
+    // Drop order: the slot is let go (Drop) before the segment's mapping.
+    claim: Option<SlotClaim>,
+    /// Guards that hold the buffer now; the reading word is stored while this is not zero.
+    holds: Mutex<u32>,
+    holders: HoldersSegment,
 }
 
 impl std::fmt::Debug for Writerless {
@@ -64,12 +74,19 @@ impl Writerless {
                 generation,
                 buffer,
                 content,
-            } => Ok(Writerless {
-                stream: Stream::new(ctx)?,
-                generation,
-                buffer,
-                content,
-            }),
+            } => {
+                let stream = Stream::new(ctx)?;
+                let claim = holders.claim_reading()?;
+                Ok(Writerless {
+                    stream,
+                    generation,
+                    buffer,
+                    content,
+                    claim: Some(claim),
+                    holds: Mutex::new(0),
+                    holders,
+                })
+            }
             Whole::None(why) => Err(gone(&format!("no whole generation is left: {why}"))),
         }
     }
@@ -84,6 +101,49 @@ impl Writerless {
         (self.generation > than).then_some((self.generation, self.buffer, self.content))
     }
 
+    /// One more guard holds the buffer: its reading word is stored (the first guard).
+    ///
+    /// # Errors
+    /// [`TensorSetError::WriterGone`] saying the set was resumed when a live writer has a slot
+    /// (the hold is withdrawn: the resumed writer may write the buffer).
+    pub(crate) fn hold(&self, set: &str) -> crate::error::Result<()> {
+        let mut n = self.holds.lock().unwrap_or_else(PoisonError::into_inner);
+        let resumed = match &self.claim {
+            Some(c) if *n == 0 => self.holders.set_reading(c, Some(self.buffer)),
+            _ => self.holders.has_live_writer(),
+        };
+        if resumed {
+            if *n == 0
+                && let Some(c) = &self.claim
+            {
+                self.holders.set_reading(c, None);
+            }
+            return Err(TensorSetError::WriterGone {
+                name: set.to_string(),
+                pid: 0,
+                why: "a new writer resumed the set on the same memory: reopen it".into(),
+            }
+            .into());
+        }
+        *n += 1;
+        Ok(())
+    }
+
+    /// A guard let go: once none holds the buffer, the reader's stream is drained (the guards'
+    /// work on it has read the buffer) and the reading word cleared.
+    pub(crate) fn unhold(&self) {
+        let mut n = self.holds.lock().unwrap_or_else(PoisonError::into_inner);
+        *n = n.saturating_sub(1);
+        if *n == 0
+            && let Some(c) = &self.claim
+        {
+            if let Err(e) = self.stream.synchronize() {
+                tracing::warn!("draining a writerless reader's stream before its release: {e}");
+            }
+            self.holders.set_reading(c, None);
+        }
+    }
+
     /// The generation served.
     pub(crate) fn generation(&self) -> u64 {
         self.generation
@@ -95,6 +155,9 @@ impl Drop for Writerless {
         // The reader's work on its stream reads the imports, which drop after this: drain first.
         if let Err(e) = self.stream.synchronize() {
             tracing::warn!("draining a writerless reader's stream: {e}");
+        }
+        if let Some(c) = self.claim.take() {
+            self.holders.release(c);
         }
     }
 }

@@ -25,6 +25,7 @@ fn sample(n: usize) -> Manifest {
         data_generation: 12,
         max_readers: 64,
         holders_generation: 13,
+        generation_base: 41,
     }
 }
 
