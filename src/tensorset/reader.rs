@@ -1,5 +1,10 @@
 //! The reading end: [`TensorSetReader`] (the manifest, the set's memory imported once, the
 //! generation channel's consumer) and the [`Held`] generation guard.
+//!
+//! A GPU reader's stream, the registration of the channel's GPU words and the join event are made
+//! at first need. A take whose generation the writer's stream had already finished (its ready
+//! word shows it, the gate open) enqueues nothing; its release is written on the reader's stream
+//! when that stream exists (after the work there), and from the host when it was never made.
 
 use super::error::{ManifestFault, TensorSetError};
 use super::holders::{self, FdSource, HolderRole, Writerless};
@@ -704,6 +709,11 @@ impl TensorSetReader {
     /// The reader's stream (GPU sets): a held generation is ready on it; enqueue the work that
     /// reads it here (its release is written there after that work).
     ///
+    /// Made at the first call (`cuStreamCreate`; the channel's words registered with
+    /// `cuMemHostRegister` when a release or a wait first needs them): a reader that never calls
+    /// it, nor [`Held::release_after`], has its releases written from the host, which is right
+    /// because no GPU work of it reads the generations.
+    ///
     /// # Errors
     /// [`TensorSetError::WrongKind`] on a host set.
     pub fn stream(&self) -> Result<&Stream> {
@@ -872,7 +882,8 @@ pub struct TensorRef<'a> {
 /// A held generation: its buffer is not rewritten while the guard lives (and, on a GPU set, while
 /// the work enqueued on the reader's stream before the guard dropped runs: the release word is
 /// written there). On a GPU set the reader's stream already waits for the generation's ready
-/// word. Dropping it releases the hold.
+/// word (or the generation was complete when taken). Dropping it releases the hold: on the
+/// reader's stream when [`TensorSetReader::stream`] was made, else from the host.
 pub struct Held<'a> {
     reader: &'a TensorSetReader,
     /// The generation channel's frame (`None` for a writerless reader: nothing to release).
