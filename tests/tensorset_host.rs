@@ -232,15 +232,17 @@ fn an_open_reports_where_its_time_went() {
     let wall = t.elapsed();
     let p = r.open_timings();
     assert!(p.manifest > Duration::ZERO && p.map > Duration::ZERO && p.join > Duration::ZERO);
-    // A host set fetches no fds and makes no GPU objects; it goes through the same two halves
-    // as a GPU set: the join (then the tensor table and the fingerprint) beside the mapping.
+    // A host set fetches no fds, makes no GPU objects and joins on the opening thread.
     assert_eq!((p.fd_fetch, p.join_gpu), (Duration::ZERO, Duration::ZERO));
+    assert_eq!(p.join_wait, p.join);
     assert!(
         p.fingerprint > Duration::ZERO,
-        "the fingerprint is checked on the join thread"
+        "a host set's fingerprint is checked inline"
     );
-    assert!(p.map + p.join_wait <= p.total, "{p:?}");
-    assert!(p.join <= p.total && p.fingerprint <= p.total, "{p:?}");
+    assert!(
+        p.manifest + p.fingerprint + p.map + p.join <= p.total,
+        "{p:?}"
+    );
     assert!(p.total <= wall, "{p:?} in {wall:?}");
     drop(r);
     w.close(ANSWER).unwrap();

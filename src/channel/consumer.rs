@@ -17,13 +17,11 @@ use crate::error::{Error, Result};
 use crate::ffi::sys;
 use crate::ipc::ImportedBuffer;
 use crate::token::{Token, TokenKind};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-mod memoryless;
 mod posted;
 
-pub(crate) use memoryless::Joined;
 pub use posted::{MAX_POSTED_AHEAD, Posted, PostedFrame};
 
 /// The consuming end of a channel: imports the pool once and receives frames.
@@ -48,9 +46,8 @@ pub struct Consumer {
 enum Side {
     /// Imports of a device pool.
     Gpu {
-        /// Marks a dead producer's frames ready, so this consumer's stream drains; started with
-        /// the stream (at attach, or at first need on a memoryless channel: see [`GpuImports`]).
-        watchdog: OnceLock<Watchdog>,
+        /// Marks a dead producer's frames ready, so this consumer's stream drains.
+        _watchdog: Watchdog,
         /// Shared only with the thread that waits for receives posted ahead (Drop).
         imports: Arc<GpuImports>,
     },
@@ -60,29 +57,16 @@ enum Side {
 }
 
 /// A consumer's GPU side.
-///
-/// The stream, the registration of the GPU words and the join event are made at attach for a
-/// channel with buffers, and at first need for a memoryless one (`lazy`, a tensor set's
-/// generation channel: `memoryless.rs`), each once (under `making`), by the call that needs it,
-/// which returns the driver's error. Until a memoryless consumer's stream exists, no GPU work of
-/// it waits on the channel's words or reads the frames (its takes were host-ready), so its
-/// releases are written from the host.
 struct GpuImports {
-    // Drop order: the event, imports before the stream, the stream (drained first by Consumer's
-    // Drop) before the registration, the registration before the context.
+    // Drop order: imports before the stream, the registration before the context.
     /// Orders the consumer's stream with other streams ([`Frame::ready_on`],
     /// [`Frame::release_after`]); locked from record to wait, so frames released from two threads
     /// never cross their records.
-    join: OnceLock<Mutex<Event>>,
+    join: std::sync::Mutex<Event>,
     buffers: Vec<ImportedBuffer>,
-    stream: OnceLock<Stream>,
+    stream: Stream,
     /// The GPU words' registration.
-    ready: OnceLock<HostRegistration>,
-    /// Serialises the making of the objects above (each is made once).
-    making: Mutex<()>,
-    /// A memoryless channel's consumer: the objects above are made at first need, and a take
-    /// whose ready word already shows the frame enqueues nothing ([`Consumer::deliver_parts`]).
-    lazy: bool,
+    ready: HostRegistration,
     ctx: Arc<Context>,
 }
 
@@ -114,7 +98,12 @@ impl Consumer {
             return Self::attach_host(control, name, opts);
         }
         let device = Device::by_uuid(token.device)?;
-        Self::attach_with(control, &device.primary_context()?, opts)
+        Self::attach_with(
+            control,
+            &device.primary_context()?,
+            opts,
+            &mut Duration::default(),
+        )
     }
 
     /// Attaches to channel `name` in `ctx` (which may be on another device than the pool's). A host
@@ -128,7 +117,7 @@ impl Consumer {
         if Token::from_bytes(&mem)?.kind == TokenKind::HostMemory {
             return Self::attach_host(control, name, opts);
         }
-        Self::attach_with(control, ctx, opts)
+        Self::attach_with(control, ctx, opts, &mut Duration::default())
     }
 
     fn attach_host(control: Control, name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
@@ -148,16 +137,67 @@ impl Consumer {
         })
     }
 
-    /// Attaches in `ctx`, making every GPU object now.
+    /// Attaches to the memoryless channel `name` under `prefix` (crate-private: a tensor set's
+    /// generation channel, see `Producer::create_memoryless`): imports nothing. In `ctx` (the
+    /// consumer's stream waits on the ready words, frames release on it, the watchdog closes a
+    /// dead producer's gate, as for every GPU channel), or on the host with `None`. The frames
+    /// of such a consumer have no buffer: only their sequence number, index and metadata mean
+    /// anything.
+    ///
+    /// Adds to `gpu_time` the wall-clock time spent making the consumer's GPU objects (its
+    /// stream, the registration of the GPU words, the join event and the watchdog thread).
+    ///
+    /// # Errors
+    /// As [`Consumer::attach`]; [`ChannelError::BadSegment`] when the channel has buffer memory.
+    pub(crate) fn attach_memoryless(
+        ctx: Option<&Arc<Context>>,
+        prefix: &str,
+        name: &str,
+        opts: &ConsumerOptions,
+        gpu_time: &mut Duration,
+    ) -> Result<Consumer> {
+        let control = Control::open_in(prefix, name, opts.group_access, super::control::INIT_WAIT)?;
+        if control.buffer_bytes() != 0 {
+            return Err(ChannelError::BadSegment(SegmentFault::BufferLen {
+                index: 0,
+                len: control.buffer_bytes() as usize,
+                expected: 0,
+            })
+            .into());
+        }
+        let Some(ctx) = ctx else {
+            control.producer_gone()?;
+            let slot = control.attach(opts.delivery)?;
+            return Ok(Consumer {
+                side: Side::Host(None),
+                control: Arc::new(control),
+                slot,
+                wait: opts.wait,
+                posted: Mutex::new(0),
+            });
+        };
+        Self::attach_with(control, ctx, opts, gpu_time)
+    }
+
+    /// Attaches in `ctx`; adds the time spent making GPU objects to `gpu_time` (see
+    /// [`Consumer::attach_memoryless`]).
     fn attach_with(
         control: Control,
         ctx: &Arc<Context>,
         opts: &ConsumerOptions,
+        gpu_time: &mut Duration,
     ) -> Result<Consumer> {
         control.producer_gone()?;
+        let started = Instant::now();
         let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
-        for i in 0..control.buffers() {
+        // A memoryless channel (`attach_memoryless`, which checked it) has nothing to import.
+        let imported = if control.buffer_bytes() == 0 {
+            0
+        } else {
+            control.buffers()
+        };
+        for i in 0..imported {
             let mem = control.buffer_token(i);
             let b = ImportedBuffer::open_in(ctx, &Token::from_bytes(&mem)?)?;
             if b.len() as u64 != control.buffer_bytes() {
@@ -174,19 +214,32 @@ impl Consumer {
         // SAFETY: the GPU words lie in the control segment's mapping, which `control` keeps until
         // the registration drops (field order above).
         let ready = unsafe { HostRegistration::new(ctx, page, len)? };
-        let join = Mutex::new(Event::new(ctx)?);
+        let join = std::sync::Mutex::new(Event::new(ctx)?);
+        *gpu_time += started.elapsed();
         let slot = control.attach(opts.delivery)?;
         let control = Arc::new(control);
+        let watched = control.clone();
+        let started = Instant::now();
+        let watchdog = Watchdog::start(
+            "cuda-ipc-watchdog",
+            "a dead producer is noticed at recv",
+            move || {
+                if watched.producer_gone().is_err() {
+                    watched.force_ready();
+                    return false;
+                }
+                true
+            },
+        );
+        *gpu_time += started.elapsed();
         Ok(Consumer {
             side: Side::Gpu {
-                watchdog: OnceLock::from(Self::watchdog(&control)),
+                _watchdog: watchdog,
                 imports: Arc::new(GpuImports {
-                    join: OnceLock::from(join),
+                    join,
                     buffers,
-                    stream: OnceLock::from(stream),
-                    ready: OnceLock::from(ready),
-                    making: Mutex::new(()),
-                    lazy: false,
+                    stream,
+                    ready,
                     ctx: ctx.clone(),
                 }),
             },
@@ -215,12 +268,8 @@ impl Consumer {
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
     /// (formerly a panic).
-    ///
-    /// On a tensor set's generation channel (memoryless) the stream is made here at the first
-    /// call (`cuStreamCreate`, with the watchdog that drains it when the producer dies); its
-    /// error is returned then.
     pub fn stream(&self) -> Result<&Stream> {
-        self.made_stream(self.gpu()?)
+        Ok(&self.gpu()?.stream)
     }
 
     /// The consumer's context.
@@ -230,6 +279,12 @@ impl Consumer {
     /// (formerly a panic).
     pub fn context(&self) -> Result<&Arc<Context>> {
         Ok(&self.gpu()?.ctx)
+    }
+
+    /// The control segment's creation generation (crate-private: a tensor set's reader checks its
+    /// generation channel against the manifest) and its buffer count.
+    pub(crate) fn control_generation(&self) -> (u64, usize) {
+        (self.control.generation(), self.control.buffers())
     }
 
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
@@ -389,13 +444,12 @@ impl Consumer {
     /// The frame taken from buffer `i`, and whether the consumer's stream was made to wait for
     /// it (always `Ok` on a host channel); the caller decides what a failed wait releases.
     fn deliver_parts(&self, i: usize, seq: u64, metadata: Metadata) -> (Frame<'_>, Result<()>) {
-        let mut frame = Frame {
+        let frame = Frame {
             consumer: self,
             index: i,
             seq,
             metadata,
             host_ordered: false,
-            host_ready: false,
         };
         let Some(gpu) = self.imports() else {
             // A host channel: the Acquire load of the buffer's seq in `try_take` already ordered
@@ -403,28 +457,18 @@ impl Consumer {
             self.control.took();
             return (frame, Ok(()));
         };
-        if gpu.lazy && self.host_ready(i, seq) {
-            // The generation is complete in device memory: nothing to wait for on a stream.
-            frame.host_ready = true;
-            self.control.took();
-            return (frame, Ok(()));
-        }
         // If this fails the caller releases the hold (`deliver`: the frame's Drop). The stream
         // waits on the buffer's ready word, which the producer's stream writes after its work; if
         // the producer dies first, the consumer (or its watchdog) closes the gate, raising the
         // word, so the stream drains (`Control::force_ready`).
-        let waited = self.made_stream(gpu).and_then(|stream| {
-            let ready = self.made_ready(gpu)?;
-            // SAFETY: the word lies in the registered GPU words (i < buffers), which stay
-            // registered and mapped until this consumer's stream has drained (Drop of Consumer;
-            // the registration is made before and dropped after the stream's work).
-            unsafe {
-                stream.wait_value_u32(
-                    ready.device_ptr + layout::ready_word_offset(i) as u64,
-                    seq as u32,
-                )
-            }
-        });
+        // SAFETY: the word lies in the registered GPU words (i < buffers), which stay registered
+        // and mapped until this consumer's stream has drained (Drop of Consumer).
+        let waited = unsafe {
+            gpu.stream.wait_value_u32(
+                gpu.ready.device_ptr + layout::ready_word_offset(i) as u64,
+                seq as u32,
+            )
+        };
         // The cursor moved: announced after the stream's wait, off the hand-off's path.
         self.control.took();
         (frame, waited)
@@ -475,7 +519,6 @@ impl Consumer {
             seq,
             metadata,
             host_ordered: true,
-            host_ready: false,
         };
         if self.is_host() {
             // A host channel: the Acquire load of the buffer's seq in `try_take` ordered the
@@ -538,18 +581,15 @@ impl Consumer {
         let gpu = self.imports().ok_or_else(|| {
             Error::InvalidArgument("a host channel has no gate words on a GPU".into())
         })?;
-        Ok(self.made_ready(gpu)?.device_ptr + layout::GATE_STATE_OFFSET as u64)
+        Ok(gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
     }
 
     /// Waits for this consumer's stream to drain, closing a dead producer's gate meanwhile (the
     /// watchdog does it too; this does not rely on it).
     fn drain_stream(gpu: &GpuImports, control: &Control) {
-        let Some(stream) = gpu.stream.get() else {
-            return; // never made: nothing was enqueued
-        };
         let mut next_check = Instant::now();
         loop {
-            match stream.is_idle() {
+            match gpu.stream.is_idle() {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
@@ -621,9 +661,6 @@ pub struct Frame<'a> {
     metadata: Metadata,
     /// Taken by [`Consumer::recv_host_ordered`]: its release word is written from the host.
     host_ordered: bool,
-    /// Taken by a memoryless consumer when its ready word already showed it (the producer's
-    /// stream had finished it): no stream waited, and no stream needs to ([`Frame::ready_on`]).
-    host_ready: bool,
 }
 
 impl std::fmt::Debug for Frame<'_> {
@@ -642,16 +679,10 @@ impl Frame<'_> {
     pub fn view(&self) -> FrameBuffer<'_, ImportedBuffer> {
         let c = self.consumer;
         match &c.side {
-            Side::Gpu { imports, .. } => {
-                match (imports.buffers.get(self.index), imports.stream.get()) {
-                    (Some(buffer), Some(stream)) => FrameBuffer::Device { buffer, stream },
-                    // A memoryless channel: no bytes (every range but the empty one is refused).
-                    _ => FrameBuffer::Host {
-                        ptr: std::ptr::NonNull::dangling().as_ptr(),
-                        len: 0,
-                    },
-                }
-            }
+            Side::Gpu { imports, .. } => FrameBuffer::Device {
+                buffer: &imports.buffers[self.index],
+                stream: &imports.stream,
+            },
             Side::Host(Some(pool)) => FrameBuffer::Host {
                 ptr: pool.ptr(self.index),
                 len: pool.buffer_bytes(),
@@ -740,10 +771,7 @@ impl Frame<'_> {
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
     /// (formerly a panic).
     pub fn stream(&self) -> Result<&Stream> {
-        match self.consumer.imports() {
-            Some(_) => self.consumer.stream(),
-            None => self.view().stream(),
-        }
+        self.view().stream()
     }
 
     /// Makes `stream` wait on the GPU for this frame (an event recorded on the consumer's stream,
@@ -772,17 +800,10 @@ impl Frame<'_> {
     ///    streams of the consumer's context.
     pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
         let gpu = self.gpu_or_err()?;
-        if self.host_ready {
-            // The producer's stream had finished the frame when it was taken: any stream may
-            // read it now, nothing to order.
-            return Ok(());
-        }
-        let c = self.consumer;
-        let own = c.made_stream(gpu)?;
-        let join = c.made_join(gpu)?.lock().unwrap_or_else(|p| p.into_inner());
+        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the consumer's stream lives as long as the consumer this frame borrows
         // (obligation 1 of `order_raw`); `stream` as the caller guarantees (obligation 2).
-        unsafe { join.order_raw(own.as_raw(), stream) }
+        unsafe { join.order_raw(gpu.stream.as_raw(), stream) }
     }
 
     /// Orders this frame's release after the work enqueued so far on `stream` (a stream of the
@@ -813,13 +834,10 @@ impl Frame<'_> {
     ///    context's default streams.
     pub unsafe fn release_after_raw(&self, stream: sys::CUstream) -> Result<()> {
         let gpu = self.gpu_or_err()?;
-        let c = self.consumer;
-        // Made now if it was not: the release then goes on it, after this wait.
-        let own = c.made_stream(gpu)?;
-        let join = c.made_join(gpu)?.lock().unwrap_or_else(|p| p.into_inner());
+        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `stream` as the caller guarantees (obligation 1 of `order_raw`); the consumer's
         // stream lives as long as the consumer this frame borrows (obligation 2).
-        unsafe { join.order_raw(stream, own.as_raw()) }
+        unsafe { join.order_raw(stream, gpu.stream.as_raw()) }
     }
 
     fn gpu_or_err(&self) -> Result<&GpuImports> {
@@ -862,30 +880,24 @@ impl Consumer {
     fn release_frame(&self, index: usize, seq: u64, host_ordered: bool) {
         let c = self;
         if let Some(gpu) = c.imports() {
-            if let (false, Some(stream)) = (host_ordered, gpu.stream.get()) {
-                let written = c.made_ready(gpu).and_then(|ready| {
-                    let word = ready.device_ptr + layout::release_word_offset(c.slot, index) as u64;
-                    // SAFETY: the word lies in the registered GPU words (this consumer's slot,
-                    // index < buffers), which stay registered until its stream has drained (Drop
-                    // of Consumer).
-                    unsafe { stream.write_value_u32(word, seq as u32) }
-                });
-                if let Err(e) = written {
+            if host_ordered {
+                // Every read of the buffer finished before the drop (the caller's obligation).
+                c.control.set_released(c.slot, index, seq);
+            } else {
+                let word = gpu.ready.device_ptr + layout::release_word_offset(c.slot, index) as u64;
+                // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
+                // buffers), which stay registered until its stream has drained (Drop of Consumer).
+                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
                     // Without the write the producer's stream would wait for good: wait for our
                     // kernels on the host instead and write the word from here.
                     tracing::warn!(
                         "enqueuing the release word failed ({e}); synchronising instead"
                     );
-                    if let Err(e) = stream.synchronize() {
+                    if let Err(e) = gpu.stream.synchronize() {
                         tracing::warn!("synchronising the consumer stream failed: {e}");
                     }
                     c.control.set_released(c.slot, index, seq);
                 }
-            } else {
-                // A host-ordered frame: every read of the buffer finished before the drop (the
-                // caller's obligation). Or a memoryless consumer whose stream was never made: no
-                // GPU work of it can read the frame or wait for it (its takes were host-ready).
-                c.control.set_released(c.slot, index, seq);
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the

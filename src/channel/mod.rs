@@ -50,8 +50,8 @@ mod view;
 mod wait;
 mod watchdog;
 
+pub(crate) use consumer::FrameHold;
 pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
-pub(crate) use consumer::{FrameHold, Joined};
 pub(crate) use control::Control;
 pub use control::MAX_CHANNEL_NAME;
 pub(crate) use control::validate_channel_name;

@@ -604,20 +604,6 @@ pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFaul
 /// checked with [`Manifest::verify_fingerprint`] before anything relies on the manifest (a reader
 /// does it on another thread while it maps the memory).
 pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
-    decode_parts(bytes, true)
-}
-
-/// The part of [`decode_unverified`] that the mapping needs: the body header and the allocation
-/// table, with every check of theirs (counts, ranges, codes, allocation lengths, the bytes per
-/// buffer). Its layout has the allocations and the stored fingerprint but no tensors: the
-/// tensor table is decoded by [`decode_unverified`] (which repeats these checks on the same
-/// bytes) before anything relies on it.
-pub(crate) fn decode_head(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
-    decode_parts(bytes, false)
-}
-
-/// The decode: the header and allocation table, then with `whole` the tensor table.
-fn decode_parts(bytes: &[u8], whole: bool) -> std::result::Result<Manifest, ManifestFault> {
     let b = Body(bytes);
     b.bytes("the body header", 0, BODY_HEADER as u64)?;
     let kind = b.u32("kind", 0)?;
@@ -709,30 +695,6 @@ fn decode_parts(bytes: &[u8], whole: bool) -> std::result::Result<Manifest, Mani
             "the sum of one buffer's allocations",
         ));
     }
-    let layout_fault = |e: crate::Error| match e {
-        crate::Error::TensorSet(TensorSetError::BadTensor { name, why }) => ManifestFault::Tensor {
-            index: u64::MAX,
-            why: format!("{name:?}: {why}"),
-        },
-        other => ManifestFault::Tensor {
-            index: u64::MAX,
-            why: other.to_string(),
-        },
-    };
-    if !whole {
-        return Ok(Manifest {
-            kind,
-            flags,
-            buffers,
-            layout: Layout::checked(Vec::new(), lens, Some(fp)).map_err(layout_fault)?,
-            tokens,
-            channel_generation,
-            data_generation,
-            max_readers,
-            holders_generation,
-            generation_base,
-        });
-    }
     // Shape then strides of a tensor whose dims start at index `d0` (in `i64` units).
     let dims_of =
         |d0: u64, ndim: u64| -> std::result::Result<(Vec<i64>, Vec<i64>), ManifestFault> {
@@ -797,7 +759,16 @@ fn decode_parts(bytes: &[u8], whole: bool) -> std::result::Result<Manifest, Mani
             bytes,
         });
     }
-    let layout = Layout::checked(infos, lens, Some(fp)).map_err(layout_fault)?;
+    let layout = Layout::checked(infos, lens, Some(fp)).map_err(|e| match e {
+        crate::Error::TensorSet(TensorSetError::BadTensor { name, why }) => ManifestFault::Tensor {
+            index: u64::MAX,
+            why: format!("{name:?}: {why}"),
+        },
+        other => ManifestFault::Tensor {
+            index: u64::MAX,
+            why: other.to_string(),
+        },
+    })?;
     Ok(Manifest {
         kind,
         flags,

@@ -1,18 +1,13 @@
 //! The reading end: [`TensorSetReader`] (the manifest, the set's memory imported once, the
 //! generation channel's consumer) and the [`Held`] generation guard.
-//!
-//! A GPU reader's stream, the registration of the channel's GPU words and the join event are made
-//! at first need. A take whose generation the writer's stream had already finished (its ready
-//! word shows it, the gate open) enqueues nothing; its release is written on the reader's stream
-//! when that stream exists (after the work there), and from the host when it was never made.
 
 use super::error::{ManifestFault, TensorSetError};
 use super::holders::{self, FdSource, HolderRole, Writerless};
-use super::manifest::{self, KIND_HOST, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
+use super::manifest::{KIND_HOST, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
 use super::stable::{Stable, StableSwitch};
 use super::{ReaderOptions, decode_meta};
-use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame, FrameHold, Joined};
+use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame, FrameHold};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
@@ -40,22 +35,19 @@ enum Source {
 
 /// Where one [`TensorSetReader`] open spent its time (wall clock, measured by
 /// [`TensorSetReader::open`], [`TensorSetReader::open_auto`] and
-/// [`TensorSetReader::open_host`]; [`TensorSetReader::open_timings`] returns it). The open runs
-/// on two threads: the opening thread opens the manifest, decodes its header and allocation
-/// table and maps the memory (`fd_fetch` + `map`); the join thread, started first, joins the
-/// generation channel (`join`), then decodes the tensor table and checks the fingerprint. `total`
-/// is about the head's part of `manifest` + the longer of the two.
+/// [`TensorSetReader::open_host`]; [`TensorSetReader::open_timings`] returns it). For a GPU set
+/// the mapping (`fd_fetch` + `map`, on the opening thread) and the channel's `join` (on a second
+/// thread) overlap: `total` is about `manifest` + the longer of the two.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct OpenTimings {
-    /// The manifest's decode: on the opening thread, its segment opened (`shm_open`, `mmap`,
-    /// the header's checks), the body copied out, the header and allocation table decoded and
-    /// checked; plus, on the join thread, the decode of the tensor table (every range, code,
-    /// tensor span and name).
+    /// Opening the manifest segment (`shm_open`, `mmap`, the header's checks), copying its
+    /// body out, decoding and checking it (every range, code, tensor span and name).
     pub manifest: Duration,
     /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
-    /// and comparing it with the manifest's, on the join thread after the tensor table's decode
-    /// (nothing is returned before it passed).
+    /// and comparing it with the manifest's: on the opening thread before the mapping for small
+    /// sets and host sets, on a thread of its own beside the mapping and the join for a GPU set
+    /// of more than [`VERIFY_APART`] tensors (nothing is returned before it passed).
     pub fingerprint: Duration,
     /// Fetching the file descriptors of the allocations that were not in the import cache from
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
@@ -65,64 +57,25 @@ pub struct OpenTimings {
     /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess`
     /// (pool and legacy memory: their own import calls); a host set: its data segment's open.
     pub map: Duration,
-    /// The generation channel's join on the join thread: its control segment opened, the
-    /// producer's liveness checked, a reader slot claimed.
+    /// The generation channel's join, as long as it ran on its own thread: its control segment
+    /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
+    /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
     pub join: Duration,
-    /// GPU objects made by the open: always zero now. The reader's stream, the registration of
-    /// the channel's GPU words and the join event are made at first need
-    /// ([`TensorSetReader::stream`]), and not at all by a reader whose generations are ready
-    /// when taken and who never asks for its stream.
+    /// The part of `join` that made GPU objects: the reader's stream (`cuStreamCreate`), the
+    /// registration of the channel's GPU words (`cuMemHostRegister`), the join event
+    /// (`cuEventCreate`) and the watchdog thread. Zero for a host set.
     pub join_gpu: Duration,
-    /// How long the opening thread waited for the join thread once its mapping was done (the
-    /// join, the tensor table's decode and the fingerprint, less what ran beside the mapping).
+    /// How long the opening thread waited for the join once its mapping was done (zero when the
+    /// join finished first); a host set: the whole join.
     pub join_wait: Duration,
     /// The whole open, from the call to the reader returned (for [`TensorSetReader::open_auto`]
     /// including the look-up of the device and its primary context).
     pub total: Duration,
 }
 
-/// The opening thread's half of an open (`TensorSetReader::open_head`).
-struct Head {
-    opened: segment::OpenedHead,
-    ctx: Option<Arc<Context>>,
-    seg_name: String,
-    /// `map_memory`'s result.
-    mapped: Result<(Memory, bool, u32)>,
-    /// The mapping's time, with `fetch`.
-    map: Duration,
-    fetch: Duration,
-}
-
-/// The join thread's half of an open: the joined slot and the time it took; the whole manifest
-/// (fingerprint checked) with the times of its decode and of the check, `None` when the opening
-/// thread sent no body.
-struct Side {
-    joined: Result<Joined>,
-    join: Duration,
-    decoded: Option<(Result<Manifest>, Duration, Duration)>,
-}
-
-/// Joins the set's generation channel: (the joined slot, the time it took).
-fn join_channel(name: &str, copts: &ConsumerOptions) -> (Result<Joined>, Duration) {
-    let t = Instant::now();
-    let joined = Consumer::join_memoryless(GENERATION_PREFIX, name, copts);
-    (joined, t.elapsed())
-}
-
-/// Decodes the whole manifest body `bytes` of segment `seg_name` and checks its fingerprint:
-/// (the manifest, the decode's time, the check's time).
-fn decode_rest(bytes: &[u8], seg_name: &str) -> (Result<Manifest>, Duration, Duration) {
-    let t = Instant::now();
-    let m = manifest::decode_unverified(bytes).map_err(|f| segment::bad(seg_name, f));
-    let tables = t.elapsed();
-    let t = Instant::now();
-    let m = m.and_then(|m| {
-        m.verify_fingerprint()
-            .map_err(|f| segment::bad(seg_name, f))?;
-        Ok(m)
-    });
-    (m, tables, t.elapsed())
-}
+/// Tensors above which a GPU set's layout fingerprint is recomputed on a thread of its own while
+/// the memory is mapped (below, the hash costs less than starting a thread).
+pub const VERIFY_APART: usize = 1024;
 
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
 /// allocation, through the import cache and fd passing; read-only where the memory allows) and
@@ -209,7 +162,7 @@ impl TensorSetReader {
     /// [`TensorSetError::TooManyReaders`] past the set's reader limit; CUDA and fd
     /// passing errors from the imports.
     pub fn open(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
-        Self::open_inner(Some(ctx), name, opts, false)
+        Self::open_inner(Some(ctx), name, opts)
     }
 
     /// Opens tensor set `name` on the device that holds it (found by UUID), in that device's
@@ -218,7 +171,7 @@ impl TensorSetReader {
     /// # Errors
     /// As [`TensorSetReader::open`].
     pub fn open_auto(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
-        Self::open_inner(None, name, opts, false)
+        Self::open_inner(None, name, opts)
     }
 
     /// Opens host tensor set `name` (CPU only: never calls the CUDA driver).
@@ -226,103 +179,66 @@ impl TensorSetReader {
     /// # Errors
     /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
     pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
-        Self::open_inner(None, name, opts, true)
-    }
-
-    /// The open: the generation channel's join starts on a scoped thread at once (it needs only
-    /// the set's name); this thread opens the manifest, decodes its header and allocation table
-    /// and maps the memory (`map_memory`) while the join thread, once joined, decodes the tensor
-    /// table and checks the layout fingerprint. Nothing is returned before both sides' checks
-    /// passed; on any error the other side's result drops here (a joined slot is left, imports go
-    /// back to the cache). `host_only`: [`TensorSetReader::open_host`].
-    fn open_inner(
-        ctx: Option<&Arc<Context>>,
-        name: &str,
-        opts: &ReaderOptions,
-        host_only: bool,
-    ) -> Result<TensorSetReader> {
         let started = Instant::now();
-        segment::validate_set_name(name)?;
-        let copts = ConsumerOptions::new()
-            .delivery(Delivery::LatestOnly)
-            .wait(opts.wait);
-        // The body and the manifest segment's name, handed to the join thread for the decode.
-        let (to_join, body) = std::sync::mpsc::channel::<(Vec<u8>, String)>();
-        std::thread::scope(|s| {
-            // The join thread's half. Its driver calls: none (the consumer's GPU objects are made
-            // at first need, on the thread that needs them). The imports stay on the opening
-            // thread: their driver import count is this thread's (`open_with_access`).
-            let helper = std::thread::Builder::new()
-                .name("cuda-ipc-attach".into())
-                .spawn_scoped(s, {
-                    let copts = &copts;
-                    move || {
-                        let (joined, join) = join_channel(name, copts);
-                        // Once the opening thread has the head (never, when it failed first).
-                        let decoded = body.recv().ok().map(|(b, n)| decode_rest(&b, &n));
-                        (joined, join, decoded)
-                    }
-                });
-            let opened = Self::open_head(ctx, name, opts, host_only, &to_join);
-            // Nothing more to send: a join thread whose opener failed stops waiting.
-            drop(to_join);
-            let t = Instant::now();
-            let (joined, join, decoded) = match helper {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                // No thread to be had: the join and the decode here, after the mapping (the
-                // body came back to the head: nobody received it).
-                Err(_) => {
-                    let (joined, join) = join_channel(name, &copts);
-                    let decoded = opened
-                        .as_ref()
-                        .ok()
-                        .map(|h| decode_rest(&h.opened.body, &h.seg_name));
-                    (joined, join, decoded)
-                }
-            };
-            let join_wait = t.elapsed();
-            // The head's errors first (as when the manifest was opened first); the joined slot
-            // drops with `joined`, leaving the channel.
-            let head = opened?;
-            let ctx = head.ctx.clone();
-            let side = Side {
-                joined,
-                join,
-                decoded,
-            };
-            Self::finish(ctx.as_ref(), name, opts, head, side, join_wait, started)
-        })
-    }
-
-    /// The opening thread's half: the manifest's head, the context, the early checks, the body
-    /// sent to the join thread, then the memory mapped.
-    fn open_head(
-        ctx: Option<&Arc<Context>>,
-        name: &str,
-        opts: &ReaderOptions,
-        host_only: bool,
-        to_join: &std::sync::mpsc::Sender<(Vec<u8>, String)>,
-    ) -> Result<Head> {
-        let mut opened = segment::open_manifest_head(name, segment::INIT_WAIT)?;
-        let m = &opened.head;
-        if host_only && m.kind != KIND_HOST {
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
+        if opened.manifest.kind != KIND_HOST {
             return Err(TensorSetError::WrongKind(
                 "a GPU tensor set: open it with a context (TensorSetReader::open)",
             )
             .into());
         }
-        let ctx = match (m.kind == KIND_HOST, ctx) {
-            (true, _) => None,
-            (false, Some(c)) => Some(c.clone()),
-            (false, None) => {
-                let tok = Token::from_bytes(&m.tokens[0][0])?;
-                Some(Device::by_uuid(tok.device)?.primary_context()?)
+        Self::finish(None, name, opts, opened, started)
+    }
+
+    fn open_inner(
+        ctx: Option<&Arc<Context>>,
+        name: &str,
+        opts: &ReaderOptions,
+    ) -> Result<TensorSetReader> {
+        let started = Instant::now();
+        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
+        if opened.manifest.kind == KIND_HOST {
+            return Self::finish(None, name, opts, opened, started);
+        }
+        let ctx = match ctx {
+            Some(c) => c.clone(),
+            None => {
+                let tok = Token::from_bytes(&opened.manifest.tokens[0][0])?;
+                Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        // The stored fingerprint is the head's: a layout the caller did not expect is refused
-        // before anything is mapped (the fingerprint's check against the tables follows).
+        Self::finish(Some(&ctx), name, opts, opened, started)
+    }
+
+    fn finish(
+        ctx: Option<&Arc<Context>>,
+        name: &str,
+        opts: &ReaderOptions,
+        opened: segment::OpenedManifest,
+        started: Instant,
+    ) -> Result<TensorSetReader> {
+        let mut timings = OpenTimings {
+            manifest: opened.took,
+            ..OpenTimings::default()
+        };
+        let m = opened.manifest;
+        let seg_name = opened.seg.name().to_string();
+        let bad_fingerprint = |fault| TensorSetError::BadManifest {
+            segment: seg_name.clone(),
+            fault,
+        };
+        let verify = || {
+            let t = Instant::now();
+            (m.verify_fingerprint(), t.elapsed())
+        };
+        // The fingerprint is checked before anything is returned; a large GPU set's beside the
+        // mapping (below), every other set's here, first.
+        let verify_apart = ctx.is_some() && m.layout.len() > VERIFY_APART;
+        if !verify_apart {
+            let (r, took) = verify();
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
+        }
         if let Some(expected) = opts.expect_layout
             && expected != m.layout.fingerprint()
         {
@@ -333,86 +249,105 @@ impl TensorSetReader {
             .into());
         }
         Self::check_stable(opts, m.kind)?;
-        let seg_name = opened.seg.name().to_string();
-        // To the join thread; without one (it could not be started) the body comes back.
-        if let Err(back) = to_join.send((std::mem::take(&mut opened.body), seg_name.clone())) {
-            opened.body = back.0.0;
+        // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
+        // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
+        // runs on a scoped thread while this thread maps the memory (a host set's two halves are
+        // cheaper than a thread: one after the other). Context hygiene: that thread makes driver
+        // calls only through the consumer's constructor, whose objects (`Stream::new`,
+        // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the
+        // thread ends with no context current. The imports stay on this thread: their driver
+        // import count is this thread's (`open_with_access`).
+        let copts = ConsumerOptions::new()
+            .delivery(Delivery::LatestOnly)
+            .wait(opts.wait);
+        // Each half times itself (the join on its own thread): (result, its time, GPU part).
+        let attach = || {
+            let t = Instant::now();
+            let mut gpu = Duration::ZERO;
+            let r = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts, &mut gpu);
+            (r, t.elapsed(), gpu)
+        };
+        let map = || {
+            let t = Instant::now();
+            let fetched = crate::ipc::fetch_time_on_this_thread();
+            let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
+            let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
+            (r, t.elapsed(), fetch)
+        };
+        let (mapped, attached, join_wait, verified) = if ctx.is_none() {
+            let mapped = map();
+            let attached = attach();
+            let wait = attached.1;
+            (mapped, attached, wait, None)
+        } else {
+            std::thread::scope(|s| {
+                let channel = std::thread::Builder::new()
+                    .name("cuda-ipc-attach".into())
+                    .spawn_scoped(s, attach);
+                let verifier = verify_apart.then(|| {
+                    std::thread::Builder::new()
+                        .name("cuda-ipc-verify".into())
+                        .spawn_scoped(s, verify)
+                });
+                let mapped = map();
+                let t = Instant::now();
+                let attached = match channel {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    // No thread to be had: attach here, after the imports.
+                    Err(_) => attach(),
+                };
+                let join_wait = t.elapsed();
+                let verified = verifier.map(|v| match v {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    Err(_) => verify(),
+                });
+                (mapped, attached, join_wait, verified)
+            })
+        };
+        // A manifest whose fingerprint is not its tables' is refused before anything else; the
+        // mapping and the consumer drop (back to the cache, out of the channel).
+        if let Some((r, took)) = verified {
+            timings.fingerprint = took;
+            r.map_err(bad_fingerprint)?;
         }
-        let t = Instant::now();
-        let fetched = crate::ipc::fetch_time_on_this_thread();
-        let mapped = Self::map_memory(ctx.as_ref(), name, opts, &opened.head, &seg_name);
-        let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
-        Ok(Head {
-            opened,
-            ctx,
-            seg_name,
-            mapped,
-            map: t.elapsed(),
-            fetch,
-        })
-    }
-
-    /// The checks of both halves and the reader made of them (`open_inner`).
-    fn finish(
-        ctx: Option<&Arc<Context>>,
-        name: &str,
-        opts: &ReaderOptions,
-        head: Head,
-        side: Side,
-        join_wait: Duration,
-        started: Instant,
-    ) -> Result<TensorSetReader> {
-        let Head {
-            opened,
-            seg_name,
-            mapped,
-            map,
-            fetch,
-            ..
-        } = head;
-        let Some((decoded, tables, fingerprint)) = side.decoded else {
-            return Err(Error::InvalidArgument(
-                "the join thread ended before the manifest's tensor table was decoded".into(),
-            ));
-        };
-        let mut timings = OpenTimings {
-            manifest: opened.took + tables,
-            fingerprint,
-            fd_fetch: fetch,
-            map: map.saturating_sub(fetch),
-            join: side.join,
-            join_gpu: Duration::ZERO,
-            join_wait,
-            total: Duration::ZERO,
-        };
-        // A manifest whose tables do not decode or whose fingerprint is not its tables' is
-        // refused before anything else; the mapping and the joined slot drop (back to the
-        // cache, out of the channel).
-        let m = decoded?;
-        // Then the imports' errors (as when they ran first), then the join's.
+        let (mapped, map_time, fetch_time) = mapped;
+        let (attached, join_time, join_gpu) = attached;
+        timings.fd_fetch = fetch_time;
+        timings.map = map_time.saturating_sub(fetch_time);
+        timings.join = join_time;
+        timings.join_gpu = join_gpu;
+        timings.join_wait = join_wait;
+        // Either error is returned, the imports' first (as when they ran first); the other half's
+        // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
+        // imports go back to the cache.
         let (memory, read_only, imports) = mapped?;
-        let consumer = match (side.joined.map_err(|e| set_error(name, e)), ctx) {
-            (Ok(joined), _) => {
-                if joined.generation() != (m.channel_generation, m.buffers) {
-                    return Err(TensorSetError::BadManifest {
-                        segment: seg_name,
-                        fault: ManifestFault::Mismatch {
-                            what: "the generation channel",
-                        },
-                    }
-                    .into());
-                }
-                Source::Channel(joined.into_consumer(ctx))
-            }
+        let consumer = match attached.map_err(|e| set_error(name, e)) {
+            Ok(c) => Source::Channel(c),
             // The writer is dead: a VMM set that holders keep is read writerless (the imports
             // above came from a holder).
-            (Err(Error::TensorSet(TensorSetError::WriterGone { pid, .. })), Some(ctx))
-                if m.holders_generation != 0 =>
+            Err(Error::TensorSet(TensorSetError::WriterGone { pid, .. }))
+                if ctx.is_some() && m.holders_generation != 0 =>
             {
+                let ctx = ctx.expect("checked above");
                 Source::Writerless(Writerless::open(ctx, name, &m, pid)?)
             }
-            (Err(e), _) => return Err(e),
+            Err(e) => return Err(e),
         };
+        if let Source::Channel(c) = &consumer
+            && c.control_generation() != (m.channel_generation, m.buffers)
+        {
+            return Err(TensorSetError::BadManifest {
+                segment: seg_name,
+                fault: ManifestFault::Mismatch {
+                    what: "the generation channel",
+                },
+            }
+            .into());
+        }
         let serving = if opts.serve {
             Some(holders::Serving::start(name, &m, HolderRole::Reader)?)
         } else {
@@ -420,7 +355,6 @@ impl TensorSetReader {
         };
         let buffers = m.buffers;
         let stable = Self::open_stable(ctx, opts, &memory, read_only)?;
-        timings.total = started.elapsed();
         Ok(TensorSetReader {
             _serving: serving,
             stable,
@@ -434,7 +368,10 @@ impl TensorSetReader {
             imports,
             expect_content: opts.expect_content,
             generation_base: m.generation_base,
-            timings,
+            timings: OpenTimings {
+                total: started.elapsed(),
+                ..timings
+            },
             _manifest: opened.seg,
         })
     }
@@ -709,11 +646,6 @@ impl TensorSetReader {
     /// The reader's stream (GPU sets): a held generation is ready on it; enqueue the work that
     /// reads it here (its release is written there after that work).
     ///
-    /// Made at the first call (`cuStreamCreate`; the channel's words registered with
-    /// `cuMemHostRegister` when a release or a wait first needs them): a reader that never calls
-    /// it, nor [`Held::release_after`], has its releases written from the host, which is right
-    /// because no GPU work of it reads the generations.
-    ///
     /// # Errors
     /// [`TensorSetError::WrongKind`] on a host set.
     pub fn stream(&self) -> Result<&Stream> {
@@ -887,8 +819,7 @@ pub struct TensorRef<'a> {
 /// A held generation: its buffer is not rewritten while the guard lives (and, on a GPU set, while
 /// the work enqueued on the reader's stream before the guard dropped runs: the release word is
 /// written there). On a GPU set the reader's stream already waits for the generation's ready
-/// word (or the generation was complete when taken). Dropping it releases the hold: on the
-/// reader's stream when [`TensorSetReader::stream`] was made, else from the host.
+/// word. Dropping it releases the hold.
 pub struct Held<'a> {
     reader: &'a TensorSetReader,
     /// The generation channel's frame (`None` for a writerless reader: nothing to release).

@@ -288,6 +288,8 @@ pub(crate) fn create_manifest(set: &str, m: &Manifest) -> Result<Segment> {
 pub(crate) struct OpenedManifest {
     pub(crate) seg: Segment,
     pub(crate) manifest: Manifest,
+    /// How long the open, the copy and the decode took (without a later fingerprint check).
+    pub(crate) took: Duration,
 }
 
 impl OpenedManifest {
@@ -319,42 +321,6 @@ pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedMani
 /// # Errors
 /// As [`open_manifest`], less the fingerprint's fault.
 pub(crate) fn open_manifest_unverified(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
-    let head = open_manifest_head(set, init_wait)?;
-    let manifest = head.decode()?;
-    Ok(OpenedManifest {
-        seg: head.seg,
-        manifest,
-    })
-}
-
-/// A manifest opened as far as the mapping needs ([`open_manifest_head`]): the segment, the
-/// body copied out and its header and allocation table decoded.
-pub(crate) struct OpenedHead {
-    pub(crate) seg: Segment,
-    /// The header and allocation table ([`manifest::decode_head`]): no tensors yet.
-    pub(crate) head: Manifest,
-    /// The body's bytes, for [`OpenedHead::decode`].
-    pub(crate) body: Vec<u8>,
-    /// How long the open, the copy and the head's decode took.
-    pub(crate) took: Duration,
-}
-
-impl OpenedHead {
-    /// The whole manifest (its fingerprint still to be checked).
-    ///
-    /// # Errors
-    /// [`TensorSetError::BadManifest`] for a body whose tensor table does not decode.
-    pub(crate) fn decode(&self) -> Result<Manifest> {
-        manifest::decode_unverified(&self.body).map_err(|f| bad(self.seg.name(), f))
-    }
-}
-
-/// Opens the manifest of `set` and decodes its header and allocation table
-/// ([`manifest::decode_head`]); the rest is decoded by [`OpenedHead::decode`].
-///
-/// # Errors
-/// As [`open_manifest_unverified`] for the head's faults.
-pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<OpenedHead> {
     validate_set_name(set)?;
     let started = std::time::Instant::now();
     let name = format!("{MANIFEST_PREFIX}{set}");
@@ -381,11 +347,10 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
     unsafe {
         std::ptr::copy_nonoverlapping(seg.as_ptr().add(HEADER_PAGE), body.as_mut_ptr(), body.len())
     };
-    let head = manifest::decode_head(&body).map_err(|f| bad(&name, f))?;
-    Ok(OpenedHead {
+    let manifest = manifest::decode_unverified(&body).map_err(|f| bad(&name, f))?;
+    Ok(OpenedManifest {
         seg,
-        head,
-        body,
+        manifest,
         took: started.elapsed(),
     })
 }

@@ -1,7 +1,7 @@
 //! Receives posted ahead ([`Consumer::post`]): the consumer's stream waits on the GPU for frames
 //! not yet published, in ring order, and [`Posted::wait`] takes them on the host afterwards.
 
-use super::Consumer;
+use super::{Consumer, GpuImports};
 use crate::channel::handoff::Metadata;
 use crate::channel::layout::{self, Delivery};
 #[cfg(doc)]
@@ -65,27 +65,26 @@ impl Consumer {
             )));
         }
         let index = ((seq - 1) % self.control.buffers() as u64) as usize;
-        let stream = self.made_stream(gpu)?;
-        let ready = self.made_ready(gpu)?.device_ptr;
         // SAFETY: the word lies in the registered GPU words (index < buffers), which stay
         // registered and mapped until this consumer's stream has drained (Drop of Consumer).
         unsafe {
-            stream.wait_value_u32(ready + layout::ready_word_offset(index) as u64, seq as u32)?;
+            gpu.stream.wait_value_u32(
+                gpu.ready.device_ptr + layout::ready_word_offset(index) as u64,
+                seq as u32,
+            )?;
         }
         *last = seq;
         let posted = Posted {
             consumer: self,
-            buffers: &gpu.buffers,
-            stream,
-            ready,
+            gpu,
             index,
             seq,
         };
         let r = work(&posted);
         // SAFETY: as above; the release word of this consumer's own slot.
         unsafe {
-            stream.write_value_u32(
-                ready + layout::release_word_offset(self.slot, index) as u64,
+            gpu.stream.write_value_u32(
+                gpu.ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
                 seq as u32,
             )?;
         }
@@ -98,11 +97,8 @@ impl Consumer {
 /// host; dropping it without waiting leaves the frame to the next `wait` or `recv`.
 pub struct Posted<'a> {
     consumer: &'a Consumer,
-    /// The buffers, stream and GPU words' device address of the consumer that posted it (posted
-    /// receives exist only on GPU channels).
-    buffers: &'a [ImportedBuffer],
-    stream: &'a Stream,
-    ready: u64,
+    /// The GPU side of the consumer that posted it (posted receives exist only on GPU channels).
+    gpu: &'a GpuImports,
     index: usize,
     seq: u64,
 }
@@ -129,18 +125,18 @@ impl<'a> Posted<'a> {
 
     /// The buffer that will hold the frame, mapped in the consumer's context.
     pub fn buffer(&self) -> &'a ImportedBuffer {
-        &self.buffers[self.index]
+        &self.gpu.buffers[self.index]
     }
 
     /// The consumer's stream, where the work that reads the frame goes (it waits for the frame).
     pub fn stream(&self) -> &'a Stream {
-        self.stream
+        &self.gpu.stream
     }
 
     /// The gate words' device address ([`Consumer::gate_device_ptr`]): work on the stream reads
     /// them to tell whether this frame came.
     pub fn gate_device_ptr(&self) -> u64 {
-        self.ready + layout::GATE_STATE_OFFSET as u64
+        self.gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64
     }
 
     /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes

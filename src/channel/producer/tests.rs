@@ -15,7 +15,9 @@ fn a_memoryless_channel_hands_out_generations_and_takes_the_head_again() {
     // Not a user channel: attach refuses it, the memoryless attach takes it.
     assert!(Consumer::attach(&ch, &ConsumerOptions::new()).is_err());
     let co = ConsumerOptions::new().delivery(super::super::Delivery::LatestOnly);
-    let rx = Consumer::attach_memoryless(None, prefix, &ch, &co).unwrap();
+    let rx =
+        Consumer::attach_memoryless(None, prefix, &ch, &co, &mut std::time::Duration::default())
+            .unwrap();
     let lock = std::sync::Mutex::new(());
     assert!(
         rx.take_newer(0, Some(Duration::ZERO), &lock, |_, _| false)
