@@ -325,17 +325,16 @@ impl TensorSetReader {
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
         let (memory, read_only, imports) = mapped?;
-        let consumer = match attached.map_err(|e| set_error(name, e)) {
-            Ok(c) => Source::Channel(c),
+        let consumer = match (attached.map_err(|e| set_error(name, e)), ctx) {
+            (Ok(c), _) => Source::Channel(c),
             // The writer is dead: a VMM set that holders keep is read writerless (the imports
             // above came from a holder).
-            Err(Error::TensorSet(TensorSetError::WriterGone { pid, .. }))
-                if ctx.is_some() && m.holders_generation != 0 =>
+            (Err(Error::TensorSet(TensorSetError::WriterGone { pid, .. })), Some(ctx))
+                if m.holders_generation != 0 =>
             {
-                let ctx = ctx.expect("checked above");
                 Source::Writerless(Writerless::open(ctx, name, &m, pid)?)
             }
-            Err(e) => return Err(e),
+            (Err(e), _) => return Err(e),
         };
         if let Source::Channel(c) = &consumer
             && c.control_generation() != (m.channel_generation, m.buffers)
