@@ -67,7 +67,7 @@ fn a_reader_that_never_uses_its_stream_takes_and_releases_while_the_writer_write
         });
         let mut taken = 0u64;
         let mut last = 0u64;
-        // Every generation taken is held, then released (from the host: no stream was made).
+        // Every generation taken is held, then released, with nothing enqueued on the stream.
         while taken < 100 {
             let h = r.wait_newer(last, Some(T)).expect("a newer generation");
             last = h.generation();
