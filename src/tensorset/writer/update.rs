@@ -306,7 +306,7 @@ impl Update<'_> {
     }
 
     /// Publishes the generation with `content` (its content fingerprint, all zeros: none), which
-    /// readers can demand ([`super::ReaderOptions::expect_content`]): readers waiting wake, and
+    /// readers can demand ([`crate::tensorset::ReaderOptions::expect_content`]): readers waiting wake, and
     /// on a GPU set their streams wait for the writer's stream's ready word, written after the
     /// update's work. Returns the generation number.
     ///
