@@ -537,7 +537,10 @@ impl TensorSetWriter {
     /// see the buffer. On a GPU set the writer's stream then waits for the last readers' release
     /// words on the GPU (`cuStreamWaitValue32`): their kernels finish before the update's writes.
     /// A reader that died holding a generation is freed within about 1 s (the channel's
-    /// watchdog and liveness checks).
+    /// watchdog and liveness checks). A resumed writer ([`TensorSetWriter::resumed`]) also waits
+    /// on the host, within the same `timeout`, for the dead writer's readers: until none holds
+    /// the buffer (their hold bits, writerless readers' reading words) and every live one that
+    /// read it has its release word there (the kernels it ran over the buffer finished).
     ///
     /// # Errors
     /// [`Error::Timeout`]; CUDA errors from the stream wait.
