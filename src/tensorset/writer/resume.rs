@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The dead writer's generation channel, kept open by the writer that resumed its set: readers
-/// that joined it before the death still hold generations through it (its hold bits).
+/// that joined it before the death still hold generations through it (its hold bits), and their
+/// streams may still read a buffer they let go of (its release words).
 pub(crate) struct OldReaders {
     control: Option<Control>,
 }
