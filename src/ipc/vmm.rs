@@ -24,7 +24,7 @@
 
 use super::cache::Access;
 use super::cache::{self, Mapping, MappingKey, Origin, lock};
-use super::fdpass::FdExport;
+use super::fdpass::{FdExport, own_offered};
 use super::shareable::{POSIX_FD, access_desc_for, fetch_fd, location, require_peer};
 use crate::driver::{Context, Device, DeviceMemory};
 use crate::error::{Error, Result};
@@ -536,7 +536,14 @@ fn import_vmm_handle(
 /// fetched it already (a batched import), used instead of a fetch if this call opens the mapping,
 /// else closed unused; closed (dropped) right after the import either way.
 /// `access` is the importer's ([`Access::ReadOnly`]: mapped `PROT_READ`); a self-import is the
-/// exporter's own read-write mapping.
+/// exporter's own read-write mapping. A token that names this process but an export id not in
+/// the table of its own VMM buffers (an allocation it imported and serves again, as a resumed
+/// tensor set's writer does) is imported from a copy of the fd it serves under that id
+/// (`fdpass::own_offered`), as another process's would be.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for this process's own buffer in another context, one it freed, or
+/// an export id it no longer offers; fetch and CUDA errors of the import otherwise.
 pub(crate) fn open_vmm(
     ctx: &Arc<Context>,
     token: &Token,
@@ -552,38 +559,50 @@ pub(crate) fn open_vmm(
     let is_self = token.exporter == ProcessIdentity::current()?;
     let key = MappingKey::of(token, ctx, access);
     let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
-        let (origin, base, size, read_only) = if is_self {
-            let local = lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade);
-            match local {
-                Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
-                    cache::count_self_import();
-                    let (base, size) = (a.map.ptr, a.map.size);
-                    (Origin::local(Box::new(a)), base, size, false)
-                }
-                Some(Some(_)) => {
-                    return Err(Error::InvalidArgument(
-                        "a VMM buffer of this process can only be self-imported in its own context"
-                            .into(),
-                    ));
-                }
-                _ => {
-                    return Err(Error::InvalidArgument(
-                        "the token names a VMM buffer this process exported and has since freed"
-                            .into(),
-                    ));
-                }
-            }
+        let local = if is_self {
+            lock(&LOCAL_VMM).get(&token.export_id).map(Weak::upgrade)
         } else {
-            require_peer(ctx, token.device)?;
-            let fd = match fetched {
-                Some(fd) => fd,
-                None => fetch_fd(token, raw_fd)?,
-            };
-            // `fd` is closed when it drops at the end of this block, on success and on failure.
-            let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
-            let (base, size) = (vm.ptr, vm.size);
-            let ro = access == Access::ReadOnly;
-            (Origin::closed_by(Box::new(vm)), base, size, ro)
+            None
+        };
+        let (origin, base, size, read_only) = match local {
+            Some(Some(a)) if a.map.ctx.as_raw() == ctx.as_raw() => {
+                cache::count_self_import();
+                let (base, size) = (a.map.ptr, a.map.size);
+                (Origin::local(Box::new(a)), base, size, false)
+            }
+            Some(Some(_)) => {
+                return Err(Error::InvalidArgument(
+                    "a VMM buffer of this process can only be self-imported in its own context"
+                        .into(),
+                ));
+            }
+            Some(None) => {
+                return Err(Error::InvalidArgument(
+                    "the token names a VMM buffer this process exported and has since freed".into(),
+                ));
+            }
+            None => {
+                // Another process's allocation, or one this process serves without having made
+                // it (a resumed tensor set's import of a holder's fd): imported from an fd, the
+                // own export table's copy for the latter.
+                require_peer(ctx, token.device)?;
+                let fd = match (fetched, is_self) {
+                    (Some(fd), _) => fd,
+                    (None, false) => fetch_fd(token, raw_fd)?,
+                    (None, true) => own_offered(token.export_id)?.ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "the token names export {} of this process, which it no longer offers",
+                            token.export_id
+                        ))
+                    })?,
+                };
+                // `fd` is closed when it drops at the end of this block, on success and on
+                // failure.
+                let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
+                let (base, size) = (vm.ptr, vm.size);
+                let ro = access == Access::ReadOnly;
+                (Origin::closed_by(Box::new(vm)), base, size, ro)
+            }
         };
         Ok(Mapping {
             base,

@@ -659,7 +659,8 @@ impl TensorSetReader {
 
     /// Whether this reader was opened after its writer's death: it reads the last whole
     /// generation (from memory a holder forwarded), on a stream of its own; no newer generation
-    /// comes ([`TensorSetReader::wait_newer`] says [`TensorSetError::WriterGone`]).
+    /// comes ([`TensorSetReader::wait_newer`] says [`TensorSetError::WriterGone`]; its `why`
+    /// says the set was resumed, reopen it, once a new writer resumed the set on its memory).
     pub fn is_writerless(&self) -> bool {
         matches!(self.consumer, Source::Writerless(_))
     }
@@ -766,10 +767,14 @@ impl TensorSetReader {
             return Err(TensorSetError::WriterGone {
                 name: self.name.clone(),
                 pid: 0,
-                why: format!(
-                    "the reader opened after its death at generation {}, the last whole one",
-                    w.generation()
-                ),
+                why: if w.resumed() {
+                    "a new writer resumed the set on the same memory: reopen it".into()
+                } else {
+                    format!(
+                        "the reader opened after its death at generation {}, the last whole one",
+                        w.generation()
+                    )
+                },
             }
             .into());
         };

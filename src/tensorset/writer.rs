@@ -9,14 +9,12 @@ use super::manifest::{
     TensorSpec,
 };
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
-use super::{GenerationMode, TensorSetOptions, encode_meta};
+use super::{GenerationMode, TensorSetOptions};
 use crate::channel::{
-    ChannelBuffer, ChannelError, ChannelOptions, MemoryKind, Producer, WriteFrame, allocate_pool,
-    auto_kind,
+    ChannelBuffer, ChannelError, ChannelOptions, MemoryKind, Producer, allocate_pool, auto_kind,
 };
 use crate::driver::{Context, DeviceMemory, Stream, Uuid};
 use crate::error::{Error, Result};
-use crate::ffi::{check, sys};
 use crate::ipc::VmmBuffer;
 use crate::quota::Reservation;
 use crate::shm::Segment;
@@ -25,6 +23,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod resume;
+mod update;
+
+pub use update::Update;
 
 /// One allocation of a buffer: made by the writer, or given ([`TensorSetWriter::create_over`]).
 #[derive(Debug)]
@@ -536,7 +537,10 @@ impl TensorSetWriter {
     /// see the buffer. On a GPU set the writer's stream then waits for the last readers' release
     /// words on the GPU (`cuStreamWaitValue32`): their kernels finish before the update's writes.
     /// A reader that died holding a generation is freed within about 1 s (the channel's
-    /// watchdog and liveness checks).
+    /// watchdog and liveness checks). A resumed writer ([`TensorSetWriter::resumed`]) also waits
+    /// on the host, within the same `timeout`, for the dead writer's readers: until none holds
+    /// the buffer (their hold bits, writerless readers' reading words) and every live one that
+    /// read it has its release word there (the kernels it ran over the buffer finished).
     ///
     /// # Errors
     /// [`Error::Timeout`]; CUDA errors from the stream wait.
@@ -620,322 +624,5 @@ fn tensor_ptr(memory: &Memory, layout: &Layout, buffer: usize, i: usize) -> Resu
                 .ok_or_else(|| Error::InvalidArgument(format!("buffer {buffer} of {}", b.len())))?;
             Ok(allocs[t.allocation as usize].device_ptr() + t.offset)
         }
-    }
-}
-
-/// A generation being written: a buffer no reader holds. Write it (on
-/// [`TensorSetWriter::stream`] / [`Update::stream`], or through the host accessors), then
-/// [`Update::commit`]; dropping it uncommitted gives the buffer back (in place: the generation it
-/// held is gone, its bytes may be half-written, and readers see nothing until the next commit).
-pub struct Update<'a> {
-    frame: WriteFrame<'a>,
-    recorder: Option<&'a mut Recorder>,
-    memory: &'a Memory,
-    layout: &'a Layout,
-    state: &'a mut State,
-    buffer: usize,
-    previous: Option<usize>,
-}
-
-impl std::fmt::Debug for Update<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Update")
-            .field("buffer", &self.buffer)
-            .field("generation", &self.generation())
-            .finish()
-    }
-}
-
-impl Update<'_> {
-    /// The generation this update will publish.
-    pub fn generation(&self) -> u64 {
-        self.state.generation + 1
-    }
-
-    /// The buffer being written.
-    pub fn buffer(&self) -> usize {
-        self.buffer
-    }
-
-    /// The writer's stream (GPU sets).
-    ///
-    /// # Errors
-    /// [`TensorSetError::WrongKind`] on a host set.
-    pub fn stream(&self) -> Result<&Stream> {
-        self.frame
-            .producer_stream()
-            .ok_or_else(|| TensorSetError::WrongKind("a host tensor set has no stream").into())
-    }
-
-    /// The device address of tensor `i` in this update's buffer (GPU sets).
-    ///
-    /// # Errors
-    /// As [`TensorSetWriter::device_ptr`].
-    pub fn tensor_ptr(&self, i: usize) -> Result<u64> {
-        tensor_ptr(self.memory, self.layout, self.buffer, i)
-    }
-
-    /// Tensor `i` of this update's buffer as device memory in the writer's context (GPU sets), for
-    /// kernels on [`Update::stream`].
-    ///
-    /// # Errors
-    /// As [`Update::tensor_ptr`].
-    pub fn device_tensor(&self, i: usize) -> Result<super::DeviceTensor<'_>> {
-        let ptr = self.tensor_ptr(i)?;
-        Ok(super::DeviceTensor {
-            ptr,
-            len: self.layout.tensors()[i].bytes as usize,
-            ctx: self.stream()?.context(),
-        })
-    }
-
-    /// Enqueues on the writer's stream a copy of `len` bytes from device address `src` into
-    /// tensor `i` (`cuMemcpyDtoDAsync_v2`). Work on another stream that produced `src` must be
-    /// ordered before (e.g. the writer's stream waiting on an event of it).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when `len` exceeds the tensor's bytes; as
-    /// [`Update::tensor_ptr`]; [`Error::Cuda`] naming the copy.
-    pub fn copy_in(&self, i: usize, src: u64, len: usize) -> Result<()> {
-        let dst = self.tensor_ptr(i)?;
-        let t = &self.layout.tensors()[i];
-        if len as u64 > t.bytes {
-            return Err(Error::InvalidArgument(format!(
-                "{len} bytes into tensor {:?} of {} bytes",
-                t.name, t.bytes
-            )));
-        }
-        self.copy_d2d(dst, src, len)
-    }
-
-    /// Enqueues on the writer's stream a copy of `len` bytes from device address `src` to byte
-    /// `offset` of allocation `allocation` of this update's buffer (`cuMemcpyDtoDAsync_v2`): one
-    /// copy for several tensors that lie back to back in both places. Work on another stream
-    /// that produced `src` must be ordered before.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end;
-    /// [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming the copy.
-    pub fn copy_into(&self, allocation: usize, offset: u64, src: u64, len: usize) -> Result<()> {
-        let Memory::Gpu(b) = self.memory else {
-            return Err(TensorSetError::WrongKind(
-                "a host tensor set has no device addresses; use the host accessors",
-            )
-            .into());
-        };
-        let size = self
-            .layout
-            .allocations()
-            .get(allocation)
-            .copied()
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "allocation {allocation} of {}",
-                    self.layout.allocations().len()
-                ))
-            })?;
-        if offset.checked_add(len as u64).is_none_or(|e| e > size) {
-            return Err(Error::InvalidArgument(format!(
-                "bytes {offset}+{len} leave allocation {allocation} of {size} bytes"
-            )));
-        }
-        let dst = b[self.buffer][allocation].device_ptr() + offset;
-        self.copy_d2d(dst, src, len)
-    }
-
-    fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let stream = self.stream()?;
-        let _cur = stream.context().enter()?;
-        // SAFETY: context current (`_cur`); `dst..dst + len` lies in this update's buffer (checked
-        // by the callers), which no reader holds; `src` is a device address the caller vouches
-        // for (the driver refuses an unmapped one); the stream lives while the writer does.
-        check("cuMemcpyDtoDAsync_v2", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.as_raw())
-        })?;
-        Ok(())
-    }
-
-    /// Copies the last committed generation's bytes into this buffer (buffered sets: start an
-    /// update from the previous generation and change part of it). On a GPU set the copies are
-    /// enqueued on the writer's stream (`cuMemcpyDtoDAsync_v2`, one per allocation). Nothing to do
-    /// in place or before the first commit.
-    ///
-    /// The previous generation's buffer may be read by readers meanwhile (reads only); the
-    /// writer never writes it while it is the newest.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`] naming the copy.
-    pub fn copy_from_previous(&mut self) -> Result<()> {
-        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
-            return Ok(());
-        };
-        match self.memory {
-            Memory::Host(d) => {
-                let len = self.layout.bytes_per_buffer() as usize;
-                // SAFETY: both buffers lie in the data segment's mapping (`p`, `buffer` < B, each
-                // `stride >= len` bytes) and do not overlap; the writer alone writes `buffer`
-                // now (WRITING), and nobody writes `p` while it is the newest generation.
-                unsafe { std::ptr::copy_nonoverlapping(d.ptr(p), d.ptr(self.buffer), len) };
-                Ok(())
-            }
-            Memory::Gpu(b) => {
-                for (a, len) in self.layout.allocations().iter().enumerate() {
-                    self.copy_d2d(
-                        b[self.buffer][a].device_ptr(),
-                        b[p][a].device_ptr(),
-                        *len as usize,
-                    )?;
-                }
-                Ok(())
-            }
-        }
-    }
-
-    fn host(&self) -> Result<&DataSegment> {
-        match self.memory {
-            Memory::Host(d) => Ok(d),
-            Memory::Gpu(_) => Err(TensorSetError::WrongKind(
-                "a GPU tensor set has no host bytes; write on the stream",
-            )
-            .into()),
-        }
-    }
-
-    /// The first byte of this update's host buffer (host sets), valid for the layout's
-    /// [`Layout::bytes_per_buffer`] bytes until the update is committed or dropped. A raw pointer,
-    /// as a channel frame's: the bytes are shared memory other processes map.
-    ///
-    /// # Errors
-    /// [`TensorSetError::WrongKind`] on a GPU set.
-    pub fn as_mut_ptr(&self) -> Result<*mut u8> {
-        Ok(self.host()?.ptr(self.buffer))
-    }
-
-    /// Copies `src` into tensor `i` from its first byte (host sets).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when `src` is longer than the tensor; as
-    /// [`Update::as_mut_ptr`]; [`TensorSetError::NoSuchTensor`].
-    pub fn write_tensor(&mut self, i: usize, src: &[u8]) -> Result<()> {
-        let t = self
-            .layout
-            .tensors()
-            .get(i)
-            .ok_or_else(|| TensorSetError::NoSuchTensor(i.to_string()))?;
-        if src.len() as u64 > t.bytes {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes into tensor {:?} of {} bytes",
-                src.len(),
-                t.name,
-                t.bytes
-            )));
-        }
-        let offset = t.offset as usize;
-        self.write_at(offset, src)
-    }
-
-    /// Copies `src` into this update's host buffer at byte `offset` (host sets).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] past the buffer's end; as [`Update::as_mut_ptr`].
-    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        let len = self.layout.bytes_per_buffer() as usize;
-        if offset.checked_add(src.len()).is_none_or(|e| e > len) {
-            return Err(Error::InvalidArgument(format!(
-                "bytes {offset}+{} leave the {len}-byte buffer",
-                src.len()
-            )));
-        }
-        let dst = self.as_mut_ptr()?;
-        // SAFETY: `offset + src.len() <= len <= stride` (checked above), so the range lies in this
-        // buffer of the mapping; no reader holds it while it is WRITING; `src` is this process's
-        // memory and does not overlap shared memory.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(offset), src.len()) };
-        Ok(())
-    }
-
-    /// Makes `stream` wait on the GPU for the writer's stream (which waits for the buffer's last
-    /// readers): work enqueued on `stream` afterwards may write the update's buffer (as a channel
-    /// write frame's [`WriteFrame::ready_on`]).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] on a host set; [`Error::Cuda`] naming `cuEventRecord` or
-    /// `cuStreamWaitEvent`.
-    pub fn ready_on(&self, stream: &Stream) -> Result<()> {
-        self.frame.ready_on(stream)
-    }
-
-    /// [`Update::ready_on`] for a raw `CUstream` (one that PyTorch, CuPy or JAX made).
-    ///
-    /// # Errors
-    /// As [`Update::ready_on`].
-    ///
-    /// # Safety
-    /// As [`WriteFrame::ready_on_raw`]: `stream` is a live stream for the duration of the call, or
-    /// null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
-    pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.frame.ready_on_raw(stream) }
-    }
-
-    /// Makes the writer's stream wait on the GPU for the work enqueued so far on `stream`, so the
-    /// generation's ready word (written at commit) comes after it (as a channel write frame's
-    /// [`WriteFrame::publish_after`]).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] on a host set; [`Error::Cuda`] naming `cuEventRecord` (a stream
-    /// of another context) or `cuStreamWaitEvent`.
-    pub fn publish_after(&self, stream: &Stream) -> Result<()> {
-        self.frame.publish_after(stream)
-    }
-
-    /// [`Update::publish_after`] for a raw `CUstream`.
-    ///
-    /// # Errors
-    /// As [`Update::publish_after`].
-    ///
-    /// # Safety
-    /// As [`WriteFrame::publish_after_raw`]: `stream` is a live stream of the writer's context for
-    /// the duration of the call, or null, `CU_STREAM_LEGACY` or `CU_STREAM_PER_THREAD`.
-    pub unsafe fn publish_after_raw(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.frame.publish_after_raw(stream) }
-    }
-
-    /// Publishes the generation with no content fingerprint; returns its number.
-    ///
-    /// # Errors
-    /// As [`Update::commit_with_content`].
-    pub fn commit(self) -> Result<u64> {
-        self.commit_with_content([0; 32])
-    }
-
-    /// Publishes the generation with `content` (its content fingerprint, all zeros: none), which
-    /// readers can demand ([`super::ReaderOptions::expect_content`]): readers waiting wake, and
-    /// on a GPU set their streams wait for the writer's stream's ready word, written after the
-    /// update's work. Returns the generation number.
-    ///
-    /// # Errors
-    /// CUDA errors from enqueuing the ready word's write (the generation is published and marked
-    /// ready from the host once the writer's stream drained).
-    pub fn commit_with_content(self, content: [u8; 32]) -> Result<u64> {
-        let meta = encode_meta(self.generation(), &content, 0);
-        // VMM sets: an event after the update's work, for the holders' whole-generation record.
-        let event = match (&self.recorder, self.frame.producer_stream()) {
-            (Some(r), Some(s)) => r.event_after(s),
-            _ => None,
-        };
-        let state = self.state;
-        let buffer = self.buffer;
-        let seq = state.base + self.frame.publish(&meta)?;
-        state.generation = seq;
-        state.head = Some(buffer);
-        if let (Some(r), Some(ev)) = (self.recorder, event) {
-            r.committed(ev, seq, buffer, content);
-        }
-        Ok(seq)
     }
 }

@@ -91,6 +91,7 @@ pub use error::FdPassError;
 pub use fetch::{FdTransport, fetch, fetch_many};
 pub use pidfd::pidfd_getfd_available;
 pub use server::FdExport;
+pub(crate) use server::own_offered;
 pub use socket::{
     SOCKET_PREFIX, StaleSocketFile, remove_stale_socket_file, socket_path, stale_socket_files,
 };
@@ -110,7 +111,7 @@ mod tests {
     use super::*;
     use crate::error::Error;
     use std::io::{Read, Seek, Write};
-    use std::os::fd::OwnedFd;
+    use std::os::fd::{AsRawFd, OwnedFd};
     use std::time::Duration;
 
     const T: Duration = Duration::from_secs(5);
@@ -160,6 +161,22 @@ mod tests {
         }
         let got = fetch(&me, b.id(), b.raw_fd(), FdTransport::PidfdThenSocket, T).unwrap();
         assert_eq!(content(got), "beta");
+    }
+
+    #[test]
+    fn own_offered_copies_a_live_export_and_not_a_withdrawn_one() {
+        let a = FdExport::new(memfd("gamma")).unwrap();
+        let id = a.id();
+        let copy = own_offered(id).unwrap().expect("offered");
+        assert_ne!(
+            copy.as_raw_fd(),
+            a.raw_fd(),
+            "a copy, not the export's own fd"
+        );
+        assert_eq!(content(copy), "gamma");
+        drop(a);
+        assert!(own_offered(id).unwrap().is_none(), "withdrawn");
+        assert!(own_offered(u32::MAX).unwrap().is_none(), "never made");
     }
 
     #[test]

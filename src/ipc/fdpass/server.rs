@@ -139,6 +139,27 @@ impl AsFd for FdExport {
     }
 }
 
+/// A copy (`fcntl(F_DUPFD_CLOEXEC)`, through `OwnedFd::try_clone`) of the fd this process offers
+/// under `id`: what its server would send another process, taken without the socket. `Ok(None)`
+/// when no live [`FdExport`] of this process has that id (never made, or withdrawn). The copy is
+/// the caller's to close.
+///
+/// # Errors
+/// [`Error::Os`] naming `fcntl(F_DUPFD_CLOEXEC)` when the copy cannot be made (`EMFILE`).
+pub(crate) fn own_offered(id: u32) -> Result<Option<OwnedFd>> {
+    let Some(fd) = lock(&TABLE).get(&id).cloned() else {
+        return Ok(None);
+    };
+    let copy = fd.try_clone().map_err(|e| {
+        Error::from(OsError::io(
+            "fcntl(F_DUPFD_CLOEXEC)",
+            format!("fd export {id}"),
+            e,
+        ))
+    })?;
+    Ok(Some(copy))
+}
+
 impl std::fmt::Debug for FdExport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FdExport")

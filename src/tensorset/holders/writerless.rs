@@ -96,6 +96,12 @@ impl Writerless {
         &self.stream
     }
 
+    /// Whether a writer has resumed the set since this reader opened (a live writer has a slot
+    /// in the holders segment): no generation is ever newer for this reader; it should reopen.
+    pub(crate) fn resumed(&self) -> bool {
+        self.holders.has_live_writer()
+    }
+
     /// (generation, buffer, content) when the generation is newer than `than`.
     pub(crate) fn newer_than(&self, than: u64) -> Option<(u64, usize, [u8; 32])> {
         (self.generation > than).then_some((self.generation, self.buffer, self.content))

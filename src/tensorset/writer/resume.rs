@@ -5,7 +5,7 @@
 use super::{Allocation, Memory, State, TensorSetWriter, generation_channel};
 use crate::channel::Control;
 use crate::channel::MemoryKind;
-use crate::channel::inspect;
+use crate::channel::inspect::{self, BufferState};
 use crate::driver::Context;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The dead writer's generation channel, kept open by the writer that resumed its set: readers
-/// that joined it before the death still hold generations through it (its hold bits).
+/// that joined it before the death still hold generations through it (its hold bits), and their
+/// streams may still read a buffer they let go of (its release words).
 pub(crate) struct OldReaders {
     control: Option<Control>,
 }
@@ -40,9 +41,44 @@ impl OldReaders {
             .any(|s| s.attached && s.liveness != Liveness::Dead && s.holds.contains(&i))
     }
 
+    /// Whether a live reader of the old channel that read buffer `i` (its bit in the buffer's
+    /// used mask) has not yet had its release word for `i` reach the sequence number of the
+    /// frame there: it dropped its guard, but the kernels it ran over the buffer on its stream
+    /// may still read it (the stream writes the word after them, `cuStreamWriteValue32`). A dead
+    /// reader's work no longer runs; a detached one's words were raised when it left.
+    fn gpu_reading(&self, i: usize) -> bool {
+        let Some(c) = &self.control else {
+            return false;
+        };
+        let snap = inspect::snapshot("", c);
+        let Some(b) = snap.buffers.get(i) else {
+            return false;
+        };
+        let BufferState::Frame(seq) = b.state else {
+            return false;
+        };
+        let mut bits = b.used_mask;
+        while bits != 0 {
+            let k = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if k >= c.consumer_capacity() || c.released(k, i, seq) {
+                continue;
+            }
+            let live = snap
+                .consumers
+                .iter()
+                .any(|s| s.index == k && s.attached && s.liveness != Liveness::Dead);
+            if live {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Waits (up to `timeout`; `None`: no bound), looking every 200 µs to 2 ms, until neither a
     /// live reader of the old channel nor a live writerless reader (`holders`' reading words)
-    /// holds buffer `i`.
+    /// holds buffer `i`, and every live reader of the old channel that read it has its release
+    /// word for it at the frame it read ([`OldReaders::gpu_reading`]: its kernels are done).
     ///
     /// # Errors
     /// [`Error::Timeout`] when one still holds it.
@@ -54,7 +90,7 @@ impl OldReaders {
     ) -> Result<()> {
         let start = Instant::now();
         let mut nap = Duration::from_micros(200);
-        while self.held(i) || holders.reading_held(i) {
+        while self.held(i) || holders.reading_held(i) || self.gpu_reading(i) {
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Err(Error::Timeout {
                     what: "the old incarnation's readers to let go of the buffer",
@@ -213,5 +249,42 @@ impl TensorSetWriter {
             }),
             _quota: None,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::channel::Delivery;
+    use crate::channel::testing::{ControlConsumer, ControlProducer, token};
+
+    #[test]
+    fn an_old_reader_that_let_go_on_the_host_is_waited_for_until_its_release_word_comes() {
+        let name = format!("resume-old-{}", std::process::id());
+        let p = ControlProducer::create(&name, 4096, 4, &[token(0).unwrap(), token(1).unwrap()])
+            .unwrap();
+        let rx = ControlConsumer::attach(&name, Delivery::LatestOnly).unwrap();
+        let (i, _) = p.try_acquire().unwrap();
+        let seq = p.publish(i, b"g1").unwrap();
+        let (got, s, _) = rx.take(Some(Duration::from_secs(1))).unwrap().unwrap();
+        assert_eq!((got, s), (i, seq));
+        let old = OldReaders {
+            control: Some(Control::open(&name).unwrap()),
+        };
+        assert!(old.held(i), "held on the host");
+        rx.release(i);
+        assert!(!old.held(i), "the host hold is gone");
+        assert!(
+            old.gpu_reading(i),
+            "its stream has not written the release word yet"
+        );
+        assert!(!old.gpu_reading(1 - i), "the other buffer was never read");
+        rx.set_released(i, seq);
+        assert!(
+            !old.gpu_reading(i),
+            "the release word reached the frame it read"
+        );
+        drop(rx);
+        p.unlink();
     }
 }
