@@ -505,14 +505,17 @@ impl Control {
             }
             s.latency_sum_us.store(0, Ordering::Relaxed);
             let head = self.head();
-            // Its release words start at the head: every frame it will hold is later, so no
-            // write of the producer waits on a word this consumer has not written. (The slot's
-            // last consumer left them at least as high: `free_consumer_slot`.)
+            // Its release words start just below the head: every frame it will hold is the head
+            // or later (a latest-only consumer may take the frame at the head itself), so the
+            // producer's next write of a buffer this consumer held waits for the word its stream
+            // writes after its reads, and a buffer it never held is not waited for (not in its
+            // `used` mask). Starting at the head would count the frame at the head as released
+            // the moment the host hold is dropped, with the consumer's kernels still reading it.
             for i in 0..self.buffers {
                 // SYNC POINT: release word. Relaxed: published by the Release store of ACTIVE
                 // below (the producer reads a consumer's words only for frames it held).
                 self.release_word(c, i)
-                    .store(head as u32, Ordering::Relaxed);
+                    .store(initial_release_word(head), Ordering::Relaxed);
             }
             s.cursor.store(head, Ordering::Relaxed);
             // SYNC POINT: attach. Release: pairs with the producer's Acquire loads of state; all of
@@ -766,6 +769,12 @@ impl Control {
 
 /// Raises `w` to `want` unless it is already there or past it (the words compare with
 /// wrap-around, as the GPU's `GEQ` waits do): never lowers what another writer set.
+/// A consumer's release words when it attaches at `head`: one below the head's low 32 bits, so
+/// that no frame it may take (the head or later) reads as released before it writes the word.
+fn initial_release_word(head: u64) -> u32 {
+    (head as u32).wrapping_sub(1)
+}
+
 fn raise(w: &AtomicU32, want: u32) {
     let mut cur = w.load(Ordering::Relaxed);
     // SYNC POINT: ready word, release word. AcqRel: pairs with the Acquire loads of the words

@@ -86,7 +86,7 @@ fn the_gpu_words_are_page_aligned_and_closing_the_gate_lets_every_wait_go_withou
 }
 
 #[test]
-fn release_words_start_at_the_head_and_are_raised_when_a_slot_is_freed() {
+fn release_words_start_below_the_head_and_are_raised_when_a_slot_is_freed() {
     let (c, _name) = channel(2);
     for _ in 0..3 {
         let Claim { index: i, .. } = c.try_acquire().unwrap();
@@ -94,8 +94,8 @@ fn release_words_start_at_the_head_and_are_raised_when_a_slot_is_freed() {
     }
     let me = c.attach(Delivery::EveryFrame).unwrap();
     for i in 0..2 {
-        assert_eq!(c.release_word(me, i).load(Ordering::Relaxed), 3);
-        assert!(c.released(me, i, 3) && !c.released(me, i, 4));
+        assert_eq!(c.release_word(me, i).load(Ordering::Relaxed), 2);
+        assert!(c.released(me, i, 2) && !c.released(me, i, 3));
     }
     // Frame 4 taken and (by its stream, here from the host) released.
     let Claim { index: i, .. } = c.try_acquire().unwrap();
@@ -121,6 +121,65 @@ fn release_words_start_at_the_head_and_are_raised_when_a_slot_is_freed() {
     // Wrap-around: a word just past u32::MAX is ahead of it.
     c.release_word(me, 0).store(2, Ordering::Relaxed);
     assert!(c.released(me, 0, u32::MAX as u64));
+    c.unlink();
+}
+
+#[test]
+fn a_latest_only_consumer_that_takes_the_frame_at_the_head_is_waited_for_by_the_next_write() {
+    // The frame at the head when a latest-only consumer attaches is one it may take: once its
+    // host hold is dropped (its kernels may still read), the producer's claim of that buffer
+    // must find the consumer in `used` and its word not yet at the frame, so the producer's
+    // stream waits for the word the consumer's stream writes after its reads.
+    for head in [1u64, 2, 3] {
+        let (c, _name) = channel(2);
+        for _ in 0..head {
+            let Claim { index: i, .. } = c.try_acquire().unwrap();
+            c.publish(i, b"").unwrap();
+        }
+        let me = c.attach(Delivery::LatestOnly).unwrap();
+        let (i, seq, _) = c
+            .try_take_newer(me, 0)
+            .unwrap()
+            .expect("the frame at the head");
+        assert_eq!(seq, head);
+        assert!(
+            !c.released(me, i, seq),
+            "head {head}: released before its word"
+        );
+        c.release(me, i);
+        // One write into the other buffer, then the claim of this one.
+        let Claim { index: k, .. } = c.try_acquire().unwrap();
+        assert_ne!(k, i);
+        c.publish(k, b"").unwrap();
+        let claim = c.try_acquire().unwrap();
+        assert_eq!((claim.index, claim.old_seq), (i, seq));
+        assert_ne!(
+            claim.used & (1 << me),
+            0,
+            "head {head}: the consumer is not in used"
+        );
+        assert!(
+            !c.released(me, i, claim.old_seq),
+            "head {head}: no wait for its reads"
+        );
+        // Its stream's write (here from the host) lets the producer go.
+        c.set_released(me, i, seq);
+        assert!(c.released(me, i, claim.old_seq));
+        c.abandon(claim.index);
+        c.unlink();
+    }
+}
+
+#[test]
+fn a_consumer_attached_before_any_frame_waits_for_nothing_it_never_held() {
+    let (c, _name) = channel(2);
+    let me = c.attach(Delivery::LatestOnly).unwrap();
+    // Words one below head 0 (wrapped): frame 1 and later need its word, and no claim of a
+    // buffer it never held lists it.
+    assert!(!c.released(me, 0, 1));
+    let Claim { index: i, used, .. } = c.try_acquire().unwrap();
+    assert_eq!(used, 0);
+    c.publish(i, b"").unwrap();
     c.unlink();
 }
 
