@@ -565,3 +565,78 @@ fn a_resumed_buffered_set_goes_on_for_20_generations_under_two_readers() {
     rw.finish(T);
     all_gone(h, &name, free0);
 }
+
+const NS: &str = "holders_in_other_pid_namespaces_serve_in_turn_until_the_last_is_killed";
+
+/// Spawns `role` as pid 1 of a pid namespace of its own (a container's main process).
+fn spawn_pid1(role: &str, name: &str) -> Peer {
+    let wrapper = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"];
+    Peer::spawn_under(&wrapper, NS, role, &[(SET, name)])
+}
+
+/// Asserts a late reader's line: writerless at generation `g`, every byte right.
+fn late_checked(line: &str, g: u64) {
+    let v: Vec<&str> = line.split(' ').collect();
+    assert_eq!(v[0], g.to_string(), "the last whole generation: {line}");
+    assert_eq!(
+        v[1], "0",
+        "bytes of the last whole generation differ: {line}"
+    );
+    assert_eq!(v[2], "true", "the late reader is writerless: {line}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and root (scripts/gpu-test.sh)"]
+fn holders_in_other_pid_namespaces_serve_in_turn_until_the_last_is_killed() {
+    if let Some(r) = role() {
+        return child(&r);
+    }
+    let c = ctx();
+    let _k = Kernels::load(&c).unwrap();
+    c.synchronize().unwrap();
+    let free0 = c.memory_info().unwrap().0;
+    let name = format!("tsns-{}", std::process::id());
+    let mut w = Peer::spawn(NS, "writer", &[(SET, &name), (GENS, "2"), (MODE, "0")]);
+    assert_eq!(w.expect("published", T), "2");
+    // Two holders, each pid 1 of its own pid namespace, and one in this namespace.
+    let mut holders: Vec<Peer> = vec![spawn_pid1("holder", &name), spawn_pid1("holder", &name)];
+    holders.push(Peer::spawn(NS, "holder", &[(SET, &name)]));
+    for h in &mut holders {
+        h.expect("holding", T);
+    }
+    assert_eq!(
+        inspect(&name).unwrap().live_holders(),
+        4,
+        "the writer and three holders"
+    );
+    w.child.kill().unwrap();
+    w.child.wait().unwrap();
+    // Killed one after another: after each, a reader that is pid 1 of its own namespace attaches
+    // from one of those left and checks every byte; after the last, an attach is refused.
+    let n = holders.len();
+    for (i, mut h) in holders.into_iter().enumerate() {
+        let mut late = spawn_pid1("late-reader", &name);
+        late_checked(&late.expect("checked", T), 2);
+        late.finish(T);
+        assert_eq!(
+            inspect(&name).unwrap().live_holders(),
+            n - i,
+            "holders left"
+        );
+        h.child.kill().unwrap();
+        h.child.wait().unwrap();
+    }
+    let mut refused = spawn_pid1("late-reader", &name);
+    let e = refused.expect("refused", T);
+    assert!(e.contains("no process serves"), "{e}");
+    refused.finish(T);
+    let free = settled_free(&c, free0);
+    assert!(
+        free.abs_diff(free0) <= SLACK,
+        "device memory free {free} vs {free0} before the set"
+    );
+    let removed = remove_stale(&name).unwrap();
+    for p in [Part::Manifest, Part::Generation, Part::Holders] {
+        assert!(removed.contains(&p), "{p:?} not removed: {removed:?}");
+    }
+}

@@ -412,7 +412,7 @@ impl Layout {
 /// (length `u32` + bytes), dtype (code, bits, lanes), ndim `u32`, shape and strides (`i64`),
 /// allocation `u32` and offset `u64`; all little-endian.
 ///
-/// The encoding is gathered in a buffer of [`HASH_CHUNK`] bytes and hashed a chunk at a time
+/// The encoding is gathered in a buffer of 64 KiB (`HASH_CHUNK`) and hashed a chunk at a time
 /// (one `Sha256::update` per chunk rather than one per field: the same digest, a fraction of the
 /// calls; `sha2` uses the CPU's SHA extensions where it has them).
 pub fn fingerprint(tensors: &[TensorInfo]) -> [u8; 32] {

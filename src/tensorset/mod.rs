@@ -59,7 +59,7 @@ pub use manifest::{
     ALIGN, Layout, MAX_ALLOCATIONS, MAX_NAME, MAX_NDIM, MAX_TENSORS, TensorInfo, TensorSpec,
     fingerprint,
 };
-pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader};
+pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader, VERIFY_APART};
 pub use segment::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
 pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};

@@ -21,7 +21,7 @@
 //! Made by the writer of a VMM set before its manifest (whose body records its creation generation
 //! at offset 152), mode 0600, the `shm::versioned` protocol with the manifest's header words
 //! (`segment.rs`: magic `CIPCTSHD`, the writer's identity, `body_len` = the slot area's bytes,
-//! `buffers` = B). Further words of the header page, at byte 128 ([`Words`]):
+//! `buffers` = B). Further words of the header page, at byte 128 (`Words`):
 //!
 //! | offset | field |
 //! | --- | --- |
@@ -30,7 +30,7 @@
 //! | 184 | writing marker `u64`: `generation << 8 \| (buffer + 1)` of the update begun last (0: none) |
 //! | 192 | record sequence `u64` (odd while written), 200: whole generation `u64`, 208: its buffer `u64`, 216: its content fingerprint (32 bytes) |
 //!
-//! Then, from byte 4096, `slots` slots of `round_up(64 + 4 E, 8)` bytes ([`SlotHead`], then E export
+//! Then, from byte 4096, `slots` slots of `round_up(64 + 4 E, 8)` bytes (`SlotHead`, then E export
 //! ids `u32`: the id of allocation (b, a) in the server's own fd table, index b × A + a):
 //!
 //! | offset | field |
@@ -63,7 +63,7 @@
 //! # Restart without reload
 //! A VMM writer created under the name of a dead writer's set whose holders segment has a live
 //! holder, a whole generation, and the layout fingerprint, bytes per buffer, buffer count and
-//! allocation count it asks for ([`resume::decide`], from this header's words) *resumes*: it
+//! allocation count it asks for (`resume::decide`, from this header's words) *resumes*: it
 //! fetches every fd from a holder, imports them read-write, serves them itself, claims the writer's
 //! slot in this same segment (the header stays), and publishes the last whole generation again as
 //! its first (the manifest's generation base keeps the numbers going). Anything else (another
