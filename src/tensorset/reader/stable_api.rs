@@ -67,7 +67,7 @@ impl TensorSetReader {
     ///
     /// The hold kept: the writer never rewrites the stable generation while it is there. A
     /// buffered writer has B − 1 buffers left (a reader that also holds a newer guard pins two);
-    /// an in-place writer waits in [`super::TensorSetWriter::begin`] until the reader lets it go
+    /// an in-place writer waits in [`TensorSetWriter::begin`](crate::tensorset::TensorSetWriter::begin) until the reader lets it go
     /// ([`TensorSetReader::release_stable`]), takes the newer generation and switches to it.
     ///
     /// The caller must not launch work over the stable addresses from other threads during
