@@ -628,11 +628,9 @@ impl TensorUpdate {
             self.with(py, |u| {
                 for (a, off, src, n) in coalesce(layout, &copies) {
                     let r = if writer.host {
-                        // SAFETY: `src` is the data pointer of a contiguous CPU tensor of at
-                        // least `n` bytes (checked by `sources::read`: CPU, contiguous, its
-                        // `nbytes`), or of several laid back to back, each kept alive by
-                        // `chunk` or `keep` until this returns; this process's memory, not the
-                        // set's shared buffer.
+                        // SAFETY: `src` points at `n` bytes of contiguous CPU tensors laid back
+                        // to back (`sources::read` checked device, contiguity and `nbytes`), kept
+                        // alive by `chunk`/`keep` until this returns; private memory, not shared.
                         let src = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
                         u.write_at(off as usize, src)
                     } else {

@@ -18,11 +18,6 @@ use std::time::{Duration, Instant};
 /// How long one server may take to hand over a set's fds.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The fd number a VMM token carries (for `pidfd_getfd`; the socket ignores it).
-fn raw_fd(t: &Token) -> i32 {
-    i32::from_le_bytes(t.handle[..4].try_into().unwrap_or_default())
-}
-
 /// Why set `set` (manifest `m`) cannot be held, if it cannot.
 fn holdable(set: &str, m: &Manifest) -> Result<()> {
     let why = match m.kind {
@@ -59,9 +54,9 @@ fn open_holders(set: &str, m: &Manifest) -> Result<HoldersSegment> {
 }
 
 /// The fds of every allocation of set `set` (manifest `m`, holders segment `holders`), index
-/// b × A + a: from the writer while it runs (one `fetch_many` over its socket), else from each live
-/// server of the holders segment in turn (its identity checked by the fetch, its ids from its
-/// slot). Returns the fds and the process that handed them over.
+/// b × A + a: from the writer while it runs (`crate::ipc::fetch_from_exporters`: one round trip,
+/// this process's fd transport), else from each live server of the holders segment in turn (its
+/// identity checked by the fetch, its ids from its slot). Returns the fds and the process that handed them over.
 ///
 /// # Errors
 /// [`TensorSetError::NoServer`] naming every server tried and what it said; token errors.
@@ -80,8 +75,8 @@ pub(crate) fn fetch_all(
     if let Some(first) = toks.first()
         && toks.iter().all(|t| t.exporter == first.exporter)
     {
-        let ids: Vec<(u32, i32)> = toks.iter().map(|t| (t.export_id, raw_fd(t))).collect();
-        match fdpass::fetch_many(&first.exporter, &ids, FdTransport::Socket, FETCH_TIMEOUT) {
+        let refs: Vec<&Token> = toks.iter().collect();
+        match crate::ipc::fetch_from_exporters(&refs) {
             Ok(fds) => return Ok((fds, first.exporter)),
             Err(e) => tried.push(format!("the writer ({}): {e}", first.exporter)),
         }

@@ -306,11 +306,10 @@ fn words(seg: &Segment) -> &Words {
         seg.len() >= HEADER_PAGE,
         "a segment shorter than its header"
     );
-    // SAFETY: (1) the mapping holds at least HEADER_PAGE bytes and `WORDS_AT + size_of::<Words>()
-    // <= HEADER_PAGE` (asserted at compile time), and lives as long as `seg`, which the reference
-    // borrows; (2) the mapping starts on a page and WORDS_AT is a multiple of 8, Words' alignment;
-    // (3) Words consists only of atomics: every bit pattern is valid and a shared reference
-    // permits other processes' concurrent writes.
+    // SAFETY: (1) the mapping (borrowed with `seg`) holds HEADER_PAGE >= WORDS_AT + size_of Words
+    // bytes (asserted at compile time); (2) it starts on a page and WORDS_AT is a multiple of 8,
+    // Words' alignment; (3) Words is atomics only: any bit pattern is valid, and a shared
+    // reference permits other processes' concurrent writes.
     unsafe { &*seg.as_ptr().add(WORDS_AT).cast::<Words>() }
 }
 
@@ -506,11 +505,10 @@ impl HoldersSegment {
     fn slot(&self, i: usize) -> (&SlotHead, &[AtomicU32]) {
         assert!(i < self.slots);
         let at = HEADER_PAGE + i * self.slot_len;
-        // SAFETY: (1) `at + slot_len <= HEADER_PAGE + slots × slot_len <= seg.len()` (checked at
-        // create/open), so the slot's head and its `entries` ids lie in the mapping, which lives as
-        // long as `self`; (2) `at` is a multiple of 8 (HEADER_PAGE and slot_len are), the head's
-        // alignment, and `at + SLOT_HEAD` of 4, the ids'; (3) only atomics are referenced: every bit
-        // pattern is valid and other processes may write them concurrently.
+        // SAFETY: (1) `at + slot_len <= seg.len()` (checked at create/open): head and ids lie in
+        // the mapping, which lives as long as `self`; (2) `at` is a multiple of 8 (the head's
+        // alignment), `at + SLOT_HEAD` of 4 (the ids'); (3) atomics only: any bit pattern is
+        // valid and other processes may write them concurrently.
         unsafe {
             let p = self.seg.as_ptr().add(at);
             (
