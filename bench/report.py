@@ -36,7 +36,7 @@ FLOOR_RATIO_MAX = 1.25
 # how far the channel is from what the hardware allows, not only from the crate's own layers.
 BARE_FLOOR_RATIO_MAX = FLOOR_RATIO_MAX
 # The hand-off implementations measured side by side with every wait strategy, in table order.
-HANDOFF_IMPLS = ["floor", "bare_floor", "channel"]
+HANDOFF_IMPLS = ["floor", "bare_floor", "bare_hold", "channel"]
 PYTORCH_P50_RATIO_MIN = 100.0
 DEFAULT_P99_MAX_US = 20.0
 THROUGHPUT_RATIO_MIN = 10.0

@@ -13,6 +13,16 @@
 //!   the channel's release, `cuStreamWriteValue32_v2` of the sequence number into an ack word of the
 //!   page, which the consumer checks once its stream has drained.
 //!
+//! **With the hold** (`impl=bare_hold`, [`Consumer::open`]'s `hold`): the same, plus the steps the
+//! channel's protocol adds to a consumer's take, on words of their own cache lines of the page: the
+//! hold (a `SeqCst` `fetch_or` of the consumer's bit in a hold word, a `SeqCst` fence, a second read
+//! of the sequence word: the consumer's half of the channel's Dekker pair, `src/channel/hold.rs`),
+//! then its cursor (a store to a word the producer reads); the release clears the bit. The producer
+//! reads the hold word and the cursor before each frame, outside the timed interval, as the
+//! channel's claim of a buffer does, so those lines move between the two cores every frame as in
+//! the channel. The difference between `bare_hold` and `bare_floor` is what the hold protocol costs
+//! on this machine, measured apart from every other layer of the crate.
+//!
 //! The pacing around it (the host ack of the previous frame, in the suite's `Shared` segment as for
 //! the others and outside the timed interval; the fill; the gap) and the clocks are those of the
 //! other implementations (`handoff.rs`): only the hand-off itself differs.
@@ -42,6 +52,12 @@ const SEQ_OFF: usize = 0;
 const T0_OFF: usize = 8;
 /// Byte offset of the ack word (`u32`) the consumer's stream writes, on a cache line of its own.
 const GPU_ACK_OFF: usize = 128;
+/// Byte offset of the hold word (`u64`, the consumer's bit while it holds the frame), on a cache
+/// line of its own (`bare_hold`).
+const HOLD_OFF: usize = 384;
+/// Byte offset of the consumer's cursor (`u32`, the last frame it took), on a cache line of its own
+/// (`bare_hold`).
+const CURSOR_OFF: usize = 512;
 /// Byte offset of the ready word (`u32`) that the producer's stream writes in the posted floor
 /// (`posted.rs`) and the consumer's stream waits for, on a cache line of its own.
 pub const GPU_READY_OFF: usize = 256;
@@ -199,6 +215,16 @@ impl Page {
     /// The latest frame's `t0` (ns, CLOCK_MONOTONIC).
     pub fn t0(&self) -> &AtomicU64 {
         self.u64_at(T0_OFF)
+    }
+
+    /// The hold word (`bare_hold`).
+    fn hold(&self) -> &AtomicU64 {
+        self.u64_at(HOLD_OFF)
+    }
+
+    /// The consumer's cursor (`bare_hold`).
+    fn cursor(&self) -> &AtomicU32 {
+        self.u32_at(CURSOR_OFF)
     }
 
     /// The ack word the consumer's stream writes (`cuStreamWriteValue32`).
@@ -361,16 +387,19 @@ pub struct Consumer {
     reg: Registration,
     page: Page,
     wait: BareWait,
+    hold: bool,
 }
 
 impl Consumer {
     /// Opens the producer's page and registers it in `ctx`; the stream's per-frame calls go to
-    /// `stream`, a live stream of `ctx` that outlives this value.
+    /// `stream`, a live stream of `ctx` that outlives this value. With `hold`, each take and
+    /// release also runs the channel's hold protocol on the page (`bare_hold`, see the module).
     pub fn open(
         ctx: &Arc<Context>,
         name: &str,
         wait: BareWait,
         stream: sys::CUstream,
+        hold: bool,
     ) -> Res<Self> {
         let page = Page::open(name)?;
         let reg = Registration::new(ctx, &page)?;
@@ -379,6 +408,7 @@ impl Consumer {
             reg,
             page,
             wait,
+            hold,
         })
     }
 
@@ -387,6 +417,16 @@ impl Consumer {
     #[inline]
     pub fn take(&self, seq: u32, alive: impl FnMut() -> bool) -> Res<u64> {
         wait_seq(self.page.seq(), seq, self.wait, crate::handoff::STEP, alive)?;
+        if self.hold {
+            // SYNC POINT: bare hold. SeqCst, a SeqCst fence, then the second read of the sequence
+            // word: the consumer's half of the channel's Dekker pair (`HoldWords::hold`); the
+            // producer's loads in `Producer::claim` are the other side.
+            self.page.hold().fetch_or(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !reached(self.page.seq().load(Ordering::SeqCst), seq) {
+                return Err(format!("frame {seq} was withdrawn under the hold").into());
+            }
+        }
         // SAFETY: context current (bound in `Registration::new`, on this thread); the sequence
         // word lies in the registered page, which stays registered until this value drops, after
         // the stream drained (Drop); GEQ is a defined flag.
@@ -398,6 +438,10 @@ impl Consumer {
                 sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
             )
         })?;
+        if self.hold {
+            // SYNC POINT: bare cursor. Release: pairs with the Acquire load in `Producer::claim`.
+            self.page.cursor().store(seq, Ordering::Release);
+        }
         // Relaxed: ordered after the Acquire load of the sequence word in `wait_seq` (SYNC POINT:
         // bare seq).
         Ok(self.page.t0().load(Ordering::Relaxed))
@@ -417,7 +461,13 @@ impl Consumer {
                 seq,
                 sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
             )
-        })
+        })?;
+        if self.hold {
+            // SYNC POINT: bare hold. SeqCst (a release): pairs with the producer's load of the
+            // hold word in `Producer::claim`, as the channel's release clears its bit.
+            self.page.hold().fetch_and(!1, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     /// Waits for the stream (`cuStreamSynchronize`) and checks that its ack of `seq` landed.
@@ -472,6 +522,16 @@ impl Producer {
     /// The page's name, for the consumer.
     pub fn name(&self) -> &str {
         self.page.name()
+    }
+
+    /// The channel's claim of a buffer before writing it, in the bare hold's words (`bare_hold`):
+    /// reads the hold word and the consumer's cursor; returns whether the frame before is still
+    /// held (it never is once the consumer acked it). Outside the timed interval.
+    pub fn claim(&self) -> bool {
+        // SYNC POINT: bare cursor. Acquire: pairs with the consumer's Release store in `take`.
+        let _ = self.page.cursor().load(Ordering::Acquire);
+        // SYNC POINT: bare hold. SeqCst: pairs with the consumer's `fetch_or` / `fetch_and`.
+        self.page.hold().load(Ordering::SeqCst) != 0
     }
 
     /// Publishes frame `seq` stamped `t0` (see [`Page::publish`]).

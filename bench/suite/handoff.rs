@@ -159,8 +159,9 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             peer.finish(STEP)?;
             r
         }
-        "bare_floor" => {
+        "bare_floor" | "bare_hold" => {
             // Setup as the floor's (the fill's stream and buffer); the hand-off is `bare.rs`.
+            let hold = imp == "bare_hold";
             let stream = Stream::new(&ctx)?;
             let buf = DeviceBuffer::new(&ctx, bytes)?;
             let page = bare::Producer::create(&ctx, "handoff", BareWait::of(wait))?;
@@ -170,6 +171,9 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             for i in 0..total {
                 wait_ack(&shared, i, &mut peer)?;
                 let idle_since = Instant::now();
+                if hold && page.claim() {
+                    return Err(format!("frame {i} is still held after its ack").into());
+                }
                 if fill {
                     kernels.fill_pattern(&buf, i as u32, &stream)?;
                 }
@@ -187,7 +191,9 @@ pub fn run_case(kv: &Kv) -> Res<Value> {
             peer.finish(STEP)?;
             r
         }
-        x => return Err(format!("unknown impl {x:?} (channel|floor|bare_floor)").into()),
+        x => {
+            return Err(format!("unknown impl {x:?} (channel|floor|bare_floor|bare_hold)").into());
+        }
     };
     let samples = |k: &str| -> Vec<f64> {
         consumer_result
@@ -365,11 +371,16 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
             }
             stream.synchronize()?;
         }
-        "bare_floor" => {
+        "bare_floor" | "bare_hold" => {
             let stream = Stream::new(&ctx)?;
             // Drops before the stream: drains it, then unregisters and unmaps the page.
-            let rx =
-                bare::Consumer::open(&ctx, &kv.str("bare")?, BareWait::of(wait), stream.as_raw())?;
+            let rx = bare::Consumer::open(
+                &ctx,
+                &kv.str("bare")?,
+                BareWait::of(wait),
+                stream.as_raw(),
+                imp == "bare_hold",
+            )?;
             println!("READY");
             for k in 0..total {
                 let seq = (k + 1) as u32;

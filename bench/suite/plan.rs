@@ -16,7 +16,7 @@ pub const GROUPS: [&str; 8] = [
 ];
 
 /// The hand-off implementations, each run with every wait strategy and the same pacing.
-pub const HANDOFF_IMPLS: [&str; 3] = ["floor", "bare_floor", "channel"];
+pub const HANDOFF_IMPLS: [&str; 4] = ["floor", "bare_floor", "bare_hold", "channel"];
 
 /// Receives posted ahead: the channel and its raw floor.
 pub const POSTED_IMPLS: [&str; 2] = ["bare_posted", "posted"];
@@ -345,6 +345,8 @@ mod tests {
                 );
                 assert_eq!(bare.timeout_s, floor.timeout_s);
                 assert!(args(bare).contains(&("impl".into(), "bare_floor".into())));
+                // The bare floor with the hold protocol: the same case but for the impl.
+                assert_eq!(without_impl(find("bare_hold")), without_impl(bare));
             }
         }
     }
