@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks and runs the code blocks of README.md and python/README.md that need no GPU.
+"""Checks and runs the code blocks of README.md, python/README.md and docs/guide.md that need
+no GPU.
 
 A block is marked to run with the word `cpu` after its language in the fence's info string:
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FILES = ["README.md", "python/README.md"]
+DEFAULT_FILES = ["README.md", "python/README.md", "docs/guide.md"]
 SCRATCH = ROOT / "target" / "readme-blocks"
 RUN_TIMEOUT_S = 120
 BUILD_TIMEOUT_S = 1800
@@ -240,7 +241,7 @@ def run_script(block: Block, interpreter: list[str], suffix: str) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("files", nargs="*", default=DEFAULT_FILES)
     ap.add_argument("--list", action="store_true", help="list the blocks and what is done to each")
     ap.add_argument("--no-run", action="store_true", help="only the paste checks, run nothing")
