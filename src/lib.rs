@@ -29,3 +29,8 @@ pub use shm::ShmError;
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The guide's Rust code (docs/guide.md, the README's longer companion), compiled likewise.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide.md")]
+pub struct GuideDoctests;

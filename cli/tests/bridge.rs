@@ -37,7 +37,7 @@ fn private_dir(tag: &str) -> PathBuf {
 
 fn secret_file(tag: &str, text: &str) -> PathBuf {
     let p = private_dir(tag).join("secret");
-    // A secret file others may read is refused: 0600, as the README says.
+    // A secret file others may read is refused: 0600, as docs/guide.md says.
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::OpenOptions::new()
