@@ -14,7 +14,7 @@
 //!
 //! Who closes a file descriptor: the exporter's copy belongs to the buffer's
 //! [`super::fdpass::FdExport`] (closed when the buffer and its clones drop); an importer's copy is
-//! closed by [`open_vmm`] after `cuMemImportFromShareableHandle` (on success off the importing thread, [`close_later`]; on failure at once)
+//! closed by [`open_vmm`] right after `cuMemImportFromShareableHandle`, on success and on failure
 //! (the driver does not take ownership of it). An fd passed to
 //! [`super::ImportedBuffer::from_vmm_fd`] stays the caller's.
 //!
@@ -530,43 +530,11 @@ fn import_vmm_handle(
     VmmMap::map(ctx, unsafe { h.assume_init() }, size, access)
 }
 
-/// Where [`close_later`] sends descriptors: the sending end of the closer thread's queue, made at
-/// the first import (`None` when that thread could not be started: then each closes inline).
-static CLOSER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<OwnedFd>>> =
-    std::sync::OnceLock::new();
-
-/// Closes the descriptor of an allocation already imported, off the importing thread: closing
-/// it lets the driver drop its export reference, work that does not belong on an attach's path
-/// (the import holds the allocation by its handle from then on). The closer thread
-/// (`cuda-ipc-fd-closer`) lives as long as the process and only drops what it receives; where it
-/// cannot be started, or has gone, the descriptor is closed here.
-pub(crate) fn close_later(fd: OwnedFd) {
-    let tx = CLOSER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<OwnedFd>();
-        std::thread::Builder::new()
-            .name("cuda-ipc-fd-closer".into())
-            .spawn(move || {
-                // Ends when every sender is gone (never: the static keeps one).
-                for fd in rx {
-                    drop(fd);
-                }
-            })
-            .ok()
-            .map(|_| tx)
-    });
-    if let Some(tx) = tx {
-        // A send fails only if the thread is gone; the error gives the descriptor back.
-        if let Err(std::sync::mpsc::SendError(fd)) = tx.send(fd) {
-            drop(fd);
-        }
-    }
-}
-
 /// Opens (or finds in the cache) the mapping a VMM token names, in `ctx`. The fd fetch ([`fetch_fd`],
 /// up to its timeout) runs inside the key's single-flight open: other threads importing the same
 /// token wait for it, imports of other keys do not. `fetched`: the allocation's fd when the caller
 /// fetched it already (a batched import), used instead of a fetch if this call opens the mapping,
-/// else closed unused; once imported, closed off this thread ([`close_later`]).
+/// else closed unused; closed (dropped) right after the import either way.
 /// `access` is the importer's ([`Access::ReadOnly`]: mapped `PROT_READ`); a self-import is the
 /// exporter's own read-write mapping. A token that names this process but an export id not in
 /// the table of its own VMM buffers (an allocation it imported and serves again, as a resumed
@@ -628,10 +596,9 @@ pub(crate) fn open_vmm(
                         ))
                     })?,
                 };
-                // `fd` is closed off this thread once imported (`close_later`), and here when the
-                // import failed.
+                // `fd` is closed when it drops at the end of this block, on success and on
+                // failure.
                 let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
-                close_later(fd);
                 let (base, size) = (vm.ptr, vm.size);
                 let ro = access == Access::ReadOnly;
                 (Origin::closed_by(Box::new(vm)), base, size, ro)
