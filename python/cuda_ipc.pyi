@@ -17,7 +17,56 @@ shared host memory, written with ``WriteFrame.write`` and read with ``Frame.byte
 
 import builtins
 from types import TracebackType
-from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Type, Union, final
+
+__all__ = [
+    "CudaIpcError",
+    "ChannelNotFound",
+    "ChannelExists",
+    "BadSegment",
+    "InvalidToken",
+    "NotSupported",
+    "FdNotOffered",
+    "FdPassingError",
+    "NoConsumerSlot",
+    "ProducerGone",
+    "ChannelClosed",
+    "Detached",
+    "Superseded",
+    "AtomicsUnavailable",
+    "CudaUnavailable",
+    "CudaError",
+    "QuotaError",
+    "TensorSetNotFound",
+    "WriterGone",
+    "TensorSetClosed",
+    "LayoutMismatch",
+    "ContentMismatch",
+    "NotHoldable",
+    "NoHolderSlot",
+    "NoServer",
+    "Timeout",
+    "InvalidArgument",
+    "OsError",
+    "OverQuota",
+    "Producer",
+    "WriteFrame",
+    "Consumer",
+    "Frame",
+    "TensorSetWriter",
+    "TensorUpdate",
+    "TensorSetReader",
+    "TensorHold",
+    "TensorSetHolder",
+    "set_quota",
+    "remove_quota",
+    "cleanup",
+    "torch_mem_pool",
+    "arena_locate",
+    "arena_stats",
+    "META_BYTES",
+    "__version__",
+]
 
 __version__: str
 META_BYTES: int
@@ -177,6 +226,7 @@ class ConsumerStats(Dict[str, int]):
 ChannelStats = Dict[str, Union[int, List[Dict[str, int]]]]
 """``published``, ``head``, ``forced_releases`` and ``consumers`` (a list of ConsumerStats)."""
 
+@final
 class Producer:
     """The producing end of channel ``name``: a pool of ``buffers`` buffers of ``buffer_bytes``
     bytes on CUDA device ``device`` (its primary context), or of shared host memory.
@@ -193,8 +243,8 @@ class Producer:
     serves ``name``, ``InvalidArgument`` for a bad name or option.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         buffer_bytes: int,
         *,
@@ -208,7 +258,7 @@ class Producer:
         group_access: bool = False,
         device: int = 0,
         stream: Optional[StreamLike] = None,
-    ) -> None:
+    ) -> Producer:
         """``stream``: every write frame's publish is also ordered after the work enqueued on it
         (``WriteFrame.publish_after``); ``InvalidArgument`` on a host channel."""
     @property
@@ -241,6 +291,7 @@ class Producer:
         tb: Optional[TracebackType],
     ) -> None: ...
 
+@final
 class WriteFrame:
     """A buffer being written: enqueue the write on ``stream`` (a host frame: ``write`` its bytes),
     then ``publish``. Leaving a ``with`` block (or collection) without publishing gives it back
@@ -277,8 +328,8 @@ class WriteFrame:
         bytes. ``InvalidArgument`` when they need more bytes than the buffer has."""
     def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
         """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
-    def publish(self, metadata: bytes = b"") -> int:
-        """Publishes with ``metadata`` (at most META_BYTES); returns the sequence number. Once the
+    def publish(self, metadata: bytes = ...) -> int:
+        """Publishes with ``metadata`` (at most META_BYTES; default none, ``b""``); returns the sequence number. Once the
         producer was closed, raises ``ChannelClosed`` and gives the buffer back unpublished."""
     def abandon(self) -> None: ...
     @property
@@ -296,6 +347,7 @@ class WriteFrame:
     def __enter__(self) -> WriteFrame: ...
     def __exit__(self, *args: Any) -> None: ...
 
+@final
 class Consumer:
     """The consuming end of channel ``name``, attached on the device that holds its pool.
 
@@ -305,8 +357,8 @@ class Consumer:
     Iterating yields frames until the channel closes.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         *,
         delivery: Literal["every", "latest"] = "every",
@@ -314,7 +366,7 @@ class Consumer:
         spin: float = 50e-6,
         group_access: bool = False,
         stream: Optional[StreamLike] = None,
-    ) -> None:
+    ) -> Consumer:
         """``stream``: every frame received is made ready on it and its release ordered after it
         (``Frame.ready_on``); ``InvalidArgument`` on a host channel."""
     @classmethod
@@ -357,6 +409,7 @@ class Consumer:
     def __enter__(self) -> Consumer: ...
     def __exit__(self, *args: Any) -> None: ...
 
+@final
 class Frame:
     """A received frame, ready on ``stream``. ``release()``, a ``with`` block or collection ends
     this object's hold; DLPack tensors made from it keep the frame held until they are freed.
@@ -428,6 +481,7 @@ TensorSpecs = Dict[str, Any]
 """Name -> ``torch.Tensor`` (its shape and dtype are taken) or name -> ``(shape, dtype)`` with a
 ``torch.dtype`` or its name (``"bfloat16"``, ``"float8_e4m3fn"``)."""
 
+@final
 class TensorSetWriter:
     """The writing end of tensor set ``name``: one allocation per buffer on device ``device``
     (``memory``: ``"vmm"`` default, ``"auto"``, ``"pool"``, ``"legacy"``, ``"host"``), ``mode``
@@ -435,8 +489,8 @@ class TensorSetWriter:
     published before the first commit. Raises ``ChannelExists`` when a live writer has the name,
     ``InvalidArgument`` for bad specs, ``OverQuota``, ``CudaError``."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         tensors: TensorSpecs,
         *,
@@ -446,7 +500,7 @@ class TensorSetWriter:
         buffers: int = 2,
         max_readers: int = 64,
         quota: Optional[str] = None,
-    ) -> None: ...
+    ) -> TensorSetWriter: ...
     @staticmethod
     def over_tensors(
         name: str, tensors: Dict[str, Any], *, device: int = 0, max_readers: int = 64
@@ -471,10 +525,12 @@ class TensorSetWriter:
     @property
     def nbytes(self) -> int: ...
     def synchronize(self) -> None: ...
-    def close(self, timeout: float = 5.0) -> None: ...
+    def close(self, timeout: float = ...) -> None:
+        """Waits up to ``timeout`` seconds (default 5) for the readers."""
     def __enter__(self) -> "TensorSetWriter": ...
     def __exit__(self, *args: Any) -> None: ...
 
+@final
 class TensorUpdate:
     """A generation being written (from ``TensorSetWriter.begin``)."""
 
@@ -495,8 +551,14 @@ class TensorUpdate:
         """Gives the buffer back uncommitted; in place, no generation is readable until the next
         commit (its bytes may be half-written)."""
     def __enter__(self) -> "TensorUpdate": ...
-    def __exit__(self, *args: Any) -> bool: ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]] = None,
+        _exc: Optional[BaseException] = None,
+        _tb: Optional[TracebackType] = None,
+    ) -> bool: ...
 
+@final
 class TensorSetReader:
     """The reading end of tensor set ``name``: every allocation mapped once (read-only for VMM
     with ``read_only=True``). Raises ``TensorSetNotFound``, ``LayoutMismatch`` (``expect_layout``),
@@ -506,20 +568,21 @@ class TensorSetReader:
     serve the set's fds to later readers as a ``TensorSetHolder`` does. ``stable_addresses=True``
     (VMM sets, else ``NotSupported``): addresses kept for the reader's life (``switch_stable``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         *,
         device: Optional[int] = None,
         expect_layout: Optional[bytes] = None,
         read_only: bool = True,
         wait: Wait = "spin_then_block",
-        spin: float = 5e-05,
+        spin: float = ...,  # 50e-6 seconds
         serve: bool = False,
         stable_addresses: bool = False,
-    ) -> None: ...
-    def current(self, timeout: Optional[float] = 0.0) -> Optional["TensorHold"]:
-        """The newest generation (even one taken before); waits up to ``timeout`` for a first."""
+    ) -> TensorSetReader: ...
+    def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
+        """The newest generation (even one taken before); waits up to ``timeout`` seconds for a
+        first (default 0: returns at once)."""
     def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
     async def wait_newer_async(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
     @property
@@ -557,6 +620,7 @@ class TensorSetReader:
     def __enter__(self) -> "TensorSetReader": ...
     def __exit__(self, *args: Any) -> None: ...
 
+@final
 class TensorHold:
     """A held generation: released by ``release()``, the end of a ``with`` block, or collection."""
 
@@ -579,13 +643,14 @@ class TensorHold:
 
 HolderStatus = Literal["serving", "closed", "replaced"]
 
+@final
 class TensorSetHolder:
     """Keeps VMM tensor set ``name`` attachable after its writer dies: holds and serves a file
     descriptor of every allocation (no CUDA context; the fds pin ``bytes`` of device memory until
     ``close()``). Raises ``TensorSetNotFound``, ``NotHoldable``, ``NoServer``, ``NoHolderSlot``,
     ``BadSegment``, ``OsError``."""
 
-    def __init__(self, name: str) -> None: ...
+    def __new__(cls, name: str) -> TensorSetHolder: ...
     @property
     def name(self) -> str: ...
     @property

@@ -1,5 +1,7 @@
 //! Zero-copy sharing of CUDA device buffers and events between processes, each with its own context.
 #![doc = include_str!("../docs/crate-doc.md")]
+// docs.rs (`--cfg docsrs`, Cargo.toml): each feature-gated item is marked with its feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod channel;
 pub mod cleanup;
