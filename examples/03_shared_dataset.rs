@@ -89,6 +89,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match &a.sim {
         Some((k, set)) => simulation(&a, *k, set),
         None => owner(&a),

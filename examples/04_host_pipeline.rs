@@ -62,6 +62,10 @@ fn run() -> Res<()> {
     if let Some(name) = role {
         return consumer(&name);
     }
+    // First, in the process the user started: a rate measured without optimisation misleads.
+    if cfg!(debug_assertions) {
+        eprintln!("built without optimisation: rates are ~50x lower; run with --release");
+    }
     let name = format!("host-pipeline-{}", std::process::id());
     let mut tx = Producer::create_host(&name, &ChannelOptions::new(bytes).buffers(4))?;
     let mut child = Command::new(std::env::current_exe()?)

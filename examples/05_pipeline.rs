@@ -88,6 +88,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match &a.role {
         Some((ch, idx)) => consumer(&a, ch, idx),
         None => producer(&a),

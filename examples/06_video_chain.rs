@@ -95,6 +95,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match &a.role {
         Role::Filter => filter(a.frames),
         Role::Transform { a: from, b: to } => transform(a.frames, from, to),

@@ -99,6 +99,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match &a.inference {
         Some(channel) => inference(a.frames, channel),
         None => preprocess(a.frames),

@@ -76,6 +76,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match &a.role {
         Some((ch, token)) => consumer(ch, token),
         None => producer(&a),

@@ -5,9 +5,13 @@
 //!
 //! ```text
 //! cuda-ipc quota set --device host --bytes 1MiB      # or --device GPU-... for a GPU pool
-//! cargo run -p cuda-ipc-examples --example 09_quota -- [--host] [--buffers 2] [--bytes 262144]
-//!     [--hold 30] [--name NAME]
+//! cargo run -p cuda-ipc-examples --example 09_quota -- --host --hold 30 &   # created ...
+//! cargo run -p cuda-ipc-examples --example 09_quota -- --host --hold 0      # refused: ...
 //! ```
+//! Flags: `[--host] [--buffers 2] [--bytes 393216] [--hold 30] [--name NAME]`. The default pool,
+//! 2 buffers of 384 KiB (768 KiB), fits a 1 MiB budget once: the second producer would need
+//! 1.5 MiB in all and is refused.
+//!
 //! Prints `created NAME: reserved B bytes` and holds the pool for `--hold` seconds (then closes
 //! it), or prints `refused: ...` and exits with status 3 when the budget is spent. `--host` uses a
 //! host-memory pool (no GPU); without it the pool is device memory of the default GPU.
@@ -41,7 +45,7 @@ fn main() {
 
 fn run() -> Res<()> {
     let mut args = Argv::from_env();
-    let (mut host, mut buffers, mut bytes, mut hold) = (false, 2usize, 256usize << 10, 30u64);
+    let (mut host, mut buffers, mut bytes, mut hold) = (false, 2usize, 384usize << 10, 30u64);
     let mut name = format!("quota-demo-{}", std::process::id());
     while let Some(k) = args.flag() {
         match k.as_str() {

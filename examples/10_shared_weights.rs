@@ -107,6 +107,7 @@ fn host_byte(g: u64, t: usize, k: usize) -> u8 {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match &a.reader_of {
         Some((set, idx)) => reader(&a, set, idx),
         None => writer(&a),

@@ -73,6 +73,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     if let Err(e) = parse().and_then(|a| run(&a)) {
         eprintln!("python_producer: {e}");
         std::process::exit(1);

@@ -163,6 +163,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     let r = parse().and_then(|a| match a.role.clone() {
         None if a.raw => raw_initiator(&a),
         None => producer(&a),
@@ -199,6 +200,7 @@ fn lane_environment() -> Res<Option<UcxLog>> {
         .args(std::env::args_os().skip(1))
         .envs(env)
         .env(READY, "1")
+        .env(common::CHILD_ENV, "1")
         .exec();
     Err(format!("exec: {err}").into())
 }

@@ -71,6 +71,7 @@ fn parse() -> Res<Args> {
 }
 
 fn main() {
+    common::warn_if_unoptimised();
     if let Err(e) = parse().and_then(|a| run(&a)) {
         eprintln!("rust consumer: FAIL {e}");
         std::process::exit(1);

@@ -17,7 +17,7 @@ shared host memory, written with ``WriteFrame.write`` and read with ``Frame.byte
 
 import builtins
 from types import TracebackType
-from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Type, Union, final
+from typing import Any, Callable, Coroutine, Dict, Iterator, List, Literal, Optional, Tuple, Type, Union, final
 
 __all__ = [
     "CudaIpcError",
@@ -58,6 +58,8 @@ __all__ = [
     "TensorSetReader",
     "TensorHold",
     "TensorSetHolder",
+    "Posted",
+    "PostedFrame",
     "set_quota",
     "remove_quota",
     "cleanup",
@@ -258,9 +260,12 @@ class Producer:
         group_access: bool = False,
         device: int = 0,
         stream: Optional[StreamLike] = None,
+        ring: bool = False,
     ) -> Producer:
         """``stream``: every write frame's publish is also ordered after the work enqueued on it
-        (``WriteFrame.publish_after``); ``InvalidArgument`` on a host channel."""
+        (``WriteFrame.publish_after``); ``InvalidArgument`` on a host channel. ``ring``: hand
+        buffers out in ring order (frame ``s`` in buffer ``(s - 1) % buffers``), which
+        ``Consumer.post`` needs."""
     @property
     def name(self) -> str: ...
     @property
@@ -271,6 +276,11 @@ class Producer:
         forever). Raises ``Timeout``; ``ChannelClosed`` once closed, also by ``close()`` from
         another thread while this waits (within 50 ms); ``InvalidArgument`` while another
         WriteFrame is outstanding or for a bad ``timeout``."""
+    def acquire_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, WriteFrame]:
+        """``acquire`` as a coroutine: awaited, it waits in the event loop's default executor (a
+        thread, without the GIL) while the loop runs other tasks. Cancelling the awaiting task
+        stops that thread within 50 ms (a buffer taken in that instant goes back unpublished).
+        Raises as ``acquire``; ``RuntimeError`` when awaited outside a running event loop."""
     def try_acquire(self) -> Optional[WriteFrame]:
         """A free buffer if one is free now, else ``None``. ``ChannelClosed`` once closed."""
     def stats(self) -> ChannelStats:
@@ -397,6 +407,20 @@ class Consumer:
         ``timeout``. ``close()`` from another thread makes it raise ``Detached`` within 50 ms; a
         closed consumer never returns a frame (a ``recv`` racing ``close`` returns only a frame it
         took before the close)."""
+    def recv_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, Frame]:
+        """``recv`` as a coroutine: awaited, it waits in the event loop's default executor (a
+        thread, without the GIL) while the loop runs other tasks. Cancelling the awaiting task
+        (``asyncio.wait_for``, ``Task.cancel``) stops that thread within 50 ms; a frame taken in
+        that instant is released unseen. Raises as ``recv``; ``RuntimeError`` when awaited outside
+        a running event loop."""
+    def post(self, work: Optional[Callable[[Posted], Any]] = None) -> Posted:
+        """Posts the receive of the next frame ahead of its publication (GPU channels made with
+        ``ring=True``, every-frame delivery): this consumer's stream waits on the GPU for the
+        frame (``cuStreamWaitValue32``); ``work(posted)`` enqueues what reads it on
+        ``posted.stream`` from ``posted.ptr``; the release follows on the stream. Returns at
+        once; ``Posted.wait`` takes the frame on the host later, in order. ``InvalidArgument`` on
+        a host channel, a channel not in ring order, a latest-only consumer, or more than 2**20
+        frames ahead; what ``work`` raised; ``CudaError``; ``Detached`` once closed."""
     def try_recv(self) -> Optional[Frame]:
         """The next frame if one is ready now, else ``None``; ``Detached`` once closed."""
     def stats(self) -> ChannelStats: ...
@@ -408,6 +432,48 @@ class Consumer:
     def __next__(self) -> Frame: ...
     def __enter__(self) -> Consumer: ...
     def __exit__(self, *args: Any) -> None: ...
+
+@final
+class Posted:
+    """A receive posted ahead (``Consumer.post``): the consumer's stream waits on the GPU for frame
+    ``seq``, which will be in buffer ``index`` at ``ptr``. Dropping it without waiting leaves the
+    frame to the next ``wait`` or ``recv``."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def index(self) -> int:
+        """``(seq - 1) % buffers``."""
+    @property
+    def ptr(self) -> int:
+        """Device address of the buffer that will hold the frame."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def stream(self) -> int:
+        """The consumer's stream (a raw ``CUstream``), where work that reads the frame goes."""
+    @property
+    def gate_ptr(self) -> int:
+        """Device address of the gate words, which tell work whether the frame came."""
+    def wait(self, timeout: Optional[float] = None) -> PostedFrame:
+        """Takes the frame on the host once published, waiting up to ``timeout`` seconds
+        (``None``: forever). Raises ``Timeout`` (it can be waited for again), ``ProducerGone``,
+        ``ChannelClosed``, ``Detached``; ``InvalidArgument`` when ``recv`` took it first or it
+        was waited for already."""
+    def wait_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, PostedFrame]:
+        """``wait`` as a coroutine (the event loop's default executor; cancellation stops the
+        wait within 50 ms and leaves the frame to a later wait)."""
+
+@final
+class PostedFrame:
+    """A posted frame taken on the host (``Posted.wait``)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def metadata(self) -> bytes: ...
 
 @final
 class Frame:

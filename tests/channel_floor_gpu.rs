@@ -1,7 +1,8 @@
 //! GPU tests of the event-free hand-off (layout version 5): releases stream-ordered through
 //! release words (the producer's host never waits for consumers' GPU work), receives posted ahead
 //! in ring order, the gate words that tell posted work whether its frame came, and peers killed
-//! with posted work pending. Separate processes; they need a CUDA GPU and fail without one;
+//! with posted work pending, and the owned form of a posted receive (one process). Separate
+//! processes otherwise; they need a CUDA GPU and fail without one;
 //! `cargo test` lists them as ignored.
 
 mod common;
@@ -439,4 +440,45 @@ fn a_consumer_dropped_with_receives_posted_for_unpublished_frames_neither_blocks
     );
     assert!(dropped < Duration::from_millis(100), "{dropped:?}");
     assert_eq!(r.forced_holds, 0);
+}
+
+/// The owned form of a posted receive (`channel::owned::OwnedPosted`, what the Python `Posted`
+/// holds), in one process: its wait in short slices times out (and can be waited for again)
+/// before the frame comes, takes the frame once it is published, and a second wait is the
+/// `InvalidArgument` of a frame received already.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn an_owned_posted_receive_waits_in_slices_and_takes_its_frame_once() {
+    use cuda_ipc::channel::owned::OwnedPosted;
+    let name = format!("owned-posted-{}", std::process::id());
+    let ctx = ctx();
+    let mut tx = Producer::create(
+        &ctx,
+        &name,
+        &ChannelOptions::new(4096).buffers(2).ring(true),
+    )
+    .unwrap();
+    let rx = Arc::new(Consumer::attach(&name, &ConsumerOptions::new()).unwrap());
+    let mut worked = None;
+    let p = OwnedPosted::post(&rx, |p| {
+        worked = Some((p.seq(), p.index()));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(worked, Some((1, 0)));
+    assert_eq!((p.posted().seq(), p.posted().index()), (1, 0));
+    for _ in 0..3 {
+        assert!(p.wait(Some(Duration::from_millis(20))).unwrap().is_none());
+    }
+    tx.acquire(Some(T)).unwrap().publish(b"first").unwrap();
+    let f = p.wait(Some(T)).unwrap().expect("the frame was published");
+    assert_eq!((f.seq(), f.index(), f.metadata()), (1, 0, &b"first"[..]));
+    assert!(matches!(
+        p.wait(Some(Duration::ZERO)),
+        Err(Error::InvalidArgument(_))
+    ));
+    drop(p);
+    assert!(drains_within(rx.stream().unwrap(), T).is_some());
+    drop(rx);
+    tx.close(T).unwrap();
 }

@@ -21,8 +21,11 @@ enum Status {
     Fail,
 }
 
+/// The checks' lines: printed as they come, or (`--json`) kept for one document at the end.
 struct Report {
     failed: bool,
+    /// `Some` with `--json`: the checks so far.
+    json: Option<Vec<serde_json::Value>>,
 }
 
 impl Report {
@@ -36,7 +39,14 @@ impl Report {
         if status == Status::Fail {
             self.failed = true;
         }
-        out!("{tag:<5} {what:<20} {}", detail.as_ref());
+        match &mut self.json {
+            Some(checks) => checks.push(serde_json::json!({
+                "status": tag.to_ascii_lowercase(),
+                "check": what,
+                "detail": detail.as_ref(),
+            })),
+            None => out!("{tag:<5} {what:<20} {}", detail.as_ref()),
+        }
     }
 }
 
@@ -540,12 +550,25 @@ fn monitoring(r: &mut Report) {
     }
 }
 
-/// `cuda-ipc doctor`.
-pub fn run() -> Result<Outcome, Box<dyn StdError>> {
-    let mut r = Report { failed: false };
+/// `cuda-ipc doctor [--json]`. JSON (docs/cli.md): `{"ok": bool, "checks": [{"status", "check",
+/// "detail"}]}`, `status` one of `ok`, `warn`, `info`, `fail`; exit status 1 when `ok` is false.
+pub fn run(json: bool) -> Result<Outcome, Box<dyn StdError>> {
+    let mut r = Report {
+        failed: false,
+        json: json.then(Vec::new),
+    };
     devices(&mut r);
     host(&mut r);
     monitoring(&mut r);
+    if let Some(checks) = r.json.take() {
+        let v = serde_json::json!({"ok": !r.failed, "checks": checks});
+        out!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(if r.failed {
+            Outcome::Problems
+        } else {
+            Outcome::Ok
+        });
+    }
     if r.failed {
         out!("problems found: CUDA IPC cannot work here until the FAIL lines are fixed");
         Ok(Outcome::Problems)

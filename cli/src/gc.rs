@@ -18,22 +18,64 @@ use crate::listing::targets;
 use cuda_ipc::cleanup::{self, Problem, Scope};
 use std::error::Error;
 
-/// Prints a problem on stderr, or, for another user's quota ledger, a note on stdout (theirs to
-/// clean, as their channels are); returns whether it was a problem. `doing`: what failed
-/// (`cannot read`, `cannot remove`).
-fn report(p: &Problem, doing: &str) -> bool {
+/// What one run did, for `--json` (docs/cli.md); the text form prints the same as it goes.
+#[derive(Default)]
+struct Doc {
+    kept: Vec<serde_json::Value>,
+    leftovers: Vec<serde_json::Value>,
+    removed: Vec<serde_json::Value>,
+    skipped: Vec<crate::quota::Skipped>,
+    problems: Vec<serde_json::Value>,
+}
+
+/// A leftover's JSON form: `kind` (the kind's name in snake case, e.g. `channel_consumer`),
+/// `object`, `pid` of the dead owner (or `null`), `uid` (or `null`) and `what` (the text line).
+fn leftover_json(l: &cleanup::Leftover) -> serde_json::Value {
+    let mut kind = String::new();
+    for (i, c) in format!("{:?}", l.kind).chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            kind.push('_');
+        }
+        kind.push(c.to_ascii_lowercase());
+    }
+    serde_json::json!({
+        "kind": kind,
+        "object": l.object,
+        "pid": l.owner.map(|o| o.pid),
+        "uid": l.uid,
+        "what": l.what,
+    })
+}
+
+/// Reports a problem (on stderr, or into `doc` with `--json`), or, for another user's quota
+/// ledger, a note (on stdout, or `doc.skipped`): theirs to clean, as their channels are. Returns
+/// whether it was a problem. `doing`: what failed (`cannot read`, `cannot remove`).
+fn report(p: &Problem, doing: &str, doc: Option<&mut Doc>) -> bool {
     if let Some(name) = p.subject.strip_prefix("quota ledger ")
         && let Some(s) = crate::quota::skipped(name, &p.error)
     {
-        out!("quota ledger {name}: {}", s.note);
+        match doc {
+            Some(d) => d.skipped.push(s),
+            None => out!("quota ledger {name}: {}", s.note),
+        }
         return false;
     }
-    eprintln!("cuda-ipc: {}: {doing}: {}", p.subject, p.error);
+    match doc {
+        Some(d) => d.problems.push(serde_json::json!({
+            "subject": p.subject,
+            "doing": doing,
+            "error": p.error.to_string(),
+        })),
+        None => eprintln!("cuda-ipc: {}: {doing}: {}", p.subject, p.error),
+    }
     true
 }
 
-/// `cuda-ipc gc [NAME] [--dry-run]`.
-pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>> {
+/// `cuda-ipc gc [NAME] [--dry-run] [--json]`. JSON (docs/cli.md): `dry_run`, `leftovers` (what
+/// the scan found: what a dry run would remove), `removed` (empty on a dry run), `kept` (each
+/// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`, `problems` (each `subject`, `doing`, `error`); exit
+/// status 1 when `problems` is not empty.
+pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let scope = match name {
         None => Scope::everything(),
         Some(_) => {
@@ -42,25 +84,48 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
         }
     };
     let scan = cleanup::scan(&scope)?;
+    let mut doc = json.then(Doc::default);
     let mut failed = false;
     for k in &scan.kept {
-        out!("kept {k}");
+        match &mut doc {
+            // The line says why (whether its process runs cannot be told); no leftover was made.
+            Some(d) => d
+                .kept
+                .push(serde_json::json!({"what": k, "why": null, "leftover": null})),
+            None => out!("kept {k}"),
+        }
     }
     for p in &scan.problems {
-        failed |= report(p, "cannot read");
+        failed |= report(p, "cannot read", doc.as_mut());
+    }
+    if let Some(d) = &mut doc {
+        d.leftovers = scan.leftovers.iter().map(leftover_json).collect();
     }
     let done = if dry_run {
-        for l in &scan.leftovers {
-            out!("would remove {l}");
+        if doc.is_none() {
+            for l in &scan.leftovers {
+                out!("would remove {l}");
+            }
         }
         scan.leftovers.len()
     } else {
         let r = cleanup::remove(&scan.leftovers);
-        for l in &r.removed {
-            out!("removed {l}");
+        match &mut doc {
+            Some(d) => d.removed = r.removed.iter().map(leftover_json).collect(),
+            None => {
+                for l in &r.removed {
+                    out!("removed {l}");
+                }
+            }
         }
         for (l, why) in &r.kept {
             tracing::info!("kept {l}: {why}");
+            if let Some(d) = &mut doc {
+                d.kept.push(
+                    serde_json::json!({"what": l.what, "why": why, "leftover": leftover_json(l)}),
+                );
+                continue;
+            }
             if l.kind == cleanup::LeftoverKind::Channel {
                 out!("kept channel {}: {why}", l.object);
             }
@@ -69,12 +134,24 @@ pub fn run(name: Option<&str>, dry_run: bool) -> Result<Outcome, Box<dyn Error>>
             }
         }
         for p in &r.problems {
-            failed |= report(p, "cannot remove");
+            failed |= report(p, "cannot remove", doc.as_mut());
         }
         r.removed.len()
     };
-    if done == 0 {
-        out!("nothing to remove");
+    match doc {
+        Some(d) => {
+            let v = serde_json::json!({
+                "dry_run": dry_run,
+                "leftovers": d.leftovers,
+                "removed": d.removed,
+                "kept": d.kept,
+                "quota_skipped": d.skipped,
+                "problems": d.problems,
+            });
+            out!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        None if done == 0 => out!("nothing to remove"),
+        None => {}
     }
     Ok(if failed {
         Outcome::Problems

@@ -289,75 +289,105 @@ fn outcome(l: &Listing) -> Outcome {
     }
 }
 
-/// `cuda-ipc ls [NAME] [--json]`: the listing, then (without a NAME) the quota budgets with
-/// their holders (other users' ledgers skipped with a note) and the GPUs through NVML with the
-/// participants on them (JSON: `quotas`, `quota_errors`, `quota_skipped`, `gpu` and
-/// `gpu_processes` beside the listing's keys).
-pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
-    let l = collect(&targets(name)?);
-    // Other users' ledgers are skipped with a note, as their channels are not listed.
-    let crate::quota::Ledgers {
-        snapshots: quotas,
-        errors: quota_errors,
-        skipped: quota_skipped,
-    } = if name.is_none() {
-        crate::quota::collect_all()
-    } else {
-        Default::default()
-    };
-    // The GPUs (NVML), without a NAME only: `ls NAME` stays about that segment.
-    let gpu = name.is_none().then(|| {
-        let g = crate::gpu::query();
-        let m = crate::gpu::match_processes(
-            g.gpus(),
-            &crate::state::participants(&l),
-            crate::gpu::own_pid_ns(),
-            crate::gpu::proc_facts,
-        );
-        (g, m)
-    });
-    if json {
-        let mut v = serde_json::to_value(&l)?;
-        if let Some(m) = v.as_object_mut() {
-            m.insert("quotas".into(), serde_json::to_value(&quotas)?);
-            m.insert(
-                "quota_errors".into(),
-                quota_errors
-                    .iter()
-                    .map(|(n, e)| serde_json::json!({"name": n, "error": e}))
-                    .collect(),
+/// What `ls` shows besides the listing, without a NAME: the quota budgets (other users' ledgers
+/// skipped with a note) and the GPUs through NVML with the participants on them. With a NAME,
+/// all empty: `ls NAME` stays about that segment.
+struct Extras {
+    quotas: crate::quota::Ledgers,
+    gpu: Option<(crate::gpu::GpuState, crate::gpu::Matching)>,
+}
+
+impl Extras {
+    fn collect(name: Option<&str>, l: &Listing) -> Extras {
+        let quotas = if name.is_none() {
+            crate::quota::collect_all()
+        } else {
+            Default::default()
+        };
+        let gpu = name.is_none().then(|| {
+            let g = crate::gpu::query();
+            let m = crate::gpu::match_processes(
+                g.gpus(),
+                &crate::state::participants(l),
+                crate::gpu::own_pid_ns(),
+                crate::gpu::proc_facts,
             );
-            m.insert(
-                "quota_skipped".into(),
-                serde_json::to_value(&quota_skipped)?,
-            );
-            if let Some((g, mat)) = &gpu {
-                m.insert("gpu".into(), serde_json::to_value(g)?);
-                m.insert("gpu_processes".into(), serde_json::to_value(mat)?);
-            }
+            (g, m)
+        });
+        Extras { quotas, gpu }
+    }
+
+    /// The exit status: problems in the listing or a ledger that could not be read.
+    fn outcome(&self, l: &Listing) -> Outcome {
+        if self.quotas.errors.is_empty() {
+            outcome(l)
+        } else {
+            Outcome::Problems
         }
-        out!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        out_nonl!(
+    }
+
+    fn text(&self, l: &Listing) -> String {
+        format!(
             "{}{}{}{}",
-            render(&l, false),
-            crate::quota::render(&quotas, &quota_errors),
-            crate::quota::render_skipped(&quota_skipped),
-            gpu.as_ref()
+            render(l, false),
+            crate::quota::render(&self.quotas.snapshots, &self.quotas.errors),
+            crate::quota::render_skipped(&self.quotas.skipped),
+            self.gpu
+                .as_ref()
                 .map(|(g, m)| crate::gpu::render(g, m))
                 .unwrap_or_default()
-        );
+        )
     }
-    Ok(if quota_errors.is_empty() {
-        outcome(&l)
+}
+
+/// The one JSON document of `ls --json`, and of each line of `watch --json` (docs/cli.md): the
+/// listing's keys (`registries`, `channels`, `tensor_sets`, `errors`; the rate keys `null` in
+/// `ls` and on `watch`'s first line), then `quotas`, `quota_errors`, `quota_skipped`, `gpu` and
+/// `gpu_processes` (the last two `null` with a NAME).
+fn document(l: &Listing, x: &Extras) -> Result<serde_json::Value, Box<dyn Error>> {
+    let mut v = serde_json::to_value(l)?;
+    if let Some(m) = v.as_object_mut() {
+        m.insert("quotas".into(), serde_json::to_value(&x.quotas.snapshots)?);
+        m.insert(
+            "quota_errors".into(),
+            x.quotas
+                .errors
+                .iter()
+                .map(|(n, e)| serde_json::json!({"name": n, "error": e}))
+                .collect(),
+        );
+        m.insert(
+            "quota_skipped".into(),
+            serde_json::to_value(&x.quotas.skipped)?,
+        );
+        let (g, mat) = match &x.gpu {
+            Some((g, mat)) => (serde_json::to_value(g)?, serde_json::to_value(mat)?),
+            None => (serde_json::Value::Null, serde_json::Value::Null),
+        };
+        m.insert("gpu".into(), g);
+        m.insert("gpu_processes".into(), mat);
+    }
+    Ok(v)
+}
+
+/// `cuda-ipc ls [NAME] [--json]`: the listing, then (without a NAME) the quota budgets with
+/// their holders (other users' ledgers skipped with a note) and the GPUs through NVML with the
+/// participants on them ([`document`] for `--json`).
+pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
+    let l = collect(&targets(name)?);
+    let x = Extras::collect(name, &l);
+    if json {
+        out!("{}", serde_json::to_string_pretty(&document(&l, &x)?)?);
     } else {
-        Outcome::Problems
-    })
+        out_nonl!("{}", x.text(&l));
+    }
+    Ok(x.outcome(&l))
 }
 
 /// `cuda-ipc watch [NAME] [--interval MS] [--count N] [--json] [--plain]`: the live view
 /// (`crate::tui`) on a terminal; the refreshed lines (`--plain`, and whenever stdout is not a
-/// terminal) or JSON lines otherwise.
+/// terminal) or JSON lines otherwise: each line `ls --json`'s document ([`document`]), with the
+/// rates since the previous refresh.
 pub fn run_watch(
     name: Option<&str>,
     interval_ms: u64,
@@ -388,11 +418,12 @@ pub fn run_watch(
             },
         };
         rates.add(&mut l, now);
-        let last = outcome(&l);
+        let x = Extras::collect(name, &l);
+        let last = x.outcome(&l);
         // Through `out_nonl!`, so a reader that went away (`watch | head`) ends the command with
-        // status 141, as for `ls`.
+        // status 141, as for `ls`. JSON: `ls --json`'s document, one per line (JSON Lines).
         if json {
-            out_nonl!("{}\n", serde_json::to_string(&l)?);
+            out_nonl!("{}\n", serde_json::to_string(&document(&l, &x)?)?);
         } else {
             let sep = if clear {
                 "\x1b[2J\x1b[H"

@@ -89,7 +89,11 @@ enum Command {
     /// Check the driver, each GPU, WSL, /dev/shm and the ptrace rules, with the fix for what is
     /// missing.
     #[command(after_help = EXIT_STATUS)]
-    Doctor,
+    Doctor {
+        /// Print one JSON document (docs/cli.md) instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
     /// List registries and channels in /dev/shm: records, sequence numbers, owners and whether
     /// they are alive, sizes, consumers with their holds and cursors.
     #[command(after_help = EXIT_STATUS)]
@@ -97,7 +101,7 @@ enum Command {
         /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`) or tensor
         /// set (set name, or `cuda-ipc.ts.NAME`).
         name: Option<String>,
-        /// Print JSON instead of tables.
+        /// Print JSON instead of tables (docs/cli.md).
         #[arg(long)]
         json: bool,
     },
@@ -114,7 +118,8 @@ enum Command {
         /// Stop after this many refreshes, at least 1 (default: until interrupted).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
-        /// Print one JSON object per refresh (one per line) instead of tables.
+        /// Print one JSON object per refresh, one per line (JSON Lines): each the document `ls
+        /// --json` prints (docs/cli.md), with the rates.
         #[arg(long)]
         json: bool,
         /// Print the refreshed tables as lines (for scripts), even on a terminal.
@@ -172,6 +177,9 @@ enum Command {
         /// Only say what would be removed.
         #[arg(long)]
         dry_run: bool,
+        /// Print one JSON document (docs/cli.md) instead of lines.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -244,7 +252,7 @@ fn main() -> ExitCode {
     let verbose = cli.verbose;
     init_logging(verbose);
     let r = match cli.command {
-        Command::Doctor => doctor::run(),
+        Command::Doctor { json } => doctor::run(json),
         Command::Ls { name, json } => ls::run_ls(name.as_deref(), json),
         Command::Watch {
             name,
@@ -278,7 +286,11 @@ fn main() -> ExitCode {
         Command::Quota(QuotaCommand::Remove { device, group }) => {
             quota::run_remove(&device, group.as_deref())
         }
-        Command::Gc { name, dry_run } => gc::run(name.as_deref(), dry_run),
+        Command::Gc {
+            name,
+            dry_run,
+            json,
+        } => gc::run(name.as_deref(), dry_run, json),
         Command::Hold { name } => hold::run(
             name.strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
                 .unwrap_or(&name),

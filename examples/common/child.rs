@@ -24,6 +24,7 @@ impl Child {
     pub fn spawn(name: &str, args: &[&str]) -> Res<Child> {
         let mut child = Command::new(std::env::current_exe()?)
             .args(args)
+            .env(super::CHILD_ENV, "1")
             .stdout(Stdio::piped())
             .spawn()?;
         let out = child.stdout.take().ok_or("no stdout")?;

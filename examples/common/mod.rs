@@ -16,6 +16,22 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// What an example that prints a rate says first when it was built without optimisation.
+pub const UNOPTIMISED: &str =
+    "built without optimisation: rates are ~50x lower; run with --release";
+
+/// Set in the environment of the examples' children ([`child::Child::spawn`]) and of a process
+/// that starts itself again: they leave [`UNOPTIMISED`] to the process the user started.
+pub const CHILD_ENV: &str = "CUDA_IPC_EXAMPLE_CHILD";
+
+/// Prints [`UNOPTIMISED`] on stderr, first, in a build without optimisation (`debug_assertions`,
+/// as `cargo run` without `--release` builds), unless this process is an example's child.
+pub fn warn_if_unoptimised() {
+    if cfg!(debug_assertions) && std::env::var_os(CHILD_ENV).is_none() {
+        eprintln!("{UNOPTIMISED}");
+    }
+}
+
 /// The examples' result: every failure becomes the message `main` prints before it exits 1.
 pub type Res<T> = Result<T, Box<dyn Error>>;
 

@@ -1,14 +1,16 @@
 //! The `Consumer` class.
 
-use crate::errors;
 use crate::frame::Frame;
+use crate::posted::{self, Posted};
 use crate::util::{
     Seconds, Stop, err, lock, sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
 };
+use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedFrame;
 use cuda_ipc::channel::{ConsumerOptions, Delivery};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 /// The consuming end of a channel (`cuda_ipc::channel::Consumer`).
@@ -42,6 +44,32 @@ impl Consumer {
         } else {
             drop(f);
             Err(Stop::Closed)
+        }
+    }
+}
+
+impl Consumer {
+    /// `recv`, stopping (`Detached`) also once `cancelled` is raised (an awaitable's wait).
+    fn recv_until(
+        &self,
+        py: Python<'_>,
+        timeout: Option<std::time::Duration>,
+        cancelled: Option<&AtomicBool>,
+    ) -> PyResult<Frame> {
+        let c = self.get(py)?;
+        let got = sliced(
+            py,
+            timeout,
+            || self.is_closed() || cancelled.is_some_and(aio::is_cancelled),
+            detached,
+            |slice| match OwnedFrame::recv(&c, Some(slice))? {
+                Some(f) => self.hand_out(f).map(Some),
+                None => Ok(None),
+            },
+        )?;
+        match got {
+            Some(f) => Frame::new(py, f, self.stream),
+            None => Err(timeout_error(py, "a frame", timeout)),
         }
     }
 }
@@ -136,23 +164,42 @@ impl Consumer {
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Frame> {
         let timeout = timeout_arg(py, timeout)?;
-        let c = self.get(py)?;
-        let got = sliced(
-            py,
-            timeout,
-            || self.is_closed(),
-            detached,
-            |slice| match OwnedFrame::recv(&c, Some(slice))? {
-                Some(f) => self.hand_out(f).map(Some),
-                None => Ok(None),
-            },
-        )?;
-        match got {
-            Some(f) => Frame::new(py, f, self.stream),
-            None => Err(timeout_error(py, "a frame", timeout)),
-        }
+        self.recv_until(py, timeout, None)
     }
 
+    /// `recv` as an awaitable (`await consumer.recv_async(timeout=1.0)`): it waits in the event
+    /// loop's default executor (a thread, without the GIL), so the loop runs other tasks
+    /// meanwhile. Cancelling the awaiting task (`asyncio.wait_for`, `task.cancel()`) stops that
+    /// thread within 50 ms; a frame taken in that instant is released unseen. Raises as `recv`.
+    #[pyo3(signature = (timeout=None))]
+    fn recv_async<'py>(
+        slf: Bound<'py, Self>,
+        timeout: Option<Seconds>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let timeout = timeout_arg(py, timeout)?;
+        let this = slf.unbind();
+        aio::awaitable(py, move |py, cancelled| {
+            let frame = this.get().recv_until(py, timeout, Some(cancelled))?;
+            Ok(Py::new(py, frame)?.into_any())
+        })
+    }
+
+    /// Posts the receive of the next frame ahead of its publication
+    /// (`cuda_ipc::channel::Consumer::post`): this consumer's stream waits on the GPU for the
+    /// frame (`cuStreamWaitValue32`), `work(posted)` (optional) enqueues what reads it on
+    /// `posted.stream` from `posted.ptr`, and the frame's release follows on the stream
+    /// (`cuStreamWriteValue32`). Returns at once, without waiting for the frame: `Posted.wait`
+    /// takes it on the host later, in order. Needs a GPU channel made with `ring=True` and
+    /// every-frame delivery: `InvalidArgument` otherwise (a host channel has no stream), or more
+    /// than 2**20 frames ahead of the last one received; what `work` raises (the release is
+    /// enqueued anyway); `CudaError`. `Detached` once closed.
+    #[pyo3(signature = (work=None))]
+    fn post(slf: &Bound<'_, Self>, work: Option<&Bound<'_, PyAny>>) -> PyResult<Py<Posted>> {
+        let py = slf.py();
+        let c = slf.get().get(py)?;
+        posted::post(py, slf.clone().unbind(), &c, work)
+    }
     /// The next frame if one is ready now, else `None`. `Detached` once closed.
     fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Frame>> {
         let c = self.get(py)?;

@@ -22,20 +22,26 @@
 //! signals and for `close()` between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with
 //! nothing held, and `close()` from another thread wakes them within a slice ([`util::sliced`]).
 //! Every duration argument goes through [`util::seconds_arg`] (0 to [`util::MAX_SECONDS`], else
-//! `InvalidArgument`).
+//! `InvalidArgument`). Their `*_async` forms (`Consumer.recv_async`, `Producer.acquire_async`,
+//! `Posted.wait_async`, `TensorSetReader.wait_newer_async`) are coroutines that run the same
+//! sliced wait in the event loop's default executor and stop it within a slice when the awaiting
+//! task is cancelled ([`aio`]).
 //!
-//! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`, `holder.rs` (a
-//! tensor set's `TensorSetHolder`); `view.rs` the frames' buffer, `util.rs` what they share, `quota.rs` the quota functions, `errors.rs` the
-//! exception classes, `dlpack.rs` the tensor exports, `torch_alloc.rs` PyTorch's pluggable
-//! allocator (the exported C functions `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM
-//! arena) and `torch_mem_pool`.
+//! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`, `posted.rs` (a
+//! receive posted ahead, `Posted`, and its `PostedFrame`), `holder.rs` (a tensor set's
+//! `TensorSetHolder`); `aio.rs` the awaitable waits, `view.rs` the frames' buffer, `util.rs` what
+//! they share, `quota.rs` the quota functions, `errors.rs` the exception classes, `dlpack.rs` the
+//! tensor exports, `torch_alloc.rs` PyTorch's pluggable allocator (the exported C functions
+//! `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM arena) and `torch_mem_pool`.
 
+mod aio;
 mod cleanup;
 mod consumer;
 mod dlpack;
 mod errors;
 mod frame;
 mod holder;
+mod posted;
 mod producer;
 mod quota;
 mod sources;
@@ -63,6 +69,8 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WriteFrame>()?;
     m.add_class::<Consumer>()?;
     m.add_class::<Frame>()?;
+    m.add_class::<posted::Posted>()?;
+    m.add_class::<posted::PostedFrame>()?;
     m.add_class::<tensor_set_writer::TensorSetWriter>()?;
     m.add_class::<tensor_set_writer::TensorUpdate>()?;
     m.add_class::<tensor_set_reader::TensorSetReader>()?;

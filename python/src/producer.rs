@@ -1,17 +1,18 @@
 //! The `Producer` class.
 
-use crate::errors;
 use crate::quota::quota_scope;
 use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Seconds, Stop, err, lock, memory_arg, memory_name, seconds_arg,
+    CLOSE_WAITS_FOR_ACQUIRE, SLICE, Seconds, Stop, err, lock, memory_arg, memory_name, seconds_arg,
     sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
 };
 use crate::write_frame::WriteFrame;
+use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedWriteFrame;
 use cuda_ipc::channel::{ChannelOptions, MemoryKind};
 use cuda_ipc::driver::Device;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -49,6 +50,52 @@ pub(crate) struct ProducerState {
 }
 
 impl Producer {
+    /// `acquire`, stopping (`ChannelClosed`) also once `cancelled` is raised (an awaitable's
+    /// wait).
+    fn acquire_until(
+        slf: &Bound<'_, Self>,
+        timeout: Option<Duration>,
+        cancelled: Option<&AtomicBool>,
+    ) -> PyResult<WriteFrame> {
+        let py = slf.py();
+        let this = slf.get();
+        if cancelled.is_some() {
+            this.await_cancelled_acquire(py);
+        }
+        let mut producer = Some(this.take(py, true)?);
+        let got = sliced(
+            py,
+            timeout,
+            || this.is_closed() || cancelled.is_some_and(aio::is_cancelled),
+            |_| this.closed_error(),
+            |slice| {
+                let Some(p) = producer.take() else {
+                    // Never: the producer is put back after every slice that does not end the
+                    // wait. Stopping is the safe answer should that change.
+                    return Err(Stop::Closed);
+                };
+                match OwnedWriteFrame::acquire(p, Some(slice)) {
+                    Ok(f) => Ok(Some(f)),
+                    Err((p, cuda_ipc::Error::Timeout { .. })) => {
+                        producer = Some(p);
+                        Ok(None)
+                    }
+                    Err((p, e)) => {
+                        producer = Some(p);
+                        Err(e.into())
+                    }
+                }
+            },
+        );
+        if let Some(p) = producer.take() {
+            this.give_back(py, p, true);
+        }
+        match got? {
+            Some(f) => this.hand_out(slf, f),
+            None => Err(timeout_error(py, "a free buffer", timeout)),
+        }
+    }
+
     /// Lends the Rust producer out (to an `acquire` of this thread when `acquiring`).
     pub(crate) fn take(&self, py: Python<'_>, acquiring: bool) -> PyResult<Box<RustProducer>> {
         let mut s = lock(&self.state);
@@ -67,6 +114,23 @@ impl Producer {
             s.acquiring = Some(std::thread::current().id());
         }
         Ok(p)
+    }
+
+    /// Before an awaitable's `acquire`: an `acquire_async` cancelled a moment ago may still have
+    /// the producer (its thread stops within a slice, [`crate::util::SLICE`]); waits up to two
+    /// slices for it to come back, so that awaiting again right after a cancellation does not
+    /// find the producer in use. Returns at once when no `acquire` has it.
+    fn await_cancelled_acquire(&self, py: Python<'_>) {
+        py.detach(|| {
+            let s = lock(&self.state);
+            drop(
+                self.back
+                    .wait_timeout_while(s, 2 * SLICE, |s| {
+                        !s.closed && s.producer.is_none() && s.acquiring.is_some()
+                    })
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
+        });
     }
 
     /// `ChannelClosed`: what every call raises once `close()` was called.
@@ -125,15 +189,17 @@ impl Producer {
 impl Producer {
     /// Creates channel `name` with a pool of `buffers` buffers of `buffer_bytes` bytes on CUDA
     /// device `device` (its primary context); with `memory="host"`, of shared host memory
-    /// (`Producer::create_host`: no CUDA driver needed, `device` unused).
+    /// (`Producer::create_host`: no CUDA driver needed, `device` unused). `ring=True` hands
+    /// buffers out in ring order (frame `s` in buffer `(s - 1) % buffers`), which consumers'
+    /// `post` (receives posted ahead) needs (`ChannelOptions::ring`).
     #[new]
     #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
         quota=None, wait="spin_then_block", spin=Seconds::Float(50e-6), memory="auto",
-        group_access=false, device=0, stream=None))]
+        group_access=false, device=0, stream=None, ring=false))]
     #[pyo3(
         text_signature = "(name, buffer_bytes, *, buffers=4, max_consumers=8, \
         quota_bytes=None, quota=None, wait=\"spin_then_block\", spin=5e-05, memory=\"auto\", \
-        group_access=False, device=0, stream=None)"
+        group_access=False, device=0, stream=None, ring=False)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -150,6 +216,7 @@ impl Producer {
         group_access: bool,
         device: usize,
         stream: Option<&Bound<'_, PyAny>>,
+        ring: bool,
     ) -> PyResult<Self> {
         let stream = stream_arg(py, stream)?;
         if stream.is_some() && memory == "host" {
@@ -163,7 +230,8 @@ impl Producer {
             .max_consumers(max_consumers)
             .wait(wait_arg(py, wait, spin)?)
             .memory(memory_arg(py, memory)?)
-            .group_access(group_access);
+            .group_access(group_access)
+            .ring(ring);
         if let Some(q) = quota_bytes {
             opts = opts.quota_bytes(q);
         }
@@ -212,41 +280,27 @@ impl Producer {
     /// wakes within 50 ms); `Timeout`; `InvalidArgument` while a `WriteFrame` is outstanding.
     #[pyo3(signature = (timeout=None))]
     fn acquire(slf: &Bound<'_, Self>, timeout: Option<Seconds>) -> PyResult<WriteFrame> {
+        let timeout = timeout_arg(slf.py(), timeout)?;
+        Self::acquire_until(slf, timeout, None)
+    }
+
+    /// `acquire` as an awaitable (`await producer.acquire_async(timeout=1.0)`): it waits in the
+    /// event loop's default executor (a thread, without the GIL), so the loop runs other tasks
+    /// meanwhile. Cancelling the awaiting task stops that thread within 50 ms; a buffer taken in
+    /// that instant is given back unpublished. Raises as `acquire`. Awaited outside a running event loop
+    /// it raises `RuntimeError`.
+    #[pyo3(signature = (timeout=None))]
+    fn acquire_async<'py>(
+        slf: Bound<'py, Self>,
+        timeout: Option<Seconds>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let timeout = timeout_arg(py, timeout)?;
-        let this = slf.get();
-        let mut producer = Some(this.take(py, true)?);
-        let got = sliced(
-            py,
-            timeout,
-            || this.is_closed(),
-            |_| this.closed_error(),
-            |slice| {
-                let Some(p) = producer.take() else {
-                    // Never: the producer is put back after every slice that does not end the
-                    // wait. Stopping is the safe answer should that change.
-                    return Err(Stop::Closed);
-                };
-                match OwnedWriteFrame::acquire(p, Some(slice)) {
-                    Ok(f) => Ok(Some(f)),
-                    Err((p, cuda_ipc::Error::Timeout { .. })) => {
-                        producer = Some(p);
-                        Ok(None)
-                    }
-                    Err((p, e)) => {
-                        producer = Some(p);
-                        Err(e.into())
-                    }
-                }
-            },
-        );
-        if let Some(p) = producer.take() {
-            this.give_back(py, p, true);
-        }
-        match got? {
-            Some(f) => this.hand_out(slf, f),
-            None => Err(timeout_error(py, "a free buffer", timeout)),
-        }
+        let this = slf.unbind();
+        aio::awaitable(py, move |py, cancelled| {
+            let f = Self::acquire_until(this.bind(py), timeout, Some(cancelled))?;
+            Ok(Py::new(py, f)?.into_any())
+        })
     }
 
     /// A free buffer if one is free now, else `None`. `ChannelClosed` once closed.

@@ -64,11 +64,22 @@ impl TensorSetReader {
         than: u64,
         timeout: Option<std::time::Duration>,
     ) -> PyResult<Option<OwnedHeld>> {
+        self.wait_until(py, than, timeout, None)
+    }
+
+    /// `wait`, stopping also once `cancelled` is raised (an awaitable's wait, `crate::aio`).
+    fn wait_until(
+        &self,
+        py: Python<'_>,
+        than: u64,
+        timeout: Option<std::time::Duration>,
+        cancelled: Option<&std::sync::atomic::AtomicBool>,
+    ) -> PyResult<Option<OwnedHeld>> {
         let r = self.get(py)?;
         sliced(
             py,
             timeout,
-            || lock(&self.inner).is_none(),
+            || lock(&self.inner).is_none() || cancelled.is_some_and(crate::aio::is_cancelled),
             |py| errors::invalid_argument(py, format!("reader of {:?} is closed", self.name)),
             |slice| OwnedHeld::wait_newer(&r, than, Some(slice)).map_err(Stop::Failed),
         )
@@ -193,22 +204,30 @@ impl TensorSetReader {
         }
     }
 
-    /// `wait_newer` as an awaitable: it waits in the event loop's default executor (a thread,
-    /// which waits without the GIL), so the loop goes on meanwhile.
+    /// `wait_newer` as a coroutine: awaited, it waits in the event loop's default executor (a
+    /// thread, which waits without the GIL), so the loop goes on meanwhile; cancelling the
+    /// awaiting task stops that thread within 50 ms (`crate::aio`).
     #[pyo3(signature = (than, timeout=None))]
     fn wait_newer_async<'py>(
         slf: Bound<'py, Self>,
-        py: Python<'py>,
         than: u64,
-        timeout: Option<f64>,
+        timeout: Option<Seconds>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let asyncio = py.import("asyncio")?;
-        let event_loop = asyncio.call_method0("get_running_loop")?;
-        let f = slf.getattr("wait_newer")?;
-        let call = py
-            .import("functools")?
-            .call_method1("partial", (f, than, timeout))?;
-        event_loop.call_method1("run_in_executor", (py.None(), call))
+        let py = slf.py();
+        let timeout = timeout_arg(py, timeout)?;
+        let this = slf.unbind();
+        crate::aio::awaitable(py, move |py, cancelled| {
+            let slf = this.bind(py);
+            let r = slf.get();
+            match r.wait_until(py, than, timeout, Some(cancelled))? {
+                Some(h) => Ok(Py::new(py, r.hold(py, slf, h))?.into_any()),
+                None => Err(crate::util::timeout_error(
+                    py,
+                    "a newer tensor-set generation",
+                    timeout,
+                )),
+            }
+        })
     }
 
     /// The set's name.

@@ -265,6 +265,28 @@ def test_wait_newer_async_leaves_the_event_loop_free(name):
         w.close()
 
 
+def test_a_cancelled_wait_newer_async_stops_its_thread(name):
+    import asyncio
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+
+    async def main():
+        # No timeout: only the cancellation ends the wait; a coroutine never awaited starts none.
+        r.wait_newer_async(0).close()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(r.wait_newer_async(0), 0.1)
+
+    try:
+        t0 = time.monotonic()
+        # `asyncio.run` joins the executor's threads: it returns once the wait stopped.
+        asyncio.run(main())
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        r.close()
+        w.close()
+
+
 def test_close_aborts_an_open_update_and_a_holds_generation_outlives_its_release(name):
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
     g = write_gen(w, None)

@@ -1,12 +1,13 @@
 //! Frames that own their end of the channel: an [`OwnedFrame`] keeps its [`Consumer`] alive through
-//! an `Arc`, an [`OwnedWriteFrame`] owns its [`Producer`] until it is published or given back.
+//! an `Arc`, an [`OwnedWriteFrame`] owns its [`Producer`] until it is published or given back, an
+//! [`OwnedPosted`] (a receive posted ahead) keeps its [`Consumer`] alive through an `Arc`.
 //!
-//! Owns: nothing of the protocol. Each type wraps the borrowed [`Frame`] (`consumer.rs`) or
-//! [`WriteFrame`] (`producer.rs`) unchanged, so holds, releases and publishing behave exactly as there; only who keeps
+//! Owns: nothing of the protocol. Each type wraps the borrowed [`Frame`] (`consumer.rs`),
+//! [`Posted`] (`consumer/posted.rs`) or [`WriteFrame`] (`producer.rs`) unchanged, so holds, releases and publishing behave exactly as there; only who keeps
 //! the owner alive differs. For bindings (Python, other languages) whose objects cannot carry a
 //! Rust lifetime, and for frames that move between threads with their owner.
 
-use super::{Consumer, Frame, Producer, WriteFrame};
+use super::{Consumer, Frame, Posted, PostedFrame, Producer, WriteFrame};
 use crate::error::{Error, Result};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -214,5 +215,85 @@ impl Drop for OwnedWriteFrame {
         // SAFETY: the pointer came from `Box::leak` in `acquire` and was not turned back into a
         // `Box` (`take_producer` skips this `Drop`); the frame that borrowed it was dropped above.
         drop(unsafe { Box::from_raw(self.producer.as_ptr()) });
+    }
+}
+
+/// A receive posted ahead ([`Consumer::post`]) that keeps its consumer alive, for bindings whose
+/// objects cannot carry a Rust lifetime. Dropping it without waiting leaves the frame to the next
+/// wait or receive, as dropping a [`Posted`] does.
+///
+/// # Examples
+/// ```no_run
+/// use cuda_ipc::channel::{Consumer, ConsumerOptions, owned::OwnedPosted};
+/// use std::sync::Arc;
+/// let rx = Arc::new(Consumer::attach("frames", &ConsumerOptions::new())?);
+/// let posted = OwnedPosted::post(&rx, |p| {
+///     // enqueue the kernels that read `p.buffer()` on `p.stream()` here
+///     Ok(())
+/// })?;
+/// if let Some(frame) = posted.wait(Some(std::time::Duration::from_secs(1)))? {
+///     println!("frame {}", frame.seq());
+/// }
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub struct OwnedPosted {
+    // Drop order: the receive (which borrows the consumer) before the consumer reference.
+    // The `'static` is never handed out: `posted()` shortens it to the borrow of `self`.
+    posted: Posted<'static>,
+    consumer: Arc<Consumer>,
+}
+
+impl std::fmt::Debug for OwnedPosted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.posted.fmt(f)
+    }
+}
+
+impl OwnedPosted {
+    /// Posts the receive of the next frame of `consumer` ahead of its publication, as
+    /// [`Consumer::post`] (`work` enqueues what reads the frame on [`Posted::stream`]).
+    ///
+    /// # Errors
+    /// As [`Consumer::post`].
+    pub fn post<F>(consumer: &Arc<Consumer>, work: F) -> Result<OwnedPosted>
+    where
+        F: FnOnce(&Posted<'_>) -> Result<()>,
+    {
+        let posted = consumer.post(work)?;
+        // SAFETY: as in `OwnedFrame::own`: the receive borrows `**consumer`, which lives in the
+        // `Arc`'s allocation (its address does not change when the `Arc` moves), and the clone
+        // stored beside it keeps it alive until after the receive is dropped (field order). Only
+        // shared references to the consumer exist. The extended lifetime never escapes:
+        // `posted()` returns `&Posted<'_>` bounded by `&self` (`Posted` is covariant in it).
+        let posted = unsafe { std::mem::transmute::<Posted<'_>, Posted<'static>>(posted) };
+        Ok(OwnedPosted {
+            posted,
+            consumer: consumer.clone(),
+        })
+    }
+
+    /// The receive posted.
+    pub fn posted(&self) -> &Posted<'_> {
+        &self.posted
+    }
+
+    /// The consumer it was posted on.
+    pub fn consumer(&self) -> &Arc<Consumer> {
+        &self.consumer
+    }
+
+    /// Waits on the host up to `timeout` (`None`: no bound) for the frame and takes it, as
+    /// [`Posted::wait`], but keeps the receive: `Ok(None)` when the timeout ran out, and it can be
+    /// waited for again (so a binding can wait in bounded slices).
+    ///
+    /// # Errors
+    /// As [`Posted::wait`], except [`Error::Timeout`]; [`Error::InvalidArgument`] when waited for
+    /// again after it returned the frame.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Option<PostedFrame>> {
+        match self.posted.take(timeout) {
+            Ok(f) => Ok(Some(f)),
+            Err(Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 }

@@ -148,6 +148,14 @@ impl<'a> Posted<'a> {
     /// [`ChannelError::Closed`] (the frame never came), [`ChannelError::Detached`];
     /// [`Error::InvalidArgument`] when [`Consumer::recv`] already took the frame.
     pub fn wait(self, timeout: Option<Duration>) -> Result<PostedFrame> {
+        self.take(timeout)
+    }
+
+    /// [`Posted::wait`] without consuming the receive, so that a binding can wait in bounded
+    /// slices (a [`Error::Timeout`] leaves it waitable; frames before it taken on the way stay
+    /// taken). Once it returned the frame, a second call is the [`Error::InvalidArgument`] of a
+    /// frame received already.
+    pub(crate) fn take(&self, timeout: Option<Duration>) -> Result<PostedFrame> {
         let c = self.consumer;
         // A timeout past what `Instant` can hold (`Duration::MAX`) is no bound (`+` would panic).
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));

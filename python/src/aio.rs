@@ -1,0 +1,98 @@
+//! Awaitable waits for asyncio programs: a blocking wait of the extension (`recv`, `acquire`,
+//! `Posted.wait`) as a coroutine that runs it in the event loop's default executor (a thread,
+//! which waits without the GIL), so the loop goes on meanwhile, and stops it when the awaiting
+//! task is cancelled. A coroutine, not a bare future, so that nothing waits before it is awaited
+//! (a future made and never awaited would keep a thread waiting, and `asyncio.run`, which joins
+//! the executor's threads, waiting for it) and `asyncio.create_task` takes it.
+//!
+//! How a cancellation reaches the thread: the future `run_in_executor` returns gets a done
+//! callback ([`AsyncWait::_done`]) that raises the job's `cancelled` flag; the wait checks the
+//! flag between its slices of at most [`crate::util::SLICE`] (as it checks `close()`), so the
+//! thread ends within one slice of the cancellation and the loop's `shutdown_default_executor`
+//! (run by `asyncio.run`) never waits longer. What the wait took in the slice the cancellation
+//! lands in (a frame, a buffer) is dropped with the discarded result: a frame is released unseen
+//! (counted as received), a buffer given back unpublished.
+
+use crate::util::lock;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The wait a job runs, once: it is passed the job's cancellation flag, to stop at.
+type Wait = Box<dyn FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send>;
+
+/// One awaitable wait: called by the executor's thread (`__call__`), told by the future's done
+/// callback (`_done`) when the awaiting side no longer wants the result.
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct AsyncWait {
+    /// Raised by `_done`; read by the wait between slices. Relaxed on both sides: it orders no
+    /// other memory (what the wait took is judged under the object's own lock, not by the flag).
+    cancelled: AtomicBool,
+    /// The wait, taken by the one `__call__`.
+    wait: Mutex<Option<Wait>>,
+}
+
+#[pymethods]
+impl AsyncWait {
+    /// Runs the wait (in the executor's thread); a second call raises `RuntimeError`.
+    fn __call__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let Some(wait) = lock(&self.wait).take() else {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "this wait already ran",
+            ));
+        };
+        wait(py, &self.cancelled)
+    }
+
+    /// The future's done callback: the wait stops within a slice if it still runs (it does only
+    /// when the future was cancelled, or the loop closed, before the result came).
+    fn _done(&self, _future: &Bound<'_, PyAny>) {
+        // Relaxed: see the field; its pair is the wait's Relaxed load in `is_cancelled`.
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whether an awaitable's wait was cancelled (the future's done callback came).
+pub(crate) fn is_cancelled(flag: &AtomicBool) -> bool {
+    // Relaxed: pairs with the Relaxed store in `AsyncWait::_done`; nothing else is read through it.
+    flag.load(Ordering::Relaxed)
+}
+
+/// The coroutine every awaitable wait is: it starts the job in the running loop's default
+/// executor only when awaited (a coroutine never awaited starts no thread), and raises the job's
+/// flag when the executor's future is done (so a cancelled task stops the thread).
+const RUN: &std::ffi::CStr = c"
+import asyncio
+
+async def run(job):
+    future = asyncio.get_running_loop().run_in_executor(None, job)
+    future.add_done_callback(job._done)
+    return await future
+";
+
+static RUNNER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// A coroutine that, awaited in an asyncio event loop, runs `wait` in the loop's default executor
+/// and returns what it returns. `wait` must stop, within a slice, once [`is_cancelled`] says so.
+/// Awaited outside a running loop it raises `RuntimeError`.
+pub(crate) fn awaitable<'py>(
+    py: Python<'py>,
+    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
+) -> PyResult<Bound<'py, PyAny>> {
+    let run = RUNNER.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        Ok(
+            PyModule::from_code(py, RUN, c"cuda_ipc/_aio.py", c"cuda_ipc._aio")?
+                .getattr("run")?
+                .unbind(),
+        )
+    })?;
+    let job = Bound::new(
+        py,
+        AsyncWait {
+            cancelled: AtomicBool::new(false),
+            wait: Mutex::new(Some(Box::new(wait))),
+        },
+    )?;
+    run.bind(py).call1((job,))
+}

@@ -1,0 +1,229 @@
+//! The `Posted` class (a receive posted ahead, `Consumer.post`) and what its wait returns,
+//! `PostedFrame`.
+
+use crate::consumer::{Consumer, detached};
+use crate::util::{Seconds, Stop, err, lock, sliced, timeout_arg, timeout_error};
+use crate::{aio, errors};
+use cuda_ipc::channel::owned::OwnedPosted;
+use cuda_ipc::driver::DeviceMemory;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+/// A receive posted ahead (`cuda_ipc::channel::owned::OwnedPosted`): this consumer's stream
+/// waits on the GPU for frame `seq`, which will be in buffer `index` at `ptr` (`nbytes` long).
+/// `wait()` takes the frame on the host; dropping this without waiting leaves the frame to the
+/// next `wait` or `recv`.
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct Posted {
+    /// `None` while `work` runs (the receive is not posted yet) and after a `wait` returned.
+    inner: Mutex<Option<OwnedPosted>>,
+    consumer: Py<Consumer>,
+    seq: u64,
+    index: usize,
+    ptr: u64,
+    nbytes: usize,
+    stream: usize,
+    gate_ptr: u64,
+}
+
+/// `Consumer.post`: posts on `c` (the Rust consumer of `consumer`), calling `work(posted)` with
+/// the object returned (its `wait` raises until `post` returned).
+pub(crate) fn post(
+    py: Python<'_>,
+    consumer: Py<Consumer>,
+    c: &std::sync::Arc<cuda_ipc::channel::Consumer>,
+    work: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<Posted>> {
+    // What `work` raised (or the making of the object), raised again once `post` returned; the
+    // library sees a plain error.
+    let mut raised: Option<PyErr> = None;
+    let mut made: Option<Py<Posted>> = None;
+    let got = OwnedPosted::post(c, |p| {
+        let buffer = p.buffer();
+        let info = Posted {
+            inner: Mutex::new(None),
+            consumer: consumer.clone_ref(py),
+            seq: p.seq(),
+            index: p.index(),
+            ptr: buffer.device_ptr(),
+            nbytes: buffer.len(),
+            stream: p.stream().as_raw() as usize,
+            gate_ptr: p.gate_device_ptr(),
+        };
+        let r = Py::new(py, info).and_then(|obj| {
+            made = Some(obj.clone_ref(py));
+            match work {
+                Some(w) => w.call1((obj,)).map(|_| ()),
+                None => Ok(()),
+            }
+        });
+        r.map_err(|e| {
+            raised = Some(e);
+            cuda_ipc::Error::InvalidArgument("the posted receive's work raised".into())
+        })
+    });
+    if let Some(e) = raised {
+        return Err(e);
+    }
+    let owned = got.map_err(|e| err(py, e))?;
+    let Some(p) = made else {
+        // Never: `post` returned Ok, so it called the closure, which sets `made`.
+        return Err(errors::invalid_argument(
+            py,
+            "the posted receive was not made".to_string(),
+        ));
+    };
+    *lock(&p.get().inner) = Some(owned);
+    Ok(p)
+}
+
+impl Posted {
+    /// `wait`, stopping (`Detached`) also once the consumer was closed or `cancelled` raised.
+    fn wait_until(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Duration>,
+        cancelled: Option<&AtomicBool>,
+    ) -> PyResult<PostedFrame> {
+        let consumer = self.consumer.get();
+        let got = sliced(
+            py,
+            timeout,
+            || consumer.is_closed() || cancelled.is_some_and(aio::is_cancelled),
+            detached,
+            |slice| {
+                let inner = lock(&self.inner);
+                let Some(p) = inner.as_ref() else {
+                    return Err(Stop::Failed(cuda_ipc::Error::InvalidArgument(format!(
+                        "frame {} was waited for already, or its post() has not returned",
+                        self.seq
+                    ))));
+                };
+                Ok(p.wait(Some(slice))?.map(|f| PostedFrame {
+                    seq: f.seq(),
+                    index: f.index(),
+                    metadata: f.metadata().to_vec(),
+                }))
+            },
+        )?;
+        match got {
+            Some(f) => {
+                // The receive is done: a second wait is an error, not a wait for nothing.
+                let done = lock(&self.inner).take();
+                py.detach(|| drop(done));
+                Ok(f)
+            }
+            None => Err(timeout_error(py, "a posted frame", timeout)),
+        }
+    }
+}
+
+#[pymethods]
+impl Posted {
+    /// Waits on the host up to `timeout` seconds (`None`: forever) until the frame is published,
+    /// and takes it (`Posted::wait`); frames posted before it and not waited for are taken on the
+    /// way. Nothing is held afterwards (its release was enqueued when it was posted). Raises
+    /// `Timeout` (it can be waited for again), `ProducerGone`, `ChannelClosed` (the frame never
+    /// came), `Detached` once the consumer was closed, `InvalidArgument` when `recv` took the
+    /// frame first or it was waited for already.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<PostedFrame> {
+        let timeout = timeout_arg(py, timeout)?;
+        self.wait_until(py, timeout, None)
+    }
+
+    /// `wait` as an awaitable: it waits in the event loop's default executor (a thread, without
+    /// the GIL), so the loop runs other tasks meanwhile; cancelling the awaiting task stops that
+    /// thread within 50 ms and leaves the frame to a later wait.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_async<'py>(
+        slf: Bound<'py, Self>,
+        timeout: Option<Seconds>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let timeout = timeout_arg(py, timeout)?;
+        let this = slf.unbind();
+        aio::awaitable(py, move |py, cancelled| {
+            let f = this.get().wait_until(py, timeout, Some(cancelled))?;
+            Ok(Py::new(py, f)?.into_any())
+        })
+    }
+
+    /// The sequence number of the frame waited for.
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Index of the buffer that will hold it (`(seq - 1) % buffers`).
+    #[getter]
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Device address of that buffer (a `CUdeviceptr`), valid in the consumer's context.
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length of that buffer in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// The consumer's stream (a raw `CUstream`): work that reads the frame goes there (it waits
+    /// for the frame), e.g. `torch.cuda.ExternalStream(posted.stream)`.
+    #[getter]
+    fn stream(&self) -> usize {
+        self.stream
+    }
+
+    /// Device address of the channel's gate words: work on the stream reads them to tell
+    /// whether this frame came (`Consumer::gate_device_ptr`).
+    #[getter]
+    fn gate_ptr(&self) -> u64 {
+        self.gate_ptr
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Posted(seq={}, index={})", self.seq, self.index)
+    }
+}
+
+/// A posted frame taken on the host (`Posted.wait`): its number, buffer and metadata.
+#[pyclass(module = "cuda_ipc", frozen)]
+pub(crate) struct PostedFrame {
+    seq: u64,
+    index: usize,
+    metadata: Vec<u8>,
+}
+
+#[pymethods]
+impl PostedFrame {
+    /// Its sequence number.
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Index of its buffer in the pool.
+    #[getter]
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The producer's metadata for it (bytes).
+    #[getter]
+    fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.metadata)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PostedFrame(seq={}, index={})", self.seq, self.index)
+    }
+}
