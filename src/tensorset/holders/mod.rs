@@ -503,6 +503,38 @@ impl HoldersSegment {
             .collect()
     }
 
+    /// Frees the slots of servers that are dead (their identity judged with their uid; unknown
+    /// liveness is kept), each from the exact SERVING word judged to FREE with the next sequence,
+    /// as a claimer would take it over; returns those freed. A slot claimed or let go meanwhile
+    /// changed its word and is left alone. For `gc`: claimers reuse such slots anyway.
+    pub(crate) fn free_dead(&self) -> Vec<HolderSnapshot> {
+        let mut freed = Vec::new();
+        for s in self.snapshot() {
+            if s.liveness != Liveness::Dead {
+                continue;
+            }
+            let (head, _) = self.slot(s.slot);
+            // SYNC POINT free: Acquire, pairs with the Release CAS to SERVING in `claim`.
+            let w = head.state.load(Ordering::Acquire);
+            // The word still SERVING by the server judged: same identity under the same word.
+            let same = w & 3 == SERVING
+                && self
+                    .read_slot(s.slot)
+                    .is_some_and(|x| x.identity == s.identity && x.uid == s.uid)
+                && head.state.load(Ordering::Acquire) == w;
+            // SYNC POINT free: Release, pairs with the Acquire CAS of the next claimer.
+            if same
+                && head
+                    .state
+                    .compare_exchange(w, next(w, FREE), Ordering::Release, Ordering::Relaxed)
+                    .is_ok()
+            {
+                freed.push(s);
+            }
+        }
+        freed
+    }
+
     /// Whether some live (or unknown) process other than the recorded writer serves the set.
     pub(crate) fn held_by_live(&self) -> bool {
         self.live_holders() > 0
