@@ -417,7 +417,6 @@ impl HoldersSegment {
     }
 
     /// Entries per slot: B × A.
-    #[cfg(test)]
     pub(crate) fn entries(&self) -> usize {
         self.entries
     }
@@ -637,6 +636,19 @@ impl HoldersSegment {
     /// slot serves a live process; [`Error::Os`] when this process's identity cannot be read;
     /// [`ShmError::Shrunk`] when the segment was cut short under this mapping.
     pub(crate) fn claim(&self, role: HolderRole, ids: &[u32]) -> Result<SlotClaim> {
+        let me = ProcessIdentity::current()?;
+        self.claim_as(role, ids, me, rustix::process::geteuid().as_raw())
+    }
+
+    /// [`Self::claim`] recording `me` with `uid` as the slot's server (tests: a slot of another
+    /// process).
+    pub(crate) fn claim_as(
+        &self,
+        role: HolderRole,
+        ids: &[u32],
+        me: ProcessIdentity,
+        uid: u32,
+    ) -> Result<SlotClaim> {
         self.seg.check_intact()?;
         if ids.len() != self.entries {
             return Err(Error::InvalidArgument(format!(
@@ -645,8 +657,6 @@ impl HoldersSegment {
                 self.entries
             )));
         }
-        let me = ProcessIdentity::current()?;
-        let uid = rustix::process::geteuid().as_raw();
         for i in 0..self.slots {
             let (head, slot_ids) = self.slot(i);
             // Relaxed: only a candidate; the CAS below decides, from this exact word.
@@ -859,3 +869,8 @@ pub(crate) fn inspect_holders(name: &str) -> Result<Option<HoldersView>> {
 
 #[cfg(all(test, not(loom)))]
 mod tests;
+
+#[cfg(all(test, not(loom)))]
+mod hostile;
+
+pub(crate) mod testing;
