@@ -1,14 +1,14 @@
 //! Hostile or broken files under a holders segment's name (`cuda-ipc.th.NAME`), without a GPU: a
 //! FIFO, a symbolic link, a directory, a sparse file, a segment cut short after a holder mapped
 //! it, corrupted header words and slots, a full `/dev/shm` at creation. Every opener (a
-//! [`Holder`], a writerless reader's open, the writer's creation, `gc`'s judgement) answers with a
-//! typed error within a bound, never raises SIGBUS, and never removes what it did not make.
+//! [`Holder`], a writerless reader's open, the writer's creation, `gc`'s freeing of dead slots)
+//! answers with a typed error within a bound, never raises SIGBUS, and never removes what it did
+//! not make (`gc`'s removal: `tests/tensorset_holders_hostile.rs`).
 
 use super::*;
 use crate::ipc::fdpass::FdExport;
 use crate::tensorset::DType;
 use crate::tensorset::manifest::{KIND_VMM, Layout, Manifest, TensorSpec};
-use crate::tensorset::reclaim;
 use crate::token::{Token, TokenKind};
 use std::ffi::CString;
 use std::io::Write;
@@ -92,8 +92,7 @@ fn every_opener(set: &str, m: &Manifest) -> Vec<(&'static str, Result<()>)> {
             "create",
             HoldersSegment::create(set, m.buffers, 1, [0; 32], 64).map(|_| ()),
         ),
-        ("remove_stale", reclaim::remove_stale(set).map(|_| ())),
-        ("dead_holders", reclaim::dead_holders(set).map(|_| ())),
+        ("free_dead", HoldersSegment::open(set, None).map(|h| drop(h.free_dead()))),
     ];
     assert!(
         t.elapsed() < Duration::from_secs(10),
@@ -168,8 +167,6 @@ fn a_sparse_file_under_the_holders_name_is_refused_and_not_replaced_while_young(
                 r,
                 Err(Error::TensorSet(TensorSetError::CreationInProgress(_)))
             ),
-            // Judged a creation in progress: kept, and no error.
-            "remove_stale" => r.is_ok(),
             _ => matches!(r, Err(Error::Shm(ShmError::Sparse { len: 1048576, .. }))),
         };
         assert!(ok, "{who}: {r:?}");
