@@ -63,7 +63,11 @@ fn gc_frees_killed_holders_slots_and_says_how_many_keeping_a_live_holders() {
         c.kill().unwrap();
         c.wait().unwrap();
     }
-    assert!(killed.iter().all(|k| k.2.liveness_as(uid) == Liveness::Dead));
+    assert!(
+        killed
+            .iter()
+            .all(|k| k.2.liveness_as(uid) == Liveness::Dead)
+    );
     let dead_line = |(slot, role, id): &(usize, HolderRole, ProcessIdentity)| {
         format!(
             "tensorset {set}: holder slot {slot} ({}) of dead {id}",
@@ -86,7 +90,10 @@ fn gc_frees_killed_holders_slots_and_says_how_many_keeping_a_live_holders() {
         assert!(run.contains(&format!("removed {}", dead_line(k))), "{run}");
     }
     assert!(run.contains("freed 2 dead holder slots"), "{run}");
-    assert!(!run.contains("manifest"), "the live set's parts stay: {run}");
+    assert!(
+        !run.contains("manifest"),
+        "the live set's parts stay: {run}"
+    );
     let left = f.0.holders();
     assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!(

@@ -26,9 +26,7 @@ fn slot_leftover(t: &str, h: &HolderSnapshot) -> Leftover {
 /// Lists the dead servers' slots of set `t` (a holders segment that cannot be read is a problem).
 pub(super) fn scan(t: &str, s: &mut Scan) {
     match tensorset::reclaim::dead_holders(t) {
-        Ok(dead) => s
-            .leftovers
-            .extend(dead.iter().map(|h| slot_leftover(t, h))),
+        Ok(dead) => s.leftovers.extend(dead.iter().map(|h| slot_leftover(t, h))),
         Err(e) => s.problems.push(problem(format!("tensorset {t}"), e)),
     }
 }

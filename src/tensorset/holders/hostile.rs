@@ -92,7 +92,10 @@ fn every_opener(set: &str, m: &Manifest) -> Vec<(&'static str, Result<()>)> {
             "create",
             HoldersSegment::create(set, m.buffers, 1, [0; 32], 64).map(|_| ()),
         ),
-        ("free_dead", HoldersSegment::open(set, None).map(|h| drop(h.free_dead()))),
+        (
+            "free_dead",
+            HoldersSegment::open(set, None).map(|h| drop(h.free_dead())),
+        ),
     ];
     assert!(
         t.elapsed() < Duration::from_secs(10),
@@ -303,11 +306,11 @@ fn creating_a_holders_segment_in_a_full_dev_shm_is_no_space_and_leaves_nothing()
         // In a mount namespace with a 64 KiB /dev/shm: the largest holders segment (1024
         // entries a slot, about 270 KB) cannot be made.
         let e = HoldersSegment::create(&set, 1, MAX_HOLDER_ENTRIES, [0; 32], 64).unwrap_err();
+        assert!(matches!(e, Error::Shm(ShmError::NoSpace { .. })), "{e:?}");
         assert!(
-            matches!(e, Error::Shm(ShmError::NoSpace { .. })),
-            "{e:?}"
+            std::fs::symlink_metadata(path(&set)).is_err(),
+            "left behind"
         );
-        assert!(std::fs::symlink_metadata(path(&set)).is_err(), "left behind");
         // A small one still fits, and opens.
         let h = HoldersSegment::create(&set, 1, 1, [0; 32], 64).unwrap();
         assert!(HoldersSegment::open(&set, None).is_ok());
@@ -343,5 +346,37 @@ fn creating_a_holders_segment_in_a_full_dev_shm_is_no_space_and_leaves_nothing()
         "child: {:?}\n{text}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn another_users_holders_segment_is_refused_by_every_opener_and_kept() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    let set = unique("other-user");
+    let _g = Planted(set.clone());
+    let h = HoldersSegment::create(&set, 1, 1, [0; 32], 64).unwrap();
+    let m = dead_writers_manifest(&set, 1, h.generation());
+    // As if that user's writer made it (and died: nobody serves).
+    let other = 54321;
+    rustix::fs::fchown(
+        h.segment().fd(),
+        Some(rustix::process::Uid::from_raw(other)),
+        None,
+    )
+    .unwrap();
+    for (who, r) in every_opener(&set, &m) {
+        assert!(
+            matches!(&r, Err(Error::Shm(ShmError::WrongOwner { owner, .. })) if *owner == other),
+            "{who}: {r:?}"
+        );
+    }
+    assert!(h.servers().is_empty(), "nobody claimed a slot");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(path(&set)).unwrap()),
+        other,
+        "still there, still theirs"
     );
 }

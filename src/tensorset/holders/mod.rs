@@ -77,8 +77,8 @@
 
 mod holder;
 mod recorder;
-mod role;
 pub(crate) mod resume;
+mod role;
 mod writerless;
 
 pub(crate) use holder::{FdSource, Serving, fetch_all};

@@ -79,4 +79,3 @@ pub struct HolderSnapshot {
     /// Unix milliseconds since it serves.
     pub since_ms: u64,
 }
-
