@@ -156,11 +156,13 @@ fn a_symbolic_link_under_the_holders_name_is_never_followed_or_removed() {
 }
 
 #[test]
-fn a_sparse_file_under_the_holders_name_is_refused_and_not_replaced_while_young() {
+fn a_sparse_file_under_the_holders_name_is_refused_and_replaced_only_once_old() {
     let set = unique("sparse");
     let _g = Planted(set.clone());
+    // The size a holders segment of one allocation has, every page a hole (`truncate -s`).
+    let len = (HEADER_PAGE + HOLDER_SLOTS * slot_len(1)).next_multiple_of(HEADER_PAGE) as u64;
     let f = std::fs::File::create(path(&set)).unwrap();
-    f.set_len(1 << 20).unwrap(); // what `truncate -s 1M` makes: no page backed
+    f.set_len(len).unwrap();
     drop(f);
     let m = dead_writers_manifest(&set, 1, 7);
     for (who, r) in every_opener(&set, &m) {
@@ -170,11 +172,17 @@ fn a_sparse_file_under_the_holders_name_is_refused_and_not_replaced_while_young(
                 r,
                 Err(Error::TensorSet(TensorSetError::CreationInProgress(_)))
             ),
-            _ => matches!(r, Err(Error::Shm(ShmError::Sparse { len: 1048576, .. }))),
+            _ => matches!(r, Err(Error::Shm(ShmError::Sparse { len: l, .. })) if l == len),
         };
         assert!(ok, "{who}: {r:?}");
     }
-    assert_eq!(std::fs::metadata(path(&set)).unwrap().len(), 1 << 20);
+    assert_eq!(std::fs::metadata(path(&set)).unwrap().len(), len);
+    // Older than 2 s and ours: a creation abandoned half-way, replaced by a writer's creation.
+    std::thread::sleep(Duration::from_millis(2100));
+    let h = HoldersSegment::create(&set, 1, 1, [0; 32], 64).unwrap();
+    let c = h.claim(HolderRole::Holder, &[1]).unwrap();
+    assert_eq!(HoldersSegment::open(&set, None).unwrap().servers().len(), 1);
+    h.release(c);
 }
 
 fn memfd(content: &str) -> OwnedFd {
