@@ -707,7 +707,7 @@ class TensorHold:
     def __enter__(self) -> "TensorHold": ...
     def __exit__(self, *args: Any) -> None: ...
 
-HolderStatus = Literal["serving", "closed", "replaced"]
+HolderStatus = Literal["serving", "closed", "replaced", "damaged"]
 
 @final
 class TensorSetHolder:
@@ -727,8 +727,9 @@ class TensorSetHolder:
     def source_pid(self) -> int: ...
     @property
     def status(self) -> HolderStatus:
-        """``"serving"``, ``"closed"`` (by its writer, or this holder's ``close()``) or
-        ``"replaced"`` (another set under the name)."""
+        """``"serving"``, ``"closed"`` (by its writer, or this holder's ``close()``),
+        ``"replaced"`` (another set under the name) or ``"damaged"`` (its holders segment was cut
+        short under it)."""
     def wait(self, timeout: Optional[float] = None) -> HolderStatus:
         """Waits (at most ``timeout`` seconds; ``None``: no bound) until ``status`` is not
         ``"serving"``; returns the status last seen."""

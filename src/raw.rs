@@ -4,7 +4,8 @@
 //! `raw::quota_test_hooks`), the liveness helpers of tests that kill their own children
 //! (`raw::identity`), the GPU kernels the examples and tests check frames with
 //! (`raw::kernels`), and the channel's byte layout and its protocol driven without a GPU
-//! (`raw::channel::layout`, `raw::channel::testing`).
+//! (`raw::channel::layout`, `raw::channel::testing`), and a tensor set's holders segment made
+//! without a GPU (`raw::tensorset::testing`).
 //!
 //! They are what the crate itself is built on, and they follow the layouts documented in
 //! docs/registry-layout.md and docs/channel-layout.md, but they are not part of the API the crate
@@ -70,5 +71,14 @@ pub mod channel {
     /// and never opened).
     pub mod testing {
         pub use crate::channel::testing::*;
+    }
+}
+
+/// A VMM tensor set's holders segment and manifest without a GPU, and slots claimed in it for any
+/// process, for tests of tools, of other users' access and of hostile segments.
+pub mod tensorset {
+    /// The holders segment made and claimed from the CPU alone.
+    pub mod testing {
+        pub use crate::tensorset::holders::testing::*;
     }
 }

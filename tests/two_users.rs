@@ -13,8 +13,10 @@ use cuda_ipc::channel::{inspect, reclaim};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
 use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::ShmError;
+use cuda_ipc::raw::tensorset::testing::HeldSetFixture;
 use cuda_ipc::tensorset::{
-    self, DType, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter, TensorSpec,
+    self, DType, HolderRole, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter,
+    TensorSpec,
 };
 use cuda_ipc::token::TOKEN_LEN;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -223,6 +225,26 @@ fn run_role(role: &str) {
                 .map(|_| ())
                 .unwrap_err();
             tell(format!("inspect {i:?}"));
+        }
+        "th-claimer" => {
+            // Another user's try at a slot of root's holders segment, directly and as a holder.
+            let o = HeldSetFixture::open(&channel).map(|_| ()).unwrap_err();
+            tell(format!("open {o:?}"));
+            let h = tensorset::Holder::open(&channel).map(|_| ()).unwrap_err();
+            tell(format!("holder {h:?}"));
+        }
+        "th-planter" => {
+            // Another user's holders segment under the name of root's set, with a slot of its
+            // own; left behind when the process ends (as a crash would leave it).
+            let f = HeldSetFixture::create_holders(&channel, 1).unwrap();
+            f.claim(HolderRole::Holder).unwrap();
+            tell("planted");
+            for line in parent_lines() {
+                if line == "quit" {
+                    break;
+                }
+            }
+            std::mem::forget(f);
         }
         _ => panic!("unknown role {role}"),
     }
@@ -574,4 +596,96 @@ fn root_never_reads_replaces_or_removes_another_users_tensor_set() {
             "their close removed {prefix}"
         );
     }
+}
+
+#[test]
+fn another_user_can_neither_claim_a_slot_of_roots_holders_segment_nor_plant_one_root_trusts() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let test =
+        "another_user_can_neither_claim_a_slot_of_roots_holders_segment_nor_plant_one_root_trusts";
+    let set = format!("two-users-held-{}", std::process::id());
+    let holders = format!("/dev/shm/{}{set}", tensorset::HOLDERS_PREFIX);
+    let manifest = format!("/dev/shm/{}{set}", tensorset::MANIFEST_PREFIX);
+    let f = HeldSetFixture::create(&set, 1).unwrap();
+    let mine = f.claim(HolderRole::Holder).unwrap();
+    let bin = BinaryForOthers::new(&set);
+    let wrong_owner = |e: &str, owner: u32, ours: u32| {
+        e.contains("WrongOwner")
+            && e.contains(&format!("owner: {owner}"))
+            && e.contains(&format!("ours: {ours}"))
+    };
+    // Their claim: refused by the owner check, directly and as a holder (the manifest first).
+    let mut c = spawn_as(&bin, uid, gid, test, "th-claimer", &set);
+    for verb in ["open", "holder"] {
+        let e = c.expect(verb, ANSWER);
+        assert!(wrong_owner(&e, 0, uid), "{verb}: {e}");
+    }
+    c.finish(ANSWER);
+    let slots = f.holders();
+    assert_eq!(slots.len(), 1, "{slots:?}");
+    assert_eq!((slots[0].slot, slots[0].uid), (mine, 0));
+    // Root's holders segment gone (its own, removed here), theirs planted under the name.
+    std::fs::remove_file(&holders).unwrap();
+    let mut p = spawn_as(&bin, uid, gid, test, "th-planter", &set);
+    p.expect("planted", ANSWER);
+    assert_eq!(std::fs::metadata(&holders).unwrap().uid(), uid);
+    let theirs =
+        |e: &Error| matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if *owner == uid);
+    // A root holder, a root writer making the set's holders segment, root's tools: refused.
+    let e = tensorset::Holder::open(&set).map(|_| ()).unwrap_err();
+    assert!(theirs(&e), "holder: {e:?}");
+    let e = HeldSetFixture::create_holders(&set, 1)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(theirs(&e), "writer's create: {e:?}");
+    let e = HeldSetFixture::open(&set).map(|_| ()).unwrap_err();
+    assert!(theirs(&e), "open: {e:?}");
+    // Their process ends, its segment left: root's gc neither frees its slot nor removes it.
+    p.send("quit");
+    p.finish(ANSWER);
+    for e in [
+        tensorset::reclaim::remove_stale(&set)
+            .map(|_| ())
+            .unwrap_err(),
+        tensorset::reclaim::release_dead_holders(&set)
+            .map(|_| ())
+            .unwrap_err(),
+        HeldSetFixture::create_holders(&set, 1)
+            .map(|_| ())
+            .unwrap_err(),
+    ] {
+        assert!(theirs(&e), "{e:?}");
+    }
+    let scope =
+        cuda_ipc::cleanup::Scope::only(Vec::new(), Vec::new()).with_tensor_sets(vec![set.clone()]);
+    let scan = cuda_ipc::cleanup::scan(&scope).unwrap();
+    assert!(scan.leftovers.is_empty(), "{:?}", scan.leftovers);
+    assert!(
+        scan.problems.iter().any(|p| theirs(&p.error)),
+        "{:?}",
+        scan.problems
+    );
+    assert!(
+        cuda_ipc::cleanup::remove(&scan.leftovers)
+            .removed
+            .is_empty()
+    );
+    assert_eq!(
+        std::fs::metadata(&holders).unwrap().uid(),
+        uid,
+        "still theirs"
+    );
+    assert_eq!(
+        std::fs::metadata(&manifest).unwrap().uid(),
+        0,
+        "root's manifest stays"
+    );
+    // The test's own debris, by hand.
+    f.unlink();
+    let _ = std::fs::remove_file(&holders);
 }

@@ -7,7 +7,8 @@
 //! registries' dead records, participants, locks and corrupt slots (the registry's own recovery)
 //! and creations abandoned half-way; channels of dead producers with their host pools, dead
 //! consumers' slots on a live producer's channel, abandoned creations; tensor sets of dead
-//! writers (manifest, generation channel, host data), dead readers' slots, abandoned creations;
+//! writers (manifest, generation channel, host data), dead readers' slots, dead holders' slots
+//! in a set's holders segment (counted in a line of their own), abandoned creations;
 //! and without a NAME the
 //! reservations of dead holders in the quota ledgers (never a ledger itself; other users' ledgers
 //! are skipped with a note), and the liveness files, fd server sockets and bridge status files
@@ -71,6 +72,19 @@ fn report(p: &Problem, doing: &str, doc: Option<&mut Doc>) -> bool {
     true
 }
 
+/// Prints how many dead holders' slots in tensor sets' holders segments `verb` (`freed`, `would
+/// free`), when there are any.
+fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
+    let n = leftovers
+        .iter()
+        .filter(|l| l.kind == cleanup::LeftoverKind::TensorSetHolder)
+        .count();
+    if n > 0 {
+        let s = if n == 1 { "" } else { "s" };
+        out!("{verb} {n} dead holder slot{s}");
+    }
+}
+
 /// `cuda-ipc gc [NAME] [--dry-run] [--json]`. JSON (docs/cli.md): `dry_run`, `leftovers` (what
 /// the scan found: what a dry run would remove), `removed` (empty on a dry run), `kept` (each
 /// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`, `problems` (each `subject`, `doing`, `error`); exit
@@ -107,6 +121,9 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
                 out!("would remove {l}");
             }
         }
+        if doc.is_none() {
+            holder_slots("would free", &scan.leftovers);
+        }
         scan.leftovers.len()
     } else {
         let r = cleanup::remove(&scan.leftovers);
@@ -135,6 +152,9 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
         }
         for p in &r.problems {
             failed |= report(p, "cannot remove", doc.as_mut());
+        }
+        if doc.is_none() {
+            holder_slots("freed", &r.removed);
         }
         r.removed.len()
     };

@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 /// How often `wait` looks at the status (and for signals): as `Holder::wait`.
 const POLL: Duration = Duration::from_millis(100);
 
-/// `status` in one word: `"serving"`, `"closed"` or `"replaced"`.
+/// `status` in one word: `"serving"`, `"closed"`, `"damaged"` (its holders segment was cut
+/// short) or `"replaced"`.
 fn status_word(s: HolderStatus) -> &'static str {
     match s {
         HolderStatus::Serving => "serving",
         HolderStatus::Closed => "closed",
+        HolderStatus::Damaged => "damaged",
         _ => "replaced",
     }
 }
@@ -82,9 +84,9 @@ impl TensorSetHolder {
     }
 
     /// Whether the set's names still stand for what this holder serves: `"serving"` (its writer
-    /// may be dead: the holder keeps it attachable), `"closed"` (its writer closed it) or
-    /// `"replaced"` (another set was made under its name). Two `stat` calls; `"closed"` after
-    /// `close()`.
+    /// may be dead: the holder keeps it attachable), `"closed"` (its writer closed it),
+    /// `"replaced"` (another set was made under its name) or `"damaged"` (its holders segment was
+    /// cut short under it). Two `stat` calls and an `fstat`; `"closed"` after `close()`.
     #[getter]
     fn status(&self) -> &'static str {
         match lock(&self.inner).clone() {

@@ -8,7 +8,8 @@
 //! where the state lives: the registry's recovery ([`Registry::reclaim_dead_listed`]) and its
 //! abandoned creations ([`registry::remove_abandoned`]); the channel's dead producers, dead
 //! consumers, abandoned creations and host pools ([`channel::reclaim`]); the tensor sets' dead
-//! writers' parts, abandoned creations and dead readers ([`tensorset::reclaim`]); the quota
+//! writers' parts, abandoned creations, dead readers and dead holders' slots
+//! ([`tensorset::reclaim`]); the quota
 //! ledgers' dead
 //! holders ([`QuotaLedger::dead_holders`]); the liveness files ([`identity`]) and fd server
 //! sockets ([`fdpass`]) of killed processes; the status files of killed lane bridges. This module
@@ -40,6 +41,8 @@ use crate::registry::{self, Reclaimed, Registry, RegistryOptions, inspect as reg
 use crate::shm::SHM_DIR;
 use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 use std::fmt;
+
+mod holders;
 
 /// A kind of object processes share through `/dev/shm`, each with its rooms: its module, its
 /// inspection snapshot, its cleanup rule here, its rows in `cuda-ipc ls`, `watch` and `metrics`,
@@ -95,6 +98,7 @@ impl ObjectKind {
                 LeftoverKind::TensorSet,
                 LeftoverKind::TensorSetReader,
                 LeftoverKind::TensorSetCreation,
+                LeftoverKind::TensorSetHolder,
             ],
         }
     }
@@ -129,6 +133,9 @@ pub enum LeftoverKind {
     TensorSetReader,
     /// A part of a tensor set whose creation was abandoned half-way.
     TensorSetCreation,
+    /// A dead process's slot in the holders segment of a tensor set that stays (its writer runs,
+    /// or a live holder keeps it): a holder, a serving or writerless reader, or a dead writer.
+    TensorSetHolder,
     /// A killed process's liveness file (`/dev/shm/cuda-ipc.live.*`).
     LivenessFile,
     /// A killed exporter's fd server socket file (`/dev/shm/cuda-ipc.fd.*`).
@@ -191,6 +198,9 @@ enum Target {
     HostPool,
     TensorSetPart(Part),
     TensorSetReader,
+    TensorSetHolder {
+        slot: usize,
+    },
     Liveness(LivenessFile),
     Socket(StaleSocketFile),
     QuotaHolder {
@@ -597,6 +607,9 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
             Target::TensorSetPart(p.part),
         ));
     }
+    if !parts.iter().any(|p| p.part == Part::Holders) {
+        holders::scan(t, s);
+    }
     if writer_dead {
         return;
     }
@@ -769,6 +782,7 @@ pub fn remove(leftovers: &[Leftover]) -> Removal {
     let mut out = Removal::default();
     let mut done_registries: Vec<&str> = Vec::new();
     let mut done_ledgers: Vec<&str> = Vec::new();
+    let mut done_held: Vec<&str> = Vec::new();
     for l in leftovers {
         match &l.target {
             Target::RegistryItem(_) => {
@@ -844,6 +858,12 @@ pub fn remove(leftovers: &[Leftover]) -> Removal {
                 }),
                 &mut out,
             ),
+            Target::TensorSetHolder { .. } => {
+                if !done_held.contains(&l.object.as_str()) {
+                    done_held.push(&l.object);
+                    holders::free(&l.object, leftovers, &mut out);
+                }
+            }
             Target::Socket(f) => one(l, fdpass::remove_stale_socket_file(f), &mut out),
             Target::Liveness(f) => one(l, identity::remove_stale_liveness_file(f), &mut out),
             Target::Bridge => {

@@ -97,6 +97,22 @@ pub enum ShmError {
         /// Bytes backed by pages (`st_blocks` × 512).
         backed: u64,
     },
+    /// A mapped segment no longer holds every byte that was mapped, or some of its pages are no
+    /// longer backed: another process of its user cut it short (`ftruncate`) after this process
+    /// mapped it. Touching a page past the new end raises `SIGBUS`, so the caller leaves it alone.
+    #[error(
+        "shared-memory segment /{name} was cut to {len} bytes ({backed} backed) after this process mapped {mapped}; it is left alone"
+    )]
+    Shrunk {
+        /// The segment name.
+        name: String,
+        /// Its size in bytes now.
+        len: u64,
+        /// Bytes backed by pages now (`st_blocks` × 512).
+        backed: u64,
+        /// The bytes this process mapped.
+        mapped: u64,
+    },
     /// A seqlock stayed odd (a writer inside its critical section) for all the allowed retries.
     #[error("a record stayed mid-write for {retries} read attempts")]
     WriterStalled {

@@ -408,6 +408,30 @@ impl Segment {
         Ok(u64::try_from(st.st_size).unwrap_or(0))
     }
 
+    /// Checks that the object still holds every byte this process mapped, each page backed
+    /// (`fstat`: `st_size` and `st_blocks`): a guard before touching a segment that another process
+    /// of this user could have cut short (`ftruncate`) since it was mapped, where a touch past the
+    /// new end would raise `SIGBUS`. One `fstat` call; a cut that lands between this check and the
+    /// access still faults (only the segment's own user can make it: mode `0600`/`0660`).
+    ///
+    /// # Errors
+    /// [`ShmError::Shrunk`] naming the size and backed bytes now and the bytes mapped;
+    /// [`crate::Error::Os`] when `fstat` fails.
+    pub fn check_intact(&self) -> Result<()> {
+        let info = SegmentInfo::of(&self.name, &self.fd)?;
+        let mapped = self.map.len() as u64;
+        if info.len < mapped || info.backed < mapped.div_ceil(4096) * 4096 {
+            return Err(ShmError::Shrunk {
+                name: self.name.clone(),
+                len: info.len,
+                backed: info.backed,
+                mapped,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     /// The uid that owns the segment (`fstat`'s `st_uid`).
     ///
     /// # Errors

@@ -6,12 +6,13 @@
 //! again right before it is unlinked, only while its name still stands for the file judged. No
 //! part of a set goes while a live process other than its writer serves it from a slot of its
 //! holders segment (a holder, a serving reader): the set stays attachable and its device memory
-//! pinned until the last of them lets go or dies. Dead readers' slots and holds in a live
+//! pinned until the last of them lets go or dies; the slots of its dead servers are freed
+//! ([`release_dead_holders`]). Dead readers' slots and holds in a live
 //! writer's generation channel are freed as the writer's watchdog frees them. Readers that still
 //! map a removed set keep their mappings (VMM memory stays valid for them). Never calls CUDA.
 
 use super::error::TensorSetError;
-use super::holders::HoldersSegment;
+use super::holders::{HolderSnapshot, HoldersSegment};
 use super::segment::{
     self, DATA_PREFIX, DataHeader, GENERATION_PREFIX, HEADER_PAGE, HOLDERS_PREFIX, HoldersHeader,
     MANIFEST_PREFIX, ManifestHeader,
@@ -207,6 +208,45 @@ pub fn remove_stale(name: &str) -> Result<Vec<Part>> {
         }
     }
     Ok(out)
+}
+
+/// The slots of dead servers (holders, serving and writerless readers, a writer) in set `name`'s
+/// holders segment, as read now (changes nothing); none when the set has no holders segment.
+///
+/// # Errors
+/// As the holders segment's open, less a missing one (another user's, a FIFO, a foreign or
+/// damaged segment: a typed error, nothing touched).
+pub fn dead_holders(name: &str) -> Result<Vec<HolderSnapshot>> {
+    Ok(match open_holders(name)? {
+        Some(h) => h
+            .snapshot()
+            .into_iter()
+            .filter(|s| s.liveness == Liveness::Dead)
+            .collect(),
+        None => Vec::new(),
+    })
+}
+
+/// Frees the slots of dead servers in set `name`'s holders segment, each only while it is still
+/// the dead server's (a live server's slot, and one whose liveness cannot be told, is never
+/// touched); returns those freed.
+///
+/// # Errors
+/// As [`dead_holders`].
+pub fn release_dead_holders(name: &str) -> Result<Vec<HolderSnapshot>> {
+    Ok(match open_holders(name)? {
+        Some(h) => h.free_dead(),
+        None => Vec::new(),
+    })
+}
+
+/// The holders segment of set `name` (`None`: it has none).
+fn open_holders(name: &str) -> Result<Option<HoldersSegment>> {
+    match HoldersSegment::open(name, None) {
+        Ok(h) => Ok(Some(h)),
+        Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Frees the slots and holds of dead readers of set `name` (a live writer's), as the writer's

@@ -238,15 +238,20 @@ pub enum HolderStatus {
     Closed,
     /// Another set was made under its name.
     Replaced,
+    /// Its holders segment was cut short under this holder's mapping (another process of this
+    /// user truncated it): no slot of it is touched any more; drop the holder.
+    Damaged,
 }
 
 impl HolderStatus {
-    /// In words: `serving`, `closed by its writer`, `replaced by a new set`.
+    /// In words: `serving`, `closed by its writer`, `replaced by a new set`, `its holders segment
+    /// was cut short`.
     pub fn word(self) -> &'static str {
         match self {
             HolderStatus::Serving => "serving",
             HolderStatus::Closed => "closed by its writer",
             HolderStatus::Replaced => "replaced by a new set",
+            HolderStatus::Damaged => "its holders segment was cut short",
         }
     }
 }
@@ -342,9 +347,13 @@ impl Holder {
     /// Whether the set's names still stand for what this holder serves: [`HolderStatus::Closed`]
     /// once its writer closed it (the manifest or the holders segment removed),
     /// [`HolderStatus::Replaced`] once another set was made under its name (a writer that resumed
-    /// on the memory, over the same holders segment, keeps it [`HolderStatus::Serving`]). Two
-    /// `stat` calls.
+    /// on the memory, over the same holders segment, keeps it [`HolderStatus::Serving`]),
+    /// [`HolderStatus::Damaged`] once its holders segment was cut short under its mapping. Two
+    /// `stat` calls and an `fstat`.
     pub fn status(&self) -> HolderStatus {
+        if self.serving.holders.segment().check_intact().is_err() {
+            return HolderStatus::Damaged;
+        }
         for (k, seg) in [self.serving.holders.segment(), &self.manifest]
             .into_iter()
             .enumerate()

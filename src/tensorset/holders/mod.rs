@@ -78,11 +78,13 @@
 mod holder;
 mod recorder;
 pub(crate) mod resume;
+mod role;
 mod writerless;
 
 pub(crate) use holder::{FdSource, Serving, fetch_all};
 pub use holder::{Holder, HolderStatus};
 pub(crate) use recorder::Recorder;
+pub use role::{HolderRole, HolderSnapshot};
 pub(crate) use writerless::Writerless;
 
 use super::error::{ManifestFault, TensorSetError};
@@ -144,83 +146,6 @@ const _: () = {
     assert!(WORDS_AT + std::mem::size_of::<Words>() <= HEADER_PAGE);
     assert!(std::mem::size_of::<SlotHead>() == SLOT_HEAD);
 };
-
-/// What a slot's server is to the set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(
-    feature = "serde",
-    derive(serde::Serialize),
-    serde(rename_all = "lowercase")
-)]
-#[non_exhaustive]
-pub enum HolderRole {
-    /// The set's writer (its own exports).
-    Writer,
-    /// A reader that opened with [`crate::tensorset::ReaderOptions::serve`].
-    Reader,
-    /// A [`Holder`] (e.g. `cuda-ipc hold`).
-    Holder,
-    /// A reader opened after the writer's death: serves nothing, records the buffer its guards
-    /// hold (a resumed writer does not write it meanwhile).
-    WriterlessReader,
-}
-
-impl HolderRole {
-    fn code(self) -> u32 {
-        match self {
-            HolderRole::Writer => 1,
-            HolderRole::Reader => 2,
-            HolderRole::Holder => 3,
-            HolderRole::WriterlessReader => 4,
-        }
-    }
-    fn from_code(c: u32) -> Option<HolderRole> {
-        match c {
-            1 => Some(HolderRole::Writer),
-            2 => Some(HolderRole::Reader),
-            3 => Some(HolderRole::Holder),
-            4 => Some(HolderRole::WriterlessReader),
-            _ => None,
-        }
-    }
-    /// In words: `writer`, `reader`, `holder`, `writerless-reader`.
-    pub fn word(self) -> &'static str {
-        match self {
-            HolderRole::Writer => "writer",
-            HolderRole::Reader => "reader",
-            HolderRole::Holder => "holder",
-            HolderRole::WriterlessReader => "writerless-reader",
-        }
-    }
-
-    /// Whether a process in this role serves the set's fds (all but a writerless reader).
-    pub fn serves(self) -> bool {
-        self != HolderRole::WriterlessReader
-    }
-}
-
-/// One serving slot of a set's holders segment, as read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct HolderSnapshot {
-    /// Its slot.
-    pub slot: usize,
-    /// What it is to the set.
-    pub role: HolderRole,
-    /// Its process.
-    #[cfg_attr(
-        feature = "serde",
-        serde(serialize_with = "crate::identity::snapshot_json::identity")
-    )]
-    pub identity: ProcessIdentity,
-    /// Its effective uid.
-    pub uid: u32,
-    /// Whether it runs.
-    pub liveness: Liveness,
-    /// Unix milliseconds since it serves.
-    pub since_ms: u64,
-}
 
 /// A serving slot with its export ids (for fetches).
 #[derive(Clone, Debug)]
@@ -492,7 +417,6 @@ impl HoldersSegment {
     }
 
     /// Entries per slot: B × A.
-    #[cfg(test)]
     pub(crate) fn entries(&self) -> usize {
         self.entries
     }
@@ -553,8 +477,13 @@ impl HoldersSegment {
         None
     }
 
-    /// Every serving slot, as read now (dead servers included).
+    /// Every serving slot, as read now (dead servers included); none when the segment was cut
+    /// short under this mapping ([`Segment::check_intact`]: never touched then).
     pub(crate) fn servers(&self) -> Vec<Server> {
+        if let Err(e) = self.seg.check_intact() {
+            tracing::warn!("holders segment not read: {e}");
+            return Vec::new();
+        }
         (0..self.slots).filter_map(|i| self.read_slot(i)).collect()
     }
 
@@ -571,6 +500,38 @@ impl HoldersSegment {
                 since_ms: s.since_ms,
             })
             .collect()
+    }
+
+    /// Frees the slots of servers that are dead (their identity judged with their uid; unknown
+    /// liveness is kept), each from the exact SERVING word judged to FREE with the next sequence,
+    /// as a claimer would take it over; returns those freed. A slot claimed or let go meanwhile
+    /// changed its word and is left alone. For `gc`: claimers reuse such slots anyway.
+    pub(crate) fn free_dead(&self) -> Vec<HolderSnapshot> {
+        let mut freed = Vec::new();
+        for s in self.snapshot() {
+            if s.liveness != Liveness::Dead {
+                continue;
+            }
+            let (head, _) = self.slot(s.slot);
+            // SYNC POINT free: Acquire, pairs with the Release CAS to SERVING in `claim`.
+            let w = head.state.load(Ordering::Acquire);
+            // The word still SERVING by the server judged: same identity under the same word.
+            let same = w & 3 == SERVING
+                && self
+                    .read_slot(s.slot)
+                    .is_some_and(|x| x.identity == s.identity && x.uid == s.uid)
+                && head.state.load(Ordering::Acquire) == w;
+            // SYNC POINT free: Release, pairs with the Acquire CAS of the next claimer.
+            if same
+                && head
+                    .state
+                    .compare_exchange(w, next(w, FREE), Ordering::Release, Ordering::Relaxed)
+                    .is_ok()
+            {
+                freed.push(s);
+            }
+        }
+        freed
     }
 
     /// Whether some live (or unknown) process other than the recorded writer serves the set.
@@ -599,20 +560,24 @@ impl HoldersSegment {
 
     /// What the header records of the set's memory, for a restarted writer
     /// ([`resume::decide`]).
-    pub(crate) fn memory_facts(&self) -> resume::MemoryFacts {
+    ///
+    /// # Errors
+    /// [`ShmError::Shrunk`] when the segment was cut short under this mapping.
+    pub(crate) fn memory_facts(&self) -> Result<resume::MemoryFacts> {
+        self.seg.check_intact()?;
         let w = self.words();
         let mut fingerprint = [0u8; 32];
         for (i, c) in fingerprint.chunks_exact_mut(8).enumerate() {
             // Relaxed: written before the stamp, which the open Acquire-loaded.
             c.copy_from_slice(&w.fingerprint[i].load(Ordering::Relaxed).to_le_bytes());
         }
-        resume::MemoryFacts {
+        Ok(resume::MemoryFacts {
             fingerprint,
             // Relaxed: as above.
             bytes_per_buffer: w.bytes_per_buffer.load(Ordering::Relaxed),
             buffers: self.buffers,
             allocations: self.entries / self.buffers.max(1),
-        }
+        })
     }
 
     /// Claims a slot for a writerless reader (role [`HolderRole::WriterlessReader`], no export
@@ -627,7 +592,11 @@ impl HoldersSegment {
     /// Stores in `claim`'s slot the buffer its guards hold (`None`: none), then looks whether a
     /// live writer has a slot: `true` means the set was resumed, and a hold just stored must be
     /// withdrawn (the writer may not have seen it).
-    pub(crate) fn set_reading(&self, claim: &SlotClaim, buffer: Option<usize>) -> bool {
+    ///
+    /// # Errors
+    /// [`ShmError::Shrunk`] when the segment was cut short under this mapping (nothing stored).
+    pub(crate) fn set_reading(&self, claim: &SlotClaim, buffer: Option<usize>) -> Result<bool> {
+        self.seg.check_intact()?;
         let (head, _) = self.slot(claim.index);
         // SYNC POINT reading: SeqCst, pairs with the SeqCst fence in `reading_held` (a Dekker
         // pair with the writer's slot claim): either the resumed writer sees this hold, or this
@@ -635,12 +604,16 @@ impl HoldersSegment {
         head.reading
             .store(buffer.map_or(0, |b| b as u64 + 1), Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        buffer.is_some() && self.has_live_writer()
+        Ok(buffer.is_some() && self.has_live_writer())
     }
 
     /// Whether a live writerless reader's guard holds `buffer` (the resumed writer, after its
-    /// writing marker and before it writes the buffer).
+    /// writing marker and before it writes the buffer). `false` for a segment cut short under this
+    /// mapping (no slot is readable: [`Self::servers`] finds none).
     pub(crate) fn reading_held(&self, buffer: usize) -> bool {
+        if self.seg.check_intact().is_err() {
+            return false;
+        }
         // SYNC POINT reading: SeqCst fence, pairs with the SeqCst store and fence in
         // `set_reading`.
         fence(Ordering::SeqCst);
@@ -660,8 +633,23 @@ impl HoldersSegment {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a wrong id count; [`TensorSetError::NoHolderSlot`] when every
-    /// slot serves a live process; [`Error::Os`] when this process's identity cannot be read.
+    /// slot serves a live process; [`Error::Os`] when this process's identity cannot be read;
+    /// [`ShmError::Shrunk`] when the segment was cut short under this mapping.
     pub(crate) fn claim(&self, role: HolderRole, ids: &[u32]) -> Result<SlotClaim> {
+        let me = ProcessIdentity::current()?;
+        self.claim_as(role, ids, me, rustix::process::geteuid().as_raw())
+    }
+
+    /// [`Self::claim`] recording `me` with `uid` as the slot's server (tests: a slot of another
+    /// process).
+    pub(crate) fn claim_as(
+        &self,
+        role: HolderRole,
+        ids: &[u32],
+        me: ProcessIdentity,
+        uid: u32,
+    ) -> Result<SlotClaim> {
+        self.seg.check_intact()?;
         if ids.len() != self.entries {
             return Err(Error::InvalidArgument(format!(
                 "{} export ids for a slot of {}",
@@ -669,8 +657,6 @@ impl HoldersSegment {
                 self.entries
             )));
         }
-        let me = ProcessIdentity::current()?;
-        let uid = rustix::process::geteuid().as_raw();
         for i in 0..self.slots {
             let (head, slot_ids) = self.slot(i);
             // Relaxed: only a candidate; the CAS below decides, from this exact word.
@@ -738,6 +724,10 @@ impl HoldersSegment {
 
     /// Lets go of `claim`'s slot (FREE, next sequence); a slot taken over meanwhile is left alone.
     pub(crate) fn release(&self, claim: SlotClaim) {
+        if let Err(e) = self.seg.check_intact() {
+            tracing::warn!("holder slot {} left as it is: {e}", claim.index);
+            return;
+        }
         let (head, _) = self.slot(claim.index);
         // SYNC POINT release: Release, pairs with the Acquire CAS of the next claimer.
         if head
@@ -760,7 +750,13 @@ impl HoldersSegment {
 
     /// Stores "generation `generation` is being written into buffer `buffer`" (the writer, before
     /// anything writes the buffer).
+    /// Nothing is stored in a segment cut short under this mapping (logged: a reader then finds no
+    /// whole generation there).
     pub(crate) fn mark_writing(&self, generation: u64, buffer: usize) {
+        if let Err(e) = self.seg.check_intact() {
+            tracing::warn!("writing marker not stored: {e}");
+            return;
+        }
         // SYNC POINT marker: Release, pairs with the Acquire load in `last_whole`.
         self.words()
             .writing
@@ -769,7 +765,12 @@ impl HoldersSegment {
 
     /// Records generation `generation` in `buffer` with `content` as whole (its GPU work done).
     /// One writer at a time (the writer's recorder lock).
+    /// Nothing is stored in a segment cut short under this mapping (logged).
     pub(crate) fn record_whole(&self, generation: u64, buffer: usize, content: &[u8; 32]) {
+        if let Err(e) = self.seg.check_intact() {
+            tracing::warn!("whole generation {generation} not recorded: {e}");
+            return;
+        }
         let w = self.words();
         // Relaxed: only this process writes the record, under its lock.
         let seq = w.rec_seq.load(Ordering::Relaxed);
@@ -790,6 +791,9 @@ impl HoldersSegment {
 
     /// The last whole generation, or why there is none.
     pub(crate) fn last_whole(&self) -> Whole {
+        if self.seg.check_intact().is_err() {
+            return Whole::None("the holders segment was cut short after it was mapped");
+        }
         let w = self.words();
         for _ in 0..1000 {
             // SYNC POINT record: Acquire, pairs with the Release store of the even sequence in
@@ -865,3 +869,8 @@ pub(crate) fn inspect_holders(name: &str) -> Result<Option<HoldersView>> {
 
 #[cfg(all(test, not(loom)))]
 mod tests;
+
+#[cfg(all(test, not(loom)))]
+mod hostile;
+
+pub(crate) mod testing;

@@ -392,13 +392,13 @@ fn a_writerless_readers_slot_records_its_buffer_and_serves_nothing() {
     assert_eq!(h.live_holders(), 0);
     assert!(!h.reading_held(0) && !h.reading_held(1));
     // No live writer: the hold stands.
-    assert!(!h.set_reading(&r, Some(1)));
+    assert!(!h.set_reading(&r, Some(1)).unwrap());
     assert!(h.reading_held(1));
     assert!(!h.reading_held(0));
-    assert!(!h.set_reading(&r, None));
+    assert!(!h.set_reading(&r, None).unwrap());
     assert!(!h.reading_held(1));
     // A dead reader's hold does not count.
-    h.set_reading(&r, Some(0));
+    h.set_reading(&r, Some(0)).unwrap();
     fake_dead(&h, &r);
     assert!(!h.reading_held(0), "a dead writerless reader holds nothing");
     h.release(r);
@@ -412,7 +412,7 @@ fn a_hold_stored_after_a_writer_resumed_says_so() {
     let w = h.claim(HolderRole::Writer, &[5]).unwrap();
     assert!(h.has_live_writer());
     assert!(
-        h.set_reading(&r, Some(0)),
+        h.set_reading(&r, Some(0)).unwrap(),
         "a live writer has a slot: resumed"
     );
     h.release(w);
@@ -427,7 +427,7 @@ fn the_header_keeps_the_memory_facts_a_restarted_writer_checks() {
     let _c = Cleanup(set.clone());
     let again = HoldersSegment::open(&set, None).unwrap();
     assert_eq!(
-        again.memory_facts(),
+        again.memory_facts().unwrap(),
         resume::MemoryFacts {
             fingerprint: [9; 32],
             bytes_per_buffer: 1 << 20,

@@ -50,6 +50,30 @@ impl Writerless {
         m: &Manifest,
         pid: u32,
     ) -> Result<Writerless> {
+        let (holders, generation, buffer, content) = Self::whole(set, m, pid)?;
+        let stream = Stream::new(ctx)?;
+        let claim = holders.claim_reading()?;
+        Ok(Writerless {
+            stream,
+            generation,
+            buffer,
+            content,
+            claim: Some(claim),
+            holds: Mutex::new(0),
+            holders,
+        })
+    }
+
+    /// What [`Writerless::open`] reads before it makes a stream (no CUDA call): the holders
+    /// segment `m` names and its last whole generation (generation, buffer, content).
+    ///
+    /// # Errors
+    /// As [`Writerless::open`], less the stream's.
+    pub(crate) fn whole(
+        set: &str,
+        m: &Manifest,
+        pid: u32,
+    ) -> Result<(HoldersSegment, u64, usize, [u8; 32])> {
         let gone = |why: &str| -> crate::Error {
             TensorSetError::WriterGone {
                 name: set.to_string(),
@@ -74,19 +98,7 @@ impl Writerless {
                 generation,
                 buffer,
                 content,
-            } => {
-                let stream = Stream::new(ctx)?;
-                let claim = holders.claim_reading()?;
-                Ok(Writerless {
-                    stream,
-                    generation,
-                    buffer,
-                    content,
-                    claim: Some(claim),
-                    holds: Mutex::new(0),
-                    holders,
-                })
-            }
+            } => Ok((holders, generation, buffer, content)),
             Whole::None(why) => Err(gone(&format!("no whole generation is left: {why}"))),
         }
     }
@@ -111,18 +123,20 @@ impl Writerless {
     ///
     /// # Errors
     /// [`TensorSetError::WriterGone`] saying the set was resumed when a live writer has a slot
-    /// (the hold is withdrawn: the resumed writer may write the buffer).
+    /// (the hold is withdrawn: the resumed writer may write the buffer);
+    /// [`crate::ShmError::Shrunk`] when the holders segment was cut short under this mapping (the
+    /// hold cannot be recorded, so none is taken).
     pub(crate) fn hold(&self, set: &str) -> crate::error::Result<()> {
         let mut n = self.holds.lock().unwrap_or_else(PoisonError::into_inner);
         let resumed = match &self.claim {
-            Some(c) if *n == 0 => self.holders.set_reading(c, Some(self.buffer)),
+            Some(c) if *n == 0 => self.holders.set_reading(c, Some(self.buffer))?,
             _ => self.holders.has_live_writer(),
         };
         if resumed {
             if *n == 0
                 && let Some(c) = &self.claim
             {
-                self.holders.set_reading(c, None);
+                let _ = self.holders.set_reading(c, None);
             }
             return Err(TensorSetError::WriterGone {
                 name: set.to_string(),
@@ -146,7 +160,9 @@ impl Writerless {
             if let Err(e) = self.stream.synchronize() {
                 tracing::warn!("draining a writerless reader's stream before its release: {e}");
             }
-            self.holders.set_reading(c, None);
+            if let Err(e) = self.holders.set_reading(c, None) {
+                tracing::warn!("a writerless reader's hold not cleared: {e}");
+            }
         }
     }
 

@@ -133,9 +133,12 @@ impl TensorSetWriter {
         else {
             return Ok(None);
         };
+        let Ok(facts) = holders.memory_facts() else {
+            return Ok(None);
+        };
         let whole = holders.last_whole();
         let found = Found {
-            facts: holders.memory_facts(),
+            facts,
             writer_dead: control.producer_liveness() == Liveness::Dead,
             live_holders: holders.live_holders(),
             whole: matches!(whole, Whole::Generation { .. }),
