@@ -59,6 +59,7 @@ pub mod nixl;
 pub mod recv;
 pub mod report;
 pub mod send;
+pub mod tensorset;
 pub mod wire;
 
 use std::time::Duration;
