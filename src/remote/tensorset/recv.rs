@@ -380,7 +380,8 @@ impl Session<'_> {
         status.object = "tensorset";
         status.frames = self.totals.generations;
         status.write();
-        let r = self.generations(&mut lane, &mut link, &mut status);
+        let near = Place::from_code(near_kind, 0).unwrap_or(Place::Host);
+        let r = self.generations(&mut lane, &mut link, &mut status, near);
         drop(link);
         drop(lane);
         status.remove();
@@ -393,6 +394,7 @@ impl Session<'_> {
         lane: &mut Lane,
         link: &mut Link,
         status: &mut Status,
+        near_place: Place,
     ) -> Result<SessionEnd> {
         let mut next_turn_away = Instant::now();
         loop {
@@ -421,6 +423,14 @@ impl Session<'_> {
                     let r = self.generation(lane, link, near, content, base, all, &tensors);
                     match r {
                         Ok(far) => {
+                            if status.transport.is_none() {
+                                // What UCX printed on this side, once the first WRITEs landed.
+                                status.transport =
+                                    report::from_ucx_log(near_place, self.opts.place);
+                                if let Some(t) = &status.transport {
+                                    t.log("tensor-set recv");
+                                }
+                            }
                             status.frames = self.totals.generations;
                             status.write();
                             link.send(&Msg::Set(SetMsg::Published { near, far }))?;

@@ -324,13 +324,11 @@ impl Sender<'_> {
 
     /// Refusals and errors the receiving bridge sent, and a lost link.
     fn check_link(&mut self) -> Result<()> {
-        while let Some(m) = self.link.next(Duration::ZERO)? {
-            match m {
-                Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
-                m => return Err(wire::unexpected_msg(&m, "nothing (between generations)")),
-            }
+        match self.link.next(Duration::ZERO)? {
+            None => Ok(()),
+            Some(Msg::Refused { reason }) => Err(RemoteError::Refused(reason).into()),
+            Some(m) => Err(wire::unexpected_msg(&m, "nothing (between generations)")),
         }
-        Ok(())
     }
 
     /// Waits for the receiving bridge's next message, polling NIXL meanwhile.
