@@ -103,6 +103,29 @@ pub struct Totals {
 /// bridge is told); [`RemoteError::Link`] when the link is lost; [`Error::Timeout`] for a WRITE
 /// over [`LaneOptions::write_timeout`].
 pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Result<Ended> {
+    serve_with_changes(opts, stop, totals, None)
+}
+
+/// Which tensors changed between two near generations, as the application knows it: called with
+/// (`base`, `near`), the generation the far set mirrors and the one about to be sent (`near` >
+/// `base`; the generations between were skipped), it returns the indices of the tensors that
+/// differ (`None`: unknown, then [`SendOptions::changed_only`] decides: digests, or the whole
+/// generation).
+pub type Changes<'a> = &'a mut dyn FnMut(u64, u64) -> Option<Vec<usize>>;
+
+/// As [`serve`], with `changes`: a writer in the same process that knows which tensors it changed
+/// (a trainer updating some layers) says so, and only those are written, without the digests'
+/// read of the whole set (on a GPU set, a device-to-host copy of every byte). A wrong answer
+/// leaves the far set with stale tensors: the far side trusts it as it trusts the layout.
+///
+/// # Errors
+/// As [`serve`].
+pub fn serve_with_changes(
+    opts: &SendOptions,
+    stop: &AtomicBool,
+    totals: &mut Totals,
+    mut changes: Option<Changes<'_>>,
+) -> Result<Ended> {
     crate::remote::nixl::probe()?;
     let hs = opts.lane.handshake_timeout;
     let mut stream = crate::remote::send::connect(&opts.connect, &opts.lane)?;
@@ -231,6 +254,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         status: &mut status,
         first_write: true,
         note_tag: session_tag()?,
+        changes: changes.as_mut().map(|c| &mut **c),
     };
     let r = s.run();
     lane.forget_remote(&far.remote);
@@ -259,7 +283,7 @@ struct Far {
     mirrored: u64,
 }
 
-struct Sender<'a> {
+struct Sender<'a, 'c> {
     opts: &'a SendOptions,
     stop: &'a AtomicBool,
     reader: &'a TensorSetReader,
@@ -272,9 +296,10 @@ struct Sender<'a> {
     /// The session's first WRITE goes alone, and the transport is judged after it.
     first_write: bool,
     note_tag: u64,
+    changes: Option<&'a mut (dyn FnMut(u64, u64) -> Option<Vec<usize>> + 'c)>,
 }
 
-impl Sender<'_> {
+impl Sender<'_, '_> {
     fn run(&mut self) -> Result<Ended> {
         // The far set mirrors what this bridge last mirrored: changed-only may start from there.
         if self.far.mirrored == 0 || self.far.mirrored != self.totals.mirrored {
@@ -372,7 +397,22 @@ impl Sender<'_> {
         let n = layout.len();
         let mut chosen = vec![true; n];
         let mut all = true;
-        if self.opts.changed_only {
+        let told = match self.changes.as_mut() {
+            Some(f) if base != 0 && self.totals.mirrored == base => f(base, near),
+            _ => None,
+        };
+        if let Some(list) = told {
+            all = false;
+            chosen = vec![false; n];
+            for i in list {
+                let Some(c) = chosen.get_mut(i) else {
+                    return Err(Error::InvalidArgument(format!("changed tensor {i} of {n}")));
+                };
+                *c = true;
+            }
+            // The digests no longer describe the generation the far set will mirror.
+            self.totals.digests.clear();
+        } else if self.opts.changed_only {
             let d = digests(layout, |i, buf| read_tensor(held, i, buf))?;
             if base != 0 && self.totals.digests.len() == n && self.totals.mirrored == base {
                 all = false;
