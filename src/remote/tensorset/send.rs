@@ -85,6 +85,8 @@ pub struct Totals {
     pub transport: Option<report::Transport>,
     /// SHA-256 per tensor of near generation `mirrored` (changed-only mode).
     digests: Vec<[u8; 32]>,
+    /// The content fingerprint of near generation `mirrored`.
+    content: [u8; 32],
 }
 
 /// Runs one session: connects, proves the secret and checks the receiving bridge's
@@ -302,10 +304,14 @@ struct Sender<'a, 'c> {
 impl Sender<'_, '_> {
     fn run(&mut self) -> Result<Ended> {
         // The far set mirrors what this bridge last mirrored: changed-only may start from there.
-        if self.far.mirrored == 0 || self.far.mirrored != self.totals.mirrored {
+        // Otherwise (a new bridge, a far set made again, a near writer that ended meanwhile) the
+        // first generation goes whole.
+        let resume = self.far.mirrored != 0 && self.far.mirrored == self.totals.mirrored;
+        if !resume {
             self.totals.digests.clear();
+            self.totals.mirrored = 0;
         }
-        let mut base = self.far.mirrored;
+        let mut base = self.totals.mirrored;
         let mut last = 0u64;
         loop {
             if self.stop.load(Ordering::Relaxed) {
@@ -322,7 +328,7 @@ impl Sender<'_, '_> {
                 Err(e) => return self.near_ended(e),
             };
             last = held.generation();
-            if base != 0 && base == held.generation() {
+            if base != 0 && base == held.generation() && held.content() == self.totals.content {
                 continue; // the far set has it already
             }
             self.generation(&held, base)?;
@@ -332,6 +338,9 @@ impl Sender<'_, '_> {
 
     /// The near set ended (or failed): the receiving bridge is told, and the session ends.
     fn near_ended(&mut self, e: Error) -> Result<Ended> {
+        // A near writer that comes next numbers its generations anew: nothing to resume from.
+        self.totals.mirrored = 0;
+        self.totals.digests.clear();
         let (closed, ended) = match &e {
             Error::TensorSet(TensorSetError::Closed(_)) => (true, Ended::Closed),
             Error::TensorSet(TensorSetError::WriterGone { .. }) => (false, Ended::WriterGone),
@@ -467,6 +476,7 @@ impl Sender<'_, '_> {
         self.totals.generations += 1;
         self.totals.bytes += bytes;
         self.totals.mirrored = near;
+        self.totals.content = held.content();
         self.status.frames = self.totals.generations;
         self.status.write();
         Ok(())
