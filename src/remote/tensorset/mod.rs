@@ -12,27 +12,27 @@
 //!
 //! One session:
 //! 1. the sending bridge connects and proves the secret; its first message is the near set's
-//!    layout ([`SetMsg::Hello`]: every tensor's name, dtype, shape, strides, allocation and
+//!    layout ([`SetMsg::Hello`](super::wire::SetMsg::Hello): every tensor's name, dtype, shape, strides, allocation and
 //!    offset, the allocations' sizes, the layout fingerprint);
 //! 2. the receiving bridge rebuilds the layout (every field checked, the fingerprint
 //!    recomputed), creates the far set with it, buffered (B ≥ 2), or keeps the one it has when
 //!    the layout is the same (another layout is refused with both fingerprints), registers every
 //!    allocation of every far buffer with NIXL once, and answers with their addresses, its NIXL
-//!    metadata and the near generation its newest far generation mirrors ([`SetMsg::Ready`]);
+//!    metadata and the near generation its newest far generation mirrors ([`SetMsg::Ready`](super::wire::SetMsg::Ready));
 //! 3. per near generation (the newest; older ones the bridge had no time for are skipped), the
 //!    sending bridge holds it (its hold keeps the near writer off the buffer), says which tensors
-//!    it will write ([`SetMsg::Begin`]: all, or with `changed_only` those whose SHA-256 differs
+//!    it will write ([`SetMsg::Begin`](super::wire::SetMsg::Begin): all, or with `changed_only` those whose SHA-256 differs
 //!    from the generation the far set mirrors); the receiving bridge takes a far buffer
 //!    ([`TensorSetWriter::begin`](crate::tensorset::TensorSetWriter::begin): the oldest no far
 //!    reader holds), fills the tensors that will not be written from its newest generation, waits
 //!    (GPU sets) for its stream (the far readers' release words, the fill), and names the buffer
-//!    ([`SetMsg::Buffer`]); the sending bridge WRITEs the byte runs of the tensors, in pieces of
+//!    ([`SetMsg::Buffer`](super::wire::SetMsg::Buffer)); the sending bridge WRITEs the byte runs of the tensors, in pieces of
 //!    at most [`SendOptions::chunk`](send::SendOptions::chunk) bytes, up to
 //!    [`SendOptions::in_flight`](send::SendOptions::in_flight) at once, each with a notification
 //!    naming the generation and the piece ([`SetNote`](super::wire::SetNote)), and once all
-//!    completed says so ([`SetMsg::Done`]); the receiving bridge publishes the far generation
+//!    completed says so ([`SetMsg::Done`](super::wire::SetMsg::Done)); the receiving bridge publishes the far generation
 //!    only when it has that message AND every piece's notification, and says so
-//!    ([`SetMsg::Published`]); only then does the sending bridge let the near generation go.
+//!    ([`SetMsg::Published`](super::wire::SetMsg::Published)); only then does the sending bridge let the near generation go.
 //!
 //! A far reader never sees a mix of two generations: the far set is buffered, a far generation is
 //! published only whole, and an abandoned one is never published (its

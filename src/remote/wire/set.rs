@@ -4,7 +4,8 @@
 //!
 //! Encoded as every message of the lane (little-endian integers, strings and byte strings with a
 //! `u32` length), behind the session's MAC; a body that does not parse, or whose counts exceed
-//! what its bytes can hold, is [`RemoteError::Protocol`], never a panic or a large allocation.
+//! what its bytes can hold, is [`RemoteError::Protocol`](super::RemoteError::Protocol), never a
+//! panic or a large allocation.
 
 use super::{Cursor, Msg, protocol, put_bytes};
 use crate::error::Result;
@@ -51,8 +52,8 @@ impl WireLayout {
     /// dtypes, sizes, tensors inside their allocations).
     ///
     /// # Errors
-    /// [`RemoteError::Protocol`] when the layout is refused or its fingerprint is not the one
-    /// announced.
+    /// [`RemoteError::Protocol`](super::RemoteError::Protocol) when the layout is refused or its
+    /// fingerprint is not the one announced.
     pub fn to_layout(&self) -> Result<Layout> {
         let l = Layout::with_locations(&self.tensors, self.allocations.clone())
             .map_err(|e| protocol(&format!("the near set's layout: {e}")))?;
