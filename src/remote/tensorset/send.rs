@@ -126,7 +126,7 @@ pub fn serve_with_changes(
     opts: &SendOptions,
     stop: &AtomicBool,
     totals: &mut Totals,
-    mut changes: Option<Changes<'_>>,
+    changes: Option<Changes<'_>>,
 ) -> Result<Ended> {
     crate::remote::nixl::probe()?;
     let hs = opts.lane.handshake_timeout;
@@ -256,7 +256,7 @@ pub fn serve_with_changes(
         status: &mut status,
         first_write: true,
         note_tag: session_tag()?,
-        changes: changes.as_mut().map(|c| &mut **c),
+        changes,
     };
     let r = s.run();
     lane.forget_remote(&far.remote);
