@@ -325,7 +325,11 @@ pub const MAX_HANDSHAKES: usize = 256;
 /// Whether a far pool of `buffers` × `buffer_bytes` fits this host: in host memory, at most the
 /// machine's physical memory (device memory is left to the allocation, whose failure is told to
 /// the peer).
-fn fits(place: Place, buffers: usize, buffer_bytes: usize) -> std::result::Result<(), String> {
+pub(super) fn fits(
+    place: Place,
+    buffers: usize,
+    buffer_bytes: usize,
+) -> std::result::Result<(), String> {
     let pool = (buffers as u128) * (buffer_bytes.next_multiple_of(4096) as u128);
     if place == Place::Host {
         // SAFETY: `sysconf` reads a system constant; no pointers.

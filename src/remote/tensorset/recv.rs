@@ -242,6 +242,10 @@ fn accept(
         ))
         .into());
     }
+    let bytes = usize::try_from(layout.bytes_per_buffer()).map_err(|_| {
+        RemoteError::Protocol(format!("{} bytes per buffer", layout.bytes_per_buffer()))
+    })?;
+    crate::remote::recv::fits(opts.place, opts.buffers, bytes).map_err(RemoteError::Refused)?;
     let topts = TensorSetOptions::new()
         .mode(GenerationMode::Buffered(opts.buffers))
         .max_readers(opts.max_readers);

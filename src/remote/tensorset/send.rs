@@ -502,9 +502,18 @@ impl Sender<'_, '_> {
                     self.retire(&mut flight, timeout)?;
                 }
                 let fr = self.far.regions[fb * allocs + a];
+                let Some(addr) = fr.addr.checked_add(off) else {
+                    return Err(RemoteError::Protocol(format!(
+                        "far allocation {a} at {:#x} ends past the address space",
+                        fr.addr
+                    ))
+                    .into());
+                };
                 let target = Target {
-                    addr: fr.addr + off,
-                    len: fr.len - off,
+                    addr,
+                    // `off + len` lies in the allocation, whose far region is at least as long
+                    // (checked at `Ready`).
+                    len: fr.len.saturating_sub(off),
                     place: self.far.place,
                 };
                 let note = SetNote {
