@@ -108,7 +108,7 @@ fn child() {
                     break;
                 }
                 g += 1;
-                let u = w.begin(Some(T)).unwrap();
+                let mut u = w.begin(Some(T)).unwrap();
                 for t in 0..n {
                     let v = version(changed, n, t, g);
                     if v == g {
@@ -118,14 +118,10 @@ fn child() {
                             u.stream().unwrap(),
                         )
                         .unwrap();
-                    } else {
-                        // Unchanged: the previous generation's bytes, copied in (buffered set).
-                        let _ = &u;
                     }
                 }
                 let mut content = [0u8; 32];
                 content[..8].copy_from_slice(&g.to_le_bytes());
-                let mut u = u;
                 if changed && g > 1 {
                     // The tensors not rewritten come from the previous generation's buffer.
                     let keep: Vec<usize> =

@@ -170,7 +170,23 @@ pub fn serve_with_changes(
             // SAFETY: the reader maps every buffer for its life (it outlives the lane: a `serve`
             // local declared before it); NIXL only reads it, in WRITEs of a generation this
             // bridge holds (the near writer stays off the buffer until the hold goes).
-            unsafe { lane.register(key(b, a, allocs), region) }?;
+            unsafe { lane.register(key(b, a, allocs), region) }.map_err(|e| match (place, e) {
+                // The near set's device memory is an import of its writer's: say so, as UCX may
+                // refuse to register some kinds of imported memory.
+                (Place::Device(_), Error::Remote(RemoteError::Nixl { call, reason })) => {
+                    Error::from(RemoteError::Nixl {
+                        call,
+                        reason: format!(
+                            "{reason} (registering allocation {a} of buffer {b} of tensor set {}, \
+                             an import of its writer's device memory; UCX may not register \
+                             imports of this memory kind: try the writer with another one, e.g. \
+                             MemoryKind::Legacy or MemoryKind::Pool)",
+                            opts.set
+                        ),
+                    })
+                }
+                (_, e) => e,
+            })?;
         }
     }
     let hello = SetMsg::Hello {
