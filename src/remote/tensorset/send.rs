@@ -588,7 +588,6 @@ impl Sender<'_, '_> {
     /// [`SendOptions::require_gpu_direct`], refuses a path that is not GPU-direct.
     fn judge_transport(&mut self) -> Result<()> {
         let t = report::from_ucx_log(self.place, self.far.place);
-        let path = t.as_ref().map_or(Path::Unknown, |t| t.path);
         match &t {
             Some(t) => t.log("tensor-set send"),
             None => tracing::info!(
@@ -601,14 +600,12 @@ impl Sender<'_, '_> {
         if self.totals.transport.is_none() {
             self.totals.transport = t.clone();
         }
-        let device = self.place != Place::Host || self.far.place != Place::Host;
-        if self.opts.require_gpu_direct && device && path != Path::GpuDirect {
-            let why = format!(
-                "GPU-direct was required, but UCX reaches the far memory {} ({}): check UCX_TLS \
-                 (cuda_ipc, rc_mlx5, gdr_copy) and UCX_NET_DEVICES",
-                path.word(),
-                t.map_or("no protocol report".into(), |t| t.summary())
-            );
+        if let Some(why) = gpu_direct_refusal(
+            self.opts.require_gpu_direct,
+            self.place,
+            self.far.place,
+            t.as_ref(),
+        ) {
             let _ = self.link.send(&Msg::Refused {
                 reason: why.clone(),
             });
@@ -617,6 +614,28 @@ impl Sender<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// Why a session that asked for GPU-direct must stop, given UCX's report `t` of its first WRITE
+/// from memory `near` to memory `far`: device memory at either end reached otherwise
+/// (host-staged, or a report this parser does not know, or none). `None`: go on (not required,
+/// host memory at both ends, or GPU-direct).
+fn gpu_direct_refusal(
+    require: bool,
+    near: Place,
+    far: Place,
+    t: Option<&report::Transport>,
+) -> Option<String> {
+    let path = t.map_or(Path::Unknown, |t| t.path);
+    let device = near != Place::Host || far != Place::Host;
+    (require && device && path != Path::GpuDirect).then(|| {
+        format!(
+            "GPU-direct was required, but UCX reaches the far memory {} ({}): check UCX_TLS \
+             (cuda_ipc, rc_mlx5, gdr_copy) and UCX_NET_DEVICES",
+            path.word(),
+            t.map_or("no protocol report".into(), |t| t.summary())
+        )
+    })
 }
 
 /// Fills `buf` with tensor `i` of `held`: from the host mapping, or copied from the device.
@@ -631,5 +650,44 @@ fn read_tensor(held: &Held<'_>, i: usize, buf: &mut [u8]) -> Result<()> {
             Ok(())
         }
         Err(_) => held.device_tensor(i)?.copy_to_host(0, buf),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_required_gpu_direct_path_refuses_a_staged_or_unknown_device_path_only() {
+        let put = "| remote memory write by ucp_put* from cuda/GPU0 to cuda |";
+        let staged = format!("{put}\n| 0..inf | pipeline | cuda_copy/cuda, tcp/lo |");
+        let direct = format!("{put}\n| 0..inf | zero-copy | cuda_ipc/cuda |");
+        let d = Place::Device(0);
+        let t = |s: &str, a, b| report::Transport::parse(s, a, b);
+        let why = gpu_direct_refusal(true, d, d, Some(&t(&staged, d, d))).unwrap();
+        assert!(why.contains("host-staged") && why.contains("tcp"), "{why}");
+        assert!(
+            gpu_direct_refusal(true, d, d, None)
+                .unwrap()
+                .contains("unknown")
+        );
+        assert_eq!(
+            gpu_direct_refusal(true, d, d, Some(&t(&direct, d, d))),
+            None
+        );
+        // Not asked for, or host memory at both ends: nothing to refuse.
+        assert_eq!(
+            gpu_direct_refusal(false, d, d, Some(&t(&staged, d, d))),
+            None
+        );
+        let host = t("| 0..inf | zero-copy | tcp/lo |", Place::Host, Place::Host);
+        assert_eq!(
+            gpu_direct_refusal(true, Place::Host, Place::Host, Some(&host)),
+            None
+        );
+        // Host memory near, device far, staged: refused.
+        assert!(
+            gpu_direct_refusal(true, Place::Host, d, Some(&t(&staged, Place::Host, d))).is_some()
+        );
     }
 }
