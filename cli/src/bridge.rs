@@ -20,11 +20,13 @@ pub struct BridgeStatus {
     pub transport: String,
     /// `host`, `gpu-direct`, `host-staged` or `unknown`.
     pub path: String,
-    /// Frames carried so far (updated about once a second).
+    /// Frames carried so far (updated about once a second); generations, for a tensor set.
     pub frames: u64,
+    /// What it carries: `channel` or `tensorset`.
+    pub object: String,
 }
 
-/// The status file of a bridge of `channel`.
+/// The status file of a bridge of `channel` (`ts.SET` for tensor set SET's).
 pub fn status_path(channel: &str) -> PathBuf {
     PathBuf::from(format!("/dev/shm/cuda-ipc.br.{channel}"))
 }
@@ -53,6 +55,7 @@ pub fn parse(text: &str) -> Option<(BridgeStatus, u64)> {
             "transport" => b.transport = v.to_string(),
             "path" => b.path = v.to_string(),
             "frames" => b.frames = v.parse().unwrap_or(0),
+            "object" => b.object = v.to_string(),
             _ => {}
         }
     }
@@ -75,13 +78,18 @@ pub fn describe(b: &BridgeStatus) -> String {
         format!("carried to {}", b.peer)
     };
     let mut s = format!(
-        "  bridged over NIXL: {what}; UCX {} ({}); {} memory; bridge pid {} {}; {} frames\n",
+        "  bridged over NIXL: {what}; UCX {} ({}); {} memory; bridge pid {} {}; {} {}\n",
         b.transport,
         b.path,
         b.memory,
         b.pid,
         if b.alive { "alive" } else { "dead" },
-        b.frames
+        b.frames,
+        if b.object == "tensorset" {
+            "generations"
+        } else {
+            "frames"
+        }
     );
     if b.path == "host-staged" {
         s.push_str(
@@ -101,6 +109,7 @@ mod run {
     use cuda_ipc::channel::Delivery;
     use cuda_ipc::remote::nixl::Place;
     use cuda_ipc::remote::report::UcxLog;
+    use cuda_ipc::remote::tensorset::{recv as ts_recv, send as ts_send};
     use cuda_ipc::remote::wire::Secret;
     use cuda_ipc::remote::{LaneOptions, RemoteError, recv, send};
     use std::error::Error;
@@ -140,11 +149,34 @@ mod run {
     pub enum BridgeCommand {
         /// On the producer's host: attach to CHANNEL as a consumer and WRITE each frame to the
         /// receiving bridge at --connect. Reconnects (and detaches from CHANNEL meanwhile) when the
-        /// link is lost, unless --once.
+        /// link is lost, unless --once. With --tensorset SET instead: read SET and mirror each of
+        /// its new generations into the far set (whole, or with --changed-only the tensors whose
+        /// content changed).
         Send {
             /// The channel on this host whose frames are sent.
+            #[arg(
+                long,
+                required_unless_present = "tensorset",
+                conflicts_with = "tensorset"
+            )]
+            channel: Option<String>,
+            /// The tensor set on this host whose generations are mirrored.
             #[arg(long)]
-            channel: String,
+            tensorset: Option<String>,
+            /// Tensor sets: WRITE only the tensors whose SHA-256 changed since the generation
+            /// the far set mirrors.
+            #[arg(long, requires = "tensorset")]
+            changed_only: bool,
+            /// Tensor sets: `gpu-direct` fails at the first WRITE (before the bulk) when UCX
+            /// reaches the far memory only through host buffers.
+            #[arg(long, default_value = "any", value_parser = ["any", "gpu-direct"])]
+            require: String,
+            /// Tensor sets: the largest WRITE, in MiB.
+            #[arg(long, default_value_t = 64)]
+            chunk_mib: u64,
+            /// Tensor sets: WRITEs in flight at once.
+            #[arg(long, default_value_t = 8)]
+            in_flight: usize,
             /// The receiving bridge's address, HOST:PORT.
             #[arg(long)]
             connect: String,
@@ -165,10 +197,21 @@ mod run {
         /// the far channel's geometry and keep it filled. When the link, the sending bridge or
         /// the far producer dies, this process exits (status 3) so CHANNEL's consumers get
         /// ProducerGone; run it again (e.g. under a supervisor) to resume.
+        ///
+        /// With --tensorset SET instead: create SET with the sending bridge's layout (buffered,
+        /// --buffers, default 2) and publish each generation once every byte of it landed; a
+        /// lost sender leaves SET's last whole generation and the next one is awaited.
         Recv {
             /// The channel this bridge creates on this host.
+            #[arg(
+                long,
+                required_unless_present = "tensorset",
+                conflicts_with = "tensorset"
+            )]
+            channel: Option<String>,
+            /// The tensor set this bridge creates and keeps mirrored on this host.
             #[arg(long)]
-            channel: String,
+            tensorset: Option<String>,
             /// The address to listen on, ADDR:PORT (UCX's data is bound to the same interface).
             #[arg(long)]
             listen: String,
@@ -180,7 +223,8 @@ mod run {
             /// The CUDA device (ordinal) for --memory device.
             #[arg(long, default_value_t = 0)]
             device: u32,
-            /// Buffers in the channel (default: as many as the near channel has).
+            /// Buffers in the channel (default: as many as the near channel has), or in the
+            /// tensor set (default 2).
             #[arg(long)]
             buffers: Option<usize>,
             /// Silence on the control connection after which the link counts as lost, in ms.
@@ -229,11 +273,70 @@ mod run {
         l
     }
 
+    /// `cuda-ipc bridge send --tensorset`: sessions until the near set closes (or, with `once`,
+    /// one session).
+    fn send_set(opts: &ts_send::SendOptions, once: bool) -> Result<Outcome, Box<dyn Error>> {
+        let stop = AtomicBool::new(false);
+        let mut totals = ts_send::Totals::default();
+        loop {
+            let r = ts_send::serve(opts, &stop, &mut totals);
+            eprintln!(
+                "cuda-ipc bridge send: {} generations mirrored ({} bytes written) so far",
+                totals.generations, totals.bytes
+            );
+            match r {
+                Ok(ts_send::Ended::Closed) => return Ok(Outcome::Ok),
+                Ok(e) => {
+                    eprintln!("cuda-ipc bridge send: {e:?}");
+                    if once {
+                        return Ok(Outcome::Problems);
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                Err(e @ cuda_ipc::Error::Remote(RemoteError::Refused(_)))
+                | Err(e @ cuda_ipc::Error::Unsupported { .. }) => return Err(e.into()),
+                Err(e) => {
+                    eprintln!("cuda-ipc bridge send: {e}");
+                    if once {
+                        return Err(e.into());
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+        }
+    }
+
+    /// `cuda-ipc bridge recv --tensorset`: until the near set closes (the far set is closed
+    /// then).
+    fn recv_set(
+        opts: &ts_recv::RecvOptions,
+        listener: &TcpListener,
+    ) -> Result<Outcome, Box<dyn Error>> {
+        let mut totals = ts_recv::Totals::default();
+        let r = ts_recv::serve(opts, listener, &AtomicBool::new(false), &mut totals)?;
+        eprintln!(
+            "cuda-ipc bridge recv: {} generations published from {} senders ({} abandoned)",
+            totals.generations, totals.sessions, totals.abandoned
+        );
+        match r {
+            ts_recv::Ended::Closed(w) => {
+                w.close(Duration::from_secs(5))?;
+                Ok(Outcome::Ok)
+            }
+            _ => Ok(Outcome::Problems),
+        }
+    }
+
     /// `cuda-ipc bridge send|recv`.
     pub fn run(cmd: BridgeCommand) -> Result<Outcome, Box<dyn Error>> {
         match cmd {
             BridgeCommand::Send {
                 channel,
+                tensorset,
+                changed_only,
+                require,
+                chunk_mib,
+                in_flight,
                 connect,
                 secret,
                 delivery,
@@ -243,6 +346,21 @@ mod run {
                 let peer = first_addr(&connect)?;
                 let ip = cuda_ipc::remote::local_address_towards(peer)?;
                 let log = with_environment(ip)?;
+                let channel = match (channel, tensorset) {
+                    (Some(c), _) => c,
+                    (None, Some(set)) => {
+                        let mut opts = ts_send::SendOptions::new(&set, &connect, secret.load()?);
+                        opts.changed_only = changed_only;
+                        opts.require_gpu_direct = require == "gpu-direct";
+                        opts.chunk = chunk_mib.max(1) << 20;
+                        opts.in_flight = in_flight.max(1);
+                        opts.lane = lane(link_timeout_ms);
+                        let r = send_set(&opts, once);
+                        drop(log);
+                        return r;
+                    }
+                    (None, None) => return Err("--channel or --tensorset is needed".into()),
+                };
                 let mut opts = send::SendOptions::new(&channel, &connect, secret.load()?);
                 opts.delivery = if delivery == "latest" {
                     Delivery::LatestOnly
@@ -284,6 +402,7 @@ mod run {
             }
             BridgeCommand::Recv {
                 channel,
+                tensorset,
                 listen,
                 secret,
                 memory,
@@ -293,12 +412,29 @@ mod run {
             } => {
                 let addr = first_addr(&listen)?;
                 let log = with_environment(addr.ip())?;
-                let mut opts = recv::RecvOptions::new(&channel, secret.load()?);
-                opts.place = if memory == "device" {
+                let place = if memory == "device" {
                     Place::Device(device)
                 } else {
                     Place::Host
                 };
+                let channel = match (channel, tensorset) {
+                    (Some(c), _) => c,
+                    (None, Some(set)) => {
+                        let mut opts = ts_recv::RecvOptions::new(&set, secret.load()?);
+                        opts.place = place;
+                        opts.buffers = buffers.unwrap_or(2);
+                        opts.lane = lane(link_timeout_ms);
+                        let listener = TcpListener::bind(addr)
+                            .map_err(|e| format!("listening on {addr}: {e}"))?;
+                        eprintln!("cuda-ipc bridge recv: listening on {addr} for tensor set {set}");
+                        let r = recv_set(&opts, &listener);
+                        drop(log);
+                        return r;
+                    }
+                    (None, None) => return Err("--channel or --tensorset is needed".into()),
+                };
+                let mut opts = recv::RecvOptions::new(&channel, secret.load()?);
+                opts.place = place;
                 opts.buffers = buffers;
                 opts.lane = lane(link_timeout_ms);
                 let listener =

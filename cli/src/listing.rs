@@ -89,11 +89,13 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
 /// `allocations`, `tensors`, `bytes`, `generation`, `readers` (each `slot`, `pid`, `liveness`,
 /// `held`), `holds`, `holders` (each `slot`, `role`, `pid`, `liveness`, `since_ms`: who serves the
 /// set's fds), `live_holders`, `whole_generation` (what a reader opened after the writer's death
-/// reads), `fingerprint` (hex), `leftovers`.
+/// reads), `fingerprint` (hex), `leftovers`, `bridge` (a tensor-set bridge's status, or null).
 #[derive(Debug)]
 pub struct TensorSetView {
     /// The set's state.
     pub snapshot: TensorSetSnapshot,
+    /// The tensor-set bridge of this set (either end), when one wrote its status file.
+    pub bridge: Option<crate::bridge::BridgeStatus>,
 }
 
 impl TensorSetView {
@@ -141,6 +143,7 @@ impl Serialize for TensorSetView {
             "whole_generation": t.whole_generation,
             "fingerprint": t.fingerprint.iter().map(|b| format!("{b:02x}")).collect::<String>(),
             "leftovers": self.has_leftovers(),
+            "bridge": self.bridge,
         })
         .serialize(s)
     }
@@ -273,7 +276,10 @@ pub(crate) fn collect(t: &Targets) -> Listing {
     }
     for t in &t.tensor_sets {
         match tensorset_inspect::inspect(t) {
-            Ok(snapshot) => l.tensor_sets.push(TensorSetView { snapshot }),
+            Ok(snapshot) => l.tensor_sets.push(TensorSetView {
+                bridge: crate::bridge::read(&format!("ts.{t}")),
+                snapshot,
+            }),
             Err(e) => l.errors.push(SegmentError {
                 kind: "tensorset",
                 name: t.clone(),

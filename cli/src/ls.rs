@@ -237,6 +237,9 @@ pub fn render(l: &Listing, rates: bool) -> String {
             t.memory,
             if t.buffered { ", buffered" } else { ", in place" },
         ));
+        if let Some(b) = &v.bridge {
+            out.push_str(&crate::bridge::describe(b));
+        }
         if !t.holders.is_empty() {
             let who: Vec<String> = t
                 .holders

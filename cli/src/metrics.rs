@@ -171,6 +171,8 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
     let ts_holds = gauge_family();
     let ts_bytes = gauge_family();
     let ts_holders = gauge_family();
+    let ts_bridge = gauge_family();
+    let ts_bridge_generations = gauge_family();
     for v in &s.listing.tensor_sets {
         let t = &v.snapshot;
         let l = labels(&[("tensorset", t.name.clone())]);
@@ -182,6 +184,16 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
         ts_holds.get_or_create(&l).set(i64::from(t.holds));
         ts_bytes.get_or_create(&l).set(clamp(t.bytes));
         ts_holders.get_or_create(&l).set(t.live_holders() as i64);
+        if let Some(b) = &v.bridge {
+            let bl = labels(&[
+                ("tensorset", t.name.clone()),
+                ("role", b.role.clone()),
+                ("transport", b.transport.clone()),
+                ("path", b.path.clone()),
+            ]);
+            ts_bridge.get_or_create(&bl).set(i64::from(b.alive));
+            ts_bridge_generations.get_or_create(&l).set(clamp(b.frames));
+        }
     }
     reg.register(
         "tensorset_generation",
@@ -207,6 +219,17 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
         "tensorset_holders",
         "Live processes besides the writer that serve the tensor set's fds (holders, serving readers); each pins its device memory",
         ts_holders,
+    );
+    reg.register(
+        "tensorset_bridge",
+        "1 while a tensor-set bridge of the set runs (0: its status file outlived it); its role, \
+         UCX transport and path (gpu-direct, host-staged, host) as labels",
+        ts_bridge,
+    );
+    reg.register(
+        "tensorset_bridge_generations",
+        "Generations the set's tensor-set bridge has mirrored since it started",
+        ts_bridge_generations,
     );
     reg.register_with_unit(
         "tensorset_memory",

@@ -371,3 +371,111 @@ fn without_nixl_the_bridge_says_what_is_missing_and_how_to_install_it() {
     assert!(err.contains("pip install --no-deps nixl-cu13"), "{err}");
     remove_secret(secret);
 }
+
+#[test]
+fn the_bridge_commands_mirror_a_tensor_set_and_ls_shows_it_bridged() {
+    use cuda_ipc::tensorset::{
+        DType, GenerationMode, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter,
+        TensorSpec,
+    };
+    let near = format!("cli-tsb-near-{}", std::process::id());
+    let far = format!("cli-tsb-far-{}", std::process::id());
+    let secret = secret_file("ts", "ts s3cret\n");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let s = secret.to_str().unwrap();
+    let tmp = private_dir("tstmp");
+    let specs = [
+        TensorSpec::new("w", DType::F32, &[1000, 3]),
+        TensorSpec::new("b", DType::U8, &[77]),
+    ];
+    let mut w = TensorSetWriter::create_host(
+        &near,
+        &specs,
+        &TensorSetOptions::new().mode(GenerationMode::Buffered(2)),
+    )
+    .unwrap();
+    let recv = bridge(
+        &[
+            "recv",
+            "--tensorset",
+            &far,
+            "--listen",
+            &listen,
+            "--secret-file",
+            s,
+        ],
+        &tmp,
+    );
+    let send = bridge(
+        &[
+            "send",
+            "--tensorset",
+            &near,
+            "--connect",
+            &listen,
+            "--secret-file",
+            s,
+            "--changed-only",
+            "--once",
+        ],
+        &tmp,
+    );
+    let start = Instant::now();
+    let r = loop {
+        match TensorSetReader::open_host(&far, &ReaderOptions::new()) {
+            Ok(r) => break r,
+            Err(e) => assert!(start.elapsed() < Duration::from_secs(30), "far set: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut far_gen = 0;
+    for g in 1..=20u8 {
+        let mut u = w.begin(Some(Duration::from_secs(30))).unwrap();
+        u.write_tensor(0, &vec![g; 12_000]).unwrap();
+        u.write_tensor(1, &[g / 2; 77]).unwrap();
+        let mut c = [0u8; 32];
+        c[0] = g;
+        u.commit_with_content(c).unwrap();
+        // Each generation reaches the far set whole (the bridge may skip one that was overtaken).
+        loop {
+            let h = r
+                .wait_newer(far_gen, Some(Duration::from_secs(30)))
+                .unwrap();
+            far_gen = h.generation();
+            let seen = h.content()[0];
+            assert_eq!(h.read_tensor(0).unwrap(), vec![seen; 12_000]);
+            assert_eq!(h.read_tensor(1).unwrap(), vec![seen / 2; 77]);
+            if seen == g {
+                break;
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let json = Command::new(bin())
+        .args(["ls", &far, "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let t = &v["tensor_sets"][0];
+    assert_eq!(t["bridge"]["role"], "recv", "{v}");
+    assert_eq!(t["bridge"]["object"], "tensorset", "{v}");
+    assert_eq!(t["bridge"]["alive"], true, "{v}");
+    let ls = Command::new(bin()).args(["ls", &near]).output().unwrap();
+    let text = String::from_utf8_lossy(&ls.stdout);
+    assert!(
+        text.contains("bridged over NIXL: carried to 127.0.0.1:"),
+        "{text}"
+    );
+    assert!(text.contains("generations"), "{text}");
+    // Closing the near set ends both bridges; the far set is closed.
+    drop(r);
+    w.close(Duration::from_secs(10)).unwrap();
+    let (code, out) = wait(send, Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{out}");
+    let (code, out) = wait(recv, Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(!out.contains("s3cret"), "the secret is never logged");
+    assert!(TensorSetReader::open_host(&far, &ReaderOptions::new()).is_err());
+    remove_secret(secret);
+    let _ = std::fs::remove_dir_all(&tmp);
+}

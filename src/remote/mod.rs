@@ -2,7 +2,9 @@
 //! consumers there attach with the ordinary [`Consumer::attach`].
 //!
 //! Owns: the two bridges ([`send`] on the producer's host, [`recv`] on the consumers'), their
-//! control connection ([`wire`], plain TCP) and the NIXL agent they move frames with ([`nixl`]).
+//! control connection ([`wire`], plain TCP) and the NIXL agent they move frames with ([`nixl`]);
+//! and the tensor-set bridges ([`tensorset`]), which mirror a tensor set's generations to a set
+//! of the same layout on another host over the same control connection and NIXL agent.
 //!
 //! The control connection proves the shared secret both ways without sending it (HMAC-SHA256
 //! challenge-response over fresh nonces from each end, the whole exchange against one deadline)
@@ -59,6 +61,7 @@ pub mod nixl;
 pub mod recv;
 pub mod report;
 pub mod send;
+pub mod tensorset;
 pub mod wire;
 
 use std::time::Duration;

@@ -129,9 +129,14 @@ impl NixlDescriptor for Region {
 #[derive(Debug)]
 pub struct Write {
     pair: (u32, u32),
+    /// A WRITE of a range ([`Lane::post_range`]): its prepared request's key.
+    range: Option<RangeKey>,
     start: Instant,
     done: bool,
 }
+
+/// A prepared WRITE of a range: (local key, local offset, far address, bytes).
+type RangeKey = (u32, u64, u64, u64);
 
 impl Write {
     /// When it was posted.
@@ -171,6 +176,8 @@ pub struct Lane {
     in_flight: Vec<(u32, u32)>,
     /// Pairs in flight when the prepared WRITEs were dropped: dropped when they complete.
     stale: Vec<(u32, u32)>,
+    /// Prepared WRITEs of ranges ([`Lane::post_range`]), and whether each is in flight.
+    ranged: HashMap<RangeKey, (XferRequest, bool)>,
     registered: HashMap<u32, (Region, RegistrationHandle)>,
     notifs: NotificationMap,
     /// The WRITEs' optional arguments (the backend, "with a notification"), made once; each
@@ -235,6 +242,7 @@ impl Lane {
             requests: HashMap::new(),
             in_flight: Vec::new(),
             stale: Vec::new(),
+            ranged: HashMap::new(),
             registered: HashMap::new(),
             notifs,
             args,
@@ -265,12 +273,15 @@ impl Lane {
         {
             return Ok(false);
         }
-        if self.in_flight.iter().any(|(l, _)| *l == key) {
+        if self.in_flight.iter().any(|(l, _)| *l == key)
+            || self.ranged.iter().any(|(k, (_, f))| k.0 == key && *f)
+        {
             return Err(Error::InvalidArgument(format!(
                 "region {key} is read by a WRITE still in flight"
             )));
         }
         self.requests.retain(|(l, _), _| *l != key);
+        self.ranged.retain(|k, _| k.0 != key);
         self.registered.remove(&key);
         let h = self
             .agent
@@ -311,6 +322,9 @@ impl Lane {
         let in_flight = &self.in_flight;
         self.requests.retain(|pair, _| in_flight.contains(pair));
         self.stale.extend(self.requests.keys().copied());
+        // Ranged WRITEs in flight stay until the lane drops (a lane of a tensor-set bridge loads
+        // the far metadata once, before any WRITE).
+        self.ranged.retain(|_, (_, in_flight)| *in_flight);
     }
 
     /// Drops what is known of agent `remote` (`invalidateRemoteMD`); errors are logged, as this
@@ -428,6 +442,78 @@ impl Lane {
         }
         Ok(Write {
             pair: (key, tkey),
+            range: None,
+            start,
+            done: !in_progress,
+        })
+    }
+
+    /// Posts a WRITE (`createXferReq` once per range, then `postXferReq`) of `len` bytes from
+    /// byte `offset` of local region `key` to `target` (a registered far region or a range of
+    /// one: its address is where the first byte lands) of agent `remote`, with notification
+    /// `notif`, and returns without waiting ([`Lane::poll`]). Several may be in flight at once,
+    /// each over its own range; the same range is prepared once and posted again later.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `key` is not registered, the range leaves the local region
+    /// or `target`, or a WRITE of the same range is in flight; [`RemoteError::Nixl`] from
+    /// creating or posting the transfer.
+    pub fn post_range(
+        &mut self,
+        key: u32,
+        offset: u64,
+        len: usize,
+        target: Target,
+        remote: &str,
+        notif: &[u8],
+    ) -> Result<Write> {
+        let Some((region, _)) = self.registered.get(&key) else {
+            return Err(Error::InvalidArgument(format!(
+                "region {key} is not registered"
+            )));
+        };
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|e| e > region.len as u64) || len as u64 > target.len {
+            return Err(Error::InvalidArgument(format!(
+                "a write of bytes {offset}+{len} from a region of {} bytes to one of {} bytes",
+                region.len, target.len
+            )));
+        }
+        let rk: RangeKey = (key, offset, target.addr, len as u64);
+        if self.ranged.get(&rk).is_some_and(|(_, f)| *f) {
+            return Err(Error::InvalidArgument(format!(
+                "a WRITE of bytes {offset}+{len} of region {key} is still in flight"
+            )));
+        }
+        let region = *region;
+        self.args
+            .set_notification_message(notif)
+            .map_err(nixl("nixl_capi_opt_args_set_notif_msg"))?;
+        if !self.ranged.contains_key(&rk) {
+            let mut local = XferDescList::new(region.place.mem_type())
+                .map_err(nixl("nixl_capi_create_xfer_dlist"))?;
+            local.add_desc((region.addr + offset) as usize, len, region.place.dev_id());
+            let mut far = XferDescList::new(target.place.mem_type())
+                .map_err(nixl("nixl_capi_create_xfer_dlist"))?;
+            far.add_desc(target.addr as usize, len, target.place.dev_id());
+            let req = self
+                .agent
+                .create_xfer_req(XferOp::Write, &local, &far, remote, Some(&self.args))
+                .map_err(nixl("nixl_capi_create_xfer_req(WRITE)"))?;
+            self.ranged.insert(rk, (req, false));
+        }
+        let Some((req, flying)) = self.ranged.get_mut(&rk) else {
+            return Err(Error::InvalidArgument("no transfer request".into()));
+        };
+        let start = Instant::now();
+        let in_progress = self
+            .agent
+            .post_xfer_req(req, Some(&self.args))
+            .map_err(nixl("nixl_capi_post_xfer_req"))?;
+        *flying = in_progress;
+        Ok(Write {
+            pair: (key, u32::MAX),
+            range: Some(rk),
             start,
             done: !in_progress,
         })
@@ -445,6 +531,9 @@ impl Lane {
         if w.done {
             return Ok(true);
         }
+        if let Some(rk) = w.range {
+            return self.poll_range(w, rk, timeout);
+        }
         let Some((req, _)) = self.requests.get(&w.pair) else {
             return Err(Error::InvalidArgument("no transfer request".into()));
         };
@@ -460,6 +549,28 @@ impl Lane {
                     self.stale.retain(|p| *p != w.pair);
                     self.requests.remove(&w.pair);
                 }
+                Ok(true)
+            }
+            XferStatus::InProgress if w.start.elapsed() > timeout => Err(Error::Timeout {
+                what: "a NIXL WRITE to complete",
+                after: w.start.elapsed(),
+            }),
+            XferStatus::InProgress => Ok(false),
+        }
+    }
+
+    fn poll_range(&mut self, w: &mut Write, rk: RangeKey, timeout: Duration) -> Result<bool> {
+        let Some((req, flying)) = self.ranged.get_mut(&rk) else {
+            return Err(Error::InvalidArgument("no transfer request".into()));
+        };
+        match self
+            .agent
+            .get_xfer_status(req)
+            .map_err(nixl("nixl_capi_get_xfer_status"))?
+        {
+            XferStatus::Success => {
+                w.done = true;
+                *flying = false;
                 Ok(true)
             }
             XferStatus::InProgress if w.start.elapsed() > timeout => Err(Error::Timeout {

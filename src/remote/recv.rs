@@ -122,7 +122,7 @@ pub fn serve(
         Place::Device(d) => Some(Device::get(d as usize).and_then(|dev| dev.primary_context())?),
     };
     let _current = gpu_ctx.as_ref().map(|c| c.enter()).transpose()?;
-    let door = Door::open(listener, opts)?;
+    let door = Door::open(listener, &opts.secret, opts.lane.handshake_timeout)?;
     // Until a peer that proved the secret names a channel this bridge can make, a failed peer is
     // logged and the next one awaited.
     let (mut stream, peer, mut session, producer, kind, far_buffers, buffer_bytes) = loop {
@@ -136,12 +136,26 @@ pub fn serve(
         let Some(mut a) = door.next(Duration::from_millis(20)) else {
             continue;
         };
+        let (buffers, buffer_bytes, kind) = match &a.first {
+            Msg::Channel {
+                buffers,
+                buffer_bytes,
+                kind,
+                ..
+            } => (*buffers, *buffer_bytes, *kind),
+            m => {
+                let why = unexpected(m, "the near channel").to_string();
+                tracing::warn!("lane: refused {}: {why}", a.peer);
+                let _ = a.session.send(&mut a.stream, &Msg::Refused { reason: why });
+                continue;
+            }
+        };
         let refuse = |a: &mut Arrival, why: &str| {
             tracing::warn!("lane: refused {}: {why}", a.peer);
             let reason = why.to_string();
             let _ = a.session.send(&mut a.stream, &Msg::Refused { reason });
         };
-        let g = match wire::check_geometry(a.buffers, a.buffer_bytes, a.kind) {
+        let g = match wire::check_geometry(buffers, buffer_bytes, kind) {
             Ok(g) => g,
             Err(e) => {
                 refuse(&mut a, &e.to_string());
@@ -311,7 +325,11 @@ pub const MAX_HANDSHAKES: usize = 256;
 /// Whether a far pool of `buffers` × `buffer_bytes` fits this host: in host memory, at most the
 /// machine's physical memory (device memory is left to the allocation, whose failure is told to
 /// the peer).
-fn fits(place: Place, buffers: usize, buffer_bytes: usize) -> std::result::Result<(), String> {
+pub(super) fn fits(
+    place: Place,
+    buffers: usize,
+    buffer_bytes: usize,
+) -> std::result::Result<(), String> {
     let pool = (buffers as u128) * (buffer_bytes.next_multiple_of(4096) as u128);
     if place == Place::Host {
         // SAFETY: `sysconf` reads a system constant; no pointers.
@@ -332,19 +350,18 @@ fn fits(place: Place, buffers: usize, buffer_bytes: usize) -> std::result::Resul
     Ok(())
 }
 
-/// A sending bridge that proved the secret and named its channel's geometry (not yet checked).
-struct Arrival {
-    stream: TcpStream,
-    peer: String,
-    session: Session,
-    buffers: u32,
-    buffer_bytes: u64,
-    kind: u8,
+/// A sending bridge that proved the secret, and its first sealed message (a channel's geometry,
+/// a tensor set's layout: not yet checked).
+pub(super) struct Arrival {
+    pub(super) stream: TcpStream,
+    pub(super) peer: String,
+    pub(super) session: Session,
+    pub(super) first: Msg,
 }
 
 /// The listener and the connections in their handshake: each is greeted on a thread of its own
 /// against one deadline, and those that finish it come out of [`Door::next`].
-struct Door<'l> {
+pub(super) struct Door<'l> {
     listener: &'l TcpListener,
     secret: Secret,
     handshake: Duration,
@@ -365,15 +382,21 @@ impl Drop for Greeting {
 }
 
 impl<'l> Door<'l> {
-    fn open(listener: &'l TcpListener, opts: &RecvOptions) -> Result<Door<'l>> {
+    /// Greets connections on `listener` (made non-blocking) with `secret`, each handshake and
+    /// first message within `handshake`.
+    pub(super) fn open(
+        listener: &'l TcpListener,
+        secret: &Secret,
+        handshake: Duration,
+    ) -> Result<Door<'l>> {
         listener
             .set_nonblocking(true)
             .map_err(|e| RemoteError::Link(format!("listening: {e}")))?;
         let (tx, rx) = mpsc::channel();
         Ok(Door {
             listener,
-            secret: opts.secret.clone(),
-            handshake: opts.lane.handshake_timeout,
+            secret: secret.clone(),
+            handshake,
             tx,
             rx,
             greeting: Arc::new(AtomicUsize::new(0)),
@@ -382,7 +405,7 @@ impl<'l> Door<'l> {
 
     /// Takes every connection waiting on the listener and greets each on a thread of its own;
     /// beyond [`MAX_HANDSHAKES`] in their handshake, a new one is closed at once.
-    fn admit(&self) {
+    pub(super) fn admit(&self) {
         loop {
             let (s, addr) = match self.listener.accept() {
                 Ok(x) => x,
@@ -429,15 +452,15 @@ impl<'l> Door<'l> {
     }
 
     /// The next sender that finished its handshake, waiting up to `wait`.
-    fn next(&self, wait: Duration) -> Option<Arrival> {
+    pub(super) fn next(&self, wait: Duration) -> Option<Arrival> {
         self.rx.recv_timeout(wait).ok()
     }
 
     /// Refuses every connection waiting on the listener with a `Refused` message saying the bridge
     /// serves another sender (their hello is not read, each write is bounded), and every sender
     /// that finished its handshake meanwhile (sealed).
-    fn turn_away(&self, channel: &str) {
-        let reason = format!("busy: this bridge already serves a sender for channel {channel}");
+    pub(super) fn turn_away(&self, channel: &str) {
+        let reason = format!("busy: this bridge already serves a sender for {channel}");
         while let Ok((mut s, addr)) = self.listener.accept() {
             let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
             let _ = wire::send(
@@ -446,7 +469,7 @@ impl<'l> Door<'l> {
                     reason: reason.clone(),
                 },
             );
-            tracing::warn!("lane: turned away {addr}: a session for channel {channel} is running");
+            tracing::warn!("lane: turned away {addr}: a session for {channel} is running");
         }
         while let Ok(mut a) = self.rx.try_recv() {
             let _ = a.stream.set_write_timeout(Some(Duration::from_millis(100)));
@@ -457,15 +480,15 @@ impl<'l> Door<'l> {
                 },
             );
             tracing::warn!(
-                "lane: turned away {}: a session for channel {channel} is running",
+                "lane: turned away {}: a session for {channel} is running",
                 a.peer
             );
         }
     }
 }
 
-/// Greets one connection: the handshake ([`wire::handshake_recv`]) and the sender's channel
-/// geometry, all by `deadline`.
+/// Greets one connection: the handshake ([`wire::handshake_recv`]) and the sender's first
+/// message (its channel's geometry, its tensor set's layout), all by `deadline`.
 fn greet(
     mut s: TcpStream,
     addr: std::net::SocketAddr,
@@ -477,22 +500,13 @@ fn greet(
     let _ = s.set_nodelay(true);
     let mut session = wire::handshake_recv(&mut s, secret, deadline)?;
     let left = deadline.saturating_duration_since(Instant::now());
-    match session.recv(&mut s, left, "the near channel's geometry")? {
-        Msg::Channel {
-            buffers,
-            buffer_bytes,
-            kind,
-            agent: _,
-        } => Ok(Arrival {
-            stream: s,
-            peer: addr.to_string(),
-            session,
-            buffers,
-            buffer_bytes,
-            kind,
-        }),
-        m => Err(unexpected(&m, "the near channel")),
-    }
+    let first = session.recv(&mut s, left, "the sending bridge's first message")?;
+    Ok(Arrival {
+        stream: s,
+        peer: addr.to_string(),
+        session,
+        first,
+    })
 }
 
 enum Outcome {
@@ -621,7 +635,7 @@ fn pump(
         // bridge is busy, instead of waiting in the listen backlog for a handshake timeout.
         if Instant::now() >= next_turn_away {
             next_turn_away = Instant::now() + Duration::from_millis(100);
-            door.turn_away(&opts.channel);
+            door.turn_away(&format!("channel {}", opts.channel));
         }
         // 1. Control messages.
         while flow.ending.is_none() {

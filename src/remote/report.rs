@@ -6,7 +6,9 @@
 //! The status file is `/dev/shm/cuda-ipc.br.NAME` (mode 0644), `key=value` lines: `role`
 //! (`send` or `recv`), `pid`, `start_time` (the bridge's identity, for liveness), `peer`, `memory`
 //! (`host` or `device`), `transport` (UCX's words, or `unknown`), `path` (`gpu-direct`,
-//! `host-staged`, `host` or `unknown`) and `frames`. The bridge writes it (a temporary file
+//! `host-staged`, `host` or `unknown`), `frames` (generations, for a tensor set) and `object`
+//! (`channel` or `tensorset`: what NAME names; a tensor set `SET`'s bridge writes
+//! `cuda-ipc.br.ts.SET`, [`tensorset_status_name`]). The bridge writes it (a temporary file
 //! renamed over it) and removes it when its session ends, if it is still its own.
 
 use super::nixl::Place;
@@ -393,6 +395,12 @@ pub fn status_path(name: &str) -> PathBuf {
     PathBuf::from(format!("/dev/shm/cuda-ipc.br.{name}"))
 }
 
+/// The name a tensor-set bridge's status goes by: `ts.SET` (its file is
+/// `/dev/shm/cuda-ipc.br.ts.SET`, so it never takes the place of a channel's of the same name).
+pub fn tensorset_status_name(set: &str) -> String {
+    format!("ts.{set}")
+}
+
 /// A bridge's status, as its status file holds it.
 #[derive(Clone, Debug)]
 pub struct Status {
@@ -406,8 +414,11 @@ pub struct Status {
     pub place: Place,
     /// The transport, once seen.
     pub transport: Option<Transport>,
-    /// Frames carried.
+    /// Frames carried (generations, for a tensor set's bridge).
     pub frames: u64,
+    /// What the bridge carries: `channel` (the default) or `tensorset`; the file's `object`
+    /// line.
+    pub object: &'static str,
     me: Option<ProcessIdentity>,
 }
 
@@ -421,6 +432,7 @@ impl Status {
             place,
             transport: None,
             frames: 0,
+            object: "channel",
             me: ProcessIdentity::current().ok(),
         }
     }
@@ -429,7 +441,7 @@ impl Status {
     pub fn text(&self) -> String {
         let (pid, start) = self.me.map_or((0, 0), |m| (m.pid, m.start_time));
         format!(
-            "role={}\npid={pid}\nstart_time={start}\nchannel={}\npeer={}\nmemory={}\ntransport={}\npath={}\nframes={}\n",
+            "role={}\npid={pid}\nstart_time={start}\nchannel={}\npeer={}\nmemory={}\ntransport={}\npath={}\nframes={}\nobject={}\n",
             match self.role {
                 Role::Send => "send",
                 Role::Recv => "recv",
@@ -444,7 +456,8 @@ impl Status {
                 .as_ref()
                 .map_or("unknown".into(), |t| t.summary()),
             self.transport.as_ref().map_or("unknown", |t| t.path.word()),
-            self.frames
+            self.frames,
+            self.object
         )
     }
 

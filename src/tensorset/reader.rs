@@ -473,6 +473,19 @@ impl TensorSetReader {
         }
     }
 
+    /// (address, bytes) of allocation `a` of buffer `buffer` as this process maps it: the host
+    /// address of the buffer in the data segment (host sets, one allocation) or the device
+    /// address of the import; `None` out of range. For registering the memory with a transport.
+    pub(crate) fn allocation_span(&self, buffer: usize, a: usize) -> Option<(u64, u64)> {
+        let len = *self.layout.allocations().get(a)?;
+        match &self.memory {
+            Memory::Host(d) => {
+                (buffer < self.buffers && a == 0).then(|| (d.ptr(buffer) as u64, len))
+            }
+            Memory::Gpu(b) => Some((b.get(buffer)?.get(a)?.device_ptr(), len)),
+        }
+    }
+
     /// Whether this reader was opened after its writer's death: it reads the last whole
     /// generation (from memory a holder forwarded), on a stream of its own; no newer generation
     /// comes ([`TensorSetReader::wait_newer`] says [`TensorSetError::WriterGone`]; its `why`

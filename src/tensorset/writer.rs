@@ -531,6 +531,25 @@ impl TensorSetWriter {
         tensor_ptr(&self.memory, &self.layout, buffer, i)
     }
 
+    /// (address, bytes) of allocation `a` of buffer `buffer` in this process: the host address
+    /// of the buffer in the data segment (host sets, one allocation) or the device address;
+    /// `None` out of range. For registering the memory with a transport.
+    pub(crate) fn allocation_span(&self, buffer: usize, a: usize) -> Option<(u64, u64)> {
+        let len = *self.layout.allocations().get(a)?;
+        match &self.memory {
+            Memory::Host(d) => (buffer < d.buffers && a == 0).then(|| (d.ptr(buffer) as u64, len)),
+            Memory::Gpu(b) => Some((b.get(buffer)?.get(a)?.device_ptr(), len)),
+        }
+    }
+
+    /// Buffers of the set (1 in place).
+    pub fn buffers(&self) -> usize {
+        match self.mode {
+            GenerationMode::InPlace => 1,
+            GenerationMode::Buffered(n) => n,
+        }
+    }
+
     /// Takes a buffer for generation [`TensorSetWriter::generation`] + 1, waiting up to `timeout`
     /// (`None`: forever) while readers hold it (in place: until every reader released the current
     /// generation; buffered: the oldest buffer no reader holds). Readers waiting meanwhile never

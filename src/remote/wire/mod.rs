@@ -23,11 +23,13 @@
 //! handshake and the session live in `session.rs`, re-exported here.
 
 mod session;
+mod set;
 
 pub use session::{
     End, Opener, Sealer, Secret, Session, handshake_recv, handshake_send, nonce, recv_sealed,
     send_sealed,
 };
+pub use set::{FarRegion, MAX_WIRE_TENSORS, SetMsg, SetNote, WireLayout};
 
 use super::RemoteError;
 use crate::error::{Error, Result};
@@ -153,6 +155,8 @@ pub enum Msg {
         /// What the sender saw.
         reason: String,
     },
+    /// Either way, on a tensor-set bridge's session: see [`SetMsg`].
+    Set(SetMsg),
 }
 
 struct Cursor<'a>(&'a [u8]);
@@ -288,6 +292,10 @@ impl Msg {
                 b.extend_from_slice(&sent.to_le_bytes());
                 put_bytes(&mut b, reason.as_bytes());
             }
+            Msg::Set(m) => {
+                b.push(12);
+                m.encode(&mut b);
+            }
         }
         let n = (b.len() - 4) as u32;
         b[..4].copy_from_slice(&n.to_le_bytes());
@@ -398,6 +406,7 @@ impl Msg {
                 sent: c.u64()?,
                 reason: c.string()?,
             },
+            12 => Msg::Set(SetMsg::decode(&mut c)?),
             t => return Err(protocol(&format!("unknown message tag {t}"))),
         };
         if !c.0.is_empty() {
@@ -410,6 +419,13 @@ impl Msg {
 /// The name of `m`'s kind (`Credit`, `Hello`), for errors and logs: never its fields.
 pub(super) fn name_of(m: &Msg) -> String {
     let tag = format!("{m:?}");
+    if let Some(inner) = tag.strip_prefix("Set(") {
+        return inner
+            .split([' ', '{', ')'])
+            .next()
+            .unwrap_or("?")
+            .to_string();
+    }
     tag.split([' ', '{']).next().unwrap_or("?").to_string()
 }
 

@@ -186,6 +186,54 @@ impl Update<'_> {
         }
     }
 
+    /// Copies byte ranges of the last committed generation into the same places of this buffer:
+    /// `(allocation, offset, len)` each, in bytes (a tensor set's bridge fills the tensors a
+    /// generation did not change this way). On a GPU set the copies are enqueued on the writer's
+    /// stream (`cuMemcpyDtoDAsync_v2`, one per range); on a host set they are made at once.
+    /// Nothing to do in place or before the first commit (the bytes are there, or there are none).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside its allocation; [`Error::Cuda`] naming the
+    /// copy.
+    pub fn copy_ranges_from_previous(&mut self, ranges: &[(usize, u64, u64)]) -> Result<()> {
+        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
+            return Ok(());
+        };
+        let sizes = self.layout.allocations();
+        for &(a, off, len) in ranges {
+            if sizes
+                .get(a)
+                .is_none_or(|&size| off.checked_add(len).is_none_or(|e| e > size))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "bytes {off}+{len} of allocation {a} (of {})",
+                    sizes.len()
+                )));
+            }
+            match self.memory {
+                Memory::Host(d) => {
+                    // SAFETY: allocation 0 is the whole buffer of a host set, `off + len` is within
+                    // it (checked above) and within the stride; both buffers lie in the data
+                    // segment's mapping and do not overlap; the writer alone writes `buffer`
+                    // now (WRITING), and nobody writes `p` while it is the newest generation.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            d.ptr(p).add(off as usize),
+                            d.ptr(self.buffer).add(off as usize),
+                            len as usize,
+                        )
+                    };
+                }
+                Memory::Gpu(b) => self.copy_d2d(
+                    b[self.buffer][a].device_ptr() + off,
+                    b[p][a].device_ptr() + off,
+                    len as usize,
+                )?,
+            }
+        }
+        Ok(())
+    }
+
     fn host(&self) -> Result<&DataSegment> {
         match self.memory {
             Memory::Host(d) => Ok(d),
