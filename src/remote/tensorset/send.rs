@@ -67,7 +67,7 @@ pub enum Ended {
     /// The near writer died; the receiving bridge was told (the far set keeps its newest
     /// generation).
     WriterGone,
-    /// `stop` was set.
+    /// `stop` was set (whatever the session was doing then).
     Stopped,
 }
 
@@ -277,7 +277,12 @@ pub fn serve_with_changes(
     let r = s.run();
     lane.forget_remote(&far.remote);
     status.remove();
-    r
+    match r {
+        // A stop asked for ends the session as asked, wherever it was (waiting for the far side's
+        // word, or in a generation's WRITEs, whose far generation is then never published).
+        Err(_) if stop.load(Ordering::Relaxed) => Ok(Ended::Stopped),
+        r => r,
+    }
 }
 
 /// The NIXL key of allocation `a` of buffer `b`.
