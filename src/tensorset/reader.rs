@@ -476,6 +476,7 @@ impl TensorSetReader {
     /// (address, bytes) of allocation `a` of buffer `buffer` as this process maps it: the host
     /// address of the buffer in the data segment (host sets, one allocation) or the device
     /// address of the import; `None` out of range. For registering the memory with a transport.
+    #[cfg(feature = "remote")]
     pub(crate) fn allocation_span(&self, buffer: usize, a: usize) -> Option<(u64, u64)> {
         let len = *self.layout.allocations().get(a)?;
         match &self.memory {
