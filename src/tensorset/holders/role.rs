@@ -16,7 +16,7 @@ pub enum HolderRole {
     Writer,
     /// A reader that opened with [`crate::tensorset::ReaderOptions::serve`].
     Reader,
-    /// A [`Holder`] (e.g. `cuda-ipc hold`).
+    /// A [`Holder`](crate::tensorset::Holder) (e.g. `cuda-ipc hold`).
     Holder,
     /// A reader opened after the writer's death: serves nothing, records the buffer its guards
     /// hold (a resumed writer does not write it meanwhile).
