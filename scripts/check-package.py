@@ -19,7 +19,8 @@ MAX_CRATE_BYTES = 1 << 20
 
 NEEDED = {
     "cuda-ipc": ["Cargo.toml", "README.md", "LICENSE-MIT", "LICENSE-APACHE", "src/lib.rs",
-                 "docs/crate-doc.md", "kernels/kernels.ptx", "tests/common/mod.rs"],
+                 "docs/crate-doc.md", "kernels/kernels.ptx", "kernels/fingerprint.ptx",
+                 "tests/common/mod.rs"],
     "cuda-ipc-cli": ["Cargo.toml", "README.md", "LICENSE-MIT", "LICENSE-APACHE", "src/main.rs"],
 }
 FORBIDDEN = re.compile(

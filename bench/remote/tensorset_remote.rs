@@ -393,8 +393,21 @@ fn near(o: &Opts) -> Res<()> {
     let mut changed_bytes = 0u64;
     let mut transport = String::from("unknown");
     let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(std::process::id());
-    for _ in 0..o.runs {
+    // Progress on stderr, seconds since the set was written: where a bounded run stops shows.
+    let start = Instant::now();
+    let say = |what: &str| {
+        eprintln!(
+            "tensorset_remote: {:8.2} s {what}",
+            start.elapsed().as_secs_f64()
+        )
+    };
+    for run in 0..o.runs {
+        say(&format!("run {run}: raw NIXL"));
         raw.push(raw_floor(o, &w, bytes)?);
+        say(&format!(
+            "run {run}: raw {:.2} GB/s; bridges",
+            raw[raw.len() - 1]
+        ));
         // The bridges of this run.
         let env: Vec<(String, String)> = vec![("FAR".into(), far_name.clone())];
         let (mut fc, mut fout) = child("far", &env)?;
@@ -440,16 +453,25 @@ fn near(o: &Opts) -> Res<()> {
         // The newest generation, whole (the session's first: connection and registration are
         // before it, the transport probe of the first WRITE in it).
         arrived(g, 0)?;
+        say(&format!("run {run}: first generation mirrored"));
         // One whole generation, measured.
         told.lock().map_err(|_| "lock")?.insert(g + 1, None);
         let t0 = now_ns();
         g = fill(&mut w, g + 1, &[0])?;
         full.push(bytes as f64 / (arrived(g, t0)? / 1e3) / 1e9);
+        say(&format!(
+            "run {run}: whole generation {:.2} GB/s",
+            full[full.len() - 1]
+        ));
         // An empty generation: the fixed cost.
         told.lock().map_err(|_| "lock")?.insert(g + 1, Some(vec![]));
         let t0 = now_ns();
         g = fill(&mut w, g + 1, &[])?;
         fixed.push(arrived(g, t0)?);
+        say(&format!(
+            "run {run}: empty generation {:.2} ms",
+            fixed[fixed.len() - 1]
+        ));
         // 1 % of the bytes, tensors at random.
         for _ in 0..o.changed_gens {
             let mut pick = Vec::new();
@@ -471,6 +493,10 @@ fn near(o: &Opts) -> Res<()> {
             let t0 = now_ns();
             g = fill(&mut w, g + 1, &pick)?;
             changed.push(arrived(g, t0)?);
+            say(&format!(
+                "run {run}: {sum} changed bytes in {:.2} ms",
+                changed[changed.len() - 1]
+            ));
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let t = bridge.join().map_err(|_| "the bridge panicked")??;

@@ -62,6 +62,57 @@ pub trait DeviceMemory {
         Ok(())
     }
 
+    /// Enqueues on `stream` a copy of `src` to bytes `offset..offset + src.len()`
+    /// (`cuMemcpyHtoDAsync_v2`): ordered after the work enqueued before it on `stream`. From
+    /// pageable memory the driver stages `src` before returning, so `src` may be dropped at once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the range leaves the buffer; [`Error::Cuda`] from the copy.
+    #[doc(alias = "cuMemcpyHtoDAsync")]
+    fn copy_from_host_on(&self, offset: usize, src: &[u8], stream: &Stream) -> Result<()> {
+        check_range(offset, src.len(), self.len())?;
+        let _cur = self.context().enter()?;
+        // SAFETY: context current (`_cur`); the destination range lies inside this allocation
+        // (checked above); `src` is valid for `src.len()` bytes and, pageable, is staged by the
+        // driver before the call returns; the stream can address this memory (as
+        // `memset_u32_async`).
+        check("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.device_ptr() + offset as u64,
+                src.as_ptr().cast(),
+                src.len(),
+                stream.as_raw(),
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Copies bytes `offset..offset + dst.len()` into `dst` after the work enqueued so far on
+    /// `stream`, and waits for `stream` (`cuMemcpyDtoHAsync_v2`, `cuStreamSynchronize`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the range leaves the buffer; [`Error::Cuda`] from the copy
+    /// or from the stream (an earlier kernel's fault shows here).
+    #[doc(alias = "cuMemcpyDtoHAsync")]
+    fn copy_to_host_on(&self, offset: usize, dst: &mut [u8], stream: &Stream) -> Result<()> {
+        check_range(offset, dst.len(), self.len())?;
+        {
+            let _cur = self.context().enter()?;
+            // SAFETY: context current (`_cur`); the source range lies inside this allocation;
+            // `dst` is valid for writes of `dst.len()` bytes until the stream is synchronised
+            // below, before this function returns.
+            check("cuMemcpyDtoHAsync_v2", unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr().cast(),
+                    self.device_ptr() + offset as u64,
+                    dst.len(),
+                    stream.as_raw(),
+                )
+            })?;
+        }
+        stream.synchronize()
+    }
+
     /// Enqueues on `stream` a fill of the whole buffer with the 32-bit `value`
     /// (`cuMemsetD32Async`). The length must be a multiple of 4 bytes.
     ///

@@ -196,12 +196,17 @@ impl std::fmt::Debug for Lane {
     }
 }
 
+/// NIXL's UCX backend parameter that chooses UCX's error handling mode (`peer` or `none`).
+const UCX_ERROR_HANDLING: &str = "ucx_error_handling_mode";
+
 impl Lane {
     /// Creates agent `name` (`nixlAgent`, without progress or listener threads) and its UCX backend
     /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here
     /// (`UCX_NET_DEVICES`, `UCX_TLS`, `UCX_PROTO_INFO`, `UCX_LOG_FILE`: see
     /// [`super::environment`]). The backend's `device_list` parameter is not used: NIXL 1.5 takes
     /// its entries for RDMA devices, and a network interface named there leaves UCX no path.
+    /// `ucx_error_handling_mode` is set to `peer`: a far agent's death fails the WRITEs in
+    /// flight to it (an error from [`Lane::poll`]) rather than aborting this process.
     ///
     /// # Errors
     /// [`Error::Unsupported`] from [`probe`]; [`RemoteError::Nixl`] when the agent or the backend
@@ -219,9 +224,26 @@ impl Lane {
         };
         let agent =
             Agent::new_configured(name, &cfg).map_err(nixl("nixl_capi_create_configured_agent"))?;
-        let (_mems, params) = agent
+        let (_mems, mut params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl("nixl_capi_get_plugin_params(UCX)"))?;
+        // UCX's peer error handling (`UCP_ERR_HANDLING_MODE_PEER`): a far agent that dies or
+        // stops answering mid-WRITE fails that WRITE (`getXferStatus` < 0, a `RemoteError`)
+        // instead of UCX aborting this process ("Fatal: unexpected error: Endpoint timeout",
+        // which NIXL's default, `none`, leads to on the TCP transport). NIXL 1.5 names the
+        // parameter `ucx_error_handling_mode`; a plugin without it keeps its default.
+        if params
+            .iter()
+            .map(|it| {
+                it.filter_map(|p| p.ok())
+                    .any(|(k, _)| k == UCX_ERROR_HANDLING)
+            })
+            .unwrap_or(false)
+        {
+            params
+                .set(UCX_ERROR_HANDLING, "peer")
+                .map_err(nixl("nixl_capi_params_add(ucx_error_handling_mode)"))?;
+        }
         let backend = agent.create_backend("UCX", &params).map_err(|e| {
             let mut reason = e.to_string();
             if let Some(hint) = tls_hint(std::env::var("UCX_TLS").ok().as_deref()) {

@@ -40,6 +40,7 @@
 //! be restarted); the writer and the other readers go on. Over read-write mappings (pool, legacy,
 //! `read_only: false`) such a write would silently change every process's weights.
 
+pub mod content;
 mod dtype;
 mod error;
 pub mod holders;

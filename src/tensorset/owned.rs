@@ -199,6 +199,14 @@ impl OwnedUpdate {
         (self.take_writer(), generation)
     }
 
+    /// Commits as [`Update::commit_fingerprinted`] and hands the writer back with the result
+    /// (nothing is published when the fingerprint fails).
+    pub fn commit_fingerprinted(mut self) -> (Box<TensorSetWriter>, Result<(u64, [u8; 32])>) {
+        let update = self.update.take().expect("update present until consumed");
+        let r = update.commit_fingerprinted();
+        (self.take_writer(), r)
+    }
+
     /// Gives the buffer back uncommitted and hands the writer back.
     pub fn into_writer(mut self) -> Box<TensorSetWriter> {
         drop(self.update.take());

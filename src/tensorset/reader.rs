@@ -6,7 +6,7 @@ use super::holders::{self, FdSource, HolderRole, Writerless};
 use super::manifest::{KIND_HOST, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
 use super::segment::{self, DataSegment, GENERATION_PREFIX};
 use super::stable::{Stable, StableSwitch};
-use super::{ReaderOptions, decode_meta};
+use super::{ReaderOptions, content, decode_meta};
 use crate::channel::{ChannelError, Consumer, ConsumerOptions, Delivery, Frame, FrameHold};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
@@ -109,6 +109,8 @@ pub struct TensorSetReader {
     /// The manifest's generation base: generation = base + the channel's sequence number.
     generation_base: u64,
     _manifest: Segment,
+    /// The content-fingerprint kernel, loaded at the first [`Held::verify_content`] (GPU sets).
+    fingerprinter: std::sync::OnceLock<content::Fingerprinter>,
 }
 
 impl std::fmt::Debug for TensorSetReader {
@@ -374,6 +376,7 @@ impl TensorSetReader {
                 ..timings
             },
             _manifest: opened.seg,
+            fingerprinter: std::sync::OnceLock::new(),
         })
     }
 
@@ -779,6 +782,62 @@ impl Held<'_> {
         // take); copied out byte-wise into this process's memory.
         unsafe { std::ptr::copy_nonoverlapping(p, v.as_mut_ptr(), n) };
         Ok(v)
+    }
+
+    /// The content digest of each tensor of this generation ([`content`]), computed where its
+    /// bytes lie: on a GPU set by a kernel on the reader's stream (where the generation is
+    /// ready), waiting for it, about one pass over the set's bytes at the device's memory
+    /// bandwidth; on a host set on the host.
+    ///
+    /// # Errors
+    /// As [`content::Fingerprinter::digests`] and [`content::Fingerprinter::new`] (the kernel is
+    /// loaded at the reader's first call).
+    pub fn tensor_digests(&self) -> Result<Vec<content::TensorDigest>> {
+        let n = self.reader.layout.len();
+        match &self.reader.memory {
+            Memory::Gpu(_) => {
+                let stream = self.reader.stream()?;
+                let f = content::cached(&self.reader.fingerprinter, stream.context())?;
+                let tensors = (0..n)
+                    .map(|i| self.device_tensor(i))
+                    .collect::<Result<Vec<_>>>()?;
+                f.digests(&tensors, stream)
+            }
+            Memory::Host(_) => (0..n)
+                .map(|i| Ok(content::digest_bytes(&self.read_tensor(i)?)))
+                .collect(),
+        }
+    }
+
+    /// This generation's content fingerprint computed from its bytes
+    /// ([`content::set_fingerprint`] over [`Held::tensor_digests`]).
+    ///
+    /// # Errors
+    /// As [`Held::tensor_digests`].
+    pub fn fingerprint(&self) -> Result<[u8; 32]> {
+        content::set_fingerprint(&self.reader.layout, &self.tensor_digests()?)
+    }
+
+    /// Checks this generation's bytes against the content fingerprint its writer committed
+    /// ([`crate::tensorset::Update::commit_fingerprinted`]): recomputes it here
+    /// ([`Held::fingerprint`]) and compares. A mismatch means the bytes are not what the writer
+    /// fingerprinted (written after the commit, corrupted, or a fingerprint the writer computed
+    /// otherwise); a writer that committed none (all zeros) mismatches too.
+    ///
+    /// # Errors
+    /// [`TensorSetError::ContentMismatch`] (`expected`: the fingerprint of the bytes here,
+    /// `found`: what the writer committed); as [`Held::fingerprint`].
+    pub fn verify_content(&self) -> Result<()> {
+        let here = self.fingerprint()?;
+        if here != self.content {
+            return Err(TensorSetError::ContentMismatch {
+                generation: self.generation,
+                expected: here,
+                found: self.content,
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// The reader's stream (GPU sets), where the generation is ready.

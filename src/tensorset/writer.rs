@@ -111,6 +111,8 @@ pub struct TensorSetWriter {
     /// A resumed writer's view of the dead writer's generation channel (its live readers' holds).
     old: Option<resume::OldReaders>,
     _quota: Option<Reservation>,
+    /// The content fingerprint's kernel, loaded at the first fingerprinted update (GPU sets).
+    fingerprinter: std::sync::OnceLock<crate::tensorset::content::Fingerprinter>,
 }
 
 impl std::fmt::Debug for TensorSetWriter {
@@ -452,6 +454,7 @@ impl TensorSetWriter {
             allocated,
             old: None,
             _quota: quota,
+            fingerprinter: std::sync::OnceLock::new(),
         })
     }
 
@@ -588,6 +591,7 @@ impl TensorSetWriter {
             layout: &self.layout,
             state: &mut self.state,
             previous,
+            fingerprinter: &self.fingerprinter,
         })
     }
 

@@ -4,9 +4,9 @@
 //! attach with the ordinary [`TensorSetReader`](crate::tensorset::TensorSetReader).
 //!
 //! Owns: the sending bridge ([`send`], a reader of the near set) and the receiving bridge
-//! ([`recv`], the far set's writer), the byte ranges a generation moves ([`runs`], [`chunks`]) and
-//! the per-tensor digests of the changed-only mode ([`digests`]). It uses the lane's pieces as
-//! they are (session, link, NIXL agent, transport report) and the tensor sets' public API, plus
+//! ([`recv`], the far set's writer) and the byte ranges a generation moves ([`runs`],
+//! [`chunks`]); the changed-only mode compares the tensors' content digests
+//! ([`crate::tensorset::content`]). It uses the lane's pieces as they are (session, link, NIXL agent, transport report) and the tensor sets' public API, plus
 //! two crate-internal accessors (an allocation's address in a reader or writer) and
 //! [`Update::copy_ranges_from_previous`](crate::tensorset::Update::copy_ranges_from_previous).
 //!
@@ -47,7 +47,6 @@
 pub mod recv;
 pub mod send;
 
-use crate::error::{Error, Result};
 use crate::tensorset::Layout;
 
 /// The default largest WRITE, in bytes (64 MiB).
@@ -107,32 +106,6 @@ pub fn chunks(spans: &[Span], max: u64) -> Vec<Span> {
     out
 }
 
-/// SHA-256 of each tensor's bytes, read through `read(i, buf)` (which fills `buf`, the tensor's
-/// length, with tensor `i`).
-///
-/// # Errors
-/// What `read` returns.
-pub fn digests(
-    layout: &Layout,
-    mut read: impl FnMut(usize, &mut [u8]) -> Result<()>,
-) -> Result<Vec<[u8; 32]>> {
-    use sha2::Digest as _;
-    let mut buf = Vec::new();
-    layout
-        .tensors()
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let n = usize::try_from(t.bytes).map_err(|_| {
-                Error::InvalidArgument(format!("tensor {:?} of {} bytes", t.name, t.bytes))
-            })?;
-            buf.resize(n, 0);
-            read(i, &mut buf)?;
-            Ok(sha2::Sha256::digest(&buf).into())
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,26 +132,5 @@ mod tests {
             chunks(&[(0, 0, 272), (0, 768, 16)], 100),
             vec![(0, 0, 100), (0, 100, 100), (0, 200, 72), (0, 768, 16)]
         );
-    }
-
-    #[test]
-    fn digests_tell_changed_tensors_apart() {
-        let l = Layout::new(&[
-            TensorSpec::new("a", DType::U8, &[3]),
-            TensorSpec::new("b", DType::U8, &[2]),
-        ])
-        .unwrap();
-        let one = digests(&l, |i, b| {
-            b.fill(i as u8);
-            Ok(())
-        })
-        .unwrap();
-        let two = digests(&l, |i, b| {
-            b.fill(if i == 0 { 0 } else { 9 });
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(one[0], two[0]);
-        assert_ne!(one[1], two[1]);
     }
 }

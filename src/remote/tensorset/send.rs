@@ -2,7 +2,7 @@
 //! [`TensorSetReader`] of the near set that WRITEs each new generation into the far buffer the
 //! receiving bridge names.
 
-use super::{Span, chunks, digests, runs};
+use super::{Span, chunks, runs};
 use crate::error::{Error, Result};
 use crate::remote::link::Link;
 use crate::remote::nixl::{Lane, Place, Region, Target, Write, pause};
@@ -25,9 +25,10 @@ pub struct SendOptions {
     /// The shared secret the receiving bridge expects.
     pub secret: Secret,
     /// Write only the tensors whose SHA-256 differs from the generation the far set mirrors
-    /// (default `false`: every generation whole). The digests are computed on the host: a GPU
-    /// set's tensors are copied to the host for it (`cuMemcpyDtoH_v2`), a read of every byte per
-    /// generation.
+    /// (default `false`: every generation whole). The digests are the tensors' content digests
+    /// ([`crate::tensorset::Held::tensor_digests`]): on a GPU set one kernel over the held
+    /// generation on the bridge's stream (a read of every byte at the device's memory
+    /// bandwidth, nothing copied to the host), on a host set computed on the host.
     pub changed_only: bool,
     /// Largest WRITE in bytes; default [`super::DEFAULT_CHUNK`] (64 MiB).
     pub chunk: u64,
@@ -83,8 +84,8 @@ pub struct Totals {
     pub mirrored: u64,
     /// What UCX reported of the transport it chose, once seen.
     pub transport: Option<report::Transport>,
-    /// SHA-256 per tensor of near generation `mirrored` (changed-only mode).
-    digests: Vec<[u8; 32]>,
+    /// The content digest of each tensor of near generation `mirrored` (changed-only mode).
+    digests: Vec<crate::tensorset::content::TensorDigest>,
     /// The content fingerprint of near generation `mirrored`.
     content: [u8; 32],
 }
@@ -117,7 +118,7 @@ pub type Changes<'a> = &'a mut dyn FnMut(u64, u64) -> Option<Vec<usize>>;
 
 /// As [`serve`], with `changes`: a writer in the same process that knows which tensors it changed
 /// (a trainer updating some layers) says so, and only those are written, without the digests'
-/// read of the whole set (on a GPU set, a device-to-host copy of every byte). A wrong answer
+/// read of the whole set. A wrong answer
 /// leaves the far set with stale tensors: the far side trusts it as it trusts the layout.
 ///
 /// # Errors
@@ -443,7 +444,7 @@ impl Sender<'_, '_> {
             // The digests no longer describe the generation the far set will mirror.
             self.totals.digests.clear();
         } else if self.opts.changed_only {
-            let d = digests(layout, |i, buf| read_tensor(held, i, buf))?;
+            let d = held.tensor_digests()?;
             if base != 0 && self.totals.digests.len() == n && self.totals.mirrored == base {
                 all = false;
                 for (i, c) in chosen.iter_mut().enumerate() {
@@ -641,21 +642,6 @@ fn gpu_direct_refusal(
             t.map_or("no protocol report".into(), |t| t.summary())
         )
     })
-}
-
-/// Fills `buf` with tensor `i` of `held`: from the host mapping, or copied from the device.
-fn read_tensor(held: &Held<'_>, i: usize, buf: &mut [u8]) -> Result<()> {
-    use crate::driver::DeviceMemory as _;
-    match held.host_ptr(i) {
-        Ok(p) => {
-            // SAFETY: `p..p + buf.len()` is tensor `i` of the held buffer (its length is the
-            // tensor's, as `digests` sized it), which the writer does not write while it is held;
-            // copied out into this process's memory.
-            unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
-            Ok(())
-        }
-        Err(_) => held.device_tensor(i)?.copy_to_host(0, buf),
-    }
 }
 
 #[cfg(test)]

@@ -251,6 +251,7 @@ impl TensorSetWriter {
                 control: Some(control),
             }),
             _quota: None,
+            fingerprinter: std::sync::OnceLock::new(),
         }))
     }
 }

@@ -7,6 +7,7 @@ use crate::driver::Stream;
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
 use crate::tensorset::DeviceTensor;
+use crate::tensorset::content::{self, Fingerprinter, TensorDigest};
 use crate::tensorset::encode_meta;
 use crate::tensorset::error::TensorSetError;
 use crate::tensorset::holders::Recorder;
@@ -27,6 +28,8 @@ pub struct Update<'a> {
     pub(super) buffer: usize,
     /// The head before this update (the buffer `copy_from_previous` copies from).
     pub(super) previous: Option<usize>,
+    /// The writer's content-fingerprint kernel, loaded on first use.
+    pub(super) fingerprinter: &'a std::sync::OnceLock<Fingerprinter>,
 }
 
 impl std::fmt::Debug for Update<'_> {
@@ -343,6 +346,77 @@ impl Update<'_> {
     pub unsafe fn publish_after_raw(&self, stream: sys::CUstream) -> Result<()> {
         // SAFETY: forwarded from this function's contract.
         unsafe { self.frame.publish_after_raw(stream) }
+    }
+
+    /// The content digest of each tensor of this update's buffer, as the work so far leaves it
+    /// ([`content`]): on a GPU set computed by a kernel on the writer's stream after the work
+    /// enqueued there (work on other streams must be ordered before it with
+    /// [`Update::publish_after`]), waiting for it (about one pass over the set's bytes at the
+    /// device's memory bandwidth); on a host set computed on the host.
+    ///
+    /// # Errors
+    /// As [`content::Fingerprinter::digests`]; the kernel's loading at the first call
+    /// ([`content::Fingerprinter::new`]).
+    pub fn tensor_digests(&self) -> Result<Vec<TensorDigest>> {
+        let n = self.layout.len();
+        match self.memory {
+            Memory::Gpu(_) => {
+                let stream = self.stream()?;
+                let f = content::cached(self.fingerprinter, stream.context())?;
+                let tensors = (0..n)
+                    .map(|i| self.device_tensor(i))
+                    .collect::<Result<Vec<_>>>()?;
+                f.digests(&tensors, stream)
+            }
+            Memory::Host(d) => {
+                let base = d.ptr(self.buffer);
+                let mut buf = Vec::new();
+                Ok(self
+                    .layout
+                    .tensors()
+                    .iter()
+                    .map(|t| {
+                        buf.resize(t.bytes as usize, 0);
+                        // SAFETY: `offset + bytes <= bytes_per_buffer <= stride` (checked by
+                        // the layout), so the range lies in this update's buffer of the
+                        // mapping, which only this writer writes while the update lives;
+                        // copied out into this process's memory.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                base.add(t.offset as usize),
+                                buf.as_mut_ptr(),
+                                buf.len(),
+                            )
+                        };
+                        content::digest_bytes(&buf)
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// The generation's content fingerprint as the work so far leaves it
+    /// ([`content::set_fingerprint`] over [`Update::tensor_digests`]).
+    ///
+    /// # Errors
+    /// As [`Update::tensor_digests`].
+    pub fn fingerprint(&self) -> Result<[u8; 32]> {
+        content::set_fingerprint(self.layout, &self.tensor_digests()?)
+    }
+
+    /// Publishes the generation with its content fingerprint computed from its bytes
+    /// ([`Update::fingerprint`], then [`Update::commit_with_content`]), which readers can check
+    /// ([`crate::tensorset::Held::verify_content`]) or demand
+    /// ([`crate::tensorset::ReaderOptions::expect_content`]). Returns the generation number and
+    /// the fingerprint. On a GPU set the commit waits for the writer's stream (the kernel's
+    /// result), where [`Update::commit`] does not.
+    ///
+    /// # Errors
+    /// As [`Update::fingerprint`] (nothing is published then: the update is dropped, its buffer
+    /// given back) and [`Update::commit_with_content`].
+    pub fn commit_fingerprinted(self) -> Result<(u64, [u8; 32])> {
+        let fp = self.fingerprint()?;
+        Ok((self.commit_with_content(fp)?, fp))
     }
 
     /// Publishes the generation with no content fingerprint; returns its number.
