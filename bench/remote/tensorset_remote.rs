@@ -8,11 +8,14 @@
 //! whole generation mirrored, an empty generation (the fixed cost of a generation: the control
 //! round trips and the far side's fill of every tensor from its newest generation), and
 //! generations with 1 % of the bytes changed (tensors at random, told by the writer,
-//! `send::serve_with_changes`). Prints a table of medians and ratios, and one JSON line.
+//! `send::serve_with_changes`; with `--digests`, found by the sending bridge itself from the
+//! tensors' content digests, `SendOptions::changed_only`, computed on the GPU for device sets).
+//! Also the time of the digests of the whole set (`Held::tensor_digests`, three times, median).
+//! Prints a table of medians and ratios, and one JSON line.
 //!
 //! ```text
 //! tensorset_remote [--memory device|host] [--device 0] [--runs 3] [--tls both|default|tcp]
-//!                  [--changed-gens 3] [--quick]
+//!                  [--changed-gens 3] [--quick] [--digests]
 //! ```
 //! `--quick`: a 256 MiB set of 64 tensors (with `--memory host`, no GPU is needed). Needs NIXL's
 //! libraries on LD_LIBRARY_PATH.
@@ -49,6 +52,7 @@ struct Opts {
     tls: Vec<String>,
     changed_gens: usize,
     quick: bool,
+    digests: bool,
 }
 
 fn opts() -> Res<Opts> {
@@ -59,6 +63,7 @@ fn opts() -> Res<Opts> {
         tls: vec!["default".into(), "tcp".into()],
         changed_gens: 3,
         quick: false,
+        digests: false,
     };
     let mut a = std::env::args().skip(1);
     while let Some(k) = a.next() {
@@ -76,6 +81,7 @@ fn opts() -> Res<Opts> {
                 }
             }
             "--quick" => o.quick = true,
+            "--digests" => o.digests = true,
             x => return Err(format!("unknown flag {x}").into()),
         }
     }
@@ -178,9 +184,18 @@ fn top(o: &Opts) -> Res<()> {
         o.runs
     );
     println!(
+        "changed tensors {}",
+        if o.digests {
+            "found by the sending bridge's content digests"
+        } else {
+            "told by the writer"
+        }
+    );
+    println!(
         "{:<8} {:>10} {:>10} {:>7} {:>10} {:>12} {:>12} {:>12} {:>6}",
         "tls", "raw GB/s", "set GB/s", "ratio", "fixed ms", "1% bytes", "1% ms", "bound ms", "ok"
     );
+    let mut digest_ms = Vec::new();
     for tls in &o.tls {
         let log = UcxLog::create()?;
         let mut env: Vec<(String, String)> =
@@ -217,8 +232,13 @@ fn top(o: &Opts) -> Res<()> {
             "{}",
             serde_json::json!({"tls": tls, "figures": v, "transport": v["transport"]})
         );
+        digest_ms.push(f("digest_ms"));
         drop(log);
     }
+    println!(
+        "content digests of the whole set (one kernel on a device set): {:.2} ms",
+        median(&mut digest_ms)
+    );
     Ok(())
 }
 
@@ -388,6 +408,22 @@ fn near(o: &Opts) -> Res<()> {
     };
     let all: Vec<usize> = (0..layout.len()).collect();
     let mut g = fill(&mut w, 1, &all)?;
+    // The digests of the whole set, as the sending bridge's changed-only mode computes them.
+    let digest_ms = {
+        let r = if o.device {
+            TensorSetReader::open_auto(&name, &ReaderOptions::new())?
+        } else {
+            TensorSetReader::open_host(&name, &ReaderOptions::new())?
+        };
+        let h = r.current()?.ok_or("no generation")?;
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            h.tensor_digests()?;
+            v.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        median(&mut v)
+    };
     let _cur = ctx.as_ref().map(|c| c.enter()).transpose()?;
     let (mut raw, mut full, mut fixed, mut changed) = (vec![], vec![], vec![], vec![]);
     let mut changed_bytes = 0u64;
@@ -419,11 +455,16 @@ fn near(o: &Opts) -> Res<()> {
         let told2 = told.clone();
         let mut so = send::SendOptions::new(&name, &format!("127.0.0.1:{port}"), secret()?);
         so.lane.write_timeout = STEP;
+        so.changed_only = o.digests;
+        let digests = o.digests;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let bridge = std::thread::spawn(move || -> Result<send::Totals, String> {
             let mut totals = send::Totals::default();
             let mut changes = |base: u64, near: u64| -> Option<Vec<usize>> {
+                if digests {
+                    return None;
+                }
                 let t = told2.lock().ok()?;
                 let mut v = Vec::new();
                 for x in base + 1..=near {
@@ -457,7 +498,8 @@ fn near(o: &Opts) -> Res<()> {
         // One whole generation, measured.
         told.lock().map_err(|_| "lock")?.insert(g + 1, None);
         let t0 = now_ns();
-        g = fill(&mut w, g + 1, &[0])?;
+        // (Found by digests, a whole generation is one whose every tensor changed.)
+        g = fill(&mut w, g + 1, if o.digests { &all } else { &[0] })?;
         full.push(bytes as f64 / (arrived(g, t0)? / 1e3) / 1e9);
         say(&format!(
             "run {run}: whole generation {:.2} GB/s",
@@ -517,6 +559,7 @@ fn near(o: &Opts) -> Res<()> {
             "changed_bytes": changed_bytes,
             "changed_ms": median(&mut changed),
             "transport": transport,
+            "digest_ms": digest_ms,
             "raw_runs": raw, "set_runs": full, "fixed_runs": fixed, "changed_runs": changed,
         })
     );
