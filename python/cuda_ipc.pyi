@@ -612,7 +612,10 @@ class TensorUpdate:
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
         """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""
-    def commit(self, content: Optional[bytes] = None) -> int: ...
+    def commit(self, content: Optional[bytes] = None, fingerprint: bool = False) -> int:
+        """Publishes the generation; ``fingerprint=True`` commits the fingerprint of its bytes,
+        computed where they lie (a kernel on a GPU set), which readers check with
+        ``TensorHold.verify_content()``; ``content``: a 32-byte fingerprint of your own."""
     def abort(self) -> None:
         """Gives the buffer back uncommitted; in place, no generation is readable until the next
         commit (its bytes may be half-written)."""
@@ -645,6 +648,7 @@ class TensorSetReader:
         spin: float = ...,  # 50e-6 seconds
         serve: bool = False,
         stable_addresses: bool = False,
+        expect_content: Optional[bytes] = None,
     ) -> TensorSetReader: ...
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a
@@ -703,6 +707,13 @@ class TensorHold:
         set, not read-only: treat them as read-only)."""
     def read(self, name: str) -> bytes:
         """Host sets: a copy of tensor ``name``'s bytes."""
+    def tensor_digests(self) -> List[bytes]:
+        """The content digest of each tensor (16 bytes each, in the set's order)."""
+    def fingerprint(self) -> bytes:
+        """The content fingerprint of this generation's bytes (32 bytes), computed here."""
+    def verify_content(self) -> None:
+        """Raises ``ContentMismatch`` unless the bytes have the fingerprint the writer
+        committed."""
     def release(self) -> None: ...
     def __enter__(self) -> "TensorHold": ...
     def __exit__(self, *args: Any) -> None: ...

@@ -103,8 +103,11 @@ impl TensorSetReader {
     /// `stable_addresses=True` (VMM sets): one address range per allocation is reserved for the
     /// reader's life (`switch_stable`, `stable_tensors`); raises `NotSupported` for other sets.
     #[new]
+    /// `expect_content` (32 bytes): every generation taken must carry that content fingerprint
+    /// (`commit(fingerprint=True)` or the writer's own); raises `ContentMismatch` otherwise.
     #[pyo3(signature = (name, *, device=None, expect_layout=None, read_only=true,
-        wait="spin_then_block", spin=Seconds::Float(50e-6), serve=false, stable_addresses=false))]
+        wait="spin_then_block", spin=Seconds::Float(50e-6), serve=false, stable_addresses=false,
+        expect_content=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -116,6 +119,7 @@ impl TensorSetReader {
         spin: Seconds,
         serve: bool,
         stable_addresses: bool,
+        expect_content: Option<&[u8]>,
     ) -> PyResult<Self> {
         let mut opts = ReaderOptions::new();
         opts.read_only = read_only;
@@ -127,6 +131,14 @@ impl TensorSetReader {
                 errors::invalid_argument(
                     py,
                     format!("expect_layout is {} bytes; a fingerprint has 32", l.len()),
+                )
+            })?);
+        }
+        if let Some(c) = expect_content {
+            opts.expect_content = Some(<[u8; 32]>::try_from(c).map_err(|_| {
+                errors::invalid_argument(
+                    py,
+                    format!("expect_content is {} bytes; a fingerprint has 32", c.len()),
                 )
             })?);
         }
@@ -553,6 +565,28 @@ impl TensorHold {
                 )),
             }
         })
+    }
+
+    /// The content digest of each tensor (16 bytes each, in the set's order), computed where the
+    /// bytes lie: on a GPU set one kernel on the reader's stream, waited for; on a host set on
+    /// the host. Tensors whose digests differ between two generations changed.
+    fn tensor_digests<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let d = self.with(py, |h| h.held().tensor_digests().map_err(|e| err(py, e)))?;
+        Ok(d.iter().map(|x| PyBytes::new(py, x)).collect())
+    }
+
+    /// The content fingerprint of this generation's bytes (32 bytes), computed here as
+    /// `tensor_digests()` is.
+    fn fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let f = self.with(py, |h| h.held().fingerprint().map_err(|e| err(py, e)))?;
+        Ok(PyBytes::new(py, &f))
+    }
+
+    /// Checks the bytes against the fingerprint the writer committed
+    /// (`commit(fingerprint=True)`): raises `ContentMismatch` when they differ (also when
+    /// the writer committed none).
+    fn verify_content(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |h| h.held().verify_content().map_err(|e| err(py, e)))
     }
 
     /// Whether the generation is still held.

@@ -522,7 +522,14 @@ impl TensorUpdate {
         }
     }
 
-    fn finish(&self, py: Python<'_>, content: Option<[u8; 32]>) -> PyResult<u64> {
+    /// Commits with `content` (`None`: none), or with the fingerprint of the bytes when
+    /// `fingerprint`.
+    fn finish(
+        &self,
+        py: Python<'_>,
+        content: Option<[u8; 32]>,
+        fingerprint: bool,
+    ) -> PyResult<u64> {
         let Some(u) = lock(&self.update).take() else {
             return Err(errors::invalid_argument(
                 py,
@@ -540,7 +547,12 @@ impl TensorUpdate {
             writer.give_back(u.into_writer());
             return Err(err(py, e));
         }
-        let (w, r) = u.commit(content.unwrap_or([0; 32]));
+        let (w, r) = if fingerprint {
+            let (w, r) = u.commit_fingerprinted();
+            (w, r.map(|(g, _)| g))
+        } else {
+            u.commit(content.unwrap_or([0; 32]))
+        };
         writer.give_back(w);
         r.map_err(|e| err(py, e))
     }
@@ -679,11 +691,20 @@ impl TensorUpdate {
         self.with(py, |u| u.write_tensor(i, src).map_err(|e| err(py, e)))
     }
 
-    /// Publishes the generation (`content`: an optional 32-byte content fingerprint readers may
-    /// demand); returns its number. Its ready word is written on the writer's stream after the
-    /// work enqueued on the update's stream.
-    #[pyo3(signature = (content=None))]
-    fn commit(&self, py: Python<'_>, content: Option<&[u8]>) -> PyResult<u64> {
+    /// Publishes the generation; returns its number. Its ready word is written on the writer's
+    /// stream after the work enqueued on the update's stream. `content`: a 32-byte content
+    /// fingerprint of your own readers may demand; `fingerprint=True`: the fingerprint of the
+    /// bytes themselves, computed where they lie (on a GPU set a kernel after the update's work,
+    /// which the commit then waits for), which readers check with `TensorHold.verify_content()`.
+    /// Both at once is a `ValueError`; a failed fingerprint publishes nothing.
+    #[pyo3(signature = (content=None, fingerprint=false))]
+    fn commit(&self, py: Python<'_>, content: Option<&[u8]>, fingerprint: bool) -> PyResult<u64> {
+        if fingerprint && content.is_some() {
+            return Err(errors::invalid_argument(
+                py,
+                "content and fingerprint=True: give one or the other".to_string(),
+            ));
+        }
         let content = match content {
             None => None,
             Some(c) => Some(<[u8; 32]>::try_from(c).map_err(|_| {
@@ -693,7 +714,7 @@ impl TensorUpdate {
                 )
             })?),
         };
-        self.finish(py, content)
+        self.finish(py, content, fingerprint)
     }
 
     /// Gives the buffer back uncommitted (in place: the generation it held is gone and readers
@@ -721,7 +742,7 @@ impl TensorUpdate {
         if exc_type.is_some_and(|e| !e.is_none()) {
             self.abort(py)?;
         } else if lock(&self.update).is_some() {
-            self.finish(py, None)?;
+            self.finish(py, None, false)?;
         }
         Ok(false)
     }

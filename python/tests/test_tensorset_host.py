@@ -385,3 +385,42 @@ def test_open_timings_name_every_phase_in_microseconds(name):
             assert r.open_timings() == t  # measured once, at open
     finally:
         w.close()
+
+
+def test_a_fingerprinted_commit_is_verified_and_a_false_one_refused(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        u = w.begin(timeout=ANSWER)
+        for t, n in SIZES.items():
+            u.write(t, data(1, t, n))
+        with pytest.raises(cuda_ipc.InvalidArgument):
+            u.commit(content=bytes(32), fingerprint=True)
+        g1 = u.commit(fingerprint=True)
+        with r.current() as h:
+            assert h.generation == g1
+            h.verify_content()
+            fp = h.fingerprint()
+            assert len(fp) == 32 and h.content == fp
+            d1 = h.tensor_digests()
+            assert [len(d) for d in d1] == [16, 16, 16]
+        # One tensor changed, and a fingerprint that is not the bytes'.
+        u = w.begin(timeout=ANSWER)
+        for t, n in SIZES.items():
+            u.write(t, data(1 if t != "b" else 2, t, n))
+        u.commit(content=b"\x07" * 32)
+        with r.wait_newer(g1, timeout=ANSWER) as h:
+            with pytest.raises(cuda_ipc.ContentMismatch):
+                h.verify_content()
+            d2 = h.tensor_digests()
+            assert [a != b for a, b in zip(d1, d2)] == [False, True, False]
+        # A reader demanding generation 1's weights refuses the newest generation.
+        strict = cuda_ipc.TensorSetReader(name, expect_content=fp)
+        with pytest.raises(cuda_ipc.ContentMismatch):
+            strict.current()
+        strict.close()
+        with pytest.raises(cuda_ipc.InvalidArgument):
+            cuda_ipc.TensorSetReader(name, expect_content=b"short")
+    finally:
+        r.close()
+        w.close()
