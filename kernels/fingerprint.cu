@@ -7,8 +7,10 @@
 // A tensor of `bytes` bytes is read as 16-byte words w_i = (lo_i, hi_i) (little
 // endian; the last word zero-padded); its fingerprint is the pair of sums mod 2^64
 //   (sum_i lane0(lo_i, hi_i, i), sum_i lane1(lo_i, hi_i, i))
-// which the host finishes with the byte length. Sums commute, so neither the grid's shape nor the
-// order of the atomics changes the result. It detects changed or wrong content, not a forgery.
+// which the host finishes with the byte length. Sums commute, so neither the grid's size nor the
+// order of the atomics changes the result. Blocks are one-dimensional and a multiple of 32 threads
+// (the warp reduction takes every lane; the library launches 256). It detects changed or wrong
+// content, not a forgery.
 __device__ __forceinline__ unsigned long long fp_fmix64(unsigned long long k) {
     k ^= k >> 33;
     k *= 0xFF51AFD7ED558CCDull;

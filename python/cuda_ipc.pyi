@@ -577,9 +577,15 @@ class TensorSetWriter:
         """The next generation's buffer, waiting while readers hold it; a context manager that
         commits at the end of the block (aborts on an exception)."""
     def publish(
-        self, tensors: Dict[str, Any], timeout: Optional[float] = None, *, stream: StreamLike = None
+        self,
+        tensors: Dict[str, Any],
+        timeout: Optional[float] = None,
+        *,
+        stream: StreamLike = None,
+        fingerprint: bool = False,
     ) -> int:
-        """``begin``, ``copy_from(tensors)``, commit; the generation."""
+        """``begin``, ``copy_from(tensors)``, commit (``fingerprint=True``: with the fingerprint
+        of the bytes); the generation."""
     @property
     def generation(self) -> int: ...
     @property

@@ -128,12 +128,15 @@ fn the_kernels_digests_are_the_host_twins_for_every_size_and_alignment() {
         let mut b = [0u8; 1];
         big.copy_to_host(at as usize, &mut b).unwrap();
         big.copy_from_host(at as usize, &[b[0] ^ 0x80]).unwrap();
+        // The copy ran on the legacy stream, which `s` (non-blocking) does not wait for.
+        c.synchronize().unwrap();
         let after = f.digests(&parts, &s).unwrap();
         let hit = (at >> 30) as usize;
         for (i, (x, y)) in before.iter().zip(&after).enumerate() {
             assert_eq!(x != y, i == hit, "byte {at}: tensor {i}");
         }
         big.copy_from_host(at as usize, &b).unwrap();
+        c.synchronize().unwrap();
     }
     assert_eq!(f.digests(&parts, &s).unwrap(), before);
 }

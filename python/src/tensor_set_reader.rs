@@ -437,6 +437,20 @@ impl TensorHold {
         }
     }
 
+    /// `f` on the held generation, without the GIL (the caller detaches); `InvalidArgument`
+    /// once released.
+    fn held_call<T>(
+        &self,
+        f: impl FnOnce(&cuda_ipc::tensorset::Held<'_>) -> cuda_ipc::Result<T>,
+    ) -> cuda_ipc::Result<T> {
+        match lock(&self.held).as_ref() {
+            Some(h) => f(h.held()),
+            None => Err(cuda_ipc::Error::InvalidArgument(
+                "this generation was released".to_string(),
+            )),
+        }
+    }
+
     fn release_now(&self) -> cuda_ipc::Result<()> {
         let Some(h) = lock(&self.held).take() else {
             return Ok(());
@@ -571,14 +585,18 @@ impl TensorHold {
     /// bytes lie: on a GPU set one kernel on the reader's stream, waited for; on a host set on
     /// the host. Tensors whose digests differ between two generations changed.
     fn tensor_digests<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let d = self.with(py, |h| h.held().tensor_digests().map_err(|e| err(py, e)))?;
+        let d = py
+            .detach(|| self.held_call(|h| h.tensor_digests()))
+            .map_err(|e| err(py, e))?;
         Ok(d.iter().map(|x| PyBytes::new(py, x)).collect())
     }
 
     /// The content fingerprint of this generation's bytes (32 bytes), computed here as
     /// `tensor_digests()` is.
     fn fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let f = self.with(py, |h| h.held().fingerprint().map_err(|e| err(py, e)))?;
+        let f = py
+            .detach(|| self.held_call(|h| h.fingerprint()))
+            .map_err(|e| err(py, e))?;
         Ok(PyBytes::new(py, &f))
     }
 
@@ -586,7 +604,8 @@ impl TensorHold {
     /// (`commit(fingerprint=True)`): raises `ContentMismatch` when they differ (also when
     /// the writer committed none).
     fn verify_content(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |h| h.held().verify_content().map_err(|e| err(py, e)))
+        py.detach(|| self.held_call(|h| h.verify_content()))
+            .map_err(|e| err(py, e))
     }
 
     /// Whether the generation is still held.

@@ -365,21 +365,30 @@ impl TensorSetWriter {
 
     /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`, any subset of the set's names, each
     /// of the set's dtype and at most its bytes) into a new generation and commits it: `begin`,
-    /// `copy_from`, commit. Returns the generation.
-    #[pyo3(signature = (tensors, timeout=None, *, stream=None))]
+    /// `copy_from`, commit (`fingerprint=True`: with the fingerprint of the bytes, as
+    /// `TensorUpdate.commit`). Returns the generation.
+    #[pyo3(signature = (tensors, timeout=None, *, stream=None, fingerprint=false))]
     fn publish(
         slf: Bound<'_, Self>,
         py: Python<'_>,
         tensors: &Bound<'_, PyDict>,
         timeout: Option<Seconds>,
         stream: Option<&Bound<'_, PyAny>>,
+        fingerprint: bool,
     ) -> PyResult<u64> {
         let u = Self::begin(slf, py, timeout, stream)?;
         if let Err(e) = u.copy_from(py, tensors) {
             u.abort(py)?;
             return Err(e);
         }
-        u.commit(py, None)
+        match u.commit(py, None, fingerprint) {
+            Ok(g) => Ok(g),
+            Err(e) => {
+                // A failed fingerprint leaves the update open: give the buffer back.
+                u.abort(py)?;
+                Err(e)
+            }
+        }
     }
 
     /// The last generation committed (0: none).
@@ -523,13 +532,23 @@ impl TensorUpdate {
     }
 
     /// Commits with `content` (`None`: none), or with the fingerprint of the bytes when
-    /// `fingerprint`.
+    /// `fingerprint` (computed first, the update still open: a failed fingerprint leaves it
+    /// open, to commit again or abort).
     fn finish(
         &self,
         py: Python<'_>,
-        content: Option<[u8; 32]>,
+        mut content: Option<[u8; 32]>,
         fingerprint: bool,
     ) -> PyResult<u64> {
+        if fingerprint {
+            content = Some(self.with(py, |u| {
+                if let Some(s) = self.target {
+                    // SAFETY: as below.
+                    unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
+                }
+                u.update().fingerprint().map_err(|e| err(py, e))
+            })?);
+        }
         let Some(u) = lock(&self.update).take() else {
             return Err(errors::invalid_argument(
                 py,
@@ -547,12 +566,7 @@ impl TensorUpdate {
             writer.give_back(u.into_writer());
             return Err(err(py, e));
         }
-        let (w, r) = if fingerprint {
-            let (w, r) = u.commit_fingerprinted();
-            (w, r.map(|(g, _)| g))
-        } else {
-            u.commit(content.unwrap_or([0; 32]))
-        };
+        let (w, r) = u.commit(content.unwrap_or([0; 32]));
         writer.give_back(w);
         r.map_err(|e| err(py, e))
     }
@@ -696,7 +710,8 @@ impl TensorUpdate {
     /// fingerprint of your own readers may demand; `fingerprint=True`: the fingerprint of the
     /// bytes themselves, computed where they lie (on a GPU set a kernel after the update's work,
     /// which the commit then waits for), which readers check with `TensorHold.verify_content()`.
-    /// Both at once is a `ValueError`; a failed fingerprint publishes nothing.
+    /// Both at once is a `ValueError`; a failed fingerprint publishes nothing and leaves the
+    /// update open (commit again, or abort).
     #[pyo3(signature = (content=None, fingerprint=false))]
     fn commit(&self, py: Python<'_>, content: Option<&[u8]>, fingerprint: bool) -> PyResult<u64> {
         if fingerprint && content.is_some() {

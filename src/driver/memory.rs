@@ -63,19 +63,23 @@ pub trait DeviceMemory {
     }
 
     /// Enqueues on `stream` a copy of `src` to bytes `offset..offset + src.len()`
-    /// (`cuMemcpyHtoDAsync_v2`): ordered after the work enqueued before it on `stream`. From
-    /// pageable memory the driver stages `src` before returning, so `src` may be dropped at once.
+    /// (`cuMemcpyHtoDAsync_v2`): ordered after the work enqueued before it on `stream`.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the range leaves the buffer; [`Error::Cuda`] from the copy.
+    ///
+    /// # Safety
+    /// `src` stays valid and unchanged until the copy completed (`stream` synchronised, or an
+    /// event recorded after it waited for): from page-locked memory the copy runs after this
+    /// function returns. (From pageable memory the driver stages `src` before returning, but
+    /// whether memory is page-locked is not seen in a `&[u8]`.)
     #[doc(alias = "cuMemcpyHtoDAsync")]
-    fn copy_from_host_on(&self, offset: usize, src: &[u8], stream: &Stream) -> Result<()> {
+    unsafe fn copy_from_host_on(&self, offset: usize, src: &[u8], stream: &Stream) -> Result<()> {
         check_range(offset, src.len(), self.len())?;
         let _cur = self.context().enter()?;
         // SAFETY: context current (`_cur`); the destination range lies inside this allocation
-        // (checked above); `src` is valid for `src.len()` bytes and, pageable, is staged by the
-        // driver before the call returns; the stream can address this memory (as
-        // `memset_u32_async`).
+        // (checked above); `src` is valid for `src.len()` bytes until the copy completed (the
+        // caller's obligation); the stream can address this memory (as `memset_u32_async`).
         check("cuMemcpyHtoDAsync_v2", unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 self.device_ptr() + offset as u64,

@@ -1,8 +1,8 @@
 //! Content fingerprints: what a generation's bytes are, computed where the bytes lie (a kernel
 //! over device memory, the host twin over host memory), so that a reader refuses a generation
 //! whose weights are not the ones its writer published or it expects
-//! ([`TensorSetError::ContentMismatch`]), and a tensor-set bridge writes only the tensors that
-//! changed.
+//! ([`TensorSetError::ContentMismatch`](crate::tensorset::TensorSetError::ContentMismatch)), and a
+//! tensor-set bridge writes only the tensors that changed.
 //!
 //! A tensor's digest ([`TensorDigest`], 16 bytes): its bytes are read as 16-byte little-endian
 //! words `(lo_i, hi_i)` (the last zero-padded); two 64-bit lanes each sum a mix of every word
@@ -153,11 +153,29 @@ pub(crate) fn cached<'c>(
 }
 
 /// The fingerprint kernel loaded in one context (`cuModuleLoadData` of [`PTX`]: the driver
-/// JIT-compiles it once per process and caches the result on disk).
-#[derive(Debug, Clone)]
+/// JIT-compiles it once per process and caches the result on disk), with its item table and
+/// result buffers, kept between calls and grown when a call needs more (a `cuMemFree`, which
+/// waits for the device, only then). Calls from several threads take turns.
+#[derive(Debug)]
 pub struct Fingerprinter {
     func: Function,
     ctx: Arc<Context>,
+    /// (item table, results), each allocated at the first call and grown as needed.
+    buffers: std::sync::Mutex<(Option<DeviceBuffer>, Option<DeviceBuffer>)>,
+}
+
+/// `slot`, holding at least `len` bytes: the one there, or a new one (the old one freed).
+fn at_least<'b>(
+    slot: &'b mut Option<DeviceBuffer>,
+    ctx: &Arc<Context>,
+    len: usize,
+) -> Result<&'b DeviceBuffer> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        *slot = Some(DeviceBuffer::new(ctx, len.next_power_of_two().max(4096))?);
+    }
+    slot.as_ref()
+        .ok_or_else(|| Error::InvalidArgument("no fingerprint buffer".into()))
 }
 
 impl Fingerprinter {
@@ -171,6 +189,7 @@ impl Fingerprinter {
         Ok(Fingerprinter {
             func: m.function("fingerprint_items")?,
             ctx: ctx.clone(),
+            buffers: std::sync::Mutex::new((None, None)),
         })
     }
 
@@ -183,9 +202,10 @@ impl Fingerprinter {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `stream` or a tensor belongs to another context;
-    /// [`Error::Cuda`] from the allocation of the table (`cuMemAlloc_v2`), the copies, the
-    /// launch (`cuLaunchKernel`), or the wait, where a fault of the kernel shows (the
-    /// context is then unusable, as after any kernel fault).
+    /// [`Error::Cuda`] from the allocation of the table or the results (`cuMemAlloc_v2`, at the
+    /// first call and when a call needs more than the last), the copies, the launch
+    /// (`cuLaunchKernel`), or the wait, where a fault of the kernel shows (the context is then
+    /// unusable, as after any kernel fault).
     pub fn digests<M: DeviceMemory>(
         &self,
         tensors: &[M],
@@ -211,13 +231,18 @@ impl Fingerprinter {
         }
         let n_items = (items.len() / 4) as u64;
         let mut out = vec![0u8; tensors.len() * 16];
-        let out_dev = DeviceBuffer::new(&self.ctx, out.len())?;
         let table: Vec<u8> = items.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let table_dev = DeviceBuffer::new(&self.ctx, table.len().max(32))?;
+        let mut bufs = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        let (table_slot, out_slot) = &mut *bufs;
+        let table_dev = at_least(table_slot, &self.ctx, table.len())?;
+        let out_dev = at_least(out_slot, &self.ctx, out.len())?;
         let mut run = || -> Result<()> {
+            // The results zeroed (a power of two of at least 4 KiB: whole 32-bit words).
             out_dev.memset_u32_async(0, stream)?;
             if n_items > 0 {
-                table_dev.copy_from_host_on(0, &table, stream)?;
+                // SAFETY: `table` (pageable, this function's) lives until the wait at the end of
+                // `run` (`copy_to_host_on`) or, on an error, the wait below.
+                unsafe { table_dev.copy_from_host_on(0, &table, stream)? };
                 let (t, o) = (table_dev.device_ptr(), out_dev.device_ptr());
                 let cfg = LaunchConfig {
                     grid: (n_items.clamp(1, 4096) as u32, 1, 1),
@@ -239,7 +264,8 @@ impl Fingerprinter {
             out_dev.copy_to_host_on(0, &mut out, stream)
         };
         if let Err(e) = run() {
-            // The buffers are freed below: nothing enqueued may still use them.
+            // The table's host bytes are dropped below, and the buffers are used by the next
+            // call: nothing enqueued may still use them.
             let _ = stream.synchronize();
             return Err(e);
         }

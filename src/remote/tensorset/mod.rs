@@ -21,7 +21,7 @@
 //!    metadata and the near generation its newest far generation mirrors ([`SetMsg::Ready`](super::wire::SetMsg::Ready));
 //! 3. per near generation (the newest; older ones the bridge had no time for are skipped), the
 //!    sending bridge holds it (its hold keeps the near writer off the buffer), says which tensors
-//!    it will write ([`SetMsg::Begin`](super::wire::SetMsg::Begin): all, or with `changed_only` those whose SHA-256 differs
+//!    it will write ([`SetMsg::Begin`](super::wire::SetMsg::Begin): all, or with `changed_only` those whose content digest differs
 //!    from the generation the far set mirrors); the receiving bridge takes a far buffer
 //!    ([`TensorSetWriter::begin`](crate::tensorset::TensorSetWriter::begin): the oldest no far
 //!    reader holds), fills the tensors that will not be written from its newest generation, waits

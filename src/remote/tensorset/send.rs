@@ -24,7 +24,7 @@ pub struct SendOptions {
     pub connect: String,
     /// The shared secret the receiving bridge expects.
     pub secret: Secret,
-    /// Write only the tensors whose SHA-256 differs from the generation the far set mirrors
+    /// Write only the tensors whose content digest differs from the generation the far set mirrors
     /// (default `false`: every generation whole). The digests are the tensors' content digests
     /// ([`crate::tensorset::Held::tensor_digests`]): on a GPU set one kernel over the held
     /// generation on the bridge's stream (a read of every byte at the device's memory
@@ -281,7 +281,10 @@ pub fn serve_with_changes(
     match r {
         // A stop asked for ends the session as asked, wherever it was (waiting for the far side's
         // word, or in a generation's WRITEs, whose far generation is then never published).
-        Err(_) if stop.load(Ordering::Relaxed) => Ok(Ended::Stopped),
+        Err(e) if stop.load(Ordering::Relaxed) => {
+            tracing::info!("tensor-set sending bridge: stopped ({e})");
+            Ok(Ended::Stopped)
+        }
         r => r,
     }
 }

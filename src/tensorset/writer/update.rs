@@ -412,8 +412,11 @@ impl Update<'_> {
     /// result), where [`Update::commit`] does not.
     ///
     /// # Errors
-    /// As [`Update::fingerprint`] (nothing is published then: the update is dropped, its buffer
-    /// given back) and [`Update::commit_with_content`].
+    /// As [`Update::fingerprint`]: nothing is published then, and the update is dropped, its
+    /// buffer given back (in place, the generation it held is gone, as after any abandoned
+    /// update). To keep the update when the fingerprint fails (and retry or abort it yourself),
+    /// call [`Update::fingerprint`] first and commit with [`Update::commit_with_content`]. As
+    /// [`Update::commit_with_content`].
     pub fn commit_fingerprinted(self) -> Result<(u64, [u8; 32])> {
         let fp = self.fingerprint()?;
         Ok((self.commit_with_content(fp)?, fp))
