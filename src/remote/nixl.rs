@@ -196,17 +196,14 @@ impl std::fmt::Debug for Lane {
     }
 }
 
-/// NIXL's UCX backend parameter that chooses UCX's error handling mode (`peer` or `none`).
-const UCX_ERROR_HANDLING: &str = "ucx_error_handling_mode";
-
 impl Lane {
     /// Creates agent `name` (`nixlAgent`, without progress or listener threads) and its UCX backend
     /// (`createBackend("UCX")`), after [`probe`]. UCX reads its `UCX_*` environment here
     /// (`UCX_NET_DEVICES`, `UCX_TLS`, `UCX_PROTO_INFO`, `UCX_LOG_FILE`: see
     /// [`super::environment`]). The backend's `device_list` parameter is not used: NIXL 1.5 takes
     /// its entries for RDMA devices, and a network interface named there leaves UCX no path.
-    /// `ucx_error_handling_mode` is set to `peer`: a far agent's death fails the WRITEs in
-    /// flight to it (an error from [`Lane::poll`]) rather than aborting this process.
+    /// The plugin's own parameters are used as NIXL gives them (NIXL 1.5.1: `num_workers` 1,
+    /// `ucx_error_handling_mode` `peer`, `ucx_devices` empty).
     ///
     /// # Errors
     /// [`Error::Unsupported`] from [`probe`]; [`RemoteError::Nixl`] when the agent or the backend
@@ -224,26 +221,9 @@ impl Lane {
         };
         let agent =
             Agent::new_configured(name, &cfg).map_err(nixl("nixl_capi_create_configured_agent"))?;
-        let (_mems, mut params) = agent
+        let (_mems, params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl("nixl_capi_get_plugin_params(UCX)"))?;
-        // UCX's peer error handling (`UCP_ERR_HANDLING_MODE_PEER`): a far agent that dies or
-        // stops answering mid-WRITE fails that WRITE (`getXferStatus` < 0, a `RemoteError`)
-        // instead of UCX aborting this process ("Fatal: unexpected error: Endpoint timeout",
-        // which NIXL's default, `none`, leads to on the TCP transport). NIXL 1.5 names the
-        // parameter `ucx_error_handling_mode`; a plugin without it keeps its default.
-        if params
-            .iter()
-            .map(|it| {
-                it.filter_map(|p| p.ok())
-                    .any(|(k, _)| k == UCX_ERROR_HANDLING)
-            })
-            .unwrap_or(false)
-        {
-            params
-                .set(UCX_ERROR_HANDLING, "peer")
-                .map_err(nixl("nixl_capi_params_add(ucx_error_handling_mode)"))?;
-        }
         let backend = agent.create_backend("UCX", &params).map_err(|e| {
             let mut reason = e.to_string();
             if let Some(hint) = tls_hint(std::env::var("UCX_TLS").ok().as_deref()) {
@@ -670,7 +650,31 @@ pub(super) fn pause(start: Instant, spin: Duration, naps: &mut u32) {
 
 #[cfg(test)]
 mod tests {
-    use super::tls_hint;
+    use super::{AgentConfig, probe, tls_hint};
+    use nixl_sys::Agent;
+
+    /// The lanes rely on UCX's peer error handling (a dead far agent fails the transfers to it):
+    /// NIXL's UCX plugin asks for it by default, and `Lane::new` passes the plugin's parameters on
+    /// unchanged. A NIXL whose default changed fails here.
+    #[test]
+    fn the_ucx_plugin_asks_for_peer_error_handling() {
+        if let Err(e) = probe() {
+            panic!("NIXL's libraries are needed (LD_LIBRARY_PATH, as .ci/run sets it): {e}");
+        }
+        let cfg = AgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured("cuda-ipc-params-test", &cfg).unwrap();
+        let (_mems, params) = agent.get_plugin_params("UCX").unwrap();
+        let map: std::collections::HashMap<String, String> = params.iter().unwrap().into();
+        assert_eq!(
+            map.get("ucx_error_handling_mode").map(String::as_str),
+            Some("peer"),
+            "{map:?}"
+        );
+    }
 
     #[test]
     fn a_transport_list_without_cuda_is_named_in_the_backend_error() {
