@@ -164,7 +164,16 @@ class LayoutMismatch(CudaIpcError):
     """The tensor set's layout fingerprint is not the one expected (another checkpoint or model)."""
 
 class ContentMismatch(CudaIpcError):
-    """A generation's content fingerprint is not the one expected."""
+    """A generation's content fingerprint is not the one expected (``expect_content``), or its
+    bytes are not the ones its writer fingerprinted (``TensorHold.verify_content()``)."""
+
+    generation: int
+    committed: bytes
+    """What the writer committed (32 bytes; all zeros: none)."""
+    expected: Optional[bytes]
+    """The reader's ``expect_content``, when that refused the generation."""
+    computed: Optional[bytes]
+    """The fingerprint of the bytes, when ``verify_content()`` refused them."""
 
 class NotHoldable(NotSupported):
     """The tensor set cannot be held by forwarding its file descriptors (``TensorSetHolder``,
@@ -618,6 +627,12 @@ class TensorUpdate:
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
         """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""
+    def fingerprint(self) -> bytes:
+        """The content fingerprint of the update's bytes as its work so far leaves them (32
+        bytes): commit with it (``commit(content=fp)``) and give it to readers
+        (``expect_content``)."""
+    def tensor_digests(self) -> List[bytes]:
+        """The content digest of each tensor as the work so far leaves it (16 bytes each)."""
     def commit(self, content: Optional[bytes] = None, fingerprint: bool = False) -> int:
         """Publishes the generation; ``fingerprint=True`` commits the fingerprint of its bytes,
         computed where they lie (a kernel on a GPU set), which readers check with

@@ -60,14 +60,21 @@ fn a_reader_in_another_process_verifies_each_generation_and_refuses_a_false_one(
             last = h.generation();
             let verdict = match h.verify_content() {
                 Ok(()) => "ok".to_string(),
-                Err(Error::TensorSet(TensorSetError::ContentMismatch {
-                    generation,
-                    expected,
-                    found,
-                })) => {
+                Err(Error::TensorSet(
+                    e @ TensorSetError::ContentUnverified {
+                        generation,
+                        committed,
+                        computed,
+                    },
+                )) => {
                     assert_eq!(generation, last);
-                    assert_eq!(expected, h.fingerprint().unwrap());
-                    assert_eq!(found, h.content());
+                    assert_eq!(computed, h.fingerprint().unwrap());
+                    assert_eq!(committed, h.content());
+                    assert!(
+                        e.to_string()
+                            .contains("not the ones its writer fingerprinted"),
+                        "{e}"
+                    );
                     "mismatch".to_string()
                 }
                 Err(e) => format!("error {e}"),

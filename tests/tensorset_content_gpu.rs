@@ -169,7 +169,7 @@ fn a_fingerprinted_generation_is_verified_in_another_process() {
             last = h.generation();
             let verdict = match h.verify_content() {
                 Ok(()) => "ok".to_string(),
-                Err(Error::TensorSet(TensorSetError::ContentMismatch { .. })) => {
+                Err(Error::TensorSet(TensorSetError::ContentUnverified { .. })) => {
                     "mismatch".to_string()
                 }
                 Err(e) => format!("error {e}"),

@@ -11,6 +11,7 @@ use cuda_ipc::registry::RegistryError;
 use cuda_ipc::tensorset::TensorSetError;
 use pyo3::exceptions::{PyException, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 pyo3::create_exception!(
     cuda_ipc,
@@ -140,7 +141,10 @@ pyo3::create_exception!(
     cuda_ipc,
     ContentMismatch,
     CudaIpcError,
-    "A generation's content fingerprint is not the one expected."
+    "A generation's content fingerprint is not the one expected (``TensorSetReader(expect_content=)``), \
+     or its bytes are not the ones its writer fingerprinted (``TensorHold.verify_content()``). \
+     Attributes: ``generation`` (int), ``committed`` (the writer's 32 bytes; all zeros: none), \
+     ``expected`` (the reader's demand, or None), ``computed`` (the bytes' fingerprint, or None)."
 );
 pyo3::create_exception!(
     cuda_ipc,
@@ -366,7 +370,9 @@ fn kind(e: &Error) -> Kind {
                 Kind::ChannelExists
             }
             TensorSetError::LayoutMismatch { .. } => Kind::LayoutMismatch,
-            TensorSetError::ContentMismatch { .. } => Kind::ContentMismatch,
+            TensorSetError::ContentMismatch { .. } | TensorSetError::ContentUnverified { .. } => {
+                Kind::ContentMismatch
+            }
             TensorSetError::BadManifest { .. } | TensorSetError::VersionMismatch { .. } => {
                 Kind::BadSegment
             }
@@ -455,10 +461,39 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Kind::WriterGone => WriterGone::new_err(msg),
         Kind::TensorSetClosed => TensorSetClosed::new_err(msg),
         Kind::LayoutMismatch => LayoutMismatch::new_err(msg),
-        Kind::ContentMismatch => ContentMismatch::new_err(msg),
+        Kind::ContentMismatch => content_mismatch(py, e, msg),
         Kind::NotHoldable => NotHoldable::new_err(msg),
         Kind::NoHolderSlot => NoHolderSlot::new_err(msg),
         Kind::NoServer => NoServer::new_err(msg),
+    }
+}
+
+/// `ContentMismatch` with its attributes: `generation`, `committed`, `expected`, `computed`.
+fn content_mismatch(py: Python<'_>, e: &Error, msg: String) -> PyErr {
+    let err = ContentMismatch::new_err(msg);
+    let (generation, committed, expected, computed) = match e {
+        Error::TensorSet(TensorSetError::ContentMismatch {
+            generation,
+            expected,
+            found,
+        }) => (*generation, *found, Some(*expected), None),
+        Error::TensorSet(TensorSetError::ContentUnverified {
+            generation,
+            committed,
+            computed,
+        }) => (*generation, *committed, None, Some(*computed)),
+        _ => return err,
+    };
+    let v = err.value(py);
+    let bytes = |b: Option<[u8; 32]>| b.map(|b| PyBytes::new(py, &b));
+    let set = v
+        .setattr("generation", generation)
+        .and_then(|()| v.setattr("committed", PyBytes::new(py, &committed)))
+        .and_then(|()| v.setattr("expected", bytes(expected)))
+        .and_then(|()| v.setattr("computed", bytes(computed)));
+    match set {
+        Ok(()) => err,
+        Err(set_err) => set_err,
     }
 }
 

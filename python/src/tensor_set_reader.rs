@@ -119,7 +119,7 @@ impl TensorSetReader {
         spin: Seconds,
         serve: bool,
         stable_addresses: bool,
-        expect_content: Option<&[u8]>,
+        expect_content: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut opts = ReaderOptions::new();
         opts.read_only = read_only;
@@ -134,14 +134,7 @@ impl TensorSetReader {
                 )
             })?);
         }
-        if let Some(c) = expect_content {
-            opts.expect_content = Some(<[u8; 32]>::try_from(c).map_err(|_| {
-                errors::invalid_argument(
-                    py,
-                    format!("expect_content is {} bytes; a fingerprint has 32", c.len()),
-                )
-            })?);
-        }
+        opts.expect_content = crate::util::fingerprint_arg(py, "expect_content", expect_content)?;
         let r = py
             .detach(|| -> cuda_ipc::Result<RustReader> {
                 match device {

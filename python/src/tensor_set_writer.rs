@@ -531,6 +531,33 @@ impl TensorUpdate {
         }
     }
 
+    /// The digests of the update's tensors as its work so far leaves them, without the GIL: the
+    /// work on the update's stream ordered first (GPU sets).
+    fn digests_now(&self, py: Python<'_>) -> PyResult<Vec<[u8; 16]>> {
+        py.detach(|| -> cuda_ipc::Result<Vec<[u8; 16]>> {
+            let g = lock(&self.update);
+            let Some(u) = g.as_ref() else {
+                return Err(cuda_ipc::Error::InvalidArgument(
+                    "this update was committed or aborted".to_string(),
+                ));
+            };
+            if let Some(s) = self.target {
+                // SAFETY: `s` is the stream `begin` resolved (the caller's or PyTorch's current
+                // stream, live for the call, or a default-stream sentinel).
+                unsafe { u.update().publish_after_raw(s as _) }?;
+            }
+            u.update().tensor_digests()
+        })
+        .map_err(|e| err(py, e))
+    }
+
+    /// The update's content fingerprint as its work so far leaves it.
+    fn fingerprint_bytes(&self, py: Python<'_>) -> PyResult<[u8; 32]> {
+        let d = self.digests_now(py)?;
+        let layout = self.writer.get().layout.clone();
+        cuda_ipc::tensorset::content::set_fingerprint(&layout, &d).map_err(|e| err(py, e))
+    }
+
     /// Commits with `content` (`None`: none), or with the fingerprint of the bytes when
     /// `fingerprint` (computed first, the update still open: a failed fingerprint leaves it
     /// open, to commit again or abort).
@@ -541,13 +568,7 @@ impl TensorUpdate {
         fingerprint: bool,
     ) -> PyResult<u64> {
         if fingerprint {
-            content = Some(self.with(py, |u| {
-                if let Some(s) = self.target {
-                    // SAFETY: as below.
-                    unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
-                }
-                u.update().fingerprint().map_err(|e| err(py, e))
-            })?);
+            content = Some(self.fingerprint_bytes(py)?);
         }
         let Some(u) = lock(&self.update).take() else {
             return Err(errors::invalid_argument(
@@ -705,6 +726,21 @@ impl TensorUpdate {
         self.with(py, |u| u.write_tensor(i, src).map_err(|e| err(py, e)))
     }
 
+    /// The content fingerprint of the update's bytes as its work so far leaves them (32 bytes;
+    /// on a GPU set a kernel after that work, waited for, without the GIL): commit with it
+    /// (`commit(content=fp)`) and hand it to readers for `expect_content`.
+    fn fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let f = self.fingerprint_bytes(py)?;
+        Ok(PyBytes::new(py, &f))
+    }
+
+    /// The content digest of each tensor as the work so far leaves it (16 bytes each, in the
+    /// set's order).
+    fn tensor_digests<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let d = self.digests_now(py)?;
+        Ok(d.iter().map(|x| PyBytes::new(py, x)).collect())
+    }
+
     /// Publishes the generation; returns its number. Its ready word is written on the writer's
     /// stream after the work enqueued on the update's stream. `content`: a 32-byte content
     /// fingerprint of your own readers may demand; `fingerprint=True`: the fingerprint of the
@@ -713,22 +749,19 @@ impl TensorUpdate {
     /// Both at once is a `ValueError`; a failed fingerprint publishes nothing and leaves the
     /// update open (commit again, or abort).
     #[pyo3(signature = (content=None, fingerprint=false))]
-    fn commit(&self, py: Python<'_>, content: Option<&[u8]>, fingerprint: bool) -> PyResult<u64> {
+    fn commit(
+        &self,
+        py: Python<'_>,
+        content: Option<&Bound<'_, PyAny>>,
+        fingerprint: bool,
+    ) -> PyResult<u64> {
         if fingerprint && content.is_some() {
             return Err(errors::invalid_argument(
                 py,
                 "content and fingerprint=True: give one or the other".to_string(),
             ));
         }
-        let content = match content {
-            None => None,
-            Some(c) => Some(<[u8; 32]>::try_from(c).map_err(|_| {
-                errors::invalid_argument(
-                    py,
-                    format!("content is {} bytes; a fingerprint has 32", c.len()),
-                )
-            })?),
-        };
+        let content = crate::util::fingerprint_arg(py, "content", content)?;
         self.finish(py, content, fingerprint)
     }
 

@@ -391,3 +391,21 @@ pub(crate) fn copy<T: Send>(py: Python<'_>, n: usize, copy: impl FnOnce() -> T +
         copy()
     }
 }
+
+/// A 32-byte fingerprint argument named `what` from any bytes-like object (`None`: none);
+/// `InvalidArgument` for another length, `TypeError` for an object that is not bytes-like.
+pub(crate) fn fingerprint_arg(
+    py: Python<'_>,
+    what: &str,
+    v: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<[u8; 32]>> {
+    let Some(v) = v else { return Ok(None) };
+    let b = bytes_of(v)?;
+    let b = b.as_bytes();
+    <[u8; 32]>::try_from(b).map(Some).map_err(|_| {
+        crate::errors::invalid_argument(
+            py,
+            format!("{what} is {} bytes; a fingerprint has 32", b.len()),
+        )
+    })
+}

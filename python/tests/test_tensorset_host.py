@@ -396,12 +396,14 @@ def test_a_fingerprinted_commit_is_verified_and_a_false_one_refused(name):
             u.write(t, data(1, t, n))
         with pytest.raises(cuda_ipc.InvalidArgument):
             u.commit(content=bytes(32), fingerprint=True)
+        before = u.fingerprint()
+        assert len(u.tensor_digests()) == 3
         g1 = u.commit(fingerprint=True)
         with r.current() as h:
             assert h.generation == g1
             h.verify_content()
             fp = h.fingerprint()
-            assert len(fp) == 32 and h.content == fp
+            assert len(fp) == 32 and h.content == fp == before
             d1 = h.tensor_digests()
             assert [len(d) for d in d1] == [16, 16, 16]
         # One tensor changed, and a fingerprint that is not the bytes'.
@@ -410,14 +412,19 @@ def test_a_fingerprinted_commit_is_verified_and_a_false_one_refused(name):
             u.write(t, data(1 if t != "b" else 2, t, n))
         u.commit(content=b"\x07" * 32)
         with r.wait_newer(g1, timeout=ANSWER) as h:
-            with pytest.raises(cuda_ipc.ContentMismatch):
+            with pytest.raises(cuda_ipc.ContentMismatch) as e:
                 h.verify_content()
+            assert e.value.generation == h.generation
+            assert e.value.committed == b"\x07" * 32 and e.value.expected is None
+            assert e.value.computed == h.fingerprint()
             d2 = h.tensor_digests()
             assert [a != b for a, b in zip(d1, d2)] == [False, True, False]
         # A reader demanding generation 1's weights refuses the newest generation.
-        strict = cuda_ipc.TensorSetReader(name, expect_content=fp)
-        with pytest.raises(cuda_ipc.ContentMismatch):
+        strict = cuda_ipc.TensorSetReader(name, expect_content=bytearray(fp))
+        with pytest.raises(cuda_ipc.ContentMismatch) as e:
             strict.current()
+        assert e.value.generation == g1 + 1 and e.value.expected == fp
+        assert e.value.committed == b"\x07" * 32 and e.value.computed is None
         strict.close()
         with pytest.raises(cuda_ipc.InvalidArgument):
             cuda_ipc.TensorSetReader(name, expect_content=b"short")

@@ -93,8 +93,12 @@ fn finish(s: [u64; 2], len: u64) -> TensorDigest {
 /// same bytes in device memory. Past 64 MiB the words are summed on up to
 /// `std::thread::available_parallelism` threads.
 pub fn digest_bytes(bytes: &[u8]) -> TensorDigest {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let s = if bytes.len() < PARALLEL_BYTES || threads < 2 {
+    let threads = if bytes.len() < PARALLEL_BYTES {
+        1
+    } else {
+        threads()
+    };
+    let s = if threads < 2 {
         sums(bytes, 0)
     } else {
         // Parts of whole words; the lanes add up whatever the split.
@@ -114,6 +118,74 @@ pub fn digest_bytes(bytes: &[u8]) -> TensorDigest {
         })
     };
     finish(s, bytes.len() as u64)
+}
+
+/// Threads for a large host digest (`std::thread::available_parallelism`, read once).
+fn threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Bytes a host digest of shared memory copies at a time.
+const STAGE: usize = 4 << 20;
+
+/// The lanes of the `len` bytes at `ptr`, whose first word has index `first`, copied out
+/// [`STAGE`] bytes at a time (`len` a multiple of 16 except for a tensor's last part).
+///
+/// # Safety
+/// As [`digest_shared`].
+unsafe fn sums_shared(ptr: *const u8, len: usize, first: u64) -> [u64; 2] {
+    let mut buf = vec![0u8; STAGE.min(len)];
+    let mut s = [0u64; 2];
+    let mut at = 0;
+    while at < len {
+        let n = STAGE.min(len - at);
+        // SAFETY: `at + n <= len`: inside the range the caller vouches for; `buf` is this
+        // function's and holds at least `n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.add(at), buf.as_mut_ptr(), n) };
+        let p = sums(&buf[..n], first + (at / 16) as u64);
+        s = [s[0].wrapping_add(p[0]), s[1].wrapping_add(p[1])];
+        at += n;
+    }
+    s
+}
+
+/// [`digest_bytes`] of the `len` bytes at `ptr` in memory other processes map (a host tensor
+/// set's buffer): copied out a few MiB at a time (never a reference into shared memory, never a
+/// copy of the whole tensor), on several threads past 64 MiB.
+///
+/// # Safety
+/// `ptr..ptr + len` is readable for the call (a mapping that outlives it); bytes another process
+/// writes meanwhile give a digest of some mix of old and new bytes, never undefined behaviour
+/// (they are only copied, byte for byte).
+pub(crate) unsafe fn digest_shared(ptr: *const u8, len: usize) -> TensorDigest {
+    let threads = if len < PARALLEL_BYTES { 1 } else { threads() };
+    let s = if threads < 2 {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { sums_shared(ptr, len, 0) }
+    } else {
+        let part = len.div_ceil(threads).next_multiple_of(16);
+        // Addresses cross threads as integers: each part is a distinct range of the caller's.
+        let base = ptr as usize;
+        std::thread::scope(|sc| {
+            let parts: Vec<_> = (0..len)
+                .step_by(part)
+                .map(|at| {
+                    let n = part.min(len - at);
+                    // SAFETY: `at + n <= len`, inside the caller's range, alive for the scope.
+                    sc.spawn(move || unsafe {
+                        sums_shared((base + at) as *const u8, n, (at / 16) as u64)
+                    })
+                })
+                .collect();
+            parts.into_iter().fold([0u64; 2], |acc, p| {
+                // A part's thread cannot panic but by allocation failure, which aborts.
+                let s = p.join().unwrap_or([0; 2]);
+                [acc[0].wrapping_add(s[0]), acc[1].wrapping_add(s[1])]
+            })
+        })
+    };
+    finish(s, len as u64)
 }
 
 /// A generation's content fingerprint: SHA-256 over a tag, `layout`'s fingerprint, the number of
@@ -317,7 +389,15 @@ mod tests {
         let v: Vec<u8> = (0..n)
             .map(|i| (i as u32).wrapping_mul(2_654_435_761) as u8)
             .collect();
-        assert_eq!(digest_bytes(&v), finish(sums(&v, 0), n as u64));
+        let one = finish(sums(&v, 0), n as u64);
+        assert_eq!(digest_bytes(&v), one);
+        // SAFETY: `v` is readable for the calls.
+        assert_eq!(unsafe { digest_shared(v.as_ptr(), n) }, one);
+        for len in [0, 1, 17, STAGE - 1, STAGE + 33] {
+            // SAFETY: as above.
+            let d = unsafe { digest_shared(v.as_ptr(), len) };
+            assert_eq!(d, digest_bytes(&v[..len]), "{len}");
+        }
     }
 
     #[test]

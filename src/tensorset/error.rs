@@ -79,9 +79,11 @@ pub enum TensorSetError {
         /// What the set has.
         found: [u8; 32],
     },
-    /// A generation's content fingerprint is not the one expected.
+    /// A generation's committed content fingerprint is not the one the reader demands
+    /// ([`crate::tensorset::ReaderOptions::expect_content`]). It compares the writer's label, not
+    /// the bytes: [`TensorSetError::ContentUnverified`] is about the bytes.
     #[error(
-        "content fingerprint mismatch in generation {generation}: expected {}, found {}",
+        "content fingerprint mismatch in generation {generation}: expected {}, the writer committed {}",
         hex(expected),
         hex(found)
     )]
@@ -90,8 +92,19 @@ pub enum TensorSetError {
         generation: u64,
         /// What the reader expected.
         expected: [u8; 32],
-        /// What the writer published.
+        /// What the writer committed (all zeros: none).
         found: [u8; 32],
+    },
+    /// A generation's bytes do not have the content fingerprint its writer committed, or the
+    /// writer committed none ([`crate::tensorset::Held::verify_content`]).
+    #[error("{}", unverified(*generation, committed, computed))]
+    ContentUnverified {
+        /// The generation.
+        generation: u64,
+        /// What the writer committed (all zeros: none).
+        committed: [u8; 32],
+        /// The fingerprint of the bytes, computed by the reader.
+        computed: [u8; 32],
     },
     /// The manifest segment `segment` is not a valid tensor-set manifest.
     #[error("bad tensor-set manifest {segment}: {fault}")]
@@ -195,6 +208,23 @@ fn suffix(why: &str) -> String {
         String::new()
     } else {
         format!(": {why}")
+    }
+}
+
+fn unverified(generation: u64, committed: &[u8; 32], computed: &[u8; 32]) -> String {
+    if committed == &[0; 32] {
+        format!(
+            "generation {generation} was committed without a content fingerprint, so its bytes \
+             cannot be verified (the writer commits with commit_fingerprinted); its bytes have {}",
+            hex(computed)
+        )
+    } else {
+        format!(
+            "generation {generation}'s bytes are not the ones its writer fingerprinted: the \
+             writer committed {}, the bytes have {}",
+            hex(committed),
+            hex(computed)
+        )
     }
 }
 

@@ -804,7 +804,13 @@ impl Held<'_> {
                 f.digests(&tensors, stream)
             }
             Memory::Host(_) => (0..n)
-                .map(|i| Ok(content::digest_bytes(&self.read_tensor(i)?)))
+                .map(|i| {
+                    let p = self.host_ptr(i)?;
+                    let len = self.reader.layout.tensors()[i].bytes as usize;
+                    // SAFETY: `p..p + len` is tensor `i` of the held buffer (see `tensor`), in
+                    // the reader's mapping, alive while the guard is.
+                    Ok(unsafe { content::digest_shared(p, len) })
+                })
                 .collect(),
         }
     }
@@ -822,18 +828,18 @@ impl Held<'_> {
     /// ([`crate::tensorset::Update::commit_fingerprinted`]): recomputes it here
     /// ([`Held::fingerprint`]) and compares. A mismatch means the bytes are not what the writer
     /// fingerprinted (written after the commit, corrupted, or a fingerprint the writer computed
-    /// otherwise); a writer that committed none (all zeros) mismatches too.
+    /// otherwise); a generation committed without a fingerprint (all zeros) cannot be verified.
     ///
     /// # Errors
-    /// [`TensorSetError::ContentMismatch`] (`expected`: the fingerprint of the bytes here,
-    /// `found`: what the writer committed); as [`Held::fingerprint`].
+    /// [`TensorSetError::ContentUnverified`] (what the writer committed, what the bytes have);
+    /// as [`Held::fingerprint`].
     pub fn verify_content(&self) -> Result<()> {
-        let here = self.fingerprint()?;
-        if here != self.content {
-            return Err(TensorSetError::ContentMismatch {
+        let computed = self.fingerprint()?;
+        if computed != self.content {
+            return Err(TensorSetError::ContentUnverified {
                 generation: self.generation,
-                expected: here,
-                found: self.content,
+                committed: self.content,
+                computed,
             }
             .into());
         }

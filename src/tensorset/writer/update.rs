@@ -370,25 +370,17 @@ impl Update<'_> {
             }
             Memory::Host(d) => {
                 let base = d.ptr(self.buffer);
-                let mut buf = Vec::new();
                 Ok(self
                     .layout
                     .tensors()
                     .iter()
                     .map(|t| {
-                        buf.resize(t.bytes as usize, 0);
                         // SAFETY: `offset + bytes <= bytes_per_buffer <= stride` (checked by
                         // the layout), so the range lies in this update's buffer of the
-                        // mapping, which only this writer writes while the update lives;
-                        // copied out into this process's memory.
+                        // mapping, which lives as long as the writer.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                base.add(t.offset as usize),
-                                buf.as_mut_ptr(),
-                                buf.len(),
-                            )
-                        };
-                        content::digest_bytes(&buf)
+                            content::digest_shared(base.add(t.offset as usize), t.bytes as usize)
+                        }
                     })
                     .collect())
             }
