@@ -456,15 +456,13 @@ fn near(o: &Opts) -> Res<()> {
         let mut so = send::SendOptions::new(&name, &format!("127.0.0.1:{port}"), secret()?);
         so.lane.write_timeout = STEP;
         so.changed_only = o.digests;
-        let digests = o.digests;
+        // With `--digests` the bridge is told nothing: its digests decide.
+        let told_by_writer = !o.digests;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let bridge = std::thread::spawn(move || -> Result<send::Totals, String> {
             let mut totals = send::Totals::default();
             let mut changes = |base: u64, near: u64| -> Option<Vec<usize>> {
-                if digests {
-                    return None;
-                }
                 let t = told2.lock().ok()?;
                 let mut v = Vec::new();
                 for x in base + 1..=near {
@@ -474,7 +472,8 @@ fn near(o: &Opts) -> Res<()> {
                 v.dedup();
                 Some(v)
             };
-            send::serve_with_changes(&so, &stop2, &mut totals, Some(&mut changes))
+            let changes: Option<send::Changes<'_>> = told_by_writer.then_some(&mut changes);
+            send::serve_with_changes(&so, &stop2, &mut totals, changes)
                 .map_err(|e| e.to_string())?;
             Ok(totals)
         });

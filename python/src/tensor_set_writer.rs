@@ -577,7 +577,8 @@ impl TensorUpdate {
             ));
         };
         let writer = self.writer.get();
-        if let Some(s) = self.target
+        // A fingerprint already ordered the writer's stream after the target's work.
+        if let Some(s) = self.target.filter(|_| !fingerprint)
             && let Err(e) = {
                 // SAFETY: `s` is the stream `begin` resolved (the caller's or PyTorch's current
                 // stream, live for the call, or a default-stream sentinel).

@@ -188,6 +188,20 @@ pub(crate) unsafe fn digest_shared(ptr: *const u8, len: usize) -> TensorDigest {
     finish(s, len as u64)
 }
 
+/// [`digest_shared`] of every tensor of `layout` in the host buffer at `base`.
+///
+/// # Safety
+/// `base` is the first byte of a buffer of `layout` (`bytes_per_buffer` bytes, the layout checked
+/// at decode) in a mapping that outlives the call, as [`digest_shared`] asks of each tensor.
+pub(crate) unsafe fn host_digests(base: *const u8, layout: &Layout) -> Vec<TensorDigest> {
+    layout
+        .tensors()
+        .iter()
+        // SAFETY: `offset + bytes <= bytes_per_buffer`, so each tensor lies in the buffer.
+        .map(|t| unsafe { digest_shared(base.add(t.offset as usize), t.bytes as usize) })
+        .collect()
+}
+
 /// A generation's content fingerprint: SHA-256 over a tag, `layout`'s fingerprint, the number of
 /// tensors and `digests` (one per tensor of `layout`, in order).
 ///

@@ -369,20 +369,9 @@ impl Update<'_> {
                 f.digests(&tensors, stream)
             }
             Memory::Host(d) => {
-                let base = d.ptr(self.buffer);
-                Ok(self
-                    .layout
-                    .tensors()
-                    .iter()
-                    .map(|t| {
-                        // SAFETY: `offset + bytes <= bytes_per_buffer <= stride` (checked by
-                        // the layout), so the range lies in this update's buffer of the
-                        // mapping, which lives as long as the writer.
-                        unsafe {
-                            content::digest_shared(base.add(t.offset as usize), t.bytes as usize)
-                        }
-                    })
-                    .collect())
+                // SAFETY: this update's buffer of the data segment's mapping, which lives as long
+                // as the writer.
+                Ok(unsafe { content::host_digests(d.ptr(self.buffer), self.layout) })
             }
         }
     }
