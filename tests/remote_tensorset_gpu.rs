@@ -204,6 +204,16 @@ fn spawn(tls: &str, role: &str, vars: &[(&str, String)]) -> Peer {
     p
 }
 
+/// The transports a test runs over: UCX's own choice and forced TCP, or only the one named by
+/// `CUDA_IPC_TEST_TLS` (`default` or `tcp`), to run one of them alone (with UCX's debug log).
+fn transports() -> Vec<&'static str> {
+    match std::env::var("CUDA_IPC_TEST_TLS").as_deref() {
+        Ok("default") => vec!["default"],
+        Ok("tcp") => vec!["tcp"],
+        _ => vec!["default", "tcp"],
+    }
+}
+
 fn open_far(far: &str) -> TensorSetReader {
     let start = Instant::now();
     loop {
@@ -310,7 +320,7 @@ fn device_sets_mirror_changed_tensors_only_checked_on_the_gpu_over_both_transpor
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
 fn killing_the_sending_bridge_mid_generation_leaves_whole_generations_on_the_gpu() {
     cuda_ipc::remote::nixl::probe().expect("NIXL on LD_LIBRARY_PATH");
-    for tls in ["default", "tcp"] {
+    for tls in transports() {
         let tag = format!("kill-{tls}-{}", std::process::id());
         let (near, far) = (format!("tsg-near-{tag}"), format!("tsg-far-{tag}"));
         let _reap = Reap(vec![near.clone(), far.clone()]);

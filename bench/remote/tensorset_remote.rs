@@ -5,18 +5,25 @@
 //! 8 in flight, one notification each) into a far buffer of the same kind, in the same run. For
 //! each transport (`--tls default`: UCX's choice, `cuda_ipc` between GPUs of a host; `--tls tcp`:
 //! `UCX_TLS=tcp,self,cuda_copy`; both by default) and each of `--runs` runs: the raw figure, one
-//! whole generation mirrored, an empty generation (the fixed cost of a generation: the control
-//! round trips and the far side's fill of every tensor from its newest generation), and
-//! generations with 1 % of the bytes changed (tensors at random, told by the writer,
-//! `send::serve_with_changes`; with `--digests`, found by the sending bridge itself from the
-//! tensors' content digests, `SendOptions::changed_only`, computed on the GPU for device sets).
+//! whole generations mirrored (after one unmeasured into the far set's other buffer, as raw
+//! NIXL's figure is its second round), an empty generation (the fixed cost of a generation: the
+//! control round trips, the far side's `begin` and publication; the second of two, since the
+//! first fills its buffer with the whole generation before it), and generations with 1 % of the
+//! bytes changed (tensors at random, told by the writer, `send::serve_with_changes`; with
+//! `--digests`, found by the sending bridge itself from the tensors' content digests,
+//! `SendOptions::changed_only`, computed on the GPU for device sets; the near set is then
+//! written in place).
 //! Also the time of the digests of the whole set (`Held::tensor_digests`, three times, median).
 //! Prints a table of medians and ratios, and one JSON line.
 //!
 //! ```text
 //! tensorset_remote [--memory device|host] [--device 0] [--runs 3] [--tls both|default|tcp]
-//!                  [--changed-gens 3] [--quick] [--digests]
+//!                  [--changed-gens 3] [--whole 2] [--quick] [--digests]
 //! ```
+//! Run each run in a process of its own (`--runs 1`, three times) where the far side is on the
+//! same host: UCX's `cuda_ipc` transport keeps the far processes' memory it wrote to mapped for
+//! the life of the writing process (its remote cache is process-wide), so the far buffers of
+//! earlier runs stay allocated and three 15 GiB runs do not fit one H200.
 //! `--quick`: a 256 MiB set of 64 tensors (with `--memory host`, no GPU is needed). Needs NIXL's
 //! libraries on LD_LIBRARY_PATH.
 
@@ -53,6 +60,8 @@ struct Opts {
     changed_gens: usize,
     quick: bool,
     digests: bool,
+    /// Whole generations measured per run (after one unmeasured into the far set's other buffer).
+    whole: usize,
 }
 
 fn opts() -> Res<Opts> {
@@ -64,6 +73,7 @@ fn opts() -> Res<Opts> {
         changed_gens: 3,
         quick: false,
         digests: false,
+        whole: 2,
     };
     let mut a = std::env::args().skip(1);
     while let Some(k) = a.next() {
@@ -82,6 +92,7 @@ fn opts() -> Res<Opts> {
             }
             "--quick" => o.quick = true,
             "--digests" => o.digests = true,
+            "--whole" => o.whole = v()?.parse::<usize>()?.max(1),
             x => return Err(format!("unknown flag {x}").into()),
         }
     }
@@ -383,7 +394,14 @@ fn near(o: &Opts) -> Res<()> {
     } else {
         None
     };
-    let topts = TensorSetOptions::new().mode(GenerationMode::Buffered(2));
+    // With `--digests` the near set is written in place, as a trainer's optimizer does, so that
+    // the tensors a generation does not write keep their bytes and the digests find only the
+    // ones it wrote (a double-buffered update starts from the bytes of two generations ago).
+    let topts = TensorSetOptions::new().mode(if o.digests {
+        GenerationMode::InPlace
+    } else {
+        GenerationMode::Buffered(2)
+    });
     let mut w = match &ctx {
         Some(c) => TensorSetWriter::create(c, &name, &specs, &topts)?,
         None => TensorSetWriter::create_host(&name, &specs, &topts)?,
@@ -494,25 +512,47 @@ fn near(o: &Opts) -> Res<()> {
         // before it, the transport probe of the first WRITE in it).
         arrived(g, 0)?;
         say(&format!("run {run}: first generation mirrored"));
-        // One whole generation, measured.
-        told.lock().map_err(|_| "lock")?.insert(g + 1, None);
-        let t0 = now_ns();
-        // (Found by digests, a whole generation is one whose every tensor changed.)
-        g = fill(&mut w, g + 1, if o.digests { &all } else { &[0] })?;
-        full.push(bytes as f64 / (arrived(g, t0)? / 1e3) / 1e9);
-        say(&format!(
-            "run {run}: whole generation {:.2} GB/s",
-            full[full.len() - 1]
-        ));
-        // An empty generation: the fixed cost.
-        told.lock().map_err(|_| "lock")?.insert(g + 1, Some(vec![]));
-        let t0 = now_ns();
-        g = fill(&mut w, g + 1, &[])?;
-        fixed.push(arrived(g, t0)?);
-        say(&format!(
-            "run {run}: empty generation {:.2} ms",
-            fixed[fixed.len() - 1]
-        ));
+        // Whole generations: the first into each far buffer (both are written once, as a
+        // running bridge has: the WRITEs' requests made, UCX's mappings of the far buffer
+        // opened) unmeasured, as raw NIXL's first round is; then WHOLE measured.
+        for k in 0..1 + o.whole {
+            told.lock().map_err(|_| "lock")?.insert(g + 1, None);
+            let t0 = now_ns();
+            // (Found by digests, a whole generation is one whose every tensor changed.)
+            g = fill(&mut w, g + 1, if o.digests { &all } else { &[0] })?;
+            let ms = arrived(g, t0)?;
+            if k > 0 {
+                full.push(bytes as f64 / (ms / 1e3) / 1e9);
+            }
+            say(&format!(
+                "run {run}: whole generation {:.2} GB/s{}",
+                bytes as f64 / (ms / 1e3) / 1e9,
+                if k == 0 {
+                    " (warm-up, not counted)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        // Empty generations: the fixed cost, the second one measured (the first fills its
+        // buffer with the whole generation before it, which that buffer lacks).
+        for k in 0..2 {
+            told.lock().map_err(|_| "lock")?.insert(g + 1, Some(vec![]));
+            let t0 = now_ns();
+            g = fill(&mut w, g + 1, &[])?;
+            let ms = arrived(g, t0)?;
+            if k == 1 {
+                fixed.push(ms);
+            }
+            say(&format!(
+                "run {run}: empty generation {ms:.2} ms{}",
+                if k == 0 {
+                    " (fills its buffer, not counted)"
+                } else {
+                    ""
+                }
+            ));
+        }
         // 1 % of the bytes, tensors at random.
         for _ in 0..o.changed_gens {
             let mut pick = Vec::new();

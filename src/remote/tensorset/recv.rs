@@ -123,6 +123,8 @@ pub fn serve(
     let mut writer: Option<Box<TensorSetWriter>> = None;
     // The near generation the far set's newest generation mirrors (0: none, or unknown).
     let mut mirrored = 0u64;
+    // What each far buffer holds, across sessions (the far set outlives them).
+    let mut holdings = Holdings::default();
     loop {
         if stop.load(Ordering::Relaxed) {
             return Ok(Ended::Stopped(writer));
@@ -154,6 +156,7 @@ pub fn serve(
             layout,
             sender: agent,
             mirrored: &mut mirrored,
+            holdings: &mut holdings,
             totals,
         };
         match s.run(a, near_kind) {
@@ -299,7 +302,67 @@ struct Session<'a> {
     /// The sending bridge's NIXL agent: notifications of any other are not this session's.
     sender: String,
     mirrored: &'a mut u64,
+    holdings: &'a mut Holdings,
     totals: &'a mut Totals,
+}
+
+/// What each far buffer holds, so that a changed-only generation copies into its buffer only the
+/// tensors that buffer lacks: those another generation wrote since the buffer's own (a buffer of
+/// generation g−2, written again for g, lacks g−1's changes, not the whole set). Far generation
+/// numbers come from one writer, so they order every write, across sessions too.
+#[derive(Debug, Default)]
+struct Holdings {
+    /// Per far buffer: the far generation whose bytes it holds whole; `None` when unknown (never
+    /// written by this bridge, or an update begun there and not committed).
+    buffers: Vec<Option<u64>>,
+    /// Per tensor: the far generation that last wrote it over the wire (0: none yet).
+    written: Vec<u64>,
+}
+
+impl Holdings {
+    /// Sized for `buffers` buffers of `tensors` tensors; everything unknown on a change of shape.
+    fn fit(&mut self, buffers: usize, tensors: usize) {
+        if self.buffers.len() != buffers || self.written.len() != tensors {
+            self.buffers = vec![None; buffers];
+            self.written = vec![0; tensors];
+        }
+    }
+
+    /// The tensors to copy from the newest generation into `buffer` for a generation that WRITEs
+    /// the `chosen` ones: the others that `buffer` does not hold as they are now.
+    fn lacking(&self, buffer: usize, chosen: &[bool]) -> Vec<bool> {
+        let held = self.buffers.get(buffer).copied().flatten();
+        chosen
+            .iter()
+            .enumerate()
+            .map(|(t, &c)| {
+                !c && match held {
+                    None => true,
+                    Some(h) => self.written.get(t).is_none_or(|&w| w > h),
+                }
+            })
+            .collect()
+    }
+
+    /// An update began in `buffer`: its bytes are unknown until the commit.
+    fn begun(&mut self, buffer: usize) {
+        if let Some(b) = self.buffers.get_mut(buffer) {
+            *b = None;
+        }
+    }
+
+    /// Far generation `far` was committed from `buffer`, the `chosen` tensors written over the
+    /// wire, the rest filled from the newest generation.
+    fn committed(&mut self, buffer: usize, far: u64, chosen: &[bool]) {
+        if let Some(b) = self.buffers.get_mut(buffer) {
+            *b = Some(far);
+        }
+        for (w, &c) in self.written.iter_mut().zip(chosen) {
+            if c {
+                *w = far;
+            }
+        }
+    }
 }
 
 impl Session<'_> {
@@ -492,6 +555,7 @@ impl Session<'_> {
         }
         let heartbeat = self.opts.lane.heartbeat;
         let stop = self.stop;
+        self.holdings.fit(self.writer.buffers(), n);
         let mut update = loop {
             if stop.load(Ordering::Relaxed) {
                 return Err(RemoteError::Link("stopped".into()).into());
@@ -510,18 +574,23 @@ impl Session<'_> {
                 Err(e) => return Err(e),
             }
         };
-        if !all {
-            let unchanged: Vec<bool> = chosen.iter().map(|c| !c).collect();
-            update.copy_ranges_from_previous(&runs(&self.layout, &unchanged))?;
-        }
+        let buffer = update.buffer();
+        // Only what this buffer lacks (the tensors written since its own generation).
+        let lacking = self.holdings.lacking(buffer, &chosen);
+        self.holdings.begun(buffer);
         if let Ok(s) = update.stream() {
-            // NIXL writes from the host's side: the far readers' release words (the stream waits
-            // for them) and the fill first.
+            // NIXL writes from the host's side: the far readers' release words first (the
+            // stream waits for them).
             s.synchronize()?;
+        }
+        if !all {
+            // On the stream, beside the WRITEs (other bytes): before the publication, which is
+            // ordered after the stream's work.
+            update.copy_ranges_from_previous(&runs(&self.layout, &lacking))?;
         }
         link.send(&Msg::Set(SetMsg::Buffer {
             near,
-            buffer: update.buffer() as u32,
+            buffer: buffer as u32,
         }))?;
         let mut seen: HashSet<u32> = HashSet::new();
         let mut done: Option<(u32, Instant)> = None;
@@ -572,8 +641,53 @@ impl Session<'_> {
         }
         // Every byte landed: publish.
         let far = update.commit_with_content(content)?;
+        self.holdings.committed(buffer, far, &chosen);
         *self.mirrored = near;
         self.totals.generations += 1;
         Ok(far)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Holdings;
+
+    #[test]
+    fn a_buffer_lacks_only_what_was_written_since_its_own_generation() {
+        let mut h = Holdings::default();
+        h.fit(2, 4);
+        // Nothing known: a changed-only generation copies every tensor it does not write.
+        assert_eq!(
+            h.lacking(0, &[true, false, false, false]),
+            [false, true, true, true]
+        );
+        // Far generation 1, whole, in buffer 0; generation 2 in buffer 1 writes tensor 1.
+        h.begun(0);
+        h.committed(0, 1, &[true; 4]);
+        assert_eq!(
+            h.lacking(1, &[false, true, false, false]),
+            [true, false, true, true]
+        );
+        h.begun(1);
+        h.committed(1, 2, &[false, true, false, false]);
+        // Generation 3 in buffer 0 writes tensor 3: buffer 0 (generation 1) lacks tensor 1 only.
+        assert_eq!(
+            h.lacking(0, &[false, false, false, true]),
+            [false, true, false, false]
+        );
+        h.begun(0);
+        h.committed(0, 3, &[false, false, false, true]);
+        // Generation 4 in buffer 1 (generation 2) writes nothing: it lacks tensor 3 only.
+        assert_eq!(h.lacking(1, &[false; 4]), [false, false, false, true]);
+        // An update begun and never committed leaves its buffer unknown: everything is copied.
+        h.begun(1);
+        assert_eq!(
+            h.lacking(1, &[false, true, false, false]),
+            [true, false, true, true]
+        );
+        // A change of shape forgets everything.
+        h.committed(1, 4, &[false; 4]);
+        h.fit(3, 4);
+        assert_eq!(h.lacking(1, &[false; 4]), [true; 4]);
     }
 }
