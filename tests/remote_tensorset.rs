@@ -589,3 +589,61 @@ fn far_small_passes(far: &str, after: u64) {
     let h = r.wait_newer(0, Some(ANSWER)).unwrap();
     assert!(check(&h, false, n) >= after);
 }
+
+/// An in-place near writer (a trainer updating its weights where they lie) is never kept waiting
+/// by an idle sending bridge: the bridge holds a near generation only while it mirrors it, not
+/// while it waits for the next (a hold kept meanwhile stalled each in-place update until the
+/// bridge's wait timed out, and on a GPU set livelocked it).
+#[test]
+fn an_idle_sending_bridge_holds_nothing_so_an_in_place_writer_updates_at_once() {
+    cuda_ipc::remote::nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH");
+    let (near, far) = names("inplace");
+    let _reap = Reap(vec![near.clone(), far.clone()]);
+    let specs = specs("small", false);
+    let n = specs.len();
+    let mut w = TensorSetWriter::create_host(
+        &near,
+        &specs,
+        &TensorSetOptions::new().mode(GenerationMode::InPlace),
+    )
+    .expect("near set");
+    let write = |w: &mut TensorSetWriter, g: u64, timeout: Duration| -> Result<u64, Error> {
+        let mut u = w.begin(Some(timeout))?;
+        for i in 0..n {
+            let bytes: Vec<u8> = (0..w_len(&specs, i)).map(|k| pattern(g, i, k)).collect();
+            u.write_tensor(i, &bytes)?;
+        }
+        u.commit_with_content(content(g))
+    };
+    assert_eq!(write(&mut w, 1, ANSWER).unwrap(), 1);
+    let (_rcv, port) = start_recv(&far, 0);
+    let _snd = start_send(&near, port, &[]);
+    let r = open_far(&far);
+    let mut far_gen = 0;
+    for g in 1..=6u64 {
+        // The far set mirrors near generation g (every byte checked).
+        loop {
+            let h = r
+                .wait_newer(far_gen, Some(ANSWER))
+                .expect("a far generation");
+            far_gen = h.generation();
+            if check(&h, false, n) == g {
+                break;
+            }
+        }
+        // The bridge is idle now (several of its 100 ms waits pass): the next in-place update
+        // begins within 50 ms, since nothing holds the current generation.
+        std::thread::sleep(Duration::from_millis(250));
+        if g < 6 {
+            let got = write(&mut w, g + 1, Duration::from_millis(50));
+            assert_eq!(
+                got.as_ref().ok(),
+                Some(&(g + 1)),
+                "generation {}: {got:?} (a hold left on generation {g})",
+                g + 1
+            );
+        }
+    }
+    drop(r);
+    w.close(ANSWER).unwrap();
+}

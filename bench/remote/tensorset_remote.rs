@@ -14,7 +14,9 @@
 //! `SendOptions::changed_only`, computed on the GPU for device sets; the near set is then
 //! written in place).
 //! Also the time of the digests of the whole set (`Held::tensor_digests`, three times, median).
-//! Prints a table of medians and ratios, and one JSON line.
+//! A generation counts as mirrored when a far reader has it usable: woken, and its stream past
+//! the generation's ready word (on a GPU set). Prints a table of medians and ratios, and one JSON
+//! line.
 //!
 //! ```text
 //! tensorset_remote [--memory device|host] [--device 0] [--runs 3] [--tls both|default|tcp]
@@ -287,6 +289,11 @@ fn far(o: &Opts) -> Res<()> {
         };
         let mut g = 0;
         while let Ok(h) = r.wait_newer(g, Some(STEP)) {
+            // Usable on the GPU: the reader's stream has passed the generation's ready word
+            // (the far writer's fill of the tensors its buffer lacked is done).
+            if let Ok(s) = h.stream() {
+                let _ = s.synchronize();
+            }
             let t = now_ns();
             g = h.generation();
             let near = u64::from_le_bytes(h.content()[..8].try_into().unwrap_or_default());

@@ -343,13 +343,12 @@ impl Sender<'_, '_> {
                 return Ok(Ended::Stopped);
             }
             self.check_link()?;
-            let held = match self.reader.current() {
-                Ok(Some(h)) if h.generation() > last => h,
-                Ok(_) => match self.reader.wait_newer(last, Some(self.opts.lane.heartbeat)) {
-                    Ok(h) => h,
-                    Err(Error::Timeout { .. }) => continue,
-                    Err(e) => return self.near_ended(e),
-                },
+            // The newest generation past `last`, held only once there is one: a hold of the
+            // generation already mirrored, kept while waiting (as a `current()` would be), would
+            // stall an in-place writer, whose update waits on the GPU for every hold's release.
+            let held = match self.reader.wait_newer(last, Some(self.opts.lane.heartbeat)) {
+                Ok(h) => h,
+                Err(Error::Timeout { .. }) => continue,
                 Err(e) => return self.near_ended(e),
             };
             last = held.generation();
