@@ -154,13 +154,18 @@ impl Transport {
                 }
             }
         }
-        let (transports, lines, devices) = if put.0.is_empty() { all } else { put };
+        let no_put_table = put.0.is_empty();
+        let (transports, lines, devices) = if no_put_table { all } else { put };
         let has = |t: &str| transports.iter().any(|x| x == t);
         let staged_words = lines
             .iter()
             .any(|l| l.contains("pipeline") || l.contains("staged") || l.contains("bounce"));
         let device = matches!(near, Place::Device(_)) || matches!(far, Place::Device(_));
-        let path = if transports.is_empty() {
+        let path = if transports.is_empty() || (device && no_put_table) {
+            // Device memory with no table of the WRITE itself: the other tables (the
+            // notifications' active messages, from host memory) say nothing of its path. Seen on
+            // an H200: the WRITEs ran GPU to GPU at 1.4 TB/s while only those tables, naming
+            // `cuda_copy` and `tcp`, were in the log (docs/gpu-verification.md, run AX).
             Path::Unknown
         } else if !device {
             Path::Host
@@ -620,6 +625,28 @@ mod tests {
         assert_eq!(
             Transport::parse("nothing", Place::Host, Place::Host).path,
             Path::Unknown
+        );
+    }
+
+    #[test]
+    fn device_memory_without_a_table_of_the_write_is_unknown_not_staged() {
+        // The notifications' tables only, as a near process's log on an H200 held them while its
+        // WRITEs ran GPU to GPU (run AX).
+        let text = "\
+[1.5] [vm:1:0]   | agent intra-node cfg#2                                                 |
+[1.5] [vm:1:0]   | active message by ucp_am_send* with reply flag(multi) from host memory |
+[1.5] [vm:1:0]   |   0..626 | short              | tcp/lo                                 |
+[1.5] [vm:1:0]   | 627..inf | multi-frag copy-in | tcp/lo                                 |
+[1.5] [vm:1:0]   | active message by ucp_am_send* from cuda/GPU0 |
+[1.5] [vm:1:0]   | 0..inf | multi-frag copy-in | cuda_copy/cuda, cma/memory |
+";
+        let t = Transport::parse(text, Place::Device(0), Place::Device(0));
+        assert_eq!(t.path, Path::Unknown);
+        assert_eq!(t.transports, ["tcp", "cuda_copy", "cma"]);
+        // Host memory on both ends: any table is the host path.
+        assert_eq!(
+            Transport::parse(text, Place::Host, Place::Host).path,
+            Path::Host
         );
     }
 
