@@ -401,3 +401,92 @@ fn killing_the_sending_bridge_mid_generation_leaves_whole_generations_on_the_gpu
         drop(r);
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn stopping_then_killing_the_receiving_bridge_leaves_whole_generations_and_the_trainer_goes_on() {
+    cuda_ipc::remote::nixl::probe().expect("NIXL on LD_LIBRARY_PATH");
+    for tls in transports() {
+        let tag = format!("rkill-{tls}-{}", std::process::id());
+        let (near, far) = (format!("tsg-near-{tag}"), format!("tsg-far-{tag}"));
+        let _reap = Reap(vec![near.clone(), far.clone()]);
+        let mut rcv = spawn(tls, "recv", &[("FAR", far.clone()), ("PORT", "0".into())]);
+        let port = rcv.expect("port", T);
+        let vars = [
+            ("NEAR", near.clone()),
+            ("ADDR", format!("127.0.0.1:{port}")),
+            ("MIB", "1024".to_string()),
+            ("GENS", "0".to_string()),
+        ];
+        let mut w = spawn(tls, "near", &vars);
+        w.expect("ready", T);
+        let mut r = open_far(&far);
+        let k = Kernels::load(&ctx()).unwrap();
+        let n = r.layout().len();
+        let h = r.wait_newer(0, Some(T)).unwrap();
+        assert_eq!(check_gpu(&k, &h, false, n).1, 0, "{tls}: first generation");
+        let f1 = h.generation();
+        drop(h);
+        // Stopped past the link timeout (500 ms) mid generation, then continued: the session is
+        // lost on both sides, the generation under way is never published, and the trainer's
+        // bridge (a thread of the trainer, retrying) connects again.
+        std::thread::sleep(Duration::from_millis(300));
+        signal(&rcv, "-STOP");
+        std::thread::sleep(Duration::from_millis(1500));
+        if let Ok(Some(h)) = r.current() {
+            assert_eq!(check_gpu(&k, &h, false, n).1, 0, "{tls}: while stopped");
+        }
+        signal(&rcv, "-CONT");
+        let h = r.wait_newer(f1, Some(T)).unwrap();
+        assert_eq!(check_gpu(&k, &h, false, n).1, 0, "{tls}: after the stop");
+        let f2 = h.generation();
+        drop(h);
+        // Killed mid generation: far readers learn it (`WriterGone`), the trainer goes on, and a
+        // new receiving bridge on the same port makes the far set again, which readers reopen.
+        std::thread::sleep(Duration::from_millis(300));
+        signal(&rcv, "-KILL");
+        match r.wait_newer(f2, Some(T)) {
+            Err(Error::TensorSet(TensorSetError::WriterGone { .. })) => {}
+            Ok(h) => {
+                // Published just before the kill: whole, and the next wait says it.
+                assert_eq!(check_gpu(&k, &h, false, n).1, 0, "{tls}: the last one");
+                let g = h.generation();
+                drop(h);
+                assert!(matches!(
+                    r.wait_newer(g, Some(T)),
+                    Err(Error::TensorSet(TensorSetError::WriterGone { .. }))
+                ));
+            }
+            Err(e) => panic!("{tls}: after the receiving bridge's kill: {e}"),
+        }
+        drop(r);
+        assert!(
+            w.child.try_wait().unwrap().is_none(),
+            "{tls}: the trainer died with the far bridge"
+        );
+        rcv = spawn(
+            tls,
+            "recv",
+            &[("FAR", far.clone()), ("PORT", port.to_string())],
+        );
+        assert_eq!(rcv.expect("port", T), port);
+        r = open_far(&far);
+        let h = r.wait_newer(0, Some(T)).unwrap();
+        assert_eq!(check_gpu(&k, &h, false, n).1, 0, "{tls}: after the restart");
+        drop(h);
+        drop(r);
+        assert!(
+            w.child.try_wait().unwrap().is_none(),
+            "{tls}: the trainer died"
+        );
+    }
+}
+
+fn signal(p: &Peer, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &p.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig}");
+}
