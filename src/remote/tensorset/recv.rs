@@ -2,7 +2,7 @@
 //! [`TensorSetWriter`], whose back buffer the sending bridge WRITEs into; it publishes a
 //! generation once every byte of it has landed.
 
-use super::runs;
+use super::{runs, subtract};
 use crate::channel::MemoryKind;
 use crate::driver::{Context, Device};
 use crate::error::{Error, Result};
@@ -586,7 +586,9 @@ impl Session<'_> {
         if !all {
             // On the stream, beside the WRITEs (other bytes): before the publication, which is
             // ordered after the stream's work.
-            update.copy_ranges_from_previous(&runs(&self.layout, &lacking))?;
+            // Never a byte a WRITE writes (aliasing tensors, gaps inside a WRITE's run).
+            let fill = subtract(&runs(&self.layout, &lacking), &runs(&self.layout, &chosen));
+            update.copy_ranges_from_previous(&fill)?;
         }
         link.send(&Msg::Set(SetMsg::Buffer {
             near,
