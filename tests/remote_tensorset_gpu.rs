@@ -322,27 +322,18 @@ fn device_sets_mirror_changed_tensors_only_checked_on_the_gpu_over_both_transpor
 fn killing_the_sending_bridge_mid_generation_leaves_whole_generations_on_the_gpu() {
     cuda_ipc::remote::nixl::probe().expect("NIXL on LD_LIBRARY_PATH");
     for tls in transports() {
-        let tag = format!("kill-{tls}-{}", std::process::id());
-        let (near, far) = (format!("tsg-near-{tag}"), format!("tsg-far-{tag}"));
-        let _reap = Reap(vec![near.clone(), far.clone()]);
-        let mut rcv = spawn(tls, "recv", &[("FAR", far.clone()), ("PORT", "0".into())]);
-        let port = rcv.expect("port", T);
-        let vars = [
-            ("NEAR", near.clone()),
-            ("ADDR", format!("127.0.0.1:{port}")),
-            ("MIB", "1024".to_string()),
-            ("GENS", "0".to_string()),
-        ];
-        let mut w = spawn(tls, "near", &vars);
-        w.expect("ready", T);
-        let mut r = open_far(&far);
-        let k = Kernels::load(&ctx()).unwrap();
-        let n = r.layout().len();
-        let first = r.wait_newer(0, Some(T)).unwrap();
-        let (g1, bad) = check_gpu(&k, &first, false, n);
-        assert_eq!(bad, 0);
-        let f1 = first.generation();
-        drop(first);
+        let Streaming {
+            far,
+            port,
+            vars,
+            mut rcv,
+            w,
+            mut r,
+            k,
+            n,
+            first: (g1, f1),
+            _reap,
+        } = streaming(tls, "kill");
         // Mid generation: 1 GiB generations back to back.
         std::thread::sleep(Duration::from_millis(300));
         Command::new("kill")
@@ -407,26 +398,18 @@ fn killing_the_sending_bridge_mid_generation_leaves_whole_generations_on_the_gpu
 fn stopping_then_killing_the_receiving_bridge_leaves_whole_generations_and_the_trainer_goes_on() {
     cuda_ipc::remote::nixl::probe().expect("NIXL on LD_LIBRARY_PATH");
     for tls in transports() {
-        let tag = format!("rkill-{tls}-{}", std::process::id());
-        let (near, far) = (format!("tsg-near-{tag}"), format!("tsg-far-{tag}"));
-        let _reap = Reap(vec![near.clone(), far.clone()]);
-        let mut rcv = spawn(tls, "recv", &[("FAR", far.clone()), ("PORT", "0".into())]);
-        let port = rcv.expect("port", T);
-        let vars = [
-            ("NEAR", near.clone()),
-            ("ADDR", format!("127.0.0.1:{port}")),
-            ("MIB", "1024".to_string()),
-            ("GENS", "0".to_string()),
-        ];
-        let mut w = spawn(tls, "near", &vars);
-        w.expect("ready", T);
-        let mut r = open_far(&far);
-        let k = Kernels::load(&ctx()).unwrap();
-        let n = r.layout().len();
-        let h = r.wait_newer(0, Some(T)).unwrap();
-        assert_eq!(check_gpu(&k, &h, false, n).1, 0, "{tls}: first generation");
-        let f1 = h.generation();
-        drop(h);
+        let Streaming {
+            far,
+            port,
+            mut rcv,
+            mut w,
+            mut r,
+            k,
+            n,
+            first: (_, f1),
+            _reap,
+            ..
+        } = streaming(tls, "rkill");
         // Stopped past the link timeout (500 ms) mid generation, then continued: the session is
         // lost on both sides, the generation under way is never published, and the trainer's
         // bridge (a thread of the trainer, retrying) connects again.
@@ -479,6 +462,59 @@ fn stopping_then_killing_the_receiving_bridge_leaves_whole_generations_and_the_t
             w.child.try_wait().unwrap().is_none(),
             "{tls}: the trainer died"
         );
+    }
+}
+
+/// A receiving bridge, a free-running trainer (1 GiB generations back to back; its sending
+/// bridge a thread of it) and a far reader that has checked the first far generation on the GPU.
+struct Streaming {
+    far: String,
+    port: String,
+    /// The trainer's environment, for a new trainer.
+    vars: Vec<(&'static str, String)>,
+    rcv: Peer,
+    w: Peer,
+    r: TensorSetReader,
+    k: Kernels,
+    n: usize,
+    /// The first far generation checked: (near generation, far generation).
+    first: (u64, u64),
+    _reap: Reap,
+}
+
+fn streaming(tls: &str, what: &str) -> Streaming {
+    let tag = format!("{what}-{tls}-{}", std::process::id());
+    let (near, far) = (format!("tsg-near-{tag}"), format!("tsg-far-{tag}"));
+    let _reap = Reap(vec![near.clone(), far.clone()]);
+    let mut rcv = spawn(tls, "recv", &[("FAR", far.clone()), ("PORT", "0".into())]);
+    let port = rcv.expect("port", T);
+    let vars = vec![
+        ("NEAR", near),
+        ("ADDR", format!("127.0.0.1:{port}")),
+        ("MIB", "1024".to_string()),
+        ("GENS", "0".to_string()),
+    ];
+    let mut w = spawn(tls, "near", &vars);
+    w.expect("ready", T);
+    let r = open_far(&far);
+    let k = Kernels::load(&ctx()).unwrap();
+    let n = r.layout().len();
+    let h = r.wait_newer(0, Some(T)).unwrap();
+    let (g, bad) = check_gpu(&k, &h, false, n);
+    assert_eq!(bad, 0, "{tls}: the first far generation");
+    let first = (g, h.generation());
+    drop(h);
+    Streaming {
+        far,
+        port,
+        vars,
+        rcv,
+        w,
+        r,
+        k,
+        n,
+        first,
+        _reap,
     }
 }
 

@@ -117,7 +117,7 @@ pub fn subtract(spans: &[Span], minus: &[Span]) -> Vec<Span> {
     for &(a, off, len) in spans {
         let end = off.saturating_add(len);
         let mut at = off;
-        for &(ca, co, cl) in cut.iter().filter(|c| c.0 == a) {
+        for &(_, co, cl) in cut.iter().filter(|c| c.0 == a) {
             let ce = co.saturating_add(cl);
             if ce <= at || co >= end {
                 continue;
