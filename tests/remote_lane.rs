@@ -662,7 +662,7 @@ fn a_second_sender_while_a_session_runs_is_refused_at_once_and_the_lane_goes_on(
     let e = send::serve(&opts, &AtomicBool::new(false), &mut send::Totals::default()).unwrap_err();
     let took = t.elapsed();
     assert!(
-        matches!(&e, Error::Remote(cuda_ipc::remote::RemoteError::Refused(r)) if r.contains("busy")),
+        matches!(&e, Error::Remote(cuda_ipc::remote::RemoteError::Busy(r)) if r.contains("busy")),
         "{e}"
     );
     assert!(took < Duration::from_secs(1), "refused after {took:?}");

@@ -647,3 +647,66 @@ fn an_idle_sending_bridge_holds_nothing_so_an_in_place_writer_updates_at_once() 
     drop(r);
     w.close(ANSWER).unwrap();
 }
+
+/// A near writer replaced while the link is down (the trainer restarted: generations numbered
+/// from 1 again, the same content labels) is mirrored whole: the far set never keeps the old
+/// writer's bytes under the new writer's generation.
+#[test]
+fn a_near_writer_replaced_during_an_outage_is_mirrored_whole_not_taken_for_the_old_one() {
+    cuda_ipc::remote::nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH");
+    let (near, far) = names("replaced");
+    let _reap = Reap(vec![near.clone(), far.clone()]);
+    let specs = specs("small", false);
+    let n = specs.len();
+    // Writer `seed`'s generation 1: every tensor its own bytes, the label of generation 1.
+    let bytes = |seed: u64, i: usize| -> Vec<u8> {
+        (0..w_len(&specs, i)).map(|k| pattern(seed, i, k)).collect()
+    };
+    let create = |seed: u64| -> TensorSetWriter {
+        let mut w = TensorSetWriter::create_host(
+            &near,
+            &specs,
+            &TensorSetOptions::new().mode(GenerationMode::Buffered(2)),
+        )
+        .expect("near set");
+        let mut u = w.begin(Some(ANSWER)).unwrap();
+        for i in 0..n {
+            u.write_tensor(i, &bytes(seed, i)).unwrap();
+        }
+        assert_eq!(u.commit_with_content(content(1)).unwrap(), 1);
+        w
+    };
+    // The far set shows writer `seed`'s bytes within `within`.
+    let shows = |seed: u64, within: Duration| -> bool {
+        let start = Instant::now();
+        while start.elapsed() < within {
+            if let Ok(r) = TensorSetReader::open_host(&far, &ReaderOptions::new())
+                && let Ok(Some(h)) = r.current()
+                && (0..n).all(|i| h.read_tensor(i).unwrap() == bytes(seed, i))
+            {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    };
+    let a = create(1);
+    let (rcv, port) = start_recv(&far, 0);
+    let _snd = start_send(&near, port, &[]);
+    assert!(
+        shows(1, ANSWER),
+        "the far set never showed writer A's generation 1"
+    );
+    // The link goes down (the receiving bridge stopped past the link timeout); the trainer is
+    // replaced meanwhile: writer B, generation 1 again, other bytes, the same label.
+    signal(&rcv, "-STOP");
+    std::thread::sleep(Duration::from_millis(1000));
+    a.close(ANSWER).unwrap();
+    let b = create(2);
+    signal(&rcv, "-CONT");
+    assert!(
+        shows(2, Duration::from_secs(20)),
+        "the far set kept writer A's bytes under writer B's generation 1"
+    );
+    b.close(ANSWER).unwrap();
+}

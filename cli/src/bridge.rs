@@ -163,8 +163,9 @@ mod run {
             /// The tensor set on this host whose generations are mirrored.
             #[arg(long)]
             tensorset: Option<String>,
-            /// Tensor sets: WRITE only the tensors whose SHA-256 changed since the generation
-            /// the far set mirrors.
+            /// Tensor sets: WRITE only the tensors whose content digest changed since the
+            /// generation the far set mirrors (16 bytes per tensor, computed on the GPU for a
+            /// device set: one read of the set per generation; not a cryptographic hash).
             #[arg(long, requires = "tensorset")]
             changed_only: bool,
             /// Tensor sets: `gpu-direct` fails at the first WRITE (before the bulk) when UCX
@@ -217,7 +218,7 @@ mod run {
             listen: String,
             #[command(flatten)]
             secret: SecretArgs,
-            /// The far channel's memory.
+            /// The far channel's or far tensor set's memory.
             #[arg(long, default_value = "host", value_parser = ["host", "device"])]
             memory: String,
             /// The CUDA device (ordinal) for --memory device.
@@ -295,6 +296,8 @@ mod run {
                 }
                 Err(e @ cuda_ipc::Error::Remote(RemoteError::Refused(_)))
                 | Err(e @ cuda_ipc::Error::Unsupported { .. }) => return Err(e.into()),
+                // `Busy` (the receiving bridge has not yet seen that our last session is gone)
+                // and every other failure: tried again.
                 Err(e) => {
                     eprintln!("cuda-ipc bridge send: {e}");
                     if once {
@@ -390,6 +393,7 @@ mod run {
                         }
                         Err(e @ cuda_ipc::Error::Remote(RemoteError::Refused(_)))
                         | Err(e @ cuda_ipc::Error::Unsupported { .. }) => return Err(e.into()),
+                        // `Busy` and every other failure: tried again.
                         Err(e) => {
                             eprintln!("cuda-ipc bridge send: {e}");
                             if once {
@@ -423,6 +427,15 @@ mod run {
                         let mut opts = ts_recv::RecvOptions::new(&set, secret.load()?);
                         opts.place = place;
                         opts.buffers = buffers.unwrap_or(2);
+                        let most = cuda_ipc::channel::MAX_BUFFERS;
+                        if !(2..=most).contains(&opts.buffers) {
+                            // Said before anything listens.
+                            return Err(format!(
+                                "--buffers {}: a far tensor set takes 2 to {most}",
+                                opts.buffers
+                            )
+                            .into());
+                        }
                         opts.lane = lane(link_timeout_ms);
                         let listener = TcpListener::bind(addr)
                             .map_err(|e| format!("listening on {addr}: {e}"))?;

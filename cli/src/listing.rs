@@ -228,6 +228,12 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 registries.push(n.to_string());
             }
         }
+        if tensor_sets.is_empty()
+            && exists(&format!("{}{set}", cuda_ipc::tensorset::MANIFEST_PREFIX))
+        {
+            // Another user's set: inspected, so the error names its owner.
+            tensor_sets.push(set.to_string());
+        }
         if registries.is_empty() && channels.is_empty() && tensor_sets.is_empty() {
             return Err(format!(
                 "no registry, channel or tensor set named {n:?} in {}",

@@ -450,6 +450,26 @@ fn the_bridge_commands_mirror_a_tensor_set_and_ls_shows_it_bridged() {
             }
         }
     }
+    // A second sender while the first one's session runs is told the bridge is busy and keeps
+    // trying (a busy bridge may only not have seen yet that a sender it served is gone).
+    let mut second = bridge(
+        &[
+            "send",
+            "--tensorset",
+            &near,
+            "--connect",
+            &listen,
+            "--secret-file",
+            s,
+        ],
+        &tmp,
+    );
+    std::thread::sleep(Duration::from_millis(2000));
+    let still = second.try_wait().unwrap().is_none();
+    let _ = second.kill();
+    let (_, out) = wait(second, Duration::from_secs(10));
+    assert!(still, "the second sender gave up: {out}");
+    assert!(out.contains("busy"), "{out}");
     std::thread::sleep(Duration::from_millis(300));
     let json = Command::new(bin())
         .args(["ls", &far, "--json"])

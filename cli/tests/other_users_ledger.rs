@@ -2,7 +2,7 @@
 //! second user's `ls`, `gc` and `quota show` skip it with a note saying whose it is, and exit 0,
 //! as they leave root's channels out. The second user is made here with `useradd` and runs a copy
 //! of the `cuda-ipc` binary it can read and execute. Needs root (CI runs as root); without it the
-//! test prints why and skips.
+//! test prints why and skips. Root's tensor set beside it is left out the same way.
 
 mod common;
 use common::bin;
@@ -93,6 +93,19 @@ fn another_users_ls_gc_and_quota_show_skip_roots_ledger_with_a_note_and_exit_0()
     d[12..].copy_from_slice(&std::process::id().to_le_bytes());
     let ledger = QuotaLedger::set_budget(QuotaScope::user(), Uuid(d), 1 << 20).unwrap();
     let _g = Gone(ledger.name().to_string());
+    // A tensor set of root's too: left out of the second user's listing as root's channels are,
+    // never a "cannot read" that fails `ls` (the set's segments are root's, mode 0600).
+    let set = format!("other-users-set-{}", std::process::id());
+    let w = cuda_ipc::tensorset::TensorSetWriter::create_host(
+        &set,
+        &[cuda_ipc::tensorset::TensorSpec::new(
+            "w",
+            cuda_ipc::tensorset::DType::U8,
+            &[16],
+        )],
+        &cuda_ipc::tensorset::TensorSetOptions::new(),
+    )
+    .unwrap();
     let exe = BinaryForOthers::new();
     let note = format!(
         "quota ledger {}: skipped: it is uid 0 (root)'s, and this is uid {uid} ({USER})",
@@ -134,6 +147,7 @@ fn another_users_ls_gc_and_quota_show_skip_roots_ledger_with_a_note_and_exit_0()
         "{v}"
     );
     assert_eq!(v["errors"].as_array().map(Vec::len), Some(0), "{v}");
-    // Root's ledger is untouched.
+    // Root's ledger is untouched, and so is its set.
     assert_eq!(ledger.snapshot().unwrap().budget, Some(1 << 20));
+    w.close(std::time::Duration::from_secs(1)).unwrap();
 }

@@ -84,9 +84,30 @@ pub enum RemoteError {
     /// The peer sent what the protocol does not allow.
     #[error("the lane's peer broke the protocol: {0}")]
     Protocol(String),
-    /// The peer refused us, or we refused it (wrong secret, another version).
+    /// The peer refused us, or we refused it (wrong secret, another version, another layout):
+    /// trying again changes nothing.
     #[error("the lane's peer was refused: {0}")]
     Refused(String),
+    /// The receiving bridge serves another sender now (or has not yet seen that its last one is
+    /// gone: a stopped bridge continued, a link lost a moment ago): try again shortly.
+    #[error("the receiving bridge is busy: {0}")]
+    Busy(String),
+}
+
+/// How a receiving bridge's refusal of a sender because it serves another one begins (the rest
+/// names the channel or set); the sender makes it [`RemoteError::Busy`].
+pub(crate) const BUSY: &str = "busy: ";
+
+impl RemoteError {
+    /// The error for a peer's `Refused` message: [`RemoteError::Busy`] when the receiving bridge
+    /// serves another sender (a passing state), else [`RemoteError::Refused`].
+    pub(crate) fn refused(reason: String) -> RemoteError {
+        if reason.starts_with(BUSY) {
+            RemoteError::Busy(reason)
+        } else {
+            RemoteError::Refused(reason)
+        }
+    }
 }
 
 /// Timeouts and periods of a lane, both ends.

@@ -460,7 +460,10 @@ impl<'l> Door<'l> {
     /// serves another sender (their hello is not read, each write is bounded), and every sender
     /// that finished its handshake meanwhile (sealed).
     pub(super) fn turn_away(&self, channel: &str) {
-        let reason = format!("busy: this bridge already serves a sender for {channel}");
+        let reason = format!(
+            "{}this bridge already serves a sender for {channel}",
+            super::BUSY
+        );
         while let Ok((mut s, addr)) = self.listener.accept() {
             let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
             let _ = wire::send(

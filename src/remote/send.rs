@@ -172,7 +172,7 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
             }
             (lane.load_remote(&md)?, credits as usize)
         }
-        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        Msg::Refused { reason } => return Err(RemoteError::refused(reason).into()),
         m => return Err(unexpected(&m, "the far channel's metadata")),
     };
     tracing::info!(

@@ -96,14 +96,23 @@ fn kind_name(code: u32) -> &'static str {
     }
 }
 
-/// The names of the tensor sets in `/dev/shm`: every name with a manifest, generation channel or
-/// host data segment of ours (sorted, once each).
+/// The names of this user's tensor sets in `/dev/shm`: every name with a manifest, generation
+/// channel, host data or holders segment of this user's (sorted, once each). Another user's are
+/// left out, as [`crate::channel::inspect::list_channels`] leaves their channels out: their
+/// segments cannot be read here (`WrongOwner`) and are not ours to clean.
 ///
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_tensor_sets() -> Result<Vec<String>> {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
     let mut names: Vec<String> = crate::shm::list_segments()?
         .into_iter()
+        .filter(|s| {
+            // A segment that vanished meanwhile, or another user's, is left out.
+            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
+                .is_ok_and(|m| m.uid() == me)
+        })
         .filter_map(|s| {
             [
                 MANIFEST_PREFIX,

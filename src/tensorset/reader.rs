@@ -109,6 +109,8 @@ pub struct TensorSetReader {
     timings: OpenTimings,
     /// The manifest's generation base: generation = base + the channel's sequence number.
     generation_base: u64,
+    /// The set's creation generation (its generation channel's, as the manifest names it).
+    incarnation: u64,
     _manifest: Segment,
     /// The content-fingerprint kernel, loaded at the first [`Held::verify_content`] (GPU sets).
     fingerprinter: std::sync::OnceLock<content::Fingerprinter>,
@@ -372,6 +374,7 @@ impl TensorSetReader {
             imports,
             expect_content: opts.expect_content,
             generation_base: m.generation_base,
+            incarnation: m.channel_generation,
             timings: OpenTimings {
                 total: started.elapsed(),
                 ..timings
@@ -524,6 +527,15 @@ impl TensorSetReader {
     /// the guard's accessors), pool and legacy memory and read-write opens.
     pub fn is_read_only(&self) -> bool {
         self.read_only
+    }
+
+    /// Which creation of the set under this name this reader maps: 64 random bits, nonzero,
+    /// drawn when the writer created it (its generation channel's creation generation, which the
+    /// manifest names). A writer that replaced a dead or closed one has another, and numbers its
+    /// generations from 1 again: compare this, not the generation, to tell its generations from
+    /// the old writer's (as the tensor-set bridges do before they resume).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The newest published generation, even one this reader took before; `None` when none was

@@ -80,7 +80,8 @@ pub struct Totals {
     pub generations: u64,
     /// Bytes WRITten.
     pub bytes: u64,
-    /// The near generation last mirrored (0: none).
+    /// The near generation last mirrored, which the next session may resume from (0: none, or
+    /// nothing to resume from: the near set ended, closed or was replaced).
     pub mirrored: u64,
     /// What UCX reported of the transport it chose, once seen.
     pub transport: Option<report::Transport>,
@@ -88,6 +89,9 @@ pub struct Totals {
     digests: Vec<crate::tensorset::content::TensorDigest>,
     /// The content fingerprint of near generation `mirrored`.
     content: [u8; 32],
+    /// The near set's incarnation ([`TensorSetReader::incarnation`]) that `mirrored` counts in: a
+    /// near writer that replaced the one mirrored numbers its generations from 1 again.
+    incarnation: u64,
 }
 
 /// Runs one session: connects, proves the secret and checks the receiving bridge's
@@ -240,7 +244,7 @@ pub fn serve_with_changes(
                 mirrored,
             }
         }
-        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        Msg::Refused { reason } => return Err(RemoteError::refused(reason).into()),
         m => return Err(wire::unexpected_msg(&m, "the far set's registrations")),
     };
     tracing::info!(
@@ -331,7 +335,13 @@ impl Sender<'_, '_> {
         // The far set mirrors what this bridge last mirrored: changed-only may start from there.
         // Otherwise (a new bridge, a far set made again, a near writer that ended meanwhile) the
         // first generation goes whole.
-        let resume = self.far.mirrored != 0 && self.far.mirrored == self.totals.mirrored;
+        // ... and only the same near set: a writer that replaced the mirrored one (its
+        // generations numbered from 1 again, perhaps with the same content labels) starts whole.
+        let incarnation = self.reader.incarnation();
+        let resume = self.far.mirrored != 0
+            && self.far.mirrored == self.totals.mirrored
+            && self.totals.incarnation == incarnation;
+        self.totals.incarnation = incarnation;
         if !resume {
             self.totals.digests.clear();
             self.totals.mirrored = 0;
@@ -384,7 +394,7 @@ impl Sender<'_, '_> {
     fn check_link(&mut self) -> Result<()> {
         match self.link.next(Duration::ZERO)? {
             None => Ok(()),
-            Some(Msg::Refused { reason }) => Err(RemoteError::Refused(reason).into()),
+            Some(Msg::Refused { reason }) => Err(RemoteError::refused(reason).into()),
             Some(m) => Err(wire::unexpected_msg(&m, "nothing (between generations)")),
         }
     }
@@ -397,7 +407,7 @@ impl Sender<'_, '_> {
             if let Some(m) = self.link.next(Duration::ZERO)? {
                 return match m {
                     Msg::Set(m) => Ok(m),
-                    Msg::Refused { reason } => Err(RemoteError::Refused(reason).into()),
+                    Msg::Refused { reason } => Err(RemoteError::refused(reason).into()),
                     m => Err(wire::unexpected_msg(&m, what)),
                 };
             }
@@ -410,7 +420,7 @@ impl Sender<'_, '_> {
                 if let Some(m) = self.link.next(Duration::from_millis(1))? {
                     return match m {
                         Msg::Set(m) => Ok(m),
-                        Msg::Refused { reason } => Err(RemoteError::Refused(reason).into()),
+                        Msg::Refused { reason } => Err(RemoteError::refused(reason).into()),
                         m => Err(wire::unexpected_msg(&m, what)),
                     };
                 }

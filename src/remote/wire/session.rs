@@ -378,7 +378,7 @@ pub fn handshake_send(s: &mut TcpStream, secret: &Secret, deadline: Instant) -> 
     let theirs = match recv_handshake(s, deadline, "the receiving bridge's challenge")? {
         Msg::Challenge { version, nonce } if version == PROTOCOL_VERSION => nonce,
         Msg::Challenge { version, .. } => return Err(other_version(version)),
-        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        Msg::Refused { reason } => return Err(RemoteError::refused(reason).into()),
         m => return Err(unexpected_msg(&m, "a challenge")),
     };
     let proof = mac(secret.bytes(), &[SENDER_PROOF, &mine, &theirs]);
@@ -395,7 +395,7 @@ pub fn handshake_send(s: &mut TcpStream, secret: &Secret, deadline: Instant) -> 
             }
         }
         Msg::Welcome { version, .. } => return Err(other_version(version)),
-        Msg::Refused { reason } => return Err(RemoteError::Refused(reason).into()),
+        Msg::Refused { reason } => return Err(RemoteError::refused(reason).into()),
         m => return Err(unexpected_msg(&m, "a welcome")),
     }
     Ok(Session::new(secret, End::Sender, &mine, &theirs))
