@@ -214,15 +214,27 @@ fn trainer(set: &str, gens: u64, layers: usize, engines: usize, changed: bool) -
     opts.changed_only = changed;
     let bridge = std::thread::spawn(move || -> Result<send::Totals, String> {
         let mut totals = send::Totals::default();
+        // Consecutive failures end the bridge after 30 s without a generation mirrored.
+        let mut progress = (0u64, Instant::now());
         loop {
+            if totals.generations != progress.0 {
+                progress = (totals.generations, Instant::now());
+            }
+            if progress.1.elapsed() > Duration::from_secs(30) {
+                return Err("the sending bridge mirrored nothing for 30 s".into());
+            }
             match send::serve(&opts, &AtomicBool::new(false), &mut totals) {
                 Ok(send::Ended::Closed) => return Ok(totals),
                 Ok(other) => return Err(format!("the sending bridge ended: {other:?}")),
-                Err(e) if totals.generations == 0 => {
+                // Refusals that trying again cannot change (a wrong secret, another layout) and
+                // a missing NIXL end the bridge; a lost link or a busy far bridge is retried, as
+                // `cuda-ipc bridge send` does: the next session resumes where this one stopped.
+                Err(e @ cuda_ipc::Error::Remote(cuda_ipc::remote::RemoteError::Refused(_)))
+                | Err(e @ cuda_ipc::Error::Unsupported { .. }) => return Err(e.to_string()),
+                Err(e) => {
                     eprintln!("sending bridge: {e}; again");
                     std::thread::sleep(Duration::from_millis(200));
                 }
-                Err(e) => return Err(e.to_string()),
             }
         }
     });
