@@ -57,21 +57,33 @@ def fill(g, name, n):
     if changed and g > 1:
         v = next((x for x in range(g, 1, -1) if x % layers == layer), 1)
     return bytes([(v * 7 + layer) & 0xFF]) * n
-deadline = time.time() + 60
-while True:
-    try:
-        r = cuda_ipc.TensorSetReader(far)
-        break
-    except Exception:
-        if time.time() > deadline:
-            raise
-        time.sleep(0.05)
+def open_far(within):
+    # The far set, once the receiving bridge has made it; None after `within` seconds.
+    deadline = time.time() + within
+    while True:
+        try:
+            return cuda_ipc.TensorSetReader(far)
+        except (cuda_ipc.TensorSetNotFound, cuda_ipc.WriterGone, cuda_ipc.NoServer):
+            if time.time() > deadline:
+                return None
+            time.sleep(0.05)
+r = open_far(60)
+assert r is not None, "no far set within 60 s"
 seen, checked = 0, 0
 while True:
     try:
         h = r.wait_newer(seen, timeout=60.0)
-    except Exception as e:  # the far set closed: the trainer is done
+    except cuda_ipc.TensorSetClosed:  # the trainer closed its set: done
         break
+    except cuda_ipc.WriterGone:
+        # The receiving bridge died (what this engine held stayed whole): a restarted one makes
+        # the set again, numbering its generations anew.
+        r.close()
+        r = open_far(10)
+        if r is None:
+            break
+        seen = 0
+        continue
     with h:
         seen = h.generation
         g = int(h.read("gen")[0]) | int(h.read("gen")[1]) << 8
