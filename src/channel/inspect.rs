@@ -46,14 +46,8 @@ pub fn pool_segment_name(channel: &str) -> String {
 /// # Errors
 /// [`Error::Os`] when `/dev/shm` cannot be read.
 pub fn stale_host_pools() -> Result<Vec<(String, &'static str)>> {
-    use std::os::unix::fs::MetadataExt;
-    let me = rustix::process::geteuid().as_raw();
-    Ok(crate::shm::list_segments()?
+    Ok(crate::shm::list_own_segments()?
         .into_iter()
-        .filter(|s| {
-            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
-                .is_ok_and(|m| m.uid() == me)
-        })
         .filter_map(|s| s.strip_prefix(POOL_PREFIX).map(str::to_string))
         .filter(|n| !n.is_empty())
         .filter_map(|n| match super::host::HostPool::replaceable(&n) {
@@ -245,15 +239,8 @@ impl ChannelSnapshot {
 /// # Errors
 /// [`Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_channels() -> Result<Vec<String>> {
-    use std::os::unix::fs::MetadataExt;
-    let me = rustix::process::geteuid().as_raw();
-    Ok(crate::shm::list_segments()?
+    Ok(crate::shm::list_own_segments()?
         .into_iter()
-        .filter(|s| {
-            // A segment that vanished meanwhile, or another user's, is left out.
-            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
-                .is_ok_and(|m| m.uid() == me)
-        })
         .filter_map(|s| s.strip_prefix(SEGMENT_PREFIX).map(str::to_string))
         .filter(|n| !n.is_empty())
         .collect())

@@ -29,6 +29,7 @@ pub(crate) mod versioned;
 
 pub use error::ShmError;
 pub use futex::WaitResult;
+pub(crate) use segment::list_own_segments;
 pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, list_segments, validate_name,
 };

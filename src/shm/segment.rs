@@ -708,3 +708,20 @@ pub fn list_segments() -> Result<Vec<String>> {
     out.sort();
     Ok(out)
 }
+
+/// [`list_segments`] of this process's effective user: another user's segments cannot be opened
+/// here (`WrongOwner`) and are not ours to clean, so listings leave them out. A name gone
+/// meanwhile is left out too.
+///
+/// # Errors
+/// As [`list_segments`].
+pub(crate) fn list_own_segments() -> Result<Vec<String>> {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
+    Ok(list_segments()?
+        .into_iter()
+        .filter(|s| {
+            std::fs::symlink_metadata(format!("{SHM_DIR}/{s}")).is_ok_and(|m| m.uid() == me)
+        })
+        .collect())
+}

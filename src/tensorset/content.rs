@@ -340,11 +340,12 @@ impl Fingerprinter {
                     (&n_items as *const u64).cast_mut().cast::<c_void>(),
                     (&o as *const u64).cast_mut().cast::<c_void>(),
                 ];
+                // The table's `n_items` records lie inside `tensors` (built above from their
+                // lengths): device memory of this context the caller keeps alive and readable
+                // for the call, which waits for the kernel below.
                 // SAFETY: the parameters match `fingerprint_items(const ull*, ull, ull*)`, each
-                // pointing at a live `u64` for the call; the table holds `n_items` records whose
-                // ranges lie inside `tensors` (built above from their lengths), device memory of
-                // this context that the caller keeps alive and readable for the call (which waits
-                // for the kernel below); `out_dev` holds two u64 per tensor index in the table.
+                // a live `u64`; the ranges are valid as above; `out_dev` holds two u64 per
+                // tensor index in the table.
                 unsafe { self.func.launch(cfg, stream, &mut params)? };
             }
             out_dev.copy_to_host_on(0, &mut out, stream)

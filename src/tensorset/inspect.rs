@@ -104,15 +104,8 @@ fn kind_name(code: u32) -> &'static str {
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_tensor_sets() -> Result<Vec<String>> {
-    use std::os::unix::fs::MetadataExt;
-    let me = rustix::process::geteuid().as_raw();
-    let mut names: Vec<String> = crate::shm::list_segments()?
+    let mut names: Vec<String> = crate::shm::list_own_segments()?
         .into_iter()
-        .filter(|s| {
-            // A segment that vanished meanwhile, or another user's, is left out.
-            std::fs::symlink_metadata(format!("{}/{s}", crate::shm::SHM_DIR))
-                .is_ok_and(|m| m.uid() == me)
-        })
         .filter_map(|s| {
             [
                 MANIFEST_PREFIX,

@@ -576,14 +576,14 @@ impl Session<'_> {
         };
         let buffer = update.buffer();
         // Only what this buffer lacks (the tensors written since its own generation).
-        let lacking = self.holdings.lacking(buffer, &chosen);
+        let lacking = (!all).then(|| self.holdings.lacking(buffer, &chosen));
         self.holdings.begun(buffer);
         if let Ok(s) = update.stream() {
             // NIXL writes from the host's side: the far readers' release words first (the
             // stream waits for them).
             s.synchronize()?;
         }
-        if !all {
+        if let Some(lacking) = lacking {
             // On the stream, beside the WRITEs (other bytes): before the publication, which is
             // ordered after the stream's work.
             // Never a byte a WRITE writes (aliasing tensors, gaps inside a WRITE's run).

@@ -215,10 +215,10 @@ impl Update<'_> {
             }
             match self.memory {
                 Memory::Host(d) => {
-                    // SAFETY: allocation 0 is the whole buffer of a host set, `off + len` is within
-                    // it (checked above) and within the stride; both buffers lie in the data
-                    // segment's mapping and do not overlap; the writer alone writes `buffer`
-                    // now (WRITING), and nobody writes `p` while it is the newest generation.
+                    // Allocation 0 is the whole buffer of a host set; both buffers lie in the
+                    // data segment's mapping and do not overlap.
+                    // SAFETY: `off + len` is within the buffer and its stride (checked above);
+                    // only this writer writes `buffer` now (WRITING), nobody writes newest `p`.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             d.ptr(p).add(off as usize),
