@@ -155,7 +155,10 @@ fn child() {
             let mut totals = recv::Totals::default();
             match recv::serve(&opts, &listener, &AtomicBool::new(false), &mut totals) {
                 Ok(recv::Ended::Closed(w)) => {
-                    tell(format!("closed {}", totals.generations));
+                    tell(format!(
+                        "closed {} prefilled {}",
+                        totals.generations, totals.prefilled
+                    ));
                     // Far readers are done reading once the parent says so.
                     let _ = parent_lines().next();
                     drop(w);
@@ -180,8 +183,10 @@ fn child() {
                 match send::serve(&opts, &AtomicBool::new(false), &mut totals) {
                     Ok(send::Ended::Closed) => {
                         let t = totals.transport.clone().expect("UCX's transport report");
+                        // Judged from UCX's table of the WRITE itself, not only the others.
+                        let put = t.lines.iter().any(|l| l.contains("remote memory write"));
                         tell(format!(
-                            "closed {} {} {} {}",
+                            "closed {} {} {} {} {put}",
                             totals.generations,
                             totals.bytes,
                             t.summary(),
@@ -325,7 +330,9 @@ fn follow(r: &TensorSetReader, changed: bool, n: usize, last: u64) -> u64 {
     }
 }
 
-fn bridge(tag: &str, gens: u64, changed: bool) -> (u64, u64, String) {
+/// Mirrors `gens` near generations; returns (generations mirrored, bytes written, the sending
+/// bridge's last words, far buffers prefilled by the receiving bridge).
+fn bridge(tag: &str, gens: u64, changed: bool) -> (u64, u64, String, u64) {
     cuda_ipc::remote::nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH");
     let (near, far) = names(tag);
     let _reap = Reap(vec![near.clone(), far.clone()]);
@@ -353,19 +360,28 @@ fn bridge(tag: &str, gens: u64, changed: bool) -> (u64, u64, String) {
     let bytes: u64 = words[1].parse().unwrap();
     assert!(mirrored >= seen, "{said}");
     assert_eq!(words[3], "host", "host memory at both ends: {said}");
+    assert_eq!(
+        words[4], "true",
+        "UCX's table of the WRITE was read: {said}"
+    );
     assert!(
         words[2].contains("tcp") && words[2].contains("lo"),
         "{said}"
     );
-    rcv.expect(&format!("closed {mirrored}"), ANSWER);
+    let prefilled: u64 = rcv
+        .expect(&format!("closed {mirrored} prefilled"), ANSWER)
+        .parse()
+        .unwrap();
     drop(r);
     rcv.send("done");
-    (mirrored, bytes, said)
+    (mirrored, bytes, said, prefilled)
 }
 
 #[test]
 fn fifty_generations_are_mirrored_whole_with_every_far_byte_checked() {
-    let (mirrored, bytes, _) = bridge("whole", 50, false);
+    let (mirrored, bytes, _, prefilled) = bridge("whole", 50, false);
+    // Whole generations leave nothing to bring up to date ahead of the next.
+    assert_eq!(prefilled, 0);
     let per = cuda_ipc::tensorset::Layout::new(&specs("small", false))
         .unwrap()
         .bytes_per_buffer();
@@ -378,7 +394,14 @@ fn fifty_generations_are_mirrored_whole_with_every_far_byte_checked() {
 
 #[test]
 fn changed_only_mirrors_the_changed_tensors_and_fills_the_rest_on_the_far_side() {
-    let (mirrored, bytes, said) = bridge("changed", 50, true);
+    let (mirrored, bytes, said, prefilled) = bridge("changed", 50, true);
+    // The writer pauses between generations and the far reader lets each go once checked: the
+    // receiving bridge brings the next buffer up to date in those pauses (every far generation
+    // above was checked whole, so those buffers held exactly the newest generation).
+    assert!(
+        prefilled >= mirrored / 2,
+        "{prefilled} of {mirrored} buffers prefilled"
+    );
     let per = cuda_ipc::tensorset::Layout::new(&specs("small", false))
         .unwrap()
         .bytes_per_buffer();

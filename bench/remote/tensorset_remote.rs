@@ -14,8 +14,9 @@
 //! `SendOptions::changed_only`, computed on the GPU for device sets; the near set is then
 //! written in place).
 //! Also the time of the digests of the whole set (`Held::tensor_digests`, three times, median).
-//! A generation counts as mirrored when a far reader has it usable: woken, and its stream past
-//! the generation's ready word (on a GPU set). Prints a table of medians and ratios, and one JSON
+//! A generation is timed from its near commit, once the writer's own writes are done (its
+//! stream drained before the commit), until a far reader has it usable: woken, and its stream
+//! past the generation's ready word (on a GPU set). Prints a table of medians and ratios, and one JSON
 //! line.
 //!
 //! ```text
@@ -428,7 +429,9 @@ fn near(o: &Opts) -> Res<()> {
     let layout = w.layout().clone();
     let bytes = layout.bytes_per_buffer();
     // Generation 1: every tensor written once.
-    let fill = |w: &mut TensorSetWriter, g: u64, which: &[usize]| -> Res<u64> {
+    // Returns the generation and when it was committed (ns): the clock starts there, once the
+    // writer's own update of its bytes is done (its stream drained), as mirroring starts.
+    let fill = |w: &mut TensorSetWriter, g: u64, which: &[usize]| -> Res<(u64, u64)> {
         let mut u = w.begin(Some(STEP))?;
         for &i in which {
             match u.device_tensor(i) {
@@ -441,10 +444,14 @@ fn near(o: &Opts) -> Res<()> {
         }
         let mut c = [0u8; 32];
         c[..8].copy_from_slice(&g.to_le_bytes());
-        Ok(u.commit_with_content(c)?)
+        if let Ok(s) = u.stream() {
+            s.synchronize()?;
+        }
+        let t0 = now_ns();
+        Ok((u.commit_with_content(c)?, t0))
     };
     let all: Vec<usize> = (0..layout.len()).collect();
-    let mut g = fill(&mut w, 1, &all)?;
+    let mut g = fill(&mut w, 1, &all)?.0;
     // The digests of the whole set, as the sending bridge's changed-only mode computes them.
     let digest_ms = {
         let r = if o.device {
@@ -538,9 +545,9 @@ fn near(o: &Opts) -> Res<()> {
         // opened) unmeasured, as raw NIXL's first round is; then WHOLE measured.
         for k in 0..1 + o.whole {
             told.lock().map_err(|_| "lock")?.insert(g + 1, None);
-            let t0 = now_ns();
             // (Found by digests, a whole generation is one whose every tensor changed.)
-            g = fill(&mut w, g + 1, if o.digests { &all } else { &[0] })?;
+            let t0;
+            (g, t0) = fill(&mut w, g + 1, if o.digests { &all } else { &[0] })?;
             let ms = arrived(g, t0)?;
             if k > 0 {
                 full.push(bytes as f64 / (ms / 1e3) / 1e9);
@@ -559,8 +566,8 @@ fn near(o: &Opts) -> Res<()> {
         // buffer with the whole generation before it, which that buffer lacks).
         for k in 0..2 {
             told.lock().map_err(|_| "lock")?.insert(g + 1, Some(vec![]));
-            let t0 = now_ns();
-            g = fill(&mut w, g + 1, &[])?;
+            let t0;
+            (g, t0) = fill(&mut w, g + 1, &[])?;
             let ms = arrived(g, t0)?;
             if k == 1 {
                 fixed.push(ms);
@@ -592,8 +599,8 @@ fn near(o: &Opts) -> Res<()> {
             told.lock()
                 .map_err(|_| "lock")?
                 .insert(g + 1, Some(pick.clone()));
-            let t0 = now_ns();
-            g = fill(&mut w, g + 1, &pick)?;
+            let t0;
+            (g, t0) = fill(&mut w, g + 1, &pick)?;
             changed.push(arrived(g, t0)?);
             changed_pairs.push((sum, changed[changed.len() - 1]));
             say(&format!(

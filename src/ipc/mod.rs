@@ -44,8 +44,8 @@ mod shareable;
 mod vmm;
 
 pub use arena::{ARENA_ALIGN, ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena};
-pub(crate) use cache::fetch_time_on_this_thread;
 pub use cache::{Access, CacheStats, cache_stats};
+pub(crate) use cache::{driver_times_on_this_thread, fetch_time_on_this_thread};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};
 pub use foreign::{

@@ -23,7 +23,7 @@
 //! See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>.
 
 use super::cache::Access;
-use super::cache::{self, Mapping, MappingKey, Origin, lock};
+use super::cache::{self, DriverCall, Mapping, MappingKey, Origin, lock};
 use super::fdpass::{FdExport, own_offered};
 use super::shareable::{POSIX_FD, access_desc_for, fetch_fd, location, require_peer};
 use crate::driver::{Context, Device, DeviceMemory};
@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
 /// VMM exports of this process: fd export id → allocation (for self-imports).
 static LOCAL_VMM: Mutex<BTreeMap<u32, Weak<VmmAllocation>>> = Mutex::new(BTreeMap::new());
@@ -131,6 +132,7 @@ impl VmmMap {
         // Declared after `m`, so on failure it drops first and `m`'s drop enters the context anew.
         let _cur = ctx.enter()?;
         let mut ptr = MaybeUninit::<sys::CUdeviceptr>::uninit();
+        let t = Instant::now();
         // SAFETY: context current (`_cur`); `ptr` a valid out-pointer; alignment 0 asks for the
         // default (the allocation granularity) and address 0 for any address.
         check("cuMemAddressReserve", unsafe {
@@ -139,6 +141,7 @@ impl VmmMap {
         // SAFETY: written on success.
         m.ptr = unsafe { ptr.assume_init() };
         m.reserved = true;
+        let t = cache::lap(DriverCall::Reserve, t);
         // SAFETY: the range [ptr, ptr + size) was just reserved and is unmapped; `handle` is a
         // live allocation handle of at least `size` bytes (the driver checks and fails otherwise).
         check("cuMemMap", unsafe {
@@ -146,10 +149,12 @@ impl VmmMap {
         })?;
         m.mapped = true;
         let desc = access_desc_for(&ctx.device(), access);
+        let t = cache::lap(DriverCall::Map, t);
         // SAFETY: the range is mapped; `desc` is one valid access descriptor.
         check("cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(m.ptr, size, &desc, 1)
         })?;
+        cache::lap(DriverCall::SetAccess, t);
         Ok(m)
     }
 }
@@ -515,6 +520,7 @@ fn import_vmm_handle(
 ) -> Result<VmmMap> {
     let _cur = ctx.enter()?;
     let mut h = MaybeUninit::<sys::CUmemGenericAllocationHandle>::uninit();
+    let t = Instant::now();
     // SAFETY: context current (`_cur`); for POSIX fd handles the OS handle is the descriptor's
     // value passed as a pointer-sized integer; the driver does not take ownership of the
     // descriptor.
@@ -525,6 +531,7 @@ fn import_vmm_handle(
             POSIX_FD,
         )
     })?;
+    cache::add_driver_time(DriverCall::Import, t.elapsed());
     cache::count_open();
     // SAFETY: written on success.
     VmmMap::map(ctx, unsafe { h.assume_init() }, size, access)
@@ -596,9 +603,11 @@ pub(crate) fn open_vmm(
                         ))
                     })?,
                 };
-                // `fd` is closed when it drops at the end of this block, on success and on
-                // failure.
+                // `fd` is closed right after the import (timed), or when it drops on failure.
                 let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
+                let t = Instant::now();
+                drop(fd);
+                cache::lap(DriverCall::CloseFd, t);
                 let (base, size) = (vm.ptr, vm.size);
                 let ro = access == Access::ReadOnly;
                 (Origin::closed_by(Box::new(vm)), base, size, ro)

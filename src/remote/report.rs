@@ -379,6 +379,78 @@ fn ucx_log_file() -> Option<&'static std::fs::File> {
     .as_ref()
 }
 
+/// Flushes what UCX has written to its log so far. UCX writes its log through a C `FILE` (fully
+/// buffered for a file) and flushes it only for errors, so a protocol table printed at the first
+/// WRITE can sit in that buffer when the lane reads the file: device memory was then judged from
+/// the other tables alone (an H200 run showed only the notifications' tables, docs/
+/// gpu-verification.md, run AX). This calls UCX's own `ucs_log_flush` (libucs, exported), found in
+/// the libucs this process already loaded (NIXL's UCX plugin loads it; its file may carry a
+/// wheel's hash, `libucs-1a2b3c4d.so.0`), never loading one. Nothing happens when none is loaded.
+fn flush_ucx_log() {
+    type Flush = unsafe extern "C" fn();
+    static FLUSH: OnceLock<Flush> = OnceLock::new();
+    let f = match FLUSH.get() {
+        Some(f) => Some(*f),
+        None => loaded_libucs_flush().map(|f| *FLUSH.get_or_init(|| f)),
+    };
+    if let Some(f) = f {
+        // SAFETY: `ucs_log_flush(void)` takes nothing and returns nothing; it flushes UCX's log
+        // stream under the C library's stream lock (safe beside UCX's own writers) and
+        // `fsync`s it. Its library stays loaded: the handle that found it is never closed.
+        unsafe { f() };
+    }
+}
+
+/// `ucs_log_flush` of the libucs loaded in this process, if one is.
+fn loaded_libucs_flush() -> Option<unsafe extern "C" fn()> {
+    use std::ffi::{CStr, CString, c_int, c_void};
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut c_void,
+    ) -> c_int {
+        // SAFETY: the loader passes a valid `dl_phdr_info` for the call's duration; `data` is
+        // the `Option<CString>` below, borrowed mutably by this call alone.
+        let (info, found) = unsafe { (&*info, &mut *data.cast::<Option<CString>>()) };
+        if info.dlpi_name.is_null() {
+            return 0;
+        }
+        // SAFETY: a NUL-terminated path owned by the loader, valid during the call.
+        let path = unsafe { CStr::from_ptr(info.dlpi_name) };
+        let file = path
+            .to_bytes()
+            .rsplit(|&b| b == b'/')
+            .next()
+            .unwrap_or_default();
+        let is_ucs = file
+            .strip_prefix(b"libucs")
+            .is_some_and(|rest| rest.starts_with(b".so") || rest.starts_with(b"-"));
+        if is_ucs {
+            *found = Some(path.to_owned());
+            return 1;
+        }
+        0
+    }
+    let mut found: Option<CString> = None;
+    // SAFETY: `visit` matches the callback type and only reads what the loader passes; `found`
+    // outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(visit), (&raw mut found).cast()) };
+    let path = found?;
+    // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded (no initialiser
+    // runs); the handle is kept (never `dlclose`d), so the symbol stays valid.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return None;
+    }
+    // SAFETY: `handle` is live; the name is NUL-terminated.
+    let sym = unsafe { libc::dlsym(handle, c"ucs_log_flush".as_ptr()) };
+    if sym.is_null() {
+        return None;
+    }
+    // SAFETY: UCX declares `void ucs_log_flush(void)` (ucs/debug/log_def.h).
+    Some(unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn()>(sym) })
+}
+
 /// Reads UCX's log (see [`ucx_log_path`]) and judges it ([`Transport::parse`]); `None` when UCX
 /// logs elsewhere (stdout) or the file cannot be read. The file is opened once per process
 /// (without following a link) and read by that descriptor, and only when no other user can have
@@ -386,7 +458,9 @@ fn ucx_log_file() -> Option<&'static std::fs::File> {
 /// folder of a [`UcxLog`]), and it is this user's regular file; any other is not read, with a
 /// warning. Warnings and errors UCX wrote there are passed on to the log.
 pub fn from_ucx_log(near: Place, far: Place) -> Option<Transport> {
-    let text = read_all(ucx_log_file()?).ok()?;
+    let file = ucx_log_file()?;
+    flush_ucx_log();
+    let text = read_all(file).ok()?;
     for l in text.lines() {
         if l.contains(" WARN ") || l.contains(" ERROR ") {
             tracing::warn!("UCX: {}", l.trim());
@@ -525,6 +599,16 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ucx_s_log_flush_is_found_in_the_libucs_nixl_loaded() {
+        crate::remote::nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH");
+        // An agent loads NIXL's UCX plugin, and with it libucs (a wheel's `libucs-HASH.so.0`).
+        let _lane = crate::remote::nixl::Lane::new("cuda-ipc-report-flush-test").unwrap();
+        assert!(loaded_libucs_flush().is_some());
+        // Flushing with no log file of UCX's (it logs to stdout here) is harmless.
+        flush_ucx_log();
+    }
 
     #[test]
     fn ucx_logs_live_in_private_folders_and_planted_files_are_never_read() {

@@ -60,6 +60,16 @@ pub struct OpenTimings {
     /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess`
     /// (pool and legacy memory: their own import calls); a host set: its data segment's open.
     pub map: Duration,
+    /// Of `map`: the driver's `cuMemImportFromShareableHandle` calls.
+    pub map_import: Duration,
+    /// Of `map`: `cuMemAddressReserve`.
+    pub map_reserve: Duration,
+    /// Of `map`: `cuMemMap`.
+    pub map_map: Duration,
+    /// Of `map`: `cuMemSetAccess` (read-only or read-write).
+    pub map_set_access: Duration,
+    /// Of `map`: closing the imported descriptors.
+    pub map_fd_close: Duration,
     /// The generation channel's join, as long as it ran on its own thread: its control segment
     /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
     /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
@@ -277,9 +287,12 @@ impl TensorSetReader {
         let map = || {
             let t = Instant::now();
             let fetched = crate::ipc::fetch_time_on_this_thread();
+            let calls = crate::ipc::driver_times_on_this_thread();
             let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
             let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
-            (r, t.elapsed(), fetch)
+            let after = crate::ipc::driver_times_on_this_thread();
+            let calls: [Duration; 5] = std::array::from_fn(|i| after[i].saturating_sub(calls[i]));
+            (r, t.elapsed(), fetch, calls)
         };
         let (mapped, attached, join_wait, verified) = if ctx.is_none() {
             let mapped = map();
@@ -321,7 +334,14 @@ impl TensorSetReader {
             timings.fingerprint = took;
             r.map_err(bad_fingerprint)?;
         }
-        let (mapped, map_time, fetch_time) = mapped;
+        let (mapped, map_time, fetch_time, calls) = mapped;
+        [
+            timings.map_import,
+            timings.map_reserve,
+            timings.map_map,
+            timings.map_set_access,
+            timings.map_fd_close,
+        ] = calls;
         let (attached, join_time, join_gpu) = attached;
         timings.fd_fetch = fetch_time;
         timings.map = map_time.saturating_sub(fetch_time);

@@ -82,6 +82,9 @@ pub struct Totals {
     pub abandoned: u64,
     /// Sending bridges served.
     pub sessions: u64,
+    /// Far buffers brought up to the newest generation ahead of the next changed-only one, while
+    /// the link was idle (the next generation then waits only for its WRITEs).
+    pub prefilled: u64,
 }
 
 /// Waits on `listener` for sending bridges, one session at a time (others are told the bridge is
@@ -306,6 +309,12 @@ struct Session<'a> {
     totals: &'a mut Totals,
 }
 
+/// The first wait on the link while a far buffer waits for its readers to be brought up to date
+/// ([`Session::prefill`]); it doubles up to [`PREFILL_POLL_MAX`] while they hold it.
+const PREFILL_POLL_MIN: Duration = Duration::from_micros(200);
+/// The longest wait on the link between tries of [`Session::prefill`].
+const PREFILL_POLL_MAX: Duration = Duration::from_millis(20);
+
 /// What each far buffer holds, so that a changed-only generation copies into its buffer only the
 /// tensors that buffer lacks: those another generation wrote since the buffer's own (a buffer of
 /// generation g−2, written again for g, lacks g−1's changes, not the whole set). Far generation
@@ -342,6 +351,13 @@ impl Holdings {
                 }
             })
             .collect()
+    }
+
+    /// `buffer` was brought up to far generation `far` (everything it lacked copied from it).
+    fn filled(&mut self, buffer: usize, far: u64) {
+        if let Some(b) = self.buffers.get_mut(buffer) {
+            *b = Some(far);
+        }
     }
 
     /// An update began in `buffer`: its bytes are unknown until the commit.
@@ -464,6 +480,9 @@ impl Session<'_> {
         near_place: Place,
     ) -> Result<SessionEnd> {
         let mut next_turn_away = Instant::now();
+        // While a far buffer waits to be brought up to the newest generation (after a
+        // changed-only one): how long the link is polled before the next try.
+        let mut prefill: Option<Duration> = None;
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 return Ok(SessionEnd::Stopped);
@@ -473,10 +492,16 @@ impl Session<'_> {
                 self.door
                     .turn_away(&format!("tensor set {}", self.opts.set));
             }
+            if let Some(step) = prefill {
+                prefill = (!self.prefill()?).then(|| (step * 2).min(PREFILL_POLL_MAX));
+            }
             // Notifications of this session come only after a `Buffer` (drained there); polled
             // here too so that stale ones do not pile up.
             let _ = lane.take_notifications()?;
-            let Some(m) = link.next(self.opts.lane.heartbeat)? else {
+            let wait = prefill.map_or(self.opts.lane.heartbeat, |s| {
+                s.min(self.opts.lane.heartbeat)
+            });
+            let Some(m) = link.next(wait)? else {
                 continue;
             };
             match m {
@@ -501,6 +526,9 @@ impl Session<'_> {
                             status.frames = self.totals.generations;
                             status.write();
                             link.send(&Msg::Set(SetMsg::Published { near, far }))?;
+                            // A sender of changed-only generations: the next buffer is brought
+                            // up to date now, off the next generation's path.
+                            prefill = (!all).then_some(PREFILL_POLL_MIN);
                         }
                         Err(e) => {
                             self.totals.abandoned += 1;
@@ -519,6 +547,43 @@ impl Session<'_> {
                 m => return Err(wire::unexpected_msg(&m, "a generation's start")),
             }
         }
+    }
+
+    /// Ahead of the next changed-only generation, while the link is idle: takes the buffer the
+    /// next generation is written into if no far reader holds it now (never waiting), copies into
+    /// it on the far side what it lacks from the newest generation (`cuMemcpyDtoDAsync_v2` on the
+    /// far set's stream, after its readers' release words; a host set at once), and gives it back
+    /// unpublished: it then holds the newest generation's bytes, which [`Holdings`] records, and
+    /// the next generation written there waits only for its own WRITEs (its `begin` drains the
+    /// stream before the sender is told the buffer). Returns `false` while far readers hold
+    /// every buffer it could take (try again later), `true` once done or when there is nothing
+    /// to do (one buffer, nothing published yet, nothing lacking).
+    fn prefill(&mut self) -> Result<bool> {
+        let n = self.layout.len();
+        if self.writer.buffers() < 2 || self.writer.generation() == 0 {
+            return Ok(true);
+        }
+        self.holdings.fit(self.writer.buffers(), n);
+        let newest = self.writer.generation();
+        let mut update = match self.writer.begin(Some(Duration::ZERO)) {
+            Ok(u) => u,
+            Err(Error::Timeout { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let buffer = update.buffer();
+        let lacking = self.holdings.lacking(buffer, &vec![false; n]);
+        if !lacking.contains(&true) {
+            // Given back untouched: it holds what it held.
+            return Ok(true);
+        }
+        self.holdings.begun(buffer);
+        update.copy_ranges_from_previous(&runs(&self.layout, &lacking))?;
+        // Dropped unpublished: the buffer is free again, no reader ever sees it; its copies are
+        // ordered on the stream before anything the next update enqueues.
+        drop(update);
+        self.holdings.filled(buffer, newest);
+        self.totals.prefilled += 1;
+        Ok(true)
     }
 
     /// One generation: a far buffer, the unwritten tensors filled from the newest generation, the
@@ -687,6 +752,10 @@ mod tests {
             h.lacking(1, &[false, true, false, false]),
             [true, false, true, true]
         );
+        // Brought up to generation 3 ahead of time (everything it lacked copied from it): it
+        // lacks nothing for a generation that writes tensor 0 only.
+        h.filled(1, 3);
+        assert_eq!(h.lacking(1, &[true, false, false, false]), [false; 4]);
         // A change of shape forgets everything.
         h.committed(1, 4, &[false; 4]);
         h.fit(3, 4);
