@@ -87,8 +87,11 @@ fn child() {
                 loop {
                     match send::serve(&opts, &AtomicBool::new(false), &mut totals) {
                         Ok(e) => {
+                            // UCX's report of the WRITEs' path: `gpu-direct` over cuda_ipc,
+                            // `host-staged` over TCP.
+                            let path = totals.transport.as_ref().map_or("none", |t| t.path.word());
                             tell(format!(
-                                "ended {e:?} {} {}",
+                                "ended {e:?} {} {} {path}",
                                 totals.generations, totals.bytes
                             ));
                             return;
@@ -154,8 +157,8 @@ fn child() {
             match recv::serve(&opts, &listener, &AtomicBool::new(false), &mut totals) {
                 Ok(recv::Ended::Closed(w)) => {
                     tell(format!(
-                        "closed {} {}",
-                        totals.generations, totals.abandoned
+                        "closed {} prefilled {} abandoned {}",
+                        totals.generations, totals.prefilled, totals.abandoned
                     ));
                     let _ = parent_lines().next();
                     drop(w);
@@ -292,8 +295,26 @@ fn fifty(tls: &str, changed: bool) {
     w.send("end");
     let said = w.expect("ended", T);
     assert!(said.starts_with("Closed"), "{said}");
+    // The transport report judged the WRITEs themselves (UCX's log flushed before it is read).
+    let path = if tls == "tcp" {
+        "host-staged"
+    } else {
+        "gpu-direct"
+    };
+    assert!(said.ends_with(path), "{tls}: the WRITEs' path: {said}");
     let said = rcv.expect("closed", T);
-    assert!(said.ends_with(" 0"), "no generation abandoned: {said}");
+    assert!(said.ends_with(" abandoned 0"), "no generation abandoned: {said}");
+    if changed {
+        // Lockstep: the far reader lets each generation go before the next is written, so the
+        // receiving bridge brings the next buffer up to date in between (every far generation
+        // was checked whole on the GPU above).
+        let prefilled: u64 = said
+            .split(' ')
+            .nth(2)
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(0);
+        assert!(prefilled >= 10, "{tls}: far buffers prefilled: {said}");
+    }
     drop(r);
     rcv.send("done");
 }
@@ -447,6 +468,9 @@ fn stopping_then_killing_the_receiving_bridge_leaves_whole_generations_and_the_t
             w.child.try_wait().unwrap().is_none(),
             "{tls}: the trainer died with the far bridge"
         );
+        // Its port is free once it has exited (a killed process with a CUDA context takes a
+        // while to go), as a supervisor's restart finds it.
+        let _ = rcv.child.wait();
         rcv = spawn(
             tls,
             "recv",

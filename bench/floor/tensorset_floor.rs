@@ -34,7 +34,7 @@
 //! (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
 //! `open_manifest_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us` and its driver
 //! calls and descriptor closes apart (`open_map_import_us`, `open_map_reserve_us`,
-//! `open_map_map_us`, `open_map_set_access_us`, `open_map_fd_close_us`), `open_join_us`,
+//! `open_map_map_us`, `open_map_set_access_us`, `open_map_fd_close_us`, `open_map_identity_us`), `open_join_us`,
 //! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the
 //! pattern word reads back, then the hold and the reader drop (`release_us`). The parent prints
 //! (and with `--out DIR` writes `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
@@ -611,6 +611,7 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
                "open_map_map_us": us(phases.map_map),
                "open_map_set_access_us": us(phases.map_set_access),
                "open_map_fd_close_us": us(phases.map_fd_close),
+               "open_map_identity_us": us(phases.map_identity),
                "open_join_gpu_us": us(phases.join_gpu),
                "open_join_wait_us": us(phases.join_wait), "open_total_us": us(phases.total)})
     );
@@ -698,6 +699,7 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "open_map_map_us",
         "open_map_set_access_us",
         "open_map_fd_close_us",
+        "open_map_identity_us",
         "open_join_us",
         "open_join_gpu_us",
         "open_join_wait_us",

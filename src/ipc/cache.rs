@@ -144,9 +144,9 @@ pub(crate) fn add_fetch_time(d: std::time::Duration) {
     FETCH_TIME_HERE.with(|c| c.set(c.get().saturating_add(d)));
 }
 
-/// The driver calls of a VMM import, timed apart ([`add_driver_time`]).
+/// The steps of a VMM import, timed apart ([`add_import_time`]).
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum DriverCall {
+pub(crate) enum ImportStep {
     /// `cuMemImportFromShareableHandle`.
     Import,
     /// `cuMemAddressReserve`.
@@ -157,34 +157,37 @@ pub(crate) enum DriverCall {
     SetAccess,
     /// The `close` of the imported descriptor.
     CloseFd,
+    /// This process's identity ([`crate::identity::ProcessIdentity::current`]; made on its
+    /// first call: `/proc` read, the liveness file created and locked).
+    Identity,
 }
 
 thread_local! {
-    /// Time the calling thread spent in each [`DriverCall`] ([`driver_times_on_this_thread`]).
-    static DRIVER_TIME_HERE: std::cell::Cell<[std::time::Duration; 5]> =
-        const { std::cell::Cell::new([std::time::Duration::ZERO; 5]) };
+    /// Time the calling thread spent in each [`ImportStep`] ([`import_times_on_this_thread`]).
+    static IMPORT_TIME_HERE: std::cell::Cell<[std::time::Duration; 6]> =
+        const { std::cell::Cell::new([std::time::Duration::ZERO; 6]) };
 }
 
 /// Adds `d` to the calling thread's time in `call`.
-pub(crate) fn add_driver_time(call: DriverCall, d: std::time::Duration) {
-    DRIVER_TIME_HERE.with(|c| {
+pub(crate) fn add_import_time(call: ImportStep, d: std::time::Duration) {
+    IMPORT_TIME_HERE.with(|c| {
         let mut t = c.get();
         t[call as usize] = t[call as usize].saturating_add(d);
         c.set(t);
     });
 }
 
-/// Adds the time since `since` to `call` ([`add_driver_time`]); returns now, for the next lap.
-pub(crate) fn lap(call: DriverCall, since: std::time::Instant) -> std::time::Instant {
+/// Adds the time since `since` to `call` ([`add_import_time`]); returns now, for the next lap.
+pub(crate) fn lap(call: ImportStep, since: std::time::Instant) -> std::time::Instant {
     let now = std::time::Instant::now();
-    add_driver_time(call, now.saturating_duration_since(since));
+    add_import_time(call, now.saturating_duration_since(since));
     now
 }
 
-/// Time the calling thread spent so far in each [`DriverCall`], indexed by it: the difference
+/// Time the calling thread spent so far in each [`ImportStep`], indexed by it: the difference
 /// around one call is what that call's imports took.
-pub(crate) fn driver_times_on_this_thread() -> [std::time::Duration; 5] {
-    DRIVER_TIME_HERE.with(std::cell::Cell::get)
+pub(crate) fn import_times_on_this_thread() -> [std::time::Duration; 6] {
+    IMPORT_TIME_HERE.with(std::cell::Cell::get)
 }
 
 /// Wall-clock time the calling thread spent fetching file descriptors from exporters (for VMM

@@ -186,7 +186,9 @@ impl ImportedBuffer {
         access: Access,
         source: FdSource<'_>,
     ) -> Result<Vec<Imported>> {
+        let t = std::time::Instant::now();
         let me = ProcessIdentity::current()?;
+        cache::lap(cache::ImportStep::Identity, t);
         let want = fetch_plan(tokens, &me, |t| {
             cache::MAPPINGS.is_present(&MappingKey::of(t, ctx, access))
         });

@@ -23,7 +23,7 @@
 //! See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>.
 
 use super::cache::Access;
-use super::cache::{self, DriverCall, Mapping, MappingKey, Origin, lock};
+use super::cache::{self, ImportStep, Mapping, MappingKey, Origin, lock};
 use super::fdpass::{FdExport, own_offered};
 use super::shareable::{POSIX_FD, access_desc_for, fetch_fd, location, require_peer};
 use crate::driver::{Context, Device, DeviceMemory};
@@ -141,7 +141,7 @@ impl VmmMap {
         // SAFETY: written on success.
         m.ptr = unsafe { ptr.assume_init() };
         m.reserved = true;
-        let t = cache::lap(DriverCall::Reserve, t);
+        let t = cache::lap(ImportStep::Reserve, t);
         // SAFETY: the range [ptr, ptr + size) was just reserved and is unmapped; `handle` is a
         // live allocation handle of at least `size` bytes (the driver checks and fails otherwise).
         check("cuMemMap", unsafe {
@@ -149,12 +149,12 @@ impl VmmMap {
         })?;
         m.mapped = true;
         let desc = access_desc_for(&ctx.device(), access);
-        let t = cache::lap(DriverCall::Map, t);
+        let t = cache::lap(ImportStep::Map, t);
         // SAFETY: the range is mapped; `desc` is one valid access descriptor.
         check("cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(m.ptr, size, &desc, 1)
         })?;
-        cache::lap(DriverCall::SetAccess, t);
+        cache::lap(ImportStep::SetAccess, t);
         Ok(m)
     }
 }
@@ -531,7 +531,7 @@ fn import_vmm_handle(
             POSIX_FD,
         )
     })?;
-    cache::add_driver_time(DriverCall::Import, t.elapsed());
+    cache::add_import_time(ImportStep::Import, t.elapsed());
     cache::count_open();
     // SAFETY: written on success.
     VmmMap::map(ctx, unsafe { h.assume_init() }, size, access)
@@ -607,7 +607,7 @@ pub(crate) fn open_vmm(
                 let vm = import_vmm_handle(ctx, fd.as_fd(), size, access)?;
                 let t = Instant::now();
                 drop(fd);
-                cache::lap(DriverCall::CloseFd, t);
+                cache::lap(ImportStep::CloseFd, t);
                 let (base, size) = (vm.ptr, vm.size);
                 let ro = access == Access::ReadOnly;
                 (Origin::closed_by(Box::new(vm)), base, size, ro)

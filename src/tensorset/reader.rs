@@ -16,6 +16,7 @@ use crate::shm::Segment;
 use crate::token::Token;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 mod content_api;
@@ -70,6 +71,9 @@ pub struct OpenTimings {
     pub map_set_access: Duration,
     /// Of `map`: closing the imported descriptors.
     pub map_fd_close: Duration,
+    /// Of `map`: this process's identity (made on the first open of a process: its `/proc`
+    /// entries read, its liveness file created and locked).
+    pub map_identity: Duration,
     /// The generation channel's join, as long as it ran on its own thread: its control segment
     /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
     /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
@@ -89,6 +93,59 @@ pub struct OpenTimings {
 /// Tensors above which a GPU set's layout fingerprint is recomputed on a thread of its own while
 /// the memory is mapped (below, the hash costs less than starting a thread).
 pub const VERIFY_APART: usize = 1024;
+
+/// A generation channel's join as the opening threads time it: (the consumer, its time, the
+/// part that made GPU objects).
+type Joined = (Result<Consumer>, Duration, Duration);
+
+/// Joins tensor set `name`'s generation channel as a latest-only reader (in `ctx`: a GPU set).
+fn join_channel(ctx: Option<&Arc<Context>>, name: &str, opts: &ReaderOptions) -> Joined {
+    let copts = ConsumerOptions::new()
+        .delivery(Delivery::LatestOnly)
+        .wait(opts.wait);
+    let t = Instant::now();
+    let mut gpu = Duration::ZERO;
+    let r = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts, &mut gpu);
+    (r, t.elapsed(), gpu)
+}
+
+/// [`join_channel`] as a thread's body, owning what it needs.
+fn spawnable_join(
+    ctx: Option<&Arc<Context>>,
+    name: &str,
+    opts: &ReaderOptions,
+) -> impl FnOnce() -> Joined + Send + 'static {
+    let (ctx, name, opts) = (ctx.cloned(), name.to_string(), opts.clone());
+    move || join_channel(ctx.as_ref(), &name, &opts)
+}
+
+/// A join started before the manifest was read ([`TensorSetReader::open`]); dropped untaken, it
+/// waits for the thread and drops its consumer (it leaves the channel): nothing stays behind
+/// when the open fails or the set turns out to be a host set.
+struct EarlyJoin(Option<JoinHandle<Joined>>);
+
+impl EarlyJoin {
+    fn start(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> EarlyJoin {
+        EarlyJoin(
+            std::thread::Builder::new()
+                .name("cuda-ipc-attach".into())
+                .spawn(spawnable_join(Some(ctx), name, opts))
+                .ok(),
+        )
+    }
+
+    fn take(&mut self) -> Option<JoinHandle<Joined>> {
+        self.0.take()
+    }
+}
+
+impl Drop for EarlyJoin {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
 
 /// The reading end of a tensor set: maps every buffer once at open (one driver import per
 /// allocation, through the import cache and fd passing; read-only where the memory allows) and
@@ -204,7 +261,7 @@ impl TensorSetReader {
             )
             .into());
         }
-        Self::finish(None, name, opts, opened, started)
+        Self::finish(None, name, opts, opened, started, None)
     }
 
     fn open_inner(
@@ -213,9 +270,16 @@ impl TensorSetReader {
         opts: &ReaderOptions,
     ) -> Result<TensorSetReader> {
         let started = Instant::now();
+        // With the context known, the generation channel's join (which needs only the name)
+        // starts first, on a thread of its own, beside the manifest's read: its GPU objects and
+        // this process's identity are made while the manifest is decoded, not while the memory
+        // is imported. A host set's join (found in the manifest) is dropped and done again
+        // without a context.
+        let mut early = ctx.map(|c| EarlyJoin::start(c, name, opts));
         let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind == KIND_HOST {
-            return Self::finish(None, name, opts, opened, started);
+            drop(early);
+            return Self::finish(None, name, opts, opened, started, None);
         }
         let ctx = match ctx {
             Some(c) => c.clone(),
@@ -224,7 +288,8 @@ impl TensorSetReader {
                 Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        Self::finish(Some(&ctx), name, opts, opened, started)
+        let early = early.as_mut().and_then(EarlyJoin::take);
+        Self::finish(Some(&ctx), name, opts, opened, started, early)
     }
 
     fn finish(
@@ -233,6 +298,7 @@ impl TensorSetReader {
         opts: &ReaderOptions,
         opened: segment::OpenedManifest,
         started: Instant,
+        early: Option<JoinHandle<Joined>>,
     ) -> Result<TensorSetReader> {
         let mut timings = OpenTimings {
             manifest: opened.took,
@@ -274,24 +340,16 @@ impl TensorSetReader {
         // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the
         // thread ends with no context current. The imports stay on this thread: their driver
         // import count is this thread's (`open_with_access`).
-        let copts = ConsumerOptions::new()
-            .delivery(Delivery::LatestOnly)
-            .wait(opts.wait);
         // Each half times itself (the join on its own thread): (result, its time, GPU part).
-        let attach = || {
-            let t = Instant::now();
-            let mut gpu = Duration::ZERO;
-            let r = Consumer::attach_memoryless(ctx, GENERATION_PREFIX, name, &copts, &mut gpu);
-            (r, t.elapsed(), gpu)
-        };
+        let attach = || join_channel(ctx, name, opts);
         let map = || {
             let t = Instant::now();
             let fetched = crate::ipc::fetch_time_on_this_thread();
-            let calls = crate::ipc::driver_times_on_this_thread();
+            let calls = crate::ipc::import_times_on_this_thread();
             let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
             let fetch = crate::ipc::fetch_time_on_this_thread().saturating_sub(fetched);
-            let after = crate::ipc::driver_times_on_this_thread();
-            let calls: [Duration; 5] = std::array::from_fn(|i| after[i].saturating_sub(calls[i]));
+            let after = crate::ipc::import_times_on_this_thread();
+            let calls: [Duration; 6] = std::array::from_fn(|i| after[i].saturating_sub(calls[i]));
             (r, t.elapsed(), fetch, calls)
         };
         let (mapped, attached, join_wait, verified) = if ctx.is_none() {
@@ -301,9 +359,13 @@ impl TensorSetReader {
             (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
-                let channel = std::thread::Builder::new()
-                    .name("cuda-ipc-attach".into())
-                    .spawn_scoped(s, attach);
+                let channel = match early {
+                    // Started before the manifest was read (`open` with a context).
+                    Some(h) => Ok(h),
+                    None => std::thread::Builder::new()
+                        .name("cuda-ipc-attach".into())
+                        .spawn(spawnable_join(ctx, name, opts)),
+                };
                 let verifier = verify_apart.then(|| {
                     std::thread::Builder::new()
                         .name("cuda-ipc-verify".into())
@@ -341,6 +403,7 @@ impl TensorSetReader {
             timings.map_map,
             timings.map_set_access,
             timings.map_fd_close,
+            timings.map_identity,
         ] = calls;
         let (attached, join_time, join_gpu) = attached;
         timings.fd_fetch = fetch_time;
