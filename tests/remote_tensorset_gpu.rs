@@ -303,7 +303,10 @@ fn fifty(tls: &str, changed: bool) {
     };
     assert!(said.ends_with(path), "{tls}: the WRITEs' path: {said}");
     let said = rcv.expect("closed", T);
-    assert!(said.ends_with(" abandoned 0"), "no generation abandoned: {said}");
+    assert!(
+        said.ends_with(" abandoned 0"),
+        "no generation abandoned: {said}"
+    );
     if changed {
         // Lockstep: the far reader lets each generation go before the next is written, so the
         // receiving bridge brings the next buffer up to date in between (every far generation

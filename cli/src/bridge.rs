@@ -437,8 +437,7 @@ mod run {
                             .into());
                         }
                         opts.lane = lane(link_timeout_ms);
-                        let listener = TcpListener::bind(addr)
-                            .map_err(|e| format!("listening on {addr}: {e}"))?;
+                        let listener = listen_on(addr)?;
                         eprintln!("cuda-ipc bridge recv: listening on {addr} for tensor set {set}");
                         let r = recv_set(&opts, &listener);
                         drop(log);
@@ -450,8 +449,7 @@ mod run {
                 opts.place = place;
                 opts.buffers = buffers;
                 opts.lane = lane(link_timeout_ms);
-                let listener =
-                    TcpListener::bind(addr).map_err(|e| format!("listening on {addr}: {e}"))?;
+                let listener = listen_on(addr)?;
                 eprintln!("cuda-ipc bridge recv: listening on {addr} for channel {channel}");
                 let mut frames = 0;
                 match recv::serve(&opts, &listener, &AtomicBool::new(false), &mut frames)? {
@@ -477,6 +475,37 @@ mod run {
                     }
                     _ => Ok(Outcome::Problems),
                 }
+            }
+        }
+    }
+
+    /// How long `bridge recv` waits for its address while another process holds it.
+    const LISTEN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// Listens on `addr`. While the address is in use it tries again for up to [`LISTEN_WAIT`]: a
+    /// supervisor restarting a killed bridge at once finds the old process still exiting (a process
+    /// with a CUDA context takes a while to go), holding the port until it is gone.
+    fn listen_on(addr: SocketAddr) -> Result<TcpListener, String> {
+        let start = std::time::Instant::now();
+        let mut said = false;
+        loop {
+            match TcpListener::bind(addr) {
+                Ok(l) => return Ok(l),
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse
+                        && start.elapsed() < LISTEN_WAIT =>
+                {
+                    if !said {
+                        eprintln!(
+                            "cuda-ipc bridge recv: {addr} is in use (a bridge before this one may \
+                             still be exiting); trying again for up to {} s",
+                            LISTEN_WAIT.as_secs()
+                        );
+                        said = true;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                Err(e) => return Err(format!("listening on {addr}: {e}")),
             }
         }
     }

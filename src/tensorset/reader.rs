@@ -115,7 +115,7 @@ fn spawnable_join(
     name: &str,
     opts: &ReaderOptions,
 ) -> impl FnOnce() -> Joined + Send + 'static {
-    let (ctx, name, opts) = (ctx.cloned(), name.to_string(), opts.clone());
+    let (ctx, name, opts) = (ctx.cloned(), name.to_string(), *opts);
     move || join_channel(ctx.as_ref(), &name, &opts)
 }
 
