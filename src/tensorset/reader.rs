@@ -275,7 +275,7 @@ impl TensorSetReader {
         // this process's identity are made while the manifest is decoded, not while the memory
         // is imported. A host set's join (found in the manifest) is dropped and done again
         // without a context.
-        let mut early = ctx.map(|c| EarlyJoin::start(c, name, opts));
+        let early = ctx.map(|c| EarlyJoin::start(c, name, opts));
         let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind == KIND_HOST {
             drop(early);
@@ -288,7 +288,6 @@ impl TensorSetReader {
                 Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        let early = early.as_mut().and_then(EarlyJoin::take);
         Self::finish(Some(&ctx), name, opts, opened, started, early)
     }
 
@@ -298,7 +297,7 @@ impl TensorSetReader {
         opts: &ReaderOptions,
         opened: segment::OpenedManifest,
         started: Instant,
-        early: Option<JoinHandle<Joined>>,
+        mut early: Option<EarlyJoin>,
     ) -> Result<TensorSetReader> {
         let mut timings = OpenTimings {
             manifest: opened.took,
@@ -359,8 +358,9 @@ impl TensorSetReader {
             (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
-                let channel = match early {
-                    // Started before the manifest was read (`open` with a context).
+                let channel = match early.as_mut().and_then(EarlyJoin::take) {
+                    // Started before the manifest was read (`open` with a context); an early
+                    // return before this point drops `early`, which waits for it.
                     Some(h) => Ok(h),
                     None => std::thread::Builder::new()
                         .name("cuda-ipc-attach".into())
