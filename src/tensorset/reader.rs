@@ -224,8 +224,9 @@ impl TensorSetReader {
     /// of every buffer once (`cuMemImportFromShareableHandle` and a read-only `cuMemSetAccess`
     /// for VMM, with [`ReaderOptions::read_only`]; pool and legacy memory read-write, see
     /// [`TensorSetReader::is_read_only`]) and joins the generation channel, the two at the same
-    /// time (the channel's attach on a scoped thread; on an error of either, the other's result is
-    /// dropped: no reader slot or mapping stays behind). A host set is opened as by
+    /// time (the channel's attach on a thread of its own, started before the manifest is read;
+    /// on an error of either, the other's result is dropped once that thread is done: no reader
+    /// slot or mapping stays behind). A host set is opened as by
     /// [`TensorSetReader::open_host`], without `ctx`.
     ///
     /// # Errors
@@ -333,7 +334,8 @@ impl TensorSetReader {
         Self::check_stable(opts, m.kind)?;
         // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
         // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
-        // runs on a scoped thread while this thread maps the memory (a host set's two halves are
+        // runs on a thread of its own (started before the manifest's read by `open`, here by
+        // `open_auto`) while this thread maps the memory (a host set's two halves are
         // cheaper than a thread: one after the other). Context hygiene: that thread makes driver
         // calls only through the consumer's constructor, whose objects (`Stream::new`,
         // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the
