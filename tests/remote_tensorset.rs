@@ -733,3 +733,39 @@ fn a_near_writer_replaced_during_an_outage_is_mirrored_whole_not_taken_for_the_o
     );
     b.close(ANSWER).unwrap();
 }
+
+/// A far reader that holds an older generation for long must not let the receiving bridge's
+/// prefill (after a changed-only generation) take the newest buffer and give it back
+/// unpublished: the newest far generation would be gone until the next one arrives.
+#[test]
+fn prefill_never_takes_the_newest_generation_from_far_readers() {
+    cuda_ipc::remote::nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH");
+    let (near, far) = names("prefill-newest");
+    let _reap = Reap(vec![near.clone(), far.clone()]);
+    let changed = [("CHANGED", "1".to_string())];
+    let (mut rcv, port) = start_recv(&far, 0);
+    // Generation 1 (whole), then generation 2 (changed-only) a second later; then idle.
+    let mut w = start_writer(&near, 2, 1000, &changed);
+    let mut snd = start_send(&near, port, &changed);
+    let r1 = open_far(&far);
+    w.send("go");
+    let n = specs("small", false).len();
+    // A slow far reader holds far generation 1 (buffer 0 of 2) throughout.
+    let h1 = r1.wait_newer(0, Some(ANSWER)).expect("far generation 1");
+    assert_eq!(check(&h1, true, n), 1);
+    // Near generation 2 is written (and mirrored) meanwhile; the writer then idles.
+    w.expect("wrote 2", ANSWER);
+    // Another far reader wants the newest generation: near generation 2's.
+    let r2 = open_far(&far);
+    let h2 = r2
+        .wait_newer(0, Some(Duration::from_secs(5)))
+        .expect("the newest far generation (near 2) stays available");
+    assert_eq!(check(&h2, true, n), 2);
+    drop(h2);
+    drop(h1);
+    w.send("close");
+    snd.expect("closed", ANSWER);
+    rcv.expect("closed", ANSWER);
+    drop((r1, r2));
+    rcv.send("done");
+}

@@ -66,12 +66,23 @@ impl Control {
         strategy: WaitStrategy,
         timeout: Option<Duration>,
     ) -> Result<Option<Claim>> {
+        self.acquire_keeping(strategy, timeout, false)
+    }
+
+    /// [`Control::acquire`]; with `keep_newest`, never the newest frame's buffer (as
+    /// [`Control::try_acquire_older`]): it waits for an older one instead.
+    pub(crate) fn acquire_keeping(
+        &self,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+        keep_newest: bool,
+    ) -> Result<Option<Claim>> {
         let h = self.header();
         wait_until(
             h.release_wake(),
             strategy,
             timeout,
-            || Ok(self.try_acquire()),
+            || Ok(self.try_acquire_keeping(keep_newest)),
             {
                 let mut every = Every::new(SUPERSEDED_EVERY);
                 move || {
@@ -103,6 +114,12 @@ impl Control {
     }
 
     pub(crate) fn try_acquire(&self) -> Option<Claim> {
+        self.try_acquire_keeping(false)
+    }
+
+    /// [`Control::try_acquire`]; with `keep_newest`, never the buffer of the newest frame (it
+    /// stays readable): `None` when only that one is free.
+    fn try_acquire_keeping(&self, keep_newest: bool) -> Option<Claim> {
         let min_cursor = self.min_lossless_cursor();
         let head = self.head();
         if self.is_ring() {
@@ -110,7 +127,7 @@ impl Control {
             let i = (head % self.buffers as u64) as usize;
             // SYNC POINT: publish. Acquire: as below.
             let seq = self.buffer(i).seq.load(Ordering::Acquire);
-            if seq == WRITING || seq > min_cursor {
+            if seq == WRITING || seq > min_cursor || (keep_newest && seq == head && seq != 0) {
                 return None;
             }
             return self.buffer(i).words().claim(seq).map(|used| Claim {
@@ -135,7 +152,10 @@ impl Control {
         let order = &mut order[..n];
         order.sort_unstable();
         for &(seq, i) in order.iter() {
-            if seq == head && seq != 0 && self.buffers > 1 && order_has_other(self, i, min_cursor) {
+            if seq == head
+                && seq != 0
+                && (keep_newest || (self.buffers > 1 && order_has_other(self, i, min_cursor)))
+            {
                 // Keep the newest frame while an older buffer is free.
                 continue;
             }

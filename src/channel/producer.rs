@@ -409,6 +409,23 @@ impl Producer {
         }
     }
 
+    /// Takes a free buffer other than the newest frame's, waiting as [`Producer::acquire`] for one
+    /// (crate-private: a writer that may give the buffer back unpublished, such as a tensor set's
+    /// receiving bridge, never takes the newest frame from its consumers that way).
+    ///
+    /// # Errors
+    /// As [`Producer::acquire`].
+    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
+    pub(crate) fn acquire_older(&mut self, timeout: Option<Duration>) -> Result<WriteFrame<'_>> {
+        match self.control.acquire_keeping(self.wait, timeout, true)? {
+            Some(claim) => self.start_write(claim),
+            None => Err(Error::Timeout {
+                what: "a free buffer other than the newest frame's",
+                after: timeout.unwrap_or_default(),
+            }),
+        }
+    }
+
     fn start_write(&mut self, claim: Claim) -> Result<WriteFrame<'_>> {
         let i = claim.index;
         // A host channel has no streams to order: the consumers' reads happen before this write

@@ -556,7 +556,10 @@ impl TensorSetWriter {
 
     /// Takes a buffer for generation [`TensorSetWriter::generation`] + 1, waiting up to `timeout`
     /// (`None`: forever) while readers hold it (in place: until every reader released the current
-    /// generation; buffered: the oldest buffer no reader holds). Readers waiting meanwhile never
+    /// generation; buffered: the oldest buffer no reader holds, which is the newest generation's
+    /// own buffer only when readers hold every other one: readers that come meanwhile wait for
+    /// this update's commit, and dropping the update unpublished takes that generation from them
+    /// until the next commit; give the set a buffer more when readers keep generations long). Readers waiting meanwhile never
     /// see the buffer. On a GPU set the writer's stream then waits for the last readers' release
     /// words on the GPU (`cuStreamWaitValue32`): their kernels finish before the update's writes.
     /// A reader that died holding a generation is freed within about 1 s (the channel's
@@ -568,12 +571,29 @@ impl TensorSetWriter {
     /// # Errors
     /// [`Error::Timeout`]; CUDA errors from the stream wait.
     pub fn begin(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
+        self.begin_from(timeout, false)
+    }
+
+    /// [`TensorSetWriter::begin`], but never in the newest generation's buffer: it waits for an
+    /// older one ([`Error::Timeout`] when none freed up in time). For updates that may be dropped
+    /// unpublished (the tensor-set bridge's far writer): one dropped in the newest generation's
+    /// buffer would take that generation from readers until the next commit.
+    #[cfg(feature = "remote")]
+    pub(crate) fn begin_behind_newest(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
+        self.begin_from(timeout, true)
+    }
+
+    fn begin_from(&mut self, timeout: Option<Duration>, older: bool) -> Result<Update<'_>> {
         let previous = self.state.head;
-        let frame = self
+        let producer = self
             .producer
             .as_mut()
-            .expect("the producer lives until close")
-            .acquire(timeout)?;
+            .expect("the producer lives until close");
+        let frame = if older {
+            producer.acquire_older(timeout)?
+        } else {
+            producer.acquire(timeout)?
+        };
         let buffered = self.mode != GenerationMode::InPlace;
         if let (Some(old), Some(r)) = (&self.old, &self.recorder) {
             // A resumed set: readers of the dead writer's incarnation may still read the buffer.

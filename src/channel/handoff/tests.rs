@@ -214,3 +214,43 @@ fn dead_consumer_holds_are_released_and_its_slot_reused() {
     assert_eq!(again, me);
     p.unlink();
 }
+
+#[test]
+fn a_claim_that_keeps_the_newest_frame_waits_for_an_older_buffer_instead() {
+    // Two buffers: frame 1 in one, held by a latest-only consumer; frame 2 (the newest) in the
+    // other, unheld. A plain claim takes the newest frame's buffer (the only free one); a claim
+    // that keeps the newest frame takes nothing until the older buffer is released, so a
+    // writer that may give its buffer back unpublished never takes the newest frame from
+    // consumers that way.
+    let (c, _name) = channel(2);
+    let Claim { index: a, .. } = c.try_acquire().unwrap();
+    c.publish(a, b"").unwrap();
+    let me = c.attach(Delivery::LatestOnly).unwrap();
+    let (held, seq, _) = c.try_take_newer(me, 0).unwrap().expect("frame 1");
+    assert_eq!((held, seq), (a, 1));
+    let Claim { index: b, .. } = c.try_acquire().unwrap();
+    assert_ne!(a, b);
+    c.publish(b, b"").unwrap();
+    assert!(
+        c.try_acquire_keeping(true).is_none(),
+        "the newest frame's buffer was taken"
+    );
+    assert!(
+        c.acquire_keeping(WaitStrategy::Spin, Some(Duration::from_millis(20)), true)
+            .unwrap()
+            .is_none()
+    );
+    // Released: the older buffer is taken, the newest frame stays.
+    c.release(me, held);
+    let claim = c.try_acquire_keeping(true).expect("the older buffer");
+    assert_eq!(claim.index, a);
+    c.abandon(claim.index);
+    // The plain claim takes the newest frame's buffer when it is the only free one.
+    let (held, _, _) = c.try_take_newer(me, 0).unwrap().expect("frame 2");
+    assert_eq!(held, b);
+    c.release(me, held);
+    let Claim { index: x, .. } = c.try_acquire().unwrap();
+    assert_eq!(x, a, "the emptied buffer first");
+    c.abandon(x);
+    c.unlink();
+}

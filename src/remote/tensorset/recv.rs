@@ -565,7 +565,10 @@ impl Session<'_> {
         }
         self.holdings.fit(self.writer.buffers(), n);
         let newest = self.writer.generation();
-        let mut update = match self.writer.begin(Some(Duration::ZERO)) {
+        // Never the newest generation's buffer: given back unpublished, it would be gone from far
+        // readers until the next generation (a reader holding every other buffer lets the
+        // channel hand out the newest one).
+        let mut update = match self.writer.begin_behind_newest(Some(Duration::ZERO)) {
             Ok(u) => u,
             Err(Error::Timeout { .. }) => return Ok(false),
             Err(e) => return Err(e),
@@ -625,7 +628,9 @@ impl Session<'_> {
             if stop.load(Ordering::Relaxed) {
                 return Err(RemoteError::Link("stopped".into()).into());
             }
-            match self.writer.begin(Some(heartbeat)) {
+            // Never the newest far generation's buffer: a generation abandoned there (the link
+            // lost mid-WRITE) would take the last whole generation from far readers.
+            match self.writer.begin_behind_newest(Some(heartbeat)) {
                 Ok(u) => break u,
                 Err(Error::Timeout { .. }) => {
                     // Far readers hold every buffer: the link is checked meanwhile.
