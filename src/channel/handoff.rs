@@ -69,8 +69,8 @@ impl Control {
         self.acquire_keeping(strategy, timeout, false)
     }
 
-    /// [`Control::acquire`]; with `keep_newest`, never the newest frame's buffer (as
-    /// [`Control::try_acquire_older`]): it waits for an older one instead.
+    /// [`Control::acquire`]; with `keep_newest`, never the newest frame's buffer: it waits for an
+    /// older one instead.
     pub(crate) fn acquire_keeping(
         &self,
         strategy: WaitStrategy,

@@ -132,21 +132,12 @@ thread_local! {
     static OPENS_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-thread_local! {
-    /// Time the calling thread spent fetching file descriptors from exporters
-    /// ([`fetch_time_on_this_thread`]).
-    static FETCH_TIME_HERE: std::cell::Cell<std::time::Duration> =
-        const { std::cell::Cell::new(std::time::Duration::ZERO) };
-}
-
-/// Adds `d` to the calling thread's fd fetch time.
-pub(crate) fn add_fetch_time(d: std::time::Duration) {
-    FETCH_TIME_HERE.with(|c| c.set(c.get().saturating_add(d)));
-}
-
-/// The steps of a VMM import, timed apart ([`add_import_time`]).
+/// The steps of an import, timed apart per thread ([`add_import_time`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum ImportStep {
+    /// Fetching file descriptors from exporters (VMM and pool imports: one socket round trip per
+    /// exporter, with its peer checks).
+    FdFetch,
     /// `cuMemImportFromShareableHandle`.
     Import,
     /// `cuMemAddressReserve`.
@@ -162,10 +153,13 @@ pub(crate) enum ImportStep {
     Identity,
 }
 
+/// How many [`ImportStep`]s there are.
+pub(crate) const IMPORT_STEPS: usize = ImportStep::Identity as usize + 1;
+
 thread_local! {
     /// Time the calling thread spent in each [`ImportStep`] ([`import_times_on_this_thread`]).
-    static IMPORT_TIME_HERE: std::cell::Cell<[std::time::Duration; 6]> =
-        const { std::cell::Cell::new([std::time::Duration::ZERO; 6]) };
+    static IMPORT_TIME_HERE: std::cell::Cell<[std::time::Duration; IMPORT_STEPS]> =
+        const { std::cell::Cell::new([std::time::Duration::ZERO; IMPORT_STEPS]) };
 }
 
 /// Adds `d` to the calling thread's time in `call`.
@@ -184,16 +178,10 @@ pub(crate) fn lap(call: ImportStep, since: std::time::Instant) -> std::time::Ins
     now
 }
 
-/// Time the calling thread spent so far in each [`ImportStep`], indexed by it: the difference
-/// around one call is what that call's imports took.
-pub(crate) fn import_times_on_this_thread() -> [std::time::Duration; 6] {
+/// Wall-clock time the calling thread spent so far in each [`ImportStep`], indexed by it: the
+/// difference around one call is what that call's imports (and fd fetches) took.
+pub(crate) fn import_times_on_this_thread() -> [std::time::Duration; IMPORT_STEPS] {
     IMPORT_TIME_HERE.with(std::cell::Cell::get)
-}
-
-/// Wall-clock time the calling thread spent fetching file descriptors from exporters (for VMM
-/// and pool imports) so far: the difference around one call is what that call's fetches took.
-pub(crate) fn fetch_time_on_this_thread() -> std::time::Duration {
-    FETCH_TIME_HERE.with(std::cell::Cell::get)
 }
 
 /// Memory imports made with the driver on the calling thread so far: the difference around one

@@ -186,7 +186,7 @@ impl ImportedBuffer {
         access: Access,
         source: FdSource<'_>,
     ) -> Result<Vec<Imported>> {
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         let me = ProcessIdentity::current()?;
         cache::lap(cache::ImportStep::Identity, t);
         let want = fetch_plan(tokens, &me, |t| {
@@ -197,7 +197,7 @@ impl ImportedBuffer {
             let asked: Vec<&Token> = want.iter().map(|&i| &tokens[i]).collect();
             let started = Instant::now();
             let got = source(&asked);
-            cache::add_fetch_time(started.elapsed());
+            cache::add_import_time(cache::ImportStep::FdFetch, started.elapsed());
             let got = got?;
             if got.len() != want.len() {
                 return Err(Error::InvalidArgument(format!(

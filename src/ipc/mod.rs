@@ -45,7 +45,7 @@ mod vmm;
 
 pub use arena::{ARENA_ALIGN, ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena};
 pub use cache::{Access, CacheStats, cache_stats};
-pub(crate) use cache::{fetch_time_on_this_thread, import_times_on_this_thread};
+pub(crate) use cache::{IMPORT_STEPS, ImportStep, import_times_on_this_thread};
 pub use event::IpcEvent;
 pub use fdpass::{FdPassError, FdTransport};
 pub use foreign::{

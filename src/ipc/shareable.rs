@@ -188,7 +188,7 @@ pub(super) fn fetch_fd(token: &Token, raw_fd: i32) -> Result<OwnedFd> {
         transport,
         FETCH_TIMEOUT,
     );
-    cache::add_fetch_time(started.elapsed());
+    cache::add_import_time(cache::ImportStep::FdFetch, started.elapsed());
     let fd = fd?;
     cache::bump(&cache::FD_FETCHES);
     Ok(fd)

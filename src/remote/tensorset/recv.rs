@@ -557,10 +557,10 @@ impl Session<'_> {
     /// the next generation written there waits only for its own WRITEs (its `begin` drains the
     /// stream before the sender is told the buffer). Returns `false` while far readers hold
     /// every buffer it could take (try again later), `true` once done or when there is nothing
-    /// to do (one buffer, nothing published yet, nothing lacking).
+    /// to do (nothing published yet, nothing lacking).
     fn prefill(&mut self) -> Result<bool> {
         let n = self.layout.len();
-        if self.writer.buffers() < 2 || self.writer.generation() == 0 {
+        if self.writer.generation() == 0 {
             return Ok(true);
         }
         self.holdings.fit(self.writer.buffers(), n);
