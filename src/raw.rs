@@ -16,8 +16,8 @@
 /// Named POSIX segments, shared futex words and the seqlock (the crate's `shm` layer).
 pub mod shm {
     pub use crate::shm::{
-        MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, SeqLock, SeqWriter,
-        ShmError, WaitResult, list_segments, new_generation, validate_name,
+        MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
+        SeqLock, SeqWriter, ShmError, WaitResult, list_segments, new_generation, validate_name,
     };
 
     /// Shared `FUTEX_WAIT`/`FUTEX_WAKE` with timeouts.

@@ -489,9 +489,11 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
 }
 
 /// A consumer that looks while its producer is still sizing the control segment (between
-/// `shm_open` and the end of `fallocate`: the file is sparse for a moment) waits for the creation
-/// instead of failing with `Sparse`. Planted: a young sparse file under the control segment's
-/// name, replaced 20 ms later by the real channel (an opener looks again for up to 50 ms).
+/// `shm_open` and the end of `fallocate`: the file is sparse meanwhile) waits for the creation
+/// instead of failing with `Sparse`, however long the sizing takes. Planted: a sparse file under the
+/// control segment's name with its sizing lock held, as a creator holds it
+/// (`raw::shm::SIZING_LOCK_OFFSET`), replaced 200 ms later by the real channel: four times the
+/// 50 ms an opener gives a young file without the lock.
 #[test]
 fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_sparse() {
     if role().is_some() {
@@ -499,7 +501,7 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
     }
     let ch = channel_name("mid-creation");
     let path = control_path(&ch);
-    {
+    let planted = {
         use std::os::unix::fs::OpenOptionsExt;
         let f = std::fs::OpenOptions::new()
             .write(true)
@@ -508,12 +510,15 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
             .open(&path)
             .unwrap();
         f.set_len(16384).unwrap(); // sized, no page reserved: what a creator has before fallocate
-    }
+        hold_sizing_lock(&f);
+        f
+    };
     let maker = {
         let (ch, path) = (ch.clone(), path.clone());
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(200));
             std::fs::remove_file(&path).unwrap();
+            drop(planted);
             let mut tx = Producer::create_host(&ch, &opts()).unwrap();
             write_frame(&mut tx);
             std::thread::sleep(Duration::from_millis(500));
@@ -534,4 +539,18 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
     };
     drop(rx);
     maker.join().unwrap();
+}
+
+/// Takes the sizing lock a creator holds on its new segment until its pages are reserved.
+fn hold_sizing_lock(f: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = cuda_ipc::raw::shm::SIZING_LOCK_OFFSET;
+    l.l_len = 1;
+    // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
 }

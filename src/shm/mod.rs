@@ -31,7 +31,8 @@ pub use error::ShmError;
 pub use futex::WaitResult;
 pub(crate) use segment::list_own_segments;
 pub use segment::{
-    MAX_SEGMENT_NAME, SHM_DIR, Segment, SegmentInfo, SegmentOptions, list_segments, validate_name,
+    MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
+    list_segments, validate_name,
 };
 pub use seqlock::{SeqLock, SeqWriter};
 pub use versioned::new_generation;

@@ -13,6 +13,48 @@ use rustix::shm::OFlags;
 /// byte far past any segment's data (a lock range needs no data behind it).
 const REPLACE_LOCK_OFFSET: i64 = 1 << 62;
 
+/// Where a creator locks its new segment while it sizes it: an open-file-description write lock on
+/// this byte (far past any data, as [`REPLACE_LOCK_OFFSET`]), taken by [`Segment::create`] right
+/// after `shm_open` and given back once every page is reserved. A segment found empty or sparse
+/// with this byte locked is a creation in progress, however long its `fallocate` takes (tens of GB
+/// take seconds); with it free, its creator is gone (the kernel drops the lock with the last
+/// descriptor) or it is not ours ([`SegmentInfo::sizing`]). Part of the `/dev/shm` protocol: a
+/// creator in another language takes the same lock.
+pub const SIZING_LOCK_OFFSET: i64 = (1 << 62) + 1;
+
+/// Sets (`F_WRLCK`) or clears (`F_UNLCK`) an open-file-description lock on the byte at `at` of
+/// `fd`, without waiting (`F_OFD_SETLK`).
+fn ofd_lock(fd: &OwnedFd, kind: libc::c_int, at: i64) -> std::io::Result<()> {
+    use rustix::fd::AsRawFd;
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = kind as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = at;
+    l.l_len = 1;
+    // SAFETY: `fd` is an open descriptor; `l` is a valid flock that outlives the call.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &l) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Whether another open file description holds a lock on the byte at `at` of `fd`
+/// (`F_OFD_GETLK`); `false` when the query fails.
+fn ofd_locked(fd: &OwnedFd, at: i64) -> bool {
+    use rustix::fd::AsRawFd;
+    // SAFETY: as in `ofd_lock`.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = at;
+    l.l_len = 1;
+    // SAFETY: `fd` is an open descriptor; `l` is a valid flock the kernel fills in.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+    r == 0 && l.l_type != libc::F_UNLCK as libc::c_short
+}
+
 /// The longest segment name accepted, in bytes, without the leading `/` (Linux allows 255 for a file
 /// name in `/dev/shm`; we keep room for suffixes).
 pub const MAX_SEGMENT_NAME: usize = 200;
@@ -128,6 +170,12 @@ impl Segment {
             }
             Err(e) => return Err(OsError::new("shm_open", path, e).into()),
         };
+        // Until its pages are reserved, the new object is marked as a creation in progress
+        // (`SIZING_LOCK_OFFSET`). Nothing else can hold the byte of an object this call just
+        // made, but a failure here only costs openers the age rule: logged, not fatal.
+        if let Err(e) = ofd_lock(&fd, libc::F_WRLCK, SIZING_LOCK_OFFSET) {
+            tracing::debug!(segment = %path, error = %e, "no sizing lock on a new segment");
+        }
         match Self::size_and_map(fd, name, len, mode) {
             Ok(seg) => Ok(seg),
             Err(e) => {
@@ -185,6 +233,9 @@ impl Segment {
             }
             Err(e) => return Err(OsError::new("fallocate", path.as_str(), e).into()),
         }
+        // Sized: no longer a creation in progress for openers and replacers (the lock belongs to
+        // this open file description, which the segment keeps: it is given back here, not at close).
+        let _ = ofd_lock(&fd, libc::F_UNLCK, SIZING_LOCK_OFFSET);
         let map = MmapOptions::new()
             .len(len)
             .map_raw(&fd)
@@ -319,21 +370,11 @@ impl Segment {
         if st.st_ino != inode {
             return Ok(false);
         }
-        // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-        let mut l: libc::flock = unsafe { std::mem::zeroed() };
-        l.l_type = libc::F_WRLCK as libc::c_short;
-        l.l_whence = libc::SEEK_SET as libc::c_short;
-        l.l_start = REPLACE_LOCK_OFFSET;
-        l.l_len = 1;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
         loop {
-            use rustix::fd::AsRawFd;
-            // SAFETY: `fd` is open for writing; `l` is a valid flock that outlives the call.
-            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &l) };
-            if r == 0 {
+            let Err(e) = ofd_lock(&fd, libc::F_WRLCK, REPLACE_LOCK_OFFSET) else {
                 break;
-            }
-            let e = std::io::Error::last_os_error();
+            };
             if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
                 return Err(OsError::io("fcntl(F_OFD_SETLK)", path, e).into());
             }
@@ -552,6 +593,10 @@ pub struct SegmentInfo {
     pub inode: u64,
     /// Seconds since the last status change (`st_ctime`: creation, `ftruncate`, `fchmod`).
     pub age_secs: u64,
+    /// Whether a creator is sizing it now: it is empty or sparse and its
+    /// [`SIZING_LOCK_OFFSET`] byte is locked (`F_OFD_GETLK`). Always `false` for a segment with
+    /// every page reserved (not asked).
+    pub sizing: bool,
 }
 
 impl SegmentInfo {
@@ -584,6 +629,7 @@ impl SegmentInfo {
             mode: st.st_mode & 0o7777,
             inode: st.st_ino,
             age_secs: now.saturating_sub(u64::try_from(st.st_ctime).unwrap_or(0)),
+            sizing: (len == 0 || sparse) && ofd_locked(fd, SIZING_LOCK_OFFSET),
         })
     }
 }

@@ -235,14 +235,16 @@ pub(crate) fn look<H: VersionedHeader>(h: &H) -> Look {
     Look::Ready
 }
 
-/// How long an opener looks again at a young segment that is still empty, short or sparse: a
-/// creator sizes its segment (`ftruncate`, then `fallocate`) in well under this.
+/// How long an opener looks again at a young segment that is still empty, short or sparse without
+/// its sizing lock held ([`SIZING_LOCK_OFFSET`](super::SIZING_LOCK_OFFSET): the instant between a
+/// creator's `shm_open` and its lock, or a creator that takes no such lock). One whose lock is held
+/// is waited for as long as the opener's own wait.
 pub(crate) const SIZING_WAIT: Duration = Duration::from_millis(50);
 
 /// Opens the segment `name` of layout `H`: [`Segment::open_with_min_len`] with
-/// [`VersionedHeader::HEADER_LEN`] (a young segment that is empty, short or sparse, as a creator
-/// sizing it leaves it for a moment, looked at again every millisecond for up to [`SIZING_WAIT`]
-/// within `wait`), then [`Segment::check_access`] with `allow_group` (or
+/// [`VersionedHeader::HEADER_LEN`] (a segment that is empty, short or sparse, as a creator sizing
+/// it leaves it for a moment, looked at again every millisecond: within `wait` while its creator
+/// holds the sizing lock, for up to [`SIZING_WAIT`] while it is young without it), then [`Segment::check_access`] with `allow_group` (or
 /// [`Segment::check_owner`] without it), then [`look`] every millisecond until the stamp is there,
 /// at most `wait`.
 ///
@@ -260,12 +262,17 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
         match Segment::open_with_min_len(name, H::HEADER_LEN) {
             Ok(seg) => break seg,
             // A creator between `shm_open` and the end of `fallocate`: the file is empty, short
-            // or sparse for a moment. Looked at again every 1 ms within `wait` while it is young;
-            // an old one is a creation abandoned half-way, reported at once (never mapped).
+            // or sparse for a while (a large `fallocate` takes seconds). Looked at again every
+            // 1 ms: within `wait` while the creator holds its sizing lock, within `SIZING_WAIT`
+            // while it is young without one; an old unlocked one is a creation abandoned
+            // half-way, reported at once (never mapped).
             Err(Error::Shm(ShmError::Sparse { .. } | ShmError::TooSmall { .. }))
-                if start.elapsed() < wait.min(SIZING_WAIT)
-                    && Segment::stat(name)
-                        .is_ok_and(|i| i.age_secs < ABANDONED_AFTER.as_secs()) =>
+                if Segment::stat(name).is_ok_and(|i| {
+                    let waited = start.elapsed();
+                    waited < wait
+                        && (i.sizing
+                            || (waited < SIZING_WAIT && i.age_secs < ABANDONED_AFTER.as_secs()))
+                }) =>
             {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -299,10 +306,12 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Blocker {
     /// Empty (a creator killed before `ftruncate`) or sparse (before `fallocate`), at least
-    /// [`ABANDONED_AFTER`] old: a creation abandoned before its pages were reserved. Never read:
+    /// [`ABANDONED_AFTER`] old and its sizing lock free: a creation abandoned before its pages
+    /// were reserved. Never read:
     /// touching a hole may raise `SIGBUS`.
     Abandoned,
-    /// Empty or sparse, younger than [`ABANDONED_AFTER`]: a creator may be sizing it now.
+    /// Empty or sparse, younger than [`ABANDONED_AFTER`] or with its creator's sizing lock held
+    /// ([`SegmentInfo::sizing`]): a creator may be sizing it now.
     Young,
     /// Pages reserved, at least the header long: the layout judges it by its header.
     Sized(SegmentInfo),
@@ -329,14 +338,17 @@ pub(crate) fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
         .into());
     }
     // What a creator killed half-way leaves: an empty file (before `ftruncate`) or a sparse one
-    // (before `fallocate`). Never read (a sparse file may SIGBUS); a live creator gets past both
-    // within microseconds. A short file with its pages is no creation of ours: refused.
+    // (before `fallocate`). Never read (a sparse file may SIGBUS); a live creator holds its sizing
+    // lock until it is past both. A short file with its pages is no creation of ours: refused.
     if info.len == 0 || info.sparse {
-        return Ok(if info.age_secs >= ABANDONED_AFTER.as_secs() {
-            Blocker::Abandoned
-        } else {
-            Blocker::Young
-        });
+        // A creator holding its sizing lock is at work, however old the file.
+        return Ok(
+            if !info.sizing && info.age_secs >= ABANDONED_AFTER.as_secs() {
+                Blocker::Abandoned
+            } else {
+                Blocker::Young
+            },
+        );
     }
     if info.len < header_len as u64 {
         return Err(ShmError::TooSmall {
@@ -571,6 +583,67 @@ mod tests {
         })
         .unwrap();
         assert_ne!(new.inode().unwrap(), old.inode().unwrap());
+        Segment::unlink(&n).unwrap();
+    }
+
+    /// A sparse segment whose creator holds the sizing lock is a creation in progress: judged
+    /// young, waited for by openers for their whole wait (not `SIZING_WAIT`); once the lock is
+    /// gone it is judged by its age again.
+    #[test]
+    fn a_sparse_segment_with_its_sizing_lock_held_is_waited_for_and_never_judged_abandoned() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let n = name("sizing");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(format!("{}/{n}", crate::shm::SHM_DIR))
+            .unwrap();
+        f.set_len(16384).unwrap();
+        assert!(!Segment::stat(&n).unwrap().sizing, "no lock yet");
+        // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = libc::F_WRLCK as libc::c_short;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        l.l_start = crate::shm::SIZING_LOCK_OFFSET;
+        l.l_len = 1;
+        // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
+        assert_eq!(
+            unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) },
+            0
+        );
+        assert!(Segment::stat(&n).unwrap().sizing);
+        assert!(matches!(stat_blocker(&n, 64), Ok(Blocker::Young)));
+        let wait = Duration::from_millis(300);
+        let t = Instant::now();
+        let r = open_versioned::<Hdr>(&n, false, wait);
+        assert!(
+            matches!(
+                r,
+                Err(OpenError::Segment(Error::Shm(ShmError::Sparse { .. })))
+            ),
+            "{r:?}"
+        );
+        assert!(t.elapsed() >= wait, "gave up after {:?}", t.elapsed());
+        drop(f); // the creator is gone: its lock with it
+        assert!(!Segment::stat(&n).unwrap().sizing);
+        Segment::unlink(&n).unwrap();
+        // A finished creation keeps no lock (asked from another open file description).
+        let seg = Segment::create(&n, 4096, &SegmentOptions::new()).unwrap();
+        let other = std::fs::File::open(format!("{}/{n}", crate::shm::SHM_DIR)).unwrap();
+        l.l_type = libc::F_WRLCK as libc::c_short;
+        // SAFETY: `other` is open; `l` is a valid flock the kernel fills in.
+        assert_eq!(
+            unsafe { libc::fcntl(other.as_raw_fd(), libc::F_OFD_GETLK, &mut l) },
+            0
+        );
+        assert_eq!(
+            l.l_type,
+            libc::F_UNLCK as libc::c_short,
+            "the sizing lock is still held"
+        );
+        drop(seg);
         Segment::unlink(&n).unwrap();
     }
 }
