@@ -690,8 +690,8 @@ class TensorSetReader:
     def writerless(self) -> bool:
         """Opened after the writer's death: reads the last whole generation, no newer comes."""
     def open_timings(self) -> Dict[str, float]:
-        """Microseconds per phase of the open: ``manifest``, ``fingerprint``, ``fd_fetch``,
-        ``map``, ``join``, ``join_gpu``, ``join_wait``, ``total``."""
+        """Microseconds per phase of the open: ``manifest``, ``tables``, ``fingerprint``,
+        ``fd_fetch``, ``map``, ``join``, ``join_gpu``, ``join_wait``, ``total``."""
     def switch_stable(self, hold: "TensorHold") -> Dict[str, Any]:
         """Maps ``hold``'s generation at the stable addresses and consumes ``hold`` (the reader
         keeps it held until the next switch or ``release_stable``); may wait for the whole

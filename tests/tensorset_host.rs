@@ -240,6 +240,10 @@ fn an_open_reports_where_its_time_went() {
         "a host set's fingerprint is checked inline"
     );
     assert!(
+        p.tables > Duration::ZERO && p.tables <= p.manifest,
+        "a host set's tensor tables are decoded inline, within the manifest's time: {p:?}"
+    );
+    assert!(
         p.manifest + p.fingerprint + p.map + p.join <= p.total,
         "{p:?}"
     );

@@ -32,7 +32,7 @@
 //! (`open_us`: manifest, imports through the import cache, cold, with the fd fetch from the
 //! writer, the generation channel's attach) and `reader.current()` holding generation 1
 //! (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:
-//! `open_manifest_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us` and its driver
+//! `open_manifest_us`, `open_tables_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us` and its driver
 //! calls and descriptor closes apart (`open_map_import_us`, `open_map_reserve_us`,
 //! `open_map_map_us`, `open_map_set_access_us`, `open_map_fd_close_us`, `open_map_identity_us`), `open_join_us`,
 //! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the
@@ -603,7 +603,7 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
         json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
                "attach_us": open_us + hold_us, "release_us": release_us, "imports": imports,
                "read_only": read_only, "generation": generation, "mismatches": mismatches,
-               "open_manifest_us": us(phases.manifest),
+               "open_manifest_us": us(phases.manifest), "open_tables_us": us(phases.tables),
                "open_fingerprint_us": us(phases.fingerprint), "open_fd_fetch_us": us(phases.fd_fetch),
                "open_map_us": us(phases.map), "open_join_us": us(phases.join),
                "open_map_import_us": us(phases.map_import),
@@ -691,6 +691,7 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "attach_us",
         "release_us",
         "open_manifest_us",
+        "open_tables_us",
         "open_fingerprint_us",
         "open_fd_fetch_us",
         "open_map_us",
@@ -718,7 +719,8 @@ fn crate_parent(o: &Opts) -> Res<()> {
                  through the import cache, cold, fd fetch, read-only cuMemSetAccess, generation \
                  channel attach) = open_us, then reader.current() holding generation 1 = hold_us; \
                  attach_us = open_us + hold_us; open_*_us: the reader's OpenTimings (manifest \
-                 open+decode, fingerprint check, fd fetch, driver import+map+set-access, the channel \
+                 open+decode on the opening thread, the tensor tables' decode on the join thread, \
+                 fingerprint check, fd fetch, driver import+map+set-access, the channel \
                  join on its thread and its GPU objects, the wait for it, the whole open)",
         "shape": if o.quick { "quick" } else if o.bytes == llama_bytes() { "llama-8b" } else { "custom" },
         "tensors": specs.len(),

@@ -82,9 +82,10 @@ fn us(d: Duration) -> f64 {
 }
 
 /// The phases of `t` in µs, by name.
-fn phases(t: &OpenTimings) -> [(&'static str, f64); 8] {
+fn phases(t: &OpenTimings) -> [(&'static str, f64); 9] {
     [
         ("manifest_us", us(t.manifest)),
+        ("tables_us", us(t.tables)),
         ("fingerprint_us", us(t.fingerprint)),
         ("fd_fetch_us", us(t.fd_fetch)),
         ("map_us", us(t.map)),

@@ -275,7 +275,9 @@ impl TensorSetReader {
     }
 
     /// Where the open spent its time, in microseconds (floats): `manifest` (open, copy, decode
-    /// and check the manifest), `fingerprint` (recompute the layout fingerprint), `fd_fetch`
+    /// and check the manifest on the opening thread), `tables` (decode its tensor tables: on the
+    /// join thread for a GPU set, beside the mapping; else part of `manifest`), `fingerprint`
+    /// (recompute the layout fingerprint), `fd_fetch`
     /// (fetch the file descriptors from the writer or a holder), `map` (the rest of the mapping:
     /// the driver imports, or a host set's data segment), `join` (join the generation channel),
     /// `join_gpu` (its GPU objects), `join_wait` (how long the mapping waited for the join) and
@@ -286,6 +288,7 @@ impl TensorSetReader {
         let d = PyDict::new(py);
         let us = |x: std::time::Duration| x.as_secs_f64() * 1e6;
         d.set_item("manifest", us(t.manifest))?;
+        d.set_item("tables", us(t.tables))?;
         d.set_item("fingerprint", us(t.fingerprint))?;
         d.set_item("fd_fetch", us(t.fd_fetch))?;
         d.set_item("map", us(t.map))?;

@@ -192,6 +192,20 @@ impl ProcessIdentity {
         Ok(id)
     }
 
+    /// Whether this identity is the calling process's. An identity of another pid is answered at
+    /// once, without making this process's identity (its `/proc` reads and liveness file, which
+    /// [`current`](Self::current) makes on its first call); one of this pid (this process, or one
+    /// of another pid namespace with the same number) is compared with `current()`.
+    ///
+    /// # Errors
+    /// As [`current`](Self::current), only when the pids are equal.
+    pub fn is_current(&self) -> Result<bool> {
+        if self.pid != std::process::id() {
+            return Ok(false);
+        }
+        Ok(*self == Self::current()?)
+    }
+
     fn read_self() -> Result<Self> {
         let path = "/proc/self/stat";
         let stat = proc_stat("self").map_err(|e| OsError::io("read", path, e))?;
@@ -582,6 +596,23 @@ mod tests {
         assert_eq!(other.liveness_as(mine.wrapping_add(1)), expected);
         drop(fd);
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn is_current_is_true_only_for_this_process_s_identity() {
+        let me = ProcessIdentity::current().unwrap();
+        assert!(me.is_current().unwrap());
+        let other_pid = ProcessIdentity {
+            pid: me.pid.wrapping_add(1),
+            ..me
+        };
+        assert!(!other_pid.is_current().unwrap());
+        // Same number, another process (another pid namespace's, or a reused pid).
+        let same_pid = ProcessIdentity {
+            start_time: me.start_time + 1,
+            ..me
+        };
+        assert!(!same_pid.is_current().unwrap());
     }
 
     #[test]

@@ -186,10 +186,16 @@ impl ImportedBuffer {
         access: Access,
         source: FdSource<'_>,
     ) -> Result<Vec<Imported>> {
+        // This process's identity only where a token could be its own (same pid): a first open
+        // of another process's set does not wait for it (`/proc` reads, the liveness file).
         let t = Instant::now();
-        let me = ProcessIdentity::current()?;
+        let me = if tokens.iter().any(|t| t.exporter.pid == std::process::id()) {
+            Some(ProcessIdentity::current()?)
+        } else {
+            None
+        };
         cache::lap(cache::ImportStep::Identity, t);
-        let want = fetch_plan(tokens, &me, |t| {
+        let want = fetch_plan(tokens, me.as_ref(), |t| {
             cache::MAPPINGS.is_present(&MappingKey::of(t, ctx, access))
         });
         let mut fds: Vec<Option<OwnedFd>> = (0..tokens.len()).map(|_| None).collect();
@@ -319,18 +325,18 @@ impl ImportedBuffer {
 }
 
 /// Which of `tokens` a batched import fetches fds for ([`ImportedBuffer::open_many`]): VMM tokens
-/// of processes other than `me` whose mapping `cached` says is not there, each allocation
+/// of processes other than `me` (`None`: no token is this process's) whose mapping `cached` says is not there, each allocation
 /// (exporter, export id, handle) once, at its first position. Returns those positions, rising.
 fn fetch_plan(
     tokens: &[Token],
-    me: &ProcessIdentity,
+    me: Option<&ProcessIdentity>,
     cached: impl Fn(&Token) -> bool,
 ) -> Vec<usize> {
     let mut seen = BTreeSet::new();
     tokens
         .iter()
         .enumerate()
-        .filter(|(_, t)| t.kind == TokenKind::VmmMemory && t.exporter != *me)
+        .filter(|(_, t)| t.kind == TokenKind::VmmMemory && Some(&t.exporter) != me)
         .filter(|(_, t)| seen.insert((t.exporter, t.export_id, t.handle)))
         .filter(|(_, t)| !cached(t))
         .map(|(i, _)| i)
@@ -498,9 +504,14 @@ mod tests {
             token(TokenKind::PoolMemory, 2, 4),   // 6: pool: its own import path
             token(TokenKind::VmmMemory, 2, 7),    // 7: fetched
         ];
-        let plan = fetch_plan(&tokens, &me, |t| t.export_id == 9);
+        let plan = fetch_plan(&tokens, Some(&me), |t| t.export_id == 9);
         assert_eq!(plan, [0, 3, 7]);
-        assert!(fetch_plan(&tokens, &me, |_| true).is_empty());
-        assert!(fetch_plan(&[], &me, |_| false).is_empty());
+        assert!(fetch_plan(&tokens, Some(&me), |_| true).is_empty());
+        assert!(fetch_plan(&[], Some(&me), |_| false).is_empty());
+        // No token of this process's pid: its identity is not made, every other VMM token counts.
+        assert_eq!(
+            fetch_plan(&tokens, None, |t| t.export_id == 9),
+            [0, 2, 3, 7]
+        );
     }
 }

@@ -381,7 +381,7 @@ pub(crate) fn open_pool(ctx: &Arc<Context>, token: &Token) -> Result<Arc<Mapping
         .ok()
         .filter(|&s| s > 0)
         .ok_or_else(|| Error::InvalidToken(format!("pool allocation size {}", token.len)))?;
-    let is_self = token.exporter == ProcessIdentity::current()?;
+    let is_self = token.exporter.is_current()?;
     // Pool memory is imported read-write whatever was asked (its access is the imported pool's,
     // shared by every import of it here): one mapping per pointer.
     let key = MappingKey::of(token, ctx, cache::Access::ReadWrite);

@@ -563,7 +563,7 @@ pub(crate) fn open_vmm(
         .ok()
         .filter(|&s| s > 0)
         .ok_or_else(|| Error::InvalidToken(format!("VMM allocation size {size}")))?;
-    let is_self = token.exporter == ProcessIdentity::current()?;
+    let is_self = token.exporter.is_current()?;
     let key = MappingKey::of(token, ctx, access);
     let (m, how) = cache::MAPPINGS.get_or_open(key, |lease| {
         let local = if is_self {

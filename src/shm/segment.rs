@@ -371,10 +371,7 @@ impl Segment {
             return Ok(false);
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-        loop {
-            let Err(e) = ofd_lock(&fd, libc::F_WRLCK, REPLACE_LOCK_OFFSET) else {
-                break;
-            };
+        while let Err(e) = ofd_lock(&fd, libc::F_WRLCK, REPLACE_LOCK_OFFSET) {
             if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
                 return Err(OsError::io("fcntl(F_OFD_SETLK)", path, e).into());
             }

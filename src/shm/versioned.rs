@@ -609,10 +609,8 @@ mod tests {
         l.l_start = crate::shm::SIZING_LOCK_OFFSET;
         l.l_len = 1;
         // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
-        assert_eq!(
-            unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) },
-            0
-        );
+        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+        assert_eq!(r, 0);
         assert!(Segment::stat(&n).unwrap().sizing);
         assert!(matches!(stat_blocker(&n, 64), Ok(Blocker::Young)));
         let wait = Duration::from_millis(300);
@@ -634,10 +632,8 @@ mod tests {
         let other = std::fs::File::open(format!("{}/{n}", crate::shm::SHM_DIR)).unwrap();
         l.l_type = libc::F_WRLCK as libc::c_short;
         // SAFETY: `other` is open; `l` is a valid flock the kernel fills in.
-        assert_eq!(
-            unsafe { libc::fcntl(other.as_raw_fd(), libc::F_OFD_GETLK, &mut l) },
-            0
-        );
+        let r = unsafe { libc::fcntl(other.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+        assert_eq!(r, 0);
         assert_eq!(
             l.l_type,
             libc::F_UNLCK as libc::c_short,

@@ -367,6 +367,28 @@ impl Layout {
         })
     }
 
+    /// A layout of `allocations` with the stored fingerprint `fingerprint` and no tensors yet: a
+    /// manifest's between [`decode_head`] and [`TensorTables::decode`], for what needs only the
+    /// allocations (the mapping); never handed to a user.
+    fn provisional(allocations: Vec<u64>, fingerprint: [u8; 32]) -> Layout {
+        Layout {
+            tensors: Vec::new(),
+            allocations,
+            fingerprint,
+            index: NameIndex::default(),
+        }
+    }
+
+    /// Recomputes the fingerprint of the tensors and compares it with the one this layout
+    /// carries (a manifest's stored one).
+    pub(crate) fn verify_fingerprint(&self) -> std::result::Result<(), ManifestFault> {
+        if fingerprint(&self.tensors) == self.fingerprint {
+            Ok(())
+        } else {
+            Err(ManifestFault::Fingerprint)
+        }
+    }
+
     /// The tensors, in the order given.
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors
@@ -583,11 +605,7 @@ impl Manifest {
     /// manifest from [`decode_unverified`] carries until then): SHA-256 over the whole tensor
     /// table's canonical encoding, the costly part of a decode (about 0.2 ms for 4,608 tensors).
     pub(crate) fn verify_fingerprint(&self) -> std::result::Result<(), ManifestFault> {
-        if fingerprint(&self.layout.tensors) == self.layout.fingerprint {
-            Ok(())
-        } else {
-            Err(ManifestFault::Fingerprint)
-        }
+        self.layout.verify_fingerprint()
     }
 }
 
@@ -602,8 +620,34 @@ pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFaul
 
 /// [`decode`] but for the fingerprint: the layout carries the body's stored fingerprint, to be
 /// checked with [`Manifest::verify_fingerprint`] before anything relies on the manifest (a reader
-/// does it on another thread while it maps the memory).
+/// does it on another thread while it maps the memory). Openers take [`decode_head`] and
+/// [`TensorTables::decode`], its two halves.
+#[cfg(test)]
 pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
+    let (mut m, tables) = decode_head(bytes)?;
+    m.layout = tables.decode(bytes)?;
+    Ok(m)
+}
+
+/// Where a manifest body's tensor tables lie, found by [`decode_head`] (every range checked
+/// against the body), with what the layout is made of besides them.
+#[derive(Clone, Debug)]
+pub(crate) struct TensorTables {
+    tensors: usize,
+    table: (u64, u64),
+    dims: (u64, u64),
+    strings: (u64, u64),
+    allocations: Vec<u64>,
+    fingerprint: [u8; 32],
+}
+
+/// The first part of [`decode_unverified`]: the body header and the allocation table, every
+/// range, count and code checked, the tensor tables located but not read. The manifest's layout is
+/// provisional: its allocations and stored fingerprint, no tensors ([`Layout::provisional`]); what
+/// maps the memory needs nothing more. [`TensorTables::decode`] makes the real one.
+pub(crate) fn decode_head(
+    bytes: &[u8],
+) -> std::result::Result<(Manifest, TensorTables), ManifestFault> {
     let b = Body(bytes);
     b.bytes("the body header", 0, BODY_HEADER as u64)?;
     let kind = b.u32("kind", 0)?;
@@ -656,9 +700,9 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
         return Err(field("the dims area's length", d_len, "a multiple of 8"));
     }
     let a_tab = b.bytes("the allocation table", a_off, a_len)?;
-    let t_tab = b.bytes("the tensor table", t_off, t_len)?;
-    let dims = b.bytes("the dims area", d_off, d_len)?;
-    let strings = b.bytes("the string area", s_off, s_len)?;
+    b.bytes("the tensor table", t_off, t_len)?;
+    b.bytes("the dims area", d_off, d_len)?;
+    b.bytes("the string area", s_off, s_len)?;
     let mut fp = [0u8; 32];
     fp.copy_from_slice(b.bytes("the fingerprint", 96, 32)?);
     let channel_generation = b.u64("the channel generation", 128)?;
@@ -695,6 +739,57 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
             "the sum of one buffer's allocations",
         ));
     }
+    let tables = TensorTables {
+        tensors: n,
+        table: (t_off, t_len),
+        dims: (d_off, d_len),
+        strings: (s_off, s_len),
+        allocations: lens.clone(),
+        fingerprint: fp,
+    };
+    let manifest = Manifest {
+        kind,
+        flags,
+        buffers,
+        layout: Layout::provisional(lens, fp),
+        tokens,
+        channel_generation,
+        data_generation,
+        max_readers,
+        holders_generation,
+        generation_base,
+    };
+    Ok((manifest, tables))
+}
+
+impl TensorTables {
+    /// The layout of the body `bytes` these tables were found in (the one given to
+    /// [`decode_head`]): every tensor's name, dtype, shape, strides and span checked, the name
+    /// index made; the fingerprint is the stored one, still to be checked
+    /// ([`Manifest::verify_fingerprint`]).
+    pub(crate) fn decode(&self, bytes: &[u8]) -> std::result::Result<Layout, ManifestFault> {
+        let b = Body(bytes);
+        let n = self.tensors;
+        let t_tab = b.bytes("the tensor table", self.table.0, self.table.1)?;
+        let (d_off, d_len) = self.dims;
+        let dims = b.bytes("the dims area", d_off, d_len)?;
+        let (s_off, s_len) = self.strings;
+        let strings = b.bytes("the string area", s_off, s_len)?;
+        decode_tensors(n, t_tab, dims, strings, &self.allocations, self.fingerprint)
+    }
+}
+
+/// The tensor table's entries (`t_tab`), their dims (`dims`) and names (`strings`) into a layout
+/// of `lens` allocations with the stored fingerprint `fp`.
+fn decode_tensors(
+    n: usize,
+    t_tab: &[u8],
+    dims: &[u8],
+    strings: &[u8],
+    lens: &[u64],
+    fp: [u8; 32],
+) -> std::result::Result<Layout, ManifestFault> {
+    let (d_len, s_len) = (dims.len() as u64, strings.len() as u64);
     // Shape then strides of a tensor whose dims start at index `d0` (in `i64` units).
     let dims_of =
         |d0: u64, ndim: u64| -> std::result::Result<(Vec<i64>, Vec<i64>), ManifestFault> {
@@ -759,7 +854,7 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
             bytes,
         });
     }
-    let layout = Layout::checked(infos, lens, Some(fp)).map_err(|e| match e {
+    Layout::checked(infos, lens.to_vec(), Some(fp)).map_err(|e| match e {
         crate::Error::TensorSet(TensorSetError::BadTensor { name, why }) => ManifestFault::Tensor {
             index: u64::MAX,
             why: format!("{name:?}: {why}"),
@@ -768,18 +863,6 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
             index: u64::MAX,
             why: other.to_string(),
         },
-    })?;
-    Ok(Manifest {
-        kind,
-        flags,
-        buffers,
-        layout,
-        tokens,
-        channel_generation,
-        data_generation,
-        max_readers,
-        holders_generation,
-        generation_base,
     })
 }
 

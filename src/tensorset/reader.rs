@@ -155,7 +155,7 @@ impl TensorSetReader {
             )
             .into());
         }
-        Self::finish(None, name, opts, opened, started, None)
+        Self::finish(None, name, opts, opened, started, None, false)
     }
 
     fn open_inner(
@@ -169,12 +169,38 @@ impl TensorSetReader {
         // this process's identity are made while the manifest is decoded, not while the memory
         // is imported. A host set's join (found in the manifest) is dropped and done again
         // without a context.
-        let early = ctx.map(|c| EarlyJoin::start(c, name, opts));
-        let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
-        if opened.manifest.kind == KIND_HOST {
+        //
+        // With a join thread, the opening thread decodes the manifest's header and allocation
+        // table only and goes on to the mapping; the join thread decodes the tensor tables and
+        // checks the fingerprint once joined (`EarlyJoin::decode_after_join`).
+        let mut early = ctx.map(|c| EarlyJoin::start(c, name, opts));
+        let head = segment::open_manifest_head(name, segment::INIT_WAIT)?;
+        if head.opened.manifest.kind == KIND_HOST {
             drop(early);
-            return Self::finish(None, name, opts, opened, started, None);
+            return Self::finish(None, name, opts, head.decoded()?, started, None, false);
         }
+        // Whether the tables went to the join thread (`deferred`), or were decoded here.
+        let (opened, deferred) = match early.as_mut().filter(|e| e.is_running()) {
+            Some(e) => {
+                let segment::OpenedHead {
+                    opened,
+                    body,
+                    tables,
+                } = head;
+                match e.decode_after_join(body, tables) {
+                    None => (opened, true),
+                    Some((body, tables)) => {
+                        let head = segment::OpenedHead {
+                            opened,
+                            body,
+                            tables,
+                        };
+                        (head.decoded()?, false)
+                    }
+                }
+            }
+            None => (head.decoded()?, false),
+        };
         let ctx = match ctx {
             Some(c) => c.clone(),
             None => {
@@ -182,7 +208,7 @@ impl TensorSetReader {
                 Device::by_uuid(tok.device)?.primary_context()?
             }
         };
-        Self::finish(Some(&ctx), name, opts, opened, started, early)
+        Self::finish(Some(&ctx), name, opts, opened, started, early, deferred)
     }
 
     fn finish(
@@ -192,12 +218,16 @@ impl TensorSetReader {
         opened: segment::OpenedManifest,
         started: Instant,
         mut early: Option<EarlyJoin>,
+        deferred: bool,
     ) -> Result<TensorSetReader> {
         let mut timings = OpenTimings {
             manifest: opened.took,
+            tables: opened.tables_took,
             ..OpenTimings::default()
         };
-        let m = opened.manifest;
+        // `deferred`: a provisional layout (allocations and the stored fingerprint) until the
+        // join thread's decode replaces it, below.
+        let mut m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
         let bad_fingerprint = |fault| TensorSetError::BadManifest {
             segment: seg_name.clone(),
@@ -207,10 +237,11 @@ impl TensorSetReader {
             let t = Instant::now();
             (m.verify_fingerprint(), t.elapsed())
         };
-        // The fingerprint is checked before anything is returned; a large GPU set's beside the
-        // mapping (below), every other set's here, first.
-        let verify_apart = ctx.is_some() && m.layout.len() > VERIFY_APART;
-        if !verify_apart {
+        // The fingerprint is checked before anything is returned: by the join thread after the
+        // tables (`deferred`); a large GPU set's beside the mapping (below); every other set's
+        // here, first.
+        let verify_apart = !deferred && ctx.is_some() && m.layout.len() > VERIFY_APART;
+        if !deferred && !verify_apart {
             let (r, took) = verify();
             timings.fingerprint = took;
             r.map_err(bad_fingerprint)?;
@@ -247,8 +278,8 @@ impl TensorSetReader {
         };
         let (mapped, attached, join_wait, verified) = if ctx.is_none() {
             let mapped = map();
-            let attached = attach();
-            let wait = attached.1;
+            let attached = (attach(), None);
+            let wait = attached.0.1;
             (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
@@ -272,7 +303,7 @@ impl TensorSetReader {
                         .join()
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
                     // No thread to be had: attach here, after the imports.
-                    Err(_) => attach(),
+                    Err(_) => (attach(), None),
                 };
                 let join_wait = t.elapsed();
                 let verified = verifier.map(|v| match v {
@@ -289,6 +320,17 @@ impl TensorSetReader {
         if let Some((r, took)) = verified {
             timings.fingerprint = took;
             r.map_err(bad_fingerprint)?;
+        }
+        let (attached, decoded) = attached;
+        if deferred {
+            // The tables were given to the join thread, which decodes them once it has joined:
+            // a thread that joined returned them decoded (or its panic was resumed above).
+            let (layout, took, verify_took) = decoded.ok_or(Error::InvalidArgument(
+                "the join thread returned no tensor tables".into(),
+            ))?;
+            timings.tables = took;
+            timings.fingerprint = verify_took;
+            m.layout = layout.map_err(bad_fingerprint)?;
         }
         let (mapped, map_time, steps) = mapped;
         let step = |s: crate::ipc::ImportStep| steps[s as usize];

@@ -290,6 +290,8 @@ pub(crate) struct OpenedManifest {
     pub(crate) manifest: Manifest,
     /// How long the open, the copy and the decode took (without a later fingerprint check).
     pub(crate) took: Duration,
+    /// Of `took`: the tensor tables' decode (zero while they are not decoded).
+    pub(crate) tables_took: Duration,
 }
 
 impl OpenedManifest {
@@ -321,6 +323,45 @@ pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedMani
 /// # Errors
 /// As [`open_manifest`], less the fingerprint's fault.
 pub(crate) fn open_manifest_unverified(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
+    open_manifest_head(set, init_wait)?.decoded()
+}
+
+/// A manifest opened by [`open_manifest_head`]: its layout is provisional (allocations and the
+/// stored fingerprint) until `tables` are decoded from `body`.
+pub(crate) struct OpenedHead {
+    pub(crate) opened: OpenedManifest,
+    /// The body, copied out of the segment.
+    pub(crate) body: Vec<u8>,
+    pub(crate) tables: manifest::TensorTables,
+}
+
+impl OpenedHead {
+    /// The tensor tables decoded on this thread into the manifest's layout (their time added to
+    /// `took`): what [`open_manifest_unverified`] returns.
+    ///
+    /// # Errors
+    /// [`TensorSetError::BadManifest`] for tables that do not decode.
+    pub(crate) fn decoded(self) -> Result<OpenedManifest> {
+        let t = std::time::Instant::now();
+        let layout = self
+            .tables
+            .decode(&self.body)
+            .map_err(|f| bad(self.opened.seg.name(), f))?;
+        let mut opened = self.opened;
+        opened.manifest.layout = layout;
+        opened.tables_took = t.elapsed();
+        opened.took += opened.tables_took;
+        Ok(opened)
+    }
+}
+
+/// [`open_manifest_unverified`] up to the tensor tables: the header and allocation table decoded,
+/// the tables located in the body (`took`: this much). For a reader that maps the memory while
+/// another thread decodes the tables.
+///
+/// # Errors
+/// As [`open_manifest_unverified`], less the tensor tables' faults.
+pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<OpenedHead> {
     validate_set_name(set)?;
     let started = std::time::Instant::now();
     let name = format!("{MANIFEST_PREFIX}{set}");
@@ -347,11 +388,16 @@ pub(crate) fn open_manifest_unverified(set: &str, init_wait: Duration) -> Result
     unsafe {
         std::ptr::copy_nonoverlapping(seg.as_ptr().add(HEADER_PAGE), body.as_mut_ptr(), body.len())
     };
-    let manifest = manifest::decode_unverified(&body).map_err(|f| bad(&name, f))?;
-    Ok(OpenedManifest {
-        seg,
-        manifest,
-        took: started.elapsed(),
+    let (manifest, tables) = manifest::decode_head(&body).map_err(|f| bad(&name, f))?;
+    Ok(OpenedHead {
+        opened: OpenedManifest {
+            seg,
+            manifest,
+            took: started.elapsed(),
+            tables_took: Duration::ZERO,
+        },
+        body,
+        tables,
     })
 }
 

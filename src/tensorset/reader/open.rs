@@ -3,11 +3,14 @@
 //! manifest is read when the context is known).
 
 use super::super::ReaderOptions;
+use super::super::error::ManifestFault;
+use super::super::manifest::{Layout, TensorTables};
 use super::super::segment::GENERATION_PREFIX;
 use crate::channel::{Consumer, ConsumerOptions, Delivery};
 use crate::driver::Context;
 use crate::error::Result;
 use std::sync::Arc;
+use std::sync::mpsc::{SyncSender, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -19,13 +22,21 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct OpenTimings {
-    /// Opening the manifest segment (`shm_open`, `mmap`, the header's checks), copying its
-    /// body out, decoding and checking it (every range, code, tensor span and name).
+    /// On the opening thread: opening the manifest segment (`shm_open`, `mmap`, the header's
+    /// checks), copying its body out and decoding and checking it (every range and code; with
+    /// [`TensorSetReader::open`](super::TensorSetReader::open) the allocation table only, the
+    /// tensor tables being decoded on the join thread: [`tables`](Self::tables)).
     pub manifest: Duration,
+    /// Decoding the tensor tables (every tensor's name, dtype, shape, strides and span checked;
+    /// the name index made): with [`TensorSetReader::open`](super::TensorSetReader::open) on the
+    /// join thread once it has joined, beside the mapping; otherwise on the opening thread, where
+    /// it is part of [`manifest`](Self::manifest).
+    pub tables: Duration,
     /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
-    /// and comparing it with the manifest's: on the opening thread before the mapping for small
-    /// sets and host sets, on a thread of its own beside the mapping and the join for a GPU set
-    /// of more than [`VERIFY_APART`] tensors (nothing is returned before it passed).
+    /// and comparing it with the manifest's (nothing is returned before it passed): with
+    /// [`TensorSetReader::open`](super::TensorSetReader::open) on the join thread after the
+    /// tables; otherwise on the opening thread before the mapping, or for a GPU set of more than
+    /// [`VERIFY_APART`] tensors on a thread of its own beside the mapping and the join.
     pub fingerprint: Duration,
     /// Fetching the file descriptors of the allocations that were not in the import cache from
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
@@ -70,7 +81,28 @@ pub const VERIFY_APART: usize = 1024;
 
 /// A generation channel's join as the opening threads time it: (the consumer, its time, the
 /// part that made GPU objects).
-type Joined = (Result<Consumer>, Duration, Duration);
+pub(super) type Joined = (Result<Consumer>, Duration, Duration);
+
+/// The tensor tables decoded and the fingerprint checked on a join thread ([`EarlyJoin`]): (the
+/// layout, or the manifest's fault; the decode's time; the check's time).
+pub(super) type Decoded = (
+    std::result::Result<Layout, ManifestFault>,
+    Duration,
+    Duration,
+);
+
+/// What a join thread returns: its join, and the tables it was given to decode, if any.
+pub(super) type JoinedAndDecoded = (Joined, Option<Decoded>);
+
+/// Decodes `tables` from `body` and checks the layout's fingerprint.
+fn decode_and_verify(body: &[u8], tables: &TensorTables) -> Decoded {
+    let t = Instant::now();
+    let layout = tables.decode(body);
+    let decode = t.elapsed();
+    let t = Instant::now();
+    let checked = layout.and_then(|l| l.verify_fingerprint().map(|()| l));
+    (checked, decode, t.elapsed())
+}
 
 /// Joins tensor set `name`'s generation channel as a latest-only reader (in `ctx`: a GPU set).
 pub(super) fn join_channel(ctx: Option<&Arc<Context>>, name: &str, opts: &ReaderOptions) -> Joined {
@@ -83,40 +115,164 @@ pub(super) fn join_channel(ctx: Option<&Arc<Context>>, name: &str, opts: &Reader
     (r, t.elapsed(), gpu)
 }
 
-/// [`join_channel`] as a thread's body, owning what it needs.
+/// [`join_channel`] as a thread's body, owning what it needs (no tables to decode).
 pub(super) fn spawnable_join(
     ctx: Option<&Arc<Context>>,
     name: &str,
     opts: &ReaderOptions,
-) -> impl FnOnce() -> Joined + Send + 'static {
+) -> impl FnOnce() -> JoinedAndDecoded + Send + 'static {
     let (ctx, name, opts) = (ctx.cloned(), name.to_string(), *opts);
-    move || join_channel(ctx.as_ref(), &name, &opts)
+    move || (join_channel(ctx.as_ref(), &name, &opts), None)
 }
 
-/// A join started before the manifest was read ([`TensorSetReader::open`](super::TensorSetReader::open)); dropped untaken, it
-/// waits for the thread and drops its consumer (it leaves the channel): nothing stays behind
-/// when the open fails or the set turns out to be a host set.
-pub(super) struct EarlyJoin(Option<JoinHandle<Joined>>);
+/// A join started before the manifest was read ([`TensorSetReader::open`](super::TensorSetReader::open)).
+/// Once joined, the thread decodes the manifest's tensor tables if the opening thread sent them
+/// ([`EarlyJoin::decode_after_join`]), so that the opening thread goes from the allocation table
+/// straight to the mapping. Dropped untaken, it waits for the thread and drops its consumer (it
+/// leaves the channel): nothing stays behind when the open fails or the set turns out to be a
+/// host set.
+pub(super) struct EarlyJoin {
+    thread: Option<JoinHandle<JoinedAndDecoded>>,
+    /// Where the tables go; dropped (the thread then decodes nothing) by `take` and on drop.
+    tables: Option<SyncSender<(Vec<u8>, TensorTables)>>,
+}
 
 impl EarlyJoin {
     pub(super) fn start(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> EarlyJoin {
-        EarlyJoin(
-            std::thread::Builder::new()
-                .name("cuda-ipc-attach".into())
-                .spawn(spawnable_join(Some(ctx), name, opts))
-                .ok(),
-        )
+        Self::spawn(spawnable_join(Some(ctx), name, opts))
     }
 
-    pub(super) fn take(&mut self) -> Option<JoinHandle<Joined>> {
-        self.0.take()
+    /// A thread that runs `join`, then decodes the tables it is sent, if any.
+    fn spawn(join: impl FnOnce() -> JoinedAndDecoded + Send + 'static) -> EarlyJoin {
+        let (tx, rx) = sync_channel::<(Vec<u8>, TensorTables)>(1);
+        let thread = std::thread::Builder::new()
+            .name("cuda-ipc-attach".into())
+            .spawn(move || {
+                let (joined, _) = join();
+                // The sender is dropped without a message when the opening thread decodes the
+                // tables itself (or fails first): `recv` then returns at once.
+                let decoded = rx.recv().ok().map(|(body, t)| decode_and_verify(&body, &t));
+                (joined, decoded)
+            })
+            .ok();
+        EarlyJoin {
+            tables: thread.as_ref().map(|_| tx),
+            thread,
+        }
+    }
+
+    /// Whether a thread runs the join (none could be started otherwise).
+    pub(super) fn is_running(&self) -> bool {
+        self.thread.is_some()
+    }
+
+    /// Hands the manifest's `body` and its `tables` to the thread, to be decoded and checked
+    /// after its join (`None`); gives them back when there is no thread to take them.
+    pub(super) fn decode_after_join(
+        &mut self,
+        body: Vec<u8>,
+        tables: TensorTables,
+    ) -> Option<(Vec<u8>, TensorTables)> {
+        match self.tables.take() {
+            Some(tx) => tx.send((body, tables)).err().map(|e| e.0),
+            None => Some((body, tables)),
+        }
+    }
+
+    /// The thread, to be joined by the caller; no tables are sent to it after this.
+    pub(super) fn take(&mut self) -> Option<JoinHandle<JoinedAndDecoded>> {
+        self.tables = None;
+        self.thread.take()
     }
 }
 
 impl Drop for EarlyJoin {
     fn drop(&mut self) {
-        if let Some(h) = self.0.take() {
+        // The sender first: a thread waiting for tables that will not come returns.
+        self.tables = None;
+        if let Some(h) = self.thread.take() {
             let _ = h.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::segment::{INIT_WAIT, open_manifest_head};
+    use super::super::super::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
+    use super::*;
+    use crate::error::Error;
+
+    /// A join that fails at once (no channel is needed to test the decode's hand-off).
+    fn no_join() -> JoinedAndDecoded {
+        let e = Err(Error::InvalidArgument("no join in this test".into()));
+        ((e, Duration::ZERO, Duration::ZERO), None)
+    }
+
+    fn host_set(tag: &str) -> (String, TensorSetWriter) {
+        let name = format!("early-join-{tag}-{}", std::process::id());
+        let specs: Vec<TensorSpec> = (0..300)
+            .map(|i| TensorSpec::new(format!("layers.{i}.weight"), DType::BF16, &[4, 8]))
+            .collect();
+        let w = TensorSetWriter::create_host(&name, &specs, &TensorSetOptions::new()).unwrap();
+        (name, w)
+    }
+
+    /// The tables sent to the thread come back decoded and checked, as the opening thread would
+    /// have decoded them; a thread sent nothing (taken, or dropped) returns without waiting.
+    #[test]
+    fn the_join_thread_decodes_the_tables_it_is_sent_and_ends_when_sent_none() {
+        let (name, w) = host_set("decode");
+        let head = open_manifest_head(&name, INIT_WAIT).unwrap();
+        assert!(
+            head.opened.manifest.layout.is_empty(),
+            "the head's layout is provisional"
+        );
+        let whole = open_manifest_head(&name, INIT_WAIT)
+            .unwrap()
+            .decoded()
+            .unwrap();
+        let mut early = EarlyJoin::spawn(no_join);
+        assert!(early.is_running());
+        assert!(early.decode_after_join(head.body, head.tables).is_none());
+        let (joined, decoded) = early.take().unwrap().join().unwrap();
+        assert!(joined.0.is_err());
+        let (layout, _, _) = decoded.expect("the tables were decoded");
+        let layout = layout.unwrap();
+        assert_eq!(layout.tensors(), whole.manifest.layout.tensors());
+        assert_eq!(layout.fingerprint(), whole.manifest.layout.fingerprint());
+        assert_eq!(layout.index_of("layers.299.weight"), Some(299));
+
+        // Taken before any tables: the thread decodes nothing and ends.
+        let mut early = EarlyJoin::spawn(no_join);
+        let (_, decoded) = early.take().unwrap().join().unwrap();
+        assert!(decoded.is_none());
+        // Dropped untaken (an open that failed first): the drop returns, the thread is joined.
+        drop(EarlyJoin::spawn(no_join));
+        // Tables offered after the take are given back.
+        let head = open_manifest_head(&name, INIT_WAIT).unwrap();
+        assert!(early.decode_after_join(head.body, head.tables).is_some());
+        drop(w);
+    }
+
+    /// Tables whose stored fingerprint is not theirs are refused by the thread's check.
+    #[test]
+    fn the_join_thread_refuses_tables_whose_fingerprint_is_not_theirs() {
+        let (name, w) = host_set("fingerprint");
+        let head = open_manifest_head(&name, INIT_WAIT).unwrap();
+        let mut body = head.body;
+        // A byte of a name in the string area, the last bytes of the body: the tables still
+        // decode (a valid UTF-8 name, unique), but they no longer match the fingerprint.
+        let last = body.iter().rposition(|&b| b == b'w').unwrap();
+        body[last] = b'W';
+        let mut early = EarlyJoin::spawn(no_join);
+        assert!(early.decode_after_join(body, head.tables).is_none());
+        let (_, decoded) = early.take().unwrap().join().unwrap();
+        let (layout, _, _) = decoded.unwrap();
+        assert!(
+            matches!(layout, Err(ManifestFault::Fingerprint)),
+            "{layout:?}"
+        );
+        drop(w);
     }
 }
