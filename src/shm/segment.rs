@@ -14,8 +14,8 @@ use rustix::shm::OFlags;
 const REPLACE_LOCK_OFFSET: i64 = 1 << 62;
 
 /// Where a creator locks its new segment while it sizes it: an open-file-description write lock on
-/// this byte (far past any data, beside the replacers' lock on byte 2^62), taken by [`Segment::create`] right
-/// after `shm_open` and given back once every page is reserved. A segment found empty or sparse
+/// this byte (far past any data, beside the replacers' lock on byte 2^62), taken by
+/// [`Segment::create`] right after `shm_open` and given back once every page is reserved. A segment found empty or sparse
 /// with this byte locked is a creation in progress, however long its `fallocate` takes (tens of GB
 /// take seconds); with it free, its creator is gone (the kernel drops the lock with the last
 /// descriptor) or it is not ours ([`SegmentInfo::sizing`]). Part of the `/dev/shm` protocol: a
