@@ -276,7 +276,8 @@ impl TensorSetReader {
 
     /// Where the open spent its time, in microseconds (floats): `manifest` (open, copy, decode
     /// and check the manifest on the opening thread), `tables` (decode its tensor tables: on the
-    /// join thread for a GPU set, beside the mapping; else part of `manifest`), `fingerprint`
+    /// join thread, beside the mapping, for a GPU set; for a host set on the opening thread,
+    /// part of `manifest`), `fingerprint`
     /// (recompute the layout fingerprint), `fd_fetch`
     /// (fetch the file descriptors from the writer or a holder), `map` (the rest of the mapping:
     /// the driver imports, or a host set's data segment), `join` (join the generation channel),

@@ -142,10 +142,7 @@ impl IpcEvent {
                 token.kind
             )));
         }
-        let me = ProcessIdentity::current()?;
-        if let Some(e) = NotImportable::same_pid(&token.exporter, &me, "cuIpcOpenEventHandle") {
-            return Err(e.into());
-        }
+        NotImportable::own_or_openable(&token.exporter, "cuIpcOpenEventHandle")?;
         IpcEventHandle(token.handle).open(ctx)
     }
 

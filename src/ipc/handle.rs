@@ -79,6 +79,28 @@ pub enum NotImportable {
 }
 
 impl NotImportable {
+    /// Whether a legacy handle of `exporter` is this process's own (`Ok(true)`), or another
+    /// process's that the driver can open (`Ok(false)`, answered without making this process's
+    /// identity when the pids differ); [`NotImportable::SamePid`] for a different process with
+    /// this process's pid number.
+    ///
+    /// # Errors
+    /// [`crate::Error::NotImportable`]; as [`crate::identity::ProcessIdentity::current`] when the
+    /// pids are equal.
+    pub(crate) fn own_or_openable(
+        exporter: &crate::identity::ProcessIdentity,
+        call: &'static str,
+    ) -> crate::Result<bool> {
+        if exporter.pid != std::process::id() {
+            return Ok(false);
+        }
+        let me = crate::identity::ProcessIdentity::current()?;
+        match Self::same_pid(exporter, &me, call) {
+            Some(e) => Err(e.into()),
+            None => Ok(true),
+        }
+    }
+
     /// [`NotImportable::SamePid`] when a legacy handle exported by `exporter` cannot be opened
     /// by `me` (a different process with the same pid number), else `None`.
     pub(crate) fn same_pid(
@@ -99,6 +121,26 @@ impl NotImportable {
 mod tests {
     use super::NotImportable;
     use crate::identity::ProcessIdentity;
+
+    #[test]
+    fn own_or_openable_tells_this_process_another_and_a_pid_twin_apart() {
+        let me = ProcessIdentity::current().unwrap();
+        assert!(NotImportable::own_or_openable(&me, "call").unwrap());
+        let other = ProcessIdentity {
+            pid: me.pid.wrapping_add(1),
+            ..me
+        };
+        assert!(!NotImportable::own_or_openable(&other, "call").unwrap());
+        let twin = ProcessIdentity {
+            pid_ns: me.pid_ns.wrapping_add(1),
+            start_time: me.start_time + 1,
+            ..me
+        };
+        assert!(matches!(
+            NotImportable::own_or_openable(&twin, "call"),
+            Err(crate::Error::NotImportable(NotImportable::SamePid { .. }))
+        ));
+    }
 
     #[test]
     fn a_handle_of_another_namespace_s_process_with_our_pid_is_refused_by_name() {

@@ -238,13 +238,8 @@ impl ImportedBuffer {
     ) -> Result<ImportedBuffer> {
         let mapping = match token.kind {
             TokenKind::LegacyMemory => {
-                let me = ProcessIdentity::current()?;
-                if let Some(e) =
-                    NotImportable::same_pid(&token.exporter, &me, "cuIpcOpenMemHandle_v2")
-                {
-                    return Err(e.into());
-                }
-                open_mapping(ctx, &IpcMemHandle(token.handle), token.exporter == me)?
+                let own = NotImportable::own_or_openable(&token.exporter, "cuIpcOpenMemHandle_v2")?;
+                open_mapping(ctx, &IpcMemHandle(token.handle), own)?
             }
             TokenKind::VmmMemory => super::vmm::open_vmm(ctx, token, access, fetched)?,
             TokenKind::PoolMemory => super::pool::open_pool(ctx, token)?,

@@ -40,9 +40,10 @@ fn ofd_lock(fd: &OwnedFd, kind: libc::c_int, at: i64) -> std::io::Result<()> {
     }
 }
 
-/// Whether another open file description holds a lock on the byte at `at` of `fd`
-/// (`F_OFD_GETLK`); `false` when the query fails.
-fn ofd_locked(fd: &OwnedFd, at: i64) -> bool {
+/// Whether another open file description holds a write lock on the byte at `at` of `fd`
+/// (`F_OFD_GETLK`; a read lock, which anyone who can read the file may take, does not count);
+/// `false` when the query fails.
+fn ofd_write_locked(fd: &OwnedFd, at: i64) -> bool {
     use rustix::fd::AsRawFd;
     // SAFETY: as in `ofd_lock`.
     let mut l: libc::flock = unsafe { std::mem::zeroed() };
@@ -52,8 +53,13 @@ fn ofd_locked(fd: &OwnedFd, at: i64) -> bool {
     l.l_len = 1;
     // SAFETY: `fd` is an open descriptor; `l` is a valid flock the kernel fills in.
     let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
-    r == 0 && l.l_type != libc::F_UNLCK as libc::c_short
+    r == 0 && l.l_type == libc::F_WRLCK as libc::c_short
 }
+
+/// How long a segment with its sizing lock held still counts as being sized
+/// ([`SegmentInfo::sizing`]): far longer than `fallocate` of the largest segment takes, but a bound
+/// where a creator's child forked without `exec` kept the lock after the creator died.
+pub(crate) const SIZING_LIMIT_SECS: u64 = 60;
 
 /// The longest segment name accepted, in bytes, without the leading `/` (Linux allows 255 for a file
 /// name in `/dev/shm`; we keep room for suffixes).
@@ -115,7 +121,9 @@ pub struct Segment {
 
 impl Segment {
     /// Creates the segment `name` (`shm_open` with `O_CREAT | O_EXCL`), sizes it to `len` bytes
-    /// (`ftruncate`), reserves its pages (`fallocate`) and maps it.
+    /// (`ftruncate`), reserves its pages (`fallocate`) and maps it. From `shm_open` until the
+    /// pages are reserved it holds the sizing lock ([`SIZING_LOCK_OFFSET`]), so that openers wait
+    /// for it and replacers leave it.
     ///
     /// `name` is given without the leading `/`; see [`validate_name`] for what is accepted. The
     /// bytes start zeroed. The mode is exactly [`SegmentOptions::mode`] (set with `fchmod`, so the
@@ -171,8 +179,8 @@ impl Segment {
             Err(e) => return Err(OsError::new("shm_open", path, e).into()),
         };
         // Until its pages are reserved, the new object is marked as a creation in progress
-        // (`SIZING_LOCK_OFFSET`). Nothing else can hold the byte of an object this call just
-        // made, but a failure here only costs openers the age rule: logged, not fatal.
+        // (`SIZING_LOCK_OFFSET`). Another process that opened it first could hold the byte; a
+        // failure here only costs openers and replacers the age rule: logged, not fatal.
         if let Err(e) = ofd_lock(&fd, libc::F_WRLCK, SIZING_LOCK_OFFSET) {
             tracing::debug!(segment = %path, error = %e, "no sizing lock on a new segment");
         }
@@ -590,9 +598,10 @@ pub struct SegmentInfo {
     pub inode: u64,
     /// Seconds since the last status change (`st_ctime`: creation, `ftruncate`, `fchmod`).
     pub age_secs: u64,
-    /// Whether a creator is sizing it now: it is empty or sparse and its
-    /// [`SIZING_LOCK_OFFSET`] byte is locked (`F_OFD_GETLK`). Always `false` for a segment with
-    /// every page reserved (not asked).
+    /// Whether a creator is sizing it now: it is empty or sparse, younger than 60 s, and its
+    /// [`SIZING_LOCK_OFFSET`] byte is write-locked (`F_OFD_GETLK`). Always `false` for a segment
+    /// with every page reserved (not asked). Says nothing of who holds the lock: whoever can open
+    /// the file for writing can take it; callers weigh it with [`uid`](Self::uid).
     pub sizing: bool,
 }
 
@@ -617,6 +626,7 @@ impl SegmentInfo {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let age_secs = now.saturating_sub(u64::try_from(st.st_ctime).unwrap_or(0));
         Ok(SegmentInfo {
             len,
             backed,
@@ -625,8 +635,10 @@ impl SegmentInfo {
             gid: st.st_gid,
             mode: st.st_mode & 0o7777,
             inode: st.st_ino,
-            age_secs: now.saturating_sub(u64::try_from(st.st_ctime).unwrap_or(0)),
-            sizing: (len == 0 || sparse) && ofd_locked(fd, SIZING_LOCK_OFFSET),
+            age_secs,
+            sizing: (len == 0 || sparse)
+                && age_secs < SIZING_LIMIT_SECS
+                && ofd_write_locked(fd, SIZING_LOCK_OFFSET),
         })
     }
 }

@@ -33,7 +33,8 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How old an empty, sparse or never stamped segment must be before a creator may take it for one
-/// abandoned half-way (a live creator gets past those states within microseconds).
+/// abandoned half-way (a live creator gets past those states within milliseconds, and holds its
+/// sizing lock while it is empty or sparse: [`SegmentInfo::sizing`]).
 pub(crate) const ABANDONED_AFTER: Duration = Duration::from_secs(2);
 
 /// How many times [`create_replacing`] judges and removes what it finds before it gives up.
@@ -237,14 +238,16 @@ pub(crate) fn look<H: VersionedHeader>(h: &H) -> Look {
 
 /// How long an opener looks again at a young segment that is still empty, short or sparse without
 /// its sizing lock held ([`SIZING_LOCK_OFFSET`](super::SIZING_LOCK_OFFSET): the instant between a
-/// creator's `shm_open` and its lock, or a creator that takes no such lock). One whose lock is held
-/// is waited for as long as the opener's own wait.
+/// creator's `shm_open` and its lock, or a creator that takes no such lock), from when it first
+/// saw that file. One whose lock is held by a creator it trusts is waited for as long as the
+/// opener's own wait.
 pub(crate) const SIZING_WAIT: Duration = Duration::from_millis(50);
 
 /// Opens the segment `name` of layout `H`: [`Segment::open_with_min_len`] with
 /// [`VersionedHeader::HEADER_LEN`] (a segment that is empty, short or sparse, as a creator sizing
-/// it leaves it for a moment, looked at again every millisecond: within `wait` while its creator
-/// holds the sizing lock, for up to [`SIZING_WAIT`] while it is young without it), then [`Segment::check_access`] with `allow_group` (or
+/// it leaves it for a while, looked at again every millisecond: within `wait` while its creator
+/// holds the sizing lock, where the creator is this user, or any user with `allow_group`; for up to
+/// [`SIZING_WAIT`] from the first look while it is young without it), then [`Segment::check_access`] with `allow_group` (or
 /// [`Segment::check_owner`] without it), then [`look`] every millisecond until the stamp is there,
 /// at most `wait`.
 ///
@@ -258,22 +261,37 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     wait: Duration,
 ) -> std::result::Result<Segment, OpenError> {
     let start = Instant::now();
+    let euid = rustix::process::geteuid().as_raw();
+    // The inode last looked at and when it was first seen: `SIZING_WAIT` counts from then.
+    let mut seen: Option<(u64, Instant)> = None;
     let seg = loop {
         match Segment::open_with_min_len(name, H::HEADER_LEN) {
             Ok(seg) => break seg,
             // A creator between `shm_open` and the end of `fallocate`: the file is empty, short
             // or sparse for a while (a large `fallocate` takes seconds). Looked at again every
-            // 1 ms: within `wait` while the creator holds its sizing lock, within `SIZING_WAIT`
-            // while it is young without one; an old unlocked one is a creation abandoned
-            // half-way, reported at once (never mapped).
-            Err(Error::Shm(ShmError::Sparse { .. } | ShmError::TooSmall { .. }))
-                if Segment::stat(name).is_ok_and(|i| {
-                    let waited = start.elapsed();
-                    waited < wait
-                        && (i.sizing
-                            || (waited < SIZING_WAIT && i.age_secs < ABANDONED_AFTER.as_secs()))
-                }) =>
-            {
+            // 1 ms within `wait` while one of these holds; otherwise the error, at once (an old
+            // unlocked one is a creation abandoned half-way: never mapped).
+            Err(e @ Error::Shm(ShmError::Sparse { .. } | ShmError::TooSmall { .. })) => {
+                let again = start.elapsed() < wait
+                    && Segment::stat(name).is_ok_and(|i| {
+                        let first = match seen {
+                            Some((inode, at)) if inode == i.inode => at,
+                            _ => seen.insert((i.inode, Instant::now())).1,
+                        };
+                        let unbacked = i.len == 0 || i.sparse;
+                        // Sized since the open looked (its `fallocate` ended in between).
+                        (!unbacked && i.len >= H::HEADER_LEN as u64)
+                            // Its creator holds the sizing lock: a creator of this user (or of
+                            // the group, where the group may share it).
+                            || (unbacked && i.sizing && (i.uid == euid || allow_group))
+                            // Young without the lock (the instant before a creator takes it).
+                            || (unbacked
+                                && first.elapsed() < SIZING_WAIT
+                                && i.age_secs < ABANDONED_AFTER.as_secs())
+                    });
+                if !again {
+                    return Err(OpenError::Segment(e));
+                }
                 std::thread::sleep(Duration::from_millis(1));
             }
             Err(e) => return Err(OpenError::Segment(e)),
@@ -640,6 +658,55 @@ mod tests {
             "the sizing lock is still held"
         );
         drop(seg);
+        Segment::unlink(&n).unwrap();
+    }
+
+    /// Only a write lock on the sizing byte marks a creation: a read lock, which anyone who can
+    /// read the file may take, leaves an abandoned leftover abandoned. A sparse file sized while an
+    /// opener waits on it is opened, past `SIZING_WAIT` (here it then waits for a stamp that never
+    /// comes: `Unstamped`, not `Sparse`).
+    #[test]
+    fn a_read_lock_marks_no_creation_and_a_file_sized_while_waited_on_is_opened() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let n = name("sizing-read");
+        let path = format!("{}/{n}", crate::shm::SHM_DIR);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .unwrap();
+        f.set_len(1 << 20).unwrap();
+        let reader = std::fs::File::open(&path).unwrap();
+        let lock = |file: &std::fs::File, kind: libc::c_int| {
+            // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+            let mut l: libc::flock = unsafe { std::mem::zeroed() };
+            l.l_type = kind as libc::c_short;
+            l.l_whence = libc::SEEK_SET as libc::c_short;
+            l.l_start = crate::shm::SIZING_LOCK_OFFSET;
+            l.l_len = 1;
+            // SAFETY: `file` is open (for writing where a write lock is asked); `l` is valid.
+            let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+            assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        };
+        lock(&reader, libc::F_RDLCK);
+        assert!(!Segment::stat(&n).unwrap().sizing, "a read lock counted");
+        drop(reader);
+        lock(&f, libc::F_WRLCK);
+        assert!(Segment::stat(&n).unwrap().sizing);
+        let sizer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, 1 << 20).unwrap();
+            drop(f); // the lock goes with the descriptor
+        });
+        let r = open_versioned::<Hdr>(&n, false, Duration::from_millis(300));
+        assert!(
+            matches!(r, Err(OpenError::Header(HeaderError::Unstamped { .. }))),
+            "{r:?}"
+        );
+        sizer.join().unwrap();
         Segment::unlink(&n).unwrap();
     }
 }

@@ -602,7 +602,7 @@ fn field(what: &'static str, found: u64, allowed: &'static str) -> ManifestFault
 
 impl Manifest {
     /// Recomputes the layout fingerprint and compares it with the one the body stores (which a
-    /// manifest from [`decode_unverified`] carries until then): SHA-256 over the whole tensor
+    /// manifest from [`decode_head`] and [`TensorTables::decode`] carries until then): SHA-256 over the whole tensor
     /// table's canonical encoding, the costly part of a decode (about 0.2 ms for 4,608 tensors).
     pub(crate) fn verify_fingerprint(&self) -> std::result::Result<(), ManifestFault> {
         self.layout.verify_fingerprint()
@@ -610,7 +610,8 @@ impl Manifest {
 }
 
 /// Decodes a manifest body, checking every range, count, code, tensor and the fingerprint (the
-/// tests' whole decode; openers take [`decode_unverified`] and verify when it suits them).
+/// tests' whole decode; openers take [`decode_head`] and [`TensorTables::decode`] and verify
+/// when it suits them).
 #[cfg(test)]
 pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
     let m = decode_unverified(bytes)?;

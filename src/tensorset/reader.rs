@@ -117,9 +117,10 @@ impl TensorSetReader {
     /// of every buffer once (`cuMemImportFromShareableHandle` and a read-only `cuMemSetAccess`
     /// for VMM, with [`ReaderOptions::read_only`]; pool and legacy memory read-write, see
     /// [`TensorSetReader::is_read_only`]) and joins the generation channel, the two at the same
-    /// time (the channel's attach on a thread of its own, started before the manifest is read;
-    /// on an error of either, the other's result is dropped once that thread is done: no reader
-    /// slot or mapping stays behind). A host set is opened as by
+    /// time (the channel's attach on a thread of its own, started before the manifest is read,
+    /// which then decodes the manifest's tensor tables and checks its fingerprint while this
+    /// thread maps; on an error of either, the other's result is dropped once that thread is
+    /// done: no reader slot or mapping stays behind). A host set is opened as by
     /// [`TensorSetReader::open_host`], without `ctx`.
     ///
     /// # Errors
@@ -179,34 +180,36 @@ impl TensorSetReader {
             drop(early);
             return Self::finish(None, name, opts, head.decoded()?, started, None, false);
         }
-        // Whether the tables went to the join thread (`deferred`), or were decoded here.
-        let (opened, deferred) = match early.as_mut().filter(|e| e.is_running()) {
-            Some(e) => {
-                let segment::OpenedHead {
-                    opened,
-                    body,
-                    tables,
-                } = head;
-                match e.decode_after_join(body, tables) {
-                    None => (opened, true),
-                    Some((body, tables)) => {
-                        let head = segment::OpenedHead {
-                            opened,
-                            body,
-                            tables,
-                        };
-                        (head.decoded()?, false)
-                    }
-                }
-            }
-            None => (head.decoded()?, false),
-        };
         let ctx = match ctx {
             Some(c) => c.clone(),
             None => {
-                let tok = Token::from_bytes(&opened.manifest.tokens[0][0])?;
+                let tok = Token::from_bytes(&head.opened.manifest.tokens[0][0])?;
                 Device::by_uuid(tok.device)?.primary_context()?
             }
+        };
+        // `open_auto` learns the context from the manifest: its join starts now, and takes the
+        // tables all the same.
+        let e = early.get_or_insert_with(|| EarlyJoin::start(&ctx, name, opts));
+        // Whether the tables went to the join thread (`deferred`), or were decoded here.
+        let (opened, deferred) = if e.is_running() {
+            let segment::OpenedHead {
+                opened,
+                body,
+                tables,
+            } = head;
+            match e.decode_after_join(body, tables) {
+                None => (opened, true),
+                Some((body, tables)) => {
+                    let head = segment::OpenedHead {
+                        opened,
+                        body,
+                        tables,
+                    };
+                    (head.decoded()?, false)
+                }
+            }
+        } else {
+            (head.decoded()?, false)
         };
         Self::finish(Some(&ctx), name, opts, opened, started, early, deferred)
     }
@@ -258,8 +261,9 @@ impl TensorSetReader {
         Self::check_stable(opts, m.kind)?;
         // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
         // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
-        // runs on a thread of its own (started before the manifest's read by `open`, here by
-        // `open_auto`) while this thread maps the memory (a host set's two halves are
+        // runs on a thread of its own (started before the manifest's read by `open`, after its
+        // header by `open_auto`, here where neither could start one) while this thread maps the
+        // memory (a host set's two halves are
         // cheaper than a thread: one after the other). Context hygiene: that thread makes driver
         // calls only through the consumer's constructor, whose objects (`Stream::new`,
         // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the

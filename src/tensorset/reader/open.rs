@@ -23,20 +23,20 @@ use std::time::{Duration, Instant};
 #[non_exhaustive]
 pub struct OpenTimings {
     /// On the opening thread: opening the manifest segment (`shm_open`, `mmap`, the header's
-    /// checks), copying its body out and decoding and checking it (every range and code; with
-    /// [`TensorSetReader::open`](super::TensorSetReader::open) the allocation table only, the
-    /// tensor tables being decoded on the join thread: [`tables`](Self::tables)).
+    /// checks), copying its body out and decoding and checking it (every range and code; for a
+    /// GPU set the allocation table only, the tensor tables being decoded on the join thread:
+    /// [`tables`](Self::tables)).
     pub manifest: Duration,
     /// Decoding the tensor tables (every tensor's name, dtype, shape, strides and span checked;
-    /// the name index made): with [`TensorSetReader::open`](super::TensorSetReader::open) on the
-    /// join thread once it has joined, beside the mapping; otherwise on the opening thread, where
+    /// the name index made): for a GPU set on the join thread once it has joined, beside the
+    /// mapping; for a host set (or where no thread could be started) on the opening thread, where
     /// it is part of [`manifest`](Self::manifest).
     pub tables: Duration,
     /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
-    /// and comparing it with the manifest's (nothing is returned before it passed): with
-    /// [`TensorSetReader::open`](super::TensorSetReader::open) on the join thread after the
-    /// tables; otherwise on the opening thread before the mapping, or for a GPU set of more than
-    /// [`VERIFY_APART`] tensors on a thread of its own beside the mapping and the join.
+    /// and comparing it with the manifest's (nothing is returned before it passed): for a GPU
+    /// set on the join thread after the tables; for a host set on the opening thread before the
+    /// mapping (where no join thread could be started: a GPU set of more than [`VERIFY_APART`]
+    /// tensors on a thread of its own beside the mapping).
     pub fingerprint: Duration,
     /// Fetching the file descriptors of the allocations that were not in the import cache from
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
@@ -125,7 +125,8 @@ pub(super) fn spawnable_join(
     move || (join_channel(ctx.as_ref(), &name, &opts), None)
 }
 
-/// A join started before the manifest was read ([`TensorSetReader::open`](super::TensorSetReader::open)).
+/// A join started before the manifest was read ([`TensorSetReader::open`](super::TensorSetReader::open)),
+/// or once its header named the device ([`TensorSetReader::open_auto`](super::TensorSetReader::open_auto)).
 /// Once joined, the thread decodes the manifest's tensor tables if the opening thread sent them
 /// ([`EarlyJoin::decode_after_join`]), so that the opening thread goes from the allocation table
 /// straight to the mapping. Dropped untaken, it waits for the thread and drops its consumer (it
