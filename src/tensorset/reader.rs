@@ -2,8 +2,8 @@
 //! generation channel's consumer) and the [`Held`] generation guard.
 
 use super::error::{ManifestFault, TensorSetError};
-use super::holders::{self, FdSource, HolderRole, Writerless};
-use super::manifest::{KIND_HOST, KIND_VMM, Layout, MAX_SET_BUFFERS, Manifest, TensorInfo};
+use super::holders::{self, HolderRole, Writerless};
+use super::manifest::{KIND_HOST, KIND_VMM, Layout, MAX_SET_BUFFERS, TensorInfo};
 use super::segment::{self, DataSegment};
 use super::stable::{Stable, StableSwitch};
 use super::{ReaderOptions, content, decode_meta};
@@ -11,7 +11,7 @@ use crate::channel::{ChannelError, Consumer, Frame, FrameHold};
 use crate::driver::{Context, Device, DeviceMemory, Stream};
 use crate::error::{Error, Result};
 use crate::ffi::sys;
-use crate::ipc::{Access, ImportedBuffer};
+use crate::ipc::ImportedBuffer;
 use crate::shm::Segment;
 use crate::token::Token;
 use std::mem::ManuallyDrop;
@@ -22,7 +22,7 @@ mod content_api;
 mod open;
 mod stable_api;
 
-use open::{EarlyJoin, join_channel, spawnable_join};
+use open::{EarlyJoin, join_channel, map_memory, spawnable_join};
 pub use open::{OpenTimings, VERIFY_APART};
 
 /// What a reader maps of the set's memory.
@@ -274,7 +274,7 @@ impl TensorSetReader {
         let map = || {
             let t = Instant::now();
             let before = crate::ipc::import_times_on_this_thread();
-            let r = Self::map_memory(ctx, name, opts, &m, &seg_name);
+            let r = map_memory(ctx, name, opts, &m, &seg_name);
             let after = crate::ipc::import_times_on_this_thread();
             let steps: [Duration; crate::ipc::IMPORT_STEPS] =
                 std::array::from_fn(|i| after[i].saturating_sub(before[i]));
@@ -404,72 +404,6 @@ impl TensorSetReader {
             },
             _manifest: opened.seg,
             fingerprinter: std::sync::OnceLock::new(),
-        })
-    }
-
-    /// Maps the set's memory for [`TensorSetReader::open`]: the host data segment, or every
-    /// allocation of every buffer imported once in `ctx` (each checked to hold at least the
-    /// allocation table's length), the fds of those not in the import cache fetched together
-    /// first (`ImportedBuffer::open_many`: one round trip per exporter). Returns the memory,
-    /// whether every mapping is read-only and the driver imports made (on this thread).
-    fn map_memory(
-        ctx: Option<&Arc<Context>>,
-        name: &str,
-        opts: &ReaderOptions,
-        m: &Manifest,
-        seg_name: &str,
-    ) -> Result<(Memory, bool, u32)> {
-        Ok(match ctx {
-            None => (Memory::Host(DataSegment::open(name, m)?), false, 0),
-            Some(ctx) => {
-                let access = if opts.read_only {
-                    Access::ReadOnly
-                } else {
-                    Access::ReadWrite
-                };
-                let tokens = m
-                    .tokens
-                    .iter()
-                    .flatten()
-                    .map(|t| Token::from_bytes(t))
-                    .collect::<Result<Vec<_>>>()?;
-                // The writer's exports, or a holder's once the writer is gone.
-                let mut source = FdSource::new(name, m);
-                let mut imported =
-                    ImportedBuffer::open_many(ctx, &tokens, access, &mut |asked: &[&Token]| {
-                        source.fetch(asked)
-                    })?
-                    .into_iter();
-                let mut ro = opts.read_only;
-                let mut count = 0u32;
-                let mut all = Vec::with_capacity(m.buffers);
-                for toks in &m.tokens {
-                    let mut row = Vec::with_capacity(toks.len());
-                    for a in 0..toks.len() {
-                        // One import per token, in the order of the flattened table.
-                        let got = imported.next().ok_or_else(|| {
-                            Error::InvalidArgument("fewer imports than allocations".into())
-                        })?;
-                        let need = m.layout.allocations()[a];
-                        if (got.buffer.len() as u64) < need {
-                            return Err(TensorSetError::BadManifest {
-                                segment: seg_name.to_string(),
-                                fault: ManifestFault::Field {
-                                    what: "an imported allocation's length",
-                                    found: got.buffer.len() as u64,
-                                    allowed: "at least the allocation table's length",
-                                },
-                            }
-                            .into());
-                        }
-                        ro &= got.read_only;
-                        count += got.driver_imports;
-                        row.push(got.buffer);
-                    }
-                    all.push(row);
-                }
-                (Memory::Gpu(all), ro, count)
-            }
         })
     }
 

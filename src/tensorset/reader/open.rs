@@ -1,14 +1,20 @@
-//! How a [`TensorSetReader`](super::TensorSetReader) open is timed ([`OpenTimings`]) and how it
+//! How a [`TensorSetReader`](super::TensorSetReader) open is timed ([`OpenTimings`]), how it
 //! joins the set's generation channel on a thread of its own ([`EarlyJoin`]: started before the
-//! manifest is read when the context is known).
+//! manifest is read when the context is known; it then decodes the manifest's tensor tables) and
+//! how it maps the set's memory ([`map_memory`]).
 
 use super::super::ReaderOptions;
-use super::super::error::ManifestFault;
-use super::super::manifest::{Layout, TensorTables};
-use super::super::segment::GENERATION_PREFIX;
+use super::super::error::{ManifestFault, TensorSetError};
+use super::super::holders::FdSource;
+use super::super::manifest::{Layout, Manifest, TensorTables};
+use super::super::segment::{DataSegment, GENERATION_PREFIX};
+use super::Memory;
 use crate::channel::{Consumer, ConsumerOptions, Delivery};
-use crate::driver::Context;
+use crate::driver::{Context, DeviceMemory};
+use crate::error::Error;
 use crate::error::Result;
+use crate::ipc::{Access, ImportedBuffer};
+use crate::token::Token;
 use std::sync::Arc;
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::thread::JoinHandle;
@@ -195,6 +201,72 @@ impl Drop for EarlyJoin {
             let _ = h.join();
         }
     }
+}
+
+/// Maps the set's memory for [`TensorSetReader::open`](super::TensorSetReader::open): the host data segment, or every
+/// allocation of every buffer imported once in `ctx` (each checked to hold at least the
+/// allocation table's length), the fds of those not in the import cache fetched together
+/// first (`ImportedBuffer::open_many`: one round trip per exporter). Returns the memory,
+/// whether every mapping is read-only and the driver imports made (on this thread).
+pub(super) fn map_memory(
+    ctx: Option<&Arc<Context>>,
+    name: &str,
+    opts: &ReaderOptions,
+    m: &Manifest,
+    seg_name: &str,
+) -> Result<(Memory, bool, u32)> {
+    Ok(match ctx {
+        None => (Memory::Host(DataSegment::open(name, m)?), false, 0),
+        Some(ctx) => {
+            let access = if opts.read_only {
+                Access::ReadOnly
+            } else {
+                Access::ReadWrite
+            };
+            let tokens = m
+                .tokens
+                .iter()
+                .flatten()
+                .map(|t| Token::from_bytes(t))
+                .collect::<Result<Vec<_>>>()?;
+            // The writer's exports, or a holder's once the writer is gone.
+            let mut source = FdSource::new(name, m);
+            let mut imported =
+                ImportedBuffer::open_many(ctx, &tokens, access, &mut |asked: &[&Token]| {
+                    source.fetch(asked)
+                })?
+                .into_iter();
+            let mut ro = opts.read_only;
+            let mut count = 0u32;
+            let mut all = Vec::with_capacity(m.buffers);
+            for toks in &m.tokens {
+                let mut row = Vec::with_capacity(toks.len());
+                for a in 0..toks.len() {
+                    // One import per token, in the order of the flattened table.
+                    let got = imported.next().ok_or_else(|| {
+                        Error::InvalidArgument("fewer imports than allocations".into())
+                    })?;
+                    let need = m.layout.allocations()[a];
+                    if (got.buffer.len() as u64) < need {
+                        return Err(TensorSetError::BadManifest {
+                            segment: seg_name.to_string(),
+                            fault: ManifestFault::Field {
+                                what: "an imported allocation's length",
+                                found: got.buffer.len() as u64,
+                                allowed: "at least the allocation table's length",
+                            },
+                        }
+                        .into());
+                    }
+                    ro &= got.read_only;
+                    count += got.driver_imports;
+                    row.push(got.buffer);
+                }
+                all.push(row);
+            }
+            (Memory::Gpu(all), ro, count)
+        }
+    })
 }
 
 #[cfg(test)]
