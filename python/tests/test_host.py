@@ -232,6 +232,9 @@ def test_a_latest_only_consumer_gets_increasing_frames_ending_with_the_last(name
 # expected), then receives one frame to show nothing was taken, closes, and idles until stdin ends.
 INTERRUPTED = """
 import signal
+# Python leaves SIGINT alone when it starts with SIGINT ignored, as a child of a background job
+# of a non-interactive shell does: KeyboardInterrupt is asked for here, whatever the parent had.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 name = sys.argv[1]
 rx = cuda_ipc.Consumer(name)
 tell("attached")
