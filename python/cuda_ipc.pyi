@@ -687,6 +687,10 @@ class TensorSetReader:
     @property
     def names(self) -> List[str]: ...
     @property
+    def incarnation(self) -> int:
+        """Which creation of the set this reader maps (64 random bits, nonzero): a replaced
+        writer's set has another, and its generations start from 1 again."""
+    @property
     def writerless(self) -> bool:
         """Opened after the writer's death: reads the last whole generation, no newer comes."""
     def open_timings(self) -> Dict[str, float]:

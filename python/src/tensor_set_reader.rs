@@ -266,6 +266,15 @@ impl TensorSetReader {
         tensors::names(py, self.get(py)?.layout())
     }
 
+    /// Which creation of the set under this name this reader maps (an int, 64 random bits,
+    /// nonzero, drawn when the writer created it). A writer that replaced a dead or closed one
+    /// has another and numbers its generations from 1 again: compare this, not `generation`, to
+    /// tell its generations from the old writer's.
+    #[getter]
+    fn incarnation(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.get(py)?.incarnation())
+    }
+
     /// Whether this reader was opened after its writer's death: it reads the last whole
     /// generation (memory forwarded by a holder); no newer one comes (`wait_newer` raises
     /// `WriterGone` at once when asked for a newer one).

@@ -124,6 +124,21 @@ def test_current_returns_the_same_generation_again_and_none_before_the_first(nam
     w.close()
 
 
+def test_a_replaced_writers_set_has_another_incarnation(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    first = r.incarnation
+    assert isinstance(first, int) and first != 0
+    assert cuda_ipc.TensorSetReader(name).incarnation == first
+    r.close()
+    w.close()
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    assert r.incarnation not in (0, first)
+    r.close()
+    w.close()
+
+
 def test_a_reader_expecting_another_layout_is_refused(name):
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
     other = cuda_ipc.TensorSetWriter(name + "-x", {"w": ((4, 9), "float32")}, memory="host")
