@@ -778,6 +778,11 @@ impl TensorTables {
         let strings = b.bytes("the string area", s_off, s_len)?;
         decode_tensors(n, t_tab, dims, strings, &self.allocations, self.fingerprint)
     }
+
+    /// The number of tensors the table holds.
+    pub(crate) fn len(&self) -> usize {
+        self.tensors
+    }
 }
 
 /// The tensor table's entries (`t_tab`), their dims (`dims`) and names (`strings`) into a layout

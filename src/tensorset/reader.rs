@@ -22,7 +22,7 @@ mod content_api;
 mod open;
 mod stable_api;
 
-use open::{EarlyJoin, join_channel, map_memory, spawnable_join};
+use open::{EarlyJoin, PendingTables, hand_off_tables, join_channel, map_memory, spawnable_join};
 pub use open::{OpenTimings, VERIFY_APART};
 
 /// What a reader maps of the set's memory.
@@ -156,7 +156,15 @@ impl TensorSetReader {
             )
             .into());
         }
-        Self::finish(None, name, opts, opened, started, None, false)
+        Self::finish(
+            None,
+            name,
+            opts,
+            opened,
+            started,
+            None,
+            PendingTables::Decoded,
+        )
     }
 
     fn open_inner(
@@ -178,7 +186,15 @@ impl TensorSetReader {
         let head = segment::open_manifest_head(name, segment::INIT_WAIT)?;
         if head.opened.manifest.kind == KIND_HOST {
             drop(early);
-            return Self::finish(None, name, opts, head.decoded()?, started, None, false);
+            return Self::finish(
+                None,
+                name,
+                opts,
+                head.decoded()?,
+                started,
+                None,
+                PendingTables::Decoded,
+            );
         }
         let ctx = match ctx {
             Some(c) => c.clone(),
@@ -190,28 +206,8 @@ impl TensorSetReader {
         // `open_auto` learns the context from the manifest: its join starts now, and takes the
         // tables all the same.
         let e = early.get_or_insert_with(|| EarlyJoin::start(&ctx, name, opts));
-        // Whether the tables went to the join thread (`deferred`), or were decoded here.
-        let (opened, deferred) = if e.is_running() {
-            let segment::OpenedHead {
-                opened,
-                body,
-                tables,
-            } = head;
-            match e.decode_after_join(body, tables) {
-                None => (opened, true),
-                Some((body, tables)) => {
-                    let head = segment::OpenedHead {
-                        opened,
-                        body,
-                        tables,
-                    };
-                    (head.decoded()?, false)
-                }
-            }
-        } else {
-            (head.decoded()?, false)
-        };
-        Self::finish(Some(&ctx), name, opts, opened, started, early, deferred)
+        let (opened, pending) = hand_off_tables(head, e)?;
+        Self::finish(Some(&ctx), name, opts, opened, started, early, pending)
     }
 
     fn finish(
@@ -221,15 +217,16 @@ impl TensorSetReader {
         opened: segment::OpenedManifest,
         started: Instant,
         mut early: Option<EarlyJoin>,
-        deferred: bool,
+        pending: PendingTables,
     ) -> Result<TensorSetReader> {
         let mut timings = OpenTimings {
             manifest: opened.took,
             tables: opened.tables_took,
             ..OpenTimings::default()
         };
-        // `deferred`: a provisional layout (allocations and the stored fingerprint) until the
-        // join thread's decode replaces it, below.
+        // Tables still pending: a provisional layout (allocations and the stored fingerprint)
+        // until their decode replaces it, below.
+        let deferred = !matches!(pending, PendingTables::Decoded);
         let mut m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
         let bad_fingerprint = |fault| TensorSetError::BadManifest {
@@ -240,9 +237,9 @@ impl TensorSetReader {
             let t = Instant::now();
             (m.verify_fingerprint(), t.elapsed())
         };
-        // The fingerprint is checked before anything is returned: by the join thread after the
-        // tables (`deferred`); a large GPU set's beside the mapping (below); every other set's
-        // here, first.
+        // The fingerprint is checked before anything is returned: by the thread that decodes
+        // pending tables, after them; a large GPU set's beside the mapping (below, where no
+        // thread took its tables); every other set's here, first.
         let verify_apart = !deferred && ctx.is_some() && m.layout.len() > VERIFY_APART;
         if !deferred && !verify_apart {
             let (r, took) = verify();
@@ -326,12 +323,19 @@ impl TensorSetReader {
             r.map_err(bad_fingerprint)?;
         }
         let (attached, decoded) = attached;
-        if deferred {
-            // The tables were given to the join thread, which decodes them once it has joined:
-            // a thread that joined returned them decoded (or its panic was resumed above).
-            let (layout, took, verify_took) = decoded.ok_or(Error::InvalidArgument(
+        let decoded = match pending {
+            PendingTables::Decoded => None,
+            // Given to the join thread, which decodes them once it has joined: a thread that
+            // joined returned them decoded (or its panic was resumed above).
+            PendingTables::OnJoin => Some(decoded.ok_or(Error::InvalidArgument(
                 "the join thread returned no tensor tables".into(),
-            ))?;
+            ))?),
+            PendingTables::Apart(h) => Some(
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            ),
+        };
+        if let Some((layout, took, verify_took)) = decoded {
             timings.tables = took;
             timings.fingerprint = verify_took;
             m.layout = layout.map_err(bad_fingerprint)?;

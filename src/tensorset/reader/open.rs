@@ -7,7 +7,7 @@ use super::super::ReaderOptions;
 use super::super::error::{ManifestFault, TensorSetError};
 use super::super::holders::FdSource;
 use super::super::manifest::{Layout, Manifest, TensorTables};
-use super::super::segment::{DataSegment, GENERATION_PREFIX};
+use super::super::segment::{DataSegment, GENERATION_PREFIX, OpenedHead, OpenedManifest};
 use super::Memory;
 use crate::channel::{Consumer, ConsumerOptions, Delivery};
 use crate::driver::{Context, DeviceMemory};
@@ -34,15 +34,15 @@ pub struct OpenTimings {
     /// [`tables`](Self::tables)).
     pub manifest: Duration,
     /// Decoding the tensor tables (every tensor's name, dtype, shape, strides and span checked;
-    /// the name index made): for a GPU set on the join thread once it has joined, beside the
-    /// mapping; for a host set (or where no thread could be started) on the opening thread, where
-    /// it is part of [`manifest`](Self::manifest).
+    /// the name index made): for a GPU set beside the mapping, on the join thread once it has
+    /// joined (more than [`VERIFY_APART`] tensors: on a thread of their own); for a host set (or
+    /// where no thread could be started) on the opening thread, where it is part of
+    /// [`manifest`](Self::manifest).
     pub tables: Duration,
     /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
-    /// and comparing it with the manifest's (nothing is returned before it passed): for a GPU
-    /// set on the join thread after the tables; for a host set on the opening thread before the
-    /// mapping (where no join thread could be started: a GPU set of more than [`VERIFY_APART`]
-    /// tensors on a thread of its own beside the mapping).
+    /// and comparing it with the manifest's (nothing is returned before it passed): on the
+    /// thread that decoded the tables, after them (on the opening thread before the mapping,
+    /// where that thread decoded them).
     pub fingerprint: Duration,
     /// Fetching the file descriptors of the allocations that were not in the import cache from
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
@@ -81,9 +81,83 @@ pub struct OpenTimings {
     pub total: Duration,
 }
 
-/// Tensors above which a GPU set's layout fingerprint is recomputed on a thread of its own while
-/// the memory is mapped (below, the hash costs less than starting a thread).
+/// Tensors above which a GPU set's tensor tables are decoded and its layout fingerprint
+/// recomputed on a thread of their own, beside the mapping and the join (their decode then takes
+/// longer than the join; below, the join thread does both once joined, which costs no thread's
+/// start).
 pub const VERIFY_APART: usize = 1024;
+
+/// Where a GPU open's tensor tables are being decoded ([`hand_off_tables`]).
+pub(super) enum PendingTables {
+    /// Nowhere: decoded already, on the opening thread.
+    Decoded,
+    /// By the join thread, once joined.
+    OnJoin,
+    /// By a thread of their own (more than [`VERIFY_APART`] tensors).
+    Apart(JoinHandle<Decoded>),
+}
+
+/// Gives the tensor tables of `head` to another thread while the opening thread maps: a thread of
+/// their own for more than [`VERIFY_APART`] tensors, else `early`'s join thread; decodes them here
+/// where no thread takes them. Returns the manifest (its layout provisional unless
+/// [`PendingTables::Decoded`]) and where the tables are.
+///
+/// # Errors
+/// [`TensorSetError::BadManifest`](super::super::TensorSetError::BadManifest) for tables decoded
+/// here that do not decode.
+pub(super) fn hand_off_tables(
+    head: OpenedHead,
+    early: &mut EarlyJoin,
+) -> Result<(OpenedManifest, PendingTables)> {
+    let OpenedHead {
+        opened,
+        body,
+        tables,
+    } = head;
+    let mut left = Some((body, tables));
+    let mut pending = PendingTables::Decoded;
+    if left.as_ref().is_some_and(|(_, t)| t.len() > VERIFY_APART) {
+        // Sent once the thread runs, so that a failed start gives them back here.
+        let (tx, rx) = sync_channel::<(Vec<u8>, TensorTables)>(1);
+        let started = std::thread::Builder::new()
+            .name("cuda-ipc-tables".into())
+            .spawn(move || match rx.recv() {
+                Ok((body, t)) => decode_and_verify(&body, &t),
+                // Nothing sent: the handle was not kept and this is never read.
+                Err(_) => (
+                    Err(ManifestFault::Fingerprint),
+                    Duration::ZERO,
+                    Duration::ZERO,
+                ),
+            });
+        if let Ok(h) = started
+            && let Some(sent) = left.take()
+        {
+            match tx.send(sent) {
+                Ok(()) => pending = PendingTables::Apart(h),
+                Err(e) => left = Some(e.0),
+            }
+        }
+    }
+    if let Some((body, tables)) = left.take() {
+        match early.decode_after_join(body, tables) {
+            None => pending = PendingTables::OnJoin,
+            Some(back) => left = Some(back),
+        }
+    }
+    match left {
+        Some((body, tables)) => Ok((
+            OpenedHead {
+                opened,
+                body,
+                tables,
+            }
+            .decoded()?,
+            PendingTables::Decoded,
+        )),
+        None => Ok((opened, pending)),
+    }
+}
 
 /// A generation channel's join as the opening threads time it: (the consumer, its time, the
 /// part that made GPU objects).
@@ -166,11 +240,6 @@ impl EarlyJoin {
             tables: thread.as_ref().map(|_| tx),
             thread,
         }
-    }
-
-    /// Whether a thread runs the join (none could be started otherwise).
-    pub(super) fn is_running(&self) -> bool {
-        self.thread.is_some()
     }
 
     /// Hands the manifest's `body` and its `tables` to the thread, to be decoded and checked
@@ -283,8 +352,12 @@ mod tests {
     }
 
     fn host_set(tag: &str) -> (String, TensorSetWriter) {
+        host_set_of(tag, 300)
+    }
+
+    fn host_set_of(tag: &str, tensors: usize) -> (String, TensorSetWriter) {
         let name = format!("early-join-{tag}-{}", std::process::id());
-        let specs: Vec<TensorSpec> = (0..300)
+        let specs: Vec<TensorSpec> = (0..tensors)
             .map(|i| TensorSpec::new(format!("layers.{i}.weight"), DType::BF16, &[4, 8]))
             .collect();
         let w = TensorSetWriter::create_host(&name, &specs, &TensorSetOptions::new()).unwrap();
@@ -306,7 +379,6 @@ mod tests {
             .decoded()
             .unwrap();
         let mut early = EarlyJoin::spawn(no_join);
-        assert!(early.is_running());
         assert!(early.decode_after_join(head.body, head.tables).is_none());
         let (joined, decoded) = early.take().unwrap().join().unwrap();
         assert!(joined.0.is_err());
@@ -347,5 +419,45 @@ mod tests {
             "{layout:?}"
         );
         drop(w);
+    }
+
+    /// Tables go to a thread of their own above `VERIFY_APART` tensors, to the join thread below
+    /// it, and are decoded on the opening thread where no thread takes them; each way gives the
+    /// layout the whole decode gives.
+    #[test]
+    fn the_tables_are_handed_off_by_their_size_and_decoded_here_without_a_thread() {
+        let (small, ws) = host_set_of("handoff-small", 300);
+        let (large, wl) = host_set_of("handoff-large", VERIFY_APART + 1);
+        let layout_of = |pending: PendingTables, joined: Option<Decoded>| match pending {
+            PendingTables::Decoded => None,
+            PendingTables::OnJoin => Some(joined.unwrap().0.unwrap()),
+            PendingTables::Apart(h) => Some(h.join().unwrap().0.unwrap()),
+        };
+        for (name, want_apart) in [(&small, false), (&large, true)] {
+            let whole = open_manifest_head(name, INIT_WAIT)
+                .unwrap()
+                .decoded()
+                .unwrap();
+            let head = open_manifest_head(name, INIT_WAIT).unwrap();
+            let mut early = EarlyJoin::spawn(no_join);
+            let (opened, pending) = hand_off_tables(head, &mut early).unwrap();
+            assert!(
+                opened.manifest.layout.is_empty(),
+                "provisional while pending"
+            );
+            assert_eq!(matches!(pending, PendingTables::Apart(_)), want_apart);
+            assert_eq!(matches!(pending, PendingTables::OnJoin), !want_apart);
+            let (_, joined) = early.take().unwrap().join().unwrap();
+            let layout = layout_of(pending, joined).unwrap();
+            assert_eq!(layout.tensors(), whole.manifest.layout.tensors());
+        }
+        // No join thread to take a small set's tables: decoded here, the layout whole.
+        let mut early = EarlyJoin::spawn(no_join);
+        drop(early.take());
+        let head = open_manifest_head(&small, INIT_WAIT).unwrap();
+        let (opened, pending) = hand_off_tables(head, &mut early).unwrap();
+        assert!(matches!(pending, PendingTables::Decoded));
+        assert_eq!(opened.manifest.layout.len(), 300);
+        drop((ws, wl));
     }
 }
