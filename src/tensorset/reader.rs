@@ -179,9 +179,9 @@ impl TensorSetReader {
         // is imported. A host set's join (found in the manifest) is dropped and done again
         // without a context.
         //
-        // With a join thread, the opening thread decodes the manifest's header and allocation
-        // table only and goes on to the mapping; the join thread decodes the tensor tables and
-        // checks the fingerprint once joined (`EarlyJoin::decode_after_join`).
+        // The opening thread decodes the manifest's header and allocation table only and goes on
+        // to the mapping; the join thread decodes the tensor tables and checks the fingerprint
+        // once joined, or for a large set a thread of their own does (`hand_off_tables`).
         let mut early = ctx.map(|c| EarlyJoin::start(c, name, opts));
         let head = segment::open_manifest_head(name, segment::INIT_WAIT)?;
         if head.opened.manifest.kind == KIND_HOST {
