@@ -14,20 +14,32 @@ pub fn own_pid_ns() -> u32 {
         .unwrap_or(0)
 }
 
+/// [`proc_is_own_namespace`]'s answer: (pid << 1) | answer, 0 when not asked yet. One word, so a
+/// forked child never waits on a lock its parent held; emptied in every forked child
+/// ([`forget_after_fork`]): a child forked into a new pid namespace may have its parent's pid
+/// number (two pid-1 processes) and another answer.
+static OWN_NAMESPACE: AtomicU64 = AtomicU64::new(0);
+
 /// Whether `/proc` counts pids as the caller's own pid namespace does (its `self` entry has the
-/// pid `getpid()` returns). Cached per process id.
+/// pid `getpid()` returns). Cached per process (see [`OWN_NAMESPACE`]).
 pub(super) fn proc_is_own_namespace() -> bool {
-    // (pid << 1) | answer, 0 when not asked yet: one word, so a forked child never waits on a
-    // lock its parent held. Relaxed: a cache of a value any thread can compute again.
-    static CACHE: AtomicU64 = AtomicU64::new(0);
     let pid = std::process::id();
-    let c = CACHE.load(Ordering::Relaxed);
+    // Relaxed: a cache of a value any thread can compute again.
+    let c = OWN_NAMESPACE.load(Ordering::Relaxed);
     if c != 0 && (c >> 1) as u32 == pid {
         return c & 1 == 1;
     }
     let v = proc_stat("self").ok().and_then(|s| s.pid) == Some(pid);
-    CACHE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
+    // Before the cache is filled: a child forked after this empties it.
+    super::lock::register_process_hooks();
+    OWN_NAMESPACE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
     v
+}
+
+/// Empties what this module caches per process; in a child made by `fork()` (async-signal-safe:
+/// one atomic store).
+pub(super) fn forget_after_fork() {
+    OWN_NAMESPACE.store(0, Ordering::Relaxed);
 }
 
 /// Whether `/proc` hides processes of other users (`hidepid=` other than `0`/`off`: `1`, `2`,
@@ -167,6 +179,29 @@ pub(crate) fn parse_uuid_text(s: &str) -> Option<[u8; 16]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A forked child starts with nothing cached of its parent's pid namespace (a child forked
+    /// into a new pid namespace may have the parent's pid number and another answer).
+    #[test]
+    fn a_forked_child_forgets_the_cached_namespace_answer() {
+        let _ = proc_is_own_namespace();
+        assert_ne!(OWN_NAMESPACE.load(Ordering::Relaxed), 0);
+        // SAFETY: the child only loads an atomic and calls `_exit`, both async-signal-safe.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "{}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let code = i32::from(OWN_NAMESPACE.load(Ordering::Relaxed) != 0);
+            // SAFETY: ends the forked child at once, running no destructors or handlers.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is this process's child; `status` a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child kept its parent's answer (status {status})"
+        );
+    }
 
     #[test]
     fn hidepid_is_read_from_procs_super_options() {
