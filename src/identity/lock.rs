@@ -270,7 +270,7 @@ fn keep_liveness_file() {
     }
 }
 
-pub(super) fn register_process_hooks() {
+fn register_process_hooks() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: both handlers are `extern "C"` functions with no arguments that only touch
@@ -284,10 +284,8 @@ pub(super) fn register_process_hooks() {
 }
 
 /// In a child made by `fork()`: close the inherited lock descriptor, so the lock dies with the
-/// parent, not with the last of its children (the parent's open file description and lock stay),
-/// and forget what `/proc` was found to say of the parent's pid namespace.
+/// parent, not with the last of its children. The parent's open file description (and lock) stays.
 extern "C" fn after_fork_in_child() {
-    super::proc::forget_after_fork();
     let fd = LOCK_FD.swap(-1, Ordering::AcqRel);
     if fd >= 0 {
         // SAFETY: `fd` is the inherited copy of this module's lock descriptor; closing it is

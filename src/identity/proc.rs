@@ -31,14 +31,19 @@ pub(super) fn proc_is_own_namespace() -> bool {
     }
     let v = proc_stat("self").ok().and_then(|s| s.pid) == Some(pid);
     // Before the cache is filled: a child forked after this empties it.
-    super::lock::register_process_hooks();
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        // SAFETY: `forget_after_fork` is an `extern "C"` function without arguments that only
+        // stores an atomic (async-signal-safe); registering it has no other precondition.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_after_fork)) };
+    });
     OWN_NAMESPACE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
     v
 }
 
-/// Empties what this module caches per process; in a child made by `fork()` (async-signal-safe:
-/// one atomic store).
-pub(super) fn forget_after_fork() {
+/// In a child made by `fork()`: empties what this module caches per process (one atomic store,
+/// async-signal-safe).
+extern "C" fn forget_after_fork() {
     OWN_NAMESPACE.store(0, Ordering::Relaxed);
 }
 
