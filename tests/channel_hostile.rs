@@ -241,6 +241,61 @@ fn another_users_segment_is_refused_by_name_and_owner_and_never_removed_even_by_
     drop(p);
 }
 
+/// Another user's sparse file under a channel's name with the sizing lock held (a creation in
+/// progress, or one faked to keep openers waiting): refused at once by whose it is, by every
+/// opener, with or without group access; this user's own waits for the creation, as documented.
+#[test]
+fn another_users_creation_in_progress_is_refused_at_once_by_owner_not_waited_for() {
+    if !root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let n = name("other-sizing");
+    let _g = Planted(n.clone());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path(&n))
+        .unwrap();
+    f.set_len(1 << 20).unwrap();
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = cuda_ipc::raw::shm::SIZING_LOCK_OFFSET;
+    l.l_len = 1;
+    // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    let other = 54322u32;
+    rustix::fs::fchown(&f, Some(rustix::process::Uid::from_raw(other)), None).unwrap();
+    let t = Instant::now();
+    for (who, e) in every_opener(&n) {
+        assert!(
+            matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
+            "{who}: {e:?}"
+        );
+    }
+    let grouped = cuda_ipc::channel::Consumer::attach(
+        &n,
+        &cuda_ipc::channel::ConsumerOptions::new().group_access(true),
+    )
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        matches!(grouped, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
+        "{grouped:?}"
+    );
+    // Five openers, none waiting for the 2 s an own creation in progress gets.
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(std::fs::metadata(path(&n)).unwrap().uid(), other);
+    drop(f);
+}
+
 const FULL_ROLE: &str = "CUDA_IPC_TEST_FULL_SHM";
 
 #[test]

@@ -242,8 +242,26 @@ impl Registry {
         allow_group: bool,
     ) -> std::result::Result<(Segment, u32, u32), Retry> {
         let not_ready = |e: Error| match e {
-            // A creator between `ftruncate` and `fallocate` (sparse) or before `ftruncate` (empty).
-            Error::Shm(ShmError::TooSmall { .. } | ShmError::Sparse { .. }) => Retry::NotReady(e),
+            // A creator between `ftruncate` and `fallocate` (sparse) or before `ftruncate`
+            // (empty), waited for; but not a file this process may not open (refused by whose it
+            // is), nor an empty or sparse one at least 2 s old without its creator's sizing lock
+            // (abandoned: said at once).
+            Error::Shm(ShmError::TooSmall { .. } | ShmError::Sparse { .. }) => {
+                match Segment::stat(name) {
+                    Ok(i) => match i.may_open(name, allow_group) {
+                        Err(denied) => Retry::Fatal(denied),
+                        Ok(())
+                            if (i.len == 0 || i.sparse)
+                                && !i.sizing
+                                && i.age_secs >= versioned::ABANDONED_AFTER.as_secs() =>
+                        {
+                            Retry::Fatal(e)
+                        }
+                        Ok(()) => Retry::NotReady(e),
+                    },
+                    Err(_) => Retry::NotReady(e),
+                }
+            }
             e => Retry::Fatal(e),
         };
         precheck(name).map_err(not_ready)?;

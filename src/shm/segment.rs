@@ -517,39 +517,7 @@ impl Segment {
     /// [`ShmError::WrongOwner`] naming both uids; [`crate::Error::Os`] when a call fails.
     pub fn check_access(&self, allow_group: bool) -> Result<()> {
         let (uid, gid, mode) = self.owner()?;
-        let ours = rustix::process::geteuid().as_raw();
-        let wrong = || {
-            Err(ShmError::WrongOwner {
-                name: self.name.clone(),
-                owner: uid,
-                ours,
-            }
-            .into())
-        };
-        if mode & 0o007 != 0 {
-            return Err(ShmError::InsecureMode {
-                name: self.name.clone(),
-                mode,
-            }
-            .into());
-        }
-        if uid == ours {
-            return Ok(());
-        }
-        if !allow_group {
-            return wrong();
-        }
-        // Shared with the group only when its mode says so (0660): root, who can open anything,
-        // must not take a 0600 segment of another user for one shared with root's group.
-        let in_group = rustix::process::getegid().as_raw() == gid
-            || rustix::process::getgroups()
-                .map(|gs| gs.iter().any(|g| g.as_raw() == gid))
-                .unwrap_or(false);
-        if in_group && mode & 0o060 != 0 {
-            Ok(())
-        } else {
-            wrong()
-        }
+        access_rule(&self.name, uid, gid, mode, allow_group)
     }
 
     /// Checks that the segment belongs to this process's effective uid.
@@ -574,6 +542,44 @@ impl Segment {
     pub fn fd(&self) -> rustix::fd::BorrowedFd<'_> {
         use rustix::fd::AsFd;
         self.fd.as_fd()
+    }
+}
+
+/// The rule of [`Segment::check_access`] for a segment of owner `uid`, group `gid` and permission
+/// bits `mode`.
+fn access_rule(name: &str, uid: u32, gid: u32, mode: u32, allow_group: bool) -> Result<()> {
+    let ours = rustix::process::geteuid().as_raw();
+    let wrong = || {
+        Err(ShmError::WrongOwner {
+            name: name.to_string(),
+            owner: uid,
+            ours,
+        }
+        .into())
+    };
+    if mode & 0o007 != 0 {
+        return Err(ShmError::InsecureMode {
+            name: name.to_string(),
+            mode,
+        }
+        .into());
+    }
+    if uid == ours {
+        return Ok(());
+    }
+    if !allow_group {
+        return wrong();
+    }
+    // Shared with the group only when its mode says so (0660): root, who can open anything,
+    // must not take a 0600 segment of another user for one shared with root's group.
+    let in_group = rustix::process::getegid().as_raw() == gid
+        || rustix::process::getgroups()
+            .map(|gs| gs.iter().any(|g| g.as_raw() == gid))
+            .unwrap_or(false);
+    if in_group && mode & 0o060 != 0 {
+        Ok(())
+    } else {
+        wrong()
     }
 }
 
@@ -606,6 +612,29 @@ pub struct SegmentInfo {
 }
 
 impl SegmentInfo {
+    /// Whether another user's segment of this owner, group and mode may be opened as
+    /// [`Segment::check_access`] (`allow_group`) or [`Segment::check_owner`] (without it) would
+    /// let it: judged before it is mapped, so that another user's file is refused by whose it is,
+    /// not waited for. This user's own segments pass (their mode is checked once mapped).
+    ///
+    /// # Errors
+    /// [`ShmError::WrongOwner`], [`ShmError::InsecureMode`] (with `allow_group`) for `name`.
+    pub(crate) fn may_open(&self, name: &str, allow_group: bool) -> Result<()> {
+        let ours = rustix::process::geteuid().as_raw();
+        if self.uid == ours {
+            return Ok(());
+        }
+        if allow_group {
+            return access_rule(name, self.uid, self.gid, self.mode, true);
+        }
+        Err(ShmError::WrongOwner {
+            name: name.to_string(),
+            owner: self.uid,
+            ours,
+        }
+        .into())
+    }
+
     fn of(name: &str, fd: &OwnedFd) -> Result<SegmentInfo> {
         let path = format!("{SHM_DIR}/{name}");
         let st = rustix::fs::fstat(fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;

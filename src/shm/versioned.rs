@@ -246,8 +246,8 @@ pub(crate) const SIZING_WAIT: Duration = Duration::from_millis(50);
 /// Opens the segment `name` of layout `H`: [`Segment::open_with_min_len`] with
 /// [`VersionedHeader::HEADER_LEN`] (a segment that is empty, short or sparse, as a creator sizing
 /// it leaves it for a while, looked at again every millisecond: within `wait` while its creator
-/// holds the sizing lock, where the creator is this user, or any user with `allow_group`; for up to
-/// [`SIZING_WAIT`] from the first look while it is young without it), then [`Segment::check_access`] with `allow_group` (or
+/// holds the sizing lock, for up to [`SIZING_WAIT`] from the first look while it is young without
+/// it; never one the access check below would refuse, which is refused at once), then [`Segment::check_access`] with `allow_group` (or
 /// [`Segment::check_owner`] without it), then [`look`] every millisecond until the stamp is there,
 /// at most `wait`.
 ///
@@ -261,7 +261,6 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     wait: Duration,
 ) -> std::result::Result<Segment, OpenError> {
     let start = Instant::now();
-    let euid = rustix::process::geteuid().as_raw();
     // The inode last looked at and when it was first seen: `SIZING_WAIT` counts from then.
     let mut seen: Option<(u64, Instant)> = None;
     let seg = loop {
@@ -272,8 +271,17 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
             // 1 ms within `wait` while one of these holds; otherwise the error, at once (an old
             // unlocked one is a creation abandoned half-way: never mapped).
             Err(e @ Error::Shm(ShmError::Sparse { .. } | ShmError::TooSmall { .. })) => {
+                let info = Segment::stat(name);
+                // One this opener may not open (another user's; with `allow_group` also one not
+                // shared with a group of ours, or open to others) is refused by whose it is, at
+                // once: only a creation it could open is waited for.
+                if let Ok(i) = &info
+                    && let Err(denied) = i.may_open(name, allow_group)
+                {
+                    return Err(OpenError::Segment(denied));
+                }
                 let again = start.elapsed() < wait
-                    && Segment::stat(name).is_ok_and(|i| {
+                    && info.is_ok_and(|i| {
                         let first = match seen {
                             Some((inode, at)) if inode == i.inode => at,
                             _ => seen.insert((i.inode, Instant::now())).1,
@@ -281,9 +289,8 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
                         let unbacked = i.len == 0 || i.sparse;
                         // Sized since the open looked (its `fallocate` ended in between).
                         (!unbacked && i.len >= H::HEADER_LEN as u64)
-                            // Its creator holds the sizing lock: a creator of this user (or of
-                            // the group, where the group may share it).
-                            || (unbacked && i.sizing && (i.uid == euid || allow_group))
+                            // Its creator holds the sizing lock.
+                            || (unbacked && i.sizing)
                             // Young without the lock (the instant before a creator takes it).
                             || (unbacked
                                 && first.elapsed() < SIZING_WAIT
