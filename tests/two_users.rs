@@ -115,8 +115,31 @@ fn spawn_as(
         .current_dir("/")
         .uid(uid)
         .gid(gid); // std clears root's supplementary groups when it drops to `uid`
-    let _fork = fork_lock();
-    Peer::from_command(cmd)
+    spawn_copy(cmd)
+}
+
+/// Starts `cmd`, a copy of this binary ([`BinaryForOthers`]), under the fork lock. `exec` of a
+/// file just written can still fail with `ETXTBSY` for a moment (seen on a loaded CI machine with
+/// every fork of this process under the lock); it is tried again, for up to 2 s.
+fn spawn_copy(mut cmd: Command) -> Peer {
+    let t = std::time::Instant::now();
+    loop {
+        let started = {
+            let _fork = fork_lock();
+            Peer::try_from_command(cmd)
+        };
+        match started {
+            Ok(p) => return p,
+            Err(f)
+                if f.1.raw_os_error() == Some(libc::ETXTBSY)
+                    && t.elapsed() < std::time::Duration::from_secs(2) =>
+            {
+                cmd = f.0;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(f) => panic!("spawning {:?}: {}", f.0, f.1),
+        }
+    }
 }
 
 fn run_role(role: &str) {
@@ -326,8 +349,7 @@ fn a_lock_another_user_takes_under_a_dead_producers_liveness_name_keeps_nothing_
             .current_dir("/")
             .uid(uid)
             .gid(gid);
-        let _fork = fork_lock();
-        Peer::from_command(cmd)
+        spawn_copy(cmd)
     };
     f.expect("locked", ANSWER);
     let path = their.liveness_path();

@@ -66,13 +66,19 @@ impl Peer {
     }
 
     /// Starts any program as a peer that speaks the same `@@ ` line protocol.
-    pub fn from_command(mut cmd: Command) -> Peer {
+    pub fn from_command(cmd: Command) -> Peer {
+        Peer::try_from_command(cmd).unwrap_or_else(|f| panic!("spawning {:?}: {}", f.0, f.1))
+    }
+
+    /// [`Peer::from_command`], giving the command back with the error when it cannot start.
+    pub fn try_from_command(mut cmd: Command) -> Result<Peer, Box<(Command, std::io::Error)>> {
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => return Err(Box::new((cmd, e))),
+        };
         let stdout: ChildStdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -90,11 +96,11 @@ impl Peer {
             }
         });
         let stdin = child.stdin.take();
-        Peer {
+        Ok(Peer {
             child,
             stdin,
             lines: rx,
-        }
+        })
     }
 
     /// Sends one line to the child.
