@@ -510,7 +510,7 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
             .open(&path)
             .unwrap();
         f.set_len(16384).unwrap(); // sized, no page reserved: what a creator has before fallocate
-        hold_sizing_lock(&f);
+        common::hold_sizing_lock(&f);
         f
     };
     let maker = {
@@ -539,18 +539,4 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
     };
     drop(rx);
     maker.join().unwrap();
-}
-
-/// Takes the sizing lock a creator holds on its new segment until its pages are reserved.
-fn hold_sizing_lock(f: &std::fs::File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-    let mut l: libc::flock = unsafe { std::mem::zeroed() };
-    l.l_type = libc::F_WRLCK as libc::c_short;
-    l.l_whence = libc::SEEK_SET as libc::c_short;
-    l.l_start = cuda_ipc::raw::shm::SIZING_LOCK_OFFSET;
-    l.l_len = 1;
-    // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
-    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
-    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
 }

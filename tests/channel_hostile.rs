@@ -250,7 +250,6 @@ fn another_users_creation_in_progress_is_refused_at_once_by_owner_not_waited_for
         println!("skipped: needs root to give a file to another uid");
         return;
     }
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     let n = name("other-sizing");
     let _g = Planted(n.clone());
@@ -262,15 +261,7 @@ fn another_users_creation_in_progress_is_refused_at_once_by_owner_not_waited_for
         .open(path(&n))
         .unwrap();
     f.set_len(1 << 20).unwrap();
-    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-    let mut l: libc::flock = unsafe { std::mem::zeroed() };
-    l.l_type = libc::F_WRLCK as libc::c_short;
-    l.l_whence = libc::SEEK_SET as libc::c_short;
-    l.l_start = cuda_ipc::raw::shm::SIZING_LOCK_OFFSET;
-    l.l_len = 1;
-    // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
-    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
-    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    common::hold_sizing_lock(&f);
     let other = 54322u32;
     rustix::fs::fchown(&f, Some(rustix::process::Uid::from_raw(other)), None).unwrap();
     let t = Instant::now();

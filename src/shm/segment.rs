@@ -24,7 +24,7 @@ pub const SIZING_LOCK_OFFSET: i64 = (1 << 62) + 1;
 
 /// Sets (`F_WRLCK`) or clears (`F_UNLCK`) an open-file-description lock on the byte at `at` of
 /// `fd`, without waiting (`F_OFD_SETLK`).
-fn ofd_lock(fd: &OwnedFd, kind: libc::c_int, at: i64) -> std::io::Result<()> {
+pub(super) fn ofd_lock(fd: &OwnedFd, kind: libc::c_int, at: i64) -> std::io::Result<()> {
     use rustix::fd::AsRawFd;
     // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
     let mut l: libc::flock = unsafe { std::mem::zeroed() };
@@ -43,7 +43,7 @@ fn ofd_lock(fd: &OwnedFd, kind: libc::c_int, at: i64) -> std::io::Result<()> {
 /// Whether another open file description holds a write lock on the byte at `at` of `fd`
 /// (`F_OFD_GETLK`; a read lock, which anyone who can read the file may take, does not count);
 /// `false` when the query fails.
-fn ofd_write_locked(fd: &OwnedFd, at: i64) -> bool {
+pub(super) fn ofd_write_locked(fd: &OwnedFd, at: i64) -> bool {
     use rustix::fd::AsRawFd;
     // SAFETY: as in `ofd_lock`.
     let mut l: libc::flock = unsafe { std::mem::zeroed() };

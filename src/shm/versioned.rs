@@ -454,7 +454,10 @@ pub fn new_generation() -> u64 {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use super::super::SIZING_LOCK_OFFSET;
+    use super::super::segment::{ofd_lock, ofd_write_locked};
     use super::*;
+    use rustix::fd::OwnedFd;
 
     /// A header of the protocol's words only, with a `u32` stamp and the rules as parameters.
     #[repr(C)]
@@ -616,7 +619,6 @@ mod tests {
     /// gone it is judged by its age again.
     #[test]
     fn a_sparse_segment_with_its_sizing_lock_held_is_waited_for_and_never_judged_abandoned() {
-        use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
         let n = name("sizing");
         let f = std::fs::OpenOptions::new()
@@ -626,16 +628,9 @@ mod tests {
             .open(format!("{}/{n}", crate::shm::SHM_DIR))
             .unwrap();
         f.set_len(16384).unwrap();
+        let f = OwnedFd::from(f);
         assert!(!Segment::stat(&n).unwrap().sizing, "no lock yet");
-        // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-        let mut l: libc::flock = unsafe { std::mem::zeroed() };
-        l.l_type = libc::F_WRLCK as libc::c_short;
-        l.l_whence = libc::SEEK_SET as libc::c_short;
-        l.l_start = crate::shm::SIZING_LOCK_OFFSET;
-        l.l_len = 1;
-        // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
-        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
-        assert_eq!(r, 0);
+        ofd_lock(&f, libc::F_WRLCK, SIZING_LOCK_OFFSET).unwrap();
         assert!(Segment::stat(&n).unwrap().sizing);
         assert!(matches!(stat_blocker(&n, 64), Ok(Blocker::Young)));
         let wait = Duration::from_millis(300);
@@ -655,13 +650,8 @@ mod tests {
         // A finished creation keeps no lock (asked from another open file description).
         let seg = Segment::create(&n, 4096, &SegmentOptions::new()).unwrap();
         let other = std::fs::File::open(format!("{}/{n}", crate::shm::SHM_DIR)).unwrap();
-        l.l_type = libc::F_WRLCK as libc::c_short;
-        // SAFETY: `other` is open; `l` is a valid flock the kernel fills in.
-        let r = unsafe { libc::fcntl(other.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
-        assert_eq!(r, 0);
-        assert_eq!(
-            l.l_type,
-            libc::F_UNLCK as libc::c_short,
+        assert!(
+            !ofd_write_locked(&OwnedFd::from(other), SIZING_LOCK_OFFSET),
             "the sizing lock is still held"
         );
         drop(seg);
@@ -674,7 +664,6 @@ mod tests {
     /// comes: `Unstamped`, not `Sparse`).
     #[test]
     fn a_read_lock_marks_no_creation_and_a_file_sized_while_waited_on_is_opened() {
-        use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
         let n = name("sizing-read");
         let path = format!("{}/{n}", crate::shm::SHM_DIR);
@@ -686,22 +675,12 @@ mod tests {
             .open(&path)
             .unwrap();
         f.set_len(1 << 20).unwrap();
-        let reader = std::fs::File::open(&path).unwrap();
-        let lock = |file: &std::fs::File, kind: libc::c_int| {
-            // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-            let mut l: libc::flock = unsafe { std::mem::zeroed() };
-            l.l_type = kind as libc::c_short;
-            l.l_whence = libc::SEEK_SET as libc::c_short;
-            l.l_start = crate::shm::SIZING_LOCK_OFFSET;
-            l.l_len = 1;
-            // SAFETY: `file` is open (for writing where a write lock is asked); `l` is valid.
-            let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &l) };
-            assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
-        };
-        lock(&reader, libc::F_RDLCK);
+        let f = OwnedFd::from(f);
+        let reader = OwnedFd::from(std::fs::File::open(&path).unwrap());
+        ofd_lock(&reader, libc::F_RDLCK, SIZING_LOCK_OFFSET).unwrap();
         assert!(!Segment::stat(&n).unwrap().sizing, "a read lock counted");
         drop(reader);
-        lock(&f, libc::F_WRLCK);
+        ofd_lock(&f, libc::F_WRLCK, SIZING_LOCK_OFFSET).unwrap();
         assert!(Segment::stat(&n).unwrap().sizing);
         let sizer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));

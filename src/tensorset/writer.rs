@@ -559,8 +559,8 @@ impl TensorSetWriter {
     /// generation; buffered: the oldest buffer no reader holds, which is the newest generation's
     /// own buffer only when readers hold every other one: readers that come meanwhile wait for
     /// this update's commit, and dropping the update unpublished takes that generation from them
-    /// until the next commit; give the set a buffer more when readers keep generations long). Readers waiting meanwhile never
-    /// see the buffer. On a GPU set the writer's stream then waits for the last readers' release
+    /// until the next commit; give the set a buffer more when readers keep generations long).
+    /// Readers waiting meanwhile never see the buffer. On a GPU set the writer's stream then waits for the last readers' release
     /// words on the GPU (`cuStreamWaitValue32`): their kernels finish before the update's writes.
     /// A reader that died holding a generation is freed within about 1 s (the channel's
     /// watchdog and liveness checks). A resumed writer ([`TensorSetWriter::resumed`]) also waits

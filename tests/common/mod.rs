@@ -280,3 +280,18 @@ pub fn unshare_works(args: &[&str]) -> Result<(), String> {
     }
     panic!("unshare {args:?} failed: {}: {}", out.status, text.trim());
 }
+
+/// Takes the sizing lock a creator holds on its new segment until its pages are reserved
+/// (`raw::shm::SIZING_LOCK_OFFSET`), on `f`, open for writing, until `f` is closed.
+pub fn hold_sizing_lock(f: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = cuda_ipc::raw::shm::SIZING_LOCK_OFFSET;
+    l.l_len = 1;
+    // SAFETY: `f` is open for writing; `l` is a valid flock that outlives the call.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+}
