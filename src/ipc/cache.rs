@@ -148,8 +148,9 @@ pub(crate) enum ImportStep {
     SetAccess,
     /// The `close` of the imported descriptor.
     CloseFd,
-    /// This process's identity ([`crate::identity::ProcessIdentity::current`]; made on its
-    /// first call: `/proc` read, the liveness file created and locked).
+    /// This process's identity ([`crate::identity::ProcessIdentity::current`]), asked only where
+    /// a token's exporter has this process's pid (made on its first call: `/proc` read, the
+    /// liveness file created and locked).
     Identity,
 }
 

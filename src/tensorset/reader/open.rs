@@ -62,8 +62,9 @@ pub struct OpenTimings {
     pub map_set_access: Duration,
     /// Of `map`: closing the imported descriptors.
     pub map_fd_close: Duration,
-    /// Of `map`: this process's identity (made on the first open of a process: its `/proc`
-    /// entries read, its liveness file created and locked).
+    /// Of `map`: this process's identity, where a token's exporter has this process's pid (made
+    /// on a process's first use: its `/proc` entries read, its liveness file created and locked);
+    /// near zero otherwise.
     pub map_identity: Duration,
     /// The generation channel's join, as long as it ran on its own thread: its control segment
     /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
