@@ -98,6 +98,7 @@ def reader_child(name: str, conn, mode: str) -> None:
         r = cuda_ipc.TensorSetReader(name, device=0)
         t1 = time.perf_counter()
         h = r.current(timeout=STEP_S)
+        t_held = time.perf_counter()
         d = h.tensors()
         t2 = time.perf_counter()
         ok = type(d) is dict and all(type(v) is torch.Tensor for v in d.values())
@@ -108,12 +109,15 @@ def reader_child(name: str, conn, mode: str) -> None:
         first = {
             "open_ms": (t1 - t0) * 1e3,
             "dict_ms": (t2 - t0) * 1e3,
+            "hold_ms": (t_held - t1) * 1e3,
+            "tensors_ms": (t2 - t_held) * 1e3,
             "usable_ms": (t3 - t0) * 1e3,
             "read_again_ms": (t4 - t3) * 1e3,
             "imports": r.imports,
             "tensors": len(d),
             "dict_ok": ok,
             "read_only": r.read_only,
+            "open_timings_us": r.open_timings(),
         }
         g = h.generation
         h.release()
@@ -328,6 +332,8 @@ def main() -> int:
         "bytes": runs[0]["bytes"],
         "first_open_ms": statistics.median(f["open_ms"] for f in firsts),
         "first_dict_ms": statistics.median(f["dict_ms"] for f in firsts),
+        "first_hold_ms": statistics.median(f["hold_ms"] for f in firsts),
+        "first_tensors_ms": statistics.median(f["tensors_ms"] for f in firsts),
         "first_usable_ms": statistics.median(f["usable_ms"] for f in firsts),
         "first_read_again_ms": statistics.median(f["read_again_ms"] for f in firsts),
         "imports": sorted({f["imports"] for f in firsts}),

@@ -11,7 +11,9 @@
 //! thread ends within one slice of the cancellation and the loop's `shutdown_default_executor`
 //! (run by `asyncio.run`) never waits longer. What the wait took in the slice the cancellation
 //! lands in (a frame, a buffer) is dropped with the discarded result: a frame is released unseen
-//! (counted as received), a buffer given back unpublished.
+//! (counted as received), a buffer given back unpublished. A posted receive's wait
+//! ([`awaitable_then`]) loses nothing that way: its thread parks the frame on the `Posted` object
+//! and the coroutine, if still awaited, claims it; otherwise the next wait does.
 
 use crate::util::lock;
 use pyo3::prelude::*;
@@ -65,10 +67,11 @@ pub(crate) fn is_cancelled(flag: &AtomicBool) -> bool {
 const RUN: &std::ffi::CStr = c"
 import asyncio
 
-async def run(job):
+async def run(job, then=None):
     future = asyncio.get_running_loop().run_in_executor(None, job)
     future.add_done_callback(job._done)
-    return await future
+    result = await future
+    return result if then is None else then()
 ";
 
 static RUNNER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -79,6 +82,25 @@ static RUNNER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 pub(crate) fn awaitable<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
+) -> PyResult<Bound<'py, PyAny>> {
+    run_job(py, wait, None)
+}
+
+/// [`awaitable`] whose coroutine, once the wait returned, returns `then()` instead: for a wait
+/// that leaves what it took where a later wait finds it (`Posted`), so that a cancellation
+/// landing after the take loses nothing (only the coroutine still awaited claims it).
+pub(crate) fn awaitable_then<'py>(
+    py: Python<'py>,
+    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
+    then: Py<PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    run_job(py, wait, Some(then))
+}
+
+fn run_job<'py>(
+    py: Python<'py>,
+    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
+    then: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let run = RUNNER.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
         Ok(
@@ -94,5 +116,5 @@ pub(crate) fn awaitable<'py>(
             wait: Mutex::new(Some(Box::new(wait))),
         },
     )?;
-    run.bind(py).call1((job,))
+    run.bind(py).call1((job, then))
 }

@@ -18,8 +18,11 @@ use std::time::Duration;
 /// next `wait` or `recv`.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Posted {
-    /// `None` while `work` runs (the receive is not posted yet) and after a `wait` returned.
+    /// `None` while `work` runs (the receive is not posted yet) and once the frame came.
     inner: Mutex<Option<OwnedPosted>>,
+    /// The frame once it came, until a wait claims it (locked inside `inner`'s lock where both
+    /// are held).
+    arrived: Mutex<Option<PostedFrame>>,
     consumer: Py<Consumer>,
     seq: u64,
     index: usize,
@@ -45,6 +48,7 @@ pub(crate) fn post(
         let buffer = p.buffer();
         let info = Posted {
             inner: Mutex::new(None),
+            arrived: Mutex::new(None),
             consumer: consumer.clone_ref(py),
             seq: p.seq(),
             index: p.index(),
@@ -81,13 +85,17 @@ pub(crate) fn post(
 }
 
 impl Posted {
-    /// `wait`, stopping (`Detached`) also once the consumer was closed or `cancelled` raised.
-    fn wait_until(
+    /// Waits (as `wait`, stopping with `Detached` also once the consumer was closed or
+    /// `cancelled` raised) until the frame is in `arrived`: put there by this wait, or earlier by
+    /// one whose awaiting side gave up (an awaitable cancelled in the slice its frame came in).
+    /// The frame is moved there under the `inner` lock, so that a wait that finds `inner` empty
+    /// always finds the frame, unless another wait claimed it already.
+    fn park(
         &self,
         py: Python<'_>,
         timeout: Option<Duration>,
         cancelled: Option<&AtomicBool>,
-    ) -> PyResult<PostedFrame> {
+    ) -> PyResult<()> {
         let consumer = self.consumer.get();
         let got = sliced(
             py,
@@ -95,29 +103,47 @@ impl Posted {
             || consumer.is_closed() || cancelled.is_some_and(aio::is_cancelled),
             detached,
             |slice| {
-                let inner = lock(&self.inner);
+                let mut inner = lock(&self.inner);
                 let Some(p) = inner.as_ref() else {
-                    return Err(Stop::Failed(cuda_ipc::Error::InvalidArgument(format!(
-                        "frame {} was waited for already, or its post() has not returned",
-                        self.seq
-                    ))));
+                    return if lock(&self.arrived).is_some() {
+                        Ok(Some(()))
+                    } else {
+                        Err(Stop::Failed(self.waited_for_already()))
+                    };
                 };
-                Ok(p.wait(Some(slice))?.map(|f| PostedFrame {
+                let Some(f) = p.wait(Some(slice))?.map(|f| PostedFrame {
                     seq: f.seq(),
                     index: f.index(),
                     metadata: f.metadata().to_vec(),
-                }))
+                }) else {
+                    return Ok(None);
+                };
+                *lock(&self.arrived) = Some(f);
+                // The receive is done: a later wait finds the frame in `arrived` (until it is
+                // claimed), then an error, never a wait for nothing. Dropped without the GIL
+                // (`sliced` runs this step detached).
+                let done = inner.take();
+                drop(inner);
+                drop(done);
+                Ok(Some(()))
             },
         )?;
-        match got {
-            Some(f) => {
-                // The receive is done: a second wait is an error, not a wait for nothing.
-                let done = lock(&self.inner).take();
-                py.detach(|| drop(done));
-                Ok(f)
-            }
-            None => Err(timeout_error(py, "a posted frame", timeout)),
-        }
+        got.ok_or_else(|| timeout_error(py, "a posted frame", timeout))
+    }
+
+    /// Takes the frame a wait put in `arrived`.
+    fn claim(&self, py: Python<'_>) -> PyResult<PostedFrame> {
+        lock(&self.arrived)
+            .take()
+            .ok_or_else(|| err(py, self.waited_for_already()))
+    }
+
+    /// The error of a wait for a frame that another wait took.
+    fn waited_for_already(&self) -> cuda_ipc::Error {
+        cuda_ipc::Error::InvalidArgument(format!(
+            "frame {} was waited for already, or its post() has not returned",
+            self.seq
+        ))
     }
 }
 
@@ -132,12 +158,14 @@ impl Posted {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<PostedFrame> {
         let timeout = timeout_arg(py, timeout)?;
-        self.wait_until(py, timeout, None)
+        self.park(py, timeout, None)?;
+        self.claim(py)
     }
 
     /// `wait` as an awaitable: it waits in the event loop's default executor (a thread, without
     /// the GIL), so the loop runs other tasks meanwhile; cancelling the awaiting task stops that
-    /// thread within 50 ms and leaves the frame to a later wait.
+    /// thread within 50 ms and leaves the frame to a later wait, even one that came in those
+    /// 50 ms (the thread only parks the frame; the awaiting coroutine claims it once awaited).
     #[pyo3(signature = (timeout=None))]
     fn wait_async<'py>(
         slf: Bound<'py, Self>,
@@ -145,11 +173,22 @@ impl Posted {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let timeout = timeout_arg(py, timeout)?;
+        let claim = slf.getattr("_claim")?.unbind();
         let this = slf.unbind();
-        aio::awaitable(py, move |py, cancelled| {
-            let f = this.get().wait_until(py, timeout, Some(cancelled))?;
-            Ok(Py::new(py, f)?.into_any())
-        })
+        aio::awaitable_then(
+            py,
+            move |py, cancelled| {
+                this.get().park(py, timeout, Some(cancelled))?;
+                Ok(py.None())
+            },
+            claim,
+        )
+    }
+
+    /// Takes the frame an awaitable wait parked (what `wait_async`'s coroutine returns once its
+    /// thread is done); raises `InvalidArgument` when another wait took it.
+    fn _claim(&self, py: Python<'_>) -> PyResult<PostedFrame> {
+        self.claim(py)
     }
 
     /// The sequence number of the frame waited for.

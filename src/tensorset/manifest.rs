@@ -438,28 +438,75 @@ impl Layout {
 /// (one `Sha256::update` per chunk rather than one per field: the same digest, a fraction of the
 /// calls; `sha2` uses the CPU's SHA extensions where it has them).
 pub fn fingerprint(tensors: &[TensorInfo]) -> [u8; 32] {
-    let mut h = Sha256::new();
-    let mut buf: Vec<u8> = Vec::with_capacity(HASH_CHUNK + MAX_ENCODED_TENSOR);
-    buf.extend_from_slice(b"cuda-ipc tensor-set layout v1\0");
-    buf.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    let mut c = Canonical::new(tensors.len());
     for t in tensors {
-        buf.extend_from_slice(&(t.name.len() as u32).to_le_bytes());
-        buf.extend_from_slice(t.name.as_bytes());
-        buf.extend_from_slice(&[t.dtype.code, t.dtype.bits]);
-        buf.extend_from_slice(&t.dtype.lanes.to_le_bytes());
-        buf.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
-        for d in t.shape.iter().chain(&t.strides) {
-            buf.extend_from_slice(&d.to_le_bytes());
+        let lanes = t.dtype.lanes.to_le_bytes();
+        c.tensor(
+            t.name.as_bytes(),
+            [t.dtype.code, t.dtype.bits, lanes[0], lanes[1]],
+            t.shape.len() as u32,
+            |buf| {
+                for d in t.shape.iter().chain(&t.strides) {
+                    buf.extend_from_slice(&d.to_le_bytes());
+                }
+            },
+            t.allocation,
+            t.offset,
+        );
+    }
+    c.finish()
+}
+
+/// The canonical encoding [`fingerprint`] hashes, fed a tensor at a time (by the decoded tensors,
+/// and by the raw tensor tables in `manifest::tables`: one encoding, two sources).
+pub(crate) struct Canonical {
+    h: Sha256,
+    buf: Vec<u8>,
+}
+
+impl Canonical {
+    /// The encoding of a set of `count` tensors, before its first tensor.
+    pub(crate) fn new(count: usize) -> Canonical {
+        let mut buf: Vec<u8> = Vec::with_capacity(HASH_CHUNK + MAX_ENCODED_TENSOR);
+        buf.extend_from_slice(b"cuda-ipc tensor-set layout v1\0");
+        buf.extend_from_slice(&(count as u64).to_le_bytes());
+        Canonical {
+            h: Sha256::new(),
+            buf,
         }
-        buf.extend_from_slice(&t.allocation.to_le_bytes());
-        buf.extend_from_slice(&t.offset.to_le_bytes());
+    }
+
+    /// Adds one tensor: its `name`'s bytes, its dtype's code, bits and lanes (`u16`,
+    /// little-endian), `ndim`, then `dims` writes its shape and strides (`i64`, little-endian),
+    /// then its allocation and byte offset.
+    pub(crate) fn tensor(
+        &mut self,
+        name: &[u8],
+        dtype: [u8; 4],
+        ndim: u32,
+        dims: impl FnOnce(&mut Vec<u8>),
+        allocation: u32,
+        offset: u64,
+    ) {
+        let buf = &mut self.buf;
+        buf.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        buf.extend_from_slice(name);
+        buf.extend_from_slice(&dtype);
+        buf.extend_from_slice(&ndim.to_le_bytes());
+        dims(buf);
+        buf.extend_from_slice(&allocation.to_le_bytes());
+        buf.extend_from_slice(&offset.to_le_bytes());
         if buf.len() >= HASH_CHUNK {
-            h.update(&buf);
+            self.h.update(&*buf);
             buf.clear();
         }
     }
-    h.update(&buf);
-    h.finalize().into()
+
+    /// The SHA-256 digest of the whole encoding.
+    pub(crate) fn finish(mut self) -> [u8; 32] {
+        self.h.update(&self.buf);
+        self.h.finalize().into()
+    }
 }
 
 /// Bytes of the canonical encoding [`fingerprint`] hashes at a time.
@@ -562,13 +609,13 @@ pub(crate) fn encode(m: &Manifest) -> Vec<u8> {
 /// Range-checked little-endian reads of a body.
 struct Body<'a>(&'a [u8]);
 
-impl Body<'_> {
+impl<'a> Body<'a> {
     fn bytes(
         &self,
         what: &'static str,
         off: u64,
         len: u64,
-    ) -> std::result::Result<&[u8], ManifestFault> {
+    ) -> std::result::Result<&'a [u8], ManifestFault> {
         let body = self.0.len() as u64;
         match off.checked_add(len) {
             Some(end) if end <= body => Ok(&self.0[off as usize..end as usize]),
@@ -763,114 +810,7 @@ pub(crate) fn decode_head(
     Ok((manifest, tables))
 }
 
-impl TensorTables {
-    /// The layout of the body `bytes` these tables were found in (the one given to
-    /// [`decode_head`]): every tensor's name, dtype, shape, strides and span checked, the name
-    /// index made; the fingerprint is the stored one, still to be checked
-    /// ([`Manifest::verify_fingerprint`]).
-    pub(crate) fn decode(&self, bytes: &[u8]) -> std::result::Result<Layout, ManifestFault> {
-        let b = Body(bytes);
-        let n = self.tensors;
-        let t_tab = b.bytes("the tensor table", self.table.0, self.table.1)?;
-        let (d_off, d_len) = self.dims;
-        let dims = b.bytes("the dims area", d_off, d_len)?;
-        let (s_off, s_len) = self.strings;
-        let strings = b.bytes("the string area", s_off, s_len)?;
-        decode_tensors(n, t_tab, dims, strings, &self.allocations, self.fingerprint)
-    }
-
-    /// The number of tensors the table holds.
-    pub(crate) fn len(&self) -> usize {
-        self.tensors
-    }
-}
-
-/// The tensor table's entries (`t_tab`), their dims (`dims`) and names (`strings`) into a layout
-/// of `lens` allocations with the stored fingerprint `fp`.
-fn decode_tensors(
-    n: usize,
-    t_tab: &[u8],
-    dims: &[u8],
-    strings: &[u8],
-    lens: &[u64],
-    fp: [u8; 32],
-) -> std::result::Result<Layout, ManifestFault> {
-    let (d_len, s_len) = (dims.len() as u64, strings.len() as u64);
-    // Shape then strides of a tensor whose dims start at index `d0` (in `i64` units).
-    let dims_of =
-        |d0: u64, ndim: u64| -> std::result::Result<(Vec<i64>, Vec<i64>), ManifestFault> {
-            let bytes = d0
-                .checked_mul(8)
-                .and_then(|start| Some((start, start.checked_add(16 * ndim)?)))
-                .filter(|&(_, end)| end <= d_len)
-                .map(|(start, end)| &dims[start as usize..end as usize])
-                .ok_or(ManifestFault::OutOfBounds {
-                    what: "a tensor's dims",
-                    offset: d0.saturating_mul(8),
-                    len: 16 * ndim,
-                    body: d_len,
-                })?;
-            let word = |w: &[u8]| i64::from_le_bytes(w.try_into().expect("8 bytes"));
-            let (shape, strides) = bytes.split_at(8 * ndim as usize);
-            Ok((
-                shape.chunks_exact(8).map(word).collect(),
-                strides.chunks_exact(8).map(word).collect(),
-            ))
-        };
-    let mut infos = Vec::with_capacity(n);
-    for i in 0..n {
-        let e = &t_tab[i * TENSOR_ENTRY..][..TENSOR_ENTRY];
-        let r64 = |at: usize| u64::from_le_bytes(e[at..at + 8].try_into().expect("8 bytes"));
-        let r32 = |at: usize| u32::from_le_bytes(e[at..at + 4].try_into().expect("4 bytes"));
-        let bad = |why: String| ManifestFault::Tensor {
-            index: i as u64,
-            why,
-        };
-        let (name_off, name_len) = (r64(0), u64::from(r32(8)));
-        if name_len == 0 || name_len > MAX_NAME as u64 {
-            return Err(bad(format!("a name of {name_len} bytes")));
-        }
-        let name = name_off
-            .checked_add(name_len)
-            .filter(|&end| end <= s_len)
-            .and_then(|end| std::str::from_utf8(&strings[name_off as usize..end as usize]).ok())
-            .ok_or_else(|| bad("its name lies outside the string area or is not UTF-8".into()))?;
-        let dtype = DType {
-            code: e[12],
-            bits: e[13],
-            lanes: u16::from_le_bytes([e[14], e[15]]),
-        };
-        let ndim = r32(16) as u64;
-        if ndim > MAX_NDIM as u64 {
-            return Err(bad(format!("{ndim} dimensions")));
-        }
-        let (shape, strides) = dims_of(r64(24), ndim)?;
-        let bytes = r64(48);
-        let want = span_bytes(dtype, &shape, &strides).map_err(bad)?;
-        if want != bytes {
-            return Err(bad(format!("{bytes} bytes where its shape spans {want}")));
-        }
-        infos.push(TensorInfo {
-            name: name.to_string(),
-            dtype,
-            shape,
-            strides,
-            allocation: r32(32),
-            offset: r64(40),
-            bytes,
-        });
-    }
-    Layout::checked(infos, lens.to_vec(), Some(fp)).map_err(|e| match e {
-        crate::Error::TensorSet(TensorSetError::BadTensor { name, why }) => ManifestFault::Tensor {
-            index: u64::MAX,
-            why: format!("{name:?}: {why}"),
-        },
-        other => ManifestFault::Tensor {
-            index: u64::MAX,
-            why: other.to_string(),
-        },
-    })
-}
+mod tables;
 
 #[cfg(test)]
 mod tests;

@@ -35,14 +35,16 @@ pub struct OpenTimings {
     pub manifest: Duration,
     /// Decoding the tensor tables (every tensor's name, dtype, shape, strides and span checked;
     /// the name index made): for a GPU set beside the mapping, on the join thread once it has
-    /// joined (more than [`VERIFY_APART`] tensors: on a thread of their own); for a host set (or
+    /// joined (more than [`VERIFY_APART`] tensors: on a thread of their own, which splits them
+    /// among up to four threads where the process may use four CPUs or more); for a host set (or
     /// where no thread could be started) on the opening thread, where it is part of
     /// [`manifest`](Self::manifest).
     pub tables: Duration,
     /// Recomputing the layout fingerprint (SHA-256 over the tensor table's canonical encoding)
     /// and comparing it with the manifest's (nothing is returned before it passed): on the
     /// thread that decoded the tables, after them (on the opening thread before the mapping,
-    /// where that thread decoded them).
+    /// where that thread decoded them); for more than [`VERIFY_APART`] tensors on four CPUs or
+    /// more, from the tables' raw entries on a thread of its own, beside their decode.
     pub fingerprint: Duration,
     /// Fetching the file descriptors of the allocations that were not in the import cache from
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
@@ -177,6 +179,10 @@ pub(super) type JoinedAndDecoded = (Joined, Option<Decoded>);
 
 /// Decodes `tables` from `body` and checks the layout's fingerprint.
 fn decode_and_verify(body: &[u8], tables: &TensorTables) -> Decoded {
+    if tables.len() > VERIFY_APART {
+        // Split among threads, the fingerprint from the raw entries beside them.
+        return tables.decode_verified(body);
+    }
     let t = Instant::now();
     let layout = tables.decode(body);
     let decode = t.elapsed();
