@@ -471,7 +471,8 @@ class Posted:
         was waited for already."""
     def wait_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, PostedFrame]:
         """``wait`` as a coroutine (the event loop's default executor; cancellation stops the
-        wait within 50 ms and leaves the frame to a later wait)."""
+        wait within 50 ms and leaves the frame to a later wait, even one that came in those
+        50 ms)."""
 
 @final
 class PostedFrame:
