@@ -400,6 +400,18 @@ mod tests {
         }
     }
 
+    /// Flips bits of `body` at `flips` (position, bits) in the tensor tables and the areas after
+    /// them (the head stays valid).
+    fn flip_tables(body: &mut [u8], tables: &TensorTables, flips: Vec<(usize, u8)>) {
+        let from = tables.table.0 as usize;
+        for (at, v) in flips {
+            let i = from + at % (body.len() - from).max(1);
+            if i < body.len() {
+                body[i] ^= v | 1;
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
         /// Corrupted tables: the split decode finds what the whole one does (the same fault, or
@@ -412,14 +424,7 @@ mod tests {
         ) {
             let mut body = manifest_of(n);
             let Ok((_, tables)) = decode_head(&body) else { return Ok(()) };
-            // Flips in the tensor tables and the areas after them (the head stays valid).
-            let from = tables.table.0 as usize;
-            for (at, v) in flips {
-                let i = from + at % (body.len() - from).max(1);
-                if i < body.len() {
-                    body[i] ^= v | 1;
-                }
-            }
+            flip_tables(&mut body, &tables, flips);
             let whole = tables.decode(&body).and_then(|l| l.verify_fingerprint().map(|()| l));
             let split = tables.decode_verified_with(&body, Some(most)).0;
             match (whole, split) {
@@ -440,13 +445,7 @@ mod tests {
         ) {
             let mut body = manifest_of(n);
             let Ok((_, tables)) = decode_head(&body) else { return Ok(()) };
-            let from = tables.table.0 as usize;
-            for (at, v) in flips {
-                let i = from + at % (body.len() - from).max(1);
-                if i < body.len() {
-                    body[i] ^= v | 1;
-                }
-            }
+            flip_tables(&mut body, &tables, flips);
             let (t_tab, dims, strings) = tables.areas(&body).unwrap();
             if let Some(fp) = tables.raw_fingerprint(t_tab, dims, strings) {
                 body[96..128].copy_from_slice(&fp);
