@@ -14,6 +14,7 @@ use super::{
 };
 #[cfg(doc)]
 use super::{Manifest, decode_head, fingerprint};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 impl TensorTables {
@@ -23,7 +24,7 @@ impl TensorTables {
     /// ([`Manifest::verify_fingerprint`]).
     pub(crate) fn decode(&self, bytes: &[u8]) -> std::result::Result<Layout, ManifestFault> {
         let (t_tab, dims, strings) = self.areas(bytes)?;
-        let infos = decode_entries(0..self.tensors, t_tab, dims, strings)?;
+        let infos = decode_entries(0..self.tensors, t_tab, dims, strings, || true)?;
         layout_of(infos, &self.allocations, self.fingerprint)
     }
 
@@ -53,6 +54,7 @@ fn decode_entries(
     t_tab: &[u8],
     dims: &[u8],
     strings: &[u8],
+    keep_going: impl Fn() -> bool,
 ) -> std::result::Result<Vec<TensorInfo>, ManifestFault> {
     let d_len = dims.len() as u64;
     // Shape then strides of a tensor whose dims start at index `d0` (in `i64` units).
@@ -73,6 +75,10 @@ fn decode_entries(
         };
     let mut infos = Vec::with_capacity(range.len());
     for i in range {
+        if i % STOP_CHECK == 0 && !keep_going() {
+            // Another part faulted first: this part's result is discarded.
+            return Err(ManifestFault::Fingerprint);
+        }
         let e = Entry64::at(t_tab, i);
         let bad = |why: String| ManifestFault::Tensor {
             index: i as u64,
@@ -173,6 +179,10 @@ const TENSORS_PER_THREAD: usize = 1024;
 #[cfg(test)]
 const TENSORS_PER_THREAD: usize = 8;
 
+/// Entries between two looks at whether a split decode may stop early (a part before this one,
+/// or any part for the fingerprint, faulted).
+const STOP_CHECK: usize = 256;
+
 /// Most threads one decode uses, the calling one included (besides the fingerprint's).
 const MAX_DECODERS: usize = 4;
 
@@ -221,10 +231,19 @@ impl TensorTables {
         };
         let parts = (n / TENSORS_PER_THREAD).clamp(1, most);
         let chunk = n.div_ceil(parts).max(1);
+        // The lowest part that faulted (`usize::MAX`: none yet): parts after it and the
+        // fingerprint stop early, their results unused. Relaxed: a hint that synchronises
+        // nothing (what is returned comes from the joined threads' results).
+        let faulted = AtomicUsize::new(usize::MAX);
+        let faulted = &faulted;
         std::thread::scope(|s| {
             let raw = || {
                 let t = Instant::now();
-                (self.raw_fingerprint(t_tab, dims, strings), t.elapsed())
+                let fine = || faulted.load(Ordering::Relaxed) == usize::MAX;
+                (
+                    self.raw_fingerprint(t_tab, dims, strings, fine),
+                    t.elapsed(),
+                )
             };
             let fp = std::thread::Builder::new()
                 .name("cuda-ipc-fingerprint".into())
@@ -232,7 +251,14 @@ impl TensorTables {
                 .ok();
             let t = Instant::now();
             let range = |k: usize| (k * chunk).min(n)..((k + 1) * chunk).min(n);
-            let decode = move |k: usize| decode_entries(range(k), t_tab, dims, strings);
+            let decode = move |k: usize| {
+                let before = || faulted.load(Ordering::Relaxed) >= k;
+                let r = decode_entries(range(k), t_tab, dims, strings, before);
+                if r.is_err() {
+                    faulted.fetch_min(k, Ordering::Relaxed);
+                }
+                r
+            };
             let rest: Vec<_> = (1..parts)
                 .map(|k| {
                     std::thread::Builder::new()
@@ -280,9 +306,18 @@ impl TensorTables {
     /// The layout fingerprint of the tables as stored (`t_tab`, `dims`, `strings`: the areas
     /// [`TensorTables::areas`] found), without decoding them: `None` where an entry's name or
     /// dims lie out of bounds or are too long (the decode refuses such an entry too).
-    fn raw_fingerprint(&self, t_tab: &[u8], dims: &[u8], strings: &[u8]) -> Option<[u8; 32]> {
+    fn raw_fingerprint(
+        &self,
+        t_tab: &[u8],
+        dims: &[u8],
+        strings: &[u8],
+        keep_going: impl Fn() -> bool,
+    ) -> Option<[u8; 32]> {
         let mut c = Canonical::new(self.tensors);
         for i in 0..self.tensors {
+            if i % STOP_CHECK == 0 && !keep_going() {
+                return None;
+            }
             let e = Entry64::at(t_tab, i);
             let name_len = u64::from(e.r32(8));
             let ndim = u64::from(e.r32(16));
@@ -346,7 +381,7 @@ mod tests {
             let whole = tables.decode(&body).unwrap();
             let (t_tab, dims, strings) = tables.areas(&body).unwrap();
             assert_eq!(
-                tables.raw_fingerprint(t_tab, dims, strings),
+                tables.raw_fingerprint(t_tab, dims, strings, || true),
                 Some(super::super::fingerprint(whole.tensors())),
                 "{n} tensors"
             );
@@ -447,7 +482,7 @@ mod tests {
             let Ok((_, tables)) = decode_head(&body) else { return Ok(()) };
             flip_tables(&mut body, &tables, flips);
             let (t_tab, dims, strings) = tables.areas(&body).unwrap();
-            if let Some(fp) = tables.raw_fingerprint(t_tab, dims, strings) {
+            if let Some(fp) = tables.raw_fingerprint(t_tab, dims, strings, || true) {
                 body[96..128].copy_from_slice(&fp);
             }
             let Ok((_, tables)) = decode_head(&body) else { return Ok(()) };
