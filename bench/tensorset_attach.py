@@ -11,7 +11,8 @@ in VMM memory, and measures, per run:
   starts) opens the set (`open`), holds the current generation and builds its `dict[str, Tensor]`
   (`dict`: `type(d) is dict`, every value a constructed tensor), then reads one element of every
   tensor and synchronises (`usable`, the same read as the PyTorch baseline's); the driver imports
-  the attach made;
+  the attach made; apart, the hold (`hold_ms`), the dict's PyTorch calls (`tensors_ms`) and the
+  open's phases as the reader timed them (`open_timings_us`, `TensorSetReader.open_timings()`);
 - a new generation in a process that keeps its mappings: from the reader's wake-up to its dict,
   and from the writer's commit to the reader's wake-up (the hand-off);
 - the channel's hand-off at the same wait strategy, publish to a waiting consumer's wake-up, in
