@@ -7,11 +7,40 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The inode number of the caller's pid namespace, 0 when `/proc/self/ns/pid` cannot be read.
+/// Cached per process once read (see [`OWN_PID_NS`]): a process never changes its own pid
+/// namespace (`unshare` and `setns` change only its children's).
 pub fn own_pid_ns() -> u32 {
-    std::fs::metadata("/proc/self/ns/pid")
+    let pid = std::process::id();
+    // Relaxed: a cache of a value any thread can compute again.
+    let c = OWN_PID_NS.load(Ordering::Relaxed);
+    if c != 0 && (c >> 32) as u32 == pid {
+        return c as u32;
+    }
+    let ns = std::fs::metadata("/proc/self/ns/pid")
         .ok()
         .and_then(|m| u32::try_from(std::os::unix::fs::MetadataExt::ino(&m)).ok())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    // A 0 (no `/proc` of this process to read) is not kept: it may be readable later.
+    if ns != 0 {
+        forget_in_forked_children();
+        OWN_PID_NS.store((u64::from(pid) << 32) | u64::from(ns), Ordering::Relaxed);
+    }
+    ns
+}
+
+/// [`own_pid_ns`]'s answer: (pid << 32) | namespace inode, 0 when not read yet. One word, and
+/// emptied in every forked child ([`forget_after_fork`]), as [`OWN_NAMESPACE`] is: a child forked
+/// into a new pid namespace may have its parent's pid number.
+static OWN_PID_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Registers [`forget_after_fork`] once per process, before anything is cached.
+fn forget_in_forked_children() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        // SAFETY: `forget_after_fork` is an `extern "C"` function without arguments that only
+        // stores atomics (async-signal-safe); registering it has no other precondition.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_after_fork)) };
+    });
 }
 
 /// [`proc_is_own_namespace`]'s answer: (pid << 1) | answer, 0 when not asked yet. One word, so a
@@ -31,12 +60,7 @@ pub(super) fn proc_is_own_namespace() -> bool {
     }
     let v = proc_stat("self").ok().and_then(|s| s.pid) == Some(pid);
     // Before the cache is filled: a child forked after this empties it.
-    static HOOK: std::sync::Once = std::sync::Once::new();
-    HOOK.call_once(|| {
-        // SAFETY: `forget_after_fork` is an `extern "C"` function without arguments that only
-        // stores an atomic (async-signal-safe); registering it has no other precondition.
-        unsafe { libc::pthread_atfork(None, None, Some(forget_after_fork)) };
-    });
+    forget_in_forked_children();
     OWN_NAMESPACE.store((u64::from(pid) << 1) | u64::from(v), Ordering::Relaxed);
     v
 }
@@ -45,6 +69,7 @@ pub(super) fn proc_is_own_namespace() -> bool {
 /// async-signal-safe).
 extern "C" fn forget_after_fork() {
     OWN_NAMESPACE.store(0, Ordering::Relaxed);
+    OWN_PID_NS.store(0, Ordering::Relaxed);
 }
 
 /// Whether `/proc` hides processes of other users (`hidepid=` other than `0`/`off`: `1`, `2`,
@@ -185,17 +210,24 @@ pub(crate) fn parse_uuid_text(s: &str) -> Option<[u8; 16]> {
 mod tests {
     use super::*;
 
-    /// A forked child starts with nothing cached of its parent's pid namespace (a child forked
-    /// into a new pid namespace may have the parent's pid number and another answer).
+    /// A forked child starts with nothing cached of its parent's pid namespace, neither the
+    /// `/proc` answer nor the namespace's inode (a child forked into a new pid namespace may have
+    /// the parent's pid number and other answers).
     #[test]
     fn a_forked_child_forgets_the_cached_namespace_answer() {
         let _ = proc_is_own_namespace();
         assert_ne!(OWN_NAMESPACE.load(Ordering::Relaxed), 0);
-        // SAFETY: the child only loads an atomic and calls `_exit`, both async-signal-safe.
+        let ns = own_pid_ns();
+        assert_ne!(ns, 0, "this test needs /proc/self/ns/pid");
+        assert_eq!(OWN_PID_NS.load(Ordering::Relaxed) as u32, ns);
+        assert_eq!(own_pid_ns(), ns, "the cached answer is the read one");
+        // SAFETY: the child only loads atomics and calls `_exit`, both async-signal-safe.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "{}", std::io::Error::last_os_error());
         if pid == 0 {
-            let code = i32::from(OWN_NAMESPACE.load(Ordering::Relaxed) != 0);
+            let kept = OWN_NAMESPACE.load(Ordering::Relaxed) != 0
+                || OWN_PID_NS.load(Ordering::Relaxed) != 0;
+            let code = i32::from(kept);
             // SAFETY: ends the forked child at once, running no destructors or handlers.
             unsafe { libc::_exit(code) };
         }
