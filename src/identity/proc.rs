@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The inode number of the caller's pid namespace, 0 when `/proc/self/ns/pid` cannot be read.
-/// Cached per process once read (see [`OWN_PID_NS`]): a process never changes its own pid
+/// Cached per process once read (emptied in forked children): a process never changes its own pid
 /// namespace (`unshare` and `setns` change only its children's).
 pub fn own_pid_ns() -> u32 {
     let pid = std::process::id();
