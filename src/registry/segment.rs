@@ -250,13 +250,7 @@ impl Registry {
                 match Segment::stat(name) {
                     Ok(i) => match i.may_open(name, allow_group) {
                         Err(denied) => Retry::Fatal(denied),
-                        Ok(())
-                            if (i.len == 0 || i.sparse)
-                                && !i.sizing
-                                && i.age_secs >= versioned::ABANDONED_AFTER.as_secs() =>
-                        {
-                            Retry::Fatal(e)
-                        }
+                        Ok(()) if versioned::abandoned_creation(&i) => Retry::Fatal(e),
                         Ok(()) => Retry::NotReady(e),
                     },
                     Err(_) => Retry::NotReady(e),

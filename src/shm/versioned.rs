@@ -345,6 +345,13 @@ pub(crate) enum Blocker {
 /// The judgement of [`Blocker::Abandoned`] in words, for a creator's log.
 pub(crate) const ABANDONED_UNSIZED: &str = "a creation abandoned before its pages were reserved";
 
+/// Whether `info` is a creation abandoned before its pages were reserved: empty or sparse, at
+/// least [`ABANDONED_AFTER`] old, and its sizing lock free (a creator holding it is at work,
+/// however old the file).
+pub(crate) fn abandoned_creation(info: &SegmentInfo) -> bool {
+    (info.len == 0 || info.sparse) && !info.sizing && info.age_secs >= ABANDONED_AFTER.as_secs()
+}
+
 /// The first part of judging a segment that blocks a creation: [`Segment::stat`], the owner (only
 /// this user's segments are ever replaced), then empty or sparse (by age), then the size.
 ///
@@ -366,14 +373,11 @@ pub(crate) fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
     // (before `fallocate`). Never read (a sparse file may SIGBUS); a live creator holds its sizing
     // lock until it is past both. A short file with its pages is no creation of ours: refused.
     if info.len == 0 || info.sparse {
-        // A creator holding its sizing lock is at work, however old the file.
-        return Ok(
-            if !info.sizing && info.age_secs >= ABANDONED_AFTER.as_secs() {
-                Blocker::Abandoned
-            } else {
-                Blocker::Young
-            },
-        );
+        return Ok(if abandoned_creation(&info) {
+            Blocker::Abandoned
+        } else {
+            Blocker::Young
+        });
     }
     if info.len < header_len as u64 {
         return Err(ShmError::TooSmall {

@@ -811,6 +811,7 @@ pub(crate) fn decode_head(
 }
 
 mod tables;
+pub(crate) use tables::Verified;
 
 #[cfg(test)]
 mod tests;

@@ -203,14 +203,15 @@ pub(crate) type Verified = (
 );
 
 impl TensorTables {
-    /// [`TensorTables::decode`] and the fingerprint check, with the tensors split among up to
-    /// four threads (one per [`TENSORS_PER_THREAD`] tensors, at most the CPUs this process may
-    /// use less two) and the fingerprint recomputed on one more from the raw entries; on one
-    /// thread, one after the other, where the process may use fewer than four CPUs. A fault of the decode comes first (the lowest index's, as
-    /// one thread would have found it), then [`ManifestFault::Fingerprint`]. Where a thread
-    /// cannot be started its part runs on the calling thread; the result is the same.
-    pub(crate) fn decode_verified(&self, bytes: &[u8]) -> Verified {
-        self.decode_verified_with(bytes, decoders())
+    /// [`TensorTables::decode`] and the fingerprint check. With `split`, the tensors are split
+    /// among up to four threads (one per [`TENSORS_PER_THREAD`] tensors, at most the CPUs this
+    /// process may use less two) and the fingerprint is recomputed on one more from the raw
+    /// entries; without it, or where the process may use fewer than four CPUs, both run on this
+    /// thread, one after the other. A fault of the decode comes first (the lowest index's, as one
+    /// thread would have found it), then [`ManifestFault::Fingerprint`]. Where a thread cannot be
+    /// started its part runs on the calling thread; the result is the same.
+    pub(crate) fn decode_verified(&self, bytes: &[u8], split: bool) -> Verified {
+        self.decode_verified_with(bytes, if split { decoders() } else { None })
     }
 
     /// [`TensorTables::decode_verified`] with at most `most` decoding threads (`None`: on this

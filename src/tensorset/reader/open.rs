@@ -6,7 +6,7 @@
 use super::super::ReaderOptions;
 use super::super::error::{ManifestFault, TensorSetError};
 use super::super::holders::FdSource;
-use super::super::manifest::{Layout, Manifest, TensorTables};
+use super::super::manifest::{Manifest, TensorTables, Verified};
 use super::super::segment::{DataSegment, GENERATION_PREFIX, OpenedHead, OpenedManifest};
 use super::Memory;
 use crate::channel::{Consumer, ConsumerOptions, Delivery};
@@ -168,27 +168,15 @@ pub(super) type Joined = (Result<Consumer>, Duration, Duration);
 
 /// The tensor tables decoded and the fingerprint checked on a join thread ([`EarlyJoin`]): (the
 /// layout, or the manifest's fault; the decode's time; the check's time).
-pub(super) type Decoded = (
-    std::result::Result<Layout, ManifestFault>,
-    Duration,
-    Duration,
-);
+pub(super) type Decoded = Verified;
 
 /// What a join thread returns: its join, and the tables it was given to decode, if any.
 pub(super) type JoinedAndDecoded = (Joined, Option<Decoded>);
 
-/// Decodes `tables` from `body` and checks the layout's fingerprint.
+/// Decodes `tables` from `body` and checks the layout's fingerprint: more than [`VERIFY_APART`]
+/// tensors split among threads, the fingerprint from the raw entries beside them.
 fn decode_and_verify(body: &[u8], tables: &TensorTables) -> Decoded {
-    if tables.len() > VERIFY_APART {
-        // Split among threads, the fingerprint from the raw entries beside them.
-        return tables.decode_verified(body);
-    }
-    let t = Instant::now();
-    let layout = tables.decode(body);
-    let decode = t.elapsed();
-    let t = Instant::now();
-    let checked = layout.and_then(|l| l.verify_fingerprint().map(|()| l));
-    (checked, decode, t.elapsed())
+    tables.decode_verified(body, tables.len() > VERIFY_APART)
 }
 
 /// Joins tensor set `name`'s generation channel as a latest-only reader (in `ctx`: a GPU set).
