@@ -272,6 +272,14 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
             // unlocked one is a creation abandoned half-way: never mapped).
             Err(e @ Error::Shm(ShmError::Sparse { .. } | ShmError::TooSmall { .. })) => {
                 let info = Segment::stat(name);
+                // Removed since the open looked (a creator that gave up its half-made file, or a
+                // cleaner): looked at again as a first open, which says what stands under the
+                // name now (`NotFound`, or the next creation, judged afresh).
+                if matches!(info, Err(Error::Shm(ShmError::NotFound { .. })))
+                    && start.elapsed() < wait
+                {
+                    continue;
+                }
                 // One this opener may not open (another user's; with `allow_group` also one not
                 // shared with a group of ours, or open to others) is refused by whose it is, at
                 // once: only a creation it could open is waited for.
@@ -660,6 +668,45 @@ mod tests {
         );
         drop(seg);
         Segment::unlink(&n).unwrap();
+    }
+
+    /// A half-made file removed between the open's look and its `stat` (its creator gave it up)
+    /// is looked at again, not reported as the sparse file it no longer is: the open says
+    /// `NotFound` once nothing stands under the name. The removal lands at a varying point of
+    /// the open's 1 ms looks, so some of the rounds fall between a look and its `stat`.
+    #[test]
+    fn a_half_made_file_removed_while_the_open_looks_is_not_reported_sparse() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let n = name("removed-half-made");
+        let path = format!("{}/{n}", crate::shm::SHM_DIR);
+        for round in 0..400u64 {
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .unwrap();
+            f.set_len(16384).unwrap();
+            let f = OwnedFd::from(f);
+            ofd_lock(&f, libc::F_WRLCK, SIZING_LOCK_OFFSET).unwrap();
+            let remover = {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_micros(500 + (round * 37) % 1000));
+                    std::fs::remove_file(&path).unwrap();
+                    drop(f);
+                })
+            };
+            let r = open_versioned::<Hdr>(&n, false, Duration::from_secs(2));
+            remover.join().unwrap();
+            assert!(
+                matches!(
+                    r,
+                    Err(OpenError::Segment(Error::Shm(ShmError::NotFound { .. })))
+                ),
+                "round {round}: {r:?}"
+            );
+        }
     }
 
     /// Only a write lock on the sizing byte marks a creation: a read lock, which anyone who can
