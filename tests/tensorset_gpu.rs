@@ -1,7 +1,7 @@
 //! GPU tests of tensor sets, each with separate processes: VMM, pool and legacy sets read by two
 //! reader processes that check every generation on the GPU, a read-only mapping that faults only
-//! the reader that stores into it, readers and writers killed mid-update, and one driver import
-//! per allocation per open. They need a CUDA GPU and fail without one; `cargo test` lists them as
+//! the reader that stores into it, readers and writers killed mid-update, one driver import per
+//! allocation per open, and a reader that makes its stream only when it needs one. They need a CUDA GPU and fail without one; `cargo test` lists them as
 //! ignored.
 
 mod common;
@@ -9,7 +9,7 @@ mod common;
 use common::{Peer, ctx, parent_lines, read_u64, role, tell, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::MemoryKind;
-use cuda_ipc::driver::DeviceMemory;
+use cuda_ipc::driver::{DeviceMemory, Stream};
 use cuda_ipc::raw::kernels::Kernels;
 use cuda_ipc::tensorset::{
     DType, GenerationMode, ReaderOptions, TensorSetError, TensorSetOptions, TensorSetReader,
@@ -483,4 +483,98 @@ fn a_set_of_many_allocations_is_imported_with_one_fd_fetch_each() {
     );
     p.finish(T);
     w.close(T).unwrap();
+}
+
+const DEFERRED: &str = "a_reader_makes_its_stream_only_when_a_generation_needs_it";
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_reader_makes_its_stream_only_when_a_generation_needs_it() {
+    if role().as_deref() == Some("reader") {
+        let c = ctx();
+        let k = Kernels::load(&c).unwrap();
+        let bad = zeroed_counter(&c);
+        let mine = Stream::new(&c).unwrap();
+        let r = TensorSetReader::open(&c, &set_env(), &ReaderOptions::new()).unwrap();
+        let n = r.layout().len();
+        let mut lines = parent_lines();
+        tell(format!("opened {}", r.has_stream()));
+        {
+            // Generation 1 was finished before the open: held without a stream, read on a stream
+            // of this test's own, released from the host.
+            let h = r.current().unwrap().expect("generation 1");
+            assert_eq!(h.generation(), 1);
+            h.ready_on(&mine).unwrap();
+            for t in 0..n {
+                k.check_pattern(&h.device_tensor(t).unwrap(), seed(1, t), &bad, &mine)
+                    .unwrap();
+            }
+            mine.synchronize().unwrap();
+            tell(format!("held {} {}", h.generation(), r.has_stream()));
+            assert_eq!(lines.next().as_deref(), Some("release"));
+        }
+        tell(format!("released {}", r.has_stream()));
+        // Generation 2 is committed while the writer's stream still spins before writing it:
+        // taken before its work is done, the hold makes the stream and waits there.
+        let h = r.wait_newer(1, Some(T)).unwrap();
+        assert_eq!(h.generation(), 2);
+        let made = r.has_stream();
+        let s = h.stream().unwrap();
+        for t in 0..n {
+            k.check_pattern(&h.device_tensor(t).unwrap(), seed(2, t), &bad, s)
+                .unwrap();
+        }
+        drop(h);
+        // Generation 3, read on the test's stream again, now ordered through the reader's.
+        let h = r.wait_newer(2, Some(T)).unwrap();
+        h.ready_on(&mine).unwrap();
+        for t in 0..n {
+            k.check_pattern(&h.device_tensor(t).unwrap(), seed(3, t), &bad, &mine)
+                .unwrap();
+        }
+        h.release_after(&mine).unwrap();
+        drop(h);
+        mine.synchronize().unwrap();
+        r.stream().unwrap().synchronize().unwrap();
+        tell(format!("done {made} {}", read_u64(&bad)));
+        return;
+    }
+    let c = ctx();
+    let k = Kernels::load(&c).unwrap();
+    let name = format!("tsdefer-{}", std::process::id());
+    let mut w = TensorSetWriter::create(&c, &name, &specs(), &TensorSetOptions::new()).unwrap();
+    let n = w.layout().len();
+    write_gen(&mut w, &k);
+    w.stream().unwrap().synchronize().unwrap();
+    let mut p = Peer::spawn(DEFERRED, "reader", &[(SET, &name)]);
+    assert_eq!(p.expect("opened", T), "false", "the open made no stream");
+    assert_eq!(
+        p.expect("held", T),
+        "1 false",
+        "a finished generation is held without a stream"
+    );
+    p.send("release");
+    assert_eq!(p.expect("released", T), "false");
+    // The reader released generation 1 from the host: the in-place update proceeds.
+    let u = w.begin(Some(T)).expect("begin after a host release");
+    let g = u.generation();
+    assert_eq!(g, 2);
+    k.spin(300_000_000, u.stream().unwrap()).unwrap();
+    for t in 0..n {
+        k.fill_pattern(
+            &u.device_tensor(t).unwrap(),
+            seed(g, t),
+            u.stream().unwrap(),
+        )
+        .unwrap();
+    }
+    assert_eq!(u.commit().unwrap(), 2);
+    assert_eq!(write_gen(&mut w, &k), 3);
+    assert_eq!(
+        p.expect("done", T),
+        "true 0",
+        "a generation taken before its work was done made the stream; every check passed"
+    );
+    w.close(T).unwrap();
+    p.finish(T);
 }

@@ -146,10 +146,10 @@ impl TensorSetReader {
                 }
             })
             .map_err(|e| err(py, e))?;
-        let host = r.stream().is_err();
-        let device = match r.stream() {
-            Ok(s) => s.context().device().ordinal() as i32,
-            Err(_) => -1,
+        // The context, not the stream: the reader's stream is made at its first need.
+        let (host, device) = match r.context() {
+            Ok(c) => (false, c.device().ordinal() as i32),
+            Err(_) => (true, -1),
         };
         let buffers = r.buffers();
         Ok(TensorSetReader {

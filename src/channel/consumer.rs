@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::ffi::sys;
 use crate::ipc::ImportedBuffer;
 use crate::token::{Token, TokenKind};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 mod posted;
@@ -59,15 +59,57 @@ enum Side {
 /// A consumer's GPU side.
 struct GpuImports {
     // Drop order: imports before the stream, the registration before the context.
+    buffers: Vec<ImportedBuffer>,
+    /// The stream, the registration and the join event: made at attach where the channel has
+    /// buffers; on a memoryless channel (a tensor set's generation channel) at their first need
+    /// ([`GpuImports::objects`]), since a reader that only holds complete generations and
+    /// releases them from the host needs none of them, and their driver calls (about 0.3 ms)
+    /// would run beside the reader's mapping, which they slow.
+    objects: OnceLock<GpuObjects>,
+    /// Held while `objects` are made, so two threads never make them twice.
+    making: Mutex<()>,
+    ctx: Arc<Context>,
+}
+
+/// The GPU objects of a consumer ([`GpuImports::objects`]).
+struct GpuObjects {
     /// Orders the consumer's stream with other streams ([`Frame::ready_on`],
     /// [`Frame::release_after`]); locked from record to wait, so frames released from two threads
     /// never cross their records.
-    join: std::sync::Mutex<Event>,
-    buffers: Vec<ImportedBuffer>,
+    join: Mutex<Event>,
     stream: Stream,
     /// The GPU words' registration.
     ready: HostRegistration,
-    ctx: Arc<Context>,
+}
+
+impl GpuImports {
+    /// The consumer's stream, registration and join event, made now if they were not
+    /// (`cuStreamCreate`, `cuMemHostRegister` of `control`'s GPU words, `cuEventCreate`).
+    /// `control` is the consumer's own, whose mapping outlives these imports (the consumer's
+    /// field order; the posted-receive thread drops the imports first).
+    ///
+    /// # Errors
+    /// CUDA errors from those calls (nothing is kept then: the next call tries again).
+    fn objects(&self, control: &Control) -> Result<&GpuObjects> {
+        if let Some(o) = self.objects.get() {
+            return Ok(o);
+        }
+        let _making = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(o) = self.objects.get() {
+            return Ok(o);
+        }
+        let stream = Stream::new(&self.ctx)?;
+        let (page, len) = control.gpu_words();
+        // SAFETY: the GPU words lie in the control segment's mapping, which the consumer keeps
+        // until these imports (and the registration in them) have dropped (see above).
+        let ready = unsafe { HostRegistration::new(&self.ctx, page, len)? };
+        let join = Mutex::new(Event::new(&self.ctx)?);
+        Ok(self.objects.get_or_init(|| GpuObjects {
+            join,
+            stream,
+            ready,
+        }))
+    }
 }
 
 impl std::fmt::Debug for Consumer {
@@ -189,7 +231,6 @@ impl Consumer {
     ) -> Result<Consumer> {
         control.producer_gone()?;
         let started = Instant::now();
-        let stream = Stream::new(ctx)?;
         let mut buffers = Vec::new();
         // A memoryless channel (`attach_memoryless`, which checked it) has nothing to import.
         let imported = if control.buffer_bytes() == 0 {
@@ -210,11 +251,17 @@ impl Consumer {
             }
             buffers.push(b);
         }
-        let (page, len) = control.gpu_words();
-        // SAFETY: the GPU words lie in the control segment's mapping, which `control` keeps until
-        // the registration drops (field order above).
-        let ready = unsafe { HostRegistration::new(ctx, page, len)? };
-        let join = std::sync::Mutex::new(Event::new(ctx)?);
+        let imports = GpuImports {
+            buffers,
+            objects: OnceLock::new(),
+            making: Mutex::new(()),
+            ctx: ctx.clone(),
+        };
+        if imported > 0 {
+            // A channel with buffers: its frames are read on the stream (`Frame::view`), made
+            // now. A memoryless one makes them at their first need (`GpuImports::objects`).
+            imports.objects(&control)?;
+        }
         *gpu_time += started.elapsed();
         let slot = control.attach(opts.delivery)?;
         let control = Arc::new(control);
@@ -235,13 +282,7 @@ impl Consumer {
         Ok(Consumer {
             side: Side::Gpu {
                 _watchdog: watchdog,
-                imports: Arc::new(GpuImports {
-                    join,
-                    buffers,
-                    stream,
-                    ready,
-                    ctx: ctx.clone(),
-                }),
+                imports: Arc::new(imports),
             },
             control,
             slot,
@@ -267,9 +308,22 @@ impl Consumer {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
-    /// (formerly a panic).
+    /// (formerly a panic); CUDA errors where the stream is made now (crate-private memoryless
+    /// channels make it at its first need).
     pub fn stream(&self) -> Result<&Stream> {
-        Ok(&self.gpu()?.stream)
+        Ok(&self.gpu_objects()?.stream)
+    }
+
+    /// Whether the consumer's stream (with its registration and join event) has been made: at
+    /// attach on a channel with buffers, at its first need on a memoryless one; `false` on a
+    /// host channel.
+    pub(crate) fn has_stream(&self) -> bool {
+        self.imports().is_some_and(|g| g.objects.get().is_some())
+    }
+
+    /// The GPU objects, made now if they were not.
+    fn gpu_objects(&self) -> Result<&GpuObjects> {
+        self.gpu()?.objects(&self.control)
     }
 
     /// The consumer's context.
@@ -457,6 +511,24 @@ impl Consumer {
             self.control.took();
             return (frame, Ok(()));
         };
+        let objects = match gpu.objects.get() {
+            Some(o) => o,
+            // No stream yet (a memoryless channel's consumer) and the producer's stream has
+            // written the frame's ready word: its work is done and visible, as a stream wait on
+            // the word would have found; nothing to enqueue, and the frame's release is written
+            // from the host (`release_frame`) unless a stream is made meanwhile.
+            None if self.control.frame_written(i, seq) == Some(true) => {
+                self.control.took();
+                return (frame, Ok(()));
+            }
+            None => match gpu.objects(&self.control) {
+                Ok(o) => o,
+                Err(e) => {
+                    self.control.took();
+                    return (frame, Err(e));
+                }
+            },
+        };
         // If this fails the caller releases the hold (`deliver`: the frame's Drop). The stream
         // waits on the buffer's ready word, which the producer's stream writes after its work; if
         // the producer dies first, the consumer (or its watchdog) closes the gate, raising the
@@ -464,8 +536,8 @@ impl Consumer {
         // SAFETY: the word lies in the registered GPU words (i < buffers), which stay registered
         // and mapped until this consumer's stream has drained (Drop of Consumer).
         let waited = unsafe {
-            gpu.stream.wait_value_u32(
-                gpu.ready.device_ptr + layout::ready_word_offset(i) as u64,
+            objects.stream.wait_value_u32(
+                objects.ready.device_ptr + layout::ready_word_offset(i) as u64,
                 seq as u32,
             )
         };
@@ -528,19 +600,14 @@ impl Consumer {
         let start = Instant::now();
         let mut naps = 0u32;
         loop {
-            let word = self.control.ready_value(i);
-            if (word.wrapping_sub(seq as u32) as i32) >= 0 {
-                // A word raised past the frame by a gate closed for a dead producer says nothing
-                // of the bytes; a closed channel's gate is raised after the producer's stream
-                // drained (every frame's word was written for real first).
-                let (state, end) = self.control.gate();
-                if state == layout::GateState::ProducerGone.to_wire()
-                    && word == end.wrapping_add(layout::GATE_HORIZON)
-                {
+            match self.control.frame_written(i, seq) {
+                Some(true) => return Ok(frame),
+                // Raised by the gate closed for a dead producer: the bytes may be partial.
+                Some(false) => {
                     let pid = self.control.producer().pid;
                     return Err(ChannelError::ProducerGone { pid }.into());
                 }
-                return Ok(frame);
+                None => {}
             }
             if start.elapsed() >= bytes {
                 return Err(Error::Timeout {
@@ -581,15 +648,19 @@ impl Consumer {
         let gpu = self.imports().ok_or_else(|| {
             Error::InvalidArgument("a host channel has no gate words on a GPU".into())
         })?;
-        Ok(gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
+        Ok(gpu.objects(&self.control)?.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
     }
 
     /// Waits for this consumer's stream to drain, closing a dead producer's gate meanwhile (the
     /// watchdog does it too; this does not rely on it).
     fn drain_stream(gpu: &GpuImports, control: &Control) {
+        let Some(objects) = gpu.objects.get() else {
+            // No stream was made: nothing of this consumer's was enqueued.
+            return;
+        };
         let mut next_check = Instant::now();
         loop {
-            match gpu.stream.is_idle() {
+            match objects.stream.is_idle() {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
@@ -679,10 +750,20 @@ impl Frame<'_> {
     pub fn view(&self) -> FrameBuffer<'_, ImportedBuffer> {
         let c = self.consumer;
         match &c.side {
-            Side::Gpu { imports, .. } => FrameBuffer::Device {
-                buffer: &imports.buffers[self.index],
-                stream: &imports.stream,
-            },
+            Side::Gpu { imports, .. } => {
+                match (imports.buffers.get(self.index), imports.objects.get()) {
+                    // A channel with buffers made its objects at attach.
+                    (Some(buffer), Some(o)) => FrameBuffer::Device {
+                        buffer,
+                        stream: &o.stream,
+                    },
+                    // A memoryless channel: no bytes, as below.
+                    _ => FrameBuffer::Host {
+                        ptr: std::ptr::NonNull::dangling().as_ptr(),
+                        len: 0,
+                    },
+                }
+            }
             Side::Host(Some(pool)) => FrameBuffer::Host {
                 ptr: pool.ptr(self.index),
                 len: pool.buffer_bytes(),
@@ -771,7 +852,7 @@ impl Frame<'_> {
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
     /// (formerly a panic).
     pub fn stream(&self) -> Result<&Stream> {
-        self.view().stream()
+        self.consumer.stream()
     }
 
     /// Makes `stream` wait on the GPU for this frame (an event recorded on the consumer's stream,
@@ -800,10 +881,15 @@ impl Frame<'_> {
     ///    streams of the consumer's context.
     pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
         let gpu = self.gpu_or_err()?;
-        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(objects) = gpu.objects.get() else {
+            // No consumer stream yet: the frame was delivered only once its ready word showed
+            // the producer's work done (`deliver_parts`); work on `stream` reads it as it is.
+            return Ok(());
+        };
+        let join = objects.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the consumer's stream lives as long as the consumer this frame borrows
         // (obligation 1 of `order_raw`); `stream` as the caller guarantees (obligation 2).
-        unsafe { join.order_raw(gpu.stream.as_raw(), stream) }
+        unsafe { join.order_raw(objects.stream.as_raw(), stream) }
     }
 
     /// Orders this frame's release after the work enqueued so far on `stream` (a stream of the
@@ -833,11 +919,11 @@ impl Frame<'_> {
     ///    null or `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name that
     ///    context's default streams.
     pub unsafe fn release_after_raw(&self, stream: sys::CUstream) -> Result<()> {
-        let gpu = self.gpu_or_err()?;
-        let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
+        let objects = self.gpu_or_err()?.objects(&self.consumer.control)?;
+        let join = objects.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `stream` as the caller guarantees (obligation 1 of `order_raw`); the consumer's
         // stream lives as long as the consumer this frame borrows (obligation 2).
-        unsafe { join.order_raw(stream, gpu.stream.as_raw()) }
+        unsafe { join.order_raw(stream, objects.stream.as_raw()) }
     }
 
     fn gpu_or_err(&self) -> Result<&GpuImports> {
@@ -883,21 +969,28 @@ impl Consumer {
             if host_ordered {
                 // Every read of the buffer finished before the drop (the caller's obligation).
                 c.control.set_released(c.slot, index, seq);
-            } else {
-                let word = gpu.ready.device_ptr + layout::release_word_offset(c.slot, index) as u64;
+            } else if let Some(objects) = gpu.objects.get() {
+                let word =
+                    objects.ready.device_ptr + layout::release_word_offset(c.slot, index) as u64;
                 // SAFETY: the word lies in the registered GPU words (this consumer's slot, index <
                 // buffers), which stay registered until its stream has drained (Drop of Consumer).
-                if let Err(e) = unsafe { gpu.stream.write_value_u32(word, seq as u32) } {
+                if let Err(e) = unsafe { objects.stream.write_value_u32(word, seq as u32) } {
                     // Without the write the producer's stream would wait for good: wait for our
                     // kernels on the host instead and write the word from here.
                     tracing::warn!(
                         "enqueuing the release word failed ({e}); synchronising instead"
                     );
-                    if let Err(e) = gpu.stream.synchronize() {
+                    if let Err(e) = objects.stream.synchronize() {
                         tracing::warn!("synchronising the consumer stream failed: {e}");
                     }
                     c.control.set_released(c.slot, index, seq);
                 }
+            } else {
+                // No consumer stream was made (a memoryless channel's consumer): no work of this
+                // consumer's was enqueued on one, and the frame was delivered complete
+                // (`deliver_parts`). Work on another stream orders itself first with
+                // `Frame::release_after`, which makes the stream (and so is written above).
+                c.control.set_released(c.slot, index, seq);
             }
         }
         // On a host channel this clear (a release) is what orders this frame's reads before the

@@ -326,6 +326,23 @@ impl Control {
         self.ready_word(i).load(Ordering::Acquire)
     }
 
+    /// What buffer `i`'s ready word says of frame `seq` now, on the host: `None` while the
+    /// producer's stream has not written it; `Some(true)` once written (the producer's work on
+    /// the buffer is done and visible, as for a stream that waited on the word); `Some(false)`
+    /// when the word was raised past it only by the gate closed for a dead producer, which says
+    /// nothing of the bytes (a closed channel's gate is raised after the producer's stream
+    /// drained: every frame's word was written for real first).
+    pub(crate) fn frame_written(&self, i: usize, seq: u64) -> Option<bool> {
+        let word = self.ready_value(i);
+        if (word.wrapping_sub(seq as u32) as i32) < 0 {
+            return None;
+        }
+        let (state, end) = self.gate();
+        Some(
+            !(state == GateState::ProducerGone.to_wire() && word == end.wrapping_add(GATE_HORIZON)),
+        )
+    }
+
     /// Consumers that held buffer `i` since the producer last wrote it (and clears the mask).
     pub(crate) fn take_used(&self, i: usize) -> u64 {
         // SYNC POINT: used. AcqRel: pairs with the consumers' fetch_or in `HoldWords::hold`.

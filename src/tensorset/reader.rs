@@ -427,10 +427,15 @@ impl TensorSetReader {
     }
 
     /// The reader's stream (GPU sets): a held generation is ready on it; enqueue the work that
-    /// reads it here (its release is written there after that work).
+    /// reads it here (its release is written there after that work). Made at the first call
+    /// (`cuStreamCreate`, with the registration of the generation channel's words and an event:
+    /// about 0.3 ms), or at the first hold of a generation whose writer's stream had not
+    /// finished it: an open makes none of them, so they never slow the mapping. Until it is
+    /// made, a hold is taken only once its generation's work is done (the host sees the ready
+    /// word) and is released from the host.
     ///
     /// # Errors
-    /// [`TensorSetError::WrongKind`] on a host set.
+    /// [`TensorSetError::WrongKind`] on a host set; CUDA errors where it is made.
     pub fn stream(&self) -> Result<&Stream> {
         match &self.consumer {
             Source::Channel(c) if c.is_host() => {
@@ -438,6 +443,15 @@ impl TensorSetReader {
             }
             Source::Channel(c) => c.stream(),
             Source::Writerless(w) => Ok(w.stream()),
+        }
+    }
+
+    /// Whether the reader's stream has been made ([`TensorSetReader::stream`] says when); a
+    /// writerless reader's is made at its open; `false` for a host set.
+    pub fn has_stream(&self) -> bool {
+        match &self.consumer {
+            Source::Channel(c) => c.has_stream(),
+            Source::Writerless(_) => true,
         }
     }
 
@@ -463,9 +477,15 @@ impl TensorSetReader {
         matches!(self.consumer, Source::Writerless(_))
     }
 
-    /// The reader's context (GPU sets).
-    fn context(&self) -> Result<&Arc<Context>> {
+    /// The reader's context (GPU sets): the one it was opened in, where its mappings are.
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a host set.
+    pub fn context(&self) -> Result<&Arc<Context>> {
         match &self.consumer {
+            Source::Channel(c) if c.is_host() => {
+                Err(TensorSetError::WrongKind("a host tensor set has no context").into())
+            }
             Source::Channel(c) => c.context(),
             Source::Writerless(w) => Ok(w.stream().context()),
         }
@@ -629,8 +649,9 @@ pub struct TensorRef<'a> {
 
 /// A held generation: its buffer is not rewritten while the guard lives (and, on a GPU set, while
 /// the work enqueued on the reader's stream before the guard dropped runs: the release word is
-/// written there). On a GPU set the reader's stream already waits for the generation's ready
-/// word. Dropping it releases the hold.
+/// written there). On a GPU set the generation is ready on the reader's stream: its writer's work
+/// was done when it was taken, or the stream waits for its ready word. Dropping it releases the
+/// hold.
 pub struct Held<'a> {
     reader: &'a TensorSetReader,
     /// The generation channel's frame (`None` for a writerless reader: nothing to release).

@@ -1,7 +1,7 @@
 //! Receives posted ahead ([`Consumer::post`]): the consumer's stream waits on the GPU for frames
 //! not yet published, in ring order, and [`Posted::wait`] takes them on the host afterwards.
 
-use super::{Consumer, GpuImports};
+use super::{Consumer, GpuImports, GpuObjects};
 use crate::channel::handoff::Metadata;
 use crate::channel::layout::{self, Delivery};
 #[cfg(doc)]
@@ -45,6 +45,11 @@ impl Consumer {
                 "a host channel has no stream to post receives on".into(),
             ));
         };
+        if gpu.buffers.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a memoryless channel has no buffers to post receives for".into(),
+            ));
+        }
         if !self.control.is_ring() {
             return Err(Error::InvalidArgument(
                 "posted receives need a channel created in ring order (ChannelOptions::ring)"
@@ -65,11 +70,12 @@ impl Consumer {
             )));
         }
         let index = ((seq - 1) % self.control.buffers() as u64) as usize;
+        let objects = gpu.objects(&self.control)?;
         // SAFETY: the word lies in the registered GPU words (index < buffers), which stay
         // registered and mapped until this consumer's stream has drained (Drop of Consumer).
         unsafe {
-            gpu.stream.wait_value_u32(
-                gpu.ready.device_ptr + layout::ready_word_offset(index) as u64,
+            objects.stream.wait_value_u32(
+                objects.ready.device_ptr + layout::ready_word_offset(index) as u64,
                 seq as u32,
             )?;
         }
@@ -77,14 +83,15 @@ impl Consumer {
         let posted = Posted {
             consumer: self,
             gpu,
+            objects,
             index,
             seq,
         };
         let r = work(&posted);
         // SAFETY: as above; the release word of this consumer's own slot.
         unsafe {
-            gpu.stream.write_value_u32(
-                gpu.ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
+            objects.stream.write_value_u32(
+                objects.ready.device_ptr + layout::release_word_offset(self.slot, index) as u64,
                 seq as u32,
             )?;
         }
@@ -99,6 +106,8 @@ pub struct Posted<'a> {
     consumer: &'a Consumer,
     /// The GPU side of the consumer that posted it (posted receives exist only on GPU channels).
     gpu: &'a GpuImports,
+    /// Its stream and registration.
+    objects: &'a GpuObjects,
     index: usize,
     seq: u64,
 }
@@ -130,13 +139,13 @@ impl<'a> Posted<'a> {
 
     /// The consumer's stream, where the work that reads the frame goes (it waits for the frame).
     pub fn stream(&self) -> &'a Stream {
-        &self.gpu.stream
+        &self.objects.stream
     }
 
     /// The gate words' device address ([`Consumer::gate_device_ptr`]): work on the stream reads
     /// them to tell whether this frame came.
     pub fn gate_device_ptr(&self) -> u64 {
-        self.gpu.ready.device_ptr + layout::GATE_STATE_OFFSET as u64
+        self.objects.ready.device_ptr + layout::GATE_STATE_OFFSET as u64
     }
 
     /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes
