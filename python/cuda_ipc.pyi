@@ -696,7 +696,8 @@ class TensorSetReader:
         """Opened after the writer's death: reads the last whole generation, no newer comes."""
     def open_timings(self) -> Dict[str, float]:
         """Microseconds per phase of the open: ``manifest``, ``tables``, ``fingerprint``,
-        ``fd_fetch``, ``map``, ``join``, ``join_gpu``, ``join_wait``, ``total``."""
+        ``fd_fetch`` (of it ``fd_peer``, ``fd_connect``, ``fd_reply``), ``map``, ``join``,
+        ``join_gpu``, ``join_wait``, ``spawn``, ``finish``, ``total``."""
     def switch_stable(self, hold: "TensorHold") -> Dict[str, Any]:
         """Maps ``hold``'s generation at the stable addresses and consumes ``hold`` (the reader
         keeps it held until the next switch or ``release_stable``); may wait for the whole

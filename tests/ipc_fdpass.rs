@@ -19,6 +19,9 @@ const ANSWER: Duration = Duration::from_secs(30);
 const EXPORTS: &str = "FDPASS_EXPORTS";
 /// Exporter child: make the process non-dumpable (so `pidfd_getfd` needs `CAP_SYS_PTRACE`).
 const NONDUMPABLE: &str = "FDPASS_NONDUMPABLE";
+/// Exporter child: fork a child that keeps the inherited listener and never serves (it only
+/// sleeps until killed), and say its pid (`keeper PID`) after `ready`.
+const FORK_KEEPER: &str = "FDPASS_FORK_KEEPER";
 /// Importer child: drop `CAP_SYS_PTRACE` first.
 const DROP_PTRACE: &str = "FDPASS_DROP_PTRACE";
 /// Importer child: switch to this uid (and gid) first; needs root.
@@ -103,6 +106,21 @@ fn exporter_main() {
         exports.insert(e.id(), e);
     }
     let me = ProcessIdentity::current().unwrap();
+    let keeper = if std::env::var(FORK_KEEPER).is_ok() {
+        // SAFETY: the child makes only async-signal-safe calls (`pause`) until it is killed,
+        // as a child forked from a threaded process must.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            loop {
+                // SAFETY: no arguments; async-signal-safe.
+                unsafe { libc::pause() };
+            }
+        }
+        assert!(pid > 0, "fork failed");
+        Some(pid)
+    } else {
+        None
+    };
     tell(format!(
         "ready {} {} {} {} {}",
         me.pid,
@@ -115,6 +133,9 @@ fn exporter_main() {
         },
         me.pid_ns
     ));
+    if let Some(pid) = keeper {
+        tell(format!("keeper {pid}"));
+    }
     for line in parent_lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
@@ -610,6 +631,31 @@ fn a_dead_exporter_gives_peer_gone_promptly() {
     assert!(!socket_exists(&who));
     // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
     assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&who).unwrap());
+}
+
+/// An exporter killed while a forked child of its keeps its listening socket open (never
+/// accepting): the connection and the request go through, the reply never comes, and the fetch
+/// says the exporter is gone within the reply's liveness look (100 ms), not at its timeout.
+#[test]
+fn a_listener_that_outlives_its_exporter_gives_peer_gone_promptly() {
+    const NAME: &str = "a_listener_that_outlives_its_exporter_gives_peer_gone_promptly";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    let mut ex = Exporter::spawn(NAME, 1, &[(FORK_KEEPER, "1")]);
+    let keeper: i32 = ex.peer.expect("keeper", ANSWER).trim().parse().unwrap();
+    let mut im = Importer::spawn(NAME, &ex.identity, &[]);
+    let ids = ex.ids(&[0]);
+    assert_eq!(im.fetch("socket", 5000, &ids).contents(), contents([0]));
+    ex.peer.child.kill().unwrap();
+    ex.peer.child.wait().unwrap();
+    let f = im.fetch("socket", 20_000, &ids);
+    // SAFETY: `keeper` is the exporter's child, which only sleeps.
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    let (kind, text, ms) = f.error();
+    assert_eq!(kind, "gone", "{text}");
+    assert!(ms < 2000, "took {ms} ms");
+    im.finish();
 }
 
 #[test]

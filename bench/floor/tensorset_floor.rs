@@ -35,7 +35,8 @@
 //! `open_manifest_us`, `open_tables_us`, `open_fingerprint_us`, `open_fd_fetch_us`, `open_map_us` and its driver
 //! calls and descriptor closes apart (`open_map_import_us`, `open_map_reserve_us`,
 //! `open_map_map_us`, `open_map_set_access_us`, `open_map_fd_close_us`, `open_map_identity_us`), `open_join_us`,
-//! `open_join_gpu_us`, `open_join_wait_us`, `open_total_us`) go beside them. Untimed: the
+//! `open_join_gpu_us`, `open_join_wait_us`, the fd fetch's parts (`open_fd_peer_us`,
+//! `open_fd_connect_us`, `open_fd_reply_us`), `open_spawn_us`, `open_finish_us`, `open_total_us`) go beside them. Untimed: the
 //! pattern word reads back, then the hold and the reader drop (`release_us`). The parent prints
 //! (and with `--out DIR` writes `DIR/tensorset_attach_rust.json`) the medians and every child's figures; a child whose reader
 //! made another number of driver imports than the set's allocations, did not map read-only, held
@@ -613,6 +614,9 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
                "open_map_fd_close_us": us(phases.map_fd_close),
                "open_map_identity_us": us(phases.map_identity),
                "open_join_gpu_us": us(phases.join_gpu),
+               "open_fd_peer_us": us(phases.fd_peer), "open_fd_connect_us": us(phases.fd_connect),
+               "open_fd_reply_us": us(phases.fd_reply), "open_spawn_us": us(phases.spawn),
+               "open_finish_us": us(phases.finish),
                "open_join_wait_us": us(phases.join_wait), "open_total_us": us(phases.total)})
     );
     Ok(())
@@ -704,6 +708,11 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "open_join_us",
         "open_join_gpu_us",
         "open_join_wait_us",
+        "open_fd_peer_us",
+        "open_fd_connect_us",
+        "open_fd_reply_us",
+        "open_spawn_us",
+        "open_finish_us",
         "open_total_us",
     ];
     let mut med = serde_json::Map::new();

@@ -290,8 +290,11 @@ impl TensorSetReader {
     /// (recompute the layout fingerprint), `fd_fetch`
     /// (fetch the file descriptors from the writer or a holder), `map` (the rest of the mapping:
     /// the driver imports, or a host set's data segment), `join` (join the generation channel),
-    /// `join_gpu` (its GPU objects), `join_wait` (how long the mapping waited for the join) and
-    /// `total` (the whole open). On a GPU set the mapping and the join overlap: `total` is
+    /// `join_gpu` (the start of its watchdog thread: its stream is made at first need),
+    /// `join_wait` (how long the mapping waited for the join), `fd_peer`, `fd_connect` and
+    /// `fd_reply` (parts of `fd_fetch`: the exporter's liveness, the connection with its checks,
+    /// the request and reply), `spawn` (starting the join thread), `finish` (after the mapping,
+    /// to the reader returned) and `total` (the whole open). On a GPU set the mapping and the join overlap: `total` is
     /// about `manifest` plus the longer of the two.
     fn open_timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = self.get(py)?.open_timings();
@@ -305,6 +308,11 @@ impl TensorSetReader {
         d.set_item("join", us(t.join))?;
         d.set_item("join_gpu", us(t.join_gpu))?;
         d.set_item("join_wait", us(t.join_wait))?;
+        d.set_item("fd_peer", us(t.fd_peer))?;
+        d.set_item("fd_connect", us(t.fd_connect))?;
+        d.set_item("fd_reply", us(t.fd_reply))?;
+        d.set_item("spawn", us(t.spawn))?;
+        d.set_item("finish", us(t.finish))?;
         d.set_item("total", us(t.total))?;
         Ok(d)
     }

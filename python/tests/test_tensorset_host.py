@@ -389,11 +389,14 @@ def test_open_timings_name_every_phase_in_microseconds(name):
         with cuda_ipc.TensorSetReader(name) as r:
             t = r.open_timings()
             keys = ["manifest", "tables", "fingerprint", "fd_fetch", "map", "join", "join_gpu",
-                    "join_wait", "total"]
+                    "join_wait", "fd_peer", "fd_connect", "fd_reply", "spawn", "finish", "total"]
             assert list(t) == keys
             assert all(isinstance(v, float) and v >= 0.0 for v in t.values())
-            # A host set: nothing fetched, no GPU objects; the phases run one after the other.
-            assert t["fd_fetch"] == 0.0 and t["join_gpu"] == 0.0
+            # A host set: nothing fetched, no GPU objects, no join thread; the phases run one
+            # after the other.
+            assert t["fd_fetch"] == 0.0 and t["join_gpu"] == 0.0 and t["spawn"] == 0.0
+            assert t["fd_peer"] == t["fd_connect"] == t["fd_reply"] == 0.0
+            assert 0.0 < t["finish"] <= t["total"]
             assert t["manifest"] > 0.0 and t["total"] > 0.0
             # A host set's tables are decoded on the opening thread: part of the manifest's time.
             assert 0.0 < t["tables"] <= t["manifest"]

@@ -55,7 +55,7 @@ pub use foreign::{
 pub use handle::{IpcEventHandle, IpcMemHandle, NotImportable};
 pub use memory::{Imported, ImportedBuffer};
 pub use pool::{MemPool, PoolBuffer};
-pub(crate) use shareable::fetch_from_exporters;
 pub use shareable::{fd_transport, set_fd_transport};
+pub(crate) use shareable::{fetch_from_exporters, fetch_from_exporters_then};
 pub(crate) use vmm::StableRange;
 pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};

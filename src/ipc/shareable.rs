@@ -117,6 +117,19 @@ pub(crate) type FdSource<'a> = &'a mut dyn FnMut(&[&Token]) -> Result<Vec<OwnedF
 /// # Errors
 /// As [`fdpass::fetch_many`].
 pub(crate) fn fetch_from_exporters(tokens: &[&Token]) -> Result<Vec<OwnedFd>> {
+    fetch_from_exporters_then(tokens, &mut || {})
+}
+
+/// [`fetch_from_exporters`], running `waiting` once while the first exporter prepares its answer
+/// ([`fdpass::fetch_many_then`]: not at all where no request goes over a socket).
+///
+/// # Errors
+/// As [`fetch_from_exporters`].
+pub(crate) fn fetch_from_exporters_then(
+    tokens: &[&Token],
+    waiting: &mut dyn FnMut(),
+) -> Result<Vec<OwnedFd>> {
+    let mut waiting = Some(waiting);
     let mut out: Vec<Option<OwnedFd>> = (0..tokens.len()).map(|_| None).collect();
     for (exporter, at) in by_exporter(tokens) {
         let ids: Vec<(u32, i32)> = at
@@ -128,7 +141,10 @@ pub(crate) fn fetch_from_exporters(tokens: &[&Token]) -> Result<Vec<OwnedFd>> {
         } else {
             fd_transport()
         };
-        let fds = fdpass::fetch_many(&exporter, &ids, transport, FETCH_TIMEOUT)?;
+        let fds = match waiting.take() {
+            Some(w) => fdpass::fetch_many_then(&exporter, &ids, transport, FETCH_TIMEOUT, w)?,
+            None => fdpass::fetch_many(&exporter, &ids, transport, FETCH_TIMEOUT)?,
+        };
         if fds.len() != at.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} fds fetched for {} exports",

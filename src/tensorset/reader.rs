@@ -22,7 +22,9 @@ mod content_api;
 mod open;
 mod stable_api;
 
-use open::{EarlyJoin, PendingTables, hand_off_tables, join_channel, map_memory, spawnable_join};
+use open::{
+    EarlyJoin, PendingTables, decode_and_verify, hand_off_tables, join_channel, map_memory,
+};
 pub use open::{OpenTimings, VERIFY_APART};
 
 /// What a reader maps of the set's memory.
@@ -173,16 +175,15 @@ impl TensorSetReader {
         opts: &ReaderOptions,
     ) -> Result<TensorSetReader> {
         let started = Instant::now();
-        // With the context known, the generation channel's join (which needs only the name)
-        // starts first, on a thread of its own, beside the manifest's read: its GPU objects and
-        // this process's identity are made while the manifest is decoded, not while the memory
-        // is imported. A host set's join (found in the manifest) is dropped and done again
-        // without a context.
+        // With the context known, the generation channel's join (which needs only the name) is
+        // made ready first; its thread starts while the writer answers the fd fetch
+        // (`EarlyJoin`), and runs beside the mapping. A host set's join (found in the manifest)
+        // is dropped unstarted and done without a context.
         //
         // The opening thread decodes the manifest's header and allocation table only and goes on
         // to the mapping; the join thread decodes the tensor tables and checks the fingerprint
         // once joined, or for a large set a thread of their own does (`hand_off_tables`).
-        let mut early = ctx.map(|c| EarlyJoin::start(c, name, opts));
+        let mut early = ctx.map(|c| EarlyJoin::new(c, name, opts));
         let head = segment::open_manifest_head(name, segment::INIT_WAIT)?;
         if head.opened.manifest.kind == KIND_HOST {
             drop(early);
@@ -205,7 +206,7 @@ impl TensorSetReader {
         };
         // `open_auto` learns the context from the manifest: its join starts now, and takes the
         // tables all the same.
-        let e = early.get_or_insert_with(|| EarlyJoin::start(&ctx, name, opts));
+        let e = early.get_or_insert_with(|| EarlyJoin::new(&ctx, name, opts));
         let (opened, pending) = hand_off_tables(head, e)?;
         Self::finish(Some(&ctx), name, opts, opened, started, early, pending)
     }
@@ -268,43 +269,54 @@ impl TensorSetReader {
         // import count is this thread's (`open_with_access`).
         // Each half times itself (the join on its own thread): (result, its time, GPU part).
         let attach = || join_channel(ctx, name, opts);
-        let map = || {
+        let map = |waiting: &mut dyn FnMut()| {
             let t = Instant::now();
             let before = crate::ipc::import_times_on_this_thread();
-            let r = map_memory(ctx, name, opts, &m, &seg_name);
+            let fetch_before = crate::ipc::fdpass::fetch_times_on_this_thread();
+            let r = map_memory(ctx, name, opts, &m, &seg_name, waiting);
             let after = crate::ipc::import_times_on_this_thread();
+            let fetch_after = crate::ipc::fdpass::fetch_times_on_this_thread();
             let steps: [Duration; crate::ipc::IMPORT_STEPS] =
                 std::array::from_fn(|i| after[i].saturating_sub(before[i]));
-            (r, t.elapsed(), steps)
+            let fetch_steps: [Duration; crate::ipc::fdpass::FETCH_STEPS] =
+                std::array::from_fn(|i| fetch_after[i].saturating_sub(fetch_before[i]));
+            (r, t.elapsed(), steps, fetch_steps, Instant::now())
         };
         let (mapped, attached, join_wait, verified) = if ctx.is_none() {
-            let mapped = map();
+            let mapped = map(&mut || {});
             let attached = (attach(), None);
             let wait = attached.0.1;
             (mapped, attached, wait, None)
         } else {
             std::thread::scope(|s| {
-                let channel = match early.as_mut().and_then(EarlyJoin::take) {
-                    // Started before the manifest was read (`open` with a context); an early
-                    // return before this point drops `early`, which waits for it.
-                    Some(h) => Ok(h),
-                    None => std::thread::Builder::new()
-                        .name("cuda-ipc-attach".into())
-                        .spawn(spawnable_join(ctx, name, opts)),
-                };
                 let verifier = verify_apart.then(|| {
                     std::thread::Builder::new()
+                        .stack_size(crate::sync::HELPER_STACK)
                         .name("cuda-ipc-verify".into())
                         .spawn_scoped(s, verify)
                 });
-                let mapped = map();
+                // The join's thread starts while the writer answers the fd fetch, or below where
+                // nothing was fetched; an early return before this point drops `early`, which
+                // waits for a thread that started.
+                let mapped = map(&mut || {
+                    if let Some(e) = early.as_mut() {
+                        e.start();
+                    }
+                });
                 let t = Instant::now();
-                let attached = match channel {
-                    Ok(h) => h
+                let attached = match early.as_mut().and_then(EarlyJoin::take) {
+                    Some(h) => h
                         .join()
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                    // No thread to be had: attach here, after the imports.
-                    Err(_) => (attach(), None),
+                    // No thread to be had: attach here, after the imports, and decode the
+                    // tables sent to it here too.
+                    None => (
+                        attach(),
+                        early
+                            .as_ref()
+                            .and_then(EarlyJoin::take_back)
+                            .map(|(body, t)| decode_and_verify(&body, &t)),
+                    ),
                 };
                 let join_wait = t.elapsed();
                 let verified = verifier.map(|v| match v {
@@ -340,7 +352,8 @@ impl TensorSetReader {
             timings.fingerprint = verify_took;
             m.layout = layout.map_err(bad_fingerprint)?;
         }
-        let (mapped, map_time, steps) = mapped;
+        let (mapped, map_time, steps, fetch_steps, mapped_at) = mapped;
+        timings.spawn += early.as_ref().map_or(Duration::ZERO, |e| e.spawn);
         let step = |s: crate::ipc::ImportStep| steps[s as usize];
         let fetch_time = step(crate::ipc::ImportStep::FdFetch);
         timings.map_import = step(crate::ipc::ImportStep::Import);
@@ -349,6 +362,10 @@ impl TensorSetReader {
         timings.map_set_access = step(crate::ipc::ImportStep::SetAccess);
         timings.map_fd_close = step(crate::ipc::ImportStep::CloseFd);
         timings.map_identity = step(crate::ipc::ImportStep::Identity);
+        let fetch_step = |s: crate::ipc::fdpass::FetchStep| fetch_steps[s as usize];
+        timings.fd_peer = fetch_step(crate::ipc::fdpass::FetchStep::Peer);
+        timings.fd_connect = fetch_step(crate::ipc::fdpass::FetchStep::Connect);
+        timings.fd_reply = fetch_step(crate::ipc::fdpass::FetchStep::Reply);
         let (attached, join_time, join_gpu) = attached;
         timings.fd_fetch = fetch_time;
         timings.map = map_time.saturating_sub(fetch_time);
@@ -404,6 +421,7 @@ impl TensorSetReader {
             incarnation: m.channel_generation,
             timings: OpenTimings {
                 total: started.elapsed(),
+                finish: mapped_at.elapsed(),
                 ..timings
             },
             _manifest: opened.seg,

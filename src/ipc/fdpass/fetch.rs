@@ -113,31 +113,115 @@ pub fn fetch_many(
     transport: FdTransport,
     timeout: Duration,
 ) -> Result<Vec<OwnedFd>> {
+    fetch_many_then(exporter, ids, transport, timeout, &mut || {})
+}
+
+/// The parts of a fetch the calling thread's time is kept for ([`fetch_times_on_this_thread`]).
+#[derive(Clone, Copy)]
+pub(crate) enum FetchStep {
+    /// The exporter's liveness, asked before connecting (only by the `pidfd_getfd` transports).
+    Peer,
+    /// The socket path's `lstat`, the connection and the listener's checks (`SO_PEERCRED`).
+    Connect,
+    /// The request sent and the fds received (the exporter's server wakes, checks the client and
+    /// answers), less the caller's `waiting` work.
+    Reply,
+}
+
+/// How many [`FetchStep`]s there are.
+pub(crate) const FETCH_STEPS: usize = FetchStep::Reply as usize + 1;
+
+thread_local! {
+    /// Time the calling thread spent in each [`FetchStep`].
+    static FETCH_TIME_HERE: std::cell::Cell<[Duration; FETCH_STEPS]> =
+        const { std::cell::Cell::new([Duration::ZERO; FETCH_STEPS]) };
+}
+
+/// Adds the time since `since` to `step`; returns now, for the next lap.
+fn lap(step: FetchStep, since: Instant) -> Instant {
+    let now = Instant::now();
+    add_fetch_time(step, now.saturating_duration_since(since));
+    now
+}
+
+fn add_fetch_time(step: FetchStep, d: Duration) {
+    FETCH_TIME_HERE.with(|c| {
+        let mut t = c.get();
+        t[step as usize] = t[step as usize].saturating_add(d);
+        c.set(t);
+    });
+}
+
+/// Wall-clock time the calling thread spent so far in each [`FetchStep`], indexed by it: the
+/// difference around one call is what its fetches took.
+pub(crate) fn fetch_times_on_this_thread() -> [Duration; FETCH_STEPS] {
+    FETCH_TIME_HERE.with(std::cell::Cell::get)
+}
+
+/// How often a socket fetch waiting for the exporter's reply asks whether the exporter is still
+/// alive: a listener that outlived it (inherited by a forked child that never accepts) is
+/// answered with [`FdPassError::PeerGone`] within this, not at the fetch's timeout.
+const REPLY_LIVENESS_EVERY: Duration = Duration::from_millis(100);
+
+/// [`fetch_many`], running `waiting` once while the exporter prepares its answer (over the
+/// socket, after the request went out; its reply waits meanwhile): work of the caller's that then
+/// costs no time of its own, such as starting a thread. Where no request is sent (the `pidfd_getfd`
+/// transport, a failure before the send, no ids) `waiting` is not run: the caller does that work
+/// itself.
+///
+/// The socket transport asks the exporter's liveness only when the exchange fails or its reply
+/// is slow (within [`REPLY_LIVENESS_EVERY`]): a connection to the exporter's own socket file
+/// (named by its pid and start time), held by a listener with its pid, needs no earlier look, and
+/// a fresh process's first look (`/proc` reads) costs tens of µs. `pidfd_getfd` takes an fd
+/// from whatever process has the pid now: its transports ask first.
+///
+/// # Errors
+/// As [`fetch_many`].
+pub(crate) fn fetch_many_then(
+    exporter: &ProcessIdentity,
+    ids: &[(u32, i32)],
+    transport: FdTransport,
+    timeout: Duration,
+    waiting: &mut dyn FnMut(),
+) -> Result<Vec<OwnedFd>> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
     let deadline = Deadline::new(timeout);
-    if exporter_gone(exporter) {
-        return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
-    }
+    let peer_gone = || {
+        let t = Instant::now();
+        let gone = exporter_gone(exporter);
+        lap(FetchStep::Peer, t);
+        if gone {
+            Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
+        } else {
+            Ok(())
+        }
+    };
     match transport {
-        FdTransport::Socket => fetch_socket(exporter, ids, &deadline),
-        FdTransport::PidfdOnly => fetch_pidfd(exporter, ids).map_err(|f| f.into_error(exporter)),
-        FdTransport::PidfdThenSocket => match fetch_pidfd(exporter, ids) {
-            Ok(fds) => Ok(fds),
-            Err(PidfdFailure::Gone) => {
-                Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
+        FdTransport::Socket => fetch_socket(exporter, ids, &deadline, waiting),
+        FdTransport::PidfdOnly => {
+            peer_gone()?;
+            fetch_pidfd(exporter, ids).map_err(|f| f.into_error(exporter))
+        }
+        FdTransport::PidfdThenSocket => {
+            peer_gone()?;
+            match fetch_pidfd(exporter, ids) {
+                Ok(fds) => Ok(fds),
+                Err(PidfdFailure::Gone) => {
+                    Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
+                }
+                Err(PidfdFailure::Other(e)) => Err(e),
+                Err(f) => {
+                    tracing::debug!(
+                        pid = exporter.pid,
+                        "pidfd_getfd not used, falling back to the socket: {}",
+                        f.describe()
+                    );
+                    fetch_socket(exporter, ids, &deadline, waiting)
+                }
             }
-            Err(PidfdFailure::Other(e)) => Err(e),
-            Err(f) => {
-                tracing::debug!(
-                    pid = exporter.pid,
-                    "pidfd_getfd not used, falling back to the socket: {}",
-                    f.describe()
-                );
-                fetch_socket(exporter, ids, &deadline)
-            }
-        },
+        }
     }
 }
 
@@ -171,15 +255,23 @@ impl Deadline {
 }
 
 /// The socket transport for any number of ids, [`MAX_IDS_PER_REQUEST`] per connection.
+/// `waiting` runs during the first request's wait ([`fetch_many_then`]).
 fn fetch_socket(
     exporter: &ProcessIdentity,
     ids: &[(u32, i32)],
     deadline: &Deadline,
+    waiting: &mut dyn FnMut(),
 ) -> Result<Vec<OwnedFd>> {
     let mut out = Vec::with_capacity(ids.len());
+    let mut waiting = Some(waiting);
     for chunk in ids.chunks(MAX_IDS_PER_REQUEST) {
         let only_ids: Vec<u32> = chunk.iter().map(|(id, _)| *id).collect();
-        out.extend(fetch_socket_once(exporter, &only_ids, deadline)?);
+        out.extend(fetch_socket_once(
+            exporter,
+            &only_ids,
+            deadline,
+            waiting.take(),
+        )?);
     }
     Ok(out)
 }
@@ -219,17 +311,30 @@ fn cross_namespace_refusal(
 
 /// One request over one connection: the steps below, in order. All or nothing: the fds of every id,
 /// in the order of `ids`, or an error and no fd left open.
+/// `waiting` (if any) runs once the request is sent, before the reply is read.
 fn fetch_socket_once(
     exporter: &ProcessIdentity,
     ids: &[u32],
     deadline: &Deadline,
+    waiting: Option<&mut dyn FnMut()>,
 ) -> Result<Vec<OwnedFd>> {
+    let t = Instant::now();
     let x = Exchange::new(exporter, ids);
     let file = x.check_socket_file()?;
     let sock = x.connect(&file, deadline)?;
     let server = x.check_listener(&sock, &file)?;
+    let t = lap(FetchStep::Connect, t);
     x.send_request(&sock, ids, deadline)?;
-    x.receive_fds(&sock, ids, server, deadline)
+    // The caller's work, while the exporter's server wakes and answers; not counted as the
+    // reply's time.
+    let w = Instant::now();
+    if let Some(waiting) = waiting {
+        waiting();
+    }
+    let w = w.elapsed();
+    let fds = x.receive_fds(&sock, ids, server, deadline);
+    add_fetch_time(FetchStep::Reply, t.elapsed().saturating_sub(w));
+    fds
 }
 
 /// What every step of one socket fetch needs: whom it asks, at which path, as which uid.
@@ -488,7 +593,10 @@ impl<'a> Exchange<'a> {
         deadline: &Deadline,
     ) -> Result<Option<Received>> {
         let exporter = self.exporter;
-        sockopt::set_socket_timeout(sock, Timeout::Recv, Some(deadline.remaining(WAIT_WHAT)?))
+        // Every `REPLY_LIVENESS_EVERY` the exporter's liveness is asked (below): nothing before
+        // the exchange asked it.
+        let poll = deadline.remaining(WAIT_WHAT)?.min(REPLY_LIVENESS_EVERY);
+        sockopt::set_socket_timeout(sock, Timeout::Recv, Some(poll))
             .map_err(|e| self.os("setsockopt", e))?;
         let mut control = RecvAncillaryBuffer::new(space);
         let got = rustix::net::recvmsg(

@@ -20,12 +20,15 @@
 //!   leaves it: [`stale_socket_files`] lists those of dead processes and
 //!   [`remove_stale_socket_file`] removes one (for `cuda-ipc gc`). The exporter sends the id (and
 //!   the fd number, for `pidfd_getfd`) to the importer inside its own message, e.g. a token.
-//! - An importer calls [`fetch`] or [`fetch_many`] with the exporter's [`ProcessIdentity`]. It checks
-//!   that the exporter still runs ([`ProcessIdentity::liveness`]: right across pid namespaces;
-//!   zombies are dead), looks at the socket path without following it (`lstat`: anything but a
-//!   socket is refused at once, so a FIFO, file, directory or symbolic link planted there gives an
-//!   error, never a hang), connects, checks who listens (below), sends the ids and receives one
-//!   status per id and the fds (`SCM_RIGHTS`, at most 253 per message, `MSG_CMSG_CLOEXEC`).
+//! - An importer calls [`fetch`] or [`fetch_many`] with the exporter's [`ProcessIdentity`]. It looks
+//!   at the socket path without following it (`lstat`: anything but a socket is refused at once,
+//!   so a FIFO, file, directory or symbolic link planted there gives an error, never a hang),
+//!   connects, checks who listens (below), sends the ids and receives one status per id and the
+//!   fds (`SCM_RIGHTS`, at most 253 per message, `MSG_CMSG_CLOEXEC`). Whether the exporter still
+//!   runs ([`ProcessIdentity::liveness`]: right across pid namespaces; zombies are dead) is asked
+//!   when a step fails, and every 100 ms while the reply is awaited (a listener inherited by a
+//!   forked child outlives the exporter but never answers): a dead exporter is
+//!   [`FdPassError::PeerGone`]. The `pidfd_getfd` transports ask it first.
 //! - The server authorises each client with `SO_PEERCRED`: the same effective uid as the exporter's,
 //!   or root. Others get a refusal status and no fds (the file's mode 0600 keeps processes of other
 //!   users, root aside, from connecting at all). An unknown or withdrawn id gets an error status, never
@@ -88,6 +91,7 @@ mod socket;
 mod wire;
 
 pub use error::FdPassError;
+pub(crate) use fetch::{FETCH_STEPS, FetchStep, fetch_many_then, fetch_times_on_this_thread};
 pub use fetch::{FdTransport, fetch, fetch_many};
 pub use pidfd::pidfd_getfd_available;
 pub use server::FdExport;

@@ -125,14 +125,19 @@ impl<'a> FdSource<'a> {
     /// [`crate::ipc::fetch_from_exporters`]), and when it is gone
     /// ([`FdPassError::PeerGone`]) and the set has a holders segment, from a live holder (every
     /// allocation's fd fetched once, the asked ones duplicated out of them). The fd source of
-    /// [`ImportedBuffer::open_many`].
+    /// [`ImportedBuffer::open_many`]. `waiting` runs once while the writer prepares its answer
+    /// ([`crate::ipc::fetch_from_exporters_then`]; not where the fds come from elsewhere).
     ///
     /// # Errors
     /// The exporter's fetch errors; [`TensorSetError::NoServer`] naming the writer and every holder
     /// tried when nobody hands the fds over; [`Error::InvalidArgument`] for a token that is not
     /// one of the set's.
-    pub(crate) fn fetch(&mut self, asked: &[&Token]) -> Result<Vec<OwnedFd>> {
-        match crate::ipc::fetch_from_exporters(asked) {
+    pub(crate) fn fetch(
+        &mut self,
+        asked: &[&Token],
+        waiting: &mut dyn FnMut(),
+    ) -> Result<Vec<OwnedFd>> {
+        match crate::ipc::fetch_from_exporters_then(asked, waiting) {
             Err(Error::FdPass(FdPassError::PeerGone { .. }))
                 if self.m.kind == KIND_VMM && self.m.holders_generation != 0 =>
             {

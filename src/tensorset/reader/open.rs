@@ -15,8 +15,8 @@ use crate::error::Error;
 use crate::error::Result;
 use crate::ipc::{Access, ImportedBuffer};
 use crate::token::Token;
-use std::sync::Arc;
-use std::sync::mpsc::{SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,17 @@ pub struct OpenTimings {
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
     /// host set and for allocations this process had imported already.
     pub fd_fetch: Duration,
+    /// Of `fd_fetch`: the exporter's liveness, asked before connecting by the `pidfd_getfd`
+    /// transports (its `/proc` entry or liveness file); the socket, the default, asks only when
+    /// the exchange fails or stalls.
+    pub fd_peer: Duration,
+    /// Of `fd_fetch`: the socket path's `lstat`, the connection and the listener's checks
+    /// (`SO_PEERCRED`).
+    pub fd_connect: Duration,
+    /// Of `fd_fetch`: the request sent and the fds received (the exporter's server thread wakes,
+    /// checks this client and answers), less the join thread's start made meanwhile
+    /// ([`spawn`](Self::spawn)).
+    pub fd_reply: Duration,
     /// The rest of the mapping: the import cache's look-ups and, per allocation not in it,
     /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and `cuMemSetAccess`
     /// (pool and legacy memory: their own import calls); a host set: its data segment's open.
@@ -82,6 +93,13 @@ pub struct OpenTimings {
     /// How long the opening thread waited for the join once its mapping was done (zero when the
     /// join finished first); a host set: the whole join.
     pub join_wait: Duration,
+    /// On the opening thread: starting the join thread (for a GPU set, while the writer answers
+    /// the fd fetch, so part of `fd_fetch`; zero where none started).
+    pub spawn: Duration,
+    /// On the opening thread, after the mapping: the wait for the join thread (`join_wait`),
+    /// the results put together, the checks of the generation channel against the manifest and
+    /// the reader made.
+    pub finish: Duration,
     /// The whole open, from the call to the reader returned (for [`TensorSetReader::open_auto`](super::TensorSetReader::open_auto)
     /// including the look-up of the device and its primary context).
     pub total: Duration,
@@ -126,6 +144,7 @@ pub(super) fn hand_off_tables(
         // Sent once the thread runs, so that a failed start gives them back here.
         let (tx, rx) = sync_channel::<(Vec<u8>, TensorTables)>(1);
         let started = std::thread::Builder::new()
+            .stack_size(crate::sync::HELPER_STACK)
             .name("cuda-ipc-tables".into())
             .spawn(move || match rx.recv() {
                 Ok((body, t)) => decode_and_verify(&body, &t),
@@ -178,7 +197,7 @@ pub(super) type JoinedAndDecoded = (Joined, Option<Decoded>);
 
 /// Decodes `tables` from `body` and checks the layout's fingerprint: more than [`VERIFY_APART`]
 /// tensors split among threads, the fingerprint from the raw entries beside them.
-fn decode_and_verify(body: &[u8], tables: &TensorTables) -> Decoded {
+pub(super) fn decode_and_verify(body: &[u8], tables: &TensorTables) -> Decoded {
     tables.decode_verified(body, tables.len() > VERIFY_APART)
 }
 
@@ -193,70 +212,109 @@ pub(super) fn join_channel(ctx: Option<&Arc<Context>>, name: &str, opts: &Reader
     (r, t.elapsed(), gpu)
 }
 
-/// [`join_channel`] as a thread's body, owning what it needs (no tables to decode).
-pub(super) fn spawnable_join(
-    ctx: Option<&Arc<Context>>,
-    name: &str,
-    opts: &ReaderOptions,
-) -> impl FnOnce() -> JoinedAndDecoded + Send + 'static {
-    let (ctx, name, opts) = (ctx.cloned(), name.to_string(), *opts);
-    move || (join_channel(ctx.as_ref(), &name, &opts), None)
-}
+/// The tensor tables handed to the join thread, with the manifest body they lie in.
+type Tables = (Vec<u8>, TensorTables);
 
-/// A join started before the manifest was read ([`TensorSetReader::open`](super::TensorSetReader::open)),
-/// or once its header named the device ([`TensorSetReader::open_auto`](super::TensorSetReader::open_auto)).
-/// Once joined, the thread decodes the manifest's tensor tables if the opening thread sent them
-/// ([`EarlyJoin::decode_after_join`]), so that the opening thread goes from the allocation table
-/// straight to the mapping. Dropped untaken, it waits for the thread and drops its consumer (it
-/// leaves the channel): nothing stays behind when the open fails or the set turns out to be a
-/// host set.
+/// The generation channel's join on a thread of its own, made before the manifest is read
+/// ([`TensorSetReader::open`](super::TensorSetReader::open)) or once its header named the device
+/// ([`TensorSetReader::open_auto`](super::TensorSetReader::open_auto)), and started at
+/// [`EarlyJoin::start`]: while the writer answers the fd fetch, where the opening thread waits
+/// anyway (a fresh process's first thread start costs it tens of µs), or at [`EarlyJoin::take`]
+/// where nothing was fetched. Once joined, the thread decodes the manifest's tensor tables if the
+/// opening thread sent them ([`EarlyJoin::decode_after_join`]; they wait in a channel of one
+/// meanwhile), so that the opening thread goes from the allocation table straight to the
+/// mapping. Dropped untaken, it waits for the thread and drops its consumer (it leaves the
+/// channel): nothing stays behind when the open fails or the set turns out to be a host set.
 pub(super) struct EarlyJoin {
+    /// How long the thread's start took the opening thread.
+    pub(super) spawn: Duration,
+    /// The join, until the thread's start takes it.
+    join: Option<Box<dyn FnOnce() -> Joined + Send + 'static>>,
+    /// The tables' receiving end: the thread's once started; read back here by
+    /// [`EarlyJoin::take_back`] where no thread could start.
+    rx: Arc<Mutex<Receiver<Tables>>>,
+    /// The sending end, until the tables are sent or the thread is taken.
+    tables: Option<SyncSender<Tables>>,
     thread: Option<JoinHandle<JoinedAndDecoded>>,
-    /// Where the tables go; dropped (the thread then decodes nothing) by `take` and on drop.
-    tables: Option<SyncSender<(Vec<u8>, TensorTables)>>,
 }
 
 impl EarlyJoin {
-    pub(super) fn start(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> EarlyJoin {
-        Self::spawn(spawnable_join(Some(ctx), name, opts))
+    /// The join of set `name`'s generation channel in `ctx`, not started.
+    pub(super) fn new(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> EarlyJoin {
+        let (ctx, name, opts) = (ctx.clone(), name.to_string(), *opts);
+        Self::with(move || join_channel(Some(&ctx), &name, &opts))
     }
 
-    /// A thread that runs `join`, then decodes the tables it is sent, if any.
-    fn spawn(join: impl FnOnce() -> JoinedAndDecoded + Send + 'static) -> EarlyJoin {
-        let (tx, rx) = sync_channel::<(Vec<u8>, TensorTables)>(1);
-        let thread = std::thread::Builder::new()
-            .name("cuda-ipc-attach".into())
-            .spawn(move || {
-                let (joined, _) = join();
-                // The sender is dropped without a message when the opening thread decodes the
-                // tables itself (or fails first): `recv` then returns at once.
-                let decoded = rx.recv().ok().map(|(body, t)| decode_and_verify(&body, &t));
-                (joined, decoded)
-            })
-            .ok();
+    /// The thread that will run `join`, not started.
+    fn with(join: impl FnOnce() -> Joined + Send + 'static) -> EarlyJoin {
+        let (tx, rx) = sync_channel::<Tables>(1);
         EarlyJoin {
-            tables: thread.as_ref().map(|_| tx),
-            thread,
+            spawn: Duration::ZERO,
+            join: Some(Box::new(join)),
+            rx: Arc::new(Mutex::new(rx)),
+            tables: Some(tx),
+            thread: None,
         }
     }
 
-    /// Hands the manifest's `body` and its `tables` to the thread, to be decoded and checked
-    /// after its join (`None`); gives them back when there is no thread to take them.
+    /// Starts the thread, once (a failed start is not tried again: the join then runs where
+    /// [`EarlyJoin::take`] is called, on the opening thread).
+    pub(super) fn start(&mut self) {
+        let Some(join) = self.join.take() else {
+            return;
+        };
+        let t = Instant::now();
+        let rx = self.rx.clone();
+        let started = std::thread::Builder::new()
+            .stack_size(crate::sync::HELPER_STACK)
+            .name("cuda-ipc-attach".into())
+            .spawn(move || {
+                let joined = join();
+                // The sender is dropped without a message when the opening thread decodes the
+                // tables itself (or fails first): `recv` then returns at once.
+                let tables = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                (
+                    joined,
+                    tables.ok().map(|(body, t)| decode_and_verify(&body, &t)),
+                )
+            });
+        self.spawn += t.elapsed();
+        match started {
+            Ok(h) => self.thread = Some(h),
+            // The tables (if sent) wait in the channel for `take_back`; none are sent from now.
+            Err(_) => self.tables = None,
+        }
+    }
+
+    /// Hands `tables` to the thread, which decodes them once joined; gives them back where no
+    /// thread runs or will (its start failed).
     pub(super) fn decode_after_join(
         &mut self,
         body: Vec<u8>,
         tables: TensorTables,
-    ) -> Option<(Vec<u8>, TensorTables)> {
-        match self.tables.take() {
+    ) -> Option<Tables> {
+        match &self.tables {
             Some(tx) => tx.send((body, tables)).err().map(|e| e.0),
             None => Some((body, tables)),
         }
     }
 
-    /// The thread, to be joined by the caller; no tables are sent to it after this.
+    /// The thread, started now if it was not; `None` where it could not start (the caller joins
+    /// on its own thread and takes the tables back: [`EarlyJoin::take_back`]). No tables are
+    /// sent after this.
     pub(super) fn take(&mut self) -> Option<JoinHandle<JoinedAndDecoded>> {
+        self.start();
         self.tables = None;
         self.thread.take()
+    }
+
+    /// Tables sent to a thread that never started.
+    pub(super) fn take_back(&self) -> Option<Tables> {
+        self.rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .try_recv()
+            .ok()
     }
 }
 
@@ -270,17 +328,17 @@ impl Drop for EarlyJoin {
     }
 }
 
-/// Maps the set's memory for [`TensorSetReader::open`](super::TensorSetReader::open): the host data segment, or every
-/// allocation of every buffer imported once in `ctx` (each checked to hold at least the
-/// allocation table's length), the fds of those not in the import cache fetched together
-/// first (`ImportedBuffer::open_many`: one round trip per exporter). Returns the memory,
-/// whether every mapping is read-only and the driver imports made (on this thread).
+/// Maps set `name`'s memory (manifest `m`): its data segment (host sets) or every allocation,
+/// imported through the import cache with its fds fetched from the writer or a holder.
+/// `waiting` runs while the writer answers the fd fetch ([`FdSource::fetch`]); not at all
+/// where nothing is fetched.
 pub(super) fn map_memory(
     ctx: Option<&Arc<Context>>,
     name: &str,
     opts: &ReaderOptions,
     m: &Manifest,
     seg_name: &str,
+    waiting: &mut dyn FnMut(),
 ) -> Result<(Memory, bool, u32)> {
     Ok(match ctx {
         None => (Memory::Host(DataSegment::open(name, m)?), false, 0),
@@ -300,7 +358,7 @@ pub(super) fn map_memory(
             let mut source = FdSource::new(name, m);
             let mut imported =
                 ImportedBuffer::open_many(ctx, &tokens, access, &mut |asked: &[&Token]| {
-                    source.fetch(asked)
+                    source.fetch(asked, waiting)
                 })?
                 .into_iter();
             let mut ro = opts.read_only;
@@ -344,9 +402,9 @@ mod tests {
     use crate::error::Error;
 
     /// A join that fails at once (no channel is needed to test the decode's hand-off).
-    fn no_join() -> JoinedAndDecoded {
+    fn no_join() -> Joined {
         let e = Err(Error::InvalidArgument("no join in this test".into()));
-        ((e, Duration::ZERO, Duration::ZERO), None)
+        (e, Duration::ZERO, Duration::ZERO)
     }
 
     fn host_set(tag: &str) -> (String, TensorSetWriter) {
@@ -362,8 +420,10 @@ mod tests {
         (name, w)
     }
 
-    /// The tables sent to the thread come back decoded and checked, as the opening thread would
-    /// have decoded them; a thread sent nothing (taken, or dropped) returns without waiting.
+    /// The tables sent to the thread (before its start: they wait in the channel) come back
+    /// decoded and checked, as the opening thread would have decoded them; a thread sent nothing
+    /// (taken, or dropped) returns without waiting; one never started leaves its tables to be
+    /// taken back.
     #[test]
     fn the_join_thread_decodes_the_tables_it_is_sent_and_ends_when_sent_none() {
         let (name, w) = host_set("decode");
@@ -376,7 +436,7 @@ mod tests {
             .unwrap()
             .decoded()
             .unwrap();
-        let mut early = EarlyJoin::spawn(no_join);
+        let mut early = EarlyJoin::with(no_join);
         assert!(early.decode_after_join(head.body, head.tables).is_none());
         let (joined, decoded) = early.take().unwrap().join().unwrap();
         assert!(joined.0.is_err());
@@ -387,14 +447,31 @@ mod tests {
         assert_eq!(layout.index_of("layers.299.weight"), Some(299));
 
         // Taken before any tables: the thread decodes nothing and ends.
-        let mut early = EarlyJoin::spawn(no_join);
+        let mut early = EarlyJoin::with(no_join);
         let (_, decoded) = early.take().unwrap().join().unwrap();
         assert!(decoded.is_none());
         // Dropped untaken (an open that failed first): the drop returns, the thread is joined.
-        drop(EarlyJoin::spawn(no_join));
+        drop(EarlyJoin::with(no_join));
         // Tables offered after the take are given back.
         let head = open_manifest_head(&name, INIT_WAIT).unwrap();
         assert!(early.decode_after_join(head.body, head.tables).is_some());
+        // Started by `start` (as the fd fetch's wait does), then taken: the same thread.
+        let mut early = EarlyJoin::with(no_join);
+        early.start();
+        assert!(early.thread.is_some());
+        let head = open_manifest_head(&name, INIT_WAIT).unwrap();
+        assert!(early.decode_after_join(head.body, head.tables).is_none());
+        let (_, decoded) = early.take().unwrap().join().unwrap();
+        assert!(decoded.is_some_and(|(l, _, _)| l.is_ok()));
+        // Never started (its start failed: here, the join taken out by hand): the tables sent
+        // wait in the channel and are taken back.
+        let mut early = EarlyJoin::with(no_join);
+        let head = open_manifest_head(&name, INIT_WAIT).unwrap();
+        assert!(early.decode_after_join(head.body, head.tables).is_none());
+        early.join = None;
+        assert!(early.take().is_none());
+        let (body, tables) = early.take_back().expect("the tables sent");
+        assert!(tables.decode(&body).is_ok());
         drop(w);
     }
 
@@ -408,7 +485,7 @@ mod tests {
         // decode (a valid UTF-8 name, unique), but they no longer match the fingerprint.
         let last = body.iter().rposition(|&b| b == b'w').unwrap();
         body[last] = b'W';
-        let mut early = EarlyJoin::spawn(no_join);
+        let mut early = EarlyJoin::with(no_join);
         assert!(early.decode_after_join(body, head.tables).is_none());
         let (_, decoded) = early.take().unwrap().join().unwrap();
         let (layout, _, _) = decoded.unwrap();
@@ -437,7 +514,7 @@ mod tests {
                 .decoded()
                 .unwrap();
             let head = open_manifest_head(name, INIT_WAIT).unwrap();
-            let mut early = EarlyJoin::spawn(no_join);
+            let mut early = EarlyJoin::with(no_join);
             let (opened, pending) = hand_off_tables(head, &mut early).unwrap();
             assert!(
                 opened.manifest.layout.is_empty(),
@@ -450,7 +527,7 @@ mod tests {
             assert_eq!(layout.tensors(), whole.manifest.layout.tensors());
         }
         // No join thread to take a small set's tables: decoded here, the layout whole.
-        let mut early = EarlyJoin::spawn(no_join);
+        let mut early = EarlyJoin::with(no_join);
         drop(early.take());
         let head = open_manifest_head(&small, INIT_WAIT).unwrap();
         let (opened, pending) = hand_off_tables(head, &mut early).unwrap();
