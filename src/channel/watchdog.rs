@@ -29,7 +29,6 @@ impl Watchdog {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let s = stop.clone();
         let thread = std::thread::Builder::new()
-            .stack_size(crate::sync::HELPER_STACK)
             .name(name.into())
             .spawn(move || {
                 let (lock, cv) = &*s;

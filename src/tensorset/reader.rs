@@ -291,7 +291,6 @@ impl TensorSetReader {
             std::thread::scope(|s| {
                 let verifier = verify_apart.then(|| {
                     std::thread::Builder::new()
-                        .stack_size(crate::sync::HELPER_STACK)
                         .name("cuda-ipc-verify".into())
                         .spawn_scoped(s, verify)
                 });

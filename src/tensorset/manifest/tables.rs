@@ -247,7 +247,6 @@ impl TensorTables {
                 )
             };
             let fp = std::thread::Builder::new()
-                .stack_size(crate::sync::HELPER_STACK)
                 .name("cuda-ipc-fingerprint".into())
                 .spawn_scoped(s, raw)
                 .ok();
@@ -264,7 +263,6 @@ impl TensorTables {
             let rest: Vec<_> = (1..parts)
                 .map(|k| {
                     std::thread::Builder::new()
-                        .stack_size(crate::sync::HELPER_STACK)
                         .name("cuda-ipc-tables".into())
                         .spawn_scoped(s, move || decode(k))
                         .map_err(|_| k)

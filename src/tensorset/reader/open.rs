@@ -144,7 +144,6 @@ pub(super) fn hand_off_tables(
         // Sent once the thread runs, so that a failed start gives them back here.
         let (tx, rx) = sync_channel::<(Vec<u8>, TensorTables)>(1);
         let started = std::thread::Builder::new()
-            .stack_size(crate::sync::HELPER_STACK)
             .name("cuda-ipc-tables".into())
             .spawn(move || match rx.recv() {
                 Ok((body, t)) => decode_and_verify(&body, &t),
@@ -266,7 +265,6 @@ impl EarlyJoin {
         let t = Instant::now();
         let rx = self.rx.clone();
         let started = std::thread::Builder::new()
-            .stack_size(crate::sync::HELPER_STACK)
             .name("cuda-ipc-attach".into())
             .spawn(move || {
                 let joined = join();
