@@ -24,7 +24,7 @@ const NONDUMPABLE: &str = "FDPASS_NONDUMPABLE";
 const FORK_KEEPER: &str = "FDPASS_FORK_KEEPER";
 /// Importer child: drop `CAP_SYS_PTRACE` first.
 const DROP_PTRACE: &str = "FDPASS_DROP_PTRACE";
-/// Importer child: switch to this uid (and gid) first; needs root.
+/// Importer or exporter child: switch to this uid (and gid) first; needs root.
 const SETUID: &str = "FDPASS_SETUID";
 
 // ---------------------------------------------------------------------------------------------
@@ -93,6 +93,9 @@ fn unhex16(s: &str) -> [u8; 16] {
 }
 
 fn exporter_main() {
+    if let Ok(uid) = std::env::var(SETUID) {
+        become_user(uid.parse().unwrap());
+    }
     if std::env::var(NONDUMPABLE).is_ok() {
         rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
             .unwrap();
@@ -644,14 +647,22 @@ fn a_listener_that_outlives_its_exporter_gives_peer_gone_promptly() {
     }
     let mut ex = Exporter::spawn(NAME, 1, &[(FORK_KEEPER, "1")]);
     let keeper: i32 = ex.peer.expect("keeper", ANSWER).trim().parse().unwrap();
+    /// Kills the keeper however the test ends.
+    struct Keeper(i32);
+    impl Drop for Keeper {
+        fn drop(&mut self) {
+            // SAFETY: the exporter's child, which only sleeps.
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
+    let keeper = Keeper(keeper);
     let mut im = Importer::spawn(NAME, &ex.identity, &[]);
     let ids = ex.ids(&[0]);
     assert_eq!(im.fetch("socket", 5000, &ids).contents(), contents([0]));
     ex.peer.child.kill().unwrap();
     ex.peer.child.wait().unwrap();
     let f = im.fetch("socket", 20_000, &ids);
-    // SAFETY: `keeper` is the exporter's child, which only sleeps.
-    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    drop(keeper);
     let (kind, text, ms) = f.error();
     assert_eq!(kind, "gone", "{text}");
     assert!(ms < 2000, "took {ms} ms");
@@ -782,6 +793,74 @@ fn another_user_is_refused_by_the_socket() {
     assert_eq!(ex.fds(), ex_fds, "the exporter leaked fds");
     im.finish();
     ex.finish();
+}
+
+/// A dead exporter's identity whose pid a live listener of another user holds (pid reuse,
+/// made here with a hard link to a live exporter's socket file under the name of an identity
+/// with the same pid and an earlier start time): a root importer takes the listener for the
+/// exporter only while the exporter lives, so it gets `PeerGone` and no fd; the live exporter
+/// itself is served.
+#[test]
+fn a_root_importer_takes_another_users_listener_only_for_a_live_exporter() {
+    const NAME: &str = "a_root_importer_takes_another_users_listener_only_for_a_live_exporter";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !is_root() {
+        eprintln!("not run: needs root to start an exporter of another user");
+        return;
+    }
+    let ex = Exporter::spawn(NAME, 1, &[(SETUID, "65534")]);
+    let ids = parse_ids(&ex.ids(&[0]));
+    let live = fdpass::fetch_many(&ex.identity, &ids, FdTransport::Socket, ANSWER).unwrap();
+    assert_eq!(
+        live.iter().map(read_content).collect::<Vec<_>>(),
+        contents([0])
+    );
+    let mut w = ex.identity.to_words();
+    w[1] = w[1].wrapping_sub(1);
+    let ghost = ProcessIdentity::from_words(w);
+    assert_eq!(ghost.liveness(), cuda_ipc::identity::Liveness::Dead);
+    let (real, fake) = (
+        fdpass::socket_path(&ex.identity),
+        fdpass::socket_path(&ghost),
+    );
+    let _ = std::fs::remove_file(&fake);
+    std::fs::hard_link(&real, &fake).unwrap();
+    let before = open_fds();
+    let r = fdpass::fetch_many(&ghost, &ids, FdTransport::Socket, ANSWER);
+    std::fs::remove_file(&fake).unwrap();
+    assert!(
+        matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
+        "a dead exporter's fetch was answered by another user's listener: {:?}",
+        r.map(|v| v.len())
+    );
+    assert_eq!(open_fds(), before, "fds left open");
+    ex.finish();
+}
+
+/// A dead exporter whose socket path now holds something else (a file anyone may create in the
+/// sticky, world-writable `/dev/shm` once the exporter removed its socket) is `PeerGone`, not
+/// the refusal of that file: a tensor-set reader falls back to its holders on `PeerGone` only.
+#[test]
+fn a_dead_exporter_with_a_file_at_its_socket_path_is_peer_gone() {
+    if role().is_some() {
+        return;
+    }
+    let me = ProcessIdentity::current().unwrap();
+    let mut w = me.to_words();
+    w[1] = w[1].wrapping_sub(2);
+    let ghost = ProcessIdentity::from_words(w);
+    assert_eq!(ghost.liveness(), cuda_ipc::identity::Liveness::Dead);
+    let fake = fdpass::socket_path(&ghost);
+    std::fs::write(&fake, b"squat").unwrap();
+    let r = fdpass::fetch_many(&ghost, &[(1, 3)], FdTransport::Socket, ANSWER);
+    std::fs::remove_file(&fake).unwrap();
+    assert!(
+        matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
+        "{:?}",
+        r.map(|v| v.len())
+    );
 }
 
 /// A raw client of the exporter's fd server.

@@ -475,7 +475,8 @@ impl TensorHold {
             if let Err(e) = unsafe { h.held().release_after_raw(s as _) } {
                 // Without the ordering the writer could overwrite the buffer under work still
                 // queued there: wait for the reader's context instead.
-                let sync = h.held().stream().and_then(|st| st.context().synchronize());
+                // The context, not the stream: making the reader's stream may be what failed.
+                let sync = h.held().context().and_then(|c| c.synchronize());
                 drop(h);
                 return sync.and(Err(e));
             }

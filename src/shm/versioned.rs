@@ -263,6 +263,8 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     let start = Instant::now();
     // The inode last looked at and when it was first seen: `SIZING_WAIT` counts from then.
     let mut seen: Option<(u64, Instant)> = None;
+    // Whether a segment removed under the open was looked at again past `wait` (once).
+    let mut relooked = false;
     let seg = loop {
         match Segment::open_with_min_len(name, H::HEADER_LEN) {
             Ok(seg) => break seg,
@@ -276,7 +278,7 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
                 // cleaner): looked at again as a first open, which says what stands under the
                 // name now (`NotFound`, or the next creation, judged afresh).
                 if matches!(info, Err(Error::Shm(ShmError::NotFound { .. })))
-                    && start.elapsed() < wait
+                    && (start.elapsed() < wait || !std::mem::replace(&mut relooked, true))
                 {
                     continue;
                 }

@@ -119,10 +119,11 @@ impl TensorSetReader {
     /// of every buffer once (`cuMemImportFromShareableHandle` and a read-only `cuMemSetAccess`
     /// for VMM, with [`ReaderOptions::read_only`]; pool and legacy memory read-write, see
     /// [`TensorSetReader::is_read_only`]) and joins the generation channel, the two at the same
-    /// time (the channel's attach on a thread of its own, started before the manifest is read,
-    /// which then decodes the manifest's tensor tables and checks its fingerprint while this
-    /// thread maps; on an error of either, the other's result is dropped once that thread is
-    /// done: no reader slot or mapping stays behind). A host set is opened as by
+    /// time (the channel's attach on a thread of its own, started while the writer answers the fd
+    /// fetch, which then decodes the manifest's tensor tables and checks its fingerprint while
+    /// this thread maps; on an error of either, the other's result is dropped once that thread
+    /// is done: no reader slot or mapping stays behind). The reader's stream is not made here
+    /// but at its first need ([`TensorSetReader::stream`]). A host set is opened as by
     /// [`TensorSetReader::open_host`], without `ctx`.
     ///
     /// # Errors
@@ -802,6 +803,16 @@ impl Held<'_> {
     /// [`TensorSetError::WrongKind`] on a host set.
     pub fn stream(&self) -> Result<&Stream> {
         self.reader.stream()
+    }
+
+    /// The reader's context (GPU sets), as [`TensorSetReader::context`]: where a caller that
+    /// could not order the release after its stream synchronises instead (it needs no reader
+    /// stream).
+    ///
+    /// # Errors
+    /// [`TensorSetError::WrongKind`] on a host set.
+    pub fn context(&self) -> Result<&Arc<Context>> {
+        self.reader.context()
     }
 
     /// Makes `stream` wait on the GPU for this generation (as a channel frame's `ready_on`).

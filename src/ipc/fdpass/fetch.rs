@@ -119,7 +119,8 @@ pub fn fetch_many(
 /// The parts of a fetch the calling thread's time is kept for ([`fetch_times_on_this_thread`]).
 #[derive(Clone, Copy)]
 pub(crate) enum FetchStep {
-    /// The exporter's liveness, asked before connecting (only by the `pidfd_getfd` transports).
+    /// The exporter's liveness: before connecting (the `pidfd_getfd` transports), or once the
+    /// request is sent (a socket listener of another uid).
     Peer,
     /// The socket path's `lstat`, the connection and the listener's checks (`SO_PEERCRED`).
     Connect,
@@ -165,15 +166,21 @@ const REPLY_LIVENESS_EVERY: Duration = Duration::from_millis(100);
 
 /// [`fetch_many`], running `waiting` once while the exporter prepares its answer (over the
 /// socket, after the request went out; its reply waits meanwhile): work of the caller's that then
-/// costs no time of its own, such as starting a thread. Where no request is sent (the `pidfd_getfd`
-/// transport, a failure before the send, no ids) `waiting` is not run: the caller does that work
-/// itself.
+/// costs no time of its own, such as starting a thread. The `pidfd_getfd` transports, which wait
+/// for nobody, run it first. Where the fetch fails before its request is sent (or `ids` is
+/// empty) `waiting` is not run: the caller does that work itself.
 ///
-/// The socket transport asks the exporter's liveness only when the exchange fails or its reply
-/// is slow (within [`REPLY_LIVENESS_EVERY`]): a connection to the exporter's own socket file
-/// (named by its pid and start time), held by a listener with its pid, needs no earlier look, and
-/// a fresh process's first look (`/proc` reads) costs tens of µs. `pidfd_getfd` takes an fd
-/// from whatever process has the pid now: its transports ask first.
+/// The socket transport does not ask the exporter's liveness before connecting (in a fresh
+/// process its `/proc` reads cost tens of µs): the socket path is named by the exporter's pid
+/// namespace, pid and start time, its listener must have the exporter's pid (in this pid
+/// namespace), and a listener of this process's own uid or root's vouches for the rest (a process
+/// of this user that bound another process's path on purpose could read this user's segments
+/// anyway). A listener of another uid (this process is root) is asked about once the request is
+/// sent, before any fd is read. Liveness is also asked when a step fails (a refusal by whatever
+/// stands at the path is then [`FdPassError::PeerGone`]), and every [`REPLY_LIVENESS_EVERY`]
+/// while the connection, the send or the reply waits (a listener kept by a forked child of a
+/// dead exporter never answers). `pidfd_getfd` takes an fd from whatever process has the pid
+/// now: its transports ask first.
 ///
 /// # Errors
 /// As [`fetch_many`].
@@ -201,10 +208,13 @@ pub(crate) fn fetch_many_then(
     match transport {
         FdTransport::Socket => fetch_socket(exporter, ids, &deadline, waiting),
         FdTransport::PidfdOnly => {
+            // Nothing to wait for here: the caller's work runs first.
+            waiting();
             peer_gone()?;
             fetch_pidfd(exporter, ids).map_err(|f| f.into_error(exporter))
         }
         FdTransport::PidfdThenSocket => {
+            waiting();
             peer_gone()?;
             match fetch_pidfd(exporter, ids) {
                 Ok(fds) => Ok(fds),
@@ -218,7 +228,7 @@ pub(crate) fn fetch_many_then(
                         "pidfd_getfd not used, falling back to the socket: {}",
                         f.describe()
                     );
-                    fetch_socket(exporter, ids, &deadline, waiting)
+                    fetch_socket(exporter, ids, &deadline, &mut || {})
                 }
             }
         }
@@ -320,9 +330,18 @@ fn fetch_socket_once(
 ) -> Result<Vec<OwnedFd>> {
     let t = Instant::now();
     let x = Exchange::new(exporter, ids);
-    let file = x.check_socket_file()?;
-    let sock = x.connect(&file, deadline)?;
-    let server = x.check_listener(&sock, &file)?;
+    // What stands at the path, or who listens there, says nothing once the exporter is gone:
+    // such a refusal is `PeerGone` then (as a failed connection is), so that a caller falls back
+    // to another source of the fds.
+    let connected = x.check_socket_file().and_then(|file| {
+        let sock = x.connect(&file, deadline)?;
+        let server = x.check_listener(&sock, &file)?;
+        Ok((sock, server))
+    });
+    let (sock, server) = connected.map_err(|e| match e {
+        Error::FdPass(FdPassError::PeerGone { .. }) => e,
+        e => x.gone_or(e),
+    })?;
     let t = lap(FetchStep::Connect, t);
     x.send_request(&sock, ids, deadline)?;
     // The caller's work, while the exporter's server wakes and answers; not counted as the
@@ -332,6 +351,17 @@ fn fetch_socket_once(
         waiting();
     }
     let w = w.elapsed();
+    if !x.vouched_by_uid(&server) {
+        // A listener of another user's (this process is root, or the exporter was): only the
+        // exporter's liveness, asked now that the connection is made, says its pid is still the
+        // exporter's. Asked while the server answers, before any fd is read.
+        let p = Instant::now();
+        let gone = exporter_gone(exporter);
+        add_fetch_time(FetchStep::Peer, p.elapsed());
+        if gone {
+            return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
+        }
+    }
     let fds = x.receive_fds(&sock, ids, server, deadline);
     add_fetch_time(FetchStep::Reply, t.elapsed().saturating_sub(w));
     fds
@@ -463,7 +493,10 @@ impl<'a> Exchange<'a> {
         .map_err(|e| self.os("socket", e))?;
         let addr = SocketAddrUnix::new(path.as_str()).map_err(|e| self.os("connect", e))?;
         loop {
-            sockopt::set_socket_timeout(&sock, Timeout::Send, Some(deadline.remaining(WAIT_WHAT)?))
+            // A full backlog (a listener nobody accepts on) is waited for in slices, each
+            // ending with a look at the exporter's liveness (below).
+            let slice = deadline.remaining(WAIT_WHAT)?.min(REPLY_LIVENESS_EVERY);
+            sockopt::set_socket_timeout(&sock, Timeout::Send, Some(slice))
                 .map_err(|e| self.os("setsockopt", e))?;
             match rustix::net::connect(&sock, &addr) {
                 Ok(()) => return Ok(sock),
@@ -525,19 +558,35 @@ impl<'a> Exchange<'a> {
         Ok(server)
     }
 
+    /// Whether the listener's uid vouches for it being the exporter, with its pid checked
+    /// ([`Exchange::check_listener`]): this process's own uid (the socket path holds the
+    /// exporter's pid namespace, pid and start time, which no other process of this user binds
+    /// by mistake, and one that would could read this user's segments anyway) or root's. A
+    /// listener of another uid (this process is root) is the exporter only while the exporter
+    /// lives: its liveness is asked before the fds are read.
+    fn vouched_by_uid(&self, server: &PeerCred) -> bool {
+        server.uid == self.euid || server.uid == 0
+    }
+
     /// Step 4: sends the request for `ids` (one message), within the deadline. A server that
     /// refuses this process answers without reading and closes: a send that finds the connection
     /// reset counts as sent, and the refusal is read in the next step.
     fn send_request(&self, sock: &OwnedFd, ids: &[u32], deadline: &Deadline) -> Result<()> {
         let request = encode_request(ids);
         loop {
-            sockopt::set_socket_timeout(sock, Timeout::Send, Some(deadline.remaining(WAIT_WHAT)?))
+            let slice = deadline.remaining(WAIT_WHAT)?.min(REPLY_LIVENESS_EVERY);
+            sockopt::set_socket_timeout(sock, Timeout::Send, Some(slice))
                 .map_err(|e| self.os("setsockopt", e))?;
             match rustix::net::send(sock, &request, SendFlags::NOSIGNAL) {
                 Ok(n) if n == request.len() => return Ok(()),
                 Ok(_) => return Err(self.os("send", Errno::MSGSIZE)),
                 Err(Errno::INTR) => continue,
                 Err(Errno::AGAIN) => {
+                    if exporter_gone(self.exporter) {
+                        return Err(Error::FdPass(FdPassError::PeerGone {
+                            pid: self.exporter.pid,
+                        }));
+                    }
                     deadline.remaining(WAIT_WHAT)?;
                     continue;
                 }

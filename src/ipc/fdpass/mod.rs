@@ -26,9 +26,10 @@
 //!   connects, checks who listens (below), sends the ids and receives one status per id and the
 //!   fds (`SCM_RIGHTS`, at most 253 per message, `MSG_CMSG_CLOEXEC`). Whether the exporter still
 //!   runs ([`ProcessIdentity::liveness`]: right across pid namespaces; zombies are dead) is asked
-//!   when a step fails, and every 100 ms while the reply is awaited (a listener inherited by a
-//!   forked child outlives the exporter but never answers): a dead exporter is
-//!   [`FdPassError::PeerGone`]. The `pidfd_getfd` transports ask it first.
+//!   when a step fails, every 100 ms while a step waits (a listener inherited by a forked child
+//!   outlives the exporter but never answers), and before the fds are read when the listener's
+//!   uid is neither this process's nor root's: a dead exporter is [`FdPassError::PeerGone`]. The
+//!   `pidfd_getfd` transports ask it first.
 //! - The server authorises each client with `SO_PEERCRED`: the same effective uid as the exporter's,
 //!   or root. Others get a refusal status and no fds (the file's mode 0600 keeps processes of other
 //!   users, root aside, from connecting at all). An unknown or withdrawn id gets an error status, never
@@ -37,7 +38,10 @@
 //!
 //! # Who listens: the importer's check
 //! - Exporter in the importer's pid namespace ([`ProcessIdentity::in_own_pid_namespace`]): the
-//!   listener's `SO_PEERCRED` pid must be the exporter's pid.
+//!   listener's `SO_PEERCRED` pid must be the exporter's pid. A pid can be reused once its
+//!   process is gone, so a listener whose uid is neither the importer's nor root's (an importer
+//!   running as root) is taken for the exporter only while the exporter's liveness (pid and
+//!   start time) says it runs, asked after the connection is made and before the fds are read.
 //! - Exporter in another pid namespace: pids cannot be compared (`SO_PEERCRED` reports the pid as
 //!   seen from the importer's namespace, 0 when the listener is not visible there). Instead the
 //!   listener's uid must be the importer's effective uid or root, and the socket file must be owned

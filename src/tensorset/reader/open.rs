@@ -50,9 +50,10 @@ pub struct OpenTimings {
     /// their exporters (one socket round trip per exporter, with its peer checks); zero for a
     /// host set and for allocations this process had imported already.
     pub fd_fetch: Duration,
-    /// Of `fd_fetch`: the exporter's liveness, asked before connecting by the `pidfd_getfd`
-    /// transports (its `/proc` entry or liveness file); the socket, the default, asks only when
-    /// the exchange fails or stalls.
+    /// Of `fd_fetch`: the exporter's liveness (its `/proc` entry or liveness file), asked before
+    /// connecting by the `pidfd_getfd` transports; the socket, the default, asks it after the
+    /// request is sent only where the listener's uid is neither this process's nor root's, and
+    /// otherwise only when the exchange fails or stalls.
     pub fd_peer: Duration,
     /// Of `fd_fetch`: the socket path's `lstat`, the connection and the listener's checks
     /// (`SO_PEERCRED`).
@@ -80,7 +81,7 @@ pub struct OpenTimings {
     /// near zero otherwise.
     pub map_identity: Duration,
     /// The generation channel's join, as long as it ran on its own thread: its control segment
-    /// opened, the producer's liveness checked, a reader slot claimed and the GPU objects made
+    /// opened, the producer's liveness checked, a reader slot claimed and the watchdog started
     /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
     pub join: Duration,
     /// The part of `join` that started the watchdog thread (which closes a dead writer's gate).
@@ -291,7 +292,9 @@ impl EarlyJoin {
         body: Vec<u8>,
         tables: TensorTables,
     ) -> Option<Tables> {
-        match &self.tables {
+        // Once: the channel holds one message (a second send would wait for a thread that may
+        // not run yet); what was sent stays receivable after the sender drops.
+        match self.tables.take() {
             Some(tx) => tx.send((body, tables)).err().map(|e| e.0),
             None => Some((body, tables)),
         }
