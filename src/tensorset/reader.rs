@@ -449,8 +449,10 @@ impl TensorSetReader {
     /// (`cuStreamCreate`, with the registration of the generation channel's words and an event:
     /// about 0.3 ms), or at the first hold of a generation whose writer's stream had not
     /// finished it: an open makes none of them, so they never slow the mapping. Until it is
-    /// made, a hold is taken only once its generation's work is done (the host sees the ready
-    /// word) and is released from the host.
+    /// made, a hold of a generation whose work is done (the host sees its ready word) waits on
+    /// no stream, and releases are written from the host (no work of the reader's can be on a
+    /// stream that does not exist; work on another stream orders itself first with
+    /// [`Held::release_after`], which makes the stream).
     ///
     /// # Errors
     /// [`TensorSetError::WrongKind`] on a host set; CUDA errors where it is made.
