@@ -563,7 +563,8 @@ impl<'a> Exchange<'a> {
     /// exporter's pid namespace, pid and start time, which no other process of this user binds
     /// by mistake, and one that would could read this user's segments anyway) or root's. A
     /// listener of another uid (this process is root) is the exporter only while the exporter
-    /// lives: its liveness is asked before the fds are read.
+    /// lives: its liveness is asked before the fds are read (in this pid namespace by `/proc`;
+    /// across pid namespaces by a liveness lock, which any user can hold: see the module docs).
     fn vouched_by_uid(&self, server: &PeerCred) -> bool {
         server.uid == self.euid || server.uid == 0
     }

@@ -47,6 +47,11 @@
 //!   listener's uid must be the importer's effective uid or root, and the socket file must be owned
 //!   by that same uid. `/dev/shm` is sticky, so only that uid (or root) can have put or replaced the
 //!   file; the owner is checked before connecting and again against the listener's credentials.
+//!   An importer running as root accepts a listener of any one uid there, and the exporter's
+//!   liveness across pid namespaces is its liveness lock, which a process of any user can hold
+//!   under a dead exporter's name: a token records no uid of its exporter to compare with, so a
+//!   root importer across pid namespaces trusts whoever serves a dead exporter's path under one
+//!   uid. Run importers as the exporters' user.
 //!
 //! # Transports
 //! [`FdTransport::Socket`] (the default) needs no special rights. `pidfd_getfd(2)` (Linux 5.6+)
