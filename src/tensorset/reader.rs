@@ -258,16 +258,15 @@ impl TensorSetReader {
             .into());
         }
         Self::check_stable(opts, m.kind)?;
-        // The generation channel's attach (segment open, slot claim, `cuMemHostRegister` of the
-        // GPU words, stream, event, watchdog thread) needs nothing of the imports: for a GPU set it
-        // runs on a thread of its own (started before the manifest's read by `open`, after its
-        // header by `open_auto`, here where neither could start one) while this thread maps the
-        // memory (a host set's two halves are
-        // cheaper than a thread: one after the other). Context hygiene: that thread makes driver
-        // calls only through the consumer's constructor, whose objects (`Stream::new`,
-        // `HostRegistration::new`, `Event::new`) enter `ctx` themselves and pop it again, so the
-        // thread ends with no context current. The imports stay on this thread: their driver
-        // import count is this thread's (`open_with_access`).
+        // The generation channel's attach (segment open, slot claim, watchdog thread; its stream,
+        // registration and event come at their first need) needs nothing of the imports: for a
+        // GPU set it runs on a thread of its own (`EarlyJoin`: made before the manifest's read by
+        // `open`, after its header by `open_auto`, started while the writer answers the fd
+        // fetch, or below where nothing was fetched) while this thread maps the memory (a host
+        // set's two halves are cheaper than a thread: one after the other). Context hygiene: the
+        // consumer's objects (`Stream::new`, `HostRegistration::new`, `Event::new`) enter `ctx`
+        // themselves and pop it again, whichever thread makes them. The imports stay on this
+        // thread: their driver import count is this thread's (`open_with_access`).
         // Each half times itself (the join on its own thread): (result, its time, GPU part).
         let attach = || join_channel(ctx, name, opts);
         let map = |waiting: &mut dyn FnMut()| {
