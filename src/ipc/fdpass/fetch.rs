@@ -197,13 +197,9 @@ pub(crate) fn fetch_many_then(
     let deadline = Deadline::new(timeout);
     let peer_gone = || {
         let t = Instant::now();
-        let gone = exporter_gone(exporter);
+        let r = alive(exporter);
         lap(FetchStep::Peer, t);
-        if gone {
-            Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
-        } else {
-            Ok(())
-        }
+        r
     };
     match transport {
         FdTransport::Socket => fetch_socket(exporter, ids, &deadline, waiting),
@@ -286,13 +282,18 @@ fn fetch_socket(
     Ok(out)
 }
 
+/// [`FdPassError::PeerGone`] when the exporter is gone ([`exporter_gone`]).
+fn alive(exporter: &ProcessIdentity) -> Result<()> {
+    if exporter_gone(exporter) {
+        Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
+    } else {
+        Ok(())
+    }
+}
+
 /// Error for a connection that broke: the exporter is gone, or `otherwise`.
 fn gone_or(exporter: &ProcessIdentity, otherwise: Error) -> Error {
-    if exporter_gone(exporter) {
-        Error::FdPass(FdPassError::PeerGone { pid: exporter.pid })
-    } else {
-        otherwise
-    }
+    alive(exporter).err().unwrap_or(otherwise)
 }
 
 /// What a socket fetch waits for, as its [`Error::Timeout`] names it.
@@ -356,11 +357,9 @@ fn fetch_socket_once(
         // exporter's liveness, asked now that the connection is made, says its pid is still the
         // exporter's. Asked while the server answers, before any fd is read.
         let p = Instant::now();
-        let gone = exporter_gone(exporter);
+        let r = alive(exporter);
         add_fetch_time(FetchStep::Peer, p.elapsed());
-        if gone {
-            return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
-        }
+        r?;
     }
     let fds = x.receive_fds(&sock, ids, server, deadline);
     add_fetch_time(FetchStep::Reply, t.elapsed().saturating_sub(w));
@@ -516,9 +515,7 @@ impl<'a> Exchange<'a> {
                     }));
                 }
                 Err(Errno::AGAIN) => {
-                    if exporter_gone(exporter) {
-                        return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
-                    }
+                    alive(exporter)?;
                     deadline.remaining(WAIT_WHAT)?;
                     continue;
                 }
@@ -583,11 +580,7 @@ impl<'a> Exchange<'a> {
                 Ok(_) => return Err(self.os("send", Errno::MSGSIZE)),
                 Err(Errno::INTR) => continue,
                 Err(Errno::AGAIN) => {
-                    if exporter_gone(self.exporter) {
-                        return Err(Error::FdPass(FdPassError::PeerGone {
-                            pid: self.exporter.pid,
-                        }));
-                    }
+                    alive(self.exporter)?;
                     deadline.remaining(WAIT_WHAT)?;
                     continue;
                 }
@@ -667,9 +660,7 @@ impl<'a> Exchange<'a> {
             Err(Errno::INTR) => return Ok(None),
             Err(Errno::AGAIN) => {
                 // SO_RCVTIMEO ran out: the exporter is gone or time is up (unless it was clamped).
-                if exporter_gone(exporter) {
-                    return Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }));
-                }
+                alive(exporter)?;
                 deadline.remaining(WAIT_WHAT)?;
                 return Ok(None);
             }
