@@ -728,6 +728,10 @@ class TensorHold:
     @property
     def content(self) -> bytes: ...
     @property
+    def whole(self) -> Optional[bool]:
+        """``True`` once the writer's stream finished this generation; ``None`` while it works on
+        it; ``False`` when the writer died first (the bytes may be partial)."""
+    @property
     def held(self) -> bool: ...
     def tensors(self, *, stream: StreamLike = None) -> Dict[str, Any]:
         """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (CPU tensors for a host

@@ -506,6 +506,17 @@ impl TensorHold {
         PyBytes::new(py, &self.content)
     }
 
+    /// Whether the generation is known whole, asked now (`Held::whole`): `True` once the
+    /// writer's stream finished it; `None` while that stream still works on it (the GPU work on
+    /// its tensors waits for it); `False` when the writer died before its stream was known to
+    /// have finished it: the bytes may be partial, and work made ready on it ran over them. A
+    /// take never hands out a generation that is `False` already (`WriterGone`). Raises
+    /// `InvalidArgument` once released.
+    #[getter]
+    fn whole(&self, py: Python<'_>) -> PyResult<Option<bool>> {
+        self.with(py, |h| Ok(h.held().whole()))
+    }
+
     /// The generation's tensors: a new `dict[str, torch.Tensor]` in the set's order, every value a
     /// view of the mapped memory (no copy; the same tensors for every generation this buffer
     /// holds, built at its first hold). `stream` (default: PyTorch's current stream) is made to

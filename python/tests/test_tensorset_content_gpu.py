@@ -43,7 +43,7 @@ for key, name in (("dev", dev), ("host", host)):
     with r.current(timeout=30.0) as g:
         g.verify_content()
         out[key] = {"gen": g.generation, "digests": [d.hex() for d in g.tensor_digests()],
-                    "fp": g.fingerprint().hex()}
+                    "fp": g.fingerprint().hex(), "whole": g.whole}
     if key == "dev":
         # The writer's next generation carries a fingerprint that is not its bytes'.
         print(json.dumps(out), flush=True)
@@ -106,6 +106,9 @@ def test_kernel_digests_equal_the_host_twins_and_a_false_fingerprint_is_refused_
         first = json.loads(child.stdout.readline() or "null") if child.stdout else None
         assert first is not None, child.stderr.read() if child.stderr else ""
         assert first["dev"]["gen"] == g
+        # Asked after the child's stream waited for it and synchronised: the writer's stream
+        # had written its ready word.
+        assert first["dev"]["whole"] is True
         # In place: the next begin waits for the child's hold of generation 1 to be released,
         # which it is once the child printed.
         with dev.begin(timeout=ANSWER) as u:
@@ -119,6 +122,7 @@ def test_kernel_digests_equal_the_host_twins_and_a_false_fingerprint_is_refused_
         res = json.loads(out.strip().splitlines()[-1])
         # The kernel's digest of every tensor is the host twin's of the same bytes.
         assert res["dev"]["digests"] == res["host"]["digests"]
+        assert res["host"]["whole"] is True
         assert len(set(res["dev"]["digests"])) == len(SPECS)
         assert res["false"] != "accepted"
         assert res["false"]["gen"] == g2 == res["false"]["held"]

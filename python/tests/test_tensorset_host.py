@@ -113,6 +113,7 @@ def test_current_returns_the_same_generation_again_and_none_before_the_first(nam
     g = write_gen(w, None)
     with r.current() as a:
         assert a.generation == g and a.read("ids") == data(g, "ids", 24)
+        assert a.whole is True  # a host set's generation is whole once published
     with r.current() as b:
         assert b.generation == g
     g2 = write_gen(w, None)

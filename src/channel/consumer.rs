@@ -344,6 +344,11 @@ impl Consumer {
         (self.control.generation(), self.control.buffers())
     }
 
+    /// The producer's pid as its slot records it (crate-private: errors that name it).
+    pub(crate) fn producer_pid(&self) -> u32 {
+        self.control.producer().pid
+    }
+
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
         matches!(self.side, Side::Host(_))

@@ -74,6 +74,9 @@ pub struct TensorSetReader {
     /// The set's creation generation (its generation channel's, as the manifest names it).
     incarnation: u64,
     _manifest: Segment,
+    /// What the set's holders segment must match to be read (its creation generation, buffers,
+    /// allocations); `None`: the set has none (not VMM).
+    holders_expect: Option<(u64, usize, usize)>,
     /// The content-fingerprint kernel, loaded at the first [`Held::verify_content`] (GPU sets).
     fingerprinter: std::sync::OnceLock<content::Fingerprinter>,
 }
@@ -403,6 +406,13 @@ impl TensorSetReader {
             None
         };
         let buffers = m.buffers;
+        let holders_expect = (m.holders_generation != 0).then(|| {
+            (
+                m.holders_generation,
+                m.buffers,
+                m.layout.allocations().len(),
+            )
+        });
         let stable = Self::open_stable(ctx, opts, &memory, read_only)?;
         Ok(TensorSetReader {
             _serving: serving,
@@ -424,6 +434,7 @@ impl TensorSetReader {
                 ..timings
             },
             _manifest: opened.seg,
+            holders_expect,
             fingerprinter: std::sync::OnceLock::new(),
         })
     }
@@ -581,9 +592,30 @@ impl TensorSetReader {
             return Ok(None);
         };
         let buffer = frame.index();
+        let (generation, content) = decode_meta(frame.metadata(), frame.seq());
+        if frame.written() == Some(false) && !self.recorded_whole(generation, buffer) {
+            // The writer died and its stream may not have finished this generation: its bytes
+            // may be partial. Never handed out as whole; let go as `take_newer` lets go of a
+            // take whose stream wait failed (a buffer another guard holds keeps that hold).
+            if holds[buffer] > 0 {
+                std::mem::forget(frame);
+            } else {
+                drop(frame);
+            }
+            drop(holds);
+            return Err(TensorSetError::WriterGone {
+                name: self.name.clone(),
+                pid: consumer.producer_pid(),
+                why: format!(
+                    "it died before its stream was known to have finished generation \
+                     {generation}, whose bytes may be partial; reopen the set to read its last \
+                     whole generation"
+                ),
+            }
+            .into());
+        }
         holds[buffer] += 1;
         drop(holds);
-        let (generation, content) = decode_meta(frame.metadata(), frame.seq());
         let held = Held {
             reader: self,
             frame: Some(ManuallyDrop::new(frame)),
@@ -606,6 +638,22 @@ impl TensorSetReader {
 }
 
 impl TensorSetReader {
+    /// Whether the set's holders segment records `generation` in `buffer` as whole (its GPU work
+    /// was known complete before the writer died: the recorder's event).
+    fn recorded_whole(&self, generation: u64, buffer: usize) -> bool {
+        let Some(expect) = self.holders_expect else {
+            return false;
+        };
+        match holders::HoldersSegment::open(&self.name, Some(expect)) {
+            Ok(h) => matches!(
+                h.last_whole(),
+                holders::Whole::Generation { generation: g, buffer: b, .. }
+                    if g == generation && b == buffer
+            ),
+            Err(_) => false,
+        }
+    }
+
     /// A writerless reader's take: its generation when newer than `than`, else
     /// [`TensorSetError::WriterGone`] at once (no writer publishes again).
     fn take_writerless(&self, w: &Writerless, than: u64) -> Result<Option<Held<'_>>> {
@@ -703,6 +751,26 @@ impl Held<'_> {
     /// Its content fingerprint as the writer committed it (all zeros: none).
     pub fn content(&self) -> [u8; 32] {
         self.content
+    }
+
+    /// Whether this generation is known whole, read on the host now: `Some(true)` once the
+    /// writer's stream finished it (its ready word) or the set's holders segment recorded it
+    /// whole, and always on a host set or a writerless reader; `None` while the writer's stream
+    /// still works on it (the hold is stream-ordered: the reader's work waits for it on the
+    /// GPU); `Some(false)` when the writer died before its stream was known to have finished it:
+    /// its bytes may be partial, and work ordered after this hold ran over them. A take never
+    /// hands out a generation that reads `Some(false)` already ([`TensorSetError::WriterGone`]);
+    /// this tells a caller whose hold came first. No CUDA call; a few atomic loads (and, after
+    /// a writer's death, a look at the holders segment).
+    pub fn whole(&self) -> Option<bool> {
+        let Some(frame) = self.frame.as_ref() else {
+            // Writerless: its generation was recorded whole before the reader opened.
+            return Some(true);
+        };
+        match frame.written() {
+            Some(false) if self.reader.recorded_whole(self.generation, self.buffer) => Some(true),
+            w => w,
+        }
     }
 
     /// Tensor `i`.

@@ -137,6 +137,20 @@ impl Frame<'_> {
     pub fn index(&self) -> usize {
         self.index
     }
+    /// Whether the producer's work on this frame is known complete, read on the host now (its
+    /// buffer's ready word, `cuStreamWriteValue32` on the producer's stream after that work):
+    /// `Some(true)` once the producer's stream wrote the word (always on a host channel);
+    /// `None` while it has not; `Some(false)` when the producer died and the word was raised by
+    /// the gate closed for it instead, which says nothing of the bytes: they may be partial, and
+    /// work ordered after the frame's ready wait ran over them (the driver never completes a dead
+    /// process's work). A frame written whole before its producer died reads `Some(false)` too
+    /// once the gate is closed: the word no longer tells the two apart.
+    pub fn written(&self) -> Option<bool> {
+        if self.consumer.is_host() {
+            return Some(true);
+        }
+        self.consumer.control.frame_written(self.index, self.seq)
+    }
     /// The consumer's stream.
     ///
     /// # Errors
