@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Tensor sets from Python on the GPU: attach, new generations, updates (docs/benchmarks.md).
 
-    python3 bench/tensorset_attach.py [--shape llama|moe|quick] [--runs 3] [--children 5] [--out F]
+    python3 bench/tensorset_attach.py [--shape llama|moe|quick] [--runs 3] [--children 5]
+        [--module-loading lazy|eager|lazy,eager] [--out F]
 
 One writer (this process) publishes a tensor set of the issue's shapes (`llama`: the 291 bf16
 tensors of Llama-3-8B, 15.0 GiB; `moe`: 4,608 x 1 MiB bf16; `quick`: a small set for a smoke run)
@@ -13,6 +14,13 @@ in VMM memory, and measures, per run:
   tensor and synchronises (`usable`, the same read as the PyTorch baseline's); the driver imports
   the attach made; apart, the hold (`hold_ms`), the dict's PyTorch calls (`tensors_ms`) and the
   open's phases as the reader timed them (`open_timings_us`, `TensorSetReader.open_timings()`);
+- PyTorch alone, the same read in a fresh ready process over as many tensors of its own memory
+  (`torch_first_read_ms`, then `torch_read_again_ms`): what of "usable" is PyTorch's first
+  kernel launch in a process (its CUDA modules load lazily by default), not the set's;
+- with `--module-loading`, the first attaches and PyTorch's read in readers whose CUDA modules
+  load lazily (the default, `CUDA_MODULE_LOADING=LAZY`) and/or eagerly (`EAGER`: loaded when the
+  context is made, before the clock; `ready_ms` says what the context and the first allocation
+  cost the process before it);
 - a new generation in a process that keeps its mappings: from the reader's wake-up to its dict,
   and from the writer's commit to the reader's wake-up (the hand-off);
 - the channel's hand-off at the same wait strategy, publish to a waiting consumer's wake-up, in
@@ -80,15 +88,43 @@ def read_all(torch, d: dict):
     return vals
 
 
-def reader_child(name: str, conn, mode: str) -> None:
+def ready_torch(loading: str):
+    """Imports torch and makes the CUDA context with a first allocation (`loading`: how the
+    process's CUDA modules load, set before the driver starts); (torch, ms the context took)."""
+    os.environ["CUDA_MODULE_LOADING"] = loading.upper()
+    t = time.perf_counter()
+    import torch
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the context exists before the clock starts
+    torch.cuda.synchronize()
+    return torch, (time.perf_counter() - t) * 1e3
+
+
+def torch_read_child(conn, n: int, loading: str) -> None:
+    """PyTorch alone: the baseline's read over `n` tensors of its own memory, the first in a
+    fresh ready process and again."""
+    common.die_with_parent()
+    try:
+        torch, ready_ms = ready_torch(loading)
+        d = {f"t{i}": torch.empty((64, 64), dtype=torch.bfloat16, device="cuda") for i in range(n)}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        read_all(torch, d)
+        t1 = time.perf_counter()
+        read_all(torch, d)
+        t2 = time.perf_counter()
+        conn.send(("read", {"ready_ms": ready_ms, "first_ms": (t1 - t0) * 1e3,
+                            "again_ms": (t2 - t1) * 1e3}))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def reader_child(name: str, conn, mode: str, loading: str = "lazy") -> None:
     """A fresh reader process: makes its context, then (timed) attaches and builds its dict."""
     common.die_with_parent()
     try:
-        import torch
-
-        torch.cuda.init()
-        torch.zeros(1, device="cuda")  # the context exists before the clock starts
-        torch.cuda.synchronize()
+        torch, ready_ms = ready_torch(loading)
         import cuda_ipc
 
         conn.send(("ready", None))
@@ -115,6 +151,7 @@ def reader_child(name: str, conn, mode: str) -> None:
             "usable_ms": (t3 - t0) * 1e3,
             "read_again_ms": (t4 - t3) * 1e3,
             "imports": r.imports,
+            "ready_ms": ready_ms,
             "tensors": len(d),
             "dict_ok": ok,
             "read_only": r.read_only,
@@ -197,9 +234,9 @@ def channel_handoff(cuda_ipc, ctx, name: str, n: int) -> float:
         tx.close()
 
 
-def spawn_reader(ctx, name: str, mode: str):
+def spawn_reader(ctx, name: str, mode: str, loading: str = "lazy"):
     a, b = ctx.Pipe()
-    p = ctx.Process(target=reader_child, args=(name, b, mode), daemon=True)
+    p = ctx.Process(target=reader_child, args=(name, b, mode, loading), daemon=True)
     p.start()
     return p, a
 
@@ -227,15 +264,25 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
             for i, t in enumerate(u.tensors().values()):
                 t.fill_(float(i % 7))
         torch.cuda.synchronize()
-        # First attaches, one fresh process after another.
-        firsts = []
-        for _ in range(args.children):
-            p, c = spawn_reader(ctx, name, "first")
-            expect(c, "ready")
-            c.send("go")
-            firsts.append(expect(c, "first"))
-            p.join(STEP_S)
-        out["first"] = firsts
+        # First attaches, one fresh process after another, per way of loading CUDA modules;
+        # PyTorch's read of its own memory in as many fresh processes.
+        for loading in args.module_loading:
+            firsts, reads = [], []
+            for _ in range(args.children):
+                p, c = spawn_reader(ctx, name, "first", loading)
+                expect(c, "ready")
+                c.send("go")
+                firsts.append(expect(c, "first"))
+                p.join(STEP_S)
+            for _ in range(args.children):
+                a, b = ctx.Pipe()
+                p = ctx.Process(target=torch_read_child, args=(b, len(shapes), loading), daemon=True)
+                p.start()
+                reads.append(expect(a, "read"))
+                p.join(STEP_S)
+            key = "first" if loading == args.module_loading[0] else f"first_{loading}"
+            out[key] = firsts
+            out[f"torch_read_{loading}"] = reads
         # Warm readers: two, each waiting for new generations.
         readers = [spawn_reader(ctx, name, "warm") for _ in range(2)]
         for _, c in readers:
@@ -319,27 +366,48 @@ def main() -> int:
     ap.add_argument("--children", type=int, default=5, help="first attaches per run")
     ap.add_argument("--generations", type=int, default=20, help="new generations per run")
     ap.add_argument("--updates", type=int, default=5, help="updates per mode and run")
+    ap.add_argument("--module-loading", default="lazy",
+                    help="how the readers' CUDA modules load: lazy, eager or lazy,eager")
     ap.add_argument("--out")
     args = ap.parse_args()
+    args.module_loading = args.module_loading.split(",")
+    if not args.module_loading or any(m not in ("lazy", "eager") for m in args.module_loading):
+        ap.error("--module-loading takes lazy, eager or both, comma-separated")
     import torch
     import cuda_ipc
 
     shapes = SHAPES[args.shape]()
     runs = [one_run(torch, cuda_ipc, shapes, args, i) for i in range(args.runs)]
-    firsts = [f for r in runs for f in r["first"]]
+    def firsts_of(key):
+        fs = [f for r in runs for f in r[key]]
+        return {
+            "first_open_ms": statistics.median(f["open_ms"] for f in fs),
+            "first_dict_ms": statistics.median(f["dict_ms"] for f in fs),
+            "first_hold_ms": statistics.median(f["hold_ms"] for f in fs),
+            "first_tensors_ms": statistics.median(f["tensors_ms"] for f in fs),
+            "first_usable_ms": statistics.median(f["usable_ms"] for f in fs),
+            "first_read_again_ms": statistics.median(f["read_again_ms"] for f in fs),
+            "first_ready_ms": statistics.median(f["ready_ms"] for f in fs),
+            "imports": sorted({f["imports"] for f in fs}),
+            "dict_ok": all(f["dict_ok"] for f in fs),
+            "read_only": all(f["read_only"] for f in fs),
+        }
+
+    def torch_reads(loading):
+        rs = [x for r in runs for x in r[f"torch_read_{loading}"]]
+        return {
+            "torch_first_read_ms": statistics.median(x["first_ms"] for x in rs),
+            "torch_read_again_ms": statistics.median(x["again_ms"] for x in rs),
+        }
+
+    lead = args.module_loading[0]
     summary = {
         "shape": args.shape,
         "tensors": runs[0]["tensors"],
         "bytes": runs[0]["bytes"],
-        "first_open_ms": statistics.median(f["open_ms"] for f in firsts),
-        "first_dict_ms": statistics.median(f["dict_ms"] for f in firsts),
-        "first_hold_ms": statistics.median(f["hold_ms"] for f in firsts),
-        "first_tensors_ms": statistics.median(f["tensors_ms"] for f in firsts),
-        "first_usable_ms": statistics.median(f["usable_ms"] for f in firsts),
-        "first_read_again_ms": statistics.median(f["read_again_ms"] for f in firsts),
-        "imports": sorted({f["imports"] for f in firsts}),
-        "dict_ok": all(f["dict_ok"] for f in firsts),
-        "read_only": all(f["read_only"] for f in firsts),
+        "module_loading": lead,
+        **firsts_of("first"),
+        **torch_reads(lead),
         "warm_dict_us": med(runs, lambda r: r["warm_dict_us"]),
         "commit_to_wake_us": med(runs, lambda r: r["commit_to_wake_us"]),
         "channel_handoff_us": med(runs, lambda r: r["channel_handoff_us"]),
@@ -351,6 +419,8 @@ def main() -> int:
             for m in ("in_place", "buffered")
         },
     }
+    for loading in args.module_loading[1:]:
+        summary[loading] = {**firsts_of(f"first_{loading}"), **torch_reads(loading)}
     doc = {"summary": summary, "runs": runs}
     text = json.dumps(doc, indent=1)
     if args.out:

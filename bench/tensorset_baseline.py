@@ -36,6 +36,7 @@ Writes OUT/tensorset_baseline.json (the records' shape of the other baselines; e
 under info). Needs PyTorch with CUDA; imported lazily so --help works without it.
 
     python3 bench/tensorset_baseline.py --out DIR [--quick] [--runs 3] [--reps 4] [--sets llama,moe]
+        [--module-loading lazy|eager]
 """
 
 from __future__ import annotations
@@ -232,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3, help="runs, each with fresh receivers (default 3)")
     p.add_argument("--reps", type=int, default=None, help="warm attaches per run after one warm-up (default 4, quick 2)")
     p.add_argument("--sets", default="llama,moe", help="comma-separated: llama, moe (default both)")
+    p.add_argument("--module-loading", choices=("lazy", "eager"), default="lazy",
+                   help="how the receivers' CUDA modules load (CUDA_MODULE_LOADING; default lazy)")
     a = p.parse_args(argv)
     reps = a.reps or (2 if a.quick else 4)
     sets = [s for s in a.sets.split(",") if s]
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
         for m in MODES:
             payloads[(s, m)] = build(torch, shapes[s], m)
     cases = [(s, m) for s in sets for m in MODES]
+    # The receivers inherit it at their spawn; this process's driver started already.
+    os.environ["CUDA_MODULE_LOADING"] = a.module_loading.upper()
     # per (set, mode, phase): a list of per-run figures (dict of metric -> ms)
     per_run = {(s, m, ph): [] for s, m in cases for ph in ("warm", "first")}
     errors = []
@@ -294,7 +299,8 @@ def main(argv=None) -> int:
         torch.cuda.ipc_collect()
         print(f"{NAME}: run {run + 1}/{a.runs} done", file=sys.stderr)
 
-    records, info = [], {"runs": a.runs, "reps": reps, "quick": a.quick, "per_run": {}}
+    records, info = [], {"runs": a.runs, "reps": reps, "quick": a.quick,
+                         "module_loading": a.module_loading, "per_run": {}}
     for (s, m, ph), runs in per_run.items():
         if not runs:
             continue
