@@ -4,6 +4,8 @@
 use super::{Memory, Source, TensorSetReader};
 use crate::channel::Frame;
 use crate::driver::{Context, DeviceMemory, Stream};
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::ffi::sys;
 use crate::tensorset::TensorSetError;
