@@ -496,7 +496,10 @@ impl TensorSetReader {
             Memory::Host(d) => {
                 (buffer < self.buffers && a == 0).then(|| (d.ptr(buffer) as u64, len))
             }
-            Memory::Gpu(b) => Some((b.get(buffer)?.get(a)?.device_ptr(), len)),
+            Memory::Gpu(b) => Some((
+                crate::driver::DeviceMemory::device_ptr(b.get(buffer)?.get(a)?),
+                len,
+            )),
         }
     }
 
