@@ -44,6 +44,10 @@ pub const TOKEN_VERSION: u16 = 2;
 const TOKEN_MAGIC: u32 = u32::from_le_bytes(*b"CIPT");
 const CRC_OFFSET: usize = 140;
 
+/// The token checksum: CRC-32/ISO-HDLC (the zlib CRC-32) over the first [`CRC_OFFSET`] bytes,
+/// from a table built at compile time (no CPU feature detection at a process's first token).
+static TOKEN_CRC: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISO_HDLC);
+
 /// What a token names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -153,7 +157,7 @@ impl Token {
         };
         let mut out = [0u8; TOKEN_LEN];
         out.copy_from_slice(w.as_bytes());
-        let crc = crc32fast::hash(&out[..CRC_OFFSET]);
+        let crc = TOKEN_CRC.checksum(&out[..CRC_OFFSET]);
         out[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_le_bytes());
         out
     }
@@ -192,7 +196,7 @@ impl Token {
                 }
             )));
         }
-        let crc = crc32fast::hash(&bytes[..CRC_OFFSET]);
+        let crc = TOKEN_CRC.checksum(&bytes[..CRC_OFFSET]);
         if crc != w.crc.get() {
             return Err(bad(format!(
                 "checksum mismatch (stored {:#010x}, computed {crc:#010x}): corrupted",
@@ -270,5 +274,32 @@ mod handle_bytes {
         let v: Vec<u8> = Vec::deserialize(d)?;
         v.try_into()
             .map_err(|_| serde::de::Error::custom("handle must be 64 bytes"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The compile-time table gives the zlib CRC-32 that tokens were always stamped with
+    /// (`crc32fast`, computed apart): tokens of earlier builds still check, and theirs ours.
+    #[test]
+    fn the_token_checksum_is_the_zlib_crc32() {
+        let mut seed = 0x9e37_79b9_u32;
+        for len in [0usize, 1, 7, 64, 139, CRC_OFFSET, 1000] {
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 24) as u8
+                })
+                .collect();
+            assert_eq!(
+                TOKEN_CRC.checksum(&bytes),
+                crc32fast::hash(&bytes),
+                "{len} bytes"
+            );
+        }
+        // The check value of CRC-32/ISO-HDLC.
+        assert_eq!(TOKEN_CRC.checksum(b"123456789"), 0xcbf4_3926);
     }
 }

@@ -14,6 +14,11 @@
 //! release). It prints its per-step µs as one JSON line; the parent prints (and with `--out DIR`
 //! writes `DIR/tensorset_floor.json`) the medians and every child's figures.
 //!
+//! Both kinds of child also give where they ran and what they faulted over their timed attach:
+//! `cpu_start` and `cpu_end` (`sched_getcpu` just before and just after it) and `minor_faults`
+//! (the whole process's, from `/proc/self/stat`, read outside the timed region), so that runs can
+//! be compared by placement (`taskset`) and by the pages a first use touches.
+//!
 //! ```text
 //! cargo build --release -p cuda-ipc-bench --example tensorset_floor
 //! target/release/examples/tensorset_floor [--quick] [--children N] [--bytes N] [--allocations B]
@@ -351,6 +356,52 @@ fn recv_fds(sock: &UnixStream, count: usize) -> Res<Vec<OwnedFd>> {
     Ok(fds)
 }
 
+/// This process's minor page faults so far (`/proc/self/stat`, field 10, all threads), or 0
+/// where it cannot be read: read before and after a timed region, outside it.
+fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // The fields after the command name, which may hold spaces, start past its `)`.
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace().nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// A child's placement and page faults over its timed attach: the CPU it started and ended on
+/// (`sched_getcpu`) and the minor faults of the whole process in between.
+struct Probe {
+    cpu: usize,
+    faults: u64,
+}
+
+impl Probe {
+    /// Taken just before the timed region.
+    fn start() -> Probe {
+        let faults = minor_faults();
+        Probe {
+            cpu: rustix::thread::sched_getcpu(),
+            faults,
+        }
+    }
+
+    /// Taken just after it: the JSON fields `cpu_start`, `cpu_end`, `minor_faults`.
+    fn end(self) -> Value {
+        let cpu_end = rustix::thread::sched_getcpu();
+        json!({"cpu_start": self.cpu, "cpu_end": cpu_end,
+               "minor_faults": minor_faults().saturating_sub(self.faults)})
+    }
+}
+
+/// `a`'s fields with `b`'s added (both JSON objects).
+fn merged(mut a: Value, b: Value) -> Value {
+    if let (Some(a), Value::Object(b)) = (a.as_object_mut(), b) {
+        a.extend(b);
+    }
+    a
+}
+
 /// A child: context first, then the timed attach; prints one JSON line.
 fn child(sock_fd: i32, sizes: &[usize], device: usize) -> Res<()> {
     // SAFETY: the parent passed this inherited descriptor for this process alone to own.
@@ -364,6 +415,7 @@ fn child(sock_fd: i32, sizes: &[usize], device: usize) -> Res<()> {
     (&sock).write_all(b"R")?;
 
     // Timed: from "ready" to every allocation mapped read-only.
+    let probe = Probe::start();
     let t0 = Instant::now();
     let fds = recv_fds(&sock, sizes.len())?;
     let recv_us = t0.elapsed().as_secs_f64() * 1e6;
@@ -413,6 +465,7 @@ fn child(sock_fd: i32, sizes: &[usize], device: usize) -> Res<()> {
         maps.push((handle, ptr, size));
     }
     let total_us = t0.elapsed().as_secs_f64() * 1e6;
+    let probe = probe.end();
     // Outside the attach, as the floor defines it, but timed apart: closing the descriptors of
     // imported allocations is the driver's work too (a crate that closes them inside its open pays
     // it there).
@@ -442,13 +495,11 @@ fn child(sock_fd: i32, sizes: &[usize], device: usize) -> Res<()> {
         }
     }
     let release_us = t5.elapsed().as_secs_f64() * 1e6;
-    println!(
-        "{}",
-        json!({"context_us": ctx_us, "recv_us": recv_us, "import_us": import,
+    let figures = json!({"context_us": ctx_us, "recv_us": recv_us, "import_us": import,
                "reserve_us": reserve, "map_us": map, "set_access_read_us": access,
                "attach_us": total_us, "close_us": close_us, "release_us": release_us,
-               "mismatches": mismatches})
-    );
+               "mismatches": mismatches});
+    println!("{}", merged(figures, probe));
     Ok(())
 }
 
@@ -572,6 +623,7 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     (&sock).write_all(b"R")?;
 
     // Timed: the open (manifest, imports, generation channel), then the hold.
+    let probe = Probe::start();
     let t0 = Instant::now();
     let reader = TensorSetReader::open(&ctx, name, &ReaderOptions::new())?;
     let t1 = Instant::now();
@@ -579,6 +631,7 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     let t2 = Instant::now();
     let open_us = (t1 - t0).as_secs_f64() * 1e6;
     let hold_us = (t2 - t1).as_secs_f64() * 1e6;
+    let probe = probe.end();
 
     // Untimed: the pattern word reads back through the reader's mapping once its stream has the
     // generation.
@@ -599,9 +652,7 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     drop(reader);
     let release_us = t3.elapsed().as_secs_f64() * 1e6;
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    println!(
-        "{}",
-        json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
+    let figures = json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
                "attach_us": open_us + hold_us, "release_us": release_us, "imports": imports,
                "read_only": read_only, "generation": generation, "mismatches": mismatches,
                "open_manifest_us": us(phases.manifest), "open_tables_us": us(phases.tables),
@@ -617,8 +668,8 @@ fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
                "open_fd_peer_us": us(phases.fd_peer), "open_fd_connect_us": us(phases.fd_connect),
                "open_fd_reply_us": us(phases.fd_reply), "open_spawn_us": us(phases.spawn),
                "open_finish_us": us(phases.finish),
-               "open_join_wait_us": us(phases.join_wait), "open_total_us": us(phases.total)})
-    );
+               "open_join_wait_us": us(phases.join_wait), "open_total_us": us(phases.total)});
+    println!("{}", merged(figures, probe));
     Ok(())
 }
 
@@ -714,6 +765,7 @@ fn crate_parent(o: &Opts) -> Res<()> {
         "open_spawn_us",
         "open_finish_us",
         "open_total_us",
+        "minor_faults",
     ];
     let mut med = serde_json::Map::new();
     for k in keys {
@@ -833,6 +885,7 @@ fn parent(o: &Opts) -> Res<()> {
         "attach_us",
         "close_us",
         "release_us",
+        "minor_faults",
     ];
     let mut med = serde_json::Map::new();
     for k in keys {

@@ -52,6 +52,9 @@ pub const MAX_ALLOCATIONS: usize = 4096;
 pub const BODY_HEADER: usize = 256;
 /// Bytes of one allocation table entry.
 pub const ALLOC_ENTRY: usize = TOKEN_LEN + 16;
+/// Where in the body header the allocation table's offset (`u64`) and then its length (`u64`)
+/// are: the first of the four table ranges.
+pub(crate) const ALLOC_TABLE_AT: usize = 32;
 /// Bytes of one tensor table entry.
 pub const TENSOR_ENTRY: usize = 64;
 /// Memory kind code: host memory (the data segment `cuda-ipc.td.NAME`).
@@ -368,7 +371,7 @@ impl Layout {
     }
 
     /// A layout of `allocations` with the stored fingerprint `fingerprint` and no tensors yet: a
-    /// manifest's between [`decode_head`] and [`TensorTables::decode`], for what needs only the
+    /// manifest's between [`decode_head_within`] and [`TensorTables::decode`], for what needs only the
     /// allocations (the mapping); never handed to a user.
     fn provisional(allocations: Vec<u64>, fingerprint: [u8; 32]) -> Layout {
         Layout {
@@ -565,8 +568,8 @@ pub(crate) fn encode(m: &Manifest) -> Vec<u8> {
     .into_iter()
     .enumerate()
     {
-        put64(&mut b, 32 + 16 * k, off as u64);
-        put64(&mut b, 40 + 16 * k, (end - off) as u64);
+        put64(&mut b, ALLOC_TABLE_AT + 16 * k, off as u64);
+        put64(&mut b, ALLOC_TABLE_AT + 8 + 16 * k, (end - off) as u64);
     }
     b[96..128].copy_from_slice(&m.layout.fingerprint);
     put64(&mut b, 128, m.channel_generation);
@@ -606,24 +609,56 @@ pub(crate) fn encode(m: &Manifest) -> Vec<u8> {
     b
 }
 
-/// Range-checked little-endian reads of a body.
-struct Body<'a>(&'a [u8]);
+/// Range-checked little-endian reads of a body, or of its first bytes (`have`) where the rest is
+/// only located (`len`: the whole body's length, which every range is checked against).
+struct Body<'a> {
+    have: &'a [u8],
+    len: u64,
+}
 
 impl<'a> Body<'a> {
+    /// The whole body, `bytes`.
+    fn of(bytes: &'a [u8]) -> Body<'a> {
+        Body {
+            have: bytes,
+            len: bytes.len() as u64,
+        }
+    }
+
+    /// `len` bytes at `off`: within the body, else [`ManifestFault::OutOfBounds`] (also for a
+    /// range within the body but past the bytes at hand, which a caller that copied the head
+    /// covering what it reads never asks for).
     fn bytes(
         &self,
         what: &'static str,
         off: u64,
         len: u64,
     ) -> std::result::Result<&'a [u8], ManifestFault> {
-        let body = self.0.len() as u64;
+        self.within(what, off, len)?;
+        self.have
+            .get(off as usize..(off + len) as usize)
+            .ok_or(ManifestFault::OutOfBounds {
+                what,
+                offset: off,
+                len,
+                body: self.have.len() as u64,
+            })
+    }
+
+    /// Checks that `len` bytes at `off` lie within the body, without reading them.
+    fn within(
+        &self,
+        what: &'static str,
+        off: u64,
+        len: u64,
+    ) -> std::result::Result<(), ManifestFault> {
         match off.checked_add(len) {
-            Some(end) if end <= body => Ok(&self.0[off as usize..end as usize]),
+            Some(end) if end <= self.len => Ok(()),
             _ => Err(ManifestFault::OutOfBounds {
                 what,
                 offset: off,
                 len,
-                body,
+                body: self.len,
             }),
         }
     }
@@ -649,7 +684,7 @@ fn field(what: &'static str, found: u64, allowed: &'static str) -> ManifestFault
 
 impl Manifest {
     /// Recomputes the layout fingerprint and compares it with the one the body stores (which a
-    /// manifest from [`decode_head`] and [`TensorTables::decode`] carries until then): SHA-256 over the whole tensor
+    /// manifest from [`decode_head_within`] and [`TensorTables::decode`] carries until then): SHA-256 over the whole tensor
     /// table's canonical encoding, the costly part of a decode (about 0.2 ms for 4,608 tensors).
     pub(crate) fn verify_fingerprint(&self) -> std::result::Result<(), ManifestFault> {
         self.layout.verify_fingerprint()
@@ -657,7 +692,7 @@ impl Manifest {
 }
 
 /// Decodes a manifest body, checking every range, count, code, tensor and the fingerprint (the
-/// tests' whole decode; openers take [`decode_head`] and [`TensorTables::decode`] and verify
+/// tests' whole decode; openers take [`decode_head_within`] and [`TensorTables::decode`] and verify
 /// when it suits them).
 #[cfg(test)]
 pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
@@ -668,7 +703,7 @@ pub(crate) fn decode(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFaul
 
 /// [`decode`] but for the fingerprint: the layout carries the body's stored fingerprint, to be
 /// checked with [`Manifest::verify_fingerprint`] before anything relies on the manifest (a reader
-/// does it on another thread while it maps the memory). Openers take [`decode_head`] and
+/// does it on another thread while it maps the memory). Openers take [`decode_head_within`] and
 /// [`TensorTables::decode`], its two halves.
 #[cfg(test)]
 pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, ManifestFault> {
@@ -677,7 +712,7 @@ pub(crate) fn decode_unverified(bytes: &[u8]) -> std::result::Result<Manifest, M
     Ok(m)
 }
 
-/// Where a manifest body's tensor tables lie, found by [`decode_head`] (every range checked
+/// Where a manifest body's tensor tables lie, found by [`decode_head_within`] (every range checked
 /// against the body), with what the layout is made of besides them.
 #[derive(Clone, Debug)]
 pub(crate) struct TensorTables {
@@ -689,14 +724,29 @@ pub(crate) struct TensorTables {
     fingerprint: [u8; 32],
 }
 
-/// The first part of [`decode_unverified`]: the body header and the allocation table, every
-/// range, count and code checked, the tensor tables located but not read. The manifest's layout is
-/// provisional: its allocations and stored fingerprint, no tensors ([`Layout::provisional`]); what
-/// maps the memory needs nothing more. [`TensorTables::decode`] makes the real one.
+/// [`decode_head_within`] of a whole body (the tests' first half of [`decode_unverified`]).
+#[cfg(test)]
 pub(crate) fn decode_head(
     bytes: &[u8],
 ) -> std::result::Result<(Manifest, TensorTables), ManifestFault> {
-    let b = Body(bytes);
+    decode_head_within(bytes, bytes.len() as u64)
+}
+
+/// The first part of a manifest's decode: the body header and the allocation table, every range,
+/// count and code checked, the tensor tables located but not read, from the body's first bytes,
+/// `head` (at least the body header and the allocation table, where they lie within the body), of
+/// a body of `body_len` bytes: every range is checked against `body_len`, and only the header and
+/// the allocation table are read. The manifest's layout is provisional: its allocations and stored
+/// fingerprint, no tensors ([`Layout::provisional`]); what maps the memory needs nothing more.
+/// [`TensorTables::decode`] makes the real one from the whole body.
+pub(crate) fn decode_head_within(
+    head: &[u8],
+    body_len: u64,
+) -> std::result::Result<(Manifest, TensorTables), ManifestFault> {
+    let b = Body {
+        have: head,
+        len: body_len,
+    };
     b.bytes("the body header", 0, BODY_HEADER as u64)?;
     let kind = b.u32("kind", 0)?;
     if !(KIND_HOST..=KIND_POOL).contains(&kind) {
@@ -726,8 +776,8 @@ pub(crate) fn decode_head(
     let total = b.u64("bytes", 24)?;
     let part = |k: u64| -> std::result::Result<(u64, u64), ManifestFault> {
         Ok((
-            b.u64("a table offset", 32 + 16 * k)?,
-            b.u64("a table length", 40 + 16 * k)?,
+            b.u64("a table offset", ALLOC_TABLE_AT as u64 + 16 * k)?,
+            b.u64("a table length", ALLOC_TABLE_AT as u64 + 8 + 16 * k)?,
         ))
     };
     let (a_off, a_len) = part(0)?;
@@ -748,9 +798,9 @@ pub(crate) fn decode_head(
         return Err(field("the dims area's length", d_len, "a multiple of 8"));
     }
     let a_tab = b.bytes("the allocation table", a_off, a_len)?;
-    b.bytes("the tensor table", t_off, t_len)?;
-    b.bytes("the dims area", d_off, d_len)?;
-    b.bytes("the string area", s_off, s_len)?;
+    b.within("the tensor table", t_off, t_len)?;
+    b.within("the dims area", d_off, d_len)?;
+    b.within("the string area", s_off, s_len)?;
     let mut fp = [0u8; 32];
     fp.copy_from_slice(b.bytes("the fingerprint", 96, 32)?);
     let channel_generation = b.u64("the channel generation", 128)?;

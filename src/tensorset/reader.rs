@@ -74,7 +74,7 @@ pub struct TensorSetReader {
     generation_base: u64,
     /// The set's creation generation (its generation channel's, as the manifest names it).
     incarnation: u64,
-    _manifest: Segment,
+    _manifest: Arc<Segment>,
     /// What the set's holders segment must match to be read (its creation generation, buffers,
     /// allocations); `None`: the set has none (not VMM).
     holders_expect: Option<(u64, usize, usize)>,
@@ -318,7 +318,7 @@ impl TensorSetReader {
                         early
                             .as_ref()
                             .and_then(EarlyJoin::take_back)
-                            .map(|(body, t)| decode_and_verify(&body, &t)),
+                            .map(|(body, t)| decode_and_verify(body, &t)),
                     ),
                 };
                 let join_wait = t.elapsed();

@@ -16,6 +16,7 @@ use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Prefix of a manifest segment's name.
@@ -286,7 +287,8 @@ pub(crate) fn create_manifest(set: &str, m: &Manifest) -> Result<Segment> {
 /// From [`open_manifest_unverified`], its layout fingerprint is still to be checked
 /// ([`Manifest::verify_fingerprint`]).
 pub(crate) struct OpenedManifest {
-    pub(crate) seg: Segment,
+    /// Shared with a [`ManifestBody`] still to be copied out ([`open_manifest_head`]).
+    pub(crate) seg: Arc<Segment>,
     pub(crate) manifest: Manifest,
     /// How long the open, the copy and the decode took (without a later fingerprint check).
     pub(crate) took: Duration,
@@ -330,9 +332,53 @@ pub(crate) fn open_manifest_unverified(set: &str, init_wait: Duration) -> Result
 /// stored fingerprint) until `tables` are decoded from `body`.
 pub(crate) struct OpenedHead {
     pub(crate) opened: OpenedManifest,
-    /// The body, copied out of the segment.
-    pub(crate) body: Vec<u8>,
+    /// The whole body, still in the segment: copied out by whichever thread decodes the tables.
+    pub(crate) body: ManifestBody,
     pub(crate) tables: manifest::TensorTables,
+}
+
+/// A manifest's body, for the decode of its tensor tables: in its segment (kept mapped by the
+/// `Arc`). [`ManifestBody::copied`] copies it out byte-wise: the bytes are
+/// never referenced in place, so a writer that broke the protocol and changed them changes the
+/// copy's bytes, which the layout fingerprint check then refuses, never this process's memory
+/// safety.
+pub(crate) enum ManifestBody {
+    /// `len` bytes after the header page of `seg`, every page backed (checked at open) and
+    /// immutable after the stamp, which the open Acquire-loaded.
+    InSegment { seg: Arc<Segment>, len: usize },
+    /// Bytes made by a test.
+    #[cfg(test)]
+    Copied(Vec<u8>),
+}
+
+impl ManifestBody {
+    /// The body's bytes, copied out of the segment now (a manifest of the Llama shape: about
+    /// 40 KB, whose fresh pages a first copy faults in).
+    pub(crate) fn copied(self) -> Vec<u8> {
+        match self {
+            #[cfg(test)]
+            ManifestBody::Copied(v) => v,
+            ManifestBody::InSegment { seg, len } => copy_body(&seg, 0, len),
+        }
+    }
+}
+
+/// `len` bytes of the body of manifest segment `seg` from body offset `from`: the caller checked
+/// `HEADER_PAGE + from + len <= seg.len()`.
+fn copy_body(seg: &Segment, from: usize, len: usize) -> Vec<u8> {
+    debug_assert!(HEADER_PAGE + from + len <= seg.len());
+    let mut out = vec![0u8; len];
+    // SAFETY: `HEADER_PAGE + from + len <= seg.len()` (the caller's check), every page backed
+    // (checked at open); the body is immutable after the stamp, which `open_versioned`
+    // Acquire-loaded; copied out byte-wise, never referenced.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            seg.as_ptr().add(HEADER_PAGE + from),
+            out.as_mut_ptr(),
+            out.len(),
+        )
+    };
+    out
 }
 
 impl OpenedHead {
@@ -343,9 +389,10 @@ impl OpenedHead {
     /// [`TensorSetError::BadManifest`] for tables that do not decode.
     pub(crate) fn decoded(self) -> Result<OpenedManifest> {
         let t = std::time::Instant::now();
+        let body = self.body.copied();
         let layout = self
             .tables
-            .decode(&self.body)
+            .decode(&body)
             .map_err(|f| bad(self.opened.seg.name(), f))?;
         let mut opened = self.opened;
         opened.manifest.layout = layout;
@@ -381,22 +428,33 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
             },
         ));
     }
-    let mut body = vec![0u8; body_len as usize];
-    // SAFETY: `HEADER_PAGE + body_len <= seg.len()` (checked above), every page backed (checked at
-    // open); the body is immutable after the stamp, which `open_versioned` Acquire-loaded; copied
-    // out byte-wise, never referenced.
-    unsafe {
-        std::ptr::copy_nonoverlapping(seg.as_ptr().add(HEADER_PAGE), body.as_mut_ptr(), body.len())
+    let body_len = body_len as usize; // at most the segment's length, a `usize`
+    // Only the head is copied here: the body header and the allocation table, which the opening
+    // thread decodes. The tensor tables (most of the body) are copied by the thread that decodes
+    // them (`ManifestBody`).
+    let word = |head: &[u8], at: usize| {
+        head.get(at..at + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
     };
-    let (manifest, tables) = manifest::decode_head(&body).map_err(|f| bad(&name, f))?;
+    let mut head = copy_body(&seg, 0, body_len.min(manifest::BODY_HEADER));
+    let table_end = word(&head, manifest::ALLOC_TABLE_AT)
+        .saturating_add(word(&head, manifest::ALLOC_TABLE_AT + 8))
+        .min(body_len as u64) as usize;
+    if table_end > head.len() {
+        let more = copy_body(&seg, head.len(), table_end - head.len());
+        head.extend_from_slice(&more);
+    }
+    let (manifest, tables) =
+        manifest::decode_head_within(&head, body_len as u64).map_err(|f| bad(&name, f))?;
+    let seg = Arc::new(seg);
     Ok(OpenedHead {
         opened: OpenedManifest {
-            seg,
+            seg: seg.clone(),
             manifest,
             took: started.elapsed(),
             tables_took: Duration::ZERO,
         },
-        body,
+        body: ManifestBody::InSegment { seg, len: body_len },
         tables,
     })
 }

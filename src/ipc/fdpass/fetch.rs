@@ -164,6 +164,12 @@ pub(crate) fn fetch_times_on_this_thread() -> [Duration; FETCH_STEPS] {
 /// answered with [`FdPassError::PeerGone`] within this, not at the fetch's timeout.
 const REPLY_LIVENESS_EVERY: Duration = Duration::from_millis(100);
 
+/// How long a socket fetch looks for the exporter's first reply message without sleeping
+/// (`recvmsg` with `MSG_DONTWAIT`, over and over) before it blocks in `recvmsg`: an exporter's
+/// server answers within about 0.1 ms, and a thread that slept for it waits for its own wake-up
+/// too. Bounded, once per fetch: a slow server costs this much CPU time at most.
+const REPLY_SPIN: Duration = Duration::from_micros(200);
+
 /// [`fetch_many`], running `waiting` once while the exporter prepares its answer (over the
 /// socket, after the request went out; its reply waits meanwhile): work of the caller's that then
 /// costs no time of its own, such as starting a thread. The `pidfd_getfd` transports, which wait
@@ -607,9 +613,14 @@ impl<'a> Exchange<'a> {
             vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_MESSAGE))];
         let mut answered = 0usize;
         let mut reset_seen = false;
+        // The first message is looked for without sleeping until `REPLY_SPIN` has passed (or
+        // the deadline, if sooner).
+        let spin_until = Instant::now() + REPLY_SPIN;
+        let spin_until = deadline.at.map_or(spin_until, |at| at.min(spin_until));
         while answered < ids.len() {
+            let spin = answered == 0 && Instant::now() < spin_until;
             let Some(mut got) =
-                self.receive_message(sock, &mut buf, &mut space, &mut reset_seen, deadline)?
+                self.receive_message(sock, &mut buf, &mut space, &mut reset_seen, deadline, spin)?
             else {
                 continue;
             };
@@ -624,8 +635,9 @@ impl<'a> Exchange<'a> {
 
     /// One `recvmsg` into `buf` and `space`, within the deadline. The fds that arrived are taken
     /// into `OwnedFd`s before anything else, so every exit closes them. `Ok(None)`: nothing yet,
-    /// call again (interrupted, `SO_RCVTIMEO` ran out with time left, or the one reset a refusing
-    /// server causes, which `reset_seen` records). A connection closed before the answer is an
+    /// call again (interrupted, `SO_RCVTIMEO` ran out with time left, nothing there yet where
+    /// `spin` asked not to sleep (`MSG_DONTWAIT`), or the one reset a refusing server causes,
+    /// which `reset_seen` records). A connection closed before the answer is an
     /// error.
     fn receive_message(
         &self,
@@ -634,20 +646,22 @@ impl<'a> Exchange<'a> {
         space: &mut [MaybeUninit<u8>],
         reset_seen: &mut bool,
         deadline: &Deadline,
+        spin: bool,
     ) -> Result<Option<Received>> {
         let exporter = self.exporter;
-        // Every `REPLY_LIVENESS_EVERY` the exporter's liveness is asked (below): nothing before
-        // the exchange asked it.
-        let poll = deadline.remaining(WAIT_WHAT)?.min(REPLY_LIVENESS_EVERY);
-        sockopt::set_socket_timeout(sock, Timeout::Recv, Some(poll))
-            .map_err(|e| self.os("setsockopt", e))?;
+        let mut flags = RecvFlags::CMSG_CLOEXEC;
+        if spin {
+            // Not sleeping: nothing there yet is `Ok(None)` at once (below).
+            flags |= RecvFlags::DONTWAIT;
+        } else {
+            // Every `REPLY_LIVENESS_EVERY` the exporter's liveness is asked (below): nothing
+            // before the exchange asked it.
+            let poll = deadline.remaining(WAIT_WHAT)?.min(REPLY_LIVENESS_EVERY);
+            sockopt::set_socket_timeout(sock, Timeout::Recv, Some(poll))
+                .map_err(|e| self.os("setsockopt", e))?;
+        }
         let mut control = RecvAncillaryBuffer::new(space);
-        let got = rustix::net::recvmsg(
-            sock,
-            &mut [IoSliceMut::new(buf)],
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        );
+        let got = rustix::net::recvmsg(sock, &mut [IoSliceMut::new(buf)], &mut control, flags);
         // Take ownership of whatever fds arrived before anything else, so every exit closes them.
         let mut fds: Vec<OwnedFd> = Vec::new();
         for msg in control.drain() {
@@ -658,6 +672,10 @@ impl<'a> Exchange<'a> {
         let msg = match got {
             Ok(m) => m,
             Err(Errno::INTR) => return Ok(None),
+            Err(Errno::AGAIN) if spin => {
+                std::hint::spin_loop();
+                return Ok(None);
+            }
             Err(Errno::AGAIN) => {
                 // SO_RCVTIMEO ran out: the exporter is gone or time is up (unless it was clamped).
                 alive(exporter)?;

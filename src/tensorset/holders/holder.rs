@@ -13,6 +13,7 @@ use crate::tensorset::manifest::{KIND_HOST, KIND_LEGACY, KIND_POOL, KIND_VMM, Ma
 use crate::tensorset::segment::{self, INIT_WAIT};
 use crate::token::Token;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long one server may take to hand over a set's fds.
@@ -285,7 +286,7 @@ impl HolderStatus {
 pub struct Holder {
     // Drop order: the serving part (slot, exports), then the manifest's mapping.
     serving: Serving,
-    manifest: Segment,
+    manifest: Arc<Segment>,
     name: String,
     allocations: usize,
     bytes: u64,

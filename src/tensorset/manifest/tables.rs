@@ -13,13 +13,13 @@ use super::{
     TensorSetError, TensorTables, span_bytes,
 };
 #[cfg(doc)]
-use super::{Manifest, decode_head, fingerprint};
+use super::{Manifest, decode_head_within, fingerprint};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 impl TensorTables {
     /// The layout of the body `bytes` these tables were found in (the one given to
-    /// [`decode_head`]): every tensor's name, dtype, shape, strides and span checked, the name
+    /// [`decode_head_within`]): every tensor's name, dtype, shape, strides and span checked, the name
     /// index made; the fingerprint is the stored one, still to be checked
     /// ([`Manifest::verify_fingerprint`]).
     pub(crate) fn decode(&self, bytes: &[u8]) -> std::result::Result<Layout, ManifestFault> {
@@ -29,9 +29,9 @@ impl TensorTables {
     }
 
     /// The tensor table, the dims area and the string area of the body `bytes` (ranges checked
-    /// by [`decode_head`], and again here).
+    /// by [`decode_head_within`], and again here).
     fn areas<'b>(&self, bytes: &'b [u8]) -> std::result::Result<Areas<'b>, ManifestFault> {
-        let b = Body(bytes);
+        let b = Body::of(bytes);
         let t_tab = b.bytes("the tensor table", self.table.0, self.table.1)?;
         let dims = b.bytes("the dims area", self.dims.0, self.dims.1)?;
         let strings = b.bytes("the string area", self.strings.0, self.strings.1)?;

@@ -126,11 +126,82 @@ fn bad_specs_are_refused_with_the_tensor_named() {
     assert!(over.is_err());
 }
 
+/// The first bytes of `body` an opener copies: the body header, then up to the allocation
+/// table's end (as `open_manifest_head` does).
+fn head_of(body: &[u8]) -> &[u8] {
+    let word = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().unwrap()) as usize;
+    let end = word(ALLOC_TABLE_AT)
+        .saturating_add(word(ALLOC_TABLE_AT + 8))
+        .max(BODY_HEADER)
+        .min(body.len());
+    &body[..end]
+}
+
+/// The head alone (header and allocation table) decodes as the whole body does, every range
+/// checked against the whole body's length; a table past that length, or a head shorter than
+/// what it must hold, is refused with the range, never read past.
+#[test]
+fn the_head_alone_decodes_as_the_whole_body_and_ranges_are_the_bodys() {
+    let m = sample(40);
+    let body = encode(&m);
+    let head = head_of(&body);
+    assert!(
+        head.len() < body.len() / 4,
+        "{} of {}",
+        head.len(),
+        body.len()
+    );
+    let (hm, ht) = decode_head_within(head, body.len() as u64).unwrap();
+    let (wm, wt) = decode_head(&body).unwrap();
+    assert_eq!(hm.tokens, wm.tokens);
+    assert_eq!(hm.layout.allocations(), wm.layout.allocations());
+    assert_eq!(hm.layout.fingerprint(), wm.layout.fingerprint());
+    assert_eq!(
+        (hm.channel_generation, hm.generation_base),
+        (wm.channel_generation, wm.generation_base)
+    );
+    assert_eq!(
+        ht.decode(&body).unwrap().tensors(),
+        wt.decode(&body).unwrap().tensors()
+    );
+    // The body said to be a byte shorter: its last area no longer fits.
+    assert!(matches!(
+        decode_head_within(head, body.len() as u64 - 1),
+        Err(ManifestFault::OutOfBounds { body: b, .. }) if b == body.len() as u64 - 1
+    ));
+    // A head cut inside the allocation table: refused, not read past.
+    let cut = &head[..head.len() - 1];
+    assert!(matches!(
+        decode_head_within(cut, body.len() as u64),
+        Err(ManifestFault::OutOfBounds { .. })
+    ));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
     #[test]
     fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
         let _ = decode(&bytes);
+        let _ = decode_head_within(&bytes, bytes.len() as u64 * 2);
+    }
+
+    /// Whatever the body, its head as an opener copies it decodes to what the whole body does.
+    #[test]
+    fn a_corrupted_head_decodes_as_its_whole_body(
+        n in 0usize..20,
+        flips in proptest::collection::vec((0usize..BODY_HEADER + 2 * ALLOC_ENTRY, any::<u8>()), 1..6),
+    ) {
+        let mut body = encode(&sample(n));
+        for (at, v) in flips {
+            let i = at % body.len();
+            body[i] ^= v | 1;
+        }
+        let whole = decode_head(&body).map(|(m, _)| m.tokens);
+        let head = decode_head_within(head_of(&body), body.len() as u64).map(|(m, _)| m.tokens);
+        prop_assert_eq!(whole.is_ok(), head.is_ok(), "{:?} / {:?}", whole, head);
+        if let (Ok(w), Ok(h)) = (whole, head) {
+            prop_assert_eq!(w, h);
+        }
     }
 
     #[test]

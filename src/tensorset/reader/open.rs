@@ -7,7 +7,9 @@ use super::super::ReaderOptions;
 use super::super::error::{ManifestFault, TensorSetError};
 use super::super::holders::FdSource;
 use super::super::manifest::{Manifest, TensorTables, Verified};
-use super::super::segment::{DataSegment, GENERATION_PREFIX, OpenedHead, OpenedManifest};
+use super::super::segment::{
+    DataSegment, GENERATION_PREFIX, ManifestBody, OpenedHead, OpenedManifest,
+};
 use super::Memory;
 use crate::channel::{Consumer, ConsumerOptions, Delivery};
 use crate::driver::{Context, DeviceMemory};
@@ -29,12 +31,12 @@ use std::time::{Duration, Instant};
 #[non_exhaustive]
 pub struct OpenTimings {
     /// On the opening thread: opening the manifest segment (`shm_open`, `mmap`, the header's
-    /// checks), copying its body out and decoding and checking it (every range and code; for a
-    /// GPU set the allocation table only, the tensor tables being decoded on the join thread:
-    /// [`tables`](Self::tables)).
+    /// checks), copying its head out (the body header and the allocation table) and decoding and
+    /// checking it (every range and code); for a host set also the tensor tables
+    /// ([`tables`](Self::tables)), which a GPU set copies and decodes on the join thread.
     pub manifest: Duration,
-    /// Decoding the tensor tables (every tensor's name, dtype, shape, strides and span checked;
-    /// the name index made): for a GPU set beside the mapping, on the join thread once it has
+    /// Copying the tensor tables out of the manifest segment and decoding them (every tensor's
+    /// name, dtype, shape, strides and span checked; the name index made): for a GPU set beside the mapping, on the join thread once it has
     /// joined (more than [`VERIFY_APART`] tensors: on a thread of their own, which splits them
     /// among up to four threads where the process may use four CPUs or more); for a host set (or
     /// where no thread could be started) on the opening thread, where it is part of
@@ -143,11 +145,11 @@ pub(super) fn hand_off_tables(
     let mut pending = PendingTables::Decoded;
     if left.as_ref().is_some_and(|(_, t)| t.len() > VERIFY_APART) {
         // Sent once the thread runs, so that a failed start gives them back here.
-        let (tx, rx) = sync_channel::<(Vec<u8>, TensorTables)>(1);
+        let (tx, rx) = sync_channel::<Tables>(1);
         let started = std::thread::Builder::new()
             .name("cuda-ipc-tables".into())
             .spawn(move || match rx.recv() {
-                Ok((body, t)) => decode_and_verify(&body, &t),
+                Ok((body, t)) => decode_and_verify(body, &t),
                 // Nothing sent: the handle was not kept and this is never read.
                 Err(_) => (
                     Err(ManifestFault::Fingerprint),
@@ -195,10 +197,15 @@ pub(super) type Decoded = Verified;
 /// What a join thread returns: its join, and the tables it was given to decode, if any.
 pub(super) type JoinedAndDecoded = (Joined, Option<Decoded>);
 
-/// Decodes `tables` from `body` and checks the layout's fingerprint: more than [`VERIFY_APART`]
-/// tensors split among threads, the fingerprint from the raw entries beside them.
-pub(super) fn decode_and_verify(body: &[u8], tables: &TensorTables) -> Decoded {
-    tables.decode_verified(body, tables.len() > VERIFY_APART)
+/// Copies `body` out of its segment (if it is still there), decodes `tables` from it and checks
+/// the layout's fingerprint: more than [`VERIFY_APART`] tensors split among threads, the
+/// fingerprint from the raw entries beside them. The copy's time counts as the decode's.
+pub(super) fn decode_and_verify(body: ManifestBody, tables: &TensorTables) -> Decoded {
+    let t = Instant::now();
+    let bytes = body.copied();
+    let copy = t.elapsed();
+    let (layout, took, verify) = tables.decode_verified(&bytes, tables.len() > VERIFY_APART);
+    (layout, took + copy, verify)
 }
 
 /// Joins tensor set `name`'s generation channel as a latest-only reader (in `ctx`: a GPU set).
@@ -213,7 +220,7 @@ pub(super) fn join_channel(ctx: Option<&Arc<Context>>, name: &str, opts: &Reader
 }
 
 /// The tensor tables handed to the join thread, with the manifest body they lie in.
-type Tables = (Vec<u8>, TensorTables);
+type Tables = (ManifestBody, TensorTables);
 
 /// The generation channel's join on a thread of its own, made before the manifest is read
 /// ([`TensorSetReader::open`](super::TensorSetReader::open)) or once its header named the device
@@ -274,7 +281,7 @@ impl EarlyJoin {
                 let tables = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                 (
                     joined,
-                    tables.ok().map(|(body, t)| decode_and_verify(&body, &t)),
+                    tables.ok().map(|(body, t)| decode_and_verify(body, &t)),
                 )
             });
         self.spawn += t.elapsed();
@@ -289,7 +296,7 @@ impl EarlyJoin {
     /// thread runs or will (its start failed).
     pub(super) fn decode_after_join(
         &mut self,
-        body: Vec<u8>,
+        body: ManifestBody,
         tables: TensorTables,
     ) -> Option<Tables> {
         // Once: the channel holds one message (a second send would wait for a thread that may
@@ -472,7 +479,7 @@ mod tests {
         early.join = None;
         assert!(early.take().is_none());
         let (body, tables) = early.take_back().expect("the tables sent");
-        assert!(tables.decode(&body).is_ok());
+        assert!(tables.decode(&body.copied()).is_ok());
         drop(w);
     }
 
@@ -481,13 +488,17 @@ mod tests {
     fn the_join_thread_refuses_tables_whose_fingerprint_is_not_theirs() {
         let (name, w) = host_set("fingerprint");
         let head = open_manifest_head(&name, INIT_WAIT).unwrap();
-        let mut body = head.body;
+        let mut body = head.body.copied();
         // A byte of a name in the string area, the last bytes of the body: the tables still
         // decode (a valid UTF-8 name, unique), but they no longer match the fingerprint.
         let last = body.iter().rposition(|&b| b == b'w').unwrap();
         body[last] = b'W';
         let mut early = EarlyJoin::with(no_join);
-        assert!(early.decode_after_join(body, head.tables).is_none());
+        assert!(
+            early
+                .decode_after_join(ManifestBody::Copied(body), head.tables)
+                .is_none()
+        );
         let (_, decoded) = early.take().unwrap().join().unwrap();
         let (layout, _, _) = decoded.unwrap();
         assert!(
