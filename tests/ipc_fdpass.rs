@@ -839,6 +839,102 @@ fn a_root_importer_takes_another_users_listener_only_for_a_live_exporter() {
     ex.finish();
 }
 
+/// Holds an open-file-description lock on `path` (the liveness lock's byte 0) while it lives: a
+/// liveness file made here, owned by `uid`, as a process of that user would make it.
+fn forge_liveness(path: &str, uid: u32) -> std::fs::File {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap();
+    std::os::unix::fs::fchown(&f, Some(uid), Some(uid)).unwrap();
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_len = 1;
+    // SAFETY: a valid open descriptor and a fully initialised `flock`.
+    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_OFD_SETLK, &l) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    f
+}
+
+/// An exporter in another pid namespace, seen by a root importer that knows the exporter's uid
+/// (`fetch_many_from_uid`, as a tensor-set reader does): its socket (the live exporter's, of uid
+/// 65534, linked here under the name of an identity of another pid namespace) is taken from that
+/// uid only, and a liveness lock counts only when that uid (or root) owns it. Expecting root's
+/// exporter (a lock of root's says it lives), the importer refuses the socket before connecting;
+/// expecting 65534, it is served while a lock of 65534 says the exporter lives, and told
+/// `PeerGone` when the lock is a third user's. No fd is left open either way.
+#[test]
+fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_across_namespaces() {
+    const NAME: &str = "a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_across_namespaces";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !is_root() {
+        eprintln!("not run: needs root to start an exporter of another user");
+        return;
+    }
+    let ex = Exporter::spawn(NAME, 1, &[(SETUID, "65534")]);
+    let ids = parse_ids(&ex.ids(&[0]));
+    // The same pid and start time in a pid namespace that is not this one.
+    let mut w = ex.identity.to_words();
+    w[0] ^= 0x7 << 32;
+    let elsewhere = ProcessIdentity::from_words(w);
+    assert!(!elsewhere.in_own_pid_namespace());
+    let (real, linked) = (
+        fdpass::socket_path(&ex.identity),
+        fdpass::socket_path(&elsewhere),
+    );
+    let _ = std::fs::remove_file(&linked);
+    std::fs::hard_link(&real, &linked).unwrap();
+    let live = elsewhere.liveness_path();
+    let _ = std::fs::remove_file(&live);
+    let before = open_fds();
+
+    // Root's exporter expected, and root's lock says it lives: the socket file is 65534's,
+    // refused before connecting.
+    let lock = forge_liveness(&live, 0);
+    let r = fdpass::fetch_many_from_uid(&elsewhere, 0, &ids, FdTransport::Socket, ANSWER);
+    assert!(
+        matches!(&r, Err(Error::FdPass(FdPassError::NotTheExporter { reason, .. })) if reason.contains("uid 65534")),
+        "{:?}",
+        r.map(|v| v.len())
+    );
+    drop(lock);
+    assert_eq!(open_fds(), before, "fds left open");
+    std::fs::remove_file(&live).unwrap();
+
+    // 65534 expected, and a lock of 65534's says the exporter lives: served.
+    let lock = forge_liveness(&live, 65534);
+    let fds =
+        fdpass::fetch_many_from_uid(&elsewhere, 65534, &ids, FdTransport::Socket, ANSWER).unwrap();
+    assert_eq!(
+        fds.iter().map(read_content).collect::<Vec<_>>(),
+        contents([0])
+    );
+    drop(fds);
+    drop(lock);
+    std::fs::remove_file(&live).unwrap();
+
+    // The only lock is a third user's: it does not say the exporter lives.
+    let lock = forge_liveness(&live, 65533);
+    let r = fdpass::fetch_many_from_uid(&elsewhere, 65534, &ids, FdTransport::Socket, ANSWER);
+    assert!(
+        matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
+        "a lock of another user's said the exporter lives: {:?}",
+        r.map(|v| v.len())
+    );
+    drop(lock);
+    std::fs::remove_file(&live).unwrap();
+    std::fs::remove_file(&linked).unwrap();
+    assert_eq!(open_fds(), before, "fds left open");
+    ex.finish();
+}
+
 /// A dead exporter whose socket path now holds something else (a file anyone may create in the
 /// sticky, world-writable `/dev/shm` once the exporter removed its socket) is `PeerGone`, not
 /// the refusal of that file: a tensor-set reader falls back to its holders on `PeerGone` only.

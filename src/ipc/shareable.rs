@@ -113,11 +113,14 @@ pub(crate) type FdSource<'a> = &'a mut dyn FnMut(&[&Token]) -> Result<Vec<OwnedF
 /// [`fdpass::fetch_many`] round trip per exporter (in the order each exporter first appears,
 /// up to [`FETCH_TIMEOUT`] each), with this process's [`fd_transport`] (the socket for a token
 /// without an fd number). Returns them in the order of `tokens`; on an error none is left open.
+/// `owner`: the uid every exporter runs as, where the caller knows it (the owner of a segment the
+/// exporter made and this process checked): its socket and liveness are then checked against it
+/// ([`fdpass::fetch_many_from_uid`]).
 ///
 /// # Errors
 /// As [`fdpass::fetch_many`].
-pub(crate) fn fetch_from_exporters(tokens: &[&Token]) -> Result<Vec<OwnedFd>> {
-    fetch_from_exporters_then(tokens, &mut || {})
+pub(crate) fn fetch_from_exporters(tokens: &[&Token], owner: Option<u32>) -> Result<Vec<OwnedFd>> {
+    fetch_from_exporters_then(tokens, owner, &mut || {})
 }
 
 /// [`fetch_from_exporters`], running `waiting` once while the first exporter prepares its answer
@@ -127,6 +130,7 @@ pub(crate) fn fetch_from_exporters(tokens: &[&Token]) -> Result<Vec<OwnedFd>> {
 /// As [`fetch_from_exporters`].
 pub(crate) fn fetch_from_exporters_then(
     tokens: &[&Token],
+    owner: Option<u32>,
     waiting: &mut dyn FnMut(),
 ) -> Result<Vec<OwnedFd>> {
     let mut waiting = Some(waiting);
@@ -141,10 +145,9 @@ pub(crate) fn fetch_from_exporters_then(
         } else {
             fd_transport()
         };
-        let fds = match waiting.take() {
-            Some(w) => fdpass::fetch_many_then(&exporter, &ids, transport, FETCH_TIMEOUT, w)?,
-            None => fdpass::fetch_many(&exporter, &ids, transport, FETCH_TIMEOUT)?,
-        };
+        let mut idle = || {};
+        let w = waiting.take().unwrap_or(&mut idle);
+        let fds = fdpass::fetch_many_then(&exporter, owner, &ids, transport, FETCH_TIMEOUT, w)?;
         if fds.len() != at.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} fds fetched for {} exports",
@@ -278,13 +281,13 @@ mod tests {
             .map(|&i| vmm_token(me, ex[i].id(), ex[i].raw_fd()))
             .collect();
         let refs: Vec<&Token> = t.iter().collect();
-        let fds = fetch_from_exporters(&refs).unwrap();
+        let fds = fetch_from_exporters(&refs, None).unwrap();
         let got: Vec<String> = fds.into_iter().map(text).collect();
         assert_eq!(got, ["c", "a", "b"]);
         // One export withdrawn: the batch fails and hands out nothing.
         let gone = vmm_token(me, u32::MAX, -1);
         let refs = [&t[0], &gone, &t[1]];
-        let e = fetch_from_exporters(&refs).unwrap_err();
+        let e = fetch_from_exporters(&refs, None).unwrap_err();
         assert!(
             matches!(
                 e,

@@ -24,7 +24,7 @@ use super::wire::{
     REQUEST_OK, REQUEST_REFUSED, REQUEST_VERSION, decode_reply, encode_request,
 };
 use crate::error::{Error, OsError, Result};
-use crate::identity::ProcessIdentity;
+use crate::identity::{Liveness, ProcessIdentity};
 use rustix::io::Errno;
 use rustix::net::sockopt::{self, Timeout};
 use rustix::net::{
@@ -113,7 +113,28 @@ pub fn fetch_many(
     transport: FdTransport,
     timeout: Duration,
 ) -> Result<Vec<OwnedFd>> {
-    fetch_many_then(exporter, ids, transport, timeout, &mut || {})
+    fetch_many_then(exporter, None, ids, transport, timeout, &mut || {})
+}
+
+/// [`fetch_many`] from an exporter known to run as `uid` (for example the owner of a segment it
+/// made and this process checked, as a tensor set's manifest). In another pid namespace, where
+/// pids cannot be compared, only a socket file and a listener of that uid are taken, also by a
+/// root importer (which [`fetch_many`] lets take any one user's listener whose file it owns, as
+/// long as the exporter lives), and only a liveness lock file of that uid says the exporter
+/// lives. In this pid namespace the listener's pid decides, as with [`fetch_many`].
+///
+/// # Errors
+/// As [`fetch_many`]; [`FdPassError::NotTheExporter`] when, across pid namespaces, the socket
+/// file or its listener belongs to another uid than `uid`.
+#[doc(alias = "SCM_RIGHTS")]
+pub fn fetch_many_from_uid(
+    exporter: &ProcessIdentity,
+    uid: u32,
+    ids: &[(u32, i32)],
+    transport: FdTransport,
+    timeout: Duration,
+) -> Result<Vec<OwnedFd>> {
+    fetch_many_then(exporter, Some(uid), ids, transport, timeout, &mut || {})
 }
 
 /// The parts of a fetch the calling thread's time is kept for ([`fetch_times_on_this_thread`]).
@@ -192,6 +213,7 @@ const REPLY_SPIN: Duration = Duration::from_micros(200);
 /// As [`fetch_many`].
 pub(crate) fn fetch_many_then(
     exporter: &ProcessIdentity,
+    owner: Option<u32>,
     ids: &[(u32, i32)],
     transport: FdTransport,
     timeout: Duration,
@@ -203,12 +225,12 @@ pub(crate) fn fetch_many_then(
     let deadline = Deadline::new(timeout);
     let peer_gone = || {
         let t = Instant::now();
-        let r = alive(exporter);
+        let r = alive(exporter, owner);
         lap(FetchStep::Peer, t);
         r
     };
     match transport {
-        FdTransport::Socket => fetch_socket(exporter, ids, &deadline, waiting),
+        FdTransport::Socket => fetch_socket(exporter, owner, ids, &deadline, waiting),
         FdTransport::PidfdOnly => {
             // Nothing to wait for here: the caller's work runs first.
             waiting();
@@ -230,7 +252,7 @@ pub(crate) fn fetch_many_then(
                         "pidfd_getfd not used, falling back to the socket: {}",
                         f.describe()
                     );
-                    fetch_socket(exporter, ids, &deadline, &mut || {})
+                    fetch_socket(exporter, owner, ids, &deadline, &mut || {})
                 }
             }
         }
@@ -270,6 +292,7 @@ impl Deadline {
 /// `waiting` runs during the first request's wait ([`fetch_many_then`]).
 fn fetch_socket(
     exporter: &ProcessIdentity,
+    owner: Option<u32>,
     ids: &[(u32, i32)],
     deadline: &Deadline,
     waiting: &mut dyn FnMut(),
@@ -280,6 +303,7 @@ fn fetch_socket(
         let only_ids: Vec<u32> = chunk.iter().map(|(id, _)| *id).collect();
         out.extend(fetch_socket_once(
             exporter,
+            owner,
             &only_ids,
             deadline,
             waiting.take(),
@@ -288,9 +312,14 @@ fn fetch_socket(
     Ok(out)
 }
 
-/// [`FdPassError::PeerGone`] when the exporter is gone ([`exporter_gone`]).
-fn alive(exporter: &ProcessIdentity) -> Result<()> {
-    if exporter_gone(exporter) {
+/// [`FdPassError::PeerGone`] when the exporter is gone ([`exporter_gone`]; with its uid known,
+/// `owner`, a liveness lock file counts only if that uid owns it: [`ProcessIdentity::liveness_as`]).
+fn alive(exporter: &ProcessIdentity, owner: Option<u32>) -> Result<()> {
+    let gone = match owner {
+        Some(uid) => exporter.liveness_as(uid) == Liveness::Dead,
+        None => exporter_gone(exporter),
+    };
+    if gone {
         Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
     } else {
         Ok(())
@@ -298,8 +327,8 @@ fn alive(exporter: &ProcessIdentity) -> Result<()> {
 }
 
 /// Error for a connection that broke: the exporter is gone, or `otherwise`.
-fn gone_or(exporter: &ProcessIdentity, otherwise: Error) -> Error {
-    alive(exporter).err().unwrap_or(otherwise)
+fn gone_or(exporter: &ProcessIdentity, owner: Option<u32>, otherwise: Error) -> Error {
+    alive(exporter, owner).err().unwrap_or(otherwise)
 }
 
 /// What a socket fetch waits for, as its [`Error::Timeout`] names it.
@@ -326,17 +355,37 @@ fn cross_namespace_refusal(
     })
 }
 
+/// The refusal of a socket of an exporter in another pid namespace known to run as `uid` whose
+/// `what` (the file, the listener) belongs to `found`.
+fn not_the_owner(
+    exporter: &ProcessIdentity,
+    path: &str,
+    uid: u32,
+    found: u32,
+    what: &str,
+) -> Error {
+    Error::FdPass(FdPassError::NotTheExporter {
+        reason: format!(
+            "the fd socket {path} of {exporter} (another pid namespace, where pids cannot be \
+             compared) is served as uid {found} ({what}), and the exporter runs as uid {uid}"
+        ),
+        fix: "another user's process squats on the exporter's socket path; find it with \
+              `ss -xlp`",
+    })
+}
+
 /// One request over one connection: the steps below, in order. All or nothing: the fds of every id,
 /// in the order of `ids`, or an error and no fd left open.
 /// `waiting` (if any) runs once the request is sent, before the reply is read.
 fn fetch_socket_once(
     exporter: &ProcessIdentity,
+    owner: Option<u32>,
     ids: &[u32],
     deadline: &Deadline,
     waiting: Option<&mut dyn FnMut()>,
 ) -> Result<Vec<OwnedFd>> {
     let t = Instant::now();
-    let x = Exchange::new(exporter, ids);
+    let x = Exchange::new(exporter, owner, ids);
     // What stands at the path, or who listens there, says nothing once the exporter is gone:
     // such a refusal is `PeerGone` then (as a failed connection is), so that a caller falls back
     // to another source of the fds.
@@ -363,7 +412,7 @@ fn fetch_socket_once(
         // exporter's liveness, asked now that the connection is made, says its pid is still the
         // exporter's. Asked while the server answers, before any fd is read.
         let p = Instant::now();
-        let r = alive(exporter);
+        let r = alive(exporter, owner);
         add_fetch_time(FetchStep::Peer, p.elapsed());
         r?;
     }
@@ -379,6 +428,8 @@ struct Exchange<'a> {
     path: String,
     /// This process's effective uid.
     euid: u32,
+    /// The uid the exporter runs as, where the caller knows it ([`fetch_many_from_uid`]).
+    owner: Option<u32>,
     /// The first id asked for: the one named when the process serves no fds at all.
     first_id: u32,
 }
@@ -405,11 +456,12 @@ struct Received {
 }
 
 impl<'a> Exchange<'a> {
-    fn new(exporter: &'a ProcessIdentity, ids: &[u32]) -> Self {
+    fn new(exporter: &'a ProcessIdentity, owner: Option<u32>, ids: &[u32]) -> Self {
         Exchange {
             exporter,
             path: socket_path(exporter),
             euid: rustix::process::geteuid().as_raw(),
+            owner,
             first_id: ids.first().copied().unwrap_or(0),
         }
     }
@@ -430,7 +482,12 @@ impl<'a> Exchange<'a> {
 
     /// [`FdPassError::PeerGone`] when the exporter is gone, or `otherwise`.
     fn gone_or(&self, otherwise: Error) -> Error {
-        gone_or(self.exporter, otherwise)
+        gone_or(self.exporter, self.owner, otherwise)
+    }
+
+    /// [`alive`] for this exchange's exporter.
+    fn alive(&self) -> Result<()> {
+        alive(self.exporter, self.owner)
     }
 
     /// An fd-server reply that does not follow the protocol.
@@ -477,6 +534,12 @@ impl<'a> Exchange<'a> {
             // Across pid namespaces the owner is what tells the exporter's socket from another's.
             return Err(cross_namespace_refusal(exporter, path, owner, None, euid));
         }
+        if let Some(uid) = self.owner
+            && !same_ns
+            && owner != uid
+        {
+            return Err(not_the_owner(exporter, path, uid, owner, "its socket file"));
+        }
         Ok(SocketFile {
             owner,
             mode: st.st_mode,
@@ -521,7 +584,7 @@ impl<'a> Exchange<'a> {
                     }));
                 }
                 Err(Errno::AGAIN) => {
-                    alive(exporter)?;
+                    self.alive()?;
                     deadline.remaining(WAIT_WHAT)?;
                     continue;
                 }
@@ -532,7 +595,8 @@ impl<'a> Exchange<'a> {
 
     /// Step 3: who listens there? The listener's credentials (`SO_PEERCRED`, taken when it called
     /// `listen`) must be the exporter's: in this pid namespace its pid; across pid namespaces a uid
-    /// that is this process's or root's (any one uid, for root) and that owns the socket file.
+    /// that is this process's or root's (any one uid, for root) and that owns the socket file,
+    /// and the exporter's own uid where the caller knows it ([`fetch_many_from_uid`]).
     /// Returns them, for the refusal message of a later step.
     fn check_listener(&self, sock: &OwnedFd, file: &SocketFile) -> Result<PeerCred> {
         let (exporter, path, euid) = (self.exporter, &self.path, self.euid);
@@ -556,6 +620,16 @@ impl<'a> Exchange<'a> {
                 file.owner,
                 Some(server.uid),
                 euid,
+            ));
+        } else if let Some(uid) = self.owner
+            && server.uid != uid
+        {
+            return Err(not_the_owner(
+                exporter,
+                path,
+                uid,
+                server.uid,
+                "its listener",
             ));
         }
         Ok(server)
@@ -586,7 +660,7 @@ impl<'a> Exchange<'a> {
                 Ok(_) => return Err(self.os("send", Errno::MSGSIZE)),
                 Err(Errno::INTR) => continue,
                 Err(Errno::AGAIN) => {
-                    alive(self.exporter)?;
+                    self.alive()?;
                     deadline.remaining(WAIT_WHAT)?;
                     continue;
                 }
@@ -648,7 +722,6 @@ impl<'a> Exchange<'a> {
         deadline: &Deadline,
         spin: bool,
     ) -> Result<Option<Received>> {
-        let exporter = self.exporter;
         let mut flags = RecvFlags::CMSG_CLOEXEC;
         if spin {
             // Not sleeping: nothing there yet is `Ok(None)` at once (below).
@@ -678,7 +751,7 @@ impl<'a> Exchange<'a> {
             }
             Err(Errno::AGAIN) => {
                 // SO_RCVTIMEO ran out: the exporter is gone or time is up (unless it was clamped).
-                alive(exporter)?;
+                self.alive()?;
                 deadline.remaining(WAIT_WHAT)?;
                 return Ok(None);
             }

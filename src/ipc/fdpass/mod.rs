@@ -51,7 +51,10 @@
 //!   liveness across pid namespaces is its liveness lock, which a process of any user can hold
 //!   under a dead exporter's name: a token records no uid of its exporter to compare with, so a
 //!   root importer across pid namespaces trusts whoever serves a dead exporter's path under one
-//!   uid. Run importers as the exporters' user.
+//!   uid. Run importers as the exporters' user. A caller that knows the exporter's uid (the owner
+//!   of a segment the exporter made, which it checked) passes it to [`fetch_many_from_uid`]: the
+//!   file, the listener and the liveness lock must then be that uid's, root's importer included.
+//!   Tensor sets do (their manifest is the reader's uid's, their holders' uids are recorded).
 //!
 //! # Transports
 //! [`FdTransport::Socket`] (the default) needs no special rights. `pidfd_getfd(2)` (Linux 5.6+)
@@ -101,7 +104,7 @@ mod wire;
 
 pub use error::FdPassError;
 pub(crate) use fetch::{FETCH_STEPS, FetchStep, fetch_many_then, fetch_times_on_this_thread};
-pub use fetch::{FdTransport, fetch, fetch_many};
+pub use fetch::{FdTransport, fetch, fetch_many, fetch_many_from_uid};
 pub use pidfd::pidfd_getfd_available;
 pub use server::FdExport;
 pub(crate) use server::own_offered;

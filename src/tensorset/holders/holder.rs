@@ -77,7 +77,7 @@ pub(crate) fn fetch_all(
         && toks.iter().all(|t| t.exporter == first.exporter)
     {
         let refs: Vec<&Token> = toks.iter().collect();
-        match crate::ipc::fetch_from_exporters(&refs) {
+        match crate::ipc::fetch_from_exporters(&refs, Some(set_uid())) {
             Ok(fds) => return Ok((fds, first.exporter)),
             Err(e) => tried.push(format!("the writer ({}): {e}", first.exporter)),
         }
@@ -92,7 +92,13 @@ pub(crate) fn fetch_all(
             continue;
         }
         let ids: Vec<(u32, i32)> = s.ids.iter().map(|&i| (i, -1)).collect();
-        match fdpass::fetch_many(&s.identity, &ids, FdTransport::Socket, FETCH_TIMEOUT) {
+        match fdpass::fetch_many_from_uid(
+            &s.identity,
+            s.uid,
+            &ids,
+            FdTransport::Socket,
+            FETCH_TIMEOUT,
+        ) {
             Ok(fds) => return Ok((fds, s.identity)),
             Err(e) => tried.push(format!("{} {}: {e}", s.role.word(), s.identity)),
         }
@@ -105,6 +111,13 @@ pub(crate) fn fetch_all(
         tried: tried.join("; "),
     }
     .into())
+}
+
+/// The uid a set's writer runs as: this process's, since a set's manifest is opened only when
+/// it belongs to this process's uid (its writer made it). Its fd socket and liveness are checked
+/// against it, also across pid namespaces and by root ([`fdpass::fetch_many_from_uid`]).
+fn set_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
 }
 
 /// Where a reader's imports get their fds: the token's exporter, and once that is gone, the set's
@@ -138,7 +151,7 @@ impl<'a> FdSource<'a> {
         asked: &[&Token],
         waiting: &mut dyn FnMut(),
     ) -> Result<Vec<OwnedFd>> {
-        match crate::ipc::fetch_from_exporters_then(asked, waiting) {
+        match crate::ipc::fetch_from_exporters_then(asked, Some(set_uid()), waiting) {
             Err(Error::FdPass(FdPassError::PeerGone { .. }))
                 if self.m.kind == KIND_VMM && self.m.holders_generation != 0 =>
             {
