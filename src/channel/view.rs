@@ -8,6 +8,7 @@
 //! [`Frame`]: super::Frame
 //! [`WriteFrame`]: super::WriteFrame
 
+use super::host::HostPool;
 use super::options::{HOST_NO_GPU, no_host_bytes};
 use crate::driver::{DeviceMemory, Stream};
 use crate::error::{Error, Result};
@@ -57,6 +58,21 @@ impl<B> Clone for FrameBuffer<'_, B> {
 impl<B> Copy for FrameBuffer<'_, B> {}
 
 impl<'a, B> FrameBuffer<'a, B> {
+    /// Host buffer `index` of `pool`; no bytes where the channel has none (a memoryless
+    /// channel's frames: every range but the empty one is refused, and the pointer is dangling).
+    pub(crate) fn host(pool: Option<&'a HostPool>, index: usize) -> Self {
+        match pool {
+            Some(pool) => FrameBuffer::Host {
+                ptr: pool.ptr(index),
+                len: pool.buffer_bytes(),
+            },
+            None => FrameBuffer::Host {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            },
+        }
+    }
+
     /// Whether the bytes are host memory.
     pub fn is_host(&self) -> bool {
         matches!(self, FrameBuffer::Host { .. })

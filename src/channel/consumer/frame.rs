@@ -48,22 +48,11 @@ impl Frame<'_> {
                         buffer,
                         stream: &o.stream,
                     },
-                    // A memoryless channel: no bytes, as below.
-                    _ => FrameBuffer::Host {
-                        ptr: std::ptr::NonNull::dangling().as_ptr(),
-                        len: 0,
-                    },
+                    // A memoryless channel: no bytes.
+                    _ => FrameBuffer::host(None, self.index),
                 }
             }
-            Side::Host(Some(pool)) => FrameBuffer::Host {
-                ptr: pool.ptr(self.index),
-                len: pool.buffer_bytes(),
-            },
-            // A memoryless channel: no bytes (every range but the empty one is refused).
-            Side::Host(None) => FrameBuffer::Host {
-                ptr: std::ptr::NonNull::dangling().as_ptr(),
-                len: 0,
-            },
+            Side::Host(pool) => FrameBuffer::host(pool.as_ref(), self.index),
         }
     }
 

@@ -36,15 +36,7 @@ impl WriteFrame<'_> {
                 buffer: &gpu.buffers[self.index],
                 stream: &gpu.stream,
             },
-            Side::Host(Some(pool)) => FrameBuffer::Host {
-                ptr: pool.ptr(self.index),
-                len: pool.buffer_bytes(),
-            },
-            // A memoryless channel: no bytes (every range but the empty one is refused).
-            Side::Host(None) => FrameBuffer::Host {
-                ptr: std::ptr::NonNull::dangling().as_ptr(),
-                len: 0,
-            },
+            Side::Host(pool) => FrameBuffer::host(pool.as_ref(), self.index),
         }
     }
 
