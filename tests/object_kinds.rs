@@ -45,7 +45,10 @@ fn the_documented_object_kinds_are_the_librarys() {
 
 #[test]
 fn every_object_kind_has_its_cleanup_inspect_ls_and_gc_rooms() {
-    let cleanup = read("src/cleanup/mod.rs");
+    // The cleanup's files: the module and its scan, removal and holders' parts.
+    let cleanup = ["mod", "scan", "remove", "holders"]
+        .map(|f| read(&format!("src/cleanup/{f}.rs")))
+        .concat();
     let ls = read("cli/src/ls.rs");
     let gc = read("cli/src/gc.rs");
     // `gc` prints the library's scan and removal, nothing of its own.
@@ -70,7 +73,7 @@ fn every_object_kind_has_its_cleanup_inspect_ls_and_gc_rooms() {
         // The scan names it in the lines `gc` prints (`KIND NAME: ...`).
         assert!(
             cleanup.contains(&format!("\"{name} {{")),
-            "{name}: src/cleanup/mod.rs prints no `{name} NAME: ...` leftover"
+            "{name}: src/cleanup/ prints no `{name} NAME: ...` leftover"
         );
         // Inspect: a read-only snapshot module.
         assert!(

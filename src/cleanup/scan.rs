@@ -1,0 +1,403 @@
+//! The scan ([`scan`]): every registry, channel, host pool, tensor set, quota ledger and
+//! per-process file of the scope looked at, each by its layer's own rule, into one [`Scan`].
+//!
+//! Owns: the order of the look and what each kind's look lists (leftovers, kept objects with a
+//! note, problems); the leftovers' shapes shared with the removal stay in the parent.
+
+use super::{
+    BRIDGE_PREFIX, LeftoverKind, RegistryKey, Scan, Scope, Target, bridge_dead, consumer_leftover,
+    holder_leftover, holders, leftover, problem,
+};
+use crate::channel::inspect as channel_inspect;
+use crate::error::Result;
+use crate::identity;
+use crate::ipc::fdpass;
+use crate::quota::{self, QuotaLedger};
+use crate::registry::inspect as registry_inspect;
+use crate::shm::SHM_DIR;
+use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
+
+/// Lists what dead processes left in `scope`, by the layers' own rules; changes nothing.
+///
+/// A registry or channel that cannot be read is a [`Problem`](super::Problem) (unless it is a creation abandoned
+/// half-way: then it is that leftover); another user's quota ledger is a problem whose error is
+/// `ShmError::WrongOwner`. Per-process files are this user's only, everyone's for root.
+///
+/// # Errors
+/// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed (for the registries and channels of
+/// [`Scope::everything`]).
+pub fn scan(scope: &Scope) -> Result<Scan> {
+    let mut s = Scan::default();
+    let registries = match &scope.registries {
+        Some(r) => r.clone(),
+        None => registry_inspect::list_registries()?,
+    };
+    let channels = match &scope.channels {
+        Some(c) => c.clone(),
+        None => channel_inspect::list_channels()?,
+    };
+    for r in &registries {
+        scan_registry(r, &mut s);
+    }
+    for c in &channels {
+        scan_channel(c, &mut s);
+    }
+    scan_host_pools(scope.channels.as_deref(), &mut s);
+    let sets = match &scope.tensor_sets {
+        Some(t) => t.clone(),
+        None => tensorset_inspect::list_tensor_sets()?,
+    };
+    for t in &sets {
+        scan_tensor_set(t, &mut s);
+    }
+    if scope.everything {
+        scan_quota(&mut s);
+        scan_process_files(&mut s);
+    }
+    Ok(s)
+}
+
+fn scan_registry(r: &str, s: &mut Scan) {
+    let snap = match registry_inspect::inspect(r) {
+        Ok(snap) => snap,
+        Err(e) => {
+            // A creation abandoned half-way goes, by the rule `open_or_create` replaces it by;
+            // anything else is a problem, and kept.
+            match registry_inspect::abandoned(r) {
+                Ok(Some(why)) => s.leftovers.push(leftover(
+                    LeftoverKind::RegistryCreation,
+                    r,
+                    None,
+                    None,
+                    format!("registry {r}: segment {SHM_DIR}/{r}: {why}"),
+                    Target::RegistrySegment,
+                )),
+                _ => s.problems.push(problem(format!("registry {r}"), e)),
+            }
+            return;
+        }
+    };
+    let dead = identity::Liveness::Dead;
+    for x in snap.records.iter().filter(|x| x.owner_liveness == dead) {
+        let rec = &x.record;
+        s.leftovers.push(leftover(
+            LeftoverKind::RegistryRecord,
+            r,
+            Some(rec.owner),
+            Some(rec.owner_uid),
+            format!(
+                "registry {r}: record {:?} (seq {}, slot {}) of dead {}",
+                rec.name, rec.seq, rec.slot, rec.owner
+            ),
+            Target::RegistryItem(RegistryKey::Record {
+                slot: rec.slot,
+                seq: rec.seq,
+            }),
+        ));
+    }
+    for l in snap.locked_slots.iter().filter(|l| l.writer_dead) {
+        s.leftovers.push(leftover(
+            LeftoverKind::RegistryLock,
+            r,
+            l.writer,
+            None,
+            format!(
+                "registry {r}: slot {} lock of dead pid {}{}",
+                l.slot,
+                l.writer_pid,
+                if l.writing {
+                    " and its half-written record"
+                } else {
+                    ""
+                }
+            ),
+            Target::RegistryItem(RegistryKey::Lock { slot: l.slot }),
+        ));
+    }
+    for (slot, why) in &snap.corrupt_slots {
+        s.leftovers.push(leftover(
+            LeftoverKind::RegistryCorruptSlot,
+            r,
+            None,
+            None,
+            format!("registry {r}: corrupt slot {slot} ({why})"),
+            Target::RegistryItem(RegistryKey::Corrupt { slot: *slot }),
+        ));
+    }
+    for p in snap.participants.iter().filter(|p| p.dead) {
+        s.leftovers.push(leftover(
+            LeftoverKind::RegistryParticipant,
+            r,
+            Some(p.identity),
+            None,
+            format!(
+                "registry {r}: participant entry {} of dead {}",
+                p.index, p.identity
+            ),
+            Target::RegistryItem(RegistryKey::Participant { index: p.index }),
+        ));
+    }
+}
+
+fn scan_channel(c: &str, s: &mut Scan) {
+    let snap = match channel_inspect::inspect(c) {
+        Ok(snap) => snap,
+        Err(e) => {
+            match channel_inspect::abandoned(c) {
+                Ok(Some(why)) => s.leftovers.push(leftover(
+                    LeftoverKind::ChannelCreation,
+                    c,
+                    None,
+                    None,
+                    format!(
+                        "channel {c}: segment {SHM_DIR}/{}: {why}",
+                        channel_inspect::segment_name(c)
+                    ),
+                    Target::ChannelCreation,
+                )),
+                _ => s.problems.push(problem(format!("channel {c}"), e)),
+            }
+            return;
+        }
+    };
+    use identity::Liveness::{Dead, Unknown};
+    if snap.producer_liveness == Unknown {
+        s.kept.push(format!(
+            "channel {c}: whether its producer ({}) runs cannot be told from here (its liveness \
+             file cannot be read and its pid is not of this pid namespace)",
+            snap.producer
+        ));
+    }
+    for x in snap.consumers.iter().filter(|x| x.liveness == Unknown) {
+        s.kept.push(format!(
+            "channel {c}: consumer slot {} ({}): whether it runs cannot be told from here",
+            x.index, x.identity
+        ));
+    }
+    if snap.producer_liveness != Dead {
+        // A live producer: only the slots (and holds) of dead consumers go.
+        for x in snap.consumers.iter().filter(|x| x.liveness == Dead) {
+            s.leftovers.push(consumer_leftover(c, x));
+        }
+        return;
+    }
+    let attached = if snap.consumers.is_empty() {
+        "attached".to_string()
+    } else {
+        format!(
+            "attached ({})",
+            snap.consumers
+                .iter()
+                .map(|x| format!("{} {}", x.identity, liveness_word(x.liveness)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    s.leftovers.push(leftover(
+        LeftoverKind::Channel,
+        c,
+        Some(snap.producer),
+        None,
+        format!(
+            "channel {c}: segment {SHM_DIR}/{} ({} bytes) of dead producer {}, {} consumers {attached}",
+            snap.segment,
+            snap.segment_bytes,
+            snap.producer,
+            snap.consumers.len(),
+        ),
+        Target::ChannelSegment,
+    ));
+}
+
+fn liveness_word(l: identity::Liveness) -> &'static str {
+    match l {
+        identity::Liveness::Alive => "alive",
+        identity::Liveness::Dead => "dead",
+        _ => "unknown",
+    }
+}
+
+/// Host pools of dead producers (whether their channel segment is still there or not); with
+/// `named`, only those of the channels named.
+fn scan_host_pools(named: Option<&[String]>, s: &mut Scan) {
+    let pools = match channel_inspect::stale_host_pools() {
+        Ok(p) => p,
+        Err(e) => {
+            s.problems.push(problem("host pools".into(), e));
+            return;
+        }
+    };
+    for (c, why) in pools {
+        if named.is_some_and(|n| !n.contains(&c)) {
+            continue;
+        }
+        s.leftovers.push(leftover(
+            LeftoverKind::HostPool,
+            &c,
+            None,
+            Some(rustix::process::geteuid().as_raw()),
+            format!(
+                "host pool {SHM_DIR}/{} of channel {c}: {why}",
+                channel_inspect::pool_segment_name(&c)
+            ),
+            Target::HostPool,
+        ));
+    }
+}
+
+/// A tensor set's parts left by a dead writer or an abandoned creation, and dead readers of a
+/// live writer's set.
+fn scan_tensor_set(t: &str, s: &mut Scan) {
+    let parts = match tensorset::reclaim::stale_parts(t) {
+        Ok(p) => p,
+        Err(e) => {
+            s.problems.push(problem(format!("tensorset {t}"), e));
+            return;
+        }
+    };
+    let writer_dead = parts
+        .iter()
+        .any(|p| p.part == Part::Manifest && p.writer.is_some());
+    for p in &parts {
+        let (kind, whose) = match p.writer {
+            Some(w) => (LeftoverKind::TensorSet, format!(" of dead writer {w}")),
+            None => (LeftoverKind::TensorSetCreation, String::new()),
+        };
+        s.leftovers.push(leftover(
+            kind,
+            t,
+            p.writer,
+            Some(rustix::process::geteuid().as_raw()),
+            format!(
+                "tensorset {t}: {} {SHM_DIR}/{} ({} bytes){whose}: {}",
+                p.part.word(),
+                p.segment,
+                p.bytes,
+                p.why
+            ),
+            Target::TensorSetPart(p.part),
+        ));
+    }
+    if !parts.iter().any(|p| p.part == Part::Holders) {
+        holders::scan(t, s);
+    }
+    if writer_dead {
+        return;
+    }
+    // A live writer (or none readable): only dead readers' slots go.
+    if let Ok(snap) = tensorset_inspect::inspect(t) {
+        for r in snap
+            .readers
+            .iter()
+            .filter(|r| r.liveness == identity::Liveness::Dead)
+        {
+            s.leftovers.push(leftover(
+                LeftoverKind::TensorSetReader,
+                t,
+                Some(r.identity),
+                None,
+                format!(
+                    "tensorset {t}: reader slot {} of dead pid {} ({}), holding generations {:?}",
+                    r.slot, r.identity.pid, r.identity, r.held
+                ),
+                Target::TensorSetReader,
+            ));
+        }
+    }
+}
+
+fn scan_quota(s: &mut Scan) {
+    let names = match quota::list_ledgers() {
+        Ok(n) => n,
+        Err(e) => {
+            s.problems.push(problem("quota ledgers".into(), e));
+            return;
+        }
+    };
+    for name in names {
+        match QuotaLedger::open_named(&name).and_then(|l| l.dead_holders(false)) {
+            Ok(dead) => s
+                .leftovers
+                .extend(dead.iter().map(|h| holder_leftover(&name, h))),
+            Err(e) => s.problems.push(problem(format!("quota ledger {name}"), e)),
+        }
+    }
+}
+
+/// Whether a file of `uid` is ours to remove: this user's, or anyone's for root.
+fn ours(uid: u32) -> bool {
+    let me = rustix::process::geteuid();
+    me.is_root() || me.as_raw() == uid
+}
+
+fn scan_process_files(s: &mut Scan) {
+    // Sockets first: their staleness is read through the liveness files.
+    match fdpass::stale_socket_files() {
+        Ok(files) => s
+            .leftovers
+            .extend(files.into_iter().filter(|f| ours(f.uid)).map(|f| {
+                leftover(
+                    LeftoverKind::FdSocket,
+                    &f.name.clone(),
+                    Some(f.identity),
+                    Some(f.uid),
+                    format!(
+                        "fd server socket {SHM_DIR}/{} of dead {}",
+                        f.name, f.identity
+                    ),
+                    Target::Socket(f),
+                )
+            })),
+        Err(e) => s.problems.push(problem("fd server sockets".into(), e)),
+    }
+    match identity::stale_liveness_files() {
+        Ok(files) => s
+            .leftovers
+            .extend(files.into_iter().filter(|f| ours(f.uid)).map(|f| {
+                leftover(
+                    LeftoverKind::LivenessFile,
+                    &f.name.clone(),
+                    Some(f.identity),
+                    Some(f.uid),
+                    format!("liveness file {SHM_DIR}/{} of dead {}", f.name, f.identity),
+                    Target::Liveness(f),
+                )
+            })),
+        Err(e) => s.problems.push(problem("liveness files".into(), e)),
+    }
+    for (c, uid) in stale_bridge_status_files() {
+        if ours(uid) {
+            s.leftovers.push(leftover(
+                LeftoverKind::BridgeStatus,
+                &c,
+                None,
+                Some(uid),
+                format!("bridge status {SHM_DIR}/{BRIDGE_PREFIX}{c} of a dead bridge"),
+                Target::Bridge,
+            ));
+        }
+    }
+}
+
+/// Status files of dead bridges, as (channel, owner uid). A bridge's temporary file
+/// (`NAME.tmp-lane-PID`) is not a status file.
+fn stale_bridge_status_files() -> Vec<(String, u32)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(String, u32)> = dir
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            let c = name.strip_prefix(BRIDGE_PREFIX)?.to_string();
+            let m = e.metadata().ok()?;
+            if c.contains(".tmp-lane-") || !m.is_file() {
+                return None;
+            }
+            bridge_dead(&c)?.then_some((c, m.uid()))
+        })
+        .collect();
+    v.sort();
+    v
+}
