@@ -1,0 +1,496 @@
+//! File-descriptor passing (`cuda_ipc::ipc::fdpass`) with other users, across pid and network
+//! namespaces, and with things planted at an exporter's socket path, without a GPU; the support
+//! (exporter and importer children) is `fdpass_support`, shared with `ipc_fdpass`.
+
+mod common;
+mod fdpass_support;
+
+use common::role;
+use cuda_ipc::Error;
+use cuda_ipc::identity::ProcessIdentity;
+use cuda_ipc::ipc::fdpass::{self, FdPassError, FdTransport};
+use fdpass_support::*;
+use std::time::{Duration, Instant};
+
+#[test]
+fn another_user_is_refused_by_the_socket() {
+    const NAME: &str = "another_user_is_refused_by_the_socket";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !is_root() {
+        // Switching users needs root; the uid rule itself is unit-tested in
+        // src/ipc/fdpass/server.rs.
+        eprintln!("not run: needs root to start an importer of another user");
+        return;
+    }
+    let mut ex = Exporter::spawn(NAME, 1, &[]);
+    let ex_fds = ex.fds();
+    let mut im = Importer::spawn(NAME, &ex.identity, &[(SETUID, "65534")]);
+    let before = im.fds();
+    for transport in ["socket", "pidfd-then-socket"] {
+        let f = im.fetch(transport, 5000, &ex.ids(&[0]));
+        let (kind, text, _) = f.error();
+        assert_eq!(kind, "refused", "{transport}: {text}");
+        assert!(text.contains("own user"), "{text}");
+    }
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    assert_eq!(ex.fds(), ex_fds, "the exporter leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+/// A dead exporter's identity whose pid a live listener of another user holds (pid reuse,
+/// made here with a hard link to a live exporter's socket file under the name of an identity
+/// with the same pid and an earlier start time): a root importer takes the listener for the
+/// exporter only while the exporter lives, so it gets `PeerGone` and no fd; the live exporter
+/// itself is served.
+#[test]
+fn a_root_importer_takes_another_users_listener_only_for_a_live_exporter() {
+    const NAME: &str = "a_root_importer_takes_another_users_listener_only_for_a_live_exporter";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !is_root() {
+        eprintln!("not run: needs root to start an exporter of another user");
+        return;
+    }
+    let ex = Exporter::spawn(NAME, 1, &[(SETUID, "65534")]);
+    let ids = parse_ids(&ex.ids(&[0]));
+    let live = fdpass::fetch_many(&ex.identity, &ids, FdTransport::Socket, ANSWER).unwrap();
+    assert_eq!(
+        live.iter().map(read_content).collect::<Vec<_>>(),
+        contents([0])
+    );
+    let mut w = ex.identity.to_words();
+    w[1] = w[1].wrapping_sub(1);
+    let ghost = ProcessIdentity::from_words(w);
+    assert_eq!(ghost.liveness(), cuda_ipc::identity::Liveness::Dead);
+    let (real, fake) = (
+        fdpass::socket_path(&ex.identity),
+        fdpass::socket_path(&ghost),
+    );
+    let _ = std::fs::remove_file(&fake);
+    std::fs::hard_link(&real, &fake).unwrap();
+    let before = open_fds();
+    let r = fdpass::fetch_many(&ghost, &ids, FdTransport::Socket, ANSWER);
+    std::fs::remove_file(&fake).unwrap();
+    assert!(
+        matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
+        "a dead exporter's fetch was answered by another user's listener: {:?}",
+        r.map(|v| v.len())
+    );
+    assert_eq!(open_fds(), before, "fds left open");
+    ex.finish();
+}
+
+/// An exporter in another pid namespace, seen by a root importer that knows the exporter's uid
+/// (`fetch_many_from_uid`, as a tensor-set reader does): its socket (the live exporter's, of uid
+/// 65534, linked here under the name of an identity of another pid namespace) is taken from that
+/// uid only, and a liveness lock counts only when that uid (or root) owns it. Expecting root's
+/// exporter (a lock of root's says it lives), the importer refuses the socket before connecting;
+/// expecting 65534, it is served while a lock of 65534 says the exporter lives, and told
+/// `PeerGone` when the lock is a third user's. No fd is left open either way.
+#[test]
+fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_across_namespaces() {
+    const NAME: &str = "a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_across_namespaces";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !is_root() {
+        eprintln!("not run: needs root to start an exporter of another user");
+        return;
+    }
+    let ex = Exporter::spawn(NAME, 1, &[(SETUID, "65534")]);
+    let ids = parse_ids(&ex.ids(&[0]));
+    // The same pid and start time in a pid namespace that is not this one.
+    let mut w = ex.identity.to_words();
+    w[0] ^= 0x7 << 32;
+    let elsewhere = ProcessIdentity::from_words(w);
+    assert!(!elsewhere.in_own_pid_namespace());
+    let (real, linked) = (
+        fdpass::socket_path(&ex.identity),
+        fdpass::socket_path(&elsewhere),
+    );
+    let _ = std::fs::remove_file(&linked);
+    std::fs::hard_link(&real, &linked).unwrap();
+    let live = elsewhere.liveness_path();
+    let _ = std::fs::remove_file(&live);
+    let before = open_fds();
+
+    // Root's exporter expected, and root's lock says it lives: the socket file is 65534's,
+    // refused before connecting.
+    let lock = forge_liveness(&live, 0);
+    let r = fdpass::fetch_many_from_uid(&elsewhere, 0, &ids, FdTransport::Socket, ANSWER);
+    assert!(
+        matches!(&r, Err(Error::FdPass(FdPassError::NotTheExporter { reason, .. })) if reason.contains("uid 65534")),
+        "{:?}",
+        r.map(|v| v.len())
+    );
+    drop(lock);
+    assert_eq!(open_fds(), before, "fds left open");
+    std::fs::remove_file(&live).unwrap();
+
+    // 65534 expected, and a lock of 65534's says the exporter lives: served.
+    let lock = forge_liveness(&live, 65534);
+    let fds =
+        fdpass::fetch_many_from_uid(&elsewhere, 65534, &ids, FdTransport::Socket, ANSWER).unwrap();
+    assert_eq!(
+        fds.iter().map(read_content).collect::<Vec<_>>(),
+        contents([0])
+    );
+    drop(fds);
+    drop(lock);
+    std::fs::remove_file(&live).unwrap();
+
+    // The only lock is a third user's: it does not say the exporter lives.
+    let lock = forge_liveness(&live, 65533);
+    let r = fdpass::fetch_many_from_uid(&elsewhere, 65534, &ids, FdTransport::Socket, ANSWER);
+    assert!(
+        matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
+        "a lock of another user's said the exporter lives: {:?}",
+        r.map(|v| v.len())
+    );
+    drop(lock);
+    std::fs::remove_file(&live).unwrap();
+    std::fs::remove_file(&linked).unwrap();
+    assert_eq!(open_fds(), before, "fds left open");
+    ex.finish();
+}
+
+/// A dead exporter whose socket path now holds something else (a file anyone may create in the
+/// sticky, world-writable `/dev/shm` once the exporter removed its socket) is `PeerGone`, not
+/// the refusal of that file: a tensor-set reader falls back to its holders on `PeerGone` only.
+#[test]
+fn a_dead_exporter_with_a_file_at_its_socket_path_is_peer_gone() {
+    if role().is_some() {
+        return;
+    }
+    let me = ProcessIdentity::current().unwrap();
+    let mut w = me.to_words();
+    w[1] = w[1].wrapping_sub(2);
+    let ghost = ProcessIdentity::from_words(w);
+    assert_eq!(ghost.liveness(), cuda_ipc::identity::Liveness::Dead);
+    let fake = fdpass::socket_path(&ghost);
+    std::fs::write(&fake, b"squat").unwrap();
+    let r = fdpass::fetch_many(&ghost, &[(1, 3)], FdTransport::Socket, ANSWER);
+    std::fs::remove_file(&fake).unwrap();
+    assert!(
+        matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
+        "{:?}",
+        r.map(|v| v.len())
+    );
+}
+
+#[test]
+fn things_planted_at_the_socket_path_give_a_clear_error_not_a_hang() {
+    const NAME: &str = "things_planted_at_the_socket_path_give_a_clear_error_not_a_hang";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    // A live process that serves nothing yet (so its socket path is free), and one that serves.
+    let mut idle = Exporter::spawn(NAME, 0, &[]);
+    let serving = Exporter::spawn(NAME, 1, &[]);
+    let path = fdpass::socket_path(&idle.identity);
+    let plants: [(&str, &Plant<'_>); 4] = [
+        ("a FIFO", &|p| mkfifo(p)),
+        ("a regular file", &|p| {
+            std::fs::write(p, b"not a socket").unwrap()
+        }),
+        ("a directory", &|p| std::fs::create_dir(p).unwrap()),
+        // A link to a live server's socket: connect() would follow it, lstat does not.
+        ("a symbolic link", &|p| {
+            std::os::unix::fs::symlink(fdpass::socket_path(&serving.identity), p).unwrap()
+        }),
+    ];
+    for (what, plant) in plants {
+        plant(&path);
+        let _planted = Planted(path.clone());
+        let at = Instant::now();
+        let e = fdpass::fetch(
+            &idle.identity,
+            1,
+            3,
+            FdTransport::Socket,
+            Duration::from_secs(20),
+        )
+        .unwrap_err();
+        println!("{what} at the socket path: {e}");
+        assert!(
+            matches!(e, Error::FdPass(FdPassError::NotTheExporter { .. })),
+            "{what}: {e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(what) && text.contains("not a socket"),
+            "{text}"
+        );
+        assert!(text.contains(&path), "{text}");
+        assert!(
+            at.elapsed() < Duration::from_secs(2),
+            "{what}: {:?}",
+            at.elapsed()
+        );
+        // The exporter does not remove what it did not make: its export fails, naming it.
+        idle.peer.send("export");
+        let answer = idle.peer.expect("exported", ANSWER);
+        assert!(answer.starts_with("err "), "{what}: {answer}");
+        assert!(answer.contains(what), "{answer}");
+        assert!(
+            std::fs::symlink_metadata(&path).is_ok(),
+            "{what} was removed by the exporter"
+        );
+    }
+    // With the path free again, the same process serves.
+    idle.peer.send("export");
+    let answer = idle.peer.expect("exported", ANSWER);
+    let (id, _) = parse_ids(&answer)[0];
+    let fd = fdpass::fetch(
+        &idle.identity,
+        id,
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    assert_eq!(read_content(&fd), "late");
+    idle.finish();
+    serving.finish();
+}
+
+#[test]
+fn across_pid_namespaces_a_socket_of_another_user_is_refused() {
+    let me = ProcessIdentity::current().unwrap();
+    // A process of another pid namespace that is alive (its liveness lock is held here).
+    let other = ProcessIdentity {
+        pid: 4242,
+        start_time: me.start_time.wrapping_add(999_331),
+        boot_id: me.boot_id,
+        pid_ns: me.pid_ns.wrapping_add(101),
+    };
+    let _alive = FakeAlive::new(&other);
+    let path = fdpass::socket_path(&other);
+    let _ = std::fs::remove_file(&path);
+    // A listener of the fd server's kind (SOCK_SEQPACKET), as a squatter would make.
+    let listener = rustix::net::socket(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        None,
+    )
+    .unwrap();
+    rustix::net::bind(
+        &listener,
+        &rustix::net::SocketAddrUnix::new(path.as_str()).unwrap(),
+    )
+    .unwrap();
+    rustix::net::listen(&listener, 4).unwrap();
+    let _planted = Planted(path.clone());
+    let squatter_uid = 65534;
+    let c = std::ffi::CString::new(path.as_str()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path; lchown does not follow links.
+    let r = unsafe { libc::lchown(c.as_ptr(), squatter_uid, squatter_uid) };
+    if r != 0 {
+        eprintln!(
+            "not run: lchown needs root ({})",
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    let at = Instant::now();
+    let e = fdpass::fetch(&other, 1, -1, FdTransport::Socket, Duration::from_secs(20)).unwrap_err();
+    println!("a socket of uid {squatter_uid} for an exporter in another pid namespace: {e}");
+    assert!(
+        matches!(e, Error::FdPass(FdPassError::NotTheExporter { .. })),
+        "{e}"
+    );
+    assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+    assert!(at.elapsed() < Duration::from_secs(2));
+    if rustix::process::geteuid().is_root() {
+        // Root accepts any one uid's socket, so it connected, and refused because the listener
+        // (this test, uid 0) is not the file's owner: a squatter.
+        assert!(e.to_string().contains("listened on by uid 0"), "{e}");
+    } else {
+        // Refused before connecting: nobody knocked.
+        rustix::io::ioctl_fionbio(&listener, true).unwrap();
+        assert!(rustix::net::accept(&listener).is_err());
+    }
+}
+
+#[test]
+fn an_exporter_in_another_pid_namespace_serves_the_parent() {
+    const NAME: &str = "an_exporter_in_another_pid_namespace_serves_the_parent";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(PID_NS, NAME) {
+        return;
+    }
+    let mut ex = Exporter::spawn_under(PID_NS, NAME, 3, &[]);
+    // Pid 1 of its own namespace: its pid means another process here.
+    assert_eq!(ex.identity.pid, 1);
+    assert_ne!(ex.identity.pid_ns, cuda_ipc::identity::own_pid_ns());
+    assert!(!ex.identity.in_own_pid_namespace());
+    assert!(ex.identity.is_alive());
+    assert!(socket_exists(&ex.identity));
+    let ex_fds = ex.fds();
+    let t = Duration::from_secs(10);
+    let fds = fdpass::fetch_many(&ex.identity, &ex.exports, FdTransport::Socket, t).unwrap();
+    let got: Vec<String> = fds.iter().map(read_content).collect();
+    assert_eq!(got, contents(0..3));
+    drop(fds);
+    // pidfd_getfd cannot name a process of another pid namespace: the socket is used instead,
+    // or, when only pidfd_getfd is allowed, the reason is given.
+    let (id, raw) = ex.exports[1];
+    let fd = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdThenSocket, t).unwrap();
+    assert_eq!(read_content(&fd), expected_content(1));
+    drop(fd);
+    let e = fdpass::fetch(&ex.identity, id, raw, FdTransport::PidfdOnly, t).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("pid namespace"), "{e}");
+    // Withdrawn ids are refused across namespaces as well.
+    ex.withdraw(0);
+    let e = fdpass::fetch(&ex.identity, ex.exports[0].0, -1, FdTransport::Socket, t).unwrap_err();
+    assert!(
+        matches!(e, Error::FdPass(FdPassError::NotOffered { .. })),
+        "{e}"
+    );
+    assert_eq!(ex.fds(), ex_fds - 1, "the exporter leaked fds");
+    let id = ex.identity;
+    ex.finish();
+    assert!(!socket_exists(&id), "a normal exit left the socket file");
+}
+
+#[test]
+fn an_importer_in_another_pid_namespace_fetches_from_this_one() {
+    const NAME: &str = "an_importer_in_another_pid_namespace_fetches_from_this_one";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(PID_NS, NAME) {
+        return;
+    }
+    let mut ex = Exporter::spawn(NAME, 3, &[]);
+    // In the importer's namespace the exporter is not visible: its SO_PEERCRED pid reads 0.
+    let mut im = Importer::spawn_under(PID_NS, NAME, &ex.identity, &[]);
+    let before = im.fds();
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[2, 0, 1])).contents(),
+        contents([2, 0, 1])
+    );
+    assert_eq!(
+        im.fetch("pidfd-then-socket", 5000, &ex.ids(&[1]))
+            .contents(),
+        contents([1])
+    );
+    let f = im.fetch("pidfd-only", 5000, &ex.ids(&[1]));
+    let (kind, text, _) = f.error();
+    assert_eq!(kind, "unsupported", "{text}");
+    assert!(text.contains("pid namespace"), "{text}");
+    ex.withdraw(2);
+    assert_eq!(
+        im.fetch("socket", 5000, &ex.ids(&[2])).error().0,
+        "notoffered"
+    );
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    ex.finish();
+}
+
+#[test]
+fn an_importer_in_another_network_namespace_still_fetches() {
+    const NAME: &str = "an_importer_in_another_network_namespace_still_fetches";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(NET_NS, NAME) {
+        return;
+    }
+    let ex = Exporter::spawn(NAME, 2, &[]);
+    let mut im = Importer::spawn_under(NET_NS, NAME, &ex.identity, &[]);
+    let before = im.fds();
+    for transport in ["socket", "pidfd-then-socket"] {
+        assert_eq!(
+            im.fetch(transport, 5000, &ex.ids(&[1, 0])).contents(),
+            contents([1, 0]),
+            "{transport}"
+        );
+    }
+    assert_eq!(im.fds(), before, "the importer leaked fds");
+    im.finish();
+    // And the other way round: an exporter in its own network namespace serves this one.
+    ex.finish();
+    let ex = Exporter::spawn_under(NET_NS, NAME, 2, &[]);
+    let fd = fdpass::fetch(
+        &ex.identity,
+        ex.exports[1].0,
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    assert_eq!(read_content(&fd), expected_content(1));
+    ex.finish();
+}
+
+#[test]
+fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_removable_stale_socket()
+{
+    const NAME: &str = "a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_removable_stale_socket";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    if !namespaces_work(PID_NS, NAME) {
+        return;
+    }
+    let mut ex = Exporter::spawn_under(PID_NS, NAME, 2, &[]);
+    let who = ex.identity;
+    let t = Duration::from_secs(20);
+    let fd = fdpass::fetch(&who, ex.exports[0].0, -1, FdTransport::Socket, t).unwrap();
+    assert_eq!(read_content(&fd), expected_content(0));
+    assert!(
+        fdpass::stale_socket_files()
+            .unwrap()
+            .iter()
+            .all(|f| f.identity != who),
+        "a live exporter's socket is listed as stale"
+    );
+    // SIGKILL to unshare; --kill-child passes it to the exporter (pid 1 there).
+    ex.peer.child.kill().unwrap();
+    ex.peer.child.wait().unwrap();
+    let at = Instant::now();
+    while who.liveness() != cuda_ipc::identity::Liveness::Dead {
+        assert!(
+            at.elapsed() < Duration::from_secs(10),
+            "the exporter lives on"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for transport in [
+        FdTransport::Socket,
+        FdTransport::PidfdThenSocket,
+        FdTransport::PidfdOnly,
+    ] {
+        let at = Instant::now();
+        let e = fdpass::fetch(&who, ex.exports[1].0, -1, transport, t).unwrap_err();
+        assert!(
+            matches!(e, Error::FdPass(FdPassError::PeerGone { .. })),
+            "{transport:?}: {e}"
+        );
+        assert!(at.elapsed() < Duration::from_secs(2), "{:?}", at.elapsed());
+    }
+    // The fd fetched before stays valid.
+    assert_eq!(read_content(&fd), expected_content(0));
+    // Killed: its socket file is left, listed as stale, and removed by gc's call.
+    assert!(socket_exists(&who));
+    let stale = fdpass::stale_socket_files().unwrap();
+    let entry = stale
+        .iter()
+        .find(|f| f.identity == who)
+        .unwrap_or_else(|| panic!("{} not listed as stale: {stale:?}", who));
+    assert_eq!(entry.uid, rustix::process::geteuid().as_raw());
+    assert!(fdpass::remove_stale_socket_file(entry).unwrap());
+    assert!(!socket_exists(&who));
+    assert!(!fdpass::remove_stale_socket_file(entry).unwrap(), "gone");
+    // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
+    assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&who).unwrap());
+}
