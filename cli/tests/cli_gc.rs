@@ -1,0 +1,485 @@
+//! `cuda-ipc gc` (and `ls`, `watch` where they meet the same segments) against real registries and
+//! channels made here: what a dead child left is removed, never what a live process holds, in
+//! any pid namespace; corrupt segments, FIFOs, links and other users' registries are kept and
+//! reported. Child processes as in `cli` (`cli_support`).
+
+mod cli_support;
+mod common;
+
+use cli_support::*;
+use common::cuda_ipc;
+use cuda_ipc::channel::Delivery;
+use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
+use cuda_ipc::raw::shm::{Segment, SegmentOptions};
+use cuda_ipc::registry::inspect as registry_inspect;
+use cuda_ipc::registry::{Registry, RegistryOptions};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The child side of the two-process tests ([`cli_support::child_role`]).
+#[test]
+fn child() {
+    cli_support::child_role();
+}
+
+#[test]
+fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
+    let name = unique("gc-reg");
+    let _u = Unlink(name.clone());
+    let reg = Registry::create(&name, &RegistryOptions::new().capacity(8)).unwrap();
+    reg.publish("mine", 1, b"", b"").unwrap();
+    // The living child joins first: `Registry::open` frees dead participants' entries on the way
+    // in, so a child joining after the orphan died would leave gc no entry to remove.
+    let live = ChildRole::start("registry-live", &name);
+    ChildRole::start("registry-orphan", &name).wait();
+
+    // ls flags the leftovers (exit 1) and names the dead owner.
+    let o = cuda_ipc(&["ls", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 1, "{t}");
+    let orphan = t.lines().find(|l| l.contains("orphan")).expect(&t);
+    assert!(orphan.contains("dead"), "{orphan}");
+    assert!(
+        t.lines()
+            .find(|l| l.contains("keeper"))
+            .expect(&t)
+            .contains("alive")
+    );
+    assert!(t.contains("cuda-ipc gc"), "{t}");
+    let snap = registry_inspect::inspect(&name).unwrap();
+    assert_eq!(snap.records.len(), 3);
+    assert_eq!(snap.participants.len(), 3);
+
+    // A dry run says what would go and changes nothing.
+    let o = cuda_ipc(&["gc", &name, "--dry-run"]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(
+        t.contains(&format!("would remove registry {name}: record \"orphan\"")),
+        "{t}"
+    );
+    assert!(t.contains("participant entry"), "{t}");
+    assert!(!t.contains("keeper") && !t.contains("\"mine\""), "{t}");
+    assert_eq!(registry_inspect::inspect(&name).unwrap(), snap);
+
+    // gc removes the dead child's record and entry, nothing of the living.
+    let o = cuda_ipc(&["gc", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(
+        t.contains(&format!("removed registry {name}: record \"orphan\"")),
+        "{t}"
+    );
+    assert!(
+        t.contains("removed registry") && t.contains("participant entry"),
+        "{t}"
+    );
+    let after = registry_inspect::inspect(&name).unwrap();
+    let mut names: Vec<_> = after
+        .records
+        .iter()
+        .map(|r| r.record.name.clone())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["keeper", "mine"]);
+    assert_eq!(after.participants.len(), 2, "{after:?}");
+    assert!(after.participants.iter().all(|p| !p.dead));
+    assert_eq!(code(&cuda_ipc(&["ls", &name])), 0);
+    let o = cuda_ipc(&["gc", &name]);
+    assert!(text(&o).contains("nothing to remove"), "{}", text(&o));
+
+    // Once killed, the other child's record goes too; ours stays.
+    live.kill();
+    let o = cuda_ipc(&["gc", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(t.contains("record \"keeper\""), "{t}");
+    let after = registry_inspect::inspect(&name).unwrap();
+    assert_eq!(after.records.len(), 1);
+    assert_eq!(after.records[0].record.name, "mine");
+    assert_eq!(after.participants.len(), 1);
+    drop(reg);
+}
+
+#[test]
+fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
+    let dead = unique("gc-host-dead");
+    let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
+    let _u2 = Unlink(format!("cuda-ipc.hp.{dead}"));
+    ChildRole::start("host-channel-orphan", &dead).wait();
+    let pool = format!("/dev/shm/cuda-ipc.hp.{dead}");
+    assert!(std::path::Path::new(&pool).exists());
+    let o = cuda_ipc(&["gc", &dead, "--dry-run"]);
+    let t = text(&o);
+    assert!(t.contains(&format!("would remove channel {dead}")), "{t}");
+    assert!(std::path::Path::new(&pool).exists(), "dry run removed it");
+    let o = cuda_ipc(&["gc", &dead]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(t.contains(&format!("removed channel {dead}")), "{t}");
+    assert!(
+        t.contains(&format!(
+            "removed host pool {pool} of channel {dead}: its producer"
+        )),
+        "{t}"
+    );
+    assert!(!std::path::Path::new(&pool).exists());
+}
+
+#[test]
+fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
+    let dead = unique("gc-chan-dead");
+    let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
+    let live = unique("gc-chan-live");
+    let _u2 = Unlink(format!("cuda-ipc.ch.{live}"));
+    ChildRole::start("channel-orphan", &dead).wait();
+    let tx = ControlProducer::create(&live, 4096, 2, &[token(1)]).unwrap();
+
+    let o = cuda_ipc(&["ls", &dead]);
+    let t = text(&o);
+    assert_eq!(code(&o), 1, "{t}");
+    assert!(t.contains("dead, open, head 1"), "{t}");
+    assert!(t.contains("the producer is dead"), "{t}");
+
+    let o = cuda_ipc(&["gc", &dead, "--dry-run"]);
+    assert_eq!(code(&o), 0);
+    assert!(
+        text(&o).contains(&format!("would remove channel {dead}")),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        cuda_ipc::channel::inspect::inspect(&dead).is_ok(),
+        "dry run removed it"
+    );
+
+    let o = cuda_ipc(&["gc", &dead]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(
+        t.contains(&format!(
+            "removed channel {dead}: segment /dev/shm/cuda-ipc.ch.{dead}"
+        )),
+        "{t}"
+    );
+    assert!(
+        !cuda_ipc::channel::inspect::list_channels()
+            .unwrap()
+            .contains(&dead)
+    );
+    assert_eq!(code(&cuda_ipc(&["ls", &dead])), 1, "gone: not found");
+
+    let o = cuda_ipc(&["gc", &live]);
+    assert_eq!(code(&o), 0);
+    assert!(text(&o).contains("nothing to remove"), "{}", text(&o));
+    assert!(
+        cuda_ipc::channel::inspect::inspect(&live).is_ok(),
+        "a live producer's channel was removed"
+    );
+    tx.unlink();
+}
+
+#[test]
+fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
+    let name = unique("gc-consumer");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    let tx = ControlProducer::create(&name, 4096, 4, &[token(1), token(3)]).unwrap();
+    let live = ControlConsumer::attach(&name, Delivery::LatestOnly).unwrap();
+    let child = ChildRole::start("channel-consumer-orphan", &name);
+    let (i, _) = tx.try_acquire().unwrap();
+    tx.publish(i, b"").unwrap();
+    child.wait();
+    // The dead consumer holds frame 1's buffer.
+    let v = json(&cuda_ipc(&["ls", &name, "--json"]));
+    let cons = v["channels"][0]["consumers"].as_array().unwrap().clone();
+    assert_eq!(cons.len(), 2);
+    let dead = cons
+        .iter()
+        .find(|c| c["process"] == "dead")
+        .expect("dead consumer listed");
+    assert_eq!(dead["holds"], serde_json::json!([i]));
+    assert_eq!(v["channels"][0]["leftovers"], true);
+    let o = cuda_ipc(&["ls", &name]);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(
+        text(&o).contains("dead consumers are attached"),
+        "{}",
+        text(&o)
+    );
+
+    let o = cuda_ipc(&["gc", &name, "--dry-run"]);
+    let t = text(&o);
+    assert!(
+        t.contains(&format!("would remove channel {name}: consumer slot")),
+        "{t}"
+    );
+    assert_eq!(inspect_consumers(&name), 2, "dry run changed the channel");
+
+    let o = cuda_ipc(&["gc", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    assert!(
+        t.contains(&format!(
+            "removed channel {name}: consumer slot {}",
+            dead["index"]
+        )),
+        "{t}"
+    );
+    assert!(t.contains(&format!("holds on buffers [{i}]")), "{t}");
+    let s = cuda_ipc::channel::inspect::inspect(&name).unwrap();
+    assert_eq!(s.consumers.len(), 1, "the live consumer stays");
+    assert_eq!(s.consumers[0].index, live.slot());
+    assert_eq!(s.forced_releases, 1);
+    assert!(s.buffers.iter().all(|b| b.hold_mask == 0));
+    assert_eq!(code(&cuda_ipc(&["ls", &name])), 0);
+    drop(live);
+    tx.unlink();
+}
+
+#[test]
+fn a_corrupt_channel_segment_is_reported_and_never_removed() {
+    let name = unique("corrupt");
+    let seg_name = format!("cuda-ipc.ch.{name}");
+    let _u = Unlink(seg_name.clone());
+    drop(Segment::create(&seg_name, 100, &SegmentOptions::new()).unwrap());
+    let o = cuda_ipc(&["ls", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 1, "{t}");
+    assert!(t.contains(&format!("channel {name}: cannot read")), "{t}");
+    let v = json(&cuda_ipc(&["ls", &name, "--json"]));
+    assert!(
+        v["errors"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("smaller than"),
+        "{v}"
+    );
+    let o = cuda_ipc(&["gc", &name]);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(
+        Segment::open(&seg_name).is_ok(),
+        "gc removed a segment it could not read"
+    );
+}
+
+#[test]
+fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_keep_them() {
+    let base = unique("hostile");
+    let fifo = format!("cuda-ipc.ch.{base}-fifo");
+    let dir = format!("cuda-ipc.ch.{base}-dir");
+    let link = format!("cuda-ipc.ch.{base}-link");
+    let sparse = format!("cuda-ipc.ch.{base}-sparse");
+    let reg_fifo = format!("{base}-registry-fifo");
+    let reg_sparse = format!("{base}-registry-sparse");
+    let planted: Vec<Planted> = [&fifo, &dir, &link, &sparse, &reg_fifo, &reg_sparse]
+        .iter()
+        .map(|n| Planted(n.to_string()))
+        .collect();
+    let path = |n: &str| format!("/dev/shm/{n}");
+    for f in [&fifo, &reg_fifo] {
+        let st = Command::new("mkfifo").arg(path(f)).status().unwrap();
+        assert!(st.success());
+    }
+    std::fs::create_dir(path(&dir)).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", path(&link)).unwrap();
+    for f in [&sparse, &reg_sparse] {
+        std::fs::File::create(path(f))
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+    }
+    // Every command, over everything and over each name.
+    let mut runs: Vec<Vec<String>> = vec![
+        vec!["ls".into()],
+        vec!["ls".into(), "--json".into()],
+        vec!["watch".into(), "--count".into(), "1".into()],
+        vec!["gc".into(), "--dry-run".into()],
+        vec!["gc".into()],
+    ];
+    for n in [&fifo, &dir, &link, &sparse, &reg_fifo, &reg_sparse] {
+        runs.push(vec!["ls".into(), n.to_string()]);
+        runs.push(vec!["gc".into(), n.to_string()]);
+    }
+    for args in &runs {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = cuda_ipc_bounded(&a, false);
+        // Not a crash: an exit status of ours (0, 1), never a signal.
+        assert!(
+            matches!(o.status.code(), Some(0 | 1)),
+            "{a:?}: {:?}\n{}",
+            o.status,
+            text(&o)
+        );
+    }
+    // Named, each is reported for what it is.
+    let o = cuda_ipc_bounded(&["ls", &fifo], false);
+    assert!(text(&o).contains("FIFO"), "{}", text(&o));
+    let o = cuda_ipc_bounded(&["ls", &dir], false);
+    assert!(text(&o).contains("directory"), "{}", text(&o));
+    let o = cuda_ipc_bounded(&["ls", &sparse], false);
+    assert!(text(&o).contains("sparse"), "{}", text(&o));
+    // And all of it is still there.
+    for p in &planted {
+        assert!(
+            std::fs::symlink_metadata(path(&p.0)).is_ok(),
+            "{} was removed",
+            p.0
+        );
+    }
+}
+
+#[test]
+fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_once_killed() {
+    if !unshare_works() {
+        return;
+    }
+    let name = unique("gc-ns");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    // The producer runs in a pid namespace of its own (a container of the same pod).
+    let mut producer = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "channel-live")
+        .env(NAME, &name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let out = producer.stdout.take().unwrap();
+    let mut lines = BufReader::new(out).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l.ends_with("@@ ready") => break,
+            Some(Ok(_)) => continue,
+            _ => panic!("producer ended before it was ready"),
+        }
+    }
+    let snap = cuda_ipc::channel::inspect::inspect(&name).unwrap();
+    assert_ne!(snap.producer.pid_ns, cuda_ipc::identity::own_pid_ns());
+    // From here, and from a third namespace: alive, nothing removed.
+    for other in [false, true] {
+        let o = cuda_ipc_bounded(&["ls", &name], other);
+        assert!(text(&o).contains("alive"), "{}", text(&o));
+        let o = cuda_ipc_bounded(&["gc", &name], other);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(text(&o).contains("nothing to remove"), "{}", text(&o));
+        assert!(cuda_ipc::channel::inspect::inspect(&name).is_ok());
+    }
+    // Killed (the namespace's init, which takes the producer with it): gc from another namespace
+    // removes the segment, and a later gc the killed process's liveness file.
+    let wrapper = producer.id();
+    let init: u32 = std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &init.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let _ = producer.wait();
+    let o = cuda_ipc_bounded(&["gc", &name], true);
+    assert!(
+        text(&o).contains(&format!("removed channel {name}")),
+        "{}",
+        text(&o)
+    );
+    let live_file = format!("/dev/shm/{}", snap.producer.liveness_name());
+    assert!(
+        std::fs::symlink_metadata(&live_file).is_ok(),
+        "left by the kill"
+    );
+    // Liveness files younger than 5 s are never taken for stale.
+    if let Some(rest) = Duration::from_millis(5200).checked_sub(started.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    // The fd server socket the kill left (unless a `gc` of a test running beside this one took it
+    // already: it has no age guard, its process being known dead).
+    let socket = cuda_ipc::ipc::fdpass::socket_path(&snap.producer);
+    let socket_left = std::fs::symlink_metadata(&socket).is_ok();
+    let o = cuda_ipc_bounded(&["gc"], false);
+    assert!(
+        text(&o).contains(&format!("removed liveness file {live_file}")),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        !socket_left || text(&o).contains(&format!("removed fd server socket {socket}")),
+        "{}",
+        text(&o)
+    );
+    assert!(std::fs::symlink_metadata(&live_file).is_err(), "removed");
+    assert!(std::fs::symlink_metadata(&socket).is_err(), "removed");
+}
+
+#[test]
+fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old() {
+    let name = unique("abandoned");
+    let seg = format!("cuda-ipc.ch.{name}");
+    let _u = Unlink(seg.clone());
+    // What a producer killed between `ftruncate` and `fallocate` leaves: sized, no page backed.
+    std::fs::File::create(format!("/dev/shm/{seg}"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    // Young: maybe a producer creating it right now. Reported, kept.
+    let o = cuda_ipc_bounded(&["gc", &name], false);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(text(&o).contains("sparse"), "{}", text(&o));
+    assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_ok());
+    std::thread::sleep(Duration::from_millis(2100));
+    let o = cuda_ipc_bounded(&["gc", &name, "--dry-run"], false);
+    assert!(
+        text(&o).contains(&format!(
+            "would remove channel {name}: segment /dev/shm/{seg}: a creation abandoned"
+        )),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_ok(),
+        "dry run"
+    );
+    let o = cuda_ipc_bounded(&["gc", &name], false);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("removed channel {name}: segment /dev/shm/{seg}")),
+        "{}",
+        text(&o)
+    );
+    assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err());
+}
+
+#[test]
+fn ls_and_gc_leave_registries_of_other_users_out_instead_of_failing_on_them() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a registry to another uid");
+        return;
+    }
+    let name = unique("theirs");
+    let _u = Unlink(name.clone());
+    drop(Registry::create(&name, &RegistryOptions::new().capacity(4)).unwrap());
+    let path = format!("/dev/shm/{name}");
+    let st = Command::new("chown")
+        .args(["54321", &path])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(!registry_inspect::list_registries().unwrap().contains(&name));
+    for args in [&["ls"][..], &["gc", "--dry-run"][..]] {
+        let o = cuda_ipc_bounded(args, false);
+        assert!(!text(&o).contains(&name), "{args:?}: {}", text(&o));
+    }
+    // Named, it says whose it is.
+    let o = cuda_ipc_bounded(&["ls", &name], false);
+    assert_eq!(code(&o), 1);
+    assert!(text(&o).contains("owned by uid 54321"), "{}", text(&o));
+}
