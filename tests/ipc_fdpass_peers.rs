@@ -114,13 +114,12 @@ fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_acro
     );
     let _ = std::fs::remove_file(&linked);
     std::fs::hard_link(&real, &linked).unwrap();
-    let live = elsewhere.liveness_path();
-    let _ = std::fs::remove_file(&live);
+    let _ = std::fs::remove_file(elsewhere.liveness_path());
     let before = open_fds();
 
     // Root's exporter expected, and root's lock says it lives: the socket file is 65534's,
     // refused before connecting.
-    let lock = forge_liveness(&live, 0);
+    let lock = FakeAlive::owned_by(&elsewhere, 0);
     let r = fdpass::fetch_many_from_uid(&elsewhere, 0, &ids, FdTransport::Socket, ANSWER);
     assert!(
         matches!(&r, Err(Error::FdPass(FdPassError::NotTheExporter { reason, .. })) if reason.contains("uid 65534")),
@@ -129,10 +128,9 @@ fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_acro
     );
     drop(lock);
     assert_eq!(open_fds(), before, "fds left open");
-    std::fs::remove_file(&live).unwrap();
 
     // 65534 expected, and a lock of 65534's says the exporter lives: served.
-    let lock = forge_liveness(&live, 65534);
+    let lock = FakeAlive::owned_by(&elsewhere, 65534);
     let fds =
         fdpass::fetch_many_from_uid(&elsewhere, 65534, &ids, FdTransport::Socket, ANSWER).unwrap();
     assert_eq!(
@@ -141,10 +139,9 @@ fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_acro
     );
     drop(fds);
     drop(lock);
-    std::fs::remove_file(&live).unwrap();
 
     // The only lock is a third user's: it does not say the exporter lives.
-    let lock = forge_liveness(&live, 65533);
+    let lock = FakeAlive::owned_by(&elsewhere, 65533);
     let r = fdpass::fetch_many_from_uid(&elsewhere, 65534, &ids, FdTransport::Socket, ANSWER);
     assert!(
         matches!(r, Err(Error::FdPass(FdPassError::PeerGone { .. }))),
@@ -152,7 +149,6 @@ fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_acro
         r.map(|v| v.len())
     );
     drop(lock);
-    std::fs::remove_file(&live).unwrap();
     std::fs::remove_file(&linked).unwrap();
     assert_eq!(open_fds(), before, "fds left open");
     ex.finish();

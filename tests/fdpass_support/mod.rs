@@ -485,28 +485,6 @@ pub fn is_root() -> bool {
 // ---------------------------------------------------------------------------------------------
 // Tests
 
-/// Holds an open-file-description lock on `path` (the liveness lock's byte 0) while it lives: a
-/// liveness file made here, owned by `uid`, as a process of that user would make it.
-pub fn forge_liveness(path: &str, uid: u32) -> std::fs::File {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)
-        .unwrap();
-    std::os::unix::fs::fchown(&f, Some(uid), Some(uid)).unwrap();
-    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value.
-    let mut l: libc::flock = unsafe { std::mem::zeroed() };
-    l.l_type = libc::F_WRLCK as libc::c_short;
-    l.l_whence = libc::SEEK_SET as libc::c_short;
-    l.l_len = 1;
-    // SAFETY: a valid open descriptor and a fully initialised `flock`.
-    let r = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_OFD_SETLK, &l) };
-    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
-    f
-}
-
 /// A raw client of the exporter's fd server.
 pub fn raw_client(exporter: &ProcessIdentity) -> OwnedFd {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
@@ -585,6 +563,20 @@ pub struct FakeAlive {
 
 impl FakeAlive {
     pub fn new(id: &ProcessIdentity) -> FakeAlive {
+        let fake = FakeAlive::locked(id);
+        assert!(id.is_alive());
+        fake
+    }
+
+    /// The same lock in a file owned by `uid` (made here, as root), as a process of that user
+    /// would hold it; whether it says the process lives is the caller's to check.
+    pub fn owned_by(id: &ProcessIdentity, uid: u32) -> FakeAlive {
+        let fake = FakeAlive::locked(id);
+        std::os::unix::fs::fchown(&fake._fd, Some(uid), Some(uid)).unwrap();
+        fake
+    }
+
+    fn locked(id: &ProcessIdentity) -> FakeAlive {
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
         let path = id.liveness_path();
@@ -604,7 +596,6 @@ impl FakeAlive {
         // SAFETY: `file` is open; `l` is a valid, initialised `flock` that outlives the call.
         let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &l) };
         assert_eq!(r, 0, "F_OFD_SETLK: {}", std::io::Error::last_os_error());
-        assert!(id.is_alive());
         FakeAlive {
             path,
             _fd: file.into(),
