@@ -671,3 +671,43 @@ fn host_sets_are_not_holdable() {
     assert!(snap.holders.is_empty() && snap.whole_generation.is_none());
     drop(w);
 }
+
+/// A live set's manifest whose header stamp word was overwritten (neither 0 nor the stamp) is
+/// refused at once as a bad segment naming the stamp, not waited for as a creation in progress;
+/// the word put back, it opens again. A set name too long says it is the set's name.
+#[test]
+fn a_damaged_stamp_is_refused_at_once_and_names_are_the_sets() {
+    use std::os::unix::fs::FileExt;
+    let name = set_name("stamp");
+    let w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path("cuda-ipc.ts.", &name))
+        .unwrap();
+    // The header: magic (8 bytes), version (4), then the stamp word (4).
+    let mut stamp = [0u8; 4];
+    file.read_exact_at(&mut stamp, 12).unwrap();
+    file.write_all_at(&0xdead_beef_u32.to_le_bytes(), 12)
+        .unwrap();
+    let t = Instant::now();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new());
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "waited {:?}",
+        t.elapsed()
+    );
+    match r {
+        Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. })) => {
+            assert!(e.to_string().contains("stamp"), "{e}");
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    file.write_all_at(&stamp, 12).unwrap();
+    drop(TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap());
+    drop(w);
+
+    let long = "s".repeat(200);
+    let e = TensorSetWriter::create_host(&long, &specs(), &TensorSetOptions::new()).unwrap_err();
+    assert!(e.to_string().contains("tensor-set name"), "{e}");
+}

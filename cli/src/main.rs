@@ -168,8 +168,10 @@ enum Command {
         name: String,
     },
     /// Remove what dead processes left: registry records and participant entries of dead
-    /// processes, segments of channels whose producer died, and consumer slots and holds of dead
-    /// consumers. Never touches what a live process holds.
+    /// processes, segments of channels whose producer died, consumer slots and holds of dead
+    /// consumers, and tensor sets whose writer died (unless a live holder serves a VMM set).
+    /// Never touches what a live process owns; a live reader of a dead writer's set keeps what it
+    /// mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
         /// Only this registry, channel or tensor set.

@@ -95,7 +95,8 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
                     errors::invalid_argument(
                         py,
                         format!(
-                            "tensor {name:?}: the shape must be an int or a sequence of ints                              that fit in 64 bits"
+                            "tensor {name:?}: the shape must be an int or a sequence of ints \
+                             that fit in 64 bits"
                         ),
                     )
                 })?,

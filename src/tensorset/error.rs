@@ -106,8 +106,9 @@ pub enum TensorSetError {
         /// The fingerprint of the bytes, computed by the reader.
         computed: [u8; 32],
     },
-    /// The manifest segment `segment` is not a valid tensor-set manifest.
-    #[error("bad tensor-set manifest {segment}: {fault}")]
+    /// The segment `segment` of a tensor set (its manifest, or its data, holders or generation
+    /// segment, which the manifest names) is not valid, or not the one the manifest names.
+    #[error("bad tensor-set segment {segment}: {fault}")]
     BadManifest {
         /// The segment's name.
         segment: String,

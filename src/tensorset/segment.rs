@@ -81,6 +81,9 @@ unsafe impl<const M: u64> VersionedHeader for Header<M> {
     const MAGIC: u64 = M;
     const VERSION: u32 = VERSION;
     const HEADER_LEN: usize = HEADER_PAGE;
+    /// The stamp word is only ever 0 (a file being made) or the stamp (`write_versioned` stores
+    /// it once): any other value is a damaged header, refused at once instead of awaited.
+    const STRICT_STAMP: bool = true;
     fn magic(&self) -> &AtomicU64 {
         &self.magic
     }
@@ -161,7 +164,13 @@ impl<const M: u64> Header<M> {
 
 /// Checks a set name: as a channel name (1 to `MAX_CHANNEL_NAME` bytes of `[A-Za-z0-9._-]`).
 pub(crate) fn validate_set_name(name: &str) -> Result<()> {
-    crate::channel::validate_channel_name(name)
+    // The set's generation channel bears its name: the channel's limits are the set's.
+    crate::channel::validate_channel_name(name).map_err(|e| match e {
+        Error::InvalidArgument(why) => {
+            Error::InvalidArgument(why.replacen("channel name", "tensor-set name", 1))
+        }
+        e => e,
+    })
 }
 
 pub(crate) fn bad(segment: &str, fault: ManifestFault) -> Error {
@@ -186,7 +195,15 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
             ManifestFault::Field {
                 what: "the magic",
                 found: magic,
-                allowed: "a tensor-set segment's",
+                allowed: "not this kind of tensor-set segment's (a file of another program, or another kind of segment under this name)",
+            },
+        ),
+        OpenError::Header(HeaderError::BadStamp { found }) => bad(
+            seg_name,
+            ManifestFault::Field {
+                what: "the header's init stamp",
+                found,
+                allowed: "neither 0 (being made) nor the stamp: the header was overwritten",
             },
         ),
         OpenError::Header(HeaderError::OtherVersion { found }) => TensorSetError::VersionMismatch {
@@ -220,7 +237,8 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
                 .into())
             }
         }
-        Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
+        // Never stamped, or its stamp damaged: judged by its writer's liveness.
+        Err(OpenError::Header(HeaderError::Unstamped { .. } | HeaderError::BadStamp { .. })) => {
             let seg = Segment::open_with_min_len(seg_name, HEADER_PAGE)?;
             let h = versioned::header::<Header<M>>(&seg);
             let (id, _) = h.writer();

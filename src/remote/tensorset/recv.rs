@@ -226,7 +226,8 @@ fn accept(
                     .collect::<String>()
             };
             return Err(RemoteError::Refused(format!(
-                "layout mismatch: the near set's layout (fingerprint {}…, {} tensors) differs from                  far set {}'s (fingerprint {}…, {} tensors)",
+                "layout mismatch: the near set's layout (fingerprint {}…, {} tensors) differs from \
+                 far set {}'s (fingerprint {}…, {} tensors)",
                 hex(layout.fingerprint()),
                 layout.len(),
                 opts.set,
