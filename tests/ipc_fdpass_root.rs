@@ -11,10 +11,26 @@ use cuda_ipc::Error;
 use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::ipc::fdpass::{self, FdPassError, FdTransport};
 use fdpass_support::*;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 /// Held by each test for its whole run: they count this process's open fds.
 static COUNTING: Mutex<()> = Mutex::new(());
+
+/// What [`exporter_of_65534`] gives a test: the turn it holds, the exporter and its ids.
+type Started = (MutexGuard<'static, ()>, Exporter, Vec<(u32, i32)>);
+
+/// For test `name`, run as root: [`COUNTING`] taken, an exporter child of uid 65534 with one
+/// export, and its ids; `None` (the test is not run) without root.
+fn exporter_of_65534(name: &str) -> Option<Started> {
+    let one_at_a_time = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
+    if !is_root() {
+        eprintln!("not run: needs root to start an exporter of another user");
+        return None;
+    }
+    let ex = Exporter::spawn(name, 1, &[(SETUID, "65534")]);
+    let ids = parse_ids(&ex.ids(&[0]));
+    Some((one_at_a_time, ex, ids))
+}
 
 /// A dead exporter's identity whose pid a live listener of another user holds (pid reuse,
 /// made here with a hard link to a live exporter's socket file under the name of an identity
@@ -27,13 +43,9 @@ fn a_root_importer_takes_another_users_listener_only_for_a_live_exporter() {
     if let Some(r) = role() {
         return child_main(&r);
     }
-    let _one_at_a_time = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
-    if !is_root() {
-        eprintln!("not run: needs root to start an exporter of another user");
+    let Some((_one_at_a_time, ex, ids)) = exporter_of_65534(NAME) else {
         return;
-    }
-    let ex = Exporter::spawn(NAME, 1, &[(SETUID, "65534")]);
-    let ids = parse_ids(&ex.ids(&[0]));
+    };
     let live = fdpass::fetch_many(&ex.identity, &ids, FdTransport::Socket, ANSWER).unwrap();
     assert_eq!(
         live.iter().map(read_content).collect::<Vec<_>>(),
@@ -74,13 +86,9 @@ fn a_root_importer_that_knows_the_exporters_uid_takes_only_that_uids_socket_acro
     if let Some(r) = role() {
         return child_main(&r);
     }
-    let _one_at_a_time = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
-    if !is_root() {
-        eprintln!("not run: needs root to start an exporter of another user");
+    let Some((_one_at_a_time, ex, ids)) = exporter_of_65534(NAME) else {
         return;
-    }
-    let ex = Exporter::spawn(NAME, 1, &[(SETUID, "65534")]);
-    let ids = parse_ids(&ex.ids(&[0]));
+    };
     // The same pid and start time in a pid namespace that is not this one.
     let mut w = ex.identity.to_words();
     w[0] ^= 0x7 << 32;

@@ -511,6 +511,22 @@ fn child(sock_fd: i32, sizes: &[usize], device: usize) -> Res<()> {
 
 /// Runs one child over `sizes` and returns its JSON figures; every wait bounded by [`STEP`].
 fn run_child(allocs: &[Alloc], sizes_arg: &str, device: usize) -> Res<Value> {
+    run_ready_child("--child", sizes_arg, device, |sock| {
+        let fds: Vec<BorrowedFd<'_>> = allocs.iter().map(|a| a.fd.as_fd()).collect();
+        send_fds(sock, &fds)
+    })
+}
+
+/// Runs this binary as a child (`mode FD arg DEVICE`, FD its end of a connected socket pair),
+/// waits for the byte it sends once it has its context, runs `ready` on this end, then waits for
+/// the child and returns the JSON line it printed; every wait bounded by [`STEP`]. A child that
+/// fails a step is killed and reaped.
+fn run_ready_child(
+    mode: &str,
+    arg: &str,
+    device: usize,
+    ready: impl FnOnce(&UnixStream) -> Res<()>,
+) -> Res<Value> {
     let (ours, theirs) = UnixStream::pair()?;
     ours.set_read_timeout(Some(STEP))?;
     // The child's end must survive exec: clear close-on-exec on it (this process's copy closes
@@ -518,9 +534,9 @@ fn run_child(allocs: &[Alloc], sizes_arg: &str, device: usize) -> Res<Value> {
     rustix::io::fcntl_setfd(&theirs, rustix::io::FdFlags::empty())?;
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args([
-        "--child",
+        mode,
         &theirs.as_raw_fd().to_string(),
-        sizes_arg,
+        arg,
         &device.to_string(),
     ])
     .stdout(Stdio::piped())
@@ -532,8 +548,7 @@ fn run_child(allocs: &[Alloc], sizes_arg: &str, device: usize) -> Res<Value> {
         (&ours)
             .read_exact(&mut r)
             .map_err(|e| format!("the child did not say it was ready: {e}"))?;
-        let fds: Vec<BorrowedFd<'_>> = allocs.iter().map(|a| a.fd.as_fd()).collect();
-        send_fds(&ours, &fds)?;
+        ready(&ours)?;
         wait_child(&mut ch)
     })();
     if result.is_err() {

@@ -13,8 +13,7 @@ use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::inspect as registry_inspect;
 use cuda_ipc::registry::{Registry, RegistryOptions};
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// The child side of the two-process tests ([`cli_support::child_role`]).
@@ -337,26 +336,12 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
     let name = unique("gc-ns");
     let _u = Unlink(format!("cuda-ipc.ch.{name}"));
     // The producer runs in a pid namespace of its own (a container of the same pod).
-    let mut producer = Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(ROLE, "channel-live")
-        .env(NAME, &name)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
     let started = Instant::now();
-    let out = producer.stdout.take().unwrap();
-    let mut lines = BufReader::new(out).lines();
-    loop {
-        match lines.next() {
-            Some(Ok(l)) if l.ends_with("@@ ready") => break,
-            Some(Ok(_)) => continue,
-            _ => panic!("producer ended before it was ready"),
-        }
-    }
+    let mut producer = ChildRole::start_under(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        "channel-live",
+        &name,
+    );
     let snap = cuda_ipc::channel::inspect::inspect(&name).unwrap();
     assert_ne!(snap.producer.pid_ns, cuda_ipc::identity::own_pid_ns());
     // From here, and from a third namespace: alive, nothing removed.
@@ -370,7 +355,7 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
     }
     // Killed (the namespace's init, which takes the producer with it): gc from another namespace
     // removes the segment, and a later gc the killed process's liveness file.
-    let wrapper = producer.id();
+    let wrapper = producer.0.id();
     let init: u32 = std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children"))
         .unwrap()
         .split_whitespace()
@@ -385,7 +370,7 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
             .unwrap()
             .success()
     );
-    let _ = producer.wait();
+    let _ = producer.0.wait();
     let o = cuda_ipc_bounded(&["gc", &name], true);
     assert!(
         text(&o).contains(&format!("removed channel {name}")),

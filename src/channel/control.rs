@@ -62,14 +62,20 @@ pub const MAX_CHANNEL_NAME: usize = crate::shm::MAX_SEGMENT_NAME - SEGMENT_PREFI
 
 /// Checks a channel name: 1 to [`MAX_CHANNEL_NAME`] bytes of `[A-Za-z0-9._-]`.
 pub(crate) fn validate_channel_name(channel: &str) -> Result<()> {
-    if channel.len() > MAX_CHANNEL_NAME {
+    validate_name_as(channel, "channel name")
+}
+
+/// [`validate_channel_name`] for a name that a channel bears on behalf of something else (a
+/// tensor set's generation channel): the error calls it `what`.
+pub(crate) fn validate_name_as(name: &str, what: &str) -> Result<()> {
+    if name.len() > MAX_CHANNEL_NAME {
         return Err(Error::InvalidArgument(format!(
-            "channel name {:?}... is {} bytes; at most {MAX_CHANNEL_NAME}",
-            channel.chars().take(32).collect::<String>(),
-            channel.len()
+            "{what} {:?}... is {} bytes; at most {MAX_CHANNEL_NAME}",
+            name.chars().take(32).collect::<String>(),
+            name.len()
         )));
     }
-    crate::shm::validate_name(channel)
+    crate::shm::validate_name(name)
 }
 
 pub(super) fn boot_words(id: &ProcessIdentity) -> [u64; 2] {

@@ -54,7 +54,7 @@ pub(crate) use consumer::FrameHold;
 pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub(crate) use control::Control;
 pub use control::MAX_CHANNEL_NAME;
-pub(crate) use control::validate_channel_name;
+pub(crate) use control::validate_name_as;
 pub use error::{ChannelError, SegmentFault};
 pub use layout::{Delivery, LATENCY_BUCKETS, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES};
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};

@@ -55,6 +55,24 @@ pub const ALLOC_ENTRY: usize = TOKEN_LEN + 16;
 /// Where in the body header the allocation table's offset (`u64`) and then its length (`u64`)
 /// are: the first of the four table ranges.
 pub(crate) const ALLOC_TABLE_AT: usize = 32;
+
+/// How many of a body's first bytes hold its head (the body header, then up to the allocation
+/// table's end), as the body header `first` (at least its first [`BODY_HEADER`] bytes, or the
+/// whole body if shorter) says, within a body of `body_len` bytes: what an opener copies to
+/// decode it with [`decode_head_within`]. A range the header gets wrong is clamped to the body;
+/// the decode then refuses it.
+pub(crate) fn head_len(first: &[u8], body_len: usize) -> usize {
+    let word = |at: usize| {
+        first
+            .get(at..at + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    };
+    let end = word(ALLOC_TABLE_AT).saturating_add(word(ALLOC_TABLE_AT + 8));
+    usize::try_from(end)
+        .unwrap_or(usize::MAX)
+        .max(BODY_HEADER)
+        .min(body_len)
+}
 /// Bytes of one tensor table entry.
 pub const TENSOR_ENTRY: usize = 64;
 /// Memory kind code: host memory (the data segment `cuda-ipc.td.NAME`).

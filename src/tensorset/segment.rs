@@ -165,12 +165,7 @@ impl<const M: u64> Header<M> {
 /// Checks a set name: as a channel name (1 to `MAX_CHANNEL_NAME` bytes of `[A-Za-z0-9._-]`).
 pub(crate) fn validate_set_name(name: &str) -> Result<()> {
     // The set's generation channel bears its name: the channel's limits are the set's.
-    crate::channel::validate_channel_name(name).map_err(|e| match e {
-        Error::InvalidArgument(why) => {
-            Error::InvalidArgument(why.replacen("channel name", "tensor-set name", 1))
-        }
-        e => e,
-    })
+    crate::channel::validate_name_as(name, "tensor-set name")
 }
 
 pub(crate) fn bad(segment: &str, fault: ManifestFault) -> Error {
@@ -450,16 +445,10 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
     // Only the head is copied here: the body header and the allocation table, which the opening
     // thread decodes. The tensor tables (most of the body) are copied by the thread that decodes
     // them (`ManifestBody`).
-    let word = |head: &[u8], at: usize| {
-        head.get(at..at + 8)
-            .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-    };
     let mut head = copy_body(&seg, 0, body_len.min(manifest::BODY_HEADER));
-    let table_end = word(&head, manifest::ALLOC_TABLE_AT)
-        .saturating_add(word(&head, manifest::ALLOC_TABLE_AT + 8))
-        .min(body_len as u64) as usize;
-    if table_end > head.len() {
-        let more = copy_body(&seg, head.len(), table_end - head.len());
+    let head_len = manifest::head_len(&head, body_len);
+    if head_len > head.len() {
+        let more = copy_body(&seg, head.len(), head_len - head.len());
         head.extend_from_slice(&more);
     }
     let (manifest, tables) =

@@ -248,31 +248,5 @@ pub(super) fn crate_parent(o: &Opts) -> Res<()> {
 /// Runs one crate-mode child on set `name` and returns its JSON figures; every wait bounded by
 /// [`STEP`].
 fn run_crate_child(name: &str, device: usize) -> Res<Value> {
-    let (ours, theirs) = UnixStream::pair()?;
-    ours.set_read_timeout(Some(STEP))?;
-    // As in `run_child`: the child's end survives exec.
-    rustix::io::fcntl_setfd(&theirs, rustix::io::FdFlags::empty())?;
-    let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.args([
-        "--child-crate",
-        &theirs.as_raw_fd().to_string(),
-        name,
-        &device.to_string(),
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
-    let mut ch = cmd.spawn()?;
-    drop(theirs);
-    let result = (|| -> Res<Value> {
-        let mut r = [0u8; 1];
-        (&ours)
-            .read_exact(&mut r)
-            .map_err(|e| format!("the child did not say it was ready: {e}"))?;
-        wait_child(&mut ch)
-    })();
-    if result.is_err() {
-        let _ = ch.kill();
-        let _ = ch.wait();
-    }
-    result
+    run_ready_child("--child-crate", name, device, |_| Ok(()))
 }

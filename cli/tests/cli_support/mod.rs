@@ -68,7 +68,22 @@ pub struct ChildRole(pub Child);
 
 impl ChildRole {
     pub fn start(role: &str, name: &str) -> ChildRole {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        ChildRole::start_under(&[], role, name)
+    }
+
+    /// [`ChildRole::start`] run by `wrapper` (a command and its arguments, e.g. `unshare --pid
+    /// --fork --mount-proc --kill-child`, which then runs this test binary); none: directly.
+    pub fn start_under(wrapper: &[&str], role: &str, name: &str) -> ChildRole {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        let mut child = cmd
             .args(["child", "--exact", "--nocapture", "--test-threads=1"])
             .env(ROLE, role)
             .env(NAME, name)

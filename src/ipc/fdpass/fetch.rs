@@ -24,7 +24,7 @@ use super::wire::{
     REQUEST_OK, REQUEST_REFUSED, REQUEST_VERSION, decode_reply, encode_request,
 };
 use crate::error::{Error, OsError, Result};
-use crate::identity::{Liveness, ProcessIdentity};
+use crate::identity::ProcessIdentity;
 use rustix::io::Errno;
 use rustix::net::sockopt::{self, Timeout};
 use rustix::net::{
@@ -313,13 +313,9 @@ fn fetch_socket(
 }
 
 /// [`FdPassError::PeerGone`] when the exporter is gone ([`exporter_gone`]; with its uid known,
-/// `owner`, a liveness lock file counts only if that uid owns it: [`ProcessIdentity::liveness_as`]).
+/// `owner`, a liveness lock file counts only if that uid owns it).
 fn alive(exporter: &ProcessIdentity, owner: Option<u32>) -> Result<()> {
-    let gone = match owner {
-        Some(uid) => exporter.liveness_as(uid) == Liveness::Dead,
-        None => exporter_gone(exporter),
-    };
-    if gone {
+    if exporter_gone(exporter, owner) {
         Err(Error::FdPass(FdPassError::PeerGone { pid: exporter.pid }))
     } else {
         Ok(())

@@ -115,9 +115,14 @@ pub use socket::{
 use crate::identity::{Liveness, ProcessIdentity};
 
 /// Whether the exporter no longer runs ([`ProcessIdentity::liveness`]: its liveness lock is free, or
-/// by `/proc` in this pid namespace; a zombie counts as dead). `Unknown` counts as running.
-fn exporter_gone(exporter: &ProcessIdentity) -> bool {
-    exporter.liveness() == Liveness::Dead
+/// by `/proc` in this pid namespace; a zombie counts as dead). `Unknown` counts as running. With
+/// the exporter's `uid` known, a liveness lock file counts only if that uid (or root) owns it
+/// ([`ProcessIdentity::liveness_as`]).
+fn exporter_gone(exporter: &ProcessIdentity, uid: Option<u32>) -> bool {
+    match uid {
+        Some(uid) => exporter.liveness_as(uid) == Liveness::Dead,
+        None => exporter.liveness() == Liveness::Dead,
+    }
 }
 
 #[cfg(test)]

@@ -153,7 +153,7 @@ pub(super) fn fetch_pidfd(
         return Err(PidfdFailure::BadFd { id, raw_fd });
     }
     let pidfd = open_pidfd(exporter.pid)?;
-    if exporter_gone(exporter) {
+    if exporter_gone(exporter, None) {
         return Err(PidfdFailure::Gone);
     }
     let mut out = Vec::with_capacity(ids.len());
@@ -165,7 +165,7 @@ pub(super) fn fetch_pidfd(
         ) {
             Ok(fd) => out.push(fd),
             // A zombie has no fd table: the kernel reports ESRCH or EBADF.
-            Err(_) if exporter_gone(exporter) => return Err(PidfdFailure::Gone),
+            Err(_) if exporter_gone(exporter, None) => return Err(PidfdFailure::Gone),
             Err(Errno::BADF) => return Err(PidfdFailure::BadFd { id, raw_fd }),
             Err(e) => return Err(pidfd_getfd_failure(exporter.pid, e)),
         }

@@ -129,12 +129,7 @@ fn bad_specs_are_refused_with_the_tensor_named() {
 /// The first bytes of `body` an opener copies: the body header, then up to the allocation
 /// table's end (as `open_manifest_head` does).
 fn head_of(body: &[u8]) -> &[u8] {
-    let word = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().unwrap()) as usize;
-    let end = word(ALLOC_TABLE_AT)
-        .saturating_add(word(ALLOC_TABLE_AT + 8))
-        .max(BODY_HEADER)
-        .min(body.len());
-    &body[..end]
+    &body[..head_len(body, body.len())]
 }
 
 /// The head alone (header and allocation table) decodes as the whole body does, every range
