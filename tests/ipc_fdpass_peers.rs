@@ -376,3 +376,110 @@ fn a_killed_exporter_in_another_pid_namespace_gives_peer_gone_and_leaves_a_remov
     // Its liveness file too (younger than gc's 5 s guard: removed by the age-free test helper).
     assert!(cuda_ipc::raw::identity::remove_liveness_file_if_free(&who).unwrap());
 }
+
+/// A `SOCK_SEQPACKET` listener bound at `path` with a backlog of `backlog`, closed when dropped
+/// (its file is the caller's to remove).
+fn seqpacket_listener(path: &str, backlog: i32) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a descriptor made here; `addr` is a zeroed `sockaddr_un` whose
+    // path (shorter than `sun_path`, NUL-terminated by the zeroing) is copied in before `bind`.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_un = std::mem::zeroed();
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        assert!(path.len() < addr.sun_path.len());
+        for (d, s) in addr.sun_path.iter_mut().zip(path.bytes()) {
+            *d = s as libc::c_char;
+        }
+        let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        assert_eq!(
+            libc::bind(fd, (&raw const addr).cast(), len),
+            0,
+            "bind {path}: {}",
+            std::io::Error::last_os_error()
+        );
+        assert_eq!(libc::listen(fd, backlog), 0);
+        owned
+    }
+}
+
+/// A connection to the listener at `path`, never accepted (it fills a backlog).
+fn waiting_client(path: &str) -> std::os::unix::net::UnixDatagram {
+    use std::os::fd::FromRawFd;
+    // SAFETY: as in `seqpacket_listener`; the descriptor is owned by the returned value.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let mut addr: libc::sockaddr_un = std::mem::zeroed();
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in addr.sun_path.iter_mut().zip(path.bytes()) {
+            *d = s as libc::c_char;
+        }
+        let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        assert_eq!(libc::connect(fd, (&raw const addr).cast(), len), 0);
+        std::os::unix::net::UnixDatagram::from_raw_fd(fd)
+    }
+}
+
+#[test]
+fn a_listener_of_this_user_with_another_pid_is_refused_and_a_full_one_waited_for_no_longer() {
+    const NAME: &str =
+        "a_listener_of_this_user_with_another_pid_is_refused_and_a_full_one_waited_for_no_longer";
+    if let Some(r) = role() {
+        return child_main(&r);
+    }
+    // A live process that serves nothing (its socket path is free); this process listens there.
+    let idle = Exporter::spawn(NAME, 0, &[]);
+    let path = fdpass::socket_path(&idle.identity);
+    {
+        let _listener = seqpacket_listener(&path, 8);
+        let _planted = Planted(path.clone());
+        let at = Instant::now();
+        let e = fdpass::fetch(
+            &idle.identity,
+            1,
+            -1,
+            FdTransport::Socket,
+            Duration::from_secs(20),
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::FdPass(FdPassError::NotTheExporter { .. })),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("held by pid {}", std::process::id())),
+            "{text}"
+        );
+        assert!(at.elapsed() < Duration::from_secs(2), "{:?}", at.elapsed());
+    }
+    {
+        // A backlog that is full: the connection without waiting is refused, and the one that
+        // waits gives up at the fetch's timeout (the exporter lives, so it is not `PeerGone`).
+        let _listener = seqpacket_listener(&path, 0);
+        let _planted = Planted(path.clone());
+        let _first = waiting_client(&path);
+        let at = Instant::now();
+        let e = fdpass::fetch(
+            &idle.identity,
+            1,
+            -1,
+            FdTransport::Socket,
+            Duration::from_millis(600),
+        )
+        .unwrap_err();
+        let waited = at.elapsed();
+        assert!(
+            matches!(
+                e,
+                Error::Timeout { .. } | Error::FdPass(FdPassError::NotTheExporter { .. })
+            ),
+            "{e}"
+        );
+        assert!(waited < Duration::from_secs(3), "{waited:?}");
+    }
+    idle.finish();
+}

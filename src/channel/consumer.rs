@@ -1,5 +1,5 @@
 //! The consuming end: [`Consumer`] (its imports of the pool, its stream, registration and join
-//! event, made at attach or, for a memoryless channel, at their first need; the watchdog that
+//! event, made at attach or, for a memoryless channel, at their first need, with the watchdog that
 //! drains its stream when the producer dies), the [`Frame`] it receives and releases
 //! (`consumer/frame.rs`), and the receives it [`posts`](Consumer::post) ahead ([`Posted`],
 //! `consumer/posted.rs`).
@@ -29,10 +29,10 @@ pub use posted::{MAX_POSTED_AHEAD, Posted, PostedFrame};
 
 /// The consuming end of a channel: imports the pool once and receives frames.
 pub struct Consumer {
-    // Drop order: the stream is drained and the slot freed (in Drop) first; then the side: the
-    // watchdog stops, imports go before the stream, the GPU words are unregistered, then the
-    // context (or the host pool is unmapped); then the segment is unmapped (the watchdog held it
-    // too; the registration lies in it). With receives posted ahead for frames not yet published,
+    // Drop order: the stream is drained and the slot freed (in Drop) first; then the side:
+    // imports go, then the watchdog stops and the stream goes, the GPU words are unregistered,
+    // then the context (or the host pool is unmapped); then the segment is unmapped (the
+    // watchdog held it too; the registration lies in it). With receives posted ahead for frames not yet published,
     // Drop hands the GPU imports to a thread that waits for them instead, which drops them in the
     // same order and the segment last.
     /// Host or GPU, decided once where the consumer attaches.
@@ -49,8 +49,6 @@ pub struct Consumer {
 enum Side {
     /// Imports of a device pool.
     Gpu {
-        /// Marks a dead producer's frames ready, so this consumer's stream drains.
-        _watchdog: Watchdog,
         /// Shared only with the thread that waits for receives posted ahead (Drop).
         imports: Arc<GpuImports>,
     },
@@ -76,6 +74,10 @@ struct GpuImports {
 
 /// The GPU objects of a consumer ([`GpuImports::objects`]).
 struct GpuObjects {
+    /// Marks a dead producer's frames ready, so this consumer's stream drains: started with the
+    /// stream, the only thing of this consumer's that waits on the producer's ready words (a
+    /// memoryless channel's consumer that never made one has no thread to spare on it).
+    _watchdog: Watchdog,
     /// Orders the consumer's stream with other streams ([`Frame::ready_on`],
     /// [`Frame::release_after`]); locked from record to wait, so frames released from two threads
     /// never cross their records.
@@ -86,14 +88,15 @@ struct GpuObjects {
 }
 
 impl GpuImports {
-    /// The consumer's stream, registration and join event, made now if they were not
-    /// (`cuStreamCreate`, `cuMemHostRegister` of `control`'s GPU words, `cuEventCreate`).
-    /// `control` is the consumer's own, whose mapping outlives these imports (the consumer's
-    /// field order; the posted-receive thread drops the imports first).
+    /// The consumer's stream, registration, join event and watchdog, made now if they were not
+    /// (`cuStreamCreate`, `cuMemHostRegister` of `control`'s GPU words, `cuEventCreate`, the
+    /// watchdog's thread, which keeps `control` mapped while it runs). `control` is the
+    /// consumer's own, whose mapping outlives these imports (the consumer's field order; the
+    /// posted-receive thread drops the imports first).
     ///
     /// # Errors
     /// CUDA errors from those calls (nothing is kept then: the next call tries again).
-    fn objects(&self, control: &Control) -> Result<&GpuObjects> {
+    fn objects(&self, control: &Arc<Control>) -> Result<&GpuObjects> {
         if let Some(o) = self.objects.get() {
             return Ok(o);
         }
@@ -107,7 +110,20 @@ impl GpuImports {
         // until these imports (and the registration in them) have dropped (see above).
         let ready = unsafe { HostRegistration::new(&self.ctx, page, len)? };
         let join = Mutex::new(Event::new(&self.ctx)?);
+        let watched = control.clone();
+        let watchdog = Watchdog::start(
+            "cuda-ipc-watchdog",
+            "a dead producer is noticed at recv",
+            move || {
+                if watched.producer_gone().is_err() {
+                    watched.force_ready();
+                    return false;
+                }
+                true
+            },
+        );
         Ok(self.objects.get_or_init(|| GpuObjects {
+            _watchdog: watchdog,
             join,
             stream,
             ready,
@@ -185,12 +201,13 @@ impl Consumer {
     /// Attaches to the memoryless channel `name` under `prefix` (crate-private: a tensor set's
     /// generation channel, see `Producer::create_memoryless`): imports nothing. In `ctx` (the
     /// consumer's stream waits on the ready words, frames release on it, the watchdog closes a
-    /// dead producer's gate, as for every GPU channel), or on the host with `None`. The frames
-    /// of such a consumer have no buffer: only their sequence number, index and metadata mean
-    /// anything.
+    /// dead producer's gate, as for every GPU channel; all of them made at their first need, not
+    /// here), or on the host with `None`. The frames of such a consumer have no buffer: only their
+    /// sequence number, index and metadata mean anything.
     ///
     /// Adds to `gpu_time` the wall-clock time spent making the consumer's GPU objects (its
-    /// stream, the registration of the GPU words, the join event and the watchdog thread).
+    /// stream, the registration of the GPU words, the join event and the watchdog thread), which
+    /// a memoryless channel's attach does not make.
     ///
     /// # Errors
     /// As [`Consumer::attach`]; [`ChannelError::BadSegment`] when the channel has buffer memory.
@@ -260,31 +277,17 @@ impl Consumer {
             making: Mutex::new(()),
             ctx: ctx.clone(),
         };
+        let control = Arc::new(control);
         if imported > 0 {
             // A channel with buffers: its frames are read on the stream (`Frame::view`), made
-            // now. A memoryless one makes them at their first need (`GpuImports::objects`).
+            // now with the watchdog. A memoryless one makes them at their first need
+            // (`GpuImports::objects`).
             imports.objects(&control)?;
         }
         *gpu_time += started.elapsed();
         let slot = control.attach(opts.delivery)?;
-        let control = Arc::new(control);
-        let watched = control.clone();
-        let started = Instant::now();
-        let watchdog = Watchdog::start(
-            "cuda-ipc-watchdog",
-            "a dead producer is noticed at recv",
-            move || {
-                if watched.producer_gone().is_err() {
-                    watched.force_ready();
-                    return false;
-                }
-                true
-            },
-        );
-        *gpu_time += started.elapsed();
         Ok(Consumer {
             side: Side::Gpu {
-                _watchdog: watchdog,
                 imports: Arc::new(imports),
             },
             control,
@@ -529,13 +532,21 @@ impl Consumer {
                 self.control.took();
                 return (frame, Ok(()));
             }
-            None => match gpu.objects(&self.control) {
-                Ok(o) => o,
-                Err(e) => {
-                    self.control.took();
-                    return (frame, Err(e));
+            None => {
+                // This consumer's watchdog starts with its stream, now: a producer that died
+                // before has its gate closed here, so that the frame reads as cut short
+                // (`Frame::written`) rather than as still being written.
+                if self.control.producer_gone().is_err() {
+                    self.control.force_ready();
                 }
-            },
+                match gpu.objects(&self.control) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        self.control.took();
+                        return (frame, Err(e));
+                    }
+                }
+            }
         };
         // If this fails the caller releases the hold (`deliver`: the frame's Drop). The stream
         // waits on the buffer's ready word, which the producer's stream writes after its work; if
@@ -607,6 +618,7 @@ impl Consumer {
         }
         let start = Instant::now();
         let mut naps = 0u32;
+        let mut next_check = start + LIVENESS_CHECK;
         loop {
             match self.control.frame_written(i, seq) {
                 Some(true) => return Ok(frame),
@@ -624,8 +636,14 @@ impl Consumer {
                 });
             }
             // The producer's work on the frame is usually microseconds: spin briefly, then nap
-            // (20 us, growing to 200 us). A dead producer's gate is closed by this consumer's
-            // watchdog within about 20 ms, which ends the wait.
+            // (20 us, growing to 200 us). A dead producer's gate is closed within about 20 ms
+            // (by this consumer's watchdog, or here where it has none), which ends the wait.
+            if Instant::now() >= next_check {
+                if self.control.producer_gone().is_err() {
+                    self.control.force_ready();
+                }
+                next_check = Instant::now() + LIVENESS_CHECK;
+            }
             if start.elapsed() < Duration::from_micros(200) {
                 std::hint::spin_loop();
             } else {

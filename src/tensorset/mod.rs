@@ -13,7 +13,8 @@
 //!   is the generation, its metadata the generation, the content fingerprint and flags. The
 //!   channel's protocol does the rest: holds, release words written by readers' streams after
 //!   their work, the writer's stream waiting for them, dead readers freed by the writer's
-//!   watchdog, a dead writer's gate closed by readers' watchdogs.
+//!   watchdog, a dead writer's gate closed by readers' watchdogs (a reader's starts with its
+//!   stream, at its first need) or by a reader's take or wait that finds the writer dead.
 //! - host sets only: `cuda-ipc.td.NAME`, the data segment with the B buffers.
 //! - VMM sets only: `cuda-ipc.th.NAME`, the holders segment (`holders/mod.rs`): who serves the
 //!   set's file descriptors (the writer, [`Holder`]s, readers opened with

@@ -262,8 +262,8 @@ impl TensorSetReader {
             .into());
         }
         Self::check_stable(opts, m.kind)?;
-        // The generation channel's attach (segment open, slot claim, watchdog thread; its stream,
-        // registration and event come at their first need) needs nothing of the imports: for a
+        // The generation channel's attach (segment open, slot claim; its stream, registration,
+        // event and watchdog thread come at their first need) needs nothing of the imports: for a
         // GPU set it runs on a thread of its own (`EarlyJoin`: made before the manifest's read by
         // `open`, after its header by `open_auto`, started while the writer answers the fd
         // fetch, or below where nothing was fetched) while this thread maps the memory (a host

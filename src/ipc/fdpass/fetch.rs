@@ -2,7 +2,8 @@
 //! transport itself, one request over one connection.
 //!
 //! Owns: [`FdTransport`], the overall deadline of a fetch, and the steps of a socket fetch, each a
-//! function of [`Exchange`]: look at the socket file ([`Exchange::check_socket_file`]), connect
+//! function of [`Exchange`]: connect without waiting to a listener that is plainly the exporter
+//! ([`Exchange::connect_at_once`]), or else one by one: look at the socket file ([`Exchange::check_socket_file`]), connect
 //! ([`Exchange::connect`]), check who listens ([`Exchange::check_listener`]), send the request
 //! ([`Exchange::send_request`]), then receive the statuses and fds ([`Exchange::receive_fds`]:
 //! one message at a time by [`Exchange::receive_message`], each validated by
@@ -385,11 +386,20 @@ fn fetch_socket_once(
     // What stands at the path, or who listens there, says nothing once the exporter is gone:
     // such a refusal is `PeerGone` then (as a failed connection is), so that a caller falls back
     // to another source of the fds.
-    let connected = x.check_socket_file().and_then(|file| {
-        let sock = x.connect(&file, deadline)?;
-        let server = x.check_listener(&sock, &file)?;
-        Ok((sock, server))
-    });
+    let connected = match x.connect_at_once() {
+        Some(Ok(known)) => Ok(known),
+        // Connected, but not to a listener with the exporter's pid and this process's uid: the
+        // file and the listener are judged by the rules.
+        Some(Err(sock)) => x
+            .check_socket_file()
+            .and_then(|file| Ok((x.check_listener(&sock, &file)?, sock)))
+            .map(|(server, sock)| (sock, server)),
+        None => x.check_socket_file().and_then(|file| {
+            let sock = x.connect(&file, deadline)?;
+            let server = x.check_listener(&sock, &file)?;
+            Ok((sock, server))
+        }),
+    };
     let (sock, server) = connected.map_err(|e| match e {
         Error::FdPass(FdPassError::PeerGone { .. }) => e,
         e => x.gone_or(e),
@@ -541,6 +551,39 @@ impl<'a> Exchange<'a> {
             mode: st.st_mode,
             same_ns,
         })
+    }
+
+    /// Steps 1 to 3 at once, where the path holds what it should: a connection without waiting
+    /// (`SOCK_NONBLOCK` for the `connect`, blocking again after it) to a listener whose
+    /// `SO_PEERCRED` has the exporter's pid and this process's effective uid (the exporter's,
+    /// where the caller knows it). The rules of [`Exchange::check_listener`] accept that listener
+    /// whichever pid namespace the exporter runs in (its own pid, or a uid that is this
+    /// process's and, being the binder's, the socket file's), so neither the file's `lstat` nor
+    /// the look at this process's pid namespace (a `/proc` lookup, tens of µs in a fresh process)
+    /// is made for it. `Some(Ok(..))`: that connection and its listener; `Some(Err(sock))`:
+    /// connected to another listener, which the caller judges by the rules; `None`: not
+    /// connected (nothing there, a FIFO, a file, a link to nothing, a full backlog, a refusal:
+    /// the steps one by one then say what stands there, as before).
+    fn connect_at_once(&self) -> Option<std::result::Result<(OwnedFd, PeerCred), OwnedFd>> {
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .ok()?;
+        let addr = SocketAddrUnix::new(self.path.as_str()).ok()?;
+        rustix::net::connect(&sock, &addr).ok()?;
+        rustix::io::ioctl_fionbio(&sock, false).ok()?;
+        let Ok(server) = peer_cred(&sock) else {
+            return Some(Err(sock));
+        };
+        let uid_known = self.owner.is_none_or(|uid| uid == self.euid);
+        if server.pid == self.exporter.pid && server.uid == self.euid && uid_known {
+            Some(Ok((sock, server)))
+        } else {
+            Some(Err(sock))
+        }
     }
 
     /// Step 2: a new `SOCK_SEQPACKET` socket connected to the path, within the deadline (a

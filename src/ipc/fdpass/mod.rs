@@ -20,10 +20,13 @@
 //!   leaves it: [`stale_socket_files`] lists those of dead processes and
 //!   [`remove_stale_socket_file`] removes one (for `cuda-ipc gc`). The exporter sends the id (and
 //!   the fd number, for `pidfd_getfd`) to the importer inside its own message, e.g. a token.
-//! - An importer calls [`fetch`] or [`fetch_many`] with the exporter's [`ProcessIdentity`]. It looks
-//!   at the socket path without following it (`lstat`: anything but a socket is refused at once,
-//!   so a FIFO, file, directory or symbolic link planted there gives an error, never a hang),
-//!   connects, checks who listens (below), sends the ids and receives one status per id and the
+//! - An importer calls [`fetch`] or [`fetch_many`] with the exporter's [`ProcessIdentity`]. It
+//!   first connects without waiting; a listener whose `SO_PEERCRED` has the exporter's pid and the
+//!   importer's uid (the exporter's, where the caller knows it) passes the check below in either
+//!   pid namespace case and is taken at once. Otherwise, or where that connection is refused or
+//!   would wait, it looks at the socket path without following it (`lstat`: anything but a
+//!   socket is refused at once, so a FIFO, file, directory or symbolic link planted there gives
+//!   an error, never a hang), connects, checks who listens (below); then it sends the ids and receives one status per id and the
 //!   fds (`SCM_RIGHTS`, at most 253 per message, `MSG_CMSG_CLOEXEC`). Whether the exporter still
 //!   runs ([`ProcessIdentity::liveness`]: right across pid namespaces; zombies are dead) is asked
 //!   when a step fails, every 100 ms while a step waits (a listener inherited by a forked child

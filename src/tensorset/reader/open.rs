@@ -83,15 +83,17 @@ pub struct OpenTimings {
     /// near zero otherwise.
     pub map_identity: Duration,
     /// The generation channel's join, as long as it ran on its own thread: its control segment
-    /// opened, the producer's liveness checked, a reader slot claimed and the watchdog started
-    /// (`join_gpu`). A host set joins on the opening thread, after the mapping.
+    /// opened, the producer's liveness checked and a reader slot claimed. A host set joins on
+    /// the opening thread, after the mapping.
     pub join: Duration,
-    /// The part of `join` that started the watchdog thread (which closes a dead writer's gate).
-    /// The reader's stream (`cuStreamCreate`), the registration of the channel's GPU words
-    /// (`cuMemHostRegister`) and the join event (`cuEventCreate`) are not made by the open but
-    /// at their first need: [`TensorSetReader::stream`](super::TensorSetReader::stream), a
-    /// `release_after`, or a hold of a generation whose writer's stream had not finished it.
-    /// Zero for a host set.
+    /// The part of `join` that made GPU objects: none since the watchdog thread (which closes a
+    /// dead writer's gate) starts with them. The reader's stream (`cuStreamCreate`), the
+    /// registration of the channel's GPU words (`cuMemHostRegister`), the join event
+    /// (`cuEventCreate`) and the watchdog are not made by the open but at their first need:
+    /// [`TensorSetReader::stream`](super::TensorSetReader::stream), a `release_after`, or a hold
+    /// of a generation whose writer's stream had not finished it (a writer that died before
+    /// then has its gate closed by that hold, which then reads as cut short). Waits on the host
+    /// look at the writer's liveness themselves. Zero for a host set.
     pub join_gpu: Duration,
     /// How long the opening thread waited for the join once its mapping was done (zero when the
     /// join finished first); a host set: the whole join.
