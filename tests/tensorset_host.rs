@@ -443,6 +443,60 @@ fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
 }
 
 #[test]
+fn readers_racing_a_writer_that_replaces_the_set_open_one_creation_or_none() {
+    if role().is_some() {
+        return;
+    }
+    // A writer publishes the set, drops it (a host set goes with its writer) and publishes it
+    // again, over and over, while readers open it: an open that read the manifest of one creation
+    // and found another's generation channel or data segment opens again, so a reader gets a
+    // whole set (its generation's bytes checked) or hears that there is none, never a bad
+    // manifest.
+    let name = set_name("race");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (opened, none) = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    let (mut opened, mut none) = (0u32, 0u32);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+                            Ok(r) => {
+                                opened += 1;
+                                if let Ok(Some(h)) = r.current() {
+                                    check_gen(&h, specs().len());
+                                }
+                            }
+                            Err(Error::TensorSet(
+                                TensorSetError::NotFound(_)
+                                | TensorSetError::WriterGone { .. }
+                                | TensorSetError::Closed(_),
+                            ))
+                            | Err(Error::Shm(ShmError::NotFound { .. })) => none += 1,
+                            Err(e) => panic!("a reader's open: {e}"),
+                        }
+                    }
+                    (opened, none)
+                })
+            })
+            .collect();
+        for _ in 0..300 {
+            let mut w =
+                TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+            assert_eq!(write_gen(&mut w), 1);
+            drop(w);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        readers
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    });
+    println!("opened {opened}, found none {none}");
+    assert!(opened + none > 0);
+}
+
+#[test]
 fn an_open_that_fails_half_way_leaves_no_reader_and_no_mapping_behind() {
     if role().is_some() {
         return;

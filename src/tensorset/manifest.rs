@@ -92,7 +92,7 @@ pub const MAX_SET_BUFFERS: usize = crate::channel::MAX_BUFFERS;
 /// contiguous, row-major).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
-    /// Unique within the set, 1 to [`MAX_NAME`] bytes.
+    /// Unique within the set, 1 to [`MAX_NAME`] bytes of UTF-8 without a NUL byte.
     pub name: String,
     /// Element type.
     pub dtype: DType,
@@ -254,6 +254,12 @@ fn check_name(name: &str) -> Result<()> {
             format!("a name of {} bytes; 1 to {MAX_NAME}", name.len()),
         ));
     }
+    if name.contains('\0') {
+        return Err(bad_tensor(
+            name,
+            "a NUL byte in its name (names pass through C strings: not allowed)".to_string(),
+        ));
+    }
     Ok(())
 }
 
@@ -282,8 +288,8 @@ impl Layout {
     ///
     /// # Errors
     /// [`TensorSetError::TooManyTensors`] past [`MAX_TENSORS`]; [`TensorSetError::BadTensor`] for
-    /// an empty, long or repeated name, a dtype without a byte size, a negative dimension or
-    /// stride, too many dimensions or a size that overflows.
+    /// an empty, long or repeated name or one with a NUL byte, a dtype without a byte size, a
+    /// negative dimension or stride, too many dimensions or a size that overflows.
     pub fn new(specs: &[TensorSpec]) -> Result<Layout> {
         if specs.len() > MAX_TENSORS {
             return Err(TensorSetError::TooManyTensors {

@@ -28,6 +28,27 @@ use open::{
 };
 pub use open::{OpenTimings, VERIFY_APART};
 
+/// How many times an open is made again where it found segments of two creations of the set
+/// ([`TensorSetReader::open`]'s errors).
+const REOPENS: u32 = 4;
+
+/// `open()`, made again (at most [`REOPENS`] times) where it found segments of two creations of
+/// the set (`ManifestFault::Mismatch`): a writer that replaced the set (its old writer dead)
+/// during the open. Segments planted under the set's names mismatch every time: their error is
+/// returned after the last try.
+fn reopening(mut open: impl FnMut() -> Result<TensorSetReader>) -> Result<TensorSetReader> {
+    let mut tries = 0;
+    loop {
+        match open() {
+            Err(Error::TensorSet(TensorSetError::BadManifest {
+                fault: ManifestFault::Mismatch { .. },
+                ..
+            })) if tries < REOPENS => tries += 1,
+            r => return r,
+        }
+    }
+}
+
 /// What a reader maps of the set's memory.
 enum Memory {
     Host(DataSegment),
@@ -133,8 +154,10 @@ impl TensorSetReader {
     /// # Errors
     /// [`TensorSetError::NotFound`]; [`TensorSetError::LayoutMismatch`] when
     /// [`ReaderOptions::expect_layout`] differs; [`TensorSetError::BadManifest`] /
-    /// [`TensorSetError::VersionMismatch`] for a manifest that is not one; the segment's own
-    /// errors ([`crate::Error::Shm`]); [`TensorSetError::WriterGone`] when the writer is dead;
+    /// [`TensorSetError::VersionMismatch`] for a manifest that is not one (segments of two
+    /// creations of the set, as when a new writer replaces the set during the open, are opened
+    /// again, four times at most, before `BadManifest` says so); the segment's own errors
+    /// ([`crate::Error::Shm`]); [`TensorSetError::WriterGone`] when the writer is dead;
     /// [`TensorSetError::TooManyReaders`] past the set's reader limit; CUDA and fd
     /// passing errors from the imports.
     pub fn open(ctx: &Arc<Context>, name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
@@ -155,6 +178,10 @@ impl TensorSetReader {
     /// # Errors
     /// As [`TensorSetReader::open`]; [`TensorSetError::WrongKind`] for a GPU set.
     pub fn open_host(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
+        reopening(|| Self::open_host_once(name, opts))
+    }
+
+    fn open_host_once(name: &str, opts: &ReaderOptions) -> Result<TensorSetReader> {
         let started = Instant::now();
         let opened = segment::open_manifest_unverified(name, segment::INIT_WAIT)?;
         if opened.manifest.kind != KIND_HOST {
@@ -174,7 +201,17 @@ impl TensorSetReader {
         )
     }
 
+    /// [`TensorSetReader::open_once`], made again where it found segments of two creations
+    /// ([`reopening`]).
     fn open_inner(
+        ctx: Option<&Arc<Context>>,
+        name: &str,
+        opts: &ReaderOptions,
+    ) -> Result<TensorSetReader> {
+        reopening(|| Self::open_once(ctx, name, opts))
+    }
+
+    fn open_once(
         ctx: Option<&Arc<Context>>,
         name: &str,
         opts: &ReaderOptions,

@@ -91,6 +91,9 @@ fn decode_entries(
         let name = name_bytes(strings, name_off, name_len)
             .and_then(|b| std::str::from_utf8(b).ok())
             .ok_or_else(|| bad("its name lies outside the string area or is not UTF-8".into()))?;
+        if name.contains('\0') {
+            return Err(bad("a NUL byte in its name".into()));
+        }
         let dtype = DType {
             code: e.0[12],
             bits: e.0[13],

@@ -215,3 +215,24 @@ proptest! {
         let _ = decode(&body[..keep]);
     }
 }
+
+/// A NUL byte in a tensor name is refused by the writer's layout and, planted in a manifest, by
+/// the reader's decode (with the tensor's index), never handed on to C strings.
+#[test]
+fn a_nul_byte_in_a_tensor_name_is_refused_on_both_sides() {
+    let e = Layout::new(&[TensorSpec::new("a\0b", DType::F32, &[1])]).unwrap_err();
+    assert!(e.to_string().contains("NUL"), "{e}");
+    let m = sample(3);
+    let mut body = encode(&m);
+    let name = b"layer.1.weight";
+    let at = body
+        .windows(name.len())
+        .position(|w| w == name)
+        .expect("the name lies in the body");
+    body[at + 5] = 0;
+    let e = decode(&body).unwrap_err();
+    assert!(
+        matches!(e, ManifestFault::Tensor { index: 1, ref why } if why.contains("NUL")),
+        "{e:?}"
+    );
+}
