@@ -89,7 +89,9 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
 /// `allocations`, `tensors`, `bytes`, `generation`, `readers` (each `slot`, `pid`, `liveness`,
 /// `held`), `holds`, `holders` (each `slot`, `role`, `pid`, `liveness`, `since_ms`: who serves the
 /// set's fds), `live_holders`, `whole_generation` (what a reader opened after the writer's death
-/// reads), `fingerprint` (hex), `leftovers`, `bridge` (a tensor-set bridge's status, or null).
+/// reads), `channel_problem` (why the generation channel could not be read, or null: then
+/// `generation`, `readers` and `holds` say nothing), `fingerprint` (hex), `leftovers`, `bridge` (a
+/// tensor-set bridge's status, or null).
 #[derive(Debug)]
 pub struct TensorSetView {
     /// The set's state.
@@ -141,6 +143,7 @@ impl Serialize for TensorSetView {
             })).collect::<Vec<_>>(),
             "live_holders": t.live_holders(),
             "whole_generation": t.whole_generation,
+            "channel_problem": t.channel_problem,
             "fingerprint": t.fingerprint.iter().map(|b| format!("{b:02x}")).collect::<String>(),
             "leftovers": self.has_leftovers(),
             "bridge": self.bridge,

@@ -226,7 +226,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
         out.push_str(&format!(
             "tensorset {}: gen {}, {} buffers, {} tensors, {}, {} readers, {} holds, writer {} {}, {}{}\n",
             t.name,
-            t.generation,
+            if t.channel_problem.is_some() {
+                "?".to_string()
+            } else {
+                t.generation.to_string()
+            },
             t.buffers,
             t.tensors,
             bytes(t.bytes),
@@ -269,6 +273,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
             ));
         } else if t.writer_liveness == Liveness::Dead {
             out.push_str("  problem: the writer is dead; `cuda-ipc gc` removes this set\n");
+        } else if let Some(p) = &t.channel_problem {
+            out.push_str(&format!(
+                "  problem: its generation channel cannot be read ({p}); the generation, readers \
+                 and holds above are not known\n"
+            ));
         } else if v.has_leftovers() {
             out.push_str(
                 "  problem: dead readers are attached; `cuda-ipc gc` frees their slots and holds\n",

@@ -228,3 +228,42 @@ fn gc_json_lists_the_leftovers_of_a_dry_run_then_what_it_removed() {
     assert_eq!(code(&o), 1, "{}", text(&o));
     assert!(o.stdout.is_empty(), "{}", text(&o));
 }
+
+/// A live writer's set whose generation channel was replaced by a FIFO: `ls` says its
+/// generation is not known and why (`gen ?` and a problem line naming the FIFO), and `ls --json`
+/// gives the same reason as `channel_problem` (null for a set whose channel reads).
+#[test]
+fn ls_says_why_a_sets_generation_channel_cannot_be_read() {
+    use cuda_ipc::tensorset::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
+    let name = unique("tg-fifo");
+    let w = TensorSetWriter::create_host(
+        &name,
+        &[TensorSpec::new("w", DType::F32, &[4])],
+        &TensorSetOptions::new(),
+    )
+    .unwrap();
+    let ok = json(&cuda_ipc(&["ls", "--json", &name]));
+    let set = &ok["tensor_sets"][0];
+    assert_eq!(set["name"], name.as_str(), "{ok}");
+    assert!(set["channel_problem"].is_null(), "{ok}");
+    let tg = format!("/dev/shm/cuda-ipc.tg.{name}");
+    let away = format!("{tg}.away");
+    std::fs::rename(&tg, &away).unwrap();
+    let st = Command::new("mkfifo").arg(&tg).status().unwrap();
+    assert!(st.success());
+    let o = cuda_ipc(&["ls", &name]);
+    let t = text(&o);
+    let j = json(&cuda_ipc(&["ls", "--json", &name]));
+    std::fs::remove_file(&tg).unwrap();
+    std::fs::rename(&away, &tg).unwrap();
+    assert!(t.contains("gen ?"), "{t}");
+    assert!(
+        t.contains("generation channel cannot be read") && t.contains("FIFO"),
+        "{t}"
+    );
+    let problem = j["tensor_sets"][0]["channel_problem"]
+        .as_str()
+        .unwrap_or("");
+    assert!(problem.contains("FIFO"), "{j}");
+    drop(w);
+}

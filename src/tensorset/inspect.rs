@@ -63,8 +63,14 @@ pub struct TensorSetSnapshot {
     /// Holds outstanding (over all readers and buffers).
     pub holds: u32,
     /// The generation channel as read (`None` when it is gone: a dead writer's set whose
-    /// channel was removed, or a writer that never got that far).
+    /// channel was removed, or a writer that never got that far; or cannot be read:
+    /// [`channel_problem`](Self::channel_problem)).
     pub channel: Option<ChannelSnapshot>,
+    /// Why the generation channel could not be read, where it could not (`None` when it was
+    /// read): missing, something else under its name (a FIFO, another user's file), or a
+    /// channel of another creation than the manifest names. `generation`, `readers` and `holds`
+    /// then say nothing of the set.
+    pub channel_problem: Option<String>,
     /// The serving slots of the holders segment (the writer, holders, serving readers; dead ones
     /// included, with their liveness). Empty for a set without one (host, pool, legacy).
     pub holders: Vec<HolderSnapshot>,
@@ -131,9 +137,18 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
     let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
     let (writer, uid) = opened.header().writer();
     let m = &opened.manifest;
-    let channel = inspect_in(GENERATION_PREFIX, name)
-        .ok()
-        .filter(|c| c.generation == m.channel_generation);
+    let (channel, channel_problem) = match inspect_in(GENERATION_PREFIX, name) {
+        Ok(c) if c.generation == m.channel_generation => (Some(c), None),
+        Ok(c) => (
+            None,
+            Some(format!(
+                "{GENERATION_PREFIX}{name} is of another creation (generation {}, the manifest \
+                 names {})",
+                c.generation, m.channel_generation
+            )),
+        ),
+        Err(e) => (None, Some(e.to_string())),
+    };
     let (generation, readers, holds) = match &channel {
         Some(c) => {
             let readers = c
@@ -184,6 +199,7 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
         readers,
         holds,
         channel,
+        channel_problem,
         holders,
         whole_generation,
     })
