@@ -65,17 +65,15 @@ fn a_reader_that_never_uses_its_stream_takes_and_releases_while_the_writer_write
             }
             g
         });
-        let mut taken = 0u64;
         let mut last = 0u64;
-        // Every generation taken is held, then released, with nothing enqueued on the stream.
-        while taken < 100 {
+        // Every generation taken is held, then released, with nothing enqueued on the stream,
+        // up to the writer's last (101: the first and 100 more). Not "until the writer's thread
+        // has finished": a reader that took 101 while that thread was still returning would
+        // wait for a 102nd that never comes.
+        while last < 101 {
             let h = r.wait_newer(last, Some(T)).expect("a newer generation");
             last = h.generation();
-            taken += 1;
             drop(h);
-            if writer.is_finished() {
-                break;
-            }
         }
         writer.join().unwrap()
     });
@@ -107,7 +105,8 @@ fn a_reader_that_works_on_its_stream_has_its_release_ordered_after_the_work() {
             }
         });
         let mut last = 0u64;
-        while !writer.is_finished() {
+        // Up to the writer's last generation (41), not until its thread has finished (see above).
+        while last < 41 {
             let h = r.wait_newer(last, Some(T)).expect("a newer generation");
             last = h.generation();
             let st = h.stream().unwrap();
