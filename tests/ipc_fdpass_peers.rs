@@ -483,3 +483,44 @@ fn a_listener_of_this_user_with_another_pid_is_refused_and_a_full_one_waited_for
     }
     idle.finish();
 }
+
+/// A symbolic link at a gone exporter's socket path (same pid, another start time), planted by
+/// another user, to a live server of this user with that pid: `connect` follows it, and the
+/// listener's pid and uid are the ones the connection taken at once looks for, but the path is
+/// not a socket: the fetch refuses it (or finds the exporter gone), never takes that server's fd.
+#[test]
+fn a_link_to_a_server_with_the_exporters_pid_is_not_taken_for_the_exporter() {
+    if role().is_some() {
+        return;
+    }
+    use std::io::Write;
+    let me = ProcessIdentity::current().unwrap();
+    let mut f = std::fs::File::from(
+        rustix::fs::memfd_create("link-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap(),
+    );
+    f.write_all(b"another process's fd").unwrap();
+    let ex = fdpass::FdExport::new(std::os::fd::OwnedFd::from(f)).unwrap();
+    let mut w = me.to_words();
+    w[1] = w[1].wrapping_sub(2);
+    let gone = ProcessIdentity::from_words(w);
+    let link = fdpass::socket_path(&gone);
+    std::os::unix::fs::symlink(fdpass::socket_path(&me), &link).unwrap();
+    let _planted = Planted(link.clone());
+    let r = fdpass::fetch(
+        &gone,
+        ex.id(),
+        -1,
+        FdTransport::Socket,
+        Duration::from_secs(5),
+    );
+    match r {
+        Ok(_) => panic!("an fd was taken through a symbolic link"),
+        Err(e) => assert!(
+            matches!(
+                e,
+                Error::FdPass(FdPassError::PeerGone { .. } | FdPassError::NotTheExporter { .. })
+            ),
+            "{e}"
+        ),
+    }
+}

@@ -86,7 +86,7 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
 /// One tensor set.
 ///
 /// JSON: `name`, `writer` (pid), `writer_liveness`, `memory`, `buffered`, `buffers`,
-/// `allocations`, `tensors`, `bytes`, `generation`, `readers` (each `slot`, `pid`, `liveness`,
+/// `allocations`, `tensors`, `bytes`, `generation` (null where `channel_problem` is set), `readers` (each `slot`, `pid`, `liveness`,
 /// `held`), `holds`, `holders` (each `slot`, `role`, `pid`, `liveness`, `since_ms`: who serves the
 /// set's fds), `live_holders`, `whole_generation` (what a reader opened after the writer's death
 /// reads), `channel_problem` (why the generation channel could not be read, or null: then
@@ -126,7 +126,8 @@ impl Serialize for TensorSetView {
             "allocations": t.allocations,
             "tensors": t.tensors,
             "bytes": t.bytes,
-            "generation": t.generation,
+            // Not known where the generation channel could not be read.
+            "generation": t.channel_problem.is_none().then_some(t.generation),
             "readers": t.readers.iter().map(|r| serde_json::json!({
                 "slot": r.slot,
                 "pid": r.identity.pid,
@@ -190,6 +191,10 @@ impl Listing {
             || self.registries.iter().any(|r| r.snapshot.has_leftovers())
             || self.channels.iter().any(|c| c.snapshot.has_leftovers())
             || self.tensor_sets.iter().any(TensorSetView::has_leftovers)
+            || self.tensor_sets.iter().any(|t| {
+                t.snapshot.channel_problem.is_some()
+                    && t.snapshot.writer_liveness != cuda_ipc::identity::Liveness::Dead
+            })
     }
 }
 

@@ -265,5 +265,8 @@ fn ls_says_why_a_sets_generation_channel_cannot_be_read() {
         .as_str()
         .unwrap_or("");
     assert!(problem.contains("FIFO"), "{j}");
+    assert!(j["tensor_sets"][0]["generation"].is_null(), "{j}");
+    // A problem: exit status 1, as for a segment that cannot be read.
+    assert_eq!(code(&o), 1, "{t}");
     drop(w);
 }

@@ -556,11 +556,11 @@ impl<'a> Exchange<'a> {
     /// Steps 1 to 3 at once, where the path holds what it should: a connection without waiting
     /// (`SOCK_NONBLOCK` for the `connect`, blocking again after it) to a listener whose
     /// `SO_PEERCRED` has the exporter's pid and this process's effective uid (the exporter's,
-    /// where the caller knows it). The rules of [`Exchange::check_listener`] accept that listener
+    /// where the caller knows it), at a path that is itself a socket of that uid (`lstat` after
+    /// the connection: `connect` follows a symbolic link, which the rules refuse). The rules of [`Exchange::check_listener`] accept that listener
     /// whichever pid namespace the exporter runs in (its own pid, or a uid that is this
-    /// process's and, being the binder's, the socket file's), so neither the file's `lstat` nor
-    /// the look at this process's pid namespace (a `/proc` lookup, tens of µs in a fresh process)
-    /// is made for it. `Some(Ok(..))`: that connection and its listener; `Some(Err(sock))`:
+    /// process's and the socket file's), so the look at this process's pid namespace (a `/proc`
+    /// lookup, tens of µs in a fresh process) is not made for it. `Some(Ok(..))`: that connection and its listener; `Some(Err(sock))`:
     /// connected to another listener, which the caller judges by the rules; `None`: not
     /// connected (nothing there, a FIFO, a file, a link to nothing, a full backlog, a refusal:
     /// the steps one by one then say what stands there, as before).
@@ -579,7 +579,13 @@ impl<'a> Exchange<'a> {
             return Some(Err(sock));
         };
         let uid_known = self.owner.is_none_or(|uid| uid == self.euid);
-        if server.pid == self.exporter.pid && server.uid == self.euid && uid_known {
+        // `connect` follows a symbolic link: the path itself must be a socket of the listener's
+        // uid (one `lstat`, no `/proc` lookup), or the rules judge it (they refuse a link).
+        let bound_here = rustix::fs::lstat(self.path.as_str()).is_ok_and(|st| {
+            rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Socket
+                && st.st_uid == server.uid
+        });
+        if server.pid == self.exporter.pid && server.uid == self.euid && uid_known && bound_here {
             Some(Ok((sock, server)))
         } else {
             Some(Err(sock))

@@ -22,8 +22,9 @@
 //!   the fd number, for `pidfd_getfd`) to the importer inside its own message, e.g. a token.
 //! - An importer calls [`fetch`] or [`fetch_many`] with the exporter's [`ProcessIdentity`]. It
 //!   first connects without waiting; a listener whose `SO_PEERCRED` has the exporter's pid and the
-//!   importer's uid (the exporter's, where the caller knows it) passes the check below in either
-//!   pid namespace case and is taken at once. Otherwise, or where that connection is refused or
+//!   importer's uid (the exporter's, where the caller knows it), at a path that is a socket of
+//!   that uid (`lstat` after connecting: `connect` follows a symbolic link), passes the check
+//!   below in either pid namespace case and is taken at once. Otherwise, or where that connection is refused or
 //!   would wait, it looks at the socket path without following it (`lstat`: anything but a
 //!   socket is refused at once, so a FIFO, file, directory or symbolic link planted there gives
 //!   an error, never a hang), connects, checks who listens (below); then it sends the ids and receives one status per id and the
