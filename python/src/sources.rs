@@ -35,24 +35,29 @@ pub(crate) struct Chunk<'py> {
     pub values: Bound<'py, PyList>,
 }
 
-/// Reads the chunk's tensors: returns the copies `(tensor index, source address, bytes)` in the
-/// chunk's order, and pushes what must stay alive until the copies are ordered (contiguous
-/// copies made of non-contiguous sources) onto `keep`.
+/// One source's copy: the set's tensor index, the source's address and bytes, and whether it
+/// lies on the set's device (a GPU set's sources on another device are copied by the driver,
+/// peer to peer).
+pub(crate) type Copy = (usize, u64, usize, bool);
+
+/// Reads the chunk's tensors: returns their copies in the chunk's order, and pushes what must
+/// stay alive until the copies are ordered (contiguous copies made of non-contiguous sources)
+/// onto `keep`. `device`: the set's CUDA device, `None` for a host set.
 ///
 /// # Errors
 /// `TensorSetError::NoSuchTensor` for a name the set lacks; `InvalidArgument` for a value that
 /// is not a tensor, another dtype than the set's, a tensor on another kind of device than the
-/// set's memory (`host`: CPU tensors; otherwise CUDA ones are not checked here, the copy's
-/// driver call refuses others), or more bytes than the set's tensor has.
+/// set's memory (a host set: CPU tensors; a GPU set: CUDA tensors), or more bytes than the set's
+/// tensor has. Nothing of the chunk is copied then.
 pub(crate) fn read<'py>(
     py: Python<'py>,
     torch: &Torch,
     layout: &Layout,
     index: &Bound<'py, PyDict>,
     chunk: &Chunk<'py>,
-    host: bool,
+    device: Option<i32>,
     keep: &mut Vec<Bound<'py, PyAny>>,
-) -> PyResult<Vec<(usize, u64, usize)>> {
+) -> PyResult<Vec<Copy>> {
     let n = chunk.keys.len();
     let mut idx = Vec::with_capacity(n);
     for k in chunk.keys.iter() {
@@ -90,7 +95,26 @@ pub(crate) fn read<'py>(
             ),
         ));
     }
-    if host {
+    let mut on_device = vec![false; n];
+    if let Some(d) = device {
+        // The index of each source's CUDA device (-1 on the CPU): a GPU set copies from CUDA
+        // tensors, those on its own device by a kernel that cannot check its sources.
+        let devices = torch.map_list(py, &torch.get_device, values.as_any())?;
+        for (k, dev) in devices.iter().enumerate() {
+            let dev: i64 = dev.extract()?;
+            if dev < 0 {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {:?} is not a CUDA tensor: a GPU tensor set copies from CUDA \
+                         tensors",
+                        name(k)
+                    ),
+                ));
+            }
+            on_device[k] = dev == i64::from(d);
+        }
+    } else {
         let cpu = torch.map_list(py, &torch.get_is_cpu, values.as_any())?;
         for (k, c) in cpu.iter().enumerate() {
             if !c.is_truthy()? {
@@ -128,7 +152,7 @@ pub(crate) fn read<'py>(
                 ),
             ));
         }
-        out.push((idx[k], p.extract::<u64>()?, nb as usize));
+        out.push((idx[k], p.extract::<u64>()?, nb as usize, on_device[k]));
     }
     Ok(out)
 }
@@ -159,30 +183,4 @@ fn not_a_tensor(
         }
     }
     errors::invalid_argument(py, "the sources' dtypes could not be read".to_string())
-}
-
-/// For a failed GPU copy: the first source of `values` that is not a CUDA tensor, as a clear
-/// error (`None`: all are, the driver's error stands).
-pub(crate) fn not_cuda(
-    py: Python<'_>,
-    torch: &Torch,
-    layout: &Layout,
-    copies: &[(usize, u64, usize)],
-    values: &Bound<'_, PyList>,
-) -> Option<PyErr> {
-    let cuda = torch
-        .map_list(py, &torch.get_is_cuda, values.as_any())
-        .ok()?;
-    for (k, c) in cuda.iter().enumerate() {
-        if !c.is_truthy().unwrap_or(true) {
-            let name = &layout.tensors()[copies.get(k)?.0].name;
-            return Some(errors::invalid_argument(
-                py,
-                format!(
-                    "tensor {name:?} is not a CUDA tensor: a GPU tensor set copies from CUDA tensors"
-                ),
-            ));
-        }
-    }
-    None
 }

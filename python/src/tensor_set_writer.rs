@@ -484,13 +484,16 @@ impl TensorSetWriter {
     }
 }
 
-/// The copies `(tensor, source address, bytes)` as copies `(allocation, offset, source, bytes)`,
+/// The copies `(tensor, source address, bytes, on the set's device)` as copies `(allocation, offset, source, bytes)`,
 /// each run of tensors that lie back to back both in the set and in the sources (a state dict
 /// whose tensors are views of one flat buffer, in the set's order) merged into one copy: exactly
 /// the same bytes land, with one driver call per run instead of one per tensor.
-fn coalesce(layout: &Layout, copies: &[(usize, u64, usize)]) -> Vec<(usize, u64, u64, usize)> {
-    let mut out: Vec<(usize, u64, u64, usize)> = Vec::with_capacity(copies.len());
-    for &(i, src, n) in copies {
+fn coalesce<'c>(
+    layout: &Layout,
+    copies: impl Iterator<Item = &'c sources::Copy>,
+) -> Vec<(usize, u64, u64, usize)> {
+    let mut out: Vec<(usize, u64, u64, usize)> = Vec::new();
+    for &(i, src, n, _) in copies {
         let t = &layout.tensors()[i];
         let (a, off) = (t.allocation as usize, t.offset);
         if let Some(last) = out.last_mut()
@@ -642,11 +645,16 @@ impl TensorUpdate {
     /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`: any subset of the set's names, each
     /// of the set's dtype, at most its bytes; made contiguous first if it is not) into this
     /// update's buffer, on the writer's stream after the work enqueued so far on the update's
-    /// stream (`cuMemcpyDtoDAsync`; tensors back to back both in the set and in the sources are
-    /// copied by one call); the update's stream then waits for the copies, so PyTorch reuses none
-    /// of the sources' memory before they ran. A host set copies from CPU tensors. The sources
-    /// are read and copied in chunks of 512, so on an error the chunks before the bad tensor's
-    /// may already be copied: the update stays open and uncommitted (abort it, or copy again).
+    /// stream; the update's stream then waits for the copies, so PyTorch reuses none of the
+    /// sources' memory before they ran. Tensors back to back both in the set and in the sources
+    /// are copied as one range; the ranges of sources on the set's device as
+    /// `cuda_ipc::tensorset::Update::copy_many` copies them (many small ones by a kernel, 160 per
+    /// launch, large ones by `cuMemcpyDtoDAsync`), those of sources on another device by
+    /// `cuMemcpyDtoDAsync` each. A source that is a view of this update's own buffer must be
+    /// its own tensor (else the bytes that land are unspecified). A host set copies from CPU
+    /// tensors. The sources are read and copied in chunks of 512, so on an error the chunks
+    /// before the bad tensor's may already be copied: the update stays open and uncommitted
+    /// (abort it, or copy again).
     fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<()> {
         let writer = self.writer.get();
         let torch = tensors::Torch::get(py)?;
@@ -672,27 +680,35 @@ impl TensorUpdate {
                 values: values.get_slice(at, end),
             };
             at = end;
-            let copies = sources::read(py, torch, layout, index, &chunk, writer.host, &mut keep)?;
+            let device = (!writer.host).then_some(writer.device);
+            let copies = sources::read(py, torch, layout, index, &chunk, device, &mut keep)?;
             self.with(py, |u| {
-                for (a, off, src, n) in coalesce(layout, &copies) {
-                    let r = if writer.host {
+                if writer.host {
+                    for (_, off, src, n) in coalesce(layout, copies.iter()) {
                         // SAFETY: `src` points at `n` bytes of contiguous CPU tensors laid back
                         // to back (`sources::read` checked device, contiguity and `nbytes`), kept
                         // alive by `chunk`/`keep` until this returns; private memory, not shared.
                         let src = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
-                        u.write_at(off as usize, src)
-                    } else {
-                        u.update().copy_into(a, off, src, n)
-                    };
-                    if let Err(e) = r {
-                        if !writer.host
-                            && let Some(e) =
-                                sources::not_cuda(py, torch, layout, &copies, &chunk.values)
-                        {
-                            return Err(e);
-                        }
-                        return Err(err(py, e));
+                        u.write_at(off as usize, src).map_err(|e| err(py, e))?;
                     }
+                    return Ok(());
+                }
+                let here = coalesce(layout, copies.iter().filter(|c| c.3));
+                // SAFETY: every source is a contiguous CUDA tensor of `n` bytes on the set's
+                // device (`sources::read` checked device, contiguity and `nbytes`): PyTorch's
+                // memory there, which its own kernels read from the device's primary context,
+                // the writer's context (`primary_context` in `new`); kept alive by
+                // `chunk`/`keep` until this returns, and PyTorch reuses none of it before the
+                // copies ran (`ready_on_raw` below, or the update's stream is PyTorch's). The
+                // destinations are distinct tensors of the set (one dict key each); a source
+                // that is a view of this update's buffer itself overlaps only its own
+                // destination or gives unspecified bytes (documented), never memory outside.
+                unsafe { u.update().copy_many(&here) }.map_err(|e| err(py, e))?;
+                // Sources on another device: the driver's peer copies, one per range.
+                for (a, off, src, n) in coalesce(layout, copies.iter().filter(|c| !c.3)) {
+                    u.update()
+                        .copy_into(a, off, src, n)
+                        .map_err(|e| err(py, e))?;
                 }
                 Ok(())
             })?;

@@ -119,14 +119,15 @@ pub(crate) struct Torch {
     pub narrow: Py<PyAny>,
     pub view: Py<PyAny>,
     pub contiguous: Py<PyAny>,
-    /// `torch.Tensor.data_ptr`, `is_contiguous`, and getters of `nbytes`, `dtype`, `is_cpu`,
-    /// `is_cuda` (`operator.attrgetter`), for `map` over many tensors.
+    /// `torch.Tensor.data_ptr`, `is_contiguous`, and getters of `nbytes`, `dtype`, `is_cpu`
+    /// (`operator.attrgetter`), for `map` over many tensors.
     pub data_ptr: Py<PyAny>,
     pub is_contiguous: Py<PyAny>,
     pub get_nbytes: Py<PyAny>,
     pub get_dtype: Py<PyAny>,
     pub get_is_cpu: Py<PyAny>,
-    pub get_is_cuda: Py<PyAny>,
+    /// `torch.Tensor.get_device` (unbound): the CUDA device's index, -1 for a CPU tensor.
+    pub get_device: Py<PyAny>,
     /// `builtins.map` and `builtins.list`.
     pub map: Py<PyAny>,
     pub list: Py<PyAny>,
@@ -161,7 +162,7 @@ impl Torch {
                 get_nbytes: get("nbytes")?,
                 get_dtype: get("dtype")?,
                 get_is_cpu: get("is_cpu")?,
-                get_is_cuda: get("is_cuda")?,
+                get_device: m(&tensor, "get_device")?,
                 map: m(&builtins, "map")?,
                 list: m(&builtins, "list")?,
                 dtypes: TORCH_DTYPES

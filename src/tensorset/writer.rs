@@ -22,6 +22,7 @@ use crate::token::{TOKEN_LEN, Token};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod copies;
 mod resume;
 mod update;
 
@@ -113,6 +114,9 @@ pub struct TensorSetWriter {
     _quota: Option<Reservation>,
     /// The content fingerprint's kernel, loaded at the first fingerprinted update (GPU sets).
     fingerprinter: std::sync::OnceLock<crate::tensorset::content::Fingerprinter>,
+    /// The many-ranges copy kernel, loaded at the first [`Update::copy_many`] that needs it (GPU
+    /// sets; `None` where it cannot be loaded).
+    copier: std::sync::OnceLock<Option<copies::RangeCopier>>,
 }
 
 impl std::fmt::Debug for TensorSetWriter {
@@ -455,6 +459,7 @@ impl TensorSetWriter {
             old: None,
             _quota: quota,
             fingerprinter: std::sync::OnceLock::new(),
+            copier: std::sync::OnceLock::new(),
         })
     }
 
@@ -612,6 +617,7 @@ impl TensorSetWriter {
             state: &mut self.state,
             previous,
             fingerprinter: &self.fingerprinter,
+            copier: &self.copier,
         })
     }
 

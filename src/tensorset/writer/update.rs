@@ -1,7 +1,7 @@
 //! [`Update`]: a generation being written, handed out by [`TensorSetWriter::begin`](super::TensorSetWriter::begin) until
 //! [`Update::commit`].
 
-use super::{Memory, State, tensor_ptr};
+use super::{Memory, State, copies, tensor_ptr};
 use crate::channel::WriteFrame;
 use crate::driver::Stream;
 use crate::error::{Error, Result};
@@ -30,6 +30,8 @@ pub struct Update<'a> {
     pub(super) previous: Option<usize>,
     /// The writer's content-fingerprint kernel, loaded on first use.
     pub(super) fingerprinter: &'a std::sync::OnceLock<Fingerprinter>,
+    /// The writer's many-ranges copy kernel, loaded on first use.
+    pub(super) copier: &'a std::sync::OnceLock<Option<copies::RangeCopier>>,
 }
 
 impl std::fmt::Debug for Update<'_> {
@@ -112,6 +114,64 @@ impl Update<'_> {
     /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end;
     /// [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming the copy.
     pub fn copy_into(&self, allocation: usize, offset: u64, src: u64, len: usize) -> Result<()> {
+        let dst = self.allocation_range(allocation, offset, len as u64)?;
+        self.copy_d2d(dst, src, len)
+    }
+
+    /// Enqueues on the writer's stream a copy for each of `copies`, `(allocation, offset, src,
+    /// len)`: `len` bytes from device address `src` to byte `offset` of allocation `allocation`
+    /// of this update's buffer, as [`Update::copy_into`] does one. For a generation written from
+    /// many separate sources (a model's parameters): small ranges are copied by a kernel that
+    /// takes 160 of them per launch (`kernels/copy.cu`), since one `cuMemcpyDtoDAsync` costs
+    /// about 5 µs of device time whatever its size; ranges of 8 MiB or more, fewer than 4 small
+    /// ones, or all of them where the kernel cannot be loaded, by one `cuMemcpyDtoDAsync_v2`
+    /// each. The kernel is loaded (JIT-compiled from PTX) at the writer's first call that needs
+    /// it. Work on another stream that produced the sources must be ordered before.
+    ///
+    /// Every range is checked before anything is enqueued.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end (nothing
+    /// enqueued); [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming
+    /// `cuMemcpyDtoDAsync_v2` or `cuLaunchKernel` (the copies enqueued before it stay enqueued).
+    ///
+    /// # Safety
+    /// Unlike `cuMemcpyDtoDAsync`, the kernel does not check its sources: every `src..src + len`
+    /// must be memory readable by a kernel of the writer's context (device memory of its device
+    /// allocated in that context or its device's primary context, or host memory mapped for it)
+    /// until the copies ran on the writer's stream; a bad address faults the kernel, and a
+    /// kernel fault leaves the context unusable. No source may overlap a destination of this
+    /// call, and where two destinations overlap which bytes land there is unspecified.
+    pub unsafe fn copy_many(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
+        let ranges = copies
+            .iter()
+            .map(|&(a, off, src, len)| {
+                Ok((self.allocation_range(a, off, len as u64)?, src, len as u64))
+            })
+            .collect::<Result<Vec<copies::Range>>>()?;
+        // SAFETY: destinations lie in this update's buffer, which no reader holds (checked
+        // above); sources as this function's contract says.
+        unsafe { self.copy_ranges(&ranges) }
+    }
+
+    /// Enqueues `ranges` on the writer's stream ([`copies::copy`]), the kernel loaded at the
+    /// writer's first call that needs it.
+    ///
+    /// # Safety
+    /// As [`copies::copy`].
+    unsafe fn copy_ranges(&self, ranges: &[copies::Range]) -> Result<()> {
+        let stream = self.stream()?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            copies::copy(ranges, stream, || {
+                copies::cached(self.copier, stream.context())
+            })
+        }
+    }
+
+    /// The device address of byte `offset` of allocation `allocation` of this update's buffer,
+    /// checked to have `len` bytes after it.
+    fn allocation_range(&self, allocation: usize, offset: u64, len: u64) -> Result<u64> {
         let Memory::Gpu(b) = self.memory else {
             return Err(TensorSetError::WrongKind(
                 "a host tensor set has no device addresses; use the host accessors",
@@ -129,13 +189,12 @@ impl Update<'_> {
                     self.layout.allocations().len()
                 ))
             })?;
-        if offset.checked_add(len as u64).is_none_or(|e| e > size) {
+        if offset.checked_add(len).is_none_or(|e| e > size) {
             return Err(Error::InvalidArgument(format!(
                 "bytes {offset}+{len} leave allocation {allocation} of {size} bytes"
             )));
         }
-        let dst = b[self.buffer][allocation].device_ptr() + offset;
-        self.copy_d2d(dst, src, len)
+        Ok(b[self.buffer][allocation].device_ptr() + offset)
     }
 
     fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<()> {
@@ -192,7 +251,8 @@ impl Update<'_> {
     /// Copies byte ranges of the last committed generation into the same places of this buffer:
     /// `(allocation, offset, len)` each, in bytes (a tensor set's bridge fills the tensors a
     /// generation did not change this way). On a GPU set the copies are enqueued on the writer's
-    /// stream (`cuMemcpyDtoDAsync_v2`, one per range); on a host set they are made at once.
+    /// stream as [`Update::copy_many`] enqueues them (a kernel for many small ranges,
+    /// `cuMemcpyDtoDAsync_v2` for the others); on a host set they are made at once.
     /// Nothing to do in place or before the first commit (the bytes are there, or there are none).
     ///
     /// # Errors
@@ -203,6 +263,7 @@ impl Update<'_> {
             return Ok(());
         };
         let sizes = self.layout.allocations();
+        let mut gpu: Vec<copies::Range> = Vec::new();
         for &(a, off, len) in ranges {
             if sizes
                 .get(a)
@@ -227,14 +288,20 @@ impl Update<'_> {
                         )
                     };
                 }
-                Memory::Gpu(b) => self.copy_d2d(
+                Memory::Gpu(b) => gpu.push((
                     b[self.buffer][a].device_ptr() + off,
                     b[p][a].device_ptr() + off,
-                    len as usize,
-                )?,
+                    len,
+                )),
             }
         }
-        Ok(())
+        if gpu.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: each range lies in allocation `a` of this update's buffer and of the previous
+        // generation's (checked above), both this writer's memory in its context, different
+        // buffers (`p != buffer`), so no source overlaps a destination.
+        unsafe { self.copy_ranges(&gpu) }
     }
 
     fn host(&self) -> Result<&DataSegment> {

@@ -1,0 +1,136 @@
+"""`TensorUpdate.copy_from` of many separate CUDA tensors into a GPU tensor set, on a GPU
+(`CUDA_IPC_GPU_TESTS=1`; they fail, not pass, without one): every source lands whatever its size,
+dtype and alignment (small ones go through the copy kernel, 160 per launch, large ones through
+`cuMemcpyDtoDAsync`), non-contiguous sources are made contiguous first, a CPU tensor is refused
+before anything of its chunk is copied, and the update's own tensors copied onto themselves stay
+as they are; sources of neighbouring allocations merged into one range land too."""
+
+import os
+import uuid
+
+import pytest
+
+import cuda_ipc
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("CUDA_IPC_GPU_TESTS") != "1", reason="needs a CUDA GPU: set CUDA_IPC_GPU_TESTS=1"
+)
+
+torch = pytest.importorskip("torch")
+
+ANSWER = 30.0
+
+
+@pytest.fixture
+def name():
+    return f"tscopy-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def specs():
+    """700 tensors: bytes around the kernel's 16-byte word and 64 KiB per block, of four dtypes,
+    and three past the direct copy's 8 MiB."""
+    out = {}
+    dtypes = ["uint8", "bfloat16", "float32", "float16"]
+    for i in range(697):
+        n = [1 + i % 5, 15 + i % 3, 16 * (1 + i), 32768 + i, 4096 + 13 * i, 1000 + i, 3][i % 7]
+        out[f"p{i}"] = ((n,), dtypes[i % 4])
+    out["big0"] = (((4 << 20) + 3,), "bfloat16")
+    out["big1"] = ((9 << 20,), "uint8")
+    out["big2"] = ((1024, 2049), "float32")
+    return out
+
+
+def sources(sp, seed):
+    """A source per tensor, each its own allocation; every fourth a view at an odd element
+    offset of a larger tensor (2- or 1-byte aligned), every ninth non-contiguous."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for i, (n, (shape, dt)) in enumerate(sp.items()):
+        dtype = getattr(torch, dt)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if dtype == torch.uint8:
+            base = torch.randint(0, 256, (numel + 3,), generator=g, device="cuda", dtype=dtype)
+        else:
+            base = torch.randn(numel + 3, generator=g, device="cuda").to(dtype)
+        if i % 9 == 0 and len(shape) == 1 and numel > 1:
+            wide = torch.empty((numel, 2), dtype=dtype, device="cuda")
+            wide[:, 0] = base[:numel]
+            t = wide[:, 0]
+            assert not t.is_contiguous()
+        elif i % 4 == 0:
+            t = base[1:1 + numel].view(shape)
+        else:
+            t = base[:numel].view(shape).clone()
+        out[n] = t
+    return out
+
+
+def test_many_scattered_sources_land_byte_for_byte(name):
+    sp = specs()
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
+    try:
+        for seed in (1, 2):
+            src = sources(sp, seed)
+            with w.begin(timeout=ANSWER) as u:
+                u.copy_from(src)
+                got = u.tensors()
+                torch.cuda.synchronize()
+                for n, t in src.items():
+                    assert torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    finally:
+        w.close()
+
+
+def test_sources_of_neighbouring_allocations_merged_into_one_range_land(name):
+    # 1 MiB tensors of PyTorch's small pool: two per 2 MiB segment, segments often neighbours in
+    # the address space, so runs of sources back to back (in the set's order) span allocations;
+    # merged past 8 MiB, the driver refuses such a range as one copy.
+    sp = {f"e{i}": ((512, 1024), "bfloat16") for i in range(96)}
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
+    try:
+        src = {n: torch.full((512, 1024), float(i % 13), dtype=torch.bfloat16, device="cuda")
+               for i, n in enumerate(sp)}
+        with w.begin(timeout=ANSWER) as u:
+            u.copy_from(src)
+            got = u.tensors()
+            torch.cuda.synchronize()
+            for n, t in src.items():
+                assert torch.equal(got[n], t), n
+    finally:
+        w.close()
+
+
+def test_a_cpu_source_is_refused_before_its_chunk_is_copied(name):
+    sp = {f"t{i}": ((64,), "float32") for i in range(20)}
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
+    try:
+        with w.begin(timeout=ANSWER) as u:
+            for t in u.tensors().values():
+                t.fill_(7.0)
+            src = {n: torch.zeros(64, device="cuda") for n in sp}
+            src["t13"] = torch.zeros(64)
+            with pytest.raises(cuda_ipc.InvalidArgument, match="t13.*not a CUDA tensor"):
+                u.copy_from(src)
+            torch.cuda.synchronize()
+            assert all(bool((t == 7.0).all()) for t in u.tensors().values())
+            u.abort()
+    finally:
+        w.close()
+
+
+def test_the_updates_own_tensors_copied_onto_themselves_stay(name):
+    sp = {f"t{i}": ((1000 + i,), "bfloat16") for i in range(50)}
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
+    try:
+        with w.begin(timeout=ANSWER) as u:
+            own = u.tensors()
+            for i, t in enumerate(own.values()):
+                t.fill_(float(i))
+            u.copy_from(own)
+            torch.cuda.synchronize()
+            for i, t in enumerate(u.tensors().values()):
+                assert bool((t == float(i)).all())
+    finally:
+        w.close()
