@@ -11,10 +11,13 @@ its mappings), each from two kinds of source on the same GPU:
 
 - `flat`: views of one flat buffer, in the set's order (runs of them are one copy);
 - `scattered`: each tensor its own allocation of PyTorch's caching allocator, as a model's
-  parameters are (the copies go through the copy kernel, 160 small ranges per launch).
+  parameters are (the copies go through the copy kernel, 160 small ranges per launch);
+- `plan`: the scattered sources through a `CopyPlan` made once (`TensorSetWriter.copy_plan`:
+  only their `data_ptr()`s are read again per update).
 
 Per update: `begin`, `copy_from`, `commit`, and a wait for the writer's stream (apart:
-`*_copy_from_ms`, the host's time in `copy_from`, reading the sources and enqueuing the copies). Baselines in the
+`*_copy_from_ms`, the host's time in `copy_from`, reading the sources and enqueuing the copies;
+`get_device_pass_ms`, one of the bulk property reads `copy_from` makes, over the sources). Baselines in the
 same loop, over the same bytes: one device-to-device copy (`torch.Tensor.copy_` of one flat buffer,
 the issue's bound: an update is to reach 80 % of its speed) and PyTorch's own many-tensor copy of
 the scattered sources (`torch._foreach_copy_` into views of one buffer). Medians of `--updates`
@@ -83,14 +86,22 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
                     host_ms.append((time.perf_counter() - t) * 1e3)
                 w.synchronize()
 
-            times = {"flat": [], "scattered": [], "copy": [], "foreach": [],
-                     "flat_copy_from": [], "scattered_copy_from": []}
+            plan = w.copy_plan(scattered)
+            times = {"flat": [], "scattered": [], "plan": [], "copy": [], "foreach": [],
+                     "flat_copy_from": [], "scattered_copy_from": [], "plan_copy_from": [],
+                     "get_device_pass": []}
+            values = list(scattered.values())
             for _ in range(args.updates):
                 times["flat"].append(timed(torch, lambda: update(flat, times["flat_copy_from"])))
                 times["scattered"].append(
                     timed(torch, lambda: update(scattered, times["scattered_copy_from"])))
+                times["plan"].append(timed(torch, lambda: update(plan, times["plan_copy_from"])))
+                t = time.perf_counter()
+                list(map(torch.Tensor.get_device, values))
+                times["get_device_pass"].append((time.perf_counter() - t) * 1e3)
                 times["copy"].append(timed(torch, lambda: dst.copy_(src)))
                 times["foreach"].append(timed(torch, lambda: torch._foreach_copy_(targets, sources)))
+            del plan
             # The last generation holds the scattered sources' bytes: check them on the GPU.
             with readers[0].current(timeout=STEP_S) as h:
                 d = h.tensors()
@@ -103,6 +114,7 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
                 **{f"{k}_ms": v for k, v in med.items()},
                 "flat_ratio": med["copy"] / med["flat"],
                 "scattered_ratio": med["copy"] / med["scattered"],
+                "plan_ratio": med["copy"] / med["plan"],
                 "foreach_ratio": med["copy"] / med["foreach"],
                 "mismatches": bad,
             }

@@ -19,15 +19,21 @@ struct CopyRanges {
 };
 
 // Range `d`..`d + len` := `s`..`s + len` by the blocks of one grid row, in words of W bytes (both
-// addresses are W-aligned), the bytes past the last whole word by the row's first block.
+// addresses are W-aligned), the bytes past the last whole word by the row's first block. The
+// library gives a row a block per 4 KiB (one 16-byte word a thread): for ranges of about 1 MiB
+// that copies at 0.88 of one cudaMemcpyAsync of the same bytes on an H200, where loading four or
+// eight words a thread before storing them did worse (0.82, 0.74); a single large range copies at
+// 0.92 either way.
 template <typename W>
-__device__ __forceinline__ void copy_words(unsigned char* d, const unsigned char* s,
+__device__ __forceinline__ void copy_words(unsigned char* __restrict__ d,
+                                           const unsigned char* __restrict__ s,
                                            unsigned long long len) {
-    unsigned long long n = len / sizeof(W);
-    W* dw = reinterpret_cast<W*>(d);
-    const W* sw = reinterpret_cast<const W*>(s);
+    const unsigned long long n = len / sizeof(W);
+    W* __restrict__ dw = reinterpret_cast<W*>(d);
+    const W* __restrict__ sw = reinterpret_cast<const W*>(s);
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
+         i += stride) {
         dw[i] = sw[i];
     }
     if (blockIdx.x == 0) {

@@ -55,6 +55,7 @@ __all__ = [
     "Frame",
     "TensorSetWriter",
     "TensorUpdate",
+    "CopyPlan",
     "TensorSetReader",
     "TensorHold",
     "TensorSetHolder",
@@ -588,7 +589,7 @@ class TensorSetWriter:
         commits at the end of the block (aborts on an exception)."""
     def publish(
         self,
-        tensors: Dict[str, Any],
+        tensors: Union[Dict[str, Any], "CopyPlan"],
         timeout: Optional[float] = None,
         *,
         stream: StreamLike = None,
@@ -596,6 +597,10 @@ class TensorSetWriter:
     ) -> int:
         """``begin``, ``copy_from(tensors)``, commit (``fingerprint=True``: with the fingerprint
         of the bytes); the generation."""
+    def copy_plan(self, tensors: Dict[str, Any]) -> "CopyPlan":
+        """GPU sets: the sources of later updates read and checked once (contiguous CUDA
+        tensors); ``copy_from(plan)`` then reads only their ``data_ptr()``s, and refuses the
+        update if any moved since. The plan keeps the tensors alive."""
     @property
     def generation(self) -> int: ...
     @property
@@ -613,6 +618,16 @@ class TensorSetWriter:
     def __exit__(self, *args: Any) -> None: ...
 
 @final
+class CopyPlan:
+    """A GPU tensor set's update sources read and checked once (``TensorSetWriter.copy_plan``)."""
+    @property
+    def tensors(self) -> int:
+        """The number of source tensors."""
+    @property
+    def ranges(self) -> int:
+        """The number of copies an update makes (back-to-back sources merged)."""
+
+@final
 class TensorUpdate:
     """A generation being written (from ``TensorSetWriter.begin``)."""
 
@@ -622,12 +637,13 @@ class TensorUpdate:
     def buffer(self) -> int: ...
     def tensors(self) -> Dict[str, Any]:
         """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set)."""
-    def copy_from(self, tensors: Dict[str, Any]) -> None:
+    def copy_from(self, tensors: Union[Dict[str, Any], "CopyPlan"]) -> None:
         """Copies CUDA tensors (CPU tensors for a host set) into the set's tensors of the same
         names, on the writer's stream; read and copied in chunks of 512 tensors. Many small
         sources on the set's device are copied by one kernel launch per 160 (one
         ``cuMemcpyDtoDAsync`` each costs about 5 µs of GPU time); a CPU tensor given to a GPU set
-        is refused before anything of its chunk is copied."""
+        is refused before anything of its chunk is copied. A ``CopyPlan`` of this writer copies
+        its sources without reading them again."""
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
         """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""

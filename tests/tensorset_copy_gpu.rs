@@ -208,7 +208,9 @@ fn a_range_whose_source_spans_two_neighbouring_allocations_lands() {
     // addresses, so a range can run from one into the next (as tensors of a caching allocator's
     // neighbouring segments merged into one range do); `cuMemcpyDtoDAsync` refuses such a range.
     const PART: usize = 16 << 20;
-    let parts: Vec<DeviceBuffer> = (0..8).map(|_| DeviceBuffer::new(&c, PART).unwrap()).collect();
+    let parts: Vec<DeviceBuffer> = (0..8)
+        .map(|_| DeviceBuffer::new(&c, PART).unwrap())
+        .collect();
     let pair = parts
         .windows(2)
         .find(|w| w[0].device_ptr() + PART as u64 == w[1].device_ptr())
@@ -229,7 +231,13 @@ fn a_range_whose_source_spans_two_neighbouring_allocations_lands() {
     unsafe { u.copy_many(&[(t.allocation as usize, t.offset, src, len)]) }.unwrap();
     u.stream().unwrap().synchronize().unwrap();
     let mut back = vec![0u8; len];
-    u.device_tensor(0).unwrap().copy_to_host(0, &mut back).unwrap();
-    assert!(back == host[start..start + len], "the spanning range's bytes");
+    u.device_tensor(0)
+        .unwrap()
+        .copy_to_host(0, &mut back)
+        .unwrap();
+    assert!(
+        back == host[start..start + len],
+        "the spanning range's bytes"
+    );
     u.commit().unwrap();
 }

@@ -37,6 +37,7 @@
 mod aio;
 mod cleanup;
 mod consumer;
+mod copy_plan;
 mod dlpack;
 mod errors;
 mod frame;
@@ -73,6 +74,7 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<posted::PostedFrame>()?;
     m.add_class::<tensor_set_writer::TensorSetWriter>()?;
     m.add_class::<tensor_set_writer::TensorUpdate>()?;
+    m.add_class::<copy_plan::CopyPlan>()?;
     m.add_class::<tensor_set_reader::TensorSetReader>()?;
     m.add_class::<tensor_set_reader::TensorHold>()?;
     m.add_class::<holder::TensorSetHolder>()?;

@@ -1,6 +1,7 @@
-//! The source tensors of `TensorUpdate.copy_from`, read from Python in bulk.
+//! The source tensors of `TensorUpdate.copy_from`, read from Python in bulk, merged into ranges
+//! and enqueued.
 //!
-//! Each tensor's dtype, contiguity, size and data pointer are read by one `list(map(getter,
+//! Each tensor's dtype, device, contiguity, size and data pointer are read by one `list(map(getter,
 //! values))` per property over a chunk of tensors: one C-level loop per property (no bytecode,
 //! no bound method per tensor), so a state dict of thousands of tensors costs about what
 //! PyTorch's getters themselves cost. The dtype is compared by identity with the set's cached
@@ -8,6 +9,8 @@
 
 use crate::errors;
 use crate::tensors::{self, Torch};
+use crate::util::err;
+use cuda_ipc::tensorset::owned::OwnedUpdate;
 use cuda_ipc::tensorset::{Layout, TensorSetError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -42,7 +45,8 @@ pub(crate) type Copy = (usize, u64, usize, bool);
 
 /// Reads the chunk's tensors: returns their copies in the chunk's order, and pushes what must
 /// stay alive until the copies are ordered (contiguous copies made of non-contiguous sources)
-/// onto `keep`. `device`: the set's CUDA device, `None` for a host set.
+/// onto `keep`; without `keep` (a copy plan), a non-contiguous source is refused. `device`: the
+/// set's CUDA device, `None` for a host set.
 ///
 /// # Errors
 /// `TensorSetError::NoSuchTensor` for a name the set lacks; `InvalidArgument` for a value that
@@ -56,7 +60,7 @@ pub(crate) fn read<'py>(
     index: &Bound<'py, PyDict>,
     chunk: &Chunk<'py>,
     device: Option<i32>,
-    keep: &mut Vec<Bound<'py, PyAny>>,
+    mut keep: Option<&mut Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Vec<Copy>> {
     let n = chunk.keys.len();
     let mut idx = Vec::with_capacity(n);
@@ -89,10 +93,7 @@ pub(crate) fn read<'py>(
         let got = tensors::dtype_arg(py, &dt)?;
         return Err(errors::invalid_argument(
             py,
-            format!(
-                "tensor {:?}: dtype {got:?}, the set holds {want:?}",
-                name(k)
-            ),
+            format!("tensor {:?}: dtype {got}, the set holds {want}", name(k)),
         ));
     }
     let mut on_device = vec![false; n];
@@ -131,6 +132,17 @@ pub(crate) fn read<'py>(
     let contiguous = torch.map_list(py, &torch.is_contiguous, values.as_any())?;
     for (k, c) in contiguous.iter().enumerate() {
         if !c.is_truthy()? {
+            let Some(keep) = keep.as_deref_mut() else {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {:?} is not contiguous: a copy plan reads its sources' memory at \
+                         every update, so a contiguous copy made now would go stale; pass \
+                         contiguous tensors",
+                        name(k)
+                    ),
+                ));
+            };
             let t = torch.contiguous.bind(py).call1((values.get_item(k)?,))?;
             values.set_item(k, &t)?;
             keep.push(t);
@@ -183,4 +195,56 @@ fn not_a_tensor(
         }
     }
     errors::invalid_argument(py, "the sources' dtypes could not be read".to_string())
+}
+
+/// Enqueues `here` (ranges whose sources lie on the set's device) by `Update::copy_many`, and
+/// `peer` (sources on another device) by the driver's copies, one per range.
+///
+/// # Safety
+/// Every source is contiguous CUDA memory of its range's bytes, `here`'s on the set's device,
+/// allocated by PyTorch (which reads it with its own kernels in the device's primary context,
+/// the writer's context: `primary_context` in `new`), alive until the copies are ordered before
+/// PyTorch's next use of it (`TensorUpdate::ordered`, or the update's stream is PyTorch's). The
+/// destinations are distinct tensors of the set (one dict key each); a source that is a view of
+/// this update's buffer itself overlaps only its own destination or gives unspecified bytes
+/// (documented), never memory outside the buffer.
+pub(crate) unsafe fn copy_gpu(
+    py: Python<'_>,
+    u: &mut OwnedUpdate,
+    here: &Ranges,
+    peer: &Ranges,
+) -> PyResult<()> {
+    // SAFETY: this function's contract is `copy_many`'s for `here`.
+    unsafe { u.update().copy_many(here) }.map_err(|e| err(py, e))?;
+    for &(a, off, src, n) in peer {
+        u.update()
+            .copy_into(a, off, src, n)
+            .map_err(|e| err(py, e))?;
+    }
+    Ok(())
+}
+
+/// Copies `(allocation, offset, source address, bytes)`.
+pub(crate) type Ranges = Vec<(usize, u64, u64, usize)>;
+
+/// The copies `(tensor, source address, bytes, on the set's device)` as copies `(allocation, offset, source, bytes)`,
+/// each run of tensors that lie back to back both in the set and in the sources (a state dict
+/// whose tensors are views of one flat buffer, in the set's order) merged into one copy: exactly
+/// the same bytes land, with one driver call per run instead of one per tensor.
+pub(crate) fn coalesce<'c>(layout: &Layout, copies: impl Iterator<Item = &'c Copy>) -> Ranges {
+    let mut out: Vec<(usize, u64, u64, usize)> = Vec::new();
+    for &(i, src, n, _) in copies {
+        let t = &layout.tensors()[i];
+        let (a, off) = (t.allocation as usize, t.offset);
+        if let Some(last) = out.last_mut()
+            && last.0 == a
+            && last.1 + last.3 as u64 == off
+            && last.2 + last.3 as u64 == src
+        {
+            last.3 += n;
+            continue;
+        }
+        out.push((a, off, src, n));
+    }
+    out
 }

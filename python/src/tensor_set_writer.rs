@@ -6,8 +6,9 @@
 //! which waits for the readers' release words, and the commit makes the writer's stream wait for
 //! that stream before it writes the generation's ready word. The host never waits for the GPU.
 
+use crate::copy_plan::{self, CopyPlan};
 use crate::errors;
-use crate::sources;
+use crate::sources::{self, coalesce, copy_gpu};
 use crate::tensors::{self, specs_arg};
 use crate::util::{Seconds, Stop, err, lock, memory_arg, sliced, stream_arg, timeout_arg};
 use cuda_ipc::Error;
@@ -35,9 +36,9 @@ enum Slot {
 pub(crate) struct TensorSetWriter {
     slot: Mutex<Slot>,
     name: String,
-    layout: Arc<Layout>,
-    device: i32,
-    host: bool,
+    pub(crate) layout: Arc<Layout>,
+    pub(crate) device: i32,
+    pub(crate) host: bool,
     /// The last generation committed.
     generation: Mutex<u64>,
     /// For `over_tensors`: the published tensors, kept alive while the set is (their memory must
@@ -109,6 +110,14 @@ impl TensorSetWriter {
             index: PyOnceLock::new(),
             dicts: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The name → index dict of the set's tensors, made at the first call.
+    pub(crate) fn index<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyDict>> {
+        Ok(self
+            .index
+            .get_or_try_init(py, || sources::index_dict(py, self.name_strs(py)?))?
+            .bind(py))
     }
 
     fn name_strs<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyTuple>> {
@@ -371,7 +380,7 @@ impl TensorSetWriter {
     fn publish(
         slf: Bound<'_, Self>,
         py: Python<'_>,
-        tensors: &Bound<'_, PyDict>,
+        tensors: &Bound<'_, PyAny>,
         timeout: Option<Seconds>,
         stream: Option<&Bound<'_, PyAny>>,
         fingerprint: bool,
@@ -389,6 +398,22 @@ impl TensorSetWriter {
                 Err(e)
             }
         }
+    }
+
+    /// A `CopyPlan` of `tensors` (a dict of name → contiguous CUDA `torch.Tensor`, as
+    /// `TensorUpdate.copy_from` takes) for GPU sets: the sources read and checked once, so that
+    /// `copy_from(plan)` (or `publish(plan)`) at every later update reads only their
+    /// `data_ptr()`s again (a trainer copying its parameters every step). The plan keeps the
+    /// tensors alive and copies from them: a parameter given a new storage since (`p.data =
+    /// ...`, `set_`, `resize_` that moves it) is refused at the next update, not copied.
+    ///
+    /// Raises `InvalidArgument` for a host set, a non-contiguous source, and as `copy_from`.
+    fn copy_plan(
+        slf: Bound<'_, Self>,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyDict>,
+    ) -> PyResult<CopyPlan> {
+        copy_plan::make(&slf, py, tensors)
     }
 
     /// The last generation committed (0: none).
@@ -484,31 +509,6 @@ impl TensorSetWriter {
     }
 }
 
-/// The copies `(tensor, source address, bytes, on the set's device)` as copies `(allocation, offset, source, bytes)`,
-/// each run of tensors that lie back to back both in the set and in the sources (a state dict
-/// whose tensors are views of one flat buffer, in the set's order) merged into one copy: exactly
-/// the same bytes land, with one driver call per run instead of one per tensor.
-fn coalesce<'c>(
-    layout: &Layout,
-    copies: impl Iterator<Item = &'c sources::Copy>,
-) -> Vec<(usize, u64, u64, usize)> {
-    let mut out: Vec<(usize, u64, u64, usize)> = Vec::new();
-    for &(i, src, n, _) in copies {
-        let t = &layout.tensors()[i];
-        let (a, off) = (t.allocation as usize, t.offset);
-        if let Some(last) = out.last_mut()
-            && last.0 == a
-            && last.1 + last.3 as u64 == off
-            && last.2 + last.3 as u64 == src
-        {
-            last.3 += n;
-            continue;
-        }
-        out.push((a, off, src, n));
-    }
-    out
-}
-
 /// A generation being written (`cuda_ipc::tensorset::Update`), from `TensorSetWriter.begin()`.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorUpdate {
@@ -519,6 +519,27 @@ pub(crate) struct TensorUpdate {
 }
 
 impl TensorUpdate {
+    /// Runs `copy` ordered with the update's stream (GPU sets with one): the writer's stream
+    /// waits for the work enqueued there so far first, and that stream for the copies after, so
+    /// PyTorch reuses none of the sources' memory before they ran. On an error of `copy`, the
+    /// second wait is not made (the update stays open and uncommitted).
+    fn ordered(&self, py: Python<'_>, copy: impl FnOnce() -> PyResult<()>) -> PyResult<()> {
+        if let Some(s) = self.target {
+            self.with(py, |u| {
+                // SAFETY: `s` is the update's stream (see `finish`).
+                unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))
+            })?;
+        }
+        copy()?;
+        if let Some(s) = self.target {
+            self.with(py, |u| {
+                // SAFETY: as above.
+                unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
+            })?;
+        }
+        Ok(())
+    }
+
     fn with<T>(
         &self,
         py: Python<'_>,
@@ -655,70 +676,66 @@ impl TensorUpdate {
     /// tensors. The sources are read and copied in chunks of 512, so on an error the chunks
     /// before the bad tensor's may already be copied: the update stays open and uncommitted
     /// (abort it, or copy again).
-    fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<()> {
+    ///
+    /// `tensors` may also be a `CopyPlan` of this writer (`TensorSetWriter.copy_plan`): its
+    /// sources, read and checked when it was made, are copied after one bulk `data_ptr()` pass
+    /// that refuses the update, before anything is copied, if any of them moved.
+    pub(crate) fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
+        if let Ok(plan) = tensors.cast::<CopyPlan>() {
+            let plan = plan.get();
+            plan.check(py, &self.writer)?;
+            return self.ordered(py, || {
+                self.with(py, |u| {
+                    // SAFETY: as `copy_gpu` requires: the plan's sources were read as contiguous
+                    // CUDA tensors (`here`'s of the set's device) when it was made, the plan
+                    // keeps them alive, and `check` just found each at the address its range
+                    // was made from.
+                    unsafe { copy_gpu(py, u, &plan.here, &plan.peer) }
+                })
+            });
+        }
+        let tensors = tensors.cast::<PyDict>()?;
         let writer = self.writer.get();
         let torch = tensors::Torch::get(py)?;
         let layout = &writer.layout;
-        let index = writer
-            .index
-            .get_or_try_init(py, || sources::index_dict(py, writer.name_strs(py)?))?
-            .bind(py);
+        let index = writer.index(py)?;
         let keys = tensors.keys();
         let values = tensors.values();
         let mut keep = Vec::new();
-        if let Some(s) = self.target {
-            self.with(py, |u| {
-                // SAFETY: `s` is the update's stream (see `finish`).
-                unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))
-            })?;
-        }
-        let mut at = 0;
-        while at < keys.len() {
-            let end = (at + sources::CHUNK).min(keys.len());
-            let chunk = sources::Chunk {
-                keys: keys.get_slice(at, end),
-                values: values.get_slice(at, end),
-            };
-            at = end;
-            let device = (!writer.host).then_some(writer.device);
-            let copies = sources::read(py, torch, layout, index, &chunk, device, &mut keep)?;
-            self.with(py, |u| {
-                if writer.host {
-                    for (_, off, src, n) in coalesce(layout, copies.iter()) {
-                        // SAFETY: `src` points at `n` bytes of contiguous CPU tensors laid back
-                        // to back (`sources::read` checked device, contiguity and `nbytes`), kept
-                        // alive by `chunk`/`keep` until this returns; private memory, not shared.
-                        let src = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
-                        u.write_at(off as usize, src).map_err(|e| err(py, e))?;
+        self.ordered(py, || {
+            let mut at = 0;
+            while at < keys.len() {
+                let end = (at + sources::CHUNK).min(keys.len());
+                let chunk = sources::Chunk {
+                    keys: keys.get_slice(at, end),
+                    values: values.get_slice(at, end),
+                };
+                at = end;
+                let device = (!writer.host).then_some(writer.device);
+                let copies =
+                    sources::read(py, torch, layout, index, &chunk, device, Some(&mut keep))?;
+                self.with(py, |u| {
+                    if writer.host {
+                        for (_, off, src, n) in coalesce(layout, copies.iter()) {
+                            // SAFETY: `src` points at `n` bytes of contiguous CPU tensors laid
+                            // back to back (`sources::read` checked device, contiguity and
+                            // `nbytes`), kept alive by `chunk`/`keep` until this returns;
+                            // private memory, not shared.
+                            let src = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
+                            u.write_at(off as usize, src).map_err(|e| err(py, e))?;
+                        }
+                        return Ok(());
                     }
-                    return Ok(());
-                }
-                let here = coalesce(layout, copies.iter().filter(|c| c.3));
-                // SAFETY: every source is a contiguous CUDA tensor of `n` bytes on the set's
-                // device (`sources::read` checked device, contiguity and `nbytes`): PyTorch's
-                // memory there, which its own kernels read from the device's primary context,
-                // the writer's context (`primary_context` in `new`); kept alive by
-                // `chunk`/`keep` until this returns, and PyTorch reuses none of it before the
-                // copies ran (`ready_on_raw` below, or the update's stream is PyTorch's). The
-                // destinations are distinct tensors of the set (one dict key each); a source
-                // that is a view of this update's buffer itself overlaps only its own
-                // destination or gives unspecified bytes (documented), never memory outside.
-                unsafe { u.update().copy_many(&here) }.map_err(|e| err(py, e))?;
-                // Sources on another device: the driver's peer copies, one per range.
-                for (a, off, src, n) in coalesce(layout, copies.iter().filter(|c| !c.3)) {
-                    u.update()
-                        .copy_into(a, off, src, n)
-                        .map_err(|e| err(py, e))?;
-                }
-                Ok(())
-            })?;
-        }
-        if let Some(s) = self.target {
-            self.with(py, |u| {
-                // SAFETY: as above.
-                unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
-            })?;
-        }
+                    let here = coalesce(layout, copies.iter().filter(|c| c.3));
+                    let peer = coalesce(layout, copies.iter().filter(|c| !c.3));
+                    // SAFETY: every source is a contiguous CUDA tensor (`sources::read` checked
+                    // device, contiguity and `nbytes`), `here`'s on the set's device; kept alive
+                    // by `chunk`/`keep` until this returns.
+                    unsafe { copy_gpu(py, u, &here, &peer) }
+                })?;
+            }
+            Ok(())
+        })?;
         drop(keep);
         Ok(())
     }

@@ -180,9 +180,7 @@ impl Torch {
             .position(|(x, _)| *x == d)
             .and_then(|i| self.dtypes[i].as_ref())
             .map(|o| o.bind(py))
-            .ok_or_else(|| {
-                errors::not_supported(&format!("no PyTorch dtype for DLPack dtype {d:?}"))
-            })
+            .ok_or_else(|| errors::not_supported(&format!("no PyTorch dtype for DLPack dtype {d}")))
     }
 
     /// `list(map(f, items))`: one C-level loop over `items` (no bytecode, no bound methods).

@@ -3,7 +3,9 @@
 dtype and alignment (small ones go through the copy kernel, 160 per launch, large ones through
 `cuMemcpyDtoDAsync`), non-contiguous sources are made contiguous first, a CPU tensor is refused
 before anything of its chunk is copied, and the update's own tensors copied onto themselves stay
-as they are; sources of neighbouring allocations merged into one range land too."""
+as they are; sources of neighbouring allocations merged into one range land too; a `CopyPlan`
+copies its sources at every update and refuses one that moved, another writer's plan, a
+non-contiguous source and a host set."""
 
 import os
 import uuid
@@ -133,4 +135,50 @@ def test_the_updates_own_tensors_copied_onto_themselves_stay(name):
             for i, t in enumerate(u.tensors().values()):
                 assert bool((t == float(i)).all())
     finally:
+        w.close()
+
+
+def test_a_copy_plan_copies_its_sources_at_every_update_and_refuses_moved_ones(name):
+    sp = specs()
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="buffered")
+    other = cuda_ipc.TensorSetWriter(name + "-o", sp, device=0, memory="vmm", mode="in_place")
+    try:
+        src = {n: t.contiguous() for n, t in sources(sp, 3).items()}
+        plan = w.copy_plan(src)
+        assert plan.tensors == len(sp) and 0 < plan.ranges <= len(sp)
+        for step in range(3):
+            # The trainer's in-place step: same storage, new values.
+            for t in src.values():
+                t.add_(1)
+            g = w.publish(plan, timeout=ANSWER)
+            with w.begin(timeout=ANSWER) as u:
+                u.copy_from_previous()
+                got = u.tensors()
+                torch.cuda.synchronize()
+                for n, t in src.items():
+                    assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), (step, n)
+                u.abort()
+            assert g == w.generation
+        # A source given a new storage: refused before anything is copied.
+        src["p5"].set_(torch.zeros_like(src["p5"]))
+        with pytest.raises(cuda_ipc.InvalidArgument, match="p5.*moved"):
+            w.publish(plan, timeout=ANSWER)
+        # A new plan takes it.
+        w.publish(w.copy_plan(src), timeout=ANSWER)
+        # Another writer's plan, a non-contiguous source, a host set: refused.
+        with other.begin(timeout=ANSWER) as u:
+            with pytest.raises(cuda_ipc.InvalidArgument, match="another tensor set writer"):
+                u.copy_from(plan)
+            u.abort()
+        wide = torch.zeros((16, 2), dtype=torch.bfloat16, device="cuda")  # p1: 16 bf16
+        with pytest.raises(cuda_ipc.InvalidArgument, match="p1.*not contiguous"):
+            other.copy_plan({"p1": wide[:, 0]})
+        host = cuda_ipc.TensorSetWriter(name + "-h", {"a": ((4,), "float32")}, memory="host")
+        try:
+            with pytest.raises(cuda_ipc.InvalidArgument, match="GPU tensor sets"):
+                host.copy_plan({"a": torch.zeros(4)})
+        finally:
+            host.close()
+    finally:
+        other.close()
         w.close()

@@ -148,7 +148,8 @@ def test_copy_from_refuses_wrong_names_dtypes_sizes_devices_and_non_tensors(name
     try:
         cases = [
             ({"zz": torch.zeros(8)}, cuda_ipc.InvalidArgument, "zz"),
-            ({"b": torch.zeros(8, dtype=torch.float64)}, cuda_ipc.InvalidArgument, "dtype"),
+            ({"b": torch.zeros(8, dtype=torch.float64)}, cuda_ipc.InvalidArgument,
+             "dtype float64, the set holds float32"),
             ({"b": torch.zeros(9)}, cuda_ipc.InvalidArgument, "36 bytes given"),
             ({"b": torch.zeros(8, device="meta")}, cuda_ipc.InvalidArgument, "not on the CPU"),
             ({"b": [0.0] * 8}, cuda_ipc.InvalidArgument, "not a torch.Tensor"),
