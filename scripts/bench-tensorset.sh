@@ -10,7 +10,9 @@
 #    MoE shape's bytes; beside the first, the crate's own Rust attach of the same set
 #    (`tensorset_floor --crate`: TensorSetReader::open + current() in fresh processes,
 #    crate-llama/tensorset_attach_rust.json); 2. PyTorch's torch.multiprocessing baselines of the same shapes
-#    (bench/tensorset_baseline.py, 3 runs). The binary: target/gpu-bundle/examples/tensorset_floor,
+#    (bench/tensorset_baseline.py, 3 runs); 3. updates from flat, scattered and planned sources
+#    against one copy and torch._foreach_copy_ (bench/tensorset_update.py, MoE, 20,000 x 64 KiB and
+#    Llama shapes, 3 runs each; "Tensor sets: updates from many separate sources"). The binary: target/gpu-bundle/examples/tensorset_floor,
 #    else target/release/examples/tensorset_floor (`cargo build --release -p cuda-ipc-bench
 #    --example tensorset_floor`). Every step is bounded by `timeout`; a failed step leaves the others
 #    running; the exit status is the number of failed steps.
@@ -45,5 +47,12 @@ if [ -z "$quick" ]; then
   step floor-moe 300 "$bin" --bytes $moe --out "$out/floor-moe"
 fi
 step pytorch-baseline 900 "$py" bench/tensorset_baseline.py --out "$out" $quick
+if [ -n "$quick" ]; then
+  step update-quick 120 "$py" bench/tensorset_update.py --shape quick --runs 1 --out "$out/update-quick.json"
+else
+  for s in moe small llama; do
+    step "update-$s" 300 "$py" bench/tensorset_update.py --shape "$s" --out "$out/update-$s.json"
+  done
+fi
 echo "== tensor-set benchmarks: $failed step(s) failed; results in $out"
 exit $failed
