@@ -44,7 +44,7 @@ __device__ __forceinline__ void copy_words(unsigned char* __restrict__ d,
 }
 
 // Grid row y copies range y (y < count); its blocks stride over the range in the widest words
-// (16, 8, 4 or 1 bytes) both its addresses are aligned to. Ranges must not overlap one another's
+// (16, 8, 4, 2 or 1 bytes) both its addresses are aligned to. Ranges must not overlap one another's
 // destinations, nor a destination its source other than exactly (a copy onto itself).
 extern "C" __global__ void copy_ranges(const __grid_constant__ CopyRanges r) {
     unsigned int k = blockIdx.y;
@@ -59,6 +59,8 @@ extern "C" __global__ void copy_ranges(const __grid_constant__ CopyRanges r) {
         copy_words<unsigned long long>(d, s, len);
     } else if ((a & 3) == 0) {
         copy_words<unsigned int>(d, s, len);
+    } else if ((a & 1) == 0) {
+        copy_words<unsigned short>(d, s, len);
     } else {
         copy_words<unsigned char>(d, s, len);
     }

@@ -596,11 +596,14 @@ class TensorSetWriter:
         fingerprint: bool = False,
     ) -> int:
         """``begin``, ``copy_from(tensors)``, commit (``fingerprint=True``: with the fingerprint
-        of the bytes); the generation."""
+        of the bytes); the generation. ``tensors`` may be a ``CopyPlan`` of this writer."""
     def copy_plan(self, tensors: Dict[str, Any]) -> "CopyPlan":
-        """GPU sets: the sources of later updates read and checked once (contiguous CUDA
-        tensors); ``copy_from(plan)`` then reads only their ``data_ptr()``s, and refuses the
-        update if any moved since. The plan keeps the tensors alive."""
+        """GPU sets: the sources of later updates read once (contiguous CUDA tensors of the
+        set's device; the driver checks their memory at the plan's first update);
+        ``copy_from(plan)`` then reads only their ``data_ptr()``s, and refuses the update if any
+        moved since. The plan keeps the tensors and their storages alive. Make it from the
+        parameters themselves (``model.state_dict(keep_vars=True)``): ``state_dict()``'s detached
+        aliases keep a parameter's old storage when it gets a new one."""
     @property
     def generation(self) -> int: ...
     @property
@@ -620,8 +623,7 @@ class TensorSetWriter:
 @final
 class CopyPlan:
     """A GPU tensor set's update sources read and checked once (``TensorSetWriter.copy_plan``)."""
-    @property
-    def tensors(self) -> int:
+    def __len__(self) -> int:
         """The number of source tensors."""
     @property
     def ranges(self) -> int:
@@ -642,8 +644,9 @@ class TensorUpdate:
         names, on the writer's stream; read and copied in chunks of 512 tensors. Many small
         sources on the set's device are copied by one kernel launch per 160 (one
         ``cuMemcpyDtoDAsync`` each costs about 5 µs of GPU time); a CPU tensor given to a GPU set
-        is refused before anything of its chunk is copied. A ``CopyPlan`` of this writer copies
-        its sources without reading them again."""
+        is refused before anything of its chunk is copied, and so is a source whose memory the
+        driver does not know as this device's. A ``CopyPlan`` of this writer copies its sources
+        without reading them again."""
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
         """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""

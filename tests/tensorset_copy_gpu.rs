@@ -1,7 +1,9 @@
 //! GPU tests of an update written from many separate sources (`Update::copy_many`, the kernel of
 //! `kernels/copy.cu` for small ranges, `cuMemcpyDtoDAsync` for large ones and a handful) and of a
 //! buffered update's `copy_ranges_from_previous` over many ranges: every byte of every range lands,
-//! at any size and any alignment of source and destination, and nothing outside them changes.
+//! at any size and any alignment of source and destination, and nothing outside them changes; a
+//! source spanning two neighbouring allocations lands; sources the driver does not know as this
+//! device's memory (freed, host, null) are refused before the kernel reads them.
 //! They need a CUDA GPU and fail without one; `cargo test` lists them as ignored.
 
 mod common;
@@ -19,7 +21,7 @@ fn source_byte(i: usize) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ (i >> 7) as u8
 }
 
-/// Sizes of tensors around the kernel's 16-byte word and its 64 KiB per block, a few past the
+/// Sizes of tensors around the kernel's 16-byte word and its 4 KiB per block, a few past the
 /// direct copy's 8 MiB: 500 tensors in all (four launches of the kernel and a partial one).
 fn sizes() -> Vec<usize> {
     let mut out = Vec::new();
@@ -239,5 +241,65 @@ fn a_range_whose_source_spans_two_neighbouring_allocations_lands() {
         back == host[start..start + len],
         "the spanning range's bytes"
     );
+    u.commit().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn sources_the_driver_does_not_know_as_this_devices_memory_are_refused_before_the_kernel() {
+    let c = ctx();
+    let specs: Vec<TensorSpec> = (0..8)
+        .map(|i| TensorSpec::new(format!("t{i}"), DType::U8, &[4096]))
+        .collect();
+    let set = name("tscopycheck");
+    let mut w = TensorSetWriter::create(&c, &set, &specs, &TensorSetOptions::new()).unwrap();
+    let layout = w.layout().clone();
+    let good = DeviceBuffer::new(&c, 8 * 4096).unwrap();
+    good.copy_from_host(0, &vec![7u8; 8 * 4096]).unwrap();
+    let freed = {
+        let b = DeviceBuffer::new(&c, 1 << 21).unwrap();
+        b.device_ptr()
+    };
+    let host = vec![1u8; 4096];
+    let copies = |bad: u64| -> Vec<(usize, u64, u64, usize)> {
+        layout
+            .tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let src = if i == 5 {
+                    bad
+                } else {
+                    good.device_ptr() + (i * 4096) as u64
+                };
+                (t.allocation as usize, t.offset, src, 4096)
+            })
+            .collect()
+    };
+    let u = w.begin(Some(T)).unwrap();
+    for (bad, what) in [
+        (freed, "freed device memory"),
+        (host.as_ptr() as u64, "pageable host memory"),
+        (0, "a null address"),
+    ] {
+        // SAFETY: the check refuses the bad source before any kernel runs (what the test shows);
+        // the good sources stay allocated until the stream is drained.
+        let e = unsafe { u.copy_many(&copies(bad)) }.unwrap_err();
+        assert!(
+            matches!(e, cuda_ipc::Error::InvalidArgument(_)),
+            "{what}: {e}"
+        );
+    }
+    // The context is whole: the good sources land.
+    let ok: Vec<_> = copies(good.device_ptr() + 5 * 4096);
+    // SAFETY: every source lies in `good`, alive until the stream is drained.
+    unsafe { u.copy_many(&ok) }.unwrap();
+    u.stream().unwrap().synchronize().unwrap();
+    let mut back = vec![0u8; 4096];
+    u.device_tensor(5)
+        .unwrap()
+        .copy_to_host(0, &mut back)
+        .unwrap();
+    assert!(back.iter().all(|&b| b == 7));
     u.commit().unwrap();
 }

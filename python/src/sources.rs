@@ -38,10 +38,8 @@ pub(crate) struct Chunk<'py> {
     pub values: Bound<'py, PyList>,
 }
 
-/// One source's copy: the set's tensor index, the source's address and bytes, and whether it
-/// lies on the set's device (a GPU set's sources on another device are copied by the driver,
-/// peer to peer).
-pub(crate) type Copy = (usize, u64, usize, bool);
+/// One source's copy: the set's tensor index, the source's address and bytes.
+pub(crate) type Copy = (usize, u64, usize);
 
 /// Reads the chunk's tensors: returns their copies in the chunk's order, and pushes what must
 /// stay alive until the copies are ordered (contiguous copies made of non-contiguous sources)
@@ -96,10 +94,10 @@ pub(crate) fn read<'py>(
             format!("tensor {:?}: dtype {got}, the set holds {want}", name(k)),
         ));
     }
-    let mut on_device = vec![false; n];
     if let Some(d) = device {
-        // The index of each source's CUDA device (-1 on the CPU): a GPU set copies from CUDA
-        // tensors, those on its own device by a kernel that cannot check its sources.
+        // The index of each source's device (-1 on the CPU): a GPU set copies from CUDA tensors
+        // of its own device (its copies are ordered with PyTorch's work on that device only).
+        // What a source's memory is, `Update::copy_many` asks the driver.
         let devices = torch.map_list(py, &torch.get_device, values.as_any())?;
         for (k, dev) in devices.iter().enumerate() {
             let dev: i64 = dev.extract()?;
@@ -113,7 +111,17 @@ pub(crate) fn read<'py>(
                     ),
                 ));
             }
-            on_device[k] = dev == i64::from(d);
+            if dev != i64::from(d) {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {:?} is on device {dev}, the set on device {d}: copy it to the \
+                         set's device first (an update orders its copies with PyTorch's work on \
+                         the set's device only)",
+                        name(k)
+                    ),
+                ));
+            }
         }
     } else {
         let cpu = torch.map_list(py, &torch.get_is_cpu, values.as_any())?;
@@ -164,7 +172,7 @@ pub(crate) fn read<'py>(
                 ),
             ));
         }
-        out.push((idx[k], p.extract::<u64>()?, nb as usize, on_device[k]));
+        out.push((idx[k], p.extract::<u64>()?, nb as usize));
     }
     Ok(out)
 }
@@ -197,43 +205,44 @@ fn not_a_tensor(
     errors::invalid_argument(py, "the sources' dtypes could not be read".to_string())
 }
 
-/// Enqueues `here` (ranges whose sources lie on the set's device) by `Update::copy_many`, and
-/// `peer` (sources on another device) by the driver's copies, one per range.
+/// Enqueues `ranges` by `Update::copy_many` (`check`: the driver asked what each source's memory
+/// is) or `Update::copy_many_unchecked`.
 ///
 /// # Safety
-/// Every source is contiguous CUDA memory of its range's bytes, `here`'s on the set's device,
-/// allocated by PyTorch (which reads it with its own kernels in the device's primary context,
-/// the writer's context: `primary_context` in `new`), alive until the copies are ordered before
-/// PyTorch's next use of it (`TensorUpdate::ordered`, or the update's stream is PyTorch's). The
+/// Every source is contiguous CUDA memory of its range's bytes on the set's device, kept
+/// allocated until the copies are ordered before PyTorch's next use of it
+/// (`TensorUpdate::ordered`); without `check`, checked before and allocated since. The
 /// destinations are distinct tensors of the set (one dict key each); a source that is a view of
 /// this update's buffer itself overlaps only its own destination or gives unspecified bytes
 /// (documented), never memory outside the buffer.
 pub(crate) unsafe fn copy_gpu(
     py: Python<'_>,
     u: &mut OwnedUpdate,
-    here: &Ranges,
-    peer: &Ranges,
+    ranges: &Ranges,
+    check: bool,
 ) -> PyResult<()> {
-    // SAFETY: this function's contract is `copy_many`'s for `here`.
-    unsafe { u.update().copy_many(here) }.map_err(|e| err(py, e))?;
-    for &(a, off, src, n) in peer {
-        u.update()
-            .copy_into(a, off, src, n)
-            .map_err(|e| err(py, e))?;
-    }
-    Ok(())
+    // SAFETY: this function's contract is `copy_many`'s, and `copy_many_unchecked`'s without
+    // `check`.
+    let r = unsafe {
+        if check {
+            u.update().copy_many(ranges)
+        } else {
+            u.update().copy_many_unchecked(ranges)
+        }
+    };
+    r.map_err(|e| err(py, e))
 }
 
 /// Copies `(allocation, offset, source address, bytes)`.
 pub(crate) type Ranges = Vec<(usize, u64, u64, usize)>;
 
-/// The copies `(tensor, source address, bytes, on the set's device)` as copies `(allocation, offset, source, bytes)`,
+/// The copies `(tensor, source address, bytes)` as copies `(allocation, offset, source, bytes)`,
 /// each run of tensors that lie back to back both in the set and in the sources (a state dict
 /// whose tensors are views of one flat buffer, in the set's order) merged into one copy: exactly
 /// the same bytes land, with one driver call per run instead of one per tensor.
 pub(crate) fn coalesce<'c>(layout: &Layout, copies: impl Iterator<Item = &'c Copy>) -> Ranges {
     let mut out: Vec<(usize, u64, u64, usize)> = Vec::new();
-    for &(i, src, n, _) in copies {
+    for &(i, src, n) in copies {
         let t = &layout.tensors()[i];
         let (a, off) = (t.allocation as usize, t.offset);
         if let Some(last) = out.last_mut()

@@ -373,9 +373,9 @@ impl TensorSetWriter {
     }
 
     /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`, any subset of the set's names, each
-    /// of the set's dtype and at most its bytes) into a new generation and commits it: `begin`,
-    /// `copy_from`, commit (`fingerprint=True`: with the fingerprint of the bytes, as
-    /// `TensorUpdate.commit`). Returns the generation.
+    /// of the set's dtype and at most its bytes; or a `CopyPlan` of this writer) into a new
+    /// generation and commits it: `begin`, `copy_from`, commit (`fingerprint=True`: with the
+    /// fingerprint of the bytes, as `TensorUpdate.commit`). Returns the generation.
     #[pyo3(signature = (tensors, timeout=None, *, stream=None, fingerprint=false))]
     fn publish(
         slf: Bound<'_, Self>,
@@ -400,12 +400,16 @@ impl TensorSetWriter {
         }
     }
 
-    /// A `CopyPlan` of `tensors` (a dict of name → contiguous CUDA `torch.Tensor`, as
-    /// `TensorUpdate.copy_from` takes) for GPU sets: the sources read and checked once, so that
-    /// `copy_from(plan)` (or `publish(plan)`) at every later update reads only their
-    /// `data_ptr()`s again (a trainer copying its parameters every step). The plan keeps the
-    /// tensors alive and copies from them: a parameter given a new storage since (`p.data =
-    /// ...`, `set_`, `resize_` that moves it) is refused at the next update, not copied.
+    /// A `CopyPlan` of `tensors` (a dict of name → contiguous CUDA `torch.Tensor` of the set's
+    /// device, as `TensorUpdate.copy_from` takes) for GPU sets: the sources read once (and checked
+    /// by the driver at the plan's first update), so that `copy_from(plan)` (or `publish(plan)`)
+    /// at every later update reads only their `data_ptr()`s again (a trainer copying its
+    /// parameters every step). The plan keeps the tensors and their storages alive and copies
+    /// from them: a source given a new storage since (`set_`, `.data = ...`, a `resize_` that
+    /// reallocates) is refused at the next update, not copied. Make it from the parameters
+    /// themselves (`model.state_dict(keep_vars=True)`): `state_dict()` gives detached aliases,
+    /// which keep the old storage when a parameter gets a new one, so a plan over them would go
+    /// on copying the old values.
     ///
     /// Raises `InvalidArgument` for a host set, a non-contiguous source, and as `copy_from`.
     fn copy_plan(
@@ -663,45 +667,64 @@ impl TensorUpdate {
         d.copy()
     }
 
-    /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`: any subset of the set's names, each
-    /// of the set's dtype, at most its bytes; made contiguous first if it is not) into this
-    /// update's buffer, on the writer's stream after the work enqueued so far on the update's
-    /// stream; the update's stream then waits for the copies, so PyTorch reuses none of the
-    /// sources' memory before they ran. Tensors back to back both in the set and in the sources
-    /// are copied as one range; the ranges of sources on the set's device as
-    /// `cuda_ipc::tensorset::Update::copy_many` copies them (many small ones by a kernel, 160 per
-    /// launch, large ones by `cuMemcpyDtoDAsync`), those of sources on another device by
-    /// `cuMemcpyDtoDAsync` each. A source that is a view of this update's own buffer must be
-    /// its own tensor (else the bytes that land are unspecified). A host set copies from CPU
-    /// tensors. The sources are read and copied in chunks of 512, so on an error the chunks
-    /// before the bad tensor's may already be copied: the update stays open and uncommitted
-    /// (abort it, or copy again).
+    /// Copies `tensors` (a dict of name → CUDA `torch.Tensor` of the set's device: any subset of
+    /// the set's names, each of the set's dtype, at most its bytes; made contiguous first if it
+    /// is not) into this update's buffer, on the writer's stream after the work enqueued so far
+    /// on the update's stream; the update's stream then waits for the copies, so PyTorch reuses
+    /// none of the sources' memory before they ran (with non-contiguous sources, PyTorch's
+    /// current stream, where their contiguous copies are made, is ordered both ways too).
+    /// Tensors back to back both in the set and in the sources are copied as one range, the
+    /// ranges as `cuda_ipc::tensorset::Update::copy_many` copies them (many small ones by a
+    /// kernel, 160 per launch, large ones by `cuMemcpyDtoDAsync`; the driver says first whether
+    /// each source's memory is readable device memory of the set's device). A source that is a
+    /// view of this update's own buffer must be its own tensor (else the bytes that land are
+    /// unspecified). A host set copies from CPU tensors. The sources are read and copied in
+    /// chunks of 512, so on an error the chunks before the bad tensor's may already be copied:
+    /// the update stays open and uncommitted (abort it, or copy again).
     ///
     /// `tensors` may also be a `CopyPlan` of this writer (`TensorSetWriter.copy_plan`): its
-    /// sources, read and checked when it was made, are copied after one bulk `data_ptr()` pass
-    /// that refuses the update, before anything is copied, if any of them moved.
+    /// sources, read when it was made, are copied after one bulk `data_ptr()` pass that refuses
+    /// the update, before anything is copied, if any of them moved.
     pub(crate) fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
+        let writer = self.writer.get();
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             let plan = plan.get();
-            plan.check(py, &self.writer)?;
-            return self.ordered(py, || {
+            plan.check(py, writer)?;
+            let check = plan.needs_check();
+            self.ordered(py, || {
                 self.with(py, |u| {
                     // SAFETY: as `copy_gpu` requires: the plan's sources were read as contiguous
-                    // CUDA tensors (`here`'s of the set's device) when it was made, the plan
-                    // keeps them alive, and `check` just found each at the address its range
-                    // was made from.
-                    unsafe { copy_gpu(py, u, &plan.here, &plan.peer) }
+                    // CUDA tensors of the set's device when it was made, the plan keeps them and
+                    // their storages alive (so their memory stays allocated), `check` just found
+                    // each at the address its range was made from, and a first update has the
+                    // driver check them (`check`).
+                    unsafe { copy_gpu(py, u, &plan.ranges, check) }
                 })
-            });
+            })?;
+            if check {
+                plan.checked_now();
+            }
+            return Ok(());
         }
-        let tensors = tensors.cast::<PyDict>()?;
-        let writer = self.writer.get();
+        let Ok(tensors) = tensors.cast::<PyDict>() else {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "copy_from takes a dict of name -> tensor or a CopyPlan, got a {}",
+                    tensors.get_type().name()?
+                ),
+            ));
+        };
         let torch = tensors::Torch::get(py)?;
         let layout = &writer.layout;
         let index = writer.index(py)?;
         let keys = tensors.keys();
         let values = tensors.values();
         let mut keep = Vec::new();
+        // The stream PyTorch makes contiguous copies of non-contiguous sources on (its current
+        // one), once there are any: the writer's stream waits for it before a chunk's copies,
+        // and it for the copies at the end, before the copies' memory goes back to PyTorch.
+        let mut made_on: Option<usize> = None;
         self.ordered(py, || {
             let mut at = 0;
             while at < keys.len() {
@@ -712,8 +735,12 @@ impl TensorUpdate {
                 };
                 at = end;
                 let device = (!writer.host).then_some(writer.device);
+                let before = keep.len();
                 let copies =
                     sources::read(py, torch, layout, index, &chunk, device, Some(&mut keep))?;
+                if !writer.host && keep.len() > before && made_on.is_none() {
+                    made_on = Some(work_stream(py, None, writer.device)?);
+                }
                 self.with(py, |u| {
                     if writer.host {
                         for (_, off, src, n) in coalesce(layout, copies.iter()) {
@@ -726,12 +753,21 @@ impl TensorUpdate {
                         }
                         return Ok(());
                     }
-                    let here = coalesce(layout, copies.iter().filter(|c| c.3));
-                    let peer = coalesce(layout, copies.iter().filter(|c| !c.3));
-                    // SAFETY: every source is a contiguous CUDA tensor (`sources::read` checked
-                    // device, contiguity and `nbytes`), `here`'s on the set's device; kept alive
-                    // by `chunk`/`keep` until this returns.
-                    unsafe { copy_gpu(py, u, &here, &peer) }
+                    if let Some(s) = made_on.filter(|_| keep.len() > before) {
+                        // SAFETY: `s` is PyTorch's current stream of the set's device, live.
+                        unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
+                    }
+                    // SAFETY: every source is a contiguous CUDA tensor of the set's device
+                    // (`sources::read` checked device, contiguity and `nbytes`), kept alive by
+                    // `chunk`/`keep` until this returns; `copy_many` has the driver check what
+                    // its memory is.
+                    unsafe { copy_gpu(py, u, &coalesce(layout, copies.iter()), true) }
+                })?;
+            }
+            if let Some(s) = made_on {
+                self.with(py, |u| {
+                    // SAFETY: as above.
+                    unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
                 })?;
             }
             Ok(())

@@ -128,6 +128,8 @@ pub(crate) struct Torch {
     pub get_is_cpu: Py<PyAny>,
     /// `torch.Tensor.get_device` (unbound): the CUDA device's index, -1 for a CPU tensor.
     pub get_device: Py<PyAny>,
+    /// `torch.Tensor.untyped_storage` (unbound).
+    pub untyped_storage: Py<PyAny>,
     /// `builtins.map` and `builtins.list`.
     pub map: Py<PyAny>,
     pub list: Py<PyAny>,
@@ -163,6 +165,7 @@ impl Torch {
                 get_dtype: get("dtype")?,
                 get_is_cpu: get("is_cpu")?,
                 get_device: m(&tensor, "get_device")?,
+                untyped_storage: m(&tensor, "untyped_storage")?,
                 map: m(&builtins, "map")?,
                 list: m(&builtins, "list")?,
                 dtypes: TORCH_DTYPES

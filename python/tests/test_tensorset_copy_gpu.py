@@ -3,9 +3,11 @@
 dtype and alignment (small ones go through the copy kernel, 160 per launch, large ones through
 `cuMemcpyDtoDAsync`), non-contiguous sources are made contiguous first, a CPU tensor is refused
 before anything of its chunk is copied, and the update's own tensors copied onto themselves stay
-as they are; sources of neighbouring allocations merged into one range land too; a `CopyPlan`
-copies its sources at every update and refuses one that moved, another writer's plan, a
-non-contiguous source and a host set."""
+as they are; sources of neighbouring allocations merged into one range land too; a source whose
+storage was freed is refused (the driver checks every source the kernel reads) and the context
+lives on; a `CopyPlan` copies its sources at every update and refuses one that moved (a
+parameter's `.data` replaced included), another writer's plan, a non-contiguous source and a host
+set."""
 
 import os
 import uuid
@@ -29,7 +31,7 @@ def name():
 
 
 def specs():
-    """700 tensors: bytes around the kernel's 16-byte word and 64 KiB per block, of four dtypes,
+    """700 tensors: bytes around the kernel's 16-byte word and 4 KiB per block, of four dtypes,
     and three past the direct copy's 8 MiB."""
     out = {}
     dtypes = ["uint8", "bfloat16", "float32", "float16"]
@@ -104,6 +106,40 @@ def test_sources_of_neighbouring_allocations_merged_into_one_range_land(name):
         w.close()
 
 
+def test_a_source_whose_storage_was_freed_is_refused_and_the_context_lives_on(name):
+    # FSDP frees a parameter's memory by resizing its storage to 0: the tensor keeps its shape
+    # and nbytes, its data_ptr() becomes 0. Alone (one range: the driver's copy, refused, then
+    # the kernel's check) and among small ones (the kernel's check first).
+    sp = {f"t{i}": ((4096,), "float32") for i in range(8)}
+    sp["big"] = (((1 << 20),), "float32")
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
+    try:
+        gone = torch.empty(1 << 20, device="cuda")
+        gone.untyped_storage().resize_(0)
+        small_gone = torch.empty(4096, device="cuda")
+        small_gone.untyped_storage().resize_(0)
+        with w.begin(timeout=ANSWER) as u:
+            # The driver's copy refuses it (as an invalid value, or otherwise), or the check does.
+            with pytest.raises((cuda_ipc.InvalidArgument, cuda_ipc.CudaError)):
+                u.copy_from({"big": gone})
+            u.abort()
+        with w.begin(timeout=ANSWER) as u:
+            src = {**{f"t{i}": torch.ones(4096, device="cuda") for i in range(8)}, "t3": small_gone}
+            with pytest.raises(cuda_ipc.InvalidArgument, match="no allocation the driver knows"):
+                u.copy_from(src)
+            u.abort()
+        # The context is whole: a good update lands.
+        good = {f"t{i}": torch.full((4096,), float(i), device="cuda") for i in range(8)}
+        w.publish(good, timeout=ANSWER)
+        with w.begin(timeout=ANSWER) as u:
+            got = u.tensors()
+            torch.cuda.synchronize()
+            assert all(torch.equal(got[n], t) for n, t in good.items())
+            u.abort()
+    finally:
+        w.close()
+
+
 def test_a_cpu_source_is_refused_before_its_chunk_is_copied(name):
     sp = {f"t{i}": ((64,), "float32") for i in range(20)}
     w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
@@ -145,7 +181,7 @@ def test_a_copy_plan_copies_its_sources_at_every_update_and_refuses_moved_ones(n
     try:
         src = {n: t.contiguous() for n, t in sources(sp, 3).items()}
         plan = w.copy_plan(src)
-        assert plan.tensors == len(sp) and 0 < plan.ranges <= len(sp)
+        assert len(plan) == len(sp) and 0 < plan.ranges <= len(sp)
         for step in range(3):
             # The trainer's in-place step: same storage, new values.
             for t in src.values():
@@ -159,10 +195,22 @@ def test_a_copy_plan_copies_its_sources_at_every_update_and_refuses_moved_ones(n
                     assert torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), (step, n)
                 u.abort()
             assert g == w.generation
-        # A source given a new storage: refused before anything is copied.
+        # A source given a new storage: refused before anything is copied; the plan keeps the
+        # old storage alive, so its address cannot come back for the new one.
         src["p5"].set_(torch.zeros_like(src["p5"]))
         with pytest.raises(cuda_ipc.InvalidArgument, match="p5.*moved"):
             w.publish(plan, timeout=ANSWER)
+        # The parameters themselves (keep_vars=True): `p.data = ...` is seen.
+        m = torch.nn.Linear(64, 32).cuda()
+        ws = cuda_ipc.TensorSetWriter(name + "-m", m.state_dict(), device=0, memory="vmm")
+        try:
+            mplan = ws.copy_plan(m.state_dict(keep_vars=True))
+            ws.publish(mplan, timeout=ANSWER)
+            m.weight.data = torch.zeros_like(m.weight)
+            with pytest.raises(cuda_ipc.InvalidArgument, match="weight.*moved"):
+                ws.publish(mplan, timeout=ANSWER)
+        finally:
+            ws.close()
         # A new plan takes it.
         w.publish(w.copy_plan(src), timeout=ANSWER)
         # Another writer's plan, a non-contiguous source, a host set: refused.

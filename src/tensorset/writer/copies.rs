@@ -14,7 +14,7 @@
 //! copied by `cuMemcpyDtoDAsync`, a spanning one split where its source's allocations end.
 
 use crate::driver::{Context, Function, LaunchConfig, Module, Stream};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
@@ -132,20 +132,27 @@ pub(crate) fn cached<'c>(
     .as_ref()
 }
 
-/// Enqueues on `stream` a copy of each of `ranges` (see the module's documentation).
+/// Enqueues on `stream` a copy of each of `ranges` (see the module's documentation). With
+/// `check`, the source of every range the kernel copies is first checked against what the driver
+/// knows of its memory ([`check_sources`]: one query per allocation touched),
+/// and a range the driver's copy refuses goes to the kernel only once it passed that check too.
 ///
 /// # Errors
-/// [`crate::error::Error::Cuda`] naming `cuMemcpyDtoDAsync_v2` or `cuLaunchKernel`; the copies
+/// [`Error::InvalidArgument`] for a source that fails the check (nothing of the kernel's ranges
+/// enqueued); [`Error::Cuda`] naming `cuMemcpyDtoDAsync_v2` or `cuLaunchKernel`; the copies
 /// enqueued before the failing call stay enqueued.
 ///
 /// # Safety
-/// Every range's destination and source are device memory accessible from `stream`'s context
-/// for `len` bytes until the copies ran; no two destinations overlap, nor a destination its own
-/// or another range's source, except a range onto itself.
+/// Every range's destination is device memory of `stream`'s context for `len` bytes; its source
+/// stays allocated until the copies ran, and without `check` is memory a kernel of that context
+/// can read (its device's memory, allocated in that context or by VMM or a memory pool with
+/// access for the device, or managed memory); no two destinations overlap, nor a destination its
+/// own or another range's source, except a range onto itself.
 pub(crate) unsafe fn copy<'c>(
     ranges: &[Range],
     stream: &Stream,
     copier: impl Fn() -> Option<&'c RangeCopier>,
+    check: bool,
 ) -> Result<()> {
     // The kernel is loaded at the first need: enough small ranges, or a range to spill.
     let small = ranges
@@ -154,21 +161,33 @@ pub(crate) unsafe fn copy<'c>(
         .count();
     let early = if small >= KERNEL_MIN { copier() } else { None };
     let plan = plan(ranges, early.is_some());
+    let ctx = stream.context();
+    if check && !plan.launches.is_empty() {
+        let _cur = ctx.enter()?;
+        check_sources(&plan.launches.concat(), ctx)?;
+    }
     // Ranges the driver refused as one copy (they span allocations), for the kernel.
     let mut spilled: Vec<Range> = Vec::new();
     if !plan.direct.is_empty() {
-        let _cur = stream.context().enter()?;
+        let _cur = ctx.enter()?;
         for &range in &plan.direct {
-            // SAFETY: context current (`_cur`); both ranges accessible (this function's
-            // contract); the stream lives for the call.
+            // SAFETY: context current (`_cur`); destinations and sources as this function's
+            // contract says; the stream lives for the call.
             unsafe { copy_direct(range, stream, &copier, &mut spilled) }?;
+        }
+        // With `check`, a refused range reaches the kernel only if all its bytes lie in readable
+        // memory of this device (the driver refuses an unknown address the same way); without,
+        // the caller vouches for every source (checked before, allocated since).
+        if check {
+            check_sources(&spilled, ctx)?;
         }
     }
     let Some(copier) = early.or_else(|| (!spilled.is_empty()).then(&copier).flatten()) else {
         return Ok(());
     };
-    // The spilled ranges (large ones) in launches of their own, so that the grid's columns for
-    // them are not given to every small range's row too.
+    // The spilled ranges in launches of their own (each as large as the part of its source that
+    // spans allocations: usually large), so that the grid's columns for them are not given to
+    // every small range's row too.
     let spilled: Vec<Vec<Range>> = spilled.chunks(PER_LAUNCH).map(<[Range]>::to_vec).collect();
     for launch in plan.launches.iter().chain(&spilled) {
         let mut p = CopyRanges {
@@ -239,24 +258,119 @@ unsafe fn copy_direct<'c>(
     Ok(())
 }
 
-/// The end of the allocation holding device address `ptr` (`cuPointerGetAttributes`), `None`
-/// where the driver does not know it. The context is current.
-fn allocation_end(ptr: u64) -> Option<u64> {
+/// What the driver knows of the allocation holding a device address
+/// (`cuPointerGetAttributes`).
+struct Allocation {
+    start: u64,
+    end: u64,
+    /// `CUmemorytype` (device 2, host 1, array 3, unified 4; 0: unknown address).
+    memory_type: u32,
+    device: i32,
+    /// The allocation's context; 0 for memory of no context (VMM mappings, memory pools).
+    context: u64,
+    /// `CUDA_POINTER_ATTRIBUTE_ACCESS_FLAGS` of the current context's device (0 none, 1 read,
+    /// 3 read and write).
+    access: u32,
+}
+
+/// The allocation holding `ptr`, `None` where the driver knows no allocation there. A context
+/// is current.
+fn allocation_at(ptr: u64) -> Option<Allocation> {
     use sys::CUpointer_attribute as A;
     let mut attrs = [
         A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        A::CU_POINTER_ATTRIBUTE_CONTEXT,
+        A::CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
     ];
-    let mut vals = [0u64; 2];
-    let mut data: [*mut c_void; 2] = std::array::from_fn(|i| (&raw mut vals[i]).cast());
-    // SAFETY: `attrs` and `data` hold 2 entries each, every `data` entry points to 8 writable
-    // bytes (a pointer and a size) that outlive the call; an unknown pointer gets zeros.
+    // One zeroed 8-byte slot per attribute, wide enough for each one's type (a pointer, a size,
+    // an int); a value the driver leaves unwritten reads as 0.
+    let mut vals = [0u64; 6];
+    let mut data: [*mut c_void; 6] = std::array::from_fn(|i| (&raw mut vals[i]).cast());
+    // SAFETY: `attrs` and `data` hold 6 entries each, every `data` entry points to 8 writable
+    // bytes that outlive the call; an unknown pointer gets default values, not an error.
     check("cuPointerGetAttributes", unsafe {
-        sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr)
+        sys::cuPointerGetAttributes(6, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr)
     })
     .ok()?;
-    let [start, size] = vals;
-    (start != 0 && size != 0 && (start..start + size).contains(&ptr)).then_some(start + size)
+    let [start, size, memory_type, device, context, access] = vals;
+    (start != 0 && size != 0 && (start..start.saturating_add(size)).contains(&ptr)).then_some(
+        Allocation {
+            start,
+            end: start.saturating_add(size),
+            memory_type: memory_type as u32,
+            device: device as u32 as i32,
+            context,
+            access: access as u32,
+        },
+    )
+}
+
+/// The end of the allocation holding `ptr`, `None` where the driver knows none. A context is
+/// current.
+fn allocation_end(ptr: u64) -> Option<u64> {
+    allocation_at(ptr).map(|a| a.end)
+}
+
+/// Checks that every byte of every range's source lies in memory a kernel of `ctx` can read:
+/// allocations the driver knows as device or managed memory of `ctx`'s device, of `ctx` itself
+/// or of no context (VMM mappings, memory pools), that device having at least read access. The
+/// ranges are visited by source address and one allocation's facts serve every range inside it,
+/// so the driver is asked once per allocation touched. `ctx` is current.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the first range whose source fails, and why.
+pub(crate) fn check_sources(ranges: &[Range], ctx: &Context) -> Result<()> {
+    const DEVICE: u32 = 2;
+    const UNIFIED: u32 = 4;
+    let ordinal = ctx.device().ordinal() as i32;
+    let own = ctx.as_raw() as usize as u64;
+    let mut order: Vec<usize> = (0..ranges.len()).filter(|&k| ranges[k].2 > 0).collect();
+    order.sort_unstable_by_key(|&k| ranges[k].1);
+    let mut known: Option<(u64, u64)> = None;
+    for k in order {
+        let (dst, src, len) = ranges[k];
+        let fail = |why: String| -> Error {
+            Error::InvalidArgument(format!(
+                "the source of copy {k} ({len} bytes at {src:#x}, to {dst:#x}) {why}; a copy \
+                 reads device memory of device {ordinal} only"
+            ))
+        };
+        let end = src
+            .checked_add(len)
+            .ok_or_else(|| fail("runs past the end of the address space".into()))?;
+        let mut at = src;
+        while at < end {
+            if let Some((s, e)) = known
+                && (s..e).contains(&at)
+            {
+                at = e;
+                continue;
+            }
+            let a = allocation_at(at)
+                .ok_or_else(|| fail(format!("has no allocation the driver knows at {at:#x}")))?;
+            if a.memory_type != DEVICE && a.memory_type != UNIFIED {
+                return Err(fail(format!(
+                    "lies in memory of type {} (not device memory)",
+                    a.memory_type
+                )));
+            }
+            if a.memory_type == DEVICE && a.device != ordinal {
+                return Err(fail(format!("lies on device {}", a.device)));
+            }
+            if a.context != 0 && a.context != own {
+                return Err(fail("belongs to another CUDA context".into()));
+            }
+            if a.memory_type == DEVICE && a.access & 1 == 0 {
+                return Err(fail("is not readable by this device (no access)".into()));
+            }
+            known = Some((a.start, a.end));
+            at = a.end;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -128,44 +128,87 @@ impl Update<'_> {
     /// each. The kernel is loaded (JIT-compiled from PTX) at the writer's first call that needs
     /// it. Work on another stream that produced the sources must be ordered before.
     ///
-    /// Every range is checked before anything is enqueued.
+    /// Every destination is checked before anything is enqueued, and so is the source of every
+    /// range the kernel copies, against what the driver knows of its memory
+    /// (`cuPointerGetAttributes`, once per allocation touched, the ranges taken by address): all
+    /// its bytes in allocations of device (or managed) memory of the writer's device, of the
+    /// writer's context or of none (VMM mappings, memory pools), readable by that device. A
+    /// source that fails is refused as the driver's copy refuses an address it does not know.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end (nothing
-    /// enqueued); [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming
-    /// `cuMemcpyDtoDAsync_v2` or `cuLaunchKernel` (the copies enqueued before it stay enqueued).
+    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end, or a
+    /// source that fails the check (nothing enqueued); [`TensorSetError::WrongKind`] on a host
+    /// set; [`Error::Cuda`] naming `cuMemcpyDtoDAsync_v2` or `cuLaunchKernel` (the copies
+    /// enqueued before it stay enqueued).
     ///
     /// # Safety
-    /// Unlike `cuMemcpyDtoDAsync`, the kernel does not check its sources: every `src..src + len`
-    /// must be memory readable by a kernel of the writer's context (device memory of its device
-    /// allocated in that context or its device's primary context, or host memory mapped for it)
-    /// until the copies ran on the writer's stream; a bad address faults the kernel, and a
-    /// kernel fault leaves the context unusable. No source may overlap a destination of this
-    /// call, and where two destinations overlap which bytes land there is unspecified.
+    /// Every source stays allocated until the copies ran on the writer's stream (the check above
+    /// sees the memory as it is now; memory freed before the kernel ran faults it, and a kernel
+    /// fault leaves the context unusable). No source may overlap a destination of this call
+    /// other than its own (a range copied onto itself is allowed), and where two destinations
+    /// overlap which bytes land there is unspecified.
     pub unsafe fn copy_many(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
-        let ranges = copies
+        let ranges = self.ranges_of(copies)?;
+        // SAFETY: destinations lie in this update's buffer, which no reader holds (checked by
+        // `ranges_of`); sources checked by `copy_ranges` (`check`), kept allocated as this
+        // function's contract says.
+        unsafe { self.copy_ranges(&ranges, true) }
+    }
+
+    /// [`Update::copy_many`] without the check of the sources: for ranges checked before (a
+    /// plan made once and used at every update) whose memory the caller kept allocated since.
+    ///
+    /// # Errors
+    /// As [`Update::copy_many`], less the sources' check.
+    ///
+    /// # Safety
+    /// As [`Update::copy_many`], and every source is memory a kernel of the writer's context can
+    /// read: device (or managed) memory of its device, allocated in that context or by VMM or a
+    /// memory pool with access for the device. A bad address faults the kernel, and a kernel
+    /// fault leaves the context unusable.
+    pub unsafe fn copy_many_unchecked(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
+        let ranges = self.ranges_of(copies)?;
+        // SAFETY: destinations checked by `ranges_of`; sources as this function's contract says.
+        unsafe { self.copy_ranges(&ranges, false) }
+    }
+
+    /// Checks the sources of `copies` as [`Update::copy_many`] would, without copying: for a
+    /// caller that checks once and copies with [`Update::copy_many_unchecked`] later.
+    ///
+    /// # Errors
+    /// As [`Update::copy_many`]'s check ([`Error::InvalidArgument`]); as [`Update::stream`].
+    pub fn check_sources(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
+        let ranges = self.ranges_of(copies)?;
+        let ctx = self.stream()?.context();
+        let _cur = ctx.enter()?;
+        copies::check_sources(&ranges, ctx)
+    }
+
+    /// `copies` as device ranges `(dst, src, len)`, every destination checked.
+    fn ranges_of(&self, copies: &[(usize, u64, u64, usize)]) -> Result<Vec<copies::Range>> {
+        copies
             .iter()
             .map(|&(a, off, src, len)| {
                 Ok((self.allocation_range(a, off, len as u64)?, src, len as u64))
             })
-            .collect::<Result<Vec<copies::Range>>>()?;
-        // SAFETY: destinations lie in this update's buffer, which no reader holds (checked
-        // above); sources as this function's contract says.
-        unsafe { self.copy_ranges(&ranges) }
+            .collect()
     }
 
-    /// Enqueues `ranges` on the writer's stream ([`copies::copy`]), the kernel loaded at the
-    /// writer's first call that needs it.
+    /// Enqueues `ranges` on the writer's stream ([`copies::copy`], the sources checked with
+    /// `check`), the kernel loaded at the writer's first call that needs it.
     ///
     /// # Safety
     /// As [`copies::copy`].
-    unsafe fn copy_ranges(&self, ranges: &[copies::Range]) -> Result<()> {
+    unsafe fn copy_ranges(&self, ranges: &[copies::Range], check: bool) -> Result<()> {
         let stream = self.stream()?;
         // SAFETY: forwarded from this function's contract.
         unsafe {
-            copies::copy(ranges, stream, || {
-                copies::cached(self.copier, stream.context())
-            })
+            copies::copy(
+                ranges,
+                stream,
+                || copies::cached(self.copier, stream.context()),
+                check,
+            )
         }
     }
 
@@ -301,7 +344,7 @@ impl Update<'_> {
         // SAFETY: each range lies in allocation `a` of this update's buffer and of the previous
         // generation's (checked above), both this writer's memory in its context, different
         // buffers (`p != buffer`), so no source overlaps a destination.
-        unsafe { self.copy_ranges(&gpu) }
+        unsafe { self.copy_ranges(&gpu, false) }
     }
 
     fn host(&self) -> Result<&DataSegment> {
