@@ -644,9 +644,10 @@ class TensorUpdate:
         names, on the writer's stream; read and copied in chunks of 512 tensors. Many small
         sources on the set's device are copied by one kernel launch per 160 (one
         ``cuMemcpyDtoDAsync`` each costs about 5 µs of GPU time); a CPU tensor given to a GPU set
-        is refused before anything of its chunk is copied, and so is a source whose memory the
-        driver does not know as this device's. A ``CopyPlan`` of this writer copies its sources
-        without reading them again."""
+        is refused before anything of its chunk is copied, and so are a tensor of another device
+        and one whose storage was freed (``data_ptr()`` 0); memory the driver does not know as
+        readable memory of the set's device is refused before the copy kernel reads it. A
+        ``CopyPlan`` of this writer copies its sources without reading them again."""
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
         """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""

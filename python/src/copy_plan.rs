@@ -5,11 +5,14 @@
 //! `TensorUpdate.copy_from(dict)` reads five properties of every source at every update (about
 //! 0.6 µs a tensor: 2.4–3.8 ms of a 4,608-tensor update whose copies take 2.3 ms) and has the
 //! driver say what each source's memory is. A plan keeps what they gave (the merged ranges), the
-//! tensors and their storages (so no source's memory is freed, nor its address given to other
-//! memory, while the plan lives). Its first update has the driver check the sources; every
+//! tensors and their storages (so that a storage replaced by another cannot free its memory and
+//! hand its address to the new one). Its first update has the driver check the sources; every
 //! update reads each source's `data_ptr()` again, one bulk pass, and refuses the update before
 //! anything is copied if any moved (a parameter given a new storage: `p.data = ...`, `set_`, a
-//! `resize_` that reallocates), so a stale address never reaches the copy kernel.
+//! `resize_` that reallocates, or frees: `data_ptr()` 0), so a stale address never reaches the
+//! copy kernel. Not seen: a storage resized in place to fewer bytes at the same address
+//! (`resize_(0)` then a smaller `resize_` that lands there again); make a new plan after
+//! resizing a source's storage.
 
 use crate::errors;
 use crate::sources::{self, Chunk, Ranges, coalesce};
@@ -109,14 +112,18 @@ impl CopyPlan {
         let torch = Torch::get(py)?;
         let ptrs = torch.map_list(py, &torch.data_ptr, self.values.bind(py).as_any())?;
         for (k, p) in ptrs.iter().enumerate() {
-            if p.extract::<u64>()? != self.ptrs[k] {
+            let p: u64 = p.extract()?;
+            if p != self.ptrs[k] {
                 let name = &self.layout.tensors()[self.idx[k]].name;
+                let what = if p == 0 {
+                    "has no memory since the copy plan was made (data_ptr() is 0: its storage \
+                     was freed or resized to 0)"
+                } else {
+                    "moved since the copy plan was made (its data_ptr() changed)"
+                };
                 return Err(errors::invalid_argument(
                     py,
-                    format!(
-                        "the source of tensor {name:?} moved since the copy plan was made (its \
-                         data_ptr() changed): make a new plan"
-                    ),
+                    format!("the source of tensor {name:?} {what}: make a new plan"),
                 ));
             }
         }

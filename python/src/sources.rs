@@ -172,7 +172,18 @@ pub(crate) fn read<'py>(
                 ),
             ));
         }
-        out.push((idx[k], p.extract::<u64>()?, nb as usize));
+        let p: u64 = p.extract()?;
+        if p == 0 && nb > 0 {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "tensor {:?} has no memory (data_ptr() is 0: its storage was freed or \
+                     resized to 0)",
+                    name(k)
+                ),
+            ));
+        }
+        out.push((idx[k], p, nb as usize));
     }
     Ok(out)
 }

@@ -150,21 +150,6 @@ impl TensorSetWriter {
         *lock(&self.generation) = w.generation();
         *lock(&self.slot) = Slot::Idle(w);
     }
-
-    fn with_writer<T>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&RustWriter) -> PyResult<T>,
-    ) -> PyResult<T> {
-        match &*lock(&self.slot) {
-            Slot::Idle(w) => f(w),
-            Slot::Updating => Err(errors::invalid_argument(
-                py,
-                "an update of this tensor set is open".to_string(),
-            )),
-            Slot::Closed => Err(closed_error(py, &self.name)),
-        }
-    }
 }
 
 #[pymethods]
@@ -453,13 +438,24 @@ impl TensorSetWriter {
 
     /// Waits on the host until the writer's stream drained (its copies and ready words).
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_writer(py, |w| {
-            if self.host {
-                return Ok(());
-            }
-            let s = w.stream().map_err(|e| err(py, e))?;
-            py.detach(|| s.synchronize()).map_err(|e| err(py, e))
-        })
+        if self.host {
+            return Ok(());
+        }
+        // The slot is locked without the GIL: a thread waiting for it while holding the GIL
+        // (`begin`, `close`) must not wait on this one, which needs the GIL back to return.
+        let r = py.detach(|| match &*lock(&self.slot) {
+            Slot::Idle(w) => Ok(w.stream().and_then(|s| s.synchronize())),
+            Slot::Updating => Err(false),
+            Slot::Closed => Err(true),
+        });
+        match r {
+            Ok(r) => r.map_err(|e| err(py, e)),
+            Err(false) => Err(errors::invalid_argument(
+                py,
+                "an update of this tensor set is open".to_string(),
+            )),
+            Err(true) => Err(closed_error(py, &self.name)),
+        }
     }
 
     /// Closes the set: its names go (no new reader opens it), waiting readers get
@@ -525,8 +521,9 @@ pub(crate) struct TensorUpdate {
 impl TensorUpdate {
     /// Runs `copy` ordered with the update's stream (GPU sets with one): the writer's stream
     /// waits for the work enqueued there so far first, and that stream for the copies after, so
-    /// PyTorch reuses none of the sources' memory before they ran. On an error of `copy`, the
-    /// second wait is not made (the update stays open and uncommitted).
+    /// PyTorch reuses none of the sources' memory before they ran. The second wait is made on an
+    /// error of `copy` too (copies it enqueued before the error still read their sources); the
+    /// first error is returned.
     fn ordered(&self, py: Python<'_>, copy: impl FnOnce() -> PyResult<()>) -> PyResult<()> {
         if let Some(s) = self.target {
             self.with(py, |u| {
@@ -534,14 +531,15 @@ impl TensorUpdate {
                 unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))
             })?;
         }
-        copy()?;
-        if let Some(s) = self.target {
-            self.with(py, |u| {
+        let r = copy();
+        let after = match self.target {
+            Some(s) => self.with(py, |u| {
                 // SAFETY: as above.
                 unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
-            })?;
-        }
-        Ok(())
+            }),
+            None => Ok(()),
+        };
+        r.and(after)
     }
 
     fn with<T>(
@@ -675,8 +673,9 @@ impl TensorUpdate {
     /// current stream, where their contiguous copies are made, is ordered both ways too).
     /// Tensors back to back both in the set and in the sources are copied as one range, the
     /// ranges as `cuda_ipc::tensorset::Update::copy_many` copies them (many small ones by a
-    /// kernel, 160 per launch, large ones by `cuMemcpyDtoDAsync`; the driver says first whether
-    /// each source's memory is readable device memory of the set's device). A source that is a
+    /// kernel, 160 per launch, large ones by `cuMemcpyDtoDAsync`; before the kernel reads a
+    /// source, the driver says whether its memory is readable device memory of the set's device,
+    /// and the driver's own copies check theirs). A source that is a
     /// view of this update's own buffer must be its own tensor (else the bytes that land are
     /// unspecified). A host set copies from CPU tensors. The sources are read and copied in
     /// chunks of 512, so on an error the chunks before the bad tensor's may already be copied:
@@ -725,7 +724,7 @@ impl TensorUpdate {
         // one), once there are any: the writer's stream waits for it before a chunk's copies,
         // and it for the copies at the end, before the copies' memory goes back to PyTorch.
         let mut made_on: Option<usize> = None;
-        self.ordered(py, || {
+        let r = self.ordered(py, || {
             let mut at = 0;
             while at < keys.len() {
                 let end = (at + sources::CHUNK).min(keys.len());
@@ -764,16 +763,19 @@ impl TensorUpdate {
                     unsafe { copy_gpu(py, u, &coalesce(layout, copies.iter()), true) }
                 })?;
             }
-            if let Some(s) = made_on {
-                self.with(py, |u| {
-                    // SAFETY: as above.
-                    unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
-                })?;
-            }
             Ok(())
-        })?;
+        });
+        // Also after an error: copies enqueued before it still read the contiguous copies, which
+        // go back to PyTorch (on `made_on`) when `keep` drops.
+        let after = match made_on {
+            Some(s) => self.with(py, |u| {
+                // SAFETY: as above.
+                unsafe { u.update().ready_on_raw(s as _) }.map_err(|e| err(py, e))
+            }),
+            None => Ok(()),
+        };
         drop(keep);
-        Ok(())
+        r.and(after)
     }
 
     /// Copies the last committed generation into this buffer (buffered sets; nothing to do in

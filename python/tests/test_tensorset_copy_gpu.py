@@ -118,16 +118,13 @@ def test_a_source_whose_storage_was_freed_is_refused_and_the_context_lives_on(na
         gone.untyped_storage().resize_(0)
         small_gone = torch.empty(4096, device="cuda")
         small_gone.untyped_storage().resize_(0)
-        with w.begin(timeout=ANSWER) as u:
-            # The driver's copy refuses it (as an invalid value, or otherwise), or the check does.
-            with pytest.raises((cuda_ipc.InvalidArgument, cuda_ipc.CudaError)):
-                u.copy_from({"big": gone})
-            u.abort()
-        with w.begin(timeout=ANSWER) as u:
-            src = {**{f"t{i}": torch.ones(4096, device="cuda") for i in range(8)}, "t3": small_gone}
-            with pytest.raises(cuda_ipc.InvalidArgument, match="no allocation the driver knows"):
-                u.copy_from(src)
-            u.abort()
+        for src, bad in (({"big": gone}, "big"),
+                         ({**{f"t{i}": torch.ones(4096, device="cuda") for i in range(8)},
+                           "t3": small_gone}, "t3")):
+            with w.begin(timeout=ANSWER) as u:
+                with pytest.raises(cuda_ipc.InvalidArgument, match=f"{bad}.*has no memory"):
+                    u.copy_from(src)
+                u.abort()
         # The context is whole: a good update lands.
         good = {f"t{i}": torch.full((4096,), float(i), device="cuda") for i in range(8)}
         w.publish(good, timeout=ANSWER)
@@ -136,6 +133,27 @@ def test_a_source_whose_storage_was_freed_is_refused_and_the_context_lives_on(na
             torch.cuda.synchronize()
             assert all(torch.equal(got[n], t) for n, t in good.items())
             u.abort()
+    finally:
+        w.close()
+
+
+def test_sources_in_vmm_memory_are_checked_granule_by_granule_and_land(name):
+    # The extension's PyTorch pool maps VMM chunks: the driver's range for such an address is
+    # the whole reservation, so the check asks per mapping granule; every source must pass.
+    sp = {f"v{i}": ((1000 + 37 * i,), "float32") for i in range(300)}
+    w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
+    try:
+        pool = cuda_ipc.torch_mem_pool(0)
+        with torch.cuda.use_mem_pool(pool):
+            src = {n: torch.full(s, float(i), device="cuda") for i, (n, (s, _)) in enumerate(sp.items())}
+        for t in src.values():
+            cuda_ipc.arena_locate(t.data_ptr(), t.nbytes)  # raises unless in the VMM arena
+        with w.begin(timeout=ANSWER) as u:
+            u.copy_from(src)
+            got = u.tensors()
+            torch.cuda.synchronize()
+            for n, t in src.items():
+                assert torch.equal(got[n], t), n
     finally:
         w.close()
 
@@ -200,6 +218,11 @@ def test_a_copy_plan_copies_its_sources_at_every_update_and_refuses_moved_ones(n
         src["p5"].set_(torch.zeros_like(src["p5"]))
         with pytest.raises(cuda_ipc.InvalidArgument, match="p5.*moved"):
             w.publish(plan, timeout=ANSWER)
+        # A plan whose source's storage is freed afterwards: refused, named.
+        fplan = w.copy_plan(src)
+        src["p7"].untyped_storage().resize_(0)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="p7.*has no memory"):
+            w.publish(fplan, timeout=ANSWER)
         # The parameters themselves (keep_vars=True): `p.data = ...` is seen.
         m = torch.nn.Linear(64, 32).cuda()
         ws = cuda_ipc.TensorSetWriter(name + "-m", m.state_dict(), device=0, memory="vmm")

@@ -261,9 +261,11 @@ unsafe fn copy_direct<'c>(
 /// What the driver knows of the allocation holding a device address
 /// (`cuPointerGetAttributes`).
 struct Allocation {
+    /// The address range the driver gives (`RANGE_START_ADDR`, `RANGE_SIZE`): a `cuMemAlloc`
+    /// allocation's own, but for VMM memory the whole reservation, mapped or not.
     start: u64,
     end: u64,
-    /// `CUmemorytype` (device 2, host 1, array 3, unified 4; 0: unknown address).
+    /// `CUmemorytype` (device 2, host 1).
     memory_type: u32,
     device: i32,
     /// The allocation's context; 0 for memory of no context (VMM mappings, memory pools).
@@ -271,10 +273,16 @@ struct Allocation {
     /// `CUDA_POINTER_ATTRIBUTE_ACCESS_FLAGS` of the current context's device (0 none, 1 read,
     /// 3 read and write).
     access: u32,
+    managed: bool,
+    /// Whether the address is mapped to backing memory (`MAPPED`).
+    mapped: bool,
+    /// A `cuMemAlloc` allocation (`IS_LEGACY_CUDA_IPC_CAPABLE`): one mapping, whose facts hold
+    /// for its whole range.
+    legacy: bool,
 }
 
-/// The allocation holding `ptr`, `None` where the driver knows no allocation there. A context
-/// is current.
+/// The allocation holding `ptr`, `None` where the driver knows no allocation there (or cannot
+/// say). A context is current.
 fn allocation_at(ptr: u64) -> Option<Allocation> {
     use sys::CUpointer_attribute as A;
     let mut attrs = [
@@ -284,58 +292,111 @@ fn allocation_at(ptr: u64) -> Option<Allocation> {
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         A::CU_POINTER_ATTRIBUTE_CONTEXT,
         A::CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+        A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        A::CU_POINTER_ATTRIBUTE_MAPPED,
+        A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
     ];
     // One zeroed 8-byte slot per attribute, wide enough for each one's type (a pointer, a size,
-    // an int); a value the driver leaves unwritten reads as 0.
-    let mut vals = [0u64; 6];
-    let mut data: [*mut c_void; 6] = std::array::from_fn(|i| (&raw mut vals[i]).cast());
-    // SAFETY: `attrs` and `data` hold 6 entries each, every `data` entry points to 8 writable
+    // an int, a bool); a value the driver leaves unwritten reads as 0.
+    let mut vals = [0u64; 9];
+    let mut data: [*mut c_void; 9] = std::array::from_fn(|i| (&raw mut vals[i]).cast());
+    // SAFETY: `attrs` and `data` hold 9 entries each, every `data` entry points to 8 writable
     // bytes that outlive the call; an unknown pointer gets default values, not an error.
     check("cuPointerGetAttributes", unsafe {
-        sys::cuPointerGetAttributes(6, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr)
+        sys::cuPointerGetAttributes(9, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr)
     })
     .ok()?;
-    let [start, size, memory_type, device, context, access] = vals;
-    (start != 0 && size != 0 && (start..start.saturating_add(size)).contains(&ptr)).then_some(
-        Allocation {
-            start,
-            end: start.saturating_add(size),
-            memory_type: memory_type as u32,
-            device: device as u32 as i32,
-            context,
-            access: access as u32,
-        },
-    )
+    let [
+        start,
+        size,
+        memory_type,
+        device,
+        context,
+        access,
+        managed,
+        mapped,
+        legacy,
+    ] = vals;
+    let end = start.saturating_add(size);
+    (start != 0 && size != 0 && (start..end).contains(&ptr)).then_some(Allocation {
+        start,
+        end,
+        memory_type: memory_type as u32,
+        device: device as u32 as i32,
+        context,
+        access: access as u32,
+        managed: managed as u32 != 0,
+        mapped: mapped as u32 != 0,
+        legacy: legacy as u32 != 0,
+    })
 }
 
 /// The end of the allocation holding `ptr`, `None` where the driver knows none. A context is
-/// current.
+/// current. (For VMM memory the reservation's end: the driver's copies of the split check
+/// their own ranges.)
 fn allocation_end(ptr: u64) -> Option<u64> {
     allocation_at(ptr).map(|a| a.end)
 }
 
+/// The smallest granularity of `ctx`'s device's VMM mappings (`cuMemGetAllocationGranularity`,
+/// minimum), the unit in which a mapping's presence and access can change; 64 KiB where the
+/// driver does not say (smaller than any, so only more queries).
+fn mapping_granule(ctx: &Context) -> u64 {
+    let prop = sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ctx.device().ordinal() as i32,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    };
+    let mut g = 0usize;
+    // SAFETY: `prop` is a fully initialised property struct; `g` a valid out-pointer.
+    let r = check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut g,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    });
+    match r {
+        Ok(()) if g.is_power_of_two() => g as u64,
+        _ => 64 << 10,
+    }
+}
+
 /// Checks that every byte of every range's source lies in memory a kernel of `ctx` can read:
-/// allocations the driver knows as device or managed memory of `ctx`'s device, of `ctx` itself
-/// or of no context (VMM mappings, memory pools), that device having at least read access. The
-/// ranges are visited by source address and one allocation's facts serve every range inside it,
-/// so the driver is asked once per allocation touched. `ctx` is current.
+/// mapped device memory of `ctx`'s device, of `ctx` itself or of no context (VMM mappings,
+/// memory pools), that device having at least read access; or managed memory. The ranges are
+/// visited by source address. A `cuMemAlloc` allocation's facts serve every range inside it;
+/// other memory (VMM, pools, managed) is asked about once per mapping granule touched, since its
+/// mappings and their access can differ within the range the driver gives. `ctx` is current.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] naming the first range whose source fails, and why.
+/// [`Error::InvalidArgument`] naming the first source (its address and bytes, and its
+/// destination) that fails, and why.
 pub(crate) fn check_sources(ranges: &[Range], ctx: &Context) -> Result<()> {
     const DEVICE: u32 = 2;
-    const UNIFIED: u32 = 4;
     let ordinal = ctx.device().ordinal() as i32;
     let own = ctx.as_raw() as usize as u64;
+    let mut granule: Option<u64> = None;
     let mut order: Vec<usize> = (0..ranges.len()).filter(|&k| ranges[k].2 > 0).collect();
     order.sort_unstable_by_key(|&k| ranges[k].1);
+    // The last region found readable: [start, end).
     let mut known: Option<(u64, u64)> = None;
     for k in order {
         let (dst, src, len) = ranges[k];
         let fail = |why: String| -> Error {
             Error::InvalidArgument(format!(
-                "the source of copy {k} ({len} bytes at {src:#x}, to {dst:#x}) {why}; a copy \
-                 reads device memory of device {ordinal} only"
+                "a source of {len} bytes at {src:#x} (copied to {dst:#x}) {why}; the copy kernel \
+                 reads mapped device memory of device {ordinal} only"
             ))
         };
         let end = src
@@ -351,23 +412,34 @@ pub(crate) fn check_sources(ranges: &[Range], ctx: &Context) -> Result<()> {
             }
             let a = allocation_at(at)
                 .ok_or_else(|| fail(format!("has no allocation the driver knows at {at:#x}")))?;
-            if a.memory_type != DEVICE && a.memory_type != UNIFIED {
-                return Err(fail(format!(
-                    "lies in memory of type {} (not device memory)",
-                    a.memory_type
-                )));
+            if !a.managed {
+                if a.memory_type != DEVICE {
+                    return Err(fail(format!(
+                        "lies in memory of type {} (not device memory)",
+                        a.memory_type
+                    )));
+                }
+                if a.device != ordinal {
+                    return Err(fail(format!("lies on device {}", a.device)));
+                }
+                if a.context != 0 && a.context != own {
+                    return Err(fail("belongs to another CUDA context".into()));
+                }
+                if !a.mapped {
+                    return Err(fail(format!("is not mapped at {at:#x}")));
+                }
+                if a.access & 1 == 0 {
+                    return Err(fail(format!("is not readable by this device at {at:#x}")));
+                }
             }
-            if a.memory_type == DEVICE && a.device != ordinal {
-                return Err(fail(format!("lies on device {}", a.device)));
-            }
-            if a.context != 0 && a.context != own {
-                return Err(fail("belongs to another CUDA context".into()));
-            }
-            if a.memory_type == DEVICE && a.access & 1 == 0 {
-                return Err(fail("is not readable by this device (no access)".into()));
-            }
-            known = Some((a.start, a.end));
-            at = a.end;
+            let region_end = if a.legacy {
+                a.end
+            } else {
+                let g = *granule.get_or_insert_with(|| mapping_granule(ctx));
+                a.end.min((at / g).saturating_add(1).saturating_mul(g))
+            };
+            known = Some((if a.legacy { a.start } else { at }, region_end));
+            at = region_end;
         }
     }
     Ok(())

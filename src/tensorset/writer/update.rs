@@ -130,16 +130,19 @@ impl Update<'_> {
     ///
     /// Every destination is checked before anything is enqueued, and so is the source of every
     /// range the kernel copies, against what the driver knows of its memory
-    /// (`cuPointerGetAttributes`, once per allocation touched, the ranges taken by address): all
-    /// its bytes in allocations of device (or managed) memory of the writer's device, of the
-    /// writer's context or of none (VMM mappings, memory pools), readable by that device. A
-    /// source that fails is refused as the driver's copy refuses an address it does not know.
+    /// (`cuPointerGetAttributes`, the ranges taken by address; once per `cuMemAlloc` allocation
+    /// touched, once per mapping granule of VMM, pool or managed memory): all its bytes mapped
+    /// device memory of the writer's device, of the writer's context or of none (VMM mappings,
+    /// memory pools), readable by that device, or managed memory. A range copied by the driver
+    /// is checked by the driver; one it refuses as spanning allocations goes to the kernel once
+    /// it passed the same check.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end, or a
-    /// source that fails the check (nothing enqueued); [`TensorSetError::WrongKind`] on a host
-    /// set; [`Error::Cuda`] naming `cuMemcpyDtoDAsync_v2` or `cuLaunchKernel` (the copies
-    /// enqueued before it stay enqueued).
+    /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end (nothing
+    /// enqueued), or a source that fails the check (nothing enqueued when the kernel would have
+    /// copied it; the driver's copies before it stay enqueued when the driver refused it first);
+    /// [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming `cuMemcpyDtoDAsync_v2`
+    /// or `cuLaunchKernel` (the copies enqueued before it stay enqueued).
     ///
     /// # Safety
     /// Every source stays allocated until the copies ran on the writer's stream (the check above
