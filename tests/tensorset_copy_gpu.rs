@@ -70,6 +70,15 @@ fn whole(u: &cuda_ipc::tensorset::Update<'_>, first_offset: u64, len: usize) -> 
     }
 }
 
+/// One `u8` tensor `t{i}` of each size.
+fn u8_specs(sizes: &[usize]) -> Vec<TensorSpec> {
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| TensorSpec::new(format!("t{i}"), DType::U8, &[n as i64]))
+        .collect()
+}
+
 fn name(prefix: &str) -> String {
     format!("{prefix}-{}", std::process::id())
 }
@@ -79,11 +88,7 @@ fn name(prefix: &str) -> String {
 fn copy_many_lands_every_byte_of_ranges_of_any_size_and_alignment() {
     let c = ctx();
     let sizes = sizes();
-    let specs: Vec<TensorSpec> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| TensorSpec::new(format!("t{i}"), DType::U8, &[n as i64]))
-        .collect();
+    let specs = u8_specs(&sizes);
     let set = name("tscopy");
     let mut w = TensorSetWriter::create(&c, &set, &specs, &TensorSetOptions::new()).unwrap();
     let layout = w.layout().clone();
@@ -157,11 +162,7 @@ fn copy_many_lands_every_byte_of_ranges_of_any_size_and_alignment() {
 fn a_buffered_update_copies_many_ranges_of_the_previous_generation() {
     let c = ctx();
     let sizes = sizes();
-    let specs: Vec<TensorSpec> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| TensorSpec::new(format!("t{i}"), DType::U8, &[n as i64]))
-        .collect();
+    let specs = u8_specs(&sizes);
     let set = name("tscopyprev");
     let opts = TensorSetOptions::new().mode(GenerationMode::Buffered(2));
     let mut w = TensorSetWriter::create(&c, &set, &specs, &opts).unwrap();

@@ -71,6 +71,16 @@ def sources(sp, seed):
     return out
 
 
+def copy_and_compare(w, src):
+    """One update of `w` from `src`, every tensor compared with its source on the GPU."""
+    with w.begin(timeout=ANSWER) as u:
+        u.copy_from(src)
+        got = u.tensors()
+        torch.cuda.synchronize()
+        for n, t in src.items():
+            assert torch.equal(got[n], t), n
+
+
 def test_many_scattered_sources_land_byte_for_byte(name):
     sp = specs()
     w = cuda_ipc.TensorSetWriter(name, sp, device=0, memory="vmm", mode="in_place")
@@ -96,12 +106,7 @@ def test_sources_of_neighbouring_allocations_merged_into_one_range_land(name):
     try:
         src = {n: torch.full((512, 1024), float(i % 13), dtype=torch.bfloat16, device="cuda")
                for i, n in enumerate(sp)}
-        with w.begin(timeout=ANSWER) as u:
-            u.copy_from(src)
-            got = u.tensors()
-            torch.cuda.synchronize()
-            for n, t in src.items():
-                assert torch.equal(got[n], t), n
+        copy_and_compare(w, src)
     finally:
         w.close()
 
@@ -148,12 +153,7 @@ def test_sources_in_vmm_memory_are_checked_granule_by_granule_and_land(name):
             src = {n: torch.full(s, float(i), device="cuda") for i, (n, (s, _)) in enumerate(sp.items())}
         for t in src.values():
             cuda_ipc.arena_locate(t.data_ptr(), t.nbytes)  # raises unless in the VMM arena
-        with w.begin(timeout=ANSWER) as u:
-            u.copy_from(src)
-            got = u.tensors()
-            torch.cuda.synchronize()
-            for n, t in src.items():
-                assert torch.equal(got[n], t), n
+        copy_and_compare(w, src)
     finally:
         w.close()
 

@@ -57,5 +57,5 @@ pub use memory::{Imported, ImportedBuffer};
 pub use pool::{MemPool, PoolBuffer};
 pub use shareable::{fd_transport, set_fd_transport};
 pub(crate) use shareable::{fetch_from_exporters, fetch_from_exporters_then};
-pub(crate) use vmm::StableRange;
+pub(crate) use vmm::{StableRange, min_granularity};
 pub use vmm::{VmmBuffer, fabric_handles, vmm_granularity};

@@ -57,6 +57,28 @@ fn alloc_prop(dev: &Device, types: sys::CUmemAllocationHandleType) -> sys::CUmem
     }
 }
 
+/// The minimum granularity of VMM mappings on `dev` (`cuMemGetAllocationGranularity`,
+/// `CU_MEM_ALLOC_GRANULARITY_MINIMUM`, no shareable handle type): the unit in which a mapping's
+/// presence and access can change.
+///
+/// # Errors
+/// [`Error::Cuda`] from the query.
+pub(crate) fn min_granularity(dev: &Device) -> Result<usize> {
+    let prop = alloc_prop(dev, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+    let mut g = MaybeUninit::<usize>::uninit();
+    // SAFETY: driver loaded (a Device exists); `prop` is a fully initialised property struct;
+    // `g` a valid out-pointer.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            g.as_mut_ptr(),
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    // SAFETY: written on success.
+    Ok(unsafe { g.assume_init() }.max(1))
+}
+
 /// Checks that `dev` can make VMM allocations exportable as POSIX file descriptors.
 fn require_vmm(dev: &Device) -> Result<()> {
     let caps = dev.capabilities()?;

@@ -342,32 +342,8 @@ fn allocation_end(ptr: u64) -> Option<u64> {
 /// minimum), the unit in which a mapping's presence and access can change; 64 KiB where the
 /// driver does not say (smaller than any, so only more queries).
 fn mapping_granule(ctx: &Context) -> u64 {
-    let prop = sys::CUmemAllocationProp {
-        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ctx.device().ordinal() as i32,
-        },
-        win32HandleMetaData: std::ptr::null_mut(),
-        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    };
-    let mut g = 0usize;
-    // SAFETY: `prop` is a fully initialised property struct; `g` a valid out-pointer.
-    let r = check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut g,
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    });
-    match r {
-        Ok(()) if g.is_power_of_two() => g as u64,
+    match crate::ipc::min_granularity(&ctx.device()) {
+        Ok(g) if g.is_power_of_two() => g as u64,
         _ => 64 << 10,
     }
 }
