@@ -220,12 +220,13 @@ fn not_a_tensor(
 /// is) or `Update::copy_many_unchecked`.
 ///
 /// # Safety
-/// Every source is contiguous CUDA memory of its range's bytes on the set's device, kept
-/// allocated until the copies are ordered before PyTorch's next use of it
-/// (`TensorUpdate::ordered`); without `check`, checked before and allocated since. The
-/// destinations are distinct tensors of the set (one dict key each); a source that is a view of
-/// this update's buffer itself overlaps only its own destination or gives unspecified bytes
-/// (documented), never memory outside the buffer.
+/// 1. Every source is contiguous CUDA memory of its range's bytes on the set's device, kept
+///    allocated until the copies are ordered before PyTorch's next use of it
+///    (`TensorUpdate::ordered`).
+/// 2. Without `check`, every source was checked before and stayed allocated since.
+/// 3. The destinations are distinct tensors of the set (one dict key each); a source that is a
+///    view of this update's buffer itself overlaps only its own destination or gives unspecified
+///    bytes (documented), never memory outside the buffer.
 pub(crate) unsafe fn copy_gpu(
     py: Python<'_>,
     u: &mut OwnedUpdate,

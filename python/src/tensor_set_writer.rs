@@ -692,11 +692,10 @@ impl TensorUpdate {
             let check = plan.needs_check();
             self.ordered(py, || {
                 self.with(py, |u| {
-                    // SAFETY: as `copy_gpu` requires: the plan's sources were read as contiguous
-                    // CUDA tensors of the set's device when it was made, the plan keeps them and
-                    // their storages alive (so their memory stays allocated), `check` just found
-                    // each at the address its range was made from, and a first update has the
-                    // driver check them (`check`).
+                    // The plan's sources were read as contiguous CUDA tensors of the set's device;
+                    // it keeps them and their storages alive, `plan.check` found each where its
+                    // range was made from, and its first update has the driver check them.
+                    // SAFETY: hence `copy_gpu`'s obligations 1–3.
                     unsafe { copy_gpu(py, u, &plan.ranges, check) }
                 })
             })?;
@@ -743,10 +742,9 @@ impl TensorUpdate {
                 self.with(py, |u| {
                     if writer.host {
                         for (_, off, src, n) in coalesce(layout, copies.iter()) {
-                            // SAFETY: `src` points at `n` bytes of contiguous CPU tensors laid
-                            // back to back (`sources::read` checked device, contiguity and
-                            // `nbytes`), kept alive by `chunk`/`keep` until this returns;
-                            // private memory, not shared.
+                            // `sources::read` checked device, contiguity and `nbytes`.
+                            // SAFETY: `n` bytes of contiguous private CPU tensors, alive by
+                            // `chunk`/`keep` until this returns.
                             let src = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
                             u.write_at(off as usize, src).map_err(|e| err(py, e))?;
                         }
@@ -756,10 +754,9 @@ impl TensorUpdate {
                         // SAFETY: `s` is PyTorch's current stream of the set's device, live.
                         unsafe { u.update().publish_after_raw(s as _) }.map_err(|e| err(py, e))?;
                     }
-                    // SAFETY: every source is a contiguous CUDA tensor of the set's device
-                    // (`sources::read` checked device, contiguity and `nbytes`), kept alive by
-                    // `chunk`/`keep` until this returns; `copy_many` has the driver check what
-                    // its memory is.
+                    // `sources::read` checked device, contiguity and `nbytes`; `chunk`/`keep` keep
+                    // every source alive until the copies are ordered (`ordered`, `made_on`).
+                    // SAFETY: hence `copy_gpu`'s obligations 1 and 3; `check` for 2.
                     unsafe { copy_gpu(py, u, &coalesce(layout, copies.iter()), true) }
                 })?;
             }

@@ -64,16 +64,22 @@ fn alloc_prop(dev: &Device, types: sys::CUmemAllocationHandleType) -> sys::CUmem
 /// # Errors
 /// [`Error::Cuda`] from the query.
 pub(crate) fn min_granularity(dev: &Device) -> Result<usize> {
-    let prop = alloc_prop(dev, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+    granularity(
+        &alloc_prop(dev, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE),
+        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+    )
+}
+
+/// `cuMemGetAllocationGranularity` of `prop` for `flag`, in bytes (at least 1).
+fn granularity(
+    prop: &sys::CUmemAllocationProp,
+    flag: sys::CUmemAllocationGranularity_flags,
+) -> Result<usize> {
     let mut g = MaybeUninit::<usize>::uninit();
     // SAFETY: driver loaded (a Device exists); `prop` is a fully initialised property struct;
     // `g` a valid out-pointer.
     check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            g.as_mut_ptr(),
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
+        sys::cuMemGetAllocationGranularity(g.as_mut_ptr(), prop, flag)
     })?;
     // SAFETY: written on success.
     Ok(unsafe { g.assume_init() }.max(1))
@@ -106,19 +112,10 @@ fn require_vmm(dev: &Device) -> Result<()> {
 /// [`Error::Cuda`] from the query.
 #[doc(alias = "cuMemGetAllocationGranularity")]
 pub fn vmm_granularity(dev: &Device) -> Result<usize> {
-    let prop = alloc_prop(dev, POSIX_FD);
-    let mut g = MaybeUninit::<usize>::uninit();
-    // SAFETY: driver loaded (a Device exists); `prop` is a fully initialised property struct;
-    // `g` a valid out-pointer.
-    check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            g.as_mut_ptr(),
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-        )
-    })?;
-    // SAFETY: written on success.
-    Ok(unsafe { g.assume_init() }.max(1))
+    granularity(
+        &alloc_prop(dev, POSIX_FD),
+        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    )
 }
 
 /// A generic allocation handle mapped at a reserved address range in one context. Drop unmaps the

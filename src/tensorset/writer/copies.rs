@@ -143,11 +143,13 @@ pub(crate) fn cached<'c>(
 /// enqueued before the failing call stay enqueued.
 ///
 /// # Safety
-/// Every range's destination is device memory of `stream`'s context for `len` bytes; its source
-/// stays allocated until the copies ran, and without `check` is memory a kernel of that context
-/// can read (its device's memory, allocated in that context or by VMM or a memory pool with
-/// access for the device, or managed memory); no two destinations overlap, nor a destination its
-/// own or another range's source, except a range onto itself.
+/// 1. Every range's destination is device memory of `stream`'s context for `len` bytes.
+/// 2. Every source stays allocated until the copies ran.
+/// 3. Without `check`, every source is memory a kernel of that context can read (its device's
+///    memory, allocated in that context or by VMM or a memory pool with access for the device,
+///    or managed memory).
+/// 4. No two destinations overlap, nor a destination its own or another range's source, except
+///    a range onto itself.
 pub(crate) unsafe fn copy<'c>(
     ranges: &[Range],
     stream: &Stream,
@@ -219,7 +221,8 @@ pub(crate) unsafe fn copy<'c>(
 /// where that does not help.
 ///
 /// # Safety
-/// The range's context is current; its bytes are accessible as [`copy`] requires.
+/// 1. The range's context is current.
+/// 2. Its bytes are accessible as [`copy`] requires.
 unsafe fn copy_direct<'c>(
     (dst, src, len): Range,
     stream: &Stream,
@@ -245,7 +248,7 @@ unsafe fn copy_direct<'c>(
     let mut done = 0u64;
     while done < len {
         let at = src + done;
-        let Some(end) = allocation_end(at) else {
+        let Some(end) = allocation_at(at).map(|a| a.end) else {
             return Err(first.into());
         };
         let n = end.saturating_sub(at).min(len - done);
@@ -329,13 +332,6 @@ fn allocation_at(ptr: u64) -> Option<Allocation> {
         mapped: mapped as u32 != 0,
         legacy: legacy as u32 != 0,
     })
-}
-
-/// The end of the allocation holding `ptr`, `None` where the driver knows none. A context is
-/// current. (For VMM memory the reservation's end: the driver's copies of the split check
-/// their own ranges.)
-fn allocation_end(ptr: u64) -> Option<u64> {
-    allocation_at(ptr).map(|a| a.end)
 }
 
 /// The smallest granularity of `ctx`'s device's VMM mappings (`cuMemGetAllocationGranularity`,

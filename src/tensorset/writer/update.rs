@@ -145,11 +145,11 @@ impl Update<'_> {
     /// or `cuLaunchKernel` (the copies enqueued before it stay enqueued).
     ///
     /// # Safety
-    /// Every source stays allocated until the copies ran on the writer's stream (the check above
-    /// sees the memory as it is now; memory freed before the kernel ran faults it, and a kernel
-    /// fault leaves the context unusable). No source may overlap a destination of this call
-    /// other than its own (a range copied onto itself is allowed), and where two destinations
-    /// overlap which bytes land there is unspecified.
+    /// 1. Every source stays allocated until the copies ran on the writer's stream (the check
+    ///    above sees the memory as it is now; memory freed before the kernel ran faults it, and a
+    ///    kernel fault leaves the context unusable).
+    /// 2. No source overlaps a destination of this call other than its own (a range copied onto
+    ///    itself is allowed). Where two destinations overlap, which bytes land is unspecified.
     pub unsafe fn copy_many(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
         let ranges = self.ranges_of(copies)?;
         // SAFETY: destinations lie in this update's buffer, which no reader holds (checked by
@@ -165,10 +165,11 @@ impl Update<'_> {
     /// As [`Update::copy_many`], less the sources' check.
     ///
     /// # Safety
-    /// As [`Update::copy_many`], and every source is memory a kernel of the writer's context can
-    /// read: device (or managed) memory of its device, allocated in that context or by VMM or a
-    /// memory pool with access for the device. A bad address faults the kernel, and a kernel
-    /// fault leaves the context unusable.
+    /// 1. As [`Update::copy_many`]'s.
+    /// 2. Every source is memory a kernel of the writer's context can read: device (or managed)
+    ///    memory of its device, allocated in that context or by VMM or a memory pool with access
+    ///    for the device. A bad address faults the kernel, and a kernel fault leaves the context
+    ///    unusable.
     pub unsafe fn copy_many_unchecked(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
         let ranges = self.ranges_of(copies)?;
         // SAFETY: destinations checked by `ranges_of`; sources as this function's contract says.
