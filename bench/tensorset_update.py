@@ -13,7 +13,8 @@ its mappings), each from two kinds of source on the same GPU:
 - `scattered`: each tensor its own allocation of PyTorch's caching allocator, as a model's
   parameters are (the copies go through the copy kernel, 160 small ranges per launch);
 - `plan`: the scattered sources through a `CopyPlan` made once (`TensorSetWriter.copy_plan`:
-  only their `data_ptr()`s are read again per update).
+  only their `data_ptr()`s are read again per update);
+- `flat_plan`: the flat sources through a `CopyPlan`.
 
 Per update: `begin`, `copy_from`, `commit`, and a wait for the writer's stream (apart:
 `*_copy_from_ms`, the host's time in `copy_from`, reading the sources and enqueuing the copies;
@@ -87,21 +88,24 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
                 w.synchronize()
 
             plan = w.copy_plan(scattered)
-            times = {"flat": [], "scattered": [], "plan": [], "copy": [], "foreach": [],
-                     "flat_copy_from": [], "scattered_copy_from": [], "plan_copy_from": [],
-                     "get_device_pass": []}
+            flat_plan = w.copy_plan(flat)
+            times = {"flat": [], "scattered": [], "plan": [], "flat_plan": [], "copy": [],
+                     "foreach": [], "flat_copy_from": [], "scattered_copy_from": [],
+                     "plan_copy_from": [], "flat_plan_copy_from": [], "get_device_pass": []}
             values = list(scattered.values())
             for _ in range(args.updates):
                 times["flat"].append(timed(torch, lambda: update(flat, times["flat_copy_from"])))
                 times["scattered"].append(
                     timed(torch, lambda: update(scattered, times["scattered_copy_from"])))
                 times["plan"].append(timed(torch, lambda: update(plan, times["plan_copy_from"])))
+                times["flat_plan"].append(
+                    timed(torch, lambda: update(flat_plan, times["flat_plan_copy_from"])))
                 t = time.perf_counter()
                 list(map(torch.Tensor.get_device, values))
                 times["get_device_pass"].append((time.perf_counter() - t) * 1e3)
                 times["copy"].append(timed(torch, lambda: dst.copy_(src)))
                 times["foreach"].append(timed(torch, lambda: torch._foreach_copy_(targets, sources)))
-            del plan
+            del plan, flat_plan
             # The last generation holds the scattered sources' bytes: check them on the GPU.
             with readers[0].current(timeout=STEP_S) as h:
                 d = h.tensors()
@@ -115,6 +119,7 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
                 "flat_ratio": med["copy"] / med["flat"],
                 "scattered_ratio": med["copy"] / med["scattered"],
                 "plan_ratio": med["copy"] / med["plan"],
+                "flat_plan_ratio": med["copy"] / med["flat_plan"],
                 "foreach_ratio": med["copy"] / med["foreach"],
                 "mismatches": bad,
             }

@@ -600,8 +600,9 @@ class TensorSetWriter:
     def copy_plan(self, tensors: Dict[str, Any]) -> "CopyPlan":
         """GPU sets: the sources of later updates read once (contiguous CUDA tensors of the
         set's device; the driver checks their memory at the plan's first update);
-        ``copy_from(plan)`` then reads only their ``data_ptr()``s, and refuses the update if any
-        moved since. The plan keeps the tensors and their storages alive. Make it from the
+        ``copy_from(plan)`` then reads only their ``data_ptr()``s, 320 at a time, each chunk
+        copied once its pointers are read, and refuses the update (open and uncommitted) if any
+        moved since, before that source's chunk is copied. The plan keeps the tensors and their storages alive. Make it from the
         parameters themselves (``model.state_dict(keep_vars=True)``): ``state_dict()``'s detached
         aliases keep a parameter's old storage when it gets a new one."""
     @property
@@ -641,8 +642,8 @@ class TensorUpdate:
         """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set)."""
     def copy_from(self, tensors: Union[Dict[str, Any], "CopyPlan"]) -> None:
         """Copies CUDA tensors (CPU tensors for a host set) into the set's tensors of the same
-        names, on the writer's stream; read and copied in chunks of 512 tensors. Many small
-        sources on the set's device are copied by one kernel launch per 160 (one
+        names, on the writer's stream; read and copied in chunks (64 tensors first, up to
+        512). Many small sources on the set's device are copied by one kernel launch per 160 (one
         ``cuMemcpyDtoDAsync`` each costs about 5 µs of GPU time); a CPU tensor given to a GPU set
         is refused before anything of its chunk is copied, and so are a tensor of another device
         and one whose storage was freed (``data_ptr()`` 0); memory the driver does not know as

@@ -678,26 +678,32 @@ impl TensorUpdate {
     /// and the driver's own copies check theirs). A source that is a
     /// view of this update's own buffer must be its own tensor (else the bytes that land are
     /// unspecified). A host set copies from CPU tensors. The sources are read and copied in
-    /// chunks of 512, so on an error the chunks before the bad tensor's may already be copied:
+    /// chunks (64 tensors first, up to 512), so on an error the chunks before the bad tensor's may already be copied:
     /// the update stays open and uncommitted (abort it, or copy again).
     ///
     /// `tensors` may also be a `CopyPlan` of this writer (`TensorSetWriter.copy_plan`): its
-    /// sources, read when it was made, are copied after one bulk `data_ptr()` pass that refuses
-    /// the update, before anything is copied, if any of them moved.
+    /// sources, read when it was made, are copied 320 at a time, each chunk after one bulk
+    /// `data_ptr()` pass over it that refuses the update, before that chunk is copied, if any of
+    /// them moved.
     pub(crate) fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
         let writer = self.writer.get();
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             let plan = plan.get();
-            plan.check(py, writer)?;
+            plan.check_writer(py, writer)?;
             let check = plan.needs_check();
             self.ordered(py, || {
-                self.with(py, |u| {
-                    // The plan's sources were read as contiguous CUDA tensors of the set's device;
-                    // it keeps them and their storages alive, `plan.check` found each where its
-                    // range was made from, and its first update has the driver check them.
-                    // SAFETY: hence `copy_gpu`'s obligations 1–3.
-                    unsafe { copy_gpu(py, u, &plan.ranges, check) }
-                })
+                for chunk in &plan.chunks {
+                    plan.check_chunk(py, chunk)?;
+                    self.with(py, |u| {
+                        // The plan's sources were read as contiguous CUDA tensors of the set's
+                        // device; it keeps them and their storages alive, `check_chunk` found
+                        // each of the chunk where its range was made from, and the plan's first
+                        // update has the driver check them.
+                        // SAFETY: hence `copy_gpu`'s obligations 1–3.
+                        unsafe { copy_gpu(py, u, &chunk.ranges, check) }
+                    })?;
+                }
+                Ok(())
             })?;
             if check {
                 plan.checked_now();
@@ -724,9 +730,10 @@ impl TensorUpdate {
         // and it for the copies at the end, before the copies' memory goes back to PyTorch.
         let mut made_on: Option<usize> = None;
         let r = self.ordered(py, || {
-            let mut at = 0;
+            let (mut at, mut len) = (0, 0);
             while at < keys.len() {
-                let end = (at + sources::CHUNK).min(keys.len());
+                len = sources::next_chunk(len, keys.len() - at);
+                let end = at + len;
                 let chunk = sources::Chunk {
                     keys: keys.get_slice(at, end),
                     values: values.get_slice(at, end),

@@ -218,6 +218,14 @@ def test_a_copy_plan_copies_its_sources_at_every_update_and_refuses_moved_ones(n
         src["p5"].set_(torch.zeros_like(src["p5"]))
         with pytest.raises(cuda_ipc.InvalidArgument, match="p5.*moved"):
             w.publish(plan, timeout=ANSWER)
+        # A source of the plan's last chunk (320 sources a chunk) moved: the update is refused
+        # after the earlier chunks' copies were enqueued, and nothing is published.
+        late = w.copy_plan(src)
+        g0 = w.generation
+        src["p690"].set_(torch.zeros_like(src["p690"]))
+        with pytest.raises(cuda_ipc.InvalidArgument, match="p690.*moved"):
+            w.publish(late, timeout=ANSWER)
+        assert w.generation == g0
         # A plan whose source's storage is freed afterwards: refused, named.
         fplan = w.copy_plan(src)
         src["p7"].untyped_storage().resize_(0)
