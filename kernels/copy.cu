@@ -1,8 +1,7 @@
 // Many byte ranges copied by one launch: a tensor set's update from many separate source tensors
 // (src/tensorset/writer/copies.rs loads it), where one cuMemcpyDtoDAsync per small range costs
-// more in per-copy overhead than the bytes take to move. Compiled to PTX with
-//   nvcc -ptx -arch=compute_75 kernels/copy.cu -o kernels/copy.ptx
-// or scripts/build-ptx.sh (no toolkit needed); kept apart from kernels.cu so that a process that
+// more in per-copy overhead than the bytes take to move. Compiled to PTX by scripts/build-ptx.sh
+// (NVRTC of CUDA 12.0, no toolkit needed); kept apart from kernels.cu so that a process that
 // copies JIT-compiles this kernel alone.
 //
 // The ranges travel in the kernel's parameters (no table in device memory, nothing to keep alive

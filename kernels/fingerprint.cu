@@ -1,7 +1,6 @@
 // The library's content fingerprint of tensors (src/tensorset/content.rs loads it; it has the host
-// twin, which must agree bit for bit). Compiled to PTX with
-//   nvcc -ptx -arch=compute_75 kernels/fingerprint.cu -o kernels/fingerprint.ptx
-// or scripts/build-ptx.sh (no toolkit needed); kept apart from kernels.cu so that a process that
+// twin, which must agree bit for bit). Compiled to PTX by scripts/build-ptx.sh (NVRTC of CUDA
+// 12.0, no toolkit needed); kept apart from kernels.cu so that a process that
 // fingerprints JIT-compiles this kernel alone.
 //
 // A tensor of `bytes` bytes is read as 16-byte words w_i = (lo_i, hi_i) (little

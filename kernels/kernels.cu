@@ -1,8 +1,8 @@
-// Kernels used by cuda-ipc's tests, examples and benchmarks. Compiled to PTX with
-//   nvcc -ptx -arch=compute_75 kernels/kernels.cu -o kernels/kernels.ptx
-// on a machine with the CUDA toolkit, or by scripts/build-ptx.sh with NVIDIA's compiler wheels (no
-// toolkit needed; .ci/run checks the PTX against this file that way); the PTX is checked in and
-// loaded with cuModuleLoadData, so the driver JIT-compiles it for whatever GPU it runs on.
+// Kernels used by cuda-ipc's tests, examples and benchmarks. Compiled to PTX (compute_75, PTX ISA
+// 8.0, which any CUDA 12 or newer driver loads) by scripts/build-ptx.sh with NVRTC of CUDA 12.0
+// from NVIDIA's wheel (no toolkit needed; .ci/run checks the PTX against this file that way); the
+// PTX is checked in and loaded with cuModuleLoadData, so the driver JIT-compiles it for whatever
+// GPU it runs on.
 //
 // The pattern: element i of a buffer tagged `seed` holds pattern(seed, i). Producers fill, consumers
 // check, and any element that does not match is counted, so a read that raced a write shows up.

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// The PTX text of `kernels/kernels.cu` (compute_75, PTX ISA 9.0: needs a CUDA 13.0 driver or newer).
+/// The PTX text of `kernels/kernels.cu` (compute_75, PTX ISA 8.0: any CUDA 12 or newer driver).
 pub const PTX: &str = include_str!("../kernels/kernels.ptx");
 
 /// The host-side twin of the kernels' pattern: the 32-bit word at index `i` of a buffer tagged `seed`.

@@ -27,7 +27,7 @@ use std::sync::Arc;
 /// One tensor's content digest (16 bytes; see the module's documentation).
 pub type TensorDigest = [u8; 16];
 
-/// The PTX of `kernels/fingerprint.cu` (compute_75, PTX ISA 9.0: a CUDA 13.0 driver or newer).
+/// The PTX of `kernels/fingerprint.cu` (compute_75, PTX ISA 8.0: any CUDA 12 or newer driver).
 pub const PTX: &str = include_str!("../../kernels/fingerprint.ptx");
 
 const M_LO: u64 = 0x9E37_79B9_7F4A_7C15;

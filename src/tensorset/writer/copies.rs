@@ -19,7 +19,7 @@ use crate::ffi::{check, sys};
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
-/// The PTX of `kernels/copy.cu` (compute_75, PTX ISA 9.0: a CUDA 13.0 driver or newer).
+/// The PTX of `kernels/copy.cu` (compute_75, PTX ISA 8.0: any CUDA 12 or newer driver).
 pub(crate) const PTX: &str = include_str!("../../../kernels/copy.ptx");
 
 /// Ranges per launch: `COPY_RANGES` of `kernels/copy.cu`.
