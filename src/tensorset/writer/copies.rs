@@ -469,6 +469,55 @@ mod tests {
         );
     }
 
+    /// Without the kernel (a driver that cannot load its PTX), a range whose source runs from one
+    /// allocation into its neighbour is split where the first ends, and small ranges are copied
+    /// one by one: every byte lands.
+    #[test]
+    #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+    fn without_the_kernel_a_spanning_range_is_split_where_its_allocations_end() {
+        use crate::driver::{DeviceBuffer, DeviceMemory};
+        const PART: usize = 16 << 20;
+        let c = Context::default_device().expect("a CUDA GPU is needed for this test");
+        // Allocations made one after another get neighbouring addresses.
+        let parts: Vec<DeviceBuffer> = (0..8)
+            .map(|_| DeviceBuffer::new(&c, PART).unwrap())
+            .collect();
+        let pair = parts
+            .windows(2)
+            .find(|w| w[0].device_ptr() + PART as u64 == w[1].device_ptr())
+            .expect("two neighbouring allocations among eight made one after another");
+        let host: Vec<u8> = (0..2 * PART).map(|i| (i * 7 + i / 4099) as u8).collect();
+        pair[0].copy_from_host(0, &host[..PART]).unwrap();
+        pair[1].copy_from_host(0, &host[PART..]).unwrap();
+        let dst = DeviceBuffer::new(&c, 32 << 20).unwrap();
+        let stream = Stream::new(&c).unwrap();
+        let (start, len) = (PART - (7 << 20) + 5, 20 << 20);
+        let base = (dst.device_ptr(), pair[0].device_ptr(), pair[1].device_ptr());
+        let mut ranges: Vec<Range> = vec![(base.0, base.1 + start as u64, len as u64)];
+        let small = |k: usize| ((24 << 20) + k * 8192, (9 << 20) + k * 4097);
+        for k in 0..8 {
+            let (d, s) = small(k);
+            ranges.push((base.0 + d as u64, base.2 + s as u64, 4097));
+        }
+        // SAFETY: every destination lies in `dst` and no two overlap, every source in the two
+        // allocations, all alive until the stream is drained below.
+        unsafe { copy(&ranges, &stream, || -> Option<&RangeCopier> { None }, true) }.unwrap();
+        stream.synchronize().unwrap();
+        let mut back = vec![0u8; 32 << 20];
+        dst.copy_to_host(0, &mut back).unwrap();
+        assert!(
+            back[..len] == host[start..start + len],
+            "the spanning range"
+        );
+        for k in 0..8 {
+            let (d, s) = small(k);
+            assert!(
+                back[d..d + 4097] == host[PART + s..PART + s + 4097],
+                "small range {k}"
+            );
+        }
+    }
+
     #[test]
     fn the_parameter_matches_the_kernels() {
         // The PTX's parameter: `.param .align 8 .b8 copy_ranges_param_0[3848]`.
