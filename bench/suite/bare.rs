@@ -416,7 +416,7 @@ impl Consumer {
     /// The caller reads the clock right after: that is the consumer's ready.
     #[inline]
     pub fn take(&self, seq: u32, alive: impl FnMut() -> bool) -> Res<u64> {
-        wait_seq(self.page.seq(), seq, self.wait, crate::handoff::STEP, alive)?;
+        wait_seq(self.page.seq(), seq, self.wait, crate::STEP, alive)?;
         if self.hold {
             // SYNC POINT: bare hold. SeqCst, a SeqCst fence, then the second read of the sequence
             // word: the consumer's half of the channel's Dekker pair (`HoldWords::hold`); the

@@ -29,7 +29,7 @@ use crate::common::{FrameMeta, now_ns};
 use crate::kv::{Kv, parse_wait};
 use crate::peer::{Peer, Shared, parent_alive, spin_until};
 use crate::records::Key;
-use crate::{HEIGHT, Res, WIDTH};
+use crate::{HEIGHT, Res, STEP, WIDTH};
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer, WaitStrategy};
 use cuda_ipc::driver::{Context, DeviceBuffer, DeviceMemory, Stream};
 use cuda_ipc::ipc::IpcEvent;
@@ -39,9 +39,6 @@ use cuda_ipc::token::Token;
 use serde_json::{Value, json};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
-
-/// How long any single wait of a case may take before it counts as a hang.
-pub const STEP: Duration = Duration::from_secs(10);
 
 /// Waits until `gap_us` µs after `since`: sleeping for gaps of 200 µs and more (the consumer is
 /// idle either way), spinning below (a sleep would overshoot).

@@ -3,9 +3,9 @@
 //! events (what a copying hand-off would pay at least), and the registry's `publish` / `get`.
 
 use crate::Res;
+use crate::STEP;
 use crate::clock::cu;
 use crate::common::now_ns;
-use crate::handoff::STEP;
 use crate::kv::Kv;
 use crate::peer::{Peer, Shared, parent_alive};
 use crate::records::{Key, median};

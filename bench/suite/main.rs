@@ -44,6 +44,9 @@ use std::time::{Duration, Instant};
 /// The error type of the suite: every failure becomes a message for the report.
 pub type Res<T> = Result<T, Box<dyn Error>>;
 
+/// How long any single wait of a case may take before it counts as a hang.
+pub const STEP: Duration = Duration::from_secs(10);
+
 /// 4K RGBA: 3840 × 2160 pixels × 4 bytes.
 pub const WIDTH: u64 = 3840;
 /// 4K RGBA height in pixels.

@@ -16,9 +16,10 @@
 //! clock mapping involved).
 
 use crate::Res;
+use crate::STEP;
 use crate::bare::{self, GPU_READY_OFF};
 use crate::clock::{View, cu};
-use crate::handoff::{STEP, pace, wait_ack};
+use crate::handoff::{pace, wait_ack};
 use crate::kv::{Kv, parse_wait};
 use crate::peer::{Peer, Shared, parent_alive};
 use crate::records::Key;

@@ -13,8 +13,8 @@
 //! through the ring and the GPU can run several frames of one process before switching to the
 //! other.
 
+use crate::STEP;
 use crate::common::{FrameMeta, now_ns};
-use crate::handoff::STEP;
 use crate::kv::{Kv, parse_wait};
 use crate::peer::{Peer, spin_until};
 use crate::records::Key;

@@ -20,7 +20,6 @@
 
 use crate::errors;
 use crate::sources::{self, Chunk, Ranges, coalesce};
-use crate::tensor_set_writer::TensorSetWriter;
 use crate::tensors::Torch;
 use cuda_ipc::tensorset::Layout;
 use pyo3::prelude::*;
@@ -60,25 +59,31 @@ pub(crate) struct CopyPlan {
     checked: AtomicBool,
 }
 
-/// Reads and checks `tensors` for updates of `writer`'s set.
+/// The writer a plan is made for: its set's layout (compared by address), its name → index
+/// dict, and its memory (`device`: the CUDA ordinal, `None` for a host set).
+pub(crate) struct For<'a, 'py> {
+    pub layout: &'a Arc<Layout>,
+    pub index: &'a Bound<'py, PyDict>,
+    pub device: Option<i32>,
+}
+
+/// Reads and checks `tensors` for updates of the set `w` describes.
 ///
 /// # Errors
 /// `InvalidArgument` for a host set, and as `copy_from` for a bad source, or a non-contiguous one.
 pub(crate) fn make(
-    writer: &Bound<'_, TensorSetWriter>,
+    w: For<'_, '_>,
     py: Python<'_>,
     tensors: &Bound<'_, PyDict>,
 ) -> PyResult<CopyPlan> {
-    let w = writer.get();
-    if w.host {
+    let Some(device) = w.device else {
         return Err(errors::invalid_argument(
             py,
             "a copy plan is for GPU tensor sets; a host set's copy_from reads CPU tensors".into(),
         ));
-    }
+    };
     let torch = Torch::get(py)?;
-    let layout = &w.layout;
-    let index = w.index(py)?;
+    let (layout, index) = (w.layout, w.index);
     let keys = tensors.keys();
     let values = tensors.values();
     let mut copies = Vec::with_capacity(values.len());
@@ -96,7 +101,7 @@ pub(crate) fn make(
             layout,
             index,
             &chunk,
-            Some(w.device),
+            Some(device),
             None,
         )?);
     }
@@ -124,12 +129,13 @@ pub(crate) fn make(
 }
 
 impl CopyPlan {
-    /// Checks that this plan is `writer`'s.
+    /// Checks that this plan was made for the writer whose layout is `layout` (the writer's own
+    /// `Arc`).
     ///
     /// # Errors
     /// `InvalidArgument` for another writer's plan.
-    pub(crate) fn check_writer(&self, py: Python<'_>, writer: &TensorSetWriter) -> PyResult<()> {
-        if Arc::ptr_eq(&self.layout, &writer.layout) {
+    pub(crate) fn check_writer(&self, py: Python<'_>, layout: &Arc<Layout>) -> PyResult<()> {
+        if Arc::ptr_eq(&self.layout, layout) {
             return Ok(());
         }
         Err(errors::invalid_argument(

@@ -397,12 +397,13 @@ impl TensorSetWriter {
     /// on copying the old values.
     ///
     /// Raises `InvalidArgument` for a host set, a non-contiguous source, and as `copy_from`.
-    fn copy_plan(
-        slf: Bound<'_, Self>,
-        py: Python<'_>,
-        tensors: &Bound<'_, PyDict>,
-    ) -> PyResult<CopyPlan> {
-        copy_plan::make(&slf, py, tensors)
+    fn copy_plan(&self, py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<CopyPlan> {
+        let w = copy_plan::For {
+            layout: &self.layout,
+            index: self.index(py)?,
+            device: (!self.host).then_some(self.device),
+        };
+        copy_plan::make(w, py, tensors)
     }
 
     /// The last generation committed (0: none).
@@ -689,7 +690,7 @@ impl TensorUpdate {
         let writer = self.writer.get();
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             let plan = plan.get();
-            plan.check_writer(py, writer)?;
+            plan.check_writer(py, &writer.layout)?;
             let check = plan.needs_check();
             self.ordered(py, || {
                 for chunk in &plan.chunks {
