@@ -1,7 +1,8 @@
 //! The `Consumer` class.
 
+use crate::errors::detached;
 use crate::frame::Frame;
-use crate::posted::{self, Posted};
+use crate::posted::{self, ConsumerSlot, Posted};
 use crate::util::{
     Seconds, Stop, err, lock, sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
 };
@@ -16,7 +17,8 @@ use std::sync::{Arc, Mutex};
 /// The consuming end of a channel (`cuda_ipc::channel::Consumer`).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Consumer {
-    inner: Mutex<Option<Arc<cuda_ipc::channel::Consumer>>>,
+    /// Shared with the receives posted on this consumer, which stop waiting once it is closed.
+    inner: ConsumerSlot,
     name: String,
     /// The `stream=` option: every frame is made ready on it and released after it.
     stream: Option<usize>,
@@ -74,11 +76,6 @@ impl Consumer {
     }
 }
 
-/// `Detached`: what a consumer's calls raise once it was closed.
-pub(crate) fn detached(py: Python<'_>) -> PyErr {
-    err(py, cuda_ipc::channel::ChannelError::Detached.into())
-}
-
 #[pymethods]
 impl Consumer {
     /// Attaches to channel `name` on the device that holds its pool; receives frames published
@@ -124,7 +121,7 @@ impl Consumer {
             ));
         }
         Ok(Consumer {
-            inner: Mutex::new(Some(Arc::new(c))),
+            inner: Arc::new(Mutex::new(Some(Arc::new(c)))),
             name,
             stream,
         })
@@ -198,7 +195,7 @@ impl Consumer {
     fn post(slf: &Bound<'_, Self>, work: Option<&Bound<'_, PyAny>>) -> PyResult<Py<Posted>> {
         let py = slf.py();
         let c = slf.get().get(py)?;
-        posted::post(py, slf.clone().unbind(), &c, work)
+        posted::post(py, &slf.get().inner, &c, work)
     }
     /// The next frame if one is ready now, else `None`. `Detached` once closed.
     fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Frame>> {

@@ -428,6 +428,11 @@ fn registry_kind(r: &RegistryError) -> Kind {
     }
 }
 
+/// `Detached`: what a consumer's calls raise once it was closed.
+pub(crate) fn detached(py: Python<'_>) -> PyErr {
+    to_py(py, &ChannelError::Detached.into())
+}
+
 /// The Python exception for `e`, its message the Rust `Display` text.
 pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
     let msg = e.to_string();

@@ -1,16 +1,20 @@
 //! The `Posted` class (a receive posted ahead, `Consumer.post`) and what its wait returns,
 //! `PostedFrame`.
 
-use crate::consumer::{Consumer, detached};
+use crate::errors::detached;
 use crate::util::{Seconds, Stop, err, lock, sliced, timeout_arg, timeout_error};
 use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedPosted;
 use cuda_ipc::driver::DeviceMemory;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// A Python `Consumer`'s Rust consumer, `None` once it was closed: shared with the receives
+/// posted on it, which stop waiting (`Detached`) once it is closed.
+pub(crate) type ConsumerSlot = Arc<Mutex<Option<Arc<cuda_ipc::channel::Consumer>>>>;
 
 /// A receive posted ahead (`cuda_ipc::channel::owned::OwnedPosted`): this consumer's stream
 /// waits on the GPU for frame `seq`, which will be in buffer `index` at `ptr` (`nbytes` long).
@@ -23,7 +27,8 @@ pub(crate) struct Posted {
     /// The frame once it came, until a wait claims it (locked inside `inner`'s lock where both
     /// are held).
     arrived: Mutex<Option<PostedFrame>>,
-    consumer: Py<Consumer>,
+    /// The consumer's slot (see [`ConsumerSlot`]).
+    consumer: ConsumerSlot,
     seq: u64,
     index: usize,
     ptr: u64,
@@ -32,11 +37,11 @@ pub(crate) struct Posted {
     gate_ptr: u64,
 }
 
-/// `Consumer.post`: posts on `c` (the Rust consumer of `consumer`), calling `work(posted)` with
+/// `Consumer.post`: posts on `c` (the Rust consumer in `consumer`), calling `work(posted)` with
 /// the object returned (its `wait` raises until `post` returned).
 pub(crate) fn post(
     py: Python<'_>,
-    consumer: Py<Consumer>,
+    consumer: &ConsumerSlot,
     c: &std::sync::Arc<cuda_ipc::channel::Consumer>,
     work: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<Posted>> {
@@ -49,7 +54,7 @@ pub(crate) fn post(
         let info = Posted {
             inner: Mutex::new(None),
             arrived: Mutex::new(None),
-            consumer: consumer.clone_ref(py),
+            consumer: consumer.clone(),
             seq: p.seq(),
             index: p.index(),
             ptr: buffer.device_ptr(),
@@ -96,11 +101,10 @@ impl Posted {
         timeout: Option<Duration>,
         cancelled: Option<&AtomicBool>,
     ) -> PyResult<()> {
-        let consumer = self.consumer.get();
         let got = sliced(
             py,
             timeout,
-            || consumer.is_closed() || cancelled.is_some_and(aio::is_cancelled),
+            || lock(&self.consumer).is_none() || cancelled.is_some_and(aio::is_cancelled),
             detached,
             |slice| {
                 let mut inner = lock(&self.inner);
