@@ -42,6 +42,7 @@ mod dlpack;
 mod errors;
 mod frame;
 mod holder;
+mod lending;
 mod posted;
 mod producer;
 mod quota;

@@ -1,8 +1,9 @@
 //! The `Producer` class.
 
+use crate::lending::Lender;
 use crate::quota::quota_scope;
 use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, SLICE, Seconds, Stop, err, lock, memory_arg, memory_name, seconds_arg,
+    CLOSE_WAITS_FOR_ACQUIRE, Seconds, Stop, err, lock, memory_arg, memory_name, seconds_arg,
     sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
 };
 use crate::write_frame::WriteFrame;
@@ -12,41 +13,18 @@ use cuda_ipc::channel::{ChannelOptions, MemoryKind};
 use cuda_ipc::driver::Device;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Condvar, Mutex};
 use std::time::Duration;
-
-type RustProducer = cuda_ipc::channel::Producer;
 
 /// The producing end of a channel (`cuda_ipc::channel::Producer`).
 ///
 /// The Rust producer is lent, by value, to a blocking `acquire` and then to the `WriteFrame` it
-/// returns, and comes back when they end; it is closed (and dropped) by whoever holds it once
-/// `close()` was called, so it is never dropped while in use: see [`Producer::give_back`].
+/// returns, and comes back when they end (`crate::lending`).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Producer {
-    state: Mutex<ProducerState>,
-    /// Notified whenever the Rust producer comes back to `state`: a `close()` waiting for an
-    /// `acquire` of another thread (`ProducerState::close_waits`) waits on it.
-    back: Condvar,
-    name: String,
+    lender: Arc<Lender>,
     memory: MemoryKind,
-    /// The `stream=` option: every write frame's publish is ordered after it.
-    pub(crate) stream: Option<usize>,
-}
-
-/// What [`Producer::state`] guards, in one lock so that a close and a hand-back are ordered.
-pub(crate) struct ProducerState {
-    /// `None` while an `acquire` or a `WriteFrame` has it, and after `close()`.
-    producer: Option<Box<RustProducer>>,
-    /// `close()` was called: blocking calls stop, the producer is closed when it comes back.
-    closed: bool,
-    /// The thread of the `acquire` that has the producer, while one does.
-    acquiring: Option<std::thread::ThreadId>,
-    /// A `close()` waits (`back`) for that `acquire` to give the producer back; it closes it.
-    close_waits: bool,
-    /// The `timeout` of `close()`, for a producer that comes back after it.
-    close_timeout: Duration,
 }
 
 impl Producer {
@@ -58,7 +36,7 @@ impl Producer {
         cancelled: Option<&AtomicBool>,
     ) -> PyResult<WriteFrame> {
         let py = slf.py();
-        let this = slf.get();
+        let this = &slf.get().lender;
         if cancelled.is_some() {
             this.await_cancelled_acquire(py);
         }
@@ -91,97 +69,26 @@ impl Producer {
             this.give_back(py, p, true);
         }
         match got? {
-            Some(f) => this.hand_out(slf, f),
+            Some(f) => slf.get().hand_out(py, f),
             None => Err(timeout_error(py, "a free buffer", timeout)),
         }
-    }
-
-    /// Lends the Rust producer out (to an `acquire` of this thread when `acquiring`).
-    pub(crate) fn take(&self, py: Python<'_>, acquiring: bool) -> PyResult<Box<RustProducer>> {
-        let mut s = lock(&self.state);
-        if s.closed {
-            return Err(self.closed_error());
-        }
-        let Some(p) = s.producer.take() else {
-            return Err(errors::invalid_argument(
-                py,
-                "the producer is in use: a WriteFrame of it is outstanding (publish or abandon \
-                 it first), or another thread is in acquire()"
-                    .to_string(),
-            ));
-        };
-        if acquiring {
-            s.acquiring = Some(std::thread::current().id());
-        }
-        Ok(p)
-    }
-
-    /// Before an awaitable's `acquire`: an `acquire_async` cancelled a moment ago may still have
-    /// the producer (its thread stops within a slice, [`crate::util::SLICE`]); waits up to two
-    /// slices for it to come back, so that awaiting again right after a cancellation does not
-    /// find the producer in use. Returns at once when no `acquire` has it.
-    fn await_cancelled_acquire(&self, py: Python<'_>) {
-        py.detach(|| {
-            let s = lock(&self.state);
-            drop(
-                self.back
-                    .wait_timeout_while(s, 2 * SLICE, |s| {
-                        !s.closed && s.producer.is_none() && s.acquiring.is_some()
-                    })
-                    .unwrap_or_else(|p| p.into_inner()),
-            );
-        });
-    }
-
-    /// `ChannelClosed`: what every call raises once `close()` was called.
-    pub(crate) fn closed_error(&self) -> PyErr {
-        errors::ChannelClosed::new_err(format!("the producer of channel {:?} is closed", self.name))
-    }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        lock(&self.state).closed
-    }
-
-    /// Takes the Rust producer back from an `acquire` (`from_acquire`) or a `WriteFrame`. Once
-    /// `close()` was called, it is closed here, with the GIL released, unless that `close()`
-    /// waits for it (a `close()` from another thread than a blocked `acquire`'s): it closes it.
-    /// So the channel is closed exactly once, by the one who holds the producer.
-    pub(crate) fn give_back(&self, py: Python<'_>, p: Box<RustProducer>, from_acquire: bool) {
-        let mut s = lock(&self.state);
-        if from_acquire {
-            s.acquiring = None;
-        }
-        if s.closed && !s.close_waits {
-            let t = s.close_timeout;
-            drop(s);
-            // Nobody is left to tell of a failure: as the Rust producer's `Drop`, which logs it.
-            py.detach(|| drop(p.close(t)));
-            return;
-        }
-        s.producer = Some(p);
-        drop(s);
-        self.back.notify_all();
     }
 
     /// The write frame an `acquire` got, unless `close()` came meanwhile: then it goes back
     /// unpublished (the producer closed) and `ChannelClosed` is raised. Decided under the lock,
     /// so a `close()` either came first (and is seen here) or sees the loan to the `WriteFrame`
     /// (and leaves the closing to its publish or abandon).
-    pub(crate) fn hand_out(
-        &self,
-        slf: &Bound<'_, Self>,
-        f: OwnedWriteFrame,
-    ) -> PyResult<WriteFrame> {
-        let py = slf.py();
-        let mut s = lock(&self.state);
+    fn hand_out(&self, py: Python<'_>, f: OwnedWriteFrame) -> PyResult<WriteFrame> {
+        let l = &self.lender;
+        let mut s = lock(&l.state);
         if s.closed {
             drop(s);
-            self.give_back(py, f.into_producer(), true);
-            return Err(self.closed_error());
+            l.give_back(py, f.into_producer(), true);
+            return Err(l.closed_error());
         }
         s.acquiring = None;
         drop(s);
-        WriteFrame::new(py, slf.clone().unbind(), f)
+        WriteFrame::new(py, l.clone(), f)
     }
 }
 
@@ -250,23 +157,14 @@ impl Producer {
             .map_err(|e| err(py, e))?;
         Ok(Producer {
             memory: p.memory_kind(),
-            state: Mutex::new(ProducerState {
-                producer: Some(Box::new(p)),
-                closed: false,
-                acquiring: None,
-                close_waits: false,
-                close_timeout: Duration::ZERO,
-            }),
-            back: Condvar::new(),
-            name,
-            stream,
+            lender: Arc::new(Lender::new(p, name, stream)),
         })
     }
 
     /// The channel name.
     #[getter]
     fn name(&self) -> &str {
-        &self.name
+        &self.lender.name
     }
 
     /// The kind of memory of the pool: "legacy", "vmm", "pool" or "host".
@@ -307,15 +205,16 @@ impl Producer {
     fn try_acquire(slf: &Bound<'_, Self>) -> PyResult<Option<WriteFrame>> {
         let py = slf.py();
         let this = slf.get();
-        let p = this.take(py, true)?;
+        let l = &this.lender;
+        let p = l.take(py, true)?;
         match OwnedWriteFrame::acquire(p, Some(Duration::ZERO)) {
-            Ok(f) => this.hand_out(slf, f).map(Some),
+            Ok(f) => this.hand_out(py, f).map(Some),
             Err((p, cuda_ipc::Error::Timeout { .. })) => {
-                this.give_back(py, p, true);
+                l.give_back(py, p, true);
                 Ok(None)
             }
             Err((p, e)) => {
-                this.give_back(py, p, true);
+                l.give_back(py, p, true);
                 Err(err(py, e))
             }
         }
@@ -325,10 +224,10 @@ impl Producer {
     /// `WriteFrame` is outstanding.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = {
-            let st = lock(&self.state);
+            let st = lock(&self.lender.state);
             match &st.producer {
                 Some(p) => p.stats(),
-                None if st.closed => return Err(self.closed_error()),
+                None if st.closed => return Err(self.lender.closed_error()),
                 None => {
                     return Err(errors::invalid_argument(
                         py,
@@ -354,8 +253,9 @@ impl Producer {
     fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {
         let t = seconds_arg(py, "timeout", timeout, false)?;
         let me = std::thread::current().id();
+        let l = &self.lender;
         let p = py.detach(|| {
-            let mut s = lock(&self.state);
+            let mut s = lock(&l.state);
             if !s.closed {
                 s.closed = true;
                 s.close_timeout = t;
@@ -367,7 +267,7 @@ impl Producer {
                 // Bounded all the same (`CLOSE_WAITS_FOR_ACQUIRE`): should that `acquire` not come
                 // back (a bug), this returns and whoever gives the producer back closes it.
                 s.close_waits = true;
-                s = self
+                s = l
                     .back
                     .wait_timeout_while(s, CLOSE_WAITS_FOR_ACQUIRE, |s| {
                         s.producer.is_none() && s.acquiring.is_some()
@@ -403,7 +303,7 @@ impl Producer {
     fn __repr__(&self) -> String {
         format!(
             "Producer({:?}, memory={:?})",
-            self.name,
+            self.lender.name,
             memory_name(self.memory)
         )
     }

@@ -1,6 +1,6 @@
 //! The `WriteFrame` class.
 
-use crate::producer::Producer;
+use crate::lending::Lender;
 use crate::util::{
     HOST_WRITE_FRAME, bytes_of, copy, cupy_array, err, lock, stream_arg, torch_tensor,
 };
@@ -9,7 +9,7 @@ use crate::{dlpack, errors};
 use cuda_ipc::channel::owned::OwnedWriteFrame;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A buffer being written; `publish(metadata)` hands it to the consumers.
 #[pyclass(module = "cuda_ipc", frozen)]
@@ -18,7 +18,8 @@ pub(crate) struct WriteFrame {
     /// Raw streams the publish is ordered after (`publish_after`, `__dlpack__(stream=)`, the
     /// producer's `stream=`).
     after: Mutex<Vec<usize>>,
-    producer: Py<Producer>,
+    /// The producer's loan, given back when this frame ends.
+    producer: Arc<Lender>,
     index: usize,
     /// Its length and where it is (host or GPU).
     buffer: Buffer,
@@ -27,13 +28,13 @@ pub(crate) struct WriteFrame {
 impl WriteFrame {
     pub(crate) fn new(
         py: Python<'_>,
-        producer: Py<Producer>,
+        producer: Arc<Lender>,
         f: OwnedWriteFrame,
     ) -> PyResult<WriteFrame> {
         let w = f.frame();
         let index = w.index();
         let buffer = Buffer::of(w.view(), HOST_WRITE_FRAME);
-        let other = producer.get().stream;
+        let other = producer.stream;
         let w = WriteFrame {
             inner: Mutex::new(Some(f)),
             after: Mutex::new(Vec::new()),
@@ -83,7 +84,7 @@ impl Drop for WriteFrame {
         if let Some(f) = lock(&self.inner).take() {
             // Collected unpublished: the buffer goes back, the producer to its Python object.
             let p = f.into_producer();
-            Python::attach(|py| self.producer.get().give_back(py, p, false));
+            Python::attach(|py| self.producer.give_back(py, p, false));
         }
     }
 }
@@ -170,7 +171,7 @@ impl WriteFrame {
     /// `ChannelClosed` once the producer was closed: the frame goes back unpublished.
     #[pyo3(signature = (metadata=b"".as_slice()))]
     fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
-        let producer = self.producer.get();
+        let producer = &self.producer;
         if producer.is_closed() {
             self.abandon(py);
             return Err(producer.closed_error());
@@ -197,7 +198,7 @@ impl WriteFrame {
     /// Gives the buffer back unpublished (also what leaving a `with` block without publishing does).
     fn abandon(&self, py: Python<'_>) {
         if let Some(f) = self.finish(py) {
-            self.producer.get().give_back(py, f.into_producer(), false);
+            self.producer.give_back(py, f.into_producer(), false);
         }
     }
 
