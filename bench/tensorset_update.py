@@ -22,7 +22,10 @@ Per update: `begin`, `copy_from`, `commit`, and a wait for the writer's stream (
 same loop, over the same bytes: one device-to-device copy (`torch.Tensor.copy_` of one flat buffer,
 the issue's bound: an update is to reach 80 % of its speed) and PyTorch's own many-tensor copy of
 the scattered sources (`torch._foreach_copy_` into views of one buffer). Medians of `--updates`
-per run, the median of the runs; ratios are the copy's time over the update's.
+per run, the median of the runs; ratios are the copy's time over the update's. After the timed
+updates, one more of each kind with its sources set to a value of its own, each generation
+checked on the GPU by a reader (`mismatches_by_source`: elements that differ, every 64th tensor;
+the exit status is 1 unless all are 0).
 
 Prints one JSON document; `--out` writes it to a file.
 """
@@ -57,7 +60,9 @@ def timed(torch, f) -> float:
 def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
     specs = {n: (s, torch.bfloat16) for n, s in shapes}
     total = sum(torch.Size(s).numel() * 2 for _, s in shapes)
-    src = torch.full((total,), 3, dtype=torch.uint8, device="cuda")
+    # The flat buffer's bytes, as bf16 values 3.0 (the scattered sources' value too).
+    values = torch.full((total // 2,), 3, dtype=torch.bfloat16, device="cuda")
+    src = values.view(torch.uint8)
     dst = torch.empty_like(src)
     flat, off = {}, 0
     for n, s in shapes:
@@ -105,12 +110,23 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
                 times["get_device_pass"].append((time.perf_counter() - t) * 1e3)
                 times["copy"].append(timed(torch, lambda: dst.copy_(src)))
                 times["foreach"].append(timed(torch, lambda: torch._foreach_copy_(targets, sources)))
+            # One more update of each kind, its sources set to a value of its own first, each
+            # generation checked on the GPU by a reader (every 64th tensor, all its elements).
+            checks = {}
+            for kind, value, views, fill in (
+                    ("flat", 5, flat, lambda v: values.fill_(v)),
+                    ("scattered", 6, scattered, lambda v: [t.fill_(v) for t in sources]),
+                    ("plan", 7, plan, lambda v: [t.fill_(v) for t in sources]),
+                    ("flat_plan", 8, flat_plan, lambda v: values.fill_(v))):
+                fill(value)
+                update(views, [])
+                with readers[0].current(timeout=STEP_S) as h:
+                    d = h.tensors()
+                    checks[kind] = sum(int((d[n] != value).sum())
+                                       for n, _ in shapes[:: max(1, len(shapes) // 64)])
+                del d
+            bad = sum(checks.values())
             del plan, flat_plan
-            # The last generation holds the scattered sources' bytes: check them on the GPU.
-            with readers[0].current(timeout=STEP_S) as h:
-                d = h.tensors()
-                bad = sum(int((d[n] != 3).sum()) for n, _ in shapes[:: max(1, len(shapes) // 64)])
-            del d
             for r in readers:
                 r.close()
             med = {k: statistics.median(v) for k, v in times.items()}
@@ -122,10 +138,11 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
                 "flat_plan_ratio": med["copy"] / med["flat_plan"],
                 "foreach_ratio": med["copy"] / med["foreach"],
                 "mismatches": bad,
+                "mismatches_by_source": checks,
             }
         finally:
             w.close(timeout=10.0)
-    del src, dst, flat, scattered, targets, sources
+    del values, src, dst, flat, scattered, targets, sources
     torch.cuda.empty_cache()
     return out
 
@@ -143,7 +160,7 @@ def main() -> int:
 
     shapes = shapes_of[args.shape]()
     runs = [one_run(torch, cuda_ipc, shapes, args, i) for i in range(args.runs)]
-    keys = [k for k in runs[0]["in_place"] if k != "mismatches"]
+    keys = [k for k in runs[0]["in_place"] if not k.startswith("mismatches")]
     summary = {
         "shape": args.shape,
         "tensors": runs[0]["tensors"],
