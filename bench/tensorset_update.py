@@ -61,8 +61,8 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
     specs = {n: (s, torch.bfloat16) for n, s in shapes}
     total = sum(torch.Size(s).numel() * 2 for _, s in shapes)
     # The flat buffer's bytes, as bf16 values 3.0 (the scattered sources' value too).
-    values = torch.full((total // 2,), 3, dtype=torch.bfloat16, device="cuda")
-    src = values.view(torch.uint8)
+    flat_values = torch.full((total // 2,), 3, dtype=torch.bfloat16, device="cuda")
+    src = flat_values.view(torch.uint8)
     dst = torch.empty_like(src)
     flat, off = {}, 0
     for n, s in shapes:
@@ -114,10 +114,10 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
             # generation checked on the GPU by a reader (every 64th tensor, all its elements).
             checks = {}
             for kind, value, views, fill in (
-                    ("flat", 5, flat, lambda v: values.fill_(v)),
+                    ("flat", 5, flat, lambda v: flat_values.fill_(v)),
                     ("scattered", 6, scattered, lambda v: [t.fill_(v) for t in sources]),
                     ("plan", 7, plan, lambda v: [t.fill_(v) for t in sources]),
-                    ("flat_plan", 8, flat_plan, lambda v: values.fill_(v))):
+                    ("flat_plan", 8, flat_plan, lambda v: flat_values.fill_(v))):
                 fill(value)
                 update(views, [])
                 with readers[0].current(timeout=STEP_S) as h:
@@ -142,7 +142,7 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
             }
         finally:
             w.close(timeout=10.0)
-    del values, src, dst, flat, scattered, targets, sources
+    del flat_values, values, src, dst, flat, scattered, targets, sources
     torch.cuda.empty_cache()
     return out
 
