@@ -20,27 +20,47 @@ def main() -> int:
         return 2
     lib = ctypes.CDLL(sys.argv[1])
     source, out = sys.argv[2], sys.argv[3]
+    prog_t, size_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
+    for fn, args in (
+        ("nvrtcCreateProgram", [ctypes.POINTER(prog_t), ctypes.c_char_p, ctypes.c_char_p,
+                                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
+        ("nvrtcCompileProgram", [prog_t, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        ("nvrtcGetProgramLogSize", [prog_t, size_p]),
+        ("nvrtcGetProgramLog", [prog_t, ctypes.c_char_p]),
+        ("nvrtcGetPTXSize", [prog_t, size_p]),
+        ("nvrtcGetPTX", [prog_t, ctypes.c_char_p]),
+        ("nvrtcDestroyProgram", [ctypes.POINTER(prog_t)]),
+    ):
+        getattr(lib, fn).argtypes = args
+        getattr(lib, fn).restype = ctypes.c_int
+
+    def call(fn, *args):
+        status = getattr(lib, fn)(*args)
+        if status != 0:
+            raise RuntimeError(f"{fn} failed for {source} (NVRTC status {status})")
+
     with open(source, "rb") as f:
         text = f.read()
-    prog = ctypes.c_void_p()
+    prog = prog_t()
     name = os.path.basename(source).encode()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), text, name, 0, None, None) != 0:
-        print(f"nvrtcCreateProgram failed for {source}", file=sys.stderr)
-        return 1
+    call("nvrtcCreateProgram", ctypes.byref(prog), text, name, 0, None, None)
     try:
         opts = [b"--gpu-architecture=compute_75"]
         status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        call("nvrtcGetProgramLogSize", prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
+        call("nvrtcGetProgramLog", prog, log)
         if status != 0:
-            print(f"{source} does not compile (NVRTC status {status}):\n{log.value.decode()}",
-                  file=sys.stderr)
+            text = log.value.decode(errors="replace")
+            print(f"{source} does not compile (NVRTC status {status}):\n{text}", file=sys.stderr)
             return 1
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        call("nvrtcGetPTXSize", prog, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
+        call("nvrtcGetPTX", prog, ptx)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
     with open(out, "wb") as f:

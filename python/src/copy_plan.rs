@@ -105,7 +105,9 @@ pub(crate) fn make(
             None,
         )?);
     }
-    let storages = torch.map_list(py, &torch.untyped_storage, values.as_any())?;
+    let storages = torch.without_torch_function(py, || {
+        torch.map_list(py, &torch.untyped_storage, values.as_any())
+    })?;
     let chunks = (0..copies.len())
         .step_by(CHUNK)
         .map(|start| {
@@ -152,7 +154,10 @@ impl CopyPlan {
     pub(crate) fn check_chunk(&self, py: Python<'_>, chunk: &PlanChunk) -> PyResult<()> {
         let torch = Torch::get(py)?;
         let values = self.values.bind(py).get_slice(chunk.start, chunk.end);
-        let ptrs = torch.map_list(py, &torch.data_ptr, values.as_any())?;
+        // Without `__torch_function__`: no code of the caller's runs between the chunks'
+        // enqueues (see `Torch::without_torch_function`).
+        let ptrs = torch
+            .without_torch_function(py, || torch.map_list(py, &torch.data_ptr, values.as_any()))?;
         for (j, p) in ptrs.iter().enumerate() {
             let k = chunk.start + j;
             let p: u64 = p.extract()?;

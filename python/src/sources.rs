@@ -23,12 +23,12 @@ pub(crate) const CHUNK: usize = 512;
 const FEWEST: usize = 64;
 
 /// The length of the next chunk of sources, the previous one `prev` long (0 before the first),
-/// `left` still to read: 64, then doubling up to [`CHUNK`], then halving down to 64 again as the
-/// end nears (never more than half of what is left). The first chunk's copies start after 64
+/// `left` still to read: 64, then doubling up to [`CHUNK`], then at most half of what is left as
+/// the end nears, and fewer than 128 left in one chunk. The first chunk's copies start after 64
 /// reads, not 512, while the GPU has nothing to do; the last chunk's copies, which run after the
 /// host is done, are short too. A chunk costs the host about 10 µs more than its reads.
 pub(crate) fn next_chunk(prev: usize, left: usize) -> usize {
-    if left <= FEWEST {
+    if left < 2 * FEWEST {
         return left;
     }
     (prev * 2)
@@ -61,7 +61,9 @@ pub(crate) type Copy = (usize, u64, usize);
 /// Reads the chunk's tensors: returns their copies in the chunk's order, and pushes what must
 /// stay alive until the copies are ordered (contiguous copies made of non-contiguous sources)
 /// onto `keep`; without `keep` (a copy plan), a non-contiguous source is refused. `device`: the
-/// set's CUDA device, `None` for a host set.
+/// set's CUDA device, `None` for a host set. The properties are read with `__torch_function__`
+/// off, so no Python code of the caller's (a tensor subclass's override, a `TorchFunctionMode`)
+/// runs while earlier chunks' copies are enqueued.
 ///
 /// # Errors
 /// `TensorSetError::NoSuchTensor` for a name the set lacks; `InvalidArgument` for a value that
@@ -75,7 +77,7 @@ pub(crate) fn read<'py>(
     index: &Bound<'py, PyDict>,
     chunk: &Chunk<'py>,
     device: Option<i32>,
-    mut keep: Option<&mut Vec<Bound<'py, PyAny>>>,
+    keep: Option<&mut Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Vec<Copy>> {
     let n = chunk.keys.len();
     let mut idx = Vec::with_capacity(n);
@@ -96,10 +98,38 @@ pub(crate) fn read<'py>(
     }
     let name = |k: usize| layout.tensors()[idx[k]].name.as_str();
     let values = &chunk.values;
-    let dtypes = match torch.map_list(py, &torch.get_dtype, values.as_any()) {
-        Ok(d) => d,
-        Err(_) => return Err(not_a_tensor(py, torch, layout, &idx, values)),
-    };
+    for (k, v) in values.iter().enumerate() {
+        if !torch.is_tensor(py, &v) {
+            let ty = v
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            return Err(errors::invalid_argument(
+                py,
+                format!("tensor {:?}: a {ty} is not a torch.Tensor", name(k)),
+            ));
+        }
+    }
+    torch.without_torch_function(py, || {
+        read_tensors(py, torch, layout, &idx, values, device, keep)
+    })
+}
+
+/// [`read`] of tensors (each value a `torch.Tensor`), `idx[k]` the set's index of `values[k]`,
+/// with `__torch_function__` off.
+fn read_tensors<'py>(
+    py: Python<'py>,
+    torch: &Torch,
+    layout: &Layout,
+    idx: &[usize],
+    values: &Bound<'py, PyList>,
+    device: Option<i32>,
+    mut keep: Option<&mut Vec<Bound<'py, PyAny>>>,
+) -> PyResult<Vec<Copy>> {
+    let n = values.len();
+    let name = |k: usize| layout.tensors()[idx[k]].name.as_str();
+    let dtypes = torch.map_list(py, &torch.get_dtype, values.as_any())?;
     for (k, dt) in dtypes.iter().enumerate() {
         let want = layout.tensors()[idx[k]].dtype;
         if dt.is(torch.dtype(py, want)?) {
@@ -205,34 +235,6 @@ pub(crate) fn read<'py>(
     Ok(out)
 }
 
-/// The error for a chunk where reading `dtype` failed: names the first value that has none.
-fn not_a_tensor(
-    py: Python<'_>,
-    torch: &Torch,
-    layout: &Layout,
-    idx: &[usize],
-    values: &Bound<'_, PyList>,
-) -> PyErr {
-    let _ = torch;
-    for (k, v) in values.iter().enumerate() {
-        if v.getattr("dtype").is_err() || v.getattr("data_ptr").is_err() {
-            let ty = v
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_else(|_| "?".into());
-            return errors::invalid_argument(
-                py,
-                format!(
-                    "tensor {:?}: a {ty} is not a torch.Tensor",
-                    layout.tensors()[idx[k]].name
-                ),
-            );
-        }
-    }
-    errors::invalid_argument(py, "the sources' dtypes could not be read".to_string())
-}
-
 /// Enqueues `ranges` by `Update::copy_many` (`check`: the driver asked what each source's memory
 /// is) or `Update::copy_many_unchecked`.
 ///
@@ -307,12 +309,13 @@ mod tests {
         assert_eq!(
             chunks(4608),
             vec![
-                64, 128, 256, 512, 512, 512, 512, 512, 512, 512, 288, 144, 72, 64, 8
+                64, 128, 256, 512, 512, 512, 512, 512, 512, 512, 288, 144, 72, 72
             ]
         );
-        assert_eq!(chunks(291), vec![64, 114, 64, 49]);
+        assert_eq!(chunks(291), vec![64, 114, 113]);
         assert_eq!(chunks(64), vec![64]);
-        assert_eq!(chunks(65), vec![64, 1]);
+        assert_eq!(chunks(127), vec![127]);
+        assert_eq!(chunks(128), vec![64, 64]);
         assert_eq!(chunks(1), vec![1]);
         assert!(chunks(0).is_empty());
         for n in [100, 1000, 20_000, 100_000] {

@@ -685,7 +685,8 @@ impl TensorUpdate {
     /// `tensors` may also be a `CopyPlan` of this writer (`TensorSetWriter.copy_plan`): its
     /// sources, read when it was made, are copied 320 at a time, each chunk after one bulk
     /// `data_ptr()` pass over it that refuses the update, before that chunk is copied, if any of
-    /// them moved.
+    /// them moved (earlier chunks may be copied by then: the update stays open and uncommitted;
+    /// abort it, or copy again).
     pub(crate) fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
         let writer = self.writer.get();
         if let Ok(plan) = tensors.cast::<CopyPlan>() {

@@ -13,7 +13,7 @@ use crate::errors;
 use cuda_ipc::tensorset::{DType, Layout, TensorInfo, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -133,6 +133,11 @@ pub(crate) struct Torch {
     /// `builtins.map` and `builtins.list`.
     pub map: Py<PyAny>,
     pub list: Py<PyAny>,
+    /// `torch.Tensor`.
+    tensor: Py<PyType>,
+    /// `torch._C.DisableTorchFunction`: no `__torch_function__` of a subclass or a mode runs
+    /// while one is entered.
+    disable_torch_function: Py<PyAny>,
     /// The `torch.dtype` of each entry of `TORCH_DTYPES` this PyTorch has.
     dtypes: Vec<Option<Py<PyAny>>>,
 }
@@ -168,6 +173,8 @@ impl Torch {
                 untyped_storage: m(&tensor, "untyped_storage")?,
                 map: m(&builtins, "map")?,
                 list: m(&builtins, "list")?,
+                tensor: tensor.cast::<PyType>()?.clone().unbind(),
+                disable_torch_function: m(&torch.getattr("_C")?, "DisableTorchFunction")?,
                 dtypes: TORCH_DTYPES
                     .iter()
                     .map(|(_, n)| torch.getattr(*n).ok().map(Bound::unbind))
@@ -184,6 +191,36 @@ impl Torch {
             .and_then(|i| self.dtypes[i].as_ref())
             .map(|o| o.bind(py))
             .ok_or_else(|| errors::not_supported(&format!("no PyTorch dtype for DLPack dtype {d}")))
+    }
+
+    /// Whether `v` is a `torch.Tensor` (of a subclass too), asked of the types' MROs alone
+    /// (`PyType_IsSubtype`), so that no `__instancecheck__` of the caller's runs.
+    pub(crate) fn is_tensor(&self, py: Python<'_>, v: &Bound<'_, PyAny>) -> bool {
+        let t = self.tensor.bind(py);
+        // SAFETY: both are live type objects (the GIL is held: `py`).
+        unsafe { pyo3::ffi::PyType_IsSubtype(v.get_type().as_type_ptr(), t.as_type_ptr()) != 0 }
+    }
+
+    /// `f()` with `__torch_function__` turned off (`torch._C.DisableTorchFunction`): reading
+    /// the sources' properties then runs none of the caller's Python code (a tensor subclass's
+    /// override, a `TorchFunctionMode`), which could otherwise free a source whose copy is
+    /// already enqueued. The properties read are the tensors' own.
+    ///
+    /// # Errors
+    /// `f`'s, or entering or leaving the context's.
+    pub(crate) fn without_torch_function<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce() -> PyResult<T>,
+    ) -> PyResult<T> {
+        let guard = self.disable_torch_function.bind(py).call0()?;
+        guard.call_method0("__enter__")?;
+        let r = f();
+        let none = py.None();
+        let left = guard.call_method1("__exit__", (&none, &none, &none));
+        let r = r?;
+        left?;
+        Ok(r)
     }
 
     /// `list(map(f, items))`: one C-level loop over `items` (no bytecode, no bound methods).

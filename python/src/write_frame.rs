@@ -82,7 +82,8 @@ impl WriteFrame {
 impl Drop for WriteFrame {
     fn drop(&mut self) {
         if let Some(f) = lock(&self.inner).take() {
-            // Collected unpublished: the buffer goes back, the producer to its Python object.
+            // Collected unpublished: the buffer goes back, the producer to its lender (its Python
+            // `Producer` may be gone already).
             let p = f.into_producer();
             Python::attach(|py| self.producer.give_back(py, p, false));
         }

@@ -164,3 +164,58 @@ def test_copy_from_refuses_wrong_names_dtypes_sizes_devices_and_non_tensors(name
         assert w.publish({"b": torch.ones(4)}, timeout=ANSWER) == 1
     finally:
         w.close()
+
+
+def test_copy_from_runs_no_torch_function_of_a_subclass_or_a_mode(name):
+    """`copy_from` reads its sources' properties with `__torch_function__` off: no code of the
+    caller's runs between the copies of two chunks (code that could free a source whose copy is
+    enqueued). A tensor subclass's override and an active `TorchFunctionMode` are not called,
+    and the bytes land; an object that is not a tensor is refused before any of its attributes is
+    read."""
+    calls = []
+
+    class Loud(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(("subclass", getattr(func, "__name__", func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(("mode", getattr(func, "__name__", func)))
+            return func(*args, **(kwargs or {}))
+
+    class NotATensor:
+        @property
+        def dtype(self):
+            calls.append(("dtype read", None))
+            return torch.float32
+
+    specs = {f"e{i}": ((6,), "float32") for i in range(700)}
+    w = cuda_ipc.TensorSetWriter(name, specs, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        want = {n: torch.arange(6, dtype=torch.float32) + i for i, n in enumerate(specs)}
+        # Every other source a subclass instance, every seventh not contiguous; 700 sources make
+        # several chunks.
+        src = {}
+        for i, (n, t) in enumerate(want.items()):
+            s = t.as_subclass(Loud) if i % 2 else t.clone()
+            if i % 7 == 3:
+                s = torch.stack([s, s], dim=1)[:, 0]
+            src[n] = s
+        calls.clear()
+        with Mode():
+            w.publish(src, timeout=ANSWER)
+            assert calls == []
+        with r.current() as h:
+            d = h.tensors()
+            assert [n for n in specs if not torch.equal(d[n], want[n])] == []
+        with w.begin(timeout=ANSWER) as u:
+            with pytest.raises(cuda_ipc.InvalidArgument, match="e5.*a NotATensor is not a torch"):
+                u.copy_from({"e5": NotATensor()})
+            u.abort()
+        assert calls == []
+    finally:
+        r.close()
+        w.close()
