@@ -13,7 +13,7 @@ use crate::util::err;
 use cuda_ipc::tensorset::owned::OwnedUpdate;
 use cuda_ipc::tensorset::{Layout, TensorSetError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyInt, PyList, PyString};
 
 /// Tensors read per chunk at most: the copies of a chunk are enqueued before the next chunk is
 /// read, so the GPU copies while the host reads on.
@@ -82,13 +82,24 @@ pub(crate) fn read<'py>(
     let n = chunk.keys.len();
     let mut idx = Vec::with_capacity(n);
     for k in chunk.keys.iter() {
-        match index.get_item(&k)? {
+        // Looked up as a plain `str` (a subclass's text copied out), so that no `__hash__` or
+        // `__eq__` of the caller's runs; names are strings, so any other key names no tensor.
+        let (found, shown) = match k.cast::<PyString>() {
+            Ok(s) => {
+                let text = s.to_cow()?;
+                let found = if s.is_exact_instance_of::<PyString>() {
+                    index.get_item(s)?
+                } else {
+                    index.get_item(PyString::new(py, &text))?
+                };
+                (found, format!("{text:?}"))
+            }
+            Err(_) if k.is_exact_instance_of::<PyInt>() => (None, k.to_string()),
+            Err(_) => (None, format!("a key of type {}", k.get_type().name()?)),
+        };
+        match found {
             Some(i) => idx.push(i.extract::<usize>()?),
             None => {
-                let shown = match k.extract::<String>() {
-                    Ok(s) => format!("{s:?}"),
-                    Err(_) => k.repr()?.to_string(),
-                };
                 return Err(crate::util::err(
                     py,
                     TensorSetError::NoSuchTensor(shown).into(),

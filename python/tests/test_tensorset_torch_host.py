@@ -171,7 +171,8 @@ def test_copy_from_runs_no_torch_function_of_a_subclass_or_a_mode(name):
     caller's runs between the copies of two chunks (code that could free a source whose copy is
     enqueued). A tensor subclass's override and an active `TorchFunctionMode` are not called,
     and the bytes land; an object that is not a tensor is refused before any of its attributes is
-    read."""
+    read; a key is looked up by its text alone (no `__hash__` or `__eq__` of a `str` subclass,
+    none of another object's)."""
     calls = []
 
     class Loud(torch.Tensor):
@@ -190,6 +191,24 @@ def test_copy_from_runs_no_torch_function_of_a_subclass_or_a_mode(name):
         def dtype(self):
             calls.append(("dtype read", None))
             return torch.float32
+
+    class Name(str):
+        def __hash__(self):
+            calls.append(("hash", None))
+            return str.__hash__(self)
+
+        def __eq__(self, other):
+            calls.append(("eq", None))
+            return str.__eq__(self, other)
+
+    class Key:
+        def __hash__(self):
+            calls.append(("key hash", None))
+            return 1
+
+        def __repr__(self):
+            calls.append(("key repr", None))
+            return "Key()"
 
     specs = {f"e{i}": ((6,), "float32") for i in range(700)}
     w = cuda_ipc.TensorSetWriter(name, specs, memory="host")
@@ -211,10 +230,20 @@ def test_copy_from_runs_no_torch_function_of_a_subclass_or_a_mode(name):
         with r.current() as h:
             d = h.tensors()
             assert [n for n in specs if not torch.equal(d[n], want[n])] == []
+        # (Building these dicts hashes their keys: done before the count starts.)
+        not_a_tensor, odd_key = {"e5": NotATensor()}, {Key(): torch.zeros(6)}
+        named = {Name("e3"): torch.full((6,), 9.0)}
+        calls.clear()
         with w.begin(timeout=ANSWER) as u:
             with pytest.raises(cuda_ipc.InvalidArgument, match="e5.*a NotATensor is not a torch"):
-                u.copy_from({"e5": NotATensor()})
+                u.copy_from(not_a_tensor)
+            with pytest.raises(cuda_ipc.InvalidArgument, match="a key of type Key"):
+                u.copy_from(odd_key)
             u.abort()
+        # Keys of a str subclass are looked up by their text alone.
+        w.publish(named, timeout=ANSWER)
+        with r.current() as h:
+            assert torch.equal(h.tensors()["e3"], torch.full((6,), 9.0))
         assert calls == []
     finally:
         r.close()
