@@ -731,6 +731,7 @@ impl TensorUpdate {
         // one), once there are any: the writer's stream waits for it before a chunk's copies,
         // and it for the copies at the end, before the copies' memory goes back to PyTorch.
         let mut made_on: Option<usize> = None;
+        let device = (!writer.host).then_some(writer.device);
         let r = self.ordered(py, || {
             let (mut at, mut len) = (0, 0);
             while at < keys.len() {
@@ -741,7 +742,6 @@ impl TensorUpdate {
                     values: values.get_slice(at, end),
                 };
                 at = end;
-                let device = (!writer.host).then_some(writer.device);
                 let before = keep.len();
                 let copies =
                     sources::read(py, torch, layout, index, &chunk, device, Some(&mut keep))?;

@@ -158,8 +158,9 @@ impl Update<'_> {
         unsafe { self.copy_ranges(&ranges, true) }
     }
 
-    /// [`Update::copy_many`] without the check of the sources: for ranges checked before (a
-    /// plan made once and used at every update) whose memory the caller kept allocated since.
+    /// [`Update::copy_many`] without the check of the sources: for ranges a `copy_many` checked
+    /// before (a plan made once and used at every update) whose memory the caller kept allocated
+    /// since.
     ///
     /// # Errors
     /// As [`Update::copy_many`], less the sources' check.
@@ -174,18 +175,6 @@ impl Update<'_> {
         let ranges = self.ranges_of(copies)?;
         // SAFETY: destinations checked by `ranges_of`; sources as this function's contract says.
         unsafe { self.copy_ranges(&ranges, false) }
-    }
-
-    /// Checks the sources of `copies` as [`Update::copy_many`] would, without copying: for a
-    /// caller that checks once and copies with [`Update::copy_many_unchecked`] later.
-    ///
-    /// # Errors
-    /// As [`Update::copy_many`]'s check ([`Error::InvalidArgument`]); as [`Update::stream`].
-    pub fn check_sources(&self, copies: &[(usize, u64, u64, usize)]) -> Result<()> {
-        let ranges = self.ranges_of(copies)?;
-        let ctx = self.stream()?.context();
-        let _cur = ctx.enter()?;
-        copies::check_sources(&ranges, ctx)
     }
 
     /// `copies` as device ranges `(dst, src, len)`, every destination checked.
