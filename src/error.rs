@@ -90,7 +90,7 @@ pub enum Error {
     /// The shared-memory registry or its protocol reported an error (its layout, records or
     /// participants; what its segment reports is [`Error::Shm`]).
     #[error(transparent)]
-    Registry(#[from] crate::registry::RegistryError),
+    Registry(#[from] crate::registry::error::RegistryError),
     /// Passing a file descriptor from another process failed: the exporter is gone, does not
     /// offer the fd, refuses this process, speaks another protocol version, or is not what listens
     /// at its socket path ([`crate::ipc::fdpass`]).
@@ -112,7 +112,7 @@ pub enum Error {
     /// The remote lane failed (`cuda_ipc::remote`, feature `remote`).
     #[cfg(feature = "remote")]
     #[error(transparent)]
-    Remote(#[from] crate::remote::RemoteError),
+    Remote(#[from] crate::remote::error::RemoteError),
     /// A bounded wait ran out.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

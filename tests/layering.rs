@@ -481,7 +481,8 @@ fn arrows_up(
                 continue;
             }
             let ok = if me == "error" {
-                let name = format!("{}::{}", p[0], p.get(1).map_or("", |x| x.as_str()));
+                // The layer and the type, whichever file of the layer defines it.
+                let name = format!("{}::{}", p[0], p.last().map_or("", |x| x.as_str()));
                 errors.contains(&name)
             } else {
                 allowed

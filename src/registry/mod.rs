@@ -31,7 +31,7 @@
 //! slot locks under them), `reclaim` ([`Registry::reclaim_dead`]), `slot` (a slot's lock word and
 //! seqlock), [`layout`](crate::raw::registry_layout), [`inspect`]. This file holds the types and what every part uses.
 
-mod error;
+pub(crate) mod error;
 pub mod inspect;
 pub(crate) mod layout;
 mod participant;
