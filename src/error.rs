@@ -40,8 +40,13 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// The CUDA driver library (`libcuda.so.1`) could not be loaded. `searched` lists the file names
     /// that were tried. Install the NVIDIA driver, or add its folder to `LD_LIBRARY_PATH`.
+    ///
+    /// `Display` names `libcuda.so.1` and `libcuda.so` and how many other names were tried (`none of
+    /// libcuda.so.1, libcuda.so and 13 other names could be loaded`); `searched` keeps the whole
+    /// list.
     #[error(
-        "CUDA driver not found: none of {searched} could be loaded; install the NVIDIA driver or add its folder to LD_LIBRARY_PATH"
+        "CUDA driver not found: {}; install the NVIDIA driver or add its folder to LD_LIBRARY_PATH",
+        few_of(searched)
     )]
     DriverNotFound {
         /// The library names that were tried, comma separated.
@@ -160,5 +165,55 @@ impl OsError {
     /// The raw errno, when there is one.
     pub fn errno(&self) -> Option<i32> {
         self.source.raw_os_error()
+    }
+}
+
+/// The driver library names of the comma-separated list `names` as a message shows them: the two
+/// a Linux driver installs first (`libcuda.so.1`, `libcuda.so`, where the list has them), then how
+/// many others were tried (`none of libcuda.so.1, libcuda.so and 13 other names could be
+/// loaded`).
+fn few_of(names: &str) -> String {
+    let mut all: Vec<&str> = names.split(", ").filter(|n| !n.is_empty()).collect();
+    // Stable: the rest keep the order they were tried in.
+    all.sort_by_key(|n| match *n {
+        "libcuda.so.1" => 0,
+        "libcuda.so" => 1,
+        _ => 2,
+    });
+    match all.len() {
+        0 => "no library name was tried".to_string(),
+        1 => format!("{} could not be loaded", all[0]),
+        2 => format!("neither {} nor {} could be loaded", all[0], all[1]),
+        n => format!(
+            "none of {}, {} and {} other name{} could be loaded",
+            all[0],
+            all[1],
+            n - 2,
+            if n == 3 { "" } else { "s" }
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_driver_names_the_linux_library_first_and_counts_the_rest() {
+        let e = Error::DriverNotFound {
+            searched: "libcuda.so, libcuda64.so, libcuda64_12.so, libcuda.so.1".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "CUDA driver not found: none of libcuda.so.1, libcuda.so and 2 other names could be \
+             loaded; install the NVIDIA driver or add its folder to LD_LIBRARY_PATH"
+        );
+        assert_eq!(few_of("libcuda.so"), "libcuda.so could not be loaded");
+        assert_eq!(few_of("a, b"), "neither a nor b could be loaded");
+        assert_eq!(
+            few_of("a, b, c"),
+            "none of a, b and 1 other name could be loaded"
+        );
+        assert_eq!(few_of(""), "no library name was tried");
     }
 }
