@@ -642,7 +642,9 @@ class TensorUpdate:
         """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set)."""
     def copy_from(self, tensors: Union[Dict[str, Any], "CopyPlan"]) -> None:
         """Copies CUDA tensors (CPU tensors for a host set) into the set's tensors of the same
-        names, on the writer's stream; read and copied in chunks (64 tensors first, up to
+        names, each of the set's dtype and shape (``InvalidArgument`` otherwise, as
+        ``load_state_dict`` refuses a size mismatch; ``NoSuchTensor`` for a name the set lacks),
+        on the writer's stream; read and copied in chunks (64 tensors first, up to
         512). Many small sources on the set's device are copied by one kernel launch per 160 (one
         ``cuMemcpyDtoDAsync`` each costs about 5 µs of GPU time); a CPU tensor given to a GPU set
         is refused before anything of its chunk is copied, and so are a tensor of another device

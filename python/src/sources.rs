@@ -13,7 +13,7 @@ use crate::util::err;
 use cuda_ipc::tensorset::owned::OwnedUpdate;
 use cuda_ipc::tensorset::{Layout, TensorSetError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyString};
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
 
 /// Tensors read per chunk at most: the copies of a chunk are enqueued before the next chunk is
 /// read, so the GPU copies while the host reads on.
@@ -67,9 +67,10 @@ pub(crate) type Copy = (usize, u64, usize);
 ///
 /// # Errors
 /// `TensorSetError::NoSuchTensor` for a name the set lacks; `InvalidArgument` for a value that
-/// is not a tensor, another dtype than the set's, a tensor on another kind of device than the
-/// set's memory (a host set: CPU tensors; a GPU set: CUDA tensors), or more bytes than the set's
-/// tensor has. Nothing of the chunk is copied then.
+/// is not a tensor, another dtype or shape than the set's, a tensor on another kind of device
+/// than the set's memory (a host set: CPU tensors; a GPU set: CUDA tensors), a tensor with no
+/// memory, or a set tensor that is a strided view (an `over_tensors` set's: a copy of contiguous
+/// bytes would scramble it). Nothing of the chunk is copied then.
 pub(crate) fn read<'py>(
     py: Python<'py>,
     torch: &Torch,
@@ -214,22 +215,38 @@ fn read_tensors<'py>(
             keep.push(t);
         }
     }
-    let nbytes = torch.map_list(py, &torch.get_nbytes, values.as_any())?;
+    // The set's dtype (checked above) and shape make the bytes: a source of another shape is
+    // refused even where its bytes would fit, as `load_state_dict` refuses a size mismatch (a
+    // transposed weight, another model's config), never copied as bytes.
+    let shapes = torch.map_list(py, &torch.get_shape, values.as_any())?;
     let ptrs = torch.map_list(py, &torch.data_ptr, values.as_any())?;
     let mut out = Vec::with_capacity(n);
-    for (k, (nb, p)) in nbytes.iter().zip(ptrs.iter()).enumerate() {
-        let nb: u64 = nb.extract()?;
+    for (k, (shape, p)) in shapes.iter().zip(ptrs.iter()).enumerate() {
         let info = &layout.tensors()[idx[k]];
-        if nb > info.bytes {
+        if !same_shape(&shape, &info.shape)? {
             return Err(errors::invalid_argument(
                 py,
                 format!(
-                    "tensor {:?}: {nb} bytes given, the set's tensor has {}",
+                    "tensor {:?}: shape {:?} given, the set's tensor has shape {:?}",
                     name(k),
-                    info.bytes
+                    shape.extract::<Vec<i64>>()?,
+                    info.shape
                 ),
             ));
         }
+        if !is_contiguous(&info.shape, &info.strides) {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "tensor {:?} is a strided view in the set (strides {:?}), which a copy of \
+                     contiguous bytes would scramble: update it in place, through the set's own \
+                     tensor (`TensorUpdate.tensors()`)",
+                    name(k),
+                    info.strides
+                ),
+            ));
+        }
+        let nb = info.bytes;
         let p: u64 = p.extract()?;
         if p == 0 && nb > 0 {
             return Err(errors::invalid_argument(
@@ -244,6 +261,39 @@ fn read_tensors<'py>(
         out.push((idx[k], p, nb as usize));
     }
     Ok(out)
+}
+
+/// Whether `shape` (a `torch.Size`, a tuple of ints) is `want`.
+fn same_shape(shape: &Bound<'_, PyAny>, want: &[i64]) -> PyResult<bool> {
+    let t = shape.cast::<PyTuple>()?;
+    if t.len() != want.len() {
+        return Ok(false);
+    }
+    for (d, w) in t.iter().zip(want) {
+        if d.extract::<i64>()? != *w {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Whether a tensor of `shape` and `strides` (in elements) lies contiguously, row-major, as
+/// `torch.Tensor.is_contiguous` says: dimensions of extent 1 may have any stride, and an empty
+/// tensor is contiguous.
+fn is_contiguous(shape: &[i64], strides: &[i64]) -> bool {
+    if shape.contains(&0) {
+        return true;
+    }
+    let mut expected = 1i64;
+    for (&d, &s) in shape.iter().zip(strides).rev() {
+        if d != 1 {
+            if s != expected {
+                return false;
+            }
+            expected = expected.saturating_mul(d);
+        }
+    }
+    true
 }
 
 /// Enqueues `ranges` by `Update::copy_many` (`check`: the driver asked what each source's memory
@@ -313,6 +363,16 @@ mod tests {
             done += k;
         }
         out
+    }
+
+    #[test]
+    fn contiguity_is_pytorchs_rule() {
+        assert!(is_contiguous(&[4, 6], &[6, 1]));
+        assert!(!is_contiguous(&[6, 4], &[1, 6])); // a transposed view
+        assert!(!is_contiguous(&[4], &[2])); // every other element
+        assert!(is_contiguous(&[1, 6], &[99, 1])); // extent 1: any stride
+        assert!(is_contiguous(&[0, 6], &[1, 1])); // empty
+        assert!(is_contiguous(&[], &[])); // 0-d
     }
 
     #[test]

@@ -199,8 +199,15 @@ impl TensorSetWriter {
     /// as tensor set `name` without a copy: every tensor must live in memory of
     /// `cuda_ipc.torch_mem_pool` (a model built under `torch.cuda.use_mem_pool(pool)`); the set
     /// lists the arena's chunks that hold them and each tensor's place there (strides kept). In
-    /// place only: update the tensors between `begin()` and the commit. Generation 1 is committed
-    /// at once. The writer keeps the tensors alive until it closes.
+    /// place only: update the tensors between `begin()` and the commit (a tensor that is a strided
+    /// view, such as a transposed one, is updated through its own tensor, never by `copy_from`).
+    /// Tensors with no elements need no memory and are accepted (readers get empty tensors of
+    /// their shapes). Generation 1 is committed at once. The writer keeps the tensors alive until
+    /// it closes.
+    ///
+    /// Raises `InvalidArgument` for a value that is not a tensor, a tensor with bytes outside the
+    /// pool's memory (a CPU tensor, one of PyTorch's own allocator) or on another device, and
+    /// when no tensor has bytes.
     #[staticmethod]
     #[pyo3(signature = (name, tensors, *, device=0, max_readers=64))]
     fn over_tensors(
@@ -210,10 +217,20 @@ impl TensorSetWriter {
         device: usize,
         max_readers: usize,
     ) -> PyResult<Self> {
+        let torch = tensors::Torch::get(py)?;
         let mut chunks: Vec<(usize, cuda_ipc::ipc::VmmBuffer)> = Vec::new();
         let mut located: Vec<(TensorSpec, u32, u64)> = Vec::with_capacity(tensors.len());
         for (k, t) in tensors.iter() {
             let name: String = k.extract()?;
+            if !torch.is_tensor(py, &t) {
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {name:?}: a {} is not a torch.Tensor",
+                        t.get_type().name()?
+                    ),
+                ));
+            }
             let dtype = tensors::dtype_arg(py, &t.getattr("dtype")?)?;
             let shape: Vec<i64> = t.getattr("shape")?.extract()?;
             let strides: Vec<i64> = t.call_method0("stride")?.extract()?;
@@ -228,8 +245,18 @@ impl TensorSetWriter {
                     .map(|(d, s)| (d - 1) * s)
                     .sum::<i64>())
             };
-            let Some((dev, chunk, buf, offset)) =
-                crate::torch_alloc::find(ptr, span.max(1) as usize)
+            if span == 0 {
+                // No bytes (a dimension of extent 0): PyTorch allocated nothing for it, so it
+                // lies in no arena. It is placed at the start of the first chunk once one is
+                // known; readers get an empty tensor of its shape and dtype.
+                located.push((
+                    TensorSpec::strided(name, dtype, &shape, &strides),
+                    u32::MAX,
+                    0,
+                ));
+                continue;
+            }
+            let Some((dev, chunk, buf, offset)) = crate::torch_alloc::find(ptr, span as usize)
             else {
                 return Err(errors::invalid_argument(
                     py,
@@ -258,6 +285,17 @@ impl TensorSetWriter {
                 a as u32,
                 offset,
             ));
+        }
+        if chunks.is_empty() {
+            return Err(errors::invalid_argument(
+                py,
+                "no tensor given has bytes in cuda_ipc.torch_mem_pool memory (a set over tensors \
+                 needs at least one that is not empty)"
+                    .to_string(),
+            ));
+        }
+        for l in located.iter_mut().filter(|l| l.1 == u32::MAX) {
+            l.1 = 0;
         }
         let allocations = chunks.into_iter().map(|(_, b)| b).collect();
         let opts = TensorSetOptions::new().max_readers(max_readers);
@@ -358,7 +396,7 @@ impl TensorSetWriter {
     }
 
     /// Copies `tensors` (a dict of name → CUDA `torch.Tensor`, any subset of the set's names, each
-    /// of the set's dtype and at most its bytes; or a `CopyPlan` of this writer) into a new
+    /// of the set's dtype and shape; or a `CopyPlan` of this writer) into a new
     /// generation and commits it: `begin`, `copy_from`, commit (`fingerprint=True`: with the
     /// fingerprint of the bytes, as `TensorUpdate.commit`). Returns the generation.
     #[pyo3(signature = (tensors, timeout=None, *, stream=None, fingerprint=false))]
@@ -667,7 +705,7 @@ impl TensorUpdate {
     }
 
     /// Copies `tensors` (a dict of name → CUDA `torch.Tensor` of the set's device: any subset of
-    /// the set's names, each of the set's dtype, at most its bytes; made contiguous first if it
+    /// the set's names, each of the set's dtype and shape; made contiguous first if it
     /// is not) into this update's buffer, on the writer's stream after the work enqueued so far
     /// on the update's stream; the update's stream then waits for the copies, so PyTorch reuses
     /// none of the sources' memory before they ran (with non-contiguous sources, PyTorch's
@@ -678,7 +716,9 @@ impl TensorUpdate {
     /// source, the driver says whether its memory is readable device memory of the set's device,
     /// and the driver's own copies check theirs). A source that is a
     /// view of this update's own buffer must be its own tensor (else the bytes that land are
-    /// unspecified). A host set copies from CPU tensors. The sources are read and copied in
+    /// unspecified). A host set copies from CPU tensors. A tensor of the set that is a strided
+    /// view (a transposed parameter of an `over_tensors` set) is refused: a copy of contiguous
+    /// bytes would scramble it; update it in place. The sources are read and copied in
     /// chunks (64 tensors first, up to 512), so on an error the chunks before the bad tensor's may already be copied:
     /// the update stays open and uncommitted (abort it, or copy again).
     ///

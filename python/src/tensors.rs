@@ -119,11 +119,11 @@ pub(crate) struct Torch {
     pub narrow: Py<PyAny>,
     pub view: Py<PyAny>,
     pub contiguous: Py<PyAny>,
-    /// `torch.Tensor.data_ptr`, `is_contiguous`, and getters of `nbytes`, `dtype`, `is_cpu`
+    /// `torch.Tensor.data_ptr`, `is_contiguous`, and getters of `shape`, `dtype`, `is_cpu`
     /// (`operator.attrgetter`), for `map` over many tensors.
     pub data_ptr: Py<PyAny>,
     pub is_contiguous: Py<PyAny>,
-    pub get_nbytes: Py<PyAny>,
+    pub get_shape: Py<PyAny>,
     pub get_dtype: Py<PyAny>,
     pub get_is_cpu: Py<PyAny>,
     /// `torch.Tensor.get_device` (unbound): the CUDA device's index, -1 for a CPU tensor.
@@ -166,7 +166,7 @@ impl Torch {
                 contiguous: m(&tensor, "contiguous")?,
                 data_ptr: m(&tensor, "data_ptr")?,
                 is_contiguous: m(&tensor, "is_contiguous")?,
-                get_nbytes: get("nbytes")?,
+                get_shape: get("shape")?,
                 get_dtype: get("dtype")?,
                 get_is_cpu: get("is_cpu")?,
                 get_device: m(&tensor, "get_device")?,

@@ -752,6 +752,56 @@ def test_over_tensors_takes_0d_and_empty_tensors_of_the_pool(cuda, pool, agents,
         close_all([a], *writers)
 
 
+def assert_same_views(seen, want, what, strides=None):
+    """As `assert_same_tensors`, for an over_tensors set whose views keep their strides
+    ("strides kept"): each reader tensor has the writer's (or `strides`'s) strides."""
+    strides = strides or want
+    assert set(seen) == set(want), f"{what}: keys differ: {set(seen) ^ set(want)}"
+    bad = []
+    for k, t in want.items():
+        s = seen[k]
+        if s["dtype"] != str(t.dtype) or s["shape"] != tuple(t.shape):
+            bad.append(f"{k}: {s['dtype']} {s['shape']} != {t.dtype} {tuple(t.shape)}")
+        elif s["stride"] != tuple(strides[k].stride()):
+            bad.append(f"{k}: stride {s['stride']}, the writer's {tuple(strides[k].stride())}")
+        elif s["digest"] != digest(t):
+            bad.append(f"{k}: other bytes")
+    assert not bad, f"{what}: " + "; ".join(bad)
+
+
+def test_a_strided_view_of_an_over_tensors_set_is_updated_in_place_never_by_copy_from(
+    cuda, pool, agents, names
+):
+    # Documented (`TensorUpdate.copy_from`): a tensor of the set that is a strided view (a
+    # transposed parameter of an over_tensors set) is refused, since a copy of contiguous bytes
+    # would scramble it; the same memory through its contiguous key, or in place, lands.
+    (a,) = agents.get(1)
+    with torch.cuda.use_mem_pool(pool), torch.device("cuda"):
+        w0 = torch.randn(48, 80)
+        sd = {"w": w0, "w_t": w0.t(), "w_row": w0[3]}
+    n = names("ot-strided")
+    w = cuda_ipc.TensorSetWriter.over_tensors(n, sd)
+    try:
+        a.call("open", "st", n, {})
+        res = a.call("take", "st", None, ANSWER)
+        assert res is not None and res["gen"] == 1
+        assert_same_views(res["tensors"], sd, "over_tensors with views")
+        before = w0.clone()
+        with w.begin(timeout=ANSWER) as u:
+            with pytest.raises(cuda_ipc.InvalidArgument, match="strided view"):
+                u.copy_from({"w_t": torch.zeros(80, 48, device="cuda")})
+            assert torch.equal(u.tensors()["w"], before), "a refused copy changed the set"
+            new = torch.randn(48, 80, device="cuda")
+            u.copy_from({"w": new})
+            u.tensors()["w_t"].mul_(2)  # in place, through the set's own strided view
+        want = {"w": new * 2, "w_t": (new * 2).t(), "w_row": (new * 2)[3]}
+        res = a.call("take", "st", 1, ANSWER)
+        assert res is not None and res["gen"] == 2
+        assert_same_views(res["tensors"], want, "generation 2 of the views", strides=sd)
+    finally:
+        close_all([a], w)
+
+
 # --------------------------------------------------------------------------------------------
 # 2. The copy path: a state_dict of every awkward kind, read back byte for byte elsewhere.
 # --------------------------------------------------------------------------------------------
@@ -997,9 +1047,9 @@ def test_refused_sources_leave_the_set_as_it_was(cuda, pool, agents, names):
             # Documented: "a CPU tensor given to a GPU set is refused before anything of its
             # chunk is copied".
             "a CPU tensor": {**src1, up: src1[up].cpu()},
-            # Docs silent on the next four (what copy_from does with a source whose dtype,
-            # shape or size is not the set's, or a name the set lacks): a user expects the
-            # same refusal (InvalidArgument), never a reinterpreting copy.
+            # Documented: each source of the set's dtype and shape (as load_state_dict refuses a
+            # size mismatch), NoSuchTensor (an InvalidArgument) for a name the set lacks, and
+            # nothing of the refused source's chunk copied: never a reinterpreting copy.
             "another dtype of the same bytes": {**src1, "ln_f.weight": src1["ln_f.weight"].view(torch.int32)},
             "another shape of the same elements": {**src1, up: src1[up].reshape(SMALL["d"], SMALL["ff"])},
             "fewer elements": {**src1, "position_ids": src1["position_ids"][:-1]},
@@ -1014,8 +1064,8 @@ def test_refused_sources_leave_the_set_as_it_was(cuda, pool, agents, names):
                 before = digests(u.tensors())
                 with pytest.raises(cuda_ipc.InvalidArgument):
                     u.copy_from(bad)
-                # Documented for the CPU tensor only (one chunk: every source here); expected of
-                # the others.
+                # Documented: nothing of the refused source's chunk is copied (one chunk: every
+                # source here).
                 assert digests(u.tensors()) == before, f"{what}: the update's bytes changed"
                 u.abort()
             assert w1.generation == g1, what

@@ -150,7 +150,11 @@ def test_copy_from_refuses_wrong_names_dtypes_sizes_devices_and_non_tensors(name
             ({"zz": torch.zeros(8)}, cuda_ipc.InvalidArgument, "zz"),
             ({"b": torch.zeros(8, dtype=torch.float64)}, cuda_ipc.InvalidArgument,
              "dtype float64, the set holds float32"),
-            ({"b": torch.zeros(9)}, cuda_ipc.InvalidArgument, "36 bytes given"),
+            ({"b": torch.zeros(9)}, cuda_ipc.InvalidArgument, r"shape \[9\] given"),
+            # Fewer bytes, or the same bytes in another shape: refused as load_state_dict
+            # refuses a size mismatch, never copied as bytes.
+            ({"b": torch.ones(4)}, cuda_ipc.InvalidArgument, r"shape \[4\] given, the set's tensor has shape \[8\]"),
+            ({"a": torch.zeros(6, 4, dtype=torch.bfloat16)}, cuda_ipc.InvalidArgument, r"shape \[6, 4\]"),
             ({"b": torch.zeros(8, device="meta")}, cuda_ipc.InvalidArgument, "not on the CPU"),
             ({"b": [0.0] * 8}, cuda_ipc.InvalidArgument, "not a torch.Tensor"),
             ({1: torch.zeros(8)}, cuda_ipc.InvalidArgument, "1"),
@@ -160,8 +164,8 @@ def test_copy_from_refuses_wrong_names_dtypes_sizes_devices_and_non_tensors(name
                 with pytest.raises(exc, match=text):
                     u.copy_from(src)
                 u.abort()
-        # Fewer bytes than the tensor: the first bytes are written.
-        assert w.publish({"b": torch.ones(4)}, timeout=ANSWER) == 1
+        # Nothing of the refused copies was published; a right one is.
+        assert w.publish({"b": torch.ones(8)}, timeout=ANSWER) == 1
     finally:
         w.close()
 
