@@ -199,14 +199,14 @@ def remove_quota(*, scope: str = "user", device: Optional[int] = None) -> bool:
 
 def cleanup(*, dry_run: bool = False) -> List[Dict[str, Any]]:
     """Finds what dead processes left in /dev/shm (registry and channel leftovers, host pools,
-    quota reservations, liveness files, fd server sockets, bridge status files) and, unless
-    ``dry_run``, removes it, each checked again right before it goes; the same rule set as
-    ``cuda-ipc gc [--dry-run]``. Returns the leftovers found (``dry_run``) or removed, each a dict:
-    ``kind`` (``"channel"``, ``"channel_consumer"``, ``"host_pool"``, ``"registry_record"``,
-    ``"liveness_file"``, ...), ``object`` (registry, channel, ledger or file name), ``pid`` and
-    ``uid`` of the dead owner (or ``None``), ``what`` (the line ``cuda-ipc gc`` prints). Nothing of
-    a live process or of another user is touched; what cannot be read is skipped. Raises
-    ``OSError`` when /dev/shm cannot be listed."""
+    quota reservations and abandoned ledger creations, liveness files, fd server sockets, bridge
+    status files) and, unless ``dry_run``, removes it, each checked again right before it goes;
+    the same rule set as ``cuda-ipc gc [--dry-run]``. Returns the leftovers found (``dry_run``) or
+    removed, each a dict: ``kind`` (``"channel"``, ``"channel_consumer"``, ``"host_pool"``,
+    ``"registry_record"``, ``"quota_creation"``, ``"liveness_file"``, ...), ``object`` (registry,
+    channel, ledger or file name), ``pid`` and ``uid`` of the dead owner (or ``None``), ``what``
+    (the line ``cuda-ipc gc`` prints). Nothing of a live process or of another user is touched;
+    what cannot be read is skipped. Raises ``OSError`` when /dev/shm cannot be listed."""
 
 def torch_mem_pool(device: int = 0, *, chunk_bytes: Optional[int] = None) -> Any:
     """A ``torch.cuda.MemPool`` whose memory comes from this extension's VMM arena on CUDA device

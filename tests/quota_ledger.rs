@@ -411,3 +411,161 @@ fn a_creation_abandoned_before_its_stamp_is_replaced_by_the_next_budget_but_a_li
     assert_eq!(std::fs::metadata(path(&name)).unwrap().ino(), now);
     assert_eq!(l.snapshot().unwrap().budget, Some(50));
 }
+
+/// The identity of a process that ran and was killed (a `sleep` child of this test), its start
+/// time read from `/proc/PID/stat` (field 22) while it ran.
+fn dead_process() -> cuda_ipc::identity::ProcessIdentity {
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+    // Fields after the command name, which ends at the last ')': state is field 3, start time 22.
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let start: u64 = after.split(' ').nth(19).unwrap().parse().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let dead = cuda_ipc::identity::ProcessIdentity {
+        pid: child.id(),
+        start_time: start,
+        ..cuda_ipc::identity::ProcessIdentity::current().unwrap()
+    };
+    assert!(!dead.is_alive());
+    dead
+}
+
+/// What a `set_budget` killed after its magic and creator but before its stamp leaves: the whole
+/// ledger, every page written, never stamped, naming `creator`.
+fn unstamped(name: &str, creator: cuda_ipc::identity::ProcessIdentity) {
+    let mut b = b"CIPCQUOT".to_vec();
+    b.extend_from_slice(&1u32.to_le_bytes()); // version
+    b.extend_from_slice(&0u32.to_le_bytes()); // no stamp
+    b.extend_from_slice(&7u64.to_le_bytes()); // generation
+    for w in creator.to_words() {
+        b.extend_from_slice(&w.to_le_bytes());
+    }
+    plant(name, &b, LEDGER_LEN);
+}
+
+#[test]
+fn gcs_rule_removes_an_abandoned_ledger_creation_and_never_a_young_live_ready_or_foreign_one() {
+    use cuda_ipc::quota::{abandoned, remove_abandoned};
+    let scope = QuotaScope::user();
+    let name = || scope.segment_name(device());
+    let (empty, sparse, blank, dead, live) = (name(), name(), name(), name(), name());
+    let (young, young_empty, fifo) = (name(), name(), name());
+    let _g = [
+        &empty,
+        &sparse,
+        &blank,
+        &dead,
+        &live,
+        &young,
+        &young_empty,
+        &fifo,
+    ]
+    .map(|n| Gone(n.clone()));
+    let creator = dead_process();
+    // Killed before `ftruncate`; between `ftruncate` and `fallocate`; after `fallocate`, before
+    // the magic; after the creator's identity, before the stamp; a live creator's.
+    plant(&empty, b"", 0);
+    std::fs::File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path(&sparse))
+        .unwrap()
+        .set_len(LEDGER_LEN as u64)
+        .unwrap();
+    plant(&blank, b"", LEDGER_LEN);
+    unstamped(&dead, creator);
+    unstamped(
+        &live,
+        cuda_ipc::identity::ProcessIdentity::current().unwrap(),
+    );
+    let c = CString::new(path(&fifo)).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // Young: a creator may be at work. Not abandoned, nothing removed.
+    for n in [&empty, &sparse, &blank, &dead, &live] {
+        assert_eq!(abandoned(n).unwrap(), None, "{n}");
+        assert_eq!(remove_abandoned(n).unwrap(), None, "{n}");
+        assert!(std::fs::metadata(path(n)).is_ok(), "{n}");
+    }
+    std::thread::sleep(Duration::from_millis(2200));
+    unstamped(&young, creator);
+    plant(&young_empty, b"", 0);
+    let ready = QuotaLedger::set_budget(scope, device(), 10).unwrap();
+    let _r = Gone(ready.name().to_string());
+
+    let reserved = "a creation abandoned before its pages were reserved";
+    for (n, why) in [
+        (&empty, reserved),
+        (&sparse, reserved),
+        (&blank, "a creation abandoned before its header was written"),
+        (
+            &dead,
+            "a creation abandoned by its dead creator before its init stamp",
+        ),
+    ] {
+        assert_eq!(abandoned(n).unwrap(), Some(why), "{n}");
+        assert_eq!(remove_abandoned(n).unwrap(), Some(why), "{n}");
+        assert!(std::fs::symlink_metadata(path(n)).is_err(), "{n}: removed");
+        // Nothing there: nothing to do.
+        assert_eq!(remove_abandoned(n).unwrap(), None, "{n}");
+    }
+    // A live creator's, the young ones, a ready ledger: kept, no error.
+    for n in [&live, &young, &young_empty, &ready.name().to_string()] {
+        assert_eq!(abandoned(n).unwrap(), None, "{n}");
+        assert_eq!(remove_abandoned(n).unwrap(), None, "{n}");
+        assert!(std::fs::metadata(path(n)).is_ok(), "{n}");
+    }
+    assert_eq!(ready.snapshot().unwrap().budget, Some(10));
+    // A FIFO under a ledger's name: refused without blocking, never removed.
+    for r in [abandoned(&fifo), remove_abandoned(&fifo)] {
+        let e = r.unwrap_err();
+        assert!(
+            matches!(e, Error::Shm(ShmError::NotASegment { .. })),
+            "{e:?}"
+        );
+    }
+    assert!(std::fs::symlink_metadata(path(&fifo)).is_ok());
+    // Only a ledger's name is judged by the ledger's rule.
+    assert!(matches!(
+        remove_abandoned("cuda-ipc-not-a-ledger"),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn another_users_abandoned_ledger_creation_is_never_removed() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    use cuda_ipc::quota::{abandoned, remove_abandoned};
+    let scope = QuotaScope::user();
+    let (empty, dead) = (scope.segment_name(device()), scope.segment_name(device()));
+    let _g = (Gone(empty.clone()), Gone(dead.clone()));
+    plant(&empty, b"", 0);
+    unstamped(&dead, dead_process());
+    for n in [&empty, &dead] {
+        rustix::fs::chown(
+            path(n).as_str(),
+            Some(rustix::process::Uid::from_raw(65534)),
+            None,
+        )
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(2200));
+    for n in [&empty, &dead] {
+        for r in [abandoned(n), remove_abandoned(n)] {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(e, Error::Shm(ShmError::WrongOwner { owner: 65534, .. })),
+                "{n}: {e:?}"
+            );
+        }
+        assert_eq!(std::fs::metadata(path(n)).unwrap().uid(), 65534, "{n}");
+    }
+}

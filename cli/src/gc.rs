@@ -10,9 +10,11 @@
 //! writers (manifest, generation channel, host data), dead readers' slots, dead holders' slots
 //! in a set's holders segment (counted in a line of their own), abandoned creations;
 //! and without a NAME the
-//! reservations of dead holders in the quota ledgers (never a ledger itself; other users' ledgers
-//! are skipped with a note), and the liveness files, fd server sockets and bridge status files
-//! that killed processes left (a normal exit removes them).
+//! reservations of dead holders in the quota ledgers and the ledgers' creations abandoned
+//! half-way (never a ready ledger itself, nor one whose creation may still finish, which is kept
+//! with a line saying why; other users' ledgers are skipped with a note), and the liveness files,
+//! fd server sockets and bridge status files that killed processes left (a normal exit removes
+//! them).
 
 use crate::Outcome;
 use crate::listing::targets;

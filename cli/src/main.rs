@@ -169,9 +169,10 @@ enum Command {
     },
     /// Remove what dead processes left: registry records and participant entries of dead
     /// processes, segments of channels whose producer died, consumer slots and holds of dead
-    /// consumers, and tensor sets whose writer died (unless a live holder serves a VMM set).
-    /// Never touches what a live process owns; a live reader of a dead writer's set keeps what it
-    /// mapped (the files are unlinked, not shrunk).
+    /// consumers, and tensor sets whose writer died (unless a live holder serves a VMM set);
+    /// without a NAME also dead holders' quota reservations and quota ledgers whose creation was
+    /// abandoned half-way. Never touches what a live process owns; a live reader of a dead
+    /// writer's set keeps what it mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
         /// Only this registry, channel or tensor set.

@@ -191,7 +191,7 @@ pub fn skipped(name: &str, e: &cuda_ipc::Error) -> Option<Skipped> {
 }
 
 /// Every ledger in `/dev/shm`, inspected (dead holders reclaimed); those that cannot be read with
-/// why, other users' apart.
+/// why, other users' apart. A creation abandoned half-way says so, and that `gc` removes it.
 pub fn collect_all() -> Ledgers {
     let mut l = Ledgers::default();
     let names = match list_ledgers() {
@@ -206,7 +206,13 @@ pub fn collect_all() -> Ledgers {
             Ok(s) => l.snapshots.push(s),
             Err(e) => match skipped(&n, &e) {
                 Some(s) => l.skipped.push(s),
-                None => l.errors.push((n, e.to_string())),
+                None => {
+                    let e = match cuda_ipc::quota::abandoned(&n) {
+                        Ok(Some(why)) => format!("{e} ({why}: `cuda-ipc gc` removes it)"),
+                        _ => e.to_string(),
+                    };
+                    l.errors.push((n, e));
+                }
             },
         }
     }

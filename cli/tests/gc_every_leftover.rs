@@ -2,7 +2,8 @@
 //! process plants a leftover of each kind it can on a machine without a GPU, and is killed with
 //! SIGKILL: a registry record and participant entry, a host channel with its pool, a quota
 //! reservation, its liveness file; beside it an fd server socket and a bridge status file named
-//! for it, and a channel creation abandoned half-way. Both runs' lines about these are compared as
+//! for it, a channel creation abandoned half-way and a quota ledger creation it left unstamped.
+//! Both runs' lines about these are compared as
 //! sets, and a live producer's channel is in neither. A test binary of its own: `gc` without a
 //! NAME looks at everything, so no other test of this crate may plant or clean meanwhile.
 
@@ -126,6 +127,22 @@ fn gc_dry_run_lists_exactly_what_gc_removes_of_every_kind_of_leftover() {
         .unwrap()
         .set_len(1 << 20)
         .unwrap();
+    // A quota ledger the killed process began and never stamped: every page written, the magic,
+    // layout version 1 and its identity words, 2 s old below.
+    let half_ledger = QuotaScope::user().segment_name(Uuid({
+        let mut d = dev.0;
+        d[1] = 0x78;
+        d
+    }));
+    let _half_ledger = Gone(half_ledger.clone());
+    let mut header = b"CIPCQUOT".to_vec();
+    header.extend_from_slice(&1u32.to_le_bytes());
+    header.extend_from_slice(&[0; 12]); // no init stamp; generation 0
+    for w in dead.to_words() {
+        header.extend_from_slice(&w.to_le_bytes());
+    }
+    header.resize(4096 + 256 * 64, 0);
+    std::fs::write(format!("/dev/shm/{half_ledger}"), &header).unwrap();
     // Liveness files younger than 5 s and half-made creations younger than 2 s are never stale.
     if let Some(rest) = Duration::from_millis(5300).checked_sub(started.elapsed()) {
         std::thread::sleep(rest);
@@ -136,6 +153,7 @@ fn gc_dry_run_lists_exactly_what_gc_removes_of_every_kind_of_leftover() {
             || l.contains(&format!("pid {pid} "))
             || l.contains(&format!(".{pid}."))
             || l.contains(ledger.name())
+            || l.contains(&half_ledger)
     };
     let would = lines(&["gc", "--dry-run"], "would remove ", &mine);
     let removed = lines(&["gc"], "removed ", &mine);
@@ -146,6 +164,10 @@ fn gc_dry_run_lists_exactly_what_gc_removes_of_every_kind_of_leftover() {
         format!("host pool /dev/shm/cuda-ipc.hp.{dead_ch} of channel {dead_ch}"),
         format!("channel {half}: segment /dev/shm/cuda-ipc.ch.{half}: a creation abandoned"),
         format!("quota ledger {}: reservation of 700 bytes", ledger.name()),
+        format!(
+            "quota ledger {half_ledger}: segment /dev/shm/{half_ledger}: a creation abandoned by \
+             its dead creator"
+        ),
         "liveness file /dev/shm/cuda-ipc.live.".to_string(),
         format!("fd server socket {socket}"),
         format!("bridge status /dev/shm/cuda-ipc.br.{tag}"),

@@ -1,15 +1,28 @@
 //! `gc` and the quota ledgers: a killed holder's reservation is listed by `gc --dry-run` (which
-//! changes nothing) and freed by `gc`; the ledger and the live reservations stay. A test binary of
-//! its own: every `ls`, `watch` and `metrics` also frees dead holders, so no other test may look at
-//! the ledgers meanwhile.
+//! changes nothing) and freed by `gc`; the ledger and the live reservations stay. A ledger whose
+//! creation was abandoned half-way (empty, or never stamped by a dead creator, 2 s old) is removed,
+//! exit status 0; a young one, a live creator's and another user's are kept. A test binary of its
+//! own: every `ls`, `watch` and `metrics` also frees dead holders, so no other test may look at
+//! the ledgers meanwhile; its tests take turns (`gc` without a NAME looks at every ledger).
 
 mod common;
 use common::cuda_ipc;
 use cuda_ipc::driver::Uuid;
+use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+/// Held by each test while it runs `gc` without a NAME, which looks at (and removes from) every
+/// ledger: one test's `gc` would otherwise take what another planted before it looks.
+static GC: Mutex<()> = Mutex::new(());
+
+fn gc_turn() -> std::sync::MutexGuard<'static, ()> {
+    GC.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn text(o: &Output) -> String {
     format!(
@@ -55,6 +68,7 @@ fn gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones(
             std::thread::sleep(Duration::from_secs(60));
         }
     }
+    let _turn = gc_turn();
     let ledger = QuotaLedger::set_budget(QuotaScope::user(), dev, 1000).unwrap();
     let _g = Gone(ledger.name().to_string());
     let mine = ledger.reserve(100).unwrap();
@@ -95,4 +109,229 @@ fn gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones(
     assert_eq!((s.used, s.holders.len(), s.reclaimed), (100, 1, 0));
     assert!(std::fs::metadata(format!("/dev/shm/{}", ledger.name())).is_ok());
     drop(mine);
+}
+
+/// Bytes of a ledger segment (a header page, then 256 entries of 64 bytes).
+const LEDGER_LEN: usize = 4096 + 256 * 64;
+
+/// Plants under `name` (mode 0600) what a `quota set` killed half-way leaves: with `creator`, the
+/// whole ledger, every page written, with its magic, version and creator's identity words, never
+/// stamped; without, an empty file (killed before `ftruncate`).
+fn plant(name: &str, creator: Option<ProcessIdentity>) {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(format!("/dev/shm/{name}"))
+        .unwrap();
+    let Some(c) = creator else { return };
+    let mut b = b"CIPCQUOT".to_vec();
+    b.extend_from_slice(&1u32.to_le_bytes()); // layout version
+    b.extend_from_slice(&0u32.to_le_bytes()); // no init stamp
+    b.extend_from_slice(&7u64.to_le_bytes()); // creation generation
+    for w in c.to_words() {
+        b.extend_from_slice(&w.to_le_bytes());
+    }
+    b.resize(LEDGER_LEN, 0);
+    f.write_all(&b).unwrap();
+}
+
+/// The identity of a process that ran and was killed (a `sleep` child of this test), its start
+/// time read from `/proc/PID/stat` (field 22) while it ran.
+fn dead_process() -> ProcessIdentity {
+    let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+    // The fields after the command name, which ends at the last ')', start with field 3.
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let start: u64 = after.split(' ').nth(19).unwrap().parse().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let dead = ProcessIdentity {
+        pid: child.id(),
+        start_time: start,
+        ..ProcessIdentity::current().unwrap()
+    };
+    assert!(!dead.is_alive());
+    dead
+}
+
+/// Waits until the next whole second has begun: a file made then stays younger than the grace
+/// (2 s, counted in whole seconds of `st_ctime`) for almost 2 s.
+fn at_a_second_start() -> Instant {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap();
+    std::thread::sleep(Duration::from_nanos(
+        1_000_000_000 - u64::from(now.subsec_nanos()) + 20_000_000,
+    ));
+    Instant::now()
+}
+
+#[test]
+fn gc_removes_an_abandoned_quota_ledger_creation_and_keeps_a_young_live_or_other_users_one() {
+    let _turn = gc_turn();
+    let name = |tag: u8| QuotaScope::user().segment_name(fake_device(tag));
+    let [empty, dead, live, theirs, young, young_empty] =
+        [0x10, 0x11, 0x12, 0x13, 0x14, 0x15].map(name);
+    let _g = [&empty, &dead, &live, &theirs, &young, &young_empty].map(|n| Gone(n.clone()));
+    let exists = |n: &str| std::fs::symlink_metadata(format!("/dev/shm/{n}")).is_ok();
+    let creator = dead_process();
+    plant(&empty, None);
+    plant(&dead, Some(creator));
+    plant(&live, Some(ProcessIdentity::current().unwrap()));
+    let root = rustix::process::geteuid().is_root();
+    if root {
+        plant(&theirs, Some(creator));
+        let st = Command::new("chown")
+            .args(["65534", &format!("/dev/shm/{theirs}")])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    } else {
+        println!("another user's ledger left out: needs root to give a file to another uid");
+    }
+    // Past the grace (2 s, in whole seconds of `st_ctime`); then two young ones.
+    std::thread::sleep(Duration::from_millis(2200));
+    // `ls` cannot read them, and says which `gc` removes.
+    let t = text(&cuda_ipc(&["ls"]));
+    for (n, removes) in [(&empty, true), (&dead, true), (&live, false)] {
+        let line = t
+            .lines()
+            .find(|l| l.starts_with(&format!("quota ledger {n}: cannot read: ")))
+            .unwrap_or_else(|| panic!("{n}: {t}"));
+        assert_eq!(
+            line.ends_with("`cuda-ipc gc` removes it)"),
+            removes,
+            "{line}"
+        );
+    }
+    let planted = at_a_second_start();
+    plant(&young, Some(creator));
+    plant(&young_empty, None);
+
+    let o = cuda_ipc(&["gc", "--dry-run", "--json"]);
+    let young_yet = planted.elapsed() < Duration::from_millis(1900);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let mine = |o: &str| {
+        [&empty, &dead, &live, &theirs, &young, &young_empty]
+            .iter()
+            .any(|n| n.as_str() == o)
+    };
+    let listed: Vec<&serde_json::Value> = v["leftovers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| mine(l["object"].as_str().unwrap()))
+        .collect();
+    let kinds: Vec<(&str, &str)> = listed
+        .iter()
+        .map(|l| (l["kind"].as_str().unwrap(), l["object"].as_str().unwrap()))
+        .collect();
+    // The young ones come of age only if the run took almost 2 s (a slow machine).
+    let late = |n: &str| !young_yet && (n == young || n == young_empty);
+    assert!(
+        kinds.len() >= 2
+            && kinds[..2]
+                == [
+                    ("quota_creation", empty.as_str()),
+                    ("quota_creation", dead.as_str())
+                ]
+            && kinds[2..]
+                .iter()
+                .all(|&(k, n)| k == "quota_creation" && late(n)),
+        "{listed:#?}"
+    );
+    assert_eq!(listed[0]["pid"], serde_json::Value::Null);
+    assert_eq!(listed[1]["pid"], creator.pid);
+    assert_eq!(listed[1]["uid"], rustix::process::geteuid().as_raw());
+    assert_eq!(
+        listed[1]["what"],
+        format!(
+            "quota ledger {dead}: segment /dev/shm/{dead}: a creation abandoned by its dead \
+             creator before its init stamp"
+        )
+    );
+    assert!(v["problems"].as_array().unwrap().is_empty(), "{v:#}");
+    let kept: Vec<&str> = v["kept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["what"].as_str().unwrap())
+        .collect();
+    let kept_line = |n: &str| {
+        kept.iter()
+            .find(|k| k.starts_with(&format!("quota ledger {n}: ")))
+            .copied()
+    };
+    let l = kept_line(&live).expect("a live creator's creation is kept");
+    assert!(
+        l.contains(&format!(
+            "not stamped yet, by pid {}, which runs",
+            std::process::id()
+        )),
+        "{l}"
+    );
+    if young_yet {
+        for n in [&young, &young_empty] {
+            let l = kept_line(n).expect("a young creation is kept");
+            assert!(l.contains("a creation under way"), "{l}");
+        }
+    }
+    if root {
+        let skipped = v["quota_skipped"].as_array().unwrap();
+        assert!(
+            skipped
+                .iter()
+                .any(|s| s["name"] == theirs.as_str() && s["owner"] == 65534),
+            "{v:#}"
+        );
+    }
+    assert!(
+        [&empty, &dead].iter().all(|n| exists(n)),
+        "the dry run removed nothing"
+    );
+
+    let o = cuda_ipc(&["gc"]);
+    let t = text(&o);
+    let young_yet = planted.elapsed() < Duration::from_millis(1900);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains(&format!(
+            "removed quota ledger {empty}: segment /dev/shm/{empty}: a creation abandoned before \
+             its pages were reserved"
+        )),
+        "{t}"
+    );
+    assert!(
+        t.contains(&format!(
+            "removed quota ledger {dead}: segment /dev/shm/{dead}: a creation abandoned by its \
+             dead creator before its init stamp"
+        )),
+        "{t}"
+    );
+    assert!(
+        t.contains(&format!(
+            "kept quota ledger {live}: a creation under way: not stamped yet"
+        )),
+        "{t}"
+    );
+    assert!(!exists(&empty) && !exists(&dead), "{t}");
+    assert!(exists(&live), "{t}");
+    if young_yet {
+        assert!(exists(&young) && exists(&young_empty), "{t}");
+    }
+    if root {
+        assert!(
+            t.contains(&format!("quota ledger {theirs}: skipped: it is uid 65534")),
+            "{t}"
+        );
+        assert!(
+            !t.contains(&format!("removed quota ledger {theirs}")),
+            "{t}"
+        );
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(format!("/dev/shm/{theirs}")).unwrap();
+        assert_eq!(m.uid(), 65534, "another user's is never removed");
+    }
 }

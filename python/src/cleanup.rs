@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 /// One leftover as a dict: `kind` (e.g. `"channel"`, `"channel_consumer"`, `"host_pool"`,
-/// `"registry_record"`, `"liveness_file"`), `object` (the registry, channel, ledger or file name),
+/// `"registry_record"`, `"quota_creation"`, `"liveness_file"`), `object` (the registry, channel, ledger or file name),
 /// `pid` (the dead process's, or `None`), `uid` (or `None`) and `what` (the line `cuda-ipc gc`
 /// prints after `would remove` / `removed`).
 fn to_dict<'py>(py: Python<'py>, l: &Leftover) -> PyResult<Bound<'py, PyDict>> {
@@ -38,10 +38,11 @@ fn kind_name(k: lib::LeftoverKind) -> String {
 }
 
 /// Finds what dead processes left in `/dev/shm` (registries' and channels' leftovers, host pools,
-/// quota reservations, liveness files, fd server sockets, bridge status files) and, unless
-/// `dry_run`, removes them, each checked again right before it goes. Returns the leftovers found
-/// (`dry_run`) or removed, each a dict (`kind`, `object`, `pid`, `uid`, `what`). The same as
-/// `cuda-ipc gc [--dry-run]`; nothing of a live process or of another user is touched.
+/// quota reservations and abandoned ledger creations, liveness files, fd server sockets, bridge
+/// status files) and, unless `dry_run`, removes them, each checked again right before it goes.
+/// Returns the leftovers found (`dry_run`) or removed, each a dict (`kind`, `object`, `pid`,
+/// `uid`, `what`). The same as `cuda-ipc gc [--dry-run]`; nothing of a live process or of another
+/// user is touched.
 ///
 /// Raises `OSError` when `/dev/shm` cannot be listed. What cannot be read or removed (another
 /// user's quota ledger, a foreign file under our names) is skipped and kept; `cuda-ipc gc`

@@ -10,14 +10,14 @@
 //! consumers, abandoned creations and host pools ([`channel::reclaim`]); the tensor sets' dead
 //! writers' parts, abandoned creations, dead readers and dead holders' slots
 //! ([`tensorset::reclaim`]); the quota
-//! ledgers' dead
-//! holders ([`QuotaLedger::dead_holders`]); the liveness files ([`identity`]) and fd server
+//! ledgers' dead holders ([`QuotaLedger::dead_holders`]) and abandoned creations
+//! ([`quota::remove_abandoned`]); the liveness files ([`identity`]) and fd server
 //! sockets ([`fdpass`]) of killed processes; the status files of killed lane bridges. This module
 //! only lists and dispatches: it never reads a segment's bytes itself.
 //!
 //! What it never touches: anything of a live process or of one whose liveness cannot be told
 //! (kept, with a note), another user's files (unless run as root, for per-process files), a
-//! finished registry or a quota ledger itself (only what dead processes left inside them), and
+//! finished registry or a ready quota ledger itself (only what dead processes left inside them), and
 //! anything under our names that is not ours (a FIFO, a foreign file: a problem, never removed).
 //! Above every layer it cleans; nothing below imports it. Never calls CUDA.
 //!
@@ -148,12 +148,17 @@ pub enum LeftoverKind {
     FdSocket,
     /// A dead holder's reservation in a quota ledger.
     QuotaHolder,
+    /// A quota ledger segment whose creation was abandoned half-way (empty or sparse, or never
+    /// stamped with its creator dead, each for at least 2 s): the rule
+    /// [`QuotaLedger::set_budget`] replaces one by ([`quota::abandoned`]).
+    QuotaCreation,
     /// A killed lane bridge's status file (`/dev/shm/cuda-ipc.br.*`).
     BridgeStatus,
 }
 
 impl LeftoverKind {
-    /// The kind of shared object it is part of; `None` for per-process files and quota holders.
+    /// The kind of shared object it is part of; `None` for per-process files and for the quota
+    /// ledgers' leftovers (dead holders, abandoned creations).
     pub fn object_kind(self) -> Option<ObjectKind> {
         ObjectKind::ALL
             .iter()
@@ -213,6 +218,9 @@ enum Target {
         identity: ProcessIdentity,
         bytes: u64,
     },
+    /// A quota ledger creation abandoned half-way, judged again by
+    /// [`quota::remove_abandoned`].
+    QuotaCreation,
     Bridge,
 }
 
@@ -243,8 +251,9 @@ pub struct Problem {
 pub struct Scan {
     /// The leftovers, in the order [`remove`] takes them.
     pub leftovers: Vec<Leftover>,
-    /// What is kept because whether its process runs cannot be told, one line each (`channel X:
-    /// ...`).
+    /// What is kept, one line each saying why (`channel X: ...`): whether its process runs cannot
+    /// be told, or a quota ledger's creation may still finish (younger than 2 s, or its creator
+    /// runs).
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,
@@ -274,13 +283,14 @@ pub struct Scope {
     channels: Option<Vec<String>>,
     /// Tensor set names; `None`: every tensor set in `/dev/shm`.
     tensor_sets: Option<Vec<String>>,
-    /// Also the quota ledgers' dead holders and the per-process files.
+    /// Also the quota ledgers (dead holders, abandoned creations) and the per-process files.
     everything: bool,
 }
 
 impl Scope {
-    /// Everything: every registry and channel in `/dev/shm`, the quota ledgers' dead holders, and
-    /// the liveness files, fd server sockets and bridge status files of killed processes.
+    /// Everything: every registry and channel in `/dev/shm`, the quota ledgers' dead holders and
+    /// abandoned creations, and the liveness files, fd server sockets and bridge status files of
+    /// killed processes.
     pub fn everything() -> Scope {
         Scope {
             registries: None,
@@ -390,4 +400,195 @@ fn bridge_dead(c: &str) -> Option<bool> {
     let pid = pid.filter(|&p| p != 0 && role)?;
     let now = identity::start_time_of(pid).ok().flatten();
     Some(now != Some(start.unwrap_or(0)))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::quota::layout::{Header, LEDGER_LEN, MAGIC, VERSION};
+    use std::time::{Duration, Instant, SystemTime};
+
+    /// A user ledger's name of this process and `tag`, as `QuotaScope::segment_name` makes one.
+    fn ledger_name(tag: u8) -> String {
+        format!(
+            "cuda-ipc.quota.u{}.fec1{tag:02x}{:026x}",
+            rustix::process::geteuid().as_raw(),
+            std::process::id()
+        )
+    }
+
+    fn exists(name: &str) -> bool {
+        std::fs::symlink_metadata(format!("{SHM_DIR}/{name}")).is_ok()
+    }
+
+    /// Removes a name in /dev/shm when dropped, whatever the test left.
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(format!("{SHM_DIR}/{}", self.0));
+        }
+    }
+
+    /// Plants under `name` what a `set_budget` killed half-way leaves: with `creator`, the whole
+    /// ledger (every page written) with its magic, version and creator, never stamped; without,
+    /// an empty file (killed before `ftruncate`).
+    fn plant(name: &str, creator: Option<ProcessIdentity>) {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(format!("{SHM_DIR}/{name}"))
+            .unwrap();
+        let Some(c) = creator else { return };
+        let mut b = vec![0u8; LEDGER_LEN];
+        b[..8].copy_from_slice(&MAGIC.to_le_bytes());
+        let v = std::mem::offset_of!(Header, version);
+        b[v..v + 4].copy_from_slice(&VERSION.to_le_bytes());
+        let at = std::mem::offset_of!(Header, creator);
+        for (i, w) in c.to_words().iter().enumerate() {
+            b[at + 8 * i..at + 8 * (i + 1)].copy_from_slice(&w.to_le_bytes());
+        }
+        f.write_all(&b).unwrap();
+    }
+
+    /// The identity of a process that ran and was killed (a child of this test).
+    fn dead_process() -> ProcessIdentity {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let start = identity::start_time_of(child.id())
+            .unwrap()
+            .expect("the child runs");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let dead = ProcessIdentity {
+            pid: child.id(),
+            start_time: start,
+            ..ProcessIdentity::current().unwrap()
+        };
+        assert_eq!(dead.liveness(), identity::Liveness::Dead);
+        dead
+    }
+
+    /// Waits until the next whole second has begun: a file made then stays younger than the
+    /// grace (2 s, counted in whole seconds of `st_ctime`) for almost 2 s.
+    fn at_a_second_start() -> Instant {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap();
+        std::thread::sleep(Duration::from_nanos(
+            1_000_000_000 - u64::from(now.subsec_nanos()) + 20_000_000,
+        ));
+        Instant::now()
+    }
+
+    #[test]
+    fn quota_ledger_leftovers_belong_to_no_object_kind() {
+        for k in [LeftoverKind::QuotaHolder, LeftoverKind::QuotaCreation] {
+            assert_eq!(k.object_kind(), None, "{k:?}");
+            assert!(
+                ObjectKind::ALL
+                    .iter()
+                    .all(|o| !o.leftover_kinds().contains(&k)),
+                "{k:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_abandoned_quota_ledger_creation_is_a_leftover_that_goes_and_a_young_or_live_one_is_kept()
+    {
+        let [empty, dead, live, young, young_empty] = [1, 2, 3, 4, 5].map(ledger_name);
+        let _g = [&empty, &dead, &live, &young, &young_empty].map(|n| Gone(n.clone()));
+        let dead_creator = dead_process();
+        plant(&empty, None);
+        plant(&dead, Some(dead_creator));
+        plant(&live, Some(ProcessIdentity::current().unwrap()));
+        // Past the grace (2 s, in whole seconds of `st_ctime`).
+        std::thread::sleep(Duration::from_millis(2200));
+        let planted = at_a_second_start();
+        plant(&young, Some(dead_creator));
+        plant(&young_empty, None);
+
+        let scan = scan(&Scope::everything()).unwrap();
+        let young_yet = planted.elapsed() < Duration::from_millis(1900);
+        let names = [&empty, &dead, &live, &young, &young_empty];
+        let mine = |o: &str| names.iter().any(|n| n.as_str() == o);
+        let found: Vec<&Leftover> = scan.leftovers.iter().filter(|l| mine(&l.object)).collect();
+        let kinds: Vec<(LeftoverKind, &str)> =
+            found.iter().map(|l| (l.kind, l.object.as_str())).collect();
+        // The young ones come of age only if the scan took almost 2 s (a slow machine).
+        let late = |n: &str| !young_yet && (n == young || n == young_empty);
+        assert!(
+            kinds.len() >= 2
+                && kinds[..2]
+                    == [
+                        (LeftoverKind::QuotaCreation, empty.as_str()),
+                        (LeftoverKind::QuotaCreation, dead.as_str()),
+                    ]
+                && kinds[2..]
+                    .iter()
+                    .all(|&(k, n)| k == LeftoverKind::QuotaCreation && late(n)),
+            "{found:#?}"
+        );
+        assert_eq!(found[0].owner, None);
+        assert_eq!(found[1].owner, Some(dead_creator));
+        assert_eq!(
+            found[0].what,
+            format!(
+                "quota ledger {empty}: segment {SHM_DIR}/{empty}: a creation abandoned before its \
+                 pages were reserved"
+            )
+        );
+        assert!(
+            found[1]
+                .what
+                .ends_with("a creation abandoned by its dead creator before its init stamp"),
+            "{}",
+            found[1].what
+        );
+        // Not problems: kept, with why.
+        assert!(
+            !scan
+                .problems
+                .iter()
+                .any(|p| mine(p.subject.trim_start_matches("quota ledger "))),
+            "{:?}",
+            scan.problems
+        );
+        let kept = |n: &str| {
+            scan.kept
+                .iter()
+                .find(|k| k.starts_with(&format!("quota ledger {n}: ")))
+                .cloned()
+        };
+        let live_kept = kept(&live).expect("a live creator's creation is kept");
+        assert!(
+            live_kept.contains(&format!("by pid {}, which runs", std::process::id())),
+            "{live_kept}"
+        );
+        if young_yet {
+            for n in [&young, &young_empty] {
+                let k = kept(n).expect("a young creation is kept");
+                assert!(k.contains("a creation under way"), "{k}");
+            }
+        }
+
+        // Removed only while the name still stands for what was judged: `empty` is made again
+        // (young) before the removal, and stays.
+        std::fs::remove_file(format!("{SHM_DIR}/{empty}")).unwrap();
+        plant(&empty, None);
+        let listed: Vec<Leftover> = found.iter().map(|l| (*l).clone()).collect();
+        let r = remove(&listed[..2]);
+        assert_eq!(r.removed, vec![listed[1].clone()], "{r:?}");
+        assert_eq!(r.kept, vec![(listed[0].clone(), "gone or no longer stale")]);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert!(exists(&empty) && !exists(&dead) && exists(&live) && exists(&young));
+        // Gone: nothing to do.
+        let r = remove(&listed[1..2]);
+        assert!(r.removed.is_empty() && r.kept.len() == 1, "{r:?}");
+    }
 }

@@ -11,14 +11,15 @@ use crate::channel;
 use crate::error::Result;
 use crate::identity;
 use crate::ipc::fdpass;
-use crate::quota::QuotaLedger;
+use crate::quota::{self, QuotaLedger};
 use crate::registry::{self, Reclaimed, Registry, RegistryOptions};
 use crate::shm::SHM_DIR;
 use crate::tensorset::{self, inspect as tensorset_inspect};
 
 /// Removes what a [`scan`](super::scan) listed, each checked again right before it goes by the same rule (a
 /// registry's and a ledger's items by their own recovery under their own locks; a channel, pool
-/// or segment only while its name still stands for what was judged), and reports what went.
+/// or segment, an abandoned creation included, only while its name still stands for what was
+/// judged), and reports what went.
 ///
 /// Leftovers are taken in the order given, grouped per registry and per ledger (whose recovery
 /// frees every dead item at once: what it freed beside the ones listed is reported too). A channel
@@ -42,6 +43,11 @@ pub fn remove(leftovers: &[Leftover]) -> Removal {
                     reclaim_ledger(&l.object, leftovers, &mut out);
                 }
             }
+            Target::QuotaCreation => one(
+                l,
+                quota::remove_abandoned(&l.object).map(|r| r.is_some()),
+                &mut out,
+            ),
             Target::RegistrySegment => {
                 one(
                     l,

@@ -9,19 +9,21 @@ use super::{
     holder_leftover, holders, leftover, problem,
 };
 use crate::channel::inspect as channel_inspect;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::identity;
 use crate::ipc::fdpass;
 use crate::quota::{self, QuotaLedger};
 use crate::registry::inspect as registry_inspect;
-use crate::shm::SHM_DIR;
+use crate::shm::{SHM_DIR, ShmError};
 use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 
 /// Lists what dead processes left in `scope`, by the layers' own rules; changes nothing.
 ///
-/// A registry or channel that cannot be read is a [`Problem`](super::Problem) (unless it is a creation abandoned
-/// half-way: then it is that leftover); another user's quota ledger is a problem whose error is
-/// `ShmError::WrongOwner`. Per-process files are this user's only, everyone's for root.
+/// A registry, channel or quota ledger that cannot be read is a [`Problem`](super::Problem)
+/// (unless it is a creation abandoned half-way: then it is that leftover; a quota ledger's
+/// creation that may still finish is kept, with why); another user's quota ledger is a problem
+/// whose error is `ShmError::WrongOwner`. Per-process files are this user's only, everyone's for
+/// root.
 ///
 /// # Errors
 /// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed (for the registries and channels of
@@ -306,6 +308,8 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
     }
 }
 
+/// The quota ledgers: a creation abandoned half-way is a leftover, one that may still finish is
+/// kept with why; of a ready ledger, the dead holders' reservations are the leftovers.
 fn scan_quota(s: &mut Scan) {
     let names = match quota::list_ledgers() {
         Ok(n) => n,
@@ -315,6 +319,37 @@ fn scan_quota(s: &mut Scan) {
         }
     };
     for name in names {
+        // Judged first, by the rule a creator replaces one by: an unstamped creation would cost
+        // the opener its 1 s wait for a stamp. Anything that is no creation of ours (a ready
+        // ledger, another member's group ledger, a foreign file) is opened, and its error, if
+        // any, is the problem.
+        match quota::judge_creation(&name) {
+            Ok(quota::Creation::Abandoned { why, creator, .. }) => {
+                s.leftovers.push(leftover(
+                    LeftoverKind::QuotaCreation,
+                    &name,
+                    creator,
+                    Some(rustix::process::geteuid().as_raw()),
+                    format!("quota ledger {name}: segment {SHM_DIR}/{name}: {why}"),
+                    Target::QuotaCreation,
+                ));
+                continue;
+            }
+            Ok(quota::Creation::Sizing) => {
+                s.kept.push(format!(
+                    "quota ledger {name}: a creation under way: empty or sparse, younger than 2 s \
+                     or being sized by its creator"
+                ));
+                continue;
+            }
+            Ok(quota::Creation::Unfinished(why)) => {
+                s.kept.push(format!("quota ledger {name}: {why}"));
+                continue;
+            }
+            // Gone meanwhile: nothing to report.
+            Err(Error::Shm(ShmError::NotFound { .. })) => continue,
+            Ok(quota::Creation::Finished) | Err(_) => {}
+        }
         match QuotaLedger::open_named(&name).and_then(|l| l.dead_holders(false)) {
             Ok(dead) => s
                 .leftovers

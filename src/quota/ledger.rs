@@ -5,7 +5,7 @@
 use super::error::{HeldBy, QuotaError};
 use super::layout::{ENTRIES, FREE, HELD, Header, LEDGER_LEN, SCOPE_GROUP, SCOPE_USER, WRITING};
 use super::scope::{LEDGER_PREFIX, QuotaScope};
-use super::segment::{Inner, judge_blocker, open_error};
+use super::segment::{Creation, Inner, judge_blocker, judge_creation, open_error};
 use super::snapshot::{Holder, LedgerSnapshot};
 use crate::driver::Uuid;
 use crate::error::{Error, Result};
@@ -470,6 +470,66 @@ pub fn list_ledgers() -> Result<Vec<String>> {
         .collect();
     v.sort();
     Ok(v)
+}
+
+/// Whether the segment `name` (a ledger's name, `cuda-ipc.quota.…`) is a ledger creation
+/// abandoned half-way, by the rule [`QuotaLedger::set_budget`] replaces one by: this user's, and
+/// empty or sparse for at least 2 s with no creator sizing it, or sized and never stamped for at
+/// least 2 s with its header not begun or its recorded creator dead. Returns why, or `Ok(None)`:
+/// nothing under the name, a ready ledger (its dead holders are
+/// [`QuotaLedger::dead_holders`]'), a creation younger than 2 s, or a live creator's (or one whose
+/// liveness cannot be told). Removing it is [`remove_abandoned`]'s. Changes nothing.
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] for a name that is not a ledger's; the typed errors that say
+/// what else is under the name and why it is kept: [`ShmError::WrongOwner`] for another user's
+/// segment (a group ledger of another member included), [`ShmError::NotASegment`] for a FIFO,
+/// directory, socket or device, [`ShmError::TooSmall`] for a short file whose pages are there;
+/// [`crate::Error::Os`] when a call fails.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::driver::Uuid;
+/// use cuda_ipc::quota::{self, QuotaLedger, QuotaScope};
+/// let mut dev = [0xd0u8; 16];
+/// dev[12..].copy_from_slice(&std::process::id().to_le_bytes());
+/// let ledger = QuotaLedger::set_budget(QuotaScope::user(), Uuid(dev), 1 << 20)?;
+/// assert_eq!(quota::abandoned(ledger.name())?, None); // ready: not a leftover
+/// ledger.remove()?;
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn abandoned(name: &str) -> Result<Option<&'static str>> {
+    Ok(judged(name)?.map(|(why, _)| why))
+}
+
+/// Removes the segment `name` (a ledger's name) when it is a ledger creation abandoned half-way
+/// ([`abandoned`]), judged again right before, and only while the name still stands for the file
+/// judged (`Segment::unlink_if_same`). Returns why it was removed; `Ok(None)` when nothing was
+/// touched (nothing there, a ready ledger, a young creation, a live creator's, or a new file
+/// under the name meanwhile). Another user's segment, a FIFO or a foreign file is never removed.
+///
+/// # Errors
+/// As [`abandoned`]; [`crate::Error::Os`] when the unlink fails.
+pub fn remove_abandoned(name: &str) -> Result<Option<&'static str>> {
+    let Some((why, inode)) = judged(name)? else {
+        return Ok(None);
+    };
+    Ok(Segment::unlink_if_same(name, inode)?.then_some(why))
+}
+
+/// [`judge_creation`] of a ledger's name, for [`abandoned`] and [`remove_abandoned`]: why and the
+/// inode judged, when abandoned; `Ok(None)` when nothing is there or it is not abandoned.
+fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
+    if !name.starts_with(LEDGER_PREFIX) {
+        return Err(Error::InvalidArgument(format!(
+            "{name:?} is not a quota ledger's name (`{LEDGER_PREFIX}…`)"
+        )));
+    }
+    match judge_creation(name) {
+        Ok(Creation::Abandoned { why, inode, .. }) => Ok(Some((why, inode))),
+        Ok(_) | Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(all(test, not(loom)))]

@@ -4,10 +4,12 @@
 //!
 //! Owns: [`QuotaLedger`] (create, open, set the budget, reserve, inspect), [`Reservation`] (bytes
 //! held until dropped), [`QuotaScope`] (whose budget: this user's, or a named group's),
-//! [`LedgerSnapshot`] and [`Holder`] (what tools show), [`QuotaError`] (this layer's error, with
-//! [`QuotaError::OverQuota`] naming who holds how much). Built on `shm` (the segment and its
-//! versioned create/open protocol) and `identity` (holders and their liveness). Never calls CUDA:
-//! a device is named by its UUID ([`crate::driver::Uuid`], the type only).
+//! [`LedgerSnapshot`] and [`Holder`] (what tools show), [`abandoned`] and [`remove_abandoned`] (a
+//! creation abandoned half-way, by the rule a creator replaces it by, for `cuda-ipc gc`),
+//! [`QuotaError`] (this layer's error, with [`QuotaError::OverQuota`] naming who holds how much).
+//! Built on `shm` (the segment and its versioned create/open protocol) and `identity` (holders and
+//! their liveness). Never calls CUDA: a device is named by its UUID ([`crate::driver::Uuid`], the
+//! type only).
 //!
 //! Who creates a ledger, its mode, and who may change the budget:
 //! - the ledger of a device is created by whoever sets its budget first
@@ -51,6 +53,7 @@ mod snapshot;
 
 pub use error::{HeldBy, QuotaError};
 pub use layout::UNLIMITED;
-pub use ledger::{QuotaLedger, Reservation, list_ledgers};
+pub use ledger::{QuotaLedger, Reservation, abandoned, list_ledgers, remove_abandoned};
 pub use scope::QuotaScope;
+pub(crate) use segment::{Creation, judge_creation};
 pub use snapshot::{Holder, LedgerSnapshot};

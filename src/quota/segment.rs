@@ -220,45 +220,125 @@ impl Inner {
     }
 }
 
-/// Whether what stands under a ledger's name may be replaced by a creator: only this user's
-/// creation abandoned half-way (empty or sparse for 2 s, or never stamped for 2 s with its creator
-/// dead). A ledger that is ready, or being created by a live process, is
-/// [`ShmError::AlreadyExists`] (the caller opens it); anything else keeps the error that says what
-/// it is (another user's, a FIFO, too small), and nothing of it is removed.
-pub(super) fn judge_blocker(name: &str) -> Result<Option<&'static str>> {
-    let taken = || -> Error {
-        ShmError::AlreadyExists {
-            name: name.to_string(),
-        }
-        .into()
-    };
+/// What stands under a ledger's name that is not (yet) a ready ledger, by the one rule of
+/// [`judge_creation`]: what a creator replaces ([`judge_blocker`]) and `gc` removes
+/// ([`super::remove_abandoned`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Creation {
+    /// This user's creation abandoned half-way: why, the inode judged (removed only while the name
+    /// still stands for it), and the creator where one is recorded (and dead).
+    Abandoned {
+        why: &'static str,
+        inode: u64,
+        creator: Option<ProcessIdentity>,
+    },
+    /// Empty or sparse, younger than [`versioned::ABANDONED_AFTER`] or its sizing lock held (a
+    /// creator may be sizing it now), or the name changed while it was judged: look again shortly.
+    Sizing,
+    /// Sized but not stamped yet, and it may still be finished: why, in words (younger than
+    /// [`versioned::ABANDONED_AFTER`], or its creator runs or cannot be told dead).
+    Unfinished(String),
+    /// No creation under way: stamped, or a header no ledger creator writes (another magic, a bad
+    /// stamp word); opening it says what it is.
+    Finished,
+}
+
+/// Judges what stands under the ledger name `name` as a creation: only this user's segment is
+/// ever [`Creation::Abandoned`], and of those only one that is
+/// - empty (a creator killed before `ftruncate`) or sparse (before `fallocate`), at least
+///   [`versioned::ABANDONED_AFTER`] (2 s) old with its sizing lock free
+///   ([`versioned::stat_blocker`]): no creator is recorded there, so none can be alive;
+/// - sized, never stamped, at least as old, and its header not begun (magic 0) or its recorded
+///   creator dead by [`ProcessIdentity::liveness_as`] with the file owner's uid (the creator made
+///   the file). A creator whose liveness cannot be told keeps it ([`Creation::Unfinished`]).
+///
+/// Reads the file's status, then maps it and loads its header words; changes nothing, sleeps
+/// nowhere.
+///
+/// # Errors
+/// What is under the name when it is no creation of ours, and why it is kept:
+/// [`ShmError::NotFound`] when there is nothing, [`ShmError::WrongOwner`] for another user's
+/// segment, [`ShmError::NotASegment`] for a FIFO, directory, socket or device (never opened in a
+/// way that could block), [`ShmError::TooSmall`] for a short file whose pages are there,
+/// [`crate::Error::Os`] when a call fails.
+pub(crate) fn judge_creation(name: &str) -> Result<Creation> {
+    let judged = Segment::stat(name)?;
     let info = match versioned::stat_blocker(name, LEDGER_LEN)? {
-        versioned::Blocker::Abandoned => return Ok(Some(versioned::ABANDONED_UNSIZED)),
-        versioned::Blocker::Young => {
-            // A creator is sizing it now: look again shortly.
-            std::thread::sleep(Duration::from_millis(5));
-            return Ok(None);
+        versioned::Blocker::Abandoned => {
+            return Ok(Creation::Abandoned {
+                why: versioned::ABANDONED_UNSIZED,
+                inode: judged.inode,
+                creator: None,
+            });
         }
+        versioned::Blocker::Young => return Ok(Creation::Sizing),
         versioned::Blocker::Sized(info) => info,
     };
     let seg = Segment::open_with_min_len(name, LEDGER_LEN)?;
     seg.check_owner()?;
+    if info.inode != judged.inode || seg.inode()? != judged.inode {
+        // Made again while judged: its creator may be at work.
+        return Ok(Creation::Sizing);
+    }
     let h = versioned::header::<Header>(&seg);
-    match versioned::look(h) {
-        versioned::Look::Unstamped if info.age_secs >= versioned::ABANDONED_AFTER.as_secs() => {
-            // SYNC POINT creator: Acquire, pairs with the Release store of the magic in
-            // `write_versioned`: a creator that stored the magic stored its identity before it.
-            let magic = h.magic.load(Ordering::Acquire);
-            // Relaxed: ordered by the Acquire above.
-            let creator = ProcessIdentity::load_words(&h.creator);
-            // The creator made the file, so its owner is the creator's uid.
-            if magic == 0 || creator.liveness_as(info.uid) == Liveness::Dead {
-                Ok(Some("a creation abandoned before its init stamp"))
-            } else {
-                Err(taken())
-            }
+    if versioned::look(h) != versioned::Look::Unstamped {
+        return Ok(Creation::Finished);
+    }
+    if info.age_secs < versioned::ABANDONED_AFTER.as_secs() {
+        return Ok(Creation::Unfinished(
+            "a creation under way: not stamped yet, younger than 2 s".to_string(),
+        ));
+    }
+    // SYNC POINT creator: Acquire, pairs with the Release store of the magic in
+    // `write_versioned`: a creator that stored the magic stored its identity before it.
+    let magic = h.magic.load(Ordering::Acquire);
+    if magic == 0 {
+        // Pages reserved, header not begun: a live creator stores its magic microseconds after
+        // `fallocate`; no creator is recorded yet.
+        return Ok(Creation::Abandoned {
+            why: "a creation abandoned before its header was written",
+            inode: judged.inode,
+            creator: None,
+        });
+    }
+    // Relaxed: ordered by the Acquire above (SYNC POINT creator).
+    let creator = ProcessIdentity::load_words(&h.creator);
+    // The creator made the file, so its owner is the creator's uid.
+    Ok(match creator.liveness_as(info.uid) {
+        Liveness::Dead => Creation::Abandoned {
+            why: "a creation abandoned by its dead creator before its init stamp",
+            inode: judged.inode,
+            creator: Some(creator),
+        },
+        Liveness::Alive => Creation::Unfinished(format!(
+            "a creation under way: not stamped yet, by {creator}, which runs"
+        )),
+        _ => Creation::Unfinished(format!(
+            "a creation not stamped yet, by {creator}, whose liveness cannot be told from here"
+        )),
+    })
+}
+
+/// Whether what stands under a ledger's name may be replaced by a creator, by the rule of
+/// [`judge_creation`]: `Ok(Some(why))` for this user's creation abandoned half-way; `Ok(None)`
+/// after a short pause (5 ms) while a creator may be sizing it, or when the name went away: look
+/// again. A ledger that is ready, or being created by a live process, is
+/// [`ShmError::AlreadyExists`] (the caller opens it); anything else keeps the error that says what
+/// it is (another user's, a FIFO, too small), and nothing of it is removed.
+pub(super) fn judge_blocker(name: &str) -> Result<Option<&'static str>> {
+    match judge_creation(name) {
+        Ok(Creation::Abandoned { why, .. }) => Ok(Some(why)),
+        Ok(Creation::Sizing) => {
+            // A creator is sizing it now: look again shortly.
+            std::thread::sleep(Duration::from_millis(5));
+            Ok(None)
         }
-        _ => Err(taken()),
+        Ok(Creation::Unfinished(_) | Creation::Finished) => Err(ShmError::AlreadyExists {
+            name: name.to_string(),
+        }
+        .into()),
+        Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
