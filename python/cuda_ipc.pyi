@@ -110,7 +110,8 @@ class FdPassingError(CudaIpcError):
     """Fetching a VMM or memory-pool channel's file descriptors failed."""
 
 class NoConsumerSlot(CudaIpcError):
-    """Every consumer slot of the channel is taken."""
+    """Every consumer slot of the channel is taken (a tensor set's readers: every one of the
+    writer's ``max_readers`` slots; a dead reader's slot is freed within about 1 s)."""
 
 class ProducerGone(CudaIpcError):
     """The channel's producer died (noticed within about 20 ms)."""
@@ -583,7 +584,12 @@ class TensorSetWriter:
         name: str, tensors: Dict[str, Any], *, device: int = 0, max_readers: int = 64
     ) -> "TensorSetWriter":
         """Publishes tensors living in ``torch_mem_pool`` memory without a copy (in place;
-        generation 1 committed at once); ``InvalidArgument`` for a tensor allocated elsewhere."""
+        generation 1 committed at once; ``torch.cuda.memory_allocated()`` does not move). Each
+        tensor keeps its strides and place: tied keys stay at one address for readers, a
+        transposed view stays a view; tensors with no elements need no memory and are taken.
+        The pool's memory is VMM, so readers map it read-only. ``InvalidArgument`` for a value
+        that is not a tensor, a tensor with bytes allocated elsewhere (a CPU tensor, PyTorch's own
+        allocator) or on another device, and a dict with no bytes in the pool."""
     def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
         """The next generation's buffer, waiting while readers hold it; a context manager that
         commits at the end of the block (aborts on an exception)."""
@@ -610,12 +616,19 @@ class TensorSetWriter:
     @property
     def name(self) -> str: ...
     @property
-    def layout_fingerprint(self) -> bytes: ...
+    def layout_fingerprint(self) -> bytes:
+        """32 bytes: SHA-256 over the tensors' names, dtypes, shapes, strides, allocation
+        indices and byte offsets, in the set's order (not the memory kind, the mode or
+        ``max_readers``); give it to readers' ``expect_layout``."""
     @property
-    def names(self) -> List[str]: ...
+    def names(self) -> List[str]:
+        """The tensors' names in the set's order (the order of ``tensors()``' keys)."""
     @property
-    def nbytes(self) -> int: ...
-    def synchronize(self) -> None: ...
+    def nbytes(self) -> int:
+        """Bytes of one buffer: every tensor, with its alignment."""
+    def synchronize(self) -> None:
+        """Waits on the host (without the GIL) until the writer's stream drained: its copies
+        and ready words."""
     def close(self, timeout: float = ...) -> None:
         """Waits up to ``timeout`` seconds (default 5) for the readers."""
     def __enter__(self) -> "TensorSetWriter": ...
@@ -706,7 +719,9 @@ class TensorSetReader:
     @property
     def name(self) -> str: ...
     @property
-    def imports(self) -> int: ...
+    def imports(self) -> int:
+        """Driver imports this open made: one per allocation per buffer for a first open in the
+        process, 0 for allocations this process had imported already."""
     @property
     def read_only(self) -> bool: ...
     @property
