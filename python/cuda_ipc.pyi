@@ -586,7 +586,10 @@ class TensorSetWriter:
         generation 1 committed at once); ``InvalidArgument`` for a tensor allocated elsewhere."""
     def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
         """The next generation's buffer, waiting while readers hold it; a context manager that
-        commits at the end of the block (aborts on an exception)."""
+        commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
+        writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
+        or while the update is open (the update's calls and the block's end raise it then:
+        nothing was published)."""
     def publish(
         self,
         tensors: Union[Dict[str, Any], "CopyPlan"],
@@ -615,9 +618,14 @@ class TensorSetWriter:
     def names(self) -> List[str]: ...
     @property
     def nbytes(self) -> int: ...
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Waits until the writer's stream drained (at once for a host set). ``TensorSetClosed``
+        once closed; ``InvalidArgument`` while an update of a GPU set is open."""
     def close(self, timeout: float = ...) -> None:
-        """Waits up to ``timeout`` seconds (default 5) for the readers."""
+        """Closes the set, waiting up to ``timeout`` seconds (default 5) for the readers; an open
+        update is aborted. Safe from any thread: a ``begin`` waiting in another thread raises
+        ``TensorSetClosed`` within 50 ms and this waits for it to end first. Closing twice does
+        nothing; ``begin``, ``publish`` and ``synchronize`` raise ``TensorSetClosed`` after it."""
     def __enter__(self) -> "TensorSetWriter": ...
     def __exit__(self, *args: Any) -> None: ...
 
