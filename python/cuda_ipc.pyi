@@ -592,7 +592,10 @@ class TensorSetWriter:
         allocator) or on another device, and a dict with no bytes in the pool."""
     def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
         """The next generation's buffer, waiting while readers hold it; a context manager that
-        commits at the end of the block (aborts on an exception)."""
+        commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
+        writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
+        or while the update is open (the update's calls and the block's end raise it then:
+        nothing was published)."""
     def publish(
         self,
         tensors: Union[Dict[str, Any], "CopyPlan"],
@@ -628,9 +631,13 @@ class TensorSetWriter:
         """Bytes of one buffer: every tensor, with its alignment."""
     def synchronize(self) -> None:
         """Waits on the host (without the GIL) until the writer's stream drained: its copies
-        and ready words."""
+        and ready words (at once for a host set). ``TensorSetClosed`` once closed;
+        ``InvalidArgument`` while an update of a GPU set is open."""
     def close(self, timeout: float = ...) -> None:
-        """Waits up to ``timeout`` seconds (default 5) for the readers."""
+        """Closes the set, waiting up to ``timeout`` seconds (default 5) for the readers; an open
+        update is aborted. Safe from any thread: a ``begin`` waiting in another thread raises
+        ``TensorSetClosed`` within 50 ms and this waits for it to end first. Closing twice does
+        nothing; ``begin``, ``publish`` and ``synchronize`` raise ``TensorSetClosed`` after it."""
     def __enter__(self) -> "TensorSetWriter": ...
     def __exit__(self, *args: Any) -> None: ...
 

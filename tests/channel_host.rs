@@ -317,6 +317,56 @@ fn close_with_a_frame_in_flight_forces_the_hold_and_the_consumer_sees_closed() {
 }
 
 #[test]
+fn receives_from_several_threads_of_one_consumer_take_each_frame_once() {
+    // One consumer shared by 4 threads (`recv_timeout` and `try_recv` through `&Consumer`):
+    // every frame reaches exactly one of them, with its bytes, whatever the interleaving. Each
+    // take moves the consumer's cursor and sets its one hold bit of the buffer: two takes of one
+    // consumer at once took the same frame twice, and the first release freed the buffer under
+    // the other's reads.
+    if role().is_some() {
+        return;
+    }
+    const FRAMES: u64 = 3_000;
+    let ch = channel_name("threads");
+    let mut tx = Producer::create_host(&ch, &ChannelOptions::new(BYTES).buffers(4)).unwrap();
+    let rx = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+    let taken = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (rx, taken) = (&rx, &taken);
+            s.spawn(move || {
+                loop {
+                    let got = if t == 0 {
+                        rx.try_recv()
+                    } else {
+                        rx.recv_timeout(Duration::from_millis(200)).map(Some)
+                    };
+                    match got {
+                        Ok(Some(f)) => {
+                            check_frame(&f);
+                            taken.lock().unwrap().push(f.seq());
+                        }
+                        Ok(None) | Err(Error::Timeout { .. }) => std::thread::yield_now(),
+                        Err(Error::Channel(ChannelError::Closed)) => return,
+                        Err(e) => panic!("receive: {e}"),
+                    }
+                }
+            });
+        }
+        for _ in 0..FRAMES {
+            write_frame(&mut tx);
+        }
+        tx.close(ANSWER).unwrap();
+    });
+    let mut taken = taken.into_inner().unwrap();
+    let all = taken.len();
+    taken.sort_unstable();
+    taken.dedup();
+    assert_eq!(all, taken.len(), "a frame was received twice");
+    assert_eq!(taken, (1..=FRAMES).collect::<Vec<_>>());
+}
+
+#[test]
 fn a_host_channel_never_loads_the_cuda_driver_checks_ranges_and_refuses_gpu_accessors() {
     if role().is_some() {
         return;

@@ -10,7 +10,9 @@ use crate::copy_plan::{self, CopyPlan};
 use crate::errors;
 use crate::sources::{self, coalesce, copy_gpu};
 use crate::tensors::{self, specs_arg};
-use crate::util::{Seconds, Stop, err, lock, memory_arg, sliced, stream_arg, timeout_arg};
+use crate::util::{
+    CLOSE_WAITS_FOR_ACQUIRE, Seconds, Stop, err, lock, memory_arg, sliced, stream_arg, timeout_arg,
+};
 use cuda_ipc::Error;
 use cuda_ipc::channel::MemoryKind;
 use cuda_ipc::driver::{Context, Device};
@@ -20,7 +22,9 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
 
 type RustWriter = cuda_ipc::tensorset::TensorSetWriter;
 
@@ -31,10 +35,27 @@ enum Slot {
     Closed,
 }
 
+/// The writer's [`Slot`] and how a `close()` meets the call that has the Rust writer: in one lock,
+/// so that a close and a `begin`'s hand-out of its update are ordered (the close either came
+/// first, and the `begin` raises `TensorSetClosed`, or it finds the update and aborts it).
+struct State {
+    slot: Slot,
+    /// The thread of the `begin` that has the writer while it waits for a buffer.
+    beginning: Option<std::thread::ThreadId>,
+    /// `close()` was called (with this `timeout`) while another call had the writer: a `begin`
+    /// stops before its next slice; the writer is closed when it comes back (`give_back`).
+    closing: Option<Duration>,
+    /// A `close()` waits (`back`) for that `begin` to give the writer back, and closes it.
+    close_waits: bool,
+}
+
 /// The writing end of a tensor set (`cuda_ipc::tensorset::TensorSetWriter`).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetWriter {
-    slot: Mutex<Slot>,
+    state: Mutex<State>,
+    /// Notified whenever the Rust writer comes back to `state`: a `close()` waiting for a `begin`
+    /// of another thread (`State::close_waits`) waits on it.
+    back: Condvar,
     name: String,
     pub(crate) layout: Arc<Layout>,
     pub(crate) device: i32,
@@ -102,7 +123,13 @@ impl TensorSetWriter {
             layout: Arc::new(w.layout().clone()),
             host: w.memory_kind() == MemoryKind::Host,
             generation: Mutex::new(w.generation()),
-            slot: Mutex::new(Slot::Idle(Box::new(w))),
+            state: Mutex::new(State {
+                slot: Slot::Idle(Box::new(w)),
+                beginning: None,
+                closing: None,
+                close_waits: false,
+            }),
+            back: Condvar::new(),
             device,
             _keep: keep,
             open: Mutex::new(Weak::new()),
@@ -127,28 +154,55 @@ impl TensorSetWriter {
             .bind(py))
     }
 
-    /// Takes the Rust writer out for an update.
+    /// Takes the Rust writer out for a `begin` of this thread.
     fn take(&self, py: Python<'_>) -> PyResult<Box<RustWriter>> {
-        let mut s = lock(&self.slot);
-        match std::mem::replace(&mut *s, Slot::Updating) {
-            Slot::Idle(w) => Ok(w),
+        let mut s = lock(&self.state);
+        if s.closing.is_some() {
+            return Err(closed_error(py, &self.name));
+        }
+        match std::mem::replace(&mut s.slot, Slot::Updating) {
+            Slot::Idle(w) => {
+                s.beginning = Some(std::thread::current().id());
+                Ok(w)
+            }
             Slot::Updating => {
-                *s = Slot::Updating;
-                Err(errors::invalid_argument(
-                    py,
-                    "an update of this tensor set is open: commit or abort it first".to_string(),
-                ))
+                let what = if s.beginning.is_some() {
+                    "another thread waits in begin() of this tensor set"
+                } else {
+                    "an update of this tensor set is open: commit or abort it first"
+                };
+                Err(errors::invalid_argument(py, what.to_string()))
             }
             Slot::Closed => {
-                *s = Slot::Closed;
+                s.slot = Slot::Closed;
                 Err(closed_error(py, &self.name))
             }
         }
     }
 
-    fn give_back(&self, w: Box<RustWriter>) {
+    /// Whether `close()` was called while a call had the writer (a `begin` stops then).
+    fn is_closing(&self) -> bool {
+        lock(&self.state).closing.is_some()
+    }
+
+    /// Takes the Rust writer back from a `begin` or an update. Once `close()` was called
+    /// meanwhile, it is closed here, with the GIL released, unless that `close()` waits for it (a
+    /// `close()` from another thread than a waiting `begin`'s): it closes it. So the set is
+    /// closed exactly once, by the one who holds the writer.
+    fn give_back(&self, py: Python<'_>, w: Box<RustWriter>) {
         *lock(&self.generation) = w.generation();
-        *lock(&self.slot) = Slot::Idle(w);
+        let mut s = lock(&self.state);
+        s.beginning = None;
+        if let Some(t) = s.closing.filter(|_| !s.close_waits) {
+            s.slot = Slot::Closed;
+            drop(s);
+            // Nobody is left to tell of a failure: as the Rust writer's `Drop`, which logs it.
+            py.detach(|| drop(w.close(t)));
+            return;
+        }
+        s.slot = Slot::Idle(w);
+        drop(s);
+        self.back.notify_all();
     }
 }
 
@@ -321,7 +375,9 @@ impl TensorSetWriter {
     /// while readers hold it) and returns the update; its work runs on `stream` (default:
     /// PyTorch's current stream), which is made to wait for the buffer's last readers on the GPU.
     /// Use it as a context manager: the update commits when the block ends without an exception
-    /// and is aborted otherwise.
+    /// and is aborted otherwise. Raises `TensorSetClosed` once the writer is closed, also by
+    /// `close()` from another thread while this waits (within one 50 ms slice) or while the
+    /// update is open (which aborts it: its calls and the block's end raise `TensorSetClosed`).
     #[pyo3(signature = (timeout=None, *, stream=None))]
     fn begin(
         slf: Bound<'_, Self>,
@@ -340,7 +396,7 @@ impl TensorSetWriter {
         let got = sliced(
             py,
             timeout,
-            || false,
+            || this.is_closing(),
             |py| closed_error(py, &this.name),
             |slice| {
                 let w = lock(&writer)
@@ -363,7 +419,7 @@ impl TensorSetWriter {
             Ok(Some(u)) => u,
             Ok(None) => {
                 if let Some(w) = lock(&writer).take() {
-                    this.give_back(w);
+                    this.give_back(py, w);
                 }
                 return Err(crate::util::timeout_error(
                     py,
@@ -373,7 +429,7 @@ impl TensorSetWriter {
             }
             Err(e) => {
                 if let Some(w) = lock(&writer).take() {
-                    this.give_back(w);
+                    this.give_back(py, w);
                 }
                 return Err(e);
             }
@@ -382,16 +438,27 @@ impl TensorSetWriter {
             // SAFETY: `s` is the stream the caller named or PyTorch's current stream, live for
             // the call (PyTorch's streams are never destroyed), or a default-stream sentinel.
             if let Err(e) = unsafe { update.update().ready_on_raw(s as _) } {
-                this.give_back(update.into_writer());
+                this.give_back(py, update.into_writer());
                 return Err(err(py, e));
             }
         }
+        // Handed out unless `close()` came in the slice that took the buffer: decided under the
+        // state's lock, where `close()` looks for the open update.
+        let mut s = lock(&this.state);
+        if s.closing.is_some() {
+            drop(s);
+            this.give_back(py, update.into_writer());
+            return Err(closed_error(py, &this.name));
+        }
+        s.beginning = None;
         let cell = Arc::new(Mutex::new(Some(update)));
         *lock(&this.open) = Arc::downgrade(&cell);
+        drop(s);
         Ok(TensorUpdate {
             update: cell,
             writer: slf.unbind(),
             target,
+            ended: AtomicBool::new(false),
         })
     }
 
@@ -475,17 +542,18 @@ impl TensorSetWriter {
         self.layout.bytes_per_buffer()
     }
 
-    /// Waits on the host until the writer's stream drained (its copies and ready words).
+    /// Waits on the host until the writer's stream drained (its copies and ready words); a host
+    /// set has no stream: returns at once. Raises `TensorSetClosed` once closed; on a GPU set
+    /// `InvalidArgument` while an update is open.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        if self.host {
-            return Ok(());
-        }
-        // The slot is locked without the GIL: a thread waiting for it while holding the GIL
-        // (`begin`, `close`) must not wait on this one, which needs the GIL back to return.
-        let r = py.detach(|| match &*lock(&self.slot) {
+        // The state is locked without the GIL: a thread waiting for it while holding the GIL
+        // (`begin`) must not wait on this one, which needs the GIL back to return.
+        let host = self.host;
+        let r = py.detach(|| match &lock(&self.state).slot {
+            Slot::Closed => Err(true),
+            _ if host => Ok(Ok(())),
             Slot::Idle(w) => Ok(w.stream().and_then(|s| s.synchronize())),
             Slot::Updating => Err(false),
-            Slot::Closed => Err(true),
         });
         match r {
             Ok(r) => r.map_err(|e| err(py, e)),
@@ -500,32 +568,63 @@ impl TensorSetWriter {
     /// Closes the set: its names go (no new reader opens it), waiting readers get
     /// `TensorSetClosed`, and the memory is freed after up to `timeout` seconds for readers'
     /// holds. Closing twice does nothing.
+    ///
+    /// Safe from any thread. An open update is aborted (its buffer goes back uncommitted). A
+    /// `begin` waiting in another thread raises `TensorSetClosed` within 50 ms, and this waits for
+    /// it to give the writer back (at most 5 s), then closes the set; a close from within that
+    /// `begin` (a signal handler) does not wait: the `begin` closes the set as it ends. After it,
+    /// `begin`, `publish` and `synchronize` raise `TensorSetClosed`.
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
         let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;
         lock(&self.dicts).clear();
-        let w = {
-            let mut s = lock(&self.slot);
-            match std::mem::replace(&mut *s, Slot::Closed) {
-                Slot::Idle(w) => w,
-                Slot::Closed => return Ok(()),
+        let me = std::thread::current().id();
+        // Without the GIL: the wait below is for a `begin` that needs it to stop.
+        let w = py.detach(|| {
+            let mut s = lock(&self.state);
+            match std::mem::replace(&mut s.slot, Slot::Closed) {
+                Slot::Idle(w) => return Some(w),
+                Slot::Closed => return None,
+                Slot::Updating => {}
+            }
+            // An update is open: abort it (its buffer goes back uncommitted) and close.
+            let cell = lock(&self.open).upgrade();
+            if let Some(u) = cell.and_then(|c| lock(&c).take()) {
+                return Some(u.into_writer());
+            }
+            // A `begin` has the writer (or an update's commit, which holds the GIL throughout
+            // and so is never seen here): it comes back to be closed (`give_back`).
+            s.slot = Slot::Updating;
+            s.closing = Some(t);
+            if !s.beginning.is_some_and(|b| b != me) {
+                return None;
+            }
+            // The waiting `begin` sees `closing` before its next slice and gives the writer back,
+            // which needs neither this lock (released while waiting) nor the GIL (released
+            // above). Bounded all the same: should it not come back (a bug), this returns and
+            // the `begin` closes the set as it ends.
+            s.close_waits = true;
+            s = self
+                .back
+                .wait_timeout_while(s, CLOSE_WAITS_FOR_ACQUIRE, |s| {
+                    matches!(s.slot, Slot::Updating)
+                })
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            s.close_waits = false;
+            match std::mem::replace(&mut s.slot, Slot::Closed) {
+                Slot::Idle(w) => Some(w),
+                Slot::Closed => None,
                 Slot::Updating => {
-                    // An update is open: abort it (its buffer goes back uncommitted) and close.
-                    let cell = lock(&self.open).upgrade();
-                    match cell.and_then(|c| lock(&c).take()) {
-                        Some(u) => u.into_writer(),
-                        None => {
-                            *s = Slot::Updating;
-                            return Err(errors::invalid_argument(
-                                py,
-                                "an update of this tensor set is being committed".to_string(),
-                            ));
-                        }
-                    }
+                    s.slot = Slot::Updating;
+                    None
                 }
             }
-        };
-        py.detach(|| w.close(t)).map_err(|e| err(py, e))
+        });
+        match w {
+            Some(w) => py.detach(|| w.close(t)).map_err(|e| err(py, e)),
+            None => Ok(()),
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -555,6 +654,10 @@ pub(crate) struct TensorUpdate {
     writer: Py<TensorSetWriter>,
     /// The raw stream the update's work runs on (GPU sets).
     target: Option<usize>,
+    /// This object committed or aborted the update (else, once it has none, the writer's
+    /// `close()` aborted it, maybe from another thread: leaving the `with` block raises).
+    /// Relaxed: stored and loaded with the GIL held (pymethods), which orders them.
+    ended: AtomicBool,
 }
 
 impl TensorUpdate {
@@ -587,12 +690,27 @@ impl TensorUpdate {
         f: impl FnOnce(&mut OwnedUpdate) -> PyResult<T>,
     ) -> PyResult<T> {
         let mut g = lock(&self.update);
-        match g.as_mut() {
-            Some(u) => f(u),
-            None => Err(errors::invalid_argument(
-                py,
-                "this update was committed or aborted".to_string(),
-            )),
+        if let Some(u) = g.as_mut() {
+            return f(u);
+        }
+        // Unlocked first: `close()` locks the writer's state, then this cell.
+        drop(g);
+        Err(err(py, self.finished()))
+    }
+
+    /// What a call on this update raises once it has none: `TensorSetClosed` when the writer was
+    /// closed (which aborted the update, maybe from another thread), else `InvalidArgument`. Not
+    /// called with the update's lock held (`close()` takes the writer's state, then that lock).
+    fn finished(&self) -> Error {
+        let w = self.writer.get();
+        let closed = {
+            let s = lock(&w.state);
+            matches!(s.slot, Slot::Closed) || s.closing.is_some()
+        };
+        if closed {
+            cuda_ipc::tensorset::TensorSetError::Closed(w.name.clone()).into()
+        } else {
+            Error::InvalidArgument("this update was committed or aborted".to_string())
         }
     }
 
@@ -602,9 +720,8 @@ impl TensorUpdate {
         py.detach(|| -> cuda_ipc::Result<Vec<[u8; 16]>> {
             let g = lock(&self.update);
             let Some(u) = g.as_ref() else {
-                return Err(cuda_ipc::Error::InvalidArgument(
-                    "this update was committed or aborted".to_string(),
-                ));
+                drop(g);
+                return Err(self.finished());
             };
             if let Some(s) = self.target {
                 // SAFETY: `s` is the stream `begin` resolved (the caller's or PyTorch's current
@@ -635,12 +752,11 @@ impl TensorUpdate {
         if fingerprint {
             content = Some(self.fingerprint_bytes(py)?);
         }
-        let Some(u) = lock(&self.update).take() else {
-            return Err(errors::invalid_argument(
-                py,
-                "this update was committed or aborted".to_string(),
-            ));
+        let taken = lock(&self.update).take();
+        let Some(u) = taken else {
+            return Err(err(py, self.finished()));
         };
+        self.ended.store(true, Ordering::Relaxed);
         let writer = self.writer.get();
         // A fingerprint already ordered the writer's stream after the target's work.
         if let Some(s) = self.target.filter(|_| !fingerprint)
@@ -650,11 +766,11 @@ impl TensorUpdate {
                 unsafe { u.update().publish_after_raw(s as _) }
             }
         {
-            writer.give_back(u.into_writer());
+            writer.give_back(py, u.into_writer());
             return Err(err(py, e));
         }
         let (w, r) = u.commit(content.unwrap_or([0; 32]));
-        writer.give_back(w);
+        writer.give_back(py, w);
         r.map_err(|e| err(py, e))
     }
 }
@@ -885,10 +1001,11 @@ impl TensorUpdate {
 
     /// Gives the buffer back uncommitted (in place: the generation it held is gone and readers
     /// see nothing until the next commit). Aborting twice does nothing.
-    fn abort(&self, _py: Python<'_>) -> PyResult<()> {
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
         let taken = lock(&self.update).take();
         if let Some(u) = taken {
-            self.writer.get().give_back(u.into_writer());
+            self.ended.store(true, Ordering::Relaxed);
+            self.writer.get().give_back(py, u.into_writer());
         }
         Ok(())
     }
@@ -909,6 +1026,11 @@ impl TensorUpdate {
             self.abort(py)?;
         } else if lock(&self.update).is_some() {
             self.finish(py, None, false)?;
+        } else if !self.ended.load(Ordering::Relaxed) {
+            // The block ended without an exception and without a commit of its own, but the
+            // writer's `close()` aborted the update: nothing was published, which must not pass
+            // unseen (`TensorSetClosed`).
+            return Err(err(py, self.finished()));
         }
         Ok(false)
     }
@@ -930,7 +1052,7 @@ impl Drop for TensorUpdate {
         // Collected while open: give the writer back uncommitted, so the set stays usable.
         let taken = lock(&self.update).take();
         if let Some(u) = taken {
-            self.writer.get().give_back(u.into_writer());
+            Python::attach(|py| self.writer.get().give_back(py, u.into_writer()));
         }
     }
 }

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 /// The longest a blocking call waits without the GIL before it checks for signals.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 
-/// The longest `Producer.close()` waits for an `acquire` blocked in another thread to give the
-/// producer back; it does so within one [`SLICE`] (plus the time to take the GIL).
+/// The longest `Producer.close()` waits for an `acquire` (and `TensorSetWriter.close()` for a
+/// `begin`) blocked in another thread to give the producer (the writer) back; it does so within
+/// one [`SLICE`] (plus the time to take the GIL).
 pub(crate) const CLOSE_WAITS_FOR_ACQUIRE: Duration = Duration::from_secs(5);
 
 /// Copies of at least this many bytes of a host frame run without the GIL.

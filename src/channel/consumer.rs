@@ -27,7 +27,8 @@ pub use frame::Frame;
 pub(crate) use frame::FrameHold;
 pub use posted::{MAX_POSTED_AHEAD, Posted, PostedFrame};
 
-/// The consuming end of a channel: imports the pool once and receives frames.
+/// The consuming end of a channel: imports the pool once and receives frames. Several threads
+/// may receive from one consumer at once: each frame goes to one of them.
 pub struct Consumer {
     // Drop order: the stream is drained and the slot freed (in Drop) first; then the side:
     // imports go, then the watchdog stops and the stream goes, the GPU words are unregistered,
@@ -43,6 +44,10 @@ pub struct Consumer {
     /// The sequence number of the last receive posted (0: none); locked while posting, so posts
     /// from several threads enqueue in sequence order.
     posted: Mutex<u64>,
+    /// Held around each attempt to take a frame (`recv`, `try_recv`, a posted receive's wait),
+    /// never across a wait: receives from several threads take one frame each, never the same
+    /// one twice (`Control::take_or_closed` says why).
+    taking: Mutex<()>,
 }
 
 /// What a consumer holds of the pool: either side, never half of one.
@@ -195,6 +200,7 @@ impl Consumer {
             slot,
             wait: opts.wait,
             posted: Mutex::new(0),
+            taking: Mutex::new(()),
         })
     }
 
@@ -236,6 +242,7 @@ impl Consumer {
                 slot,
                 wait: opts.wait,
                 posted: Mutex::new(0),
+                taking: Mutex::new(()),
             });
         };
         Self::attach_with(control, ctx, opts, gpu_time)
@@ -294,6 +301,7 @@ impl Consumer {
             slot,
             wait: opts.wait,
             posted: Mutex::new(0),
+            taking: Mutex::new(()),
         })
     }
 
@@ -392,11 +400,11 @@ impl Consumer {
     /// # Errors
     /// As [`Consumer::recv_timeout`], except the timeout.
     pub fn try_recv(&self) -> Result<Option<Frame<'_>>> {
-        match self
-            .control
-            .take_or_closed(self.slot)
-            .map_err(|e| self.on_error(e))?
-        {
+        let taken = {
+            let _one = self.taking.lock().unwrap_or_else(|p| p.into_inner());
+            self.control.take_or_closed(self.slot)
+        };
+        match taken.map_err(|e| self.on_error(e))? {
             Some((i, seq, meta)) => self.deliver(i, seq, meta).map(Some),
             None => {
                 self.control.producer_gone().map_err(|e| self.on_error(e))?;
@@ -483,7 +491,10 @@ impl Consumer {
     }
 
     fn recv_inner(&self, timeout: Option<Duration>) -> Result<Option<Frame<'_>>> {
-        match self.control.take(self.slot, self.wait, timeout) {
+        let taken = self
+            .control
+            .take(self.slot, self.wait, timeout, &self.taking);
+        match taken {
             Ok(Some((i, seq, meta))) => self.deliver(i, seq, meta).map(Some),
             Ok(None) => Ok(None),
             Err(e) => Err(self.on_error(e)),
@@ -592,7 +603,10 @@ impl Consumer {
         timeout: Duration,
         bytes: Duration,
     ) -> Result<Frame<'_>> {
-        let (i, seq, metadata) = match self.control.take(self.slot, self.wait, Some(timeout)) {
+        let taken = self
+            .control
+            .take(self.slot, self.wait, Some(timeout), &self.taking);
+        let (i, seq, metadata) = match taken {
             Ok(Some(x)) => x,
             Ok(None) => {
                 return Err(Error::Timeout {

@@ -598,7 +598,12 @@ pub(super) mod tests {
         child.wait().unwrap();
         p.header().producer_pid.store(pid, Ordering::Relaxed);
         let t = Instant::now();
-        let r = c.take(me, WaitStrategy::Block, Some(Duration::from_secs(5)));
+        let r = c.take(
+            me,
+            WaitStrategy::Block,
+            Some(Duration::from_secs(5)),
+            &Default::default(),
+        );
         assert!(
             matches!(
                 r,

@@ -15,6 +15,7 @@ use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, wait_until};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::sync::{AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// A claim of a buffer for writing: its index, the consumers that read it since its last write
@@ -582,7 +583,9 @@ impl Control {
     }
 
     /// Takes the next frame for consumer `c` (by its policy), holding its buffer. Returns
-    /// (buffer index, sequence number, metadata) or `None` at the timeout.
+    /// (buffer index, sequence number, metadata) or `None` at the timeout. Each attempt runs with
+    /// `serial` held (the consumer's: see [`Control::take_or_closed`]); the wait between attempts
+    /// does not hold it.
     ///
     /// # Errors
     /// [`super::ChannelError::ProducerGone`] when the producer died;
@@ -593,13 +596,17 @@ impl Control {
         c: usize,
         strategy: WaitStrategy,
         timeout: Option<Duration>,
+        serial: &Mutex<()>,
     ) -> Result<Option<(usize, u64, Metadata)>> {
         let h = self.header();
         wait_until(
             h.publish_wake(),
             strategy,
             timeout,
-            || self.take_or_closed(c),
+            || {
+                let _one = serial.lock().unwrap_or_else(|p| p.into_inner());
+                self.take_or_closed(c)
+            },
             {
                 let mut every = Every::new(SUPERSEDED_EVERY);
                 move || {
@@ -704,8 +711,9 @@ impl Control {
                 meta.bytes[8 * k..8 * k + 8]
                     .copy_from_slice(&b.meta[k].load(Ordering::Relaxed).to_le_bytes());
             }
-            // The slot's counters have one writer, this consumer: load and store. Relaxed:
-            // counters, read by inspection only.
+            // The slot's counters have one writer, this consumer's one take at a time (its
+            // lock, `take_or_closed`): load and store. Relaxed: counters, read by inspection
+            // only.
             if seq > own_cursor + 1 {
                 s.dropped.store(
                     s.dropped.load(Ordering::Relaxed) + (seq - own_cursor - 1),
@@ -726,6 +734,12 @@ impl Control {
 
     /// [`Control::try_take`], or [`ChannelError::Closed`] when nothing is left for consumer `c` and
     /// the producer closed the channel.
+    ///
+    /// One take of consumer `c` at a time: the caller holds the consumer's lock (its `taking`,
+    /// through [`Control::take`]'s `serial`). A take loads the slot's cursor and stores it moved,
+    /// and its hold of a buffer is one bit per consumer, so two takes of one consumer at once
+    /// (receives from two threads) would both take the same frame and share that bit: the
+    /// first release would let the producer rewrite the buffer under the other's reads.
     ///
     /// A `None` from `try_take` followed by seeing the channel closed is not enough: the producer
     /// may have published more frames and closed between the two. Seeing `closed` (Acquire, paired

@@ -527,7 +527,7 @@ mod tests {
         }
         fn take(&self) -> Option<(usize, u64, Vec<u8>)> {
             self.control
-                .take(self.slot, WaitStrategy::Block, None)
+                .take(self.slot, WaitStrategy::Block, None, &Default::default())
                 .unwrap()
                 .map(|(i, seq, m)| (i, seq, m.as_slice().to_vec()))
         }

@@ -156,6 +156,8 @@ impl ControlProducer {
 pub struct ControlConsumer {
     control: Control,
     slot: usize,
+    /// The consumer's lock around each take (`Consumer`'s `taking`).
+    taking: std::sync::Mutex<()>,
 }
 
 impl ControlConsumer {
@@ -166,7 +168,11 @@ impl ControlConsumer {
     pub fn attach(name: &str, delivery: Delivery) -> Result<Self> {
         let control = Control::open(name)?;
         let slot = control.attach(delivery)?;
-        Ok(Self { control, slot })
+        Ok(Self {
+            control,
+            slot,
+            taking: std::sync::Mutex::new(()),
+        })
     }
     /// The consumer slot index.
     pub fn slot(&self) -> usize {
@@ -198,7 +204,9 @@ impl ControlConsumer {
     /// # Errors
     /// As `Consumer::recv_timeout`.
     pub fn take(&self, timeout: Option<Duration>) -> Result<Option<(usize, u64, Vec<u8>)>> {
-        let got = self.control.take(self.slot, WaitStrategy::Block, timeout)?;
+        let got = self
+            .control
+            .take(self.slot, WaitStrategy::Block, timeout, &self.taking)?;
         self.control.took();
         Ok(got.map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
     }
@@ -219,7 +227,11 @@ impl ControlConsumer {
     pub fn attach_waiting(name: &str, delivery: Delivery, init_wait: Duration) -> Result<Self> {
         let control = Control::open_waiting(name, false, init_wait)?;
         let slot = control.attach(delivery)?;
-        Ok(Self { control, slot })
+        Ok(Self {
+            control,
+            slot,
+            taking: std::sync::Mutex::new(()),
+        })
     }
     /// Buffers in the pool.
     pub fn buffers(&self) -> usize {
@@ -230,7 +242,10 @@ impl ControlConsumer {
     /// # Errors
     /// As `Consumer::try_recv`.
     pub fn try_take(&self) -> Result<Option<(usize, u64, Vec<u8>)>> {
-        let got = self.control.take_or_closed(self.slot)?;
+        let got = {
+            let _one = self.taking.lock().unwrap_or_else(|p| p.into_inner());
+            self.control.take_or_closed(self.slot)?
+        };
         self.control.took();
         Ok(got.map(|(i, seq, m)| (i, seq, m.as_slice().to_vec())))
     }

@@ -176,7 +176,7 @@ impl<'a> Posted<'a> {
                 )));
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let (i, seq, metadata) = match c.control.take(c.slot, c.wait, left) {
+            let (i, seq, metadata) = match c.control.take(c.slot, c.wait, left, &c.taking) {
                 Ok(Some(got)) => got,
                 Ok(None) => {
                     return Err(Error::Timeout {

@@ -27,9 +27,14 @@ fn a_hand_off_nobody_sleeps_for_makes_no_futex_wake() {
     // A consumer asleep in `take` is counted: the next publish wakes it.
     std::thread::scope(|s| {
         let consumer = s.spawn(|| {
-            c.take(slot, WaitStrategy::Block, Some(Duration::from_secs(10)))
-                .unwrap()
-                .expect("woken for the frame")
+            c.take(
+                slot,
+                WaitStrategy::Block,
+                Some(Duration::from_secs(10)),
+                &Default::default(),
+            )
+            .unwrap()
+            .expect("woken for the frame")
         });
         while c.header().publish_sleepers.load(Ordering::SeqCst) == 0 {
             std::thread::yield_now();

@@ -1,0 +1,690 @@
+"""Host-memory tensor sets and channels from many threads of one process, with hostile timing, no
+GPU: 12 threads sharing one `TensorSetReader` while a writer thread publishes as fast as it can
+(no torn generation, every hold let go); a reader closed under threads that wait and read; a
+writer closed while another thread waits in `begin`, loops over updates, or has an update open;
+several threads receiving from one `Consumer` and publishing through one `Producer` (each frame
+taken once, with its bytes); `close()` waking every thread blocked on a consumer or a producer;
+awaitable waits cancelled while another thread closes their object; and blocking waits that leave
+other Python threads running.
+
+Every wait is bounded, every thread joined with a timeout, and a watchdog (`faulthandler`) dumps
+every thread's stack and ends the run should a test hang anyway. Ordinary errors of a closed
+object are the documented ones: a closed reader's calls raise `InvalidArgument` (`reader of ...
+is closed`), a closed set's `TensorSetClosed`, a closed consumer's `Detached`, a closed producer's
+`ChannelClosed`. Run: `pip install ./python && pytest python/tests/test_threads_host.py`."""
+
+import asyncio
+import faulthandler
+import gc
+import pathlib
+import queue
+import random
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+import cuda_ipc
+
+SHM = pathlib.Path("/dev/shm")
+# The longest any single step waits: a thread's end, a close, a generation.
+ANSWER = 10.0
+# A test that takes longer than this hangs: every thread's stack is printed and the run ends.
+HANG = 120.0
+# Bytes of each of the set's two tensors, and of a channel's frame.
+NBYTES = 4096
+SPECS = {"a": ((NBYTES // 4,), "float32"), "b": ((NBYTES // 8,), "int64")}
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """A hang fails the run (every thread's stack on stderr) instead of blocking CI."""
+    faulthandler.dump_traceback_later(HANG, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def name():
+    """A fresh name; whatever segments of it a failed test left behind are removed afterwards."""
+    n = f"pytest-threads-{uuid.uuid4().hex[:12]}"
+    yield n
+    gc.collect()
+    for p in SHM.glob(f"cuda-ipc.*.{n}*"):
+        p.unlink(missing_ok=True)
+
+
+def pattern(gen: int) -> bytes:
+    """Generation `gen`'s bytes of each tensor: its number in every 8-byte word, so a tensor of
+    another generation, half of two generations, or a stale tail are told apart."""
+    return gen.to_bytes(8, "little") * (NBYTES // 8)
+
+
+def write(u) -> int:
+    """Writes the update's generation's pattern into both tensors, one after the other (a reader
+    whose hold does not keep the writer out would see `a` and `b` of two generations)."""
+    g = u.generation
+    u.write("a", pattern(g))
+    u.write("b", pattern(g))
+    return g
+
+
+def check(h) -> None:
+    g = h.generation
+    a, b = h.read("a"), h.read("b")
+    assert a == pattern(g) and b == pattern(g), f"generation {g} torn: a={a[:8].hex()} b={b[:8].hex()}"
+
+
+def run(target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def join(threads, timeout=ANSWER) -> None:
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"threads still running after {timeout} s: {alive}"
+
+
+def blocked(call):
+    """Runs `call` in a thread; returns (thread, outcome): what it returned or raised, and when."""
+    outcome = {}
+
+    def body():
+        try:
+            outcome["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - the test looks at what it is
+            outcome["error"] = e
+        outcome["at"] = time.monotonic()
+
+    return run(body), outcome
+
+
+def assert_no_hold_left(w, r, buffered: bool) -> None:
+    """No generation of `r` is held any more (by any thread, guard or collected object). In place,
+    `begin` waits for every holder: it must go through at once. Buffered with 2 buffers: holding
+    the newest generation here, `begin` must get the other buffer, twice in a row (once for each
+    buffer), which it cannot while a leftover hold keeps that one."""
+    gc.collect()
+    if not buffered:
+        with w.begin(timeout=2.0) as u:
+            write(u)
+        return
+    for _ in range(2):
+        newest = r.current()
+        assert newest is not None
+        with w.begin(timeout=2.0) as u:
+            assert u.buffer != newest.buffer
+            write(u)
+        newest.release()
+
+
+MODES = [
+    pytest.param({}, id="in_place"),
+    pytest.param({"mode": "buffered", "buffers": 2}, id="buffered"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_twelve_threads_share_one_reader_while_a_writer_publishes_as_fast_as_it_can(name, mode):
+    """Each reader thread takes generations by `current()`, `wait_newer(seen)` or
+    `wait_newer(seen - 1)` (one it may hold already), checks both tensors, sometimes holds on
+    across a sleep (without the GIL) and checks again, and lets go by `release()`, a `with`
+    block, `del`, or by handing the hold to a releasing thread. No generation is ever torn, no
+    error but a bounded wait's `Timeout` comes, every thread makes progress, and afterwards no
+    hold is left."""
+    buffered = bool(mode)
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **mode)
+    r = cuda_ipc.TensorSetReader(name)
+    stop = threading.Event()
+    errors, reads, published = [], [0] * 12, [0]
+    handed = queue.Queue()
+
+    def writer():
+        try:
+            while not stop.is_set():
+                try:
+                    with w.begin(timeout=0.5) as u:
+                        published[0] = write(u)
+                except cuda_ipc.Timeout:
+                    pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(("writer", repr(e)))
+
+    def releaser():
+        while True:
+            h = handed.get(timeout=ANSWER)
+            if h is None:
+                return
+            check(h)
+            h.release()
+
+    def reader(i):
+        rnd = random.Random(i)
+        seen = 0
+        try:
+            while not stop.is_set():
+                how = rnd.randrange(3)
+                try:
+                    if how == 0:
+                        h = r.current(timeout=0.2)
+                        if h is None:
+                            continue
+                    elif how == 1:
+                        h = r.wait_newer(seen, timeout=0.2)
+                    else:
+                        h = r.wait_newer(max(0, seen - 1), timeout=0.2)
+                except cuda_ipc.Timeout:
+                    continue
+                check(h)
+                assert h.held and h.whole is True
+                seen = max(seen, h.generation)
+                if rnd.random() < 0.05:
+                    time.sleep(0.002)  # the GIL is free: the writer and the others run
+                    check(h)
+                end = rnd.randrange(4)
+                if end == 0:
+                    h.release()
+                    assert not h.held
+                elif end == 1:
+                    with h:
+                        check(h)
+                elif end == 2:
+                    del h
+                else:
+                    handed.put(h)
+                    del h
+                reads[i] += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append((i, repr(e)))
+
+    threads = [run(reader, i) for i in range(12)] + [run(writer)]
+    rel = run(releaser)
+    time.sleep(2.0)
+    stop.set()
+    join(threads)
+    handed.put(None)
+    join([rel])
+    assert not errors, errors[:5]
+    assert published[0] > 20, f"the writer published only {published[0]} generations"
+    assert min(reads) > 0, f"a reader thread took nothing: {reads}"
+    assert_no_hold_left(w, r, buffered)
+    r.close()
+    w.close()
+    assert not list(SHM.glob(f"cuda-ipc.*.{name}"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_closing_the_reader_under_waiting_and_reading_threads_raises_only_documented_errors(
+    name, mode
+):
+    """Rounds of 8 threads waiting, reading and releasing on one reader while a writer thread
+    publishes; the reader is closed at a random moment. Each thread then gets the closed reader's
+    `InvalidArgument` (or a bounded wait's `Timeout`) and ends; a hold taken before the close
+    still reads its own generation after it, and once released no hold is left."""
+    buffered = bool(mode)
+    rnd = random.Random(7)
+    for _ in range(6):
+        w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **mode)
+        with w.begin(timeout=ANSWER) as u:
+            write(u)
+        r = cuda_ipc.TensorSetReader(name)
+        closed = threading.Event()
+        errors, kept = [], []
+
+        def reader(i):
+            seen = 0
+            while True:
+                try:
+                    if i % 2:
+                        h = r.wait_newer(seen, timeout=0.3)
+                    else:
+                        h = r.current(timeout=0.3)
+                    if h is None:
+                        continue
+                    seen = h.generation
+                    check(h)
+                    if i == 0 and not kept:
+                        kept.append(h)  # held across the close
+                        continue
+                    time.sleep(0.001)
+                    check(h)
+                    h.release()
+                except cuda_ipc.Timeout:
+                    if closed.is_set():
+                        return
+                except cuda_ipc.InvalidArgument as e:
+                    if "closed" not in str(e) or not closed.is_set():
+                        errors.append((i, repr(e)))
+                    return
+                except BaseException as e:  # noqa: BLE001
+                    errors.append((i, repr(e)))
+                    return
+
+        stop = threading.Event()
+
+        def writer():
+            while not stop.is_set():
+                try:
+                    with w.begin(timeout=0.2) as u:
+                        write(u)
+                except cuda_ipc.Timeout:
+                    pass  # in place: a reader thread holds `kept` until the end
+
+        threads = [run(reader, i) for i in range(8)]
+        wt = run(writer)
+        time.sleep(rnd.uniform(0.05, 0.4))
+        closed.set()
+        r.close()
+        join(threads)
+        assert not errors, errors
+        with pytest.raises(cuda_ipc.InvalidArgument, match="closed"):
+            r.current()
+        for h in kept:
+            check(h)  # the reader's mappings live as long as its holds
+            h.release()
+        kept.clear()
+        stop.set()
+        join([wt])
+        # The closed reader's slot is freed with its last hold: a new reader takes over.
+        r2 = cuda_ipc.TensorSetReader(name)
+        assert_no_hold_left(w, r2, buffered)
+        r2.close()
+        w.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_closing_the_writer_wakes_a_begin_waiting_in_another_thread(name, mode):
+    """Every buffer held by a reader: `begin(timeout=None)` waits in a thread. `close()` from this
+    thread makes it raise `TensorSetClosed` within about a slice (50 ms), waits for it, then closes
+    the set; `begin` and `synchronize` raise `TensorSetClosed` afterwards, readers
+    learn it, and closing again does nothing. (`close()` used to raise `InvalidArgument: an update
+    of this tensor set is being committed` and leave the `begin` waiting for its timeout: without
+    one, forever.)"""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **mode)
+    r = cuda_ipc.TensorSetReader(name)
+    holds = []
+    for _ in range(2 if mode else 1):
+        with w.begin(timeout=ANSWER) as u:
+            write(u)
+        holds.append(r.current())
+    t, outcome = blocked(lambda: w.begin(timeout=None))
+    time.sleep(0.3)
+    assert t.is_alive(), outcome
+    closing = time.monotonic()
+    w.close(timeout=0.2)  # waits up to 0.2 s for the holds, then frees the memory
+    join([t])
+    assert isinstance(outcome.get("error"), cuda_ipc.TensorSetClosed), outcome
+    assert outcome["at"] - closing < 1.0, f"begin woke {outcome['at'] - closing:.3f} s after close()"
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        w.begin(timeout=0)
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        w.synchronize()
+    w.close()
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        r.wait_newer(holds[-1].generation, timeout=ANSWER)
+    for h in holds:
+        check(h)
+        h.release()
+    r.close()
+
+
+def test_closing_the_writer_from_a_signal_handler_inside_its_begin_does_not_deadlock(name):
+    """The close runs on the thread of the waiting `begin` (a SIGALRM handler): it cannot wait
+    for that `begin`, which ends with `TensorSetClosed` at its next slice and closes the set."""
+    import signal
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    with w.begin(timeout=ANSWER) as u:
+        write(u)
+    r = cuda_ipc.TensorSetReader(name)
+    h = r.current()  # in place: the next begin waits for it
+    before = signal.signal(signal.SIGALRM, lambda *_: w.close(timeout=0.1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(cuda_ipc.TensorSetClosed):
+            w.begin(timeout=ANSWER)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+    check(h)
+    h.release()
+    r.close()
+
+
+def test_closing_the_writer_aborts_an_update_another_thread_has_open(name):
+    """A writer thread has an update open; this thread closes the writer. The update is aborted,
+    and the writer thread's next calls on it (`write`, `fingerprint`, `commit`) raise
+    `TensorSetClosed`, and so does the end of its `with` block, which published nothing. (The
+    calls raised `InvalidArgument: this update was committed or aborted`, and the block ended
+    without an error, as if it had committed.)"""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    opened, closed = threading.Event(), threading.Event()
+    seen = []
+
+    def writer():
+        with w.begin(timeout=ANSWER) as u:
+            opened.set()
+            assert closed.wait(ANSWER)
+            for call in (lambda: u.write("a", pattern(1)), u.fingerprint, u.commit):
+                try:
+                    call()
+                except cuda_ipc.CudaIpcError as e:
+                    seen.append(type(e))
+
+    t, outcome = blocked(writer)
+    assert opened.wait(ANSWER)
+    w.close()
+    closed.set()
+    join([t])
+    assert seen == [cuda_ipc.TensorSetClosed] * 3, seen
+    assert isinstance(outcome.get("error"), cuda_ipc.TensorSetClosed), outcome
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_closing_the_writer_under_a_writer_thread_and_waiting_readers_ends_them_all(name, mode):
+    """Rounds of a writer thread looping over `begin`/write/commit and `synchronize()`, 6 reader
+    threads in `wait_newer`, and a `close()` from this thread at a random moment: `close()` never
+    raises, and every thread ends (within 10 s) at `TensorSetClosed`, having read only whole
+    generations."""
+    rnd = random.Random(11)
+    for _ in range(12):
+        w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **mode)
+        r = cuda_ipc.TensorSetReader(name)
+        ends, errors = [], []
+
+        def reader():
+            seen = 0
+            try:
+                while True:
+                    with r.wait_newer(seen, timeout=ANSWER) as h:
+                        check(h)
+                        seen = h.generation
+            except cuda_ipc.TensorSetClosed:
+                ends.append("reader")
+            except BaseException as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        def writer():
+            try:
+                while True:
+                    with w.begin(timeout=ANSWER) as u:
+                        write(u)
+                    w.synchronize()
+            except cuda_ipc.TensorSetClosed:
+                ends.append("writer")
+            except BaseException as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        threads = [run(reader) for _ in range(6)] + [run(writer)]
+        time.sleep(rnd.uniform(0.0, 0.15))
+        w.close(timeout=2.0)
+        join(threads)
+        assert not errors, errors
+        assert sorted(ends) == ["reader"] * 6 + ["writer"], ends
+        r.close()
+
+
+def test_receives_and_publishes_from_several_threads_of_one_consumer_and_one_producer(name):
+    """4 threads publish through one `Producer` (one `WriteFrame` at a time: the others' `acquire`
+    raises `InvalidArgument` and they try again) and 4 threads receive from one every-frame
+    `Consumer` (`recv`, `try_recv`, iteration). Every frame published is received exactly once,
+    with its own bytes. (Receives from two threads at once took the same frame twice, and the
+    first release let the producer rewrite the buffer under the other's reads: the consumer's
+    cursor and hold bit were updated by plain loads and stores; `cuda_ipc::channel::Consumer` now
+    takes one frame at a time.)"""
+    per = 600
+    tx = cuda_ipc.Producer(name, NBYTES, buffers=4, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    got, errors, lock = [], [], threading.Lock()
+    busy = [0]
+
+    def producer(p):
+        n = 0
+        try:
+            while n < per:
+                try:
+                    f = tx.acquire(timeout=ANSWER)
+                except cuda_ipc.InvalidArgument:
+                    busy[0] += 1  # another thread's WriteFrame is outstanding
+                    time.sleep(0)
+                    continue
+                tag = (p << 32) | n
+                f.write(pattern(tag))
+                f.publish(tag.to_bytes(8, "little"))
+                n += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(("producer", repr(e)))
+
+    def take(f):
+        with f:
+            tag = int.from_bytes(f.metadata, "little")
+            assert f.bytes() == pattern(tag), f"frame {f.seq} torn"
+            with lock:
+                got.append((f.seq, tag))
+
+    def consumer(c):
+        try:
+            if c == 0:
+                for f in rx:  # until the channel closes
+                    take(f)
+                return
+            while True:
+                try:
+                    f = rx.try_recv() if c == 1 else rx.recv(timeout=0.2)
+                except cuda_ipc.Timeout:
+                    continue
+                except cuda_ipc.ChannelClosed:
+                    return
+                if f is None:
+                    time.sleep(0)
+                    continue
+                take(f)
+        except BaseException as e:  # noqa: BLE001
+            errors.append((c, repr(e)))
+
+    consumers = [run(consumer, c) for c in range(4)]
+    producers = [run(producer, p) for p in range(4)]
+    join(producers, 30.0)
+    tx.close(timeout=ANSWER)
+    join(consumers)
+    assert not errors, errors[:5]
+    seqs = sorted(s for s, _ in got)
+    assert seqs == list(range(1, 4 * per + 1)), f"{len(seqs)} receives of {len(set(seqs))} frames"
+    assert sorted(t for _, t in got) == sorted((p << 32) | n for p in range(4) for n in range(per))
+    rx.close()
+
+
+def test_close_from_another_thread_wakes_every_thread_blocked_on_a_consumer_or_producer(name):
+    """6 threads blocked in `recv()` (two iterating) on one consumer wake with `Detached` within
+    1 s of `close()`; a thread blocked in `acquire()` on a full pool, while others find the
+    producer in use, wakes with `ChannelClosed` within 1 s of the producer's `close()`."""
+    tx = cuda_ipc.Producer(name, 64, buffers=1, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    outcomes = []
+    for k in range(6):
+        call = rx.recv if k < 4 else (lambda: next(iter(rx)))
+        outcomes.append(blocked(call))
+    time.sleep(0.2)
+    assert all(t.is_alive() for t, _ in outcomes)
+    closing = time.monotonic()
+    rx.close()
+    join([t for t, _ in outcomes])
+    for _, o in outcomes:
+        assert isinstance(o.get("error"), cuda_ipc.Detached), o
+        assert o["at"] - closing < 1.0, o["at"] - closing
+
+    held = cuda_ipc.Consumer(name)  # every frame: the one buffer stays in use until received
+    with tx.acquire(timeout=ANSWER) as f:
+        f.publish()
+    acquiring = blocked(lambda: tx.acquire(timeout=None))
+    time.sleep(0.2)
+    others = [blocked(lambda: tx.acquire(timeout=0.5)) for _ in range(3)]
+    join([t for t, _ in others])
+    for _, o in others:
+        assert isinstance(o.get("error"), cuda_ipc.InvalidArgument), o
+    assert acquiring[0].is_alive(), acquiring[1]
+    closing = time.monotonic()
+    tx.close(timeout=0.5)
+    join([acquiring[0]])
+    assert isinstance(acquiring[1].get("error"), cuda_ipc.ChannelClosed), acquiring[1]
+    assert acquiring[1]["at"] - closing < 1.0
+    held.close()
+
+
+def test_cancelled_awaitable_waits_and_a_close_from_another_thread_end_cleanly(name):
+    """Rounds of 4 `wait_newer_async` and 4 `recv_async` awaited at once; a thread closes the
+    reader and the consumer while half of the tasks are cancelled. Each task ends cancelled or with
+    its object's closed error, `asyncio.run` (which joins the executor's threads) returns within
+    2 s, and no generation stays held."""
+    rnd = random.Random(5)
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    tx = cuda_ipc.Producer(name + "-ch", 64, buffers=2, memory="host")
+    try:
+        for _ in range(6):
+            r = cuda_ipc.TensorSetReader(name)
+            rx = cuda_ipc.Consumer(name + "-ch")
+
+            async def main():
+                tasks = [asyncio.ensure_future(r.wait_newer_async(10**9)) for _ in range(4)]
+                tasks += [asyncio.ensure_future(rx.recv_async()) for _ in range(4)]
+                await asyncio.sleep(rnd.uniform(0.0, 0.1))
+                closer = threading.Thread(target=lambda: (r.close(), rx.close()))
+                closer.start()
+                await asyncio.sleep(rnd.uniform(0.0, 0.06))
+                for t in tasks[::2]:
+                    t.cancel()
+                done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), ANSWER)
+                closer.join(ANSWER)
+                return done
+
+            t0 = time.monotonic()
+            done = asyncio.run(main())
+            assert time.monotonic() - t0 < 2.0
+            for k, x in enumerate(done):
+                closed_error = cuda_ipc.InvalidArgument if k < 4 else cuda_ipc.Detached
+                assert isinstance(x, (asyncio.CancelledError, closed_error)), (k, x)
+        assert_no_hold_left(w, None, False)
+    finally:
+        tx.close()
+        w.close()
+
+
+def test_wait_newer_async_cancelled_while_a_writer_thread_publishes_leaves_no_hold(name):
+    """300 `wait_newer_async(0)` tasks, each cancelled a random moment (0 to 2 ms) after it
+    started, while a writer thread publishes in place as fast as it can: a task that finished
+    first gives its hold (released here); one cancelled in the slice that took a generation drops
+    it unseen. Afterwards no generation is held: the in-place `begin` goes through at once."""
+    rnd = random.Random(3)
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            try:
+                with w.begin(timeout=0.2) as u:
+                    write(u)
+            except cuda_ipc.Timeout:
+                pass
+
+    async def main():
+        taken = 0
+        for _ in range(300):
+            task = asyncio.ensure_future(r.wait_newer_async(0, timeout=ANSWER))
+            await asyncio.sleep(rnd.uniform(0.0, 0.002))
+            task.cancel()
+            try:
+                h = await task
+            except asyncio.CancelledError:
+                continue
+            check(h)
+            h.release()
+            taken += 1
+        return taken
+
+    wt = run(writer)
+    try:
+        t0 = time.monotonic()
+        taken = asyncio.run(main())
+        assert time.monotonic() - t0 < 20.0
+    finally:
+        stop.set()
+        join([wt])
+    assert 0 <= taken <= 300  # how many finished first depends on the machine's load
+    assert_no_hold_left(w, r, False)
+    r.close()
+    w.close()
+
+
+def counts_while(call) -> int:
+    """How often a pure-Python counter thread counts while `call` runs in this thread."""
+    n, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            n[0] += 1
+
+    t = run(count)
+    try:
+        call()
+    finally:
+        stop.set()
+        join([t])
+    return n[0]
+
+
+def test_blocking_waits_leave_other_python_threads_running(name):
+    """While a call of this thread waits (0.3 s, then `Timeout`), a counter thread keeps counting
+    at least a fifth as fast as while this thread sleeps: the waits release the GIL (a wait that
+    held it would leave the counter at nearly nothing)."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    tx = cuda_ipc.Producer(name + "-ch", 64, buffers=1, memory="host")
+    rx = cuda_ipc.Consumer(name + "-ch")
+    try:
+
+        def timing_out(call):
+            def body():
+                with pytest.raises(cuda_ipc.Timeout):
+                    call()
+
+            return body
+
+        baseline = counts_while(lambda: time.sleep(0.3))
+        waits = {
+            "wait_newer": timing_out(lambda: r.wait_newer(0, timeout=0.3)),
+            "current": lambda: r.current(timeout=0.3),
+            "recv": timing_out(lambda: rx.recv(timeout=0.3)),
+        }
+        for what, call in waits.items():
+            n = counts_while(call)
+            assert n > baseline / 5, f"{what}: {n} counts against {baseline} while sleeping"
+        with w.begin(timeout=ANSWER) as u:
+            write(u)
+        with r.current():  # in place: begin waits for this hold
+            n = counts_while(timing_out(lambda: w.begin(timeout=0.3)))
+            assert n > baseline / 5, f"begin: {n} counts against {baseline} while sleeping"
+        with tx.acquire(timeout=ANSWER) as f:
+            f.publish()  # the one buffer, until the consumer receives it
+        n = counts_while(timing_out(lambda: tx.acquire(timeout=0.3)))
+        assert n > baseline / 5, f"acquire: {n} counts against {baseline} while sleeping"
+    finally:
+        rx.close()
+        tx.close()
+        r.close()
+        w.close()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
