@@ -71,6 +71,17 @@ def write(u) -> int:
     return g
 
 
+def publish_until(w, stop, timeout=0.2):
+    """Publishes generations in place as fast as holds allow until `stop` is set; a `begin` that
+    times out while a reader holds the buffer tries again."""
+    while not stop.is_set():
+        try:
+            with w.begin(timeout=timeout) as u:
+                write(u)
+        except cuda_ipc.Timeout:
+            pass
+
+
 def check(h) -> None:
     g = h.generation
     a, b = h.read("a"), h.read("b")
@@ -269,12 +280,7 @@ def test_closing_the_reader_under_waiting_and_reading_threads_raises_only_docume
         stop = threading.Event()
 
         def writer():
-            while not stop.is_set():
-                try:
-                    with w.begin(timeout=0.2) as u:
-                        write(u)
-                except cuda_ipc.Timeout:
-                    pass  # in place: a reader thread holds `kept` until the end
+            publish_until(w, stop)  # in place: a reader thread holds `kept` until the end
 
         threads = [run(reader, i) for i in range(8)]
         wt = run(writer)
@@ -591,12 +597,7 @@ def test_wait_newer_async_cancelled_while_a_writer_thread_publishes_leaves_no_ho
     stop = threading.Event()
 
     def writer():
-        while not stop.is_set():
-            try:
-                with w.begin(timeout=0.2) as u:
-                    write(u)
-            except cuda_ipc.Timeout:
-                pass
+        publish_until(w, stop)
 
     async def main():
         taken = 0
