@@ -2,7 +2,8 @@
 //! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
 //! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
 //! content fingerprints, an open's phase timings, an open that fails half way, a set of 100,000
-//! tensors, hostile files under the manifest's name, and `gc` of a dead writer's set.
+//! tensors, hostile files under the manifest's name, and `gc` of a dead writer's set: a segment of
+//! zeros is an abandoned creation told without a wait.
 
 mod common;
 
@@ -764,4 +765,62 @@ fn a_damaged_stamp_is_refused_at_once_and_names_are_the_sets() {
     let long = "s".repeat(200);
     let e = TensorSetWriter::create_host(&long, &specs(), &TensorSetOptions::new()).unwrap_err();
     assert!(e.to_string().contains("tensor-set name"), "{e}");
+}
+
+/// A manifest, host data or holders segment of zeros (a writer killed between sizing it and
+/// writing its header, or any file of zeros of this user's) is a creation abandoned half-way once
+/// older than 2 s: a reader, `inspect` (`cuda-ipc ls`) and `gc` say so at once instead of waiting
+/// 2 s for each look at it (`gc` of one such set took 20 s) and calling it a creation in
+/// progress. A younger one is still waited for: its writer may be about to record itself.
+#[test]
+fn a_segment_of_zeros_is_an_abandoned_creation_told_without_waiting() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("zeros");
+    let parts = ["cuda-ipc.ts.", "cuda-ipc.td.", "cuda-ipc.th."];
+    for p in parts {
+        plant(&path(p, &name), &[0u8; 16384]);
+    }
+    // Young: waited for (up to 2 s), then a creation in progress.
+    let t = Instant::now();
+    match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+        Err(Error::TensorSet(TensorSetError::CreationInProgress(_))) => {}
+        other => panic!("a young manifest of zeros: {:?}", other.map(|_| ())),
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        t.elapsed()
+    );
+    // `st_ctime` counts whole seconds: more than 2 s by its count.
+    std::thread::sleep(Duration::from_millis(3100) - t.elapsed().min(Duration::from_secs(3)));
+    let t = Instant::now();
+    for e in [
+        TensorSetReader::open_host(&name, &ReaderOptions::new()).map(|_| ()),
+        inspect::inspect(&name).map(|_| ()),
+    ] {
+        match e {
+            Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. })) => {
+                assert!(e.to_string().contains("abandoned"), "{e}")
+            }
+            other => panic!("an old manifest of zeros: {other:?}"),
+        }
+    }
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    assert_eq!(scan.leftovers.len(), parts.len(), "{scan:?}");
+    assert!(
+        scan.leftovers
+            .iter()
+            .all(|l| l.kind == LeftoverKind::TensorSetCreation),
+        "{:?}",
+        scan.leftovers
+    );
+    let r = cleanup::remove(&scan.leftovers);
+    assert_eq!(r.removed.len(), parts.len(), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    for p in parts {
+        assert!(std::fs::symlink_metadata(path(p, &name)).is_err());
+    }
 }
