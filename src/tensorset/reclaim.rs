@@ -4,10 +4,10 @@
 //! `cuda-ipc.th.NAME`) is judged by the process its own header records, by the rule a new writer
 //! replaces it by (this user's only; a dead writer, or a creation abandoned half-way), and judged
 //! again right before it is unlinked, only while its name still stands for the file judged. No
-//! part of a set goes while a live process other than its writer serves it from a slot of its
-//! holders segment (a holder, a serving reader): the set stays attachable and its device memory
-//! pinned until the last of them lets go or dies; the slots of its dead servers are freed
-//! ([`release_dead_holders`]). Dead readers' slots and holds in a live
+//! part of a set goes while a live process other than its writer serves it from a slot of the
+//! holders segment its manifest names (a holder, a serving reader, [`is_held`]): the set stays
+//! attachable and its device memory pinned until the last of them lets go or dies; the slots of
+//! its dead servers are freed ([`release_dead_holders`]). Dead readers' slots and holds in a live
 //! writer's generation channel are freed as the writer's watchdog frees them. Readers that still
 //! map a removed set keep their mappings (VMM memory stays valid for them). Never calls CUDA.
 
@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned;
 use crate::shm::{Segment, ShmError};
+use std::time::Duration;
 
 /// A part of a tensor set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -154,10 +155,30 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
     )))
 }
 
-/// Whether a live process other than the set's writer serves set `name` from its holders segment
-/// (an unreadable segment counts as not held: its other parts are judged as before).
+/// Whether a live process other than the set's writer serves set `name` from its holders segment.
+///
+/// Only the holders segment the set's manifest names serves the set: one beside a manifest that
+/// names none (a host, pool or legacy set) or another creation's is not this set's, whoever
+/// serves it. Where the manifest cannot be read (gone, being made, damaged), a live server counts
+/// unless a host data segment of this user's stands under the name (a host set, which has no
+/// holders). An unreadable holders segment, and one without its stamp (no holder claims a slot
+/// there), count as not held: the other parts are judged as before. Looks once: nothing is
+/// waited for.
 pub fn is_held(name: &str) -> bool {
-    HoldersSegment::open(name, None).is_ok_and(|h| h.held_by_live())
+    let Ok(h) = HoldersSegment::open_waiting(name, None, Duration::ZERO) else {
+        return false;
+    };
+    if !h.held_by_live() {
+        return false;
+    }
+    match segment::open_manifest_head(name, Duration::ZERO) {
+        Ok(head) => {
+            let named = head.opened.manifest.holders_generation;
+            named != 0 && named == h.generation()
+        }
+        Err(_) => !Segment::stat(&Part::Data.segment_name(name))
+            .is_ok_and(|i| i.uid == rustix::process::geteuid().as_raw()),
+    }
 }
 
 /// The parts of set `name` that a dead writer or an abandoned creation left (changes nothing).
