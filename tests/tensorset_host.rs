@@ -931,3 +931,28 @@ fn a_segment_of_zeros_is_an_abandoned_creation_told_without_waiting() {
         assert!(std::fs::symlink_metadata(path(p, &name)).is_err());
     }
 }
+
+/// A set's own host data segment cut short of its buffers (`truncate`) is refused as too small,
+/// naming both sizes, before anything is read: not "another creation than the manifest names",
+/// which sent a reader looking for a writer that made the set again.
+#[test]
+fn a_host_data_segment_cut_short_is_too_small_not_another_creation() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("cut");
+    dead_writers_set(&name);
+    let data = path("cuda-ipc.td.", &name);
+    let len = std::fs::metadata(&data).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    f.set_len(len - 4096).unwrap();
+    match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+        Err(Error::Shm(ShmError::TooSmall { len: l, min, .. })) => {
+            assert_eq!((l, min), (len - 4096, len))
+        }
+        other => panic!("a cut data segment: {:?}", other.map(|_| ())),
+    }
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    assert_eq!(cleanup::remove(&scan.leftovers).removed.len(), 3);
+}

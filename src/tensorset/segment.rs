@@ -543,6 +543,11 @@ impl DataSegment {
     }
 
     /// Opens the data segment of `set` that `m` names (its generation, buffers and size).
+    ///
+    /// # Errors
+    /// As [`open_manifest`] for the segment and its header; [`TensorSetError::BadManifest`]
+    /// ([`ManifestFault::Mismatch`]) for a header of another creation, stride or buffer count
+    /// than `m` names; [`ShmError::TooSmall`] for the segment `m` names cut short of its buffers.
     pub(crate) fn open(set: &str, m: &Manifest) -> Result<DataSegment> {
         let name = format!("{DATA_PREFIX}{set}");
         let seg =
@@ -563,11 +568,20 @@ impl DataSegment {
         {
             return Err(mismatch());
         }
-        let need = stride
+        let Some(need) = stride
             .checked_mul(m.buffers)
-            .and_then(|l| l.checked_add(HEADER_PAGE));
-        if need.is_none_or(|n| seg.len() < n) {
+            .and_then(|l| l.checked_add(HEADER_PAGE))
+        else {
             return Err(mismatch());
+        };
+        // Its own creation, cut short (`truncate`): too small, not another creation.
+        if seg.len() < need {
+            return Err(ShmError::TooSmall {
+                name,
+                len: seg.len() as u64,
+                min: need as u64,
+            }
+            .into());
         }
         Ok(DataSegment {
             seg,
