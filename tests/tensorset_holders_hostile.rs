@@ -147,3 +147,54 @@ fn gc_frees_the_slots_of_dead_servers_and_never_a_live_ones() {
     assert!(again == dead_holder || again == dead_reader, "{again}");
     f.unlink();
 }
+
+/// `gc` keeps a set's parts only while a live server serves it from the holders segment its
+/// manifest names (`is_held`): a live holder in a holders segment of another creation, or beside
+/// a host set's manifest (which names none), keeps nothing (a dead host writer's set was kept
+/// for good, silently, by any live slot under its holders name). Without a manifest a live holder
+/// counts, unless this user's host data segment stands under the name (a host set has no
+/// holders). A holders segment without its stamp serves nobody, and is not waited for.
+#[test]
+fn only_the_holders_segment_its_manifest_names_keeps_a_set() {
+    use cuda_ipc::tensorset::reclaim::is_held;
+    use cuda_ipc::tensorset::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
+    let set = name("named");
+    let _g = Planted(set.clone());
+    let data = format!("/dev/shm/{}{set}", cuda_ipc::tensorset::DATA_PREFIX);
+    let f = HeldSetFixture::create(&set, 1).unwrap();
+    assert!(!is_held(&set), "no holder yet");
+    f.claim(HolderRole::Holder).unwrap();
+    assert!(
+        is_held(&set),
+        "a live holder in the segment the manifest names"
+    );
+    // Made again: another creation than the manifest names.
+    std::fs::remove_file(path(&set)).unwrap();
+    let g = HeldSetFixture::create_holders(&set, 1).unwrap();
+    g.claim(HolderRole::Holder).unwrap();
+    assert!(
+        !is_held(&set),
+        "a holders segment the manifest does not name"
+    );
+    // No manifest (gone, being made): a live holder counts, but not beside host data.
+    f.unlink();
+    assert!(is_held(&set), "no manifest");
+    std::fs::write(&data, [0u8; 4096]).unwrap();
+    assert!(!is_held(&set), "a host set's data segment");
+    std::fs::remove_file(&data).unwrap();
+    // A host set's manifest names no holders segment.
+    let specs = [TensorSpec::new("w", DType::F32, &[4])];
+    let w = TensorSetWriter::create_host(&set, &specs, &TensorSetOptions::new()).unwrap();
+    assert!(!is_held(&set), "beside a host set");
+    drop(w);
+    g.unlink();
+    // Never stamped: nobody serves from it, and nothing waits for it.
+    std::fs::write(path(&set), [0u8; 16384]).unwrap();
+    let t = Instant::now();
+    assert!(!is_held(&set));
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+}

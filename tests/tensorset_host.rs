@@ -2,7 +2,9 @@
 //! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
 //! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
 //! content fingerprints, an open's phase timings, an open that fails half way, a set of 100,000
-//! tensors, hostile files under the manifest's name, and `gc` of a dead writer's set.
+//! tensors, hostile files under the manifest's name, and `gc` of a dead writer's set: a file
+//! planted under one part's name keeps no other part, and a segment of zeros is an abandoned
+//! creation told without a wait.
 
 mod common;
 
@@ -764,4 +766,193 @@ fn a_damaged_stamp_is_refused_at_once_and_names_are_the_sets() {
     let long = "s".repeat(200);
     let e = TensorSetWriter::create_host(&long, &specs(), &TensorSetOptions::new()).unwrap_err();
     assert!(e.to_string().contains("tensor-set name"), "{e}");
+}
+
+/// A set `writer` child published and that was then killed: its manifest, generation channel and
+/// host data stay behind.
+fn dead_writers_set(name: &str) {
+    let mut w = spawn("writer", name, "buffered");
+    w.expect("published", ANSWER);
+    kill9(w.child.id());
+    let _ = w.child.wait();
+}
+
+/// What a neighbour plants under one part's name of a dead writer's set (anyone may make a file
+/// in `/dev/shm`): a FIFO, another user's file (when run as root), or a live holders segment that
+/// the set's manifest does not name (a host set has none). `gc` reports it or leaves it, never
+/// removes or follows it, and removes the dead writer's other parts all the same (it kept them
+/// all, saying only why it could not read the planted one).
+#[test]
+fn a_file_planted_under_one_part_keeps_no_other_part_of_a_dead_writers_set() {
+    use cuda_ipc::raw::tensorset::testing::HeldSetFixture;
+    use cuda_ipc::tensorset::HolderRole;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    if role().is_some() {
+        return;
+    }
+    const PREFIXES: [&str; 4] = [
+        "cuda-ipc.ts.",
+        "cuda-ipc.tg.",
+        "cuda-ipc.td.",
+        "cuda-ipc.th.",
+    ];
+    let mut cases: Vec<(&str, &str)> = Vec::new();
+    for p in PREFIXES {
+        cases.push((p, "FIFO"));
+        if rustix::process::geteuid().is_root() {
+            cases.push((p, "another user's file"));
+        }
+    }
+    cases.push(("cuda-ipc.th.", "live holders segment"));
+    for (k, (prefix, kind)) in cases.into_iter().enumerate() {
+        let name = set_name(&format!("planted{k}"));
+        dead_writers_set(&name);
+        let planted = path(prefix, &name);
+        let _ = std::fs::remove_file(&planted);
+        let mut fixture = None;
+        match kind {
+            "FIFO" => mkfifo(&planted),
+            "another user's file" => {
+                plant(&planted, &[0u8; 8192]);
+                std::os::unix::fs::chown(&planted, Some(65534), Some(65534)).unwrap();
+            }
+            _ => {
+                let f = HeldSetFixture::create_holders(&name, 2).unwrap();
+                f.claim(HolderRole::Holder).unwrap();
+                fixture = Some(f);
+            }
+        }
+        let others: Vec<String> = PREFIXES
+            .iter()
+            .filter(|p| **p != prefix)
+            .map(|p| path(p, &name))
+            .filter(|p| std::fs::symlink_metadata(p).is_ok())
+            .collect();
+        assert_eq!(others.len(), if prefix == "cuda-ipc.th." { 3 } else { 2 });
+        let t = Instant::now();
+        let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+        let scan = cleanup::scan(&scope).unwrap();
+        assert_eq!(
+            scan.leftovers.len(),
+            others.len(),
+            "{kind} under {prefix}: {scan:?}"
+        );
+        for l in &scan.leftovers {
+            assert_eq!(l.kind, LeftoverKind::TensorSet, "{l}");
+            assert!(l.what.contains("of dead writer"), "{l}");
+        }
+        if fixture.is_none() {
+            let seg = planted.trim_start_matches("/dev/shm/");
+            assert!(
+                scan.problems
+                    .iter()
+                    .any(|p| p.error.to_string().contains(seg)),
+                "{kind} under {prefix} named: {:?}",
+                scan.problems
+            );
+        }
+        let r = cleanup::remove(&scan.leftovers);
+        assert_eq!(
+            r.removed.len(),
+            others.len(),
+            "{kind} under {prefix}: {r:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        for p in &others {
+            assert!(std::fs::symlink_metadata(p).is_err(), "{p} left");
+        }
+        let m = std::fs::symlink_metadata(&planted).unwrap();
+        match kind {
+            "FIFO" => assert!(m.file_type().is_fifo()),
+            "another user's file" => assert_eq!(m.uid(), 65534),
+            _ => assert!(m.file_type().is_file()),
+        }
+        match fixture {
+            Some(f) => f.unlink(),
+            None => std::fs::remove_file(&planted).unwrap(),
+        }
+    }
+}
+
+/// A manifest, host data or holders segment of zeros (a writer killed between sizing it and
+/// writing its header, or any file of zeros of this user's) is a creation abandoned half-way once
+/// older than 2 s: a reader, `inspect` (`cuda-ipc ls`) and `gc` say so at once instead of waiting
+/// 2 s for each look at it (`gc` of one such set took 20 s) and calling it a creation in
+/// progress. A younger one is still waited for: its writer may be about to record itself.
+#[test]
+fn a_segment_of_zeros_is_an_abandoned_creation_told_without_waiting() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("zeros");
+    let parts = ["cuda-ipc.ts.", "cuda-ipc.td.", "cuda-ipc.th."];
+    for p in parts {
+        plant(&path(p, &name), &[0u8; 16384]);
+    }
+    // Young: waited for (up to 2 s), then a creation in progress.
+    let t = Instant::now();
+    match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+        Err(Error::TensorSet(TensorSetError::CreationInProgress(_))) => {}
+        other => panic!("a young manifest of zeros: {:?}", other.map(|_| ())),
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        t.elapsed()
+    );
+    // `st_ctime` counts whole seconds: more than 2 s by its count.
+    std::thread::sleep(Duration::from_millis(3100) - t.elapsed().min(Duration::from_secs(3)));
+    let t = Instant::now();
+    for e in [
+        TensorSetReader::open_host(&name, &ReaderOptions::new()).map(|_| ()),
+        inspect::inspect(&name).map(|_| ()),
+    ] {
+        match e {
+            Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. })) => {
+                assert!(e.to_string().contains("abandoned"), "{e}")
+            }
+            other => panic!("an old manifest of zeros: {other:?}"),
+        }
+    }
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    assert_eq!(scan.leftovers.len(), parts.len(), "{scan:?}");
+    assert!(
+        scan.leftovers
+            .iter()
+            .all(|l| l.kind == LeftoverKind::TensorSetCreation),
+        "{:?}",
+        scan.leftovers
+    );
+    let r = cleanup::remove(&scan.leftovers);
+    assert_eq!(r.removed.len(), parts.len(), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    for p in parts {
+        assert!(std::fs::symlink_metadata(path(p, &name)).is_err());
+    }
+}
+
+/// A set's own host data segment cut short of its buffers (`truncate`) is refused as too small,
+/// naming both sizes, before anything is read: not "another creation than the manifest names",
+/// which sent a reader looking for a writer that made the set again.
+#[test]
+fn a_host_data_segment_cut_short_is_too_small_not_another_creation() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("cut");
+    dead_writers_set(&name);
+    let data = path("cuda-ipc.td.", &name);
+    let len = std::fs::metadata(&data).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    f.set_len(len - 4096).unwrap();
+    match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+        Err(Error::Shm(ShmError::TooSmall { len: l, min, .. })) => {
+            assert_eq!((l, min), (len - 4096, len))
+        }
+        other => panic!("a cut data segment: {:?}", other.map(|_| ())),
+    }
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    assert_eq!(cleanup::remove(&scan.leftovers).removed.len(), 3);
 }

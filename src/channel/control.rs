@@ -21,7 +21,9 @@ use super::layout::{
 };
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
+use crate::shm::versioned::{
+    self, Blocker, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
+};
 use crate::shm::{Segment, SegmentOptions};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::token::TOKEN_LEN;
@@ -120,6 +122,21 @@ unsafe impl VersionedHeader for Header {
 /// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
 /// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
 /// the header's in the channel's words.
+/// The producer's identity that header `h` records.
+fn producer_of(h: &Header) -> ProcessIdentity {
+    // Relaxed: written before the stamp, which an opener Acquire-loaded (or a judge's diagnosis
+    // of a segment never stamped).
+    ProcessIdentity {
+        pid: h.producer_pid.load(Ordering::Relaxed),
+        start_time: h.producer_start_time.load(Ordering::Relaxed),
+        boot_id: boot_bytes([
+            h.producer_boot_id[0].load(Ordering::Relaxed),
+            h.producer_boot_id[1].load(Ordering::Relaxed),
+        ]),
+        pid_ns: h.producer_pid_ns.load(Ordering::Relaxed),
+    }
+}
+
 fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> Error {
     match e {
         OpenError::Segment(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
@@ -276,7 +293,22 @@ impl Control {
             }
             Blocker::Sized(_) => {}
         }
-        match versioned::open_versioned::<Header>(name, false, INIT_WAIT) {
+        // A stamp is waited for only while a producer may still write it (one recorded that
+        // runs, or none recorded yet in a young segment): an abandoned creation costs no wait.
+        let creator = |seg: &Segment| {
+            let h = versioned::header::<Header>(seg);
+            let p = producer_of(h);
+            if p.pid == 0 {
+                Creator::Unrecorded
+            // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+            } else if p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead {
+                Creator::Dead
+            } else {
+                Creator::Running
+            }
+        };
+        match versioned::open_versioned_unless_abandoned::<Header>(name, false, INIT_WAIT, creator)
+        {
             Ok(seg) => {
                 let old = Self::checked(seg, name)?;
                 let p = old.producer();
@@ -442,17 +474,9 @@ impl Control {
         self.header().flags.load(Ordering::Relaxed) & super::layout::FLAG_RING != 0
     }
 
+    /// The producer's identity as recorded.
     pub(crate) fn producer(&self) -> ProcessIdentity {
-        let h = self.header();
-        ProcessIdentity {
-            pid: h.producer_pid.load(Ordering::Relaxed),
-            start_time: h.producer_start_time.load(Ordering::Relaxed),
-            boot_id: boot_bytes([
-                h.producer_boot_id[0].load(Ordering::Relaxed),
-                h.producer_boot_id[1].load(Ordering::Relaxed),
-            ]),
-            pid_ns: h.producer_pid_ns.load(Ordering::Relaxed),
-        }
+        producer_of(self.header())
     }
 
     /// The producer's effective uid, recorded beside its identity.

@@ -250,13 +250,19 @@ fn scan_host_pools(named: Option<&[String]>, s: &mut Scan) {
 /// A tensor set's parts left by a dead writer or an abandoned creation, and dead readers of a
 /// live writer's set.
 fn scan_tensor_set(t: &str, s: &mut Scan) {
-    let parts = match tensorset::reclaim::stale_parts(t) {
-        Ok(p) => p,
+    // Each part on its own: what cannot be judged is a problem and kept, the others go by their
+    // own rule.
+    let (parts, unjudged) = match tensorset::reclaim::judged_parts(t) {
+        Ok(p) => (p.stale, p.unjudged),
         Err(e) => {
             s.problems.push(problem(format!("tensorset {t}"), e));
             return;
         }
     };
+    let holders_unjudged = unjudged.iter().any(|(p, _)| *p == Part::Holders);
+    for (_, e) in unjudged {
+        s.problems.push(problem(format!("tensorset {t}"), e));
+    }
     let writer_dead = parts
         .iter()
         .any(|p| p.part == Part::Manifest && p.writer.is_some());
@@ -280,7 +286,8 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
             Target::TensorSetPart(p.part),
         ));
     }
-    if !parts.iter().any(|p| p.part == Part::Holders) {
+    // (A holders segment that could not be judged is a problem already.)
+    if !holders_unjudged && !parts.iter().any(|p| p.part == Part::Holders) {
         holders::scan(t, s);
     }
     if writer_dead {

@@ -14,7 +14,8 @@
 //! - open: [`open_versioned`]: [`Segment::open_with_min_len`] (never through a link, a regular
 //!   file, at least the header, every page backed), the owner check, a bounded wait for the stamp,
 //!   then magic and layout version; [`look`] is one such check, for an opener that waits in its own
-//!   way.
+//!   way; [`open_versioned_unless_abandoned`] waits for the stamp only while the creator the layout
+//!   reads may still write it.
 //!
 //! What the segment itself reports (missing, another user's, sparse, too small) is a
 //! [`crate::Error`], [`ShmError`] as [`Segment`] gives it. What the header says is a
@@ -334,6 +335,68 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
         }
     }
     Ok(seg)
+}
+
+/// The creator a segment found without its stamp records, as its layout reads it (for
+/// [`open_versioned_unless_abandoned`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Creator {
+    /// None recorded yet (a creator writes its identity first, right after sizing the file).
+    Unrecorded,
+    /// Recorded, and it runs (or whether it runs cannot be told): it may still stamp.
+    Running,
+    /// Recorded, and it is dead: the stamp never comes.
+    Dead,
+}
+
+/// [`open_versioned`] for a judge or a tool that must not wait for a stamp nobody will write:
+/// one look first (an empty, short or sparse segment is waited for as [`open_versioned`] waits
+/// for a creator sizing it); a segment without its stamp is then awaited (up to `wait`, as
+/// [`open_versioned`] does) only while a creator may still write it: `creator` (given the mapped
+/// segment) says [`Creator::Running`], or [`Creator::Unrecorded`] in a segment whose last status
+/// change (`st_ctime`, whole seconds) is at most [`ABANDONED_AFTER`] old. Any other unstamped
+/// segment (its creator dead, or none recorded in an older one: a creation abandoned half-way) is
+/// [`HeaderError::Unstamped`] with `waited` zero at once: a directory of such leftovers costs a
+/// tool no wait for each.
+///
+/// # Errors
+/// As [`open_versioned`]; `Unstamped { waited: Duration::ZERO }` for a creation abandoned
+/// half-way.
+pub(crate) fn open_versioned_unless_abandoned<H: VersionedHeader>(
+    name: &str,
+    allow_group: bool,
+    wait: Duration,
+    creator: impl FnOnce(&Segment) -> Creator,
+) -> std::result::Result<Segment, OpenError> {
+    match open_versioned::<H>(name, allow_group, Duration::ZERO) {
+        Err(OpenError::Header(HeaderError::Unstamped { .. })) => {}
+        // Empty, short or sparse: a creator may be sizing it; waited for as `open_versioned` does.
+        Err(OpenError::Segment(Error::Shm(
+            ShmError::Sparse { .. } | ShmError::TooSmall { .. },
+        ))) => {
+            return open_versioned::<H>(name, allow_group, wait);
+        }
+        other => return other,
+    }
+    // Mapped again (the first look's mapping was dropped with its error); checked as that look
+    // checked it (a regular file of at least the header, every page backed, whose access passed).
+    let seg = Segment::open_with_min_len(name, H::HEADER_LEN).map_err(OpenError::Segment)?;
+    let young = Segment::stat(name)
+        .map(|i| i.age_secs <= ABANDONED_AFTER.as_secs())
+        .unwrap_or(true);
+    let may_finish = match creator(&seg) {
+        Creator::Running => true,
+        Creator::Unrecorded => young,
+        Creator::Dead => false,
+    };
+    drop(seg);
+    if may_finish {
+        open_versioned::<H>(name, allow_group, wait)
+    } else {
+        Err(OpenError::Header(HeaderError::Unstamped {
+            waited: Duration::ZERO,
+        }))
+    }
 }
 
 /// What stands under a name that a creation found taken, judged from `fstat` alone (nothing

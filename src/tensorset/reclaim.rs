@@ -3,9 +3,10 @@
 //! channel `cuda-ipc.tg.NAME`, the host data segment `cuda-ipc.td.NAME`, the holders segment
 //! `cuda-ipc.th.NAME`) is judged by the process its own header records, by the rule a new writer
 //! replaces it by (this user's only; a dead writer, or a creation abandoned half-way), and judged
-//! again right before it is unlinked, only while its name still stands for the file judged. No
-//! part of a set goes while a live process other than its writer serves it from a slot of its
-//! holders segment (a holder, a serving reader): the set stays attachable and its device memory
+//! again right before it is unlinked, only while its name still stands for the file judged; each
+//! part on its own (one that cannot be judged keeps no other). No part of a set goes while a live
+//! process other than its writer serves it from a slot of the holders segment its manifest names
+//! (a holder, a serving reader, [`is_held`]): the set stays attachable and its device memory
 //! pinned until the last of them lets go or dies; the slots of its dead servers are freed
 //! ([`release_dead_holders`]). Dead readers' slots and holds in a live
 //! writer's generation channel are freed as the writer's watchdog frees them. Readers that still
@@ -24,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned;
 use crate::shm::{Segment, ShmError};
+use std::time::Duration;
 
 /// A part of a tensor set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -154,23 +156,75 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
     )))
 }
 
-/// Whether a live process other than the set's writer serves set `name` from its holders segment
-/// (an unreadable segment counts as not held: its other parts are judged as before).
+/// Whether a live process other than the set's writer serves set `name` from its holders segment.
+///
+/// Only the holders segment the set's manifest names serves the set: one beside a manifest that
+/// names none (a host, pool or legacy set) or another creation's is not this set's, whoever
+/// serves it. Where the manifest cannot be read (gone, being made, damaged), a live server counts
+/// unless a host data segment of this user's stands under the name (a host set, which has no
+/// holders). An unreadable holders segment, and one without its stamp (no holder claims a slot
+/// there), count as not held: the other parts are judged as before. Looks once: nothing is
+/// waited for.
 pub fn is_held(name: &str) -> bool {
-    HoldersSegment::open(name, None).is_ok_and(|h| h.held_by_live())
+    let Ok(h) = HoldersSegment::open_waiting(name, None, Duration::ZERO) else {
+        return false;
+    };
+    if !h.held_by_live() {
+        return false;
+    }
+    match segment::open_manifest_head(name, Duration::ZERO) {
+        Ok(head) => {
+            let named = head.opened.manifest.holders_generation;
+            named != 0 && named == h.generation()
+        }
+        Err(_) => !Segment::stat(&Part::Data.segment_name(name))
+            .is_ok_and(|i| i.uid == rustix::process::geteuid().as_raw()),
+    }
 }
 
 /// The parts of set `name` that a dead writer or an abandoned creation left (changes nothing).
 ///
 /// # Errors
-/// The typed errors naming what else is under a part's name (another user's file, a FIFO, a
-/// foreign segment): those parts are kept.
+/// The first of the typed errors naming what else is under a part's name (another user's file, a
+/// FIFO, a foreign segment); [`judged_parts`] gives the stale parts beside those errors.
 pub fn stale_parts(name: &str) -> Result<Vec<StalePart>> {
+    let mut judged = judged_parts(name)?;
+    if judged.unjudged.is_empty() {
+        Ok(judged.stale)
+    } else {
+        Err(judged.unjudged.swap_remove(0).1)
+    }
+}
+
+/// Every part of a set judged on its own ([`judged_parts`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct JudgedParts {
+    /// The parts a dead writer or an abandoned creation left.
+    pub stale: Vec<StalePart>,
+    /// Each part that could not be judged, with why (another user's file, a FIFO, a foreign
+    /// segment under its name): kept.
+    pub unjudged: Vec<(Part, Error)>,
+}
+
+/// Every part of set `name` judged on its own (changes nothing): the parts a dead writer or an
+/// abandoned creation left, and each part that could not be judged with its error (that part is
+/// kept). A part that cannot be judged keeps no other part: what a neighbour plants under one
+/// name (anyone may make a file in `/dev/shm`) never keeps a dead writer's other parts from going.
+///
+/// # Errors
+/// [`crate::shm::ShmError::InvalidName`] for a name that is not a set's.
+pub fn judged_parts(name: &str) -> Result<JudgedParts> {
     segment::validate_set_name(name)?;
-    let mut out = Vec::new();
+    let mut out = JudgedParts {
+        stale: Vec::new(),
+        unjudged: Vec::new(),
+    };
     for part in Part::ALL {
-        if let Some((p, _)) = judge(name, part)? {
-            out.push(p);
+        match judge(name, part) {
+            Ok(Some((p, _))) => out.stale.push(p),
+            Ok(None) => {}
+            Err(e) => out.unjudged.push((part, e)),
         }
     }
     Ok(out)
@@ -196,18 +250,29 @@ pub fn remove_part(name: &str, part: Part) -> Result<Option<&'static str>> {
     Ok(Segment::unlink_if_same(&p.segment, inode)?.then_some(p.why))
 }
 
-/// Removes every stale part of set `name` ([`remove_part`] of each); returns the parts removed.
+/// Removes every stale part of set `name` ([`remove_part`] of each, every part tried whatever
+/// another part's error); returns the parts removed.
 ///
 /// # Errors
-/// As [`remove_part`].
+/// As [`remove_part`]: the first part's error, once every other part was tried (the stale ones
+/// among them are removed all the same).
 pub fn remove_stale(name: &str) -> Result<Vec<Part>> {
+    segment::validate_set_name(name)?;
     let mut out = Vec::new();
+    let mut first = None;
     for part in Part::ALL {
-        if remove_part(name, part)?.is_some() {
-            out.push(part);
+        match remove_part(name, part) {
+            Ok(Some(_)) => out.push(part),
+            Ok(None) => {}
+            Err(e) => {
+                first.get_or_insert(e);
+            }
         }
     }
-    Ok(out)
+    match first {
+        None => Ok(out),
+        Some(e) => Err(e),
+    }
 }
 
 /// The slots of dead servers (holders, serving and writerless readers, a writer) in set `name`'s

@@ -13,7 +13,9 @@ use super::error::{ManifestFault, TensorSetError};
 use super::manifest::{self, Manifest};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
+use crate::shm::versioned::{
+    self, Blocker, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
+};
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -201,6 +203,17 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
                 allowed: "neither 0 (being made) nor the stamp: the header was overwritten",
             },
         ),
+        // Not waited for: its writer died (or never recorded itself) before stamping it.
+        OpenError::Header(HeaderError::Unstamped { waited }) if waited.is_zero() => bad(
+            seg_name,
+            ManifestFault::Field {
+                what: "the header's init stamp",
+                found: 0,
+                allowed: "never written: a creation abandoned half-way (its writer died, or \
+                          never recorded itself, before finishing it), which `cuda-ipc gc` \
+                          removes",
+            },
+        ),
         OpenError::Header(HeaderError::OtherVersion { found }) => TensorSetError::VersionMismatch {
             name: set.to_string(),
             found,
@@ -219,7 +232,7 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
         Blocker::Young => return Err(TensorSetError::CreationInProgress(set.to_string()).into()),
         Blocker::Sized(_) => {}
     }
-    match versioned::open_versioned::<Header<M>>(seg_name, false, INIT_WAIT) {
+    match open_segment::<M>(seg_name, INIT_WAIT) {
         Ok(seg) => {
             let h = versioned::header::<Header<M>>(&seg);
             if h.writer_liveness() == Liveness::Dead {
@@ -244,6 +257,30 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
         }
         Err(e) => Err(open_error(set, seg_name, e)),
     }
+}
+
+/// Opens the tensor-set segment `seg_name` of magic `M` ([`versioned::open_versioned`], this
+/// user's only), waiting up to `wait` for its stamp only while a writer may still write it: one
+/// it records that runs (or whose liveness cannot be told), or none recorded yet in a segment at
+/// most 2 s old ([`versioned::open_versioned_unless_abandoned`]).
+///
+/// # Errors
+/// As [`versioned::open_versioned`]; `HeaderError::Unstamped` with `waited` zero, at once, for a
+/// creation abandoned half-way ([`open_error`] names it).
+pub(crate) fn open_segment<const M: u64>(
+    seg_name: &str,
+    wait: Duration,
+) -> std::result::Result<Segment, OpenError> {
+    versioned::open_versioned_unless_abandoned::<Header<M>>(seg_name, false, wait, |seg| {
+        let h = versioned::header::<Header<M>>(seg);
+        if h.writer().0.pid == 0 {
+            Creator::Unrecorded
+        } else if h.writer_liveness() == Liveness::Dead {
+            Creator::Dead
+        } else {
+            Creator::Running
+        }
+    })
 }
 
 /// Creates `seg_name` of `len` bytes (replacing only what [`replaceable`] lets go) and writes its
@@ -320,9 +357,11 @@ impl OpenedManifest {
 ///
 /// # Errors
 /// [`TensorSetError::NotFound`]; the segment's own errors ([`crate::Error::Shm`]: another
-/// user's, a FIFO, sparse, too small); [`TensorSetError::BadManifest`] for a foreign magic or a
-/// body that does not decode; [`TensorSetError::VersionMismatch`];
-/// [`TensorSetError::CreationInProgress`] when the stamp did not come in time.
+/// user's, a FIFO, sparse, too small); [`TensorSetError::BadManifest`] for a foreign magic, a
+/// body that does not decode, or a creation abandoned half-way (no stamp, and its writer dead or
+/// never recorded in a segment older than 2 s: told at once, never waited for);
+/// [`TensorSetError::VersionMismatch`]; [`TensorSetError::CreationInProgress`] when the stamp of a
+/// writer that may still write it did not come within `init_wait`.
 pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
     let opened = open_manifest_unverified(set, init_wait)?;
     opened
@@ -425,8 +464,8 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
     validate_set_name(set)?;
     let started = std::time::Instant::now();
     let name = format!("{MANIFEST_PREFIX}{set}");
-    let seg = versioned::open_versioned::<ManifestHeader>(&name, false, init_wait)
-        .map_err(|e| open_error(set, &name, e))?;
+    let seg =
+        open_segment::<MANIFEST_MAGIC>(&name, init_wait).map_err(|e| open_error(set, &name, e))?;
     let h = versioned::header::<ManifestHeader>(&seg);
     let body_len = h.body_len.load(Ordering::Relaxed);
     let room = (seg.len() - HEADER_PAGE) as u64;
@@ -504,10 +543,15 @@ impl DataSegment {
     }
 
     /// Opens the data segment of `set` that `m` names (its generation, buffers and size).
+    ///
+    /// # Errors
+    /// As [`open_manifest`] for the segment and its header; [`TensorSetError::BadManifest`]
+    /// ([`ManifestFault::Mismatch`]) for a header of another creation, stride or buffer count
+    /// than `m` names; [`ShmError::TooSmall`] for the segment `m` names cut short of its buffers.
     pub(crate) fn open(set: &str, m: &Manifest) -> Result<DataSegment> {
         let name = format!("{DATA_PREFIX}{set}");
-        let seg = versioned::open_versioned::<DataHeader>(&name, false, INIT_WAIT)
-            .map_err(|e| open_error(set, &name, e))?;
+        let seg =
+            open_segment::<DATA_MAGIC>(&name, INIT_WAIT).map_err(|e| open_error(set, &name, e))?;
         let h = versioned::header::<DataHeader>(&seg);
         let stride = data_stride(m.layout.bytes_per_buffer())?;
         let mismatch = || {
@@ -524,11 +568,20 @@ impl DataSegment {
         {
             return Err(mismatch());
         }
-        let need = stride
+        let Some(need) = stride
             .checked_mul(m.buffers)
-            .and_then(|l| l.checked_add(HEADER_PAGE));
-        if need.is_none_or(|n| seg.len() < n) {
+            .and_then(|l| l.checked_add(HEADER_PAGE))
+        else {
             return Err(mismatch());
+        };
+        // Its own creation, cut short (`truncate`): too small, not another creation.
+        if seg.len() < need {
+            return Err(ShmError::TooSmall {
+                name,
+                len: seg.len() as u64,
+                min: need as u64,
+            }
+            .into());
         }
         Ok(DataSegment {
             seg,

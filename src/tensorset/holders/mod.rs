@@ -314,11 +314,26 @@ impl HoldersSegment {
     /// small); [`TensorSetError::BadManifest`] naming the holders segment for a foreign magic,
     /// counts out of range, a size that does not hold the slots, or another generation than
     /// expected ([`ManifestFault::Mismatch`]); [`TensorSetError::VersionMismatch`];
-    /// [`TensorSetError::CreationInProgress`].
+    /// [`TensorSetError::CreationInProgress`] when a live writer's stamp did not come within 2 s;
+    /// [`TensorSetError::BadManifest`] for a creation abandoned half-way.
     pub(crate) fn open(set: &str, expect: Option<(u64, usize, usize)>) -> Result<HoldersSegment> {
+        Self::open_waiting(set, expect, INIT_WAIT)
+    }
+
+    /// [`HoldersSegment::open`], waiting at most `wait` for the stamp of a segment whose writer
+    /// may still write it (zero: one look; a holder claims a slot only in a stamped segment, so
+    /// an unstamped one serves nobody).
+    ///
+    /// # Errors
+    /// As [`HoldersSegment::open`].
+    pub(crate) fn open_waiting(
+        set: &str,
+        expect: Option<(u64, usize, usize)>,
+        wait: std::time::Duration,
+    ) -> Result<HoldersSegment> {
         segment::validate_set_name(set)?;
         let name = format!("{HOLDERS_PREFIX}{set}");
-        let seg = versioned::open_versioned::<HoldersHeader>(&name, false, INIT_WAIT)
+        let seg = segment::open_segment::<HOLDERS_MAGIC>(&name, wait)
             .map_err(|e| segment::open_error(set, &name, e))?;
         Self::from_segment(set, seg, expect)
     }
