@@ -956,3 +956,47 @@ fn a_host_data_segment_cut_short_is_too_small_not_another_creation() {
     let scan = cleanup::scan(&scope).unwrap();
     assert_eq!(cleanup::remove(&scan.leftovers).removed.len(), 3);
 }
+
+/// A manifest whose generation base (body bytes 160..168, outside the layout fingerprint) was
+/// overwritten by a neighbour of this user: a reader opened on it never hands out a generation
+/// no newer than the one it was asked to pass (`wait_newer(than)` took generation 1 for `than`
+/// near `u64::MAX` before); it says the base is wrong, and keeps no hold that stops the writer.
+#[test]
+fn a_forged_generation_base_never_hands_out_an_older_generation_as_newer() {
+    use std::os::unix::fs::FileExt;
+    let name = set_name("base");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    assert_eq!(write_gen(&mut w), 1);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path("cuda-ipc.ts.", &name))
+        .unwrap();
+    let at = 4096 + 160; // the header page, then the body's generation base
+    let mut base = [0u8; 8];
+    file.read_exact_at(&mut base, at).unwrap();
+    assert_eq!(u64::from_le_bytes(base), 0, "a first writer's base");
+    file.write_all_at(&u64::MAX.to_le_bytes(), at).unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    for than in [u64::MAX - 1, 5, 1] {
+        match r.wait_newer(than, Some(Duration::from_millis(200))) {
+            Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. })) => {
+                assert!(e.to_string().contains("generation base"), "{e}");
+            }
+            other => panic!("than {than}: {:?}", other.map(|h| h.generation())),
+        }
+    }
+    // No hold was kept: the in-place writer's next update goes through at once.
+    let u = w.begin(Some(Duration::from_millis(500))).expect("begin");
+    u.commit().unwrap();
+    drop(r);
+    file.write_all_at(&base, at).unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    assert_eq!(r.wait_newer(1, Some(ANSWER)).unwrap().generation(), 2);
+    assert!(matches!(
+        r.wait_newer(2, Some(Duration::from_millis(100))),
+        Err(Error::Timeout { .. })
+    ));
+    drop(r);
+    drop(w);
+}

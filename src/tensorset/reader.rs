@@ -606,7 +606,10 @@ impl TensorSetReader {
     ///
     /// # Errors
     /// [`Error::Timeout`]; [`TensorSetError::WriterGone`] when the writer dies (within about 1 s
-    /// of its death), [`TensorSetError::Closed`] when it closed; as [`TensorSetReader::current`].
+    /// of its death), [`TensorSetError::Closed`] when it closed;
+    /// [`TensorSetError::BadManifest`] when the generation taken is no newer than `than` (the
+    /// manifest's generation base does not match the generations' numbers: overwritten); as
+    /// [`TensorSetReader::current`].
     pub fn wait_newer(&self, than: u64, timeout: Option<Duration>) -> Result<Held<'_>> {
         self.take(than, timeout)?.ok_or(Error::Timeout {
             what: "a newer tensor-set generation",
@@ -634,6 +637,28 @@ impl TensorSetReader {
         };
         let buffer = frame.index();
         let (generation, content) = decode_meta(frame.metadata(), frame.seq());
+        if generation <= than {
+            // A writer numbers its generations from the manifest's base on, so a take newer than
+            // `than - base` is newer than `than`: one that is not means the base in the
+            // manifest (a word outside the layout fingerprint) does not match the generations'
+            // own numbers. Let go as a failed take lets go, never handed out as newer.
+            if holds[buffer] > 0 {
+                std::mem::forget(frame);
+            } else {
+                drop(frame);
+            }
+            drop(holds);
+            return Err(TensorSetError::BadManifest {
+                segment: format!("{}{}", segment::MANIFEST_PREFIX, self.name),
+                fault: ManifestFault::Field {
+                    what: "the generation base",
+                    found: self.generation_base,
+                    allowed: "one that the generations' own numbers follow (it took a \
+                              generation no newer than the one asked to be passed)",
+                },
+            }
+            .into());
+        }
         if frame.written() == Some(false) && !self.recorded_whole(generation, buffer) {
             // The writer died and its stream may not have finished this generation: its bytes
             // may be partial. Never handed out as whole; let go as `take_newer` lets go of a
