@@ -119,9 +119,6 @@ unsafe impl VersionedHeader for Header {
     }
 }
 
-/// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
-/// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
-/// the header's in the channel's words.
 /// The producer's identity that header `h` records.
 fn producer_of(h: &Header) -> ProcessIdentity {
     // Relaxed: written before the stamp, which an opener Acquire-loaded (or a judge's diagnosis
@@ -137,6 +134,9 @@ fn producer_of(h: &Header) -> ProcessIdentity {
     }
 }
 
+/// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
+/// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
+/// the header's in the channel's words.
 fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> Error {
     match e {
         OpenError::Segment(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
@@ -298,14 +298,10 @@ impl Control {
         let creator = |seg: &Segment| {
             let h = versioned::header::<Header>(seg);
             let p = producer_of(h);
-            if p.pid == 0 {
-                Creator::Unrecorded
-            // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
-            } else if p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead {
-                Creator::Dead
-            } else {
-                Creator::Running
-            }
+            Creator::judged(p.pid != 0, || {
+                // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+                p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
+            })
         };
         match versioned::open_versioned_unless_abandoned::<Header>(name, false, INIT_WAIT, creator)
         {

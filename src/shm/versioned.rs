@@ -349,6 +349,20 @@ pub(crate) enum Creator {
     Dead,
 }
 
+impl Creator {
+    /// The creator a layout records (`recorded`: its identity is there), dead as `dead` says
+    /// (asked of a recorded one only).
+    pub(crate) fn judged(recorded: bool, dead: impl FnOnce() -> bool) -> Creator {
+        if !recorded {
+            Creator::Unrecorded
+        } else if dead() {
+            Creator::Dead
+        } else {
+            Creator::Running
+        }
+    }
+}
+
 /// [`open_versioned`] for a judge or a tool that must not wait for a stamp nobody will write:
 /// one look first (an empty, short or sparse segment is waited for as [`open_versioned`] waits
 /// for a creator sizing it); a segment without its stamp is then awaited (up to `wait`, as

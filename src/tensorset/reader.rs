@@ -637,48 +637,51 @@ impl TensorSetReader {
         };
         let buffer = frame.index();
         let (generation, content) = decode_meta(frame.metadata(), frame.seq());
-        if generation <= than {
+        let refused: Option<Error> = if generation <= than {
             // A writer numbers its generations from the manifest's base on, so a take newer than
             // `than - base` is newer than `than`: one that is not means the base in the
             // manifest (a word outside the layout fingerprint) does not match the generations'
-            // own numbers. Let go as a failed take lets go, never handed out as newer.
-            if holds[buffer] > 0 {
-                std::mem::forget(frame);
-            } else {
-                drop(frame);
-            }
-            drop(holds);
-            return Err(TensorSetError::BadManifest {
-                segment: format!("{}{}", segment::MANIFEST_PREFIX, self.name),
-                fault: ManifestFault::Field {
-                    what: "the generation base",
-                    found: self.generation_base,
-                    allowed: "one that the generations' own numbers follow (it took a \
-                              generation no newer than the one asked to be passed)",
-                },
-            }
-            .into());
-        }
-        if frame.written() == Some(false) && !self.recorded_whole(generation, buffer) {
+            // own numbers. Never handed out as newer.
+            Some(
+                TensorSetError::BadManifest {
+                    segment: format!("{}{}", segment::MANIFEST_PREFIX, self.name),
+                    fault: ManifestFault::Field {
+                        what: "the generation base",
+                        found: self.generation_base,
+                        allowed: "one that the generations' own numbers follow (it took a \
+                                  generation no newer than the one asked to be passed)",
+                    },
+                }
+                .into(),
+            )
+        } else if frame.written() == Some(false) && !self.recorded_whole(generation, buffer) {
             // The writer died and its stream may not have finished this generation: its bytes
-            // may be partial. Never handed out as whole; let go as `take_newer` lets go of a
-            // take whose stream wait failed (a buffer another guard holds keeps that hold).
+            // may be partial. Never handed out as whole.
+            Some(
+                TensorSetError::WriterGone {
+                    name: self.name.clone(),
+                    pid: consumer.producer_pid(),
+                    why: format!(
+                        "it died before its stream was known to have finished generation \
+                         {generation}, whose bytes may be partial; reopen the set to read its \
+                         last whole generation"
+                    ),
+                }
+                .into(),
+            )
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            // Let go as `take_newer` lets go of a take whose stream wait failed (a buffer another
+            // guard holds keeps that hold).
             if holds[buffer] > 0 {
                 std::mem::forget(frame);
             } else {
                 drop(frame);
             }
             drop(holds);
-            return Err(TensorSetError::WriterGone {
-                name: self.name.clone(),
-                pid: consumer.producer_pid(),
-                why: format!(
-                    "it died before its stream was known to have finished generation \
-                     {generation}, whose bytes may be partial; reopen the set to read its last \
-                     whole generation"
-                ),
-            }
-            .into());
+            return Err(e);
         }
         holds[buffer] += 1;
         drop(holds);

@@ -273,13 +273,9 @@ pub(crate) fn open_segment<const M: u64>(
 ) -> std::result::Result<Segment, OpenError> {
     versioned::open_versioned_unless_abandoned::<Header<M>>(seg_name, false, wait, |seg| {
         let h = versioned::header::<Header<M>>(seg);
-        if h.writer().0.pid == 0 {
-            Creator::Unrecorded
-        } else if h.writer_liveness() == Liveness::Dead {
-            Creator::Dead
-        } else {
-            Creator::Running
-        }
+        Creator::judged(h.writer().0.pid != 0, || {
+            h.writer_liveness() == Liveness::Dead
+        })
     })
 }
 
