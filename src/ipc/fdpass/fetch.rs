@@ -192,6 +192,14 @@ const REPLY_LIVENESS_EVERY: Duration = Duration::from_millis(100);
 /// too. Bounded, once per fetch: a slow server costs this much CPU time at most.
 const REPLY_SPIN: Duration = Duration::from_micros(200);
 
+/// How many connections a socket fetch makes for one request when the exporter's server closes a
+/// connection before answering any id. The server gives up on a client whose request has not
+/// arrived within its 1 s receive timeout: an importer stalled that long between its `connect`
+/// and its `send` (a loaded machine, a page fault waiting for the disk) finds its connection
+/// closed unanswered. Asking again over a new connection is safe (a fetch only copies fds); a
+/// listener that keeps closing unanswered is an error after this many.
+const UNANSWERED_TRIES: usize = 3;
+
 /// [`fetch_many`], running `waiting` once while the exporter prepares its answer (over the
 /// socket, after the request went out; its reply waits meanwhile): work of the caller's that then
 /// costs no time of its own, such as starting a thread. The `pidfd_getfd` transports, which wait
@@ -302,15 +310,40 @@ fn fetch_socket(
     let mut waiting = Some(waiting);
     for chunk in ids.chunks(MAX_IDS_PER_REQUEST) {
         let only_ids: Vec<u32> = chunk.iter().map(|(id, _)| *id).collect();
-        out.extend(fetch_socket_once(
-            exporter,
-            owner,
-            &only_ids,
-            deadline,
-            waiting.take(),
-        )?);
+        let mut tries = 0;
+        let fds = loop {
+            tries += 1;
+            match fetch_socket_once(exporter, owner, &only_ids, deadline, waiting.take())? {
+                Answer::Fds(fds) => break fds,
+                Answer::ClosedUnanswered(e) if tries >= UNANSWERED_TRIES => {
+                    return Err(gone_or(exporter, owner, e));
+                }
+                Answer::ClosedUnanswered(e) => {
+                    // The exporter's server gave up on this connection (see
+                    // `UNANSWERED_TRIES`): ask again over a new one, unless it is gone or time
+                    // is up.
+                    alive(exporter, owner)?;
+                    deadline.remaining(WAIT_WHAT)?;
+                    tracing::debug!(
+                        pid = exporter.pid,
+                        tries,
+                        "fd server closed the connection unanswered, asking again: {e}"
+                    );
+                }
+            }
+        };
+        out.extend(fds);
     }
     Ok(out)
+}
+
+/// What one request over one connection came to, where it did not fail.
+enum Answer {
+    /// The fds of every id asked for, in order.
+    Fds(Vec<OwnedFd>),
+    /// The server closed the connection before answering any id (the error that says so, for
+    /// when no try is left).
+    ClosedUnanswered(Error),
 }
 
 /// [`FdPassError::PeerGone`] when the exporter is gone ([`exporter_gone`]; with its uid known,
@@ -372,7 +405,7 @@ fn not_the_owner(
 }
 
 /// One request over one connection: the steps below, in order. All or nothing: the fds of every id,
-/// in the order of `ids`, or an error and no fd left open.
+/// in the order of `ids`, or an error (or [`Answer::ClosedUnanswered`]) and no fd left open.
 /// `waiting` (if any) runs once the request is sent, before the reply is read.
 fn fetch_socket_once(
     exporter: &ProcessIdentity,
@@ -380,7 +413,7 @@ fn fetch_socket_once(
     ids: &[u32],
     deadline: &Deadline,
     waiting: Option<&mut dyn FnMut()>,
-) -> Result<Vec<OwnedFd>> {
+) -> Result<Answer> {
     let t = Instant::now();
     let x = Exchange::new(exporter, owner, ids);
     // What stands at the path, or who listens there, says nothing once the exporter is gone:
@@ -449,6 +482,16 @@ struct SocketFile {
     /// Whether the exporter runs in this process's pid namespace (then its pid is compared with
     /// the listener's; otherwise uids and the file's owner are).
     same_ns: bool,
+}
+
+/// What one [`Exchange::receive_message`] came to.
+enum Message {
+    /// A message, its fds already owned.
+    Got(Received),
+    /// Nothing yet: call again.
+    Again,
+    /// The server closed the connection (end of file); the error that says so.
+    Closed(Error),
 }
 
 /// One message [`Exchange::receive_message`] received, its fds already owned.
@@ -725,7 +768,7 @@ impl<'a> Exchange<'a> {
         ids: &[u32],
         server: PeerCred,
         deadline: &Deadline,
-    ) -> Result<Vec<OwnedFd>> {
+    ) -> Result<Answer> {
         let mut out: Vec<OwnedFd> = Vec::with_capacity(ids.len());
         let mut buf = vec![0u8; MAX_REPLY_BYTES + 1];
         let mut space =
@@ -738,10 +781,18 @@ impl<'a> Exchange<'a> {
         let spin_until = deadline.at.map_or(spin_until, |at| at.min(spin_until));
         while answered < ids.len() {
             let spin = answered == 0 && Instant::now() < spin_until;
-            let Some(mut got) =
-                self.receive_message(sock, &mut buf, &mut space, &mut reset_seen, deadline, spin)?
-            else {
-                continue;
+            let mut got = match self.receive_message(
+                sock,
+                &mut buf,
+                &mut space,
+                &mut reset_seen,
+                deadline,
+                spin,
+            )? {
+                Message::Got(got) => got,
+                Message::Again => continue,
+                Message::Closed(e) if answered == 0 => return Ok(Answer::ClosedUnanswered(e)),
+                Message::Closed(e) => return Err(self.gone_or(e)),
             };
             let message = buf.get(..got.bytes).unwrap_or(&[]);
             let n =
@@ -749,15 +800,15 @@ impl<'a> Exchange<'a> {
             answered += n;
             out.append(&mut got.fds);
         }
-        Ok(out)
+        Ok(Answer::Fds(out))
     }
 
     /// One `recvmsg` into `buf` and `space`, within the deadline. The fds that arrived are taken
-    /// into `OwnedFd`s before anything else, so every exit closes them. `Ok(None)`: nothing yet,
-    /// call again (interrupted, `SO_RCVTIMEO` ran out with time left, nothing there yet where
-    /// `spin` asked not to sleep (`MSG_DONTWAIT`), or the one reset a refusing server causes,
-    /// which `reset_seen` records). A connection closed before the answer is an
-    /// error.
+    /// into `OwnedFd`s before anything else, so every exit closes them. [`Message::Again`]:
+    /// nothing yet, call again (interrupted, `SO_RCVTIMEO` ran out with time left, nothing there
+    /// yet where `spin` asked not to sleep (`MSG_DONTWAIT`), or the one reset a refusing server
+    /// causes, which `reset_seen` records). [`Message::Closed`]: the server closed the
+    /// connection (the caller judges whether before any answer).
     fn receive_message(
         &self,
         sock: &OwnedFd,
@@ -766,7 +817,7 @@ impl<'a> Exchange<'a> {
         reset_seen: &mut bool,
         deadline: &Deadline,
         spin: bool,
-    ) -> Result<Option<Received>> {
+    ) -> Result<Message> {
         let mut flags = RecvFlags::CMSG_CLOEXEC;
         if spin {
             // Not sleeping: nothing there yet is `Ok(None)` at once (below).
@@ -789,27 +840,27 @@ impl<'a> Exchange<'a> {
         }
         let msg = match got {
             Ok(m) => m,
-            Err(Errno::INTR) => return Ok(None),
+            Err(Errno::INTR) => return Ok(Message::Again),
             Err(Errno::AGAIN) if spin => {
                 std::hint::spin_loop();
-                return Ok(None);
+                return Ok(Message::Again);
             }
             Err(Errno::AGAIN) => {
                 // SO_RCVTIMEO ran out: the exporter is gone or time is up (unless it was clamped).
                 self.alive()?;
                 deadline.remaining(WAIT_WHAT)?;
-                return Ok(None);
+                return Ok(Message::Again);
             }
             // A server that refuses closes without reading our request; the kernel then reports a
             // reset once (and clears it) before the reply it queued.
             Err(Errno::CONNRESET) if !*reset_seen => {
                 *reset_seen = true;
-                return Ok(None);
+                return Ok(Message::Again);
             }
             Err(e) => return Err(self.gone_or(self.os("recvmsg", e))),
         };
         if msg.bytes == 0 {
-            return Err(self.gone_or(
+            return Ok(Message::Closed(
                 OsError::io(
                     "recvmsg",
                     self.path.clone(),
@@ -821,7 +872,7 @@ impl<'a> Exchange<'a> {
                 .into(),
             ));
         }
-        Ok(Some(Received {
+        Ok(Message::Got(Received {
             bytes: msg.bytes,
             flags: msg.flags,
             fds,
@@ -887,5 +938,180 @@ impl<'a> Exchange<'a> {
             )));
         }
         Ok(reply.entries.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The socket transport against a scripted server in a child process (this test binary run
+    //! again with [`SCRIPT`] set): a server that closes connections unanswered, as the real one
+    //! does with a client whose request is late by more than its 1 s receive timeout.
+
+    use super::*;
+    use crate::ipc::fdpass::wire::{ENTRY_OK, decode_request, encode_reply};
+    use std::io::{BufRead, BufReader, Read, Seek, Write};
+    use std::process::{Child, Command, Stdio};
+
+    /// Set in the child: "CLOSE TOTAL", close the first CLOSE connections after reading their
+    /// request, answer the rest, stop after TOTAL connections.
+    const SCRIPT: &str = "CUDA_IPC_TEST_SCRIPTED_FD_SERVER";
+
+    /// The child's part: serves as scripted, then waits for its stdin to close, removes its
+    /// socket file and returns.
+    fn scripted_server(script: &str) {
+        let mut words = script.split(' ').map(|w| w.parse::<usize>().unwrap());
+        let (close, total) = (words.next().unwrap(), words.next().unwrap());
+        let me = ProcessIdentity::current().unwrap();
+        let path = socket_path(&me);
+        let listener = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        rustix::net::bind(&listener, &SocketAddrUnix::new(path.as_str()).unwrap()).unwrap();
+        rustix::fs::chmod(path.as_str(), rustix::fs::Mode::from_raw_mode(0o600)).unwrap();
+        rustix::net::listen(&listener, 8).unwrap();
+        let [a, b, c, d] = me.to_words();
+        println!("@@ identity {a} {b} {c} {d}");
+        std::io::stdout().flush().unwrap();
+        for n in 0..total {
+            let conn = rustix::net::accept_with(&listener, SocketFlags::CLOEXEC).unwrap();
+            let mut buf = vec![0u8; 8192];
+            let got = rustix::net::recv(&conn, &mut buf, RecvFlags::empty())
+                .unwrap()
+                .0;
+            let ids = decode_request(&buf[..got]).unwrap();
+            if n >= close {
+                let fd =
+                    rustix::fs::memfd_create("scripted", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+                let mut f = std::fs::File::from(fd);
+                f.write_all(format!("answered on connection {}", n + 1).as_bytes())
+                    .unwrap();
+                let fd = OwnedFd::from(f);
+                let entries: Vec<(u32, u32)> = ids.iter().map(|id| (*id, ENTRY_OK)).collect();
+                let fds = vec![std::os::fd::AsFd::as_fd(&fd); ids.len()];
+                let bytes = encode_reply(REQUEST_OK, &entries);
+                let mut space =
+                    vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
+                let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+                assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
+                rustix::net::sendmsg(
+                    &conn,
+                    &[std::io::IoSlice::new(&bytes)],
+                    &mut control,
+                    SendFlags::NOSIGNAL,
+                )
+                .unwrap();
+            }
+            drop(conn);
+            println!("@@ served {}", n + 1);
+            std::io::stdout().flush().unwrap();
+        }
+        let mut rest = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut rest);
+        let _ = rustix::fs::unlink(path.as_str());
+    }
+
+    /// Starts the scripted server (test `name` of this binary) and returns it with its identity.
+    fn start(
+        name: &str,
+        close: usize,
+        total: usize,
+    ) -> (Child, BufReader<std::process::ChildStdout>, ProcessIdentity) {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                &format!("ipc::fdpass::fetch::tests::{name}"),
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(SCRIPT, format!("{close} {total}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "the child ended early"
+            );
+            // The harness writes the test's name first, on the same line.
+            if let Some((_, words)) = line.trim().split_once("@@ identity ") {
+                let w: Vec<u64> = words.split(' ').map(|w| w.parse().unwrap()).collect();
+                let id = ProcessIdentity::from_words([w[0], w[1], w[2], w[3]]);
+                return (child, out, id);
+            }
+        }
+    }
+
+    /// Lets the child finish and returns the count of connections it served.
+    fn finish(mut child: Child, mut out: BufReader<std::process::ChildStdout>) -> usize {
+        drop(child.stdin.take());
+        let mut rest = String::new();
+        out.read_to_string(&mut rest).unwrap();
+        assert!(child.wait().unwrap().success(), "{rest}");
+        rest.lines()
+            .filter_map(|l| l.strip_prefix("@@ served "))
+            .map(|n| n.parse::<usize>().unwrap())
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn content(fd: OwnedFd) -> String {
+        let mut f = std::fs::File::from(fd);
+        f.rewind().unwrap();
+        let mut s = String::new();
+        f.read_to_string(&mut s).unwrap();
+        s
+    }
+
+    #[test]
+    fn a_connection_closed_unanswered_is_asked_again_over_a_new_one() {
+        if let Ok(script) = std::env::var(SCRIPT) {
+            return scripted_server(&script);
+        }
+        let name = "a_connection_closed_unanswered_is_asked_again_over_a_new_one";
+        let (child, out, exporter) = start(name, UNANSWERED_TRIES - 1, UNANSWERED_TRIES);
+        let fds = fetch_many(
+            &exporter,
+            &[(7, -1), (8, -1)],
+            FdTransport::Socket,
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let texts: Vec<String> = fds.into_iter().map(content).collect();
+        let last = format!("answered on connection {UNANSWERED_TRIES}");
+        assert_eq!(texts, [last.clone(), last]);
+        assert_eq!(finish(child, out), UNANSWERED_TRIES);
+    }
+
+    #[test]
+    fn a_server_that_keeps_closing_unanswered_is_an_error_after_a_few_tries() {
+        if let Ok(script) = std::env::var(SCRIPT) {
+            return scripted_server(&script);
+        }
+        let name = "a_server_that_keeps_closing_unanswered_is_an_error_after_a_few_tries";
+        let (child, out, exporter) = start(name, UNANSWERED_TRIES, UNANSWERED_TRIES);
+        let t = Instant::now();
+        let e = fetch(
+            &exporter,
+            7,
+            -1,
+            FdTransport::Socket,
+            Duration::from_secs(10),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("closed the connection before answering every id"),
+            "{e}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert_eq!(finish(child, out), UNANSWERED_TRIES, "one connection a try");
     }
 }

@@ -38,7 +38,9 @@
 //!   or root. Others get a refusal status and no fds (the file's mode 0600 keeps processes of other
 //!   users, root aside, from connecting at all). An unknown or withdrawn id gets an error status, never
 //!   another fd. Accepted connections have 1 s send and receive timeouts, so a client that stalls or
-//!   vanishes delays others by at most that; malformed requests get an error status.
+//!   vanishes delays others by at most that; malformed requests get an error status. An importer
+//!   whose request came later than that (a loaded machine) finds its connection closed unanswered
+//!   and asks again over a new one, three connections in all, within its timeout.
 //!
 //! # Who listens: the importer's check
 //! - Exporter in the importer's pid namespace ([`ProcessIdentity::in_own_pid_namespace`]): the
