@@ -1034,17 +1034,25 @@ mod tests {
             .unwrap();
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        loop {
+        let identity = loop {
             line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "the child ended early"
-            );
+            if !matches!(out.read_line(&mut line), Ok(n) if n > 0) {
+                break None;
+            }
             // The harness writes the test's name first, on the same line.
             if let Some((_, words)) = line.trim().split_once("@@ identity ") {
-                let w: Vec<u64> = words.split(' ').map(|w| w.parse().unwrap()).collect();
-                let id = ProcessIdentity::from_words([w[0], w[1], w[2], w[3]]);
-                return (child, out, id);
+                let w: Vec<u64> = words.split(' ').filter_map(|w| w.parse().ok()).collect();
+                break <[u64; 4]>::try_from(w)
+                    .ok()
+                    .map(ProcessIdentity::from_words);
+            }
+        };
+        match identity {
+            Some(id) => (child, out, id),
+            None => {
+                let _ = child.kill();
+                let status = child.wait();
+                panic!("the scripted server did not start: {status:?}, {line:?}");
             }
         }
     }
