@@ -390,11 +390,22 @@ impl Control {
             }));
         }
         let need = segment_len(buffers, consumers);
-        if seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
+        if seg.len() < need {
             return Err(bad(SegmentFault::Truncated {
                 segment: name.to_string(),
                 len: seg.len(),
                 need,
+            }));
+        }
+        let recorded = h.segment_bytes.load(Ordering::Relaxed);
+        if recorded != need as u64 {
+            return Err(bad(SegmentFault::SizeWord {
+                segment: name.to_string(),
+                recorded,
+                buffers,
+                consumers,
+                need,
+                len: seg.len(),
             }));
         }
         Ok(Control {
@@ -681,12 +692,12 @@ pub(super) mod tests {
         );
         p.header().buffers.store(1, Ordering::Relaxed);
         p.header().segment_bytes.store(1 << 40, Ordering::Relaxed);
+        let e = Control::open(&name).map(|_| ()).unwrap_err().to_string();
         assert!(
-            Control::open(&name)
-                .map(|_| ())
-                .unwrap_err()
-                .to_string()
-                .contains("truncated")
+            e.contains(&format!("records a size of {} bytes", 1u64 << 40))
+                && e.contains(&format!("need {}", segment_len(1, 4)))
+                && e.contains("corrupted"),
+            "{e}"
         );
         p.unlink();
         assert!(matches!(
