@@ -9,6 +9,7 @@ mod common;
 use cli_support::*;
 use common::cuda_ipc;
 use cuda_ipc::channel::Delivery;
+use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::inspect as registry_inspect;
@@ -455,6 +456,116 @@ fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old()
         text(&o)
     );
     assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err());
+}
+
+/// Plants under the control segment name `seg` what a producer killed between sizing the segment
+/// and stamping it leaves: `len` bytes of zeros, every page written, with `creator` recorded as
+/// the producer (its pid, start time, boot id, pid namespace and uid) where one is given.
+fn plant_unstamped_control(seg: &str, len: usize, creator: Option<ProcessIdentity>) {
+    use cuda_ipc::raw::channel::layout::header;
+    let mut b = vec![0u8; len];
+    if let Some(c) = creator {
+        let mut put = |at: usize, bytes: &[u8]| b[at..at + bytes.len()].copy_from_slice(bytes);
+        put(header::PRODUCER_PID, &c.pid.to_le_bytes());
+        put(header::PRODUCER_START_TIME, &c.start_time.to_le_bytes());
+        put(header::PRODUCER_BOOT_ID, &c.boot_id);
+        put(header::PRODUCER_PID_NS, &c.pid_ns.to_le_bytes());
+        put(
+            header::PRODUCER_UID,
+            &rustix::process::geteuid().as_raw().to_le_bytes(),
+        );
+    }
+    std::fs::write(format!("/dev/shm/{seg}"), b).unwrap();
+}
+
+/// A process of this pid namespace and boot that ran and is gone (a `true` child, reaped), with
+/// a start time no process has: dead, whoever gets its pid next.
+fn dead_identity() -> ProcessIdentity {
+    let mut child = Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let dead = ProcessIdentity {
+        pid: child.id(),
+        start_time: 1,
+        ..ProcessIdentity::current().unwrap()
+    };
+    assert_eq!(dead.liveness(), cuda_ipc::identity::Liveness::Dead);
+    dead
+}
+
+/// A channel control segment without its stamp whose creator is dead, or that records none and is
+/// older than 2 s (a producer killed between sizing it and writing its header, or any such file of
+/// zeros of this user's), is a creation abandoned half-way: `ls`, `watch` and `gc NAME` tell it at
+/// once, and `gc` removes it, instead of waiting 2 s for a stamp nobody will write at each look.
+/// One that records no creator and is younger is still waited for: its producer may be about to
+/// record itself.
+#[test]
+fn ls_watch_and_gc_tell_an_abandoned_channel_creation_at_once_and_wait_for_a_young_one() {
+    let [old, dead, young] = ["zeros-old", "zeros-dead", "zeros-young"].map(unique);
+    let seg = |n: &str| format!("cuda-ipc.ch.{n}");
+    let _u = [&old, &dead, &young].map(|n| Unlink(seg(n)));
+    let len = cuda_ipc::raw::channel::layout::segment_len(1, 1);
+    plant_unstamped_control(&seg(&old), len, None);
+    // `st_ctime` counts whole seconds: more than 2 s by its count.
+    std::thread::sleep(Duration::from_millis(3100));
+    // Young, but its recorded producer is dead: it never stamps.
+    plant_unstamped_control(&seg(&dead), len, Some(dead_identity()));
+    for n in [&old, &dead] {
+        let at_once = |args: &[&str]| {
+            let t = Instant::now();
+            let o = cuda_ipc_bounded(args, false);
+            let took = t.elapsed();
+            assert!(
+                took < Duration::from_millis(1500),
+                "{args:?} took {took:?}: {}",
+                text(&o)
+            );
+            o
+        };
+        let o = at_once(&["ls", n]);
+        assert_eq!(code(&o), 1, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "channel {n}: cannot read: bad channel segment: {} is a creation abandoned half-way",
+                seg(n)
+            )),
+            "{}",
+            text(&o)
+        );
+        let v = json(&at_once(&["ls", n, "--json"]));
+        let e = v["errors"][0]["error"].as_str().unwrap();
+        assert!(e.contains("abandoned half-way"), "{v}");
+        let o = at_once(&["watch", n, "--count", "1", "--plain"]);
+        assert!(text(&o).contains("abandoned half-way"), "{}", text(&o));
+        let o = at_once(&["gc", n, "--dry-run"]);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "would remove channel {n}: segment /dev/shm/{}: a creation abandoned",
+                seg(n)
+            )),
+            "{}",
+            text(&o)
+        );
+        let o = at_once(&["gc", n]);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!("removed channel {n}: segment /dev/shm/{}", seg(n))),
+            "{}",
+            text(&o)
+        );
+        assert!(std::fs::symlink_metadata(format!("/dev/shm/{}", seg(n))).is_err());
+    }
+    // Young and no producer recorded: waited for (2 s), then said to be unfinished.
+    plant_unstamped_control(&seg(&young), len, None);
+    let t = Instant::now();
+    let o = cuda_ipc_bounded(&["ls", &young], false);
+    assert!(
+        t.elapsed() >= Duration::from_millis(1900),
+        "{:?}: {}",
+        t.elapsed(),
+        text(&o)
+    );
+    assert!(text(&o).contains("never finished"), "{}", text(&o));
 }
 
 #[test]

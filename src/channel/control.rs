@@ -134,6 +134,19 @@ fn producer_of(h: &Header) -> ProcessIdentity {
     }
 }
 
+/// The creator that the control segment `seg` records, judged by the one rule of
+/// [`Creator::judged`]: none recorded yet (pid 0), dead, or running (or whose liveness cannot be
+/// told). For openers of a segment that may lack its stamp
+/// ([`versioned::open_versioned_unless_abandoned`]).
+fn creator_of(seg: &Segment) -> Creator {
+    let h = versioned::header::<Header>(seg);
+    let p = producer_of(h);
+    Creator::judged(p.pid != 0, || {
+        // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+        p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
+    })
+}
+
 /// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
 /// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
 /// the header's in the channel's words.
@@ -295,16 +308,9 @@ impl Control {
         }
         // A stamp is waited for only while a producer may still write it (one recorded that
         // runs, or none recorded yet in a young segment): an abandoned creation costs no wait.
-        let creator = |seg: &Segment| {
-            let h = versioned::header::<Header>(seg);
-            let p = producer_of(h);
-            Creator::judged(p.pid != 0, || {
-                // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
-                p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
-            })
-        };
-        match versioned::open_versioned_unless_abandoned::<Header>(name, false, INIT_WAIT, creator)
-        {
+        match versioned::open_versioned_unless_abandoned::<Header>(
+            name, false, INIT_WAIT, creator_of,
+        ) {
             Ok(seg) => {
                 let old = Self::checked(seg, name)?;
                 let p = old.producer();
@@ -373,6 +379,36 @@ impl Control {
         // the stamp in `create`; the fields read in `checked` are the creator's.
         let seg = versioned::open_versioned::<Header>(&name, allow_group, init_wait)
             .map_err(|e| open_error(channel, &name, init_wait, e))?;
+        Self::checked(seg, &name)
+    }
+
+    /// [`Control::open_in`] for tools (`inspect`, `gc`'s judgements and removals): this user's
+    /// segment only, and its stamp waited for (up to [`INIT_WAIT`]) only while a creator may still
+    /// write it: one recorded that runs (or whose liveness cannot be told), or none recorded yet
+    /// in a segment at most 2 s old ([`versioned::open_versioned_unless_abandoned`]). A segment
+    /// without its stamp whose creator is dead, or that records none and is older, is a creation
+    /// abandoned half-way, told at once: a directory of them costs a tool no wait for each.
+    ///
+    /// # Errors
+    /// As [`Control::open_in`]; [`SegmentFault::Abandoned`] (in
+    /// [`super::ChannelError::BadSegment`]) for a creation abandoned half-way.
+    pub(crate) fn open_unless_abandoned_in(prefix: &str, channel: &str) -> Result<Control> {
+        validate_channel_name(channel)?;
+        let name = segment_name_in(prefix, channel);
+        // SYNC POINT: stamp. Acquire, in `open_versioned`'s look: pairs with the Release store of
+        // the stamp in `create`; the fields read in `checked` are the creator's.
+        let seg = versioned::open_versioned_unless_abandoned::<Header>(
+            &name, false, INIT_WAIT, creator_of,
+        )
+        .map_err(|e| match e {
+            // Told at once, never waited for (`INIT_WAIT` is not zero).
+            OpenError::Header(HeaderError::Unstamped { waited }) if waited.is_zero() => {
+                bad(SegmentFault::Abandoned {
+                    segment: name.clone(),
+                })
+            }
+            e => open_error(channel, &name, INIT_WAIT, e),
+        })?;
         Self::checked(seg, &name)
     }
 

@@ -120,6 +120,17 @@ pub enum SegmentFault {
         /// How long the opener waited for the stamp.
         waited: Duration,
     },
+    /// A creation abandoned half-way: no init stamp, and its creator is dead, or none is recorded
+    /// in a segment older than 2 s (told at once by tools, never waited for; `cuda-ipc gc`
+    /// removes it).
+    #[error(
+        "{segment} is a creation abandoned half-way: no init stamp, and its creator died (or never \
+         recorded itself in 2 s); `cuda-ipc gc` removes it"
+    )]
+    Abandoned {
+        /// The segment's name.
+        segment: String,
+    },
     /// The control header's counts are out of range.
     #[error("{segment} claims {buffers} buffers and {consumers} consumers: corrupted")]
     Counts {
