@@ -6,7 +6,9 @@
 //! it goes), so `gc --dry-run` lists exactly what `gc` then removes. The rules are the library's:
 //! registries' dead records, participants, locks and corrupt slots (the registry's own recovery)
 //! and creations abandoned half-way; channels of dead producers with their host pools, dead
-//! consumers' slots on a live producer's channel, abandoned creations; tensor sets of dead
+//! consumers' slots on a live producer's channel, abandoned creations (a registry's or channel's
+//! creation that may still finish, younger than 2 s or its creator running, is kept with a line
+//! saying why, no problem); tensor sets of dead
 //! writers (manifest, generation channel, host data), dead readers' slots, dead holders' slots
 //! in a set's holders segment (counted in a line of their own), abandoned creations;
 //! and without a NAME the

@@ -22,7 +22,7 @@ use super::layout::{
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{
-    self, Blocker, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
+    self, Blocker, Creation, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
 };
 use crate::shm::{Segment, SegmentOptions};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -341,6 +341,61 @@ impl Control {
                 Ok("a creation abandoned before it was finished")
             }
             Err(e) => Err(open_error(channel, name, INIT_WAIT, e)),
+        }
+    }
+
+    /// Judges, without waiting, the segment `name` of `channel` that an opener could not use, by
+    /// the rule of [`Control::replaceable`]: empty or sparse, abandoned once 2 s old with its
+    /// sizing lock free, else under way; sized and never stamped, under way while its producer
+    /// may still stamp it ([`versioned::may_still_stamp`]: one recorded that runs, or none
+    /// recorded in a segment at most 2 s old), else abandoned; stamped, [`Creation::Finished`].
+    /// Maps and loads its header words; changes nothing.
+    ///
+    /// # Errors
+    /// What is under the name when it is no creation of ours: [`crate::shm::ShmError::NotFound`]
+    /// when there is nothing, [`crate::shm::ShmError::WrongOwner`] for another user's segment,
+    /// [`crate::shm::ShmError::NotASegment`] for a FIFO, directory, socket or device,
+    /// [`crate::shm::ShmError::TooSmall`] for a short file whose pages are there,
+    /// [`SegmentFault::Foreign`] and [`super::ChannelError::VersionMismatch`] for another magic or
+    /// layout version.
+    pub(crate) fn judge_creation(channel: &str, name: &str) -> Result<Creation> {
+        match versioned::stat_blocker(name, HEADER_SIZE)? {
+            Blocker::Abandoned => return Ok(Creation::Abandoned(versioned::ABANDONED_UNSIZED)),
+            Blocker::Young => {
+                return Ok(Creation::UnderWay(versioned::UNDER_WAY_UNSIZED.to_string()));
+            }
+            Blocker::Sized(_) => {}
+        }
+        match versioned::open_versioned::<Header>(name, false, Duration::ZERO) {
+            Ok(_) => Ok(Creation::Finished),
+            Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
+                let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
+                let creator = creator_of(&seg);
+                if !versioned::may_still_stamp(name, creator) {
+                    return Ok(Creation::Abandoned(
+                        "a creation abandoned before it was finished",
+                    ));
+                }
+                if creator == Creator::Unrecorded {
+                    return Ok(Creation::UnderWay(
+                        versioned::UNDER_WAY_UNSTAMPED.to_string(),
+                    ));
+                }
+                let h = versioned::header::<Header>(&seg);
+                let p = producer_of(h);
+                // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+                Ok(Creation::UnderWay(
+                    if p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Alive {
+                        format!("a creation under way: not stamped yet, by {p}, which runs")
+                    } else {
+                        format!(
+                            "a creation not stamped yet, by {p}, whose liveness cannot be told \
+                             from here"
+                        )
+                    },
+                ))
+            }
+            Err(e) => Err(open_error(channel, name, Duration::ZERO, e)),
         }
     }
 

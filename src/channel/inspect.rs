@@ -15,6 +15,7 @@ use super::stats::LatencyHistogram;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
+use crate::shm::versioned::Creation;
 use crate::sync::Ordering;
 use crate::token::Token;
 
@@ -405,6 +406,17 @@ pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
         )) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// [`abandoned`] for `gc`'s scan, without waiting, with a creation that may still be finished
+/// told apart (young, or its producer may still stamp it: kept, not a problem) and a channel
+/// stamped since the inspection looked ([`Creation::Finished`]: inspect it again). The rule is
+/// the one a new producer replaces a segment by.
+///
+/// # Errors
+/// As [`abandoned`], and [`ShmError::NotFound`] when nothing is under the name.
+pub(crate) fn judge_creation(channel: &str) -> Result<Creation> {
+    Control::judge_creation(channel, &segment_name(channel))
 }
 
 /// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.

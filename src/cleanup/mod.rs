@@ -16,7 +16,9 @@
 //! only lists and dispatches: it never reads a segment's bytes itself.
 //!
 //! What it never touches: anything of a live process or of one whose liveness cannot be told
-//! (kept, with a note), another user's files (unless run as root, for per-process files), a
+//! (kept, with a note), a creation that may still be finished (a registry's, channel's or quota
+//! ledger's younger than 2 s or whose creator runs: kept, with a note, never a problem), another
+//! user's files (unless run as root, for per-process files), a
 //! finished registry or a ready quota ledger itself (only what dead processes left inside them), and
 //! anything under our names that is not ours (a FIFO, a foreign file: a problem, never removed).
 //! Above every layer it cleans; nothing below imports it. Never calls CUDA.
@@ -252,8 +254,8 @@ pub struct Scan {
     /// The leftovers, in the order [`remove`] takes them.
     pub leftovers: Vec<Leftover>,
     /// What is kept, one line each saying why (`channel X: ...`): whether its process runs cannot
-    /// be told, or a quota ledger's creation may still finish (younger than 2 s, or its creator
-    /// runs).
+    /// be told, or a registry's, channel's or quota ledger's creation may still finish (younger
+    /// than 2 s, or its creator runs).
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,
