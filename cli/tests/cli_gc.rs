@@ -15,7 +15,21 @@ use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::inspect as registry_inspect;
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use std::process::Command;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
+
+/// `gc` without a NAME removes every leftover of this user, those another test planted and is
+/// about to look at included: the tests that run it hold this for writing ([`alone`]), every
+/// other test that leaves something for `gc` for reading ([`beside_others`]).
+static WHOLE_GC: RwLock<()> = RwLock::new(());
+
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    WHOLE_GC.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn beside_others() -> RwLockReadGuard<'static, ()> {
+    WHOLE_GC.read().unwrap_or_else(|p| p.into_inner())
+}
 
 /// The child side of the two-process tests ([`cli_support::child_role`]).
 #[test]
@@ -25,6 +39,7 @@ fn child() {
 
 #[test]
 fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
+    let _gc = beside_others();
     let name = unique("gc-reg");
     let _u = Unlink(name.clone());
     let reg = Registry::create(&name, &RegistryOptions::new().capacity(8)).unwrap();
@@ -104,6 +119,7 @@ fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
 
 #[test]
 fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
+    let _gc = beside_others();
     let dead = unique("gc-host-dead");
     let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
     let _u2 = Unlink(format!("cuda-ipc.hp.{dead}"));
@@ -129,6 +145,7 @@ fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
 
 #[test]
 fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
+    let _gc = beside_others();
     let dead = unique("gc-chan-dead");
     let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
     let live = unique("gc-chan-live");
@@ -182,6 +199,7 @@ fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
 
 #[test]
 fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
+    let _gc = beside_others();
     let name = unique("gc-consumer");
     let _u = Unlink(format!("cuda-ipc.ch.{name}"));
     let tx = ControlProducer::create(&name, 4096, 4, &[token(1), token(3)]).unwrap();
@@ -239,6 +257,7 @@ fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
 
 #[test]
 fn a_corrupt_channel_segment_is_reported_and_never_removed() {
+    let _gc = beside_others();
     let name = unique("corrupt");
     let seg_name = format!("cuda-ipc.ch.{name}");
     let _u = Unlink(seg_name.clone());
@@ -265,6 +284,7 @@ fn a_corrupt_channel_segment_is_reported_and_never_removed() {
 
 #[test]
 fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_keep_them() {
+    let _gc = alone();
     let base = unique("hostile");
     let fifo = format!("cuda-ipc.ch.{base}-fifo");
     let dir = format!("cuda-ipc.ch.{base}-dir");
@@ -345,6 +365,7 @@ fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_kee
 
 #[test]
 fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_once_killed() {
+    let _gc = alone();
     if !unshare_works() {
         return;
     }
@@ -422,6 +443,7 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
 
 #[test]
 fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old() {
+    let _gc = beside_others();
     let name = unique("abandoned");
     let seg = format!("cuda-ipc.ch.{name}");
     let _u = Unlink(seg.clone());
@@ -520,6 +542,7 @@ fn dead_identity() -> ProcessIdentity {
 /// record itself.
 #[test]
 fn ls_watch_and_gc_tell_an_abandoned_channel_creation_at_once_and_wait_for_a_young_one() {
+    let _gc = beside_others();
     let [old, dead, young] = ["zeros-old", "zeros-dead", "zeros-young"].map(unique);
     let seg = |n: &str| format!("cuda-ipc.ch.{n}");
     let _u = [&old, &dead, &young].map(|n| Unlink(seg(n)));
@@ -627,6 +650,7 @@ fn plant_unstamped_registry(name: &str, creator: ProcessIdentity) {
 /// of it is removed; once abandoned (older, no creator recorded) `gc` removes it.
 #[test]
 fn gc_keeps_a_registry_or_channel_creation_that_may_still_finish_and_exits_0() {
+    let _gc = beside_others();
     let [reg_live, reg_empty, ch_live, ch_sparse, ch_zeros] = [
         "make-reg-live",
         "make-reg-empty",
