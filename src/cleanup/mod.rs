@@ -285,20 +285,24 @@ pub struct Scope {
     channels: Option<Vec<String>>,
     /// Tensor set names; `None`: every tensor set in `/dev/shm`.
     tensor_sets: Option<Vec<String>>,
-    /// Also the quota ledgers (dead holders, abandoned creations) and the per-process files.
-    everything: bool,
+    /// Quota ledger segment names (dead holders, abandoned creations); `None`: every ledger in
+    /// `/dev/shm`.
+    quota_ledgers: Option<Vec<String>>,
+    /// Also the per-process files (liveness files, fd server sockets, bridge status files).
+    process_files: bool,
 }
 
 impl Scope {
-    /// Everything: every registry and channel in `/dev/shm`, the quota ledgers' dead holders and
-    /// abandoned creations, and the liveness files, fd server sockets and bridge status files of
-    /// killed processes.
+    /// Everything: every registry, channel and tensor set in `/dev/shm`, the quota ledgers' dead
+    /// holders and abandoned creations, and the liveness files, fd server sockets and bridge
+    /// status files of killed processes.
     pub fn everything() -> Scope {
         Scope {
             registries: None,
             channels: None,
             tensor_sets: None,
-            everything: true,
+            quota_ledgers: None,
+            process_files: true,
         }
     }
 
@@ -309,13 +313,23 @@ impl Scope {
             registries: Some(registries),
             channels: Some(channels),
             tensor_sets: Some(Vec::new()),
-            everything: false,
+            quota_ledgers: Some(Vec::new()),
+            process_files: false,
         }
     }
 
     /// Also these tensor sets (names) in a scope made by [`Scope::only`].
     pub fn with_tensor_sets(mut self, names: Vec<String>) -> Scope {
         self.tensor_sets = Some(names);
+        self
+    }
+
+    /// Also these quota ledgers (segment names, `cuda-ipc.quota.…`: [`quota::LEDGER_PREFIX`]) in
+    /// a scope made by [`Scope::only`]: their dead holders' reservations, or the ledger itself
+    /// when it is this user's creation abandoned half-way, by the rules of [`Scope::everything`].
+    /// A name without the prefix is a problem of the scan ([`Error::InvalidArgument`]).
+    pub fn with_quota_ledgers(mut self, names: Vec<String>) -> Scope {
+        self.quota_ledgers = Some(names);
         self
     }
 }

@@ -55,8 +55,8 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
     for t in &sets {
         scan_tensor_set(t, &mut s);
     }
-    if scope.everything {
-        scan_quota(&mut s);
+    scan_quota(scope.quota_ledgers.as_deref(), &mut s);
+    if scope.process_files {
         scan_process_files(&mut s);
     }
     Ok(s)
@@ -368,17 +368,31 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
     }
 }
 
-/// The quota ledgers: a creation abandoned half-way is a leftover, one that may still finish is
-/// kept with why; of a ready ledger, the dead holders' reservations are the leftovers.
-fn scan_quota(s: &mut Scan) {
-    let names = match quota::list_ledgers() {
-        Ok(n) => n,
-        Err(e) => {
-            s.problems.push(problem("quota ledgers".into(), e));
-            return;
-        }
+/// The quota ledgers `named` (`None`: every one in `/dev/shm`): a creation abandoned half-way is
+/// a leftover, one that may still finish is kept with why; of a ready ledger, the dead holders'
+/// reservations are the leftovers.
+fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
+    let names = match named {
+        Some(n) => n.to_vec(),
+        None => match quota::list_ledgers() {
+            Ok(n) => n,
+            Err(e) => {
+                s.problems.push(problem("quota ledgers".into(), e));
+                return;
+            }
+        },
     };
     for name in names {
+        if !name.starts_with(quota::LEDGER_PREFIX) {
+            s.problems.push(problem(
+                format!("quota ledger {name}"),
+                Error::InvalidArgument(format!(
+                    "{name:?} is not a quota ledger's name (`{}…`)",
+                    quota::LEDGER_PREFIX
+                )),
+            ));
+            continue;
+        }
         // Judged first, by the rule a creator replaces one by: an unstamped creation would cost
         // the opener its 1 s wait for a stamp. Anything that is no creation of ours (a ready
         // ledger, another member's group ledger, a foreign file) is opened, and its error, if
