@@ -103,3 +103,46 @@ fn truncated_and_empty_files_are_refused_as_too_small() {
         assert!(took < Duration::from_secs(1), "{tag}: took {took:?}");
     }
 }
+
+#[test]
+fn zeros_older_than_two_seconds_are_an_abandoned_creation_told_at_once_by_every_tool() {
+    // No producer recorded in a file older than 2 s: nobody will stamp it. Inspection, `gc`'s
+    // removal of a dead producer's segment and its release of dead consumers say so at once
+    // instead of waiting 2 s each (a consumer's attach still waits, as for a young one).
+    let g = Garbage::new("old-zeros", &[0u8; 16384]);
+    // `st_ctime` counts whole seconds: more than 2 s by its count.
+    std::thread::sleep(Duration::from_millis(3100));
+    let t = Instant::now();
+    let errors = [
+        inspect::inspect(&g.0).map(|_| ()).unwrap_err(),
+        cuda_ipc::channel::reclaim::remove_stale(&g.0)
+            .map(|_| ())
+            .unwrap_err(),
+        cuda_ipc::channel::reclaim::release_dead_consumers(&g.0)
+            .map(|_| ())
+            .unwrap_err(),
+    ];
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
+    for e in errors {
+        assert!(
+            matches!(
+                &e,
+                cuda_ipc::Error::Channel(cuda_ipc::channel::ChannelError::BadSegment(
+                    cuda_ipc::channel::SegmentFault::Abandoned { .. }
+                ))
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("abandoned half-way"), "{e}");
+    }
+    // The rule a new producer replaces it by and `gc` removes it by says the same.
+    assert!(inspect::abandoned(&g.0).unwrap().is_some());
+    assert!(
+        std::fs::metadata(Garbage::path(&g.0)).is_ok(),
+        "nothing removed"
+    );
+}

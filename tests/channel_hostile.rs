@@ -465,3 +465,75 @@ fn a_dead_producers_host_pool_is_kept_when_its_channel_has_another_layout_versio
     );
     let _ = std::fs::remove_file(&pool);
 }
+
+/// A control segment whose size word (`segment_bytes`) disagrees with what its counts need, or
+/// whose file is shorter than that, is refused by every opener with a message naming the numbers
+/// that differ: the size word recorded and the size the counts need (and the file's size), never
+/// two equal numbers.
+#[test]
+fn a_wrong_size_word_or_a_short_file_is_refused_naming_the_numbers_that_differ() {
+    use cuda_ipc::channel::SegmentFault;
+    use cuda_ipc::raw::channel::layout;
+    use std::os::unix::fs::FileExt;
+    let n = name("size-word");
+    let _g = Planted(n.clone());
+    // Made by this process, which runs: the segment is never taken for a dead producer's.
+    drop(ControlProducer::create(&n, 4096, 2, &tokens()).unwrap());
+    let need = layout::segment_len(2, 2);
+    let len = std::fs::metadata(path(&n)).unwrap().len() as usize;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path(&n))
+        .unwrap();
+    let recorded = need as u64 + 4096;
+    f.write_all_at(
+        &recorded.to_le_bytes(),
+        layout::header::SEGMENT_BYTES as u64,
+    )
+    .unwrap();
+    for (who, e) in every_opener(&n).into_iter().take(3) {
+        let text = e.to_string();
+        match e {
+            Error::Channel(ChannelError::BadSegment(SegmentFault::SizeWord {
+                recorded: r,
+                need: nd,
+                len: l,
+                buffers: 2,
+                consumers: 2,
+                ..
+            })) => assert_eq!((r, nd, l), (recorded, need, len), "{who}"),
+            other => panic!("{who}: {other:?}"),
+        }
+        assert!(
+            text.contains(&format!("records a size of {recorded} bytes"))
+                && text.contains(&format!("need {need}"))
+                && text.contains(&format!("the file holds {len}")),
+            "{who}: {text}"
+        );
+    }
+    // The size word put back and the file cut short of what the counts need (a header's worth
+    // left): the file's size and the size needed, two different numbers.
+    f.write_all_at(
+        &(need as u64).to_le_bytes(),
+        layout::header::SEGMENT_BYTES as u64,
+    )
+    .unwrap();
+    let short = 4096;
+    f.set_len(short as u64).unwrap();
+    for (who, e) in every_opener(&n).into_iter().take(3) {
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                Error::Channel(ChannelError::BadSegment(SegmentFault::Truncated { len, need: nd, .. }))
+                    if len == short && nd == need
+            ),
+            "{who}: {text}"
+        );
+        assert!(
+            text.contains(&format!("holds {short} bytes"))
+                && text.contains(&format!("need {need}")),
+            "{who}: {text}"
+        );
+    }
+}

@@ -6,15 +6,17 @@
 //! it goes), so `gc --dry-run` lists exactly what `gc` then removes. The rules are the library's:
 //! registries' dead records, participants, locks and corrupt slots (the registry's own recovery)
 //! and creations abandoned half-way; channels of dead producers with their host pools, dead
-//! consumers' slots on a live producer's channel, abandoned creations; tensor sets of dead
+//! consumers' slots on a live producer's channel, abandoned creations (a registry's or channel's
+//! creation that may still finish, younger than 2 s or its creator running, is kept with a line
+//! saying why, no problem); tensor sets of dead
 //! writers (manifest, generation channel, host data), dead readers' slots, dead holders' slots
 //! in a set's holders segment (counted in a line of their own), abandoned creations;
-//! and without a NAME the
-//! reservations of dead holders in the quota ledgers and the ledgers' creations abandoned
+//! the reservations of dead holders in the quota ledgers and the ledgers' creations abandoned
 //! half-way (never a ready ledger itself, nor one whose creation may still finish, which is kept
-//! with a line saying why; other users' ledgers are skipped with a note), and the liveness files,
-//! fd server sockets and bridge status files that killed processes left (a normal exit removes
-//! them).
+//! with a line saying why; other users' ledgers are skipped with a note): every ledger without a
+//! NAME, the one a NAME of a ledger (`cuda-ipc.quota.…`) names; and without a NAME the liveness
+//! files, fd server sockets and bridge status files that killed processes left (a normal exit
+//! removes them).
 
 use crate::Outcome;
 use crate::listing::targets;
@@ -87,6 +89,15 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
     }
 }
 
+/// Whether `name` names a quota ledger: under the ledgers' prefix (`cuda-ipc.quota.`), and
+/// something stands under it in `/dev/shm` (whatever it is: the scan says what, and a FIFO or
+/// another user's file is never removed). Never taken for a registry of that name.
+fn is_ledger(name: &str) -> bool {
+    name.starts_with(cuda_ipc::quota::LEDGER_PREFIX)
+        && !name.contains('/')
+        && std::fs::symlink_metadata(format!("{}/{name}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
+}
+
 /// `cuda-ipc gc [NAME] [--dry-run] [--json]`. JSON (docs/cli.md): `dry_run`, `leftovers` (what
 /// the scan found: what a dry run would remove), `removed` (empty on a dry run), `kept` (each
 /// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`, `problems` (each `subject`, `doing`, `error`); exit
@@ -94,6 +105,10 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
 pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let scope = match name {
         None => Scope::everything(),
+        // A quota ledger's name: that ledger alone, by the rules `gc` without a NAME follows.
+        Some(n) if is_ledger(n) => {
+            Scope::only(Vec::new(), Vec::new()).with_quota_ledgers(vec![n.to_string()])
+        }
         Some(_) => {
             let t = targets(name)?;
             Scope::only(t.registries, t.channels).with_tensor_sets(t.tensor_sets)

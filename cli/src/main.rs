@@ -169,13 +169,17 @@ enum Command {
     },
     /// Remove what dead processes left: registry records and participant entries of dead
     /// processes, segments of channels whose producer died, consumer slots and holds of dead
-    /// consumers, and tensor sets whose writer died (unless a live holder serves a VMM set);
-    /// without a NAME also dead holders' quota reservations and quota ledgers whose creation was
-    /// abandoned half-way. Never touches what a live process owns; a live reader of a dead
-    /// writer's set keeps what it mapped (the files are unlinked, not shrunk).
+    /// consumers, tensor sets whose writer died (unless a live holder serves a VMM set), dead
+    /// holders' quota reservations, and registries, channels, tensor sets and quota ledgers whose
+    /// creation was abandoned half-way (one that may still finish, younger than 2 s or its
+    /// creator running, is kept with a line saying why); without a NAME also the liveness files,
+    /// fd server sockets and bridge status files of killed processes. Never touches what a live
+    /// process owns, nor another user's segments; a live reader of a dead writer's set keeps what
+    /// it mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
-        /// Only this registry, channel or tensor set.
+        /// Only this registry, channel, tensor set or quota ledger (its segment name,
+        /// `cuda-ipc.quota.u<uid>.<device>` or `cuda-ipc.quota.g<gid>.<device>`).
         name: Option<String>,
         /// Only say what would be removed.
         #[arg(long)]

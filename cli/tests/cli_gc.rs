@@ -9,12 +9,27 @@ mod common;
 use cli_support::*;
 use common::cuda_ipc;
 use cuda_ipc::channel::Delivery;
+use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
 use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::registry::inspect as registry_inspect;
 use cuda_ipc::registry::{Registry, RegistryOptions};
 use std::process::Command;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
+
+/// `gc` without a NAME removes every leftover of this user, those another test planted and is
+/// about to look at included: the tests that run it hold this for writing ([`alone`]), every
+/// other test that leaves something for `gc` for reading ([`beside_others`]).
+static WHOLE_GC: RwLock<()> = RwLock::new(());
+
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    WHOLE_GC.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn beside_others() -> RwLockReadGuard<'static, ()> {
+    WHOLE_GC.read().unwrap_or_else(|p| p.into_inner())
+}
 
 /// The child side of the two-process tests ([`cli_support::child_role`]).
 #[test]
@@ -24,6 +39,7 @@ fn child() {
 
 #[test]
 fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
+    let _gc = beside_others();
     let name = unique("gc-reg");
     let _u = Unlink(name.clone());
     let reg = Registry::create(&name, &RegistryOptions::new().capacity(8)).unwrap();
@@ -103,6 +119,7 @@ fn gc_removes_a_dead_childs_registry_entries_but_never_a_live_ones() {
 
 #[test]
 fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
+    let _gc = beside_others();
     let dead = unique("gc-host-dead");
     let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
     let _u2 = Unlink(format!("cuda-ipc.hp.{dead}"));
@@ -128,6 +145,7 @@ fn gc_says_it_removed_a_dead_host_producers_pool_with_its_channel() {
 
 #[test]
 fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
+    let _gc = beside_others();
     let dead = unique("gc-chan-dead");
     let _u1 = Unlink(format!("cuda-ipc.ch.{dead}"));
     let live = unique("gc-chan-live");
@@ -181,6 +199,7 @@ fn gc_removes_a_dead_producers_channel_but_not_a_live_one() {
 
 #[test]
 fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
+    let _gc = beside_others();
     let name = unique("gc-consumer");
     let _u = Unlink(format!("cuda-ipc.ch.{name}"));
     let tx = ControlProducer::create(&name, 4096, 4, &[token(1), token(3)]).unwrap();
@@ -238,6 +257,7 @@ fn gc_frees_a_dead_consumers_slot_and_holds_on_a_live_producers_channel() {
 
 #[test]
 fn a_corrupt_channel_segment_is_reported_and_never_removed() {
+    let _gc = beside_others();
     let name = unique("corrupt");
     let seg_name = format!("cuda-ipc.ch.{name}");
     let _u = Unlink(seg_name.clone());
@@ -264,6 +284,7 @@ fn a_corrupt_channel_segment_is_reported_and_never_removed() {
 
 #[test]
 fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_keep_them() {
+    let _gc = alone();
     let base = unique("hostile");
     let fifo = format!("cuda-ipc.ch.{base}-fifo");
     let dir = format!("cuda-ipc.ch.{base}-dir");
@@ -344,6 +365,7 @@ fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_kee
 
 #[test]
 fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_once_killed() {
+    let _gc = alone();
     if !unshare_works() {
         return;
     }
@@ -421,6 +443,7 @@ fn gc_in_any_pid_namespace_keeps_a_live_producers_channel_there_and_removes_it_o
 
 #[test]
 fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old() {
+    let _gc = beside_others();
     let name = unique("abandoned");
     let seg = format!("cuda-ipc.ch.{name}");
     let _u = Unlink(seg.clone());
@@ -429,10 +452,16 @@ fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old()
         .unwrap()
         .set_len(1 << 20)
         .unwrap();
-    // Young: maybe a producer creating it right now. Reported, kept.
+    // Young: maybe a producer creating it right now. Kept, with why: no problem.
     let o = cuda_ipc_bounded(&["gc", &name], false);
-    assert_eq!(code(&o), 1, "{}", text(&o));
-    assert!(text(&o).contains("sparse"), "{}", text(&o));
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!(
+            "kept channel {name}: a creation under way: empty or sparse"
+        )),
+        "{}",
+        text(&o)
+    );
     assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_ok());
     std::thread::sleep(Duration::from_millis(2100));
     let o = cuda_ipc_bounded(&["gc", &name, "--dry-run"], false);
@@ -455,6 +484,288 @@ fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old()
         text(&o)
     );
     assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err());
+}
+
+/// Plants under the control segment name `seg` what a producer killed between sizing the segment
+/// and stamping it leaves: `len` bytes of zeros, every page written, with `creator` recorded as
+/// the producer (its pid, start time, boot id, pid namespace and uid) where one is given.
+fn plant_unstamped_control(seg: &str, len: usize, creator: Option<ProcessIdentity>) {
+    use cuda_ipc::raw::channel::layout::header;
+    let mut b = vec![0u8; len];
+    if let Some(c) = creator {
+        let mut put = |at: usize, bytes: &[u8]| b[at..at + bytes.len()].copy_from_slice(bytes);
+        put(header::PRODUCER_PID, &c.pid.to_le_bytes());
+        put(header::PRODUCER_START_TIME, &c.start_time.to_le_bytes());
+        put(header::PRODUCER_BOOT_ID, &c.boot_id);
+        put(header::PRODUCER_PID_NS, &c.pid_ns.to_le_bytes());
+        put(
+            header::PRODUCER_UID,
+            &rustix::process::geteuid().as_raw().to_le_bytes(),
+        );
+    }
+    write_segment(seg, &b);
+}
+
+/// Writes `bytes` to a new file `/dev/shm/NAME` of mode 0600, as a creator makes its segments.
+fn write_segment(name: &str, bytes: &[u8]) {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(format!("/dev/shm/{name}"))
+        .unwrap()
+        .write_all(bytes)
+        .unwrap();
+}
+
+/// A process of this pid namespace and boot that ran and is gone (a `true` child, reaped), with
+/// a start time no process has: dead, whoever gets its pid next.
+fn dead_identity() -> ProcessIdentity {
+    let mut child = Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let dead = ProcessIdentity {
+        pid: child.id(),
+        start_time: 1,
+        ..ProcessIdentity::current().unwrap()
+    };
+    assert_eq!(dead.liveness(), cuda_ipc::identity::Liveness::Dead);
+    dead
+}
+
+/// A channel control segment without its stamp whose creator is dead, or that records none and is
+/// older than 2 s (a producer killed between sizing it and writing its header, or any such file of
+/// zeros of this user's), is a creation abandoned half-way: `ls`, `watch` and `gc NAME` tell it at
+/// once, and `gc` removes it, instead of waiting 2 s for a stamp nobody will write at each look.
+/// One that records no creator and is younger is still waited for: its producer may be about to
+/// record itself.
+#[test]
+fn ls_watch_and_gc_tell_an_abandoned_channel_creation_at_once_and_wait_for_a_young_one() {
+    let _gc = beside_others();
+    let [old, dead, young] = ["zeros-old", "zeros-dead", "zeros-young"].map(unique);
+    let seg = |n: &str| format!("cuda-ipc.ch.{n}");
+    let _u = [&old, &dead, &young].map(|n| Unlink(seg(n)));
+    let len = cuda_ipc::raw::channel::layout::segment_len(1, 1);
+    plant_unstamped_control(&seg(&old), len, None);
+    // `st_ctime` counts whole seconds: more than 2 s by its count.
+    std::thread::sleep(Duration::from_millis(3100));
+    // Young, but its recorded producer is dead: it never stamps.
+    plant_unstamped_control(&seg(&dead), len, Some(dead_identity()));
+    for n in [&old, &dead] {
+        let at_once = |args: &[&str]| {
+            let t = Instant::now();
+            let o = cuda_ipc_bounded(args, false);
+            let took = t.elapsed();
+            assert!(
+                took < Duration::from_millis(1500),
+                "{args:?} took {took:?}: {}",
+                text(&o)
+            );
+            o
+        };
+        let o = at_once(&["ls", n]);
+        assert_eq!(code(&o), 1, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "channel {n}: cannot read: bad channel segment: {} is a creation abandoned half-way",
+                seg(n)
+            )),
+            "{}",
+            text(&o)
+        );
+        let v = json(&at_once(&["ls", n, "--json"]));
+        let e = v["errors"][0]["error"].as_str().unwrap();
+        assert!(e.contains("abandoned half-way"), "{v}");
+        let o = at_once(&["watch", n, "--count", "1", "--plain"]);
+        assert!(text(&o).contains("abandoned half-way"), "{}", text(&o));
+        let o = at_once(&["gc", n, "--dry-run"]);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "would remove channel {n}: segment /dev/shm/{}: a creation abandoned",
+                seg(n)
+            )),
+            "{}",
+            text(&o)
+        );
+        let o = at_once(&["gc", n]);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!("removed channel {n}: segment /dev/shm/{}", seg(n))),
+            "{}",
+            text(&o)
+        );
+        assert!(std::fs::symlink_metadata(format!("/dev/shm/{}", seg(n))).is_err());
+    }
+    // Young and no producer recorded: waited for (2 s), then said to be unfinished.
+    plant_unstamped_control(&seg(&young), len, None);
+    let t = Instant::now();
+    let o = cuda_ipc_bounded(&["ls", &young], false);
+    assert!(
+        t.elapsed() >= Duration::from_millis(1900),
+        "{:?}: {}",
+        t.elapsed(),
+        text(&o)
+    );
+    assert!(text(&o).contains("never finished"), "{}", text(&o));
+}
+
+/// Waits until the next whole second has begun: a file made then stays younger than the grace
+/// (2 s, counted in whole seconds of `st_ctime`) for almost 2 s, and no older than 2 s by that
+/// count for almost 3 s.
+fn at_a_second_start() -> Instant {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    std::thread::sleep(Duration::from_nanos(
+        1_000_000_000 - u64::from(now.subsec_nanos()) + 20_000_000,
+    ));
+    Instant::now()
+}
+
+/// Plants under the registry name `name` what a registry creator leaves between writing its header
+/// and stamping it: the header's magic, layout version and `creator` (with this user's uid), no
+/// init stamp, every page written. Offsets: docs/registry-layout.md.
+fn plant_unstamped_registry(name: &str, creator: ProcessIdentity) {
+    use cuda_ipc::raw::registry_layout::{LAYOUT_VERSION, MAGIC, total_size};
+    let (magic, version, creator_uid, creator_words) = (0, 8, 84, 96);
+    let mut b = vec![0u8; total_size(8, 8)];
+    let mut put = |at: usize, bytes: &[u8]| b[at..at + bytes.len()].copy_from_slice(bytes);
+    put(magic, &MAGIC.to_le_bytes());
+    put(version, &LAYOUT_VERSION.to_le_bytes());
+    put(
+        creator_uid,
+        &rustix::process::geteuid().as_raw().to_le_bytes(),
+    );
+    for (i, w) in creator.to_words().iter().enumerate() {
+        put(creator_words + 8 * i, &w.to_le_bytes());
+    }
+    write_segment(name, &b);
+}
+
+/// A registry or channel whose creation may still be finished (its creator runs, or it is younger
+/// than 2 s) is kept by `gc NAME`, with a line saying why, and exit status 0, as a quota ledger's
+/// creation is: a `gc` beside a process creating a registry or a channel does not fail. Nothing
+/// of it is removed; once abandoned (older, no creator recorded) `gc` removes it.
+#[test]
+fn gc_keeps_a_registry_or_channel_creation_that_may_still_finish_and_exits_0() {
+    let _gc = beside_others();
+    let [reg_live, reg_empty, ch_live, ch_sparse, ch_zeros] = [
+        "make-reg-live",
+        "make-reg-empty",
+        "make-ch-live",
+        "make-ch-sparse",
+        "make-ch-zeros",
+    ]
+    .map(unique);
+    let ch = |n: &str| format!("cuda-ipc.ch.{n}");
+    let _u = [
+        reg_live.clone(),
+        reg_empty.clone(),
+        ch(&ch_live),
+        ch(&ch_sparse),
+        ch(&ch_zeros),
+    ]
+    .map(Unlink);
+    let exists = |seg: &str| std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_ok();
+    let me = ProcessIdentity::current().unwrap();
+    let len = cuda_ipc::raw::channel::layout::segment_len(1, 1);
+    // Being finished by a creator that runs (this process), at any age.
+    plant_unstamped_registry(&reg_live, me);
+    plant_unstamped_control(&ch(&ch_live), len, Some(me));
+    let kept = |kind: &str, n: &str, seg: &str, why: &str| {
+        let o = cuda_ipc_bounded(&["gc", n], false);
+        assert_eq!(code(&o), 0, "{kind} {n}: {}", text(&o));
+        assert!(
+            text(&o).contains(&format!("kept {kind} {n}: {why}")),
+            "{kind} {n}: {}",
+            text(&o)
+        );
+        assert!(!text(&o).contains("removed"), "{}", text(&o));
+        assert!(exists(seg), "{kind} {n} was removed");
+    };
+    let runs = format!("a creation under way: not stamped yet, by {me}, which runs");
+    kept("registry", &reg_live, &reg_live, &runs);
+    kept("channel", &ch_live, &ch(&ch_live), &runs);
+    // The same in the JSON form: kept, no problem.
+    let v = json(&cuda_ipc_bounded(
+        &["gc", &ch_live, "--dry-run", "--json"],
+        false,
+    ));
+    assert_eq!(v["problems"], serde_json::json!([]), "{v:#}");
+    assert_eq!(v["leftovers"], serde_json::json!([]), "{v:#}");
+    assert_eq!(
+        v["kept"],
+        serde_json::json!([{
+            "what": format!("channel {ch_live}: {runs}"),
+            "why": null,
+            "leftover": null,
+        }]),
+        "{v:#}"
+    );
+
+    // Young, without a creator recorded: an empty registry file (its creator before
+    // `ftruncate`), a sparse channel segment (before `fallocate`), and a channel segment of zeros
+    // (before its producer recorded itself; `gc` waits 2 s for its stamp, as every look does).
+    let unsized_young = "a creation under way: empty or sparse, younger than 2 s";
+    let planted = at_a_second_start();
+    write_segment(&reg_empty, b"");
+    let o = cuda_ipc_bounded(&["gc", &reg_empty], false);
+    if planted.elapsed() < Duration::from_millis(1900) {
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!("kept registry {reg_empty}: {unsized_young}")),
+            "{}",
+            text(&o)
+        );
+        assert!(exists(&reg_empty));
+    }
+    let planted = at_a_second_start();
+    std::fs::File::create(format!("/dev/shm/{}", ch(&ch_sparse)))
+        .unwrap()
+        .set_len(len as u64)
+        .unwrap();
+    let o = cuda_ipc_bounded(&["gc", &ch_sparse], false);
+    if planted.elapsed() < Duration::from_millis(1900) {
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!("kept channel {ch_sparse}: {unsized_young}")),
+            "{}",
+            text(&o)
+        );
+        assert!(exists(&ch(&ch_sparse)));
+    }
+    let planted = at_a_second_start();
+    plant_unstamped_control(&ch(&ch_zeros), len, None);
+    let o = cuda_ipc_bounded(&["gc", &ch_zeros], false);
+    // Judged after the 2 s wait: still at most 2 s old by `st_ctime`'s whole seconds.
+    if planted.elapsed() < Duration::from_millis(2900) {
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "kept channel {ch_zeros}: a creation under way: not stamped yet, younger than 2 s"
+            )),
+            "{}",
+            text(&o)
+        );
+        assert!(exists(&ch(&ch_zeros)));
+    }
+
+    // Older, nobody recorded: abandoned, removed. The live creator's stay.
+    std::thread::sleep(Duration::from_millis(3100));
+    for (n, seg) in [
+        (&reg_empty, reg_empty.clone()),
+        (&ch_sparse, ch(&ch_sparse)),
+        (&ch_zeros, ch(&ch_zeros)),
+    ] {
+        let o = cuda_ipc_bounded(&["gc", n], false);
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        assert!(text(&o).contains("removed"), "{n}: {}", text(&o));
+        assert!(!exists(&seg), "{n}");
+    }
+    kept("registry", &reg_live, &reg_live, &runs);
+    kept("channel", &ch_live, &ch(&ch_live), &runs);
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! `gc` and the quota ledgers: a killed holder's reservation is listed by `gc --dry-run` (which
 //! changes nothing) and freed by `gc`; the ledger and the live reservations stay. A ledger whose
 //! creation was abandoned half-way (empty, or never stamped by a dead creator, 2 s old) is removed,
-//! exit status 0; a young one, a live creator's and another user's are kept. A test binary of its
+//! exit status 0; a young one, a live creator's and another user's are kept. `gc NAME` of a
+//! ledger's segment name does the same for that ledger alone. A test binary of its
 //! own: every `ls`, `watch` and `metrics` also frees dead holders, so no other test may look at
 //! the ledgers meanwhile; its tests take turns (`gc` without a NAME looks at every ledger).
 
@@ -334,4 +335,139 @@ fn gc_removes_an_abandoned_quota_ledger_creation_and_keeps_a_young_live_or_other
         let m = std::fs::metadata(format!("/dev/shm/{theirs}")).unwrap();
         assert_eq!(m.uid(), 65534, "another user's is never removed");
     }
+}
+
+/// `gc NAME` takes a quota ledger's segment name as it takes a registry's or a channel's: that
+/// ledger alone, by the rules of `gc` without a NAME. A killed holder's reservation is freed (the
+/// ledger and the live reservation stay); this user's creation abandoned half-way is removed; a
+/// live creator's is kept, with why; another user's is skipped, never touched; no other ledger is
+/// looked at.
+#[test]
+fn gc_of_a_quota_ledgers_name_cleans_that_ledger_by_the_same_rules() {
+    const HOLDER_TEST: &str =
+        "gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones";
+    if std::env::var(HOLDER_ROLE).is_ok() {
+        return;
+    }
+    let _turn = gc_turn();
+    let name = |tag: u8| QuotaScope::user().segment_name(fake_device(tag));
+    let [empty, dead, live, theirs, bystander] = [0x20, 0x21, 0x22, 0x23, 0x24].map(name);
+    let _g = [&empty, &dead, &live, &theirs, &bystander].map(|n| Gone(n.clone()));
+    let exists = |n: &str| std::fs::symlink_metadata(format!("/dev/shm/{n}")).is_ok();
+    // A ready ledger with this process's reservation and a killed holder's (a child running the
+    // holder role of the test above).
+    let dev = fake_device(0x25);
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), dev, 1000).unwrap();
+    let _l = Gone(ledger.name().to_string());
+    let mine = ledger.reserve(100).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([HOLDER_TEST, "--exact", "--nocapture", "--test-threads=1"])
+        .env(HOLDER_ROLE, dev.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let held = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l == "held");
+    assert!(held, "the holder did not reserve");
+    let pid = child.id();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Creations: abandoned (empty; never stamped by a dead creator), a live creator's, and one
+    // abandoned beside them that no NAME names.
+    plant(&empty, None);
+    plant(&dead, Some(dead_process()));
+    plant(&live, Some(ProcessIdentity::current().unwrap()));
+    plant(&bystander, None);
+    let root = rustix::process::geteuid().is_root();
+    if root {
+        plant(&theirs, Some(dead_process()));
+        let st = Command::new("chown")
+            .args(["65534", &format!("/dev/shm/{theirs}")])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    } else {
+        println!("another user's ledger left out: needs root to give a file to another uid");
+    }
+    // Past the grace (2 s, in whole seconds of `st_ctime`).
+    std::thread::sleep(Duration::from_millis(2200));
+
+    let holder = format!(
+        "quota ledger {}: reservation of 700 bytes of dead pid {pid}",
+        ledger.name()
+    );
+    let o = cuda_ipc(&["gc", ledger.name(), "--dry-run"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("would remove {holder}")),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(ledger.dead_holders(false).unwrap().len(), 1, "a dry run");
+    let o = cuda_ipc(&["gc", ledger.name()]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("removed {holder}")),
+        "{}",
+        text(&o)
+    );
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.holders.len()), (100, 1));
+    assert!(exists(ledger.name()), "a ready ledger stays");
+
+    for (n, why) in [
+        (
+            &empty,
+            "a creation abandoned before its pages were reserved",
+        ),
+        (
+            &dead,
+            "a creation abandoned by its dead creator before its init stamp",
+        ),
+    ] {
+        let o = cuda_ipc(&["gc", n, "--dry-run", "--json"]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+        assert_eq!(v["leftovers"].as_array().unwrap().len(), 1, "{v:#}");
+        assert_eq!(v["leftovers"][0]["kind"], "quota_creation", "{v:#}");
+        assert_eq!(v["leftovers"][0]["object"], n.as_str(), "{v:#}");
+        let o = cuda_ipc(&["gc", n]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!(
+                "removed quota ledger {n}: segment /dev/shm/{n}: {why}"
+            )),
+            "{}",
+            text(&o)
+        );
+        assert!(!exists(n), "{n}");
+    }
+    assert!(exists(&bystander), "a ledger no NAME named was looked at");
+
+    let o = cuda_ipc(&["gc", &live]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!(
+            "kept quota ledger {live}: a creation under way: not stamped yet, by pid {}",
+            std::process::id()
+        )),
+        "{}",
+        text(&o)
+    );
+    assert!(exists(&live));
+    if root {
+        let o = cuda_ipc(&["gc", &theirs]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        assert!(
+            text(&o).contains(&format!("quota ledger {theirs}: skipped: it is uid 65534")),
+            "{}",
+            text(&o)
+        );
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(format!("/dev/shm/{theirs}")).unwrap();
+        assert_eq!(m.uid(), 65534, "another user's is never removed");
+    }
+    drop(mine);
 }

@@ -22,7 +22,7 @@ use super::layout::{
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{
-    self, Blocker, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
+    self, Blocker, Creation, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
 };
 use crate::shm::{Segment, SegmentOptions};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
@@ -132,6 +132,19 @@ fn producer_of(h: &Header) -> ProcessIdentity {
         ]),
         pid_ns: h.producer_pid_ns.load(Ordering::Relaxed),
     }
+}
+
+/// The creator that the control segment `seg` records, judged by the one rule of
+/// [`Creator::judged`]: none recorded yet (pid 0), dead, or running (or whose liveness cannot be
+/// told). For openers of a segment that may lack its stamp
+/// ([`versioned::open_versioned_unless_abandoned`]).
+fn creator_of(seg: &Segment) -> Creator {
+    let h = versioned::header::<Header>(seg);
+    let p = producer_of(h);
+    Creator::judged(p.pid != 0, || {
+        // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+        p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
+    })
 }
 
 /// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
@@ -295,16 +308,9 @@ impl Control {
         }
         // A stamp is waited for only while a producer may still write it (one recorded that
         // runs, or none recorded yet in a young segment): an abandoned creation costs no wait.
-        let creator = |seg: &Segment| {
-            let h = versioned::header::<Header>(seg);
-            let p = producer_of(h);
-            Creator::judged(p.pid != 0, || {
-                // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
-                p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
-            })
-        };
-        match versioned::open_versioned_unless_abandoned::<Header>(name, false, INIT_WAIT, creator)
-        {
+        match versioned::open_versioned_unless_abandoned::<Header>(
+            name, false, INIT_WAIT, creator_of,
+        ) {
             Ok(seg) => {
                 let old = Self::checked(seg, name)?;
                 let p = old.producer();
@@ -335,6 +341,61 @@ impl Control {
                 Ok("a creation abandoned before it was finished")
             }
             Err(e) => Err(open_error(channel, name, INIT_WAIT, e)),
+        }
+    }
+
+    /// Judges, without waiting, the segment `name` of `channel` that an opener could not use, by
+    /// the rule of [`Control::replaceable`]: empty or sparse, abandoned once 2 s old with its
+    /// sizing lock free, else under way; sized and never stamped, under way while its producer
+    /// may still stamp it ([`versioned::may_still_stamp`]: one recorded that runs, or none
+    /// recorded in a segment at most 2 s old), else abandoned; stamped, [`Creation::Finished`].
+    /// Maps and loads its header words; changes nothing.
+    ///
+    /// # Errors
+    /// What is under the name when it is no creation of ours: [`crate::shm::ShmError::NotFound`]
+    /// when there is nothing, [`crate::shm::ShmError::WrongOwner`] for another user's segment,
+    /// [`crate::shm::ShmError::NotASegment`] for a FIFO, directory, socket or device,
+    /// [`crate::shm::ShmError::TooSmall`] for a short file whose pages are there,
+    /// [`SegmentFault::Foreign`] and [`super::ChannelError::VersionMismatch`] for another magic or
+    /// layout version.
+    pub(crate) fn judge_creation(channel: &str, name: &str) -> Result<Creation> {
+        match versioned::stat_blocker(name, HEADER_SIZE)? {
+            Blocker::Abandoned => return Ok(Creation::Abandoned(versioned::ABANDONED_UNSIZED)),
+            Blocker::Young => {
+                return Ok(Creation::UnderWay(versioned::UNDER_WAY_UNSIZED.to_string()));
+            }
+            Blocker::Sized(_) => {}
+        }
+        match versioned::open_versioned::<Header>(name, false, Duration::ZERO) {
+            Ok(_) => Ok(Creation::Finished),
+            Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
+                let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
+                let creator = creator_of(&seg);
+                if !versioned::may_still_stamp(name, creator) {
+                    return Ok(Creation::Abandoned(
+                        "a creation abandoned before it was finished",
+                    ));
+                }
+                if creator == Creator::Unrecorded {
+                    return Ok(Creation::UnderWay(
+                        versioned::UNDER_WAY_UNSTAMPED.to_string(),
+                    ));
+                }
+                let h = versioned::header::<Header>(&seg);
+                let p = producer_of(h);
+                // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+                Ok(Creation::UnderWay(
+                    if p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Alive {
+                        format!("a creation under way: not stamped yet, by {p}, which runs")
+                    } else {
+                        format!(
+                            "a creation not stamped yet, by {p}, whose liveness cannot be told \
+                             from here"
+                        )
+                    },
+                ))
+            }
+            Err(e) => Err(open_error(channel, name, Duration::ZERO, e)),
         }
     }
 
@@ -376,6 +437,36 @@ impl Control {
         Self::checked(seg, &name)
     }
 
+    /// [`Control::open_in`] for tools (`inspect`, `gc`'s judgements and removals): this user's
+    /// segment only, and its stamp waited for (up to [`INIT_WAIT`]) only while a creator may still
+    /// write it: one recorded that runs (or whose liveness cannot be told), or none recorded yet
+    /// in a segment at most 2 s old ([`versioned::open_versioned_unless_abandoned`]). A segment
+    /// without its stamp whose creator is dead, or that records none and is older, is a creation
+    /// abandoned half-way, told at once: a directory of them costs a tool no wait for each.
+    ///
+    /// # Errors
+    /// As [`Control::open_in`]; [`SegmentFault::Abandoned`] (in
+    /// [`super::ChannelError::BadSegment`]) for a creation abandoned half-way.
+    pub(crate) fn open_unless_abandoned_in(prefix: &str, channel: &str) -> Result<Control> {
+        validate_channel_name(channel)?;
+        let name = segment_name_in(prefix, channel);
+        // SYNC POINT: stamp. Acquire, in `open_versioned`'s look: pairs with the Release store of
+        // the stamp in `create`; the fields read in `checked` are the creator's.
+        let seg = versioned::open_versioned_unless_abandoned::<Header>(
+            &name, false, INIT_WAIT, creator_of,
+        )
+        .map_err(|e| match e {
+            // Told at once, never waited for (`INIT_WAIT` is not zero).
+            OpenError::Header(HeaderError::Unstamped { waited }) if waited.is_zero() => {
+                bad(SegmentFault::Abandoned {
+                    segment: name.clone(),
+                })
+            }
+            e => open_error(channel, &name, INIT_WAIT, e),
+        })?;
+        Self::checked(seg, &name)
+    }
+
     /// The layout's own checks of a stamped segment of this magic and version: the counts and
     /// the size its header claims.
     fn checked(seg: Segment, name: &str) -> Result<Control> {
@@ -390,11 +481,22 @@ impl Control {
             }));
         }
         let need = segment_len(buffers, consumers);
-        if seg.len() < need || h.segment_bytes.load(Ordering::Relaxed) != need as u64 {
+        if seg.len() < need {
             return Err(bad(SegmentFault::Truncated {
                 segment: name.to_string(),
                 len: seg.len(),
                 need,
+            }));
+        }
+        let recorded = h.segment_bytes.load(Ordering::Relaxed);
+        if recorded != need as u64 {
+            return Err(bad(SegmentFault::SizeWord {
+                segment: name.to_string(),
+                recorded,
+                buffers,
+                consumers,
+                need,
+                len: seg.len(),
             }));
         }
         Ok(Control {
@@ -681,12 +783,12 @@ pub(super) mod tests {
         );
         p.header().buffers.store(1, Ordering::Relaxed);
         p.header().segment_bytes.store(1 << 40, Ordering::Relaxed);
+        let e = Control::open(&name).map(|_| ()).unwrap_err().to_string();
         assert!(
-            Control::open(&name)
-                .map(|_| ())
-                .unwrap_err()
-                .to_string()
-                .contains("truncated")
+            e.contains(&format!("records a size of {} bytes", 1u64 << 40))
+                && e.contains(&format!("need {}", segment_len(1, 4)))
+                && e.contains("corrupted"),
+            "{e}"
         );
         p.unlink();
         assert!(matches!(

@@ -120,6 +120,17 @@ pub enum SegmentFault {
         /// How long the opener waited for the stamp.
         waited: Duration,
     },
+    /// A creation abandoned half-way: no init stamp, and its creator is dead, or none is recorded
+    /// in a segment older than 2 s (told at once by tools, never waited for; `cuda-ipc gc`
+    /// removes it).
+    #[error(
+        "{segment} is a creation abandoned half-way: no init stamp, and its creator died (or never \
+         recorded itself in 2 s); `cuda-ipc gc` removes it"
+    )]
+    Abandoned {
+        /// The segment's name.
+        segment: String,
+    },
     /// The control header's counts are out of range.
     #[error("{segment} claims {buffers} buffers and {consumers} consumers: corrupted")]
     Counts {
@@ -130,8 +141,10 @@ pub enum SegmentFault {
         /// The consumer count it claims.
         consumers: usize,
     },
-    /// The control segment is shorter than its header needs, or its header's size is wrong.
-    #[error("{segment} holds {len} bytes but its header needs {need}: truncated or corrupted")]
+    /// The control segment is shorter than its header's counts need.
+    #[error(
+        "{segment} holds {len} bytes but its header's counts need {need}: truncated or corrupted"
+    )]
     Truncated {
         /// The segment's name.
         segment: String,
@@ -139,6 +152,25 @@ pub enum SegmentFault {
         len: usize,
         /// The length its counts need, in bytes.
         need: usize,
+    },
+    /// The control header's size word (`segment_bytes`) is not the size its counts need.
+    #[error(
+        "{segment} records a size of {recorded} bytes in its header, but its {buffers} buffers \
+         and {consumers} consumers need {need} (the file holds {len}): corrupted"
+    )]
+    SizeWord {
+        /// The segment's name.
+        segment: String,
+        /// The size word its header records, in bytes.
+        recorded: u64,
+        /// The buffer count it claims.
+        buffers: usize,
+        /// The consumer count it claims.
+        consumers: usize,
+        /// The size those counts need, in bytes.
+        need: usize,
+        /// The file's length in bytes.
+        len: usize,
     },
     /// The channel's host pool is missing.
     #[error("the host pool {segment} of channel {channel:?} is missing")]

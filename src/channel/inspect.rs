@@ -15,6 +15,7 @@ use super::stats::LatencyHistogram;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
+use crate::shm::versioned::Creation;
 use crate::sync::Ordering;
 use crate::token::Token;
 
@@ -248,13 +249,20 @@ pub fn list_channels() -> Result<Vec<String>> {
 
 /// Copies the state of channel `channel` from its control segment, without attaching.
 ///
-/// Validates the segment as a consumer does: waits up to 2 s for a creator that is still writing
-/// it, then checks owner, magic, layout version and sizes.
+/// Validates the segment as a consumer does (owner, magic, layout version, counts and sizes), but
+/// waits for its init stamp (up to 2 s) only while a creator may still write it: one recorded
+/// that runs (or whose liveness cannot be told), or none recorded yet in a segment at most 2 s
+/// old. A segment without its stamp whose creator is dead, or that records none and is older, is
+/// a creation abandoned half-way, told at once ([`super::SegmentFault::Abandoned`]): `cuda-ipc
+/// ls`, `watch`, `metrics` and `gc` never wait on one.
 ///
 /// # Errors
 /// - [`super::ChannelError::NotFound`] when there is no such segment;
-/// - [`super::ChannelError::BadSegment`] for a foreign, other-version, truncated or corrupted
-///   segment, or one its creator never finished;
+/// - [`super::ChannelError::BadSegment`] for a foreign, truncated or corrupted segment, a
+///   creation abandoned half-way ([`super::SegmentFault::Abandoned`], at once), or one whose
+///   creator may still write it but did not stamp it within 2 s
+///   ([`super::SegmentFault::Unfinished`]);
+/// - [`super::ChannelError::VersionMismatch`] for another layout version;
 /// - [`ShmError::WrongOwner`] for another user's segment, [`ShmError::InvalidName`] for
 ///   a name that cannot be a segment name, [`ShmError::TooSmall`] for one shorter than a
 ///   header;
@@ -275,14 +283,13 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
-    let c = Control::open(channel)?;
-    Ok(snapshot(channel, &c))
+    inspect_in(SEGMENT_PREFIX, channel)
 }
 
 /// [`inspect`] of the control segment `channel` under `prefix` (crate-private: a tensor set's
 /// generation channel, `cuda-ipc.tg.NAME`).
 pub(crate) fn inspect_in(prefix: &str, channel: &str) -> Result<ChannelSnapshot> {
-    let c = Control::open_in(prefix, channel, false, control::INIT_WAIT)?;
+    let c = Control::open_unless_abandoned_in(prefix, channel)?;
     Ok(snapshot(channel, &c))
 }
 
@@ -399,6 +406,17 @@ pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
         )) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// [`abandoned`] for `gc`'s scan, without waiting, with a creation that may still be finished
+/// told apart (young, or its producer may still stamp it: kept, not a problem) and a channel
+/// stamped since the inspection looked ([`Creation::Finished`]: inspect it again). The rule is
+/// the one a new producer replaces a segment by.
+///
+/// # Errors
+/// As [`abandoned`], and [`ShmError::NotFound`] when nothing is under the name.
+pub(crate) fn judge_creation(channel: &str) -> Result<Creation> {
+    Control::judge_creation(channel, &segment_name(channel))
 }
 
 /// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.

@@ -54,7 +54,7 @@ pub(crate) fn remove_stale_control_in(
     prefix: &str,
     channel: &str,
 ) -> Result<Option<ChannelSnapshot>> {
-    let c = Control::open_in(prefix, channel, false, super::control::INIT_WAIT)?;
+    let c = Control::open_unless_abandoned_in(prefix, channel)?;
     let snap = snapshot(channel, &c);
     if snap.producer_liveness != Liveness::Dead {
         return Ok(None);
@@ -111,7 +111,7 @@ pub(crate) fn abandoned_in(prefix: &str, channel: &str) -> Result<Option<(&'stat
 /// # Errors
 /// As [`inspect`](super::inspect::inspect).
 pub(crate) fn release_dead_consumers_in(prefix: &str, channel: &str) -> Result<u64> {
-    let c = Control::open_in(prefix, channel, false, super::control::INIT_WAIT)?;
+    let c = Control::open_unless_abandoned_in(prefix, channel)?;
     Ok(c.reclaim_dead_consumers())
 }
 
@@ -144,7 +144,7 @@ pub fn remove_abandoned(channel: &str) -> Result<Option<&'static str>> {
 /// # Errors
 /// As [`inspect`](super::inspect::inspect).
 pub fn release_dead_consumers(channel: &str) -> Result<Vec<ConsumerSnapshot>> {
-    let c = Control::open(channel)?;
+    let c = Control::open_unless_abandoned_in(super::layout::SEGMENT_PREFIX, channel)?;
     let before = snapshot(channel, &c);
     if before
         .consumers

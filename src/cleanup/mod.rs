@@ -16,7 +16,9 @@
 //! only lists and dispatches: it never reads a segment's bytes itself.
 //!
 //! What it never touches: anything of a live process or of one whose liveness cannot be told
-//! (kept, with a note), another user's files (unless run as root, for per-process files), a
+//! (kept, with a note), a creation that may still be finished (a registry's, channel's or quota
+//! ledger's younger than 2 s or whose creator runs: kept, with a note, never a problem), another
+//! user's files (unless run as root, for per-process files), a
 //! finished registry or a ready quota ledger itself (only what dead processes left inside them), and
 //! anything under our names that is not ours (a FIFO, a foreign file: a problem, never removed).
 //! Above every layer it cleans; nothing below imports it. Never calls CUDA.
@@ -252,8 +254,8 @@ pub struct Scan {
     /// The leftovers, in the order [`remove`] takes them.
     pub leftovers: Vec<Leftover>,
     /// What is kept, one line each saying why (`channel X: ...`): whether its process runs cannot
-    /// be told, or a quota ledger's creation may still finish (younger than 2 s, or its creator
-    /// runs).
+    /// be told, or a registry's, channel's or quota ledger's creation may still finish (younger
+    /// than 2 s, or its creator runs).
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,
@@ -283,20 +285,24 @@ pub struct Scope {
     channels: Option<Vec<String>>,
     /// Tensor set names; `None`: every tensor set in `/dev/shm`.
     tensor_sets: Option<Vec<String>>,
-    /// Also the quota ledgers (dead holders, abandoned creations) and the per-process files.
-    everything: bool,
+    /// Quota ledger segment names (dead holders, abandoned creations); `None`: every ledger in
+    /// `/dev/shm`.
+    quota_ledgers: Option<Vec<String>>,
+    /// Also the per-process files (liveness files, fd server sockets, bridge status files).
+    process_files: bool,
 }
 
 impl Scope {
-    /// Everything: every registry and channel in `/dev/shm`, the quota ledgers' dead holders and
-    /// abandoned creations, and the liveness files, fd server sockets and bridge status files of
-    /// killed processes.
+    /// Everything: every registry, channel and tensor set in `/dev/shm`, the quota ledgers' dead
+    /// holders and abandoned creations, and the liveness files, fd server sockets and bridge
+    /// status files of killed processes.
     pub fn everything() -> Scope {
         Scope {
             registries: None,
             channels: None,
             tensor_sets: None,
-            everything: true,
+            quota_ledgers: None,
+            process_files: true,
         }
     }
 
@@ -307,13 +313,23 @@ impl Scope {
             registries: Some(registries),
             channels: Some(channels),
             tensor_sets: Some(Vec::new()),
-            everything: false,
+            quota_ledgers: Some(Vec::new()),
+            process_files: false,
         }
     }
 
     /// Also these tensor sets (names) in a scope made by [`Scope::only`].
     pub fn with_tensor_sets(mut self, names: Vec<String>) -> Scope {
         self.tensor_sets = Some(names);
+        self
+    }
+
+    /// Also these quota ledgers (segment names, `cuda-ipc.quota.…`: [`quota::LEDGER_PREFIX`]) in
+    /// a scope made by [`Scope::only`]: their dead holders' reservations, or the ledger itself
+    /// when it is this user's creation abandoned half-way, by the rules of [`Scope::everything`].
+    /// A name without the prefix is a problem of the scan ([`Error::InvalidArgument`]).
+    pub fn with_quota_ledgers(mut self, names: Vec<String>) -> Scope {
+        self.quota_ledgers = Some(names);
         self
     }
 }

@@ -14,16 +14,19 @@ use crate::identity;
 use crate::ipc::fdpass;
 use crate::quota::{self, QuotaLedger};
 use crate::registry::inspect as registry_inspect;
+use crate::shm::versioned::Creation;
 use crate::shm::{SHM_DIR, ShmError};
 use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 
 /// Lists what dead processes left in `scope`, by the layers' own rules; changes nothing.
 ///
 /// A registry, channel or quota ledger that cannot be read is a [`Problem`](super::Problem)
-/// (unless it is a creation abandoned half-way: then it is that leftover; a quota ledger's
-/// creation that may still finish is kept, with why); another user's quota ledger is a problem
-/// whose error is `ShmError::WrongOwner`. Per-process files are this user's only, everyone's for
-/// root.
+/// (unless it is a creation abandoned half-way: then it is that leftover; a creation that may
+/// still finish, younger than 2 s or its creator running, is kept, with why; one gone since it
+/// was listed is not reported), judged by the rule its creators replace one by (a registry's or
+/// channel's only after its inspection failed: one finished meanwhile is inspected again, once);
+/// another user's quota ledger is a problem whose error is `ShmError::WrongOwner`. Per-process
+/// files are this user's only, everyone's for root.
 ///
 /// # Errors
 /// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed (for the registries and channels of
@@ -52,32 +55,74 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
     for t in &sets {
         scan_tensor_set(t, &mut s);
     }
-    if scope.everything {
-        scan_quota(&mut s);
+    scan_quota(scope.quota_ledgers.as_deref(), &mut s);
+    if scope.process_files {
         scan_process_files(&mut s);
     }
     Ok(s)
 }
 
+/// What the scan makes of an object its inspection could not read, by its layer's judgement of a
+/// creation (taken only after a failed inspection, without waiting: [`unreadable`]).
+enum Unread {
+    /// A creation abandoned half-way: a leftover, for the caller to list, with why.
+    Abandoned(&'static str),
+    /// Finished since the inspection looked: inspect it again (once).
+    LookAgain,
+    /// Said here: kept (a creation that may still be finished), nothing (gone meanwhile), or a
+    /// problem (the inspection's error).
+    Said,
+}
+
+/// [`Unread`] of `subject` (`registry NAME`, `channel NAME`) whose inspection failed with `e`,
+/// by `judged`; `first`: whether this was the first inspection (a second one that fails is a
+/// problem, whatever the judge says meanwhile).
+fn unreadable(
+    subject: String,
+    e: Error,
+    judged: Result<Creation>,
+    first: bool,
+    s: &mut Scan,
+) -> Unread {
+    match judged {
+        Ok(Creation::Abandoned(why)) => return Unread::Abandoned(why),
+        // Young, or its creator may still finish it: not a problem (a `gc` beside a process
+        // creating it must not fail).
+        Ok(Creation::UnderWay(why)) => s.kept.push(format!("{subject}: {why}")),
+        Ok(Creation::Finished) if first => return Unread::LookAgain,
+        // Gone meanwhile: nothing to report.
+        Err(Error::Shm(ShmError::NotFound { .. })) => {}
+        Ok(Creation::Finished) | Err(_) => s.problems.push(problem(subject, e)),
+    }
+    Unread::Said
+}
+
 fn scan_registry(r: &str, s: &mut Scan) {
-    let snap = match registry_inspect::inspect(r) {
-        Ok(snap) => snap,
-        Err(e) => {
-            // A creation abandoned half-way goes, by the rule `open_or_create` replaces it by;
-            // anything else is a problem, and kept.
-            match registry_inspect::abandoned(r) {
-                Ok(Some(why)) => s.leftovers.push(leftover(
-                    LeftoverKind::RegistryCreation,
-                    r,
-                    None,
-                    None,
-                    format!("registry {r}: segment {SHM_DIR}/{r}: {why}"),
-                    Target::RegistrySegment,
-                )),
-                _ => s.problems.push(problem(format!("registry {r}"), e)),
+    let mut first = true;
+    let snap = loop {
+        let e = match registry_inspect::inspect(r) {
+            Ok(snap) => break snap,
+            Err(e) => e,
+        };
+        // A creation abandoned half-way goes, by the rule `open_or_create` replaces it by; one
+        // under way is kept; anything else is a problem, and kept.
+        let judged = registry_inspect::judge_creation(r);
+        match unreadable(format!("registry {r}"), e, judged, first, s) {
+            Unread::Abandoned(why) => s.leftovers.push(leftover(
+                LeftoverKind::RegistryCreation,
+                r,
+                None,
+                None,
+                format!("registry {r}: segment {SHM_DIR}/{r}: {why}"),
+                Target::RegistrySegment,
+            )),
+            Unread::LookAgain => {
+                first = false;
+                continue;
             }
-            return;
+            Unread::Said => {}
         }
+        return;
     };
     let dead = identity::Liveness::Dead;
     for x in snap.records.iter().filter(|x| x.owner_liveness == dead) {
@@ -142,25 +187,33 @@ fn scan_registry(r: &str, s: &mut Scan) {
 }
 
 fn scan_channel(c: &str, s: &mut Scan) {
-    let snap = match channel_inspect::inspect(c) {
-        Ok(snap) => snap,
-        Err(e) => {
-            match channel_inspect::abandoned(c) {
-                Ok(Some(why)) => s.leftovers.push(leftover(
-                    LeftoverKind::ChannelCreation,
-                    c,
-                    None,
-                    None,
-                    format!(
-                        "channel {c}: segment {SHM_DIR}/{}: {why}",
-                        channel_inspect::segment_name(c)
-                    ),
-                    Target::ChannelCreation,
-                )),
-                _ => s.problems.push(problem(format!("channel {c}"), e)),
+    let mut first = true;
+    let snap = loop {
+        let e = match channel_inspect::inspect(c) {
+            Ok(snap) => break snap,
+            Err(e) => e,
+        };
+        // As for a registry, by the rule a new producer replaces a segment by.
+        let judged = channel_inspect::judge_creation(c);
+        match unreadable(format!("channel {c}"), e, judged, first, s) {
+            Unread::Abandoned(why) => s.leftovers.push(leftover(
+                LeftoverKind::ChannelCreation,
+                c,
+                None,
+                None,
+                format!(
+                    "channel {c}: segment {SHM_DIR}/{}: {why}",
+                    channel_inspect::segment_name(c)
+                ),
+                Target::ChannelCreation,
+            )),
+            Unread::LookAgain => {
+                first = false;
+                continue;
             }
-            return;
+            Unread::Said => {}
         }
+        return;
     };
     use identity::Liveness::{Dead, Unknown};
     if snap.producer_liveness == Unknown {
@@ -315,17 +368,31 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
     }
 }
 
-/// The quota ledgers: a creation abandoned half-way is a leftover, one that may still finish is
-/// kept with why; of a ready ledger, the dead holders' reservations are the leftovers.
-fn scan_quota(s: &mut Scan) {
-    let names = match quota::list_ledgers() {
-        Ok(n) => n,
-        Err(e) => {
-            s.problems.push(problem("quota ledgers".into(), e));
-            return;
-        }
+/// The quota ledgers `named` (`None`: every one in `/dev/shm`): a creation abandoned half-way is
+/// a leftover, one that may still finish is kept with why; of a ready ledger, the dead holders'
+/// reservations are the leftovers.
+fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
+    let names = match named {
+        Some(n) => n.to_vec(),
+        None => match quota::list_ledgers() {
+            Ok(n) => n,
+            Err(e) => {
+                s.problems.push(problem("quota ledgers".into(), e));
+                return;
+            }
+        },
     };
     for name in names {
+        if !name.starts_with(quota::LEDGER_PREFIX) {
+            s.problems.push(problem(
+                format!("quota ledger {name}"),
+                Error::InvalidArgument(format!(
+                    "{name:?} is not a quota ledger's name (`{}…`)",
+                    quota::LEDGER_PREFIX
+                )),
+            ));
+            continue;
+        }
         // Judged first, by the rule a creator replaces one by: an unstamped creation would cost
         // the opener its 1 s wait for a stamp. Anything that is no creation of ours (a ready
         // ledger, another member's group ledger, a foreign file) is opened, and its error, if
@@ -344,8 +411,8 @@ fn scan_quota(s: &mut Scan) {
             }
             Ok(quota::Creation::Sizing) => {
                 s.kept.push(format!(
-                    "quota ledger {name}: a creation under way: empty or sparse, younger than 2 s \
-                     or being sized by its creator"
+                    "quota ledger {name}: {}",
+                    crate::shm::versioned::UNDER_WAY_UNSIZED
                 ));
                 continue;
             }

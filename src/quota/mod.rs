@@ -54,6 +54,6 @@ mod snapshot;
 pub use error::{HeldBy, QuotaError};
 pub use layout::UNLIMITED;
 pub use ledger::{QuotaLedger, Reservation, abandoned, list_ledgers, remove_abandoned};
-pub use scope::QuotaScope;
+pub use scope::{LEDGER_PREFIX, QuotaScope};
 pub(crate) use segment::{Creation, judge_creation};
 pub use snapshot::{Holder, LedgerSnapshot};

@@ -6,8 +6,9 @@ use super::layout::{SCOPE_GROUP, SCOPE_USER};
 use crate::driver::Uuid;
 use crate::error::{OsError, Result};
 
-/// Prefix of every ledger's segment name.
-pub(crate) const LEDGER_PREFIX: &str = "cuda-ipc.quota.";
+/// The prefix of every ledger's segment name: `cuda-ipc.quota.u<uid>.<device hex>` (a user's) or
+/// `cuda-ipc.quota.g<gid>.<device hex>` (a group's), in `/dev/shm` ([`QuotaScope::segment_name`]).
+pub const LEDGER_PREFIX: &str = "cuda-ipc.quota.";
 
 /// Whose budget a ledger is: this user's, or a group's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -14,6 +14,7 @@ use super::segment::{Leftover, Retry};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
+use crate::shm::versioned::Creation;
 use crate::sync::Ordering;
 use std::io::Read;
 use std::time::Duration;
@@ -377,20 +378,34 @@ pub fn abandoned(name: &str) -> Result<Option<&'static str>> {
     Ok(judged(name)?.map(|(why, _)| why))
 }
 
-/// [`segment::judge_leftover`](super::segment::judge_leftover) for a caller that met no error of
-/// its own: a young creation or a live creator's is `Ok(None)`.
+/// [`segment::judge_leftover`](super::segment::judge_leftover) as [`abandoned`] answers: why and
+/// the inode judged; a young creation, a live creator's or a name changed meanwhile is `Ok(None)`.
 pub(super) fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
-    let not_yet = RegistryError::Uninitialised {
-        name: name.to_string(),
-        waited: Duration::ZERO,
-    };
-    match super::segment::judge_leftover(name, not_yet.into()) {
+    match super::segment::judge_leftover(name) {
         Ok(Leftover::Abandoned { why, inode, .. }) => Ok(Some((why, inode))),
-        Ok(Leftover::Changed) => Ok(None),
-        Err(Error::Registry(RegistryError::Uninitialised { .. }))
-        | Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => Ok(None),
+        Ok(Leftover::Changed | Leftover::UnderWay(_)) => Ok(None),
+        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// [`abandoned`] for `gc`'s scan, with a creation that may still be finished told apart (young,
+/// or its creator runs: kept, not a problem) and a registry finished since the inspection looked
+/// ([`Creation::Finished`]: inspect it again). The rule is the one [`Registry::open_or_create`]
+/// replaces a segment by; nothing waits.
+///
+/// # Errors
+/// As [`abandoned`], and [`crate::shm::ShmError::NotFound`] when nothing is under the name.
+pub(crate) fn judge_creation(name: &str) -> Result<Creation> {
+    Ok(match super::segment::judge_leftover(name)? {
+        Leftover::Abandoned { why, .. } => Creation::Abandoned(why),
+        Leftover::UnderWay(why) => Creation::UnderWay(why),
+        Leftover::Changed => {
+            // Gone, or finished, meanwhile: which of the two, the name says.
+            crate::shm::Segment::stat(name)?;
+            Creation::Finished
+        }
+    })
 }
 
 /// The `serde` forms of the snapshot fields whose JSON differs from the Rust value.

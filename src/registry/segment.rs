@@ -210,7 +210,7 @@ impl Registry {
     /// Unlinks `name` if it is provably our own stale registry (the rule of [`judge_leftover`]);
     /// otherwise returns the error that says why not (`why` when nothing more precise is known).
     fn remove_if_stale(name: &str, why: Error) -> Result<Stale> {
-        match judge_leftover(name, why)? {
+        match judge_leftover(name)? {
             Leftover::Abandoned {
                 why,
                 inode,
@@ -226,6 +226,8 @@ impl Registry {
                 }
             }
             Leftover::Changed => Ok(Stale::Changed),
+            // A creator may still finish it: the error the caller met says what it found.
+            Leftover::UnderWay(_) => Err(why),
         }
     }
 
@@ -483,6 +485,9 @@ pub(super) enum Leftover {
     },
     /// The name changed meanwhile (gone, or finished initialising): look again.
     Changed,
+    /// A creation that may still be finished (young, or its creator runs): why, in words
+    /// ([`versioned::Creation::UnderWay`]'s).
+    UnderWay(String),
 }
 
 /// The judgement of a registry segment that is not (yet) a usable registry, by the one rule both
@@ -496,14 +501,15 @@ pub(super) enum Leftover {
 ///   [`ProcessIdentity::liveness_as`] with the recorded uid (at any age: a dead creator never
 ///   finishes).
 ///
+/// A young creation or a live creator's is [`Leftover::UnderWay`], saying which.
+///
 /// # Errors
-/// What is not a leftover, and why: `why` for a young creation or a live creator's (the error the
-/// caller met), [`ShmError::WrongOwner`] for another user's segment, [`ShmError::NotASegment`] /
-/// [`Error::InvalidArgument`] for what is not a file, [`ShmError::TooSmall`] for a short file
-/// whose pages are there (no creation of ours), [`RegistryError::ForeignSegment`],
-/// [`RegistryError::VersionMismatch`] (naming both versions), [`RegistryError::CreatorUnknown`]
-/// when the creator's liveness cannot be told.
-pub(super) fn judge_leftover(name: &str, why: Error) -> Result<Leftover> {
+/// What is not a leftover, and why: [`ShmError::WrongOwner`] for another user's segment,
+/// [`ShmError::NotASegment`] / [`Error::InvalidArgument`] for what is not a file,
+/// [`ShmError::TooSmall`] for a short file whose pages are there (no creation of ours),
+/// [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both versions),
+/// [`RegistryError::CreatorUnknown`] when the creator's liveness cannot be told.
+pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
     crate::shm::validate_name(name)?;
     let judged = match Segment::stat(name) {
         Ok(info) => info,
@@ -518,7 +524,9 @@ pub(super) fn judge_leftover(name: &str, why: Error) -> Result<Leftover> {
                 creator: None,
             });
         }
-        Ok(Blocker::Young) => return Err(why),
+        Ok(Blocker::Young) => {
+            return Ok(Leftover::UnderWay(versioned::UNDER_WAY_UNSIZED.to_string()));
+        }
         Ok(Blocker::Sized(_)) => {}
         Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Leftover::Changed),
         Err(e) => return Err(e),
@@ -547,7 +555,9 @@ pub(super) fn judge_leftover(name: &str, why: Error) -> Result<Leftover> {
                 creator: None,
             });
         }
-        return Err(why);
+        return Ok(Leftover::UnderWay(
+            versioned::UNDER_WAY_UNSTAMPED.to_string(),
+        ));
     }
     if magic != MAGIC {
         return Err(RegistryError::ForeignSegment {
@@ -579,7 +589,9 @@ pub(super) fn judge_leftover(name: &str, why: Error) -> Result<Leftover> {
             inode,
             creator: Some(creator),
         }),
-        Liveness::Alive => Err(why),
+        Liveness::Alive => Ok(Leftover::UnderWay(format!(
+            "a creation under way: not stamped yet, by {creator}, which runs"
+        ))),
         _ => Err(RegistryError::CreatorUnknown {
             name: name.to_string(),
             creator: creator.to_string(),

@@ -363,6 +363,48 @@ impl Creator {
     }
 }
 
+/// Whether the segment `name`, found without its stamp and recording `creator`, may still get
+/// its stamp: its creator runs (or whether it runs cannot be told), or none is recorded yet in a
+/// segment whose last status change (`st_ctime`, whole seconds) is at most [`ABANDONED_AFTER`]
+/// old (a segment that cannot be looked at counts as young). Otherwise it is a creation abandoned
+/// half-way. The one rule of [`open_versioned_unless_abandoned`] and of the layouts' judges that
+/// do not wait ([`Creation`]).
+pub(crate) fn may_still_stamp(name: &str, creator: Creator) -> bool {
+    match creator {
+        Creator::Running => true,
+        Creator::Unrecorded => Segment::stat(name)
+            .map(|i| i.age_secs <= ABANDONED_AFTER.as_secs())
+            .unwrap_or(true),
+        Creator::Dead => false,
+    }
+}
+
+/// A layout's judgement, without waiting, of a segment of its name that an opener could not use,
+/// by the rule its creators replace one by: for `gc`'s scan, which removes what was abandoned,
+/// keeps (with why) what may still be finished, and reports the rest as the opener did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Creation {
+    /// This user's creation abandoned half-way: why, in words.
+    Abandoned(&'static str),
+    /// A creation that may still be finished: empty or sparse while young or being sized
+    /// ([`UNDER_WAY_UNSIZED`]), or without its stamp while [`may_still_stamp`] says so. Why, in
+    /// words, starting with "a creation under way" (or "a creation not stamped yet" when whether
+    /// its creator runs cannot be told).
+    UnderWay(String),
+    /// No creation under way or abandoned: stamped (finished since the opener looked, or refused
+    /// for what its header holds); what an opener says of it stands.
+    Finished,
+}
+
+/// The judgement of [`Blocker::Young`] in words, for a tool's line on what it keeps.
+pub(crate) const UNDER_WAY_UNSIZED: &str =
+    "a creation under way: empty or sparse, younger than 2 s or being sized by its creator";
+
+/// A creation without its stamp and no creator recorded, at most [`ABANDONED_AFTER`] old, in
+/// words.
+pub(crate) const UNDER_WAY_UNSTAMPED: &str =
+    "a creation under way: not stamped yet, younger than 2 s";
+
 /// [`open_versioned`] for a judge or a tool that must not wait for a stamp nobody will write:
 /// one look first (an empty, short or sparse segment is waited for as [`open_versioned`] waits
 /// for a creator sizing it); a segment without its stamp is then awaited (up to `wait`, as
@@ -395,14 +437,7 @@ pub(crate) fn open_versioned_unless_abandoned<H: VersionedHeader>(
     // Mapped again (the first look's mapping was dropped with its error); checked as that look
     // checked it (a regular file of at least the header, every page backed, whose access passed).
     let seg = Segment::open_with_min_len(name, H::HEADER_LEN).map_err(OpenError::Segment)?;
-    let young = Segment::stat(name)
-        .map(|i| i.age_secs <= ABANDONED_AFTER.as_secs())
-        .unwrap_or(true);
-    let may_finish = match creator(&seg) {
-        Creator::Running => true,
-        Creator::Unrecorded => young,
-        Creator::Dead => false,
-    };
+    let may_finish = may_still_stamp(name, creator(&seg));
     drop(seg);
     if may_finish {
         open_versioned::<H>(name, allow_group, wait)
