@@ -759,9 +759,10 @@ class TensorSetReader:
         """Maps ``hold``'s generation at the stable addresses and consumes ``hold`` (the reader
         keeps it held until the next switch or ``release_stable``); may wait for the whole
         context (``cuCtxSynchronize``). Returns ``{"generation": int, "remapped": bool,
-        "micros": int, "remap_micros": int}``. Raises ``TensorSetClosed`` (a closed reader),
-        leaving ``hold`` as it was; then ``InvalidArgument`` (no ``stable_addresses``, another
-        reader's or a released hold, a writerless reader), ``CudaError``, releasing ``hold``."""
+        "micros": int, "remap_micros": int}``. Raises ``TensorSetClosed`` (a closed reader) and
+        ``InvalidArgument`` for another reader's hold, leaving ``hold`` as it was; then
+        ``InvalidArgument`` (no ``stable_addresses``, a released hold, a writerless reader),
+        ``CudaError``, releasing ``hold``."""
     def stable_tensors(self) -> Dict[str, Any]:
         """A new ``dict[str, torch.Tensor]`` over the stable addresses: the same tensor objects
         for the reader's life (CUDA graphs captured over them stay valid across switches)."""

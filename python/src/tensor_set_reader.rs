@@ -345,12 +345,12 @@ impl TensorSetReader {
     /// another process. Returns `{"generation": int, "remapped": bool, "micros": int,
     /// "remap_micros": int}` (the whole call and the remapping alone, in microseconds).
     ///
-    /// Raises `TensorSetClosed` when this reader is closed, leaving `hold` as it was. Then
-    /// `InvalidArgument` when the reader was opened without `stable_addresses`, `hold` is another
-    /// reader's or released already, or the reader is writerless (its one generation stays at the
-    /// addresses it has); `CudaError` naming the failed call (then nothing is left at the stable
-    /// addresses, `stable_generation` is `None`; a later switch maps again). The hold is released
-    /// on each of these.
+    /// Raises `TensorSetClosed` when this reader is closed, and `InvalidArgument` when `hold` is
+    /// another reader's: both leave `hold` as it was. Then `InvalidArgument` when the reader was
+    /// opened without `stable_addresses`, `hold` was released already, or the reader is
+    /// writerless (its one generation stays at the addresses it has); `CudaError` naming the
+    /// failed call (then nothing is left at the stable addresses, `stable_generation` is `None`;
+    /// a later switch maps again). The hold is released on each of these.
     fn switch_stable<'py>(
         &self,
         py: Python<'py>,
@@ -358,6 +358,15 @@ impl TensorSetReader {
     ) -> PyResult<Bound<'py, PyDict>> {
         self.get()?;
         let hold = hold.get();
+        // The hold's own reader is the one switched (`OwnedHeld::switch_stable`): another
+        // reader's hold would switch that reader, closed or not.
+        if !std::ptr::eq(hold.reader.get(), self) {
+            return Err(errors::invalid_argument(
+                py,
+                "switch_stable takes a generation this reader holds, not another reader's"
+                    .to_string(),
+            ));
+        }
         // The stable generation's hold lasts past the work of the stream `tensors()` made ready
         // (a remap waits for the whole context; in place the hold is kept): that order is not
         // needed any more.
@@ -400,6 +409,11 @@ impl TensorSetReader {
         let d = tensors::build(py, r.layout(), &bases, self.device, names, Some(owner))?;
         // Two threads may both build: the first stored wins, so every caller gets its tensors.
         let mut slot = lock(&self.stable);
+        // Looked at under the slot's lock, which `close()` takes after it closed: tensors stored
+        // after its `take` would keep the closed reader's mappings as long as this object.
+        if self.is_closed() {
+            return Err(self.closed_error());
+        }
         let kept = slot.get_or_insert_with(|| d.unbind());
         kept.bind(py).copy()
     }
@@ -428,6 +442,8 @@ impl TensorSetReader {
     /// call but `name` and `close` raises `TensorSetClosed`; a wait in another thread raises it
     /// within 50 ms. Holds taken before stay readable until released. Closing twice does nothing.
     fn close(&self) {
+        // `inner` first: `stable_tensors()` and `TensorHold.tensors()` store their dicts only
+        // while it is there, looked at under the lock of the slot cleared here after it.
         lock(&self.inner).take();
         lock(&self.dicts).iter_mut().for_each(|d| *d = None);
         lock(&self.stable).take();
@@ -593,7 +609,13 @@ impl TensorHold {
                     .bind(py);
                 let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
                 let d = tensors::build(py, r.layout(), &bases, reader.device, names, Some(owner))?;
-                if let Some(slot) = lock(&reader.dicts).get_mut(buffer) {
+                // Kept for the buffer's next holds while the reader is open: looked at under the
+                // lock of the dicts, which `close()` clears after it closed the reader, so that
+                // no dict (whose tensors keep the mappings) outlives the close in the reader.
+                let mut dicts = lock(&reader.dicts);
+                if !reader.is_closed()
+                    && let Some(slot) = dicts.get_mut(buffer)
+                {
                     *slot = Some(d.clone().unbind());
                 }
                 d

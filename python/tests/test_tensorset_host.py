@@ -488,7 +488,7 @@ def test_every_call_of_a_closed_reader_raises_tensor_set_closed_naming_the_reade
     naming this reader, not the writer (whose set is still published): the waits without a
     bound, the awaitable, the getters and the stable-address calls alike. `close()` twice does
     nothing. A hold taken before the close stays readable until released; the closed reader
-    does not switch it, and it stays held."""
+    does not switch it (nor does another reader: not its hold), and it stays held."""
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
     r = cuda_ipc.TensorSetReader(name)
     other = cuda_ipc.TensorSetReader(name)
@@ -519,6 +519,9 @@ def test_every_call_of_a_closed_reader_raises_tensor_set_closed_naming_the_reade
         assert h.read("ids") == data(1, "ids", SIZES["ids"])
         h.verify_content()
         assert h.fingerprint() == h.content and len(h.tensor_digests()) == 3
+        with pytest.raises(cuda_ipc.InvalidArgument, match="not another reader's"):
+            other.switch_stable(h)
+        assert h.held
         h.release()
         # The writer was not closed: an open reader goes on reading.
         with other.current() as o:
