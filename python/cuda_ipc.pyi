@@ -5,7 +5,7 @@ process attaches by channel name and receives them as ``Frame`` objects, views o
 buffers that export through DLPack (``torch.from_dlpack(frame)``) and ``__cuda_array_interface__``.
 Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 100 ms,
 and by ``close()`` of their object from another thread within 50 ms (``Consumer``: ``Detached``;
-``Producer``: ``ChannelClosed``).
+``Producer``: ``ChannelClosed``; ``TensorSetWriter``, ``TensorSetReader``: ``TensorSetClosed``).
 
 Durations (``timeout``, ``spin``) are seconds from 0 to 1e9; ``timeout=None`` waits forever.
 Anything else (negative, NaN, infinite, larger) raises ``InvalidArgument`` naming the argument.
@@ -160,7 +160,10 @@ class WriterGone(ProducerGone):
     """The tensor set's writer died: the generation held stays readable, no new one comes."""
 
 class TensorSetClosed(ChannelClosed):
-    """The writer closed the tensor set."""
+    """The tensor set was closed: by its writer, or this object was closed by its own
+    ``close()`` (a ``TensorSetWriter``, ``TensorSetReader`` or ``TensorSetHolder``; also from
+    another thread while a call waited). The message says which: ``tensor set "x" was closed by
+    its writer``, ``this reader of tensor set "x" is closed (...)``."""
 
 class LayoutMismatch(CudaIpcError):
     """The tensor set's layout fingerprint is not the one expected (another checkpoint or model)."""
@@ -703,7 +706,9 @@ class TensorSetReader:
     ``FdPassingError``, ``CudaError``. Opened after the writer's death, a held VMM set is read
     writerless (``writerless``). ``serve=True`` (VMM sets, else ``NotHoldable``; ``NoHolderSlot``):
     serve the set's fds to later readers as a ``TensorSetHolder`` does. ``stable_addresses=True``
-    (VMM sets, else ``NotSupported``): addresses kept for the reader's life (``switch_stable``)."""
+    (VMM sets, else ``NotSupported``): addresses kept for the reader's life (``switch_stable``).
+    After ``close()`` every call but ``name`` and ``close`` raises ``TensorSetClosed`` naming this
+    reader (a wait in another thread within 50 ms); holds taken before stay readable."""
 
     def __new__(
         cls,
@@ -720,8 +725,12 @@ class TensorSetReader:
     ) -> TensorSetReader: ...
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a
-        first (default 0: returns at once)."""
-    def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
+        first (default 0: returns at once). ``TensorSetClosed`` once this reader is closed (also
+        from another thread while this waits) or the writer closed the set."""
+    def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
+        """Waits for a generation newer than ``than`` and holds it. Raises ``Timeout``,
+        ``WriterGone``, ``TensorSetClosed`` (the writer closed the set, or this reader is closed,
+        also by ``close()`` from another thread while this waits: within 50 ms)."""
     async def wait_newer_async(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
     @property
     def name(self) -> str: ...
@@ -750,9 +759,10 @@ class TensorSetReader:
         """Maps ``hold``'s generation at the stable addresses and consumes ``hold`` (the reader
         keeps it held until the next switch or ``release_stable``); may wait for the whole
         context (``cuCtxSynchronize``). Returns ``{"generation": int, "remapped": bool,
-        "micros": int, "remap_micros": int}``. Raises ``InvalidArgument`` (no
-        ``stable_addresses``, another reader's or a released hold, a writerless reader),
-        ``CudaError``."""
+        "micros": int, "remap_micros": int}``. Raises ``TensorSetClosed`` (a closed reader) and
+        ``InvalidArgument`` for another reader's hold, leaving ``hold`` as it was; then
+        ``InvalidArgument`` (no ``stable_addresses``, a released hold, a writerless reader),
+        ``CudaError``, releasing ``hold``."""
     def stable_tensors(self) -> Dict[str, Any]:
         """A new ``dict[str, torch.Tensor]`` over the stable addresses: the same tensor objects
         for the reader's life (CUDA graphs captured over them stay valid across switches)."""
@@ -761,13 +771,16 @@ class TensorSetReader:
         """The generation at the stable addresses; ``None`` before the first switch."""
     def release_stable(self) -> bool:
         """Lets the stable generation go (``cuCtxSynchronize`` first); ``False`` if none was."""
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Leaves the set once no hold and no tensor of it is left; afterwards its calls raise
+        ``TensorSetClosed``. Closing twice does nothing."""
     def __enter__(self) -> "TensorSetReader": ...
     def __exit__(self, *args: Any) -> None: ...
 
 @final
 class TensorHold:
-    """A held generation: released by ``release()``, the end of a ``with`` block, or collection."""
+    """A held generation: released by ``release()``, the end of a ``with`` block, or collection.
+    It keeps its reader's mappings: readable after the reader's ``close()`` until released."""
 
     @property
     def generation(self) -> int: ...
@@ -804,7 +817,8 @@ class TensorSetHolder:
     """Keeps VMM tensor set ``name`` attachable after its writer dies: holds and serves a file
     descriptor of every allocation (no CUDA context; the fds pin ``bytes`` of device memory until
     ``close()``). Raises ``TensorSetNotFound``, ``NotHoldable``, ``NoServer``, ``NoHolderSlot``,
-    ``BadSegment``, ``OsError``."""
+    ``BadSegment``, ``OsError``. After ``close()``, ``allocations``, ``bytes`` and ``source_pid``
+    raise ``TensorSetClosed`` naming this holder; ``status`` and ``wait`` say ``"closed"``."""
 
     def __new__(cls, name: str) -> TensorSetHolder: ...
     @property
@@ -823,6 +837,7 @@ class TensorSetHolder:
     def wait(self, timeout: Optional[float] = None) -> HolderStatus:
         """Waits (at most ``timeout`` seconds; ``None``: no bound) until ``status`` is not
         ``"serving"``; returns the status last seen."""
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Lets go of the slot and the fds. Closing twice does nothing."""
     def __enter__(self) -> "TensorSetHolder": ...
     def __exit__(self, *args: Any) -> None: ...

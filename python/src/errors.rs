@@ -1,6 +1,8 @@
 //! The exception hierarchy: one Python class per kind of `cuda_ipc::Error`, all under
 //! `CudaIpcError`, with the names the pure-Python consumer uses. Each message is the Rust error's
-//! `Display` text.
+//! `Display` text, except for the calls of an object closed here (`close()`), a state the Rust
+//! types have not (they are closed by being dropped): a producer's `ChannelClosed`, a tensor-set
+//! reader's or holder's `TensorSetClosed` ([`closed_here`]).
 
 use cuda_ipc::Error;
 use cuda_ipc::ShmError;
@@ -128,7 +130,8 @@ pyo3::create_exception!(
     cuda_ipc,
     TensorSetClosed,
     ChannelClosed,
-    "The writer closed the tensor set."
+    "The tensor set was closed: by its writer, or this object (a writer, reader or holder) was \
+     closed by its own `close()`; the message says which."
 );
 pyo3::create_exception!(
     cuda_ipc,
@@ -500,6 +503,16 @@ fn content_mismatch(py: Python<'_>, e: &Error, msg: String) -> PyErr {
         Ok(()) => err,
         Err(set_err) => set_err,
     }
+}
+
+/// `TensorSetClosed` for a call on a tensor-set reader or holder (`what`) that was closed by its
+/// own `close()`: the message names that object, not the writer, whose set may still be published.
+/// The same class as the writer's close, so that a loop stopping at `TensorSetClosed` stops for
+/// either.
+pub(crate) fn closed_here(what: &str, name: &str) -> PyErr {
+    TensorSetClosed::new_err(format!(
+        "this {what} of tensor set {name:?} is closed (by its own close(), not by the writer)"
+    ))
 }
 
 /// `ValueError`-like `InvalidArgument` for arguments checked here rather than in the crate.

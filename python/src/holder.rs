@@ -24,6 +24,10 @@ fn status_word(s: HolderStatus) -> &'static str {
 }
 
 /// Keeps tensor set `name` attachable after its writer dies (`cuda_ipc::tensorset::Holder`).
+///
+/// Once `close()` was called, `allocations`, `bytes` and `source_pid` raise `TensorSetClosed`
+/// (the class a writer's close raises, its message naming this holder); `status` and `wait` say
+/// `"closed"`.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetHolder {
     inner: Mutex<Option<Arc<Holder>>>,
@@ -31,10 +35,11 @@ pub(crate) struct TensorSetHolder {
 }
 
 impl TensorSetHolder {
-    fn get(&self, py: Python<'_>) -> PyResult<Arc<Holder>> {
-        lock(&self.inner).clone().ok_or_else(|| {
-            errors::invalid_argument(py, format!("holder of {:?} is closed", self.name))
-        })
+    /// The holder, or `TensorSetClosed` once `close()` was called.
+    fn get(&self) -> PyResult<Arc<Holder>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| errors::closed_here("holder", &self.name))
     }
 }
 
@@ -66,21 +71,21 @@ impl TensorSetHolder {
 
     /// File descriptors held: buffers × allocations per buffer.
     #[getter]
-    fn allocations(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.get(py)?.allocations())
+    fn allocations(&self) -> PyResult<usize> {
+        Ok(self.get()?.allocations())
     }
 
     /// Device bytes this holder pins: buffers × bytes per buffer (as the manifest records them;
     /// the driver rounds each allocation up to its granularity).
     #[getter]
-    fn bytes(&self, py: Python<'_>) -> PyResult<u64> {
-        Ok(self.get(py)?.bytes())
+    fn bytes(&self) -> PyResult<u64> {
+        Ok(self.get()?.bytes())
     }
 
     /// The pid of the process the fds were fetched from (the writer, or another holder).
     #[getter]
-    fn source_pid(&self, py: Python<'_>) -> PyResult<u32> {
-        Ok(self.get(py)?.source().pid)
+    fn source_pid(&self) -> PyResult<u32> {
+        Ok(self.get()?.source().pid)
     }
 
     /// Whether the set's names still stand for what this holder serves: `"serving"` (its writer
@@ -122,7 +127,8 @@ impl TensorSetHolder {
     }
 
     /// Lets go of the holder slot and closes the fds; the memory goes back to the device once no
-    /// process maps it or holds an fd of it. Closing twice does nothing.
+    /// process maps it or holds an fd of it. Afterwards `allocations`, `bytes` and `source_pid`
+    /// raise `TensorSetClosed`, `status` and `wait` say `"closed"`. Closing twice does nothing.
     fn close(&self) {
         lock(&self.inner).take();
     }
@@ -146,5 +152,65 @@ impl TensorSetHolder {
             ),
             None => format!("TensorSetHolder({:?}, closed)", self.name),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::errors::TensorSetClosed;
+
+    /// A closed holder made here (a holder is opened only on a VMM set, which needs a GPU): every
+    /// attribute Python sees, asked through the interpreter as a Python caller would.
+    #[test]
+    fn every_call_of_a_closed_holder_raises_tensor_set_closed_naming_the_holder() {
+        Python::initialize();
+        Python::attach(|py| {
+            let h = Bound::new(
+                py,
+                TensorSetHolder {
+                    inner: Mutex::new(None),
+                    name: "weights".to_string(),
+                },
+            )
+            .unwrap();
+            let closed = ["allocations", "bytes", "source_pid"];
+            let answering = ["name", "status", "wait", "close"];
+            let mut public: Vec<String> = h
+                .get_type()
+                .dir()
+                .unwrap()
+                .iter()
+                .map(|a| a.extract::<String>().unwrap())
+                .filter(|a| !a.starts_with('_'))
+                .collect();
+            public.sort();
+            let mut known: Vec<&str> = closed.iter().chain(&answering).copied().collect();
+            known.sort();
+            assert_eq!(public, known, "a call this test does not know");
+            for a in closed {
+                let e = h.getattr(a).unwrap_err();
+                assert!(e.is_instance_of::<TensorSetClosed>(py), "{a}: {e}");
+                assert_eq!(
+                    e.value(py).to_string(),
+                    "this holder of tensor set \"weights\" is closed \
+                     (by its own close(), not by the writer)",
+                    "{a}"
+                );
+            }
+            assert_eq!(h.getattr("name").unwrap().to_string(), "weights");
+            assert_eq!(h.getattr("status").unwrap().to_string(), "closed");
+            assert_eq!(h.call_method0("wait").unwrap().to_string(), "closed");
+            assert_eq!(
+                h.call_method1("wait", (0.0,)).unwrap().to_string(),
+                "closed"
+            );
+            assert!(h.call_method0("close").unwrap().is_none());
+            assert!(h.call_method0("close").unwrap().is_none());
+            assert_eq!(
+                h.repr().unwrap().to_string(),
+                "TensorSetHolder(\"weights\", closed)"
+            );
+        });
     }
 }

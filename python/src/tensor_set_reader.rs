@@ -23,6 +23,11 @@ use std::sync::{Arc, Mutex};
 type RustReader = cuda_ipc::tensorset::TensorSetReader;
 
 /// The reading end of a tensor set (`cuda_ipc::tensorset::TensorSetReader`).
+///
+/// Once `close()` was called, every call but `name` and `close` raises `TensorSetClosed` (the
+/// class a writer's close raises, its message naming this reader), also a wait in another thread
+/// (within a slice, 50 ms) and an awaited `wait_newer_async`. `TensorHold`s taken before stay
+/// readable until released: they keep the mappings (`close`).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetReader {
     inner: Mutex<Option<Arc<RustReader>>>,
@@ -39,10 +44,18 @@ pub(crate) struct TensorSetReader {
 }
 
 impl TensorSetReader {
-    fn get(&self, py: Python<'_>) -> PyResult<Arc<RustReader>> {
-        lock(&self.inner).clone().ok_or_else(|| {
-            errors::invalid_argument(py, format!("reader of {:?} is closed", self.name))
-        })
+    /// The reader, or `TensorSetClosed` once `close()` was called.
+    fn get(&self) -> PyResult<Arc<RustReader>> {
+        lock(&self.inner).clone().ok_or_else(|| self.closed_error())
+    }
+
+    /// What every call raises once `close()` was called (`errors::closed_here`).
+    fn closed_error(&self) -> PyErr {
+        errors::closed_here("reader", &self.name)
+    }
+
+    fn is_closed(&self) -> bool {
+        lock(&self.inner).is_none()
     }
 
     fn hold(&self, py: Python<'_>, slf: &Bound<'_, Self>, h: OwnedHeld) -> TensorHold {
@@ -75,12 +88,12 @@ impl TensorSetReader {
         timeout: Option<std::time::Duration>,
         cancelled: Option<&std::sync::atomic::AtomicBool>,
     ) -> PyResult<Option<OwnedHeld>> {
-        let r = self.get(py)?;
+        let r = self.get()?;
         sliced(
             py,
             timeout,
-            || lock(&self.inner).is_none() || cancelled.is_some_and(crate::aio::is_cancelled),
-            |py| errors::invalid_argument(py, format!("reader of {:?} is closed", self.name)),
+            || self.is_closed() || cancelled.is_some_and(crate::aio::is_cancelled),
+            |_| self.closed_error(),
             |slice| OwnedHeld::wait_newer(&r, than, Some(slice)).map_err(Stop::Failed),
         )
     }
@@ -165,7 +178,8 @@ impl TensorSetReader {
 
     /// The newest generation, held (`TensorHold`), even one this reader took before. `timeout`:
     /// seconds to wait for a first generation when none is published yet (0: return `None` at
-    /// once; `None`: wait without bound).
+    /// once; `None`: wait without bound). Raises `TensorSetClosed` when this reader is closed,
+    /// also by `close()` from another thread while this waits, or its writer closed the set.
     #[pyo3(signature = (timeout=Seconds::Float(0.0)))]
     fn current(
         slf: Bound<'_, Self>,
@@ -173,7 +187,7 @@ impl TensorSetReader {
         timeout: Option<Seconds>,
     ) -> PyResult<Option<TensorHold>> {
         let this = slf.get();
-        let r = this.get(py)?;
+        let r = this.get()?;
         let now = py
             .detach(|| OwnedHeld::current(&r))
             .map_err(|e| err(py, e))?;
@@ -189,7 +203,8 @@ impl TensorSetReader {
 
     /// Waits up to `timeout` seconds (`None`: without bound) for a generation newer than `than`
     /// and holds it. Raises `Timeout`, `WriterGone` when the writer died (within about 1 s),
-    /// `TensorSetClosed` when it closed.
+    /// `TensorSetClosed` when it closed the set, or when this reader is closed (also by `close()`
+    /// from another thread while this waits: within 50 ms).
     #[pyo3(signature = (than, timeout=None))]
     fn wait_newer(
         slf: Bound<'_, Self>,
@@ -211,7 +226,8 @@ impl TensorSetReader {
 
     /// `wait_newer` as a coroutine: awaited, it waits in the event loop's default executor (a
     /// thread, which waits without the GIL), so the loop goes on meanwhile; cancelling the
-    /// awaiting task stops that thread within 50 ms (`crate::aio`).
+    /// awaiting task stops that thread within 50 ms (`crate::aio`). Raises what `wait_newer`
+    /// raises when awaited (`TensorSetClosed` for a closed reader), not when called.
     #[pyo3(signature = (than, timeout=None))]
     fn wait_newer_async<'py>(
         slf: Bound<'py, Self>,
@@ -244,26 +260,26 @@ impl TensorSetReader {
     /// Driver imports the open made (one per allocation and buffer not already mapped in this
     /// process).
     #[getter]
-    fn imports(&self, py: Python<'_>) -> PyResult<u32> {
-        Ok(self.get(py)?.imports())
+    fn imports(&self) -> PyResult<u32> {
+        Ok(self.get()?.imports())
     }
 
     /// Whether the mappings are read-only (VMM memory with `read_only=True`).
     #[getter]
-    fn read_only(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(self.get(py)?.is_read_only())
+    fn read_only(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_read_only())
     }
 
     /// The set's layout fingerprint (32 bytes).
     #[getter]
     fn layout_fingerprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &self.get(py)?.layout().fingerprint()))
+        Ok(PyBytes::new(py, &self.get()?.layout().fingerprint()))
     }
 
     /// The tensors' names, in the set's order.
     #[getter]
     fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        tensors::names(py, self.get(py)?.layout())
+        tensors::names(py, self.get()?.layout())
     }
 
     /// Which creation of the set under this name this reader maps (an int, 64 random bits,
@@ -271,16 +287,16 @@ impl TensorSetReader {
     /// has another and numbers its generations from 1 again: compare this, not `generation`, to
     /// tell its generations from the old writer's.
     #[getter]
-    fn incarnation(&self, py: Python<'_>) -> PyResult<u64> {
-        Ok(self.get(py)?.incarnation())
+    fn incarnation(&self) -> PyResult<u64> {
+        Ok(self.get()?.incarnation())
     }
 
     /// Whether this reader was opened after its writer's death: it reads the last whole
     /// generation (memory forwarded by a holder); no newer one comes (`wait_newer` raises
     /// `WriterGone` at once when asked for a newer one).
     #[getter]
-    fn writerless(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(self.get(py)?.is_writerless())
+    fn writerless(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_writerless())
     }
 
     /// Where the open spent its time, in microseconds (floats): `manifest` (open, copy, decode
@@ -297,7 +313,7 @@ impl TensorSetReader {
     /// to the reader returned) and `total` (the whole open). On a GPU set the mapping and the join overlap: `total` is
     /// about `manifest` plus the longer of the two.
     fn open_timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let t = self.get(py)?.open_timings();
+        let t = self.get()?.open_timings();
         let d = PyDict::new(py);
         let us = |x: std::time::Duration| x.as_secs_f64() * 1e6;
         d.set_item("manifest", us(t.manifest))?;
@@ -329,17 +345,28 @@ impl TensorSetReader {
     /// another process. Returns `{"generation": int, "remapped": bool, "micros": int,
     /// "remap_micros": int}` (the whole call and the remapping alone, in microseconds).
     ///
-    /// Raises `InvalidArgument` when the reader was opened without `stable_addresses`, `hold` is
-    /// another reader's or released already, or the reader is writerless (its one generation
-    /// stays at the addresses it has); `CudaError` naming the failed call (then nothing is left
-    /// at the stable addresses, `stable_generation` is `None`; a later switch maps again). The
-    /// hold is released on every error.
+    /// Raises `TensorSetClosed` when this reader is closed, and `InvalidArgument` when `hold` is
+    /// another reader's: both leave `hold` as it was. Then `InvalidArgument` when the reader was
+    /// opened without `stable_addresses`, `hold` was released already, or the reader is
+    /// writerless (its one generation stays at the addresses it has); `CudaError` naming the
+    /// failed call (then nothing is left at the stable addresses, `stable_generation` is `None`;
+    /// a later switch maps again). The hold is released on each of these.
     fn switch_stable<'py>(
         &self,
         py: Python<'py>,
         hold: &Bound<'py, TensorHold>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.get()?;
         let hold = hold.get();
+        // The hold's own reader is the one switched (`OwnedHeld::switch_stable`): another
+        // reader's hold would switch that reader, closed or not.
+        if !std::ptr::eq(hold.reader.get(), self) {
+            return Err(errors::invalid_argument(
+                py,
+                "switch_stable takes a generation this reader holds, not another reader's"
+                    .to_string(),
+            ));
+        }
         // The stable generation's hold lasts past the work of the stream `tensors()` made ready
         // (a remap waits for the whole context; in place the hold is kept): that order is not
         // needed any more.
@@ -365,12 +392,13 @@ impl TensorSetReader {
     /// `release_stable()` (a buffered set's reads then fault the context; capture graphs over
     /// them, run them after a switch). In-place sets: the buffer's own addresses. No stream is
     /// ordered: the generation there is ready for any stream when `switch_stable` returns.
-    /// Raises `InvalidArgument` without `stable_addresses=True`.
+    /// Raises `InvalidArgument` without `stable_addresses=True`, `TensorSetClosed` once this
+    /// reader is closed (the tensors handed out before stay valid: they keep the mappings).
     fn stable_tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.get()?;
         if let Some(d) = lock(&self.stable).as_ref() {
             return d.bind(py).copy();
         }
-        let r = self.get(py)?;
         let bases =
             tensors::allocation_bases(r.layout(), |i| r.stable_ptr(i)).map_err(|e| err(py, e))?;
         let names = self
@@ -381,6 +409,11 @@ impl TensorSetReader {
         let d = tensors::build(py, r.layout(), &bases, self.device, names, Some(owner))?;
         // Two threads may both build: the first stored wins, so every caller gets its tensors.
         let mut slot = lock(&self.stable);
+        // Looked at under the slot's lock, which `close()` takes after it closed: tensors stored
+        // after its `take` would keep the closed reader's mappings as long as this object.
+        if self.is_closed() {
+            return Err(self.closed_error());
+        }
         let kept = slot.get_or_insert_with(|| d.unbind());
         kept.bind(py).copy()
     }
@@ -388,24 +421,29 @@ impl TensorSetReader {
     /// The generation at the stable addresses; `None` before the first `switch_stable`, after
     /// `release_stable()` or a failed switch, and without `stable_addresses=True`.
     #[getter]
-    fn stable_generation(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        Ok(self.get(py)?.stable_generation())
+    fn stable_generation(&self) -> PyResult<Option<u64>> {
+        Ok(self.get()?.stable_generation())
     }
 
     /// Lets the stable generation go: waits for all work of the reader's context
     /// (`cuCtxSynchronize`, GIL released), unmaps the stable ranges (buffered sets; in place the
     /// addresses stay mapped, but the writer may rewrite them now) and releases the hold; the
     /// addresses stay reserved for the next switch. Returns `False` when nothing was held.
-    /// Raises `InvalidArgument` without `stable_addresses=True`; `CudaError` (the hold is kept).
+    /// Raises `InvalidArgument` without `stable_addresses=True`; `CudaError` (the hold is kept);
+    /// `TensorSetClosed` once this reader is closed (the stable generation is let go with the
+    /// reader's last hold and tensor).
     fn release_stable(&self, py: Python<'_>) -> PyResult<bool> {
-        let r = self.get(py)?;
+        let r = self.get()?;
         py.detach(|| r.release_stable()).map_err(|e| err(py, e))
     }
 
     /// Leaves the set: this reader's slot (and its stable addresses and serving slot) is freed
-    /// once no `TensorHold` and no tensor of it is left (they keep it alive). Closing twice does
-    /// nothing.
+    /// once no `TensorHold` and no tensor of it is left (they keep it alive). Afterwards every
+    /// call but `name` and `close` raises `TensorSetClosed`; a wait in another thread raises it
+    /// within 50 ms. Holds taken before stay readable until released. Closing twice does nothing.
     fn close(&self) {
+        // `inner` first: `stable_tensors()` and `TensorHold.tensors()` store their dicts only
+        // while it is there, looked at under the lock of the slot cleared here after it.
         lock(&self.inner).take();
         lock(&self.dicts).iter_mut().for_each(|d| *d = None);
         lock(&self.stable).take();
@@ -427,7 +465,9 @@ impl TensorSetReader {
 
 /// A held generation (`cuda_ipc::tensorset::Held`): its buffer is not rewritten until it is
 /// released (`release()`, the end of a `with` block, or collection) and the GPU work enqueued
-/// before that on the stream its tensors were made ready on has run.
+/// before that on the stream its tensors were made ready on has run. It keeps its reader's
+/// mappings: after the reader's `close()` it stays readable (`tensors()`, `read`, the content
+/// checks) until released.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorHold {
     /// The generation, its buffer and content fingerprint: readable after the release too.
@@ -569,7 +609,13 @@ impl TensorHold {
                     .bind(py);
                 let owner: Arc<dyn std::any::Any + Send + Sync> = r.clone();
                 let d = tensors::build(py, r.layout(), &bases, reader.device, names, Some(owner))?;
-                if let Some(slot) = lock(&reader.dicts).get_mut(buffer) {
+                // Kept for the buffer's next holds while the reader is open: looked at under the
+                // lock of the dicts, which `close()` clears after it closed the reader, so that
+                // no dict (whose tensors keep the mappings) outlives the close in the reader.
+                let mut dicts = lock(&reader.dicts);
+                if !reader.is_closed()
+                    && let Some(slot) = dicts.get_mut(buffer)
+                {
                     *slot = Some(d.clone().unbind());
                 }
                 d

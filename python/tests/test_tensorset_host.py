@@ -1,7 +1,9 @@
 """Tensor sets in shared host memory (`memory="host"`) from Python, no GPU: a writer here and a
 reader in a child Python process (started with `sys.executable`, never forked) reading every
 generation's bytes; the layout fingerprint refused; the writer killed (the reader keeps the
-generation it holds and learns `WriterGone`); a missing set; a name the set lacks.
+generation it holds and learns `WriterGone`); a missing set; a name the set lacks; every call of
+a closed reader raising `TensorSetClosed` (a closed holder's are checked by the Rust unit test in
+python/src/holder.rs: a holder is opened only on a VMM set, which needs a GPU).
 Every wait is bounded. Run: `pip install ./python && pytest python/tests`."""
 
 import os
@@ -449,6 +451,120 @@ def test_a_fingerprinted_commit_is_verified_and_a_false_one_refused(name):
         strict.close()
         with pytest.raises(cuda_ipc.InvalidArgument):
             cuda_ipc.TensorSetReader(name, expect_content=b"short")
+    finally:
+        r.close()
+        w.close()
+
+
+def closed_reader_calls(r, hold):
+    """Every call of a `TensorSetReader` but `name` and `close`, each as it would be made."""
+    import asyncio
+
+    return {
+        "current": [lambda: r.current(), lambda: r.current(timeout=None)],
+        "wait_newer": [lambda: r.wait_newer(0, timeout=ANSWER), lambda: r.wait_newer(10**9)],
+        "wait_newer_async": [lambda: asyncio.run(r.wait_newer_async(10**9))],
+        "imports": [lambda: r.imports],
+        "read_only": [lambda: r.read_only],
+        "layout_fingerprint": [lambda: r.layout_fingerprint],
+        "names": [lambda: r.names],
+        "incarnation": [lambda: r.incarnation],
+        "writerless": [lambda: r.writerless],
+        "open_timings": [lambda: r.open_timings()],
+        "switch_stable": [lambda: r.switch_stable(hold)],
+        "stable_tensors": [lambda: r.stable_tensors()],
+        "stable_generation": [lambda: r.stable_generation],
+        "release_stable": [lambda: r.release_stable()],
+    }
+
+
+def public(cls):
+    return {a for a in dir(cls) if not a.startswith("_")}
+
+
+def test_every_call_of_a_closed_reader_raises_tensor_set_closed_naming_the_reader(name):
+    """After `close()` every call of a reader but `name` and `close` raises `TensorSetClosed`
+    (what the writer's close raises, so a loop stopping at it stops for either), its message
+    naming this reader, not the writer (whose set is still published): the waits without a
+    bound, the awaitable, the getters and the stable-address calls alike. `close()` twice does
+    nothing. A hold taken before the close stays readable until released; the closed reader
+    does not switch it (nor does another reader: not its hold), and it stays held."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
+    r = cuda_ipc.TensorSetReader(name)
+    other = cuda_ipc.TensorSetReader(name)
+    try:
+        u = w.begin(timeout=ANSWER)
+        for t, n in SIZES.items():
+            u.write(t, data(1, t, n))
+        g = u.commit(fingerprint=True)
+        h = r.current()
+        r.close()
+        r.close()  # twice: nothing
+        calls = closed_reader_calls(r, h)
+        assert public(cuda_ipc.TensorSetReader) == set(calls) | {"name", "close"}
+        for what, ways in calls.items():
+            for call in ways:
+                with pytest.raises(cuda_ipc.TensorSetClosed) as e:
+                    call()
+                assert str(e.value) == (
+                    f'this reader of tensor set "{name}" is closed '
+                    "(by its own close(), not by the writer)"
+                ), what
+                assert not isinstance(e.value, cuda_ipc.InvalidArgument), what
+        assert r.name == name and repr(r) == f'TensorSetReader("{name}")'
+        with r:  # `with` over a closed reader closes it again: nothing
+            pass
+        # The hold outlives its reader's close, and the closed reader did not consume it.
+        assert h.held and h.generation == g and h.whole is True
+        assert h.read("ids") == data(1, "ids", SIZES["ids"])
+        h.verify_content()
+        assert h.fingerprint() == h.content and len(h.tensor_digests()) == 3
+        with pytest.raises(cuda_ipc.InvalidArgument, match="not another reader's"):
+            other.switch_stable(h)
+        assert h.held
+        h.release()
+        # The writer was not closed: an open reader goes on reading.
+        with other.current() as o:
+            assert o.generation == g
+        assert w.generation == g and write_gen(w, None) == g + 1
+    finally:
+        other.close()
+        w.close()
+
+
+def test_a_wait_of_a_reader_closed_from_another_thread_raises_tensor_set_closed(name):
+    """`wait_newer` and `current(timeout=None)` waiting without a bound in other threads raise
+    `TensorSetClosed` naming the reader within 1 s of its `close()` from this thread."""
+    import threading
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    outcomes = [{}, {}]
+
+    def wait(call, out):
+        try:
+            out["value"] = call()
+        except BaseException as e:  # noqa: BLE001
+            out["error"], out["at"] = e, time.monotonic()
+
+    threads = [
+        threading.Thread(target=wait, args=(lambda: r.wait_newer(0), outcomes[0])),
+        threading.Thread(target=wait, args=(lambda: r.current(timeout=None), outcomes[1])),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        assert all(t.is_alive() for t in threads), outcomes
+        closing = time.monotonic()
+        r.close()
+        for t in threads:
+            t.join(ANSWER)
+        assert not any(t.is_alive() for t in threads)
+        for o in outcomes:
+            assert isinstance(o.get("error"), cuda_ipc.TensorSetClosed), o
+            assert "this reader of tensor set" in str(o["error"]), o
+            assert o["at"] - closing < 1.0, o["at"] - closing
     finally:
         r.close()
         w.close()

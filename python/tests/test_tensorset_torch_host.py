@@ -92,6 +92,40 @@ def test_a_readers_dict_holds_every_tensor_at_its_place_and_is_reused(name):
         w.close()
 
 
+def test_a_holds_tensors_outlive_its_readers_close_and_keep_nothing_in_the_closed_reader(name):
+    """A hold taken before its reader's `close()` gives its tensors after it, while the closed
+    reader's own calls raise `TensorSetClosed`. The dict built then is not kept in the closed
+    reader (its tensors would keep the reader's mappings, and its slot, as long as the reader
+    object lives): once the dict and the hold are let go, the set's one reader slot is free again
+    while the closed reader object still exists."""
+    import gc
+
+    specs = layered(layers=2)
+    w = cuda_ipc.TensorSetWriter(name, specs, memory="host", mode="buffered", buffers=2, max_readers=1)
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        want = pattern(specs, 5)
+        w.publish(want, timeout=ANSWER)
+        h = r.current()
+        r.close()
+        with pytest.raises(cuda_ipc.NoConsumerSlot):
+            cuda_ipc.TensorSetReader(name)  # the hold keeps the closed reader's slot
+        d = h.tensors()
+        assert list(d) == list(specs) and all(torch.equal(d[n], want[n]) for n in specs)
+        with pytest.raises(cuda_ipc.TensorSetClosed, match="this reader of tensor set"):
+            r.stable_tensors()
+        del d
+        h.release()
+        gc.collect()
+        again = cuda_ipc.TensorSetReader(name)  # `r` still exists, closed
+        with again.current() as g:
+            assert all(torch.equal(t, want[n]) for n, t in g.tensors().items())
+        again.close()
+    finally:
+        r.close()
+        w.close()
+
+
 def test_an_updates_tensors_are_writable_views_of_its_buffer(name):
     specs = layered(layers=2)
     w = cuda_ipc.TensorSetWriter(name, specs, memory="host")

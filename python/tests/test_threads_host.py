@@ -9,9 +9,9 @@ other Python threads running.
 
 Every wait is bounded, every thread joined with a timeout, and a watchdog (`faulthandler`) dumps
 every thread's stack and ends the run should a test hang anyway. Ordinary errors of a closed
-object are the documented ones: a closed reader's calls raise `InvalidArgument` (`reader of ...
-is closed`), a closed set's `TensorSetClosed`, a closed consumer's `Detached`, a closed producer's
-`ChannelClosed`. Run: `pip install ./python && pytest python/tests/test_threads_host.py`."""
+object are the documented ones: a closed reader's calls raise `TensorSetClosed` (`this reader of
+tensor set ... is closed`), as a closed set's do (`... was closed by its writer`), a closed
+consumer's `Detached`, a closed producer's `ChannelClosed`. Run: `pip install ./python && pytest python/tests/test_threads_host.py`."""
 
 import asyncio
 import faulthandler
@@ -236,8 +236,9 @@ def test_closing_the_reader_under_waiting_and_reading_threads_raises_only_docume
 ):
     """Rounds of 8 threads waiting, reading and releasing on one reader while a writer thread
     publishes; the reader is closed at a random moment. Each thread then gets the closed reader's
-    `InvalidArgument` (or a bounded wait's `Timeout`) and ends; a hold taken before the close
-    still reads its own generation after it, and once released no hold is left."""
+    `TensorSetClosed` naming the reader, not the writer (or a bounded wait's `Timeout`) and ends;
+    a hold taken before the close still reads its own generation after it, and once released no
+    hold is left."""
     buffered = bool(mode)
     rnd = random.Random(7)
     for _ in range(6):
@@ -269,8 +270,8 @@ def test_closing_the_reader_under_waiting_and_reading_threads_raises_only_docume
                 except cuda_ipc.Timeout:
                     if closed.is_set():
                         return
-                except cuda_ipc.InvalidArgument as e:
-                    if "closed" not in str(e) or not closed.is_set():
+                except cuda_ipc.TensorSetClosed as e:
+                    if "this reader of tensor set" not in str(e) or not closed.is_set():
                         errors.append((i, repr(e)))
                     return
                 except BaseException as e:  # noqa: BLE001
@@ -289,7 +290,7 @@ def test_closing_the_reader_under_waiting_and_reading_threads_raises_only_docume
         r.close()
         join(threads)
         assert not errors, errors
-        with pytest.raises(cuda_ipc.InvalidArgument, match="closed"):
+        with pytest.raises(cuda_ipc.TensorSetClosed, match="this reader of tensor set .* is closed"):
             r.current()
         for h in kept:
             check(h)  # the reader's mappings live as long as its holds
@@ -551,7 +552,8 @@ def test_close_from_another_thread_wakes_every_thread_blocked_on_a_consumer_or_p
 def test_cancelled_awaitable_waits_and_a_close_from_another_thread_end_cleanly(name):
     """Rounds of 4 `wait_newer_async` and 4 `recv_async` awaited at once; a thread closes the
     reader and the consumer while half of the tasks are cancelled. Each task ends cancelled or with
-    its object's closed error, `asyncio.run` (which joins the executor's threads) returns within
+    its object's closed error (the reader's `TensorSetClosed` naming it, the consumer's
+    `Detached`), `asyncio.run` (which joins the executor's threads) returns within
     2 s, and no generation stays held."""
     rnd = random.Random(5)
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
@@ -578,8 +580,10 @@ def test_cancelled_awaitable_waits_and_a_close_from_another_thread_end_cleanly(n
             done = asyncio.run(main())
             assert time.monotonic() - t0 < 2.0
             for k, x in enumerate(done):
-                closed_error = cuda_ipc.InvalidArgument if k < 4 else cuda_ipc.Detached
+                closed_error = cuda_ipc.TensorSetClosed if k < 4 else cuda_ipc.Detached
                 assert isinstance(x, (asyncio.CancelledError, closed_error)), (k, x)
+                if isinstance(x, cuda_ipc.TensorSetClosed):
+                    assert "this reader of tensor set" in str(x), (k, x)
         assert_no_hold_left(w, None, False)
     finally:
         tx.close()
