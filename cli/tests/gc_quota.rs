@@ -115,6 +115,22 @@ fn gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones(
 /// Bytes of a ledger segment (a header page, then 256 entries of 64 bytes).
 const LEDGER_LEN: usize = 4096 + 256 * 64;
 
+/// Plants a ledger creation of `creator` under `name` and gives it to uid 65534 (as root, when
+/// this runs as root); returns whether it did (else it says why it left it out).
+fn plant_another_users(name: &str, creator: ProcessIdentity) -> bool {
+    if !rustix::process::geteuid().is_root() {
+        println!("another user's ledger left out: needs root to give a file to another uid");
+        return false;
+    }
+    plant(name, Some(creator));
+    let st = Command::new("chown")
+        .args(["65534", &format!("/dev/shm/{name}")])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    true
+}
+
 /// Plants under `name` (mode 0600) what a `quota set` killed half-way leaves: with `creator`, the
 /// whole ledger, every page written, with its magic, version and creator's identity words, never
 /// stamped; without, an empty file (killed before `ftruncate`).
@@ -180,17 +196,7 @@ fn gc_removes_an_abandoned_quota_ledger_creation_and_keeps_a_young_live_or_other
     plant(&empty, None);
     plant(&dead, Some(creator));
     plant(&live, Some(ProcessIdentity::current().unwrap()));
-    let root = rustix::process::geteuid().is_root();
-    if root {
-        plant(&theirs, Some(creator));
-        let st = Command::new("chown")
-            .args(["65534", &format!("/dev/shm/{theirs}")])
-            .status()
-            .unwrap();
-        assert!(st.success());
-    } else {
-        println!("another user's ledger left out: needs root to give a file to another uid");
-    }
+    let root = plant_another_users(&theirs, creator);
     // Past the grace (2 s, in whole seconds of `st_ctime`); then two young ones.
     std::thread::sleep(Duration::from_millis(2200));
     // `ls` cannot read them, and says which `gc` removes.
@@ -380,17 +386,7 @@ fn gc_of_a_quota_ledgers_name_cleans_that_ledger_by_the_same_rules() {
     plant(&dead, Some(dead_process()));
     plant(&live, Some(ProcessIdentity::current().unwrap()));
     plant(&bystander, None);
-    let root = rustix::process::geteuid().is_root();
-    if root {
-        plant(&theirs, Some(dead_process()));
-        let st = Command::new("chown")
-            .args(["65534", &format!("/dev/shm/{theirs}")])
-            .status()
-            .unwrap();
-        assert!(st.success());
-    } else {
-        println!("another user's ledger left out: needs root to give a file to another uid");
-    }
+    let root = plant_another_users(&theirs, dead_process());
     // Past the grace (2 s, in whole seconds of `st_ctime`).
     std::thread::sleep(Duration::from_millis(2200));
 

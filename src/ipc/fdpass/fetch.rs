@@ -948,8 +948,9 @@ mod tests {
     //! does with a client whose request is late by more than its 1 s receive timeout.
 
     use super::*;
+    use crate::ipc::fdpass::tests::content;
     use crate::ipc::fdpass::wire::{ENTRY_OK, decode_request, encode_reply};
-    use std::io::{BufRead, BufReader, Read, Seek, Write};
+    use std::io::{BufRead, BufReader, Read, Write};
     use std::process::{Child, Command, Stdio};
 
     /// Set in the child: "CLOSE TOTAL", close the first CLOSE connections after reading their
@@ -1068,14 +1069,6 @@ mod tests {
             .map(|n| n.parse::<usize>().unwrap())
             .max()
             .unwrap_or(0)
-    }
-
-    fn content(fd: OwnedFd) -> String {
-        let mut f = std::fs::File::from(fd);
-        f.rewind().unwrap();
-        let mut s = String::new();
-        f.read_to_string(&mut s).unwrap();
-        s
     }
 
     #[test]

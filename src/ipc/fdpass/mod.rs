@@ -150,7 +150,8 @@ mod tests {
         f.into()
     }
 
-    fn content(fd: OwnedFd) -> String {
+    /// The whole text of the file `fd` refers to, read from its start.
+    pub(super) fn content(fd: OwnedFd) -> String {
         let mut f = std::fs::File::from(fd);
         f.rewind().unwrap();
         let mut s = String::new();
