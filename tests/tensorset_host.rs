@@ -1000,3 +1000,53 @@ fn a_forged_generation_base_never_hands_out_an_older_generation_as_newer() {
     drop(r);
     drop(w);
 }
+
+#[test]
+fn a_generation_channel_gone_under_an_open_is_the_writers_close_or_death_never_pid_0() {
+    if role().is_some() {
+        return;
+    }
+    use cuda_ipc::tensorset::GENERATION_PREFIX;
+    // The instant of a close (or a `gc`) between an open's manifest and its join: the manifest is
+    // there, the generation channel is not.
+    let name = set_name("tg-gone");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    write_gen(&mut w);
+    std::fs::remove_file(path(GENERATION_PREFIX, &name)).unwrap();
+    let e = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap_err();
+    assert!(
+        matches!(&e, Error::TensorSet(TensorSetError::Closed(n)) if *n == name),
+        "a running writer's set: {e:?}"
+    );
+    drop(w);
+    let e = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap_err();
+    assert!(
+        matches!(&e, Error::TensorSet(TensorSetError::NotFound(_))),
+        "closed: {e:?}"
+    );
+
+    let name = set_name("tg-gone-dead");
+    let mut w = spawn("writer", &name, "buffered");
+    w.expect("published", ANSWER);
+    let pid = w.child.id();
+    kill9(pid);
+    let _ = w.child.wait();
+    std::fs::remove_file(path(GENERATION_PREFIX, &name)).unwrap();
+    let e = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap_err();
+    assert!(
+        matches!(&e, Error::TensorSet(TensorSetError::WriterGone { pid: p, .. }) if *p == pid),
+        "a dead writer's set: {e:?}"
+    );
+    assert!(e.to_string().contains(&format!("pid {pid}")), "{e}");
+    // gc removes the dead writer's other parts.
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![name.clone()]);
+    let scan = cleanup::scan(&scope).unwrap();
+    let removal = cleanup::remove(&scan.leftovers);
+    assert_eq!(removal.removed.len(), 2, "{removal:?}");
+    for prefix in ["cuda-ipc.ts.", "cuda-ipc.td."] {
+        assert!(
+            std::fs::symlink_metadata(path(prefix, &name)).is_err(),
+            "{prefix}"
+        );
+    }
+}

@@ -10,6 +10,7 @@ use super::{ReaderOptions, content, decode_meta};
 use crate::channel::{ChannelError, Consumer, FrameHold};
 use crate::driver::{Context, Device, Stream};
 use crate::error::{Error, Result};
+use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::ImportedBuffer;
 use crate::shm::Segment;
 use crate::token::Token;
@@ -33,17 +34,21 @@ pub use open::{OpenTimings, VERIFY_APART};
 const REOPENS: u32 = 4;
 
 /// `open()`, made again (at most [`REOPENS`] times) where it found segments of two creations of
-/// the set (`ManifestFault::Mismatch`): a writer that replaced the set (its old writer dead)
-/// during the open. Segments planted under the set's names mismatch every time: their error is
-/// returned after the last try.
+/// the set (`ManifestFault::Mismatch`: a writer that replaced the set, its old writer dead, during
+/// the open) or a set closed by its running writer during the open ([`TensorSetError::Closed`]:
+/// the next try finds the set made again, or none, [`TensorSetError::NotFound`]). Segments
+/// planted under the set's names mismatch every time: their error is returned after the last try.
 fn reopening(mut open: impl FnMut() -> Result<TensorSetReader>) -> Result<TensorSetReader> {
     let mut tries = 0;
     loop {
         match open() {
-            Err(Error::TensorSet(TensorSetError::BadManifest {
-                fault: ManifestFault::Mismatch { .. },
-                ..
-            })) if tries < REOPENS => tries += 1,
+            Err(Error::TensorSet(
+                TensorSetError::BadManifest {
+                    fault: ManifestFault::Mismatch { .. },
+                    ..
+                }
+                | TensorSetError::Closed(_),
+            )) if tries < REOPENS => tries += 1,
             r => return r,
         }
     }
@@ -110,6 +115,22 @@ impl std::fmt::Debug for TensorSetReader {
             .field("read_only", &self.read_only)
             .field("imports", &self.imports)
             .finish_non_exhaustive()
+    }
+}
+
+/// The error for a set whose generation channel is missing though its manifest was found:
+/// [`TensorSetError::WriterGone`] naming `writer` (the manifest's, with its uid) when it is dead,
+/// else [`TensorSetError::Closed`] (its writer closed it, or is making it again, meanwhile).
+fn channel_gone(name: &str, (writer, uid): (ProcessIdentity, u32)) -> Error {
+    if writer.pid != 0 && writer.liveness_as(uid) == Liveness::Dead {
+        TensorSetError::WriterGone {
+            name: name.to_string(),
+            pid: writer.pid,
+            why: String::new(),
+        }
+        .into()
+    } else {
+        TensorSetError::Closed(name.to_string()).into()
     }
 }
 
@@ -270,6 +291,8 @@ impl TensorSetReader {
         // Tables still pending: a provisional layout (allocations and the stored fingerprint)
         // until their decode replaces it, below.
         let deferred = !matches!(pending, PendingTables::Decoded);
+        // The writer the manifest records: who a generation channel found missing belongs to.
+        let writer = opened.header().writer();
         let mut m = opened.manifest;
         let seg_name = opened.seg.name().to_string();
         let bad_fingerprint = |fault| TensorSetError::BadManifest {
@@ -416,7 +439,13 @@ impl TensorSetReader {
         // result drops here: a consumer leaves the channel (its stream drained, its slot freed),
         // imports go back to the cache.
         let (memory, read_only, imports) = mapped?;
-        let consumer = match (attached.map_err(|e| set_error(name, e)), ctx) {
+        let attached = attached.map_err(|e| match e {
+            // The manifest was there, its generation channel is not: removed since, by its
+            // writer's close (the writer runs: the set was closed) or by `gc` after its death.
+            Error::Channel(ChannelError::NotFound(_)) => channel_gone(name, writer),
+            e => set_error(name, e),
+        });
+        let consumer = match (attached, ctx) {
             (Ok(c), _) => Source::Channel(c),
             // The writer is dead: a VMM set that holders keep is read writerless (the imports
             // above came from a holder).
