@@ -301,12 +301,20 @@ class Producer:
         """The channel's counters (not while a WriteFrame is outstanding; ``ChannelClosed`` once
         closed)."""
     def close(self, timeout: float = 5.0) -> Dict[str, int]:
-        """Closes the channel (consumers get ``ChannelClosed`` after the last frame), waits up to
-        ``timeout`` seconds (0 to 1e9) for their holds and frees the pool:
-        ``{"forced_holds": n}``. Safe from any thread: an ``acquire`` blocked in another thread
-        raises ``ChannelClosed`` and this waits for it to end (one 50 ms slice) before closing.
-        While a WriteFrame is outstanding it returns at once (``forced_holds`` 0) and the channel
-        closes when that frame is published (which then raises ``ChannelClosed``) or abandoned."""
+        """Closes the channel (no frame is published after it; consumers get ``ChannelClosed``
+        once they received what was published) and waits up to ``timeout`` seconds (0 to 1e9)
+        until every ``delivery="every"`` consumer has *received* every published frame and no
+        consumer holds one (a ``"latest"`` consumer is waited for only while it holds a frame);
+        then forces the holds left and frees the pool. Returns ``{"forced_holds": n,
+        "consumers_behind": m}``: ``n`` holds released by force at the deadline, ``m`` every-frame
+        consumers that had not received every frame by then (either nonzero: the whole timeout
+        was waited). The wait runs in 50 ms slices without the GIL: Ctrl-C raises
+        ``KeyboardInterrupt`` within one, leaving the channel closed to new frames but its pool
+        not yet freed (call ``close()`` again to finish). Safe from any thread: an ``acquire``
+        blocked in another thread raises ``ChannelClosed`` and this waits for it to end (one
+        50 ms slice) before closing. While a WriteFrame is outstanding it returns at once (both
+        counts 0) and the channel closes when that frame is published (which then raises
+        ``ChannelClosed``) or abandoned."""
     def __enter__(self) -> Producer: ...
     def __exit__(
         self,
@@ -353,8 +361,11 @@ class WriteFrame:
     def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
         """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
     def publish(self, metadata: bytes = ...) -> int:
-        """Publishes with ``metadata`` (at most META_BYTES; default none, ``b""``); returns the sequence number. Once the
-        producer was closed, raises ``ChannelClosed`` and gives the buffer back unpublished."""
+        """Publishes with ``metadata`` (at most META_BYTES; default none, ``b""``); returns the
+        sequence number. A refused argument (``InvalidArgument`` past META_BYTES, ``TypeError``
+        for a ``str``) changes nothing: the frame stays open to publish again or abandon. Once
+        the producer was closed, raises ``ChannelClosed`` and gives the buffer back
+        unpublished."""
     def abandon(self) -> None: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]: ...
@@ -608,7 +619,11 @@ class TensorSetWriter:
         fingerprint: bool = False,
     ) -> int:
         """``begin``, ``copy_from(tensors)``, commit (``fingerprint=True``: with the fingerprint
-        of the bytes); the generation. ``tensors`` may be a ``CopyPlan`` of this writer."""
+        of the bytes); the generation. ``tensors`` may be a ``CopyPlan`` of this writer.
+        ``timeout``, the kind of ``tensors`` (a dict or a ``CopyPlan`` of this writer), PyTorch's
+        import, the names and that every value is a tensor are checked before a buffer is taken,
+        so such a refusal changes nothing; a source refused by the copy itself (dtype, shape,
+        device) aborts the update (an in-place set's generation is gone then)."""
     def copy_plan(self, tensors: Dict[str, Any]) -> "CopyPlan":
         """GPU sets: the sources of later updates read once (contiguous CUDA tensors of the
         set's device; the driver checks their memory at the plan's first update);
@@ -637,10 +652,13 @@ class TensorSetWriter:
         and ready words (at once for a host set). ``TensorSetClosed`` once closed;
         ``InvalidArgument`` while an update of a GPU set is open."""
     def close(self, timeout: float = ...) -> None:
-        """Closes the set, waiting up to ``timeout`` seconds (default 5) for the readers; an open
-        update is aborted. Safe from any thread: a ``begin`` waiting in another thread raises
-        ``TensorSetClosed`` within 50 ms and this waits for it to end first. Closing twice does
-        nothing; ``begin``, ``publish`` and ``synchronize`` raise ``TensorSetClosed`` after it."""
+        """Closes the set, waiting up to ``timeout`` seconds (default 5) for the readers' holds;
+        an open update is aborted. The wait runs in 50 ms slices without the GIL: Ctrl-C raises
+        ``KeyboardInterrupt`` within one, leaving the set closed (names gone, ``begin`` refused)
+        but its memory not yet freed (call ``close()`` again to finish). Safe from any thread: a
+        ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50 ms and this
+        waits for it to end first. Closing twice does nothing; ``begin``, ``publish`` and
+        ``synchronize`` raise ``TensorSetClosed`` after it."""
     def __enter__(self) -> "TensorSetWriter": ...
     def __exit__(self, *args: Any) -> None: ...
 
@@ -662,7 +680,8 @@ class TensorUpdate:
     @property
     def buffer(self) -> int: ...
     def tensors(self) -> Dict[str, Any]:
-        """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set)."""
+        """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set). Needs
+        PyTorch: without it ``ImportError`` (a host set is written with ``write(name, data)``)."""
     def copy_from(self, tensors: Union[Dict[str, Any], "CopyPlan"]) -> None:
         """Copies CUDA tensors (CPU tensors for a host set) into the set's tensors of the same
         names, each of the set's dtype and shape (``InvalidArgument`` otherwise, as
@@ -725,7 +744,7 @@ class TensorSetReader:
     ) -> TensorSetReader: ...
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a
-        first (default 0: returns at once). ``TensorSetClosed`` once this reader is closed (also
+        first (default 0: returns at once; checked whether or not a generation is there). ``TensorSetClosed`` once this reader is closed (also
         from another thread while this waits) or the writer closed the set."""
     def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
         """Waits for a generation newer than ``than`` and holds it. Raises ``Timeout``,
@@ -796,7 +815,8 @@ class TensorHold:
     def held(self) -> bool: ...
     def tensors(self, *, stream: StreamLike = None) -> Dict[str, Any]:
         """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (CPU tensors for a host
-        set, not read-only: treat them as read-only)."""
+        set, not read-only: treat them as read-only). Needs PyTorch: without it ``ImportError``
+        (a host set's bytes are read with ``read(name)``)."""
     def read(self, name: str) -> bytes:
         """Host sets: a copy of tensor ``name``'s bytes."""
     def tensor_digests(self) -> List[bytes]:

@@ -590,3 +590,34 @@ fn an_attach_during_the_control_segment_s_creation_waits_instead_of_failing_as_s
     drop(rx);
     maker.join().unwrap();
 }
+
+#[test]
+fn close_waits_for_every_frame_consumers_to_receive_and_counts_those_behind() {
+    let ch = channel_name("behind");
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    let every = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+    let latest =
+        Consumer::attach(&ch, &ConsumerOptions::new().delivery(Delivery::LatestOnly)).unwrap();
+    write_frame(&mut tx);
+    // Not received by either: the every-frame consumer keeps the wait going, the latest-only one
+    // does not; the wait can be asked again and again.
+    let start = Instant::now();
+    assert!(!tx.wait_closing(Duration::from_millis(100)));
+    assert!(!tx.wait_closing(Duration::ZERO));
+    assert!(start.elapsed() >= Duration::from_millis(100));
+    let r = tx.close(Duration::from_millis(50)).unwrap();
+    assert_eq!((r.forced_holds, r.consumers_behind), (0, 1));
+    drop((every, latest));
+
+    let ch = channel_name("received");
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    let every = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+    write_frame(&mut tx);
+    let f = every.recv_timeout(ANSWER).unwrap();
+    // Received but held: still waiting, now for the hold.
+    assert!(!tx.wait_closing(Duration::from_millis(20)));
+    drop(f);
+    assert!(tx.wait_closing(ANSWER));
+    let r = tx.close(ANSWER).unwrap();
+    assert_eq!((r.forced_holds, r.consumers_behind), (0, 0));
+}

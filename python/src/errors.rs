@@ -469,7 +469,16 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Kind::WriterGone => WriterGone::new_err(msg),
         Kind::TensorSetClosed => TensorSetClosed::new_err(msg),
         Kind::LayoutMismatch => LayoutMismatch::new_err(msg),
-        Kind::ContentMismatch => content_mismatch(py, e, msg),
+        // The crate's text names the Rust method; Python commits with `fingerprint=True`.
+        Kind::ContentMismatch => content_mismatch(
+            py,
+            e,
+            msg.replace(
+                "commits with commit_fingerprinted",
+                "commits with TensorUpdate.commit(fingerprint=True) or \
+                 TensorSetWriter.publish(..., fingerprint=True)",
+            ),
+        ),
         Kind::NotHoldable => NotHoldable::new_err(msg),
         Kind::NoHolderSlot => NoHolderSlot::new_err(msg),
         Kind::NoServer => NoServer::new_err(msg),

@@ -1,6 +1,8 @@
 //! The `Frame` class.
 
-use crate::util::{HOST_FRAME, copy, cupy_array, err, lock, stream_arg, torch_tensor};
+use crate::util::{
+    HOST_FRAME, Int, copy, cupy_array, err, lock, opt_int, stream_arg, torch_tensor,
+};
 use crate::view::Buffer;
 use crate::{dlpack, errors};
 use cuda_ipc::channel::owned::OwnedFrame;
@@ -116,14 +118,15 @@ impl Frame {
     /// A copy of `n` bytes of the host buffer from byte `offset` (`n=None`: to the end), taken
     /// while the frame is held. `InvalidArgument` past the buffer's end or once released;
     /// `NotSupported` on a GPU channel.
-    #[pyo3(signature = (offset=0, n=None))]
+    #[pyo3(signature = (offset=Int::Small(0), n=None), text_signature = "($self, offset=0, n=None)")]
     fn read<'py>(
         &self,
         py: Python<'py>,
-        offset: usize,
-        n: Option<usize>,
+        offset: Int,
+        n: Option<Int>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let n = self.buffer.host_range(py, offset, n)?;
+        let offset: usize = offset.get(py, "offset")?;
+        let n = self.buffer.host_range(py, offset, opt_int(py, "n", n)?)?;
         // This clone keeps the frame held through the copy, whatever another thread releases.
         let hold = self.hold(py)?;
         PyBytes::new_with(py, n, |buf| {
@@ -133,11 +136,11 @@ impl Frame {
 
     /// A copy of the whole host buffer (`read()`); `bytes(frame)` is the same.
     fn bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.read(py, 0, None)
+        self.read(py, Int::Small(0), None)
     }
 
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.read(py, 0, None)
+        self.read(py, Int::Small(0), None)
     }
     /// True until `release()`.
     #[getter]

@@ -22,7 +22,10 @@
 //! signals and for `close()` between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with
 //! nothing held, and `close()` from another thread wakes them within a slice ([`util::sliced`]).
 //! Every duration argument goes through [`util::seconds_arg`] (0 to [`util::MAX_SECONDS`], else
-//! `InvalidArgument`). Their `*_async` forms (`Consumer.recv_async`, `Producer.acquire_async`,
+//! `InvalidArgument`), every integer argument through [`util::Int`] (the range of what it
+//! becomes, else `InvalidArgument` naming it, never `OverflowError`); both are checked before a
+//! call consumes anything (a refused `publish` leaves its frame open). `close(timeout)` waits in
+//! the same slices (`Producer::wait_closing`). Their `*_async` forms (`Consumer.recv_async`, `Producer.acquire_async`,
 //! `Posted.wait_async`, `TensorSetReader.wait_newer_async`) are coroutines that run the same
 //! sliced wait in the event loop's default executor and stop it within a slice when the awaiting
 //! task is cancelled ([`aio`]).

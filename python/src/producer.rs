@@ -3,8 +3,8 @@
 use crate::lending::Lender;
 use crate::quota::quota_scope;
 use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Seconds, Stop, err, lock, memory_arg, memory_name, seconds_arg,
-    sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
+    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, device_arg, err, lock, memory_arg, memory_name,
+    opt_int, seconds_arg, sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
 };
 use crate::write_frame::WriteFrame;
 use crate::{aio, errors};
@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The producing end of a channel (`cuda_ipc::channel::Producer`).
 ///
@@ -100,9 +100,9 @@ impl Producer {
     /// buffers out in ring order (frame `s` in buffer `(s - 1) % buffers`), which consumers'
     /// `post` (receives posted ahead) needs (`ChannelOptions::ring`).
     #[new]
-    #[pyo3(signature = (name, buffer_bytes, *, buffers=4, max_consumers=8, quota_bytes=None,
-        quota=None, wait="spin_then_block", spin=Seconds::Float(50e-6), memory="auto",
-        group_access=false, device=0, stream=None, ring=false))]
+    #[pyo3(signature = (name, buffer_bytes, *, buffers=Int::Small(4), max_consumers=Int::Small(8),
+        quota_bytes=None, quota=None, wait="spin_then_block", spin=Seconds::Float(50e-6),
+        memory="auto", group_access=false, device=Int::Small(0), stream=None, ring=false))]
     #[pyo3(
         text_signature = "(name, buffer_bytes, *, buffers=4, max_consumers=8, \
         quota_bytes=None, quota=None, wait=\"spin_then_block\", spin=5e-05, memory=\"auto\", \
@@ -112,19 +112,24 @@ impl Producer {
     fn new(
         py: Python<'_>,
         name: String,
-        buffer_bytes: usize,
-        buffers: usize,
-        max_consumers: usize,
-        quota_bytes: Option<u64>,
+        buffer_bytes: Int,
+        buffers: Int,
+        max_consumers: Int,
+        quota_bytes: Option<Int>,
         quota: Option<&str>,
         wait: &str,
         spin: Seconds,
         memory: &str,
         group_access: bool,
-        device: usize,
+        device: Int,
         stream: Option<&Bound<'_, PyAny>>,
         ring: bool,
     ) -> PyResult<Self> {
+        let buffer_bytes: usize = buffer_bytes.get(py, "buffer_bytes")?;
+        let buffers: usize = buffers.get(py, "buffers")?;
+        let max_consumers: usize = max_consumers.get(py, "max_consumers")?;
+        let quota_bytes: Option<u64> = opt_int(py, "quota_bytes", quota_bytes)?;
+        let device = device_arg(py, device)?;
         let stream = stream_arg(py, stream)?;
         if stream.is_some() && memory == "host" {
             return Err(errors::invalid_argument(
@@ -240,14 +245,30 @@ impl Producer {
         stats_dict(py, &s)
     }
 
-    /// Closes the channel: waits up to `timeout` seconds (0 to 1e9) for consumers' holds, then
-    /// frees the pool. Returns `{"forced_holds": n}`. Closing again does nothing.
+    /// Closes the channel: no frame can be published after it, and consumers get
+    /// `ChannelClosed` once they received what was published. Waits up to `timeout` seconds (0
+    /// to 1e9) until every every-frame consumer (`delivery="every"`) has *received* every
+    /// published frame (taken it with `recv`, not only been able to) and no consumer holds a
+    /// frame; then forces the holds left and frees the pool. A latest-only consumer is waited
+    /// for only while it holds a frame. Returns `{"forced_holds": n, "consumers_behind": m}`:
+    /// `n` holds still outstanding at the deadline, released by force (a consumer still reading
+    /// one reads undefined data), and `m` every-frame consumers that had not received every
+    /// frame by then (the frames they missed are gone); either nonzero means the whole timeout
+    /// was waited. Closing again does nothing (`{"forced_holds": 0, "consumers_behind": 0}`).
+    ///
+    /// The wait runs without the GIL in 50 ms slices, checking for signals between them: Ctrl-C
+    /// raises `KeyboardInterrupt` within a slice. The channel is then closed to new frames
+    /// (`acquire` raises `ChannelClosed`; consumers get `ChannelClosed` once they received what
+    /// was published) but its pool is not freed yet: call `close()` again to finish (it waits
+    /// anew, up to its own `timeout`), or let the producer be collected (which closes it waiting
+    /// up to 5 s).
     ///
     /// A thread blocked in `acquire()` raises `ChannelClosed` within 50 ms, and this waits for it
     /// to give the producer back (a close from within that `acquire`, by a signal handler, does
     /// not wait: that `acquire` closes the channel as it ends). While a `WriteFrame` is
     /// outstanding, the channel is closed when it is published (which then raises
-    /// `ChannelClosed`) or abandoned, and this returns `{"forced_holds": 0}` at once.
+    /// `ChannelClosed`) or abandoned, and this returns `{"forced_holds": 0,
+    /// "consumers_behind": 0}` at once.
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     #[pyo3(text_signature = "($self, timeout=5.0)")]
     fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {
@@ -278,16 +299,34 @@ impl Producer {
             }
             s.producer.take()
         });
-        let d = PyDict::new(py);
-        let forced = match p {
-            Some(p) => {
-                py.detach(|| p.close(t))
-                    .map_err(|e| err(py, e))?
-                    .forced_holds
+        let (forced, behind) = match p {
+            Some(mut p) => {
+                let start = Instant::now();
+                // What `close` waits for, in slices, so that Ctrl-C is seen (`sliced`).
+                let waited = sliced(
+                    py,
+                    Some(t),
+                    || false,
+                    |_| l.closed_error(),
+                    |slice| Ok(p.wait_closing(slice).then_some(())),
+                );
+                if let Err(e) = waited {
+                    // A signal handler raised: the producer stays here, closed to consumers but
+                    // not freed; a later `close()` finishes (or its `Drop`, when collected).
+                    lock(&l.state).producer = Some(p);
+                    return Err(e);
+                }
+                // Done waiting, or the deadline passed: `close` checks once more with the time
+                // left (on a GPU channel also for the consumers' last kernels), then frees.
+                let left = t.saturating_sub(start.elapsed());
+                let r = py.detach(|| p.close(left)).map_err(|e| err(py, e))?;
+                (r.forced_holds, r.consumers_behind)
             }
-            None => 0,
+            None => (0, 0),
         };
+        let d = PyDict::new(py);
         d.set_item("forced_holds", forced)?;
+        d.set_item("consumers_behind", behind)?;
         Ok(d)
     }
 

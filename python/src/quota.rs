@@ -1,6 +1,6 @@
 //! The module's quota functions (`set_quota`, `remove_quota`).
 
-use crate::util::err;
+use crate::util::{Int, device_arg, err};
 use cuda_ipc::driver::Device;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use pyo3::prelude::*;
@@ -37,10 +37,12 @@ pub(crate) fn quota_device(device: Option<usize>) -> cuda_ipc::Result<cuda_ipc::
 #[pyo3(signature = (budget_bytes, *, scope="user", device=None))]
 pub(crate) fn set_quota(
     py: Python<'_>,
-    budget_bytes: u64,
+    budget_bytes: Int,
     scope: &str,
-    device: Option<usize>,
+    device: Option<Int>,
 ) -> PyResult<()> {
+    let budget_bytes: u64 = budget_bytes.get(py, "budget_bytes")?;
+    let device = device.map(|d| device_arg(py, d)).transpose()?;
     let scope = quota_scope(scope).map_err(|e| err(py, e))?;
     py.detach(|| QuotaLedger::set_budget(scope, quota_device(device)?, budget_bytes).map(|_| ()))
         .map_err(|e| err(py, e))
@@ -53,7 +55,8 @@ pub(crate) fn set_quota(
 /// Raises `QuotaError` when the ledger is another user's.
 #[pyfunction]
 #[pyo3(signature = (*, scope="user", device=None))]
-pub(crate) fn remove_quota(py: Python<'_>, scope: &str, device: Option<usize>) -> PyResult<bool> {
+pub(crate) fn remove_quota(py: Python<'_>, scope: &str, device: Option<Int>) -> PyResult<bool> {
+    let device = device.map(|d| device_arg(py, d)).transpose()?;
     let scope = quota_scope(scope).map_err(|e| err(py, e))?;
     py.detach(|| match QuotaLedger::open(scope, quota_device(device)?) {
         Ok(l) => l.remove(),

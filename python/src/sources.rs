@@ -80,8 +80,28 @@ pub(crate) fn read<'py>(
     device: Option<i32>,
     keep: Option<&mut Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Vec<Copy>> {
-    let n = chunk.keys.len();
-    let mut idx = Vec::with_capacity(n);
+    let idx = names(py, torch, layout, index, chunk)?;
+    let values = &chunk.values;
+    torch.without_torch_function(py, || {
+        read_tensors(py, torch, layout, &idx, values, device, keep)
+    })
+}
+
+/// The set's index of each key of `chunk`, after checking that each value is a `torch.Tensor`:
+/// the checks of [`read`] that need no tensor property, which `TensorSetWriter.publish` makes
+/// over all of its sources before it takes a buffer.
+///
+/// # Errors
+/// `TensorSetError::NoSuchTensor` for a name the set lacks; `InvalidArgument` for a value that
+/// is not a tensor.
+pub(crate) fn names<'py>(
+    py: Python<'py>,
+    torch: &Torch,
+    layout: &Layout,
+    index: &Bound<'py, PyDict>,
+    chunk: &Chunk<'py>,
+) -> PyResult<Vec<usize>> {
+    let mut idx = Vec::with_capacity(chunk.keys.len());
     for k in chunk.keys.iter() {
         // Looked up as a plain `str` (a subclass's text copied out), so that no `__hash__` or
         // `__eq__` of the caller's runs; names are strings, so any other key names no tensor.
@@ -108,9 +128,7 @@ pub(crate) fn read<'py>(
             }
         }
     }
-    let name = |k: usize| layout.tensors()[idx[k]].name.as_str();
-    let values = &chunk.values;
-    for (k, v) in values.iter().enumerate() {
+    for (k, v) in chunk.values.iter().enumerate() {
         if !torch.is_tensor(py, &v) {
             let ty = v
                 .get_type()
@@ -119,13 +137,14 @@ pub(crate) fn read<'py>(
                 .unwrap_or_else(|_| "?".into());
             return Err(errors::invalid_argument(
                 py,
-                format!("tensor {:?}: a {ty} is not a torch.Tensor", name(k)),
+                format!(
+                    "tensor {:?}: a {ty} is not a torch.Tensor",
+                    layout.tensors()[idx[k]].name
+                ),
             ));
         }
     }
-    torch.without_torch_function(py, || {
-        read_tensors(py, torch, layout, &idx, values, device, keep)
-    })
+    Ok(idx)
 }
 
 /// [`read`] of tensors (each value a `torch.Tensor`), `idx[k]` the set's index of `values[k]`,

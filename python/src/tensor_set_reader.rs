@@ -11,7 +11,7 @@
 use crate::errors;
 use crate::tensor_set_writer::work_stream;
 use crate::tensors;
-use crate::util::{Seconds, Stop, err, lock, sliced, timeout_arg, wait_arg};
+use crate::util::{Int, Seconds, Stop, device_arg, err, lock, sliced, timeout_arg, wait_arg};
 use cuda_ipc::driver::Device;
 use cuda_ipc::tensorset::owned::OwnedHeld;
 use cuda_ipc::tensorset::{Location, ReaderOptions};
@@ -125,7 +125,7 @@ impl TensorSetReader {
     fn new(
         py: Python<'_>,
         name: String,
-        device: Option<usize>,
+        device: Option<Int>,
         expect_layout: Option<&[u8]>,
         read_only: bool,
         wait: &str,
@@ -148,6 +148,7 @@ impl TensorSetReader {
             })?);
         }
         opts.expect_content = crate::util::fingerprint_arg(py, "expect_content", expect_content)?;
+        let device = device.map(|d| device_arg(py, d)).transpose()?;
         let r = py
             .detach(|| -> cuda_ipc::Result<RustReader> {
                 match device {
@@ -187,6 +188,8 @@ impl TensorSetReader {
         timeout: Option<Seconds>,
     ) -> PyResult<Option<TensorHold>> {
         let this = slf.get();
+        // Checked first, used or not: a bad value is a mistake even when a generation is there.
+        let timeout = timeout_arg(py, timeout)?;
         let r = this.get()?;
         let now = py
             .detach(|| OwnedHeld::current(&r))
@@ -194,7 +197,6 @@ impl TensorSetReader {
         if let Some(h) = now {
             return Ok(Some(this.hold(py, &slf, h)));
         }
-        let timeout = timeout_arg(py, timeout)?;
         if timeout == Some(std::time::Duration::ZERO) {
             return Ok(None);
         }
@@ -209,10 +211,11 @@ impl TensorSetReader {
     fn wait_newer(
         slf: Bound<'_, Self>,
         py: Python<'_>,
-        than: u64,
+        than: Int,
         timeout: Option<Seconds>,
     ) -> PyResult<TensorHold> {
         let this = slf.get();
+        let than: u64 = than.get(py, "than")?;
         let timeout = timeout_arg(py, timeout)?;
         match this.wait(py, than, timeout)? {
             Some(h) => Ok(this.hold(py, &slf, h)),
@@ -231,10 +234,11 @@ impl TensorSetReader {
     #[pyo3(signature = (than, timeout=None))]
     fn wait_newer_async<'py>(
         slf: Bound<'py, Self>,
-        than: u64,
+        than: Int,
         timeout: Option<Seconds>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
+        let than: u64 = than.get(py, "than")?;
         let timeout = timeout_arg(py, timeout)?;
         let this = slf.unbind();
         crate::aio::awaitable(py, move |py, cancelled| {

@@ -11,7 +11,8 @@ use crate::errors;
 use crate::sources::{self, coalesce, copy_gpu};
 use crate::tensors::{self, specs_arg};
 use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Seconds, Stop, err, lock, memory_arg, sliced, stream_arg, timeout_arg,
+    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, device_arg, err, lock, memory_arg, sliced,
+    stream_arg, timeout_arg,
 };
 use cuda_ipc::Error;
 use cuda_ipc::channel::MemoryKind;
@@ -24,7 +25,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 type RustWriter = cuda_ipc::tensorset::TensorSetWriter;
 
@@ -214,20 +215,27 @@ impl TensorSetWriter {
     /// `quota`: reserve the set's bytes (buffers × bytes) from a shared budget (`"user"` or
     /// `"group:GID"`, as `Producer`'s), raising `OverQuota` past it.
     #[new]
-    #[pyo3(signature = (name, tensors, *, device=0, memory="vmm", mode="in_place", buffers=2,
-        max_readers=64, quota=None))]
+    #[pyo3(signature = (name, tensors, *, device=Int::Small(0), memory="vmm", mode="in_place",
+        buffers=Int::Small(2), max_readers=Int::Small(64), quota=None))]
+    #[pyo3(
+        text_signature = "(name, tensors, *, device=0, memory=\"vmm\", mode=\"in_place\", \
+        buffers=2, max_readers=64, quota=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         name: String,
         tensors: &Bound<'_, PyDict>,
-        device: usize,
+        device: Int,
         memory: &str,
         mode: &str,
-        buffers: usize,
-        max_readers: usize,
+        buffers: Int,
+        max_readers: Int,
         quota: Option<&str>,
     ) -> PyResult<Self> {
+        let device = device_arg(py, device)?;
+        let buffers: usize = buffers.get(py, "buffers")?;
+        let max_readers: usize = max_readers.get(py, "max_readers")?;
         let specs = specs_arg(py, tensors)?;
         let kind = memory_arg(py, memory)?;
         let mut opts = TensorSetOptions::new()
@@ -263,14 +271,17 @@ impl TensorSetWriter {
     /// pool's memory (a CPU tensor, one of PyTorch's own allocator) or on another device, and
     /// when no tensor has bytes.
     #[staticmethod]
-    #[pyo3(signature = (name, tensors, *, device=0, max_readers=64))]
+    #[pyo3(signature = (name, tensors, *, device=Int::Small(0), max_readers=Int::Small(64)))]
+    #[pyo3(text_signature = "(name, tensors, *, device=0, max_readers=64)")]
     fn over_tensors(
         py: Python<'_>,
         name: String,
         tensors: &Bound<'_, PyDict>,
-        device: usize,
-        max_readers: usize,
+        device: Int,
+        max_readers: Int,
     ) -> PyResult<Self> {
+        let device = device_arg(py, device)?;
+        let max_readers: usize = max_readers.get(py, "max_readers")?;
         let torch = tensors::Torch::get(py)?;
         let mut chunks: Vec<(usize, cuda_ipc::ipc::VmmBuffer)> = Vec::new();
         let mut located: Vec<(TensorSpec, u32, u64)> = Vec::with_capacity(tensors.len());
@@ -466,6 +477,13 @@ impl TensorSetWriter {
     /// of the set's dtype and shape; or a `CopyPlan` of this writer) into a new
     /// generation and commits it: `begin`, `copy_from`, commit (`fingerprint=True`: with the
     /// fingerprint of the bytes, as `TensorUpdate.commit`). Returns the generation.
+    ///
+    /// Checked before a buffer is taken, so that a refusal changes nothing (an in-place set
+    /// keeps its generation): `timeout`, that `tensors` is a dict or a `CopyPlan` of this writer,
+    /// that PyTorch imports, that every key names a tensor of the set and every value is a
+    /// `torch.Tensor`. A source refused by what only the copy reads (its dtype, shape, device or
+    /// memory) aborts the update as `copy_from` does: an in-place set's generation is gone then
+    /// (readers see nothing until the next commit).
     #[pyo3(signature = (tensors, timeout=None, *, stream=None, fingerprint=false))]
     fn publish(
         slf: Bound<'_, Self>,
@@ -475,6 +493,26 @@ impl TensorSetWriter {
         stream: Option<&Bound<'_, PyAny>>,
         fingerprint: bool,
     ) -> PyResult<u64> {
+        let this = slf.get();
+        timeout_arg(py, timeout)?;
+        if let Ok(plan) = tensors.cast::<CopyPlan>() {
+            plan.get().check_writer(py, &this.layout)?;
+        } else if let Ok(d) = tensors.cast::<PyDict>() {
+            let torch = tensors::Torch::get(py)?;
+            let chunk = sources::Chunk {
+                keys: d.keys(),
+                values: d.values(),
+            };
+            sources::names(py, torch, &this.layout, this.index(py)?, &chunk)?;
+        } else {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "publish takes a dict of name -> tensor or a CopyPlan, got a {}",
+                    tensors.get_type().name()?
+                ),
+            ));
+        }
         let u = Self::begin(slf, py, timeout, stream)?;
         if let Err(e) = u.copy_from(py, tensors) {
             u.abort(py)?;
@@ -569,6 +607,12 @@ impl TensorSetWriter {
     /// `TensorSetClosed`, and the memory is freed after up to `timeout` seconds for readers'
     /// holds. Closing twice does nothing.
     ///
+    /// The wait for holds runs without the GIL in 50 ms slices, checking for signals between
+    /// them: Ctrl-C raises `KeyboardInterrupt` within a slice. The set is then closed (its names
+    /// gone, `begin` raises `TensorSetClosed`) but its memory not freed yet: call `close()`
+    /// again to finish (it waits anew, up to its own `timeout`), or let the writer be collected
+    /// (which frees it after waiting up to 5 s).
+    ///
     /// Safe from any thread. An open update is aborted (its buffer goes back uncommitted). A
     /// `begin` waiting in another thread raises `TensorSetClosed` within 50 ms, and this waits for
     /// it to give the writer back (at most 5 s), then closes the set; a close from within that
@@ -621,10 +665,28 @@ impl TensorSetWriter {
                 }
             }
         });
-        match w {
-            Some(w) => py.detach(|| w.close(t)).map_err(|e| err(py, e)),
-            None => Ok(()),
+        let Some(mut w) = w else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        // What `close` waits for, in slices, so that Ctrl-C is seen (`sliced`).
+        let waited = sliced(
+            py,
+            Some(t),
+            || false,
+            |py| closed_error(py, &self.name),
+            |slice| Ok(w.wait_closing(slice).then_some(())),
+        );
+        if let Err(e) = waited {
+            // A signal handler raised: the writer stays, its names gone, refused to `begin`
+            // (`closing`); a later `close()` takes it and finishes (or its `Drop`).
+            let mut s = lock(&self.state);
+            s.slot = Slot::Idle(w);
+            s.closing = Some(t);
+            return Err(e);
         }
+        let left = t.saturating_sub(start.elapsed());
+        py.detach(|| w.close(left)).map_err(|e| err(py, e))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

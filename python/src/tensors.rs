@@ -370,7 +370,23 @@ pub(crate) fn build<'py>(
     names: &Bound<'py, PyTuple>,
     owner: Option<Arc<dyn Any + Send + Sync>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let torch = Torch::get(py)?;
+    let torch = Torch::get(py).map_err(|e| {
+        if !e.is_instance_of::<pyo3::exceptions::PyImportError>(py) {
+            return e;
+        }
+        let alternative = if device < 0 {
+            "; a host set's bytes are also read with TensorHold.read(name) and written with \
+             TensorUpdate.write(name, data), without PyTorch"
+        } else {
+            ""
+        };
+        let clear = pyo3::exceptions::PyImportError::new_err(format!(
+            "tensors() makes torch.Tensor views and needs PyTorch, which did not import ({}){alternative}",
+            e.value(py)
+        ));
+        clear.set_cause(py, Some(e));
+        clear
+    })?;
     let from_dlpack = torch.from_dlpack.bind(py);
     let as_strided = torch.as_strided.bind(py);
     let no_sync = (-1i64).into_pyobject(py)?.into_any();

@@ -18,7 +18,7 @@
 //! of this crate (the tensor-set classes).
 
 use crate::errors;
-use crate::util::{err, lock};
+use crate::util::{Int, device_arg, err, lock, opt_int};
 use cuda_ipc::driver::Device;
 use cuda_ipc::ipc::{ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena, VmmBuffer};
 use pyo3::prelude::*;
@@ -165,13 +165,16 @@ pub extern "C" fn cuda_ipc_torch_free(
 /// Raises `CudaUnavailable` without a CUDA driver or device, `InvalidArgument` for another chunk
 /// size than the device's arena has, `ImportError` without PyTorch.
 #[pyfunction]
-#[pyo3(pass_module, signature = (device=0, *, chunk_bytes=None))]
+#[pyo3(pass_module, signature = (device=Int::Small(0), *, chunk_bytes=None))]
+#[pyo3(text_signature = "(device=0, *, chunk_bytes=None)")]
 pub(crate) fn torch_mem_pool<'py>(
     m: &Bound<'py, PyModule>,
-    device: i32,
-    chunk_bytes: Option<usize>,
+    device: Int,
+    chunk_bytes: Option<Int>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = m.py();
+    let device = device_arg(py, device)? as i32;
+    let chunk_bytes: Option<usize> = opt_int(py, "chunk_bytes", chunk_bytes)?;
     if chunk_bytes == Some(0) {
         return Err(errors::invalid_argument(
             py,
@@ -198,8 +201,10 @@ pub(crate) fn torch_mem_pool<'py>(
 /// Raises `InvalidArgument` when no arena holds the range (the tensor was not allocated in the
 /// pool: publish it with a copy).
 #[pyfunction]
-#[pyo3(signature = (ptr, nbytes=1))]
-pub(crate) fn arena_locate(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<(usize, u64)> {
+#[pyo3(signature = (ptr, nbytes=Int::Small(1)), text_signature = "(ptr, nbytes=1)")]
+pub(crate) fn arena_locate(py: Python<'_>, ptr: Int, nbytes: Int) -> PyResult<(usize, u64)> {
+    let ptr: u64 = ptr.get(py, "ptr")?;
+    let nbytes: usize = nbytes.get(py, "nbytes")?;
     match find(ptr, nbytes.max(1)) {
         Some((_, chunk, _, off)) => Ok((chunk, off)),
         None => Err(errors::invalid_argument(
@@ -217,10 +222,10 @@ pub(crate) fn arena_locate(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<
 ///
 /// Raises `CudaUnavailable` without a CUDA driver or that device.
 #[pyfunction]
-#[pyo3(signature = (device=0))]
-pub(crate) fn arena_stats(py: Python<'_>, device: i32) -> PyResult<Bound<'_, PyDict>> {
-    let ordinal = usize::try_from(device)
-        .map_err(|_| errors::invalid_argument(py, format!("device {device}")))?;
+#[pyo3(signature = (device=Int::Small(0)), text_signature = "(device=0)")]
+pub(crate) fn arena_stats(py: Python<'_>, device: Int) -> PyResult<Bound<'_, PyDict>> {
+    let ordinal = device_arg(py, device)?;
+    let device = ordinal as i32;
     py.detach(|| Device::get(ordinal).map(|_| ()))
         .map_err(|e| err(py, e))?;
     let a = existing_arena(device);

@@ -46,22 +46,37 @@ pub(crate) const MAX_SECONDS: f64 = 1e9;
 /// A duration argument as Python passed it, before [`seconds_arg`] checks its range: a float (or
 /// an int that fits one), or an int too large for a float (kept apart so that it is an
 /// `InvalidArgument` too, not the `OverflowError` of the conversion).
+/// A `bool` (an `int` to Python) is kept apart too: `timeout=True` is a mistake, not 1 s.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Seconds {
     Float(f64),
     HugeInt,
+    Bool(bool),
 }
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {
     type Error = PyErr;
 
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(b) = obj.cast::<pyo3::types::PyBool>() {
+            return Ok(Seconds::Bool(b.is_true()));
+        }
         match obj.extract::<f64>() {
             Ok(v) => Ok(Seconds::Float(v)),
             Err(_) if obj.is_instance_of::<pyo3::types::PyInt>() => Ok(Seconds::HugeInt),
             // Not a number: the `TypeError` of the conversion.
             Err(e) => Err(e),
         }
+    }
+}
+
+/// `v` for a message: in exponent form once it is too large for plain digits to read (`-1e300`,
+/// not 301 digits).
+pub(crate) fn show_f64(v: f64) -> String {
+    if v.is_finite() && v.abs() >= 1e16 {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
     }
 }
 
@@ -79,16 +94,110 @@ pub(crate) fn seconds_arg(
         // `try_from_secs_f64` refuses negative and non-finite values; `MAX_SECONDS` bounds it.
         Seconds::Float(v) if v <= MAX_SECONDS => match Duration::try_from_secs_f64(v) {
             Ok(d) => return Ok(d),
-            Err(_) => format!("{v}"),
+            Err(_) => show_f64(v),
         },
-        Seconds::Float(v) => format!("{v}"),
+        Seconds::Float(v) => show_f64(v),
         Seconds::HugeInt => "an int too large for a float".to_string(),
+        Seconds::Bool(b) => format!("a bool ({})", if b { "True" } else { "False" }),
     };
     let none = if forever { " (None waits forever)" } else { "" };
     Err(errors::invalid_argument(
         py,
         format!("{name} must be a number of seconds from 0 to {MAX_SECONDS:e}{none}, got {got}"),
     ))
+}
+
+/// An integer argument as Python passed it, before [`Int::get`] or [`Int::within`] checks it
+/// against the range of what it becomes: kept apart from the conversion so that a negative or
+/// too large value (`buffers=-1`, `offset=2**64`) is an `InvalidArgument` naming the argument and
+/// its range, not the `OverflowError` a plain `usize` argument raises. A `bool` is refused
+/// (`buffers=True` is a mistake); any other type than `int` is the conversion's `TypeError`. The
+/// one check of every integer argument of the extension.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Int {
+    Small(i128),
+    /// An int outside `i128`; `true` when negative.
+    Huge(bool),
+    Bool(bool),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(b) = obj.cast::<pyo3::types::PyBool>() {
+            return Ok(Int::Bool(b.is_true()));
+        }
+        match obj.extract::<i128>() {
+            Ok(v) => Ok(Int::Small(v)),
+            Err(_) if obj.is_instance_of::<pyo3::types::PyInt>() => Ok(Int::Huge(obj.lt(0)?)),
+            // Not an int: the `TypeError` of the conversion.
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// An integer type an [`Int`] converts to, with its range.
+pub(crate) trait IntArg: Copy + std::fmt::Display + TryFrom<i128> {
+    const LO: Self;
+    const HI: Self;
+    /// The value as an `i128` (which holds every value of these types).
+    fn wide(self) -> i128;
+}
+
+macro_rules! int_arg {
+    ($($t:ty),*) => {$(
+        impl IntArg for $t {
+            const LO: $t = <$t>::MIN;
+            const HI: $t = <$t>::MAX;
+            fn wide(self) -> i128 {
+                self as i128
+            }
+        }
+    )*};
+}
+int_arg!(u32, u64, usize, i32, i64);
+
+impl Int {
+    /// Argument `name` as a `T`: `InvalidArgument` naming `name` and `T`'s range outside it.
+    pub(crate) fn get<T: IntArg>(self, py: Python<'_>, name: &str) -> PyResult<T> {
+        self.within(py, name, T::LO, T::HI)
+    }
+
+    /// Argument `name` as a `T` from `lo` to `hi`: `InvalidArgument` naming `name` and the
+    /// range outside it.
+    pub(crate) fn within<T: IntArg>(self, py: Python<'_>, name: &str, lo: T, hi: T) -> PyResult<T> {
+        let got = match self {
+            Int::Small(v) if (lo.wide()..=hi.wide()).contains(&v) => {
+                if let Ok(t) = T::try_from(v) {
+                    return Ok(t);
+                }
+                v.to_string()
+            }
+            Int::Small(v) => v.to_string(),
+            Int::Huge(true) => "a negative int beyond 128 bits".to_string(),
+            Int::Huge(false) => "an int beyond 128 bits".to_string(),
+            Int::Bool(b) => format!("a bool ({})", if b { "True" } else { "False" }),
+        };
+        Err(errors::invalid_argument(
+            py,
+            format!("{name} must be an int from {lo} to {hi}, got {got}"),
+        ))
+    }
+}
+
+/// An optional integer argument (`None` stays `None`), checked by [`Int::get`].
+pub(crate) fn opt_int<T: IntArg>(
+    py: Python<'_>,
+    name: &str,
+    v: Option<Int>,
+) -> PyResult<Option<T>> {
+    v.map(|v| v.get(py, name)).transpose()
+}
+
+/// A CUDA device ordinal argument (`device`): 0 to `i32::MAX`, the driver's range.
+pub(crate) fn device_arg(py: Python<'_>, device: Int) -> PyResult<usize> {
+    device.within(py, "device", 0, i32::MAX as usize)
 }
 
 /// A `timeout` argument: `None` (forever) stays `None`, a number is checked by [`seconds_arg`].

@@ -2,7 +2,7 @@
 
 use crate::lending::Lender;
 use crate::util::{
-    HOST_WRITE_FRAME, bytes_of, copy, cupy_array, err, lock, stream_arg, torch_tensor,
+    HOST_WRITE_FRAME, Int, bytes_of, copy, cupy_array, err, lock, opt_int, stream_arg, torch_tensor,
 };
 use crate::view::Buffer;
 use crate::{dlpack, errors};
@@ -122,8 +122,9 @@ impl WriteFrame {
     /// Copies `data` (`bytes`, or any object exporting a buffer) into the host buffer at byte
     /// `offset`; returns the number of bytes written. `InvalidArgument` past the buffer's end or
     /// once published; `NotSupported` on a GPU channel.
-    #[pyo3(signature = (data, offset=0))]
-    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<usize> {
+    #[pyo3(signature = (data, offset=Int::Small(0)), text_signature = "($self, data, offset=0)")]
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: Int) -> PyResult<usize> {
+        let offset: usize = offset.get(py, "offset")?;
         let data = bytes_of(data)?;
         let src = data.as_bytes();
         self.buffer.host_range(py, offset, Some(src.len()))?;
@@ -135,14 +136,15 @@ impl WriteFrame {
 
     /// A copy of `n` bytes of the host buffer from byte `offset` (`n=None`: to the end).
     /// `InvalidArgument` past the buffer's end or once published; `NotSupported` on a GPU channel.
-    #[pyo3(signature = (offset=0, n=None))]
+    #[pyo3(signature = (offset=Int::Small(0), n=None), text_signature = "($self, offset=0, n=None)")]
     fn read<'py>(
         &self,
         py: Python<'py>,
-        offset: usize,
-        n: Option<usize>,
+        offset: Int,
+        n: Option<Int>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let n = self.buffer.host_range(py, offset, n)?;
+        let offset: usize = offset.get(py, "offset")?;
+        let n = self.buffer.host_range(py, offset, opt_int(py, "n", n)?)?;
         let mut g = lock(&self.inner);
         // `&mut`: an `OwnedWriteFrame` may move between threads but is not shared between them.
         let f = g.as_mut().ok_or_else(|| Self::done(py))?;
@@ -169,9 +171,24 @@ impl WriteFrame {
     /// Publishes the frame with `metadata` (at most 256 bytes); returns its sequence number.
     /// On a GPU channel the consumers' streams wait for the work enqueued so far on the
     /// producer's stream and on every stream noted by `publish_after` or `__dlpack__(stream=)`.
-    /// `ChannelClosed` once the producer was closed: the frame goes back unpublished.
+    /// `ChannelClosed` once the producer was closed: the frame goes back unpublished. A refused
+    /// argument (`InvalidArgument` for metadata over 256 bytes, `TypeError` for metadata that is
+    /// not `bytes`) changes nothing: the frame stays open, to publish again or abandon.
     #[pyo3(signature = (metadata=b"".as_slice()))]
     fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
+        // Checked before the frame is consumed (the library's publish checks it too, but only
+        // once the frame is taken, which would lose it).
+        if metadata.len() > cuda_ipc::channel::META_BYTES {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "metadata is {} bytes; at most {} (the frame is still open: publish it \
+                     again or abandon it)",
+                    metadata.len(),
+                    cuda_ipc::channel::META_BYTES
+                ),
+            ));
+        }
         let producer = &self.producer;
         if producer.is_closed() {
             self.abandon(py);

@@ -211,7 +211,7 @@ def test_every_frame_of_a_host_channel_reaches_a_consumer_in_this_process_with_i
     assert (me["received"], me["dropped"], me["in_flight"]) == (frames, 0, 0)
     assert report["stats"]["published"] == frames
     assert [c["pid"] for c in report["stats"]["consumers"]] == [os.getpid()]
-    assert report["report"] == {"forced_holds": 0}
+    assert report["report"] == {"forced_holds": 0, "consumers_behind": 0}
     # A closing producer removes both of its segments.
     assert not (SHM / f"cuda-ipc.ch.{name}").exists()
     assert not (SHM / f"cuda-ipc.hp.{name}").exists()
@@ -498,6 +498,25 @@ def test_out_of_range_durations_raise_invalid_argument_naming_the_argument(name,
         rx.close()
 
 
+def test_a_bool_is_no_duration_and_huge_values_print_in_exponent_form(name):
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host") as tx:
+        rx = cuda_ipc.Consumer(name)
+        for flag in (True, False):
+            with pytest.raises(cuda_ipc.InvalidArgument, match=f"got a bool \\({flag}\\)"):
+                rx.recv(timeout=flag)
+            with pytest.raises(cuda_ipc.InvalidArgument, match="timeout must be"):
+                tx.acquire(timeout=flag)
+            with pytest.raises(cuda_ipc.InvalidArgument, match="spin must be"):
+                cuda_ipc.Consumer(name, spin=flag)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            rx.recv(timeout=-1e300)
+        assert str(e.value).endswith("got -1e300"), str(e.value)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            rx.recv(timeout=1e9 + 1)
+        assert str(e.value).endswith("got 1000000001"), str(e.value)
+        rx.close()
+
+
 def test_durations_at_the_ends_of_the_range_and_none_are_accepted(name):
     with cuda_ipc.Producer(name, 64, buffers=1, memory="host", wait="block", spin=1e9) as tx:
         rx = cuda_ipc.Consumer(name, spin=0)
@@ -571,13 +590,15 @@ def test_close_from_another_thread_wakes_an_acquire_blocked_on_a_full_pool(name)
     assert outcome["at"] - closing < 1.0
     # close() waited for the acquire to give the producer back, then closed the channel itself.
     assert closed_in < 1.0 + ANSWER / 10, f"close() took {closed_in:.3f} s"
-    assert set(report) == {"forced_holds"}
+    # The one every-frame consumer had not received the frame: closed at once (timeout 0),
+    # nothing held, the consumer left behind.
+    assert report == {"forced_holds": 0, "consumers_behind": 1}
     assert not (SHM / f"cuda-ipc.ch.{name}").exists()
     assert not (SHM / f"cuda-ipc.hp.{name}").exists()
     for call in (tx.acquire, tx.try_acquire, tx.stats):
         with pytest.raises(cuda_ipc.ChannelClosed):
             call()
-    assert tx.close() == {"forced_holds": 0}  # again: nothing to do
+    assert tx.close() == {"forced_holds": 0, "consumers_behind": 0}  # again: nothing to do
     rx.close()
 
 
@@ -597,7 +618,7 @@ def test_close_from_a_signal_handler_inside_acquire_does_not_deadlock(name):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    assert reports == [{"forced_holds": 0}]
+    assert reports == [{"forced_holds": 0, "consumers_behind": 0}]
     # The acquire closed the channel as it ended.
     assert not (SHM / f"cuda-ipc.ch.{name}").exists()
     rx.close()
@@ -606,7 +627,8 @@ def test_close_from_a_signal_handler_inside_acquire_does_not_deadlock(name):
 def test_an_outstanding_write_frame_closes_the_channel_when_it_ends(name):
     tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
     w = tx.acquire(timeout=ANSWER)
-    assert tx.close(timeout=0) == {"forced_holds": 0}  # at once: the frame has the producer
+    # At once: the frame has the producer.
+    assert tx.close(timeout=0) == {"forced_holds": 0, "consumers_behind": 0}
     assert (SHM / f"cuda-ipc.ch.{name}").exists()
     with pytest.raises(cuda_ipc.ChannelClosed):
         w.publish(b"too late")
@@ -656,3 +678,141 @@ def test_a_closed_consumer_never_returns_a_frame(name):
                 rx.recv(timeout=0)
             del outcome, t
             assert tx.stats()["consumers"] == [], f"race {i}: the slot was not given back"
+
+
+# ---------------------------------------------------------------- refused calls change nothing;
+# integer arguments
+
+def test_a_refused_publish_keeps_the_frame_open_to_publish_again(name):
+    """A publish refused for its argument (metadata over 256 bytes, metadata that is not bytes)
+    changes nothing: the frame is still open, and publishing it again delivers it."""
+    with cuda_ipc.Producer(name, 64, buffers=2, memory="host") as tx:
+        rx = cuda_ipc.Consumer(name)
+        w = tx.acquire(timeout=ANSWER)
+        w.write(b"payload")
+        with pytest.raises(cuda_ipc.InvalidArgument, match="257 bytes; at most 256"):
+            w.publish(b"x" * 257)
+        with pytest.raises(TypeError):
+            w.publish("str")
+        assert w.read(0, 7) == b"payload"
+        assert w.publish(b"x" * 256) == 1
+        with rx.recv(timeout=ANSWER) as f:
+            assert (f.seq, f.metadata, f.read(0, 7)) == (1, b"x" * 256, b"payload")
+        rx.close()
+
+
+# Integer arguments out of their range: each an `InvalidArgument` naming the argument and the
+# range (never the `OverflowError` of the conversion), and nothing made.
+BAD_INTS = [
+    ("buffer_bytes", lambda n: cuda_ipc.Producer(n, -1, memory="host")),
+    ("buffer_bytes", lambda n: cuda_ipc.Producer(n, 2**64, memory="host")),
+    ("buffers", lambda n: cuda_ipc.Producer(n, 64, buffers=-1, memory="host")),
+    ("buffers", lambda n: cuda_ipc.Producer(n, 64, buffers=2**70, memory="host")),
+    ("buffers", lambda n: cuda_ipc.Producer(n, 64, buffers=True, memory="host")),
+    ("max_consumers", lambda n: cuda_ipc.Producer(n, 64, max_consumers=-3, memory="host")),
+    ("quota_bytes", lambda n: cuda_ipc.Producer(n, 64, quota_bytes=-1, memory="host")),
+    ("device", lambda n: cuda_ipc.Producer(n, 64, device=-1, memory="host")),
+    ("device", lambda n: cuda_ipc.Producer(n, 64, device=2**31, memory="host")),
+    ("budget_bytes", lambda n: cuda_ipc.set_quota(-1)),
+    ("budget_bytes", lambda n: cuda_ipc.set_quota(-(10**400))),
+    ("device", lambda n: cuda_ipc.set_quota(1, device=-1)),
+    ("device", lambda n: cuda_ipc.remove_quota(device=2**64)),
+]
+
+
+@pytest.mark.parametrize("arg, call", BAD_INTS, ids=[f"{a}{i}" for i, (a, _) in enumerate(BAD_INTS)])
+def test_out_of_range_ints_raise_invalid_argument_naming_the_argument_and_range(name, arg, call):
+    with pytest.raises(cuda_ipc.InvalidArgument, match=f"^invalid argument: {arg} must be an int from -?[0-9]+ to [0-9]+, got "):
+        call(name)
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+
+
+def test_out_of_range_offsets_of_frames_raise_invalid_argument(name):
+    with cuda_ipc.Producer(name, 64, buffers=2, memory="host") as tx:
+        rx = cuda_ipc.Consumer(name)
+        w = tx.acquire(timeout=ANSWER)
+        for arg, call in (
+            ("offset", lambda: w.write(b"x", offset=-1)),
+            ("offset", lambda: w.write(b"x", offset=2**64)),
+            ("offset", lambda: w.read(-1, 1)),
+            ("n", lambda: w.read(0, -1)),
+        ):
+            with pytest.raises(cuda_ipc.InvalidArgument, match=f"^invalid argument: {arg} must be an int from 0 to "):
+                call()
+        w.publish(b"")
+        with rx.recv(timeout=ANSWER) as f:
+            for arg, call in (("offset", lambda: f.read(-1, 1)), ("n", lambda: f.read(0, 2**64))):
+                with pytest.raises(cuda_ipc.InvalidArgument, match=f"^invalid argument: {arg} must be an int from 0"):
+                    call()
+            assert len(f.read(0, 1)) == 1
+        rx.close()
+
+
+# ---------------------------------------------------------------- close(): what it waits for,
+# and Ctrl-C during it
+
+def test_close_waits_for_an_every_frame_consumer_to_receive_and_reports_those_behind(name):
+    tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    latest = cuda_ipc.Consumer(name, delivery="latest")
+    with tx.acquire(timeout=ANSWER) as w:
+        w.publish(b"")
+    start = time.monotonic()
+    # Neither consumer received the frame; the latest-only one is not waited for.
+    assert tx.close(timeout=0.3) == {"forced_holds": 0, "consumers_behind": 1}
+    assert time.monotonic() - start >= 0.25
+    rx.close()
+    latest.close()
+    # Received (and released): close returns at once, nobody behind.
+    tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    with tx.acquire(timeout=ANSWER) as w:
+        w.publish(b"")
+    rx.recv(timeout=ANSWER).release()
+    start = time.monotonic()
+    assert tx.close(timeout=ANSWER) == {"forced_holds": 0, "consumers_behind": 0}
+    assert time.monotonic() - start < ANSWER / 2
+    rx.close()
+
+
+def interrupted_after(delay, call):
+    """Runs `call` with SIGINT sent to this process `delay` s in (default handler: the main thread
+    raises KeyboardInterrupt); returns how long `call` ran before it raised KeyboardInterrupt."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        return time.monotonic() - start
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_interrupts_a_producer_close_waiting_for_a_hold_and_close_can_finish(name):
+    tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    with tx.acquire(timeout=ANSWER) as w:
+        w.write(b"held")
+        w.publish(b"")
+    f = rx.recv(timeout=ANSWER)  # held: close() waits for it
+    took = interrupted_after(0.3, lambda: tx.close(timeout=30))
+    assert took < 0.3 + 2.0, f"KeyboardInterrupt {took:.3f} s into close()"
+    # Interrupted: closed to new frames, the pool not freed yet.
+    with pytest.raises(cuda_ipc.ChannelClosed):
+        tx.acquire(timeout=0)
+    assert (SHM / f"cuda-ipc.ch.{name}").exists()
+    assert f.read(0, 4) == b"held"
+    f.release()
+    with pytest.raises(cuda_ipc.ChannelClosed):
+        rx.recv(timeout=ANSWER)
+    # close() again finishes, at once now that nothing is held.
+    start = time.monotonic()
+    assert tx.close(timeout=ANSWER) == {"forced_holds": 0, "consumers_behind": 0}
+    assert time.monotonic() - start < ANSWER / 2
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+    assert not (SHM / f"cuda-ipc.hp.{name}").exists()
+    assert tx.close() == {"forced_holds": 0, "consumers_behind": 0}
+    rx.close()

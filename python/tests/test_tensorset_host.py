@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -568,3 +569,176 @@ def test_a_wait_of_a_reader_closed_from_another_thread_raises_tensor_set_closed(
     finally:
         r.close()
         w.close()
+
+
+# ---------------------------------------------------------------- argument checks
+
+BAD_SECONDS = [-1, -1e300, float("nan"), float("inf"), 1e9 + 1, 2**64, True]
+
+
+@pytest.mark.parametrize("value", BAD_SECONDS, ids=lambda v: repr(v)[:12])
+def test_current_checks_its_timeout_also_when_a_generation_is_there(name, value):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        for _ in range(2):  # before the first generation, and with one
+            with pytest.raises(cuda_ipc.InvalidArgument, match="^invalid argument: timeout must be a number of seconds"):
+                r.current(timeout=value)
+            write_gen(w, 1)
+    finally:
+        r.close()
+        w.close()
+
+
+# Integer arguments out of their range: `InvalidArgument` naming the argument and the range.
+BAD_INTS = [
+    ("max_readers", dict(max_readers=-1)),
+    ("max_readers", dict(max_readers=2**64)),
+    ("buffers", dict(mode="buffered", buffers=-1)),
+    ("device", dict(device=-1)),
+    ("device", dict(device=2**40)),
+]
+
+
+@pytest.mark.parametrize("arg, kwargs", BAD_INTS, ids=[f"{a}{i}" for i, (a, _) in enumerate(BAD_INTS)])
+def test_out_of_range_ints_raise_invalid_argument_naming_the_argument(name, arg, kwargs):
+    with pytest.raises(cuda_ipc.InvalidArgument, match=f"^invalid argument: {arg} must be an int from -?[0-9]+ to [0-9]+, got "):
+        cuda_ipc.TensorSetWriter(name, SPECS, **{"memory": "host", **kwargs})
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+
+
+def test_wait_newer_and_reader_device_out_of_range_raise_invalid_argument(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        for than in (-1, 2**64):
+            with pytest.raises(cuda_ipc.InvalidArgument, match="^invalid argument: than must be an int from 0 to "):
+                r.wait_newer(than, timeout=0.1)
+            with pytest.raises(cuda_ipc.InvalidArgument, match="^invalid argument: than must be an int from 0 to "):
+                r.wait_newer_async(than, timeout=0.1)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="^invalid argument: device must be an int from 0 to "):
+            cuda_ipc.TensorSetReader(name, device=-1)
+    finally:
+        r.close()
+        w.close()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2**61,), (2**60, 2), (2**31, 2**30)],  # 2**63 bytes of float32: past isize::MAX, no overflow
+)
+def test_a_tensor_past_what_an_allocation_holds_is_an_invalid_argument_naming_it(name, shape):
+    with pytest.raises(cuda_ipc.InvalidArgument, match="tensor .*\"w\".*9223372036854775808 bytes"):
+        cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
+    # Each one fits, the set does not.
+    half = {"a": ((2**60,), "float32"), "b": ((2**60,), "float32")}
+    with pytest.raises(cuda_ipc.InvalidArgument, match="the set's size passes"):
+        cuda_ipc.TensorSetWriter(name, half, memory="host")
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+
+
+def test_a_refused_publish_keeps_the_generation_of_an_in_place_set(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        g = write_gen(w, 1)
+        for bad in ([1, 2], "w", None):
+            with pytest.raises(cuda_ipc.InvalidArgument, match="publish takes a dict"):
+                w.publish(bad)
+        with pytest.raises(cuda_ipc.InvalidArgument, match="timeout"):
+            w.publish({}, timeout=-1)
+        with r.current() as h:
+            assert h.generation == g
+            assert h.read("w") == data(g, "w", SIZES["w"])
+        assert w.generation == g
+        assert write_gen(w, 2) == g + 1  # the writer is free
+    finally:
+        r.close()
+        w.close()
+
+
+def test_a_refused_commit_keeps_the_update_open(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        u = w.begin(timeout=ANSWER)
+        for t, n in SIZES.items():
+            u.write(t, data(1, t, n))
+        for bad in (dict(content=b"short"), dict(content=bytes(32), fingerprint=True)):
+            with pytest.raises(cuda_ipc.InvalidArgument):
+                u.commit(**bad)
+        with pytest.raises(TypeError):
+            u.commit(content=5)
+        assert u.commit() == 1
+    finally:
+        w.close()
+
+
+def test_an_unverifiable_generation_names_the_python_call_that_fingerprints(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        write_gen(w, 1)  # committed without a fingerprint
+        with r.current() as h:
+            with pytest.raises(cuda_ipc.ContentMismatch) as e:
+                h.verify_content()
+        text = str(e.value)
+        assert "commit(fingerprint=True)" in text and "commit_fingerprinted" not in text, text
+    finally:
+        r.close()
+        w.close()
+
+
+def test_tensors_of_a_host_set_without_pytorch_raise_a_clear_import_error(name):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("PyTorch is installed (test_tensorset_torch_host.py covers tensors())")
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        write_gen(w, 1)
+        with r.current() as h:
+            with pytest.raises(ImportError, match="needs PyTorch.*TensorHold.read\\(name\\)"):
+                h.tensors()
+            assert h.read("ids") == data(1, "ids", SIZES["ids"])
+        with w.begin(timeout=ANSWER) as u:
+            with pytest.raises(ImportError, match="needs PyTorch.*TensorUpdate.write"):
+                u.tensors()
+    finally:
+        r.close()
+        w.close()
+
+
+# ---------------------------------------------------------------- Ctrl-C during close()
+
+def test_ctrl_c_interrupts_a_writer_close_waiting_for_a_hold_and_close_can_finish(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    g = write_gen(w, 1)
+    h = r.current()  # held: close() waits for it
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            w.close(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+    assert took < 0.3 + 2.0, f"KeyboardInterrupt {took:.3f} s into close()"
+    # Interrupted: closed (its names gone, no update), the memory still there for the hold.
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        w.begin(timeout=0)
+    with pytest.raises(cuda_ipc.TensorSetNotFound):
+        cuda_ipc.TensorSetReader(name)
+    assert h.read("w") == data(g, "w", SIZES["w"])
+    h.release()
+    start = time.monotonic()
+    w.close(timeout=ANSWER)  # finishes, at once now that nothing is held
+    assert time.monotonic() - start < ANSWER / 2
+    w.close()
+    r.close()

@@ -114,6 +114,21 @@ impl Control {
         min
     }
 
+    /// Every-frame consumers that have not received every published frame (their cursor is
+    /// below the head).
+    pub(crate) fn lossless_behind(&self) -> u64 {
+        let head = self.head();
+        (0..self.consumers)
+            .filter(|&c| {
+                let s = self.consumer(c);
+                // SYNC POINT: attach, cursor. Acquire: as in `min_lossless_cursor`.
+                s.state.load(Ordering::Acquire) == ACTIVE
+                    && s.policy.load(Ordering::Relaxed) == EVERY_FRAME
+                    && s.cursor.load(Ordering::Acquire) < head
+            })
+            .count() as u64
+    }
+
     pub(crate) fn try_acquire(&self) -> Option<Claim> {
         self.try_acquire_keeping(false)
     }
@@ -478,12 +493,11 @@ impl Control {
             .sum()
     }
 
-    /// Waits (bounded) until every every-frame consumer received every published frame and no
-    /// consumer holds a buffer; then withdraws every buffer (no consumer can take a frame after
-    /// this) and forces the holds left. Returns the number of holds forced.
-    pub(crate) fn drain(&self, timeout: Duration) -> u64 {
+    /// Waits up to `timeout` until every every-frame consumer received every published frame and
+    /// no consumer holds a buffer; returns whether that is so.
+    pub(crate) fn wait_drained(&self, timeout: Duration) -> bool {
         let h = self.header();
-        let _ = wait_until(
+        wait_until(
             h.release_wake(),
             WaitStrategy::Block,
             Some(timeout),
@@ -496,7 +510,17 @@ impl Control {
                 self.reclaim_dead_consumers();
                 Ok(())
             },
-        );
+        )
+        .is_ok_and(|done| done.is_some())
+    }
+
+    /// Waits as [`Control::wait_drained`]; then withdraws every buffer (no consumer can take a
+    /// frame after this) and forces the holds left. Returns the number of holds forced and the
+    /// every-frame consumers that had not received every published frame by then.
+    pub(crate) fn drain(&self, timeout: Duration) -> (u64, u64) {
+        let h = self.header();
+        self.wait_drained(timeout);
+        let behind = self.lossless_behind();
         let mut forced = 0;
         for i in 0..self.buffers {
             forced += u64::from(self.buffer(i).words().withdraw());
@@ -504,7 +528,7 @@ impl Control {
         if forced > 0 {
             h.forced_releases.fetch_add(forced, Ordering::Relaxed);
         }
-        forced
+        (forced, behind)
     }
 
     // ---------------------------------------------------------------- consumer side

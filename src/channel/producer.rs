@@ -25,6 +25,10 @@ pub struct ShutdownReport {
     /// Holds still outstanding at the deadline, released by force. The pool is freed right after,
     /// so a consumer that still held one of them reads undefined data from then on.
     pub forced_holds: u64,
+    /// Every-frame consumers ([`Delivery::EveryFrame`](super::Delivery)) that had not received
+    /// every published frame at the deadline: the close waited its whole `timeout` for them, and
+    /// the frames they missed are gone.
+    pub consumers_behind: u64,
 }
 
 /// The producing end of a channel: owns the pool and the control segment.
@@ -573,6 +577,17 @@ impl Producer {
         self.shutdown(timeout)
     }
 
+    /// Closes the channel to consumers, as [`Producer::close`] does first (they get
+    /// [`ChannelError::Closed`] once they received what was published; no frame can be
+    /// published after this), and waits up to `timeout` for what `close` waits for: every
+    /// every-frame consumer received every published frame and no consumer holds a buffer.
+    /// Returns whether that is so. For callers that wait in slices (a binding checking for
+    /// signals between them) before `close`; the pool stays until `close` (or the drop).
+    pub fn wait_closing(&mut self, timeout: Duration) -> bool {
+        self.control.close();
+        self.control.wait_drained(timeout)
+    }
+
     fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {
         // The frame each buffer holds, before `drain` withdraws them: the release words to wait
         // for.
@@ -580,7 +595,14 @@ impl Producer {
             .map(|i| self.control.buffer_seq(i))
             .collect();
         self.control.close();
-        let forced = self.control.drain(timeout);
+        let (forced, behind) = self.control.drain(timeout);
+        if behind > 0 {
+            tracing::warn!(
+                "channel {}: {behind} every-frame consumers had not received every frame after \
+                 {timeout:?}",
+                self.name
+            );
+        }
         if forced > 0 {
             tracing::warn!(
                 "channel {}: {forced} holds were still outstanding after {timeout:?} and were forced",
@@ -596,6 +618,7 @@ impl Producer {
                 }
                 return Ok(ShutdownReport {
                     forced_holds: forced,
+                    consumers_behind: behind,
                 });
             }
             Side::Gpu(gpu) => gpu,
@@ -631,6 +654,7 @@ impl Producer {
         synced?;
         Ok(ShutdownReport {
             forced_holds: forced,
+            consumers_behind: behind,
         })
     }
 }

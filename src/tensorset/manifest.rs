@@ -242,10 +242,23 @@ fn span_bytes(dtype: DType, shape: &[i64], strides: &[i64]) -> std::result::Resu
             .and_then(|x| x.checked_add(last))
             .ok_or("its span overflows")?;
     }
-    last.checked_add(1)
+    let n = last
+        .checked_add(1)
         .and_then(|n| n.checked_mul(elem))
-        .ok_or_else(|| "its span overflows".to_string())
+        .ok_or_else(|| "its span overflows".to_string())?;
+    if n > MAX_SET_BYTES {
+        return Err(format!(
+            "its span of {n} bytes passes the most one allocation can hold ({MAX_SET_BYTES} \
+             bytes, isize::MAX)"
+        ));
+    }
+    Ok(n)
 }
+
+/// The most bytes a tensor, a buffer of a set or a segment may span: what one allocation (a
+/// mapping, `isize::MAX`) and a file size (`off_t`, `ftruncate`) can hold. Checked when the
+/// layout is made, before any system call sees the size.
+pub const MAX_SET_BYTES: u64 = isize::MAX as u64;
 
 fn check_name(name: &str) -> Result<()> {
     if name.is_empty() || name.len() > MAX_NAME {
@@ -306,7 +319,16 @@ impl Layout {
             at = at
                 .checked_add(t.bytes)
                 .and_then(|e| e.checked_next_multiple_of(ALIGN))
-                .ok_or_else(|| bad_tensor(&s.name, "the set's size overflows"))?;
+                .filter(|&e| e <= MAX_SET_BYTES)
+                .ok_or_else(|| {
+                    bad_tensor(
+                        &s.name,
+                        format!(
+                            "the set's size passes the most one allocation can hold \
+                             ({MAX_SET_BYTES} bytes, isize::MAX)"
+                        ),
+                    )
+                })?;
             tensors.push(t);
         }
         Self::from_tensors(tensors, vec![at.max(ALIGN)])

@@ -58,8 +58,8 @@ pub use dtype::DType;
 pub use error::{ManifestFault, TensorSetError};
 pub use holders::{Holder, HolderRole, HolderSnapshot, HolderStatus};
 pub use manifest::{
-    ALIGN, Layout, MAX_ALLOCATIONS, MAX_NAME, MAX_NDIM, MAX_TENSORS, TensorInfo, TensorSpec,
-    fingerprint,
+    ALIGN, Layout, MAX_ALLOCATIONS, MAX_NAME, MAX_NDIM, MAX_SET_BYTES, MAX_TENSORS, TensorInfo,
+    TensorSpec, fingerprint,
 };
 pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader, VERIFY_APART};
 pub use segment::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};

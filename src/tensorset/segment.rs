@@ -524,7 +524,15 @@ impl DataSegment {
         let len = stride
             .checked_mul(buffers)
             .and_then(|l| l.checked_add(HEADER_PAGE))
-            .ok_or_else(|| Error::InvalidArgument("the data segment's size overflows".into()))?;
+            // A file size (`off_t`) and a mapping (`isize`) hold at most `isize::MAX` bytes.
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "the data segment of {buffers} buffers of {bytes} bytes passes the most a \
+                     segment can hold ({} bytes)",
+                    isize::MAX
+                ))
+            })?;
         let name = format!("{DATA_PREFIX}{set}");
         let (seg, generation) = create::<DATA_MAGIC>(set, &name, len, |_, h| {
             h.body_len.store(stride as u64, Ordering::Relaxed);

@@ -117,6 +117,8 @@ pub struct TensorSetWriter {
     /// The many-ranges copy kernel, loaded at the first [`Update::copy_many`] that needs it (GPU
     /// sets; `None` where it cannot be loaded).
     copier: std::sync::OnceLock<Option<copies::RangeCopier>>,
+    /// [`TensorSetWriter::wait_closing`] unlinked the names already.
+    closing: bool,
 }
 
 impl std::fmt::Debug for TensorSetWriter {
@@ -460,6 +462,7 @@ impl TensorSetWriter {
             _quota: quota,
             fingerprinter: std::sync::OnceLock::new(),
             copier: std::sync::OnceLock::new(),
+            closing: false,
         })
     }
 
@@ -628,10 +631,28 @@ impl TensorSetWriter {
     /// # Errors
     /// CUDA errors from synchronising the writer's stream.
     pub fn close(mut self, timeout: Duration) -> Result<()> {
-        self.unlink_names();
+        if !self.closing {
+            self.unlink_names();
+        }
         match self.producer.take() {
             Some(p) => p.close(timeout).map(|_| ()),
             None => Ok(()),
+        }
+    }
+
+    /// Starts closing the set as [`TensorSetWriter::close`] does (its names go; waiting readers
+    /// get [`TensorSetError::Closed`]; no generation can be committed after this) and waits up
+    /// to `timeout` for readers' holds. Returns whether none is left. For callers that wait in
+    /// slices (a binding checking for signals between them) before `close`; the memory stays
+    /// until `close` (or the drop).
+    pub fn wait_closing(&mut self, timeout: Duration) -> bool {
+        if !self.closing {
+            self.closing = true;
+            self.unlink_names();
+        }
+        match self.producer.as_mut() {
+            Some(p) => p.wait_closing(timeout),
+            None => true,
         }
     }
 
@@ -649,7 +670,7 @@ impl TensorSetWriter {
 
 impl Drop for TensorSetWriter {
     fn drop(&mut self) {
-        if self.producer.is_some() {
+        if self.producer.is_some() && !self.closing {
             self.unlink_names();
         }
         // The producer's own drop closes and drains the generation channel (5 s), before the

@@ -126,6 +126,29 @@ fn bad_specs_are_refused_with_the_tensor_named() {
     assert!(over.is_err());
 }
 
+#[test]
+fn a_tensor_or_a_set_past_isize_max_bytes_is_refused_with_the_tensor_named() {
+    // 2**63 bytes: fits a `u64`, not a mapping nor an `off_t`.
+    let e = Layout::new(&[TensorSpec::new("w", DType::F32, &[1 << 61])]).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("\"w\"") && text.contains("9223372036854775808 bytes"),
+        "{text}"
+    );
+    // The largest that fits once aligned.
+    let at_most = (MAX_SET_BYTES / ALIGN * ALIGN / 4) as i64;
+    assert!(Layout::new(&[TensorSpec::new("w", DType::F32, &[at_most])]).is_ok());
+    let two = [
+        TensorSpec::new("a", DType::F32, &[1 << 60]),
+        TensorSpec::new("b", DType::F32, &[1 << 60]),
+    ];
+    let text = Layout::new(&two).unwrap_err().to_string();
+    assert!(
+        text.contains("\"b\"") && text.contains("the set's size passes"),
+        "{text}"
+    );
+}
+
 /// The first bytes of `body` an opener copies: the body header, then up to the allocation
 /// table's end (as `open_manifest_head` does).
 fn head_of(body: &[u8]) -> &[u8] {

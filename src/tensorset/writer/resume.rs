@@ -253,6 +253,7 @@ impl TensorSetWriter {
             _quota: None,
             fingerprinter: std::sync::OnceLock::new(),
             copier: std::sync::OnceLock::new(),
+            closing: false,
         }))
     }
 }
