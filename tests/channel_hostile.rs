@@ -537,3 +537,56 @@ fn a_wrong_size_word_or_a_short_file_is_refused_naming_the_numbers_that_differ()
         );
     }
 }
+
+#[test]
+fn a_segment_open_to_other_users_is_refused_by_every_opener_and_never_replaced_or_removed() {
+    use std::os::unix::fs::PermissionsExt;
+    // A live producer's segment made writable by anyone (0666), or readable by anyone (0604):
+    // anyone may have written it, so no opener trusts it, and nothing replaces or removes it.
+    for mode in [0o666, 0o604, 0o602] {
+        let n = name(&format!("mode{mode:o}"));
+        let _g = Planted(n.clone());
+        let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
+        std::fs::set_permissions(path(&n), std::fs::Permissions::from_mode(mode)).unwrap();
+        for (who, e) in every_opener(&n) {
+            if who == "create" {
+                // The live producer's: refused as taken, or by its mode.
+                assert!(
+                    matches!(
+                        e,
+                        Error::Channel(ChannelError::AlreadyExists { .. })
+                            | Error::Shm(ShmError::InsecureMode { .. })
+                    ),
+                    "{who}: {e:?}"
+                );
+                continue;
+            }
+            assert!(
+                matches!(e, Error::Shm(ShmError::InsecureMode { mode: m, .. }) if m == mode),
+                "{mode:o}, {who}: {e:?}"
+            );
+            assert!(e.to_string().contains("open to other users"), "{who}: {e}");
+        }
+        drop(p); // unlinks its own segment by inode, whatever its mode
+    }
+    // Files of zeros, as a creation abandoned half-way leaves, but open to others: the library
+    // never makes such a file, so no creator replaces it and no cleaner removes it.
+    for mode in [0o666, 0o644] {
+        let n = name(&format!("zeros{mode:o}"));
+        let _g = Planted(n.clone());
+        std::fs::write(path(&n), vec![0u8; 16384]).unwrap();
+        std::fs::set_permissions(path(&n), std::fs::Permissions::from_mode(mode)).unwrap();
+        std::thread::sleep(Duration::from_millis(2100)); // past any creation's grace
+        for (who, e) in every_opener(&n) {
+            assert!(
+                matches!(e, Error::Shm(ShmError::InsecureMode { mode: m, .. }) if m == mode),
+                "{mode:o}, {who}: {e:?}"
+            );
+        }
+        assert_eq!(
+            std::fs::metadata(path(&n)).unwrap().len(),
+            16384,
+            "{mode:o}: kept as it was"
+        );
+    }
+}
