@@ -137,7 +137,7 @@ fn a_symbolic_link_under_a_channel_name_is_never_followed_or_removed() {
 fn a_sparse_file_is_reported_as_sparse_and_replaced_only_when_it_is_ours_and_old() {
     let n = name("sparse");
     let _g = Planted(n.clone());
-    let f = std::fs::File::create(path(&n)).unwrap();
+    let f = common::plant(path(&n), &[]);
     f.set_len(1 << 20).unwrap(); // what `truncate -s 1M` makes: no page backed
     drop(f);
     let [(_, a), (_, i), (_, r), (_, c)] = every_opener(&n);
@@ -294,7 +294,7 @@ fn opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus() {
     if let Ok(n) = std::env::var(FULL_ROLE) {
         // In a mount namespace with a 256 KiB /dev/shm: a 128 KiB sparse segment, and the rest of
         // the tmpfs filled, so its first touch could not get a page.
-        let f = std::fs::File::create(path(&n)).unwrap();
+        let f = common::plant(path(&n), &[]);
         f.set_len(128 << 10).unwrap();
         drop(f);
         let mut filler = std::fs::File::create("/dev/shm/filler").unwrap();
