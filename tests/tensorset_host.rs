@@ -662,6 +662,26 @@ fn hostile_files_under_the_manifests_name_are_refused_with_typed_errors() {
         open()
     );
     std::fs::remove_file(&p).unwrap();
+    // Zeros open to other users (any of the mode bits 0o007), which the library never makes:
+    // refused for the mode by a reader and a writer alike, at once, and left as it is.
+    for mode in [0o644, 0o606] {
+        use std::os::unix::fs::PermissionsExt;
+        common::plant(&p, &[0u8; 16384]);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        let t = Instant::now();
+        for r in [
+            open().map(|_| ()),
+            TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).map(|_| ()),
+        ] {
+            assert!(
+                matches!(r, Err(Error::Shm(ShmError::InsecureMode { mode: m, .. })) if m == mode),
+                "{mode:o}: {r:?}"
+            );
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 16384);
+        std::fs::remove_file(&p).unwrap();
+    }
     // A real manifest with a corrupted body: refused with the fault named.
     let _w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
     let mut bytes = std::fs::read(&p).unwrap();

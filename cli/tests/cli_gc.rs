@@ -480,6 +480,49 @@ fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old()
     assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err());
 }
 
+/// A segment open to other users (any of the mode bits 0o007) under a registry's, a channel's or
+/// a tensor set's name, though its bytes are those of a creation of ours abandoned half-way (zeros,
+/// older than 2 s): the library never makes one, so anyone may have written it. `ls NAME` and
+/// `gc NAME` report it as a problem (exit status 1) naming its mode, and `gc` leaves it as it is.
+#[test]
+fn gc_reports_a_segment_open_to_other_users_as_a_problem_and_leaves_it() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let _gc = beside_others();
+    let [reg, ch, ts] = ["open-reg", "open-ch", "open-ts"].map(unique);
+    let cases = [
+        ("registry", &reg, reg.clone(), 0o666),
+        ("channel", &ch, format!("cuda-ipc.ch.{ch}"), 0o644),
+        ("tensorset", &ts, format!("cuda-ipc.ts.{ts}"), 0o604),
+    ];
+    let _u = cases.clone().map(|(_, _, seg, _)| Unlink(seg));
+    for (_, _, seg, mode) in &cases {
+        write_segment(seg, &[0u8; 16384]);
+        let p = format!("/dev/shm/{seg}");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode)).unwrap();
+    }
+    // Past any creation's grace (2 s, in whole seconds of `st_ctime`).
+    std::thread::sleep(Duration::from_millis(3100));
+    for (kind, n, seg, mode) in &cases {
+        let open = format!("/{seg} has mode {mode:#o}, open to other users");
+        for args in [&["ls", n.as_str()][..], &["gc", n, "--dry-run"], &["gc", n]] {
+            let o = cuda_ipc_bounded(args, false);
+            assert_eq!(code(&o), 1, "{kind}: {args:?}: {}", text(&o));
+            assert!(text(&o).contains(&open), "{kind}: {args:?}: {}", text(&o));
+            let t = text(&o);
+            assert!(
+                !t.contains("would remove") && !t.contains("removed"),
+                "{kind}: {args:?}: {t}"
+            );
+        }
+        let m = std::fs::metadata(format!("/dev/shm/{seg}")).unwrap();
+        assert_eq!(
+            (m.len(), m.permissions().mode() & 0o777),
+            (16384, *mode),
+            "{kind}: left as it was"
+        );
+    }
+}
+
 /// Plants under the control segment name `seg` what a producer killed between sizing the segment
 /// and stamping it leaves: `len` bytes of zeros, every page written, with `creator` recorded as
 /// the producer (its pid, start time, boot id, pid namespace and uid) where one is given.
