@@ -514,6 +514,7 @@ impl Segment {
     /// A segment that others (not owner, not group) may access is refused either way.
     ///
     /// # Errors
+    /// [`ShmError::InsecureMode`] for a segment with any of the mode bits `0o007`;
     /// [`ShmError::WrongOwner`] naming both uids; [`crate::Error::Os`] when a call fails.
     pub fn check_access(&self, allow_group: bool) -> Result<()> {
         let (uid, gid, mode) = self.owner()?;
