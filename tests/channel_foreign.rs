@@ -2,18 +2,21 @@
 //! (as a consumer or an inspector) fails with a clear error, at once when the bytes cannot be a
 //! segment being created. Runs without a GPU.
 
+mod common;
+
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect;
 use cuda_ipc::raw::channel::testing::ControlConsumer;
 use std::time::{Duration, Instant};
 
-/// A file `/dev/shm/cuda-ipc.ch.NAME` with `bytes`, removed on drop.
+/// A file `/dev/shm/cuda-ipc.ch.NAME` with `bytes`, of this user and mode 0600 (as a segment of
+/// ours: one open to other users is refused for that alone), removed on drop.
 struct Garbage(String);
 
 impl Garbage {
     fn new(tag: &str, bytes: &[u8]) -> Garbage {
         let name = format!("foreign-{tag}-{}", std::process::id());
-        std::fs::write(Garbage::path(&name), bytes).unwrap();
+        common::plant(Garbage::path(&name), bytes);
         Garbage(name)
     }
     fn path(name: &str) -> String {

@@ -486,7 +486,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
         "{e:?}"
     );
     std::fs::remove_file(pool_path(&ch)).unwrap();
-    let f = std::fs::File::create(pool_path(&ch)).unwrap();
+    let f = common::plant(pool_path(&ch), &[]);
     f.set_len(4096 + 3 * 12288).unwrap();
     let e = attach();
     assert!(matches!(e, Error::Shm(ShmError::Sparse { .. })), "{e:?}");
@@ -507,7 +507,7 @@ fn hostile_files_under_the_pools_name_are_typed_errors_and_left_alone() {
     let ch = channel_name("other");
     let _g3 = Planted(ch.clone());
     let other = 54321u32;
-    std::fs::write(pool_path(&ch), [0u8; 8192]).unwrap();
+    common::plant(pool_path(&ch), &[0u8; 8192]);
     rustix::fs::chown(
         pool_path(&ch).as_str(),
         Some(rustix::process::Uid::from_raw(other)),

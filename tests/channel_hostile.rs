@@ -137,7 +137,7 @@ fn a_symbolic_link_under_a_channel_name_is_never_followed_or_removed() {
 fn a_sparse_file_is_reported_as_sparse_and_replaced_only_when_it_is_ours_and_old() {
     let n = name("sparse");
     let _g = Planted(n.clone());
-    let f = std::fs::File::create(path(&n)).unwrap();
+    let f = common::plant(path(&n), &[]);
     f.set_len(1 << 20).unwrap(); // what `truncate -s 1M` makes: no page backed
     drop(f);
     let [(_, a), (_, i), (_, r), (_, c)] = every_opener(&n);
@@ -294,7 +294,7 @@ fn opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus() {
     if let Ok(n) = std::env::var(FULL_ROLE) {
         // In a mount namespace with a 256 KiB /dev/shm: a 128 KiB sparse segment, and the rest of
         // the tmpfs filled, so its first touch could not get a page.
-        let f = std::fs::File::create(path(&n)).unwrap();
+        let f = common::plant(path(&n), &[]);
         f.set_len(128 << 10).unwrap();
         drop(f);
         let mut filler = std::fs::File::create("/dev/shm/filler").unwrap();
@@ -534,6 +534,59 @@ fn a_wrong_size_word_or_a_short_file_is_refused_naming_the_numbers_that_differ()
             text.contains(&format!("holds {short} bytes"))
                 && text.contains(&format!("need {need}")),
             "{who}: {text}"
+        );
+    }
+}
+
+#[test]
+fn a_segment_open_to_other_users_is_refused_by_every_opener_and_never_replaced_or_removed() {
+    use std::os::unix::fs::PermissionsExt;
+    // A live producer's segment made writable by anyone (0666), or readable by anyone (0604):
+    // anyone may have written it, so no opener trusts it, and nothing replaces or removes it.
+    for mode in [0o666, 0o604, 0o602] {
+        let n = name(&format!("mode{mode:o}"));
+        let _g = Planted(n.clone());
+        let p = ControlProducer::create(&n, 4096, 2, &tokens()).unwrap();
+        std::fs::set_permissions(path(&n), std::fs::Permissions::from_mode(mode)).unwrap();
+        for (who, e) in every_opener(&n) {
+            if who == "create" {
+                // The live producer's: refused as taken, or by its mode.
+                assert!(
+                    matches!(
+                        e,
+                        Error::Channel(ChannelError::AlreadyExists { .. })
+                            | Error::Shm(ShmError::InsecureMode { .. })
+                    ),
+                    "{who}: {e:?}"
+                );
+                continue;
+            }
+            assert!(
+                matches!(e, Error::Shm(ShmError::InsecureMode { mode: m, .. }) if m == mode),
+                "{mode:o}, {who}: {e:?}"
+            );
+            assert!(e.to_string().contains("open to other users"), "{who}: {e}");
+        }
+        drop(p); // unlinks its own segment by inode, whatever its mode
+    }
+    // Files of zeros, as a creation abandoned half-way leaves, but open to others: the library
+    // never makes such a file, so no creator replaces it and no cleaner removes it.
+    for mode in [0o666, 0o644] {
+        let n = name(&format!("zeros{mode:o}"));
+        let _g = Planted(n.clone());
+        std::fs::write(path(&n), vec![0u8; 16384]).unwrap();
+        std::fs::set_permissions(path(&n), std::fs::Permissions::from_mode(mode)).unwrap();
+        std::thread::sleep(Duration::from_millis(2100)); // past any creation's grace
+        for (who, e) in every_opener(&n) {
+            assert!(
+                matches!(e, Error::Shm(ShmError::InsecureMode { mode: m, .. }) if m == mode),
+                "{mode:o}, {who}: {e:?}"
+            );
+        }
+        assert_eq!(
+            std::fs::metadata(path(&n)).unwrap().len(),
+            16384,
+            "{mode:o}: kept as it was"
         );
     }
 }

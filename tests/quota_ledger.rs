@@ -569,3 +569,64 @@ fn another_users_abandoned_ledger_creation_is_never_removed() {
         assert_eq!(std::fs::metadata(path(n)).unwrap().uid(), 65534, "{n}");
     }
 }
+
+/// A ledger, or a ledger's creation abandoned half-way, whose mode opens it to other users (any of
+/// the bits 0o007): the library never makes one, so anyone may have written it. Every opener
+/// refuses it (`InsecureMode`, naming the mode), a `set_budget` does not replace it and `gc`'s
+/// rule does not remove it, however old.
+#[test]
+fn a_ledger_open_to_other_users_is_refused_by_every_opener_and_never_replaced_or_removed() {
+    use cuda_ipc::quota::{abandoned, remove_abandoned};
+    use std::os::unix::fs::PermissionsExt;
+    let scope = QuotaScope::user();
+    let ready = device();
+    let ledger = QuotaLedger::set_budget(scope, ready, 10).unwrap();
+    let ready_name = ledger.name().to_string();
+    let _r = Gone(ready_name.clone());
+    drop(ledger);
+    let (empty, dead) = (device(), device());
+    let names = [scope.segment_name(empty), scope.segment_name(dead)];
+    let _g = names.clone().map(Gone);
+    plant(&names[0], b"", 0);
+    unstamped(&names[1], dead_process());
+    let modes = [(&ready_name, 0o644), (&names[0], 0o666), (&names[1], 0o604)];
+    for (n, mode) in modes {
+        std::fs::set_permissions(path(n), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    // Past any creation's grace (2 s, in whole seconds of `st_ctime`).
+    std::thread::sleep(Duration::from_millis(3100));
+    for ((n, mode), d) in modes.into_iter().zip([ready, empty, dead]) {
+        let t = Instant::now();
+        for (who, e) in [
+            ("open", QuotaLedger::open(scope, d).map(|_| ()).unwrap_err()),
+            (
+                "open_named",
+                QuotaLedger::open_named(n).map(|_| ()).unwrap_err(),
+            ),
+            (
+                "set_budget",
+                QuotaLedger::set_budget(scope, d, 5)
+                    .map(|_| ())
+                    .unwrap_err(),
+            ),
+            ("abandoned", abandoned(n).map(|_| ()).unwrap_err()),
+            (
+                "remove_abandoned",
+                remove_abandoned(n).map(|_| ()).unwrap_err(),
+            ),
+        ] {
+            assert!(
+                matches!(e, Error::Shm(ShmError::InsecureMode { mode: m, .. }) if m == mode),
+                "{n} {mode:o}, {who}: {e:?}"
+            );
+            assert!(e.to_string().contains("open to other users"), "{who}: {e}");
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "{n}: {:?}",
+            t.elapsed()
+        );
+        let m = std::fs::metadata(path(n)).unwrap();
+        assert_eq!(m.mode() & 0o777, mode, "{n}: left as it was");
+    }
+}

@@ -54,7 +54,8 @@ fn plant(kind: &str, name: &str) -> Option<Unlink> {
         }
         "sparse" => {
             // The first page of a valid registry, the rest holes: mapping it and touching a hole
-            // in a full /dev/shm would raise SIGBUS.
+            // in a full /dev/shm would raise SIGBUS. Of mode 0600, as a registry of this user's
+            // (one open to other users is refused for that before it is looked at).
             let src = unique("hostile-src");
             let reg = Registry::create(&src, &opts()).unwrap();
             let seg = reg.segment();
@@ -65,8 +66,7 @@ fn plant(kind: &str, name: &str) -> Option<Unlink> {
             let len = seg.len() as u64 + (1 << 20);
             drop(reg);
             let _ = Segment::unlink(&src);
-            let f = std::fs::File::create(&p).unwrap();
-            std::os::unix::fs::FileExt::write_all_at(&f, &head, 0).unwrap();
+            let f = common::plant(&p, &head);
             f.set_len(len).unwrap();
             None
         }

@@ -4,6 +4,8 @@
 //! server's never. The openers' side (holders, writerless readers, the writer) is tested in
 //! `src/tensorset/holders/hostile.rs`.
 
+mod common;
+
 use cuda_ipc::cleanup::{self, LeftoverKind, Scope};
 use cuda_ipc::identity::{Liveness, ProcessIdentity};
 use cuda_ipc::raw::tensorset::testing::HeldSetFixture;
@@ -179,7 +181,7 @@ fn only_the_holders_segment_its_manifest_names_keeps_a_set() {
     // No manifest (gone, being made): a live holder counts, but not beside host data.
     f.unlink();
     assert!(is_held(&set), "no manifest");
-    std::fs::write(&data, [0u8; 4096]).unwrap();
+    common::plant(&data, &[0u8; 4096]);
     assert!(!is_held(&set), "a host set's data segment");
     std::fs::remove_file(&data).unwrap();
     // A host set's manifest names no holders segment.
@@ -188,8 +190,9 @@ fn only_the_holders_segment_its_manifest_names_keeps_a_set() {
     assert!(!is_held(&set), "beside a host set");
     drop(w);
     g.unlink();
-    // Never stamped: nobody serves from it, and nothing waits for it.
-    std::fs::write(path(&set), [0u8; 16384]).unwrap();
+    // Never stamped (mode 0600, as a creation of ours: not refused for its mode): nobody serves
+    // from it, and nothing waits for it.
+    common::plant(path(&set), &[0u8; 16384]);
     let t = Instant::now();
     assert!(!is_held(&set));
     assert!(

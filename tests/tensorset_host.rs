@@ -16,7 +16,6 @@ use cuda_ipc::tensorset::{
     DType, GenerationMode, Layout, ReaderOptions, TensorSetError, TensorSetOptions,
     TensorSetReader, TensorSetWriter, TensorSpec, inspect,
 };
-use std::io::Write;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -395,8 +394,8 @@ fn abandoned_creations_are_replaced_and_collected() {
     }
     // An empty manifest (a creator killed before sizing it) and an empty host data segment.
     let (a, b) = (set_name("aband-a"), set_name("aband-b"));
-    plant(&path("cuda-ipc.ts.", &a), &[]);
-    plant(&path("cuda-ipc.td.", &b), &[]);
+    common::plant(path("cuda-ipc.ts.", &a), &[]);
+    common::plant(path("cuda-ipc.td.", &b), &[]);
     // Young: a creator may be sizing it now.
     match TensorSetWriter::create_host(&a, &specs(), &TensorSetOptions::new()) {
         Err(Error::TensorSet(TensorSetError::CreationInProgress(_))) => {}
@@ -619,11 +618,6 @@ fn mkfifo(p: &str) {
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {p}");
 }
 
-fn plant(p: &str, bytes: &[u8]) {
-    let mut f = std::fs::File::create(p).unwrap();
-    f.write_all(bytes).unwrap();
-}
-
 #[test]
 fn hostile_files_under_the_manifests_name_are_refused_with_typed_errors() {
     if role().is_some() {
@@ -651,23 +645,43 @@ fn hostile_files_under_the_manifests_name_are_refused_with_typed_errors() {
             .is_fifo_like()
     );
     std::fs::remove_file(&p).unwrap();
-    // Another program's file.
-    plant(&p, &vec![b'x'; 8192]);
+    // Another program's file (of this user, mode 0600, as the library's segments are).
+    common::plant(&p, &vec![b'x'; 8192]);
     match open() {
         Err(Error::TensorSet(TensorSetError::BadManifest { .. })) => {}
         other => panic!("foreign file: {other:?}"),
     }
     // Truncated below the header page.
-    plant(&p, &[0u8; 100]);
+    common::plant(&p, &[0u8; 100]);
     assert!(matches!(open(), Err(Error::Shm(ShmError::TooSmall { .. }))));
     // Sparse: a size with no pages behind it.
-    std::fs::File::create(&p).unwrap().set_len(1 << 20).unwrap();
+    common::plant(&p, &[]).set_len(1 << 20).unwrap();
     assert!(
         matches!(open(), Err(Error::Shm(ShmError::Sparse { .. }))),
         "{:?}",
         open()
     );
     std::fs::remove_file(&p).unwrap();
+    // Zeros open to other users (any of the mode bits 0o007), which the library never makes:
+    // refused for the mode by a reader and a writer alike, at once, and left as it is.
+    for mode in [0o644, 0o606] {
+        use std::os::unix::fs::PermissionsExt;
+        common::plant(&p, &[0u8; 16384]);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        let t = Instant::now();
+        for r in [
+            open().map(|_| ()),
+            TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).map(|_| ()),
+        ] {
+            assert!(
+                matches!(r, Err(Error::Shm(ShmError::InsecureMode { mode: m, .. })) if m == mode),
+                "{mode:o}: {r:?}"
+            );
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 16384);
+        std::fs::remove_file(&p).unwrap();
+    }
     // A real manifest with a corrupted body: refused with the fault named.
     let _w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
     let mut bytes = std::fs::read(&p).unwrap();
@@ -813,7 +827,7 @@ fn a_file_planted_under_one_part_keeps_no_other_part_of_a_dead_writers_set() {
         match kind {
             "FIFO" => mkfifo(&planted),
             "another user's file" => {
-                plant(&planted, &[0u8; 8192]);
+                common::plant(&planted, &[0u8; 8192]);
                 std::os::unix::fs::chown(&planted, Some(65534), Some(65534)).unwrap();
             }
             _ => {
@@ -887,7 +901,7 @@ fn a_segment_of_zeros_is_an_abandoned_creation_told_without_waiting() {
     let name = set_name("zeros");
     let parts = ["cuda-ipc.ts.", "cuda-ipc.td.", "cuda-ipc.th."];
     for p in parts {
-        plant(&path(p, &name), &[0u8; 16384]);
+        common::plant(path(p, &name), &[0u8; 16384]);
     }
     // Young: waited for (up to 2 s), then a creation in progress.
     let t = Instant::now();

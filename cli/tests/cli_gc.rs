@@ -7,7 +7,7 @@ mod cli_support;
 mod common;
 
 use cli_support::*;
-use common::cuda_ipc;
+use common::{cuda_ipc, write_segment};
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::identity::ProcessIdentity;
 use cuda_ipc::raw::channel::testing::{ControlConsumer, ControlProducer};
@@ -304,10 +304,7 @@ fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_kee
     std::fs::create_dir(path(&dir)).unwrap();
     std::os::unix::fs::symlink("/etc/hostname", path(&link)).unwrap();
     for f in [&sparse, &reg_sparse] {
-        std::fs::File::create(path(f))
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
+        write_segment(f, b"").set_len(1 << 20).unwrap();
     }
     let planted_at = Instant::now();
     // Named, each is reported for what it is (before any `gc`: see the end).
@@ -316,7 +313,7 @@ fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_kee
     let o = cuda_ipc_bounded(&["ls", &dir], false);
     assert!(text(&o).contains("directory"), "{}", text(&o));
     let o = cuda_ipc_bounded(&["ls", &sparse], false);
-    assert!(text(&o).contains("sparse"), "{}", text(&o));
+    assert!(text(&o).contains("is sparse"), "{}", text(&o));
     // Every command, over everything and over each name.
     let mut runs: Vec<Vec<String>> = vec![
         vec!["ls".into()],
@@ -448,10 +445,7 @@ fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old()
     let seg = format!("cuda-ipc.ch.{name}");
     let _u = Unlink(seg.clone());
     // What a producer killed between `ftruncate` and `fallocate` leaves: sized, no page backed.
-    std::fs::File::create(format!("/dev/shm/{seg}"))
-        .unwrap()
-        .set_len(1 << 20)
-        .unwrap();
+    write_segment(&seg, b"").set_len(1 << 20).unwrap();
     // Young: maybe a producer creating it right now. Kept, with why: no problem.
     let o = cuda_ipc_bounded(&["gc", &name], false);
     assert_eq!(code(&o), 0, "{}", text(&o));
@@ -486,6 +480,49 @@ fn gc_removes_a_channel_creation_abandoned_half_way_once_it_is_two_seconds_old()
     assert!(std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err());
 }
 
+/// A segment open to other users (any of the mode bits 0o007) under a registry's, a channel's or
+/// a tensor set's name, though its bytes are those of a creation of ours abandoned half-way (zeros,
+/// older than 2 s): the library never makes one, so anyone may have written it. `ls NAME` and
+/// `gc NAME` report it as a problem (exit status 1) naming its mode, and `gc` leaves it as it is.
+#[test]
+fn gc_reports_a_segment_open_to_other_users_as_a_problem_and_leaves_it() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let _gc = beside_others();
+    let [reg, ch, ts] = ["open-reg", "open-ch", "open-ts"].map(unique);
+    let cases = [
+        ("registry", &reg, reg.clone(), 0o666),
+        ("channel", &ch, format!("cuda-ipc.ch.{ch}"), 0o644),
+        ("tensorset", &ts, format!("cuda-ipc.ts.{ts}"), 0o604),
+    ];
+    let _u = cases.clone().map(|(_, _, seg, _)| Unlink(seg));
+    for (_, _, seg, mode) in &cases {
+        write_segment(seg, &[0u8; 16384]);
+        let p = format!("/dev/shm/{seg}");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode)).unwrap();
+    }
+    // Past any creation's grace (2 s, in whole seconds of `st_ctime`).
+    std::thread::sleep(Duration::from_millis(3100));
+    for (kind, n, seg, mode) in &cases {
+        let open = format!("/{seg} has mode {mode:#o}, open to other users");
+        for args in [&["ls", n.as_str()][..], &["gc", n, "--dry-run"], &["gc", n]] {
+            let o = cuda_ipc_bounded(args, false);
+            assert_eq!(code(&o), 1, "{kind}: {args:?}: {}", text(&o));
+            assert!(text(&o).contains(&open), "{kind}: {args:?}: {}", text(&o));
+            let t = text(&o);
+            assert!(
+                !t.contains("would remove") && !t.contains("removed"),
+                "{kind}: {args:?}: {t}"
+            );
+        }
+        let m = std::fs::metadata(format!("/dev/shm/{seg}")).unwrap();
+        assert_eq!(
+            (m.len(), m.permissions().mode() & 0o777),
+            (16384, *mode),
+            "{kind}: left as it was"
+        );
+    }
+}
+
 /// Plants under the control segment name `seg` what a producer killed between sizing the segment
 /// and stamping it leaves: `len` bytes of zeros, every page written, with `creator` recorded as
 /// the producer (its pid, start time, boot id, pid namespace and uid) where one is given.
@@ -504,20 +541,6 @@ fn plant_unstamped_control(seg: &str, len: usize, creator: Option<ProcessIdentit
         );
     }
     write_segment(seg, &b);
-}
-
-/// Writes `bytes` to a new file `/dev/shm/NAME` of mode 0600, as a creator makes its segments.
-fn write_segment(name: &str, bytes: &[u8]) {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(format!("/dev/shm/{name}"))
-        .unwrap()
-        .write_all(bytes)
-        .unwrap();
 }
 
 /// A process of this pid namespace and boot that ran and is gone (a `true` child, reaped), with
@@ -722,8 +745,7 @@ fn gc_keeps_a_registry_or_channel_creation_that_may_still_finish_and_exits_0() {
         assert!(exists(&reg_empty));
     }
     let planted = at_a_second_start();
-    std::fs::File::create(format!("/dev/shm/{}", ch(&ch_sparse)))
-        .unwrap()
+    write_segment(&ch(&ch_sparse), b"")
         .set_len(len as u64)
         .unwrap();
     let o = cuda_ipc_bounded(&["gc", &ch_sparse], false);

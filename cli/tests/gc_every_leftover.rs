@@ -123,8 +123,7 @@ fn gc_dry_run_lists_exactly_what_gc_removes_of_every_kind_of_leftover() {
     )
     .unwrap();
     // A channel creation abandoned half-way: sized, no page backed, 2 s old below.
-    std::fs::File::create(format!("/dev/shm/cuda-ipc.ch.{half}"))
-        .unwrap()
+    common::write_segment(&format!("cuda-ipc.ch.{half}"), b"")
         .set_len(1 << 20)
         .unwrap();
     // A quota ledger the killed process began and never stamped: every page written, the magic,
@@ -142,7 +141,7 @@ fn gc_dry_run_lists_exactly_what_gc_removes_of_every_kind_of_leftover() {
         header.extend_from_slice(&w.to_le_bytes());
     }
     header.resize(4096 + 256 * 64, 0);
-    std::fs::write(format!("/dev/shm/{half_ledger}"), &header).unwrap();
+    common::write_segment(&half_ledger, &header);
     // Liveness files younger than 5 s and half-made creations younger than 2 s are never stale.
     if let Some(rest) = Duration::from_millis(5300).checked_sub(started.elapsed()) {
         std::thread::sleep(rest);

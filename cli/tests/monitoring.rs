@@ -347,7 +347,7 @@ fn quota_set_show_and_remove_and_ls_shows_the_budget_with_its_holders() {
     // A garbage file under a ledger's name: reported by ls and quota show (exit 1), kept.
     let bad = scope.segment_name(fake_device(3));
     let _b = Gone(bad.clone());
-    std::fs::write(format!("/dev/shm/{bad}"), vec![0x5a; 4096 + 256 * 64]).unwrap();
+    common::write_segment(&bad, &[0x5a; 4096 + 256 * 64]);
     for args in [&["ls"][..], &["quota", "show"]] {
         let o = cuda_ipc(args);
         let t = text(&o);

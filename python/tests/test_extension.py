@@ -98,7 +98,16 @@ def garbage(path: pathlib.Path, data: bytes):
         ("a directory", lambda p: p.mkdir(mode=0o700), "directory"),
         ("a FIFO", lambda p: os.mkfifo(p, 0o600), "FIFO"),
         ("a symbolic link", lambda p: p.symlink_to("/dev/null"), "symbolic link"),
-        ("a file others may write", lambda p: (garbage(p, b"x" * 8192), p.chmod(0o666)), None),
+        (
+            "a file others may write",
+            lambda p: (garbage(p, b"x" * 8192), p.chmod(0o666)),
+            "mode 0o666, open to other users",
+        ),
+        (
+            "a file others may read",
+            lambda p: (garbage(p, b"x" * 8192), p.chmod(0o604)),
+            "mode 0o604, open to other users",
+        ),
     ],
 )
 def test_garbage_under_a_channel_name_raises_bad_segment(name, what, make, message):
@@ -108,8 +117,10 @@ def test_garbage_under_a_channel_name_raises_bad_segment(name, what, make, messa
         cuda_ipc.Consumer(name)
     # Refused, never removed or changed.
     assert path.exists() or path.is_symlink(), what
-    if stat.S_ISREG(path.lstat().st_mode) and message == "not a cuda-ipc channel":
+    if stat.S_ISREG(path.lstat().st_mode) and path.stat().st_size == 8192:
         assert path.read_bytes() == b"x" * 8192
+    if what.startswith("a file others may"):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o007, "its mode left as it was"
 
 
 @pytest.mark.parametrize(

@@ -152,10 +152,10 @@ impl Consumer {
     /// # Errors
     /// [`ChannelError::NotFound`], [`ChannelError::BadSegment`], [`ChannelError::NoConsumerSlot`];
     /// [`ChannelError::ProducerGone`] when the producer is dead; CUDA errors from imports. For a
-    /// host
-    /// channel, shared-memory errors for what is under the pool's name (`NotASegment`, `Sparse`,
-    /// `WrongOwner`, `TooSmall`), [`ChannelError::BadSegment`] for a pool that is missing or does
-    /// not match the channel, [`ChannelError::Superseded`] for a pool made again since.
+    /// host channel, shared-memory errors for what is under the pool's name (`NotASegment`,
+    /// `Sparse`, `WrongOwner`, `InsecureMode`, `TooSmall`), [`ChannelError::BadSegment`] for a pool
+    /// that is missing or does not match the channel, [`ChannelError::Superseded`] for a pool made
+    /// again since.
     pub fn attach(name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
         let control = Control::open_with(name, opts.group_access)?;
         let mem = control.buffer_token(0);

@@ -354,7 +354,8 @@ impl Control {
     /// # Errors
     /// What is under the name when it is no creation of ours: [`crate::shm::ShmError::NotFound`]
     /// when there is nothing, [`crate::shm::ShmError::WrongOwner`] for another user's segment,
-    /// [`crate::shm::ShmError::NotASegment`] for a FIFO, directory, socket or device,
+    /// [`crate::shm::ShmError::InsecureMode`] for one open to other users (any of the mode bits
+    /// `0o007`), [`crate::shm::ShmError::NotASegment`] for a FIFO, directory, socket or device,
     /// [`crate::shm::ShmError::TooSmall`] for a short file whose pages are there,
     /// [`SegmentFault::Foreign`] and [`super::ChannelError::VersionMismatch`] for another magic or
     /// layout version.

@@ -263,7 +263,8 @@ pub fn list_channels() -> Result<Vec<String>> {
 ///   creator may still write it but did not stamp it within 2 s
 ///   ([`super::SegmentFault::Unfinished`]);
 /// - [`super::ChannelError::VersionMismatch`] for another layout version;
-/// - [`ShmError::WrongOwner`] for another user's segment, [`ShmError::InvalidName`] for
+/// - [`ShmError::WrongOwner`] for another user's segment, [`ShmError::InsecureMode`] for one
+///   open to other users (any of the mode bits `0o007`), [`ShmError::InvalidName`] for
 ///   a name that cannot be a segment name, [`ShmError::TooSmall`] for one shorter than a
 ///   header;
 /// - [`Error::Os`] when a call fails.
@@ -392,7 +393,7 @@ fn consumer_snapshot(c: &Control, k: usize) -> Option<ConsumerSnapshot> {
 ///
 /// # Errors
 /// The typed errors that say what else is under the name and why it is kept
-/// ([`ShmError::WrongOwner`], [`ShmError::NotASegment`],
+/// ([`ShmError::WrongOwner`], [`ShmError::InsecureMode`], [`ShmError::NotASegment`],
 /// [`super::ChannelError::VersionMismatch`], ...).
 pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
     let name = segment_name(channel);

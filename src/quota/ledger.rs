@@ -483,7 +483,8 @@ pub fn list_ledgers() -> Result<Vec<String>> {
 /// # Errors
 /// [`crate::Error::InvalidArgument`] for a name that is not a ledger's; the typed errors that say
 /// what else is under the name and why it is kept: [`ShmError::WrongOwner`] for another user's
-/// segment (a group ledger of another member included), [`ShmError::NotASegment`] for a FIFO,
+/// segment (a group ledger of another member included), [`ShmError::InsecureMode`] for one open
+/// to other users (any of the mode bits `0o007`), [`ShmError::NotASegment`] for a FIFO,
 /// directory, socket or device, [`ShmError::TooSmall`] for a short file whose pages are there;
 /// [`crate::Error::Os`] when a call fails.
 ///

@@ -258,7 +258,8 @@ pub(crate) enum Creation {
 /// # Errors
 /// What is under the name when it is no creation of ours, and why it is kept:
 /// [`ShmError::NotFound`] when there is nothing, [`ShmError::WrongOwner`] for another user's
-/// segment, [`ShmError::NotASegment`] for a FIFO, directory, socket or device (never opened in a
+/// segment, [`ShmError::InsecureMode`] for one open to other users (any of the mode bits
+/// `0o007`), [`ShmError::NotASegment`] for a FIFO, directory, socket or device (never opened in a
 /// way that could block), [`ShmError::TooSmall`] for a short file whose pages are there,
 /// [`crate::Error::Os`] when a call fails.
 pub(crate) fn judge_creation(name: &str) -> Result<Creation> {

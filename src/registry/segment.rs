@@ -169,7 +169,8 @@ impl Registry {
     /// # Errors
     /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
     /// a FIFO, directory, socket or device: [`ShmError::NotASegment`]; a symbolic link:
-    /// [`Error::InvalidArgument`]; another user's segment: [`ShmError::WrongOwner`]; a sparse
+    /// [`Error::InvalidArgument`]; another user's segment: [`ShmError::WrongOwner`]; one open to
+    /// other users (any of the mode bits `0o007`): [`ShmError::InsecureMode`]; a sparse
     /// file younger than the grace: [`ShmError::Sparse`]; an empty one as young, or a short file
     /// whose pages are there: [`ShmError::TooSmall`]; a file without the magic:
     /// [`RegistryError::ForeignSegment`] (or [`RegistryError::Uninitialised`] when it is all zero
@@ -505,6 +506,7 @@ pub(super) enum Leftover {
 ///
 /// # Errors
 /// What is not a leftover, and why: [`ShmError::WrongOwner`] for another user's segment,
+/// [`ShmError::InsecureMode`] for one open to other users (any of the mode bits `0o007`),
 /// [`ShmError::NotASegment`] / [`Error::InvalidArgument`] for what is not a file,
 /// [`ShmError::TooSmall`] for a short file whose pages are there (no creation of ours),
 /// [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both versions),

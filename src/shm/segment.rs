@@ -514,18 +514,30 @@ impl Segment {
     /// A segment that others (not owner, not group) may access is refused either way.
     ///
     /// # Errors
+    /// [`ShmError::InsecureMode`] for a segment with any of the mode bits `0o007`;
     /// [`ShmError::WrongOwner`] naming both uids; [`crate::Error::Os`] when a call fails.
     pub fn check_access(&self, allow_group: bool) -> Result<()> {
         let (uid, gid, mode) = self.owner()?;
         access_rule(&self.name, uid, gid, mode, allow_group)
     }
 
-    /// Checks that the segment belongs to this process's effective uid.
+    /// Checks that the segment belongs to this process's effective uid and gives other users (not
+    /// owner, not group) no access: [`Segment::check_access`] without group access. The library
+    /// makes its segments with mode `0600` (`0660` shared with a group); one open to others may
+    /// have been written by anyone, and is not trusted.
     ///
     /// # Errors
+    /// [`ShmError::InsecureMode`] for a segment with any of the mode bits `0o007`;
     /// [`ShmError::WrongOwner`] naming both uids; [`crate::Error::Os`] when `fstat` fails.
     pub fn check_owner(&self) -> Result<()> {
-        let owner = self.owner_uid()?;
+        let (owner, _, mode) = self.owner()?;
+        if mode & 0o007 != 0 {
+            return Err(ShmError::InsecureMode {
+                name: self.name.clone(),
+                mode,
+            }
+            .into());
+        }
         let ours = rustix::process::geteuid().as_raw();
         if owner != ours {
             return Err(ShmError::WrongOwner {
@@ -612,27 +624,16 @@ pub struct SegmentInfo {
 }
 
 impl SegmentInfo {
-    /// Whether another user's segment of this owner, group and mode may be opened as
+    /// Whether a segment of this owner, group and mode may be opened as
     /// [`Segment::check_access`] (`allow_group`) or [`Segment::check_owner`] (without it) would
-    /// let it: judged before it is mapped, so that another user's file is refused by whose it is,
-    /// not waited for. This user's own segments pass (their mode is checked once mapped).
+    /// let it: judged before it is mapped, so that another user's file, or one open to others, is
+    /// refused by whose it is, not waited for.
     ///
     /// # Errors
-    /// [`ShmError::WrongOwner`], [`ShmError::InsecureMode`] (with `allow_group`) for `name`.
+    /// [`ShmError::InsecureMode`] (any of the mode bits `0o007`), [`ShmError::WrongOwner`] for
+    /// `name`.
     pub(crate) fn may_open(&self, name: &str, allow_group: bool) -> Result<()> {
-        let ours = rustix::process::geteuid().as_raw();
-        if self.uid == ours {
-            return Ok(());
-        }
-        if allow_group {
-            return access_rule(name, self.uid, self.gid, self.mode, true);
-        }
-        Err(ShmError::WrongOwner {
-            name: name.to_string(),
-            owner: self.uid,
-            ours,
-        }
-        .into())
+        access_rule(name, self.uid, self.gid, self.mode, allow_group)
     }
 
     fn of(name: &str, fd: &OwnedFd) -> Result<SegmentInfo> {

@@ -474,12 +474,15 @@ pub(crate) fn abandoned_creation(info: &SegmentInfo) -> bool {
     (info.len == 0 || info.sparse) && !info.sizing && info.age_secs >= ABANDONED_AFTER.as_secs()
 }
 
-/// The first part of judging a segment that blocks a creation: [`Segment::stat`], the owner (only
-/// this user's segments are ever replaced), then empty or sparse (by age), then the size.
+/// The first part of judging a segment that blocks a creation: [`Segment::stat`], the owner and
+/// the mode (only this user's segments that give other users no access, as the library makes
+/// them, are ever replaced or removed), then empty or sparse (by age), then the size.
 ///
 /// # Errors
 /// As [`Segment::stat`]; [`ShmError::WrongOwner`] for another user's segment;
-/// [`ShmError::TooSmall`] for one with its pages but shorter than `header_len`.
+/// [`ShmError::InsecureMode`] for one with any of the mode bits `0o007` (the library never makes
+/// one: it is left as it is); [`ShmError::TooSmall`] for one with its pages but shorter than
+/// `header_len`.
 pub(crate) fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
     let info = Segment::stat(name)?;
     let ours = rustix::process::geteuid().as_raw();
@@ -488,6 +491,13 @@ pub(crate) fn stat_blocker(name: &str, header_len: usize) -> Result<Blocker> {
             name: name.to_string(),
             owner: info.uid,
             ours,
+        }
+        .into());
+    }
+    if info.mode & 0o007 != 0 {
+        return Err(ShmError::InsecureMode {
+            name: name.to_string(),
+            mode: info.mode,
         }
         .into());
     }

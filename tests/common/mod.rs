@@ -185,6 +185,35 @@ impl Drop for Unlink {
     }
 }
 
+/// Plants a regular file at `path` holding `bytes`, of this user and mode 0600 as the library
+/// makes its segments: what stands for one of ours (a creation abandoned half-way, one cut short,
+/// foreign bytes under our name), not a file open to other users, which every opener refuses as
+/// `ShmError::InsecureMode` and nothing replaces or removes. Made with the mode rather than changed
+/// after (a `chmod` moves `st_ctime`, which the 2 s age rules read); a file already there is
+/// truncated and must be of that mode too. Returned open for writing: `set_len` on it makes it
+/// sparse, as `truncate -s` does.
+pub fn plant(path: impl AsRef<std::path::Path>, bytes: &[u8]) -> std::fs::File {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let path = path.as_ref();
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .unwrap_or_else(|e| panic!("plant {}: {e}", path.display()));
+    let mode = f.metadata().unwrap().permissions().mode() & 0o777;
+    assert_eq!(
+        mode,
+        0o600,
+        "{} was there with mode {mode:o}",
+        path.display()
+    );
+    f.write_all(bytes).unwrap();
+    f
+}
+
 /// Re-executes this test binary running only `test` (exact name) as a child with `role`.
 pub fn spawn_child(test: &str, role: &str, registry: &str, env: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().expect("test binary path");

@@ -35,3 +35,22 @@ pub fn cuda_ipc(args: &[&str]) -> Output {
         .output()
         .expect("run cuda-ipc")
 }
+
+/// Writes `bytes` to a new file `/dev/shm/NAME` of this user and mode 0600, as the library makes
+/// its segments: what stands for one of ours (a creation abandoned half-way, foreign bytes under
+/// our name), not a file open to other users, which every opener refuses, and `gc` reports and
+/// keeps, for its mode alone. Made with the mode rather than changed after: a `chmod` moves
+/// `st_ctime`, which the 2 s age rules read. Returned open for writing: `set_len` on it makes it
+/// sparse, as `truncate -s` does.
+pub fn write_segment(name: &str, bytes: &[u8]) -> std::fs::File {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(format!("/dev/shm/{name}"))
+        .unwrap_or_else(|e| panic!("/dev/shm/{name}: {e}"));
+    f.write_all(bytes).unwrap();
+    f
+}

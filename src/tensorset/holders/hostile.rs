@@ -13,7 +13,7 @@ use crate::token::{Token, TokenKind};
 use std::ffi::CString;
 use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::time::{Duration, Instant};
 
 fn unique(tag: &str) -> String {
@@ -159,9 +159,15 @@ fn a_symbolic_link_under_the_holders_name_is_never_followed_or_removed() {
 fn a_sparse_file_under_the_holders_name_is_refused_and_replaced_only_once_old() {
     let set = unique("sparse");
     let _g = Planted(set.clone());
-    // The size a holders segment of one allocation has, every page a hole (`truncate -s`).
+    // The size a holders segment of one allocation has, every page a hole (`truncate -s`), with
+    // the mode the library gives its segments (made so, not changed after: the age is ctime's).
     let len = (HEADER_PAGE + HOLDER_SLOTS * slot_len(1)).next_multiple_of(HEADER_PAGE) as u64;
-    let f = std::fs::File::create(path(&set)).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path(&set))
+        .unwrap();
     f.set_len(len).unwrap();
     drop(f);
     let m = dead_writers_manifest(&set, 1, 7);
