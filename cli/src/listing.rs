@@ -26,14 +26,26 @@ pub struct Listing {
     pub tensor_sets: Vec<TensorSetView>,
     /// Segments that could not be read, with why.
     pub errors: Vec<SegmentError>,
+    /// Objects listed but gone before they were read: closed normally meanwhile (no problem).
+    pub closed_meanwhile: Vec<Closed>,
+}
+
+/// An object that was listed, then gone (nothing under its name) when it was read: its owner
+/// closed it in between. Not a problem.
+#[derive(Debug, Serialize)]
+pub struct Closed {
+    /// `registry`, `channel` or `tensorset`.
+    pub kind: &'static str,
+    /// Its name, as for [`SegmentError::name`].
+    pub name: String,
 }
 
 /// A segment that could not be inspected.
 #[derive(Debug, Serialize)]
 pub struct SegmentError {
-    /// `registry` or `channel`.
+    /// `registry`, `channel`, `tensorset` (or `segment`: a NAME that names nothing any more).
     pub kind: &'static str,
-    /// The registry's segment name or the channel name.
+    /// The registry's segment name, the channel name or the set name.
     pub name: String,
     /// What went wrong.
     pub error: String,
@@ -257,6 +269,24 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     })
 }
 
+impl Listing {
+    /// Records that `kind` `name` could not be inspected: an error, unless nothing stands under
+    /// its name any more ([`cuda_ipc::cleanup::is_gone`]: closed between the listing and the
+    /// reading, [`Listing::closed_meanwhile`]).
+    fn unreadable(&mut self, kind: &'static str, name: &str, e: cuda_ipc::Error) {
+        let name = name.to_string();
+        if cuda_ipc::cleanup::is_gone(&e) {
+            self.closed_meanwhile.push(Closed { kind, name });
+        } else {
+            self.errors.push(SegmentError {
+                kind,
+                name,
+                error: e.to_string(),
+            });
+        }
+    }
+}
+
 /// Inspects every target.
 pub(crate) fn collect(t: &Targets) -> Listing {
     let mut l = Listing::default();
@@ -266,11 +296,7 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 snapshot,
                 publishes_per_s: None,
             }),
-            Err(e) => l.errors.push(SegmentError {
-                kind: "registry",
-                name: r.clone(),
-                error: e.to_string(),
-            }),
+            Err(e) => l.unreadable("registry", r, e),
         }
     }
     for c in &t.channels {
@@ -281,11 +307,7 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 bridge: crate::bridge::read(c),
                 snapshot,
             }),
-            Err(e) => l.errors.push(SegmentError {
-                kind: "channel",
-                name: c.clone(),
-                error: e.to_string(),
-            }),
+            Err(e) => l.unreadable("channel", c, e),
         }
     }
     for t in &t.tensor_sets {
@@ -294,11 +316,7 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 bridge: crate::bridge::read(&format!("ts.{t}")),
                 snapshot,
             }),
-            Err(e) => l.errors.push(SegmentError {
-                kind: "tensorset",
-                name: t.clone(),
-                error: e.to_string(),
-            }),
+            Err(e) => l.unreadable("tensorset", t, e),
         }
     }
     l

@@ -48,6 +48,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
         && l.channels.is_empty()
         && l.tensor_sets.is_empty()
         && l.errors.is_empty()
+        && l.closed_meanwhile.is_empty()
     {
         out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
@@ -288,6 +289,12 @@ pub fn render(l: &Listing, rates: bool) -> String {
         out.push_str(&format!(
             "{} {}: cannot read: {}\n",
             e.kind, e.name, e.error
+        ));
+    }
+    for c in &l.closed_meanwhile {
+        out.push_str(&format!(
+            "{} {}: closed meanwhile (gone between listing and reading)\n",
+            c.kind, c.name
         ));
     }
     out

@@ -793,3 +793,85 @@ fn ls_and_gc_leave_registries_of_other_users_out_instead_of_failing_on_them() {
     assert_eq!(code(&o), 1);
     assert!(text(&o).contains("owned by uid 54321"), "{}", text(&o));
 }
+
+/// A channel and a tensor set made and closed normally, over and over, while `ls`, `watch` and
+/// `gc` (each form, with and without the NAME) read them: one closed between the listing and the
+/// reading is gone, not a problem. No line about either says `cannot read`, names a channel or a
+/// producer for the set, or calls its generation not known; a command given the NAME exits 0, or 1
+/// only because the name was not there when it looked.
+#[test]
+fn ls_watch_and_gc_take_an_object_closed_while_they_read_it_for_gone_not_a_problem() {
+    use cuda_ipc::channel::{ChannelOptions, Producer};
+    use cuda_ipc::tensorset::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // Plain `gc` runs here: nothing else of this binary may plant meanwhile.
+    let _gc = alone();
+    let ch = unique("closing-ch");
+    let ts = unique("closing-ts");
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let (ch, ts, stop) = (ch.clone(), ts.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let spec = [TensorSpec::new("w", DType::U8, &[8])];
+            let mut rounds = 0u64;
+            // Relaxed: a flag alone.
+            while !stop.load(Ordering::Relaxed) {
+                drop(Producer::create_host(&ch, &ChannelOptions::new(4096).buffers(2)).unwrap());
+                drop(TensorSetWriter::create_host(&ts, &spec, &TensorSetOptions::new()).unwrap());
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let named: Vec<Vec<&str>> = [&ch, &ts]
+        .iter()
+        .flat_map(|n| {
+            [
+                vec!["ls", n.as_str()],
+                vec!["ls", "--json", n.as_str()],
+                vec!["watch", "--plain", "--count", "1", n.as_str()],
+                vec!["gc", "--dry-run", n.as_str()],
+                vec!["gc", n.as_str()],
+            ]
+        })
+        .collect();
+    let whole: Vec<Vec<&str>> = vec![
+        vec!["ls"],
+        vec!["ls", "--json"],
+        vec!["gc", "--dry-run"],
+        vec!["gc", "--json"],
+        vec!["gc"],
+    ];
+    let bad = [
+        "cannot",
+        "problem",
+        "start its producer",
+        "no channel named",
+        "not known",
+        "channel_problem\": \"",
+    ];
+    let mut wrong = Vec::new();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(6) && wrong.len() < 5 {
+        for args in named.iter().chain(&whole) {
+            let o = cuda_ipc(args);
+            let out = text(&o);
+            let mine = |l: &&str| l.contains(ch.as_str()) || l.contains(ts.as_str());
+            let not_there = "no registry, channel or tensor set named";
+            for l in out.lines().filter(mine) {
+                if bad.iter().any(|b| l.contains(b)) && !l.contains(not_there) {
+                    wrong.push(format!("{args:?}: {l}"));
+                }
+            }
+            if named.contains(args) && !(code(&o) == 0 || code(&o) == 1 && out.contains(not_there))
+            {
+                wrong.push(format!("{args:?}: exit status {}: {out}", code(&o)));
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = churn.join().unwrap();
+    assert!(rounds > 0);
+    assert!(wrong.is_empty(), "{rounds} rounds:\n{}", wrong.join("\n"));
+}

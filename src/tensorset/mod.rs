@@ -55,6 +55,7 @@ mod stable;
 mod writer;
 
 pub use dtype::DType;
+pub(crate) use error::is_not_found;
 pub use error::{ManifestFault, TensorSetError};
 pub use holders::{Holder, HolderRole, HolderSnapshot, HolderStatus};
 pub use manifest::{

@@ -101,17 +101,19 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
         (id.pid != 0).then_some(id)
     };
     let (why, writer) = match part {
-        Part::Generation => match abandoned_in(GENERATION_PREFIX, name)? {
-            Some((why, _)) => (why, None),
-            None => match crate::channel::inspect::inspect_in(GENERATION_PREFIX, name) {
-                Ok(snap) if snap.producer_liveness == Liveness::Dead => {
-                    ("its writer is dead", Some(snap.producer))
-                }
-                Ok(_) => return Ok(None),
-                Err(Error::Channel(crate::channel::ChannelError::NotFound(_))) => return Ok(None),
-                Err(e) => return Err(e),
-            },
-        },
+        Part::Generation => {
+            match abandoned_in(GENERATION_PREFIX, name).map_err(|e| in_set_words(name, e))? {
+                Some((why, _)) => (why, None),
+                None => match crate::channel::inspect::inspect_in(GENERATION_PREFIX, name) {
+                    Ok(snap) if snap.producer_liveness == Liveness::Dead => {
+                        ("its writer is dead", Some(snap.producer))
+                    }
+                    Ok(_) => return Ok(None),
+                    Err(e) if super::is_not_found(&e) => return Ok(None),
+                    Err(e) => return Err(e),
+                },
+            }
+        }
         Part::Manifest | Part::Data | Part::Holders => {
             let r = match part {
                 Part::Manifest => {
@@ -122,11 +124,9 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
             };
             let why = match r {
                 Ok(why) => why,
-                Err(Error::Shm(ShmError::NotFound { .. }))
-                | Err(Error::TensorSet(
-                    TensorSetError::NotFound(_)
-                    | TensorSetError::AlreadyExists { .. }
-                    | TensorSetError::CreationInProgress(_),
+                Err(e) if super::is_not_found(&e) => return Ok(None),
+                Err(Error::TensorSet(
+                    TensorSetError::AlreadyExists { .. } | TensorSetError::CreationInProgress(_),
                 )) => return Ok(None),
                 Err(e) => return Err(e),
             };
@@ -134,7 +134,12 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
             let writer = if info.sparse || info.len < HEADER_PAGE as u64 {
                 None
             } else {
-                let seg = Segment::open_with_min_len(&seg_name, HEADER_PAGE)?;
+                let seg = match Segment::open_with_min_len(&seg_name, HEADER_PAGE) {
+                    Ok(seg) => seg,
+                    // Gone since it was judged.
+                    Err(e) if super::is_not_found(&e) => return Ok(None),
+                    Err(e) => return Err(e),
+                };
                 match part {
                     Part::Manifest => writer_of(versioned::header::<ManifestHeader>(&seg).writer()),
                     Part::Data => writer_of(versioned::header::<DataHeader>(&seg).writer()),
@@ -243,9 +248,11 @@ pub fn remove_part(name: &str, part: Part) -> Result<Option<&'static str>> {
     if part == Part::Generation {
         // The channel's own removals judge again under its rules.
         if p.writer.is_some() {
-            return Ok(remove_stale_control_in(GENERATION_PREFIX, name)?.map(|_| p.why));
+            return Ok(remove_stale_control_in(GENERATION_PREFIX, name)
+                .map_err(|e| in_set_words(name, e))?
+                .map(|_| p.why));
         }
-        return remove_abandoned_in(GENERATION_PREFIX, name);
+        return remove_abandoned_in(GENERATION_PREFIX, name).map_err(|e| in_set_words(name, e));
     }
     Ok(Segment::unlink_if_same(&p.segment, inode)?.then_some(p.why))
 }
@@ -321,5 +328,17 @@ fn open_holders(name: &str) -> Result<Option<HoldersSegment>> {
 /// As the generation channel's open.
 pub fn release_dead_readers(name: &str) -> Result<u64> {
     segment::validate_set_name(name)?;
-    release_dead_consumers_in(GENERATION_PREFIX, name)
+    release_dead_consumers_in(GENERATION_PREFIX, name).map_err(|e| in_set_words(name, e))
+}
+
+/// An error of set `name`'s generation channel in the set's words: the channel layer's "no
+/// channel named" (which tells the user to start a producer) is the set's
+/// [`TensorSetError::NotFound`]; other errors name the segment already.
+fn in_set_words(name: &str, e: Error) -> Error {
+    match e {
+        Error::Channel(crate::channel::ChannelError::NotFound(_)) => {
+            TensorSetError::NotFound(name.to_string()).into()
+        }
+        e => e,
+    }
 }
