@@ -172,8 +172,9 @@ enum Command {
     /// consumers, tensor sets whose writer died (unless a live holder serves a VMM set), dead
     /// holders' quota reservations, and registries, channels, tensor sets and quota ledgers whose
     /// creation was abandoned half-way (one that may still finish, younger than 2 s or its
-    /// creator running, is kept with a line saying why); without a NAME also the liveness files,
-    /// fd server sockets and bridge status files of killed processes. Never touches what a live
+    /// creator running, is kept with a line saying why); without a NAME also the liveness files
+    /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
+    /// status files of killed processes. Never touches what a live
     /// process owns, nor another user's segments; a live reader of a dead writer's set keeps what
     /// it mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]

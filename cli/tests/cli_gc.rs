@@ -875,3 +875,50 @@ fn ls_watch_and_gc_take_an_object_closed_while_they_read_it_for_gone_not_a_probl
     assert!(rounds > 0);
     assert!(wrong.is_empty(), "{rounds} rounds:\n{}", wrong.join("\n"));
 }
+
+/// A killed process's liveness file younger than 5 s is kept by `gc` (its lock is free, but a
+/// process starting up has a free lock too, for the microseconds between making and locking its
+/// file: docs/decisions.md), and said: a `kept` line in the text form and a `kept` entry in the
+/// JSON form, instead of a silent `nothing to remove`.
+#[test]
+fn gc_says_it_keeps_a_killed_processs_liveness_file_younger_than_five_seconds() {
+    let _gc = alone();
+    let name = unique("young-live");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    let child = ChildRole::start("channel-live", &name);
+    let pid = child.0.id();
+    child.kill();
+    let made = Instant::now();
+    let of_child = format!("of pid {pid}");
+    let o = cuda_ipc(&["gc", "--dry-run"]);
+    let t = text(&o);
+    let dry = cuda_ipc(&["gc", "--json"]);
+    let young = made.elapsed() < Duration::from_secs(4);
+    // The file, gone or not: this test's child is dead.
+    for e in std::fs::read_dir("/dev/shm").unwrap().flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if n.starts_with("cuda-ipc.live.") && n.contains(&format!(".{pid}.")) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    if !young {
+        println!("skipped: the machine took more than 4 s; the file may have come of age");
+        return;
+    }
+    assert_eq!(code(&o), 0, "{t}");
+    let line = t
+        .lines()
+        .find(|l| l.starts_with("kept liveness file") && l.contains(&of_child))
+        .unwrap_or_else(|| panic!("no kept line for the child's liveness file:\n{t}"));
+    assert!(line.contains("younger than 5 s"), "{line}");
+    let j = json(&dry);
+    assert_eq!(code(&dry), 0, "{j}");
+    let kept = j["kept"].as_array().unwrap();
+    assert!(
+        kept.iter().any(|k| {
+            let what = k["what"].as_str().unwrap_or("");
+            what.starts_with("liveness file") && what.contains(&of_child)
+        }),
+        "{j}"
+    );
+}

@@ -254,8 +254,9 @@ pub struct Scan {
     /// The leftovers, in the order [`remove`] takes them.
     pub leftovers: Vec<Leftover>,
     /// What is kept, one line each saying why (`channel X: ...`): whether its process runs cannot
-    /// be told, or a registry's, channel's or quota ledger's creation may still finish (younger
-    /// than 2 s, or its creator runs).
+    /// be told, a registry's, channel's or quota ledger's creation may still finish (younger
+    /// than 2 s, or its creator runs), or a liveness file's lock is free but the file is younger
+    /// than [`identity::LIVENESS_FILE_GRACE`] (its process may be starting).
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,

@@ -474,6 +474,22 @@ fn scan_process_files(s: &mut Scan) {
             })),
         Err(e) => s.unread("liveness files".into(), e),
     }
+    // Kept for their age, by the rule above: said, so a `gc` right after a kill does not look as
+    // if it missed them.
+    match identity::young_free_liveness_files() {
+        Ok(files) => s
+            .kept
+            .extend(files.into_iter().filter(|f| ours(f.uid)).map(|f| {
+            format!(
+                "liveness file {SHM_DIR}/{} of {}: its lock is free, but it is younger than {} s \
+                 (a starting process's lock is free too); removed once older, if it stays free",
+                f.name,
+                f.identity,
+                identity::LIVENESS_FILE_GRACE.as_secs()
+            )
+        })),
+        Err(e) => s.unread("liveness files".into(), e),
+    }
     for (c, uid) in stale_bridge_status_files() {
         if ours(uid) {
             s.leftovers.push(leftover(
