@@ -196,6 +196,46 @@ fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
     assert_eq!(code(&o), 1);
 }
 
+/// A NAME that no segment can bear (the library's rule for segment names, and for `hold` its rule
+/// for set names) is a usage error for every subcommand that takes one: exit status 2 and what is
+/// wrong with it (`invalid name`, or its length), never a `cannot read` or `not found` of a registry by that name.
+#[test]
+fn every_subcommand_that_takes_a_name_calls_an_invalid_one_a_usage_error_and_exits_2() {
+    let long = "x".repeat(201);
+    let long_set = "x".repeat(cuda_ipc::channel::MAX_CHANNEL_NAME + 1);
+    let bad = ["", ".", "..", "a/b", "/x", "x y", long.as_str()];
+    let forms: [&[&str]; 8] = [
+        &["ls"],
+        &["ls", "--json"],
+        &["watch", "--count", "1"],
+        &["watch", "--json", "--count", "1"],
+        &["metrics", "--listen", "127.0.0.1:0"],
+        &["gc"],
+        &["gc", "--dry-run", "--json"],
+        &["hold"],
+    ];
+    for form in forms {
+        let mut names = bad.to_vec();
+        if form == ["hold"] {
+            names.extend(["cuda-ipc.ts.", long_set.as_str()]);
+        }
+        for name in names {
+            let args: Vec<&str> = form.iter().copied().chain([name]).collect();
+            let o = cuda_ipc_bounded(&args, false);
+            let t = text(&o);
+            assert_eq!(code(&o), 2, "{args:?}: {t}");
+            assert!(
+                t.contains("invalid name") || t.contains("at most"),
+                "{args:?}: {t}"
+            );
+            assert!(
+                !t.contains("cannot read") && !t.contains("no registry"),
+                "{args:?}: {t}"
+            );
+        }
+    }
+}
+
 #[test]
 fn ls_of_a_name_that_exists_but_is_no_registry_or_channel_says_what_is_wrong() {
     // A file of another program, named like a registry, then like a channel's segment.

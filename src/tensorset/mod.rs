@@ -63,7 +63,9 @@ pub use manifest::{
     fingerprint,
 };
 pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader, VERIFY_APART};
-pub use segment::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
+pub use segment::{
+    DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX, validate_set_name,
+};
 pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};
 

@@ -164,8 +164,21 @@ impl<const M: u64> Header<M> {
     }
 }
 
-/// Checks a set name: as a channel name (1 to `MAX_CHANNEL_NAME` bytes of `[A-Za-z0-9._-]`).
-pub(crate) fn validate_set_name(name: &str) -> Result<()> {
+/// Checks a tensor set's name (without [`MANIFEST_PREFIX`]) by the rule every writer, reader and
+/// holder applies: as a channel name, 1 to [`crate::channel::MAX_CHANNEL_NAME`] bytes of
+/// `[A-Za-z0-9._-]`, not `.` or `..` (the set's generation channel bears its name).
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] for a name too long, [`crate::shm::ShmError::InvalidName`]
+/// saying what else is wrong.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::tensorset::validate_set_name;
+/// assert!(validate_set_name("weights.v2").is_ok());
+/// assert!(validate_set_name("").is_err() && validate_set_name("a/b").is_err());
+/// ```
+pub fn validate_set_name(name: &str) -> Result<()> {
     // The set's generation channel bears its name: the channel's limits are the set's.
     crate::channel::validate_name_as(name, "tensor-set name")
 }
