@@ -16,12 +16,14 @@ fn rate(r: Option<f64>) -> String {
     r.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"))
 }
 
+/// A list of indices (consumer slots, buffers) as the tables show it: `#0,#2`, `-` for none. The
+/// `#` keeps a lone index from reading as a count (`HOLDS 0` read as "holds nothing").
 fn list(v: &[usize]) -> String {
     if v.is_empty() {
         "-".to_string()
     } else {
         v.iter()
-            .map(|x| x.to_string())
+            .map(|x| format!("#{x}"))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -151,7 +153,13 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str(&crate::bridge::describe(b));
         }
         let mut t = table(&[
-            "BUFFER", "STATE", "SEQ", "HOLDERS", "BYTES", "META", "DEVICE",
+            "BUFFER",
+            "STATE",
+            "SEQ",
+            "HELD BY CONSUMERS",
+            "BYTES",
+            "META",
+            "DEVICE",
         ]);
         for b in &c.buffers {
             let (state, seq) = match b.state {
@@ -182,8 +190,15 @@ pub fn render(l: &Listing, rates: bool) -> String {
         out.push('\n');
         if !c.consumers.is_empty() {
             let mut h = vec![
-                "CONSUMER", "PID", "PROCESS", "DELIVERY", "CURSOR", "LAG", "RECEIVED", "DROPPED",
-                "HOLDS",
+                "CONSUMER",
+                "PID",
+                "PROCESS",
+                "DELIVERY",
+                "CURSOR",
+                "LAG",
+                "RECEIVED",
+                "DROPPED",
+                "HOLDS BUFFERS",
             ];
             if rates {
                 h.push("RECV/S");

@@ -170,7 +170,7 @@ fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
             "1",
             "1",
             "0",
-            &held.to_string()
+            &format!("#{held}")
         ],
         "{t}"
     );
@@ -180,6 +180,44 @@ fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
     let v = json(&cuda_ipc(&["ls", &name, "--json"]));
     assert_eq!(v["channels"][0]["closed"], true);
     assert_eq!(v["channels"][0]["consumers"].as_array().unwrap().len(), 0);
+    tx.unlink();
+}
+
+/// The tables' hold columns are lists of indices, and read as such: consumer slot 0 holding
+/// buffer 0 shows `#0` under `HELD BY CONSUMERS` and `HOLDS BUFFERS` (not a bare `0`, which reads
+/// as a count of none), and a buffer nobody holds shows `-`. `--json` keeps its fields: a buffer's
+/// `holders` (consumer slot indices) and a consumer's `holds` (buffer indices).
+#[test]
+fn ls_shows_holds_as_lists_of_indices_not_counts() {
+    let name = unique("ls-holds");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    let tx = ControlProducer::create(&name, 4096, 4, &[token(1), token(2)]).unwrap();
+    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame).unwrap();
+    let (i, _) = tx.try_acquire().unwrap();
+    tx.publish(i, b"m").unwrap();
+    let (held, _, _) = rx.take(Some(Duration::from_secs(1))).unwrap().unwrap();
+    assert_eq!((rx.slot(), held), (0, 0));
+
+    let o = cuda_ipc(&["ls", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    let lines: Vec<&str> = t.lines().collect();
+    let head = |h: &str| lines.iter().position(|l| l.contains(h)).expect(&t);
+    let b = head("HELD BY CONSUMERS");
+    let cols = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    // BUFFER STATE SEQ HELD-BY ...: buffer 0 held by consumer slot 0, buffer 1 by nobody.
+    assert_eq!(cols(lines[b + 1])[..4], ["0", "frame", "1", "#0"], "{t}");
+    assert_eq!(cols(lines[b + 2])[..4], ["1", "empty", "-", "-"], "{t}");
+    let c = head("HOLDS BUFFERS");
+    assert_eq!(cols(lines[c + 1]).last().unwrap(), "#0", "{t}");
+
+    let v = json(&cuda_ipc(&["ls", &name, "--json"]));
+    let ch = &v["channels"][0];
+    assert_eq!(ch["buffers"][0]["holders"], serde_json::json!([0]), "{v}");
+    assert_eq!(ch["buffers"][1]["holders"], serde_json::json!([]), "{v}");
+    assert_eq!(ch["consumers"][0]["holds"], serde_json::json!([0]), "{v}");
+    rx.release(held);
+    drop(rx);
     tx.unlink();
 }
 
