@@ -5,6 +5,7 @@
 use cuda_ipc::channel::inspect::{self as channel_inspect, ChannelSnapshot};
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use cuda_ipc::tensorset::inspect::{self as tensorset_inspect, TensorSetSnapshot};
+use cuda_ipc::tensorset::reclaim as tensorset_reclaim;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
@@ -28,6 +29,63 @@ pub struct Listing {
     pub errors: Vec<SegmentError>,
     /// Objects listed but gone before they were read: closed normally meanwhile (no problem).
     pub closed_meanwhile: Vec<Closed>,
+    /// Tensor sets of which parts stand but no manifest: leftovers of a writer killed half-way, or
+    /// a set being made or closed right now.
+    pub sets_without_manifest: Vec<SetWithoutManifest>,
+}
+
+/// The parts of a tensor set that stand without its manifest, each with what `gc` makes of it
+/// (the library's judgement, [`tensorset_reclaim::parts_without_manifest`]).
+///
+/// JSON: `name`, `parts` (each `part` (`generation channel`, `host data`, `holders`),
+/// `segment`, `bytes`, `age_s`, `young` (younger than 2 s: the judgement depends on its age),
+/// `gc` (`removes`, `keeps` or `cannot judge`) and `why`).
+#[derive(Debug)]
+pub struct SetWithoutManifest {
+    /// The set's name.
+    pub name: String,
+    /// The parts that stand.
+    pub parts: Vec<tensorset_reclaim::PartWithoutManifest>,
+}
+
+impl SetWithoutManifest {
+    /// What `gc` does with `p` (`removes`, `keeps`, `cannot judge`) and why: the same words in the
+    /// text and JSON forms.
+    pub fn gc(p: &tensorset_reclaim::PartWithoutManifest) -> (&'static str, String) {
+        use tensorset_reclaim::Judgement;
+        match &p.judgement {
+            Judgement::Stale(s) => ("removes", s.why.to_string()),
+            Judgement::Kept(why) => ("keeps", why.to_string()),
+            Judgement::Unjudged(e) => ("cannot judge", e.to_string()),
+            _ => ("keeps", "not judged by this version".to_string()),
+        }
+    }
+
+    /// Whether a part is something `gc` removes or cannot judge (exit status 1).
+    pub fn has_problems(&self) -> bool {
+        self.parts.iter().any(|p| Self::gc(p).0 != "keeps")
+    }
+}
+
+impl Serialize for SetWithoutManifest {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        serde_json::json!({
+            "name": self.name,
+            "parts": self.parts.iter().map(|p| {
+                let (gc, why) = Self::gc(p);
+                serde_json::json!({
+                    "part": p.part.word(),
+                    "segment": p.segment,
+                    "bytes": p.bytes,
+                    "age_s": p.age_secs,
+                    "young": p.young,
+                    "gc": gc,
+                    "why": why,
+                })
+            }).collect::<Vec<_>>(),
+        })
+        .serialize(s)
+    }
 }
 
 /// An object that was listed, then gone (nothing under its name) when it was read: its owner
@@ -203,6 +261,10 @@ impl Listing {
             || self.registries.iter().any(|r| r.snapshot.has_leftovers())
             || self.channels.iter().any(|c| c.snapshot.has_leftovers())
             || self.tensor_sets.iter().any(TensorSetView::has_leftovers)
+            || self
+                .sets_without_manifest
+                .iter()
+                .any(SetWithoutManifest::has_problems)
             || self.tensor_sets.iter().any(|t| {
                 t.snapshot.channel_problem.is_some()
                     && t.snapshot.writer_liveness != cuda_ipc::identity::Liveness::Dead
@@ -316,6 +378,19 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 bridge: crate::bridge::read(&format!("ts.{t}")),
                 snapshot,
             }),
+            // No manifest: the parts that stand without one, if any (else closed meanwhile).
+            Err(e) if cuda_ipc::cleanup::is_gone(&e) => {
+                match tensorset_reclaim::parts_without_manifest(t) {
+                    Ok(parts) if !parts.is_empty() => {
+                        l.sets_without_manifest.push(SetWithoutManifest {
+                            name: t.clone(),
+                            parts,
+                        })
+                    }
+                    Ok(_) => l.unreadable("tensorset", t, e),
+                    Err(e) => l.unreadable("tensorset", t, e),
+                }
+            }
             Err(e) => l.unreadable("tensorset", t, e),
         }
     }

@@ -51,6 +51,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
         && l.tensor_sets.is_empty()
         && l.errors.is_empty()
         && l.closed_meanwhile.is_empty()
+        && l.sets_without_manifest.is_empty()
     {
         out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
@@ -298,6 +299,32 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str(
                 "  problem: dead readers are attached; `cuda-ipc gc` frees their slots and holds\n",
             );
+        }
+    }
+    for m in &l.sets_without_manifest {
+        out.push_str(&format!(
+            "tensorset {}: no manifest ({}/{}{}): parts left of a set without one\n",
+            m.name,
+            cuda_ipc::raw::shm::SHM_DIR,
+            cuda_ipc::tensorset::MANIFEST_PREFIX,
+            m.name
+        ));
+        for p in &m.parts {
+            let (gc, why) = crate::listing::SetWithoutManifest::gc(p);
+            out.push_str(&format!(
+                "  {} {}/{} ({}, {} s old): `cuda-ipc gc` {}: {why}\n",
+                p.part.word(),
+                cuda_ipc::raw::shm::SHM_DIR,
+                p.segment,
+                bytes(p.bytes),
+                p.age_secs,
+                match gc {
+                    "removes" => "removes it",
+                    "keeps" if p.young => "keeps it for now",
+                    "keeps" => "keeps it",
+                    _ => "cannot judge it (kept, reported)",
+                },
+            ));
         }
     }
     for e in &l.errors {

@@ -922,3 +922,83 @@ fn gc_says_it_keeps_a_killed_processs_liveness_file_younger_than_five_seconds() 
         "{j}"
     );
 }
+
+/// Parts of a tensor set standing without its manifest (a writer killed half-way, or a set being
+/// made): `ls` names them as parts of a set without one, each with what `gc` does with it, the
+/// same in text and JSON; a young one is kept "for now" (the judgement depends on its age, and
+/// `ls` says so), a creation abandoned is removed (exit status 1, as for other leftovers), and
+/// `gc --dry-run` agrees. Never `cannot read: no tensor set named`.
+#[test]
+fn ls_describes_a_tensor_sets_parts_without_its_manifest_as_gc_judges_them() {
+    let _gc = beside_others();
+    let young = unique("ts-parts-young");
+    let old = unique("ts-parts-old");
+    let td = format!("cuda-ipc.td.{young}");
+    let th = format!("cuda-ipc.th.{old}");
+    let _u = [Unlink(td.clone()), Unlink(th.clone())];
+    // A holders segment sized, with no header: a creation abandoned (no creator recorded) once
+    // it is 2 s old, whatever its age here (its header says nothing of a creator that runs).
+    write_segment(&th, &vec![0u8; 64 << 10]);
+    // An empty host data segment: a creator may be sizing it, for 2 s.
+    let planted = at_a_second_start();
+    write_segment(&td, &[]);
+
+    let o = cuda_ipc(&["ls", &young]);
+    let j = json(&cuda_ipc(&["ls", "--json", &young]));
+    let in_time = planted.elapsed() < Duration::from_millis(1800);
+    let t = text(&o);
+    assert!(!t.contains("cannot read"), "{t}");
+    assert!(
+        t.contains(&format!("tensorset {young}: no manifest")),
+        "{t}"
+    );
+    let set = &j["sets_without_manifest"][0];
+    assert_eq!(set["name"], young.as_str(), "{j}");
+    let part = &set["parts"][0];
+    assert_eq!(part["part"], "host data", "{j}");
+    assert_eq!(part["segment"], td.as_str(), "{j}");
+    if in_time {
+        assert_eq!(code(&o), 0, "{t}");
+        assert!(
+            t.contains(&format!("host data /dev/shm/{td} (0 B, "))
+                && t.contains("`cuda-ipc gc` keeps it for now: younger than 2 s"),
+            "{t}"
+        );
+        assert_eq!(
+            (&part["gc"], &part["young"]),
+            (&"keeps".into(), &true.into()),
+            "{j}"
+        );
+        assert!(
+            part["why"]
+                .as_str()
+                .unwrap()
+                .starts_with("younger than 2 s"),
+            "{j}"
+        );
+    }
+
+    let o = cuda_ipc(&["ls", &old]);
+    let t = text(&o);
+    let j = json(&cuda_ipc(&["ls", "--json", &old]));
+    assert_eq!(code(&o), 1, "{t}");
+    let part = &j["sets_without_manifest"][0]["parts"][0];
+    let why = part["why"].as_str().unwrap();
+    assert_eq!(
+        (&part["part"], &part["gc"]),
+        (&"holders".into(), &"removes".into()),
+        "{j}"
+    );
+    assert!(
+        t.contains(&format!("holders /dev/shm/{th} (64.0 KiB, "))
+            && t.contains(&format!("`cuda-ipc gc` removes it: {why}")),
+        "{t}"
+    );
+    let d = text(&cuda_ipc(&["gc", "--dry-run", &old]));
+    assert!(
+        d.contains(&format!(
+            "would remove tensorset {old}: holders /dev/shm/{th}"
+        )) && d.contains(why),
+        "{d}"
+    );
+}
