@@ -5,6 +5,7 @@
 use cuda_ipc::channel::inspect::{self as channel_inspect, ChannelSnapshot};
 use cuda_ipc::registry::inspect::{self as registry_inspect, RegistrySnapshot};
 use cuda_ipc::tensorset::inspect::{self as tensorset_inspect, TensorSetSnapshot};
+use cuda_ipc::tensorset::reclaim as tensorset_reclaim;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
@@ -26,14 +27,83 @@ pub struct Listing {
     pub tensor_sets: Vec<TensorSetView>,
     /// Segments that could not be read, with why.
     pub errors: Vec<SegmentError>,
+    /// Objects listed but gone before they were read: closed normally meanwhile (no problem).
+    pub closed_meanwhile: Vec<Closed>,
+    /// Tensor sets of which parts stand but no manifest: leftovers of a writer killed half-way, or
+    /// a set being made or closed right now.
+    pub sets_without_manifest: Vec<SetWithoutManifest>,
+}
+
+/// The parts of a tensor set that stand without its manifest, each with what `gc` makes of it
+/// (the library's judgement, [`tensorset_reclaim::parts_without_manifest`]).
+///
+/// JSON: `name`, `parts` (each `part` (`generation channel`, `host data`, `holders`),
+/// `segment`, `bytes`, `age_s`, `young` (younger than 2 s: the judgement depends on its age),
+/// `gc` (`removes`, `keeps` or `cannot judge`) and `why`).
+#[derive(Debug)]
+pub struct SetWithoutManifest {
+    /// The set's name.
+    pub name: String,
+    /// The parts that stand.
+    pub parts: Vec<tensorset_reclaim::PartWithoutManifest>,
+}
+
+impl SetWithoutManifest {
+    /// What `gc` does with `p` (`removes`, `keeps`, `cannot judge`) and why: the same words in the
+    /// text and JSON forms.
+    pub fn gc(p: &tensorset_reclaim::PartWithoutManifest) -> (&'static str, String) {
+        use tensorset_reclaim::Judgement;
+        match &p.judgement {
+            Judgement::Stale(s) => ("removes", s.why.to_string()),
+            Judgement::Kept(why) => ("keeps", why.to_string()),
+            Judgement::Unjudged(e) => ("cannot judge", e.to_string()),
+            _ => ("keeps", "not judged by this version".to_string()),
+        }
+    }
+
+    /// Whether a part is something `gc` removes or cannot judge (exit status 1).
+    pub fn has_problems(&self) -> bool {
+        self.parts.iter().any(|p| Self::gc(p).0 != "keeps")
+    }
+}
+
+impl Serialize for SetWithoutManifest {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        serde_json::json!({
+            "name": self.name,
+            "parts": self.parts.iter().map(|p| {
+                let (gc, why) = Self::gc(p);
+                serde_json::json!({
+                    "part": p.part.word(),
+                    "segment": p.segment,
+                    "bytes": p.bytes,
+                    "age_s": p.age_secs,
+                    "young": p.young,
+                    "gc": gc,
+                    "why": why,
+                })
+            }).collect::<Vec<_>>(),
+        })
+        .serialize(s)
+    }
+}
+
+/// An object that was listed, then gone (nothing under its name) when it was read: its owner
+/// closed it in between. Not a problem.
+#[derive(Debug, Serialize)]
+pub struct Closed {
+    /// `registry`, `channel` or `tensorset`.
+    pub kind: &'static str,
+    /// Its name, as for [`SegmentError::name`].
+    pub name: String,
 }
 
 /// A segment that could not be inspected.
 #[derive(Debug, Serialize)]
 pub struct SegmentError {
-    /// `registry` or `channel`.
+    /// `registry`, `channel`, `tensorset` (or `segment`: a NAME that names nothing any more).
     pub kind: &'static str,
-    /// The registry's segment name or the channel name.
+    /// The registry's segment name, the channel name or the set name.
     pub name: String,
     /// What went wrong.
     pub error: String,
@@ -191,6 +261,10 @@ impl Listing {
             || self.registries.iter().any(|r| r.snapshot.has_leftovers())
             || self.channels.iter().any(|c| c.snapshot.has_leftovers())
             || self.tensor_sets.iter().any(TensorSetView::has_leftovers)
+            || self
+                .sets_without_manifest
+                .iter()
+                .any(SetWithoutManifest::has_problems)
             || self.tensor_sets.iter().any(|t| {
                 t.snapshot.channel_problem.is_some()
                     && t.snapshot.writer_liveness != cuda_ipc::identity::Liveness::Dead
@@ -257,6 +331,24 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     })
 }
 
+impl Listing {
+    /// Records that `kind` `name` could not be inspected: an error, unless nothing stands under
+    /// its name any more ([`cuda_ipc::cleanup::is_gone`]: closed between the listing and the
+    /// reading, [`Listing::closed_meanwhile`]).
+    fn unreadable(&mut self, kind: &'static str, name: &str, e: cuda_ipc::Error) {
+        let name = name.to_string();
+        if cuda_ipc::cleanup::is_gone(&e) {
+            self.closed_meanwhile.push(Closed { kind, name });
+        } else {
+            self.errors.push(SegmentError {
+                kind,
+                name,
+                error: e.to_string(),
+            });
+        }
+    }
+}
+
 /// Inspects every target.
 pub(crate) fn collect(t: &Targets) -> Listing {
     let mut l = Listing::default();
@@ -266,11 +358,7 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 snapshot,
                 publishes_per_s: None,
             }),
-            Err(e) => l.errors.push(SegmentError {
-                kind: "registry",
-                name: r.clone(),
-                error: e.to_string(),
-            }),
+            Err(e) => l.unreadable("registry", r, e),
         }
     }
     for c in &t.channels {
@@ -281,11 +369,7 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 bridge: crate::bridge::read(c),
                 snapshot,
             }),
-            Err(e) => l.errors.push(SegmentError {
-                kind: "channel",
-                name: c.clone(),
-                error: e.to_string(),
-            }),
+            Err(e) => l.unreadable("channel", c, e),
         }
     }
     for t in &t.tensor_sets {
@@ -294,11 +378,20 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 bridge: crate::bridge::read(&format!("ts.{t}")),
                 snapshot,
             }),
-            Err(e) => l.errors.push(SegmentError {
-                kind: "tensorset",
-                name: t.clone(),
-                error: e.to_string(),
-            }),
+            // No manifest: the parts that stand without one, if any (else closed meanwhile).
+            Err(e) if cuda_ipc::cleanup::is_gone(&e) => {
+                match tensorset_reclaim::parts_without_manifest(t) {
+                    Ok(parts) if !parts.is_empty() => {
+                        l.sets_without_manifest.push(SetWithoutManifest {
+                            name: t.clone(),
+                            parts,
+                        })
+                    }
+                    Ok(_) => l.unreadable("tensorset", t, e),
+                    Err(e) => l.unreadable("tensorset", t, e),
+                }
+            }
+            Err(e) => l.unreadable("tensorset", t, e),
         }
     }
     l

@@ -16,12 +16,14 @@ fn rate(r: Option<f64>) -> String {
     r.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"))
 }
 
+/// A list of indices (consumer slots, buffers) as the tables show it: `#0,#2`, `-` for none. The
+/// `#` keeps a lone index from reading as a count (`HOLDS 0` read as "holds nothing").
 fn list(v: &[usize]) -> String {
     if v.is_empty() {
         "-".to_string()
     } else {
         v.iter()
-            .map(|x| x.to_string())
+            .map(|x| format!("#{x}"))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -48,6 +50,8 @@ pub fn render(l: &Listing, rates: bool) -> String {
         && l.channels.is_empty()
         && l.tensor_sets.is_empty()
         && l.errors.is_empty()
+        && l.closed_meanwhile.is_empty()
+        && l.sets_without_manifest.is_empty()
     {
         out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
@@ -150,7 +154,13 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str(&crate::bridge::describe(b));
         }
         let mut t = table(&[
-            "BUFFER", "STATE", "SEQ", "HOLDERS", "BYTES", "META", "DEVICE",
+            "BUFFER",
+            "STATE",
+            "SEQ",
+            "HELD BY CONSUMERS",
+            "BYTES",
+            "META",
+            "DEVICE",
         ]);
         for b in &c.buffers {
             let (state, seq) = match b.state {
@@ -181,8 +191,15 @@ pub fn render(l: &Listing, rates: bool) -> String {
         out.push('\n');
         if !c.consumers.is_empty() {
             let mut h = vec![
-                "CONSUMER", "PID", "PROCESS", "DELIVERY", "CURSOR", "LAG", "RECEIVED", "DROPPED",
-                "HOLDS",
+                "CONSUMER",
+                "PID",
+                "PROCESS",
+                "DELIVERY",
+                "CURSOR",
+                "LAG",
+                "RECEIVED",
+                "DROPPED",
+                "HOLDS BUFFERS",
             ];
             if rates {
                 h.push("RECV/S");
@@ -284,10 +301,42 @@ pub fn render(l: &Listing, rates: bool) -> String {
             );
         }
     }
+    for m in &l.sets_without_manifest {
+        out.push_str(&format!(
+            "tensorset {}: no manifest ({}/{}{}): parts left of a set without one\n",
+            m.name,
+            cuda_ipc::raw::shm::SHM_DIR,
+            cuda_ipc::tensorset::MANIFEST_PREFIX,
+            m.name
+        ));
+        for p in &m.parts {
+            let (gc, why) = crate::listing::SetWithoutManifest::gc(p);
+            out.push_str(&format!(
+                "  {} {}/{} ({}, {} s old): `cuda-ipc gc` {}: {why}\n",
+                p.part.word(),
+                cuda_ipc::raw::shm::SHM_DIR,
+                p.segment,
+                bytes(p.bytes),
+                p.age_secs,
+                match gc {
+                    "removes" => "removes it",
+                    "keeps" if p.young => "keeps it for now",
+                    "keeps" => "keeps it",
+                    _ => "cannot judge it (kept, reported)",
+                },
+            ));
+        }
+    }
     for e in &l.errors {
         out.push_str(&format!(
             "{} {}: cannot read: {}\n",
             e.kind, e.name, e.error
+        ));
+    }
+    for c in &l.closed_meanwhile {
+        out.push_str(&format!(
+            "{} {}: closed meanwhile (gone between listing and reading)\n",
+            c.kind, c.name
         ));
     }
     out

@@ -62,7 +62,8 @@ Exit status:
   1  problems found (doctor: something sharing needs is missing; ls, watch: leftovers of dead
      processes, a segment that cannot be read, or NAME not found; gc: something could not be read
      or removed), or an error
-  2  usage error
+  2  usage error (an unknown option, a NAME that no segment can bear: empty, `..`, with a `/`,
+     too long)
   141  the reader of stdout went away (as `| head` does); nothing else is wrong";
 
 #[cfg(feature = "remote")]
@@ -100,6 +101,7 @@ enum Command {
     Ls {
         /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`) or tensor
         /// set (set name, or `cuda-ipc.ts.NAME`).
+        #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Print JSON instead of tables (docs/cli.md).
         #[arg(long)]
@@ -111,6 +113,7 @@ enum Command {
     #[command(after_help = EXIT_STATUS)]
     Watch {
         /// Only this registry, channel or tensor set.
+        #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Time between refreshes, in milliseconds.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
@@ -134,6 +137,7 @@ enum Command {
         #[arg(long, default_value = metrics::DEFAULT_LISTEN)]
         listen: String,
         /// Only this registry, channel or tensor set.
+        #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Connections served at once; more are answered 503 and closed at once.
         #[arg(long, default_value_t = metrics::server::Limits::DEFAULT.max_connections as u64,
@@ -165,6 +169,7 @@ enum Command {
     #[command(after_help = EXIT_STATUS)]
     Hold {
         /// The tensor set (set name, or `cuda-ipc.ts.NAME`).
+        #[arg(value_parser = set_name_arg)]
         name: String,
     },
     /// Remove what dead processes left: registry records and participant entries of dead
@@ -172,14 +177,16 @@ enum Command {
     /// consumers, tensor sets whose writer died (unless a live holder serves a VMM set), dead
     /// holders' quota reservations, and registries, channels, tensor sets and quota ledgers whose
     /// creation was abandoned half-way (one that may still finish, younger than 2 s or its
-    /// creator running, is kept with a line saying why); without a NAME also the liveness files,
-    /// fd server sockets and bridge status files of killed processes. Never touches what a live
+    /// creator running, is kept with a line saying why); without a NAME also the liveness files
+    /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
+    /// status files of killed processes. Never touches what a live
     /// process owns, nor another user's segments; a live reader of a dead writer's set keeps what
     /// it mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
         /// Only this registry, channel, tensor set or quota ledger (its segment name,
         /// `cuda-ipc.quota.u<uid>.<device>` or `cuda-ipc.quota.g<gid>.<device>`).
+        #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Only say what would be removed.
         #[arg(long)]
@@ -221,6 +228,27 @@ enum QuotaCommand {
         #[arg(long)]
         group: Option<String>,
     },
+}
+
+/// A NAME of `ls`, `watch`, `metrics` or `gc` (a registry's segment name, a channel's or tensor
+/// set's name or segment name, a quota ledger's segment name): every one is a segment name, so one
+/// that breaks the library's rule for those ([`cuda_ipc::raw::shm::validate_name`]) names
+/// nothing: a usage error (exit status 2), said as clap says any invalid argument.
+fn name_arg(name: &str) -> Result<String, String> {
+    cuda_ipc::raw::shm::validate_name(name)
+        .map(|()| name.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// The NAME of `hold`: a tensor set's name, or its manifest's segment name `cuda-ipc.ts.NAME`,
+/// by the library's rule for set names ([`cuda_ipc::tensorset::validate_set_name`]).
+fn set_name_arg(name: &str) -> Result<String, String> {
+    let set = name
+        .strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
+        .unwrap_or(name);
+    cuda_ipc::tensorset::validate_set_name(set)
+        .map(|()| name.to_string())
+        .map_err(|e| e.to_string())
 }
 
 fn init_logging(verbose: u8) {

@@ -204,6 +204,8 @@ pub fn collect_all() -> Ledgers {
     for n in names {
         match QuotaLedger::open_named(&n).and_then(|q| q.snapshot()) {
             Ok(s) => l.snapshots.push(s),
+            // Removed since it was listed: not a problem.
+            Err(e) if cuda_ipc::cleanup::is_gone(&e) => {}
             Err(e) => match skipped(&n, &e) {
                 Some(s) => l.skipped.push(s),
                 None => {

@@ -170,7 +170,7 @@ fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
             "1",
             "1",
             "0",
-            &held.to_string()
+            &format!("#{held}")
         ],
         "{t}"
     );
@@ -180,6 +180,44 @@ fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
     let v = json(&cuda_ipc(&["ls", &name, "--json"]));
     assert_eq!(v["channels"][0]["closed"], true);
     assert_eq!(v["channels"][0]["consumers"].as_array().unwrap().len(), 0);
+    tx.unlink();
+}
+
+/// The tables' hold columns are lists of indices, and read as such: consumer slot 0 holding
+/// buffer 0 shows `#0` under `HELD BY CONSUMERS` and `HOLDS BUFFERS` (not a bare `0`, which reads
+/// as a count of none), and a buffer nobody holds shows `-`. `--json` keeps its fields: a buffer's
+/// `holders` (consumer slot indices) and a consumer's `holds` (buffer indices).
+#[test]
+fn ls_shows_holds_as_lists_of_indices_not_counts() {
+    let name = unique("ls-holds");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    let tx = ControlProducer::create(&name, 4096, 4, &[token(1), token(2)]).unwrap();
+    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame).unwrap();
+    let (i, _) = tx.try_acquire().unwrap();
+    tx.publish(i, b"m").unwrap();
+    let (held, _, _) = rx.take(Some(Duration::from_secs(1))).unwrap().unwrap();
+    assert_eq!((rx.slot(), held), (0, 0));
+
+    let o = cuda_ipc(&["ls", &name]);
+    let t = text(&o);
+    assert_eq!(code(&o), 0, "{t}");
+    let lines: Vec<&str> = t.lines().collect();
+    let head = |h: &str| lines.iter().position(|l| l.contains(h)).expect(&t);
+    let b = head("HELD BY CONSUMERS");
+    let cols = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    // BUFFER STATE SEQ HELD-BY ...: buffer 0 held by consumer slot 0, buffer 1 by nobody.
+    assert_eq!(cols(lines[b + 1])[..4], ["0", "frame", "1", "#0"], "{t}");
+    assert_eq!(cols(lines[b + 2])[..4], ["1", "empty", "-", "-"], "{t}");
+    let c = head("HOLDS BUFFERS");
+    assert_eq!(cols(lines[c + 1]).last().unwrap(), "#0", "{t}");
+
+    let v = json(&cuda_ipc(&["ls", &name, "--json"]));
+    let ch = &v["channels"][0];
+    assert_eq!(ch["buffers"][0]["holders"], serde_json::json!([0]), "{v}");
+    assert_eq!(ch["buffers"][1]["holders"], serde_json::json!([]), "{v}");
+    assert_eq!(ch["consumers"][0]["holds"], serde_json::json!([0]), "{v}");
+    rx.release(held);
+    drop(rx);
     tx.unlink();
 }
 
@@ -194,6 +232,46 @@ fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
     );
     let o = cuda_ipc(&["gc", &unique("nothing-here")]);
     assert_eq!(code(&o), 1);
+}
+
+/// A NAME that no segment can bear (the library's rule for segment names, and for `hold` its rule
+/// for set names) is a usage error for every subcommand that takes one: exit status 2 and what is
+/// wrong with it (`invalid name`, or its length), never a `cannot read` or `not found` of a registry by that name.
+#[test]
+fn every_subcommand_that_takes_a_name_calls_an_invalid_one_a_usage_error_and_exits_2() {
+    let long = "x".repeat(201);
+    let long_set = "x".repeat(cuda_ipc::channel::MAX_CHANNEL_NAME + 1);
+    let bad = ["", ".", "..", "a/b", "/x", "x y", long.as_str()];
+    let forms: [&[&str]; 8] = [
+        &["ls"],
+        &["ls", "--json"],
+        &["watch", "--count", "1"],
+        &["watch", "--json", "--count", "1"],
+        &["metrics", "--listen", "127.0.0.1:0"],
+        &["gc"],
+        &["gc", "--dry-run", "--json"],
+        &["hold"],
+    ];
+    for form in forms {
+        let mut names = bad.to_vec();
+        if form == ["hold"] {
+            names.extend(["cuda-ipc.ts.", long_set.as_str()]);
+        }
+        for name in names {
+            let args: Vec<&str> = form.iter().copied().chain([name]).collect();
+            let o = cuda_ipc_bounded(&args, false);
+            let t = text(&o);
+            assert_eq!(code(&o), 2, "{args:?}: {t}");
+            assert!(
+                t.contains("invalid name") || t.contains("at most"),
+                "{args:?}: {t}"
+            );
+            assert!(
+                !t.contains("cannot read") && !t.contains("no registry"),
+                "{args:?}: {t}"
+            );
+        }
+    }
 }
 
 #[test]

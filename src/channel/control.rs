@@ -121,10 +121,13 @@ unsafe impl VersionedHeader for Header {
 
 /// The producer's identity that header `h` records.
 fn producer_of(h: &Header) -> ProcessIdentity {
-    // Relaxed: written before the stamp, which an opener Acquire-loaded (or a judge's diagnosis
-    // of a segment never stamped).
+    // SYNC POINT: producer recorded. Acquire, loaded first: pairs with the Release store of
+    // `producer_pid` at creation (the identity is whole once the pid is seen).
+    let pid = h.producer_pid.load(Ordering::Acquire);
+    // Relaxed: written before the pid and the stamp, which an opener Acquire-loaded (or a judge's
+    // diagnosis of a segment never stamped).
     ProcessIdentity {
-        pid: h.producer_pid.load(Ordering::Relaxed),
+        pid,
         start_time: h.producer_start_time.load(Ordering::Relaxed),
         boot_id: boot_bytes([
             h.producer_boot_id[0].load(Ordering::Relaxed),
@@ -260,7 +263,6 @@ impl Control {
         versioned::write_versioned::<Header>(
             &c.seg,
             |h| {
-                h.producer_pid.store(me.pid, Ordering::Relaxed);
                 h.producer_start_time
                     .store(me.start_time, Ordering::Relaxed);
                 let bw = boot_words(&me);
@@ -269,6 +271,10 @@ impl Control {
                 h.producer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
                 h.producer_uid
                     .store(rustix::process::geteuid().as_raw(), Ordering::Relaxed);
+                // SYNC POINT: producer recorded. Release, stored last: pairs with the Acquire
+                // load of `producer_pid` in `producer_of`; a judge of the segment before its
+                // stamp that sees the pid sees the whole identity (a torn one reads as dead).
+                h.producer_pid.store(me.pid, Ordering::Release);
             },
             |h| {
                 h.buffers.store(buffers as u32, Ordering::Relaxed);

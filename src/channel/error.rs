@@ -222,3 +222,14 @@ fn waited_text(d: Duration) -> String {
         format!("{} ms", d.as_millis())
     }
 }
+
+/// Whether `e` says that nothing stands under the name: a missing segment
+/// ([`crate::shm::ShmError::NotFound`]), or the same in the channel's words
+/// ([`ChannelError::NotFound`], as a channel's openers tell it).
+pub(crate) fn is_not_found(e: &crate::Error) -> bool {
+    matches!(
+        e,
+        crate::Error::Shm(crate::shm::ShmError::NotFound { .. })
+            | crate::Error::Channel(ChannelError::NotFound(_))
+    )
+}

@@ -14,6 +14,7 @@ use super::layout::{self, META_BYTES, SEQ_EMPTY, WRITING};
 use super::stats::LatencyHistogram;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
+#[cfg(doc)]
 use crate::shm::ShmError;
 use crate::shm::versioned::Creation;
 use crate::sync::Ordering;
@@ -400,7 +401,8 @@ pub fn abandoned(channel: &str) -> Result<Option<&'static str>> {
     match Control::replaceable(channel, &name) {
         Ok("its producer is dead") => Ok(None),
         Ok(why) => Ok(Some(why)),
-        Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+        // Nothing under the name (the opener tells it as `ChannelError::NotFound`).
+        Err(e) if super::is_not_found(&e) => Ok(None),
         // A live producer's, a live creator's: not abandoned.
         Err(Error::Channel(
             super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),

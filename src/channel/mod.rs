@@ -55,6 +55,7 @@ pub use consumer::{Consumer, Frame, MAX_POSTED_AHEAD, Posted, PostedFrame};
 pub(crate) use control::Control;
 pub use control::MAX_CHANNEL_NAME;
 pub(crate) use control::validate_name_as;
+pub(crate) use error::is_not_found;
 pub use error::{ChannelError, SegmentFault};
 pub use layout::{Delivery, LATENCY_BUCKETS, MAX_BUFFERS, MAX_CONSUMERS, META_BYTES};
 pub use options::{ChannelOptions, ConsumerOptions, MemoryKind};

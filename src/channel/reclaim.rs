@@ -97,7 +97,8 @@ pub(crate) fn abandoned_in(prefix: &str, channel: &str) -> Result<Option<(&'stat
     match Control::replaceable(channel, &name) {
         Ok("its producer is dead") => Ok(None),
         Ok(why) => Ok(Some((why, before.inode))),
-        Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
+        // Gone since the stat (the opener tells it as `ChannelError::NotFound`).
+        Err(e) if super::is_not_found(&e) => Ok(None),
         Err(Error::Channel(
             super::ChannelError::AlreadyExists { .. } | super::ChannelError::CreationInProgress(_),
         )) => Ok(None),

@@ -3,7 +3,7 @@
 //! through [`tensorset::reclaim::release_dead_holders`] (each slot only while it is still the dead
 //! server's; a live server's slot, or one whose liveness cannot be told, is never touched).
 
-use super::{Leftover, LeftoverKind, Removal, Scan, Target, leftover, problem};
+use super::{Leftover, LeftoverKind, Removal, Scan, Target, leftover};
 use crate::tensorset::{self, HolderSnapshot};
 
 /// The leftover of a dead server's slot in set `t`.
@@ -27,7 +27,7 @@ fn slot_leftover(t: &str, h: &HolderSnapshot) -> Leftover {
 pub(super) fn scan(t: &str, s: &mut Scan) {
     match tensorset::reclaim::dead_holders(t) {
         Ok(dead) => s.leftovers.extend(dead.iter().map(|h| slot_leftover(t, h))),
-        Err(e) => s.problems.push(problem(format!("tensorset {t}"), e)),
+        Err(e) => s.unread(format!("tensorset {t}"), e),
     }
 }
 
@@ -44,6 +44,12 @@ pub(super) fn free(t: &str, listed: &[Leftover], out: &mut Removal) {
             }
             out.removed.extend(freed);
         }
-        Err(e) => out.problems.push(problem(format!("tensorset {t}"), e)),
+        Err(e) => out.failed(
+            format!("tensorset {t}"),
+            e,
+            listed
+                .iter()
+                .filter(|l| l.object == t && matches!(l.target, Target::TensorSetHolder { .. })),
+        ),
     }
 }

@@ -254,8 +254,9 @@ pub struct Scan {
     /// The leftovers, in the order [`remove`] takes them.
     pub leftovers: Vec<Leftover>,
     /// What is kept, one line each saying why (`channel X: ...`): whether its process runs cannot
-    /// be told, or a registry's, channel's or quota ledger's creation may still finish (younger
-    /// than 2 s, or its creator runs).
+    /// be told, a registry's, channel's or quota ledger's creation may still finish (younger
+    /// than 2 s, or its creator runs), or a liveness file's lock is free but the file is younger
+    /// than [`identity::LIVENESS_FILE_GRACE`] (its process may be starting).
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,
@@ -352,8 +353,58 @@ fn leftover(
     }
 }
 
+/// Whether `e` says that nothing stands under the name that was read: a missing segment
+/// ([`ShmError::NotFound`](crate::shm::ShmError::NotFound)), or the same in a layer's words (no
+/// channel of that name, [`ChannelError::NotFound`](crate::channel::ChannelError::NotFound); no
+/// tensor set, [`TensorSetError::NotFound`](crate::tensorset::TensorSetError::NotFound)).
+///
+/// For tools that list names first and read each one after ([`scan`], `cuda-ipc ls`): an object
+/// whose reading fails so was closed (normally, by its owner) in between, which is no problem.
+///
+/// # Examples
+/// ```
+/// let e = cuda_ipc::channel::inspect::inspect("no-such-channel-anywhere").unwrap_err();
+/// assert!(cuda_ipc::cleanup::is_gone(&e));
+/// ```
+pub fn is_gone(e: &Error) -> bool {
+    crate::tensorset::is_not_found(e)
+}
+
 fn problem(subject: String, error: Error) -> Problem {
     Problem { subject, error }
+}
+
+impl Scan {
+    /// Records that `subject` could not be read because of `error`: a problem, unless nothing
+    /// stands under its name any more ([`is_gone`]: closed normally between the
+    /// listing and the reading), which is no problem and is not reported.
+    fn unread(&mut self, subject: String, error: Error) {
+        if !is_gone(&error) {
+            self.problems.push(problem(subject, error));
+        }
+    }
+}
+
+impl Removal {
+    /// Records that removing the leftovers `listed` of `subject` failed with `error`: a problem,
+    /// unless nothing stands under the name any more ([`is_gone`]: closed since the
+    /// scan), when each of them not yet reported is kept, gone meanwhile.
+    fn failed<'a>(
+        &mut self,
+        subject: String,
+        error: Error,
+        listed: impl IntoIterator<Item = &'a Leftover>,
+    ) {
+        if !is_gone(&error) {
+            self.problems.push(problem(subject, error));
+            return;
+        }
+        for l in listed {
+            if !self.removed.contains(l) && !self.kept.iter().any(|(k, _)| k == l) {
+                self.kept.push((l.clone(), "gone meanwhile"));
+            }
+        }
+    }
 }
 
 fn consumer_leftover(c: &str, x: &channel_inspect::ConsumerSnapshot) -> Leftover {

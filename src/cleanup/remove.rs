@@ -5,7 +5,7 @@
 
 use super::{
     BRIDGE_PREFIX, Leftover, LeftoverKind, RegistryKey, Removal, Target, bridge_dead,
-    consumer_leftover, holder_leftover, holders, leftover, problem,
+    consumer_leftover, holder_leftover, holders, leftover,
 };
 use crate::channel;
 use crate::error::Result;
@@ -65,9 +65,7 @@ pub fn remove(leftovers: &[Leftover]) -> Removal {
                 Ok(None) => out
                     .kept
                     .push((l.clone(), "a new producer took it over meanwhile")),
-                Err(e) => out
-                    .problems
-                    .push(problem(format!("channel {}", l.object), e)),
+                Err(e) => out.failed(format!("channel {}", l.object), e, [l]),
             },
             Target::ChannelConsumer { index } => {
                 match channel::reclaim::release_dead_consumers(&l.object) {
@@ -84,9 +82,7 @@ pub fn remove(leftovers: &[Leftover]) -> Removal {
                             out.kept.push((l.clone(), "gone or no longer dead"));
                         }
                     }
-                    Err(e) => out
-                        .problems
-                        .push(problem(format!("channel {}", l.object), e)),
+                    Err(e) => out.failed(format!("channel {}", l.object), e, [l]),
                 }
             }
             Target::HostPool => one(
@@ -140,7 +136,7 @@ fn one(l: &Leftover, r: Result<bool>, out: &mut Removal) {
     match r {
         Ok(true) => out.removed.push(l.clone()),
         Ok(false) => out.kept.push((l.clone(), "gone or no longer stale")),
-        Err(e) => out.problems.push(problem(l.what.clone(), e)),
+        Err(e) => out.failed(l.what.clone(), e, [l]),
     }
 }
 
@@ -157,7 +153,13 @@ fn reclaim_registry(r: &str, listed: &[Leftover], out: &mut Removal) {
     let freed = match freed {
         Ok(f) => f,
         Err(e) => {
-            out.problems.push(problem(format!("registry {r}"), e));
+            out.failed(
+                format!("registry {r}"),
+                e,
+                listed
+                    .iter()
+                    .filter(|l| l.object == r && matches!(l.target, Target::RegistryItem(_))),
+            );
             return;
         }
     };
@@ -254,8 +256,12 @@ fn reclaim_ledger(name: &str, listed: &[Leftover], out: &mut Removal) {
             }
             out.removed.extend(freed);
         }
-        Err(e) => out
-            .problems
-            .push(problem(format!("quota ledger {name}"), e)),
+        Err(e) => out.failed(
+            format!("quota ledger {name}"),
+            e,
+            listed
+                .iter()
+                .filter(|l| l.object == name && matches!(l.target, Target::QuotaHolder { .. })),
+        ),
     }
 }

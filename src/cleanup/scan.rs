@@ -14,8 +14,8 @@ use crate::identity;
 use crate::ipc::fdpass;
 use crate::quota::{self, QuotaLedger};
 use crate::registry::inspect as registry_inspect;
+use crate::shm::SHM_DIR;
 use crate::shm::versioned::Creation;
-use crate::shm::{SHM_DIR, ShmError};
 use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 
 /// Lists what dead processes left in `scope`, by the layers' own rules; changes nothing.
@@ -90,9 +90,9 @@ fn unreadable(
         // creating it must not fail).
         Ok(Creation::UnderWay(why)) => s.kept.push(format!("{subject}: {why}")),
         Ok(Creation::Finished) if first => return Unread::LookAgain,
-        // Gone meanwhile: nothing to report.
-        Err(Error::Shm(ShmError::NotFound { .. })) => {}
-        Ok(Creation::Finished) | Err(_) => s.problems.push(problem(subject, e)),
+        // Gone meanwhile (closed by its owner): nothing to report.
+        Err(j) if super::is_gone(&j) => {}
+        Ok(Creation::Finished) | Err(_) => s.unread(subject, e),
     }
     Unread::Said
 }
@@ -278,7 +278,7 @@ fn scan_host_pools(named: Option<&[String]>, s: &mut Scan) {
     let pools = match channel_inspect::stale_host_pools() {
         Ok(p) => p,
         Err(e) => {
-            s.problems.push(problem("host pools".into(), e));
+            s.unread("host pools".into(), e);
             return;
         }
     };
@@ -308,13 +308,13 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
     let (parts, unjudged) = match tensorset::reclaim::judged_parts(t) {
         Ok(p) => (p.stale, p.unjudged),
         Err(e) => {
-            s.problems.push(problem(format!("tensorset {t}"), e));
+            s.unread(format!("tensorset {t}"), e);
             return;
         }
     };
     let holders_unjudged = unjudged.iter().any(|(p, _)| *p == Part::Holders);
     for (_, e) in unjudged {
-        s.problems.push(problem(format!("tensorset {t}"), e));
+        s.unread(format!("tensorset {t}"), e);
     }
     let writer_dead = parts
         .iter()
@@ -377,7 +377,7 @@ fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
         None => match quota::list_ledgers() {
             Ok(n) => n,
             Err(e) => {
-                s.problems.push(problem("quota ledgers".into(), e));
+                s.unread("quota ledgers".into(), e);
                 return;
             }
         },
@@ -421,14 +421,14 @@ fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
                 continue;
             }
             // Gone meanwhile: nothing to report.
-            Err(Error::Shm(ShmError::NotFound { .. })) => continue,
+            Err(e) if super::is_gone(&e) => continue,
             Ok(quota::Creation::Finished) | Err(_) => {}
         }
         match QuotaLedger::open_named(&name).and_then(|l| l.dead_holders(false)) {
             Ok(dead) => s
                 .leftovers
                 .extend(dead.iter().map(|h| holder_leftover(&name, h))),
-            Err(e) => s.problems.push(problem(format!("quota ledger {name}"), e)),
+            Err(e) => s.unread(format!("quota ledger {name}"), e),
         }
     }
 }
@@ -457,7 +457,7 @@ fn scan_process_files(s: &mut Scan) {
                     Target::Socket(f),
                 )
             })),
-        Err(e) => s.problems.push(problem("fd server sockets".into(), e)),
+        Err(e) => s.unread("fd server sockets".into(), e),
     }
     match identity::stale_liveness_files() {
         Ok(files) => s
@@ -472,7 +472,23 @@ fn scan_process_files(s: &mut Scan) {
                     Target::Liveness(f),
                 )
             })),
-        Err(e) => s.problems.push(problem("liveness files".into(), e)),
+        Err(e) => s.unread("liveness files".into(), e),
+    }
+    // Kept for their age, by the rule above: said, so a `gc` right after a kill does not look as
+    // if it missed them.
+    match identity::young_free_liveness_files() {
+        Ok(files) => s
+            .kept
+            .extend(files.into_iter().filter(|f| ours(f.uid)).map(|f| {
+            format!(
+                "liveness file {SHM_DIR}/{} of {}: its lock is free, but it is younger than {} s \
+                 (a starting process's lock is free too); removed once older, if it stays free",
+                f.name,
+                f.identity,
+                identity::LIVENESS_FILE_GRACE.as_secs()
+            )
+        })),
+        Err(e) => s.unread("liveness files".into(), e),
     }
     for (c, uid) in stale_bridge_status_files() {
         if ours(uid) {

@@ -26,6 +26,23 @@ pub struct LivenessFile {
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
 pub fn stale_liveness_files() -> Result<Vec<LivenessFile>> {
+    free_liveness_files(true)
+}
+
+/// The liveness files in `/dev/shm` whose lock is free but that were made less than 5 s ago
+/// ([`LIVENESS_FILE_GRACE`]): the ones [`stale_liveness_files`] leaves out for their age. A
+/// process starting up (between making its file and locking it), or one killed within 5 s of its
+/// start: which cannot be told yet. For `cuda-ipc gc`, which lists them as kept, with why;
+/// nothing is removed here.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
+pub fn young_free_liveness_files() -> Result<Vec<LivenessFile>> {
+    free_liveness_files(false)
+}
+
+/// The liveness files whose lock is free, `old` (at least [`LIVENESS_FILE_GRACE`] old) or young.
+fn free_liveness_files(old: bool) -> Result<Vec<LivenessFile>> {
     let boot = boot_id()?;
     let dir = std::fs::read_dir(LIVE_DIR).map_err(|e| OsError::io("opendir", LIVE_DIR, e))?;
     let mut out = Vec::new();
@@ -44,7 +61,7 @@ pub fn stale_liveness_files() -> Result<Vec<LivenessFile>> {
             continue;
         };
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
-            || !old_enough(&st)
+            || old_enough(&st) != old
         {
             continue;
         }
@@ -89,7 +106,11 @@ pub fn remove_stale_liveness_file(file: &LivenessFile) -> Result<bool> {
 }
 
 /// A liveness file is taken for stale only this long after it was made (`st_ctime`): between
-/// creating the file and locking it (microseconds), a starting process's lock is free too.
+/// creating the file and locking it (microseconds), a starting process's lock is free too
+/// (docs/decisions.md). Younger ones with a free lock: [`young_free_liveness_files`].
+pub const LIVENESS_FILE_GRACE: std::time::Duration =
+    std::time::Duration::from_secs(STALE_AFTER_SECS as u64);
+
 #[cfg(not(test))]
 const STALE_AFTER_SECS: i64 = 5;
 #[cfg(test)] // the unit tests wait for it

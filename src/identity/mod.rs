@@ -56,7 +56,10 @@ pub(crate) mod lock;
 mod proc;
 
 pub(crate) use files::parse_file_name;
-pub use files::{LivenessFile, remove_stale_liveness_file, stale_liveness_files};
+pub use files::{
+    LIVENESS_FILE_GRACE, LivenessFile, remove_stale_liveness_file, stale_liveness_files,
+    young_free_liveness_files,
+};
 pub use proc::own_pid_ns;
 pub(crate) use proc::start_time_of;
 pub(crate) use proc::{boot_id, parse_uuid_text, proc_has_pid};

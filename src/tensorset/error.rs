@@ -232,3 +232,11 @@ fn unverified(generation: u64, committed: &[u8; 32], computed: &[u8; 32]) -> Str
 fn hex(b: &[u8; 32]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+/// Whether `e` says that nothing stands under the name: a missing segment, a channel of no such
+/// name ([`crate::channel::is_not_found`]: a set's generation channel), or no tensor set of that
+/// name ([`TensorSetError::NotFound`]).
+pub(crate) fn is_not_found(e: &crate::Error) -> bool {
+    crate::channel::is_not_found(e)
+        || matches!(e, crate::Error::TensorSet(TensorSetError::NotFound(_)))
+}

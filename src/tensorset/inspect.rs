@@ -130,25 +130,64 @@ pub fn list_tensor_sets() -> Result<Vec<String>> {
 
 /// A snapshot of tensor set `name`.
 ///
+/// The generation channel is read after the manifest: where it cannot be read,
+/// [`TensorSetSnapshot::channel_problem`] says why (in the set's words), unless the manifest's name
+/// no longer stands for the manifest read (the set was closed meanwhile: `NotFound`; made again:
+/// read again, once).
+///
 /// # Errors
 /// As the reader's open of the manifest ([`super::TensorSetError::NotFound`], `BadManifest`,
-/// `VersionMismatch`, the segment's own errors).
+/// `VersionMismatch`, the segment's own errors); [`super::TensorSetError::NotFound`] for a set
+/// closed while it was read.
 pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
-    let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+    let mut first = true;
+    let (opened, channel, channel_problem) = loop {
+        let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
+        let m = &opened.manifest;
+        let (channel, channel_problem) = match inspect_in(GENERATION_PREFIX, name) {
+            Ok(c) if c.generation == m.channel_generation => (Some(c), None),
+            Ok(c) => (
+                None,
+                Some(format!(
+                    "{GENERATION_PREFIX}{name} is of another creation (generation {}, the \
+                     manifest names {})",
+                    c.generation, m.channel_generation
+                )),
+            ),
+            // In the set's words: the channel layer's "no channel named" speaks of a producer.
+            Err(e) if super::is_not_found(&e) => (
+                None,
+                Some(
+                    crate::shm::ShmError::NotFound {
+                        name: format!("{GENERATION_PREFIX}{name}"),
+                    }
+                    .to_string(),
+                ),
+            ),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        // A set closed while it was read (its writer unlinks the manifest first, then closes the
+        // generation channel) is gone, not a set without its channel; one made again meanwhile
+        // is read again, once.
+        let still_this = || match (
+            crate::shm::Segment::stat(opened.seg.name()),
+            opened.seg.inode(),
+        ) {
+            (Ok(now), Ok(read)) => now.inode == read,
+            (Err(e), _) => !super::is_not_found(&e),
+            _ => true,
+        };
+        if channel_problem.is_some() && !still_this() {
+            if first {
+                first = false;
+                continue;
+            }
+            return Err(super::TensorSetError::NotFound(name.to_string()).into());
+        }
+        break (opened, channel, channel_problem);
+    };
     let (writer, uid) = opened.header().writer();
     let m = &opened.manifest;
-    let (channel, channel_problem) = match inspect_in(GENERATION_PREFIX, name) {
-        Ok(c) if c.generation == m.channel_generation => (Some(c), None),
-        Ok(c) => (
-            None,
-            Some(format!(
-                "{GENERATION_PREFIX}{name} is of another creation (generation {}, the manifest \
-                 names {})",
-                c.generation, m.channel_generation
-            )),
-        ),
-        Err(e) => (None, Some(e.to_string())),
-    };
     let (generation, readers, holds) = match &channel {
         Some(c) => {
             let readers = c

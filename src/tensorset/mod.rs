@@ -55,6 +55,7 @@ mod stable;
 mod writer;
 
 pub use dtype::DType;
+pub(crate) use error::is_not_found;
 pub use error::{ManifestFault, TensorSetError};
 pub use holders::{Holder, HolderRole, HolderSnapshot, HolderStatus};
 pub use manifest::{
@@ -62,7 +63,9 @@ pub use manifest::{
     TensorSpec, fingerprint,
 };
 pub use reader::{Held, Location, OpenTimings, TensorRef, TensorSetReader, VERIFY_APART};
-pub use segment::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
+pub use segment::{
+    DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX, validate_set_name,
+};
 pub use stable::StableSwitch;
 pub use writer::{TensorSetWriter, Update};
 

@@ -101,17 +101,19 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
         (id.pid != 0).then_some(id)
     };
     let (why, writer) = match part {
-        Part::Generation => match abandoned_in(GENERATION_PREFIX, name)? {
-            Some((why, _)) => (why, None),
-            None => match crate::channel::inspect::inspect_in(GENERATION_PREFIX, name) {
-                Ok(snap) if snap.producer_liveness == Liveness::Dead => {
-                    ("its writer is dead", Some(snap.producer))
-                }
-                Ok(_) => return Ok(None),
-                Err(Error::Channel(crate::channel::ChannelError::NotFound(_))) => return Ok(None),
-                Err(e) => return Err(e),
-            },
-        },
+        Part::Generation => {
+            match abandoned_in(GENERATION_PREFIX, name).map_err(|e| in_set_words(name, e))? {
+                Some((why, _)) => (why, None),
+                None => match crate::channel::inspect::inspect_in(GENERATION_PREFIX, name) {
+                    Ok(snap) if snap.producer_liveness == Liveness::Dead => {
+                        ("its writer is dead", Some(snap.producer))
+                    }
+                    Ok(_) => return Ok(None),
+                    Err(e) if super::is_not_found(&e) => return Ok(None),
+                    Err(e) => return Err(e),
+                },
+            }
+        }
         Part::Manifest | Part::Data | Part::Holders => {
             let r = match part {
                 Part::Manifest => {
@@ -122,11 +124,9 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
             };
             let why = match r {
                 Ok(why) => why,
-                Err(Error::Shm(ShmError::NotFound { .. }))
-                | Err(Error::TensorSet(
-                    TensorSetError::NotFound(_)
-                    | TensorSetError::AlreadyExists { .. }
-                    | TensorSetError::CreationInProgress(_),
+                Err(e) if super::is_not_found(&e) => return Ok(None),
+                Err(Error::TensorSet(
+                    TensorSetError::AlreadyExists { .. } | TensorSetError::CreationInProgress(_),
                 )) => return Ok(None),
                 Err(e) => return Err(e),
             };
@@ -134,7 +134,12 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
             let writer = if info.sparse || info.len < HEADER_PAGE as u64 {
                 None
             } else {
-                let seg = Segment::open_with_min_len(&seg_name, HEADER_PAGE)?;
+                let seg = match Segment::open_with_min_len(&seg_name, HEADER_PAGE) {
+                    Ok(seg) => seg,
+                    // Gone since it was judged.
+                    Err(e) if super::is_not_found(&e) => return Ok(None),
+                    Err(e) => return Err(e),
+                };
                 match part {
                     Part::Manifest => writer_of(versioned::header::<ManifestHeader>(&seg).writer()),
                     Part::Data => writer_of(versioned::header::<DataHeader>(&seg).writer()),
@@ -196,6 +201,107 @@ pub fn stale_parts(name: &str) -> Result<Vec<StalePart>> {
     }
 }
 
+/// What `gc` makes of a part of a set ([`PartWithoutManifest`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Judgement {
+    /// A dead writer's or an abandoned creation's: `gc` removes it.
+    Stale(StalePart),
+    /// Kept, for now or for good, with why: a creation that may be under way (younger than 2 s:
+    /// judged again once older), a live writer's or holder's (a set being made or closed), or one
+    /// whose writer's liveness cannot be told.
+    Kept(&'static str),
+    /// It could not be judged (another user's file, a FIFO, a foreign segment): kept, and `gc`
+    /// reports it.
+    Unjudged(Error),
+}
+
+/// A part of a set standing without its manifest: what a writer killed half-way, or a set being
+/// made or closed right now, leaves ([`parts_without_manifest`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct PartWithoutManifest {
+    /// Which part (never [`Part::Manifest`]).
+    pub part: Part,
+    /// Its segment name.
+    pub segment: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Seconds since it was made (`st_ctime`).
+    pub age_secs: u64,
+    /// Whether it is younger than 2 s: then a part that is not stale is kept as a creation that
+    /// may be under way, and judged again once older (with no live creator, removed then): the
+    /// judgement depends on its age.
+    pub young: bool,
+    /// What `gc` makes of it, by the rule of [`judged_parts`].
+    pub judgement: Judgement,
+}
+
+/// Why a part that is not stale is kept: young (`young`), or a live process's.
+const KEPT_YOUNG: &str = "younger than 2 s: a creation may be under way; judged again once 2 s \
+                          old (removed then unless a live writer is recorded)";
+const KEPT_LIVE: &str = "its writer runs (a set being made or closed), or whether it runs \
+                         cannot be told";
+const KEPT_HELD: &str = "a live holder serves the set";
+
+/// The parts of set `name` that stand while its manifest does not (its generation channel, host
+/// data, holders segment), each with what `gc` makes of it: for `cuda-ipc ls`, which shows such
+/// parts as leftovers of a set without a manifest, in the words `gc` acts by. Empty when the
+/// manifest stands (the set is inspected instead) or nothing stands. Changes nothing.
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] or [`crate::shm::ShmError::InvalidName`] for a name no set
+/// can bear.
+pub fn parts_without_manifest(name: &str) -> Result<Vec<PartWithoutManifest>> {
+    segment::validate_set_name(name)?;
+    let mut out = Vec::new();
+    match Segment::stat(&Part::Manifest.segment_name(name)) {
+        Err(e) if super::is_not_found(&e) => {}
+        // Something stands under the manifest's name: not a set without one.
+        _ => return Ok(out),
+    }
+    for part in [Part::Generation, Part::Data, Part::Holders] {
+        let segment = part.segment_name(name);
+        let info = match Segment::stat(&segment) {
+            Ok(i) => i,
+            Err(e) if super::is_not_found(&e) => continue,
+            Err(e) => {
+                out.push(PartWithoutManifest {
+                    part,
+                    segment,
+                    bytes: 0,
+                    age_secs: 0,
+                    young: false,
+                    judgement: Judgement::Unjudged(e),
+                });
+                continue;
+            }
+        };
+        let young = Duration::from_secs(info.age_secs) < crate::shm::versioned::ABANDONED_AFTER;
+        let judgement = match judge(name, part) {
+            Ok(Some((p, _))) => Judgement::Stale(p),
+            // Gone since the stat.
+            Ok(None) if matches!(Segment::stat(&segment), Err(ref e) if super::is_not_found(e)) => {
+                continue;
+            }
+            Ok(None) if is_held(name) => Judgement::Kept(KEPT_HELD),
+            Ok(None) if young => Judgement::Kept(KEPT_YOUNG),
+            Ok(None) => Judgement::Kept(KEPT_LIVE),
+            Err(e) if super::is_not_found(&e) => continue,
+            Err(e) => Judgement::Unjudged(e),
+        };
+        out.push(PartWithoutManifest {
+            part,
+            segment,
+            bytes: info.len,
+            age_secs: info.age_secs,
+            young,
+            judgement,
+        });
+    }
+    Ok(out)
+}
+
 /// Every part of a set judged on its own ([`judged_parts`]).
 #[derive(Debug)]
 #[non_exhaustive]
@@ -243,9 +349,11 @@ pub fn remove_part(name: &str, part: Part) -> Result<Option<&'static str>> {
     if part == Part::Generation {
         // The channel's own removals judge again under its rules.
         if p.writer.is_some() {
-            return Ok(remove_stale_control_in(GENERATION_PREFIX, name)?.map(|_| p.why));
+            return Ok(remove_stale_control_in(GENERATION_PREFIX, name)
+                .map_err(|e| in_set_words(name, e))?
+                .map(|_| p.why));
         }
-        return remove_abandoned_in(GENERATION_PREFIX, name);
+        return remove_abandoned_in(GENERATION_PREFIX, name).map_err(|e| in_set_words(name, e));
     }
     Ok(Segment::unlink_if_same(&p.segment, inode)?.then_some(p.why))
 }
@@ -321,5 +429,17 @@ fn open_holders(name: &str) -> Result<Option<HoldersSegment>> {
 /// As the generation channel's open.
 pub fn release_dead_readers(name: &str) -> Result<u64> {
     segment::validate_set_name(name)?;
-    release_dead_consumers_in(GENERATION_PREFIX, name)
+    release_dead_consumers_in(GENERATION_PREFIX, name).map_err(|e| in_set_words(name, e))
+}
+
+/// An error of set `name`'s generation channel in the set's words: the channel layer's "no
+/// channel named" (which tells the user to start a producer) is the set's
+/// [`TensorSetError::NotFound`]; other errors name the segment already.
+fn in_set_words(name: &str, e: Error) -> Error {
+    match e {
+        Error::Channel(crate::channel::ChannelError::NotFound(_)) => {
+            TensorSetError::NotFound(name.to_string()).into()
+        }
+        e => e,
+    }
 }

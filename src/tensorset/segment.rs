@@ -122,8 +122,8 @@ impl<const M: u64> Header<M> {
     }
 
     fn write_owner(&self, me: &ProcessIdentity) {
-        // Relaxed: published by the magic's and the stamp's Release stores (`write_versioned`).
-        self.writer_pid.store(me.pid, Ordering::Relaxed);
+        // Relaxed: published by the magic's and the stamp's Release stores (`write_versioned`),
+        // and, for a judge of the unstamped segment, by the pid's Release store below.
         self.writer_uid
             .store(rustix::process::geteuid().as_raw(), Ordering::Relaxed);
         self.writer_start_time
@@ -137,18 +137,25 @@ impl<const M: u64> Header<M> {
             Ordering::Relaxed,
         );
         self.writer_pid_ns.store(me.pid_ns, Ordering::Relaxed);
+        // SYNC POINT: writer recorded. Release, stored last: pairs with the Acquire load of
+        // `writer_pid` in `writer`; a judge of a segment not stamped yet that sees the pid sees
+        // the whole identity (never a torn one, which would read as a dead writer's).
+        self.writer_pid.store(me.pid, Ordering::Release);
     }
 
     /// The writer's identity and uid as recorded.
     pub(crate) fn writer(&self) -> (ProcessIdentity, u32) {
-        // Relaxed: written before the stamp, which openers Acquire-loaded (or a diagnosis of an
-        // unstamped segment).
+        // SYNC POINT: writer recorded. Acquire, loaded first: pairs with the Release store of
+        // `writer_pid` in `write_owner` (the identity is whole once the pid is seen).
+        let pid = self.writer_pid.load(Ordering::Acquire);
+        // Relaxed: written before the pid and the stamp, which openers Acquire-loaded (or a
+        // diagnosis of an unstamped segment).
         let mut boot_id = [0u8; 16];
         boot_id[..8].copy_from_slice(&self.writer_boot_id[0].load(Ordering::Relaxed).to_le_bytes());
         boot_id[8..].copy_from_slice(&self.writer_boot_id[1].load(Ordering::Relaxed).to_le_bytes());
         (
             ProcessIdentity {
-                pid: self.writer_pid.load(Ordering::Relaxed),
+                pid,
                 start_time: self.writer_start_time.load(Ordering::Relaxed),
                 boot_id,
                 pid_ns: self.writer_pid_ns.load(Ordering::Relaxed),
@@ -164,8 +171,21 @@ impl<const M: u64> Header<M> {
     }
 }
 
-/// Checks a set name: as a channel name (1 to `MAX_CHANNEL_NAME` bytes of `[A-Za-z0-9._-]`).
-pub(crate) fn validate_set_name(name: &str) -> Result<()> {
+/// Checks a tensor set's name (without [`MANIFEST_PREFIX`]) by the rule every writer, reader and
+/// holder applies: as a channel name, 1 to [`crate::channel::MAX_CHANNEL_NAME`] bytes of
+/// `[A-Za-z0-9._-]`, not `.` or `..` (the set's generation channel bears its name).
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] for a name too long, [`crate::shm::ShmError::InvalidName`]
+/// saying what else is wrong.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::tensorset::validate_set_name;
+/// assert!(validate_set_name("weights.v2").is_ok());
+/// assert!(validate_set_name("").is_err() && validate_set_name("a/b").is_err());
+/// ```
+pub fn validate_set_name(name: &str) -> Result<()> {
     // The set's generation channel bears its name: the channel's limits are the set's.
     crate::channel::validate_name_as(name, "tensor-set name")
 }
