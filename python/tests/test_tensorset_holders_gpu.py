@@ -6,11 +6,11 @@ Run (one GPU, PyTorch with CUDA; about 45 s, most of it starting processes):
 
 Without `CUDA_IPC_GPU_TESTS=1` every test is skipped; with it, a machine without PyTorch or
 without a GPU fails them (never skips). Writers, holders and readers are separate processes
-started with multiprocessing's spawn context (never forked; they import this module by name, so
-run it with pytest's default import mode, or as a script: `python3 THIS_FILE`). Every wait on
-them is bounded (`ANSWER` seconds), a process that does not answer is killed, every set has a
-unique name, and what killed processes leave in /dev/shm is removed by `cuda_ipc.cleanup()` (the
-rules of `cuda-ipc gc`), then checked gone.
+started with multiprocessing's spawn context (never forked; they import gpu_agents.py and this
+module by name, so run it with pytest's default import mode, or as a script: `python3 THIS_FILE`).
+Every wait on them is bounded (`ANSWER` seconds), a process that does not answer is killed, every
+set has a unique name, and what killed processes leave in /dev/shm is removed by
+`cuda_ipc.cleanup()` (the rules of `cuda-ipc gc`), then checked gone.
 
 Generation g of every set holds, in each tensor, bytes computed on the GPU from g and the
 tensor's name (`expected_bytes`): every check below compares bytes on the GPU, bit for bit.
@@ -55,36 +55,35 @@ Where the docs say nothing about a case, the test asserts what a user would expe
 a comment marked "Docs silent".
 """
 
-import ctypes
 import gc
-import multiprocessing as mp
 import os
-import pathlib
 import signal
 import sys
 import time
-import traceback
 import uuid
 
 import pytest
 
 import cuda_ipc
 
-GPU_TESTS = os.environ.get("CUDA_IPC_GPU_TESTS") == "1"
-
-pytestmark = pytest.mark.skipif(
-    not GPU_TESTS, reason="needs a CUDA GPU: set CUDA_IPC_GPU_TESTS=1"
+# Its asserts (the `cuda` fixture's) explained by pytest as this module's are (not where it was
+# imported before pytest started: a run as a script).
+if "gpu_agents" not in sys.modules:
+    pytest.register_assert_rewrite("gpu_agents")
+import gpu_agents  # noqa: E402
+from gpu_agents import (  # noqa: E402, F401 - fixtures and pytestmark act where imported
+    ANSWER,
+    SHM,
+    START,
+    agent_pool,
+    agents,
+    close_all,
+    cuda,
+    pytestmark,
+    remove_leftovers,
+    torch,
 )
 
-try:  # With CUDA_IPC_GPU_TESTS=1 a missing PyTorch fails the tests (the `cuda` fixture).
-    import torch
-except ImportError:  # pragma: no cover - only where the tests are skipped or must fail
-    torch = None
-
-SHM = pathlib.Path("/dev/shm")
-ANSWER = 30.0  # seconds: the bound of every wait on a process, a hold or an update
-START = 90.0  # seconds for a process to import PyTorch and make its CUDA context
-IDLE = 300.0  # a process left without a command this long leaves by itself
 # Docs silent on how a Python writer learns that a generation is recorded whole for holders
 # (docs/ARCHITECTURE.md: a recorder thread of the writer stores it once the generation's GPU work
 # completed); python/examples/engine_restart.py waits 0.5 s after `synchronize()`. So does this,
@@ -160,16 +159,10 @@ def error_info(e):
 
 
 # --------------------------------------------------------------------------------------------
-# Processes ("agents"): spawned, driven by commands over a pipe, every wait bounded. One kind of
-# process plays every part: writer, holder or reader, by the commands it is sent.
+# Processes ("agents", gpu_agents.py): one kind of process plays every part: writer, holder or
+# reader, by the commands it is sent (`_COMMANDS`).
 # --------------------------------------------------------------------------------------------
 
-
-def _die_with_parent():
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class _AgentState:
@@ -513,59 +506,7 @@ _COMMANDS = {
 }
 
 
-def _agent_main(conn, init_cuda=True):
-    """A process: answers (seq, command, *args) with (seq, "ok", payload) or (seq, "err",
-    [class names of the exception's MRO], message, traceback)."""
-    _die_with_parent()
-    if init_cuda:
-        torch.zeros(1, device="cuda")
-        torch.cuda.synchronize()
-    st = _AgentState()
-    conn.send(("ready", os.getpid()))
-    while True:
-        if not conn.poll(IDLE):
-            break
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        seq, op, args = msg[0], msg[1], msg[2:]
-        if op == "quit":
-            try:
-                _cmd_close_all(st)
-            finally:
-                conn.send((seq, "ok", None))
-            break
-        try:
-            payload = _COMMANDS[op](st, *args)
-            conn.send((seq, "ok", payload))
-        except BaseException as e:  # noqa: BLE001 - every error goes back to the test
-            conn.send((seq, "err", [c.__name__ for c in type(e).__mro__], str(e),
-                       traceback.format_exc()))
-    _cmd_close_all(st)
-
-
-class AgentError(Exception):
-    def __init__(self, mro, message, tb):
-        super().__init__(f"{mro[0]}: {message}\n{tb}")
-        self.mro, self.message, self.tb = mro, message, tb
-
-    def is_a(self, cls_name):
-        return cls_name in self.mro
-
-
-class Agent:
-    """A process and its pipe."""
-
-    def __init__(self, ctx, init_cuda=True):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent_main, args=(child, init_cuda), daemon=True)
-        self.proc.start()
-        child.close()
-        self.seq = 0
-        self.pending = set()
-        self.pid = None
-
+class Agent(gpu_agents.Agent):
     def wait_ready(self, timeout=START):
         try:
             msg = self.conn.recv() if self.conn.poll(timeout) else None
@@ -578,48 +519,6 @@ class Agent:
         assert msg[0] == "ready", msg
         self.pid = msg[1]
 
-    def alive(self):
-        return self.proc.is_alive()
-
-    def send(self, *cmd):
-        self.seq += 1
-        self.conn.send((self.seq,) + cmd)
-        self.pending.add(self.seq)
-        return self.seq
-
-    def result(self, seq, timeout=ANSWER):
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                ready = left > 0 and self.conn.poll(left)
-                msg = self.conn.recv() if ready else None
-            except (EOFError, OSError):
-                msg, ready = None, False
-            if msg is None:
-                code = self.proc.exitcode
-                self.kill()
-                raise AssertionError(
-                    f"process {self.pid}: no answer to request {seq} within {timeout} s "
-                    f"(exit code {code})")
-            self.pending.discard(msg[0])
-            if msg[0] == seq:
-                break
-        if msg[1] == "ok":
-            return msg[2]
-        raise AgentError(*msg[2:])
-
-    def call(self, *cmd, timeout=ANSWER):
-        return self.result(self.send(*cmd), timeout)
-
-    def error_of(self, *cmd, timeout=ANSWER):
-        """The error a command raised in the process (AssertionError if it did not)."""
-        try:
-            got = self.call(*cmd, timeout=timeout)
-        except AgentError as e:
-            return e
-        raise AssertionError(f"{cmd[0]} {cmd[1:]!r} succeeded in process {self.pid}: {got!r}")
-
     def sigkill(self):
         """SIGKILL, as a crash: nothing closed. Waits for the process; returns its pid."""
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -628,89 +527,30 @@ class Agent:
         assert self.proc.exitcode == -signal.SIGKILL, self.proc.exitcode
         return self.proc.pid
 
-    def kill(self):
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10.0)
 
-    def quit(self):
-        """Closes what the process has open, lets it end, and waits for it."""
-        if self.alive():
-            try:
-                self.call("quit", timeout=ANSWER)
-            except (AssertionError, AgentError, OSError):
-                pass
-            self.proc.join(10.0)
-        self.kill()
-
-
-class Agents:
+class Agents(gpu_agents.Agents):
     """Reader processes shared by the tests of this module (a dead or stuck one is replaced), and
     processes of one test (writers to kill, holders), ended at its end."""
 
-    def __init__(self):
-        self.ctx = mp.get_context("spawn")
-        self.live = []
-        self.extra = []
+    commands = __name__
+    agent = Agent
 
     def get(self, n, fresh=()):
         """`n` shared processes and one fresh process per item of `fresh` (whether it makes a
         CUDA context at start: a holder needs none), all started together."""
         self.live = [a for a in self.live if a.alive()]
-        new = [Agent(self.ctx) for _ in range(n - len(self.live))]
-        own = [Agent(self.ctx, init_cuda=c) for c in fresh]
+        new = [self.start() for _ in range(n - len(self.live))]
+        own = [self.start(init_cuda=c) for c in fresh]
         self.live += new
         self.extra += own
         for a in new + own:
             a.wait_ready()
         return self.live[:n], own
 
-    def tidy(self):
-        """After each test: its own processes killed, the shared ones' objects closed (one still
-        busy with a command killed)."""
-        for a in self.extra:
-            a.kill()
-        self.extra = []
-        for a in self.live:
-            if not a.alive():
-                continue
-            if a.pending:
-                a.kill()
-                continue
-            try:
-                a.call("close_all", timeout=ANSWER)
-            except (AssertionError, AgentError):
-                a.kill()
-
-    def shutdown(self):
-        for a in self.live + self.extra:
-            a.quit()
-
 
 # --------------------------------------------------------------------------------------------
-# Fixtures
+# Fixtures (`cuda`, `agent_pool`, `agents`: gpu_agents.py)
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    assert torch is not None, "CUDA_IPC_GPU_TESTS=1 but PyTorch is not installed"
-    assert torch.cuda.is_available(), "CUDA_IPC_GPU_TESTS=1 but PyTorch sees no GPU"
-    torch.zeros(1, device="cuda")
-    return torch
-
-
-@pytest.fixture(scope="module")
-def agent_pool(cuda):
-    p = Agents()
-    yield p
-    p.shutdown()
-
-
-@pytest.fixture
-def agents(agent_pool):
-    yield agent_pool
-    agent_pool.tidy()
 
 
 @pytest.fixture
@@ -731,26 +571,7 @@ def names():
         cuda_ipc.cleanup()
     except OSError:
         pass
-    for n in made:
-        for p in SHM.glob(f"cuda-ipc.*.{n}"):
-            if p.name.startswith("cuda-ipc.") and p.name.endswith("." + n) and not p.is_dir():
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
-
-
-def close_all(ags, *writers):
-    """Processes' objects first, then the writers of this process (closing twice does nothing)."""
-    for a in ags:
-        if a.alive() and not a.pending:
-            try:
-                a.call("close_all")
-            except (AssertionError, AgentError):
-                a.kill()
-    for w in writers:
-        if w is not None:
-            w.close(timeout=10.0)
+    remove_leftovers(made)
 
 
 def assert_cleaned(set_names, pids):

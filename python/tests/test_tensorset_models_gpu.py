@@ -6,9 +6,10 @@ Run (one GPU, PyTorch with CUDA; about a minute):
 
 Without `CUDA_IPC_GPU_TESTS=1` every test is skipped; with it, a machine without PyTorch or
 without a GPU fails them (never skips). Readers are separate processes started with
-multiprocessing's spawn context (never forked; they import this module by name, so run it with
-pytest's default import mode, or as a script: `python3 THIS_FILE`). Every wait on them is bounded
-(`ANSWER` seconds), a reader that does not answer is killed, and every set has a unique name.
+multiprocessing's spawn context (never forked; they import gpu_agents.py and this module by
+name, so run it with pytest's default import mode, or as a script: `python3 THIS_FILE`). Every
+wait on them is bounded (`ANSWER` seconds), a reader that does not answer is killed, and every
+set has a unique name.
 
 What is checked, each from the documented API (python/README.md, docs/guide.md, cuda_ipc.pyi):
 
@@ -34,36 +35,33 @@ Where the docs say nothing about a case, the test asserts what a user would expe
 a comment marked "Docs silent".
 """
 
-import ctypes
 import hashlib
-import multiprocessing as mp
 import os
-import pathlib
-import signal
 import sys
 import time
-import traceback
 import uuid
 
 import pytest
 
 import cuda_ipc
 
-GPU_TESTS = os.environ.get("CUDA_IPC_GPU_TESTS") == "1"
-
-pytestmark = pytest.mark.skipif(
-    not GPU_TESTS, reason="needs a CUDA GPU: set CUDA_IPC_GPU_TESTS=1"
+# Its asserts (the `cuda` fixture's) explained by pytest as this module's are (not where it was
+# imported before pytest started: a run as a script).
+if "gpu_agents" not in sys.modules:
+    pytest.register_assert_rewrite("gpu_agents")
+import gpu_agents  # noqa: E402
+from gpu_agents import (  # noqa: E402, F401 - fixtures and pytestmark act where imported
+    ANSWER,
+    START,
+    AgentError,
+    agent_pool,
+    agents,
+    close_all,
+    cuda,
+    pytestmark,
+    remove_leftovers,
+    torch,
 )
-
-try:  # With CUDA_IPC_GPU_TESTS=1 a missing PyTorch fails the tests (the `cuda` fixture).
-    import torch
-except ImportError:  # pragma: no cover - only where the tests are skipped or must fail
-    torch = None
-
-SHM = pathlib.Path("/dev/shm")
-ANSWER = 30.0  # seconds: the bound of every wait on a reader process, a hold or an update
-START = 90.0  # seconds for a reader process to import PyTorch and make its CUDA context
-IDLE = 300.0  # a reader process left without a command this long leaves by itself
 
 # The model of the zero-copy and update tests: about 84 MB of float32 weights.
 CFG = dict(vocab=16384, d=512, heads=8, layers=4, ff=2048, max_len=64)
@@ -218,15 +216,10 @@ def gpu_done(stream, timeout):
 
 
 # --------------------------------------------------------------------------------------------
-# Reader processes ("agents"): spawned once, driven by commands over a pipe, every wait bounded.
+# Reader processes ("agents", gpu_agents.py): spawned once, driven by commands over a pipe
+# (`_COMMANDS`), every wait bounded.
 # --------------------------------------------------------------------------------------------
 
-
-def _die_with_parent():
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class _AgentState:
@@ -373,6 +366,10 @@ def _cmd_fault(st, key, cfg, timeout):
     return res
 
 
+def _cmd_die(st):
+    """As a crashed or killed process: nothing closed, no answer."""
+    os._exit(0)
+
 def _cmd_ping(st):
     return os.getpid()
 
@@ -385,64 +382,16 @@ _COMMANDS = {
     "model": _cmd_model,
     "follow": _cmd_follow,
     "fault": _cmd_fault,
+    "die": _cmd_die,
     "ping": _cmd_ping,
 }
 
 
-def _agent_main(conn, init_cuda=True):
-    """A reader process: answers (seq, command, *args) with (seq, "ok", payload) or (seq, "err",
-    [class names of the exception's MRO], message, traceback)."""
-    _die_with_parent()
-    if init_cuda:
-        torch.zeros(1, device="cuda")
-        torch.cuda.synchronize()
-    st = _AgentState()
-    conn.send(("ready", os.getpid()))
-    while True:
-        if not conn.poll(IDLE):
-            break
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        seq, op, args = msg[0], msg[1], msg[2:]
-        if op == "die":  # as a crashed or killed process: nothing closed
-            os._exit(0)
-        if op == "quit":
-            try:
-                _cmd_close_all(st)
-            finally:
-                conn.send((seq, "ok", None))
-            break
-        try:
-            payload = _COMMANDS[op](st, *args)
-            conn.send((seq, "ok", payload))
-        except BaseException as e:  # noqa: BLE001 - every error goes back to the test
-            conn.send((seq, "err", [c.__name__ for c in type(e).__mro__], str(e),
-                       traceback.format_exc()))
-    _cmd_close_all(st)
-
-
-class AgentError(Exception):
-    def __init__(self, mro, message, tb):
-        super().__init__(f"{mro[0]}: {message}\n{tb}")
-        self.mro, self.message, self.tb = mro, message, tb
-
-    def is_a(self, cls_name):
-        return cls_name in self.mro
-
-
-class Agent:
+class Agent(gpu_agents.Agent):
     """A reader process and its pipe."""
 
-    def __init__(self, ctx, init_cuda=True):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent_main, args=(child, init_cuda), daemon=True)
-        self.proc.start()
-        child.close()
-        self.seq = 0
-        self.pending = set()
-        self.pid = None
+    WHO = "reader process"
+    WHERE = "the reader process"
 
     def wait_ready(self, timeout=START):
         if not self.conn.poll(timeout):
@@ -451,48 +400,6 @@ class Agent:
         msg = self.conn.recv()
         assert msg[0] == "ready", msg
         self.pid = msg[1]
-
-    def alive(self):
-        return self.proc.is_alive()
-
-    def send(self, *cmd):
-        self.seq += 1
-        self.conn.send((self.seq,) + cmd)
-        self.pending.add(self.seq)
-        return self.seq
-
-    def result(self, seq, timeout=ANSWER):
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                ready = left > 0 and self.conn.poll(left)
-                msg = self.conn.recv() if ready else None
-            except (EOFError, OSError):
-                msg, ready = None, False
-            if msg is None:
-                code = self.proc.exitcode
-                self.kill()
-                raise AssertionError(
-                    f"reader process {self.pid}: no answer to request {seq} within {timeout} s "
-                    f"(exit code {code})")
-            self.pending.discard(msg[0])
-            if msg[0] == seq:
-                break
-        if msg[1] == "ok":
-            return msg[2]
-        raise AgentError(*msg[2:])
-
-    def call(self, *cmd, timeout=ANSWER):
-        return self.result(self.send(*cmd), timeout)
-
-    def error_of(self, *cmd, timeout=ANSWER):
-        """The error a command raised in the reader process (AssertionError if it did not)."""
-        try:
-            got = self.call(*cmd, timeout=timeout)
-        except AgentError as e:
-            return e
-        raise AssertionError(f"{cmd[0]} {cmd[1:]!r} succeeded in the reader process: {got!r}")
 
     def die(self):
         """Ends the process as a crash would (nothing closed), and waits for it."""
@@ -504,32 +411,16 @@ class Agent:
             self.proc.join(10.0)
         self.kill()
 
-    def kill(self):
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10.0)
 
-    def quit(self):
-        if self.alive():
-            try:
-                self.call("quit", timeout=ANSWER)
-            except (AssertionError, AgentError, OSError):
-                pass
-            self.proc.join(10.0)
-        self.kill()
-
-
-class Agents:
+class Agents(gpu_agents.Agents):
     """Reader processes shared by the tests of this module; a dead or stuck one is replaced."""
 
-    def __init__(self):
-        self.ctx = mp.get_context("spawn")
-        self.live = []
-        self.extra = []
+    commands = __name__
+    agent = Agent
 
     def get(self, n):
         self.live = [a for a in self.live if a.alive()]
-        new = [Agent(self.ctx) for _ in range(n - len(self.live))]  # started together
+        new = [self.start() for _ in range(n - len(self.live))]  # started together
         for a in new:
             a.wait_ready()
         self.live += new
@@ -537,62 +428,21 @@ class Agents:
 
     def fresh(self):
         """A reader process of its own (for one that will break); ended at the test's end."""
-        a = Agent(self.ctx)
+        a = self.start()
         self.extra.append(a)
         a.wait_ready()
         return a
 
-    def tidy(self):
-        """After each test: readers closed, a process still busy with a command killed."""
-        for a in self.extra:
-            a.kill()
-        self.extra = []
-        for a in self.live:
-            if not a.alive():
-                continue
-            if a.pending:
-                a.kill()
-                continue
-            try:
-                a.call("close_all", timeout=ANSWER)
-            except (AssertionError, AgentError):
-                a.kill()
-
-    def shutdown(self):
-        for a in self.live + self.extra:
-            a.quit()
-
 
 # --------------------------------------------------------------------------------------------
-# Fixtures
+# Fixtures (`cuda`, `agent_pool`, `agents`: gpu_agents.py)
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    assert torch is not None, "CUDA_IPC_GPU_TESTS=1 but PyTorch is not installed"
-    assert torch.cuda.is_available(), "CUDA_IPC_GPU_TESTS=1 but PyTorch sees no GPU"
-    torch.zeros(1, device="cuda")
-    return torch
 
 
 @pytest.fixture(scope="module")
 def pool(cuda):
     # One MemPool for the module: the arena's chunk size is fixed by the first call anyway.
     return cuda_ipc.torch_mem_pool(0)
-
-
-@pytest.fixture(scope="module")
-def agent_pool(cuda):
-    p = Agents()
-    yield p
-    p.shutdown()
-
-
-@pytest.fixture
-def agents(agent_pool):
-    yield agent_pool
-    agent_pool.tidy()
 
 
 @pytest.fixture
@@ -607,26 +457,7 @@ def names():
         return n
 
     yield make
-    for n in made:
-        for p in SHM.glob(f"cuda-ipc.*.{n}"):
-            if p.name.startswith("cuda-ipc.") and p.name.endswith("." + n) and not p.is_dir():
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
-
-
-def close_all(ags, *writers):
-    """Readers first (in their processes), then the writers."""
-    for a in ags:
-        if a.alive() and not a.pending:
-            try:
-                a.call("close_all")
-            except (AssertionError, AgentError):
-                a.kill()
-    for w in writers:
-        if w is not None:
-            w.close(timeout=10.0)
+    remove_leftovers(made)
 
 
 def unique_bytes(sd):
