@@ -361,25 +361,39 @@ impl ProcessIdentity {
 
     /// Stores the identity into four words of shared memory, in the [`to_words`](Self::to_words)
     /// form: the one place every segment layout of this crate writes an identity (the registry's
-    /// creator and participant entries, the host pool's producer).
+    /// creator and participant entries, the host pool's producer, a holder's entry).
     ///
-    /// Each store is `Relaxed`: the caller publishes the words with its own `Release` (an init
-    /// stamp, a seal word, a fence) and names that pairing where it calls this.
+    /// The start time and boot id are stored first, the pid word last with `Release`, so that a
+    /// reader that sees the pid ([`load_words`](Self::load_words)) sees the rest of a first
+    /// recording whole: a judge looking at a segment before its stamp never takes a creator for
+    /// dead from a torn identity. The caller still publishes the words with its own `Release` (an
+    /// init stamp, a seal word, a fence) and names that pairing where it calls this.
     pub(crate) fn store_words(&self, words: &[crate::sync::AtomicU64; 4]) {
-        for (a, w) in words.iter().zip(self.to_words()) {
-            // Relaxed: published by the caller's Release store or fence (see above).
-            a.store(w, crate::sync::Ordering::Relaxed);
+        let w = self.to_words();
+        for i in 1..4 {
+            // Relaxed: published by the Release store of the pid word below.
+            words[i].store(w[i], crate::sync::Ordering::Relaxed);
         }
+        // SYNC POINT: identity recorded. Release, stored last: pairs with the Acquire load of the
+        // pid word in `load_words`.
+        words[0].store(w[0], crate::sync::Ordering::Release);
     }
 
-    /// Reads an identity that [`store_words`](Self::store_words) wrote.
-    ///
-    /// Each load is `Relaxed`: the caller orders them after the `Acquire` load that pairs with the
-    /// writer's publication, or validates the copy afterwards (a re-check after a fence).
+    /// Reads an identity that [`store_words`](Self::store_words) wrote: the pid word first, with
+    /// `Acquire`, then the rest. A pid of 0 means none recorded yet. Of an identity recorded
+    /// again in place (a slot reused), the copy may still mix two: the caller validates it (a
+    /// re-check after a fence), as before.
     pub(crate) fn load_words(words: &[crate::sync::AtomicU64; 4]) -> Self {
-        // Relaxed: ordered or validated by the caller (see above).
+        // SYNC POINT: identity recorded. Acquire, loaded first: pairs with the Release store of
+        // the pid word in `store_words`.
+        let first = words[0].load(crate::sync::Ordering::Acquire);
         Self::from_words(std::array::from_fn(|i| {
-            words[i].load(crate::sync::Ordering::Relaxed)
+            if i == 0 {
+                first
+            } else {
+                // Relaxed: ordered after the Acquire load above (or validated by the caller).
+                words[i].load(crate::sync::Ordering::Relaxed)
+            }
         }))
     }
 }
