@@ -394,6 +394,10 @@ fn abandoned_creations_are_replaced_and_collected() {
     }
     // An empty manifest (a creator killed before sizing it) and an empty host data segment.
     let (a, b) = (set_name("aband-a"), set_name("aband-b"));
+    let _g = [
+        common::Unlink(format!("cuda-ipc.ts.{a}")),
+        common::Unlink(format!("cuda-ipc.td.{b}")),
+    ];
     common::plant(path("cuda-ipc.ts.", &a), &[]);
     common::plant(path("cuda-ipc.td.", &b), &[]);
     // Young: a creator may be sizing it now.
@@ -625,6 +629,9 @@ fn hostile_files_under_the_manifests_name_are_refused_with_typed_errors() {
     }
     let name = set_name("hostile");
     let p = path("cuda-ipc.ts.", &name);
+    // What a failed run leaves is removed all the same (a planted 0644 file is no leftover `gc`
+    // removes).
+    let _g = common::Unlink(format!("cuda-ipc.ts.{name}"));
     let open = || TensorSetReader::open_host(&name, &ReaderOptions::new());
     // Nothing there.
     assert!(matches!(
