@@ -92,7 +92,7 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
 /// Whether `name` names a quota ledger: under the ledgers' prefix (`cuda-ipc.quota.`), and
 /// something stands under it in `/dev/shm` (whatever it is: the scan says what, and a FIFO or
 /// another user's file is never removed). Never taken for a registry of that name.
-fn is_ledger(name: &str) -> bool {
+pub(crate) fn is_ledger(name: &str) -> bool {
     name.starts_with(cuda_ipc::quota::LEDGER_PREFIX)
         && !name.contains('/')
         && std::fs::symlink_metadata(format!("{}/{name}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()

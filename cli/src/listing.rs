@@ -273,6 +273,7 @@ impl Listing {
 }
 
 /// The registries and channels to look at: all, or those `name` names.
+#[derive(Default)]
 pub(crate) struct Targets {
     pub registries: Vec<String>,
     pub channels: Vec<String>,
@@ -303,6 +304,11 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 // in a way that could block.
                 && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
         };
+        // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
+        // (`crate::quota::collect_named`).
+        if crate::gc::is_ledger(n) {
+            return Ok(Targets::default());
+        }
         if registries.is_empty() && channels.is_empty() {
             if exists(&channel_inspect::segment_name(chan)) {
                 channels.push(chan.to_string());

@@ -352,18 +352,21 @@ fn outcome(l: &Listing) -> Outcome {
 
 /// What `ls` shows besides the listing, without a NAME: the quota budgets (other users' ledgers
 /// skipped with a note) and the GPUs through NVML with the participants on them. With a NAME,
-/// all empty: `ls NAME` stays about that segment.
+/// all empty (`ls NAME` stays about that segment), but for a quota ledger's segment name: that
+/// ledger's budget and holders.
 struct Extras {
+    /// `ls LEDGER`: the listing (empty) is not shown, only the ledger.
+    ledger_named: bool,
     quotas: crate::quota::Ledgers,
     gpu: Option<(crate::gpu::GpuState, crate::gpu::Matching)>,
 }
 
 impl Extras {
     fn collect(name: Option<&str>, l: &Listing) -> Extras {
-        let quotas = if name.is_none() {
-            crate::quota::collect_all()
-        } else {
-            Default::default()
+        let quotas = match name {
+            None => crate::quota::collect_all(),
+            Some(n) if crate::gc::is_ledger(n) => crate::quota::collect_named(Some(n)),
+            Some(_) => Default::default(),
         };
         let gpu = name.is_none().then(|| {
             let g = crate::gpu::query();
@@ -375,7 +378,11 @@ impl Extras {
             );
             (g, m)
         });
-        Extras { quotas, gpu }
+        Extras {
+            ledger_named: name.is_some_and(crate::gc::is_ledger),
+            quotas,
+            gpu,
+        }
     }
 
     /// The exit status: problems in the listing or a ledger that could not be read.
@@ -390,7 +397,11 @@ impl Extras {
     fn text(&self, l: &Listing) -> String {
         format!(
             "{}{}{}{}",
-            render(l, false),
+            if self.ledger_named {
+                String::new()
+            } else {
+                render(l, false)
+            },
             crate::quota::render(&self.quotas.snapshots, &self.quotas.errors),
             crate::quota::render_skipped(&self.quotas.skipped),
             self.gpu

@@ -99,8 +99,9 @@ enum Command {
     /// they are alive, sizes, consumers with their holds and cursors.
     #[command(after_help = EXIT_STATUS)]
     Ls {
-        /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`) or tensor
-        /// set (set name, or `cuda-ipc.ts.NAME`).
+        /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`), tensor
+        /// set (set name, or `cuda-ipc.ts.NAME`) or quota ledger (its segment name,
+        /// `cuda-ipc.quota.u<uid>.<device>`: its budget and holders).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Print JSON instead of tables (docs/cli.md).

@@ -193,6 +193,12 @@ pub fn skipped(name: &str, e: &cuda_ipc::Error) -> Option<Skipped> {
 /// Every ledger in `/dev/shm`, inspected (dead holders reclaimed); those that cannot be read with
 /// why, other users' apart. A creation abandoned half-way says so, and that `gc` removes it.
 pub fn collect_all() -> Ledgers {
+    collect_named(None)
+}
+
+/// [`collect_all`] of the ledger whose segment name is `only` (every ledger for `None`): what
+/// `ls LEDGER` shows.
+pub fn collect_named(only: Option<&str>) -> Ledgers {
     let mut l = Ledgers::default();
     let names = match list_ledgers() {
         Ok(n) => n,
@@ -201,7 +207,7 @@ pub fn collect_all() -> Ledgers {
             return l;
         }
     };
-    for n in names {
+    for n in names.into_iter().filter(|n| only.is_none_or(|o| o == n)) {
         match QuotaLedger::open_named(&n).and_then(|q| q.snapshot()) {
             Ok(s) => l.snapshots.push(s),
             // Removed since it was listed: not a problem.

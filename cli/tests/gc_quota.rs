@@ -467,3 +467,29 @@ fn gc_of_a_quota_ledgers_name_cleans_that_ledger_by_the_same_rules() {
     }
     drop(mine);
 }
+
+#[test]
+fn ls_of_a_ledgers_name_shows_that_ledger_alone() {
+    let a = QuotaLedger::set_budget(QuotaScope::user(), fake_device(7), 4096).unwrap();
+    let _ga = Gone(a.name().to_string());
+    let b = QuotaLedger::set_budget(QuotaScope::user(), fake_device(8), 8192).unwrap();
+    let _gb = Gone(b.name().to_string());
+    let _r = a.reserve(1000).unwrap();
+    let o = cuda_ipc(&["ls", a.name()]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    assert!(t.contains(&format!("(ledger {}", a.name())), "{t}");
+    assert!(t.contains("1000 B of 4.0 KiB used"), "{t}");
+    assert!(!t.contains(b.name()), "another ledger shown: {t}");
+    assert!(!t.contains("registry"), "read as a registry: {t}");
+    let o = cuda_ipc(&["ls", a.name(), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = v["quotas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, [a.name()]);
+    assert_eq!(v["errors"].as_array().unwrap().len(), 0, "{v}");
+}
