@@ -89,15 +89,6 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
     }
 }
 
-/// Whether `name` names a quota ledger: under the ledgers' prefix (`cuda-ipc.quota.`), and
-/// something stands under it in `/dev/shm` (whatever it is: the scan says what, and a FIFO or
-/// another user's file is never removed). Never taken for a registry of that name.
-pub(crate) fn is_ledger(name: &str) -> bool {
-    name.starts_with(cuda_ipc::quota::LEDGER_PREFIX)
-        && !name.contains('/')
-        && std::fs::symlink_metadata(format!("{}/{name}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
-}
-
 /// `cuda-ipc gc [NAME] [--dry-run] [--json]`. JSON (docs/cli.md): `dry_run`, `leftovers` (what
 /// the scan found: what a dry run would remove), `removed` (empty on a dry run), `kept` (each
 /// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`, `problems` (each `subject`, `doing`, `error`); exit
@@ -106,7 +97,7 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
     let scope = match name {
         None => Scope::everything(),
         // A quota ledger's name: that ledger alone, by the rules `gc` without a NAME follows.
-        Some(n) if is_ledger(n) => {
+        Some(n) if crate::quota::is_ledger(n) => {
             Scope::only(Vec::new(), Vec::new()).with_quota_ledgers(vec![n.to_string()])
         }
         Some(_) => {

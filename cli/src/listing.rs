@@ -306,7 +306,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         };
         // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
         // (`crate::quota::collect_named`).
-        if crate::gc::is_ledger(n) {
+        if crate::quota::is_ledger(n) {
             return Ok(Targets::default());
         }
         if registries.is_empty() && channels.is_empty() {

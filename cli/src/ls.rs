@@ -365,7 +365,7 @@ impl Extras {
     fn collect(name: Option<&str>, l: &Listing) -> Extras {
         let quotas = match name {
             None => crate::quota::collect_all(),
-            Some(n) if crate::gc::is_ledger(n) => crate::quota::collect_named(Some(n)),
+            Some(n) if crate::quota::is_ledger(n) => crate::quota::collect_named(Some(n)),
             Some(_) => Default::default(),
         };
         let gpu = name.is_none().then(|| {
@@ -379,7 +379,7 @@ impl Extras {
             (g, m)
         });
         Extras {
-            ledger_named: name.is_some_and(crate::gc::is_ledger),
+            ledger_named: name.is_some_and(crate::quota::is_ledger),
             quotas,
             gpu,
         }
