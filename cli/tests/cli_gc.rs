@@ -945,6 +945,89 @@ fn gc_says_it_keeps_a_killed_processs_liveness_file_younger_than_five_seconds() 
     );
 }
 
+/// Every kind of a tensor set's part standing without its manifest (generation channel `.tg.`,
+/// host data `.td.`, holders `.th.`), empty as a creator killed before sizing it leaves it, is
+/// judged by one rule: young, `ls` says `gc` keeps it for now and `gc` keeps it with no problem
+/// (exit status 0 from both); once 2 s old, both say it is a creation abandoned half-way, and
+/// `gc` removes it. An empty generation channel or holders segment was "cannot judge" (`gc`:
+/// "cannot read", exit status 1) where an empty host data segment was kept.
+#[test]
+fn every_empty_part_of_a_set_without_its_manifest_is_judged_by_its_age_in_ls_and_gc() {
+    let _gc = beside_others();
+    let parts = [
+        ("cuda-ipc.tg.", "generation channel"),
+        ("cuda-ipc.td.", "host data"),
+        ("cuda-ipc.th.", "holders"),
+    ];
+    let sets: Vec<String> = (0..parts.len())
+        .map(|k| unique(&format!("ts-empty-part{k}")))
+        .collect();
+    let segs: Vec<String> = parts
+        .iter()
+        .zip(&sets)
+        .map(|((prefix, _), set)| format!("{prefix}{set}"))
+        .collect();
+    let _u: Vec<Unlink> = segs.iter().map(|s| Unlink(s.clone())).collect();
+    let planted = at_a_second_start();
+    for s in &segs {
+        write_segment(s, &[]);
+    }
+    let young: Vec<_> = sets
+        .iter()
+        .map(|set| {
+            (
+                cuda_ipc(&["ls", "--json", set]),
+                cuda_ipc(&["gc", "--json", set]),
+            )
+        })
+        .collect();
+    if planted.elapsed() < Duration::from_millis(1800) {
+        for ((set, (_, word)), (ls, gc)) in sets.iter().zip(&parts).zip(&young) {
+            let (l, g) = (json(ls), json(gc));
+            assert_eq!(code(ls), 0, "{word}: {l}");
+            let part = &l["sets_without_manifest"][0]["parts"][0];
+            assert_eq!(part["part"], *word, "{l}");
+            assert_eq!(
+                (&part["gc"], &part["young"]),
+                (&"keeps".into(), &true.into()),
+                "a young empty {word} part of {set}: {l}"
+            );
+            assert_eq!(code(gc), 0, "a young empty {word} part of {set}: {g}");
+            assert_eq!(g["problems"], serde_json::json!([]), "{word}: {g}");
+            assert_eq!(g["removed"], serde_json::json!([]), "{word}: {g}");
+        }
+    } else {
+        println!("young checks skipped: the machine took more than 1.8 s");
+    }
+    std::thread::sleep(Duration::from_millis(3100).saturating_sub(planted.elapsed()));
+    for ((set, seg), (_, word)) in sets.iter().zip(&segs).zip(&parts) {
+        let ls = cuda_ipc(&["ls", "--json", set]);
+        let l = json(&ls);
+        assert_eq!(code(&ls), 1, "{l}");
+        let part = &l["sets_without_manifest"][0]["parts"][0];
+        assert_eq!(
+            (&part["part"], &part["gc"], &part["young"]),
+            (&(*word).into(), &"removes".into(), &false.into()),
+            "an old empty {word} part of {set}: {l}"
+        );
+        let why = part["why"].as_str().unwrap();
+        assert_eq!(why, "a creation abandoned before its pages were reserved");
+        let gc = cuda_ipc(&["gc", set]);
+        let t = text(&gc);
+        assert_eq!(code(&gc), 0, "{t}");
+        assert!(
+            t.contains(&format!(
+                "removed tensorset {set}: {word} /dev/shm/{seg} (0 bytes): {why}"
+            )),
+            "{t}"
+        );
+        assert!(
+            std::fs::symlink_metadata(format!("/dev/shm/{seg}")).is_err(),
+            "{seg} left"
+        );
+    }
+}
+
 /// Parts of a tensor set standing without its manifest (a writer killed half-way, or a set being
 /// made): `ls` names them as parts of a set without one, each with what `gc` does with it, the
 /// same in text and JSON; a young one is kept "for now" (the judgement depends on its age, and

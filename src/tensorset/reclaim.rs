@@ -2,15 +2,16 @@
 //! ([`crate::cleanup`]): each part of a set (the manifest `cuda-ipc.ts.NAME`, the generation
 //! channel `cuda-ipc.tg.NAME`, the host data segment `cuda-ipc.td.NAME`, the holders segment
 //! `cuda-ipc.th.NAME`) is judged by the process its own header records, by the rule a new writer
-//! replaces it by (this user's only; a dead writer, or a creation abandoned half-way), and judged
-//! again right before it is unlinked, only while its name still stands for the file judged; each
-//! part on its own (one that cannot be judged keeps no other). No part of a set goes while a live
-//! process other than its writer serves it from a slot of the holders segment its manifest names
-//! (a holder, a serving reader, [`is_held`]): the set stays attachable and its device memory
-//! pinned until the last of them lets go or dies; the slots of its dead servers are freed
-//! ([`release_dead_holders`]). Dead readers' slots and holds in a live
-//! writer's generation channel are freed as the writer's watchdog frees them. Readers that still
-//! map a removed set keep their mappings (VMM memory stays valid for them). Never calls CUDA.
+//! replaces it by (this user's only; a dead writer, or a creation abandoned half-way; an empty or
+//! sparse part of any kind by its age alone, a creation under way while younger than 2 s), and
+//! judged again right before it is unlinked, only while its name still stands for the file
+//! judged; each part on its own (one that cannot be judged keeps no other). No part of a set goes
+//! while a live process other than its writer serves it from a slot of the holders segment its
+//! manifest names (a holder, a serving reader, [`is_held`]): the set stays attachable and its
+//! device memory pinned until the last of them lets go or dies; the slots of its dead servers are
+//! freed ([`release_dead_holders`]). Dead readers' slots and holds in a live writer's generation
+//! channel are freed as the writer's watchdog frees them. Readers that still map a removed set
+//! keep their mappings (VMM memory stays valid for them). Never calls CUDA.
 
 use super::error::TensorSetError;
 use super::holders::{HolderSnapshot, HoldersSegment};
@@ -23,7 +24,7 @@ use crate::channel::reclaim::{
 };
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::versioned;
+use crate::shm::versioned::{self, Blocker};
 use crate::shm::{Segment, ShmError};
 use std::time::Duration;
 
@@ -86,6 +87,9 @@ pub struct StalePart {
 
 /// Why `part` of set `name` may go and the inode judged; `Ok(None)` when it is absent or not
 /// stale (a live writer's, a creation in progress, a writer whose liveness cannot be told).
+/// Every kind of part is judged first by the same rule ([`versioned::stat_blocker`]: this
+/// user's, a regular file, no mode bit of `0o007`; empty or sparse, by its age alone), then by
+/// its own layout.
 fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
     if is_held(name) {
         return Ok(None);
@@ -96,6 +100,32 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
         Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
         Err(e) => return Err(e),
     };
+    // One rule for every part before its own layout reads it: this user's, a regular file, no
+    // mode bit of 0o007 (else the typed error: kept, reported); empty or sparse, judged by its
+    // age alone (a creation under way while young or while its creator holds the sizing lock,
+    // else abandoned); shorter than its header with its pages there, `TooSmall`.
+    let header_len = match part {
+        Part::Generation => crate::channel::layout::HEADER_SIZE,
+        Part::Manifest | Part::Data | Part::Holders => HEADER_PAGE,
+    };
+    match versioned::stat_blocker(&seg_name, header_len) {
+        Ok(Blocker::Abandoned) => {
+            return Ok(Some((
+                StalePart {
+                    part,
+                    segment: seg_name,
+                    bytes: info.len,
+                    writer: None,
+                    why: versioned::ABANDONED_UNSIZED,
+                },
+                info.inode,
+            )));
+        }
+        Ok(Blocker::Young) => return Ok(None),
+        Ok(Blocker::Sized(_)) => {}
+        Err(e) if super::is_not_found(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    }
     let writer_of = |header_writer: (ProcessIdentity, u32)| {
         let (id, _) = header_writer;
         (id.pid != 0).then_some(id)
@@ -413,8 +443,17 @@ pub fn release_dead_holders(name: &str) -> Result<Vec<HolderSnapshot>> {
     })
 }
 
-/// The holders segment of set `name` (`None`: it has none).
+/// The holders segment of set `name` (`None`: it has none, or it is empty or sparse, a creation
+/// under way or abandoned by the rule every part is judged by ([`judge`]): no slot is claimed
+/// before a holders segment is sized and stamped, so it serves nobody).
 fn open_holders(name: &str) -> Result<Option<HoldersSegment>> {
+    segment::validate_set_name(name)?;
+    match versioned::stat_blocker(&Part::Holders.segment_name(name), HEADER_PAGE) {
+        Ok(Blocker::Sized(_)) => {}
+        Ok(_) => return Ok(None),
+        Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(None),
+        Err(e) => return Err(e),
+    }
     match HoldersSegment::open(name, None) {
         Ok(h) => Ok(Some(h)),
         Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
