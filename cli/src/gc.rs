@@ -16,7 +16,9 @@
 //! with a line saying why; other users' ledgers are skipped with a note): every ledger without a
 //! NAME, the one a NAME of a ledger (`cuda-ipc.quota.…`) names; and without a NAME the liveness
 //! files, fd server sockets and bridge status files that killed processes left (a normal exit
-//! removes them).
+//! removes them). Without a NAME, other users' objects it passes over (their segments, never
+//! judged; their killed processes' files, for a user other than root) are said, a line per uid
+//! (`crate::others`), root's `gc` included: theirs to clean, no problem.
 
 use crate::Outcome;
 use crate::listing::targets;
@@ -30,6 +32,7 @@ struct Doc {
     leftovers: Vec<serde_json::Value>,
     removed: Vec<serde_json::Value>,
     skipped: Vec<crate::quota::Skipped>,
+    others: serde_json::Value,
     problems: Vec<serde_json::Value>,
 }
 
@@ -91,8 +94,10 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
 
 /// `cuda-ipc gc [NAME] [--dry-run] [--json]`. JSON (docs/cli.md): `dry_run`, `leftovers` (what
 /// the scan found: what a dry run would remove), `removed` (empty on a dry run), `kept` (each
-/// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`, `problems` (each `subject`, `doing`, `error`); exit
-/// status 1 when `problems` is not empty.
+/// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`,
+/// `skipped` (other users' objects passed over, `crate::others`), `problems` (each `subject`,
+/// `doing`, `error`); exit status 1 when `problems` is not empty (what was skipped is no
+/// problem).
 pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let scope = match name {
         None => Scope::everything(),
@@ -116,6 +121,10 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
                 .push(serde_json::json!({"what": k, "why": null, "leftover": null})),
             None => out!("kept {k}"),
         }
+    }
+    match &mut doc {
+        Some(d) => d.others = crate::others::json(&scan.skipped),
+        None => out_nonl!("{}", crate::others::lines(&scan.skipped, crate::others::GC)),
     }
     for p in &scan.problems {
         failed |= report(p, "cannot read", doc.as_mut());
@@ -174,6 +183,7 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
                 "removed": d.removed,
                 "kept": d.kept,
                 "quota_skipped": d.skipped,
+                "skipped": d.others,
                 "problems": d.problems,
             });
             out!("{}", serde_json::to_string_pretty(&v)?);

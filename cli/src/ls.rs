@@ -351,13 +351,17 @@ fn outcome(l: &Listing) -> Outcome {
 }
 
 /// What `ls` shows besides the listing, without a NAME: the quota budgets (other users' ledgers
-/// skipped with a note) and the GPUs through NVML with the participants on them. With a NAME,
+/// skipped with a note), other users' objects, which `gc` leaves to them (`crate::others`: the
+/// lines `gc` prints of them), and the GPUs through NVML with the participants on them. With a
+/// NAME,
 /// all empty (`ls NAME` stays about that segment), but for a quota ledger's segment name: that
 /// ledger's budget and holders.
 struct Extras {
     /// `ls LEDGER`: the listing (empty) is not shown, only the ledger.
     ledger_named: bool,
     quotas: crate::quota::Ledgers,
+    /// Other users' objects, left out of the listing and by `gc` (none with a NAME).
+    others: Vec<cuda_ipc::cleanup::Skipped>,
     gpu: Option<(crate::gpu::GpuState, crate::gpu::Matching)>,
 }
 
@@ -367,6 +371,12 @@ impl Extras {
             None => crate::quota::collect_all(),
             Some(n) if crate::quota::is_ledger(n) => crate::quota::collect_named(Some(n)),
             Some(_) => Default::default(),
+        };
+        // What `gc` without a NAME passes over (`/dev/shm` unreadable: `targets` said so).
+        let others = match name {
+            None => cuda_ipc::cleanup::others(&cuda_ipc::cleanup::Scope::everything())
+                .unwrap_or_default(),
+            Some(_) => Vec::new(),
         };
         let gpu = name.is_none().then(|| {
             let g = crate::gpu::query();
@@ -381,6 +391,7 @@ impl Extras {
         Extras {
             ledger_named: name.is_some_and(crate::quota::is_ledger),
             quotas,
+            others,
             gpu,
         }
     }
@@ -396,12 +407,13 @@ impl Extras {
 
     fn text(&self, l: &Listing) -> String {
         format!(
-            "{}{}{}{}",
+            "{}{}{}{}{}",
             if self.ledger_named {
                 String::new()
             } else {
                 render(l, false)
             },
+            crate::others::lines(&self.others, crate::others::LS),
             crate::quota::render(&self.quotas.snapshots, &self.quotas.errors),
             crate::quota::render_skipped(&self.quotas.skipped),
             self.gpu
@@ -414,11 +426,13 @@ impl Extras {
 
 /// The one JSON document of `ls --json`, and of each line of `watch --json` (docs/cli.md): the
 /// listing's keys (`registries`, `channels`, `tensor_sets`, `errors`; the rate keys `null` in
-/// `ls` and on `watch`'s first line), then `quotas`, `quota_errors`, `quota_skipped`, `gpu` and
-/// `gpu_processes` (the last two `null` with a NAME).
+/// `ls` and on `watch`'s first line), then `skipped` (other users' objects, which `gc` leaves to
+/// them: `crate::others`), `quotas`, `quota_errors`, `quota_skipped`, `gpu` and `gpu_processes`
+/// (the last two `null` with a NAME).
 fn document(l: &Listing, x: &Extras) -> Result<serde_json::Value, Box<dyn Error>> {
     let mut v = serde_json::to_value(l)?;
     if let Some(m) = v.as_object_mut() {
+        m.insert("skipped".into(), crate::others::json(&x.others));
         m.insert("quotas".into(), serde_json::to_value(&x.quotas.snapshots)?);
         m.insert(
             "quota_errors".into(),

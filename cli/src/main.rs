@@ -48,6 +48,7 @@ mod latency;
 mod listing;
 mod ls;
 mod metrics;
+mod others;
 mod quota;
 mod state;
 mod text;
@@ -96,7 +97,8 @@ enum Command {
         json: bool,
     },
     /// List registries and channels in /dev/shm: records, sequence numbers, owners and whether
-    /// they are alive, sizes, consumers with their holds and cursors.
+    /// they are alive, sizes, consumers with their holds and cursors. Other users' objects are
+    /// not listed: a line per uid counts them, as `gc` skips them.
     #[command(after_help = EXIT_STATUS)]
     Ls {
         /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`), tensor
@@ -181,8 +183,10 @@ enum Command {
     /// creator running, is kept with a line saying why); without a NAME also the liveness files
     /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
     /// status files of killed processes. Never touches what a live
-    /// process owns, nor another user's segments; a live reader of a dead writer's set keeps what
-    /// it mapped (the files are unlinked, not shrunk).
+    /// process owns, nor another user's segments (nor, but for root, the files another user's
+    /// killed processes left): without a NAME it says what it passed over, a line per uid, no
+    /// problem. A live reader of a dead writer's set keeps what it mapped (the files are unlinked,
+    /// not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
         /// Only this registry, channel, tensor set or quota ledger (its segment name,

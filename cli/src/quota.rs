@@ -2,7 +2,7 @@
 //! `doctor` show of them.
 
 use crate::Outcome;
-use crate::text::bytes;
+use crate::text::{bytes, user_text};
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{LedgerSnapshot, QuotaLedger, QuotaScope, UNLIMITED, list_ledgers};
 use std::error::Error;
@@ -151,24 +151,6 @@ pub struct Ledgers {
     pub errors: Vec<(String, String)>,
     /// Other users' ledgers, left out: no problem.
     pub skipped: Vec<Skipped>,
-}
-
-/// The name of user `uid` in `/etc/passwd`, if it has one there.
-fn user_name(uid: u32) -> Option<String> {
-    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
-    passwd.lines().find_map(|l| {
-        let mut f = l.split(':');
-        let name = f.next()?;
-        (f.nth(1)?.parse::<u32>().ok()? == uid).then(|| name.to_string())
-    })
-}
-
-/// `uid 0 (root)`, or `uid 1234` where the uid has no name here.
-fn user_text(uid: u32) -> String {
-    match user_name(uid) {
-        Some(n) => format!("uid {uid} ({n})"),
-        None => format!("uid {uid}"),
-    }
 }
 
 /// The ledger `name` as a skipped one, when `e` says it is another user's (`open_named` refuses

@@ -1,5 +1,5 @@
 //! The words and numbers the commands print: liveness, delivery policies and states as the JSON
-//! form writes them, byte counts. Shared by the commands; imports none of them.
+//! form writes them, byte counts, users. Shared by the commands; imports none of them.
 
 use cuda_ipc::channel::Delivery;
 use cuda_ipc::channel::inspect::{ConsumerState, ProducerState, UnknownCode};
@@ -57,6 +57,24 @@ pub(crate) fn bytes(n: u64) -> String {
         u += 1;
     }
     format!("{v:.1} {}", UNITS[u])
+}
+
+/// The name of user `uid` in `/etc/passwd`, if it has one there.
+fn user_name(uid: u32) -> Option<String> {
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|l| {
+        let mut f = l.split(':');
+        let name = f.next()?;
+        (f.nth(1)?.parse::<u32>().ok()? == uid).then(|| name.to_string())
+    })
+}
+
+/// `uid 0 (root)`, or `uid 1234` where the uid has no name here.
+pub(crate) fn user_text(uid: u32) -> String {
+    match user_name(uid) {
+        Some(n) => format!("uid {uid} ({n})"),
+        None => format!("uid {uid}"),
+    }
 }
 
 #[cfg(test)]

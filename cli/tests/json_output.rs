@@ -185,9 +185,12 @@ fn gc_json_lists_the_leftovers_of_a_dry_run_then_what_it_removed() {
         "problems",
         "quota_skipped",
         "removed",
+        "skipped",
     ];
     assert_eq!(keys(&v), all.map(String::from).into(), "{v}");
     assert_eq!(v["dry_run"], true);
+    // Other users' objects are said without a NAME only.
+    assert_eq!(v["skipped"], serde_json::json!([]));
     assert_eq!(v["removed"], serde_json::json!([]));
     let left = v["leftovers"].as_array().unwrap();
     let kinds: BTreeSet<&str> = left.iter().map(|l| l["kind"].as_str().unwrap()).collect();

@@ -151,3 +151,183 @@ fn another_users_ls_gc_and_quota_show_skip_roots_ledger_with_a_note_and_exit_0()
     assert_eq!(ledger.snapshot().unwrap().budget, Some(1 << 20));
     w.close(std::time::Duration::from_secs(1)).unwrap();
 }
+
+/// Runs the copy of `cuda-ipc` in `exe` as the test user.
+fn as_user(exe: &BinaryForOthers, (uid, gid): (u32, u32), args: &[&str]) -> Output {
+    Command::new(exe.0.join("cuda-ipc"))
+        .args(args)
+        .current_dir("/")
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap()
+}
+
+/// The entry of `skipped` (a `gc --json` or `ls --json` document's) for `name`.
+fn skipped_entry<'a>(v: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    v["skipped"].as_array()?.iter().find(|s| s["name"] == name)
+}
+
+/// What `gc` passes over of other users is said, whoever runs it, root included: root's `gc`
+/// (which leaves another user's segments, never opened: here of uid 65534, which no other test
+/// runs as) and a second user's (which leaves root's segments and the liveness file of a dead
+/// process of root's) each print a line per uid naming whose and what, and list each object under
+/// `skipped` in `--json`; `ls` says the same of what `gc` would skip. Notes, never problems (exit
+/// status 0); nothing is touched. Before, both passed over them in silence.
+#[test]
+fn gc_and_ls_say_what_of_other_users_gc_passes_over_as_root_and_as_another_user() {
+    use cuda_ipc::raw::registry_layout::MAGIC;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let tag = std::process::id();
+    const OTHER: u32 = 65534;
+    // Another user's segments under this crate's names (a creation abandoned half-way, were they
+    // root's: removed by root's `gc`), and a registry of that user's.
+    let theirs = [
+        (format!("cuda-ipc.ch.others-{tag}"), "channel segment"),
+        (format!("cuda-ipc.hp.others-{tag}"), "host pool"),
+        (format!("cuda-ipc.ts.others-{tag}"), "tensor set part"),
+        (format!("cuda-ipc.td.others-{tag}"), "tensor set part"),
+        (format!("others-registry-{tag}"), "registry"),
+    ];
+    let mut _g: Vec<Gone> = Vec::new();
+    for (name, what) in &theirs {
+        _g.push(Gone(name.clone()));
+        let mut bytes = vec![0u8; 8192];
+        if *what == "registry" {
+            bytes[..8].copy_from_slice(&MAGIC.to_le_bytes());
+        }
+        drop(common::write_segment(name, &bytes));
+        std::os::unix::fs::chown(format!("/dev/shm/{name}"), Some(OTHER), Some(OTHER)).unwrap();
+    }
+    // Root's: a channel segment, and the liveness file of a process of root's that is dead (a
+    // child that ran and ended), with its lock free.
+    let mine = format!("cuda-ipc.ch.roots-{tag}");
+    _g.push(Gone(mine.clone()));
+    drop(common::write_segment(&mine, &[0u8; 8192]));
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead_pid = child.id();
+    child.wait().unwrap();
+    let me = cuda_ipc::identity::ProcessIdentity::current().unwrap();
+    let live = format!("cuda-ipc.live.{}.{dead_pid}.1", me.pid_ns);
+    _g.push(Gone(live.clone()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(format!("/dev/shm/{live}"))
+        .unwrap();
+    std::fs::set_permissions(
+        format!("/dev/shm/{live}"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+
+    // Root: the other user's objects are skipped, each listed, and a line for that uid.
+    let whose = format!("of uid {OTHER}");
+    for args in [&["gc", "--dry-run"][..], &["ls"]] {
+        let o = Command::new(bin()).args(args).output().unwrap();
+        let t = text(&o);
+        let lead = if args[0] == "gc" {
+            "skipped "
+        } else {
+            "`cuda-ipc gc` skips "
+        };
+        let line = t
+            .lines()
+            .find(|l| l.starts_with(lead) && l.contains(&whose))
+            .unwrap_or_else(|| panic!("cuda-ipc {args:?}: no line for uid {OTHER}:\n{t}"));
+        for what in [
+            "1 registry",
+            "channel segment",
+            "host pool",
+            "tensor set parts",
+        ] {
+            assert!(line.contains(what), "{what}: {line}");
+        }
+        assert!(line.contains("another user's, left as they are"), "{line}");
+        if args[0] == "gc" {
+            assert_eq!(o.status.code(), Some(0), "cuda-ipc {args:?}:\n{t}");
+        }
+    }
+    for args in [&["gc", "--dry-run", "--json"][..], &["ls", "--json"]] {
+        let o = Command::new(bin()).args(args).output().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("cuda-ipc {args:?}: {e}: {}", text(&o)));
+        for (name, what) in &theirs {
+            let s = skipped_entry(&v, name).unwrap_or_else(|| panic!("{name}: {v}"));
+            assert_eq!(
+                (&s["owner"], &s["what"], &s["dead"], &s["pid"]),
+                (
+                    &OTHER.into(),
+                    &(*what).into(),
+                    &false.into(),
+                    &serde_json::Value::Null
+                ),
+                "{s}"
+            );
+        }
+        assert!(skipped_entry(&v, &mine).is_none(), "root's own: {v}");
+        if args[0] == "gc" {
+            assert_eq!(o.status.code(), Some(0), "{v}");
+            assert!(
+                !v["problems"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p.to_string().contains("others-")),
+                "{v}"
+            );
+        }
+    }
+
+    // The second user: root's channel segment and the dead process's liveness file (once older
+    // than the 5 s a starting process's free lock is given) are skipped and said.
+    std::thread::sleep(std::time::Duration::from_millis(5500));
+    let exe = BinaryForOthers::new();
+    let o = as_user(&exe, (uid, gid), &["gc", "--dry-run"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    let line = t
+        .lines()
+        .find(|l| l.starts_with("skipped ") && l.contains("of uid 0 (root): "))
+        .unwrap_or_else(|| panic!("no line for root:\n{t}"));
+    assert!(line.contains("channel segment"), "{line}");
+    assert!(line.contains("liveness file"), "{line}");
+    assert!(line.contains("of a dead process") || line.contains("of dead processes"));
+    for args in [&["gc", "--dry-run", "--json"][..], &["ls", "--json"]] {
+        let o = as_user(&exe, (uid, gid), args);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("cuda-ipc {args:?}: {e}: {}", text(&o)));
+        assert_eq!(o.status.code(), Some(0), "cuda-ipc {args:?}: {v}");
+        let s = skipped_entry(&v, &mine).unwrap_or_else(|| panic!("{mine}: {v}"));
+        assert_eq!((&s["owner"], &s["dead"]), (&0.into(), &false.into()), "{s}");
+        let s = skipped_entry(&v, &live).unwrap_or_else(|| panic!("{live}: {v}"));
+        assert_eq!(
+            (&s["owner"], &s["what"], &s["dead"], &s["pid"]),
+            (
+                &0.into(),
+                &"liveness file".into(),
+                &true.into(),
+                &dead_pid.into()
+            ),
+            "{s}"
+        );
+    }
+    let o = as_user(&exe, (uid, gid), &["ls"]);
+    let t = text(&o);
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("`cuda-ipc gc` skips ") && l.contains("of uid 0 (root): ")),
+        "{t}"
+    );
+    // Nothing was touched.
+    for name in theirs.iter().map(|(n, _)| n).chain([&mine, &live]) {
+        assert!(
+            std::fs::symlink_metadata(format!("/dev/shm/{name}")).is_ok(),
+            "{name} removed"
+        );
+    }
+}

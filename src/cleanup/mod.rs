@@ -18,7 +18,8 @@
 //! What it never touches: anything of a live process or of one whose liveness cannot be told
 //! (kept, with a note), a creation that may still be finished (a registry's, channel's or quota
 //! ledger's younger than 2 s or whose creator runs: kept, with a note, never a problem), another
-//! user's files (unless run as root, for per-process files), a
+//! user's files (unless run as root, for per-process files: each passed over is listed,
+//! [`others`], [`Scan::skipped`], never a problem), a
 //! finished registry or a ready quota ledger itself (only what dead processes left inside them), and
 //! anything under our names that is not ours (a FIFO, a foreign file: a problem, never removed).
 //! Above every layer it cleans; nothing below imports it. Never calls CUDA.
@@ -50,7 +51,7 @@ mod remove;
 mod scan;
 
 pub use remove::remove;
-pub use scan::scan;
+pub use scan::{others, scan};
 
 /// A kind of object processes share through `/dev/shm`, each with its rooms: its module, its
 /// inspection snapshot, its cleanup rule here, its rows in `cuda-ipc ls`, `watch` and `metrics`,
@@ -260,6 +261,34 @@ pub struct Scan {
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,
+    /// Other users' objects passed over ([`others`]): never judged nor removed, theirs to clean;
+    /// no problem.
+    pub skipped: Vec<Skipped>,
+}
+
+/// An object of another user that [`scan`] passes over ([`others`]): a segment under this crate's
+/// names (a registry, a channel's segment or host pool, a tensor set's part), or a file a killed
+/// process of that user left (a liveness file, an fd server socket, a bridge status file). A
+/// segment is not judged (another user's segment is opened by no one, root included: whether
+/// its processes run is not read), a file only as far as its listing reads it; neither is
+/// removed. Theirs to clean, with a `cuda-ipc gc` run as that user; listed so that a caller says
+/// what it left and whose it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Skipped {
+    /// Its name in `/dev/shm`.
+    pub name: String,
+    /// The uid that owns it.
+    pub uid: u32,
+    /// What it is, in words: `registry`, `channel segment`, `host pool`, `tensor set part`,
+    /// `liveness file`, `fd server socket` or `bridge status file`.
+    pub what: &'static str,
+    /// Whether its listing found it a dead process's leftover (a liveness file whose lock is free,
+    /// an fd server socket of a dead process, a dead bridge's status file: what `gc` removes of
+    /// this user's); `false` for a segment, which is not judged.
+    pub dead: bool,
+    /// The dead process a liveness file or fd server socket names; `None` otherwise.
+    pub owner: Option<ProcessIdentity>,
 }
 
 /// What [`remove`] did.

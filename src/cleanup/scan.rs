@@ -5,8 +5,8 @@
 //! note, problems); the leftovers' shapes shared with the removal stay in the parent.
 
 use super::{
-    BRIDGE_PREFIX, LeftoverKind, RegistryKey, Scan, Scope, Target, bridge_dead, consumer_leftover,
-    holder_leftover, holders, leftover, problem,
+    BRIDGE_PREFIX, LeftoverKind, RegistryKey, Scan, Scope, Skipped, Target, bridge_dead,
+    consumer_leftover, holder_leftover, holders, leftover, problem,
 };
 use crate::channel::inspect as channel_inspect;
 use crate::error::{Error, Result};
@@ -59,7 +59,115 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
     if scope.process_files {
         scan_process_files(&mut s);
     }
+    s.skipped = others(scope)?;
     Ok(s)
+}
+
+/// Other users' objects that [`scan`] of `scope` passes over, sorted by name: with every registry
+/// of the scope ([`Scope::everything`]), the registries of other users (not shared with a group
+/// of this process) whose magic this process can read; with every channel, other users' channel
+/// segments and host pools; with every tensor set, other users' parts of sets; with the
+/// per-process files, those of killed processes of another uid (root removes everyone's: none).
+/// Another user's quota ledger is not here: the scan reports it as a problem whose error is
+/// `ShmError::WrongOwner`, which a caller may take for a note. Nothing is judged beyond what the
+/// listings read (names, owners, a registry's magic, the liveness of a per-process file's
+/// process), nothing is changed. For `cuda-ipc gc`, which says what it left, and `cuda-ipc ls`,
+/// which says the same of what `gc` would leave.
+///
+/// # Errors
+/// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::cleanup::{self, Scope};
+/// for s in cleanup::others(&Scope::everything())? {
+///     println!("skipped {} ({}) of uid {}", s.name, s.what, s.uid);
+/// }
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn others(scope: &Scope) -> Result<Vec<Skipped>> {
+    use crate::tensorset::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
+    let segment = |name: String, uid, what| Skipped {
+        name,
+        uid,
+        what,
+        dead: false,
+        owner: None,
+    };
+    let mut out = Vec::new();
+    if scope.registries.is_none() {
+        out.extend(
+            registry_inspect::list_other_users_registries()?
+                .into_iter()
+                .map(|(n, uid)| segment(n, uid, "registry")),
+        );
+    }
+    let mut kinds: Vec<(&str, &'static str)> = Vec::new();
+    if scope.channels.is_none() {
+        kinds.push((channel_inspect::SEGMENT_PREFIX, "channel segment"));
+        kinds.push((channel_inspect::POOL_PREFIX, "host pool"));
+    }
+    if scope.tensor_sets.is_none() {
+        for p in [
+            MANIFEST_PREFIX,
+            GENERATION_PREFIX,
+            DATA_PREFIX,
+            HOLDERS_PREFIX,
+        ] {
+            kinds.push((p, "tensor set part"));
+        }
+    }
+    if !kinds.is_empty() {
+        for (n, uid) in crate::shm::list_other_users_segments()? {
+            if let Some((_, what)) = kinds
+                .iter()
+                .find(|(p, _)| n.strip_prefix(p).is_some_and(|rest| !rest.is_empty()))
+            {
+                out.push(segment(n, uid, what));
+            }
+        }
+    }
+    if scope.process_files {
+        let dead = |name: String, uid, what, owner| Skipped {
+            name,
+            uid,
+            what,
+            dead: true,
+            owner,
+        };
+        // As the scan lists them; an error is the scan's problem already.
+        if let Ok(files) = fdpass::stale_socket_files() {
+            out.extend(
+                files
+                    .into_iter()
+                    .filter(|f| !ours(f.uid))
+                    .map(|f| dead(f.name, f.uid, "fd server socket", Some(f.identity))),
+            );
+        }
+        if let Ok(files) = identity::stale_liveness_files() {
+            out.extend(
+                files
+                    .into_iter()
+                    .filter(|f| !ours(f.uid))
+                    .map(|f| dead(f.name, f.uid, "liveness file", Some(f.identity))),
+            );
+        }
+        out.extend(
+            stale_bridge_status_files()
+                .into_iter()
+                .filter(|(_, uid)| !ours(*uid))
+                .map(|(c, uid)| {
+                    dead(
+                        format!("{BRIDGE_PREFIX}{c}"),
+                        uid,
+                        "bridge status file",
+                        None,
+                    )
+                }),
+        );
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
 }
 
 /// What the scan makes of an object its inspection could not read, by its layer's judgement of a

@@ -185,7 +185,38 @@ impl RegistrySnapshot {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn list_registries() -> Result<Vec<String>> {
-    use std::os::unix::fs::OpenOptionsExt;
+    Ok(registries_where(ours_or_our_groups)?
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect())
+}
+
+/// The registry segments [`list_registries`] leaves out for whose they are: those of other users
+/// not shared with a group of this process, each with its owner's uid, as far as this process can
+/// read their magic (root can; another user's 0600 segment cannot be read by anyone else, and is
+/// not found). Read as [`list_registries`] reads (never blocks, never follows a link); nothing
+/// past the magic is read, and nothing is changed. For `cuda-ipc gc` and `ls`, which say what
+/// they left to other users.
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
+///
+/// # Examples
+/// ```
+/// use cuda_ipc::registry::inspect;
+/// for (name, uid) in inspect::list_other_users_registries()? {
+///     println!("registry {name} of uid {uid}: not inspected here");
+/// }
+/// # Ok::<(), cuda_ipc::Error>(())
+/// ```
+pub fn list_other_users_registries() -> Result<Vec<(String, u32)>> {
+    registries_where(|m| !ours_or_our_groups(m))
+}
+
+/// The regular files in `/dev/shm` whose metadata `keep` accepts and whose first eight bytes are
+/// the registry magic, with their owners' uids.
+fn registries_where(keep: impl Fn(&std::fs::Metadata) -> bool) -> Result<Vec<(String, u32)>> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let mut out = Vec::new();
     for name in crate::shm::list_segments()? {
         let path = format!("{}/{name}", crate::shm::SHM_DIR);
@@ -200,13 +231,13 @@ pub fn list_registries() -> Result<Vec<String>> {
         let Ok(meta) = f.metadata() else {
             continue;
         };
-        if !meta.file_type().is_file() || !ours_or_our_groups(&meta) {
+        if !meta.file_type().is_file() || !keep(&meta) {
             continue;
         }
         let mut magic = [0u8; 8];
         // A read into our own buffer: the kernel copies, so a concurrent writer is harmless.
         if f.read_exact(&mut magic).is_ok() && u64::from_le_bytes(magic) == MAGIC {
-            out.push(name);
+            out.push((name, meta.uid()));
         }
     }
     Ok(out)

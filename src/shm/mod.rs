@@ -29,10 +29,10 @@ pub(crate) mod versioned;
 
 pub use error::ShmError;
 pub use futex::WaitResult;
-pub(crate) use segment::list_own_segments;
 pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
     list_segments, validate_name,
 };
+pub(crate) use segment::{list_other_users_segments, list_own_segments};
 pub use seqlock::{SeqLock, SeqWriter};
 pub use versioned::new_generation;

@@ -810,3 +810,23 @@ pub(crate) fn list_own_segments() -> Result<Vec<String>> {
         })
         .collect())
 }
+
+/// The segments [`list_own_segments`] leaves out: [`list_segments`] of users other than this
+/// process's effective user, each with its owner's uid (from `lstat`; a name gone meanwhile is
+/// left out). Their bytes are not read.
+///
+/// # Errors
+/// As [`list_segments`].
+pub(crate) fn list_other_users_segments() -> Result<Vec<(String, u32)>> {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
+    Ok(list_segments()?
+        .into_iter()
+        .filter_map(|s| {
+            let uid = std::fs::symlink_metadata(format!("{SHM_DIR}/{s}"))
+                .ok()?
+                .uid();
+            (uid != me).then_some((s, uid))
+        })
+        .collect())
+}
