@@ -830,7 +830,7 @@ class TensorHold:
     def __enter__(self) -> "TensorHold": ...
     def __exit__(self, *args: Any) -> None: ...
 
-HolderStatus = Literal["serving", "closed", "replaced", "damaged"]
+HolderStatus = Literal["serving", "closed", "replaced", "damaged", "released"]
 
 @final
 class TensorSetHolder:
@@ -838,7 +838,8 @@ class TensorSetHolder:
     descriptor of every allocation (no CUDA context; the fds pin ``bytes`` of device memory until
     ``close()``). Raises ``TensorSetNotFound``, ``NotHoldable``, ``NoServer``, ``NoHolderSlot``,
     ``BadSegment``, ``OsError``. After ``close()``, ``allocations``, ``bytes`` and ``source_pid``
-    raise ``TensorSetClosed`` naming this holder; ``status`` and ``wait`` say ``"closed"``."""
+    raise ``TensorSetClosed`` naming this holder; ``status`` and ``wait`` say ``"released"`` (not
+    ``"closed"``, which says the writer closed the set)."""
 
     def __new__(cls, name: str) -> TensorSetHolder: ...
     @property
@@ -851,12 +852,13 @@ class TensorSetHolder:
     def source_pid(self) -> int: ...
     @property
     def status(self) -> HolderStatus:
-        """``"serving"``, ``"closed"`` (by its writer, or this holder's ``close()``),
-        ``"replaced"`` (another set under the name) or ``"damaged"`` (its holders segment was cut
-        short under it)."""
+        """``"serving"``, ``"closed"`` (by its writer), ``"replaced"`` (another set under the
+        name), ``"damaged"`` (its holders segment was cut short under it) or ``"released"``
+        (this holder's own ``close()``)."""
     def wait(self, timeout: Optional[float] = None) -> HolderStatus:
         """Waits (at most ``timeout`` seconds; ``None``: no bound) until ``status`` is not
-        ``"serving"``; returns the status last seen."""
+        ``"serving"``; returns the status last seen (``"released"`` at once after ``close()``,
+        also from another thread)."""
     def close(self) -> None:
         """Lets go of the slot and the fds. Closing twice does nothing."""
     def __enter__(self) -> "TensorSetHolder": ...

@@ -12,8 +12,12 @@ use std::time::{Duration, Instant};
 /// How often `wait` looks at the status (and for signals): as `Holder::wait`.
 const POLL: Duration = Duration::from_millis(100);
 
-/// `status` in one word: `"serving"`, `"closed"`, `"damaged"` (its holders segment was cut
-/// short) or `"replaced"`.
+/// What `status` says once this holder's own `close()` let go of the set: not `"closed"`, which
+/// says the writer closed it.
+const RELEASED: &str = "released";
+
+/// `status` of a holder still open, in one word: `"serving"`, `"closed"` (by its writer),
+/// `"damaged"` (its holders segment was cut short) or `"replaced"`.
 fn status_word(s: HolderStatus) -> &'static str {
     match s {
         HolderStatus::Serving => "serving",
@@ -27,7 +31,7 @@ fn status_word(s: HolderStatus) -> &'static str {
 ///
 /// Once `close()` was called, `allocations`, `bytes` and `source_pid` raise `TensorSetClosed`
 /// (the class a writer's close raises, its message naming this holder); `status` and `wait` say
-/// `"closed"`.
+/// `"released"` (not `"closed"`, which says the writer closed the set).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetHolder {
     inner: Mutex<Option<Arc<Holder>>>,
@@ -91,26 +95,28 @@ impl TensorSetHolder {
     /// Whether the set's names still stand for what this holder serves: `"serving"` (its writer
     /// may be dead: the holder keeps it attachable), `"closed"` (its writer closed it),
     /// `"replaced"` (another set was made under its name) or `"damaged"` (its holders segment was
-    /// cut short under it). Two `stat` calls and an `fstat`; `"closed"` after `close()`.
+    /// cut short under it). Two `stat` calls and an `fstat`; `"released"` after this holder's own
+    /// `close()` (nothing is looked at then).
     #[getter]
     fn status(&self) -> &'static str {
         match lock(&self.inner).clone() {
             Some(h) => status_word(h.status()),
-            None => "closed",
+            None => RELEASED,
         }
     }
 
     /// Waits (GIL released, looking every 100 ms, Ctrl-C honoured within as long) until `status`
     /// is no longer `"serving"`, at most `timeout` seconds (`None`: no bound), and returns the
-    /// status last seen (`"serving"` when the timeout ran out; `"closed"` when `close()` was
-    /// called from another thread meanwhile). Raises `InvalidArgument` for a bad `timeout`.
+    /// status last seen (`"serving"` when the timeout ran out; `"released"` at once after
+    /// `close()`, also when it was called from another thread meanwhile). Raises
+    /// `InvalidArgument` for a bad `timeout`.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<&'static str> {
         let timeout = timeout_arg(py, timeout)?;
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let Some(h) = lock(&self.inner).clone() else {
-                return Ok("closed");
+                return Ok(RELEASED);
             };
             let s = py.detach(|| h.status());
             if s != HolderStatus::Serving || deadline.is_some_and(|d| Instant::now() >= d) {
@@ -128,7 +134,7 @@ impl TensorSetHolder {
 
     /// Lets go of the holder slot and closes the fds; the memory goes back to the device once no
     /// process maps it or holds an fd of it. Afterwards `allocations`, `bytes` and `source_pid`
-    /// raise `TensorSetClosed`, `status` and `wait` say `"closed"`. Closing twice does nothing.
+    /// raise `TensorSetClosed`, `status` and `wait` say `"released"`. Closing twice does nothing.
     fn close(&self) {
         lock(&self.inner).take();
     }
@@ -161,9 +167,20 @@ mod tests {
     use crate::errors::TensorSetClosed;
 
     /// A closed holder made here (a holder is opened only on a VMM set, which needs a GPU): every
-    /// attribute Python sees, asked through the interpreter as a Python caller would.
+    /// attribute Python sees, asked through the interpreter as a Python caller would. Its
+    /// `status` and `wait` say `"released"`, never `"closed"`, the word of a writer's close (a
+    /// holder's own close and its writer's were both `"closed"`).
     #[test]
     fn every_call_of_a_closed_holder_raises_tensor_set_closed_naming_the_holder() {
+        assert_eq!(status_word(HolderStatus::Closed), "closed");
+        for s in [
+            HolderStatus::Serving,
+            HolderStatus::Closed,
+            HolderStatus::Damaged,
+            HolderStatus::Replaced,
+        ] {
+            assert_ne!(status_word(s), RELEASED, "{s:?}");
+        }
         Python::initialize();
         Python::attach(|py| {
             let h = Bound::new(
@@ -199,11 +216,12 @@ mod tests {
                 );
             }
             assert_eq!(h.getattr("name").unwrap().to_string(), "weights");
-            assert_eq!(h.getattr("status").unwrap().to_string(), "closed");
-            assert_eq!(h.call_method0("wait").unwrap().to_string(), "closed");
+            // Its own close, told apart from its writer's ("closed").
+            assert_eq!(h.getattr("status").unwrap().to_string(), "released");
+            assert_eq!(h.call_method0("wait").unwrap().to_string(), "released");
             assert_eq!(
                 h.call_method1("wait", (0.0,)).unwrap().to_string(),
-                "closed"
+                "released"
             );
             assert!(h.call_method0("close").unwrap().is_none());
             assert!(h.call_method0("close").unwrap().is_none());

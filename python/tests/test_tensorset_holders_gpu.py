@@ -28,8 +28,8 @@ and the examples they name: python/examples/engine_restart.py and stable_graph.p
   (`InvalidArgument`, the hold released). A bounded `holder.wait` with nothing changed returns
   "serving"; a new writer of another layout taking the name makes it "replaced" (or "closed", as
   the example allows). A closed holder: `allocations`, `bytes`, `source_pid` raise
-  `TensorSetClosed` naming it, `status` and `wait()` say "closed", a second `close()` does
-  nothing.
+  `TensorSetClosed` naming it, `status` and `wait()` say "released" (not "closed", the writer's
+  close), a second `close()` does nothing.
 - `TensorSetReader(serve=True)` (in-place VMM set): a reader that serves the fds keeps its held
   generation readable after the writer's SIGKILL and gets `WriterGone` from `wait_newer`; a
   fresh reader opens the set writerless from it and reads the last generation bit for bit; once
@@ -589,7 +589,8 @@ def assert_cleaned(set_names, pids):
 
 def assert_closed_holder(res, name):
     """What `_cmd_h_close` saw of a closed holder: "After close(), allocations, bytes and
-    source_pid raise TensorSetClosed naming this holder; status and wait say "closed"."""
+    source_pid raise TensorSetClosed naming this holder; status and wait say "released" (not
+    "closed", which says the writer closed the set)."""
     for what in ("allocations", "bytes", "source_pid"):
         err = res[what].get("error")
         assert err is not None, f"{what} of a closed holder gave {res[what]}"
@@ -598,8 +599,8 @@ def assert_closed_holder(res, name):
         # Docs silent on the message's words: "naming this holder" read as the set's name and
         # the word holder (a reader's is `this reader of tensor set "x" is closed (...)`).
         assert name in err["message"] and "holder" in err["message"].lower(), (what, err)
-    assert res["status"].get("value") == "closed", res["status"]
-    assert res["wait"].get("value") == "closed", res["wait"]
+    assert res["status"].get("value") == "released", res["status"]
+    assert res["wait"].get("value") == "released", res["wait"]
     # `wait` "waits ... until status is not serving": a closed holder's at once.
     assert res["wait"]["seconds"] < 2.0, res["wait"]
     # Docs silent on `name` after close (a closed reader's `name` still answers): expected to.
