@@ -2,16 +2,22 @@
 """Checks a built wheel of the Python extension before it is published: fails unless `auditwheel
 show` finds it consistent with a manylinux tag of glibc 2.28 or older (so it installs on every
 distribution of the manylinux_2_28 family: RHEL/Alma/Rocky 8, Debian 10, Ubuntu 18.10 and newer),
-unless the wheel's own file name carries that tag, and unless both licence files are in its
-.dist-info. `auditwheel` must be installed (`.ci/run` pins it).
+unless the wheel's own file name carries that tag, unless both licence files are in its
+.dist-info, and unless the extension module takes its unwinder (`_Unwind_*`) from the system's
+`libgcc_s.so.1` rather than carrying its own (python/build.rs says why: a module linked by zig
+with its own unwinder crashes the interpreter's exit). `auditwheel` must be installed (`.ci/run`
+pins it; its `pyelftools` reads the module).
 
     python3 scripts/check-wheel.py target/wheels/cuda_ipc-0.1.0-cp39-abi3-manylinux_2_28_x86_64.whl
 """
 
+import io
 import re
 import subprocess
 import sys
 import zipfile
+
+from elftools.elf.elffile import ELFFile
 
 # The newest glibc a published wheel may need (manylinux_2_28: glibc 2.28).
 MAX_GLIBC_MINOR = 28
@@ -41,8 +47,31 @@ def check(wheel: str) -> list:
     for lic in LICENCES:
         if not any(re.fullmatch(rf"[^/]+\.dist-info/licenses/{lic}", n) for n in names):
             bad.append(f"{lic} is not in the wheel's .dist-info/licenses")
+    bad += unwinder(wheel, names)
     print(f"{wheel}: auditwheel tag manylinux_{major}_{minor}_{m.group(3)}, "
           f"{len(names)} files")
+    return bad
+
+
+def unwinder(wheel: str, names: list) -> list:
+    """Each extension module must need `libgcc_s.so.1` and import `_Unwind_RaiseException` from
+    it (undefined in its dynamic symbols), not define an unwinder of its own."""
+    bad = []
+    modules = [n for n in names if n.endswith(".so")]
+    if not modules:
+        return ["the wheel holds no extension module (.so)"]
+    for n in modules:
+        elf = ELFFile(io.BytesIO(zipfile.ZipFile(wheel).read(n)))
+        dynamic = elf.get_section_by_name(".dynamic")
+        needed = [t.needed for t in dynamic.iter_tags() if t.entry.d_tag == "DT_NEEDED"]
+        dynsym = elf.get_section_by_name(".dynsym")
+        raise_ = [s for s in dynsym.iter_symbols() if s.name == "_Unwind_RaiseException"]
+        imported = bool(raise_) and all(s["st_shndx"] == "SHN_UNDEF" for s in raise_)
+        if "libgcc_s.so.1" not in needed or not imported:
+            bad.append(f"{n} does not take its unwinder from libgcc_s.so.1 (needs {needed}; "
+                       f"_Unwind_RaiseException {'imported' if imported else 'not imported'}): "
+                       "build it with python/build.rs in place, on a machine whose C compiler "
+                       "finds libgcc_s.so.1")
     return bad
 
 

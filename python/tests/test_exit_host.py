@@ -1,0 +1,88 @@
+"""The interpreter's exit while daemon threads are inside the module's blocking calls, no GPU.
+
+CPython before 3.14 ends a thread that comes back from a call made without the GIL after
+finalization began (`pthread_exit`, a forced unwind through the module's frames; PyO3 parks the
+thread for good in the first of them). The module must let that unwind through: a wheel that
+carried its own unwinder in place of the system's `libgcc_s.so.1` crashed the process with
+SIGSEGV at exit, in every run of the loops below (python/build.rs says why). Each case runs a
+fresh interpreter whose main thread returns while 4 daemon threads wait or loop in one kind of
+call; the process must end with status 0 and no fatal error, 3 times in a row.
+Run: `pip install ./python && pytest python/tests/test_exit_host.py`."""
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+SHM = pathlib.Path("/dev/shm")
+
+# The objects each child makes and the call its daemon threads are in when the main thread returns.
+SETUP = {
+    "set": """
+        w = cuda_ipc.TensorSetWriter(name, {"a": ((256,), "float32")}, memory="host")
+        with w.begin(timeout=5.0):
+            pass
+        r = cuda_ipc.TensorSetReader(name)
+    """,
+    "channel": """
+        tx = cuda_ipc.Producer(name, 64, buffers=1, memory="host")
+        rx = cuda_ipc.Consumer(name)
+    """,
+}
+CALLS = {
+    # Loops that come back into the interpreter thousands of times a second.
+    "current_and_release": ("set", "while True:\n    r.current(timeout=1.0).release()"),
+    "wait_newer_timing_out": ("set", "while True:\n    r.wait_newer(1, timeout=0.001)"),
+    "recv_timing_out": ("channel", "while True:\n    rx.recv(timeout=0.001)"),
+    # Waits that are still waiting at the exit.
+    "wait_newer": ("set", "r.wait_newer(1, timeout=30.0)"),
+    "recv": ("channel", "rx.recv(timeout=30.0)"),
+}
+
+CHILD = """
+import sys, threading, time
+import cuda_ipc
+name = sys.argv[1]
+{setup}
+def body():
+    try:
+{call}
+    except Exception as e:  # a documented error ends the thread; the exit is what is tested
+        print("thread ended:", type(e).__name__, e, flush=True)
+for _ in range(4):
+    threading.Thread(target=body, daemon=True).start()
+time.sleep(0.3)
+print("main returns", flush=True)
+"""
+
+
+@pytest.fixture
+def name():
+    n = f"pytest-exit-{uuid.uuid4().hex[:12]}"
+    yield n
+    # The daemon threads' objects are never closed (their interpreter ended under them): what
+    # they leave is a dead process's, which `cuda-ipc gc` would remove; removed here.
+    for p in SHM.glob(f"cuda-ipc.*{n}*"):
+        p.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("case", sorted(CALLS))
+def test_the_interpreter_exits_cleanly_with_daemon_threads_inside_blocking_calls(name, case):
+    kind, call = CALLS[case]
+    src = CHILD.format(
+        setup=textwrap.dedent(SETUP[kind]),
+        call=textwrap.indent(call, " " * 8),
+    )
+    for run in range(3):
+        p = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", src, f"{name}-{run}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, (run, p.returncode, p.stdout, p.stderr)
+        assert "main returns" in p.stdout, (run, p.stdout, p.stderr)
+        assert "Fatal Python error" not in p.stderr, (run, p.stderr)
