@@ -579,7 +579,8 @@ class TensorSetWriter:
     (``memory``: ``"vmm"`` default, ``"auto"``, ``"pool"``, ``"legacy"``, ``"host"``), ``mode``
     ``"in_place"`` (one buffer) or ``"buffered"`` (``buffers`` of them, 2 to 16). Nothing is
     published before the first commit. Raises ``ChannelExists`` when a live writer has the name,
-    ``InvalidArgument`` for bad specs, ``OverQuota``, ``CudaError``."""
+    ``InvalidArgument`` for bad specs (``NotSupported`` for a PyTorch dtype a set cannot hold, such
+    as ``torch.quint8``), ``OverQuota``, ``CudaError``."""
 
     def __new__(
         cls,
@@ -685,8 +686,8 @@ class TensorUpdate:
     def copy_from(self, tensors: Union[Dict[str, Any], "CopyPlan"]) -> None:
         """Copies CUDA tensors (CPU tensors for a host set) into the set's tensors of the same
         names, each of the set's dtype and shape (``InvalidArgument`` otherwise, as
-        ``load_state_dict`` refuses a size mismatch; ``NoSuchTensor`` for a name the set lacks),
-        on the writer's stream; read and copied in chunks (64 tensors first, up to
+        ``load_state_dict`` refuses a size mismatch; ``InvalidArgument`` naming a key the set
+        lacks), on the writer's stream; read and copied in chunks (64 tensors first, up to
         512). Many small sources on the set's device are copied by one kernel launch per 160 (one
         ``cuMemcpyDtoDAsync`` each costs about 5 µs of GPU time); a CPU tensor given to a GPU set
         is refused before anything of its chunk is copied, and so are a tensor of another device

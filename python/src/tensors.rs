@@ -63,11 +63,40 @@ pub(crate) fn dtype_arg(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<DType>
         .find(|(_, n)| *n == name)
         .map(|(d, _)| *d)
         .ok_or_else(|| {
-            errors::invalid_argument(
-                py,
-                format!("dtype {text:?} cannot be held in a tensor set (use a torch dtype such as torch.bfloat16)"),
-            )
+            if is_torch_dtype(py, d, name) {
+                errors::not_supported(&format!(
+                    "dtype {text:?} cannot be held in a tensor set (it has no DLPack code the set \
+                     takes; supported: float32/16/64, bfloat16, the float8 kinds, int8/16/32/64, \
+                     uint8/16/32/64, bool, complex64/128)"
+                ))
+            } else {
+                errors::invalid_argument(
+                    py,
+                    format!("dtype {text:?} is not a dtype (use a torch dtype such as torch.bfloat16, or its name)"),
+                )
+            }
         })
+}
+
+/// Whether `d` is a `torch.dtype`, or names one (`"quint8"`), where PyTorch is imported already:
+/// a dtype PyTorch has that a set cannot hold is `NotSupported`, anything else `InvalidArgument`.
+fn is_torch_dtype(py: Python<'_>, d: &Bound<'_, PyAny>, name: &str) -> bool {
+    let Ok(modules) = py.import("sys").and_then(|s| s.getattr("modules")) else {
+        return false;
+    };
+    let Ok(torch) = modules.get_item("torch") else {
+        return false;
+    };
+    let Ok(dtype) = torch.getattr("dtype") else {
+        return false;
+    };
+    if d.is_instance(&dtype).unwrap_or(false) {
+        return true;
+    }
+    torch
+        .getattr(name)
+        .and_then(|v| v.is_instance(&dtype))
+        .unwrap_or(false)
 }
 
 /// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`),
