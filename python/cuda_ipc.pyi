@@ -606,8 +606,9 @@ class TensorSetWriter:
         that is not a tensor, a tensor with bytes allocated elsewhere (a CPU tensor, PyTorch's own
         allocator) or on another device, and a dict with no bytes in the pool."""
     def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
-        """The next generation's buffer, waiting while readers hold it; a context manager that
-        commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
+        """The next generation's buffer, waiting while readers hold it (in place, no new hold is
+        taken meanwhile: readers asking wait for the commit; a timeout gives the generation back);
+        a context manager that commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
         writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
         or while the update is open (the update's calls and the block's end raise it then:
         nothing was published)."""

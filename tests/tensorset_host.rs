@@ -1238,3 +1238,92 @@ fn every_part_without_its_manifest_is_judged_by_one_rule_of_age_and_ownership() 
         }
     }
 }
+
+#[test]
+fn in_place_readers_whose_holds_overlap_without_pause_do_not_starve_the_writer() {
+    if role().is_some() {
+        return;
+    }
+    // Two readers, each shared by three threads whose holds overlap (a server's requests): some
+    // hold is always there. `begin` reserves the buffer (no new hold from then on) and gets it
+    // once the holds there end; every hold reads one whole generation.
+    let name = set_name("overlap");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("inplace")).unwrap();
+    write_gen(&mut w);
+    let n = w.layout().tensors().len();
+    let readers: Vec<TensorSetReader> = (0..2)
+        .map(|_| TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap())
+        .collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let last = 20;
+    /// Stops the reading threads however the writer's loop ends (a failed check included, so
+    /// that the scope's join does not wait for them forever).
+    struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        let stopping = Stop(&stop);
+        let threads: Vec<_> = (0..6)
+            .map(|k| {
+                let (r, stop) = (&readers[k % 2], &stop);
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_micros(300 * k as u64));
+                    let (mut holds, mut newest) = (0u64, 0u64);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let held = match r.wait_newer(0, Some(Duration::from_millis(200))) {
+                            Ok(h) => h,
+                            Err(Error::Timeout { .. }) => continue,
+                            Err(e) => panic!("take: {e}"),
+                        };
+                        assert!(held.generation() >= newest, "went back a generation");
+                        newest = held.generation();
+                        check_gen(&held, n);
+                        std::thread::sleep(Duration::from_millis(2));
+                        check_gen(&held, n);
+                        holds += 1;
+                    }
+                    (holds, newest)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        for g in 2..=last {
+            let t = Instant::now();
+            assert_eq!(write_gen(&mut w), g);
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "generation {g} took {:?} against readers that hold without pause",
+                t.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        drop(stopping);
+        for t in threads {
+            let (holds, newest) = t.join().unwrap();
+            assert!(
+                holds > 0 && newest == last,
+                "{holds} holds, newest {newest}"
+            );
+        }
+    });
+    // A begin that timed out against a hold gives the generation back: a fresh take gets it.
+    let held = readers[0].current().unwrap().expect("generation");
+    match w.begin(Some(Duration::from_millis(100))) {
+        Err(Error::Timeout { .. }) => {}
+        other => panic!("begin while held: {other:?}"),
+    }
+    let again = readers[1]
+        .current()
+        .unwrap()
+        .expect("the generation, given back");
+    assert_eq!(again.generation(), last);
+    check_gen(&again, n);
+    drop((held, again));
+    assert_eq!(write_gen(&mut w), last + 1);
+    drop(readers);
+    w.close(ANSWER).unwrap();
+}

@@ -230,6 +230,54 @@ def test_twelve_threads_share_one_reader_while_a_writer_publishes_as_fast_as_it_
     assert not list(SHM.glob(f"cuda-ipc.*.{name}"))
 
 
+def test_reader_threads_that_hold_without_pause_do_not_starve_an_in_place_writer(name):
+    """4 threads of one reader hold the in-place set's generation in turns that overlap (each holds
+    5 ms, with no gap between one thread's holds), as request threads of a serving engine do: some
+    hold is always there. From `begin()`'s call on no new hold is taken, so each of 10 updates
+    gets the buffer within 2 s (before, `begin` waited for a moment with no hold, which never came),
+    and every hold reads one whole generation."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    with w.begin(timeout=ANSWER) as u:
+        write(u)
+    r = cuda_ipc.TensorSetReader(name)
+    stop = threading.Event()
+    errors, holds = [], [0] * 4
+
+    def reader(i):
+        time.sleep(0.00125 * i)
+        try:
+            while not stop.is_set():
+                h = r.current(timeout=0.5)
+                if h is None:
+                    continue
+                with h:
+                    check(h)
+                    time.sleep(0.005)
+                    check(h)
+                holds[i] += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append((i, repr(e)))
+
+    threads = [run(reader, i) for i in range(4)]
+    try:
+        time.sleep(0.1)
+        for _ in range(10):
+            t = time.monotonic()
+            with w.begin(timeout=ANSWER) as u:
+                g = write(u)
+            took = time.monotonic() - t
+            assert took < 2.0, f"generation {g} waited {took:.1f} s for readers that hold on"
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        join(threads)
+    assert not errors, errors[:5]
+    assert min(holds) > 0, holds
+    assert_no_hold_left(w, r, False)
+    r.close()
+    w.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_closing_the_reader_under_waiting_and_reading_threads_raises_only_documented_errors(
     name, mode

@@ -37,6 +37,9 @@ pub(crate) struct Control {
     pub(super) seg: Segment,
     pub(super) buffers: usize,
     pub(super) consumers: usize,
+    /// This process's producer's reservation of a buffer whose holds it waits for (its index
+    /// and the frame it held), while an acquire runs (`Control::acquire_keeping`); process-local.
+    pub(super) reserved: std::sync::Mutex<Option<(usize, u64)>>,
 }
 
 // SAFETY: all shared state is accessed through atomics or raw-pointer copies; the mapping itself is
@@ -255,6 +258,7 @@ impl Control {
             seg,
             buffers,
             consumers,
+            reserved: Default::default(),
         };
         let me = ProcessIdentity::current()?;
         // SYNC POINT: stamp. Release, stored last by `write_versioned`: pairs with the Acquire load
@@ -337,6 +341,7 @@ impl Control {
                     seg,
                     buffers: 0,
                     consumers: 0,
+                    reserved: Default::default(),
                 };
                 let p = c.producer();
                 if p.pid != 0 && c.producer_liveness() != Liveness::Dead {
@@ -510,6 +515,7 @@ impl Control {
             seg,
             buffers,
             consumers,
+            reserved: Default::default(),
         })
     }
 

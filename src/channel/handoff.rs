@@ -4,6 +4,7 @@
 //! calls CUDA: the producer and consumer types wrap it with the GPU side.
 
 use super::control::{Control, boot_bytes, boot_words};
+use super::hold::Claimed;
 use super::layout::{
     ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
     GATE_STATE_OFFSET, GPU_WORDS, GateState, LATEST_ONLY, LEAVING, MAX_BUFFERS, META_BYTES,
@@ -79,7 +80,7 @@ impl Control {
         keep_newest: bool,
     ) -> Result<Option<Claim>> {
         let h = self.header();
-        wait_until(
+        let got = wait_until(
             h.release_wake(),
             strategy,
             timeout,
@@ -94,7 +95,51 @@ impl Control {
                     Ok(())
                 }
             },
-        )
+        );
+        // A reservation outlives no acquire: claimed, or given back here (timed out, failed).
+        if !matches!(got, Ok(Some(_))) {
+            self.unreserve();
+        }
+        got
+    }
+
+    /// Gives back the buffer this producer reserved and did not claim (`claim_buffer`): its
+    /// frame is takeable again, and consumers that backed off look again.
+    fn unreserve(&self) {
+        let taken = self
+            .reserved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((i, seq)) = taken {
+            self.buffer(i).words().unreserve(seq);
+            self.header().publish_wake().bump();
+        }
+    }
+
+    /// Claims buffer `i`, whose frame the producer read as `seq`. A pool of one buffer (the only
+    /// one to be had, as an in-place tensor set's) is reserved when held
+    /// ([`HoldWords::claim_or_reserve`](super::hold::HoldWords::claim_or_reserve)):
+    /// no new hold is taken meanwhile, so readers whose holds overlap without pause cannot keep
+    /// it from the producer; the claim completes at a later try once the holds there are gone.
+    /// Any other buffer is claimed only while nobody holds it.
+    fn claim_buffer(&self, i: usize, seq: u64, reserve: bool) -> Option<Claim> {
+        let claim = |used| Claim {
+            index: i,
+            used,
+            old_seq: seq,
+        };
+        if !reserve {
+            return self.buffer(i).words().claim(seq).map(claim);
+        }
+        match self.buffer(i).words().claim_or_reserve(seq) {
+            Claimed::Now(used) => Some(claim(used)),
+            Claimed::Reserved => {
+                *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) = Some((i, seq));
+                None
+            }
+            Claimed::Changed => None,
+        }
     }
 
     fn min_lossless_cursor(&self) -> u64 {
@@ -130,12 +175,29 @@ impl Control {
     }
 
     pub(crate) fn try_acquire(&self) -> Option<Claim> {
-        self.try_acquire_keeping(false)
+        let got = self.try_acquire_keeping(false);
+        if got.is_none() {
+            self.unreserve();
+        }
+        got
     }
 
     /// [`Control::try_acquire`]; with `keep_newest`, never the buffer of the newest frame (it
-    /// stays readable): `None` when only that one is free.
+    /// stays readable): `None` when only that one is free. A pool of one buffer held by consumers
+    /// is left reserved (`claim_buffer`); the caller's next try completes the claim, or gives it
+    /// back (`unreserve`).
     fn try_acquire_keeping(&self, keep_newest: bool) -> Option<Claim> {
+        let reserved = *self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((i, seq)) = reserved {
+            let used = self.buffer(i).words().finish_reserved()?;
+            *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            return Some(Claim {
+                index: i,
+                used,
+                old_seq: seq,
+            });
+        }
+        let reserve = self.buffers == 1 && !keep_newest;
         let min_cursor = self.min_lossless_cursor();
         let head = self.head();
         if self.is_ring() {
@@ -146,11 +208,7 @@ impl Control {
             if seq == WRITING || seq > min_cursor || (keep_newest && seq == head && seq != 0) {
                 return None;
             }
-            return self.buffer(i).words().claim(seq).map(|used| Claim {
-                index: i,
-                used,
-                old_seq: seq,
-            });
+            return self.claim_buffer(i, seq, reserve);
         }
         // Oldest first, so the newest frame stays available to latest-only consumers; on the
         // stack, so that a claim allocates nothing.
@@ -175,12 +233,8 @@ impl Control {
                 // Keep the newest frame while an older buffer is free.
                 continue;
             }
-            if let Some(used) = self.buffer(i).words().claim(seq) {
-                return Some(Claim {
-                    index: i,
-                    used,
-                    old_seq: seq,
-                });
+            if let Some(claim) = self.claim_buffer(i, seq, reserve) {
+                return Some(claim);
             }
         }
         None

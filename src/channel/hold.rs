@@ -39,6 +39,18 @@ pub(crate) struct HoldWords<'a> {
     pub(crate) used_mask: &'a AtomicU64,
 }
 
+/// What [`HoldWords::claim_or_reserve`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Claimed {
+    /// Claimed: the consumers that read the buffer since its last write.
+    Now(u64),
+    /// `seq` is [`WRITING`] but consumers still hold the frame: no new hold succeeds; finish
+    /// with [`HoldWords::finish_reserved`] or give back with [`HoldWords::unreserve`].
+    Reserved,
+    /// `seq` was no longer the one read: nothing changed.
+    Changed,
+}
+
 impl HoldWords<'_> {
     /// The producer's claim of the buffer for writing, whose `seq` it read as `seq` (not
     /// [`WRITING`]): `seq` := [`WRITING`] unless a consumer holds the frame. Returns the consumers
@@ -77,14 +89,20 @@ impl HoldWords<'_> {
     /// again).
     pub(crate) fn hold(&self, bit: u64, seq: u64) -> bool {
         // SYNC POINT: hold. SeqCst, then a SeqCst fence: the consumer half of the Dekker pair with
-        // `claim` and `withdraw`.
-        self.hold_mask.fetch_or(bit, Ordering::SeqCst);
+        // `claim`, `claim_or_reserve` and `withdraw`.
+        let before = self.hold_mask.fetch_or(bit, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        // SYNC POINT: hold, publish. SeqCst (an acquire): a claim before the fence above is seen
-        // as WRITING; a frame seen is the one published with its metadata and bytes.
+        // SYNC POINT: hold, publish. SeqCst (an acquire): a claim or reservation before the
+        // fence above is seen as WRITING; a frame seen is the one published with its metadata and
+        // bytes.
         if self.seq.load(Ordering::SeqCst) != seq {
-            // SYNC POINT: release. SeqCst: as `release`.
-            self.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+            // Backed off. The bit is cleared only where this hold set it: set before, it is
+            // another hold's of the same consumer (a tensor-set reader's guards share one), which
+            // the producer's reservation waits for and which still reads the buffer.
+            if before & bit == 0 {
+                // SYNC POINT: release. SeqCst: as `release`.
+                self.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+            }
             return false;
         }
         // SYNC POINT: used. AcqRel: pairs with the producer's swap in `claim` (`take_used`).
@@ -99,6 +117,49 @@ impl HoldWords<'_> {
         // before this come before the producer's next write, which waits for a clear mask in
         // `claim`.
         self.hold_mask.fetch_and(!bit, Ordering::SeqCst);
+    }
+
+    /// The producer's claim that holds new readers off, for a buffer it must have (a pool of one:
+    /// without it, readers whose holds overlap would keep the buffer forever): `seq` :=
+    /// [`WRITING`] from `seq` whether or not consumers hold the frame, then [`Claimed::Now`] when
+    /// none does. Otherwise [`Claimed::Reserved`]: no hold succeeds from now on (a hold re-reads
+    /// `seq` after setting its bit and backs off), the holds there end as they release, and
+    /// [`HoldWords::finish_reserved`] completes the claim once none is left, or
+    /// [`HoldWords::unreserve`] gives the frame back as it was.
+    pub(crate) fn claim_or_reserve(&self, seq: u64) -> Claimed {
+        // SYNC POINT: hold. SeqCst, then a SeqCst fence: the producer half of the Dekker pair with
+        // `hold`, as in `claim`.
+        if self
+            .seq
+            .compare_exchange(seq, WRITING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Claimed::Changed;
+        }
+        fence(Ordering::SeqCst);
+        self.finish_reserved()
+            .map_or(Claimed::Reserved, Claimed::Now)
+    }
+
+    /// Completes a claim that [`HoldWords::claim_or_reserve`] left reserved: the consumers that
+    /// read the buffer since its last write once no hold is left, else `None` (still reserved).
+    pub(crate) fn finish_reserved(&self) -> Option<u64> {
+        // SYNC POINT: release. SeqCst (an acquire): pairs with the consumers' clears of their bits
+        // (`release`, `free_consumer_slot`), as in `claim`: a mask seen clear comes after every
+        // read of the frame. No hold is added while `seq` is WRITING (the Dekker pair above).
+        if self.hold_mask.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        // SYNC POINT: used. AcqRel: pairs with the consumers' fetch_or in `hold`.
+        Some(self.used_mask.swap(0, Ordering::AcqRel))
+    }
+
+    /// Gives back a buffer reserved from frame `seq` and not claimed: the frame is takeable again,
+    /// with the holds that outlived the reservation.
+    pub(crate) fn unreserve(&self, seq: u64) {
+        // SYNC POINT: publish. Release: given back unchanged; pairs with the Acquire loads of
+        // seq (nothing was written: the frame's metadata and bytes are as published).
+        self.seq.store(seq, Ordering::Release);
     }
 
     /// Withdraws the buffer at close (`seq` := [`WRITING`] for good) and clears every hold;
@@ -234,6 +295,90 @@ mod loom_model {
             assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
             let seq = b.seq.load(Ordering::Relaxed);
             assert_eq!(seq, if wrote { 2 } else { 1 });
+        });
+    }
+
+    /// The producer's write of frame `next` through a reservation (a pool of one buffer): claimed
+    /// or reserved at once, then finished once the holds there are gone (yielding meanwhile).
+    /// Returns the consumers whose release events the write waited on, or `None` when it did not
+    /// write.
+    fn write_reserving(b: &Buf, next: u64) -> Option<u64> {
+        // SYNC POINT: publish (as in `try_acquire`).
+        let seq = b.seq.load(Ordering::Acquire);
+        if seq == WRITING {
+            return None;
+        }
+        let used = match b.words().claim_or_reserve(seq) {
+            Claimed::Now(used) => used,
+            Claimed::Changed => return None,
+            Claimed::Reserved => loop {
+                if let Some(used) = b.words().finish_reserved() {
+                    break used;
+                }
+                loom::thread::yield_now();
+            },
+        };
+        // SAFETY: loom checks this write against every read of the model.
+        b.data.with_mut(|p| unsafe { *p = next });
+        // SYNC POINT: publish (as in `publish`).
+        b.seq.store(next, Ordering::Release);
+        Some(used)
+    }
+
+    #[test]
+    fn loom_channel_a_reservation_waits_for_holds_that_share_a_bit_and_turns_new_ones_away() {
+        builder().check(|| {
+            let b = Buf::published();
+            let c = b.clone();
+            // One consumer, two takes sharing its bit (a tensor-set reader's two guards): the
+            // second take while the first holds; the first's reads go on after the second's
+            // attempt, whatever it found; one release ends both.
+            let consumer = loom::thread::spawn(move || {
+                let seq = c.seq.load(Ordering::Acquire);
+                if seq == SEQ_EMPTY || seq == WRITING || !c.words().hold(1, seq) {
+                    return None;
+                }
+                let again = c.seq.load(Ordering::Acquire);
+                let second = again != WRITING && c.words().hold(1, again);
+                // SAFETY: loom checks this read against every write of the model.
+                let got = c.data.with(|p| unsafe { *p });
+                assert_eq!(
+                    got, seq,
+                    "read frame {seq}'s buffer while frame {got} was in it"
+                );
+                c.words().release(1);
+                Some((seq, second))
+            });
+            let used = write_reserving(&b, 2);
+            let took = consumer.join().unwrap();
+            if let Some((1, _)) = took {
+                assert_eq!(
+                    used,
+                    Some(1),
+                    "the write did not wait on the reader of frame 1"
+                );
+            }
+            assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
+            assert_eq!(b.seq.load(Ordering::Relaxed), 2);
+        });
+    }
+
+    #[test]
+    fn loom_channel_an_unreserved_buffer_is_as_it_was() {
+        builder().check(|| {
+            let b = Buf::published();
+            let c = b.clone();
+            let consumer = loom::thread::spawn(move || take(&c, 1));
+            if b.words().claim_or_reserve(1) == Claimed::Reserved {
+                b.words().unreserve(1);
+            } else {
+                // Claimed at once (or never, were it changed): give the frame back unwritten.
+                b.seq.store(1, Ordering::Release);
+            }
+            let took = consumer.join().unwrap();
+            assert!(matches!(took, None | Some(1)));
+            assert_eq!(b.seq.load(Ordering::Relaxed), 1);
+            assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
         });
     }
 

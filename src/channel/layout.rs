@@ -23,8 +23,11 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"CIPCCHAN");
 /// the release page (release words written by consumers' streams in place of interprocess
 /// events), the gate words, ring order, and fields reserved for monitoring and the remote lane
 /// (publish times, per-consumer latency histograms, transport codes); version 6 the effective uids
-/// of producer and consumers (a liveness file counts only when that uid or root owns it).
-pub const VERSION: u32 = 6;
+/// of producer and consumers (a liveness file counts only when that uid or root owns it); version
+/// 7 the producer's reservation of a pool of one buffer (no words changed: a consumer of version 6
+/// clears its hold bit when a second hold of its own backs off from a reservation, which would let
+/// the producer write under the first).
+pub const VERSION: u32 = 7;
 /// The header's `stamp` once the creator wrote everything else: `0x52454459` (ASCII `REDY`); 0 before.
 pub const STAMP_READY: u32 = 0x5245_4459;
 /// Size in bytes of the ready page: one `u32` ready word per buffer, then the gate words; on a

@@ -564,7 +564,9 @@ impl TensorSetWriter {
 
     /// Takes a buffer for generation [`TensorSetWriter::generation`] + 1, waiting up to `timeout`
     /// (`None`: forever) while readers hold it (in place: until every reader released the current
-    /// generation; buffered: the oldest buffer no reader holds, which is the newest generation's
+    /// generation, which no reader takes from the call on: readers asking meanwhile wait for this
+    /// update's commit, so readers whose holds overlap without pause do not keep the buffer from
+    /// the writer, and a `begin` that times out gives the generation back; buffered: the oldest buffer no reader holds, which is the newest generation's
     /// own buffer only when readers hold every other one: readers that come meanwhile wait for
     /// this update's commit, and dropping the update unpublished takes that generation from them
     /// until the next commit; give the set a buffer more when readers keep generations long).
