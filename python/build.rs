@@ -19,7 +19,9 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=CC");
+    for var in ["CC", "TARGET_CC"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
     let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     let env = std::env::var("CARGO_CFG_TARGET_ENV").unwrap_or_default();
     if os != "linux" || env != "gnu" {
@@ -35,13 +37,35 @@ fn main() {
     }
 }
 
-/// The C compiler's `libgcc_s.so.1` (`$CC`, else `cc`), where it names an existing file.
+/// The C compiler's `libgcc_s.so.1` for the target, where it names an existing file: the
+/// compiler of `CC_<target>` or `TARGET_CC` (`CC` too when the target is the host), else `cc` when
+/// building for the host. A zig wrapper (`maturin --zig`) ships no `libgcc_s`: skipped. A cross
+/// build with no such compiler gets `None` (the host's library would not link).
 fn libgcc_s() -> Option<PathBuf> {
-    let cc = std::env::var("CC")
-        .ok()
-        .filter(|c| !c.is_empty() && !c.contains("zig"))
-        .unwrap_or_else(|| "cc".to_string());
-    let out = Command::new(cc)
+    let target = std::env::var("TARGET").unwrap_or_default();
+    let native = target == std::env::var("HOST").unwrap_or_default();
+    let mut names = vec![
+        format!("CC_{target}"),
+        format!("CC_{}", target.replace('-', "_")),
+        "TARGET_CC".to_string(),
+    ];
+    if native {
+        names.push("CC".to_string());
+    }
+    let given = names
+        .iter()
+        .filter_map(|n| std::env::var(n).ok())
+        .find(|c| !c.trim().is_empty() && !c.contains("zig"));
+    let cc = match given {
+        Some(c) => c,
+        None if native => "cc".to_string(),
+        None => return None,
+    };
+    // `CC` may carry a launcher and flags ("ccache gcc", "gcc -m64").
+    let mut words = cc.split_whitespace();
+    let program = words.next()?;
+    let out = Command::new(program)
+        .args(words)
         .arg("-print-file-name=libgcc_s.so.1")
         .output()
         .ok()?;
