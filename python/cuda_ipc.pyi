@@ -750,7 +750,9 @@ class TensorSetReader:
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a
         first (default 0: returns at once; checked whether or not a generation is there). ``TensorSetClosed`` once this reader is closed (also
-        from another thread while this waits) or the writer closed the set."""
+        from another thread while this waits) or the writer closed the set. In place, while the
+        writer's ``begin()`` waits, the generation is reserved: ``None`` (or a wait for the commit),
+        also for a reader that holds it already, whose hold that ``begin()`` waits for."""
     def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
         """Waits for a generation newer than ``than`` and holds it. Raises ``Timeout``,
         ``WriterGone``, ``TensorSetClosed`` (the writer closed the set, or this reader is closed,

@@ -702,3 +702,41 @@ fn a_segment_of_layout_version_6_is_refused_with_both_versions_named() {
     assert!(Producer::create_host(&old, &ChannelOptions::new(BYTES).buffers(1)).is_err());
     drop(tx);
 }
+
+#[test]
+fn a_reader_holding_the_generation_gets_none_for_it_again_while_begin_reserves() {
+    if role().is_some() {
+        return;
+    }
+    // Its own guard keeps the reservation waiting, and a second take of the same generation by
+    // the same reader is turned away as any other: it waits for the commit, which waits for the
+    // guard. Asking again while holding, in place, blocks until `begin` gives up or the guard goes.
+    let name = unique("again");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &in_place()).unwrap();
+    write_gen(&mut w);
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let h = r.current().unwrap().expect("generation 1");
+    let again = r.current().unwrap().expect("taken again before any begin");
+    assert_eq!(again.generation(), 1);
+    drop(again);
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let u = w.begin(Some(ANSWER)).expect("begin once the guard goes");
+            u.commit().unwrap()
+        });
+        until("the buffer reserved", || {
+            set_buffer(&name).0 == BufferState::Writing
+        });
+        assert!(r.current().unwrap().is_none());
+        match r.wait_newer(0, Some(Duration::from_millis(200))) {
+            Err(Error::Timeout { .. }) => {}
+            other => panic!("a take again while reserved: {other:?}"),
+        }
+        check_gen(&h);
+        drop(h);
+        assert_eq!(writer.join().unwrap(), 2);
+    });
+    assert_eq!(set_buffer(&name), (BufferState::Frame(2), 0));
+    drop(r);
+    w.close(ANSWER).unwrap();
+}
