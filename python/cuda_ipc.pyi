@@ -289,7 +289,9 @@ class Producer:
         """A free buffer to write, waiting up to ``timeout`` seconds (0 to 1e9; ``None``:
         forever). Raises ``Timeout``; ``ChannelClosed`` once closed, also by ``close()`` from
         another thread while this waits (within 50 ms); ``InvalidArgument`` while another
-        WriteFrame is outstanding or for a bad ``timeout``."""
+        WriteFrame is outstanding or for a bad ``timeout``. On a pool of one buffer that consumers
+        hold, its frame is reserved from the call on (no consumer takes it while this waits) and
+        given back when the wait ends without a buffer."""
     def acquire_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, WriteFrame]:
         """``acquire`` as a coroutine: awaited, it waits in the event loop's default executor (a
         thread, without the GIL) while the loop runs other tasks. Cancelling the awaiting task
@@ -607,7 +609,8 @@ class TensorSetWriter:
         allocator) or on another device, and a dict with no bytes in the pool."""
     def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
         """The next generation's buffer, waiting while readers hold it (in place, no new hold is
-        taken meanwhile: readers asking wait for the commit; a timeout gives the generation back);
+        taken meanwhile, across the 50 ms slices it waits in: readers asking wait for the commit; a
+        timeout, ``KeyboardInterrupt`` or ``close()`` gives the generation back);
         a context manager that commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
         writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
         or while the update is open (the update's calls and the block's end raise it then:
@@ -747,7 +750,9 @@ class TensorSetReader:
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a
         first (default 0: returns at once; checked whether or not a generation is there). ``TensorSetClosed`` once this reader is closed (also
-        from another thread while this waits) or the writer closed the set."""
+        from another thread while this waits) or the writer closed the set. In place, while the
+        writer's ``begin()`` waits, the generation is reserved: ``None`` (or a wait for the commit),
+        also for a reader that holds it already, whose hold that ``begin()`` waits for."""
     def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
         """Waits for a generation newer than ``than`` and holds it. Raises ``Timeout``,
         ``WriterGone``, ``TensorSetClosed`` (the writer closed the set, or this reader is closed,

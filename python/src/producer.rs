@@ -52,7 +52,9 @@ impl Producer {
                     // wait. Stopping is the safe answer should that change.
                     return Err(Stop::Closed);
                 };
-                match OwnedWriteFrame::acquire(p, Some(slice)) {
+                // A slice that times out leaves a pool of one buffer reserved for the next
+                // (consumers whose holds outlast a slice cannot take its frame between them).
+                match OwnedWriteFrame::acquire_slice(p, Some(slice)) {
                     Ok(f) => Ok(Some(f)),
                     Err((p, cuda_ipc::Error::Timeout { .. })) => {
                         producer = Some(p);
@@ -65,7 +67,10 @@ impl Producer {
                 }
             },
         );
-        if let Some(p) = producer.take() {
+        if let Some(mut p) = producer.take() {
+            // The wait ended without a buffer (timed out, closed, a signal): the frame is
+            // takeable again.
+            p.give_back_reservation();
             this.give_back(py, p, true);
         }
         match got? {
@@ -180,7 +185,9 @@ impl Producer {
 
     /// Takes a free buffer to write, waiting up to `timeout` seconds (`None`: forever).
     /// `ChannelClosed` once `close()` was called, also from another thread while this waits (it
-    /// wakes within 50 ms); `Timeout`; `InvalidArgument` while a `WriteFrame` is outstanding.
+    /// wakes within 50 ms); `Timeout`; `InvalidArgument` while a `WriteFrame` is outstanding. On
+    /// a pool of one buffer that consumers hold, its frame stays reserved across the 50 ms slices
+    /// (`Producer::acquire_slice`) and is given back when the wait ends without a buffer.
     #[pyo3(signature = (timeout=None))]
     fn acquire(slf: &Bound<'_, Self>, timeout: Option<Seconds>) -> PyResult<WriteFrame> {
         let timeout = timeout_arg(slf.py(), timeout)?;

@@ -383,7 +383,9 @@ impl TensorSetWriter {
     }
 
     /// Takes the buffer of the next generation (waiting up to `timeout` seconds, `None`: forever,
-    /// while readers hold it) and returns the update; its work runs on `stream` (default:
+    /// while readers hold it; in place, the generation stays reserved across the 50 ms slices
+    /// this waits in, `TensorSetWriter::begin_slice`, and is given back when the wait ends
+    /// without the buffer) and returns the update; its work runs on `stream` (default:
     /// PyTorch's current stream), which is made to wait for the buffer's last readers on the GPU.
     /// Use it as a context manager: the update commits when the block ends without an exception
     /// and is aborted otherwise. Raises `TensorSetClosed` once the writer is closed, also by
@@ -413,7 +415,9 @@ impl TensorSetWriter {
                 let w = lock(&writer)
                     .take()
                     .expect("the writer is here between slices");
-                match OwnedUpdate::begin(w, Some(slice)) {
+                // A slice that times out leaves the generation reserved for the next (readers
+                // whose holds outlast a slice cannot take it between them).
+                match OwnedUpdate::begin_slice(w, Some(slice)) {
                     Ok(u) => Ok(Some(u)),
                     Err((w, Error::Timeout { .. })) => {
                         *lock(&writer) = Some(w);
@@ -429,7 +433,8 @@ impl TensorSetWriter {
         let update = match got {
             Ok(Some(u)) => u,
             Ok(None) => {
-                if let Some(w) = lock(&writer).take() {
+                if let Some(mut w) = lock(&writer).take() {
+                    w.give_back_reservation();
                     this.give_back(py, w);
                 }
                 return Err(crate::util::timeout_error(
@@ -439,7 +444,9 @@ impl TensorSetWriter {
                 ));
             }
             Err(e) => {
-                if let Some(w) = lock(&writer).take() {
+                // Closed, a signal, an error: the generation is takeable again.
+                if let Some(mut w) = lock(&writer).take() {
+                    w.give_back_reservation();
                     this.give_back(py, w);
                 }
                 return Err(e);

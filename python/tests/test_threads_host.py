@@ -13,6 +13,7 @@ object are the documented ones: a closed reader's calls raise `TensorSetClosed` 
 tensor set ... is closed`), as a closed set's do (`... was closed by its writer`), a closed
 consumer's `Detached`, a closed producer's `ChannelClosed`. Run: `pip install ./python && pytest python/tests/test_threads_host.py`."""
 
+import _thread
 import asyncio
 import faulthandler
 import gc
@@ -100,6 +101,15 @@ def join(threads, timeout=ANSWER) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
     alive = [t.name for t in threads if t.is_alive()]
     assert not alive, f"threads still running after {timeout} s: {alive}"
+
+
+def gil_busy(seconds: float) -> None:
+    """Runs Python code on this thread for `seconds`, so that a thread coming back from a wait
+    without the GIL waits for it (up to the switch interval) before its next step."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
 
 
 def blocked(call):
@@ -276,6 +286,161 @@ def test_reader_threads_that_hold_without_pause_do_not_starve_an_in_place_writer
     assert_no_hold_left(w, r, False)
     r.close()
     w.close()
+
+
+def test_no_reader_takes_the_generation_while_begin_waits_across_its_slices(name):
+    """`begin` waits in 50 ms slices (between which it checks for signals and `close()`), and a
+    hold there may outlast many of them: the generation it reserved at its call stays reserved
+    across them, so no reader takes it until the update is committed or given up. Here one reader
+    holds for 300 ms while another waits for the generation, and this thread keeps the GIL busy
+    (which `begin` takes between its slices): the waiting reader never gets it (before, each slice
+    gave the generation back at its end, and the waiting reader took it while `begin` waited for
+    the GIL: readers whose holds outlast a slice could starve `begin`). Once the hold ends, `begin` gets the buffer at once; a
+    `begin` that times out gives the generation back."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    with w.begin(timeout=ANSWER) as u:
+        write(u)
+    holder, asker = cuda_ipc.TensorSetReader(name), cuda_ipc.TensorSetReader(name)
+    h = holder.current()
+    assert h is not None and h.generation == 1
+    began = {}
+
+    def writer():
+        t = time.monotonic()
+        try:
+            with w.begin(timeout=ANSWER) as u:
+                began["generation"] = write(u)
+        except BaseException as e:  # noqa: BLE001
+            began["error"] = repr(e)
+        began["took"] = time.monotonic() - t
+
+    thread = run(writer)
+    time.sleep(0.02)
+    taken = []
+    stop = threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            g = asker.current(timeout=0.1)
+            if g is not None:
+                taken.append(g.generation)
+                g.release()
+
+    asking = run(ask)
+    gil_busy(0.3)
+    stop.set()
+    join([asking])
+    released = time.monotonic()
+    h.release()
+    join([thread])
+    assert not taken, f"generation taken {len(taken)} times while begin waited: {taken[:5]}"
+    assert began.get("generation") == 2, began
+    assert time.monotonic() - released < 1.0
+    g = asker.current()
+    assert g is not None and g.generation == 2
+    check(g)
+    # A begin that times out against a hold gives the generation back.
+    with pytest.raises(cuda_ipc.Timeout):
+        w.begin(timeout=0.2)
+    g2 = holder.current()
+    assert g2 is not None and g2.generation == 2
+    g.release()
+    g2.release()
+    assert_no_hold_left(w, holder, False)
+    holder.close()
+    asker.close()
+    w.close()
+
+
+def test_a_begin_interrupted_or_closed_while_it_reserves_gives_the_generation_back(name):
+    """Ctrl-C (`KeyboardInterrupt`, seen between two slices) during an in-place `begin` that
+    reserved the generation against a hold gives it back: another reader takes it at once, and
+    the next `begin` gets the buffer once the hold ends. `close()` from another thread during such
+    a `begin` ends it with `TensorSetClosed`; the holder's bytes stay readable."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    with w.begin(timeout=ANSWER) as u:
+        write(u)
+    holder, asker = cuda_ipc.TensorSetReader(name), cuda_ipc.TensorSetReader(name)
+    h = holder.current()
+    assert h is not None
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        w.begin(timeout=ANSWER)
+    timer.join()
+    g = asker.current()
+    assert g is not None and g.generation == 1, "not given back after KeyboardInterrupt"
+    check(g)
+    g.release()
+    h.release()
+    with w.begin(timeout=2.0) as u:
+        assert write(u) == 2
+    h = holder.current()
+    assert h is not None and h.generation == 2
+    got = blocked(lambda: w.begin(timeout=ANSWER))
+    time.sleep(0.2)
+    assert got[0].is_alive()
+    closing = time.monotonic()
+    w.close(timeout=0.5)
+    join([got[0]])
+    assert isinstance(got[1].get("error"), cuda_ipc.TensorSetClosed), got[1]
+    assert got[1]["at"] - closing < 1.0
+    check(h)
+    h.release()
+    holder.close()
+    asker.close()
+
+
+def test_no_consumer_takes_a_one_buffer_pools_frame_while_acquire_waits_across_its_slices(name):
+    """`Producer.acquire` waits in 50 ms slices too: on a pool of one buffer that a consumer holds,
+    the frame it reserved at its call stays reserved across them, so another consumer waiting for
+    it never takes it while this thread keeps the GIL busy (before, it took it at a slice's end,
+    while `acquire` waited for the GIL to start the next); once the hold ends
+    the acquire gets the buffer at once. An `acquire` that times out gives the frame back."""
+    tx = cuda_ipc.Producer(name, NBYTES, buffers=1, memory="host")
+    holder = cuda_ipc.Consumer(name, delivery="latest")
+    asker = cuda_ipc.Consumer(name, delivery="latest")
+    with tx.acquire(timeout=ANSWER) as f:
+        f.write(pattern(1))
+        f.publish()
+    h = holder.recv(timeout=ANSWER)
+    got = blocked(lambda: tx.acquire(timeout=ANSWER))
+    time.sleep(0.02)
+    taken = []
+    stop = threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            try:
+                g = asker.recv(timeout=0.1)
+            except cuda_ipc.Timeout:
+                continue
+            taken.append(g.seq)
+            g.release()
+
+    asking = run(ask)
+    gil_busy(0.3)
+    stop.set()
+    join([asking])
+    released = time.monotonic()
+    h.release()
+    join([got[0]])
+    assert not taken, f"frame taken {len(taken)} times while acquire waited: {taken[:5]}"
+    assert "value" in got[1], got[1]
+    assert got[1]["at"] - released < 1.0
+    with got[1]["value"] as f:
+        f.write(pattern(2))
+        f.publish()
+    h = holder.recv(timeout=ANSWER)
+    with pytest.raises(cuda_ipc.Timeout):
+        tx.acquire(timeout=0.2)
+    g = asker.try_recv()
+    assert g is not None and g.seq == 2, "the frame was not given back"
+    g.release()
+    h.release()
+    holder.close()
+    asker.close()
+    tx.close(timeout=ANSWER)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -38,7 +38,8 @@ pub(crate) struct Control {
     pub(super) buffers: usize,
     pub(super) consumers: usize,
     /// This process's producer's reservation of a buffer whose holds it waits for (its index
-    /// and the frame it held), while an acquire runs (`Control::acquire_keeping`); process-local.
+    /// and the frame it held), while an acquire runs (`Control::acquire_keeping`), or from one
+    /// slice of `Control::acquire_reserving` to the next; process-local.
     pub(super) reserved: std::sync::Mutex<Option<(usize, u64)>>,
 }
 

@@ -79,8 +79,44 @@ impl Control {
         timeout: Option<Duration>,
         keep_newest: bool,
     ) -> Result<Option<Claim>> {
+        if keep_newest {
+            // A reservation left by `acquire_reserving` is of the newest frame: not for this one.
+            self.unreserve();
+        }
+        let got = self.acquire_waiting(strategy, timeout, keep_newest);
+        // A reservation outlives no acquire: claimed, or given back here (timed out, failed).
+        if !matches!(got, Ok(Some(_))) {
+            self.unreserve();
+        }
+        got
+    }
+
+    /// [`Control::acquire`], but a timeout (`Ok(None)`) leaves a reservation in place
+    /// (`claim_buffer`): the next acquire of this producer goes on waiting for the same holds,
+    /// with no new hold taken meanwhile. For callers that wait in slices (a binding checking for
+    /// signals between them), which give the reservation back (`unreserve`) when they stop
+    /// waiting; an error gives it back here.
+    pub(crate) fn acquire_reserving(
+        &self,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Claim>> {
+        let got = self.acquire_waiting(strategy, timeout, false);
+        if got.is_err() {
+            self.unreserve();
+        }
+        got
+    }
+
+    /// The wait of [`Control::acquire_keeping`], leaving any reservation as it is.
+    fn acquire_waiting(
+        &self,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+        keep_newest: bool,
+    ) -> Result<Option<Claim>> {
         let h = self.header();
-        let got = wait_until(
+        wait_until(
             h.release_wake(),
             strategy,
             timeout,
@@ -95,17 +131,13 @@ impl Control {
                     Ok(())
                 }
             },
-        );
-        // A reservation outlives no acquire: claimed, or given back here (timed out, failed).
-        if !matches!(got, Ok(Some(_))) {
-            self.unreserve();
-        }
-        got
+        )
     }
 
     /// Gives back the buffer this producer reserved and did not claim (`claim_buffer`): its
-    /// frame is takeable again, and consumers that backed off look again.
-    fn unreserve(&self) {
+    /// frame is takeable again, and consumers that backed off look again. Nothing when there is
+    /// no reservation.
+    pub(crate) fn unreserve(&self) {
         let taken = self
             .reserved
             .lock()

@@ -144,12 +144,39 @@ impl OwnedWriteFrame {
         producer: Box<Producer>,
         timeout: Option<Duration>,
     ) -> std::result::Result<OwnedWriteFrame, (Box<Producer>, Error)> {
+        Self::acquire_with(producer, timeout, false)
+    }
+
+    /// [`OwnedWriteFrame::acquire`] by [`Producer::acquire_slice`]: a timeout leaves a pool of one
+    /// buffer reserved for the next slice (the producer that comes back gives it back with
+    /// [`Producer::give_back_reservation`] when its caller stops waiting).
+    ///
+    /// # Errors
+    /// As [`Producer::acquire_slice`]; the producer comes back with the error.
+    pub fn acquire_slice(
+        producer: Box<Producer>,
+        timeout: Option<Duration>,
+    ) -> std::result::Result<OwnedWriteFrame, (Box<Producer>, Error)> {
+        Self::acquire_with(producer, timeout, true)
+    }
+
+    fn acquire_with(
+        producer: Box<Producer>,
+        timeout: Option<Duration>,
+        slice: bool,
+    ) -> std::result::Result<OwnedWriteFrame, (Box<Producer>, Error)> {
         let ptr = NonNull::from(Box::leak(producer));
         // SAFETY: `ptr` came from `Box::leak` just now and nothing else refers to the producer;
         // the `&mut` lives as long as the frame, which `OwnedWriteFrame` drops before it turns the
         // pointer back into a `Box` (field order, `take_producer`, `Drop`). On error the borrow
         // ends here, before `Box::from_raw`.
-        let acquired = unsafe { (*ptr.as_ptr()).acquire(timeout) };
+        let acquired = unsafe {
+            if slice {
+                (*ptr.as_ptr()).acquire_slice(timeout)
+            } else {
+                (*ptr.as_ptr()).acquire(timeout)
+            }
+        };
         match acquired {
             Ok(frame) => {
                 // SAFETY: as above; the frame's borrow of `*ptr` is extended to the life of

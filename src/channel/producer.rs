@@ -399,6 +399,34 @@ impl Producer {
         }
     }
 
+    /// [`Producer::acquire`] for a caller that waits in slices (a binding checking for signals
+    /// between them): in a pool of one buffer, which consumers hold, the buffer is reserved at the
+    /// first slice (no consumer takes its frame from then on) and a slice that times out leaves it
+    /// reserved, so the next slice (this, [`Producer::acquire`] or [`Producer::try_acquire`]) goes
+    /// on waiting for the same holds. Without it, consumers whose holds outlast a slice would take
+    /// the frame again between slices and could keep the buffer from the producer for good. A
+    /// caller that stops waiting gives the frame back with [`Producer::give_back_reservation`]; an
+    /// error other than the timeout, and [`Producer::acquire`] or [`Producer::try_acquire`] that
+    /// find no buffer, give it back themselves.
+    ///
+    /// # Errors
+    /// As [`Producer::acquire`].
+    pub fn acquire_slice(&mut self, timeout: Option<Duration>) -> Result<WriteFrame<'_>> {
+        match self.control.acquire_reserving(self.wait, timeout)? {
+            Some(claim) => self.start_write(claim),
+            None => Err(Error::Timeout {
+                what: "a free buffer",
+                after: timeout.unwrap_or_default(),
+            }),
+        }
+    }
+
+    /// Gives back the frame whose buffer [`Producer::acquire_slice`] left reserved (consumers take
+    /// it again); nothing when none is.
+    pub fn give_back_reservation(&mut self) {
+        self.control.unreserve();
+    }
+
     /// Takes a free buffer if one is free now (as [`Producer::acquire`], without waiting).
     ///
     /// # Errors

@@ -130,11 +130,38 @@ impl OwnedUpdate {
         writer: Box<TensorSetWriter>,
         timeout: Option<Duration>,
     ) -> std::result::Result<OwnedUpdate, (Box<TensorSetWriter>, Error)> {
+        Self::begin_with(writer, timeout, false)
+    }
+
+    /// [`OwnedUpdate::begin`] by [`TensorSetWriter::begin_slice`]: a timeout leaves an in-place
+    /// generation reserved for the next slice (the writer that comes back gives it back with
+    /// [`TensorSetWriter::give_back_reservation`] when its caller stops waiting).
+    ///
+    /// # Errors
+    /// As [`TensorSetWriter::begin_slice`]; the writer comes back with the error.
+    pub fn begin_slice(
+        writer: Box<TensorSetWriter>,
+        timeout: Option<Duration>,
+    ) -> std::result::Result<OwnedUpdate, (Box<TensorSetWriter>, Error)> {
+        Self::begin_with(writer, timeout, true)
+    }
+
+    fn begin_with(
+        writer: Box<TensorSetWriter>,
+        timeout: Option<Duration>,
+        slice: bool,
+    ) -> std::result::Result<OwnedUpdate, (Box<TensorSetWriter>, Error)> {
         let ptr = NonNull::from(Box::leak(writer));
         // The `&mut` lives as long as the update, which `OwnedUpdate` drops before it turns the
         // pointer back into a `Box` (field order, `take_writer`, `Drop`); on error it ends here.
         // SAFETY: `ptr` came from `Box::leak` just now and nothing else refers to the writer.
-        let begun = unsafe { (*ptr.as_ptr()).begin(timeout) };
+        let begun = unsafe {
+            if slice {
+                (*ptr.as_ptr()).begin_slice(timeout)
+            } else {
+                (*ptr.as_ptr()).begin(timeout)
+            }
+        };
         match begun {
             Ok(update) => {
                 // SAFETY: as above; the update's borrow of `*ptr` is extended to the life of

@@ -620,7 +620,9 @@ impl TensorSetReader {
     }
 
     /// The newest published generation, even one this reader took before; `None` when none was
-    /// published yet (or the only one is being rewritten in place). Does not wait.
+    /// published yet (or the only one is being rewritten in place, or reserved by a waiting
+    /// [`super::TensorSetWriter::begin`]: also for a reader that holds it already, whose guard
+    /// that `begin` waits for). Does not wait.
     ///
     /// # Errors
     /// [`TensorSetError::WriterGone`] / [`TensorSetError::Closed`] when no generation is left
@@ -631,7 +633,10 @@ impl TensorSetReader {
     }
 
     /// Waits up to `timeout` (`None`: no bound) for a generation newer than `than`, by the
-    /// reader's wait strategy, and holds it.
+    /// reader's wait strategy, and holds it. In place, while a `begin` waits, the generation is
+    /// reserved and this waits for the commit, also in a reader that holds the generation
+    /// already: a thread that asks while its own guard is held waits for a `begin` that waits
+    /// for that guard (until the `begin`'s timeout, or this one's).
     ///
     /// # Errors
     /// [`Error::Timeout`]; [`TensorSetError::WriterGone`] when the writer dies (within about 1 s

@@ -581,7 +581,30 @@ impl TensorSetWriter {
     /// # Errors
     /// [`Error::Timeout`]; CUDA errors from the stream wait.
     pub fn begin(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
-        self.begin_from(timeout, false)
+        self.begin_with(timeout, Acquire::Whole)
+    }
+
+    /// [`TensorSetWriter::begin`] for a caller that waits in slices (a binding checking for
+    /// signals between them): in place, a slice that times out leaves the generation reserved (no
+    /// reader takes it), so the next slice (this or [`TensorSetWriter::begin`]) goes on waiting
+    /// for the same holds; readers whose holds outlast a slice would otherwise take it again
+    /// between slices and could keep the buffer from the writer for good. A caller that stops
+    /// waiting gives the generation back with [`TensorSetWriter::give_back_reservation`];
+    /// `begin`, and an error other than the timeout, give it back themselves. Buffered, as
+    /// `begin`.
+    ///
+    /// # Errors
+    /// As [`TensorSetWriter::begin`].
+    pub fn begin_slice(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
+        self.begin_with(timeout, Acquire::Slice)
+    }
+
+    /// Gives back the generation that [`TensorSetWriter::begin_slice`] left reserved (readers
+    /// take it again); nothing when none is.
+    pub fn give_back_reservation(&mut self) {
+        if let Some(p) = self.producer.as_mut() {
+            p.give_back_reservation();
+        }
     }
 
     /// [`TensorSetWriter::begin`], but never in the newest generation's buffer: it waits for an
@@ -590,19 +613,20 @@ impl TensorSetWriter {
     /// buffer would take that generation from readers until the next commit.
     #[cfg(feature = "remote")]
     pub(crate) fn begin_behind_newest(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
-        self.begin_from(timeout, true)
+        self.begin_with(timeout, Acquire::Older)
     }
 
-    fn begin_from(&mut self, timeout: Option<Duration>, older: bool) -> Result<Update<'_>> {
+    fn begin_with(&mut self, timeout: Option<Duration>, how: Acquire) -> Result<Update<'_>> {
         let previous = self.state.head;
         let producer = self
             .producer
             .as_mut()
             .expect("the producer lives until close");
-        let frame = if older {
-            producer.acquire_older(timeout)?
-        } else {
-            producer.acquire(timeout)?
+        let frame = match how {
+            Acquire::Whole => producer.acquire(timeout)?,
+            Acquire::Slice => producer.acquire_slice(timeout)?,
+            #[cfg(feature = "remote")]
+            Acquire::Older => producer.acquire_older(timeout)?,
         };
         let buffered = self.mode != GenerationMode::InPlace;
         if let (Some(old), Some(r)) = (&self.old, &self.recorder) {
@@ -678,6 +702,18 @@ impl Drop for TensorSetWriter {
         // The producer's own drop closes and drains the generation channel (5 s), before the
         // memory fields drop.
     }
+}
+
+/// How a `begin` takes its buffer from the generation channel's producer.
+#[derive(Clone, Copy)]
+enum Acquire {
+    /// `Producer::acquire`: waits once, gives a reservation back when it times out.
+    Whole,
+    /// `Producer::acquire_slice`: a reservation outlives the timeout.
+    Slice,
+    /// `Producer::acquire_older`: never the newest generation's buffer.
+    #[cfg(feature = "remote")]
+    Older,
 }
 
 /// The device address of tensor `i` in `buffer`.
