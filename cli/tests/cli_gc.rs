@@ -995,6 +995,14 @@ fn every_empty_part_of_a_set_without_its_manifest_is_judged_by_its_age_in_ls_and
             assert_eq!(code(gc), 0, "a young empty {word} part of {set}: {g}");
             assert_eq!(g["problems"], serde_json::json!([]), "{word}: {g}");
             assert_eq!(g["removed"], serde_json::json!([]), "{word}: {g}");
+            // Kept with a line saying why, as a registry's or channel's creation under way.
+            let kept = g["kept"].as_array().unwrap();
+            assert!(
+                kept.iter().any(|k| k["what"]
+                    .as_str()
+                    .is_some_and(|w| w.contains(set.as_str()) && w.contains("younger than 2 s"))),
+                "a young empty {word} part of {set} kept without a line: {g}"
+            );
         }
     } else {
         println!("young checks skipped: the machine took more than 1.8 s");

@@ -447,6 +447,21 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
             Target::TensorSetPart(p.part),
         ));
     }
+    // Parts standing without the manifest that are kept (a creation that may be under way, a
+    // live writer's or holder's) say so, as a registry's or channel's creation under way does.
+    if let Ok(standing) = tensorset::reclaim::parts_without_manifest(t) {
+        for p in standing {
+            if let tensorset::reclaim::Judgement::Kept(why) = p.judgement {
+                s.kept.push(format!(
+                    "tensorset {t}: {} {SHM_DIR}/{} ({} bytes, {} s old): {why}",
+                    p.part.word(),
+                    p.segment,
+                    p.bytes,
+                    p.age_secs
+                ));
+            }
+        }
+    }
     // (A holders segment that could not be judged is a problem already.)
     if !holders_unjudged && !parts.iter().any(|p| p.part == Part::Holders) {
         holders::scan(t, s);
