@@ -438,7 +438,7 @@ class Consumer:
         """``recv`` as a coroutine: awaited, it waits in the event loop's default executor (a
         thread, without the GIL) while the loop runs other tasks. Cancelling the awaiting task
         (``asyncio.wait_for``, ``Task.cancel``) stops that thread within 50 ms; a frame taken in
-        that instant is released unseen. Raises as ``recv``; ``RuntimeError`` when awaited outside
+        that instant is kept, in order, for this consumer's next receive. Raises as ``recv``; ``RuntimeError`` when awaited outside
         a running event loop."""
     def post(self, work: Optional[Callable[[Posted], Any]] = None) -> Posted:
         """Posts the receive of the next frame ahead of its publication (GPU channels made with

@@ -10,16 +10,18 @@
 //! flag between its slices of at most [`crate::util::SLICE`] (as it checks `close()`), so the
 //! thread ends within one slice of the cancellation and the loop's `shutdown_default_executor`
 //! (run by `asyncio.run`) never waits longer. What the wait took in the slice the cancellation
-//! lands in (a frame, a buffer) is dropped with the discarded result: a frame is released unseen
-//! (counted as received), a buffer given back unpublished. A posted receive's wait
-//! ([`awaitable_then`]) loses nothing that way: its thread parks the frame on the `Posted` object
-//! and the coroutine, if still awaited, claims it; otherwise the next wait does.
+//! lands in (a buffer, a generation's hold) is dropped with the discarded result: a buffer goes
+//! back unpublished, a hold is released. A receive loses nothing that way: a posted receive's wait
+//! ([`awaitable_then`]) parks the frame on the `Posted` object and the coroutine, if still
+//! awaited, claims it, otherwise the next wait does; `Consumer.recv_async`
+//! ([`awaitable_parking`]) parks it on the consumer, and a frame whose coroutine was cancelled
+//! ([`AsyncWait::_done`] raises the job's `abandoned` flag) goes to the consumer's next receive.
 
 use crate::util::lock;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The wait a job runs, once: it is passed the job's cancellation flag, to stop at.
 type Wait = Box<dyn FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send>;
@@ -31,6 +33,10 @@ pub(crate) struct AsyncWait {
     /// Raised by `_done`; read by the wait between slices. Relaxed on both sides: it orders no
     /// other memory (what the wait took is judged under the object's own lock, not by the flag).
     cancelled: AtomicBool,
+    /// Raised by `_done` when the future was cancelled: the coroutine will not claim what the
+    /// wait parks ([`awaitable_parking`]). Shared with the wait, which hands it on with the frame
+    /// it parks.
+    abandoned: Arc<AtomicBool>,
     /// The wait, taken by the one `__call__`.
     wait: Mutex<Option<Wait>>,
 }
@@ -49,7 +55,17 @@ impl AsyncWait {
 
     /// The future's done callback: the wait stops within a slice if it still runs (it does only
     /// when the future was cancelled, or the loop closed, before the result came).
-    fn _done(&self, _future: &Bound<'_, PyAny>) {
+    fn _done(&self, future: &Bound<'_, PyAny>) {
+        // Before `cancelled`: a wait that stops at the flag has the abandonment to hand on.
+        let gave_up = future
+            .call_method0("cancelled")
+            .and_then(|c| c.is_truthy())
+            .unwrap_or(true);
+        if gave_up {
+            // Release: pairs with the Acquire load in `is_abandoned`; orders nothing else (the
+            // parked frame is handed over under its own lock).
+            self.abandoned.store(true, Ordering::Release);
+        }
         // Relaxed: see the field; its pair is the wait's Relaxed load in `is_cancelled`.
         self.cancelled.store(true, Ordering::Relaxed);
     }
@@ -59,6 +75,13 @@ impl AsyncWait {
 pub(crate) fn is_cancelled(flag: &AtomicBool) -> bool {
     // Relaxed: pairs with the Relaxed store in `AsyncWait::_done`; nothing else is read through it.
     flag.load(Ordering::Relaxed)
+}
+
+/// Whether the coroutine of a job gave up (its future was cancelled): what the job parked is for
+/// whoever waits next.
+pub(crate) fn is_abandoned(flag: &AtomicBool) -> bool {
+    // Acquire: pairs with the Release store in `AsyncWait::_done`.
+    flag.load(Ordering::Acquire)
 }
 
 /// The coroutine every awaitable wait is: it starts the job in the running loop's default
@@ -97,10 +120,37 @@ pub(crate) fn awaitable_then<'py>(
     run_job(py, wait, Some(then))
 }
 
+/// [`awaitable_then`] whose wait is also handed the job's abandoned flag ([`is_abandoned`]), to
+/// park with what it took: `then()` claims it while the coroutine is awaited; once the coroutine
+/// gave up, the flag says that the next waiter may take it instead.
+pub(crate) fn awaitable_parking<'py>(
+    py: Python<'py>,
+    wait: impl FnOnce(Python<'_>, &AtomicBool, Arc<AtomicBool>) -> PyResult<Py<PyAny>> + Send + 'static,
+    then: Py<PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let abandoned = Arc::new(AtomicBool::new(false));
+    let handed = abandoned.clone();
+    run_job_with(
+        py,
+        move |py, cancelled| wait(py, cancelled, handed),
+        Some(then),
+        abandoned,
+    )
+}
+
 fn run_job<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
     then: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    run_job_with(py, wait, then, Arc::new(AtomicBool::new(false)))
+}
+
+fn run_job_with<'py>(
+    py: Python<'py>,
+    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
+    then: Option<Py<PyAny>>,
+    abandoned: Arc<AtomicBool>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let run = RUNNER.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
         Ok(
@@ -113,6 +163,7 @@ fn run_job<'py>(
         py,
         AsyncWait {
             cancelled: AtomicBool::new(false),
+            abandoned,
             wait: Mutex::new(Some(Box::new(wait))),
         },
     )?;

@@ -11,7 +11,8 @@ use cuda_ipc::channel::owned::OwnedFrame;
 use cuda_ipc::channel::{ConsumerOptions, Delivery};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::sync::atomic::AtomicBool;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The consuming end of a channel (`cuda_ipc::channel::Consumer`).
@@ -22,6 +23,24 @@ pub(crate) struct Consumer {
     name: String,
     /// The `stream=` option: every frame is made ready on it and released after it.
     stream: Option<usize>,
+    /// Frames that `recv_async` waits took, in the order taken, each until its coroutine claims
+    /// it (`_claim`) or, once that coroutine gave up (cancelled), until the next receive takes it:
+    /// a cancelled receive loses no frame. Cleared by `close()`.
+    parked: Mutex<VecDeque<Parked>>,
+    /// Held by a receive for one slice of its wait, the look at `parked` and the park included:
+    /// receives of one consumer take frames one at a time, so a cancelled receive's thread, still
+    /// in its last slice, cannot park a frame older than one the next receive hands out.
+    receiving: Mutex<()>,
+    /// The next `recv_async` job's number (what `_claim` is given).
+    next_job: AtomicU64,
+}
+
+/// A frame a `recv_async` wait took for its coroutine.
+struct Parked {
+    job: u64,
+    /// Raised when that coroutine gave up ([`aio::is_abandoned`]).
+    abandoned: Arc<AtomicBool>,
+    frame: OwnedFrame,
 }
 
 impl Consumer {
@@ -51,26 +70,88 @@ impl Consumer {
 }
 
 impl Consumer {
-    /// `recv`, stopping (`Detached`) also once `cancelled` is raised (an awaitable's wait).
-    fn recv_until(
+    /// The first parked frame whose coroutine gave up, taken out (the caller holds `receiving`).
+    fn take_abandoned(&self) -> Option<OwnedFrame> {
+        let mut parked = lock(&self.parked);
+        let i = parked
+            .iter()
+            .position(|p| aio::is_abandoned(&p.abandoned))?;
+        parked.remove(i).map(|p| p.frame)
+    }
+
+    /// One receive of at most `slice`, one receive at a time: a frame a cancelled `recv_async`
+    /// left first, else the next from the channel. `park`: for a `recv_async` job (its number and
+    /// abandoned flag), the frame is parked for its coroutine before `receiving` is let go.
+    fn receive_slice(
         &self,
-        py: Python<'_>,
-        timeout: Option<std::time::Duration>,
+        c: &Arc<cuda_ipc::channel::Consumer>,
+        slice: std::time::Duration,
+        park: Option<(u64, &Arc<AtomicBool>)>,
         cancelled: Option<&AtomicBool>,
-    ) -> PyResult<Frame> {
+    ) -> Result<Option<Option<OwnedFrame>>, Stop> {
+        let _one = lock(&self.receiving);
+        // Looked at again once this receive's turn came (another's slice may have taken up to
+        // 50 ms): a close or a cancellation meanwhile ends it now, not after a slice of its own.
+        if self.is_closed() || cancelled.is_some_and(aio::is_cancelled) {
+            return Err(Stop::Closed);
+        }
+        let f = match self.take_abandoned() {
+            Some(f) => f,
+            None => match OwnedFrame::recv(c, Some(slice))? {
+                Some(f) => f,
+                None => return Ok(None),
+            },
+        };
+        let f = self.hand_out(f)?;
+        Ok(Some(match park {
+            Some((job, abandoned)) => {
+                lock(&self.parked).push_back(Parked {
+                    job,
+                    abandoned: abandoned.clone(),
+                    frame: f,
+                });
+                None
+            }
+            None => Some(f),
+        }))
+    }
+
+    /// `recv`.
+    fn recv_until(&self, py: Python<'_>, timeout: Option<std::time::Duration>) -> PyResult<Frame> {
         let c = self.get(py)?;
         let got = sliced(
             py,
             timeout,
-            || self.is_closed() || cancelled.is_some_and(aio::is_cancelled),
+            || self.is_closed(),
             detached,
-            |slice| match OwnedFrame::recv(&c, Some(slice))? {
-                Some(f) => self.hand_out(f).map(Some),
-                None => Ok(None),
-            },
+            |slice| self.receive_slice(&c, slice, None, None),
+        )?;
+        match got.flatten() {
+            Some(f) => Frame::new(py, f, self.stream),
+            None => Err(timeout_error(py, "a frame", timeout)),
+        }
+    }
+
+    /// `recv_async`'s wait, in the executor's thread: as `recv`, stopping (`Detached`) also once
+    /// `cancelled` is raised; the frame is parked as job `job`'s, for its coroutine's `_claim`.
+    fn park_until(
+        &self,
+        py: Python<'_>,
+        timeout: Option<std::time::Duration>,
+        cancelled: &AtomicBool,
+        job: u64,
+        abandoned: &Arc<AtomicBool>,
+    ) -> PyResult<()> {
+        let c = self.get(py)?;
+        let got = sliced(
+            py,
+            timeout,
+            || self.is_closed() || aio::is_cancelled(cancelled),
+            detached,
+            |slice| self.receive_slice(&c, slice, Some((job, abandoned)), Some(cancelled)),
         )?;
         match got {
-            Some(f) => Frame::new(py, f, self.stream),
+            Some(_) => Ok(()),
             None => Err(timeout_error(py, "a frame", timeout)),
         }
     }
@@ -124,6 +205,9 @@ impl Consumer {
             inner: Arc::new(Mutex::new(Some(Arc::new(c)))),
             name,
             stream,
+            parked: Mutex::new(VecDeque::new()),
+            receiving: Mutex::new(()),
+            next_job: AtomicU64::new(0),
         })
     }
 
@@ -161,13 +245,15 @@ impl Consumer {
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Frame> {
         let timeout = timeout_arg(py, timeout)?;
-        self.recv_until(py, timeout, None)
+        self.recv_until(py, timeout)
     }
 
     /// `recv` as an awaitable (`await consumer.recv_async(timeout=1.0)`): it waits in the event
     /// loop's default executor (a thread, without the GIL), so the loop runs other tasks
     /// meanwhile. Cancelling the awaiting task (`asyncio.wait_for`, `task.cancel()`) stops that
-    /// thread within 50 ms; a frame taken in that instant is released unseen. Raises as `recv`.
+    /// thread within 50 ms; a frame it took in that instant is kept, in order, for this
+    /// consumer's next receive (`recv`, `try_recv`, iteration or `recv_async`), not lost. Raises
+    /// as `recv`.
     #[pyo3(signature = (timeout=None))]
     fn recv_async<'py>(
         slf: Bound<'py, Self>,
@@ -175,11 +261,36 @@ impl Consumer {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let timeout = timeout_arg(py, timeout)?;
+        let job = slf.get().next_job.fetch_add(1, Ordering::Relaxed);
+        let claim = py
+            .import("functools")?
+            .getattr("partial")?
+            .call1((slf.getattr("_claim")?, job))?
+            .unbind();
         let this = slf.unbind();
-        aio::awaitable(py, move |py, cancelled| {
-            let frame = this.get().recv_until(py, timeout, Some(cancelled))?;
-            Ok(Py::new(py, frame)?.into_any())
-        })
+        aio::awaitable_parking(
+            py,
+            move |py, cancelled, abandoned| {
+                this.get()
+                    .park_until(py, timeout, cancelled, job, &abandoned)?;
+                Ok(py.None())
+            },
+            claim,
+        )
+    }
+
+    /// Takes the frame `recv_async` job `job` parked (what its coroutine returns once its thread
+    /// is done); `Detached` when `close()` came meanwhile (it releases parked frames).
+    fn _claim(&self, py: Python<'_>, job: u64) -> PyResult<Frame> {
+        let f = {
+            let mut parked = lock(&self.parked);
+            let i = parked.iter().position(|p| p.job == job);
+            i.and_then(|i| parked.remove(i)).map(|p| p.frame)
+        };
+        match f {
+            Some(f) => Frame::new(py, f, self.stream),
+            None => Err(detached(py)),
+        }
     }
 
     /// Posts the receive of the next frame ahead of its publication
@@ -200,9 +311,18 @@ impl Consumer {
     /// The next frame if one is ready now, else `None`. `Detached` once closed.
     fn try_recv(&self, py: Python<'_>) -> PyResult<Option<Frame>> {
         let c = self.get(py)?;
-        let got = py.detach(|| match OwnedFrame::try_recv(&c)? {
-            Some(f) => self.hand_out(f).map(Some),
-            None => Ok(None),
+        let got = py.detach(|| {
+            // Another receive waiting now takes a frame that is ready: none for this one.
+            let Ok(_one) = self.receiving.try_lock() else {
+                return Ok(None);
+            };
+            if let Some(f) = self.take_abandoned() {
+                return self.hand_out(f).map(Some);
+            }
+            match OwnedFrame::try_recv(&c)? {
+                Some(f) => self.hand_out(f).map(Some),
+                None => Ok(None),
+            }
         });
         match got {
             Ok(f) => f.map(|f| Frame::new(py, f, self.stream)).transpose(),
@@ -242,7 +362,12 @@ impl Consumer {
     /// given back once it has. Never waits for that thread.
     fn close(&self, py: Python<'_>) {
         let c = lock(&self.inner).take();
-        py.detach(|| drop(c));
+        // Parked frames are released with it (a coroutine still to claim one raises `Detached`).
+        let parked = std::mem::take(&mut *lock(&self.parked));
+        py.detach(|| {
+            drop(parked);
+            drop(c)
+        });
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -157,6 +157,70 @@ def test_a_cancelled_recv_async_stops_its_thread_and_loses_no_frame(name):
         rx.close()
 
 
+def test_recv_async_cancelled_while_frames_arrive_loses_none_and_keeps_their_order(name):
+    """A producer publishes 400 frames about 1 ms apart (every-frame delivery) while the consumer
+    receives with `asyncio.wait_for(rx.recv_async(), t)` for t of 0.2 to 3 ms, so that most
+    receives are cancelled, many of them while their thread is still in its last slice and takes a
+    frame; every third attempt is a plain `recv` or `try_recv` instead. Every frame arrives exactly
+    once, in order, with its bytes: a frame a cancelled receive took waits for the next receive
+    (before, it was released unseen and lost)."""
+    import random
+    import threading
+
+    frames = 400
+    tx = cuda_ipc.Producer(name, 64, buffers=8, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    stop = threading.Event()
+
+    def produce():
+        for seq in range(1, frames + 1):
+            if stop.is_set():
+                return
+            with tx.acquire(timeout=ANSWER) as w:
+                w.write(payload(seq, 64))
+                w.publish(seq.to_bytes(8, "little"))
+            time.sleep(0.001)
+
+    got = []
+
+    def keep(f):
+        with f:
+            seq = int.from_bytes(f.metadata, "little")
+            assert f.read(0, 64) == payload(seq, 64), seq
+            got.append(seq)
+
+    async def main():
+        rnd = random.Random(7)
+        deadline = time.monotonic() + 30
+        k = 0
+        while len(got) < frames and time.monotonic() < deadline:
+            k += 1
+            if k % 3 == 0:
+                try:
+                    f = rx.recv(timeout=0.002) if k % 2 else rx.try_recv()
+                except cuda_ipc.Timeout:
+                    continue
+                if f is not None:
+                    keep(f)
+                continue
+            try:
+                keep(await asyncio.wait_for(rx.recv_async(timeout=ANSWER), rnd.uniform(2e-4, 3e-3)))
+            except (asyncio.TimeoutError, cuda_ipc.Timeout):
+                pass
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        t.join(ANSWER)
+    assert got == list(range(1, frames + 1)), (len(got), got[:20])
+    assert rx.stats()["consumers"][0]["in_flight"] == 0
+    rx.close()
+    tx.close(timeout=ANSWER)
+
+
 def test_acquire_async_waits_for_a_release_and_a_cancelled_one_gives_the_producer_back(name):
     with cuda_ipc.Producer(name, 64, buffers=2, memory="host") as tx:
         rx = cuda_ipc.Consumer(name)
