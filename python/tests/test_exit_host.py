@@ -61,28 +61,42 @@ print("main returns", flush=True)
 
 @pytest.fixture
 def name():
+    """A fresh name, and the pids of the children that used it: the daemon threads' objects are
+    never closed (their interpreter ended under them), so what they leave (the set's or channel's
+    segments, each child's liveness file) is a dead process's, which `cuda-ipc gc` would remove;
+    removed here."""
     n = f"pytest-exit-{uuid.uuid4().hex[:12]}"
-    yield n
-    # The daemon threads' objects are never closed (their interpreter ended under them): what
-    # they leave is a dead process's, which `cuda-ipc gc` would remove; removed here.
+    pids = []
+    yield n, pids
     for p in SHM.glob(f"cuda-ipc.*{n}*"):
         p.unlink(missing_ok=True)
+    for pid in pids:
+        for p in SHM.glob(f"cuda-ipc.live.*.{pid}.*"):
+            p.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("case", sorted(CALLS))
 def test_the_interpreter_exits_cleanly_with_daemon_threads_inside_blocking_calls(name, case):
+    name, pids = name
     kind, call = CALLS[case]
     src = CHILD.format(
         setup=textwrap.dedent(SETUP[kind]),
         call=textwrap.indent(call, " " * 8),
     )
     for run in range(3):
-        p = subprocess.run(
+        child = subprocess.Popen(
             [sys.executable, "-X", "faulthandler", "-c", src, f"{name}-{run}"],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=60,
         )
-        assert p.returncode == 0, (run, p.returncode, p.stdout, p.stderr)
-        assert "main returns" in p.stdout, (run, p.stdout, p.stderr)
-        assert "Fatal Python error" not in p.stderr, (run, p.stderr)
+        pids.append(child.pid)
+        try:
+            out, err = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+            pytest.fail(f"run {run}: the child did not exit within 60 s: {out} {err}")
+        assert child.returncode == 0, (run, child.returncode, out, err)
+        assert "main returns" in out, (run, out, err)
+        assert "Fatal Python error" not in err, (run, err)
