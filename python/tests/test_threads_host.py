@@ -20,6 +20,7 @@ import gc
 import pathlib
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -363,11 +364,17 @@ def test_a_begin_interrupted_or_closed_while_it_reserves_gives_the_generation_ba
     holder, asker = cuda_ipc.TensorSetReader(name), cuda_ipc.TensorSetReader(name)
     h = holder.current()
     assert h is not None
+    # Python leaves SIGINT alone when it starts with SIGINT ignored (a child of a background job),
+    # and `interrupt_main` then does nothing: the default handler, for this test.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.2, _thread.interrupt_main)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        w.begin(timeout=ANSWER)
-    timer.join()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            w.begin(timeout=ANSWER)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, old)
     g = asker.current()
     assert g is not None and g.generation == 1, "not given back after KeyboardInterrupt"
     check(g)
