@@ -165,6 +165,9 @@ pub fn render(l: &Listing, rates: bool) -> String {
         for b in &c.buffers {
             let (state, seq) = match b.state {
                 BufferState::Empty => ("empty", None),
+                // The producer took it while consumers still hold its frame: a pool of one buffer
+                // reserved (docs/channel-layout.md), waiting for those holds to end.
+                BufferState::Writing if b.hold_mask != 0 => ("reserved", None),
                 BufferState::Writing => ("writing", None),
                 BufferState::Frame(s) => ("frame", Some(s)),
                 _ => ("unknown", None),

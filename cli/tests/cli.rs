@@ -221,6 +221,54 @@ fn ls_shows_holds_as_lists_of_indices_not_counts() {
     tx.unlink();
 }
 
+/// A pool of one buffer that its producer waits for while a consumer holds the frame is reserved
+/// (docs/channel-layout.md): `ls` says `reserved`, held by that consumer, not `writing`; once the
+/// hold ends the producer has it, and it is a frame again after the publish.
+#[test]
+fn ls_shows_a_one_buffer_pool_reserved_while_its_producer_waits_for_a_hold() {
+    let name = unique("ls-reserved");
+    let _u = Unlink(format!("cuda-ipc.ch.{name}"));
+    let tx = ControlProducer::create(&name, 4096, 4, &[token(1)]).unwrap();
+    let rx = ControlConsumer::attach(&name, Delivery::LatestOnly).unwrap();
+    let (i, _) = tx.try_acquire().unwrap();
+    tx.publish(i, b"m").unwrap();
+    let (held, _, _) = rx.take(Some(Duration::from_secs(1))).unwrap().unwrap();
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| tx.acquire(Some(Duration::from_secs(20))));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let row = loop {
+            let o = cuda_ipc(&["ls", &name]);
+            let t = text(&o);
+            let row = t
+                .lines()
+                .skip_while(|l| !l.contains("HELD BY CONSUMERS"))
+                .nth(1)
+                .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                .unwrap_or_default();
+            if row.get(1).map(String::as_str) == Some("reserved") || Instant::now() > deadline {
+                break row;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(row[..4], ["0", "reserved", "-", "#0"], "{row:?}");
+        rx.release(held);
+        let (j, _) = waiting
+            .join()
+            .unwrap()
+            .unwrap()
+            .expect("the buffer once the hold ended");
+        tx.publish(j, b"n").unwrap();
+    });
+    let t = text(&cuda_ipc(&["ls", &name]));
+    assert!(
+        t.lines()
+            .any(|l| l.split_whitespace().take(4).eq(["0", "frame", "2", "-"])),
+        "{t}"
+    );
+    drop(rx);
+    tx.unlink();
+}
+
 #[test]
 fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
     let o = cuda_ipc(&["ls", &unique("nothing-here")]);
