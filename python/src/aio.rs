@@ -106,7 +106,7 @@ pub(crate) fn awaitable<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
 ) -> PyResult<Bound<'py, PyAny>> {
-    run_job(py, wait, None)
+    run_job(py, wait, None, Arc::default())
 }
 
 /// [`awaitable`] whose coroutine, once the wait returned, returns `then()` instead: for a wait
@@ -117,7 +117,7 @@ pub(crate) fn awaitable_then<'py>(
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
     then: Py<PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    run_job(py, wait, Some(then))
+    run_job(py, wait, Some(then), Arc::default())
 }
 
 /// [`awaitable_then`] whose wait is also handed the job's abandoned flag ([`is_abandoned`]), to
@@ -130,7 +130,7 @@ pub(crate) fn awaitable_parking<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let abandoned = Arc::new(AtomicBool::new(false));
     let handed = abandoned.clone();
-    run_job_with(
+    run_job(
         py,
         move |py, cancelled| wait(py, cancelled, handed),
         Some(then),
@@ -139,14 +139,6 @@ pub(crate) fn awaitable_parking<'py>(
 }
 
 fn run_job<'py>(
-    py: Python<'py>,
-    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
-    then: Option<Py<PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    run_job_with(py, wait, then, Arc::new(AtomicBool::new(false)))
-}
-
-fn run_job_with<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
     then: Option<Py<PyAny>>,

@@ -80,15 +80,17 @@ impl Consumer {
     }
 
     /// One receive of at most `slice`, one receive at a time: a frame a cancelled `recv_async`
-    /// left first, else the next from the channel. `park`: for a `recv_async` job (its number and
-    /// abandoned flag), the frame is parked for its coroutine before `receiving` is let go.
-    fn receive_slice(
+    /// left first, else the next from the channel, handed to `deliver` before `receiving` is let
+    /// go (a `recv_async` job parks it there for its coroutine, so no later receive hands out a
+    /// newer frame first). `cancelled`: an awaitable's flag, looked at once this receive's turn
+    /// came.
+    fn receive_slice<T>(
         &self,
         c: &Arc<cuda_ipc::channel::Consumer>,
         slice: std::time::Duration,
-        park: Option<(u64, &Arc<AtomicBool>)>,
         cancelled: Option<&AtomicBool>,
-    ) -> Result<Option<Option<OwnedFrame>>, Stop> {
+        deliver: impl FnOnce(OwnedFrame) -> T,
+    ) -> Result<Option<T>, Stop> {
         let _one = lock(&self.receiving);
         // Looked at again once this receive's turn came (another's slice may have taken up to
         // 50 ms): a close or a cancellation meanwhile ends it now, not after a slice of its own.
@@ -102,18 +104,7 @@ impl Consumer {
                 None => return Ok(None),
             },
         };
-        let f = self.hand_out(f)?;
-        Ok(Some(match park {
-            Some((job, abandoned)) => {
-                lock(&self.parked).push_back(Parked {
-                    job,
-                    abandoned: abandoned.clone(),
-                    frame: f,
-                });
-                None
-            }
-            None => Some(f),
-        }))
+        Ok(Some(deliver(self.hand_out(f)?)))
     }
 
     /// `recv`.
@@ -124,9 +115,9 @@ impl Consumer {
             timeout,
             || self.is_closed(),
             detached,
-            |slice| self.receive_slice(&c, slice, None, None),
+            |slice| self.receive_slice(&c, slice, None, |f| f),
         )?;
-        match got.flatten() {
+        match got {
             Some(f) => Frame::new(py, f, self.stream),
             None => Err(timeout_error(py, "a frame", timeout)),
         }
@@ -148,7 +139,15 @@ impl Consumer {
             timeout,
             || self.is_closed() || aio::is_cancelled(cancelled),
             detached,
-            |slice| self.receive_slice(&c, slice, Some((job, abandoned)), Some(cancelled)),
+            |slice| {
+                self.receive_slice(&c, slice, Some(cancelled), |frame| {
+                    lock(&self.parked).push_back(Parked {
+                        job,
+                        abandoned: abandoned.clone(),
+                        frame,
+                    })
+                })
+            },
         )?;
         match got {
             Some(_) => Ok(()),

@@ -219,15 +219,17 @@ impl Control {
     /// is left reserved (`claim_buffer`); the caller's next try completes the claim, or gives it
     /// back (`unreserve`).
     fn try_acquire_keeping(&self, keep_newest: bool) -> Option<Claim> {
-        let reserved = *self.reserved.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((i, seq)) = reserved {
-            let used = self.buffer(i).words().finish_reserved()?;
-            *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) = None;
-            return Some(Claim {
-                index: i,
-                used,
-                old_seq: seq,
-            });
+        {
+            let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((i, seq)) = *reserved {
+                let used = self.buffer(i).words().finish_reserved()?;
+                *reserved = None;
+                return Some(Claim {
+                    index: i,
+                    used,
+                    old_seq: seq,
+                });
+            }
         }
         let reserve = self.buffers == 1 && !keep_newest;
         let min_cursor = self.min_lossless_cursor();

@@ -412,9 +412,32 @@ fn scan_host_pools(named: Option<&[String]>, s: &mut Scan) {
 /// live writer's set.
 fn scan_tensor_set(t: &str, s: &mut Scan) {
     // Each part on its own: what cannot be judged is a problem and kept, the others go by their
-    // own rule.
-    let (parts, unjudged) = match tensorset::reclaim::judged_parts(t) {
-        Ok(p) => (p.stale, p.unjudged),
+    // own rule. Parts standing without the manifest are judged once, with why those kept are
+    // (a creation that may be under way, a live writer's or holder's), which they say as a
+    // registry's or channel's creation under way does.
+    let judged = match tensorset::reclaim::parts_without_manifest(t) {
+        Ok(standing) if !standing.is_empty() => {
+            let (mut stale, mut unjudged) = (Vec::new(), Vec::new());
+            for p in standing {
+                match p.judgement {
+                    tensorset::reclaim::Judgement::Stale(part) => stale.push(part),
+                    tensorset::reclaim::Judgement::Kept(why) => s.kept.push(format!(
+                        "tensorset {t}: {} {SHM_DIR}/{} ({} bytes, {} s old): {why}",
+                        p.part.word(),
+                        p.segment,
+                        p.bytes,
+                        p.age_secs
+                    )),
+                    tensorset::reclaim::Judgement::Unjudged(e) => unjudged.push((p.part, e)),
+                }
+            }
+            Ok((stale, unjudged))
+        }
+        // The manifest stands, or nothing does.
+        _ => tensorset::reclaim::judged_parts(t).map(|p| (p.stale, p.unjudged)),
+    };
+    let (parts, unjudged) = match judged {
+        Ok(p) => p,
         Err(e) => {
             s.unread(format!("tensorset {t}"), e);
             return;
@@ -446,21 +469,6 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
             ),
             Target::TensorSetPart(p.part),
         ));
-    }
-    // Parts standing without the manifest that are kept (a creation that may be under way, a
-    // live writer's or holder's) say so, as a registry's or channel's creation under way does.
-    if let Ok(standing) = tensorset::reclaim::parts_without_manifest(t) {
-        for p in standing {
-            if let tensorset::reclaim::Judgement::Kept(why) = p.judgement {
-                s.kept.push(format!(
-                    "tensorset {t}: {} {SHM_DIR}/{} ({} bytes, {} s old): {why}",
-                    p.part.word(),
-                    p.segment,
-                    p.bytes,
-                    p.age_secs
-                ));
-            }
-        }
     }
     // (A holders segment that could not be judged is a problem already.)
     if !holders_unjudged && !parts.iter().any(|p| p.part == Part::Holders) {
