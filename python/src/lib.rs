@@ -52,11 +52,13 @@ mod quota;
 mod sources;
 mod tensor_set_reader;
 mod tensor_set_writer;
+mod tensor_update;
 mod tensors;
 mod torch_alloc;
 mod util;
 mod view;
 mod write_frame;
+mod writer_core;
 
 use consumer::Consumer;
 use frame::Frame;
@@ -77,7 +79,7 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<posted::Posted>()?;
     m.add_class::<posted::PostedFrame>()?;
     m.add_class::<tensor_set_writer::TensorSetWriter>()?;
-    m.add_class::<tensor_set_writer::TensorUpdate>()?;
+    m.add_class::<tensor_update::TensorUpdate>()?;
     m.add_class::<copy_plan::CopyPlan>()?;
     m.add_class::<tensor_set_reader::TensorSetReader>()?;
     m.add_class::<tensor_set_reader::TensorHold>()?;

@@ -9,9 +9,10 @@
 //! collection) is ordered after the work enqueued on that stream by then.
 
 use crate::errors;
-use crate::tensor_set_writer::work_stream;
 use crate::tensors;
-use crate::util::{Int, Seconds, Stop, device_arg, err, lock, sliced, timeout_arg, wait_arg};
+use crate::util::{
+    Int, Seconds, Stop, device_arg, err, lock, sliced, timeout_arg, wait_arg, work_stream,
+};
 use cuda_ipc::driver::Device;
 use cuda_ipc::tensorset::owned::OwnedHeld;
 use cuda_ipc::tensorset::{Location, ReaderOptions};

@@ -373,6 +373,29 @@ pub(crate) fn stream_arg(
     Ok(Some(raw))
 }
 
+/// The `torch.cuda` stream the update's work runs on: `stream=` if given, else PyTorch's current
+/// stream of `device` when PyTorch is imported, else the legacy default stream.
+pub(crate) fn work_stream(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+    device: i32,
+) -> PyResult<usize> {
+    if let Some(s) = stream_arg(py, stream)? {
+        return Ok(s);
+    }
+    let modules = py.import("sys")?.getattr("modules")?;
+    if modules.contains("torch")? {
+        let torch = py.import("torch")?;
+        let s = torch
+            .getattr("cuda")?
+            .call_method1("current_stream", (device,))?
+            .getattr("cuda_stream")?
+            .extract::<usize>()?;
+        return Ok(s);
+    }
+    Ok(1)
+}
+
 /// The element count of `shape` (an int or a sequence of ints), or `InvalidArgument`.
 pub(crate) fn elements(py: Python<'_>, shape: &Bound<'_, PyAny>) -> PyResult<usize> {
     let dims: Vec<usize> = match shape.extract::<usize>() {
