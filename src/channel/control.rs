@@ -5,8 +5,8 @@
 //! This file owns the segment: its name, creating it (replacing what a dead producer or an
 //! abandoned creation left), opening and validating it, reaching its slots, noticing that its
 //! name was superseded, and removing the name. The protocol on it: `handoff.rs` (acquire, publish,
-//! take, release, close), `hold.rs` (a buffer's holds, with their loom models) and `wait.rs`
-//! (futex waits). None of it calls CUDA: the producer and consumer types wrap it with the GPU side
+//! take, release, close), `reserve.rs` (the producer's reservation of a pool of one buffer),
+//! `hold.rs` (a buffer's holds, with their loom models) and `wait.rs` (futex waits). None of it calls CUDA: the producer and consumer types wrap it with the GPU side
 //! (export, import, stream memory operations). Tests drive it across processes on machines
 //! without a GPU.
 //!
@@ -39,7 +39,8 @@ pub(crate) struct Control {
     pub(super) consumers: usize,
     /// This process's producer's reservation of a buffer whose holds it waits for (its index
     /// and the frame it held), while an acquire runs (`Control::acquire_keeping`), or from one
-    /// slice of `Control::acquire_reserving` to the next; process-local.
+    /// slice of `Control::acquire_reserving` to the next; process-local. Set, completed and
+    /// given back only in `reserve.rs`.
     pub(super) reserved: std::sync::Mutex<Option<(usize, u64)>>,
 }
 

@@ -1,10 +1,11 @@
 //! The hand-off protocol on the control segment ([`Control`]): the producer's side (acquire,
 //! publish, abandon, the ready words, reclaiming dead consumers' holds, close and drain) and the
-//! consumer's side (attach, take, release, detach); its counters are `channel::stats`'. Never
-//! calls CUDA: the producer and consumer types wrap it with the GPU side.
+//! consumer's side (attach, take, release, detach); its counters are `channel::stats`', and the
+//! reservation of a pool of one buffer that its acquires try through is `channel::reserve`'s
+//! (`claim_buffer`, `finish_reservation`, `unreserve`, `acquire_reserving`). Never calls CUDA: the
+//! producer and consumer types wrap it with the GPU side.
 
 use super::control::{Control, boot_bytes, boot_words};
-use super::hold::Claimed;
 use super::layout::{
     ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
     GATE_STATE_OFFSET, GPU_WORDS, GateState, LATEST_ONLY, LEAVING, MAX_BUFFERS, META_BYTES,
@@ -16,6 +17,7 @@ use super::wait::{Every, SUPERSEDED_EVERY, WaitStrategy, wait_until};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::sync::{AtomicU32, Ordering};
+use std::ops::ControlFlow;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -91,25 +93,9 @@ impl Control {
         got
     }
 
-    /// [`Control::acquire`], but a timeout (`Ok(None)`) leaves a reservation in place
-    /// (`claim_buffer`): the next acquire of this producer goes on waiting for the same holds,
-    /// with no new hold taken meanwhile. For callers that wait in slices (a binding checking for
-    /// signals between them), which give the reservation back (`unreserve`) when they stop
-    /// waiting; an error gives it back here.
-    pub(crate) fn acquire_reserving(
-        &self,
-        strategy: WaitStrategy,
-        timeout: Option<Duration>,
-    ) -> Result<Option<Claim>> {
-        let got = self.acquire_waiting(strategy, timeout, false);
-        if got.is_err() {
-            self.unreserve();
-        }
-        got
-    }
-
-    /// The wait of [`Control::acquire_keeping`], leaving any reservation as it is.
-    fn acquire_waiting(
+    /// The wait of [`Control::acquire_keeping`], leaving any reservation as it is (also
+    /// [`Control::acquire_reserving`]'s).
+    pub(super) fn acquire_waiting(
         &self,
         strategy: WaitStrategy,
         timeout: Option<Duration>,
@@ -132,46 +118,6 @@ impl Control {
                 }
             },
         )
-    }
-
-    /// Gives back the buffer this producer reserved and did not claim (`claim_buffer`): its
-    /// frame is takeable again, and consumers that backed off look again. Nothing when there is
-    /// no reservation.
-    pub(crate) fn unreserve(&self) {
-        let taken = self
-            .reserved
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some((i, seq)) = taken {
-            self.buffer(i).words().unreserve(seq);
-            self.header().publish_wake().bump();
-        }
-    }
-
-    /// Claims buffer `i`, whose frame the producer read as `seq`. A pool of one buffer (the only
-    /// one to be had, as an in-place tensor set's) is reserved when held
-    /// ([`HoldWords::claim_or_reserve`](super::hold::HoldWords::claim_or_reserve)):
-    /// no new hold is taken meanwhile, so readers whose holds overlap without pause cannot keep
-    /// it from the producer; the claim completes at a later try once the holds there are gone.
-    /// Any other buffer is claimed only while nobody holds it.
-    fn claim_buffer(&self, i: usize, seq: u64, reserve: bool) -> Option<Claim> {
-        let claim = |used| Claim {
-            index: i,
-            used,
-            old_seq: seq,
-        };
-        if !reserve {
-            return self.buffer(i).words().claim(seq).map(claim);
-        }
-        match self.buffer(i).words().claim_or_reserve(seq) {
-            Claimed::Now(used) => Some(claim(used)),
-            Claimed::Reserved => {
-                *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) = Some((i, seq));
-                None
-            }
-            Claimed::Changed => None,
-        }
     }
 
     fn min_lossless_cursor(&self) -> u64 {
@@ -219,17 +165,8 @@ impl Control {
     /// is left reserved (`claim_buffer`); the caller's next try completes the claim, or gives it
     /// back (`unreserve`).
     fn try_acquire_keeping(&self, keep_newest: bool) -> Option<Claim> {
-        {
-            let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((i, seq)) = *reserved {
-                let used = self.buffer(i).words().finish_reserved()?;
-                *reserved = None;
-                return Some(Claim {
-                    index: i,
-                    used,
-                    old_seq: seq,
-                });
-            }
+        if let ControlFlow::Break(got) = self.finish_reservation() {
+            return got;
         }
         let reserve = self.buffers == 1 && !keep_newest;
         let min_cursor = self.min_lossless_cursor();

@@ -44,6 +44,7 @@ pub mod owned;
 mod pool;
 mod producer;
 pub mod reclaim;
+mod reserve;
 mod stats;
 pub(crate) mod testing;
 mod view;

@@ -1,0 +1,104 @@
+//! The producer's reservation of a pool of one buffer (docs/decisions.md, "A pool of one buffer is
+//! reserved from readers while its producer waits for it"; docs/channel-layout.md, "Reserve"):
+//! when the only buffer is held, the producer stores `seq := WRITING` whatever the holds, the same
+//! Dekker pair as a claim's then turns every new hold away, and the claim completes at a later try
+//! once the holds there have ended; an acquire that times out or fails gives the frame back.
+//!
+//! This file holds `Control`'s side of it: the claim that reserves ([`Control::claim_buffer`]),
+//! the first step of each try that completes a reservation ([`Control::finish_reservation`]), the
+//! acquire that keeps the reservation across its timeout for callers waiting in slices
+//! ([`Control::acquire_reserving`]), and giving the frame back ([`Control::unreserve`]). The
+//! words it changes and their orderings (SYNC POINT: hold, release, used, publish) are
+//! `hold.rs`'s (`HoldWords::claim_or_reserve`, `finish_reserved`, `unreserve`, with the loom
+//! models); the process-local record of the reservation is `Control::reserved` (`control.rs`);
+//! the acquires that try through it are `handoff.rs`'s, which names nothing of this file. Never
+//! calls CUDA.
+
+use super::control::Control;
+use super::handoff::Claim;
+use super::hold::Claimed;
+use super::wait::WaitStrategy;
+use crate::error::Result;
+use std::ops::ControlFlow;
+use std::time::Duration;
+
+impl Control {
+    /// [`Control::acquire`], but a timeout (`Ok(None)`) leaves a reservation in place
+    /// (`claim_buffer`): the next acquire of this producer goes on waiting for the same holds,
+    /// with no new hold taken meanwhile. For callers that wait in slices (a binding checking for
+    /// signals between them), which give the reservation back (`unreserve`) when they stop
+    /// waiting; an error gives it back here.
+    pub(crate) fn acquire_reserving(
+        &self,
+        strategy: WaitStrategy,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Claim>> {
+        let got = self.acquire_waiting(strategy, timeout, false);
+        if got.is_err() {
+            self.unreserve();
+        }
+        got
+    }
+
+    /// Gives back the buffer this producer reserved and did not claim (`claim_buffer`): its
+    /// frame is takeable again, and consumers that backed off look again. Nothing when there is
+    /// no reservation.
+    pub(crate) fn unreserve(&self) {
+        let taken = self
+            .reserved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((i, seq)) = taken {
+            self.buffer(i).words().unreserve(seq);
+            self.header().publish_wake().bump();
+        }
+    }
+
+    /// The first step of a try to acquire (`try_acquire_keeping`), under one lock of the
+    /// reservation: with a buffer reserved, the try ends here (`Break`) with the claim completed
+    /// once no hold is left there ([`HoldWords::finish_reserved`]), or with `None` while holds
+    /// remain (it stays reserved); with none, the try goes on to look for a buffer (`Continue`).
+    ///
+    /// [`HoldWords::finish_reserved`]: super::hold::HoldWords::finish_reserved
+    pub(super) fn finish_reservation(&self) -> ControlFlow<Option<Claim>> {
+        let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((i, seq)) = *reserved else {
+            return ControlFlow::Continue(());
+        };
+        let Some(used) = self.buffer(i).words().finish_reserved() else {
+            return ControlFlow::Break(None);
+        };
+        *reserved = None;
+        ControlFlow::Break(Some(Claim {
+            index: i,
+            used,
+            old_seq: seq,
+        }))
+    }
+
+    /// Claims buffer `i`, whose frame the producer read as `seq`. A pool of one buffer (the only
+    /// one to be had, as an in-place tensor set's) is reserved when held
+    /// ([`HoldWords::claim_or_reserve`](super::hold::HoldWords::claim_or_reserve)):
+    /// no new hold is taken meanwhile, so readers whose holds overlap without pause cannot keep
+    /// it from the producer; the claim completes at a later try once the holds there are gone.
+    /// Any other buffer is claimed only while nobody holds it.
+    pub(super) fn claim_buffer(&self, i: usize, seq: u64, reserve: bool) -> Option<Claim> {
+        let claim = |used| Claim {
+            index: i,
+            used,
+            old_seq: seq,
+        };
+        if !reserve {
+            return self.buffer(i).words().claim(seq).map(claim);
+        }
+        match self.buffer(i).words().claim_or_reserve(seq) {
+            Claimed::Now(used) => Some(claim(used)),
+            Claimed::Reserved => {
+                *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) = Some((i, seq));
+                None
+            }
+            Claimed::Changed => None,
+        }
+    }
+}
