@@ -64,6 +64,7 @@ __all__ = [
     "set_quota",
     "remove_quota",
     "cleanup",
+    "CleanupResult",
     "torch_mem_pool",
     "arena_locate",
     "arena_stats",
@@ -201,16 +202,36 @@ def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] =
 def remove_quota(*, scope: str = "user", device: Optional[int] = None) -> bool:
     """Removes that budget; returns whether there was one. Reservations held stay held."""
 
-def cleanup(*, dry_run: bool = False) -> List[Dict[str, Any]]:
+class CleanupResult(List[Dict[str, Any]]):
+    """What ``cleanup()`` returns: a ``list`` of the leftovers found (``dry_run``) or removed,
+    each a dict (``kind``, ``object``, ``pid``, ``uid``, ``what``), and in ``skipped`` a list of
+    the objects of other users it passed over, each a dict (``name``, ``owner``, ``what``,
+    ``dead``, ``pid``), as ``cuda-ipc gc --json``'s ``skipped`` and ``quota_skipped`` together:
+    never judged nor removed, theirs to clean."""
+
+    skipped: List[Dict[str, Any]]
+    """Other users' objects passed over, sorted by name: ``name`` (in /dev/shm), ``owner`` (its
+    uid), ``what`` (``"registry"``, ``"channel segment"``, ``"host pool"``, ``"tensor set
+    part"``, ``"quota ledger"``, ``"liveness file"``, ``"fd server socket"``, ``"bridge status
+    file"``), ``dead`` (whether its listing found it a dead process's leftover: a liveness file,
+    fd server socket or bridge status file; ``False`` for a segment, which is not judged) and
+    ``pid`` (the dead process a liveness file or fd server socket names, or ``None``). Files of
+    other users' killed processes are here for a user other than root (root removes them)."""
+
+def cleanup(*, dry_run: bool = False) -> CleanupResult:
     """Finds what dead processes left in /dev/shm (registry and channel leftovers, host pools,
     quota reservations and abandoned ledger creations, liveness files, fd server sockets, bridge
     status files) and, unless ``dry_run``, removes it, each checked again right before it goes;
-    the same rule set as ``cuda-ipc gc [--dry-run]``. Returns the leftovers found (``dry_run``) or
-    removed, each a dict: ``kind`` (``"channel"``, ``"channel_consumer"``, ``"host_pool"``,
-    ``"registry_record"``, ``"quota_creation"``, ``"liveness_file"``, ...), ``object`` (registry,
-    channel, ledger or file name), ``pid`` and ``uid`` of the dead owner (or ``None``), ``what``
-    (the line ``cuda-ipc gc`` prints). Nothing of a live process or of another user is touched;
-    what cannot be read is skipped. Raises ``OSError`` when /dev/shm cannot be listed."""
+    the same rule set as ``cuda-ipc gc [--dry-run]``. Returns a ``CleanupResult``, a ``list`` of
+    the leftovers found (``dry_run``) or removed, each a dict: ``kind`` (``"channel"``,
+    ``"channel_consumer"``, ``"host_pool"``, ``"registry_record"``, ``"quota_creation"``,
+    ``"liveness_file"``, ...), ``object`` (registry, channel, ledger or file name), ``pid`` and
+    ``uid`` of the dead owner (or ``None``), ``what`` (the line ``cuda-ipc gc`` prints); its
+    ``skipped`` lists the objects of other users passed over (``name``, ``owner``, ``what``,
+    ``dead``, ``pid``), which are never in the list itself. Nothing of a live process or of
+    another user is touched. What cannot be read or removed (a foreign file under our names, one
+    open to other users) is left as it is, in neither list (``cuda-ipc gc`` names each as a
+    problem). Raises ``OSError`` when /dev/shm cannot be listed."""
 
 def torch_mem_pool(device: int = 0, *, chunk_bytes: Optional[int] = None) -> Any:
     """A ``torch.cuda.MemPool`` whose memory comes from this extension's VMM arena on CUDA device

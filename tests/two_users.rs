@@ -692,6 +692,16 @@ fn another_user_can_neither_claim_a_slot_of_roots_holders_segment_nor_plant_one_
         "{:?}",
         scan.problems
     );
+    // Root's set, with their file in it: a problem, and their part said as passed over, as a
+    // scan of everything says it.
+    let planted = format!("{}{set}", tensorset::HOLDERS_PREFIX);
+    assert!(
+        scan.skipped
+            .iter()
+            .any(|s| s.name == planted && s.uid == uid && s.what == "tensor set part"),
+        "{:?}",
+        scan.skipped
+    );
     assert!(
         cuda_ipc::cleanup::remove(&scan.leftovers)
             .removed
@@ -710,4 +720,91 @@ fn another_user_can_neither_claim_a_slot_of_roots_holders_segment_nor_plant_one_
     // The test's own debris, by hand.
     f.unlink();
     let _ = std::fs::remove_file(&holders);
+}
+
+/// A scan that names another user's channel and tensor set (live, then their producer killed)
+/// passes them over as a scan of everything does: the same `Scan::skipped` entries, never
+/// inspected, no problem, no leftover, nothing removed. Before, each named object was a problem
+/// (`WrongOwner`) while the scan of everything skipped it.
+#[test]
+fn a_scan_naming_another_users_channel_and_tensor_set_passes_them_over_as_a_scan_of_everything() {
+    use cuda_ipc::cleanup::{self, Scope};
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let test = "a_scan_naming_another_users_channel_and_tensor_set_passes_them_over_as_a_scan_of_everything";
+    let channel = format!("two-users-named-ch-{}", std::process::id());
+    let set = format!("two-users-named-ts-{}", std::process::id());
+    let bin = BinaryForOthers::new(&channel);
+    let mut p = spawn_as(&bin, uid, gid, test, "producer", &channel);
+    let ready = p.expect("ready", ANSWER);
+    let liveness = ready.split_whitespace().nth(2).unwrap().to_string();
+    let mut w = spawn_as(&bin, uid, gid, test, "set-writer", &set);
+    w.expect("ready", ANSWER);
+    let segment = inspect::segment_name(&channel);
+    let parts: Vec<String> = [
+        tensorset::MANIFEST_PREFIX,
+        tensorset::GENERATION_PREFIX,
+        tensorset::DATA_PREFIX,
+        tensorset::HOLDERS_PREFIX,
+    ]
+    .iter()
+    .map(|p| format!("{p}{set}"))
+    .filter(|n| std::fs::metadata(format!("/dev/shm/{n}")).is_ok())
+    .collect();
+    assert!(
+        parts.len() >= 3,
+        "a host set's manifest, generation channel, data: {parts:?}"
+    );
+    let mut names: Vec<&String> = parts.iter().chain([&segment]).collect();
+    names.sort();
+    let scope = Scope::only(Vec::new(), vec![channel.clone()]).with_tensor_sets(vec![set.clone()]);
+    let check = |when: &str| {
+        let scan = cleanup::scan(&scope).unwrap();
+        assert!(scan.problems.is_empty(), "{when}: {:?}", scan.problems);
+        assert!(scan.leftovers.is_empty(), "{when}: {:?}", scan.leftovers);
+        assert!(scan.kept.is_empty(), "{when}: {:?}", scan.kept);
+        let everything: Vec<_> = cleanup::others(&Scope::everything())
+            .unwrap()
+            .into_iter()
+            .filter(|s| names.contains(&&s.name))
+            .collect();
+        assert_eq!(
+            scan.skipped, everything,
+            "{when}: the entries of a scan of everything"
+        );
+        let got: Vec<&String> = scan.skipped.iter().map(|s| &s.name).collect();
+        assert_eq!(got, names, "{when}");
+        for s in &scan.skipped {
+            assert_eq!(
+                (s.uid, s.dead, s.owner),
+                (uid, false, None),
+                "{when}: {s:?}"
+            );
+            let what = if s.name == segment {
+                "channel segment"
+            } else {
+                "tensor set part"
+            };
+            assert_eq!(s.what, what, "{when}: {s:?}");
+        }
+        assert!(cleanup::remove(&scan.leftovers).removed.is_empty());
+    };
+    check("live");
+    // Their producer killed: their channel is a dead producer's, still theirs to clean.
+    let _ = p.child.kill();
+    let _ = p.child.wait();
+    check("their producer dead");
+    for n in &names {
+        let m = std::fs::metadata(format!("/dev/shm/{n}")).unwrap();
+        assert_eq!(m.uid(), uid, "{n} still theirs");
+    }
+    w.send("quit");
+    w.finish(ANSWER);
+    // The test's own debris, by hand.
+    let _ = std::fs::remove_file(format!("/dev/shm/{segment}"));
+    let _ = std::fs::remove_file(format!("/dev/shm/{liveness}"));
 }

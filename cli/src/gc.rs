@@ -13,12 +13,13 @@
 //! in a set's holders segment (counted in a line of their own), abandoned creations;
 //! the reservations of dead holders in the quota ledgers and the ledgers' creations abandoned
 //! half-way (never a ready ledger itself, nor one whose creation may still finish, which is kept
-//! with a line saying why; other users' ledgers are skipped with a note): every ledger without a
-//! NAME, the one a NAME of a ledger (`cuda-ipc.quota.…`) names; and without a NAME the liveness
-//! files, fd server sockets and bridge status files that killed processes left (a normal exit
-//! removes them). Without a NAME, other users' objects it passes over (their segments, never
-//! judged; their killed processes' files, for a user other than root) are said, a line per uid
-//! (`crate::others`), root's `gc` included: theirs to clean, no problem.
+//! with a line saying why): every ledger without a NAME, the one a NAME of a ledger
+//! (`cuda-ipc.quota.…`) names; and without a NAME the liveness files, fd server sockets and
+//! bridge status files that killed processes left (a normal exit removes them). Other users'
+//! objects it passes over, named or not (their segments, never judged; their killed processes'
+//! files, for a user other than root) are said, a line per uid (`crate::others`), and their
+//! quota ledgers a line each (`crate::quota::skipped_of`), root's `gc` included: theirs to
+//! clean, no problem. One rule, the library's (`Scan::skipped`).
 
 use crate::Outcome;
 use crate::listing::targets;
@@ -55,19 +56,10 @@ fn leftover_json(l: &cleanup::Leftover) -> serde_json::Value {
     })
 }
 
-/// Reports a problem (on stderr, or into `doc` with `--json`), or, for another user's quota
-/// ledger, a note (on stdout, or `doc.skipped`): theirs to clean, as their channels are. Returns
-/// whether it was a problem. `doing`: what failed (`cannot read`, `cannot remove`).
-fn report(p: &Problem, doing: &str, doc: Option<&mut Doc>) -> bool {
-    if let Some(name) = p.subject.strip_prefix("quota ledger ")
-        && let Some(s) = crate::quota::skipped(name, &p.error)
-    {
-        match doc {
-            Some(d) => d.skipped.push(s),
-            None => out!("quota ledger {name}: {}", s.note),
-        }
-        return false;
-    }
+/// Reports a problem (on stderr, or into `doc` with `--json`). `doing`: what failed (`cannot
+/// read`, `cannot remove`). Another user's object is none: the scan passes it over
+/// (`Scan::skipped`).
+fn report(p: &Problem, doing: &str, doc: Option<&mut Doc>) {
     match doc {
         Some(d) => d.problems.push(serde_json::json!({
             "subject": p.subject,
@@ -76,7 +68,6 @@ fn report(p: &Problem, doing: &str, doc: Option<&mut Doc>) -> bool {
         })),
         None => eprintln!("cuda-ipc: {}: {doing}: {}", p.subject, p.error),
     }
-    true
 }
 
 /// Prints how many dead holders' slots in tensor sets' holders segments `verb` (`freed`, `would
@@ -94,10 +85,10 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
 
 /// `cuda-ipc gc [NAME] [--dry-run] [--json]`. JSON (docs/cli.md): `dry_run`, `leftovers` (what
 /// the scan found: what a dry run would remove), `removed` (empty on a dry run), `kept` (each
-/// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`,
-/// `skipped` (other users' objects passed over, `crate::others`), `problems` (each `subject`,
-/// `doing`, `error`); exit status 1 when `problems` is not empty (what was skipped is no
-/// problem).
+/// `what`, `why` and `leftover`, the last two `null` for what the scan kept), `quota_skipped`
+/// (other users' quota ledgers passed over), `skipped` (their other objects passed over,
+/// `crate::others`), `problems` (each `subject`, `doing`, `error`); exit status 1 when
+/// `problems` is not empty (what was skipped is no problem, named or not).
 pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let scope = match name {
         None => Scope::everything(),
@@ -112,7 +103,6 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
     };
     let scan = cleanup::scan(&scope)?;
     let mut doc = json.then(Doc::default);
-    let mut failed = false;
     for k in &scan.kept {
         match &mut doc {
             // The line says why (whether its process runs cannot be told); no leftover was made.
@@ -122,13 +112,29 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
             None => out!("kept {k}"),
         }
     }
+    // Other users' quota ledgers in their own words and key (as `ls` and `quota show` say them),
+    // the rest a line per uid.
+    let (ledgers, others): (Vec<_>, Vec<_>) = scan
+        .skipped
+        .iter()
+        .cloned()
+        .partition(|s| s.what == "quota ledger");
+    let me = rustix::process::geteuid().as_raw();
     match &mut doc {
-        Some(d) => d.others = crate::others::json(&scan.skipped),
-        None => out_nonl!("{}", crate::others::lines(&scan.skipped, crate::others::GC)),
+        Some(d) => d.others = crate::others::json(&others),
+        None => out_nonl!("{}", crate::others::lines(&others, crate::others::GC)),
+    }
+    for l in &ledgers {
+        let s = crate::quota::skipped_of(&l.name, l.uid, me);
+        match &mut doc {
+            Some(d) => d.skipped.push(s),
+            None => out!("quota ledger {}: {}", s.name, s.note),
+        }
     }
     for p in &scan.problems {
-        failed |= report(p, "cannot read", doc.as_mut());
+        report(p, "cannot read", doc.as_mut());
     }
+    let mut failed = !scan.problems.is_empty();
     if let Some(d) = &mut doc {
         d.leftovers = scan.leftovers.iter().map(leftover_json).collect();
     }
@@ -168,8 +174,9 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
             }
         }
         for p in &r.problems {
-            failed |= report(p, "cannot remove", doc.as_mut());
+            report(p, "cannot remove", doc.as_mut());
         }
+        failed |= !r.problems.is_empty();
         if doc.is_none() {
             holder_slots("freed", &r.removed);
         }

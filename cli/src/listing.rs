@@ -316,11 +316,24 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 registries.push(n.to_string());
             }
         }
-        if tensor_sets.is_empty()
-            && exists(&format!("{}{set}", cuda_ipc::tensorset::MANIFEST_PREFIX))
         {
-            // Another user's set: inspected, so the error names its owner.
-            tensor_sets.push(set.to_string());
+            use cuda_ipc::tensorset::{
+                DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX,
+            };
+            if tensor_sets.is_empty()
+                && [
+                    MANIFEST_PREFIX,
+                    GENERATION_PREFIX,
+                    DATA_PREFIX,
+                    HOLDERS_PREFIX,
+                ]
+                .iter()
+                .any(|p| exists(&format!("{p}{set}")))
+            {
+                // Another user's set (any part of it, as `gc` without a NAME lists their parts):
+                // `gc` passes it over, and `ls` inspects it, so the error names its owner.
+                tensor_sets.push(set.to_string());
+            }
         }
         if registries.is_empty() && channels.is_empty() && tensor_sets.is_empty() {
             return Err(format!(

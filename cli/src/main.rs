@@ -62,7 +62,8 @@ Exit status:
   0  ok
   1  problems found (doctor: something sharing needs is missing; ls, watch: leftovers of dead
      processes, a segment that cannot be read, or NAME not found; gc: something could not be read
-     or removed), or an error
+     or removed, or NAME not found; another user's object, named or not, is passed over with a
+     note, no problem), or an error
   2  usage error (an unknown option, a NAME that no segment can bear: empty, `..`, with a `/`,
      too long)
   141  the reader of stdout went away (as `| head` does); nothing else is wrong";
@@ -182,11 +183,11 @@ enum Command {
     /// creation was abandoned half-way (one that may still finish, younger than 2 s or its
     /// creator running, is kept with a line saying why); without a NAME also the liveness files
     /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
-    /// status files of killed processes. Never touches what a live
-    /// process owns, nor another user's segments (nor, but for root, the files another user's
-    /// killed processes left): without a NAME it says what it passed over, a line per uid, no
-    /// problem. A live reader of a dead writer's set keeps what it mapped (the files are unlinked,
-    /// not shrunk).
+    /// status files of killed processes. Never touches what a live process owns, nor another
+    /// user's segments (nor, but for root, the files another user's killed processes left): it
+    /// says what it passed over, a line per uid (another user's quota ledger a line of its own),
+    /// no problem, whether NAME names it or not. A live reader of a dead writer's set keeps what
+    /// it mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
         /// Only this registry, channel, tensor set or quota ledger (its segment name,

@@ -160,16 +160,22 @@ pub fn skipped(name: &str, e: &cuda_ipc::Error) -> Option<Skipped> {
     let cuda_ipc::Error::Shm(cuda_ipc::ShmError::WrongOwner { owner, ours, .. }) = e else {
         return None;
     };
-    Some(Skipped {
+    Some(skipped_of(name, *owner, *ours))
+}
+
+/// The ledger `name` of uid `owner` as a skipped one, for a process of uid `ours`: what
+/// [`skipped`] makes of the error, and `gc` of the library's `Scan::skipped` entry of a ledger.
+pub fn skipped_of(name: &str, owner: u32, ours: u32) -> Skipped {
+    Skipped {
         name: name.to_string(),
-        owner: *owner,
+        owner,
         note: format!(
             "skipped: it is {}'s, and this is {}; other users' budgets are theirs to see, as \
              their channels are",
-            user_text(*owner),
-            user_text(*ours)
+            user_text(owner),
+            user_text(ours)
         ),
-    })
+    }
 }
 
 /// Whether `name` names a quota ledger: under the ledgers' prefix (`cuda-ipc.quota.`), and

@@ -189,7 +189,7 @@ fn gc_json_lists_the_leftovers_of_a_dry_run_then_what_it_removed() {
     ];
     assert_eq!(keys(&v), all.map(String::from).into(), "{v}");
     assert_eq!(v["dry_run"], true);
-    // Other users' objects are said without a NAME only.
+    // With a NAME of this user's, nothing of other users': only the object named is looked at.
     assert_eq!(v["skipped"], serde_json::json!([]));
     assert_eq!(v["removed"], serde_json::json!([]));
     let left = v["leftovers"].as_array().unwrap();

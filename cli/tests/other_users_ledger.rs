@@ -74,6 +74,14 @@ impl Drop for BinaryForOthers {
     }
 }
 
+/// Held by each test: each plants objects that another's `gc` or `ls` of everything would meet
+/// (counted in its lines, or a problem that changes its exit status).
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ALONE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Removes a ledger's name when dropped.
 struct Gone(String);
 impl Drop for Gone {
@@ -84,6 +92,7 @@ impl Drop for Gone {
 
 #[test]
 fn another_users_ls_gc_and_quota_show_skip_roots_ledger_with_a_note_and_exit_0() {
+    let _alone = alone();
     let Some((uid, gid)) = test_user() else {
         return;
     };
@@ -176,6 +185,7 @@ fn skipped_entry<'a>(v: &'a serde_json::Value, name: &str) -> Option<&'a serde_j
 /// status 0); nothing is touched. Before, both passed over them in silence.
 #[test]
 fn gc_and_ls_say_what_of_other_users_gc_passes_over_as_root_and_as_another_user() {
+    let _alone = alone();
     use cuda_ipc::raw::registry_layout::MAGIC;
     use std::os::unix::fs::OpenOptionsExt;
     let Some((uid, gid)) = test_user() else {
@@ -328,6 +338,216 @@ fn gc_and_ls_say_what_of_other_users_gc_passes_over_as_root_and_as_another_user(
         assert!(
             std::fs::symlink_metadata(format!("/dev/shm/{name}")).is_ok(),
             "{name} removed"
+        );
+    }
+}
+
+/// `gc NAME` of another user's object passes it over as `gc` without a NAME does: the same
+/// `skipped` entries (a line per uid in the text form; another user's quota ledger its own line
+/// and `quota_skipped`), no problem, exit status 0, in each form (`--dry-run`, the real run,
+/// `--json`), nothing touched. Root's `gc` of objects of uid 65534 (a channel's control segment
+/// and host pool, a tensor set's parts, a registry, a quota ledger), and the second user's `gc` of
+/// a channel of root's. Before, each was a problem (`cannot read`, exit status 1) while a `gc` of
+/// everything skipped them. A set of root's with a part of theirs beside root's parts is still a
+/// problem (their part is listed as skipped too): not another user's object, but root's with
+/// another user's file in it.
+#[test]
+fn gc_of_another_users_object_by_name_passes_it_over_as_gc_of_everything_does() {
+    let _alone = alone();
+    use cuda_ipc::raw::registry_layout::MAGIC;
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let tag = std::process::id();
+    const OTHER: u32 = 65534;
+    let (ch, ts, reg) = (
+        format!("named-theirs-ch-{tag}"),
+        format!("named-theirs-ts-{tag}"),
+        format!("named-theirs-reg-{tag}"),
+    );
+    let ledger = format!("cuda-ipc.quota.u{OTHER}.fe52{tag:028x}");
+    // (NAME given to `gc`, its segments of uid 65534 with what each is in `skipped`).
+    let named: [(&str, Vec<(String, &str)>); 4] = [
+        (
+            &ch,
+            vec![
+                (format!("cuda-ipc.ch.{ch}"), "channel segment"),
+                (format!("cuda-ipc.hp.{ch}"), "host pool"),
+            ],
+        ),
+        (
+            &ts,
+            vec![
+                (format!("cuda-ipc.ts.{ts}"), "tensor set part"),
+                (format!("cuda-ipc.tg.{ts}"), "tensor set part"),
+                (format!("cuda-ipc.td.{ts}"), "tensor set part"),
+            ],
+        ),
+        (&reg, vec![(reg.clone(), "registry")]),
+        (&ledger, vec![(ledger.clone(), "quota ledger")]),
+    ];
+    let mut _g: Vec<Gone> = Vec::new();
+    for (_, segments) in &named {
+        for (name, what) in segments {
+            _g.push(Gone(name.clone()));
+            let mut bytes = vec![0u8; 8192];
+            if *what == "registry" {
+                bytes[..8].copy_from_slice(&MAGIC.to_le_bytes());
+            }
+            drop(common::write_segment(name, &bytes));
+            std::os::unix::fs::chown(format!("/dev/shm/{name}"), Some(OTHER), Some(OTHER)).unwrap();
+        }
+    }
+    assert_eq!(
+        cuda_ipc::tensorset::GENERATION_PREFIX,
+        "cuda-ipc.tg.",
+        "the planted set's parts"
+    );
+    // What `gc` without a NAME says of them: the entries a `gc NAME` must give.
+    let o = Command::new(bin())
+        .args(["gc", "--dry-run", "--json"])
+        .output()
+        .unwrap();
+    let everything: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let whose = format!("of uid {OTHER}");
+    for (n, segments) in &named {
+        for args in [&["gc", n, "--dry-run"][..], &["gc", n]] {
+            let o = Command::new(bin()).args(args).output().unwrap();
+            let t = text(&o);
+            assert_eq!(o.status.code(), Some(0), "cuda-ipc {args:?}:\n{t}");
+            assert!(!t.contains("cannot read"), "cuda-ipc {args:?}:\n{t}");
+            if *n == ledger {
+                assert!(
+                    t.contains(&format!(
+                        "quota ledger {ledger}: skipped: it is uid {OTHER}"
+                    )),
+                    "cuda-ipc {args:?}:\n{t}"
+                );
+            } else {
+                let line = t
+                    .lines()
+                    .find(|l| l.starts_with("skipped ") && l.contains(&whose))
+                    .unwrap_or_else(|| panic!("cuda-ipc {args:?}: no line for uid {OTHER}:\n{t}"));
+                let k = segments.len();
+                assert!(
+                    line.contains(&format!(
+                        "skipped {k} object{} {whose}",
+                        if k == 1 { "" } else { "s" }
+                    )) && line.contains(segments[0].1),
+                    "{line}"
+                );
+                assert!(line.contains("another user's, left as they are"), "{line}");
+            }
+        }
+        for args in [&["gc", n, "--dry-run", "--json"][..], &["gc", n, "--json"]] {
+            let o = Command::new(bin()).args(args).output().unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout)
+                .unwrap_or_else(|e| panic!("cuda-ipc {args:?}: {e}: {}", text(&o)));
+            assert_eq!(o.status.code(), Some(0), "cuda-ipc {args:?}: {v}");
+            assert_eq!(
+                v["problems"],
+                serde_json::json!([]),
+                "cuda-ipc {args:?}: {v}"
+            );
+            assert_eq!(
+                v["leftovers"],
+                serde_json::json!([]),
+                "cuda-ipc {args:?}: {v}"
+            );
+            if *n == ledger {
+                assert_eq!(v["skipped"], serde_json::json!([]), "{v}");
+                let q = v["quota_skipped"].as_array().unwrap();
+                assert!(
+                    q.len() == 1 && q[0]["name"] == ledger.as_str() && q[0]["owner"] == OTHER,
+                    "{v}"
+                );
+                continue;
+            }
+            let entries: Vec<&serde_json::Value> = segments
+                .iter()
+                .map(|(name, _)| {
+                    skipped_entry(&everything, name)
+                        .unwrap_or_else(|| panic!("gc without a NAME: {name}: {everything}"))
+                })
+                .collect();
+            let got: Vec<&serde_json::Value> = v["skipped"].as_array().unwrap().iter().collect();
+            let mut want = entries.clone();
+            want.sort_by_key(|e| e["name"].as_str().unwrap().to_string());
+            assert_eq!(
+                got, want,
+                "cuda-ipc {args:?}: the entries of gc without a NAME"
+            );
+            for (e, (_, what)) in entries.iter().zip(segments) {
+                assert_eq!((&e["owner"], &e["what"]), (&OTHER.into(), &(*what).into()));
+            }
+        }
+    }
+    // A set of root's (its manifest) with a part of theirs beside it: root's set, with another
+    // user's file in it, is a problem, and their part is listed as skipped, as without a NAME.
+    let mixed = format!("named-mixed-ts-{tag}");
+    let (root_part, their_part) = (
+        format!("cuda-ipc.ts.{mixed}"),
+        format!("cuda-ipc.tg.{mixed}"),
+    );
+    _g.push(Gone(root_part.clone()));
+    _g.push(Gone(their_part.clone()));
+    drop(common::write_segment(&root_part, &[0u8; 8192]));
+    drop(common::write_segment(&their_part, &[0u8; 8192]));
+    std::os::unix::fs::chown(format!("/dev/shm/{their_part}"), Some(OTHER), Some(OTHER)).unwrap();
+    let o = Command::new(bin())
+        .args(["gc", &mixed, "--dry-run", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert!(
+        v["problems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["error"].as_str().unwrap().contains(&their_part)),
+        "{v}"
+    );
+    assert!(skipped_entry(&v, &their_part).is_some(), "{v}");
+    assert!(skipped_entry(&v, &root_part).is_none(), "{v}");
+
+    // The second user's `gc` of a channel of root's: the same, of uid 0.
+    let mine = format!("named-roots-ch-{tag}");
+    let seg = format!("cuda-ipc.ch.{mine}");
+    _g.push(Gone(seg.clone()));
+    drop(common::write_segment(&seg, &[0u8; 8192]));
+    let exe = BinaryForOthers::new();
+    for args in [&["gc", &mine, "--dry-run"][..], &["gc", &mine]] {
+        let o = as_user(&exe, (uid, gid), args);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(0), "cuda-ipc {args:?}:\n{t}");
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("skipped 1 object of uid 0 (root): 1 channel segment")),
+            "cuda-ipc {args:?}:\n{t}"
+        );
+    }
+    let o = as_user(&exe, (uid, gid), &["gc", &mine, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(0), "{v}");
+    let s = skipped_entry(&v, &seg).unwrap_or_else(|| panic!("{seg}: {v}"));
+    assert_eq!(
+        (&s["owner"], &s["what"]),
+        (&0.into(), &"channel segment".into())
+    );
+
+    // Nothing was touched.
+    for (_, segments) in &named {
+        for (name, _) in segments {
+            let m = std::fs::metadata(format!("/dev/shm/{name}"))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(std::os::unix::fs::MetadataExt::uid(&m), OTHER, "{name}");
+        }
+    }
+    for name in [&root_part, &their_part, &seg] {
+        assert!(
+            std::fs::metadata(format!("/dev/shm/{name}")).is_ok(),
+            "{name}"
         );
     }
 }

@@ -87,6 +87,7 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_quota, m)?)?;
     m.add_function(wrap_pyfunction!(remove_quota, m)?)?;
     m.add_function(wrap_pyfunction!(cleanup::cleanup, m)?)?;
+    m.add("CleanupResult", cleanup::result_type(m.py())?)?;
     m.add_function(wrap_pyfunction!(torch_alloc::torch_mem_pool, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc::arena_locate, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc::arena_stats, m)?)?;

@@ -18,8 +18,8 @@
 //! What it never touches: anything of a live process or of one whose liveness cannot be told
 //! (kept, with a note), a creation that may still be finished (a registry's, channel's or quota
 //! ledger's younger than 2 s or whose creator runs: kept, with a note, never a problem), another
-//! user's files (unless run as root, for per-process files: each passed over is listed,
-//! [`others`], [`Scan::skipped`], never a problem), a
+//! user's files (unless run as root, for per-process files: each passed over is listed, whether
+//! the scope names it or not, [`others`], [`Scan::skipped`], never a problem), a
 //! finished registry or a ready quota ledger itself (only what dead processes left inside them), and
 //! anything under our names that is not ours (a FIFO, a foreign file: a problem, never removed).
 //! Above every layer it cleans; nothing below imports it. Never calls CUDA.
@@ -243,8 +243,7 @@ pub struct Problem {
     /// What it concerns, e.g. `registry NAME`, `channel NAME`, `quota ledger NAME`, `fd server
     /// sockets`.
     pub subject: String,
-    /// What went wrong (an `Error::Shm(ShmError::WrongOwner { .. })` for another user's ledger,
-    /// which a caller may take for a note rather than a problem).
+    /// What went wrong. (Another user's object is no problem: [`Scan::skipped`].)
     pub error: Error,
 }
 
@@ -261,18 +260,20 @@ pub struct Scan {
     pub kept: Vec<String>,
     /// What could not be read.
     pub problems: Vec<Problem>,
-    /// Other users' objects passed over ([`others`]): never judged nor removed, theirs to clean;
+    /// Other users' objects passed over, sorted by name, whether the scope names them or not
+    /// ([`others`], and other users' quota ledgers): never judged nor removed, theirs to clean;
     /// no problem.
     pub skipped: Vec<Skipped>,
 }
 
 /// An object of another user that [`scan`] passes over ([`others`]): a segment under this crate's
-/// names (a registry, a channel's segment or host pool, a tensor set's part), or a file a killed
-/// process of that user left (a liveness file, an fd server socket, a bridge status file). A
-/// segment is not judged (another user's segment is opened by no one, root included: whether
-/// its processes run is not read), a file only as far as its listing reads it; neither is
-/// removed. Theirs to clean, with a `cuda-ipc gc` run as that user; listed so that a caller says
-/// what it left and whose it is.
+/// names (a registry, a channel's segment or host pool, a tensor set's part, a quota ledger), or
+/// a file a killed process of that user left (a liveness file, an fd server socket, a bridge
+/// status file). A segment is not judged (another user's segment is opened by no one, root
+/// included: whether its processes run is not read), a file only as far as its listing reads
+/// it; neither is removed. Theirs to clean, with a `cuda-ipc gc` run as that user; listed so that
+/// a caller says what it left and whose it is. The same whether the scope names the object or
+/// not: another user's object named is passed over as in a scan of everything, no problem.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Skipped {
@@ -281,7 +282,7 @@ pub struct Skipped {
     /// The uid that owns it.
     pub uid: u32,
     /// What it is, in words: `registry`, `channel segment`, `host pool`, `tensor set part`,
-    /// `liveness file`, `fd server socket` or `bridge status file`.
+    /// `quota ledger`, `liveness file`, `fd server socket` or `bridge status file`.
     pub what: &'static str,
     /// Whether its listing found it a dead process's leftover (a liveness file whose lock is free,
     /// an fd server socket of a dead process, a dead bridge's status file: what `gc` removes of
@@ -337,7 +338,8 @@ impl Scope {
     }
 
     /// Only these registries (segment names) and channels (channel names), and the host pools of
-    /// those channels.
+    /// those channels. Those of other users are passed over as [`Scope::everything`] passes over
+    /// theirs, into [`Scan::skipped`] ([`others`]), never inspected.
     pub fn only(registries: Vec<String>, channels: Vec<String>) -> Scope {
         Scope {
             registries: Some(registries),
@@ -348,7 +350,10 @@ impl Scope {
         }
     }
 
-    /// Also these tensor sets (names) in a scope made by [`Scope::only`].
+    /// Also these tensor sets (names) in a scope made by [`Scope::only`]. A set of which every
+    /// part that stands is another user's is passed over, into [`Scan::skipped`]; another user's
+    /// part beside a part of this user's is listed there too, and the set is scanned (that part
+    /// is its problem).
     pub fn with_tensor_sets(mut self, names: Vec<String>) -> Scope {
         self.tensor_sets = Some(names);
         self
@@ -356,8 +361,9 @@ impl Scope {
 
     /// Also these quota ledgers (segment names, `cuda-ipc.quota.…`: [`quota::LEDGER_PREFIX`]) in
     /// a scope made by [`Scope::only`]: their dead holders' reservations, or the ledger itself
-    /// when it is this user's creation abandoned half-way, by the rules of [`Scope::everything`].
-    /// A name without the prefix is a problem of the scan ([`Error::InvalidArgument`]).
+    /// when it is this user's creation abandoned half-way, by the rules of [`Scope::everything`]
+    /// (another user's is passed over, into [`Scan::skipped`]). A name without the prefix is a
+    /// problem of the scan ([`Error::InvalidArgument`]).
     pub fn with_quota_ledgers(mut self, names: Vec<String>) -> Scope {
         self.quota_ledgers = Some(names);
         self

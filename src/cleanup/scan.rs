@@ -24,23 +24,33 @@ use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 /// (unless it is a creation abandoned half-way: then it is that leftover; a creation that may
 /// still finish, younger than 2 s or its creator running, is kept, with why; one gone since it
 /// was listed is not reported), judged by the rule its creators replace one by (a registry's or
-/// channel's only after its inspection failed: one finished meanwhile is inspected again, once);
-/// another user's quota ledger is a problem whose error is `ShmError::WrongOwner`. Per-process
-/// files are this user's only, everyone's for root.
+/// channel's only after its inspection failed: one finished meanwhile is inspected again, once).
+/// Other users' objects are passed over, listed in [`Scan::skipped`], never a problem, whether
+/// the scope names them or not: those [`others`] lists (a named registry, channel or tensor set
+/// of another user is not inspected: a tensor set only when no part of it is this user's), and
+/// a quota ledger whose open says it is another user's (`ShmError::WrongOwner`: whose a ledger
+/// is, a group ledger's included, takes its open). Per-process files are this user's only,
+/// everyone's for root.
 ///
 /// # Errors
 /// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed (for the registries and channels of
 /// [`Scope::everything`]).
 pub fn scan(scope: &Scope) -> Result<Scan> {
     let mut s = Scan::default();
-    let registries = match &scope.registries {
+    // First, so that what is another user's is passed over as the listings of everything pass
+    // over theirs, never inspected (which would only fail, `WrongOwner`).
+    let skipped = others(scope)?;
+    let theirs = |name: &str| skipped.iter().any(|k| k.name == name);
+    let mut registries = match &scope.registries {
         Some(r) => r.clone(),
         None => registry_inspect::list_registries()?,
     };
-    let channels = match &scope.channels {
+    registries.retain(|r| !theirs(r));
+    let mut channels = match &scope.channels {
         Some(c) => c.clone(),
         None => channel_inspect::list_channels()?,
     };
+    channels.retain(|c| !theirs(&channel_inspect::segment_name(c)));
     for r in &registries {
         scan_registry(r, &mut s);
     }
@@ -48,10 +58,20 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
         scan_channel(c, &mut s);
     }
     scan_host_pools(scope.channels.as_deref(), &mut s);
-    let sets = match &scope.tensor_sets {
+    let mut sets = match &scope.tensor_sets {
         Some(t) => t.clone(),
         None => tensorset_inspect::list_tensor_sets()?,
     };
+    // A set is another user's when every part that stands is theirs (one of this user's among
+    // them, it is scanned, and their part is its problem: not the set's owner's making).
+    sets.retain(|t| {
+        let standing: Vec<String> = SET_PREFIXES
+            .iter()
+            .map(|p| format!("{p}{t}"))
+            .filter(|n| std::fs::symlink_metadata(format!("{SHM_DIR}/{n}")).is_ok())
+            .collect();
+        standing.is_empty() || !standing.iter().all(|n| theirs(n))
+    });
     for t in &sets {
         scan_tensor_set(t, &mut s);
     }
@@ -59,20 +79,35 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
     if scope.process_files {
         scan_process_files(&mut s);
     }
-    s.skipped = others(scope)?;
+    // The quota ledgers' (the scan's own) beside the listing's, in one order.
+    s.skipped.extend(skipped);
+    s.skipped.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(s)
 }
+
+/// The prefixes of a tensor set's parts' segment names, in the order [`others`] lists them.
+const SET_PREFIXES: [&str; 4] = [
+    tensorset::MANIFEST_PREFIX,
+    tensorset::GENERATION_PREFIX,
+    tensorset::DATA_PREFIX,
+    tensorset::HOLDERS_PREFIX,
+];
 
 /// Other users' objects that [`scan`] of `scope` passes over, sorted by name: with every registry
 /// of the scope ([`Scope::everything`]), the registries of other users (not shared with a group
 /// of this process) whose magic this process can read; with every channel, other users' channel
 /// segments and host pools; with every tensor set, other users' parts of sets; with the
 /// per-process files, those of killed processes of another uid (root removes everyone's: none).
-/// Another user's quota ledger is not here: the scan reports it as a problem whose error is
-/// `ShmError::WrongOwner`, which a caller may take for a note. Nothing is judged beyond what the
-/// listings read (names, owners, a registry's magic, the liveness of a per-process file's
-/// process), nothing is changed. For `cuda-ipc gc`, which says what it left, and `cuda-ipc ls`,
-/// which says the same of what `gc` would leave.
+/// Where the scope names them ([`Scope::only`]), the same of the objects named, by the same
+/// rules: a named registry that is another user's file (not shared with a group of this process;
+/// its magic is not read: the name was given as a registry's), the named channels' control
+/// segments and host pools and the named tensor sets' parts that are other users' files.
+/// Another user's quota ledger is not here: whose a ledger is takes its open (a group ledger of
+/// a group of this process is this user's to clean), and [`scan`] adds each it meets to
+/// [`Scan::skipped`]. Nothing is judged beyond what the listings read (names, owners, a
+/// registry's magic, the liveness of a per-process file's process), nothing is changed. For
+/// `cuda-ipc gc`, which says what it left, and `cuda-ipc ls`, which says the same of what `gc`
+/// would leave.
 ///
 /// # Errors
 /// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed.
@@ -86,7 +121,6 @@ pub fn scan(scope: &Scope) -> Result<Scan> {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn others(scope: &Scope) -> Result<Vec<Skipped>> {
-    use crate::tensorset::{DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX};
     let segment = |name: String, uid, what| Skipped {
         name,
         uid,
@@ -95,26 +129,37 @@ pub fn others(scope: &Scope) -> Result<Vec<Skipped>> {
         owner: None,
     };
     let mut out = Vec::new();
-    if scope.registries.is_none() {
-        out.extend(
+    match &scope.registries {
+        None => out.extend(
             registry_inspect::list_other_users_registries()?
                 .into_iter()
                 .map(|(n, uid)| segment(n, uid, "registry")),
-        );
+        ),
+        Some(named) => out.extend(named.iter().filter_map(|r| {
+            registry_inspect::other_users_registry(r).map(|uid| segment(r.clone(), uid, "registry"))
+        })),
     }
     let mut kinds: Vec<(&str, &'static str)> = Vec::new();
-    if scope.channels.is_none() {
-        kinds.push((channel_inspect::SEGMENT_PREFIX, "channel segment"));
-        kinds.push((channel_inspect::POOL_PREFIX, "host pool"));
+    // The segments of the objects named: (segment name, what it is).
+    let mut named: Vec<(String, &'static str)> = Vec::new();
+    match &scope.channels {
+        None => {
+            kinds.push((channel_inspect::SEGMENT_PREFIX, "channel segment"));
+            kinds.push((channel_inspect::POOL_PREFIX, "host pool"));
+        }
+        Some(channels) => {
+            for c in channels {
+                named.push((channel_inspect::segment_name(c), "channel segment"));
+                named.push((channel_inspect::pool_segment_name(c), "host pool"));
+            }
+        }
     }
-    if scope.tensor_sets.is_none() {
-        for p in [
-            MANIFEST_PREFIX,
-            GENERATION_PREFIX,
-            DATA_PREFIX,
-            HOLDERS_PREFIX,
-        ] {
-            kinds.push((p, "tensor set part"));
+    match &scope.tensor_sets {
+        None => kinds.extend(SET_PREFIXES.map(|p| (p, "tensor set part"))),
+        Some(sets) => {
+            for t in sets {
+                named.extend(SET_PREFIXES.map(|p| (format!("{p}{t}"), "tensor set part")));
+            }
         }
     }
     if !kinds.is_empty() {
@@ -125,6 +170,11 @@ pub fn others(scope: &Scope) -> Result<Vec<Skipped>> {
             {
                 out.push(segment(n, uid, what));
             }
+        }
+    }
+    for (n, what) in named {
+        if let Some(uid) = crate::shm::other_users_segment(&n) {
+            out.push(segment(n, uid, what));
         }
     }
     if scope.process_files {
@@ -167,6 +217,8 @@ pub fn others(scope: &Scope) -> Result<Vec<Skipped>> {
         );
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
+    // A name given twice (as a registry's and a channel's segment name, or a set twice) once.
+    out.dedup_by(|a, b| a.name == b.name);
     Ok(out)
 }
 
@@ -501,7 +553,9 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
 
 /// The quota ledgers `named` (`None`: every one in `/dev/shm`): a creation abandoned half-way is
 /// a leftover, one that may still finish is kept with why; of a ready ledger, the dead holders'
-/// reservations are the leftovers.
+/// reservations are the leftovers; another user's ledger (`ShmError::WrongOwner` from its open:
+/// the judgement of a creation says so of a group ledger of another member too, which a member
+/// of its group opens) is passed over, into [`Scan::skipped`].
 fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
     let names = match named {
         Some(n) => n.to_vec(),
@@ -559,9 +613,27 @@ fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
             Ok(dead) => s
                 .leftovers
                 .extend(dead.iter().map(|h| holder_leftover(&name, h))),
+            Err(e) if another_users_ledger(&name, &e, s) => {}
             Err(e) => s.unread(format!("quota ledger {name}"), e),
         }
     }
+}
+
+/// Whether `e`, met judging or opening quota ledger `name`, says it is another user's (a group
+/// ledger of a group this process is not in included: `ShmError::WrongOwner`); if so, it is
+/// passed over, into [`Scan::skipped`], theirs to clean.
+fn another_users_ledger(name: &str, e: &Error, s: &mut Scan) -> bool {
+    let Error::Shm(crate::shm::ShmError::WrongOwner { owner, .. }) = e else {
+        return false;
+    };
+    s.skipped.push(Skipped {
+        name: name.to_string(),
+        uid: *owner,
+        what: "quota ledger",
+        dead: false,
+        owner: None,
+    });
+    true
 }
 
 /// Whether a file of `uid` is ours to remove: this user's, or anyone's for root.

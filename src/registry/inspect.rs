@@ -213,6 +213,20 @@ pub fn list_other_users_registries() -> Result<Vec<(String, u32)>> {
     registries_where(|m| !ours_or_our_groups(m))
 }
 
+/// The owner's uid of `name` in `/dev/shm` when it is a regular file that [`list_registries`]
+/// leaves out for whose it is (another user's, not shared with a group of this process), by
+/// [`list_other_users_registries`]' rule without its magic: the name was given as a registry's,
+/// and another user's 0600 segment cannot be read by anyone else. `None` for a file this process
+/// may inspect, for anything that is not a regular file, for an invalid name and when nothing
+/// stands under it. From `lstat`: no link is followed, nothing is opened. For a `gc` of a NAME,
+/// which passes over another user's registry as a `gc` of every registry does.
+pub(crate) fn other_users_registry(name: &str) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    crate::shm::validate_name(name).ok()?;
+    let meta = std::fs::symlink_metadata(format!("{}/{name}", crate::shm::SHM_DIR)).ok()?;
+    (meta.file_type().is_file() && !ours_or_our_groups(&meta)).then_some(meta.uid())
+}
+
 /// The regular files in `/dev/shm` whose metadata `keep` accepts and whose first eight bytes are
 /// the registry magic, with their owners' uids.
 fn registries_where(keep: impl Fn(&std::fs::Metadata) -> bool) -> Result<Vec<(String, u32)>> {

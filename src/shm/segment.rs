@@ -818,15 +818,21 @@ pub(crate) fn list_own_segments() -> Result<Vec<String>> {
 /// # Errors
 /// As [`list_segments`].
 pub(crate) fn list_other_users_segments() -> Result<Vec<(String, u32)>> {
-    use std::os::unix::fs::MetadataExt;
-    let me = rustix::process::geteuid().as_raw();
     Ok(list_segments()?
         .into_iter()
-        .filter_map(|s| {
-            let uid = std::fs::symlink_metadata(format!("{SHM_DIR}/{s}"))
-                .ok()?
-                .uid();
-            (uid != me).then_some((s, uid))
-        })
+        .filter_map(|s| other_users_segment(&s).map(|uid| (s, uid)))
         .collect())
+}
+
+/// The owner's uid of segment `name` when [`list_other_users_segments`] would list it: a regular
+/// file under a valid segment name (from `lstat`: no link is followed, nothing is opened) of a
+/// user other than this process's effective user; `None` for this user's, for anything that is
+/// not a regular file, for an invalid name, and when nothing stands under it. For a look at one
+/// name (a `gc` of a NAME) by the rule of the listing.
+pub(crate) fn other_users_segment(name: &str) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    validate_name(name).ok()?;
+    let m = std::fs::symlink_metadata(format!("{SHM_DIR}/{name}")).ok()?;
+    let me = rustix::process::geteuid().as_raw();
+    (m.file_type().is_file() && m.uid() != me).then_some(m.uid())
 }
