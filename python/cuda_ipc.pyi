@@ -102,7 +102,8 @@ class InvalidToken(CudaIpcError):
     """A token's bytes could not be decoded."""
 
 class NotSupported(CudaIpcError):
-    """This machine, device or memory cannot do what was asked."""
+    """This machine, device or memory cannot do what was asked; also an object used in a child made
+    by ``fork()`` that its parent made before the fork (open the child's own)."""
 
 class FdNotOffered(CudaIpcError):
     """The producer does not offer the file descriptor asked for."""

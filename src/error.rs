@@ -118,6 +118,19 @@ pub enum Error {
     #[cfg(feature = "remote")]
     #[error(transparent)]
     Remote(#[from] crate::remote::error::RemoteError),
+    /// An object made before this process was forked from its maker was used in the forked child
+    /// (a channel's producer or consumer, a tensor set's writer, reader or hold, a registry, ...).
+    /// The object stands for what the parent holds (a consumer slot, a hold, a segment's name, a
+    /// CUDA context, which does not survive `fork`): the child makes its own (opens the channel or
+    /// set again). Its `Drop` in the child does nothing shared (`identity::fork`).
+    #[error(
+        "this {what} was made before this process was forked: a forked child cannot use its \
+         parent's {what}; open or create its own in the child"
+    )]
+    ForkedChild {
+        /// What was used (`"channel consumer"`, `"tensor set reader"`).
+        what: &'static str,
+    },
     /// A bounded wait ran out.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

@@ -56,6 +56,10 @@ impl Drop for FrameHold {
         // requires to be a valid stream of this device; it must outlive the tensor (documented in
         // python/README.md: PyTorch's and CuPy's pooled streams and the default streams always do).
         if let Err(e) = unsafe { frame.release_after_raw(s as _) } {
+            if matches!(e, cuda_ipc::Error::ForkedChild { .. }) {
+                // A forked child's copy of its parent's frame: nothing of it is this process's.
+                return;
+            }
             // Without the ordering the producer could overwrite the buffer under work still queued
             // on `s`: wait for the context's work on the host instead.
             eprintln!(

@@ -50,7 +50,8 @@ pyo3::create_exception!(
     cuda_ipc,
     NotSupported,
     CudaIpcError,
-    "This machine, device or memory cannot do what was asked."
+    "This machine, device or memory cannot do what was asked; also an object used in a child made \
+     by fork() that its parent made before the fork (open the child's own)."
 );
 pyo3::create_exception!(
     cuda_ipc,
@@ -367,6 +368,7 @@ fn kind(e: &Error) -> Kind {
             _ => Kind::Base,
         },
         Error::Timeout { .. } => Kind::Timeout,
+        Error::ForkedChild { .. } => Kind::NotSupported,
         Error::TensorSet(t) => match t {
             TensorSetError::NotFound(_) => Kind::TensorSetNotFound,
             TensorSetError::AlreadyExists { .. } | TensorSetError::CreationInProgress(_) => {

@@ -720,7 +720,10 @@ impl TensorHold {
 
 impl Drop for TensorHold {
     fn drop(&mut self) {
-        if let Err(e) = self.release_now() {
+        // A forked child's copy of its parent's hold lets go of nothing, and says nothing.
+        if let Err(e) = self.release_now()
+            && !matches!(e, cuda_ipc::Error::ForkedChild { .. })
+        {
             eprintln!("cuda_ipc: releasing a tensor-set generation: {e}");
         }
     }

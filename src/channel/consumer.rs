@@ -721,6 +721,11 @@ impl Consumer {
 
 impl Drop for Consumer {
     fn drop(&mut self) {
+        // A forked child's copy: the slot, its holds and its release words are the parent's
+        // consumer's (`identity::fork`).
+        if self.control.inherited() {
+            return;
+        }
         let Side::Gpu { imports, .. } = &self.side else {
             // A host channel: no GPU work can still read the pool; frames borrowed this consumer,
             // so all were dropped (their holds ended) before this.

@@ -20,6 +20,7 @@ use super::layout::{
     SEGMENT_PREFIX, STAMP_READY, VERSION, buffer_offset, consumer_offset, segment_len,
 };
 use crate::error::{Error, Result};
+use crate::identity::fork::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{
     self, Blocker, Creation, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
@@ -42,6 +43,9 @@ pub(crate) struct Control {
     /// slice of `Control::acquire_reserving` to the next; process-local. Set, completed and
     /// given back only in `reserve.rs`.
     pub(super) reserved: std::sync::Mutex<Option<(usize, u64)>>,
+    /// The process (by fork) that mapped the segment: a forked child's copy acts on nothing
+    /// ([`Control::inherited`]).
+    pub(super) fork: ForkEpoch,
 }
 
 // SAFETY: all shared state is accessed through atomics or raw-pointer copies; the mapping itself is
@@ -185,6 +189,18 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
 }
 
 impl Control {
+    /// Whether this process was forked from the one that mapped the segment
+    /// (`identity::fork`): its consumer slot, holds, reservation and names are that process's,
+    /// so neither a call nor a `Drop` in this process may act on them.
+    pub(crate) fn inherited(&self) -> bool {
+        self.fork.inherited()
+    }
+
+    /// `Ok` in the process that mapped the segment, else [`Error::ForkedChild`].
+    pub(crate) fn check_fork(&self) -> Result<()> {
+        self.fork.check("channel producer or consumer")
+    }
+
     /// Creates the control segment of `channel` with `buffers` buffers of `buffer_bytes` bytes and
     /// room for `consumers` consumers; `tokens[i]` is the memory token of buffer `i`.
     /// A segment left by a dead producer is replaced; one of a live producer is an error.
@@ -261,6 +277,7 @@ impl Control {
             buffers,
             consumers,
             reserved: Default::default(),
+            fork: ForkEpoch::now(),
         };
         let me = ProcessIdentity::current()?;
         // SYNC POINT: stamp. Release, stored last by `write_versioned`: pairs with the Acquire load
@@ -344,6 +361,7 @@ impl Control {
                     buffers: 0,
                     consumers: 0,
                     reserved: Default::default(),
+                    fork: ForkEpoch::now(),
                 };
                 let p = c.producer();
                 if p.pid != 0 && c.producer_liveness() != Liveness::Dead {
@@ -518,6 +536,7 @@ impl Control {
             buffers,
             consumers,
             reserved: Default::default(),
+            fork: ForkEpoch::now(),
         })
     }
 

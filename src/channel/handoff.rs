@@ -101,6 +101,7 @@ impl Control {
         timeout: Option<Duration>,
         keep_newest: bool,
     ) -> Result<Option<Claim>> {
+        self.check_fork()?;
         let h = self.header();
         wait_until(
             h.release_wake(),
@@ -213,6 +214,7 @@ impl Control {
 
     /// Publishes the frame in buffer `i` (acquired before) with `meta`; returns its sequence number.
     pub(crate) fn publish(&self, i: usize, meta: &[u8]) -> Result<u64> {
+        self.check_fork()?;
         if meta.len() > META_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "metadata is {} bytes; at most {META_BYTES}",
@@ -398,6 +400,9 @@ impl Control {
 
     /// Gives an acquired buffer back without publishing (its previous frame is gone: seq 0).
     pub(crate) fn abandon(&self, i: usize) {
+        if self.inherited() {
+            return; // the parent's buffer (`identity::fork`)
+        }
         // SYNC POINT: publish. Release: pairs with `try_acquire`/`try_take` Acquire loads of seq.
         self.buffer(i).seq.store(SEQ_EMPTY, Ordering::Release);
         self.header().release_wake().bump();
@@ -498,6 +503,9 @@ impl Control {
 
     /// Marks the channel closed and wakes every consumer.
     pub(crate) fn close(&self) {
+        if self.inherited() {
+            return; // the parent's channel (`identity::fork`)
+        }
         // SYNC POINT: closed. Release: pairs with `is_closed`'s Acquire.
         self.header()
             .producer_state
@@ -617,6 +625,9 @@ impl Control {
 
     /// Leaves the channel: drops any holds and frees the slot.
     pub(crate) fn detach(&self, c: usize) {
+        if self.inherited() {
+            return; // the parent's slot (`identity::fork`)
+        }
         self.free_consumer_slot(c, ACTIVE);
     }
 
@@ -687,6 +698,7 @@ impl Control {
 
     /// `try_take` from the consumer's cursor (`None`) or, latest-only, from `than` (`Some`).
     fn try_take_from(&self, c: usize, than: Option<u64>) -> Result<Option<(usize, u64, Metadata)>> {
+        self.check_fork()?;
         let s = self.consumer(c);
         // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`.
         if s.state.load(Ordering::Acquire) != ACTIVE {
@@ -862,6 +874,9 @@ impl Control {
     /// Ends consumer `c`'s hold on buffer `i` (after the write of its release word was enqueued
     /// on its stream).
     pub(crate) fn release(&self, c: usize, i: usize) {
+        if self.inherited() {
+            return; // the parent's hold (`identity::fork`)
+        }
         self.buffer(i).words().release(1u64 << c);
         self.header().release_wake().bump();
     }

@@ -432,6 +432,7 @@ impl Producer {
     /// # Errors
     /// As [`Producer::acquire`], but never [`Error::Timeout`].
     pub fn try_acquire(&mut self) -> Result<Option<WriteFrame<'_>>> {
+        self.control.check_fork()?;
         match self.control.try_acquire() {
             Some(claim) => self.start_write(claim).map(Some),
             None => Ok(None),
@@ -611,11 +612,17 @@ impl Producer {
     /// Returns whether that is so. For callers that wait in slices (a binding checking for
     /// signals between them) before `close`; the pool stays until `close` (or the drop).
     pub fn wait_closing(&mut self, timeout: Duration) -> bool {
+        if self.control.inherited() {
+            // The parent's channel (`identity::fork`): nothing of this process's to wait for;
+            // `close` then says why it cannot close.
+            return true;
+        }
         self.control.close();
         self.control.wait_drained(timeout)
     }
 
     fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {
+        self.control.check_fork()?;
         // The frame each buffer holds, before `drain` withdraws them: the release words to wait
         // for.
         let seqs: Vec<u64> = (0..self.control.buffers())
@@ -688,6 +695,11 @@ impl Producer {
 
 impl Drop for Producer {
     fn drop(&mut self) {
+        // A forked child's copy: the channel, its names and its consumers' holds are the
+        // parent's (`identity::fork`).
+        if self.control.inherited() {
+            return;
+        }
         if !self.closed
             && let Err(e) = self.shutdown(Duration::from_secs(5))
         {

@@ -44,6 +44,9 @@ impl Control {
     /// frame is takeable again, and consumers that backed off look again. Nothing when there is
     /// no reservation.
     pub(crate) fn unreserve(&self) {
+        if self.inherited() {
+            return; // the parent's reservation (`identity::fork`)
+        }
         let taken = self
             .reserved
             .lock()

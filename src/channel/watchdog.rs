@@ -10,12 +10,16 @@
 //!   consumer's stream will never write, drains within about 20 ms of the death.
 
 use super::options::LIVENESS_CHECK;
+use crate::identity::fork::ForkEpoch;
 use std::sync::{Arc, Condvar, Mutex};
 
 /// The running thread; dropping it stops the thread and joins it.
 pub(super) struct Watchdog {
     stop: Arc<(Mutex<bool>, Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The process that started the thread: a forked child has no such thread to join
+    /// (`identity::fork`).
+    fork: ForkEpoch,
 }
 
 impl Watchdog {
@@ -50,12 +54,21 @@ impl Watchdog {
                 None
             }
         };
-        Watchdog { stop, thread }
+        Watchdog {
+            stop,
+            thread,
+            fork: ForkEpoch::now(),
+        }
     }
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            // The thread is the parent's: joining it here would wait for what does not run.
+            std::mem::forget(self.thread.take());
+            return;
+        }
         let (lock, cv) = &*self.stop;
         *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
         cv.notify_all();

@@ -1,6 +1,7 @@
 use super::Device;
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
+use crate::identity::fork::ForkEpoch;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
@@ -22,6 +23,9 @@ use std::sync::Arc;
 pub struct Context {
     device: Device,
     raw: sys::CUcontext,
+    /// The process (by fork) that retained it: CUDA does not survive `fork`, so a forked child
+    /// makes no driver call on it (`identity::fork`).
+    fork: ForkEpoch,
 }
 
 // SAFETY: a CUcontext is a process-wide driver handle, usable from any thread while current there
@@ -59,7 +63,11 @@ impl Context {
         })?;
         // SAFETY: written on success.
         let raw = unsafe { raw.assume_init() };
-        Ok(Arc::new(Context { device, raw }))
+        Ok(Arc::new(Context {
+            device,
+            raw,
+            fork: ForkEpoch::now(),
+        }))
     }
 
     /// The primary context of the device with ordinal 0 in this process.
@@ -89,6 +97,11 @@ impl Context {
     /// Every driver call of this crate runs inside such a guard, so code of other libraries on the
     /// thread finds its own context current afterwards, on success and on error.
     ///
+    /// In a process forked from the one that made this context it fails with
+    /// [`Error::ForkedChild`] before any driver call (CUDA does not survive `fork`), so every
+    /// driver object made before the fork (stream, event, allocation, mapping) refuses its calls
+    /// in the child and its drop there frees nothing.
+    ///
     /// Guards nest like the driver's context stack: drop them in the reverse order of their
     /// creation (scopes do that), and do not hold one across code that pushes a context without
     /// popping it again. The guard is not `Send`: the stack belongs to the thread.
@@ -113,6 +126,9 @@ impl Context {
     #[doc(alias = "cuCtxPushCurrent")]
     #[doc(alias = "cuCtxPopCurrent")]
     pub fn enter(&self) -> Result<CurrentGuard<'_>> {
+        // Every driver object (stream, event, allocation, module, mapping) enters its context
+        // first, so a forked child's copies make no driver call, in their calls or their drops.
+        self.fork.check("CUDA context")?;
         let mut cur = MaybeUninit::<sys::CUcontext>::uninit();
         // SAFETY: driver loaded (a Context exists); `cur` is a valid out-pointer.
         check("cuCtxGetCurrent", unsafe {
@@ -148,6 +164,7 @@ impl Context {
     /// [`Error::Cuda`] when the driver refuses.
     #[doc(alias = "cuCtxSetCurrent")]
     pub fn bind(&self) -> Result<()> {
+        self.fork.check("CUDA context")?;
         // SAFETY: `raw` is a retained primary context, valid until drop.
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw) })?;
         Ok(())
@@ -244,6 +261,9 @@ impl Drop for CurrentGuard<'_> {
 
 impl Drop for Context {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            return; // the parent's retain (`identity::fork`)
+        }
         // SAFETY: the device's primary context was retained once by this value.
         let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device.raw()) };
         if let Err(e) = check("cuDevicePrimaryCtxRelease_v2", r) {

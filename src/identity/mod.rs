@@ -52,6 +52,7 @@
 //! [`crate::raw::identity`].
 
 pub(crate) mod files;
+pub(crate) mod fork;
 pub(crate) mod lock;
 mod proc;
 

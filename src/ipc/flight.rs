@@ -280,6 +280,7 @@ pub(crate) fn copy_error(e: &Error) -> Error {
             what,
             after: *after,
         },
+        Error::ForkedChild { what } => Error::ForkedChild { what },
         // Not produced by any import; kept as text.
         Error::Shm(_) | Error::Registry(_) | Error::Channel(_) => {
             Error::InvalidArgument(e.to_string())

@@ -10,6 +10,7 @@ use super::snapshot::{Holder, LedgerSnapshot};
 use crate::driver::Uuid;
 use crate::error::{Error, Result};
 use crate::identity::ProcessIdentity;
+use crate::identity::fork::ForkEpoch;
 use crate::shm::versioned;
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::Ordering;
@@ -65,8 +66,9 @@ pub struct Reservation {
     id: u64,
     bytes: u64,
     released: bool,
-    /// The process that reserved it: a forked child's copy never frees its parent's entry.
-    pid: u32,
+    /// The process (by fork) that reserved it: a forked child's copy never frees its parent's
+    /// entry (`identity::fork`; a pid does not tell them apart across pid namespaces).
+    fork: ForkEpoch,
 }
 
 impl QuotaLedger {
@@ -350,7 +352,7 @@ impl QuotaLedger {
             id,
             bytes,
             released: false,
-            pid: std::process::id(),
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -426,7 +428,7 @@ impl Reservation {
     }
 
     fn free(&self) -> Result<()> {
-        if std::process::id() != self.pid {
+        if self.fork.inherited() {
             // A copy in a forked child: the entry is the parent's.
             return Ok(());
         }

@@ -46,6 +46,7 @@ pub use reclaim::{ReclaimReport, Reclaimed};
 pub use remove::remove_abandoned;
 
 use crate::error::{Error, Result};
+use crate::identity::fork::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::Segment;
 use crate::sync::Ordering;
@@ -179,6 +180,9 @@ pub struct Registry {
     /// The dead participants' entries this handle freed when it joined (empty for an inspection
     /// handle), for [`Registry::reclaimed_on_open`].
     freed_on_join: Vec<reclaim::Reclaimed>,
+    /// The process (by fork) that joined: a forked child's copy writes nothing as its parent's
+    /// participant and does not leave for it (`identity::fork`).
+    pub(super) fork: ForkEpoch,
 }
 
 fn corrupt(name: &str, what: String) -> Error {
@@ -329,6 +333,9 @@ impl Registry {
 
 impl Drop for Registry {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            return; // the parent's participant entry (`identity::fork`)
+        }
         if self.participant < self.participants {
             let p = self.participant_at(self.participant);
             // Release: pairs with the next claimer's Acquire compare-exchange.

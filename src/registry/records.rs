@@ -157,6 +157,7 @@ impl Registry {
 
     /// Takes a slot's writer lock, taking it over from a dead holder. Bounded by the lock timeout.
     fn lock_slot(&self, i: u32) -> Result<Taken> {
+        self.fork.check("registry handle")?;
         let v = self.view(i);
         let deadline = deadline_after(self.lock_timeout);
         let mut slow = SlowPath::new();
@@ -201,6 +202,7 @@ impl Registry {
     }
 
     fn lock_table(&self) -> Result<()> {
+        self.fork.check("registry handle")?;
         let w = &self.header().table_lock;
         let deadline = deadline_after(self.lock_timeout);
         let mut slow = SlowPath::new();

@@ -6,6 +6,7 @@
 use super::wire::{self, Msg, Sealer, Session};
 use super::{LaneOptions, RemoteError};
 use crate::error::{Error, Result};
+use crate::identity::fork::ForkEpoch;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -23,6 +24,9 @@ pub(super) struct Link {
     threads: Vec<JoinHandle<()>>,
     stream: TcpStream,
     lost: Option<String>,
+    /// The process (by fork) that started the threads: a forked child has none to join, and its
+    /// copy of the connection is the parent's (`identity::fork`).
+    fork: ForkEpoch,
 }
 
 fn lost(reason: String) -> Error {
@@ -98,14 +102,17 @@ impl Link {
             threads: vec![r, h],
             stream,
             lost: None,
+            fork: ForkEpoch::now(),
         })
     }
 
     /// Sends `m`, sealed.
     ///
     /// # Errors
-    /// [`RemoteError::Link`] when the connection failed.
+    /// [`RemoteError::Link`] when the connection failed; [`Error::ForkedChild`] in a process
+    /// forked from the one that made the link (the connection is the parent's).
     pub(super) fn send(&self, m: &Msg) -> Result<()> {
+        self.fork.check("remote lane")?;
         let mut g = self
             .writer
             .lock()
@@ -148,6 +155,12 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            // Shutting the socket down would end the parent's connection; joining would wait for
+            // threads that do not run here.
+            std::mem::forget(std::mem::take(&mut self.threads));
+            return;
+        }
         self.done.store(true, Ordering::Relaxed);
         // Wakes the reader (its read fails) and makes the heartbeat's next write fail.
         let _ = self.stream.shutdown(std::net::Shutdown::Both);

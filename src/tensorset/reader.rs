@@ -10,6 +10,7 @@ use super::{ReaderOptions, content, decode_meta};
 use crate::channel::{ChannelError, Consumer, FrameHold};
 use crate::driver::{Context, Device, Stream};
 use crate::error::{Error, Result};
+use crate::identity::fork::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::ImportedBuffer;
 use crate::shm::Segment;
@@ -106,6 +107,9 @@ pub struct TensorSetReader {
     holders_expect: Option<(u64, usize, usize)>,
     /// The content-fingerprint kernel, loaded at the first [`Held::verify_content`] (GPU sets).
     fingerprinter: std::sync::OnceLock<content::Fingerprinter>,
+    /// The process (by fork) that opened the reader: a forked child's copy takes no hold and
+    /// lets go of nothing (`identity::fork`).
+    fork: ForkEpoch,
 }
 
 impl std::fmt::Debug for TensorSetReader {
@@ -503,6 +507,7 @@ impl TensorSetReader {
             _manifest: opened.seg,
             holders_expect,
             fingerprinter: std::sync::OnceLock::new(),
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -652,6 +657,7 @@ impl TensorSetReader {
     }
 
     fn take(&self, than: u64, timeout: Option<Duration>) -> Result<Option<Held<'_>>> {
+        self.fork.check("tensor set reader")?;
         let consumer = match &self.consumer {
             Source::Channel(c) => c,
             Source::Writerless(w) => return self.take_writerless(w, than),

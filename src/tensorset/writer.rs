@@ -15,6 +15,7 @@ use crate::channel::{
 };
 use crate::driver::{Context, DeviceMemory, Stream, Uuid};
 use crate::error::{Error, Result};
+use crate::identity::fork::ForkEpoch;
 use crate::ipc::VmmBuffer;
 use crate::quota::Reservation;
 use crate::shm::Segment;
@@ -119,6 +120,9 @@ pub struct TensorSetWriter {
     copier: std::sync::OnceLock<Option<copies::RangeCopier>>,
     /// [`TensorSetWriter::wait_closing`] unlinked the names already.
     closing: bool,
+    /// The process (by fork) that made the writer: a forked child's copy neither writes nor
+    /// closes the set, nor removes its names (`identity::fork`).
+    fork: ForkEpoch,
 }
 
 impl std::fmt::Debug for TensorSetWriter {
@@ -463,6 +467,7 @@ impl TensorSetWriter {
             fingerprinter: std::sync::OnceLock::new(),
             copier: std::sync::OnceLock::new(),
             closing: false,
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -602,6 +607,9 @@ impl TensorSetWriter {
     /// Gives back the generation that [`TensorSetWriter::begin_slice`] left reserved (readers
     /// take it again); nothing when none is.
     pub fn give_back_reservation(&mut self) {
+        if self.fork.inherited() {
+            return;
+        }
         if let Some(p) = self.producer.as_mut() {
             p.give_back_reservation();
         }
@@ -617,6 +625,7 @@ impl TensorSetWriter {
     }
 
     fn begin_with(&mut self, timeout: Option<Duration>, how: Acquire) -> Result<Update<'_>> {
+        self.fork.check("tensor set writer")?;
         let previous = self.state.head;
         let producer = self
             .producer
@@ -657,6 +666,7 @@ impl TensorSetWriter {
     /// # Errors
     /// CUDA errors from synchronising the writer's stream.
     pub fn close(mut self, timeout: Duration) -> Result<()> {
+        self.fork.check("tensor set writer")?;
         if !self.closing {
             self.unlink_names();
         }
@@ -672,6 +682,10 @@ impl TensorSetWriter {
     /// slices (a binding checking for signals between them) before `close`; the memory stays
     /// until `close` (or the drop).
     pub fn wait_closing(&mut self, timeout: Duration) -> bool {
+        if self.fork.inherited() {
+            // Nothing of this process's to wait for: `close` then says why it cannot close.
+            return true;
+        }
         if !self.closing {
             self.closing = true;
             self.unlink_names();
@@ -696,6 +710,11 @@ impl TensorSetWriter {
 
 impl Drop for TensorSetWriter {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            // A forked child's copy: the set, its names and its readers are the parent's
+            // (`identity::fork`); the fields' drops act on nothing of theirs either.
+            return;
+        }
         if self.producer.is_some() && !self.closing {
             self.unlink_names();
         }

@@ -295,6 +295,9 @@ impl Consumer {
 
 impl Drop for Frame<'_> {
     fn drop(&mut self) {
+        if self.consumer.control.inherited() {
+            return; // the parent's hold (`identity::fork`)
+        }
         self.consumer
             .release_frame(self.index, self.seq, self.host_ordered);
     }

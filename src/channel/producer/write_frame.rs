@@ -305,7 +305,7 @@ impl std::fmt::Debug for LentFrame {
 
 impl Drop for LentFrame {
     fn drop(&mut self) {
-        if self.armed {
+        if self.armed && !self.control.inherited() {
             // The readers not yet seen done are waited for by whoever takes the buffer next.
             if self.pending != 0 {
                 self.control.restore_used(self.index, self.pending);

@@ -20,6 +20,7 @@ use super::wire::{
 };
 use crate::error::{Error, OsError, Result};
 use crate::identity::ProcessIdentity;
+use crate::identity::fork::ForkEpoch;
 use rustix::io::Errno;
 use rustix::net::sockopt::{self, Timeout};
 use rustix::net::{
@@ -44,8 +45,10 @@ const LISTEN_BACKLOG: i32 = 128;
 /// The exports of this process: id → fd. The server thread clones an `Arc` under the lock and sends
 /// outside it, so dropping an [`FdExport`] never waits for a slow client.
 static TABLE: Mutex<BTreeMap<u32, Arc<OwnedFd>>> = Mutex::new(BTreeMap::new());
-/// The pid the server thread was started in, if any (a child made by `fork()` has none).
-static SERVER: Mutex<Option<u32>> = Mutex::new(None);
+/// The process (by fork) the server thread was started in, if any: a child made by `fork()`
+/// has no thread, and starts its own (`identity::fork`; a pid does not tell a child forked into a
+/// new pid namespace from its parent).
+static SERVER: Mutex<Option<ForkEpoch>> = Mutex::new(None);
 /// The next export id. Plain std atomics (not `crate::sync`): this is process-local bookkeeping,
 /// not part of a shared-memory protocol that loom models.
 static NEXT_ID: AtomicU32 = AtomicU32::new(1);
@@ -184,8 +187,9 @@ struct ServerFile {
     /// Device and inode of the file as bound: only that file is removed, never one put there since.
     dev: u64,
     ino: u64,
-    /// The pid that made it (a forked child inherits this record and must not remove the file).
-    owner_pid: i32,
+    /// The process (by fork) that made it: a forked child inherits this record and must not
+    /// remove the file (`identity::fork`; a pid does not tell them apart across pid namespaces).
+    fork: ForkEpoch,
 }
 
 /// This process's socket file, if it made one.
@@ -195,7 +199,7 @@ static SERVER_FILE: Mutex<Option<ServerFile>> = Mutex::new(None);
 fn ensure_server() -> Result<()> {
     let mut started = lock(&SERVER);
     let me = ProcessIdentity::current()?;
-    if *started == Some(me.pid) {
+    if started.is_some_and(|e| !e.inherited()) {
         return Ok(());
     }
     let path = socket_path(&me);
@@ -243,16 +247,15 @@ fn ensure_server() -> Result<()> {
     })?;
     let our_uid = rustix::process::geteuid().as_raw();
     // Detached: the handle is dropped, and Rust does not wait for other threads at exit.
-    let pid = me.pid;
     std::thread::Builder::new()
         .name("cuda-ipc-fd".to_string())
-        .spawn(move || serve(listener, our_uid, pid))
+        .spawn(move || serve(listener, our_uid))
         .map_err(|e| {
             remove_own_socket_file();
             OsError::io("pthread_create", "fd server thread", e)
         })?;
     tracing::debug!(socket = %path, "fd server started");
-    *started = Some(me.pid);
+    *started = Some(ForkEpoch::now());
     Ok(())
 }
 
@@ -283,8 +286,7 @@ fn record_own_file(path: &str) -> Result<ServerFile> {
         path: c,
         dev: st.st_dev,
         ino: st.st_ino,
-        // SAFETY: getpid has no preconditions.
-        owner_pid: unsafe { libc::getpid() },
+        fork: ForkEpoch::now(),
     };
     // After bind, not before: bind makes the file with the umask's mode. Other users cannot
     // connect to a 0600 socket; the server's uid check stays the guard either way.
@@ -333,10 +335,8 @@ fn remove_file_if_same(path: &CString, dev: u64, ino: u64) {
 /// Removes this process's socket file (when this process made it and it is still the one bound).
 fn remove_own_socket_file() {
     let mut f = lock(&SERVER_FILE);
-    // SAFETY: getpid has no preconditions.
-    let pid = unsafe { libc::getpid() };
     if let Some(file) = f.as_ref()
-        && file.owner_pid == pid
+        && !file.fork.inherited()
     {
         remove_file_if_same(&file.path, file.dev, file.ino);
         *f = None;
@@ -355,16 +355,15 @@ fn register_exit_hook() {
 
 /// At normal exit: remove this process's socket file (a killed process leaves it; its identity
 /// then reads as dead, and [`remove_stale_socket_file`](super::remove_stale_socket_file) removes
-/// it). A forked child that exits finds its parent's record (another pid) and leaves the file.
+/// it). A forked child that exits finds its parent's record (made before the fork) and leaves the
+/// file.
 extern "C" fn remove_socket_file_at_exit() {
     // `try_lock`: never wait at exit for a thread that was stopped holding the lock.
     let Ok(f) = SERVER_FILE.try_lock() else {
         return;
     };
-    // SAFETY: getpid has no preconditions.
-    let pid = unsafe { libc::getpid() };
     if let Some(file) = f.as_ref()
-        && file.owner_pid == pid
+        && !file.fork.inherited()
     {
         remove_file_if_same(&file.path, file.dev, file.ino);
     }
@@ -372,7 +371,7 @@ extern "C" fn remove_socket_file_at_exit() {
 
 /// The server thread: accepts and answers one client at a time, until the listener breaks (then it
 /// removes its socket file, and the next export starts a new server).
-fn serve(listener: OwnedFd, our_uid: u32, pid: u32) {
+fn serve(listener: OwnedFd, our_uid: u32) {
     loop {
         match rustix::net::accept_with(&listener, SocketFlags::CLOEXEC) {
             Ok(conn) => {
@@ -392,7 +391,8 @@ fn serve(listener: OwnedFd, our_uid: u32, pid: u32) {
                 tracing::warn!("fd server: accept failed: {e}; the server stops");
                 let mut started = lock(&SERVER);
                 remove_own_socket_file();
-                if *started == Some(pid) {
+                // This process's record (the thread runs in the process that started it).
+                if started.is_some_and(|e| !e.inherited()) {
                     *started = None;
                 }
                 return;

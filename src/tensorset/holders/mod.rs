@@ -90,6 +90,7 @@ pub(crate) use writerless::Writerless;
 use super::error::{ManifestFault, TensorSetError};
 use super::segment::{self, HEADER_PAGE, HOLDERS_MAGIC, HOLDERS_PREFIX, HoldersHeader, INIT_WAIT};
 use crate::error::{Error, Result};
+use crate::identity::fork::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{self, VersionedHeader};
 use crate::shm::{Segment, ShmError};
@@ -213,6 +214,9 @@ pub(crate) struct HoldersSegment {
     entries: usize,
     buffers: usize,
     slot_len: usize,
+    /// The process (by fork) that mapped it: a forked child's copy releases no slot, clears no
+    /// reading word and unlinks nothing (`identity::fork`).
+    fork: ForkEpoch,
 }
 
 impl std::fmt::Debug for HoldersSegment {
@@ -303,6 +307,7 @@ impl HoldersSegment {
             entries,
             buffers,
             slot_len,
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -413,6 +418,7 @@ impl HoldersSegment {
             entries,
             buffers,
             slot_len,
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -609,8 +615,11 @@ impl HoldersSegment {
     /// withdrawn (the writer may not have seen it).
     ///
     /// # Errors
-    /// [`ShmError::Shrunk`] when the segment was cut short under this mapping (nothing stored).
+    /// [`ShmError::Shrunk`] when the segment was cut short under this mapping (nothing stored);
+    /// [`Error::ForkedChild`] in a process forked from the one that mapped it (the slot is the
+    /// parent's).
     pub(crate) fn set_reading(&self, claim: &SlotClaim, buffer: Option<usize>) -> Result<bool> {
+        self.fork.check("tensor set holder slot")?;
         self.seg.check_intact()?;
         let (head, _) = self.slot(claim.index);
         // SYNC POINT reading: SeqCst, pairs with the SeqCst fence in `reading_held` (a Dekker
@@ -739,6 +748,9 @@ impl HoldersSegment {
 
     /// Lets go of `claim`'s slot (FREE, next sequence); a slot taken over meanwhile is left alone.
     pub(crate) fn release(&self, claim: SlotClaim) {
+        if self.fork.inherited() {
+            return; // the parent's slot (`identity::fork`)
+        }
         if let Err(e) = self.seg.check_intact() {
             tracing::warn!("holder slot {} left as it is: {e}", claim.index);
             return;
@@ -855,6 +867,9 @@ impl HoldersSegment {
 
     /// Unlinks the name while it still stands for this segment.
     pub(crate) fn unlink(&self) {
+        if self.fork.inherited() {
+            return; // the parent's set (`identity::fork`)
+        }
         segment::unlink_own(&self.seg);
     }
 }

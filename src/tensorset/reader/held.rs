@@ -261,6 +261,9 @@ impl Held<'_> {
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
+        if self.reader.fork.inherited() {
+            return; // the parent's hold (`identity::fork`)
+        }
         let Some(frame) = self.frame.as_mut() else {
             // Writerless: its hold is the reading word of the reader's holder slot.
             if let Source::Writerless(w) = &self.reader.consumer {

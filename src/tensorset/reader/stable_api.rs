@@ -209,6 +209,9 @@ impl Held<'_> {
 
 impl Drop for TensorSetReader {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            return; // the parent's mappings and holds (`identity::fork`)
+        }
         if let Some(stable) = self.stable.take() {
             stable.close(&|b, h| self.release_detached(b, h));
         }

@@ -1,0 +1,141 @@
+"""A process forked from one that uses cuda_ipc (``os.fork``, ``multiprocessing``'s ``fork`` start
+method) inherits copies of its writers, readers, holds, producers and consumers. In the child,
+calls on them raise ``NotSupported``, and its exit (which collects them) changes nothing of the
+parent's: the set and the channel keep their names, the reader its hold, the consumer its slot.
+
+Each case runs in a fresh interpreter (``sys.executable``), whose child ends by a normal
+``SystemExit``, so that the interpreter's own finalization collects the inherited objects, as a
+user's child would. Run: ``pip install ./python && pytest python/tests``."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+ANSWER = 60.0
+
+TENSOR_SET = textwrap.dedent(
+    """
+    import os, sys, time, cuda_ipc
+    name = sys.argv[1]
+    w = cuda_ipc.TensorSetWriter(name, {"w": ((4,), "float32")}, memory="host")
+    with w.begin(timeout=5) as u:
+        u.write("w", bytes(range(16)))
+    r = cuda_ipc.TensorSetReader(name)
+    h = r.current()
+    assert h.generation == 1
+    pid = os.fork()
+    if pid == 0:
+        wrong = []
+        for what, call in [
+            ("current", lambda: r.current()),
+            ("wait_newer", lambda: r.wait_newer(1, timeout=0.01)),
+            ("begin", lambda: w.begin(timeout=0.01)),
+        ]:
+            try:
+                call()
+                wrong.append(what + ": no error")
+            except cuda_ipc.NotSupported as e:
+                if "forked" not in str(e):
+                    wrong.append(what + ": " + str(e))
+            except Exception as e:
+                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        own = cuda_ipc.TensorSetReader(name)
+        if own.current().generation != 1:
+            wrong.append("the child's own reader")
+        if wrong:
+            print("child:", wrong, flush=True)
+        # A normal exit: the interpreter collects w, r, h and own.
+        raise SystemExit(1 if wrong else 0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    # The parent's set stands, its reader still holds generation 1 (an in-place begin waits).
+    assert os.path.exists("/dev/shm/cuda-ipc.ts." + name), "the child removed the set"
+    try:
+        w.begin(timeout=0.2)
+        raise AssertionError("begin took the buffer a hold of the parent's reader holds")
+    except cuda_ipc.Timeout:
+        pass
+    h.release()
+    with w.begin(timeout=5) as u:
+        u.write("w", bytes(16))
+    assert r.wait_newer(1, timeout=5).generation == 2
+    w.close()
+    print("ok", flush=True)
+    """
+)
+
+CHANNEL = textwrap.dedent(
+    """
+    import os, sys, time, cuda_ipc
+    name = sys.argv[1]
+    tx = cuda_ipc.Producer(name, 4096, buffers=2, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    f = tx.acquire(timeout=5)
+    f.write(b"one")
+    f.publish()
+    held = rx.recv(timeout=5)
+    pid = os.fork()
+    if pid == 0:
+        wrong = []
+        for what, call in [
+            ("recv", lambda: rx.recv(timeout=0.01)),
+            ("acquire", lambda: tx.acquire(timeout=0.01)),
+        ]:
+            try:
+                call()
+                wrong.append(what + ": no error")
+            except cuda_ipc.NotSupported:
+                pass
+            except Exception as e:
+                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        if wrong:
+            print("child:", wrong, flush=True)
+        raise SystemExit(1 if wrong else 0)
+    started = time.monotonic()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    assert time.monotonic() - started < 3, "the child's exit waited for the parent's holds"
+    assert os.path.exists("/dev/shm/cuda-ipc.ch." + name), "the child removed the channel"
+    # The parent's consumer keeps its slot and its hold: one buffer is free, not two.
+    f = tx.acquire(timeout=5)
+    f.write(b"two")
+    f.publish(b"two")
+    try:
+        tx.acquire(timeout=0.2)
+        raise AssertionError("acquire took the buffer the parent's consumer holds")
+    except cuda_ipc.Timeout:
+        pass
+    held.release()
+    assert rx.recv(timeout=5).metadata == b"two"
+    tx.close()
+    print("ok", flush=True)
+    """
+)
+
+
+def run(script):
+    name = f"pytest-fork-{uuid.uuid4().hex[:12]}"
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", script, name],
+            capture_output=True,
+            text=True,
+            timeout=ANSWER,
+        )
+    finally:
+        for prefix in ("ts", "tg", "td", "th", "ch", "hp"):
+            try:
+                os.unlink(f"/dev/shm/cuda-ipc.{prefix}.{name}")
+            except FileNotFoundError:
+                pass
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), (p.stdout, p.stderr)
+
+
+def test_a_forked_child_neither_uses_nor_removes_its_parents_tensor_set():
+    run(TENSOR_SET)
+
+
+def test_a_forked_child_neither_uses_nor_removes_its_parents_channel():
+    run(CHANNEL)
