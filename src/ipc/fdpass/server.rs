@@ -92,6 +92,9 @@ pub struct FdExport {
     id: u32,
     /// Shared with the table; the server thread holds a clone only while sending it.
     fd: Arc<OwnedFd>,
+    /// The process (by fork) that offered it: a forked child's copy leaves the table alone (the
+    /// parent's server thread, which may have held its lock at the fork, does not run there).
+    fork: ForkEpoch,
 }
 
 impl FdExport {
@@ -118,7 +121,11 @@ impl FdExport {
         let fd = Arc::new(fd);
         lock(&TABLE).insert(id, Arc::clone(&fd));
         tracing::debug!(id, fd = fd.as_raw_fd(), "fd exported");
-        Ok(FdExport { id, fd })
+        Ok(FdExport {
+            id,
+            fd,
+            fork: ForkEpoch::now(),
+        })
     }
 
     /// The export's id: 1 for the first export of the process, then increasing; never reused within
@@ -174,6 +181,9 @@ impl std::fmt::Debug for FdExport {
 
 impl Drop for FdExport {
     fn drop(&mut self) {
+        if self.fork.inherited() {
+            return;
+        }
         // Withdraw first, so no request that arrives from now on is answered with this fd; our
         // `Arc` (and so the fd, unless the server thread is sending it right now) goes with `self`.
         lock(&TABLE).remove(&self.id);
