@@ -122,7 +122,7 @@ pub enum Error {
     /// (a channel's producer or consumer, a tensor set's writer, reader or hold, a registry, ...).
     /// The object stands for what the parent holds (a consumer slot, a hold, a segment's name, a
     /// CUDA context, which does not survive `fork`): the child makes its own (opens the channel or
-    /// set again). Its `Drop` in the child does nothing shared (`identity::fork`).
+    /// set again). Its `Drop` in the child does nothing shared ([`crate::identity::ForkEpoch`]).
     #[error(
         "this {what} was made before this process was forked: a forked child cannot use its \
          parent's {what}; open or create its own in the child"

@@ -40,7 +40,9 @@ fn forked(child: impl FnOnce() -> Vec<String>) -> Vec<String> {
     if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
         Vec::new()
     } else {
-        vec![format!("the child ended with status {status:#x} (its stderr says why)")]
+        vec![format!(
+            "the child ended with status {status:#x} (its stderr says why)"
+        )]
     }
 }
 
@@ -95,7 +97,11 @@ fn a_forked_child_makes_no_driver_call_and_leaves_the_parents_gpu_objects_alone(
     let wrong = forked(|| {
         let mut wrong = Vec::new();
         refused("the context's synchronize", ctx.synchronize(), &mut wrong);
-        refused("the held frame's stream", held.stream().map(|_| ()), &mut wrong);
+        refused(
+            "the held frame's stream",
+            held.stream().map(|_| ()),
+            &mut wrong,
+        );
         refused("try_recv", rx.try_recv().map(|_| ()), &mut wrong);
         refused(
             "acquire",

@@ -9,6 +9,7 @@ use crate::util::{
 use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedFrame;
 use cuda_ipc::channel::{ConsumerOptions, Delivery};
+use cuda_ipc::identity::ForkEpoch;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::VecDeque;
@@ -33,6 +34,9 @@ pub(crate) struct Consumer {
     receiving: Mutex<()>,
     /// The next `recv_async` job's number (what `_claim` is given).
     next_job: AtomicU64,
+    /// The process (by fork) that attached: a forked child's calls raise `NotSupported` before
+    /// taking `receiving`, which a thread of the parent may have held at the fork.
+    fork: ForkEpoch,
 }
 
 /// A frame a `recv_async` wait took for its coroutine.
@@ -47,6 +51,9 @@ impl Consumer {
     /// The Rust consumer, shared with the caller (it lives until the last user lets go), or
     /// `Detached` once closed.
     pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<cuda_ipc::channel::Consumer>> {
+        if self.fork.inherited() {
+            return Err(errors::forked("channel consumer"));
+        }
         lock(&self.inner).clone().ok_or_else(|| detached(py))
     }
 
@@ -207,6 +214,7 @@ impl Consumer {
             parked: Mutex::new(VecDeque::new()),
             receiving: Mutex::new(()),
             next_job: AtomicU64::new(0),
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -360,6 +368,9 @@ impl Consumer {
     /// thread blocked in `recv()` (or iterating) raises `Detached` within 50 ms; the slot is
     /// given back once it has. Never waits for that thread.
     fn close(&self, py: Python<'_>) {
+        if self.fork.inherited() {
+            return; // a forked child's copy: the parent's consumer stays attached
+        }
         let c = lock(&self.inner).take();
         // Parked frames are released with it (a coroutine still to claim one raises `Detached`).
         let parked = std::mem::take(&mut *lock(&self.parked));

@@ -520,6 +520,13 @@ fn content_mismatch(py: Python<'_>, e: &Error, msg: String) -> PyErr {
 /// own `close()`: the message names that object, not the writer, whose set may still be published.
 /// The same class as the writer's close, so that a loop stopping at `TensorSetClosed` stops for
 /// either.
+/// `NotSupported` for `what` (`"consumer"`) used in a process forked from the one that made it
+/// (`cuda_ipc::Error::ForkedChild`): raised before any lock a thread of the parent may have held
+/// at the fork is taken.
+pub(crate) fn forked(what: &'static str) -> PyErr {
+    NotSupported::new_err(Error::ForkedChild { what }.to_string())
+}
+
 pub(crate) fn closed_here(what: &str, name: &str) -> PyErr {
     TensorSetClosed::new_err(format!(
         "this {what} of tensor set {name:?} is closed (by its own close(), not by the writer)"

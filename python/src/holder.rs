@@ -4,6 +4,7 @@
 
 use crate::errors;
 use crate::util::{Seconds, err, lock, timeout_arg};
+use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::{Holder, HolderStatus};
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
@@ -36,11 +37,16 @@ fn status_word(s: HolderStatus) -> &'static str {
 pub(crate) struct TensorSetHolder {
     inner: Mutex<Option<Arc<Holder>>>,
     name: String,
+    /// The process (by fork) that made it: a forked child's calls raise `NotSupported`.
+    fork: ForkEpoch,
 }
 
 impl TensorSetHolder {
     /// The holder, or `TensorSetClosed` once `close()` was called.
     fn get(&self) -> PyResult<Arc<Holder>> {
+        if self.fork.inherited() {
+            return Err(errors::forked("tensor set holder"));
+        }
         lock(&self.inner)
             .clone()
             .ok_or_else(|| errors::closed_here("holder", &self.name))
@@ -64,6 +70,7 @@ impl TensorSetHolder {
         Ok(TensorSetHolder {
             inner: Mutex::new(Some(Arc::new(h))),
             name,
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -136,6 +143,9 @@ impl TensorSetHolder {
     /// process maps it or holds an fd of it. Afterwards `allocations`, `bytes` and `source_pid`
     /// raise `TensorSetClosed`, `status` and `wait` say `"released"`. Closing twice does nothing.
     fn close(&self) {
+        if self.fork.inherited() {
+            return; // a forked child's copy: the parent's holder stays
+        }
         lock(&self.inner).take();
     }
 
@@ -188,6 +198,7 @@ mod tests {
                 TensorSetHolder {
                     inner: Mutex::new(None),
                     name: "weights".to_string(),
+                    fork: ForkEpoch::now(),
                 },
             )
             .unwrap();

@@ -5,6 +5,7 @@
 
 use crate::errors;
 use crate::util::{SLICE, lock};
+use cuda_ipc::identity::ForkEpoch;
 use pyo3::prelude::*;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -21,6 +22,9 @@ pub(crate) struct Lender {
     pub(crate) name: String,
     /// The `stream=` option: every write frame's publish is ordered after it.
     pub(crate) stream: Option<usize>,
+    /// The process (by fork) that created the channel: a forked child's calls raise
+    /// `NotSupported` before taking `state`, which a thread of the parent may have held.
+    fork: ForkEpoch,
 }
 
 /// What [`Lender::state`] guards, in one lock so that a close and a hand-back are ordered.
@@ -51,11 +55,20 @@ impl Lender {
             back: Condvar::new(),
             name,
             stream,
+            fork: ForkEpoch::now(),
         }
+    }
+
+    /// Whether this is a forked child's copy of its parent's producer ([`ForkEpoch::inherited`]).
+    pub(crate) fn is_forked_copy(&self) -> bool {
+        self.fork.inherited()
     }
 
     /// Lends the Rust producer out (to an `acquire` of this thread when `acquiring`).
     pub(crate) fn take(&self, py: Python<'_>, acquiring: bool) -> PyResult<Box<RustProducer>> {
+        if self.fork.inherited() {
+            return Err(errors::forked("channel producer"));
+        }
         let mut s = lock(&self.state);
         if s.closed {
             return Err(self.closed_error());

@@ -282,6 +282,14 @@ impl Producer {
         let t = seconds_arg(py, "timeout", timeout, false)?;
         let me = std::thread::current().id();
         let l = &self.lender;
+        if l.is_forked_copy() {
+            // A forked child's copy (a `with` block left by the child's exit): the channel is the
+            // parent's, and stays open; nothing was waited for.
+            let d = PyDict::new(py);
+            d.set_item("forced_holds", 0u64)?;
+            d.set_item("consumers_behind", 0u64)?;
+            return Ok(d);
+        }
         let p = py.detach(|| {
             let mut s = lock(&l.state);
             if !s.closed {

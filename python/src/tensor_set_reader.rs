@@ -14,6 +14,7 @@ use crate::util::{
     Int, Seconds, Stop, device_arg, err, lock, sliced, timeout_arg, wait_arg, work_stream,
 };
 use cuda_ipc::driver::Device;
+use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::owned::OwnedHeld;
 use cuda_ipc::tensorset::{Location, ReaderOptions};
 use pyo3::prelude::*;
@@ -42,11 +43,16 @@ pub(crate) struct TensorSetReader {
     /// The tensors over the stable addresses (`stable_addresses=True`), built at the first
     /// `stable_tensors()` and the same objects until `close()`.
     stable: Mutex<Option<Py<PyDict>>>,
+    /// The process (by fork) that opened it: a forked child's calls raise `NotSupported`.
+    fork: ForkEpoch,
 }
 
 impl TensorSetReader {
     /// The reader, or `TensorSetClosed` once `close()` was called.
     fn get(&self) -> PyResult<Arc<RustReader>> {
+        if self.fork.inherited() {
+            return Err(errors::forked("tensor set reader"));
+        }
         lock(&self.inner).clone().ok_or_else(|| self.closed_error())
     }
 
@@ -175,6 +181,7 @@ impl TensorSetReader {
             dicts: Mutex::new((0..buffers).map(|_| None).collect()),
             names: PyOnceLock::new(),
             stable: Mutex::new(None),
+            fork: ForkEpoch::now(),
         })
     }
 
@@ -447,6 +454,9 @@ impl TensorSetReader {
     /// call but `name` and `close` raises `TensorSetClosed`; a wait in another thread raises it
     /// within 50 ms. Holds taken before stay readable until released. Closing twice does nothing.
     fn close(&self) {
+        if self.fork.inherited() {
+            return; // a forked child's copy: the parent's reader stays open
+        }
         // `inner` first: `stable_tensors()` and `TensorHold.tensors()` store their dicts only
         // while it is there, looked at under the lock of the slot cleared here after it.
         lock(&self.inner).take();

@@ -464,6 +464,9 @@ impl TensorSetWriter {
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
         let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;
+        if self.core.fork.inherited() {
+            return Ok(()); // a forked child's copy: the parent's set stays open
+        }
         lock(&self.core.dicts).clear();
         let me = std::thread::current().id();
         // Without the GIL: the wait below is for a `begin` that needs it to stop.

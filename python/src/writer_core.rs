@@ -7,6 +7,7 @@ use crate::sources;
 use crate::tensors;
 use crate::util::{err, lock};
 use cuda_ipc::channel::MemoryKind;
+use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::Layout;
 use cuda_ipc::tensorset::owned::OwnedUpdate;
 use pyo3::prelude::*;
@@ -64,6 +65,9 @@ pub(crate) struct WriterCore {
     /// Each buffer's dict of writable tensors, built at its first `TensorUpdate.tensors()`;
     /// dropped at `close()`.
     pub(crate) dicts: Mutex<HashMap<usize, Py<PyDict>>>,
+    /// The process (by fork) that made the writer: a forked child's calls raise `NotSupported`
+    /// before taking `state`, which a thread of the parent may have held at the fork.
+    pub(crate) fork: ForkEpoch,
 }
 
 /// `TensorSetClosed` for set `name`.
@@ -94,6 +98,7 @@ impl WriterCore {
             names: PyOnceLock::new(),
             index: PyOnceLock::new(),
             dicts: Mutex::new(HashMap::new()),
+            fork: ForkEpoch::now(),
         }
     }
 
@@ -114,6 +119,9 @@ impl WriterCore {
 
     /// Takes the Rust writer out for a `begin` of this thread.
     pub(crate) fn take(&self, py: Python<'_>) -> PyResult<Box<RustWriter>> {
+        if self.fork.inherited() {
+            return Err(errors::forked("tensor set writer"));
+        }
         let mut s = lock(&self.state);
         if s.closing.is_some() {
             return Err(closed_error(py, &self.name));

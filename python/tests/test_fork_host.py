@@ -114,6 +114,70 @@ CHANNEL = textwrap.dedent(
     """
 )
 
+# Threads of the parent blocked inside calls (a receive, an in-place begin waiting for a hold)
+# hold the binding's locks at the fork; the child's calls must not wait for them: they raise at
+# once, and leaving the `with` blocks (close) is a no-op for the child's copies.
+THREADS = textwrap.dedent(
+    """
+    import os, sys, threading, time, cuda_ipc
+    name = sys.argv[1]
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host") as tx, \\
+            cuda_ipc.Consumer(name) as rx, \\
+            cuda_ipc.TensorSetWriter(name, {"w": ((4,), "float32")}, memory="host") as w:
+        with w.begin(timeout=5) as u:
+            u.write("w", bytes(16))
+        r = cuda_ipc.TensorSetReader(name)
+        h = r.current()
+        got, began = [], []
+        t1 = threading.Thread(target=lambda: got.append(rx.recv(timeout=10)), daemon=True)
+        t2 = threading.Thread(target=lambda: began.append(w.begin(timeout=10)), daemon=True)
+        t1.start(); t2.start()
+        time.sleep(0.3)  # both inside their waits
+        pid = os.fork()
+        if pid == 0:
+            wrong = []
+            started = time.monotonic()
+            for what, call in [
+                ("recv", lambda: rx.recv(timeout=0.01)),
+                ("try_recv", lambda: rx.try_recv()),
+                ("begin", lambda: w.begin(timeout=0.01)),
+                ("acquire", lambda: tx.acquire(timeout=0.01)),
+                ("current", lambda: r.current()),
+            ]:
+                try:
+                    call()
+                    wrong.append(what + ": no error")
+                except cuda_ipc.NotSupported:
+                    pass
+                except Exception as e:
+                    wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+            if time.monotonic() - started > 2:
+                wrong.append("the calls waited")
+            if wrong:
+                print("child:", wrong, flush=True)
+            # Leaves the `with` blocks (closes that do nothing here), then the interpreter's end.
+            sys.exit(1 if wrong else 0)
+        started = time.monotonic()
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+        assert time.monotonic() - started < 3, "the child's exit waited"
+        # The parent's blocked calls complete as they would have.
+        f = tx.acquire(timeout=5)
+        f.write(b"x")
+        f.publish()
+        t1.join(10)
+        assert got and got[0].seq == 1, got
+        got[0].release()
+        h.release()
+        t2.join(10)
+        assert began, "the parent's begin did not get its buffer"
+        began[0].commit()
+        assert r.wait_newer(1, timeout=5).generation == 2
+        r.close()
+    print("ok", flush=True)
+    """
+)
+
 
 def run(script):
     name = f"pytest-fork-{uuid.uuid4().hex[:12]}"
@@ -139,3 +203,7 @@ def test_a_forked_child_neither_uses_nor_removes_its_parents_tensor_set():
 
 def test_a_forked_child_neither_uses_nor_removes_its_parents_channel():
     run(CHANNEL)
+
+
+def test_a_forked_child_waits_for_no_lock_its_parents_threads_held():
+    run(THREADS)

@@ -20,7 +20,7 @@ use super::layout::{
     SEGMENT_PREFIX, STAMP_READY, VERSION, buffer_offset, consumer_offset, segment_len,
 };
 use crate::error::{Error, Result};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{
     self, Blocker, Creation, Creator, HeaderError, OpenError, StampWord, VersionedHeader,

@@ -10,7 +10,7 @@
 //!   consumer's stream will never write, drains within about 20 ms of the death.
 
 use super::options::LIVENESS_CHECK;
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use std::sync::{Arc, Condvar, Mutex};
 
 /// The running thread; dropping it stops the thread and joins it.

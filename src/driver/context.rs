@@ -1,7 +1,7 @@
 use super::Device;
 use crate::error::{Error, Result};
 use crate::ffi::{check, sys};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 

@@ -43,13 +43,25 @@ fn count_forks() {
     });
 }
 
-/// The process (by fork) that made an object: see the module docs.
+/// The process (by `fork`) that made an object: taken when the object is made
+/// ([`ForkEpoch::now`]), it tells a forked child's copy ([`ForkEpoch::inherited`]) from an object
+/// the child made itself. The crate's own objects keep one each; bindings keep one beside their
+/// locks, to refuse a forked child's call before taking a lock a thread of the parent may have
+/// held at the fork (that thread does not run in the child).
+///
+/// ```
+/// use cuda_ipc::identity::ForkEpoch;
+/// let made = ForkEpoch::now();
+/// assert!(!made.inherited()); // this process made it
+/// assert!(made.check("thing").is_ok());
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ForkEpoch(u64);
+pub struct ForkEpoch(u64);
 
 impl ForkEpoch {
-    /// This process, for an object made now.
-    pub(crate) fn now() -> ForkEpoch {
+    /// This process, for an object made now (one relaxed atomic load; the first call registers
+    /// the `pthread_atfork` handler that counts forks).
+    pub fn now() -> ForkEpoch {
         count_forks();
         ForkEpoch(FORKS.load(Ordering::Relaxed))
     }
@@ -57,13 +69,16 @@ impl ForkEpoch {
     /// Whether the object was made by a process this one was forked from: then its `Drop` must
     /// do nothing shared (no detach, release, unlink, join of a thread the child does not have,
     /// nor any CUDA call) and its operations refuse ([`ForkEpoch::check`]).
-    pub(crate) fn inherited(self) -> bool {
+    pub fn inherited(self) -> bool {
         FORKS.load(Ordering::Relaxed) != self.0
     }
 
-    /// `Ok` in the process that made the object, else [`crate::Error::ForkedChild`] naming
-    /// `what` (`"channel consumer"`).
-    pub(crate) fn check(self, what: &'static str) -> crate::Result<()> {
+    /// `Ok` in the process that made the object.
+    ///
+    /// # Errors
+    /// [`crate::Error::ForkedChild`] naming `what` (`"channel consumer"`) in a process forked
+    /// from the one that made it.
+    pub fn check(self, what: &'static str) -> crate::Result<()> {
         if self.inherited() {
             return Err(crate::Error::ForkedChild { what });
         }

@@ -52,7 +52,7 @@
 //! [`crate::raw::identity`].
 
 pub(crate) mod files;
-pub(crate) mod fork;
+mod fork;
 pub(crate) mod lock;
 mod proc;
 
@@ -61,6 +61,7 @@ pub use files::{
     LIVENESS_FILE_GRACE, LivenessFile, remove_stale_liveness_file, stale_liveness_files,
     young_free_liveness_files,
 };
+pub use fork::ForkEpoch;
 pub use proc::own_pid_ns;
 pub(crate) use proc::start_time_of;
 pub(crate) use proc::{boot_id, parse_uuid_text, proc_has_pid};

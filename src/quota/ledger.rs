@@ -9,8 +9,8 @@ use super::segment::{Creation, Inner, judge_blocker, judge_creation, open_error}
 use super::snapshot::{Holder, LedgerSnapshot};
 use crate::driver::Uuid;
 use crate::error::{Error, Result};
+use crate::identity::ForkEpoch;
 use crate::identity::ProcessIdentity;
-use crate::identity::fork::ForkEpoch;
 use crate::shm::versioned;
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::Ordering;

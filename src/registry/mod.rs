@@ -46,7 +46,7 @@ pub use reclaim::{ReclaimReport, Reclaimed};
 pub use remove::remove_abandoned;
 
 use crate::error::{Error, Result};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::Segment;
 use crate::sync::Ordering;

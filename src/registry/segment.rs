@@ -449,7 +449,7 @@ impl Registry {
             file_id,
             generation,
             freed_on_join: Vec::new(),
-            fork: crate::identity::fork::ForkEpoch::now(),
+            fork: crate::identity::ForkEpoch::now(),
         })
     }
 }

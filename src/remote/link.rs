@@ -6,7 +6,7 @@
 use super::wire::{self, Msg, Sealer, Session};
 use super::{LaneOptions, RemoteError};
 use crate::error::{Error, Result};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;

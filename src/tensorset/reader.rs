@@ -10,7 +10,7 @@ use super::{ReaderOptions, content, decode_meta};
 use crate::channel::{ChannelError, Consumer, FrameHold};
 use crate::driver::{Context, Device, Stream};
 use crate::error::{Error, Result};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::ipc::ImportedBuffer;
 use crate::shm::Segment;

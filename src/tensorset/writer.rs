@@ -15,7 +15,7 @@ use crate::channel::{
 };
 use crate::driver::{Context, DeviceMemory, Stream, Uuid};
 use crate::error::{Error, Result};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use crate::ipc::VmmBuffer;
 use crate::quota::Reservation;
 use crate::shm::Segment;

@@ -19,8 +19,8 @@ use super::wire::{
     REQUEST_REFUSED, decode_request, encode_reply,
 };
 use crate::error::{Error, OsError, Result};
+use crate::identity::ForkEpoch;
 use crate::identity::ProcessIdentity;
-use crate::identity::fork::ForkEpoch;
 use rustix::io::Errno;
 use rustix::net::sockopt::{self, Timeout};
 use rustix::net::{

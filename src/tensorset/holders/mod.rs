@@ -90,7 +90,7 @@ pub(crate) use writerless::Writerless;
 use super::error::{ManifestFault, TensorSetError};
 use super::segment::{self, HEADER_PAGE, HOLDERS_MAGIC, HOLDERS_PREFIX, HoldersHeader, INIT_WAIT};
 use crate::error::{Error, Result};
-use crate::identity::fork::ForkEpoch;
+use crate::identity::ForkEpoch;
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::versioned::{self, VersionedHeader};
 use crate::shm::{Segment, ShmError};

@@ -254,7 +254,7 @@ impl TensorSetWriter {
             fingerprinter: std::sync::OnceLock::new(),
             copier: std::sync::OnceLock::new(),
             closing: false,
-            fork: crate::identity::fork::ForkEpoch::now(),
+            fork: crate::identity::ForkEpoch::now(),
         }))
     }
 }
