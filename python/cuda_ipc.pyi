@@ -679,8 +679,11 @@ class TensorSetWriter:
         and ready words (at once for a host set). ``TensorSetClosed`` once closed;
         ``InvalidArgument`` while an update of a GPU set is open."""
     def close(self, timeout: float = ...) -> None:
-        """Closes the set, waiting up to ``timeout`` seconds (default 5) for the readers' holds;
-        an open update is aborted. The wait runs in 50 ms slices without the GIL: Ctrl-C raises
+        """Closes the set. From its start no hold is granted: readers' ``current()``,
+        ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers
+        that ask again and again; then it waits up to ``timeout`` seconds (default 5) only for
+        the holds taken before, returning as soon as they end (holds left at the timeout are
+        forced); an open update is aborted. The wait runs in 50 ms slices without the GIL: Ctrl-C raises
         ``KeyboardInterrupt`` within one, leaving the set closed (names gone, ``begin`` refused)
         but its memory not yet freed (call ``close()`` again to finish). Safe from any thread: a
         ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50 ms and this

@@ -621,3 +621,82 @@ fn close_waits_for_every_frame_consumers_to_receive_and_counts_those_behind() {
     let r = tx.close(ANSWER).unwrap();
     assert_eq!((r.forced_holds, r.consumers_behind), (0, 0));
 }
+
+#[test]
+fn close_against_consumers_that_take_without_pause_ends_once_each_took_what_was_published() {
+    // Four consumers (two every-frame, two latest-only), each in a thread that receives without
+    // pause and holds every frame 20 ms: some hold is nearly always there. A channel's close lets
+    // consumers receive what was published before `Closed`, and a frame is taken once per
+    // consumer (its cursor moves past it), so the holds granted during the close are bounded by
+    // the frames not yet received, never renewed: the close returns once those end, far below
+    // its timeout, forcing nothing. (A tensor set's generation channel, whose readers take the
+    // newest frame again and again, withdraws its frames at the close's start instead:
+    // tests/tensorset_host.rs.)
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("closetaking");
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    let consumers: Vec<Consumer> = [
+        Delivery::EveryFrame,
+        Delivery::EveryFrame,
+        Delivery::LatestOnly,
+        Delivery::LatestOnly,
+    ]
+    .into_iter()
+    .map(|d| Consumer::attach(&ch, &ConsumerOptions::new().delivery(d)).unwrap())
+    .collect();
+    let timeout = Duration::from_secs(6);
+    let last = 12;
+    let (took, report, seen) = std::thread::scope(|s| {
+        let threads: Vec<_> = consumers
+            .iter()
+            .map(|rx| {
+                s.spawn(move || {
+                    let mut seqs = Vec::new();
+                    let start = Instant::now();
+                    while start.elapsed() < ANSWER {
+                        match rx.recv_timeout(Duration::from_millis(200)) {
+                            Ok(f) => {
+                                check_frame(&f);
+                                seqs.push(f.seq());
+                                std::thread::sleep(Duration::from_millis(20));
+                                check_frame(&f);
+                            }
+                            Err(Error::Timeout { .. }) => {}
+                            Err(Error::Channel(ChannelError::Closed)) => return (seqs, true),
+                            Err(e) => panic!("receive: {e}"),
+                        }
+                    }
+                    (seqs, false)
+                })
+            })
+            .collect();
+        for _ in 0..last {
+            write_frame(&mut tx);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let t = Instant::now();
+        let report = tx.close(timeout).unwrap();
+        let took = t.elapsed();
+        let seen: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        (took, report, seen)
+    });
+    assert_eq!((report.forced_holds, report.consumers_behind), (0, 0));
+    assert!(
+        took < Duration::from_secs(2),
+        "close took {took:?} (timeout {timeout:?}) against holds of 20 ms"
+    );
+    for (k, (seqs, closed)) in seen.iter().enumerate() {
+        assert!(closed, "consumer {k} did not end with Closed");
+        assert!(
+            seqs.windows(2).all(|w| w[0] < w[1]),
+            "consumer {k} took a frame twice: {seqs:?}"
+        );
+        if k < 2 {
+            assert_eq!(*seqs, (1..=last).collect::<Vec<_>>(), "consumer {k}");
+        } else {
+            assert_eq!(seqs.last(), Some(&last), "consumer {k}: {seqs:?}");
+        }
+    }
+}

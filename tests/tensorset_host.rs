@@ -1338,3 +1338,124 @@ fn in_place_readers_whose_holds_overlap_without_pause_do_not_starve_the_writer()
     drop(readers);
     w.close(ANSWER).unwrap();
 }
+
+/// What one reading thread of `close_grants_no_hold_and_waits_only_for_the_holds_before_it`
+/// saw: holds granted, those whose take began with the set's names already gone, and the error
+/// its loop ended with.
+struct Reading {
+    holds: u64,
+    after_close: u64,
+    ended: Option<Error>,
+}
+
+fn close_grants_no_hold_and_waits_only_for_the_holds_before_it(mode: &str) {
+    // Two readers, each shared by two threads whose 20 ms holds overlap: some hold is always
+    // there. The close's first visible step removes the names; a take that begins once the
+    // manifest is gone must not be granted, and the close returns as soon as the holds taken
+    // before it end, far below its timeout.
+    let name = set_name(&format!("close-{mode}"));
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+    write_gen(&mut w);
+    write_gen(&mut w);
+    let n = w.layout().tensors().len();
+    let manifest = path("cuda-ipc.ts.", &name);
+    let readers: Vec<TensorSetReader> = (0..2)
+        .map(|_| TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap())
+        .collect();
+    let timeout = Duration::from_secs(6);
+    let (took, readings) = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..4)
+            .map(|k| {
+                let (r, manifest) = (&readers[k % 2], &manifest);
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(5 * k as u64));
+                    let mut seen = Reading {
+                        holds: 0,
+                        after_close: 0,
+                        ended: None,
+                    };
+                    let start = Instant::now();
+                    while start.elapsed() < ANSWER {
+                        let closing = std::fs::symlink_metadata(manifest).is_err();
+                        // `current` and `wait_newer` in turns: both take a hold.
+                        let got = if seen.holds.is_multiple_of(2) {
+                            r.current()
+                        } else {
+                            r.wait_newer(0, Some(Duration::ZERO)).map(Some)
+                        };
+                        let held = match got {
+                            Ok(Some(h)) => h,
+                            Ok(None) | Err(Error::Timeout { .. }) => {
+                                std::thread::sleep(Duration::from_millis(1));
+                                continue;
+                            }
+                            Err(e) => {
+                                seen.ended = Some(e);
+                                break;
+                            }
+                        };
+                        seen.holds += 1;
+                        seen.after_close += u64::from(closing);
+                        check_gen(&held, n);
+                        std::thread::sleep(Duration::from_millis(20));
+                        check_gen(&held, n);
+                    }
+                    seen
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(150));
+        let t = Instant::now();
+        w.close(timeout).unwrap();
+        let took = t.elapsed();
+        let readings: Vec<Reading> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        (took, readings)
+    });
+    for (k, r) in readings.iter().enumerate() {
+        assert!(r.holds > 0, "thread {k} took no hold before the close");
+        assert_eq!(
+            r.after_close, 0,
+            "thread {k} was granted {} holds after the close began",
+            r.after_close
+        );
+        assert!(
+            matches!(
+                r.ended,
+                Some(Error::TensorSet(TensorSetError::Closed(ref s))) if *s == name
+            ),
+            "thread {k} ended with {:?}",
+            r.ended
+        );
+    }
+    assert!(
+        took < Duration::from_secs(2),
+        "close took {took:?} (timeout {timeout:?}) against holds of 20 ms"
+    );
+    // After the close every take says so.
+    for r in &readers {
+        assert!(matches!(
+            r.current(),
+            Err(Error::TensorSet(TensorSetError::Closed(_)))
+        ));
+        assert!(matches!(
+            r.wait_newer(0, Some(Duration::from_millis(50))),
+            Err(Error::TensorSet(TensorSetError::Closed(_)))
+        ));
+    }
+}
+
+#[test]
+fn in_place_close_grants_no_new_hold_and_waits_only_for_the_holds_before_it() {
+    if role().is_some() {
+        return;
+    }
+    close_grants_no_hold_and_waits_only_for_the_holds_before_it("inplace");
+}
+
+#[test]
+fn buffered_close_grants_no_new_hold_and_waits_only_for_the_holds_before_it() {
+    if role().is_some() {
+        return;
+    }
+    close_grants_no_hold_and_waits_only_for_the_holds_before_it("buffered");
+}

@@ -446,9 +446,11 @@ impl TensorSetWriter {
         }
     }
 
-    /// Closes the set: its names go (no new reader opens it), waiting readers get
-    /// `TensorSetClosed`, and the memory is freed after up to `timeout` seconds for readers'
-    /// holds. Closing twice does nothing.
+    /// Closes the set: from its start no hold is granted (readers' `current()`, `wait_newer()`
+    /// and `wait_newer_async()` raise `TensorSetClosed`, also in readers that ask again and
+    /// again), its names go (no new reader opens it), and the memory is freed once the holds
+    /// taken before have ended (it returns as soon as they do), or after `timeout` seconds, when
+    /// the holds left are forced. Closing twice does nothing.
     ///
     /// The wait for holds runs without the GIL in 50 ms slices, checking for signals between
     /// them: Ctrl-C raises `KeyboardInterrupt` within a slice. The set is then closed (its names

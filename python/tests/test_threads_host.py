@@ -1,7 +1,8 @@
 """Host-memory tensor sets and channels from many threads of one process, with hostile timing, no
 GPU: 12 threads sharing one `TensorSetReader` while a writer thread publishes as fast as it can
 (no torn generation, every hold let go); a reader closed under threads that wait and read; a
-writer closed while another thread waits in `begin`, loops over updates, or has an update open;
+writer closed while another thread waits in `begin`, loops over updates, or has an update open,
+or while reader threads keep taking holds (no hold granted from the close's start);
 several threads receiving from one `Consumer` and publishing through one `Producer` (each frame
 taken once, with its bytes); `close()` waking every thread blocked on a consumer or a producer;
 awaitable waits cancelled while another thread closes their object; and blocking waits that leave
@@ -559,6 +560,75 @@ def test_closing_the_writer_wakes_a_begin_waiting_in_another_thread(name, mode):
     for h in holds:
         check(h)
         h.release()
+    r.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_grants_no_hold_from_its_start_and_waits_only_for_the_holds_before_it(name, mode):
+    """Reader threads take holds of 20 ms that overlap, so that some hold is nearly always there:
+    two by `current()`, one by `wait_newer(0)`, one by an awaited `wait_newer_async(0)`. Then
+    `close(timeout=3)`: from its start no hold is granted (none to a take begun once the set's
+    names were gone), every thread ends at `TensorSetClosed`, and the close returns once the holds
+    taken before it end, far below its timeout. (Before, `current()` and `wait_newer(0)` kept
+    returning the newest generation while `close()` waited, and the close ran its whole 3 s and
+    then forced about 300 holds: on a GPU set, memory freed under the readers.)"""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **mode)
+    for _ in range(2):
+        with w.begin(timeout=ANSWER) as u:
+            write(u)
+    r = cuda_ipc.TensorSetReader(name)
+    manifest = SHM / f"cuda-ipc.ts.{name}"
+    hows = ["current", "current", "wait_newer", "wait_newer_async"]
+    seen = [{"holds": 0, "after_close": 0, "end": None} for _ in hows]
+
+    def take(how):
+        if how == "current":
+            return r.current()
+        if how == "wait_newer":
+            return r.wait_newer(0, timeout=0.05)
+        return asyncio.run(r.wait_newer_async(0, timeout=0.05))
+
+    def reader(i):
+        time.sleep(0.005 * i)
+        mine = seen[i]
+        try:
+            deadline = time.monotonic() + ANSWER
+            while time.monotonic() < deadline:
+                closing = not manifest.exists()
+                try:
+                    h = take(hows[i])
+                except cuda_ipc.Timeout:
+                    continue
+                if h is None:
+                    time.sleep(0.001)
+                    continue
+                with h:
+                    mine["holds"] += 1
+                    mine["after_close"] += closing
+                    check(h)
+                    time.sleep(0.02)
+                    check(h)
+            mine["end"] = "still taking"
+        except cuda_ipc.TensorSetClosed:
+            mine["end"] = "closed"
+        except BaseException as e:  # noqa: BLE001 - the test looks at what it is
+            mine["end"] = repr(e)
+
+    threads = [run(reader, i) for i in range(len(hows))]
+    time.sleep(0.2)
+    t = time.monotonic()
+    w.close(timeout=3.0)
+    took = time.monotonic() - t
+    join(threads)
+    for how, s in zip(hows, seen):
+        assert s["end"] == "closed", (how, s)
+        assert s["holds"] > 0, (how, s)
+        assert s["after_close"] == 0, f"{how}: {s['after_close']} holds granted after close began"
+    assert took < 1.5, f"close took {took:.2f} s (timeout 3 s) against holds of 20 ms"
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        r.current()
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        r.wait_newer(0, timeout=0.05)
     r.close()
 
 

@@ -506,18 +506,57 @@ impl Control {
         if self.inherited() {
             return; // the parent's channel (`identity::fork`)
         }
+        self.mark_closed();
+        self.header().publish_wake().bump();
+    }
+
+    fn mark_closed(&self) {
         // SYNC POINT: closed. Release: pairs with `is_closed`'s Acquire.
         self.header()
             .producer_state
             .store(CLOSED, Ordering::Release);
+    }
+
+    /// Marks the channel closed and withdraws every frame at once, leaving the holds there
+    /// (a tensor set's generation channel: its consumers take the newest frame again and again,
+    /// [`Control::try_take_newer`], so they never run out of frames, and a close that let them
+    /// take would wait for holds that never stop coming). Every buffer's `seq` := [`WRITING`]
+    /// for good ([`HoldWords::withdraw_frame`]: the Dekker pair of the hold, SYNC POINT hold), so
+    /// no hold is granted from here on (a consumer sees WRITING, then the channel closed:
+    /// [`ChannelError::Closed`](super::ChannelError::Closed)), and every hold granted before is
+    /// in `hold_mask` for the loads that follow ([`Control::wait_released`]), where they only
+    /// end. A reservation is forgotten, not given back.
+    /// Wakes every consumer. Returns the frame each buffer held (its reservation's, where
+    /// reserved): the release words a GPU close waits for.
+    ///
+    /// [`HoldWords::withdraw_frame`]: super::hold::HoldWords::withdraw_frame
+    pub(crate) fn close_withdrawing(&self) -> Vec<u64> {
+        let reserved = self.forget_reservation();
+        // Closed first: a consumer that sees a withdrawn buffer (Acquire or SeqCst on `seq`, after
+        // the store below) sees the channel closed (SYNC POINT: closed), so its one more look
+        // ends in `Closed` at once.
+        self.mark_closed();
+        let frames = (0..self.buffers)
+            .map(|i| {
+                let was = self.buffer(i).words().withdraw_frame();
+                match reserved {
+                    Some((r, seq)) if r == i => seq,
+                    _ => was,
+                }
+            })
+            .collect();
         self.header().publish_wake().bump();
+        frames
     }
 
     /// Holds outstanding now, over all buffers.
     pub(crate) fn outstanding_holds(&self) -> u32 {
         (0..self.buffers)
             .map(|i| {
-                // SYNC POINT: release. Acquire: pairs with the consumers' clears in `release`.
+                // SYNC POINT: release, hold. Acquire: pairs with the consumers' clears in
+                // `release`. After `close_withdrawing`'s SeqCst fence this is the load half of the
+                // producer's side of the Dekker pair: a hold that did not see the withdrawal is
+                // seen here (any ordering would do after the fence).
                 self.buffer(i)
                     .hold_mask
                     .load(Ordering::Acquire)
@@ -529,14 +568,26 @@ impl Control {
     /// Waits up to `timeout` until every every-frame consumer received every published frame and
     /// no consumer holds a buffer; returns whether that is so.
     pub(crate) fn wait_drained(&self, timeout: Duration) -> bool {
+        self.wait_settled(timeout, true)
+    }
+
+    /// Waits up to `timeout` until no consumer holds a buffer (after
+    /// [`Control::close_withdrawing`]: no frame is left to receive, and the holds only end);
+    /// returns whether that is so.
+    pub(crate) fn wait_released(&self, timeout: Duration) -> bool {
+        self.wait_settled(timeout, false)
+    }
+
+    /// The wait of [`Control::wait_drained`] (`cursors`) and [`Control::wait_released`].
+    fn wait_settled(&self, timeout: Duration, cursors: bool) -> bool {
         let h = self.header();
         wait_until(
             h.release_wake(),
             WaitStrategy::Block,
             Some(timeout),
             || {
-                let done =
-                    self.outstanding_holds() == 0 && self.min_lossless_cursor() >= self.head();
+                let done = self.outstanding_holds() == 0
+                    && (!cursors || self.min_lossless_cursor() >= self.head());
                 Ok(done.then_some(()))
             },
             || {
@@ -547,12 +598,18 @@ impl Control {
         .is_ok_and(|done| done.is_some())
     }
 
-    /// Waits as [`Control::wait_drained`]; then withdraws every buffer (no consumer can take a
-    /// frame after this) and forces the holds left. Returns the number of holds forced and the
-    /// every-frame consumers that had not received every published frame by then.
+    /// Waits as [`Control::wait_drained`]; then withdraws every buffer and forces the holds
+    /// left ([`Control::withdraw_all`]).
     pub(crate) fn drain(&self, timeout: Duration) -> (u64, u64) {
-        let h = self.header();
         self.wait_drained(timeout);
+        self.withdraw_all()
+    }
+
+    /// Withdraws every buffer (no consumer can take a frame after this) and forces the holds
+    /// left. Returns the number of holds forced and the every-frame consumers that had not
+    /// received every published frame.
+    pub(crate) fn withdraw_all(&self) -> (u64, u64) {
+        let h = self.header();
         let behind = self.lossless_behind();
         let mut forced = 0;
         for i in 0..self.buffers {

@@ -162,6 +162,22 @@ impl HoldWords<'_> {
         self.seq.store(seq, Ordering::Release);
     }
 
+    /// Withdraws the frame at the start of a close that turns every later hold away (a tensor
+    /// set's generation channel, `Control::close_withdrawing`): `seq` := [`WRITING`] for good,
+    /// the holds there left as they are. Returns the `seq` it replaced ([`WRITING`] when the
+    /// buffer was claimed or reserved already). A consumer whose hold comes after this sees
+    /// WRITING and backs off; one before is seen in `hold_mask` by every load the producer makes
+    /// after this (the Dekker pair), so a close that waits for `hold_mask` to clear waits exactly
+    /// for the holds taken before it, which only end from then on.
+    pub(crate) fn withdraw_frame(&self) -> u64 {
+        // SYNC POINT: hold. SeqCst, then a SeqCst fence: the producer half of the Dekker pair with
+        // `hold`, as in `claim`; the caller's later loads of `hold_mask` are the other half's
+        // loads (`Control::outstanding_holds`).
+        let was = self.seq.swap(WRITING, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        was
+    }
+
     /// Withdraws the buffer at close (`seq` := [`WRITING`] for good) and clears every hold;
     /// returns how many holds there were. A consumer whose hold comes after this sees WRITING and
     /// backs off; one before is counted.
@@ -378,6 +394,45 @@ mod loom_model {
             let took = consumer.join().unwrap();
             assert!(matches!(took, None | Some(1)));
             assert_eq!(b.seq.load(Ordering::Relaxed), 1);
+            assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
+        });
+    }
+
+    #[test]
+    fn loom_channel_a_close_turns_later_holds_away_and_waits_for_the_earlier() {
+        builder().check(|| {
+            let b = Buf::published();
+            let begun = Arc::new(AtomicU64::new(0));
+            // A consumer that takes the same frame again and again (a tensor-set reader's
+            // `current()`), one take before and one after it may have seen the close begin.
+            let (c, seen) = (b.clone(), begun.clone());
+            let consumer = loom::thread::spawn(move || {
+                let first = take(&c, 1);
+                // Acquire: pairs with the Release store below, which stands for what the close
+                // does after the withdrawal (a tensor set's names unlinked): a consumer that sees
+                // it must be turned away.
+                let closing = seen.load(Ordering::Acquire) == 1;
+                let second = take(&c, 1);
+                assert!(
+                    !(closing && second.is_some()),
+                    "a hold was granted after the close began"
+                );
+                first
+            });
+            // The close: withdraw the frame, say so, wait for the holds there (the loads of
+            // `wait_drained`), then free the buffer (its bytes rewritten): loom fails the model on
+            // a read of a hold the wait did not see.
+            let was = b.words().withdraw_frame();
+            assert_eq!(was, 1);
+            begun.store(1, Ordering::Release);
+            while b.hold_mask.load(Ordering::Acquire) != 0 {
+                loom::thread::yield_now();
+            }
+            // SAFETY: loom checks this write against every read of the model.
+            b.data.with_mut(|p| unsafe { *p = 0 });
+            let first = consumer.join().unwrap();
+            assert!(matches!(first, None | Some(1)));
+            assert_eq!(b.seq.load(Ordering::Relaxed), WRITING);
             assert_eq!(b.hold_mask.load(Ordering::Relaxed), 0);
         });
     }

@@ -56,6 +56,15 @@ pub struct Producer {
     wait: WaitStrategy,
     memory: MemoryKind,
     closed: bool,
+    /// Whether a close withdraws every frame as it begins ([`Control::close_withdrawing`]): a
+    /// memoryless channel's (a tensor set's generations), whose consumers take the newest frame
+    /// again and again, so that a close that let them take would run to its timeout; no hold is
+    /// granted once its close began, and it waits only for the holds taken before. Otherwise a
+    /// close lets consumers receive what was published and withdraws the frames after its wait.
+    withdraws_at_close: bool,
+    /// The frame each buffer held when [`Producer::close_to_consumers`] withdrew them (the
+    /// release words a GPU close waits for); `None` before.
+    withdrawn: Option<Vec<u64>>,
     /// Whether frames were handed out for stream-ordered writing ([`Producer::acquire`]) since
     /// the stream was last synchronised: [`Producer::lend`] synchronises it first, so that
     /// nothing the stream still has to do (a ready word's write, a user's kernel on an abandoned
@@ -192,6 +201,8 @@ impl Producer {
             wait: opts.wait,
             memory: MemoryKind::Host,
             closed: false,
+            withdraws_at_close: false,
+            withdrawn: None,
             stream_used: false,
             _quota: quota,
         })
@@ -202,7 +213,10 @@ impl Producer {
     /// empty tokens, no pool (no host pool segment either), the control segment under `prefix`
     /// ([`control::segment_name_in`]). In `ctx` (GPU words registered, the watchdog freeing dead
     /// consumers, frames ordered on the producer's stream as usual), or on the host with `None`.
-    /// `opts.memory`, `buffer_bytes`, `quota` and `quota_bytes` are not used.
+    /// `opts.memory`, `buffer_bytes`, `quota` and `quota_bytes` are not used. Its consumers take
+    /// the newest frame again and again (`Consumer::take_newer`), so its close withdraws every
+    /// frame as it begins ([`Producer::close_to_consumers`]): no hold is granted from then on,
+    /// and the close waits only for the holds taken before.
     ///
     /// # Errors
     /// As [`Producer::create`] / [`Producer::create_host`], less the pool's.
@@ -238,11 +252,13 @@ impl Producer {
                 wait: opts.wait,
                 memory: MemoryKind::Host,
                 closed: false,
+                withdraws_at_close: true,
+                withdrawn: None,
                 stream_used: false,
                 _quota: None,
             });
         };
-        Self::gpu_side(
+        let mut p = Self::gpu_side(
             ctx,
             name,
             &opts,
@@ -250,7 +266,9 @@ impl Producer {
             Vec::new(),
             MemoryKind::Auto,
             None,
-        )
+        )?;
+        p.withdraws_at_close = true;
+        Ok(p)
     }
 
     fn create_gpu(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
@@ -325,6 +343,8 @@ impl Producer {
             wait: opts.wait,
             memory: kind,
             closed: false,
+            withdraws_at_close: false,
+            withdrawn: None,
             stream_used: false,
             _quota: quota,
         })
@@ -617,19 +637,45 @@ impl Producer {
             // `close` then says why it cannot close.
             return true;
         }
-        self.control.close();
-        self.control.wait_drained(timeout)
+        self.close_to_consumers();
+        if self.withdraws_at_close {
+            self.control.wait_released(timeout)
+        } else {
+            self.control.wait_drained(timeout)
+        }
+    }
+
+    /// The first step of a close ([`Producer::close`], [`Producer::wait_closing`], the drop):
+    /// marks the channel closed (consumers get [`ChannelError::Closed`] once nothing is left for
+    /// them) and wakes every consumer; a memoryless channel's also withdraws every frame at once
+    /// ([`Control::close_withdrawing`]: no hold is granted from here on). Returns the frame each
+    /// buffer holds (the release words a GPU close waits for). Again and again, as the first.
+    pub(crate) fn close_to_consumers(&mut self) -> Vec<u64> {
+        if !self.withdraws_at_close {
+            // The frame each buffer holds: consumers may take them until the close's wait
+            // ends; the close is this producer's last step, so nothing is published after it.
+            let frames = (0..self.control.buffers())
+                .map(|i| self.control.frame_in(i))
+                .collect();
+            self.control.close();
+            return frames;
+        }
+        let control = &self.control;
+        self.withdrawn
+            .get_or_insert_with(|| control.close_withdrawing())
+            .clone()
     }
 
     fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {
         self.control.check_fork()?;
-        // The frame each buffer holds, before `drain` withdraws them: the release words to wait
-        // for.
-        let seqs: Vec<u64> = (0..self.control.buffers())
-            .map(|i| self.control.buffer_seq(i))
-            .collect();
-        self.control.close();
-        let (forced, behind) = self.control.drain(timeout);
+        // The frame each buffer holds, before the withdrawal: the release words to wait for.
+        let seqs = self.close_to_consumers();
+        let (forced, behind) = if self.withdraws_at_close {
+            self.control.wait_released(timeout);
+            self.control.withdraw_all()
+        } else {
+            self.control.drain(timeout)
+        };
         if behind > 0 {
             tracing::warn!(
                 "channel {}: {behind} every-frame consumers had not received every frame after \

@@ -58,6 +58,25 @@ impl Control {
         }
     }
 
+    /// Forgets this producer's reservation without giving the frame back (a close that
+    /// withdraws every frame, `close_withdrawing`); returns it (buffer, the frame reserved there).
+    pub(super) fn forget_reservation(&self) -> Option<(usize, u64)> {
+        self.reserved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// The frame in buffer `i` as a close sees it: the one this producer's reservation keeps
+    /// there (its `seq` is [`WRITING`](super::layout::WRITING) meanwhile, and its consumers'
+    /// release words are those of that frame), else [`Control::buffer_seq`].
+    pub(super) fn frame_in(&self, i: usize) -> u64 {
+        match *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((r, seq)) if r == i => seq,
+            _ => self.buffer_seq(i),
+        }
+    }
+
     /// The first step of a try to acquire (`try_acquire_keeping`), under one lock of the
     /// reservation: with a buffer reserved, the try ends here (`Break`) with the claim completed
     /// once no hold is left there ([`HoldWords::finish_reserved`]), or with `None` while holds

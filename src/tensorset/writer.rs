@@ -75,9 +75,10 @@ struct State {
 /// [`TensorSetWriter::create_over`]), and hands out generations through the memoryless
 /// generation channel `cuda-ipc.tg.NAME` (the channel's protocol: holds, release words, watchdog).
 ///
-/// Dropping it (or [`TensorSetWriter::close`]) removes the names, tells waiting readers the set
-/// closed, waits (bounded) for readers' holds, and frees the memory: VMM readers keep their
-/// mappings; pool and legacy readers must stop reading first.
+/// Dropping it (or [`TensorSetWriter::close`]) takes every generation from readers (no hold is
+/// granted from then on: they get [`TensorSetError::Closed`]), removes the names, waits (bounded)
+/// for the holds taken before, and frees the memory: VMM readers keep their mappings; pool and
+/// legacy readers must stop reading first.
 ///
 /// # Examples
 /// ```
@@ -95,8 +96,8 @@ struct State {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub struct TensorSetWriter {
-    // Drop order: the names are unlinked (Drop), then the generation channel is closed and drained
-    // (the producer's own drop), then the writer's holder slot is let go, then the memory is
+    // Drop order: the generations are withdrawn and the names unlinked (Drop), then the
+    // generation channel is drained (the producer's own drop), then the writer's holder slot is let go, then the memory is
     // freed, then the manifest unmapped, then the bytes go back to the quota ledger.
     producer: Option<Producer>,
     /// VMM sets: the writer's part of the holders segment (`holders/recorder.rs`).
@@ -118,7 +119,8 @@ pub struct TensorSetWriter {
     /// The many-ranges copy kernel, loaded at the first [`Update::copy_many`] that needs it (GPU
     /// sets; `None` where it cannot be loaded).
     copier: std::sync::OnceLock<Option<copies::RangeCopier>>,
-    /// [`TensorSetWriter::wait_closing`] unlinked the names already.
+    /// [`TensorSetWriter::wait_closing`] withdrew the generations and unlinked the names
+    /// already.
     closing: bool,
     /// The process (by fork) that made the writer: a forked child's copy neither writes nor
     /// closes the set, nor removes its names (`identity::fork`).
@@ -584,7 +586,8 @@ impl TensorSetWriter {
     /// read it has its release word there (the kernels it ran over the buffer finished).
     ///
     /// # Errors
-    /// [`Error::Timeout`]; CUDA errors from the stream wait.
+    /// [`Error::Timeout`]; [`TensorSetError::Closed`] after [`TensorSetWriter::wait_closing`];
+    /// CUDA errors from the stream wait.
     pub fn begin(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
         self.begin_with(timeout, Acquire::Whole)
     }
@@ -626,6 +629,10 @@ impl TensorSetWriter {
 
     fn begin_with(&mut self, timeout: Option<Duration>, how: Acquire) -> Result<Update<'_>> {
         self.fork.check("tensor set writer")?;
+        if self.closing {
+            // Its generations are withdrawn: no buffer would come.
+            return Err(TensorSetError::Closed(self.name.clone()).into());
+        }
         let previous = self.state.head;
         let producer = self
             .producer
@@ -659,41 +666,53 @@ impl TensorSetWriter {
         })
     }
 
-    /// Closes the set: removes its names (no new reader opens it), tells waiting readers it
-    /// closed ([`TensorSetError::Closed`]), waits up to `timeout` for readers' holds, then frees
-    /// the memory.
+    /// Closes the set: first takes every generation from readers, so that no hold is granted
+    /// from then on (`current`, `wait_newer` and their bindings' forms get
+    /// [`TensorSetError::Closed`], waiting ones within their wait's next look), then removes its
+    /// names (no new reader opens it), waits up to `timeout` for the holds taken before (it
+    /// returns as soon as they end: readers that keep asking cannot prolong it), then frees the
+    /// memory; holds still out at the timeout are forced.
     ///
     /// # Errors
     /// CUDA errors from synchronising the writer's stream.
     pub fn close(mut self, timeout: Duration) -> Result<()> {
         self.fork.check("tensor set writer")?;
-        if !self.closing {
-            self.unlink_names();
-        }
+        self.start_closing();
         match self.producer.take() {
             Some(p) => p.close(timeout).map(|_| ()),
             None => Ok(()),
         }
     }
 
-    /// Starts closing the set as [`TensorSetWriter::close`] does (its names go; waiting readers
-    /// get [`TensorSetError::Closed`]; no generation can be committed after this) and waits up
-    /// to `timeout` for readers' holds. Returns whether none is left. For callers that wait in
-    /// slices (a binding checking for signals between them) before `close`; the memory stays
-    /// until `close` (or the drop).
+    /// Starts closing the set as [`TensorSetWriter::close`] does (no hold is granted from then
+    /// on, readers get [`TensorSetError::Closed`]; its names go; [`TensorSetWriter::begin`]
+    /// fails with [`TensorSetError::Closed`]) and waits up to `timeout` for the holds taken
+    /// before. Returns whether none is left. For callers that wait in slices (a binding checking
+    /// for signals between them) before `close`; the memory stays until `close` (or the drop).
     pub fn wait_closing(&mut self, timeout: Duration) -> bool {
         if self.fork.inherited() {
             // Nothing of this process's to wait for: `close` then says why it cannot close.
             return true;
         }
-        if !self.closing {
-            self.closing = true;
-            self.unlink_names();
-        }
+        self.start_closing();
         match self.producer.as_mut() {
             Some(p) => p.wait_closing(timeout),
             None => true,
         }
+    }
+
+    /// The first steps of a close, once: the generations withdrawn from readers
+    /// (`Producer::close_to_consumers`), then the names unlinked. In that order, so that a reader
+    /// that finds the names gone is granted no hold.
+    fn start_closing(&mut self) {
+        if self.closing {
+            return;
+        }
+        self.closing = true;
+        if let Some(p) = self.producer.as_mut() {
+            p.close_to_consumers();
+        }
+        self.unlink_names();
     }
 
     fn unlink_names(&self) {
@@ -715,11 +734,11 @@ impl Drop for TensorSetWriter {
             // (`identity::fork`); the fields' drops act on nothing of theirs either.
             return;
         }
-        if self.producer.is_some() && !self.closing {
-            self.unlink_names();
+        if self.producer.is_some() {
+            self.start_closing();
         }
-        // The producer's own drop closes and drains the generation channel (5 s), before the
-        // memory fields drop.
+        // The producer's own drop drains the generation channel (5 s), before the memory fields
+        // drop.
     }
 }
 

@@ -64,8 +64,8 @@ impl RecvOptions {
 #[non_exhaustive]
 pub enum Ended {
     /// The near writer closed its set: the far set's writer is handed back (dropping it closes
-    /// the far set: its readers get [`TensorSetError::Closed`] once they want a newer
-    /// generation).
+    /// the far set: from then on its readers get [`TensorSetError::Closed`]; what they hold
+    /// stays readable until the close's wait ends).
     Closed(Box<TensorSetWriter>),
     /// `stop` was set; the far set's writer, if one was made, is handed back. End the process
     /// without dropping it and far readers see [`TensorSetError::WriterGone`] (keeping what they
