@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Peer, ctx, read_u64, role, zeroed_counter};
+use common::{Peer, ctx, drop_copy, forked, read_u64, refused, role, zeroed_counter};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use cuda_ipc::raw::kernels::Kernels;
@@ -18,47 +18,6 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
 const TEST: &str = "a_forked_child_makes_no_driver_call_and_leaves_the_parents_gpu_objects_alone";
-
-/// Forks; the child runs `child` (what it found wrong) and ends with `_exit`. Returns what the
-/// child found wrong.
-fn forked(child: impl FnOnce() -> Vec<String>) -> Vec<String> {
-    // SAFETY: the child takes no lock another thread of this process may hold: every inherited
-    // object it touches refuses or returns before any lock or driver call (`identity::fork`).
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        let wrong = child();
-        for w in &wrong {
-            eprintln!("forked child: {w}");
-        }
-        // SAFETY: ends the child at once: no destructor or exit handler of the parent's runs.
-        unsafe { libc::_exit(i32::from(!wrong.is_empty())) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child made above; `status` is a valid out pointer.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Vec::new()
-    } else {
-        vec![format!(
-            "the child ended with status {status:#x} (its stderr says why)"
-        )]
-    }
-}
-
-/// Drops the child's copy of `x` (see `forked`).
-fn drop_copy<T>(x: &T) {
-    // SAFETY: only in the forked child, which ends with `_exit` without dropping `x` itself.
-    drop(unsafe { std::ptr::read(x) });
-}
-
-fn refused<T>(what: &str, r: cuda_ipc::Result<T>, wrong: &mut Vec<String>) {
-    match r {
-        Err(Error::ForkedChild { .. }) => {}
-        Err(e) => wrong.push(format!("{what}: {e} (not ForkedChild)")),
-        Ok(_) => wrong.push(format!("{what}: succeeded in a forked child")),
-    }
-}
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]

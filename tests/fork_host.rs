@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{Peer, role, unique};
+use common::{Peer, drop_copy, forked, refused, role, take_copy, unique};
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
 use cuda_ipc::registry::{Registry, RegistryOptions};
@@ -27,57 +27,6 @@ const ANSWER: Duration = Duration::from_secs(60);
 fn in_own_process(test: &str) {
     let p = Peer::spawn(test, "fork", &[]);
     p.finish(ANSWER);
-}
-
-/// Forks; the child runs `child` (which returns what it found wrong, if anything) and ends with
-/// `_exit`, running nothing else of this process. Returns what the child found wrong.
-fn forked(child: impl FnOnce() -> Vec<String>) -> Vec<String> {
-    // SAFETY: this process runs one test thread (`--test-threads=1`) and the crate starts no
-    // thread for host objects, so no lock is held by a thread that does not exist in the child.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        let wrong = child();
-        for w in &wrong {
-            eprintln!("forked child: {w}");
-        }
-        // SAFETY: ends the child at once: no destructor or exit handler of the parent's runs.
-        unsafe { libc::_exit(i32::from(!wrong.is_empty())) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child made above; `status` is a valid out pointer.
-    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(r, pid, "waitpid");
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Vec::new()
-    } else {
-        vec![format!(
-            "the child ended with status {status:#x} (its stderr says why)"
-        )]
-    }
-}
-
-/// What the child's exit does to its copy of `x`, which it shares nothing with in memory: drops
-/// it, leaving the parent's binding (never dropped in the child, which ends with `_exit`).
-fn drop_copy<T>(x: &T) {
-    // SAFETY: called only in a forked child that ends with `_exit` without dropping `x` itself,
-    // so the copy is the only one dropped in this process.
-    drop(unsafe { std::ptr::read(x) });
-}
-
-/// The child's copy of `x`, to consume (`close`): as [`drop_copy`].
-fn take_copy<T>(x: &T) -> T {
-    // SAFETY: as in `drop_copy`.
-    unsafe { std::ptr::read(x) }
-}
-
-/// `what` was refused with `Error::ForkedChild`, else a line saying what it gave.
-fn refused<T>(what: &str, r: cuda_ipc::Result<T>, wrong: &mut Vec<String>) {
-    match r {
-        Err(Error::ForkedChild { .. }) => {}
-        Err(e) => wrong.push(format!("{what}: {e} (not ForkedChild)")),
-        Ok(_) => wrong.push(format!("{what}: succeeded in a forked child")),
-    }
 }
 
 #[test]

@@ -324,3 +324,57 @@ pub fn hold_sizing_lock(f: &std::fs::File) {
     let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &l) };
     assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
 }
+
+// ---------------------------------------------------------------- forked children
+
+/// Forks; the child runs `child` (which returns what it found wrong, if anything) and ends with
+/// `_exit`, running nothing else of this process. Returns what the child found wrong.
+pub fn forked(child: impl FnOnce() -> Vec<String>) -> Vec<String> {
+    // SAFETY: the caller runs in a process of its own with one test thread (`Peer::spawn`), and
+    // the child touches only objects whose calls and drops refuse or return before taking a lock
+    // or making a driver call there (`cuda_ipc::identity::ForkEpoch`).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let wrong = child();
+        for w in &wrong {
+            eprintln!("forked child: {w}");
+        }
+        // SAFETY: ends the child at once: no destructor or exit handler of the parent's runs.
+        unsafe { libc::_exit(i32::from(!wrong.is_empty())) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child made above; `status` is a valid out pointer.
+    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(r, pid, "waitpid");
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Vec::new()
+    } else {
+        vec![format!(
+            "the child ended with status {status:#x} (its stderr says why)"
+        )]
+    }
+}
+
+/// What the child's exit does to its copy of `x`, which it shares nothing with in memory: drops
+/// it, leaving the parent's binding (never dropped in the child, which ends with `_exit`).
+pub fn drop_copy<T>(x: &T) {
+    // SAFETY: called only in a forked child that ends with `_exit` without dropping `x` itself,
+    // so the copy is the only one dropped in this process.
+    drop(unsafe { std::ptr::read(x) });
+}
+
+/// The child's copy of `x`, to consume (`close`): as [`drop_copy`].
+pub fn take_copy<T>(x: &T) -> T {
+    // SAFETY: as in `drop_copy`.
+    unsafe { std::ptr::read(x) }
+}
+
+/// `what` was refused with `Error::ForkedChild`, else a line saying what it gave.
+pub fn refused<T>(what: &str, r: cuda_ipc::Result<T>, wrong: &mut Vec<String>) {
+    match r {
+        Err(cuda_ipc::Error::ForkedChild { .. }) => {}
+        Err(e) => wrong.push(format!("{what}: {e} (not ForkedChild)")),
+        Ok(_) => wrong.push(format!("{what}: succeeded in a forked child")),
+    }
+}
