@@ -678,6 +678,15 @@ class TensorSetWriter:
         """Waits on the host (without the GIL) until the writer's stream drained: its copies
         and ready words (at once for a host set). ``TensorSetClosed`` once closed;
         ``InvalidArgument`` while an update of a GPU set is open."""
+    def wait_readers(self, timeout: Optional[float] = None) -> bool:
+        """Waits up to ``timeout`` seconds (``None``: no bound) until every reader has taken the
+        newest generation (each reader attached when it was committed has held it, or a later
+        one; readers that open the set later start at it); returns whether they all have. Call
+        it before ``close()`` so that readers waiting in ``wait_newer`` get the last generation
+        (the close takes every generation from readers as it begins). A dead reader holds
+        nothing up; a live one that never asks keeps the wait until ``timeout``. Waits without
+        the GIL in 50 ms slices. ``TensorSetClosed`` once closed; ``InvalidArgument`` while an
+        update is open or another thread waits in ``begin()``."""
     def close(self, timeout: float = ...) -> None:
         """Closes the set. From its start no hold is granted: readers' ``current()``,
         ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers

@@ -1459,3 +1459,73 @@ fn buffered_close_grants_no_new_hold_and_waits_only_for_the_holds_before_it() {
     }
     close_grants_no_hold_and_waits_only_for_the_holds_before_it("buffered");
 }
+
+/// `wait_readers`: a writer about to close lets its readers take the last generation first. A
+/// reader that has not taken it keeps the wait until its timeout (`false`); once it took it the
+/// wait returns `true`; a reader waiting in `wait_newer` when the writer commits and then waits
+/// gets the generation, where a close right after the commit would have given it `Closed`; a
+/// reader that died holds nothing up; a reader opened after the commit starts at it.
+#[test]
+fn wait_readers_lets_readers_take_the_last_generation_before_the_close() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("waitreaders");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("inplace")).unwrap();
+    write_gen(&mut w);
+    let a = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let b = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    // Opened after generation 1's commit: they start at it.
+    assert!(w.wait_readers(Some(Duration::ZERO)).unwrap());
+    write_gen(&mut w);
+    // Neither took generation 2.
+    let t = Instant::now();
+    assert!(!w.wait_readers(Some(Duration::from_millis(100))).unwrap());
+    assert!(t.elapsed() >= Duration::from_millis(100));
+    drop(a.current().unwrap().expect("generation 2"));
+    assert!(
+        !w.wait_readers(Some(Duration::ZERO)).unwrap(),
+        "b has not taken it"
+    );
+    // b waits in another thread for a generation after 2; the writer commits 3 and waits for
+    // its readers: b gets generation 3 before the close.
+    let got = std::thread::scope(|s| {
+        let waiting = s.spawn(|| b.wait_newer(2, Some(ANSWER)).map(|h| h.generation()));
+        std::thread::sleep(Duration::from_millis(50));
+        write_gen(&mut w);
+        drop(a.current().unwrap().expect("generation 3"));
+        assert!(w.wait_readers(Some(ANSWER)).unwrap());
+        waiting.join().unwrap()
+    });
+    assert_eq!(got.unwrap(), 3);
+    drop((a, b));
+    // A reader that died (its slot left attached) holds nothing up.
+    let mut c = Peer::spawn(
+        "waitreaders_reader_role",
+        "waitreaders-reader",
+        &[(SET, name.as_str())],
+    );
+    c.expect("opened", ANSWER);
+    write_gen(&mut w);
+    c.child.kill().unwrap();
+    c.child.wait().unwrap();
+    let t = Instant::now();
+    assert!(w.wait_readers(Some(ANSWER)).unwrap());
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    w.close(Duration::from_secs(5)).unwrap();
+    assert!(matches!(
+        TensorSetReader::open_host(&name, &ReaderOptions::new()),
+        Err(Error::TensorSet(TensorSetError::NotFound(_)))
+    ));
+}
+
+#[test]
+fn waitreaders_reader_role() {
+    if role().as_deref() != Some("waitreaders-reader") {
+        return;
+    }
+    let name = std::env::var(SET).unwrap();
+    let _r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    tell("opened");
+    std::thread::sleep(Duration::from_secs(60));
+}

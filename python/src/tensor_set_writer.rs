@@ -392,6 +392,33 @@ impl TensorSetWriter {
         copy_plan::make(w, py, tensors)
     }
 
+    /// Waits up to `timeout` seconds (`None`: no bound) until every reader has taken the newest
+    /// generation (each reader attached when it was committed has held it, or a later one;
+    /// readers that open the set later start at it) and returns whether they all have. Call it
+    /// before `close()` to let readers waiting in `wait_newer` get the last generation: the close
+    /// takes every generation from readers as it begins. A dead reader holds nothing up; a live
+    /// one that never asks keeps the wait until its timeout. Waits without the GIL in 50 ms
+    /// slices (Ctrl-C raises `KeyboardInterrupt`). Raises `TensorSetClosed` once closed, and
+    /// `InvalidArgument` while an update is open or another thread waits in `begin()`.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_readers(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<bool> {
+        let timeout = timeout_arg(py, timeout)?;
+        let w = self.core.take(py)?;
+        let got = sliced(
+            py,
+            timeout,
+            || self.core.is_closing(),
+            |py| closed_error(py, &self.core.name),
+            |slice| match w.wait_readers(Some(slice)) {
+                Ok(true) => Ok(Some(())),
+                Ok(false) => Ok(None),
+                Err(e) => Err(Stop::Failed(e)),
+            },
+        );
+        self.core.give_back(py, w);
+        Ok(got?.is_some())
+    }
+
     /// The last generation committed (0: none).
     #[getter]
     fn generation(&self) -> u64 {

@@ -742,3 +742,31 @@ def test_ctrl_c_interrupts_a_writer_close_waiting_for_a_hold_and_close_can_finis
     assert time.monotonic() - start < ANSWER / 2
     w.close()
     r.close()
+
+
+def test_wait_readers_lets_a_waiting_reader_take_the_last_generation_before_the_close(name):
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    write_gen(w, 1)
+    r = cuda_ipc.TensorSetReader(name)
+    assert w.wait_readers(0) is True, "a reader opened after the commit starts at it"
+    write_gen(w, 2)
+    t = time.monotonic()
+    assert w.wait_readers(0.1) is False, "the reader has not taken generation 2"
+    assert time.monotonic() - t >= 0.1
+    # A reader waiting for a newer generation when the writer commits its last and closes: with
+    # wait_readers first, it gets that generation rather than TensorSetClosed.
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(r.wait_newer(2, timeout=10)))
+    waiting.start()
+    time.sleep(0.05)
+    write_gen(w, 3)
+    assert w.wait_readers(10) is True
+    waiting.join(10)
+    assert got and got[0].generation == 3, got
+    got[0].release()
+    w.close()
+    with pytest.raises(cuda_ipc.TensorSetClosed):
+        w.wait_readers(0)
+    with pytest.raises(cuda_ipc.InvalidArgument):
+        cuda_ipc.TensorSetWriter(name + "-x", SPECS, memory="host").wait_readers(-1)
+    r.close()

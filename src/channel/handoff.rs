@@ -153,6 +153,36 @@ impl Control {
             .count() as u64
     }
 
+    /// Attached consumers that have taken neither frame `seq` nor a later one (their cursor is
+    /// below `seq`); a consumer that attached after `seq` was published starts at it.
+    pub(crate) fn consumers_before(&self, seq: u64) -> u64 {
+        (0..self.consumers)
+            .filter(|&c| {
+                let s = self.consumer(c);
+                // SYNC POINT: attach, cursor. Acquire: as in `min_lossless_cursor`.
+                s.state.load(Ordering::Acquire) == ACTIVE && s.cursor.load(Ordering::Acquire) < seq
+            })
+            .count() as u64
+    }
+
+    /// Waits up to `timeout` (`None`: no bound) until every attached consumer has taken frame
+    /// `seq` or a later one ([`Control::consumers_before`]); a dead consumer's slot is freed on
+    /// the way, so it holds nothing up. Returns whether they all have.
+    pub(crate) fn wait_taken(&self, seq: u64, timeout: Option<Duration>) -> bool {
+        wait_until(
+            // Every take bumps it (`took`), and so does a slot freed.
+            self.header().release_wake(),
+            WaitStrategy::Block,
+            timeout,
+            || Ok((self.consumers_before(seq) == 0).then_some(())),
+            || {
+                self.reclaim_dead_consumers();
+                Ok(())
+            },
+        )
+        .is_ok_and(|done| done.is_some())
+    }
+
     pub(crate) fn try_acquire(&self) -> Option<Claim> {
         let got = self.try_acquire_keeping(false);
         if got.is_none() {

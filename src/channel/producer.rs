@@ -645,6 +645,17 @@ impl Producer {
         }
     }
 
+    /// Waits up to `timeout` (`None`: no bound) until every consumer attached has taken the
+    /// newest frame or a later one (crate-private: a tensor set's writer lets its readers take
+    /// the last generation before its close withdraws it). Returns whether they all have; `false`
+    /// at once in a forked child's copy.
+    pub(crate) fn wait_taken(&self, timeout: Option<Duration>) -> bool {
+        if self.control.inherited() {
+            return false;
+        }
+        self.control.wait_taken(self.control.head(), timeout)
+    }
+
     /// The first step of a close ([`Producer::close`], [`Producer::wait_closing`], the drop):
     /// marks the channel closed (consumers get [`ChannelError::Closed`] once nothing is left for
     /// them) and wakes every consumer; a memoryless channel's also withdraws every frame at once

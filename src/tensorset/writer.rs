@@ -505,6 +505,26 @@ impl TensorSetWriter {
         self.mode
     }
 
+    /// Waits up to `timeout` (`None`: no bound) until every reader has taken the newest
+    /// generation: each reader attached when it was committed has held it (or a later one);
+    /// readers that open the set later start at it. Returns whether they all have. For a writer
+    /// about to close: its close takes every generation from readers as it begins, so a reader
+    /// still waiting for the last one (`wait_newer`) would get [`TensorSetError::Closed`]
+    /// instead. A reader that died is let go on the way (its slot freed within the wait's
+    /// liveness checks), so it holds nothing up; one that is alive but never asks (it read the
+    /// weights once and stopped) keeps the wait until its timeout.
+    ///
+    /// # Errors
+    /// [`Error::ForkedChild`] in a process forked from the one that made the writer;
+    /// [`TensorSetError::Closed`] once closing.
+    pub fn wait_readers(&self, timeout: Option<Duration>) -> Result<bool> {
+        self.fork.check("tensor set writer")?;
+        if self.closing {
+            return Err(TensorSetError::Closed(self.name.clone()).into());
+        }
+        Ok(self.producer.as_ref().is_none_or(|p| p.wait_taken(timeout)))
+    }
+
     /// The last generation committed (0: none yet).
     pub fn generation(&self) -> u64 {
         self.state.generation
