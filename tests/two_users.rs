@@ -808,3 +808,77 @@ fn a_scan_naming_another_users_channel_and_tensor_set_passes_them_over_as_a_scan
     let _ = std::fs::remove_file(format!("/dev/shm/{segment}"));
     let _ = std::fs::remove_file(format!("/dev/shm/{liveness}"));
 }
+
+/// Another user's FIFO, directory or symbolic link under one of our names (a channel's control
+/// segment, a host pool, a tensor set's part) blocks that object's creation as their segment
+/// would: a scan, of everything or naming the object, passes it over into `Scan::skipped` by what
+/// it is (never a problem, never removed), so `gc` and `ls` say it is there. Before, only their
+/// regular files were listed, and these went unmentioned.
+#[test]
+fn another_users_fifo_directory_or_link_under_our_names_is_passed_over_by_what_it_is() {
+    use cuda_ipc::cleanup::{self, Scope};
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let base = format!("two-users-blocker-{}", std::process::id());
+    let planted = [
+        (
+            format!("cuda-ipc.ch.{base}-ch"),
+            "FIFO",
+            format!("{base}-ch"),
+        ),
+        (
+            format!("cuda-ipc.hp.{base}-hp"),
+            "directory",
+            format!("{base}-hp"),
+        ),
+        (
+            format!("cuda-ipc.tg.{base}-ts"),
+            "symbolic link",
+            format!("{base}-ts"),
+        ),
+    ];
+    let path = |n: &str| format!("/dev/shm/{n}");
+    for (n, what, _) in &planted {
+        match *what {
+            "FIFO" => {
+                let c = std::ffi::CString::new(path(n)).unwrap();
+                // SAFETY: `c` is a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }
+            "directory" => std::fs::create_dir(path(n)).unwrap(),
+            _ => std::os::unix::fs::symlink("/nonexistent", path(n)).unwrap(),
+        }
+        std::os::unix::fs::lchown(path(n), Some(uid), Some(gid)).unwrap();
+    }
+    let names: Vec<&str> = planted.iter().map(|p| p.0.as_str()).collect();
+    let everything = cleanup::scan(&Scope::everything()).unwrap();
+    let named = cleanup::scan(
+        &Scope::only(Vec::new(), vec![planted[0].2.clone(), planted[1].2.clone()])
+            .with_tensor_sets(vec![planted[2].2.clone()]),
+    )
+    .unwrap();
+    for (when, scan) in [("everything", &everything), ("named", &named)] {
+        for (n, what, _) in &planted {
+            let s = scan.skipped.iter().find(|s| &s.name == n);
+            assert!(
+                s.is_some_and(|s| s.uid == uid && s.what == *what && !s.dead),
+                "{when}: {n}: {s:?} in {:?}",
+                scan.skipped
+            );
+        }
+        assert!(
+            !scan
+                .problems
+                .iter()
+                .any(|p| names.iter().any(|n| p.error.to_string().contains(n))),
+            "{when}: {:?}",
+            scan.problems
+        );
+    }
+    for n in &names {
+        assert!(std::fs::symlink_metadata(path(n)).is_ok(), "{n} removed");
+        let _ = std::fs::remove_dir(path(n));
+        let _ = std::fs::remove_file(path(n));
+    }
+}

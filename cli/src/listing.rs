@@ -32,6 +32,54 @@ pub struct Listing {
     /// Tensor sets of which parts stand but no manifest: leftovers of a writer killed half-way, or
     /// a set being made or closed right now.
     pub sets_without_manifest: Vec<SetWithoutManifest>,
+    /// Host pool names (`cuda-ipc.hp.NAME`) without their channel's control segment, and those
+    /// that are no pool `gc` may judge (a FIFO, a file that is not a pool, ...) whatever stands
+    /// beside them: each blocks a host producer's creation of that channel.
+    pub host_pools: Vec<HostPoolView>,
+}
+
+/// A host pool name of this user that `ls` shows on its own line ([`Listing::host_pools`]), with
+/// what `gc` makes of it (the library's judgement, [`channel_inspect::host_pool`]).
+///
+/// JSON: `channel`, `segment`, `bytes`, `age_s`, `with_channel` (whether a control segment
+/// stands beside it), `gc` (`removes`, `keeps` or `cannot judge`) and `why`.
+#[derive(Debug)]
+pub struct HostPoolView(pub channel_inspect::HostPoolEntry);
+
+impl HostPoolView {
+    /// What `gc` does with it (`removes`, `keeps`, `cannot judge`) and why: the same words in the
+    /// text and JSON forms.
+    pub fn gc(&self) -> (&'static str, String) {
+        use channel_inspect::PoolJudgement;
+        match &self.0.judgement {
+            PoolJudgement::Stale(why) => ("removes", why.to_string()),
+            PoolJudgement::Kept(why) => ("keeps", why.clone()),
+            PoolJudgement::Unjudged(e) => ("cannot judge", e.to_string()),
+            _ => ("keeps", "not judged by this version".to_string()),
+        }
+    }
+
+    /// Whether it is something `gc` removes or cannot judge (exit status 1).
+    pub fn has_problems(&self) -> bool {
+        self.gc().0 != "keeps"
+    }
+}
+
+impl Serialize for HostPoolView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let p = &self.0;
+        let (gc, why) = self.gc();
+        serde_json::json!({
+            "channel": p.channel,
+            "segment": p.segment,
+            "bytes": p.bytes,
+            "age_s": p.age_secs,
+            "with_channel": p.with_channel,
+            "gc": gc,
+            "why": why,
+        })
+        .serialize(s)
+    }
 }
 
 /// The parts of a tensor set that stand without its manifest, each with what `gc` makes of it
@@ -92,7 +140,7 @@ impl Serialize for SetWithoutManifest {
 /// closed it in between. Not a problem.
 #[derive(Debug, Serialize)]
 pub struct Closed {
-    /// `registry`, `channel` or `tensorset`.
+    /// `registry`, `channel`, `tensorset` or `host pool`.
     pub kind: &'static str,
     /// Its name, as for [`SegmentError::name`].
     pub name: String,
@@ -265,6 +313,7 @@ impl Listing {
                 .sets_without_manifest
                 .iter()
                 .any(SetWithoutManifest::has_problems)
+            || self.host_pools.iter().any(HostPoolView::has_problems)
             || self.tensor_sets.iter().any(|t| {
                 t.snapshot.channel_problem.is_some()
                     && t.snapshot.writer_liveness != cuda_ipc::identity::Liveness::Dead
@@ -278,6 +327,8 @@ pub(crate) struct Targets {
     pub registries: Vec<String>,
     pub channels: Vec<String>,
     pub tensor_sets: Vec<String>,
+    /// Channel names with a host pool name (`cuda-ipc.hp.NAME`), whatever stands there.
+    pub host_pools: Vec<String>,
 }
 
 /// Finds the registries and channels in `/dev/shm`, or the ones `name` names (a registry's
@@ -288,14 +339,19 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     // Every name with a part of a set (a part without its manifest is listed as unreadable:
     // what a writer killed half-way left, for `gc`).
     let mut tensor_sets = tensorset_inspect::list_tensor_sets()?;
+    let mut host_pools = channel_inspect::list_host_pools()?;
     if let Some(n) = name {
-        let chan = n.strip_prefix(channel_inspect::SEGMENT_PREFIX).unwrap_or(n);
+        let chan = n
+            .strip_prefix(channel_inspect::SEGMENT_PREFIX)
+            .or_else(|| n.strip_prefix(channel_inspect::POOL_PREFIX))
+            .unwrap_or(n);
         let set = n
             .strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
             .unwrap_or(n);
         registries.retain(|r| r == n);
         channels.retain(|c| c == chan);
         tensor_sets.retain(|t| t == set);
+        host_pools.retain(|c| c == chan);
         // A segment that exists but was not listed (another user's, or not a registry): inspected
         // anyway, so the error says why (owner, magic) instead of "no such name".
         let exists = |seg: &str| {
@@ -316,6 +372,11 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 registries.push(n.to_string());
             }
         }
+        // A host pool name of another user's, or one that stands alone: shown (or passed over by
+        // `gc`) as what blocks a host producer of that channel.
+        if host_pools.is_empty() && exists(&channel_inspect::pool_segment_name(chan)) {
+            host_pools.push(chan.to_string());
+        }
         {
             use cuda_ipc::tensorset::{
                 DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX,
@@ -335,7 +396,11 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 tensor_sets.push(set.to_string());
             }
         }
-        if registries.is_empty() && channels.is_empty() && tensor_sets.is_empty() {
+        if registries.is_empty()
+            && channels.is_empty()
+            && tensor_sets.is_empty()
+            && host_pools.is_empty()
+        {
             return Err(format!(
                 "no registry, channel or tensor set named {n:?} in {}",
                 cuda_ipc::raw::shm::SHM_DIR
@@ -347,6 +412,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         registries,
         channels,
         tensor_sets,
+        host_pools,
     })
 }
 
@@ -411,6 +477,23 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 }
             }
             Err(e) => l.unreadable("tensorset", t, e),
+        }
+    }
+    for c in &t.host_pools {
+        let Some(p) = channel_inspect::host_pool(c) else {
+            // Gone since it was listed (its producer closed); said only when it was all.
+            if !t.channels.contains(c) {
+                l.closed_meanwhile.push(Closed {
+                    kind: "host pool",
+                    name: c.clone(),
+                });
+            }
+            continue;
+        };
+        // A pool beside its channel's segment is that channel's to speak for, unless it is
+        // nothing `gc` may judge (then it blocks that channel's host producer: shown).
+        if !p.with_channel || matches!(p.judgement, channel_inspect::PoolJudgement::Unjudged(_)) {
+            l.host_pools.push(HostPoolView(p));
         }
     }
     l

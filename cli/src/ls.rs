@@ -52,6 +52,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
         && l.errors.is_empty()
         && l.closed_meanwhile.is_empty()
         && l.sets_without_manifest.is_empty()
+        && l.host_pools.is_empty()
     {
         out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
@@ -329,6 +330,28 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 },
             ));
         }
+    }
+    for v in &l.host_pools {
+        let p = &v.0;
+        let (gc, why) = v.gc();
+        out.push_str(&format!(
+            "host pool {}/{} of channel {} ({}, {} s old){}: `cuda-ipc gc` {}: {why}\n",
+            cuda_ipc::raw::shm::SHM_DIR,
+            p.segment,
+            p.channel,
+            bytes(p.bytes),
+            p.age_secs,
+            if p.with_channel {
+                ""
+            } else {
+                ", no control segment"
+            },
+            match gc {
+                "removes" => "removes it",
+                "keeps" => "keeps it",
+                _ => "cannot judge it (kept, reported)",
+            },
+        ));
     }
     for e in &l.errors {
         out.push_str(&format!(

@@ -1115,3 +1115,113 @@ fn ls_describes_a_tensor_sets_parts_without_its_manifest_as_gc_judges_them() {
         "{d}"
     );
 }
+
+/// Whatever stands under one of our names and blocks a creation there is shown by `ls` (without a
+/// NAME and of its NAME) and reported by `gc` (without a NAME and of its NAME), and never removed
+/// unless it is ours and abandoned: a host pool name without its channel's control segment that
+/// holds no pool (foreign bytes, a FIFO, a symbolic link, a directory) is a problem of both, a
+/// young empty or sparse one a creation `gc` keeps with a line saying why (exit status 0); a FIFO,
+/// link or directory under a tensor set's part or a channel's control segment name is a problem
+/// of `ls` and `gc` without a NAME too, not only of their NAME. They were invisible: `ls` said
+/// there was nothing, `ls NAME` that nothing had that name, and `gc` that it had nothing to
+/// remove, while the producer or writer they blocked failed.
+#[test]
+fn whatever_blocks_a_creation_under_our_names_is_shown_by_ls_and_reported_by_gc() {
+    let _gc = alone();
+    let base = unique("blocker");
+    let path = |seg: &str| format!("/dev/shm/{seg}");
+    enum What {
+        Garbage,
+        Fifo,
+        Link,
+        Dir,
+        Empty,
+        Sparse,
+    }
+    // (the segment name, the NAME `ls` and `gc` take, what stands there, the words they say)
+    let cases: Vec<(String, String, What, &str)> = vec![
+        ("hp", "garbage", What::Garbage, "not a cuda-ipc host pool"),
+        ("hp", "fifo", What::Fifo, "is a FIFO"),
+        ("hp", "link", What::Link, "symbolic link"),
+        ("hp", "dir", What::Dir, "is a directory"),
+        ("hp", "empty", What::Empty, "a creation under way"),
+        ("hp", "sparse", What::Sparse, "a creation under way"),
+        ("tg", "tg-fifo", What::Fifo, "is a FIFO"),
+        ("td", "td-link", What::Link, "symbolic link"),
+        ("th", "th-dir", What::Dir, "is a directory"),
+        ("ts", "ts-fifo", What::Fifo, "is a FIFO"),
+        ("ch", "ch-fifo", What::Fifo, "is a FIFO"),
+        ("ch", "ch-dir", What::Dir, "is a directory"),
+    ]
+    .into_iter()
+    .map(|(prefix, tag, what, words)| {
+        let name = format!("{base}-{tag}");
+        (format!("cuda-ipc.{prefix}.{name}"), name, what, words)
+    })
+    .collect();
+    let _planted: Vec<Planted> = cases.iter().map(|c| Planted(c.0.clone())).collect();
+    let planted = at_a_second_start();
+    for (seg, _, what, _) in &cases {
+        match what {
+            What::Garbage => drop(write_segment(seg, &[0xa5; 8192])),
+            What::Fifo => assert!(
+                Command::new("mkfifo")
+                    .args(["-m", "600", &path(seg)])
+                    .status()
+                    .unwrap()
+                    .success()
+            ),
+            What::Link => std::os::unix::fs::symlink("/nonexistent", path(seg)).unwrap(),
+            What::Dir => std::fs::create_dir(path(seg)).unwrap(),
+            What::Empty => drop(write_segment(seg, &[])),
+            What::Sparse => write_segment(seg, &[]).set_len(8192).unwrap(),
+        }
+    }
+    let young = |what: &What| matches!(what, What::Empty | What::Sparse);
+    // Without a NAME: every one shown, and every one but the young reported as a problem.
+    let ls = cuda_ipc_bounded(&["ls"], false);
+    let dry = cuda_ipc_bounded(&["gc", "--dry-run"], false);
+    let gc = cuda_ipc_bounded(&["gc"], false);
+    let in_time = planted.elapsed() < Duration::from_millis(1800);
+    for (run, o) in [("ls", &ls), ("gc --dry-run", &dry), ("gc", &gc)] {
+        let t = text(o);
+        assert_eq!(code(o), 1, "{run}: {t}");
+        for (seg, _, what, words) in &cases {
+            if young(what) && !in_time {
+                continue;
+            }
+            assert!(
+                t.lines()
+                    .any(|l| l.contains(seg.as_str()) && l.contains(words)),
+                "{run} says nothing of {seg} ({words}):\n{t}"
+            );
+        }
+    }
+    // Of each NAME: shown and reported, the young kept with exit status 0.
+    for (seg, name, what, words) in &cases {
+        for args in [["ls", name.as_str()], ["gc", name.as_str()]] {
+            let o = cuda_ipc_bounded(&args, false);
+            let t = text(&o);
+            if young(what) && planted.elapsed() >= Duration::from_millis(1800) {
+                continue;
+            }
+            assert!(
+                t.contains(seg.as_str()) && t.contains(words),
+                "{args:?}: {t}"
+            );
+            assert!(
+                !t.contains("no registry, channel or tensor set"),
+                "{args:?}: {t}"
+            );
+            assert_eq!(code(&o), if young(what) { 0 } else { 1 }, "{args:?}: {t}");
+        }
+    }
+    // None was removed, but what the rule of abandoned creations lets `gc` take once 2 s old.
+    for (seg, _, what, _) in &cases {
+        let there = std::fs::symlink_metadata(path(seg)).is_ok();
+        assert!(
+            there || (young(what) && planted.elapsed() >= Duration::from_secs(2)),
+            "{seg} was removed"
+        );
+    }
+}

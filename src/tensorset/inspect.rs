@@ -103,14 +103,16 @@ fn kind_name(code: u32) -> &'static str {
 }
 
 /// The names of this user's tensor sets in `/dev/shm`: every name with a manifest, generation
-/// channel, host data or holders segment of this user's (sorted, once each). Another user's are
+/// channel, host data or holders segment name of this user's, whatever stands there (a FIFO, a
+/// directory or a symbolic link under a part's name blocks the set's creation: listed, and
+/// [`inspect`] or [`super::reclaim::judged_parts`] says what it is), sorted, once each. Another user's are
 /// left out, as [`crate::channel::inspect::list_channels`] leaves their channels out: their
 /// segments cannot be read here (`WrongOwner`) and are not ours to clean.
 ///
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_tensor_sets() -> Result<Vec<String>> {
-    let mut names: Vec<String> = crate::shm::list_own_segments()?
+    let mut names: Vec<String> = crate::shm::list_own_names()?
         .into_iter()
         .filter_map(|s| {
             [
