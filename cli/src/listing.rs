@@ -207,7 +207,8 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
 /// `allocations`, `tensors`, `bytes`, `generation` (null where `channel_problem` is set), `readers` (each `slot`, `pid`, `liveness`,
 /// `held`), `holds`, `holders` (each `slot`, `role`, `pid`, `liveness`, `since_ms`: who serves the
 /// set's fds), `live_holders`, `whole_generation` (what a reader opened after the writer's death
-/// reads), `channel_problem` (why the generation channel could not be read, or null: then
+/// reads), `data_problem` (why a host set's data segment cannot be used, as a reader's open
+/// finds it, or null), `channel_problem` (why the generation channel could not be read, or null: then
 /// `generation`, `readers` and `holds` say nothing), `fingerprint` (hex), `leftovers`, `bridge` (a
 /// tensor-set bridge's status, or null).
 #[derive(Debug)]
@@ -263,6 +264,7 @@ impl Serialize for TensorSetView {
             "live_holders": t.live_holders(),
             "whole_generation": t.whole_generation,
             "channel_problem": t.channel_problem,
+            "data_problem": t.data_problem,
             "fingerprint": t.fingerprint.iter().map(|b| format!("{b:02x}")).collect::<String>(),
             "leftovers": self.has_leftovers(),
             "bridge": self.bridge,
@@ -314,6 +316,14 @@ impl Listing {
                 .iter()
                 .any(SetWithoutManifest::has_problems)
             || self.host_pools.iter().any(HostPoolView::has_problems)
+            || self
+                .channels
+                .iter()
+                .any(|c| c.snapshot.pool_problem.is_some())
+            || self
+                .tensor_sets
+                .iter()
+                .any(|t| t.snapshot.data_problem.is_some())
             || self.tensor_sets.iter().any(|t| {
                 t.snapshot.channel_problem.is_some()
                     && t.snapshot.writer_liveness != cuda_ipc::identity::Liveness::Dead
@@ -491,8 +501,15 @@ pub(crate) fn collect(t: &Targets) -> Listing {
             continue;
         };
         // A pool beside its channel's segment is that channel's to speak for, unless it is
-        // nothing `gc` may judge (then it blocks that channel's host producer: shown).
-        if !p.with_channel || matches!(p.judgement, channel_inspect::PoolJudgement::Unjudged(_)) {
+        // nothing `gc` may judge (then it blocks that channel's host producer: shown, where the
+        // channel's own line does not say why already, `pool_problem`).
+        let said = l
+            .channels
+            .iter()
+            .any(|v| v.snapshot.name == *c && v.snapshot.pool_problem.is_some());
+        if !p.with_channel
+            || (!said && matches!(p.judgement, channel_inspect::PoolJudgement::Unjudged(_)))
+        {
             l.host_pools.push(HostPoolView(p));
         }
     }

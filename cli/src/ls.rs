@@ -236,6 +236,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str(&indent(&t));
             out.push('\n');
         }
+        if let Some(p) = &c.pool_problem {
+            out.push_str(&format!(
+                "  problem: its host pool cannot be used ({p}); a consumer's attach fails\n"
+            ));
+        }
         if c.producer_liveness == Liveness::Dead {
             out.push_str("  problem: the producer is dead; `cuda-ipc gc` removes this segment\n");
         } else if c.has_leftovers() {
@@ -303,6 +308,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str(
                 "  problem: dead readers are attached; `cuda-ipc gc` frees their slots and holds\n",
             );
+        }
+        if let Some(p) = &t.data_problem {
+            out.push_str(&format!(
+                "  problem: its host data segment cannot be used ({p}); a reader's open fails\n"
+            ));
         }
     }
     for m in &l.sets_without_manifest {

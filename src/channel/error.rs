@@ -141,7 +141,8 @@ pub enum SegmentFault {
         /// The consumer count it claims.
         consumers: usize,
     },
-    /// The control segment is shorter than its header's counts need.
+    /// The control segment, or a host pool whose header matches its channel, is shorter than its
+    /// header's counts need (cut short by `truncate`, or corrupted).
     #[error(
         "{segment} holds {len} bytes but its header's counts need {need}: truncated or corrupted"
     )]

@@ -301,13 +301,22 @@ impl HostPool {
         let need = (buffers as u64)
             .checked_mul(stride)
             .and_then(|n| n.checked_add(POOL_DATA as u64));
-        if buffers != tokens.len()
-            || bytes != buffer_bytes
-            || stride != bytes.next_multiple_of(4096)
-            || need.is_none_or(|n| {
-                n > seg.len() as u64 || n != h.segment_bytes.load(Ordering::Relaxed)
-            })
+        let geometry = buffers == tokens.len()
+            && bytes == buffer_bytes
+            && stride == bytes.next_multiple_of(4096)
+            && need.is_some_and(|n| n == h.segment_bytes.load(Ordering::Relaxed));
+        // The channel's own pool, cut short of its buffers (`truncate`): said as such.
+        if let Some(n) = need
+            && geometry
+            && n > seg.len() as u64
         {
+            return Err(bad(SegmentFault::Truncated {
+                segment: name,
+                len: seg.len(),
+                need: usize::try_from(n).unwrap_or(usize::MAX),
+            }));
+        }
+        if !geometry {
             return Err(bad(SegmentFault::PoolMismatch {
                 segment: name,
                 buffers,

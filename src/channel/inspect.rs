@@ -18,7 +18,7 @@ use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
 use crate::shm::versioned::Creation;
 use crate::sync::Ordering;
-use crate::token::Token;
+use crate::token::{Token, TokenKind};
 
 /// The wire codes a snapshot reads: the gate's state, a consumer slot's state, the producer's
 /// state, and the code a build does not know (docs/channel-layout.md).
@@ -333,6 +333,13 @@ pub struct ChannelSnapshot {
     /// How its frames arrive: 0 written on this host, 1 a bridge filling it from another host
     /// (`layout::TRANSPORT_*`).
     pub transport: u32,
+    /// For a host channel ([`super::MemoryKind::Host`]), why its pool `cuda-ipc.hp.NAME` cannot
+    /// be used, as a consumer's attach finds it (missing, cut short of its buffers, sparse,
+    /// another creation, a FIFO, ...: the attach fails with this error); `None` when it can,
+    /// and for a channel whose buffers are device memory. Checked without reading past the
+    /// file's size: the pool is mapped only once its length and pages are checked, and only its
+    /// header is read.
+    pub pool_problem: Option<String>,
 }
 
 impl ChannelSnapshot {
@@ -398,7 +405,44 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
-    inspect_in(SEGMENT_PREFIX, channel)
+    let mut first = true;
+    loop {
+        let c = Control::open_unless_abandoned_in(SEGMENT_PREFIX, channel)?;
+        let mut snap = snapshot(channel, &c);
+        snap.pool_problem = pool_problem(channel, &c);
+        if snap.pool_problem.is_none() {
+            return Ok(snap);
+        }
+        // A producer closing unlinks its control segment, then its pool (one made again makes
+        // its pool, then its control segment): a pool gone or of another creation behind a
+        // control segment whose name no longer stands for the one read is a channel closed
+        // meanwhile (gone), or made again (read again, once), not a problem of this one.
+        let now = crate::shm::Segment::stat(c.segment().name());
+        match now {
+            Err(e) if super::is_not_found(&e) => {
+                return Err(super::ChannelError::NotFound(channel.to_string()).into());
+            }
+            Ok(i) if first && c.segment().inode().is_ok_and(|read| read != i.inode) => {
+                first = false;
+            }
+            _ => return Ok(snap),
+        }
+    }
+}
+
+/// Why the host pool of `channel` (whose control segment is `c`) cannot be used, as a consumer's
+/// attach opens it ([`super::host::HostPool::open`], with the tokens and the buffer size of the
+/// control segment); `None` when it can, or when the channel's buffers are not host memory.
+fn pool_problem(channel: &str, c: &Control) -> Option<String> {
+    let first = Token::from_bytes(&c.buffer_token(0)).ok()?;
+    if first.kind != TokenKind::HostMemory {
+        return None;
+    }
+    let opened = (0..c.buffers())
+        .map(|i| Token::from_bytes(&c.buffer_token(i)))
+        .collect::<Result<Vec<_>>>()
+        .and_then(|tokens| super::host::HostPool::open(channel, false, &tokens, c.buffer_bytes()));
+    opened.err().map(|e| e.to_string())
 }
 
 /// [`inspect`] of the control segment `channel` under `prefix` (crate-private: a tensor set's
@@ -445,6 +489,8 @@ pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
         ring: c.is_ring(),
         // Relaxed: a diagnostic copy.
         transport: c.header().transport.load(Ordering::Relaxed),
+        // Looked at by `inspect`, for a host channel.
+        pool_problem: None,
     }
 }
 
