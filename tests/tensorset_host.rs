@@ -425,6 +425,40 @@ fn abandoned_creations_are_replaced_and_collected() {
     assert!(std::fs::symlink_metadata(path("cuda-ipc.td.", &b)).is_err());
 }
 
+/// A manifest of zeros (no writer recorded) 2 s old by `st_ctime`'s whole seconds (between 1 and
+/// 3 s of real time) is a creation abandoned half-way, as an empty one of that age is: a reader's
+/// open and an inspection (`cuda-ipc ls`) refuse it at once. Before, one at 2 by that count was
+/// waited for (2 s), then said to be "being created by another process".
+#[test]
+fn a_manifest_of_zeros_two_seconds_old_by_its_ctime_is_refused_at_once() {
+    if role().is_some() {
+        return;
+    }
+    let n = set_name("zeros-at-two");
+    let _g = common::Unlink(format!("cuda-ipc.ts.{n}"));
+    // Planted just after a second began: 2 by `st_ctime`'s count from 1.95 s on, 3 from 2.95 s.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    std::thread::sleep(Duration::from_nanos(
+        1_000_000_000 - u64::from(now.subsec_nanos()) + 50_000_000,
+    ));
+    let planted = Instant::now();
+    common::plant(path("cuda-ipc.ts.", &n), &[0u8; 8192]);
+    std::thread::sleep(Duration::from_millis(2300).saturating_sub(planted.elapsed()));
+    let t = Instant::now();
+    let open = TensorSetReader::open_host(&n, &ReaderOptions::default())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let inspected = inspect::inspect(&n).map(|_| ()).unwrap_err().to_string();
+    let took = t.elapsed();
+    for e in [&open, &inspected] {
+        assert!(e.contains("abandoned half-way"), "{e}");
+    }
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+}
+
 #[test]
 fn a_live_writers_set_is_not_taken_and_a_dead_ones_is_replaced() {
     if role().is_some() {
@@ -910,14 +944,18 @@ fn a_segment_of_zeros_is_an_abandoned_creation_told_without_waiting() {
     for p in parts {
         common::plant(path(p, &name), &[0u8; 16384]);
     }
-    // Young: waited for (up to 2 s), then a creation in progress.
+    // Young: waited for while a writer may still record itself (until it is 2 s old by
+    // `st_ctime`'s whole seconds: more than 1 s from now), then refused: abandoned once of that
+    // age, or a creation in progress should the 2 s wait end first.
     let t = Instant::now();
     match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
         Err(Error::TensorSet(TensorSetError::CreationInProgress(_))) => {}
+        Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. }))
+            if e.to_string().contains("abandoned") => {}
         other => panic!("a young manifest of zeros: {:?}", other.map(|_| ())),
     }
     assert!(
-        t.elapsed() >= Duration::from_millis(1900),
+        t.elapsed() >= Duration::from_millis(900) && t.elapsed() < Duration::from_millis(2500),
         "{:?}",
         t.elapsed()
     );

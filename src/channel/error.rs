@@ -121,8 +121,9 @@ pub enum SegmentFault {
         waited: Duration,
     },
     /// A creation abandoned half-way: no init stamp, and its creator is dead, or none is recorded
-    /// in a segment older than 2 s (told at once by tools, never waited for; `cuda-ipc gc`
-    /// removes it).
+    /// in a segment 2 s old by `st_ctime`'s whole seconds (told at once by every opener, a
+    /// consumer's attach and the tools alike, or as soon as it comes of age by one already
+    /// waiting; `cuda-ipc gc` removes it).
     #[error(
         "{segment} is a creation abandoned half-way: no init stamp, and its creator died (or never \
          recorded itself in 2 s); `cuda-ipc gc` removes it"

@@ -372,10 +372,10 @@ pub fn list_channels() -> Result<Vec<String>> {
 ///
 /// Validates the segment as a consumer does (owner, magic, layout version, counts and sizes), but
 /// waits for its init stamp (up to 2 s) only while a creator may still write it: one recorded
-/// that runs (or whose liveness cannot be told), or none recorded yet in a segment at most 2 s
-/// old. A segment without its stamp whose creator is dead, or that records none and is older, is
+/// that runs (or whose liveness cannot be told), or none recorded yet in a segment younger than
+/// 2 s. A segment without its stamp whose creator is dead, or that records none and is older, is
 /// a creation abandoned half-way, told at once ([`super::SegmentFault::Abandoned`]): `cuda-ipc
-/// ls`, `watch`, `metrics` and `gc` never wait on one.
+/// ls`, `watch`, `metrics` and `gc` never wait on one (nor does a consumer's attach).
 ///
 /// # Errors
 /// - [`super::ChannelError::NotFound`] when there is no such segment;
