@@ -269,6 +269,14 @@ fn run_role(role: &str) {
             }
             std::mem::forget(f);
         }
+        // Takes its identity (its first use of the crate) once told to, and says how it went.
+        "first-use" => {
+            let _ = parent_lines().next();
+            match ProcessIdentity::current() {
+                Ok(_) => tell("ok"),
+                Err(e) => tell(format!("error {e}")),
+            }
+        }
         _ => panic!("unknown role {role}"),
     }
 }
@@ -880,5 +888,71 @@ fn another_users_fifo_directory_or_link_under_our_names_is_passed_over_by_what_i
         assert!(std::fs::symlink_metadata(path(n)).is_ok(), "{n} removed");
         let _ = std::fs::remove_dir(path(n));
         let _ = std::fs::remove_file(path(n));
+    }
+}
+
+/// Another user's file (here root's, mode 0600) or symbolic link under the liveness file name of
+/// a process about to use the crate makes its identity fail with an error naming what stands there
+/// and whose it is: the open of another user's file is `EACCES`, which said only "Permission
+/// denied", as does the open of a link another user planted where the kernel's
+/// `protected_symlinks` is on. Nothing is followed or removed (docs/guide.md, "Known limits").
+#[test]
+fn another_users_file_under_a_starting_processs_liveness_name_is_named_in_its_error() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let test = "another_users_file_under_a_starting_processs_liveness_name_is_named_in_its_error";
+    let bin = BinaryForOthers::new("first-use");
+    for (kind, words) in [
+        ("file", "a file of uid 0 (this process runs as uid"),
+        ("link", "a symbolic link of uid 0 (this process runs as uid"),
+    ] {
+        let mut p = spawn_as(&bin, uid, gid, test, "first-use", "unused");
+        let pid = p.child.id();
+        let t = Instant::now();
+        let start_time = loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let field = stat
+                .rfind(')')
+                .and_then(|at| stat[at + 1..].split_ascii_whitespace().nth(19))
+                .and_then(|s| s.parse::<u64>().ok());
+            if let Some(s) = field {
+                break s;
+            }
+            assert!(t.elapsed() < ANSWER);
+        };
+        let path = ProcessIdentity {
+            pid,
+            start_time,
+            ..ProcessIdentity::current().unwrap()
+        }
+        .liveness_path();
+        match kind {
+            "file" => {
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&path)
+                    .unwrap();
+            }
+            _ => std::os::unix::fs::symlink("/nonexistent", &path).unwrap(),
+        }
+        p.send("go");
+        let said = p.expect("error", ANSWER);
+        p.finish(ANSWER);
+        let m = std::fs::symlink_metadata(&path).map(|m| m.uid());
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(m.ok(), Some(0), "{kind}: not left as it was");
+        assert!(
+            said.contains(&format!(
+                "{words} {uid}) holds this process's liveness file name"
+            )),
+            "{kind}: {said}"
+        );
     }
 }

@@ -341,8 +341,59 @@ pub(crate) struct Targets {
     pub host_pools: Vec<String>,
 }
 
-/// Finds the registries and channels in `/dev/shm`, or the ones `name` names (a registry's
-/// segment name, a channel name, or a channel's segment name `cuda-ipc.ch.NAME`).
+/// The segment name prefixes of a channel's parts (control segment, host pool) and of a tensor
+/// set's (manifest, generation channel, host data, holders): a NAME that starts with one stands
+/// for that channel or set, never for a registry.
+const CHANNEL_PARTS: [&str; 2] = [
+    channel_inspect::SEGMENT_PREFIX,
+    channel_inspect::POOL_PREFIX,
+];
+const SET_PARTS: [&str; 4] = [
+    cuda_ipc::tensorset::MANIFEST_PREFIX,
+    cuda_ipc::tensorset::GENERATION_PREFIX,
+    cuda_ipc::tensorset::DATA_PREFIX,
+    cuda_ipc::tensorset::HOLDERS_PREFIX,
+];
+
+/// The prefixes of a process's own files in `/dev/shm` (none of them an object a NAME can name),
+/// each with what it is.
+const PROCESS_FILES: [(&str, &str); 3] = [
+    (cuda_ipc::identity::LIVE_PREFIX, "a process's liveness file"),
+    (
+        cuda_ipc::ipc::fdpass::SOCKET_PREFIX,
+        "a process's fd server socket",
+    ),
+    (
+        cuda_ipc::cleanup::BRIDGE_PREFIX,
+        "a lane bridge's status file",
+    ),
+];
+
+/// Which object a NAME stands for when it is the segment name of one of its parts: a channel
+/// (`cuda-ipc.ch.NAME`, `cuda-ipc.hp.NAME`) or a tensor set (`cuda-ipc.ts.NAME`, `.tg.`, `.td.`,
+/// `.th.`); `None` for any other name (a registry's segment name, or a channel's or set's own
+/// name).
+enum Part<'a> {
+    Channel(&'a str),
+    Set(&'a str),
+}
+
+fn part_of(n: &str) -> Option<Part<'_>> {
+    let rest = |prefixes: &[&str]| {
+        prefixes
+            .iter()
+            .find_map(|p| n.strip_prefix(p).filter(|r| !r.is_empty()))
+    };
+    rest(&CHANNEL_PARTS)
+        .map(Part::Channel)
+        .or_else(|| rest(&SET_PARTS).map(Part::Set))
+}
+
+/// Finds the registries and channels in `/dev/shm`, or the ones `name` names: a registry's
+/// segment name, a channel's or tensor set's name, or the segment name of one of their parts
+/// (`cuda-ipc.ch.NAME` or `cuda-ipc.hp.NAME` for channel `NAME`, `cuda-ipc.ts.NAME`, `.tg.`,
+/// `.td.` or `.th.` for set `NAME`: that object alone, never a registry of that name). A process's
+/// own file (`cuda-ipc.live.…`, `cuda-ipc.fd.…`, `cuda-ipc.br.…`) is refused, saying what it is.
 pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     let mut registries = registry_inspect::list_registries()?;
     let mut channels = channel_inspect::list_channels()?;
@@ -351,17 +402,31 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     let mut tensor_sets = tensorset_inspect::list_tensor_sets()?;
     let mut host_pools = channel_inspect::list_host_pools()?;
     if let Some(n) = name {
-        let chan = n
-            .strip_prefix(channel_inspect::SEGMENT_PREFIX)
-            .or_else(|| n.strip_prefix(channel_inspect::POOL_PREFIX))
-            .unwrap_or(n);
-        let set = n
-            .strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
-            .unwrap_or(n);
-        registries.retain(|r| r == n);
-        channels.retain(|c| c == chan);
-        tensor_sets.retain(|t| t == set);
-        host_pools.retain(|c| c == chan);
+        if let Some((_, what)) = PROCESS_FILES
+            .iter()
+            .find(|(p, _)| n.starts_with(p) && n.len() > p.len())
+        {
+            return Err(format!(
+                "{n:?} is {what}, not a registry, channel or tensor set: `cuda-ipc gc` without a \
+                 NAME removes those of killed processes, and `cuda-ipc ls` shows the objects"
+            )
+            .into());
+        }
+        // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
+        // (`crate::quota::collect_named`).
+        if crate::quota::is_ledger(n) {
+            return Ok(Targets::default());
+        }
+        let part = part_of(n);
+        let (reg, chan, set) = match part {
+            Some(Part::Channel(c)) => (None, Some(c), None),
+            Some(Part::Set(t)) => (None, None, Some(t)),
+            None => (Some(n), Some(n), Some(n)),
+        };
+        registries.retain(|r| Some(r.as_str()) == reg);
+        channels.retain(|c| Some(c.as_str()) == chan);
+        tensor_sets.retain(|t| Some(t.as_str()) == set);
+        host_pools.retain(|c| Some(c.as_str()) == chan);
         // A segment that exists but was not listed (another user's, or not a registry): inspected
         // anyway, so the error says why (owner, magic) instead of "no such name".
         let exists = |seg: &str| {
@@ -370,41 +435,30 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 // in a way that could block.
                 && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
         };
-        // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
-        // (`crate::quota::collect_named`).
-        if crate::quota::is_ledger(n) {
-            return Ok(Targets::default());
-        }
-        if registries.is_empty() && channels.is_empty() {
-            if exists(&channel_inspect::segment_name(chan)) {
+        if let Some(chan) = chan {
+            if channels.is_empty() && exists(&channel_inspect::segment_name(chan)) {
                 channels.push(chan.to_string());
-            } else if n == chan && exists(n) {
-                registries.push(n.to_string());
+            }
+            // A host pool name of another user's, or one that stands alone: shown (or passed
+            // over by `gc`) as what blocks a host producer of that channel.
+            if host_pools.is_empty() && exists(&channel_inspect::pool_segment_name(chan)) {
+                host_pools.push(chan.to_string());
             }
         }
-        // A host pool name of another user's, or one that stands alone: shown (or passed over by
-        // `gc`) as what blocks a host producer of that channel.
-        if host_pools.is_empty() && exists(&channel_inspect::pool_segment_name(chan)) {
-            host_pools.push(chan.to_string());
-        }
+        if let Some(reg) = reg
+            && registries.is_empty()
+            && channels.is_empty()
+            && exists(reg)
         {
-            use cuda_ipc::tensorset::{
-                DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX,
-            };
-            if tensor_sets.is_empty()
-                && [
-                    MANIFEST_PREFIX,
-                    GENERATION_PREFIX,
-                    DATA_PREFIX,
-                    HOLDERS_PREFIX,
-                ]
-                .iter()
-                .any(|p| exists(&format!("{p}{set}")))
-            {
-                // Another user's set (any part of it, as `gc` without a NAME lists their parts):
-                // `gc` passes it over, and `ls` inspects it, so the error names its owner.
-                tensor_sets.push(set.to_string());
-            }
+            registries.push(reg.to_string());
+        }
+        if let Some(set) = set
+            && tensor_sets.is_empty()
+            && SET_PARTS.iter().any(|p| exists(&format!("{p}{set}")))
+        {
+            // Another user's set (any part of it, as `gc` without a NAME lists their parts):
+            // `gc` passes it over, and `ls` inspects it, so the error names its owner.
+            tensor_sets.push(set.to_string());
         }
         if registries.is_empty()
             && channels.is_empty()

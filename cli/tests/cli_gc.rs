@@ -1237,3 +1237,56 @@ fn whatever_blocks_a_creation_under_our_names_is_shown_by_ls_and_reported_by_gc(
         );
     }
 }
+
+/// A segment name of a channel's or tensor set's part given as NAME names that channel or set,
+/// never a registry of that name: `gc cuda-ipc.ts.X` printed "registry cuda-ipc.ts.X: cannot read:
+/// ... not a cuda-ipc registry" (exit status 1), and `ls` the same beside the set. A process's own
+/// file (a liveness file) given as NAME is refused saying what it is.
+#[test]
+fn a_parts_segment_name_names_its_channel_or_set_and_a_process_file_is_refused_clearly() {
+    use cuda_ipc::channel::{ChannelOptions, Producer};
+    use cuda_ipc::tensorset::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
+    let _gc = beside_others();
+    let ch = unique("part-names-ch");
+    let ts = unique("part-names-ts");
+    let _tx = Producer::create_host(&ch, &ChannelOptions::new(4096).buffers(2)).unwrap();
+    let _w = TensorSetWriter::create_host(
+        &ts,
+        &[TensorSpec::new("w", DType::F32, &[4])],
+        &TensorSetOptions::new(),
+    )
+    .unwrap();
+    let names = [
+        (format!("cuda-ipc.ch.{ch}"), format!("channel {ch}:")),
+        (format!("cuda-ipc.hp.{ch}"), format!("channel {ch}:")),
+        (format!("cuda-ipc.ts.{ts}"), format!("tensorset {ts}:")),
+        (format!("cuda-ipc.tg.{ts}"), format!("tensorset {ts}:")),
+        (format!("cuda-ipc.td.{ts}"), format!("tensorset {ts}:")),
+    ];
+    for (n, shown) in &names {
+        let gc = cuda_ipc_bounded(&["gc", "--dry-run", n], false);
+        let ls = cuda_ipc_bounded(&["ls", n], false);
+        for (what, o) in [("gc", &gc), ("ls", &ls)] {
+            let t = text(o);
+            assert_eq!(code(o), 0, "{what} {n}: {t}");
+            assert!(!t.contains("registry"), "{what} {n}: {t}");
+        }
+        assert!(
+            text(&ls).starts_with(shown.as_str()),
+            "ls {n}: {}",
+            text(&ls)
+        );
+        assert_eq!(text(&gc).trim(), "nothing to remove", "gc {n}");
+    }
+    let me = ProcessIdentity::current().unwrap();
+    for args in [["gc", &me.liveness_name()], ["ls", &me.liveness_name()]] {
+        let o = cuda_ipc_bounded(&args, false);
+        assert_eq!(code(&o), 1, "{args:?}: {}", text(&o));
+        assert!(
+            text(&o)
+                .contains("is a process's liveness file, not a registry, channel or tensor set"),
+            "{args:?}: {}",
+            text(&o)
+        );
+    }
+}

@@ -155,6 +155,17 @@ fn creator_of(seg: &Segment) -> Creator {
     })
 }
 
+/// What a control segment of name `name` is, in words: a user's `channel` (`cuda-ipc.ch.NAME`),
+/// or, under another prefix, the `tensor set's generation channel` (`cuda-ipc.tg.NAME`, the one
+/// other prefix: [`segment_name_in`]).
+fn channel_kind(name: &str) -> &'static str {
+    if name.starts_with(SEGMENT_PREFIX) {
+        "channel"
+    } else {
+        "tensor set's generation channel"
+    }
+}
+
 /// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
 /// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
 /// the header's in the channel's words.
@@ -166,7 +177,7 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
         OpenError::Segment(e) => e,
         OpenError::Header(HeaderError::Foreign { magic }) => bad(SegmentFault::Foreign {
             segment: name.to_string(),
-            what: "channel",
+            what: channel_kind(name),
             magic,
         }),
         OpenError::Header(HeaderError::OtherVersion { found }) => {

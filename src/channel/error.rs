@@ -87,8 +87,8 @@ pub enum ChannelError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SegmentFault {
-    /// Another program's segment: its magic is not the channel's (`what`: `"channel"` or
-    /// `"host pool"`).
+    /// Another program's segment: its magic is not the channel's (`what`: `"channel"`, `"host
+    /// pool"`, or `"tensor set's generation channel"` for `cuda-ipc.tg.NAME`).
     #[error("{segment} is not a cuda-ipc {what} (magic {magic:#018x})")]
     Foreign {
         /// The segment's name.

@@ -277,14 +277,14 @@ impl Segment {
     /// # Errors
     /// - [`ShmError::InvalidName`] for a bad name;
     /// - [`ShmError::NotFound`] when there is no such segment;
-    /// - [`ShmError::NotASegment`] when the name is a FIFO, directory, socket or device;
+    /// - [`ShmError::NotASegment`] when the name is a FIFO, directory, socket, device or symbolic
+    ///   link (never followed);
     /// - [`ShmError::WrongOwner`] when another user's segment may not be opened by us
     ///   (`EACCES`), naming both uids;
     /// - [`ShmError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
     ///   so a short segment is an error and not a fault);
     /// - [`ShmError::Sparse`] when some of its pages are not backed (a creator that died
     ///   between `ftruncate` and `fallocate`, or a file sized with `truncate`);
-    /// - [`crate::Error::InvalidArgument`] when the name is a symbolic link (never followed);
     /// - [`crate::Error::Os`] for a failed call (`EACCES` when the mode forbids us).
     pub fn open_with_min_len(name: &str, min_len: usize) -> Result<Segment> {
         validate_name(name)?;
@@ -326,8 +326,8 @@ impl Segment {
     ///
     /// # Errors
     /// [`ShmError::InvalidName`], [`ShmError::NotFound`],
-    /// [`ShmError::NotASegment`] (a FIFO, directory, socket or device),
-    /// [`crate::Error::InvalidArgument`] for a symbolic link, [`crate::Error::Os`] otherwise.
+    /// [`ShmError::NotASegment`] (a FIFO, directory, socket, device or symbolic link),
+    /// [`crate::Error::Os`] otherwise.
     pub fn stat(name: &str) -> Result<SegmentInfo> {
         validate_name(name)?;
         let fd = open_checked(name, false)?;
@@ -704,9 +704,12 @@ fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
             name: name.to_string(),
         }
         .into()),
-        Err(Errno::LOOP) => Err(crate::Error::InvalidArgument(format!(
-            "{SHM_DIR}/{name} is a symbolic link; a segment is never opened through one"
-        ))),
+        // Never followed: a link is what stands under the name, not a segment.
+        Err(Errno::LOOP) => Err(ShmError::NotASegment {
+            name: name.to_string(),
+            kind: "symbolic link",
+        }
+        .into()),
         Err(Errno::ISDIR) => Err(ShmError::NotASegment {
             name: name.to_string(),
             kind: "directory",

@@ -490,11 +490,10 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
     if body_len > room {
         return Err(bad(
             &name,
-            ManifestFault::OutOfBounds {
-                what: "the body",
-                offset: HEADER_PAGE as u64,
-                len: body_len,
-                body: room,
+            ManifestFault::Truncated {
+                what: "its body",
+                len: seg.len() as u64,
+                need: body_len.saturating_add(HEADER_PAGE as u64),
             },
         ));
     }
