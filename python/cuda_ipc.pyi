@@ -370,7 +370,9 @@ class WriteFrame:
     def write(self, data: Union[bytes, bytearray, memoryview, Any], offset: int = 0) -> int:
         """Copies ``data`` (bytes, or any object exporting a buffer) into the host buffer at byte
         ``offset``; returns the bytes written. ``InvalidArgument`` past the end or once
-        published, ``TypeError`` for what is not bytes-like, ``NotSupported`` on a GPU frame."""
+        published, and for a buffer of Python objects (format ``O``, a NumPy array of
+        ``dtype=object``: its bytes are pointers), ``TypeError`` for what is not bytes-like,
+        ``NotSupported`` on a GPU frame."""
     def read(self, offset: int = 0, n: Optional[int] = None) -> bytes:
         """A copy of ``n`` bytes of the host buffer from ``offset`` (``None``: to the end)."""
     def publish_after(self, stream: StreamLike) -> None:
@@ -601,10 +603,12 @@ TensorSpecs = Dict[str, Any]
 class TensorSetWriter:
     """The writing end of tensor set ``name``: one allocation per buffer on device ``device``
     (``memory``: ``"vmm"`` default, ``"auto"``, ``"pool"``, ``"legacy"``, ``"host"``), ``mode``
-    ``"in_place"`` (one buffer) or ``"buffered"`` (``buffers`` of them, 2 to 16). Nothing is
-    published before the first commit. Raises ``ChannelExists`` when a live writer has the name,
-    ``InvalidArgument`` for bad specs (``NotSupported`` for a PyTorch dtype a set cannot hold, such
-    as ``torch.quint8``), ``OverQuota``, ``CudaError``."""
+    ``"in_place"`` (one buffer) or ``"buffered"`` (``buffers`` of them, 2 to 16; default 2).
+    ``buffers`` is for ``"buffered"`` only: given with ``"in_place"`` it is an
+    ``InvalidArgument``. Nothing is published before the first commit. Raises ``ChannelExists``
+    when a live writer has the name, ``InvalidArgument`` for bad specs (a dimension that is not
+    an int, or a ``bool``; ``NotSupported`` for a PyTorch dtype a set cannot hold, such as
+    ``torch.quint8``), ``OverQuota``, ``CudaError``."""
 
     def __new__(
         cls,
@@ -614,7 +618,7 @@ class TensorSetWriter:
         device: int = 0,
         memory: str = "vmm",
         mode: str = "in_place",
-        buffers: int = 2,
+        buffers: Optional[int] = None,
         max_readers: int = 64,
         quota: Optional[str] = None,
     ) -> TensorSetWriter: ...
@@ -734,7 +738,13 @@ class TensorUpdate:
         ``CopyPlan`` of this writer copies its sources without reading them again."""
     def copy_from_previous(self) -> None: ...
     def write(self, name: str, data: Any) -> None:
-        """Host sets: writes ``data`` over the first ``len(data)`` bytes of tensor ``name``."""
+        """Host sets: writes ``data`` (bytes, or any object exporting a buffer) over the first
+        ``len(data)`` bytes of tensor ``name``, as they are, never converted: plain bytes
+        (``bytes``, ``bytearray``, ``memoryview(a).cast("B")``) into a tensor of any dtype, any
+        other buffer only when its items are of the tensor's element size (an ``int32`` array
+        into a ``float32`` tensor is copied bit for bit). ``InvalidArgument`` for items of
+        another size (a ``float64`` array into a ``float32`` tensor: convert it first) and for a
+        buffer of Python objects (a NumPy array of ``dtype=object``)."""
     def fingerprint(self) -> bytes:
         """The content fingerprint of the update's bytes as its work so far leaves them (32
         bytes): commit with it (``commit(content=fp)``) and give it to readers

@@ -80,11 +80,16 @@ fn a_foreign_file_is_refused_at_once_naming_its_magic() {
 #[test]
 fn zeros_are_waited_for_as_a_creator_still_writing_then_refused() {
     // All zeros is what a segment looks like before its creator writes the header: the opener
-    // waits for the init stamp, bounded, then says so.
+    // waits for the init stamp, bounded, then says so: never finished after the wait, or
+    // abandoned half-way as soon as it is 2 s old by `st_ctime`'s whole seconds, whichever comes
+    // first.
     let g = Garbage::new("zeros", &[0u8; 8192]);
     let t = Instant::now();
     let e = inspect::inspect(&g.0).map(|_| ()).unwrap_err().to_string();
-    assert!(e.contains("never finished"), "{e}");
+    assert!(
+        e.contains("never finished") || e.contains("abandoned half-way"),
+        "{e}"
+    );
     assert!(
         t.elapsed() < Duration::from_secs(5),
         "took {:?}",
@@ -110,13 +115,16 @@ fn truncated_and_empty_files_are_refused_as_too_small() {
 #[test]
 fn zeros_older_than_two_seconds_are_an_abandoned_creation_told_at_once_by_every_tool() {
     // No producer recorded in a file older than 2 s: nobody will stamp it. Inspection, `gc`'s
-    // removal of a dead producer's segment and its release of dead consumers say so at once
-    // instead of waiting 2 s each (a consumer's attach still waits, as for a young one).
+    // removal of a dead producer's segment, its release of dead consumers and a consumer's attach
+    // say so at once instead of waiting 2 s each (the attach waited, as for a young one).
     let g = Garbage::new("old-zeros", &[0u8; 16384]);
     // `st_ctime` counts whole seconds: more than 2 s by its count.
     std::thread::sleep(Duration::from_millis(3100));
     let t = Instant::now();
     let errors = [
+        ControlConsumer::attach(&g.0, Delivery::EveryFrame)
+            .map(|_| ())
+            .unwrap_err(),
         inspect::inspect(&g.0).map(|_| ()).unwrap_err(),
         cuda_ipc::channel::reclaim::remove_stale(&g.0)
             .map(|_| ())
@@ -147,5 +155,65 @@ fn zeros_older_than_two_seconds_are_an_abandoned_creation_told_at_once_by_every_
     assert!(
         std::fs::metadata(Garbage::path(&g.0)).is_ok(),
         "nothing removed"
+    );
+}
+
+/// Waits until `frac` of the current second has passed (of the next second when it has already).
+fn at_second_fraction(frac: f64) -> Instant {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let into = f64::from(now.subsec_nanos()) / 1e9;
+    let wait = if into < frac {
+        frac - into
+    } else {
+        1.0 - into + frac
+    };
+    std::thread::sleep(Duration::from_secs_f64(wait));
+    Instant::now()
+}
+
+/// Zeros with no producer recorded are a creation abandoned half-way once 2 s old by
+/// `st_ctime`'s whole seconds, the age by which an empty or sparse file is: at 2 by that count
+/// (between 1 and 3 s of real time), an attach and an inspection refuse it at once. Before, a
+/// file at 2 was still waited for (2 s), then said "never finished" by the attach and "being
+/// created" by the tools, while the same file empty was already abandoned.
+#[test]
+fn zeros_two_seconds_old_by_their_ctime_are_refused_at_once() {
+    let planted = at_second_fraction(0.05);
+    let g = Garbage::new("zeros-at-two", &[0u8; 16384]);
+    // 2 by `st_ctime`'s count from 1.95 s on; 3 from 2.95 s on.
+    std::thread::sleep(Duration::from_millis(2300).saturating_sub(planted.elapsed()));
+    let t = Instant::now();
+    let i = inspect::inspect(&g.0).map(|_| ()).unwrap_err().to_string();
+    let a = ControlConsumer::attach(&g.0, Delivery::EveryFrame)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let took = t.elapsed();
+    for e in [&i, &a] {
+        assert!(e.contains("abandoned half-way"), "{e}");
+    }
+    assert!(took < Duration::from_secs(1), "took {took:?}: {i} / {a}");
+}
+
+/// An opener that waits for the stamp of young zeros (no producer recorded yet: one may be about
+/// to record itself) judges them again while it waits: once they are 2 s old by `st_ctime`'s
+/// count, the stamp never comes, and the attach is refused then, as abandoned, not after its
+/// whole 2 s wait as "never finished".
+#[test]
+fn an_attach_waiting_for_young_zeros_stops_when_they_come_of_age() {
+    // Made late in a second: 2 by `st_ctime`'s count about 1.2 s later.
+    let planted = at_second_fraction(0.8);
+    let g = Garbage::new("zeros-coming-of-age", &[0u8; 16384]);
+    let e = ControlConsumer::attach(&g.0, Delivery::EveryFrame)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let took = planted.elapsed();
+    assert!(e.contains("abandoned half-way"), "{e}");
+    assert!(
+        took < Duration::from_millis(1700),
+        "took {took:?}: waited past the file's coming of age"
     );
 }

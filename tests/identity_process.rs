@@ -175,3 +175,85 @@ fn proc_outvotes_a_lock_held_under_a_dead_pids_liveness_name_in_its_own_pid_name
     std::fs::remove_file(&path).unwrap();
     std::fs::remove_file(&reused_path).unwrap();
 }
+
+/// A symbolic link, a FIFO or a directory planted under the liveness file name of a process about
+/// to take its identity (its first use of the crate) makes that fail with an error saying what
+/// stands there, and nothing of it is followed, read or removed. The FIFO was "a Fifo"; where
+/// the kernel's `protected_symlinks` refuses the open of a link another user planted (`EACCES`),
+/// the error was only "Permission denied": what stands there is now read with `lstat` whatever
+/// the errno (`tests/two_users.rs` has another user's file, whose open is `EACCES` too).
+#[test]
+fn what_stands_under_a_starting_processs_liveness_file_name_is_named_in_its_error() {
+    if std::env::var(ROLE).as_deref() == Ok("planted") {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+        match ProcessIdentity::current() {
+            Ok(_) => println!("@@ ok"),
+            Err(e) => println!("@@ {e}"),
+        }
+        return;
+    }
+    for (kind, words) in [
+        ("link", "a symbolic link"),
+        ("fifo", "a FIFO"),
+        ("dir", "a directory"),
+    ] {
+        use std::io::{BufRead, Write};
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "what_stands_under_a_starting_processs_liveness_file_name_is_named_in_its_error",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE, "planted")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let t = std::time::Instant::now();
+        let start_time = loop {
+            if let Some(s) = start_time_of(pid) {
+                break s;
+            }
+            assert!(t.elapsed() < Duration::from_secs(5));
+        };
+        let path = ProcessIdentity {
+            pid,
+            start_time,
+            ..ProcessIdentity::current().unwrap()
+        }
+        .liveness_path();
+        match kind {
+            "link" => std::os::unix::fs::symlink("/nonexistent", &path).unwrap(),
+            "fifo" => {
+                let c = std::ffi::CString::new(path.clone()).unwrap();
+                // SAFETY: `c` is a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }
+            _ => std::fs::create_dir(&path).unwrap(),
+        }
+        writeln!(child.stdin.as_mut().unwrap(), "go").unwrap();
+        // Read to the end, so the child's last lines find a reader.
+        let lines: Vec<String> = std::io::BufReader::new(child.stdout.take().unwrap())
+            .lines()
+            .map_while(Result::ok)
+            .collect();
+        let said = lines
+            .iter()
+            .find_map(|l| l.split("@@ ").nth(1).map(str::to_string))
+            .unwrap_or_default();
+        child.wait().unwrap();
+        let there = std::fs::symlink_metadata(&path).is_ok();
+        let _ = std::fs::remove_dir(&path);
+        let _ = std::fs::remove_file(&path);
+        assert!(there, "{kind}: removed");
+        assert!(
+            said.contains(&format!(
+                "{words} holds this process's liveness file name; remove it"
+            )),
+            "{kind}: {said}"
+        );
+    }
+}

@@ -269,6 +269,14 @@ fn run_role(role: &str) {
             }
             std::mem::forget(f);
         }
+        // Takes its identity (its first use of the crate) once told to, and says how it went.
+        "first-use" => {
+            let _ = parent_lines().next();
+            match ProcessIdentity::current() {
+                Ok(_) => tell("ok"),
+                Err(e) => tell(format!("error {e}")),
+            }
+        }
         _ => panic!("unknown role {role}"),
     }
 }
@@ -807,4 +815,144 @@ fn a_scan_naming_another_users_channel_and_tensor_set_passes_them_over_as_a_scan
     // The test's own debris, by hand.
     let _ = std::fs::remove_file(format!("/dev/shm/{segment}"));
     let _ = std::fs::remove_file(format!("/dev/shm/{liveness}"));
+}
+
+/// Another user's FIFO, directory or symbolic link under one of our names (a channel's control
+/// segment, a host pool, a tensor set's part) blocks that object's creation as their segment
+/// would: a scan, of everything or naming the object, passes it over into `Scan::skipped` by what
+/// it is (never a problem, never removed), so `gc` and `ls` say it is there. Before, only their
+/// regular files were listed, and these went unmentioned.
+#[test]
+fn another_users_fifo_directory_or_link_under_our_names_is_passed_over_by_what_it_is() {
+    use cuda_ipc::cleanup::{self, Scope};
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let base = format!("two-users-blocker-{}", std::process::id());
+    let planted = [
+        (
+            format!("cuda-ipc.ch.{base}-ch"),
+            "FIFO",
+            format!("{base}-ch"),
+        ),
+        (
+            format!("cuda-ipc.hp.{base}-hp"),
+            "directory",
+            format!("{base}-hp"),
+        ),
+        (
+            format!("cuda-ipc.tg.{base}-ts"),
+            "symbolic link",
+            format!("{base}-ts"),
+        ),
+    ];
+    let path = |n: &str| format!("/dev/shm/{n}");
+    for (n, what, _) in &planted {
+        match *what {
+            "FIFO" => {
+                let c = std::ffi::CString::new(path(n)).unwrap();
+                // SAFETY: `c` is a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }
+            "directory" => std::fs::create_dir(path(n)).unwrap(),
+            _ => std::os::unix::fs::symlink("/nonexistent", path(n)).unwrap(),
+        }
+        std::os::unix::fs::lchown(path(n), Some(uid), Some(gid)).unwrap();
+    }
+    let names: Vec<&str> = planted.iter().map(|p| p.0.as_str()).collect();
+    let everything = cleanup::scan(&Scope::everything()).unwrap();
+    let named = cleanup::scan(
+        &Scope::only(Vec::new(), vec![planted[0].2.clone(), planted[1].2.clone()])
+            .with_tensor_sets(vec![planted[2].2.clone()]),
+    )
+    .unwrap();
+    for (when, scan) in [("everything", &everything), ("named", &named)] {
+        for (n, what, _) in &planted {
+            let s = scan.skipped.iter().find(|s| &s.name == n);
+            assert!(
+                s.is_some_and(|s| s.uid == uid && s.what == *what && !s.dead),
+                "{when}: {n}: {s:?} in {:?}",
+                scan.skipped
+            );
+        }
+        assert!(
+            !scan
+                .problems
+                .iter()
+                .any(|p| names.iter().any(|n| p.error.to_string().contains(n))),
+            "{when}: {:?}",
+            scan.problems
+        );
+    }
+    for n in &names {
+        assert!(std::fs::symlink_metadata(path(n)).is_ok(), "{n} removed");
+        let _ = std::fs::remove_dir(path(n));
+        let _ = std::fs::remove_file(path(n));
+    }
+}
+
+/// Another user's file (here root's, mode 0600) or symbolic link under the liveness file name of
+/// a process about to use the crate makes its identity fail with an error naming what stands there
+/// and whose it is: the open of another user's file is `EACCES`, which said only "Permission
+/// denied", as does the open of a link another user planted where the kernel's
+/// `protected_symlinks` is on. Nothing is followed or removed (docs/guide.md, "Known limits").
+#[test]
+fn another_users_file_under_a_starting_processs_liveness_name_is_named_in_its_error() {
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let test = "another_users_file_under_a_starting_processs_liveness_name_is_named_in_its_error";
+    let bin = BinaryForOthers::new("first-use");
+    for (kind, words) in [
+        ("file", "a file of uid 0 (this process runs as uid"),
+        ("link", "a symbolic link of uid 0 (this process runs as uid"),
+    ] {
+        let mut p = spawn_as(&bin, uid, gid, test, "first-use", "unused");
+        let pid = p.child.id();
+        let t = Instant::now();
+        let start_time = loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let field = stat
+                .rfind(')')
+                .and_then(|at| stat[at + 1..].split_ascii_whitespace().nth(19))
+                .and_then(|s| s.parse::<u64>().ok());
+            if let Some(s) = field {
+                break s;
+            }
+            assert!(t.elapsed() < ANSWER);
+        };
+        let path = ProcessIdentity {
+            pid,
+            start_time,
+            ..ProcessIdentity::current().unwrap()
+        }
+        .liveness_path();
+        match kind {
+            "file" => {
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&path)
+                    .unwrap();
+            }
+            _ => std::os::unix::fs::symlink("/nonexistent", &path).unwrap(),
+        }
+        p.send("go");
+        let said = p.expect("error", ANSWER);
+        p.finish(ANSWER);
+        let m = std::fs::symlink_metadata(&path).map(|m| m.uid());
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(m.ok(), Some(0), "{kind}: not left as it was");
+        assert!(
+            said.contains(&format!(
+                "{words} {uid}) holds this process's liveness file name"
+            )),
+            "{kind}: {said}"
+        );
+    }
 }

@@ -98,7 +98,14 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
         }
         Some(_) => {
             let t = targets(name)?;
-            Scope::only(t.registries, t.channels).with_tensor_sets(t.tensor_sets)
+            // The channels named, and those of which only a host pool name stands.
+            let mut channels = t.channels;
+            for c in t.host_pools {
+                if !channels.contains(&c) {
+                    channels.push(c);
+                }
+            }
+            Scope::only(t.registries, channels).with_tensor_sets(t.tensor_sets)
         }
     };
     let scan = cleanup::scan(&scope)?;

@@ -32,6 +32,54 @@ pub struct Listing {
     /// Tensor sets of which parts stand but no manifest: leftovers of a writer killed half-way, or
     /// a set being made or closed right now.
     pub sets_without_manifest: Vec<SetWithoutManifest>,
+    /// Host pool names (`cuda-ipc.hp.NAME`) without their channel's control segment, and those
+    /// that are no pool `gc` may judge (a FIFO, a file that is not a pool, ...) whatever stands
+    /// beside them: each blocks a host producer's creation of that channel.
+    pub host_pools: Vec<HostPoolView>,
+}
+
+/// A host pool name of this user that `ls` shows on its own line ([`Listing::host_pools`]), with
+/// what `gc` makes of it (the library's judgement, [`channel_inspect::host_pool`]).
+///
+/// JSON: `channel`, `segment`, `bytes`, `age_s`, `with_channel` (whether a control segment
+/// stands beside it), `gc` (`removes`, `keeps` or `cannot judge`) and `why`.
+#[derive(Debug)]
+pub struct HostPoolView(pub channel_inspect::HostPoolEntry);
+
+impl HostPoolView {
+    /// What `gc` does with it (`removes`, `keeps`, `cannot judge`) and why: the same words in the
+    /// text and JSON forms.
+    pub fn gc(&self) -> (&'static str, String) {
+        use channel_inspect::PoolJudgement;
+        match &self.0.judgement {
+            PoolJudgement::Stale(why) => ("removes", why.to_string()),
+            PoolJudgement::Kept(why) => ("keeps", why.clone()),
+            PoolJudgement::Unjudged(e) => ("cannot judge", e.to_string()),
+            _ => ("keeps", "not judged by this version".to_string()),
+        }
+    }
+
+    /// Whether it is something `gc` removes or cannot judge (exit status 1).
+    pub fn has_problems(&self) -> bool {
+        self.gc().0 != "keeps"
+    }
+}
+
+impl Serialize for HostPoolView {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let p = &self.0;
+        let (gc, why) = self.gc();
+        serde_json::json!({
+            "channel": p.channel,
+            "segment": p.segment,
+            "bytes": p.bytes,
+            "age_s": p.age_secs,
+            "with_channel": p.with_channel,
+            "gc": gc,
+            "why": why,
+        })
+        .serialize(s)
+    }
 }
 
 /// The parts of a tensor set that stand without its manifest, each with what `gc` makes of it
@@ -92,7 +140,7 @@ impl Serialize for SetWithoutManifest {
 /// closed it in between. Not a problem.
 #[derive(Debug, Serialize)]
 pub struct Closed {
-    /// `registry`, `channel` or `tensorset`.
+    /// `registry`, `channel`, `tensorset` or `host pool`.
     pub kind: &'static str,
     /// Its name, as for [`SegmentError::name`].
     pub name: String,
@@ -159,7 +207,8 @@ fn snapshot_json<T: Serialize, E: serde::ser::Error>(
 /// `allocations`, `tensors`, `bytes`, `generation` (null where `channel_problem` is set), `readers` (each `slot`, `pid`, `liveness`,
 /// `held`), `holds`, `holders` (each `slot`, `role`, `pid`, `liveness`, `since_ms`: who serves the
 /// set's fds), `live_holders`, `whole_generation` (what a reader opened after the writer's death
-/// reads), `channel_problem` (why the generation channel could not be read, or null: then
+/// reads), `data_problem` (why a host set's data segment cannot be used, as a reader's open
+/// finds it, or null), `channel_problem` (why the generation channel could not be read, or null: then
 /// `generation`, `readers` and `holds` say nothing), `fingerprint` (hex), `leftovers`, `bridge` (a
 /// tensor-set bridge's status, or null).
 #[derive(Debug)]
@@ -215,6 +264,7 @@ impl Serialize for TensorSetView {
             "live_holders": t.live_holders(),
             "whole_generation": t.whole_generation,
             "channel_problem": t.channel_problem,
+            "data_problem": t.data_problem,
             "fingerprint": t.fingerprint.iter().map(|b| format!("{b:02x}")).collect::<String>(),
             "leftovers": self.has_leftovers(),
             "bridge": self.bridge,
@@ -265,6 +315,15 @@ impl Listing {
                 .sets_without_manifest
                 .iter()
                 .any(SetWithoutManifest::has_problems)
+            || self.host_pools.iter().any(HostPoolView::has_problems)
+            || self
+                .channels
+                .iter()
+                .any(|c| c.snapshot.pool_problem.is_some())
+            || self
+                .tensor_sets
+                .iter()
+                .any(|t| t.snapshot.data_problem.is_some())
             || self.tensor_sets.iter().any(|t| {
                 t.snapshot.channel_problem.is_some()
                     && t.snapshot.writer_liveness != cuda_ipc::identity::Liveness::Dead
@@ -278,24 +337,96 @@ pub(crate) struct Targets {
     pub registries: Vec<String>,
     pub channels: Vec<String>,
     pub tensor_sets: Vec<String>,
+    /// Channel names with a host pool name (`cuda-ipc.hp.NAME`), whatever stands there.
+    pub host_pools: Vec<String>,
 }
 
-/// Finds the registries and channels in `/dev/shm`, or the ones `name` names (a registry's
-/// segment name, a channel name, or a channel's segment name `cuda-ipc.ch.NAME`).
+/// The segment name prefixes of a channel's parts (control segment, host pool) and of a tensor
+/// set's (manifest, generation channel, host data, holders): a NAME that starts with one stands
+/// for that channel or set, never for a registry.
+const CHANNEL_PARTS: [&str; 2] = [
+    channel_inspect::SEGMENT_PREFIX,
+    channel_inspect::POOL_PREFIX,
+];
+const SET_PARTS: [&str; 4] = [
+    cuda_ipc::tensorset::MANIFEST_PREFIX,
+    cuda_ipc::tensorset::GENERATION_PREFIX,
+    cuda_ipc::tensorset::DATA_PREFIX,
+    cuda_ipc::tensorset::HOLDERS_PREFIX,
+];
+
+/// The prefixes of a process's own files in `/dev/shm` (none of them an object a NAME can name),
+/// each with what it is.
+const PROCESS_FILES: [(&str, &str); 3] = [
+    (cuda_ipc::identity::LIVE_PREFIX, "a process's liveness file"),
+    (
+        cuda_ipc::ipc::fdpass::SOCKET_PREFIX,
+        "a process's fd server socket",
+    ),
+    (
+        cuda_ipc::cleanup::BRIDGE_PREFIX,
+        "a lane bridge's status file",
+    ),
+];
+
+/// Which object a NAME stands for when it is the segment name of one of its parts: a channel
+/// (`cuda-ipc.ch.NAME`, `cuda-ipc.hp.NAME`) or a tensor set (`cuda-ipc.ts.NAME`, `.tg.`, `.td.`,
+/// `.th.`); `None` for any other name (a registry's segment name, or a channel's or set's own
+/// name).
+enum Part<'a> {
+    Channel(&'a str),
+    Set(&'a str),
+}
+
+fn part_of(n: &str) -> Option<Part<'_>> {
+    let rest = |prefixes: &[&str]| {
+        prefixes
+            .iter()
+            .find_map(|p| n.strip_prefix(p).filter(|r| !r.is_empty()))
+    };
+    rest(&CHANNEL_PARTS)
+        .map(Part::Channel)
+        .or_else(|| rest(&SET_PARTS).map(Part::Set))
+}
+
+/// Finds the registries and channels in `/dev/shm`, or the ones `name` names: a registry's
+/// segment name, a channel's or tensor set's name, or the segment name of one of their parts
+/// (`cuda-ipc.ch.NAME` or `cuda-ipc.hp.NAME` for channel `NAME`, `cuda-ipc.ts.NAME`, `.tg.`,
+/// `.td.` or `.th.` for set `NAME`: that object alone, never a registry of that name). A process's
+/// own file (`cuda-ipc.live.…`, `cuda-ipc.fd.…`, `cuda-ipc.br.…`) is refused, saying what it is.
 pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     let mut registries = registry_inspect::list_registries()?;
     let mut channels = channel_inspect::list_channels()?;
     // Every name with a part of a set (a part without its manifest is listed as unreadable:
     // what a writer killed half-way left, for `gc`).
     let mut tensor_sets = tensorset_inspect::list_tensor_sets()?;
+    let mut host_pools = channel_inspect::list_host_pools()?;
     if let Some(n) = name {
-        let chan = n.strip_prefix(channel_inspect::SEGMENT_PREFIX).unwrap_or(n);
-        let set = n
-            .strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
-            .unwrap_or(n);
-        registries.retain(|r| r == n);
-        channels.retain(|c| c == chan);
-        tensor_sets.retain(|t| t == set);
+        if let Some((_, what)) = PROCESS_FILES
+            .iter()
+            .find(|(p, _)| n.starts_with(p) && n.len() > p.len())
+        {
+            return Err(format!(
+                "{n:?} is {what}, not a registry, channel or tensor set: `cuda-ipc gc` without a \
+                 NAME removes those of killed processes, and `cuda-ipc ls` shows the objects"
+            )
+            .into());
+        }
+        // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
+        // (`crate::quota::collect_named`).
+        if crate::quota::is_ledger(n) {
+            return Ok(Targets::default());
+        }
+        let part = part_of(n);
+        let (reg, chan, set) = match part {
+            Some(Part::Channel(c)) => (None, Some(c), None),
+            Some(Part::Set(t)) => (None, None, Some(t)),
+            None => (Some(n), Some(n), Some(n)),
+        };
+        registries.retain(|r| Some(r.as_str()) == reg);
+        channels.retain(|c| Some(c.as_str()) == chan);
+        tensor_sets.retain(|t| Some(t.as_str()) == set);
+        host_pools.retain(|c| Some(c.as_str()) == chan);
         // A segment that exists but was not listed (another user's, or not a registry): inspected
         // anyway, so the error says why (owner, magic) instead of "no such name".
         let exists = |seg: &str| {
@@ -304,38 +435,36 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 // in a way that could block.
                 && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
         };
-        // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
-        // (`crate::quota::collect_named`).
-        if crate::quota::is_ledger(n) {
-            return Ok(Targets::default());
-        }
-        if registries.is_empty() && channels.is_empty() {
-            if exists(&channel_inspect::segment_name(chan)) {
+        if let Some(chan) = chan {
+            if channels.is_empty() && exists(&channel_inspect::segment_name(chan)) {
                 channels.push(chan.to_string());
-            } else if n == chan && exists(n) {
-                registries.push(n.to_string());
+            }
+            // A host pool name of another user's, or one that stands alone: shown (or passed
+            // over by `gc`) as what blocks a host producer of that channel.
+            if host_pools.is_empty() && exists(&channel_inspect::pool_segment_name(chan)) {
+                host_pools.push(chan.to_string());
             }
         }
+        if let Some(reg) = reg
+            && registries.is_empty()
+            && channels.is_empty()
+            && exists(reg)
         {
-            use cuda_ipc::tensorset::{
-                DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX,
-            };
-            if tensor_sets.is_empty()
-                && [
-                    MANIFEST_PREFIX,
-                    GENERATION_PREFIX,
-                    DATA_PREFIX,
-                    HOLDERS_PREFIX,
-                ]
-                .iter()
-                .any(|p| exists(&format!("{p}{set}")))
-            {
-                // Another user's set (any part of it, as `gc` without a NAME lists their parts):
-                // `gc` passes it over, and `ls` inspects it, so the error names its owner.
-                tensor_sets.push(set.to_string());
-            }
+            registries.push(reg.to_string());
         }
-        if registries.is_empty() && channels.is_empty() && tensor_sets.is_empty() {
+        if let Some(set) = set
+            && tensor_sets.is_empty()
+            && SET_PARTS.iter().any(|p| exists(&format!("{p}{set}")))
+        {
+            // Another user's set (any part of it, as `gc` without a NAME lists their parts):
+            // `gc` passes it over, and `ls` inspects it, so the error names its owner.
+            tensor_sets.push(set.to_string());
+        }
+        if registries.is_empty()
+            && channels.is_empty()
+            && tensor_sets.is_empty()
+            && host_pools.is_empty()
+        {
             return Err(format!(
                 "no registry, channel or tensor set named {n:?} in {}",
                 cuda_ipc::raw::shm::SHM_DIR
@@ -347,6 +476,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
         registries,
         channels,
         tensor_sets,
+        host_pools,
     })
 }
 
@@ -411,6 +541,30 @@ pub(crate) fn collect(t: &Targets) -> Listing {
                 }
             }
             Err(e) => l.unreadable("tensorset", t, e),
+        }
+    }
+    for c in &t.host_pools {
+        let Some(p) = channel_inspect::host_pool(c) else {
+            // Gone since it was listed (its producer closed); said only when it was all.
+            if !t.channels.contains(c) {
+                l.closed_meanwhile.push(Closed {
+                    kind: "host pool",
+                    name: c.clone(),
+                });
+            }
+            continue;
+        };
+        // A pool beside its channel's segment is that channel's to speak for, unless it is
+        // nothing `gc` may judge (then it blocks that channel's host producer: shown, where the
+        // channel's own line does not say why already, `pool_problem`).
+        let said = l
+            .channels
+            .iter()
+            .any(|v| v.snapshot.name == *c && v.snapshot.pool_problem.is_some());
+        if !p.with_channel
+            || (!said && matches!(p.judgement, channel_inspect::PoolJudgement::Unjudged(_)))
+        {
+            l.host_pools.push(HostPoolView(p));
         }
     }
     l

@@ -52,6 +52,7 @@ pub fn render(l: &Listing, rates: bool) -> String {
         && l.errors.is_empty()
         && l.closed_meanwhile.is_empty()
         && l.sets_without_manifest.is_empty()
+        && l.host_pools.is_empty()
     {
         out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
@@ -235,6 +236,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
             out.push_str(&indent(&t));
             out.push('\n');
         }
+        if let Some(p) = &c.pool_problem {
+            out.push_str(&format!(
+                "  problem: its host pool cannot be used ({p}); a consumer's attach fails\n"
+            ));
+        }
         if c.producer_liveness == Liveness::Dead {
             out.push_str("  problem: the producer is dead; `cuda-ipc gc` removes this segment\n");
         } else if c.has_leftovers() {
@@ -303,6 +309,11 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 "  problem: dead readers are attached; `cuda-ipc gc` frees their slots and holds\n",
             );
         }
+        if let Some(p) = &t.data_problem {
+            out.push_str(&format!(
+                "  problem: its host data segment cannot be used ({p}); a reader's open fails\n"
+            ));
+        }
     }
     for m in &l.sets_without_manifest {
         out.push_str(&format!(
@@ -329,6 +340,28 @@ pub fn render(l: &Listing, rates: bool) -> String {
                 },
             ));
         }
+    }
+    for v in &l.host_pools {
+        let p = &v.0;
+        let (gc, why) = v.gc();
+        out.push_str(&format!(
+            "host pool {}/{} of channel {} ({}, {} s old){}: `cuda-ipc gc` {}: {why}\n",
+            cuda_ipc::raw::shm::SHM_DIR,
+            p.segment,
+            p.channel,
+            bytes(p.bytes),
+            p.age_secs,
+            if p.with_channel {
+                ""
+            } else {
+                ", no control segment"
+            },
+            match gc {
+                "removes" => "removes it",
+                "keeps" => "keeps it",
+                _ => "cannot judge it (kept, reported)",
+            },
+        ));
     }
     for e in &l.errors {
         out.push_str(&format!(

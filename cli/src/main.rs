@@ -102,8 +102,9 @@ enum Command {
     /// not listed: a line per uid counts them, as `gc` skips them.
     #[command(after_help = EXIT_STATUS)]
     Ls {
-        /// Only this registry (segment name), channel (channel name, or `cuda-ipc.ch.NAME`), tensor
-        /// set (set name, or `cuda-ipc.ts.NAME`) or quota ledger (its segment name,
+        /// Only this registry (segment name), channel (channel name, or a segment name of its,
+        /// `cuda-ipc.ch.NAME` or `cuda-ipc.hp.NAME`), tensor set (set name, or a segment name of
+        /// its, `cuda-ipc.ts.NAME`, `.tg.`, `.td.` or `.th.`) or quota ledger (its segment name,
         /// `cuda-ipc.quota.u<uid>.<device>`: its budget and holders).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
@@ -190,8 +191,9 @@ enum Command {
     /// it mapped (the files are unlinked, not shrunk).
     #[command(after_help = EXIT_STATUS)]
     Gc {
-        /// Only this registry, channel, tensor set or quota ledger (its segment name,
-        /// `cuda-ipc.quota.u<uid>.<device>` or `cuda-ipc.quota.g<gid>.<device>`).
+        /// Only this registry, channel, tensor set (their names, or a segment name of theirs, as
+        /// for `ls`) or quota ledger (its segment name, `cuda-ipc.quota.u<uid>.<device>` or
+        /// `cuda-ipc.quota.g<gid>.<device>`).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Only say what would be removed.

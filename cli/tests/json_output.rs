@@ -273,3 +273,104 @@ fn ls_says_why_a_sets_generation_channel_cannot_be_read() {
     assert_eq!(code(&o), 1, "{t}");
     drop(w);
 }
+
+/// A live host producer's pool and a live host writer's data segment cut short of their buffers
+/// (`truncate`): `ls` says each cannot be used, as a consumer's attach and a reader's open find
+/// it (a problem line, `pool_problem` / `data_problem` in `--json`, exit status 1), without
+/// reading past the file's end. Before, `ls` showed both as fine (exit status 0) while the attach
+/// and the open failed.
+#[test]
+fn ls_says_a_live_host_channels_pool_or_host_sets_data_cut_short_cannot_be_used() {
+    use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer};
+    use cuda_ipc::tensorset::{
+        DType, ReaderOptions, TensorSetOptions, TensorSetReader, TensorSetWriter, TensorSpec,
+    };
+    let ch = unique("hp-short");
+    let ts = unique("td-short");
+    let tx = Producer::create_host(&ch, &ChannelOptions::new(4096).buffers(2)).unwrap();
+    let w = TensorSetWriter::create_host(
+        &ts,
+        &[TensorSpec::new("w", DType::F32, &[4])],
+        &TensorSetOptions::new(),
+    )
+    .unwrap();
+    let before = [
+        json(&cuda_ipc(&["ls", "--json", &ch])),
+        json(&cuda_ipc(&["ls", "--json", &ts])),
+    ];
+    assert!(
+        before[0]["channels"][0]["pool_problem"].is_null(),
+        "{}",
+        before[0]
+    );
+    assert!(
+        before[1]["tensor_sets"][0]["data_problem"].is_null(),
+        "{}",
+        before[1]
+    );
+    assert_eq!(code(&cuda_ipc(&["ls", &ch])), 0);
+    assert_eq!(code(&cuda_ipc(&["ls", &ts])), 0);
+    // Cut short by hand (`truncate -s 4096`), then given its length back before the writer and
+    // producer go (they map the whole of it).
+    let files = [
+        format!("/dev/shm/cuda-ipc.hp.{ch}"),
+        format!("/dev/shm/cuda-ipc.td.{ts}"),
+    ];
+    let lens: Vec<u64> = files
+        .iter()
+        .map(|f| std::fs::metadata(f).unwrap().len())
+        .collect();
+    let set_len = |f: &str, n: u64| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(f)
+            .unwrap()
+            .set_len(n)
+            .unwrap()
+    };
+    for f in &files {
+        set_len(f, 4096);
+    }
+    let attach = Consumer::attach(&ch, &ConsumerOptions::default())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let open = TensorSetReader::open_host(&ts, &ReaderOptions::default())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let (ls_ch, ls_ts) = (cuda_ipc(&["ls", &ch]), cuda_ipc(&["ls", &ts]));
+    let (j_ch, j_ts) = (
+        json(&cuda_ipc(&["ls", "--json", &ch])),
+        json(&cuda_ipc(&["ls", "--json", &ts])),
+    );
+    for (f, n) in files.iter().zip(&lens) {
+        set_len(f, *n);
+    }
+    let (t_ch, t_ts) = (text(&ls_ch), text(&ls_ts));
+    assert_eq!(code(&ls_ch), 1, "{t_ch}");
+    assert_eq!(code(&ls_ts), 1, "{t_ts}");
+    assert!(
+        t_ch.contains(&format!("problem: its host pool cannot be used ({attach})")),
+        "attach: {attach}\n{t_ch}"
+    );
+    assert!(attach.contains("truncated"), "{attach}");
+    assert!(
+        t_ts.contains(&format!(
+            "problem: its host data segment cannot be used ({open})"
+        )),
+        "open: {open}\n{t_ts}"
+    );
+    assert_eq!(
+        j_ch["channels"][0]["pool_problem"],
+        attach.as_str(),
+        "{j_ch}"
+    );
+    assert_eq!(
+        j_ts["tensor_sets"][0]["data_problem"],
+        open.as_str(),
+        "{j_ts}"
+    );
+    drop(w);
+    drop(tx);
+}

@@ -25,7 +25,8 @@ fn to_dict<'py>(py: Python<'py>, l: &Leftover) -> PyResult<Bound<'py, PyDict>> {
 /// One object of another user passed over as a dict, with the keys of an entry of `cuda-ipc gc
 /// --json`'s `skipped`: `name` (in `/dev/shm`), `owner` (its uid), `what` (`"registry"`,
 /// `"channel segment"`, `"host pool"`, `"tensor set part"`, `"quota ledger"`, `"liveness
-/// file"`, `"fd server socket"`, `"bridge status file"`), `dead` (whether its listing found it
+/// file"`, `"fd server socket"`, `"bridge status file"`; or what stands under such a name when
+/// it is no segment: `"FIFO"`, `"directory"`, `"symbolic link"`, ...), `dead` (whether its listing found it
 /// a dead process's leftover; `False` for a segment, which is not judged) and `pid` (the dead
 /// process a liveness file or fd server socket names, or `None`).
 fn skipped_dict<'py>(py: Python<'py>, s: &Skipped) -> PyResult<Bound<'py, PyDict>> {

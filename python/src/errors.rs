@@ -324,9 +324,6 @@ enum Kind {
     NoServer,
 }
 
-/// The end of the shared-memory layer's text for a symbolic link under a segment's name.
-const SYMLINK_TEXT: &str = "is a symbolic link; a segment is never opened through one";
-
 /// System calls of the fd-passing client: their failures are `FdPassingError`s.
 const FD_PASSING_CALLS: &[&str] = &["socket", "connect", "sendmsg", "recvmsg", "pidfd_getfd"];
 
@@ -340,9 +337,6 @@ fn kind(e: &Error) -> Kind {
             Kind::NotSupported
         }
         Error::InvalidToken(_) => Kind::InvalidToken,
-        // The shared-memory layer reports a symbolic link under a segment's name as an invalid
-        // argument; for a channel it is garbage under the name, as the pure-Python consumer says.
-        Error::InvalidArgument(m) if m.ends_with(SYMLINK_TEXT) => Kind::BadSegment,
         Error::InvalidArgument(_) => Kind::InvalidArgument,
         Error::Shm(s) => shm_kind(s),
         Error::Registry(r) => registry_kind(r),

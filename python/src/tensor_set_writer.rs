@@ -33,11 +33,24 @@ pub(crate) struct TensorSetWriter {
     core: Arc<WriterCore>,
 }
 
-fn mode_arg(py: Python<'_>, mode: &str, buffers: usize) -> PyResult<GenerationMode> {
-    match mode {
-        "in_place" => Ok(GenerationMode::InPlace),
-        "buffered" => Ok(GenerationMode::Buffered(buffers)),
-        m => Err(errors::invalid_argument(
+/// Buffers of a `"buffered"` set when `buffers` is not given.
+const DEFAULT_BUFFERS: usize = 2;
+
+/// The generation mode of `mode` and `buffers` (`None`: not given). `buffers` means something
+/// only for `"buffered"` (default [`DEFAULT_BUFFERS`]): given with `"in_place"`, which has one
+/// buffer, it is refused rather than ignored.
+fn mode_arg(py: Python<'_>, mode: &str, buffers: Option<usize>) -> PyResult<GenerationMode> {
+    match (mode, buffers) {
+        ("in_place", None) => Ok(GenerationMode::InPlace),
+        ("in_place", Some(n)) => Err(errors::invalid_argument(
+            py,
+            format!(
+                "buffers={n} with mode=\"in_place\", which has one buffer: give buffers only \
+                 with mode=\"buffered\""
+            ),
+        )),
+        ("buffered", n) => Ok(GenerationMode::Buffered(n.unwrap_or(DEFAULT_BUFFERS))),
+        (m, _) => Err(errors::invalid_argument(
             py,
             format!("mode must be \"in_place\" or \"buffered\", got {m:?}"),
         )),
@@ -58,13 +71,14 @@ impl TensorSetWriter {
     /// and dtypes are taken, or name → `(shape, dtype)`), laid out contiguous in one allocation
     /// per buffer on CUDA device `device`; nothing is published until the first commit.
     /// `quota`: reserve the set's bytes (buffers × bytes) from a shared budget (`"user"` or
-    /// `"group:GID"`, as `Producer`'s), raising `OverQuota` past it.
+    /// `"group:GID"`, as `Producer`'s), raising `OverQuota` past it. `buffers`: of a
+    /// `"buffered"` set (default 2); given with `"in_place"` (one buffer), `InvalidArgument`.
     #[new]
     #[pyo3(signature = (name, tensors, *, device=Int::Small(0), memory="vmm", mode="in_place",
-        buffers=Int::Small(2), max_readers=Int::Small(64), quota=None))]
+        buffers=None, max_readers=Int::Small(64), quota=None))]
     #[pyo3(
         text_signature = "(name, tensors, *, device=0, memory=\"vmm\", mode=\"in_place\", \
-        buffers=2, max_readers=64, quota=None)"
+        buffers=None, max_readers=64, quota=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -74,12 +88,12 @@ impl TensorSetWriter {
         device: Int,
         memory: &str,
         mode: &str,
-        buffers: Int,
+        buffers: Option<Int>,
         max_readers: Int,
         quota: Option<&str>,
     ) -> PyResult<Self> {
         let device = device_arg(py, device)?;
-        let buffers: usize = buffers.get(py, "buffers")?;
+        let buffers: Option<usize> = crate::util::opt_int(py, "buffers", buffers)?;
         let max_readers: usize = max_readers.get(py, "max_readers")?;
         let specs = specs_arg(py, tensors)?;
         let kind = memory_arg(py, memory)?;
@@ -341,7 +355,11 @@ impl TensorSetWriter {
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             plan.get().check_writer(py, &this.core.layout)?;
         } else if let Ok(d) = tensors.cast::<PyDict>() {
-            let torch = tensors::Torch::get(py)?;
+            let torch = tensors::Torch::needed(
+                py,
+                "publish(dict) reads torch.Tensor sources",
+                this.core.host,
+            )?;
             let chunk = sources::Chunk {
                 keys: d.keys(),
                 values: d.values(),

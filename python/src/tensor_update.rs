@@ -260,7 +260,11 @@ impl TensorUpdate {
                 ),
             ));
         };
-        let torch = tensors::Torch::get(py)?;
+        let torch = tensors::Torch::needed(
+            py,
+            "copy_from(dict) reads torch.Tensor sources",
+            writer.host,
+        )?;
         let layout = &writer.layout;
         let index = writer.index(py)?;
         let keys = tensors.keys();
@@ -330,6 +334,14 @@ impl TensorUpdate {
     }
 
     /// Writes `data` (bytes-like) over the first `len(data)` bytes of tensor `name` (host sets).
+    ///
+    /// The bytes are copied as they are, never converted: plain bytes (`bytes`, `bytearray`, a
+    /// `"B"` memoryview such as `memoryview(a).cast("B")`) into a tensor of any dtype; any other
+    /// buffer only when its items are of the tensor's element size (an `int32` array into a
+    /// `float32` tensor is copied bit for bit, the caller's choice). `InvalidArgument` for a
+    /// buffer whose items are of another size (a `float64` array into a `float32` tensor:
+    /// convert it first) and for a buffer of Python objects (a NumPy array of `dtype=object`,
+    /// whose bytes are pointers).
     fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let writer = &self.writer;
         let i = writer.layout.index_of(name).ok_or_else(|| {
@@ -338,7 +350,26 @@ impl TensorUpdate {
                 cuda_ipc::tensorset::TensorSetError::NoSuchTensor(format!("{name:?}")).into(),
             )
         })?;
-        let bytes = crate::util::bytes_of(data)?;
+        let raw = crate::util::raw_bytes(data)?;
+        let dtype = writer.layout.tensors()[i].dtype;
+        let element = dtype.size_bytes();
+        if !raw.plain() && element != Some(raw.itemsize) {
+            return Err(errors::invalid_argument(
+                py,
+                format!(
+                    "tensor {name:?} has elements of {} ({dtype}); data has items of {} bytes \
+                     (format {:?}): write copies bytes as they are, never converting: convert \
+                     the data to the tensor's dtype first, or give its plain bytes \
+                     (memoryview(data).cast(\"B\")) to copy them as they are",
+                    element.map_or("no whole number of bytes".to_string(), |n| format!(
+                        "{n} bytes"
+                    )),
+                    raw.itemsize,
+                    raw.format
+                ),
+            ));
+        }
+        let bytes = raw.bytes;
         let src = bytes.as_bytes();
         self.with(py, |u| u.write_tensor(i, src).map_err(|e| err(py, e)))
     }

@@ -101,6 +101,49 @@ fn is_torch_dtype(py: Python<'_>, d: &Bound<'_, PyAny>, name: &str) -> bool {
 
 /// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`),
 /// in the dict's order; tensors are laid out contiguous whatever their strides.
+/// The shape of tensor `name` given as an int or a sequence of ints, each fitting in 64 bits; a
+/// `bool` (an `int` to Python: `True` is 1) is no dimension, as for every integer argument.
+///
+/// # Errors
+/// `InvalidArgument` naming the tensor, and the `bool` where one is given.
+fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let bad = |what: String| {
+        errors::invalid_argument(
+            py,
+            format!(
+                "tensor {name:?}: the shape must be an int or a sequence of ints that fit in 64 \
+                 bits{what}"
+            ),
+        )
+    };
+    let is_bool = |v: &Bound<'_, PyAny>| v.is_instance_of::<pyo3::types::PyBool>();
+    let a_bool = |v: &Bound<'_, PyAny>| {
+        bad(format!(
+            ", got a bool ({}): True and False are no dimensions",
+            if v.is_truthy().unwrap_or(false) {
+                "True"
+            } else {
+                "False"
+            }
+        ))
+    };
+    if is_bool(shape) {
+        return Err(a_bool(shape));
+    }
+    if let Ok(n) = shape.extract::<i64>() {
+        return Ok(vec![n]);
+    }
+    let dims: Vec<Bound<'_, PyAny>> = shape.extract().map_err(|_| bad(String::new()))?;
+    dims.iter()
+        .map(|d| {
+            if is_bool(d) {
+                return Err(a_bool(d));
+            }
+            d.extract::<i64>().map_err(|_| bad(String::new()))
+        })
+        .collect()
+}
+
 pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<Vec<TensorSpec>> {
     let mut out = Vec::with_capacity(tensors.len());
     for (k, v) in tensors.iter() {
@@ -118,19 +161,7 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
                         format!("tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair"),
                     )
                 })?;
-            let shape: Vec<i64> = match shape.extract::<i64>() {
-                Ok(n) => vec![n],
-                Err(_) => shape.extract().map_err(|_| {
-                    errors::invalid_argument(
-                        py,
-                        format!(
-                            "tensor {name:?}: the shape must be an int or a sequence of ints \
-                             that fit in 64 bits"
-                        ),
-                    )
-                })?,
-            };
-            (shape, dtype_arg(py, &dtype)?)
+            (shape_arg(py, &name, &shape)?, dtype_arg(py, &dtype)?)
         };
         out.push(TensorSpec::new(name, dtype, &shape));
     }
@@ -174,6 +205,33 @@ pub(crate) struct Torch {
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 
 impl Torch {
+    /// [`Torch::get`] for a call that needs PyTorch for `what` (`"tensors() makes torch.Tensor
+    /// views"`, `"publish(dict) reads torch.Tensor sources"`): without it, one `ImportError`
+    /// that says so, names the import's own error (its cause), and for a host set (`host`) names
+    /// the methods that need no PyTorch (`TensorHold.read`, `TensorUpdate.write`).
+    ///
+    /// # Errors
+    /// That `ImportError`; any other error of the import as it is.
+    pub(crate) fn needed(py: Python<'_>, what: &str, host: bool) -> PyResult<&'static Torch> {
+        Torch::get(py).map_err(|e| {
+            if !e.is_instance_of::<pyo3::exceptions::PyImportError>(py) {
+                return e;
+            }
+            let alternative = if host {
+                "; a host set's bytes are also read with TensorHold.read(name) and written with \
+                 TensorUpdate.write(name, data), without PyTorch"
+            } else {
+                ""
+            };
+            let clear = pyo3::exceptions::PyImportError::new_err(format!(
+                "{what} and needs PyTorch, which did not import ({}){alternative}",
+                e.value(py)
+            ));
+            clear.set_cause(py, Some(e));
+            clear
+        })
+    }
+
     /// The process's `Torch`, imported at the first call.
     ///
     /// # Errors
@@ -399,23 +457,7 @@ pub(crate) fn build<'py>(
     names: &Bound<'py, PyTuple>,
     owner: Option<Arc<dyn Any + Send + Sync>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let torch = Torch::get(py).map_err(|e| {
-        if !e.is_instance_of::<pyo3::exceptions::PyImportError>(py) {
-            return e;
-        }
-        let alternative = if device < 0 {
-            "; a host set's bytes are also read with TensorHold.read(name) and written with \
-             TensorUpdate.write(name, data), without PyTorch"
-        } else {
-            ""
-        };
-        let clear = pyo3::exceptions::PyImportError::new_err(format!(
-            "tensors() makes torch.Tensor views and needs PyTorch, which did not import ({}){alternative}",
-            e.value(py)
-        ));
-        clear.set_cause(py, Some(e));
-        clear
-    })?;
+    let torch = Torch::needed(py, "tensors() makes torch.Tensor views", device < 0)?;
     let from_dlpack = torch.from_dlpack.bind(py);
     let as_strided = torch.as_strided.bind(py);
     let no_sync = (-1i64).into_pyobject(py)?.into_any();

@@ -489,14 +489,81 @@ pub(crate) fn cupy_array<'py>(
 }
 
 /// `bytes` as is; anything else that exports a buffer (`bytearray`, `memoryview`, `array`, NumPy)
-/// copied into `bytes` once. Raises `TypeError` for anything else (`str`, `int`).
+/// copied into `bytes` once. Raises `TypeError` for anything else (`str`, `int`),
+/// `InvalidArgument` for a buffer of Python objects ([`raw_bytes`]).
 pub(crate) fn bytes_of<'py>(data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
-    if let Ok(b) = data.cast::<PyBytes>() {
-        return Ok(b.clone());
+    Ok(raw_bytes(data)?.bytes)
+}
+
+/// The bytes of a buffer ([`raw_bytes`]) and what its items are.
+pub(crate) struct RawBytes<'py> {
+    /// A copy of its bytes.
+    pub bytes: Bound<'py, PyBytes>,
+    /// Its items' format, as `memoryview.format` says it (`"B"` for `bytes`).
+    pub format: String,
+    /// Bytes of one item (1 for `bytes`).
+    pub itemsize: usize,
+}
+
+impl RawBytes<'_> {
+    /// Whether its items are plain bytes (`bytes`, `bytearray`, a `"B"` or `"c"` memoryview such
+    /// as `memoryview(a).cast("B")`): copied as they are into anything.
+    pub(crate) fn plain(&self) -> bool {
+        self.itemsize == 1
+            && matches!(
+                self.format.trim_start_matches(['@', '=', '<', '>', '!']),
+                "B" | "c"
+            )
     }
-    Ok(PyMemoryView::from(data)?
-        .call_method0("tobytes")?
-        .cast_into::<PyBytes>()?)
+}
+
+/// Whether a buffer format (PEP 3118, `memoryview.format`) has an item that is a Python object
+/// (`O`): its bytes are pointers into this process, meaningless anywhere else. Field names
+/// (`:name:`) are skipped.
+fn holds_objects(format: &str) -> bool {
+    let mut in_name = false;
+    format.chars().any(|c| {
+        if c == ':' {
+            in_name = !in_name;
+            return false;
+        }
+        !in_name && c == 'O'
+    })
+}
+
+/// [`bytes_of`] with the buffer's format and item size. `bytes` as is; anything else that
+/// exports a buffer copied once.
+///
+/// # Errors
+/// `TypeError` for what exports no buffer; `InvalidArgument` for a buffer of Python objects
+/// (format `O`, a NumPy array of `dtype=object`): its bytes are object pointers, which would be
+/// copied as they are into memory other processes read.
+pub(crate) fn raw_bytes<'py>(data: &Bound<'py, PyAny>) -> PyResult<RawBytes<'py>> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        return Ok(RawBytes {
+            bytes: b.clone(),
+            format: "B".to_string(),
+            itemsize: 1,
+        });
+    }
+    let view = PyMemoryView::from(data)?;
+    let format: String = view.getattr("format")?.extract()?;
+    let itemsize: usize = view.getattr("itemsize")?.extract()?;
+    if holds_objects(&format) {
+        return Err(errors::invalid_argument(
+            data.py(),
+            format!(
+                "a buffer of Python objects (format {format:?}, e.g. a NumPy array of \
+                 dtype=object) holds pointers into this process, not values: give bytes or an \
+                 array of numbers"
+            ),
+        ));
+    }
+    Ok(RawBytes {
+        bytes: view.call_method0("tobytes")?.cast_into::<PyBytes>()?,
+        format,
+        itemsize,
+    })
 }
 
 /// `n` bytes from `offset` of a `len`-byte buffer (`n`: `None` for the rest), or `InvalidArgument`.

@@ -331,6 +331,60 @@ def test_shapes_too_large_or_not_ints_are_invalid_arguments(name):
     assert not (SHM / f"cuda-ipc.ts.{name}").exists()
 
 
+def test_a_bool_dimension_is_an_invalid_argument_as_for_every_integer_argument(name):
+    # `True` is an int to Python (1): it was taken as a dimension of 1.
+    for shape in ((True,), (4, False), True, [2, True]):
+        with pytest.raises(cuda_ipc.InvalidArgument, match="got a bool"):
+            cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+
+
+def test_buffers_is_refused_with_mode_in_place_and_defaults_to_two_when_buffered(name):
+    # An in-place set has one buffer: `buffers` given with it meant nothing and was ignored.
+    for n in (5, 2, 1):
+        with pytest.raises(cuda_ipc.InvalidArgument, match='buffers=%d with mode="in_place"' % n):
+            cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="in_place", buffers=n)
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+    # Not given (or None), the defaults work as before.
+    for kwargs in ({}, dict(mode="in_place"), dict(buffers=None), dict(mode="buffered"), dict(mode="buffered", buffers=3)):
+        w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **kwargs)
+        try:
+            assert write_gen(w, 1) == 1
+        finally:
+            w.close()
+
+
+def test_write_refuses_python_objects_and_items_of_another_size_but_copies_plain_bytes(name):
+    import array
+    import ctypes
+
+    w = cuda_ipc.TensorSetWriter(name, {"w": ((4,), "float32"), "ids": ((2,), "int64")}, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        with w.begin(timeout=ANSWER) as u:
+            # A buffer of Python objects (format "O", as a NumPy array of dtype=object): its
+            # bytes are pointers into this process.
+            objects = (ctypes.py_object * 2)(object(), object())
+            assert memoryview(objects).format.endswith("O")
+            for t in ("w", "ids"):  # "ids": the pointers' size is the element's, still refused
+                with pytest.raises(cuda_ipc.InvalidArgument, match="Python objects"):
+                    u.write(t, objects)
+            # Items of another size than the tensor's elements: float64 into float32.
+            doubles = array.array("d", [1.0, 2.0])
+            with pytest.raises(cuda_ipc.InvalidArgument, match="items of 8 bytes.*convert"):
+                u.write("w", doubles)
+            # The same size is copied bit for bit; plain bytes into anything.
+            floats = array.array("f", [1.0, 2.0, 3.0, 4.0])
+            u.write("w", floats)
+            u.write("ids", memoryview(doubles).cast("B"))
+        with r.current() as h:
+            assert h.read("w") == floats.tobytes()
+            assert h.read("ids") == doubles.tobytes()
+    finally:
+        r.close()
+        w.close()
+
+
 def test_holder_exceptions_are_importable_and_typed():
     assert issubclass(cuda_ipc.NotHoldable, cuda_ipc.NotSupported)
     assert issubclass(cuda_ipc.NoHolderSlot, cuda_ipc.CudaIpcError)
@@ -688,7 +742,7 @@ def test_an_unverifiable_generation_names_the_python_call_that_fingerprints(name
         w.close()
 
 
-def test_tensors_of_a_host_set_without_pytorch_raise_a_clear_import_error(name):
+def test_tensors_publish_and_copy_from_of_a_host_set_without_pytorch_raise_a_clear_import_error(name):
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -706,6 +760,14 @@ def test_tensors_of_a_host_set_without_pytorch_raise_a_clear_import_error(name):
         with w.begin(timeout=ANSWER) as u:
             with pytest.raises(ImportError, match="needs PyTorch.*TensorUpdate.write"):
                 u.tensors()
+            # The calls that read torch.Tensor sources say the same (they raised a bare
+            # ModuleNotFoundError), and change nothing.
+            with pytest.raises(ImportError, match="copy_from.*needs PyTorch.*TensorUpdate.write"):
+                u.copy_from({"w": object()})
+            u.abort()
+        with pytest.raises(ImportError, match="publish.*needs PyTorch.*TensorUpdate.write"):
+            w.publish({})
+        assert w.generation == 1
     finally:
         r.close()
         w.close()

@@ -159,6 +159,17 @@ fn creator_of(seg: &Segment) -> Creator {
     })
 }
 
+/// What a control segment of name `name` is, in words: a user's `channel` (`cuda-ipc.ch.NAME`),
+/// or, under another prefix, the `tensor set's generation channel` (`cuda-ipc.tg.NAME`, the one
+/// other prefix: [`segment_name_in`]).
+fn channel_kind(name: &str) -> &'static str {
+    if name.starts_with(SEGMENT_PREFIX) {
+        "channel"
+    } else {
+        "tensor set's generation channel"
+    }
+}
+
 /// What an opener of the control segment `name` of `channel`, given `init_wait`, reports for
 /// `e`: the segment's own errors unchanged (a missing one as [`super::ChannelError::NotFound`]),
 /// the header's in the channel's words.
@@ -170,7 +181,7 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
         OpenError::Segment(e) => e,
         OpenError::Header(HeaderError::Foreign { magic }) => bad(SegmentFault::Foreign {
             segment: name.to_string(),
-            what: "channel",
+            what: channel_kind(name),
             magic,
         }),
         OpenError::Header(HeaderError::OtherVersion { found }) => {
@@ -180,6 +191,10 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
                 supported: VERSION,
             })
         }
+        // Not waited for (or no longer): its creator died, or never recorded itself.
+        OpenError::Header(HeaderError::Abandoned) => bad(SegmentFault::Abandoned {
+            segment: name.to_string(),
+        }),
         // (No `BadStamp`: the control segment's stamp is not strict; a bad one is awaited.)
         OpenError::Header(_) => bad(SegmentFault::Unfinished {
             segment: name.to_string(),
@@ -352,7 +367,7 @@ impl Control {
                     }))
                 }
             }
-            Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
+            Err(OpenError::Header(HeaderError::Unstamped { .. } | HeaderError::Abandoned)) => {
                 // Our magic (or none yet) but no init stamp after the open's wait: a creator died
                 // half-way, unless one is recorded and still runs.
                 let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
@@ -379,7 +394,7 @@ impl Control {
     /// the rule of [`Control::replaceable`]: empty or sparse, abandoned once 2 s old with its
     /// sizing lock free, else under way; sized and never stamped, under way while its producer
     /// may still stamp it ([`versioned::may_still_stamp`]: one recorded that runs, or none
-    /// recorded in a segment at most 2 s old), else abandoned; stamped, [`Creation::Finished`].
+    /// recorded in a segment younger than 2 s), else abandoned; stamped, [`Creation::Finished`].
     /// Maps and loads its header words; changes nothing.
     ///
     /// # Errors
@@ -461,42 +476,30 @@ impl Control {
     ) -> Result<Control> {
         validate_channel_name(channel)?;
         let name = segment_name_in(prefix, channel);
-        // A creator may still be writing: `open_versioned` waits (bounded) for the stamp.
+        // A creator may still be writing: its stamp is waited for (bounded), but only while it
+        // may still come (one recorded that runs, or none recorded yet in a segment younger than
+        // 2 s): a creation abandoned half-way is refused at once, never waited for.
         // SYNC POINT: stamp. Acquire, in `open_versioned`'s look: pairs with the Release store of
         // the stamp in `create`; the fields read in `checked` are the creator's.
-        let seg = versioned::open_versioned::<Header>(&name, allow_group, init_wait)
-            .map_err(|e| open_error(channel, &name, init_wait, e))?;
+        let seg = versioned::open_versioned_unless_abandoned::<Header>(
+            &name,
+            allow_group,
+            init_wait,
+            creator_of,
+        )
+        .map_err(|e| open_error(channel, &name, init_wait, e))?;
         Self::checked(seg, &name)
     }
 
     /// [`Control::open_in`] for tools (`inspect`, `gc`'s judgements and removals): this user's
     /// segment only, and its stamp waited for (up to [`INIT_WAIT`]) only while a creator may still
-    /// write it: one recorded that runs (or whose liveness cannot be told), or none recorded yet
-    /// in a segment at most 2 s old ([`versioned::open_versioned_unless_abandoned`]). A segment
-    /// without its stamp whose creator is dead, or that records none and is older, is a creation
-    /// abandoned half-way, told at once: a directory of them costs a tool no wait for each.
+    /// write it, as every opener does ([`versioned::open_versioned_unless_abandoned`]).
     ///
     /// # Errors
     /// As [`Control::open_in`]; [`SegmentFault::Abandoned`] (in
     /// [`super::ChannelError::BadSegment`]) for a creation abandoned half-way.
     pub(crate) fn open_unless_abandoned_in(prefix: &str, channel: &str) -> Result<Control> {
-        validate_channel_name(channel)?;
-        let name = segment_name_in(prefix, channel);
-        // SYNC POINT: stamp. Acquire, in `open_versioned`'s look: pairs with the Release store of
-        // the stamp in `create`; the fields read in `checked` are the creator's.
-        let seg = versioned::open_versioned_unless_abandoned::<Header>(
-            &name, false, INIT_WAIT, creator_of,
-        )
-        .map_err(|e| match e {
-            // Told at once, never waited for (`INIT_WAIT` is not zero).
-            OpenError::Header(HeaderError::Unstamped { waited }) if waited.is_zero() => {
-                bad(SegmentFault::Abandoned {
-                    segment: name.clone(),
-                })
-            }
-            e => open_error(channel, &name, INIT_WAIT, e),
-        })?;
-        Self::checked(seg, &name)
+        Self::open_in(prefix, channel, false, INIT_WAIT)
     }
 
     /// The layout's own checks of a stamped segment of this magic and version: the counts and

@@ -87,8 +87,8 @@ pub enum ChannelError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SegmentFault {
-    /// Another program's segment: its magic is not the channel's (`what`: `"channel"` or
-    /// `"host pool"`).
+    /// Another program's segment: its magic is not the channel's (`what`: `"channel"`, `"host
+    /// pool"`, or `"tensor set's generation channel"` for `cuda-ipc.tg.NAME`).
     #[error("{segment} is not a cuda-ipc {what} (magic {magic:#018x})")]
     Foreign {
         /// The segment's name.
@@ -121,8 +121,9 @@ pub enum SegmentFault {
         waited: Duration,
     },
     /// A creation abandoned half-way: no init stamp, and its creator is dead, or none is recorded
-    /// in a segment older than 2 s (told at once by tools, never waited for; `cuda-ipc gc`
-    /// removes it).
+    /// in a segment 2 s old by `st_ctime`'s whole seconds (told at once by every opener, a
+    /// consumer's attach and the tools alike, or as soon as it comes of age by one already
+    /// waiting; `cuda-ipc gc` removes it).
     #[error(
         "{segment} is a creation abandoned half-way: no init stamp, and its creator died (or never \
          recorded itself in 2 s); `cuda-ipc gc` removes it"
@@ -141,7 +142,8 @@ pub enum SegmentFault {
         /// The consumer count it claims.
         consumers: usize,
     },
-    /// The control segment is shorter than its header's counts need.
+    /// The control segment, or a host pool whose header matches its channel, is shorter than its
+    /// header's counts need (cut short by `truncate`, or corrupted).
     #[error(
         "{segment} holds {len} bytes but its header's counts need {need}: truncated or corrupted"
     )]

@@ -30,7 +30,9 @@ use super::layout::STAMP_READY;
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
-use crate::shm::versioned::{self, Blocker, HeaderError, OpenError, StampWord, VersionedHeader};
+use crate::shm::versioned::{
+    self, Blocker, Creator, HeaderError, OpenError, StampWord, VersionedHeader,
+};
 use crate::shm::{Segment, SegmentOptions};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::token::{Token, TokenKind};
@@ -96,6 +98,20 @@ unsafe impl VersionedHeader for PoolHeader {
     fn generation(&self) -> &AtomicU64 {
         &self.generation
     }
+}
+
+/// The producer that the pool segment `seg` records, judged by the one rule of
+/// [`Creator::judged`]: none recorded yet (pid 0), dead, or running (or whose liveness cannot be
+/// told). For an opener of a pool that may lack its stamp.
+fn creator_of(seg: &Segment) -> Creator {
+    let h = versioned::header::<PoolHeader>(seg);
+    // `load_words` Acquire-loads the pid word, which `store_words` stores last: never a torn
+    // identity read as a dead producer's.
+    let producer = ProcessIdentity::load_words(&h.producer);
+    Creator::judged(producer.pid != 0, || {
+        // Relaxed: a diagnosis of a segment without its stamp.
+        producer.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
+    })
 }
 
 /// The pool segment name of a channel.
@@ -274,25 +290,46 @@ impl HostPool {
         let name = pool_name(channel);
         // SYNC POINT: pool stamp. Acquire, in `open_versioned`'s look: pairs with the Release
         // store of the stamp in `create`; the fields read below are the creator's.
-        let seg = versioned::open_versioned::<PoolHeader>(&name, allow_group, POOL_INIT_WAIT)
-            .map_err(|e| match e {
-                OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
-                    bad(SegmentFault::PoolMissing {
-                        segment: name.clone(),
-                        channel: channel.to_string(),
-                    })
-                }
-                OpenError::Segment(e) => e,
-                OpenError::Header(HeaderError::Foreign { magic }) => foreign(&name, magic),
-                OpenError::Header(HeaderError::OtherVersion { found }) => {
-                    other_version(&name, found)
-                }
-                // (No `BadStamp`: the pool's stamp is not strict; a bad one is awaited.)
-                OpenError::Header(_) => bad(SegmentFault::Unfinished {
+        // Its stamp is waited for only while its producer may still write it (one recorded that
+        // runs, or none recorded yet in a pool younger than 2 s): a pool left unstamped by a
+        // dead producer, or by none, is refused at once.
+        let seg = versioned::open_versioned_unless_abandoned::<PoolHeader>(
+            &name,
+            allow_group,
+            POOL_INIT_WAIT,
+            creator_of,
+        )
+        .map_err(|e| match e {
+            OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
+                bad(SegmentFault::PoolMissing {
                     segment: name.clone(),
-                    waited: POOL_INIT_WAIT,
-                }),
-            })?;
+                    channel: channel.to_string(),
+                })
+            }
+            OpenError::Segment(e) => e,
+            OpenError::Header(HeaderError::Foreign { magic }) => foreign(&name, magic),
+            OpenError::Header(HeaderError::OtherVersion { found }) => other_version(&name, found),
+            // Never stamped, and never will be: a creation abandoned half-way, or another
+            // program's file (its magic is looked at only once a pool is stamped).
+            OpenError::Header(HeaderError::Abandoned) => {
+                match Segment::open_with_min_len(&name, POOL_DATA).map(|seg| {
+                    // Relaxed: a diagnosis of a segment without its stamp.
+                    versioned::header::<PoolHeader>(&seg)
+                        .magic
+                        .load(Ordering::Relaxed)
+                }) {
+                    Ok(magic) if magic != 0 && magic != POOL_MAGIC => foreign(&name, magic),
+                    _ => bad(SegmentFault::Abandoned {
+                        segment: name.clone(),
+                    }),
+                }
+            }
+            // (No `BadStamp`: the pool's stamp is not strict; a bad one is awaited.)
+            OpenError::Header(_) => bad(SegmentFault::Unfinished {
+                segment: name.clone(),
+                waited: POOL_INIT_WAIT,
+            }),
+        })?;
         let h = versioned::header::<PoolHeader>(&seg);
         let buffers = h.buffers.load(Ordering::Relaxed) as usize;
         let bytes = h.buffer_bytes.load(Ordering::Relaxed);
@@ -301,13 +338,22 @@ impl HostPool {
         let need = (buffers as u64)
             .checked_mul(stride)
             .and_then(|n| n.checked_add(POOL_DATA as u64));
-        if buffers != tokens.len()
-            || bytes != buffer_bytes
-            || stride != bytes.next_multiple_of(4096)
-            || need.is_none_or(|n| {
-                n > seg.len() as u64 || n != h.segment_bytes.load(Ordering::Relaxed)
-            })
+        let geometry = buffers == tokens.len()
+            && bytes == buffer_bytes
+            && stride == bytes.next_multiple_of(4096)
+            && need.is_some_and(|n| n == h.segment_bytes.load(Ordering::Relaxed));
+        // The channel's own pool, cut short of its buffers (`truncate`): said as such.
+        if let Some(n) = need
+            && geometry
+            && n > seg.len() as u64
         {
+            return Err(bad(SegmentFault::Truncated {
+                segment: name,
+                len: seg.len(),
+                need: usize::try_from(n).unwrap_or(usize::MAX),
+            }));
+        }
+        if !geometry {
             return Err(bad(SegmentFault::PoolMismatch {
                 segment: name,
                 buffers,

@@ -18,7 +18,7 @@ use crate::identity::{Liveness, ProcessIdentity};
 use crate::shm::ShmError;
 use crate::shm::versioned::Creation;
 use crate::sync::Ordering;
-use crate::token::Token;
+use crate::token::{Token, TokenKind};
 
 /// The wire codes a snapshot reads: the gate's state, a consumer slot's state, the producer's
 /// state, and the code a build does not know (docs/channel-layout.md).
@@ -42,22 +42,133 @@ pub fn pool_segment_name(channel: &str) -> String {
 }
 
 /// Host pool segments of this user that a dead producer or an abandoned creation left:
-/// (channel name, why it may go). A pool of a live producer, another user's, or anything else under
-/// such a name (a FIFO, a foreign file) is never listed.
+/// (channel name, why it may go): the pools [`host_pools`] judges [`PoolJudgement::Stale`]. A
+/// pool of a live producer, another user's, or anything else under such a name (a FIFO, a
+/// foreign file) is never listed here ([`host_pools`] says what each is).
 ///
 /// # Errors
 /// [`Error::Os`] when `/dev/shm` cannot be read.
 pub fn stale_host_pools() -> Result<Vec<(String, &'static str)>> {
-    Ok(crate::shm::list_own_segments()?
+    Ok(host_pools()?
         .into_iter()
-        .filter_map(|s| s.strip_prefix(POOL_PREFIX).map(str::to_string))
-        .filter(|n| !n.is_empty())
-        .filter_map(|n| match super::host::HostPool::replaceable(&n) {
-            Ok(why) => Some((n, why)),
-            Err(_) => None,
+        .filter_map(|p| match p.judgement {
+            PoolJudgement::Stale(why) => Some((p.channel, why)),
+            _ => None,
         })
         .collect())
 }
+
+/// What `cuda-ipc gc` makes of a name `cuda-ipc.hp.NAME` of this user ([`host_pools`]), by the
+/// rule a new host producer of channel `NAME` replaces what stands there by.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PoolJudgement {
+    /// A dead producer's pool, or a creation abandoned half-way: `gc` removes it, why in words.
+    Stale(&'static str),
+    /// Kept, with why: a live producer's pool, a creation that may still be finished (younger
+    /// than 2 s, being sized, or not stamped yet by a producer that runs), or the pool of a
+    /// channel of another layout version (never judged by this build: its channel says so).
+    Kept(String),
+    /// What stands under the name is nothing this build may judge (a file that is not a pool, a
+    /// FIFO, a directory, a symbolic link, a pool of another version, one open to other users,
+    /// another user's): kept, never removed, and a problem of `ls` and `gc`. It blocks a host
+    /// producer of that channel, whose creation fails with this error.
+    Unjudged(Error),
+}
+
+/// A name `cuda-ipc.hp.NAME` of this user and what `gc` makes of it ([`host_pools`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct HostPoolEntry {
+    /// The channel name (`NAME`).
+    pub channel: String,
+    /// The pool's segment name (`cuda-ipc.hp.NAME`).
+    pub segment: String,
+    /// Its size in bytes (0 for anything but a regular file).
+    pub bytes: u64,
+    /// Seconds since its last status change (`st_ctime`; 0 for anything but a regular file).
+    pub age_secs: u64,
+    /// Whether anything stands under its channel's control segment name (`cuda-ipc.ch.NAME`):
+    /// then that channel's listing speaks for a pool [`PoolJudgement::Kept`] or
+    /// [`PoolJudgement::Stale`] (its producer's), and a pool without one is an orphan.
+    pub with_channel: bool,
+    /// What `gc` makes of it.
+    pub judgement: PoolJudgement,
+}
+
+/// Names of the channels with a host pool name of this user in `/dev/shm` (`cuda-ipc.hp.NAME`,
+/// whatever stands there: a pool, or a FIFO, directory or link that blocks one), sorted, whether
+/// their control segment stands or not. What each is: [`host_pool`].
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
+pub fn list_host_pools() -> Result<Vec<String>> {
+    Ok(crate::shm::list_own_names()?
+        .into_iter()
+        .filter_map(|s| s.strip_prefix(POOL_PREFIX).map(str::to_string))
+        .filter(|n| !n.is_empty())
+        .collect())
+}
+
+/// Every host pool name of this user ([`list_host_pools`]), each judged by [`host_pool`];
+/// changes nothing. For `cuda-ipc ls` and `gc`: whatever blocks a host producer's creation is
+/// shown and reported, and only what is ours and judged abandoned (a dead producer's pool, a
+/// creation abandoned half-way) is removed.
+///
+/// # Errors
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
+pub fn host_pools() -> Result<Vec<HostPoolEntry>> {
+    Ok(list_host_pools()?
+        .into_iter()
+        .filter_map(|c| host_pool(&c))
+        .collect())
+}
+
+/// The host pool name of channel `channel` and what `gc` makes of it, by the rule a new host
+/// producer replaces what stands there by; `None` when nothing stands under the name (or the
+/// channel name is not one). Changes nothing; never maps anything that is not a regular file of
+/// this user with its pages, and never waits for a stamp nobody will write.
+pub fn host_pool(channel: &str) -> Option<HostPoolEntry> {
+    super::validate_name_as(channel, "channel name").ok()?;
+    let segment = pool_segment_name(channel);
+    let stat = crate::shm::Segment::stat(&segment);
+    if matches!(&stat, Err(e) if super::is_not_found(e)) {
+        return None;
+    }
+    let (bytes, age_secs) = stat.as_ref().map_or((0, 0), |i| (i.len, i.age_secs));
+    let judgement = match super::host::HostPool::replaceable(channel) {
+        Ok(why) => PoolJudgement::Stale(why),
+        // Gone since the stat.
+        Err(e) if super::is_not_found(&e) => return None,
+        Err(Error::Channel(super::ChannelError::AlreadyExists { pid, .. })) => {
+            PoolJudgement::Kept(format!("its producer (pid {pid}) runs"))
+        }
+        Err(Error::Channel(super::ChannelError::CreationInProgress(_))) => {
+            PoolJudgement::Kept(POOL_UNDER_WAY.to_string())
+        }
+        Err(Error::Channel(super::ChannelError::VersionMismatch { found, .. })) => {
+            PoolJudgement::Kept(format!(
+                "its channel has layout version {found}, which this build does not judge"
+            ))
+        }
+        Err(e) => PoolJudgement::Unjudged(e),
+    };
+    let with_channel =
+        std::fs::symlink_metadata(format!("{}/{}", crate::shm::SHM_DIR, segment_name(channel)))
+            .is_ok();
+    Some(HostPoolEntry {
+        channel: channel.to_string(),
+        segment,
+        bytes,
+        age_secs,
+        with_channel,
+        judgement,
+    })
+}
+
+/// Why a pool that may still be finished is kept, in words.
+const POOL_UNDER_WAY: &str = "a creation under way: younger than 2 s, being sized, or not \
+                              stamped yet by a producer that runs; judged again later";
 
 /// What a buffer of the pool holds.
 ///
@@ -222,6 +333,13 @@ pub struct ChannelSnapshot {
     /// How its frames arrive: 0 written on this host, 1 a bridge filling it from another host
     /// (`layout::TRANSPORT_*`).
     pub transport: u32,
+    /// For a host channel ([`super::MemoryKind::Host`]), why its pool `cuda-ipc.hp.NAME` cannot
+    /// be used, as a consumer's attach finds it (missing, cut short of its buffers, sparse,
+    /// another creation, a FIFO, ...: the attach fails with this error); `None` when it can,
+    /// and for a channel whose buffers are device memory. Checked without reading past the
+    /// file's size: the pool is mapped only once its length and pages are checked, and only its
+    /// header is read.
+    pub pool_problem: Option<String>,
 }
 
 impl ChannelSnapshot {
@@ -234,14 +352,16 @@ impl ChannelSnapshot {
     }
 }
 
-/// Names of the channels whose control segments are in `/dev/shm` (files `cuda-ipc.ch.NAME`) and
-/// belong to this process's effective user (only those can be opened: see [`inspect`]), sorted.
-/// Whether each is valid is for [`inspect`] to say.
+/// Names of the channels whose control segments are in `/dev/shm` (names `cuda-ipc.ch.NAME`) and
+/// belong to this process's effective user (only those can be opened: see [`inspect`]), sorted,
+/// whatever stands under the name: a FIFO, a directory or a symbolic link there blocks the
+/// channel's creation, so it is listed, and [`inspect`] says what it is
+/// ([`ShmError::NotASegment`]). Whether each is valid is for [`inspect`] to say.
 ///
 /// # Errors
 /// [`Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_channels() -> Result<Vec<String>> {
-    Ok(crate::shm::list_own_segments()?
+    Ok(crate::shm::list_own_names()?
         .into_iter()
         .filter_map(|s| s.strip_prefix(SEGMENT_PREFIX).map(str::to_string))
         .filter(|n| !n.is_empty())
@@ -252,10 +372,10 @@ pub fn list_channels() -> Result<Vec<String>> {
 ///
 /// Validates the segment as a consumer does (owner, magic, layout version, counts and sizes), but
 /// waits for its init stamp (up to 2 s) only while a creator may still write it: one recorded
-/// that runs (or whose liveness cannot be told), or none recorded yet in a segment at most 2 s
-/// old. A segment without its stamp whose creator is dead, or that records none and is older, is
+/// that runs (or whose liveness cannot be told), or none recorded yet in a segment younger than
+/// 2 s. A segment without its stamp whose creator is dead, or that records none and is older, is
 /// a creation abandoned half-way, told at once ([`super::SegmentFault::Abandoned`]): `cuda-ipc
-/// ls`, `watch`, `metrics` and `gc` never wait on one.
+/// ls`, `watch`, `metrics` and `gc` never wait on one (nor does a consumer's attach).
 ///
 /// # Errors
 /// - [`super::ChannelError::NotFound`] when there is no such segment;
@@ -285,7 +405,44 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn inspect(channel: &str) -> Result<ChannelSnapshot> {
-    inspect_in(SEGMENT_PREFIX, channel)
+    let mut first = true;
+    loop {
+        let c = Control::open_unless_abandoned_in(SEGMENT_PREFIX, channel)?;
+        let mut snap = snapshot(channel, &c);
+        snap.pool_problem = pool_problem(channel, &c);
+        if snap.pool_problem.is_none() {
+            return Ok(snap);
+        }
+        // A producer closing unlinks its control segment, then its pool (one made again makes
+        // its pool, then its control segment): a pool gone or of another creation behind a
+        // control segment whose name no longer stands for the one read is a channel closed
+        // meanwhile (gone), or made again (read again, once), not a problem of this one.
+        let now = crate::shm::Segment::stat(c.segment().name());
+        match now {
+            Err(e) if super::is_not_found(&e) => {
+                return Err(super::ChannelError::NotFound(channel.to_string()).into());
+            }
+            Ok(i) if first && c.segment().inode().is_ok_and(|read| read != i.inode) => {
+                first = false;
+            }
+            _ => return Ok(snap),
+        }
+    }
+}
+
+/// Why the host pool of `channel` (whose control segment is `c`) cannot be used, as a consumer's
+/// attach opens it ([`super::host::HostPool::open`], with the tokens and the buffer size of the
+/// control segment); `None` when it can, or when the channel's buffers are not host memory.
+fn pool_problem(channel: &str, c: &Control) -> Option<String> {
+    let first = Token::from_bytes(&c.buffer_token(0)).ok()?;
+    if first.kind != TokenKind::HostMemory {
+        return None;
+    }
+    let opened = (0..c.buffers())
+        .map(|i| Token::from_bytes(&c.buffer_token(i)))
+        .collect::<Result<Vec<_>>>()
+        .and_then(|tokens| super::host::HostPool::open(channel, false, &tokens, c.buffer_bytes()));
+    opened.err().map(|e| e.to_string())
 }
 
 /// [`inspect`] of the control segment `channel` under `prefix` (crate-private: a tensor set's
@@ -332,6 +489,8 @@ pub(crate) fn snapshot(channel: &str, c: &Control) -> ChannelSnapshot {
         ring: c.is_ring(),
         // Relaxed: a diagnostic copy.
         transport: c.header().transport.load(Ordering::Relaxed),
+        // Looked at by `inspect`, for a host channel.
+        pool_problem: None,
     }
 }
 

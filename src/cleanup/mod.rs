@@ -282,7 +282,9 @@ pub struct Skipped {
     /// The uid that owns it.
     pub uid: u32,
     /// What it is, in words: `registry`, `channel segment`, `host pool`, `tensor set part`,
-    /// `quota ledger`, `liveness file`, `fd server socket` or `bridge status file`.
+    /// `quota ledger`, `liveness file`, `fd server socket` or `bridge status file`; under a
+    /// channel's, host pool's or tensor set part's name, what stands there when it is no segment
+    /// (`FIFO`, `directory`, `symbolic link`, `socket`, ...).
     pub what: &'static str,
     /// Whether its listing found it a dead process's leftover (a liveness file whose lock is free,
     /// an fd server socket of a dead process, a dead bridge's status file: what `gc` removes of

@@ -98,6 +98,8 @@ const SET_PREFIXES: [&str; 4] = [
 /// of this process) whose magic this process can read; with every channel, other users' channel
 /// segments and host pools; with every tensor set, other users' parts of sets; with the
 /// per-process files, those of killed processes of another uid (root removes everyone's: none).
+/// Under a segment's name, whatever of theirs stands there counts (a FIFO, a directory, a
+/// symbolic link: listed by what it is, as its opener would name it).
 /// Where the scope names them ([`Scope::only`]), the same of the objects named, by the same
 /// rules: a named registry that is another user's file (not shared with a group of this process;
 /// its magic is not read: the name was given as a registry's), the named channels' control
@@ -163,18 +165,19 @@ pub fn others(scope: &Scope) -> Result<Vec<Skipped>> {
         }
     }
     if !kinds.is_empty() {
-        for (n, uid) in crate::shm::list_other_users_segments()? {
+        for (n, uid, kind) in crate::shm::list_other_users_names()? {
             if let Some((_, what)) = kinds
                 .iter()
                 .find(|(p, _)| n.strip_prefix(p).is_some_and(|rest| !rest.is_empty()))
             {
-                out.push(segment(n, uid, what));
+                // What stands there, when it is no segment (a FIFO, a directory, a link).
+                out.push(segment(n, uid, kind.unwrap_or(what)));
             }
         }
     }
     for (n, what) in named {
-        if let Some(uid) = crate::shm::other_users_segment(&n) {
-            out.push(segment(n, uid, what));
+        if let Some((uid, kind)) = crate::shm::other_users_name(&n) {
+            out.push(segment(n, uid, kind.unwrap_or(what)));
         }
     }
     if scope.process_files {
@@ -432,31 +435,45 @@ fn liveness_word(l: identity::Liveness) -> &'static str {
     }
 }
 
-/// Host pools of dead producers (whether their channel segment is still there or not); with
-/// `named`, only those of the channels named.
+/// Host pool names of this user (with `named`, only those of the channels named), each by the
+/// rule a new host producer replaces what stands there by ([`channel_inspect::host_pools`]): a
+/// dead producer's pool or an abandoned creation (whether its channel segment is still there or
+/// not) is a leftover; one that may still be finished is kept, with why, when no channel segment
+/// speaks for it; anything else under such a name (a file that is not a pool, a FIFO, a
+/// directory, a link, a pool of another version, one open to other users) blocks a host
+/// producer's creation: a problem, never removed.
 fn scan_host_pools(named: Option<&[String]>, s: &mut Scan) {
-    let pools = match channel_inspect::stale_host_pools() {
+    let pools = match channel_inspect::host_pools() {
         Ok(p) => p,
         Err(e) => {
             s.unread("host pools".into(), e);
             return;
         }
     };
-    for (c, why) in pools {
+    for p in pools {
+        let c = p.channel;
         if named.is_some_and(|n| !n.contains(&c)) {
             continue;
         }
-        s.leftovers.push(leftover(
-            LeftoverKind::HostPool,
-            &c,
-            None,
-            Some(rustix::process::geteuid().as_raw()),
-            format!(
-                "host pool {SHM_DIR}/{} of channel {c}: {why}",
-                channel_inspect::pool_segment_name(&c)
-            ),
-            Target::HostPool,
-        ));
+        match p.judgement {
+            channel_inspect::PoolJudgement::Stale(why) => s.leftovers.push(leftover(
+                LeftoverKind::HostPool,
+                &c,
+                None,
+                Some(rustix::process::geteuid().as_raw()),
+                format!("host pool {SHM_DIR}/{} of channel {c}: {why}", p.segment),
+                Target::HostPool,
+            )),
+            // Its channel's own judgement speaks for it (a live producer's pool).
+            channel_inspect::PoolJudgement::Kept(_) if p.with_channel => {}
+            channel_inspect::PoolJudgement::Kept(why) => s.kept.push(format!(
+                "host pool {SHM_DIR}/{} of channel {c} (no control segment): {why}",
+                p.segment
+            )),
+            channel_inspect::PoolJudgement::Unjudged(e) => {
+                s.unread(format!("host pool of channel {c}"), e)
+            }
+        }
     }
 }
 

@@ -130,34 +130,24 @@ pub(super) fn hold_liveness_lock(id: &ProcessIdentity, state: &mut State) -> Res
         )
         .into()
     };
+    let euid = rustix::process::geteuid().as_raw();
     let fd = match open_live_file(&path, true) {
         Ok(fd) => fd,
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(in_the_way("open", "a symbolic link".into()));
+        // Whatever the errno (`ELOOP` for a link, `ENXIO` for a socket, `EISDIR`; `EACCES` for
+        // another user's file, or where the kernel's `protected_symlinks`, `protected_fifos` or
+        // `protected_regular` refuse what another user planted in the sticky /dev/shm), what
+        // stands under the name says why, when something does.
+        Err(e) => {
+            return Err(match rustix::fs::lstat(path.as_str()) {
+                Ok(st) if !ours_to_use(&st, euid) => in_the_way("open", in_the_way_text(&st, euid)),
+                _ => OsError::io("open", path.as_str(), e).into(),
+            });
         }
-        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
-            return Err(in_the_way("open", "a socket".into()));
-        }
-        Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
-            return Err(in_the_way("open", "a directory".into()));
-        }
-        Err(e) => return Err(OsError::io("open", path.as_str(), e).into()),
     };
     // The file must be ours and a plain file: another user could have made one under our name.
     let st = rustix::fs::fstat(&fd).map_err(|e| OsError::new("fstat", path.as_str(), e))?;
-    let euid = rustix::process::geteuid().as_raw();
-    let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
-    if ft != rustix::fs::FileType::RegularFile {
-        return Err(in_the_way("fstat", format!("a {ft:?}")));
-    }
-    if st.st_uid != euid {
-        return Err(in_the_way(
-            "fstat",
-            format!(
-                "a file of uid {} (this process runs as uid {euid})",
-                st.st_uid
-            ),
-        ));
+    if !ours_to_use(&st, euid) {
+        return Err(in_the_way("fstat", in_the_way_text(&st, euid)));
     }
     // Readable by everyone, so processes of other users (root's `cuda-ipc gc`, a group-shared
     // channel's consumers) can test the lock; the file holds no data.
@@ -200,6 +190,38 @@ pub(super) fn hold_liveness_lock(id: &ProcessIdentity, state: &mut State) -> Res
     register_process_hooks();
     start_keeper(id.pid);
     Ok(())
+}
+
+/// Whether `st` (of what stands under this process's liveness file name) is a file it may use as
+/// its own: a regular file of `euid`.
+fn ours_to_use(st: &rustix::fs::Stat, euid: u32) -> bool {
+    rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile
+        && st.st_uid == euid
+}
+
+/// What `st` is, in words, for the error of a process whose liveness file name it holds: `a
+/// symbolic link`, `a FIFO`, `a directory`, `a socket`, `a file of uid 1000 (this process runs as
+/// uid 0)`, ...
+fn in_the_way_text(st: &rustix::fs::Stat, euid: u32) -> String {
+    use rustix::fs::FileType as T;
+    let what = match T::from_raw_mode(st.st_mode) {
+        T::Symlink => "a symbolic link",
+        T::Fifo => "a FIFO",
+        T::Directory => "a directory",
+        T::Socket => "a socket",
+        T::CharacterDevice => "a character device",
+        T::BlockDevice => "a block device",
+        T::RegularFile => "a file",
+        _ => "a special file",
+    };
+    if st.st_uid == euid {
+        what.to_string()
+    } else {
+        format!(
+            "{what} of uid {} (this process runs as uid {euid})",
+            st.st_uid
+        )
+    }
 }
 
 /// How often the keeper thread looks whether this process's liveness file is still there.

@@ -461,13 +461,16 @@ impl Drop for Reservation {
     }
 }
 
-/// The names of the quota ledgers in `/dev/shm` (`cuda-ipc.quota.…`, regular files), sorted.
+/// The names of the quota ledgers in `/dev/shm` (`cuda-ipc.quota.…`), sorted, whatever stands
+/// under them: a FIFO, a directory or a symbolic link there blocks the ledger's creation, so it
+/// is listed, and its opener says what it is ([`ShmError::NotASegment`]).
 ///
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be read.
 pub fn list_ledgers() -> Result<Vec<String>> {
-    let mut v: Vec<String> = crate::shm::list_segments()?
+    let mut v: Vec<String> = crate::shm::list_names()?
         .into_iter()
+        .map(|(n, ..)| n)
         .filter(|n| n.starts_with(LEDGER_PREFIX))
         .collect();
     v.sort();

@@ -368,5 +368,11 @@ pub(super) fn open_error(name: &str, e: OpenError) -> Error {
             reason: format!("never initialised (no init stamp after {waited:?})"),
         }
         .into(),
+        // (The ledger's opener waits by its own rule: `open_versioned`, never this.)
+        OpenError::Header(HeaderError::Abandoned) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: "never initialised (no init stamp, and its creator is gone)".to_string(),
+        }
+        .into(),
     }
 }

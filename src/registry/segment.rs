@@ -282,7 +282,9 @@ impl Registry {
         // word that is neither 0 nor INITDONE is corrupt, not awaited.
         match versioned::look(hdr) {
             Look::Ready => {}
-            Look::Unstamped | Look::Refused(HeaderError::Unstamped { .. }) => {
+            // (`look` refuses neither for a missing stamp: those two are the waits' own.)
+            Look::Unstamped
+            | Look::Refused(HeaderError::Unstamped { .. } | HeaderError::Abandoned) => {
                 return Err(Retry::NotReady(
                     RegistryError::Uninitialised {
                         name: name.to_string(),

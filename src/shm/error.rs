@@ -74,13 +74,15 @@ pub enum ShmError {
         /// Its permission bits.
         mode: u32,
     },
-    /// The name in `/dev/shm` is not a plain file (a FIFO, a directory, a socket, a device): nothing
-    /// of this crate made it, and it is neither read nor removed.
+    /// The name in `/dev/shm` is not a plain file (a FIFO, a directory, a socket, a device, a
+    /// symbolic link, which is never followed): nothing of this crate made it, and it is neither
+    /// read nor removed.
     #[error("/dev/shm/{name} is a {kind}, not a shared-memory segment; it is left as it is")]
     NotASegment {
         /// The segment name.
         name: String,
-        /// What it is: `"FIFO"`, `"directory"`, `"socket"`, `"character device"`, ...
+        /// What it is: `"FIFO"`, `"directory"`, `"socket"`, `"symbolic link"`, `"character
+        /// device"`, ...
         kind: &'static str,
     },
     /// Pages the segment needs are not backed: the file is sparse (its creator died between

@@ -13,9 +13,10 @@
 //! [`crate::Result`], whose [`crate::Error::Shm`] carries it; the registry and the channel pass it
 //! on unchanged rather than wrapping it again, so a user matches one pattern per failure
 //! (`Error::Shm(ShmError::NotFound { .. })`) whichever layer opened the segment. System calls that
-//! fail otherwise are [`crate::Error::Os`]; a symbolic link under a segment's name and a length of 0
-//! are [`crate::Error::InvalidArgument`]. Imports only `error` and `sync`: nothing of the registry
-//! or the channel.
+//! fail otherwise are [`crate::Error::Os`]; a symbolic link under a segment's name is
+//! [`ShmError::NotASegment`], as a FIFO is (never followed), and a length of 0 is
+//! [`crate::Error::InvalidArgument`]. Imports only `error` and `sync`: nothing of the registry or
+//! the channel.
 //!
 //! Rule for everything here: bytes of a segment are read and written through atomics or raw
 //! pointers only, never through Rust references to plain bytes, because another process may write
@@ -33,6 +34,6 @@ pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
     list_segments, validate_name,
 };
-pub(crate) use segment::{list_other_users_segments, list_own_segments, other_users_segment};
+pub(crate) use segment::{list_names, list_other_users_names, list_own_names, other_users_name};
 pub use seqlock::{SeqLock, SeqWriter};
 pub use versioned::new_generation;

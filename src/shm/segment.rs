@@ -277,14 +277,14 @@ impl Segment {
     /// # Errors
     /// - [`ShmError::InvalidName`] for a bad name;
     /// - [`ShmError::NotFound`] when there is no such segment;
-    /// - [`ShmError::NotASegment`] when the name is a FIFO, directory, socket or device;
+    /// - [`ShmError::NotASegment`] when the name is a FIFO, directory, socket, device or symbolic
+    ///   link (never followed);
     /// - [`ShmError::WrongOwner`] when another user's segment may not be opened by us
     ///   (`EACCES`), naming both uids;
     /// - [`ShmError::TooSmall`] when its size is 0 or below `min_len` (checked before mapping,
     ///   so a short segment is an error and not a fault);
     /// - [`ShmError::Sparse`] when some of its pages are not backed (a creator that died
     ///   between `ftruncate` and `fallocate`, or a file sized with `truncate`);
-    /// - [`crate::Error::InvalidArgument`] when the name is a symbolic link (never followed);
     /// - [`crate::Error::Os`] for a failed call (`EACCES` when the mode forbids us).
     pub fn open_with_min_len(name: &str, min_len: usize) -> Result<Segment> {
         validate_name(name)?;
@@ -326,8 +326,8 @@ impl Segment {
     ///
     /// # Errors
     /// [`ShmError::InvalidName`], [`ShmError::NotFound`],
-    /// [`ShmError::NotASegment`] (a FIFO, directory, socket or device),
-    /// [`crate::Error::InvalidArgument`] for a symbolic link, [`crate::Error::Os`] otherwise.
+    /// [`ShmError::NotASegment`] (a FIFO, directory, socket, device or symbolic link),
+    /// [`crate::Error::Os`] otherwise.
     pub fn stat(name: &str) -> Result<SegmentInfo> {
         validate_name(name)?;
         let fd = open_checked(name, false)?;
@@ -704,9 +704,12 @@ fn open_checked(name: &str, write: bool) -> Result<OwnedFd> {
             name: name.to_string(),
         }
         .into()),
-        Err(Errno::LOOP) => Err(crate::Error::InvalidArgument(format!(
-            "{SHM_DIR}/{name} is a symbolic link; a segment is never opened through one"
-        ))),
+        // Never followed: a link is what stands under the name, not a segment.
+        Err(Errno::LOOP) => Err(ShmError::NotASegment {
+            name: name.to_string(),
+            kind: "symbolic link",
+        }
+        .into()),
         Err(Errno::ISDIR) => Err(ShmError::NotASegment {
             name: name.to_string(),
             kind: "directory",
@@ -794,45 +797,105 @@ pub fn list_segments() -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// [`list_segments`] of this process's effective user: another user's segments cannot be opened
-/// here (`WrongOwner`) and are not ours to clean, so listings leave them out. A name gone
-/// meanwhile is left out too.
+/// Every name in [`SHM_DIR`] that passes [`validate_name`], whatever stands there (a regular
+/// file, a FIFO, a directory, a symbolic link, a socket), with its owner's uid and, for anything
+/// but a regular file, what it is (`lstat`: no link is followed, nothing is opened), sorted. A
+/// name gone meanwhile is left out.
+///
+/// For listings of this crate's objects: whatever stands under one of its names blocks the
+/// creation of that object (`O_EXCL`), so a tool lists it, and the opener that meets it says
+/// what it is ([`ShmError::NotASegment`]).
 ///
 /// # Errors
-/// As [`list_segments`].
-pub(crate) fn list_own_segments() -> Result<Vec<String>> {
+/// [`crate::Error::Os`] when the folder cannot be read.
+pub(crate) fn list_names() -> Result<Vec<(String, u32, Option<&'static str>)>> {
     use std::os::unix::fs::MetadataExt;
-    let me = rustix::process::geteuid().as_raw();
-    Ok(list_segments()?
-        .into_iter()
-        .filter(|s| {
-            std::fs::symlink_metadata(format!("{SHM_DIR}/{s}")).is_ok_and(|m| m.uid() == me)
-        })
-        .collect())
+    let dir = std::fs::read_dir(SHM_DIR).map_err(|e| OsError::io("read_dir", SHM_DIR, e))?;
+    let mut out = Vec::new();
+    for entry in dir {
+        let entry = entry.map_err(|e| OsError::io("read_dir", SHM_DIR, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if validate_name(&name).is_err() {
+            continue;
+        }
+        // `DirEntry::metadata` is `lstat`: the entry itself, never what a link points to.
+        let Ok(m) = entry.metadata() else {
+            continue;
+        };
+        let kind = (!m.file_type().is_file()).then(|| name_kind(&m));
+        out.push((name, m.uid(), kind));
+    }
+    out.sort();
+    Ok(out)
 }
 
-/// The segments [`list_own_segments`] leaves out: [`list_segments`] of users other than this
-/// process's effective user, each with its owner's uid (from `lstat`; a name gone meanwhile is
-/// left out). Their bytes are not read.
+/// What a name that is not a regular file is, in the words of [`ShmError::NotASegment`].
+fn name_kind(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_dir() {
+        "directory"
+    } else if t.is_symlink() {
+        "symbolic link"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_file() {
+        "regular file"
+    } else {
+        "special file"
+    }
+}
+
+/// The names in [`SHM_DIR`] of this process's effective user, whatever stands under them (a
+/// segment, or a FIFO, directory, symbolic link or socket that blocks a segment's creation there:
+/// listings show it, and its opener says what it is), sorted. Another user's names are left
+/// out: their segments cannot be opened here (`WrongOwner`) and are not ours to clean
+/// ([`list_other_users_names`]). A name gone meanwhile is left out too.
 ///
 /// # Errors
 /// As [`list_segments`].
-pub(crate) fn list_other_users_segments() -> Result<Vec<(String, u32)>> {
-    Ok(list_segments()?
+pub(crate) fn list_own_names() -> Result<Vec<String>> {
+    let me = rustix::process::geteuid().as_raw();
+    Ok(list_names()?
         .into_iter()
-        .filter_map(|s| other_users_segment(&s).map(|uid| (s, uid)))
+        .filter(|(_, uid, _)| *uid == me)
+        .map(|(n, ..)| n)
         .collect())
 }
 
-/// The owner's uid of segment `name` when [`list_other_users_segments`] would list it: a regular
-/// file under a valid segment name (from `lstat`: no link is followed, nothing is opened) of a
-/// user other than this process's effective user; `None` for this user's, for anything that is
-/// not a regular file, for an invalid name, and when nothing stands under it. For a look at one
-/// name (a `gc` of a NAME) by the rule of the listing.
-pub(crate) fn other_users_segment(name: &str) -> Option<u32> {
+/// The names [`list_own_names`] leaves out: those of users other than this process's effective
+/// user, whatever stands under them, each with its owner's uid (from `lstat`) and, for anything
+/// but a regular file, what it is (`"FIFO"`, `"directory"`, `"symbolic link"`, ...; `None` for a
+/// segment). Their bytes are not read.
+///
+/// # Errors
+/// As [`list_segments`].
+pub(crate) fn list_other_users_names() -> Result<Vec<(String, u32, Option<&'static str>)>> {
+    let me = rustix::process::geteuid().as_raw();
+    Ok(list_names()?
+        .into_iter()
+        .filter(|(_, uid, _)| *uid != me)
+        .collect())
+}
+
+/// The owner's uid of name `name` and what stands there when [`list_other_users_names`] would
+/// list it: a valid segment name (from `lstat`: no link is followed, nothing is opened) of a user
+/// other than this process's effective user, with `None` for a regular file or what else it is
+/// (`"FIFO"`, ...); `None` for this user's, for an invalid name, and when nothing stands under
+/// it. For a look at one name (a `gc` of a NAME) by the rule of the listing.
+pub(crate) fn other_users_name(name: &str) -> Option<(u32, Option<&'static str>)> {
     use std::os::unix::fs::MetadataExt;
     validate_name(name).ok()?;
     let m = std::fs::symlink_metadata(format!("{SHM_DIR}/{name}")).ok()?;
     let me = rustix::process::geteuid().as_raw();
-    (m.file_type().is_file() && m.uid() != me).then_some(m.uid())
+    let kind = (!m.file_type().is_file()).then(|| name_kind(&m));
+    (m.uid() != me).then_some((m.uid(), kind))
 }

@@ -133,6 +133,10 @@ pub(crate) enum HeaderError {
         /// The wait the opener was given.
         waited: Duration,
     },
+    /// No init stamp, and none will come: its creator is dead, or none is recorded in a segment
+    /// [`ABANDONED_AFTER`] old ([`open_versioned_unless_abandoned`], at once or as soon as that
+    /// holds): a creation abandoned half-way.
+    Abandoned,
 }
 
 /// Why [`open_versioned`] gave no segment.
@@ -261,6 +265,22 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     allow_group: bool,
     wait: Duration,
 ) -> std::result::Result<Segment, OpenError> {
+    open_versioned_judging::<H>(name, allow_group, wait, None)
+}
+
+/// How often [`open_versioned_unless_abandoned`] judges again, while it waits for a stamp,
+/// whether the creator may still write it (the creator's liveness, the segment's age).
+const JUDGE_EVERY: Duration = Duration::from_millis(20);
+
+/// [`open_versioned`], with `abandoned` (given the mapped segment) asked at the first look that
+/// finds no stamp and every [`JUDGE_EVERY`] after, while it waits: once it says the stamp never
+/// comes, [`HeaderError::Abandoned`], at once.
+fn open_versioned_judging<H: VersionedHeader>(
+    name: &str,
+    allow_group: bool,
+    wait: Duration,
+    abandoned: Option<&dyn Fn(&Segment) -> bool>,
+) -> std::result::Result<Segment, OpenError> {
     let start = Instant::now();
     // The inode last looked at and when it was first seen: `SIZING_WAIT` counts from then.
     let mut seen: Option<(u64, Instant)> = None;
@@ -322,11 +342,21 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
     }
     .map_err(OpenError::Segment)?;
     let h = header::<H>(&seg);
+    // When the creator was last judged.
+    let mut judged: Option<Instant> = None;
     loop {
         match look(h) {
             Look::Ready => break,
             Look::Refused(e) => return Err(OpenError::Header(e)),
             Look::Unstamped => {
+                if let Some(abandoned) = abandoned
+                    && judged.is_none_or(|t| t.elapsed() >= JUDGE_EVERY)
+                {
+                    judged = Some(Instant::now());
+                    if abandoned(&seg) {
+                        return Err(OpenError::Header(HeaderError::Abandoned));
+                    }
+                }
                 if start.elapsed() > wait {
                     return Err(OpenError::Header(HeaderError::Unstamped { waited: wait }));
                 }
@@ -365,15 +395,16 @@ impl Creator {
 
 /// Whether the segment `name`, found without its stamp and recording `creator`, may still get
 /// its stamp: its creator runs (or whether it runs cannot be told), or none is recorded yet in a
-/// segment whose last status change (`st_ctime`, whole seconds) is at most [`ABANDONED_AFTER`]
-/// old (a segment that cannot be looked at counts as young). Otherwise it is a creation abandoned
-/// half-way. The one rule of [`open_versioned_unless_abandoned`] and of the layouts' judges that
-/// do not wait ([`Creation`]).
+/// segment whose last status change (`st_ctime`, whole seconds) is younger than
+/// [`ABANDONED_AFTER`] (a segment that cannot be looked at counts as young): the age by which
+/// [`stat_blocker`] takes an empty or sparse one for abandoned. Otherwise it is a creation
+/// abandoned half-way. The one rule of [`open_versioned_unless_abandoned`] and of the layouts'
+/// judges that do not wait ([`Creation`]).
 pub(crate) fn may_still_stamp(name: &str, creator: Creator) -> bool {
     match creator {
         Creator::Running => true,
         Creator::Unrecorded => Segment::stat(name)
-            .map(|i| i.age_secs <= ABANDONED_AFTER.as_secs())
+            .map(|i| i.age_secs < ABANDONED_AFTER.as_secs())
             .unwrap_or(true),
         Creator::Dead => false,
     }
@@ -400,52 +431,32 @@ pub(crate) enum Creation {
 pub(crate) const UNDER_WAY_UNSIZED: &str =
     "a creation under way: empty or sparse, younger than 2 s or being sized by its creator";
 
-/// A creation without its stamp and no creator recorded, at most [`ABANDONED_AFTER`] old, in
+/// A creation without its stamp and no creator recorded, younger than [`ABANDONED_AFTER`], in
 /// words.
 pub(crate) const UNDER_WAY_UNSTAMPED: &str =
     "a creation under way: not stamped yet, younger than 2 s";
 
-/// [`open_versioned`] for a judge or a tool that must not wait for a stamp nobody will write:
-/// one look first (an empty, short or sparse segment is waited for as [`open_versioned`] waits
-/// for a creator sizing it); a segment without its stamp is then awaited (up to `wait`, as
-/// [`open_versioned`] does) only while a creator may still write it: `creator` (given the mapped
-/// segment) says [`Creator::Running`], or [`Creator::Unrecorded`] in a segment whose last status
-/// change (`st_ctime`, whole seconds) is at most [`ABANDONED_AFTER`] old. Any other unstamped
-/// segment (its creator dead, or none recorded in an older one: a creation abandoned half-way) is
-/// [`HeaderError::Unstamped`] with `waited` zero at once: a directory of such leftovers costs a
-/// tool no wait for each.
+/// [`open_versioned`] for an opener that must not wait for a stamp nobody will write: a
+/// segment without its stamp is awaited (up to `wait`, as [`open_versioned`] does, an empty,
+/// short or sparse one included while its creator may be sizing it) only while a creator may
+/// still write it: `creator` (given the mapped segment) says [`Creator::Running`], or
+/// [`Creator::Unrecorded`] in a segment whose last status change (`st_ctime`, whole seconds) is
+/// younger than [`ABANDONED_AFTER`] ([`may_still_stamp`]), judged at the first look and again
+/// every [`JUDGE_EVERY`] while it waits. Any other unstamped segment (its creator dead, or none
+/// recorded in an older one: a creation abandoned half-way) is [`HeaderError::Abandoned`], at
+/// once, or as soon as it comes of age or its creator dies: a directory of such leftovers costs a
+/// tool no wait for each, and an attach to one no 2 s wait.
 ///
 /// # Errors
-/// As [`open_versioned`]; `Unstamped { waited: Duration::ZERO }` for a creation abandoned
-/// half-way.
+/// As [`open_versioned`]; [`HeaderError::Abandoned`] for a creation abandoned half-way.
 pub(crate) fn open_versioned_unless_abandoned<H: VersionedHeader>(
     name: &str,
     allow_group: bool,
     wait: Duration,
-    creator: impl FnOnce(&Segment) -> Creator,
+    creator: impl Fn(&Segment) -> Creator,
 ) -> std::result::Result<Segment, OpenError> {
-    match open_versioned::<H>(name, allow_group, Duration::ZERO) {
-        Err(OpenError::Header(HeaderError::Unstamped { .. })) => {}
-        // Empty, short or sparse: a creator may be sizing it; waited for as `open_versioned` does.
-        Err(OpenError::Segment(Error::Shm(
-            ShmError::Sparse { .. } | ShmError::TooSmall { .. },
-        ))) => {
-            return open_versioned::<H>(name, allow_group, wait);
-        }
-        other => return other,
-    }
-    // Mapped again (the first look's mapping was dropped with its error); checked as that look
-    // checked it (a regular file of at least the header, every page backed, whose access passed).
-    let seg = Segment::open_with_min_len(name, H::HEADER_LEN).map_err(OpenError::Segment)?;
-    let may_finish = may_still_stamp(name, creator(&seg));
-    drop(seg);
-    if may_finish {
-        open_versioned::<H>(name, allow_group, wait)
-    } else {
-        Err(OpenError::Header(HeaderError::Unstamped {
-            waited: Duration::ZERO,
-        }))
-    }
+    let abandoned = |seg: &Segment| !may_still_stamp(name, creator(seg));
+    open_versioned_judging::<H>(name, allow_group, wait, Some(&abandoned))
 }
 
 /// What stands under a name that a creation found taken, judged from `fstat` alone (nothing

@@ -18,6 +18,20 @@ pub enum ManifestFault {
         /// The body's length.
         body: u64,
     },
+    /// The segment is shorter than its header records (its header page and `what` after it): cut
+    /// short by `truncate`, or corrupted. Said with the file's real size, never read past it.
+    #[error(
+        "the segment is {len} bytes, cut short of the {need} bytes its header records for {what}: \
+         truncated or corrupted"
+    )]
+    Truncated {
+        /// What the header records after its page (`its body`, `its holder slots`).
+        what: &'static str,
+        /// The file's size in bytes.
+        len: u64,
+        /// The size its header records, in bytes (the header page and `what`).
+        need: u64,
+    },
     /// A count or code out of its range.
     #[error("{what} is {found}; {allowed}")]
     Field {

@@ -77,6 +77,12 @@ pub struct TensorSetSnapshot {
     /// The last whole generation its holders segment records (`None`: none, or no segment): what
     /// a reader opened after the writer's death reads.
     pub whole_generation: Option<u64>,
+    /// For a host set, why its data segment `cuda-ipc.td.NAME` cannot be used, as a reader's open
+    /// finds it (missing, cut short of its buffers, sparse, another creation, a FIFO, ...: the
+    /// open fails with this error); `None` when it can, and for a set of device memory. Checked
+    /// without reading past the file's size: the segment is mapped only once its length and
+    /// pages are checked, and only its header is read.
+    pub data_problem: Option<String>,
 }
 
 impl TensorSetSnapshot {
@@ -103,14 +109,16 @@ fn kind_name(code: u32) -> &'static str {
 }
 
 /// The names of this user's tensor sets in `/dev/shm`: every name with a manifest, generation
-/// channel, host data or holders segment of this user's (sorted, once each). Another user's are
+/// channel, host data or holders segment name of this user's, whatever stands there (a FIFO, a
+/// directory or a symbolic link under a part's name blocks the set's creation: listed, and
+/// [`inspect`] or [`super::reclaim::judged_parts`] says what it is), sorted, once each. Another user's are
 /// left out, as [`crate::channel::inspect::list_channels`] leaves their channels out: their
 /// segments cannot be read here (`WrongOwner`) and are not ours to clean.
 ///
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
 pub fn list_tensor_sets() -> Result<Vec<String>> {
-    let mut names: Vec<String> = crate::shm::list_own_segments()?
+    let mut names: Vec<String> = crate::shm::list_own_names()?
         .into_iter()
         .filter_map(|s| {
             [
@@ -141,7 +149,7 @@ pub fn list_tensor_sets() -> Result<Vec<String>> {
 /// closed while it was read.
 pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
     let mut first = true;
-    let (opened, channel, channel_problem) = loop {
+    let (opened, channel, channel_problem, data_problem) = loop {
         let opened = segment::open_manifest(name, segment::INIT_WAIT)?;
         let m = &opened.manifest;
         let (channel, channel_problem) = match inspect_in(GENERATION_PREFIX, name) {
@@ -167,8 +175,8 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
             Err(e) => (None, Some(e.to_string())),
         };
         // A set closed while it was read (its writer unlinks the manifest first, then closes the
-        // generation channel) is gone, not a set without its channel; one made again meanwhile
-        // is read again, once.
+        // generation channel and its data segment) is gone, not a set without its channel or
+        // data; one made again meanwhile is read again, once.
         let still_this = || match (
             crate::shm::Segment::stat(opened.seg.name()),
             opened.seg.inode(),
@@ -177,14 +185,20 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
             (Err(e), _) => !super::is_not_found(&e),
             _ => true,
         };
-        if channel_problem.is_some() && !still_this() {
+        // As a reader's open maps it (`DataSegment::open`): the header and the length the
+        // manifest names, never a byte past the file's end.
+        let data_problem = (m.kind == KIND_HOST)
+            .then(|| segment::DataSegment::open(name, m).err())
+            .flatten()
+            .map(|e| e.to_string());
+        if (channel_problem.is_some() || data_problem.is_some()) && !still_this() {
             if first {
                 first = false;
                 continue;
             }
             return Err(super::TensorSetError::NotFound(name.to_string()).into());
         }
-        break (opened, channel, channel_problem);
+        break (opened, channel, channel_problem, data_problem);
     };
     let (writer, uid) = opened.header().writer();
     let m = &opened.manifest;
@@ -241,5 +255,6 @@ pub fn inspect(name: &str) -> Result<TensorSetSnapshot> {
         channel_problem,
         holders,
         whole_generation,
+        data_problem,
     })
 }

@@ -224,7 +224,7 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
             },
         ),
         // Not waited for: its writer died (or never recorded itself) before stamping it.
-        OpenError::Header(HeaderError::Unstamped { waited }) if waited.is_zero() => bad(
+        OpenError::Header(HeaderError::Abandoned) => bad(
             seg_name,
             ManifestFault::Field {
                 what: "the header's init stamp",
@@ -266,7 +266,9 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
             }
         }
         // Never stamped, or its stamp damaged: judged by its writer's liveness.
-        Err(OpenError::Header(HeaderError::Unstamped { .. } | HeaderError::BadStamp { .. })) => {
+        Err(OpenError::Header(
+            HeaderError::Unstamped { .. } | HeaderError::BadStamp { .. } | HeaderError::Abandoned,
+        )) => {
             let seg = Segment::open_with_min_len(seg_name, HEADER_PAGE)?;
             let h = versioned::header::<Header<M>>(&seg);
             let (id, _) = h.writer();
@@ -281,12 +283,12 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
 
 /// Opens the tensor-set segment `seg_name` of magic `M` ([`versioned::open_versioned`], this
 /// user's only), waiting up to `wait` for its stamp only while a writer may still write it: one
-/// it records that runs (or whose liveness cannot be told), or none recorded yet in a segment at
-/// most 2 s old ([`versioned::open_versioned_unless_abandoned`]).
+/// it records that runs (or whose liveness cannot be told), or none recorded yet in a segment
+/// younger than 2 s ([`versioned::open_versioned_unless_abandoned`]), judged again while it waits.
 ///
 /// # Errors
-/// As [`versioned::open_versioned`]; `HeaderError::Unstamped` with `waited` zero, at once, for a
-/// creation abandoned half-way ([`open_error`] names it).
+/// As [`versioned::open_versioned`]; `HeaderError::Abandoned`, at once, for a creation abandoned
+/// half-way ([`open_error`] names it).
 pub(crate) fn open_segment<const M: u64>(
     seg_name: &str,
     wait: Duration,
@@ -488,11 +490,10 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
     if body_len > room {
         return Err(bad(
             &name,
-            ManifestFault::OutOfBounds {
-                what: "the body",
-                offset: HEADER_PAGE as u64,
-                len: body_len,
-                body: room,
+            ManifestFault::Truncated {
+                what: "its body",
+                len: seg.len() as u64,
+                need: body_len.saturating_add(HEADER_PAGE as u64),
             },
         ));
     }

@@ -392,11 +392,10 @@ impl HoldersSegment {
         if seg.len() < HEADER_PAGE + area {
             return Err(segment::bad(
                 &name,
-                ManifestFault::OutOfBounds {
-                    what: "the holder slots",
-                    offset: HEADER_PAGE as u64,
-                    len: area as u64,
-                    body: (seg.len() - HEADER_PAGE) as u64,
+                ManifestFault::Truncated {
+                    what: "its holder slots",
+                    len: seg.len() as u64,
+                    need: (HEADER_PAGE + area) as u64,
                 },
             ));
         }

@@ -251,7 +251,7 @@ fn hostile_holders_segments_are_typed_errors() {
         matches!(
             &e,
             Error::TensorSet(TensorSetError::BadManifest {
-                fault: ManifestFault::OutOfBounds { .. },
+                fault: ManifestFault::Truncated { .. },
                 ..
             })
         ),
