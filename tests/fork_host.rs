@@ -53,6 +53,8 @@ fn a_forked_child_neither_uses_nor_drops_its_parents_channel() {
             rx.recv_timeout(Duration::from_millis(10)).map(|_| ()),
             &mut wrong,
         );
+        refused("read_at", held.read_at(0, &mut [0u8; 3]), &mut wrong);
+        refused("to_vec", held.to_vec(), &mut wrong);
         refused("try_acquire", tx.try_acquire().map(|_| ()), &mut wrong);
         refused(
             "acquire",
@@ -135,6 +137,7 @@ fn a_forked_child_neither_uses_nor_drops_its_parents_tensor_set() {
     let wrong = forked(|| {
         let mut wrong = Vec::new();
         refused("current", r.current().map(|_| ()), &mut wrong);
+        refused("read_tensor", hold.read_tensor(0), &mut wrong);
         refused(
             "wait_newer",
             r.wait_newer(1, Some(Duration::from_millis(10))).map(|_| ()),
@@ -215,4 +218,59 @@ fn a_forked_child_neither_writes_nor_leaves_its_parents_registry() {
     assert!(reg.get("before").unwrap().is_some());
     reg.publish("after", 1, b"t", b"").unwrap();
     let _ = std::fs::remove_file(format!("/dev/shm/{}", reg.name()));
+}
+
+/// An update and a write frame open at the fork: the child's copies write, copy and publish
+/// nothing; the parent publishes its own bytes.
+#[test]
+fn a_forked_child_writes_nothing_through_its_parents_open_update_or_frame() {
+    match role().as_deref() {
+        Some("fork") => {}
+        Some(_) => return,
+        None => {
+            return in_own_process(
+                "a_forked_child_writes_nothing_through_its_parents_open_update_or_frame",
+            );
+        }
+    }
+    let name = unique("fork-open");
+    let specs = [TensorSpec::new("w", DType::U8, &[4])];
+    let opts = TensorSetOptions::new().mode(GenerationMode::Buffered(2));
+    let mut w = TensorSetWriter::create_host(&name, &specs, &opts).unwrap();
+    let mut u = w.begin(Some(ANSWER)).unwrap();
+    u.write_tensor(0, b"GEN1").unwrap();
+    u.commit().unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let mut tx = Producer::create_host(&name, &ChannelOptions::new(4).buffers(1)).unwrap();
+    let rx = Consumer::attach(&name, &ConsumerOptions::new()).unwrap();
+    let mut u = w.begin(Some(ANSWER)).unwrap();
+    u.write_tensor(0, b"PPPP").unwrap();
+    let mut f = tx.acquire(Some(ANSWER)).unwrap();
+    f.write_at(0, b"PPPP").unwrap();
+
+    let wrong = forked(|| {
+        let mut wrong = Vec::new();
+        let mut uc = take_copy(&u);
+        refused("write_tensor", uc.write_tensor(0, b"CHLD"), &mut wrong);
+        refused("copy_from_previous", uc.copy_from_previous(), &mut wrong);
+        refused("as_mut_ptr", uc.as_mut_ptr(), &mut wrong);
+        refused("commit", uc.commit(), &mut wrong);
+        let mut fc = take_copy(&f);
+        refused("write_at", fc.write_at(0, b"CHLD"), &mut wrong);
+        refused("read_at", fc.read_at(0, &mut [0u8; 4]), &mut wrong);
+        refused("publish", fc.publish(b""), &mut wrong);
+        wrong
+    });
+    assert!(wrong.is_empty(), "{wrong:?}");
+    assert_eq!(u.commit().unwrap(), 2);
+    f.publish(b"").unwrap();
+    assert_eq!(
+        r.current().unwrap().unwrap().read_tensor(0).unwrap(),
+        b"PPPP"
+    );
+    assert_eq!(rx.recv_timeout(ANSWER).unwrap().to_vec().unwrap(), b"PPPP");
+    drop(rx);
+    tx.close(Duration::from_secs(5)).unwrap();
+    drop(r);
+    w.close(Duration::from_secs(5)).unwrap();
 }

@@ -235,6 +235,10 @@ impl Producer {
     /// The channel's counters as a dict. `ChannelClosed` once closed; `InvalidArgument` while a
     /// `WriteFrame` is outstanding.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.lender.is_forked_copy() {
+            // Its state may be a parent's thread's, which does not run here (an `acquire`).
+            return Err(errors::forked("channel producer"));
+        }
         let s = {
             let st = lock(&self.lender.state);
             match &st.producer {

@@ -178,6 +178,52 @@ THREADS = textwrap.dedent(
     """
 )
 
+# An update and a write frame open at the fork: the child writes nothing through them, and the
+# parent publishes its own bytes.
+OPEN = textwrap.dedent(
+    """
+    import os, sys, cuda_ipc
+    name = sys.argv[1]
+    w = cuda_ipc.TensorSetWriter(name, {"w": ((4,), "uint8")}, memory="host", mode="buffered")
+    with w.begin(timeout=5) as u:
+        u.write("w", b"GEN1")
+    r = cuda_ipc.TensorSetReader(name)
+    p = cuda_ipc.Producer(name, 4, buffers=1, memory="host")
+    c = cuda_ipc.Consumer(name)
+    u = w.begin(timeout=5)
+    u.write("w", b"PPPP")
+    f = p.acquire(timeout=5)
+    f.write(b"PPPP")
+    pid = os.fork()
+    if pid == 0:
+        wrong = []
+        for what, call in [
+            ("update write", lambda: u.write("w", b"CHLD")),
+            ("copy_from_previous", lambda: u.copy_from_previous()),
+            ("frame write", lambda: f.write(b"CHLD")),
+            ("frame read", lambda: f.read()),
+            ("hold read", lambda: r.current()),
+        ]:
+            try:
+                call()
+                wrong.append(what + ": no error")
+            except cuda_ipc.NotSupported:
+                pass
+            except Exception as e:
+                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        if wrong:
+            print("child:", wrong, flush=True)
+        os._exit(1 if wrong else 0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    u.commit()
+    f.publish()
+    assert r.current().read("w") == b"PPPP"
+    assert c.recv(timeout=5).bytes() == b"PPPP"
+    print("ok", flush=True)
+    """
+)
+
 
 def run(script):
     name = f"pytest-fork-{uuid.uuid4().hex[:12]}"
@@ -207,3 +253,7 @@ def test_a_forked_child_neither_uses_nor_removes_its_parents_channel():
 
 def test_a_forked_child_waits_for_no_lock_its_parents_threads_held():
     run(THREADS)
+
+
+def test_a_forked_child_writes_nothing_through_its_parents_open_update_or_frame():
+    run(OPEN)

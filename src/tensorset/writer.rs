@@ -683,6 +683,7 @@ impl TensorSetWriter {
             previous,
             fingerprinter: &self.fingerprinter,
             copier: &self.copier,
+            fork: self.fork,
         })
     }
 

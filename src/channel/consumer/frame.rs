@@ -62,6 +62,7 @@ impl Frame<'_> {
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]; formerly a panic):
     /// use [`Frame::as_ptr`] or [`Frame::read_at`].
     pub fn buffer(&self) -> Result<&ImportedBuffer> {
+        self.consumer.control.check_fork()?;
         self.view().device()
     }
 
@@ -93,6 +94,7 @@ impl Frame<'_> {
     /// # Errors
     /// [`Error::InvalidArgument`] on a GPU channel (formerly a panic): use [`Frame::buffer`].
     pub fn as_ptr(&self) -> Result<*const u8> {
+        self.consumer.control.check_fork()?;
         self.view().host_ptr().map(<*mut u8>::cast_const)
     }
 
@@ -102,6 +104,7 @@ impl Frame<'_> {
     /// [`Error::InvalidArgument`] when `offset + dst.len()` passes the buffer's end, or on a GPU
     /// channel (copy the device buffer on the stream there).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.consumer.control.check_fork()?;
         self.view().read_at(offset, dst)
     }
 

@@ -46,6 +46,7 @@ impl WriteFrame<'_> {
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]; formerly a
     /// panic): use [`WriteFrame::as_mut_ptr`] or [`WriteFrame::write_at`].
     pub fn buffer(&self) -> Result<&ChannelBuffer> {
+        self.producer.control.check_fork()?;
         self.view().device()
     }
 
@@ -76,6 +77,7 @@ impl WriteFrame<'_> {
     /// [`Error::InvalidArgument`] on a GPU channel (formerly a panic): use
     /// [`WriteFrame::buffer`].
     pub fn as_mut_ptr(&self) -> Result<*mut u8> {
+        self.producer.control.check_fork()?;
         self.view().host_ptr()
     }
 
@@ -85,6 +87,7 @@ impl WriteFrame<'_> {
     /// [`Error::InvalidArgument`] when `offset + src.len()` passes the buffer's end, or on a GPU
     /// channel (write the device buffer on the stream there).
     pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.producer.control.check_fork()?;
         let dst = self.view().host_range(offset, src.len())?;
         // SAFETY: `dst..dst + src.len()` lies in this frame's buffer (checked by `host_range`),
         // which nobody else reads or writes while the producer holds it as WRITING; `src` is
@@ -98,6 +101,7 @@ impl WriteFrame<'_> {
     /// # Errors
     /// As [`WriteFrame::write_at`].
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.producer.control.check_fork()?;
         self.view().read_at(offset, dst)
     }
 

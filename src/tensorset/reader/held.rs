@@ -97,6 +97,7 @@ impl Held<'_> {
     /// # Errors
     /// [`TensorSetError::NoSuchTensor`].
     pub fn tensor(&self, i: usize) -> Result<TensorRef<'_>> {
+        self.reader.fork.check("tensor set hold")?;
         let info = self
             .reader
             .layout

@@ -32,6 +32,9 @@ pub struct Update<'a> {
     pub(super) fingerprinter: &'a std::sync::OnceLock<Fingerprinter>,
     /// The writer's many-ranges copy kernel, loaded on first use.
     pub(super) copier: &'a std::sync::OnceLock<Option<copies::RangeCopier>>,
+    /// The writer's fork epoch: a forked child's copy of an open update writes, copies and
+    /// commits nothing (`identity::fork`).
+    pub(super) fork: crate::identity::ForkEpoch,
 }
 
 impl std::fmt::Debug for Update<'_> {
@@ -69,6 +72,7 @@ impl Update<'_> {
     /// # Errors
     /// As [`TensorSetWriter::device_ptr`](super::TensorSetWriter::device_ptr).
     pub fn tensor_ptr(&self, i: usize) -> Result<u64> {
+        self.fork.check("tensor set update")?;
         tensor_ptr(self.memory, self.layout, self.buffer, i)
     }
 
@@ -94,6 +98,7 @@ impl Update<'_> {
     /// [`Error::InvalidArgument`] when `len` exceeds the tensor's bytes; as
     /// [`Update::tensor_ptr`]; [`Error::Cuda`] naming the copy.
     pub fn copy_in(&self, i: usize, src: u64, len: usize) -> Result<()> {
+        self.fork.check("tensor set update")?;
         let dst = self.tensor_ptr(i)?;
         let t = &self.layout.tensors()[i];
         if len as u64 > t.bytes {
@@ -114,6 +119,7 @@ impl Update<'_> {
     /// [`Error::InvalidArgument`] for an allocation out of range or bytes past its end;
     /// [`TensorSetError::WrongKind`] on a host set; [`Error::Cuda`] naming the copy.
     pub fn copy_into(&self, allocation: usize, offset: u64, src: u64, len: usize) -> Result<()> {
+        self.fork.check("tensor set update")?;
         let dst = self.allocation_range(allocation, offset, len as u64)?;
         self.copy_d2d(dst, src, len)
     }
@@ -259,6 +265,7 @@ impl Update<'_> {
     /// # Errors
     /// [`Error::Cuda`] naming the copy.
     pub fn copy_from_previous(&mut self) -> Result<()> {
+        self.fork.check("tensor set update")?;
         let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
             return Ok(());
         };
@@ -295,6 +302,7 @@ impl Update<'_> {
     /// [`Error::InvalidArgument`] for a range outside its allocation; [`Error::Cuda`] naming the
     /// copy.
     pub fn copy_ranges_from_previous(&mut self, ranges: &[(usize, u64, u64)]) -> Result<()> {
+        self.fork.check("tensor set update")?;
         let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
             return Ok(());
         };
@@ -341,6 +349,7 @@ impl Update<'_> {
     }
 
     fn host(&self) -> Result<&DataSegment> {
+        self.fork.check("tensor set update")?;
         match self.memory {
             Memory::Host(d) => Ok(d),
             Memory::Gpu(_) => Err(TensorSetError::WrongKind(
@@ -523,6 +532,7 @@ impl Update<'_> {
     /// CUDA errors from enqueuing the ready word's write (the generation is published and marked
     /// ready from the host once the writer's stream drained).
     pub fn commit_with_content(self, content: [u8; 32]) -> Result<u64> {
+        self.fork.check("tensor set update")?;
         let meta = encode_meta(self.generation(), &content, 0);
         // VMM sets: an event after the update's work, for the holders' whole-generation record.
         let event = match (&self.recorder, self.frame.producer_stream()) {
