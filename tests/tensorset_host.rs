@@ -1633,3 +1633,31 @@ fn waitreaders_reader_role() {
     tell("opened");
     std::thread::sleep(Duration::from_secs(60));
 }
+
+/// A `Closer` takes the generations from readers from another thread while the writer is busy
+/// (a binding's close during another thread's `begin`): no hold is granted after it, the hold
+/// taken before stays readable, and the writer's own close then finds the step done.
+#[test]
+fn a_closer_takes_the_generations_from_readers_while_the_writer_is_busy() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("closer");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("buffered")).unwrap();
+    write_gen(&mut w);
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let held = r.current().unwrap().expect("generation 1");
+    let closer = w.closer();
+    std::thread::scope(|s| s.spawn(|| closer.withdraw()).join().unwrap());
+    assert!(matches!(
+        r.current(),
+        Err(Error::TensorSet(TensorSetError::Closed(_)))
+    ));
+    check_gen(&held, specs().len());
+    closer.withdraw(); // once, however often
+    drop(held);
+    let t = Instant::now();
+    w.close(Duration::from_secs(5)).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    closer.withdraw(); // after the close: nothing
+}

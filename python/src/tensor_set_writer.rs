@@ -514,6 +514,9 @@ impl TensorSetWriter {
         if self.core.fork.inherited() {
             return Ok(()); // a forked child's copy: the parent's set stays open
         }
+        // No hold is granted from here on, whoever has the writer now (a `begin` of another
+        // thread gives it back within a slice, and the close goes on then).
+        py.detach(|| self.core.closer.withdraw());
         lock(&self.core.dicts).clear();
         let me = std::thread::current().id();
         // Without the GIL: the wait below is for a `begin` that needs it to stop.

@@ -68,6 +68,9 @@ pub(crate) struct WriterCore {
     /// The process (by fork) that made the writer: a forked child's calls raise `NotSupported`
     /// before taking `state`, which a thread of the parent may have held at the fork.
     pub(crate) fork: ForkEpoch,
+    /// Takes the set's generations from readers at the start of `close()`, also while a `begin`
+    /// of another thread has the Rust writer (which then gives it back within a slice).
+    pub(crate) closer: cuda_ipc::tensorset::Closer,
 }
 
 /// `TensorSetClosed` for set `name`.
@@ -81,6 +84,7 @@ pub(crate) fn closed_error(py: Python<'_>, name: &str) -> PyErr {
 impl WriterCore {
     pub(crate) fn new(w: RustWriter, device: i32, keep: Option<Py<PyDict>>) -> WriterCore {
         WriterCore {
+            closer: w.closer(),
             name: w.name().to_string(),
             layout: Arc::new(w.layout().clone()),
             host: w.memory_kind() == MemoryKind::Host,

@@ -832,3 +832,55 @@ def test_wait_readers_lets_a_waiting_reader_take_the_last_generation_before_the_
     with pytest.raises(cuda_ipc.InvalidArgument):
         cuda_ipc.TensorSetWriter(name + "-x", SPECS, memory="host").wait_readers(-1)
     r.close()
+
+
+def test_close_while_another_thread_waits_in_begin_grants_no_hold_from_its_start(name):
+    # Buffered, both buffers held: a second thread waits in begin() with the writer. A close()
+    # from a third thread takes every generation from readers at once, not only once that begin
+    # gives the writer back (up to a 50 ms slice later), and returns once the earlier holds end.
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
+    write_gen(w, 1)
+    r = cuda_ipc.TensorSetReader(name)
+    first = r.current()
+    write_gen(w, 2)
+    second = r.current()
+    errors = []
+
+    def begin():
+        try:
+            w.begin(timeout=10)
+        except cuda_ipc.TensorSetClosed:
+            pass
+        except Exception as e:
+            errors.append(e)
+
+    waiting = threading.Thread(target=begin)
+    waiting.start()
+    time.sleep(0.2)
+    closed_at, done = [], []
+
+    def close():
+        closed_at.append(time.monotonic())
+        w.close(timeout=5)
+        done.append(time.monotonic())
+
+    closing = threading.Thread(target=close)
+    closing.start()
+    late = []
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        asked = time.monotonic()
+        try:
+            h = r.current()
+        except cuda_ipc.TensorSetClosed:
+            continue
+        if h is not None and closed_at and asked > closed_at[0] + 0.005:
+            late.append(h)
+    assert late == [], f"{len(late)} holds granted after close() began"
+    first.release()
+    second.release()
+    closing.join(10)
+    waiting.join(10)
+    assert not errors, errors
+    assert done and done[0] - closed_at[0] < 2.0, "close() waited for holds granted after it began"
+    r.close()

@@ -43,6 +43,9 @@ pub(crate) struct Control {
     /// slice of `Control::acquire_reserving` to the next; process-local. Set, completed and
     /// given back only in `reserve.rs`.
     pub(super) reserved: std::sync::Mutex<Option<(usize, u64)>>,
+    /// What [`Control::close_withdrawing`] found, once it ran (process-local): the withdrawal is
+    /// made once, by whichever thread closes first, and every later call gets the same frames.
+    pub(super) withdrawn: std::sync::OnceLock<Vec<u64>>,
     /// The process (by fork) that mapped the segment: a forked child's copy acts on nothing
     /// ([`Control::inherited`]).
     pub(super) fork: ForkEpoch,
@@ -292,6 +295,7 @@ impl Control {
             buffers,
             consumers,
             reserved: Default::default(),
+            withdrawn: Default::default(),
             fork: ForkEpoch::now(),
         };
         let me = ProcessIdentity::current()?;
@@ -376,6 +380,7 @@ impl Control {
                     buffers: 0,
                     consumers: 0,
                     reserved: Default::default(),
+                    withdrawn: Default::default(),
                     fork: ForkEpoch::now(),
                 };
                 let p = c.producer();
@@ -539,6 +544,7 @@ impl Control {
             buffers,
             consumers,
             reserved: Default::default(),
+            withdrawn: Default::default(),
             fork: ForkEpoch::now(),
         })
     }

@@ -561,6 +561,14 @@ impl Control {
     ///
     /// [`HoldWords::withdraw_frame`]: super::hold::HoldWords::withdraw_frame
     pub(crate) fn close_withdrawing(&self) -> Vec<u64> {
+        if self.inherited() {
+            return Vec::new(); // the parent's channel (`identity::fork`)
+        }
+        self.withdrawn.get_or_init(|| self.withdraw_once()).clone()
+    }
+
+    /// [`Control::close_withdrawing`]'s withdrawal, made once.
+    fn withdraw_once(&self) -> Vec<u64> {
         let reserved = self.forget_reservation();
         // Closed first: a consumer that sees a withdrawn buffer (Acquire or SeqCst on `seq`, after
         // the store below) sees the channel closed (SYNC POINT: closed), so its one more look

@@ -656,6 +656,16 @@ impl Producer {
         self.control.wait_taken(self.control.head(), timeout)
     }
 
+    /// Takes every frame from consumers now, from any thread, as a close of a channel that
+    /// withdraws at close begins by doing (crate-private: a tensor set's [`Closer`]); the
+    /// producer's own close then finds it done. Nothing in a forked child's copy.
+    ///
+    /// [`Closer`]: crate::tensorset::Closer
+    pub(crate) fn withdrawer(&self) -> impl Fn() + Send + Sync + 'static {
+        let control = self.control.clone();
+        move || drop(control.close_withdrawing())
+    }
+
     /// The first step of a close ([`Producer::close`], [`Producer::wait_closing`], the drop):
     /// marks the channel closed (consumers get [`ChannelError::Closed`] once nothing is left for
     /// them) and wakes every consumer; a memoryless channel's also withdraws every frame at once

@@ -127,6 +127,34 @@ pub struct TensorSetWriter {
     fork: ForkEpoch,
 }
 
+/// Takes a set's generations from its readers from any thread, while its writer may be busy in
+/// another ([`TensorSetWriter::closer`]): for a binding whose `close()` can come while another
+/// thread waits in `begin` with the writer.
+#[derive(Clone)]
+pub struct Closer {
+    withdraw: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Closer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Closer").finish_non_exhaustive()
+    }
+}
+
+impl Closer {
+    /// Takes every generation from readers now, as [`TensorSetWriter::close`] begins by doing:
+    /// no hold is granted from then on (readers' `current` and `wait_newer` say
+    /// [`TensorSetError::Closed`]); holds taken before stay until they end. The names, memory and
+    /// writer stay until the writer closes, which then finds this step done. Made once, however
+    /// often called (also after the writer's own close); nothing in a process forked from the
+    /// one that made the writer.
+    pub fn withdraw(&self) {
+        if let Some(w) = &self.withdraw {
+            w();
+        }
+    }
+}
+
 impl std::fmt::Debug for TensorSetWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorSetWriter")
@@ -503,6 +531,16 @@ impl TensorSetWriter {
     /// The generation mode.
     pub fn mode(&self) -> GenerationMode {
         self.mode
+    }
+
+    /// A [`Closer`] of this set, which another thread can use while this writer is busy.
+    pub fn closer(&self) -> Closer {
+        Closer {
+            withdraw: self
+                .producer
+                .as_ref()
+                .map(|p| Arc::new(p.withdrawer()) as Arc<dyn Fn() + Send + Sync>),
+        }
     }
 
     /// Waits up to `timeout` (`None`: no bound) until every reader has taken the newest
