@@ -91,7 +91,7 @@ fn gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones(
     let o = cuda_ipc(&["gc", "--dry-run"]);
     let t = text(&o);
     let line = format!(
-        "would remove quota ledger {}: reservation of 700 bytes of dead pid {pid}",
+        "would remove the reservation of 700 bytes of dead pid {pid} in quota ledger {}",
         ledger.name()
     );
     assert!(t.contains(&line), "{t}");
@@ -101,7 +101,7 @@ fn gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones(
     let t = text(&o);
     assert!(
         t.contains(&format!(
-            "removed quota ledger {}: reservation of 700 bytes of dead pid {pid}",
+            "removed the reservation of 700 bytes of dead pid {pid} in quota ledger {}",
             ledger.name()
         )),
         "{t}"
@@ -391,7 +391,7 @@ fn gc_of_a_quota_ledgers_name_cleans_that_ledger_by_the_same_rules() {
     std::thread::sleep(Duration::from_millis(2200));
 
     let holder = format!(
-        "quota ledger {}: reservation of 700 bytes of dead pid {pid}",
+        "the reservation of 700 bytes of dead pid {pid} in quota ledger {}",
         ledger.name()
     );
     let o = cuda_ipc(&["gc", ledger.name(), "--dry-run"]);

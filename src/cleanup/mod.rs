@@ -473,7 +473,7 @@ fn holder_leftover(ledger: &str, h: &quota::Holder) -> Leftover {
         Some(h.identity),
         Some(h.uid),
         format!(
-            "quota ledger {ledger}: reservation of {} bytes of dead {}",
+            "the reservation of {} bytes of dead {} in quota ledger {ledger}",
             h.bytes, h.identity
         ),
         Target::QuotaHolder {
