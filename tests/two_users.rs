@@ -277,6 +277,16 @@ fn run_role(role: &str) {
                 Err(e) => tell(format!("error {e}")),
             }
         }
+        "live" => {
+            // A process of the other user with its liveness file; killed by the parent.
+            let me = ProcessIdentity::current().unwrap();
+            tell(format!("ready {} {}", me.pid, me.start_time));
+            for line in parent_lines() {
+                if line == "quit" {
+                    break;
+                }
+            }
+        }
         _ => panic!("unknown role {role}"),
     }
 }
@@ -955,4 +965,153 @@ fn another_users_file_under_a_starting_processs_liveness_name_is_named_in_its_er
             "{kind}: {said}"
         );
     }
+}
+
+/// The start time (`/proc/PID/stat` field 22) of the running process `pid`.
+fn start_time_of(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 1..];
+    after.split_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
+#[test]
+fn root_cleans_another_users_killed_processs_liveness_file_but_nothing_else_under_such_a_name() {
+    use cuda_ipc::cleanup::{self, LeftoverKind, Scope};
+    use cuda_ipc::identity::{self, LivenessFile};
+    if let Some(r) = role() {
+        return run_role(&r);
+    }
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let test = "root_cleans_another_users_killed_processs_liveness_file_but_nothing_else_under_such_a_name";
+    let me = ProcessIdentity::current().unwrap();
+    // A genuine liveness file of the other user's killed process.
+    let bin = BinaryForOthers::new("live-files");
+    let mut p = spawn_as(&bin, uid, gid, test, "live", "unused");
+    let ready = p.expect("ready", ANSWER);
+    let w: Vec<&str> = ready.split_whitespace().collect();
+    let killed = ProcessIdentity {
+        pid: w[0].parse().unwrap(),
+        start_time: w[1].parse().unwrap(),
+        ..me
+    };
+    let _ = p.child.kill();
+    let _ = p.child.wait();
+    assert_eq!(
+        std::fs::metadata(killed.liveness_path()).unwrap().uid(),
+        uid
+    );
+    // Dead pids, for names another user plants under: exited children of ours.
+    let dead_pid = || {
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    };
+    let named = |pid: u32, start_time: u64| ProcessIdentity {
+        pid,
+        start_time,
+        ..me
+    };
+    let precious = named(dead_pid(), 1);
+    let wrong_mode = named(dead_pid(), 2);
+    let linked = named(dead_pid(), 3);
+    // A process that runs (in our pid namespace, with its start time) and holds no lock on a file
+    // planted under its name: alive, not dead.
+    let mut running = Command::new("sleep").arg("30").spawn().unwrap();
+    let alive = named(running.id(), start_time_of(running.id()));
+    let plant = |path: &str, bytes: &[u8], mode: u32| {
+        std::fs::write(path, bytes).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+        std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap();
+    };
+    plant(&precious.liveness_path(), b"my precious data", 0o644);
+    plant(&wrong_mode.liveness_path(), b"", 0o600);
+    plant(&alive.liveness_path(), b"", 0o644);
+    let target = format!("/dev/shm/two-users-precious-{}", std::process::id());
+    plant(&target, b"my precious data", 0o644);
+    std::os::unix::fs::symlink(&target, linked.liveness_path()).unwrap();
+    std::os::unix::fs::lchown(linked.liveness_path(), Some(uid), Some(gid)).unwrap();
+    // Old enough for `gc`.
+    std::thread::sleep(identity::LIVENESS_FILE_GRACE + Duration::from_millis(500));
+
+    let stale: Vec<String> = identity::stale_liveness_files()
+        .unwrap()
+        .into_iter()
+        .map(|f| f.name)
+        .collect();
+    assert!(stale.contains(&killed.liveness_name()), "{stale:?}");
+    for id in [&precious, &wrong_mode, &linked, &alive] {
+        assert!(!stale.contains(&id.liveness_name()), "{stale:?}");
+    }
+    let foreign = identity::not_liveness_files().unwrap();
+    for (id, what) in [
+        (&precious, "a file of 16 bytes"),
+        (&wrong_mode, "a file of mode 0600"),
+        (&linked, "a symbolic link"),
+    ] {
+        assert!(
+            foreign
+                .iter()
+                .any(|f| f.name == id.liveness_name() && f.uid == uid && f.what == what),
+            "{foreign:?}"
+        );
+    }
+    assert!(
+        !foreign.iter().any(|f| f.name == alive.liveness_name()),
+        "{foreign:?}"
+    );
+    // Removal named directly (a mistaken or forged listing) refuses each.
+    for id in [&precious, &wrong_mode, &linked, &alive] {
+        let f = LivenessFile {
+            name: id.liveness_name(),
+            identity: *id,
+            uid,
+        };
+        assert!(!identity::remove_stale_liveness_file(&f).unwrap());
+        assert!(std::fs::symlink_metadata(id.liveness_path()).is_ok());
+    }
+    // `gc`'s scan names the planted ones as problems, not leftovers; its removal takes the
+    // genuine one only.
+    let scan = cleanup::scan(&Scope::everything()).unwrap();
+    let ours: Vec<_> = scan
+        .leftovers
+        .iter()
+        .filter(|l| l.kind == LeftoverKind::LivenessFile)
+        .filter(|l| {
+            [&killed, &precious, &wrong_mode, &linked, &alive]
+                .iter()
+                .any(|id| l.object == id.liveness_name())
+        })
+        .cloned()
+        .collect();
+    assert_eq!(ours.len(), 1, "{ours:?}");
+    assert_eq!(ours[0].object, killed.liveness_name());
+    for id in [&precious, &wrong_mode, &linked] {
+        assert!(
+            scan.problems
+                .iter()
+                .any(|p| p.subject.contains(&id.liveness_name())),
+            "{:?}",
+            scan.problems
+        );
+    }
+    let removal = cleanup::remove(&ours);
+    assert_eq!(removal.removed.len(), 1, "{removal:?}");
+    assert!(std::fs::symlink_metadata(killed.liveness_path()).is_err());
+    assert_eq!(
+        std::fs::read(precious.liveness_path()).unwrap(),
+        b"my precious data"
+    );
+    assert_eq!(std::fs::read(&target).unwrap(), b"my precious data");
+    for id in [&wrong_mode, &linked, &alive] {
+        assert!(std::fs::symlink_metadata(id.liveness_path()).is_ok());
+    }
+    let _ = running.kill();
+    let _ = running.wait();
+    for id in [&precious, &wrong_mode, &linked, &alive] {
+        let _ = std::fs::remove_file(id.liveness_path());
+    }
+    let _ = std::fs::remove_file(&target);
 }

@@ -185,7 +185,9 @@ enum Command {
     /// creator running, is kept with a line saying why); without a NAME also the liveness files
     /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
     /// status files of killed processes. Never touches what a live process owns, nor another
-    /// user's segments (nor, but for root, the files another user's killed processes left): it
+    /// user's segments (nor, but for root, the liveness files, fd server sockets and bridge status
+    /// files another user's killed processes left; nor, by anyone, what stands under a liveness
+    /// file's name but is no liveness file, an empty file of mode 0644, which is a problem): it
     /// says what it passed over, a line per uid (another user's quota ledger a line of its own),
     /// no problem, whether NAME names it or not. A live reader of a dead writer's set keeps what
     /// it mapped (the files are unlinked, not shrunk).

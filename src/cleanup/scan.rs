@@ -694,6 +694,23 @@ fn scan_process_files(s: &mut Scan) {
             })),
         Err(e) => s.unread("liveness files".into(), e),
     }
+    // Under a liveness file's name but no liveness file (another user's data, a link): a problem,
+    // never removed, root's `gc` included.
+    match identity::not_liveness_files() {
+        Ok(files) => {
+            for f in files.into_iter().filter(|f| ours(f.uid)) {
+                s.problems.push(problem(
+                    format!("liveness file {SHM_DIR}/{}", f.name),
+                    Error::InvalidArgument(format!(
+                        "{SHM_DIR}/{} is no liveness file: {} of uid {} stands under the name \
+                         (a liveness file is empty, of mode 0644); left as it is",
+                        f.name, f.what, f.uid
+                    )),
+                ));
+            }
+        }
+        Err(e) => s.unread("liveness files".into(), e),
+    }
     // Kept for their age, by the rule above: said, so a `gc` right after a kill does not look as
     // if it missed them.
     match identity::young_free_liveness_files() {

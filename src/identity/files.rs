@@ -1,6 +1,7 @@
 //! The liveness files of other processes in `/dev/shm`: which are stale (their process was
-//! killed: the lock free, the file old enough), their removal after a second look, and the parse of
-//! a per-process file name back into an identity.
+//! killed: the lock free, the file old enough), what stands under their names that is no liveness
+//! file (never removed), their removal after a second look, and the parse of a per-process file
+//! name back into an identity.
 
 use super::lock::{LockState, open_live_file, probe_lock, test_lock};
 use super::proc::boot_id;
@@ -19,9 +20,11 @@ pub struct LivenessFile {
 }
 
 /// The liveness files in `/dev/shm` whose lock is free: their processes were killed (a normal exit
-/// removes the file). Files that are not regular files, whose lock cannot be tested, or that were
-/// made less than 5 s ago (a process starting up locks its file right after making it) are left
-/// out. For `cuda-ipc gc`; nothing is removed here.
+/// removes the file). Left out: what is no liveness file as this crate makes it (an empty regular
+/// file of mode 0644 with one link; [`not_liveness_files`] lists the rest), files whose lock
+/// cannot be tested, those made less than 5 s ago (a process starting up locks its file right
+/// after making it), and those whose process `/proc` shows running in our pid namespace (same
+/// pid, same start time). For `cuda-ipc gc`; nothing is removed here.
 ///
 /// # Errors
 /// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
@@ -41,11 +44,44 @@ pub fn young_free_liveness_files() -> Result<Vec<LivenessFile>> {
     free_liveness_files(false)
 }
 
+/// Something under a liveness file's name that is not what this crate makes there (an empty
+/// regular file of mode 0644 with one link): another user's data, a link, a FIFO, a directory.
+/// Listed by [`not_liveness_files`] for `cuda-ipc gc` to report as a problem; never removed, by
+/// anyone, root included.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotLivenessFile {
+    /// The name in `/dev/shm`.
+    pub name: String,
+    /// Owner uid of what stands under the name (not followed, for a link).
+    pub uid: u32,
+    /// What it is, in words: `a symbolic link`, `a file of 16 bytes`, `a file of mode 0600`, ...
+    pub what: String,
+}
+
+/// What stands under the liveness file names in `/dev/shm` made at least
+/// [`LIVENESS_FILE_GRACE`] ago that is not a liveness file (see [`NotLivenessFile`]); younger
+/// ones are not judged yet (the file of a starting process gets its mode right after it is made).
+/// For `cuda-ipc gc`, which names each as a problem; nothing is removed here.
+///
+/// # Errors
+/// [`crate::Error::Os`] when `/dev/shm` cannot be listed.
+pub fn not_liveness_files() -> Result<Vec<NotLivenessFile>> {
+    Ok(scan_liveness_names(true)?.1)
+}
+
 /// The liveness files whose lock is free, `old` (at least [`LIVENESS_FILE_GRACE`] old) or young.
 fn free_liveness_files(old: bool) -> Result<Vec<LivenessFile>> {
+    Ok(scan_liveness_names(old)?.0)
+}
+
+/// Walks `/dev/shm` for names of the liveness file form of this boot made `old` (or young): the
+/// genuine liveness files that are free and whose process `/proc` does not show running, and what
+/// stands under such a name that is no liveness file.
+fn scan_liveness_names(old: bool) -> Result<(Vec<LivenessFile>, Vec<NotLivenessFile>)> {
     let boot = boot_id()?;
     let dir = std::fs::read_dir(LIVE_DIR).map_err(|e| OsError::io("opendir", LIVE_DIR, e))?;
-    let mut out = Vec::new();
+    let mut free = Vec::new();
+    let mut foreign = Vec::new();
     for ent in dir.flatten() {
         let Some(name) = ent.file_name().to_str().map(str::to_string) else {
             continue;
@@ -53,50 +89,144 @@ fn free_liveness_files(old: bool) -> Result<Vec<LivenessFile>> {
         let Some(identity) = parse_file_name(LIVE_PREFIX, &name, boot) else {
             continue;
         };
-        let path = format!("{LIVE_DIR}/{name}");
-        let Ok(fd) = open_live_file(&path, false) else {
-            continue;
-        };
-        let Ok(st) = rustix::fs::fstat(&fd) else {
-            continue;
-        };
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
-            || old_enough(&st) != old
-        {
+        // Only the name this crate writes for the identity (`014` or `+14` is none of ours).
+        if identity.liveness_name() != name {
             continue;
         }
-        if matches!(test_lock(&fd), Ok(false)) {
-            out.push(LivenessFile {
-                name,
-                identity,
-                uid: st.st_uid,
-            });
+        match judge(&name) {
+            Judged::Gone => {}
+            Judged::Foreign { st, what } => {
+                if old_enough(&st) == old {
+                    foreign.push(NotLivenessFile {
+                        name,
+                        uid: st.st_uid,
+                        what,
+                    });
+                }
+            }
+            Judged::Liveness { fd, st } => {
+                if old_enough(&st) == old
+                    && matches!(test_lock(&fd), Ok(false))
+                    && !runs_here(&identity)
+                {
+                    free.push(LivenessFile {
+                        name,
+                        identity,
+                        uid: st.st_uid,
+                    });
+                }
+            }
         }
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
+    free.sort_by(|a, b| a.name.cmp(&b.name));
+    foreign.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((free, foreign))
 }
 
-/// Removes a stale liveness file (see [`stale_liveness_files`]) after testing its lock once more.
-/// Returns `false` when it was not removed: it is gone already, its lock is held again (never, for
-/// a dead process; a guard against a mistaken name) or it is no longer a regular file.
+/// Whether `/proc` of our own pid namespace shows the process of `id` running (same pid, same
+/// start time, no zombie): then a free lock on its file does not make it dead (it may be between
+/// making its file and locking it, or the file is a forgery), as in [`ProcessIdentity::liveness`].
+fn runs_here(id: &ProcessIdentity) -> bool {
+    id.proc_answers() && id.proc_liveness(None) == super::Liveness::Alive
+}
+
+/// What stands under a liveness file name in `/dev/shm`.
+enum Judged {
+    /// Nothing (any more), or it changed while it was looked at.
+    Gone,
+    /// Something this crate does not make there; `st` of the name itself (never followed).
+    Foreign { st: rustix::fs::Stat, what: String },
+    /// A liveness file, open (read-only) as the inode the name stands for.
+    Liveness {
+        fd: std::os::fd::OwnedFd,
+        st: rustix::fs::Stat,
+    },
+}
+
+/// Checks that `name` is a liveness file as [`super::lock`] makes it: a regular file (never a
+/// link followed, never a FIFO waited on), one link, mode 0644, empty (at most one byte read).
+fn judge(name: &str) -> Judged {
+    use rustix::fs::FileType as T;
+    let path = format!("{LIVE_DIR}/{name}");
+    let Ok(lst) = rustix::fs::lstat(path.as_str()) else {
+        return Judged::Gone;
+    };
+    let foreign = |st: rustix::fs::Stat, what: String| Judged::Foreign { st, what };
+    let kind = match T::from_raw_mode(lst.st_mode) {
+        T::RegularFile => None,
+        T::Symlink => Some("a symbolic link"),
+        T::Fifo => Some("a FIFO"),
+        T::Directory => Some("a directory"),
+        T::Socket => Some("a socket"),
+        T::CharacterDevice => Some("a character device"),
+        T::BlockDevice => Some("a block device"),
+        _ => Some("a special file"),
+    };
+    if let Some(k) = kind {
+        return foreign(lst, k.to_string());
+    }
+    let mode = lst.st_mode & 0o7777;
+    if mode != 0o644 {
+        return foreign(lst, format!("a file of mode {mode:04o}"));
+    }
+    if lst.st_nlink != 1 {
+        return foreign(lst, format!("a file of {} links", lst.st_nlink));
+    }
+    if lst.st_size != 0 {
+        return foreign(lst, format!("a file of {} bytes", lst.st_size));
+    }
+    let Ok(fd) = open_live_file(&path, false) else {
+        return Judged::Gone;
+    };
+    let Ok(st) = rustix::fs::fstat(&fd) else {
+        return Judged::Gone;
+    };
+    // The inode opened must be the one judged by name, and still as judged.
+    if st.st_ino != lst.st_ino
+        || st.st_dev != lst.st_dev
+        || T::from_raw_mode(st.st_mode) != T::RegularFile
+        || st.st_mode & 0o7777 != 0o644
+        || st.st_nlink != 1
+        || st.st_size != 0
+    {
+        return Judged::Gone;
+    }
+    // Empty as a liveness file is: read one byte at most.
+    let mut b = [0u8; 1];
+    match rustix::io::pread(&fd, &mut b, 0) {
+        Ok(0) => Judged::Liveness { fd, st },
+        Ok(_) => foreign(st, "a file with contents".into()),
+        Err(_) => Judged::Gone,
+    }
+}
+
+/// Removes a stale liveness file (see [`stale_liveness_files`]) after judging it once more: it
+/// must still be a liveness file (as [`not_liveness_files`] tells them apart: anything else
+/// under the name is never removed), made at least [`LIVENESS_FILE_GRACE`] ago, its lock free,
+/// its process not running in our pid namespace; and the name must still stand for the inode
+/// judged. Returns `false` when it was not removed: it is gone already, or any of these no longer
+/// holds (never, for a dead process's file; a guard against a mistaken or forged name).
 ///
 /// # Errors
 /// [`crate::Error::Os`] when `unlink` fails for a reason other than the file being gone.
 pub fn remove_stale_liveness_file(file: &LivenessFile) -> Result<bool> {
-    let path = format!("{LIVE_DIR}/{}", file.name);
-    let Ok(fd) = open_live_file(&path, false) else {
+    let Ok(boot) = boot_id() else {
         return Ok(false);
     };
-    match rustix::fs::fstat(&fd) {
-        Ok(st)
-            if rustix::fs::FileType::from_raw_mode(st.st_mode)
-                == rustix::fs::FileType::RegularFile
-                && old_enough(&st) => {}
+    match parse_file_name(LIVE_PREFIX, &file.name, boot) {
+        Some(id) if id == file.identity && id.liveness_name() == file.name => {}
         _ => return Ok(false),
     }
-    if !matches!(test_lock(&fd), Ok(false)) {
+    let Judged::Liveness { fd, st } = judge(&file.name) else {
         return Ok(false);
+    };
+    if !old_enough(&st) || !matches!(test_lock(&fd), Ok(false)) || runs_here(&file.identity) {
+        return Ok(false);
+    }
+    let path = format!("{LIVE_DIR}/{}", file.name);
+    match rustix::fs::lstat(path.as_str()) {
+        Ok(now) if now.st_ino == st.st_ino && now.st_dev == st.st_dev => {}
+        _ => return Ok(false),
     }
     match std::fs::remove_file(&path) {
         Ok(()) => Ok(true),

@@ -58,8 +58,8 @@ mod proc;
 
 pub(crate) use files::parse_file_name;
 pub use files::{
-    LIVENESS_FILE_GRACE, LivenessFile, remove_stale_liveness_file, stale_liveness_files,
-    young_free_liveness_files,
+    LIVENESS_FILE_GRACE, LivenessFile, NotLivenessFile, not_liveness_files,
+    remove_stale_liveness_file, stale_liveness_files, young_free_liveness_files,
 };
 pub use fork::ForkEpoch;
 pub use proc::own_pid_ns;
