@@ -15,6 +15,27 @@ import uuid
 
 ANSWER = 60.0
 
+# Prepended to every script: the cases of `cases` that do not raise NotSupported saying the object
+# was made before the fork, as lines of what went wrong.
+REFUSED = textwrap.dedent(
+    """
+    import cuda_ipc
+
+    def refused(cases):
+        wrong = []
+        for what, call in cases:
+            try:
+                call()
+                wrong.append(what + ": no error")
+            except cuda_ipc.NotSupported as e:
+                if "forked" not in str(e):
+                    wrong.append(what + ": " + str(e))
+            except Exception as e:
+                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        return wrong
+    """
+)
+
 TENSOR_SET = textwrap.dedent(
     """
     import os, sys, time, cuda_ipc
@@ -28,19 +49,11 @@ TENSOR_SET = textwrap.dedent(
     pid = os.fork()
     if pid == 0:
         wrong = []
-        for what, call in [
+        wrong += refused([
             ("current", lambda: r.current()),
             ("wait_newer", lambda: r.wait_newer(1, timeout=0.01)),
             ("begin", lambda: w.begin(timeout=0.01)),
-        ]:
-            try:
-                call()
-                wrong.append(what + ": no error")
-            except cuda_ipc.NotSupported as e:
-                if "forked" not in str(e):
-                    wrong.append(what + ": " + str(e))
-            except Exception as e:
-                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        ])
         own = cuda_ipc.TensorSetReader(name)
         if own.current().generation != 1:
             wrong.append("the child's own reader")
@@ -79,17 +92,10 @@ CHANNEL = textwrap.dedent(
     pid = os.fork()
     if pid == 0:
         wrong = []
-        for what, call in [
+        wrong += refused([
             ("recv", lambda: rx.recv(timeout=0.01)),
             ("acquire", lambda: tx.acquire(timeout=0.01)),
-        ]:
-            try:
-                call()
-                wrong.append(what + ": no error")
-            except cuda_ipc.NotSupported:
-                pass
-            except Exception as e:
-                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        ])
         if wrong:
             print("child:", wrong, flush=True)
         raise SystemExit(1 if wrong else 0)
@@ -137,20 +143,13 @@ THREADS = textwrap.dedent(
         if pid == 0:
             wrong = []
             started = time.monotonic()
-            for what, call in [
+            wrong += refused([
                 ("recv", lambda: rx.recv(timeout=0.01)),
                 ("try_recv", lambda: rx.try_recv()),
                 ("begin", lambda: w.begin(timeout=0.01)),
                 ("acquire", lambda: tx.acquire(timeout=0.01)),
                 ("current", lambda: r.current()),
-            ]:
-                try:
-                    call()
-                    wrong.append(what + ": no error")
-                except cuda_ipc.NotSupported:
-                    pass
-                except Exception as e:
-                    wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+            ])
             if time.monotonic() - started > 2:
                 wrong.append("the calls waited")
             if wrong:
@@ -197,20 +196,13 @@ OPEN = textwrap.dedent(
     pid = os.fork()
     if pid == 0:
         wrong = []
-        for what, call in [
+        wrong += refused([
             ("update write", lambda: u.write("w", b"CHLD")),
             ("copy_from_previous", lambda: u.copy_from_previous()),
             ("frame write", lambda: f.write(b"CHLD")),
             ("frame read", lambda: f.read()),
             ("hold read", lambda: r.current()),
-        ]:
-            try:
-                call()
-                wrong.append(what + ": no error")
-            except cuda_ipc.NotSupported:
-                pass
-            except Exception as e:
-                wrong.append(what + ": " + type(e).__name__ + ": " + str(e))
+        ])
         if wrong:
             print("child:", wrong, flush=True)
         os._exit(1 if wrong else 0)
@@ -229,7 +221,7 @@ def run(script):
     name = f"pytest-fork-{uuid.uuid4().hex[:12]}"
     try:
         p = subprocess.run(
-            [sys.executable, "-c", script, name],
+            [sys.executable, "-c", REFUSED + script, name],
             capture_output=True,
             text=True,
             timeout=ANSWER,
