@@ -62,9 +62,6 @@ pub struct Producer {
     /// granted once its close began, and it waits only for the holds taken before. Otherwise a
     /// close lets consumers receive what was published and withdraws the frames after its wait.
     withdraws_at_close: bool,
-    /// The frame each buffer held when [`Producer::close_to_consumers`] withdrew them (the
-    /// release words a GPU close waits for); `None` before.
-    withdrawn: Option<Vec<u64>>,
     /// Whether frames were handed out for stream-ordered writing ([`Producer::acquire`]) since
     /// the stream was last synchronised: [`Producer::lend`] synchronises it first, so that
     /// nothing the stream still has to do (a ready word's write, a user's kernel on an abandoned
@@ -202,7 +199,6 @@ impl Producer {
             memory: MemoryKind::Host,
             closed: false,
             withdraws_at_close: false,
-            withdrawn: None,
             stream_used: false,
             _quota: quota,
         })
@@ -253,7 +249,6 @@ impl Producer {
                 memory: MemoryKind::Host,
                 closed: false,
                 withdraws_at_close: true,
-                withdrawn: None,
                 stream_used: false,
                 _quota: None,
             });
@@ -344,7 +339,6 @@ impl Producer {
             memory: kind,
             closed: false,
             withdraws_at_close: false,
-            withdrawn: None,
             stream_used: false,
             _quota: quota,
         })
@@ -656,14 +650,13 @@ impl Producer {
         self.control.wait_taken(self.control.head(), timeout)
     }
 
-    /// Takes every frame from consumers now, from any thread, as a close of a channel that
-    /// withdraws at close begins by doing (crate-private: a tensor set's [`Closer`]); the
-    /// producer's own close then finds it done. Nothing in a forked child's copy.
+    /// The channel's control segment (crate-private: a tensor set's [`Closer`] withdraws its
+    /// frames from another thread, [`Control::close_withdrawing`], which the producer's own
+    /// close then finds done).
     ///
     /// [`Closer`]: crate::tensorset::Closer
-    pub(crate) fn withdrawer(&self) -> impl Fn() + Send + Sync + 'static {
-        let control = self.control.clone();
-        move || drop(control.close_withdrawing())
+    pub(crate) fn control(&self) -> &Arc<Control> {
+        &self.control
     }
 
     /// The first step of a close ([`Producer::close`], [`Producer::wait_closing`], the drop):
@@ -681,10 +674,8 @@ impl Producer {
             self.control.close();
             return frames;
         }
-        let control = &self.control;
-        self.withdrawn
-            .get_or_insert_with(|| control.close_withdrawing())
-            .clone()
+        // Made once, by this close or a `Closer` before it: the same frames either way.
+        self.control.close_withdrawing()
     }
 
     fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {

@@ -132,7 +132,8 @@ pub struct TensorSetWriter {
 /// thread waits in `begin` with the writer.
 #[derive(Clone)]
 pub struct Closer {
-    withdraw: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// The generation channel's control (`None`: the writer had closed).
+    control: Option<Arc<crate::channel::Control>>,
 }
 
 impl std::fmt::Debug for Closer {
@@ -149,8 +150,8 @@ impl Closer {
     /// often called (also after the writer's own close); nothing in a process forked from the
     /// one that made the writer.
     pub fn withdraw(&self) {
-        if let Some(w) = &self.withdraw {
-            w();
+        if let Some(c) = &self.control {
+            c.close_withdrawing();
         }
     }
 }
@@ -536,10 +537,7 @@ impl TensorSetWriter {
     /// A [`Closer`] of this set, which another thread can use while this writer is busy.
     pub fn closer(&self) -> Closer {
         Closer {
-            withdraw: self
-                .producer
-                .as_ref()
-                .map(|p| Arc::new(p.withdrawer()) as Arc<dyn Fn() + Send + Sync>),
+            control: self.producer.as_ref().map(|p| p.control().clone()),
         }
     }
 
