@@ -1,13 +1,15 @@
 //! The hand-off protocol on the control segment ([`Control`]): the producer's side (acquire,
-//! publish, abandon, the ready words, reclaiming dead consumers' holds, close and drain) and the
-//! consumer's side (attach, take, release, detach); its counters are `channel::stats`', and the
-//! reservation of a pool of one buffer that its acquires try through is `channel::reserve`'s
-//! (`claim_buffer`, `finish_reservation`, `unreserve`, `acquire_reserving`). Never calls CUDA: the
-//! producer and consumer types wrap it with the GPU side.
+//! publish, abandon, the ready words, reclaiming dead consumers' holds) and the consumer's side
+//! (attach, take, release, detach); its counters are `channel::stats`', the reservation of a pool
+//! of one buffer that its acquires try through is `channel::reserve`'s (`claim_buffer`,
+//! `finish_reservation`, `unreserve`, `acquire_reserving`), and the close with its waits is
+//! `channel::closing`'s (`close`, `close_withdrawing`, `wait_drained`, `wait_released`, `drain`,
+//! `withdraw_all`, `wait_taken`). Never calls CUDA: the producer and consumer types wrap it with
+//! the GPU side.
 
 use super::control::{Control, boot_bytes, boot_words};
 use super::layout::{
-    ACTIVE, CLAIMING, CLOSED, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
+    ACTIVE, CLAIMING, Delivery, EVERY_FRAME, FREE, GATE_END_OFFSET, GATE_HORIZON,
     GATE_STATE_OFFSET, GPU_WORDS, GateState, LATEST_ONLY, LEAVING, MAX_BUFFERS, META_BYTES,
     META_WORDS, SEQ_EMPTY, TRANSPORT_BRIDGED, WRITING, ready_offset, ready_word_offset,
     release_word_offset,
@@ -121,7 +123,7 @@ impl Control {
         )
     }
 
-    fn min_lossless_cursor(&self) -> u64 {
+    pub(super) fn min_lossless_cursor(&self) -> u64 {
         let mut min = u64::MAX;
         for c in 0..self.consumers {
             let s = self.consumer(c);
@@ -151,36 +153,6 @@ impl Control {
                     && s.cursor.load(Ordering::Acquire) < head
             })
             .count() as u64
-    }
-
-    /// Attached consumers that have taken neither frame `seq` nor a later one (their cursor is
-    /// below `seq`); a consumer that attached after `seq` was published starts at it.
-    pub(crate) fn consumers_before(&self, seq: u64) -> u64 {
-        (0..self.consumers)
-            .filter(|&c| {
-                let s = self.consumer(c);
-                // SYNC POINT: attach, cursor. Acquire: as in `min_lossless_cursor`.
-                s.state.load(Ordering::Acquire) == ACTIVE && s.cursor.load(Ordering::Acquire) < seq
-            })
-            .count() as u64
-    }
-
-    /// Waits up to `timeout` (`None`: no bound) until every attached consumer has taken frame
-    /// `seq` or a later one ([`Control::consumers_before`]); a dead consumer's slot is freed on
-    /// the way, so it holds nothing up. Returns whether they all have.
-    pub(crate) fn wait_taken(&self, seq: u64, timeout: Option<Duration>) -> bool {
-        wait_until(
-            // Every take bumps it (`took`), and so does a slot freed.
-            self.header().release_wake(),
-            WaitStrategy::Block,
-            timeout,
-            || Ok((self.consumers_before(seq) == 0).then_some(())),
-            || {
-                self.reclaim_dead_consumers();
-                Ok(())
-            },
-        )
-        .is_ok_and(|done| done.is_some())
     }
 
     pub(crate) fn try_acquire(&self) -> Option<Claim> {
@@ -529,134 +501,6 @@ impl Control {
         s.state.store(FREE, Ordering::Release);
         self.header().release_wake().bump();
         forced
-    }
-
-    /// Marks the channel closed and wakes every consumer.
-    pub(crate) fn close(&self) {
-        if self.inherited() {
-            return; // the parent's channel (`identity::fork`)
-        }
-        self.mark_closed();
-        self.header().publish_wake().bump();
-    }
-
-    fn mark_closed(&self) {
-        // SYNC POINT: closed. Release: pairs with `is_closed`'s Acquire.
-        self.header()
-            .producer_state
-            .store(CLOSED, Ordering::Release);
-    }
-
-    /// Marks the channel closed and withdraws every frame at once, leaving the holds there
-    /// (a tensor set's generation channel: its consumers take the newest frame again and again,
-    /// [`Control::try_take_newer`], so they never run out of frames, and a close that let them
-    /// take would wait for holds that never stop coming). Every buffer's `seq` := [`WRITING`]
-    /// for good ([`HoldWords::withdraw_frame`]: the Dekker pair of the hold, SYNC POINT hold), so
-    /// no hold is granted from here on (a consumer sees WRITING, then the channel closed:
-    /// [`ChannelError::Closed`](super::ChannelError::Closed)), and every hold granted before is
-    /// in `hold_mask` for the loads that follow ([`Control::wait_released`]), where they only
-    /// end. A reservation is forgotten, not given back.
-    /// Wakes every consumer. Returns the frame each buffer held (its reservation's, where
-    /// reserved): the release words a GPU close waits for.
-    ///
-    /// [`HoldWords::withdraw_frame`]: super::hold::HoldWords::withdraw_frame
-    pub(crate) fn close_withdrawing(&self) -> Vec<u64> {
-        if self.inherited() {
-            return Vec::new(); // the parent's channel (`identity::fork`)
-        }
-        self.withdrawn.get_or_init(|| self.withdraw_once()).clone()
-    }
-
-    /// [`Control::close_withdrawing`]'s withdrawal, made once.
-    fn withdraw_once(&self) -> Vec<u64> {
-        let reserved = self.forget_reservation();
-        // Closed first: a consumer that sees a withdrawn buffer (Acquire or SeqCst on `seq`, after
-        // the store below) sees the channel closed (SYNC POINT: closed), so its one more look
-        // ends in `Closed` at once.
-        self.mark_closed();
-        let frames = (0..self.buffers)
-            .map(|i| {
-                let was = self.buffer(i).words().withdraw_frame();
-                match reserved {
-                    Some((r, seq)) if r == i => seq,
-                    _ => was,
-                }
-            })
-            .collect();
-        self.header().publish_wake().bump();
-        frames
-    }
-
-    /// Holds outstanding now, over all buffers.
-    pub(crate) fn outstanding_holds(&self) -> u32 {
-        (0..self.buffers)
-            .map(|i| {
-                // SYNC POINT: release, hold. Acquire: pairs with the consumers' clears in
-                // `release`. After `close_withdrawing`'s SeqCst fence this is the load half of the
-                // producer's side of the Dekker pair: a hold that did not see the withdrawal is
-                // seen here (any ordering would do after the fence).
-                self.buffer(i)
-                    .hold_mask
-                    .load(Ordering::Acquire)
-                    .count_ones()
-            })
-            .sum()
-    }
-
-    /// Waits up to `timeout` until every every-frame consumer received every published frame and
-    /// no consumer holds a buffer; returns whether that is so.
-    pub(crate) fn wait_drained(&self, timeout: Duration) -> bool {
-        self.wait_settled(timeout, true)
-    }
-
-    /// Waits up to `timeout` until no consumer holds a buffer (after
-    /// [`Control::close_withdrawing`]: no frame is left to receive, and the holds only end);
-    /// returns whether that is so.
-    pub(crate) fn wait_released(&self, timeout: Duration) -> bool {
-        self.wait_settled(timeout, false)
-    }
-
-    /// The wait of [`Control::wait_drained`] (`cursors`) and [`Control::wait_released`].
-    fn wait_settled(&self, timeout: Duration, cursors: bool) -> bool {
-        let h = self.header();
-        wait_until(
-            h.release_wake(),
-            WaitStrategy::Block,
-            Some(timeout),
-            || {
-                let done = self.outstanding_holds() == 0
-                    && (!cursors || self.min_lossless_cursor() >= self.head());
-                Ok(done.then_some(()))
-            },
-            || {
-                self.reclaim_dead_consumers();
-                Ok(())
-            },
-        )
-        .is_ok_and(|done| done.is_some())
-    }
-
-    /// Waits as [`Control::wait_drained`]; then withdraws every buffer and forces the holds
-    /// left ([`Control::withdraw_all`]).
-    pub(crate) fn drain(&self, timeout: Duration) -> (u64, u64) {
-        self.wait_drained(timeout);
-        self.withdraw_all()
-    }
-
-    /// Withdraws every buffer (no consumer can take a frame after this) and forces the holds
-    /// left. Returns the number of holds forced and the every-frame consumers that had not
-    /// received every published frame.
-    pub(crate) fn withdraw_all(&self) -> (u64, u64) {
-        let h = self.header();
-        let behind = self.lossless_behind();
-        let mut forced = 0;
-        for i in 0..self.buffers {
-            forced += u64::from(self.buffer(i).words().withdraw());
-        }
-        if forced > 0 {
-            h.forced_releases.fetch_add(forced, Ordering::Relaxed);
-        }
-        (forced, behind)
     }
 
     // ---------------------------------------------------------------- consumer side

@@ -31,6 +31,7 @@
 //! outstanding
 //! holds and reports the ones it forced.
 
+mod closing;
 mod consumer;
 mod control;
 mod error;
