@@ -34,7 +34,7 @@ impl Control {
     /// Marks the channel closed and withdraws every frame at once, leaving the holds there
     /// (a tensor set's generation channel: its consumers take the newest frame again and again,
     /// [`Control::try_take_newer`], so they never run out of frames, and a close that let them
-    /// take would wait for holds that never stop coming). Every buffer's `seq` := [`WRITING`]
+    /// take would wait for holds that never stop coming). Every buffer's `seq` := [`WRITING`](super::layout::WRITING)
     /// for good ([`HoldWords::withdraw_frame`]: the Dekker pair of the hold, SYNC POINT hold), so
     /// no hold is granted from here on (a consumer sees WRITING, then the channel closed:
     /// [`ChannelError::Closed`](super::ChannelError::Closed)), and every hold granted before is

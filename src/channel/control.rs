@@ -233,7 +233,7 @@ impl Control {
         Self::create_with_flags(channel, buffer_bytes, consumers, tokens, 0, opts)
     }
 
-    /// [`Control::create`] with the header's `flags` ([`super::layout::FLAG_RING`]).
+    /// `Control::create` (test builds only) with the header's `flags` ([`super::layout::FLAG_RING`]).
     pub(crate) fn create_with_flags(
         channel: &str,
         buffer_bytes: u64,

@@ -732,7 +732,7 @@ impl Control {
         }
     }
 
-    /// [`Control::try_take`], or [`ChannelError::Closed`] when nothing is left for consumer `c` and
+    /// [`Control::try_take`], or [`ChannelError::Closed`](super::ChannelError::Closed) when nothing is left for consumer `c` and
     /// the producer closed the channel.
     ///
     /// One take of consumer `c` at a time: the caller holds the consumer's lock (its `taking`,

@@ -2,8 +2,8 @@
 //! and for the Python extension's `cleanup`.
 //!
 //! Owns: the kinds of leftover ([`LeftoverKind`]) and of shared object ([`ObjectKind`]), one
-//! [`Leftover`] type (what it is, whose, why it may go), a [`scan`] that lists them and a
-//! [`remove`] that removes what a scan listed, each checked again right before it goes, and
+//! [`Leftover`] type (what it is, whose, why it may go), a [`scan()`] that lists them and a
+//! [`remove()`] that removes what a scan listed, each checked again right before it goes, and
 //! reports exactly what went. The rules themselves are the layers' own, each judged and applied
 //! where the state lives: the registry's recovery ([`Registry::reclaim_dead_listed`]) and its
 //! abandoned creations ([`registry::remove_abandoned`]); the channel's dead producers, dead
@@ -70,7 +70,7 @@ pub enum ObjectKind {
 }
 
 impl ObjectKind {
-    /// Every kind, in the order [`scan`] visits them.
+    /// Every kind, in the order [`scan()`] visits them.
     pub const ALL: &'static [ObjectKind] = &[
         ObjectKind::Registry,
         ObjectKind::Channel,
@@ -170,7 +170,7 @@ impl LeftoverKind {
     }
 }
 
-/// One thing a dead process left, as [`scan`] found it.
+/// One thing a dead process left, as [`scan()`] found it.
 ///
 /// `Display` writes what `cuda-ipc gc` prints after `would remove` / `removed`, e.g. `channel X:
 /// consumer slot 1 of dead pid 42 (start 1234)`.
@@ -188,7 +188,7 @@ pub struct Leftover {
     pub uid: Option<u32>,
     /// Why it is a leftover, and what it holds, in words.
     pub what: String,
-    /// What identifies it for [`remove`].
+    /// What identifies it for [`remove()`].
     target: Target,
 }
 
@@ -198,7 +198,7 @@ impl fmt::Display for Leftover {
     }
 }
 
-/// What [`remove`] needs to find a leftover again.
+/// What [`remove()`] needs to find a leftover again.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Target {
     /// An item freed by the registry's own recovery.
@@ -236,7 +236,7 @@ enum RegistryKey {
     Participant { index: u32 },
 }
 
-/// Something [`scan`] or [`remove`] could not read or remove: it stays, and is a problem.
+/// Something [`scan()`] or [`remove()`] could not read or remove: it stays, and is a problem.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Problem {
@@ -247,11 +247,11 @@ pub struct Problem {
     pub error: Error,
 }
 
-/// What [`scan`] found.
+/// What [`scan()`] found.
 #[derive(Debug, Default)]
 #[non_exhaustive]
 pub struct Scan {
-    /// The leftovers, in the order [`remove`] takes them.
+    /// The leftovers, in the order [`remove()`] takes them.
     pub leftovers: Vec<Leftover>,
     /// What is kept, one line each saying why (`channel X: ...`): whether its process runs cannot
     /// be told, a registry's, channel's or quota ledger's creation may still finish (younger
@@ -266,7 +266,7 @@ pub struct Scan {
     pub skipped: Vec<Skipped>,
 }
 
-/// An object of another user that [`scan`] passes over ([`others`]): a segment under this crate's
+/// An object of another user that [`scan()`] passes over ([`others`]): a segment under this crate's
 /// names (a registry, a channel's segment or host pool, a tensor set's part, a quota ledger), or
 /// a file a killed process of that user left (a liveness file, an fd server socket, a bridge
 /// status file). A segment is not judged (another user's segment is opened by no one, root
@@ -294,7 +294,7 @@ pub struct Skipped {
     pub owner: Option<ProcessIdentity>,
 }
 
-/// What [`remove`] did.
+/// What [`remove()`] did.
 #[derive(Debug, Default)]
 #[non_exhaustive]
 pub struct Removal {
@@ -309,7 +309,7 @@ pub struct Removal {
     pub problems: Vec<Problem>,
 }
 
-/// What [`scan`] looks at.
+/// What [`scan()`] looks at.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scope {
     /// Registry segment names; `None`: every registry in `/dev/shm`.
@@ -395,7 +395,7 @@ fn leftover(
 /// channel of that name, [`ChannelError::NotFound`](crate::channel::ChannelError::NotFound); no
 /// tensor set, [`TensorSetError::NotFound`](crate::tensorset::TensorSetError::NotFound)).
 ///
-/// For tools that list names first and read each one after ([`scan`], `cuda-ipc ls`): an object
+/// For tools that list names first and read each one after ([`scan()`], `cuda-ipc ls`): an object
 /// whose reading fails so was closed (normally, by its owner) in between, which is no problem.
 ///
 /// # Examples

@@ -16,7 +16,7 @@ use crate::registry::{self, Reclaimed, Registry, RegistryOptions};
 use crate::shm::SHM_DIR;
 use crate::tensorset::{self, inspect as tensorset_inspect};
 
-/// Removes what a [`scan`](super::scan) listed, each checked again right before it goes by the same rule (a
+/// Removes what a [`scan`](super::scan()) listed, each checked again right before it goes by the same rule (a
 /// registry's and a ledger's items by their own recovery under their own locks; a channel, pool
 /// or segment, an abandoned creation included, only while its name still stands for what was
 /// judged), and reports what went.

@@ -33,7 +33,7 @@ use crate::tensorset::{self, inspect as tensorset_inspect, reclaim::Part};
 /// everyone's for root.
 ///
 /// # Errors
-/// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed (for the registries and channels of
+/// [`Error::Os`] when `/dev/shm` cannot be listed (for the registries and channels of
 /// [`Scope::everything`]).
 pub fn scan(scope: &Scope) -> Result<Scan> {
     let mut s = Scan::default();
@@ -112,7 +112,7 @@ const SET_PREFIXES: [&str; 4] = [
 /// would leave.
 ///
 /// # Errors
-/// [`Error::Os`](crate::Error::Os) when `/dev/shm` cannot be listed.
+/// [`Error::Os`] when `/dev/shm` cannot be listed.
 ///
 /// # Examples
 /// ```

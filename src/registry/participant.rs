@@ -251,7 +251,7 @@ impl Registry {
         entry_state(self.participant_at(i), i)
     }
 
-    /// Whether the holder of lock name `name` runs, and who it is (see [`participant`]).
+    /// Whether the holder of lock name `name` runs, and who it is (see this module's docs).
     pub(super) fn holder_liveness(&self, name: u64) -> (Liveness, Option<ProcessIdentity>) {
         holder_liveness(|i| self.entry(i), name, self.participants)
     }

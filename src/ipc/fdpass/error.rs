@@ -1,6 +1,6 @@
 //! Fd passing's own error: what a fetch from another process's fd server reports.
 
-/// What fetching a file descriptor from another process ([`super::fetch`], [`super::fetch_many`])
+/// What fetching a file descriptor from another process ([`super::fetch()`], [`super::fetch_many`])
 /// reports, besides a failed system call ([`crate::Error::Os`]), a deadline that ran out
 /// ([`crate::Error::Timeout`]), a bad argument and `pidfd_getfd` refused
 /// ([`crate::Error::Unsupported`], [`super::FdTransport::PidfdOnly`]).

@@ -139,7 +139,7 @@ impl<'a> FdSource<'a> {
     /// [`crate::ipc::fetch_from_exporters`]), and when it is gone
     /// ([`FdPassError::PeerGone`]) and the set has a holders segment, from a live holder (every
     /// allocation's fd fetched once, the asked ones duplicated out of them). The fd source of
-    /// [`ImportedBuffer::open_many`]. `waiting` runs once while the writer prepares its answer
+    /// [`ImportedBuffer::open_many`](crate::ipc::ImportedBuffer::open_many). `waiting` runs once while the writer prepares its answer
     /// ([`crate::ipc::fetch_from_exporters_then`]; not where the fds come from elsewhere).
     ///
     /// # Errors

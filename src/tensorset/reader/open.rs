@@ -132,7 +132,7 @@ pub(super) enum PendingTables {
 /// [`PendingTables::Decoded`]) and where the tables are.
 ///
 /// # Errors
-/// [`TensorSetError::BadManifest`](super::super::TensorSetError::BadManifest) for tables decoded
+/// [`TensorSetError::BadManifest`] for tables decoded
 /// here that do not decode.
 pub(super) fn hand_off_tables(
     head: OpenedHead,
