@@ -642,7 +642,8 @@ impl Producer {
     /// Waits up to `timeout` (`None`: no bound) until every consumer attached has taken the
     /// newest frame or a later one (crate-private: a tensor set's writer lets its readers take
     /// the last generation before its close withdraws it). Returns whether they all have; `false`
-    /// at once in a forked child's copy.
+    /// at once in a forked child's copy, and once the frames are withdrawn
+    /// ([`Control::close_withdrawing`]: none is taken any more).
     pub(crate) fn wait_taken(&self, timeout: Option<Duration>) -> bool {
         if self.control.inherited() {
             return false;

@@ -19,6 +19,8 @@ use crate::tensorset::segment::DataSegment;
 /// [`Update::commit`]; dropping it uncommitted gives the buffer back (in place: the generation it
 /// held is gone, its bytes may be half-written, and readers see nothing until the next commit).
 pub struct Update<'a> {
+    /// The set's name (for errors).
+    pub(super) name: &'a str,
     pub(super) frame: WriteFrame<'a>,
     pub(super) recorder: Option<&'a mut Recorder>,
     pub(super) memory: &'a Memory,
@@ -529,8 +531,10 @@ impl Update<'_> {
     /// update's work. Returns the generation number.
     ///
     /// # Errors
-    /// CUDA errors from enqueuing the ready word's write (the generation is published and marked
-    /// ready from the host once the writer's stream drained).
+    /// [`TensorSetError::Closed`] when a [`super::Closer`] withdrew the generations meanwhile
+    /// (nothing is published; the buffer is given back); CUDA errors from enqueuing the ready
+    /// word's write (the generation is published and marked ready from the host once the
+    /// writer's stream drained).
     pub fn commit_with_content(self, content: [u8; 32]) -> Result<u64> {
         self.fork.check("tensor set update")?;
         let meta = encode_meta(self.generation(), &content, 0);
@@ -541,7 +545,11 @@ impl Update<'_> {
         };
         let state = self.state;
         let buffer = self.buffer;
-        let seq = state.base + self.frame.publish(&meta)?;
+        let seq = state.base
+            + self
+                .frame
+                .publish(&meta)
+                .map_err(|e| super::closed_error(self.name, e))?;
         state.generation = seq;
         state.head = Some(buffer);
         if let (Some(r), Some(ev)) = (self.recorder, event) {
