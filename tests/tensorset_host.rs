@@ -1743,3 +1743,31 @@ fn buffered_a_closer_leaves_the_writer_nothing_to_publish() {
     }
     a_closer_leaves_the_writer_nothing_to_publish("buffered");
 }
+
+#[test]
+fn copy_ranges_outside_their_allocation_are_refused_in_every_mode_and_before_the_first_commit() {
+    if role().is_some() {
+        return;
+    }
+    for mode in ["inplace", "buffered"] {
+        let name = set_name(&format!("ranges-{mode}"));
+        let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+        let len = w.layout().bytes_per_buffer();
+        let bad = [(1, 0, 1), (0, u64::MAX, 2), (0, 0, len + 1), (0, len, 1)];
+        for first in [true, false] {
+            let mut u = w.begin(Some(ANSWER)).unwrap();
+            for r in bad {
+                match u.copy_ranges_from_previous(&[(0, 0, 8), r]) {
+                    Err(Error::InvalidArgument(why)) => {
+                        assert!(why.contains("allocation"), "{mode} {r:?}: {why}")
+                    }
+                    got => panic!("{mode}, first update {first}: range {r:?} gave {got:?}"),
+                }
+            }
+            u.copy_ranges_from_previous(&[(0, 0, len), (0, len, 0)])
+                .unwrap();
+            u.commit().unwrap();
+        }
+        w.close(Duration::from_secs(5)).unwrap();
+    }
+}

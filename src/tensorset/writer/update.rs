@@ -298,18 +298,17 @@ impl Update<'_> {
     /// generation did not change this way). On a GPU set the copies are enqueued on the writer's
     /// stream as [`Update::copy_many`] enqueues them (a kernel for many small ranges,
     /// `cuMemcpyDtoDAsync_v2` for the others); on a host set they are made at once.
-    /// Nothing to do in place or before the first commit (the bytes are there, or there are none).
+    /// Nothing to do in place or before the first commit (the bytes are there, or there are none),
+    /// but the ranges are checked all the same.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a range outside its allocation; [`Error::Cuda`] naming the
-    /// copy.
+    /// [`Error::InvalidArgument`] for a range outside its allocation (in every mode, before any
+    /// copy); [`Error::Cuda`] naming the copy.
     pub fn copy_ranges_from_previous(&mut self, ranges: &[(usize, u64, u64)]) -> Result<()> {
         self.fork.check("tensor set update")?;
-        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
-            return Ok(());
-        };
         let sizes = self.layout.allocations();
-        let mut gpu: Vec<copies::Range> = Vec::new();
+        // Every range checked first, in every mode: one outside its allocation is an error
+        // whether or not there is anything to copy.
         for &(a, off, len) in ranges {
             if sizes
                 .get(a)
@@ -320,6 +319,12 @@ impl Update<'_> {
                     sizes.len()
                 )));
             }
+        }
+        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
+            return Ok(());
+        };
+        let mut gpu: Vec<copies::Range> = Vec::new();
+        for &(a, off, len) in ranges {
             match self.memory {
                 Memory::Host(d) => {
                     // Allocation 0 is the whole buffer of a host set; both buffers lie in the
