@@ -141,7 +141,8 @@ impl Producer {
     /// [`crate::quota::QuotaError::OverQuota`] past the shared budget of host memory and the
     /// ledger's errors, as for [`Producer::create`]; [`ChannelError::AlreadyExists`] when a live
     /// producer serves `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of
-    /// range or a bad name; shared-memory errors for what is in the way under either name
+    /// range, a pool past `isize::MAX` bytes (its buffers each rounded up to 4096 bytes) or a
+    /// bad name; shared-memory errors for what is in the way under either name
     /// (`WrongOwner`, `InsecureMode`, `NotASegment`, `CreationInProgress`, a foreign segment as
     /// [`ChannelError::BadSegment`]) and for a full /dev/shm (`NoSpace`).
     ///
