@@ -700,3 +700,35 @@ fn close_against_consumers_that_take_without_pause_ends_once_each_took_what_was_
         }
     }
 }
+
+#[test]
+fn a_host_pool_too_large_for_a_segment_is_refused_before_any_system_call() {
+    if role().is_some() {
+        return;
+    }
+    // Buffer sizes that round up past `usize::MAX`, and pools past `isize::MAX` bytes, whether
+    // the product wraps or not.
+    for (buffers, bytes) in [
+        (4, usize::MAX),
+        (1, usize::MAX - 1),
+        (1, isize::MAX as usize),
+        (4, usize::MAX / 2),
+        (16, 1 << 60),
+        (2, 1 << 62),
+    ] {
+        let ch = channel_name(&format!("huge-{buffers}-{bytes}"));
+        match Producer::create_host(&ch, &ChannelOptions::new(bytes).buffers(buffers)) {
+            Err(Error::InvalidArgument(why)) => assert!(
+                why.contains(&format!("{buffers} buffers of {bytes} bytes"))
+                    && why.contains("the most a segment can hold"),
+                "{why}"
+            ),
+            other => panic!("{buffers} × {bytes}: {:?}", other.map(|_| ())),
+        }
+        assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err(), "{ch}");
+        assert!(
+            std::fs::symlink_metadata(control_path(&ch)).is_err(),
+            "{ch}"
+        );
+    }
+}

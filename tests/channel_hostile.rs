@@ -594,3 +594,31 @@ fn a_segment_open_to_other_users_is_refused_by_every_opener_and_never_replaced_o
         );
     }
 }
+
+#[test]
+fn a_buffer_size_near_u64_max_in_a_host_channels_headers_is_a_mismatch_not_a_panic() {
+    use cuda_ipc::channel::{
+        ChannelOptions, Consumer, ConsumerOptions, Producer, SegmentFault, inspect,
+    };
+    use cuda_ipc::raw::channel::layout;
+    use std::os::unix::fs::FileExt;
+    let n = name("huge-bytes");
+    let tx = Producer::create_host(&n, &ChannelOptions::new(16)).unwrap();
+    // The same size in the control header and in the pool's (`PoolHeader::buffer_bytes`, after
+    // magic, version, stamp, buffers and uid: byte 24): they agree, and rounded up to the
+    // pool's 4096-byte stride it passes `u64::MAX`.
+    let huge = u64::MAX - 10;
+    let pool = format!("/dev/shm/{}", inspect::pool_segment_name(&n));
+    for (p, at) in [(path(&n), layout::header::BUFFER_BYTES as u64), (pool, 24)] {
+        let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.write_all_at(&huge.to_le_bytes(), at).unwrap();
+    }
+    match Consumer::attach(&n, &ConsumerOptions::new()) {
+        Err(Error::Channel(ChannelError::BadSegment(SegmentFault::PoolMismatch {
+            buffer_bytes,
+            ..
+        }))) => assert_eq!(buffer_bytes, huge),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(tx);
+}

@@ -1661,3 +1661,113 @@ fn a_closer_takes_the_generations_from_readers_while_the_writer_is_busy() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     closer.withdraw(); // after the close: nothing
 }
+
+/// After a [`cuda_ipc::tensorset::Closer`] withdrew the generations (from another thread, while
+/// the writer was busy), the writer publishes nothing: an update open at the withdrawal commits
+/// nothing, a `begin` waiting for readers' holds ends at once, later `begin`s and `wait_readers`
+/// say `Closed` without waiting, and no reader is granted a hold again.
+fn a_closer_leaves_the_writer_nothing_to_publish(mode: &str) {
+    let name = set_name(&format!("closer-busy-{mode}"));
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let closed = |e: &Error| matches!(e, Error::TensorSet(TensorSetError::Closed(s)) if *s == name);
+    let taken = |r: &TensorSetReader| r.current().map(|h| h.map(|h| h.generation()));
+    // An update open when the withdrawal comes.
+    write_gen(&mut w);
+    let closer = w.closer();
+    let u = w.begin(Some(ANSWER)).unwrap();
+    std::thread::scope(|s| s.spawn(|| closer.withdraw()).join().unwrap());
+    let e = u.commit().expect_err("a commit after the withdrawal");
+    assert!(closed(&e), "the commit after the withdrawal: {e:?}");
+    match taken(&r) {
+        Err(ref e) if closed(e) => {}
+        got => panic!("a take after the withdrawal and the commit: {got:?}"),
+    }
+    let t = Instant::now();
+    match w.begin(Some(Duration::from_secs(5))) {
+        Err(ref e) if closed(e) => {}
+        got => panic!(
+            "a begin after the withdrawal: {:?}",
+            got.map(|u| u.generation())
+        ),
+    }
+    match w.wait_readers(Some(Duration::from_secs(5))) {
+        Err(ref e) if closed(e) => {}
+        got => panic!("wait_readers after the withdrawal: {got:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    w.close(Duration::from_secs(5)).unwrap();
+
+    // A begin waiting for the readers' holds when the withdrawal comes.
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..w.buffers() {
+        write_gen(&mut w);
+        held.push(r.current().unwrap().expect("the generation just committed"));
+    }
+    let closer = w.closer();
+    let t = Instant::now();
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            closer.withdraw();
+        });
+        w.begin(Some(Duration::from_secs(10)))
+            .map(|u| u.generation())
+    });
+    match got {
+        Err(ref e) if closed(e) => {}
+        got => panic!("a begin waiting when the withdrawal came: {got:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    for h in &held {
+        check_gen(h, specs().len());
+    }
+    drop(held);
+    w.close(Duration::from_secs(5)).unwrap();
+}
+
+#[test]
+fn in_place_a_closer_leaves_the_writer_nothing_to_publish() {
+    if role().is_some() {
+        return;
+    }
+    a_closer_leaves_the_writer_nothing_to_publish("inplace");
+}
+
+#[test]
+fn buffered_a_closer_leaves_the_writer_nothing_to_publish() {
+    if role().is_some() {
+        return;
+    }
+    a_closer_leaves_the_writer_nothing_to_publish("buffered");
+}
+
+#[test]
+fn copy_ranges_outside_their_allocation_are_refused_in_every_mode_and_before_the_first_commit() {
+    if role().is_some() {
+        return;
+    }
+    for mode in ["inplace", "buffered"] {
+        let name = set_name(&format!("ranges-{mode}"));
+        let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+        let len = w.layout().bytes_per_buffer();
+        let bad = [(1, 0, 1), (0, u64::MAX, 2), (0, 0, len + 1), (0, len, 1)];
+        for first in [true, false] {
+            let mut u = w.begin(Some(ANSWER)).unwrap();
+            for r in bad {
+                match u.copy_ranges_from_previous(&[(0, 0, 8), r]) {
+                    Err(Error::InvalidArgument(why)) => {
+                        assert!(why.contains("allocation"), "{mode} {r:?}: {why}")
+                    }
+                    got => panic!("{mode}, first update {first}: range {r:?} gave {got:?}"),
+                }
+            }
+            u.copy_ranges_from_previous(&[(0, 0, len), (0, len, 0)])
+                .unwrap();
+            u.commit().unwrap();
+        }
+        w.close(Duration::from_secs(5)).unwrap();
+    }
+}

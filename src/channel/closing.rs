@@ -53,6 +53,10 @@ impl Control {
 
     /// [`Control::close_withdrawing`]'s withdrawal, made once.
     fn withdraw_once(&self) -> Vec<u64> {
+        // Held to the end: a publish of this process ends before (its frame is withdrawn below)
+        // or waits, then finds the withdrawal begun and publishes nothing (`Control::publish`).
+        let mut withdrawing = self.withdrawing_gate();
+        *withdrawing = true;
         let reserved = self.forget_reservation();
         // Closed first: a consumer that sees a withdrawn buffer (Acquire or SeqCst on `seq`, after
         // the store below) sees the channel closed (SYNC POINT: closed), so its one more look
@@ -68,7 +72,22 @@ impl Control {
             })
             .collect();
         self.header().publish_wake().bump();
+        // The producer's acquires wait on the release wake: they end in `Closed` at once.
+        self.header().release_wake().bump();
         frames
+    }
+
+    /// The lock over the control's `withdrawing` flag (a panic while it was held left the flag
+    /// as it was: still meaningful).
+    pub(super) fn withdrawing_gate(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.withdrawing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether [`Control::close_withdrawing`] has begun in this process.
+    pub(crate) fn is_withdrawn(&self) -> bool {
+        *self.withdrawing_gate()
     }
 
     /// Holds outstanding now, over all buffers.
@@ -164,7 +183,13 @@ impl Control {
             self.header().release_wake(),
             WaitStrategy::Block,
             timeout,
-            || Ok((self.consumers_before(seq) == 0).then_some(())),
+            || {
+                // Withdrawn (a tensor set's `Closer`): no consumer takes a frame any more.
+                if self.is_withdrawn() {
+                    return Err(super::ChannelError::Closed.into());
+                }
+                Ok((self.consumers_before(seq) == 0).then_some(()))
+            },
             || {
                 self.reclaim_dead_consumers();
                 Ok(())

@@ -46,6 +46,12 @@ pub(crate) struct Control {
     /// What [`Control::close_withdrawing`] found, once it ran (process-local): the withdrawal is
     /// made once, by whichever thread closes first, and every later call gets the same frames.
     pub(super) withdrawn: std::sync::OnceLock<Vec<u64>>,
+    /// Whether [`Control::close_withdrawing`] has begun (process-local), behind the lock that
+    /// [`Control::publish`] holds while it checks this and publishes: a tensor set's `Closer`
+    /// withdraws from another thread while the writer may be committing, and a publish either
+    /// ends before the withdrawal (which then withdraws its frame too) or finds it begun and
+    /// publishes nothing, so no hold is granted after the withdrawal.
+    pub(super) withdrawing: std::sync::Mutex<bool>,
     /// The process (by fork) that mapped the segment: a forked child's copy acts on nothing
     /// ([`Control::inherited`]).
     pub(super) fork: ForkEpoch,
@@ -296,6 +302,7 @@ impl Control {
             consumers,
             reserved: Default::default(),
             withdrawn: Default::default(),
+            withdrawing: Default::default(),
             fork: ForkEpoch::now(),
         };
         let me = ProcessIdentity::current()?;
@@ -381,6 +388,7 @@ impl Control {
                     consumers: 0,
                     reserved: Default::default(),
                     withdrawn: Default::default(),
+                    withdrawing: Default::default(),
                     fork: ForkEpoch::now(),
                 };
                 let p = c.producer();
@@ -545,6 +553,7 @@ impl Control {
             consumers,
             reserved: Default::default(),
             withdrawn: Default::default(),
+            withdrawing: Default::default(),
             fork: ForkEpoch::now(),
         })
     }

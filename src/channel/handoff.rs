@@ -109,7 +109,11 @@ impl Control {
             h.release_wake(),
             strategy,
             timeout,
-            || Ok(self.try_acquire_keeping(keep_newest)),
+            || {
+                // A tensor set's `Closer` withdrew the frames: nothing is published any more.
+                self.check_withdrawn()?;
+                Ok(self.try_acquire_keeping(keep_newest))
+            },
             {
                 let mut every = Every::new(SUPERSEDED_EVERY);
                 move || {
@@ -121,6 +125,16 @@ impl Control {
                 }
             },
         )
+    }
+
+    /// [`ChannelError::Closed`](super::ChannelError::Closed) once [`Control::close_withdrawing`]
+    /// has begun: no frame can be published from then on, so a producer's acquire would wait
+    /// for nothing.
+    fn check_withdrawn(&self) -> Result<()> {
+        if self.is_withdrawn() {
+            return Err(super::ChannelError::Closed.into());
+        }
+        Ok(())
     }
 
     pub(super) fn min_lossless_cursor(&self) -> u64 {
@@ -223,6 +237,12 @@ impl Control {
                 meta.len()
             )));
         }
+        // Held until the frame is published: a withdrawal (`Control::close_withdrawing`, from a
+        // tensor set's `Closer` in another thread) comes wholly before or after it.
+        let withdrawing = self.withdrawing_gate();
+        if *withdrawing {
+            return Err(super::ChannelError::Closed.into());
+        }
         let h = self.header();
         let b = self.buffer(i);
         if b.seq.load(Ordering::Relaxed) != WRITING {
@@ -253,6 +273,7 @@ impl Control {
         h.head_index.store(i as u32, Ordering::Relaxed);
         // SYNC POINT: head. Release: pairs with `head()`'s Acquire.
         h.head.store(seq, Ordering::Release);
+        drop(withdrawing);
         h.publish_wake().bump();
         Ok(seq)
     }

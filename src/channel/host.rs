@@ -166,15 +166,25 @@ impl HostPool {
         opts: &SegmentOptions,
     ) -> Result<HostPool> {
         let name = pool_name(channel);
-        let stride = buffer_bytes.next_multiple_of(4096);
-        let len = buffers
-            .checked_mul(stride)
-            .and_then(|n| n.checked_add(POOL_DATA))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "a host pool of {buffers} × {buffer_bytes} bytes overflows"
-                ))
-            })?;
+        // Checked before any system call sees a size: a buffer size near `usize::MAX` would
+        // round up past it, and a file (`off_t`) and a mapping (`isize`) hold at most
+        // `isize::MAX` bytes.
+        let sizes = buffer_bytes
+            .checked_next_multiple_of(4096)
+            .and_then(|stride| {
+                buffers
+                    .checked_mul(stride)
+                    .and_then(|n| n.checked_add(POOL_DATA))
+                    .filter(|&len| len <= isize::MAX as usize)
+                    .map(|len| (stride, len))
+            });
+        let Some((stride, len)) = sizes else {
+            return Err(Error::InvalidArgument(format!(
+                "a host pool of {buffers} buffers of {buffer_bytes} bytes (each rounded up to \
+                 4096) passes the most a segment can hold ({} bytes)",
+                isize::MAX
+            )));
+        };
         // As the control segment: only the pool judged is removed, under the replacers' lock, so
         // two producers restarting at once never remove each other's new pool.
         let seg = versioned::create_replacing(&name, len, opts, "host pool segment", || {
@@ -340,7 +350,8 @@ impl HostPool {
             .and_then(|n| n.checked_add(POOL_DATA as u64));
         let geometry = buffers == tokens.len()
             && bytes == buffer_bytes
-            && stride == bytes.next_multiple_of(4096)
+            // A size near `u64::MAX` (another process's bytes) rounds up to nothing: a mismatch.
+            && bytes.checked_next_multiple_of(4096) == Some(stride)
             && need.is_some_and(|n| n == h.segment_bytes.load(Ordering::Relaxed));
         // The channel's own pool, cut short of its buffers (`truncate`): said as such.
         if let Some(n) = need

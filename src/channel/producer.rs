@@ -141,7 +141,8 @@ impl Producer {
     /// [`crate::quota::QuotaError::OverQuota`] past the shared budget of host memory and the
     /// ledger's errors, as for [`Producer::create`]; [`ChannelError::AlreadyExists`] when a live
     /// producer serves `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of
-    /// range or a bad name; shared-memory errors for what is in the way under either name
+    /// range, a pool past `isize::MAX` bytes (its buffers each rounded up to 4096 bytes) or a
+    /// bad name; shared-memory errors for what is in the way under either name
     /// (`WrongOwner`, `InsecureMode`, `NotASegment`, `CreationInProgress`, a foreign segment as
     /// [`ChannelError::BadSegment`]) and for a full /dev/shm (`NoSpace`).
     ///
@@ -642,7 +643,8 @@ impl Producer {
     /// Waits up to `timeout` (`None`: no bound) until every consumer attached has taken the
     /// newest frame or a later one (crate-private: a tensor set's writer lets its readers take
     /// the last generation before its close withdraws it). Returns whether they all have; `false`
-    /// at once in a forked child's copy.
+    /// at once in a forked child's copy, and once the frames are withdrawn
+    /// ([`Control::close_withdrawing`]: none is taken any more).
     pub(crate) fn wait_taken(&self, timeout: Option<Duration>) -> bool {
         if self.control.inherited() {
             return false;

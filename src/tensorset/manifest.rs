@@ -339,8 +339,9 @@ impl Layout {
     ///
     /// # Errors
     /// As [`Layout::new`]; [`TensorSetError::BadTensor`] for a tensor outside its allocation or
-    /// an allocation index out of range; [`TensorSetError::TooManyTensors`] past
-    /// [`MAX_ALLOCATIONS`].
+    /// an allocation index out of range; [`TensorSetError::TooManyTensors`] for no allocation,
+    /// more than [`MAX_ALLOCATIONS`], or allocations of more than [`MAX_SET_BYTES`] bytes in
+    /// all.
     pub fn with_locations(
         tensors: &[(TensorSpec, u32, u64)],
         allocations: Vec<u64>,
@@ -385,6 +386,22 @@ impl Layout {
                 what: "tensors",
                 found: tensors.len() as u64,
                 max: MAX_TENSORS as u64,
+            }
+            .into());
+        }
+        // The sum, as `bytes_per_buffer` and the writers compute it: within one allocation's
+        // most (what a mapping, a file and the quota ledger can hold), never overflowing.
+        let total = allocations
+            .iter()
+            .try_fold(0u64, |sum, &len| sum.checked_add(len))
+            .filter(|&t| t <= MAX_SET_BYTES);
+        if total.is_none() {
+            return Err(TensorSetError::TooManyTensors {
+                what: "bytes per buffer (the sum of its allocations' lengths)",
+                found: allocations
+                    .iter()
+                    .fold(0u64, |sum, &len| sum.saturating_add(len)),
+                max: MAX_SET_BYTES,
             }
             .into());
         }

@@ -146,7 +146,9 @@ impl Closer {
     /// Takes every generation from readers now, as [`TensorSetWriter::close`] begins by doing:
     /// no hold is granted from then on (readers' `current` and `wait_newer` say
     /// [`TensorSetError::Closed`]); holds taken before stay until they end. The names, memory and
-    /// writer stay until the writer closes, which then finds this step done. Made once, however
+    /// writer stay until the writer closes, which then finds this step done; the writer's
+    /// [`TensorSetWriter::begin`] (also one waiting now) and an open update's commit fail with
+    /// [`TensorSetError::Closed`] from then on, publishing nothing. Made once, however
     /// often called (also after the writer's own close); nothing in a process forked from the
     /// one that made the writer.
     pub fn withdraw(&self) {
@@ -552,13 +554,25 @@ impl TensorSetWriter {
     ///
     /// # Errors
     /// [`Error::ForkedChild`] in a process forked from the one that made the writer;
-    /// [`TensorSetError::Closed`] once closing.
+    /// [`TensorSetError::Closed`] once closing, or once a [`Closer::withdraw`] took the
+    /// generations (also one that comes while this waits: it ends at once).
     pub fn wait_readers(&self, timeout: Option<Duration>) -> Result<bool> {
         self.fork.check("tensor set writer")?;
-        if self.closing {
+        let withdrawn = || {
+            self.closing
+                || self
+                    .producer
+                    .as_ref()
+                    .is_some_and(|p| p.control().is_withdrawn())
+        };
+        if withdrawn() {
             return Err(TensorSetError::Closed(self.name.clone()).into());
         }
-        Ok(self.producer.as_ref().is_none_or(|p| p.wait_taken(timeout)))
+        let taken = self.producer.as_ref().is_none_or(|p| p.wait_taken(timeout));
+        if !taken && withdrawn() {
+            return Err(TensorSetError::Closed(self.name.clone()).into());
+        }
+        Ok(taken)
     }
 
     /// The last generation committed (0: none yet).
@@ -642,7 +656,8 @@ impl TensorSetWriter {
     /// read it has its release word there (the kernels it ran over the buffer finished).
     ///
     /// # Errors
-    /// [`Error::Timeout`]; [`TensorSetError::Closed`] after [`TensorSetWriter::wait_closing`];
+    /// [`Error::Timeout`]; [`TensorSetError::Closed`] after [`TensorSetWriter::wait_closing`] or
+    /// a [`Closer::withdraw`] (also one that comes while this waits: it ends at once);
     /// CUDA errors from the stream wait.
     pub fn begin(&mut self, timeout: Option<Duration>) -> Result<Update<'_>> {
         self.begin_with(timeout, Acquire::Whole)
@@ -695,11 +710,12 @@ impl TensorSetWriter {
             .as_mut()
             .expect("the producer lives until close");
         let frame = match how {
-            Acquire::Whole => producer.acquire(timeout)?,
-            Acquire::Slice => producer.acquire_slice(timeout)?,
+            Acquire::Whole => producer.acquire(timeout),
+            Acquire::Slice => producer.acquire_slice(timeout),
             #[cfg(feature = "remote")]
-            Acquire::Older => producer.acquire_older(timeout)?,
-        };
+            Acquire::Older => producer.acquire_older(timeout),
+        }
+        .map_err(|e| closed_error(&self.name, e))?;
         let buffered = self.mode != GenerationMode::InPlace;
         if let (Some(old), Some(r)) = (&self.old, &self.recorder) {
             // A resumed set: readers of the dead writer's incarnation may still read the buffer.
@@ -710,6 +726,7 @@ impl TensorSetWriter {
             r.before_write(self.state.generation + 1, frame.index(), buffered);
         }
         Ok(Update {
+            name: &self.name,
             buffer: frame.index(),
             recorder: self.recorder.as_mut(),
             frame,
@@ -796,6 +813,16 @@ impl Drop for TensorSetWriter {
         }
         // The producer's own drop drains the generation channel (5 s), before the memory fields
         // drop.
+    }
+}
+
+/// `e`, or [`TensorSetError::Closed`] naming set `name` for the generation channel's
+/// [`ChannelError::Closed`]: a [`Closer`] withdrew the generations (no buffer comes, nothing is
+/// published from then on).
+pub(super) fn closed_error(name: &str, e: Error) -> Error {
+    match e {
+        Error::Channel(ChannelError::Closed) => TensorSetError::Closed(name.to_string()).into(),
+        other => other,
     }
 }
 

@@ -149,6 +149,30 @@ fn a_tensor_or_a_set_past_isize_max_bytes_is_refused_with_the_tensor_named() {
     );
 }
 
+#[test]
+fn given_allocations_past_isize_max_bytes_in_all_are_refused_not_summed_into_an_overflow() {
+    let x = || (TensorSpec::new("x", DType::U8, &[4]), 0, 0);
+    // Each allocation alone, and their sum, whether it wraps a `u64` or not.
+    for lens in [
+        vec![u64::MAX],
+        vec![MAX_SET_BYTES + 1],
+        vec![u64::MAX, u64::MAX],
+        vec![MAX_SET_BYTES, MAX_SET_BYTES],
+        vec![1 << 62, 1 << 62],
+    ] {
+        // `TooManyTensors` naming the sum and the limit.
+        let text = Layout::with_locations(&[x()], lens.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("bytes per buffer") && text.contains(&format!("at most {MAX_SET_BYTES}")),
+            "{lens:?}: {text}"
+        );
+    }
+    let l = Layout::with_locations(&[x()], vec![MAX_SET_BYTES - 4096, 4096]).unwrap();
+    assert_eq!(l.bytes_per_buffer(), MAX_SET_BYTES);
+}
+
 /// The first bytes of `body` an opener copies: the body header, then up to the allocation
 /// table's end (as `open_manifest_head` does).
 fn head_of(body: &[u8]) -> &[u8] {

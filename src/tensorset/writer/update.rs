@@ -19,6 +19,8 @@ use crate::tensorset::segment::DataSegment;
 /// [`Update::commit`]; dropping it uncommitted gives the buffer back (in place: the generation it
 /// held is gone, its bytes may be half-written, and readers see nothing until the next commit).
 pub struct Update<'a> {
+    /// The set's name (for errors).
+    pub(super) name: &'a str,
     pub(super) frame: WriteFrame<'a>,
     pub(super) recorder: Option<&'a mut Recorder>,
     pub(super) memory: &'a Memory,
@@ -296,18 +298,17 @@ impl Update<'_> {
     /// generation did not change this way). On a GPU set the copies are enqueued on the writer's
     /// stream as [`Update::copy_many`] enqueues them (a kernel for many small ranges,
     /// `cuMemcpyDtoDAsync_v2` for the others); on a host set they are made at once.
-    /// Nothing to do in place or before the first commit (the bytes are there, or there are none).
+    /// Nothing to do in place or before the first commit (the bytes are there, or there are none),
+    /// but the ranges are checked all the same.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a range outside its allocation; [`Error::Cuda`] naming the
-    /// copy.
+    /// [`Error::InvalidArgument`] for a range outside its allocation (in every mode, before any
+    /// copy); [`Error::Cuda`] naming the copy.
     pub fn copy_ranges_from_previous(&mut self, ranges: &[(usize, u64, u64)]) -> Result<()> {
         self.fork.check("tensor set update")?;
-        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
-            return Ok(());
-        };
         let sizes = self.layout.allocations();
-        let mut gpu: Vec<copies::Range> = Vec::new();
+        // Every range checked first, in every mode: one outside its allocation is an error
+        // whether or not there is anything to copy.
         for &(a, off, len) in ranges {
             if sizes
                 .get(a)
@@ -318,6 +319,12 @@ impl Update<'_> {
                     sizes.len()
                 )));
             }
+        }
+        let Some(p) = self.previous.filter(|&p| p != self.buffer) else {
+            return Ok(());
+        };
+        let mut gpu: Vec<copies::Range> = Vec::new();
+        for &(a, off, len) in ranges {
             match self.memory {
                 Memory::Host(d) => {
                     // Allocation 0 is the whole buffer of a host set; both buffers lie in the
@@ -529,8 +536,10 @@ impl Update<'_> {
     /// update's work. Returns the generation number.
     ///
     /// # Errors
-    /// CUDA errors from enqueuing the ready word's write (the generation is published and marked
-    /// ready from the host once the writer's stream drained).
+    /// [`TensorSetError::Closed`] when a [`super::Closer`] withdrew the generations meanwhile
+    /// (nothing is published; the buffer is given back); CUDA errors from enqueuing the ready
+    /// word's write (the generation is published and marked ready from the host once the
+    /// writer's stream drained).
     pub fn commit_with_content(self, content: [u8; 32]) -> Result<u64> {
         self.fork.check("tensor set update")?;
         let meta = encode_meta(self.generation(), &content, 0);
@@ -541,7 +550,11 @@ impl Update<'_> {
         };
         let state = self.state;
         let buffer = self.buffer;
-        let seq = state.base + self.frame.publish(&meta)?;
+        let seq = state.base
+            + self
+                .frame
+                .publish(&meta)
+                .map_err(|e| super::closed_error(self.name, e))?;
         state.generation = seq;
         state.head = Some(buffer);
         if let (Some(r), Some(ev)) = (self.recorder, event) {
