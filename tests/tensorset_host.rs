@@ -1771,3 +1771,30 @@ fn copy_ranges_outside_their_allocation_are_refused_in_every_mode_and_before_the
         w.close(Duration::from_secs(5)).unwrap();
     }
 }
+
+/// `close` says how many holds it forced at its timeout: one that a reader kept past it, none
+/// when every hold ended in time.
+#[test]
+fn close_reports_the_holds_it_forced() {
+    for mode in ["in_place", "buffered"] {
+        let name = set_name(&format!("forced-{mode}"));
+        let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+        let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+        write_gen(&mut w);
+        let held = r.current().unwrap().expect("the first generation");
+        let report = w.close(Duration::from_millis(100)).unwrap();
+        assert_eq!(
+            report.forced_holds, 1,
+            "{mode}: the hold kept past the timeout"
+        );
+        drop(held);
+        drop(r);
+
+        let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+        let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+        write_gen(&mut w);
+        drop(r.current().unwrap().expect("the first generation"));
+        let report = w.close(ANSWER).unwrap();
+        assert_eq!(report.forced_holds, 0, "{mode}: every hold ended in time");
+    }
+}

@@ -583,7 +583,9 @@ impl TensorSetWriter {
             return Err(e);
         }
         let left = t.saturating_sub(start.elapsed());
-        py.detach(|| w.close(left)).map_err(|e| err(py, e))
+        py.detach(|| w.close(left))
+            .map(|_| ())
+            .map_err(|e| err(py, e))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -67,7 +67,7 @@ pub use segment::{
     DATA_PREFIX, GENERATION_PREFIX, HOLDERS_PREFIX, MANIFEST_PREFIX, validate_set_name,
 };
 pub use stable::StableSwitch;
-pub use writer::{Closer, TensorSetWriter, Update};
+pub use writer::{CloseReport, Closer, TensorSetWriter, Update};
 
 use crate::channel::{MemoryKind, WaitStrategy};
 use crate::driver::{Context, DeviceMemory};

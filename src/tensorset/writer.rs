@@ -745,16 +745,19 @@ impl TensorSetWriter {
     /// [`TensorSetError::Closed`], waiting ones within their wait's next look), then removes its
     /// names (no new reader opens it), waits up to `timeout` for the holds taken before (it
     /// returns as soon as they end: readers that keep asking cannot prolong it), then frees the
-    /// memory; holds still out at the timeout are forced.
+    /// memory; holds still out at the timeout are forced, and the report counts them.
     ///
     /// # Errors
-    /// CUDA errors from synchronising the writer's stream.
-    pub fn close(mut self, timeout: Duration) -> Result<()> {
+    /// [`Error::ForkedChild`] in a process forked from the one that made the writer; CUDA errors
+    /// from synchronising the writer's stream.
+    pub fn close(mut self, timeout: Duration) -> Result<CloseReport> {
         self.fork.check("tensor set writer")?;
         self.start_closing();
         match self.producer.take() {
-            Some(p) => p.close(timeout).map(|_| ()),
-            None => Ok(()),
+            Some(p) => p.close(timeout).map(|r| CloseReport {
+                forced_holds: r.forced_holds,
+            }),
+            None => Ok(CloseReport::default()),
         }
     }
 
@@ -824,6 +827,16 @@ pub(super) fn closed_error(name: &str, e: Error) -> Error {
         Error::Channel(ChannelError::Closed) => TensorSetError::Closed(name.to_string()).into(),
         other => other,
     }
+}
+
+/// What [`TensorSetWriter::close`] found at its end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CloseReport {
+    /// Holds of readers still out when the close's `timeout` ran out, released by force (their
+    /// generation's memory is freed right after: a reader that still read it reads undefined
+    /// data, or faults, from then on). 0 when every hold ended in time.
+    pub forced_holds: u64,
 }
 
 /// How a `begin` takes its buffer from the generation channel's producer.
