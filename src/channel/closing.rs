@@ -57,7 +57,11 @@ impl Control {
         // or waits, then finds the withdrawal begun and publishes nothing (`Control::publish`).
         let mut withdrawing = self.withdrawing_gate();
         *withdrawing = true;
-        let reserved = self.forget_reservation();
+        // Held until every buffer is withdrawn: a reservation (`claim_buffer`, which makes it
+        // under this lock) is either recorded already, and its frame is the one the close waits
+        // for, or made after the withdrawal, and then fails (it finds `seq` WRITING).
+        let mut reservation = self.reservation();
+        let reserved = reservation.take();
         // Closed first: a consumer that sees a withdrawn buffer (Acquire or SeqCst on `seq`, after
         // the store below) sees the channel closed (SYNC POINT: closed), so its one more look
         // ends in `Closed` at once.
@@ -71,6 +75,7 @@ impl Control {
                 }
             })
             .collect();
+        drop(reservation);
         self.header().publish_wake().bump();
         // The producer's acquires wait on the release wake: they end in `Closed` at once.
         self.header().release_wake().bump();

@@ -20,6 +20,7 @@ use super::hold::Claimed;
 use super::wait::WaitStrategy;
 use crate::error::Result;
 use std::ops::ControlFlow;
+use std::sync::MutexGuard;
 use std::time::Duration;
 
 impl Control {
@@ -58,13 +59,12 @@ impl Control {
         }
     }
 
-    /// Forgets this producer's reservation without giving the frame back (a close that
-    /// withdraws every frame, `close_withdrawing`); returns it (buffer, the frame reserved there).
-    pub(super) fn forget_reservation(&self) -> Option<(usize, u64)> {
-        self.reserved
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
+    /// The lock of this producer's reservation (buffer, the frame reserved there), for a close
+    /// that withdraws every frame (`close_withdrawing`): it takes the reservation without giving
+    /// the frame back, and holds the lock while it withdraws, so that no reservation is made
+    /// between the two ([`Control::claim_buffer`] reserves under it).
+    pub(super) fn reservation(&self) -> MutexGuard<'_, Option<(usize, u64)>> {
+        self.reserved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The frame in buffer `i` as a close sees it: the one this producer's reservation keeps
@@ -114,13 +114,73 @@ impl Control {
         if !reserve {
             return self.buffer(i).words().claim(seq).map(claim);
         }
+        // Under the reservation's lock from the claim to its record: a close's withdrawal
+        // (`close_withdrawing`, under the same lock) sees the reservation made, or comes first
+        // and makes the claim fail.
+        let mut reserved = self.reservation();
         match self.buffer(i).words().claim_or_reserve(seq) {
             Claimed::Now(used) => Some(claim(used)),
             Claimed::Reserved => {
-                *self.reserved.lock().unwrap_or_else(|p| p.into_inner()) = Some((i, seq));
+                #[cfg(test)]
+                if let Some(hook) = tests::AFTER_RESERVING.get() {
+                    hook();
+                }
+                *reserved = Some((i, seq));
                 None
             }
             Claimed::Changed => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::channel::control::tests::channel;
+    use crate::channel::layout::Delivery;
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    thread_local! {
+        /// Run on this thread by `claim_buffer` between a reservation's claim (`seq` := WRITING)
+        /// and its record.
+        pub(super) static AFTER_RESERVING: Cell<Option<fn()>> = const { Cell::new(None) };
+    }
+
+    static RESERVING: AtomicBool = AtomicBool::new(false);
+
+    /// The claim is made: let the close begin, and give it time to finish if it can.
+    fn let_the_close_in() {
+        RESERVING.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(150));
+    }
+
+    #[test]
+    fn a_close_withdrawing_while_a_reservation_is_made_waits_for_the_reserved_frame() {
+        // A pool of one buffer whose frame a consumer holds: the producer's claim reserves it.
+        // A close that withdraws between the claim and its record (a tensor set's `Closer` in
+        // another thread while `begin` claims) must still return the reserved frame, whose
+        // consumers' release words a GPU close waits for; it read WRITING before.
+        let (c, _name) = channel(1);
+        let slot = c.attach(Delivery::LatestOnly).unwrap();
+        let claim = c.try_acquire().expect("the free buffer");
+        let seq = c.publish(claim.index, b"held").unwrap();
+        let (i, _, _) = c.try_take(slot).unwrap().expect("the frame");
+        std::thread::scope(|s| {
+            let producer = s.spawn(|| {
+                AFTER_RESERVING.set(Some(let_the_close_in));
+                c.try_acquire()
+            });
+            while !RESERVING.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            assert_eq!(c.close_withdrawing(), vec![seq]);
+            assert!(
+                producer.join().unwrap().is_none(),
+                "the buffer is still held"
+            );
+        });
+        c.release(slot, i);
+        c.unlink();
     }
 }
