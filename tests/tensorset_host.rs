@@ -254,12 +254,14 @@ fn an_open_reports_where_its_time_went() {
 }
 
 #[test]
-fn buffered_readers_of_a_generation_never_hold_the_writer_back() {
+fn buffered_readers_of_an_old_generation_hold_back_only_its_buffer() {
     if role().is_some() {
         return;
     }
+    // Three buffers: a reader that keeps generation 1 leaves the writer two to go on in.
     let name = set_name("nowait");
-    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("buffered")).unwrap();
+    let three = TensorSetOptions::new().mode(GenerationMode::Buffered(3));
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &three).unwrap();
     write_gen(&mut w);
     let mut p = spawn("hold", &name, "buffered");
     assert_eq!(p.expect("holding", ANSWER), "1");
@@ -277,6 +279,47 @@ fn buffered_readers_of_a_generation_never_hold_the_writer_back() {
     p.send("check");
     assert_eq!(p.expect("newest", ANSWER), w.generation().to_string());
     p.finish(ANSWER);
+}
+
+#[test]
+fn a_buffered_writer_never_takes_the_newest_generation_from_its_readers() {
+    if role().is_some() {
+        return;
+    }
+    // Two buffers, generation 1 held in one and 2 the newest in the other: `begin` waits for
+    // the old one rather than rewrite the newest, which readers go on taking meanwhile; an
+    // update dropped unpublished takes nothing from them either.
+    let name = set_name("newest");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("buffered")).unwrap();
+    write_gen(&mut w);
+    let mut p = spawn("hold", &name, "buffered");
+    assert_eq!(p.expect("holding", ANSWER), "1");
+    assert_eq!(write_gen(&mut w), 2);
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    match w.begin(Some(Duration::from_millis(200))) {
+        Err(Error::Timeout { .. }) => {}
+        Err(e) => panic!("begin while generation 1 is held: {e}"),
+        Ok(u) => panic!(
+            "begin took buffer {} while generation 1 is held",
+            u.buffer()
+        ),
+    }
+    let newest = r.current().unwrap().expect("the newest generation");
+    assert_eq!(newest.generation(), 2);
+    check_gen(&newest, r.layout().len());
+    drop(newest);
+    p.send("release");
+    assert_eq!(p.expect("released", ANSWER), "");
+    let mut u = w
+        .begin(Some(ANSWER))
+        .expect("begin once generation 1 is let go");
+    assert_eq!(u.buffer(), 0, "generation 1's buffer");
+    u.copy_from_previous().unwrap();
+    drop(u);
+    assert_eq!(r.current().unwrap().expect("still there").generation(), 2);
+    p.finish(ANSWER);
+    drop(r);
+    w.close(ANSWER).unwrap();
 }
 
 #[test]
@@ -1796,5 +1839,61 @@ fn close_reports_the_holds_it_forced() {
         drop(r.current().unwrap().expect("the first generation"));
         let report = w.close(ANSWER).unwrap();
         assert_eq!(report.forced_holds, 0, "{mode}: every hold ended in time");
+    }
+}
+
+/// A buffered set's `current` never says "nothing" once a generation is out, however fast the
+/// writer commits: the newest generation's buffer is never the one rewritten, so a take that
+/// finds the generation it looked for replaced looks again at the newer one.
+#[test]
+fn a_buffered_sets_current_finds_a_generation_while_the_writer_commits_back_to_back() {
+    for buffers in [2, 3] {
+        let name = set_name(&format!("current-{buffers}"));
+        let opts = TensorSetOptions::new().mode(GenerationMode::Buffered(buffers));
+        let mut w = TensorSetWriter::create_host(&name, &specs(), &opts).unwrap();
+        write_gen(&mut w);
+        let readers: Vec<_> = (0..4)
+            .map(|_| TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap())
+            .collect();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let nones = std::thread::scope(|s| {
+            let writer = s.spawn(|| {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_millis(1500) {
+                    write_gen(&mut w);
+                }
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            });
+            let counts: Vec<_> = readers
+                .iter()
+                .map(|r| {
+                    let stop = &stop;
+                    s.spawn(move || {
+                        let (mut nones, mut holds) = (0u64, 0u64);
+                        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                            match r.current().unwrap() {
+                                Some(h) => {
+                                    holds += 1;
+                                    // Keep it a moment, as a reader reading it would.
+                                    std::hint::black_box(h.generation());
+                                    drop(h);
+                                }
+                                None => nones += 1,
+                            }
+                        }
+                        assert!(holds > 0);
+                        nones
+                    })
+                })
+                .collect();
+            writer.join().unwrap();
+            counts.into_iter().map(|t| t.join().unwrap()).sum::<u64>()
+        });
+        assert_eq!(
+            nones, 0,
+            "{buffers} buffers: `current` said nothing {nones} times"
+        );
+        drop(readers);
+        w.close(ANSWER).unwrap();
     }
 }

@@ -666,6 +666,7 @@ impl Control {
         }
         let latest = than.is_some() || s.policy.load(Ordering::Relaxed) == LATEST_ONLY;
         let bit = 1u64 << c;
+        let mut retries = 0;
         loop {
             let head = self.head();
             let own_cursor = s.cursor.load(Ordering::Relaxed);
@@ -712,6 +713,13 @@ impl Control {
                 (Some(i), _, _) => (want, i),
                 (None, Some(i), _) => (want, i),
                 (None, None, Some(o)) if !latest => o,
+                // The producer published a newer frame since `head` was read and took the
+                // wanted frame's buffer for the next (a writer committing back to back): the
+                // newer one is there to take, so look again, a bounded number of times.
+                _ if self.head() != head && retries < HEAD_MOVED_RETRIES => {
+                    retries += 1;
+                    continue;
+                }
                 // The wanted frame is being overwritten (a pool of one buffer) or not visible
                 // yet: nothing to take now; the caller waits for the next publish.
                 _ => return Ok(None),
@@ -846,6 +854,11 @@ impl Control {
 /// wrap-around, as the GPU's `GEQ` waits do): never lowers what another writer set.
 /// A consumer's release words when it attaches at `head`: one below the head's low 32 bits, so
 /// that no frame it may take (the head or later) reads as released before it writes the word.
+/// How many times one take looks again when the frame it wanted was replaced by a newer one
+/// meanwhile (`try_take_from`): a producer that publishes faster than a take can look could
+/// otherwise keep it looking; past this it says "nothing now" and the caller waits or asks again.
+const HEAD_MOVED_RETRIES: u32 = 64;
+
 fn initial_release_word(head: u64) -> u32 {
     (head as u32).wrapping_sub(1)
 }

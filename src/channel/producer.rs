@@ -455,12 +455,12 @@ impl Producer {
     }
 
     /// Takes a free buffer other than the newest frame's, waiting as [`Producer::acquire`] for one
-    /// (crate-private: a writer that may give the buffer back unpublished, such as a tensor set's
-    /// receiving bridge, never takes the newest frame from its consumers that way).
+    /// (crate-private: a buffered tensor set's writer, whose readers of the newest generation
+    /// never wait for it, and which may give the buffer back unpublished without taking the
+    /// newest frame from its consumers).
     ///
     /// # Errors
     /// As [`Producer::acquire`].
-    #[cfg_attr(not(feature = "remote"), allow(dead_code))]
     pub(crate) fn acquire_older(&mut self, timeout: Option<Duration>) -> Result<WriteFrame<'_>> {
         match self.control.acquire_keeping(self.wait, timeout, true)? {
             Some(claim) => self.start_write(claim),

@@ -643,11 +643,12 @@ impl TensorSetWriter {
     /// (`None`: forever) while readers hold it (in place: until every reader released the current
     /// generation, which no reader takes from the call on: readers asking meanwhile wait for this
     /// update's commit, so readers whose holds overlap without pause do not keep the buffer from
-    /// the writer, and a `begin` that times out gives the generation back; buffered: the oldest buffer no reader holds, which is the newest generation's
-    /// own buffer only when readers hold every other one: readers that come meanwhile wait for
-    /// this update's commit, and dropping the update unpublished takes that generation from them
-    /// until the next commit; give the set a buffer more when readers keep generations long).
-    /// Readers waiting meanwhile never see the buffer. On a GPU set the writer's stream then waits for the last readers' release
+    /// the writer, and a `begin` that times out gives the generation back; buffered: the oldest
+    /// buffer no reader holds, never the newest generation's, so readers of the newest never wait
+    /// for the writer and an update dropped unpublished takes nothing from them: while readers
+    /// hold every older buffer, this waits for one of them to be let go; give the set a buffer
+    /// more when readers keep old generations long). Readers waiting meanwhile never see the
+    /// buffer. On a GPU set the writer's stream then waits for the last readers' release
     /// words on the GPU (`cuStreamWaitValue32`): their kernels finish before the update's writes.
     /// A reader that died holding a generation is freed within about 1 s (the channel's
     /// watchdog and liveness checks). A resumed writer ([`TensorSetWriter::resumed`]) also waits
@@ -709,7 +710,11 @@ impl TensorSetWriter {
             .producer
             .as_mut()
             .expect("the producer lives until close");
+        // Buffered: never the newest generation's buffer, so that its readers never wait for
+        // the writer; it waits for an older buffer's holds to end instead.
+        let keep_newest = self.mode != GenerationMode::InPlace;
         let frame = match how {
+            _ if keep_newest => producer.acquire_older(timeout),
             Acquire::Whole => producer.acquire(timeout),
             Acquire::Slice => producer.acquire_slice(timeout),
             #[cfg(feature = "remote")]
