@@ -636,7 +636,8 @@ class TensorSetWriter:
     def begin(self, timeout: Optional[float] = None, *, stream: StreamLike = None) -> "TensorUpdate":
         """The next generation's buffer, waiting while readers hold it (in place, no new hold is
         taken meanwhile, across the 50 ms slices it waits in: readers asking wait for the commit; a
-        timeout, ``KeyboardInterrupt`` or ``close()`` gives the generation back);
+        timeout, ``KeyboardInterrupt`` or ``close()`` gives the generation back; buffered, the
+        oldest buffer no reader holds, never the newest generation's, which readers keep taking);
         a context manager that commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
         writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
         or while the update is open (the update's calls and the block's end raise it then:
