@@ -41,6 +41,23 @@ pub(crate) struct ProducerState {
     pub(crate) close_timeout: Duration,
 }
 
+impl Drop for Lender {
+    fn drop(&mut self) {
+        // Collected with the producer idle: the Rust producer's drop waits up to 5 s for
+        // consumers' holds. Without the GIL, so that this process's own threads can release
+        // theirs meanwhile. The Python objects sharing this are deallocated with the GIL held.
+        let producer = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .producer
+            .take();
+        if let Some(p) = producer {
+            Python::attach(|py| py.detach(move || drop(p)));
+        }
+    }
+}
+
 impl Lender {
     /// Lends nothing yet: `p` is at home.
     pub(crate) fn new(p: RustProducer, name: String, stream: Option<usize>) -> Lender {

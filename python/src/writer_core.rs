@@ -81,6 +81,23 @@ pub(crate) fn closed_error(py: Python<'_>, name: &str) -> PyErr {
     )
 }
 
+impl Drop for WriterCore {
+    fn drop(&mut self) {
+        // Collected with the writer idle: the Rust writer's drop waits up to 5 s for readers'
+        // holds before it frees the memory. Without the GIL, so that this process's own threads
+        // can release theirs meanwhile (with it they could not run, and the wait always ran to
+        // its end). The Python objects sharing this core are deallocated with the GIL held, so
+        // `attach` finds it held.
+        let slot = std::mem::replace(
+            &mut self.state.get_mut().unwrap_or_else(|p| p.into_inner()).slot,
+            Slot::Closed,
+        );
+        if let Slot::Idle(w) = slot {
+            Python::attach(|py| py.detach(move || drop(w)));
+        }
+    }
+}
+
 impl WriterCore {
     pub(crate) fn new(w: RustWriter, device: i32, keep: Option<Py<PyDict>>) -> WriterCore {
         WriterCore {

@@ -983,3 +983,44 @@ def test_blocking_waits_leave_other_python_threads_running(name):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("kind", ["writer", "producer"])
+def test_collecting_a_writer_or_producer_lets_other_threads_release_their_holds(name, kind):
+    # Collected while a hold of this process is out, the writer (producer) waits up to 5 s for
+    # it before freeing the memory: without the GIL, so the thread that holds it runs and lets
+    # go, and the collection ends soon after (it held the GIL and always waited 5 s before).
+    if kind == "writer":
+        owner = cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host", mode="buffered")
+        with owner.begin(timeout=ANSWER) as u:
+            u.write("a", b"B" * 8)
+        del u  # it shares the writer's state: the writer goes with its last reference
+        other = cuda_ipc.TensorSetReader(name)
+        hold = other.current()
+        assert hold is not None
+    else:
+        owner = cuda_ipc.Producer(name, 64, memory="host")
+        other = cuda_ipc.Consumer(name)
+        f = owner.acquire(timeout=ANSWER)
+        f.write(b"x")
+        f.publish()
+        del f
+        hold = other.recv(timeout=ANSWER)
+    ticks = []
+
+    def release_soon():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.2:
+            ticks.append(1)
+            time.sleep(0.01)
+        hold.release()
+
+    t = run(release_soon)
+    t0 = time.monotonic()
+    del owner
+    gc.collect()
+    took = time.monotonic() - t0
+    join([t])
+    other.close()
+    assert took < 3.0, f"collecting the {kind} took {took:.2f} s: its wait held the GIL"
+    assert len(ticks) >= 5, f"the other thread ran {len(ticks)} times during the collection"
