@@ -416,6 +416,10 @@ impl TensorUpdate {
     /// Gives the buffer back uncommitted (in place: the generation it held is gone and readers
     /// see nothing until the next commit). Aborting twice does nothing.
     pub(crate) fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        if self.writer.fork.inherited() {
+            // The parent's update: its buffer is the parent's to give back.
+            return Err(errors::forked("tensor set update"));
+        }
         let taken = lock(&self.update).take();
         if let Some(u) = taken {
             self.ended.store(true, Ordering::Relaxed);

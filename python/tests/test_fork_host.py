@@ -53,6 +53,10 @@ TENSOR_SET = textwrap.dedent(
             ("current", lambda: r.current()),
             ("wait_newer", lambda: r.wait_newer(1, timeout=0.01)),
             ("begin", lambda: w.begin(timeout=0.01)),
+            ("hold read", lambda: h.read("w")),
+            ("hold fingerprint", lambda: h.fingerprint()),
+            ("hold tensor_digests", lambda: h.tensor_digests()),
+            ("hold verify_content", lambda: h.verify_content()),
         ])
         own = cuda_ipc.TensorSetReader(name)
         if own.current().generation != 1:
@@ -202,6 +206,9 @@ OPEN = textwrap.dedent(
             ("frame write", lambda: f.write(b"CHLD")),
             ("frame read", lambda: f.read()),
             ("hold read", lambda: r.current()),
+            ("update fingerprint", lambda: u.fingerprint()),
+            ("update tensor_digests", lambda: u.tensor_digests()),
+            ("update abort", lambda: u.abort()),
         ])
         if wrong:
             print("child:", wrong, flush=True)

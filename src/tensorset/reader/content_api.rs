@@ -11,8 +11,10 @@ impl Held<'_> {
     ///
     /// # Errors
     /// As [`content::Fingerprinter::digests`] and [`content::Fingerprinter::new`] (the kernel is
-    /// loaded at the reader's first call).
+    /// loaded at the reader's first call); [`crate::Error::ForkedChild`] in a process forked
+    /// from the one that took the hold (as every read of it).
     pub fn tensor_digests(&self) -> Result<Vec<content::TensorDigest>> {
+        self.reader.fork.check("tensor set hold")?;
         let n = self.reader.layout.len();
         match &self.reader.memory {
             Memory::Gpu(_) => {

@@ -475,8 +475,10 @@ impl Update<'_> {
     ///
     /// # Errors
     /// As [`content::Fingerprinter::digests`]; the kernel's loading at the first call
-    /// ([`content::Fingerprinter::new`]).
+    /// ([`content::Fingerprinter::new`]); [`crate::Error::ForkedChild`] in a process forked from
+    /// the one that began the update (as every read and write of it).
     pub fn tensor_digests(&self) -> Result<Vec<TensorDigest>> {
+        self.fork.check("tensor set update")?;
         let n = self.layout.len();
         match self.memory {
             Memory::Gpu(_) => {
