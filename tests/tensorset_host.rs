@@ -1897,3 +1897,20 @@ fn a_buffered_sets_current_finds_a_generation_while_the_writer_commits_back_to_b
         w.close(ANSWER).unwrap();
     }
 }
+
+/// A reader whose open finds the manifest but not the host data segment (the writer closed the
+/// set, or another replaced it, in between) gets `NotFound`, the error an opener retries on,
+/// not the segment's own "does not exist".
+#[test]
+fn an_open_that_finds_the_data_segment_gone_says_the_set_is_not_found() {
+    let name = set_name("data-gone");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("inplace")).unwrap();
+    write_gen(&mut w);
+    std::fs::remove_file(path("cuda-ipc.td.", &name)).unwrap();
+    match TensorSetReader::open_host(&name, &ReaderOptions::new()) {
+        Err(Error::TensorSet(TensorSetError::NotFound(n))) => assert_eq!(n, name),
+        Err(e) => panic!("open with the data segment gone: {e:?}"),
+        Ok(_) => panic!("opened a set whose data segment is gone"),
+    }
+    w.close(ANSWER).unwrap();
+}

@@ -572,11 +572,17 @@ impl DataSegment {
     /// # Errors
     /// As [`open_manifest`] for the segment and its header; [`TensorSetError::BadManifest`]
     /// ([`ManifestFault::Mismatch`]) for a header of another creation, stride or buffer count
-    /// than `m` names; [`ShmError::TooSmall`] for the segment `m` names cut short of its buffers.
+    /// than `m` names; [`ShmError::TooSmall`] for the segment `m` names cut short of its buffers;
+    /// [`TensorSetError::NotFound`] when it is gone (its writer closed the set, or a new writer
+    /// replaced it, since the manifest was read), as for the manifest.
     pub(crate) fn open(set: &str, m: &Manifest) -> Result<DataSegment> {
         let name = format!("{DATA_PREFIX}{set}");
-        let seg =
-            open_segment::<DATA_MAGIC>(&name, INIT_WAIT).map_err(|e| open_error(set, &name, e))?;
+        let seg = open_segment::<DATA_MAGIC>(&name, INIT_WAIT).map_err(|e| match e {
+            OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
+                TensorSetError::NotFound(set.to_string()).into()
+            }
+            e => open_error(set, &name, e),
+        })?;
         let h = versioned::header::<DataHeader>(&seg);
         let stride = data_stride(m.layout.bytes_per_buffer())?;
         let mismatch = || {
