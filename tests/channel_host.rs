@@ -12,6 +12,7 @@ use cuda_ipc::channel::{
     ChannelError, ChannelOptions, Consumer, ConsumerOptions, Delivery, MemoryKind, Producer,
     inspect, reclaim,
 };
+use cuda_ipc::raw::channel::layout;
 use cuda_ipc::raw::shm::ShmError;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::process::Command;
@@ -731,4 +732,34 @@ fn a_host_pool_too_large_for_a_segment_is_refused_before_any_system_call() {
             "{ch}"
         );
     }
+}
+
+/// A consumer attaching while the producer closes (its control segment opened, its pool
+/// unlinked since) is told the channel closed, not that its pool is damaged.
+#[test]
+fn an_attach_that_finds_the_pool_of_a_closed_channel_gone_says_closed() {
+    let name = format!("attach-closing-{}", std::process::id());
+    let p = Producer::create_host(&name, &ChannelOptions::new(64)).unwrap();
+    // As the close leaves it midway: the channel marked closed, its pool unlinked, its control
+    // segment still there.
+    let control = format!("/dev/shm/cuda-ipc.ch.{name}");
+    let pool = format!("/dev/shm/cuda-ipc.hp.{name}");
+    assert!(std::path::Path::new(&control).exists(), "{control}");
+    let mut kept = std::fs::read(&control).unwrap();
+    drop(p);
+    let state = layout::header::PRODUCER_STATE;
+    kept[state..state + 4].copy_from_slice(&layout::ProducerState::Closed.to_wire().to_ne_bytes());
+    std::fs::write(&control, &kept).unwrap();
+    std::fs::set_permissions(
+        &control,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    assert!(!std::path::Path::new(&pool).exists());
+    match Consumer::attach(&name, &ConsumerOptions::new()) {
+        Err(Error::Channel(ChannelError::Closed)) => {}
+        Err(e) => panic!("attach with the closed channel's pool gone: {e:?}"),
+        Ok(_) => panic!("attached to a closed channel without its pool"),
+    }
+    std::fs::remove_file(&control).unwrap();
 }

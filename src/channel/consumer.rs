@@ -154,8 +154,9 @@ impl Consumer {
     /// [`ChannelError::ProducerGone`] when the producer is dead; CUDA errors from imports. For a
     /// host channel, shared-memory errors for what is under the pool's name (`NotASegment`,
     /// `Sparse`, `WrongOwner`, `InsecureMode`, `TooSmall`), [`ChannelError::BadSegment`] for a pool
-    /// that is missing or does not match the channel, [`ChannelError::Superseded`] for a pool made
-    /// again since.
+    /// that is missing or does not match the channel, [`ChannelError::Closed`] for a pool that is
+    /// gone because the producer closed the channel meanwhile, [`ChannelError::Superseded`] for a
+    /// pool made again since.
     pub fn attach(name: &str, opts: &ConsumerOptions) -> Result<Consumer> {
         let control = Control::open_with(name, opts.group_access)?;
         let mem = control.buffer_token(0);
@@ -191,7 +192,17 @@ impl Consumer {
         let tokens = (0..control.buffers())
             .map(|i| Token::from_bytes(&control.buffer_token(i)))
             .collect::<Result<Vec<_>>>()?;
-        let pool = HostPool::open(name, opts.group_access, &tokens, control.buffer_bytes())?;
+        let pool = HostPool::open(name, opts.group_access, &tokens, control.buffer_bytes())
+            .map_err(|e| match e {
+                // The producer closed the channel (and unlinked its pool) since its control
+                // segment was opened: a close, not a damaged segment.
+                Error::Channel(ChannelError::BadSegment(SegmentFault::PoolMissing { .. }))
+                    if control.is_closed() =>
+                {
+                    Error::Channel(ChannelError::Closed)
+                }
+                e => e,
+            })?;
         // No release words: the producer waits on nothing but the hold masks.
         let slot = control.attach(opts.delivery)?;
         Ok(Consumer {
