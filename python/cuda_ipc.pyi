@@ -777,7 +777,9 @@ class TensorSetReader:
     serve the set's fds to later readers as a ``TensorSetHolder`` does. ``stable_addresses=True``
     (VMM sets, else ``NotSupported``): addresses kept for the reader's life (``switch_stable``).
     After ``close()`` every call but ``name`` and ``close`` raises ``TensorSetClosed`` naming this
-    reader (a wait in another thread within 50 ms); holds taken before stay readable."""
+    reader (a wait in another thread within 50 ms); holds taken before stay readable. ``device``
+    (default: the device that holds the set) is not used for a host set, which opens without a
+    GPU whatever it says."""
 
     def __new__(
         cls,

@@ -159,10 +159,17 @@ impl TensorSetReader {
         let r = py
             .detach(|| -> cuda_ipc::Result<RustReader> {
                 match device {
-                    Some(d) => {
-                        let ctx = Device::get(d)?.primary_context()?;
-                        RustReader::open(&ctx, &name, &opts)
-                    }
+                    Some(d) => match Device::get(d).and_then(|dev| dev.primary_context()) {
+                        Ok(ctx) => RustReader::open(&ctx, &name, &opts),
+                        // No such device, or no driver: a host set needs none (as its writer
+                        // does not), a GPU set says why it cannot be mapped.
+                        Err(cuda) => match RustReader::open_host(&name, &opts) {
+                            Err(cuda_ipc::Error::TensorSet(
+                                cuda_ipc::tensorset::TensorSetError::WrongKind(_),
+                            )) => Err(cuda),
+                            other => other,
+                        },
+                    },
                     None => RustReader::open_auto(&name, &opts),
                 }
             })

@@ -888,3 +888,19 @@ def test_close_while_another_thread_waits_in_begin_grants_no_hold_from_its_start
     assert not errors, errors
     assert done and done[0] - closed_at[0] < 2.0, "close() waited for holds granted after it began"
     r.close()
+
+
+def test_a_reader_given_a_device_opens_a_host_set_as_its_writer_did(name):
+    # The writer takes `device` (its default 0) with memory="host" and never uses it; a reader
+    # given one opens the host set too, also where no CUDA device or driver is there.
+    w = cuda_ipc.TensorSetWriter(name, {"a": ((4,), "uint8")}, memory="host", device=0)
+    with w.begin(timeout=ANSWER) as u:
+        u.write("a", b"abcd")
+    del u
+    r = cuda_ipc.TensorSetReader(name, device=0)
+    try:
+        with r.current() as h:
+            assert h.read("a") == b"abcd"
+    finally:
+        r.close()
+        w.close()
