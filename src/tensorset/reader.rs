@@ -537,8 +537,10 @@ impl TensorSetReader {
     /// [`Held::release_after`], which makes the stream).
     ///
     /// # Errors
-    /// [`TensorSetError::WrongKind`] on a host set; CUDA errors where it is made.
+    /// [`TensorSetError::WrongKind`] on a host set; CUDA errors where it is made;
+    /// [`crate::Error::ForkedChild`] in a process forked from the one that opened the reader.
     pub fn stream(&self) -> Result<&Stream> {
+        self.fork.check("tensor set reader")?;
         match &self.consumer {
             Source::Channel(c) if c.is_host() => {
                 Err(TensorSetError::WrongKind("a host tensor set has no stream").into())
@@ -585,8 +587,10 @@ impl TensorSetReader {
     /// The reader's context (GPU sets): the one it was opened in, where its mappings are.
     ///
     /// # Errors
-    /// [`TensorSetError::WrongKind`] on a host set.
+    /// [`TensorSetError::WrongKind`] on a host set; [`crate::Error::ForkedChild`] in a process
+    /// forked from the one that opened the reader.
     pub fn context(&self) -> Result<&Arc<Context>> {
+        self.fork.check("tensor set reader")?;
         match &self.consumer {
             Source::Channel(c) if c.is_host() => {
                 Err(TensorSetError::WrongKind("a host tensor set has no context").into())
