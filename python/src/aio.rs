@@ -53,6 +53,14 @@ impl AsyncWait {
         wait(py, &self.cancelled)
     }
 
+    /// Called by the coroutine when its task was cancelled after the wait finished (the future
+    /// done, not cancelled, so `_done` raised no abandonment): what the wait parked is for the
+    /// next waiter.
+    fn _abandon(&self) {
+        // Release: pairs with the Acquire load in `is_abandoned`, as in `_done`.
+        self.abandoned.store(true, Ordering::Release);
+    }
+
     /// The future's done callback: the wait stops within a slice if it still runs (it does only
     /// when the future was cancelled, or the loop closed, before the result came).
     fn _done(&self, future: &Bound<'_, PyAny>) {
@@ -93,7 +101,14 @@ import asyncio
 async def run(job, then=None):
     future = asyncio.get_running_loop().run_in_executor(None, job)
     future.add_done_callback(job._done)
-    result = await future
+    try:
+        result = await future
+    except asyncio.CancelledError:
+        if future.done() and not future.cancelled():
+            # The wait finished (what it parked is there) and the task was cancelled before it
+            # resumed: nobody claims it here, so it goes to the next waiter.
+            job._abandon()
+        raise
     return result if then is None else then()
 ";
 
