@@ -125,6 +125,9 @@ impl WriteFrame {
     #[pyo3(signature = (data, offset=Int::Small(0)), text_signature = "($self, data, offset=0)")]
     fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: Int) -> PyResult<usize> {
         let offset: usize = offset.get(py, "offset")?;
+        // A GPU frame first (`NotSupported`), before `data`'s buffer is asked for: a device
+        // array's library may refuse the buffer protocol with an error of its own.
+        self.buffer.host_range(py, offset, Some(0))?;
         let data = bytes_of(data)?;
         let src = data.as_bytes();
         self.buffer.host_range(py, offset, Some(src.len()))?;
