@@ -3,7 +3,7 @@
 A ``Producer`` owns a pool of exportable device buffers and publishes frames; each ``Consumer``
 process attaches by channel name and receives them as ``Frame`` objects, views of the producer's
 buffers that export through DLPack (``torch.from_dlpack(frame)``) and ``__cuda_array_interface__``.
-Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 100 ms,
+Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 50 ms,
 and by ``close()`` of their object from another thread within 50 ms (``Consumer``: ``Detached``;
 ``Producer``: ``ChannelClosed``; ``TensorSetWriter``, ``TensorSetReader``: ``TensorSetClosed``).
 
@@ -338,7 +338,8 @@ class Producer:
         blocked in another thread raises ``ChannelClosed`` and this waits for it to end (one
         50 ms slice) before closing. While a WriteFrame is outstanding it returns at once (both
         counts 0) and the channel closes when that frame is published (which then raises
-        ``ChannelClosed``) or abandoned."""
+        ``ChannelClosed``) or abandoned. A second ``close()`` while another thread's close frees
+        the channel returns once that one has (within its own ``timeout``; both counts 0)."""
     def __enter__(self) -> Producer: ...
     def __exit__(
         self,
@@ -641,7 +642,8 @@ class TensorSetWriter:
         a context manager that commits at the end of the block (aborts on an exception). ``TensorSetClosed`` once the
         writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
         or while the update is open (the update's calls and the block's end raise it then:
-        nothing was published)."""
+        nothing was published). A host set has no stream: ``stream`` other than ``None`` raises
+        ``InvalidArgument`` before a buffer is taken."""
     def publish(
         self,
         tensors: Union[Dict[str, Any], "CopyPlan"],
@@ -701,8 +703,10 @@ class TensorSetWriter:
         ``KeyboardInterrupt`` within one, leaving the set closed (names gone, ``begin`` refused)
         but its memory not yet freed (call ``close()`` again to finish). Safe from any thread: a
         ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50 ms and this
-        waits for it to end first. Closing twice does nothing; ``begin``, ``publish`` and
-        ``synchronize`` raise ``TensorSetClosed`` after it."""
+        waits for it to end first. Closing twice does nothing, but a second ``close()`` while
+        another thread's close frees the set returns once that one has (within its own
+        ``timeout``); ``begin``, ``publish`` and ``synchronize`` raise ``TensorSetClosed`` after
+        it."""
     def __enter__(self) -> "TensorSetWriter": ...
     def __exit__(self, *args: Any) -> None: ...
 
@@ -869,8 +873,9 @@ class TensorHold:
     def held(self) -> bool: ...
     def tensors(self, *, stream: StreamLike = None) -> Dict[str, Any]:
         """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (CPU tensors for a host
-        set, not read-only: treat them as read-only). Needs PyTorch: without it ``ImportError``
-        (a host set's bytes are read with ``read(name)``)."""
+        set, not read-only: treat them as read-only; a ``stream`` other than ``None`` raises
+        ``InvalidArgument`` there). Needs PyTorch: without it ``ImportError`` (a host set's bytes
+        are read with ``read(name)``)."""
     def read(self, name: str) -> bytes:
         """Host sets: a copy of tensor ``name``'s bytes."""
     def tensor_digests(self) -> List[bytes]:

@@ -123,6 +123,21 @@ fn child() {
                 std::thread::sleep(Duration::from_secs(600));
             }
         }
+        "release" => {
+            // Holds its first frame until told to let go, then waits for the close.
+            let rx = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+            tell("attached");
+            let f = rx.recv_timeout(ANSWER).unwrap();
+            check_frame(&f);
+            tell(format!("holding {}", f.seq()));
+            assert_eq!(parent_lines().next().as_deref(), Some("release"));
+            drop(f);
+            tell("released");
+            match rx.recv_timeout(ANSWER) {
+                Err(Error::Channel(ChannelError::Closed)) => tell("closed"),
+                other => panic!("expected ChannelClosed, got {other:?}"),
+            }
+        }
         "producer" => {
             let mut tx = Producer::create_host(&ch, &opts()).unwrap();
             tell("created");
@@ -315,6 +330,52 @@ fn close_with_a_frame_in_flight_forces_the_hold_and_the_consumer_sees_closed() {
     peer.send("go");
     peer.expect("closed", ANSWER);
     peer.finish(ANSWER);
+}
+
+#[test]
+fn close_at_exit_waits_for_another_processs_hold_and_forces_its_own_at_once() {
+    // A process that is exiting (a binding's interpreter finalizing) releases nothing more:
+    // `close_at_exit` does not wait for the hold of a consumer of its own, which `close` would
+    // wait for to its timeout, but still waits for another process's consumer.
+    if role().is_some() {
+        return;
+    }
+    let ch = channel_name("atexit");
+    let mut tx = Producer::create_host(&ch, &opts()).unwrap();
+    let own = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
+    let mut peer = spawn("release", &ch, &[]);
+    peer.expect("attached", ANSWER);
+    let seq = write_frame(&mut tx);
+    let held = own.recv_timeout(ANSWER).unwrap();
+    assert_eq!(peer.expect("holding", ANSWER), seq.to_string());
+    let started = Instant::now();
+    let report = std::thread::scope(|s| {
+        let closing = s.spawn(move || tx.close_at_exit(ANSWER));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !closing.is_finished(),
+            "the close did not wait for the other process's hold"
+        );
+        peer.send("release");
+        peer.expect("released", ANSWER);
+        closing.join().unwrap().unwrap()
+    });
+    let took = started.elapsed();
+    assert!(
+        took < ANSWER / 2,
+        "the close waited {took:?}: for its own consumer's hold"
+    );
+    assert_eq!(
+        report.forced_holds, 1,
+        "the own consumer's hold is forced, the peer's was let go"
+    );
+    assert_eq!(report.consumers_behind, 0);
+    peer.expect("closed", ANSWER);
+    peer.finish(ANSWER);
+    drop(held);
+    drop(own);
+    assert!(std::fs::symlink_metadata(pool_path(&ch)).is_err());
+    assert!(std::fs::symlink_metadata(control_path(&ch)).is_err());
 }
 
 #[test]

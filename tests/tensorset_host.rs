@@ -1914,3 +1914,29 @@ fn an_open_that_finds_the_data_segment_gone_says_the_set_is_not_found() {
     }
     w.close(ANSWER).unwrap();
 }
+
+/// `close_at_exit` forces the holds of this process's own readers at once (an exiting process
+/// releases nothing more), where `close` waits for them to its timeout; it reports them forced.
+#[test]
+fn close_at_exit_does_not_wait_for_this_processs_own_holds() {
+    for mode in ["in_place", "buffered"] {
+        let name = set_name(&format!("atexit-{mode}"));
+        let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+        let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+        write_gen(&mut w);
+        let held = r.current().unwrap().expect("the first generation");
+        let started = Instant::now();
+        let report = w.close_at_exit(ANSWER).unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < ANSWER / 2,
+            "{mode}: waited {took:?} for its own hold"
+        );
+        assert_eq!(report.forced_holds, 1, "{mode}: the own reader's hold");
+        drop(held);
+        drop(r);
+        // The name is free again.
+        let w = TensorSetWriter::create_host(&name, &specs(), &mode_opts(mode)).unwrap();
+        w.close(ANSWER).unwrap();
+    }
+}

@@ -3,15 +3,16 @@
 //! Needs no CUDA context and maps nothing.
 
 use crate::errors;
-use crate::util::{Seconds, err, lock, timeout_arg};
+use crate::util::{SLICE, Seconds, err, lock, timeout_arg};
 use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::{Holder, HolderStatus};
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How often `wait` looks at the status (and for signals): as `Holder::wait`.
-const POLL: Duration = Duration::from_millis(100);
+/// How often `wait` looks at the status (and for signals): the slice every blocking call
+/// waits in, so Ctrl-C is seen within it here too.
+const POLL: Duration = SLICE;
 
 /// What `status` says once this holder's own `close()` let go of the set: not `"closed"`, which
 /// says the writer closed it.

@@ -4,7 +4,7 @@
 //! see [`Lender::give_back`]. Shared (`Arc`) by the `Producer` and its `WriteFrame`s.
 
 use crate::errors;
-use crate::util::{SLICE, lock};
+use crate::util::{Finish, SLICE, lock};
 use cuda_ipc::identity::ForkEpoch;
 use pyo3::prelude::*;
 use std::sync::{Condvar, Mutex};
@@ -25,6 +25,8 @@ pub(crate) struct Lender {
     /// The process (by fork) that created the channel: a forked child's calls raise
     /// `NotSupported` before taking `state`, which a thread of the parent may have held.
     fork: ForkEpoch,
+    /// Set while a close frees the channel: a second `close()` returns once it has.
+    pub(crate) finish: Finish,
 }
 
 /// What [`Lender::state`] guards, in one lock so that a close and a hand-back are ordered.
@@ -46,6 +48,8 @@ impl Drop for Lender {
         // Collected with the producer idle: the Rust producer's drop waits up to 5 s for
         // consumers' holds. Without the GIL, so that this process's own threads can release
         // theirs meanwhile. The Python objects sharing this are deallocated with the GIL held.
+        // Once the interpreter is exiting its threads release nothing: the wait is for other
+        // processes' consumers only.
         let producer = self
             .state
             .get_mut()
@@ -53,7 +57,18 @@ impl Drop for Lender {
             .producer
             .take();
         if let Some(p) = producer {
-            Python::attach(|py| py.detach(move || drop(p)));
+            let exiting = crate::util::exiting();
+            Python::attach(|py| {
+                py.detach(move || {
+                    if exiting {
+                        // A failed sync of the producer's stream has no caller left to go to;
+                        // the pool is freed all the same.
+                        let _ = p.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
+                    } else {
+                        drop(p);
+                    }
+                })
+            });
         }
     }
 }
@@ -73,6 +88,7 @@ impl Lender {
             name,
             stream,
             fork: ForkEpoch::now(),
+            finish: Finish::default(),
         }
     }
 
@@ -141,6 +157,8 @@ impl Lender {
         }
         if s.closed && !s.close_waits {
             let t = s.close_timeout;
+            // A `close()` that finds the producer gone now waits for this close to finish.
+            let _finishing = self.finish.start();
             drop(s);
             // Nobody is left to tell of a failure: as the Rust producer's `Drop`, which logs it.
             py.detach(|| drop(p.close(t)));

@@ -265,7 +265,9 @@ impl Producer {
     /// `n` holds still outstanding at the deadline, released by force (a consumer still reading
     /// one reads undefined data), and `m` every-frame consumers that had not received every
     /// frame by then (the frames they missed are gone); either nonzero means the whole timeout
-    /// was waited. Closing again does nothing (`{"forced_holds": 0, "consumers_behind": 0}`).
+    /// was waited. Closing again does nothing (`{"forced_holds": 0, "consumers_behind": 0}`),
+    /// but a second `close()` while another thread's close frees the channel returns once that
+    /// one has (within its own `timeout`), so the name can be created again after it.
     ///
     /// The wait runs without the GIL in 50 ms slices, checking for signals between them: Ctrl-C
     /// raises `KeyboardInterrupt` within a slice. The channel is then closed to new frames
@@ -316,10 +318,12 @@ impl Producer {
                     .0;
                 s.close_waits = false;
             }
-            s.producer.take()
+            // Marked as finishing under the state's lock (`Finish`): a second `close()` that
+            // finds the producer gone waits for this one.
+            s.producer.take().map(|p| (p, l.finish.start()))
         });
         let (forced, behind) = match p {
-            Some(mut p) => {
+            Some((mut p, _finishing)) => {
                 let start = Instant::now();
                 // What `close` waits for, in slices, so that Ctrl-C is seen (`sliced`).
                 let waited = sliced(
@@ -341,7 +345,13 @@ impl Producer {
                 let r = py.detach(|| p.close(left)).map_err(|e| err(py, e))?;
                 (r.forced_holds, r.consumers_behind)
             }
-            None => (0, 0),
+            None => {
+                // Closed already, or being closed by another `close()` (or by the `acquire` or
+                // `WriteFrame` that has the producer as it ends): returns once that close has
+                // finished, within `timeout`.
+                l.finish.wait(py, t)?;
+                (0, 0)
+            }
         };
         let d = PyDict::new(py);
         d.set_item("forced_holds", forced)?;

@@ -11,7 +11,8 @@
 use crate::errors;
 use crate::tensors;
 use crate::util::{
-    Int, Seconds, Stop, device_arg, err, lock, sliced, timeout_arg, wait_arg, work_stream,
+    Int, Seconds, Stop, device_arg, err, host_stream_refused, lock, sliced, timeout_arg, wait_arg,
+    work_stream,
 };
 use cuda_ipc::driver::Device;
 use cuda_ipc::identity::ForkEpoch;
@@ -585,7 +586,7 @@ impl TensorHold {
     /// wait for the generation on the GPU, and the release is ordered after its work. PyTorch
     /// tensors carry no read-only flag: an in-place operation on one over a read-only mapping
     /// faults this process's CUDA context. A host set gives CPU tensors over its shared memory
-    /// (`stream` unused), which are not read-only: an in-place operation on one changes the
+    /// (`stream` must be `None`: `InvalidArgument`), which are not read-only: an in-place operation on one changes the
     /// bytes every reader of that buffer sees, so treat them as read-only.
     #[pyo3(signature = (*, stream=None))]
     fn tensors<'py>(
@@ -595,6 +596,7 @@ impl TensorHold {
     ) -> PyResult<Bound<'py, PyDict>> {
         let reader = self.reader.get();
         let target = if reader.host {
+            host_stream_refused(py, stream)?;
             None
         } else {
             Some(work_stream(py, stream, reader.device)?)

@@ -12,8 +12,8 @@ use crate::sources;
 use crate::tensor_update::TensorUpdate;
 use crate::tensors::{self, specs_arg};
 use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, device_arg, err, lock, memory_arg, sliced,
-    timeout_arg, work_stream,
+    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, device_arg, err, host_stream_refused, lock,
+    memory_arg, sliced, timeout_arg, work_stream,
 };
 use crate::writer_core::{RustWriter, Slot, WriterCore, closed_error};
 use cuda_ipc::Error;
@@ -256,6 +256,7 @@ impl TensorSetWriter {
         let this = slf.get();
         let timeout = timeout_arg(py, timeout)?;
         let target = if this.core.host {
+            host_stream_refused(py, stream)?;
             None
         } else {
             Some(work_stream(py, stream, this.core.device)?)
@@ -352,6 +353,9 @@ impl TensorSetWriter {
     ) -> PyResult<u64> {
         let this = slf.get();
         timeout_arg(py, timeout)?;
+        if this.core.host {
+            host_stream_refused(py, stream)?;
+        }
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             plan.get().check_writer(py, &this.core.layout)?;
         } else if let Ok(d) = tensors.cast::<PyDict>() {
@@ -495,7 +499,9 @@ impl TensorSetWriter {
     /// and `wait_newer_async()` raise `TensorSetClosed`, also in readers that ask again and
     /// again), its names go (no new reader opens it), and the memory is freed once the holds
     /// taken before have ended (it returns as soon as they do), or after `timeout` seconds, when
-    /// the holds left are forced. Closing twice does nothing.
+    /// the holds left are forced. Closing twice does nothing, but a second `close()` while
+    /// another thread's close frees the set returns once that one has (within its own
+    /// `timeout`), so the name can be created again after it.
     ///
     /// The wait for holds runs without the GIL in 50 ms slices, checking for signals between
     /// them: Ctrl-C raises `KeyboardInterrupt` within a slice. The set is then closed (its names
@@ -520,17 +526,19 @@ impl TensorSetWriter {
         lock(&self.core.dicts).clear();
         let me = std::thread::current().id();
         // Without the GIL: the wait below is for a `begin` that needs it to stop.
+        // The writer to close, with the close marked as finishing under the state's lock
+        // (`Finish`: a second `close()` that finds the slot closed waits for this one).
         let w = py.detach(|| {
             let mut s = lock(&self.core.state);
             match std::mem::replace(&mut s.slot, Slot::Closed) {
-                Slot::Idle(w) => return Some(w),
+                Slot::Idle(w) => return Some((w, self.core.finish.start())),
                 Slot::Closed => return None,
                 Slot::Updating => {}
             }
             // An update is open: abort it (its buffer goes back uncommitted) and close.
             let cell = lock(&self.core.open).upgrade();
             if let Some(u) = cell.and_then(|c| lock(&c).take()) {
-                return Some(u.into_writer());
+                return Some((u.into_writer(), self.core.finish.start()));
             }
             // A `begin` has the writer (or an update's commit, which holds the GIL throughout
             // and so is never seen here): it comes back to be closed (`give_back`).
@@ -554,7 +562,7 @@ impl TensorSetWriter {
                 .0;
             s.close_waits = false;
             match std::mem::replace(&mut s.slot, Slot::Closed) {
-                Slot::Idle(w) => Some(w),
+                Slot::Idle(w) => Some((w, self.core.finish.start())),
                 Slot::Closed => None,
                 Slot::Updating => {
                     s.slot = Slot::Updating;
@@ -562,8 +570,10 @@ impl TensorSetWriter {
                 }
             }
         });
-        let Some(mut w) = w else {
-            return Ok(());
+        let Some((mut w, _finishing)) = w else {
+            // Closed already, or being closed by another `close()` (or by the `begin` that has
+            // the writer as it ends): returns once that close has finished, within `timeout`.
+            return self.core.finish.wait(py, t);
         };
         let start = Instant::now();
         // What `close` waits for, in slices, so that Ctrl-C is seen (`sliced`).

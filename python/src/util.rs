@@ -5,8 +5,65 @@ use crate::errors;
 use cuda_ipc::channel::{ChannelStats, MemoryKind, WaitStrategy};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// Whether a close is finishing an object (waiting for its holds, freeing its memory), so that
+/// a second `close()` meanwhile returns once that one has, not at once: a re-create of the name
+/// after it would find the object still there.
+#[derive(Default)]
+pub(crate) struct Finish {
+    /// Closes finishing now: one, or two for the instant in which an interrupted close has
+    /// handed the object back and another close has taken it already.
+    running: Mutex<u32>,
+    done: Condvar,
+}
+
+/// A close finishing ([`Finish::start`]); its drop ends it and wakes the `close()`s waiting.
+pub(crate) struct Finishing<'a>(&'a Finish);
+
+impl Drop for Finishing<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.running) -= 1;
+        self.0.done.notify_all();
+    }
+}
+
+impl Finish {
+    /// Marks a close as finishing until the guard drops. Call it under the lock whose state
+    /// says the object is closed (its `state`), so that a second `close()` that finds it closed
+    /// finds this too.
+    pub(crate) fn start(&self) -> Finishing<'_> {
+        *lock(&self.running) += 1;
+        Finishing(self)
+    }
+
+    /// Waits up to `timeout` for a close that is finishing, if one is: without the GIL, in
+    /// slices ([`SLICE`]), a signal handler's exception (Ctrl-C) raised between them.
+    pub(crate) fn wait(&self, py: Python<'_>, timeout: Duration) -> PyResult<()> {
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let slice = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+                None => SLICE,
+            };
+            let running = py.detach(|| {
+                let r = lock(&self.running);
+                *self
+                    .done
+                    .wait_timeout_while(r, slice, |r| *r > 0)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+                    > 0
+            });
+            if !running || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(());
+            }
+            py.check_signals()?;
+        }
+    }
+}
 
 /// The longest a blocking call waits without the GIL before it checks for signals.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
@@ -15,6 +72,30 @@ pub(crate) const SLICE: Duration = Duration::from_millis(50);
 /// `begin`) blocked in another thread to give the producer (the writer) back; it does so within
 /// one [`SLICE`] (plus the time to take the GIL).
 pub(crate) const CLOSE_WAITS_FOR_ACQUIRE: Duration = Duration::from_secs(5);
+
+/// How long a writer or producer collected with holds out waits for them (as the Rust drops).
+pub(crate) const DROP_WAITS_FOR_HOLDS: Duration = Duration::from_secs(5);
+
+/// Set by the `atexit` hook the module registers at import ([`mark_exiting`]): the interpreter
+/// is finalizing. Its threads release no hold from then on, so a writer or producer collected
+/// afterwards waits only for other processes' consumers (`close_at_exit`), not its own's.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// The `atexit` hook: marks the interpreter as exiting ([`EXITING`]). Hooks run last
+/// registered first, so the user's, registered after `import cuda_ipc`, have run (and released
+/// what they release) by then.
+#[pyfunction]
+#[pyo3(name = "_mark_exiting")]
+pub(crate) fn mark_exiting() {
+    // Relaxed: a flag read by drops that run after the hook on the same thread (finalization),
+    // or by any other as a hint only.
+    EXITING.store(true, Ordering::Relaxed);
+}
+
+/// Whether the interpreter is exiting ([`EXITING`]).
+pub(crate) fn exiting() -> bool {
+    EXITING.load(Ordering::Relaxed)
+}
 
 /// Copies of at least this many bytes of a host frame run without the GIL.
 pub(crate) const COPY_WITHOUT_GIL: usize = 64 * 1024;
@@ -371,6 +452,21 @@ pub(crate) fn stream_arg(
         ));
     };
     Ok(Some(raw))
+}
+
+/// `InvalidArgument` when a host tensor set's call was given a `stream`: its memory is host
+/// memory, with no stream to order (as a host channel refuses one).
+pub(crate) fn host_stream_refused(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    match stream {
+        Some(s) if !s.is_none() => Err(errors::invalid_argument(
+            py,
+            "a host tensor set has no streams to order: leave stream=None".to_string(),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The `torch.cuda` stream the update's work runs on: `stream=` if given, else PyTorch's current

@@ -5,7 +5,7 @@
 use crate::errors;
 use crate::sources;
 use crate::tensors;
-use crate::util::{err, lock};
+use crate::util::{Finish, err, lock};
 use cuda_ipc::channel::MemoryKind;
 use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::Layout;
@@ -71,6 +71,8 @@ pub(crate) struct WriterCore {
     /// Takes the set's generations from readers at the start of `close()`, also while a `begin`
     /// of another thread has the Rust writer (which then gives it back within a slice).
     pub(crate) closer: cuda_ipc::tensorset::Closer,
+    /// Set while a close frees the set: a second `close()` returns once it has.
+    pub(crate) finish: Finish,
 }
 
 /// `TensorSetClosed` for set `name`.
@@ -87,13 +89,25 @@ impl Drop for WriterCore {
         // holds before it frees the memory. Without the GIL, so that this process's own threads
         // can release theirs meanwhile (with it they could not run, and the wait always ran to
         // its end). The Python objects sharing this core are deallocated with the GIL held, so
-        // `attach` finds it held.
+        // `attach` finds it held. Once the interpreter is exiting its threads release nothing:
+        // the wait is for other processes' holds only.
         let slot = std::mem::replace(
             &mut self.state.get_mut().unwrap_or_else(|p| p.into_inner()).slot,
             Slot::Closed,
         );
         if let Slot::Idle(w) = slot {
-            Python::attach(|py| py.detach(move || drop(w)));
+            let exiting = crate::util::exiting();
+            Python::attach(|py| {
+                py.detach(move || {
+                    if exiting {
+                        // A failed sync of the writer's stream has no caller left to go to;
+                        // the memory is freed all the same.
+                        let _ = w.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
+                    } else {
+                        drop(w);
+                    }
+                })
+            });
         }
     }
 }
@@ -118,6 +132,7 @@ impl WriterCore {
             open: Mutex::new(Weak::new()),
             names: PyOnceLock::new(),
             index: PyOnceLock::new(),
+            finish: Finish::default(),
             dicts: Mutex::new(HashMap::new()),
             fork: ForkEpoch::now(),
         }
@@ -189,6 +204,8 @@ impl WriterCore {
         s.beginning = None;
         if let Some(t) = s.closing.filter(|_| !s.close_waits) {
             s.slot = Slot::Closed;
+            // A `close()` that finds the slot closed now waits for this close to finish.
+            let _finishing = self.finish.start();
             drop(s);
             // Nobody is left to tell of a failure: as the Rust writer's `Drop`, which logs it.
             py.detach(|| drop(w.close(t)));

@@ -13,6 +13,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -100,3 +101,91 @@ def test_the_interpreter_exits_cleanly_with_daemon_threads_inside_blocking_calls
         assert child.returncode == 0, (run, child.returncode, out, err)
         assert "main returns" in out, (run, out, err)
         assert "Fatal Python error" not in err, (run, err)
+
+
+# A writer (a producer) whose own process still holds a generation (a frame) when the
+# interpreter exits, kept in module globals that finalization collects writer first.
+OWN_HOLD = {
+    "set": """
+        w = cuda_ipc.TensorSetWriter(name, {"a": ((256,), "float32")}, memory="host")
+        with w.begin(timeout=5.0):
+            pass
+        r = cuda_ipc.TensorSetReader(name)
+        h = r.current(timeout=5.0)
+    """,
+    "channel": """
+        tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+        rx = cuda_ipc.Consumer(name)
+        f = tx.acquire(timeout=5.0)
+        f.write(b"x" * 64)
+        f.publish()
+        fr = rx.recv(timeout=5.0)
+    """,
+}
+
+
+def exit_seconds(child: subprocess.Popen) -> float:
+    """Seconds from the child's "main returns" line to its exit (status 0 asserted)."""
+    line = child.stdout.readline()
+    assert "main returns" in line, (line, child.stderr.read())
+    t0 = time.monotonic()
+    assert child.wait(timeout=60) == 0, child.stderr.read()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind", sorted(OWN_HOLD))
+def test_an_exit_does_not_wait_for_the_processs_own_holds(name, kind):
+    """Collected at the exit, the writer (the producer) waits for no hold of its own process,
+    whose threads release nothing any more: the exit does not take the 5 s a drop waits for
+    holds, and the set (the channel) is gone from /dev/shm, its segments unlinked."""
+    name, pids = name
+    src = "import sys, cuda_ipc\nname = sys.argv[1]\n" + textwrap.dedent(OWN_HOLD[kind])
+    src += 'print("main returns", flush=True)\n'
+    child = subprocess.Popen(
+        [sys.executable, "-c", src, name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    pids.append(child.pid)
+    took = exit_seconds(child)
+    assert took < 4.0, f"the exit took {took:.2f} s"
+    assert not list(SHM.glob(f"cuda-ipc.*{name}*")), list(SHM.glob(f"cuda-ipc.*{name}*"))
+
+
+def test_an_exit_still_waits_for_another_processs_hold(name):
+    """Another process's hold is waited for at the exit (up to 5 s): its reader keeps reading
+    the generation it holds until it releases it, and the writer's exit ends after that."""
+    name, pids = name
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, cuda_ipc
+            w = cuda_ipc.TensorSetWriter(sys.argv[1], {"a": ((256,), "float32")}, memory="host")
+            with w.begin(timeout=5.0) as u:
+                u.write("a", bytes(range(256)) * 4)
+            print("ready", flush=True)
+            sys.stdin.readline()
+            print("main returns", flush=True)
+        """), name],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    pids.append(writer.pid)
+    assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, time, cuda_ipc
+            r = cuda_ipc.TensorSetReader(sys.argv[1])
+            with r.current(timeout=5.0) as h:
+                print("held", flush=True)
+                time.sleep(1.5)
+                assert h.read("a") == bytes(range(256)) * 4
+            r.close()
+            print("released", flush=True)
+        """), name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    pids.append(reader.pid)
+    assert reader.stdout.readline().strip() == "held", reader.stderr.read()
+    writer.stdin.write("\n")
+    writer.stdin.flush()
+    took = exit_seconds(writer)
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0 and "released" in out, (out, err)
+    assert 0.8 < took < 4.5, f"the writer's exit took {took:.2f} s"

@@ -171,15 +171,23 @@ def test_a_missing_set_and_bad_specs_raise_typed_errors(name):
 
 def test_host_sets_refuse_gpu_only_calls(name):
     """A host set's tensors come as CPU tensors (test_tensorset_torch_host.py); reading a
-    tensor's bytes that is not in the set is refused."""
+    tensor's bytes that is not in the set is refused, and so is a stream (a host set has none to
+    order), before anything is taken."""
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
     try:
-        write_gen(w, None)
+        g = write_gen(w, None)
+        for call in (lambda: w.begin(stream=5), lambda: w.publish({}, stream=0)):
+            with pytest.raises(cuda_ipc.InvalidArgument, match="no streams"):
+                call()
+        assert w.generation == g
         r = cuda_ipc.TensorSetReader(name)
         with r.current() as h:
             with pytest.raises(cuda_ipc.InvalidArgument):
                 h.read("nope")
+            with pytest.raises(cuda_ipc.InvalidArgument, match="no streams"):
+                h.tensors(stream=5)
         r.close()
+        write_gen(w, None)
     finally:
         w.close()
 

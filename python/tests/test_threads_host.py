@@ -1024,3 +1024,57 @@ def test_collecting_a_writer_or_producer_lets_other_threads_release_their_holds(
     other.close()
     assert took < 3.0, f"collecting the {kind} took {took:.2f} s: its wait held the GIL"
     assert len(ticks) >= 5, f"the other thread ran {len(ticks)} times during the collection"
+
+
+@pytest.mark.parametrize("kind", ["writer", "producer"])
+def test_a_second_close_returns_only_once_the_first_has_freed_the_name(name, kind):
+    # The first close waits for a hold another thread lets go of after 0.5 s; a second close
+    # from a third thread meanwhile returned at once before, while the name was still taken,
+    # so a re-create after it failed (`ChannelExists`). It now returns once the first close has
+    # finished, and the name can be created again right after it.
+    if kind == "writer":
+        owner = cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
+        with owner.begin(timeout=ANSWER) as u:
+            u.write("a", b"B" * 8)
+        del u
+        other = cuda_ipc.TensorSetReader(name)
+        hold = other.current()
+
+        def create():
+            return cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
+    else:
+        owner = cuda_ipc.Producer(name, 64, memory="host")
+        other = cuda_ipc.Consumer(name)
+        f = owner.acquire(timeout=ANSWER)
+        f.write(b"x")
+        f.publish()
+        del f
+        hold = other.recv(timeout=ANSWER)
+
+        def create():
+            return cuda_ipc.Producer(name, 64, memory="host")
+
+    first_done = threading.Event()
+    errors = []
+
+    def first():
+        try:
+            owner.close(ANSWER)
+        except Exception as e:  # reported below
+            errors.append(e)
+        first_done.set()
+
+    def release_later():
+        time.sleep(0.5)
+        hold.release()
+
+    threads = [run(first), run(release_later)]
+    time.sleep(0.1)  # the first close is waiting for the hold
+    assert not first_done.is_set()
+    owner.close(ANSWER)
+    again = create()  # at once: the name is free when the second close returns
+    again.close()
+    assert first_done.wait(ANSWER)
+    join(threads)
+    other.close()
+    assert not errors, errors

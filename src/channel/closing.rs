@@ -8,9 +8,10 @@
 //! `HoldWords::withdraw`, with the loom models); the acquires, takes and releases whose holds these
 //! waits see end are `handoff.rs`'s, which names nothing of this file. Never calls CUDA.
 
-use super::control::Control;
+use super::control::{Control, boot_words};
 use super::layout::{ACTIVE, CLOSED};
 use super::wait::{WaitStrategy, wait_until};
+use crate::identity::ProcessIdentity;
 use crate::sync::Ordering;
 use std::time::Duration;
 
@@ -95,45 +96,64 @@ impl Control {
         *self.withdrawing_gate()
     }
 
-    /// Holds outstanding now, over all buffers.
-    pub(crate) fn outstanding_holds(&self) -> u32 {
+    /// Holds outstanding now, over all buffers, of the consumer slots not in mask `skip` (bit
+    /// `c`: slot `c`; 0: every hold).
+    fn outstanding_holds(&self, skip: u64) -> u32 {
         (0..self.buffers)
             .map(|i| {
                 // SYNC POINT: release, hold. Acquire: pairs with the consumers' clears in
                 // `release`. After `close_withdrawing`'s SeqCst fence this is the load half of the
                 // producer's side of the Dekker pair: a hold that did not see the withdrawal is
                 // seen here (any ordering would do after the fence).
-                self.buffer(i)
-                    .hold_mask
-                    .load(Ordering::Acquire)
-                    .count_ones()
+                (self.buffer(i).hold_mask.load(Ordering::Acquire) & !skip).count_ones()
             })
             .sum()
     }
 
-    /// Waits up to `timeout` until every every-frame consumer received every published frame and
-    /// no consumer holds a buffer; returns whether that is so.
-    pub(crate) fn wait_drained(&self, timeout: Duration) -> bool {
-        self.wait_settled(timeout, true)
+    /// The consumer slots attached by process `me` (bit `c`: slot `c`), as [`Control::attach`]
+    /// recorded their identity: a process that is exiting waits for no consumer of its own
+    /// ([`crate::channel::Producer::close_at_exit`]).
+    pub(crate) fn consumers_of(&self, me: &ProcessIdentity) -> u64 {
+        let boot = boot_words(me);
+        (0..self.consumers.min(64))
+            .filter(|&c| {
+                let s = self.consumer(c);
+                // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in
+                // `attach`: the identity words stored before it are visible.
+                s.state.load(Ordering::Acquire) == ACTIVE
+                    && s.pid.load(Ordering::Relaxed) == me.pid
+                    && s.pid_ns.load(Ordering::Relaxed) == me.pid_ns
+                    && s.start_time.load(Ordering::Relaxed) == me.start_time
+                    && s.boot_id[0].load(Ordering::Relaxed) == boot[0]
+                    && s.boot_id[1].load(Ordering::Relaxed) == boot[1]
+            })
+            .fold(0, |m, c| m | 1 << c)
     }
 
-    /// Waits up to `timeout` until no consumer holds a buffer (after
+    /// Waits up to `timeout` until every every-frame consumer received every published frame and
+    /// no consumer holds a buffer, leaving out the consumer slots in mask `skip`; returns whether
+    /// that is so.
+    pub(crate) fn wait_drained(&self, timeout: Duration, skip: u64) -> bool {
+        self.wait_settled(timeout, true, skip)
+    }
+
+    /// Waits up to `timeout` until no consumer outside mask `skip` holds a buffer (after
     /// [`Control::close_withdrawing`]: no frame is left to receive, and the holds only end);
     /// returns whether that is so.
-    pub(crate) fn wait_released(&self, timeout: Duration) -> bool {
-        self.wait_settled(timeout, false)
+    pub(crate) fn wait_released(&self, timeout: Duration, skip: u64) -> bool {
+        self.wait_settled(timeout, false, skip)
     }
 
     /// The wait of [`Control::wait_drained`] (`cursors`) and [`Control::wait_released`].
-    fn wait_settled(&self, timeout: Duration, cursors: bool) -> bool {
+    fn wait_settled(&self, timeout: Duration, cursors: bool, skip: u64) -> bool {
         let h = self.header();
         wait_until(
             h.release_wake(),
             WaitStrategy::Block,
             Some(timeout),
             || {
-                let done = self.outstanding_holds() == 0
-                    && (!cursors || self.min_lossless_cursor() >= self.head());
+                let done = self.outstanding_holds(skip) == 0
+                    && (!cursors || self.min_lossless_cursor_except(skip) >= self.head());
                 Ok(done.then_some(()))
             },
             || {
@@ -146,8 +166,8 @@ impl Control {
 
     /// Waits as [`Control::wait_drained`]; then withdraws every buffer and forces the holds
     /// left ([`Control::withdraw_all`]).
-    pub(crate) fn drain(&self, timeout: Duration) -> (u64, u64) {
-        self.wait_drained(timeout);
+    pub(crate) fn drain(&self, timeout: Duration, skip: u64) -> (u64, u64) {
+        self.wait_drained(timeout, skip);
         self.withdraw_all()
     }
 

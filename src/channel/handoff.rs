@@ -138,8 +138,17 @@ impl Control {
     }
 
     pub(super) fn min_lossless_cursor(&self) -> u64 {
+        self.min_lossless_cursor_except(0)
+    }
+
+    /// The lowest cursor of the every-frame consumers not in mask `skip` (bit `c`: slot `c`;
+    /// `u64::MAX` when there is none).
+    pub(super) fn min_lossless_cursor_except(&self, skip: u64) -> u64 {
         let mut min = u64::MAX;
         for c in 0..self.consumers {
+            if c < 64 && skip & (1 << c) != 0 {
+                continue;
+            }
             let s = self.consumer(c);
             // SYNC POINT: attach. Acquire: pairs with the Release store of ACTIVE in `attach`: its
             // policy and cursor are visible.

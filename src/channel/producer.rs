@@ -617,7 +617,20 @@ impl Producer {
     /// CUDA errors from synchronising the producer's stream.
     pub fn close(mut self, timeout: Duration) -> Result<ShutdownReport> {
         self.closed = true;
-        self.shutdown(timeout)
+        self.shutdown(timeout, false)
+    }
+
+    /// Closes the channel as [`Producer::close`] does, for a process that is exiting: waits up
+    /// to `timeout` for the holds, every-frame cursors and release words of other processes'
+    /// consumers only, and forces this process's own at once. Their threads release nothing
+    /// any more (a binding's interpreter that is finalizing), so waiting for them would only
+    /// hold the exit up by `timeout`.
+    ///
+    /// # Errors
+    /// As [`Producer::close`].
+    pub fn close_at_exit(mut self, timeout: Duration) -> Result<ShutdownReport> {
+        self.closed = true;
+        self.shutdown(timeout, true)
     }
 
     /// Closes the channel to consumers, as [`Producer::close`] does first (they get
@@ -634,9 +647,9 @@ impl Producer {
         }
         self.close_to_consumers();
         if self.withdraws_at_close {
-            self.control.wait_released(timeout)
+            self.control.wait_released(timeout, 0)
         } else {
-            self.control.wait_drained(timeout)
+            self.control.wait_drained(timeout, 0)
         }
     }
 
@@ -680,15 +693,23 @@ impl Producer {
         self.control.close_withdrawing()
     }
 
-    fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport> {
+    /// The close of [`Producer::close`] (and the drop); `leave_own`: that of
+    /// [`Producer::close_at_exit`].
+    fn shutdown(&mut self, timeout: Duration, leave_own: bool) -> Result<ShutdownReport> {
         self.control.check_fork()?;
         // The frame each buffer holds, before the withdrawal: the release words to wait for.
         let seqs = self.close_to_consumers();
+        // This process's consumers, not waited for when it exits (none attaches after the close
+        // above). An identity that cannot be read leaves them all waited for.
+        let own = match leave_own {
+            true => ProcessIdentity::current().map_or(0, |me| self.control.consumers_of(&me)),
+            false => 0,
+        };
         let (forced, behind) = if self.withdraws_at_close {
-            self.control.wait_released(timeout);
+            self.control.wait_released(timeout, own);
             self.control.withdraw_all()
         } else {
-            self.control.drain(timeout)
+            self.control.drain(timeout, own)
         };
         if behind > 0 {
             tracing::warn!(
@@ -724,7 +745,9 @@ impl Producer {
         // finish (their release words; a dead consumer's are raised by reclaiming its slot), then
         // our own work.
         for (i, &seq) in seqs.iter().enumerate() {
-            let mut bits = self.control.take_used(i);
+            // This process's consumers when it exits: their streams write no release word any
+            // more (`leave_own`).
+            let mut bits = self.control.take_used(i) & !own;
             while bits != 0 {
                 let c = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
@@ -761,7 +784,7 @@ impl Drop for Producer {
             return;
         }
         if !self.closed
-            && let Err(e) = self.shutdown(Duration::from_secs(5))
+            && let Err(e) = self.shutdown(Duration::from_secs(5), false)
         {
             tracing::warn!("closing channel {}: {e}", self.name);
         }

@@ -119,7 +119,7 @@ impl ControlProducer {
     }
     /// Waits up to `timeout` for outstanding holds; returns how many were forced.
     pub fn drain(&self, timeout: Duration) -> u64 {
-        self.0.drain(timeout).0
+        self.0.drain(timeout, 0).0
     }
     /// Removes the segment's name.
     pub fn unlink(&self) {

@@ -755,13 +755,32 @@ impl TensorSetWriter {
     /// # Errors
     /// [`Error::ForkedChild`] in a process forked from the one that made the writer; CUDA errors
     /// from synchronising the writer's stream.
-    pub fn close(mut self, timeout: Duration) -> Result<CloseReport> {
+    pub fn close(self, timeout: Duration) -> Result<CloseReport> {
+        self.close_as(timeout, false)
+    }
+
+    /// Closes the set as [`TensorSetWriter::close`] does, for a process that is exiting: waits
+    /// up to `timeout` for other processes' holds only and forces this process's own readers'
+    /// at once ([`crate::channel::Producer::close_at_exit`]): their threads release nothing any
+    /// more (a binding's interpreter that is finalizing), so waiting for them would only hold
+    /// the exit up by `timeout`. The report counts the holds forced, this process's included.
+    ///
+    /// # Errors
+    /// As [`TensorSetWriter::close`].
+    pub fn close_at_exit(self, timeout: Duration) -> Result<CloseReport> {
+        self.close_as(timeout, true)
+    }
+
+    /// [`TensorSetWriter::close`], or with `at_exit` [`TensorSetWriter::close_at_exit`].
+    fn close_as(mut self, timeout: Duration, at_exit: bool) -> Result<CloseReport> {
         self.fork.check("tensor set writer")?;
         self.start_closing();
+        let report = |r: crate::channel::ShutdownReport| CloseReport {
+            forced_holds: r.forced_holds,
+        };
         match self.producer.take() {
-            Some(p) => p.close(timeout).map(|r| CloseReport {
-                forced_holds: r.forced_holds,
-            }),
+            Some(p) if at_exit => p.close_at_exit(timeout).map(report),
+            Some(p) => p.close(timeout).map(report),
             None => Ok(CloseReport::default()),
         }
     }

@@ -52,7 +52,7 @@ impl Consumer {
         }
         if !self.control.is_ring() {
             return Err(Error::InvalidArgument(
-                "posted receives need a channel created in ring order (ChannelOptions::ring)"
+                "posted receives need a channel created in ring order (ChannelOptions::ring; ring=True in Python)"
                     .into(),
             ));
         }

@@ -42,7 +42,7 @@ impl TensorSetReader {
     fn stable(&self) -> Result<&Stable> {
         self.stable.as_ref().ok_or_else(|| {
             Error::InvalidArgument(
-                "the reader was opened without ReaderOptions::stable_addresses".into(),
+                "the reader was opened without stable addresses (ReaderOptions::stable_addresses; stable_addresses=True in Python)".into(),
             )
         })
     }
