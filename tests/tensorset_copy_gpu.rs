@@ -290,6 +290,8 @@ fn sources_the_driver_does_not_know_as_this_devices_memory_are_refused_before_th
             matches!(e, cuda_ipc::Error::InvalidArgument(_)),
             "{what}: {e}"
         );
+        // The error names the tensor the source was to be copied into.
+        assert!(e.to_string().contains("tensor \"t5\""), "{what}: {e}");
     }
     // The context is whole: the good sources land.
     let ok: Vec<_> = copies(good.device_ptr() + 5 * 4096);

@@ -135,7 +135,9 @@ pub(crate) fn cached<'c>(
 /// Enqueues on `stream` a copy of each of `ranges` (see the module's documentation). With
 /// `check`, the source of every range the kernel copies is first checked against what the driver
 /// knows of its memory ([`check_sources`]: one query per allocation touched),
-/// and a range the driver's copy refuses goes to the kernel only once it passed that check too.
+/// and a range the driver's copy refuses goes to the kernel only once it passed that check too;
+/// `check` names what a destination address belongs to (a tensor), for the error of a source
+/// refused.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a source that fails the check (nothing of the kernel's ranges
@@ -145,7 +147,7 @@ pub(crate) fn cached<'c>(
 /// # Safety
 /// 1. Every range's destination is device memory of `stream`'s context for `len` bytes.
 /// 2. Every source stays allocated until the copies ran.
-/// 3. Without `check`, every source is memory a kernel of that context can read (its device's
+/// 3. Without `check` (`None`), every source is memory a kernel of that context can read (its device's
 ///    memory, allocated in that context or by VMM or a memory pool with access for the device,
 ///    or managed memory).
 /// 4. No two destinations overlap, nor a destination its own or another range's source, except
@@ -154,7 +156,7 @@ pub(crate) unsafe fn copy<'c>(
     ranges: &[Range],
     stream: &Stream,
     copier: impl Fn() -> Option<&'c RangeCopier>,
-    check: bool,
+    check: Option<&dyn Fn(u64) -> Option<String>>,
 ) -> Result<()> {
     // The kernel is loaded at the first need: enough small ranges, or a range to spill.
     let small = ranges
@@ -164,9 +166,11 @@ pub(crate) unsafe fn copy<'c>(
     let early = if small >= KERNEL_MIN { copier() } else { None };
     let plan = plan(ranges, early.is_some());
     let ctx = stream.context();
-    if check && !plan.launches.is_empty() {
+    if let Some(describe) = check
+        && !plan.launches.is_empty()
+    {
         let _cur = ctx.enter()?;
-        check_sources(&plan.launches.concat(), ctx)?;
+        check_sources(&plan.launches.concat(), ctx, describe)?;
     }
     // Ranges the driver refused as one copy (they span allocations), for the kernel.
     let mut spilled: Vec<Range> = Vec::new();
@@ -180,8 +184,8 @@ pub(crate) unsafe fn copy<'c>(
         // With `check`, a refused range reaches the kernel only if all its bytes lie in readable
         // memory of this device (the driver refuses an unknown address the same way); without,
         // the caller vouches for every source (checked before, allocated since).
-        if check {
-            check_sources(&spilled, ctx)?;
+        if let Some(describe) = check {
+            check_sources(&spilled, ctx, describe)?;
         }
     }
     let Some(copier) = early.or_else(|| (!spilled.is_empty()).then(&copier).flatten()) else {
@@ -353,8 +357,12 @@ fn mapping_granule(ctx: &Context) -> u64 {
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] naming the first source (its address and bytes, and its
-/// destination) that fails, and why.
-pub(crate) fn check_sources(ranges: &[Range], ctx: &Context) -> Result<()> {
+/// destination, with what `describe` says it belongs to) that fails, and why.
+pub(crate) fn check_sources(
+    ranges: &[Range],
+    ctx: &Context,
+    describe: &dyn Fn(u64) -> Option<String>,
+) -> Result<()> {
     const DEVICE: u32 = 2;
     let ordinal = ctx.device().ordinal() as i32;
     let own = ctx.as_raw() as usize as u64;
@@ -366,8 +374,12 @@ pub(crate) fn check_sources(ranges: &[Range], ctx: &Context) -> Result<()> {
     for k in order {
         let (dst, src, len) = ranges[k];
         let fail = |why: String| -> Error {
+            let to = match describe(dst) {
+                Some(what) => format!("{what}, at {dst:#x}"),
+                None => format!("{dst:#x}"),
+            };
             Error::InvalidArgument(format!(
-                "a source of {len} bytes at {src:#x} (copied to {dst:#x}) {why}; the copy kernel \
+                "a source of {len} bytes at {src:#x} (copied to {to}) {why}; the copy kernel \
                  reads mapped device memory of device {ordinal} only"
             ))
         };
@@ -501,7 +513,15 @@ mod tests {
         }
         // SAFETY: every destination lies in `dst` and no two overlap, every source in the two
         // allocations, all alive until the stream is drained below.
-        unsafe { copy(&ranges, &stream, || -> Option<&RangeCopier> { None }, true) }.unwrap();
+        unsafe {
+            copy(
+                &ranges,
+                &stream,
+                || -> Option<&RangeCopier> { None },
+                Some(&|_| None),
+            )
+        }
+        .unwrap();
         stream.synchronize().unwrap();
         let mut back = vec![0u8; 32 << 20];
         dst.copy_to_host(0, &mut back).unwrap();

@@ -202,15 +202,35 @@ impl Update<'_> {
     /// As [`copies::copy`].
     unsafe fn copy_ranges(&self, ranges: &[copies::Range], check: bool) -> Result<()> {
         let stream = self.stream()?;
+        let describe = |dst: u64| self.tensor_at(dst);
         // SAFETY: forwarded from this function's contract.
         unsafe {
             copies::copy(
                 ranges,
                 stream,
                 || copies::cached(self.copier, stream.context()),
-                check,
+                check.then_some(&describe as &dyn Fn(u64) -> Option<String>),
             )
         }
+    }
+
+    /// `tensor "NAME"` for the tensor of this update's buffer whose bytes hold device address
+    /// `dst`, or the allocation and offset where no tensor does (for errors: a scan of the
+    /// layout).
+    fn tensor_at(&self, dst: u64) -> Option<String> {
+        let (a, off) = (0..self.layout.allocations().len()).find_map(|a| {
+            let base = self.allocation_range(a, 0, 0).ok()?;
+            let off = dst.checked_sub(base)?;
+            (off < self.layout.allocations()[a]).then_some((a, off))
+        })?;
+        let t = self.layout.tensors().iter().find(|t| {
+            t.allocation as usize == a
+                && (t.offset..t.offset.saturating_add(t.bytes)).contains(&off)
+        });
+        Some(match t {
+            Some(t) => format!("tensor {:?}", t.name),
+            None => format!("byte {off} of allocation {a}"),
+        })
     }
 
     /// The device address of byte `offset` of allocation `allocation` of this update's buffer,
