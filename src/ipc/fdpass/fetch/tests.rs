@@ -3,9 +3,12 @@
 //! does with a client whose request is late by more than its 1 s receive timeout.
 
 use super::*;
+use crate::ipc::fdpass::socket::socket_path;
 use crate::ipc::fdpass::tests::content;
-use crate::ipc::fdpass::wire::{ENTRY_OK, decode_request, encode_reply};
+use crate::ipc::fdpass::wire::{ENTRY_OK, REQUEST_OK, decode_request, encode_reply};
+use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType};
 use std::io::{BufRead, BufReader, Read, Write};
+use std::mem::MaybeUninit;
 use std::process::{Child, Command, Stdio};
 
 /// Set in the child: "CLOSE TOTAL", close the first CLOSE connections after reading their
