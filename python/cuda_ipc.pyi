@@ -149,7 +149,8 @@ class CudaError(CudaIpcError):
 
 class QuotaError(CudaIpcError):
     """A shared memory budget (``quota=``) cannot serve the producer: none is set, its ledger is
-    full, or it is another user's to change."""
+    full, it is another user's to change, or another user planted a file under its ledger's name
+    (the message names the file's owner and how root removes it)."""
 
 class OverQuota(QuotaError, ValueError):
     """The pool would take a budget past its limit: the shared one of ``quota=`` (the message

@@ -374,8 +374,9 @@ fn another_users_ledger_is_refused_and_its_budget_is_not_ours_to_change() {
         QuotaLedger::open(QuotaScope::user(), d).unwrap_err(),
         QuotaLedger::open_named(&name).unwrap_err(),
     ] {
+        // Under this user's name, another uid's file is one planted there: said so.
         assert!(
-            matches!(e, Error::Shm(ShmError::WrongOwner { owner, .. }) if owner == other),
+            matches!(e, Error::Quota(QuotaError::Planted { owner, .. }) if owner == other),
             "{e:?}"
         );
     }
@@ -629,4 +630,49 @@ fn a_ledger_open_to_other_users_is_refused_by_every_opener_and_never_replaced_or
         let m = std::fs::metadata(path(n)).unwrap();
         assert_eq!(m.mode() & 0o777, mode, "{n}: left as it was");
     }
+}
+
+/// A file another user planted under this user's ledger name (the names are predictable): every
+/// opener and `set_budget` refuse it with `QuotaError::Planted`, which names the owner and what
+/// to do, before reading a byte (a producer's reservation opens the ledger with `open`), and the
+/// file is never removed.
+#[test]
+fn a_file_planted_under_this_users_ledger_name_is_named_as_planted_and_never_removed() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    let scope = QuotaScope::user();
+    let d = device();
+    let name = scope.segment_name(d);
+    let _g = Gone(name.clone());
+    plant(&name, b"", 20_480);
+    rustix::fs::chown(
+        path(&name).as_str(),
+        Some(rustix::process::Uid::from_raw(65534)),
+        None,
+    )
+    .unwrap();
+    let planted = |e: &Error| {
+        matches!(e, Error::Quota(QuotaError::Planted { uid, owner: 65534, .. }) if *uid == 0)
+            && e.to_string().contains("planted")
+            && e.to_string().contains(&format!("rm /dev/shm/{name}"))
+    };
+    for (what, e) in [
+        ("open", QuotaLedger::open(scope, d).err()),
+        ("open_named", QuotaLedger::open_named(&name).err()),
+        (
+            "set_budget",
+            QuotaLedger::set_budget(scope, d, 1 << 20).err(),
+        ),
+    ] {
+        let e = e.unwrap_or_else(|| panic!("{what}: opened a planted ledger"));
+        assert!(planted(&e), "{what}: {e}");
+    }
+    let st = std::fs::metadata(path(&name)).unwrap();
+    assert_eq!(
+        (st.uid(), st.len()),
+        (65534, 20_480),
+        "the planted file is left as it was"
+    );
 }

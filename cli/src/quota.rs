@@ -154,13 +154,22 @@ pub struct Ledgers {
 }
 
 /// The ledger `name` as a skipped one, when `e` says it is another user's (`open_named` refuses
-/// another user's segment, and one of a group we are not in, with `ShmError::WrongOwner`); `None`
-/// for any other error, which stays a problem.
+/// another user's segment, and one of a group we are not in, with `ShmError::WrongOwner`; a file
+/// planted under another user's ledger name with `QuotaError::Planted`); `None` for any other
+/// error, which stays a problem.
 pub fn skipped(name: &str, e: &cuda_ipc::Error) -> Option<Skipped> {
-    let cuda_ipc::Error::Shm(cuda_ipc::ShmError::WrongOwner { owner, ours, .. }) = e else {
-        return None;
-    };
-    Some(skipped_of(name, *owner, *ours))
+    match e {
+        cuda_ipc::Error::Shm(cuda_ipc::ShmError::WrongOwner { owner, ours, .. }) => {
+            Some(skipped_of(name, *owner, *ours))
+        }
+        // A file planted under another user's ledger name: theirs (and root's) to see to. Under
+        // this user's name, or for root, it stays a problem that says what to do.
+        cuda_ipc::Error::Quota(cuda_ipc::quota::QuotaError::Planted { uid, owner, .. }) => {
+            let me = rustix::process::geteuid();
+            (*uid != me.as_raw() && !me.is_root()).then(|| skipped_of(name, *owner, me.as_raw()))
+        }
+        _ => None,
+    }
 }
 
 /// The ledger `name` of uid `owner` as a skipped one, for a process of uid `ours`: what

@@ -493,3 +493,52 @@ fn ls_of_a_ledgers_name_shows_that_ledger_alone() {
     assert_eq!(names, [a.name()]);
     assert_eq!(v["errors"].as_array().unwrap().len(), 0, "{v}");
 }
+
+/// A file another user planted under this user's ledger name (root's here: the test gives it to
+/// uid 65534): `quota show`, `ls` and `gc` name it as planted, with what to do, exit status 1 (a
+/// problem, not another user's budget to skip), and leave it where it is.
+#[test]
+fn a_file_planted_under_this_users_ledger_name_is_a_problem_that_says_so_and_stays() {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: needs root to give a file to another uid");
+        return;
+    }
+    let _turn = gc_turn();
+    let name = QuotaScope::user().segment_name(fake_device(9));
+    let path = format!("/dev/shm/{name}");
+    let _g = Gone(name.clone());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap();
+    f.write_all(&[0u8; 20_480]).unwrap();
+    drop(f);
+    rustix::fs::chown(
+        path.as_str(),
+        Some(rustix::process::Uid::from_raw(65534)),
+        None,
+    )
+    .unwrap();
+    for args in [
+        &["quota", "show"][..],
+        &["ls"][..],
+        &["gc"][..],
+        &["gc", name.as_str()][..],
+    ] {
+        let o = cuda_ipc(args);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {t}");
+        assert!(
+            t.contains(&name) && t.contains("planted") && t.contains("uid 65534"),
+            "{args:?}: {t}"
+        );
+    }
+    let st = std::fs::metadata(&path).unwrap();
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&st),
+        65534,
+        "left as it was"
+    );
+}

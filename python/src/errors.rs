@@ -112,8 +112,8 @@ pyo3::create_exception!(
     QuotaError,
     CudaIpcError,
     "A shared memory budget (a quota ledger, `quota=`) cannot serve the producer: none is set, \
-     its ledger is full, or it may not be changed by this user. `OverQuota` is its subclass for a \
-     budget that is used up."
+     its ledger is full, it may not be changed by this user, or another user planted a file under \
+     its ledger's name. `OverQuota` is its subclass for a budget that is used up."
 );
 pyo3::create_exception!(
     cuda_ipc,

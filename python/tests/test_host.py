@@ -460,6 +460,31 @@ def test_a_host_budget_is_shared_refuses_past_it_naming_the_holder_and_comes_bac
     assert not cuda_ipc.remove_quota(scope=scope)
 
 
+def test_a_file_planted_under_this_users_ledger_name_is_named_and_left(name):
+    """Ledger names are predictable: another user can make a file under this user's before it
+    does. Asking for that budget (a producer's `quota="user"`, `set_quota`) raises `QuotaError`
+    naming the file's owner as a planter and what to do; the file is left as it is."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another uid")
+    ledger = SHM / f"cuda-ipc.quota.u0.{'0' * 32}"
+    if ledger.exists() or ledger.is_symlink():
+        pytest.skip(f"this user has a host-memory budget ({ledger}), which the test must not touch")
+    ledger.write_bytes(bytes(20480))
+    try:
+        os.chown(ledger, 65534, -1)
+        for call in (
+            lambda: cuda_ipc.Producer(name, 1024, buffers=2, memory="host", quota="user"),
+            lambda: cuda_ipc.set_quota(1 << 20),
+        ):
+            with pytest.raises(cuda_ipc.QuotaError, match="planted") as e:
+                call()
+            assert "uid 65534" in str(e.value) and f"rm {ledger}" in str(e.value), e.value
+        assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+        assert ledger.stat().st_uid == 65534 and ledger.stat().st_size == 20480
+    finally:
+        ledger.unlink()
+
+
 # ---------------------------------------------------------------- durations and close() from
 # another thread
 

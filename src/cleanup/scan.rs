@@ -637,11 +637,16 @@ fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
 }
 
 /// Whether `e`, met judging or opening quota ledger `name`, says it is another user's (a group
-/// ledger of a group this process is not in included: `ShmError::WrongOwner`); if so, it is
-/// passed over, into [`Scan::skipped`], theirs to clean.
+/// ledger of a group this process is not in included: `ShmError::WrongOwner`; a file planted
+/// under another user's ledger name: `QuotaError::Planted`); if so, it is passed over, into
+/// [`Scan::skipped`], theirs to clean.
 fn another_users_ledger(name: &str, e: &Error, s: &mut Scan) -> bool {
-    let Error::Shm(crate::shm::ShmError::WrongOwner { owner, .. }) = e else {
-        return false;
+    let owner = match e {
+        Error::Shm(crate::shm::ShmError::WrongOwner { owner, .. }) => owner,
+        // A file planted under another user's ledger name is theirs to have removed (by root);
+        // under this user's (or seen by root) it stays a problem, which says what to do.
+        Error::Quota(quota::QuotaError::Planted { uid, owner, .. }) if !ours(*uid) => owner,
+        _ => return false,
     };
     s.skipped.push(Skipped {
         name: name.to_string(),

@@ -120,6 +120,22 @@ pub enum QuotaError {
         /// The ledger's segment name.
         name: String,
     },
+    /// A file under a user's ledger name that another uid owns: another user made it there
+    /// (the names are predictable), and it blocks that user's budget until it is removed. Never
+    /// read and never removed by the library; root can remove it (`rm /dev/shm/NAME`).
+    #[error(
+        "quota ledger {name} is the budget of uid {uid} by its name, but uid {owner} owns the \
+         file: another user planted it there, and it blocks that budget until removed (as root: \
+         rm /dev/shm/{name})"
+    )]
+    Planted {
+        /// The segment's name.
+        name: String,
+        /// The uid the name says the ledger is for.
+        uid: u32,
+        /// The uid that owns the file.
+        owner: u32,
+    },
     /// No group of that name, or this process is not a member of it.
     #[error("group {group}: {reason}")]
     BadGroup {

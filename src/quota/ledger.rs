@@ -4,7 +4,7 @@
 
 use super::error::{HeldBy, QuotaError};
 use super::layout::{ENTRIES, FREE, HELD, Header, LEDGER_LEN, SCOPE_GROUP, SCOPE_USER, WRITING};
-use super::scope::{LEDGER_PREFIX, QuotaScope};
+use super::scope::{LEDGER_PREFIX, QuotaScope, check_planted};
 use super::segment::{Creation, Inner, judge_blocker, judge_creation, open_error};
 use super::snapshot::{Holder, LedgerSnapshot};
 use crate::driver::Uuid;
@@ -103,6 +103,7 @@ impl QuotaLedger {
     /// As [`QuotaLedger::open`]; [`QuotaError::BadSegment`] also when the header's scope and
     /// device give another name than `name`.
     pub fn open_named(name: &str) -> Result<QuotaLedger> {
+        check_planted(name)?;
         let group = name.starts_with(&format!("{LEDGER_PREFIX}g"));
         let seg = versioned::open_versioned::<Header>(name, group, OPEN_WAIT)
             .map_err(|e| open_error(name, e))?;
@@ -163,6 +164,7 @@ impl QuotaLedger {
     /// process holds the ledger lock for 2 s; [`crate::Error::Os`] and `NoSpace` from creating it.
     pub fn set_budget(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
         let name = scope.segment_name(device);
+        check_planted(&name)?;
         let ledger = match Self::create(scope, device, budget) {
             Ok(l) => return Ok(l),
             Err(Error::Shm(ShmError::AlreadyExists { .. })) => Self::open(scope, device)?,

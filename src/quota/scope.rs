@@ -84,6 +84,36 @@ impl std::fmt::Display for QuotaScope {
     }
 }
 
+/// The uid a user ledger's segment name is for (`cuda-ipc.quota.u<uid>.<hex>`); `None` for a
+/// group's or another name.
+pub(super) fn user_of_name(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(LEDGER_PREFIX)?.strip_prefix('u')?;
+    let (uid, _) = rest.split_once('.')?;
+    if uid.is_empty() || !uid.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    uid.parse().ok()
+}
+
+/// [`QuotaError::Planted`] when a file stands under user ledger `name` that another uid than
+/// the name's owns (looked at with `lstat`: nothing is opened, so a FIFO cannot block); `Ok`
+/// otherwise, whatever else stands there (the open judges it).
+pub(super) fn check_planted(name: &str) -> Result<()> {
+    let Some(uid) = user_of_name(name) else {
+        return Ok(());
+    };
+    let path = format!("{}/{name}", crate::shm::SHM_DIR);
+    match rustix::fs::lstat(path.as_str()) {
+        Ok(st) if st.st_uid != uid => Err(QuotaError::Planted {
+            name: name.to_string(),
+            uid,
+            owner: st.st_uid,
+        }
+        .into()),
+        _ => Ok(()),
+    }
+}
+
 /// The gid of group `name` (`getgrnam_r`), `None` when there is none.
 fn gid_of(name: &str) -> Result<Option<u32>> {
     let bad = |reason: &str| QuotaError::BadGroup {
