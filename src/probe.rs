@@ -134,6 +134,39 @@ pub fn shm_space() -> Result<(u64, u64)> {
     ))
 }
 
+/// Whether this process can create POSIX shared memory: a file of its own made in `/dev/shm`
+/// (`O_CREAT | O_EXCL`, mode 0600, 4096 bytes written) and removed at once. Free space alone
+/// ([`shm_space`]) says nothing of a read-only mount or a directory this user may not write.
+///
+/// # Errors
+/// [`crate::Error::Os`] naming the call that failed (`open`: `EROFS` for a read-only mount,
+/// `EACCES` for a directory this user may not write; `write`: `ENOSPC`).
+pub fn shm_writable() -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let path = format!(
+        "{}/cuda-ipc.probe.{}.{nanos}",
+        crate::shm::SHM_DIR,
+        std::process::id()
+    );
+    let os =
+        |call: &'static str, e: std::io::Error| crate::error::OsError::io(call, path.as_str(), e);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| os("open", e))?;
+    let written = f.write_all(&[0u8; 4096]).map_err(|e| os("write", e));
+    drop(f);
+    // Ours, just made: removed whatever the write did.
+    let removed = std::fs::remove_file(&path).map_err(|e| os("unlink", e));
+    written.and(removed).map_err(Into::into)
+}
+
 fn is_mig(name: &str) -> bool {
     name.contains("MIG") || std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| v.contains("MIG-"))
 }

@@ -269,14 +269,20 @@ fn host(r: &mut Report) {
     match probe::shm_space() {
         Ok((total, free)) => {
             let detail = format!("{} total, {} free", bytes(total), bytes(free));
-            if free < 16 << 20 {
+            if let Err(e) = probe::shm_writable() {
+                r.line(
+                    Status::Fail,
+                    "/dev/shm",
+                    format!("{detail}, but nothing can be created there: {e}; fix: a writable tmpfs on /dev/shm, mode 1777 (`mount -o remount,rw /dev/shm`; `--shm-size=1g` for a container)"),
+                );
+            } else if free < 16 << 20 {
                 r.line(
                     Status::Warn,
                     "/dev/shm",
                     format!("{detail}; registries and channels need a little room; fix: `mount -o remount,size=1G /dev/shm`, or `--shm-size=1g` for a container"),
                 );
             } else {
-                r.line(Status::Ok, "/dev/shm", detail);
+                r.line(Status::Ok, "/dev/shm", format!("{detail}, writable"));
             }
         }
         Err(e) => r.line(

@@ -500,3 +500,32 @@ fn doctor_on_a_gpu_machine_lists_every_gpu_with_its_uuid_and_capabilities() {
         assert_eq!(n, gpus.len(), "{want}: {t}");
     }
 }
+
+#[test]
+fn doctor_fails_a_dev_shm_where_nothing_can_be_created_however_much_room_it_has() {
+    // A read-only tmpfs on /dev/shm (in a mount namespace of its own): free space says nothing
+    // of it, and every channel, set or ledger creation there fails with EROFS.
+    let script = format!(
+        "mount -t tmpfs -o ro,mode=1777 tmpfs /dev/shm && exec {} doctor",
+        bin().display()
+    );
+    let o = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let t = text(&o);
+    if t.contains("unshare failed") || t.contains("mount: ") {
+        println!("skipped: a mount namespace with its own /dev/shm needs root: {t}");
+        return;
+    }
+    let line = t
+        .lines()
+        .find(|l| l.contains("/dev/shm"))
+        .unwrap_or_else(|| panic!("no /dev/shm line: {t}"));
+    assert!(
+        line.starts_with("FAIL") && line.contains("nothing can be created there"),
+        "{t}"
+    );
+    assert!(line.contains("Read-only file system"), "{t}");
+    assert_eq!(code(&o), 1, "{t}");
+}
