@@ -29,7 +29,11 @@ fn holdable(set: &str, m: &Manifest) -> Result<()> {
             }
             "its writer made no holders segment (a build before holders)"
         }
-        KIND_HOST => "a host set lives in shared memory, which outlives its writer by itself",
+        KIND_HOST => {
+            "a host set's readers map its shared memory directly, with no file descriptor to \
+             hold; once its writer is gone a new reader is refused (WriterGone) and `gc` removes \
+             the set"
+        }
         KIND_POOL => "pool memory imported elsewhere is undefined once its exporter frees it",
         KIND_LEGACY => "legacy IPC memory has no file descriptor to forward",
         _ => "an unknown memory kind",
