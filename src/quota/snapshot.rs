@@ -28,7 +28,8 @@ pub struct Holder {
 pub struct LedgerSnapshot {
     /// The segment's name in `/dev/shm`.
     pub name: String,
-    /// The device whose budget it is (all zeros: host memory).
+    /// The device whose budget it is (all zeros: host memory). Serialises as the device's UUID
+    /// text (`GPU-…`), or `"host"` for host memory (as the text form and the metrics say).
     #[cfg_attr(feature = "serde", serde(serialize_with = "uuid_text"))]
     pub device: Uuid,
     /// Whose budget.
@@ -49,5 +50,33 @@ pub struct LedgerSnapshot {
 
 #[cfg(feature = "serde")]
 fn uuid_text<S: serde::Serializer>(u: &Uuid, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if u.0 == [0; 16] {
+        return s.serialize_str("host");
+    }
     s.collect_str(u)
+}
+
+#[cfg(all(test, feature = "serde"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_ledgers_device_serialises_as_host_and_a_gpus_as_its_uuid() {
+        let snap = |device: Uuid| LedgerSnapshot {
+            name: "cuda-ipc.quota.u0.x".into(),
+            device,
+            scope: QuotaScope::User(0),
+            owner_uid: 0,
+            mode: 0o600,
+            budget: None,
+            used: 0,
+            holders: Vec::new(),
+            reclaimed: 0,
+        };
+        let json = |d| serde_json::to_value(snap(d)).unwrap()["device"].clone();
+        assert_eq!(json(Uuid([0; 16])), "host");
+        let gpu = Uuid([0xab; 16]);
+        assert_eq!(json(gpu), gpu.to_string());
+        assert!(gpu.to_string().starts_with("GPU-"));
+    }
 }
