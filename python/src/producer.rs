@@ -286,15 +286,40 @@ impl Producer {
     #[pyo3(text_signature = "($self, timeout=5.0)")]
     fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {
         let t = seconds_arg(py, "timeout", timeout, false)?;
+        let (forced, behind) = self.close_for(py, t)?;
+        let d = PyDict::new(py);
+        d.set_item("forced_holds", forced)?;
+        d.set_item("consumers_behind", behind)?;
+        Ok(d)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py, Seconds::Float(5.0)).map(|_| ())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Producer({:?}, memory={:?})",
+            self.lender.name,
+            memory_name(self.memory)
+        )
+    }
+}
+
+impl Producer {
+    /// `close(timeout)`, `t` checked: the holds forced and the consumers behind.
+    fn close_for(&self, py: Python<'_>, t: Duration) -> PyResult<(u64, u64)> {
         let me = std::thread::current().id();
         let l = &self.lender;
         if l.is_forked_copy() {
             // A forked child's copy (a `with` block left by the child's exit): the channel is the
             // parent's, and stays open; nothing was waited for.
-            let d = PyDict::new(py);
-            d.set_item("forced_holds", 0u64)?;
-            d.set_item("consumers_behind", 0u64)?;
-            return Ok(d);
+            return Ok((0, 0));
         }
         let p = py.detach(|| {
             let mut s = lock(&l.state);
@@ -350,29 +375,14 @@ impl Producer {
                 // `WriteFrame` that has the producer as it ends): returns once that close has
                 // finished, within `timeout`.
                 l.finish.wait(py, t)?;
+                // That close was interrupted (Ctrl-C) and handed the producer back, closed but
+                // not freed: this one finishes it.
+                if lock(&l.state).producer.is_some() {
+                    return self.close_for(py, t);
+                }
                 (0, 0)
             }
         };
-        let d = PyDict::new(py);
-        d.set_item("forced_holds", forced)?;
-        d.set_item("consumers_behind", behind)?;
-        Ok(d)
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
-        self.close(py, Seconds::Float(5.0)).map(|_| ())
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Producer({:?}, memory={:?})",
-            self.lender.name,
-            memory_name(self.memory)
-        )
+        Ok((forced, behind))
     }
 }

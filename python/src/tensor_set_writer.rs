@@ -517,6 +517,32 @@ impl TensorSetWriter {
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
         let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;
+        self.close_for(py, t)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py, Seconds::Float(5.0))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TensorSetWriter({:?}, {} tensors, {} bytes per buffer, generation {})",
+            self.core.name,
+            self.core.layout.len(),
+            self.core.layout.bytes_per_buffer(),
+            *lock(&self.core.generation)
+        )
+    }
+}
+
+impl TensorSetWriter {
+    /// `close(timeout)`, `t` checked.
+    fn close_for(&self, py: Python<'_>, t: std::time::Duration) -> PyResult<()> {
         if self.core.fork.inherited() {
             return Ok(()); // a forked child's copy: the parent's set stays open
         }
@@ -573,7 +599,13 @@ impl TensorSetWriter {
         let Some((mut w, _finishing)) = w else {
             // Closed already, or being closed by another `close()` (or by the `begin` that has
             // the writer as it ends): returns once that close has finished, within `timeout`.
-            return self.core.finish.wait(py, t);
+            self.core.finish.wait(py, t)?;
+            // That close was interrupted (Ctrl-C) and handed the writer back, closed but not
+            // freed: this one finishes it.
+            if matches!(lock(&self.core.state).slot, Slot::Idle(_)) {
+                return self.close_for(py, t);
+            }
+            return Ok(());
         };
         let start = Instant::now();
         // What `close` waits for, in slices, so that Ctrl-C is seen (`sliced`).
@@ -596,24 +628,5 @@ impl TensorSetWriter {
         py.detach(|| w.close(left))
             .map(|_| ())
             .map_err(|e| err(py, e))
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
-        self.close(py, Seconds::Float(5.0))
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "TensorSetWriter({:?}, {} tensors, {} bytes per buffer, generation {})",
-            self.core.name,
-            self.core.layout.len(),
-            self.core.layout.bytes_per_buffer(),
-            *lock(&self.core.generation)
-        )
     }
 }

@@ -51,6 +51,31 @@ impl WriteFrame {
         Ok(w)
     }
 
+    /// Runs `op` (a copy of `n` bytes) on the open frame; `InvalidArgument` once published or
+    /// abandoned. A copy of at least [`crate::util::COPY_WITHOUT_GIL`] bytes runs without the
+    /// GIL and takes the frame's lock there: the lock is never held by a thread that waits for
+    /// the GIL (a thread with the GIL may wait for the lock, which such a copy lets go of
+    /// without it). Taking it with the GIL and then letting the GIL go for the copy deadlocked a
+    /// second thread's call on this frame: it held the GIL and waited for the lock, the copy
+    /// held the lock and waited for the GIL.
+    fn with_frame(
+        &self,
+        py: Python<'_>,
+        n: usize,
+        op: impl FnOnce(&mut OwnedWriteFrame) -> cuda_ipc::Result<()> + Send,
+    ) -> PyResult<()> {
+        // `&mut`: an `OwnedWriteFrame` may move between threads but is not shared between them.
+        let run = || match lock(&self.inner).as_mut() {
+            Some(f) => op(f).map(Some),
+            None => Ok(None),
+        };
+        match copy(py, n, run) {
+            Ok(Some(())) => Ok(()),
+            Ok(None) => Err(Self::done(py)),
+            Err(e) => Err(err(py, e)),
+        }
+    }
+
     pub(crate) fn finish(&self, py: Python<'_>) -> Option<OwnedWriteFrame> {
         let _ = py;
         lock(&self.inner).take()
@@ -81,7 +106,9 @@ impl WriteFrame {
 
 impl Drop for WriteFrame {
     fn drop(&mut self) {
-        if let Some(f) = lock(&self.inner).take() {
+        // The lock is let go of before the GIL is taken (`give_back`).
+        let taken = lock(&self.inner).take();
+        if let Some(f) = taken {
             // Collected unpublished: the buffer goes back, the producer to its lender (its Python
             // `Producer` may be gone already).
             let p = f.into_producer();
@@ -131,9 +158,7 @@ impl WriteFrame {
         let data = bytes_of(data)?;
         let src = data.as_bytes();
         self.buffer.host_range(py, offset, Some(src.len()))?;
-        let mut g = lock(&self.inner);
-        let f = g.as_mut().ok_or_else(|| Self::done(py))?;
-        copy(py, src.len(), || f.write_at(offset, src)).map_err(|e| err(py, e))?;
+        self.with_frame(py, src.len(), |f| f.write_at(offset, src))?;
         Ok(src.len())
     }
 
@@ -148,11 +173,8 @@ impl WriteFrame {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let offset: usize = offset.get(py, "offset")?;
         let n = self.buffer.host_range(py, offset, opt_int(py, "n", n)?)?;
-        let mut g = lock(&self.inner);
-        // `&mut`: an `OwnedWriteFrame` may move between threads but is not shared between them.
-        let f = g.as_mut().ok_or_else(|| Self::done(py))?;
         PyBytes::new_with(py, n, |buf| {
-            copy(py, n, move || f.frame().read_at(offset, buf)).map_err(|e| err(py, e))
+            self.with_frame(py, n, move |f| f.frame().read_at(offset, buf))
         })
     }
 

@@ -22,6 +22,7 @@ import pathlib
 import queue
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -1078,3 +1079,108 @@ def test_a_second_close_returns_only_once_the_first_has_freed_the_name(name, kin
     join(threads)
     other.close()
     assert not errors, errors
+
+
+WRITE_FRAME_SHARED = """
+import sys, threading, time, cuda_ipc
+N = 1 << 20
+tx = cuda_ipc.Producer(sys.argv[1], N, memory="host", buffers=2)
+wf = tx.acquire(timeout=5.0)
+stop = threading.Event()
+errors = []
+
+def filler():
+    try:
+        while not stop.is_set():
+            wf.write(b"\\x05" * (N // 2), offset=N // 2)  # over 64 KiB: copied without the GIL
+            wf.read(N // 2, N // 2)
+    except Exception as e:
+        errors.append(e)
+
+threads = [threading.Thread(target=filler, daemon=True) for _ in range(2)]
+for t in threads:
+    t.start()
+t0 = time.monotonic()
+n = 0
+while time.monotonic() - t0 < 1.5:
+    wf.write(b"head", 0)
+    assert wf.read(0, 4) == b"head"
+    n += 1
+stop.set()
+for t in threads:
+    t.join(10.0)
+assert not any(t.is_alive() for t in threads) and not errors, errors
+assert wf.read(N // 2, 4) == b"\\x05" * 4
+wf.publish()
+tx.close()
+print("ok", n, flush=True)
+"""
+
+
+def test_threads_sharing_one_write_frame_with_large_copies_never_deadlock(name):
+    # A copy of 64 KiB or more into or out of a WriteFrame runs without the GIL. It took the
+    # frame's lock with the GIL first, so another thread's call on that frame (holding the GIL,
+    # waiting for the lock) and the copy (holding the lock, waiting for the GIL back) froze the
+    # whole interpreter. Run in a child, so a deadlock fails the test instead of hanging it.
+    child = subprocess.run(
+        [sys.executable, "-c", WRITE_FRAME_SHARED, name],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert child.returncode == 0 and child.stdout.startswith("ok"), (child.stdout, child.stderr)
+
+
+@pytest.mark.parametrize("kind", ["writer", "producer"])
+def test_a_close_waiting_for_another_finishes_the_object_when_that_one_is_interrupted(name, kind):
+    # The main thread's close waits for a hold; a second close from another thread waits for
+    # it. Ctrl-C ends the first (the object is left closed, not freed): the second returned at
+    # that moment with the name still taken. It now finishes the close itself, returning once
+    # the hold ended and the object is freed, so the name can be created right after it.
+    if kind == "writer":
+        owner = cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
+        with owner.begin(timeout=ANSWER) as u:
+            u.write("a", b"B" * 8)
+        del u
+        other = cuda_ipc.TensorSetReader(name)
+        hold = other.current()
+
+        def create():
+            return cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
+    else:
+        owner = cuda_ipc.Producer(name, 64, memory="host")
+        other = cuda_ipc.Consumer(name)
+        f = owner.acquire(timeout=ANSWER)
+        f.write(b"x")
+        f.publish()
+        del f
+        hold = other.recv(timeout=ANSWER)
+
+        def create():
+            return cuda_ipc.Producer(name, 64, memory="host")
+
+    released = threading.Event()
+    outcome = []
+
+    def second():
+        time.sleep(0.1)
+        try:
+            owner.close(ANSWER)
+            outcome.append(("closed", released.is_set()))
+            create().close()
+            outcome.append(("created", None))
+        except Exception as e:  # reported below
+            outcome.append(("error", e))
+
+    def interrupt_then_release():
+        time.sleep(0.3)
+        _thread.interrupt_main()
+        time.sleep(0.5)
+        released.set()
+        hold.release()
+
+    threads = [run(second), run(interrupt_then_release)]
+    with pytest.raises(KeyboardInterrupt):
+        owner.close(ANSWER)
+        time.sleep(ANSWER)  # the interrupt comes in the close, or here at the latest
+    join(threads)
+    other.close()
+    assert outcome == [("closed", True), ("created", None)], outcome
