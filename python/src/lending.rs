@@ -73,6 +73,26 @@ impl Drop for Lender {
     }
 }
 
+impl crate::util::CloseAtExit for Lender {
+    fn close_at_exit(&self, py: Python<'_>) {
+        if self.fork.inherited() {
+            return; // a forked child's copy: the parent's channel
+        }
+        let taken = {
+            let mut s = lock(&self.state);
+            let p = s.producer.take();
+            // Closed only when taken here: a producer lent out is its thread's to give back.
+            s.closed |= p.is_some();
+            p.map(|p| (p, self.finish.start()))
+        };
+        if let Some((p, _finishing)) = taken {
+            // A failed sync of the producer's stream has no caller left to go to; the pool is
+            // freed all the same.
+            py.detach(|| drop(p.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS)));
+        }
+    }
+}
+
 impl Lender {
     /// Lends nothing yet: `p` is at home.
     pub(crate) fn new(p: RustProducer, name: String, stream: Option<usize>) -> Lender {

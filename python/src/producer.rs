@@ -165,10 +165,10 @@ impl Producer {
                 cuda_ipc::channel::Producer::create(&ctx, &name, &opts)
             })
             .map_err(|e| err(py, e))?;
-        Ok(Producer {
-            memory: p.memory_kind(),
-            lender: Arc::new(Lender::new(p, name, stream)),
-        })
+        let memory = p.memory_kind();
+        let lender = Arc::new(Lender::new(p, name, stream));
+        crate::util::close_at_exit_later(&(lender.clone() as Arc<dyn crate::util::CloseAtExit>));
+        Ok(Producer { memory, lender })
     }
 
     /// The channel name.

@@ -59,9 +59,9 @@ fn mode_arg(py: Python<'_>, mode: &str, buffers: Option<usize>) -> PyResult<Gene
 
 impl TensorSetWriter {
     fn over(w: RustWriter, device: i32, keep: Option<Py<PyDict>>) -> TensorSetWriter {
-        TensorSetWriter {
-            core: Arc::new(WriterCore::new(w, device, keep)),
-        }
+        let core = Arc::new(WriterCore::new(w, device, keep));
+        crate::util::close_at_exit_later(&(core.clone() as Arc<dyn crate::util::CloseAtExit>));
+        TensorSetWriter { core }
     }
 }
 

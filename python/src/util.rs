@@ -81,15 +81,43 @@ pub(crate) const DROP_WAITS_FOR_HOLDS: Duration = Duration::from_secs(5);
 /// afterwards waits only for other processes' consumers (`close_at_exit`), not its own's.
 static EXITING: AtomicBool = AtomicBool::new(false);
 
-/// The `atexit` hook: marks the interpreter as exiting ([`EXITING`]). Hooks run last
-/// registered first, so the user's, registered after `import cuda_ipc`, have run (and released
-/// what they release) by then.
+/// A writer or producer this process made, closed by the `atexit` hook if it is still open
+/// then ([`mark_exiting`]).
+pub(crate) trait CloseAtExit: Send + Sync {
+    /// Closes it as a process that is exiting does (`close_at_exit`: other processes' holds
+    /// waited for, up to [`DROP_WAITS_FOR_HOLDS`], this process's own forced), if it is idle: one
+    /// that a thread is using (a `begin`, an `acquire`, an open update or write frame) is left to
+    /// that thread.
+    fn close_at_exit(&self, py: Python<'_>);
+}
+
+/// Every writer and producer made in this process, as weak references (pruned of the dropped
+/// ones at each registration).
+static OPEN: Mutex<Vec<std::sync::Weak<dyn CloseAtExit>>> = Mutex::new(Vec::new());
+
+/// Registers `o` to be closed at the interpreter's exit if it is still open then.
+pub(crate) fn close_at_exit_later(o: &std::sync::Arc<dyn CloseAtExit>) {
+    let mut open = lock(&OPEN);
+    open.retain(|w| w.strong_count() > 0);
+    open.push(std::sync::Arc::downgrade(o));
+}
+
+/// The `atexit` hook: marks the interpreter as exiting ([`EXITING`]) and closes every writer and
+/// producer still open and idle ([`CloseAtExit`]). Module globals are not collected at the exit
+/// while a daemon thread runs (any: one in `time.sleep` is enough), so without this their
+/// segments stayed in /dev/shm for `cuda-ipc gc`. Hooks run last registered first, so the
+/// user's, registered after `import cuda_ipc`, have run (and closed or released what they do)
+/// by then.
 #[pyfunction]
 #[pyo3(name = "_mark_exiting")]
-pub(crate) fn mark_exiting() {
+pub(crate) fn mark_exiting(py: Python<'_>) {
     // Relaxed: a flag read by drops that run after the hook on the same thread (finalization),
     // or by any other as a hint only.
     EXITING.store(true, Ordering::Relaxed);
+    let open: Vec<_> = lock(&OPEN).drain(..).filter_map(|w| w.upgrade()).collect();
+    for o in open {
+        o.close_at_exit(py);
+    }
 }
 
 /// Whether the interpreter is exiting ([`EXITING`]).

@@ -112,6 +112,32 @@ impl Drop for WriterCore {
     }
 }
 
+impl crate::util::CloseAtExit for WriterCore {
+    fn close_at_exit(&self, py: Python<'_>) {
+        if self.fork.inherited() {
+            return; // a forked child's copy: the parent's set
+        }
+        let taken = {
+            let mut s = lock(&self.state);
+            match std::mem::replace(&mut s.slot, Slot::Closed) {
+                Slot::Idle(w) => Some((w, self.finish.start())),
+                other => {
+                    s.slot = other;
+                    None
+                }
+            }
+        };
+        if let Some((w, _finishing)) = taken {
+            py.detach(|| {
+                self.closer.withdraw();
+                // A failed sync of the writer's stream has no caller left to go to; the memory
+                // is freed all the same.
+                let _ = w.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
+            });
+        }
+    }
+}
+
 impl WriterCore {
     pub(crate) fn new(w: RustWriter, device: i32, keep: Option<Py<PyDict>>) -> WriterCore {
         WriterCore {

@@ -189,3 +189,37 @@ def test_an_exit_still_waits_for_another_processs_hold(name):
     out, err = reader.communicate(timeout=60)
     assert reader.returncode == 0 and "released" in out, (out, err)
     assert 0.8 < took < 4.5, f"the writer's exit took {took:.2f} s"
+
+
+def test_an_exit_with_a_daemon_thread_alive_closes_the_writers_and_producers_left_open(name):
+    """While any daemon thread runs at the exit (one in `time.sleep` is enough), CPython does not
+    collect module globals: their writers and producers were never closed, and their segments
+    stayed in /dev/shm for `cuda-ipc gc`. The module's `atexit` hook closes every writer and
+    producer still open and idle; a reader's and a consumer's hold of this process does not keep
+    it waiting."""
+    name, pids = name
+    src = textwrap.dedent("""
+        import sys, threading, time, cuda_ipc
+        name = sys.argv[1]
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        w = cuda_ipc.TensorSetWriter(name + "-set", {"a": ((256,), "float32")}, memory="host")
+        with w.begin(timeout=5.0):
+            pass
+        r = cuda_ipc.TensorSetReader(name + "-set")
+        h = r.current(timeout=5.0)
+        tx = cuda_ipc.Producer(name + "-ch", 64, buffers=2, memory="host")
+        rx = cuda_ipc.Consumer(name + "-ch")
+        f = tx.acquire(timeout=5.0)
+        f.publish()
+        fr = rx.recv(timeout=5.0)
+        idle = cuda_ipc.Producer(name + "-idle", 64, memory="host")
+        print("main returns", flush=True)
+    """)
+    child = subprocess.Popen(
+        [sys.executable, "-c", src, name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    pids.append(child.pid)
+    took = exit_seconds(child)
+    assert took < 4.0, f"the exit took {took:.2f} s"
+    left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
+    assert not left, left
