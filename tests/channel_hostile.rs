@@ -622,3 +622,26 @@ fn a_buffer_size_near_u64_max_in_a_host_channels_headers_is_a_mismatch_not_a_pan
     }
     drop(tx);
 }
+
+/// A producer that makes its channel again with another geometry while a consumer attaches: the
+/// consumer may read the old control segment and find the new pool (or the other way round). The
+/// pool's generation is not the tokens': another incarnation of the channel, said as
+/// `Superseded` (attach again), not `BadSegment` (a damaged pool), which a retry loop takes for
+/// fatal. Made here without the race: the pool of a second channel of 3 buffers of 32 bytes is put
+/// under the first's pool name (2 buffers of 16).
+#[test]
+fn a_pool_of_another_incarnation_with_another_geometry_is_superseded_not_damaged() {
+    use cuda_ipc::channel::{ChannelOptions, Consumer, ConsumerOptions, Producer, inspect};
+    let (a, b) = (name("incarnation-a"), name("incarnation-b"));
+    let tx = Producer::create_host(&a, &ChannelOptions::new(16).buffers(2)).unwrap();
+    let other = Producer::create_host(&b, &ChannelOptions::new(32).buffers(3)).unwrap();
+    let pool = |n: &str| format!("/dev/shm/{}", inspect::pool_segment_name(n));
+    std::fs::rename(pool(&b), pool(&a)).unwrap();
+    match Consumer::attach(&a, &ConsumerOptions::new()) {
+        Err(Error::Channel(ChannelError::Superseded(ch))) => assert_eq!(ch, a),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(other);
+    drop(tx);
+    let _ = std::fs::remove_file(pool(&a));
+}

@@ -364,6 +364,14 @@ impl HostPool {
                 need: usize::try_from(n).unwrap_or(usize::MAX),
             }));
         }
+        // A pool of another incarnation of the channel (a producer made it again meanwhile, with
+        // another geometry: the control segment read is the old one's or the new one's): the
+        // channel was superseded, a race to attach again, not a damaged pool.
+        if tokens.iter().any(|t| token_generation(t) != generation) {
+            return Err(Error::Channel(super::ChannelError::Superseded(
+                channel.to_string(),
+            )));
+        }
         if !geometry {
             return Err(bad(SegmentFault::PoolMismatch {
                 segment: name,
