@@ -182,7 +182,8 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {
 /// `v` for a message: in exponent form once it is too large for plain digits to read (`-1e300`,
 /// not 301 digits).
 pub(crate) fn show_f64(v: f64) -> String {
-    if v.is_finite() && v.abs() >= 1e16 {
+    // Very large and very small magnitudes in exponent form: `-1e-300` is not 300 zeros.
+    if v.is_finite() && v != 0.0 && !(1e-6..1e16).contains(&v.abs()) {
         format!("{v:e}")
     } else {
         format!("{v}")

@@ -539,6 +539,13 @@ def test_a_bool_is_no_duration_and_huge_values_print_in_exponent_form(name):
         with pytest.raises(cuda_ipc.InvalidArgument) as e:
             rx.recv(timeout=1e9 + 1)
         assert str(e.value).endswith("got 1000000001"), str(e.value)
+        # A tiny negative value in exponent form, not hundreds of zeros.
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            rx.recv(timeout=-1e-300)
+        assert str(e.value).endswith("got -1e-300"), str(e.value)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            rx.recv(timeout=-0.5)
+        assert str(e.value).endswith("got -0.5"), str(e.value)
         rx.close()
 
 

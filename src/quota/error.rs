@@ -113,8 +113,8 @@ pub enum QuotaError {
     /// No budget is set for the scope and device a producer asked to reserve from
     /// ([`crate::channel::ChannelOptions::quota`]): its ledger does not exist.
     #[error(
-        "no budget is set in quota ledger {name} (set one first: `cuda-ipc quota set`, or \
-         QuotaLedger::set_budget)"
+        "no budget is set in quota ledger {name} (set one first: `cuda-ipc quota set`, \
+         QuotaLedger::set_budget, or cuda_ipc.set_quota in Python)"
     )]
     NoBudget {
         /// The ledger's segment name.
