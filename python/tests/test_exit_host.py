@@ -106,13 +106,7 @@ def test_the_interpreter_exits_cleanly_with_daemon_threads_inside_blocking_calls
 # A writer (a producer) whose own process still holds a generation (a frame) when the
 # interpreter exits, kept in module globals that finalization collects writer first.
 OWN_HOLD = {
-    "set": """
-        w = cuda_ipc.TensorSetWriter(name, {"a": ((256,), "float32")}, memory="host")
-        with w.begin(timeout=5.0):
-            pass
-        r = cuda_ipc.TensorSetReader(name)
-        h = r.current(timeout=5.0)
-    """,
+    "set": SETUP["set"].rstrip(" ") + "        h = r.current(timeout=5.0)\n",
     "channel": """
         tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
         rx = cuda_ipc.Consumer(name)

@@ -1027,33 +1027,39 @@ def test_collecting_a_writer_or_producer_lets_other_threads_release_their_holds(
     assert len(ticks) >= 5, f"the other thread ran {len(ticks)} times during the collection"
 
 
+def owner_with_a_hold(name, kind):
+    """A host set's writer (`kind` "writer") or a host channel's producer with one generation
+    (frame) out, held by a reader (consumer) of this process: (owner, reader, hold, create), where
+    `create()` makes the object again under the name."""
+    if kind == "writer":
+        owner = cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
+        with owner.begin(timeout=ANSWER) as u:
+            u.write("a", b"B" * 8)
+        other = cuda_ipc.TensorSetReader(name)
+
+        def create():
+            return cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
+
+        return owner, other, other.current(), create
+    owner = cuda_ipc.Producer(name, 64, memory="host")
+    other = cuda_ipc.Consumer(name)
+    f = owner.acquire(timeout=ANSWER)
+    f.write(b"x")
+    f.publish()
+
+    def create():
+        return cuda_ipc.Producer(name, 64, memory="host")
+
+    return owner, other, other.recv(timeout=ANSWER), create
+
+
 @pytest.mark.parametrize("kind", ["writer", "producer"])
 def test_a_second_close_returns_only_once_the_first_has_freed_the_name(name, kind):
     # The first close waits for a hold another thread lets go of after 0.5 s; a second close
     # from a third thread meanwhile returned at once before, while the name was still taken,
     # so a re-create after it failed (`ChannelExists`). It now returns once the first close has
     # finished, and the name can be created again right after it.
-    if kind == "writer":
-        owner = cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
-        with owner.begin(timeout=ANSWER) as u:
-            u.write("a", b"B" * 8)
-        del u
-        other = cuda_ipc.TensorSetReader(name)
-        hold = other.current()
-
-        def create():
-            return cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
-    else:
-        owner = cuda_ipc.Producer(name, 64, memory="host")
-        other = cuda_ipc.Consumer(name)
-        f = owner.acquire(timeout=ANSWER)
-        f.write(b"x")
-        f.publish()
-        del f
-        hold = other.recv(timeout=ANSWER)
-
-        def create():
-            return cuda_ipc.Producer(name, 64, memory="host")
+    owner, other, hold, create = owner_with_a_hold(name, kind)
 
     first_done = threading.Event()
     errors = []
@@ -1135,27 +1141,7 @@ def test_a_close_waiting_for_another_finishes_the_object_when_that_one_is_interr
     # it. Ctrl-C ends the first (the object is left closed, not freed): the second returned at
     # that moment with the name still taken. It now finishes the close itself, returning once
     # the hold ended and the object is freed, so the name can be created right after it.
-    if kind == "writer":
-        owner = cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
-        with owner.begin(timeout=ANSWER) as u:
-            u.write("a", b"B" * 8)
-        del u
-        other = cuda_ipc.TensorSetReader(name)
-        hold = other.current()
-
-        def create():
-            return cuda_ipc.TensorSetWriter(name, {"a": ((8,), "uint8")}, memory="host")
-    else:
-        owner = cuda_ipc.Producer(name, 64, memory="host")
-        other = cuda_ipc.Consumer(name)
-        f = owner.acquire(timeout=ANSWER)
-        f.write(b"x")
-        f.publish()
-        del f
-        hold = other.recv(timeout=ANSWER)
-
-        def create():
-            return cuda_ipc.Producer(name, 64, memory="host")
+    owner, other, hold, create = owner_with_a_hold(name, kind)
 
     released = threading.Event()
     outcome = []
