@@ -115,6 +115,12 @@ fn gc_frees_a_killed_holders_reservation_and_keeps_the_ledger_and_the_live_ones(
 /// Bytes of a ledger segment (a header page, then 256 entries of 64 bytes).
 const LEDGER_LEN: usize = 4096 + 256 * 64;
 
+/// The name of uid 65534's ledger of fake device `tag`: another user's (a file of uid 65534 under
+/// this user's ledger name would be one planted there, a problem: the last test).
+fn theirs_name(tag: u8) -> String {
+    QuotaScope::User(65534).segment_name(fake_device(tag))
+}
+
 /// Plants a ledger creation of `creator` under `name` and gives it to uid 65534 (as root, when
 /// this runs as root); returns whether it did (else it says why it left it out).
 fn plant_another_users(name: &str, creator: ProcessIdentity) -> bool {
@@ -188,8 +194,8 @@ fn at_a_second_start() -> Instant {
 fn gc_removes_an_abandoned_quota_ledger_creation_and_keeps_a_young_live_or_other_users_one() {
     let _turn = gc_turn();
     let name = |tag: u8| QuotaScope::user().segment_name(fake_device(tag));
-    let [empty, dead, live, theirs, young, young_empty] =
-        [0x10, 0x11, 0x12, 0x13, 0x14, 0x15].map(name);
+    let [empty, dead, live, _, young, young_empty] = [0x10, 0x11, 0x12, 0x13, 0x14, 0x15].map(name);
+    let theirs = theirs_name(0x13);
     let _g = [&empty, &dead, &live, &theirs, &young, &young_empty].map(|n| Gone(n.clone()));
     let exists = |n: &str| std::fs::symlink_metadata(format!("/dev/shm/{n}")).is_ok();
     let creator = dead_process();
@@ -357,7 +363,8 @@ fn gc_of_a_quota_ledgers_name_cleans_that_ledger_by_the_same_rules() {
     }
     let _turn = gc_turn();
     let name = |tag: u8| QuotaScope::user().segment_name(fake_device(tag));
-    let [empty, dead, live, theirs, bystander] = [0x20, 0x21, 0x22, 0x23, 0x24].map(name);
+    let [empty, dead, live, _, bystander] = [0x20, 0x21, 0x22, 0x23, 0x24].map(name);
+    let theirs = theirs_name(0x23);
     let _g = [&empty, &dead, &live, &theirs, &bystander].map(|n| Gone(n.clone()));
     let exists = |n: &str| std::fs::symlink_metadata(format!("/dev/shm/{n}")).is_ok();
     // A ready ledger with this process's reservation and a killed holder's (a child running the

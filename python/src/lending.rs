@@ -74,7 +74,7 @@ impl Drop for Lender {
 }
 
 impl crate::util::CloseAtExit for Lender {
-    fn close_at_exit(&self, py: Python<'_>) {
+    fn close_at_exit(&self, py: Python<'_>, wait: Duration) {
         if self.fork.inherited() {
             return; // a forked child's copy: the parent's channel
         }
@@ -88,7 +88,7 @@ impl crate::util::CloseAtExit for Lender {
         if let Some((p, _finishing)) = taken {
             // A failed sync of the producer's stream has no caller left to go to; the pool is
             // freed all the same.
-            py.detach(|| drop(p.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS)));
+            py.detach(|| drop(p.close_at_exit(wait)));
         }
     }
 }

@@ -167,7 +167,10 @@ impl Producer {
             .map_err(|e| err(py, e))?;
         let memory = p.memory_kind();
         let lender = Arc::new(Lender::new(p, name, stream));
-        crate::util::close_at_exit_later(&(lender.clone() as Arc<dyn crate::util::CloseAtExit>));
+        crate::util::close_at_exit_later(
+            py,
+            &(lender.clone() as Arc<dyn crate::util::CloseAtExit>),
+        );
         Ok(Producer { memory, lender })
     }
 
@@ -374,10 +377,10 @@ impl Producer {
                 // Closed already, or being closed by another `close()` (or by the `acquire` or
                 // `WriteFrame` that has the producer as it ends): returns once that close has
                 // finished, within `timeout`.
-                l.finish.wait(py, t)?;
-                // That close was interrupted (Ctrl-C) and handed the producer back, closed but
-                // not freed: this one finishes it.
-                if lock(&l.state).producer.is_some() {
+                // A close interrupted (Ctrl-C) hands the producer back, closed but not freed:
+                // then this one finishes it.
+                let back = || lock(&l.state).producer.is_some();
+                if l.finish.wait_or_take_over(py, t, back)? {
                     return self.close_for(py, t);
                 }
                 (0, 0)

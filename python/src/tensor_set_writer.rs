@@ -58,9 +58,14 @@ fn mode_arg(py: Python<'_>, mode: &str, buffers: Option<usize>) -> PyResult<Gene
 }
 
 impl TensorSetWriter {
-    fn over(w: RustWriter, device: i32, keep: Option<Py<PyDict>>) -> TensorSetWriter {
+    fn over(
+        py: Python<'_>,
+        w: RustWriter,
+        device: i32,
+        keep: Option<Py<PyDict>>,
+    ) -> TensorSetWriter {
         let core = Arc::new(WriterCore::new(w, device, keep));
-        crate::util::close_at_exit_later(&(core.clone() as Arc<dyn crate::util::CloseAtExit>));
+        crate::util::close_at_exit_later(py, &(core.clone() as Arc<dyn crate::util::CloseAtExit>));
         TensorSetWriter { core }
     }
 }
@@ -113,7 +118,7 @@ impl TensorSetWriter {
                 RustWriter::create(&ctx, &name, &specs, &opts)
             })
             .map_err(|e| err(py, e))?;
-        Ok(Self::over(w, device as i32, None))
+        Ok(Self::over(py, w, device as i32, None))
     }
 
     /// Publishes `tensors` (a dict of name → CUDA `torch.Tensor`, e.g. a model's `state_dict()`)
@@ -234,7 +239,12 @@ impl TensorSetWriter {
                 Ok(w)
             })
             .map_err(|e| err(py, e))?;
-        Ok(Self::over(w, device as i32, Some(tensors.copy()?.unbind())))
+        Ok(Self::over(
+            py,
+            w,
+            device as i32,
+            Some(tensors.copy()?.unbind()),
+        ))
     }
 
     /// Takes the buffer of the next generation (waiting up to `timeout` seconds, `None`: forever,
@@ -599,10 +609,10 @@ impl TensorSetWriter {
         let Some((mut w, _finishing)) = w else {
             // Closed already, or being closed by another `close()` (or by the `begin` that has
             // the writer as it ends): returns once that close has finished, within `timeout`.
-            self.core.finish.wait(py, t)?;
-            // That close was interrupted (Ctrl-C) and handed the writer back, closed but not
-            // freed: this one finishes it.
-            if matches!(lock(&self.core.state).slot, Slot::Idle(_)) {
+            // A close interrupted (Ctrl-C) hands the writer back, closed but not freed: then
+            // this one finishes it.
+            let back = || matches!(lock(&self.core.state).slot, Slot::Idle(_));
+            if self.core.finish.wait_or_take_over(py, t, back)? {
                 return self.close_for(py, t);
             }
             return Ok(());

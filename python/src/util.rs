@@ -14,34 +14,51 @@ use std::time::{Duration, Instant};
 /// after it would find the object still there.
 #[derive(Default)]
 pub(crate) struct Finish {
-    /// Closes finishing now: one, or two for the instant in which an interrupted close has
-    /// handed the object back and another close has taken it already.
-    running: Mutex<u32>,
+    /// The threads whose closes are finishing now: one, or two for the instant in which an
+    /// interrupted close has handed the object back and another close has taken it already.
+    running: Mutex<Vec<std::thread::ThreadId>>,
     done: Condvar,
 }
 
-/// A close finishing ([`Finish::start`]); its drop ends it and wakes the `close()`s waiting.
-pub(crate) struct Finishing<'a>(&'a Finish);
+/// A close finishing ([`Finish::start`]) on a thread; its drop ends it and wakes the `close()`s
+/// waiting.
+pub(crate) struct Finishing<'a>(&'a Finish, std::thread::ThreadId);
 
 impl Drop for Finishing<'_> {
     fn drop(&mut self) {
-        *lock(&self.0.running) -= 1;
+        let mut r = lock(&self.0.running);
+        if let Some(i) = r.iter().position(|t| *t == self.1) {
+            r.swap_remove(i);
+        }
+        drop(r);
         self.0.done.notify_all();
     }
 }
 
 impl Finish {
-    /// Marks a close as finishing until the guard drops. Call it under the lock whose state
-    /// says the object is closed (its `state`), so that a second `close()` that finds it closed
-    /// finds this too.
+    /// Marks a close of this thread as finishing until the guard drops. Call it under the lock
+    /// whose state says the object is closed (its `state`), so that a second `close()` that
+    /// finds it closed finds this too.
     pub(crate) fn start(&self) -> Finishing<'_> {
-        *lock(&self.running) += 1;
-        Finishing(self)
+        let me = std::thread::current().id();
+        lock(&self.running).push(me);
+        Finishing(self, me)
     }
 
-    /// Waits up to `timeout` for a close that is finishing, if one is: without the GIL, in
-    /// slices ([`SLICE`]), a signal handler's exception (Ctrl-C) raised between them.
-    pub(crate) fn wait(&self, py: Python<'_>, timeout: Duration) -> PyResult<()> {
+    /// Whether a close is finishing now.
+    pub(crate) fn is_running(&self) -> bool {
+        !lock(&self.running).is_empty()
+    }
+
+    /// Waits up to `timeout` until no close is finishing: without the GIL, in slices ([`SLICE`]),
+    /// a signal handler's exception (Ctrl-C) raised between them. `false` at once when a close of
+    /// this thread is finishing: a signal handler's close that interrupted it, which cannot go on
+    /// before the handler returns (waiting would only run out the timeout).
+    pub(crate) fn wait(&self, py: Python<'_>, timeout: Duration) -> PyResult<bool> {
+        let me = std::thread::current().id();
+        if lock(&self.running).contains(&me) {
+            return Ok(false);
+        }
         let deadline = Instant::now().checked_add(timeout);
         loop {
             let slice = match deadline {
@@ -50,17 +67,44 @@ impl Finish {
             };
             let running = py.detach(|| {
                 let r = lock(&self.running);
-                *self
+                !self
                     .done
-                    .wait_timeout_while(r, slice, |r| *r > 0)
+                    .wait_timeout_while(r, slice, |r| !r.is_empty())
                     .unwrap_or_else(|p| p.into_inner())
                     .0
-                    > 0
+                    .is_empty()
             });
             if !running || deadline.is_some_and(|d| Instant::now() >= d) {
-                return Ok(());
+                return Ok(true);
             }
             py.check_signals()?;
+        }
+    }
+
+    /// What a `close()` that found the object taken by another close does: waits (up to
+    /// `timeout`) for the closes finishing it, and returns `true` when the object came back
+    /// (`is_back`: a close interrupted by Ctrl-C hands it back, closed but not freed), for the
+    /// caller to finish; `false` once it is freed, at the timeout, or at once for a close of a
+    /// signal handler that interrupted this thread's own close ([`Finish::wait`]). Several
+    /// waiters: the first to see it back takes it, and the others wait for that one's close.
+    pub(crate) fn wait_or_take_over(
+        &self,
+        py: Python<'_>,
+        timeout: Duration,
+        is_back: impl Fn() -> bool,
+    ) -> PyResult<bool> {
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
+            if !self.wait(py, left)? {
+                return Ok(false);
+            }
+            if is_back() {
+                return Ok(true);
+            }
+            if !self.is_running() || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
+            }
         }
     }
 }
@@ -85,21 +129,52 @@ static EXITING: AtomicBool = AtomicBool::new(false);
 /// then ([`mark_exiting`]).
 pub(crate) trait CloseAtExit: Send + Sync {
     /// Closes it as a process that is exiting does (`close_at_exit`: other processes' holds
-    /// waited for, up to [`DROP_WAITS_FOR_HOLDS`], this process's own forced), if it is idle: one
-    /// that a thread is using (a `begin`, an `acquire`, an open update or write frame) is left to
-    /// that thread.
-    fn close_at_exit(&self, py: Python<'_>);
+    /// waited for, up to `wait`, this process's own forced), if it is idle: one that a thread is
+    /// using (a `begin`, an `acquire`, an open update or write frame) is left to that thread.
+    fn close_at_exit(&self, py: Python<'_>, wait: Duration);
 }
 
 /// Every writer and producer made in this process, as weak references (pruned of the dropped
 /// ones at each registration).
 static OPEN: Mutex<Vec<std::sync::Weak<dyn CloseAtExit>>> = Mutex::new(Vec::new());
 
-/// Registers `o` to be closed at the interpreter's exit if it is still open then.
-pub(crate) fn close_at_exit_later(o: &std::sync::Arc<dyn CloseAtExit>) {
-    let mut open = lock(&OPEN);
-    open.retain(|w| w.strong_count() > 0);
-    open.push(std::sync::Arc::downgrade(o));
+/// The `atexit` hook as a Python function ([`mark_exiting`]), kept for `multiprocessing`.
+pub(crate) static HOOK: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+
+/// The process whose `multiprocessing` finalizers run the hook ([`close_at_exit_later`]).
+static MP_HOOKED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Registers `o` to be closed at the interpreter's exit if it is still open then. Where
+/// `multiprocessing` is loaded, the hook is also registered with its finalizers
+/// (`multiprocessing.util.Finalize`, once per process): a worker it started by fork or
+/// forkserver ends with `os._exit`, which runs no `atexit` hook, after running those.
+pub(crate) fn close_at_exit_later(py: Python<'_>, o: &std::sync::Arc<dyn CloseAtExit>) {
+    {
+        let mut open = lock(&OPEN);
+        open.retain(|w| w.strong_count() > 0);
+        open.push(std::sync::Arc::downgrade(o));
+    }
+    let pid = std::process::id();
+    // Relaxed: a per-process flag used under the GIL (a forked child sees its parent's pid).
+    if MP_HOOKED.load(Ordering::Relaxed) == pid {
+        return;
+    }
+    let Some(hook) = HOOK.get(py) else { return };
+    let Ok(modules) = py.import("sys").and_then(|s| s.getattr("modules")) else {
+        return;
+    };
+    // Only where it is loaded already: importing it here would cost every process ~5 ms.
+    let Ok(util) = modules.get_item("multiprocessing.util") else {
+        return;
+    };
+    let kwargs = pyo3::types::PyDict::new(py);
+    let registered = kwargs
+        .set_item("exitpriority", 0)
+        .and_then(|()| util.getattr("Finalize"))
+        .and_then(|f| f.call((py.None(), hook.bind(py)), Some(&kwargs)));
+    if registered.is_ok() {
+        MP_HOOKED.store(pid, Ordering::Relaxed);
+    }
 }
 
 /// The `atexit` hook: marks the interpreter as exiting ([`EXITING`]) and closes every writer and
@@ -115,8 +190,11 @@ pub(crate) fn mark_exiting(py: Python<'_>) {
     // or by any other as a hint only.
     EXITING.store(true, Ordering::Relaxed);
     let open: Vec<_> = lock(&OPEN).drain(..).filter_map(|w| w.upgrade()).collect();
+    // One budget for them all: other processes' holds make the exit wait at most
+    // `DROP_WAITS_FOR_HOLDS` in all, not that per object.
+    let deadline = Instant::now() + DROP_WAITS_FOR_HOLDS;
     for o in open {
-        o.close_at_exit(py);
+        o.close_at_exit(py, deadline.saturating_duration_since(Instant::now()));
     }
 }
 

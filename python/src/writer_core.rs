@@ -113,7 +113,7 @@ impl Drop for WriterCore {
 }
 
 impl crate::util::CloseAtExit for WriterCore {
-    fn close_at_exit(&self, py: Python<'_>) {
+    fn close_at_exit(&self, py: Python<'_>, wait: Duration) {
         if self.fork.inherited() {
             return; // a forked child's copy: the parent's set
         }
@@ -132,7 +132,7 @@ impl crate::util::CloseAtExit for WriterCore {
                 self.closer.withdraw();
                 // A failed sync of the writer's stream has no caller left to go to; the memory
                 // is freed all the same.
-                let _ = w.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
+                let _ = w.close_at_exit(wait);
             });
         }
     }

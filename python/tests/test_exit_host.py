@@ -217,3 +217,88 @@ def test_an_exit_with_a_daemon_thread_alive_closes_the_writers_and_producers_lef
     assert took < 4.0, f"the exit took {took:.2f} s"
     left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
     assert not left, left
+
+
+def test_the_exit_waits_for_other_processes_holds_once_not_once_per_object(name):
+    """Three writers, each with a generation another process holds and never releases: the exit
+    waits up to 5 s for them all together (it waited 5 s per writer, one after another)."""
+    name, pids = name
+    names = [f"{name}-{i}" for i in range(3)]
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, cuda_ipc
+            ws = []
+            for n in sys.argv[1:]:
+                w = cuda_ipc.TensorSetWriter(n, {"a": ((256,), "float32")}, memory="host")
+                with w.begin(timeout=5.0):
+                    pass
+                ws.append(w)
+            print("ready", flush=True)
+            sys.stdin.readline()
+            print("main returns", flush=True)
+        """), *names],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    pids.append(writer.pid)
+    assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, time, cuda_ipc
+            rs = [cuda_ipc.TensorSetReader(n) for n in sys.argv[1:]]
+            hs = [r.current(timeout=5.0) for r in rs]
+            print("held", flush=True)
+            time.sleep(60)
+        """), *names],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    pids.append(holder.pid)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        took = exit_seconds(writer)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert 4.0 < took < 8.0, f"the exit took {took:.2f} s"
+
+
+MP_WORKER = """
+import multiprocessing, sys
+import cuda_ipc
+
+KEEP = []
+
+
+def work(name):
+    # Left open in a module global: the worker ends with os._exit, which runs no atexit hook.
+    w = cuda_ipc.TensorSetWriter(name + "-set", {"a": ((16,), "float32")}, memory="host")
+    with w.begin(timeout=5.0):
+        pass
+    KEEP.append(w)
+    KEEP.append(cuda_ipc.Producer(name + "-ch", 64, memory="host"))
+
+
+if __name__ == "__main__":
+    for method in ("fork", "forkserver", "spawn"):
+        p = multiprocessing.get_context(method).Process(target=work, args=(sys.argv[1] + method,))
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0, (method, p.exitcode)
+    print("done", flush=True)
+"""
+
+
+def test_multiprocessing_workers_close_what_they_leave_open(name, tmp_path):
+    """A `multiprocessing` worker started by fork or forkserver ends with `os._exit`, which runs
+    no `atexit` hook: the module registers its exit close with `multiprocessing`'s finalizers
+    too, which such a worker runs (its segments stayed in /dev/shm before)."""
+    name, pids = name
+    script = tmp_path / "mp_worker.py"
+    script.write_text(MP_WORKER)
+    child = subprocess.run(
+        [sys.executable, str(script), name], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0 and "done" in child.stdout, (child.stdout, child.stderr)
+    left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
+    assert not left, left

@@ -1146,15 +1146,13 @@ def test_a_close_waiting_for_another_finishes_the_object_when_that_one_is_interr
     released = threading.Event()
     outcome = []
 
-    def second():
+    def waiter():
         time.sleep(0.1)
         try:
             owner.close(ANSWER)
-            outcome.append(("closed", released.is_set()))
-            create().close()
-            outcome.append(("created", None))
+            outcome.append(released.is_set())
         except Exception as e:  # reported below
-            outcome.append(("error", e))
+            outcome.append(e)
 
     def interrupt_then_release():
         time.sleep(0.3)
@@ -1163,10 +1161,46 @@ def test_a_close_waiting_for_another_finishes_the_object_when_that_one_is_interr
         released.set()
         hold.release()
 
-    threads = [run(second), run(interrupt_then_release)]
+    # Three waiting closes: the first to see the object back finishes it, the others wait for
+    # that one (they returned at the interrupt before).
+    threads = [run(waiter) for _ in range(3)] + [run(interrupt_then_release)]
     with pytest.raises(KeyboardInterrupt):
         owner.close(ANSWER)
         time.sleep(ANSWER)  # the interrupt comes in the close, or here at the latest
     join(threads)
     other.close()
-    assert outcome == [("closed", True), ("created", None)], outcome
+    assert outcome == [True, True, True], outcome
+    create().close()
+
+
+@pytest.mark.parametrize("kind", ["writer", "producer"])
+def test_a_close_from_a_signal_handler_inside_the_threads_own_close_returns_at_once(name, kind):
+    # The handler's close finds the object taken by the close it interrupted, which cannot go on
+    # before the handler returns: it returns at once (it waited out its whole timeout before).
+    owner, other, hold, create = owner_with_a_hold(name, kind)
+    took = []
+
+    def handler(signum, frame):
+        t0 = time.monotonic()
+        owner.close(ANSWER)
+        took.append(time.monotonic() - t0)
+
+    def signal_then_release():
+        time.sleep(0.3)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        time.sleep(0.5)
+        hold.release()
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        t = run(signal_then_release)
+        t0 = time.monotonic()
+        owner.close(ANSWER)
+        total = time.monotonic() - t0
+        join([t])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    other.close()
+    assert len(took) == 1 and took[0] < ANSWER / 4, took
+    assert total < ANSWER / 2, total
+    create().close()
