@@ -1163,10 +1163,16 @@ def test_a_close_waiting_for_another_finishes_the_object_when_that_one_is_interr
 
     # Three waiting closes: the first to see the object back finishes it, the others wait for
     # that one (they returned at the interrupt before).
-    threads = [run(waiter) for _ in range(3)] + [run(interrupt_then_release)]
-    with pytest.raises(KeyboardInterrupt):
-        owner.close(ANSWER)
-        time.sleep(ANSWER)  # the interrupt comes in the close, or here at the latest
+    # Python leaves SIGINT alone when it starts with SIGINT ignored (a child of a background job),
+    # and `interrupt_main` then does nothing: the default handler, for this test.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threads = [run(waiter) for _ in range(3)] + [run(interrupt_then_release)]
+        with pytest.raises(KeyboardInterrupt):
+            owner.close(ANSWER)
+            time.sleep(ANSWER)  # the interrupt comes in the close, or here at the latest
+    finally:
+        signal.signal(signal.SIGINT, old)
     join(threads)
     other.close()
     assert outcome == [True, True, True], outcome
