@@ -72,13 +72,12 @@ use write_frame::WriteFrame;
 #[pyo3(name = "cuda_ipc")]
 fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
-    // Not an attribute of the module: registered with `atexit` (and `multiprocessing`'s
-    // finalizers, `util::close_at_exit_later`) alone.
+    // Not attributes of the module: registered with `atexit`, and kept for `multiprocessing`'s
+    // finalizers (`util::close_at_exit_later`), alone.
     let hook = wrap_pyfunction!(util::mark_exiting, m)?;
-    m.py()
-        .import("atexit")?
-        .call_method1("register", (&hook,))?;
-    let _ = util::HOOK.set(m.py(), hook.into_any().unbind());
+    m.py().import("atexit")?.call_method1("register", (hook,))?;
+    let mp_hook = wrap_pyfunction!(util::mp_exiting, m)?;
+    let _ = util::HOOK.set(m.py(), mp_hook.into_any().unbind());
     m.add_class::<Producer>()?;
     m.add_class::<WriteFrame>()?;
     m.add_class::<Consumer>()?;

@@ -138,16 +138,17 @@ pub(crate) trait CloseAtExit: Send + Sync {
 /// ones at each registration).
 static OPEN: Mutex<Vec<std::sync::Weak<dyn CloseAtExit>>> = Mutex::new(Vec::new());
 
-/// The `atexit` hook as a Python function ([`mark_exiting`]), kept for `multiprocessing`.
+/// The `multiprocessing` finalizer as a Python function ([`mp_exiting`]).
 pub(crate) static HOOK: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
 
 /// The process whose `multiprocessing` finalizers run the hook ([`close_at_exit_later`]).
 static MP_HOOKED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Registers `o` to be closed at the interpreter's exit if it is still open then. Where
-/// `multiprocessing` is loaded, the hook is also registered with its finalizers
-/// (`multiprocessing.util.Finalize`, once per process): a worker it started by fork or
-/// forkserver ends with `os._exit`, which runs no `atexit` hook, after running those.
+/// `multiprocessing` is loaded, the close is registered with its finalizers instead
+/// (`multiprocessing.util.Finalize`, exit priority -1, once per process: [`mp_exiting`]): its
+/// exit hook runs them after joining the children it started, and a worker it started by fork
+/// or forkserver, which ends with `os._exit` (no `atexit` hook), runs them too.
 pub(crate) fn close_at_exit_later(py: Python<'_>, o: &std::sync::Arc<dyn CloseAtExit>) {
     {
         let mut open = lock(&OPEN);
@@ -169,7 +170,7 @@ pub(crate) fn close_at_exit_later(py: Python<'_>, o: &std::sync::Arc<dyn CloseAt
     };
     let kwargs = pyo3::types::PyDict::new(py);
     let registered = kwargs
-        .set_item("exitpriority", 0)
+        .set_item("exitpriority", -1)
         .and_then(|()| util.getattr("Finalize"))
         .and_then(|f| f.call((py.None(), hook.bind(py)), Some(&kwargs)));
     if registered.is_ok() {
@@ -178,20 +179,43 @@ pub(crate) fn close_at_exit_later(py: Python<'_>, o: &std::sync::Arc<dyn CloseAt
 }
 
 /// The `atexit` hook: marks the interpreter as exiting ([`EXITING`]) and closes every writer and
-/// producer still open and idle ([`CloseAtExit`]). Module globals are not collected at the exit
-/// while a daemon thread runs (any: one in `time.sleep` is enough), so without this their
+/// producer still open and idle ([`close_all_at_exit`]). Module globals are not collected at the
+/// exit while a daemon thread runs (any: one in `time.sleep` is enough), so without this their
 /// segments stayed in /dev/shm for `cuda-ipc gc`. Hooks run last registered first, so the
 /// user's, registered after `import cuda_ipc`, have run (and closed or released what they do)
-/// by then.
+/// by then. Where this process registered the close with `multiprocessing`'s finalizers
+/// ([`close_at_exit_later`]), it leaves the close to them: `multiprocessing`'s own exit hook,
+/// which may run after this one, joins the children it started first (they may still read the
+/// sets), then runs [`mp_exiting`].
 #[pyfunction]
 #[pyo3(name = "_mark_exiting")]
 pub(crate) fn mark_exiting(py: Python<'_>) {
     // Relaxed: a flag read by drops that run after the hook on the same thread (finalization),
     // or by any other as a hint only.
     EXITING.store(true, Ordering::Relaxed);
+    // Relaxed: as in `close_at_exit_later`.
+    if MP_HOOKED.load(Ordering::Relaxed) == std::process::id() {
+        return;
+    }
+    close_all_at_exit(py);
+}
+
+/// The `multiprocessing` finalizer ([`close_at_exit_later`], exit priority -1: after its exit
+/// hook joined the children it started, and in a worker that ends with `os._exit`): as
+/// [`mark_exiting`], closing.
+#[pyfunction]
+#[pyo3(name = "_mp_exiting")]
+pub(crate) fn mp_exiting(py: Python<'_>) {
+    // Relaxed: as in `mark_exiting`.
+    EXITING.store(true, Ordering::Relaxed);
+    close_all_at_exit(py);
+}
+
+/// Closes every writer and producer still open and idle ([`CloseAtExit`]), within one budget of
+/// [`DROP_WAITS_FOR_HOLDS`] for them all (other processes' holds make the exit wait at most that
+/// in all, not that per object).
+fn close_all_at_exit(py: Python<'_>) {
     let open: Vec<_> = lock(&OPEN).drain(..).filter_map(|w| w.upgrade()).collect();
-    // One budget for them all: other processes' holds make the exit wait at most
-    // `DROP_WAITS_FOR_HOLDS` in all, not that per object.
     let deadline = Instant::now() + DROP_WAITS_FOR_HOLDS;
     for o in open {
         o.close_at_exit(py, deadline.saturating_duration_since(Instant::now()));

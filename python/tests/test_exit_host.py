@@ -302,3 +302,50 @@ def test_multiprocessing_workers_close_what_they_leave_open(name, tmp_path):
     assert child.returncode == 0 and "done" in child.stdout, (child.stdout, child.stderr)
     left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
     assert not left, left
+
+
+MP_PARENT = """
+import multiprocessing, sys, time
+import cuda_ipc
+
+
+def read_later(name, out):
+    # Still reading when its parent's main thread returns: `multiprocessing` joins it at the
+    # parent's exit, and the set must stay open until then.
+    r = cuda_ipc.TensorSetReader(name)
+    time.sleep(1.0)
+    with r.current(timeout=5.0) as h:
+        ok = h.read("a") == bytes(range(64))
+    r.close()
+    with open(out, "w") as f:
+        f.write("ok" if ok else "bad bytes")
+
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    w = cuda_ipc.TensorSetWriter(name, {"a": ((64,), "uint8")}, memory="host")
+    with w.begin(timeout=5.0) as u:
+        u.write("a", bytes(range(64)))
+    p = multiprocessing.get_context("spawn").Process(target=read_later, args=(name, out))
+    p.start()
+    print("main returns", flush=True)
+"""
+
+
+def test_a_writer_stays_open_for_multiprocessing_children_joined_at_the_exit(name, tmp_path):
+    """`multiprocessing` joins the children it started at the parent's exit (its exit hook,
+    which runs after the module's when imported first): the writer is closed after that join,
+    not before, so a child still reading gets its generation."""
+    name, pids = name
+    script = tmp_path / "mp_parent.py"
+    script.write_text(MP_PARENT)
+    out = tmp_path / "child.txt"
+    child = subprocess.Popen(
+        [sys.executable, str(script), name, str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    pids.append(child.pid)
+    exit_seconds(child)
+    assert out.read_text() == "ok", out.read_text()
+    left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
+    assert not left, left
