@@ -7,6 +7,11 @@ Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrup
 and by ``close()`` of their object from another thread within 50 ms (``Consumer``: ``Detached``;
 ``Producer``: ``ChannelClosed``; ``TensorSetWriter``, ``TensorSetReader``: ``TensorSetClosed``).
 
+At the interpreter's exit every ``Producer`` and ``TensorSetWriter`` still open and not in use
+by a thread is closed (in ``multiprocessing``'s exit, after it joined its children, where it is
+loaded), waiting up to 5 s in all for other processes' consumers and readers; this process's own
+holds are forced.
+
 Durations (``timeout``, ``spin``) are seconds from 0 to 1e9; ``timeout=None`` waits forever.
 Anything else (negative, NaN, infinite, larger) raises ``InvalidArgument`` naming the argument.
 
