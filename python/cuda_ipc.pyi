@@ -3,7 +3,8 @@
 A ``Producer`` owns a pool of exportable device buffers and publishes frames; each ``Consumer``
 process attaches by channel name and receives them as ``Frame`` objects, views of the producer's
 buffers that export through DLPack (``torch.from_dlpack(frame)``) and ``__cuda_array_interface__``.
-Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 50 ms,
+Blocking calls release the GIL and are interrupted by Ctrl-C (``KeyboardInterrupt``) within 50 ms
+(a constructor that replaces a creation abandoned under its name less than 2 s ago, after it),
 and by ``close()`` of their object from another thread within 50 ms (``Consumer``: ``Detached``;
 ``Producer``: ``ChannelClosed``; ``TensorSetWriter``, ``TensorSetReader``: ``TensorSetClosed``).
 
