@@ -206,9 +206,39 @@ pub(crate) fn mark_exiting(py: Python<'_>) {
 #[pyfunction]
 #[pyo3(name = "_mp_exiting")]
 pub(crate) fn mp_exiting(py: Python<'_>) {
+    // A `multiprocessing` child runs its finalizers as soon as its target returns, before it
+    // joins its non-daemon threads (`Process._bootstrap`), which may still be between calls on
+    // a writer or producer, or make one: joined here first, as the interpreter's own exit does.
+    // (In a process's own exit they were joined before any `atexit` hook: nothing to join.)
+    join_other_threads(py);
     // Relaxed: as in `mark_exiting`.
     EXITING.store(true, Ordering::Relaxed);
     close_all_at_exit(py);
+}
+
+/// Joins every live non-daemon thread but this one (`threading.enumerate`), as the
+/// interpreter's exit does before its `atexit` hooks. A failure to look or join leaves the rest.
+fn join_other_threads(py: Python<'_>) {
+    let Ok(threading) = py.import("threading") else {
+        return;
+    };
+    let (Ok(me), Ok(all)) = (
+        threading.call_method0("current_thread"),
+        threading.call_method0("enumerate"),
+    ) else {
+        return;
+    };
+    let Ok(all) = all.try_iter() else { return };
+    for t in all.flatten() {
+        let other = !t.is(&me);
+        let daemon = t
+            .getattr("daemon")
+            .and_then(|d| d.is_truthy())
+            .unwrap_or(true);
+        if other && !daemon {
+            let _ = t.call_method0("join");
+        }
+    }
 }
 
 /// Closes every writer and producer still open and idle ([`CloseAtExit`]), within one budget of

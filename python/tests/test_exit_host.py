@@ -349,3 +349,61 @@ def test_a_writer_stays_open_for_multiprocessing_children_joined_at_the_exit(nam
     assert out.read_text() == "ok", out.read_text()
     left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
     assert not left, left
+
+
+MP_THREADS = """
+import multiprocessing, sys, threading, time
+import cuda_ipc
+
+
+def worker(name, out):
+    # The target returns while a non-daemon thread still updates its writer, and that thread
+    # makes a producer after it: `multiprocessing` runs its finalizers before it joins the
+    # child's threads, and the close at exit must wait for them.
+    w = cuda_ipc.TensorSetWriter(name + "-set", {"a": ((64,), "uint8")}, memory="host")
+    with w.begin(timeout=5.0) as u:
+        u.write("a", bytes(64))
+
+    def loop():
+        try:
+            for i in range(1, 10):
+                time.sleep(0.05)
+                with w.begin(timeout=5.0) as u:
+                    u.write("a", bytes([i]) * 64)
+            cuda_ipc.Producer(name + "-ch", 64, memory="host")  # left open
+            res = "ok"
+        except Exception as e:
+            res = repr(e)
+        with open(out, "a") as f:
+            f.write(res + "\\n")
+
+    threading.Thread(target=loop).start()
+
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    for method in ("spawn", "fork", "forkserver"):
+        p = multiprocessing.get_context(method).Process(target=worker, args=(name + method, out))
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0, (method, p.exitcode)
+    print("done", flush=True)
+"""
+
+
+def test_a_multiprocessing_childs_threads_finish_before_its_exit_close(name, tmp_path):
+    """A `multiprocessing` child runs its finalizers, where the close at exit is registered,
+    as soon as its target returns, before it joins its non-daemon threads: the close joins them
+    first, so a thread still updating the child's writer finishes (it got `TensorSetClosed`),
+    and what it made meanwhile is closed too (left in /dev/shm before)."""
+    name, pids = name
+    script = tmp_path / "mp_threads.py"
+    script.write_text(MP_THREADS)
+    out = tmp_path / "threads.txt"
+    child = subprocess.run(
+        [sys.executable, str(script), name, str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0 and "done" in child.stdout, (child.stdout, child.stderr)
+    assert out.read_text().split() == ["ok", "ok", "ok"], out.read_text()
+    left = sorted(p.name for p in SHM.glob(f"cuda-ipc.*{name}*"))
+    assert not left, left
