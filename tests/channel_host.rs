@@ -334,16 +334,37 @@ fn close_with_a_frame_in_flight_forces_the_hold_and_the_consumer_sees_closed() {
 
 #[test]
 fn close_at_exit_waits_for_another_processs_hold_and_forces_its_own_at_once() {
-    // A process that is exiting (a binding's interpreter finalizing) releases nothing more:
-    // `close_at_exit` does not wait for the hold of a consumer of its own, which `close` would
-    // wait for to its timeout, but still waits for another process's consumer.
     if role().is_some() {
         return;
     }
-    let ch = channel_name("atexit");
+    close_at_exit_beside_a_peer(&[], "atexit");
+}
+
+#[test]
+fn close_at_exit_waits_for_the_hold_of_a_peer_in_another_pid_namespace() {
+    // The peer is pid 1 of its namespace: told from this process by the slot's whole identity
+    // (pid namespace, start time, boot id), not the pid alone.
+    if role().is_some() {
+        return;
+    }
+    if let Err(why) = common::unshare_works(&["--pid", "--fork", "--mount-proc"]) {
+        println!("skipped: {why}");
+        return;
+    }
+    close_at_exit_beside_a_peer(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        "atexit-pidns",
+    );
+}
+
+/// A process that is exiting (a binding's interpreter finalizing) releases nothing more:
+/// `close_at_exit` does not wait for the hold of a consumer of its own, which `close` would wait
+/// for to its timeout, but still waits for another process's consumer (run under `wrapper`).
+fn close_at_exit_beside_a_peer(wrapper: &[&str], tag: &str) {
+    let ch = channel_name(tag);
     let mut tx = Producer::create_host(&ch, &opts()).unwrap();
     let own = Consumer::attach(&ch, &ConsumerOptions::new()).unwrap();
-    let mut peer = spawn("release", &ch, &[]);
+    let mut peer = spawn("release", &ch, wrapper);
     peer.expect("attached", ANSWER);
     let seq = write_frame(&mut tx);
     let held = own.recv_timeout(ANSWER).unwrap();

@@ -46,10 +46,8 @@ pub(crate) struct ProducerState {
 impl Drop for Lender {
     fn drop(&mut self) {
         // Collected with the producer idle: the Rust producer's drop waits up to 5 s for
-        // consumers' holds. Without the GIL, so that this process's own threads can release
-        // theirs meanwhile. The Python objects sharing this are deallocated with the GIL held.
-        // Once the interpreter is exiting its threads release nothing: the wait is for other
-        // processes' consumers only.
+        // consumers' holds (`let_go`). The Python objects sharing this are deallocated with the
+        // GIL held.
         let producer = self
             .state
             .get_mut()
@@ -57,17 +55,10 @@ impl Drop for Lender {
             .producer
             .take();
         if let Some(p) = producer {
-            let exiting = crate::util::exiting();
-            Python::attach(|py| {
-                py.detach(move || {
-                    if exiting {
-                        // A failed sync of the producer's stream has no caller left to go to;
-                        // the pool is freed all the same.
-                        let _ = p.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
-                    } else {
-                        drop(p);
-                    }
-                })
+            // A failed sync of the producer's stream has no caller left to go to; the pool is
+            // freed all the same.
+            crate::util::let_go(p, |p| {
+                let _ = p.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
             });
         }
     }

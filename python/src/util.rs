@@ -252,9 +252,22 @@ fn close_all_at_exit(py: Python<'_>) {
     }
 }
 
-/// Whether the interpreter is exiting ([`EXITING`]).
-pub(crate) fn exiting() -> bool {
-    EXITING.load(Ordering::Relaxed)
+/// Lets go of a Rust writer or producer collected idle: its drop (which waits up to 5 s for
+/// holds), or once the interpreter is exiting ([`EXITING`]) `close_at_exit`, which waits for
+/// other processes' holds only (this process's threads release nothing any more). Without the
+/// GIL, so that this process's own threads can release theirs meanwhile (with it they could not
+/// run, and the wait always ran to its end); called where the GIL is held (a deallocation).
+pub(crate) fn let_go<T: Send>(obj: T, close_at_exit: impl FnOnce(T) + Send) {
+    let exiting = EXITING.load(Ordering::Relaxed);
+    Python::attach(|py| {
+        py.detach(move || {
+            if exiting {
+                close_at_exit(obj);
+            } else {
+                drop(obj);
+            }
+        })
+    });
 }
 
 /// Copies of at least this many bytes of a host frame run without the GIL.

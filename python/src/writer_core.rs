@@ -86,27 +86,17 @@ pub(crate) fn closed_error(py: Python<'_>, name: &str) -> PyErr {
 impl Drop for WriterCore {
     fn drop(&mut self) {
         // Collected with the writer idle: the Rust writer's drop waits up to 5 s for readers'
-        // holds before it frees the memory. Without the GIL, so that this process's own threads
-        // can release theirs meanwhile (with it they could not run, and the wait always ran to
-        // its end). The Python objects sharing this core are deallocated with the GIL held, so
-        // `attach` finds it held. Once the interpreter is exiting its threads release nothing:
-        // the wait is for other processes' holds only.
+        // holds before it frees the memory (`let_go`). The Python objects sharing this core are
+        // deallocated with the GIL held.
         let slot = std::mem::replace(
             &mut self.state.get_mut().unwrap_or_else(|p| p.into_inner()).slot,
             Slot::Closed,
         );
         if let Slot::Idle(w) = slot {
-            let exiting = crate::util::exiting();
-            Python::attach(|py| {
-                py.detach(move || {
-                    if exiting {
-                        // A failed sync of the writer's stream has no caller left to go to;
-                        // the memory is freed all the same.
-                        let _ = w.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
-                    } else {
-                        drop(w);
-                    }
-                })
+            // A failed sync of the writer's stream has no caller left to go to; the memory is
+            // freed all the same.
+            crate::util::let_go(w, |w| {
+                let _ = w.close_at_exit(crate::util::DROP_WAITS_FOR_HOLDS);
             });
         }
     }

@@ -144,24 +144,34 @@ def test_an_exit_does_not_wait_for_the_processs_own_holds(name, kind):
     assert not list(SHM.glob(f"cuda-ipc.*{name}*")), list(SHM.glob(f"cuda-ipc.*{name}*"))
 
 
-def test_an_exit_still_waits_for_another_processs_hold(name):
-    """Another process's hold is waited for at the exit (up to 5 s): its reader keeps reading
-    the generation it holds until it releases it, and the writer's exit ends after that."""
-    name, pids = name
+def writers_waiting_to_exit(names, pids) -> subprocess.Popen:
+    """A child with a host set of each of `names` (tensor "a": `bytes(range(256)) * 4`), ready;
+    its main thread returns once a line comes on its stdin."""
     writer = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys, cuda_ipc
-            w = cuda_ipc.TensorSetWriter(sys.argv[1], {"a": ((256,), "float32")}, memory="host")
-            with w.begin(timeout=5.0) as u:
-                u.write("a", bytes(range(256)) * 4)
+            ws = []
+            for n in sys.argv[1:]:
+                w = cuda_ipc.TensorSetWriter(n, {"a": ((256,), "float32")}, memory="host")
+                with w.begin(timeout=5.0) as u:
+                    u.write("a", bytes(range(256)) * 4)
+                ws.append(w)
             print("ready", flush=True)
             sys.stdin.readline()
             print("main returns", flush=True)
-        """), name],
+        """), *names],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     pids.append(writer.pid)
     assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
+    return writer
+
+
+def test_an_exit_still_waits_for_another_processs_hold(name):
+    """Another process's hold is waited for at the exit (up to 5 s): its reader keeps reading
+    the generation it holds until it releases it, and the writer's exit ends after that."""
+    name, pids = name
+    writer = writers_waiting_to_exit([name], pids)
     reader = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys, time, cuda_ipc
@@ -224,23 +234,7 @@ def test_the_exit_waits_for_other_processes_holds_once_not_once_per_object(name)
     waits up to 5 s for them all together (it waited 5 s per writer, one after another)."""
     name, pids = name
     names = [f"{name}-{i}" for i in range(3)]
-    writer = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent("""
-            import sys, cuda_ipc
-            ws = []
-            for n in sys.argv[1:]:
-                w = cuda_ipc.TensorSetWriter(n, {"a": ((256,), "float32")}, memory="host")
-                with w.begin(timeout=5.0):
-                    pass
-                ws.append(w)
-            print("ready", flush=True)
-            sys.stdin.readline()
-            print("main returns", flush=True)
-        """), *names],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    pids.append(writer.pid)
-    assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
+    writer = writers_waiting_to_exit(names, pids)
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys, time, cuda_ipc
