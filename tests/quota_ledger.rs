@@ -9,8 +9,9 @@ mod common;
 
 use common::{Peer, parent_lines, role, tell};
 use cuda_ipc::channel::{ChannelOptions, Producer};
+use cuda_ipc::cleanup::{self, Scope};
 use cuda_ipc::driver::Uuid;
-use cuda_ipc::quota::{QuotaError, QuotaLedger, QuotaScope};
+use cuda_ipc::quota::{QuotaError, QuotaLedger, QuotaScope, UNLIMITED};
 use cuda_ipc::raw::quota_test_hooks::{QuotaTestPoint, set_test_hook};
 use cuda_ipc::{Error, ShmError};
 use std::ffi::CString;
@@ -258,7 +259,7 @@ fn plant(name: &str, bytes: &[u8], len: usize) {
     f.write_all(&all).unwrap();
 }
 
-const LEDGER_LEN: usize = 4096 + 256 * 64;
+const LEDGER_LEN: usize = 4096 + 256 * 128;
 
 #[test]
 fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
@@ -307,20 +308,42 @@ fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
             e,
             Error::Quota(QuotaError::VersionMismatch {
                 found: 9,
-                supported: 1,
+                supported: 2,
                 ..
             })
         )
     });
+    // A ledger of layout version 1 (64-byte entries: 20,480 bytes), as an older build left it:
+    // refused by its version, not its length, with what to do.
+    let mut v1 = b"CIPCQUOT".to_vec();
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
+    check("version 1", &v1, 4096 + 256 * 64, &|e| {
+        matches!(
+            e,
+            Error::Quota(QuotaError::VersionMismatch {
+                found: 1,
+                supported: 2,
+                ..
+            })
+        ) && e.to_string().contains("cuda-ipc quota remove")
+    });
+    // This version cut short of its entries (the header page whole): too small.
+    let mut short = b"CIPCQUOT".to_vec();
+    short.extend_from_slice(&2u32.to_le_bytes());
+    short.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
+    check("cut short", &short, 8192, &|e| {
+        matches!(e, Error::Shm(ShmError::TooSmall { len: 8192, .. }))
+    });
     // Our magic and version, stamped, but the entry count garbled.
     let mut garbled = b"CIPCQUOT".to_vec();
-    garbled.extend_from_slice(&1u32.to_le_bytes());
+    garbled.extend_from_slice(&2u32.to_le_bytes());
     garbled.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
     garbled.resize(80, 0);
     garbled.extend_from_slice(&7u32.to_le_bytes());
     check("entries", &garbled, LEDGER_LEN, &bad);
     // Never stamped: a creation that never finished.
-    check("unstamped", b"CIPCQUOT\x01\0\0\0", LEDGER_LEN, &bad);
+    check("unstamped", b"CIPCQUOT\x02\0\0\0", LEDGER_LEN, &bad);
     // Truncated: a real header on a short file.
     check("truncated", &other, 100, &|e| {
         matches!(e, Error::Shm(ShmError::TooSmall { .. }))
@@ -439,7 +462,7 @@ fn dead_process() -> cuda_ipc::identity::ProcessIdentity {
 /// ledger, every page written, never stamped, naming `creator`.
 fn unstamped(name: &str, creator: cuda_ipc::identity::ProcessIdentity) {
     let mut b = b"CIPCQUOT".to_vec();
-    b.extend_from_slice(&1u32.to_le_bytes()); // version
+    b.extend_from_slice(&2u32.to_le_bytes()); // version
     b.extend_from_slice(&0u32.to_le_bytes()); // no stamp
     b.extend_from_slice(&7u64.to_le_bytes()); // generation
     for w in creator.to_words() {
@@ -675,4 +698,132 @@ fn a_file_planted_under_this_users_ledger_name_is_named_as_planted_and_never_rem
         (65534, 20_480),
         "the planted file is left as it was"
     );
+}
+
+/// A killed holder of host memory: a host channel's pool and a host tensor set's data segment stay
+/// in /dev/shm after their process is killed, so their reservations stay counted (named in
+/// `OverQuota` and in the snapshot as dead with the segment that holds them), unlike GPU memory,
+/// which the driver frees with its process. A producer started again under the same channel name
+/// is not refused for the memory it replaces, and its replacement frees the dead entry; `gc`
+/// (scan and remove of the set and the ledger) removes the set's segments, then frees its entry.
+/// (A group ledger of this process's group: the user's host ledger is the racing test's.)
+#[test]
+fn a_killed_host_holders_bytes_stay_counted_while_its_memory_is_in_dev_shm() {
+    use cuda_ipc::tensorset::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
+    const TEST: &str = "a_killed_host_holders_bytes_stay_counted_while_its_memory_is_in_dev_shm";
+    let scope = QuotaScope::Group(rustix::process::getegid().as_raw());
+    let host = Uuid([0; 16]);
+    let opts = ChannelOptions::new(100).buffers(4).quota(scope);
+    let specs = [TensorSpec::new("w", DType::U8, &[100])];
+    if role().as_deref() == Some("host-holder") {
+        let ch = std::env::var("CUDA_IPC_TEST_QUOTA_CHANNEL").unwrap();
+        let _tx = Producer::create_host(&ch, &opts).unwrap();
+        let _w = TensorSetWriter::create_host(&ch, &specs, &TensorSetOptions::new().quota(scope))
+            .unwrap();
+        tell("held");
+        loop {
+            std::thread::sleep(Duration::from_secs(60));
+        }
+    }
+    let ledger_name = scope.segment_name(host);
+    if std::fs::metadata(path(&ledger_name)).is_ok() {
+        println!("skipped: a host-memory budget is set for this group ({ledger_name}); left alone");
+        return;
+    }
+    let _g = Gone(ledger_name.clone());
+    let ledger = QuotaLedger::set_budget(scope, host, UNLIMITED).unwrap();
+    let ch = format!("quota-host-dead-{}", std::process::id());
+    let pool = format!("cuda-ipc.hp.{ch}");
+    let data = format!("cuda-ipc.td.{ch}");
+    let _segs = [
+        Gone(pool.clone()),
+        Gone(data.clone()),
+        Gone(format!("cuda-ipc.ch.{ch}")),
+        Gone(format!("cuda-ipc.ts.{ch}")),
+        Gone(format!("cuda-ipc.tg.{ch}")),
+        Gone(format!("cuda-ipc.th.{ch}")),
+    ];
+    let mut peer = Peer::spawn(TEST, "host-holder", &[("CUDA_IPC_TEST_QUOTA_CHANNEL", &ch)]);
+    peer.expect("held", T);
+    let pid = peer.child.id();
+    let before = ledger.snapshot().unwrap();
+    assert_eq!(before.holders.len(), 2, "{before:?}");
+    let set_bytes = before.used - 400;
+    // Room for what the dead process holds and 100 bytes more: a second pool of 400 fits only
+    // where the dead one's is not counted.
+    QuotaLedger::set_budget(scope, host, before.used + 100).unwrap();
+    peer.child.kill().unwrap();
+    let _ = peer.child.wait();
+
+    // Killed: both segments are still in /dev/shm, so both entries stay, named as dead.
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.reclaimed), (before.used, 0), "{s:?}");
+    let mut left: Vec<_> = s.holders.iter().map(|h| h.left_in.clone()).collect();
+    left.sort();
+    assert_eq!(left, [Some(pool.clone()), Some(data.clone())]);
+    assert!(
+        s.holders
+            .iter()
+            .all(|h| h.identity.pid == pid && h.liveness == cuda_ipc::identity::Liveness::Dead)
+    );
+    match ledger.reserve(101) {
+        Err(e @ Error::Quota(QuotaError::OverQuota { .. })) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("dead; its memory stays in /dev/shm/{pool}")),
+                "{text}"
+            );
+            assert!(text.contains(&format!("/dev/shm/{data}")), "{text}");
+        }
+        other => panic!("the dead holder's host memory must stay counted: {other:?}"),
+    }
+    // Its memory is counted in `dead_holders` too, and not freed there while it stands.
+    let dead = ledger.dead_holders(true).unwrap();
+    assert_eq!(dead.len(), 2);
+    assert_eq!(ledger.snapshot().unwrap().used, before.used);
+
+    // The producer started again under the same name replaces the dead pool: not refused for it.
+    let tx = Producer::create_host(&ch, &opts).unwrap();
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.reclaimed), (400 + set_bytes, 1), "{s:?}");
+    let dead: Vec<_> = s.holders.iter().filter(|h| h.identity.pid == pid).collect();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].left_in.as_deref(), Some(data.as_str()));
+    assert!(
+        s.holders
+            .iter()
+            .any(|h| h.identity.pid == std::process::id() && h.left_in.is_none())
+    );
+
+    // gc of the set and the ledger: the set's segments go first, then its entry.
+    let scan = cleanup::scan(
+        &Scope::only(Vec::new(), Vec::new())
+            .with_tensor_sets(vec![ch.clone()])
+            .with_quota_ledgers(vec![ledger_name.clone()]),
+    )
+    .unwrap();
+    assert!(
+        scan.leftovers
+            .iter()
+            .any(|l| l.kind == cleanup::LeftoverKind::QuotaHolder),
+        "{:?}",
+        scan.leftovers
+    );
+    let removal = cleanup::remove(&scan.leftovers);
+    assert!(removal.problems.is_empty(), "{:?}", removal.problems);
+    assert!(
+        removal
+            .removed
+            .iter()
+            .any(|l| l.kind == cleanup::LeftoverKind::QuotaHolder),
+        "{removal:?}"
+    );
+    assert!(
+        std::fs::symlink_metadata(path(&data)).is_err(),
+        "{data} is gone"
+    );
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.holders.len()), (400, 1), "{s:?}");
+    drop(tx);
+    assert_eq!(ledger.snapshot().unwrap().used, 0);
 }

@@ -337,11 +337,15 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
     );
     reg.register_with_unit(
         "quota_used",
-        "Bytes reserved from the budget by live producers",
+        "Bytes reserved from the budget by live producers (and by dead ones whose host memory is still in /dev/shm)",
         Unit::Bytes,
         q_used,
     );
-    reg.register("quota_holders", "Live reservations in the ledger", holders);
+    reg.register(
+        "quota_holders",
+        "Reservations in the ledger: live holders, and dead ones whose host memory is still in /dev/shm",
+        holders,
+    );
 
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &reg)?;

@@ -279,8 +279,11 @@ pub fn render(ledgers: &[LedgerSnapshot], errors: &[(String, String)]) -> String
             s.owner_uid
         ));
         for h in &s.holders {
+            let left = h.left_in.as_ref().map_or(String::new(), |seg| {
+                format!(" (its memory stays in /dev/shm/{seg} until `cuda-ipc gc` removes it)")
+            });
             out.push_str(&format!(
-                "  pid {} (uid {}, pid ns {}) holds {}, {}\n",
+                "  pid {} (uid {}, pid ns {}) holds {}, {}{left}\n",
                 h.identity.pid,
                 h.uid,
                 h.identity.pid_ns,

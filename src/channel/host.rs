@@ -431,6 +431,11 @@ impl HostPool {
         }
     }
 
+    /// The pool's segment (for the quota's record of where a reservation's bytes live).
+    pub(crate) fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
     /// Removes the pool's name if it still stands for this mapping (never another creator's).
     pub(crate) fn unlink(&self) {
         let name = self.seg.name();

@@ -230,26 +230,14 @@ pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
 }
 
 /// Reserves the pool's bytes (`buffers × buffer_bytes`) from the ledger `opts.quota` names for
-/// `device`, or nothing when it names none.
+/// `device`, or nothing when it names none; `pool` is the host pool's segment name (host memory).
 pub(super) fn reserve_quota(
     opts: &ChannelOptions,
     device: crate::driver::Uuid,
+    pool: Option<&str>,
 ) -> Result<Option<crate::quota::Reservation>> {
-    let Some(scope) = opts.quota else {
-        return Ok(None);
-    };
     let bytes = (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64);
-    let ledger = match crate::quota::QuotaLedger::open(scope, device) {
-        Ok(l) => l,
-        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
-            return Err(crate::quota::QuotaError::NoBudget {
-                name: scope.segment_name(device),
-            }
-            .into());
-        }
-        Err(e) => return Err(e),
-    };
-    ledger.reserve(bytes).map(Some)
+    crate::quota::reserve_in(opts.quota, device, bytes, pool)
 }
 
 /// The error of a host accessor (`read_at`, `write_at`) used on a GPU channel's frame.

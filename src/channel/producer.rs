@@ -170,9 +170,12 @@ impl Producer {
             ));
         }
         control::validate_channel_name(name)?;
-        let quota = reserve_quota(opts, Uuid([0; 16]))?;
+        let quota = reserve_quota(opts, Uuid([0; 16]), Some(&super::host::pool_name(name)))?;
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
         let pool = HostPool::create(name, opts.buffers, opts.buffer_bytes, &seg_opts)?;
+        if let Some(q) = &quota {
+            q.record_memory_or_warn(pool.segment());
+        }
         let me = ProcessIdentity::current()?;
         let tokens: Vec<_> = (0..opts.buffers)
             .map(|i| pool.token(i, me).to_bytes())
@@ -268,7 +271,7 @@ impl Producer {
     }
 
     fn create_gpu(ctx: &Arc<Context>, name: &str, opts: &ChannelOptions) -> Result<Producer> {
-        let quota = reserve_quota(opts, ctx.device().uuid())?;
+        let quota = reserve_quota(opts, ctx.device().uuid(), None)?;
         let (kind, buffers, tokens) = match opts.memory {
             MemoryKind::Auto => {
                 let first = auto_kind(ctx, opts);

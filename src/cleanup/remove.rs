@@ -23,13 +23,19 @@ use crate::tensorset::{self, inspect as tensorset_inspect};
 ///
 /// Leftovers are taken in the order given, grouped per registry and per ledger (whose recovery
 /// frees every dead item at once: what it freed beside the ones listed is reported too). A channel
-/// whose producer died goes before its host pool.
+/// whose producer died goes before its host pool, and the ledgers' dead holders after everything
+/// else (a dead holder of host memory is freed only once its segment is gone).
 pub fn remove(leftovers: &[Leftover]) -> Removal {
     let mut out = Removal::default();
     let mut done_registries: Vec<&str> = Vec::new();
     let mut done_ledgers: Vec<&str> = Vec::new();
     let mut done_held: Vec<&str> = Vec::new();
-    for l in leftovers {
+    // A ledger's dead holders last: a dead holder of host memory keeps its entry while its segment
+    // is in /dev/shm, so its bytes are freed only after the segments listed beside it are gone.
+    let (holders, rest): (Vec<&Leftover>, Vec<&Leftover>) = leftovers
+        .iter()
+        .partition(|l| matches!(l.target, Target::QuotaHolder { .. }));
+    for l in rest.into_iter().chain(holders) {
         match &l.target {
             Target::RegistryItem(_) => {
                 if !done_registries.contains(&l.object.as_str()) {
@@ -247,11 +253,18 @@ fn reclaimed_leftover(r: &str, f: &Reclaimed, key: RegistryKey) -> Leftover {
 /// reserve applies) and reports each.
 fn reclaim_ledger(name: &str, listed: &[Leftover], out: &mut Removal) {
     match QuotaLedger::open_named(name).and_then(|l| l.dead_holders(true)) {
-        Ok(freed) => {
+        Ok(dead) => {
+            let (kept, freed): (Vec<_>, Vec<_>) = dead.iter().partition(|h| h.left_in.is_some());
             let freed: Vec<Leftover> = freed.iter().map(|h| holder_leftover(name, h)).collect();
+            let kept: Vec<Leftover> = kept.iter().map(|h| holder_leftover(name, h)).collect();
             for l in listed.iter().filter(|l| l.object == name) {
                 if matches!(l.target, Target::QuotaHolder { .. }) && !freed.contains(l) {
-                    out.kept.push((l.clone(), "gone or no longer dead"));
+                    let why = if kept.contains(l) {
+                        "its host memory is still in /dev/shm (its segment was not removed)"
+                    } else {
+                        "gone or no longer dead"
+                    };
+                    out.kept.push((l.clone(), why));
                 }
             }
             out.removed.extend(freed);

@@ -14,6 +14,9 @@ pub struct HeldBy {
     pub uid: u32,
     /// Bytes it holds.
     pub bytes: u64,
+    /// For a dead holder whose host memory is still in `/dev/shm`: that segment's name (its bytes
+    /// stay counted until it is removed, e.g. by `cuda-ipc gc`). `None` for a live holder.
+    pub left_in: Option<String>,
 }
 
 impl std::fmt::Display for HeldBy {
@@ -22,7 +25,14 @@ impl std::fmt::Display for HeldBy {
             f,
             "pid {} (uid {}, pid ns {}) holds {} bytes",
             self.pid, self.uid, self.pid_ns, self.bytes
-        )
+        )?;
+        if let Some(seg) = &self.left_in {
+            write!(
+                f,
+                " (dead; its memory stays in /dev/shm/{seg} until that is removed: `cuda-ipc gc`)"
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -89,7 +99,12 @@ pub enum QuotaError {
         reason: String,
     },
     /// A ledger of another layout version.
-    #[error("quota ledger {name} has layout version {found}; this build reads version {supported}")]
+    #[error(
+        "quota ledger {name} has layout version {found}; this build reads version {supported} \
+         (a build of another version made it: remove it with that build's `cuda-ipc quota \
+         remove`, or as its owner `rm /dev/shm/{name}` once none of its producers runs, then set \
+         the budget again)"
+    )]
     VersionMismatch {
         /// The segment's name.
         name: String,

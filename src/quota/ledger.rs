@@ -5,7 +5,7 @@
 use super::error::{HeldBy, QuotaError};
 use super::layout::{ENTRIES, FREE, HELD, Header, LEDGER_LEN, SCOPE_GROUP, SCOPE_USER, WRITING};
 use super::scope::{LEDGER_PREFIX, QuotaScope, check_planted};
-use super::segment::{Creation, Inner, judge_blocker, judge_creation, open_error};
+use super::segment::{Creation, Inner, judge_blocker, judge_creation, name_hash, open_error};
 use super::snapshot::{Holder, LedgerSnapshot};
 use crate::driver::Uuid;
 use crate::error::{Error, Result};
@@ -58,7 +58,9 @@ impl std::fmt::Debug for QuotaLedger {
 }
 
 /// Bytes held from a ledger until this is dropped (or [`Reservation::release`]d). A process that
-/// dies holding one loses it at the next reserve or inspection of the ledger.
+/// dies holding one loses it at the next reserve or inspection of the ledger, or, where its bytes
+/// live in a `/dev/shm` segment it recorded ([`Reservation::record_memory`]), at the first one
+/// after that segment is gone.
 #[derive(Debug)]
 pub struct Reservation {
     ledger: QuotaLedger,
@@ -107,6 +109,15 @@ impl QuotaLedger {
         let group = name.starts_with(&format!("{LEDGER_PREFIX}g"));
         let seg = versioned::open_versioned::<Header>(name, group, OPEN_WAIT)
             .map_err(|e| open_error(name, e))?;
+        // Its version is this build's: the entries must all be there before one is read.
+        if seg.len() < LEDGER_LEN {
+            return Err(ShmError::TooSmall {
+                name: name.to_string(),
+                len: seg.len() as u64,
+                min: LEDGER_LEN as u64,
+            }
+            .into());
+        }
         let h = versioned::header::<Header>(&seg);
         let bad = |reason: String| -> Error {
             QuotaError::BadSegment {
@@ -282,16 +293,29 @@ impl QuotaLedger {
         self.inner.scope
     }
 
-    /// Reserves `bytes` for this process: under the ledger lock, frees the entries of dead holders,
-    /// then takes an entry when the live holders' bytes plus `bytes` stay within the budget.
+    /// Reserves `bytes` for this process: under the ledger lock, frees the entries of dead holders
+    /// whose memory is gone, then takes an entry when the held bytes plus `bytes` stay within the
+    /// budget. As [`QuotaLedger::reserve_for`] with no segment named.
     ///
     /// # Errors
     /// [`QuotaError::OverQuota`] naming the budget, the bytes in use and each holder;
-    /// [`QuotaError::Full`] when all 256 entries are held by live processes;
-    /// [`crate::Error::InvalidArgument`] for 0 bytes; [`crate::Error::Timeout`] when a live
-    /// process holds the lock for 2 s; [`crate::Error::Os`] when this process's identity cannot
-    /// be read.
+    /// [`QuotaError::Full`] when all 256 entries are held; [`crate::Error::InvalidArgument`] for 0
+    /// bytes; [`crate::Error::Timeout`] when a live process holds the lock for 2 s;
+    /// [`crate::Error::Os`] when this process's identity cannot be read.
     pub fn reserve(&self, bytes: u64) -> Result<Reservation> {
+        self.reserve_for(bytes, None)
+    }
+
+    /// Reserves `bytes` for this process, for memory that will live in the `/dev/shm` segment
+    /// `segment` (host memory; record it with [`Reservation::record_memory`] once made). A dead
+    /// holder whose recorded segment is still in `/dev/shm` keeps its entry (host memory does not
+    /// go with its process); one whose segment has the name `segment` is not counted against this
+    /// reservation, since making `segment` replaces it (a producer started again after a crash
+    /// under its old name).
+    ///
+    /// # Errors
+    /// As [`QuotaLedger::reserve`].
+    pub fn reserve_for(&self, bytes: u64, segment: Option<&str>) -> Result<Reservation> {
         if bytes == 0 {
             return Err(Error::InvalidArgument("a reservation of 0 bytes".into()));
         }
@@ -299,8 +323,23 @@ impl QuotaLedger {
         let uid = rustix::process::geteuid().as_raw();
         let inner = &*self.inner;
         let g = inner.lock()?;
-        inner.reclaim_dead(&g, true);
-        let held = inner.held();
+        let dead = inner.reclaim_dead(&g, true);
+        // A dead holder's memory under the name this reservation's segment will take is replaced
+        // by that segment: it is not counted twice.
+        let replaced: Vec<u32> = segment
+            .map(|s| {
+                let h = name_hash(s);
+                dead.iter()
+                    .filter(|d| d.holder.left_in.is_some() && d.memory_name == h)
+                    .map(|d| d.index)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let held: Vec<_> = inner
+            .held()
+            .into_iter()
+            .filter(|h| !replaced.contains(&h.0))
+            .collect();
         let used = held.iter().fold(0u64, |a, h| a.saturating_add(h.3));
         if let Some(budget) = inner.budget()
             && used.checked_add(bytes).is_none_or(|t| t > budget)
@@ -312,11 +351,15 @@ impl QuotaLedger {
                 used,
                 holders: held
                     .iter()
-                    .map(|(_, id, uid, b)| HeldBy {
+                    .map(|(i, id, uid, b)| HeldBy {
                         pid: id.pid,
                         pid_ns: id.pid_ns,
                         uid: *uid,
                         bytes: *b,
+                        left_in: dead
+                            .iter()
+                            .find(|d| d.index == *i)
+                            .and_then(|d| d.holder.left_in.clone()),
                     })
                     .collect(),
             }
@@ -343,6 +386,8 @@ impl QuotaLedger {
         test_point(QuotaTestPoint::EntryHalfWritten);
         e.id.store(id, Ordering::Relaxed);
         e.uid.store(u64::from(uid), Ordering::Relaxed);
+        e.memory_inode.store(0, Ordering::Relaxed);
+        e.memory_name.store(0, Ordering::Relaxed);
         // SYNC POINT entry: Release, pairs with the Acquire loads of `state` in `held`,
         // `reclaim_dead` and `lock`: whoever sees HELD sees the fields above.
         e.state.store(HELD, Ordering::Release);
@@ -358,8 +403,9 @@ impl QuotaLedger {
         })
     }
 
-    /// The ledger's state, after freeing the entries of dead holders (so a killed producer's bytes
-    /// show as free at the first look).
+    /// The ledger's state, after freeing the entries of dead holders whose memory is gone (so a
+    /// killed producer's GPU bytes show as free at the first look; a dead holder whose host
+    /// memory is still in `/dev/shm` is listed with [`Holder::left_in`] and stays counted).
     ///
     /// # Errors
     /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s; [`crate::Error::Os`]
@@ -368,18 +414,25 @@ impl QuotaLedger {
         let inner = &*self.inner;
         let (owner_uid, _, mode) = inner.seg.owner()?;
         let g = inner.lock()?;
-        let reclaimed = inner.reclaim_dead(&g, true).len() as u32;
+        let dead = inner.reclaim_dead(&g, true);
         let held = inner.held();
         let budget = inner.budget();
         drop(g);
+        let reclaimed = dead.iter().filter(|d| d.holder.left_in.is_none()).count() as u32;
         let holders: Vec<Holder> = held
             .into_iter()
-            .map(|(_, identity, uid, bytes)| Holder {
-                liveness: identity.liveness_as(uid),
-                identity,
-                uid,
-                bytes,
-            })
+            .map(
+                |(i, identity, uid, bytes)| match dead.iter().find(|d| d.index == i) {
+                    Some(d) => d.holder.clone(),
+                    None => Holder {
+                        liveness: identity.liveness_as(uid),
+                        identity,
+                        uid,
+                        bytes,
+                        left_in: None,
+                    },
+                },
+            )
             .collect();
         Ok(LedgerSnapshot {
             name: inner.name().to_string(),
@@ -398,13 +451,20 @@ impl QuotaLedger {
 impl QuotaLedger {
     /// The reservations whose holder is dead (by its liveness lock, right across pid namespaces),
     /// freed when `free` (what every reserve and [`QuotaLedger::snapshot`] do anyway; for `gc`,
-    /// and with `free = false` for its dry run, which changes nothing).
+    /// and with `free = false` for its dry run, which changes nothing). A dead holder whose host
+    /// memory is still in `/dev/shm` is returned with [`Holder::left_in`] set and is not freed:
+    /// `gc` removes that segment first, then frees the entry.
     ///
     /// # Errors
     /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s.
     pub fn dead_holders(&self, free: bool) -> Result<Vec<Holder>> {
         let g = self.inner.lock()?;
-        Ok(self.inner.reclaim_dead(&g, free))
+        Ok(self
+            .inner
+            .reclaim_dead(&g, free)
+            .into_iter()
+            .map(|d| d.holder)
+            .collect())
     }
 }
 
@@ -417,6 +477,47 @@ impl Reservation {
     /// The ledger it was taken from.
     pub fn ledger(&self) -> &QuotaLedger {
         &self.ledger
+    }
+
+    /// Records `segment` (a `/dev/shm` segment this process made) as where the reserved bytes
+    /// live: should this process die, its entry stays (and its bytes counted) while that
+    /// segment, by its inode and name, is still in `/dev/shm`, since host memory does not go with
+    /// its process. For host memory; GPU memory is freed by the driver with its process and
+    /// records nothing.
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s; [`crate::Error::Os`]
+    /// when the segment's `fstat` fails.
+    pub fn record_memory(&self, segment: &Segment) -> Result<()> {
+        if self.fork.inherited() {
+            return Ok(());
+        }
+        let inode = segment.inode()?;
+        let hash = name_hash(segment.name());
+        let inner = &*self.ledger.inner;
+        let _g = inner.lock()?;
+        let e = inner.entry(self.index);
+        // Relaxed: under the lock (every reader of these fields takes it). Only our own entry.
+        if e.state.load(Ordering::Relaxed) == HELD && e.id.load(Ordering::Relaxed) == self.id {
+            e.memory_inode.store(inode, Ordering::Relaxed);
+            e.memory_name.store(hash, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// [`Reservation::record_memory`], logging a failure instead of returning it: the memory is
+    /// made and the reservation held either way; without the record, a death of this process
+    /// frees the entry at once, as for GPU memory.
+    pub(crate) fn record_memory_or_warn(&self, segment: &Segment) {
+        if let Err(e) = self.record_memory(segment) {
+            tracing::warn!(
+                "quota ledger {}: cannot record {} as where {} reserved bytes live ({e}); \
+                 should this process die, they are freed before its segment is removed",
+                self.ledger.name(),
+                segment.name(),
+                self.bytes
+            );
+        }
     }
 
     /// Returns the bytes to the ledger now (dropping does the same and logs a failure).
@@ -461,6 +562,36 @@ impl Drop for Reservation {
             );
         }
     }
+}
+
+/// Reserves `bytes` from the ledger of `scope` for `device` (all-zero UUID: host memory), for
+/// memory that will live in the `/dev/shm` segment `segment` where it is host memory
+/// ([`QuotaLedger::reserve_for`]); nothing when `scope` is `None` (no quota asked). For the
+/// objects that opt in: channels' pools and tensor sets.
+///
+/// # Errors
+/// [`QuotaError::NoBudget`] when no budget is set for that scope and device (no ledger); the
+/// errors of [`QuotaLedger::open`] and [`QuotaLedger::reserve`].
+pub(crate) fn reserve_in(
+    scope: Option<QuotaScope>,
+    device: Uuid,
+    bytes: u64,
+    segment: Option<&str>,
+) -> Result<Option<Reservation>> {
+    let Some(scope) = scope else {
+        return Ok(None);
+    };
+    let ledger = match QuotaLedger::open(scope, device) {
+        Ok(l) => l,
+        Err(Error::Shm(ShmError::NotFound { .. })) => {
+            return Err(QuotaError::NoBudget {
+                name: scope.segment_name(device),
+            }
+            .into());
+        }
+        Err(e) => return Err(e),
+    };
+    ledger.reserve_for(bytes, segment).map(Some)
 }
 
 /// The names of the quota ledgers in `/dev/shm` (`cuda-ipc.quota.…`), sorted, whatever stands

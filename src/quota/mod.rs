@@ -36,7 +36,12 @@
 //!   reservation was never returned to anyone): the repair;
 //! - dead holders are reclaimed at every reserve and every inspection: each `HELD` entry's
 //!   [`crate::identity::ProcessIdentity::liveness_as`] with the holder's recorded uid (`/proc` in
-//!   one's own pid namespace, else a liveness file of that uid or root; `Unknown` counts as alive), so a killed producer's bytes come back at the next look, not after a timeout.
+//!   one's own pid namespace, else a liveness file of that uid or root; `Unknown` counts as alive), so a killed producer's bytes come back at the next look, not after a timeout;
+//! - but host memory does not go with its process: an entry records the `/dev/shm` segment that
+//!   holds its bytes ([`Reservation::record_memory`]: its inode and a hash of its name), and a
+//!   dead holder's entry stays, its bytes counted, while that segment stands (`cuda-ipc gc`
+//!   removes it, then frees the entry; a successor that makes a segment of the same name is not
+//!   counted against it: [`QuotaLedger::reserve_for`]).
 //!
 //! Files: `layout` (the byte layout), `scope` (whose budget, the segment name), `segment` (one
 //! open ledger: its lock, repair, reclaim, and the judgement of a leftover under its name),
@@ -53,6 +58,7 @@ mod snapshot;
 
 pub use error::{HeldBy, QuotaError};
 pub use layout::UNLIMITED;
+pub(crate) use ledger::reserve_in;
 pub use ledger::{QuotaLedger, Reservation, abandoned, list_ledgers, remove_abandoned};
 pub use scope::{LEDGER_PREFIX, QuotaScope};
 pub(crate) use segment::{Creation, judge_creation};

@@ -4,8 +4,7 @@
 
 use super::error::QuotaError;
 use super::layout::{
-    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LEDGER_LEN, LOCK_OFFSET, UNLIMITED,
-    VERSION,
+    ENTRIES, ENTRIES_AT, ENTRY_LEN, Entry, FREE, HELD, Header, LOCK_OFFSET, UNLIMITED, VERSION,
 };
 use super::scope::QuotaScope;
 use super::snapshot::Holder;
@@ -67,7 +66,7 @@ impl Inner {
         debug_assert!(i < ENTRIES);
         // (1) The segment is at least LEDGER_LEN bytes (every opener and creator checks it), so
         // entry `i < ENTRIES` lies inside the mapping, which lives as long as `self`; (2) the
-        // offset is a multiple of 64 from a page, so Entry's 8-byte alignment holds.
+        // offset is a multiple of 128 from a page, so Entry's 8-byte alignment holds.
         // SAFETY: (1), (2); (3) Entry is `repr(C)` atomics only: every bit pattern is valid and
         // a shared reference permits other processes' concurrent writes.
         unsafe {
@@ -142,9 +141,13 @@ impl Inner {
         Ok(g)
     }
 
-    /// The entries of dead holders (under the lock), freed when `free`; returns them.
-    pub(super) fn reclaim_dead(&self, _g: &Locked<'_>, free: bool) -> Vec<Holder> {
+    /// The entries of dead holders (under the lock), each with where its bytes still are: a dead
+    /// holder whose host memory is still in `/dev/shm` ([`Inner::memory_left`]) keeps its entry
+    /// (its bytes stay counted until that segment is removed: `cuda-ipc gc`, or a successor
+    /// replacing it); the others are freed when `free`. Returns every dead holder.
+    pub(super) fn reclaim_dead(&self, _g: &Locked<'_>, free: bool) -> Vec<Dead> {
         let mut dead = Vec::new();
+        let mut freed = false;
         for i in 0..ENTRIES {
             let e = self.entry(i);
             // SYNC POINT entry: Acquire, as in `lock`.
@@ -159,13 +162,8 @@ impl Inner {
                 continue;
             }
             let bytes = e.bytes.load(Ordering::Relaxed);
-            dead.push(Holder {
-                identity: id,
-                uid,
-                bytes,
-                liveness: Liveness::Dead,
-            });
-            if free {
+            let left_in = self.memory_left(e);
+            if free && left_in.is_none() {
                 tracing::info!(
                     "quota ledger {}: reclaimed {bytes} bytes of dead pid {} (pid ns {})",
                     self.name(),
@@ -174,12 +172,40 @@ impl Inner {
                 );
                 // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
                 e.state.store(FREE, Ordering::Release);
+                freed = true;
             }
+            dead.push(Dead {
+                index: i,
+                // Relaxed: under the lock, as the fields above.
+                memory_name: e.memory_name.load(Ordering::Relaxed),
+                holder: Holder {
+                    identity: id,
+                    uid,
+                    bytes,
+                    liveness: Liveness::Dead,
+                    left_in,
+                },
+            });
         }
-        if free && !dead.is_empty() {
+        if freed {
             self.store_used();
         }
         dead
+    }
+
+    /// The `/dev/shm` name of the segment that holds entry `e`'s bytes, while it stands there: the
+    /// file of the recorded inode whose name has the recorded hash. `None` when none is recorded
+    /// (GPU memory, which the driver frees with its process; a reservation whose holder died
+    /// before its segment was made) or that file is gone (removed, or replaced under its name).
+    /// Under the lock.
+    pub(super) fn memory_left(&self, e: &Entry) -> Option<String> {
+        // Relaxed: written and read under the lock.
+        let inode = e.memory_inode.load(Ordering::Relaxed);
+        let hash = e.memory_name.load(Ordering::Relaxed);
+        if inode == 0 || hash == 0 {
+            return None;
+        }
+        crate::shm::name_of_inode(inode, |n| name_hash(n) == hash)
     }
 
     /// The held entries: (index, identity, uid, bytes).
@@ -218,6 +244,26 @@ impl Inner {
         let b = self.header().budget.load(Ordering::Relaxed);
         (b != UNLIMITED).then_some(b)
     }
+}
+
+/// A dead holder's entry as [`Inner::reclaim_dead`] found it.
+pub(super) struct Dead {
+    /// The entry's index.
+    pub(super) index: u32,
+    /// The entry's [`name_hash`] of its memory's segment (0: none recorded).
+    pub(super) memory_name: u64,
+    /// The holder, with `left_in` set while its memory stays in `/dev/shm` (the entry is kept).
+    pub(super) holder: Holder,
+}
+
+/// The hash an entry keeps of the `/dev/shm` name of the segment holding its bytes: the first 8
+/// bytes of the name's SHA-256, little-endian; never 0 (0 means none recorded).
+pub(super) fn name_hash(name: &str) -> u64 {
+    use sha2::Digest as _;
+    let d = sha2::Sha256::digest(name.as_bytes());
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(w).max(1)
 }
 
 /// What stands under a ledger's name that is not (yet) a ready ledger, by the one rule of
@@ -264,7 +310,7 @@ pub(crate) enum Creation {
 /// [`crate::Error::Os`] when a call fails.
 pub(crate) fn judge_creation(name: &str) -> Result<Creation> {
     let judged = Segment::stat(name)?;
-    let info = match versioned::stat_blocker(name, LEDGER_LEN)? {
+    let info = match versioned::stat_blocker(name, ENTRIES_AT)? {
         versioned::Blocker::Abandoned => {
             return Ok(Creation::Abandoned {
                 why: versioned::ABANDONED_UNSIZED,
@@ -275,7 +321,8 @@ pub(crate) fn judge_creation(name: &str) -> Result<Creation> {
         versioned::Blocker::Young => return Ok(Creation::Sizing),
         versioned::Blocker::Sized(info) => info,
     };
-    let seg = Segment::open_with_min_len(name, LEDGER_LEN)?;
+    // The header page only: its words are all this judgement reads.
+    let seg = Segment::open_with_min_len(name, ENTRIES_AT)?;
     seg.check_owner()?;
     if info.inode != judged.inode || seg.inode()? != judged.inode {
         // Made again while judged: its creator may be at work.

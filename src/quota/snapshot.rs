@@ -20,9 +20,15 @@ pub struct Holder {
     pub bytes: u64,
     /// Its liveness when the snapshot was made (`Unknown` counts as alive and is kept).
     pub liveness: Liveness,
+    /// For a dead holder of host memory: the `/dev/shm` name of its segment, which still holds
+    /// the bytes (a killed process's host memory does not go with it), so its entry is kept and
+    /// its bytes counted until that segment is removed (`cuda-ipc gc`, or a successor of the same
+    /// name replacing it). `None` for every other holder.
+    pub left_in: Option<String>,
 }
 
-/// A ledger's state, copied under its lock after dead holders were reclaimed.
+/// A ledger's state, copied under its lock after dead holders were reclaimed (those whose memory
+/// is gone).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct LedgerSnapshot {
@@ -42,7 +48,8 @@ pub struct LedgerSnapshot {
     pub budget: Option<u64>,
     /// Bytes held by the holders below.
     pub used: u64,
-    /// The live (or unknown) holders.
+    /// The live (or unknown) holders, and the dead ones whose host memory is still in
+    /// `/dev/shm` ([`Holder::left_in`]).
     pub holders: Vec<Holder>,
     /// Dead holders whose entries this snapshot freed.
     pub reclaimed: u32,

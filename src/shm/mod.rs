@@ -34,6 +34,8 @@ pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
     list_segments, validate_name,
 };
-pub(crate) use segment::{list_names, list_other_users_names, list_own_names, other_users_name};
+pub(crate) use segment::{
+    list_names, list_other_users_names, list_own_names, name_of_inode, other_users_name,
+};
 pub use seqlock::{SeqLock, SeqWriter};
 pub use versioned::new_generation;

@@ -831,6 +831,20 @@ pub(crate) fn list_names() -> Result<Vec<(String, u32, Option<&'static str>)>> {
     Ok(out)
 }
 
+/// The name in [`SHM_DIR`] of the regular file with inode `inode` whose name `matches` accepts,
+/// if one stands there now: one pass over the folder's entries (`getdents`: the inode numbers
+/// come with the names, nothing is opened or followed; only a candidate's type is looked at).
+/// `None` also when the folder cannot be read.
+pub(crate) fn name_of_inode(inode: u64, matches: impl Fn(&str) -> bool) -> Option<String> {
+    use std::os::unix::fs::DirEntryExt;
+    let dir = std::fs::read_dir(SHM_DIR).ok()?;
+    dir.flatten()
+        .filter(|e| e.ino() == inode)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .find(|n| matches(n))
+}
+
 /// What a name that is not a regular file is, in the words of [`ShmError::NotASegment`].
 fn name_kind(m: &std::fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;

@@ -530,6 +530,11 @@ pub(crate) struct DataSegment {
     pub(crate) buffers: usize,
 }
 
+/// The data segment name of host set `set`: `cuda-ipc.td.SET`.
+pub(crate) fn data_name(set: &str) -> String {
+    format!("{DATA_PREFIX}{set}")
+}
+
 /// The page-aligned stride of a host buffer of `bytes` bytes.
 pub(crate) fn data_stride(bytes: u64) -> Result<usize> {
     usize::try_from(bytes)
@@ -554,7 +559,7 @@ impl DataSegment {
                     isize::MAX
                 ))
             })?;
-        let name = format!("{DATA_PREFIX}{set}");
+        let name = data_name(set);
         let (seg, generation) = create::<DATA_MAGIC>(set, &name, len, |_, h| {
             h.body_len.store(stride as u64, Ordering::Relaxed);
             h.buffers.store(buffers as u32, Ordering::Relaxed);
@@ -576,7 +581,7 @@ impl DataSegment {
     /// [`TensorSetError::NotFound`] when it is gone (its writer closed the set, or a new writer
     /// replaced it, since the manifest was read), as for the manifest.
     pub(crate) fn open(set: &str, m: &Manifest) -> Result<DataSegment> {
-        let name = format!("{DATA_PREFIX}{set}");
+        let name = data_name(set);
         let seg = open_segment::<DATA_MAGIC>(&name, INIT_WAIT).map_err(|e| match e {
             OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
                 TensorSetError::NotFound(set.to_string()).into()

@@ -178,22 +178,15 @@ fn buffer_count(mode: GenerationMode) -> Result<usize> {
     }
 }
 
-/// Reserves `bytes` from the ledger `opts.quota` names for `device`.
-fn reserve(opts: &TensorSetOptions, device: Uuid, bytes: u64) -> Result<Option<Reservation>> {
-    let Some(scope) = opts.quota else {
-        return Ok(None);
-    };
-    let ledger = match crate::quota::QuotaLedger::open(scope, device) {
-        Ok(l) => l,
-        Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => {
-            return Err(crate::quota::QuotaError::NoBudget {
-                name: scope.segment_name(device),
-            }
-            .into());
-        }
-        Err(e) => return Err(e),
-    };
-    ledger.reserve(bytes).map(Some)
+/// Reserves `bytes` from the ledger `opts.quota` names for `device`; `data` is a host set's data
+/// segment name (host memory).
+fn reserve(
+    opts: &TensorSetOptions,
+    device: Uuid,
+    bytes: u64,
+    data: Option<&str>,
+) -> Result<Option<Reservation>> {
+    crate::quota::reserve_in(opts.quota, device, bytes, data)
 }
 
 /// The set's generation channel (`cuda-ipc.tg.NAME`, memoryless, `buffers` buffers), in `ctx` or
@@ -274,7 +267,12 @@ impl TensorSetWriter {
         {
             return Ok(w);
         }
-        let quota = reserve(opts, ctx.device().uuid(), bytes.saturating_mul(b as u64))?;
+        let quota = reserve(
+            opts,
+            ctx.device().uuid(),
+            bytes.saturating_mul(b as u64),
+            None,
+        )?;
         let producer = generation_channel(Some(ctx), name, opts, b)?;
         let kind = match opts.memory {
             MemoryKind::Auto => match auto_kind(ctx, &ChannelOptions::new(1)) {
@@ -328,9 +326,18 @@ impl TensorSetWriter {
         let layout = Layout::new(specs)?;
         let b = buffer_count(opts.mode)?;
         let bytes = layout.bytes_per_buffer();
-        let quota = reserve(opts, Uuid([0; 16]), bytes.saturating_mul(b as u64))?;
+        let data_name = segment::data_name(name);
+        let quota = reserve(
+            opts,
+            Uuid([0; 16]),
+            bytes.saturating_mul(b as u64),
+            Some(&data_name),
+        )?;
         let producer = generation_channel(None, name, opts, b)?;
         let data = DataSegment::create(name, b, bytes)?;
+        if let Some(q) = &quota {
+            q.record_memory_or_warn(&data.seg);
+        }
         let generation = data.generation;
         let tokens = vec![vec![[0u8; TOKEN_LEN]]; b];
         let memory = Memory::Host(data);
@@ -373,7 +380,7 @@ impl TensorSetWriter {
         }
         let lens = allocations.iter().map(|a| a.len() as u64).collect();
         let layout = Layout::with_locations(tensors, lens)?;
-        let quota = reserve(opts, ctx.device().uuid(), layout.bytes_per_buffer())?;
+        let quota = reserve(opts, ctx.device().uuid(), layout.bytes_per_buffer(), None)?;
         let producer = generation_channel(Some(ctx), name, opts, 1)?;
         let tokens = vec![
             allocations
