@@ -460,6 +460,42 @@ def test_a_host_budget_is_shared_refuses_past_it_naming_the_holder_and_comes_bac
     assert not cuda_ipc.remove_quota(scope=scope)
 
 
+def test_a_killed_host_producers_bytes_stay_counted_while_its_pool_is_in_dev_shm(name):
+    """Host memory does not go with its process: a producer killed with SIGKILL leaves its pool
+    in /dev/shm, so its reservation stays, named as dead with the segment in `OverQuota`; a
+    producer started again under its name is not refused for the pool it replaces."""
+    scope, ledger = quota_scope()
+    cuda_ipc.set_quota(6000, scope=scope)
+    child = None
+    try:
+        code = textwrap.dedent(f"""
+            import sys, time, cuda_ipc
+            p = cuda_ipc.Producer({name!r}, 1024, buffers=4, memory="host", quota={scope!r})
+            print("held", flush=True)
+            time.sleep(60)
+        """)
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "held"
+        child.kill()
+        child.wait(timeout=20)
+        pool = f"cuda-ipc.hp.{name}"
+        assert (SHM / pool).exists()
+        with pytest.raises(cuda_ipc.OverQuota, match=f"dead; its memory stays in /dev/shm/{pool}"):
+            cuda_ipc.Producer(name + "-2", 1024, buffers=4, memory="host", quota=scope)
+        # Started again under the dead one's name: its pool replaces the dead one's.
+        again = cuda_ipc.Producer(name, 1024, buffers=4, memory="host", quota=scope)
+        # The dead entry went with its pool: 4096 of 6000 held, by this process alone.
+        with pytest.raises(cuda_ipc.OverQuota, match=f"pid {os.getpid()}") as e:
+            cuda_ipc.Producer(name + "-2", 1024, buffers=4, memory="host", quota=scope)
+        assert f"pid {child.pid}" not in str(e.value)
+        again.close()
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        assert cuda_ipc.remove_quota(scope=scope)
+
+
 def test_a_file_planted_under_this_users_ledger_name_is_named_and_left(name):
     """Ledger names are predictable: another user can make a file under this user's before it
     does. Asking for that budget (a producer's `quota="user"`, `set_quota`) raises `QuotaError`
