@@ -147,7 +147,6 @@ impl Inner {
     /// replacing it); the others are freed when `free`. Returns every dead holder.
     pub(super) fn reclaim_dead(&self, _g: &Locked<'_>, free: bool) -> Vec<Dead> {
         let mut dead = Vec::new();
-        let mut freed = false;
         for i in 0..ENTRIES {
             let e = self.entry(i);
             // SYNC POINT entry: Acquire, as in `lock`.
@@ -161,31 +160,36 @@ impl Inner {
             if id.liveness_as(uid) != Liveness::Dead {
                 continue;
             }
-            let bytes = e.bytes.load(Ordering::Relaxed);
-            let left_in = self.memory_left(e);
-            if free && left_in.is_none() {
-                tracing::info!(
-                    "quota ledger {}: reclaimed {bytes} bytes of dead pid {} (pid ns {})",
-                    self.name(),
-                    id.pid,
-                    id.pid_ns
-                );
-                // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
-                e.state.store(FREE, Ordering::Release);
-                freed = true;
-            }
             dead.push(Dead {
                 index: i,
                 // Relaxed: under the lock, as the fields above.
                 memory_name: e.memory_name.load(Ordering::Relaxed),
+                memory_inode: e.memory_inode.load(Ordering::Relaxed),
                 holder: Holder {
                     identity: id,
                     uid,
-                    bytes,
+                    bytes: e.bytes.load(Ordering::Relaxed),
                     liveness: Liveness::Dead,
-                    left_in,
+                    left_in: None,
                 },
             });
+        }
+        self.memory_left(&mut dead);
+        let mut freed = false;
+        for d in dead.iter().filter(|d| d.holder.left_in.is_none()) {
+            if !free {
+                break;
+            }
+            tracing::info!(
+                "quota ledger {}: reclaimed {} bytes of dead pid {} (pid ns {})",
+                self.name(),
+                d.holder.bytes,
+                d.holder.identity.pid,
+                d.holder.identity.pid_ns
+            );
+            // SYNC POINT entry: Release, pairs with the Acquire loads of `state`.
+            self.entry(d.index).state.store(FREE, Ordering::Release);
+            freed = true;
         }
         if freed {
             self.store_used();
@@ -193,19 +197,32 @@ impl Inner {
         dead
     }
 
-    /// The `/dev/shm` name of the segment that holds entry `e`'s bytes, while it stands there: the
-    /// file of the recorded inode whose name has the recorded hash. `None` when none is recorded
-    /// (GPU memory, which the driver frees with its process; a reservation whose holder died
-    /// before its segment was made) or that file is gone (removed, or replaced under its name).
-    /// Under the lock.
-    pub(super) fn memory_left(&self, e: &Entry) -> Option<String> {
-        // Relaxed: written and read under the lock.
-        let inode = e.memory_inode.load(Ordering::Relaxed);
-        let hash = e.memory_name.load(Ordering::Relaxed);
-        if inode == 0 || hash == 0 {
-            return None;
+    /// Sets each dead holder's `left_in`: the `/dev/shm` name of the segment that holds its bytes,
+    /// while it stands there (the file of the recorded inode whose name has the recorded hash).
+    /// `None` where none is recorded (GPU memory, which the driver frees with its process; a
+    /// reservation whose holder died before its segment was made) or that file is gone (removed,
+    /// or replaced under its name). One pass over `/dev/shm`, only when an entry recorded one.
+    fn memory_left(&self, dead: &mut [Dead]) {
+        let wanted: Vec<(u64, u64)> = dead
+            .iter()
+            .filter(|d| d.memory_inode != 0 && d.memory_name != 0)
+            .map(|d| (d.memory_inode, d.memory_name))
+            .collect();
+        if wanted.is_empty() {
+            return;
         }
-        crate::shm::name_of_inode(inode, |n| name_hash(n) == hash)
+        // The name's hash only for an entry of a wanted inode.
+        let found = crate::shm::names_of_inodes(|inode, name| {
+            wanted
+                .iter()
+                .any(|(i, h)| *i == inode && *h == name_hash(name))
+        });
+        for d in dead.iter_mut() {
+            d.holder.left_in = found
+                .iter()
+                .find(|(inode, name)| *inode == d.memory_inode && name_hash(name) == d.memory_name)
+                .map(|(_, name)| name.clone());
+        }
     }
 
     /// The held entries: (index, identity, uid, bytes).
@@ -252,6 +269,8 @@ pub(super) struct Dead {
     pub(super) index: u32,
     /// The entry's [`name_hash`] of its memory's segment (0: none recorded).
     pub(super) memory_name: u64,
+    /// The entry's inode of its memory's segment (0: none recorded).
+    pub(super) memory_inode: u64,
     /// The holder, with `left_in` set while its memory stays in `/dev/shm` (the entry is kept).
     pub(super) holder: Holder,
 }

@@ -35,7 +35,7 @@ pub use segment::{
     list_segments, validate_name,
 };
 pub(crate) use segment::{
-    list_names, list_other_users_names, list_own_names, name_of_inode, other_users_name,
+    list_names, list_other_users_names, list_own_names, names_of_inodes, other_users_name,
 };
 pub use seqlock::{SeqLock, SeqWriter};
 pub use versioned::new_generation;

@@ -831,18 +831,21 @@ pub(crate) fn list_names() -> Result<Vec<(String, u32, Option<&'static str>)>> {
     Ok(out)
 }
 
-/// The name in [`SHM_DIR`] of the regular file with inode `inode` whose name `matches` accepts,
-/// if one stands there now: one pass over the folder's entries (`getdents`: the inode numbers
-/// come with the names, nothing is opened or followed; only a candidate's type is looked at).
-/// `None` also when the folder cannot be read.
-pub(crate) fn name_of_inode(inode: u64, matches: impl Fn(&str) -> bool) -> Option<String> {
+/// The regular files in [`SHM_DIR`] that `wanted` accepts by inode and name, as (inode, name):
+/// one pass over the folder's entries (`getdents`: the inode numbers come with the names, nothing
+/// is opened or followed; only an accepted entry's type is looked at). Empty when the folder
+/// cannot be read.
+pub(crate) fn names_of_inodes(wanted: impl Fn(u64, &str) -> bool) -> Vec<(u64, String)> {
     use std::os::unix::fs::DirEntryExt;
-    let dir = std::fs::read_dir(SHM_DIR).ok()?;
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
     dir.flatten()
-        .filter(|e| e.ino() == inode)
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .find(|n| matches(n))
+        .filter_map(|e| Some((e.ino(), e.file_name().to_str()?.to_string(), e)))
+        .filter(|(ino, name, _)| wanted(*ino, name))
+        .filter(|(.., e)| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|(ino, name, _)| (ino, name))
+        .collect()
 }
 
 /// What a name that is not a regular file is, in the words of [`ShmError::NotASegment`].
