@@ -160,7 +160,9 @@ class QuotaError(CudaIpcError):
 
 class OverQuota(QuotaError, ValueError):
     """The pool would take a budget past its limit: the shared one of ``quota=`` (the message
-    names each holder, its pid and bytes) or the producer's own ``quota_bytes``."""
+    names each holder, its pid and bytes, and for a killed holder of host memory the /dev/shm
+    segment that still holds it, which ``cuda-ipc gc`` removes) or the producer's own
+    ``quota_bytes``."""
 
 class TensorSetNotFound(ChannelNotFound):
     """No tensor set of this name exists (start its writer first)."""
