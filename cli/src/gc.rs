@@ -179,6 +179,9 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
             if l.kind == cleanup::LeftoverKind::TensorSet {
                 out!("kept tensorset {}: {why}", l.object);
             }
+            if l.kind == cleanup::LeftoverKind::QuotaHolder {
+                out!("kept {l}: {why}");
+            }
         }
         for p in &r.problems {
             report(p, "cannot remove", doc.as_mut());

@@ -192,6 +192,20 @@ pub struct Leftover {
     target: Target,
 }
 
+impl Leftover {
+    /// Whether removing this leftover removes `/dev/shm` segment `seg` (a host pool, or a part of
+    /// a tensor set): a ledger's dead holder whose host memory is in `seg` is freed after it.
+    fn removes_segment(&self, seg: &str) -> bool {
+        match self.target {
+            Target::HostPool => {
+                seg.strip_prefix(crate::channel::inspect::POOL_PREFIX) == Some(self.object.as_str())
+            }
+            Target::TensorSetPart(p) => p.segment_name(&self.object) == seg,
+            _ => false,
+        }
+    }
+}
+
 impl fmt::Display for Leftover {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.what)

@@ -627,9 +627,25 @@ fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
             Ok(quota::Creation::Finished) | Err(_) => {}
         }
         match QuotaLedger::open_named(&name).and_then(|l| l.dead_holders(false)) {
-            Ok(dead) => s
-                .leftovers
-                .extend(dead.iter().map(|h| holder_leftover(&name, h))),
+            Ok(dead) => {
+                for h in &dead {
+                    match &h.left_in {
+                        // Its host memory stands, and this gc does not remove it (not named,
+                        // another user's, kept): `remove` would keep the entry, so it is kept
+                        // here too, and a dry run says what the run does.
+                        Some(seg) if !s.leftovers.iter().any(|l| l.removes_segment(seg)) => {
+                            s.kept.push(format!(
+                                "quota ledger {name}: the reservation of {} bytes of dead {}: \
+                                 its host memory is still in {SHM_DIR}/{seg}, which this gc does \
+                                 not remove (`cuda-ipc gc` of its channel or tensor set, by the \
+                                 segment's owner, removes it, then frees the reservation)",
+                                h.bytes, h.identity
+                            ));
+                        }
+                        _ => s.leftovers.push(holder_leftover(&name, h)),
+                    }
+                }
+            }
             Err(e) if another_users_ledger(&name, &e, s) => {}
             Err(e) => s.unread(format!("quota ledger {name}"), e),
         }

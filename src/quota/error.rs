@@ -81,8 +81,12 @@ pub enum QuotaError {
         /// Who holds them.
         holders: Vec<HeldBy>,
     },
-    /// Every entry of the ledger is taken by a live holder.
-    #[error("quota ledger {name} has no free entry ({entries} live reservations)")]
+    /// Every entry of the ledger is held: by live holders, and by dead ones whose host memory is
+    /// still in `/dev/shm` (`cuda-ipc gc` removes it, then frees their entries).
+    #[error(
+        "quota ledger {name} has no free entry ({entries} reservations held: by live processes, \
+         and by dead ones whose host memory is still in /dev/shm, which `cuda-ipc gc` frees)"
+    )]
     Full {
         /// The segment's name.
         name: String,

@@ -217,11 +217,16 @@ impl Inner {
                 .iter()
                 .any(|(i, h)| *i == inode && *h == name_hash(name))
         });
+        // Each found name hashed once (a dead entry per found name at most, but 256 of them).
+        let found: Vec<(u64, u64, String)> = found
+            .into_iter()
+            .map(|(inode, name)| (inode, name_hash(&name), name))
+            .collect();
         for d in dead.iter_mut() {
             d.holder.left_in = found
                 .iter()
-                .find(|(inode, name)| *inode == d.memory_inode && name_hash(name) == d.memory_name)
-                .map(|(_, name)| name.clone());
+                .find(|(inode, hash, _)| *inode == d.memory_inode && *hash == d.memory_name)
+                .map(|(.., name)| name.clone());
         }
     }
 
