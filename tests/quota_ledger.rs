@@ -851,3 +851,91 @@ fn a_killed_host_holders_bytes_stay_counted_while_its_memory_is_in_dev_shm() {
     drop(tx);
     assert_eq!(ledger.snapshot().unwrap().used, 0);
 }
+
+/// A holder killed after its reserve named its segment but before it recorded it (the segment
+/// made, or not yet): judged by the name alone. Its entry stays while a file of that name stands
+/// that no entry recorded; a successor's segment of that name, recorded, is not the dead one's.
+#[test]
+fn a_holder_killed_before_it_recorded_its_segment_is_judged_by_the_segments_name() {
+    use cuda_ipc::raw::shm::{Segment, SegmentOptions};
+    const TEST: &str =
+        "a_holder_killed_before_it_recorded_its_segment_is_judged_by_the_segments_name";
+    const SEG: &str = "CUDA_IPC_TEST_QUOTA_SEGMENT";
+    if role().as_deref() == Some("pending") {
+        let l = QuotaLedger::open(QuotaScope::user(), child_device()).unwrap();
+        let seg = std::env::var(SEG).unwrap();
+        let r = l.reserve_for(1000, Some(&seg)).unwrap();
+        let made = Segment::create(&seg, 4096, &SegmentOptions::new()).unwrap();
+        tell("made");
+        std::mem::forget((r, made));
+        loop {
+            std::thread::sleep(Duration::from_secs(60));
+        }
+    }
+    let d = device();
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, UNLIMITED).unwrap();
+    let _g = Gone(ledger.name().to_string());
+    let seg = format!("quota-pending-{}", std::process::id());
+    let _s = Gone(seg.clone());
+    let mut peer = Peer::spawn(TEST, "pending", &[(DEVICE, &d.to_string()), (SEG, &seg)]);
+    peer.expect("made", T);
+    peer.child.kill().unwrap();
+    let _ = peer.child.wait();
+    // Its segment stands, recorded by no entry: the dead holder keeps its entry.
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.reclaimed), (1000, 0), "{s:?}");
+    assert_eq!(s.holders[0].left_in.as_deref(), Some(seg.as_str()));
+    // A successor under that name reserves while the dead one's file stands (kept, not counted
+    // against it), then makes the name again and records its segment: the file standing is the
+    // successor's, so the dead entry goes.
+    let r = ledger.reserve_for(500, Some(&seg)).unwrap();
+    assert_eq!(ledger.snapshot().unwrap().used, 1500);
+    std::fs::remove_file(path(&seg)).unwrap();
+    let mine = Segment::create(&seg, 4096, &SegmentOptions::new()).unwrap();
+    assert_eq!(
+        ledger.snapshot().unwrap().used,
+        1500,
+        "not recorded yet: judged by the name"
+    );
+    r.record_memory(&mine).unwrap();
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.reclaimed, s.holders.len()), (500, 1, 1), "{s:?}");
+    assert_eq!(s.holders[0].identity.pid, std::process::id());
+    drop(r);
+    assert_eq!(ledger.snapshot().unwrap().used, 0);
+}
+
+/// `QuotaLedger::remove_of` (`cuda-ipc quota remove`, Python's `remove_quota`) removes a ledger
+/// this build cannot open because an older build made it (layout version 1), which nothing else
+/// can; a garbage file under the name is refused and kept, and nothing under it is no error.
+#[test]
+fn remove_of_removes_a_ledger_of_another_layout_version_and_keeps_a_foreign_file() {
+    let scope = QuotaScope::user();
+    let d = device();
+    let name = scope.segment_name(d);
+    let _g = Gone(name.clone());
+    assert!(!QuotaLedger::remove_of(scope, d).unwrap(), "nothing there");
+    let mut v1 = b"CIPCQUOT".to_vec();
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&0x5155_4f54u32.to_le_bytes());
+    plant(&name, &v1, 4096 + 256 * 64);
+    assert!(matches!(
+        QuotaLedger::open(scope, d).unwrap_err(),
+        Error::Quota(QuotaError::VersionMismatch { found: 1, .. })
+    ));
+    assert!(QuotaLedger::remove_of(scope, d).unwrap());
+    assert!(std::fs::symlink_metadata(path(&name)).is_err(), "removed");
+    // Another program's file under the name: refused by what it is, kept.
+    plant(&name, &[0x5a; 4096 + 256 * 128], 0);
+    let e = QuotaLedger::remove_of(scope, d).unwrap_err();
+    assert!(
+        matches!(e, Error::Quota(QuotaError::BadSegment { .. })),
+        "{e:?}"
+    );
+    assert!(std::fs::metadata(path(&name)).is_ok(), "kept");
+    // A ledger of this version: removed as `remove` does.
+    std::fs::remove_file(path(&name)).unwrap();
+    QuotaLedger::set_budget(scope, d, 10).unwrap();
+    assert!(QuotaLedger::remove_of(scope, d).unwrap());
+    assert!(std::fs::symlink_metadata(path(&name)).is_err());
+}

@@ -119,12 +119,12 @@ pub fn run_set(device: &str, budget: u64, group: Option<&str>) -> Result<Outcome
 pub fn run_remove(device: &str, group: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
     let scope = scope(group)?;
     for d in devices(device, scope)? {
-        let l = QuotaLedger::open(scope, d)?;
-        let gone = l.remove()?;
+        // Also a ledger of another layout version (an older build's), which no open reads.
+        let gone = QuotaLedger::remove_of(scope, d)?;
         out!(
             "{} {} ({scope} on {})",
             if gone { "removed" } else { "already gone:" },
-            l.name(),
+            scope.segment_name(d),
             device_name(&d)
         );
     }

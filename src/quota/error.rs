@@ -105,9 +105,8 @@ pub enum QuotaError {
     /// A ledger of another layout version.
     #[error(
         "quota ledger {name} has layout version {found}; this build reads version {supported} \
-         (a build of another version made it: remove it with that build's `cuda-ipc quota \
-         remove`, or as its owner `rm /dev/shm/{name}` once none of its producers runs, then set \
-         the budget again)"
+         (a build of another version made it: `cuda-ipc quota remove` removes it, then set the \
+         budget again)"
     )]
     VersionMismatch {
         /// The segment's name.

@@ -278,6 +278,50 @@ impl QuotaLedger {
         Segment::unlink_if_same(self.name(), self.inner.seg.inode()?)
     }
 
+    /// Removes the ledger of `scope` for `device` (all-zero UUID: host memory), for its owner or
+    /// root, as [`QuotaLedger::remove`] does, and also one of another layout version, which this
+    /// build cannot open (a ledger an older build made): that one is judged by its header's magic
+    /// and version alone, its entries never read, and removed only while its name still stands
+    /// for the file judged. Its holders keep their mappings; new producers find no budget.
+    /// Returns whether a ledger was removed (`false`: none stood under the name, or it went
+    /// meanwhile).
+    ///
+    /// # Errors
+    /// [`QuotaError::NotBudgetOwner`] for another user's (and we are not root); the errors of
+    /// [`QuotaLedger::open`] but `NotFound` and `VersionMismatch`.
+    pub fn remove_of(scope: QuotaScope, device: Uuid) -> Result<bool> {
+        let name = scope.segment_name(device);
+        match Self::open(scope, device) {
+            Ok(l) => l.remove(),
+            Err(Error::Shm(ShmError::NotFound { .. })) => Ok(false),
+            Err(Error::Quota(QuotaError::VersionMismatch { .. })) => {
+                let seg = Segment::open_with_min_len(&name, super::layout::ENTRIES_AT)?;
+                let (owner, _, _) = seg.owner()?;
+                let ours = rustix::process::geteuid();
+                if owner != ours.as_raw() && !ours.is_root() {
+                    return Err(QuotaError::NotBudgetOwner {
+                        name,
+                        owner,
+                        ours: ours.as_raw(),
+                    }
+                    .into());
+                }
+                // Still our magic and another version (the name may stand for another file by
+                // now): the first 12 bytes, read as the versioned header's words.
+                let h = versioned::header::<Header>(&seg);
+                // Relaxed: a look at words this build never writes in a ledger of another version.
+                if h.magic.load(Ordering::Relaxed) != super::layout::MAGIC
+                    || h.version.load(Ordering::Relaxed) == super::layout::VERSION
+                {
+                    // Made again meanwhile: what stands now is judged as a ledger.
+                    return Self::open(scope, device)?.remove();
+                }
+                Segment::unlink_if_same(&name, seg.inode()?)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The segment's name in `/dev/shm`.
     pub fn name(&self) -> &str {
         self.inner.name()
@@ -307,7 +351,9 @@ impl QuotaLedger {
     }
 
     /// Reserves `bytes` for this process, for memory that will live in the `/dev/shm` segment
-    /// `segment` (host memory; record it with [`Reservation::record_memory`] once made). A dead
+    /// `segment` (host memory; its name is recorded now, and its inode with
+    /// [`Reservation::record_memory`] once made: should this process die in between, a file of
+    /// that name whose inode no entry recorded counts as its memory). A dead
     /// holder whose recorded segment is still in `/dev/shm` keeps its entry (host memory does not
     /// go with its process); one whose segment has the name `segment` is not counted against this
     /// reservation, since making `segment` replaces it (a producer started again after a crash
@@ -386,8 +432,11 @@ impl QuotaLedger {
         test_point(QuotaTestPoint::EntryHalfWritten);
         e.id.store(id, Ordering::Relaxed);
         e.uid.store(u64::from(uid), Ordering::Relaxed);
+        // The segment's name now, its inode once it is made (`record_memory`): a holder killed
+        // in between is judged by the name alone (`Inner::memory_left`).
         e.memory_inode.store(0, Ordering::Relaxed);
-        e.memory_name.store(0, Ordering::Relaxed);
+        e.memory_name
+            .store(segment.map_or(0, name_hash), Ordering::Relaxed);
         // SYNC POINT entry: Release, pairs with the Acquire loads of `state` in `held`,
         // `reclaim_dead` and `lock`: whoever sees HELD sees the fields above.
         e.state.store(HELD, Ordering::Release);

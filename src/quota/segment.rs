@@ -198,34 +198,63 @@ impl Inner {
     }
 
     /// Sets each dead holder's `left_in`: the `/dev/shm` name of the segment that holds its bytes,
-    /// while it stands there (the file of the recorded inode whose name has the recorded hash).
-    /// `None` where none is recorded (GPU memory, which the driver frees with its process; a
-    /// reservation whose holder died before its segment was made) or that file is gone (removed,
-    /// or replaced under its name). One pass over `/dev/shm`, only when an entry recorded one.
+    /// while it stands there. For an entry that recorded its segment
+    /// ([`super::Reservation::record_memory`]): the file of the recorded inode whose name has the
+    /// recorded hash. For one that named the segment at its reserve but died before it recorded
+    /// it (made, or not yet made): a file whose name has that hash and whose inode no entry of the
+    /// ledger recorded (a successor's segment of that name, recorded, is not the dead one's).
+    /// `None` where no segment was named (GPU memory, which the driver frees with its process) or
+    /// that file is gone (removed, or replaced under its name). One pass over `/dev/shm`, only
+    /// when a dead entry named a segment; every name in it is hashed only when one died before
+    /// recording its segment.
     fn memory_left(&self, dead: &mut [Dead]) {
-        let wanted: Vec<(u64, u64)> = dead
+        let recorded: Vec<(u64, u64)> = dead
             .iter()
             .filter(|d| d.memory_inode != 0 && d.memory_name != 0)
             .map(|d| (d.memory_inode, d.memory_name))
             .collect();
-        if wanted.is_empty() {
+        let pending: Vec<u64> = dead
+            .iter()
+            .filter(|d| d.memory_inode == 0 && d.memory_name != 0)
+            .map(|d| d.memory_name)
+            .collect();
+        if recorded.is_empty() && pending.is_empty() {
             return;
         }
-        // The name's hash only for an entry of a wanted inode.
         let found = crate::shm::names_of_inodes(|inode, name| {
-            wanted
-                .iter()
-                .any(|(i, h)| *i == inode && *h == name_hash(name))
+            (!pending.is_empty() && pending.contains(&name_hash(name)))
+                || recorded
+                    .iter()
+                    .any(|(i, h)| *i == inode && *h == name_hash(name))
         });
         // Each found name hashed once (a dead entry per found name at most, but 256 of them).
         let found: Vec<(u64, u64, String)> = found
             .into_iter()
             .map(|(inode, name)| (inode, name_hash(&name), name))
             .collect();
+        // The inodes every held entry recorded (live or dead), for the entries that recorded none.
+        let claimed: Vec<u64> = if pending.is_empty() {
+            Vec::new()
+        } else {
+            (0..ENTRIES)
+                .map(|i| self.entry(i))
+                // SYNC POINT entry: Acquire, as in `lock`; the inode is Relaxed after it.
+                .filter(|e| e.state.load(Ordering::Acquire) == HELD)
+                .map(|e| e.memory_inode.load(Ordering::Relaxed))
+                .filter(|i| *i != 0)
+                .collect()
+        };
         for d in dead.iter_mut() {
             d.holder.left_in = found
                 .iter()
-                .find(|(inode, hash, _)| *inode == d.memory_inode && *hash == d.memory_name)
+                .find(|(inode, hash, _)| {
+                    *hash == d.memory_name
+                        && if d.memory_inode != 0 {
+                            *inode == d.memory_inode
+                        } else {
+                            !claimed.contains(inode)
+                        }
+                })
                 .map(|(.., name)| name.clone());
         }
     }
