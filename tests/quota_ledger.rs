@@ -852,6 +852,23 @@ fn a_killed_host_holders_bytes_stay_counted_while_its_memory_is_in_dev_shm() {
     assert_eq!(ledger.snapshot().unwrap().used, 0);
 }
 
+const SEG: &str = "CUDA_IPC_TEST_QUOTA_SEGMENT";
+
+/// In a child: reserves 1000 bytes for the segment `$CUDA_IPC_TEST_QUOTA_SEGMENT`, makes it
+/// without recording it, tells `made` and waits to be killed.
+fn hold_unrecorded_segment_until_killed() -> ! {
+    use cuda_ipc::raw::shm::{Segment, SegmentOptions};
+    let l = QuotaLedger::open(QuotaScope::user(), child_device()).unwrap();
+    let seg = std::env::var(SEG).unwrap();
+    let r = l.reserve_for(1000, Some(&seg)).unwrap();
+    let made = Segment::create(&seg, 4096, &SegmentOptions::new()).unwrap();
+    tell("made");
+    std::mem::forget((r, made));
+    loop {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
 /// A holder killed after its reserve named its segment but before it recorded it (the segment
 /// made, or not yet): judged by the name alone. Its entry stays while a file of that name stands
 /// that no entry recorded; a successor's segment of that name, recorded, is not the dead one's.
@@ -862,15 +879,7 @@ fn a_holder_killed_before_it_recorded_its_segment_is_judged_by_the_segments_name
         "a_holder_killed_before_it_recorded_its_segment_is_judged_by_the_segments_name";
     const SEG: &str = "CUDA_IPC_TEST_QUOTA_SEGMENT";
     if role().as_deref() == Some("pending") {
-        let l = QuotaLedger::open(QuotaScope::user(), child_device()).unwrap();
-        let seg = std::env::var(SEG).unwrap();
-        let r = l.reserve_for(1000, Some(&seg)).unwrap();
-        let made = Segment::create(&seg, 4096, &SegmentOptions::new()).unwrap();
-        tell("made");
-        std::mem::forget((r, made));
-        loop {
-            std::thread::sleep(Duration::from_secs(60));
-        }
+        hold_unrecorded_segment_until_killed();
     }
     let d = device();
     let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, UNLIMITED).unwrap();
@@ -938,4 +947,40 @@ fn remove_of_removes_a_ledger_of_another_layout_version_and_keeps_a_foreign_file
     QuotaLedger::set_budget(scope, d, 10).unwrap();
     assert!(QuotaLedger::remove_of(scope, d).unwrap());
     assert!(std::fs::symlink_metadata(path(&name)).is_err());
+}
+
+/// A ledger whose every entry is held, one by a dead holder whose segment stands: a plain reserve
+/// is refused with `Full`, and a restart under that segment's name takes the dead one's entry.
+#[test]
+fn a_restart_under_a_dead_holders_segment_name_takes_its_entry_in_a_full_ledger() {
+    const TEST: &str =
+        "a_restart_under_a_dead_holders_segment_name_takes_its_entry_in_a_full_ledger";
+    if role().as_deref() == Some("pending") {
+        hold_unrecorded_segment_until_killed();
+    }
+    let d = device();
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, UNLIMITED).unwrap();
+    let _g = Gone(ledger.name().to_string());
+    let seg = format!("quota-full-{}", std::process::id());
+    let _s = Gone(seg.clone());
+    let mut peer = Peer::spawn(TEST, "pending", &[(DEVICE, &d.to_string()), (SEG, &seg)]);
+    peer.expect("made", T);
+    peer.child.kill().unwrap();
+    let _ = peer.child.wait();
+    let mine: Vec<_> = (0..255).map(|_| ledger.reserve(1).unwrap()).collect();
+    let e = ledger.reserve(1).unwrap_err();
+    assert!(
+        matches!(e, Error::Quota(QuotaError::Full { .. })) && e.to_string().contains("gc"),
+        "{e}"
+    );
+    let again = ledger.reserve_for(7, Some(&seg)).unwrap();
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.holders.len()), (255 + 7, 256), "{s:?}");
+    assert!(
+        s.holders
+            .iter()
+            .all(|h| h.identity.pid == std::process::id())
+    );
+    drop((mine, again));
+    assert_eq!(ledger.snapshot().unwrap().used, 0);
 }

@@ -411,10 +411,13 @@ impl QuotaLedger {
             }
             .into());
         }
-        let Some(index) = (0..ENTRIES).find(|i| {
+        // A free entry, else that of a dead holder whose segment this reservation's replaces (its
+        // bytes are not counted above, and its memory goes with the replacement).
+        let free = (0..ENTRIES).find(|i| {
             // Relaxed: under the lock, where only we write.
             inner.entry(*i).state.load(Ordering::Relaxed) == FREE
-        }) else {
+        });
+        let Some(index) = free.or_else(|| replaced.first().copied()) else {
             return Err(QuotaError::Full {
                 name: inner.name().to_string(),
                 entries: ENTRIES,
