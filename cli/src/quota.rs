@@ -280,7 +280,11 @@ pub fn render(ledgers: &[LedgerSnapshot], errors: &[(String, String)]) -> String
         ));
         for h in &s.holders {
             let left = h.left_in.as_ref().map_or(String::new(), |seg| {
-                format!(" (its memory stays in /dev/shm/{seg} until `cuda-ipc gc` removes it)")
+                format!(
+                    " (its memory stays in /dev/shm/{seg} until `cuda-ipc gc` as uid {} or root \
+                     removes it)",
+                    h.uid
+                )
             });
             out.push_str(&format!(
                 "  pid {} (uid {}, pid ns {}) holds {}, {}{left}\n",

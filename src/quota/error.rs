@@ -29,7 +29,9 @@ impl std::fmt::Display for HeldBy {
         if let Some(seg) = &self.left_in {
             write!(
                 f,
-                " (dead; its memory stays in /dev/shm/{seg} until that is removed: `cuda-ipc gc`)"
+                " (dead; its memory stays in /dev/shm/{seg} until that is removed: `cuda-ipc gc` \
+                 as uid {} or root)",
+                self.uid
             )?;
         }
         Ok(())
