@@ -2,7 +2,8 @@
 //! the other's `OverQuota` names the winner), a holder killed with SIGKILL (its bytes come back
 //! within 1 s), a holder killed while it held the ledger lock half-way through an entry (the next
 //! locker repairs it), and hostile segments under a ledger's name (garbage, foreign, truncated,
-//! another version, a FIFO, another user's): each a clear error, nothing removed. The children are
+//! another version, a FIFO, another user's) and a group ledger cut short under its users'
+//! mappings: each a clear error, nothing removed. The children are
 //! this test binary re-executed (tests/common).
 
 mod common;
@@ -373,6 +374,55 @@ fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
             .is_fifo(),
         "the FIFO is kept"
     );
+}
+
+/// A group ledger cut short under the mappings of its users (`ftruncate`, which any member of
+/// the group may do: the file is 0660): every call that reads or writes its entries says so
+/// (`Shrunk`) instead of touching a page past the new end (`SIGBUS`), reservations held across
+/// the cut are released or dropped without a fault, and `gc`'s scan looks at it without one.
+#[test]
+fn a_group_ledger_cut_short_under_the_mapping_is_an_error_never_a_fault() {
+    let egid = rustix::process::getegid().as_raw();
+    let scope = QuotaScope::group(&egid.to_string()).unwrap();
+    let shrunk = |e: &Error| matches!(e, Error::Shm(ShmError::Shrunk { .. }));
+    // Cut into the entries, to the header page only, and to nothing.
+    for cut in [2 * 4096, 4096, 0] {
+        let d = device();
+        let ledger = QuotaLedger::set_budget(scope, d, 1 << 20).unwrap();
+        let name = ledger.name().to_string();
+        let _g = Gone(name.clone());
+        let released = ledger.reserve(100).unwrap();
+        let dropped = ledger.reserve(200).unwrap();
+        let other = QuotaLedger::open_named(&name).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path(&name))
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        for (what, e) in [
+            ("reserve", other.reserve(1).unwrap_err()),
+            ("snapshot", other.snapshot().unwrap_err()),
+            ("dead_holders", other.dead_holders(true).unwrap_err()),
+            ("release", released.release().unwrap_err()),
+        ] {
+            assert!(shrunk(&e), "cut to {cut}: {what}: {e:?}");
+        }
+        // Its return fails: logged, nothing touched.
+        drop(dropped);
+        assert!(QuotaLedger::open_named(&name).is_err(), "cut to {cut}");
+        // `gc`'s look: a problem (too small to be a ledger) or, empty and young, a creation that
+        // may be under way.
+        let scan = cuda_ipc::cleanup::scan(
+            &cuda_ipc::cleanup::Scope::only(vec![], vec![]).with_quota_ledgers(vec![name.clone()]),
+        )
+        .unwrap();
+        assert!(
+            scan.problems.iter().any(|p| p.subject.contains(&name))
+                || scan.kept.iter().any(|k| k.contains(&name)),
+            "cut to {cut}: {scan:?}"
+        );
+    }
 }
 
 #[test]

@@ -172,7 +172,8 @@ impl QuotaLedger {
     /// [`QuotaError::NotBudgetOwner`] when the ledger exists and is not this uid's (and we are not
     /// root); [`QuotaError::BadGroup`] when the group cannot be given to the file; the errors of
     /// [`QuotaLedger::open`] for what stands under the name; [`crate::Error::Timeout`] when a live
-    /// process holds the ledger lock for 2 s; [`crate::Error::Os`] and `NoSpace` from creating it.
+    /// process holds the ledger lock for 2 s; [`ShmError::Shrunk`] when the ledger was cut short
+    /// right after its open; [`crate::Error::Os`] and `NoSpace` from creating it.
     pub fn set_budget(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
         let name = scope.segment_name(device);
         check_planted(&name)?;
@@ -307,7 +308,9 @@ impl QuotaLedger {
                     .into());
                 }
                 // Still our magic and another version (the name may stand for another file by
-                // now): the first 12 bytes, read as the versioned header's words.
+                // now): the first 12 bytes, read as the versioned header's words, while the file
+                // still backs the mapping (a group member may cut a group ledger short).
+                seg.check_intact()?;
                 let h = versioned::header::<Header>(&seg);
                 // Relaxed: a look at words this build never writes in a ledger of another version.
                 if h.magic.load(Ordering::Relaxed) != super::layout::MAGIC
@@ -345,6 +348,8 @@ impl QuotaLedger {
     /// [`QuotaError::OverQuota`] naming the budget, the bytes in use and each holder;
     /// [`QuotaError::Full`] when all 256 entries are held; [`crate::Error::InvalidArgument`] for 0
     /// bytes; [`crate::Error::Timeout`] when a live process holds the lock for 2 s;
+    /// [`ShmError::Shrunk`] when the ledger was cut short under this mapping (as another member of
+    /// a group ledger's group may: nothing is read or written);
     /// [`crate::Error::Os`] when this process's identity cannot be read.
     pub fn reserve(&self, bytes: u64) -> Result<Reservation> {
         self.reserve_for(bytes, None)
@@ -460,8 +465,8 @@ impl QuotaLedger {
     /// memory is still in `/dev/shm` is listed with [`Holder::left_in`] and stays counted).
     ///
     /// # Errors
-    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s; [`crate::Error::Os`]
-    /// when `fstat` fails.
+    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s; [`ShmError::Shrunk`]
+    /// when the ledger was cut short under this mapping; [`crate::Error::Os`] when `fstat` fails.
     pub fn snapshot(&self) -> Result<LedgerSnapshot> {
         let inner = &*self.inner;
         let (owner_uid, _, mode) = inner.seg.owner()?;
@@ -508,7 +513,8 @@ impl QuotaLedger {
     /// `gc` removes that segment first, then frees the entry.
     ///
     /// # Errors
-    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s.
+    /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s; [`ShmError::Shrunk`]
+    /// when the ledger was cut short under this mapping.
     pub fn dead_holders(&self, free: bool) -> Result<Vec<Holder>> {
         let g = self.inner.lock()?;
         Ok(self
@@ -576,7 +582,8 @@ impl Reservation {
     ///
     /// # Errors
     /// [`crate::Error::Timeout`] when a live process holds the lock for 2 s (the entry stays held
-    /// until this process exits, then it is reclaimed).
+    /// until this process exits, then it is reclaimed); [`ShmError::Shrunk`] when the ledger was
+    /// cut short under this mapping (its entry is then not ours to free).
     pub fn release(mut self) -> Result<()> {
         self.released = true;
         self.free()

@@ -64,9 +64,12 @@ impl Inner {
 
     pub(super) fn entry(&self, i: u32) -> &Entry {
         debug_assert!(i < ENTRIES);
-        // (1) The segment is at least LEDGER_LEN bytes (every opener and creator checks it), so
-        // entry `i < ENTRIES` lies inside the mapping, which lives as long as `self`; (2) the
-        // offset is a multiple of 128 from a page, so Entry's 8-byte alignment holds.
+        // (1) The mapping is at least LEDGER_LEN bytes (every opener and creator checks it), so
+        // entry `i < ENTRIES` lies inside it, and it lives as long as `self`; the file still
+        // backs it (`lock` checks it, and every access is made under the lock: a cut after that
+        // check, by another member of a group ledger's group, is the residue
+        // `Segment::check_intact` names); (2) the offset is a multiple of 128 from a page, so
+        // Entry's 8-byte alignment holds.
         // SAFETY: (1), (2); (3) Entry is `repr(C)` atomics only: every bit pattern is valid and
         // a shared reference permits other processes' concurrent writes.
         unsafe {
@@ -82,8 +85,16 @@ impl Inner {
         self.seg.name()
     }
 
-    /// Takes the ledger lock (at most [`LOCK_TIMEOUT`]), then repairs what a locker killed
-    /// half-way left: `WRITING` entries (and states no build writes) are freed.
+    /// Takes the ledger lock (at most [`LOCK_TIMEOUT`]), checks that the segment still holds
+    /// every byte mapped ([`Segment::check_intact`]), then repairs what a locker killed half-way
+    /// left: `WRITING` entries (and states no build writes) are freed. Every read and write of the
+    /// header's counters and the entries after the open is made under this lock, so after this
+    /// check.
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when a live process holds the lock for [`LOCK_TIMEOUT`];
+    /// [`ShmError::Shrunk`] when the ledger was cut short under this mapping (nothing read or
+    /// written); [`crate::Error::Os`] when `fcntl` or `fstat` fails.
     pub(super) fn lock(&self) -> Result<Locked<'_>> {
         use rustix::fd::AsRawFd;
         let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
@@ -119,6 +130,10 @@ impl Inner {
             inner: self,
             _local: local,
         };
+        // Before any word is touched: still every byte mapped (a group ledger is 0660, so any
+        // member of the group can cut it short under this mapping, where a touch past the new end
+        // would raise SIGBUS). Refused here (the lock goes back with `g`), never read or written.
+        self.seg.check_intact()?;
         let mut repaired = 0;
         for i in 0..ENTRIES {
             let e = self.entry(i);
