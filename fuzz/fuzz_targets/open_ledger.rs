@@ -26,8 +26,10 @@ use std::sync::OnceLock;
 
 /// Host memory's device.
 const HOST: Uuid = Uuid([0; 16]);
-/// Bytes of a ledger: its header page and 256 entries of 64 bytes.
-const LEDGER_LEN: usize = 4096 + 256 * 64;
+/// Bytes of an entry (layout version 2).
+const ENTRY_LEN: usize = 128;
+/// Bytes of a ledger: its header page and 256 entries.
+const LEDGER_LEN: usize = 4096 + 256 * ENTRY_LEN;
 /// Offset of the init stamp, and the stamp.
 const STAMP_AT: usize = 12;
 const STAMP: u32 = 0x5155_4f54;
@@ -55,8 +57,8 @@ fn valid_image(group: bool) -> &'static [u8] {
         drop(r);
         l.remove().expect("remove");
         assert_eq!(img.len(), LEDGER_LEN);
-        img.copy_within(ENTRIES_AT..ENTRIES_AT + 64, ENTRIES_AT + 64);
-        let copy = &mut img[ENTRIES_AT + 64..ENTRIES_AT + 128];
+        img.copy_within(ENTRIES_AT..ENTRIES_AT + ENTRY_LEN, ENTRIES_AT + ENTRY_LEN);
+        let copy = &mut img[ENTRIES_AT + ENTRY_LEN..ENTRIES_AT + 2 * ENTRY_LEN];
         // The pid word (state is the entry's first 8 bytes, the identity follows): a pid no
         // process has (above the kernel's `pid_max` limit of 2^22).
         copy[8..12].copy_from_slice(&((1u32 << 22) + 7).to_le_bytes());
