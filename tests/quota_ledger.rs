@@ -343,6 +343,15 @@ fn hostile_segments_under_a_ledger_name_are_clear_errors_and_are_kept() {
     garbled.resize(80, 0);
     garbled.extend_from_slice(&7u32.to_le_bytes());
     check("entries", &garbled, LEDGER_LEN, &bad);
+    // A stamp word that is neither 0 nor the stamp: garbled, refused at once (not awaited).
+    let mut stamp = b"CIPCQUOT".to_vec();
+    stamp.extend_from_slice(&2u32.to_le_bytes());
+    stamp.extend_from_slice(&0xdead_beefu32.to_le_bytes());
+    let t = Instant::now();
+    check("garbled stamp", &stamp, LEDGER_LEN, &|e| {
+        bad(e) && e.to_string().contains("0xdeadbeef")
+    });
+    assert!(t.elapsed() < Duration::from_millis(900), "not awaited");
     // Never stamped: a creation that never finished.
     check("unstamped", b"CIPCQUOT\x02\0\0\0", LEDGER_LEN, &bad);
     // Truncated: a real header on a short file.

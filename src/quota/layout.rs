@@ -126,6 +126,9 @@ unsafe impl VersionedHeader for Header {
     // refused by its version, not its length; `QuotaLedger::open_named` then refuses a ledger of
     // this version cut short of its entries (TooSmall) before it reads one.
     const HEADER_LEN: usize = ENTRIES_AT;
+    // A creator stores the stamp once, over 0: any other word is a garbled ledger, refused at
+    // once (not awaited for 1 s by every open, nor judged an unfinished creation `gc` may remove).
+    const STRICT_STAMP: bool = true;
 
     fn magic(&self) -> &AtomicU64 {
         &self.magic
