@@ -204,13 +204,18 @@ class NoServer(WriterGone):
     live holder answered; the message names each server tried and what it said."""
 
 def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] = None) -> None:
-    """Sets the shared budget (bytes) that producers made with ``quota=scope`` reserve their pools
-    from, for host-memory channels (``device=None``) or CUDA device ``device``; as ``cuda-ipc quota
-    set``. ``scope``: ``"user"`` or ``"group:NAME"`` (a group of this process, or a gid). Raises
-    ``QuotaError`` for another user's ledger, ``InvalidArgument`` for a bad scope or group."""
+    """Sets the shared budget (bytes) that producers and tensor set writers made with
+    ``quota=scope`` reserve their memory from (a producer its pool, ``buffers × buffer_bytes``; a
+    writer its buffers, each tensor's bytes rounded up to its alignment, times 2 when buffered),
+    for host memory (``device=None``) or CUDA device ``device``; as ``cuda-ipc quota set``.
+    ``scope``: ``"user"`` or ``"group:NAME"`` (a group of this process, or a gid). ``2**64 - 1``
+    means no limit (what is reserved is still counted). Raises ``QuotaError`` for another user's
+    ledger, ``InvalidArgument`` for a bad scope or group."""
 
 def remove_quota(*, scope: str = "user", device: Optional[int] = None) -> bool:
-    """Removes that budget; returns whether there was one. Reservations held stay held."""
+    """Removes that budget; returns whether there was one. Reservations held are forgotten with
+    it: their holders keep their memory, and a budget set again counts only what is reserved
+    after it."""
 
 class CleanupResult(List[Dict[str, Any]]):
     """What ``cleanup()`` returns: a ``list`` of the leftovers found (``dry_run``) or removed,

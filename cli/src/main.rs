@@ -210,7 +210,7 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum QuotaCommand {
     /// Set (or create) the budget of a device, for this user or a group. Only the ledger's owner
-    /// or root may change it.
+    /// may change it (root removes another user's ledger by hand: `rm /dev/shm/NAME`).
     Set {
         /// A GPU UUID (`nvidia-smi -L`), `host` (host-memory channels), or `all` (every GPU the
         /// driver sees and every device that has a budget).

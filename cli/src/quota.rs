@@ -119,6 +119,17 @@ pub fn run_set(device: &str, budget: u64, group: Option<&str>) -> Result<Outcome
 pub fn run_remove(device: &str, group: Option<&str>) -> Result<Outcome, Box<dyn Error>> {
     let scope = scope(group)?;
     for d in devices(device, scope)? {
+        // What it holds goes uncounted from now on: said, not refused (the owner removes it).
+        if let Ok(s) = QuotaLedger::open(scope, d).and_then(|l| l.snapshot())
+            && !s.holders.is_empty()
+        {
+            out!(
+                "note: {} reservations ({}) are forgotten with the ledger: their processes keep \
+                 their memory, and a budget set again counts only what is reserved after it",
+                s.holders.len(),
+                bytes(s.used)
+            );
+        }
         // Also a ledger of another layout version (an older build's), which no open reads.
         let gone = QuotaLedger::remove_of(scope, d)?;
         out!(
@@ -281,8 +292,8 @@ pub fn render(ledgers: &[LedgerSnapshot], errors: &[(String, String)]) -> String
         for h in &s.holders {
             let left = h.left_in.as_ref().map_or(String::new(), |seg| {
                 format!(
-                    " (its memory stays in /dev/shm/{seg} until `cuda-ipc gc` as uid {} or root \
-                     removes it)",
+                    " (its memory stays in /dev/shm/{seg} until uid {}'s `cuda-ipc gc` removes \
+                     it)",
                     h.uid
                 )
             });

@@ -29,8 +29,8 @@ impl std::fmt::Display for HeldBy {
         if let Some(seg) = &self.left_in {
             write!(
                 f,
-                " (dead; its memory stays in /dev/shm/{seg} until that is removed: `cuda-ipc gc` \
-                 as uid {} or root)",
+                " (dead; its memory stays in /dev/shm/{seg} until uid {}'s `cuda-ipc gc` removes \
+                 it)",
                 self.uid
             )?;
         }
@@ -118,9 +118,12 @@ pub enum QuotaError {
         /// The version this build reads.
         supported: u32,
     },
-    /// Only the ledger's owner (its creator's uid) or root may change the budget.
+    /// Only the ledger's owner (its creator's uid) may change the budget (root, where it may open
+    /// the ledger, too: the library opens no other user's segment, so root removes another
+    /// user's ledger by hand).
     #[error(
-        "only uid {owner} (the ledger's owner) or root may change the budget of {name}; this is uid {ours}"
+        "only uid {owner} (the ledger's owner) may change the budget of {name}; this is uid {ours} \
+         (as root, `rm /dev/shm/{name}` removes it)"
     )]
     NotBudgetOwner {
         /// The segment's name.

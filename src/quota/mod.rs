@@ -20,8 +20,10 @@
 //!   processes open it;
 //! - per group (`/dev/shm/cuda-ipc.quota.g<gid>.<device>`): mode `0660`, group set to the named
 //!   group (the creator must be a member); every member's processes reserve from it;
-//! - the budget is changed only by the segment's owner (its creator's uid) or root
-//!   ([`QuotaError::NotBudgetOwner`] otherwise). Group members can write the segment's bytes, so
+//! - the budget is changed only by the segment's owner (its creator's uid)
+//!   ([`QuotaError::NotBudgetOwner`] for a group member who is not; the library opens no other
+//!   user's segment, root's processes included, so root removes another user's ledger by hand,
+//!   `rm /dev/shm/NAME`). Group members can write the segment's bytes, so
 //!   among them this holds as far as they use this crate: the quota is advisory, and memory
 //!   allocated outside the crate (or by producers that do not opt in) is not counted.
 //!
