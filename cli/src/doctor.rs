@@ -532,11 +532,19 @@ fn monitoring(r: &mut Report) {
                 (None, None) => "device free memory unknown: NVML does not see this device".into(),
             }
         };
+        let dead = s.holders.iter().filter(|h| h.left_in.is_some()).count();
+        let dead = if dead == 0 {
+            String::new()
+        } else {
+            format!(
+                " ({dead} dead, their host memory still in /dev/shm until their user's `cuda-ipc gc`)"
+            )
+        };
         r.line(
             Status::Info,
             "quota",
             format!(
-                "{} on {}: {}, {} holders; {free}; advisory: memory allocated outside cuda-ipc is not counted",
+                "{} on {}: {}, {} holders{dead}; {free}; advisory: memory allocated outside cuda-ipc is not counted",
                 s.scope,
                 crate::quota::device_name(&s.device),
                 crate::quota::used_of(s),
