@@ -554,10 +554,12 @@ pub fn run_watch(
             } else {
                 ""
             };
+            // The quota lines too, as `ls`, the live view, `--json` and `metrics` show them.
             out_nonl!(
-                "{sep}every {interval_ms} ms, refresh {}\n{}",
+                "{sep}every {interval_ms} ms, refresh {}\n{}{}",
                 n + 1,
-                render(&l, true)
+                render(&l, true),
+                crate::quota::render(&x.quotas.snapshots, &x.quotas.errors)
             );
         }
         n += 1;

@@ -327,6 +327,15 @@ fn quota_set_show_and_remove_and_ls_shows_the_budget_with_its_holders() {
             .iter()
             .any(|l| l["device"] == d.as_str())
     );
+    // `watch --plain` shows the budget's line as `ls` does.
+    let o = cuda_ipc(&["watch", "--plain", "--count", "1"]);
+    assert!(
+        text(&o).contains(&format!(
+            "quota uid {uid} on {d}: 300 B of 1.0 KiB used (29%), 1 holders"
+        )),
+        "{}",
+        text(&o)
+    );
     // Over the budget from the command line's point of view: the library refuses, naming us.
     let e = ledger.reserve(800).unwrap_err().to_string();
     assert!(
@@ -340,9 +349,17 @@ fn quota_set_show_and_remove_and_ls_shows_the_budget_with_its_holders() {
     let o = cuda_ipc(&["quota", "set", "--device", "gpu0", "--bytes", "1G"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("`host`, or `all`"), "{}", text(&o));
+    // Removed while a reservation is held: said, with what it means.
+    let held = ledger.reserve(200).unwrap();
     let o = cuda_ipc(&["quota", "remove", "--device", &d]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains("note: 1 reservations (200 B) are forgotten with the ledger"),
+        "{}",
+        text(&o)
+    );
     assert!(std::fs::metadata(format!("/dev/shm/{}", scope.segment_name(dev))).is_err());
+    drop(held);
 
     // A garbage file under a ledger's name: reported by ls and quota show (exit 1), kept.
     let bad = scope.segment_name(fake_device(3));
