@@ -465,8 +465,14 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
             && tensor_sets.is_empty()
             && host_pools.is_empty()
         {
+            // A ledger's name that names none says so too (`gc` and `ls` take ledgers' names).
+            let ledger = if n.starts_with(cuda_ipc::quota::LEDGER_PREFIX) {
+                ", nor a quota ledger"
+            } else {
+                ""
+            };
             return Err(format!(
-                "no registry, channel or tensor set named {n:?} in {}",
+                "no registry, channel or tensor set named {n:?} in {}{ledger}",
                 cuda_ipc::raw::shm::SHM_DIR
             )
             .into());
