@@ -182,16 +182,7 @@ impl QuotaLedger {
             Err(Error::Shm(ShmError::AlreadyExists { .. })) => Self::open(scope, device)?,
             Err(e) => return Err(e),
         };
-        let (owner, _, _) = ledger.inner.seg.owner()?;
-        let ours = rustix::process::geteuid();
-        if owner != ours.as_raw() && !ours.is_root() {
-            return Err(QuotaError::NotBudgetOwner {
-                name,
-                owner,
-                ours: ours.as_raw(),
-            }
-            .into());
-        }
+        check_budget_owner(&ledger.inner.seg)?;
         let _g = ledger.inner.lock()?;
         let h = ledger.inner.header();
         // Relaxed: under the lock (SYNC POINT ledger lock).
@@ -266,16 +257,7 @@ impl QuotaLedger {
     /// [`QuotaError::NotBudgetOwner`] when it is not this uid's (and we are not root); the errors
     /// of `Segment::unlink_if_same`.
     pub fn remove(&self) -> Result<bool> {
-        let (owner, _, _) = self.inner.seg.owner()?;
-        let ours = rustix::process::geteuid();
-        if owner != ours.as_raw() && !ours.is_root() {
-            return Err(QuotaError::NotBudgetOwner {
-                name: self.name().to_string(),
-                owner,
-                ours: ours.as_raw(),
-            }
-            .into());
-        }
+        check_budget_owner(&self.inner.seg)?;
         Segment::unlink_if_same(self.name(), self.inner.seg.inode()?)
     }
 
@@ -297,16 +279,7 @@ impl QuotaLedger {
             Err(Error::Shm(ShmError::NotFound { .. })) => Ok(false),
             Err(Error::Quota(QuotaError::VersionMismatch { .. })) => {
                 let seg = Segment::open_with_min_len(&name, super::layout::ENTRIES_AT)?;
-                let (owner, _, _) = seg.owner()?;
-                let ours = rustix::process::geteuid();
-                if owner != ours.as_raw() && !ours.is_root() {
-                    return Err(QuotaError::NotBudgetOwner {
-                        name,
-                        owner,
-                        ours: ours.as_raw(),
-                    }
-                    .into());
-                }
+                check_budget_owner(&seg)?;
                 // Still our magic and another version (the name may stand for another file by
                 // now): the first 12 bytes, read as the versioned header's words, while the file
                 // still backs the mapping (a group member may cut a group ledger short).
@@ -621,6 +594,25 @@ impl Drop for Reservation {
             );
         }
     }
+}
+
+/// That this process may change or remove the ledger in `seg`: its owner (the creator's uid) or
+/// root.
+///
+/// # Errors
+/// [`QuotaError::NotBudgetOwner`] otherwise; [`crate::Error::Os`] when `fstat` fails.
+fn check_budget_owner(seg: &Segment) -> Result<()> {
+    let (owner, _, _) = seg.owner()?;
+    let ours = rustix::process::geteuid();
+    if owner != ours.as_raw() && !ours.is_root() {
+        return Err(QuotaError::NotBudgetOwner {
+            name: seg.name().to_string(),
+            owner,
+            ours: ours.as_raw(),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// Reserves `bytes` from the ledger of `scope` for `device` (all-zero UUID: host memory), for
