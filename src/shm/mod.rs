@@ -4,7 +4,9 @@
 //! Owns: [`Segment`] (`shm_open` + `ftruncate` + `fallocate` + [`memmap2::MmapRaw`]), [`futex`]
 //! (shared `FUTEX_WAIT`/`FUTEX_WAKE` with timeouts), [`seqlock`], and the versioned create/open
 //! protocol of a named segment (`versioned`, crate-internal: magic, layout version, init stamp,
-//! generation, the bounded wait, the replacement of a stale segment). The registry and the channel
+//! generation, the bounded wait, the replacement of a stale segment), and the listing of what stands
+//! under this crate's names in `/dev/shm` (`listing`: names, owners, kinds, and the files of given
+//! inodes, nothing opened). The registry and the channel
 //! layer build their segments on these. Never calls CUDA; of a segment's contents it reads only
 //! the protocol's words (magic, version, stamp, generation), where the layout says they are.
 //!
@@ -24,18 +26,20 @@
 
 mod error;
 pub(crate) mod futex;
+mod listing;
 mod segment;
 pub(crate) mod seqlock;
 pub(crate) mod versioned;
 
 pub use error::ShmError;
 pub use futex::WaitResult;
+pub use listing::list_segments;
+pub(crate) use listing::{
+    list_names, list_other_users_names, list_own_names, names_of_inodes, other_users_name,
+};
 pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
-    list_segments, validate_name,
-};
-pub(crate) use segment::{
-    list_names, list_other_users_names, list_own_names, names_of_inodes, other_users_name,
+    validate_name,
 };
 pub use seqlock::{SeqLock, SeqWriter};
 pub use versioned::new_generation;
