@@ -1043,3 +1043,63 @@ fn a_restart_under_a_dead_holders_segment_name_takes_its_entry_in_a_full_ledger(
     drop((mine, again));
     assert_eq!(ledger.snapshot().unwrap().used, 0);
 }
+
+/// A holder of host memory in another pid namespace (pid 1 there), killed: read dead by its
+/// liveness file, its entry kept while its recorded segment stands, freed once that is removed.
+#[test]
+fn a_killed_host_holder_in_another_pid_namespace_stays_counted_while_its_segment_stands() {
+    use cuda_ipc::raw::shm::{Segment, SegmentOptions};
+    const TEST: &str =
+        "a_killed_host_holder_in_another_pid_namespace_stays_counted_while_its_segment_stands";
+    if role().as_deref() == Some("recorded") {
+        let l = QuotaLedger::open(QuotaScope::user(), child_device()).unwrap();
+        let seg = std::env::var(SEG).unwrap();
+        let r = l.reserve_for(1000, Some(&seg)).unwrap();
+        let made = Segment::create(&seg, 4096, &SegmentOptions::new()).unwrap();
+        r.record_memory(&made).unwrap();
+        tell(format!("made {}", std::process::id()));
+        std::mem::forget((r, made));
+        loop {
+            std::thread::sleep(Duration::from_secs(60));
+        }
+    }
+    if let Err(why) = common::unshare_works(&["--pid", "--fork", "--mount-proc"]) {
+        println!("skipped: {why}");
+        return;
+    }
+    let d = device();
+    let ledger = QuotaLedger::set_budget(QuotaScope::user(), d, UNLIMITED).unwrap();
+    let _g = Gone(ledger.name().to_string());
+    let seg = format!("quota-pidns-{}", std::process::id());
+    let _s = Gone(seg.clone());
+    let mut peer = Peer::spawn_under(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        TEST,
+        "recorded",
+        &[(DEVICE, &d.to_string()), (SEG, &seg)],
+    );
+    peer.expect("made 1", T);
+    peer.child.kill().unwrap();
+    let _ = peer.child.wait();
+    // The holder dies with the namespace's end (`--kill-child`): wait for its liveness to say so.
+    let killed = Instant::now();
+    let s = loop {
+        let s = ledger.snapshot().unwrap();
+        if s.holders[0].liveness == cuda_ipc::identity::Liveness::Dead || killed.elapsed() > T {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(s.holders.len(), 1, "{s:?}");
+    assert_eq!(s.holders[0].identity.pid, 1, "pid 1 in its own namespace");
+    assert_eq!(
+        s.holders[0].liveness,
+        cuda_ipc::identity::Liveness::Dead,
+        "{s:?}"
+    );
+    assert_eq!((s.used, s.reclaimed), (1000, 0), "{s:?}");
+    assert_eq!(s.holders[0].left_in.as_deref(), Some(seg.as_str()));
+    std::fs::remove_file(path(&seg)).unwrap();
+    let s = ledger.snapshot().unwrap();
+    assert_eq!((s.used, s.reclaimed, s.holders.len()), (0, 1, 0), "{s:?}");
+}
