@@ -37,7 +37,7 @@ pub fn list_segments() -> Result<Vec<String>> {
 ///
 /// For listings of this crate's objects: whatever stands under one of its names blocks the
 /// creation of that object (`O_EXCL`), so a tool lists it, and the opener that meets it says
-/// what it is ([`ShmError::NotASegment`]).
+/// what it is ([`ShmError::NotASegment`](super::ShmError::NotASegment)).
 ///
 /// # Errors
 /// [`crate::Error::Os`] when the folder cannot be read.
@@ -81,7 +81,8 @@ pub(crate) fn names_of_inodes(wanted: impl Fn(u64, &str) -> bool) -> Vec<(u64, S
         .collect()
 }
 
-/// What a name that is not a regular file is, in the words of [`ShmError::NotASegment`].
+/// What a name that is not a regular file is, in the words of
+/// [`ShmError::NotASegment`](super::ShmError::NotASegment).
 fn name_kind(m: &std::fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     let t = m.file_type();
