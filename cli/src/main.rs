@@ -217,7 +217,7 @@ enum QuotaCommand {
         #[arg(long)]
         device: String,
         /// The budget: 8GiB, 512MiB, 1.5G, 4096, 10GB, or `unlimited`.
-        #[arg(long, value_parser = quota::parse_bytes)]
+        #[arg(long, value_parser = quota::parse_bytes, allow_hyphen_values = true)]
         bytes: u64,
         /// The group whose budget it is (mode 0660); default: this user's (mode 0600).
         #[arg(long)]

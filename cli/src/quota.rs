@@ -8,20 +8,27 @@ use cuda_ipc::quota::{LedgerSnapshot, QuotaLedger, QuotaScope, UNLIMITED, list_l
 use std::error::Error;
 
 /// A size as people write it: `8GiB`, `512MiB`, `1.5G`, `4096`, `10 kB`; `unlimited` (or `none`)
-/// for no limit. Binary (`KiB`, `K`, `k`) and decimal (`kB`, `MB`, `GB`, `TB`) units.
+/// for no limit. Binary (`KiB`, `K`, `k`) and decimal (`kB`, `MB`, `GB`, `TB`) units. Computed
+/// exactly (no floating point): a size that comes to a fraction of a byte (`1.5`, `0.3 KiB`), a
+/// negative one or one of 2^64 bytes or more is refused with the reason.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     if t.eq_ignore_ascii_case("unlimited") || t.eq_ignore_ascii_case("none") {
         return Ok(UNLIMITED);
     }
+    if t.starts_with('-') {
+        return Err(format!("{s:?} is negative: a budget is 0 bytes or more"));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 8GiB, 512MiB, 4096)"))?;
-    let mult: u64 = match unit.trim() {
+    let not_a_size = || format!("{s:?} is not a size (e.g. 8GiB, 512MiB, 4096)");
+    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
+    if (whole.is_empty() && frac.is_empty()) || frac.contains('.') {
+        return Err(not_a_size());
+    }
+    let mult: u128 = match unit.trim() {
         "" | "B" => 1,
         "K" | "k" | "KiB" => 1 << 10,
         "M" | "MiB" => 1 << 20,
@@ -37,11 +44,37 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    let b = v * mult as f64;
-    if !b.is_finite() || b < 0.0 || b >= u64::MAX as f64 {
-        return Err(format!("{s:?} is out of range"));
+    let out_of_range = || format!("{s:?} is out of range (below 2^64 bytes)");
+    // whole.frac × mult = (whole × 10^k + frac) × mult / 10^k, in integers.
+    let digits = format!("{whole}{frac}");
+    let digits = digits.trim_start_matches('0');
+    if digits.len() > 30 {
+        return Err(out_of_range());
     }
-    Ok(b.round() as u64)
+    let n: u128 = if digits.is_empty() {
+        0
+    } else {
+        digits.parse().map_err(|_| not_a_size())?
+    };
+    let scale = 10u128.pow(frac.len() as u32);
+    let scaled = n.checked_mul(mult).ok_or_else(out_of_range)?;
+    if scaled % scale != 0 {
+        return Err(format!(
+            "{s:?} is not a whole number of bytes ({} and {}/{} bytes)",
+            scaled / scale,
+            (scaled % scale) / gcd(scaled % scale, scale),
+            scale / gcd(scaled % scale, scale)
+        ));
+    }
+    u64::try_from(scaled / scale)
+        .ok()
+        .filter(|&b| b != u64::MAX)
+        .ok_or_else(out_of_range)
+}
+
+/// Greatest common divisor, for the fraction a refused size is named with.
+fn gcd(a: u128, b: u128) -> u128 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// The scope named on the command line: a group, or this user.
@@ -374,8 +407,19 @@ mod tests {
                 .contains("unknown unit")
         );
         assert!(parse_bytes("GiB").is_err());
-        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("-1").unwrap_err().contains("negative"));
         assert!(parse_bytes("1e30").is_err());
+        assert!(parse_bytes(".").is_err());
+        assert!(parse_bytes("1.2.3").is_err());
+        assert_eq!(parse_bytes("1.1kB"), Ok(1_100));
+        assert_eq!(parse_bytes("0.5KiB"), Ok(512));
+        assert_eq!(parse_bytes(".5K"), Ok(512));
+        assert_eq!(parse_bytes("007"), Ok(7));
+        assert_eq!(parse_bytes("0"), Ok(0));
+        let e = parse_bytes("1.5").unwrap_err();
+        assert!(e.contains("not a whole number of bytes (1 and 1/2 bytes)"), "{e}");
+        assert!(parse_bytes("0.3 KiB").unwrap_err().contains("whole number"));
+        assert!(parse_bytes("18446744073709551616").unwrap_err().contains("out of range"));
         assert!(
             parse_bytes("99999999999TiB")
                 .unwrap_err()
