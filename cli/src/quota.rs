@@ -417,9 +417,16 @@ mod tests {
         assert_eq!(parse_bytes("007"), Ok(7));
         assert_eq!(parse_bytes("0"), Ok(0));
         let e = parse_bytes("1.5").unwrap_err();
-        assert!(e.contains("not a whole number of bytes (1 and 1/2 bytes)"), "{e}");
+        assert!(
+            e.contains("not a whole number of bytes (1 and 1/2 bytes)"),
+            "{e}"
+        );
         assert!(parse_bytes("0.3 KiB").unwrap_err().contains("whole number"));
-        assert!(parse_bytes("18446744073709551616").unwrap_err().contains("out of range"));
+        assert!(
+            parse_bytes("18446744073709551616")
+                .unwrap_err()
+                .contains("out of range")
+        );
         assert!(
             parse_bytes("99999999999TiB")
                 .unwrap_err()
