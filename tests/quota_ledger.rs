@@ -841,6 +841,39 @@ fn a_killed_host_holders_bytes_stay_counted_while_its_memory_is_in_dev_shm() {
     assert_eq!(dead.len(), 2);
     assert_eq!(ledger.snapshot().unwrap().used, before.used);
 
+    // Started again under the same name but too big even without the dead pool (600 bytes where
+    // 500 are left once it is not counted): refused, the message saying what it did not count,
+    // and the dead pool left where it is.
+    match Producer::create_host(&ch, &ChannelOptions::new(100).buffers(6).quota(scope)) {
+        Err(e @ Error::Quota(QuotaError::OverQuota { .. })) => {
+            let text = e.to_string();
+            let Error::Quota(QuotaError::OverQuota {
+                used,
+                replaced,
+                holders,
+                ..
+            }) = e
+            else {
+                unreachable!()
+            };
+            assert_eq!(used, set_bytes, "{text}");
+            assert_eq!(holders.len(), 1, "{text}");
+            assert_eq!(replaced.len(), 1, "{text}");
+            assert_eq!((replaced[0].pid, replaced[0].bytes), (pid, 400), "{text}");
+            assert_eq!(replaced[0].left_in.as_deref(), Some(pool.as_str()));
+            assert!(
+                text.contains(&format!(
+                    "not counted, since this reservation's segment replaces it: 400 bytes of \
+                     dead pid {pid} in /dev/shm/{pool}"
+                )),
+                "{text}"
+            );
+        }
+        other => panic!("a restart too big even so must be refused: {other:?}"),
+    }
+    assert!(std::fs::metadata(path(&pool)).is_ok());
+    assert_eq!(ledger.snapshot().unwrap().used, before.used);
+
     // The producer started again under the same name replaces the dead pool: not refused for it.
     let tx = Producer::create_host(&ch, &opts).unwrap();
     let s = ledger.snapshot().unwrap();

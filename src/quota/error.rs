@@ -38,6 +38,26 @@ impl std::fmt::Display for HeldBy {
     }
 }
 
+/// The dead holders a refused reservation would have replaced, for its message: nothing when none.
+fn replaced_text(r: &[HeldBy]) -> String {
+    if r.is_empty() {
+        return String::new();
+    }
+    let each = r
+        .iter()
+        .map(|h| {
+            format!(
+                "{} bytes of dead pid {} in /dev/shm/{}",
+                h.bytes,
+                h.pid,
+                h.left_in.as_deref().unwrap_or("?")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    format!(" (not counted, since this reservation's segment replaces it: {each})")
+}
+
 /// A device as messages name it: `host memory` for the all-zero UUID, else the UUID.
 fn device_text(d: &Uuid) -> String {
     if d.0 == [0; 16] {
@@ -67,9 +87,10 @@ pub enum QuotaError {
     /// by
     /// every producer of the user or group.
     #[error(
-        "over quota on {}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}",
+        "over quota on {}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}{}",
         device_text(.device),
-        holders_text(.holders)
+        holders_text(.holders),
+        replaced_text(.replaced)
     )]
     OverQuota {
         /// The device whose budget it is (all zeros: host memory).
@@ -82,6 +103,10 @@ pub enum QuotaError {
         used: u64,
         /// Who holds them.
         holders: Vec<HeldBy>,
+        /// Dead holders whose host memory lies under the name this reservation's segment was to
+        /// take (a restart under a crashed producer's or writer's name): not counted in `used`,
+        /// since making that segment replaces their memory; their `left_in` names it.
+        replaced: Vec<HeldBy>,
     },
     /// Every entry of the ledger is held: by live holders, and by dead ones whose host memory is
     /// still in `/dev/shm` (`cuda-ipc gc` removes it, then frees their entries).

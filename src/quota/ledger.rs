@@ -365,6 +365,16 @@ impl QuotaLedger {
             .filter(|h| !replaced.contains(&h.0))
             .collect();
         let used = held.iter().fold(0u64, |a, h| a.saturating_add(h.3));
+        let held_by = |(i, id, uid, b): &(u32, ProcessIdentity, u32, u64)| HeldBy {
+            pid: id.pid,
+            pid_ns: id.pid_ns,
+            uid: *uid,
+            bytes: *b,
+            left_in: dead
+                .iter()
+                .find(|d| d.index == *i)
+                .and_then(|d| d.holder.left_in.clone()),
+        };
         if let Some(budget) = inner.budget()
             && used.checked_add(bytes).is_none_or(|t| t > budget)
         {
@@ -373,18 +383,12 @@ impl QuotaLedger {
                 asked: bytes,
                 budget,
                 used,
-                holders: held
+                holders: held.iter().map(held_by).collect(),
+                replaced: inner
+                    .held()
                     .iter()
-                    .map(|(i, id, uid, b)| HeldBy {
-                        pid: id.pid,
-                        pid_ns: id.pid_ns,
-                        uid: *uid,
-                        bytes: *b,
-                        left_in: dead
-                            .iter()
-                            .find(|d| d.index == *i)
-                            .and_then(|d| d.holder.left_in.clone()),
-                    })
+                    .filter(|h| replaced.contains(&h.0))
+                    .map(held_by)
                     .collect(),
             }
             .into());
