@@ -551,3 +551,49 @@ fn gc_of_another_users_object_by_name_passes_it_over_as_gc_of_everything_does() 
         );
     }
 }
+
+/// A member of a group whose budget another user set (here root, for the test user's group) may
+/// read it but not change or remove it: `quota set` and `quota remove` exit 1 naming the ledger's
+/// owner and what may be done, not the segment layer's "owned by uid 0" (which `quota set` said
+/// before); the budget stays as it was.
+#[test]
+fn a_member_changing_another_users_group_budget_is_told_whose_it_is_and_changes_nothing() {
+    let _alone = alone();
+    let Some((uid, gid)) = test_user() else {
+        return;
+    };
+    let mut d = [0u8; 16];
+    d[0] = 0xfe;
+    d[1] = 0x52;
+    d[12..].copy_from_slice(&std::process::id().to_le_bytes());
+    let device = Uuid(d);
+    let ledger = QuotaLedger::set_budget(QuotaScope::Group(gid), device, 1 << 20).unwrap();
+    let _g = Gone(ledger.name().to_string());
+    let exe = BinaryForOthers::new();
+    let dev = device.to_string();
+    let group = gid.to_string();
+    for args in [
+        &[
+            "quota", "set", "--device", &dev, "--bytes", "2MiB", "--group", &group,
+        ][..],
+        &["quota", "remove", "--device", &dev, "--group", &group],
+    ] {
+        let o = as_user(&exe, (uid, gid), args);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "cuda-ipc {args:?}:\n{t}");
+        assert!(
+            t.contains(&format!(
+                "only uid 0 (the ledger's owner) may change the budget of {}; this is uid {uid}",
+                ledger.name()
+            )),
+            "cuda-ipc {args:?}:\n{t}"
+        );
+        assert!(!t.contains("is owned by uid"), "cuda-ipc {args:?}:\n{t}");
+    }
+    // Read as a member may: shown, unchanged.
+    let o = as_user(&exe, (uid, gid), &["quota", "show"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    assert!(t.contains(ledger.name()) && t.contains("1.0 MiB"), "{t}");
+    assert_eq!(ledger.snapshot().unwrap().budget, Some(1 << 20));
+}

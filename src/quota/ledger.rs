@@ -180,6 +180,13 @@ impl QuotaLedger {
         let ledger = match Self::create(scope, device, budget) {
             Ok(l) => return Ok(l),
             Err(Error::Shm(ShmError::AlreadyExists { .. })) => Self::open(scope, device)?,
+            // Another member's group ledger (the creation refuses to judge a file not ours): it
+            // is opened as a member may, and refused below by who owns it.
+            Err(Error::Shm(ShmError::WrongOwner { .. }))
+                if matches!(scope, QuotaScope::Group(_)) =>
+            {
+                Self::open(scope, device)?
+            }
             Err(e) => return Err(e),
         };
         check_budget_owner(&ledger.inner.seg)?;
