@@ -222,6 +222,17 @@ fn a_producer_past_the_budget_is_refused_before_it_allocates_and_quota_bytes_is_
         ),
         "{e:?}"
     );
+    // A pool of 2^64 bytes or more is refused as such, before any budget is asked (it read as a
+    // reservation of u64::MAX bytes, over quota).
+    let huge = ChannelOptions::new(1 << 62)
+        .buffers(4)
+        .quota(QuotaScope::user());
+    let e =
+        Producer::create_host(&format!("quota-huge-{}", std::process::id()), &huge).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("2^64 bytes or more")),
+        "{e:?}"
+    );
     // A ledger on a device without one: no budget was set, said plainly.
     let d = device();
     let e = QuotaLedger::open(QuotaScope::user(), d).unwrap_err();

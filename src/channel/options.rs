@@ -208,8 +208,18 @@ impl ConsumerOptions {
     }
 }
 
-/// Checks `opts`' memory quota and buffer count.
+/// Checks `opts`' buffer count, the pool's size (`buffers × buffer_bytes` below 2^64 bytes: a
+/// pool past it is refused here, not reserved as a saturated count) and its memory cap.
 pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
+    if (opts.buffers as u64)
+        .checked_mul(opts.buffer_bytes as u64)
+        .is_none()
+    {
+        return Err(Error::InvalidArgument(format!(
+            "a pool of {} buffers of {} bytes is 2^64 bytes or more",
+            opts.buffers, opts.buffer_bytes
+        )));
+    }
     if let Some(q) = opts.quota_bytes
         && (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q
     {
