@@ -200,15 +200,26 @@ fn bad_tensor(name: &str, why: impl Into<String>) -> crate::Error {
     .into()
 }
 
-/// Row-major strides of `shape`, elements.
-fn contiguous(shape: &[i64]) -> Vec<i64> {
+/// Row-major strides of `shape`, elements (a dimension of extent 0 counts as 1, as PyTorch's
+/// strides do), or why they cannot be: a stride past `i64::MAX` (a shape with a dimension of
+/// extent 0 has no bytes, but its other dimensions' strides must still be numbers).
+fn contiguous(shape: &[i64]) -> std::result::Result<Vec<i64>, String> {
     let mut s = vec![0i64; shape.len()];
     let mut acc = 1i64;
     for i in (0..shape.len()).rev() {
         s[i] = acc;
-        acc = acc.saturating_mul(shape[i].max(1));
+        if i > 0 {
+            acc = acc.checked_mul(shape[i].max(1)).ok_or_else(|| {
+                format!(
+                    "its row-major stride of dimension {} (the product of extents {:?}, each \
+                     counted as at least 1) passes i64::MAX",
+                    i - 1,
+                    &shape[i..]
+                )
+            })?;
+        }
     }
-    s
+    Ok(s)
 }
 
 /// Bytes a tensor spans, or why it cannot be laid out.
@@ -278,10 +289,10 @@ fn check_name(name: &str) -> Result<()> {
 
 fn info_of(spec: &TensorSpec, allocation: u32, offset: u64) -> Result<TensorInfo> {
     check_name(&spec.name)?;
-    let strides = spec
-        .strides
-        .clone()
-        .unwrap_or_else(|| contiguous(&spec.shape));
+    let strides = match &spec.strides {
+        Some(s) => s.clone(),
+        None => contiguous(&spec.shape).map_err(|w| bad_tensor(&spec.name, w))?,
+    };
     let bytes =
         span_bytes(spec.dtype, &spec.shape, &strides).map_err(|w| bad_tensor(&spec.name, w))?;
     Ok(TensorInfo {
@@ -302,7 +313,8 @@ impl Layout {
     /// # Errors
     /// [`TensorSetError::TooManyTensors`] past [`MAX_TENSORS`]; [`TensorSetError::BadTensor`] for
     /// an empty, long or repeated name or one with a NUL byte, a dtype without a byte size, a
-    /// negative dimension or stride, too many dimensions or a size that overflows.
+    /// negative dimension or stride, too many dimensions, a size that overflows, or row-major
+    /// strides past `i64::MAX` (also for a tensor with no elements, whose strides are kept).
     pub fn new(specs: &[TensorSpec]) -> Result<Layout> {
         if specs.len() > MAX_TENSORS {
             return Err(TensorSetError::TooManyTensors {

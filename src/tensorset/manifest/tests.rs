@@ -150,6 +150,26 @@ fn a_tensor_or_a_set_past_isize_max_bytes_is_refused_with_the_tensor_named() {
 }
 
 #[test]
+fn row_major_strides_past_i64_max_are_refused_not_saturated_also_with_no_elements() {
+    // No elements (a dimension of extent 0), but the stride of dimension 0 is 2^62 × 8 = 2^65
+    // elements: it was kept as i64::MAX, a stride the shape does not have.
+    let e = Layout::new(&[TensorSpec::new("e", DType::F32, &[0, 1 << 62, 8])]).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("tensor \"e\": ")
+            && text.contains("stride of dimension 0")
+            && text.contains("[4611686018427387904, 8]")
+            && text.contains("i64::MAX"),
+        "{text}"
+    );
+    // Strides that fit, with no elements, are kept exactly; the product of all the extents
+    // (2^63 here, which is no stride) is not asked for.
+    let l = Layout::new(&[TensorSpec::new("e", DType::F32, &[2, 0, 1 << 61, 2])]).unwrap();
+    assert_eq!(l.tensors()[0].strides, vec![1 << 62, 1 << 62, 2, 1]);
+    assert_eq!(l.tensors()[0].bytes, 0);
+}
+
+#[test]
 fn given_allocations_past_isize_max_bytes_in_all_are_refused_not_summed_into_an_overflow() {
     let x = || (TensorSpec::new("x", DType::U8, &[4]), 0, 0);
     // Each allocation alone, and their sum, whether it wraps a `u64` or not.
