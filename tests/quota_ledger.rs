@@ -233,6 +233,40 @@ fn a_producer_past_the_budget_is_refused_before_it_allocates_and_quota_bytes_is_
         matches!(&e, Error::InvalidArgument(m) if m.contains("2^64 bytes or more")),
         "{e:?}"
     );
+    // So is a host pool no segment can hold (past isize::MAX bytes), and a tensor set of 2^64
+    // bytes or more, or one whose data segment no segment can hold: each before any ledger is
+    // asked (this scope has none, which was said first).
+    let nobody = QuotaScope::Group(3_000_000_000 + std::process::id());
+    let past = ChannelOptions::new(1 << 61).buffers(4).quota(nobody);
+    let e =
+        Producer::create_host(&format!("quota-past-{}", std::process::id()), &past).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("the most a segment can hold")),
+        "{e:?}"
+    );
+    {
+        use cuda_ipc::tensorset::{
+            DType, GenerationMode, TensorSetOptions, TensorSetWriter, TensorSpec,
+        };
+        let opts = TensorSetOptions::new()
+            .mode(GenerationMode::Buffered(4))
+            .quota(nobody);
+        for (n, why) in [
+            (
+                1i64 << 62,
+                "a set of 4 buffers of 4611686018427387904 bytes is 2^64 bytes or more",
+            ),
+            (1 << 61, "the most a segment can hold"),
+        ] {
+            let specs = [TensorSpec::new("w", DType::U8, &[n])];
+            let set = format!("quota-huge-set-{}", std::process::id());
+            let e = TensorSetWriter::create_host(&set, &specs, &opts).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains(why)),
+                "{n}: {e:?}"
+            );
+        }
+    }
     // A ledger on a device without one: no budget was set, said plainly.
     let d = device();
     let e = QuotaLedger::open(QuotaScope::user(), d).unwrap_err();

@@ -454,6 +454,10 @@ def test_a_host_budget_is_shared_refuses_past_it_naming_the_holder_and_comes_bac
             cuda_ipc.Producer(name, 1024, buffers=4, memory="host", quota_bytes=100)
         with pytest.raises(cuda_ipc.InvalidArgument, match="scope"):
             cuda_ipc.Producer(name, 1024, memory="host", quota="everyone")
+        # A pool no segment can hold is refused as such, before the budget is asked (4 buffers
+        # of 2**61 bytes read as a reservation of 2**63 bytes, over quota).
+        with pytest.raises(cuda_ipc.InvalidArgument, match="the most a segment can hold"):
+            cuda_ipc.Producer(name + "-3", 2**61, buffers=4, memory="host", quota=scope)
     finally:
         assert cuda_ipc.remove_quota(scope=scope)
     assert not ledger.exists()

@@ -255,6 +255,16 @@ def test_a_sets_bytes_are_counted_in_a_shared_budget(name):
         assert not (SHM / f"cuda-ipc.ts.{name}-2").exists()
         first.close()
         cuda_ipc.TensorSetWriter(name + "-2", SPECS, memory="host", quota=scope).close()
+        # A set no memory can hold is refused as such, before the budget is asked: 4 buffers of
+        # 2**62 bytes are 2**64 bytes (they read as a reservation of 2**64 - 1 bytes, over
+        # quota), 4 of 2**61 bytes pass the most a data segment holds (isize::MAX).
+        for n, why in ((2**62, "2\\^64 bytes or more"), (2**61, "the most a segment can hold")):
+            huge = {"w": ((n,), "uint8")}
+            with pytest.raises(cuda_ipc.InvalidArgument, match=why):
+                cuda_ipc.TensorSetWriter(
+                    name + "-3", huge, memory="host", mode="buffered", buffers=4, quota=scope
+                )
+        assert not (SHM / f"cuda-ipc.ts.{name}-3").exists()
     finally:
         assert cuda_ipc.remove_quota(scope=scope)
 

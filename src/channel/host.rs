@@ -156,6 +156,33 @@ unsafe impl Send for HostPool {}
 unsafe impl Sync for HostPool {}
 
 impl HostPool {
+    /// The stride (each buffer rounded up to 4096 bytes) and the segment's length in bytes of a
+    /// pool of `buffers` buffers of `buffer_bytes` bytes. Checked before any system call sees a
+    /// size (and before a producer asks the quota ledger for the pool's bytes): a buffer size
+    /// near `usize::MAX` would round up past it, and a file (`off_t`) and a mapping (`isize`)
+    /// hold at most `isize::MAX` bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the buffers, their size and the limit past it.
+    pub(crate) fn geometry(buffers: usize, buffer_bytes: usize) -> Result<(usize, usize)> {
+        let sizes = buffer_bytes
+            .checked_next_multiple_of(4096)
+            .and_then(|stride| {
+                buffers
+                    .checked_mul(stride)
+                    .and_then(|n| n.checked_add(POOL_DATA))
+                    .filter(|&len| len <= isize::MAX as usize)
+                    .map(|len| (stride, len))
+            });
+        sizes.ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a host pool of {buffers} buffers of {buffer_bytes} bytes (each rounded up to \
+                 4096) passes the most a segment can hold ({} bytes)",
+                isize::MAX
+            ))
+        })
+    }
+
     /// Creates the pool of `channel`: `buffers` buffers of `buffer_bytes` bytes, pages reserved.
     /// A pool left by a dead producer, or a creation abandoned half-way, is replaced; anything else
     /// under the name is a typed error and is left alone.
@@ -166,25 +193,7 @@ impl HostPool {
         opts: &SegmentOptions,
     ) -> Result<HostPool> {
         let name = pool_name(channel);
-        // Checked before any system call sees a size: a buffer size near `usize::MAX` would
-        // round up past it, and a file (`off_t`) and a mapping (`isize`) hold at most
-        // `isize::MAX` bytes.
-        let sizes = buffer_bytes
-            .checked_next_multiple_of(4096)
-            .and_then(|stride| {
-                buffers
-                    .checked_mul(stride)
-                    .and_then(|n| n.checked_add(POOL_DATA))
-                    .filter(|&len| len <= isize::MAX as usize)
-                    .map(|len| (stride, len))
-            });
-        let Some((stride, len)) = sizes else {
-            return Err(Error::InvalidArgument(format!(
-                "a host pool of {buffers} buffers of {buffer_bytes} bytes (each rounded up to \
-                 4096) passes the most a segment can hold ({} bytes)",
-                isize::MAX
-            )));
-        };
+        let (stride, len) = Self::geometry(buffers, buffer_bytes)?;
         // As the control segment: only the pool judged is removed, under the replacers' lock, so
         // two producers restarting at once never remove each other's new pool.
         let seg = versioned::create_replacing(&name, len, opts, "host pool segment", || {

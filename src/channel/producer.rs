@@ -170,6 +170,8 @@ impl Producer {
             ));
         }
         control::validate_channel_name(name)?;
+        // A pool no segment can hold is refused as such before the ledger is asked for it.
+        HostPool::geometry(opts.buffers, opts.buffer_bytes)?;
         let quota = reserve_quota(opts, Uuid([0; 16]), Some(&super::host::pool_name(name)))?;
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
         let pool = HostPool::create(name, opts.buffers, opts.buffer_bytes, &seg_opts)?;

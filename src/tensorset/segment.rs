@@ -543,22 +543,33 @@ pub(crate) fn data_stride(bytes: u64) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument(format!("{bytes} bytes per buffer overflow")))
 }
 
+/// The stride (`data_stride`) and the whole length in bytes of a host set's data segment of
+/// `buffers` buffers of `bytes` bytes (the header page, then the buffers).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the buffers, the bytes and the limit when the segment would
+/// pass `isize::MAX` bytes (what a file size, `off_t`, and a mapping hold).
+pub(crate) fn data_len(buffers: usize, bytes: u64) -> Result<(usize, usize)> {
+    let len = data_stride(bytes).ok().and_then(|stride| {
+        stride
+            .checked_mul(buffers)
+            .and_then(|l| l.checked_add(HEADER_PAGE))
+            .filter(|&l| l <= isize::MAX as usize)
+            .map(|l| (stride, l))
+    });
+    len.ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "the data segment of {buffers} buffers of {bytes} bytes passes the most a segment \
+             can hold ({} bytes)",
+            isize::MAX
+        ))
+    })
+}
+
 impl DataSegment {
     /// Creates the data segment of `set` with `buffers` buffers of `bytes` bytes.
     pub(crate) fn create(set: &str, buffers: usize, bytes: u64) -> Result<DataSegment> {
-        let stride = data_stride(bytes)?;
-        let len = stride
-            .checked_mul(buffers)
-            .and_then(|l| l.checked_add(HEADER_PAGE))
-            // A file size (`off_t`) and a mapping (`isize`) hold at most `isize::MAX` bytes.
-            .filter(|&l| l <= isize::MAX as usize)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "the data segment of {buffers} buffers of {bytes} bytes passes the most a \
-                     segment can hold ({} bytes)",
-                    isize::MAX
-                ))
-            })?;
+        let (stride, len) = data_len(buffers, bytes)?;
         let name = data_name(set);
         let (seg, generation) = create::<DATA_MAGIC>(set, &name, len, |_, h| {
             h.body_len.store(stride as u64, Ordering::Relaxed);

@@ -178,6 +178,20 @@ fn buffer_count(mode: GenerationMode) -> Result<usize> {
     }
 }
 
+/// Bytes of a set of `buffers` buffers of `bytes` bytes each (what the quota ledger is asked
+/// for).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming both when the product is 2^64 bytes or more: refused as
+/// such, not reserved as a saturated `u64::MAX` (and refused by the budget instead).
+fn set_bytes(buffers: usize, bytes: u64) -> Result<u64> {
+    (buffers as u64).checked_mul(bytes).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "a set of {buffers} buffers of {bytes} bytes is 2^64 bytes or more"
+        ))
+    })
+}
+
 /// Reserves `bytes` from the ledger `opts.quota` names for `device`; `data` is a host set's data
 /// segment name (host memory).
 fn reserve(
@@ -233,7 +247,8 @@ impl TensorSetWriter {
     /// abandoned half-way) under the name is replaced.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a bad name, mode or reader count;
+    /// [`Error::InvalidArgument`] for a bad name, mode or reader count, or a set (buffers × bytes
+    /// per buffer) of 2^64 bytes or more, before any budget is asked;
     /// [`TensorSetError::BadTensor`] / [`TensorSetError::TooManyTensors`] for specs that cannot be
     /// laid out; [`TensorSetError::AlreadyExists`] (or the channel's
     /// [`crate::channel::ChannelError::AlreadyExists`] for its generation channel) when a live
@@ -261,18 +276,14 @@ impl TensorSetWriter {
         segment::validate_set_name(name)?;
         let b = buffer_count(opts.mode)?;
         let bytes = layout.bytes_per_buffer();
+        let total = set_bytes(b, bytes)?;
         if opts.resume
             && matches!(opts.memory, MemoryKind::Vmm | MemoryKind::Auto)
             && let Some(w) = Self::try_resume(ctx, name, &layout, opts, b)?
         {
             return Ok(w);
         }
-        let quota = reserve(
-            opts,
-            ctx.device().uuid(),
-            bytes.saturating_mul(b as u64),
-            None,
-        )?;
+        let quota = reserve(opts, ctx.device().uuid(), total, None)?;
         let producer = generation_channel(Some(ctx), name, opts, b)?;
         let kind = match opts.memory {
             MemoryKind::Auto => match auto_kind(ctx, &ChannelOptions::new(1)) {
@@ -316,7 +327,9 @@ impl TensorSetWriter {
     /// Never calls the CUDA driver.
     ///
     /// # Errors
-    /// As [`TensorSetWriter::create`], less CUDA's.
+    /// As [`TensorSetWriter::create`], less CUDA's; [`Error::InvalidArgument`] for a data
+    /// segment past `isize::MAX` bytes (its buffers each rounded up to 4096 bytes), before any
+    /// budget is asked.
     pub fn create_host(
         name: &str,
         specs: &[TensorSpec],
@@ -326,13 +339,12 @@ impl TensorSetWriter {
         let layout = Layout::new(specs)?;
         let b = buffer_count(opts.mode)?;
         let bytes = layout.bytes_per_buffer();
+        let total = set_bytes(b, bytes)?;
+        // The data segment's size is checked before the ledger is asked: a set no segment can
+        // hold is refused as such, whatever the budget.
+        segment::data_len(b, bytes)?;
         let data_name = segment::data_name(name);
-        let quota = reserve(
-            opts,
-            Uuid([0; 16]),
-            bytes.saturating_mul(b as u64),
-            Some(&data_name),
-        )?;
+        let quota = reserve(opts, Uuid([0; 16]), total, Some(&data_name))?;
         let producer = generation_channel(None, name, opts, b)?;
         let data = DataSegment::create(name, b, bytes)?;
         if let Some(q) = &quota {
