@@ -609,6 +609,15 @@ pub(crate) fn stream_arg(
     }
     let raw = if let Ok(v) = s.extract::<usize>() {
         v
+    } else if s.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(errors::invalid_argument(
+            py,
+            format!(
+                "stream {} is not a CUstream (an int from 0 to {})",
+                s.repr()?,
+                usize::MAX
+            ),
+        ));
     } else if let Ok(p) = s.call_method0("__cuda_stream__") {
         p.extract::<(i64, usize)>()?.1
     } else if let Ok(v) = s.getattr("cuda_stream") {
@@ -679,7 +688,15 @@ pub(crate) fn elements(py: Python<'_>, shape: &Bound<'_, PyAny>) -> PyResult<usi
     };
     dims.iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| errors::invalid_argument(py, "shape overflows".to_string()))
+        .ok_or_else(|| {
+            errors::invalid_argument(
+                py,
+                format!(
+                    "shape {dims:?} has more than {} elements (usize::MAX)",
+                    usize::MAX
+                ),
+            )
+        })
 }
 
 /// `tensor` (a one-dimensional `uint8` tensor of `nbytes` bytes: PyTorch or CuPy) viewed as
@@ -698,9 +715,18 @@ pub(crate) fn shaped<'py>(
         None => 1,
     };
     let need = match shape {
-        Some(s) => elements(py, s)?
-            .checked_mul(size)
-            .ok_or_else(|| errors::invalid_argument(py, "shape overflows".to_string()))?,
+        Some(s) => {
+            let n = elements(py, s)?;
+            n.checked_mul(size).ok_or_else(|| {
+                errors::invalid_argument(
+                    py,
+                    format!(
+                        "{n} elements of {size} bytes are more than {} bytes (usize::MAX)",
+                        usize::MAX
+                    ),
+                )
+            })?
+        }
         None => nbytes - nbytes % size.max(1),
     };
     if need > nbytes {

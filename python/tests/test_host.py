@@ -401,6 +401,10 @@ def test_stream_options_and_tensor_helpers_are_refused_on_a_host_channel(name):
             cuda_ipc.Consumer(name, stream=TorchLikeStream())
         with pytest.raises(cuda_ipc.InvalidArgument, match="stream must be"):
             cuda_ipc.Consumer(name, stream="current")
+        # A negative or too large int is named as what it is, not as "got int".
+        for n in (-1, 2**64):
+            with pytest.raises(cuda_ipc.InvalidArgument, match=r"stream -?\d+ is not a CUstream"):
+                cuda_ipc.Consumer(name, stream=n)
         rx = cuda_ipc.Consumer(name, stream=None)
         w = tx.acquire(timeout=ANSWER)
         for call in (lambda: w.publish_after(3), w.as_tensor, w.as_cupy):
