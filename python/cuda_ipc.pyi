@@ -889,7 +889,9 @@ class TensorHold:
         """A new ``dict[str, torch.Tensor]`` of views of the mapped memory (CPU tensors for a host
         set, not read-only: treat them as read-only; a ``stream`` other than ``None`` raises
         ``InvalidArgument`` there). Needs PyTorch: without it ``ImportError`` (a host set's bytes
-        are read with ``read(name)``)."""
+        are read with ``read(name)``). A tensor that starts at a byte offset that is not a
+        multiple of its element size (a set laid out over given allocations) raises
+        ``NotSupported`` naming it."""
     def read(self, name: str) -> bytes:
         """Host sets: a copy of tensor ``name``'s bytes."""
     def tensor_digests(self) -> List[bytes]:

@@ -347,7 +347,12 @@ impl Layout {
     }
 
     /// A layout over given allocations (of `allocations[a]` bytes each): tensor `i` of
-    /// `tensors` lies in allocation `tensors[i].1` at byte offset `tensors[i].2`.
+    /// `tensors` lies in allocation `tensors[i].1` at byte offset `tensors[i].2`. An offset that
+    /// is not a multiple of the tensor's element size is accepted (a Rust reader gets its bytes
+    /// where they lie), but no PyTorch view can start there: Python's `TensorHold.tensors()`
+    /// refuses such a tensor with `NotSupported` naming it and its offset. Put each tensor at a
+    /// multiple of its element size (of 256 bytes for the fastest kernels) to read it from
+    /// PyTorch.
     ///
     /// # Errors
     /// As [`Layout::new`]; [`TensorSetError::BadTensor`] for a tensor outside its allocation or
