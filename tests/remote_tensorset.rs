@@ -176,7 +176,7 @@ fn child() {
             opts.changed_only = std::env::var("CHANGED").is_ok();
             // Small WRITEs, several in flight: many pieces per generation.
             opts.chunk = 16 * 1024;
-            opts.in_flight = 4;
+            opts.in_flight = std::env::var("IN_FLIGHT").map_or(4, |v| v.parse().unwrap());
             let mut totals = send::Totals::default();
             let once = std::env::var("ONCE").is_ok();
             loop {
@@ -333,6 +333,16 @@ fn follow(r: &TensorSetReader, changed: bool, n: usize, last: u64) -> u64 {
 /// Mirrors `gens` near generations; returns (generations mirrored, bytes written, the sending
 /// bridge's last words, far buffers prefilled by the receiving bridge).
 fn bridge(tag: &str, gens: u64, changed: bool) -> (u64, u64, String, u64) {
+    bridge_with(tag, gens, changed, &[])
+}
+
+/// As [`bridge`], with `send` added to the sending bridge's environment.
+fn bridge_with(
+    tag: &str,
+    gens: u64,
+    changed: bool,
+    send: &[(&str, String)],
+) -> (u64, u64, String, u64) {
     cuda_ipc::remote::nixl::probe().expect("NIXL (libnixl_capi.so) must be on LD_LIBRARY_PATH");
     let (near, far) = names(tag);
     let _reap = Reap(vec![near.clone(), far.clone()]);
@@ -345,7 +355,9 @@ fn bridge(tag: &str, gens: u64, changed: bool) -> (u64, u64, String, u64) {
     };
     let (mut rcv, port) = start_recv(&far, 0);
     let mut w = start_writer(&near, gens, 15, &flag(changed));
-    let mut snd = start_send(&near, port, &flag(changed));
+    let mut extra = flag(changed);
+    extra.extend(send.iter().cloned());
+    let mut snd = start_send(&near, port, &extra);
     // The far set exists once the bridges met: the near generations start then.
     let r = open_far(&far);
     w.send("go");
@@ -390,6 +402,19 @@ fn fifty_generations_are_mirrored_whole_with_every_far_byte_checked() {
         bytes >= mirrored * (per - 256 * 8),
         "{bytes} bytes for {mirrored} generations"
     );
+}
+
+#[test]
+fn any_count_of_writes_in_flight_is_taken_as_at_most_the_pieces_of_a_generation() {
+    // `SendOptions::in_flight` of `usize::MAX` (a command line's `--in-flight`): never a queue
+    // of that many reserved.
+    let (mirrored, _, said, _) = bridge_with(
+        "inflight",
+        50,
+        false,
+        &[("IN_FLIGHT", usize::MAX.to_string())],
+    );
+    assert!(mirrored >= 2, "{said}");
 }
 
 #[test]

@@ -103,8 +103,13 @@ pub fn describe(b: &BridgeStatus) -> String {
 #[cfg(feature = "remote")]
 pub use run::{BridgeCommand, run};
 
+/// The largest `bridge send --chunk-mib`: its bytes (MiB × 2^20) still count in a `u64`.
+#[cfg(feature = "remote")]
+pub const MAX_CHUNK_MIB: u64 = u64::MAX >> 20;
+
 #[cfg(feature = "remote")]
 mod run {
+    use super::MAX_CHUNK_MIB;
     use crate::Outcome;
     use cuda_ipc::channel::Delivery;
     use cuda_ipc::remote::nixl::Place;
@@ -172,8 +177,10 @@ mod run {
             /// reaches the far memory only through host buffers.
             #[arg(long, default_value = "any", value_parser = ["any", "gpu-direct"])]
             require: String,
-            /// Tensor sets: the largest WRITE, in MiB.
-            #[arg(long, default_value_t = 64)]
+            /// Tensor sets: the largest WRITE, in MiB (0 counts as 1; at most 2^44 - 1, so that
+            /// its bytes count in 64 bits).
+            #[arg(long, default_value_t = 64,
+                  value_parser = clap::value_parser!(u64).range(..=MAX_CHUNK_MIB))]
             chunk_mib: u64,
             /// Tensor sets: WRITEs in flight at once.
             #[arg(long, default_value_t = 8)]

@@ -362,4 +362,35 @@ mod tests {
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
     }
+
+    /// `--chunk-mib` whose bytes do not count in a `u64` is refused with the bound, never cut to
+    /// another size (2^44 MiB shifted to bytes is 0: one-byte WRITEs).
+    #[cfg(feature = "remote")]
+    #[test]
+    fn a_chunk_past_u64_bytes_is_refused_with_the_bound() {
+        use clap::Parser as _;
+        let args = |mib: u64| {
+            Cli::try_parse_from([
+                "cuda-ipc",
+                "bridge",
+                "send",
+                "--tensorset",
+                "s",
+                "--connect",
+                "127.0.0.1:1",
+                "--secret-env",
+                "S",
+                "--chunk-mib",
+                &mib.to_string(),
+            ])
+        };
+        let most = bridge::MAX_CHUNK_MIB;
+        assert_eq!(most << 20 >> 20, most);
+        assert!(args(most).is_ok());
+        let e = args(most + 1).unwrap_err().to_string();
+        assert!(
+            e.contains(&(most + 1).to_string()) && e.contains(&most.to_string()),
+            "{e}"
+        );
+    }
 }

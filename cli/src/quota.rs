@@ -10,7 +10,8 @@ use std::error::Error;
 /// A size as people write it: `8GiB`, `512MiB`, `1.5G`, `4096`, `10 kB`; `unlimited` (or `none`)
 /// for no limit. Binary (`KiB`, `K`, `k`) and decimal (`kB`, `MB`, `GB`, `TB`) units. Computed
 /// exactly (no floating point): a size that comes to a fraction of a byte (`1.5`, `0.3 KiB`), a
-/// negative one or one of 2^64 bytes or more is refused with the reason.
+/// negative one, one of 2^64 bytes or more, or one with more than 38 digits after the point
+/// (trailing zeros not counted) is refused with the reason.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     if t.eq_ignore_ascii_case("unlimited") || t.eq_ignore_ascii_case("none") {
@@ -45,6 +46,17 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         }
     };
     let out_of_range = || format!("{s:?} is out of range (below 2^64 bytes)");
+    // Trailing zeros after the point change nothing; without them, 10^k below fits a `u128`.
+    let frac = frac.trim_end_matches('0');
+    let Some(scale) = u32::try_from(frac.len())
+        .ok()
+        .and_then(|k| 10u128.checked_pow(k))
+    else {
+        return Err(format!(
+            "{s:?} has {} digits after the point (at most 38, trailing zeros not counted)",
+            frac.len()
+        ));
+    };
     // whole.frac × mult = (whole × 10^k + frac) × mult / 10^k, in integers.
     let digits = format!("{whole}{frac}");
     let digits = digits.trim_start_matches('0');
@@ -56,7 +68,6 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     } else {
         digits.parse().map_err(|_| not_a_size())?
     };
-    let scale = 10u128.pow(frac.len() as u32);
     let scaled = n.checked_mul(mult).ok_or_else(out_of_range)?;
     if scaled % scale != 0 {
         return Err(format!(
@@ -432,6 +443,12 @@ mod tests {
                 .unwrap_err()
                 .contains("out of range")
         );
+        // Digits after the point: trailing zeros count for nothing, and a long tail is refused
+        // with the reason (no overflow of the scale, no division by zero).
+        assert_eq!(parse_bytes(&format!("0.{}", "0".repeat(200))), Ok(0));
+        assert_eq!(parse_bytes(&format!("1.{} KiB", "0".repeat(40))), Ok(1024));
+        let e = parse_bytes(&format!("0.{}1", "0".repeat(50))).unwrap_err();
+        assert!(e.contains("51 digits after the point (at most 38"), "{e}");
     }
 
     #[test]

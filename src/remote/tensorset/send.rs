@@ -528,7 +528,8 @@ impl Sender<'_, '_> {
         let allocs = self.far.allocs;
         let most = self.opts.in_flight.max(1);
         let timeout = self.opts.lane.write_timeout;
-        let mut flight: VecDeque<Write> = VecDeque::with_capacity(most);
+        // Never more in flight than pieces: `in_flight` may be any count (`usize::MAX`).
+        let mut flight: VecDeque<Write> = VecDeque::with_capacity(most.min(pieces.len()));
         let mut bytes = 0u64;
         let r = (|| -> Result<()> {
             for (index, &(a, off, len)) in pieces.iter().enumerate() {

@@ -598,7 +598,8 @@ impl FrameNote {
     /// Parses a notification.
     ///
     /// # Errors
-    /// [`RemoteError::Protocol`] when `s` is not a lane notification of this version.
+    /// [`RemoteError::Protocol`] when `s` is not a lane notification of this version (an index
+    /// past `u32::MAX` included).
     pub fn decode(s: &str) -> Result<FrameNote> {
         let bad = || protocol("a NIXL notification that is not a frame of this lane");
         let mut it = s.split(' ');
@@ -606,7 +607,7 @@ impl FrameNote {
             return Err(bad());
         }
         let mut num = || -> Result<u64> { it.next().and_then(|x| x.parse().ok()).ok_or_else(bad) };
-        let index = num()? as u32;
+        let index = u32::try_from(num()?).map_err(|_| bad())?;
         let seq = num()?;
         let len = num()?;
         let hex = it.next().unwrap_or("");
@@ -803,6 +804,8 @@ mod tests {
             "cipc-lane 1 1 1 1 00 extra",
             // Two bytes that are not two ASCII digits (slicing there would split a character).
             "cipc-lane 1 1 1 1 a\u{e9}b",
+            // An index past `u32` (it would name buffer 0 cut to 32 bits).
+            "cipc-lane 1 4294967296 1 1 ",
         ] {
             assert!(FrameNote::decode(bad).is_err(), "{bad:?}");
         }
