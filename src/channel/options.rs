@@ -208,20 +208,27 @@ impl ConsumerOptions {
     }
 }
 
-/// Checks `opts`' buffer count, the pool's size (`buffers × buffer_bytes` below 2^64 bytes: a
-/// pool past it is refused here, not reserved as a saturated count) and its memory cap.
-pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
-    if (opts.buffers as u64)
+/// The pool's bytes, `buffers × buffer_bytes`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when that is 2^64 bytes or more: refused as such, never reserved
+/// or compared as a saturated count.
+fn pool_bytes(opts: &ChannelOptions) -> Result<u64> {
+    (opts.buffers as u64)
         .checked_mul(opts.buffer_bytes as u64)
-        .is_none()
-    {
-        return Err(Error::InvalidArgument(format!(
-            "a pool of {} buffers of {} bytes is 2^64 bytes or more",
-            opts.buffers, opts.buffer_bytes
-        )));
-    }
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a pool of {} buffers of {} bytes is 2^64 bytes or more",
+                opts.buffers, opts.buffer_bytes
+            ))
+        })
+}
+
+/// Checks `opts`' buffer count, the pool's size ([`pool_bytes`]) and its memory cap.
+pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
+    let bytes = pool_bytes(opts)?;
     if let Some(q) = opts.quota_bytes
-        && (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64) > q
+        && bytes > q
     {
         return Err(ChannelError::PoolOverCap {
             buffers: opts.buffers,
@@ -239,15 +246,14 @@ pub(super) fn check_options(opts: &ChannelOptions) -> Result<()> {
     Ok(())
 }
 
-/// Reserves the pool's bytes (`buffers × buffer_bytes`) from the ledger `opts.quota` names for
-/// `device`, or nothing when it names none; `pool` is the host pool's segment name (host memory).
+/// Reserves the pool's bytes ([`pool_bytes`]) from the ledger `opts.quota` names for `device`,
+/// or nothing when it names none; `pool` is the host pool's segment name (host memory).
 pub(super) fn reserve_quota(
     opts: &ChannelOptions,
     device: crate::driver::Uuid,
     pool: Option<&str>,
 ) -> Result<Option<crate::quota::Reservation>> {
-    let bytes = (opts.buffers as u64).saturating_mul(opts.buffer_bytes as u64);
-    crate::quota::reserve_in(opts.quota, device, bytes, pool)
+    crate::quota::reserve_in(opts.quota, device, pool_bytes(opts)?, pool)
 }
 
 /// The error of a host accessor (`read_at`, `write_at`) used on a GPU channel's frame.

@@ -366,11 +366,10 @@ impl QuotaLedger {
                     .collect()
             })
             .unwrap_or_default();
-        let held: Vec<_> = inner
+        let (replaced_held, held): (Vec<_>, Vec<_>) = inner
             .held()
             .into_iter()
-            .filter(|h| !replaced.contains(&h.0))
-            .collect();
+            .partition(|h| replaced.contains(&h.0));
         let used = held.iter().fold(0u64, |a, h| a.saturating_add(h.3));
         let held_by = |(i, id, uid, b): &(u32, ProcessIdentity, u32, u64)| HeldBy {
             pid: id.pid,
@@ -391,12 +390,7 @@ impl QuotaLedger {
                 budget,
                 used,
                 holders: held.iter().map(held_by).collect(),
-                replaced: inner
-                    .held()
-                    .iter()
-                    .filter(|h| replaced.contains(&h.0))
-                    .map(held_by)
-                    .collect(),
+                replaced: replaced_held.iter().map(held_by).collect(),
             }
             .into());
         }
