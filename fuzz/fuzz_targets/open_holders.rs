@@ -14,10 +14,12 @@
 
 use cuda_ipc::cleanup::{self, Scope};
 use cuda_ipc::identity::ProcessIdentity;
-use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::raw::tensorset::testing::HeldSetFixture;
 use cuda_ipc::tensorset::{HOLDERS_PREFIX, HolderRole, inspect, reclaim};
 use libfuzzer_sys::fuzz_target;
+
+mod common;
+use common::plant;
 use std::sync::OnceLock;
 
 /// Offsets of the init stamp and the writer's pid in the header page.
@@ -55,18 +57,6 @@ fn set() -> &'static Set {
     })
 }
 
-/// Replaces segment `name` by one holding `img`.
-fn plant(name: &str, img: &[u8]) -> bool {
-    let _ = Segment::unlink(name);
-    let Ok(seg) = Segment::create(name, img.len().max(1), &SegmentOptions::new()) else {
-        return false;
-    };
-    // SAFETY: the mapping is at least `img.len()` bytes; this process made the segment, and
-    // nothing else writes it; `img` is this process's memory, apart from the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(img.as_ptr(), seg.as_ptr(), img.len()) };
-    true
-}
-
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {
         return;
@@ -89,7 +79,7 @@ fuzz_target!(|data: &[u8]| {
         img[WRITER_PID_AT..WRITER_PID_AT + 4].copy_from_slice(&NO_PROCESS.to_le_bytes());
     }
     let seg = format!("{HOLDERS_PREFIX}{}", set.name);
-    if !plant(&seg, &img) {
+    if !plant(&seg, &img, false) {
         return;
     }
     if let Ok(h) = HeldSetFixture::open(&set.name) {

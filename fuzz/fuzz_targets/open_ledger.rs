@@ -19,8 +19,11 @@
 use cuda_ipc::cleanup::{self, Scope};
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{self, QuotaLedger, QuotaScope};
-use cuda_ipc::raw::shm::{Segment, SegmentOptions};
+use cuda_ipc::raw::shm::Segment;
 use libfuzzer_sys::fuzz_target;
+
+mod common;
+use common::plant;
 use std::os::unix::fs::MetadataExt;
 use std::sync::OnceLock;
 
@@ -64,19 +67,6 @@ fn valid_image(group: bool) -> &'static [u8] {
         copy[8..12].copy_from_slice(&((1u32 << 22) + 7).to_le_bytes());
         img
     })
-}
-
-/// Replaces segment `name` by one holding `img`.
-fn plant(name: &str, img: &[u8], group: bool) -> bool {
-    let _ = Segment::unlink(name);
-    let opts = SegmentOptions::new().group_access(group);
-    let Ok(seg) = Segment::create(name, img.len().max(1), &opts) else {
-        return false;
-    };
-    // SAFETY: the mapping is at least `img.len()` bytes; this process made the segment, and
-    // nothing else writes it; `img` is this process's memory, apart from the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(img.as_ptr(), seg.as_ptr(), img.len()) };
-    true
 }
 
 fuzz_target!(|data: &[u8]| {

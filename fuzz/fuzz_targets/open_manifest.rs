@@ -19,12 +19,14 @@
 #![no_main]
 
 use cuda_ipc::cleanup::{self, Scope};
-use cuda_ipc::raw::shm::{Segment, SegmentOptions};
 use cuda_ipc::tensorset::{
     self, DType, GenerationMode, MANIFEST_PREFIX, ReaderOptions, TensorInfo, TensorSetOptions,
     TensorSetReader, TensorSetWriter, TensorSpec,
 };
 use libfuzzer_sys::fuzz_target;
+
+mod common;
+use common::plant;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -166,18 +168,6 @@ fn restamp(img: &mut [u8]) {
     }
 }
 
-/// Replaces segment `name` by one holding `img`.
-fn plant(name: &str, img: &[u8]) -> bool {
-    let _ = Segment::unlink(name);
-    let Ok(seg) = Segment::create(name, img.len().max(1), &SegmentOptions::new()) else {
-        return false;
-    };
-    // SAFETY: the mapping is at least `img.len()` bytes; this process made the segment, and
-    // nothing else writes it; `img` is this process's memory, apart from the mapping.
-    unsafe { std::ptr::copy_nonoverlapping(img.as_ptr(), seg.as_ptr(), img.len()) };
-    true
-}
-
 /// Reads the set as a reader does, touching every tensor it was given.
 fn read(name: &str) {
     let Ok(rx) = TensorSetReader::open_host(name, &ReaderOptions::new()) else {
@@ -253,7 +243,7 @@ fuzz_target!(|data: &[u8]| {
         img[WRITER_PID_AT..WRITER_PID_AT + 4].copy_from_slice(&NO_PROCESS.to_le_bytes());
     }
     let seg = format!("{MANIFEST_PREFIX}{}", set.name);
-    if !plant(&seg, &img) {
+    if !plant(&seg, &img, false) {
         return;
     }
     read(&set.name);
