@@ -605,26 +605,6 @@ pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
     }
 }
 
-/// What a file type is, in the words of [`ShmError::NotASegment`].
-fn kind_of(ft: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if ft.is_dir() {
-        "directory"
-    } else if ft.is_fifo() {
-        "FIFO"
-    } else if ft.is_socket() {
-        "socket"
-    } else if ft.is_char_device() {
-        "character device"
-    } else if ft.is_block_device() {
-        "block device"
-    } else if ft.is_symlink() {
-        "symbolic link"
-    } else {
-        "special file"
-    }
-}
-
 /// Refuses, before anything is opened, what a registry name cannot stand for: a FIFO, directory,
 /// socket or device ([`ShmError::NotASegment`]) or a sparse file ([`ShmError::Sparse`]:
 /// touching its holes could raise `SIGBUS`). Only `lstat`, so nothing blocks and no link is
@@ -645,7 +625,7 @@ fn precheck(name: &str) -> Result<()> {
     if !ft.is_file() {
         return Err(ShmError::NotASegment {
             name: name.to_string(),
-            kind: kind_of(ft),
+            kind: crate::shm::file_kind(ft),
         }
         .into());
     }

@@ -57,7 +57,7 @@ pub(crate) fn list_names() -> Result<Vec<(String, u32, Option<&'static str>)>> {
         let Ok(m) = entry.metadata() else {
             continue;
         };
-        let kind = (!m.file_type().is_file()).then(|| name_kind(&m));
+        let kind = (!m.file_type().is_file()).then(|| file_kind(m.file_type()));
         out.push((name, m.uid(), kind));
     }
     out.sort();
@@ -81,11 +81,11 @@ pub(crate) fn names_of_inodes(wanted: impl Fn(u64, &str) -> bool) -> Vec<(u64, S
         .collect()
 }
 
-/// What a name that is not a regular file is, in the words of
-/// [`ShmError::NotASegment`](super::ShmError::NotASegment).
-fn name_kind(m: &std::fs::Metadata) -> &'static str {
+/// What a file of type `t` is, in the words of
+/// [`ShmError::NotASegment`](super::ShmError::NotASegment) (for the listings, and for an opener
+/// that finds a name standing for something other than a segment).
+pub(crate) fn file_kind(t: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
-    let t = m.file_type();
     if t.is_dir() {
         "directory"
     } else if t.is_symlink() {
@@ -147,6 +147,6 @@ pub(crate) fn other_users_name(name: &str) -> Option<(u32, Option<&'static str>)
     validate_name(name).ok()?;
     let m = std::fs::symlink_metadata(format!("{SHM_DIR}/{name}")).ok()?;
     let me = rustix::process::geteuid().as_raw();
-    let kind = (!m.file_type().is_file()).then(|| name_kind(&m));
+    let kind = (!m.file_type().is_file()).then(|| file_kind(m.file_type()));
     (m.uid() != me).then_some((m.uid(), kind))
 }

@@ -35,7 +35,8 @@ pub use error::ShmError;
 pub use futex::WaitResult;
 pub use listing::list_segments;
 pub(crate) use listing::{
-    list_names, list_other_users_names, list_own_names, names_of_inodes, other_users_name,
+    file_kind, list_names, list_other_users_names, list_own_names, names_of_inodes,
+    other_users_name,
 };
 pub use segment::{
     MAX_SEGMENT_NAME, SHM_DIR, SIZING_LOCK_OFFSET, Segment, SegmentInfo, SegmentOptions,
