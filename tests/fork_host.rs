@@ -55,6 +55,30 @@ fn a_forked_child_neither_uses_nor_drops_its_parents_channel() {
         );
         refused("read_at", held.read_at(0, &mut [0u8; 3]), &mut wrong);
         refused("to_vec", held.to_vec(), &mut wrong);
+        // The accessors that hand out driver objects or addresses refuse before they tell a
+        // host channel from a GPU one (the GPU form: tests/fork_gpu.rs).
+        refused(
+            "the held frame's stream",
+            held.stream().map(|_| ()),
+            &mut wrong,
+        );
+        refused("the consumer's stream", rx.stream().map(|_| ()), &mut wrong);
+        refused(
+            "the consumer's context",
+            rx.context().map(|_| ()),
+            &mut wrong,
+        );
+        refused(
+            "the gate words' address",
+            rx.gate_device_ptr().map(|_| ()),
+            &mut wrong,
+        );
+        refused("the producer's stream", tx.stream().map(|_| ()), &mut wrong);
+        refused(
+            "the producer's context",
+            tx.context().map(|_| ()),
+            &mut wrong,
+        );
         refused("try_acquire", tx.try_acquire().map(|_| ()), &mut wrong);
         refused(
             "acquire",
@@ -138,6 +162,16 @@ fn a_forked_child_neither_uses_nor_drops_its_parents_tensor_set() {
         let mut wrong = Vec::new();
         refused("current", r.current().map(|_| ()), &mut wrong);
         refused("read_tensor", hold.read_tensor(0), &mut wrong);
+        refused("the hold's stream", hold.stream().map(|_| ()), &mut wrong);
+        refused("the hold's context", hold.context().map(|_| ()), &mut wrong);
+        refused("the reader's stream", r.stream().map(|_| ()), &mut wrong);
+        refused("the reader's context", r.context().map(|_| ()), &mut wrong);
+        refused("the writer's stream", w.stream().map(|_| ()), &mut wrong);
+        refused(
+            "the writer's tensor address",
+            w.device_ptr(0, 0),
+            &mut wrong,
+        );
         refused(
             "wait_newer",
             r.wait_newer(1, Some(Duration::from_millis(10))).map(|_| ()),
@@ -258,6 +292,7 @@ fn a_forked_child_writes_nothing_through_its_parents_open_update_or_frame() {
         let mut fc = take_copy(&f);
         refused("write_at", fc.write_at(0, b"CHLD"), &mut wrong);
         refused("read_at", fc.read_at(0, &mut [0u8; 4]), &mut wrong);
+        refused("the frame's stream", fc.stream().map(|_| ()), &mut wrong);
         refused("publish", fc.publish(b""), &mut wrong);
         wrong
     });

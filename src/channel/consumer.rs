@@ -334,8 +334,10 @@ impl Consumer {
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
     /// (formerly a panic); CUDA errors where the stream is made now (crate-private memoryless
-    /// channels make it at its first need).
+    /// channels make it at its first need); [`Error::ForkedChild`] in a process forked from the
+    /// one that attached.
     pub fn stream(&self) -> Result<&Stream> {
+        self.control.check_fork()?;
         Ok(&self.gpu_objects()?.stream)
     }
 
@@ -355,8 +357,9 @@ impl Consumer {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no context
-    /// (formerly a panic).
+    /// (formerly a panic); [`Error::ForkedChild`] in a process forked from the one that attached.
     pub fn context(&self) -> Result<&Arc<Context>> {
+        self.control.check_fork()?;
         Ok(&self.gpu()?.ctx)
     }
 
@@ -694,8 +697,10 @@ impl Consumer {
     /// nothing of frame `s`. Read them with volatile loads (host memory the driver maps).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] on a host channel.
+    /// [`Error::InvalidArgument`] on a host channel; [`Error::ForkedChild`] in a process forked
+    /// from the one that attached.
     pub fn gate_device_ptr(&self) -> Result<u64> {
+        self.control.check_fork()?;
         let gpu = self.imports().ok_or_else(|| {
             Error::InvalidArgument("a host channel has no gate words on a GPU".into())
         })?;

@@ -361,8 +361,10 @@ impl Producer {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
-    /// (formerly a panic).
+    /// (formerly a panic); [`Error::ForkedChild`] in a process forked from the one that created
+    /// the producer.
     pub fn stream(&self) -> Result<&Stream> {
+        self.control.check_fork()?;
         Ok(&self.gpu()?.stream)
     }
 
@@ -370,8 +372,10 @@ impl Producer {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no context
-    /// (formerly a panic).
+    /// (formerly a panic); [`Error::ForkedChild`] in a process forked from the one that created
+    /// the producer.
     pub fn context(&self) -> Result<&Arc<Context>> {
+        self.control.check_fork()?;
         Ok(&self.gpu()?.ctx)
     }
 

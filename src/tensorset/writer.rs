@@ -621,8 +621,10 @@ impl TensorSetWriter {
     /// here. It waits on the GPU for the readers' release words of the buffer an update takes.
     ///
     /// # Errors
-    /// [`TensorSetError::WrongKind`] on a host set.
+    /// [`TensorSetError::WrongKind`] on a host set; [`crate::Error::ForkedChild`] in a process
+    /// forked from the one that made the writer.
     pub fn stream(&self) -> Result<&Stream> {
+        self.fork.check("tensor set writer")?;
         if self.kind == MemoryKind::Host {
             return Err(TensorSetError::WrongKind("a host tensor set has no stream").into());
         }
@@ -633,8 +635,10 @@ impl TensorSetWriter {
     ///
     /// # Errors
     /// [`TensorSetError::NoSuchTensor`]; [`TensorSetError::WrongKind`] on a host set;
-    /// [`Error::InvalidArgument`] for a buffer out of range.
+    /// [`Error::InvalidArgument`] for a buffer out of range; [`Error::ForkedChild`] in a process
+    /// forked from the one that made the writer.
     pub fn device_ptr(&self, buffer: usize, i: usize) -> Result<u64> {
+        self.fork.check("tensor set writer")?;
         tensor_ptr(&self.memory, &self.layout, buffer, i)
     }
 

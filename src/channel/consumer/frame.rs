@@ -147,7 +147,8 @@ impl Frame<'_> {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
-    /// (formerly a panic).
+    /// (formerly a panic); [`Error::ForkedChild`] in a process forked from the one that received
+    /// it.
     pub fn stream(&self) -> Result<&Stream> {
         self.consumer.stream()
     }

@@ -123,8 +123,10 @@ impl WriteFrame<'_> {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a host channel ([`MemoryKind::Host`]), which has no stream
-    /// (formerly a panic).
+    /// (formerly a panic); [`Error::ForkedChild`] in a process forked from the one that acquired
+    /// the frame.
     pub fn stream(&self) -> Result<&Stream> {
+        self.producer.control.check_fork()?;
         self.view().stream()
     }
 
