@@ -17,6 +17,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The consuming end of a channel (`cuda_ipc::channel::Consumer`).
+///
+/// In a child made by `fork()` after the parent attached, the slot is the parent's: every call but
+/// `name` raises `NotSupported` (an awaited `recv_async` too), taking no lock; `close()`, the end
+/// of a `with` block and its collection detach nothing.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Consumer {
     /// Shared with the receives posted on this consumer, which stop waiting once it is closed.
@@ -49,11 +53,9 @@ struct Parked {
 
 impl Consumer {
     /// The Rust consumer, shared with the caller (it lives until the last user lets go), or
-    /// `Detached` once closed.
+    /// `Detached` once closed; `NotSupported` in a forked child, before any lock is taken.
     pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<cuda_ipc::channel::Consumer>> {
-        if self.fork.inherited() {
-            return Err(errors::forked("channel consumer"));
-        }
+        errors::check_fork(self.fork, "channel consumer")?;
         lock(&self.inner).clone().ok_or_else(|| detached(py))
     }
 
@@ -287,8 +289,11 @@ impl Consumer {
     }
 
     /// Takes the frame `recv_async` job `job` parked (what its coroutine returns once its thread
-    /// is done); `Detached` when `close()` came meanwhile (it releases parked frames).
+    /// is done); `Detached` when `close()` came meanwhile (it releases parked frames);
+    /// `NotSupported` in a forked child (the parked frames are the parent's receives').
     fn _claim(&self, py: Python<'_>, job: u64) -> PyResult<Frame> {
+        // Before `parked` is locked: a parent's receive may have held it at the fork.
+        errors::check_fork(self.fork, "channel consumer")?;
         let f = {
             let mut parked = lock(&self.parked);
             let i = parked.iter().position(|p| p.job == job);
@@ -366,7 +371,8 @@ impl Consumer {
 
     /// Detaches. Frames (and their DLPack tensors) still alive keep the slot until they go. A
     /// thread blocked in `recv()` (or iterating) raises `Detached` within 50 ms; the slot is
-    /// given back once it has. Never waits for that thread.
+    /// given back once it has. Never waits for that thread. In a forked child it detaches nothing:
+    /// the slot is the parent's consumer's.
     fn close(&self, py: Python<'_>) {
         if self.fork.inherited() {
             return; // a forked child's copy: the parent's consumer stays attached

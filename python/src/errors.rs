@@ -7,6 +7,7 @@
 use cuda_ipc::Error;
 use cuda_ipc::ShmError;
 use cuda_ipc::channel::ChannelError;
+use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::ipc::fdpass::FdPassError;
 use cuda_ipc::quota::QuotaError as RustQuotaError;
 use cuda_ipc::registry::RegistryError;
@@ -510,17 +511,27 @@ fn content_mismatch(py: Python<'_>, e: &Error, msg: String) -> PyErr {
     }
 }
 
-/// `TensorSetClosed` for a call on a tensor-set reader or holder (`what`) that was closed by its
-/// own `close()`: the message names that object, not the writer, whose set may still be published.
-/// The same class as the writer's close, so that a loop stopping at `TensorSetClosed` stops for
-/// either.
-/// `NotSupported` for `what` (`"consumer"`) used in a process forked from the one that made it
-/// (`cuda_ipc::Error::ForkedChild`): raised before any lock a thread of the parent may have held
-/// at the fork is taken.
+/// `NotSupported` for `what` (`"channel consumer"`) used in a process forked from the one that
+/// made it (`cuda_ipc::Error::ForkedChild`): raised before any lock a thread of the parent may
+/// have held at the fork is taken.
 pub(crate) fn forked(what: &'static str) -> PyErr {
     NotSupported::new_err(Error::ForkedChild { what }.to_string())
 }
 
+/// `Ok` in the process that made an object whose fork epoch is `fork`; in a process forked from
+/// it, [`forked`]`(what)`. One relaxed atomic load: no lock, no system call, no driver call, so
+/// it comes first in every call of a class that has state of its parent's.
+pub(crate) fn check_fork(fork: ForkEpoch, what: &'static str) -> PyResult<()> {
+    if fork.inherited() {
+        return Err(forked(what));
+    }
+    Ok(())
+}
+
+/// `TensorSetClosed` for a call on a tensor-set reader or holder (`what`) that was closed by its
+/// own `close()`: the message names that object, not the writer, whose set may still be published.
+/// The same class as the writer's close, so that a loop stopping at `TensorSetClosed` stops for
+/// either.
 pub(crate) fn closed_here(what: &str, name: &str) -> PyErr {
     TensorSetClosed::new_err(format!(
         "this {what} of tensor set {name:?} is closed (by its own close(), not by the writer)"

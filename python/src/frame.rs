@@ -12,6 +12,12 @@ use std::sync::{Arc, Mutex};
 
 /// A received frame. `release()`, leaving a `with` block, or collection ends this object's hold;
 /// DLPack tensors made from it hold it until they are freed.
+///
+/// In a child made by `fork()` after the parent received it, the hold is the parent's: every call
+/// that reads, orders or hands out the buffer (its address, stream, bytes, DLPack and
+/// `__cuda_array_interface__`) and `held` raise `NotSupported`; `release()`, the end of a `with`
+/// block and its collection do nothing (the parent's hold stays); `seq`, `index`, `metadata`,
+/// `nbytes` and `is_host` describe the copy.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Frame {
     inner: Mutex<Option<Arc<OwnedFrame>>>,
@@ -36,7 +42,7 @@ impl Frame {
 
     pub(crate) fn wrap(f: OwnedFrame) -> Frame {
         let fr = f.frame();
-        let buffer = Buffer::of(fr.view(), HOST_FRAME);
+        let buffer = Buffer::of(fr.view(), HOST_FRAME, "channel frame");
         Frame {
             seq: fr.seq(),
             index: fr.index(),
@@ -93,7 +99,8 @@ impl Frame {
     fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.metadata)
     }
-    /// Device address of the buffer in this process; `NotSupported` on a host channel.
+    /// Device address of the buffer in this process; `NotSupported` on a host channel and in a
+    /// forked child.
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
         Ok(self.buffer.gpu()?.ptr)
@@ -104,7 +111,7 @@ impl Frame {
         self.buffer.nbytes
     }
     /// The consumer's stream (a raw `CUstream`) on which the frame is ready; `NotSupported` on a
-    /// host channel.
+    /// host channel and in a forked child.
     #[getter]
     fn stream(&self) -> PyResult<usize> {
         Ok(self.buffer.gpu()?.stream)
@@ -117,7 +124,7 @@ impl Frame {
 
     /// A copy of `n` bytes of the host buffer from byte `offset` (`n=None`: to the end), taken
     /// while the frame is held. `InvalidArgument` past the buffer's end or once released;
-    /// `NotSupported` on a GPU channel.
+    /// `NotSupported` on a GPU channel and in a forked child.
     #[pyo3(signature = (offset=Int::Small(0), n=None), text_signature = "($self, offset=0, n=None)")]
     fn read<'py>(
         &self,
@@ -142,16 +149,21 @@ impl Frame {
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         self.read(py, Int::Small(0), None)
     }
-    /// True until `release()`.
+    /// True until `release()`. `NotSupported` in a forked child (the hold is the parent's).
     #[getter]
-    fn held(&self) -> bool {
-        lock(&self.inner).is_some()
+    fn held(&self) -> PyResult<bool> {
+        self.buffer.check_fork()?;
+        Ok(lock(&self.inner).is_some())
     }
 
     /// Ends this object's hold (the frame is released once no DLPack tensor of it is left),
     /// ordered after the work enqueued by now on every stream named by `ready_on` or the
-    /// consumer's `stream=`. A second call does nothing.
+    /// consumer's `stream=`. A second call does nothing, and so does a call in a forked child: the
+    /// hold is the parent's (no stream is ordered there either).
     fn release(&self, py: Python<'_>) -> PyResult<()> {
+        if self.buffer.is_forked_copy() {
+            return Ok(());
+        }
         let Some(f) = lock(&self.inner).take() else {
             return Ok(());
         };
@@ -182,8 +194,9 @@ impl Frame {
 
     /// Makes `stream` (an int `CUstream`, a `torch.cuda.Stream`, a `cupy.cuda.Stream`) wait on
     /// the GPU for this frame, and orders the release after the work enqueued there by the time
-    /// of `release()`. `stream` must stay valid until then. `NotSupported` on a host channel;
-    /// `InvalidArgument` once released; on a CUDA error the frame is released and the error raised.
+    /// of `release()`. `stream` must stay valid until then. `NotSupported` on a host channel and
+    /// in a forked child; `InvalidArgument` once released; on a CUDA error the frame is released
+    /// and the error raised.
     fn ready_on(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         self.buffer.gpu()?;
         match stream_arg(py, Some(stream))? {
@@ -197,7 +210,7 @@ impl Frame {
     /// (a `torch.dtype`, default `uint8`) and `shape` (an int or a tuple; default: the whole
     /// buffer, one-dimensional) over the first `prod(shape) * itemsize` bytes. `InvalidArgument`
     /// when they need more bytes than the buffer has or once released; `NotSupported` on a host
-    /// channel; `ImportError` without PyTorch.
+    /// channel and in a forked child; `ImportError` without PyTorch.
     #[pyo3(signature = (shape=None, dtype=None))]
     fn as_tensor<'py>(
         slf: &Bound<'py, Self>,

@@ -108,11 +108,15 @@ impl Lender {
         self.fork.inherited()
     }
 
+    /// `NotSupported` in a forked child's copy, before `state` is locked (a thread of the parent
+    /// may have held it at the fork).
+    pub(crate) fn check_fork(&self) -> PyResult<()> {
+        errors::check_fork(self.fork, "channel producer")
+    }
+
     /// Lends the Rust producer out (to an `acquire` of this thread when `acquiring`).
     pub(crate) fn take(&self, py: Python<'_>, acquiring: bool) -> PyResult<Box<RustProducer>> {
-        if self.fork.inherited() {
-            return Err(errors::forked("channel producer"));
-        }
+        self.check_fork()?;
         let mut s = lock(&self.state);
         if s.closed {
             return Err(self.closed_error());

@@ -6,6 +6,7 @@ use crate::util::{Seconds, Stop, err, lock, sliced, timeout_arg, timeout_error};
 use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedPosted;
 use cuda_ipc::driver::DeviceMemory;
+use cuda_ipc::identity::ForkEpoch;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::sync::atomic::AtomicBool;
@@ -20,6 +21,10 @@ pub(crate) type ConsumerSlot = Arc<Mutex<Option<Arc<cuda_ipc::channel::Consumer>
 /// waits on the GPU for frame `seq`, which will be in buffer `index` at `ptr` (`nbytes` long).
 /// `wait()` takes the frame on the host; dropping this without waiting leaves the frame to the
 /// next `wait` or `recv`.
+///
+/// In a child made by `fork()` after the parent posted it, the receive, its stream and its
+/// addresses are the parent's: `wait`, `wait_async` (awaited), `ptr`, `stream` and `gate_ptr`
+/// raise `NotSupported`, taking no lock; `seq`, `index` and `nbytes` describe the copy.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Posted {
     /// `None` while `work` runs (the receive is not posted yet) and once the frame came.
@@ -35,6 +40,9 @@ pub(crate) struct Posted {
     nbytes: usize,
     stream: usize,
     gate_ptr: u64,
+    /// The process (by fork) that posted it: a forked child's calls raise `NotSupported` before
+    /// taking `inner` or `arrived`, which a parent's wait holds through its slices.
+    fork: ForkEpoch,
 }
 
 /// `Consumer.post`: posts on `c` (the Rust consumer in `consumer`), calling `work(posted)` with
@@ -61,6 +69,7 @@ pub(crate) fn post(
             nbytes: buffer.len(),
             stream: p.stream().as_raw() as usize,
             gate_ptr: p.gate_device_ptr(),
+            fork: ForkEpoch::now(),
         };
         let r = Py::new(py, info).and_then(|obj| {
             made = Some(obj.clone_ref(py));
@@ -90,6 +99,11 @@ pub(crate) fn post(
 }
 
 impl Posted {
+    /// `NotSupported` in a process forked from the one that posted the receive.
+    fn check_fork(&self) -> PyResult<()> {
+        errors::check_fork(self.fork, "posted receive")
+    }
+
     /// Waits (as `wait`, stopping with `Detached` also once the consumer was closed or
     /// `cancelled` raised) until the frame is in `arrived`: put there by this wait, or earlier by
     /// one whose awaiting side gave up (an awaitable cancelled in the slice its frame came in).
@@ -101,6 +115,7 @@ impl Posted {
         timeout: Option<Duration>,
         cancelled: Option<&AtomicBool>,
     ) -> PyResult<()> {
+        self.check_fork()?;
         let got = sliced(
             py,
             timeout,
@@ -137,6 +152,7 @@ impl Posted {
 
     /// Takes the frame a wait put in `arrived`.
     fn claim(&self, py: Python<'_>) -> PyResult<PostedFrame> {
+        self.check_fork()?;
         lock(&self.arrived)
             .take()
             .ok_or_else(|| err(py, self.waited_for_already()))
@@ -158,7 +174,7 @@ impl Posted {
     /// way. Nothing is held afterwards (its release was enqueued when it was posted). Raises
     /// `Timeout` (it can be waited for again), `ProducerGone`, `ChannelClosed` (the frame never
     /// came), `Detached` once the consumer was closed, `InvalidArgument` when `recv` took the
-    /// frame first or it was waited for already.
+    /// frame first or it was waited for already; `NotSupported` in a forked child.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<PostedFrame> {
         let timeout = timeout_arg(py, timeout)?;
@@ -207,10 +223,12 @@ impl Posted {
         self.index
     }
 
-    /// Device address of that buffer (a `CUdeviceptr`), valid in the consumer's context.
+    /// Device address of that buffer (a `CUdeviceptr`), valid in the consumer's context;
+    /// `NotSupported` in a forked child.
     #[getter]
-    fn ptr(&self) -> u64 {
-        self.ptr
+    fn ptr(&self) -> PyResult<u64> {
+        self.check_fork()?;
+        Ok(self.ptr)
     }
 
     /// Length of that buffer in bytes.
@@ -220,17 +238,20 @@ impl Posted {
     }
 
     /// The consumer's stream (a raw `CUstream`): work that reads the frame goes there (it waits
-    /// for the frame), e.g. `torch.cuda.ExternalStream(posted.stream)`.
+    /// for the frame), e.g. `torch.cuda.ExternalStream(posted.stream)`. `NotSupported` in a
+    /// forked child.
     #[getter]
-    fn stream(&self) -> usize {
-        self.stream
+    fn stream(&self) -> PyResult<usize> {
+        self.check_fork()?;
+        Ok(self.stream)
     }
 
     /// Device address of the channel's gate words: work on the stream reads them to tell
-    /// whether this frame came (`Consumer::gate_device_ptr`).
+    /// whether this frame came (`Consumer::gate_device_ptr`). `NotSupported` in a forked child.
     #[getter]
-    fn gate_ptr(&self) -> u64 {
-        self.gate_ptr
+    fn gate_ptr(&self) -> PyResult<u64> {
+        self.check_fork()?;
+        Ok(self.gate_ptr)
     }
 
     fn __repr__(&self) -> String {

@@ -21,6 +21,11 @@ use std::time::{Duration, Instant};
 ///
 /// The Rust producer is lent, by value, to a blocking `acquire` and then to the `WriteFrame` it
 /// returns, and comes back when they end (`crate::lending`).
+///
+/// In a child made by `fork()` after the parent created it, the channel is the parent's:
+/// `acquire`, `try_acquire` and `stats` raise `NotSupported` (an awaited `acquire_async` too),
+/// taking no lock; `close()`, the end of a `with` block, the exit and its collection close
+/// nothing; `name` and `memory` describe the copy.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct Producer {
     lender: Arc<Lender>,
@@ -37,6 +42,8 @@ impl Producer {
     ) -> PyResult<WriteFrame> {
         let py = slf.py();
         let this = &slf.get().lender;
+        // Before the wait for a cancelled `acquire_async`, which locks the state.
+        this.check_fork()?;
         if cancelled.is_some() {
             this.await_cancelled_acquire(py);
         }
@@ -191,6 +198,7 @@ impl Producer {
     /// wakes within 50 ms); `Timeout`; `InvalidArgument` while a `WriteFrame` is outstanding. On
     /// a pool of one buffer that consumers hold, its frame stays reserved across the 50 ms slices
     /// (`Producer::acquire_slice`) and is given back when the wait ends without a buffer.
+    /// `NotSupported` in a forked child.
     #[pyo3(signature = (timeout=None))]
     fn acquire(slf: &Bound<'_, Self>, timeout: Option<Seconds>) -> PyResult<WriteFrame> {
         let timeout = timeout_arg(slf.py(), timeout)?;
@@ -216,7 +224,8 @@ impl Producer {
         })
     }
 
-    /// A free buffer if one is free now, else `None`. `ChannelClosed` once closed.
+    /// A free buffer if one is free now, else `None`. `ChannelClosed` once closed;
+    /// `NotSupported` in a forked child.
     fn try_acquire(slf: &Bound<'_, Self>) -> PyResult<Option<WriteFrame>> {
         let py = slf.py();
         let this = slf.get();
@@ -236,12 +245,10 @@ impl Producer {
     }
 
     /// The channel's counters as a dict. `ChannelClosed` once closed; `InvalidArgument` while a
-    /// `WriteFrame` is outstanding.
+    /// `WriteFrame` is outstanding; `NotSupported` in a forked child.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        if self.lender.is_forked_copy() {
-            // Its state may be a parent's thread's, which does not run here (an `acquire`).
-            return Err(errors::forked("channel producer"));
-        }
+        // Its state may be a parent's thread's, which does not run here (an `acquire`).
+        self.lender.check_fork()?;
         let s = {
             let st = lock(&self.lender.state);
             match &st.producer {
@@ -284,7 +291,8 @@ impl Producer {
     /// not wait: that `acquire` closes the channel as it ends). While a `WriteFrame` is
     /// outstanding, the channel is closed when it is published (which then raises
     /// `ChannelClosed`) or abandoned, and this returns `{"forced_holds": 0,
-    /// "consumers_behind": 0}` at once.
+    /// "consumers_behind": 0}` at once. So it does in a forked child, whose copy closes nothing:
+    /// the channel is the parent's.
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     #[pyo3(text_signature = "($self, timeout=5.0)")]
     fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {

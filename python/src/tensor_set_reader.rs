@@ -31,6 +31,10 @@ type RustReader = cuda_ipc::tensorset::TensorSetReader;
 /// class a writer's close raises, its message naming this reader), also a wait in another thread
 /// (within a slice, 50 ms) and an awaited `wait_newer_async`. `TensorHold`s taken before stay
 /// readable until released: they keep the mappings (`close`).
+///
+/// In a child made by `fork()` after the parent opened it, the reader's slot is the parent's:
+/// every call but `name` raises `NotSupported` (an awaited `wait_newer_async` too), taking no
+/// lock; `close()`, the end of a `with` block and its collection leave nothing.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetReader {
     inner: Mutex<Option<Arc<RustReader>>>,
@@ -49,11 +53,10 @@ pub(crate) struct TensorSetReader {
 }
 
 impl TensorSetReader {
-    /// The reader, or `TensorSetClosed` once `close()` was called.
+    /// The reader, or `TensorSetClosed` once `close()` was called; `NotSupported` in a forked
+    /// child, before any lock is taken.
     fn get(&self) -> PyResult<Arc<RustReader>> {
-        if self.fork.inherited() {
-            return Err(errors::forked("tensor set reader"));
-        }
+        errors::check_fork(self.fork, "tensor set reader")?;
         lock(&self.inner).clone().ok_or_else(|| self.closed_error())
     }
 
@@ -75,6 +78,7 @@ impl TensorSetReader {
             held: Mutex::new(Some(h)),
             reader: slf.clone().unbind(),
             target: Mutex::new(None),
+            fork: self.fork,
         }
     }
 
@@ -460,7 +464,8 @@ impl TensorSetReader {
     /// Leaves the set: this reader's slot (and its stable addresses and serving slot) is freed
     /// once no `TensorHold` and no tensor of it is left (they keep it alive). Afterwards every
     /// call but `name` and `close` raises `TensorSetClosed`; a wait in another thread raises it
-    /// within 50 ms. Holds taken before stay readable until released. Closing twice does nothing.
+    /// within 50 ms. Holds taken before stay readable until released. Closing twice does nothing,
+    /// and so does a close in a forked child: the slot is the parent's reader's.
     fn close(&self) {
         if self.fork.inherited() {
             return; // a forked child's copy: the parent's reader stays open
@@ -491,6 +496,11 @@ impl TensorSetReader {
 /// before that on the stream its tensors were made ready on has run. It keeps its reader's
 /// mappings: after the reader's `close()` it stays readable (`tensors()`, `read`, the content
 /// checks) until released.
+///
+/// In a child made by `fork()` after the parent took it, the hold is the parent's: `whole`,
+/// `held`, `tensors()` (also the tensors a parent's call built), `read` and the content checks
+/// raise `NotSupported`, taking no lock; `release()`, the end of a `with` block and its collection
+/// release nothing; `generation`, `buffer` and `content` describe the copy.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorHold {
     /// The generation, its buffer and content fingerprint: readable after the release too.
@@ -501,10 +511,19 @@ pub(crate) struct TensorHold {
     reader: Py<TensorSetReader>,
     /// The raw stream `tensors()` made ready (the release is ordered after it).
     target: Mutex<Option<usize>>,
+    /// The process (by fork) that took the hold (its reader's): a forked child's calls raise
+    /// `NotSupported` before taking `held`, which a parent's content check holds without the GIL.
+    fork: ForkEpoch,
 }
 
 impl TensorHold {
+    /// `NotSupported` in a process forked from the one that took the hold.
+    fn check_fork(&self) -> PyResult<()> {
+        errors::check_fork(self.fork, "tensor set hold")
+    }
+
     fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&OwnedHeld) -> PyResult<T>) -> PyResult<T> {
+        self.check_fork()?;
         match lock(&self.held).as_ref() {
             Some(h) => f(h),
             None => Err(errors::invalid_argument(
@@ -520,6 +539,7 @@ impl TensorHold {
         &self,
         f: impl FnOnce(&cuda_ipc::tensorset::Held<'_>) -> cuda_ipc::Result<T>,
     ) -> cuda_ipc::Result<T> {
+        self.fork.check("tensor set hold")?;
         match lock(&self.held).as_ref() {
             Some(h) => f(h.held()),
             None => Err(cuda_ipc::Error::InvalidArgument(
@@ -528,7 +548,12 @@ impl TensorHold {
         }
     }
 
+    /// Releases the hold (after `target`'s work); nothing in a forked child, whose copy is the
+    /// parent's hold (neither lock is taken there: a thread of the parent may have held one).
     fn release_now(&self) -> cuda_ipc::Result<()> {
+        if self.fork.inherited() {
+            return Ok(());
+        }
         let Some(h) = lock(&self.held).take() else {
             return Ok(());
         };
@@ -587,13 +612,15 @@ impl TensorHold {
     /// tensors carry no read-only flag: an in-place operation on one over a read-only mapping
     /// faults this process's CUDA context. A host set gives CPU tensors over its shared memory
     /// (`stream` must be `None`: `InvalidArgument`), which are not read-only: an in-place operation on one changes the
-    /// bytes every reader of that buffer sees, so treat them as read-only.
+    /// bytes every reader of that buffer sees, so treat them as read-only. `NotSupported` in a
+    /// forked child, before PyTorch is asked for a stream.
     #[pyo3(signature = (*, stream=None))]
     fn tensors<'py>(
         &self,
         py: Python<'py>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.check_fork()?;
         let reader = self.reader.get();
         let target = if reader.host {
             host_stream_refused(py, stream)?;
@@ -704,14 +731,17 @@ impl TensorHold {
             .map_err(|e| err(py, e))
     }
 
-    /// Whether the generation is still held.
+    /// Whether the generation is still held. `NotSupported` in a forked child (the hold is the
+    /// parent's).
     #[getter]
-    fn held(&self) -> bool {
-        lock(&self.held).is_some()
+    fn held(&self) -> PyResult<bool> {
+        self.check_fork()?;
+        Ok(lock(&self.held).is_some())
     }
 
     /// Releases the generation (after the work enqueued on the stream `tensors()` made ready).
-    /// Releasing twice does nothing.
+    /// Releasing twice does nothing, and so does a release in a forked child: the hold is the
+    /// parent's.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.release_now()).map_err(|e| err(py, e))
     }
@@ -726,6 +756,13 @@ impl TensorHold {
     }
 
     fn __repr__(&self) -> String {
+        if self.fork.inherited() {
+            // Without the lock, which a parent's thread may have held at the fork.
+            return format!(
+                "TensorHold(generation {}, buffer {}, forked)",
+                self.generation, self.buffer
+            );
+        }
         match lock(&self.held).as_ref() {
             Some(h) => format!(
                 "TensorHold(generation {}, buffer {})",
@@ -739,7 +776,8 @@ impl TensorHold {
 
 impl Drop for TensorHold {
     fn drop(&mut self) {
-        // A forked child's copy of its parent's hold lets go of nothing, and says nothing.
+        // A forked child's copy of its parent's hold lets go of nothing (`release_now`), and
+        // says nothing.
         if let Err(e) = self.release_now()
             && !matches!(e, cuda_ipc::Error::ForkedChild { .. })
         {

@@ -27,6 +27,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// The writing end of a tensor set (`cuda_ipc::tensorset::TensorSetWriter`).
+///
+/// In a child made by `fork()` after the parent made it, the set is the parent's: `begin`,
+/// `publish`, `copy_plan`, `wait_readers` and `synchronize` raise `NotSupported`, taking no lock;
+/// `close()`, the end of a `with` block, the exit and its collection close nothing; `name`,
+/// `names`, `nbytes`, `layout_fingerprint` and `generation` describe the copy (the last generation
+/// committed before the fork).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetWriter {
     /// Shared with the open update, which gives the Rust writer back to it.
@@ -256,6 +262,7 @@ impl TensorSetWriter {
     /// and is aborted otherwise. Raises `TensorSetClosed` once the writer is closed, also by
     /// `close()` from another thread while this waits (within one 50 ms slice) or while the
     /// update is open (which aborts it: its calls and the block's end raise `TensorSetClosed`).
+    /// `NotSupported` in a forked child.
     #[pyo3(signature = (timeout=None, *, stream=None))]
     fn begin(
         slf: Bound<'_, Self>,
@@ -264,6 +271,7 @@ impl TensorSetWriter {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<TensorUpdate> {
         let this = slf.get();
+        this.core.check_fork("tensor set writer")?;
         let timeout = timeout_arg(py, timeout)?;
         let target = if this.core.host {
             host_stream_refused(py, stream)?;
@@ -351,7 +359,8 @@ impl TensorSetWriter {
     /// that PyTorch imports, that every key names a tensor of the set and every value is a
     /// `torch.Tensor`. A source refused by what only the copy reads (its dtype, shape, device or
     /// memory) aborts the update as `copy_from` does: an in-place set's generation is gone then
-    /// (readers see nothing until the next commit).
+    /// (readers see nothing until the next commit). `NotSupported` in a forked child, before
+    /// anything else is checked.
     #[pyo3(signature = (tensors, timeout=None, *, stream=None, fingerprint=false))]
     fn publish(
         slf: Bound<'_, Self>,
@@ -362,6 +371,7 @@ impl TensorSetWriter {
         fingerprint: bool,
     ) -> PyResult<u64> {
         let this = slf.get();
+        this.core.check_fork("tensor set writer")?;
         timeout_arg(py, timeout)?;
         if this.core.host {
             host_stream_refused(py, stream)?;
@@ -414,8 +424,10 @@ impl TensorSetWriter {
     /// which keep the old storage when a parameter gets a new one, so a plan over them would go
     /// on copying the old values.
     ///
-    /// Raises `InvalidArgument` for a host set, a non-contiguous source, and as `copy_from`.
+    /// Raises `InvalidArgument` for a host set, a non-contiguous source, and as `copy_from`;
+    /// `NotSupported` in a forked child (no update of this writer is made there).
     fn copy_plan(&self, py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<CopyPlan> {
+        self.core.check_fork("tensor set writer")?;
         let w = copy_plan::For {
             layout: &self.core.layout,
             index: self.core.index(py)?,
@@ -431,7 +443,8 @@ impl TensorSetWriter {
     /// takes every generation from readers as it begins. A dead reader holds nothing up; a live
     /// one that never asks keeps the wait until its timeout. Waits without the GIL in 50 ms
     /// slices (Ctrl-C raises `KeyboardInterrupt`). Raises `TensorSetClosed` once closed, and
-    /// `InvalidArgument` while an update is open or another thread waits in `begin()`.
+    /// `InvalidArgument` while an update is open or another thread waits in `begin()`;
+    /// `NotSupported` in a forked child.
     #[pyo3(signature = (timeout=None))]
     fn wait_readers(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<bool> {
         let timeout = timeout_arg(py, timeout)?;
@@ -484,8 +497,10 @@ impl TensorSetWriter {
 
     /// Waits on the host until the writer's stream drained (its copies and ready words); a host
     /// set has no stream: returns at once. Raises `TensorSetClosed` once closed; on a GPU set
-    /// `InvalidArgument` while an update is open.
+    /// `InvalidArgument` while an update is open; `NotSupported` in a forked child (the stream is
+    /// the parent's), before the state is locked.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        self.core.check_fork("tensor set writer")?;
         // The state is locked without the GIL: a thread waiting for it while holding the GIL
         // (`begin`) must not wait on this one, which needs the GIL back to return.
         let host = self.core.host;
@@ -523,7 +538,8 @@ impl TensorSetWriter {
     /// `begin` waiting in another thread raises `TensorSetClosed` within 50 ms, and this waits for
     /// it to give the writer back (at most 5 s), then closes the set; a close from within that
     /// `begin` (a signal handler) does not wait: the `begin` closes the set as it ends. After it,
-    /// `begin`, `publish` and `synchronize` raise `TensorSetClosed`.
+    /// `begin`, `publish` and `synchronize` raise `TensorSetClosed`. In a forked child it closes
+    /// nothing and returns at once: the set is the parent's.
     #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
     fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
         let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;

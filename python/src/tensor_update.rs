@@ -20,6 +20,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A generation being written (`cuda_ipc::tensorset::Update`), from `TensorSetWriter.begin()`.
+///
+/// In a child made by `fork()` while the parent had it open, the update is the parent's: every
+/// call (`generation` and `buffer` too, the end of a `with` block included) raises
+/// `NotSupported`, taking no lock, writing, copying and committing nothing; its collection gives
+/// nothing back (the parent commits or aborts it).
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorUpdate {
     update: Arc<Mutex<Option<OwnedUpdate>>>,
@@ -33,6 +38,13 @@ pub(crate) struct TensorUpdate {
 }
 
 impl TensorUpdate {
+    /// `NotSupported` in a process forked from the one that made the writer: the first step of
+    /// every call, before the update's cell (which a parent's fingerprint holds without the GIL)
+    /// or the writer's state is locked, and before PyTorch is asked for anything.
+    fn check_fork(&self) -> PyResult<()> {
+        self.writer.check_fork("tensor set update")
+    }
+
     /// The update in `update` (a cell `writer` keeps a weak reference to, so its `close()` can
     /// abort it), its work on raw stream `target` (GPU sets).
     pub(crate) fn new(
@@ -76,6 +88,7 @@ impl TensorUpdate {
         py: Python<'_>,
         f: impl FnOnce(&mut OwnedUpdate) -> PyResult<T>,
     ) -> PyResult<T> {
+        self.check_fork()?;
         let mut g = lock(&self.update);
         if let Some(u) = g.as_mut() {
             return f(u);
@@ -100,6 +113,7 @@ impl TensorUpdate {
     /// The digests of the update's tensors as its work so far leaves them, without the GIL: the
     /// work on the update's stream ordered first (GPU sets).
     fn digests_now(&self, py: Python<'_>) -> PyResult<Vec<[u8; 16]>> {
+        self.check_fork()?;
         py.detach(|| -> cuda_ipc::Result<Vec<[u8; 16]>> {
             let g = lock(&self.update);
             let Some(u) = g.as_ref() else {
@@ -132,6 +146,7 @@ impl TensorUpdate {
         mut content: Option<[u8; 32]>,
         fingerprint: bool,
     ) -> PyResult<u64> {
+        self.check_fork()?;
         if fingerprint {
             content = Some(self.fingerprint_bytes(py)?);
         }
@@ -176,8 +191,10 @@ impl TensorUpdate {
     /// tensors for every update of this buffer; they are views of the set's memory, valid while
     /// the writer lives). Write them on the update's stream (PyTorch's current stream at `begin`,
     /// unless `stream=` was given). A host set gives CPU tensors over its shared memory: write
-    /// them before the commit, as `write` does.
+    /// them before the commit, as `write` does. `NotSupported` in a forked child (also for the
+    /// dict a parent's call built: its tensors are views of the parent's buffer).
     fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.check_fork()?;
         let writer = &self.writer;
         let buffer = self.with(py, |u| Ok(u.update().buffer()))?;
         let cached = lock(&writer.dicts).get(&buffer).map(|d| d.clone_ref(py));
@@ -226,7 +243,10 @@ impl TensorUpdate {
     /// `data_ptr()` pass over it that refuses the update, before that chunk is copied, if any of
     /// them moved (earlier chunks may be copied by then: the update stays open and uncommitted;
     /// abort it, or copy again).
+    ///
+    /// `NotSupported` in a forked child, before the sources are looked at.
     pub(crate) fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.check_fork()?;
         let writer = &self.writer;
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             let plan = plan.get();
@@ -341,8 +361,9 @@ impl TensorUpdate {
     /// `float32` tensor is copied bit for bit, the caller's choice). `InvalidArgument` for a
     /// buffer whose items are of another size (a `float64` array into a `float32` tensor:
     /// convert it first) and for a buffer of Python objects (a NumPy array of `dtype=object`,
-    /// whose bytes are pointers).
+    /// whose bytes are pointers). `NotSupported` in a forked child.
     fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.check_fork()?;
         let writer = &self.writer;
         let i = writer.layout.index_of(name).ok_or_else(|| {
             err(
@@ -395,7 +416,8 @@ impl TensorUpdate {
     /// bytes themselves, computed where they lie (on a GPU set a kernel after the update's work,
     /// which the commit then waits for), which readers check with `TensorHold.verify_content()`.
     /// Both at once is a `ValueError`; a failed fingerprint publishes nothing and leaves the
-    /// update open (commit again, or abort).
+    /// update open (commit again, or abort). `NotSupported` in a forked child, which takes
+    /// nothing: the parent's update stays open, the parent's to commit.
     #[pyo3(signature = (content=None, fingerprint=false))]
     pub(crate) fn commit(
         &self,
@@ -403,6 +425,7 @@ impl TensorUpdate {
         content: Option<&Bound<'_, PyAny>>,
         fingerprint: bool,
     ) -> PyResult<u64> {
+        self.check_fork()?;
         if fingerprint && content.is_some() {
             return Err(errors::invalid_argument(
                 py,
@@ -414,12 +437,10 @@ impl TensorUpdate {
     }
 
     /// Gives the buffer back uncommitted (in place: the generation it held is gone and readers
-    /// see nothing until the next commit). Aborting twice does nothing.
+    /// see nothing until the next commit). Aborting twice does nothing. `NotSupported` in a
+    /// forked child: the buffer is the parent's to give back.
     pub(crate) fn abort(&self, py: Python<'_>) -> PyResult<()> {
-        if self.writer.fork.inherited() {
-            // The parent's update: its buffer is the parent's to give back.
-            return Err(errors::forked("tensor set update"));
-        }
+        self.check_fork()?;
         let taken = lock(&self.update).take();
         if let Some(u) = taken {
             self.ended.store(true, Ordering::Relaxed);
@@ -440,6 +461,8 @@ impl TensorUpdate {
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
+        // The block's end commits or aborts: neither is a forked child's to do.
+        self.check_fork()?;
         if exc_type.is_some_and(|e| !e.is_none()) {
             self.abort(py)?;
         } else if lock(&self.update).is_some() {
@@ -454,6 +477,10 @@ impl TensorUpdate {
     }
 
     fn __repr__(&self) -> String {
+        if self.writer.fork.inherited() {
+            // Without the cell's lock, which a parent's thread may have held at the fork.
+            return format!("TensorUpdate(of tensor set {:?}, forked)", self.writer.name);
+        }
         match lock(&self.update).as_ref() {
             Some(u) => format!(
                 "TensorUpdate(generation {}, buffer {})",
@@ -467,6 +494,13 @@ impl TensorUpdate {
 
 impl Drop for TensorUpdate {
     fn drop(&mut self) {
+        if self.writer.fork.inherited() {
+            // A forked child's copy: the update is the parent's. The cell is not locked (a
+            // parent's thread may have held it at the fork) and the writer's state is not
+            // touched; the Rust update and writer in the cell, dropped with it, act on nothing
+            // of the parent's (`identity::fork`).
+            return;
+        }
         // Collected while open: give the writer back uncommitted, so the set stays usable.
         let taken = lock(&self.update).take();
         if let Some(u) = taken {

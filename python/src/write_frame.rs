@@ -12,6 +12,12 @@ use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex};
 
 /// A buffer being written; `publish(metadata)` hands it to the consumers.
+///
+/// In a child made by `fork()` after the parent acquired it, the frame is the parent's: every call
+/// that writes, reads, orders, publishes or hands out its buffer (its address, stream, DLPack and
+/// `__cuda_array_interface__` included) raises `NotSupported`, taking no lock; `abandon()`, the
+/// end of a `with` block and its collection do nothing (the parent publishes or abandons it);
+/// `index`, `nbytes` and `is_host` describe the copy.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct WriteFrame {
     inner: Mutex<Option<OwnedWriteFrame>>,
@@ -33,7 +39,7 @@ impl WriteFrame {
     ) -> PyResult<WriteFrame> {
         let w = f.frame();
         let index = w.index();
-        let buffer = Buffer::of(w.view(), HOST_WRITE_FRAME);
+        let buffer = Buffer::of(w.view(), HOST_WRITE_FRAME, "channel write frame");
         let other = producer.stream;
         let w = WriteFrame {
             inner: Mutex::new(Some(f)),
@@ -106,6 +112,12 @@ impl WriteFrame {
 
 impl Drop for WriteFrame {
     fn drop(&mut self) {
+        if self.buffer.is_forked_copy() {
+            // A forked child's copy: the buffer and the loan are the parent's. Its fields' drops
+            // act on nothing of theirs (`identity::fork`); neither the frame's lock nor the
+            // lender's is taken, which a thread of the parent may have held at the fork.
+            return;
+        }
         // The lock is let go of before the GIL is taken (`give_back`).
         let taken = lock(&self.inner).take();
         if let Some(f) = taken {
@@ -124,7 +136,7 @@ impl WriteFrame {
     fn index(&self) -> usize {
         self.index
     }
-    /// Device address of the buffer; `NotSupported` on a host channel.
+    /// Device address of the buffer; `NotSupported` on a host channel and in a forked child.
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
         Ok(self.buffer.gpu()?.ptr)
@@ -135,7 +147,7 @@ impl WriteFrame {
         self.buffer.nbytes
     }
     /// The producer's stream (a raw `CUstream`): enqueue the write there. `NotSupported` on a host
-    /// channel.
+    /// channel and in a forked child.
     #[getter]
     fn stream(&self) -> PyResult<usize> {
         Ok(self.buffer.gpu()?.stream)
@@ -148,7 +160,7 @@ impl WriteFrame {
 
     /// Copies `data` (`bytes`, or any object exporting a buffer) into the host buffer at byte
     /// `offset`; returns the number of bytes written. `InvalidArgument` past the buffer's end or
-    /// once published; `NotSupported` on a GPU channel.
+    /// once published; `NotSupported` on a GPU channel and in a forked child.
     #[pyo3(signature = (data, offset=Int::Small(0)), text_signature = "($self, data, offset=0)")]
     fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: Int) -> PyResult<usize> {
         let offset: usize = offset.get(py, "offset")?;
@@ -163,7 +175,8 @@ impl WriteFrame {
     }
 
     /// A copy of `n` bytes of the host buffer from byte `offset` (`n=None`: to the end).
-    /// `InvalidArgument` past the buffer's end or once published; `NotSupported` on a GPU channel.
+    /// `InvalidArgument` past the buffer's end or once published; `NotSupported` on a GPU channel
+    /// and in a forked child.
     #[pyo3(signature = (offset=Int::Small(0), n=None), text_signature = "($self, offset=0, n=None)")]
     fn read<'py>(
         &self,
@@ -181,7 +194,8 @@ impl WriteFrame {
     /// Orders the publish after the work enqueued on `stream` (an int `CUstream`, a
     /// `torch.cuda.Stream`, a `cupy.cuda.Stream`) by the time `publish` is called: write the
     /// buffer there, then publish. `__dlpack__(stream=s)` (what `torch.from_dlpack` and
-    /// `as_tensor` do) notes `s` the same way. `NotSupported` on a host channel.
+    /// `as_tensor` do) notes `s` the same way. `NotSupported` on a host channel and in a forked
+    /// child.
     fn publish_after(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         self.buffer.gpu()?;
         if lock(&self.inner).is_none() {
@@ -199,8 +213,11 @@ impl WriteFrame {
     /// `ChannelClosed` once the producer was closed: the frame goes back unpublished. A refused
     /// argument (`InvalidArgument` for metadata over 256 bytes, `TypeError` for metadata that is
     /// not `bytes`) changes nothing: the frame stays open, to publish again or abandon.
+    /// `NotSupported` in a forked child, which changes nothing either (the frame is the parent's).
     #[pyo3(signature = (metadata=b"".as_slice()))]
     fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
+        // First: the producer's state and the frame's lock may be held for good in a forked child.
+        self.buffer.check_fork()?;
         // Checked before the frame is consumed (the library's publish checks it too, but only
         // once the frame is taken, which would lose it).
         if metadata.len() > cuda_ipc::channel::META_BYTES {
@@ -239,7 +256,11 @@ impl WriteFrame {
     }
 
     /// Gives the buffer back unpublished (also what leaving a `with` block without publishing does).
+    /// In a forked child it does nothing: the buffer is the parent's to publish or abandon.
     fn abandon(&self, py: Python<'_>) {
+        if self.buffer.is_forked_copy() {
+            return;
+        }
         if let Some(f) = self.finish(py) {
             self.producer.give_back(py, f.into_producer(), false);
         }
@@ -290,7 +311,8 @@ impl WriteFrame {
     /// which the publish is then ordered after): `dtype` (a `torch.dtype`, default `uint8`) and
     /// `shape` (an int or a tuple; default: the whole buffer, one-dimensional) over the first
     /// `prod(shape) * itemsize` bytes. `InvalidArgument` when they need more bytes than the
-    /// buffer has; `NotSupported` on a host channel; `ImportError` without PyTorch.
+    /// buffer has; `NotSupported` on a host channel and in a forked child; `ImportError` without
+    /// PyTorch.
     #[pyo3(signature = (shape=None, dtype=None))]
     fn as_tensor<'py>(
         slf: &Bound<'py, Self>,

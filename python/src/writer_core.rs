@@ -169,11 +169,17 @@ impl WriterCore {
             .bind(py))
     }
 
+    /// `NotSupported` naming `what` (the writer, or its update) in a process forked from the one
+    /// that made the writer: before `state` or an update's cell is locked (a thread of the parent
+    /// may have held either at the fork), before PyTorch is asked for a stream (its CUDA does not
+    /// survive the fork either).
+    pub(crate) fn check_fork(&self, what: &'static str) -> PyResult<()> {
+        errors::check_fork(self.fork, what)
+    }
+
     /// Takes the Rust writer out for a `begin` of this thread.
     pub(crate) fn take(&self, py: Python<'_>) -> PyResult<Box<RustWriter>> {
-        if self.fork.inherited() {
-            return Err(errors::forked("tensor set writer"));
-        }
+        self.check_fork("tensor set writer")?;
         let mut s = lock(&self.state);
         if s.closing.is_some() {
             return Err(closed_error(py, &self.name));
