@@ -158,9 +158,9 @@ fn receives_posted_ahead_get_every_frame_and_the_gate_tells_the_ones_that_never_
                 let i = (next - 1) as usize;
                 let p = rx
                     .post(|p| {
-                        k.check_pattern(p.buffer(), p.seq() as u32, &bad[i], p.stream())?;
-                        k.sum(&state, &states[i], p.stream())?;
-                        k.sum(&end, &ends[i], p.stream())
+                        k.check_pattern(p.buffer()?, p.seq() as u32, &bad[i], p.stream()?)?;
+                        k.sum(&state, &states[i], p.stream()?)?;
+                        k.sum(&end, &ends[i], p.stream()?)
                     })
                     .unwrap();
                 assert_eq!(p.seq(), next);
@@ -294,7 +294,7 @@ fn a_producer_killed_under_posted_receives_lets_the_consumers_stream_go() {
     };
     let states: Vec<DeviceBuffer> = (0..6).map(|_| zeroed_counter(&ctx)).collect();
     let posted: Vec<_> = (0..6)
-        .map(|i| rx.post(|p| k.sum(&gate, &states[i], p.stream())).unwrap())
+        .map(|i| rx.post(|p| k.sum(&gate, &states[i], p.stream()?)).unwrap())
         .collect();
     p.send("go");
     p.expect("published", T);
@@ -343,7 +343,7 @@ fn a_consumer_killed_with_posted_work_pending_never_wedges_the_producer() {
         let rx = Consumer::attach(&env("CUDA_IPC_TEST_CHANNEL"), &ConsumerOptions::new()).unwrap();
         let k = Kernels::load(rx.context().unwrap()).unwrap();
         let posted: Vec<_> = (0..3)
-            .map(|_| rx.post(|p| k.spin(2_000_000_000, p.stream())).unwrap())
+            .map(|_| rx.post(|p| k.spin(2_000_000_000, p.stream()?)).unwrap())
             .collect();
         tell("posted");
         let f = posted.into_iter().next().unwrap().wait(Some(T)).unwrap();

@@ -62,6 +62,13 @@ fn a_forked_child_neither_uses_nor_drops_its_parents_channel() {
             held.stream().map(|_| ()),
             &mut wrong,
         );
+        // SAFETY: a null stream names the context's default stream; the call is refused before
+        // any use of it.
+        refused(
+            "the held frame's ready_on_raw",
+            unsafe { held.ready_on_raw(std::ptr::null_mut()) },
+            &mut wrong,
+        );
         refused("the consumer's stream", rx.stream().map(|_| ()), &mut wrong);
         refused(
             "the consumer's context",
@@ -288,11 +295,25 @@ fn a_forked_child_writes_nothing_through_its_parents_open_update_or_frame() {
         refused("write_tensor", uc.write_tensor(0, b"CHLD"), &mut wrong);
         refused("copy_from_previous", uc.copy_from_previous(), &mut wrong);
         refused("as_mut_ptr", uc.as_mut_ptr(), &mut wrong);
+        refused("the update's stream", uc.stream().map(|_| ()), &mut wrong);
         refused("commit", uc.commit(), &mut wrong);
         let mut fc = take_copy(&f);
         refused("write_at", fc.write_at(0, b"CHLD"), &mut wrong);
         refused("read_at", fc.read_at(0, &mut [0u8; 4]), &mut wrong);
         refused("the frame's stream", fc.stream().map(|_| ()), &mut wrong);
+        // SAFETY: a null stream names the context's default stream; the call is refused before
+        // any use of it.
+        refused(
+            "ready_on_raw",
+            unsafe { fc.ready_on_raw(std::ptr::null_mut()) },
+            &mut wrong,
+        );
+        // SAFETY: as above.
+        refused(
+            "publish_after_raw",
+            unsafe { fc.publish_after_raw(std::ptr::null_mut()) },
+            &mut wrong,
+        );
         refused("publish", fc.publish(b""), &mut wrong);
         wrong
     });

@@ -181,8 +181,11 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
             )?;
             let post = |k: u64| {
                 rx.post(|p| {
-                    kernels.stamp(&View::slot(&stamps, k as usize).map_err(other)?, p.stream())?;
-                    event(k).record(p.stream())
+                    kernels.stamp(
+                        &View::slot(&stamps, k as usize).map_err(other)?,
+                        p.stream()?,
+                    )?;
+                    event(k).record(p.stream()?)
                 })
             };
             let mut posted = VecDeque::new();

@@ -199,7 +199,7 @@ pub fn consumer(kv: &Kv) -> Res<Value> {
         // Frame s (index s - 1) is checked against the seed the producer filled it with.
         let post = || {
             rx.post(|p| {
-                kernels.check_pattern(p.buffer(), (p.seq() - 1) as u32, &counter, p.stream())
+                kernels.check_pattern(p.buffer()?, (p.seq() - 1) as u32, &counter, p.stream()?)
             })
         };
         let ahead = (POSTED_RING as u64 - 1).min(total);

@@ -58,7 +58,7 @@ pub(crate) fn post(
     let mut raised: Option<PyErr> = None;
     let mut made: Option<Py<Posted>> = None;
     let got = OwnedPosted::post(c, |p| {
-        let buffer = p.buffer();
+        let buffer = p.buffer()?;
         let info = Posted {
             inner: Mutex::new(None),
             arrived: Mutex::new(None),
@@ -67,8 +67,8 @@ pub(crate) fn post(
             index: p.index(),
             ptr: buffer.device_ptr(),
             nbytes: buffer.len(),
-            stream: p.stream().as_raw() as usize,
-            gate_ptr: p.gate_device_ptr(),
+            stream: p.stream()?.as_raw() as usize,
+            gate_ptr: p.gate_device_ptr()?,
             fork: ForkEpoch::now(),
         };
         let r = Py::new(py, info).and_then(|obj| {

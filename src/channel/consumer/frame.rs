@@ -178,6 +178,7 @@ impl Frame<'_> {
     ///    `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name the default
     ///    streams of the consumer's context.
     pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
+        self.consumer.control.check_fork()?;
         let gpu = self.gpu_or_err()?;
         let Some(objects) = gpu.objects.get() else {
             // No consumer stream yet: the frame was delivered only once its ready word showed

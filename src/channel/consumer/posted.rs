@@ -35,11 +35,13 @@ impl Consumer {
     /// [`Error::InvalidArgument`] on a host channel, a channel not in ring order, a latest-only
     /// consumer, or past [`MAX_POSTED_AHEAD`]; what `work` returns (the release write is enqueued
     /// anyway, so the producer is never held up by it); [`Error::Cuda`] naming
-    /// `cuStreamWaitValue32_v2` or `cuStreamWriteValue32_v2`.
+    /// `cuStreamWaitValue32_v2` or `cuStreamWriteValue32_v2`; [`Error::ForkedChild`] in a process
+    /// forked from the one that attached (before any lock is taken).
     pub fn post<F>(&self, work: F) -> Result<Posted<'_>>
     where
         F: FnOnce(&Posted<'_>) -> Result<()>,
     {
+        self.control.check_fork()?;
         let Some(gpu) = self.imports() else {
             return Err(Error::InvalidArgument(
                 "a host channel has no stream to post receives on".into(),
@@ -133,19 +135,32 @@ impl<'a> Posted<'a> {
     }
 
     /// The buffer that will hold the frame, mapped in the consumer's context.
-    pub fn buffer(&self) -> &'a ImportedBuffer {
-        &self.gpu.buffers[self.index]
+    ///
+    /// # Errors
+    /// [`Error::ForkedChild`] in a process forked from the one that posted the receive (the
+    /// mapping and the context are the parent's).
+    pub fn buffer(&self) -> Result<&'a ImportedBuffer> {
+        self.consumer.control.check_fork()?;
+        Ok(&self.gpu.buffers[self.index])
     }
 
     /// The consumer's stream, where the work that reads the frame goes (it waits for the frame).
-    pub fn stream(&self) -> &'a Stream {
-        &self.objects.stream
+    ///
+    /// # Errors
+    /// [`Error::ForkedChild`] in a process forked from the one that posted the receive.
+    pub fn stream(&self) -> Result<&'a Stream> {
+        self.consumer.control.check_fork()?;
+        Ok(&self.objects.stream)
     }
 
     /// The gate words' device address ([`Consumer::gate_device_ptr`]): work on the stream reads
     /// them to tell whether this frame came.
-    pub fn gate_device_ptr(&self) -> u64 {
-        self.objects.ready.device_ptr + layout::GATE_STATE_OFFSET as u64
+    ///
+    /// # Errors
+    /// [`Error::ForkedChild`] in a process forked from the one that posted the receive.
+    pub fn gate_device_ptr(&self) -> Result<u64> {
+        self.consumer.control.check_fork()?;
+        Ok(self.objects.ready.device_ptr + layout::GATE_STATE_OFFSET as u64)
     }
 
     /// Waits on the host up to `timeout` (`None`: no bound) until the frame is published, and takes
@@ -166,6 +181,8 @@ impl<'a> Posted<'a> {
     /// frame received already.
     pub(crate) fn take(&self, timeout: Option<Duration>) -> Result<PostedFrame> {
         let c = self.consumer;
+        // Before `taking` is locked: a thread of the parent may have held it at the fork.
+        c.control.check_fork()?;
         // A timeout past what `Instant` can hold (`Duration::MAX`) is no bound (`+` would panic).
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {

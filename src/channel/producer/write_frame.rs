@@ -164,6 +164,7 @@ impl WriteFrame<'_> {
     ///    `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name the default
     ///    streams of the producer's context.
     pub unsafe fn ready_on_raw(&self, stream: sys::CUstream) -> Result<()> {
+        self.producer.control.check_fork()?;
         let gpu = self.gpu_or_err()?;
         let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the producer's stream lives as long as the producer this frame borrows
@@ -198,6 +199,7 @@ impl WriteFrame<'_> {
     ///    null or `CU_STREAM_LEGACY` (`0x1`) or `CU_STREAM_PER_THREAD` (`0x2`), which name that
     ///    context's default streams.
     pub unsafe fn publish_after_raw(&self, stream: sys::CUstream) -> Result<()> {
+        self.producer.control.check_fork()?;
         let gpu = self.gpu_or_err()?;
         let join = gpu.join.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `stream` as the caller guarantees (obligation 1 of `order_raw`); the producer's

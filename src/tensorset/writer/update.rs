@@ -62,8 +62,10 @@ impl Update<'_> {
     /// The writer's stream (GPU sets).
     ///
     /// # Errors
-    /// [`TensorSetError::WrongKind`] on a host set.
+    /// [`TensorSetError::WrongKind`] on a host set; [`crate::Error::ForkedChild`] in a process
+    /// forked from the one that began the update.
     pub fn stream(&self) -> Result<&Stream> {
+        self.fork.check("tensor set update")?;
         self.frame
             .producer_stream()
             .ok_or_else(|| TensorSetError::WrongKind("a host tensor set has no stream").into())
