@@ -452,6 +452,8 @@ mod run {
                     }
                     (None, None) => return Err("--channel or --tensorset is needed".into()),
                 };
+                // Said before anything listens: no peer could be served otherwise.
+                recv::check_buffers(buffers).map_err(|e| format!("--buffers: {e}"))?;
                 let mut opts = recv::RecvOptions::new(&channel, secret.load()?);
                 opts.place = place;
                 opts.buffers = buffers;

@@ -348,6 +348,41 @@ fn a_wrong_secret_is_refused_on_both_sides() {
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
+/// A far channel no peer could be served with is refused before anything listens (it was refused
+/// to each peer in turn while the bridge listened on), NIXL or not.
+#[test]
+fn bridge_recv_refuses_a_buffer_count_no_channel_takes_before_it_listens() {
+    let secret = secret_file("bufs", "x");
+    let most = cuda_ipc::channel::MAX_BUFFERS;
+    for bad in [
+        "0".to_string(),
+        (most + 1).to_string(),
+        "18446744073709551615".to_string(),
+    ] {
+        let out = Command::new(bin())
+            .args([
+                "bridge",
+                "recv",
+                "--channel",
+                "cli-lane-bufs",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .args(["--buffers", &bad, "--secret-file", secret.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "--buffers {bad}: {err}");
+        assert!(
+            err.contains(&format!("a far channel of {bad} buffers")),
+            "{err}"
+        );
+        assert!(err.contains(&format!("1 to {most}")), "{err}");
+        assert!(!err.contains("listening"), "{err}");
+    }
+    remove_secret(secret);
+}
+
 #[test]
 fn without_nixl_the_bridge_says_what_is_missing_and_how_to_install_it() {
     let secret = secret_file("none", "x");

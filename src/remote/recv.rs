@@ -56,6 +56,21 @@ impl RecvOptions {
     }
 }
 
+/// `Ok` when `buffers` (a far pool's count, `None`: the near pool's) can make a channel: 1 to
+/// [`crate::channel::MAX_BUFFERS`].
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the count and the bounds.
+pub fn check_buffers(buffers: Option<usize>) -> Result<()> {
+    let most = crate::channel::MAX_BUFFERS;
+    match buffers {
+        Some(b) if !(1..=most).contains(&b) => Err(Error::InvalidArgument(format!(
+            "a far channel of {b} buffers: a channel takes 1 to {most}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// How a receiving bridge's session ended.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -96,7 +111,9 @@ pub enum Ended {
 /// busy.
 ///
 /// # Errors
-/// [`Error::Unsupported`] when NIXL is not installed (checked first); the errors of
+/// [`Error::InvalidArgument`] when [`RecvOptions::buffers`] is 0 or over
+/// [`crate::channel::MAX_BUFFERS`] (checked first: no far channel could be made for any peer);
+/// [`Error::Unsupported`] when NIXL is not installed; the errors of
 /// [`Device::get`] and [`Device::primary_context`] for [`Place::Device`] (before any peer);
 /// [`Error::Timeout`] when `stop` was set while waiting; [`RemoteError::Link`] when the listener
 /// fails. A peer refused (wrong secret, another version, a geometry out of bounds: 0 or over
@@ -113,6 +130,7 @@ pub fn serve(
     stop: &AtomicBool,
     frames: &mut u64,
 ) -> Result<Ended> {
+    check_buffers(opts.buffers)?;
     super::nixl::probe()?;
     // UCX's CUDA transports work in the thread's current context: the far pool's (the device's
     // primary context) is current for the whole session, NIXL's backend creation included; it is
