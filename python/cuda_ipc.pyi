@@ -329,9 +329,10 @@ class Producer:
         hold, its frame is reserved from the call on (no consumer takes it while this waits) and
         given back when the wait ends without a buffer."""
     def acquire_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, WriteFrame]:
-        """``acquire`` as a coroutine: awaited, it waits in the event loop's default executor (a
-        thread, without the GIL) while the loop runs other tasks. Cancelling the awaiting task
-        stops that thread within 50 ms (a buffer taken in that instant goes back unpublished).
+        """``acquire`` as a coroutine: awaited, it waits on a thread of the extension's own
+        executor (without the GIL; a thread for every wait pending) while the loop runs other
+        tasks. Cancelling the awaiting task stops that thread within 50 ms (a buffer taken in
+        that instant goes back unpublished at once).
         Raises as ``acquire``; ``RuntimeError`` when awaited outside a running event loop."""
     def try_acquire(self) -> Optional[WriteFrame]:
         """A free buffer if one is free now, else ``None``. ``ChannelClosed`` once closed."""
@@ -474,8 +475,9 @@ class Consumer:
         closed consumer never returns a frame (a ``recv`` racing ``close`` returns only a frame it
         took before the close)."""
     def recv_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, Frame]:
-        """``recv`` as a coroutine: awaited, it waits in the event loop's default executor (a
-        thread, without the GIL) while the loop runs other tasks. Cancelling the awaiting task
+        """``recv`` as a coroutine: awaited, it waits on a thread of the extension's own
+        executor (without the GIL; a thread for every wait pending) while the loop runs other
+        tasks. Cancelling the awaiting task
         (``asyncio.wait_for``, ``Task.cancel``) stops that thread within 50 ms; a frame taken in
         that instant is kept, in order, for this consumer's next receive. Raises as ``recv``; ``RuntimeError`` when awaited outside
         a running event loop."""
@@ -527,7 +529,7 @@ class Posted:
         ``ChannelClosed``, ``Detached``; ``InvalidArgument`` when ``recv`` took it first or it
         was waited for already."""
     def wait_async(self, timeout: Optional[float] = None) -> Coroutine[Any, Any, PostedFrame]:
-        """``wait`` as a coroutine (the event loop's default executor; cancellation stops the
+        """``wait`` as a coroutine (on a thread of the extension's own executor; cancellation stops the
         wait within 50 ms and leaves the frame to a later wait, even one that came in those
         50 ms)."""
 

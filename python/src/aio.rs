@@ -1,17 +1,22 @@
 //! Awaitable waits for asyncio programs: a blocking wait of the extension (`recv`, `acquire`,
-//! `Posted.wait`) as a coroutine that runs it in the event loop's default executor (a thread,
-//! which waits without the GIL), so the loop goes on meanwhile, and stops it when the awaiting
-//! task is cancelled. A coroutine, not a bare future, so that nothing waits before it is awaited
+//! `Posted.wait`) as a coroutine that runs it on a thread of the extension's own executor (one per
+//! process, a thread for every wait pending at once: it waits without the GIL), so the loop goes
+//! on meanwhile, and stops it when the awaiting task is cancelled. Not the loop's default
+//! executor: that one has `min(32, cpus + 4)` threads, and as many waits pending there (receives
+//! waiting for a producer awaited in the same loop) would keep every later wait from starting, its
+//! own timeout included: a deadlock. A coroutine, not a bare future, so that nothing waits before it is awaited
 //! (a future made and never awaited would keep a thread waiting, and `asyncio.run`, which joins
 //! the executor's threads, waiting for it) and `asyncio.create_task` takes it.
 //!
 //! How a cancellation reaches the thread: the future `run_in_executor` returns gets a done
 //! callback ([`AsyncWait::_done`]) that raises the job's `cancelled` flag; the wait checks the
 //! flag between its slices of at most [`crate::util::SLICE`] (as it checks `close()`), so the
-//! thread ends within one slice of the cancellation and the loop's `shutdown_default_executor`
-//! (run by `asyncio.run`) never waits longer. What the wait took in the slice the cancellation
+//! thread ends within one slice of the cancellation, and the interpreter's exit, which joins the
+//! executor's threads, never waits longer for one that was cancelled. What the wait took in the slice the cancellation
 //! lands in (a buffer, a generation's hold) is dropped with the discarded result: a buffer goes
-//! back unpublished, a hold is released. A receive loses nothing that way: a posted receive's wait
+//! back unpublished (at once: the coroutine's `undo`, or the wait itself when it sees the
+//! cancellation after taking it, abandons the frame, so that an `acquire` awaited right after
+//! finds the producer free), a hold is released. A receive loses nothing that way: a posted receive's wait
 //! ([`awaitable_then`]) parks the frame on the `Posted` object and the coroutine, if still
 //! awaited, claims it, otherwise the next wait does; `Consumer.recv_async`
 //! ([`awaitable_parking`]) parks it on the consumer, and a frame whose coroutine was cancelled
@@ -51,6 +56,12 @@ impl AsyncWait {
             ));
         };
         wait(py, &self.cancelled)
+    }
+
+    /// Whether the awaiting side's future is done (`_done` came): read by the executor's thread
+    /// once the wait returned, when only a cancellation (or the loop's end) can have done it.
+    fn _gave_up(&self) -> bool {
+        is_cancelled(&self.cancelled)
     }
 
     /// Called by the coroutine when its task was cancelled after the wait finished (the future
@@ -97,9 +108,34 @@ pub(crate) fn is_abandoned(flag: &AtomicBool) -> bool {
 /// flag when the executor's future is done (so a cancelled task stops the thread).
 const RUN: &std::ffi::CStr = c"
 import asyncio
+import concurrent.futures
+import os
+import threading
 
-async def run(job, then=None):
-    future = asyncio.get_running_loop().run_in_executor(None, job)
+_lock = threading.Lock()
+_pool = None
+_pid = None
+
+def _executor():
+    # One per process: a forked child's copy of its parent's would count idle threads that the
+    # child does not have, and queue its waits behind them forever.
+    global _pool, _pid
+    with _lock:
+        if _pool is None or _pid != os.getpid():
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1 << 16, thread_name_prefix='cuda_ipc-wait')
+            _pid = os.getpid()
+        return _pool
+
+def _call(job, undo):
+    result = job()
+    if undo is not None and job._gave_up():
+        # The task was cancelled while the wait returned this: the discarded result is let go now.
+        undo(result)
+    return result
+
+async def run(job, then=None, undo=None):
+    future = asyncio.get_running_loop().run_in_executor(_executor(), _call, job, undo)
     future.add_done_callback(job._done)
     try:
         result = await future
@@ -108,20 +144,34 @@ async def run(job, then=None):
             # The wait finished (what it parked is there) and the task was cancelled before it
             # resumed: nobody claims it here, so it goes to the next waiter.
             job._abandon()
+            if undo is not None and future.exception() is None:
+                undo(future.result())
         raise
     return result if then is None else then()
 ";
 
 static RUNNER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-/// A coroutine that, awaited in an asyncio event loop, runs `wait` in the loop's default executor
+/// A coroutine that, awaited in an asyncio event loop, runs `wait` on a thread of the extension's
+/// executor (the module docs say why not the loop's default one)
 /// and returns what it returns. `wait` must stop, within a slice, once [`is_cancelled`] says so.
 /// Awaited outside a running loop it raises `RuntimeError`.
 pub(crate) fn awaitable<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
 ) -> PyResult<Bound<'py, PyAny>> {
-    run_job(py, wait, None, Arc::default())
+    run_job(py, wait, None, None, Arc::default())
+}
+
+/// [`awaitable`] whose result, when the awaiting task is cancelled after the wait returned it
+/// (before the coroutine resumed), is handed to `undo` (a Python callable of one argument): for a
+/// wait that takes something only its caller may let go, such as a buffer (`WriteFrame.abandon`).
+pub(crate) fn awaitable_undoing<'py>(
+    py: Python<'py>,
+    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
+    undo: Py<PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    run_job(py, wait, None, Some(undo), Arc::default())
 }
 
 /// [`awaitable`] whose coroutine, once the wait returned, returns `then()` instead: for a wait
@@ -132,7 +182,7 @@ pub(crate) fn awaitable_then<'py>(
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
     then: Py<PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    run_job(py, wait, Some(then), Arc::default())
+    run_job(py, wait, Some(then), None, Arc::default())
 }
 
 /// [`awaitable_then`] whose wait is also handed the job's abandoned flag ([`is_abandoned`]), to
@@ -149,6 +199,7 @@ pub(crate) fn awaitable_parking<'py>(
         py,
         move |py, cancelled| wait(py, cancelled, handed),
         Some(then),
+        None,
         abandoned,
     )
 }
@@ -157,6 +208,7 @@ fn run_job<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
     then: Option<Py<PyAny>>,
+    undo: Option<Py<PyAny>>,
     abandoned: Arc<AtomicBool>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let run = RUNNER.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
@@ -174,5 +226,5 @@ fn run_job<'py>(
             wait: Mutex::new(Some(Box::new(wait))),
         },
     )?;
-    run.bind(py).call1((job, then))
+    run.bind(py).call1((job, then, undo))
 }

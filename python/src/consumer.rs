@@ -257,8 +257,8 @@ impl Consumer {
         self.recv_until(py, timeout)
     }
 
-    /// `recv` as an awaitable (`await consumer.recv_async(timeout=1.0)`): it waits in the event
-    /// loop's default executor (a thread, without the GIL), so the loop runs other tasks
+    /// `recv` as an awaitable (`await consumer.recv_async(timeout=1.0)`): it waits on a thread of
+    /// the extension's own executor (without the GIL; a thread for every wait pending), so the loop runs other tasks
     /// meanwhile. Cancelling the awaiting task (`asyncio.wait_for`, `task.cancel()`) stops that
     /// thread within 50 ms; a frame it took in that instant is kept, in order, for this
     /// consumer's next receive (`recv`, `try_recv`, iteration or `recv_async`), not lost. Raises

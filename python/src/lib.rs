@@ -27,7 +27,8 @@
 //! call consumes anything (a refused `publish` leaves its frame open). `close(timeout)` waits in
 //! the same slices (`Producer::wait_closing`). Their `*_async` forms (`Consumer.recv_async`, `Producer.acquire_async`,
 //! `Posted.wait_async`, `TensorSetReader.wait_newer_async`) are coroutines that run the same
-//! sliced wait in the event loop's default executor and stop it within a slice when the awaiting
+//! sliced wait on a thread of the extension's own executor (not the loop's default one, whose
+//! few threads as many pending waits would use up) and stop it within a slice when the awaiting
 //! task is cancelled ([`aio`]).
 //!
 //! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`, `posted.rs` (a

@@ -182,8 +182,8 @@ impl Posted {
         self.claim(py)
     }
 
-    /// `wait` as an awaitable: it waits in the event loop's default executor (a thread, without
-    /// the GIL), so the loop runs other tasks meanwhile; cancelling the awaiting task stops that
+    /// `wait` as an awaitable: it waits on a thread of the extension's own executor (without the
+    /// GIL), so the loop runs other tasks meanwhile; cancelling the awaiting task stops that
     /// thread within 50 ms and leaves the frame to a later wait, even one that came in those
     /// 50 ms (the thread only parks the frame; the awaiting coroutine claims it once awaited).
     #[pyo3(signature = (timeout=None))]

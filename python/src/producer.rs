@@ -81,6 +81,15 @@ impl Producer {
             this.give_back(py, p, true);
         }
         match got? {
+            Some(f) if cancelled.is_some_and(aio::is_cancelled) => {
+                // The awaiting task was cancelled while this slice took the buffer: nobody will
+                // publish it, so it goes back now, not when the discarded frame is collected
+                // (an `acquire` awaited right after would find the producer in use).
+                // The error is never seen: the awaiting side gave up (as a wait stopped by the
+                // cancellation between slices, which says the same).
+                this.give_back(py, f.into_producer(), true);
+                Err(this.closed_error())
+            }
             Some(f) => slf.get().hand_out(py, f),
             None => Err(timeout_error(py, "a free buffer", timeout)),
         }
@@ -205,10 +214,11 @@ impl Producer {
         Self::acquire_until(slf, timeout, None)
     }
 
-    /// `acquire` as an awaitable (`await producer.acquire_async(timeout=1.0)`): it waits in the
-    /// event loop's default executor (a thread, without the GIL), so the loop runs other tasks
-    /// meanwhile. Cancelling the awaiting task stops that thread within 50 ms; a buffer taken in
-    /// that instant is given back unpublished. Raises as `acquire`. Awaited outside a running event loop
+    /// `acquire` as an awaitable (`await producer.acquire_async(timeout=1.0)`): it waits on a thread
+    /// of the extension's own executor (without the GIL; a thread for every wait pending), so the
+    /// loop runs other tasks meanwhile. Cancelling the awaiting task stops that thread within
+    /// 50 ms; a buffer taken in that instant is given back unpublished at once, so an
+    /// `acquire_async` awaited right after finds the producer free. Raises as `acquire`. Awaited outside a running event loop
     /// it raises `RuntimeError`.
     #[pyo3(signature = (timeout=None))]
     fn acquire_async<'py>(
@@ -218,10 +228,16 @@ impl Producer {
         let py = slf.py();
         let timeout = timeout_arg(py, timeout)?;
         let this = slf.unbind();
-        aio::awaitable(py, move |py, cancelled| {
-            let f = Self::acquire_until(this.bind(py), timeout, Some(cancelled))?;
-            Ok(Py::new(py, f)?.into_any())
-        })
+        // A frame the wait returned to a task cancelled before it resumed goes back unpublished.
+        let undo = py.get_type::<WriteFrame>().getattr("abandon")?.unbind();
+        aio::awaitable_undoing(
+            py,
+            move |py, cancelled| {
+                let f = Self::acquire_until(this.bind(py), timeout, Some(cancelled))?;
+                Ok(Py::new(py, f)?.into_any())
+            },
+            undo,
+        )
     }
 
     /// A free buffer if one is free now, else `None`. `ChannelClosed` once closed;

@@ -263,6 +263,62 @@ def test_acquire_async_waits_for_a_release_and_a_cancelled_one_gives_the_produce
     assert not (SHM / f"cuda-ipc.ch.{name}").exists()
 
 
+def test_many_pending_receives_do_not_keep_a_producer_in_the_same_loop_from_starting(name):
+    # As many pending receives as the loop's default executor has threads, and more: the
+    # producer's acquire, awaited in the same loop, still starts and publishes to all of them
+    # (on the default executor it never started, its own timeout included: a deadlock).
+    n = min(32, (os.cpu_count() or 1) + 4) + 4
+    with cuda_ipc.Producer(name, 64, buffers=2, max_consumers=n, memory="host") as tx:
+        rxs = [cuda_ipc.Consumer(name) for _ in range(n)]
+
+        async def main():
+            waits = [asyncio.ensure_future(rx.recv_async(timeout=ANSWER)) for rx in rxs]
+            await asyncio.sleep(0.2)
+            w = await asyncio.wait_for(tx.acquire_async(timeout=1.0), 5.0)
+            w.publish(b"x")
+            got = await asyncio.wait_for(asyncio.gather(*waits), ANSWER)
+            return [(f.seq, f.metadata) for f in got]
+
+        assert asyncio.run(main()) == [(1, b"x")] * n
+        for rx in rxs:
+            rx.close()
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+
+
+def test_an_acquire_awaited_right_after_a_cancelled_one_finds_the_producer_free(name):
+    # A pool of one buffer a consumer holds: each round an acquire_async is cancelled, the
+    # consumer lets the buffer go at about that moment, and an acquire_async awaited at once
+    # gets the buffer (the cancelled one's, had it taken it, went back at once: no
+    # "a WriteFrame of it is outstanding").
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host") as tx:
+        rx = cuda_ipc.Consumer(name)
+
+        async def main():
+            for r in range(30):
+                w = await tx.acquire_async(timeout=ANSWER)
+                w.publish(bytes([r]))
+                f = await rx.recv_async(timeout=ANSWER)
+                waiting = asyncio.ensure_future(tx.acquire_async(timeout=ANSWER))
+                await asyncio.sleep(0.001 * (r % 7))
+                if r % 2:
+                    f.release()
+                    waiting.cancel()
+                else:
+                    waiting.cancel()
+                    f.release()
+                try:
+                    w = await waiting
+                    w.abandon()  # it won the race: it had the buffer before the cancellation
+                except asyncio.CancelledError:
+                    pass
+                w = await asyncio.wait_for(tx.acquire_async(timeout=ANSWER), ANSWER)
+                w.abandon()
+
+        asyncio.run(main())
+        rx.close()
+    assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+
+
 def test_awaitables_are_coroutines_that_wait_only_once_awaited(name):
     with cuda_ipc.Producer(name, 64, memory="host") as tx:
         rx = cuda_ipc.Consumer(name)
