@@ -645,3 +645,80 @@ fn a_pool_of_another_incarnation_with_another_geometry_is_superseded_not_damaged
     drop(tx);
     let _ = std::fs::remove_file(pool(&a));
 }
+
+const INODES_ROLE: &str = "CUDA_IPC_TEST_NO_INODES";
+
+/// A /dev/shm with one free inode left, the process's first creation: its liveness file (made at
+/// the first use of the process's identity) takes the inode and the segment is refused, or the
+/// other way round; either way nothing of the failed creation is left behind (a host pool, a
+/// channel or tensor-set segment made before the liveness file failed was left as "a creation
+/// abandoned" until a `gc`).
+#[test]
+fn a_failed_first_creation_in_a_dev_shm_out_of_inodes_leaves_no_segment() {
+    if let Ok(which) = std::env::var(INODES_ROLE) {
+        // The tmpfs's root directory and this file take two of its three inodes.
+        std::fs::File::create("/dev/shm/filler").unwrap();
+        let n = name("inodes");
+        let e = match which.as_str() {
+            "channel" => cuda_ipc::channel::Producer::create_host(
+                &n,
+                &cuda_ipc::channel::ChannelOptions::new(64).buffers(2),
+            )
+            .map(drop),
+            "tensorset" => cuda_ipc::tensorset::TensorSetWriter::create_host(
+                &n,
+                &[cuda_ipc::tensorset::TensorSpec::new(
+                    "w",
+                    cuda_ipc::tensorset::DType::U8,
+                    &[64],
+                )],
+                &cuda_ipc::tensorset::TensorSetOptions::new(),
+            )
+            .map(drop),
+            other => panic!("unknown role {other}"),
+        };
+        assert!(
+            e.is_err(),
+            "{which}: created in a /dev/shm without room for it"
+        );
+        let mut left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .map(|d| d.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| f != "filler" && !f.starts_with("cuda-ipc.live."))
+            .collect();
+        left.sort();
+        assert!(left.is_empty(), "{which}: left behind {left:?} ({e:?})");
+        println!("@@ clean");
+        return;
+    }
+    if !root() {
+        println!("skipped: needs root for a mount namespace with a small /dev/shm");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    for which in ["channel", "tensorset"] {
+        let script = format!(
+            "mount -t tmpfs -o size=1m,nr_inodes=3 tmpfs /dev/shm && exec {} a_failed_first_creation_in_a_dev_shm_out_of_inodes_leaves_no_segment --exact --nocapture --test-threads=1",
+            exe.display()
+        );
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .env(INODES_ROLE, which)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() && !text.contains("running 1 test") {
+            println!(
+                "skipped: cannot make a mount namespace with a small tmpfs: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return;
+        }
+        assert!(
+            out.status.success() && text.contains("@@ clean"),
+            "{which}: {:?}\n{text}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

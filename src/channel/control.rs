@@ -287,6 +287,9 @@ impl Control {
         // the name is left alone and named in the error. Two producers restarting at once: each
         // removes only the segment it judged, under `unlink_if_same`'s lock, so the slower one
         // finds the faster one's new segment, alive, and gets `AlreadyExists`.
+        // Before the segment is made: the first call of a process creates its liveness file, whose
+        // failure (a full /dev/shm) must not leave the new segment behind.
+        let me = ProcessIdentity::current()?;
         let seg = versioned::create_replacing(&name, len, opts, "channel segment", || {
             match Self::replaceable(channel, &name) {
                 Ok(why) => Ok(Some(why)),
@@ -305,7 +308,6 @@ impl Control {
             withdrawing: Default::default(),
             fork: ForkEpoch::now(),
         };
-        let me = ProcessIdentity::current()?;
         // SYNC POINT: stamp. Release, stored last by `write_versioned`: pairs with the Acquire load
         // of `stamp` in `open` (`open_versioned`); everything written here is visible to an opener
         // that sees READY.

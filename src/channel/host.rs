@@ -196,6 +196,9 @@ impl HostPool {
         let (stride, len) = Self::geometry(buffers, buffer_bytes)?;
         // As the control segment: only the pool judged is removed, under the replacers' lock, so
         // two producers restarting at once never remove each other's new pool.
+        // Before the segment is made: the first call of a process creates its liveness file, whose
+        // failure (a full /dev/shm) must not leave the new segment behind.
+        let me = ProcessIdentity::current()?;
         let seg = versioned::create_replacing(&name, len, opts, "host pool segment", || {
             match Self::replaceable(channel) {
                 Ok(why) => Ok(Some(why)),
@@ -204,7 +207,6 @@ impl HostPool {
                 Err(e) => Err(e),
             }
         })?;
-        let me = ProcessIdentity::current()?;
         // SYNC POINT: pool stamp. Release, stored last by `write_versioned`: pairs with the
         // Acquire loads in `open` (`open_versioned`) and `replaceable`.
         let generation = versioned::write_versioned::<PoolHeader>(

@@ -172,13 +172,15 @@ impl Producer {
         control::validate_channel_name(name)?;
         // A pool no segment can hold is refused as such before the ledger is asked for it.
         HostPool::geometry(opts.buffers, opts.buffer_bytes)?;
+        // Before anything is made or reserved: the first call of a process creates its liveness
+        // file, whose failure (a full /dev/shm) must leave nothing behind.
+        let me = ProcessIdentity::current()?;
         let quota = reserve_quota(opts, Uuid([0; 16]), Some(&super::host::pool_name(name)))?;
         let seg_opts = SegmentOptions::new().group_access(opts.group_access);
         let pool = HostPool::create(name, opts.buffers, opts.buffer_bytes, &seg_opts)?;
         if let Some(q) = &quota {
             q.record_memory_or_warn(pool.segment());
         }
-        let me = ProcessIdentity::current()?;
         let tokens: Vec<_> = (0..opts.buffers)
             .map(|i| pool.token(i, me).to_bytes())
             .collect();

@@ -204,6 +204,9 @@ impl QuotaLedger {
     fn create(scope: QuotaScope, device: Uuid, budget: u64) -> Result<QuotaLedger> {
         let name = scope.segment_name(device);
         let group = matches!(scope, QuotaScope::Group(_));
+        // Before the segment is made: the first call of a process creates its liveness file, whose
+        // failure (a full /dev/shm) must not leave the new segment behind.
+        let me = ProcessIdentity::current()?;
         let seg = versioned::create_replacing(
             &name,
             LEDGER_LEN,
@@ -223,7 +226,6 @@ impl QuotaLedger {
                 .into());
             }
         }
-        let me = ProcessIdentity::current()?;
         let (scope_word, scope_id) = scope.words();
         versioned::write_versioned::<Header>(
             &seg,

@@ -31,9 +31,10 @@ pub enum ShmError {
         /// The segment name.
         name: String,
     },
-    /// `/dev/shm` has no room for the segment's pages (reserved at creation).
+    /// `/dev/shm` has no room for the segment's pages (reserved at creation), or no inode left for
+    /// a new segment (tmpfs `nr_inodes`).
     #[error(
-        "no space in /dev/shm for segment /{name} of {len} bytes; free space there or enlarge the tmpfs"
+        "no space in /dev/shm for segment /{name} of {len} bytes (its pages, or at its creation an inode: `df -h /dev/shm`, `df -i /dev/shm`); free some there or enlarge the tmpfs"
     )]
     NoSpace {
         /// The segment name.

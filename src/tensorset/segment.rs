@@ -311,6 +311,9 @@ pub(crate) fn create<const M: u64>(
     fields: impl FnOnce(&Segment, &Header<M>),
 ) -> Result<(Segment, u64)> {
     let opts = SegmentOptions::new();
+    // Before the segment is made: the first call of a process creates its liveness file, whose
+    // failure (a full /dev/shm) must not leave the new segment behind.
+    let me = ProcessIdentity::current()?;
     let seg =
         versioned::create_replacing(
             seg_name,
@@ -324,7 +327,6 @@ pub(crate) fn create<const M: u64>(
                 Err(e) => Err(e),
             },
         )?;
-    let me = ProcessIdentity::current()?;
     // SYNC POINT: stamp. Release, stored last by `write_versioned`: pairs with the Acquire load in
     // `open_versioned`; the body written in `fields` is visible to an opener that sees it.
     let generation =
