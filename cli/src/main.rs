@@ -97,9 +97,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// List registries and channels in /dev/shm: records, sequence numbers, owners and whether
-    /// they are alive, sizes, consumers with their holds and cursors. Other users' objects are
-    /// not listed: a line per uid counts them, as `gc` skips them.
+    /// List registries, channels, tensor sets and quota ledgers in /dev/shm: records, sequence
+    /// numbers, generations, owners and whether they are alive, sizes, consumers and readers with
+    /// their holds and cursors. Other users' objects are not listed: a line per uid counts them,
+    /// as `gc` skips them.
     #[command(after_help = EXIT_STATUS)]
     Ls {
         /// Only this registry (segment name), channel (channel name, or a segment name of its,
