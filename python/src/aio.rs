@@ -10,12 +10,15 @@
 //! flag between its slices of at most [`crate::util::SLICE`] (as it checks `close()`), so the
 //! thread ends within one slice of the cancellation and the loop's `shutdown_default_executor`
 //! (run by `asyncio.run`) never waits longer. What the wait took in the slice the cancellation
-//! lands in (a buffer, a generation's hold) is dropped with the discarded result: a buffer goes
-//! back unpublished, a hold is released. A receive loses nothing that way: a posted receive's wait
+//! lands in (a buffer) is dropped with the discarded result: a buffer goes back unpublished. A
+//! receive or a tensor-set wait loses nothing that way: a posted receive's wait
 //! ([`awaitable_then`]) parks the frame on the `Posted` object and the coroutine, if still
 //! awaited, claims it, otherwise the next wait does; `Consumer.recv_async`
 //! ([`awaitable_parking`]) parks it on the consumer, and a frame whose coroutine was cancelled
 //! ([`AsyncWait::_done`] raises the job's `abandoned` flag) goes to the consumer's next receive.
+//! `TensorSetReader.wait_newer_async` parks the generation's hold on the reader the same way, for
+//! the reader's next take. A job dropped with its coroutine (however that ended) raises the flag
+//! too: what it parked and nobody claimed goes to the next waiter.
 
 use crate::util::lock;
 use pyo3::prelude::*;
@@ -76,6 +79,17 @@ impl AsyncWait {
         }
         // Relaxed: see the field; its pair is the wait's Relaxed load in `is_cancelled`.
         self.cancelled.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for AsyncWait {
+    /// The coroutine holds its job until it returns (having claimed what the wait parked) or
+    /// raises: once the job goes, nobody claims what the wait parked, whatever ended the
+    /// coroutine (a cancellation, or its collection unfinished, which raises no
+    /// `CancelledError` there), so it goes to the next waiter.
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire load in `is_abandoned`, as in `_done`.
+        self.abandoned.store(true, Ordering::Release);
     }
 }
 
