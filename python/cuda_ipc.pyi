@@ -713,7 +713,8 @@ class TensorSetWriter:
     def close(self, timeout: float = ...) -> None:
         """Closes the set. From its start no hold is granted: readers' ``current()``,
         ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers
-        that ask again and again; then it waits up to ``timeout`` seconds (default 5) only for
+        that ask again and again (a generation a reader took before, whose awaited wait was
+        cancelled, still goes to that reader's next call: that hold was taken before); then it waits up to ``timeout`` seconds (default 5) only for
         the holds taken before, returning as soon as they end (holds left at the timeout are
         forced); an open update is aborted. The wait runs in 50 ms slices without the GIL: Ctrl-C raises
         ``KeyboardInterrupt`` within one, leaving the set closed (names gone, ``begin`` refused)
@@ -819,12 +820,28 @@ class TensorSetReader:
         first (default 0: returns at once; checked whether or not a generation is there). ``TensorSetClosed`` once this reader is closed (also
         from another thread while this waits) or the writer closed the set. In place, while the
         writer's ``begin()`` waits, the generation is reserved: ``None`` (or a wait for the commit),
-        also for a reader that holds it already, whose hold that ``begin()`` waits for."""
+        also for a reader that holds it already, whose hold that ``begin()`` waits for. A
+        generation a cancelled ``wait_newer_async`` kept counts: the newer of it and the one
+        published now is returned, the other released (see ``wait_newer_async``)."""
     def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
         """Waits for a generation newer than ``than`` and holds it. Raises ``Timeout``,
         ``WriterGone``, ``TensorSetClosed`` (the writer closed the set, or this reader is closed,
-        also by ``close()`` from another thread while this waits: within 50 ms)."""
-    async def wait_newer_async(self, than: int, timeout: Optional[float] = None) -> "TensorHold": ...
+        also by ``close()`` from another thread while this waits: within 50 ms). A generation a
+        cancelled ``wait_newer_async`` kept that is newer than ``than`` is returned first, at once
+        (see ``wait_newer_async``)."""
+    async def wait_newer_async(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
+        """``wait_newer`` as a coroutine: the wait runs on a thread of the extension's own executor;
+        cancelling the task stops it within 50 ms. A generation the wait took in the instant its
+        task was cancelled (or that the cancelled task never resumed to return) is not released
+        but kept, held, on this reader for its next call: ``wait_newer(than)`` or
+        ``wait_newer_async(than)`` returns it at once when it is newer than ``than`` (oldest
+        first) and releases it when not; ``current()`` returns the newer of it and the generation
+        published now, releasing the other. So ``publish(final); wait_readers(); close()`` still
+        delivers ``final`` to a reader that retries after a cancelled wait. A kept generation
+        older than one this reader already returned is released, never returned (no caller sees
+        g + 1 and then g). The reader's awaited waits return generations in the order they took
+        them (while one waits for its task to resume, the others wait for it; a blocking
+        ``wait_newer`` in another thread does not). ``close()`` releases what is kept."""
     @property
     def name(self) -> str: ...
     @property
@@ -866,7 +883,8 @@ class TensorSetReader:
         """Lets the stable generation go (``cuCtxSynchronize`` first); ``False`` if none was."""
     def close(self) -> None:
         """Leaves the set once no hold and no tensor of it is left; afterwards its calls raise
-        ``TensorSetClosed``. Closing twice does nothing."""
+        ``TensorSetClosed``. Generations kept for the next call (a cancelled
+        ``wait_newer_async``'s) are released. Closing twice does nothing."""
     def __enter__(self) -> "TensorSetReader": ...
     def __exit__(self, *args: Any) -> None: ...
 

@@ -4,23 +4,28 @@
 //! on meanwhile, and stops it when the awaiting task is cancelled. Not the loop's default
 //! executor: that one has `min(32, cpus + 4)` threads, and as many waits pending there (receives
 //! waiting for a producer awaited in the same loop) would keep every later wait from starting, its
-//! own timeout included: a deadlock. A coroutine, not a bare future, so that nothing waits before it is awaited
-//! (a future made and never awaited would keep a thread waiting, and `asyncio.run`, which joins
-//! the executor's threads, waiting for it) and `asyncio.create_task` takes it.
+//! own timeout included: a deadlock. A coroutine, not a bare future, so that nothing waits before
+//! it is awaited (a future made and never awaited would keep a thread waiting, and the
+//! interpreter's exit, which joins the executor's threads, waiting for it) and
+//! `asyncio.create_task` takes it.
 //!
 //! How a cancellation reaches the thread: the future `run_in_executor` returns gets a done
 //! callback ([`AsyncWait::_done`]) that raises the job's `cancelled` flag; the wait checks the
 //! flag between its slices of at most [`crate::util::SLICE`] (as it checks `close()`), so the
 //! thread ends within one slice of the cancellation, and the interpreter's exit, which joins the
-//! executor's threads, never waits longer for one that was cancelled. What the wait took in the slice the cancellation
-//! lands in (a buffer, a generation's hold) is dropped with the discarded result: a buffer goes
+//! executor's threads, never waits longer for one that was cancelled. What the wait took in the
+//! slice the cancellation lands in (a buffer) is dropped with the discarded result: a buffer goes
 //! back unpublished (at once: the coroutine's `undo`, or the wait itself when it sees the
 //! cancellation after taking it, abandons the frame, so that an `acquire` awaited right after
-//! finds the producer free), a hold is released. A receive loses nothing that way: a posted receive's wait
+//! finds the producer free). A receive or a tensor-set wait loses nothing that way: a posted
+//! receive's wait
 //! ([`awaitable_then`]) parks the frame on the `Posted` object and the coroutine, if still
 //! awaited, claims it, otherwise the next wait does; `Consumer.recv_async`
 //! ([`awaitable_parking`]) parks it on the consumer, and a frame whose coroutine was cancelled
 //! ([`AsyncWait::_done`] raises the job's `abandoned` flag) goes to the consumer's next receive.
+//! `TensorSetReader.wait_newer_async` parks the generation's hold on the reader the same way, for
+//! the reader's next take. A job dropped with its coroutine (however that ended) raises the flag
+//! too: what it parked and nobody claimed goes to the next waiter.
 
 use crate::util::lock;
 use pyo3::prelude::*;
@@ -87,6 +92,17 @@ impl AsyncWait {
         }
         // Relaxed: see the field; its pair is the wait's Relaxed load in `is_cancelled`.
         self.cancelled.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for AsyncWait {
+    /// The coroutine holds its job until it returns (having claimed what the wait parked) or
+    /// raises: once the job goes, nobody claims what the wait parked, whatever ended the
+    /// coroutine (a cancellation, or its collection unfinished, which raises no
+    /// `CancelledError` there), so it goes to the next waiter.
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire load in `is_abandoned`, as in `_done`.
+        self.abandoned.store(true, Ordering::Release);
     }
 }
 

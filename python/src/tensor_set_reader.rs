@@ -21,7 +21,9 @@ use cuda_ipc::tensorset::{Location, ReaderOptions};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 type RustReader = cuda_ipc::tensorset::TensorSetReader;
 
@@ -35,6 +37,10 @@ type RustReader = cuda_ipc::tensorset::TensorSetReader;
 /// In a child made by `fork()` after the parent opened it, the reader's slot is the parent's:
 /// every call but `name` raises `NotSupported` (an awaited `wait_newer_async` too), taking no
 /// lock; `close()`, the end of a `with` block and its collection leave nothing.
+///
+/// Holds a cancelled `wait_newer_async` took are parked on the reader ([`Parking`]): its next
+/// take hands them out (`wait_newer`, `wait_newer_async`, `current`), so a cancellation never
+/// releases a generation unseen that the writer's `wait_readers()` counted as taken.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorSetReader {
     inner: Mutex<Option<Arc<RustReader>>>,
@@ -48,8 +54,116 @@ pub(crate) struct TensorSetReader {
     /// The tensors over the stable addresses (`stable_addresses=True`), built at the first
     /// `stable_tensors()` and the same objects until `close()`.
     stable: Mutex<Option<Py<PyDict>>>,
+    /// Holds that `wait_newer_async` waits took, each until its coroutine claims it (`_claim`)
+    /// or, once that coroutine gave up, until the reader's next take hands it out or lets it go.
+    /// Cleared by `close()`.
+    parked: Mutex<Parking>,
+    /// Held by a wait for one slice of its take, the look at `parked` and the park included:
+    /// waits of one reader take one at a time, so a cancelled wait's thread, still in its last
+    /// slice, cannot park a generation older than one the next wait hands out.
+    taking: Mutex<()>,
+    /// The next `wait_newer_async` job's number (what `_claim` is given).
+    next_job: AtomicU64,
     /// The process (by fork) that opened it: a forked child's calls raise `NotSupported`.
     fork: ForkEpoch,
+}
+
+/// The holds `wait_newer_async` waits parked, and what decides who gets them.
+///
+/// A parked hold whose coroutine gave up goes to the reader's next take, oldest generation
+/// first: `wait_newer(than)` (also awaited) returns it when it is newer than `than`, without
+/// waiting, and lets go of every such hold no newer than `than` (the caller asks past them);
+/// `current()` returns the newest of the parked holds and the generation published now, and lets
+/// the others go. A parked hold older than the newest generation this reader already handed out
+/// is let go, never handed out: the reader's callers never see generation g + 1 and then g.
+#[derive(Default)]
+struct Parking {
+    holds: Vec<Parked>,
+    /// The newest generation handed to a caller (a take's result, a claim).
+    handed: u64,
+    /// Set by `close()`, under this lock: a take that finishes after it parks nothing and hands
+    /// nothing out.
+    closed: bool,
+}
+
+/// A hold a `wait_newer_async` wait took for its coroutine.
+struct Parked {
+    job: u64,
+    /// Raised when that coroutine gave up ([`crate::aio::is_abandoned`]).
+    abandoned: Arc<AtomicBool>,
+    held: OwnedHeld,
+}
+
+impl Parked {
+    fn generation(&self) -> u64 {
+        self.held.held().generation()
+    }
+
+    fn is_abandoned(&self) -> bool {
+        crate::aio::is_abandoned(&self.abandoned)
+    }
+}
+
+/// How long an awaited wait sleeps between looks at an earlier wait's hold that its coroutine
+/// has neither claimed nor given up yet.
+const PENDING_POLL: Duration = Duration::from_micros(200);
+
+impl Parking {
+    /// The oldest parked hold whose coroutine gave up that `wait_newer(than)` may hand out, taken
+    /// out; those it may not (no newer than `than`, or older than the newest handed out) go to
+    /// `let_go`, to be released by the caller after the lock.
+    fn take_abandoned(&mut self, than: u64, let_go: &mut Vec<OwnedHeld>) -> Option<OwnedHeld> {
+        let handed = self.handed;
+        let (stale, kept): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.holds)
+            .into_iter()
+            .partition(|p| p.is_abandoned() && (p.generation() <= than || p.generation() < handed));
+        self.holds = kept;
+        let_go.extend(stale.into_iter().map(|p| p.held));
+        let i = (0..self.holds.len())
+            .filter(|&i| self.holds[i].is_abandoned())
+            .min_by_key(|&i| self.holds[i].generation())?;
+        Some(self.holds.remove(i).held)
+    }
+
+    /// Whether a hold waits for its coroutine's claim (an earlier awaited wait took it, and that
+    /// coroutine neither claimed it nor gave up yet). Any such hold, also one no newer than a
+    /// later wait's `than`: that coroutine returns it even when another wait of the reader
+    /// (another task's, asking with what a third task saw) returned a newer one meanwhile.
+    fn pending(&self) -> bool {
+        self.holds.iter().any(|p| !p.is_abandoned())
+    }
+
+    /// `h`, handed to a caller now; `Closed` (and `h` released) once `close()` came.
+    fn hand_out(&mut self, h: OwnedHeld) -> Result<OwnedHeld, Stop> {
+        if self.closed {
+            drop(h);
+            return Err(Stop::Closed);
+        }
+        self.handed = self.handed.max(h.held().generation());
+        Ok(h)
+    }
+
+    /// `h`, parked for job `job`'s coroutine; `Closed` (and `h` released) once `close()` came.
+    fn park(&mut self, job: &Job<'_>, h: OwnedHeld) -> Result<(), Stop> {
+        if self.closed {
+            drop(h);
+            return Err(Stop::Closed);
+        }
+        self.holds.push(Parked {
+            job: job.id,
+            abandoned: job.abandoned.clone(),
+            held: h,
+        });
+        Ok(())
+    }
+}
+
+/// A `wait_newer_async` wait: its number, its cancellation flag and the flag its coroutine
+/// raises when it gives up (`crate::aio`).
+struct Job<'a> {
+    id: u64,
+    cancelled: &'a AtomicBool,
+    abandoned: &'a Arc<AtomicBool>,
 }
 
 impl TensorSetReader {
@@ -82,32 +196,136 @@ impl TensorSetReader {
         }
     }
 
-    /// Waits (GIL released, in slices) for a generation newer than `than`.
+    /// Waits (GIL released, in slices) for a generation newer than `than` and holds it: a parked
+    /// hold first ([`Parking::take_abandoned`]).
     fn wait(
         &self,
         py: Python<'_>,
         than: u64,
-        timeout: Option<std::time::Duration>,
-    ) -> PyResult<Option<OwnedHeld>> {
-        self.wait_until(py, than, timeout, None)
-    }
-
-    /// `wait`, stopping also once `cancelled` is raised (an awaitable's wait, `crate::aio`).
-    fn wait_until(
-        &self,
-        py: Python<'_>,
-        than: u64,
-        timeout: Option<std::time::Duration>,
-        cancelled: Option<&std::sync::atomic::AtomicBool>,
+        timeout: Option<Duration>,
     ) -> PyResult<Option<OwnedHeld>> {
         let r = self.get()?;
         sliced(
             py,
             timeout,
-            || self.is_closed() || cancelled.is_some_and(crate::aio::is_cancelled),
+            || self.is_closed(),
             |_| self.closed_error(),
-            |slice| OwnedHeld::wait_newer(&r, than, Some(slice)).map_err(Stop::Failed),
+            |slice| self.take_slice(&r, than, slice, None),
         )
+        .map(Option::flatten)
+    }
+
+    /// `wait_newer_async`'s wait, in the executor's thread: as `wait`, stopping (`Closed`) also
+    /// once the job's `cancelled` is raised; the hold is parked as the job's, for its
+    /// coroutine's `_claim`. `Ok(false)`: the timeout ran out.
+    fn park_until(
+        &self,
+        py: Python<'_>,
+        than: u64,
+        timeout: Option<Duration>,
+        job: &Job<'_>,
+    ) -> PyResult<bool> {
+        let r = self.get()?;
+        let got = sliced(
+            py,
+            timeout,
+            || self.is_closed() || crate::aio::is_cancelled(job.cancelled),
+            |_| self.closed_error(),
+            |slice| self.take_slice(&r, than, slice, Some(job)),
+        )?;
+        Ok(got.is_some())
+    }
+
+    /// One slice of a take newer than `than`, one take at a time (`taking`): a parked hold whose
+    /// coroutine gave up first, else one from the set, waited for up to `slice`. Without `job`
+    /// (`wait_newer`, `current`) the hold is handed out; with it, parked for that job's coroutine
+    /// before `taking` is let go. An awaited wait (`job`) also waits, within its slice, while an
+    /// earlier awaited wait's hold is neither claimed nor given up ([`Parking::pending`]): that
+    /// hold goes first (to its coroutine, or to this wait once given up), so that this wait does
+    /// not take a newer generation from the set meanwhile, and the reader's awaited waits return
+    /// their generations in the order they took them. A blocking wait does not wait for them:
+    /// called on the event loop's own thread, it would wait for a coroutine that loop cannot
+    /// resume meanwhile.
+    fn take_slice(
+        &self,
+        r: &Arc<RustReader>,
+        than: u64,
+        slice: Duration,
+        job: Option<&Job<'_>>,
+    ) -> Result<Option<Option<OwnedHeld>>, Stop> {
+        let deadline = Instant::now().checked_add(slice);
+        let deliver = |p: &mut Parking, h: OwnedHeld| match job {
+            Some(job) => p.park(job, h).map(|()| None),
+            None => p.hand_out(h).map(Some),
+        };
+        loop {
+            let one = lock(&self.taking);
+            // Looked at again once this take's turn came (another's slice may have taken up to
+            // 50 ms): a close or a cancellation meanwhile ends it now.
+            if self.is_closed() || job.is_some_and(|j| crate::aio::is_cancelled(j.cancelled)) {
+                return Err(Stop::Closed);
+            }
+            let mut let_go = Vec::new();
+            let pending = {
+                let mut p = lock(&self.parked);
+                if let Some(h) = p.take_abandoned(than, &mut let_go) {
+                    let got = deliver(&mut p, h);
+                    drop(p);
+                    drop(let_go);
+                    return got.map(Some);
+                }
+                job.is_some() && p.pending()
+            };
+            // Released outside the lock of the parked holds, as a discarded hold is.
+            drop(let_go);
+            if pending {
+                drop(one);
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(None);
+                }
+                std::thread::sleep(PENDING_POLL);
+                continue;
+            }
+            let left = deadline.map_or(slice, |d| d.saturating_duration_since(Instant::now()));
+            return match OwnedHeld::wait_newer(r, than, Some(left))? {
+                Some(h) => deliver(&mut lock(&self.parked), h).map(Some),
+                None => Ok(None),
+            };
+        }
+    }
+
+    /// `current()`'s look without waiting: the newest of the generation published now and the
+    /// parked holds whose coroutines gave up; the others are let go. `Ok(None)`: neither.
+    fn current_now(&self, r: &Arc<RustReader>) -> Result<Option<OwnedHeld>, Stop> {
+        let now = OwnedHeld::current(r);
+        let mut p = lock(&self.parked);
+        let mut let_go = Vec::new();
+        // Every parked hold but the newest given up one goes (none that the newest handed out
+        // passed: `take_abandoned(0, ..)` lets those go).
+        let mut parked = None;
+        while let Some(h) = p.take_abandoned(0, &mut let_go) {
+            if let Some(older) = parked.replace(h) {
+                let_go.push(older);
+            }
+        }
+        let got = match (now, parked) {
+            (Ok(Some(now)), Some(parked)) => {
+                let (newest, other) = if parked.held().generation() > now.held().generation() {
+                    (parked, now)
+                } else {
+                    (now, parked)
+                };
+                let_go.push(other);
+                p.hand_out(newest).map(Some)
+            }
+            (Ok(Some(h)), None) | (Ok(None) | Err(_), Some(h)) => p.hand_out(h).map(Some),
+            (Ok(None), None) => Ok(None),
+            (Err(e), None) => Err(Stop::Failed(e)),
+        };
+        drop(p);
+        // Released outside the lock of the parked holds, as a discarded hold is.
+        drop(let_go);
+        got
     }
 }
 
@@ -193,6 +411,9 @@ impl TensorSetReader {
             dicts: Mutex::new((0..buffers).map(|_| None).collect()),
             names: PyOnceLock::new(),
             stable: Mutex::new(None),
+            parked: Mutex::new(Parking::default()),
+            taking: Mutex::new(()),
+            next_job: AtomicU64::new(0),
             fork: ForkEpoch::now(),
         })
     }
@@ -201,6 +422,9 @@ impl TensorSetReader {
     /// seconds to wait for a first generation when none is published yet (0: return `None` at
     /// once; `None`: wait without bound). Raises `TensorSetClosed` when this reader is closed,
     /// also by `close()` from another thread while this waits, or its writer closed the set.
+    /// A hold a cancelled `wait_newer_async` left (see there) counts: the newest of it and the
+    /// generation published now is returned, the other let go (also after the writer closed the
+    /// set, when that hold is all there is).
     #[pyo3(signature = (timeout=Seconds::Float(0.0)))]
     fn current(
         slf: Bound<'_, Self>,
@@ -211,13 +435,15 @@ impl TensorSetReader {
         // Checked first, used or not: a bad value is a mistake even when a generation is there.
         let timeout = timeout_arg(py, timeout)?;
         let r = this.get()?;
-        let now = py
-            .detach(|| OwnedHeld::current(&r))
-            .map_err(|e| err(py, e))?;
+        let now = match py.detach(|| this.current_now(&r)) {
+            Ok(now) => now,
+            Err(Stop::Failed(e)) => return Err(err(py, e)),
+            Err(Stop::Closed) => return Err(this.closed_error()),
+        };
         if let Some(h) = now {
             return Ok(Some(this.hold(py, &slf, h)));
         }
-        if timeout == Some(std::time::Duration::ZERO) {
+        if timeout == Some(Duration::ZERO) {
             return Ok(None);
         }
         Ok(this.wait(py, 0, timeout)?.map(|h| this.hold(py, &slf, h)))
@@ -226,7 +452,8 @@ impl TensorSetReader {
     /// Waits up to `timeout` seconds (`None`: without bound) for a generation newer than `than`
     /// and holds it. Raises `Timeout`, `WriterGone` when the writer died (within about 1 s),
     /// `TensorSetClosed` when it closed the set, or when this reader is closed (also by `close()`
-    /// from another thread while this waits: within 50 ms).
+    /// from another thread while this waits: within 50 ms). A hold a cancelled
+    /// `wait_newer_async` left newer than `than` is returned first, at once (see there).
     #[pyo3(signature = (than, timeout=None))]
     fn wait_newer(
         slf: Bound<'_, Self>,
@@ -247,10 +474,24 @@ impl TensorSetReader {
         }
     }
 
-    /// `wait_newer` as a coroutine: awaited, it waits in the event loop's default executor (a
-    /// thread, which waits without the GIL), so the loop goes on meanwhile; cancelling the
+    /// `wait_newer` as a coroutine: awaited, it waits on a thread of the extension's own
+    /// executor (without the GIL; a thread for every wait pending), so the loop goes on meanwhile; cancelling the
     /// awaiting task stops that thread within 50 ms (`crate::aio`). Raises what `wait_newer`
     /// raises when awaited (`TensorSetClosed` for a closed reader), not when called.
+    ///
+    /// A generation the wait took in the instant its task was cancelled (or that the task, once
+    /// cancelled, never resumed to return) is not released: it is kept on this reader, still
+    /// held, for its next take. The next `wait_newer(than)` or `wait_newer_async(than)` returns
+    /// it at once when it is newer than `than`, oldest first, and lets it go when it is not (the
+    /// caller asks past it); `current()` returns the newer of it and the generation published
+    /// now, letting the other go. So no cancellation loses a generation that the writer's
+    /// `wait_readers()` counted as taken: `publish(final); wait_readers(); close()` still
+    /// delivers `final` to a reader that retries after a cancelled wait. A kept generation older
+    /// than one this reader already returned is let go, never returned: callers never see
+    /// generation g + 1 and then g. The reader's awaited waits return generations in the order
+    /// they took them: while one's generation waits for its coroutine to resume, the others wait
+    /// for it (that coroutine returns it, or, once cancelled, the next wait does); a blocking
+    /// `wait_newer` in another thread does not wait for them. `close()` releases what is kept.
     #[pyo3(signature = (than, timeout=None))]
     fn wait_newer_async<'py>(
         slf: Bound<'py, Self>,
@@ -260,19 +501,59 @@ impl TensorSetReader {
         let py = slf.py();
         let than: u64 = than.get(py, "than")?;
         let timeout = timeout_arg(py, timeout)?;
+        // Relaxed: a number only, it orders no memory (the parked hold is handed over under
+        // `parked`'s lock).
+        let id = slf.get().next_job.fetch_add(1, Ordering::Relaxed);
+        let claim = py
+            .import("functools")?
+            .getattr("partial")?
+            .call1((slf.getattr("_claim")?, id))?
+            .unbind();
         let this = slf.unbind();
-        crate::aio::awaitable(py, move |py, cancelled| {
-            let slf = this.bind(py);
-            let r = slf.get();
-            match r.wait_until(py, than, timeout, Some(cancelled))? {
-                Some(h) => Ok(Py::new(py, r.hold(py, slf, h))?.into_any()),
-                None => Err(crate::util::timeout_error(
-                    py,
-                    "a newer tensor-set generation",
-                    timeout,
-                )),
+        crate::aio::awaitable_parking(
+            py,
+            move |py, cancelled, abandoned| {
+                let job = Job {
+                    id,
+                    cancelled,
+                    abandoned: &abandoned,
+                };
+                if this.get().park_until(py, than, timeout, &job)? {
+                    Ok(py.None())
+                } else {
+                    Err(crate::util::timeout_error(
+                        py,
+                        "a newer tensor-set generation",
+                        timeout,
+                    ))
+                }
+            },
+            claim,
+        )
+    }
+
+    /// Takes the hold `wait_newer_async` job `job` parked (what its coroutine returns once its
+    /// thread is done); `TensorSetClosed` when `close()` came meanwhile (it releases parked
+    /// holds); `NotSupported` in a forked child (the parked holds are the parent's waits').
+    fn _claim(slf: Bound<'_, Self>, py: Python<'_>, job: u64) -> PyResult<TensorHold> {
+        let this = slf.get();
+        // Before `parked` is locked: a parent's wait may have held it at the fork.
+        errors::check_fork(this.fork, "tensor set reader")?;
+        let h = {
+            let mut p = lock(&this.parked);
+            match p.holds.iter().position(|h| h.job == job) {
+                Some(i) => {
+                    let h = p.holds.remove(i).held;
+                    p.handed = p.handed.max(h.held().generation());
+                    Some(h)
+                }
+                None => None,
             }
-        })
+        };
+        match h {
+            Some(h) => Ok(this.hold(py, &slf, h)),
+            None => Err(this.closed_error()),
+        }
     }
 
     /// The set's name.
@@ -464,15 +745,25 @@ impl TensorSetReader {
     /// Leaves the set: this reader's slot (and its stable addresses and serving slot) is freed
     /// once no `TensorHold` and no tensor of it is left (they keep it alive). Afterwards every
     /// call but `name` and `close` raises `TensorSetClosed`; a wait in another thread raises it
-    /// within 50 ms. Holds taken before stay readable until released. Closing twice does nothing,
-    /// and so does a close in a forked child: the slot is the parent's reader's.
-    fn close(&self) {
+    /// within 50 ms. Holds taken before stay readable until released; those kept for the next
+    /// call (a cancelled `wait_newer_async`'s, see there) are released now. Closing twice does
+    /// nothing, and so does a close in a forked child: the slot (and what it keeps) is the
+    /// parent's reader's.
+    fn close(&self, py: Python<'_>) {
         if self.fork.inherited() {
             return; // a forked child's copy: the parent's reader stays open
         }
         // `inner` first: `stable_tensors()` and `TensorHold.tensors()` store their dicts only
         // while it is there, looked at under the lock of the slot cleared here after it.
         lock(&self.inner).take();
+        // Parked holds are released (a coroutine still to claim one raises `TensorSetClosed`),
+        // and a take that finishes after this parks and hands out nothing (`Parking::closed`).
+        let parked = {
+            let mut p = lock(&self.parked);
+            p.closed = true;
+            std::mem::take(&mut p.holds)
+        };
+        py.detach(|| drop(parked));
         lock(&self.dicts).iter_mut().for_each(|d| *d = None);
         lock(&self.stable).take();
     }
@@ -482,8 +773,8 @@ impl TensorSetReader {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
     }
 
     fn __repr__(&self) -> String {

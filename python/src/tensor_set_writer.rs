@@ -522,7 +522,8 @@ impl TensorSetWriter {
 
     /// Closes the set: from its start no hold is granted (readers' `current()`, `wait_newer()`
     /// and `wait_newer_async()` raise `TensorSetClosed`, also in readers that ask again and
-    /// again), its names go (no new reader opens it), and the memory is freed once the holds
+    /// again; a generation a reader took before, whose awaited wait was cancelled, is still
+    /// handed to that reader's next call: the hold is one taken before), its names go (no new reader opens it), and the memory is freed once the holds
     /// taken before have ended (it returns as soon as they do), or after `timeout` seconds, when
     /// the holds left are forced. Closing twice does nothing, but a second `close()` while
     /// another thread's close frees the set returns once that one has (within its own

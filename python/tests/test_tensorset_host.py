@@ -324,6 +324,150 @@ def test_a_cancelled_wait_newer_async_stops_its_thread(name):
         w.close()
 
 
+def park_a_cancelled_take(w, r) -> int:
+    """Publishes a generation while an awaited `wait_newer_async` waits for it and cancels the
+    task only after the wait (in its thread) took it, before the task could resume: the loop's
+    thread sleeps in between. Returns that generation, which the reader keeps (parked)."""
+    import asyncio
+
+    async def main():
+        t = asyncio.ensure_future(r.wait_newer_async(w.generation, timeout=ANSWER))
+        await asyncio.sleep(0.05)  # the task's wait runs in the executor's thread
+        g = write_gen(w, None)
+        time.sleep(0.3)  # the loop's thread: the wait takes `g`, the task is not resumed
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return g
+
+    g = asyncio.run(main())
+    # The take counted: the writer is told the reader has it.
+    assert w.wait_readers(ANSWER)
+    return g
+
+
+@pytest.mark.parametrize("how", ["wait_newer", "wait_newer_async", "current"])
+def test_a_generation_a_cancelled_wait_newer_async_took_goes_to_the_next_take(name, how):
+    """The shutdown pattern `publish(final); wait_readers(); close()` against a reader whose
+    awaited wait was cancelled after it took `final`: the reader's next take (blocking, awaited or
+    `current()`) still returns `final`, once the writer's close began (it waits for that hold),
+    with its bytes; the one after it learns `TensorSetClosed`, and the close returns once the hold
+    is released."""
+    import asyncio
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    closer = None
+    try:
+        g = park_a_cancelled_take(w, r)
+        closer = threading.Thread(target=w.close, args=(ANSWER,))
+        closer.start()
+        deadline = time.monotonic() + ANSWER
+        while (SHM / f"cuda-ipc.ts.{name}").exists():  # the close has begun
+            assert time.monotonic() < deadline, "the close never began"
+            time.sleep(0.001)
+        if how == "wait_newer":
+            h = r.wait_newer(0, timeout=ANSWER)
+        elif how == "wait_newer_async":
+            h = asyncio.run(asyncio.wait_for(r.wait_newer_async(0, timeout=ANSWER), ANSWER))
+        else:
+            h = r.current()
+        with h:
+            assert h.generation == g
+            assert h.read("ids") == data(g, "ids", SIZES["ids"])
+        t0 = time.monotonic()
+        closer.join(ANSWER)
+        assert time.monotonic() - t0 < ANSWER / 2 and not closer.is_alive()
+        with pytest.raises(cuda_ipc.TensorSetClosed):
+            r.wait_newer(g, timeout=ANSWER)
+    finally:
+        if closer is not None:
+            closer.join(ANSWER)
+        r.close()
+        w.close()
+
+
+def test_a_parked_generation_is_let_go_by_a_take_past_it_by_current_and_by_close(name):
+    """A generation parked by a cancelled awaited wait keeps its buffer held (an in-place `begin`
+    waits) until the reader lets it go: `wait_newer(than)` with `than` at or past it releases it
+    (and waits for a newer one), `current()` returns a newer one published meanwhile and releases
+    it, `close()` releases it."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=3)
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        g = park_a_cancelled_take(w, r)
+        # A take asking past it: released, and the take times out (nothing newer yet).
+        with pytest.raises(cuda_ipc.Timeout):
+            r.wait_newer(g, timeout=0.1)
+        g2 = park_a_cancelled_take(w, r)
+        g3 = write_gen(w, None)
+        with r.current() as h:
+            assert (h.generation, g2) == (g3, g3 - 1)
+        g4 = park_a_cancelled_take(w, r)
+        assert g4 == g3 + 1
+    finally:
+        r.close()
+    # Nothing of the reader is held now: an in-place writer's `begin` would have waited for a
+    # parked hold; here the buffered writer cycles through every buffer at once.
+    for _ in range(3):
+        write_gen(w, None)
+    w.close()
+
+
+PARKED_IN_A_FORKED_CHILD = """
+import asyncio, os, sys, time, cuda_ipc
+name = sys.argv[1]
+w = cuda_ipc.TensorSetWriter(name, {"w": ((4,), "float32")}, memory="host")
+r = cuda_ipc.TensorSetReader(name)
+
+async def main():
+    t = asyncio.ensure_future(r.wait_newer_async(0, timeout=10))
+    await asyncio.sleep(0.05)
+    with w.begin(timeout=5) as u:
+        u.write("w", bytes(range(16)))
+    time.sleep(0.3)
+    t.cancel()
+    try:
+        await t
+    except asyncio.CancelledError:
+        return
+    raise SystemExit("the task was not cancelled")
+
+asyncio.run(main())
+pid = os.fork()
+if pid == 0:
+    wrong = []
+    for what, call in [("current", r.current), ("wait_newer", lambda: r.wait_newer(0, 0.01))]:
+        try:
+            call()
+            wrong.append(what)
+        except cuda_ipc.NotSupported:
+            pass
+    r.close()  # a forked child's copy: the parent's parked generation stays
+    del r
+    os._exit(1 if wrong else 0)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+h = r.wait_newer(0, timeout=5)
+assert h.generation == 1 and h.read("w") == bytes(range(16)), h
+h.release()
+r.close()
+with w.begin(timeout=5) as u:  # in place: nothing of the reader is held any more
+    pass
+w.close()
+print("ok", flush=True)
+"""
+
+
+def test_a_forked_child_leaves_the_parents_parked_generation_alone(name):
+    p = child(PARKED_IN_A_FORKED_CHILD, name)
+    try:
+        out, err = p.communicate(timeout=ANSWER * 2)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and out.split() == ["ok"], (p.returncode, out, err)
+
+
 def test_close_aborts_an_open_update_and_a_holds_generation_outlives_its_release(name):
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
     g = write_gen(w, None)

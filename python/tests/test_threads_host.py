@@ -884,8 +884,10 @@ def test_cancelled_awaitable_waits_and_a_close_from_another_thread_end_cleanly(n
 def test_wait_newer_async_cancelled_while_a_writer_thread_publishes_leaves_no_hold(name):
     """300 `wait_newer_async(0)` tasks, each cancelled a random moment (0 to 2 ms) after it
     started, while a writer thread publishes in place as fast as it can: a task that finished
-    first gives its hold (released here); one cancelled in the slice that took a generation drops
-    it unseen. Afterwards no generation is held: the in-place `begin` goes through at once."""
+    first gives its hold (released here); one cancelled in the slice that took a generation
+    leaves it parked on the reader, for the next task's wait. Afterwards, once `current()` took
+    (and released) what the last cancelled task may have parked, no generation is held: the
+    in-place `begin` goes through at once."""
     rnd = random.Random(3)
     w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
     r = cuda_ipc.TensorSetReader(name)
@@ -918,9 +920,91 @@ def test_wait_newer_async_cancelled_while_a_writer_thread_publishes_leaves_no_ho
         stop.set()
         join([wt])
     assert 0 <= taken <= 300  # how many finished first depends on the machine's load
+    gc.collect()
+    newest = r.current(timeout=ANSWER)
+    assert newest is not None
+    check(newest)
+    newest.release()
     assert_no_hold_left(w, r, False)
     r.close()
     w.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cancelled_wait_newer_async_loses_no_generation_a_writer_waited_for(name, mode):
+    """A writer thread publishes 300 generations, each followed by `wait_readers()`, and closes
+    the set after the last (`publish(final); wait_readers(); close()`, the documented shutdown).
+    Four tasks share one reader: each awaits `wait_newer_async(seen)` in a task of its own, which
+    it cancels at a random moment (0 to 3 ms) half of the time, and retries until the set is
+    closed; the generations are noted in the order the reader hands them out. A generation that a cancelled wait took after `wait_readers()` counted it (the
+    cancellation landing between the take and the coroutine's resumption) is parked on the reader
+    and returned by the next wait: every generation is seen, the final one too, none after a
+    newer one, and every `wait_readers()` returned True."""
+    n, k = 300, 4
+    rnd = random.Random(11)
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **mode)
+    r = cuda_ipc.TensorSetReader(name)
+    wrote = {"waited": 0, "error": None}
+
+    def writer():
+        try:
+            for _ in range(n):
+                with w.begin(timeout=ANSWER) as u:
+                    write(u)
+                assert w.wait_readers(ANSWER), f"generation {w.generation} never taken"
+                wrote["waited"] += 1
+        except BaseException as e:  # noqa: BLE001 - looked at by the test
+            wrote["error"] = e
+        finally:
+            w.close(2.0)
+
+    async def main():
+        seen, order, cancels = 0, [], 0
+        closed = False
+
+        async def take(than):
+            # The order the reader hands generations out in: noted in the step that returns
+            # the wait's hold (a task's own `await t` may come later than another task's).
+            h = await r.wait_newer_async(than, timeout=ANSWER)
+            order.append(h.generation)
+            return h
+
+        async def reader():
+            nonlocal seen, cancels, closed
+            while not closed:
+                t = asyncio.ensure_future(take(seen))
+                await asyncio.sleep(rnd.choice([0, 0.0001, 0.001, 0.003]))
+                if rnd.random() < 0.5 and not t.done():
+                    t.cancel()
+                    cancels += 1
+                try:
+                    h = await t
+                except asyncio.CancelledError:
+                    continue
+                except cuda_ipc.TensorSetClosed:
+                    closed = True
+                    return
+                with h:
+                    check(h)
+                    seen = max(seen, h.generation)
+
+        await asyncio.wait_for(asyncio.gather(*[reader() for _ in range(k)]), 60.0)
+        return order, cancels
+
+    wt = run(writer)
+    try:
+        order, cancels = asyncio.run(main())
+    finally:
+        join([wt], 60.0)
+    assert wrote["error"] is None, wrote["error"]
+    assert wrote["waited"] == n
+    missed = sorted(set(range(1, n + 1)) - set(order))
+    assert not missed, f"{len(missed)} generations missed of {n} ({cancels} cancels): {missed[:10]}"
+    back = [(a, b) for a, b in zip(order, order[1:]) if b < a]
+    assert not back, f"generations seen out of order: {back[:10]}"
+    assert order[-1] == n
+    assert cancels > 0
+    r.close()
 
 
 def counts_while(call) -> int:
