@@ -119,9 +119,9 @@ pub(crate) fn is_abandoned(flag: &AtomicBool) -> bool {
     flag.load(Ordering::Acquire)
 }
 
-/// The coroutine every awaitable wait is: it starts the job in the running loop's default
-/// executor only when awaited (a coroutine never awaited starts no thread), and raises the job's
-/// flag when the executor's future is done (so a cancelled task stops the thread).
+/// The coroutine every awaitable wait is: it starts the job on the extension's executor only
+/// when awaited (a coroutine never awaited starts no thread), and raises the job's flag when the
+/// executor's future is done (so a cancelled task stops the thread).
 const RUN: &std::ffi::CStr = c"
 import asyncio
 import concurrent.futures
@@ -169,19 +169,12 @@ async def run(job, then=None, undo=None):
 static RUNNER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// A coroutine that, awaited in an asyncio event loop, runs `wait` on a thread of the extension's
-/// executor (the module docs say why not the loop's default one)
-/// and returns what it returns. `wait` must stop, within a slice, once [`is_cancelled`] says so.
+/// executor (the module docs say why not the loop's default one) and returns what it returns;
+/// when the awaiting task is cancelled after the wait returned it (before the coroutine resumed),
+/// or while the wait was returning it, the result is handed to `undo` (a Python callable of one
+/// argument): for a wait that takes something only its caller may let go, such as a buffer
+/// (`WriteFrame.abandon`). `wait` must stop, within a slice, once [`is_cancelled`] says so.
 /// Awaited outside a running loop it raises `RuntimeError`.
-pub(crate) fn awaitable<'py>(
-    py: Python<'py>,
-    wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
-) -> PyResult<Bound<'py, PyAny>> {
-    run_job(py, wait, None, None, Arc::default())
-}
-
-/// [`awaitable`] whose result, when the awaiting task is cancelled after the wait returned it
-/// (before the coroutine resumed), is handed to `undo` (a Python callable of one argument): for a
-/// wait that takes something only its caller may let go, such as a buffer (`WriteFrame.abandon`).
 pub(crate) fn awaitable_undoing<'py>(
     py: Python<'py>,
     wait: impl FnOnce(Python<'_>, &AtomicBool) -> PyResult<Py<PyAny>> + Send + 'static,
@@ -190,7 +183,7 @@ pub(crate) fn awaitable_undoing<'py>(
     run_job(py, wait, None, Some(undo), Arc::default())
 }
 
-/// [`awaitable`] whose coroutine, once the wait returned, returns `then()` instead: for a wait
+/// [`awaitable_undoing`], without `undo`, whose coroutine, once the wait returned, returns `then()` instead: for a wait
 /// that leaves what it took where a later wait finds it (`Posted`), so that a cancellation
 /// landing after the take loses nothing (only the coroutine still awaited claims it).
 pub(crate) fn awaitable_then<'py>(
