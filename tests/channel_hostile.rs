@@ -319,30 +319,48 @@ fn opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus() {
         println!("skipped: needs root for a mount namespace with a small /dev/shm");
         return;
     }
-    let exe = std::env::current_exe().unwrap();
-    let script = format!(
-        "mount -t tmpfs -o size=256k tmpfs /dev/shm && exec {} opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus --exact --nocapture --test-threads=1",
-        exe.display()
-    );
-    let out = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-        .env(FULL_ROLE, name("full"))
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() && !text.contains("running 1 test") {
-        println!(
-            "skipped: cannot make a mount namespace with a small tmpfs: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let Some((out, text)) = in_small_shm(
+        "opening_a_sparse_segment_in_a_full_dev_shm_is_an_error_not_sigbus",
+        "size=256k",
+        (FULL_ROLE, &name("full")),
+    ) else {
         return;
-    }
+    };
     assert!(
         out.status.success() && text.contains("@@ survived"),
         "child: {:?}\n{text}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Runs test `test` of this binary again, in a mount namespace whose /dev/shm is a fresh tmpfs
+/// mounted with `options` (`size=256k`), with the environment variable `role.0` set to `role.1`:
+/// its output and stdout text, or `None` (said) where such a namespace cannot be made.
+fn in_small_shm(
+    test: &str,
+    options: &str,
+    role: (&str, &str),
+) -> Option<(std::process::Output, String)> {
+    let exe = std::env::current_exe().unwrap();
+    let script = format!(
+        "mount -t tmpfs -o {options} tmpfs /dev/shm && exec {} {test} --exact --nocapture --test-threads=1",
+        exe.display()
+    );
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .env(role.0, role.1)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() && !text.contains("running 1 test") {
+        println!(
+            "skipped: cannot make a mount namespace with a small tmpfs: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    }
+    Some((out, text))
 }
 
 const ORPHAN_ROLE: &str = "CUDA_IPC_TEST_ORPHAN_CHANNEL";
@@ -695,25 +713,14 @@ fn a_failed_first_creation_in_a_dev_shm_out_of_inodes_leaves_no_segment() {
         println!("skipped: needs root for a mount namespace with a small /dev/shm");
         return;
     }
-    let exe = std::env::current_exe().unwrap();
     for which in ["channel", "tensorset"] {
-        let script = format!(
-            "mount -t tmpfs -o size=1m,nr_inodes=3 tmpfs /dev/shm && exec {} a_failed_first_creation_in_a_dev_shm_out_of_inodes_leaves_no_segment --exact --nocapture --test-threads=1",
-            exe.display()
-        );
-        let out = Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-            .env(INODES_ROLE, which)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        if !out.status.success() && !text.contains("running 1 test") {
-            println!(
-                "skipped: cannot make a mount namespace with a small tmpfs: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+        let Some((out, text)) = in_small_shm(
+            "a_failed_first_creation_in_a_dev_shm_out_of_inodes_leaves_no_segment",
+            "size=1m,nr_inodes=3",
+            (INODES_ROLE, which),
+        ) else {
             return;
-        }
+        };
         assert!(
             out.status.success() && text.contains("@@ clean"),
             "{which}: {:?}\n{text}\n{}",

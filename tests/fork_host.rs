@@ -64,11 +64,8 @@ fn a_forked_child_neither_uses_nor_drops_its_parents_channel() {
         );
         // SAFETY: a null stream names the context's default stream; the call is refused before
         // any use of it.
-        refused(
-            "the held frame's ready_on_raw",
-            unsafe { held.ready_on_raw(std::ptr::null_mut()) },
-            &mut wrong,
-        );
+        let raw = unsafe { held.ready_on_raw(std::ptr::null_mut()) };
+        refused("the held frame's ready_on_raw", raw, &mut wrong);
         refused("the consumer's stream", rx.stream().map(|_| ()), &mut wrong);
         refused(
             "the consumer's context",
@@ -303,17 +300,11 @@ fn a_forked_child_writes_nothing_through_its_parents_open_update_or_frame() {
         refused("the frame's stream", fc.stream().map(|_| ()), &mut wrong);
         // SAFETY: a null stream names the context's default stream; the call is refused before
         // any use of it.
-        refused(
-            "ready_on_raw",
-            unsafe { fc.ready_on_raw(std::ptr::null_mut()) },
-            &mut wrong,
-        );
+        let raw = unsafe { fc.ready_on_raw(std::ptr::null_mut()) };
+        refused("ready_on_raw", raw, &mut wrong);
         // SAFETY: as above.
-        refused(
-            "publish_after_raw",
-            unsafe { fc.publish_after_raw(std::ptr::null_mut()) },
-            &mut wrong,
-        );
+        let raw = unsafe { fc.publish_after_raw(std::ptr::null_mut()) };
+        refused("publish_after_raw", raw, &mut wrong);
         refused("publish", fc.publish(b""), &mut wrong);
         wrong
     });
