@@ -1,7 +1,7 @@
 //! GPU tests of tensor sets, each with separate processes: VMM, pool and legacy sets read by two
 //! reader processes that check every generation on the GPU, a read-only mapping that faults only
 //! the reader that stores into it, readers and writers killed mid-update, one driver import per
-//! allocation per open, and a reader that makes its stream only when it needs one. They need a CUDA GPU and fail without one; `cargo test` lists them as
+//! allocation per open, a reader that makes its stream only when it needs one, and a set of 2^64 bytes or more refused before any budget. They need a CUDA GPU and fail without one; `cargo test` lists them as
 //! ignored.
 
 mod common;
@@ -574,4 +574,37 @@ fn a_reader_makes_its_stream_only_when_a_generation_needs_it() {
     );
     w.close(T).unwrap();
     p.finish(T);
+}
+
+/// A VMM set of 2^64 bytes or more (buffers × bytes per buffer) is refused as such before any
+/// quota ledger is asked or anything is allocated (it read as a reservation of `u64::MAX` bytes),
+/// and so is each of its generation modes; the host form runs in CI (`tests/quota_ledger.rs`).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-test.sh)"]
+fn a_vmm_set_of_2_pow_64_bytes_or_more_is_refused_before_any_budget() {
+    use cuda_ipc::quota::QuotaScope;
+    let c = ctx();
+    // A group nobody set a budget for: a refusal by the ledger would name the missing ledger.
+    let nobody = QuotaScope::Group(3_000_000_000 + std::process::id());
+    let specs = [TensorSpec::new("w", DType::U8, &[1i64 << 62])];
+    for (buffers, mode) in [
+        (4, GenerationMode::Buffered(4)),
+        (8, GenerationMode::Buffered(8)),
+    ] {
+        let opts = TensorSetOptions::new()
+            .memory(MemoryKind::Vmm)
+            .mode(mode)
+            .quota(nobody);
+        let name = format!("tshuge-{buffers}-{}", std::process::id());
+        let e = TensorSetWriter::create(&c, &name, &specs, &opts).unwrap_err();
+        let want = format!("a set of {buffers} buffers of 4611686018427387904 bytes is 2^64");
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains(&want)),
+            "{buffers} buffers: {e:?}"
+        );
+        // Nothing of it stays behind: the name is free for a set that fits.
+        let small = [TensorSpec::new("w", DType::U8, &[4096])];
+        let w = TensorSetWriter::create(&c, &name, &small, &TensorSetOptions::new()).unwrap();
+        w.close(T).unwrap();
+    }
 }
