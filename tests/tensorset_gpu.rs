@@ -1,8 +1,9 @@
 //! GPU tests of tensor sets, each with separate processes: VMM, pool and legacy sets read by two
 //! reader processes that check every generation on the GPU, a read-only mapping that faults only
 //! the reader that stores into it, readers and writers killed mid-update, one driver import per
-//! allocation per open, a reader that makes its stream only when it needs one, and a set of 2^64 bytes or more refused before any budget. They need a CUDA GPU and fail without one; `cargo test` lists them as
-//! ignored.
+//! allocation per open, a reader that makes its stream only when it needs one, and a set of 2^64
+//! bytes or more refused before any budget. They need a CUDA GPU and fail without one; `cargo test`
+//! lists them as ignored.
 
 mod common;
 
