@@ -30,6 +30,7 @@ in VMM memory, and measures, per run:
   bytes (`torch.Tensor.copy_`), in the same run.
 
 Prints one JSON document (medians over runs, every run's figures); `--out` writes it to a file.
+Each run's figures also go to stderr as it ends (and to `--out`.partial).
 Every wait is bounded; children die with this process.
 """
 
@@ -377,7 +378,14 @@ def main() -> int:
     import cuda_ipc
 
     shapes = SHAPES[args.shape]()
-    runs = [one_run(torch, cuda_ipc, shapes, args, i) for i in range(args.runs)]
+    runs = []
+    for i in range(args.runs):
+        runs.append(one_run(torch, cuda_ipc, shapes, args, i))
+        # Each run as it ends (a bounded call that stops early keeps the runs it finished).
+        print(f"run {i}: " + json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        if args.out:
+            with open(args.out + ".partial", "w") as f:
+                json.dump({"runs": runs}, f, indent=1)
     def firsts_of(key):
         fs = [f for r in runs for f in r[key]]
         return {
