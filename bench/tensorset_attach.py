@@ -9,7 +9,8 @@ tensors of Llama-3-8B, 15.0 GiB; `moe`: 4,608 x 1 MiB bf16; `quick`: a small set
 in VMM memory, and measures, per run:
 
 - first attach: a fresh process (spawned; CUDA context made and torch imported before the clock
-  starts) opens the set (`open`), holds the current generation and builds its `dict[str, Tensor]`
+  starts; the run's `--children` readers get ready side by side, then attach one after another,
+  each staying alive until the last has attached, so that no exit runs beside an attach) opens the set (`open`), holds the current generation and builds its `dict[str, Tensor]`
   (`dict`: `type(d) is dict`, every value a constructed tensor), then reads one element of every
   tensor and synchronises (`usable`, the same read as the PyTorch baseline's); the driver imports
   the attach made; apart, the hold (`hold_ms`), the dict's PyTorch calls (`tensors_ms`) and the
@@ -110,6 +111,10 @@ def torch_read_child(conn, n: int, loading: str) -> None:
         torch, ready_ms = ready_torch(loading)
         d = {f"t{i}": torch.empty((64, 64), dtype=torch.bfloat16, device="cuda") for i in range(n)}
         torch.cuda.synchronize()
+        conn.send(("ready", None))
+        if not conn.poll(STEP_S):
+            return
+        conn.recv()
         t0 = time.perf_counter()
         read_all(torch, d)
         t1 = time.perf_counter()
@@ -117,6 +122,8 @@ def torch_read_child(conn, n: int, loading: str) -> None:
         t2 = time.perf_counter()
         conn.send(("read", {"ready_ms": ready_ms, "first_ms": (t1 - t0) * 1e3,
                             "again_ms": (t2 - t1) * 1e3}))
+        if conn.poll(STEP_S):  # alive until the batch is done, as the readers
+            conn.recv()
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -163,6 +170,10 @@ def reader_child(name: str, conn, mode: str, loading: str = "lazy") -> None:
         del d
         if mode == "first":
             conn.send(("first", first))
+            # Alive (and its context with it) until the parent has timed every first attach of
+            # the batch: no process's exit runs beside another's attach.
+            if conn.poll(STEP_S):
+                conn.recv()
             return
         # Warm: wait for each new generation, build its dict; report the times.
         conn.send(("first", first))
@@ -269,17 +280,30 @@ def one_run(torch, cuda_ipc, shapes, args, run: int) -> dict:
         # PyTorch's read of its own memory in as many fresh processes.
         for loading in args.module_loading:
             firsts, reads = [], []
-            for _ in range(args.children):
-                p, c = spawn_reader(ctx, name, "first", loading)
+            # The batch's readers start together and get ready (torch imported, context made)
+            # side by side; then each attaches in turn, the others idle, none exiting meanwhile.
+            batch = [spawn_reader(ctx, name, "first", loading) for _ in range(args.children)]
+            for _, c in batch:
                 expect(c, "ready")
+            for _, c in batch:
                 c.send("go")
                 firsts.append(expect(c, "first"))
+            for p, c in batch:
+                c.send("exit")
                 p.join(STEP_S)
+            batch = []
             for _ in range(args.children):
                 a, b = ctx.Pipe()
                 p = ctx.Process(target=torch_read_child, args=(b, len(shapes), loading), daemon=True)
                 p.start()
+                batch.append((p, a))
+            for _, a in batch:
+                expect(a, "ready")
+            for _, a in batch:
+                a.send("go")
                 reads.append(expect(a, "read"))
+            for p, a in batch:
+                a.send("exit")
                 p.join(STEP_S)
             key = "first" if loading == args.module_loading[0] else f"first_{loading}"
             out[key] = firsts
