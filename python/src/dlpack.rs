@@ -77,11 +77,22 @@ impl Drop for FrameHold {
     }
 }
 
-/// One export of a frame.
+/// A frame's element type: bytes.
+pub(crate) const BYTES: DLDataType = DLDataType {
+    code: dlpark::ffi::DLDataTypeCode(1), // kDLUInt
+    bits: 8,
+    lanes: 1,
+};
+
+/// One export of a frame, or of a tensor set's allocation as one typed base.
 pub(crate) struct Export {
     pub hold: Hold,
     pub ptr: u64,
     pub nbytes: usize,
+    /// The element type: `uint8` for a frame (a one-dimensional tensor of `nbytes` elements);
+    /// a tensor set's dtype for its typed base (`nbytes / element size` elements, `nbytes` a
+    /// whole number of them).
+    pub dtype: DLDataType,
     /// The CUDA ordinal (`kDLCUDA`), or -1 for host memory (`kDLCPU`, device 0).
     pub device: i32,
     /// The raw stream the data is ready on.
@@ -108,7 +119,8 @@ impl Export {
     }
 
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        let len = i64::try_from(self.nbytes)
+        let elem = (usize::from(self.dtype.bits) * usize::from(self.dtype.lanes)).div_ceil(8);
+        let len = i64::try_from(self.nbytes / elem.max(1))
             .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("buffer too large"))?;
         let hold = match &self.hold {
             Hold::Frame(h) => Hold::Frame(FrameHold {
@@ -123,7 +135,7 @@ impl Export {
             .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(e.to_string()))?;
         init.set_data(self.ptr as *mut std::ffi::c_void)
             .set_device(self.dl_device())
-            .set_dtype(DLDataType::of::<u8>());
+            .set_dtype(self.dtype);
         // The data pointer is mapped for as long as the context's hold keeps its owner (the
         // consumer of a frame, a tensor-set reader) alive; for `Hold::None` (a write frame, a
         // writer's buffer) while the producer or writer lives, which the caller documents.

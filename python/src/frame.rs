@@ -263,6 +263,7 @@ impl Frame {
             }),
             ptr: gpu.ptr,
             nbytes: self.buffer.nbytes,
+            dtype: dlpack::BYTES,
             device: gpu.device,
             ready_on: gpu.stream,
             frame: Some(hold),

@@ -147,8 +147,9 @@ impl Producer {
         ring: bool,
     ) -> PyResult<Self> {
         let buffer_bytes: usize = buffer_bytes.get(py, "buffer_bytes")?;
-        let buffers: usize = buffers.get(py, "buffers")?;
-        let max_consumers: usize = max_consumers.get(py, "max_consumers")?;
+        let buffers: usize = buffers.within(py, "buffers", 1, cuda_ipc::channel::MAX_BUFFERS)?;
+        let max_consumers: usize =
+            max_consumers.within(py, "max_consumers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;
         let quota_bytes: Option<u64> = opt_int(py, "quota_bytes", quota_bytes)?;
         let device = device_arg(py, device)?;
         let stream = stream_arg(py, stream)?;

@@ -105,7 +105,8 @@ impl TensorSetWriter {
     ) -> PyResult<Self> {
         let device = device_arg(py, device)?;
         let buffers: Option<usize> = crate::util::opt_int(py, "buffers", buffers)?;
-        let max_readers: usize = max_readers.get(py, "max_readers")?;
+        let max_readers: usize =
+            max_readers.within(py, "max_readers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;
         let specs = specs_arg(py, tensors)?;
         let kind = memory_arg(py, memory)?;
         let mut opts = TensorSetOptions::new()
@@ -151,12 +152,16 @@ impl TensorSetWriter {
         max_readers: Int,
     ) -> PyResult<Self> {
         let device = device_arg(py, device)?;
-        let max_readers: usize = max_readers.get(py, "max_readers")?;
+        let max_readers: usize =
+            max_readers.within(py, "max_readers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;
         let torch = tensors::Torch::get(py)?;
         let mut chunks: Vec<(usize, cuda_ipc::ipc::VmmBuffer)> = Vec::new();
         let mut located: Vec<(TensorSpec, u32, u64)> = Vec::with_capacity(tensors.len());
-        for (k, t) in tensors.iter() {
-            let name: String = k.extract()?;
+        // The items at once: a `__getattr__` of the caller's that changes the dict changes
+        // nothing here.
+        for item in tensors.items().iter() {
+            let (k, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let name = tensors::tensor_name(&k)?;
             if !torch.is_tensor(py, &t) {
                 return Err(errors::invalid_argument(
                     py,

@@ -1,9 +1,9 @@
 //! Tensor sets as PyTorch tensors: dtypes both ways, specs from Python values, and the
 //! `dict[str, torch.Tensor]` of one buffer built by the fastest honest route.
 //!
-//! The route: one `torch.from_dlpack` base (`uint8`, the whole allocation) per allocation, one
-//! `view(dtype)` of it per dtype, then per tensor `torch.as_strided(shape, strides,
-//! storage_offset)`; a run of consecutive tensors of one dtype, shape and strides at a constant
+//! The route: one `torch.from_dlpack` base per allocation and dtype, exported as that dtype (for
+//! bool, complex, the wider uints and fp8: one `uint8` base of the whole allocation and a
+//! `view(dtype)` of it), then per tensor `torch.as_strided(shape, strides, storage_offset)`; a run of consecutive tensors of one dtype, shape and strides at a constant
 //! byte step (the experts of a MoE layer) is made by one `as_strided` of the stacked shape and
 //! `unbind(0)`, a single call for the whole run. Nothing is copied; the tensors alias the
 //! mappings, which live as long as the reader (the bases hold it) or the writer.
@@ -11,6 +11,7 @@
 use crate::dlpack::{Export, Hold};
 use crate::errors;
 use cuda_ipc::tensorset::{DType, Layout, TensorInfo, TensorSpec};
+use dlpark::ffi::{DLDataType, DLDataTypeCode};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
@@ -56,6 +57,8 @@ pub(crate) fn dtype_arg(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<DType>
         "int" => "int32",
         "long" => "int64",
         "short" => "int16",
+        "cfloat" => "complex64",
+        "cdouble" => "complex128",
         n => n,
     };
     TORCH_DTYPES
@@ -99,69 +102,131 @@ fn is_torch_dtype(py: Python<'_>, d: &Bound<'_, PyAny>, name: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`),
-/// in the dict's order; tensors are laid out contiguous whatever their strides.
 /// The shape of tensor `name` given as an int or a sequence of ints, each fitting in 64 bits; a
 /// `bool` (an `int` to Python: `True` is 1) is no dimension, as for every integer argument.
 ///
 /// # Errors
-/// `InvalidArgument` naming the tensor, and the `bool` where one is given.
+/// `TypeError` naming the tensor for a shape that is no int or sequence, or a dimension that is
+/// no int (a float, a str, `None`); `InvalidArgument` naming the tensor for a dimension past 64
+/// bits, and the `bool` where one is given; what a dimension's own `__index__` (or a sequence's
+/// `__len__`/`__getitem__`) raised otherwise, as it was.
 fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    let bad = |what: String| {
+    use pyo3::exceptions::{PyOverflowError, PyTypeError};
+    let not_a = |what: &str, v: &Bound<'_, PyAny>| {
+        let ty = v
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_string(), |n| n.to_string());
+        PyTypeError::new_err(format!("tensor {name:?}: {what}, got {ty}"))
+    };
+    let too_large = || {
+        errors::invalid_argument(
+            py,
+            format!("tensor {name:?}: a shape's dimensions must fit in 64 bits"),
+        )
+    };
+    let a_bool = |v: &Bound<'_, PyAny>| {
         errors::invalid_argument(
             py,
             format!(
-                "tensor {name:?}: the shape must be an int or a sequence of ints that fit in 64 \
-                 bits{what}"
+                "tensor {name:?}: a shape's dimensions are ints, got a bool ({}): True and False \
+                 are no dimensions",
+                if v.is_truthy().unwrap_or(false) {
+                    "True"
+                } else {
+                    "False"
+                }
             ),
         )
     };
     let is_bool = |v: &Bound<'_, PyAny>| v.is_instance_of::<pyo3::types::PyBool>();
-    let a_bool = |v: &Bound<'_, PyAny>| {
-        bad(format!(
-            ", got a bool ({}): True and False are no dimensions",
-            if v.is_truthy().unwrap_or(false) {
-                "True"
+    // One dimension: an int (`__index__`); a type error says which type; an int past 64 bits is
+    // a bad value; anything else its `__index__` raised goes up unchanged.
+    let dim = |d: &Bound<'_, PyAny>| -> PyResult<i64> {
+        if is_bool(d) {
+            return Err(a_bool(d));
+        }
+        d.extract::<i64>().map_err(|e| {
+            if e.is_instance_of::<PyOverflowError>(py) {
+                too_large()
+            } else if e.is_instance_of::<PyTypeError>(py) {
+                not_a("a shape's dimensions are ints", d)
             } else {
-                "False"
+                e
             }
-        ))
+        })
     };
     if is_bool(shape) {
         return Err(a_bool(shape));
     }
-    if let Ok(n) = shape.extract::<i64>() {
-        return Ok(vec![n]);
+    if shape.is_instance_of::<pyo3::types::PyInt>() || shape.hasattr("__index__")? {
+        return Ok(vec![dim(shape)?]);
     }
-    let dims: Vec<Bound<'_, PyAny>> = shape.extract().map_err(|_| bad(String::new()))?;
-    dims.iter()
-        .map(|d| {
-            if is_bool(d) {
-                return Err(a_bool(d));
-            }
-            d.extract::<i64>().map_err(|_| bad(String::new()))
-        })
-        .collect()
+    if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(not_a(
+            "the shape must be an int or a sequence of ints",
+            shape,
+        ));
+    }
+    let dims: Vec<Bound<'_, PyAny>> = shape.extract().map_err(|e: PyErr| {
+        if e.is_instance_of::<PyTypeError>(py) {
+            not_a("the shape must be an int or a sequence of ints", shape)
+        } else {
+            e
+        }
+    })?;
+    dims.iter().map(dim).collect()
 }
 
+/// The name of a tensor given as a dict key: a `str` (`TypeError` for another type; a `str`
+/// that is no UTF-8, with a lone surrogate, raises the `UnicodeEncodeError` that says so).
+pub(crate) fn tensor_name(k: &Bound<'_, PyAny>) -> PyResult<String> {
+    if !k.is_instance_of::<PyString>() {
+        let ty = k
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_string(), |n| n.to_string());
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "tensor names must be str, got {ty}"
+        )));
+    }
+    k.extract()
+}
+
+/// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`,
+/// the pair any sequence of two), in the dict's order; tensors are laid out contiguous whatever
+/// their strides. The dict's items are taken at once (`dict.items()`): a dimension's
+/// `__index__` or a dtype's `__str__` that changes the dict changes nothing here.
+///
+/// # Errors
+/// `TypeError` for a name that is no `str`, a value that is neither a tensor nor a pair, and as
+/// [`shape_arg`]; `InvalidArgument` for an unknown dtype ([`dtype_arg`]) and as [`shape_arg`].
 pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<Vec<TensorSpec>> {
-    let mut out = Vec::with_capacity(tensors.len());
-    for (k, v) in tensors.iter() {
-        let name: String = k
-            .extract()
-            .map_err(|_| errors::invalid_argument(py, "tensor names must be str".to_string()))?;
+    let items = tensors.items();
+    let mut out = Vec::with_capacity(items.len());
+    for item in items.iter() {
+        let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+        let name = tensor_name(&k)?;
         let (shape, dtype) = if v.hasattr("data_ptr")? && v.hasattr("dtype")? {
             let shape: Vec<i64> = v.getattr("shape")?.extract()?;
             (shape, dtype_arg(py, &v.getattr("dtype")?)?)
         } else {
-            let (shape, dtype): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                v.extract().map_err(|_| {
-                    errors::invalid_argument(
-                        py,
-                        format!("tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair"),
-                    )
-                })?;
-            (shape_arg(py, &name, &shape)?, dtype_arg(py, &dtype)?)
+            let pair: Option<Vec<Bound<'_, PyAny>>> =
+                if v.is_instance_of::<PyString>() || v.is_instance_of::<pyo3::types::PyBytes>() {
+                    None
+                } else {
+                    v.extract().ok().filter(|p: &Vec<_>| p.len() == 2)
+                };
+            let Some(pair) = pair else {
+                let ty = v
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".to_string(), |n| n.to_string());
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair, got {ty}"
+                )));
+            };
+            (shape_arg(py, &name, &pair[0])?, dtype_arg(py, &pair[1])?)
         };
         out.push(TensorSpec::new(name, dtype, &shape));
     }
@@ -426,10 +491,33 @@ fn runs(tensors: &[TensorInfo]) -> Vec<Run> {
     out
 }
 
-/// One allocation's base tensor and its typed views.
+/// One allocation's typed bases (by dtype), and its base of bytes once a dtype needed one.
 struct Base<'py> {
-    bytes: Bound<'py, PyAny>,
+    bytes: Option<Bound<'py, PyAny>>,
     typed: HashMap<DType, Bound<'py, PyAny>>,
+}
+
+/// The DLPack dtype a base of `d` is exported as, where every PyTorch that reads DLPack takes
+/// it as that dtype (`torch.from_dlpack`: the floats of 16 to 64 bits, bfloat16, the signed
+/// ints, uint8); `None` for the others (bool, complex, the wider uints, fp8), which are views of
+/// a base of bytes (`view(dtype)`), as PyTorch names them.
+fn exported_as_itself(d: DType) -> Option<DLDataType> {
+    const EXPORTED: &[DType] = &[
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+    ];
+    EXPORTED.contains(&d).then(|| DLDataType {
+        code: DLDataTypeCode(d.code),
+        bits: d.bits,
+        lanes: d.lanes,
+    })
 }
 
 /// The tensors' names as Python `str`s, in the layout's order: made once per reader or writer
@@ -447,8 +535,10 @@ pub(crate) fn name_strings(py: Python<'_>, layout: &Layout) -> PyResult<Py<PyTup
 /// `names` the layout's [`name_strings`], `owner` what the bases keep alive (the reader; `None`
 /// for a writer's buffer, valid while the writer lives).
 ///
-/// The calls into PyTorch: one `torch.from_dlpack` per allocation, a `narrow` and a `view` per
-/// allocation and dtype, and an `as_strided` per run (and an `unbind` per run of several).
+/// The calls into PyTorch: one `torch.from_dlpack` per allocation and dtype (for a dtype DLPack
+/// cannot name to every PyTorch, [`exported_as_itself`], one per allocation, and a `narrow` and
+/// a `view` per allocation and dtype), and an `as_strided` per run (and an `unbind` per run of
+/// several).
 pub(crate) fn build<'py>(
     py: Python<'py>,
     layout: &Layout,
@@ -461,19 +551,19 @@ pub(crate) fn build<'py>(
     let from_dlpack = torch.from_dlpack.bind(py);
     let as_strided = torch.as_strided.bind(py);
     let no_sync = (-1i64).into_pyobject(py)?.into_any();
-    let mut made: Vec<Option<Base<'py>>> = Vec::with_capacity(bases.len());
-    for b in bases {
-        let Some((ptr, len)) = *b else {
-            made.push(None);
-            continue;
-        };
+    // One typed base per allocation and dtype, made at its first need: exported as that dtype
+    // where PyTorch's `from_dlpack` takes it (one call, where a base of bytes costs a `narrow`
+    // and a `view` more, a fresh process's first of each a tenth of a millisecond and more);
+    // else a view of the allocation's base of bytes.
+    let export = |ptr: u64, nbytes: usize, dtype: DLDataType| -> PyResult<Bound<'py, PyAny>> {
         let export = Export {
             hold: match &owner {
                 Some(o) => Hold::Owner(o.clone()),
                 None => Hold::None,
             },
             ptr,
-            nbytes: len,
+            nbytes,
+            dtype,
             device,
             ready_on: 0,
             frame: None,
@@ -482,12 +572,17 @@ pub(crate) fn build<'py>(
         // `stream=-1`: no ordering here; the caller orders the tensors' stream with the
         // generation's (`Held::ready_on_raw`).
         let capsule = export.export(py, Some(&no_sync), None, None, None)?;
-        let bytes = from_dlpack.call1((capsule,))?;
-        made.push(Some(Base {
-            bytes,
-            typed: HashMap::new(),
-        }));
-    }
+        from_dlpack.call1((capsule,))
+    };
+    let mut made: Vec<Option<Base<'py>>> = bases
+        .iter()
+        .map(|b| {
+            b.map(|_| Base {
+                bytes: None,
+                typed: HashMap::new(),
+            })
+        })
+        .collect();
     let tensors = layout.tensors();
     let mut made_tensors: Vec<Option<Bound<'py, PyAny>>> = vec![None; tensors.len()];
     for run in runs(tensors) {
@@ -504,11 +599,24 @@ pub(crate) fn build<'py>(
         let typed = match base.typed.get(&t.dtype) {
             Some(v) => v.clone(),
             None => {
-                let n = bases[alloc].map_or(0, |(_, len)| len as u64);
+                let (ptr, n) = bases[alloc].map_or((0, 0), |(p, len)| (p, len as u64));
                 let whole = n - n % size;
-                let dt = torch.dtype(py, t.dtype)?;
-                let narrowed = torch.narrow.bind(py).call1((&base.bytes, 0, 0, whole))?;
-                let v = torch.view.bind(py).call1((narrowed, dt))?;
+                let v = match exported_as_itself(t.dtype) {
+                    Some(dl) => export(ptr, whole as usize, dl)?,
+                    None => {
+                        let bytes = match &base.bytes {
+                            Some(b) => b.clone(),
+                            None => {
+                                let b = export(ptr, n as usize, crate::dlpack::BYTES)?;
+                                base.bytes = Some(b.clone());
+                                b
+                            }
+                        };
+                        let dt = torch.dtype(py, t.dtype)?;
+                        let narrowed = torch.narrow.bind(py).call1((bytes, 0, 0, whole))?;
+                        torch.view.bind(py).call1((narrowed, dt))?
+                    }
+                };
                 base.typed.insert(t.dtype, v.clone());
                 v
             }

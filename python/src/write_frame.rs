@@ -295,6 +295,7 @@ impl WriteFrame {
             hold: dlpack::Hold::None,
             ptr: gpu.ptr,
             nbytes: self.buffer.nbytes,
+            dtype: dlpack::BYTES,
             device: gpu.device,
             ready_on: gpu.stream,
             frame: None,

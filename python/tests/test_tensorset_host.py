@@ -486,11 +486,66 @@ def test_close_aborts_an_open_update_and_a_holds_generation_outlives_its_release
     r.close()
 
 
-def test_shapes_too_large_or_not_ints_are_invalid_arguments(name):
-    for shape in ((2**63, 4), ("4", 4), (4.5,)):
-        with pytest.raises(cuda_ipc.InvalidArgument):
+def test_shapes_too_large_are_invalid_arguments_and_shapes_not_ints_type_errors(name):
+    # A bad value: InvalidArgument (a ValueError); a wrong type: TypeError, naming the tensor.
+    for shape in ((2**63, 4), 2**64, (4, -(2**70))):
+        with pytest.raises(cuda_ipc.InvalidArgument, match='tensor "w".*64 bits'):
             cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
+    for shape, got in ((("4", 4), "str"), ((4.5,), "float"), ((None,), "NoneType"), (4.0, "float"),
+                       ("44", "str"), (None, "NoneType"), (b"\x04", "bytes")):
+        with pytest.raises(TypeError, match=f'tensor "w".*got {got}'):
+            cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
+    # Names: a str or TypeError; a str that is no UTF-8 says so.
+    for key in (1, b"w", None):
+        with pytest.raises(TypeError, match="tensor names must be str"):
+            cuda_ipc.TensorSetWriter(name, {key: ((4,), "float32")}, memory="host")
+    with pytest.raises(UnicodeEncodeError):
+        cuda_ipc.TensorSetWriter(name, {"a\udc80": ((4,), "float32")}, memory="host")
+    # A spec that is neither a tensor nor a pair: TypeError; a pair may be any sequence of two.
+    for spec in ("float32", 4, ((4,), "float32", 1), None):
+        with pytest.raises(TypeError, match=r'tensor "w": give a torch.Tensor or a \(shape, dtype\) pair'):
+            cuda_ipc.TensorSetWriter(name, {"w": spec}, memory="host")
     assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+    w = cuda_ipc.TensorSetWriter(name, {"w": [[4], "float32"]}, memory="host")
+    w.close()
+
+
+def test_a_dimensions_own_exception_goes_up_and_a_dict_changed_meanwhile_changes_nothing(name):
+    # What a dimension's `__index__` raises is the caller's: it goes up as it was (it was made an
+    # InvalidArgument, a KeyboardInterrupt included).
+    class Raises:
+        def __init__(self, e):
+            self.e = e
+
+        def __index__(self):
+            raise self.e
+
+    for e in (KeyboardInterrupt(), RuntimeError("mine")):
+        with pytest.raises(type(e)):
+            cuda_ipc.TensorSetWriter(name, {"w": ((Raises(e),), "uint8")}, memory="host")
+    # A dimension (or a dtype's `__str__`) that changes the dict while it is read: the specs are
+    # the items the dict had when it was given (this raised a Rust panic, "dictionary changed
+    # size during iteration").
+    specs = {}
+
+    class Grows:
+        def __index__(self):
+            specs.clear()
+            specs.update({f"x{i}": ((1,), "uint8") for i in range(10)})
+            return 4
+
+    class Dtype:
+        def __str__(self):
+            specs.pop("b", None)
+            return "uint8"
+
+    specs["a"] = ((Grows(),), "uint8")
+    specs["b"] = ((2,), Dtype())
+    w = cuda_ipc.TensorSetWriter(name, specs, memory="host")
+    try:
+        assert w.names == ["a", "b"]
+    finally:
+        w.close()
 
 
 def test_a_bool_dimension_is_an_invalid_argument_as_for_every_integer_argument(name):

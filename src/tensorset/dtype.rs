@@ -139,7 +139,20 @@ impl std::fmt::Display for DType {
             Self::FLOAT4_E2M1FN => "float4_e2m1fn/",
             _ => return write!(f, "code{}/{}x{}", self.code, self.bits, self.lanes),
         };
-        write!(f, "{name}{}", self.bits)?;
+        // A kind whose name says its bits (`bool`: 8 bits a value; `float8_e4m3fn`: 8) is named
+        // as PyTorch and NumPy name it where it has those bits; its bits follow the `/` else.
+        let natural = match self.code {
+            Self::BOOL_CODE => Some(8),
+            Self::FLOAT6_E2M3FN | Self::FLOAT6_E3M2FN => Some(6),
+            Self::FLOAT4_E2M1FN => Some(4),
+            c if name.ends_with('/') && c != Self::FLOAT4_E2M1FN => Some(8),
+            _ => None,
+        };
+        if natural == Some(self.bits) {
+            write!(f, "{}", name.trim_end_matches('/'))?;
+        } else {
+            write!(f, "{name}{}", self.bits)?;
+        }
         if self.lanes != 1 {
             write!(f, "x{}", self.lanes)?;
         }
@@ -169,5 +182,17 @@ mod tests {
         assert_eq!(DType::scalar(DType::OPAQUE_HANDLE, 64).size_bytes(), None);
         assert_eq!(DType::scalar(DType::FLOAT, 0).size_bytes(), None);
         assert_eq!(DType::BF16.to_string(), "bfloat16");
+        // Named as PyTorch names them (the names `tensors`' specs take), bits only where they
+        // are not the kind's own.
+        assert_eq!(DType::BOOL.to_string(), "bool");
+        assert_eq!(DType::F8_E4M3FN.to_string(), "float8_e4m3fn");
+        assert_eq!(DType::F8_E5M2.to_string(), "float8_e5m2");
+        assert_eq!(DType::scalar(DType::BOOL_CODE, 16).to_string(), "bool16");
+        assert_eq!(
+            DType::scalar(DType::FLOAT8_E5M2, 16).to_string(),
+            "float8_e5m2/16"
+        );
+        assert_eq!(fp4x2.to_string(), "float4_e2m1fnx2");
+        assert_eq!(DType::I64.to_string(), "int64");
     }
 }
