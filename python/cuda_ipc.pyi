@@ -822,7 +822,9 @@ class TensorSetReader:
         writer's ``begin()`` waits, the generation is reserved: ``None`` (or a wait for the commit),
         also for a reader that holds it already, whose hold that ``begin()`` waits for. A
         generation a cancelled ``wait_newer_async`` kept counts: the newer of it and the one
-        published now is returned, the other released (see ``wait_newer_async``)."""
+        published now is returned, the other released (see ``wait_newer_async``). After the
+        writer's death the last generation published is still returned (its memory stays
+        mapped); ``writer_alive`` says whether a newer one can come."""
     def wait_newer(self, than: int, timeout: Optional[float] = None) -> "TensorHold":
         """Waits for a generation newer than ``than`` and holds it. Raises ``Timeout``,
         ``WriterGone``, ``TensorSetClosed`` (the writer closed the set, or this reader is closed,
@@ -861,6 +863,13 @@ class TensorSetReader:
     @property
     def writerless(self) -> bool:
         """Opened after the writer's death: reads the last whole generation, no newer comes."""
+    @property
+    def writer_alive(self) -> bool:
+        """Whether this reader's writer is alive, asked now: ``False`` once it closed the set or
+        died (a writer made again under the name is another: open the set again to read it), and
+        for a writerless reader. ``current()`` goes on returning the last generation published
+        after the writer is gone; a reader that only polls ``current()`` learns here that no
+        newer one comes."""
     def open_timings(self) -> Dict[str, float]:
         """Microseconds per phase of the open: ``manifest``, ``tables``, ``fingerprint``,
         ``fd_fetch`` (of it ``fd_peer``, ``fd_connect``, ``fd_reply``), ``map``, ``join``,

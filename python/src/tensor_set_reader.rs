@@ -604,6 +604,16 @@ impl TensorSetReader {
         Ok(self.get()?.is_writerless())
     }
 
+    /// Whether this reader's writer is alive, asked now: `False` once it closed the set or died
+    /// (a writer made again under the name is another: open the set again to read it), and for
+    /// a writerless reader. `current()` goes on returning the last generation published after
+    /// the writer is gone; a reader that only polls `current()` learns here that no newer one
+    /// comes (`wait_newer` raises `WriterGone` or `TensorSetClosed`).
+    #[getter]
+    fn writer_alive(&self) -> PyResult<bool> {
+        Ok(self.get()?.writer_alive())
+    }
+
     /// Where the open spent its time, in microseconds (floats): `manifest` (open, copy, decode
     /// and check the manifest on the opening thread), `tables` (decode its tensor tables: on the
     /// join thread, beside the mapping, for a GPU set; for a host set on the opening thread,

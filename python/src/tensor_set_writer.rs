@@ -104,7 +104,9 @@ impl TensorSetWriter {
         quota: Option<&str>,
     ) -> PyResult<Self> {
         let device = device_arg(py, device)?;
-        let buffers: Option<usize> = crate::util::opt_int(py, "buffers", buffers)?;
+        let buffers: Option<usize> = buffers
+            .map(|b| b.within(py, "buffers", 0, cuda_ipc::channel::MAX_BUFFERS))
+            .transpose()?;
         let max_readers: usize =
             max_readers.within(py, "max_readers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;
         let specs = specs_arg(py, tensors)?;
@@ -161,7 +163,7 @@ impl TensorSetWriter {
         // nothing here.
         for item in tensors.items().iter() {
             let (k, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            let name = tensors::tensor_name(&k)?;
+            let name = tensors::tensor_name(py, &k)?;
             if !torch.is_tensor(py, &t) {
                 return Err(errors::invalid_argument(
                     py,

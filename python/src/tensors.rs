@@ -106,10 +106,10 @@ fn is_torch_dtype(py: Python<'_>, d: &Bound<'_, PyAny>, name: &str) -> bool {
 /// `bool` (an `int` to Python: `True` is 1) is no dimension, as for every integer argument.
 ///
 /// # Errors
-/// `TypeError` naming the tensor for a shape that is no int or sequence, or a dimension that is
-/// no int (a float, a str, `None`); `InvalidArgument` naming the tensor for a dimension past 64
-/// bits, and the `bool` where one is given; what a dimension's own `__index__` (or a sequence's
-/// `__len__`/`__getitem__`) raised otherwise, as it was.
+/// `InvalidArgument` naming the tensor (as for every argument the library takes) for a shape that
+/// is no int or sequence, a dimension that is no int (a float, a str, `None`; the type named), a
+/// dimension past 64 bits, and the `bool` where one is given; what a dimension's own `__index__`
+/// (or a sequence's `__len__`/`__getitem__`) raised, other than a `TypeError`, as it was.
 fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     use pyo3::exceptions::{PyOverflowError, PyTypeError};
     let not_a = |what: &str, v: &Bound<'_, PyAny>| {
@@ -117,7 +117,7 @@ fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<V
             .get_type()
             .name()
             .map_or_else(|_| "?".to_string(), |n| n.to_string());
-        PyTypeError::new_err(format!("tensor {name:?}: {what}, got {ty}"))
+        errors::invalid_argument(py, format!("tensor {name:?}: {what}, got {ty}"))
     };
     let too_large = || {
         errors::invalid_argument(
@@ -178,19 +178,28 @@ fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<V
     dims.iter().map(dim).collect()
 }
 
-/// The name of a tensor given as a dict key: a `str` (`TypeError` for another type; a `str`
-/// that is no UTF-8, with a lone surrogate, raises the `UnicodeEncodeError` that says so).
-pub(crate) fn tensor_name(k: &Bound<'_, PyAny>) -> PyResult<String> {
+/// The name of a tensor given as a dict key: a `str` (`InvalidArgument` naming the type for
+/// another; for a `str` that is no UTF-8, one with a lone surrogate, saying so).
+pub(crate) fn tensor_name(py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<String> {
     if !k.is_instance_of::<PyString>() {
         let ty = k
             .get_type()
             .name()
             .map_or_else(|_| "?".to_string(), |n| n.to_string());
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-            "tensor names must be str, got {ty}"
-        )));
+        return Err(errors::invalid_argument(
+            py,
+            format!("tensor names must be str, got {ty}"),
+        ));
     }
-    k.extract()
+    k.extract().map_err(|_| {
+        errors::invalid_argument(
+            py,
+            format!(
+                "tensor name {}: not UTF-8 (a lone surrogate)",
+                k.repr().map_or_else(|_| "?".to_string(), |r| r.to_string())
+            ),
+        )
+    })
 }
 
 /// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`,
@@ -199,14 +208,14 @@ pub(crate) fn tensor_name(k: &Bound<'_, PyAny>) -> PyResult<String> {
 /// `__index__` or a dtype's `__str__` that changes the dict changes nothing here.
 ///
 /// # Errors
-/// `TypeError` for a name that is no `str`, a value that is neither a tensor nor a pair, and as
-/// [`shape_arg`]; `InvalidArgument` for an unknown dtype ([`dtype_arg`]) and as [`shape_arg`].
+/// `InvalidArgument` for a name that is no `str`, a value that is neither a tensor nor a pair
+/// (both naming the type given), an unknown dtype ([`dtype_arg`]), and as [`shape_arg`].
 pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult<Vec<TensorSpec>> {
     let items = tensors.items();
     let mut out = Vec::with_capacity(items.len());
     for item in items.iter() {
         let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-        let name = tensor_name(&k)?;
+        let name = tensor_name(py, &k)?;
         let (shape, dtype) = if v.hasattr("data_ptr")? && v.hasattr("dtype")? {
             let shape: Vec<i64> = v.getattr("shape")?.extract()?;
             (shape, dtype_arg(py, &v.getattr("dtype")?)?)
@@ -222,9 +231,12 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
                     .get_type()
                     .name()
                     .map_or_else(|_| "?".to_string(), |n| n.to_string());
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                    "tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair, got {ty}"
-                )));
+                return Err(errors::invalid_argument(
+                    py,
+                    format!(
+                        "tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair, got {ty}"
+                    ),
+                ));
             };
             (shape_arg(py, &name, &pair[0])?, dtype_arg(py, &pair[1])?)
         };

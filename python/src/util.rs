@@ -434,16 +434,9 @@ impl Int {
             Int::Huge(false) => "an int beyond 128 bits".to_string(),
             Int::Bool(b) => format!("a bool ({})", if b { "True" } else { "False" }),
         };
-        // A bound that is only the type's (2^64 - 1 for a count) says nothing a caller needs:
-        // the argument's own range is checked where it is used.
-        let range = if hi.wide() >= i128::from(u64::MAX) {
-            format!("of at least {lo}")
-        } else {
-            format!("from {lo} to {hi}")
-        };
         Err(errors::invalid_argument(
             py,
-            format!("{name} must be an int {range}, got {got}"),
+            format!("{name} must be an int from {lo} to {hi}, got {got}"),
         ))
     }
 }

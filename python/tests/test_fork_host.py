@@ -334,6 +334,7 @@ EVERY = textwrap.dedent(
             "names": lambda: r.names,
             "incarnation": lambda: r.incarnation,
             "writerless": lambda: r.writerless,
+            "writer_alive": lambda: r.writer_alive,
             "open_timings": lambda: r.open_timings(),
             "switch_stable": lambda: r.switch_stable(h),
             "stable_tensors": lambda: r.stable_tensors(),

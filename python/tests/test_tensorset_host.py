@@ -240,6 +240,46 @@ def test_a_killed_writer_leaves_the_held_generation_and_raises_writer_gone(name)
         cuda_ipc.cleanup(dry_run=False)
 
 
+def test_writer_alive_tells_a_reader_polling_current_that_its_writer_died_or_was_replaced(name):
+    # `current()` keeps returning the last generation published after the writer is gone (its
+    # memory stays mapped); `writer_alive` is how a reader that only polls it learns of that.
+    p = child(WRITER, name)
+    try:
+        assert line(p) == ["published", "1"]
+        r = cuda_ipc.TensorSetReader(name)
+        assert r.writer_alive
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(ANSWER)
+        assert not r.writer_alive
+        with r.current() as h:
+            assert h.generation == 1 and h.read("ids") == bytes(range(24))
+        # A new writer under the name is another writer: this reader's stays gone, a reader
+        # opened now reads the new one.
+        w = cuda_ipc.TensorSetWriter(name, {"ids": (3, "int64")}, memory="host")
+        try:
+            with w.begin(timeout=ANSWER) as u:
+                u.write("ids", bytes(24))
+            assert not r.writer_alive
+            with r.current() as h:
+                assert h.read("ids") == bytes(range(24))
+            r2 = cuda_ipc.TensorSetReader(name)
+            assert r2.writer_alive
+            with r2.current() as h:
+                assert h.read("ids") == bytes(24)
+            w.close()
+            assert not r2.writer_alive  # closed: gone too
+            r2.close()
+        finally:
+            w.close()
+        r.close()
+        with pytest.raises(cuda_ipc.TensorSetClosed):
+            r.writer_alive  # noqa: B018 (a closed reader says so)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        cuda_ipc.cleanup(dry_run=False)
+
+
 def test_a_sets_bytes_are_counted_in_a_shared_budget(name):
     """A private group scope (root: a gid nobody uses), as test_host.py's quota test does."""
     gid = 3_900_000_000 + (os.getpid() + 7) % 100_000 if os.geteuid() == 0 else os.getegid()
@@ -486,28 +526,35 @@ def test_close_aborts_an_open_update_and_a_holds_generation_outlives_its_release
     r.close()
 
 
-def test_shapes_too_large_are_invalid_arguments_and_shapes_not_ints_type_errors(name):
-    # A bad value: InvalidArgument (a ValueError); a wrong type: TypeError, naming the tensor.
+def test_shapes_too_large_or_not_ints_and_names_not_str_are_invalid_arguments_naming_the_type(name):
+    # As every argument the library takes: InvalidArgument (a ValueError), naming the tensor and
+    # the type given.
     for shape in ((2**63, 4), 2**64, (4, -(2**70))):
         with pytest.raises(cuda_ipc.InvalidArgument, match='tensor "w".*64 bits'):
             cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
     for shape, got in ((("4", 4), "str"), ((4.5,), "float"), ((None,), "NoneType"), (4.0, "float"),
                        ("44", "str"), (None, "NoneType"), (b"\x04", "bytes")):
-        with pytest.raises(TypeError, match=f'tensor "w".*got {got}'):
+        with pytest.raises(cuda_ipc.InvalidArgument, match=f'tensor "w".*got {got}'):
             cuda_ipc.TensorSetWriter(name, {"w": (shape, "float32")}, memory="host")
-    # Names: a str or TypeError; a str that is no UTF-8 says so.
-    for key in (1, b"w", None):
-        with pytest.raises(TypeError, match="tensor names must be str"):
+    for key, got in ((1, "int"), (b"w", "bytes"), (None, "NoneType")):
+        with pytest.raises(cuda_ipc.InvalidArgument, match=f"tensor names must be str, got {got}"):
             cuda_ipc.TensorSetWriter(name, {key: ((4,), "float32")}, memory="host")
-    with pytest.raises(UnicodeEncodeError):
+    with pytest.raises(cuda_ipc.InvalidArgument, match="not UTF-8"):
         cuda_ipc.TensorSetWriter(name, {"a\udc80": ((4,), "float32")}, memory="host")
-    # A spec that is neither a tensor nor a pair: TypeError; a pair may be any sequence of two.
+    # A spec that is neither a tensor nor a pair; a pair may be any sequence of two.
     for spec in ("float32", 4, ((4,), "float32", 1), None):
-        with pytest.raises(TypeError, match=r'tensor "w": give a torch.Tensor or a \(shape, dtype\) pair'):
+        with pytest.raises(cuda_ipc.InvalidArgument, match=r'tensor "w": give a torch.Tensor or a \(shape, dtype\) pair'):
             cuda_ipc.TensorSetWriter(name, {"w": spec}, memory="host")
     assert not (SHM / f"cuda-ipc.ts.{name}").exists()
     w = cuda_ipc.TensorSetWriter(name, {"w": [[4], "float32"]}, memory="host")
     w.close()
+    # Counts say their own range.
+    for kwargs, want in ((dict(max_readers=0), "max_readers must be an int from 1 to 64, got 0"),
+                         (dict(mode="buffered", buffers=17), "buffers must be an int from 0 to 16, got 17")):
+        with pytest.raises(cuda_ipc.InvalidArgument, match=want):
+            cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **kwargs)
+    with pytest.raises(cuda_ipc.InvalidArgument, match="buffers must be an int from 1 to 16, got 0"):
+        cuda_ipc.Producer(name, 64, memory="host", buffers=0)
 
 
 def test_a_dimensions_own_exception_goes_up_and_a_dict_changed_meanwhile_changes_nothing(name):
@@ -742,6 +789,7 @@ def closed_reader_calls(r, hold):
         "names": [lambda: r.names],
         "incarnation": [lambda: r.incarnation],
         "writerless": [lambda: r.writerless],
+        "writer_alive": [lambda: r.writer_alive],
         "open_timings": [lambda: r.open_timings()],
         "switch_stable": [lambda: r.switch_stable(hold)],
         "stable_tensors": [lambda: r.stable_tensors()],

@@ -374,6 +374,11 @@ impl Consumer {
         self.control.producer().pid
     }
 
+    /// Whether the channel's producer is alive, asked now: not closed and its process not dead.
+    pub(crate) fn producer_alive(&self) -> bool {
+        !self.control.is_closed() && self.control.producer_gone().is_ok()
+    }
+
     /// Whether the channel's pool is host memory ([`MemoryKind::Host`]).
     pub fn is_host(&self) -> bool {
         matches!(self.side, Side::Host(_))

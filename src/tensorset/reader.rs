@@ -584,6 +584,20 @@ impl TensorSetReader {
         matches!(self.consumer, Source::Writerless(_))
     }
 
+    /// Whether this reader's writer is alive, asked now (one look at its liveness lock and at
+    /// the channel's closed word): `false` once it closed the set or its process died, and for a
+    /// reader opened after its death ([`TensorSetReader::is_writerless`]). A writer made again
+    /// under the name is another writer: this reader's stays gone (open the set again to read
+    /// the new one's generations). [`TensorSetReader::current`] goes on returning the last
+    /// generation published after the writer is gone (its memory stays mapped); this tells a
+    /// reader that only polls `current` that no newer generation will come.
+    pub fn writer_alive(&self) -> bool {
+        match &self.consumer {
+            Source::Channel(c) => c.producer_alive(),
+            Source::Writerless(_) => false,
+        }
+    }
+
     /// The reader's context (GPU sets): the one it was opened in, where its mappings are.
     ///
     /// # Errors
