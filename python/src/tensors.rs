@@ -525,7 +525,7 @@ fn exported_as_itself(d: DType) -> Option<DLDataType> {
         DType::I64,
         DType::U8,
     ];
-    EXPORTED.contains(&d).then(|| DLDataType {
+    EXPORTED.contains(&d).then_some(DLDataType {
         code: DLDataTypeCode(d.code),
         bits: d.bits,
         lanes: d.lanes,
