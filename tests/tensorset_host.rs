@@ -1940,3 +1940,24 @@ fn close_at_exit_does_not_wait_for_this_processs_own_holds() {
         w.close(ANSWER).unwrap();
     }
 }
+
+/// `writer_alive` is how a reader that only polls `current` learns that no newer generation
+/// comes: true while the writer runs, false once it closed the set (a writer killed reads the
+/// same: `python/tests/test_tensorset_host.py` kills one), while `current` keeps answering as
+/// documented.
+#[test]
+fn writer_alive_turns_false_once_the_writer_closed() {
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("alive");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &mode_opts("buffered")).unwrap();
+    let r = TensorSetReader::open_host(&name, &ReaderOptions::new()).unwrap();
+    assert!(r.writer_alive());
+    let u = w.begin(Some(ANSWER)).unwrap();
+    assert_eq!(u.commit().unwrap(), 1);
+    assert!(r.writer_alive());
+    assert!(!r.is_writerless());
+    w.close(ANSWER).unwrap();
+    assert!(!r.writer_alive(), "a closed writer is gone");
+}

@@ -645,7 +645,9 @@ impl TensorSetReader {
     /// The newest published generation, even one this reader took before; `None` when none was
     /// published yet (or the only one is being rewritten in place, or reserved by a waiting
     /// [`super::TensorSetWriter::begin`]: also for a reader that holds it already, whose guard
-    /// that `begin` waits for). Does not wait.
+    /// that `begin` waits for). Does not wait. After the writer's death the last generation
+    /// published is still returned (its memory stays mapped);
+    /// [`TensorSetReader::writer_alive`] says whether a newer one can come.
     ///
     /// # Errors
     /// [`TensorSetError::WriterGone`] / [`TensorSetError::Closed`] when no generation is left
