@@ -105,7 +105,7 @@ impl TensorSetWriter {
     ) -> PyResult<Self> {
         let device = device_arg(py, device)?;
         let buffers: Option<usize> = buffers
-            .map(|b| b.within(py, "buffers", 0, cuda_ipc::channel::MAX_BUFFERS))
+            .map(|b| b.within(py, "buffers", 1, cuda_ipc::channel::MAX_BUFFERS))
             .transpose()?;
         let max_readers: usize =
             max_readers.within(py, "max_readers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;

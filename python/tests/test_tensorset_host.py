@@ -550,7 +550,7 @@ def test_shapes_too_large_or_not_ints_and_names_not_str_are_invalid_arguments_na
     w.close()
     # Counts say their own range.
     for kwargs, want in ((dict(max_readers=0), "max_readers must be an int from 1 to 64, got 0"),
-                         (dict(mode="buffered", buffers=17), "buffers must be an int from 0 to 16, got 17")):
+                         (dict(mode="buffered", buffers=17), "buffers must be an int from 1 to 16, got 17")):
         with pytest.raises(cuda_ipc.InvalidArgument, match=want):
             cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **kwargs)
     with pytest.raises(cuda_ipc.InvalidArgument, match="buffers must be an int from 1 to 16, got 0"):
