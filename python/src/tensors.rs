@@ -113,11 +113,7 @@ fn is_torch_dtype(py: Python<'_>, d: &Bound<'_, PyAny>, name: &str) -> bool {
 fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     use pyo3::exceptions::{PyOverflowError, PyTypeError};
     let not_a = |what: &str, v: &Bound<'_, PyAny>| {
-        let ty = v
-            .get_type()
-            .name()
-            .map_or_else(|_| "?".to_string(), |n| n.to_string());
-        errors::invalid_argument(py, format!("tensor {name:?}: {what}, got {ty}"))
+        errors::invalid_argument(py, format!("tensor {name:?}: {what}, got {}", type_of(v)))
     };
     let too_large = || {
         errors::invalid_argument(
@@ -178,17 +174,20 @@ fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<V
     dims.iter().map(dim).collect()
 }
 
+/// The name of `v`'s type, for a message (`?` where even that fails).
+fn type_of(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+}
+
 /// The name of a tensor given as a dict key: a `str` (`InvalidArgument` naming the type for
 /// another; for a `str` that is no UTF-8, one with a lone surrogate, saying so).
 pub(crate) fn tensor_name(py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<String> {
     if !k.is_instance_of::<PyString>() {
-        let ty = k
-            .get_type()
-            .name()
-            .map_or_else(|_| "?".to_string(), |n| n.to_string());
         return Err(errors::invalid_argument(
             py,
-            format!("tensor names must be str, got {ty}"),
+            format!("tensor names must be str, got {}", type_of(k)),
         ));
     }
     k.extract().map_err(|_| {
@@ -227,14 +226,11 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
                     v.extract().ok().filter(|p: &Vec<_>| p.len() == 2)
                 };
             let Some(pair) = pair else {
-                let ty = v
-                    .get_type()
-                    .name()
-                    .map_or_else(|_| "?".to_string(), |n| n.to_string());
                 return Err(errors::invalid_argument(
                     py,
                     format!(
-                        "tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair, got {ty}"
+                        "tensor {name:?}: give a torch.Tensor or a (shape, dtype) pair, got {}",
+                        type_of(&v)
                     ),
                 ));
             };
