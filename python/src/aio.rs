@@ -194,6 +194,17 @@ pub(crate) fn awaitable_then<'py>(
     run_job(py, wait, Some(then), None, Arc::default())
 }
 
+/// The `then` of [`awaitable_parking`] for job `job` of `owner`: `functools.partial(owner._claim,
+/// job)`, which claims what that job's wait parked.
+pub(crate) fn claim_of(owner: &Bound<'_, PyAny>, job: u64) -> PyResult<Py<PyAny>> {
+    let py = owner.py();
+    Ok(py
+        .import("functools")?
+        .getattr("partial")?
+        .call1((owner.getattr("_claim")?, job))?
+        .unbind())
+}
+
 /// [`awaitable_then`] whose wait is also handed the job's abandoned flag ([`is_abandoned`]), to
 /// park with what it took: `then()` claims it while the coroutine is awaited; once the coroutine
 /// gave up, the flag says that the next waiter may take it instead.

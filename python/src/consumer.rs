@@ -271,11 +271,7 @@ impl Consumer {
         let py = slf.py();
         let timeout = timeout_arg(py, timeout)?;
         let job = slf.get().next_job.fetch_add(1, Ordering::Relaxed);
-        let claim = py
-            .import("functools")?
-            .getattr("partial")?
-            .call1((slf.getattr("_claim")?, job))?
-            .unbind();
+        let claim = aio::claim_of(slf.as_any(), job)?;
         let this = slf.unbind();
         aio::awaitable_parking(
             py,

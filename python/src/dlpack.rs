@@ -78,11 +78,7 @@ impl Drop for FrameHold {
 }
 
 /// A frame's element type: bytes.
-pub(crate) const BYTES: DLDataType = DLDataType {
-    code: dlpark::ffi::DLDataTypeCode(1), // kDLUInt
-    bits: 8,
-    lanes: 1,
-};
+pub(crate) const BYTES: DLDataType = DLDataType::of::<u8>();
 
 /// One export of a frame, or of a tensor set's allocation as one typed base.
 pub(crate) struct Export {

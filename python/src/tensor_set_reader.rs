@@ -504,11 +504,7 @@ impl TensorSetReader {
         // Relaxed: a number only, it orders no memory (the parked hold is handed over under
         // `parked`'s lock).
         let id = slf.get().next_job.fetch_add(1, Ordering::Relaxed);
-        let claim = py
-            .import("functools")?
-            .getattr("partial")?
-            .call1((slf.getattr("_claim")?, id))?
-            .unbind();
+        let claim = crate::aio::claim_of(slf.as_any(), id)?;
         let this = slf.unbind();
         crate::aio::awaitable_parking(
             py,

@@ -158,7 +158,7 @@ fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<V
     if shape.is_instance_of::<pyo3::types::PyInt>() || shape.hasattr("__index__")? {
         return Ok(vec![dim(shape)?]);
     }
-    if shape.is_instance_of::<PyString>() || shape.is_instance_of::<pyo3::types::PyBytes>() {
+    if is_text(shape) {
         return Err(not_a(
             "the shape must be an int or a sequence of ints",
             shape,
@@ -172,6 +172,12 @@ fn shape_arg(py: Python<'_>, name: &str, shape: &Bound<'_, PyAny>) -> PyResult<V
         }
     })?;
     dims.iter().map(dim).collect()
+}
+
+/// Whether `v` is a `str` or `bytes`: sequences, but never a shape or a (shape, dtype) pair
+/// (`bytes` would read as its byte values).
+fn is_text(v: &Bound<'_, PyAny>) -> bool {
+    v.is_instance_of::<PyString>() || v.is_instance_of::<pyo3::types::PyBytes>()
 }
 
 /// The name of `v`'s type, for a message (`?` where even that fails).
@@ -219,12 +225,11 @@ pub(crate) fn specs_arg(py: Python<'_>, tensors: &Bound<'_, PyDict>) -> PyResult
             let shape: Vec<i64> = v.getattr("shape")?.extract()?;
             (shape, dtype_arg(py, &v.getattr("dtype")?)?)
         } else {
-            let pair: Option<Vec<Bound<'_, PyAny>>> =
-                if v.is_instance_of::<PyString>() || v.is_instance_of::<pyo3::types::PyBytes>() {
-                    None
-                } else {
-                    v.extract().ok().filter(|p: &Vec<_>| p.len() == 2)
-                };
+            let pair: Option<Vec<Bound<'_, PyAny>>> = if is_text(&v) {
+                None
+            } else {
+                v.extract().ok().filter(|p: &Vec<_>| p.len() == 2)
+            };
             let Some(pair) = pair else {
                 return Err(errors::invalid_argument(
                     py,

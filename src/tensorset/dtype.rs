@@ -118,37 +118,31 @@ impl DType {
 
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = match self.code {
-            Self::INT => "int",
-            Self::UINT => "uint",
-            Self::FLOAT => "float",
-            Self::OPAQUE_HANDLE => "handle",
-            Self::BFLOAT => "bfloat",
-            Self::COMPLEX => "complex",
-            Self::BOOL_CODE => "bool",
-            Self::FLOAT8_E3M4 => "float8_e3m4/",
-            Self::FLOAT8_E4M3 => "float8_e4m3/",
-            Self::FLOAT8_E4M3B11FNUZ => "float8_e4m3b11fnuz/",
-            Self::FLOAT8_E4M3FN => "float8_e4m3fn/",
-            Self::FLOAT8_E4M3FNUZ => "float8_e4m3fnuz/",
-            Self::FLOAT8_E5M2 => "float8_e5m2/",
-            Self::FLOAT8_E5M2FNUZ => "float8_e5m2fnuz/",
-            Self::FLOAT8_E8M0FNU => "float8_e8m0fnu/",
-            Self::FLOAT6_E2M3FN => "float6_e2m3fn/",
-            Self::FLOAT6_E3M2FN => "float6_e3m2fn/",
-            Self::FLOAT4_E2M1FN => "float4_e2m1fn/",
+        // Each kind's name, and the bits its name says where it says them (`bool`: 8 bits a
+        // value; `float8_e4m3fn`: 8): named as PyTorch and NumPy name it where it has those
+        // bits; else its bits follow (after a `/` where the name ends in a number).
+        let (name, own) = match self.code {
+            Self::INT => ("int", None),
+            Self::UINT => ("uint", None),
+            Self::FLOAT => ("float", None),
+            Self::OPAQUE_HANDLE => ("handle", None),
+            Self::BFLOAT => ("bfloat", None),
+            Self::COMPLEX => ("complex", None),
+            Self::BOOL_CODE => ("bool", Some(8)),
+            Self::FLOAT8_E3M4 => ("float8_e3m4/", Some(8)),
+            Self::FLOAT8_E4M3 => ("float8_e4m3/", Some(8)),
+            Self::FLOAT8_E4M3B11FNUZ => ("float8_e4m3b11fnuz/", Some(8)),
+            Self::FLOAT8_E4M3FN => ("float8_e4m3fn/", Some(8)),
+            Self::FLOAT8_E4M3FNUZ => ("float8_e4m3fnuz/", Some(8)),
+            Self::FLOAT8_E5M2 => ("float8_e5m2/", Some(8)),
+            Self::FLOAT8_E5M2FNUZ => ("float8_e5m2fnuz/", Some(8)),
+            Self::FLOAT8_E8M0FNU => ("float8_e8m0fnu/", Some(8)),
+            Self::FLOAT6_E2M3FN => ("float6_e2m3fn/", Some(6)),
+            Self::FLOAT6_E3M2FN => ("float6_e3m2fn/", Some(6)),
+            Self::FLOAT4_E2M1FN => ("float4_e2m1fn/", Some(4)),
             _ => return write!(f, "code{}/{}x{}", self.code, self.bits, self.lanes),
         };
-        // A kind whose name says its bits (`bool`: 8 bits a value; `float8_e4m3fn`: 8) is named
-        // as PyTorch and NumPy name it where it has those bits; its bits follow the `/` else.
-        let natural = match self.code {
-            Self::BOOL_CODE => Some(8),
-            Self::FLOAT6_E2M3FN | Self::FLOAT6_E3M2FN => Some(6),
-            Self::FLOAT4_E2M1FN => Some(4),
-            c if name.ends_with('/') && c != Self::FLOAT4_E2M1FN => Some(8),
-            _ => None,
-        };
-        if natural == Some(self.bits) {
+        if own == Some(self.bits) {
             write!(f, "{}", name.trim_end_matches('/'))?;
         } else {
             write!(f, "{name}{}", self.bits)?;
