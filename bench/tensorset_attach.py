@@ -8,8 +8,9 @@ One writer (this process) publishes a tensor set of the issue's shapes (`llama`:
 tensors of Llama-3-8B, 15.0 GiB; `moe`: 4,608 x 1 MiB bf16; `quick`: a small set for a smoke run)
 in VMM memory, and measures, per run:
 
-- first attach: a fresh process (spawned; CUDA context made and torch imported before the clock
-  starts; the run's `--children` readers get ready side by side, then attach one after another,
+- first attach: a fresh process (spawned; CUDA context made, torch imported and then `cuda_ipc`,
+  whose import runs `cuda_ipc.warm_up()`, before the clock starts: the import's time is
+  `import_ms`, and `CUDA_IPC_WARM_UP=0` leaves the warm-up to the attach; the run's `--children` readers get ready side by side, then attach one after another,
   each staying alive until the last has attached, so that no exit runs beside an attach) opens the set (`open`), holds the current generation and builds its `dict[str, Tensor]`
   (`dict`: `type(d) is dict`, every value a constructed tensor), then reads one element of every
   tensor and synchronises (`usable`, the same read as the PyTorch baseline's); the driver imports
@@ -133,8 +134,10 @@ def reader_child(name: str, conn, mode: str, loading: str = "lazy") -> None:
     common.die_with_parent()
     try:
         torch, ready_ms = ready_torch(loading)
-        import cuda_ipc
+        t = time.perf_counter()
+        import cuda_ipc  # its warm-up runs here (cuda_ipc.warm_up), before the clock
 
+        import_ms = (time.perf_counter() - t) * 1e3
         conn.send(("ready", None))
         if not conn.poll(STEP_S):
             return
@@ -160,6 +163,7 @@ def reader_child(name: str, conn, mode: str, loading: str = "lazy") -> None:
             "read_again_ms": (t4 - t3) * 1e3,
             "imports": r.imports,
             "ready_ms": ready_ms,
+            "import_ms": import_ms,
             "tensors": len(d),
             "dict_ok": ok,
             "read_only": r.read_only,

@@ -93,6 +93,40 @@ pub(crate) fn driver_api() -> Result<DriverApi> {
     }
 }
 
+/// Whether this process has the driver loaded and initialised already (another library made a
+/// context: PyTorch, CuPy, JAX), asked without loading the library or initialising the driver:
+/// `libcuda.so.1` must be in the process already (`dlopen` with `RTLD_NOLOAD`), and
+/// `cuCtxGetCurrent` must not answer `CUDA_ERROR_NOT_INITIALIZED` (which every driver call
+/// returns before `cuInit`, per the driver API's initialisation section). When it answers yes,
+/// cudarc's loader has loaded its view of the library (its first use in this process).
+pub(crate) fn initialized_elsewhere() -> bool {
+    // SAFETY: with RTLD_NOLOAD, `dlopen` returns a handle only to a library already loaded (no
+    // initialiser runs, nothing is loaded); the name is a NUL-terminated literal.
+    let h = unsafe {
+        libc::dlopen(
+            c"libcuda.so.1".as_ptr(),
+            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+        )
+    };
+    if h.is_null() {
+        return false;
+    }
+    // SAFETY: `h` came from `dlopen` above and is closed once; the library stays loaded (its
+    // other references hold it).
+    unsafe { libc::dlclose(h) };
+    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names (the library is
+    // loaded already, and its soname is the last of them).
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the library is present (just above), so cudarc's loader does not panic; `ctx` is a
+    // valid out-pointer. Before `cuInit` the driver answers `CUDA_ERROR_NOT_INITIALIZED` and does
+    // nothing else.
+    let code = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
+    code == sys::CUresult::CUDA_SUCCESS
+}
+
 #[derive(Debug)]
 enum InitFailure {
     NotFound(String),

@@ -35,7 +35,7 @@
 //! receive posted ahead, `Posted`, and its `PostedFrame`), `holder.rs` (a tensor set's
 //! `TensorSetHolder`); `aio.rs` the awaitable waits, `view.rs` the frames' buffer, `util.rs` what
 //! they share, `quota.rs` the quota functions, `errors.rs` the exception classes, `dlpack.rs` the
-//! tensor exports, `torch_alloc.rs` PyTorch's pluggable allocator (the exported C functions
+//! tensor exports, `warm.rs` the warm-up at import (`warm_up`), `torch_alloc.rs` PyTorch's pluggable allocator (the exported C functions
 //! `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM arena) and `torch_mem_pool`.
 
 mod aio;
@@ -58,6 +58,7 @@ mod tensors;
 mod torch_alloc;
 mod util;
 mod view;
+mod warm;
 mod write_frame;
 mod writer_core;
 
@@ -100,5 +101,8 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_alloc::arena_stats, m)?)?;
     m.add("META_BYTES", cuda_ipc::channel::META_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(warm::warm_up, m)?)?;
+    // Last: the module is whole if PyTorch's calls below import anything that looks at it.
+    warm::at_import(m.py());
     Ok(())
 }

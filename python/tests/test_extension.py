@@ -164,3 +164,77 @@ def test_the_stubs_name_what_the_module_has():
     ]
     assert missing == []
 
+
+
+def test_warm_up_without_a_driver_in_the_process_prepares_no_device():
+    maps = pathlib.Path("/proc/self/maps").read_text()
+    out = cuda_ipc.warm_up()
+    assert set(out) == {"device", "torch"}
+    if "libcuda" not in maps:
+        assert out["device"] is None
+    torch = __import__("sys").modules.get("torch")
+    assert out["torch"] == (torch is not None and hasattr(torch, "Tensor"))
+    # Nothing it did loaded the driver.
+    assert ("libcuda" in pathlib.Path("/proc/self/maps").read_text()) == ("libcuda" in maps)
+
+
+WARM_PROBE = r"""
+import json, sys, types
+seen = []
+class Torch(types.ModuleType):
+    def __getattr__(self, n):
+        seen.append(n)
+        raise AttributeError(n)
+sys.modules["torch"] = Torch("torch")
+import cuda_ipc
+at_import = list(seen)
+out = cuda_ipc.warm_up()
+print(json.dumps({"at_import": at_import, "out": out, "after": seen}))
+"""
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_the_import_warms_up_unless_told_not_to_and_a_broken_torch_raises_nothing(env):
+    import json
+    import subprocess
+    import sys
+
+    e = dict(os.environ)
+    e.pop("CUDA_IPC_WARM_UP", None)
+    if env is not None:
+        e["CUDA_IPC_WARM_UP"] = env
+    p = subprocess.run(
+        [sys.executable, "-c", WARM_PROBE], env=e, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    # A `torch` without `Tensor` (being imported, or not PyTorch) is left alone: no calls made.
+    assert r["out"] == {"device": None, "torch": False}
+    assert r["after"].count("Tensor") >= 1
+    assert ("Tensor" in r["at_import"]) == (env is None)
+
+
+BROKEN_TORCH = r"""
+import sys, types
+t = types.ModuleType("torch")
+class Tensor: pass
+t.Tensor = Tensor
+def boom(*a, **k): raise RuntimeError("broken torch")
+t.from_dlpack = t.as_strided = boom
+sys.modules["torch"] = t
+import cuda_ipc
+out = cuda_ipc.warm_up()
+assert out == {"device": None, "torch": False}, out
+print("ok")
+"""
+
+
+def test_a_torch_whose_calls_fail_leaves_the_import_and_warm_up_without_an_error():
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", BROKEN_TORCH], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok"

@@ -23,7 +23,7 @@ mod stream;
 pub use context::{Context, CurrentGuard};
 pub use device::{
     ComputeMode, Device, DeviceCapabilities, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD, Uuid,
-    driver_version,
+    driver_version, warm_up,
 };
 pub use event::Event;
 pub use graph::Graph;
