@@ -664,13 +664,7 @@ pub(crate) fn work_stream(
     }
     let modules = py.import("sys")?.getattr("modules")?;
     if modules.contains("torch")? {
-        let torch = py.import("torch")?;
-        let s = torch
-            .getattr("cuda")?
-            .call_method1("current_stream", (device,))?
-            .getattr("cuda_stream")?
-            .extract::<usize>()?;
-        return Ok(s);
+        return crate::tensors::Torch::get(py)?.current_stream(py, device);
     }
     Ok(1)
 }

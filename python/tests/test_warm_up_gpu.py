@@ -1,7 +1,8 @@
 """`warm_up()` and its run at import in a process with PyTorch and a GPU: it never initialises
 CUDA or loads the driver where the process did not (a child forked afterwards uses CUDA), it
 prepares the device whose context is current once PyTorch made it, and a tensor set attached
-after it reads what was written.
+after it reads what was written. `tensors()` orders its reads after the generation on the
+calling thread's current PyTorch stream (asked of PyTorch without making a `torch.cuda.Stream`).
 
 Without `CUDA_IPC_GPU_TESTS=1` every test is skipped; with it, a machine without PyTorch or
 without a GPU fails them. Run: `CUDA_IPC_GPU_TESTS=1 pytest python/tests/test_warm_up_gpu.py`."""
@@ -80,3 +81,31 @@ def test_the_import_after_torch_made_its_context_prepares_it(cuda):
     )
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.strip() == "{'device': 0, 'torch': True}"
+
+
+def test_tensors_wait_for_the_generation_on_the_current_stream_of_the_caller(cuda):
+    import uuid
+
+    import cuda_ipc
+
+    torch = cuda
+    name = f"pytest-warm-{uuid.uuid4().hex[:10]}"
+    n = 1 << 20
+    with cuda_ipc.TensorSetWriter(name, {"a": ((n,), "float32")}) as w:
+        r = cuda_ipc.TensorSetReader(name, device=0)
+        try:
+            for value in (3.0, 5.0):
+                with w.begin(timeout=10.0) as u:
+                    # The writer's stream is busy for about 0.1 s before it writes: a read not
+                    # made to wait for the generation would see the old bytes.
+                    torch.cuda._sleep(200_000_000)
+                    u.tensors()["a"].fill_(value)
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    h = r.current(timeout=10.0)
+                    total = h.tensors()["a"].sum()
+                    h.release()
+                s.synchronize()
+                assert float(total) == value * n
+        finally:
+            r.close()
