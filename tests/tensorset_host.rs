@@ -534,6 +534,34 @@ fn a_truncated_manifest_and_garbage_under_the_generation_channel_are_named_as_su
     drop(w);
 }
 
+/// A young empty manifest (a creator may be sizing it now) is a creation in progress that says to
+/// try again, as a channel's does: the writer's create over it fails at once with that message.
+#[test]
+fn a_creation_in_progress_says_to_try_again_as_a_channels_does() {
+    if role().is_some() {
+        return;
+    }
+    let n = set_name("young");
+    let _g = common::Unlink(format!("cuda-ipc.ts.{n}"));
+    common::plant(path("cuda-ipc.ts.", &n), &[]);
+    let e = TensorSetWriter::create_host(&n, &specs(), &TensorSetOptions::new())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::TensorSet(TensorSetError::CreationInProgress(_))),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        format!("tensor set {n:?} is being created by another process; try again")
+    );
+    let channel = cuda_ipc::channel::ChannelError::CreationInProgress(n.clone()).to_string();
+    assert_eq!(
+        channel,
+        format!("channel {n:?} is being created by another process; try again")
+    );
+}
+
 /// A manifest of zeros (no writer recorded) 2 s old by `st_ctime`'s whole seconds (between 1 and
 /// 3 s of real time) is a creation abandoned half-way, as an empty one of that age is: a reader's
 /// open and an inspection (`cuda-ipc ls`) refuse it at once. Before, one at 2 by that count was

@@ -79,7 +79,7 @@ pub enum TensorSetError {
         pid: u32,
     },
     /// A creation under this name is in progress (or was abandoned less than 2 s ago).
-    #[error("tensor set {0:?} is being created by another process")]
+    #[error("tensor set {0:?} is being created by another process; try again")]
     CreationInProgress(String),
     /// The layout fingerprint is not the one expected (another checkpoint or model shape).
     #[error(
