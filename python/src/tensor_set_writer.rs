@@ -565,10 +565,10 @@ impl TensorSetWriter {
 
     fn __repr__(&self) -> String {
         format!(
-            "TensorSetWriter({:?}, {} tensors, {} bytes per buffer, generation {})",
+            "TensorSetWriter({:?}, {}, {} per buffer, generation {})",
             self.core.name,
-            self.core.layout.len(),
-            self.core.layout.bytes_per_buffer(),
+            crate::util::plural(self.core.layout.len(), "tensor"),
+            crate::util::bytes(self.core.layout.bytes_per_buffer()),
             *lock(&self.core.generation)
         )
     }

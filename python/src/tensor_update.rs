@@ -10,7 +10,7 @@ use crate::copy_plan::CopyPlan;
 use crate::errors;
 use crate::sources::{self, coalesce, copy_gpu};
 use crate::tensors;
-use crate::util::{err, lock, work_stream};
+use crate::util::{bytes, err, lock, work_stream};
 use crate::writer_core::WriterCore;
 use cuda_ipc::Error;
 use cuda_ipc::tensorset::owned::OwnedUpdate;
@@ -378,14 +378,12 @@ impl TensorUpdate {
             return Err(errors::invalid_argument(
                 py,
                 format!(
-                    "tensor {name:?} has elements of {} ({dtype}); data has items of {} bytes \
+                    "tensor {name:?} has elements of {} ({dtype}); data has items of {} \
                      (format {:?}): write copies bytes as they are, never converting: convert \
                      the data to the tensor's dtype first, or give its plain bytes \
                      (memoryview(data).cast(\"B\")) to copy them as they are",
-                    element.map_or("no whole number of bytes".to_string(), |n| format!(
-                        "{n} bytes"
-                    )),
-                    raw.itemsize,
+                    element.map_or("no whole number of bytes".to_string(), bytes),
+                    bytes(raw.itemsize),
                     raw.format
                 ),
             ));

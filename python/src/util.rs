@@ -732,7 +732,10 @@ pub(crate) fn shaped<'py>(
     if need > nbytes {
         return Err(errors::invalid_argument(
             py,
-            format!("that shape and dtype need {need} bytes; the buffer has {nbytes}"),
+            format!(
+                "that shape and dtype need {}; the buffer has {nbytes}",
+                bytes(need)
+            ),
         ));
     }
     let mut t = tensor;
@@ -782,6 +785,19 @@ pub(crate) fn cupy_array<'py>(
             .getattr("itemsize")?
             .extract()
     })
+}
+
+/// `n` followed by `unit`, in the plural unless `n` is 1 (`1 byte`, `2 bytes`): how the extension's
+/// messages write a count.
+pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
+    let n = n.to_string();
+    let s = if n == "1" { "" } else { "s" };
+    format!("{n} {unit}{s}")
+}
+
+/// `n` bytes as the extension's messages write them ([`plural`]: `1 byte`, `2 bytes`).
+pub(crate) fn bytes(n: impl std::fmt::Display) -> String {
+    plural(n, "byte")
 }
 
 /// `bytes` as is; anything else that exports a buffer (`bytearray`, `memoryview`, `array`, NumPy)
@@ -873,7 +889,10 @@ pub(crate) fn range_arg(
     if offset.checked_add(n).is_none_or(|end| end > len) {
         return Err(errors::invalid_argument(
             py,
-            format!("{n} bytes at offset {offset} pass the end of a {len}-byte buffer"),
+            format!(
+                "{} at offset {offset} would pass the end of a {len}-byte buffer",
+                bytes(n)
+            ),
         ));
     }
     Ok(n)
@@ -901,7 +920,7 @@ pub(crate) fn fingerprint_arg(
     <[u8; 32]>::try_from(b).map(Some).map_err(|_| {
         crate::errors::invalid_argument(
             py,
-            format!("{what} is {} bytes; a fingerprint has 32", b.len()),
+            format!("{what} is {}; a fingerprint has 32", bytes(b.len())),
         )
     })
 }

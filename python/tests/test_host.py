@@ -777,6 +777,22 @@ def test_a_refused_publish_keeps_the_frame_open_to_publish_again(name):
         rx.close()
 
 
+def test_a_range_of_one_byte_past_a_frames_end_is_said_in_the_singular(name):
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host") as tx:
+        w = tx.acquire(timeout=ANSWER)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            w.write(b"x", offset=64)
+        assert str(e.value) == (
+            "invalid argument: 1 byte at offset 64 would pass the end of a 64-byte buffer"
+        )
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            w.read(63, 2)
+        assert str(e.value) == (
+            "invalid argument: 2 bytes at offset 63 would pass the end of a 64-byte buffer"
+        )
+        w.abandon()
+
+
 # Integer arguments out of their range: each an `InvalidArgument` naming the argument and the
 # range (never the `OverflowError` of the conversion), and nothing made.
 BAD_INTS = [

@@ -1169,3 +1169,39 @@ def test_a_reader_given_a_device_opens_a_host_set_as_its_writer_did(name):
     finally:
         r.close()
         w.close()
+
+
+# ---------------------------------------------------------------- counts of one byte
+
+
+def test_a_write_past_a_one_byte_tensor_counts_one_byte_in_the_singular(name):
+    """Counts of one are said in the singular: a write of 2 bytes into a tensor of 1 byte, items
+    of 1 byte given to a float32 tensor and items of 2 bytes to a 1-byte dtype, a writer of one
+    tensor."""
+    import array
+
+    w = cuda_ipc.TensorSetWriter(name, {"one": ((1,), "uint8"), "f": ((2,), "float32")}, memory="host")
+    try:
+        u = w.begin(timeout=ANSWER)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            u.write("one", b"xy")
+        assert str(e.value) == 'invalid argument: 2 bytes into tensor "one" of 1 byte'
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            u.write("f", array.array("b", b"abcd"))  # signed chars: items, not plain bytes
+        assert 'has elements of 4 bytes (' in str(e.value), e.value
+        assert 'data has items of 1 byte (format "b")' in str(e.value), e.value
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            u.write("one", array.array("h", [1]))
+        assert "has elements of 1 byte (" in str(e.value), e.value
+        assert "data has items of 2 bytes" in str(e.value), e.value
+        u.write("one", b"z")
+        assert u.commit() == 1
+        assert repr(w).startswith(f'TensorSetWriter("{name}", 2 tensors, '), repr(w)
+    finally:
+        w.close()
+    one = cuda_ipc.TensorSetWriter(name, {"one": ((1,), "uint8")}, memory="host")
+    try:
+        per = "1 byte" if one.nbytes == 1 else f"{one.nbytes} bytes"
+        assert repr(one) == f'TensorSetWriter("{name}", 1 tensor, {per} per buffer, generation 0)'
+    finally:
+        one.close()
