@@ -339,22 +339,22 @@ class Producer:
     def stats(self) -> ChannelStats:
         """The channel's counters (not while a WriteFrame is outstanding; ``ChannelClosed`` once
         closed)."""
-    def close(self, timeout: float = 5.0) -> Dict[str, int]:
-        """Closes the channel (no frame is published after it; consumers get ``ChannelClosed``
-        once they received what was published) and waits up to ``timeout`` seconds (0 to 1e9)
-        until every ``delivery="every"`` consumer has *received* every published frame and no
-        consumer holds one (a ``"latest"`` consumer is waited for only while it holds a frame);
-        then forces the holds left and frees the pool. Returns ``{"forced_holds": n,
-        "consumers_behind": m}``: ``n`` holds released by force at the deadline, ``m`` every-frame
-        consumers that had not received every frame by then (either nonzero: the whole timeout
-        was waited). The wait runs in 50 ms slices without the GIL: Ctrl-C raises
-        ``KeyboardInterrupt`` within one, leaving the channel closed to new frames but its pool
-        not yet freed (call ``close()`` again to finish). Safe from any thread: an ``acquire``
-        blocked in another thread raises ``ChannelClosed`` and this waits for it to end (one
-        50 ms slice) before closing. While a WriteFrame is outstanding it returns at once (both
+    def close(self, timeout: Optional[float] = 5.0) -> Dict[str, int]:
+        """Closes the channel (no frame is published after it; consumers get ``ChannelClosed`` once
+        they received what was published) and waits up to ``timeout`` seconds (0 to 1e9; ``None``:
+        without bound, as every ``timeout=None``) until every ``delivery="every"`` consumer has
+        *received* every published frame and no consumer holds one (a ``"latest"`` consumer is
+        waited for only while it holds a frame); then forces the holds left and frees the pool.
+        Returns ``{"forced_holds": n, "consumers_behind": m}``: ``n`` holds released by force at the
+        deadline, ``m`` every-frame consumers that had not received every frame by then (either
+        nonzero: the whole timeout was waited). The wait runs in 50 ms slices without the GIL:
+        Ctrl-C raises ``KeyboardInterrupt`` within one, leaving the channel closed to new frames but
+        its pool not yet freed (call ``close()`` again to finish). Safe from any thread: an
+        ``acquire`` blocked in another thread raises ``ChannelClosed`` and this waits for it to end
+        (one 50 ms slice) before closing. While a WriteFrame is outstanding it returns at once (both
         counts 0) and the channel closes when that frame is published (which then raises
-        ``ChannelClosed``) or abandoned. A second ``close()`` while another thread's close frees
-        the channel returns once that one has (within its own ``timeout``; both counts 0)."""
+        ``ChannelClosed``) or abandoned. A second ``close()`` while another thread's close frees the
+        channel returns once that one has (within its own ``timeout``; both counts 0)."""
     def __enter__(self) -> Producer: ...
     def __exit__(
         self,
@@ -710,18 +710,19 @@ class TensorSetWriter:
         nothing up; a live one that never asks keeps the wait until ``timeout``. Waits without
         the GIL in 50 ms slices. ``TensorSetClosed`` once closed; ``InvalidArgument`` while an
         update is open or another thread waits in ``begin()``."""
-    def close(self, timeout: float = ...) -> None:
+    def close(self, timeout: Optional[float] = 5.0) -> None:
         """Closes the set. From its start no hold is granted: readers' ``current()``,
-        ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers
-        that ask again and again (a generation a reader took before, whose awaited wait was
-        cancelled, still goes to that reader's next call: that hold was taken before); then it waits up to ``timeout`` seconds (default 5) only for
-        the holds taken before, returning as soon as they end (holds left at the timeout are
-        forced); an open update is aborted. The wait runs in 50 ms slices without the GIL: Ctrl-C raises
-        ``KeyboardInterrupt`` within one, leaving the set closed (names gone, ``begin`` refused)
-        but its memory not yet freed (call ``close()`` again to finish). Safe from any thread: a
-        ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50 ms and this
-        waits for it to end first. Closing twice does nothing, but a second ``close()`` while
-        another thread's close frees the set returns once that one has (within its own
+        ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers that
+        ask again and again (a generation a reader took before, whose awaited wait was cancelled,
+        still goes to that reader's next call: that hold was taken before); then it waits up to
+        ``timeout`` seconds (default 5, 0 to 1e9; ``None``: without bound, as every
+        ``timeout=None``) only for the holds taken before, returning as soon as they end (holds left
+        at the timeout are forced); an open update is aborted. The wait runs in 50 ms slices without
+        the GIL: Ctrl-C raises ``KeyboardInterrupt`` within one, leaving the set closed (names gone,
+        ``begin`` refused) but its memory not yet freed (call ``close()`` again to finish). Safe
+        from any thread: a ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50
+        ms and this waits for it to end first. Closing twice does nothing, but a second ``close()``
+        while another thread's close frees the set returns once that one has (within its own
         ``timeout``); ``begin``, ``publish`` and ``synchronize`` raise ``TensorSetClosed`` after
         it."""
     def __enter__(self) -> "TensorSetWriter": ...

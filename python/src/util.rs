@@ -462,6 +462,18 @@ pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<Seconds>) -> PyResult<
         .transpose()
 }
 
+/// The wait of a `close(timeout=None)`: no bound. Every wait a close makes takes it as none, here
+/// ([`sliced`], [`Finish::wait`]) and in the library (`Producer::close`,
+/// `TensorSetWriter::close`): a deadline `Instant::now() + NO_BOUND` overflows, which they read
+/// as no deadline, and an elapsed time never reaches it.
+pub(crate) const NO_BOUND: Duration = Duration::MAX;
+
+/// The `timeout` of a `close()`, which hands it to the library's close as a `Duration`: a number
+/// checked by [`seconds_arg`], or [`NO_BOUND`] for `None`, as every other `timeout=None`.
+pub(crate) fn close_timeout_arg(py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Duration> {
+    Ok(timeout_arg(py, timeout)?.unwrap_or(NO_BOUND))
+}
+
 pub(crate) fn wait_arg(py: Python<'_>, wait: &str, spin: Seconds) -> PyResult<WaitStrategy> {
     // Checked whatever `wait` is: a bad value is a mistake even where it is not used.
     let spin = seconds_arg(py, "spin", spin, false)?;

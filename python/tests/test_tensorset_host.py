@@ -1171,7 +1171,75 @@ def test_a_reader_given_a_device_opens_a_host_set_as_its_writer_did(name):
         w.close()
 
 
-# ---------------------------------------------------------------- counts of one byte
+# ---------------------------------------------------------------- close(timeout=None); counts
+# of one byte
+
+
+def test_close_with_timeout_none_waits_without_bound_on_a_producer_and_a_writer(name):
+    """`close(timeout=None)` waits without a bound, as every `timeout=None` does, on both classes
+    whose close takes a timeout: a producer's and a writer's close each wait for a hold released
+    5.5 s later (past the default 5 s), force nothing and return once it is released. A value out
+    of range (a bool included) is still an `InvalidArgument` that closes nothing."""
+    tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        for close in (tx.close, w.close):
+            for bad in (-1, float("nan"), True, 1e10):
+                with pytest.raises(cuda_ipc.InvalidArgument, match=r"\(None waits forever\)"):
+                    close(bad)
+            with pytest.raises(TypeError):  # not a number: as every timeout's
+                close("5")
+        with tx.acquire(timeout=ANSWER) as f:
+            f.publish(b"held")
+        frame = rx.recv(timeout=ANSWER)
+        g = write_gen(w, None)
+        hold = r.current()
+        assert frame.held and hold.held and hold.generation == g
+
+        def release():
+            frame.release()
+            hold.release()
+
+        got = {}
+
+        def closing(what, call):
+            def run():
+                got[what] = (call(), time.monotonic())
+
+            return threading.Thread(target=run, daemon=True)
+
+        threads = [
+            closing("producer", lambda: tx.close(None)),
+            closing("writer", lambda: w.close(timeout=None)),
+        ]
+        releaser = threading.Timer(5.5, release)
+        start = time.monotonic()
+        releaser.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(ANSWER * 2)
+        releaser.join()
+        assert got["producer"][0] == {"forced_holds": 0, "consumers_behind": 0}, got
+        assert got["writer"][0] is None, got
+        for what, (_, at) in got.items():
+            assert at - start >= 5.4, f"{what}'s close(None) returned {at - start:.2f} s in"
+        assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+        assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+        # Closed: again with None does nothing, at once.
+        assert tx.close(None) == {"forced_holds": 0, "consumers_behind": 0}
+        w.close(None)
+    finally:
+        rx.close()
+        r.close()
+        tx.close(0)
+        w.close(0)
+        for prefix in ("cuda-ipc.ch.", "cuda-ipc.hp."):
+            p = SHM / f"{prefix}{name}"
+            if p.exists():
+                p.unlink()
 
 
 def test_a_write_past_a_one_byte_tensor_counts_one_byte_in_the_singular(name):
