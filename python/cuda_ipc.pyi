@@ -91,6 +91,14 @@ default stream, ``2`` the per-thread one), a ``torch.cuda.Stream`` (its ``cuda_s
 until the frame it orders is published or released (PyTorch's pooled streams and the default
 streams always are)."""
 
+BytesLike = Union[bytes, bytearray, memoryview, Any]
+"""Bytes as every call that takes some reads them (``WriteFrame.write`` and ``publish``'s
+metadata, ``TensorUpdate.write`` and ``commit``'s content, a reader's ``expect_layout`` and
+``expect_content``): ``bytes``, or any object exporting a buffer (``bytearray``, ``memoryview``,
+``array.array``, a NumPy array), its bytes copied once. What exports no buffer (a ``str``, an
+``int``) raises ``TypeError``; a buffer of Python objects (format ``O``, a NumPy array of
+``dtype=object``), ``InvalidArgument``."""
+
 class CudaIpcError(Exception):
     """Base class of every error raised by cuda_ipc; the message is the Rust error's text."""
 
@@ -383,7 +391,7 @@ class WriteFrame:
     @property
     def is_host(self) -> bool:
         """Whether the buffer is shared host memory (``memory="host"``)."""
-    def write(self, data: Union[bytes, bytearray, memoryview, Any], offset: int = 0) -> int:
+    def write(self, data: BytesLike, offset: int = 0) -> int:
         """Copies ``data`` (bytes, or any object exporting a buffer) into the host buffer at byte
         ``offset``; returns the bytes written. ``InvalidArgument`` past the end or once
         published, and for a buffer of Python objects (format ``O``, a NumPy array of
@@ -402,12 +410,13 @@ class WriteFrame:
         bytes. ``InvalidArgument`` when they need more bytes than the buffer has."""
     def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
         """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
-    def publish(self, metadata: bytes = ...) -> int:
-        """Publishes with ``metadata`` (at most META_BYTES; default none, ``b""``); returns the
-        sequence number. A refused argument (``InvalidArgument`` past META_BYTES, ``TypeError``
-        for a ``str``) changes nothing: the frame stays open to publish again or abandon. Once
-        the producer was closed, raises ``ChannelClosed`` and gives the buffer back
-        unpublished."""
+    def publish(self, metadata: Optional[BytesLike] = None) -> int:
+        """Publishes with ``metadata`` (at most META_BYTES; ``bytes`` or any buffer, as
+        ``TensorUpdate.commit``'s ``content``; default ``None``: none); returns the sequence
+        number. A refused argument (``InvalidArgument`` past META_BYTES or for a buffer of Python
+        objects, ``TypeError`` for a ``str``) changes nothing: the frame stays open to publish
+        again or abandon. Once the producer was closed, raises ``ChannelClosed`` and gives the
+        buffer back unpublished."""
     def abandon(self) -> None: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]: ...
@@ -760,7 +769,7 @@ class TensorUpdate:
         readable memory of the set's device is refused before the copy kernel reads it. A
         ``CopyPlan`` of this writer copies its sources without reading them again."""
     def copy_from_previous(self) -> None: ...
-    def write(self, name: str, data: Any) -> None:
+    def write(self, name: str, data: BytesLike) -> None:
         """Host sets: writes ``data`` (bytes, or any object exporting a buffer) over the first
         ``len(data)`` bytes of tensor ``name``, as they are, never converted: plain bytes
         (``bytes``, ``bytearray``, ``memoryview(a).cast("B")``) into a tensor of any dtype, any
@@ -774,10 +783,11 @@ class TensorUpdate:
         (``expect_content``)."""
     def tensor_digests(self) -> List[bytes]:
         """The content digest of each tensor as the work so far leaves it (16 bytes each)."""
-    def commit(self, content: Optional[bytes] = None, fingerprint: bool = False) -> int:
+    def commit(self, content: Optional[BytesLike] = None, fingerprint: bool = False) -> int:
         """Publishes the generation; ``fingerprint=True`` commits the fingerprint of its bytes,
         computed where they lie (a kernel on a GPU set), which readers check with
-        ``TensorHold.verify_content()``; ``content``: a 32-byte fingerprint of your own."""
+        ``TensorHold.verify_content()``; ``content``: a 32-byte fingerprint of your own
+        (``bytes`` or any buffer, as ``WriteFrame.publish``'s metadata)."""
     def abort(self) -> None:
         """Gives the buffer back uncommitted; in place, no generation is readable until the next
         commit (its bytes may be half-written)."""
@@ -808,13 +818,13 @@ class TensorSetReader:
         name: str,
         *,
         device: Optional[int] = None,
-        expect_layout: Optional[bytes] = None,
+        expect_layout: Optional[BytesLike] = None,
         read_only: bool = True,
         wait: Wait = "spin_then_block",
         spin: float = ...,  # 50e-6 seconds
         serve: bool = False,
         stable_addresses: bool = False,
-        expect_content: Optional[bytes] = None,
+        expect_content: Optional[BytesLike] = None,
     ) -> TensorSetReader: ...
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a

@@ -1171,8 +1171,8 @@ def test_a_reader_given_a_device_opens_a_host_set_as_its_writer_did(name):
         w.close()
 
 
-# ---------------------------------------------------------------- close(timeout=None); counts
-# of one byte
+# ---------------------------------------------------------------- close(timeout=None);
+# bytes-like arguments; counts of one byte
 
 
 def test_close_with_timeout_none_waits_without_bound_on_a_producer_and_a_writer(name):
@@ -1240,6 +1240,38 @@ def test_close_with_timeout_none_waits_without_bound_on_a_producer_and_a_writer(
             p = SHM / f"{prefix}{name}"
             if p.exists():
                 p.unlink()
+
+
+def test_bytes_like_fingerprints_are_taken_alike_and_one_byte_is_said_so(name):
+    """A reader's `expect_layout` takes what its `expect_content` and `commit(content=...)` take:
+    `bytes` or any buffer; a str is the same `TypeError` for each, a wrong length the same
+    `InvalidArgument`, which counts one byte in the singular."""
+    import array
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        fp = w.layout_fingerprint
+        for kind in (bytes, bytearray, lambda b: memoryview(b"x" + b)[1:], lambda b: array.array("I", b)):
+            r = cuda_ipc.TensorSetReader(name, expect_layout=kind(fp))
+            r.close()
+        u = w.begin(timeout=ANSWER)
+        for arg, call in (
+            ("expect_layout", lambda v: cuda_ipc.TensorSetReader(name, expect_layout=v)),
+            ("expect_content", lambda v: cuda_ipc.TensorSetReader(name, expect_content=v)),
+            ("content", lambda v: u.commit(content=v)),
+        ):
+            for bad in ("x" * 32, 5):
+                with pytest.raises(TypeError):
+                    call(bad)
+            with pytest.raises(cuda_ipc.InvalidArgument) as e:
+                call(bytearray(1))
+            assert str(e.value) == f"invalid argument: {arg} is 1 byte; a fingerprint has 32"
+            with pytest.raises(cuda_ipc.InvalidArgument) as e:
+                call(memoryview(bytes(33)))
+            assert str(e.value) == f"invalid argument: {arg} is 33 bytes; a fingerprint has 32"
+        assert u.commit(content=array.array("B", bytes(range(32)))) == 1
+    finally:
+        w.close()
 
 
 def test_a_write_past_a_one_byte_tensor_counts_one_byte_in_the_singular(name):
