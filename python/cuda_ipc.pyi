@@ -748,12 +748,19 @@ class CopyPlan:
 
 @final
 class TensorUpdate:
-    """A generation being written (from ``TensorSetWriter.begin``)."""
+    """A generation being written (from ``TensorSetWriter.begin``). Once committed or aborted
+    (also by the writer's ``close()``), ``generation`` and ``buffer`` still answer, as a released
+    ``TensorHold``'s do; every other call raises (``InvalidArgument``, or ``TensorSetClosed`` once
+    the writer closed it), but ``abort()``, which does nothing."""
 
     @property
-    def generation(self) -> int: ...
+    def generation(self) -> int:
+        """The generation this update publishes (what ``commit()`` returns); after the commit,
+        the generation it published; after an abort, the one it would have published (the
+        writer's next update takes that number)."""
     @property
-    def buffer(self) -> int: ...
+    def buffer(self) -> int:
+        """The buffer being written (after the update's end, the buffer it wrote)."""
     def tensors(self) -> Dict[str, Any]:
         """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set). Needs
         PyTorch: without it ``ImportError`` (a host set is written with ``write(name, data)``)."""

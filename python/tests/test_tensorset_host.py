@@ -1171,8 +1171,8 @@ def test_a_reader_given_a_device_opens_a_host_set_as_its_writer_did(name):
         w.close()
 
 
-# ---------------------------------------------------------------- close(timeout=None);
-# bytes-like arguments; counts of one byte
+# ---------------------------------------------------------------- close(timeout=None); an
+# update's generation after its end; bytes-like arguments; counts of one byte
 
 
 def test_close_with_timeout_none_waits_without_bound_on_a_producer_and_a_writer(name):
@@ -1240,6 +1240,70 @@ def test_close_with_timeout_none_waits_without_bound_on_a_producer_and_a_writer(
             p = SHM / f"{prefix}{name}"
             if p.exists():
                 p.unlink()
+
+
+def ended_update_calls(u):
+    """Every public member of a `TensorUpdate` but `generation`, `buffer` and `abort`, each as it
+    would be made: what acts on the update's buffer."""
+    return {
+        "tensors": lambda: u.tensors(),
+        "copy_from": lambda: u.copy_from({}),
+        "copy_from_previous": lambda: u.copy_from_previous(),
+        "write": lambda: u.write("ids", b"x"),
+        "fingerprint": lambda: u.fingerprint(),
+        "tensor_digests": lambda: u.tensor_digests(),
+        "commit": lambda: u.commit(),
+    }
+
+
+def test_an_ended_updates_generation_and_buffer_stay_readable_and_its_other_calls_raise(name):
+    """As a released hold's `generation`, a committed or aborted update's `generation` and
+    `buffer` answer: the generation it published (what `commit()` returned), or, aborted, the one
+    it would have published, which the writer's next update takes; and the buffer it wrote. Every
+    other call raises, `InvalidArgument` once committed or aborted and `TensorSetClosed` once the
+    writer's `close()` aborted it; `abort()` again does nothing. Every public member of
+    `TensorUpdate` is classed here, so a new one is too."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
+
+    def ended(u, generation, buffer, error):
+        calls = ended_update_calls(u)
+        assert public(cuda_ipc.TensorUpdate) == set(calls) | {"generation", "buffer", "abort"}
+        for what, call in calls.items():
+            with pytest.raises(error) as e:
+                call()
+            assert not isinstance(e.value, cuda_ipc.NotSupported), what
+            if error is cuda_ipc.InvalidArgument:
+                assert "committed or aborted" in str(e.value), (what, e.value)
+        u.abort()  # nothing: ended already
+        assert (u.generation, u.buffer) == (generation, buffer)
+        assert repr(u) == "TensorUpdate(finished)"
+
+    try:
+        # Committed by the end of a `with` block.
+        with w.begin(timeout=ANSWER) as u:
+            g, b = u.generation, u.buffer
+            u.write("ids", data(g, "ids", SIZES["ids"]))
+        assert g == 1 == w.generation
+        ended(u, 1, b, cuda_ipc.InvalidArgument)
+        # By commit(): the generation it returned.
+        u = w.begin(timeout=ANSWER)
+        b = u.buffer
+        assert u.commit() == 2
+        ended(u, 2, b, cuda_ipc.InvalidArgument)
+        # Aborted: the generation it would have published, which the next update takes.
+        u = w.begin(timeout=ANSWER)
+        b = u.buffer
+        assert u.generation == 3
+        u.abort()
+        ended(u, 3, b, cuda_ipc.InvalidArgument)
+        nxt = w.begin(timeout=ANSWER)
+        assert nxt.generation == 3 and w.generation == 2
+        # Aborted by the writer's close().
+        b = nxt.buffer
+        w.close()
+        ended(nxt, 3, b, cuda_ipc.TensorSetClosed)
+    finally:
+        w.close()
 
 
 def test_bytes_like_fingerprints_are_taken_alike_and_one_byte_is_said_so(name):
