@@ -91,6 +91,14 @@ default stream, ``2`` the per-thread one), a ``torch.cuda.Stream`` (its ``cuda_s
 until the frame it orders is published or released (PyTorch's pooled streams and the default
 streams always are)."""
 
+BytesLike = Union[bytes, bytearray, memoryview, Any]
+"""Bytes as every call that takes some reads them (``WriteFrame.write`` and ``publish``'s
+metadata, ``TensorUpdate.write`` and ``commit``'s content, a reader's ``expect_layout`` and
+``expect_content``): ``bytes``, or any object exporting a buffer (``bytearray``, ``memoryview``,
+``array.array``, a NumPy array), its bytes copied once. What exports no buffer (a ``str``, an
+``int``) raises ``TypeError``; a buffer of Python objects (format ``O``, a NumPy array of
+``dtype=object``), ``InvalidArgument``."""
+
 class CudaIpcError(Exception):
     """Base class of every error raised by cuda_ipc; the message is the Rust error's text."""
 
@@ -357,22 +365,22 @@ class Producer:
     def stats(self) -> ChannelStats:
         """The channel's counters (not while a WriteFrame is outstanding; ``ChannelClosed`` once
         closed)."""
-    def close(self, timeout: float = 5.0) -> Dict[str, int]:
-        """Closes the channel (no frame is published after it; consumers get ``ChannelClosed``
-        once they received what was published) and waits up to ``timeout`` seconds (0 to 1e9)
-        until every ``delivery="every"`` consumer has *received* every published frame and no
-        consumer holds one (a ``"latest"`` consumer is waited for only while it holds a frame);
-        then forces the holds left and frees the pool. Returns ``{"forced_holds": n,
-        "consumers_behind": m}``: ``n`` holds released by force at the deadline, ``m`` every-frame
-        consumers that had not received every frame by then (either nonzero: the whole timeout
-        was waited). The wait runs in 50 ms slices without the GIL: Ctrl-C raises
-        ``KeyboardInterrupt`` within one, leaving the channel closed to new frames but its pool
-        not yet freed (call ``close()`` again to finish). Safe from any thread: an ``acquire``
-        blocked in another thread raises ``ChannelClosed`` and this waits for it to end (one
-        50 ms slice) before closing. While a WriteFrame is outstanding it returns at once (both
+    def close(self, timeout: Optional[float] = 5.0) -> Dict[str, int]:
+        """Closes the channel (no frame is published after it; consumers get ``ChannelClosed`` once
+        they received what was published) and waits up to ``timeout`` seconds (0 to 1e9; ``None``:
+        without bound, as every ``timeout=None``) until every ``delivery="every"`` consumer has
+        *received* every published frame and no consumer holds one (a ``"latest"`` consumer is
+        waited for only while it holds a frame); then forces the holds left and frees the pool.
+        Returns ``{"forced_holds": n, "consumers_behind": m}``: ``n`` holds released by force at the
+        deadline, ``m`` every-frame consumers that had not received every frame by then (either
+        nonzero: the whole timeout was waited). The wait runs in 50 ms slices without the GIL:
+        Ctrl-C raises ``KeyboardInterrupt`` within one, leaving the channel closed to new frames but
+        its pool not yet freed (call ``close()`` again to finish). Safe from any thread: an
+        ``acquire`` blocked in another thread raises ``ChannelClosed`` and this waits for it to end
+        (one 50 ms slice) before closing. While a WriteFrame is outstanding it returns at once (both
         counts 0) and the channel closes when that frame is published (which then raises
-        ``ChannelClosed``) or abandoned. A second ``close()`` while another thread's close frees
-        the channel returns once that one has (within its own ``timeout``; both counts 0)."""
+        ``ChannelClosed``) or abandoned. A second ``close()`` while another thread's close frees the
+        channel returns once that one has (within its own ``timeout``; both counts 0)."""
     def __enter__(self) -> Producer: ...
     def __exit__(
         self,
@@ -401,7 +409,7 @@ class WriteFrame:
     @property
     def is_host(self) -> bool:
         """Whether the buffer is shared host memory (``memory="host"``)."""
-    def write(self, data: Union[bytes, bytearray, memoryview, Any], offset: int = 0) -> int:
+    def write(self, data: BytesLike, offset: int = 0) -> int:
         """Copies ``data`` (bytes, or any object exporting a buffer) into the host buffer at byte
         ``offset``; returns the bytes written. ``InvalidArgument`` past the end or once
         published, and for a buffer of Python objects (format ``O``, a NumPy array of
@@ -420,12 +428,13 @@ class WriteFrame:
         bytes. ``InvalidArgument`` when they need more bytes than the buffer has."""
     def as_cupy(self, shape: Optional[Union[int, Tuple[int, ...]]] = None, dtype: Any = None) -> Any:
         """The buffer as a CuPy array, as ``as_tensor`` (CuPy's current stream)."""
-    def publish(self, metadata: bytes = ...) -> int:
-        """Publishes with ``metadata`` (at most META_BYTES; default none, ``b""``); returns the
-        sequence number. A refused argument (``InvalidArgument`` past META_BYTES, ``TypeError``
-        for a ``str``) changes nothing: the frame stays open to publish again or abandon. Once
-        the producer was closed, raises ``ChannelClosed`` and gives the buffer back
-        unpublished."""
+    def publish(self, metadata: Optional[BytesLike] = None) -> int:
+        """Publishes with ``metadata`` (at most META_BYTES; ``bytes`` or any buffer, as
+        ``TensorUpdate.commit``'s ``content``; default ``None``: none); returns the sequence
+        number. A refused argument (``InvalidArgument`` past META_BYTES or for a buffer of Python
+        objects, ``TypeError`` for a ``str``) changes nothing: the frame stays open to publish
+        again or abandon. Once the producer was closed, raises ``ChannelClosed`` and gives the
+        buffer back unpublished."""
     def abandon(self) -> None: ...
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]: ...
@@ -728,18 +737,19 @@ class TensorSetWriter:
         nothing up; a live one that never asks keeps the wait until ``timeout``. Waits without
         the GIL in 50 ms slices. ``TensorSetClosed`` once closed; ``InvalidArgument`` while an
         update is open or another thread waits in ``begin()``."""
-    def close(self, timeout: float = ...) -> None:
+    def close(self, timeout: Optional[float] = 5.0) -> None:
         """Closes the set. From its start no hold is granted: readers' ``current()``,
-        ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers
-        that ask again and again (a generation a reader took before, whose awaited wait was
-        cancelled, still goes to that reader's next call: that hold was taken before); then it waits up to ``timeout`` seconds (default 5) only for
-        the holds taken before, returning as soon as they end (holds left at the timeout are
-        forced); an open update is aborted. The wait runs in 50 ms slices without the GIL: Ctrl-C raises
-        ``KeyboardInterrupt`` within one, leaving the set closed (names gone, ``begin`` refused)
-        but its memory not yet freed (call ``close()`` again to finish). Safe from any thread: a
-        ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50 ms and this
-        waits for it to end first. Closing twice does nothing, but a second ``close()`` while
-        another thread's close frees the set returns once that one has (within its own
+        ``wait_newer()`` and ``wait_newer_async()`` raise ``TensorSetClosed``, also in readers that
+        ask again and again (a generation a reader took before, whose awaited wait was cancelled,
+        still goes to that reader's next call: that hold was taken before); then it waits up to
+        ``timeout`` seconds (default 5, 0 to 1e9; ``None``: without bound, as every
+        ``timeout=None``) only for the holds taken before, returning as soon as they end (holds left
+        at the timeout are forced); an open update is aborted. The wait runs in 50 ms slices without
+        the GIL: Ctrl-C raises ``KeyboardInterrupt`` within one, leaving the set closed (names gone,
+        ``begin`` refused) but its memory not yet freed (call ``close()`` again to finish). Safe
+        from any thread: a ``begin`` waiting in another thread raises ``TensorSetClosed`` within 50
+        ms and this waits for it to end first. Closing twice does nothing, but a second ``close()``
+        while another thread's close frees the set returns once that one has (within its own
         ``timeout``); ``begin``, ``publish`` and ``synchronize`` raise ``TensorSetClosed`` after
         it."""
     def __enter__(self) -> "TensorSetWriter": ...
@@ -756,12 +766,19 @@ class CopyPlan:
 
 @final
 class TensorUpdate:
-    """A generation being written (from ``TensorSetWriter.begin``)."""
+    """A generation being written (from ``TensorSetWriter.begin``). Once committed or aborted
+    (also by the writer's ``close()``), ``generation`` and ``buffer`` still answer, as a released
+    ``TensorHold``'s do; every other call raises (``InvalidArgument``, or ``TensorSetClosed`` once
+    the writer closed it), but ``abort()``, which does nothing."""
 
     @property
-    def generation(self) -> int: ...
+    def generation(self) -> int:
+        """The generation this update publishes (what ``commit()`` returns); after the commit,
+        the generation it published; after an abort, the one it would have published (the
+        writer's next update takes that number)."""
     @property
-    def buffer(self) -> int: ...
+    def buffer(self) -> int:
+        """The buffer being written (after the update's end, the buffer it wrote)."""
     def tensors(self) -> Dict[str, Any]:
         """Writable ``torch.Tensor`` views of this buffer (CPU tensors for a host set). Needs
         PyTorch: without it ``ImportError`` (a host set is written with ``write(name, data)``)."""
@@ -777,7 +794,7 @@ class TensorUpdate:
         readable memory of the set's device is refused before the copy kernel reads it. A
         ``CopyPlan`` of this writer copies its sources without reading them again."""
     def copy_from_previous(self) -> None: ...
-    def write(self, name: str, data: Any) -> None:
+    def write(self, name: str, data: BytesLike) -> None:
         """Host sets: writes ``data`` (bytes, or any object exporting a buffer) over the first
         ``len(data)`` bytes of tensor ``name``, as they are, never converted: plain bytes
         (``bytes``, ``bytearray``, ``memoryview(a).cast("B")``) into a tensor of any dtype, any
@@ -791,10 +808,11 @@ class TensorUpdate:
         (``expect_content``)."""
     def tensor_digests(self) -> List[bytes]:
         """The content digest of each tensor as the work so far leaves it (16 bytes each)."""
-    def commit(self, content: Optional[bytes] = None, fingerprint: bool = False) -> int:
+    def commit(self, content: Optional[BytesLike] = None, fingerprint: bool = False) -> int:
         """Publishes the generation; ``fingerprint=True`` commits the fingerprint of its bytes,
         computed where they lie (a kernel on a GPU set), which readers check with
-        ``TensorHold.verify_content()``; ``content``: a 32-byte fingerprint of your own."""
+        ``TensorHold.verify_content()``; ``content``: a 32-byte fingerprint of your own
+        (``bytes`` or any buffer, as ``WriteFrame.publish``'s metadata)."""
     def abort(self) -> None:
         """Gives the buffer back uncommitted; in place, no generation is readable until the next
         commit (its bytes may be half-written)."""
@@ -825,13 +843,13 @@ class TensorSetReader:
         name: str,
         *,
         device: Optional[int] = None,
-        expect_layout: Optional[bytes] = None,
+        expect_layout: Optional[BytesLike] = None,
         read_only: bool = True,
         wait: Wait = "spin_then_block",
         spin: float = ...,  # 50e-6 seconds
         serve: bool = False,
         stable_addresses: bool = False,
-        expect_content: Optional[bytes] = None,
+        expect_content: Optional[BytesLike] = None,
     ) -> TensorSetReader: ...
     def current(self, timeout: Optional[float] = ...) -> Optional["TensorHold"]:
         """The newest generation (even one taken before); waits up to ``timeout`` seconds for a

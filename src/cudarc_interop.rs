@@ -221,8 +221,9 @@ where
     let (ptr, len) = (mem.device_ptr(), mem.len());
     if len % size != 0 || ptr % align as u64 != 0 {
         return Err(Error::InvalidArgument(format!(
-            "{len} bytes at {ptr:#x} are not a whole number of aligned {}-byte elements ({} alignment)",
-            size, align
+            "{} at {ptr:#x} cannot be viewed as a whole number of aligned {size}-byte elements \
+             ({align} alignment)",
+            crate::error::bytes(len)
         )));
     }
     let s = {

@@ -22,7 +22,9 @@
 //! is that layer's own error.
 //!
 //! This module sits outside the layer stack (docs/ARCHITECTURE.md, "Module graph"): every module
-//! may use it, and it names the layers' error types as variant payloads only. It calls nothing.
+//! may use it, and it names the layers' error types as variant payloads only. It calls nothing of
+//! theirs; besides the errors it owns how every message writes a count (`plural`, `bytes`: `1
+//! byte`, `2 bytes`).
 
 use std::time::Duration;
 
@@ -181,6 +183,19 @@ impl OsError {
     }
 }
 
+/// `n` followed by `unit`, in the plural unless `n` is 1: `1 byte`, `0 bytes`, `4096 bytes`. How
+/// the crate's messages write a count, whatever integer type (or reference to one) holds it.
+pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
+    let n = n.to_string();
+    let s = if n == "1" { "" } else { "s" };
+    format!("{n} {unit}{s}")
+}
+
+/// `n` bytes as the crate's messages write them: [`plural`]`(n, "byte")` (`1 byte`, `2 bytes`).
+pub(crate) fn bytes(n: impl std::fmt::Display) -> String {
+    plural(n, "byte")
+}
+
 /// The driver library names of the comma-separated list `names` as a message shows them: the two
 /// a Linux driver installs first (`libcuda.so.1`, `libcuda.so`, where the list has them), then how
 /// many others were tried (`none of libcuda.so.1, libcuda.so and 13 other names could be
@@ -198,11 +213,10 @@ fn few_of(names: &str) -> String {
         1 => format!("{} could not be loaded", all[0]),
         2 => format!("neither {} nor {} could be loaded", all[0], all[1]),
         n => format!(
-            "none of {}, {} and {} other name{} could be loaded",
+            "none of {}, {} and {} could be loaded",
             all[0],
             all[1],
-            n - 2,
-            if n == 3 { "" } else { "s" }
+            plural(n - 2, "other name")
         ),
     }
 }
@@ -228,5 +242,23 @@ mod tests {
             "none of a, b and 1 other name could be loaded"
         );
         assert_eq!(few_of(""), "no library name was tried");
+    }
+
+    #[test]
+    fn a_count_of_one_is_singular_and_every_other_plural() {
+        assert_eq!(bytes(1u64), "1 byte");
+        // As the fields of a `thiserror` message give it: by reference.
+        let len = 1usize;
+        assert_eq!(bytes(&len as &dyn std::fmt::Display), "1 byte");
+        for (n, text) in [
+            (0, "0 bytes"),
+            (2, "2 bytes"),
+            (11, "11 bytes"),
+            (-1, "-1 bytes"),
+        ] {
+            assert_eq!(bytes(n), text);
+        }
+        assert_eq!(plural(1, "other name"), "1 other name");
+        assert_eq!(plural(21u8, "other name"), "21 other names");
     }
 }

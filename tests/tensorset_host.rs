@@ -534,6 +534,59 @@ fn a_truncated_manifest_and_garbage_under_the_generation_channel_are_named_as_su
     drop(w);
 }
 
+/// A young empty manifest (a creator may be sizing it now) is a creation in progress that says to
+/// try again, as a channel's does: the writer's create over it fails at once with that message.
+#[test]
+fn a_creation_in_progress_says_to_try_again_as_a_channels_does() {
+    if role().is_some() {
+        return;
+    }
+    let n = set_name("young");
+    let _g = common::Unlink(format!("cuda-ipc.ts.{n}"));
+    common::plant(path("cuda-ipc.ts.", &n), &[]);
+    let e = TensorSetWriter::create_host(&n, &specs(), &TensorSetOptions::new())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::TensorSet(TensorSetError::CreationInProgress(_))),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        format!("tensor set {n:?} is being created by another process; try again")
+    );
+    let channel = cuda_ipc::channel::ChannelError::CreationInProgress(n.clone()).to_string();
+    assert_eq!(
+        channel,
+        format!("channel {n:?} is being created by another process; try again")
+    );
+}
+
+/// A count of one byte is said in the singular, others in the plural: a write of 2 bytes into a
+/// tensor of 1 byte, and of 3 bytes into one of 2, name both counts so.
+#[test]
+fn a_write_past_a_one_byte_tensor_says_one_byte() {
+    if role().is_some() {
+        return;
+    }
+    let n = set_name("one-byte");
+    let specs = [
+        TensorSpec::new("one", DType::U8, &[1]),
+        TensorSpec::new("two", DType::U8, &[2]),
+    ];
+    let mut w = TensorSetWriter::create_host(&n, &specs, &TensorSetOptions::new()).unwrap();
+    let mut u = w.begin(Some(ANSWER)).unwrap();
+    let e = u.write_tensor(0, &[1, 2]).unwrap_err().to_string();
+    assert_eq!(e, "invalid argument: 2 bytes into tensor \"one\" of 1 byte");
+    let e = u.write_tensor(1, &[1, 2, 3]).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "invalid argument: 3 bytes into tensor \"two\" of 2 bytes"
+    );
+    u.write_tensor(0, &[7]).unwrap();
+    assert_eq!(u.commit().unwrap(), 1);
+}
+
 /// A manifest of zeros (no writer recorded) 2 s old by `st_ctime`'s whole seconds (between 1 and
 /// 3 s of real time) is a creation abandoned half-way, as an empty one of that age is: a reader's
 /// open and an inspection (`cuda-ipc ls`) refuse it at once. Before, one at 2 by that count was

@@ -289,8 +289,9 @@ mod run {
         loop {
             let r = ts_send::serve(opts, &stop, &mut totals);
             eprintln!(
-                "cuda-ipc bridge send: {} generations mirrored ({} bytes written) so far",
-                totals.generations, totals.bytes
+                "cuda-ipc bridge send: {} mirrored ({} written) so far",
+                crate::text::plural(totals.generations, "generation"),
+                crate::text::plural(totals.bytes, "byte")
             );
             match r {
                 Ok(ts_send::Ended::Closed) => return Ok(Outcome::Ok),

@@ -78,8 +78,7 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
         .filter(|l| l.kind == cleanup::LeftoverKind::TensorSetHolder)
         .count();
     if n > 0 {
-        let s = if n == 1 { "" } else { "s" };
-        out!("{verb} {n} dead holder slot{s}");
+        out!("{verb} {}", crate::text::plural(n, "dead holder slot"));
     }
 }
 

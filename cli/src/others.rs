@@ -3,7 +3,7 @@
 //! ([`lines`]), an entry per object in the JSON forms ([`json`], the key `skipped`). Notes, no
 //! problem: the exit status is not changed. Shared by `gc` and `ls`; imports neither.
 
-use crate::text::user_text;
+use crate::text::{plural, user_text};
 use cuda_ipc::cleanup::Skipped;
 use std::collections::BTreeMap;
 
@@ -74,9 +74,9 @@ pub(crate) fn lines(skipped: &[Skipped], lead: &str) -> String {
                 .map(|((what, dead), k)| counted(*k, what, *dead))
                 .collect();
             format!(
-                "{lead} {n} object{} of {}: {}: another user's, left as they are (theirs to \
-                 clean, with `cuda-ipc gc` run as that user)\n",
-                if n == 1 { "" } else { "s" },
+                "{lead} {} of {}: {}: another user's, left as they are (theirs to clean, with \
+                 `cuda-ipc gc` run as that user)\n",
+                plural(n, "object"),
                 user_text(uid),
                 what.join(", ")
             )

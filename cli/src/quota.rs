@@ -2,7 +2,7 @@
 //! `doctor` show of them.
 
 use crate::Outcome;
-use crate::text::{bytes, user_text};
+use crate::text::{bytes, plural, user_text};
 use cuda_ipc::driver::Uuid;
 use cuda_ipc::quota::{LedgerSnapshot, QuotaLedger, QuotaScope, UNLIMITED, list_ledgers};
 use std::error::Error;
@@ -151,7 +151,7 @@ pub fn run_set(device: &str, budget: u64, group: Option<&str>) -> Result<Outcome
             if budget == UNLIMITED {
                 "unlimited (reservations are counted, none is refused)".to_string()
             } else {
-                format!("{} bytes, {}", budget, bytes(budget))
+                format!("{}, {}", plural(budget, "byte"), bytes(budget))
             },
             l.name()
         );

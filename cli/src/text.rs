@@ -44,6 +44,14 @@ pub(crate) fn producer_state_name(s: Result<ProducerState, UnknownCode>) -> Stri
     }
 }
 
+/// `n` followed by `unit`, in the plural unless `n` is 1 (`1 byte`, `2 bytes`, `0 generations`):
+/// how the commands write a count in words.
+pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
+    let n = n.to_string();
+    let s = if n == "1" { "" } else { "s" };
+    format!("{n} {unit}{s}")
+}
+
 /// `1234 B`, `31.6 MiB`.
 pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -80,6 +88,13 @@ pub(crate) fn user_text(uid: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_count_of_one_is_singular_and_every_other_plural() {
+        assert_eq!(plural(1u64, "byte"), "1 byte");
+        assert_eq!(plural(0usize, "byte"), "0 bytes");
+        assert_eq!(plural(2, "dead holder slot"), "2 dead holder slots");
+    }
 
     #[test]
     fn byte_counts_read_like_people_write_them() {

@@ -283,11 +283,11 @@ impl Frame {
 
     fn __repr__(&self) -> String {
         format!(
-            "Frame(seq={}, index={}, nbytes={}, metadata={} bytes{})",
+            "Frame(seq={}, index={}, nbytes={}, metadata={}{})",
             self.seq,
             self.index,
             self.buffer.nbytes,
-            self.metadata.len(),
+            crate::util::bytes(self.metadata.len()),
             if self.buffer.is_host() { ", host" } else { "" }
         )
     }

@@ -3,8 +3,9 @@
 use crate::lending::Lender;
 use crate::quota::quota_scope;
 use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, device_arg, err, lock, memory_arg, memory_name,
-    opt_int, seconds_arg, sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
+    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, close_timeout_arg, device_arg, err, lock,
+    memory_arg, memory_name, opt_int, sliced, stats_dict, stream_arg, timeout_arg, timeout_error,
+    wait_arg,
 };
 use crate::write_frame::WriteFrame;
 use crate::{aio, errors};
@@ -285,10 +286,10 @@ impl Producer {
 
     /// Closes the channel: no frame can be published after it, and consumers get
     /// `ChannelClosed` once they received what was published. Waits up to `timeout` seconds (0
-    /// to 1e9) until every every-frame consumer (`delivery="every"`) has *received* every
-    /// published frame (taken it with `recv`, not only been able to) and no consumer holds a
-    /// frame; then forces the holds left and frees the pool. A latest-only consumer is waited
-    /// for only while it holds a frame. Returns `{"forced_holds": n, "consumers_behind": m}`:
+    /// to 1e9; `None`: without bound, as every `timeout=None`) until every every-frame consumer
+    /// (`delivery="every"`) has *received* every published frame (taken it with `recv`, not only
+    /// been able to) and no consumer holds a frame; then forces the holds left and frees the
+    /// pool. A latest-only consumer is waited for only while it holds a frame. Returns `{"forced_holds": n, "consumers_behind": m}`:
     /// `n` holds still outstanding at the deadline, released by force (a consumer still reading
     /// one reads undefined data), and `m` every-frame consumers that had not received every
     /// frame by then (the frames they missed are gone); either nonzero means the whole timeout
@@ -310,10 +311,14 @@ impl Producer {
     /// `ChannelClosed`) or abandoned, and this returns `{"forced_holds": 0,
     /// "consumers_behind": 0}` at once. So it does in a forked child, whose copy closes nothing:
     /// the channel is the parent's.
-    #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
+    #[pyo3(signature = (timeout=Some(Seconds::Float(5.0))))]
     #[pyo3(text_signature = "($self, timeout=5.0)")]
-    fn close<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyDict>> {
-        let t = seconds_arg(py, "timeout", timeout, false)?;
+    fn close<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<Seconds>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = close_timeout_arg(py, timeout)?;
         let (forced, behind) = self.close_for(py, t)?;
         let d = PyDict::new(py);
         d.set_item("forced_holds", forced)?;
@@ -327,7 +332,7 @@ impl Producer {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
-        self.close(py, Seconds::Float(5.0)).map(|_| ())
+        self.close(py, Some(Seconds::Float(5.0))).map(|_| ())
     }
 
     fn __repr__(&self) -> String {

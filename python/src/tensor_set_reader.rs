@@ -334,7 +334,8 @@ impl TensorSetReader {
     /// Opens tensor set `name`: checks its manifest, maps every allocation once (read-only where
     /// the memory allows: `read_only`), and joins its generations. `device`: the CUDA ordinal to
     /// map it on (`None`: the device that holds it, found by UUID). `expect_layout`: the writer's
-    /// 32-byte `layout_fingerprint`; another layout raises `LayoutMismatch`.
+    /// 32-byte `layout_fingerprint` (`bytes` or any object exporting a buffer, as
+    /// `expect_content`); another layout raises `LayoutMismatch`.
     ///
     /// Opened after the writer's death, a VMM set that a `TensorSetHolder` (or a `serve=True`
     /// reader) keeps is read *writerless* (`writerless`): its memory imported from a holder, its
@@ -356,7 +357,7 @@ impl TensorSetReader {
         py: Python<'_>,
         name: String,
         device: Option<Int>,
-        expect_layout: Option<&[u8]>,
+        expect_layout: Option<&Bound<'_, PyAny>>,
         read_only: bool,
         wait: &str,
         spin: Seconds,
@@ -369,14 +370,7 @@ impl TensorSetReader {
         opts.serve = serve;
         opts.stable_addresses = stable_addresses;
         opts.wait = wait_arg(py, wait, spin)?;
-        if let Some(l) = expect_layout {
-            opts.expect_layout = Some(<[u8; 32]>::try_from(l).map_err(|_| {
-                errors::invalid_argument(
-                    py,
-                    format!("expect_layout is {} bytes; a fingerprint has 32", l.len()),
-                )
-            })?);
-        }
+        opts.expect_layout = crate::util::fingerprint_arg(py, "expect_layout", expect_layout)?;
         opts.expect_content = crate::util::fingerprint_arg(py, "expect_content", expect_content)?;
         let device = device.map(|d| device_arg(py, d)).transpose()?;
         let r = py

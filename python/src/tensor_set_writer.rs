@@ -531,8 +531,9 @@ impl TensorSetWriter {
     /// and `wait_newer_async()` raise `TensorSetClosed`, also in readers that ask again and
     /// again; a generation a reader took before, whose awaited wait was cancelled, is still
     /// handed to that reader's next call: the hold is one taken before), its names go (no new reader opens it), and the memory is freed once the holds
-    /// taken before have ended (it returns as soon as they do), or after `timeout` seconds, when
-    /// the holds left are forced. Closing twice does nothing, but a second `close()` while
+    /// taken before have ended (it returns as soon as they do), or after `timeout` seconds (default
+    /// 5, 0 to 1e9; `None`: without bound, as every `timeout=None`), when the holds left are
+    /// forced. Closing twice does nothing, but a second `close()` while
     /// another thread's close frees the set returns once that one has (within its own
     /// `timeout`), so the name can be created again after it.
     ///
@@ -548,9 +549,10 @@ impl TensorSetWriter {
     /// `begin` (a signal handler) does not wait: the `begin` closes the set as it ends. After it,
     /// `begin`, `publish` and `synchronize` raise `TensorSetClosed`. In a forked child it closes
     /// nothing and returns at once: the set is the parent's.
-    #[pyo3(signature = (timeout=Seconds::Float(5.0)))]
-    fn close(&self, py: Python<'_>, timeout: Seconds) -> PyResult<()> {
-        let t = crate::util::seconds_arg(py, "timeout", timeout, false)?;
+    #[pyo3(signature = (timeout=Some(Seconds::Float(5.0))))]
+    #[pyo3(text_signature = "($self, timeout=5.0)")]
+    fn close(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<()> {
+        let t = crate::util::close_timeout_arg(py, timeout)?;
         self.close_for(py, t)
     }
 
@@ -560,15 +562,15 @@ impl TensorSetWriter {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
-        self.close(py, Seconds::Float(5.0))
+        self.close(py, Some(Seconds::Float(5.0)))
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "TensorSetWriter({:?}, {} tensors, {} bytes per buffer, generation {})",
+            "TensorSetWriter({:?}, {}, {} per buffer, generation {})",
             self.core.name,
-            self.core.layout.len(),
-            self.core.layout.bytes_per_buffer(),
+            crate::util::plural(self.core.layout.len(), "tensor"),
+            crate::util::bytes(self.core.layout.bytes_per_buffer()),
             *lock(&self.core.generation)
         )
     }

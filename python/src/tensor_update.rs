@@ -10,7 +10,7 @@ use crate::copy_plan::CopyPlan;
 use crate::errors;
 use crate::sources::{self, coalesce, copy_gpu};
 use crate::tensors;
-use crate::util::{err, lock, work_stream};
+use crate::util::{bytes, err, lock, work_stream};
 use crate::writer_core::WriterCore;
 use cuda_ipc::Error;
 use cuda_ipc::tensorset::owned::OwnedUpdate;
@@ -21,12 +21,21 @@ use std::sync::{Arc, Mutex};
 
 /// A generation being written (`cuda_ipc::tensorset::Update`), from `TensorSetWriter.begin()`.
 ///
+/// Once committed or aborted (also by the writer's `close()`), `generation` and `buffer` still
+/// answer, as a released `TensorHold`'s do: the generation it published, or, aborted, the one it
+/// would have published (which the writer's next update takes then), and the buffer it wrote.
+/// Its other calls raise (`InvalidArgument`, or `TensorSetClosed` once the writer closed it),
+/// but `abort()`, which does nothing.
+///
 /// In a child made by `fork()` while the parent had it open, the update is the parent's: every
-/// call (`generation` and `buffer` too, the end of a `with` block included) raises
-/// `NotSupported`, taking no lock, writing, copying and committing nothing; its collection gives
-/// nothing back (the parent commits or aborts it).
+/// call (the end of a `with` block included) raises `NotSupported`, taking no lock, writing,
+/// copying and committing nothing; its collection gives nothing back (the parent commits or
+/// aborts it); `generation` and `buffer` describe the copy.
 #[pyclass(module = "cuda_ipc", frozen)]
 pub(crate) struct TensorUpdate {
+    /// The generation and buffer of the update: readable after its end too.
+    generation: u64,
+    buffer: usize,
     update: Arc<Mutex<Option<OwnedUpdate>>>,
     writer: Arc<WriterCore>,
     /// The raw stream the update's work runs on (GPU sets).
@@ -52,7 +61,12 @@ impl TensorUpdate {
         writer: Arc<WriterCore>,
         target: Option<usize>,
     ) -> TensorUpdate {
+        let (generation, buffer) = lock(&update)
+            .as_ref()
+            .map_or((0, 0), |u| (u.update().generation(), u.update().buffer()));
         TensorUpdate {
+            generation,
+            buffer,
             update,
             writer,
             target,
@@ -175,16 +189,18 @@ impl TensorUpdate {
 
 #[pymethods]
 impl TensorUpdate {
-    /// The generation this update will publish.
+    /// The generation this update publishes (what `commit()` returns); after the commit, the
+    /// generation it published; after an abort, the one it would have published (the writer's
+    /// next update takes that number then).
     #[getter]
-    fn generation(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with(py, |u| Ok(u.update().generation()))
+    fn generation(&self) -> u64 {
+        self.generation
     }
 
-    /// The buffer being written.
+    /// The buffer being written (after the update's end, the buffer it wrote).
     #[getter]
-    fn buffer(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |u| Ok(u.update().buffer()))
+    fn buffer(&self) -> usize {
+        self.buffer
     }
 
     /// The tensors of this update's buffer as writable `torch.Tensor`s (a new dict of the same
@@ -244,9 +260,13 @@ impl TensorUpdate {
     /// them moved (earlier chunks may be copied by then: the update stays open and uncommitted;
     /// abort it, or copy again).
     ///
-    /// `NotSupported` in a forked child, before the sources are looked at.
+    /// `NotSupported` in a forked child, before the sources are looked at; once the update was
+    /// committed or aborted, `InvalidArgument` (`TensorSetClosed` when the writer's close aborted
+    /// it), before that too.
     pub(crate) fn copy_from(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
         self.check_fork()?;
+        // An update that ended says so before its sources are looked at (or PyTorch imported).
+        self.with(py, |_| Ok(()))?;
         let writer = &self.writer;
         if let Ok(plan) = tensors.cast::<CopyPlan>() {
             let plan = plan.get();
@@ -378,14 +398,12 @@ impl TensorUpdate {
             return Err(errors::invalid_argument(
                 py,
                 format!(
-                    "tensor {name:?} has elements of {} ({dtype}); data has items of {} bytes \
+                    "tensor {name:?} has elements of {} ({dtype}); data has items of {} \
                      (format {:?}): write copies bytes as they are, never converting: convert \
                      the data to the tensor's dtype first, or give its plain bytes \
                      (memoryview(data).cast(\"B\")) to copy them as they are",
-                    element.map_or("no whole number of bytes".to_string(), |n| format!(
-                        "{n} bytes"
-                    )),
-                    raw.itemsize,
+                    element.map_or("no whole number of bytes".to_string(), bytes),
+                    bytes(raw.itemsize),
                     raw.format
                 ),
             ));

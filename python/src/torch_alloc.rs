@@ -18,7 +18,7 @@
 //! of this crate (the tensor-set classes).
 
 use crate::errors;
-use crate::util::{Int, device_arg, err, lock, opt_int};
+use crate::util::{Int, bytes, device_arg, err, lock, opt_int};
 use cuda_ipc::driver::Device;
 use cuda_ipc::ipc::{ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena, VmmBuffer};
 use pyo3::prelude::*;
@@ -45,8 +45,8 @@ pub(crate) fn arena(device: i32, chunk_bytes: Option<usize>) -> cuda_ipc::Result
         return match chunk_bytes {
             Some(c) if c != a.options().chunk_bytes => {
                 Err(cuda_ipc::Error::InvalidArgument(format!(
-                    "device {device}'s arena exists already with chunks of {} bytes, not {c}",
-                    a.options().chunk_bytes
+                    "device {device}'s arena exists already with chunks of {}, not {c}",
+                    bytes(a.options().chunk_bytes)
                 )))
             }
             _ => Ok(a.clone()),
@@ -107,13 +107,15 @@ pub extern "C" fn cuda_ipc_torch_malloc(
         Ok(Ok(p)) => p as usize as *mut c_void,
         Ok(Err(e)) => {
             log(format_args!(
-                "{MALLOC}({size} bytes, device {device}) failed: {e}"
+                "{MALLOC}({}, device {device}) failed: {e}",
+                bytes(size)
             ));
             std::ptr::null_mut()
         }
         Err(_) => {
             log(format_args!(
-                "{MALLOC}({size} bytes, device {device}) panicked"
+                "{MALLOC}({}, device {device}) panicked",
+                bytes(size)
             ));
             std::ptr::null_mut()
         }
@@ -147,10 +149,12 @@ pub extern "C" fn cuda_ipc_torch_free(
     match r {
         Ok(Ok(())) => {}
         Ok(Err(e)) => log(format_args!(
-            "{FREE}({addr:#x}, {size} bytes, device {device}) failed: {e}"
+            "{FREE}({addr:#x}, {}, device {device}) failed: {e}",
+            bytes(size)
         )),
         Err(_) => log(format_args!(
-            "{FREE}({addr:#x}, {size} bytes, device {device}) panicked"
+            "{FREE}({addr:#x}, {}, device {device}) panicked",
+            bytes(size)
         )),
     }
 }
@@ -210,8 +214,9 @@ pub(crate) fn arena_locate(py: Python<'_>, ptr: Int, nbytes: Int) -> PyResult<(u
         None => Err(errors::invalid_argument(
             py,
             format!(
-                "device memory {ptr:#x} ({nbytes} bytes) is not in a cuda_ipc arena (allocate it \
-                 under torch.cuda.use_mem_pool(cuda_ipc.torch_mem_pool()))"
+                "device memory {ptr:#x} ({}) is not in a cuda_ipc arena (allocate it under \
+                 torch.cuda.use_mem_pool(cuda_ipc.torch_mem_pool()))",
+                bytes(nbytes)
             ),
         )),
     }

@@ -462,6 +462,18 @@ pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<Seconds>) -> PyResult<
         .transpose()
 }
 
+/// The wait of a `close(timeout=None)`: no bound. Every wait a close makes takes it as none, here
+/// ([`sliced`], [`Finish::wait`]) and in the library (`Producer::close`,
+/// `TensorSetWriter::close`): a deadline `Instant::now() + NO_BOUND` overflows, which they read
+/// as no deadline, and an elapsed time never reaches it.
+pub(crate) const NO_BOUND: Duration = Duration::MAX;
+
+/// The `timeout` of a `close()`, which hands it to the library's close as a `Duration`: a number
+/// checked by [`seconds_arg`], or [`NO_BOUND`] for `None`, as every other `timeout=None`.
+pub(crate) fn close_timeout_arg(py: Python<'_>, timeout: Option<Seconds>) -> PyResult<Duration> {
+    Ok(timeout_arg(py, timeout)?.unwrap_or(NO_BOUND))
+}
+
 pub(crate) fn wait_arg(py: Python<'_>, wait: &str, spin: Seconds) -> PyResult<WaitStrategy> {
     // Checked whatever `wait` is: a bad value is a mistake even where it is not used.
     let spin = seconds_arg(py, "spin", spin, false)?;
@@ -726,7 +738,10 @@ pub(crate) fn shaped<'py>(
     if need > nbytes {
         return Err(errors::invalid_argument(
             py,
-            format!("that shape and dtype need {need} bytes; the buffer has {nbytes}"),
+            format!(
+                "that shape and dtype need {}; the buffer has {nbytes}",
+                bytes(need)
+            ),
         ));
     }
     let mut t = tensor;
@@ -776,6 +791,19 @@ pub(crate) fn cupy_array<'py>(
             .getattr("itemsize")?
             .extract()
     })
+}
+
+/// `n` followed by `unit`, in the plural unless `n` is 1 (`1 byte`, `2 bytes`): how the extension's
+/// messages write a count.
+pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
+    let n = n.to_string();
+    let s = if n == "1" { "" } else { "s" };
+    format!("{n} {unit}{s}")
+}
+
+/// `n` bytes as the extension's messages write them ([`plural`]: `1 byte`, `2 bytes`).
+pub(crate) fn bytes(n: impl std::fmt::Display) -> String {
+    plural(n, "byte")
 }
 
 /// `bytes` as is; anything else that exports a buffer (`bytearray`, `memoryview`, `array`, NumPy)
@@ -867,7 +895,10 @@ pub(crate) fn range_arg(
     if offset.checked_add(n).is_none_or(|end| end > len) {
         return Err(errors::invalid_argument(
             py,
-            format!("{n} bytes at offset {offset} pass the end of a {len}-byte buffer"),
+            format!(
+                "{} at offset {offset} would pass the end of a {len}-byte buffer",
+                bytes(n)
+            ),
         ));
     }
     Ok(n)
@@ -895,7 +926,7 @@ pub(crate) fn fingerprint_arg(
     <[u8; 32]>::try_from(b).map(Some).map_err(|_| {
         crate::errors::invalid_argument(
             py,
-            format!("{what} is {} bytes; a fingerprint has 32", b.len()),
+            format!("{what} is {}; a fingerprint has 32", bytes(b.len())),
         )
     })
 }

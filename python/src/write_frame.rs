@@ -207,26 +207,32 @@ impl WriteFrame {
         Ok(())
     }
 
-    /// Publishes the frame with `metadata` (at most 256 bytes); returns its sequence number.
+    /// Publishes the frame with `metadata` (at most 256 bytes: `bytes` or any object exporting a
+    /// buffer, `bytearray`, `memoryview`, `array`, NumPy, read as `TensorUpdate.commit` reads its
+    /// `content`; `None` or nothing: none); returns its sequence number.
     /// On a GPU channel the consumers' streams wait for the work enqueued so far on the
     /// producer's stream and on every stream noted by `publish_after` or `__dlpack__(stream=)`.
     /// `ChannelClosed` once the producer was closed: the frame goes back unpublished. A refused
-    /// argument (`InvalidArgument` for metadata over 256 bytes, `TypeError` for metadata that is
-    /// not `bytes`) changes nothing: the frame stays open, to publish again or abandon.
-    /// `NotSupported` in a forked child, which changes nothing either (the frame is the parent's).
-    #[pyo3(signature = (metadata=b"".as_slice()))]
-    fn publish(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<u64> {
+    /// argument (`InvalidArgument` for metadata over 256 bytes or a buffer of Python objects,
+    /// `TypeError` for what exports no buffer, a `str` or an `int`) changes nothing: the frame
+    /// stays open, to publish again or abandon. `NotSupported` in a forked child, which changes
+    /// nothing either (the frame is the parent's).
+    #[pyo3(signature = (metadata=None))]
+    #[pyo3(text_signature = "($self, metadata=None)")]
+    fn publish(&self, py: Python<'_>, metadata: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         // First: the producer's state and the frame's lock may be held for good in a forked child.
         self.buffer.check_fork()?;
+        let metadata = metadata.map(bytes_of).transpose()?;
+        let metadata = metadata.as_ref().map_or(&[][..], |b| b.as_bytes());
         // Checked before the frame is consumed (the library's publish checks it too, but only
         // once the frame is taken, which would lose it).
         if metadata.len() > cuda_ipc::channel::META_BYTES {
             return Err(errors::invalid_argument(
                 py,
                 format!(
-                    "metadata is {} bytes; at most {} (the frame is still open: publish it \
-                     again or abandon it)",
-                    metadata.len(),
+                    "metadata is {}; at most {} (the frame is still open: publish it again or \
+                     abandon it)",
+                    crate::util::bytes(metadata.len()),
                     cuda_ipc::channel::META_BYTES
                 ),
             ));

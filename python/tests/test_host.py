@@ -777,6 +777,77 @@ def test_a_refused_publish_keeps_the_frame_open_to_publish_again(name):
         rx.close()
 
 
+def test_publish_takes_metadata_as_commit_takes_content_any_buffer_refused_alike(name):
+    """`WriteFrame.publish`'s metadata is read as `TensorUpdate.commit`'s content: `bytes` or any
+    object exporting a buffer (`bytearray`, a `memoryview` slice, an `array` of 4-byte items:
+    their bytes as they are), `None` or nothing for none; what exports no buffer (a str, an int)
+    is the same `TypeError` for both, and a refused metadata (also past 256 bytes, given as a
+    `bytearray`, counted in bytes) keeps the frame open."""
+    import array
+
+    kinds = (bytes, bytearray, lambda b: memoryview(b"<" + b + b">")[1:-1], lambda b: array.array("I", b))
+    with cuda_ipc.Producer(name, 64, buffers=2, memory="host") as tx:
+        rx = cuda_ipc.Consumer(name)
+        for kind in kinds:
+            with tx.acquire(timeout=ANSWER) as w:
+                w.publish(kind(b"meta"))
+            with rx.recv(timeout=ANSWER) as f:
+                assert f.metadata == b"meta", kind
+        for publish in (lambda w: w.publish(), lambda w: w.publish(None), lambda w: w.publish(metadata=None)):
+            with tx.acquire(timeout=ANSWER) as w:
+                publish(w)
+            with rx.recv(timeout=ANSWER) as f:
+                assert f.metadata == b""
+        w = tx.acquire(timeout=ANSWER)
+        w.write(b"kept")
+        refused = []
+        for bad in ("text", 5):
+            with pytest.raises(TypeError) as e:
+                w.publish(bad)
+            refused.append(type(e.value))
+        with pytest.raises(cuda_ipc.InvalidArgument, match=r"metadata is 257 bytes; at most 256"):
+            w.publish(bytearray(257))
+        seq = w.publish(memoryview(b"late"))
+        with rx.recv(timeout=ANSWER) as f:
+            assert (f.seq, f.metadata, f.read(0, 4)) == (seq, b"late", b"kept")
+            assert repr(f).endswith("metadata=4 bytes, host)"), repr(f)
+        with tx.acquire(timeout=ANSWER) as w:
+            w.publish(bytearray(b"1"))
+        with rx.recv(timeout=ANSWER) as f:
+            assert repr(f).endswith("metadata=1 byte, host)"), repr(f)
+        rx.close()
+    # The same kinds, and the same refusals, for a commit's content.
+    ts = cuda_ipc.TensorSetWriter(name, {"a": ((4,), "uint8")}, memory="host")
+    try:
+        for kind in kinds:
+            u = ts.begin(timeout=ANSWER)
+            u.commit(content=kind(bytes(range(32))))
+        u = ts.begin(timeout=ANSWER)
+        for bad, was in zip(("text", 5), refused):
+            with pytest.raises(TypeError) as e:
+                u.commit(content=bad)
+            assert type(e.value) is was
+        u.abort()
+    finally:
+        ts.close()
+
+
+def test_a_range_of_one_byte_past_a_frames_end_is_said_in_the_singular(name):
+    with cuda_ipc.Producer(name, 64, buffers=1, memory="host") as tx:
+        w = tx.acquire(timeout=ANSWER)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            w.write(b"x", offset=64)
+        assert str(e.value) == (
+            "invalid argument: 1 byte at offset 64 would pass the end of a 64-byte buffer"
+        )
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            w.read(63, 2)
+        assert str(e.value) == (
+            "invalid argument: 2 bytes at offset 63 would pass the end of a 64-byte buffer"
+        )
+        w.abandon()
+
+
 # Integer arguments out of their range: each an `InvalidArgument` naming the argument and the
 # range (never the `OverflowError` of the conversion), and nothing made.
 BAD_INTS = [

@@ -1169,3 +1169,203 @@ def test_a_reader_given_a_device_opens_a_host_set_as_its_writer_did(name):
     finally:
         r.close()
         w.close()
+
+
+# ---------------------------------------------------------------- close(timeout=None); an
+# update's generation after its end; bytes-like arguments; counts of one byte
+
+
+def test_close_with_timeout_none_waits_without_bound_on_a_producer_and_a_writer(name):
+    """`close(timeout=None)` waits without a bound, as every `timeout=None` does, on both classes
+    whose close takes a timeout: a producer's and a writer's close each wait for a hold released
+    5.5 s later (past the default 5 s), force nothing and return once it is released. A value out
+    of range (a bool included) is still an `InvalidArgument` that closes nothing."""
+    tx = cuda_ipc.Producer(name, 64, buffers=2, memory="host")
+    rx = cuda_ipc.Consumer(name)
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    r = cuda_ipc.TensorSetReader(name)
+    try:
+        for close in (tx.close, w.close):
+            for bad in (-1, float("nan"), True, 1e10):
+                with pytest.raises(cuda_ipc.InvalidArgument, match=r"\(None waits forever\)"):
+                    close(bad)
+            with pytest.raises(TypeError):  # not a number: as every timeout's
+                close("5")
+        with tx.acquire(timeout=ANSWER) as f:
+            f.publish(b"held")
+        frame = rx.recv(timeout=ANSWER)
+        g = write_gen(w, None)
+        hold = r.current()
+        assert frame.held and hold.held and hold.generation == g
+
+        def release():
+            frame.release()
+            hold.release()
+
+        got = {}
+
+        def closing(what, call):
+            def run():
+                got[what] = (call(), time.monotonic())
+
+            return threading.Thread(target=run, daemon=True)
+
+        threads = [
+            closing("producer", lambda: tx.close(None)),
+            closing("writer", lambda: w.close(timeout=None)),
+        ]
+        releaser = threading.Timer(5.5, release)
+        start = time.monotonic()
+        releaser.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(ANSWER * 2)
+        releaser.join()
+        assert got["producer"][0] == {"forced_holds": 0, "consumers_behind": 0}, got
+        assert got["writer"][0] is None, got
+        for what, (_, at) in got.items():
+            assert at - start >= 5.4, f"{what}'s close(None) returned {at - start:.2f} s in"
+        assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+        assert not (SHM / f"cuda-ipc.ch.{name}").exists()
+        # Closed: again with None does nothing, at once.
+        assert tx.close(None) == {"forced_holds": 0, "consumers_behind": 0}
+        w.close(None)
+    finally:
+        rx.close()
+        r.close()
+        tx.close(0)
+        w.close(0)
+        for prefix in ("cuda-ipc.ch.", "cuda-ipc.hp."):
+            p = SHM / f"{prefix}{name}"
+            if p.exists():
+                p.unlink()
+
+
+def ended_update_calls(u):
+    """Every public member of a `TensorUpdate` but `generation`, `buffer` and `abort`, each as it
+    would be made: what acts on the update's buffer."""
+    return {
+        "tensors": lambda: u.tensors(),
+        "copy_from": lambda: u.copy_from({}),
+        "copy_from_previous": lambda: u.copy_from_previous(),
+        "write": lambda: u.write("ids", b"x"),
+        "fingerprint": lambda: u.fingerprint(),
+        "tensor_digests": lambda: u.tensor_digests(),
+        "commit": lambda: u.commit(),
+    }
+
+
+def test_an_ended_updates_generation_and_buffer_stay_readable_and_its_other_calls_raise(name):
+    """As a released hold's `generation`, a committed or aborted update's `generation` and
+    `buffer` answer: the generation it published (what `commit()` returned), or, aborted, the one
+    it would have published, which the writer's next update takes; and the buffer it wrote. Every
+    other call raises, `InvalidArgument` once committed or aborted and `TensorSetClosed` once the
+    writer's `close()` aborted it; `abort()` again does nothing. Every public member of
+    `TensorUpdate` is classed here, so a new one is too."""
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=2)
+
+    def ended(u, generation, buffer, error):
+        calls = ended_update_calls(u)
+        assert public(cuda_ipc.TensorUpdate) == set(calls) | {"generation", "buffer", "abort"}
+        for what, call in calls.items():
+            with pytest.raises(error) as e:
+                call()
+            assert not isinstance(e.value, cuda_ipc.NotSupported), what
+            if error is cuda_ipc.InvalidArgument:
+                assert "committed or aborted" in str(e.value), (what, e.value)
+        u.abort()  # nothing: ended already
+        assert (u.generation, u.buffer) == (generation, buffer)
+        assert repr(u) == "TensorUpdate(finished)"
+
+    try:
+        # Committed by the end of a `with` block.
+        with w.begin(timeout=ANSWER) as u:
+            g, b = u.generation, u.buffer
+            u.write("ids", data(g, "ids", SIZES["ids"]))
+        assert g == 1 == w.generation
+        ended(u, 1, b, cuda_ipc.InvalidArgument)
+        # By commit(): the generation it returned.
+        u = w.begin(timeout=ANSWER)
+        b = u.buffer
+        assert u.commit() == 2
+        ended(u, 2, b, cuda_ipc.InvalidArgument)
+        # Aborted: the generation it would have published, which the next update takes.
+        u = w.begin(timeout=ANSWER)
+        b = u.buffer
+        assert u.generation == 3
+        u.abort()
+        ended(u, 3, b, cuda_ipc.InvalidArgument)
+        nxt = w.begin(timeout=ANSWER)
+        assert nxt.generation == 3 and w.generation == 2
+        # Aborted by the writer's close().
+        b = nxt.buffer
+        w.close()
+        ended(nxt, 3, b, cuda_ipc.TensorSetClosed)
+    finally:
+        w.close()
+
+
+def test_bytes_like_fingerprints_are_taken_alike_and_one_byte_is_said_so(name):
+    """A reader's `expect_layout` takes what its `expect_content` and `commit(content=...)` take:
+    `bytes` or any buffer; a str is the same `TypeError` for each, a wrong length the same
+    `InvalidArgument`, which counts one byte in the singular."""
+    import array
+
+    w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host")
+    try:
+        fp = w.layout_fingerprint
+        for kind in (bytes, bytearray, lambda b: memoryview(b"x" + b)[1:], lambda b: array.array("I", b)):
+            r = cuda_ipc.TensorSetReader(name, expect_layout=kind(fp))
+            r.close()
+        u = w.begin(timeout=ANSWER)
+        for arg, call in (
+            ("expect_layout", lambda v: cuda_ipc.TensorSetReader(name, expect_layout=v)),
+            ("expect_content", lambda v: cuda_ipc.TensorSetReader(name, expect_content=v)),
+            ("content", lambda v: u.commit(content=v)),
+        ):
+            for bad in ("x" * 32, 5):
+                with pytest.raises(TypeError):
+                    call(bad)
+            with pytest.raises(cuda_ipc.InvalidArgument) as e:
+                call(bytearray(1))
+            assert str(e.value) == f"invalid argument: {arg} is 1 byte; a fingerprint has 32"
+            with pytest.raises(cuda_ipc.InvalidArgument) as e:
+                call(memoryview(bytes(33)))
+            assert str(e.value) == f"invalid argument: {arg} is 33 bytes; a fingerprint has 32"
+        assert u.commit(content=array.array("B", bytes(range(32)))) == 1
+    finally:
+        w.close()
+
+
+def test_a_write_past_a_one_byte_tensor_counts_one_byte_in_the_singular(name):
+    """Counts of one are said in the singular: a write of 2 bytes into a tensor of 1 byte, items
+    of 1 byte given to a float32 tensor and items of 2 bytes to a 1-byte dtype, a writer of one
+    tensor."""
+    import array
+
+    w = cuda_ipc.TensorSetWriter(name, {"one": ((1,), "uint8"), "f": ((2,), "float32")}, memory="host")
+    try:
+        u = w.begin(timeout=ANSWER)
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            u.write("one", b"xy")
+        assert str(e.value) == 'invalid argument: 2 bytes into tensor "one" of 1 byte'
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            u.write("f", array.array("b", b"abcd"))  # signed chars: items, not plain bytes
+        assert 'has elements of 4 bytes (' in str(e.value), e.value
+        assert 'data has items of 1 byte (format "b")' in str(e.value), e.value
+        with pytest.raises(cuda_ipc.InvalidArgument) as e:
+            u.write("one", array.array("h", [1]))
+        assert "has elements of 1 byte (" in str(e.value), e.value
+        assert "data has items of 2 bytes" in str(e.value), e.value
+        u.write("one", b"z")
+        assert u.commit() == 1
+        assert repr(w).startswith(f'TensorSetWriter("{name}", 2 tensors, '), repr(w)
+    finally:
+        w.close()
+    one = cuda_ipc.TensorSetWriter(name, {"one": ((1,), "uint8")}, memory="host")
+    try:
+        per = "1 byte" if one.nbytes == 1 else f"{one.nbytes} bytes"
+        assert repr(one) == f'TensorSetWriter("{name}", 1 tensor, {per} per buffer, generation 0)'
+    finally:
+        one.close()

@@ -61,7 +61,11 @@ pub enum ChannelError {
     /// The pool would exceed the producer's own cap on its pool
     /// ([`ChannelOptions::quota_bytes`](super::ChannelOptions::quota_bytes)). Not the budget
     /// shared across processes ([`crate::quota::QuotaError::OverQuota`]).
-    #[error("a pool of {buffers} × {buffer_bytes} bytes exceeds the quota of {quota} bytes")]
+    #[error(
+        "a pool of {buffers} × {} exceeds the quota of {}",
+        crate::error::bytes(.buffer_bytes),
+        crate::error::bytes(.quota)
+    )]
     PoolOverCap {
         /// Buffers asked for.
         buffers: usize,
@@ -145,7 +149,8 @@ pub enum SegmentFault {
     /// The control segment, or a host pool whose header matches its channel, is shorter than its
     /// header's counts need (cut short by `truncate`, or corrupted).
     #[error(
-        "{segment} holds {len} bytes but its header's counts need {need}: truncated or corrupted"
+        "{segment} holds {} but its header's counts need {need}: truncated or corrupted",
+        crate::error::bytes(.len)
     )]
     Truncated {
         /// The segment's name.
@@ -157,8 +162,9 @@ pub enum SegmentFault {
     },
     /// The control header's size word (`segment_bytes`) is not the size its counts need.
     #[error(
-        "{segment} records a size of {recorded} bytes in its header, but its {buffers} buffers \
-         and {consumers} consumers need {need} (the file holds {len}): corrupted"
+        "{segment} records a size of {} in its header, but its {buffers} buffers and \
+         {consumers} consumers need {need} (the file holds {len}): corrupted",
+        crate::error::bytes(.recorded)
     )]
     SizeWord {
         /// The segment's name.
@@ -205,7 +211,7 @@ pub enum SegmentFault {
         channel_buffer_bytes: u64,
     },
     /// An imported buffer's length differs from the channel header's buffer size.
-    #[error("buffer {index} holds {len} bytes, the header says {expected}")]
+    #[error("buffer {index} holds {}, the header says {expected}", crate::error::bytes(.len))]
     BufferLen {
         /// The buffer's index in the pool.
         index: usize,

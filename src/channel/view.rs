@@ -122,7 +122,8 @@ impl<'a, B> FrameBuffer<'a, B> {
         };
         if offset.checked_add(n).is_none_or(|end| end > len) {
             return Err(Error::InvalidArgument(format!(
-                "{n} bytes at offset {offset} pass the end of a {len}-byte buffer"
+                "{} at offset {offset} would pass the end of a {len}-byte buffer",
+                crate::error::bytes(n)
             )));
         }
         // SAFETY: offset + n <= len (checked), so the result stays in the buffer that `ptr`

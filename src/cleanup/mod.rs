@@ -487,8 +487,9 @@ fn holder_leftover(ledger: &str, h: &quota::Holder) -> Leftover {
         Some(h.identity),
         Some(h.uid),
         format!(
-            "the reservation of {} bytes of dead {} in quota ledger {ledger}",
-            h.bytes, h.identity
+            "the reservation of {} of dead {} in quota ledger {ledger}",
+            crate::error::bytes(h.bytes),
+            h.identity
         ),
         Target::QuotaHolder {
             identity: h.identity,

@@ -491,10 +491,10 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
                 match p.judgement {
                     tensorset::reclaim::Judgement::Stale(part) => stale.push(part),
                     tensorset::reclaim::Judgement::Kept(why) => s.kept.push(format!(
-                        "tensorset {t}: {} {SHM_DIR}/{} ({} bytes, {} s old): {why}",
+                        "tensorset {t}: {} {SHM_DIR}/{} ({}, {} s old): {why}",
                         p.part.word(),
                         p.segment,
-                        p.bytes,
+                        crate::error::bytes(p.bytes),
                         p.age_secs
                     )),
                     tensorset::reclaim::Judgement::Unjudged(e) => unjudged.push((p.part, e)),
@@ -530,10 +530,10 @@ fn scan_tensor_set(t: &str, s: &mut Scan) {
             p.writer,
             Some(rustix::process::geteuid().as_raw()),
             format!(
-                "tensorset {t}: {} {SHM_DIR}/{} ({} bytes){whose}: {}",
+                "tensorset {t}: {} {SHM_DIR}/{} ({}){whose}: {}",
                 p.part.word(),
                 p.segment,
-                p.bytes,
+                crate::error::bytes(p.bytes),
                 p.why
             ),
             Target::TensorSetPart(p.part),
@@ -635,11 +635,12 @@ fn scan_quota(named: Option<&[String]>, s: &mut Scan) {
                         // here too, and a dry run says what the run does.
                         Some(seg) if !s.leftovers.iter().any(|l| l.removes_segment(seg)) => {
                             s.kept.push(format!(
-                                "quota ledger {name}: the reservation of {} bytes of dead {}: \
+                                "quota ledger {name}: the reservation of {} of dead {}: \
                                  its host memory is still in {SHM_DIR}/{seg}, which this gc does \
                                  not remove (`cuda-ipc gc` of its channel or tensor set, by the \
                                  segment's owner, removes it, then frees the reservation)",
-                                h.bytes, h.identity
+                                crate::error::bytes(h.bytes),
+                                h.identity
                             ));
                         }
                         _ => s.leftovers.push(holder_leftover(&name, h)),

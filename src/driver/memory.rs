@@ -145,7 +145,8 @@ pub(crate) fn check_range(offset: usize, len: usize, total: usize) -> Result<()>
     match offset.checked_add(len) {
         Some(end) if end <= total => Ok(()),
         _ => Err(Error::InvalidArgument(format!(
-            "range {offset}..{offset}+{len} lies outside a buffer of {total} bytes"
+            "range {offset}..{offset}+{len} lies outside a buffer of {}",
+            crate::error::bytes(total)
         ))),
     }
 }
@@ -169,8 +170,8 @@ impl Drop for Allocation {
         });
         if let Err(e) = r {
             tracing::warn!(
-                "{e}; {} bytes stay allocated until the context is torn down",
-                self.len
+                "{e}; the allocation of {} stays until the context is torn down",
+                crate::error::bytes(self.len)
             );
         }
     }

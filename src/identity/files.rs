@@ -170,10 +170,16 @@ fn judge(name: &str) -> Judged {
         return foreign(lst, format!("a file of mode {mode:04o}"));
     }
     if lst.st_nlink != 1 {
-        return foreign(lst, format!("a file of {} links", lst.st_nlink));
+        return foreign(
+            lst,
+            format!("a file of {}", crate::error::plural(lst.st_nlink, "link")),
+        );
     }
     if lst.st_size != 0 {
-        return foreign(lst, format!("a file of {} bytes", lst.st_size));
+        return foreign(
+            lst,
+            format!("a file of {}", crate::error::bytes(lst.st_size)),
+        );
     }
     let Ok(fd) = open_live_file(&path, false) else {
         return Judged::Gone;

@@ -224,7 +224,10 @@ impl Drop for PoolAllocation {
             Ok(())
         });
         if let Err(e) = r {
-            tracing::warn!("{e}; {} bytes stay allocated in their pool", self.len);
+            tracing::warn!(
+                "{e}; the allocation of {} stays in its pool",
+                crate::error::bytes(self.len)
+            );
         }
     }
 }

@@ -23,8 +23,11 @@ impl std::fmt::Display for HeldBy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "pid {} (uid {}, pid ns {}) holds {} bytes",
-            self.pid, self.uid, self.pid_ns, self.bytes
+            "pid {} (uid {}, pid ns {}) holds {}",
+            self.pid,
+            self.uid,
+            self.pid_ns,
+            crate::error::bytes(self.bytes)
         )?;
         if let Some(seg) = &self.left_in {
             write!(
@@ -47,8 +50,8 @@ fn replaced_text(r: &[HeldBy]) -> String {
         .iter()
         .map(|h| {
             format!(
-                "{} bytes of dead pid {} in /dev/shm/{}",
-                h.bytes,
+                "{} of dead pid {} in /dev/shm/{}",
+                crate::error::bytes(h.bytes),
                 h.pid,
                 h.left_in.as_deref().unwrap_or("?")
             )
@@ -87,8 +90,10 @@ pub enum QuotaError {
     /// by
     /// every producer of the user or group.
     #[error(
-        "over quota on {}: asked {asked} bytes, budget {budget} bytes, {used} in use: {}{}",
+        "over quota on {}: asked {}, budget {}, {used} in use: {}{}",
         device_text(.device),
+        crate::error::bytes(.asked),
+        crate::error::bytes(.budget),
         holders_text(.holders),
         replaced_text(.replaced)
     )]

@@ -595,9 +595,9 @@ impl Drop for Reservation {
         {
             // Safe to go on: the entry names this process, and is reclaimed once it exits.
             tracing::warn!(
-                "quota ledger {}: returning {} bytes: {e}; reclaimed when this process exits",
+                "quota ledger {}: returning {}: {e}; reclaimed when this process exits",
                 self.ledger.name(),
-                self.bytes
+                crate::error::bytes(self.bytes)
             );
         }
     }

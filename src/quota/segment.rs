@@ -196,9 +196,9 @@ impl Inner {
                 break;
             }
             tracing::info!(
-                "quota ledger {}: reclaimed {} bytes of dead pid {} (pid ns {})",
+                "quota ledger {}: reclaimed {} of dead pid {} (pid ns {})",
                 self.name(),
-                d.holder.bytes,
+                crate::error::bytes(d.holder.bytes),
                 d.holder.identity.pid,
                 d.holder.identity.pid_ns
             );

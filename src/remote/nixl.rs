@@ -6,7 +6,7 @@
 //! [`probe`] runs before the first NIXL call and [`Lane::new`] calls it.
 
 use super::RemoteError;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, bytes};
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
     OptArgs, RegistrationHandle, XferDescList, XferOp, XferRequest, XferStatus,
@@ -395,8 +395,10 @@ impl Lane {
         };
         if len > region.len || len as u64 > target.len {
             return Err(Error::InvalidArgument(format!(
-                "a write of {len} bytes from a region of {} bytes to one of {} bytes",
-                region.len, target.len
+                "a write of {} from a region of {} to one of {}",
+                bytes(len),
+                bytes(region.len),
+                bytes(target.len)
             )));
         }
         if self.in_flight.contains(&(key, tkey)) {
@@ -477,8 +479,9 @@ impl Lane {
         let end = offset.checked_add(len as u64);
         if end.is_none_or(|e| e > region.len as u64) || len as u64 > target.len {
             return Err(Error::InvalidArgument(format!(
-                "a write of bytes {offset}+{len} from a region of {} bytes to one of {} bytes",
-                region.len, target.len
+                "a write of bytes {offset}+{len} from a region of {} to one of {}",
+                bytes(region.len),
+                bytes(target.len)
             )));
         }
         let rk: RangeKey = (key, offset, target.addr, len as u64);

@@ -563,8 +563,10 @@ fn note_arrived(lent: &mut VecDeque<Credited>, n: FrameNote) -> Result<()> {
     };
     if n.len > c.region.len as u64 {
         return Err(RemoteError::Protocol(format!(
-            "a frame of {} bytes for buffer {} of {} bytes",
-            n.len, n.index, c.region.len
+            "a frame of {} for buffer {} of {}",
+            crate::error::bytes(n.len),
+            n.index,
+            crate::error::bytes(c.region.len)
         ))
         .into());
     }

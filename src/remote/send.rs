@@ -160,7 +160,9 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         } => {
             if far < buffer_bytes {
                 return Err(RemoteError::Protocol(format!(
-                    "far buffers of {far} bytes cannot take frames of {buffer_bytes} bytes"
+                    "far buffers of {} cannot take frames of {}",
+                    crate::error::bytes(far),
+                    crate::error::bytes(buffer_bytes)
                 ))
                 .into());
             }
@@ -176,9 +178,10 @@ pub fn serve(opts: &SendOptions, stop: &AtomicBool, totals: &mut Totals) -> Resu
         m => return Err(unexpected(&m, "the far channel's metadata")),
     };
     tracing::info!(
-        "lane: sending channel {} ({buffers} buffers of {buffer_bytes} bytes, {place:?}) to {peer} \
-         (NIXL agent {remote})",
-        opts.channel
+        "lane: sending channel {} ({buffers} buffers of {}, {place:?}) to {peer} (NIXL agent \
+         {remote})",
+        opts.channel,
+        crate::error::bytes(buffer_bytes)
     );
     let mut link = Link::start(stream, session, &opts.lane)?;
     let mut status = Status::new(Role::Send, &opts.channel, &peer, place);

@@ -34,7 +34,8 @@ pub enum ShmError {
     /// `/dev/shm` has no room for the segment's pages (reserved at creation), or no inode left for
     /// a new segment (tmpfs `nr_inodes`).
     #[error(
-        "no space in /dev/shm for segment /{name} of {len} bytes (its pages, or at its creation an inode: `df -h /dev/shm`, `df -i /dev/shm`); free some there or enlarge the tmpfs"
+        "no space in /dev/shm for segment /{name} of {} (its pages, or at its creation an inode: `df -h /dev/shm`, `df -i /dev/shm`); free some there or enlarge the tmpfs",
+        crate::error::bytes(.len)
     )]
     NoSpace {
         /// The segment name.
@@ -90,7 +91,8 @@ pub enum ShmError {
     /// `ftruncate` and `fallocate`, or another program sized it with `truncate`). Touching such a
     /// page in a full `/dev/shm` raises `SIGBUS`, so the segment is not mapped.
     #[error(
-        "shared-memory segment /{name} is sparse: {backed} of its {len} bytes are backed by memory; it was not fully created"
+        "shared-memory segment /{name} is sparse: memory backs {backed} of its {}; it was not fully created",
+        crate::error::bytes(.len)
     )]
     Sparse {
         /// The segment name.
@@ -104,7 +106,8 @@ pub enum ShmError {
     /// longer backed: another process of its user cut it short (`ftruncate`) after this process
     /// mapped it. Touching a page past the new end raises `SIGBUS`, so the caller leaves it alone.
     #[error(
-        "shared-memory segment /{name} was cut to {len} bytes ({backed} backed) after this process mapped {mapped}; it is left alone"
+        "shared-memory segment /{name} was cut to {} ({backed} backed) after this process mapped {mapped}; it is left alone",
+        crate::error::bytes(.len)
     )]
     Shrunk {
         /// The segment name.
@@ -129,6 +132,10 @@ fn too_small_text(len: u64, min: u64) -> String {
     if len == 0 {
         "empty (0 bytes): a creator killed before sizing it, or a file of another program".into()
     } else {
-        format!("{len} bytes, smaller than the {min} bytes it needs")
+        format!(
+            "{}, smaller than the {} it needs",
+            crate::error::bytes(len),
+            crate::error::bytes(min)
+        )
     }
 }

@@ -7,7 +7,10 @@
 #[non_exhaustive]
 pub enum ManifestFault {
     /// The body is shorter than its fixed header, or a table runs past the body's end.
-    #[error("{what} at bytes {offset}+{len} runs past the manifest's {body} bytes")]
+    #[error(
+        "{what} at bytes {offset}+{len} runs past the manifest's {}",
+        crate::error::bytes(.body)
+    )]
     OutOfBounds {
         /// Which part.
         what: &'static str,
@@ -21,8 +24,10 @@ pub enum ManifestFault {
     /// The segment is shorter than its header records (its header page and `what` after it): cut
     /// short by `truncate`, or corrupted. Said with the file's real size, never read past it.
     #[error(
-        "the segment is {len} bytes, cut short of the {need} bytes its header records for {what}: \
-         truncated or corrupted"
+        "the segment is {}, cut short of the {} its header records for {what}: truncated or \
+         corrupted",
+        crate::error::bytes(.len),
+        crate::error::bytes(.need)
     )]
     Truncated {
         /// What the header records after its page (`its body`, `its holder slots`).
@@ -79,7 +84,7 @@ pub enum TensorSetError {
         pid: u32,
     },
     /// A creation under this name is in progress (or was abandoned less than 2 s ago).
-    #[error("tensor set {0:?} is being created by another process")]
+    #[error("tensor set {0:?} is being created by another process; try again")]
     CreationInProgress(String),
     /// The layout fingerprint is not the one expected (another checkpoint or model shape).
     #[error(

@@ -433,8 +433,11 @@ impl Layout {
                 return Err(bad_tensor(
                     &t.name,
                     format!(
-                        "bytes {}+{} leave allocation {} of {len} bytes",
-                        t.offset, t.bytes, t.allocation
+                        "bytes {}+{} leave allocation {} of {}",
+                        t.offset,
+                        t.bytes,
+                        t.allocation,
+                        crate::error::bytes(len)
                     ),
                 ));
             }

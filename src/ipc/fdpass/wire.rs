@@ -173,7 +173,10 @@ pub(super) struct Reply {
 /// Decodes one reply message; `Err` says what is wrong with it.
 pub(super) fn decode_reply(bytes: &[u8]) -> std::result::Result<Reply, String> {
     let (Some(magic), Some(version)) = (le_u32(bytes, MAGIC_AT), le_u16(bytes, VERSION_AT)) else {
-        return Err(format!("a reply of {} bytes is too short", bytes.len()));
+        return Err(format!(
+            "a reply of {} is too short",
+            crate::error::bytes(bytes.len())
+        ));
     };
     if magic != REPLY_MAGIC {
         return Err(format!("bad reply magic {magic:#010x}"));
@@ -190,13 +193,17 @@ pub(super) fn decode_reply(bytes: &[u8]) -> std::result::Result<Reply, String> {
         le_u16(bytes, REPLY_STATUS_AT),
         le_u32(bytes, REPLY_COUNT_AT),
     ) else {
-        return Err(format!("a reply of {} bytes is too short", bytes.len()));
+        return Err(format!(
+            "a reply of {} is too short",
+            crate::error::bytes(bytes.len())
+        ));
     };
     let count = count as usize;
     if count > MAX_FDS_PER_MESSAGE || bytes.len() != REPLY_HEADER + REPLY_ENTRY * count {
         return Err(format!(
-            "a reply of {} bytes claims {count} entries",
-            bytes.len()
+            "a reply of {} claims {}",
+            crate::error::bytes(bytes.len()),
+            crate::error::plural(count, "entry")
         ));
     }
     let entries = (0..count)

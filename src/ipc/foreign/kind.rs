@@ -147,7 +147,8 @@ pub enum NotExportable {
     },
     /// Pool memory not at the start of its allocation: a pool token names a whole allocation.
     #[error(
-        "pool memory is exported from the start of its allocation: {ptr:#x} lies {offset} bytes into the allocation at {base:#x}; export the whole allocation"
+        "pool memory is exported from the start of its allocation: {ptr:#x} lies {} into the allocation at {base:#x}; export the whole allocation",
+        crate::error::bytes(.offset)
     )]
     PoolSubRange {
         /// The pointer.

@@ -277,10 +277,10 @@ fn accept(
         },
     };
     tracing::info!(
-        "tensor-set bridge: made far set {} ({} tensors, {} bytes per buffer, {} buffers)",
+        "tensor-set bridge: made far set {} ({} tensors, {} per buffer, {} buffers)",
         opts.set,
         w.layout().len(),
-        w.layout().bytes_per_buffer(),
+        crate::error::bytes(w.layout().bytes_per_buffer()),
         opts.buffers
     );
     let l = Arc::new(w.layout().clone());

@@ -248,11 +248,11 @@ pub fn serve_with_changes(
         m => return Err(wire::unexpected_msg(&m, "the far set's registrations")),
     };
     tracing::info!(
-        "tensor-set bridge: sending set {} ({} tensors, {} bytes per generation, {place:?}) to \
-         {peer} (NIXL agent {})",
+        "tensor-set bridge: sending set {} ({} tensors, {} per generation, {place:?}) to {peer} \
+         (NIXL agent {})",
         opts.set,
         layout.len(),
-        layout.bytes_per_buffer(),
+        crate::error::bytes(layout.bytes_per_buffer()),
         far.remote
     );
     let mut link = Link::start(stream, session, &opts.lane)?;

@@ -253,8 +253,8 @@ impl Opener {
     pub fn open(&mut self, frame: &[u8]) -> Result<Msg> {
         if frame.len() <= MAC_LEN {
             return Err(protocol(&format!(
-                "a sealed message of {} bytes (more than its {MAC_LEN}-byte MAC needed)",
-                frame.len()
+                "a sealed message of {} (more than its {MAC_LEN}-byte MAC needed)",
+                crate::error::bytes(frame.len())
             )));
         }
         let (body, tag) = frame.split_at(frame.len() - MAC_LEN);

@@ -107,7 +107,10 @@ fn decode_entries(
         let bytes = e.r64(48);
         let want = span_bytes(dtype, &shape, &strides).map_err(bad)?;
         if want != bytes {
-            return Err(bad(format!("{bytes} bytes where its shape spans {want}")));
+            return Err(bad(format!(
+                "{} where its shape spans {want}",
+                crate::error::bytes(bytes)
+            )));
         }
         infos.push(TensorInfo {
             name: name.to_string(),

@@ -379,8 +379,9 @@ pub(crate) fn check_sources(
                 None => format!("{dst:#x}"),
             };
             Error::InvalidArgument(format!(
-                "a source of {len} bytes at {src:#x} (copied to {to}) {why}; the copy kernel \
-                 reads mapped device memory of device {ordinal} only"
+                "a source of {} at {src:#x} (copied to {to}) {why}; the copy kernel reads \
+                 mapped device memory of device {ordinal} only",
+                crate::error::bytes(len)
             ))
         };
         let end = src

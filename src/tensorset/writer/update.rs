@@ -4,7 +4,7 @@
 use super::{Memory, State, copies, tensor_ptr};
 use crate::channel::WriteFrame;
 use crate::driver::Stream;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, bytes};
 use crate::ffi::{check, sys};
 use crate::tensorset::DeviceTensor;
 use crate::tensorset::content::{self, Fingerprinter, TensorDigest};
@@ -107,8 +107,10 @@ impl Update<'_> {
         let t = &self.layout.tensors()[i];
         if len as u64 > t.bytes {
             return Err(Error::InvalidArgument(format!(
-                "{len} bytes into tensor {:?} of {} bytes",
-                t.name, t.bytes
+                "{} into tensor {:?} of {}",
+                bytes(len),
+                t.name,
+                bytes(t.bytes)
             )));
         }
         self.copy_d2d(dst, src, len)
@@ -257,7 +259,8 @@ impl Update<'_> {
             })?;
         if offset.checked_add(len).is_none_or(|e| e > size) {
             return Err(Error::InvalidArgument(format!(
-                "bytes {offset}+{len} leave allocation {allocation} of {size} bytes"
+                "bytes {offset}+{len} leave allocation {allocation} of {}",
+                bytes(size)
             )));
         }
         Ok(b[self.buffer][allocation].device_ptr() + offset)
@@ -411,10 +414,10 @@ impl Update<'_> {
             .ok_or_else(|| TensorSetError::NoSuchTensor(i.to_string()))?;
         if src.len() as u64 > t.bytes {
             return Err(Error::InvalidArgument(format!(
-                "{} bytes into tensor {:?} of {} bytes",
-                src.len(),
+                "{} into tensor {:?} of {}",
+                bytes(src.len()),
                 t.name,
-                t.bytes
+                bytes(t.bytes)
             )));
         }
         let offset = t.offset as usize;
