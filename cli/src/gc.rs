@@ -14,8 +14,8 @@
 //! the reservations of dead holders in the quota ledgers and the ledgers' creations abandoned
 //! half-way (never a ready ledger itself, nor one whose creation may still finish, which is kept
 //! with a line saying why): every ledger without a NAME, the one a NAME of a ledger
-//! (`cuda-ipc.quota.…`) names; and without a NAME the liveness files, fd server sockets and
-//! bridge status files that killed processes left (a normal exit removes them). Other users'
+//! (`cuda-ipc.quota.…`) names (`crate::names`: what every NAME names); and without a NAME the
+//! liveness files, fd server sockets and bridge status files that killed processes left (a normal exit removes them). Other users'
 //! objects it passes over, named or not (their segments, never judged; their killed processes'
 //! files, for a user other than root) are said, a line per uid (`crate::others`), and their
 //! quota ledgers a line each (`crate::quota::skipped_of`), root's `gc` included: theirs to
@@ -91,10 +91,8 @@ fn holder_slots(verb: &str, leftovers: &[cleanup::Leftover]) {
 pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box<dyn Error>> {
     let scope = match name {
         None => Scope::everything(),
-        // A quota ledger's name: that ledger alone, by the rules `gc` without a NAME follows.
-        Some(n) if crate::quota::is_ledger(n) => {
-            Scope::only(Vec::new(), Vec::new()).with_quota_ledgers(vec![n.to_string()])
-        }
+        // What the NAME names (`crate::names`), a quota ledger by the rules `gc` without a NAME
+        // follows.
         Some(_) => {
             let t = targets(name)?;
             // The channels named, and those of which only a host pool name stands.
@@ -104,7 +102,9 @@ pub fn run(name: Option<&str>, dry_run: bool, json: bool) -> Result<Outcome, Box
                     channels.push(c);
                 }
             }
-            Scope::only(t.registries, channels).with_tensor_sets(t.tensor_sets)
+            Scope::only(t.registries, channels)
+                .with_tensor_sets(t.tensor_sets)
+                .with_quota_ledgers(t.ledger.into_iter().collect())
         }
     };
     let scan = cleanup::scan(&scope)?;

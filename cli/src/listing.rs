@@ -305,6 +305,18 @@ impl Serialize for ChannelView {
 }
 
 impl Listing {
+    /// Whether nothing was found: no object, no segment that could not be read, none closed
+    /// meanwhile, no part of a set or host pool standing alone.
+    pub fn is_empty(&self) -> bool {
+        self.registries.is_empty()
+            && self.channels.is_empty()
+            && self.tensor_sets.is_empty()
+            && self.errors.is_empty()
+            && self.closed_meanwhile.is_empty()
+            && self.sets_without_manifest.is_empty()
+            && self.host_pools.is_empty()
+    }
+
     /// Whether anything here is a problem (exit status 1).
     pub fn has_problems(&self) -> bool {
         !self.errors.is_empty()
@@ -331,7 +343,8 @@ impl Listing {
     }
 }
 
-/// The registries and channels to look at: all, or those `name` names.
+/// The registries, channels, tensor sets and quota ledger to look at: all, or those `name` names
+/// (`crate::names`).
 #[derive(Default)]
 pub(crate) struct Targets {
     pub registries: Vec<String>,
@@ -339,150 +352,128 @@ pub(crate) struct Targets {
     pub tensor_sets: Vec<String>,
     /// Channel names with a host pool name (`cuda-ipc.hp.NAME`), whatever stands there.
     pub host_pools: Vec<String>,
+    /// The quota ledger (its segment name) a NAME names, if one stands there (`ls` shows it, `gc`
+    /// scans it); `None` without a NAME: the ledgers are the quota module's to list.
+    pub ledger: Option<String>,
 }
 
-/// The segment name prefixes of a channel's parts (control segment, host pool) and of a tensor
-/// set's (manifest, generation channel, host data, holders): a NAME that starts with one stands
-/// for that channel or set, never for a registry.
-const CHANNEL_PARTS: [&str; 2] = [
-    channel_inspect::SEGMENT_PREFIX,
-    channel_inspect::POOL_PREFIX,
-];
-const SET_PARTS: [&str; 4] = [
-    cuda_ipc::tensorset::MANIFEST_PREFIX,
-    cuda_ipc::tensorset::GENERATION_PREFIX,
-    cuda_ipc::tensorset::DATA_PREFIX,
-    cuda_ipc::tensorset::HOLDERS_PREFIX,
-];
-
-/// The prefixes of a process's own files in `/dev/shm` (none of them an object a NAME can name),
-/// each with what it is.
-const PROCESS_FILES: [(&str, &str); 3] = [
-    (cuda_ipc::identity::LIVE_PREFIX, "a process's liveness file"),
-    (
-        cuda_ipc::ipc::fdpass::SOCKET_PREFIX,
-        "a process's fd server socket",
-    ),
-    (
-        cuda_ipc::cleanup::BRIDGE_PREFIX,
-        "a lane bridge's status file",
-    ),
-];
-
-/// Which object a NAME stands for when it is the segment name of one of its parts: a channel
-/// (`cuda-ipc.ch.NAME`, `cuda-ipc.hp.NAME`) or a tensor set (`cuda-ipc.ts.NAME`, `.tg.`, `.td.`,
-/// `.th.`); `None` for any other name (a registry's segment name, or a channel's or set's own
-/// name).
-enum Part<'a> {
-    Channel(&'a str),
-    Set(&'a str),
-}
-
-fn part_of(n: &str) -> Option<Part<'_>> {
-    let rest = |prefixes: &[&str]| {
-        prefixes
-            .iter()
-            .find_map(|p| n.strip_prefix(p).filter(|r| !r.is_empty()))
-    };
-    rest(&CHANNEL_PARTS)
-        .map(Part::Channel)
-        .or_else(|| rest(&SET_PARTS).map(Part::Set))
-}
-
-/// Finds the registries and channels in `/dev/shm`, or the ones `name` names: a registry's
-/// segment name, a channel's or tensor set's name, or the segment name of one of their parts
-/// (`cuda-ipc.ch.NAME` or `cuda-ipc.hp.NAME` for channel `NAME`, `cuda-ipc.ts.NAME`, `.tg.`,
-/// `.td.` or `.th.` for set `NAME`: that object alone, never a registry of that name). A process's
-/// own file (`cuda-ipc.live.…`, `cuda-ipc.fd.…`, `cuda-ipc.br.…`) is refused, saying what it is.
+/// Finds the registries, channels and tensor sets in `/dev/shm`, or those `name` names by the
+/// command line's one rule (`crate::names`): an own name names the registry, channel, tensor set
+/// and quota ledger of that name, never read for a prefix; `/dev/shm/FILE` the one object FILE
+/// belongs to. A process's own file (`cuda-ipc.live.…`, `cuda-ipc.fd.…`, `cuda-ipc.br.…`) is
+/// refused, saying what it is.
 pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
+    use crate::names::{FileOf, Name, file_of};
     let mut registries = registry_inspect::list_registries()?;
     let mut channels = channel_inspect::list_channels()?;
     // Every name with a part of a set (a part without its manifest is listed as unreadable:
     // what a writer killed half-way left, for `gc`).
     let mut tensor_sets = tensorset_inspect::list_tensor_sets()?;
     let mut host_pools = channel_inspect::list_host_pools()?;
-    if let Some(n) = name {
-        if let Some((_, what)) = PROCESS_FILES
+    let Some(arg) = name else {
+        return Ok(Targets {
+            registries,
+            channels,
+            tensor_sets,
+            host_pools,
+            ledger: None,
+        });
+    };
+    // Whatever stands there (a FIFO, a directory): inspection names it without opening it in a
+    // way that could block.
+    let exists = |seg: &str| {
+        !seg.contains('/')
+            && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
+    };
+    // The names to look for, of each kind.
+    let (reg, chan, set, ledger) = match crate::names::parse(arg) {
+        Name::Own(n) => (Some(n), Some(n), Some(n), Some(n)),
+        // A file that holds a registry is that registry, whatever its name.
+        Name::File(f) if registries.iter().any(|r| r == f) => (Some(f), None, None, None),
+        Name::File(f) => match file_of(f) {
+            FileOf::Channel(c) => (None, Some(c), None, None),
+            FileOf::Set(s) => (None, None, Some(s), None),
+            FileOf::Ledger => (None, None, None, Some(f)),
+            FileOf::Process(what) => return Err(crate::names::process_file(f, what).into()),
+            FileOf::Registry => (Some(f), None, None, None),
+        },
+    };
+    registries.retain(|r| Some(r.as_str()) == reg);
+    channels.retain(|c| Some(c.as_str()) == chan);
+    tensor_sets.retain(|t| Some(t.as_str()) == set);
+    host_pools.retain(|c| Some(c.as_str()) == chan);
+    // A segment that exists but was not listed (another user's, or not a registry): inspected
+    // anyway, so the error says why (owner, magic) instead of "no such name".
+    if let Some(chan) = chan {
+        if channels.is_empty() && exists(&channel_inspect::segment_name(chan)) {
+            channels.push(chan.to_string());
+        }
+        // A host pool name of another user's, or one that stands alone: shown (or passed over by
+        // `gc`) as what blocks a host producer of that channel.
+        if host_pools.is_empty() && exists(&channel_inspect::pool_segment_name(chan)) {
+            host_pools.push(chan.to_string());
+        }
+    }
+    // A registry's file that is by its name another kind's (a channel's control segment, a
+    // ledger, a process's file) is taken for a registry only when it holds one (listed above).
+    if let Some(reg) = reg
+        && registries.is_empty()
+        && channels.is_empty()
+        && file_of(reg) == FileOf::Registry
+        && exists(reg)
+    {
+        registries.push(reg.to_string());
+    }
+    if let Some(set) = set
+        && tensor_sets.is_empty()
+        && crate::names::SET_PARTS
             .iter()
-            .find(|(p, _)| n.starts_with(p) && n.len() > p.len())
+            .any(|p| exists(&format!("{p}{set}")))
+    {
+        // Another user's set (any part of it, as `gc` without a NAME lists their parts): `gc`
+        // passes it over, and `ls` inspects it, so the error names its owner.
+        tensor_sets.push(set.to_string());
+    }
+    // A quota ledger's name, when something stands there that is no registry (whatever it is:
+    // its reading says what, and a FIFO or another user's file is never removed).
+    let ledger = ledger
+        .filter(|l| file_of(l) == FileOf::Ledger && exists(l) && !registries.iter().any(|r| r == l))
+        .map(str::to_string);
+    if registries.is_empty()
+        && channels.is_empty()
+        && tensor_sets.is_empty()
+        && host_pools.is_empty()
+        && ledger.is_none()
+    {
+        if let Name::Own(n) = crate::names::parse(arg)
+            && let FileOf::Process(what) = file_of(n)
+            && exists(n)
         {
-            return Err(format!(
-                "{n:?} is {what}, not a registry, channel or tensor set: `cuda-ipc gc` without a \
-                 NAME removes those of killed processes, and `cuda-ipc ls` shows the objects"
-            )
-            .into());
+            return Err(crate::names::process_file(n, what).into());
         }
-        // A quota ledger's segment name: no registry, channel or set; `ls` shows that ledger
-        // (`crate::quota::collect_named`).
-        if crate::quota::is_ledger(n) {
-            return Ok(Targets::default());
-        }
-        let part = part_of(n);
-        let (reg, chan, set) = match part {
-            Some(Part::Channel(c)) => (None, Some(c), None),
-            Some(Part::Set(t)) => (None, None, Some(t)),
-            None => (Some(n), Some(n), Some(n)),
-        };
-        registries.retain(|r| Some(r.as_str()) == reg);
-        channels.retain(|c| Some(c.as_str()) == chan);
-        tensor_sets.retain(|t| Some(t.as_str()) == set);
-        host_pools.retain(|c| Some(c.as_str()) == chan);
-        // A segment that exists but was not listed (another user's, or not a registry): inspected
-        // anyway, so the error says why (owner, magic) instead of "no such name".
-        let exists = |seg: &str| {
-            !seg.contains('/')
-                // Whatever it is (a FIFO, a directory): inspection names it without opening it
-                // in a way that could block.
-                && std::fs::symlink_metadata(format!("{}/{seg}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
-        };
-        if let Some(chan) = chan {
-            if channels.is_empty() && exists(&channel_inspect::segment_name(chan)) {
-                channels.push(chan.to_string());
+        return Err(match crate::names::parse(arg) {
+            Name::Own(n) => {
+                // A ledger's name that names none says so too (`gc` and `ls` take ledgers' names).
+                let ledger = if file_of(n) == FileOf::Ledger {
+                    ", nor a quota ledger"
+                } else {
+                    ""
+                };
+                format!(
+                    "no registry, channel or tensor set named {n:?} in {}{ledger}",
+                    cuda_ipc::raw::shm::SHM_DIR
+                )
             }
-            // A host pool name of another user's, or one that stands alone: shown (or passed
-            // over by `gc`) as what blocks a host producer of that channel.
-            if host_pools.is_empty() && exists(&channel_inspect::pool_segment_name(chan)) {
-                host_pools.push(chan.to_string());
-            }
+            Name::File(_) => format!("nothing stands at {arg}"),
         }
-        if let Some(reg) = reg
-            && registries.is_empty()
-            && channels.is_empty()
-            && exists(reg)
-        {
-            registries.push(reg.to_string());
-        }
-        if let Some(set) = set
-            && tensor_sets.is_empty()
-            && SET_PARTS.iter().any(|p| exists(&format!("{p}{set}")))
-        {
-            // Another user's set (any part of it, as `gc` without a NAME lists their parts):
-            // `gc` passes it over, and `ls` inspects it, so the error names its owner.
-            tensor_sets.push(set.to_string());
-        }
-        if registries.is_empty()
-            && channels.is_empty()
-            && tensor_sets.is_empty()
-            && host_pools.is_empty()
-        {
-            // A ledger's name that names none says so too (`gc` and `ls` take ledgers' names).
-            let ledger = if n.starts_with(cuda_ipc::quota::LEDGER_PREFIX) {
-                ", nor a quota ledger"
-            } else {
-                ""
-            };
-            return Err(format!(
-                "no registry, channel or tensor set named {n:?} in {}{ledger}",
-                cuda_ipc::raw::shm::SHM_DIR
-            )
-            .into());
-        }
+        .into());
     }
     Ok(Targets {
         registries,
         channels,
         tensor_sets,
         host_pools,
+        ledger,
     })
 }
 

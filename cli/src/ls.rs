@@ -46,14 +46,7 @@ fn indent(t: &Table) -> String {
 /// The human-readable form of a listing; `rates` adds the rate columns.
 pub fn render(l: &Listing, rates: bool) -> String {
     let mut out = String::new();
-    if l.registries.is_empty()
-        && l.channels.is_empty()
-        && l.tensor_sets.is_empty()
-        && l.errors.is_empty()
-        && l.closed_meanwhile.is_empty()
-        && l.sets_without_manifest.is_empty()
-        && l.host_pools.is_empty()
-    {
+    if l.is_empty() {
         out.push_str("no cuda-ipc registries, channels or tensor sets in /dev/shm\n");
     }
     for RegistryView {
@@ -389,12 +382,12 @@ fn outcome(l: &Listing) -> Outcome {
 /// What `ls` shows besides the listing, without a NAME: the quota budgets (other users' ledgers
 /// skipped with a note), other users' objects, which `gc` leaves to them (`crate::others`: the
 /// lines `gc` prints of them), and the GPUs through NVML with the participants on them. With a
-/// NAME,
-/// all empty (`ls NAME` stays about that segment), but for a quota ledger's segment name: that
-/// ledger's budget and holders.
+/// NAME, all empty (`ls NAME` stays about what it names), but for the quota ledger it names
+/// (`crate::names`): that ledger's budget and holders.
 struct Extras {
-    /// `ls LEDGER`: the listing (empty) is not shown, only the ledger.
-    ledger_named: bool,
+    /// `ls LEDGER` of a name that names a quota ledger and nothing else: the listing (empty) is
+    /// not shown, only the ledger.
+    ledger_alone: bool,
     quotas: crate::quota::Ledgers,
     /// Other users' objects, left out of the listing and by `gc` (none with a NAME).
     others: Vec<cuda_ipc::cleanup::Skipped>,
@@ -402,11 +395,12 @@ struct Extras {
 }
 
 impl Extras {
-    fn collect(name: Option<&str>, l: &Listing) -> Extras {
-        let quotas = match name {
-            None => crate::quota::collect_all(),
-            Some(n) if crate::quota::is_ledger(n) => crate::quota::collect_named(Some(n)),
-            Some(_) => Default::default(),
+    /// `ledger`: the quota ledger the NAME names (`Targets::ledger`).
+    fn collect(name: Option<&str>, ledger: Option<&str>, l: &Listing) -> Extras {
+        let quotas = match (name, ledger) {
+            (None, _) => crate::quota::collect_all(),
+            (Some(_), Some(n)) => crate::quota::collect_named(Some(n)),
+            (Some(_), None) => Default::default(),
         };
         // What `gc` without a NAME passes over (`/dev/shm` unreadable: `targets` said so).
         let others = match name {
@@ -425,7 +419,7 @@ impl Extras {
             (g, m)
         });
         Extras {
-            ledger_named: name.is_some_and(crate::quota::is_ledger),
+            ledger_alone: ledger.is_some() && l.is_empty(),
             quotas,
             others,
             gpu,
@@ -444,7 +438,7 @@ impl Extras {
     fn text(&self, l: &Listing) -> String {
         format!(
             "{}{}{}{}{}",
-            if self.ledger_named {
+            if self.ledger_alone {
                 String::new()
             } else {
                 render(l, false)
@@ -496,8 +490,9 @@ fn document(l: &Listing, x: &Extras) -> Result<serde_json::Value, Box<dyn Error>
 /// their holders (other users' ledgers skipped with a note) and the GPUs through NVML with the
 /// participants on them ([`document`] for `--json`).
 pub fn run_ls(name: Option<&str>, json: bool) -> Result<Outcome, Box<dyn Error>> {
-    let l = collect(&targets(name)?);
-    let x = Extras::collect(name, &l);
+    let t = targets(name)?;
+    let l = collect(&t);
+    let x = Extras::collect(name, t.ledger.as_deref(), &l);
     if json {
         out!("{}", serde_json::to_string_pretty(&document(&l, &x)?)?);
     } else {
@@ -528,19 +523,22 @@ pub fn run_watch(
     loop {
         let now = Instant::now();
         // A name that disappears (its producer closed) is reported each refresh, not fatal.
-        let mut l = match targets(name) {
-            Ok(t) => collect(&t),
-            Err(e) => Listing {
-                errors: vec![SegmentError {
-                    kind: "segment",
-                    name: name.unwrap_or_default().to_string(),
-                    error: e.to_string(),
-                }],
-                ..Default::default()
-            },
+        let (mut l, ledger) = match targets(name) {
+            Ok(t) => (collect(&t), t.ledger),
+            Err(e) => (
+                Listing {
+                    errors: vec![SegmentError {
+                        kind: "segment",
+                        name: name.unwrap_or_default().to_string(),
+                        error: e.to_string(),
+                    }],
+                    ..Default::default()
+                },
+                None,
+            ),
         };
         rates.add(&mut l, now);
-        let x = Extras::collect(name, &l);
+        let x = Extras::collect(name, ledger.as_deref(), &l);
         let last = x.outcome(&l);
         // Through `out_nonl!`, so a reader that went away (`watch | head`) ends the command with
         // status 141, as for `ls`. JSON: `ls --json`'s document, one per line (JSON Lines).

@@ -48,6 +48,7 @@ mod latency;
 mod listing;
 mod ls;
 mod metrics;
+mod names;
 mod others;
 mod quota;
 mod state;
@@ -57,16 +58,43 @@ mod tui;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-const EXIT_STATUS: &str = "\
+/// The exit statuses, printed after every command's help ([`EXIT_STATUS`]).
+macro_rules! exit_status {
+    () => {
+        "\
 Exit status:
   0  ok
   1  problems found (doctor: something sharing needs is missing; ls, watch: leftovers of dead
      processes, a segment that cannot be read, or NAME not found; gc: something could not be read
      or removed, or NAME not found; another user's object, named or not, is passed over with a
      note, no problem), or an error
-  2  usage error (an unknown option, a NAME that no segment can bear: empty, `..`, with a `/`,
-     too long)
-  141  the reader of stdout went away (as `| head` does); nothing else is wrong";
+  2  usage error (an unknown option, a NAME that no segment can bear: empty, `..`, with a `/`
+     but that of /dev/shm/FILE, too long)
+  141  the reader of stdout went away (as `| head` does); nothing else is wrong"
+    };
+}
+
+const EXIT_STATUS: &str = exit_status!();
+
+/// The rule for a NAME of `ls`, `watch`, `metrics` and `gc` (`names`), then the exit statuses:
+/// printed after their help.
+const NAME_AND_EXIT_STATUS: &str = concat!(
+    "\
+NAME:
+  An object's own name, as its program gave it, never read for a prefix: `ls foo` shows the
+  registry, channel and tensor set named foo, and the quota ledger of that name (a ledger's only
+  name is its segment name, cuda-ipc.quota.u<uid>.<device>); `ls cuda-ipc.ch.foo` shows those
+  named cuda-ipc.ch.foo (that channel's segment is /dev/shm/cuda-ipc.ch.cuda-ipc.ch.foo), never
+  channel foo.
+  A file in /dev/shm is given as its path, /dev/shm/FILE (as ls and gc print it), and names the
+  one object it belongs to: the registry it holds; else, by its prefix, channel X for
+  cuda-ipc.ch.X or cuda-ipc.hp.X, tensor set X for cuda-ipc.ts.X, .tg.X, .td.X or .th.X, the
+  quota ledger cuda-ipc.quota.*; else the registry named FILE. A process's own file
+  (cuda-ipc.live.*, .fd.*, .br.*) is refused, saying what it is.
+
+",
+    exit_status!()
+);
 
 #[cfg(feature = "remote")]
 const EXIT_STATUS_BRIDGE: &str = "\
@@ -101,12 +129,10 @@ enum Command {
     /// numbers, generations, owners and whether they are alive, sizes, consumers and readers with
     /// their holds and cursors. Other users' objects are not listed: a line per uid counts them,
     /// as `gc` skips them.
-    #[command(after_help = EXIT_STATUS)]
+    #[command(after_help = NAME_AND_EXIT_STATUS)]
     Ls {
-        /// Only this registry (segment name), channel (channel name, or a segment name of its,
-        /// `cuda-ipc.ch.NAME` or `cuda-ipc.hp.NAME`), tensor set (set name, or a segment name of
-        /// its, `cuda-ipc.ts.NAME`, `.tg.`, `.td.` or `.th.`) or quota ledger (its segment name,
-        /// `cuda-ipc.quota.u<uid>.<device>`: its budget and holders).
+        /// Only the registry, channel, tensor set and quota ledger (its budget and holders) named
+        /// NAME, never read for a prefix; or the object of the file /dev/shm/FILE (below).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Print JSON instead of tables (docs/cli.md).
@@ -116,9 +142,10 @@ enum Command {
     /// Like `ls`, refreshed every interval, with rates (publishes/s, frames/s, received/s). On a
     /// terminal: a live view (frames/s and lag sparklines, GPU bars through NVML, quota budgets,
     /// the latency histogram; q quits); with `--plain` or when stdout is not a terminal, lines.
-    #[command(after_help = EXIT_STATUS)]
+    #[command(after_help = NAME_AND_EXIT_STATUS)]
     Watch {
-        /// Only this registry, channel or tensor set.
+        /// Only the registry, channel and tensor set named NAME, or the object of the file
+        /// /dev/shm/FILE, as for `ls` (below).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Time between refreshes, in milliseconds.
@@ -137,12 +164,13 @@ enum Command {
     },
     /// Serve the channels' counters, latency histograms, GPU state (NVML) and quota budgets in
     /// the OpenMetrics text format on GET /metrics, until killed.
-    #[command(after_help = EXIT_STATUS)]
+    #[command(after_help = NAME_AND_EXIT_STATUS)]
     Metrics {
         /// Address to listen on (IP:PORT; port 0 picks a free one, printed on start).
         #[arg(long, default_value = metrics::DEFAULT_LISTEN)]
         listen: String,
-        /// Only this registry, channel or tensor set.
+        /// Only the registry, channel and tensor set named NAME, or the object of the file
+        /// /dev/shm/FILE, as for `ls` (below).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Connections served at once; more are answered 503 and closed at once.
@@ -174,7 +202,9 @@ enum Command {
     /// the set is closed by its writer or replaced (exit status 0, with a line saying why).
     #[command(after_help = EXIT_STATUS)]
     Hold {
-        /// The tensor set (set name, or `cuda-ipc.ts.NAME`).
+        /// The tensor set: its own name, never read for a prefix (`cuda-ipc.ts.foo` is the set
+        /// of that name), or /dev/shm/FILE of one of its files (/dev/shm/cuda-ipc.ts.NAME, .tg.,
+        /// .td., .th.).
         #[arg(value_parser = set_name_arg)]
         name: String,
     },
@@ -192,11 +222,11 @@ enum Command {
     /// says what it passed over, a line per uid (another user's quota ledger a line of its own),
     /// no problem, whether NAME names it or not. A live reader of a dead writer's set keeps what
     /// it mapped (the files are unlinked, not shrunk).
-    #[command(after_help = EXIT_STATUS)]
+    #[command(after_help = NAME_AND_EXIT_STATUS)]
     Gc {
-        /// Only this registry, channel, tensor set (their names, or a segment name of theirs, as
-        /// for `ls`) or quota ledger (its segment name, `cuda-ipc.quota.u<uid>.<device>` or
-        /// `cuda-ipc.quota.g<gid>.<device>`).
+        /// Only the registry, channel, tensor set and quota ledger
+        /// (`cuda-ipc.quota.u<uid>.<device>` or `cuda-ipc.quota.g<gid>.<device>`) named NAME,
+        /// never read for a prefix; or the object of the file /dev/shm/FILE, as for `ls` (below).
         #[arg(value_parser = name_arg)]
         name: Option<String>,
         /// Only say what would be removed.
@@ -241,25 +271,19 @@ enum QuotaCommand {
     },
 }
 
-/// A NAME of `ls`, `watch`, `metrics` or `gc` (a registry's segment name, a channel's or tensor
-/// set's name or segment name, a quota ledger's segment name): every one is a segment name, so one
-/// that breaks the library's rule for those ([`cuda_ipc::raw::shm::validate_name`]) names
-/// nothing: a usage error (exit status 2), said as clap says any invalid argument.
+/// A NAME of `ls`, `watch`, `metrics` or `gc`: an object's own name or `/dev/shm/FILE`
+/// ([`names`]), each a segment name or one's part by the library's rule
+/// ([`cuda_ipc::raw::shm::validate_name`]); one that breaks it names nothing: a usage error (exit
+/// status 2), said as clap says any invalid argument.
 fn name_arg(name: &str) -> Result<String, String> {
-    cuda_ipc::raw::shm::validate_name(name)
-        .map(|()| name.to_string())
-        .map_err(|e| e.to_string())
+    names::validate(name).map(|()| name.to_string())
 }
 
-/// The NAME of `hold`: a tensor set's name, or its manifest's segment name `cuda-ipc.ts.NAME`,
-/// by the library's rule for set names ([`cuda_ipc::tensorset::validate_set_name`]).
+/// The NAME of `hold`: the tensor set's own name, or `/dev/shm/FILE` of one of its files
+/// ([`names::set_of`]); the set's name, by the library's rule for those
+/// ([`cuda_ipc::tensorset::validate_set_name`]).
 fn set_name_arg(name: &str) -> Result<String, String> {
-    let set = name
-        .strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
-        .unwrap_or(name);
-    cuda_ipc::tensorset::validate_set_name(set)
-        .map(|()| name.to_string())
-        .map_err(|e| e.to_string())
+    names::set_of(name).map(str::to_string)
 }
 
 fn init_logging(verbose: u8) {
@@ -337,10 +361,7 @@ fn main() -> ExitCode {
             dry_run,
             json,
         } => gc::run(name.as_deref(), dry_run, json),
-        Command::Hold { name } => hold::run(
-            name.strip_prefix(cuda_ipc::tensorset::MANIFEST_PREFIX)
-                .unwrap_or(&name),
-        ),
+        Command::Hold { name } => hold::run(&name),
         #[cfg(feature = "remote")]
         Command::Bridge(b) => bridge::run(b),
     };

@@ -242,15 +242,6 @@ pub fn skipped_of(name: &str, owner: u32, ours: u32) -> Skipped {
     }
 }
 
-/// Whether `name` names a quota ledger: under the ledgers' prefix (`cuda-ipc.quota.`), and
-/// something stands under it in `/dev/shm` (whatever it is: the scan says what, and a FIFO or
-/// another user's file is never removed). Never taken for a registry of that name.
-pub fn is_ledger(name: &str) -> bool {
-    name.starts_with(cuda_ipc::quota::LEDGER_PREFIX)
-        && !name.contains('/')
-        && std::fs::symlink_metadata(format!("{}/{name}", cuda_ipc::raw::shm::SHM_DIR)).is_ok()
-}
-
 /// Every ledger in `/dev/shm`, inspected (dead holders reclaimed); those that cannot be read with
 /// why, other users' apart. A creation abandoned half-way says so, and that `gc` removes it.
 pub fn collect_all() -> Ledgers {

@@ -145,8 +145,8 @@ fn ls_shows_a_channel_with_buffers_consumers_holds_and_cursors() {
     );
     assert_eq!(cons[0]["holds"], serde_json::json!([held]));
 
-    // The channel's segment name works too; the table shows the same.
-    let o = cuda_ipc(&["ls", &format!("cuda-ipc.ch.{name}")]);
+    // The path of the channel's segment works too (`cli_names`); the table shows the same.
+    let o = cuda_ipc(&["ls", &format!("/dev/shm/cuda-ipc.ch.{name}")]);
     let t = text(&o);
     assert_eq!(code(&o), 0, "{t}");
     assert!(
@@ -282,14 +282,27 @@ fn ls_of_an_unknown_name_fails_with_exit_1_and_says_why() {
     assert_eq!(code(&o), 1);
 }
 
-/// A NAME that no segment can bear (the library's rule for segment names, and for `hold` its rule
-/// for set names) is a usage error for every subcommand that takes one: exit status 2 and what is
-/// wrong with it (`invalid name`, or its length), never a `cannot read` or `not found` of a registry by that name.
+/// A NAME that no segment can bear (the library's rule for segment names, of an own name or of
+/// FILE in `/dev/shm/FILE`, and for `hold` its rule for set names and its sets' files) is a usage
+/// error for every subcommand that takes one: exit status 2 and what is wrong with it (`invalid
+/// name`, its length, or for `hold` a path of no set's file), never a `cannot read` or `not found`
+/// of a registry by that name.
 #[test]
 fn every_subcommand_that_takes_a_name_calls_an_invalid_one_a_usage_error_and_exits_2() {
     let long = "x".repeat(201);
     let long_set = "x".repeat(cuda_ipc::channel::MAX_CHANNEL_NAME + 1);
-    let bad = ["", ".", "..", "a/b", "/x", "x y", long.as_str()];
+    let bad = [
+        "",
+        ".",
+        "..",
+        "a/b",
+        "/x",
+        "x y",
+        long.as_str(),
+        "/dev/shm/",
+        "/dev/shm/a/b",
+        "/dev/shm/..",
+    ];
     let forms: [&[&str]; 8] = [
         &["ls"],
         &["ls", "--json"],
@@ -303,7 +316,11 @@ fn every_subcommand_that_takes_a_name_calls_an_invalid_one_a_usage_error_and_exi
     for form in forms {
         let mut names = bad.to_vec();
         if form == ["hold"] {
-            names.extend(["cuda-ipc.ts.", long_set.as_str()]);
+            names.extend([
+                long_set.as_str(),
+                "/dev/shm/cuda-ipc.ts.",
+                "/dev/shm/cuda-ipc.ch.x",
+            ]);
         }
         for name in names {
             let args: Vec<&str> = form.iter().copied().chain([name]).collect();
@@ -311,7 +328,9 @@ fn every_subcommand_that_takes_a_name_calls_an_invalid_one_a_usage_error_and_exi
             let t = text(&o);
             assert_eq!(code(&o), 2, "{args:?}: {t}");
             assert!(
-                t.contains("invalid name") || t.contains("at most"),
+                t.contains("invalid name")
+                    || t.contains("at most")
+                    || t.contains("is no file of a tensor set"),
                 "{args:?}: {t}"
             );
             assert!(

@@ -308,11 +308,11 @@ fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_kee
     }
     let planted_at = Instant::now();
     // Named, each is reported for what it is (before any `gc`: see the end).
-    let o = cuda_ipc_bounded(&["ls", &fifo], false);
+    let o = cuda_ipc_bounded(&["ls", &path(&fifo)], false);
     assert!(text(&o).contains("FIFO"), "{}", text(&o));
-    let o = cuda_ipc_bounded(&["ls", &dir], false);
+    let o = cuda_ipc_bounded(&["ls", &path(&dir)], false);
     assert!(text(&o).contains("directory"), "{}", text(&o));
-    let o = cuda_ipc_bounded(&["ls", &sparse], false);
+    let o = cuda_ipc_bounded(&["ls", &path(&sparse)], false);
     assert!(text(&o).contains("is sparse"), "{}", text(&o));
     // Every command, over everything and over each name.
     let mut runs: Vec<Vec<String>> = vec![
@@ -323,8 +323,10 @@ fn ls_watch_and_gc_never_hang_on_fifos_directories_links_or_sparse_files_and_kee
         vec!["gc".into()],
     ];
     for n in [&fifo, &dir, &link, &sparse, &reg_fifo, &reg_sparse] {
-        runs.push(vec!["ls".into(), n.to_string()]);
-        runs.push(vec!["gc".into(), n.to_string()]);
+        for n in [n.to_string(), path(n)] {
+            runs.push(vec!["ls".into(), n.clone()]);
+            runs.push(vec!["gc".into(), n]);
+        }
     }
     let mut gc_said = String::new();
     for args in &runs {
@@ -1238,12 +1240,13 @@ fn whatever_blocks_a_creation_under_our_names_is_shown_by_ls_and_reported_by_gc(
     }
 }
 
-/// A segment name of a channel's or tensor set's part given as NAME names that channel or set,
-/// never a registry of that name: `gc cuda-ipc.ts.X` printed "registry cuda-ipc.ts.X: cannot read:
-/// ... not a cuda-ipc registry" (exit status 1), and `ls` the same beside the set. A process's own
-/// file (a liveness file) given as NAME is refused saying what it is.
+/// The path of a channel's or tensor set's part given as NAME (`/dev/shm/cuda-ipc.ts.X`) names
+/// that channel or set, never a registry of that name: `gc cuda-ipc.ts.X` printed "registry
+/// cuda-ipc.ts.X: cannot read: ... not a cuda-ipc registry" (exit status 1), and `ls` the same
+/// beside the set. A process's own file (a liveness file) given as NAME is refused saying what it
+/// is. (An own name is never read for a prefix: `cli_names`.)
 #[test]
-fn a_parts_segment_name_names_its_channel_or_set_and_a_process_file_is_refused_clearly() {
+fn a_parts_path_names_its_channel_or_set_and_a_process_file_is_refused_clearly() {
     use cuda_ipc::channel::{ChannelOptions, Producer};
     use cuda_ipc::tensorset::{DType, TensorSetOptions, TensorSetWriter, TensorSpec};
     let _gc = beside_others();
@@ -1257,11 +1260,26 @@ fn a_parts_segment_name_names_its_channel_or_set_and_a_process_file_is_refused_c
     )
     .unwrap();
     let names = [
-        (format!("cuda-ipc.ch.{ch}"), format!("channel {ch}:")),
-        (format!("cuda-ipc.hp.{ch}"), format!("channel {ch}:")),
-        (format!("cuda-ipc.ts.{ts}"), format!("tensorset {ts}:")),
-        (format!("cuda-ipc.tg.{ts}"), format!("tensorset {ts}:")),
-        (format!("cuda-ipc.td.{ts}"), format!("tensorset {ts}:")),
+        (
+            format!("/dev/shm/cuda-ipc.ch.{ch}"),
+            format!("channel {ch}:"),
+        ),
+        (
+            format!("/dev/shm/cuda-ipc.hp.{ch}"),
+            format!("channel {ch}:"),
+        ),
+        (
+            format!("/dev/shm/cuda-ipc.ts.{ts}"),
+            format!("tensorset {ts}:"),
+        ),
+        (
+            format!("/dev/shm/cuda-ipc.tg.{ts}"),
+            format!("tensorset {ts}:"),
+        ),
+        (
+            format!("/dev/shm/cuda-ipc.td.{ts}"),
+            format!("tensorset {ts}:"),
+        ),
     ];
     for (n, shown) in &names {
         let gc = cuda_ipc_bounded(&["gc", "--dry-run", n], false);

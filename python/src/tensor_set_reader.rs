@@ -8,6 +8,8 @@
 //! wait on the GPU for the generation, and the release (`release()`, the `with` block's end, or
 //! collection) is ordered after the work enqueued on that stream by then.
 
+mod parking;
+
 use crate::errors;
 use crate::tensors;
 use crate::util::{
@@ -18,10 +20,11 @@ use cuda_ipc::driver::Device;
 use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::owned::OwnedHeld;
 use cuda_ipc::tensorset::{Location, ReaderOptions};
+use parking::{Job, PENDING_POLL, Parking};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,104 +69,6 @@ pub(crate) struct TensorSetReader {
     next_job: AtomicU64,
     /// The process (by fork) that opened it: a forked child's calls raise `NotSupported`.
     fork: ForkEpoch,
-}
-
-/// The holds `wait_newer_async` waits parked, and what decides who gets them.
-///
-/// A parked hold whose coroutine gave up goes to the reader's next take, oldest generation
-/// first: `wait_newer(than)` (also awaited) returns it when it is newer than `than`, without
-/// waiting, and lets go of every such hold no newer than `than` (the caller asks past them);
-/// `current()` returns the newest of the parked holds and the generation published now, and lets
-/// the others go. A parked hold older than the newest generation this reader already handed out
-/// is let go, never handed out: the reader's callers never see generation g + 1 and then g.
-#[derive(Default)]
-struct Parking {
-    holds: Vec<Parked>,
-    /// The newest generation handed to a caller (a take's result, a claim).
-    handed: u64,
-    /// Set by `close()`, under this lock: a take that finishes after it parks nothing and hands
-    /// nothing out.
-    closed: bool,
-}
-
-/// A hold a `wait_newer_async` wait took for its coroutine.
-struct Parked {
-    job: u64,
-    /// Raised when that coroutine gave up ([`crate::aio::is_abandoned`]).
-    abandoned: Arc<AtomicBool>,
-    held: OwnedHeld,
-}
-
-impl Parked {
-    fn generation(&self) -> u64 {
-        self.held.held().generation()
-    }
-
-    fn is_abandoned(&self) -> bool {
-        crate::aio::is_abandoned(&self.abandoned)
-    }
-}
-
-/// How long an awaited wait sleeps between looks at an earlier wait's hold that its coroutine
-/// has neither claimed nor given up yet.
-const PENDING_POLL: Duration = Duration::from_micros(200);
-
-impl Parking {
-    /// The oldest parked hold whose coroutine gave up that `wait_newer(than)` may hand out, taken
-    /// out; those it may not (no newer than `than`, or older than the newest handed out) go to
-    /// `let_go`, to be released by the caller after the lock.
-    fn take_abandoned(&mut self, than: u64, let_go: &mut Vec<OwnedHeld>) -> Option<OwnedHeld> {
-        let handed = self.handed;
-        let (stale, kept): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.holds)
-            .into_iter()
-            .partition(|p| p.is_abandoned() && (p.generation() <= than || p.generation() < handed));
-        self.holds = kept;
-        let_go.extend(stale.into_iter().map(|p| p.held));
-        let i = (0..self.holds.len())
-            .filter(|&i| self.holds[i].is_abandoned())
-            .min_by_key(|&i| self.holds[i].generation())?;
-        Some(self.holds.remove(i).held)
-    }
-
-    /// Whether a hold waits for its coroutine's claim (an earlier awaited wait took it, and that
-    /// coroutine neither claimed it nor gave up yet). Any such hold, also one no newer than a
-    /// later wait's `than`: that coroutine returns it even when another wait of the reader
-    /// (another task's, asking with what a third task saw) returned a newer one meanwhile.
-    fn pending(&self) -> bool {
-        self.holds.iter().any(|p| !p.is_abandoned())
-    }
-
-    /// `h`, handed to a caller now; `Closed` (and `h` released) once `close()` came.
-    fn hand_out(&mut self, h: OwnedHeld) -> Result<OwnedHeld, Stop> {
-        if self.closed {
-            drop(h);
-            return Err(Stop::Closed);
-        }
-        self.handed = self.handed.max(h.held().generation());
-        Ok(h)
-    }
-
-    /// `h`, parked for job `job`'s coroutine; `Closed` (and `h` released) once `close()` came.
-    fn park(&mut self, job: &Job<'_>, h: OwnedHeld) -> Result<(), Stop> {
-        if self.closed {
-            drop(h);
-            return Err(Stop::Closed);
-        }
-        self.holds.push(Parked {
-            job: job.id,
-            abandoned: job.abandoned.clone(),
-            held: h,
-        });
-        Ok(())
-    }
-}
-
-/// A `wait_newer_async` wait: its number, its cancellation flag and the flag its coroutine
-/// raises when it gives up (`crate::aio`).
-struct Job<'a> {
-    id: u64,
-    cancelled: &'a AtomicBool,
-    abandoned: &'a Arc<AtomicBool>,
 }
 
 impl TensorSetReader {
@@ -529,17 +434,7 @@ impl TensorSetReader {
         let this = slf.get();
         // Before `parked` is locked: a parent's wait may have held it at the fork.
         errors::check_fork(this.fork, "tensor set reader")?;
-        let h = {
-            let mut p = lock(&this.parked);
-            match p.holds.iter().position(|h| h.job == job) {
-                Some(i) => {
-                    let h = p.holds.remove(i).held;
-                    p.handed = p.handed.max(h.held().generation());
-                    Some(h)
-                }
-                None => None,
-            }
-        };
+        let h = lock(&this.parked).claim(job);
         match h {
             Some(h) => Ok(this.hold(py, &slf, h)),
             None => Err(this.closed_error()),
@@ -758,11 +653,7 @@ impl TensorSetReader {
         lock(&self.inner).take();
         // Parked holds are released (a coroutine still to claim one raises `TensorSetClosed`),
         // and a take that finishes after this parks and hands out nothing (`Parking::closed`).
-        let parked = {
-            let mut p = lock(&self.parked);
-            p.closed = true;
-            std::mem::take(&mut p.holds)
-        };
+        let parked = lock(&self.parked).close();
         py.detach(|| drop(parked));
         lock(&self.dicts).iter_mut().for_each(|d| *d = None);
         lock(&self.stable).take();
