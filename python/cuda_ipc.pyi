@@ -246,7 +246,7 @@ def warm_up() -> Dict[str, Any]:
     H100 host with PyTorch 2.11, the first attach's otherwise), where the process has made them
     possible already: this extension's first driver calls (loading the library, ``cuInit``, the
     first use of each function) where CUDA is initialised and a context is current on this thread
-    with its device's primary context active; PyTorch's first calls of the views a dict is made of
+    with its device's primary context active (and a first thread's start, the dearest in a process); PyTorch's first calls of the views a dict is made of
     (``from_dlpack`` of this extension's capsule, ``as_strided``, ``unbind``, ``narrow``,
     ``view``, on 1 KiB of host memory) where ``torch`` is imported, and
     ``torch.cuda.current_stream`` of that device where ``torch.cuda.is_initialized()``.

@@ -33,7 +33,9 @@
 //! `--chunk-bytes C`: in place over VMM chunks of at most C bytes, the tensors packed into them in
 //! order, as a model built in `torch_mem_pool` (`create_over`)), writes the pattern word at the
 //! start of buffer 0's first tensor and commits one generation. Each fresh child makes its context
-//! first, says so, and then, timed: `TensorSetReader::open(ctx, name, &ReaderOptions::new())`
+//! first (with `TENSORSET_FLOOR_WARM_UP=1` in the environment, then also calls
+//! `cuda_ipc::driver::warm_up()`, as Python's `import cuda_ipc` does: `warm_up`/`warmed` in its
+//! figures), says so, and then, timed: `TensorSetReader::open(ctx, name, &ReaderOptions::new())`
 //! (`open_us`: manifest, imports through the import cache, cold, with the fd fetch from the
 //! writer, the generation channel's attach) and `reader.current()` holding generation 1
 //! (`hold_us`); the reader's own phase timings (`TensorSetReader::open_timings`:

@@ -3,7 +3,8 @@
 //!
 //! A first `TensorSetReader` and `tensors()` in a process pay, besides their own work, this
 //! extension's first driver calls (cudarc's loader, `cuInit`, the first use of each driver
-//! function: [`cuda_ipc::driver::warm_up`]) and PyTorch's first calls of the views a dict is made
+//! function, and a process's first thread start, which the open's join thread would pay:
+//! [`cuda_ipc::driver::warm_up`]) and PyTorch's first calls of the views a dict is made
 //! of (`torch.from_dlpack` of this extension's capsule, `as_strided`, `unbind`, `narrow`,
 //! `view`, `torch.cuda.current_stream`): 0.25–0.3 ms on an H100 host with PyTorch 2.11, measured
 //! in fresh processes. Both are made here on a tensor set of four tensors over 1 KiB of this

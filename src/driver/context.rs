@@ -47,6 +47,72 @@ impl Device {
     }
 }
 
+/// Makes this crate's first driver calls in a process that has initialised CUDA already, so that
+/// they are not part of its first real work (a tensor set's first attach, a channel's first
+/// join): loads the driver library in cudarc's loader (which tries up to 16 file names before
+/// `libcuda.so.1`), runs `cuInit` (a no-op there) and, where a context is current on the calling
+/// thread and its device's primary context is active, looks the device up and retains and
+/// releases that primary context once (the first use of those driver functions), then starts
+/// and joins one thread (a process's first thread start is the dearest). Returns that device, or
+/// `None` when there is nothing to prepare.
+///
+/// Never loads the driver into a process that has not, never initialises it (a process whose
+/// children it forks keeps them free to use CUDA), never makes a primary context that is not
+/// active, and leaves the thread's current context as it was. Takes tens to a few hundred µs
+/// once; later calls cost about 1 µs. Errors are not returned: a failed step leaves the rest to
+/// the first real use, which reports them.
+pub fn warm_up() -> Option<Device> {
+    if !crate::ffi::initialized_elsewhere() || crate::ffi::driver_api().is_err() {
+        return None;
+    }
+    let mut ctx = MaybeUninit::<sys::CUcontext>::uninit();
+    // SAFETY: driver loaded and initialised (`driver_api`); `ctx` is a valid out-pointer.
+    check("cuCtxGetCurrent", unsafe {
+        sys::cuCtxGetCurrent(ctx.as_mut_ptr())
+    })
+    .ok()?;
+    // SAFETY: written on success.
+    if unsafe { ctx.assume_init() }.is_null() {
+        return None;
+    }
+    let mut raw = MaybeUninit::<sys::CUdevice>::uninit();
+    // SAFETY: a context is current on this thread; `raw` is a valid out-pointer.
+    check("cuCtxGetDevice", unsafe {
+        sys::cuCtxGetDevice(raw.as_mut_ptr())
+    })
+    .ok()?;
+    // SAFETY: written on success.
+    let raw = unsafe { raw.assume_init() };
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: `raw` is the current context's device; both are valid out-pointers.
+    check("cuDevicePrimaryCtxGetState", unsafe {
+        sys::cuDevicePrimaryCtxGetState(raw, &mut flags, &mut active)
+    })
+    .ok()?;
+    if active == 0 {
+        return None; // retaining it would make it: tens of ms and device memory
+    }
+    let n = Device::count().ok()?;
+    // The ordinal whose handle is the current context's device (`cuDeviceGet` maps ordinals to
+    // handles; on every driver so far they are equal, which is not relied on).
+    let device = (0..n)
+        .filter_map(|i| Device::get(i).ok())
+        .find(|d| d.raw() == raw)?;
+    // Retained and released at once: the context is active, so its count goes back to where it
+    // was (`Context`'s drop releases it).
+    drop(Context::primary(device).ok()?);
+    // A fresh process's first thread start costs more than a later one (a stack mapped, a malloc
+    // arena made at the thread's first allocation; both kept for the next thread once it ends):
+    // paid here, not by a first attach's join thread. A failed start only leaves it there.
+    if let Ok(h) = std::thread::Builder::new()
+        .name("cuda-ipc-warm".into())
+        .spawn(|| drop(std::hint::black_box(vec![0u8; 64])))
+    {
+        let _ = h.join();
+    }
+    Some(device)
+}
+
 impl Context {
     /// Retains `device`'s primary context. The calling thread's current context is left as it was:
     /// nothing is made current (use [`Context::bind`] for that).

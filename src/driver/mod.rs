@@ -20,10 +20,10 @@ mod memory;
 mod module;
 mod stream;
 
-pub use context::{Context, CurrentGuard};
+pub use context::{Context, CurrentGuard, warm_up};
 pub use device::{
     ComputeMode, Device, DeviceCapabilities, MEMPOOL_HANDLE_FABRIC, MEMPOOL_HANDLE_POSIX_FD, Uuid,
-    driver_version, warm_up,
+    driver_version,
 };
 pub use event::Event;
 pub use graph::Graph;

@@ -63,6 +63,10 @@ pub(super) fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     let ctx = Context::primary(Device::get(device)?)?;
     ctx.bind()?;
     let ctx_us = t_ctx.elapsed().as_secs_f64() * 1e6;
+    // With TENSORSET_FLOOR_WARM_UP=1, the process's one-time costs of a first attach
+    // (`cuda_ipc::driver::warm_up`) are made here, before the clock, as Python's import makes them.
+    let warm_up = std::env::var_os("TENSORSET_FLOOR_WARM_UP").is_some_and(|v| v == "1");
+    let warmed = warm_up && cuda_ipc::driver::warm_up().is_some();
     (&sock).write_all(b"R")?;
 
     // Timed: the open (manifest, imports, generation channel), then the hold.
@@ -95,7 +99,7 @@ pub(super) fn crate_child(sock_fd: i32, name: &str, device: usize) -> Res<()> {
     drop(reader);
     let release_us = t3.elapsed().as_secs_f64() * 1e6;
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let figures = json!({"context_us": ctx_us, "open_us": open_us, "hold_us": hold_us,
+    let figures = json!({"context_us": ctx_us, "warm_up": warm_up, "warmed": warmed, "open_us": open_us, "hold_us": hold_us,
                "attach_us": open_us + hold_us, "release_us": release_us, "imports": imports,
                "read_only": read_only, "generation": generation, "mismatches": mismatches,
                "open_manifest_us": us(phases.manifest), "open_tables_us": us(phases.tables),
