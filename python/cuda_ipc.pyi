@@ -257,7 +257,7 @@ def warm_up() -> Dict[str, Any]:
     the environment variable ``CUDA_IPC_WARM_UP`` is ``0``; call it again after making the CUDA
     context when ``cuda_ipc`` was imported before. Returns ``{"device": the prepared device's
     ordinal or None, "torch": whether PyTorch's calls were made}``. Takes 0.3–1 ms the first time,
-    about 1 µs later."""
+    tens of µs later (the small dict is built again)."""
 
 def cleanup(*, dry_run: bool = False) -> CleanupResult:
     """Finds what dead processes left in /dev/shm (registry and channel leftovers, host pools,

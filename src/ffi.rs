@@ -66,13 +66,15 @@ impl std::error::Error for CudaError {}
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DriverApi(());
 
+/// [`driver_api`]'s outcome, once it ran.
+static INIT: OnceLock<std::result::Result<(), InitFailure>> = OnceLock::new();
+
 /// Loads the driver (once per process) and runs `cuInit(0)`.
 ///
 /// # Errors
 /// [`Error::DriverNotFound`] when no candidate library loads; [`Error::Cuda`] when `cuInit` fails
 /// (e.g. `CUDA_ERROR_NO_DEVICE`).
 pub(crate) fn driver_api() -> Result<DriverApi> {
-    static INIT: OnceLock<std::result::Result<(), InitFailure>> = OnceLock::new();
     let r = INIT.get_or_init(|| {
         // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names and drops the handle;
         // it has no preconditions.
@@ -97,9 +99,12 @@ pub(crate) fn driver_api() -> Result<DriverApi> {
 /// context: PyTorch, CuPy, JAX), asked without loading the library or initialising the driver:
 /// `libcuda.so.1` must be in the process already (`dlopen` with `RTLD_NOLOAD`), and
 /// `cuCtxGetCurrent` must not answer `CUDA_ERROR_NOT_INITIALIZED` (which every driver call
-/// returns before `cuInit`, per the driver API's initialisation section). When it answers yes,
-/// cudarc's loader has loaded its view of the library (its first use in this process).
+/// returns before `cuInit`, per the driver API's initialisation section); or [`driver_api`]
+/// succeeded already. When it answers yes, cudarc's loader has loaded its view of the library.
 pub(crate) fn initialized_elsewhere() -> bool {
+    if matches!(INIT.get(), Some(Ok(()))) {
+        return true; // loaded and initialised by this crate already: no name is tried again
+    }
     // SAFETY: with RTLD_NOLOAD, `dlopen` returns a handle only to a library already loaded (no
     // initialiser runs, nothing is loaded); the name is a NUL-terminated literal.
     let h = unsafe {

@@ -33,7 +33,8 @@ pub(crate) const ENV: &str = "CUDA_IPC_WARM_UP";
 /// loads the driver, initialises CUDA, makes a context or imports PyTorch; raises nothing (a
 /// step that fails is left to the first real use, which reports it). Runs at import unless
 /// `CUDA_IPC_WARM_UP=0`. Returns `{"device": the prepared device's ordinal or None, "torch":
-/// whether PyTorch's calls were made}`. Takes 0.3–1 ms at its first call, about 1 µs after.
+/// whether PyTorch's calls were made}`. Takes 0.3–1 ms at its first call, tens of µs after
+/// (the small dict is built again).
 #[pyfunction]
 pub(crate) fn warm_up(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let device = py.detach(cuda_ipc::driver::warm_up);

@@ -53,13 +53,13 @@ impl Device {
 /// `libcuda.so.1`), runs `cuInit` (a no-op there) and, where a context is current on the calling
 /// thread and its device's primary context is active, looks the device up and retains and
 /// releases that primary context once (the first use of those driver functions), then starts
-/// and joins one thread (a process's first thread start is the dearest). Returns that device, or
+/// and joins one thread, once per process (a process's first thread start is the dearest). Returns that device, or
 /// `None` when there is nothing to prepare.
 ///
 /// Never loads the driver into a process that has not, never initialises it (a process whose
 /// children it forks keeps them free to use CUDA), never makes a primary context that is not
 /// active, and leaves the thread's current context as it was. Takes tens to a few hundred µs
-/// once; later calls cost about 1 µs. Errors are not returned: a failed step leaves the rest to
+/// once; later calls cost about 10 µs. Errors are not returned: a failed step leaves the rest to
 /// the first real use, which reports them.
 pub fn warm_up() -> Option<Device> {
     if !crate::ffi::initialized_elsewhere() || crate::ffi::driver_api().is_err() {
@@ -104,12 +104,15 @@ pub fn warm_up() -> Option<Device> {
     // A fresh process's first thread start costs more than a later one (a stack mapped, a malloc
     // arena made at the thread's first allocation; both kept for the next thread once it ends):
     // paid here, not by a first attach's join thread. A failed start only leaves it there.
-    if let Ok(h) = std::thread::Builder::new()
-        .name("cuda-ipc-warm".into())
-        .spawn(|| drop(std::hint::black_box(vec![0u8; 64])))
-    {
-        let _ = h.join();
-    }
+    static THREAD: std::sync::Once = std::sync::Once::new();
+    THREAD.call_once(|| {
+        if let Ok(h) = std::thread::Builder::new()
+            .name("cuda-ipc-warm".into())
+            .spawn(|| drop(std::hint::black_box(vec![0u8; 64])))
+        {
+            let _ = h.join();
+        }
+    });
     Some(device)
 }
 
