@@ -74,6 +74,7 @@ __all__ = [
     "torch_mem_pool",
     "arena_locate",
     "arena_stats",
+    "warm_up",
     "META_BYTES",
     "__version__",
 ]
