@@ -253,9 +253,13 @@ def warm_up() -> Dict[str, Any]:
     ``torch.cuda.current_stream`` of that device where ``torch.cuda.is_initialized()``.
 
     Never loads the CUDA driver, initialises CUDA, makes a context or imports PyTorch (a process
-    that forks after it keeps its children free to use CUDA); raises nothing (a step that fails
-    is left to the first real use, which reports it). Importing ``cuda_ipc`` runs it once, unless
-    the environment variable ``CUDA_IPC_WARM_UP`` is ``0``; call it again after making the CUDA
+    that forks after it keeps its children free to use CUDA; a ``torch`` loaded lazily, or being
+    imported by another thread, is left alone). The driver's part is skipped where the driver
+    library's first name, ``libcuda.so``, is not the driver in the process (many containers have
+    only ``libcuda.so.1``; a stub library may be on the search path). Raises nothing but
+    ``KeyboardInterrupt``, ``SystemExit`` and other errors that are no ``Exception``: a step that
+    fails is left to the first real use, which reports it. Importing ``cuda_ipc`` runs it once,
+    unless the environment variable ``CUDA_IPC_WARM_UP`` is ``0``, ``false``, ``no`` or ``off``; call it again after making the CUDA
     context when ``cuda_ipc`` was imported before. Returns ``{"device": the prepared device's
     ordinal or None, "torch": whether PyTorch's calls were made}``. Takes 0.3–1 ms the first time,
     tens of µs later (the small dict is built again)."""

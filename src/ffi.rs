@@ -97,7 +97,8 @@ pub(crate) fn driver_api() -> Result<DriverApi> {
 
 /// Whether this process has the driver loaded and initialised already (another library made a
 /// context: PyTorch, CuPy, JAX), asked without loading the library or initialising the driver:
-/// `libcuda.so.1` must be in the process already (`dlopen` with `RTLD_NOLOAD`), and
+/// `libcuda.so.1` must be in the process already and be what cudarc's first name for it
+/// (`libcuda.so`) gives (`dlopen` with `RTLD_NOLOAD`), and
 /// `cuCtxGetCurrent` must not answer `CUDA_ERROR_NOT_INITIALIZED` (which every driver call
 /// returns before `cuInit`, per the driver API's initialisation section); or [`driver_api`]
 /// succeeded already. When it answers yes, cudarc's loader has loaded its view of the library.
@@ -105,22 +106,39 @@ pub(crate) fn initialized_elsewhere() -> bool {
     if matches!(INIT.get(), Some(Ok(()))) {
         return true; // loaded and initialised by this crate already: no name is tried again
     }
-    // SAFETY: with RTLD_NOLOAD, `dlopen` returns a handle only to a library already loaded (no
-    // initialiser runs, nothing is loaded); the name is a NUL-terminated literal.
-    let h = unsafe {
-        libc::dlopen(
-            c"libcuda.so.1".as_ptr(),
-            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
-        )
+    // cudarc's loader takes the first of its names that loads, `libcuda.so` before the soname
+    // `libcuda.so.1`: where that first name is not the driver already in the process (no
+    // `libcuda.so` at all, as in many containers, or another one on the search path, such as the
+    // toolkit's stub library), the loader would search the file system or load that other
+    // library. Both names are asked with RTLD_NOLOAD, which returns a handle only to a library
+    // already loaded (no initialiser runs, nothing is loaded), so that the loader is used only
+    // where its first name gives it the driver in the process.
+    let first = driver_candidates().into_iter().next();
+    let loaded = |name: &str| -> *mut libc::c_void {
+        let Ok(name) = std::ffi::CString::new(name) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: `name` is NUL-terminated; RTLD_NOLOAD loads nothing (see above).
+        unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) }
     };
-    if h.is_null() {
+    let soname = loaded("libcuda.so.1");
+    if soname.is_null() {
+        return false; // not in the process: the first name is not even searched
+    }
+    let by_first = first.as_deref().map_or(std::ptr::null_mut(), loaded);
+    let same = soname == by_first;
+    for h in [soname, by_first] {
+        if !h.is_null() {
+            // SAFETY: `h` came from `dlopen` above and is closed once; the library stays loaded
+            // (the process's other references hold it).
+            unsafe { libc::dlclose(h) };
+        }
+    }
+    if !same {
         return false;
     }
-    // SAFETY: `h` came from `dlopen` above and is closed once; the library stays loaded (its
-    // other references hold it).
-    unsafe { libc::dlclose(h) };
-    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names (the library is
-    // loaded already, and its soname is the last of them).
+    // SAFETY: `is_culib_present` tries `dlopen` on the candidate names in order; the first is the
+    // library already loaded (just checked), so nothing else is searched or loaded.
     if !unsafe { sys::is_culib_present() } {
         return false;
     }

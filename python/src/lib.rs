@@ -103,6 +103,6 @@ fn cuda_ipc_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(warm::warm_up, m)?)?;
     // Last: the module is whole if PyTorch's calls below import anything that looks at it.
-    warm::at_import(m.py());
+    warm::at_import(m.py())?;
     Ok(())
 }

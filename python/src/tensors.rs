@@ -13,10 +13,10 @@ use crate::errors;
 use cuda_ipc::tensorset::{DType, Layout, TensorInfo, TensorSpec};
 use dlpark::ffi::{DLDataType, DLDataTypeCode};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use std::any::Any;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// PyTorch's name of each DLPack dtype a tensor set can hold.
@@ -284,9 +284,24 @@ pub(crate) struct Torch {
     raw_stream: Option<Py<PyAny>>,
     /// The `torch.dtype` of each entry of `TORCH_DTYPES` this PyTorch has.
     dtypes: Vec<Option<Py<PyAny>>>,
+    /// The `torch` module all of these were looked up in.
+    module: Py<PyAny>,
 }
 
-static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+/// The process's [`Torch`], made from the `torch` module that was in `sys.modules` then (its
+/// `module`): made again, and the old one left (never freed: a handful of references), when
+/// `sys.modules["torch"]` is another module since (a stand-in that a test put there, then the real
+/// one). Not a blocking once-cell: two threads may both make one (the last stored stays), a forked
+/// child never waits for a making that its parent's other thread had under way, and a making
+/// that PyTorch's own attribute lookups re-enter fails instead of waiting for itself ([`MAKING`]).
+/// The store (`Release`) pairs with [`Torch::get`]'s load (`Acquire`): a thread that sees the
+/// pointer sees the whole `Torch` it points to.
+static TORCH: AtomicPtr<Torch> = AtomicPtr::new(std::ptr::null_mut());
+
+thread_local! {
+    /// Whether this thread is making a [`Torch`] (looking PyTorch's attributes up) now.
+    static MAKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 impl Torch {
     /// [`Torch::get`] for a call that needs PyTorch for `what` (`"tensors() makes torch.Tensor
@@ -316,12 +331,42 @@ impl Torch {
         })
     }
 
-    /// The process's `Torch`, imported at the first call.
+    /// The process's `Torch`: imported at the first call, made again when `sys.modules["torch"]`
+    /// is another module since ([`TORCH`]).
     ///
     /// # Errors
-    /// `ImportError` when PyTorch is not installed.
+    /// `ImportError` when PyTorch is not installed, or when PyTorch's attribute lookups for it
+    /// called back into a call that needs it (on the same thread); PyTorch's own errors as raised.
     pub(crate) fn get(py: Python<'_>) -> PyResult<&'static Torch> {
-        TORCH.get_or_try_init(py, || {
+        // SAFETY: the GIL is held (`py`); `PyImport_GetModuleDict` returns a borrowed reference to
+        // the interpreter's `sys.modules` (or null), which lives as long as the interpreter.
+        let modules =
+            unsafe { Bound::from_borrowed_ptr_or_opt(py, pyo3::ffi::PyImport_GetModuleDict()) };
+        let now = modules.and_then(|m| m.get_item("torch").ok());
+        let cached = TORCH.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer was stored from a `Box` that is never freed (below).
+        if let Some(t) = unsafe { cached.as_ref() }
+            && now.as_ref().is_some_and(|m| m.is(t.module.bind(py)))
+        {
+            return Ok(t);
+        }
+        if MAKING.get() {
+            return Err(pyo3::exceptions::PyImportError::new_err(
+                "PyTorch's attributes were asked for by a call that looking them up made \
+                 (a torch attribute that calls back into cuda_ipc)",
+            ));
+        }
+        MAKING.set(true);
+        let made = Self::make(py);
+        MAKING.set(false);
+        let t: &'static Torch = Box::leak(Box::new(made?));
+        TORCH.store(std::ptr::from_ref(t).cast_mut(), Ordering::Release);
+        Ok(t)
+    }
+
+    /// A new `Torch` from the `torch` module (imported if it is not).
+    fn make(py: Python<'_>) -> PyResult<Torch> {
+        {
             let torch = py.import("torch")?;
             let tensor = torch.getattr("Tensor")?;
             let operator = py.import("operator")?;
@@ -357,8 +402,9 @@ impl Torch {
                     .iter()
                     .map(|(_, n)| torch.getattr(*n).ok().map(Bound::unbind))
                     .collect(),
+                module: torch.clone().into_any().unbind(),
             })
-        })
+        }
     }
 
     /// PyTorch's current stream of CUDA device `device`, as the raw `CUstream` (0: the legacy
@@ -371,7 +417,7 @@ impl Torch {
     /// PyTorch's, as raised (no CUDA in this PyTorch, a bad device).
     pub(crate) fn current_stream(&self, py: Python<'_>, device: i32) -> PyResult<usize> {
         if let Some(raw) = &self.raw_stream
-            && self.cuda_is_initialized.bind(py).call0()?.is_truthy()?
+            && self.cuda_initialized(py)?
         {
             return raw.bind(py).call1((device,))?.extract();
         }
@@ -380,6 +426,14 @@ impl Torch {
             .call1((device,))?
             .getattr("cuda_stream")?
             .extract()
+    }
+
+    /// `torch.cuda.is_initialized()`: whether PyTorch initialised CUDA in this process.
+    ///
+    /// # Errors
+    /// PyTorch's, as raised.
+    pub(crate) fn cuda_initialized(&self, py: Python<'_>) -> PyResult<bool> {
+        self.cuda_is_initialized.bind(py).call0()?.is_truthy()
     }
 
     /// The `torch.dtype` of `d`, or `NotSupported`.

@@ -13,7 +13,7 @@
 //! Nothing here loads the driver, initialises CUDA, makes a context or imports PyTorch: each part
 //! runs only where the process did that itself already (so a process that forks children after
 //! importing this module keeps them free to use CUDA). Importing the module runs it once unless
-//! `CUDA_IPC_WARM_UP=0`; imported before the process made its CUDA context, the first attach pays
+//! `CUDA_IPC_WARM_UP` is `0` (or `false`, `no`, `off`); imported before the process made its CUDA context, the first attach pays
 //! those costs unless `warm_up()` is called after it.
 
 use crate::tensors;
@@ -31,39 +31,92 @@ pub(crate) const ENV: &str = "CUDA_IPC_WARM_UP";
 /// is imported (`torch.cuda.current_stream` only where `torch.cuda.is_initialized()`, on the
 /// prepared device). Never
 /// loads the driver, initialises CUDA, makes a context or imports PyTorch; raises nothing (a
-/// step that fails is left to the first real use, which reports it). Runs at import unless
-/// `CUDA_IPC_WARM_UP=0`. Returns `{"device": the prepared device's ordinal or None, "torch":
+/// step that fails is left to the first real use, which reports it; `KeyboardInterrupt` and
+/// other errors that are no `Exception` are raised). Runs at import unless `CUDA_IPC_WARM_UP`
+/// is `0`, `false`, `no` or `off`. Returns `{"device": the prepared device's ordinal or None, "torch":
 /// whether PyTorch's calls were made}`. Takes 0.3–1 ms at its first call, tens of µs after
 /// (the small dict is built again).
 #[pyfunction]
 pub(crate) fn warm_up(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let device = py.detach(cuda_ipc::driver::warm_up);
     let ordinal = device.map(|d| d.ordinal() as i32);
-    let torch = torch_part(py, ordinal).unwrap_or(false);
+    let torch = match torch_part(py) {
+        Ok(made) => made,
+        Err(e) => {
+            interrupt(py, e)?;
+            false
+        }
+    };
+    // Only on the device whose context is current and active: asked for another device's
+    // stream, PyTorch could make that device's context.
+    if torch && let Some(dev) = ordinal {
+        let stream = (|| -> PyResult<()> {
+            let t = crate::tensors::Torch::get(py)?;
+            if t.cuda_initialized(py)? {
+                t.current_stream(py, dev)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = stream {
+            interrupt(py, e)?;
+        }
+    }
     let out = PyDict::new(py);
     out.set_item("device", ordinal)?;
     out.set_item("torch", torch)?;
     Ok(out)
 }
 
-/// [`warm_up`] at import, unless [`ENV`] is `0`; nothing it meets is raised.
-pub(crate) fn at_import(py: Python<'_>) {
-    if std::env::var_os(ENV).is_some_and(|v| v == "0") {
-        return;
+/// `Err(e)` where `e` is no `Exception` (`KeyboardInterrupt`, `SystemExit`: the caller's to
+/// see); `Ok(())` for any other error, which the warm-up leaves to the first real use.
+fn interrupt(py: Python<'_>, e: PyErr) -> PyResult<()> {
+    if e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+        Ok(())
+    } else {
+        Err(e)
     }
-    let _ = warm_up(py);
 }
 
-/// PyTorch's first calls of a dict's views, where `torch` is imported (and fully: its `Tensor`
-/// is there); `torch.cuda.current_stream(device)` too where PyTorch initialised CUDA and the driver's part
-/// prepared `device` (the ordinal of the context current on this thread).
-fn torch_part(py: Python<'_>, device: Option<i32>) -> PyResult<bool> {
+/// Whether [`ENV`]'s value turns the import's warm-up off: `0`, `false`, `no` or `off`, in any
+/// case, spaces around it ignored.
+fn off(v: &std::ffi::OsStr) -> bool {
+    let v = v.to_string_lossy().trim().to_ascii_lowercase();
+    matches!(v.as_str(), "0" | "false" | "no" | "off")
+}
+
+/// [`warm_up`] at import, unless [`ENV`] turns it off ([`off`]); of what it meets, only what is
+/// no `Exception` (`KeyboardInterrupt`) is raised, which fails the import.
+pub(crate) fn at_import(py: Python<'_>) -> PyResult<()> {
+    if std::env::var_os(ENV).is_some_and(|v| off(&v)) {
+        return Ok(());
+    }
+    warm_up(py).map(drop)
+}
+
+/// PyTorch's first calls of a dict's views, where `torch` is imported, whole: its module's own
+/// dictionary (read without an attribute lookup, so that a lazily loaded `torch` is not loaded
+/// by it) has `Tensor`, and its spec does not say it is being imported (by another thread: its
+/// attributes would wait for that import). Whether the calls were made.
+fn torch_part(py: Python<'_>) -> PyResult<bool> {
     let modules = py.import("sys")?.getattr("modules")?;
-    let Some(torch) = modules.get_item("torch").ok().filter(|t| !t.is_none()) else {
+    let Some(torch) = modules.get_item("torch").ok() else {
         return Ok(false);
     };
-    if !torch.hasattr("Tensor")? {
-        return Ok(false); // being imported: its attributes are not all there yet
+    let Ok(module) = torch.cast::<pyo3::types::PyModule>() else {
+        return Ok(false); // not a module: nothing PyTorch would be
+    };
+    let dict = module.dict();
+    if !dict.contains("Tensor")? {
+        return Ok(false); // not loaded yet (lazily), or being imported
+    }
+    if let Some(spec) = dict.get_item("__spec__")?
+        && !spec.is_none()
+        && spec
+            .getattr("_initializing")
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false)
+    {
+        return Ok(false);
     }
     let specs = [
         // Three of one shape at a constant step (one `as_strided` and an `unbind`), one alone,
@@ -90,15 +143,5 @@ fn torch_part(py: Python<'_>, device: Option<i32>) -> PyResult<bool> {
         Some(owner),
     )?;
     drop(d);
-    // Only on the device whose context is current and active: asked for another device's
-    // stream, PyTorch could make that device's context.
-    if let Some(dev) = device
-        && torch
-            .getattr("cuda")?
-            .call_method0("is_initialized")?
-            .is_truthy()?
-    {
-        crate::util::work_stream(py, None, dev)?;
-    }
     Ok(true)
 }

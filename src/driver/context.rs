@@ -56,7 +56,9 @@ impl Device {
 /// and joins one thread, once per process (a process's first thread start is the dearest). Returns that device, or
 /// `None` when there is nothing to prepare.
 ///
-/// Never loads the driver into a process that has not, never initialises it (a process whose
+/// Skipped where cudarc's loader would not find the driver already in the process under its
+/// first name, `libcuda.so` (a container with only `libcuda.so.1`, a stub library on the search
+/// path). Never loads the driver into a process that has not, never initialises it (a process whose
 /// children it forks keeps them free to use CUDA), never makes a primary context that is not
 /// active, and leaves the thread's current context as it was. Takes tens to a few hundred µs
 /// once; later calls cost about 10 µs. Errors are not returned: a failed step leaves the rest to
