@@ -1,11 +1,10 @@
 //! The `Consumer` class.
 
+use crate::args::{Seconds, stream_arg, timeout_arg, wait_arg};
 use crate::errors::detached;
 use crate::frame::Frame;
 use crate::posted::{self, ConsumerSlot, Posted};
-use crate::util::{
-    Seconds, Stop, err, lock, sliced, stats_dict, stream_arg, timeout_arg, timeout_error, wait_arg,
-};
+use crate::util::{Stop, err, lock, sliced, stats_dict, timeout_error};
 use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedFrame;
 use cuda_ipc::channel::{ConsumerOptions, Delivery};

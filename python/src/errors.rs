@@ -2,7 +2,8 @@
 //! `CudaIpcError`, with the names the pure-Python consumer uses. Each message is the Rust error's
 //! `Display` text, except for the calls of an object closed here (`close()`), a state the Rust
 //! types have not (they are closed by being dropped): a producer's `ChannelClosed`, a tensor-set
-//! reader's or holder's `TensorSetClosed` ([`closed_here`]).
+//! reader's or holder's `TensorSetClosed` ([`closed_here`]). Counts in the extension's messages
+//! are spelled here too ([`plural`], [`bytes`]: `1 byte`, never `1 bytes`).
 
 use cuda_ipc::Error;
 use cuda_ipc::ShmError;
@@ -547,4 +548,17 @@ pub(crate) fn invalid_argument(py: Python<'_>, msg: String) -> PyErr {
 /// what a GPU channel has not (host bytes).
 pub(crate) fn not_supported(msg: &str) -> PyErr {
     NotSupported::new_err(msg.to_string())
+}
+
+/// `n` followed by `unit`, in the plural unless `n` is 1 (`1 byte`, `2 bytes`): how the extension's
+/// messages write a count.
+pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
+    let n = n.to_string();
+    let s = if n == "1" { "" } else { "s" };
+    format!("{n} {unit}{s}")
+}
+
+/// `n` bytes as the extension's messages write them ([`plural`]: `1 byte`, `2 bytes`).
+pub(crate) fn bytes(n: impl std::fmt::Display) -> String {
+    plural(n, "byte")
 }

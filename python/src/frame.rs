@@ -1,8 +1,7 @@
 //! The `Frame` class.
 
-use crate::util::{
-    HOST_FRAME, Int, copy, cupy_array, err, lock, opt_int, stream_arg, torch_tensor,
-};
+use crate::args::{Int, opt_int, stream_arg};
+use crate::util::{HOST_FRAME, copy, cupy_array, err, lock, torch_tensor};
 use crate::view::Buffer;
 use crate::{dlpack, errors};
 use cuda_ipc::channel::owned::OwnedFrame;
@@ -287,7 +286,7 @@ impl Frame {
             self.seq,
             self.index,
             self.buffer.nbytes,
-            crate::util::bytes(self.metadata.len()),
+            crate::errors::bytes(self.metadata.len()),
             if self.buffer.is_host() { ", host" } else { "" }
         )
     }

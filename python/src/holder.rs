@@ -2,8 +2,9 @@
 //! attachable after its writer dies, by holding and serving the file descriptors of its memory.
 //! Needs no CUDA context and maps nothing.
 
+use crate::args::{Seconds, timeout_arg};
 use crate::errors;
-use crate::util::{SLICE, Seconds, err, lock, timeout_arg};
+use crate::util::{SLICE, err, lock};
 use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::{Holder, HolderStatus};
 use pyo3::prelude::*;

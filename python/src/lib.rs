@@ -21,8 +21,8 @@
 //! Blocking calls release the GIL and wait in slices of at most [`util::SLICE`], checking for
 //! signals and for `close()` between slices, so Ctrl-C raises `KeyboardInterrupt` promptly with
 //! nothing held, and `close()` from another thread wakes them within a slice ([`util::sliced`]).
-//! Every duration argument goes through [`util::seconds_arg`] (0 to [`util::MAX_SECONDS`], else
-//! `InvalidArgument`), every integer argument through [`util::Int`] (the range of what it
+//! Every duration argument goes through [`args::seconds_arg`] (0 to [`args::MAX_SECONDS`], else
+//! `InvalidArgument`), every integer argument through [`args::Int`] (the range of what it
 //! becomes, else `InvalidArgument` naming it, never `OverflowError`); both are checked before a
 //! call consumes anything (a refused `publish` leaves its frame open). `close(timeout)` waits in
 //! the same slices (`Producer::wait_closing`). Their `*_async` forms (`Consumer.recv_async`, `Producer.acquire_async`,
@@ -33,12 +33,22 @@
 //!
 //! One class a file: `producer.rs`, `write_frame.rs`, `consumer.rs`, `frame.rs`, `posted.rs` (a
 //! receive posted ahead, `Posted`, and its `PostedFrame`), `holder.rs` (a tensor set's
-//! `TensorSetHolder`); `aio.rs` the awaitable waits, `view.rs` the frames' buffer, `util.rs` what
-//! they share, `quota.rs` the quota functions, `errors.rs` the exception classes, `dlpack.rs` the
-//! tensor exports, `warm.rs` the warm-up at import (`warm_up`), `torch_alloc.rs` PyTorch's pluggable allocator (the exported C functions
-//! `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM arena) and `torch_mem_pool`.
+//! `TensorSetHolder`), `tensor_set_writer.rs`, `tensor_update.rs` (its `TensorUpdate`),
+//! `copy_plan.rs` (`CopyPlan`), `tensor_set_reader.rs` (`TensorSetReader`, `TensorHold`; its
+//! folder the parking of released holds); `lending.rs` the Rust producer a `Producer` lends its
+//! `WriteFrame`s, `writer_core.rs` what a tensor-set writer shares with its update, `sources.rs`
+//! an update's source tensors, `tensors.rs` tensor sets as PyTorch tensors, `aio.rs` the
+//! awaitable waits, `view.rs` the frames' buffer, `args.rs` the checks of every argument
+//! (durations, ints, devices, streams, memory kinds, waits, shapes, buffers, ranges,
+//! fingerprints), `util.rs` what the classes share besides (locks, the sliced wait, the closes at
+//! exit, tensor shaping), `quota.rs` the quota functions, `cleanup.rs` `cleanup`, `errors.rs` the
+//! exception classes and the spelling of counts in messages, `dlpack.rs` the tensor exports,
+//! `warm.rs` the warm-up at import (`warm_up`), `torch_alloc.rs` PyTorch's pluggable allocator
+//! (the exported C functions `cuda_ipc_torch_malloc`/`cuda_ipc_torch_free` over a VMM arena) and
+//! `torch_mem_pool`.
 
 mod aio;
+mod args;
 mod cleanup;
 mod consumer;
 mod copy_plan;

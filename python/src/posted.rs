@@ -1,8 +1,9 @@
 //! The `Posted` class (a receive posted ahead, `Consumer.post`) and what its wait returns,
 //! `PostedFrame`.
 
+use crate::args::{Seconds, timeout_arg};
 use crate::errors::detached;
-use crate::util::{Seconds, Stop, err, lock, sliced, timeout_arg, timeout_error};
+use crate::util::{Stop, err, lock, sliced, timeout_error};
 use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedPosted;
 use cuda_ipc::driver::DeviceMemory;

@@ -1,12 +1,12 @@
 //! The `Producer` class.
 
+use crate::args::{
+    Int, Seconds, close_timeout_arg, device_arg, memory_arg, memory_name, opt_int, stream_arg,
+    timeout_arg, wait_arg,
+};
 use crate::lending::Lender;
 use crate::quota::quota_scope;
-use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, close_timeout_arg, device_arg, err, lock,
-    memory_arg, memory_name, opt_int, sliced, stats_dict, stream_arg, timeout_arg, timeout_error,
-    wait_arg,
-};
+use crate::util::{CLOSE_WAITS_FOR_ACQUIRE, Stop, err, lock, sliced, stats_dict, timeout_error};
 use crate::write_frame::WriteFrame;
 use crate::{aio, errors};
 use cuda_ipc::channel::owned::OwnedWriteFrame;

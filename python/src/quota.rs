@@ -1,6 +1,7 @@
 //! The module's quota functions (`set_quota`, `remove_quota`).
 
-use crate::util::{Int, device_arg, err};
+use crate::args::{Int, device_arg};
+use crate::util::err;
 use cuda_ipc::driver::Device;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
 use pyo3::prelude::*;

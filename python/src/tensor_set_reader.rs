@@ -10,12 +10,10 @@
 
 mod parking;
 
+use crate::args::{Int, Seconds, device_arg, host_stream_refused, timeout_arg, wait_arg};
 use crate::errors;
 use crate::tensors;
-use crate::util::{
-    Int, Seconds, Stop, device_arg, err, host_stream_refused, lock, sliced, timeout_arg, wait_arg,
-    work_stream,
-};
+use crate::util::{Stop, err, lock, sliced, work_stream};
 use cuda_ipc::driver::Device;
 use cuda_ipc::identity::ForkEpoch;
 use cuda_ipc::tensorset::owned::OwnedHeld;
@@ -275,8 +273,8 @@ impl TensorSetReader {
         opts.serve = serve;
         opts.stable_addresses = stable_addresses;
         opts.wait = wait_arg(py, wait, spin)?;
-        opts.expect_layout = crate::util::fingerprint_arg(py, "expect_layout", expect_layout)?;
-        opts.expect_content = crate::util::fingerprint_arg(py, "expect_content", expect_content)?;
+        opts.expect_layout = crate::args::fingerprint_arg(py, "expect_layout", expect_layout)?;
+        opts.expect_content = crate::args::fingerprint_arg(py, "expect_content", expect_content)?;
         let device = device.map(|d| device_arg(py, d)).transpose()?;
         let r = py
             .detach(|| -> cuda_ipc::Result<RustReader> {

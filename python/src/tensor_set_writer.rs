@@ -6,15 +6,13 @@
 //! which waits for the readers' release words, and the commit makes the writer's stream wait for
 //! that stream before it writes the generation's ready word. The host never waits for the GPU.
 
+use crate::args::{Int, Seconds, device_arg, host_stream_refused, memory_arg, timeout_arg};
 use crate::copy_plan::{self, CopyPlan};
 use crate::errors;
 use crate::sources;
 use crate::tensor_update::TensorUpdate;
 use crate::tensors::{self, specs_arg};
-use crate::util::{
-    CLOSE_WAITS_FOR_ACQUIRE, Int, Seconds, Stop, device_arg, err, host_stream_refused, lock,
-    memory_arg, sliced, timeout_arg, work_stream,
-};
+use crate::util::{CLOSE_WAITS_FOR_ACQUIRE, Stop, err, lock, sliced, work_stream};
 use crate::writer_core::{RustWriter, Slot, WriterCore, closed_error};
 use cuda_ipc::Error;
 use cuda_ipc::channel::MemoryKind;
@@ -552,7 +550,7 @@ impl TensorSetWriter {
     #[pyo3(signature = (timeout=Some(Seconds::Float(5.0))))]
     #[pyo3(text_signature = "($self, timeout=5.0)")]
     fn close(&self, py: Python<'_>, timeout: Option<Seconds>) -> PyResult<()> {
-        let t = crate::util::close_timeout_arg(py, timeout)?;
+        let t = crate::args::close_timeout_arg(py, timeout)?;
         self.close_for(py, t)
     }
 
@@ -569,8 +567,8 @@ impl TensorSetWriter {
         format!(
             "TensorSetWriter({:?}, {}, {} per buffer, generation {})",
             self.core.name,
-            crate::util::plural(self.core.layout.len(), "tensor"),
-            crate::util::bytes(self.core.layout.bytes_per_buffer()),
+            crate::errors::plural(self.core.layout.len(), "tensor"),
+            crate::errors::bytes(self.core.layout.bytes_per_buffer()),
             *lock(&self.core.generation)
         )
     }

@@ -7,10 +7,10 @@
 //! the host waiting.
 
 use crate::copy_plan::CopyPlan;
-use crate::errors;
+use crate::errors::{self, bytes};
 use crate::sources::{self, coalesce, copy_gpu};
 use crate::tensors;
-use crate::util::{bytes, err, lock, work_stream};
+use crate::util::{err, lock, work_stream};
 use crate::writer_core::WriterCore;
 use cuda_ipc::Error;
 use cuda_ipc::tensorset::owned::OwnedUpdate;
@@ -391,7 +391,7 @@ impl TensorUpdate {
                 cuda_ipc::tensorset::TensorSetError::NoSuchTensor(format!("{name:?}")).into(),
             )
         })?;
-        let raw = crate::util::raw_bytes(data)?;
+        let raw = crate::args::raw_bytes(data)?;
         let dtype = writer.layout.tensors()[i].dtype;
         let element = dtype.size_bytes();
         if !raw.plain() && element != Some(raw.itemsize) {
@@ -450,7 +450,7 @@ impl TensorUpdate {
                 "content and fingerprint=True: give one or the other".to_string(),
             ));
         }
-        let content = crate::util::fingerprint_arg(py, "content", content)?;
+        let content = crate::args::fingerprint_arg(py, "content", content)?;
         self.finish(py, content, fingerprint)
     }
 

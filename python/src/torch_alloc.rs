@@ -17,8 +17,9 @@
 //! each tensor's chunk and offset, and what the arenas hold. [`find`] is the same for Rust callers
 //! of this crate (the tensor-set classes).
 
-use crate::errors;
-use crate::util::{Int, bytes, device_arg, err, lock, opt_int};
+use crate::args::{Int, device_arg, opt_int};
+use crate::errors::{self, bytes};
+use crate::util::{err, lock};
 use cuda_ipc::driver::Device;
 use cuda_ipc::ipc::{ArenaOptions, ArenaStats, DEFAULT_CHUNK_BYTES, VmmArena, VmmBuffer};
 use pyo3::prelude::*;

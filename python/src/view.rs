@@ -1,8 +1,9 @@
 //! Where a frame's buffer is, as both frame classes read it from the library's one view
 //! (`cuda_ipc::channel::FrameBuffer`).
 
+use crate::args::range_arg;
 use crate::errors;
-use crate::util::{GPU_FRAME, range_arg};
+use crate::util::GPU_FRAME;
 use cuda_ipc::channel::FrameBuffer;
 use cuda_ipc::driver::DeviceMemory;
 use cuda_ipc::identity::ForkEpoch;

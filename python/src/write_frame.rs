@@ -1,9 +1,8 @@
 //! The `WriteFrame` class.
 
+use crate::args::{Int, bytes_of, opt_int, stream_arg};
 use crate::lending::Lender;
-use crate::util::{
-    HOST_WRITE_FRAME, Int, bytes_of, copy, cupy_array, err, lock, opt_int, stream_arg, torch_tensor,
-};
+use crate::util::{HOST_WRITE_FRAME, copy, cupy_array, err, lock, torch_tensor};
 use crate::view::Buffer;
 use crate::{dlpack, errors};
 use cuda_ipc::channel::owned::OwnedWriteFrame;
@@ -232,7 +231,7 @@ impl WriteFrame {
                 format!(
                     "metadata is {}; at most {} (the frame is still open: publish it again or \
                      abandon it)",
-                    crate::util::bytes(metadata.len()),
+                    crate::errors::bytes(metadata.len()),
                     cuda_ipc::channel::META_BYTES
                 ),
             ));
