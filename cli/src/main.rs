@@ -213,7 +213,11 @@ enum Command {
     /// consumers, tensor sets whose writer died (unless a live holder serves a VMM set), dead
     /// holders' quota reservations, and registries, channels, tensor sets and quota ledgers whose
     /// creation was abandoned half-way (one that may still finish, younger than 2 s or its
-    /// creator running, is kept with a line saying why); without a NAME also the liveness files
+    /// creator running, is kept with a line saying why; a registry's only when it has the
+    /// registry magic and its recorded creator is dead: a registry's name is anyone's, so a file
+    /// under it without the magic, empty, sparse or zero there, as another program's segment
+    /// may be, is never removed, named or not: `gc NAME` says `not a cuda-ipc registry: no magic
+    /// (...); left as it is`, a problem); without a NAME also the liveness files
     /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
     /// status files of killed processes. Never touches what a live process owns, nor another
     /// user's segments (nor, but for root, the liveness files, fd server sockets and bridge status
