@@ -163,7 +163,10 @@ enum Command {
         plain: bool,
     },
     /// Serve the channels' counters, latency histograms, GPU state (NVML) and quota budgets in
-    /// the OpenMetrics text format on GET /metrics, until killed.
+    /// the OpenMetrics text format on GET /metrics, until killed. A NAME that names nothing now
+    /// (nothing of that name, or nothing that can be read: a FIFO, a file that is no registry) is
+    /// said once on stderr at the start, and served on: it may appear later. A NAME that `ls`
+    /// refuses (a process's own file) is refused, exit status 1.
     #[command(after_help = NAME_AND_EXIT_STATUS)]
     Metrics {
         /// Address to listen on (IP:PORT; port 0 picks a free one, printed on start).
