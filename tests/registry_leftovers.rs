@@ -1,7 +1,10 @@
 //! What a registry creator killed before it finished leaves under the name (an empty file, a sparse
 //! one, one whose header was never begun) never blocks the name for good: after the channels'
-//! grace (`ABANDONED_AFTER`, 2 s) `open_or_create` replaces it and the library's `gc` rule
-//! (`registry::inspect::remove_abandoned`) removes it; a young one and another user's are kept.
+//! grace (`ABANDONED_AFTER`, 2 s) `open_or_create`, which claims the name, replaces it. The
+//! library's `gc` rule (`registry::inspect::abandoned`, `remove_abandoned`) removes only what
+//! records a dead creator (the magic, no stamp): a registry's name is anyone's, so a file without
+//! the magic, however old, may be another program's live segment, and is `NoMagic`, left as it
+//! is. A young one and another user's are kept by both.
 
 mod common;
 
@@ -9,6 +12,7 @@ use common::{Unlink, unique};
 use cuda_ipc::Error;
 use cuda_ipc::raw::registry_layout as layout;
 use cuda_ipc::raw::shm::{Segment, SegmentOptions, ShmError};
+use cuda_ipc::registry::RegistryError;
 use cuda_ipc::registry::{Registry, RegistryOptions, inspect};
 use std::time::{Duration, Instant};
 
@@ -89,7 +93,9 @@ fn an_empty_or_sparse_registry_leftover_is_replaced_after_the_grace_and_kept_whi
     }
     past_the_grace();
     for n in [&e, &s, &z] {
-        assert!(inspect::abandoned(n).unwrap().is_some(), "{n}");
+        // Nothing in it records a creator: no leftover for a tool that was only given the name.
+        let err = registry_err(inspect::abandoned(n).unwrap_err());
+        assert!(matches!(err, RegistryError::NoMagic { .. }), "{n}: {err}");
         let t = Instant::now();
         let reg = Registry::open_or_create(n, &opts()).unwrap();
         reg.publish("after-restart", 1, b"", b"").unwrap();
@@ -107,11 +113,67 @@ fn an_empty_or_sparse_registry_leftover_is_replaced_after_the_grace_and_kept_whi
     }
 }
 
+/// Plants under `name` what a registry creator killed between its first stores and its stamp
+/// leaves: the magic, this layout version, `creator` and this user's uid as its creator, no init
+/// stamp, every page written. Offsets: docs/registry-layout.md.
+fn unstamped(name: &str, creator: cuda_ipc::identity::ProcessIdentity) {
+    let mut b = vec![0u8; layout::total_size(8, 8)];
+    let mut put = |at: usize, bytes: &[u8]| b[at..at + bytes.len()].copy_from_slice(bytes);
+    put(0, &layout::MAGIC.to_le_bytes());
+    put(8, &layout::LAYOUT_VERSION.to_le_bytes());
+    put(84, &rustix::process::geteuid().as_raw().to_le_bytes());
+    for (i, w) in creator.to_words().iter().enumerate() {
+        put(96 + 8 * i, &w.to_le_bytes());
+    }
+    common::plant(format!("/dev/shm/{name}"), &b);
+}
+
+/// A process that ran and is gone (a `true` child, reaped), with a start time no process has.
+fn dead_identity() -> cuda_ipc::identity::ProcessIdentity {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    cuda_ipc::identity::ProcessIdentity {
+        pid: child.id(),
+        start_time: 1,
+        ..cuda_ipc::identity::ProcessIdentity::current().unwrap()
+    }
+}
+
+fn registry_err(e: Error) -> RegistryError {
+    match e {
+        Error::Registry(e) => e,
+        e => panic!("not a registry error: {e:?}"),
+    }
+}
+
 #[test]
-fn gcs_rule_removes_an_old_empty_registry_leftover_and_nothing_else() {
-    let (old, finished) = (unique("gc-empty"), unique("gc-finished"));
-    let _u = (Unlink(old.clone()), Unlink(finished.clone()));
-    empty(&old);
+fn gcs_rule_removes_a_dead_creators_unstamped_registry_and_never_a_file_without_the_magic() {
+    let [empty_old, sparse_old, zeros_old, data_old, dead, finished] = [
+        "gc-empty",
+        "gc-sparse",
+        "gc-zeros",
+        "gc-data",
+        "gc-dead",
+        "gc-finished",
+    ]
+    .map(unique);
+    let _u = [
+        &empty_old,
+        &sparse_old,
+        &zeros_old,
+        &data_old,
+        &dead,
+        &finished,
+    ]
+    .map(|n| Unlink(n.clone()));
+    empty(&empty_old);
+    sparse(&sparse_old);
+    common::plant(format!("/dev/shm/{zeros_old}"), &vec![0u8; 1 << 16]);
+    // As `multiprocessing.shared_memory` leaves one: sized with `ftruncate` (sparse), its first
+    // bytes zero, data further on.
+    let f = common::plant(format!("/dev/shm/{data_old}"), b"");
+    f.set_len(1 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"live data of another program", 200_000).unwrap();
     let reg = Registry::create(&finished, &opts()).unwrap();
     past_the_grace();
     // Made after the wait: young.
@@ -126,13 +188,42 @@ fn gcs_rule_removes_an_old_empty_registry_leftover_and_nothing_else() {
     );
     assert!(exists(&finished));
     drop(reg);
-    let why = cuda_ipc::registry::remove_abandoned(&old)
+    for (n, what) in [
+        (&empty_old, "empty"),
+        (&sparse_old, "sparse"),
+        (&data_old, "sparse"),
+        (&zeros_old, "zero where the magic goes"),
+    ] {
+        for r in [
+            inspect::abandoned(n),
+            cuda_ipc::registry::remove_abandoned(n),
+        ] {
+            let err = registry_err(r.unwrap_err());
+            assert!(
+                matches!(&err, RegistryError::NoMagic { what: w, .. } if *w == what),
+                "{n}: {err}"
+            );
+            assert!(
+                err.to_string().ends_with(&format!(
+                    "not a cuda-ipc registry: no magic ({what}); left as it is"
+                )),
+                "{err}"
+            );
+        }
+        assert!(exists(n), "{n}");
+        // `ls` (inspect) says what it is, not "not initialised".
+        let err = registry_err(inspect::inspect(n).unwrap_err());
+        assert!(matches!(err, RegistryError::NoMagic { .. }), "{n}: {err}");
+    }
+    // What records a dead creator goes, at any age.
+    unstamped(&dead, dead_identity());
+    let why = cuda_ipc::registry::remove_abandoned(&dead)
         .unwrap()
         .expect("removed");
-    assert!(why.contains("abandoned"), "{why}");
-    assert!(!exists(&old));
+    assert!(why.contains("abandoned by its dead creator"), "{why}");
+    assert!(!exists(&dead));
     // Nothing under the name: nothing to do.
-    assert_eq!(cuda_ipc::registry::remove_abandoned(&old).unwrap(), None);
+    assert_eq!(cuda_ipc::registry::remove_abandoned(&dead).unwrap(), None);
 }
 
 #[test]

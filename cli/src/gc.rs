@@ -5,7 +5,9 @@
 //! [`remove`](cleanup::remove) of that scan's leftovers removed (each checked again right before
 //! it goes), so `gc --dry-run` lists exactly what `gc` then removes. The rules are the library's:
 //! registries' dead records, participants, locks and corrupt slots (the registry's own recovery)
-//! and creations abandoned half-way; channels of dead producers with their host pools, dead
+//! and creations abandoned half-way (the registry magic, never stamped, its recorded creator
+//! dead: a file without the magic under a NAME is no registry, a problem, never removed);
+//! channels of dead producers with their host pools, dead
 //! consumers' slots on a live producer's channel, abandoned creations (a registry's or channel's
 //! creation that may still finish, younger than 2 s or its creator running, is kept with a line
 //! saying why, no problem); tensor sets of dead

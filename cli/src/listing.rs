@@ -357,11 +357,33 @@ pub(crate) struct Targets {
     pub ledger: Option<String>,
 }
 
+/// Why [`targets`] found nothing for a NAME (the error it returns then, boxed: `downcast_ref`
+/// tells the two apart).
+#[derive(Debug)]
+pub(crate) enum NoTarget {
+    /// The NAME names nothing now (a typo, or an object not made yet): `no registry, channel or
+    /// tensor set named …`, `nothing stands at …`.
+    Nothing(String),
+    /// The NAME is a process's own file, never an object: refused, saying what it is.
+    Refused(String),
+}
+
+impl std::fmt::Display for NoTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoTarget::Nothing(s) | NoTarget::Refused(s) => f.write_str(s),
+        }
+    }
+}
+
+impl Error for NoTarget {}
+
 /// Finds the registries, channels and tensor sets in `/dev/shm`, or those `name` names by the
 /// command line's one rule (`crate::names`): an own name names the registry, channel, tensor set
 /// and quota ledger of that name, never read for a prefix; `/dev/shm/FILE` the one object FILE
 /// belongs to. A process's own file (`cuda-ipc.live.…`, `cuda-ipc.fd.…`, `cuda-ipc.br.…`) is
-/// refused, saying what it is.
+/// refused, saying what it is ([`NoTarget::Refused`]); a NAME that names nothing is
+/// [`NoTarget::Nothing`].
 pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
     use crate::names::{FileOf, Name, file_of};
     let mut registries = registry_inspect::list_registries()?;
@@ -394,7 +416,9 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
             FileOf::Channel(c) => (None, Some(c), None, None),
             FileOf::Set(s) => (None, None, Some(s), None),
             FileOf::Ledger => (None, None, None, Some(f)),
-            FileOf::Process(what) => return Err(crate::names::process_file(f, what).into()),
+            FileOf::Process(what) => {
+                return Err(NoTarget::Refused(crate::names::process_file(f, what)).into());
+            }
             FileOf::Registry => (Some(f), None, None, None),
         },
     };
@@ -449,9 +473,9 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
             && let FileOf::Process(what) = file_of(n)
             && exists(n)
         {
-            return Err(crate::names::process_file(n, what).into());
+            return Err(NoTarget::Refused(crate::names::process_file(n, what)).into());
         }
-        return Err(match crate::names::parse(arg) {
+        return Err(NoTarget::Nothing(match crate::names::parse(arg) {
             Name::Own(n) => {
                 // A ledger's name that names none says so too (`gc` and `ls` take ledgers' names).
                 let ledger = if file_of(n) == FileOf::Ledger {
@@ -465,7 +489,7 @@ pub(crate) fn targets(name: Option<&str>) -> Result<Targets, Box<dyn Error>> {
                 )
             }
             Name::File(_) => format!("nothing stands at {arg}"),
-        }
+        })
         .into());
     }
     Ok(Targets {

@@ -163,7 +163,10 @@ enum Command {
         plain: bool,
     },
     /// Serve the channels' counters, latency histograms, GPU state (NVML) and quota budgets in
-    /// the OpenMetrics text format on GET /metrics, until killed.
+    /// the OpenMetrics text format on GET /metrics, until killed. A NAME that names nothing now
+    /// (nothing of that name, or nothing that can be read: a FIFO, a file that is no registry) is
+    /// said once on stderr at the start, and served on: it may appear later. A NAME that `ls`
+    /// refuses (a process's own file) is refused, exit status 1.
     #[command(after_help = NAME_AND_EXIT_STATUS)]
     Metrics {
         /// Address to listen on (IP:PORT; port 0 picks a free one, printed on start).
@@ -213,7 +216,11 @@ enum Command {
     /// consumers, tensor sets whose writer died (unless a live holder serves a VMM set), dead
     /// holders' quota reservations, and registries, channels, tensor sets and quota ledgers whose
     /// creation was abandoned half-way (one that may still finish, younger than 2 s or its
-    /// creator running, is kept with a line saying why); without a NAME also the liveness files
+    /// creator running, is kept with a line saying why; a registry's only when it has the
+    /// registry magic and its recorded creator is dead: a registry's name is anyone's, so a file
+    /// under it without the magic, empty, sparse or zero there, as another program's segment
+    /// may be, is never removed, named or not: `gc NAME` says `not a cuda-ipc registry: no magic
+    /// (...); left as it is`, a problem); without a NAME also the liveness files
     /// (one younger than 5 s is kept, with a line saying why), fd server sockets and bridge
     /// status files of killed processes. Never touches what a live process owns, nor another
     /// user's segments (nor, but for root, the liveness files, fd server sockets and bridge status

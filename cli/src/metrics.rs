@@ -353,8 +353,16 @@ pub fn encode(s: &Sample) -> Result<String, std::fmt::Error> {
 }
 
 /// `cuda-ipc metrics [--listen ADDR] [NAME]`: serves until killed, within `limits` (connections
-/// at once, read and write deadlines: see [`server`]).
+/// at once, read and write deadlines: see [`server`]). A NAME that `ls` refuses (a process's own
+/// file) is refused (exit status 1) before anything listens; one that names nothing now is said
+/// once on stderr at the start, and served on ([`names_nothing`]).
 pub fn run(listen: &str, name: Option<&str>, limits: Limits) -> Result<Outcome, Box<dyn Error>> {
+    // What `ls NAME` refuses is refused here too, before anything listens; a NAME that names
+    // nothing now is said once, and served on (it may appear later).
+    let nothing = match name {
+        Some(n) => names_nothing(n)?,
+        None => None,
+    };
     let listener = std::net::TcpListener::bind(listen)
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
     let addr = listener
@@ -369,6 +377,9 @@ pub fn run(listen: &str, name: Option<&str>, limits: Limits) -> Result<Outcome, 
         limits.read_timeout.as_millis(),
         limits.write_timeout.as_millis()
     );
+    if let Some(why) = nothing {
+        eprintln!("cuda-ipc: warning: {why}; serving anyway: its metrics appear once it does");
+    }
     if let Some(why) = state::sample(name, true).gpu.missing() {
         eprintln!("cuda-ipc: {why}");
     }
@@ -381,6 +392,50 @@ pub fn run(listen: &str, name: Option<&str>, limits: Limits) -> Result<Outcome, 
     )
     .map_err(|e| format!("metrics endpoint on {addr} stopped: {e}"))?;
     Ok(Outcome::Ok)
+}
+
+/// What `metrics NAME` says of `name` at its start, by `ls NAME`'s rule (`crate::listing::targets`
+/// and its reading): an error for what `ls` refuses (a process's own file, `NoTarget::Refused`);
+/// `Some(why)` when it names nothing now, neither an object (`no registry, channel or tensor set
+/// named …`, `nothing stands at …`) nor anything that can be read (a FIFO, a file that is no
+/// registry: what `ls` says of it); `None` when it names something.
+fn names_nothing(name: &str) -> Result<Option<String>, Box<dyn Error>> {
+    use crate::listing::NoTarget;
+    let t = match crate::listing::targets(Some(name)) {
+        Ok(t) => t,
+        Err(e) => {
+            return match e.downcast_ref::<NoTarget>() {
+                Some(NoTarget::Refused(_)) => Err(e),
+                _ => Ok(Some(e.to_string())),
+            };
+        }
+    };
+    if t.ledger.is_some() {
+        return Ok(None);
+    }
+    let l = crate::listing::collect(&t);
+    if !(l.registries.is_empty()
+        && l.channels.is_empty()
+        && l.tensor_sets.is_empty()
+        && l.sets_without_manifest.is_empty()
+        && l.host_pools.is_empty())
+    {
+        return Ok(None);
+    }
+    let mut why: Vec<String> = l
+        .errors
+        .iter()
+        .map(|e| format!("{} {}: cannot read: {}", e.kind, e.name, e.error))
+        .collect();
+    why.extend(
+        l.closed_meanwhile
+            .iter()
+            .map(|c| format!("{} {}: closed meanwhile", c.kind, c.name)),
+    );
+    Ok(Some(format!(
+        "{name} names nothing that can be read now: {}",
+        why.join("; ")
+    )))
 }
 
 /// The answer to one request: `GET /metrics` a fresh sample, `/` a line saying where they are.

@@ -678,7 +678,9 @@ fn plant_unstamped_registry(name: &str, creator: ProcessIdentity) {
 /// A registry or channel whose creation may still be finished (its creator runs, or it is younger
 /// than 2 s) is kept by `gc NAME`, with a line saying why, and exit status 0, as a quota ledger's
 /// creation is: a `gc` beside a process creating a registry or a channel does not fail. Nothing
-/// of it is removed; once abandoned (older, no creator recorded) `gc` removes it.
+/// of it is removed; once abandoned (older, no creator recorded) `gc` removes the channel's (its
+/// name is cuda-ipc's own), never the registry's empty file (a registry's name is anyone's:
+/// nothing in it shows a cuda-ipc creation made it).
 #[test]
 fn gc_keeps_a_registry_or_channel_creation_that_may_still_finish_and_exits_0() {
     let _gc = beside_others();
@@ -789,19 +791,132 @@ fn gc_keeps_a_registry_or_channel_creation_that_may_still_finish_and_exits_0() {
     );
     assert!(!exists(&ch(&ch_zeros)));
 
-    // Older, nobody recorded: abandoned, removed. The live creator's stay.
+    // Older, nobody recorded: the channel's is abandoned, removed; the registry's empty file is
+    // no registry (no magic), a problem, left as it is. The live creator's stay.
     std::thread::sleep(Duration::from_millis(3100));
-    for (n, seg) in [
-        (&reg_empty, reg_empty.clone()),
-        (&ch_sparse, ch(&ch_sparse)),
-    ] {
-        let o = cuda_ipc_bounded(&["gc", n], false);
-        assert_eq!(code(&o), 0, "{}", text(&o));
-        assert!(text(&o).contains("removed"), "{n}: {}", text(&o));
-        assert!(!exists(&seg), "{n}");
-    }
+    let o = cuda_ipc_bounded(&["gc", &ch_sparse], false);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(text(&o).contains("removed"), "{ch_sparse}: {}", text(&o));
+    assert!(!exists(&ch(&ch_sparse)), "{ch_sparse}");
+    let o = cuda_ipc_bounded(&["gc", &reg_empty], false);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!(
+            "registry {reg_empty}: cannot read: shared-memory segment /{reg_empty} is not a \
+             cuda-ipc registry: no magic (empty); left as it is"
+        )),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("removed"), "{}", text(&o));
+    assert!(exists(&reg_empty), "{reg_empty}");
     kept("registry", &reg_live, &reg_live, &runs);
     kept("channel", &ch_live, &ch(&ch_live), &runs);
+}
+
+/// A file of another program under a name `gc NAME` takes for a registry's (a registry's segment
+/// name is its own name, any name), without the registry magic, older than the 2 s grace: a
+/// `multiprocessing.shared_memory` segment (0600, sized with `ftruncate`: sparse, its first 128
+/// bytes zero, data at offset 200000, its owner running) and a file of zeros, every page written.
+/// Nothing in either shows that a cuda-ipc creation made it, so neither is removed, by `gc NAME`,
+/// `gc /dev/shm/NAME` (each a problem, exit status 1, saying what it is) or `gc` (which finds
+/// registries by their magic); `ls NAME` says the same. A registry creation that records its
+/// creator, now dead (the magic, no stamp), is still removed by `gc NAME`.
+#[test]
+fn gc_never_removes_another_programs_file_without_the_registry_magic_named_or_not() {
+    use std::os::unix::fs::FileExt as _;
+    let _gc = alone();
+    let [psm, zeros, dead] = ["psm_demo", "app2", "reg-abandoned"].map(unique);
+    let _u = [&psm, &zeros, &dead].map(|n| Unlink(n.clone()));
+    let path = |n: &str| format!("/dev/shm/{n}");
+    let data = b"the live data of another program";
+    // Held open by its owner (this test) throughout, as the live program holds its segment.
+    let psm_file = write_segment(&psm, b"");
+    psm_file.set_len(1 << 20).unwrap();
+    psm_file.write_all_at(data, 200_000).unwrap();
+    let _zeros_file = write_segment(&zeros, &vec![0u8; 1 << 16]);
+    plant_unstamped_registry(&dead, dead_identity());
+    // `st_ctime` counts whole seconds: more than 2 s by its count (it cannot be set back).
+    std::thread::sleep(Duration::from_millis(3100));
+    let intact = |n: &str| {
+        let m = std::fs::metadata(path(n)).unwrap_or_else(|e| panic!("{n} was removed: {e}"));
+        if n == psm {
+            assert_eq!(m.len(), 1 << 20);
+            let mut b = vec![0u8; data.len()];
+            std::fs::File::open(path(n))
+                .unwrap()
+                .read_exact_at(&mut b, 200_000)
+                .unwrap();
+            assert_eq!(&b[..], &data[..], "{n}: its data changed");
+        } else {
+            assert_eq!(m.len(), 1 << 16);
+        }
+    };
+    for (n, what) in [(&psm, "sparse"), (&zeros, "zero where the magic goes")] {
+        let said = format!(
+            "registry {n}: cannot read: shared-memory segment /{n} is not a cuda-ipc registry: \
+             no magic ({what}); left as it is"
+        );
+        let p = path(n);
+        for args in [
+            vec!["gc", n.as_str()],
+            vec!["gc", &p],
+            vec!["gc", "--dry-run", n.as_str()],
+            vec!["ls", n.as_str()],
+            vec!["ls", &p],
+        ] {
+            let o = cuda_ipc_bounded(&args, false);
+            assert_eq!(code(&o), 1, "{args:?}: {}", text(&o));
+            assert!(text(&o).contains(&said), "{args:?}: {}", text(&o));
+            for removal in ["removed ", "would remove "] {
+                assert!(!text(&o).contains(removal), "{args:?}: {}", text(&o));
+            }
+            assert!(
+                !text(&o).contains("not initialised"),
+                "{args:?}: {}",
+                text(&o)
+            );
+            intact(n);
+        }
+        let v = json(&cuda_ipc_bounded(&["gc", &path(n), "--json"], false));
+        assert_eq!(v["removed"], serde_json::json!([]), "{v:#}");
+        assert_eq!(v["leftovers"], serde_json::json!([]), "{v:#}");
+        assert_eq!(
+            v["problems"],
+            serde_json::json!([{
+                "subject": format!("registry {n}"),
+                "doing": "cannot read",
+                "error": said.split_once(": cannot read: ").unwrap().1,
+            }]),
+            "{v:#}"
+        );
+        intact(n);
+    }
+    // A registry creation that records its dead creator is a leftover, named.
+    let o = cuda_ipc_bounded(&["gc", &dead], false);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!(
+            "removed registry {dead}: segment /dev/shm/{dead}: a creation abandoned by its dead \
+             creator"
+        )),
+        "{}",
+        text(&o)
+    );
+    assert!(std::fs::symlink_metadata(path(&dead)).is_err());
+    // Without a NAME: not even looked at (no magic), as before.
+    for args in [["gc", "--dry-run"], ["gc", "--json"]] {
+        let o = cuda_ipc_bounded(&args, false);
+        for n in [&psm, &zeros] {
+            assert!(!text(&o).contains(n.as_str()), "{args:?}: {}", text(&o));
+        }
+    }
+    let o = cuda_ipc_bounded(&["gc"], false);
+    for n in [&psm, &zeros] {
+        assert!(!text(&o).contains(n.as_str()), "gc: {}", text(&o));
+        intact(n);
+    }
+    drop(psm_file);
 }
 
 #[test]

@@ -69,12 +69,24 @@ fn shown_json(v: &serde_json::Value) -> Vec<String> {
 
 /// One scrape of `cuda-ipc metrics --listen 127.0.0.1:0 NAME`: the OpenMetrics body.
 fn scrape(name: &str) -> String {
+    serve(name, 1).0.remove(0)
+}
+
+/// `cuda-ipc metrics --listen 127.0.0.1:0 NAME`, scraped `scrapes` times on new connections,
+/// then killed: the responses (status line, headers, body) and everything it wrote on stderr.
+fn serve(name: &str, scrapes: usize) -> (Vec<String>, String) {
     let mut child = Command::new(bin())
         .args(["metrics", "--listen", "127.0.0.1:0", name])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let said = std::thread::spawn(move || {
+        let mut all = String::new();
+        let _ = stderr.read_to_string(&mut all);
+        all
+    });
     let mut first = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut first)
@@ -84,21 +96,28 @@ fn scrape(name: &str) -> String {
         .strip_prefix("serving OpenMetrics on http://")
         .and_then(|a| a.strip_suffix("/metrics"))
         .map(str::to_string);
-    let body = addr.map(|addr| {
-        let mut s = TcpStream::connect(&addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut all = String::new();
-        s.read_to_string(&mut all).unwrap();
-        all
+    let bodies = addr.map(|addr| {
+        (0..scrapes)
+            .map(|_| {
+                let mut s = TcpStream::connect(&addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                write!(
+                    s,
+                    "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+                )
+                .unwrap();
+                let mut all = String::new();
+                s.read_to_string(&mut all).unwrap();
+                all
+            })
+            .collect()
     });
     let _ = child.kill();
     let _ = child.wait();
-    body.unwrap_or_else(|| panic!("metrics {name}: first line {first:?}"))
+    let said = said.join().unwrap();
+    let bodies =
+        bodies.unwrap_or_else(|| panic!("metrics {name}: first line {first:?}; stderr: {said}"));
+    (bodies, said)
 }
 
 #[test]
@@ -279,10 +298,21 @@ fn a_process_file_is_refused_by_its_path_and_its_name_names_the_objects_of_that_
     let live = me.liveness_name();
     let path = format!("/dev/shm/{live}");
     let said = "is a process's liveness file, not a registry, channel or tensor set";
-    for args in [["ls", &path], ["gc", &path], ["ls", &live], ["gc", &live]] {
+    let metrics = |n: &str| ["metrics", "--listen", "127.0.0.1:0", n].map(str::to_string);
+    for args in [
+        ["ls", &path].map(str::to_string).to_vec(),
+        ["gc", &path].map(str::to_string).to_vec(),
+        ["ls", &live].map(str::to_string).to_vec(),
+        ["gc", &live].map(str::to_string).to_vec(),
+        // Refused before it listens, as `ls` refuses it.
+        metrics(&path).to_vec(),
+        metrics(&live).to_vec(),
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = cuda_ipc_bounded(&args, false);
         assert_eq!(code(&o), 1, "{args:?}: {}", text(&o));
         assert!(text(&o).contains(said), "{args:?}: {}", text(&o));
+        assert!(!text(&o).contains("serving"), "{args:?}: {}", text(&o));
     }
     // A channel may bear that name: then it is that channel.
     let _c = Producer::create_host(&live, &ChannelOptions::new(4096).buffers(2)).unwrap();
@@ -291,4 +321,66 @@ fn a_process_file_is_refused_by_its_path_and_its_name_names_the_objects_of_that_
     assert_eq!(shown(&text(&o)), [format!("channel {live}")]);
     let o = cuda_ipc_bounded(&["ls", &path], false);
     assert!(text(&o).contains(said), "ls {path}: {}", text(&o));
+}
+
+/// `metrics NAME` of a NAME that names nothing now (a typo; a FIFO, which no object can be; a
+/// file of another program under a registry's name, no registry) says so once on stderr at its
+/// start, as `ls NAME` would, and serves on: what the NAME names may be made later. One that names
+/// something says nothing of the kind.
+#[test]
+fn metrics_says_once_at_its_start_that_a_name_names_nothing_now_and_serves_on() {
+    let [typo, fifo, foreign, reg] = [
+        "no-such-object",
+        "metrics-fifo",
+        "metrics-foreign",
+        "metrics-reg",
+    ]
+    .map(unique);
+    let _p = [&fifo, &foreign].map(|n| Planted(n.clone()));
+    let st = Command::new("mkfifo")
+        .arg(format!("/dev/shm/{fifo}"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut bytes = vec![0u8; 4096];
+    bytes[..8].copy_from_slice(b"PSMDEMO!");
+    write_segment(&foreign, &bytes);
+    let fifo_path = format!("/dev/shm/{fifo}");
+    let cases = [
+        (
+            typo.as_str(),
+            format!("no registry, channel or tensor set named {typo:?} in /dev/shm"),
+        ),
+        (
+            fifo_path.as_str(),
+            format!(
+                "{fifo_path} names nothing that can be read now: registry {fifo}: cannot read: "
+            ),
+        ),
+        (
+            foreign.as_str(),
+            format!(
+                "{foreign} names nothing that can be read now: registry {foreign}: cannot read: \
+                 shared-memory segment /{foreign} is not a cuda-ipc registry"
+            ),
+        ),
+    ];
+    for (name, said) in &cases {
+        let (bodies, stderr) = serve(name, 2);
+        for b in &bodies {
+            assert!(b.starts_with("HTTP/1.1 200"), "{name}: {b}");
+            assert!(b.ends_with("# EOF\n"), "{name}: {b}");
+        }
+        assert!(
+            stderr.contains(&format!("cuda-ipc: warning: {said}")),
+            "{name}: {stderr}"
+        );
+        assert!(stderr.contains("serving anyway"), "{name}: {stderr}");
+        assert_eq!(stderr.matches("warning:").count(), 1, "{name}: {stderr}");
+    }
+    let _r = Registry::create(&reg, &RegistryOptions::new().capacity(4)).unwrap();
+    let (bodies, stderr) = serve(&reg, 1);
+    assert!(bodies[0].starts_with("HTTP/1.1 200"), "{}", bodies[0]);
+    assert!(!stderr.contains("warning"), "{stderr}");
+    Registry::unlink(&reg).unwrap();
 }

@@ -32,6 +32,22 @@ pub enum RegistryError {
         /// The first eight bytes found, as a little-endian number.
         found: u64,
     },
+    /// A file under a registry's name without the registry magic, at least 2 s old and not being
+    /// sized (empty, sparse, or zero where the magic goes), judged by a tool that was only given
+    /// the name (`cuda-ipc gc NAME`, `ls NAME`, [`super::remove_abandoned`]): a registry's name is
+    /// any name, so nothing shows that a cuda-ipc creation made it rather than another program
+    /// (a `multiprocessing.shared_memory` segment is sparse, its first bytes often zero). It is
+    /// left as it is. A registry creation killed before it wrote its header looks the same;
+    /// [`super::Registry::open_or_create`] of that name, which claims the name, replaces it.
+    #[error(
+        "shared-memory segment /{name} is not a cuda-ipc registry: no magic ({what}); left as it is"
+    )]
+    NoMagic {
+        /// The segment name.
+        name: String,
+        /// What stands there instead: `empty`, `sparse`, or `zero where the magic goes`.
+        what: &'static str,
+    },
     /// The segment's layout version is not the one this build reads.
     #[error(
         "shared-memory segment /{name} has layout version {found}, this build reads version {supported}"

@@ -10,7 +10,7 @@ use super::Registry;
 use super::layout::*;
 use super::participant::{self, EntryState};
 use super::records::{READ_RETRIES, decode};
-use super::segment::{Leftover, Retry};
+use super::segment::{Judge, Leftover, Retry};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -285,6 +285,8 @@ fn ours_or_our_groups(meta: &std::fs::Metadata) -> bool {
 /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`],
 ///   [`RegistryError::Corrupt`] for a segment that is not a registry of this layout;
 /// - [`RegistryError::Uninitialised`] while its creator has not finished it;
+/// - [`RegistryError::NoMagic`] for an empty, sparse or zero-header file at least 2 s old and not
+///   being sized: no registry, as `gc` judges it ([`abandoned`]);
 /// - [`Error::Os`] when a call fails.
 ///
 /// # Examples
@@ -300,18 +302,39 @@ fn ours_or_our_groups(meta: &std::fs::Metadata) -> bool {
 /// # Ok::<(), cuda_ipc::Error>(())
 /// ```
 pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
-    let (seg, slots, participants) = match Registry::try_open(name, true) {
-        Ok(t) => t,
-        Err(Retry::Fatal(e)) => return Err(e),
+    let e = match Registry::try_open(name, true) {
+        Ok((seg, slots, participants)) => return snapshot(name, seg, slots, participants),
+        Err(Retry::Fatal(e)) => e,
         Err(Retry::NotReady(Error::Registry(RegistryError::Uninitialised { .. }))) => {
-            return Err(RegistryError::Uninitialised {
+            RegistryError::Uninitialised {
                 name: name.to_string(),
                 waited: Duration::ZERO,
             }
-            .into());
+            .into()
         }
-        Err(Retry::NotReady(e)) => return Err(e),
+        Err(Retry::NotReady(e)) => e,
     };
+    // What a creator leaves before its header (empty, sparse, no magic) is said to be no registry
+    // once it is old, as `gc` judges it: nothing shows that a registry creator made it.
+    match &e {
+        Error::Registry(RegistryError::Uninitialised { .. })
+        | Error::Shm(crate::shm::ShmError::TooSmall { .. } | crate::shm::ShmError::Sparse { .. }) => {
+            match super::segment::judge_leftover(name, Judge::Cleaner) {
+                Err(no @ Error::Registry(RegistryError::NoMagic { .. })) => Err(no),
+                _ => Err(e),
+            }
+        }
+        _ => Err(e),
+    }
+}
+
+/// [`inspect`] of the registry segment `seg`, opened and checked, with its counts.
+fn snapshot(
+    name: &str,
+    seg: crate::shm::Segment,
+    slots: u32,
+    participants: u32,
+) -> Result<RegistrySnapshot> {
     let segment_bytes = seg.len() as u64;
     let me = ProcessIdentity::current()?;
     // An observer handle: it holds no participant entry (its drop frees none) and takes no lock.
@@ -395,20 +418,26 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
     Ok(snap)
 }
 
-/// Whether the segment `name` is a registry creation abandoned half-way, by the rule
-/// [`Registry::open_or_create`] replaces one by: this user's, and empty or sparse (at least
-/// `ABANDONED_AFTER`, 2 s, old: no creator recorded),
-/// its header never begun (as old), or never stamped with its recorded creator dead. Returns why,
-/// or `Ok(None)`: no such segment, a finished registry (its dead processes' leftovers are
+/// Whether the segment `name` is a registry creation abandoned half-way, by the rule `gc`
+/// removes one by: this user's, giving other users no access, with the registry magic and this
+/// layout version, never stamped, and its recorded creator dead (the creator's identity, written
+/// before the magic, is the evidence that a cuda-ipc creation made it and died). Returns why, or
+/// `Ok(None)`: no such segment, a finished registry (its dead processes' leftovers are
 /// [`Registry::reclaim_dead`]'s), a young creation or a live creator's. Removing it is
 /// [`super::remove_abandoned`]'s.
+///
+/// A file without the magic is never one: a registry's name is any name, and an empty, sparse or
+/// zero-header file of another program (a `multiprocessing.shared_memory` segment) looks as a
+/// registry creation killed before its header would. At least 2 s old and not being sized it is
+/// [`RegistryError::NoMagic`]; younger, or being sized, `Ok(None)` (it may be a creation under
+/// way). [`Registry::open_or_create`], which claims the name for a registry, replaces such a file.
 ///
 /// # Errors
 /// The typed errors that say what else is under the name and why it is kept
 /// ([`crate::shm::ShmError::WrongOwner`] for another user's segment,
 /// [`crate::shm::ShmError::NotASegment`], [`crate::shm::ShmError::TooSmall`] for a short file
-/// with its pages, [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`],
-/// [`RegistryError::CreatorUnknown`]).
+/// with its pages, [`RegistryError::NoMagic`], [`RegistryError::ForeignSegment`],
+/// [`RegistryError::VersionMismatch`], [`RegistryError::CreatorUnknown`]).
 ///
 /// # Examples
 /// ```
@@ -423,10 +452,11 @@ pub fn abandoned(name: &str) -> Result<Option<&'static str>> {
     Ok(judged(name)?.map(|(why, _)| why))
 }
 
-/// [`segment::judge_leftover`](super::segment::judge_leftover) as [`abandoned`] answers: why and
-/// the inode judged; a young creation, a live creator's or a name changed meanwhile is `Ok(None)`.
+/// [`segment::judge_leftover`](super::segment::judge_leftover) as [`abandoned`] answers (a
+/// cleaner's judgement): why and the inode judged; a young creation, a live creator's or a name
+/// changed meanwhile is `Ok(None)`.
 pub(super) fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
-    match super::segment::judge_leftover(name) {
+    match super::segment::judge_leftover(name, Judge::Cleaner) {
         Ok(Leftover::Abandoned { why, inode, .. }) => Ok(Some((why, inode))),
         Ok(Leftover::Changed | Leftover::UnderWay(_)) => Ok(None),
         Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => Ok(None),
@@ -436,13 +466,13 @@ pub(super) fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
 
 /// [`abandoned`] for `gc`'s scan, with a creation that may still be finished told apart (young,
 /// or its creator runs: kept, not a problem) and a registry finished since the inspection looked
-/// ([`Creation::Finished`]: inspect it again). The rule is the one [`Registry::open_or_create`]
-/// replaces a segment by; nothing waits.
+/// ([`Creation::Finished`]: inspect it again). The rule is [`abandoned`]'s; nothing waits.
 ///
 /// # Errors
 /// As [`abandoned`], and [`crate::shm::ShmError::NotFound`] when nothing is under the name.
 pub(crate) fn judge_creation(name: &str) -> Result<Creation> {
-    Ok(match super::segment::judge_leftover(name)? {
+    let judged = super::segment::judge_leftover(name, Judge::Cleaner)?;
+    Ok(match judged {
         Leftover::Abandoned { why, .. } => Creation::Abandoned(why),
         Leftover::UnderWay(why) => Creation::UnderWay(why),
         Leftover::Changed => {

@@ -155,16 +155,17 @@ impl Registry {
 
     /// Opens the registry `name`, or creates it when there is none.
     ///
-    /// A segment under the name is replaced only when it is provably this crate's own leftover, by
-    /// the rule `cuda-ipc gc` removes one by ([`super::inspect::abandoned`]): a regular file of our
-    /// uid that is empty, sparse or whose header was never begun, at least 2 s old
-    /// (`ABANDONED_AFTER`, the channels' grace: no
-    /// creator is recorded there), or that has the registry magic and this layout version but no
-    /// init stamp after `opts.init_timeout`, and whose recorded creator is dead by
-    /// [`ProcessIdentity::liveness_as`] with the recorded uid. Its inode is checked again just
-    /// before it is unlinked. Everything else is reported and left as it is. A fully initialised
-    /// segment whose participants all died is simply opened: their entries and locks are
-    /// reclaimed as met.
+    /// A segment under the name is replaced only when it is a creation abandoned half-way: a
+    /// regular file of our uid, giving other users no access, that has the registry magic and
+    /// this layout version but no init stamp after `opts.init_timeout`, and whose recorded
+    /// creator is dead by [`ProcessIdentity::liveness_as`] with the recorded uid (the rule
+    /// `cuda-ipc gc` removes one by, [`super::inspect::abandoned`]); or, since this call claims
+    /// the name for a registry, one that is empty, sparse or whose header was never begun, at
+    /// least 2 s old (`ABANDONED_AFTER`, the channels' grace) and not being sized (no creator is
+    /// recorded there; `gc`, which was only given the name, leaves such a file:
+    /// [`RegistryError::NoMagic`]). Its inode is checked again just before it is unlinked.
+    /// Everything else is reported and left as it is. A fully initialised segment whose
+    /// participants all died is simply opened: their entries and locks are reclaimed as met.
     ///
     /// # Errors
     /// As [`Registry::create`] and [`Registry::open`]. What is never replaced and how it is reported:
@@ -211,7 +212,7 @@ impl Registry {
     /// Unlinks `name` if it is provably our own stale registry (the rule of [`judge_leftover`]);
     /// otherwise returns the error that says why not (`why` when nothing more precise is known).
     fn remove_if_stale(name: &str, why: Error) -> Result<Stale> {
-        match judge_leftover(name)? {
+        match judge_leftover(name, Judge::Creator)? {
             Leftover::Abandoned {
                 why,
                 inode,
@@ -494,13 +495,32 @@ pub(super) enum Leftover {
     UnderWay(String),
 }
 
-/// The judgement of a registry segment that is not (yet) a usable registry, by the one rule both
-/// [`Registry::open_or_create`] (which then replaces it) and `gc` ([`super::inspect::abandoned`],
-/// which removes it) follow. Only this user's own segment is ever a leftover, and of those only:
-/// - empty (a creator killed before `ftruncate`) or sparse (before `fallocate`), at least
-///   [`versioned::ABANDONED_AFTER`] old ([`versioned::stat_blocker`], the channels' rule): no
-///   creator is recorded there, so none can be alive;
-/// - pages reserved but the header all zero (killed before the magic), as old;
+/// Who judges a segment under a registry name ([`judge_leftover`]), which decides what counts as
+/// evidence that a cuda-ipc creation made it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Judge {
+    /// [`Registry::open_or_create`]: a creator that claims the name for its registry, and replaces
+    /// an old empty, sparse or all-zero-header file of this user under it (the name was chosen for
+    /// a registry by the program that asks for it).
+    Creator,
+    /// A tool that was only given the name (`cuda-ipc gc NAME`, `ls NAME`,
+    /// [`super::remove_abandoned`]): a registry's name is any name, another program's file stands
+    /// under names like ours, and nothing in a file without the magic records a creator. Only a
+    /// file with the registry magic, this layout version and a dead recorded creator is a
+    /// leftover; an old empty, sparse or zero-header one is [`RegistryError::NoMagic`], left as
+    /// it is.
+    Cleaner,
+}
+
+/// The judgement of a registry segment that is not (yet) a usable registry, by the rule
+/// [`Registry::open_or_create`] (which then replaces it, [`Judge::Creator`]) and `gc`
+/// ([`super::inspect::abandoned`], which removes it, [`Judge::Cleaner`]) follow. Only this user's
+/// own segment is ever a leftover, and of those only:
+/// - for [`Judge::Creator`] only: empty (a creator killed before `ftruncate`) or sparse (before
+///   `fallocate`), at least [`versioned::ABANDONED_AFTER`] old ([`versioned::stat_blocker`], the
+///   channels' rule): no creator is recorded there, so none can be alive;
+/// - for [`Judge::Creator`] only: pages reserved but the header all zero (killed before the
+///   magic), as old;
 /// - the registry magic and this layout version, never stamped, and its recorded creator dead by
 ///   [`ProcessIdentity::liveness_as`] with the recorded uid (at any age: a dead creator never
 ///   finishes).
@@ -512,16 +532,28 @@ pub(super) enum Leftover {
 /// [`ShmError::InsecureMode`] for one open to other users (any of the mode bits `0o007`),
 /// [`ShmError::NotASegment`] / [`Error::InvalidArgument`] for what is not a file,
 /// [`ShmError::TooSmall`] for a short file whose pages are there (no creation of ours),
+/// [`RegistryError::NoMagic`] for [`Judge::Cleaner`]'s old empty, sparse or zero-header file,
 /// [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both versions),
 /// [`RegistryError::CreatorUnknown`] when the creator's liveness cannot be told.
-pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
+pub(super) fn judge_leftover(name: &str, judge: Judge) -> Result<Leftover> {
     crate::shm::validate_name(name)?;
     let judged = match Segment::stat(name) {
         Ok(info) => info,
         Err(Error::Shm(ShmError::NotFound { .. })) => return Ok(Leftover::Changed),
         Err(e) => return Err(e),
     };
+    // An old file without the magic: the creator's to replace, never the cleaner's to remove.
+    let unproven = |what: &'static str| -> Result<Leftover> {
+        Err(RegistryError::NoMagic {
+            name: name.to_string(),
+            what,
+        }
+        .into())
+    };
     match versioned::stat_blocker(name, HEADER_SIZE) {
+        Ok(Blocker::Abandoned) if judge == Judge::Cleaner => {
+            return unproven(if judged.len == 0 { "empty" } else { "sparse" });
+        }
         Ok(Blocker::Abandoned) => {
             return Ok(Leftover::Abandoned {
                 why: versioned::ABANDONED_UNSIZED,
@@ -554,6 +586,9 @@ pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
         // Pages reserved, header not begun: a live creator stores its magic microseconds after
         // `fallocate`. Only an old one is abandoned; no creator is recorded yet.
         if judged.age_secs >= versioned::ABANDONED_AFTER.as_secs() {
+            if judge == Judge::Cleaner {
+                return unproven("zero where the magic goes");
+            }
             return Ok(Leftover::Abandoned {
                 why: "a creation abandoned before its header was written",
                 inode,
