@@ -1,10 +1,10 @@
-//! What a registry creator killed before it finished leaves under the name (an empty file, a sparse
-//! one, one whose header was never begun) never blocks the name for good: after the channels'
-//! grace (`ABANDONED_AFTER`, 2 s) `open_or_create`, which claims the name, replaces it. The
-//! library's `gc` rule (`registry::inspect::abandoned`, `remove_abandoned`) removes only what
-//! records a dead creator (the magic, no stamp): a registry's name is anyone's, so a file without
-//! the magic, however old, may be another program's live segment, and is `NoMagic`, left as it
-//! is. A young one and another user's are kept by both.
+//! What stands under a registry's name without the registry magic (an empty file, a sparse one,
+//! one whose header was never begun: a creator killed before its first store, or another
+//! program's segment, which nothing tells apart, since a registry's name is anyone's) is never
+//! removed or replaced: `open_or_create` and the library's `gc` rule
+//! (`registry::inspect::abandoned`, `remove_abandoned`) both say `NoMagic`, which tells its owner
+//! how to remove it. Only what records a dead creator (the magic, no stamp) is removed. A young
+//! one and another user's are kept by both.
 
 mod common;
 
@@ -65,7 +65,8 @@ fn shm_err(e: Error) -> ShmError {
 }
 
 #[test]
-fn an_empty_or_sparse_registry_leftover_is_replaced_after_the_grace_and_kept_while_young() {
+fn an_empty_or_sparse_file_under_a_registry_name_is_never_replaced_and_named_for_its_owner_to_remove()
+ {
     let (e, s, z) = (
         unique("left-empty"),
         unique("left-sparse"),
@@ -93,18 +94,28 @@ fn an_empty_or_sparse_registry_leftover_is_replaced_after_the_grace_and_kept_whi
     }
     past_the_grace();
     for n in [&e, &s, &z] {
-        // Nothing in it records a creator: no leftover for a tool that was only given the name.
+        // Nothing in it records a creator: it may be another program's, so neither a tool that
+        // was only given the name nor a creator that asks for the name takes it away.
         let err = registry_err(inspect::abandoned(n).unwrap_err());
         assert!(matches!(err, RegistryError::NoMagic { .. }), "{n}: {err}");
         let t = Instant::now();
-        let reg = Registry::open_or_create(n, &opts()).unwrap();
-        reg.publish("after-restart", 1, b"", b"").unwrap();
-        // Replaced at once (the opener's bounded wait aside), not after a long wait.
+        let err = registry_err(Registry::open_or_create(n, &opts()).unwrap_err());
+        assert!(matches!(err, RegistryError::NoMagic { .. }), "{n}: {err}");
+        assert!(
+            err.to_string().contains("remove it if no program uses it"),
+            "{err}"
+        );
+        // Said at once (the opener's bounded wait aside), not after a long wait.
         assert!(
             t.elapsed() < Duration::from_secs(2),
             "{n}: {:?}",
             t.elapsed()
         );
+        assert!(exists(n), "{n}");
+        // Once its owner removed it, the name is a registry's again.
+        Registry::unlink(n).unwrap();
+        let reg = Registry::open_or_create(n, &opts()).unwrap();
+        reg.publish("after-removal", 1, b"", b"").unwrap();
         assert_eq!(
             inspect::abandoned(n).unwrap(),
             None,
@@ -205,7 +216,8 @@ fn gcs_rule_removes_a_dead_creators_unstamped_registry_and_never_a_file_without_
             );
             assert!(
                 err.to_string().ends_with(&format!(
-                    "not a cuda-ipc registry: no magic ({what}); left as it is"
+                    "not a cuda-ipc registry: no magic ({what}); left as it is (remove it if no \
+                     program uses it)"
                 )),
                 "{err}"
             );

@@ -855,7 +855,7 @@ fn gc_never_removes_another_programs_file_without_the_registry_magic_named_or_no
     for (n, what) in [(&psm, "sparse"), (&zeros, "zero where the magic goes")] {
         let said = format!(
             "registry {n}: cannot read: shared-memory segment /{n} is not a cuda-ipc registry: \
-             no magic ({what}); left as it is"
+             no magic ({what}); left as it is (remove it if no program uses it)"
         );
         let p = path(n);
         for args in [

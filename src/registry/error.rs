@@ -33,14 +33,16 @@ pub enum RegistryError {
         found: u64,
     },
     /// A file under a registry's name without the registry magic, at least 2 s old and not being
-    /// sized (empty, sparse, or zero where the magic goes), judged by a tool that was only given
-    /// the name (`cuda-ipc gc NAME`, `ls NAME`, [`super::remove_abandoned`]): a registry's name is
-    /// any name, so nothing shows that a cuda-ipc creation made it rather than another program
-    /// (a `multiprocessing.shared_memory` segment is sparse, its first bytes often zero). It is
-    /// left as it is. A registry creation killed before it wrote its header looks the same;
-    /// [`super::Registry::open_or_create`] of that name, which claims the name, replaces it.
+    /// sized (empty, sparse, or zero where the magic goes), met by
+    /// [`super::Registry::open_or_create`] or by a tool given the name (`cuda-ipc gc NAME`, `ls
+    /// NAME`, [`super::remove_abandoned`]): a registry's name is any name, so nothing shows that a
+    /// cuda-ipc creation made it rather than another program (a `multiprocessing.shared_memory`
+    /// segment is sparse, its first bytes often zero). It is left as it is. A registry creation
+    /// killed before its first store looks the same: whoever knows that no program uses the file
+    /// removes it (`rm /dev/shm/NAME`).
     #[error(
-        "shared-memory segment /{name} is not a cuda-ipc registry: no magic ({what}); left as it is"
+        "shared-memory segment /{name} is not a cuda-ipc registry: no magic ({what}); left as it is \
+         (remove it if no program uses it)"
     )]
     NoMagic {
         /// The segment name.

@@ -10,7 +10,7 @@ use super::Registry;
 use super::layout::*;
 use super::participant::{self, EntryState};
 use super::records::{READ_RETRIES, decode};
-use super::segment::{Judge, Leftover, Retry};
+use super::segment::{Leftover, Retry};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
 use crate::registry::{Record, RegistryError};
@@ -319,7 +319,7 @@ pub fn inspect(name: &str) -> Result<RegistrySnapshot> {
     match &e {
         Error::Registry(RegistryError::Uninitialised { .. })
         | Error::Shm(crate::shm::ShmError::TooSmall { .. } | crate::shm::ShmError::Sparse { .. }) => {
-            match super::segment::judge_leftover(name, Judge::Cleaner) {
+            match super::segment::judge_leftover(name) {
                 Err(no @ Error::Registry(RegistryError::NoMagic { .. })) => Err(no),
                 _ => Err(e),
             }
@@ -430,7 +430,7 @@ fn snapshot(
 /// zero-header file of another program (a `multiprocessing.shared_memory` segment) looks as a
 /// registry creation killed before its header would. At least 2 s old and not being sized it is
 /// [`RegistryError::NoMagic`]; younger, or being sized, `Ok(None)` (it may be a creation under
-/// way). [`Registry::open_or_create`], which claims the name for a registry, replaces such a file.
+/// way). [`Registry::open_or_create`] never replaces such a file either.
 ///
 /// # Errors
 /// The typed errors that say what else is under the name and why it is kept
@@ -456,7 +456,7 @@ pub fn abandoned(name: &str) -> Result<Option<&'static str>> {
 /// cleaner's judgement): why and the inode judged; a young creation, a live creator's or a name
 /// changed meanwhile is `Ok(None)`.
 pub(super) fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
-    match super::segment::judge_leftover(name, Judge::Cleaner) {
+    match super::segment::judge_leftover(name) {
         Ok(Leftover::Abandoned { why, inode, .. }) => Ok(Some((why, inode))),
         Ok(Leftover::Changed | Leftover::UnderWay(_)) => Ok(None),
         Err(Error::Shm(crate::shm::ShmError::NotFound { .. })) => Ok(None),
@@ -471,7 +471,7 @@ pub(super) fn judged(name: &str) -> Result<Option<(&'static str, u64)>> {
 /// # Errors
 /// As [`abandoned`], and [`crate::shm::ShmError::NotFound`] when nothing is under the name.
 pub(crate) fn judge_creation(name: &str) -> Result<Creation> {
-    let judged = super::segment::judge_leftover(name, Judge::Cleaner)?;
+    let judged = super::segment::judge_leftover(name)?;
     Ok(match judged {
         Leftover::Abandoned { why, .. } => Creation::Abandoned(why),
         Leftover::UnderWay(why) => Creation::UnderWay(why),

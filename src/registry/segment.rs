@@ -159,11 +159,10 @@ impl Registry {
     /// regular file of our uid, giving other users no access, that has the registry magic and
     /// this layout version but no init stamp after `opts.init_timeout`, and whose recorded
     /// creator is dead by [`ProcessIdentity::liveness_as`] with the recorded uid (the rule
-    /// `cuda-ipc gc` removes one by, [`super::inspect::abandoned`]); or, since this call claims
-    /// the name for a registry, one that is empty, sparse or whose header was never begun, at
-    /// least 2 s old (`ABANDONED_AFTER`, the channels' grace) and not being sized (no creator is
-    /// recorded there; `gc`, which was only given the name, leaves such a file:
-    /// [`RegistryError::NoMagic`]). Its inode is checked again just before it is unlinked.
+    /// `cuda-ipc gc` removes one by, [`super::inspect::abandoned`]). Its inode is checked again
+    /// just before it is unlinked. A file without the magic (empty, sparse, or zero where the
+    /// magic goes) at least 2 s old is never replaced: nothing in it shows that a cuda-ipc
+    /// creation made it rather than another program ([`RegistryError::NoMagic`]).
     /// Everything else is reported and left as it is. A fully initialised segment whose
     /// participants all died is simply opened: their entries and locks are reclaimed as met.
     ///
@@ -212,7 +211,7 @@ impl Registry {
     /// Unlinks `name` if it is provably our own stale registry (the rule of [`judge_leftover`]);
     /// otherwise returns the error that says why not (`why` when nothing more precise is known).
     fn remove_if_stale(name: &str, why: Error) -> Result<Stale> {
-        match judge_leftover(name, Judge::Creator)? {
+        match judge_leftover(name)? {
             Leftover::Abandoned {
                 why,
                 inode,
@@ -495,35 +494,17 @@ pub(super) enum Leftover {
     UnderWay(String),
 }
 
-/// Who judges a segment under a registry name ([`judge_leftover`]), which decides what counts as
-/// evidence that a cuda-ipc creation made it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Judge {
-    /// [`Registry::open_or_create`]: a creator that claims the name for its registry, and replaces
-    /// an old empty, sparse or all-zero-header file of this user under it (the name was chosen for
-    /// a registry by the program that asks for it).
-    Creator,
-    /// A tool that was only given the name (`cuda-ipc gc NAME`, `ls NAME`,
-    /// [`super::remove_abandoned`]): a registry's name is any name, another program's file stands
-    /// under names like ours, and nothing in a file without the magic records a creator. Only a
-    /// file with the registry magic, this layout version and a dead recorded creator is a
-    /// leftover; an old empty, sparse or zero-header one is [`RegistryError::NoMagic`], left as
-    /// it is.
-    Cleaner,
-}
-
 /// The judgement of a registry segment that is not (yet) a usable registry, by the rule
-/// [`Registry::open_or_create`] (which then replaces it, [`Judge::Creator`]) and `gc`
-/// ([`super::inspect::abandoned`], which removes it, [`Judge::Cleaner`]) follow. Only this user's
-/// own segment is ever a leftover, and of those only:
-/// - for [`Judge::Creator`] only: empty (a creator killed before `ftruncate`) or sparse (before
-///   `fallocate`), at least [`versioned::ABANDONED_AFTER`] old ([`versioned::stat_blocker`], the
-///   channels' rule): no creator is recorded there, so none can be alive;
-/// - for [`Judge::Creator`] only: pages reserved but the header all zero (killed before the
-///   magic), as old;
-/// - the registry magic and this layout version, never stamped, and its recorded creator dead by
-///   [`ProcessIdentity::liveness_as`] with the recorded uid (at any age: a dead creator never
-///   finishes).
+/// [`Registry::open_or_create`] (which then replaces it) and `gc` ([`super::inspect::abandoned`],
+/// which removes it) both follow. A registry's name is any name, and another program's file may stand
+/// under it (a `multiprocessing.shared_memory` segment is sparse, its first bytes often zero):
+/// only a file that records its creator is ever a leftover. Only this user's own segment, and of
+/// those only one with the registry magic and this layout version, never stamped, whose recorded
+/// creator is dead by [`ProcessIdentity::liveness_as`] with the recorded uid (at any age: a dead
+/// creator never finishes). An empty, sparse or zero-header file at least
+/// [`versioned::ABANDONED_AFTER`] old ([`versioned::stat_blocker`]) is [`RegistryError::NoMagic`],
+/// left as it is, though a creator killed before its first store leaves one too (its name is
+/// then blocked until someone who knows no program uses the file removes it).
 ///
 /// A young creation or a live creator's is [`Leftover::UnderWay`], saying which.
 ///
@@ -532,10 +513,10 @@ pub(super) enum Judge {
 /// [`ShmError::InsecureMode`] for one open to other users (any of the mode bits `0o007`),
 /// [`ShmError::NotASegment`] / [`Error::InvalidArgument`] for what is not a file,
 /// [`ShmError::TooSmall`] for a short file whose pages are there (no creation of ours),
-/// [`RegistryError::NoMagic`] for [`Judge::Cleaner`]'s old empty, sparse or zero-header file,
+/// [`RegistryError::NoMagic`] for an old empty, sparse or zero-header file,
 /// [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both versions),
 /// [`RegistryError::CreatorUnknown`] when the creator's liveness cannot be told.
-pub(super) fn judge_leftover(name: &str, judge: Judge) -> Result<Leftover> {
+pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
     crate::shm::validate_name(name)?;
     let judged = match Segment::stat(name) {
         Ok(info) => info,
@@ -551,15 +532,8 @@ pub(super) fn judge_leftover(name: &str, judge: Judge) -> Result<Leftover> {
         .into())
     };
     match versioned::stat_blocker(name, HEADER_SIZE) {
-        Ok(Blocker::Abandoned) if judge == Judge::Cleaner => {
-            return unproven(if judged.len == 0 { "empty" } else { "sparse" });
-        }
         Ok(Blocker::Abandoned) => {
-            return Ok(Leftover::Abandoned {
-                why: versioned::ABANDONED_UNSIZED,
-                inode: judged.inode,
-                creator: None,
-            });
+            return unproven(if judged.len == 0 { "empty" } else { "sparse" });
         }
         Ok(Blocker::Young) => {
             return Ok(Leftover::UnderWay(versioned::UNDER_WAY_UNSIZED.to_string()));
@@ -586,14 +560,7 @@ pub(super) fn judge_leftover(name: &str, judge: Judge) -> Result<Leftover> {
         // Pages reserved, header not begun: a live creator stores its magic microseconds after
         // `fallocate`. Only an old one is abandoned; no creator is recorded yet.
         if judged.age_secs >= versioned::ABANDONED_AFTER.as_secs() {
-            if judge == Judge::Cleaner {
-                return unproven("zero where the magic goes");
-            }
-            return Ok(Leftover::Abandoned {
-                why: "a creation abandoned before its header was written",
-                inode,
-                creator: None,
-            });
+            return unproven("zero where the magic goes");
         }
         return Ok(Leftover::UnderWay(
             versioned::UNDER_WAY_UNSTAMPED.to_string(),
