@@ -184,15 +184,16 @@ impl OsError {
 }
 
 /// `n` followed by `unit`, in the plural unless `n` is 1: `1 byte`, `0 bytes`, `4096 bytes`. How
-/// the crate's messages write a count, whatever integer type (or reference to one) holds it.
-pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
+/// the crate's messages write a count, whatever integer type (or reference to one) holds it; the
+/// Python extension's and the command line's messages write theirs with it too.
+pub fn plural(n: impl std::fmt::Display, unit: &str) -> String {
     let n = n.to_string();
     let s = if n == "1" { "" } else { "s" };
     format!("{n} {unit}{s}")
 }
 
 /// `n` bytes as the crate's messages write them: [`plural`]`(n, "byte")` (`1 byte`, `2 bytes`).
-pub(crate) fn bytes(n: impl std::fmt::Display) -> String {
+pub fn bytes(n: impl std::fmt::Display) -> String {
     plural(n, "byte")
 }
 

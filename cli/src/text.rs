@@ -44,13 +44,9 @@ pub(crate) fn producer_state_name(s: Result<ProducerState, UnknownCode>) -> Stri
     }
 }
 
-/// `n` followed by `unit`, in the plural unless `n` is 1 (`1 byte`, `2 bytes`, `0 generations`):
-/// how the commands write a count in words.
-pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
-    let n = n.to_string();
-    let s = if n == "1" { "" } else { "s" };
-    format!("{n} {unit}{s}")
-}
+/// How the commands write a count in words (`1 byte`, `2 bytes`, `0 generations`): the library's
+/// own spelling.
+pub(crate) use cuda_ipc::error::plural;
 
 /// `1234 B`, `31.6 MiB`.
 pub(crate) fn bytes(n: u64) -> String {

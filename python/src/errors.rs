@@ -550,15 +550,5 @@ pub(crate) fn not_supported(msg: &str) -> PyErr {
     NotSupported::new_err(msg.to_string())
 }
 
-/// `n` followed by `unit`, in the plural unless `n` is 1 (`1 byte`, `2 bytes`): how the extension's
-/// messages write a count.
-pub(crate) fn plural(n: impl std::fmt::Display, unit: &str) -> String {
-    let n = n.to_string();
-    let s = if n == "1" { "" } else { "s" };
-    format!("{n} {unit}{s}")
-}
-
-/// `n` bytes as the extension's messages write them ([`plural`]: `1 byte`, `2 bytes`).
-pub(crate) fn bytes(n: impl std::fmt::Display) -> String {
-    plural(n, "byte")
-}
+/// How the extension's messages write a count (`1 byte`, `2 bytes`): the library's own spelling.
+pub(crate) use cuda_ipc::error::{bytes, plural};
