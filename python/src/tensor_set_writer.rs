@@ -41,19 +41,33 @@ pub(crate) struct TensorSetWriter {
 const DEFAULT_BUFFERS: usize = 2;
 
 /// The generation mode of `mode` and `buffers` (`None`: not given). `buffers` means something
-/// only for `"buffered"` (default [`DEFAULT_BUFFERS`]): given with `"in_place"`, which has one
-/// buffer, it is refused rather than ignored.
-fn mode_arg(py: Python<'_>, mode: &str, buffers: Option<usize>) -> PyResult<GenerationMode> {
+/// only for `"buffered"` (default [`DEFAULT_BUFFERS`]), which takes 2 to 16 and says so (a count
+/// outside was refused as "from 1 to 16", though 1 is no buffered set's count either); given with
+/// `"in_place"`, which has one buffer, any value is refused rather than ignored.
+fn mode_arg(py: Python<'_>, mode: &str, buffers: Option<Int>) -> PyResult<GenerationMode> {
     match (mode, buffers) {
         ("in_place", None) => Ok(GenerationMode::InPlace),
-        ("in_place", Some(n)) => Err(errors::invalid_argument(
+        ("in_place", Some(n)) => {
+            let n = match n {
+                Int::Small(v) => v.to_string(),
+                Int::Huge(_) => "an int beyond 128 bits".to_string(),
+                Int::Bool(b) => format!("a bool ({})", if b { "True" } else { "False" }),
+            };
+            Err(errors::invalid_argument(
+                py,
+                format!(
+                    "buffers={n} with mode=\"in_place\", which has one buffer: give buffers \
+                     only with mode=\"buffered\""
+                ),
+            ))
+        }
+        ("buffered", None) => Ok(GenerationMode::Buffered(DEFAULT_BUFFERS)),
+        ("buffered", Some(n)) => Ok(GenerationMode::Buffered(n.within(
             py,
-            format!(
-                "buffers={n} with mode=\"in_place\", which has one buffer: give buffers only \
-                 with mode=\"buffered\""
-            ),
-        )),
-        ("buffered", n) => Ok(GenerationMode::Buffered(n.unwrap_or(DEFAULT_BUFFERS))),
+            "buffers",
+            2,
+            cuda_ipc::channel::MAX_BUFFERS,
+        )?)),
         (m, _) => Err(errors::invalid_argument(
             py,
             format!("mode must be \"in_place\" or \"buffered\", got {m:?}"),
@@ -102,16 +116,14 @@ impl TensorSetWriter {
         quota: Option<&str>,
     ) -> PyResult<Self> {
         let device = device_arg(py, device)?;
-        let buffers: Option<usize> = buffers
-            .map(|b| b.within(py, "buffers", 1, cuda_ipc::channel::MAX_BUFFERS))
-            .transpose()?;
+        let generations = mode_arg(py, mode, buffers)?;
         let max_readers: usize =
             max_readers.within(py, "max_readers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;
         let specs = specs_arg(py, tensors)?;
         let kind = memory_arg(py, memory)?;
         let mut opts = TensorSetOptions::new()
             .memory(kind)
-            .mode(mode_arg(py, mode, buffers)?)
+            .mode(generations)
             .max_readers(max_readers);
         if let Some(q) = quota {
             opts = opts.quota(crate::quota::quota_scope(q).map_err(|e| err(py, e))?);

@@ -550,7 +550,7 @@ def test_shapes_too_large_or_not_ints_and_names_not_str_are_invalid_arguments_na
     w.close()
     # Counts say their own range.
     for kwargs, want in ((dict(max_readers=0), "max_readers must be an int from 1 to 64, got 0"),
-                         (dict(mode="buffered", buffers=17), "buffers must be an int from 1 to 16, got 17")):
+                         (dict(mode="buffered", buffers=17), "buffers must be an int from 2 to 16, got 17")):
         with pytest.raises(cuda_ipc.InvalidArgument, match=want):
             cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **kwargs)
     with pytest.raises(cuda_ipc.InvalidArgument, match="buffers must be an int from 1 to 16, got 0"):
@@ -612,6 +612,25 @@ def test_buffers_is_refused_with_mode_in_place_and_defaults_to_two_when_buffered
     # Not given (or None), the defaults work as before.
     for kwargs in ({}, dict(mode="in_place"), dict(buffers=None), dict(mode="buffered"), dict(mode="buffered", buffers=3)):
         w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", **kwargs)
+        try:
+            assert write_gen(w, 1) == 1
+        finally:
+            w.close()
+
+
+def test_buffers_out_of_range_says_the_range_a_buffered_set_takes(name):
+    # A buffered set takes 2 to 16 buffers; its refusals said "from 1 to 16", though 1 was refused
+    # too (with another message), and an in-place set given buffers=0 or -1 was told that range
+    # instead of that it takes no count at all.
+    for n, got in ((0, "0"), (1, "1"), (17, "17"), (-1, "-1"), (2**200, "an int beyond 128 bits"), (True, r"a bool \(True\)")):
+        with pytest.raises(cuda_ipc.InvalidArgument, match="buffers must be an int from 2 to 16, got " + got):
+            cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=n)
+    for n, got in ((0, "0"), (-1, "-1"), (99, "99"), (2**200, "an int beyond 128 bits"), (False, r"a bool \(False\)")):
+        with pytest.raises(cuda_ipc.InvalidArgument, match=r'buffers=%s with mode="in_place", which has one buffer' % got):
+            cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="in_place", buffers=n)
+    assert not (SHM / f"cuda-ipc.ts.{name}").exists()
+    for n in (2, 16):
+        w = cuda_ipc.TensorSetWriter(name, SPECS, memory="host", mode="buffered", buffers=n)
         try:
             assert write_gen(w, 1) == 1
         finally:
