@@ -35,6 +35,14 @@
 //! the context of this crate's [`Context::primary`]; every function here checks that the two are
 //! the same `CUcontext` and refuses otherwise (a `CudaContext::new_non_primary` context).
 //!
+//! Driver library: cudarc's own calls (its `CudaContext`, `CudaStream`, launches, copies) go
+//! through cudarc's loader, which tries `libcuda.so` before the soname `libcuda.so.1`; this crate's
+//! calls go through its own loader, `libcuda.so.1` first. Both reach the one driver of the process
+//! where `libcuda.so` is the driver's link to `libcuda.so.1` (the dynamic linker gives the library
+//! already loaded); where a CUDA toolkit's stub `libcuda.so` is on `LD_LIBRARY_PATH`, cudarc's calls
+//! reach the stub and fail with `CUDA_ERROR_STUB_LIBRARY` while this crate's work: take the stub's
+//! folder off the search path.
+//!
 //! See <https://docs.rs/cudarc/0.19/cudarc/driver/safe/index.html>.
 
 use crate::driver::{Context, Device, DeviceMemory, Stream};

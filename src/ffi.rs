@@ -1,16 +1,23 @@
-//! The CUDA driver, loaded at run time through `cudarc::driver::sys` (no link-time `libcuda`).
+//! The CUDA driver, loaded at run time by this crate (no link-time `libcuda`): the library by its
+//! soname `libcuda.so.1` first, then cudarc's candidate names ([`sys`]), and its functions called
+//! through [`sys`] with cudarc's types and signatures.
 //!
-//! Owns: the one check that the driver library is present (cudarc panics on first use when it is
-//! not, so every entry point calls [`driver_api`] first), [`CudaError`] (this layer's error,
+//! Owns: the driver library and the driver functions the crate calls ([`sys`]: one `dlopen` per
+//! process, one `dlsym` per function), the one check that the library loaded and `cuInit`
+//! succeeded (every entry point calls [`driver_api`] first), [`CudaError`] (this layer's error,
 //! re-exported as `cuda_ipc::CudaError`) and the conversion of `CUresult` into it, and the
-//! error-name lookups. Nothing above this module calls `sys` without having
-//! gone through [`driver_api`].
+//! error-name lookups. Nothing above this module calls `sys` without having gone through
+//! [`driver_api`]. Must not touch: cudarc's own driver loader (`cudarc::driver::sys::culib`),
+//! which tries `libcuda.so` before the soname and so loads a toolkit's stub library where one is
+//! on the search path; cudarc's safe API (the `cudarc` feature's `cudarc_interop`) uses it for its
+//! own calls.
 
 use crate::error::{Error, Result};
-pub(crate) use cudarc::driver::sys;
 use std::ffi::CStr;
 use std::fmt;
 use std::sync::OnceLock;
+
+pub(crate) mod sys;
 
 /// A failed CUDA driver call: the call's name and the `CUresult` it returned.
 ///
@@ -69,20 +76,19 @@ pub(crate) struct DriverApi(());
 /// [`driver_api`]'s outcome, once it ran.
 static INIT: OnceLock<std::result::Result<(), InitFailure>> = OnceLock::new();
 
-/// Loads the driver (once per process) and runs `cuInit(0)`.
+/// Loads the driver library (once per process: [`sys::library`], `libcuda.so.1` first) and runs
+/// `cuInit(0)`.
 ///
 /// # Errors
-/// [`Error::DriverNotFound`] when no candidate library loads; [`Error::Cuda`] when `cuInit` fails
+/// [`Error::DriverNotFound`] when no candidate library loads (`searched`: every name of
+/// [`sys::driver_candidates`]); [`Error::Cuda`] when `cuInit` fails
 /// (e.g. `CUDA_ERROR_NO_DEVICE`).
 pub(crate) fn driver_api() -> Result<DriverApi> {
     let r = INIT.get_or_init(|| {
-        // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names and drops the handle;
-        // it has no preconditions.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(InitFailure::NotFound(driver_candidates().join(", ")));
+        if sys::library().is_none() {
+            return Err(InitFailure::NotFound(sys::driver_candidates().join(", ")));
         }
-        // SAFETY: the library is present (checked just above), so cudarc's lazy loader will not
-        // panic; `cuInit` takes a flags word that must be 0.
+        // SAFETY: `cuInit` takes a flags word that must be 0 (the library loaded just above).
         let code = unsafe { sys::cuInit(0) };
         check("cuInit", code).map_err(InitFailure::Cuda)
     });
@@ -97,55 +103,28 @@ pub(crate) fn driver_api() -> Result<DriverApi> {
 
 /// Whether this process has the driver loaded and initialised already (another library made a
 /// context: PyTorch, CuPy, JAX), asked without loading the library or initialising the driver:
-/// `libcuda.so.1` must be in the process already and be what cudarc's first name for it
-/// (`libcuda.so`) gives (`dlopen` with `RTLD_NOLOAD`), and
-/// `cuCtxGetCurrent` must not answer `CUDA_ERROR_NOT_INITIALIZED` (which every driver call
-/// returns before `cuInit`, per the driver API's initialisation section); or [`driver_api`]
-/// succeeded already. When it answers yes, cudarc's loader has loaded its view of the library.
+/// `libcuda.so.1` must be in the process already (`dlopen` with `RTLD_NOLOAD`, which loads
+/// nothing and runs no initialiser) and be the library [`sys::library`] uses (its first name, so
+/// nothing is searched), and `cuCtxGetCurrent` must not answer `CUDA_ERROR_NOT_INITIALIZED`
+/// (which every driver call returns before `cuInit`, per the driver API's initialisation
+/// section); or [`driver_api`] succeeded already.
 pub(crate) fn initialized_elsewhere() -> bool {
     if matches!(INIT.get(), Some(Ok(()))) {
         return true; // loaded and initialised by this crate already: no name is tried again
     }
-    // cudarc's loader takes the first of its names that loads, `libcuda.so` before the soname
-    // `libcuda.so.1`: where that first name is not the driver already in the process (no
-    // `libcuda.so` at all, as in many containers, or another one on the search path, such as the
-    // toolkit's stub library), the loader would search the file system or load that other
-    // library. Both names are asked with RTLD_NOLOAD, which returns a handle only to a library
-    // already loaded (no initialiser runs, nothing is loaded), so that the loader is used only
-    // where its first name gives it the driver in the process.
-    let first = driver_candidates().into_iter().next();
-    let loaded = |name: &str| -> *mut libc::c_void {
-        let Ok(name) = std::ffi::CString::new(name) else {
-            return std::ptr::null_mut();
-        };
-        // SAFETY: `name` is NUL-terminated; RTLD_NOLOAD loads nothing (see above).
-        unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) }
+    let Some(in_process) = sys::loaded(sys::SONAME) else {
+        return false; // not in the process: nothing is loaded or searched
     };
-    let soname = loaded("libcuda.so.1");
-    if soname.is_null() {
-        return false; // not in the process: the first name is not even searched
-    }
-    let by_first = first.as_deref().map_or(std::ptr::null_mut(), loaded);
-    let same = soname == by_first;
-    for h in [soname, by_first] {
-        if !h.is_null() {
-            // SAFETY: `h` came from `dlopen` above and is closed once; the library stays loaded
-            // (the process's other references hold it).
-            unsafe { libc::dlclose(h) };
-        }
-    }
-    if !same {
+    // The loader's first name is the soname, which the dynamic linker answers with the library
+    // already loaded (no search); a loader that settled on another library earlier (the soname did
+    // not load then) is not that one.
+    if !sys::library().is_some_and(|lib| lib.is(&in_process)) {
         return false;
     }
-    // SAFETY: `is_culib_present` tries `dlopen` on the candidate names in order; the first is the
-    // library already loaded (just checked), so nothing else is searched or loaded.
-    if !unsafe { sys::is_culib_present() } {
-        return false;
-    }
+    drop(in_process);
     let mut ctx = std::ptr::null_mut();
-    // SAFETY: the library is present (just above), so cudarc's loader does not panic; `ctx` is a
-    // valid out-pointer. Before `cuInit` the driver answers `CUDA_ERROR_NOT_INITIALIZED` and does
-    // nothing else.
+    // SAFETY: `ctx` is a valid out-pointer. Before `cuInit` the driver answers
+    // `CUDA_ERROR_NOT_INITIALIZED` and does nothing else.
     let code = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
     code == sys::CUresult::CUDA_SUCCESS
 }
@@ -154,15 +133,6 @@ pub(crate) fn initialized_elsewhere() -> bool {
 enum InitFailure {
     NotFound(String),
     Cuda(CudaError),
-}
-
-/// The file names cudarc tries for the driver, in order.
-pub(crate) fn driver_candidates() -> Vec<String> {
-    let mut names = cudarc::get_lib_name_candidates("cuda");
-    // The list repeats some names; report each once, in the order tried.
-    let mut seen = std::collections::HashSet::new();
-    names.retain(|n| seen.insert(n.clone()));
-    names
 }
 
 /// Turns a `CUresult` into `Ok(())` or a [`CudaError`] naming `call`.

@@ -2,7 +2,7 @@
 //! it, where that changes nothing else in the process.
 //!
 //! A first `TensorSetReader` and `tensors()` in a process pay, besides their own work, this
-//! extension's first driver calls (cudarc's loader, `cuInit`, the first use of each driver
+//! extension's first driver calls (the driver library's `dlopen`, `cuInit`, the first use of each driver
 //! function, and a process's first thread start, which the open's join thread would pay:
 //! [`cuda_ipc::driver::warm_up`]) and PyTorch's first calls of the views a dict is made
 //! of (`torch.from_dlpack` of this extension's capsule, `as_strided`, `unbind`, `narrow`,

@@ -49,16 +49,15 @@ impl Device {
 
 /// Makes this crate's first driver calls in a process that has initialised CUDA already, so that
 /// they are not part of its first real work (a tensor set's first attach, a channel's first
-/// join): loads the driver library in cudarc's loader (which tries up to 16 file names before
-/// `libcuda.so.1`), runs `cuInit` (a no-op there) and, where a context is current on the calling
+/// join): takes the driver library the process has loaded (`libcuda.so.1`, found without a
+/// search), runs `cuInit` (a no-op there) and, where a context is current on the calling
 /// thread and its device's primary context is active, looks the device up and retains and
 /// releases that primary context once (the first use of those driver functions), then starts
 /// and joins one thread, once per process (a process's first thread start is the dearest). Returns that device, or
 /// `None` when there is nothing to prepare.
 ///
-/// Skipped where cudarc's loader would not find the driver already in the process under its
-/// first name, `libcuda.so` (a container with only `libcuda.so.1`, a stub library on the search
-/// path). Never loads the driver into a process that has not, never initialises it (a process whose
+/// Skipped where `libcuda.so.1` is not in the process yet, or where this crate loaded another
+/// library earlier (the soname did not load then). Never loads the driver into a process that has not, never initialises it (a process whose
 /// children it forks keeps them free to use CUDA), never makes a primary context that is not
 /// active, and leaves the thread's current context as it was. Takes tens to a few hundred µs
 /// once; later calls cost about 10 µs. Errors are not returned: a failed step leaves the rest to
@@ -377,6 +376,8 @@ mod tests {
     fn no_code_in_src_changes_the_threads_current_context_except_context_rs() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let here = src.join("driver").join("context.rs");
+        // The driver loader defines these functions (with cudarc's names) and calls none.
+        let loader = src.join("ffi").join("sys.rs");
         let mut files = Vec::new();
         rust_files(&src, &mut files);
         assert!(files.len() > 10, "found only {files:?} under {src:?}");
@@ -390,7 +391,7 @@ mod tests {
                 let raw = ["cuCtxSetCurrent(", "cuCtxPushCurrent", "cuCtxPopCurrent"]
                     .iter()
                     .any(|c| line.contains(c));
-                if rebinds || (raw && *f != here) {
+                if rebinds || (raw && *f != here && *f != loader) {
                     let name = f.strip_prefix(&src).unwrap_or(f).display();
                     found.push(format!("src/{name}:{n}: {}", line.trim()));
                 }
