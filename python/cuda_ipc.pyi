@@ -15,6 +15,9 @@ holds are forced.
 
 Durations (``timeout``, ``spin``) are seconds from 0 to 1e9; ``timeout=None`` waits forever.
 Anything else (negative, NaN, infinite, larger) raises ``InvalidArgument`` naming the argument.
+Text arguments (names, ``memory``, ``mode``, ``wait``, ``delivery``, ``quota``, ``scope``, tensor
+and dtype names) take a ``str``; one with a lone surrogate (``os.fsdecode`` of bytes that are not
+UTF-8) raises ``InvalidArgument`` naming the argument, never ``UnicodeEncodeError``.
 
 A host channel (``Producer(name, n, memory="host")``) needs no GPU or CUDA driver: its pool is
 shared host memory, written with ``WriteFrame.write`` and read with ``Frame.bytes``/``Frame.read``
