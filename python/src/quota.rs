@@ -28,7 +28,8 @@ pub(crate) fn quota_device(device: Option<usize>) -> cuda_ipc::Result<cuda_ipc::
 }
 
 /// Sets the shared budget, in bytes, that producers created with `quota=scope` reserve their pools
-/// from: for host-memory channels (`device=None`) or for CUDA device `device`. Creates the ledger
+/// from: for host memory (`device=None`, the default: the budget of `memory="host"` producers
+/// and writers, not GPU 0's) or for CUDA device `device`. Creates the ledger
 /// (mode 0600 for `"user"`, 0660 for `"group:NAME"`) or changes its budget; reservations already
 /// made stay. The same as `cuda-ipc quota set`.
 ///

@@ -286,7 +286,9 @@ impl TensorSetWriter {
     /// and is aborted otherwise. Raises `TensorSetClosed` once the writer is closed, also by
     /// `close()` from another thread while this waits (within one 50 ms slice) or while the
     /// update is open (which aborts it: its calls and the block's end raise `TensorSetClosed`).
-    /// `NotSupported` in a forked child.
+    /// One `begin()` may be open or waiting at a time: another `begin()` or `publish()`
+    /// meanwhile, from any thread, raises `InvalidArgument` at once, without waiting (try again
+    /// after its commit or abort). `NotSupported` in a forked child.
     #[pyo3(signature = (timeout=None, *, stream=None))]
     fn begin(
         slf: Bound<'_, Self>,
