@@ -15,6 +15,9 @@ holds are forced.
 
 Durations (``timeout``, ``spin``) are seconds from 0 to 1e9; ``timeout=None`` waits forever.
 Anything else (negative, NaN, infinite, larger) raises ``InvalidArgument`` naming the argument.
+Text arguments (names, ``memory``, ``mode``, ``wait``, ``delivery``, ``quota``, ``scope``, tensor
+and dtype names) take a ``str``; one with a lone surrogate (``os.fsdecode`` of bytes that are not
+UTF-8) raises ``InvalidArgument`` naming the argument, never ``UnicodeEncodeError``.
 
 A host channel (``Producer(name, n, memory="host")``) needs no GPU or CUDA driver: its pool is
 shared host memory, written with ``WriteFrame.write`` and read with ``Frame.bytes``/``Frame.read``
@@ -216,13 +219,15 @@ def set_quota(budget_bytes: int, *, scope: str = "user", device: Optional[int] =
     """Sets the shared budget (bytes) that producers and tensor set writers made with
     ``quota=scope`` reserve their memory from (a producer its pool, ``buffers × buffer_bytes``; a
     writer its buffers, each tensor's bytes rounded up to its alignment, times 2 when buffered),
-    for host memory (``device=None``) or CUDA device ``device``; as ``cuda-ipc quota set``.
+    for host memory (``device=None``, the default: the budget of ``memory="host"`` producers and
+    writers, not GPU 0's) or CUDA device ``device``; as ``cuda-ipc quota set``.
     ``scope``: ``"user"`` or ``"group:NAME"`` (a group of this process, or a gid). ``2**64 - 1``
     means no limit (what is reserved is still counted). Raises ``QuotaError`` for another user's
     ledger, ``InvalidArgument`` for a bad scope or group."""
 
 def remove_quota(*, scope: str = "user", device: Optional[int] = None) -> bool:
-    """Removes that budget; returns whether there was one. Reservations held are forgotten with
+    """Removes that budget (``device=None``, the default: the host-memory one); returns whether
+    there was one. Reservations held are forgotten with
     it: their holders keep their memory, and a budget set again counts only what is reserved
     after it."""
 
@@ -691,7 +696,9 @@ class TensorSetWriter:
         writer is closed, also by ``close()`` from another thread while this waits (within 50 ms)
         or while the update is open (the update's calls and the block's end raise it then:
         nothing was published). A host set has no stream: ``stream`` other than ``None`` raises
-        ``InvalidArgument`` before a buffer is taken."""
+        ``InvalidArgument`` before a buffer is taken. One ``begin()`` may be open or waiting at a
+        time: another ``begin()`` or ``publish()`` meanwhile, from any thread, raises
+        ``InvalidArgument`` at once, without waiting (try again after its commit or abort)."""
     def publish(
         self,
         tensors: Union[Dict[str, Any], "CopyPlan"],

@@ -2,7 +2,8 @@
 //! without a GPU: every generation's bytes checked in both modes, holds that block an in-place
 //! update and ones that do not block a buffered one, a reader and a writer killed, the layout and
 //! content fingerprints, an open's phase timings, an open that fails half way, a set of 100,000
-//! tensors, hostile files under the manifest's name, and `gc` of a dead writer's set: a file
+//! tensors, hostile files under the manifest's name, overwritten header and body words (a zeroed
+//! stamp, a GPU kind over a host set's table), and `gc` of a dead writer's set: a file
 //! planted under one part's name keeps no other part, and a segment of zeros is an abandoned
 //! creation told without a wait.
 
@@ -983,6 +984,96 @@ fn a_damaged_stamp_is_refused_at_once_and_names_are_the_sets() {
     let long = "s".repeat(200);
     let e = TensorSetWriter::create_host(&long, &specs(), &TensorSetOptions::new()).unwrap_err();
     assert!(e.to_string().contains("tensor-set name"), "{e}");
+}
+
+/// A live writer's manifest or host data segment whose init stamp was zeroed (alone, or with the
+/// layout version beside it) is a bad segment naming the file and the stamp after the opener's
+/// wait, not a creation "being made by another process": a creation stamps its header within
+/// milliseconds of recording its writer, and this one records a writer that runs. The words put
+/// back, the set opens again.
+#[test]
+fn a_zeroed_stamp_under_a_live_writer_is_a_bad_segment_not_a_creation_in_progress() {
+    use std::os::unix::fs::FileExt;
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("zeroed");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    write_gen(&mut w);
+    // The header: magic (8 bytes), version (4), then the stamp word (4). Version 17 and stamp 0
+    // as one word at 8.
+    for (prefix, at, word) in [
+        ("cuda-ipc.ts.", 12, vec![0u8; 4]),
+        ("cuda-ipc.td.", 12, vec![0u8; 4]),
+        ("cuda-ipc.ts.", 8, 17u64.to_le_bytes().to_vec()),
+    ] {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path(prefix, &name))
+            .unwrap();
+        let mut was = vec![0u8; word.len()];
+        file.read_exact_at(&mut was, at).unwrap();
+        file.write_all_at(&word, at).unwrap();
+        let r = TensorSetReader::open_auto(&name, &ReaderOptions::new());
+        file.write_all_at(&was, at).unwrap();
+        match r {
+            Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. })) => {
+                let e = e.to_string();
+                assert!(e.contains(&format!("{prefix}{name}")), "{e}");
+                assert!(e.contains("init stamp") && e.contains("overwritten"), "{e}");
+            }
+            other => panic!("{prefix} at {at}: {:?}", other.map(|_| ())),
+        }
+        drop(TensorSetReader::open_auto(&name, &ReaderOptions::new()).unwrap());
+    }
+    drop(w);
+}
+
+/// A host set's manifest whose memory kind was overwritten with a GPU kind is a bad segment
+/// naming the manifest and the allocation whose token does not decode (a host set's allocation
+/// table holds no tokens), not a bare "invalid token", whichever open reads it.
+#[test]
+fn a_gpu_kind_over_a_host_sets_tokens_is_a_bad_manifest_naming_the_allocation() {
+    use std::os::unix::fs::FileExt;
+    if role().is_some() {
+        return;
+    }
+    let name = set_name("kind");
+    let mut w = TensorSetWriter::create_host(&name, &specs(), &TensorSetOptions::new()).unwrap();
+    write_gen(&mut w);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path("cuda-ipc.ts.", &name))
+        .unwrap();
+    // The body's first word, after the 4096-byte header page: the memory kind (1: host).
+    const KIND_AT: u64 = 4096;
+    for kind in 2u32..=4 {
+        file.write_all_at(&kind.to_le_bytes(), KIND_AT).unwrap();
+        let opens = [
+            TensorSetReader::open_auto(&name, &ReaderOptions::new()),
+            TensorSetReader::open_host(&name, &ReaderOptions::new()),
+        ];
+        for r in opens {
+            match r {
+                Err(Error::TensorSet(e @ TensorSetError::BadManifest { .. })) => {
+                    let e = e.to_string();
+                    assert!(e.contains(&format!("cuda-ipc.ts.{name}")), "{e}");
+                    assert!(
+                        e.contains("token of buffer 0, allocation 0: invalid token: bad magic"),
+                        "{e}"
+                    );
+                }
+                other => panic!("kind {kind}: {:?}", other.map(|_| ())),
+            }
+        }
+        let e = inspect::inspect(&name).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("allocation 0: invalid token"), "{e}");
+    }
+    file.write_all_at(&1u32.to_le_bytes(), KIND_AT).unwrap();
+    drop(TensorSetReader::open_auto(&name, &ReaderOptions::new()).unwrap());
+    drop(w);
 }
 
 /// A set `writer` child published and that was then killed: its manifest, generation channel and

@@ -1,5 +1,5 @@
 //! The checks of the extension's arguments: each turns what Python passed (a duration, an int, a
-//! device, a stream, a memory kind, a wait strategy, a shape, a buffer, a byte range, a
+//! text, a device, a stream, a memory kind, a wait strategy, a shape, a buffer, a byte range, a
 //! fingerprint) into the Rust value it names, or raises `InvalidArgument` saying what is wrong
 //! with it (the conversion's `TypeError` where its docs say so). [`memory_name`] spells a memory
 //! kind back as [`memory_arg`] reads it.
@@ -7,7 +7,7 @@
 use crate::errors::{self, bytes};
 use cuda_ipc::channel::{MemoryKind, WaitStrategy};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyMemoryView};
+use pyo3::types::{PyBytes, PyMemoryView, PyString};
 use std::time::Duration;
 
 /// The most seconds a duration argument (`timeout`, `spin`) may name: about 31.7 years. Longer
@@ -78,6 +78,71 @@ pub(crate) fn seconds_arg(
         py,
         format!("{name} must be a number of seconds from 0 to {MAX_SECONDS:e}{none}, got {got}"),
     ))
+}
+
+/// A text argument (`str`) as Python passed it, before [`Text::get`] checks that it has a UTF-8
+/// spelling: a `str` with a lone surrogate (`"a\udcff"`, from `os.fsdecode` of bytes that are no
+/// UTF-8) has none, and is kept apart so that it is an `InvalidArgument` naming the argument, not
+/// the `UnicodeEncodeError` a plain `&str` or `String` argument raises. Any other type than `str`
+/// is the conversion's `TypeError`, as for a plain `String`. The one conversion of every text
+/// argument of the extension (names, memory kinds, modes, waits, quota scopes, tensor names).
+#[derive(Clone, Debug)]
+pub(crate) enum Text {
+    Utf8(String),
+    /// A `str` with a lone surrogate: its `repr`, for the message.
+    Surrogate(String),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Text {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<String>() {
+            Ok(s) => Ok(Text::Utf8(s)),
+            Err(_) if obj.is_instance_of::<PyString>() => Ok(Text::Surrogate(
+                obj.repr()
+                    .map_or_else(|_| "?".to_string(), |r| r.to_string()),
+            )),
+            // Not a `str`: the `TypeError` of the conversion.
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Text {
+    /// A default value of a text argument (`wait="spin_then_block"`).
+    pub(crate) fn lit(s: &str) -> Text {
+        Text::Utf8(s.to_string())
+    }
+
+    /// Argument `name` as UTF-8: `InvalidArgument` naming `name` for a `str` with a lone
+    /// surrogate.
+    pub(crate) fn get(&self, py: Python<'_>, name: &str) -> PyResult<&str> {
+        match self {
+            Text::Utf8(s) => Ok(s),
+            Text::Surrogate(r) => Err(errors::invalid_argument(
+                py,
+                format!("{name} {r}: not UTF-8 (a lone surrogate)"),
+            )),
+        }
+    }
+
+    /// [`Text::get`], owned.
+    pub(crate) fn into_string(self, py: Python<'_>, name: &str) -> PyResult<String> {
+        match self {
+            Text::Utf8(s) => Ok(s),
+            t => t.get(py, name).map(str::to_string),
+        }
+    }
+}
+
+/// An optional text argument (`None` stays `None`), checked by [`Text::get`].
+pub(crate) fn opt_text<'t>(
+    py: Python<'_>,
+    name: &str,
+    v: &'t Option<Text>,
+) -> PyResult<Option<&'t str>> {
+    v.as_ref().map(|v| v.get(py, name)).transpose()
 }
 
 /// An integer argument as Python passed it, before [`Int::get`] or [`Int::within`] checks it

@@ -1,6 +1,6 @@
 //! The `Consumer` class.
 
-use crate::args::{Seconds, stream_arg, timeout_arg, wait_arg};
+use crate::args::{Seconds, Text, stream_arg, timeout_arg, wait_arg};
 use crate::errors::detached;
 use crate::frame::Frame;
 use crate::posted::{self, ConsumerSlot, Posted};
@@ -169,7 +169,7 @@ impl Consumer {
     /// Attaches to channel `name` on the device that holds its pool; receives frames published
     /// from now on.
     #[new]
-    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block",
+    #[pyo3(signature = (name, *, delivery=Text::lit("every"), wait=Text::lit("spin_then_block"),
         spin=Seconds::Float(50e-6), group_access=false, stream=None))]
     #[pyo3(
         text_signature = "(name, *, delivery=\"every\", wait=\"spin_then_block\", \
@@ -177,15 +177,17 @@ impl Consumer {
     )]
     fn new(
         py: Python<'_>,
-        name: String,
-        delivery: &str,
-        wait: &str,
+        name: Text,
+        delivery: Text,
+        wait: Text,
         spin: Seconds,
         group_access: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let name = name.into_string(py, "name")?;
+        let wait = wait.get(py, "wait")?;
         let stream = stream_arg(py, stream)?;
-        let delivery = match delivery {
+        let delivery = match delivery.get(py, "delivery")? {
             "every" => Delivery::EveryFrame,
             "latest" => Delivery::LatestOnly,
             d => {
@@ -221,7 +223,7 @@ impl Consumer {
 
     /// The same as `Consumer(name, ...)`.
     #[classmethod]
-    #[pyo3(signature = (name, *, delivery="every", wait="spin_then_block",
+    #[pyo3(signature = (name, *, delivery=Text::lit("every"), wait=Text::lit("spin_then_block"),
         spin=Seconds::Float(50e-6), group_access=false, stream=None))]
     #[pyo3(
         text_signature = "(name, *, delivery=\"every\", wait=\"spin_then_block\", \
@@ -231,9 +233,9 @@ impl Consumer {
     fn attach(
         _cls: &Bound<'_, pyo3::types::PyType>,
         py: Python<'_>,
-        name: String,
-        delivery: &str,
-        wait: &str,
+        name: Text,
+        delivery: Text,
+        wait: Text,
         spin: Seconds,
         group_access: bool,
         stream: Option<&Bound<'_, PyAny>>,

@@ -2,7 +2,7 @@
 //! attachable after its writer dies, by holding and serving the file descriptors of its memory.
 //! Needs no CUDA context and maps nothing.
 
-use crate::args::{Seconds, timeout_arg};
+use crate::args::{Seconds, Text, timeout_arg};
 use crate::errors;
 use crate::util::{SLICE, err, lock};
 use cuda_ipc::identity::ForkEpoch;
@@ -67,7 +67,8 @@ impl TensorSetHolder {
     /// writer made no holders segment); `NoServer` when neither the writer nor a holder hands the
     /// fds over; `NoHolderSlot` when every slot serves a live process; `BadSegment`; `OsError`.
     #[new]
-    fn new(py: Python<'_>, name: String) -> PyResult<Self> {
+    fn new(py: Python<'_>, name: Text) -> PyResult<Self> {
+        let name = name.into_string(py, "name")?;
         let h = py.detach(|| Holder::open(&name)).map_err(|e| err(py, e))?;
         Ok(TensorSetHolder {
             inner: Mutex::new(Some(Arc::new(h))),

@@ -23,7 +23,9 @@
 //! nothing held, and `close()` from another thread wakes them within a slice ([`util::sliced`]).
 //! Every duration argument goes through [`args::seconds_arg`] (0 to [`args::MAX_SECONDS`], else
 //! `InvalidArgument`), every integer argument through [`args::Int`] (the range of what it
-//! becomes, else `InvalidArgument` naming it, never `OverflowError`); both are checked before a
+//! becomes, else `InvalidArgument` naming it, never `OverflowError`), every text argument through
+//! [`args::Text`] (a lone surrogate is `InvalidArgument` naming it, never `UnicodeEncodeError`);
+//! all are checked before a
 //! call consumes anything (a refused `publish` leaves its frame open). `close(timeout)` waits in
 //! the same slices (`Producer::wait_closing`). Their `*_async` forms (`Consumer.recv_async`, `Producer.acquire_async`,
 //! `Posted.wait_async`, `TensorSetReader.wait_newer_async`) are coroutines that run the same
@@ -39,7 +41,7 @@
 //! `WriteFrame`s, `writer_core.rs` what a tensor-set writer shares with its update, `sources.rs`
 //! an update's source tensors, `tensors.rs` tensor sets as PyTorch tensors, `aio.rs` the
 //! awaitable waits, `view.rs` the frames' buffer, `args.rs` the checks of every argument
-//! (durations, ints, devices, streams, memory kinds, waits, shapes, buffers, ranges,
+//! (durations, ints, texts, devices, streams, memory kinds, waits, shapes, buffers, ranges,
 //! fingerprints), `util.rs` what the classes share besides (locks, the sliced wait, the closes at
 //! exit, tensor shaping), `quota.rs` the quota functions, `cleanup.rs` `cleanup`, `errors.rs` the
 //! exception classes and the spelling of counts in messages, `dlpack.rs` the tensor exports,

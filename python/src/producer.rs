@@ -1,8 +1,8 @@
 //! The `Producer` class.
 
 use crate::args::{
-    Int, Seconds, close_timeout_arg, device_arg, memory_arg, memory_name, opt_int, stream_arg,
-    timeout_arg, wait_arg,
+    Int, Seconds, Text, close_timeout_arg, device_arg, memory_arg, memory_name, opt_int, opt_text,
+    stream_arg, timeout_arg, wait_arg,
 };
 use crate::lending::Lender;
 use crate::quota::quota_scope;
@@ -123,8 +123,8 @@ impl Producer {
     /// `post` (receives posted ahead) needs (`ChannelOptions::ring`).
     #[new]
     #[pyo3(signature = (name, buffer_bytes, *, buffers=Int::Small(4), max_consumers=Int::Small(8),
-        quota_bytes=None, quota=None, wait="spin_then_block", spin=Seconds::Float(50e-6),
-        memory="auto", group_access=false, device=Int::Small(0), stream=None, ring=false))]
+        quota_bytes=None, quota=None, wait=Text::lit("spin_then_block"),
+        spin=Seconds::Float(50e-6), memory=Text::lit("auto"), group_access=false, device=Int::Small(0), stream=None, ring=false))]
     #[pyo3(
         text_signature = "(name, buffer_bytes, *, buffers=4, max_consumers=8, \
         quota_bytes=None, quota=None, wait=\"spin_then_block\", spin=5e-05, memory=\"auto\", \
@@ -133,20 +133,24 @@ impl Producer {
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        name: String,
+        name: Text,
         buffer_bytes: Int,
         buffers: Int,
         max_consumers: Int,
         quota_bytes: Option<Int>,
-        quota: Option<&str>,
-        wait: &str,
+        quota: Option<Text>,
+        wait: Text,
         spin: Seconds,
-        memory: &str,
+        memory: Text,
         group_access: bool,
         device: Int,
         stream: Option<&Bound<'_, PyAny>>,
         ring: bool,
     ) -> PyResult<Self> {
+        let name = name.into_string(py, "name")?;
+        let quota = opt_text(py, "quota", &quota)?;
+        let wait = wait.get(py, "wait")?;
+        let memory = memory.get(py, "memory")?;
         let buffer_bytes: usize = buffer_bytes.get(py, "buffer_bytes")?;
         let buffers: usize = buffers.within(py, "buffers", 1, cuda_ipc::channel::MAX_BUFFERS)?;
         let max_consumers: usize =

@@ -1,6 +1,6 @@
 //! The module's quota functions (`set_quota`, `remove_quota`).
 
-use crate::args::{Int, device_arg};
+use crate::args::{Int, Text, device_arg};
 use crate::util::err;
 use cuda_ipc::driver::Device;
 use cuda_ipc::quota::{QuotaLedger, QuotaScope};
@@ -28,21 +28,24 @@ pub(crate) fn quota_device(device: Option<usize>) -> cuda_ipc::Result<cuda_ipc::
 }
 
 /// Sets the shared budget, in bytes, that producers created with `quota=scope` reserve their pools
-/// from: for host-memory channels (`device=None`) or for CUDA device `device`. Creates the ledger
+/// from: for host memory (`device=None`, the default: the budget of `memory="host"` producers
+/// and writers, not GPU 0's) or for CUDA device `device`. Creates the ledger
 /// (mode 0600 for `"user"`, 0660 for `"group:NAME"`) or changes its budget; reservations already
 /// made stay. The same as `cuda-ipc quota set`.
 ///
 /// Raises `QuotaError` when the ledger is another user's, `InvalidArgument` for a bad scope or a
 /// group this process is not in, `BadSegment` for something else under the ledger's name.
 #[pyfunction]
-#[pyo3(signature = (budget_bytes, *, scope="user", device=None))]
+#[pyo3(signature = (budget_bytes, *, scope=Text::lit("user"), device=None))]
+#[pyo3(text_signature = "(budget_bytes, *, scope=\"user\", device=None)")]
 pub(crate) fn set_quota(
     py: Python<'_>,
     budget_bytes: Int,
-    scope: &str,
+    scope: Text,
     device: Option<Int>,
 ) -> PyResult<()> {
     let budget_bytes: u64 = budget_bytes.get(py, "budget_bytes")?;
+    let scope = scope.get(py, "scope")?;
     let device = device.map(|d| device_arg(py, d)).transpose()?;
     let scope = quota_scope(scope).map_err(|e| err(py, e))?;
     py.detach(|| QuotaLedger::set_budget(scope, quota_device(device)?, budget_bytes).map(|_| ()))
@@ -55,8 +58,10 @@ pub(crate) fn set_quota(
 ///
 /// Raises `QuotaError` when the ledger is another user's.
 #[pyfunction]
-#[pyo3(signature = (*, scope="user", device=None))]
-pub(crate) fn remove_quota(py: Python<'_>, scope: &str, device: Option<Int>) -> PyResult<bool> {
+#[pyo3(signature = (*, scope=Text::lit("user"), device=None))]
+#[pyo3(text_signature = "(*, scope=\"user\", device=None)")]
+pub(crate) fn remove_quota(py: Python<'_>, scope: Text, device: Option<Int>) -> PyResult<bool> {
+    let scope = scope.get(py, "scope")?;
     let device = device.map(|d| device_arg(py, d)).transpose()?;
     let scope = quota_scope(scope).map_err(|e| err(py, e))?;
     // Also a ledger of another layout version (an older build's), which no open reads.

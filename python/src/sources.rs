@@ -107,7 +107,10 @@ pub(crate) fn names<'py>(
         // `__eq__` of the caller's runs; names are strings, so any other key names no tensor.
         let (found, shown) = match k.cast::<PyString>() {
             Ok(s) => {
-                let text = s.to_cow()?;
+                // A lone surrogate is `InvalidArgument` naming the tensor name (`args::Text`).
+                let text = s
+                    .extract::<crate::args::Text>()?
+                    .into_string(py, "tensor name")?;
                 let found = if s.is_exact_instance_of::<PyString>() {
                     index.get_item(s)?
                 } else {

@@ -10,7 +10,7 @@
 
 mod parking;
 
-use crate::args::{Int, Seconds, device_arg, host_stream_refused, timeout_arg, wait_arg};
+use crate::args::{Int, Seconds, Text, device_arg, host_stream_refused, timeout_arg, wait_arg};
 use crate::errors;
 use crate::tensors;
 use crate::util::{Stop, err, lock, sliced, work_stream};
@@ -253,16 +253,21 @@ impl TensorSetReader {
     /// `expect_content` (32 bytes): every generation taken must carry that content fingerprint
     /// (`commit(fingerprint=True)` or the writer's own); raises `ContentMismatch` otherwise.
     #[pyo3(signature = (name, *, device=None, expect_layout=None, read_only=true,
-        wait="spin_then_block", spin=Seconds::Float(50e-6), serve=false, stable_addresses=false,
-        expect_content=None))]
+        wait=Text::lit("spin_then_block"), spin=Seconds::Float(50e-6), serve=false,
+        stable_addresses=false, expect_content=None))]
+    #[pyo3(
+        text_signature = "(name, *, device=None, expect_layout=None, read_only=True, \
+        wait=\"spin_then_block\", spin=..., serve=False, stable_addresses=False, \
+        expect_content=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        name: String,
+        name: Text,
         device: Option<Int>,
         expect_layout: Option<&Bound<'_, PyAny>>,
         read_only: bool,
-        wait: &str,
+        wait: Text,
         spin: Seconds,
         serve: bool,
         stable_addresses: bool,
@@ -272,7 +277,8 @@ impl TensorSetReader {
         opts.read_only = read_only;
         opts.serve = serve;
         opts.stable_addresses = stable_addresses;
-        opts.wait = wait_arg(py, wait, spin)?;
+        let name = name.into_string(py, "name")?;
+        opts.wait = wait_arg(py, wait.get(py, "wait")?, spin)?;
         opts.expect_layout = crate::args::fingerprint_arg(py, "expect_layout", expect_layout)?;
         opts.expect_content = crate::args::fingerprint_arg(py, "expect_content", expect_content)?;
         let device = device.map(|d| device_arg(py, d)).transpose()?;
@@ -864,7 +870,8 @@ impl TensorHold {
     }
 
     /// A copy of tensor `name`'s bytes (host sets).
-    fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+    fn read<'py>(&self, py: Python<'py>, name: Text) -> PyResult<Bound<'py, PyBytes>> {
+        let name = name.get(py, "name")?;
         self.with(py, |h| {
             let i = h.reader().layout().index_of(name).ok_or_else(|| {
                 err(

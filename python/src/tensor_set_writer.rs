@@ -6,7 +6,9 @@
 //! which waits for the readers' release words, and the commit makes the writer's stream wait for
 //! that stream before it writes the generation's ready word. The host never waits for the GPU.
 
-use crate::args::{Int, Seconds, device_arg, host_stream_refused, memory_arg, timeout_arg};
+use crate::args::{
+    Int, Seconds, Text, device_arg, host_stream_refused, memory_arg, opt_text, timeout_arg,
+};
 use crate::copy_plan::{self, CopyPlan};
 use crate::errors;
 use crate::sources;
@@ -97,8 +99,8 @@ impl TensorSetWriter {
     /// `"group:GID"`, as `Producer`'s), raising `OverQuota` past it. `buffers`: of a
     /// `"buffered"` set (default 2); given with `"in_place"` (one buffer), `InvalidArgument`.
     #[new]
-    #[pyo3(signature = (name, tensors, *, device=Int::Small(0), memory="vmm", mode="in_place",
-        buffers=None, max_readers=Int::Small(64), quota=None))]
+    #[pyo3(signature = (name, tensors, *, device=Int::Small(0), memory=Text::lit("vmm"),
+        mode=Text::lit("in_place"), buffers=None, max_readers=Int::Small(64), quota=None))]
     #[pyo3(
         text_signature = "(name, tensors, *, device=0, memory=\"vmm\", mode=\"in_place\", \
         buffers=None, max_readers=64, quota=None)"
@@ -106,15 +108,19 @@ impl TensorSetWriter {
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        name: String,
+        name: Text,
         tensors: &Bound<'_, PyDict>,
         device: Int,
-        memory: &str,
-        mode: &str,
+        memory: Text,
+        mode: Text,
         buffers: Option<Int>,
         max_readers: Int,
-        quota: Option<&str>,
+        quota: Option<Text>,
     ) -> PyResult<Self> {
+        let name = name.into_string(py, "name")?;
+        let memory = memory.get(py, "memory")?;
+        let mode = mode.get(py, "mode")?;
+        let quota = opt_text(py, "quota", &quota)?;
         let device = device_arg(py, device)?;
         let generations = mode_arg(py, mode, buffers)?;
         let max_readers: usize =
@@ -158,11 +164,12 @@ impl TensorSetWriter {
     #[pyo3(text_signature = "(name, tensors, *, device=0, max_readers=64)")]
     fn over_tensors(
         py: Python<'_>,
-        name: String,
+        name: Text,
         tensors: &Bound<'_, PyDict>,
         device: Int,
         max_readers: Int,
     ) -> PyResult<Self> {
+        let name = name.into_string(py, "name")?;
         let device = device_arg(py, device)?;
         let max_readers: usize =
             max_readers.within(py, "max_readers", 1, cuda_ipc::channel::MAX_CONSUMERS)?;
@@ -279,7 +286,9 @@ impl TensorSetWriter {
     /// and is aborted otherwise. Raises `TensorSetClosed` once the writer is closed, also by
     /// `close()` from another thread while this waits (within one 50 ms slice) or while the
     /// update is open (which aborts it: its calls and the block's end raise `TensorSetClosed`).
-    /// `NotSupported` in a forked child.
+    /// One `begin()` may be open or waiting at a time: another `begin()` or `publish()`
+    /// meanwhile, from any thread, raises `InvalidArgument` at once, without waiting (try again
+    /// after its commit or abort). `NotSupported` in a forked child.
     #[pyo3(signature = (timeout=None, *, stream=None))]
     fn begin(
         slf: Bound<'_, Self>,

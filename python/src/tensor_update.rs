@@ -6,6 +6,7 @@
 //! at `begin`, or `stream=`); copies and the commit are ordered after it on the GPU, never by
 //! the host waiting.
 
+use crate::args::Text;
 use crate::copy_plan::CopyPlan;
 use crate::errors::{self, bytes};
 use crate::sources::{self, coalesce, copy_gpu};
@@ -382,7 +383,8 @@ impl TensorUpdate {
     /// buffer whose items are of another size (a `float64` array into a `float32` tensor:
     /// convert it first) and for a buffer of Python objects (a NumPy array of `dtype=object`,
     /// whose bytes are pointers). `NotSupported` in a forked child.
-    fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write(&self, py: Python<'_>, name: Text, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name = name.get(py, "name")?;
         self.check_fork()?;
         let writer = &self.writer;
         let i = writer.layout.index_of(name).ok_or_else(|| {

@@ -8,6 +8,7 @@
 //! `unbind(0)`, a single call for the whole run. Nothing is copied; the tensors alias the
 //! mappings, which live as long as the reader (the bases hold it) or the writer.
 
+use crate::args::Text;
 use crate::dlpack::{Export, Hold};
 use crate::errors;
 use cuda_ipc::tensorset::{DType, Layout, TensorInfo, TensorSpec};
@@ -45,9 +46,12 @@ const TORCH_DTYPES: &[(DType, &str)] = &[
 
 /// The DLPack dtype of `d`: a `torch.dtype`, or its name (`"bfloat16"`, `"torch.float8_e4m3fn"`).
 pub(crate) fn dtype_arg(py: Python<'_>, d: &Bound<'_, PyAny>) -> PyResult<DType> {
-    let text = match d.extract::<String>() {
-        Ok(s) => s,
-        Err(_) => d.str()?.to_string(),
+    // A name given as a `str` with a lone surrogate is `InvalidArgument` naming the dtype
+    // (`Text`), not a name spelled with replacement characters.
+    let text = if d.is_instance_of::<PyString>() {
+        d.extract::<Text>()?.into_string(py, "dtype")?
+    } else {
+        d.str()?.to_string()
     };
     let name = text.strip_prefix("torch.").unwrap_or(&text);
     let name = match name {
@@ -196,15 +200,7 @@ pub(crate) fn tensor_name(py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<Stri
             format!("tensor names must be str, got {}", type_of(k)),
         ));
     }
-    k.extract().map_err(|_| {
-        errors::invalid_argument(
-            py,
-            format!(
-                "tensor name {}: not UTF-8 (a lone surrogate)",
-                k.repr().map_or_else(|_| "?".to_string(), |r| r.to_string())
-            ),
-        )
-    })
+    k.extract::<Text>()?.into_string(py, "tensor name")
 }
 
 /// The tensor specs of `tensors` (a dict of name → `torch.Tensor`, or name → `(shape, dtype)`,

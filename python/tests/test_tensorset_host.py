@@ -8,6 +8,7 @@ Every wait is bounded. Run: `pip install ./python && pytest python/tests`."""
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -1388,3 +1389,71 @@ def test_a_write_past_a_one_byte_tensor_counts_one_byte_in_the_singular(name):
         assert repr(one) == f'TensorSetWriter("{name}", 1 tensor, {per} per buffer, generation 0)'
     finally:
         one.close()
+
+
+# A `str` with a lone surrogate (what `os.fsdecode` makes of bytes that are no UTF-8) has no
+# UTF-8 spelling: every text argument of the API says so as `InvalidArgument` naming the argument,
+# never Python's `UnicodeEncodeError`, and makes nothing.
+LONE = "a\udcff"
+
+
+def _in_update(n, call):
+    w = cuda_ipc.TensorSetWriter(n, SPECS, memory="host")
+    try:
+        with w.begin(timeout=ANSWER) as u:
+            call(u)
+    finally:
+        w.close()
+
+
+def _in_hold(n, call):
+    w = cuda_ipc.TensorSetWriter(n, SPECS, memory="host")
+    try:
+        write_gen(w, 1)
+        r = cuda_ipc.TensorSetReader(n)
+        try:
+            with r.current() as h:
+                call(h)
+        finally:
+            r.close()
+    finally:
+        w.close()
+
+
+TEXT_ARGS = [
+    ("TensorSetWriter", "name", lambda n: cuda_ipc.TensorSetWriter(LONE, SPECS, memory="host")),
+    ("TensorSetWriter", "memory", lambda n: cuda_ipc.TensorSetWriter(n, SPECS, memory=LONE)),
+    ("TensorSetWriter", "mode", lambda n: cuda_ipc.TensorSetWriter(n, SPECS, memory="host", mode=LONE)),
+    ("TensorSetWriter", "quota", lambda n: cuda_ipc.TensorSetWriter(n, SPECS, memory="host", quota=LONE)),
+    ("TensorSetWriter", "dtype", lambda n: cuda_ipc.TensorSetWriter(n, {"w": ((4,), LONE)}, memory="host")),
+    ("TensorSetWriter", "tensor name", lambda n: cuda_ipc.TensorSetWriter(n, {LONE: ((4,), "uint8")}, memory="host")),
+    ("over_tensors", "name", lambda n: cuda_ipc.TensorSetWriter.over_tensors(LONE, {})),
+    ("TensorSetReader", "name", lambda n: cuda_ipc.TensorSetReader(LONE)),
+    ("TensorSetReader", "wait", lambda n: cuda_ipc.TensorSetReader(n, wait=LONE)),
+    ("TensorSetHolder", "name", lambda n: cuda_ipc.TensorSetHolder(LONE)),
+    ("TensorUpdate.write", "name", lambda n: _in_update(n, lambda u: u.write(LONE, b""))),
+    ("TensorHold.read", "name", lambda n: _in_hold(n, lambda h: h.read(LONE))),
+    ("Producer", "name", lambda n: cuda_ipc.Producer(LONE, 64, memory="host")),
+    ("Producer", "memory", lambda n: cuda_ipc.Producer(n, 64, memory=LONE)),
+    ("Producer", "wait", lambda n: cuda_ipc.Producer(n, 64, memory="host", wait=LONE)),
+    ("Producer", "quota", lambda n: cuda_ipc.Producer(n, 64, memory="host", quota=LONE)),
+    ("Consumer", "name", lambda n: cuda_ipc.Consumer(LONE)),
+    ("Consumer", "delivery", lambda n: cuda_ipc.Consumer(n, delivery=LONE)),
+    ("Consumer", "wait", lambda n: cuda_ipc.Consumer(n, wait=LONE)),
+    ("Consumer.attach", "name", lambda n: cuda_ipc.Consumer.attach(LONE)),
+    ("set_quota", "scope", lambda n: cuda_ipc.set_quota(1 << 20, scope=LONE)),
+    ("set_quota", "scope", lambda n: cuda_ipc.set_quota(1 << 20, scope="group:" + LONE)),
+    ("remove_quota", "scope", lambda n: cuda_ipc.remove_quota(scope=LONE)),
+]
+
+
+@pytest.mark.parametrize("call, arg, f", TEXT_ARGS, ids=[f"{c}-{a}-{i}" for i, (c, a, _) in enumerate(TEXT_ARGS)])
+def test_a_lone_surrogate_in_any_text_argument_is_an_invalid_argument_naming_it(name, call, arg, f):
+    with pytest.raises(cuda_ipc.InvalidArgument) as e:
+        f(name)
+    assert re.fullmatch(rf"invalid argument: {arg} '.*\\udcff': not UTF-8 \(a lone surrogate\)", str(e.value)), e.value
+    assert not any(p.name.endswith(name) for p in SHM.iterdir() if not p.name.startswith("cuda-ipc.live"))
+    # Another type than `str` is still the conversion's `TypeError`.
+    if call in ("TensorSetReader", "Consumer", "TensorSetHolder") and arg == "name":
+        with pytest.raises(TypeError, match="is not an instance of 'str'"):
+            getattr(cuda_ipc, call)(b"x")

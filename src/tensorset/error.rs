@@ -55,6 +55,18 @@ pub enum ManifestFault {
         /// What is wrong.
         why: String,
     },
+    /// An allocation's token in a GPU set's allocation table that does not decode (another
+    /// magic, layout version or checksum): the table was overwritten, or the memory kind was (a
+    /// host set's table holds no tokens).
+    #[error("the allocation table's token of buffer {buffer}, allocation {allocation}: {why}")]
+    Token {
+        /// The buffer.
+        buffer: u64,
+        /// The allocation in that buffer.
+        allocation: u64,
+        /// What the token's decoder said (`invalid token: ...`).
+        why: String,
+    },
     /// The layout fingerprint stored is not the one its tables give.
     #[error("the stored layout fingerprint does not match the tensor table")]
     Fingerprint,

@@ -25,8 +25,9 @@
 //! 4 zero bytes, dims index `u64` (in `i64` units into the dims area: ndim shape values, then ndim
 //! strides), allocation `u32`, 4 zero bytes, byte offset `u64`, byte length `u64`, 8 zero bytes).
 //!
-//! The decoder checks every offset, length, count and code before it reads, recomputes each
-//! tensor's byte length and the fingerprint, and reports the first fault as a [`ManifestFault`]:
+//! The decoder checks every offset, length, count and code before it reads (and that each token
+//! of a GPU set's allocation table decodes), recomputes each tensor's byte length and the
+//! fingerprint, and reports the first fault as a [`ManifestFault`]:
 //! a hostile or truncated body is an error, never a panic (a property test feeds it random and
 //! corrupted bytes).
 

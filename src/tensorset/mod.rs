@@ -114,7 +114,9 @@ pub enum GenerationMode {
 pub struct TensorSetOptions {
     /// The memory: `Vmm` (default), `Auto` (VMM where the device exports it as a file
     /// descriptor, else pool), `Pool`, `Legacy` (only on request: readers cannot map it
-    /// read-only, and it fails between some pid namespaces) or `Host`.
+    /// read-only, and it fails between some pid namespaces) or `Host`. Read by
+    /// [`TensorSetWriter::create`]; [`TensorSetWriter::create_host`] makes a host set whatever it
+    /// says.
     pub memory: MemoryKind,
     /// In place (default) or buffered.
     pub mode: GenerationMode,

@@ -326,6 +326,11 @@ impl TensorSetWriter {
     /// page-aligned stride, the generation channel (no GPU words are used) and the manifest.
     /// Never calls the CUDA driver.
     ///
+    /// The options' memory kind is not read, not refused: the default options
+    /// ([`TensorSetOptions::new`], whose kind is `Vmm`) make a host set here, as
+    /// `.memory(MemoryKind::Host)` does, and so does any other kind. The call names the memory;
+    /// [`TensorSetWriter::create`] is the one that reads the kind (and with `Host` comes here).
+    ///
     /// # Errors
     /// As [`TensorSetWriter::create`], less CUDA's; [`Error::InvalidArgument`] for a data
     /// segment past `isize::MAX` bytes (its buffers each rounded up to 4096 bytes), before any
@@ -678,6 +683,11 @@ impl TensorSetWriter {
     /// on the host, within the same `timeout`, for the dead writer's readers: until none holds
     /// the buffer (their hold bits, writerless readers' reading words) and every live one that
     /// read it has its release word there (the kernels it ran over the buffer finished).
+    ///
+    /// One update at a time: the [`Update`] borrows the writer mutably until it is committed or
+    /// dropped, so no second `begin` can be open or waiting meanwhile (the Python binding, whose
+    /// writer any thread may call, refuses a second `begin()` or `publish()` at once with
+    /// `InvalidArgument`).
     ///
     /// # Errors
     /// [`Error::Timeout`]; [`TensorSetError::Closed`] after [`TensorSetWriter::wait_closing`] or

@@ -319,8 +319,9 @@ impl HoldersSegment {
     /// small); [`TensorSetError::BadManifest`] naming the holders segment for a foreign magic,
     /// counts out of range, a size that does not hold the slots, or another generation than
     /// expected ([`ManifestFault::Mismatch`]); [`TensorSetError::VersionMismatch`];
-    /// [`TensorSetError::CreationInProgress`] when a live writer's stamp did not come within 2 s;
-    /// [`TensorSetError::BadManifest`] for a creation abandoned half-way.
+    /// [`TensorSetError::CreationInProgress`] when the stamp did not come within 2 s and no writer
+    /// is recorded yet; [`TensorSetError::BadManifest`] for a creation abandoned half-way, and for
+    /// a stamp still 0 after 2 s while the writer recorded runs (a header overwritten).
     pub(crate) fn open(set: &str, expect: Option<(u64, usize, usize)>) -> Result<HoldersSegment> {
         Self::open_waiting(set, expect, INIT_WAIT)
     }

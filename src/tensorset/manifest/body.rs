@@ -8,7 +8,7 @@ use super::{
     ALLOC_ENTRY, ALLOC_TABLE_AT, BODY_HEADER, FLAG_BUFFERED, KIND_HOST, KIND_POOL, Layout,
     MAX_ALLOCATIONS, MAX_SET_BUFFERS, MAX_TENSORS, ManifestFault, TENSOR_ENTRY,
 };
-use crate::token::TOKEN_LEN;
+use crate::token::{TOKEN_LEN, Token};
 
 /// A decoded manifest body.
 #[derive(Clone, Debug)]
@@ -316,6 +316,18 @@ pub(crate) fn decode_head_within(
             let e = &a_tab[(bi * allocs + ai) * ALLOC_ENTRY..][..ALLOC_ENTRY];
             let mut tok = [0u8; TOKEN_LEN];
             tok.copy_from_slice(&e[..TOKEN_LEN]);
+            // A GPU set's allocations are imported by their tokens: one that does not decode is
+            // said here, naming the manifest's allocation, not later as a bare token error. A
+            // host set's table holds none.
+            if kind != KIND_HOST
+                && let Err(e) = Token::from_bytes(&tok)
+            {
+                return Err(ManifestFault::Token {
+                    buffer: bi as u64,
+                    allocation: ai as u64,
+                    why: e.to_string(),
+                });
+            }
             let len = u64::from_le_bytes(e[TOKEN_LEN..TOKEN_LEN + 8].try_into().expect("8 bytes"));
             if bi == 0 {
                 lens.push(len);
