@@ -25,7 +25,7 @@ NEEDED = {
 }
 FORBIDDEN = re.compile(
     r"^(bench|benches|python|fuzz|examples|scripts|target|cli|\.ci)/"
-    r"|^docs/bench-results/|\.(png|whl|so)$"
+    r"|^docs/(bench-results/|benchmarks\.md$|gpu-verification\.md$)|\.(png|whl|so)$"
     r"|^tests/(layering|object_kinds|remote_wire_fuzz)\.rs$")
 
 
