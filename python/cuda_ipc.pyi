@@ -259,9 +259,9 @@ def warm_up() -> Dict[str, Any]:
 
     Never loads the CUDA driver, initialises CUDA, makes a context or imports PyTorch (a process
     that forks after it keeps its children free to use CUDA; a ``torch`` loaded lazily, or being
-    imported by another thread, is left alone). The driver's part is skipped where the driver
-    library's first name, ``libcuda.so``, is not the driver in the process (many containers have
-    only ``libcuda.so.1``; a stub library may be on the search path). Raises nothing but
+    imported by another thread, is left alone). The driver's part is skipped where the driver's
+    soname, ``libcuda.so.1``, is not in the process yet (the library this extension loads first,
+    as PyTorch does). Raises nothing but
     ``KeyboardInterrupt``, ``SystemExit`` and other errors that are no ``Exception``: a step that
     fails is left to the first real use, which reports it. Importing ``cuda_ipc`` runs it once,
     unless the environment variable ``CUDA_IPC_WARM_UP`` is ``0``, ``false``, ``no`` or ``off``; call it again after making the CUDA
