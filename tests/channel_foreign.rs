@@ -1,6 +1,7 @@
 //! Files in /dev/shm named like a channel's control segment but holding something else: opening one
 //! (as a consumer or an inspector) fails with a clear error, at once when the bytes cannot be a
-//! segment being created. Runs without a GPU.
+//! segment being created; a live producer's segment whose init stamp was zeroed is told from a
+//! creation in progress. Runs without a GPU.
 
 mod common;
 
@@ -216,4 +217,147 @@ fn an_attach_waiting_for_young_zeros_stops_when_they_come_of_age() {
         took < Duration::from_millis(1700),
         "took {took:?}: waited past the file's coming of age"
     );
+}
+
+/// The control segment's bytes of the live channel `live` (this process its producer), with its
+/// init stamp zeroed: a header as its creator leaves it between recording itself and stamping.
+fn unstamped_copy_of(live: &str) -> Vec<u8> {
+    use cuda_ipc::raw::channel::layout::header::STAMP;
+    let mut bytes = std::fs::read(Garbage::path(live)).unwrap();
+    bytes[STAMP..STAMP + 4].fill(0);
+    bytes
+}
+
+/// Writes `bytes` at `at` of the file of channel `name`, as another process's stores would land.
+fn write_at(name: &str, at: usize, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(Garbage::path(name))
+        .unwrap()
+        .write_all_at(bytes, at as u64)
+        .unwrap();
+}
+
+/// A live producer's control segment whose init stamp was zeroed is a bad segment that names the
+/// file and says the header was overwritten, after the 2 s wait, by every opener (an attach, an
+/// inspection, `gc`'s removal) and by a producer's create over it, which keeps it: not a
+/// "creation in progress" (a creator stamps within milliseconds of recording itself, and this
+/// one recorded itself long before) nor "never finished by its creator". The stamp put back, the
+/// channel opens again.
+#[test]
+fn a_zeroed_stamp_under_a_live_producer_is_an_overwritten_segment_not_a_creation_in_progress() {
+    use cuda_ipc::channel::{ChannelError, SegmentFault};
+    use cuda_ipc::raw::channel::layout::{STAMP_READY, header::STAMP};
+    use cuda_ipc::raw::channel::testing::ControlProducer;
+    let n = format!("zeroed-stamp-{}", std::process::id());
+    let tokens = vec![[0u8; cuda_ipc::token::TOKEN_LEN]; 2];
+    let p = ControlProducer::create(&n, 4096, 2, &tokens).unwrap();
+    write_at(&n, STAMP, &[0; 4]);
+    let t = Instant::now();
+    let errors = [
+        ControlConsumer::attach(&n, Delivery::EveryFrame)
+            .map(|_| ())
+            .unwrap_err(),
+        inspect::inspect(&n).map(|_| ()).unwrap_err(),
+        cuda_ipc::channel::reclaim::remove_stale(&n)
+            .map(|_| ())
+            .unwrap_err(),
+        ControlProducer::create(&n, 4096, 2, &tokens)
+            .map(|_| ())
+            .unwrap_err(),
+    ];
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_secs(8) && took < Duration::from_secs(12),
+        "four openers of a 2 s wait took {took:?}"
+    );
+    for e in errors {
+        match &e {
+            cuda_ipc::Error::Channel(ChannelError::BadSegment(SegmentFault::Overwritten {
+                segment,
+                waited,
+            })) => {
+                assert_eq!(segment, &inspect::segment_name(&n));
+                assert_eq!(*waited, Duration::from_secs(2));
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = e.to_string();
+        assert!(
+            e.contains(&format!("cuda-ipc.ch.{n} has no init stamp after 2 s"))
+                && e.contains("overwritten"),
+            "{e}"
+        );
+        assert!(
+            !e.contains("being created") && !e.contains("never finished"),
+            "{e}"
+        );
+    }
+    assert!(std::fs::metadata(Garbage::path(&n)).is_ok(), "kept");
+    write_at(&n, STAMP, &STAMP_READY.to_le_bytes());
+    drop(ControlConsumer::attach(&n, Delivery::EveryFrame).unwrap());
+    p.unlink();
+}
+
+/// A real creation stays a creation in progress: a producer that records itself late in an
+/// opener's 2 s wait (less than 500 ms before its end) and has not stamped by then is
+/// "never finished" for the attach and "being created by another process" for a producer's
+/// create, not an overwritten header; one that records itself and stamps within the wait is
+/// opened, however late in it.
+#[test]
+fn a_producer_recording_itself_late_in_the_wait_is_still_a_creation_in_progress() {
+    use cuda_ipc::channel::{ChannelError, SegmentFault};
+    use cuda_ipc::raw::channel::layout::{STAMP_READY, header::PRODUCER_PID, header::STAMP};
+    use cuda_ipc::raw::channel::testing::ControlProducer;
+    let live = format!("recorded-live-{}", std::process::id());
+    let tokens = vec![[0u8; cuda_ipc::token::TOKEN_LEN]; 2];
+    let p = ControlProducer::create(&live, 4096, 2, &tokens).unwrap();
+    let header = unstamped_copy_of(&live);
+    let pid = header[PRODUCER_PID..PRODUCER_PID + 4].to_vec();
+    let mut unrecorded = header.clone();
+    unrecorded[PRODUCER_PID..PRODUCER_PID + 4].fill(0);
+    // Planted early in a second, so that its `st_ctime` does not come of age (2 by its whole
+    // seconds, when a segment that records no producer is abandoned) before the producer records
+    // itself, 1.7 s into the wait.
+    for round in ["attach", "create"] {
+        at_second_fraction(0.05);
+        let g = Garbage::new(&format!("late-{round}"), &unrecorded);
+        let (name, pid) = (g.0.clone(), pid.clone());
+        let recorder = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1700));
+            write_at(&name, PRODUCER_PID, &pid);
+        });
+        let e = if round == "attach" {
+            ControlConsumer::attach(&g.0, Delivery::EveryFrame)
+                .map(|_| ())
+                .unwrap_err()
+        } else {
+            ControlProducer::create(&g.0, 4096, 2, &tokens)
+                .map(|_| ())
+                .unwrap_err()
+        };
+        recorder.join().unwrap();
+        match (round, &e) {
+            (
+                "attach",
+                cuda_ipc::Error::Channel(ChannelError::BadSegment(SegmentFault::Unfinished {
+                    ..
+                })),
+            )
+            | ("create", cuda_ipc::Error::Channel(ChannelError::CreationInProgress(_))) => {}
+            _ => panic!("{round}: {e:?}"),
+        }
+    }
+    // Recorded from the start and stamped 1.5 s into the wait: opened.
+    let g = Garbage::new("stamped-late", &header);
+    let name = g.0.clone();
+    let stamper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        write_at(&name, STAMP, &STAMP_READY.to_le_bytes());
+    });
+    let c = ControlConsumer::attach(&g.0, Delivery::EveryFrame);
+    stamper.join().unwrap();
+    drop(c.unwrap());
+    p.unlink();
 }

@@ -682,3 +682,79 @@ fn registry_handles_are_send_and_sync() {
     check::<Registry>();
     check::<Segment>();
 }
+
+/// A live creator's registry whose init stamp was zeroed is corrupt, naming the segment and the
+/// stamp and saying the header was overwritten, after the open's wait, for `open` and for
+/// `open_or_create`, which keeps it: not "not initialised: its creator has not finished it" (a
+/// creator stamps within milliseconds of recording itself, and this one recorded itself long
+/// before). The stamp put back, it opens again.
+#[test]
+fn a_zeroed_stamp_under_a_live_creator_is_corrupt_not_uninitialised() {
+    let opts = opts().init_timeout(Duration::from_secs(1));
+    let (reg, _u) = new_registry("zeroed-stamp");
+    let name = reg.segment().name().to_string();
+    poke_u64(reg.segment(), 16, 0);
+    for (which, r) in [
+        ("open", Registry::open(&name, &opts)),
+        ("open_or_create", Registry::open_or_create(&name, &opts)),
+    ] {
+        let t = Instant::now();
+        let e = registry_err(r.map(|_| ()).unwrap_err());
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{which}: {:?}",
+            t.elapsed()
+        );
+        assert!(matches!(e, RegistryError::Corrupt { .. }), "{which}: {e:?}");
+        let e = e.to_string();
+        assert!(
+            e.contains(&format!("/{name} is corrupt: init stamp 0 after waiting"))
+                && e.contains("overwritten"),
+            "{which}: {e}"
+        );
+        assert!(!e.contains("not initialised"), "{which}: {e}");
+    }
+    poke_u64(reg.segment(), 16, layout::INIT_STAMP);
+    drop(Registry::open(&name, &opts).unwrap());
+    assert!(reg.get("x").unwrap().is_none());
+}
+
+/// A real creation stays one: a creator that records itself (stores its magic, which publishes
+/// its identity) late in the open's wait, less than 500 ms before its end, and has not stamped by
+/// then is `Uninitialised`, not corrupt; one recorded from the start that stamps within the wait
+/// is opened.
+#[test]
+fn a_creator_recording_itself_late_in_the_wait_is_still_uninitialised() {
+    let opts = opts().init_timeout(Duration::from_secs(1));
+    // This process's creation: its recorded creator runs.
+    let (_, _u0, mut img) = valid_image("late0");
+    img[16..24].fill(0);
+    let magic = img[0..8].to_vec();
+    let mut unrecorded = img.clone();
+    unrecorded[0..8].fill(0);
+    let (name, _u) = raw_segment("late", &unrecorded);
+    let recorder = {
+        let name = name.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(700));
+            let seg = Segment::open(&name).unwrap();
+            poke_u64(&seg, 0, u64::from_le_bytes(magic.try_into().unwrap()));
+        })
+    };
+    let e = registry_err(Registry::open(&name, &opts).map(|_| ()).unwrap_err());
+    recorder.join().unwrap();
+    assert!(matches!(e, RegistryError::Uninitialised { .. }), "{e:?}");
+    // Recorded from the start, stamped 700 ms into the wait: opened.
+    let (name, _u2) = raw_segment("stamped-late", &img);
+    let stamper = {
+        let name = name.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(700));
+            let seg = Segment::open(&name).unwrap();
+            poke_u64(&seg, 16, layout::INIT_STAMP);
+        })
+    };
+    let r = Registry::open(&name, &opts);
+    stamper.join().unwrap();
+    drop(r.unwrap());
+}

@@ -1030,6 +1030,51 @@ fn a_zeroed_stamp_under_a_live_writer_is_a_bad_segment_not_a_creation_in_progres
     drop(w);
 }
 
+/// A real creation stays a creation in progress: a manifest whose writer records itself late in
+/// a reader's 2 s wait (less than 500 ms before its end) and has not stamped by then is "being
+/// created by another process", not an overwritten header, by the one rule that makes a zeroed
+/// stamp under a writer recorded long before a bad segment (the test above).
+#[test]
+fn a_writer_recording_itself_late_in_the_wait_is_still_a_creation_in_progress() {
+    use std::os::unix::fs::FileExt;
+    if role().is_some() {
+        return;
+    }
+    let live = set_name("recorded-live");
+    let w = TensorSetWriter::create_host(&live, &specs(), &TensorSetOptions::new()).unwrap();
+    // The header: magic (8 bytes), version (4), stamp (4), generation (8), then the writer's
+    // pid (4), stored last of its identity.
+    const STAMP_AT: usize = 12;
+    const PID_AT: usize = 24;
+    let mut bytes = std::fs::read(path("cuda-ipc.ts.", &live)).unwrap();
+    bytes[STAMP_AT..STAMP_AT + 4].fill(0);
+    let pid = bytes[PID_AT..PID_AT + 4].to_vec();
+    bytes[PID_AT..PID_AT + 4].fill(0);
+    let n = set_name("recorded-late");
+    let _g = common::Unlink(format!("cuda-ipc.ts.{n}"));
+    // Planted just after a second began, so that its `st_ctime` does not come of age (2 by its
+    // whole seconds, when a manifest that records no writer is abandoned) before the writer
+    // records itself, 1.7 s into the wait.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    std::thread::sleep(Duration::from_nanos(
+        1_000_000_000 - u64::from(now.subsec_nanos()) + 50_000_000,
+    ));
+    let file = common::plant(path("cuda-ipc.ts.", &n), &bytes);
+    let recorder = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1700));
+        file.write_all_at(&pid, PID_AT as u64).unwrap();
+    });
+    let r = TensorSetReader::open_host(&n, &ReaderOptions::new());
+    recorder.join().unwrap();
+    match r {
+        Err(Error::TensorSet(TensorSetError::CreationInProgress(name))) => assert_eq!(name, n),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(w);
+}
+
 /// A host set's manifest whose memory kind was overwritten with a GPU kind is a bad segment
 /// naming the manifest and the allocation whose token does not decode (a host set's allocation
 /// table holds no tokens), not a bare "invalid token", whichever open reads it.

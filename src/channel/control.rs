@@ -204,6 +204,12 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
         OpenError::Header(HeaderError::Abandoned) => bad(SegmentFault::Abandoned {
             segment: name.to_string(),
         }),
+        // Waited for in vain while the producer it records ran: overwritten, not in progress
+        // (`versioned::StampWait`).
+        OpenError::Header(HeaderError::Overwritten { waited }) => bad(SegmentFault::Overwritten {
+            segment: name.to_string(),
+            waited,
+        }),
         // (No `BadStamp`: the control segment's stamp is not strict; a bad one is awaited.)
         OpenError::Header(_) => bad(SegmentFault::Unfinished {
             segment: name.to_string(),
@@ -353,6 +359,15 @@ impl Control {
     /// producer is dead, or a creation abandoned half-way (empty, sparse or never stamped, and at
     /// least 2 s old, with no live creator recorded). Another user's segment, a live producer's
     /// segment of any version, a foreign file, a FIFO or a directory are never touched.
+    ///
+    /// # Errors
+    /// [`super::ChannelError::AlreadyExists`] for a live producer's channel;
+    /// [`super::ChannelError::CreationInProgress`] for an empty or sparse segment being sized, and
+    /// for one without its stamp whose recorded producer runs but did not record itself 500 ms
+    /// before the 2 s wait ended; [`SegmentFault::Overwritten`] (in
+    /// [`super::ChannelError::BadSegment`]) for one whose stamp is still 0 after the wait though
+    /// its producer runs and had recorded itself by then (a header overwritten, never replaced);
+    /// the errors of [`Control::open_in`] and [`versioned::stat_blocker`] otherwise.
     pub(crate) fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
         match versioned::stat_blocker(name, HEADER_SIZE)? {
             Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
@@ -483,6 +498,17 @@ impl Control {
     }
 
     /// [`Control::open_waiting`] under the segment prefix `prefix` ([`segment_name_in`]).
+    ///
+    /// # Errors
+    /// [`super::ChannelError::NotFound`]; the segment's own errors ([`crate::Error::Shm`]: another
+    /// user's, not a file, sparse, too small); [`super::ChannelError::VersionMismatch`];
+    /// [`super::ChannelError::BadSegment`] with [`SegmentFault::Foreign`] for another magic,
+    /// [`SegmentFault::Abandoned`] for a creation abandoned half-way (told at once),
+    /// [`SegmentFault::Overwritten`] for a stamp still 0 after `init_wait` though the producer
+    /// recorded runs and had recorded itself at least 500 ms before the wait ended (a header
+    /// overwritten, not a creation in progress: `versioned::STAMP_DUE`),
+    /// [`SegmentFault::Unfinished`] for any other stamp not there after `init_wait`, and the
+    /// layout's own checks (counts, size).
     pub(crate) fn open_in(
         prefix: &str,
         channel: &str,

@@ -124,6 +124,21 @@ pub enum SegmentFault {
         /// How long the opener waited for the stamp.
         waited: Duration,
     },
+    /// A segment whose init stamp is 0 though the creator it records runs and had recorded
+    /// itself at least 500 ms before the opener's wait of `waited` ended: not a creation in
+    /// progress (one stamps within milliseconds of recording its creator) but a header
+    /// overwritten since its creation (its stamp zeroed), or a creator stopped.
+    #[error(
+        "{segment} has no init stamp after {} though the producer it records runs (a creation \
+         stamps within milliseconds): the header was overwritten, or its producer is stopped",
+        waited_text(*.waited)
+    )]
+    Overwritten {
+        /// The segment's name.
+        segment: String,
+        /// How long the opener waited for the stamp.
+        waited: Duration,
+    },
     /// A creation abandoned half-way: no init stamp, and its creator is dead, or none is recorded
     /// in a segment 2 s old by `st_ctime`'s whole seconds (told at once by every opener, a
     /// consumer's attach and the tools alike, or as soon as it comes of age by one already

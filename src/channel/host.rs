@@ -345,6 +345,14 @@ impl HostPool {
                     }),
                 }
             }
+            // Waited for in vain while the producer it records ran: overwritten, not in
+            // progress (`versioned::StampWait`).
+            OpenError::Header(HeaderError::Overwritten { waited }) => {
+                bad(SegmentFault::Overwritten {
+                    segment: name.clone(),
+                    waited,
+                })
+            }
             // (No `BadStamp`: the pool's stamp is not strict; a bad one is awaited.)
             OpenError::Header(_) => bad(SegmentFault::Unfinished {
                 segment: name.clone(),

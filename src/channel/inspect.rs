@@ -380,9 +380,11 @@ pub fn list_channels() -> Result<Vec<String>> {
 /// # Errors
 /// - [`super::ChannelError::NotFound`] when there is no such segment;
 /// - [`super::ChannelError::BadSegment`] for a foreign, truncated or corrupted segment, a
-///   creation abandoned half-way ([`super::SegmentFault::Abandoned`], at once), or one whose
-///   creator may still write it but did not stamp it within 2 s
-///   ([`super::SegmentFault::Unfinished`]);
+///   creation abandoned half-way ([`super::SegmentFault::Abandoned`], at once), one whose
+///   stamp is still 0 after 2 s though its producer runs and had recorded itself at least
+///   500 ms before (a header overwritten, not a creation in progress:
+///   [`super::SegmentFault::Overwritten`]), or one whose creator may still write it but did not
+///   stamp it within 2 s ([`super::SegmentFault::Unfinished`]);
 /// - [`super::ChannelError::VersionMismatch`] for another layout version;
 /// - [`ShmError::WrongOwner`] for another user's segment, [`ShmError::InsecureMode`] for one
 ///   open to other users (any of the mode bits `0o007`), [`ShmError::InvalidName`] for

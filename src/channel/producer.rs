@@ -143,8 +143,9 @@ impl Producer {
     /// producer serves `name`; [`Error::InvalidArgument`] for zero-size buffers, counts out of
     /// range, a pool past `isize::MAX` bytes (its buffers each rounded up to 4096 bytes) or a
     /// bad name; shared-memory errors for what is in the way under either name
-    /// (`WrongOwner`, `InsecureMode`, `NotASegment`, `CreationInProgress`, a foreign segment as
-    /// [`ChannelError::BadSegment`]) and for a full /dev/shm (`NoSpace`).
+    /// (`WrongOwner`, `InsecureMode`, `NotASegment`, `CreationInProgress`, a foreign segment or a
+    /// live producer's segment whose init stamp was zeroed as [`ChannelError::BadSegment`], the
+    /// latter after the 2 s wait for its stamp) and for a full /dev/shm (`NoSpace`).
     ///
     /// # Examples
     /// ```

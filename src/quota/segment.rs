@@ -483,7 +483,14 @@ pub(super) fn open_error(name: &str, e: OpenError) -> Error {
             reason: format!("never initialised (no init stamp after {waited:?})"),
         }
         .into(),
-        // (The ledger's opener waits by its own rule: `open_versioned`, never this.)
+        // (The ledger's opener waits by its own rule: `open_versioned`, never these two.)
+        OpenError::Header(HeaderError::Overwritten { waited }) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: format!(
+                "no init stamp after {waited:?} though its creator runs: the header was overwritten"
+            ),
+        }
+        .into(),
         OpenError::Header(HeaderError::Abandoned) => QuotaError::BadSegment {
             name: name.to_string(),
             reason: "never initialised (no init stamp, and its creator is gone)".to_string(),

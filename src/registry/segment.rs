@@ -7,7 +7,9 @@ use super::participant;
 use super::{ReclaimReport, Registry, RegistryError, RegistryOptions, corrupt};
 use crate::error::{Error, Result};
 use crate::identity::{Liveness, ProcessIdentity};
-use crate::shm::versioned::{self, Blocker, HeaderError, Look, StampWord, VersionedHeader};
+use crate::shm::versioned::{
+    self, Blocker, Creator, HeaderError, Look, StampWord, VersionedHeader,
+};
 use crate::shm::{Segment, SegmentOptions, ShmError};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -125,11 +127,19 @@ impl Registry {
     ///   for a file whose pages are not all backed (after the wait: a creator may be sizing it);
     /// - [`ShmError::TooSmall`] for a zero-size or truncated segment;
     /// - [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both
-    ///   versions), [`RegistryError::Corrupt`] for header fields that disagree;
-    /// - [`RegistryError::Uninitialised`] when the init stamp did not appear in time;
+    ///   versions), [`RegistryError::Corrupt`] for header fields that disagree, and for an init
+    ///   stamp still 0 after `opts.init_timeout` though the creator it records runs and had
+    ///   recorded itself at least 500 ms before the wait ended (a header overwritten since its
+    ///   creation, not a creation in progress: a creator stamps within milliseconds of recording
+    ///   itself);
+    /// - [`RegistryError::Uninitialised`] when the init stamp did not appear in time otherwise;
     /// - [`RegistryError::TooManyParticipants`] when every entry is held by a live process.
     pub fn open(name: &str, opts: &RegistryOptions) -> Result<Registry> {
         let start = Instant::now();
+        // The creator recorded in a segment found without its stamp, judged while it is awaited:
+        // a stamp still 0 at the end under one that ran, recorded, for `versioned::STAMP_DUE` is
+        // a header overwritten, not a creation in progress (the versioned protocol's one rule).
+        let mut stamp_wait = versioned::StampWait::new();
         loop {
             match Self::try_open(name, opts.group_access) {
                 Ok((seg, slots, participants)) => {
@@ -139,10 +149,28 @@ impl Registry {
                 Err(Retry::Fatal(e)) => return Err(e),
                 Err(Retry::NotReady(e)) => {
                     let waited = start.elapsed();
-                    if waited >= opts.init_timeout {
+                    let over = waited >= opts.init_timeout;
+                    let unstamped =
+                        matches!(e, Error::Registry(RegistryError::Uninitialised { .. }));
+                    if unstamped && (over || stamp_wait.due()) {
+                        stamp_wait.judged(creator_at(name));
+                    }
+                    if over {
                         return Err(match e {
                             Error::Registry(RegistryError::Uninitialised { name, .. }) => {
-                                RegistryError::Uninitialised { name, waited }.into()
+                                match stamp_wait.verdict(waited) {
+                                    HeaderError::Overwritten { .. } => corrupt(
+                                        &name,
+                                        format!(
+                                            "init stamp 0 after waiting {} ms though the \
+                                             creator it records runs (a creation stamps within \
+                                             milliseconds of recording its creator): the header \
+                                             was overwritten, or its creator is stopped",
+                                            waited.as_millis()
+                                        ),
+                                    ),
+                                    _ => RegistryError::Uninitialised { name, waited }.into(),
+                                }
                             }
                             e => e,
                         });
@@ -176,7 +204,9 @@ impl Registry {
     /// [`RegistryError::ForeignSegment`] (or [`RegistryError::Uninitialised`] when it is all zero
     /// and younger than the grace); another layout version, live creator or not:
     /// [`RegistryError::VersionMismatch`]; an uninitialised registry of a live creator:
-    /// [`RegistryError::Uninitialised`]; one whose creator's liveness cannot be told:
+    /// [`RegistryError::Uninitialised`], or [`RegistryError::Corrupt`] when that creator had
+    /// recorded itself at least 500 ms before the wait ended (its stamp zeroed, as
+    /// [`Registry::open`] says); one whose creator's liveness cannot be told:
     /// [`RegistryError::CreatorUnknown`].
     pub fn open_or_create(name: &str, opts: &RegistryOptions) -> Result<Registry> {
         for _ in 0..4 {
@@ -282,9 +312,13 @@ impl Registry {
         // word that is neither 0 nor INITDONE is corrupt, not awaited.
         match versioned::look(hdr) {
             Look::Ready => {}
-            // (`look` refuses neither for a missing stamp: those two are the waits' own.)
+            // (`look` refuses none for a missing stamp: those three are the waits' own.)
             Look::Unstamped
-            | Look::Refused(HeaderError::Unstamped { .. } | HeaderError::Abandoned) => {
+            | Look::Refused(
+                HeaderError::Unstamped { .. }
+                | HeaderError::Abandoned
+                | HeaderError::Overwritten { .. },
+            ) => {
                 return Err(Retry::NotReady(
                     RegistryError::Uninitialised {
                         name: name.to_string(),
@@ -459,6 +493,28 @@ impl Registry {
 /// This process's effective uid: what the registry records beside each identity it writes.
 fn own_uid() -> u32 {
     rustix::process::geteuid().as_raw()
+}
+
+/// The creator that the registry segment `name`, found without its stamp, records, by the rule
+/// of [`Creator::judged`]: none before the magic (whose Release store publishes the creator's
+/// identity) or with pid 0, dead, or running (or whose liveness cannot be told). A segment that
+/// cannot be mapped records none.
+fn creator_at(name: &str) -> Creator {
+    let Ok(seg) = Segment::open_with_min_len(name, HEADER_SIZE) else {
+        return Creator::Unrecorded;
+    };
+    let hdr = Registry::header_of(&seg);
+    // SYNC POINT creator: Acquire, pairs with the creator's Release store of the magic; the
+    // identity read below is the creator's.
+    if hdr.magic.load(Ordering::Acquire) != MAGIC {
+        return Creator::Unrecorded;
+    }
+    // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
+    let creator = ProcessIdentity::load_words(&hdr.creator);
+    let uid = hdr.creator_uid.load(Ordering::Relaxed);
+    Creator::judged(creator.pid != 0, || {
+        creator.liveness_as(uid) == Liveness::Dead
+    })
 }
 
 /// Whether `open` should wait and try again.

@@ -15,7 +15,8 @@
 //!   file, at least the header, every page backed), the owner check, a bounded wait for the stamp,
 //!   then magic and layout version; [`look`] is one such check, for an opener that waits in its own
 //!   way; [`open_versioned_unless_abandoned`] waits for the stamp only while the creator the layout
-//!   reads may still write it.
+//!   reads may still write it, and tells a header whose stamp was zeroed under a live creator
+//!   from a creation in progress by one rule ([`StampWait`], [`STAMP_DUE`]).
 //!
 //! What the segment itself reports (missing, another user's, sparse, too small) is a
 //! [`crate::Error`], [`ShmError`] as [`Segment`] gives it. What the header says is a
@@ -137,6 +138,14 @@ pub(crate) enum HeaderError {
     /// [`ABANDONED_AFTER`] old ([`open_versioned_unless_abandoned`], at once or as soon as that
     /// holds): a creation abandoned half-way.
     Abandoned,
+    /// No init stamp after the wait, though the creator the header records ran, recorded, for at
+    /// least [`STAMP_DUE`] of it without stamping ([`StampWait`]): not a creation in progress
+    /// (one stamps within milliseconds of recording its creator) but a header overwritten since
+    /// (its stamp zeroed), or a creator stopped.
+    Overwritten {
+        /// The wait the opener was given.
+        waited: Duration,
+    },
 }
 
 /// Why [`open_versioned`] gave no segment.
@@ -272,14 +281,15 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
 /// whether the creator may still write it (the creator's liveness, the segment's age).
 const JUDGE_EVERY: Duration = Duration::from_millis(20);
 
-/// [`open_versioned`], with `abandoned` (given the mapped segment) asked at the first look that
-/// finds no stamp and every [`JUDGE_EVERY`] after, while it waits: once it says the stamp never
-/// comes, [`HeaderError::Abandoned`], at once.
+/// [`open_versioned`], with `creator` (given the mapped segment) asked at the first look that
+/// finds no stamp and every [`JUDGE_EVERY`] after, while it waits: once [`may_still_stamp`] says
+/// the stamp never comes, [`HeaderError::Abandoned`], at once; at the end of the wait,
+/// [`HeaderError::Overwritten`] where [`StampWait`] says so, else [`HeaderError::Unstamped`].
 fn open_versioned_judging<H: VersionedHeader>(
     name: &str,
     allow_group: bool,
     wait: Duration,
-    abandoned: Option<&dyn Fn(&Segment) -> bool>,
+    creator: Option<&dyn Fn(&Segment) -> Creator>,
 ) -> std::result::Result<Segment, OpenError> {
     let start = Instant::now();
     // The inode last looked at and when it was first seen: `SIZING_WAIT` counts from then.
@@ -342,29 +352,100 @@ fn open_versioned_judging<H: VersionedHeader>(
     }
     .map_err(OpenError::Segment)?;
     let h = header::<H>(&seg);
-    // When the creator was last judged.
-    let mut judged: Option<Instant> = None;
+    let mut stamp_wait = StampWait::new();
     loop {
         match look(h) {
             Look::Ready => break,
             Look::Refused(e) => return Err(OpenError::Header(e)),
             Look::Unstamped => {
-                if let Some(abandoned) = abandoned
-                    && judged.is_none_or(|t| t.elapsed() >= JUDGE_EVERY)
+                let over = start.elapsed() > wait;
+                if let Some(creator) = creator
+                    && (over || stamp_wait.due())
                 {
-                    judged = Some(Instant::now());
-                    if abandoned(&seg) {
+                    let c = creator(&seg);
+                    if !may_still_stamp(name, c) {
                         return Err(OpenError::Header(HeaderError::Abandoned));
                     }
+                    stamp_wait.judged(c);
                 }
-                if start.elapsed() > wait {
-                    return Err(OpenError::Header(HeaderError::Unstamped { waited: wait }));
+                if over {
+                    return Err(OpenError::Header(stamp_wait.verdict(wait)));
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
     }
     Ok(seg)
+}
+
+/// How long the creator a header records may have run, recorded, without storing the stamp
+/// before an opener that waited for it takes the header for overwritten
+/// ([`HeaderError::Overwritten`]) rather than a creation in progress.
+///
+/// Safe because of what a creator does between recording itself and stamping
+/// ([`write_versioned`]): its identity is its first store, after the segment was made, sized and
+/// its pages reserved (`fallocate`, the one step that may take seconds, comes before, under the
+/// sizing lock) and after the generation was drawn; then come a handful of stores of header words
+/// and the layout's `fields`, which only copy what was computed before the segment was made (the
+/// channel's tokens of buffers already allocated, a tensor set's encoded manifest body, a few
+/// counts) into pages already reserved; then the stamp. No allocation, no GPU call, no system call
+/// that waits: microseconds, milliseconds for the largest manifest. 500 ms is a hundred times
+/// that and more, and it counts only from the first look that found the creator recorded and
+/// running (a creator still sizing, or one not recorded yet, never starts it), so only a
+/// creator stopped or starved of a CPU for half a second is taken for an overwritten header: its
+/// opener is told that the header was overwritten "or its creator is stopped".
+pub(crate) const STAMP_DUE: Duration = Duration::from_millis(500);
+
+/// The one rule by which an opener that waited in vain for a stamp tells a header overwritten
+/// since its creation (its stamp zeroed) from a creation in progress: [`HeaderError::Overwritten`]
+/// when the creator the header records was judged [`Creator::Running`] at every judgement from
+/// one at least [`STAMP_DUE`] before the end of the wait to the last one, made at its end; else
+/// [`HeaderError::Unstamped`]. Used by [`open_versioned_unless_abandoned`] and by the openers that
+/// wait in their own way (the registry's).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct StampWait {
+    /// When the creator was last judged.
+    judged: Option<Instant>,
+    /// Since when every judgement found the creator recorded and running.
+    running_since: Option<Instant>,
+    /// Whether the last judgement found it so.
+    running: bool,
+}
+
+impl StampWait {
+    /// A wait with no judgement made yet.
+    pub(crate) fn new() -> StampWait {
+        StampWait::default()
+    }
+
+    /// Whether the creator is to be judged again: at the first look without a stamp, then every
+    /// [`JUDGE_EVERY`].
+    pub(crate) fn due(&self) -> bool {
+        self.judged.is_none_or(|t| t.elapsed() >= JUDGE_EVERY)
+    }
+
+    /// Records a judgement of the creator, made now.
+    pub(crate) fn judged(&mut self, creator: Creator) {
+        let now = Instant::now();
+        self.judged = Some(now);
+        self.running = creator == Creator::Running;
+        if !self.running {
+            self.running_since = None;
+        } else if self.running_since.is_none() {
+            self.running_since = Some(now);
+        }
+    }
+
+    /// What a wait of `waited` without a stamp ends in, the creator judged at its end: see the
+    /// type.
+    pub(crate) fn verdict(&self, waited: Duration) -> HeaderError {
+        match self.running_since {
+            Some(t) if self.running && t.elapsed() >= STAMP_DUE => {
+                HeaderError::Overwritten { waited }
+            }
+            _ => HeaderError::Unstamped { waited },
+        }
+    }
 }
 
 /// The creator a segment found without its stamp records, as its layout reads it (for
@@ -445,18 +526,21 @@ pub(crate) const UNDER_WAY_UNSTAMPED: &str =
 /// every [`JUDGE_EVERY`] while it waits. Any other unstamped segment (its creator dead, or none
 /// recorded in an older one: a creation abandoned half-way) is [`HeaderError::Abandoned`], at
 /// once, or as soon as it comes of age or its creator dies: a directory of such leftovers costs a
-/// tool no wait for each, and an attach to one no 2 s wait.
+/// tool no wait for each, and an attach to one no 2 s wait. A wait that ends without the stamp
+/// is judged by [`StampWait`]'s rule: a creator that ran, recorded, for [`STAMP_DUE`] or more of
+/// it without stamping leaves no creation in progress but a header overwritten since.
 ///
 /// # Errors
-/// As [`open_versioned`]; [`HeaderError::Abandoned`] for a creation abandoned half-way.
+/// As [`open_versioned`]; [`HeaderError::Abandoned`] for a creation abandoned half-way;
+/// [`HeaderError::Overwritten`] instead of [`HeaderError::Unstamped`] after a wait in which the
+/// recorded creator ran, recorded and unstamped, for at least [`STAMP_DUE`].
 pub(crate) fn open_versioned_unless_abandoned<H: VersionedHeader>(
     name: &str,
     allow_group: bool,
     wait: Duration,
     creator: impl Fn(&Segment) -> Creator,
 ) -> std::result::Result<Segment, OpenError> {
-    let abandoned = |seg: &Segment| !may_still_stamp(name, creator(seg));
-    open_versioned_judging::<H>(name, allow_group, wait, Some(&abandoned))
+    open_versioned_judging::<H>(name, allow_group, wait, Some(&creator))
 }
 
 /// What stands under a name that a creation found taken, judged from `fstat` alone (nothing

@@ -240,35 +240,24 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
             supported: VERSION,
         }
         .into(),
-        // Waited for in vain while the writer it records runs: a creation writes its header
+        // Waited for in vain while the writer it records ran: a creation writes its header
         // within milliseconds of recording its writer, so a stamp still 0 after the wait is a
-        // header overwritten since (its stamp zeroed), not a creation in progress.
-        OpenError::Header(HeaderError::Unstamped { waited })
-            if !waited.is_zero() && writer_recorded(seg_name) =>
-        {
-            bad(
-                seg_name,
-                ManifestFault::Field {
-                    what: "the header's init stamp",
-                    found: 0,
-                    allowed: "not written within the opener's wait though the writer the \
+        // header overwritten since (its stamp zeroed), not a creation in progress (the one rule
+        // of `versioned::StampWait`).
+        OpenError::Header(HeaderError::Overwritten { .. }) => bad(
+            seg_name,
+            ManifestFault::Field {
+                what: "the header's init stamp",
+                found: 0,
+                allowed: "not written within the opener's wait though the writer the \
                               header records runs (a creation writes it within milliseconds): \
                               the header was overwritten, or its writer is stopped",
-                },
-            )
-        }
-        // A look that did not wait, or no writer recorded yet: a creation may be under way.
+            },
+        ),
+        // A look that did not wait, no writer recorded yet, or one recorded too late in the
+        // wait to tell: a creation may be under way.
         OpenError::Header(_) => TensorSetError::CreationInProgress(set.to_string()).into(),
     }
-}
-
-/// Whether the tensor-set segment `seg_name` records its writer (a creation records it first,
-/// before the rest of its header): looked at after an open found it without its stamp.
-fn writer_recorded(seg_name: &str) -> bool {
-    Segment::open_with_min_len(seg_name, HEADER_PAGE).is_ok_and(|seg| {
-        // Any of the three layouts: the writer's words are at the same place in each.
-        versioned::header::<ManifestHeader>(&seg).writer().0.pid != 0
-    })
 }
 
 /// Judges what blocks creating `seg_name` of set `set` (the channel's rules, see the module
@@ -407,10 +396,11 @@ impl OpenedManifest {
 /// user's, a FIFO, sparse, too small); [`TensorSetError::BadManifest`] for a foreign magic, a
 /// body that does not decode, or a creation abandoned half-way (no stamp, and its writer dead or
 /// never recorded in a segment older than 2 s: told at once, never waited for), and for a stamp
-/// still 0 after a nonzero `init_wait` in a header whose recorded writer runs (overwritten);
+/// still 0 after `init_wait` in a header whose recorded writer runs and had recorded itself at
+/// least 500 ms before the wait ended (overwritten: `versioned::StampWait`);
 /// [`TensorSetError::VersionMismatch`]; [`TensorSetError::CreationInProgress`] when no writer is
-/// recorded yet and the stamp did not come within `init_wait`, or at a look that did not wait
-/// (`init_wait` zero).
+/// recorded yet (or was recorded too late in the wait to tell) and the stamp did not come within
+/// `init_wait`, or at a look that did not wait (`init_wait` zero).
 pub(crate) fn open_manifest(set: &str, init_wait: Duration) -> Result<OpenedManifest> {
     let opened = open_manifest_unverified(set, init_wait)?;
     opened

@@ -252,8 +252,11 @@ impl TensorSetWriter {
     /// [`TensorSetError::BadTensor`] / [`TensorSetError::TooManyTensors`] for specs that cannot be
     /// laid out; [`TensorSetError::AlreadyExists`] (or the channel's
     /// [`crate::channel::ChannelError::AlreadyExists`] for its generation channel) when a live
-    /// writer has the name; [`crate::quota::QuotaError::OverQuota`]; CUDA errors from allocation
-    /// and export; shared-memory errors (a full /dev/shm, what is in the way).
+    /// writer has the name; [`TensorSetError::BadManifest`] (or the channel's
+    /// [`crate::channel::ChannelError::BadSegment`]) for a live writer's segment whose init stamp
+    /// was zeroed, after the 2 s wait for it; [`crate::quota::QuotaError::OverQuota`]; CUDA
+    /// errors from allocation and export; shared-memory errors (a full /dev/shm, what is in the
+    /// way).
     pub fn create(
         ctx: &Arc<Context>,
         name: &str,

@@ -320,8 +320,10 @@ impl HoldersSegment {
     /// counts out of range, a size that does not hold the slots, or another generation than
     /// expected ([`ManifestFault::Mismatch`]); [`TensorSetError::VersionMismatch`];
     /// [`TensorSetError::CreationInProgress`] when the stamp did not come within 2 s and no writer
-    /// is recorded yet; [`TensorSetError::BadManifest`] for a creation abandoned half-way, and for
-    /// a stamp still 0 after 2 s while the writer recorded runs (a header overwritten).
+    /// is recorded yet (or was recorded too late in the wait to tell);
+    /// [`TensorSetError::BadManifest`] for a creation abandoned half-way, and for a stamp still 0
+    /// after 2 s while the writer recorded runs and had recorded itself at least 500 ms before
+    /// (a header overwritten).
     pub(crate) fn open(set: &str, expect: Option<(u64, usize, usize)>) -> Result<HoldersSegment> {
         Self::open_waiting(set, expect, INIT_WAIT)
     }
