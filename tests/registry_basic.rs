@@ -758,3 +758,45 @@ fn a_creator_recording_itself_late_in_the_wait_is_still_uninitialised() {
     stamper.join().unwrap();
     drop(r.unwrap());
 }
+
+/// A registry in use whose header says its creator died before stamping it (the stamp zeroed and
+/// the creator words overwritten with a dead process's) is no abandoned creation: participants
+/// join and records are published only in a stamped registry. `open_or_create` refuses it as
+/// corrupt and keeps it, with a record published and without (a participant's entry claimed),
+/// where it used to remove the file under its users and make a new one.
+#[test]
+fn open_or_create_never_replaces_a_registry_in_use_whose_stamp_and_creator_were_overwritten() {
+    let exists = |n: &str| std::fs::symlink_metadata(format!("/dev/shm/{n}")).is_ok();
+    for published in [true, false] {
+        let (reg, _u) = new_registry(if published { "used-rec" } else { "used-part" });
+        let name = reg.segment().name().to_string();
+        if published {
+            reg.publish("kept", 7, b"tok", b"").unwrap();
+        }
+        for (k, w) in dead_identity().to_words().iter().enumerate() {
+            poke_u64(reg.segment(), 96 + 8 * k, *w);
+        }
+        poke_u64(reg.segment(), 16, 0);
+        let e = registry_err(
+            Registry::open_or_create(&name, &opts())
+                .map(|_| ())
+                .unwrap_err(),
+        );
+        assert!(
+            matches!(e, RegistryError::Corrupt { .. }),
+            "{published}: {e:?}"
+        );
+        let e = e.to_string();
+        assert!(
+            e.contains("was in use") && e.contains("left as it is"),
+            "{e}"
+        );
+        assert!(
+            exists(&name),
+            "{published}: the registry in use was removed"
+        );
+        poke_u64(reg.segment(), 16, layout::INIT_STAMP);
+        let again = Registry::open(&name, &opts()).unwrap();
+        assert_eq!(again.get("kept").unwrap().is_some(), published);
+    }
+}

@@ -491,6 +491,33 @@ impl Registry {
 }
 
 /// This process's effective uid: what the registry records beside each identity it writes.
+/// Whether the registry segment `seg` (at least [`HEADER_SIZE`] bytes) shows use that only follows
+/// its stamp: a sequence number drawn (`next_seq`, 0 at creation) or a participant entry whose
+/// `owner` word is not 0 (entries are zero from `ftruncate` until a participant claims one, which
+/// it does only in a stamped registry). Reads the entries the mapping holds, at most
+/// [`MAX_PARTICIPANTS`], whatever the header's counts say.
+fn used_since_stamped(seg: &Segment) -> bool {
+    let hdr = Registry::header_of(seg);
+    // Relaxed: a look at a word only; nothing else is read through it.
+    if hdr.next_seq.load(Ordering::Relaxed) != 0 {
+        return true;
+    }
+    let entries = (seg.len().saturating_sub(PARTICIPANTS_OFFSET) / PARTICIPANT_SIZE)
+        .min(MAX_PARTICIPANTS as usize);
+    (0..entries).any(|i| {
+        // SAFETY: (1) entry `i` lies within the mapping (`i < entries`, counted from the
+        // mapping's own length), which `seg` keeps alive; (2) `PARTICIPANTS_OFFSET + 64 i` is
+        // 8-byte aligned in a page-aligned mapping; (3) `Participant` is all atomics, so other
+        // processes' concurrent writes are permitted and no plain byte is referenced; (4) any
+        // bit pattern is a valid atomic integer.
+        let entry = unsafe {
+            &*(seg.as_ptr().add(PARTICIPANTS_OFFSET + i * PARTICIPANT_SIZE) as *const Participant)
+        };
+        // Relaxed: a look at a word only, as above.
+        entry.owner.load(Ordering::Relaxed) != 0
+    })
+}
+
 fn own_uid() -> u32 {
     rustix::process::geteuid().as_raw()
 }
@@ -571,7 +598,10 @@ pub(super) enum Leftover {
 /// [`ShmError::TooSmall`] for a short file whose pages are there (no creation of ours),
 /// [`RegistryError::NoMagic`] for an old empty, sparse or zero-header file,
 /// [`RegistryError::ForeignSegment`], [`RegistryError::VersionMismatch`] (naming both versions),
-/// [`RegistryError::CreatorUnknown`] when the creator's liveness cannot be told.
+/// [`RegistryError::CreatorUnknown`] when the creator's liveness cannot be told;
+/// [`RegistryError::Corrupt`] for an unstamped one of a dead creator that shows use, which only
+/// follows the stamp (a participant's entry claimed, a sequence number drawn): a registry in use
+/// whose header was overwritten, never removed.
 pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
     crate::shm::validate_name(name)?;
     let judged = match Segment::stat(name) {
@@ -647,6 +677,16 @@ pub(super) fn judge_leftover(name: &str) -> Result<Leftover> {
     let creator = ProcessIdentity::load_words(&hdr.creator);
     let creator_uid = hdr.creator_uid.load(Ordering::Relaxed);
     match creator.liveness_as(creator_uid) {
+        // A creation never gets that far: participants join and records are published only in a
+        // stamped registry, so this is one in use whose stamp was zeroed since. Never removed.
+        Liveness::Dead if used_since_stamped(&seg) => Err(RegistryError::Corrupt {
+            name: name.to_string(),
+            what: "the init stamp is 0 in a registry that was in use (a participant entry \
+                   claimed or a sequence number drawn, which only follow the stamp): the header \
+                   was overwritten; left as it is"
+                .to_string(),
+        }
+        .into()),
         Liveness::Dead => Ok(Leftover::Abandoned {
             why: "a creation abandoned by its dead creator before it was finished",
             inode,
