@@ -361,3 +361,103 @@ fn a_producer_recording_itself_late_in_the_wait_is_still_a_creation_in_progress(
     drop(c.unwrap());
     p.unlink();
 }
+
+/// The bytes of a control segment with its init stamp zeroed and its producer's identity words
+/// replaced by `dead`'s (this user's uid): what a hostile peer that maps a channel writable can
+/// make of a channel in use, and what a producer killed between recording itself and stamping
+/// leaves of a new one.
+fn unstamped_with_dead_producer(mut bytes: Vec<u8>) -> Vec<u8> {
+    use cuda_ipc::raw::channel::layout::header;
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let dead = cuda_ipc::identity::ProcessIdentity {
+        pid: child.id(),
+        start_time: 1,
+        ..cuda_ipc::identity::ProcessIdentity::current().unwrap()
+    };
+    let mut put = |at: usize, b: &[u8]| bytes[at..at + b.len()].copy_from_slice(b);
+    put(header::STAMP, &[0; 4]);
+    put(header::PRODUCER_PID, &dead.pid.to_le_bytes());
+    put(header::PRODUCER_START_TIME, &dead.start_time.to_le_bytes());
+    put(header::PRODUCER_BOOT_ID, &dead.boot_id);
+    put(header::PRODUCER_PID_NS, &dead.pid_ns.to_le_bytes());
+    put(
+        header::PRODUCER_UID,
+        &rustix::process::geteuid().as_raw().to_le_bytes(),
+    );
+    bytes
+}
+
+/// A channel in use whose header says its producer died before stamping it (the stamp zeroed and
+/// the producer words overwritten with a dead process's) is no abandoned creation: consumers
+/// attach, buffers are claimed and frames published only in a stamped segment. Every opener, the
+/// reclaimers and a producer's create refuse it at once as a segment in use whose header was
+/// overwritten, and keep it (with a consumer attached only, and with frames published too),
+/// where the create and `gc` used to remove it under its users. A new channel's copy overwritten
+/// the same way (a producer killed between recording itself and stamping) is still abandoned:
+/// refused as such, removed by `remove_abandoned`, replaced by a create.
+#[test]
+fn a_channel_in_use_whose_stamp_and_producer_were_overwritten_is_kept_never_abandoned() {
+    use cuda_ipc::channel::{ChannelError, SegmentFault, reclaim};
+    use cuda_ipc::raw::channel::testing::ControlProducer;
+    let live = format!("in-use-{}", std::process::id());
+    let tokens = vec![[0u8; cuda_ipc::token::TOKEN_LEN]; 2];
+    let p = ControlProducer::create(&live, 4096, 2, &tokens).unwrap();
+    let fresh = std::fs::read(Garbage::path(&live)).unwrap();
+    let rx = ControlConsumer::attach(&live, Delivery::EveryFrame).unwrap();
+    let attached = std::fs::read(Garbage::path(&live)).unwrap();
+    let (i, _) = p.try_acquire().unwrap();
+    p.publish(i, b"").unwrap();
+    drop(rx);
+    let published = std::fs::read(Garbage::path(&live)).unwrap();
+    p.unlink();
+    for (tag, bytes) in [("attached", attached), ("published", published)] {
+        let g = Garbage::new(tag, &unstamped_with_dead_producer(bytes));
+        let t = Instant::now();
+        let errors = [
+            ControlConsumer::attach(&g.0, Delivery::EveryFrame)
+                .map(|_| ())
+                .unwrap_err(),
+            inspect::inspect(&g.0).map(|_| ()).unwrap_err(),
+            reclaim::remove_abandoned(&g.0).map(|_| ()).unwrap_err(),
+            reclaim::remove_stale(&g.0).map(|_| ()).unwrap_err(),
+            ControlProducer::create(&g.0, 4096, 2, &tokens)
+                .map(|_| ())
+                .unwrap_err(),
+        ];
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "{tag}: {:?}",
+            t.elapsed()
+        );
+        for e in errors {
+            match &e {
+                cuda_ipc::Error::Channel(ChannelError::BadSegment(
+                    SegmentFault::OverwrittenInUse { segment, .. },
+                )) => assert_eq!(segment, &inspect::segment_name(&g.0)),
+                other => panic!("{tag}: {other:?}"),
+            }
+            let e = e.to_string();
+            assert!(
+                e.contains("in use whose header was overwritten") && e.contains("left as it is"),
+                "{tag}: {e}"
+            );
+        }
+        assert!(
+            std::fs::metadata(Garbage::path(&g.0)).is_ok(),
+            "{tag}: removed"
+        );
+    }
+    // The same overwrite of a channel never used: an abandoned creation, as before.
+    let g = Garbage::new("fresh", &unstamped_with_dead_producer(fresh.clone()));
+    let e = ControlConsumer::attach(&g.0, Delivery::EveryFrame)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("abandoned half-way"), "{e}");
+    assert!(reclaim::remove_abandoned(&g.0).unwrap().is_some());
+    assert!(std::fs::metadata(Garbage::path(&g.0)).is_err(), "kept");
+    let g = Garbage::new("fresh-replaced", &unstamped_with_dead_producer(fresh));
+    let p = ControlProducer::create(&g.0, 4096, 2, &tokens).unwrap();
+    p.unlink();
+}

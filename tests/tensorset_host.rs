@@ -2150,3 +2150,94 @@ fn writer_alive_turns_false_once_the_writer_closed() {
     w.close(ANSWER).unwrap();
     assert!(!r.writer_alive(), "a closed writer is gone");
 }
+
+/// Overwrites the header of the tensor-set segment at `path` as a hostile peer could, or as a
+/// writer killed between recording itself and stamping leaves it: the init stamp zeroed and the
+/// writer's identity words (pid, uid, start time, boot id, pid namespace) replaced by a dead
+/// process's, of this user.
+fn unstamp_with_dead_writer(path: &str) {
+    use std::os::unix::fs::FileExt;
+    let mut child = Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let me = cuda_ipc::identity::ProcessIdentity::current().unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    for (at, bytes) in [
+        (12, &0u32.to_le_bytes()[..]),
+        (24, &child.id().to_le_bytes()[..]),
+        (28, &uid.to_le_bytes()[..]),
+        (32, &1u64.to_le_bytes()[..]),
+        (40, &me.boot_id[..]),
+        (56, &me.pid_ns.to_le_bytes()[..]),
+    ] {
+        f.write_all_at(bytes, at).unwrap();
+    }
+}
+
+/// A holders segment in use (a holder's slot claimed, which only follows the stamp) whose header
+/// says its writer died before stamping it is no abandoned creation: a writer's create over it
+/// and `gc`'s scan refuse it as a segment whose header was overwritten, and keep it, where they
+/// used to remove it under its holders. One never used, overwritten the same way (a writer killed
+/// between recording itself and stamping), is still an abandoned creation: `gc` removes it, a
+/// writer's create replaces it.
+#[test]
+fn a_holders_segment_in_use_whose_stamp_and_writer_were_overwritten_is_kept_never_abandoned() {
+    use cuda_ipc::raw::tensorset::testing::HeldSetFixture;
+    use cuda_ipc::tensorset::HolderRole;
+    if role().is_some() {
+        return;
+    }
+    let (used, fresh) = (set_name("th-in-use"), set_name("th-fresh"));
+    let _g = [
+        common::Unlink(format!("cuda-ipc.th.{used}")),
+        common::Unlink(format!("cuda-ipc.th.{fresh}")),
+    ];
+    let f = HeldSetFixture::create_holders(&used, 2).unwrap();
+    f.claim(HolderRole::Holder).unwrap();
+    unstamp_with_dead_writer(&path("cuda-ipc.th.", &used));
+    let t = Instant::now();
+    let e = HeldSetFixture::create_holders(&used, 2).unwrap_err();
+    assert!(
+        matches!(e, Error::TensorSet(TensorSetError::BadManifest { .. })),
+        "{e:?}"
+    );
+    let e = e.to_string();
+    assert!(
+        e.contains(&format!("cuda-ipc.th.{used}"))
+            && e.contains("was overwritten")
+            && e.contains("left as it is"),
+        "{e}"
+    );
+    let scope = Scope::only(vec![], vec![]).with_tensor_sets(vec![used.clone(), fresh.clone()]);
+    let _fresh = HeldSetFixture::create_holders(&fresh, 2).unwrap();
+    unstamp_with_dead_writer(&path("cuda-ipc.th.", &fresh));
+    let scan = cleanup::scan(&scope).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // Listed with the dead writer it records, as a creation abandoned.
+    assert!(
+        scan.leftovers.len() == 1
+            && scan.leftovers[0].object == fresh
+            && scan.leftovers[0].what.contains("a creation abandoned"),
+        "{:?}",
+        scan.leftovers
+    );
+    assert!(
+        scan.problems
+            .iter()
+            .any(|p| p.error.to_string().contains("was overwritten")),
+        "{:?}",
+        scan.problems
+    );
+    assert_eq!(cleanup::remove(&scan.leftovers).removed.len(), 1);
+    assert!(std::fs::symlink_metadata(path("cuda-ipc.th.", &fresh)).is_err());
+    assert!(
+        std::fs::symlink_metadata(path("cuda-ipc.th.", &used)).is_ok(),
+        "the holders segment in use was removed"
+    );
+    // A writer's create over a never-used one overwritten so: replaced.
+    let again = HeldSetFixture::create_holders(&fresh, 2).unwrap();
+    unstamp_with_dead_writer(&path("cuda-ipc.th.", &fresh));
+    drop(again);
+    HeldSetFixture::create_holders(&fresh, 2).unwrap().unlink();
+    drop(f);
+}

@@ -559,6 +559,61 @@ fn dead_identity() -> ProcessIdentity {
     dead
 }
 
+/// A channel in use (a consumer attached, a frame published) whose init stamp was zeroed and whose
+/// producer words were overwritten with a dead process's is no creation abandoned half-way: `gc`
+/// reports it as a segment whose header was overwritten, exits 1, and keeps it, where it used to
+/// remove it under its users (`--dry-run` said it would).
+#[test]
+fn gc_reports_a_channel_in_use_whose_stamp_and_producer_were_overwritten_and_keeps_it() {
+    use cuda_ipc::raw::channel::layout::header;
+    use std::os::unix::fs::FileExt;
+    let _gc = beside_others();
+    let name = unique("in-use");
+    let seg_name = format!("cuda-ipc.ch.{name}");
+    let _u = Unlink(seg_name.clone());
+    let tokens = [[0u8; cuda_ipc::token::TOKEN_LEN]];
+    let tx = ControlProducer::create(&name, 4096, 1, &tokens).unwrap();
+    let rx = ControlConsumer::attach(&name, Delivery::EveryFrame).unwrap();
+    let (i, _) = tx.try_acquire().unwrap();
+    tx.publish(i, b"").unwrap();
+    let dead = dead_identity();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/dev/shm/{seg_name}"))
+        .unwrap();
+    for (at, bytes) in [
+        (header::STAMP, &[0u8; 4][..]),
+        (header::PRODUCER_PID, &dead.pid.to_le_bytes()[..]),
+        (
+            header::PRODUCER_START_TIME,
+            &dead.start_time.to_le_bytes()[..],
+        ),
+    ] {
+        f.write_all_at(bytes, at as u64).unwrap();
+    }
+    for args in [&["gc", &name, "--dry-run"][..], &["gc", &name][..]] {
+        let o = cuda_ipc(args);
+        let t = text(&o);
+        assert_eq!(code(&o), 1, "{args:?}: {t}");
+        assert!(
+            t.contains(&format!("channel {name}: cannot read"))
+                && t.contains("in use whose header was overwritten")
+                && t.contains("left as it is"),
+            "{args:?}: {t}"
+        );
+        assert!(
+            !t.contains("would remove") && !t.contains("removed"),
+            "{args:?}: {t}"
+        );
+    }
+    assert!(
+        Segment::stat(&seg_name).is_ok(),
+        "gc removed a channel in use"
+    );
+    drop(rx);
+    tx.unlink();
+}
+
 /// A channel control segment without its stamp whose creator is dead, or that records none and is
 /// older than 2 s (a producer killed between sizing it and writing its header, or any such file of
 /// zeros of this user's), is a creation abandoned half-way: `ls`, `watch` and `gc NAME` tell it at

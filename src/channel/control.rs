@@ -156,16 +156,68 @@ fn producer_of(h: &Header) -> ProcessIdentity {
 }
 
 /// The creator that the control segment `seg` records, judged by the one rule of
-/// [`Creator::judged`]: none recorded yet (pid 0), dead, or running (or whose liveness cannot be
-/// told). For openers of a segment that may lack its stamp
-/// ([`versioned::open_versioned_unless_abandoned`]).
+/// [`Creator::judged`]: in use ([`used_since_stamped`]: its header overwritten), none recorded
+/// yet (pid 0), dead, or running (or whose liveness cannot be told). For openers of a segment
+/// that may lack its stamp ([`versioned::open_versioned_unless_abandoned`]) and its judges.
 fn creator_of(seg: &Segment) -> Creator {
     let h = versioned::header::<Header>(seg);
     let p = producer_of(h);
-    Creator::judged(p.pid != 0, || {
-        // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
-        p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
-    })
+    Creator::judged(
+        p.pid != 0,
+        || {
+            // Relaxed: a diagnosis of a segment without its stamp (as `producer_of`).
+            p.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
+        },
+        || used_since_stamped(seg),
+    )
+}
+
+/// Whether the control segment `seg` (at least [`HEADER_SIZE`] bytes) shows use that only
+/// follows its stamp: words its creator leaves zero (they are zero from `ftruncate`, and
+/// `Control::create_in` writes none of them) and that only a producer or consumer of the stamped
+/// segment writes: `head` (a frame published), `producer_state` (a close), `forced_releases`, a
+/// buffer's `seq` (a claim: WRITING, or a frame), a consumer slot's `state` or `generation` (an
+/// attach). The slots are read where the header's counts are in range and the mapping holds
+/// them (a creation killed before its counts were written has none to read: its header words
+/// decide).
+fn used_since_stamped(seg: &Segment) -> bool {
+    let h = versioned::header::<Header>(seg);
+    // Relaxed (every load here): a look at single words; nothing is read through them.
+    if h.head.load(Ordering::Relaxed) != 0
+        || h.producer_state.load(Ordering::Relaxed) != 0
+        || h.forced_releases.load(Ordering::Relaxed) != 0
+    {
+        return true;
+    }
+    let buffers = h.buffers.load(Ordering::Relaxed) as usize;
+    let consumers = h.consumers.load(Ordering::Relaxed) as usize;
+    if !(1..=MAX_BUFFERS).contains(&buffers)
+        || !(1..=MAX_CONSUMERS).contains(&consumers)
+        || seg.len() < segment_len(buffers, consumers)
+    {
+        return false;
+    }
+    let claimed = (0..buffers).any(|i| {
+        // SAFETY: (1) slot `i < buffers` lies within the mapping (`segment_len` of the counts is
+        // at most its length, checked above), which `seg` keeps alive; (2) its offset is a
+        // multiple of 8 in a page-aligned mapping; (3) only its atomic `seq` word is read, so
+        // other processes' concurrent writes are permitted; (4) any bit pattern is a valid
+        // atomic integer.
+        let slot = unsafe { &*seg.as_ptr().add(buffer_offset(i)).cast::<BufferSlot>() };
+        slot.seq.load(Ordering::Relaxed) != 0
+    });
+    claimed
+        || (0..consumers).any(|c| {
+            // SAFETY: as for the buffer slots above, with `c < consumers`; only the atomic
+            // `state` and `generation` words are read.
+            let slot = unsafe {
+                &*seg
+                    .as_ptr()
+                    .add(consumer_offset(buffers, c))
+                    .cast::<ConsumerSlot>()
+            };
+            slot.state.load(Ordering::Relaxed) != 0 || slot.generation.load(Ordering::Relaxed) != 0
+        })
 }
 
 /// What a control segment of name `name` is, in words: a user's `channel` (`cuda-ipc.ch.NAME`),
@@ -200,6 +252,11 @@ fn open_error(channel: &str, name: &str, init_wait: Duration, e: OpenError) -> E
                 supported: VERSION,
             })
         }
+        // No creation at all: a segment in use whose header was overwritten. Left as it is.
+        OpenError::Header(HeaderError::InUse) => bad(SegmentFault::OverwrittenInUse {
+            segment: name.to_string(),
+            what: channel_kind(name),
+        }),
         // Not waited for (or no longer): its creator died, or never recorded itself.
         OpenError::Header(HeaderError::Abandoned) => bad(SegmentFault::Abandoned {
             segment: name.to_string(),
@@ -367,7 +424,10 @@ impl Control {
     /// before the 2 s wait ended; [`SegmentFault::Overwritten`] (in
     /// [`super::ChannelError::BadSegment`]) for one whose stamp is still 0 after the wait though
     /// its producer runs and had recorded itself by then (a header overwritten, never replaced);
-    /// the errors of [`Control::open_in`] and [`versioned::stat_blocker`] otherwise.
+    /// [`SegmentFault::OverwrittenInUse`] for one without its stamp that shows use which only
+    /// follows the stamp (a segment in use whose header was overwritten, whatever producer it
+    /// records: never replaced); the errors of [`Control::open_in`] and
+    /// [`versioned::stat_blocker`] otherwise.
     pub(crate) fn replaceable(channel: &str, name: &str) -> Result<&'static str> {
         match versioned::stat_blocker(name, HEADER_SIZE)? {
             Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
@@ -408,13 +468,21 @@ impl Control {
                     withdrawing: Default::default(),
                     fork: ForkEpoch::now(),
                 };
-                let p = c.producer();
-                if p.pid != 0 && c.producer_liveness() != Liveness::Dead {
-                    return Err(Error::Channel(super::ChannelError::CreationInProgress(
-                        channel.to_string(),
-                    )));
+                match creator_of(&c.seg) {
+                    Creator::Running => Err(Error::Channel(
+                        super::ChannelError::CreationInProgress(channel.to_string()),
+                    )),
+                    // Shows use that only follows the stamp: never a creation; kept.
+                    Creator::InUse => Err(open_error(
+                        channel,
+                        name,
+                        INIT_WAIT,
+                        OpenError::Header(HeaderError::InUse),
+                    )),
+                    Creator::Dead | Creator::Unrecorded => {
+                        Ok("a creation abandoned before it was finished")
+                    }
                 }
-                Ok("a creation abandoned before it was finished")
             }
             Err(e) => Err(open_error(channel, name, INIT_WAIT, e)),
         }
@@ -434,7 +502,8 @@ impl Control {
     /// `0o007`), [`crate::shm::ShmError::NotASegment`] for a FIFO, directory, socket or device,
     /// [`crate::shm::ShmError::TooSmall`] for a short file whose pages are there,
     /// [`SegmentFault::Foreign`] and [`super::ChannelError::VersionMismatch`] for another magic or
-    /// layout version.
+    /// layout version, [`SegmentFault::OverwrittenInUse`] for one without its stamp that shows
+    /// use which only follows the stamp (never a creation: kept).
     pub(crate) fn judge_creation(channel: &str, name: &str) -> Result<Creation> {
         match versioned::stat_blocker(name, HEADER_SIZE)? {
             Blocker::Abandoned => return Ok(Creation::Abandoned(versioned::ABANDONED_UNSIZED)),
@@ -448,6 +517,14 @@ impl Control {
             Err(OpenError::Header(HeaderError::Unstamped { .. })) => {
                 let seg = Segment::open_with_min_len(name, HEADER_SIZE)?;
                 let creator = creator_of(&seg);
+                if creator == Creator::InUse {
+                    return Err(open_error(
+                        channel,
+                        name,
+                        Duration::ZERO,
+                        OpenError::Header(HeaderError::InUse),
+                    ));
+                }
                 if !versioned::may_still_stamp(name, creator) {
                     return Ok(Creation::Abandoned(
                         "a creation abandoned before it was finished",

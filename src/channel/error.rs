@@ -139,6 +139,22 @@ pub enum SegmentFault {
         /// How long the opener waited for the stamp.
         waited: Duration,
     },
+    /// A segment whose init stamp is 0 but that shows use which only follows the stamp (a frame
+    /// published, a buffer claimed, a consumer attached, a close): no creation, abandoned or in
+    /// progress, but a segment in use whose header was overwritten (its stamp zeroed, whatever
+    /// producer it records, by a peer that maps it writable). Never removed, by a new producer
+    /// or by `cuda-ipc gc`: left as it is.
+    #[error(
+        "{segment} is a {what} in use whose header was overwritten: its init stamp is 0, yet it \
+         shows use that only follows the stamp (a frame published, a buffer claimed, a consumer \
+         attached or a close); left as it is"
+    )]
+    OverwrittenInUse {
+        /// The segment's name.
+        segment: String,
+        /// What it is: `channel`, or `tensor set's generation channel`.
+        what: &'static str,
+    },
     /// A creation abandoned half-way: no init stamp, and its creator is dead, or none is recorded
     /// in a segment 2 s old by `st_ctime`'s whole seconds (told at once by every opener, a
     /// consumer's attach and the tools alike, or as soon as it comes of age by one already

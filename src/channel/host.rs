@@ -108,10 +108,16 @@ fn creator_of(seg: &Segment) -> Creator {
     // `load_words` Acquire-loads the pid word, which `store_words` stores last: never a torn
     // identity read as a dead producer's.
     let producer = ProcessIdentity::load_words(&h.producer);
-    Creator::judged(producer.pid != 0, || {
-        // Relaxed: a diagnosis of a segment without its stamp.
-        producer.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
-    })
+    Creator::judged(
+        producer.pid != 0,
+        || {
+            // Relaxed: a diagnosis of a segment without its stamp.
+            producer.liveness_as(h.producer_uid.load(Ordering::Relaxed)) == Liveness::Dead
+        },
+        // No word of the pool shows use: after its stamp only frame bytes are written, which
+        // may be zero. (Its channel's control segment, judged on its own, shows it.)
+        || false,
+    )
 }
 
 /// The pool segment name of a channel.
@@ -345,6 +351,11 @@ impl HostPool {
                     }),
                 }
             }
+            // (Never from the pool's `creator_of`, which sees no use: named as the channel's.)
+            OpenError::Header(HeaderError::InUse) => bad(SegmentFault::OverwrittenInUse {
+                segment: name.clone(),
+                what: "channel's host pool",
+            }),
             // Waited for in vain while the producer it records ran: overwritten, not in
             // progress (`versioned::StampWait`).
             OpenError::Header(HeaderError::Overwritten { waited }) => {

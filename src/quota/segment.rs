@@ -483,12 +483,17 @@ pub(super) fn open_error(name: &str, e: OpenError) -> Error {
             reason: format!("never initialised (no init stamp after {waited:?})"),
         }
         .into(),
-        // (The ledger's opener waits by its own rule: `open_versioned`, never these two.)
+        // (The ledger's opener waits by its own rule: `open_versioned`, never these three.)
         OpenError::Header(HeaderError::Overwritten { waited }) => QuotaError::BadSegment {
             name: name.to_string(),
             reason: format!(
                 "no init stamp after {waited:?} though its creator runs: the header was overwritten"
             ),
+        }
+        .into(),
+        OpenError::Header(HeaderError::InUse) => QuotaError::BadSegment {
+            name: name.to_string(),
+            reason: "no init stamp in a ledger in use: the header was overwritten".to_string(),
         }
         .into(),
         OpenError::Header(HeaderError::Abandoned) => QuotaError::BadSegment {

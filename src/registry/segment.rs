@@ -317,6 +317,7 @@ impl Registry {
             | Look::Refused(
                 HeaderError::Unstamped { .. }
                 | HeaderError::Abandoned
+                | HeaderError::InUse
                 | HeaderError::Overwritten { .. },
             ) => {
                 return Err(Retry::NotReady(
@@ -490,7 +491,6 @@ impl Registry {
     }
 }
 
-/// This process's effective uid: what the registry records beside each identity it writes.
 /// Whether the registry segment `seg` (at least [`HEADER_SIZE`] bytes) shows use that only follows
 /// its stamp: a sequence number drawn (`next_seq`, 0 at creation) or a participant entry whose
 /// `owner` word is not 0 (entries are zero from `ftruncate` until a participant claims one, which
@@ -518,6 +518,7 @@ fn used_since_stamped(seg: &Segment) -> bool {
     })
 }
 
+/// This process's effective uid: what the registry records beside each identity it writes.
 fn own_uid() -> u32 {
     rustix::process::geteuid().as_raw()
 }
@@ -539,9 +540,13 @@ fn creator_at(name: &str) -> Creator {
     // Relaxed: ordered by the Acquire load of the magic (SYNC POINT creator).
     let creator = ProcessIdentity::load_words(&hdr.creator);
     let uid = hdr.creator_uid.load(Ordering::Relaxed);
-    Creator::judged(creator.pid != 0, || {
-        creator.liveness_as(uid) == Liveness::Dead
-    })
+    Creator::judged(
+        creator.pid != 0,
+        || creator.liveness_as(uid) == Liveness::Dead,
+        // Only the opener's wait asks (`StampWait`); a registry in use is told apart where one
+        // is judged for removal (`judge_leftover`: `used_since_stamped`).
+        || false,
+    )
 }
 
 /// Whether `open` should wait and try again.

@@ -23,7 +23,9 @@
 //! [`HeaderError`], which each layer turns into its own error (`RegistryError::VersionMismatch`,
 //! `ChannelError::VersionMismatch`, ...): the words belong to the layout, and so do the texts.
 //! What stays with each layer: how its creator's identity is stored, how a creation whose stamp
-//! never came is judged (whose liveness decides, after how long), and the checks of its own header
+//! never came is judged (whose liveness decides, after how long), which of its words show use
+//! that only follows the stamp (so that a segment in use whose header was overwritten is never
+//! taken for an abandoned creation: [`Creator::judged`]), and the checks of its own header
 //! fields.
 //!
 //! Imports only `error`, `sync` and the rest of `shm`: the creator's identity is written and read
@@ -146,6 +148,11 @@ pub(crate) enum HeaderError {
         /// The wait the opener was given.
         waited: Duration,
     },
+    /// No init stamp, in a segment that shows use which only follows the stamp (the layout's
+    /// [`Creator::InUse`]: a consumer's slot claimed, a frame published, ...): not a creation,
+    /// abandoned or in progress, but a segment in use whose header was overwritten since (its
+    /// stamp zeroed, whatever creator it records). Told at once; never awaited, never removed.
+    InUse,
 }
 
 /// Why [`open_versioned`] gave no segment.
@@ -282,8 +289,9 @@ pub(crate) fn open_versioned<H: VersionedHeader>(
 const JUDGE_EVERY: Duration = Duration::from_millis(20);
 
 /// [`open_versioned`], with `creator` (given the mapped segment) asked at the first look that
-/// finds no stamp and every [`JUDGE_EVERY`] after, while it waits: once [`may_still_stamp`] says
-/// the stamp never comes, [`HeaderError::Abandoned`], at once; at the end of the wait,
+/// finds no stamp and every [`JUDGE_EVERY`] after, while it waits: [`Creator::InUse`],
+/// [`HeaderError::InUse`] at once; once [`may_still_stamp`] says the stamp never comes,
+/// [`HeaderError::Abandoned`], at once; at the end of the wait,
 /// [`HeaderError::Overwritten`] where [`StampWait`] says so, else [`HeaderError::Unstamped`].
 fn open_versioned_judging<H: VersionedHeader>(
     name: &str,
@@ -363,6 +371,9 @@ fn open_versioned_judging<H: VersionedHeader>(
                     && (over || stamp_wait.due())
                 {
                     let c = creator(&seg);
+                    if c == Creator::InUse {
+                        return Err(OpenError::Header(HeaderError::InUse));
+                    }
                     if !may_still_stamp(name, c) {
                         return Err(OpenError::Header(HeaderError::Abandoned));
                     }
@@ -449,7 +460,8 @@ impl StampWait {
 }
 
 /// The creator a segment found without its stamp records, as its layout reads it (for
-/// [`open_versioned_unless_abandoned`]).
+/// [`open_versioned_unless_abandoned`]), or that the segment is no creation at all
+/// ([`Creator::InUse`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Creator {
     /// None recorded yet (a creator writes its identity first, right after sizing the file).
@@ -458,13 +470,28 @@ pub(crate) enum Creator {
     Running,
     /// Recorded, and it is dead: the stamp never comes.
     Dead,
+    /// The segment shows use that only follows its stamp (words a creator leaves zero and only
+    /// processes that opened the stamped segment write: a consumer's or holder's slot claimed, a
+    /// sequence number past its first value), whatever creator it records: a segment in use
+    /// whose header was overwritten (its stamp zeroed, its creator words replaced, by a peer
+    /// that maps it writable), never a creation abandoned or in progress. Openers refuse it at
+    /// once ([`HeaderError::InUse`]); judges never remove it.
+    InUse,
 }
 
 impl Creator {
-    /// The creator a layout records (`recorded`: its identity is there), dead as `dead` says
-    /// (asked of a recorded one only).
-    pub(crate) fn judged(recorded: bool, dead: impl FnOnce() -> bool) -> Creator {
-        if !recorded {
+    /// The one judgement of a segment without its stamp, given by each layout: [`Creator::InUse`]
+    /// when `used` (the layout's sign of use that only follows the stamp, asked first) says so;
+    /// else the creator the layout records (`recorded`: its identity is there), dead as `dead`
+    /// says (asked of a recorded one only).
+    pub(crate) fn judged(
+        recorded: bool,
+        dead: impl FnOnce() -> bool,
+        used: impl FnOnce() -> bool,
+    ) -> Creator {
+        if used() {
+            Creator::InUse
+        } else if !recorded {
             Creator::Unrecorded
         } else if dead() {
             Creator::Dead
@@ -480,14 +507,15 @@ impl Creator {
 /// [`ABANDONED_AFTER`] (a segment that cannot be looked at counts as young): the age by which
 /// [`stat_blocker`] takes an empty or sparse one for abandoned. Otherwise it is a creation
 /// abandoned half-way. The one rule of [`open_versioned_unless_abandoned`] and of the layouts'
-/// judges that do not wait ([`Creation`]).
+/// judges that do not wait ([`Creation`]). A segment [`Creator::InUse`] never gets its stamp
+/// back either (`false`), but is no abandoned creation: every caller tells it apart first.
 pub(crate) fn may_still_stamp(name: &str, creator: Creator) -> bool {
     match creator {
         Creator::Running => true,
         Creator::Unrecorded => Segment::stat(name)
             .map(|i| i.age_secs < ABANDONED_AFTER.as_secs())
             .unwrap_or(true),
-        Creator::Dead => false,
+        Creator::Dead | Creator::InUse => false,
     }
 }
 
@@ -528,10 +556,13 @@ pub(crate) const UNDER_WAY_UNSTAMPED: &str =
 /// once, or as soon as it comes of age or its creator dies: a directory of such leftovers costs a
 /// tool no wait for each, and an attach to one no 2 s wait. A wait that ends without the stamp
 /// is judged by [`StampWait`]'s rule: a creator that ran, recorded, for [`STAMP_DUE`] or more of
-/// it without stamping leaves no creation in progress but a header overwritten since.
+/// it without stamping leaves no creation in progress but a header overwritten since. A segment
+/// that shows use which only follows the stamp ([`Creator::InUse`]) is
+/// [`HeaderError::InUse`], at once.
 ///
 /// # Errors
-/// As [`open_versioned`]; [`HeaderError::Abandoned`] for a creation abandoned half-way;
+/// As [`open_versioned`]; [`HeaderError::InUse`] for a segment in use whose header was
+/// overwritten; [`HeaderError::Abandoned`] for a creation abandoned half-way;
 /// [`HeaderError::Overwritten`] instead of [`HeaderError::Unstamped`] after a wait in which the
 /// recorded creator ran, recorded and unstamped, for at least [`STAMP_DUE`].
 pub(crate) fn open_versioned_unless_abandoned<H: VersionedHeader>(

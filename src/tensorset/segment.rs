@@ -223,6 +223,17 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
                 allowed: "neither 0 (being made) nor the stamp: the header was overwritten",
             },
         ),
+        // No creation at all: a segment in use whose header was overwritten. Left as it is.
+        OpenError::Header(HeaderError::InUse) => bad(
+            seg_name,
+            ManifestFault::Field {
+                what: "the header's init stamp",
+                found: 0,
+                allowed: "the stamp, in a segment in use (a holder's slot claimed, a generation \
+                          recorded or begun, which only follow the stamp): the header was \
+                          overwritten; left as it is",
+            },
+        ),
         // Not waited for: its writer died (or never recorded itself) before stamping it.
         OpenError::Header(HeaderError::Abandoned) => bad(
             seg_name,
@@ -261,7 +272,9 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
 }
 
 /// Judges what blocks creating `seg_name` of set `set` (the channel's rules, see the module
-/// docs): `Ok(why)` when it may be replaced, else the error naming it.
+/// docs): `Ok(why)` when it may be replaced, else the error naming it (a segment without its
+/// stamp that shows use, which only follows the stamp, is [`TensorSetError::BadManifest`]: a
+/// header overwritten, never replaced).
 pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'static str> {
     match versioned::stat_blocker(seg_name, HEADER_PAGE)? {
         Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
@@ -286,12 +299,18 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
             HeaderError::Unstamped { .. } | HeaderError::BadStamp { .. } | HeaderError::Abandoned,
         )) => {
             let seg = Segment::open_with_min_len(seg_name, HEADER_PAGE)?;
-            let h = versioned::header::<Header<M>>(&seg);
-            let (id, _) = h.writer();
-            if id.pid != 0 && h.writer_liveness() != Liveness::Dead {
-                return Err(TensorSetError::CreationInProgress(set.to_string()).into());
+            match creator_of::<M>(&seg) {
+                Creator::Running => Err(TensorSetError::CreationInProgress(set.to_string()).into()),
+                // Shows use that only follows the stamp: never a creation; kept.
+                Creator::InUse => Err(open_error(
+                    set,
+                    seg_name,
+                    OpenError::Header(HeaderError::InUse),
+                )),
+                Creator::Dead | Creator::Unrecorded => {
+                    Ok("a creation abandoned before it was finished")
+                }
             }
-            Ok("a creation abandoned before it was finished")
         }
         Err(e) => Err(open_error(set, seg_name, e)),
     }
@@ -309,12 +328,58 @@ pub(crate) fn open_segment<const M: u64>(
     seg_name: &str,
     wait: Duration,
 ) -> std::result::Result<Segment, OpenError> {
-    versioned::open_versioned_unless_abandoned::<Header<M>>(seg_name, false, wait, |seg| {
-        let h = versioned::header::<Header<M>>(seg);
-        Creator::judged(h.writer().0.pid != 0, || {
-            h.writer_liveness() == Liveness::Dead
-        })
-    })
+    versioned::open_versioned_unless_abandoned::<Header<M>>(seg_name, false, wait, creator_of::<M>)
+}
+
+/// The writer that the tensor-set segment `seg` of magic `M` records, judged by the one rule of
+/// [`Creator::judged`]: in use (its header overwritten), none recorded yet (pid 0), dead, or
+/// running (or whose liveness cannot be told). Only the holders segment has words that show use
+/// after the stamp ([`holders_used_since_stamped`]); the manifest's body and the data
+/// segment's header are written once, before the stamp, and the data buffers' bytes may be
+/// zero, so those two show none.
+fn creator_of<const M: u64>(seg: &Segment) -> Creator {
+    let h = versioned::header::<Header<M>>(seg);
+    Creator::judged(
+        h.writer().0.pid != 0,
+        || h.writer_liveness() == Liveness::Dead,
+        || M == HOLDERS_MAGIC && holders_used_since_stamped(seg),
+    )
+}
+
+/// Whether the holders segment `seg` (at least a header page long) shows use that only follows
+/// its stamp: words its creator leaves zero (zero from `ftruncate`; `HoldersSegment::create`
+/// writes only the counts, the fingerprint and the bytes per buffer) and that only a process of
+/// the stamped segment writes: the writing marker (byte 184), the record sequence (192) or
+/// generation (200), or a slot's state word (the first `u64` of each slot from byte 4096; every
+/// claim bumps its sequence, so it is never 0 again). Offsets: the holders segment's table
+/// (`holders` module docs; this layer's `segment` may not import `holders`). The slots are read
+/// where the recorded counts (slots at 128, entries per slot at 132) are in range and the mapping
+/// holds them.
+fn holders_used_since_stamped(seg: &Segment) -> bool {
+    /// The `u64` word at `at` (a multiple of 8 below `HEADER_PAGE`, or a slot's state word).
+    fn word64(seg: &Segment, at: usize) -> &AtomicU64 {
+        assert!(at.is_multiple_of(8) && at + 8 <= seg.len());
+        // SAFETY: (1) `at + 8 <= seg.len()` (asserted): the word lies within the mapping, which
+        // `seg` keeps alive; (2) `at` is a multiple of 8 in a page-aligned mapping; (3) an atomic
+        // permits other processes' concurrent writes, and any bit pattern is a valid value.
+        unsafe { &*seg.as_ptr().add(at).cast::<AtomicU64>() }
+    }
+    // Relaxed (every load here): a look at single words; nothing is read through them.
+    if [184, 192, 200]
+        .iter()
+        .any(|&at| word64(seg, at).load(Ordering::Relaxed) != 0)
+    {
+        return true;
+    }
+    let counts = word64(seg, 128).load(Ordering::Relaxed);
+    let (slots, entries) = ((counts & 0xffff_ffff) as usize, (counts >> 32) as usize);
+    if !(1..=4096).contains(&slots) || !(1..=1024).contains(&entries) {
+        return false;
+    }
+    let slot_len = (64 + 4 * entries).next_multiple_of(8);
+    let in_map = (seg.len() - HEADER_PAGE) / slot_len;
+    (0..slots.min(in_map))
+        .any(|i| word64(seg, HEADER_PAGE + i * slot_len).load(Ordering::Relaxed) != 0)
 }
 
 /// Creates `seg_name` of `len` bytes (replacing only what [`replaceable`] lets go) and writes its
