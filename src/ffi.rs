@@ -33,15 +33,32 @@ pub struct CudaError {
 }
 
 impl CudaError {
-    /// The driver's name for the code (`CUDA_ERROR_INVALID_VALUE`), from `cuGetErrorName`, or
-    /// `CUDA_ERROR_<n>` when the driver does not know it.
+    /// The driver's name for the code (`CUDA_ERROR_INVALID_VALUE`), from `cuGetErrorName`; where
+    /// the library cannot name it (none loaded, or a toolkit's stub), the bindings' name; else
+    /// `CUDA_ERROR_<n>`.
     pub fn name(&self) -> String {
-        error_name(self.code).unwrap_or_else(|| format!("CUDA_ERROR_{}", self.code))
+        error_name(self.code)
+            .or_else(|| known_result(self.code).map(|r| format!("{r:?}")))
+            .unwrap_or_else(|| format!("CUDA_ERROR_{}", self.code))
     }
 
-    /// The driver's description of the code, from `cuGetErrorString`, or `unknown error` when none.
+    /// The driver's description of the code, from `cuGetErrorString`; for
+    /// `CUDA_ERROR_STUB_LIBRARY` (34), which a toolkit's stub library answers to every call and
+    /// cannot describe, what was loaded and what to do; else `unknown error` when none.
     pub fn description(&self) -> String {
-        error_string(self.code).unwrap_or_else(|| "unknown error".to_string())
+        error_string(self.code).unwrap_or_else(|| {
+            if self.code == sys::CUresult::CUDA_ERROR_STUB_LIBRARY as u32 {
+                let loaded = sys::library().map_or("?", |l| l.name());
+                format!(
+                    "the library loaded as the CUDA driver, {loaded}, is a CUDA toolkit's stub \
+                     and not the driver, and {} was not found: install the NVIDIA driver, or put \
+                     the folder holding it first on LD_LIBRARY_PATH",
+                    sys::SONAME
+                )
+            } else {
+                "unknown error".to_string()
+            }
+        })
     }
 }
 
@@ -230,6 +247,7 @@ fn known_result(code: u32) -> Option<sys::CUresult> {
         R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,
         R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE,
         R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        R::CUDA_ERROR_STUB_LIBRARY,
         R::CUDA_ERROR_UNKNOWN,
     ];
     ALL.iter().copied().find(|r| *r as u32 == code)

@@ -287,6 +287,14 @@ fn a_stub_library_alone_is_loaded_by_the_other_names_and_its_error_reported() {
         }
         let text = Device::count().unwrap_err().to_string();
         assert!(text.starts_with("cuInit failed: "), "{text}");
+        // The stub names and describes nothing: the message does, from the bindings and the
+        // loader (which file it is, what to do).
+        assert!(
+            text.contains("CUDA_ERROR_STUB_LIBRARY")
+                && text.contains("libcuda.so, is a CUDA toolkit's stub")
+                && text.contains("LD_LIBRARY_PATH"),
+            "{text}"
+        );
         assert_eq!(mapped_fakes(), ["libcuda.so"]);
         println!("@@ ok");
         return;

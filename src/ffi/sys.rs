@@ -57,6 +57,11 @@ impl Library {
     pub(crate) fn is(&self, other: &Loaded) -> bool {
         self.handle == other.0
     }
+
+    /// The file name it was opened by (one of [`driver_candidates`]).
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
 }
 
 /// [`library`]'s outcome, once it ran: `None` when no candidate loads.
