@@ -146,11 +146,21 @@ fn judge(name: &str, part: Part) -> Result<Option<(StalePart, u64)>> {
         }
         Part::Manifest | Part::Data | Part::Holders => {
             let r = match part {
-                Part::Manifest => {
-                    segment::replaceable::<{ segment::MANIFEST_MAGIC }>(name, &seg_name)
-                }
-                Part::Data => segment::replaceable::<{ segment::DATA_MAGIC }>(name, &seg_name),
-                _ => segment::replaceable::<{ segment::HOLDERS_MAGIC }>(name, &seg_name),
+                Part::Manifest => segment::replaceable::<{ segment::MANIFEST_MAGIC }>(
+                    name,
+                    &seg_name,
+                    segment::shows_no_use,
+                ),
+                Part::Data => segment::replaceable::<{ segment::DATA_MAGIC }>(
+                    name,
+                    &seg_name,
+                    segment::shows_no_use,
+                ),
+                _ => segment::replaceable::<{ segment::HOLDERS_MAGIC }>(
+                    name,
+                    &seg_name,
+                    super::holders::used_since_stamped,
+                ),
             };
             let why = match r {
                 Ok(why) => why,

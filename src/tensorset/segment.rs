@@ -275,13 +275,17 @@ pub(crate) fn open_error(set: &str, seg_name: &str, e: OpenError) -> Error {
 /// docs): `Ok(why)` when it may be replaced, else the error naming it (a segment without its
 /// stamp that shows use, which only follows the stamp, is [`TensorSetError::BadManifest`]: a
 /// header overwritten, never replaced).
-pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'static str> {
+pub(crate) fn replaceable<const M: u64>(
+    set: &str,
+    seg_name: &str,
+    used: ShowsUse,
+) -> Result<&'static str> {
     match versioned::stat_blocker(seg_name, HEADER_PAGE)? {
         Blocker::Abandoned => return Ok(versioned::ABANDONED_UNSIZED),
         Blocker::Young => return Err(TensorSetError::CreationInProgress(set.to_string()).into()),
         Blocker::Sized(_) => {}
     }
-    match open_segment::<M>(seg_name, INIT_WAIT) {
+    match open_segment::<M>(seg_name, INIT_WAIT, used) {
         Ok(seg) => {
             let h = versioned::header::<Header<M>>(&seg);
             if h.writer_liveness() == Liveness::Dead {
@@ -299,7 +303,7 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
             HeaderError::Unstamped { .. } | HeaderError::BadStamp { .. } | HeaderError::Abandoned,
         )) => {
             let seg = Segment::open_with_min_len(seg_name, HEADER_PAGE)?;
-            match creator_of::<M>(&seg) {
+            match creator_of::<M>(&seg, used) {
                 Creator::Running => Err(TensorSetError::CreationInProgress(set.to_string()).into()),
                 // Shows use that only follows the stamp: never a creation; kept.
                 Creator::InUse => Err(open_error(
@@ -327,59 +331,35 @@ pub(crate) fn replaceable<const M: u64>(set: &str, seg_name: &str) -> Result<&'s
 pub(crate) fn open_segment<const M: u64>(
     seg_name: &str,
     wait: Duration,
+    used: ShowsUse,
 ) -> std::result::Result<Segment, OpenError> {
-    versioned::open_versioned_unless_abandoned::<Header<M>>(seg_name, false, wait, creator_of::<M>)
+    versioned::open_versioned_unless_abandoned::<Header<M>>(seg_name, false, wait, |seg| {
+        creator_of::<M>(seg, used)
+    })
+}
+
+/// A layout's sign of use that only follows the stamp, asked of a segment found without its stamp
+/// (at least a header page long): words its creator leaves zero and only processes of the stamped
+/// segment write. The holders segment's is `holders::used_since_stamped`; the manifest's body and
+/// the data segment's header are written once, before the stamp, and the data buffers' bytes may
+/// be zero, so those two show none ([`shows_no_use`]).
+pub(crate) type ShowsUse = fn(&Segment) -> bool;
+
+/// The [`ShowsUse`] of the manifest and data segments: none.
+pub(crate) fn shows_no_use(_: &Segment) -> bool {
+    false
 }
 
 /// The writer that the tensor-set segment `seg` of magic `M` records, judged by the one rule of
-/// [`Creator::judged`]: in use (its header overwritten), none recorded yet (pid 0), dead, or
-/// running (or whose liveness cannot be told). Only the holders segment has words that show use
-/// after the stamp ([`holders_used_since_stamped`]); the manifest's body and the data
-/// segment's header are written once, before the stamp, and the data buffers' bytes may be
-/// zero, so those two show none.
-fn creator_of<const M: u64>(seg: &Segment) -> Creator {
+/// [`Creator::judged`]: in use (`used`, its header overwritten), none recorded yet (pid 0), dead,
+/// or running (or whose liveness cannot be told).
+fn creator_of<const M: u64>(seg: &Segment, used: ShowsUse) -> Creator {
     let h = versioned::header::<Header<M>>(seg);
     Creator::judged(
         h.writer().0.pid != 0,
         || h.writer_liveness() == Liveness::Dead,
-        || M == HOLDERS_MAGIC && holders_used_since_stamped(seg),
+        || used(seg),
     )
-}
-
-/// Whether the holders segment `seg` (at least a header page long) shows use that only follows
-/// its stamp: words its creator leaves zero (zero from `ftruncate`; `HoldersSegment::create`
-/// writes only the counts, the fingerprint and the bytes per buffer) and that only a process of
-/// the stamped segment writes: the writing marker (byte 184), the record sequence (192) or
-/// generation (200), or a slot's state word (the first `u64` of each slot from byte 4096; every
-/// claim bumps its sequence, so it is never 0 again). Offsets: the holders segment's table
-/// (`holders` module docs; this layer's `segment` may not import `holders`). The slots are read
-/// where the recorded counts (slots at 128, entries per slot at 132) are in range and the mapping
-/// holds them.
-fn holders_used_since_stamped(seg: &Segment) -> bool {
-    /// The `u64` word at `at` (a multiple of 8 below `HEADER_PAGE`, or a slot's state word).
-    fn word64(seg: &Segment, at: usize) -> &AtomicU64 {
-        assert!(at.is_multiple_of(8) && at + 8 <= seg.len());
-        // SAFETY: (1) `at + 8 <= seg.len()` (asserted): the word lies within the mapping, which
-        // `seg` keeps alive; (2) `at` is a multiple of 8 in a page-aligned mapping; (3) an atomic
-        // permits other processes' concurrent writes, and any bit pattern is a valid value.
-        unsafe { &*seg.as_ptr().add(at).cast::<AtomicU64>() }
-    }
-    // Relaxed (every load here): a look at single words; nothing is read through them.
-    if [184, 192, 200]
-        .iter()
-        .any(|&at| word64(seg, at).load(Ordering::Relaxed) != 0)
-    {
-        return true;
-    }
-    let counts = word64(seg, 128).load(Ordering::Relaxed);
-    let (slots, entries) = ((counts & 0xffff_ffff) as usize, (counts >> 32) as usize);
-    if !(1..=4096).contains(&slots) || !(1..=1024).contains(&entries) {
-        return false;
-    }
-    let slot_len = (64 + 4 * entries).next_multiple_of(8);
-    let in_map = (seg.len() - HEADER_PAGE) / slot_len;
-    (0..slots.min(in_map))
-        .any(|i| word64(seg, HEADER_PAGE + i * slot_len).load(Ordering::Relaxed) != 0)
 }
 
 /// Creates `seg_name` of `len` bytes (replacing only what [`replaceable`] lets go) and writes its
@@ -389,6 +369,7 @@ pub(crate) fn create<const M: u64>(
     set: &str,
     seg_name: &str,
     len: usize,
+    used: ShowsUse,
     fields: impl FnOnce(&Segment, &Header<M>),
 ) -> Result<(Segment, u64)> {
     let opts = SegmentOptions::new();
@@ -401,7 +382,7 @@ pub(crate) fn create<const M: u64>(
             len,
             &opts,
             "tensor-set segment",
-            || match replaceable::<M>(set, seg_name) {
+            || match replaceable::<M>(set, seg_name, used) {
                 Ok(why) => Ok(Some(why)),
                 Err(Error::Shm(ShmError::NotFound { .. })) => Ok(None),
                 Err(Error::TensorSet(TensorSetError::NotFound(_))) => Ok(None),
@@ -423,7 +404,7 @@ pub(crate) fn create_manifest(set: &str, m: &Manifest) -> Result<Segment> {
         .and_then(|l| l.checked_next_multiple_of(HEADER_PAGE))
         .ok_or_else(|| Error::InvalidArgument("the manifest's size overflows".into()))?;
     let name = format!("{MANIFEST_PREFIX}{set}");
-    let (seg, _) = create::<MANIFEST_MAGIC>(set, &name, len, |seg, h| {
+    let (seg, _) = create::<MANIFEST_MAGIC>(set, &name, len, shows_no_use, |seg, h| {
         h.body_len.store(body.len() as u64, Ordering::Relaxed);
         // SAFETY: the mapping is `len >= HEADER_PAGE + body.len()` bytes; the body area is
         // written only here, by the creator, before the stamp; `body` is this process's memory.
@@ -568,8 +549,8 @@ pub(crate) fn open_manifest_head(set: &str, init_wait: Duration) -> Result<Opene
     validate_set_name(set)?;
     let started = std::time::Instant::now();
     let name = format!("{MANIFEST_PREFIX}{set}");
-    let seg =
-        open_segment::<MANIFEST_MAGIC>(&name, init_wait).map_err(|e| open_error(set, &name, e))?;
+    let seg = open_segment::<MANIFEST_MAGIC>(&name, init_wait, shows_no_use)
+        .map_err(|e| open_error(set, &name, e))?;
     let h = versioned::header::<ManifestHeader>(&seg);
     let body_len = h.body_len.load(Ordering::Relaxed);
     let room = (seg.len() - HEADER_PAGE) as u64;
@@ -657,7 +638,7 @@ impl DataSegment {
     pub(crate) fn create(set: &str, buffers: usize, bytes: u64) -> Result<DataSegment> {
         let (stride, len) = data_len(buffers, bytes)?;
         let name = data_name(set);
-        let (seg, generation) = create::<DATA_MAGIC>(set, &name, len, |_, h| {
+        let (seg, generation) = create::<DATA_MAGIC>(set, &name, len, shows_no_use, |_, h| {
             h.body_len.store(stride as u64, Ordering::Relaxed);
             h.buffers.store(buffers as u32, Ordering::Relaxed);
         })?;
@@ -679,12 +660,13 @@ impl DataSegment {
     /// replaced it, since the manifest was read), as for the manifest.
     pub(crate) fn open(set: &str, m: &Manifest) -> Result<DataSegment> {
         let name = data_name(set);
-        let seg = open_segment::<DATA_MAGIC>(&name, INIT_WAIT).map_err(|e| match e {
-            OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
-                TensorSetError::NotFound(set.to_string()).into()
-            }
-            e => open_error(set, &name, e),
-        })?;
+        let seg =
+            open_segment::<DATA_MAGIC>(&name, INIT_WAIT, shows_no_use).map_err(|e| match e {
+                OpenError::Segment(Error::Shm(ShmError::NotFound { .. })) => {
+                    TensorSetError::NotFound(set.to_string()).into()
+                }
+                e => open_error(set, &name, e),
+            })?;
         let h = versioned::header::<DataHeader>(&seg);
         let stride = data_stride(m.layout.bytes_per_buffer())?;
         let mismatch = || {

@@ -100,6 +100,8 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 pub const MAX_HOLDER_ENTRIES: usize = 1024;
 /// Slots of a holders segment: servers of one set at once (the writer, serving readers, holders).
 pub const HOLDER_SLOTS: usize = 64;
+/// The most slots an open accepts in a holders segment's header.
+const MAX_HOLDER_SLOTS: usize = 4096;
 /// A slot left WRITING this many seconds by a dead process is taken again.
 pub const WRITING_STALE_SECS: u64 = 10;
 /// Where [`Words`] lie in the header page.
@@ -242,6 +244,40 @@ fn words(seg: &Segment) -> &Words {
     unsafe { &*seg.as_ptr().add(WORDS_AT).cast::<Words>() }
 }
 
+/// Whether the holders segment `seg` (at least a header page long), found without its stamp, shows
+/// use that only follows the stamp ([`segment::ShowsUse`]): words its creator leaves zero (zero
+/// from `ftruncate`; [`HoldersSegment::create`] writes only the counts, the fingerprint and the
+/// bytes per buffer) and that only a process of the stamped segment writes: the writing marker,
+/// the record's sequence or generation, or a slot's state word (every claim bumps its sequence,
+/// so it is never 0 again). The slots are read where the recorded counts are in the ranges an
+/// open accepts and the mapping holds them.
+pub(crate) fn used_since_stamped(seg: &Segment) -> bool {
+    let w = words(seg);
+    // Relaxed (every load here): a look at single words; nothing is read through them.
+    if [&w.writing, &w.rec_seq, &w.rec_generation]
+        .iter()
+        .any(|word| word.load(Ordering::Relaxed) != 0)
+    {
+        return true;
+    }
+    let slots = w.slots.load(Ordering::Relaxed) as usize;
+    let entries = w.entries.load(Ordering::Relaxed) as usize;
+    if !(1..=MAX_HOLDER_SLOTS).contains(&slots) || !(1..=MAX_HOLDER_ENTRIES).contains(&entries) {
+        return false;
+    }
+    let slot_len = slot_len(entries);
+    let in_map = (seg.len() - HEADER_PAGE) / slot_len;
+    (0..slots.min(in_map)).any(|i| {
+        let at = HEADER_PAGE + i * slot_len;
+        // SAFETY: (1) `i < in_map`: the slot's head lies within the mapping, which `seg` keeps
+        // alive; (2) `at` is a multiple of 8 (a page plus multiples of the 8-byte slot length),
+        // the head's alignment; (3) atomics only: any bit pattern is valid and other processes
+        // may write them concurrently.
+        let head = unsafe { &*seg.as_ptr().add(at).cast::<SlotHead>() };
+        head.state.load(Ordering::Relaxed) != 0
+    })
+}
+
 /// The error for a set that cannot be held.
 fn not_holdable(set: &str, why: String) -> Error {
     TensorSetError::NotHoldable {
@@ -284,21 +320,22 @@ impl HoldersSegment {
         let area = HOLDER_SLOTS * slot_len;
         let len = (HEADER_PAGE + area).next_multiple_of(HEADER_PAGE);
         let name = format!("{HOLDERS_PREFIX}{set}");
-        let (seg, generation) = segment::create::<HOLDERS_MAGIC>(set, &name, len, |seg, h| {
-            h.set_body(area as u64, buffers as u32);
-            let w = words(seg);
-            // Relaxed: published by the stamp's Release store (`write_versioned`); the slots are
-            // zero (FREE) in a new segment.
-            w.slots.store(HOLDER_SLOTS as u32, Ordering::Relaxed);
-            w.entries.store(entries as u32, Ordering::Relaxed);
-            w.allocations.store(allocations as u32, Ordering::Relaxed);
-            for (i, c) in fingerprint.chunks_exact(8).enumerate() {
-                let v = u64::from_le_bytes(c.try_into().unwrap_or_default());
-                w.fingerprint[i].store(v, Ordering::Relaxed);
-            }
-            w.bytes_per_buffer
-                .store(bytes_per_buffer, Ordering::Relaxed);
-        })?;
+        let (seg, generation) =
+            segment::create::<HOLDERS_MAGIC>(set, &name, len, used_since_stamped, |seg, h| {
+                h.set_body(area as u64, buffers as u32);
+                let w = words(seg);
+                // Relaxed: published by the stamp's Release store (`write_versioned`); the slots are
+                // zero (FREE) in a new segment.
+                w.slots.store(HOLDER_SLOTS as u32, Ordering::Relaxed);
+                w.entries.store(entries as u32, Ordering::Relaxed);
+                w.allocations.store(allocations as u32, Ordering::Relaxed);
+                for (i, c) in fingerprint.chunks_exact(8).enumerate() {
+                    let v = u64::from_le_bytes(c.try_into().unwrap_or_default());
+                    w.fingerprint[i].store(v, Ordering::Relaxed);
+                }
+                w.bytes_per_buffer
+                    .store(bytes_per_buffer, Ordering::Relaxed);
+            })?;
         Ok(HoldersSegment {
             seg,
             set: set.to_string(),
@@ -341,7 +378,7 @@ impl HoldersSegment {
     ) -> Result<HoldersSegment> {
         segment::validate_set_name(set)?;
         let name = format!("{HOLDERS_PREFIX}{set}");
-        let seg = segment::open_segment::<HOLDERS_MAGIC>(&name, wait)
+        let seg = segment::open_segment::<HOLDERS_MAGIC>(&name, wait, used_since_stamped)
             .map_err(|e| segment::open_error(set, &name, e))?;
         Self::from_segment(set, seg, expect)
     }
@@ -370,7 +407,7 @@ impl HoldersSegment {
                 },
             )
         };
-        if !(1..=4096).contains(&slots) {
+        if !(1..=MAX_HOLDER_SLOTS).contains(&slots) {
             return Err(field("the holder slot count", slots, "1 to 4096"));
         }
         if !(1..=MAX_HOLDER_ENTRIES).contains(&entries) {
